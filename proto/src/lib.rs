@@ -1,0 +1,19 @@
+//! kvroute's wire contract, shared by the router, the replica agent and the load generator.
+//!
+//! - [`ids`]: the identity newtypes (`BlockHash`, `Seq`, `Epoch`, `ReplicaId`).
+//! - [`hash`]: the one block-hash chain every component uses, and the seed-000 hit rule.
+//! - [`pb`]: prost/tonic types generated from `proto/kvroute/v1/*.proto` (events, the
+//!   replica agent's gRPC service, the router's admin service).
+//! - [`framing`]: ZeroMQ message layouts: live `[topic, seq, payload]` frames and the
+//!   replay request/reply protocol, with typed errors for every malformed case.
+//! - [`native`]: encode/decode kvroute's protobuf `EventBatch` on top of the framing.
+#![forbid(unsafe_code)]
+
+pub mod framing;
+pub mod hash;
+pub mod ids;
+pub mod native;
+pub mod pb;
+
+pub use hash::{CacheNamespace, block_hash, chain, hit_tokens};
+pub use ids::{BlockHash, Epoch, ReplicaId, Seq};
