@@ -7,6 +7,8 @@
 //! - [`framing`]: ZeroMQ message layouts: live `[topic, seq, payload]` frames and the
 //!   replay request/reply protocol, with typed errors for every malformed case.
 //! - [`native`]: encode/decode kvroute's protobuf `EventBatch` on top of the framing.
+//! - [`vllm`]: vLLM / SGLang msgpack KV-event batches (every shape vLLM 0.9-0.33 and SGLang
+//!   send), decoded leniently; encoded as vLLM 0.33 does, for simulated replicas.
 #![forbid(unsafe_code)]
 
 pub mod framing;
@@ -14,6 +16,7 @@ pub mod hash;
 pub mod ids;
 pub mod native;
 pub mod pb;
+pub mod vllm;
 
 pub use hash::{CacheNamespace, block_hash, chain, hit_tokens};
 pub use ids::{BlockHash, Epoch, ReplicaId, Seq};
