@@ -25,7 +25,8 @@ fn matches_checked_in_vectors() {
         let ns = ns(case);
         let expected_root: u64 = case["root"].as_str().unwrap().parse().unwrap();
         assert_eq!(ns.root().0, expected_root, "root of {name}");
-        let tokens: Vec<u32> = case["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+        let tokens: Vec<u32> =
+            case["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
         let block_size = case["block_size"].as_u64().unwrap() as usize;
         let got: Vec<u64> = ns.chain(&tokens, block_size).into_iter().map(|h| h.0).collect();
         let want: Vec<u64> =
