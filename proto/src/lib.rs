@@ -9,7 +9,11 @@
 //! - [`native`]: encode/decode kvroute's protobuf `EventBatch` on top of the framing.
 //! - [`vllm`]: vLLM / SGLang msgpack KV-event batches (every shape vLLM 0.9-0.33 and SGLang
 //!   send), decoded leniently; encoded as vLLM 0.33 does, for simulated replicas.
+//! - [`cli`] (feature `cli`): layered flags > env > TOML file > defaults for the binaries.
 #![forbid(unsafe_code)]
+
+#[cfg(feature = "cli")]
+pub mod cli;
 
 pub mod framing;
 pub mod hash;

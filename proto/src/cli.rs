@@ -1,0 +1,173 @@
+//! Layered configuration for kvroute's binaries: command-line flags win over environment
+//! variables (both handled by clap), which win over a TOML file given with `--config`, which
+//! wins over the built-in defaults.
+//!
+//! A binary's config is one struct that derives `clap::Parser` (every field a flag, most with
+//! `env = "KVROUTE_..."`) and serde's `Serialize`/`Deserialize` with
+//! `rename_all = "kebab-case"`, so a file key is spelled exactly like its flag without the
+//! dashes in front. The merge goes through TOML: the parsed flags are serialized, every file
+//! key whose flag was not given on the command line or in the environment replaces the
+//! default, and the result is deserialized back. Unknown file keys are all reported at once.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use clap::parser::ValueSource;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// A config struct that can name its own `--config` file.
+pub trait Layered: clap::Parser + Serialize + DeserializeOwned {
+    /// The TOML file given with `--config`, if any.
+    fn config_file(&self) -> Option<&Path>;
+}
+
+/// Why the configuration could not be assembled.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// Bad flags, `--help` or `--version`: call `.exit()` to print it the way clap does.
+    #[error(transparent)]
+    Cli(#[from] clap::Error),
+    #[error("cannot read config file {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config file {path}: {message}")]
+    File { path: PathBuf, message: String },
+}
+
+/// Parses the process's arguments and environment, then the `--config` file.
+pub fn parse<C: Layered>() -> Result<C, ConfigError> {
+    parse_from::<C, _, _>(std::env::args_os())
+}
+
+/// [`parse`] with explicit arguments (the first is the program name).
+pub fn parse_from<C, I, T>(args: I) -> Result<C, ConfigError>
+where
+    C: Layered,
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let mut command = C::command();
+    let matches = command.try_get_matches_from_mut(args)?;
+    let cli = C::from_arg_matches(&matches)?;
+    let Some(path) = cli.config_file().map(Path::to_path_buf) else {
+        return Ok(cli);
+    };
+    let text =
+        std::fs::read_to_string(&path).map_err(|source| ConfigError::Read { path: path.clone(), source })?;
+    let file_error = |message: String| ConfigError::File { path: path.clone(), message };
+    let file: toml::Table = text.parse().map_err(|e: toml::de::Error| file_error(e.to_string()))?;
+    let mut merged = toml::Table::try_from(&cli).map_err(|e| file_error(e.to_string()))?;
+    let mut unknown = Vec::new();
+    for (key, value) in file {
+        let id = key.replace('-', "_");
+        let known = command.get_arguments().any(|a| a.get_id().as_str() == id) && id != "config";
+        if !known {
+            unknown.push(key);
+            continue;
+        }
+        let from_user =
+            matches!(matches.value_source(&id), Some(ValueSource::CommandLine | ValueSource::EnvVariable));
+        if !from_user {
+            merged.insert(key, value);
+        }
+    }
+    if !unknown.is_empty() {
+        return Err(file_error(format!("unknown keys: {}", unknown.join(", "))));
+    }
+    C::deserialize(merged).map_err(|e| file_error(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(clap::Parser, Serialize, Deserialize, Debug, PartialEq)]
+    #[serde(rename_all = "kebab-case")]
+    struct Demo {
+        #[arg(long)]
+        #[serde(skip_serializing_if = "Option::is_none")]
+        config: Option<PathBuf>,
+        #[arg(long, default_value_t = 16)]
+        block_size: u32,
+        #[arg(long, env = "KVROUTE_TEST_CLI_MODEL", default_value = "m")]
+        model: String,
+        #[arg(long)]
+        #[serde(skip_serializing_if = "Option::is_none")]
+        salt: Option<String>,
+    }
+
+    impl Layered for Demo {
+        fn config_file(&self) -> Option<&Path> {
+            self.config.as_deref()
+        }
+    }
+
+    fn file(text: &str) -> tempfile_path::TempPath {
+        tempfile_path::write(text)
+    }
+
+    /// A throwaway file under the target directory, removed on drop.
+    mod tempfile_path {
+        use std::path::PathBuf;
+        use std::sync::atomic::{AtomicU32, Ordering};
+
+        pub struct TempPath(pub PathBuf);
+        impl Drop for TempPath {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_file(&self.0);
+            }
+        }
+        pub fn write(text: &str) -> TempPath {
+            static N: AtomicU32 = AtomicU32::new(0);
+            let path = std::env::temp_dir().join(format!(
+                "kvroute-cli-{}-{}.toml",
+                std::process::id(),
+                N.fetch_add(1, Ordering::Relaxed)
+            ));
+            std::fs::write(&path, text).unwrap();
+            TempPath(path)
+        }
+    }
+
+    #[test]
+    fn file_fills_what_flags_did_not_set() {
+        let f = file("block-size = 64\nmodel = \"from-file\"\nsalt = \"s\"\n");
+        let c: Demo = parse_from(["x", "--config", f.0.to_str().unwrap(), "--model", "from-flag"]).unwrap();
+        assert_eq!(c.block_size, 64);
+        assert_eq!(c.model, "from-flag");
+        assert_eq!(c.salt.as_deref(), Some("s"));
+    }
+
+    #[test]
+    fn without_file_defaults_apply() {
+        let c: Demo = parse_from(["x"]).unwrap();
+        assert_eq!((c.block_size, c.model.as_str(), c.salt), (16, "m", None));
+    }
+
+    #[test]
+    fn unknown_keys_are_all_reported() {
+        let f = file("bogus = 1\nalso-bogus = 2\n");
+        let err = parse_from::<Demo, _, _>(["x", "--config", f.0.to_str().unwrap()]).unwrap_err();
+        let ConfigError::File { message, .. } = err else { panic!("file error expected, got {err:?}") };
+        assert!(message.contains("bogus") && message.contains("also-bogus"), "{message}");
+    }
+
+    #[test]
+    fn wrong_types_and_bad_flags_are_errors() {
+        let f = file("block-size = \"big\"\n");
+        assert!(matches!(
+            parse_from::<Demo, _, _>(["x", "--config", f.0.to_str().unwrap()]),
+            Err(ConfigError::File { .. })
+        ));
+        assert!(matches!(parse_from::<Demo, _, _>(["x", "--block-size", "-3"]), Err(ConfigError::Cli(_))));
+        assert!(matches!(
+            parse_from::<Demo, _, _>(["x", "--config", "/nonexistent/k.toml"]),
+            Err(ConfigError::Read { .. })
+        ));
+    }
+}
