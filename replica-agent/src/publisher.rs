@@ -1,0 +1,203 @@
+//! The KV event publisher: a ZeroMQ PUB socket for the live stream and a ROUTER socket that
+//! replays recent batches, with vLLM's framing and replay protocol (>= 0.26 layout).
+//!
+//! The engine assigns each batch its `seq` while it holds the cache lock (so a snapshot can
+//! say which seq it is consistent with) and hands batches over a bounded channel, in order.
+//! One task encodes and publishes them and appends `(seq, payload)` to a ring buffer of the
+//! last `buffer_steps` batches; a second task answers replay requests `[b"", start_seq]` from
+//! that buffer with one `[b"", topic, seq, payload]` message per batch and the end marker
+//! `[b"", b"", ff*8, b""]`. A request older than the buffer gets what is buffered; the
+//! consumer sees the first replayed seq is past what it asked for and resyncs.
+//!
+//! `zeromq` 0.7's PUB keeps an unbounded queue per subscriber (shared/reference/crates.md
+//! §1.4): the bounded channel in front of it is this process's only backpressure.
+
+mod format;
+
+pub use format::EventFormat;
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use kvroute_proto::Seq;
+use kvroute_proto::framing;
+use kvroute_proto::pb::EventBatch;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use zeromq::prelude::*;
+use zeromq::{PubSocket, RouterSocket, ZmqMessage};
+
+/// How the publisher is set up.
+#[derive(Clone, Debug)]
+pub struct PublisherConfig {
+    /// Frame 0 of every live message.
+    pub topic: String,
+    pub format: EventFormat,
+    /// Batches kept for replay (vLLM's `buffer_steps`).
+    pub buffer_steps: usize,
+    /// Batches the engine may hand over before it waits for the publisher.
+    pub queue: usize,
+}
+
+impl Default for PublisherConfig {
+    fn default() -> Self {
+        Self { topic: "kv-events".into(), format: EventFormat::Kvroute, buffer_steps: 10_000, queue: 1024 }
+    }
+}
+
+/// Where the sockets ended up (port 0 resolved).
+#[derive(Clone, Debug)]
+pub struct PublisherEndpoints {
+    pub events: String,
+    pub replay: Option<String>,
+}
+
+/// The engine's side of the publisher: hands over finished batches in seq order.
+#[derive(Clone)]
+pub struct Publisher {
+    tx: mpsc::Sender<EventBatch>,
+}
+
+/// Errors setting up the sockets.
+#[derive(Debug, thiserror::Error)]
+pub enum PublisherError {
+    #[error("cannot bind {what} socket on {endpoint}")]
+    Bind {
+        what: &'static str,
+        endpoint: String,
+        #[source]
+        source: zeromq::ZmqError,
+    },
+}
+
+/// Recent batches kept for replay: `(seq, payload)`, oldest first.
+type RingBuffer = Arc<Mutex<VecDeque<(Seq, Bytes)>>>;
+
+impl Publisher {
+    /// Binds the PUB socket (and the replay ROUTER if `replay_endpoint` is given), spawns the
+    /// publishing and replay tasks on `tracker`, and stops them when `shutdown` fires.
+    pub async fn bind(
+        config: PublisherConfig,
+        events_endpoint: &str,
+        replay_endpoint: Option<&str>,
+        tracker: &TaskTracker,
+        shutdown: CancellationToken,
+    ) -> Result<(Publisher, PublisherEndpoints), PublisherError> {
+        let mut pub_socket = PubSocket::new();
+        let events = pub_socket.bind(events_endpoint).await.map_err(|source| PublisherError::Bind {
+            what: "PUB",
+            endpoint: events_endpoint.to_owned(),
+            source,
+        })?;
+        let buffer: RingBuffer = Arc::new(Mutex::new(VecDeque::with_capacity(config.buffer_steps.min(4096))));
+        let topic = Bytes::from(config.topic.clone().into_bytes());
+        let mut replay = None;
+        if let Some(endpoint) = replay_endpoint {
+            let mut router = RouterSocket::new();
+            let bound = router.bind(endpoint).await.map_err(|source| PublisherError::Bind {
+                what: "ROUTER",
+                endpoint: endpoint.to_owned(),
+                source,
+            })?;
+            replay = Some(bound.to_string());
+            tracker.spawn(serve_replay(router, topic.clone(), buffer.clone(), shutdown.clone()));
+        }
+        let (tx, rx) = mpsc::channel(config.queue.max(1));
+        tracker.spawn(publish_loop(pub_socket, rx, config, topic, buffer, shutdown));
+        Ok((Publisher { tx }, PublisherEndpoints { events: events.to_string(), replay }))
+    }
+
+    /// Hands a batch to the publisher; waits while its queue is full. Returns false if the
+    /// publisher has stopped.
+    pub async fn publish(&self, batch: EventBatch) -> bool {
+        self.tx.send(batch).await.is_ok()
+    }
+}
+
+async fn publish_loop(
+    mut socket: PubSocket,
+    mut rx: mpsc::Receiver<EventBatch>,
+    config: PublisherConfig,
+    topic: Bytes,
+    buffer: RingBuffer,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let batch = tokio::select! {
+            batch = rx.recv() => match batch {
+                Some(batch) => batch,
+                None => break,
+            },
+            () = shutdown.cancelled() => break,
+        };
+        let seq = Seq(batch.seq);
+        let payload = config.format.encode_payload(&batch);
+        {
+            let mut buf = buffer.lock().unwrap_or_else(|e| e.into_inner());
+            if buf.len() == config.buffer_steps {
+                buf.pop_front();
+            }
+            if config.buffer_steps > 0 {
+                buf.push_back((seq, payload.clone()));
+            }
+        }
+        let frames = framing::encode_live(topic.clone(), seq, payload);
+        let msg = ZmqMessage::try_from(frames).expect("three frames");
+        if let Err(e) = socket.send(msg).await {
+            tracing::warn!(error = %e, seq = seq.0, "publishing a KV event batch failed");
+        }
+    }
+    drop(socket.close().await);
+}
+
+async fn serve_replay(
+    mut router: RouterSocket,
+    topic: Bytes,
+    buffer: RingBuffer,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let msg = tokio::select! {
+            msg = router.recv() => msg,
+            () = shutdown.cancelled() => break,
+        };
+        let mut frames = match msg {
+            Ok(msg) => msg.into_vec(),
+            Err(e) => {
+                tracing::debug!(error = %e, "replay socket receive failed");
+                continue;
+            }
+        };
+        let identity = frames.remove(0);
+        let start = match framing::decode_replay_request(&frames) {
+            Ok(start) => start,
+            Err(e) => {
+                tracing::warn!(error = %e, "invalid replay request");
+                continue;
+            }
+        };
+        let batches: Vec<(Seq, Bytes)> = {
+            let buf = buffer.lock().unwrap_or_else(|e| e.into_inner());
+            buf.iter().filter(|(seq, _)| *seq >= start).cloned().collect()
+        };
+        tracing::debug!(start = start.0, batches = batches.len(), "serving replay");
+        let replies = batches
+            .into_iter()
+            .map(|(seq, payload)| framing::encode_replay_batch(topic.clone(), seq, payload))
+            .chain(std::iter::once(framing::encode_replay_end()));
+        for mut reply in replies {
+            reply.insert(0, identity.clone());
+            let msg = ZmqMessage::try_from(reply).expect("non-empty frames");
+            if let Err(e) = router.send(msg).await {
+                tracing::debug!(error = %e, "replay peer went away");
+                break;
+            }
+        }
+    }
+    drop(router.close().await);
+}
+
+#[cfg(test)]
+mod tests;

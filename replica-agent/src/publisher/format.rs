@@ -1,0 +1,68 @@
+//! The two payload encodings a replica can publish: kvroute's protobuf `EventBatch`, or the
+//! msgpack `KVEventBatch` vLLM (>= 0.24, map-shaped events) sends, so that the router's vLLM
+//! path can be exercised without a GPU or Python.
+
+use bytes::Bytes;
+use kvroute_proto::pb::{EventBatch, event};
+use kvroute_proto::vllm::{self, VllmBatch, VllmEvent};
+use kvroute_proto::{BlockHash, native};
+
+/// Payload encoding of published batches.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum EventFormat {
+    /// kvroute's protobuf `EventBatch` (carries replica name and epoch).
+    #[default]
+    Kvroute,
+    /// vLLM's msgpack `KVEventBatch` (see shared/reference/kv-events-wire.md).
+    Vllm,
+}
+
+impl EventFormat {
+    /// The frame-2 payload for `batch`.
+    pub fn encode_payload(self, batch: &EventBatch) -> Bytes {
+        match self {
+            EventFormat::Kvroute => native::encode_payload(batch),
+            EventFormat::Vllm => vllm::encode_payload(&to_vllm(batch)),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventFormat::Kvroute => "kvroute",
+            EventFormat::Vllm => "vllm",
+        }
+    }
+}
+
+/// The vLLM rendering of a native batch: same hashes (opaque ids to a vLLM consumer), same
+/// tokens, `medium = "GPU"`, full-attention group 0.
+fn to_vllm(batch: &EventBatch) -> VllmBatch {
+    let events = batch
+        .events
+        .iter()
+        .filter_map(|e| e.kind.as_ref())
+        .map(|kind| match kind {
+            event::Kind::Stored(s) => VllmEvent::BlockStored(vllm::BlockStored {
+                block_hashes: s.block_hashes.iter().copied().map(BlockHash).collect(),
+                parent_block_hash: s.parent_block_hash.map(BlockHash),
+                token_ids: s.token_ids.clone(),
+                block_size: batch.block_size,
+                medium: Some("GPU".into()),
+                group_idx: Some(0),
+                kv_cache_spec_kind: Some("full_attention".into()),
+                ..Default::default()
+            }),
+            event::Kind::Removed(r) => VllmEvent::BlockRemoved(vllm::BlockRemoved {
+                block_hashes: r.block_hashes.iter().copied().map(BlockHash).collect(),
+                medium: Some("GPU".into()),
+                group_idx: Some(0),
+                ..Default::default()
+            }),
+            event::Kind::Cleared(_) => VllmEvent::AllBlocksCleared,
+        })
+        .collect();
+    VllmBatch { ts: batch.ts_unix_nanos as f64 / 1e9, events, dp_rank: Some(batch.dp_rank) }
+}

@@ -1,0 +1,152 @@
+//! The publisher over real ZeroMQ sockets on loopback: live frames reach a SUB, and a DEALER
+//! replay returns what was missed, in the vLLM >= 0.26 layout.
+
+use super::*;
+use kvroute_proto::framing::ReplayReply;
+use kvroute_proto::pb::{BlockStored, Event, event};
+use kvroute_proto::{native, vllm};
+use std::time::Duration;
+use zeromq::{DealerSocket, SubSocket};
+
+fn batch(seq: u64) -> EventBatch {
+    EventBatch {
+        replica: "r0".into(),
+        epoch: 7,
+        seq,
+        ts_unix_nanos: 1_700_000_000_000_000_000 + seq,
+        block_size: 2,
+        dp_rank: 0,
+        events: vec![Event {
+            kind: Some(event::Kind::Stored(BlockStored {
+                block_hashes: vec![seq * 10 + 1],
+                parent_block_hash: None,
+                token_ids: vec![1, 2],
+            })),
+        }],
+    }
+}
+
+async fn start(format: EventFormat) -> (Publisher, PublisherEndpoints, CancellationToken) {
+    let shutdown = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let config = PublisherConfig { format, ..Default::default() };
+    let (publisher, endpoints) =
+        Publisher::bind(config, "tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), &tracker, shutdown.clone())
+            .await
+            .unwrap();
+    (publisher, endpoints, shutdown)
+}
+
+async fn subscribe(endpoint: &str) -> SubSocket {
+    let mut sub = SubSocket::new();
+    sub.connect(endpoint).await.unwrap();
+    sub.subscribe("").await.unwrap();
+    sub
+}
+
+async fn replay(endpoint: &str, start: u64) -> Vec<ReplayReply> {
+    let mut dealer = DealerSocket::new();
+    dealer.connect(endpoint).await.unwrap();
+    let req = ZmqMessage::try_from(framing::encode_replay_request(Seq(start))).unwrap();
+    dealer.send(req).await.unwrap();
+    let mut out = Vec::new();
+    loop {
+        let msg = tokio::time::timeout(Duration::from_secs(10), dealer.recv()).await.unwrap().unwrap();
+        let reply = framing::decode_replay_reply(&msg.into_vec()).unwrap();
+        let end = reply == ReplayReply::End;
+        out.push(reply);
+        if end {
+            return out;
+        }
+    }
+}
+
+#[tokio::test]
+async fn live_batches_reach_a_subscriber_and_replay_returns_the_rest() {
+    let (publisher, endpoints, shutdown) = start(EventFormat::Kvroute).await;
+    let mut sub = subscribe(&endpoints.events).await;
+    // Slow joiner: publish until the subscription has reached the publisher, then go on.
+    let mut seq = 0;
+    let first = loop {
+        assert!(publisher.publish(batch(seq)).await);
+        seq += 1;
+        if let Ok(Ok(msg)) = tokio::time::timeout(Duration::from_millis(50), sub.recv()).await {
+            break msg;
+        }
+    };
+    let (topic, got) = native::decode(&first.into_vec()).unwrap();
+    assert_eq!(&topic[..], b"kv-events");
+    assert_eq!(got, batch(got.seq));
+    for s in seq..seq + 3 {
+        publisher.publish(batch(s)).await;
+    }
+    let mut last = got.seq;
+    while last + 1 < seq + 3 {
+        let (_, b) = native::decode(&sub.recv().await.unwrap().into_vec()).unwrap();
+        assert_eq!(b.seq, last + 1, "live stream is contiguous");
+        last = b.seq;
+    }
+
+    // Everything from seq 0 is still buffered, including what the SUB missed while joining.
+    let replies = replay(endpoints.replay.as_deref().unwrap(), 0).await;
+    assert_eq!(replies.len() as u64, seq + 3 + 1);
+    for (i, r) in replies[..replies.len() - 1].iter().enumerate() {
+        let ReplayReply::Batch(m) = r else { panic!("batch expected") };
+        assert_eq!(m.seq, Seq(i as u64));
+        assert_eq!(&m.topic[..], b"kv-events");
+        assert_eq!(native::decode_payload(m.seq, &m.payload).unwrap(), batch(i as u64));
+    }
+    // A start beyond the newest seq gets only the end marker.
+    assert_eq!(replay(endpoints.replay.as_deref().unwrap(), 1_000).await, vec![ReplayReply::End]);
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn replay_buffer_is_bounded() {
+    let shutdown = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let config = PublisherConfig { buffer_steps: 3, ..Default::default() };
+    let (publisher, endpoints) =
+        Publisher::bind(config, "tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), &tracker, shutdown.clone())
+            .await
+            .unwrap();
+    for s in 0..10 {
+        publisher.publish(batch(s)).await;
+    }
+    // Wait until the last batch is buffered: replay from 9 returns it.
+    let ep = endpoints.replay.clone().unwrap();
+    while replay(&ep, 9).await.len() != 2 {
+        tokio::task::yield_now().await;
+    }
+    let seqs: Vec<u64> = replay(&ep, 0)
+        .await
+        .into_iter()
+        .filter_map(|r| match r {
+            ReplayReply::Batch(m) => Some(m.seq.0),
+            ReplayReply::End => None,
+        })
+        .collect();
+    assert_eq!(seqs, vec![7, 8, 9]);
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn vllm_format_decodes_with_the_vllm_decoder() {
+    let (publisher, endpoints, shutdown) = start(EventFormat::Vllm).await;
+    publisher.publish(batch(0)).await;
+    let ep = endpoints.replay.clone().unwrap();
+    let replies = loop {
+        let r = replay(&ep, 0).await;
+        if r.len() == 2 {
+            break r;
+        }
+        tokio::task::yield_now().await;
+    };
+    let ReplayReply::Batch(m) = &replies[0] else { panic!("batch expected") };
+    let decoded = vllm::decode_payload(&m.payload).unwrap();
+    let vllm::VllmEvent::BlockStored(stored) = &decoded.events[0] else { panic!("BlockStored expected") };
+    assert_eq!(stored.block_hashes, vec![kvroute_proto::BlockHash(1)]);
+    assert_eq!(stored.token_ids, vec![1, 2]);
+    assert_eq!(stored.block_size, 2);
+    shutdown.cancel();
+}
