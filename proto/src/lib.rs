@@ -9,6 +9,8 @@
 //! - [`native`]: encode/decode kvroute's protobuf `EventBatch` on top of the framing.
 //! - [`vllm`]: vLLM / SGLang msgpack KV-event batches (every shape vLLM 0.9-0.33 and SGLang
 //!   send), decoded leniently; encoded as vLLM 0.33 does, for simulated replicas.
+//! - `openai` (feature `openai`): OpenAI request parsing, tokenizers and chat templates,
+//!   so the router and the replica agent compute the same token ids for a request.
 //! - [`cli`] (feature `cli`): layered flags > env > TOML file > defaults for the binaries.
 #![forbid(unsafe_code)]
 
@@ -19,6 +21,8 @@ pub mod framing;
 pub mod hash;
 pub mod ids;
 pub mod native;
+#[cfg(feature = "openai")]
+pub mod openai;
 pub mod pb;
 pub mod vllm;
 

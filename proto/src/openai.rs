@@ -1,0 +1,229 @@
+//! Turning an OpenAI request into token ids and a cache namespace, identically in the router
+//! and the replica agent (feature `openai`).
+//!
+//! The router predicts which replica holds a request's prefix by hashing the request's
+//! tokens, so parsing, chat-template rendering and tokenization are part of the wire
+//! contract: both sides build a [`Tokenization`] from the same [`TokenizationConfig`] and
+//! call [`Tokenization::prompt_tokens`] and [`Tokenization::namespace`].
+//!
+//! - [`request`]: lenient, borrowing parsing of `/v1/completions` and `/v1/chat/completions`.
+//! - [`tokenizer`]: the [`Tokenizer`] seam, the file-free [`Builtin`] tokenizer and
+//!   [`HuggingFace`] `tokenizer.json` support.
+//! - [`chat_template`]: Jinja chat templates rendered as Hugging Face / vLLM render them.
+//! - [`error`]: [`RequestError`] (→ OpenAI error JSON via [`OpenAiError`]) and [`LoadError`].
+//!
+//! What vLLM does, and so what this does: completion text prompts are encoded with the
+//! tokenizer's special tokens (BOS) unless the request says `add_special_tokens: false`;
+//! token-id prompts are used as they are (checked against the vocabulary); chat requests are
+//! rendered with the template and the result encoded *without* special tokens (the template
+//! writes them).
+//!
+//! # Choosing the chat template
+//!
+//! 1. `chat_template` in the config (a Jinja file, or a `tokenizer_config.json`) wins;
+//! 2. else the `chat_template` of the configured `tokenizer_config`;
+//! 3. else, for the builtin tokenizer, [`DEFAULT_CHAT_TEMPLATE`] (ChatML);
+//! 4. else there is none and chat requests fail with [`RequestError::NoChatTemplate`].
+//!
+//! `bos_token`/`eos_token` come from `tokenizer_config` if configured, else from
+//! [`SpecialTokens::builtin`] for the builtin tokenizer, else they are empty.
+
+pub mod chat_template;
+pub mod error;
+pub mod request;
+pub mod tokenizer;
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+pub use chat_template::{ChatTemplate, DEFAULT_CHAT_TEMPLATE, SpecialTokens};
+pub use error::{LoadError, MessageProblem, OpenAiError, RequestError};
+pub use request::{ChatRequest, CompletionRequest, Endpoint, Message, ParsedRequest, Prompt, PromptInput};
+pub use tokenizer::{Builtin, HuggingFace, Tokenizer};
+
+use crate::{BlockHash, CacheNamespace};
+
+/// Everything that decides a request's token ids and namespace. The router and every agent
+/// of one model must be given equal configs.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizationConfig {
+    /// The model the replicas serve: the namespace `model` of every request.
+    pub base_model: String,
+    /// Request `model` values that name LoRA adapters of `base_model`.
+    #[serde(default)]
+    pub lora_adapters: Vec<String>,
+    /// Which tokenizer to run.
+    #[serde(default)]
+    pub tokenizer: TokenizerSpec,
+    /// A Hugging Face `tokenizer_config.json`: special tokens and, usually, the chat template.
+    #[serde(default)]
+    pub tokenizer_config: Option<PathBuf>,
+    /// A chat template file (Jinja, or a `tokenizer_config.json`), overriding the one in
+    /// `tokenizer_config`.
+    #[serde(default)]
+    pub chat_template: Option<PathBuf>,
+}
+
+/// Which tokenizer a [`Tokenization`] runs.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TokenizerSpec {
+    /// The file-free [`Builtin`] tokenizer.
+    #[default]
+    Builtin,
+    /// A `tokenizer.json` file.
+    HuggingFace {
+        /// Path of the `tokenizer.json`.
+        path: PathBuf,
+    },
+}
+
+/// The one entry point both the router and the replica agent use to get a request's token
+/// ids and cache namespace.
+#[derive(Debug)]
+pub struct Tokenization {
+    tokenizer: Box<dyn Tokenizer>,
+    chat_template: Option<ChatTemplate>,
+    base_model: String,
+    lora_adapters: HashSet<String>,
+}
+
+impl Tokenization {
+    /// Loads the tokenizer and chat template `config` names (see the module docs for how
+    /// the template is chosen).
+    pub fn new(config: &TokenizationConfig) -> Result<Self, LoadError> {
+        let (tokenizer, builtin): (Box<dyn Tokenizer>, bool) = match &config.tokenizer {
+            TokenizerSpec::Builtin => (Box::new(Builtin), true),
+            TokenizerSpec::HuggingFace { path } => (Box::new(HuggingFace::from_file(path)?), false),
+        };
+        let special = match &config.tokenizer_config {
+            Some(path) => SpecialTokens::from_tokenizer_config(path)?,
+            None if builtin => SpecialTokens::builtin(),
+            None => SpecialTokens::default(),
+        };
+        let chat_template = match (&config.chat_template, &config.tokenizer_config) {
+            (Some(path), _) => Some(ChatTemplate::from_file(path, special)?),
+            (None, Some(path)) => match ChatTemplate::from_tokenizer_config(path) {
+                Ok(t) => Some(t),
+                Err(LoadError::NoChatTemplate { .. }) => None,
+                Err(e) => return Err(e),
+            },
+            (None, None) if builtin => Some(ChatTemplate::builtin_default()),
+            (None, None) => None,
+        };
+        Ok(Self::from_parts(
+            tokenizer,
+            chat_template,
+            &config.base_model,
+            config.lora_adapters.iter().cloned(),
+        ))
+    }
+
+    /// Assembles a tokenization from already-built parts (tests, custom tokenizers).
+    pub fn from_parts(
+        tokenizer: Box<dyn Tokenizer>,
+        chat_template: Option<ChatTemplate>,
+        base_model: impl Into<String>,
+        lora_adapters: impl IntoIterator<Item = String>,
+    ) -> Self {
+        Self {
+            tokenizer,
+            chat_template,
+            base_model: base_model.into(),
+            lora_adapters: lora_adapters.into_iter().collect(),
+        }
+    }
+
+    /// The tokenizer in use.
+    pub fn tokenizer(&self) -> &dyn Tokenizer {
+        &*self.tokenizer
+    }
+
+    /// The chat template in use, if any.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_ref()
+    }
+
+    /// The token ids of every prompt of `request`, one list per prompt (a completion
+    /// request with a batch prompt has several; a chat request has one).
+    pub fn prompt_tokens(&self, request: &ParsedRequest<'_>) -> Result<Vec<Vec<u32>>, RequestError> {
+        match request {
+            ParsedRequest::Completion(r) => r
+                .prompt
+                .inputs()
+                .into_iter()
+                .map(|input| match input {
+                    PromptInput::Text(text) => self.encode(text, r.add_special_tokens),
+                    PromptInput::Tokens(ids) => self.check_ids(ids),
+                })
+                .collect(),
+            ParsedRequest::Chat(r) => Ok(vec![self.encode(&self.render_chat(r)?, r.add_special_tokens)?]),
+        }
+    }
+
+    /// The prompt string a chat request renders to.
+    pub fn render_chat(&self, request: &ChatRequest<'_>) -> Result<String, RequestError> {
+        let template = self.chat_template.as_ref().ok_or(RequestError::NoChatTemplate)?;
+        template.render(
+            &request.messages,
+            request.add_generation_prompt,
+            request.tools,
+            request.chat_template_kwargs,
+        )
+    }
+
+    /// The cache namespace of `request` under this config; see [`namespace`].
+    pub fn namespace(&self, request: &ParsedRequest<'_>) -> CacheNamespace {
+        namespace(request, &self.base_model, |m| self.lora_adapters.contains(m))
+    }
+
+    /// The block hashes of every prompt of `request`: [`Tokenization::prompt_tokens`]
+    /// chained in [`Tokenization::namespace`].
+    pub fn block_hashes(
+        &self,
+        request: &ParsedRequest<'_>,
+        block_size: usize,
+    ) -> Result<Vec<Vec<BlockHash>>, RequestError> {
+        let ns = self.namespace(request);
+        Ok(self.prompt_tokens(request)?.iter().map(|tokens| ns.chain(tokens, block_size)).collect())
+    }
+
+    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, RequestError> {
+        let ids = self.tokenizer.encode(text, add_special_tokens)?;
+        if ids.is_empty() {
+            return Err(RequestError::EmptyPrompt);
+        }
+        Ok(ids)
+    }
+
+    fn check_ids(&self, ids: &[u32]) -> Result<Vec<u32>, RequestError> {
+        let vocab_size = self.tokenizer.vocab_size();
+        match ids.iter().find(|&&id| id >= vocab_size) {
+            Some(&token_id) => Err(RequestError::TokenIdOutOfRange { token_id, vocab_size }),
+            None => Ok(ids.to_vec()),
+        }
+    }
+}
+
+/// The cache namespace of `request`: the model is always `base_model`; the LoRA adapter is
+/// the request's `model` when `is_adapter` says it names one (any other `model`, such as
+/// the base model or one of its aliases, means no adapter); the salt is the request's
+/// `cache_salt`.
+pub fn namespace(
+    request: &ParsedRequest<'_>,
+    base_model: &str,
+    is_adapter: impl Fn(&str) -> bool,
+) -> CacheNamespace {
+    let mut ns = CacheNamespace::new(base_model);
+    let model = request.model();
+    if model != base_model && is_adapter(model) {
+        ns = ns.with_lora(model);
+    }
+    if let Some(salt) = request.cache_salt() {
+        ns = ns.with_salt(salt);
+    }
+    ns
+}

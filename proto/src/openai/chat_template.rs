@@ -1,0 +1,431 @@
+//! Chat messages to a prompt string, rendered the way vLLM (through Hugging Face
+//! `apply_chat_template`) renders them, so the router's prompt matches the replica's.
+//!
+//! The Jinja environment copies transformers' settings: `trim_blocks` and `lstrip_blocks`
+//! on, loop controls (`{% break %}`) available, Python string methods (`.strip()`,
+//! `.startswith()`, ... via minijinja-contrib's pycompat), `raise_exception(msg)`,
+//! `strftime_now(fmt)` (UTC), and a `tojson` filter that writes what Python's `json.dumps`
+//! writes (`", "`/`": "` separators, or `indent=n`, non-ASCII kept, key order kept).
+//!
+//! Template variables: `messages` (each with `role`, `content` — a string, or none — and
+//! every other key the client sent, such as `tool_calls`), `tools` (the request's, or none),
+//! `documents` (none), `add_generation_prompt`, `bos_token`, `eos_token`, and then every
+//! key of the request's `chat_template_kwargs`, which may override any of them except
+//! `messages`.
+//!
+//! [`ChatTemplate::builtin_default`] is the ChatML template ([`DEFAULT_CHAT_TEMPLATE`]) that
+//! goes with the builtin tokenizer, so the router and the agents render identically with no
+//! configuration at all.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use minijinja::value::Kwargs;
+use minijinja::{Environment, Error, ErrorKind, Value};
+use serde::Deserialize;
+use serde::ser::{SerializeMap, Serializer};
+use serde_json::value::RawValue;
+
+use super::error::{LoadError, RequestError};
+use super::request::Message;
+
+/// ChatML, as Qwen and many others use it: one `<|im_start|>{role}\n{content}<|im_end|>\n`
+/// block per message, then `<|im_start|>assistant\n` when a generation prompt is asked for.
+/// A message whose content is none renders with empty content.
+pub const DEFAULT_CHAT_TEMPLATE: &str = "\
+{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\\n' }}
+    {%- if message.content is string %}{{ message.content }}{% endif %}
+    {{- '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+";
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// The special-token strings a template may print (`bos_token`, `eos_token`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SpecialTokens {
+    /// Beginning-of-sequence token text, e.g. `<|begin_of_text|>`; empty if none.
+    pub bos_token: String,
+    /// End-of-sequence token text, e.g. `<|eot_id|>`; empty if none.
+    pub eos_token: String,
+}
+
+impl SpecialTokens {
+    /// The builtin tokenizer's: no BOS, `<|im_end|>` ends a turn.
+    pub fn builtin() -> Self {
+        Self { bos_token: String::new(), eos_token: "<|im_end|>".into() }
+    }
+
+    /// `bos_token` and `eos_token` of a Hugging Face `tokenizer_config.json`.
+    pub fn from_tokenizer_config(path: impl AsRef<Path>) -> Result<Self, LoadError> {
+        Ok(TokenizerConfigFile::load(path.as_ref())?.special_tokens())
+    }
+}
+
+/// A compiled chat template plus the special tokens it is rendered with.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    special: SpecialTokens,
+}
+
+/// The fields of a Hugging Face `tokenizer_config.json` that matter here.
+#[derive(Deserialize)]
+struct TokenizerConfigFile {
+    chat_template: Option<TemplateField>,
+    bos_token: Option<TokenField>,
+    eos_token: Option<TokenField>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TemplateField {
+    One(String),
+    Named(Vec<NamedTemplate>),
+}
+
+#[derive(Deserialize)]
+struct NamedTemplate {
+    name: String,
+    template: String,
+}
+
+/// `"bos_token": "<s>"` or `"bos_token": {"content": "<s>", ...}`.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TokenField {
+    Text(String),
+    Added { content: String },
+}
+
+impl TokenizerConfigFile {
+    fn load(path: &Path) -> Result<Self, LoadError> {
+        serde_json::from_slice(&read(path)?)
+            .map_err(|source| LoadError::TokenizerConfig { path: path.into(), source })
+    }
+
+    fn special_tokens(&mut self) -> SpecialTokens {
+        SpecialTokens {
+            bos_token: self.bos_token.take().map(TokenField::into_string).unwrap_or_default(),
+            eos_token: self.eos_token.take().map(TokenField::into_string).unwrap_or_default(),
+        }
+    }
+}
+
+impl TokenField {
+    fn into_string(self) -> String {
+        match self {
+            TokenField::Text(s) | TokenField::Added { content: s } => s,
+        }
+    }
+}
+
+impl ChatTemplate {
+    /// Compiles `source` (Jinja) to be rendered with `special`.
+    pub fn new(source: impl Into<String>, special: SpecialTokens) -> Result<Self, LoadError> {
+        let mut env = Environment::new();
+        env.set_syntax(
+            minijinja::syntax::SyntaxConfig::builder()
+                .trim_blocks(true)
+                .lstrip_blocks(true)
+                .build()
+                .map_err(LoadError::Template)?,
+        );
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(TEMPLATE_NAME, source.into()).map_err(LoadError::Template)?;
+        Ok(Self { env, special })
+    }
+
+    /// The documented ChatML default for the builtin tokenizer.
+    pub fn builtin_default() -> Self {
+        // The constant template is covered by tests; compiling it cannot fail.
+        Self::new(DEFAULT_CHAT_TEMPLATE, SpecialTokens::builtin()).expect("default chat template compiles")
+    }
+
+    /// Loads a template file: a `*.json` is read as a `tokenizer_config.json` (see
+    /// [`ChatTemplate::from_tokenizer_config`]), anything else as raw Jinja rendered with
+    /// `special`.
+    pub fn from_file(path: impl AsRef<Path>, special: SpecialTokens) -> Result<Self, LoadError> {
+        let path = path.as_ref();
+        if path.extension().is_some_and(|e| e == "json") {
+            return Self::from_tokenizer_config(path);
+        }
+        let source = read(path)?;
+        Self::new(String::from_utf8_lossy(&source).into_owned(), special)
+    }
+
+    /// Loads `chat_template` (the one named `default` if it is a list), `bos_token` and
+    /// `eos_token` from a Hugging Face `tokenizer_config.json`.
+    pub fn from_tokenizer_config(path: impl AsRef<Path>) -> Result<Self, LoadError> {
+        let path = path.as_ref();
+        let mut config = TokenizerConfigFile::load(path)?;
+        let special = config.special_tokens();
+        let source = match config.chat_template {
+            Some(TemplateField::One(t)) => t,
+            Some(TemplateField::Named(list)) => list
+                .into_iter()
+                .find(|t| t.name == "default")
+                .map(|t| t.template)
+                .ok_or_else(|| LoadError::NoChatTemplate { path: path.into() })?,
+            None => return Err(LoadError::NoChatTemplate { path: path.into() }),
+        };
+        Self::new(source, special)
+    }
+
+    /// The special tokens this template is rendered with.
+    pub fn special_tokens(&self) -> &SpecialTokens {
+        &self.special
+    }
+
+    /// Renders `messages` to the prompt string.
+    pub fn render(
+        &self,
+        messages: &[Message<'_>],
+        add_generation_prompt: bool,
+        tools: Option<&RawValue>,
+        chat_template_kwargs: Option<&RawValue>,
+    ) -> Result<String, RequestError> {
+        let messages = messages.iter().map(message_value).collect::<Result<Vec<_>, _>>()?;
+        let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
+        ctx.insert("tools".into(), tools.map(json_value).transpose()?.unwrap_or(Value::from(())));
+        ctx.insert("documents".into(), Value::from(()));
+        ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
+        ctx.insert("bos_token".into(), Value::from(self.special.bos_token.as_str()));
+        ctx.insert("eos_token".into(), Value::from(self.special.eos_token.as_str()));
+        if let Some(kwargs) = chat_template_kwargs {
+            let kwargs: BTreeMap<String, Value> =
+                serde_json::from_str(kwargs.get()).map_err(|e| RequestError::Template(json_error(e)))?;
+            ctx.extend(kwargs);
+        }
+        ctx.insert("messages".into(), Value::from(messages));
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(RequestError::Template)?;
+        template.render(Value::from(ctx)).map_err(RequestError::Template)
+    }
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
+    std::fs::read(path).map_err(|source| LoadError::Io { path: path.into(), source })
+}
+
+fn json_error(e: serde_json::Error) -> Error {
+    Error::new(ErrorKind::CannotDeserialize, e.to_string())
+}
+
+/// A JSON value from the request as a template value (object key order kept).
+fn json_value(raw: &RawValue) -> Result<Value, RequestError> {
+    serde_json::from_str(raw.get()).map_err(|e| RequestError::Template(json_error(e)))
+}
+
+/// A message as the template sees it: `role`, `content`, then the client's other keys.
+fn message_value(message: &Message<'_>) -> Result<Value, RequestError> {
+    let extra =
+        message.extra.iter().map(|(k, v)| Ok((k.as_ref(), json_value(v)?))).collect::<Result<Vec<_>, _>>()?;
+    struct View<'m> {
+        role: &'m str,
+        content: Option<&'m str>,
+        extra: Vec<(&'m str, Value)>,
+    }
+    impl serde::Serialize for View<'_> {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            let mut map = s.serialize_map(Some(2 + self.extra.len()))?;
+            map.serialize_entry("role", self.role)?;
+            map.serialize_entry("content", &self.content)?;
+            for (k, v) in &self.extra {
+                map.serialize_entry(k, v)?;
+            }
+            map.end()
+        }
+    }
+    let view = View { role: &message.role, content: message.content.as_deref(), extra };
+    Ok(Value::from(minijinja::value::Serde(view)))
+}
+
+/// `raise_exception(message)`: HF templates' way of rejecting a conversation.
+fn raise_exception(message: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// `strftime_now(format)`: the current UTC time; supports `%Y %m %d %e %b %B %a %A %H %M
+/// %S %y %j %%` (and `%-d`, `%-m`), other directives are copied as they are.
+fn strftime_now(format: String) -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    strftime(&format, secs)
+}
+
+fn strftime(format: &str, unix_secs: u64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+    let days = unix_secs / 86_400;
+    let secs = unix_secs % 86_400;
+    // Howard Hinnant's civil_from_days, for days since 1970-01-01 (non-negative here).
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    let leap = (year.is_multiple_of(4) && !year.is_multiple_of(100)) || year.is_multiple_of(400);
+    let cumulative = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = cumulative[(month - 1) as usize] + day + u64::from(leap && month > 2);
+    let weekday = ((days + 3) % 7) as usize; // 1970-01-01 was a Thursday.
+    let month_name = MONTHS[(month - 1) as usize];
+
+    let mut out = String::with_capacity(format.len() + 8);
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let (unpadded, d) = match chars.next() {
+            Some('-') => (true, chars.next()),
+            d => (false, d),
+        };
+        let num = |n: u64, width: usize| if unpadded { n.to_string() } else { format!("{n:0width$}") };
+        match d {
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&num(year % 100, 2)),
+            Some('m') => out.push_str(&num(month, 2)),
+            Some('d') => out.push_str(&num(day, 2)),
+            Some('e') => out.push_str(&format!("{day:>2}")),
+            Some('j') => out.push_str(&num(yday, 3)),
+            Some('H') => out.push_str(&num(secs / 3600, 2)),
+            Some('M') => out.push_str(&num(secs / 60 % 60, 2)),
+            Some('S') => out.push_str(&num(secs % 60, 2)),
+            Some('b') => out.push_str(&month_name[..3]),
+            Some('B') => out.push_str(month_name),
+            Some('a') => out.push_str(&DAYS[weekday][..3]),
+            Some('A') => out.push_str(DAYS[weekday]),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                if unpadded {
+                    out.push('-');
+                }
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// `tojson(indent=None)`: Python `json.dumps(x, ensure_ascii=False, indent=indent)`, as
+/// transformers defines the filter.
+fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let mut out = Vec::new();
+    let result = match indent {
+        Some(n) => {
+            let pad = vec![b' '; n];
+            let mut ser = serde_json::Serializer::with_formatter(
+                &mut out,
+                serde_json::ser::PrettyFormatter::with_indent(&pad),
+            );
+            serde::Serialize::serialize(value, &mut ser)
+        }
+        None => {
+            let mut ser = serde_json::Serializer::with_formatter(&mut out, PythonFormatter);
+            serde::Serialize::serialize(value, &mut ser)
+        }
+    };
+    result.map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
+    Ok(Value::from(String::from_utf8_lossy(&out).into_owned()))
+}
+
+/// serde_json output with Python's default `json.dumps` separators: `", "` and `": "`.
+struct PythonFormatter;
+
+impl serde_json::ser::Formatter for PythonFormatter {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strftime_known_dates() {
+        // 2024-02-29T13:05:09Z, a Thursday; day 60 of a leap year.
+        let t = 1_709_211_909;
+        assert_eq!(strftime("%d %b %Y", t), "29 Feb 2024");
+        assert_eq!(
+            strftime("%A %B %-d, %y %H:%M:%S %j %% %Q", t),
+            "Thursday February 29, 24 13:05:09 060 % %Q"
+        );
+        assert_eq!(strftime("%Y-%m-%d %a", 0), "1970-01-01 Thu");
+        assert_eq!(strftime("%Y-%m-%d", 1_798_675_200), "2026-12-31");
+    }
+
+    #[test]
+    fn templates_see_tools_extra_keys_and_kwargs() {
+        let source = "{% for m in messages %}{{ m.role }}:{{ m.content }}|{{ m.tool_calls | tojson }}\n{% endfor %}\
+                      {{ tools | tojson }} {{ tools is none }} {{ documents is none }} {{ flag }} {{ bos_token }}";
+        let special = SpecialTokens { bos_token: "<s>".into(), eos_token: "</s>".into() };
+        let template = ChatTemplate::new(source, special).unwrap();
+        let body = br#"{"model":"m","messages":[{"role":"assistant","content":null,
+            "tool_calls":[{"id":"c1","function":{"name":"f","arguments":"{}"}}]}],
+            "tools":[{"type":"function","function":{"name":"f"}}],"chat_template_kwargs":{"flag":"on","bos_token":"<B>"}}"#;
+        let chat = crate::openai::ChatRequest::parse(body).unwrap();
+        let out = template.render(&chat.messages, true, chat.tools, chat.chat_template_kwargs).unwrap();
+        assert_eq!(
+            out,
+            "assistant:None|[{\"id\": \"c1\", \"function\": {\"name\": \"f\", \"arguments\": \"{}\"}}]\n\
+             [{\"type\": \"function\", \"function\": {\"name\": \"f\"}}] False True on <B>"
+        );
+        // none and booleans print as Python prints them, as in Jinja2.
+        let out = template.render(&chat.messages, true, None, None).unwrap();
+        assert!(out.ends_with("null True True  <s>"), "{out}");
+    }
+
+    #[test]
+    fn tojson_matches_python_json_dumps() {
+        let v: Value = serde_json::from_str(r#"{"b": [1, "ü", null], "a": {"x": true}}"#).unwrap();
+        let compact = tojson(&v, Kwargs::from_iter(Vec::<(&str, Value)>::new())).unwrap();
+        assert_eq!(compact.as_str(), Some(r#"{"b": [1, "ü", null], "a": {"x": true}}"#));
+        let pretty = tojson(&v, Kwargs::from_iter([("indent", Value::from(2))])).unwrap();
+        assert_eq!(
+            pretty.as_str(),
+            Some("{\n  \"b\": [\n    1,\n    \"ü\",\n    null\n  ],\n  \"a\": {\n    \"x\": true\n  }\n}")
+        );
+    }
+}

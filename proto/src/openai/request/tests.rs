@@ -1,0 +1,214 @@
+//! Parsing of every prompt and message shape, and of every malformed case.
+
+use std::borrow::Cow;
+
+use super::*;
+
+fn completion(body: &str) -> Result<CompletionRequest<'_>, RequestError> {
+    CompletionRequest::parse(body.as_bytes())
+}
+
+fn chat(body: &str) -> Result<ChatRequest<'_>, RequestError> {
+    ChatRequest::parse(body.as_bytes())
+}
+
+#[test]
+fn endpoints_from_paths() {
+    assert_eq!(Endpoint::from_path("/v1/completions"), Some(Endpoint::Completions));
+    assert_eq!(Endpoint::from_path("/v1/chat/completions/"), Some(Endpoint::ChatCompletions));
+    assert_eq!(Endpoint::from_path("/v1/embeddings"), None);
+}
+
+#[test]
+fn every_prompt_shape() {
+    let r = completion(r#"{"model":"m","prompt":"hello world"}"#).unwrap();
+    assert_eq!(r.prompt, Prompt::Text("hello world".into()));
+    assert!(matches!(r.prompt, Prompt::Text(Cow::Borrowed(_))), "unescaped text borrows");
+    assert!(r.add_special_tokens);
+    assert!(!r.stream);
+
+    let r = completion(r#"{"model":"m","prompt":"a\nb"}"#).unwrap();
+    assert_eq!(r.prompt, Prompt::Text("a\nb".into()));
+
+    let r = completion(r#"{"model":"m","prompt":["a","b"]}"#).unwrap();
+    assert_eq!(r.prompt, Prompt::TextBatch(vec!["a".into(), "b".into()]));
+    assert_eq!(r.prompt.len(), 2);
+
+    let r = completion(r#"{"model":"m","prompt":[1, 2, 4294967295]}"#).unwrap();
+    assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, u32::MAX]));
+    assert_eq!(r.prompt.inputs(), vec![PromptInput::Tokens(&[1, 2, u32::MAX])]);
+
+    let r = completion(r#"{"model":"m","prompt":[[1,2],[3]]}"#).unwrap();
+    assert_eq!(r.prompt, Prompt::TokensBatch(vec![vec![1, 2], vec![3]]));
+    assert_eq!(r.prompt.inputs(), vec![PromptInput::Tokens(&[1, 2]), PromptInput::Tokens(&[3])]);
+
+    // An empty string is a valid prompt here; whether it tokenizes to anything is decided later.
+    assert_eq!(completion(r#"{"model":"m","prompt":""}"#).unwrap().prompt, Prompt::Text("".into()));
+}
+
+#[test]
+fn optional_fields_and_unknown_fields() {
+    let body = r#"{"temperature":0.5,"model":"m","prompt":"p","stream":true,"max_tokens":7,
+        "cache_salt":"tenant-1","add_special_tokens":false,"logit_bias":{"1":2},"n":null,
+        "extra":[{"deep":[1,2,{"x":null}]}]}"#;
+    let r = completion(body).unwrap();
+    assert!(r.stream);
+    assert_eq!(r.max_tokens, Some(7));
+    assert_eq!(r.cache_salt.as_deref(), Some("tenant-1"));
+    assert!(!r.add_special_tokens);
+
+    let r = completion(r#"{"model":"m","prompt":"p","max_tokens":null,"stream":null,"cache_salt":null}"#)
+        .unwrap();
+    assert_eq!((r.max_tokens, r.stream, r.cache_salt), (None, false, None));
+}
+
+/// Whether an error is the expected one.
+type Check = fn(&RequestError) -> bool;
+
+#[test]
+fn malformed_completions() {
+    use RequestError as E;
+    let cases: &[(&str, Check)] = &[
+        (r#"{"model":"m","prompt":"p""#, |e| matches!(e, E::Json(_))),
+        ("not json", |e| matches!(e, E::Json(_))),
+        ("", |e| matches!(e, E::Json(_))),
+        (r#"["m","p"]"#, |e| matches!(e, E::NotAnObject)),
+        (r#" "text" "#, |e| matches!(e, E::NotAnObject)),
+        (r#"{"model":"m","model":"n","prompt":"p"}"#, |e| matches!(e, E::Json(_))),
+        (r#"{"prompt":"p"}"#, |e| matches!(e, E::MissingField { param: "model" })),
+        (r#"{"model":null,"prompt":"p"}"#, |e| matches!(e, E::MissingField { param: "model" })),
+        (r#"{"model":3,"prompt":"p"}"#, |e| matches!(e, E::InvalidField { param: "model", .. })),
+        (r#"{"model":"m"}"#, |e| matches!(e, E::MissingField { param: "prompt" })),
+        (r#"{"model":"m","prompt":null}"#, |e| matches!(e, E::MissingField { param: "prompt" })),
+        (r#"{"model":"m","prompt":[]}"#, |e| matches!(e, E::EmptyPrompt)),
+        (r#"{"model":"m","prompt":[[1],[]]}"#, |e| matches!(e, E::EmptyPrompt)),
+        (r#"{"model":"m","prompt":7}"#, |e| matches!(e, E::BadPromptType)),
+        (r#"{"model":"m","prompt":{"text":"p"}}"#, |e| matches!(e, E::BadPromptType)),
+        (r#"{"model":"m","prompt":true}"#, |e| matches!(e, E::BadPromptType)),
+        (r#"{"model":"m","prompt":["a",1]}"#, |e| matches!(e, E::BadPromptType)),
+        (r#"{"model":"m","prompt":[1,"a"]}"#, |e| matches!(e, E::BadPromptType)),
+        (r#"{"model":"m","prompt":[[1],2]}"#, |e| matches!(e, E::BadPromptType)),
+        (r#"{"model":"m","prompt":[[1,"a"]]}"#, |e| matches!(e, E::BadPromptType)),
+        (r#"{"model":"m","prompt":[[[1]]]}"#, |e| matches!(e, E::BadPromptType)),
+        (r#"{"model":"m","prompt":[null]}"#, |e| matches!(e, E::BadPromptType)),
+        (r#"{"model":"m","prompt":[1,-1]}"#, |e| matches!(e, E::BadTokenId)),
+        (r#"{"model":"m","prompt":[4294967296]}"#, |e| matches!(e, E::BadTokenId)),
+        (r#"{"model":"m","prompt":[1.5]}"#, |e| matches!(e, E::BadTokenId)),
+        (r#"{"model":"m","prompt":[[1,-2]]}"#, |e| matches!(e, E::BadTokenId)),
+        (r#"{"model":"m","prompt":"p","stream":"yes"}"#, |e| {
+            matches!(e, E::InvalidField { param: "stream", .. })
+        }),
+        (r#"{"model":"m","prompt":"p","max_tokens":-1}"#, |e| {
+            matches!(e, E::InvalidField { param: "max_tokens", .. })
+        }),
+        (r#"{"model":"m","prompt":"p","cache_salt":""}"#, |e| {
+            matches!(e, E::InvalidField { param: "cache_salt", .. })
+        }),
+        (r#"{"model":"m","prompt":"p","cache_salt":5}"#, |e| {
+            matches!(e, E::InvalidField { param: "cache_salt", .. })
+        }),
+    ];
+    for (body, check) in cases {
+        match completion(body) {
+            Ok(r) => panic!("{body:?} parsed: {r:?}"),
+            Err(e) => assert!(check(&e), "{body:?} gave {e:?}"),
+        }
+    }
+}
+
+#[test]
+fn chat_messages_and_fields() {
+    let body = r#"{"model":"m","messages":[
+        {"role":"system","content":"be brief"},
+        {"role":"user","content":[{"type":"text","text":"part one"},{"type":"text","text":"part two"}],"name":"bob"},
+        {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function"}]},
+        {"role":"tool","content":[{"type":"text","text":"only"}],"tool_call_id":"c1"}
+      ],"max_tokens":5,"max_completion_tokens":9,"cache_salt":"s","chat_template_kwargs":{"enable_thinking":false},
+      "tools":[{"type":"function"}]}"#;
+    let r = chat(body).unwrap();
+    assert_eq!(r.messages.len(), 4);
+    assert_eq!(r.messages[0].role, "system");
+    assert_eq!(r.messages[0].content.as_deref(), Some("be brief"));
+    assert_eq!(r.messages[1].content.as_deref(), Some("part one\npart two"));
+    assert_eq!(r.messages[1].extra.len(), 1);
+    assert_eq!(r.messages[1].extra[0].0, "name");
+    assert_eq!(r.messages[1].extra[0].1.get(), r#""bob""#);
+    assert_eq!(r.messages[2].content, None);
+    assert_eq!(r.messages[2].extra[0].0, "tool_calls");
+    assert_eq!(r.messages[3].content.as_deref(), Some("only"));
+    assert!(r.add_generation_prompt);
+    assert!(!r.add_special_tokens);
+    assert_eq!(r.chat_template_kwargs.map(|k| k.get()), Some(r#"{"enable_thinking":false}"#));
+
+    let parsed = ParsedRequest::parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap();
+    assert_eq!(parsed.max_tokens(), Some(9), "max_completion_tokens wins");
+    assert_eq!(parsed.cache_salt(), Some("s"));
+    assert_eq!(parsed.model(), "m");
+
+    let r =
+        chat(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false}"#)
+            .unwrap();
+    assert!(!r.add_generation_prompt);
+    assert!(r.messages[0].extra.is_empty());
+}
+
+#[test]
+fn whitespace_around_values_is_fine() {
+    let body = "\n { \"model\" : \"m\" ,\t\"messages\" : [ { \"role\" : \"user\" , \"content\" : [ { \"type\" : \"text\" , \"text\" : \"hi\" } ] } ] ,
+        \"chat_template_kwargs\" : { \"a\" : 1 } , \"tools\" : [ ] , \"max_tokens\" : 3 } \n";
+    let r = chat(body).unwrap();
+    assert_eq!(r.messages[0].content.as_deref(), Some("hi"));
+    assert!(r.chat_template_kwargs.is_some() && r.tools.is_some());
+    assert_eq!(r.max_tokens, Some(3));
+    let r = completion("{ \"model\" : \"m\" , \"prompt\" : [ [ 1 , 2 ] ] }").unwrap();
+    assert_eq!(r.prompt, Prompt::TokensBatch(vec![vec![1, 2]]));
+}
+
+#[test]
+fn malformed_chats() {
+    use MessageProblem as P;
+    use RequestError as E;
+    let msg = |m: &str| format!(r#"{{"model":"m","messages":[{{"role":"user","content":"ok"}},{m}]}}"#);
+    let bad_message = |body: String, want: P| match chat(&body) {
+        Err(E::InvalidMessage { index: 1, problem }) => assert_eq!(problem, want, "{body}"),
+        other => panic!("{body}: {other:?}"),
+    };
+    bad_message(msg(r#""hello""#), P::NotAnObject);
+    bad_message(msg(r#"[1]"#), P::NotAnObject);
+    bad_message(msg(r#"{"content":"x"}"#), P::MissingRole);
+    bad_message(msg(r#"{"role":null,"content":"x"}"#), P::MissingRole);
+    bad_message(msg(r#"{"role":1,"content":"x"}"#), P::BadRole);
+    bad_message(msg(r#"{"role":"user","content":5}"#), P::BadContent);
+    bad_message(msg(r#"{"role":"user","content":{"type":"text"}}"#), P::BadContent);
+    bad_message(msg(r#"{"role":"user","content":["x"]}"#), P::BadContentPart);
+    bad_message(msg(r#"{"role":"user","content":[{"text":"x"}]}"#), P::BadContentPart);
+    bad_message(msg(r#"{"role":"user","content":[{"type":"text","text":3}]}"#), P::BadContentPart);
+    bad_message(msg(r#"{"role":"user","content":[{"type":"text"}]}"#), P::BadContentPart);
+
+    match chat(&msg(r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}"#)) {
+        Err(E::UnsupportedContentPart { index: 1, part_type }) => assert_eq!(part_type, "image_url"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(chat(r#"{"model":"m","messages":[]}"#), Err(E::EmptyMessages)));
+    assert!(matches!(chat(r#"{"model":"m"}"#), Err(E::MissingField { param: "messages" })));
+    assert!(matches!(
+        chat(r#"{"model":"m","messages":"hi"}"#),
+        Err(E::InvalidField { param: "messages", .. })
+    ));
+    assert!(matches!(
+        chat(r#"{"messages":[{"role":"user","content":"x"}]}"#),
+        Err(E::MissingField { param: "model" })
+    ));
+    assert!(matches!(
+        chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"chat_template_kwargs":[1]}"#),
+        Err(E::InvalidField { param: "chat_template_kwargs", .. })
+    ));
+    assert!(matches!(
+        chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":{}}"#),
+        Err(E::InvalidField { param: "tools", .. })
+    ));
+    assert!(matches!(
+        chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"add_generation_prompt":1}"#),
+        Err(E::InvalidField { param: "add_generation_prompt", .. })
+    ));
+}

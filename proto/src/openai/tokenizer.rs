@@ -1,0 +1,256 @@
+//! Text to token ids: the [`Tokenizer`] seam and its two implementations.
+//!
+//! - [`Builtin`]: a deterministic tokenizer that needs no files, so a fleet with no model
+//!   files (tests, the load generator, CPU demos) still gets realistic, stable token ids.
+//! - [`HuggingFace`]: a `tokenizer.json` run by the `tokenizers` crate, which produces the
+//!   same ids as Python `tokenizers` (and so as vLLM).
+//!
+//! # The builtin algorithm (version 1)
+//!
+//! Parameters: vocabulary size `V = 32768`, reserved ids `R = 16`, longest word piece
+//! `W = 16` characters. Special tokens, recognised anywhere in the text:
+//! `<|endoftext|>` = 0, `<|im_start|>` = 1, `<|im_end|>` = 2; ids 3..16 are reserved and
+//! never produced. The text is scanned left to right, cutting one piece at a time:
+//!
+//! 1. If the text at the cursor starts with a special token, emit its id.
+//! 2. A *unit* is either a run of 1 to `W` alphanumeric characters (Rust
+//!    `char::is_alphanumeric`, i.e. Unicode Alphabetic or Numeric), or else a single
+//!    character that is neither whitespace nor alphanumeric (punctuation, symbols).
+//! 3. If the cursor is at a space `' '` (U+0020) that is directly followed by a character
+//!    that is not whitespace and does not start a special token, the piece is that space plus
+//!    the following unit (so `" world"` is one piece, as in GPT-style tokenizers).
+//! 4. Otherwise, if the cursor is at a non-whitespace character, the piece is one unit.
+//! 5. Otherwise the piece is a run of whitespace characters (Rust `char::is_whitespace`),
+//!    as long as possible but stopping before a space that would begin a rule-3 piece.
+//!
+//! A piece's id is `R + xxh3_64(UTF-8 bytes of the piece) % (V - R)` (XXH3 64-bit, seed 0;
+//! Python: `16 + xxhash.xxh3_64_intdigest(piece.encode()) % 32752`). This is lossless up to
+//! hash collisions, costs one hash per piece, and yields about one token per word or
+//! punctuation mark. `add_special_tokens` adds nothing: like Qwen's tokenizers, the builtin
+//! one has no BOS; the default chat template writes `<|im_start|>`/`<|im_end|>` itself.
+
+use std::fmt;
+use std::path::Path;
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::error::{LoadError, RequestError};
+
+/// Turns text into token ids. Implementations must be deterministic: the router and every
+/// replica agent must get the same ids for the same text.
+pub trait Tokenizer: Send + Sync + fmt::Debug {
+    /// The token ids of `text`. With `add_special_tokens`, the tokenizer's post-processor
+    /// adds what it is configured to (typically a BOS id), as vLLM does for completions.
+    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, RequestError>;
+
+    /// Every valid id is below this; prompt token ids are checked against it.
+    fn vocab_size(&self) -> u32;
+}
+
+/// The file-free deterministic tokenizer described in the module docs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Builtin;
+
+impl Builtin {
+    /// Vocabulary size `V`.
+    pub const VOCAB_SIZE: u32 = 32768;
+    /// Ids below this are special or reserved (`R`).
+    pub const RESERVED: u32 = 16;
+    /// Longest alphanumeric run in one piece, in characters (`W`).
+    pub const MAX_WORD_CHARS: usize = 16;
+    /// The special tokens and their ids.
+    pub const SPECIAL_TOKENS: [(&'static str, u32); 3] =
+        [("<|endoftext|>", 0), ("<|im_start|>", 1), ("<|im_end|>", 2)];
+
+    /// The id of one piece (rule "A piece's id" in the module docs).
+    pub fn piece_id(piece: &str) -> u32 {
+        let span = u64::from(Self::VOCAB_SIZE - Self::RESERVED);
+        // The remainder is below `span`, which fits in u32.
+        Self::RESERVED + (xxh3_64(piece.as_bytes()) % span) as u32
+    }
+
+    /// Splits `text` into pieces and calls `emit` with each piece's id.
+    fn for_each_id(text: &str, mut emit: impl FnMut(u32)) {
+        let mut i = 0;
+        while let Some(c) = text[i..].chars().next() {
+            if let Some((id, len)) = special_at(&text[i..]) {
+                emit(id);
+                i += len;
+                continue;
+            }
+            let start = i;
+            if c == ' ' && starts_unit(&text[i + 1..]) {
+                i = unit_end(text, i + 1);
+            } else if !c.is_whitespace() {
+                i = unit_end(text, i);
+            } else {
+                i += c.len_utf8();
+                while let Some(d) = text[i..].chars().next() {
+                    if !d.is_whitespace() || (d == ' ' && starts_unit(&text[i + 1..])) {
+                        break;
+                    }
+                    i += d.len_utf8();
+                }
+            }
+            emit(Self::piece_id(&text[start..i]));
+        }
+    }
+}
+
+/// The special token that `rest` starts with, as `(id, byte length)`.
+fn special_at(rest: &str) -> Option<(u32, usize)> {
+    if !rest.starts_with("<|") {
+        return None;
+    }
+    Builtin::SPECIAL_TOKENS.iter().find(|(s, _)| rest.starts_with(s)).map(|&(s, id)| (id, s.len()))
+}
+
+/// Whether `rest` starts with a unit (a non-whitespace character that is not a special token).
+fn starts_unit(rest: &str) -> bool {
+    rest.chars().next().is_some_and(|c| !c.is_whitespace()) && special_at(rest).is_none()
+}
+
+/// The end of the unit starting at byte `i` (which holds a non-whitespace character).
+fn unit_end(text: &str, i: usize) -> usize {
+    let mut chars = text[i..].char_indices();
+    match chars.next() {
+        Some((_, c)) if c.is_alphanumeric() => {
+            let mut end = i + c.len_utf8();
+            for (off, d) in chars.take(Builtin::MAX_WORD_CHARS - 1) {
+                if !d.is_alphanumeric() {
+                    break;
+                }
+                end = i + off + d.len_utf8();
+            }
+            end
+        }
+        Some((_, c)) => i + c.len_utf8(),
+        None => i,
+    }
+}
+
+impl Tokenizer for Builtin {
+    fn encode(&self, text: &str, _add_special_tokens: bool) -> Result<Vec<u32>, RequestError> {
+        let mut ids = Vec::with_capacity(text.len() / 4 + 1);
+        Self::for_each_id(text, |id| ids.push(id));
+        Ok(ids)
+    }
+
+    fn vocab_size(&self) -> u32 {
+        Self::VOCAB_SIZE
+    }
+}
+
+/// A Hugging Face `tokenizer.json`, run by the `tokenizers` crate.
+pub struct HuggingFace {
+    inner: tokenizers::Tokenizer,
+    vocab_size: u32,
+}
+
+impl HuggingFace {
+    /// Loads a `tokenizer.json` file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, LoadError> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| LoadError::Io { path: path.into(), source })?;
+        Self::load(&bytes, path)
+    }
+
+    /// Loads a `tokenizer.json` from memory.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, LoadError> {
+        Self::load(bytes, Path::new("<bytes>"))
+    }
+
+    fn load(bytes: &[u8], path: &Path) -> Result<Self, LoadError> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes)
+            .map_err(|source| LoadError::Tokenizer { path: path.into(), source })?;
+        // vLLM rejects prompt ids above the largest id the tokenizer knows, added tokens included.
+        let vocab_size = inner.get_vocab(true).values().max().map_or(0, |&max| max.saturating_add(1));
+        Ok(Self { inner, vocab_size })
+    }
+
+    /// The underlying `tokenizers` tokenizer (for decoding, token strings, ...).
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
+
+impl fmt::Debug for HuggingFace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HuggingFace").field("vocab_size", &self.vocab_size).finish_non_exhaustive()
+    }
+}
+
+impl Tokenizer for HuggingFace {
+    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, RequestError> {
+        let encoding = self.inner.encode_fast(text, add_special_tokens).map_err(RequestError::Tokenizer)?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    fn vocab_size(&self) -> u32 {
+        self.vocab_size
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pieces(text: &str) -> Vec<u32> {
+        Builtin.encode(text, true).unwrap()
+    }
+
+    fn ids_of(pieces_: &[&str]) -> Vec<u32> {
+        pieces_
+            .iter()
+            .map(|p| {
+                special_at(p)
+                    .filter(|&(_, len)| len == p.len())
+                    .map_or_else(|| Builtin::piece_id(p), |(id, _)| id)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn builtin_splits_as_documented() {
+        let cases: &[(&str, &[&str])] = &[
+            ("", &[]),
+            ("Hello, world!", &["Hello", ",", " world", "!"]),
+            ("a  b", &["a", " ", " b"]),
+            ("a\n\n b", &["a", "\n\n", " b"]),
+            ("  x ", &[" ", " x", " "]),
+            ("x\t", &["x", "\t"]),
+            ("abcdefghijklmnopqrstu", &["abcdefghijklmnop", "qrstu"]),
+            (" abcdefghijklmnopq", &[" abcdefghijklmnop", "q"]),
+            ("naïve 東京 42", &["naïve", " 東京", " 42"]),
+            ("3.14", &["3", ".", "14"]),
+            ("<|im_start|>user\nhi<|im_end|>\n", &["<|im_start|>", "user", "\n", "hi", "<|im_end|>", "\n"]),
+            ("x <|im_end|>", &["x", " ", "<|im_end|>"]),
+            ("<|im_foo|>", &["<", "|", "im", "_", "foo", "|", ">"]),
+            ("<|endoftext|><|endoftext|>", &["<|endoftext|>", "<|endoftext|>"]),
+        ];
+        for (text, want) in cases {
+            assert_eq!(pieces(text), ids_of(want), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn builtin_documented_vectors() {
+        // Reproducible with Python: 16 + xxhash.xxh3_64_intdigest(piece.encode()) % 32752
+        // (proto/tests/data/builtin_tokenizer.py is such a reference implementation).
+        assert_eq!(pieces("Hello, world!"), [20006, 30862, 22049, 5338]);
+        assert_eq!(
+            pieces("<|im_start|>user\nThe quick brown fox.<|im_end|>"),
+            [1, 24338, 24604, 4287, 16769, 12118, 29544, 27875, 2]
+        );
+    }
+
+    #[test]
+    fn builtin_is_deterministic_and_in_range() {
+        let text =
+            "The router and the replica must agree, byte for byte: ünïcödé, 数字 12345.\n\t <|im_end|>";
+        let a = pieces(text);
+        assert_eq!(a, Builtin.encode(text, false).unwrap());
+        assert!(a.iter().all(|&id| id < Builtin::VOCAB_SIZE));
+        assert!(a.iter().filter(|&&id| id < Builtin::RESERVED).all(|&id| id <= 2));
+    }
+}

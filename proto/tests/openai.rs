@@ -1,0 +1,307 @@
+//! The `openai` feature end to end: fixtures on disk, requests in, token ids and block hashes
+//! out. Expected ids and renderings come from Python (`tokenizers` 0.23.3, and jinja2 set up
+//! as transformers' `apply_chat_template`), printed by `tests/data/make_tiny_tokenizer.py`.
+#![cfg(feature = "openai")]
+
+use std::path::PathBuf;
+
+use kvroute_proto::CacheNamespace;
+use kvroute_proto::openai::{
+    Builtin, ChatTemplate, Endpoint, HuggingFace, LoadError, ParsedRequest, RequestError, SpecialTokens,
+    Tokenization, TokenizationConfig, Tokenizer, TokenizerSpec,
+};
+
+fn data(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
+}
+
+fn hf_config() -> TokenizationConfig {
+    TokenizationConfig {
+        base_model: "tiny".into(),
+        lora_adapters: vec!["tiny-sql".into()],
+        tokenizer: TokenizerSpec::HuggingFace { path: data("tiny-tokenizer.json") },
+        tokenizer_config: Some(data("tiny-tokenizer_config.json")),
+        chat_template: None,
+    }
+}
+
+fn builtin_config() -> TokenizationConfig {
+    TokenizationConfig {
+        base_model: "demo".into(),
+        lora_adapters: vec!["demo-lora".into()],
+        ..Default::default()
+    }
+}
+
+fn tokens(t: &Tokenization, endpoint: Endpoint, body: &str) -> Result<Vec<Vec<u32>>, RequestError> {
+    t.prompt_tokens(&ParsedRequest::parse(endpoint, body.as_bytes())?)
+}
+
+/// The conversation of `make_tiny_tokenizer.py`.
+const CONVERSATION: &str = r#"[
+    {"role": "system", "content": "  You are a helpful assistant.  "},
+    {"role": "user", "content": "Hello, world!"},
+    {"role": "assistant", "content": " Hello! How are you today?\n"},
+    {"role": "user", "content": "What is the capital of France?"}]"#;
+
+fn chat_body(extra: &str) -> String {
+    format!(r#"{{"model":"tiny","messages":{CONVERSATION}{extra}}}"#)
+}
+
+const LLAMA_PREFIX_IDS: [u32; 71] = [
+    0, 2, 87, 321, 307, 3, 203, 203, 366, 296, 264, 225, 262, 393, 384, 80, 347, 18, 4, 2, 89, 87, 269, 3,
+    203, 203, 360, 291, 16, 326, 313, 392, 5, 4, 2, 69, 317, 345, 3, 203, 203, 360, 291, 5, 225, 361, 296,
+    329, 272, 378, 35, 4, 2, 89, 87, 269, 3, 203, 203, 59, 338, 335, 265, 353, 300, 225, 359, 273, 286, 35,
+    4,
+];
+
+#[test]
+fn hf_fixture_encodes_like_python() {
+    let tok = HuggingFace::from_file(data("tiny-tokenizer.json")).unwrap();
+    assert_eq!(tok.vocab_size(), 400);
+    let cases: &[(&str, &[u32])] = &[
+        ("Hello, world!", &[360, 291, 16, 326, 313, 392, 5]),
+        (
+            "The quick brown fox jumps over the lazy dog.",
+            &[
+                302, 225, 275, 390, 282, 86, 314, 82, 283, 397, 225, 391, 292, 87, 276, 90, 269, 265, 323,
+                371, 93, 225, 376, 75, 18,
+            ],
+        ),
+        (
+            "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
+            &[2, 89, 87, 269, 3, 203, 203, 76, 77, 4],
+        ),
+        ("naïve 東京 42", &[82, 69, 132, 112, 90, 73, 225, 167, 256, 114, 165, 123, 110, 225, 24, 22]),
+    ];
+    for (text, ids) in cases {
+        assert_eq!(tok.encode(text, false).unwrap(), *ids, "{text:?}");
+        // The post-processor prepends <|begin_of_text|> (id 0).
+        let with_bos: Vec<u32> = std::iter::once(0).chain(ids.iter().copied()).collect();
+        assert_eq!(tok.encode(text, true).unwrap(), with_bos, "{text:?}");
+    }
+    let err = HuggingFace::from_bytes(b"{\"not\": \"a tokenizer\"}").unwrap_err();
+    assert!(matches!(err, LoadError::Tokenizer { .. }));
+}
+
+#[test]
+fn completions_follow_vllm() {
+    let t = Tokenization::new(&hf_config()).unwrap();
+    // Text prompts get BOS, unless the request turns special tokens off.
+    assert_eq!(
+        tokens(&t, Endpoint::Completions, r#"{"model":"tiny","prompt":"Hello, world!"}"#).unwrap(),
+        [vec![0, 360, 291, 16, 326, 313, 392, 5]]
+    );
+    assert_eq!(
+        tokens(
+            &t,
+            Endpoint::Completions,
+            r#"{"model":"tiny","prompt":"Hello, world!","add_special_tokens":false}"#
+        )
+        .unwrap(),
+        [vec![360, 291, 16, 326, 313, 392, 5]]
+    );
+    // An empty string still has its BOS.
+    assert_eq!(tokens(&t, Endpoint::Completions, r#"{"model":"tiny","prompt":""}"#).unwrap(), [vec![0]]);
+    // Batches give one list per prompt; token ids are used as they are.
+    assert_eq!(
+        tokens(&t, Endpoint::Completions, r#"{"model":"tiny","prompt":["Hello, world!", "Hello"]}"#).unwrap(),
+        [vec![0, 360, 291, 16, 326, 313, 392, 5], vec![0, 360, 291]]
+    );
+    assert_eq!(
+        tokens(&t, Endpoint::Completions, r#"{"model":"tiny","prompt":[5, 399, 0]}"#).unwrap(),
+        [vec![5, 399, 0]]
+    );
+    assert_eq!(
+        tokens(&t, Endpoint::Completions, r#"{"model":"tiny","prompt":[[1],[2,3]]}"#).unwrap(),
+        [vec![1], vec![2, 3]]
+    );
+    assert!(matches!(
+        tokens(&t, Endpoint::Completions, r#"{"model":"tiny","prompt":[[1],[2,400]]}"#),
+        Err(RequestError::TokenIdOutOfRange { token_id: 400, vocab_size: 400 })
+    ));
+
+    // The builtin tokenizer has no BOS, so an empty text prompt is empty.
+    let b = Tokenization::new(&builtin_config()).unwrap();
+    assert!(matches!(
+        tokens(&b, Endpoint::Completions, r#"{"model":"demo","prompt":""}"#),
+        Err(RequestError::EmptyPrompt)
+    ));
+    assert!(matches!(
+        tokens(&b, Endpoint::Completions, r#"{"model":"demo","prompt":[32768]}"#),
+        Err(RequestError::TokenIdOutOfRange { token_id: 32768, vocab_size: 32768 })
+    ));
+}
+
+#[test]
+fn default_template_renders_chatml() {
+    let t = Tokenization::new(&builtin_config()).unwrap();
+    let body = r#"{"model":"demo","messages":[
+        {"role":"system","content":"You are terse."},
+        {"role":"user","content":[{"type":"text","text":"Hi"},{"type":"text","text":"there"}]},
+        {"role":"assistant","content":"Hello."},
+        {"role":"assistant","content":null,"tool_calls":[]},
+        {"role":"user","content":"Bye"}]}"#;
+    let parsed = ParsedRequest::parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap();
+    let ParsedRequest::Chat(chat) = &parsed else { unreachable!() };
+    let want = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi\nthere<|im_end|>\n\
+                <|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n\
+                <|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(t.render_chat(chat).unwrap(), want);
+    assert_eq!(t.prompt_tokens(&parsed).unwrap(), [Builtin.encode(want, false).unwrap()]);
+    assert_eq!(t.prompt_tokens(&parsed).unwrap()[0][..2], [1, Builtin::piece_id("system")]);
+
+    let no_gen = body.replace(r#""messages""#, r#""add_generation_prompt":false,"messages""#);
+    let parsed = ParsedRequest::parse(Endpoint::ChatCompletions, no_gen.as_bytes()).unwrap();
+    let ParsedRequest::Chat(chat) = &parsed else { unreachable!() };
+    assert_eq!(t.render_chat(chat).unwrap(), want.strip_suffix("<|im_start|>assistant\n").unwrap());
+}
+
+#[test]
+fn llama_style_template_matches_transformers() {
+    let t = Tokenization::new(&hf_config()).unwrap();
+    let special = t.chat_template().unwrap().special_tokens();
+    assert_eq!((special.bos_token.as_str(), special.eos_token.as_str()), ("<|begin_of_text|>", "<|eot_id|>"));
+
+    let render = |extra: &str| {
+        let body = chat_body(extra);
+        let parsed = ParsedRequest::parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap();
+        let ParsedRequest::Chat(chat) = &parsed else { unreachable!() };
+        (t.render_chat(chat).unwrap(), t.prompt_tokens(&parsed).unwrap())
+    };
+    let jinja2 = "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant.<|eot_id|>\
+        <|start_header_id|>user<|end_header_id|>\n\nHello, world!<|eot_id|>\
+        <|start_header_id|>assistant<|end_header_id|>\n\nHello! How are you today?<|eot_id|>\
+        <|start_header_id|>user<|end_header_id|>\n\nWhat is the capital of France?<|eot_id|>";
+    let header = "<|start_header_id|>assistant<|end_header_id|>\n\n";
+    let header_ids = [2, 69, 317, 345, 3, 203, 203];
+
+    // Chat encodes without special tokens: the BOS (id 0) comes from the template, once.
+    let (text, ids) = render("");
+    assert_eq!(text, format!("{jinja2}{header}"));
+    assert_eq!(ids, [[&LLAMA_PREFIX_IDS[..], &header_ids].concat()]);
+
+    let (text, ids) = render(r#","add_generation_prompt":false"#);
+    assert_eq!(text, jinja2);
+    assert_eq!(ids, [LLAMA_PREFIX_IDS.to_vec()]);
+
+    let (text, ids) = render(r#","chat_template_kwargs":{"enable_thinking":false}"#);
+    assert_eq!(text, format!("{jinja2}{header}<think>\n\n</think>\n\n"));
+    let think = [32, 88, 76, 77, 82, 79, 34, 203, 203, 32, 19, 88, 76, 77, 82, 79, 34, 203, 203];
+    assert_eq!(ids, [[&LLAMA_PREFIX_IDS[..], &header_ids, &think].concat()]);
+
+    // The same template from a raw .jinja file, with the special tokens given explicitly.
+    let special = SpecialTokens { bos_token: "<|begin_of_text|>".into(), eos_token: "<|eot_id|>".into() };
+    let from_jinja = ChatTemplate::from_file(data("llama3-style.jinja"), special).unwrap();
+    let body = chat_body("");
+    let ParsedRequest::Chat(chat) = ParsedRequest::parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap()
+    else {
+        unreachable!()
+    };
+    assert_eq!(from_jinja.render(&chat.messages, true, None, None).unwrap(), format!("{jinja2}{header}"));
+
+    // The template's raise_exception becomes a 400.
+    let body = r#"{"model":"tiny","messages":[{"role":"user","content":"a"},{"role":"user","content":"b"}]}"#;
+    let err = tokens(&t, Endpoint::ChatCompletions, body).unwrap_err();
+    assert!(matches!(err, RequestError::Template(_)), "{err:?}");
+    assert_eq!(err.http_status(), 400);
+}
+
+#[test]
+fn hf_without_template_rejects_chat_only() {
+    let config = TokenizationConfig { tokenizer_config: None, ..hf_config() };
+    let t = Tokenization::new(&config).unwrap();
+    assert!(t.chat_template().is_none());
+    let body = r#"{"model":"tiny","messages":[{"role":"user","content":"hi"}]}"#;
+    assert!(matches!(tokens(&t, Endpoint::ChatCompletions, body), Err(RequestError::NoChatTemplate)));
+    assert!(tokens(&t, Endpoint::Completions, r#"{"model":"tiny","prompt":"hi"}"#).is_ok());
+    // An explicit template file wins.
+    let config = TokenizationConfig { chat_template: Some(data("tiny-tokenizer_config.json")), ..config };
+    assert!(tokens(&Tokenization::new(&config).unwrap(), Endpoint::ChatCompletions, body).is_ok());
+}
+
+#[test]
+fn independent_instances_agree_on_block_hashes() {
+    let long_prompt =
+        "The router and the replica must compute the same token ids for the same request. ".repeat(20);
+    let bodies = [
+        (Endpoint::Completions, format!(r#"{{"model":"M","prompt":"{long_prompt}","cache_salt":"t1"}}"#)),
+        (Endpoint::Completions, format!(r#"{{"model":"A","prompt":["{long_prompt}","{long_prompt}x"]}}"#)),
+        (
+            Endpoint::ChatCompletions,
+            format!(r#"{{"model":"M","messages":[{{"role":"user","content":"{long_prompt}"}}]}}"#),
+        ),
+    ];
+    for spec in [builtin_config(), hf_config()] {
+        let config: TokenizationConfig = serde_json::from_value(serde_json::json!({
+            "base_model": "M",
+            "lora_adapters": ["A"],
+            "tokenizer": spec.tokenizer,
+            "tokenizer_config": spec.tokenizer_config,
+        }))
+        .unwrap();
+        let router = Tokenization::new(&config).unwrap();
+        let agent = Tokenization::new(&config.clone()).unwrap();
+        for (endpoint, body) in &bodies {
+            let a = ParsedRequest::parse(*endpoint, body.as_bytes()).unwrap();
+            let b = ParsedRequest::parse(*endpoint, body.as_bytes()).unwrap();
+            let (ha, hb) = (router.block_hashes(&a, 16).unwrap(), agent.block_hashes(&b, 16).unwrap());
+            assert!(ha.iter().all(|h| h.len() >= 8), "{body}: {ha:?}");
+            assert_eq!(ha, hb);
+            // block_hashes is exactly the proto chain over prompt_tokens in namespace().
+            let ns = router.namespace(&a);
+            let chained: Vec<_> = router.prompt_tokens(&a).unwrap().iter().map(|t| ns.chain(t, 16)).collect();
+            assert_eq!(ha, chained);
+        }
+    }
+}
+
+#[test]
+fn namespace_from_model_adapters_and_salt() {
+    let t = Tokenization::new(&builtin_config()).unwrap();
+    let ns = |body: &str| t.namespace(&ParsedRequest::parse(Endpoint::Completions, body.as_bytes()).unwrap());
+    assert_eq!(ns(r#"{"model":"demo","prompt":"x"}"#), CacheNamespace::new("demo"));
+    assert_eq!(
+        ns(r#"{"model":"demo-lora","prompt":"x"}"#),
+        CacheNamespace::new("demo").with_lora("demo-lora")
+    );
+    // Unknown names (aliases of the base model) are not adapters.
+    assert_eq!(ns(r#"{"model":"alias","prompt":"x"}"#), CacheNamespace::new("demo"));
+    assert_eq!(
+        ns(r#"{"model":"demo-lora","prompt":"x","cache_salt":"tenant"}"#),
+        CacheNamespace::new("demo").with_lora("demo-lora").with_salt("tenant")
+    );
+    // Same tokens, different tenants: no shared blocks.
+    let a = t.block_hashes(
+        &ParsedRequest::parse(Endpoint::Completions, br#"{"model":"demo","prompt":[1,2,3,4]}"#).unwrap(),
+        2,
+    );
+    let b = t.block_hashes(
+        &ParsedRequest::parse(
+            Endpoint::Completions,
+            br#"{"model":"demo","prompt":[1,2,3,4],"cache_salt":"s"}"#,
+        )
+        .unwrap(),
+        2,
+    );
+    assert_ne!(a.unwrap(), b.unwrap());
+}
+
+#[test]
+fn config_is_strict_serde() {
+    let config: TokenizationConfig = serde_json::from_str(r#"{"base_model":"m"}"#).unwrap();
+    assert_eq!(config.tokenizer, TokenizerSpec::Builtin);
+    let config: TokenizationConfig = serde_json::from_str(
+        r#"{"base_model":"m","tokenizer":{"kind":"hugging_face","path":"/x/tokenizer.json"}}"#,
+    )
+    .unwrap();
+    assert_eq!(config.tokenizer, TokenizerSpec::HuggingFace { path: "/x/tokenizer.json".into() });
+    assert!(serde_json::from_str::<TokenizationConfig>(r#"{"base_model":"m","tokenizr":{}}"#).is_err());
+    assert!(matches!(
+        Tokenization::new(&TokenizationConfig {
+            chat_template: Some(data("missing.jinja")),
+            ..builtin_config()
+        }),
+        Err(LoadError::Io { .. })
+    ));
+}
