@@ -3,6 +3,7 @@
 use std::borrow::Cow;
 
 use super::*;
+use crate::openai::error::MessageProblem;
 
 fn completion(body: &str) -> Result<CompletionRequest<'_>, RequestError> {
     CompletionRequest::parse(body.as_bytes())

@@ -1,0 +1,183 @@
+//! Parsing `messages`: role, content (a string, null, or text parts joined with `"\n"`) and
+//! every other key kept raw for the chat template. Visitors record a [`MessageProblem`]
+//! instead of failing, so the error names the message at fault.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::Deserialize;
+use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+
+use super::{Message, Str};
+use crate::openai::error::{MessageProblem, RequestError};
+
+/// What one message parsed to, without failing the parse.
+enum MessageResult<'a> {
+    Ok(Message<'a>),
+    Problem(MessageProblem),
+    Unsupported(String),
+}
+
+pub(super) fn parse_messages<'a>(raw: &'a RawValue) -> Result<Vec<Message<'a>>, RequestError> {
+    let not_array = || RequestError::InvalidField { param: "messages", expected: "an array of messages" };
+    if !raw.get().starts_with('[') {
+        return Err(not_array());
+    }
+    let results: Vec<MessageResult<'a>> = serde_json::from_str(raw.get()).map_err(|_| not_array())?;
+    if results.is_empty() {
+        return Err(RequestError::EmptyMessages);
+    }
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(index, r)| match r {
+            MessageResult::Ok(m) => Ok(m),
+            MessageResult::Problem(problem) => Err(RequestError::InvalidMessage { index, problem }),
+            MessageResult::Unsupported(part_type) => {
+                Err(RequestError::UnsupportedContentPart { index, part_type })
+            }
+        })
+        .collect()
+}
+
+/// A JSON value seen only as "a string" or "something else" (drained).
+enum MaybeStr<'a> {
+    Str(Cow<'a, str>),
+    Null,
+    Other,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for MaybeStr<'a> {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match <&'de RawValue>::deserialize(d)? {
+            raw if raw.get() == "null" => Ok(MaybeStr::Null),
+            raw if raw.get().starts_with('"') => serde_json::from_str::<Str<'de>>(raw.get())
+                .map(|s| MaybeStr::Str(s.0))
+                .map_err(de::Error::custom),
+            _ => Ok(MaybeStr::Other),
+        }
+    }
+}
+
+/// `content`: null, a string, or a list of parts.
+enum Content<'a> {
+    Null,
+    Text(Cow<'a, str>),
+    Parts(Result<Vec<Cow<'a, str>>, MessageResult<'a>>),
+    Bad,
+}
+
+#[derive(Deserialize)]
+struct RawPart<'a> {
+    #[serde(borrow, rename = "type")]
+    kind: Option<MaybeStr<'a>>,
+    #[serde(borrow)]
+    text: Option<MaybeStr<'a>>,
+}
+
+impl<'de> Deserialize<'de> for Content<'de> {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw = <&'de RawValue>::deserialize(d)?;
+        let s = raw.get();
+        if s == "null" {
+            return Ok(Content::Null);
+        }
+        if s.starts_with('"') {
+            return serde_json::from_str::<Str<'de>>(s)
+                .map(|t| Content::Text(t.0))
+                .map_err(de::Error::custom);
+        }
+        if !s.starts_with('[') {
+            return Ok(Content::Bad);
+        }
+        let parts: Vec<&'de RawValue> = serde_json::from_str(s).map_err(de::Error::custom)?;
+        let mut texts = Vec::with_capacity(parts.len());
+        for part in parts {
+            let bad = || Ok(Content::Parts(Err(MessageResult::Problem(MessageProblem::BadContentPart))));
+            if !part.get().starts_with('{') {
+                return bad();
+            }
+            let part: RawPart<'de> = serde_json::from_str(part.get()).map_err(de::Error::custom)?;
+            match (part.kind, part.text) {
+                (Some(MaybeStr::Str(kind)), Some(MaybeStr::Str(text))) if kind == "text" => texts.push(text),
+                (Some(MaybeStr::Str(kind)), _) if kind == "text" => return bad(),
+                (Some(MaybeStr::Str(kind)), _) => {
+                    return Ok(Content::Parts(Err(MessageResult::Unsupported(kind.into_owned()))));
+                }
+                _ => return bad(),
+            }
+        }
+        Ok(Content::Parts(Ok(texts)))
+    }
+}
+
+impl<'de> Deserialize<'de> for MessageResult<'de> {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct MessageVisitor;
+        impl<'de> Visitor<'de> for MessageVisitor {
+            type Value = MessageResult<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a chat message")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut role = None;
+                let mut content = Content::Null;
+                let mut extra = Vec::new();
+                while let Some(Str(key)) = map.next_key::<Str<'de>>()? {
+                    match &*key {
+                        "role" => role = Some(map.next_value::<MaybeStr<'de>>()?),
+                        "content" => content = map.next_value::<Content<'de>>()?,
+                        _ => extra.push((key, map.next_value::<&'de RawValue>()?)),
+                    }
+                }
+                let role = match role {
+                    None | Some(MaybeStr::Null) => {
+                        return Ok(MessageResult::Problem(MessageProblem::MissingRole));
+                    }
+                    Some(MaybeStr::Other) => return Ok(MessageResult::Problem(MessageProblem::BadRole)),
+                    Some(MaybeStr::Str(r)) => r,
+                };
+                let content = match content {
+                    Content::Null => None,
+                    Content::Text(t) => Some(t),
+                    Content::Parts(Ok(texts)) => Some(join_text_parts(texts)),
+                    Content::Parts(Err(problem)) => return Ok(problem),
+                    Content::Bad => return Ok(MessageResult::Problem(MessageProblem::BadContent)),
+                };
+                Ok(MessageResult::Ok(Message { role, content, extra }))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(MessageResult::Problem(MessageProblem::NotAnObject))
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+                Ok(MessageResult::Problem(MessageProblem::NotAnObject))
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(MessageResult::Problem(MessageProblem::NotAnObject))
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(MessageResult::Problem(MessageProblem::NotAnObject))
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(MessageResult::Problem(MessageProblem::NotAnObject))
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(MessageResult::Problem(MessageProblem::NotAnObject))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(MessageResult::Problem(MessageProblem::NotAnObject))
+            }
+        }
+        d.deserialize_any(MessageVisitor)
+    }
+}
+
+/// vLLM's "string" content format: text parts joined with a newline.
+fn join_text_parts(mut texts: Vec<Cow<'_, str>>) -> Cow<'_, str> {
+    if texts.len() == 1 {
+        return texts.pop().unwrap_or_default();
+    }
+    Cow::Owned(texts.join("\n"))
+}
