@@ -22,7 +22,7 @@
 //!
 //! # Pinning
 //! A pinned block is never evicted. Each policy keeps pinned blocks out of its victim order
-//! and lets them back in on the last unpin (details in [`lru`], [`lfu`], [`s3fifo`]):
+//! and lets them back in on the last unpin (details in [`Lru`], [`Lfu`], [`S3Fifo`]):
 //!
 //! | policy | while pinned | on the last unpin |
 //! |---|---|---|
@@ -44,9 +44,9 @@
 //! pinned. Otherwise the call returns [`AdmitError`] and changes nothing. (For S3FIFO the
 //! limit is conservative: some pinned blocks may still sit in small.)
 //!
-//! Layout: [`config`] (configuration and its validation), [`block_cache`] (the request-level
-//! rules above), [`lru`], [`lfu`], [`s3fifo`] (one policy each), and [`slab`] (the
-//! index-linked lists and hash map the policies share).
+//! Layout: `config.rs` (configuration and its validation), `block_cache.rs` (the
+//! request-level rules above), `lru.rs`, `lfu.rs`, `s3fifo.rs` (one policy each), and
+//! `slab.rs` (the index-linked lists and hash map the policies share).
 
 mod block_cache;
 mod config;
