@@ -11,11 +11,14 @@
 //!   send), decoded leniently; encoded as vLLM 0.33 does, for simulated replicas.
 //! - `openai` (feature `openai`): OpenAI request parsing, tokenizers and chat templates,
 //!   so the router and the replica agent compute the same token ids for a request.
-//! - [`cli`] (feature `cli`): layered flags > env > TOML file > defaults for the binaries.
+//! - [`cli`] (feature `cli`): layered flags > env > TOML file > defaults for the binaries;
+//!   [`process`]: their logging setup and SIGTERM/SIGINT handling.
 #![forbid(unsafe_code)]
 
 #[cfg(feature = "cli")]
 pub mod cli;
+#[cfg(feature = "cli")]
+pub mod process;
 
 pub mod framing;
 pub mod hash;

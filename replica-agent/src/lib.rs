@@ -7,4 +7,9 @@
 #![forbid(unsafe_code)]
 
 pub mod cache;
+pub mod config;
+pub mod engine;
+pub mod grpc;
 pub mod publisher;
+
+pub use config::Config;

@@ -1,0 +1,44 @@
+//! Process plumbing shared by kvroute's binaries: logging setup and signal handling.
+
+use tokio_util::sync::CancellationToken;
+
+/// Logs to stderr through `tracing`, filtered by `RUST_LOG` (default `info`); set
+/// `KVROUTE_LOG_FORMAT=json` for one JSON object per line.
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let result = if std::env::var("KVROUTE_LOG_FORMAT").is_ok_and(|f| f == "json") {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+    if let Err(e) = result {
+        eprintln!("logging was already set up: {e}");
+    }
+}
+
+/// Cancels `token` on the first SIGTERM or SIGINT (Ctrl-C), so every task drains.
+pub async fn cancel_on_signal(token: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the process");
+                let _ = ctrl_c.await;
+                token.cancel();
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutdown requested");
+    token.cancel();
+}

@@ -1,0 +1,262 @@
+//! The replica agent's configuration: every knob is a flag with an environment variable
+//! (`KVROUTE_AGENT_*`), and may also come from a TOML file given with `--config` (keys are
+//! the flag names: `block-size = 16`). Flags win over the environment, which wins over the
+//! file, which wins over the defaults. [`Config::validate`] reports every problem at once.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Parser;
+use serde::{Deserialize, Serialize};
+
+use crate::cache::PolicyKind;
+use crate::engine::TimingModel;
+use crate::publisher::EventFormat;
+
+/// A simulated vLLM-like inference replica with an exact block-level prefix cache.
+#[derive(Parser, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[command(name = "kvroute-agent", version, about, long_about = None)]
+#[serde(rename_all = "kebab-case")]
+pub struct Config {
+    /// TOML file with any of these settings (keys spelled like the flags).
+    #[arg(long, env = "KVROUTE_AGENT_CONFIG")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config: Option<PathBuf>,
+
+    /// Replica name, published in every event batch and in Info.
+    #[arg(long, env = "KVROUTE_AGENT_NAME", default_value = "agent-0")]
+    pub name: String,
+    /// Served model name (`GET /v1/models`, the cache namespace's model).
+    #[arg(long, env = "KVROUTE_AGENT_MODEL", default_value = "kvroute-sim")]
+    pub model: String,
+    /// LoRA adapter names this replica serves, besides the base model (comma-separated).
+    #[arg(long, env = "KVROUTE_AGENT_LORA_ADAPTERS", value_delimiter = ',')]
+    #[serde(default)]
+    pub lora_adapters: Vec<String>,
+
+    /// OpenAI-compatible HTTP API address.
+    #[arg(long, env = "KVROUTE_AGENT_HTTP_ADDR", default_value = "127.0.0.1:8000")]
+    pub http_addr: SocketAddr,
+    /// gRPC ReplicaAgent service address (Info, Snapshot, Stats).
+    #[arg(long, env = "KVROUTE_AGENT_GRPC_ADDR", default_value = "127.0.0.1:50051")]
+    pub grpc_addr: SocketAddr,
+    /// ZeroMQ PUB endpoint for KV events (bound).
+    #[arg(long, env = "KVROUTE_AGENT_EVENTS_ENDPOINT", default_value = "tcp://127.0.0.1:5557")]
+    pub events_endpoint: String,
+    /// ZeroMQ ROUTER endpoint answering replay requests; empty disables replay.
+    #[arg(long, env = "KVROUTE_AGENT_REPLAY_ENDPOINT", default_value = "tcp://127.0.0.1:5558")]
+    pub replay_endpoint: String,
+    /// Frame 0 of every event message.
+    #[arg(long, env = "KVROUTE_AGENT_TOPIC", default_value = "kv-events")]
+    pub topic: String,
+    /// Event payload encoding: kvroute's protobuf, or vLLM's msgpack.
+    #[arg(long, env = "KVROUTE_AGENT_EVENT_FORMAT", value_enum, default_value_t = EventFormat::Kvroute)]
+    pub event_format: EventFormat,
+    /// Event batches kept for replay.
+    #[arg(long, env = "KVROUTE_AGENT_BUFFER_STEPS", default_value_t = 10_000)]
+    pub buffer_steps: usize,
+
+    /// Tokens per KV block (vLLM's default is 16).
+    #[arg(long, env = "KVROUTE_AGENT_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: u32,
+    /// Prefix-cache capacity in blocks.
+    #[arg(long, env = "KVROUTE_AGENT_CAPACITY_BLOCKS", default_value_t = 8192)]
+    pub capacity_blocks: usize,
+    /// Eviction policy.
+    #[arg(long, env = "KVROUTE_AGENT_POLICY", value_enum, default_value_t = PolicyKind::Lru)]
+    pub policy: PolicyKind,
+    /// S3FIFO: share of the capacity given to the small queue.
+    #[arg(long, env = "KVROUTE_AGENT_S3FIFO_SMALL_RATIO", default_value_t = 0.1)]
+    pub s3fifo_small_ratio: f64,
+    /// S3FIFO: saturation value of the per-block frequency counter.
+    #[arg(long, env = "KVROUTE_AGENT_S3FIFO_MAX_FREQ", default_value_t = 3)]
+    pub s3fifo_max_freq: u8,
+
+    /// Longest prompt plus completion accepted, in tokens.
+    #[arg(long, env = "KVROUTE_AGENT_MAX_MODEL_LEN", default_value_t = 32_768)]
+    pub max_model_len: u32,
+    /// Most sequences running at once (continuous batching).
+    #[arg(long, env = "KVROUTE_AGENT_MAX_NUM_SEQS", default_value_t = 256)]
+    pub max_num_seqs: u32,
+    /// Token budget of one step: decode tokens plus prefill chunks.
+    #[arg(long, env = "KVROUTE_AGENT_MAX_NUM_BATCHED_TOKENS", default_value_t = 8192)]
+    pub max_num_batched_tokens: u32,
+    /// Completion length when a request sets no max_tokens.
+    #[arg(long, env = "KVROUTE_AGENT_DEFAULT_MAX_TOKENS", default_value_t = 16)]
+    pub default_max_tokens: u32,
+    /// Most requests waiting for admission before new ones get 503.
+    #[arg(long, env = "KVROUTE_AGENT_MAX_WAITING", default_value_t = 4096)]
+    pub max_waiting: usize,
+
+    /// HuggingFace tokenizer.json; the built-in tokenizer when absent.
+    #[arg(long, env = "KVROUTE_AGENT_TOKENIZER")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+    /// Jinja chat template file (or a tokenizer_config.json holding `chat_template`).
+    #[arg(long, env = "KVROUTE_AGENT_CHAT_TEMPLATE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<PathBuf>,
+
+    /// Simulated seconds per wall-clock second (20 = every latency divided by 20).
+    #[arg(long, env = "KVROUTE_AGENT_TIME_SCALE", default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Fixed cost of one engine step, microseconds.
+    #[arg(long, env = "KVROUTE_AGENT_STEP_BASE_US", default_value_t = 6_000)]
+    pub step_base_us: u64,
+    /// Prefill cost per uncached prompt token, microseconds.
+    #[arg(long, env = "KVROUTE_AGENT_PREFILL_US_PER_TOKEN", default_value_t = 70)]
+    pub prefill_us_per_token: u64,
+    /// Decode cost per running sequence per step, microseconds.
+    #[arg(long, env = "KVROUTE_AGENT_DECODE_US_PER_SEQ", default_value_t = 60)]
+    pub decode_us_per_seq: u64,
+    /// Seed of the generated text (same prompt and seed, same text).
+    #[arg(long, env = "KVROUTE_AGENT_SEED", default_value_t = 0)]
+    pub seed: u64,
+
+    /// Seconds in-flight requests get to finish after SIGTERM.
+    #[arg(long, env = "KVROUTE_AGENT_SHUTDOWN_GRACE_SECS", default_value_t = 30)]
+    pub shutdown_grace_secs: u64,
+    /// Largest accepted request body, bytes.
+    #[arg(long, env = "KVROUTE_AGENT_MAX_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+}
+
+impl kvroute_proto::cli::Layered for Config {
+    fn config_file(&self) -> Option<&Path> {
+        self.config.as_deref()
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::parse_from(["kvroute-agent"])
+    }
+}
+
+impl Config {
+    /// A config for tests and embedded fleets: every socket on 127.0.0.1 port 0.
+    pub fn loopback(name: impl Into<String>) -> Self {
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
+        Config {
+            name: name.into(),
+            http_addr: any,
+            grpc_addr: any,
+            events_endpoint: "tcp://127.0.0.1:0".into(),
+            replay_endpoint: "tcp://127.0.0.1:0".into(),
+            ..Config::default()
+        }
+    }
+
+    /// Every problem with the settings, or `Ok` if there is none.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut errors = Vec::new();
+        let mut check = |ok: bool, msg: String| {
+            if !ok {
+                errors.push(msg);
+            }
+        };
+        check(!self.name.is_empty(), "--name must not be empty".into());
+        check(!self.model.is_empty(), "--model must not be empty".into());
+        check(self.block_size > 0, "--block-size must be at least 1".into());
+        check(self.capacity_blocks > 0, "--capacity-blocks must be at least 1".into());
+        check(
+            self.s3fifo_small_ratio > 0.0 && self.s3fifo_small_ratio < 1.0,
+            format!("--s3fifo-small-ratio must be in (0, 1), got {}", self.s3fifo_small_ratio),
+        );
+        check(self.s3fifo_max_freq > 0, "--s3fifo-max-freq must be at least 1".into());
+        check(self.max_model_len > 0, "--max-model-len must be at least 1".into());
+        check(self.max_num_seqs > 0, "--max-num-seqs must be at least 1".into());
+        check(
+            self.max_num_batched_tokens >= self.block_size.max(1),
+            format!(
+                "--max-num-batched-tokens ({}) must be at least the block size ({})",
+                self.max_num_batched_tokens, self.block_size
+            ),
+        );
+        check(self.max_waiting > 0, "--max-waiting must be at least 1".into());
+        check(
+            self.time_scale.is_finite() && self.time_scale > 0.0,
+            format!("--time-scale must be a positive number, got {}", self.time_scale),
+        );
+        check(
+            self.events_endpoint.contains("://"),
+            format!("--events-endpoint {:?} is not a ZeroMQ endpoint", self.events_endpoint),
+        );
+        check(
+            self.replay_endpoint.is_empty() || self.replay_endpoint.contains("://"),
+            format!("--replay-endpoint {:?} is not a ZeroMQ endpoint", self.replay_endpoint),
+        );
+        for (flag, path) in [("--tokenizer", &self.tokenizer), ("--chat-template", &self.chat_template)] {
+            if let Some(p) = path {
+                check(p.is_file(), format!("{flag} {} is not a readable file", p.display()));
+            }
+        }
+        check(
+            !self.lora_adapters.contains(&self.model),
+            "--lora-adapters must not name the base model".into(),
+        );
+        if errors.is_empty() { Ok(()) } else { Err(errors) }
+    }
+
+    /// The step-time model these settings describe.
+    pub fn timing(&self) -> TimingModel {
+        TimingModel {
+            step_base: Duration::from_micros(self.step_base_us),
+            prefill_per_token: Duration::from_micros(self.prefill_us_per_token),
+            decode_per_seq: Duration::from_micros(self.decode_us_per_seq),
+            time_scale: self.time_scale,
+        }
+    }
+
+    /// The replay endpoint, if replay is enabled.
+    pub fn replay(&self) -> Option<&str> {
+        (!self.replay_endpoint.is_empty()).then_some(self.replay_endpoint.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        assert_eq!(Config::default().validate(), Ok(()));
+        assert_eq!(Config::loopback("a").validate(), Ok(()));
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once() {
+        let c = Config {
+            block_size: 0,
+            capacity_blocks: 0,
+            time_scale: -1.0,
+            s3fifo_small_ratio: 1.5,
+            events_endpoint: "nowhere".into(),
+            tokenizer: Some("/nonexistent/tokenizer.json".into()),
+            ..Config::default()
+        };
+        let errors = c.validate().unwrap_err();
+        assert_eq!(errors.len(), 6, "{errors:#?}");
+    }
+
+    #[test]
+    fn flags_parse_with_enums() {
+        let c = kvroute_proto::cli::parse_from::<Config, _, _>([
+            "kvroute-agent",
+            "--policy",
+            "s3fifo",
+            "--event-format",
+            "vllm",
+            "--lora-adapters",
+            "a,b",
+        ])
+        .unwrap();
+        assert_eq!(c.policy, PolicyKind::S3fifo);
+        assert_eq!(c.event_format, EventFormat::Vllm);
+        assert_eq!(c.lora_adapters, vec!["a".to_string(), "b".to_string()]);
+        assert!(
+            kvroute_proto::cli::parse_from::<Config, _, _>(["kvroute-agent", "--policy", "fifo"]).is_err()
+        );
+    }
+}

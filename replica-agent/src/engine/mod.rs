@@ -1,0 +1,274 @@
+//! The simulated inference engine: continuous batching over an exact block cache.
+//!
+//! One scheduler task owns the waiting queue and the running batch. Every step it
+//! 1. admits waiting requests in arrival order while fewer than `max_num_seqs` run: each
+//!    admission is a [`BlockCache::start_request`] (seed-000 prefix hit, every block accessed,
+//!    all of the request's blocks pinned until it finishes); a request whose blocks cannot be
+//!    pinned yet waits at the head of the queue, as vLLM's scheduler does when KV blocks run
+//!    out;
+//! 2. spends the step's token budget (`max_num_batched_tokens`) on one decode token per
+//!    running sequence, then on prefill chunks of the uncached prompt tokens (chunked
+//!    prefill, oldest request first);
+//! 3. publishes the step's cache changes as one `EventBatch` (seq assigned under the cache
+//!    lock, so a snapshot knows which seq it is consistent with);
+//! 4. waits the step's duration from the [`TimingModel`] and emits the tokens: a request whose
+//!    prefill completed gets its first token, decoding ones their next, finished ones their
+//!    usage, and their pins are released.
+//!
+//! Only prompt blocks are cached (vLLM also caches full blocks of generated tokens; the
+//! simulated text is not meant to be re-sent verbatim, so those blocks would never hit).
+//! Blocks become resident when the request is admitted rather than chunk by chunk as the
+//! prefill proceeds: a request arriving mid-prefill of a shared prefix already hits it, where
+//! vLLM would recompute it. Both simplifications are on the side of the seed-000 replay, which
+//! is the reference the offline simulator reproduces.
+
+mod scheduler;
+mod textgen;
+mod timing;
+
+pub use textgen::TextGen;
+pub use timing::TimingModel;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvroute_proto::pb::{self, SnapshotBlock};
+use kvroute_proto::{BlockHash, Epoch};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::cache::{BlockCache, CacheConfig, ClearError};
+use crate::publisher::Publisher;
+
+/// Settings of the scheduler.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub replica: String,
+    pub epoch: Epoch,
+    pub cache: CacheConfig,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_waiting: usize,
+    pub timing: TimingModel,
+    pub seed: u64,
+    /// How long in-flight requests may keep running after shutdown is requested.
+    pub shutdown_grace: std::time::Duration,
+}
+
+/// One generation request, already tokenized and hashed.
+#[derive(Debug)]
+pub struct Job {
+    pub prompt: Vec<u32>,
+    /// Chained hashes of the prompt's full blocks.
+    pub hashes: Vec<BlockHash>,
+    pub max_tokens: u32,
+}
+
+/// What the engine sends back for one job, in order: `Started`, `Token`s, then `Done` or
+/// `Failed`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Output {
+    /// Admitted: this many prompt tokens were served from the prefix cache.
+    Started {
+        cached_tokens: u32,
+    },
+    Token(&'static str),
+    Done(Usage),
+    /// The request cannot run (too large for the cache, or the engine is shutting down).
+    Failed(String),
+}
+
+/// Token accounting of a finished request, as OpenAI's `usage` reports it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+/// Why a job was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the replica has {0} requests waiting; try again later")]
+    Overloaded(usize),
+    #[error("the replica is shutting down")]
+    ShuttingDown,
+}
+
+/// Counters and gauges, readable without the cache lock.
+#[derive(Debug, Default)]
+pub struct EngineMetrics {
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+    pub requests_served: AtomicU64,
+    pub requests_failed: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub generation_tokens: AtomicU64,
+    /// vLLM's `prefix_cache_queries` / `prefix_cache_hits`, in tokens.
+    pub prefix_cache_queries: AtomicU64,
+    pub prefix_cache_hits: AtomicU64,
+    pub resident_blocks: AtomicU64,
+    pub pending_prefill_tokens: AtomicU64,
+    pub events_published: AtomicU64,
+    pub steps: AtomicU64,
+}
+
+/// The cache and what the engine knows about each resident block, behind one lock.
+pub(crate) struct CacheState {
+    pub cache: BlockCache,
+    pub blocks: HashMap<BlockHash, BlockMeta>,
+    /// Seq of the next published batch.
+    pub next_seq: u64,
+}
+
+/// What a snapshot needs to describe a resident block.
+pub(crate) struct BlockMeta {
+    pub parent: Option<BlockHash>,
+    pub tokens: Box<[u32]>,
+    /// Position in its chain (0 for a prompt's first block): sorting by it puts parents first.
+    pub depth: u32,
+}
+
+/// A consistent copy of the cache: every resident block, parent first, as of `seq`.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// Seq of the newest batch whose changes the snapshot includes (`None`: none yet).
+    pub seq: Option<u64>,
+    pub blocks: Vec<SnapshotBlock>,
+}
+
+pub(crate) enum Control {
+    Run(Job, mpsc::Sender<Output>),
+    Reset(oneshot::Sender<Result<usize, ClearError>>),
+}
+
+/// A handle to the engine; cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    tx: mpsc::Sender<Control>,
+    state: Arc<Mutex<CacheState>>,
+    metrics: Arc<EngineMetrics>,
+    config: Arc<EngineConfig>,
+    accepting: CancellationToken,
+}
+
+impl Engine {
+    /// Starts the scheduler on `tracker`. After `shutdown` fires it accepts nothing new,
+    /// finishes what runs within the grace period and fails the rest.
+    pub fn start(
+        config: EngineConfig,
+        publisher: Publisher,
+        tracker: &TaskTracker,
+        shutdown: CancellationToken,
+    ) -> Result<Engine, crate::cache::ConfigError> {
+        let cache = BlockCache::new(&config.cache)?;
+        let state = Arc::new(Mutex::new(CacheState { cache, blocks: HashMap::new(), next_seq: 0 }));
+        let metrics = Arc::new(EngineMetrics::default());
+        let config = Arc::new(config);
+        let (tx, rx) = mpsc::channel(config.max_waiting.max(1));
+        let accepting = shutdown.child_token();
+        tracker.spawn(
+            scheduler::Scheduler::new(config.clone(), state.clone(), metrics.clone(), publisher, rx)
+                .run(shutdown),
+        );
+        Ok(Engine { tx, state, metrics, config, accepting })
+    }
+
+    /// Queues a job; its outputs arrive on the returned channel.
+    pub fn submit(&self, job: Job) -> Result<mpsc::Receiver<Output>, SubmitError> {
+        if self.accepting.is_cancelled() {
+            return Err(SubmitError::ShuttingDown);
+        }
+        // Room for every output of the job, so the scheduler never waits on a slow client.
+        let (out, rx) = mpsc::channel(job.max_tokens as usize + 3);
+        self.tx.try_send(Control::Run(job, out)).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => SubmitError::Overloaded(self.config.max_waiting),
+            mpsc::error::TrySendError::Closed(_) => SubmitError::ShuttingDown,
+        })?;
+        self.metrics.waiting.fetch_add(1, Ordering::Relaxed);
+        Ok(rx)
+    }
+
+    /// Drops the whole prefix cache and publishes `AllBlocksCleared`; refused while running
+    /// requests hold blocks (as vLLM refuses). Returns how many blocks were dropped.
+    pub async fn reset_prefix_cache(&self) -> Result<usize, ResetError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Control::Reset(tx)).await.map_err(|_| ResetError::ShuttingDown)?;
+        rx.await.map_err(|_| ResetError::ShuttingDown)?.map_err(ResetError::Busy)
+    }
+
+    /// Every resident block, parents first, and the seq the copy is consistent with.
+    pub fn snapshot(&self, include_tokens: bool) -> Snapshot {
+        let state = self.lock();
+        let mut blocks: Vec<(&BlockHash, &BlockMeta)> = state.blocks.iter().collect();
+        blocks.sort_unstable_by_key(|(hash, meta)| (meta.depth, **hash));
+        Snapshot {
+            seq: state.next_seq.checked_sub(1),
+            blocks: blocks
+                .into_iter()
+                .map(|(hash, meta)| SnapshotBlock {
+                    hash: hash.0,
+                    parent: meta.parent.map(|p| p.0),
+                    token_ids: if include_tokens { meta.tokens.to_vec() } else { Vec::new() },
+                })
+                .collect(),
+        }
+    }
+
+    /// Resident block hashes (for tests and stats).
+    pub fn resident(&self) -> Vec<BlockHash> {
+        self.lock().cache.resident().collect()
+    }
+
+    pub fn metrics(&self) -> &EngineMetrics {
+        &self.metrics
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Seq of the newest published batch, if any.
+    pub fn last_seq(&self) -> Option<u64> {
+        self.lock().next_seq.checked_sub(1)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, CacheState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stats in the gRPC shape.
+    pub fn stats(&self) -> pb::StatsResponse {
+        let m = &self.metrics;
+        let last = self.last_seq();
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        pb::StatsResponse {
+            epoch: self.config.epoch.0,
+            resident_blocks: load(&m.resident_blocks),
+            capacity_blocks: self.config.cache.capacity_blocks as u64,
+            running: load(&m.running) as u32,
+            waiting: load(&m.waiting) as u32,
+            requests_served: load(&m.requests_served),
+            prefix_cache_queries_tokens: load(&m.prefix_cache_queries),
+            prefix_cache_hits_tokens: load(&m.prefix_cache_hits),
+            events_published: load(&m.events_published),
+            last_seq: last.unwrap_or(0),
+            has_seq: last.is_some(),
+            pending_prefill_tokens: load(&m.pending_prefill_tokens),
+        }
+    }
+}
+
+/// Why the cache could not be reset.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResetError {
+    #[error(transparent)]
+    Busy(ClearError),
+    #[error("the replica is shutting down")]
+    ShuttingDown,
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,367 @@
+//! The scheduler task: the step loop described in [`super`].
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use kvroute_proto::BlockHash;
+use kvroute_proto::pb::{self, event};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::{BlockMeta, CacheState, Control, EngineConfig, EngineMetrics, Job, Output, TextGen, Usage};
+use crate::cache::{AdmitError, CacheEvent};
+use crate::publisher::Publisher;
+
+struct Pending {
+    job: Job,
+    out: mpsc::Sender<Output>,
+}
+
+struct Running {
+    job: Job,
+    out: mpsc::Sender<Output>,
+    cached_tokens: u32,
+    /// Prompt tokens still to compute (at least one: the last prompt token is always run to
+    /// produce the first output token, even on a full hit).
+    prefill_left: usize,
+    generated: u32,
+    text: TextGen,
+    /// Set when the client went away or the request failed; dropped at the end of the step.
+    gone: bool,
+}
+
+pub(super) struct Scheduler {
+    config: Arc<EngineConfig>,
+    state: Arc<Mutex<CacheState>>,
+    metrics: Arc<EngineMetrics>,
+    publisher: Publisher,
+    rx: mpsc::Receiver<Control>,
+    waiting: VecDeque<Pending>,
+    running: Vec<Running>,
+    /// Cache changes of the current step, in order, as protobuf events.
+    events: Vec<pb::Event>,
+    scratch: Vec<CacheEvent>,
+    /// When the current step ends on the wall clock; steps are laid end to end so that short
+    /// steps under a large time scale keep their average length despite timer granularity.
+    clock: Instant,
+}
+
+impl Scheduler {
+    pub(super) fn new(
+        config: Arc<EngineConfig>,
+        state: Arc<Mutex<CacheState>>,
+        metrics: Arc<EngineMetrics>,
+        publisher: Publisher,
+        rx: mpsc::Receiver<Control>,
+    ) -> Self {
+        Self {
+            config,
+            state,
+            metrics,
+            publisher,
+            rx,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            events: Vec::new(),
+            scratch: Vec::new(),
+            clock: Instant::now(),
+        }
+    }
+
+    pub(super) async fn run(mut self, shutdown: CancellationToken) {
+        let mut grace_deadline = None;
+        loop {
+            if grace_deadline.is_none() && shutdown.is_cancelled() {
+                grace_deadline = Some(Instant::now() + self.config.shutdown_grace);
+                self.rx.close();
+                while let Ok(control) = self.rx.try_recv() {
+                    self.intake(control);
+                }
+                for p in self.waiting.drain(..) {
+                    self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
+                    self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+                    let _ = p.out.try_send(Output::Failed("the replica is shutting down".into()));
+                }
+            }
+            if self.running.is_empty() && self.waiting.is_empty() {
+                if grace_deadline.is_some() {
+                    break;
+                }
+                tokio::select! {
+                    control = self.rx.recv() => match control {
+                        Some(control) => self.intake(control),
+                        None => break,
+                    },
+                    () = shutdown.cancelled() => continue,
+                }
+                self.clock = Instant::now();
+            }
+            while let Ok(control) = self.rx.try_recv() {
+                self.intake(control);
+            }
+            if grace_deadline.is_some_and(|d| Instant::now() >= d) {
+                self.fail_running("the replica shut down before the request finished");
+                self.flush_events().await;
+                break;
+            }
+            self.admit();
+            self.flush_events().await;
+            if self.running.is_empty() {
+                continue;
+            }
+            self.step().await;
+        }
+        self.flush_events().await;
+    }
+
+    fn intake(&mut self, control: Control) {
+        match control {
+            Control::Run(job, out) => self.waiting.push_back(Pending { job, out }),
+            Control::Reset(reply) => {
+                let result = {
+                    let mut state = lock(&self.state);
+                    let result = state.cache.clear();
+                    if result.is_ok() {
+                        state.blocks.clear();
+                        self.metrics.resident_blocks.store(0, Ordering::Relaxed);
+                        self.events
+                            .push(pb::Event { kind: Some(event::Kind::Cleared(pb::AllBlocksCleared {})) });
+                    }
+                    result
+                };
+                let _ = reply.send(result);
+            }
+        }
+    }
+
+    /// Moves waiting requests into the batch while there is room and their blocks can be
+    /// pinned.
+    fn admit(&mut self) {
+        let block_size = self.config.cache.block_size;
+        while self.running.len() < self.config.max_num_seqs {
+            let Some(pending) = self.waiting.front() else { break };
+            if pending.out.is_closed() {
+                self.waiting.pop_front();
+                self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
+                continue;
+            }
+            let job = &pending.job;
+            self.scratch.clear();
+            let outcome = {
+                let mut state = lock(&self.state);
+                let outcome = state.cache.start_request(&job.hashes, job.prompt.len(), &mut self.scratch);
+                if outcome.is_ok() {
+                    record_events(&mut state, &mut self.events, &self.scratch, job, block_size);
+                    self.metrics.resident_blocks.store(state.cache.len() as u64, Ordering::Relaxed);
+                }
+                outcome
+            };
+            match outcome {
+                Ok(outcome) => {
+                    let Pending { job, out } = self.waiting.pop_front().expect("front exists");
+                    self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
+                    self.metrics.prefix_cache_queries.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+                    self.metrics.prefix_cache_hits.fetch_add(outcome.hit_tokens as u64, Ordering::Relaxed);
+                    self.metrics.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+                    let cached_tokens = outcome.hit_tokens as u32;
+                    let gone = out.try_send(Output::Started { cached_tokens }).is_err();
+                    self.running.push(Running {
+                        prefill_left: (job.prompt.len() - outcome.hit_tokens).max(1),
+                        text: TextGen::new(&job.prompt, self.config.seed),
+                        job,
+                        out,
+                        cached_tokens,
+                        generated: 0,
+                        gone,
+                    });
+                }
+                Err(AdmitError::MustWait { .. }) => break,
+                Err(e @ AdmitError::TooLarge { .. }) => {
+                    let Pending { out, .. } = self.waiting.pop_front().expect("front exists");
+                    self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
+                    self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+                    let _ = out.try_send(Output::Failed(e.to_string()));
+                }
+            }
+        }
+        self.metrics.running.store(self.running.len() as u64, Ordering::Relaxed);
+        self.update_pending();
+    }
+
+    /// Runs one step: plans the token budget, waits the step's duration, emits tokens.
+    async fn step(&mut self) {
+        let mut budget = self.config.max_num_batched_tokens;
+        let decoding: Vec<bool> = self.running.iter().map(|r| r.prefill_left == 0).collect();
+        let n_decoding = decoding.iter().filter(|d| **d).count();
+        budget = budget.saturating_sub(n_decoding);
+        let mut chunks = vec![0usize; self.running.len()];
+        let mut prefill_tokens = 0usize;
+        for (r, chunk) in self.running.iter().zip(chunks.iter_mut()) {
+            if r.prefill_left > 0 && budget > 0 {
+                *chunk = r.prefill_left.min(budget);
+                budget -= *chunk;
+                prefill_tokens += *chunk;
+            }
+        }
+        let simulated = self.config.timing.step(prefill_tokens as u64, n_decoding as u64);
+        let wall = self.config.timing.wall(simulated);
+        // Never more than one step behind: after idling, the next step takes its full time.
+        let now = Instant::now();
+        self.clock = self.clock.max(now.checked_sub(wall).unwrap_or(now)) + wall;
+        tokio::time::sleep_until(self.clock).await;
+        self.metrics.steps.fetch_add(1, Ordering::Relaxed);
+
+        for ((r, chunk), was_decoding) in self.running.iter_mut().zip(chunks).zip(decoding) {
+            let emits = if was_decoding {
+                true
+            } else if chunk > 0 {
+                r.prefill_left -= chunk;
+                r.prefill_left == 0
+            } else {
+                false
+            };
+            if emits && r.generated < r.job.max_tokens {
+                r.generated += 1;
+                if r.out.try_send(Output::Token(r.text.next_token())).is_err() {
+                    r.gone = true;
+                }
+            }
+            if r.prefill_left == 0 && r.generated >= r.job.max_tokens && !r.gone {
+                let usage = Usage {
+                    prompt_tokens: r.job.prompt.len() as u32,
+                    completion_tokens: r.generated,
+                    cached_tokens: r.cached_tokens,
+                };
+                let _ = r.out.try_send(Output::Done(usage));
+                self.metrics.requests_served.fetch_add(1, Ordering::Relaxed);
+                self.metrics.generation_tokens.fetch_add(u64::from(r.generated), Ordering::Relaxed);
+                r.gone = true;
+            }
+        }
+        self.release_finished();
+    }
+
+    fn release_finished(&mut self) {
+        let mut state = lock(&self.state);
+        self.running.retain(|r| {
+            if r.gone
+                && let Err(e) = state.cache.finish_request(&r.job.hashes)
+            {
+                tracing::error!(error = %e, "unpinning a finished request");
+            }
+            !r.gone
+        });
+        drop(state);
+        self.metrics.running.store(self.running.len() as u64, Ordering::Relaxed);
+        self.update_pending();
+    }
+
+    fn fail_running(&mut self, why: &str) {
+        for r in &mut self.running {
+            let _ = r.out.try_send(Output::Failed(why.to_owned()));
+            self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+            r.gone = true;
+        }
+        self.release_finished();
+    }
+
+    fn update_pending(&self) {
+        let pending: usize = self.running.iter().map(|r| r.prefill_left).sum::<usize>()
+            + self.waiting.iter().map(|p| p.job.prompt.len()).sum::<usize>();
+        self.metrics.pending_prefill_tokens.store(pending as u64, Ordering::Relaxed);
+    }
+
+    /// Publishes the step's events as one batch, its seq taken under the cache lock.
+    async fn flush_events(&mut self) {
+        if self.events.is_empty() {
+            return;
+        }
+        let events = std::mem::take(&mut self.events);
+        let seq = {
+            let mut state = lock(&self.state);
+            let seq = state.next_seq;
+            state.next_seq += 1;
+            seq
+        };
+        let ts_unix_nanos = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let batch = pb::EventBatch {
+            replica: self.config.replica.clone(),
+            epoch: self.config.epoch.0,
+            seq,
+            ts_unix_nanos,
+            block_size: self.config.cache.block_size as u32,
+            dp_rank: 0,
+            events,
+        };
+        self.metrics.events_published.fetch_add(batch.events.len() as u64, Ordering::Relaxed);
+        if !self.publisher.publish(batch).await {
+            tracing::warn!(seq, "event publisher has stopped; batch dropped");
+        }
+    }
+}
+
+fn lock(state: &Mutex<CacheState>) -> std::sync::MutexGuard<'_, CacheState> {
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Turns one admission's residency changes into protobuf events (runs of stored blocks of
+/// one chain become one `BlockStored`, runs of removals one `BlockRemoved`) and keeps the
+/// per-block metadata a snapshot needs.
+fn record_events(
+    state: &mut CacheState,
+    events: &mut Vec<pb::Event>,
+    changes: &[CacheEvent],
+    job: &Job,
+    block_size: usize,
+) {
+    let mut cursor = 0;
+    for change in changes {
+        match *change {
+            CacheEvent::Removed(block) => {
+                state.blocks.remove(&block);
+                if let Some(pb::Event { kind: Some(event::Kind::Removed(r)) }) = events.last_mut() {
+                    r.block_hashes.push(block.0);
+                } else {
+                    events.push(pb::Event {
+                        kind: Some(event::Kind::Removed(pb::BlockRemoved { block_hashes: vec![block.0] })),
+                    });
+                }
+            }
+            CacheEvent::Stored { block, parent } => {
+                let Some(offset) = job.hashes[cursor..].iter().position(|h| *h == block) else {
+                    tracing::error!(%block, "stored block is not in the request");
+                    continue;
+                };
+                let index = cursor + offset;
+                cursor = index + 1;
+                let tokens = &job.prompt[index * block_size..(index + 1) * block_size];
+                state.blocks.insert(block, BlockMeta { parent, tokens: tokens.into(), depth: index as u32 });
+                let extends_last = matches!(
+                    events.last(),
+                    Some(pb::Event { kind: Some(event::Kind::Stored(s)) })
+                        if s.block_hashes.last().copied() == parent.map(|p| p.0)
+                );
+                if let (true, Some(pb::Event { kind: Some(event::Kind::Stored(s)) })) =
+                    (extends_last, events.last_mut())
+                {
+                    s.block_hashes.push(block.0);
+                    s.token_ids.extend_from_slice(tokens);
+                } else {
+                    events.push(pb::Event {
+                        kind: Some(event::Kind::Stored(pb::BlockStored {
+                            block_hashes: vec![block.0],
+                            parent_block_hash: parent.map(|p: BlockHash| p.0),
+                            token_ids: tokens.to_vec(),
+                        })),
+                    });
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! The engine with a real publisher on loopback: seed-000 hits, events, snapshots, pinning.
+
+use super::*;
+use crate::cache::PolicyKind;
+use crate::publisher::{Publisher, PublisherConfig};
+use kvroute_proto::CacheNamespace;
+use std::time::Duration;
+
+async fn engine(capacity: usize, max_num_seqs: usize) -> (Engine, CancellationToken) {
+    let shutdown = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let (publisher, _) =
+        Publisher::bind(PublisherConfig::default(), "tcp://127.0.0.1:0", None, &tracker, shutdown.clone())
+            .await
+            .unwrap();
+    let config = EngineConfig {
+        replica: "r".into(),
+        epoch: Epoch(1),
+        cache: CacheConfig {
+            capacity_blocks: capacity,
+            block_size: 4,
+            policy: PolicyKind::Lru,
+            s3fifo: Default::default(),
+        },
+        max_num_seqs,
+        max_num_batched_tokens: 64,
+        max_waiting: 100,
+        timing: TimingModel { time_scale: 1000.0, ..TimingModel::default() },
+        seed: 0,
+        shutdown_grace: Duration::from_secs(5),
+    };
+    (Engine::start(config, publisher, &tracker, shutdown.clone()).unwrap(), shutdown)
+}
+
+fn job(tokens: Vec<u32>, max_tokens: u32) -> Job {
+    let hashes = CacheNamespace::new("m").chain(&tokens, 4);
+    Job { prompt: tokens, hashes, max_tokens }
+}
+
+async fn run(engine: &Engine, job: Job) -> (Vec<Output>, Usage) {
+    let mut rx = engine.submit(job).unwrap();
+    let mut outputs = Vec::new();
+    while let Some(o) = rx.recv().await {
+        let done = matches!(o, Output::Done(_) | Output::Failed(_));
+        outputs.push(o);
+        if done {
+            break;
+        }
+    }
+    let Some(Output::Done(usage)) = outputs.last().cloned() else { panic!("not done: {outputs:?}") };
+    (outputs, usage)
+}
+
+#[tokio::test]
+async fn repeated_prompt_hits_its_full_blocks() {
+    let (engine, _shutdown) = engine(64, 8).await;
+    let prompt: Vec<u32> = (0..18).collect(); // 4 full blocks + 2 tokens
+    let (outputs, first) = run(&engine, job(prompt.clone(), 5)).await;
+    assert_eq!(first, Usage { prompt_tokens: 18, completion_tokens: 5, cached_tokens: 0 });
+    assert_eq!(outputs.iter().filter(|o| matches!(o, Output::Token(_))).count(), 5);
+    let (_, second) = run(&engine, job(prompt.clone(), 5)).await;
+    assert_eq!(second.cached_tokens, 16, "min(4 * 4, 18)");
+    // A prompt sharing two blocks then diverging hits exactly two.
+    let mut other = prompt[..8].to_vec();
+    other.extend([100, 101, 102, 103, 104]);
+    let (_, third) = run(&engine, job(other, 1)).await;
+    assert_eq!(third.cached_tokens, 8);
+    let m = engine.metrics();
+    assert_eq!(m.prefix_cache_queries.load(Ordering::Relaxed), 18 + 18 + 13);
+    assert_eq!(m.prefix_cache_hits.load(Ordering::Relaxed), 16 + 8);
+}
+
+#[tokio::test]
+async fn snapshot_lists_resident_blocks_parent_first() {
+    let (engine, _shutdown) = engine(6, 8).await;
+    for p in 0..3u32 {
+        let tokens: Vec<u32> = (0..12).map(|t| t + p * 1000).collect();
+        run(&engine, job(tokens, 1)).await;
+    }
+    let snapshot = engine.snapshot(true);
+    let resident: std::collections::HashSet<u64> = engine.resident().into_iter().map(|h| h.0).collect();
+    let listed: std::collections::HashSet<u64> = snapshot.blocks.iter().map(|b| b.hash).collect();
+    assert_eq!(listed, resident);
+    assert_eq!(resident.len(), 6, "capacity 6 with 9 blocks stored: LRU keeps the last 6");
+    let mut seen = std::collections::HashSet::new();
+    for b in &snapshot.blocks {
+        if let Some(p) = b.parent {
+            assert!(seen.contains(&p) || !resident.contains(&p), "parent listed before child");
+        }
+        assert_eq!(b.token_ids.len(), 4);
+        seen.insert(b.hash);
+    }
+    assert!(snapshot.seq.is_some());
+}
+
+#[tokio::test]
+async fn reset_clears_the_cache_when_idle() {
+    let (engine, _shutdown) = engine(64, 8).await;
+    let prompt: Vec<u32> = (0..8).collect();
+    run(&engine, job(prompt.clone(), 1)).await;
+    assert_eq!(engine.reset_prefix_cache().await, Ok(2));
+    let (_, usage) = run(&engine, job(prompt, 1)).await;
+    assert_eq!(usage.cached_tokens, 0);
+}
+
+#[tokio::test]
+async fn a_request_waits_while_blocks_are_pinned() {
+    // Capacity 4, one request pins 3 blocks; a second of 3 distinct blocks cannot be pinned
+    // alongside it, so it waits until the first finishes, then runs.
+    let (engine, _shutdown) = engine(4, 8).await;
+    let a = engine.submit(job((0..12).collect(), 50)).unwrap();
+    let (_, b) = run(&engine, job((100..112).collect(), 1)).await;
+    assert_eq!(b.prompt_tokens, 12);
+    drop(a);
+}
