@@ -1,0 +1,212 @@
+//! The prefix index: which replica holds which KV blocks, and for a request's chained block
+//! hashes `[h0, hn)` how many leading blocks each replica holds without a gap, for every
+//! replica in one walk.
+//!
+//! # Data structure
+//!
+//! - Each replica gets a dense *slot* (lowest free one first); slot `s` is bit `s % 64` of
+//!   *group* `s / 64`. Fleets up to 64 replicas have one group.
+//! - Per group, a table `BlockHash → u64` presence mask (bit set ⇔ that slot holds the
+//!   block): 16 bytes a row, shared by all the replicas that hold the block. It is split into
+//!   256 shards by the hash's top 8 bits, so a resize or a `clear_replica` step only ever
+//!   holds the lock over 1/256 of it. Tables are std `HashMap`s (hashbrown) with a folded
+//!   multiply for a hasher (`index/hasher.rs`): block hashes are already uniform xxh3 outputs.
+//! - Reference counts: the bit is the first reference. References beyond the first (vLLM
+//!   stores a block it already holds, and removes it as often) go to a side table
+//!   `(BlockHash, slot) → extra`, empty in the common case, so refcounts cost nothing per
+//!   entry.
+//! - Per slot: the replica id and its count of distinct blocks.
+//!
+//! **Lookup.** Per group: `alive` = the group's assigned slots; for block `i`,
+//! `alive' = alive & mask(h_i)`; the slots in `alive & !alive'` have overlap `i`; stop when
+//! `alive` is empty; the survivors have overlap `n`. That is one table probe and an AND per
+//! block walked (per group). Results go to a reusable [`Overlaps`] buffer, which only lists
+//! replicas with a non-zero overlap.
+//!
+//! **Invariants.** (1) A table has a row for `h` iff its mask is non-zero: a block's memory is
+//! freed when its last holder releases it; an emptied table frees its allocation and one
+//! under a quarter full halves (amortised O(1)). (2) An `extra` row for `(h, s)` implies bit
+//! `s` is set in `h`'s mask. (3) A slot's block count equals the number of masks with its
+//! bit; `entries()` is their sum. (4) A slot is only reused once no table holds its bit.
+//!
+//! **Costs.** `store`/`remove`: O(1) per hash. `clear_replica`: one sweep of its group's
+//! table, O(distinct blocks in the group) rather than O(blocks it held). Keeping a per-replica
+//! block list instead would add 9-18 bytes to every (block, replica) entry for an operation
+//! that only runs when a replica restarts or leaves; the sweep of a 1 M-block table takes
+//! 2.9 ms, as 256 lock holds of about 11 µs.
+//!
+//! # Concurrency: one `RwLock` around the index, taken once per lookup
+//!
+//! [`SharedIndex`] wraps a [`PrefixIndex`] in a `std::sync::RwLock`. A lookup takes the read
+//! lock once for its whole walk; writers apply at most 64 hashes (or one table shard) per
+//! write-lock hold, a few microseconds. Measured on the 2-core build machine (shared with
+//! other builds), reader timing 128-block × 16-replica lookups (`INDEX_REPORTS=concurrency`):
+//!
+//! | design | lookup p50 / p99, no writer | p99 with a flat-out writer (6 runs) |
+//! |---|---|---|
+//! | `RwLock<PrefixIndex>` (chosen) | 0.40 / 0.47-1.0 µs | 0.75-3.5 µs |
+//! | `DashMap<BlockHash, u64>` masks (lock per block) | 1.65 / 1.9-2.4 µs | 2.9-16 µs |
+//! | `parking_lot` RwLock with fair unlock | 0.40 / 0.53-0.80 µs | 0.87-70 µs (hand-off waits for the reader to wake) |
+//! | snapshots (arc-swap style) | publishing = cloning the index: 17 ms at 1 M blocks, and twice the memory | |
+//!
+//! Ingest is the same for both candidates (about 19-22 M block-ops/s through the handle vs
+//! 18-21 M for the DashMap, which did not even keep refcounts). p99.9 under a paced writer
+//! is 25-45 µs for every design, and as high for a control whose writer uses a *different*
+//! index: that tail is the CPU scheduler on an oversubscribed machine, not the lock.
+//!
+//! # Measured (`cargo bench -p kvroute-router --bench index`, release, 2 shared cores)
+//!
+//! - Ingest: 19-22 M block-ops/s on one core (store + remove churn, 512 k entries live).
+//! - Memory (counting allocator): 35.7 bytes per (block, replica) entry at 1 M distinct
+//!   blocks each held by one replica, which is the worst case (hashbrown is at its least
+//!   full, 48 %, just past a doubling); 23.8 B at 1.5 M; 8.9 B at 1 M blocks × 4 replicas.
+//! - Lookup, fleet with shared prefixes and partial overlaps, p50 / p99 (single lookups timed
+//!   with `Instant`, including about 20 ns of timer):
+//!
+//! | blocks | 4 replicas | 16 replicas | 64 replicas |
+//! |---|---|---|---|
+//! | 32 | 140 / 190 ns | 150 / 190 ns | 190 / 360 ns |
+//! | 128 | 440 / 540 ns | 480 / 620 ns | 620 / 1020 ns |
+//! | 1024 | 2.8 / 5.2 µs | 4.4 / 10 µs | 8.0 / 14 µs |
+//!
+//!   That is 5-11 ns per block walked (a 1024-block request walks 550-750 blocks before
+//!   every replica has dropped out).
+
+mod hasher;
+mod table;
+#[cfg(test)]
+mod tests;
+
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+
+use kvroute_proto::{BlockHash, ReplicaId};
+
+pub use table::PrefixIndex;
+
+/// Hashes applied per write-lock hold by [`SharedIndex`], bounding how long a lookup waits.
+const WRITE_CHUNK: usize = 64;
+
+/// Per-replica overlaps found by a lookup: `(replica, leading blocks held)` for every replica
+/// whose overlap is at least one block. Reuse one value across lookups to avoid allocating.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Overlaps {
+    hits: Vec<(ReplicaId, usize)>,
+}
+
+impl Overlaps {
+    /// An empty result, to pass to `lookup_into`.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Leading blocks `replica` holds (0 if it holds none of them).
+    pub fn get(&self, replica: ReplicaId) -> usize {
+        self.hits.iter().find(|(id, _)| *id == replica).map_or(0, |&(_, blocks)| blocks)
+    }
+
+    /// Every replica with a non-zero overlap, in no particular order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = (ReplicaId, usize)> + '_ {
+        self.hits.iter().copied()
+    }
+
+    /// The replica with the longest overlap (the lowest id among ties), if any.
+    pub fn best(&self) -> Option<(ReplicaId, usize)> {
+        self.iter().max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0)))
+    }
+
+    /// Replicas with a non-zero overlap.
+    pub fn len(&self) -> usize {
+        self.hits.len()
+    }
+
+    /// True if no replica holds the request's first block.
+    pub fn is_empty(&self) -> bool {
+        self.hits.is_empty()
+    }
+}
+
+/// Size figures for metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Replicas holding at least one block.
+    pub replicas: usize,
+    /// (block, replica) pairs present.
+    pub entries: usize,
+    /// Estimated heap bytes (see [`PrefixIndex::memory_bytes`]).
+    pub memory_bytes: usize,
+}
+
+/// The index shared by the ingest tasks (writers) and the request path (readers): a cheap,
+/// cloneable handle to one [`PrefixIndex`] behind a reader-writer lock.
+///
+/// A lookup takes the read lock once for its whole walk. Writes take the write lock for at
+/// most 64 hashes (or one table shard, for `clear_replica`) at a time, so a lookup never
+/// waits behind more than a few microseconds of one writer's work. Each replica's
+/// operations must come from one writer (its ingest task), in event order.
+#[derive(Clone, Debug, Default)]
+pub struct SharedIndex {
+    inner: Arc<RwLock<PrefixIndex>>,
+}
+
+impl SharedIndex {
+    /// An empty index.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// See [`PrefixIndex::store`].
+    pub fn store(&self, replica: ReplicaId, hashes: &[BlockHash]) -> usize {
+        hashes.chunks(WRITE_CHUNK).map(|chunk| self.write(|index| index.store(replica, chunk))).sum()
+    }
+
+    /// See [`PrefixIndex::remove`].
+    pub fn remove(&self, replica: ReplicaId, hashes: &[BlockHash]) -> usize {
+        hashes.chunks(WRITE_CHUNK).map(|chunk| self.write(|index| index.remove(replica, chunk))).sum()
+    }
+
+    /// See [`PrefixIndex::clear_replica`]; releases the lock between table shards.
+    pub fn clear_replica(&self, replica: ReplicaId) -> usize {
+        let freed =
+            (0..table::SHARDS).map(|shard| self.write(|index| index.clear_shard(replica, shard))).sum();
+        self.write(|index| index.release(replica));
+        freed
+    }
+
+    /// Every replica's overlap with `hashes` (see [`PrefixIndex::lookup_into`]).
+    pub fn lookup_into(&self, hashes: &[BlockHash], out: &mut Overlaps) {
+        self.read().lookup_into(hashes, out);
+    }
+
+    /// Like [`Self::lookup_into`] with a fresh result.
+    pub fn lookup(&self, hashes: &[BlockHash]) -> Overlaps {
+        let mut out = Overlaps::new();
+        self.lookup_into(hashes, &mut out);
+        out
+    }
+
+    /// Distinct blocks `replica` holds.
+    pub fn blocks(&self, replica: ReplicaId) -> usize {
+        self.read().blocks(replica)
+    }
+
+    /// Current size figures.
+    pub fn stats(&self) -> IndexStats {
+        let index = self.read();
+        IndexStats {
+            replicas: index.replicas(),
+            entries: index.entries(),
+            memory_bytes: index.memory_bytes(),
+        }
+    }
+
+    // Every operation leaves the index consistent before it could panic (only on a broken
+    // invariant), so a poisoned lock still guards a usable index.
+    fn read(&self) -> RwLockReadGuard<'_, PrefixIndex> {
+        self.inner.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs one bounded write step under the write lock.
+    fn write<T>(&self, step: impl FnOnce(&mut PrefixIndex) -> T) -> T {
+        step(&mut self.inner.write().unwrap_or_else(PoisonError::into_inner))
+    }
+}

@@ -1,0 +1,313 @@
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, RngSeed};
+
+use super::*;
+
+impl PrefixIndex {
+    fn lookup_of(&self, hashes: &[BlockHash]) -> Overlaps {
+        let mut out = Overlaps::new();
+        self.lookup_into(hashes, &mut out);
+        out
+    }
+}
+
+fn r(id: u32) -> ReplicaId {
+    ReplicaId(id)
+}
+
+/// Distinct, well-spread hashes (they land in different shards), like real chained hashes.
+fn h(i: u64) -> BlockHash {
+    let mut z = i.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    BlockHash(z ^ (z >> 31))
+}
+
+fn hs(range: std::ops::Range<u64>) -> Vec<BlockHash> {
+    range.map(h).collect()
+}
+
+fn sorted(overlaps: &Overlaps) -> Vec<(ReplicaId, usize)> {
+    let mut hits: Vec<_> = overlaps.iter().collect();
+    hits.sort();
+    hits
+}
+
+#[test]
+fn empty_index_has_no_overlap() {
+    let index = SharedIndex::new();
+    assert!(index.lookup(&hs(0..4)).is_empty());
+    assert!(index.lookup(&[]).is_empty());
+    assert_eq!(index.stats(), IndexStats::default());
+}
+
+#[test]
+fn overlap_is_the_contiguous_prefix_per_replica() {
+    let index = SharedIndex::new();
+    index.store(r(1), &hs(0..8));
+    index.store(r(2), &hs(0..3));
+    index.store(r(3), &hs(1..8)); // misses block 0: no overlap at all
+    index.store(r(4), &hs(0..8));
+    index.remove(r(4), &[h(5)]); // evicted a middle block
+    let found = index.lookup(&hs(0..6));
+    assert_eq!(sorted(&found), vec![(r(1), 6), (r(2), 3), (r(4), 5)]);
+    assert_eq!(found.get(r(3)), 0);
+    assert_eq!(found.best(), Some((r(1), 6)));
+    assert_eq!(index.blocks(r(4)), 7);
+    assert_eq!(index.stats().entries, 8 + 3 + 7 + 7);
+}
+
+#[test]
+fn blocks_stay_until_every_reference_is_removed() {
+    let index = SharedIndex::new();
+    assert_eq!(index.store(r(0), &[h(0), h(0)]), 1);
+    assert_eq!(index.store(r(0), &[h(0)]), 0);
+    assert_eq!(index.remove(r(0), &[h(0), h(0)]), 2);
+    assert_eq!(index.lookup(&[h(0)]).get(r(0)), 1);
+    assert_eq!(index.remove(r(0), &[h(0)]), 1);
+    assert_eq!(index.lookup(&[h(0)]).get(r(0)), 0);
+    assert_eq!(index.remove(r(0), &[h(0)]), 0, "removing an absent block is a no-op");
+    assert_eq!(index.blocks(r(0)), 0);
+}
+
+#[test]
+fn removing_unknown_blocks_or_replicas_is_a_no_op() {
+    let index = SharedIndex::new();
+    assert_eq!(index.remove(r(9), &hs(0..3)), 0);
+    index.store(r(1), &hs(0..2));
+    assert_eq!(index.remove(r(1), &hs(1..5)), 1);
+    assert_eq!(index.remove(r(2), &hs(0..2)), 0, "r2 never held them");
+    assert_eq!(index.lookup(&hs(0..2)).get(r(1)), 1);
+}
+
+#[test]
+fn clear_replica_frees_its_blocks_and_keeps_others() {
+    let index = SharedIndex::new();
+    index.store(r(1), &hs(0..1000));
+    index.store(r(1), &hs(0..10)); // extra references go too
+    index.store(r(2), &hs(0..500));
+    assert_eq!(index.clear_replica(r(1)), 1000);
+    assert_eq!(index.blocks(r(1)), 0);
+    assert_eq!(index.lookup(&hs(0..600)).iter().collect::<Vec<_>>(), vec![(r(2), 500)]);
+    assert_eq!(index.clear_replica(r(1)), 0);
+    assert_eq!(index.clear_replica(r(2)), 500);
+    assert_eq!(index.stats(), IndexStats::default(), "all memory released");
+}
+
+#[test]
+fn more_than_64_replicas() {
+    let index = SharedIndex::new();
+    for id in 0..150 {
+        index.store(r(id), &hs(0..u64::from(id % 10)));
+    }
+    let found = index.lookup(&hs(0..100));
+    for id in 0..150 {
+        assert_eq!(found.get(r(id)), (id % 10) as usize);
+    }
+    // Free slots in the first group are reused; later groups keep working.
+    index.clear_replica(r(3));
+    index.store(r(1000), &hs(0..50));
+    assert_eq!(index.lookup(&hs(0..100)).get(r(1000)), 50);
+    assert_eq!(index.lookup(&hs(0..100)).get(r(149)), 9);
+}
+
+#[test]
+fn long_batches_are_applied_in_chunks() {
+    let index = SharedIndex::new();
+    let blocks = hs(0..(3 * WRITE_CHUNK as u64 + 7));
+    assert_eq!(index.store(r(0), &blocks), blocks.len());
+    assert_eq!(index.lookup(&blocks).get(r(0)), blocks.len());
+    assert_eq!(index.remove(r(0), &blocks), blocks.len());
+    assert_eq!(index.stats().entries, 0);
+}
+
+#[test]
+fn lookup_into_reuses_the_buffer() {
+    let index = SharedIndex::new();
+    index.store(r(0), &hs(0..4));
+    let mut out = Overlaps::new();
+    index.lookup_into(&hs(0..4), &mut out);
+    index.lookup_into(&hs(10..14), &mut out);
+    assert!(out.is_empty(), "a lookup replaces the previous result");
+}
+
+#[test]
+fn memory_estimate_tracks_live_blocks() {
+    let mut index = PrefixIndex::new();
+    index.store(r(0), &hs(0..100_000));
+    let full = index.memory_bytes();
+    assert!(full >= 100_000 * 16, "at least key + mask per block, got {full}");
+    index.remove(r(0), &hs(0..99_000));
+    assert!(index.memory_bytes() < full / 8, "sparse tables shrink");
+    index.clear_replica(r(0));
+    assert_eq!(index.memory_bytes(), 0);
+}
+
+#[test]
+fn release_keeps_a_slot_its_writer_refilled() {
+    // SharedIndex::clear_replica releases the lock between shards; if the replica stores
+    // again before the final release, its slot (and the new block) must survive.
+    let mut index = PrefixIndex::new();
+    index.store(r(1), &hs(0..10));
+    for shard in 0..table::SHARDS {
+        index.clear_shard(r(1), shard);
+    }
+    index.store(r(1), &[h(99)]);
+    index.release(r(1));
+    assert_eq!(index.blocks(r(1)), 1);
+    index.store(r(2), &hs(0..3)); // must not inherit r1's slot
+    let found = index.lookup_of(&[h(99)]);
+    assert_eq!(sorted(&found), vec![(r(1), 1)]);
+}
+
+// ---- randomized comparison with a naive model ----
+
+/// Three request "chains" of 12 blocks: stores and lookups mostly use their prefixes.
+const CHAINS: u64 = 3;
+const CHAIN_LEN: u64 = 12;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Store(u32, Vec<BlockHash>),
+    Remove(u32, Vec<BlockHash>),
+    Clear(u32),
+    Lookup(Vec<BlockHash>),
+}
+
+fn replica() -> impl Strategy<Value = u32> {
+    // Mostly a few busy replicas, sometimes any of 100 (more than one 64-slot group).
+    prop_oneof![4 => 0u32..5, 1 => 0u32..100]
+}
+
+fn blocks() -> impl Strategy<Value = Vec<BlockHash>> {
+    let segment = (0..CHAINS, 0..CHAIN_LEN, 0..CHAIN_LEN).prop_map(|(chain, start, len)| {
+        let first = chain * CHAIN_LEN + start;
+        hs(first..(first + len).min((chain + 1) * CHAIN_LEN))
+    });
+    let scattered = prop::collection::vec((0..CHAINS * CHAIN_LEN).prop_map(h), 0..6);
+    prop_oneof![3 => segment, 1 => scattered]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let request = (0..CHAINS, 0..=CHAIN_LEN + 2, prop::collection::vec(0..40u64, 0..3)).prop_map(
+        |(chain, len, tail)| {
+            let mut hashes = hs(chain * CHAIN_LEN..chain * CHAIN_LEN + len.min(CHAIN_LEN));
+            hashes.extend(tail.into_iter().map(h));
+            hashes
+        },
+    );
+    prop_oneof![
+        6 => (replica(), blocks()).prop_map(|(r, b)| Op::Store(r, b)),
+        4 => (replica(), blocks()).prop_map(|(r, b)| Op::Remove(r, b)),
+        1 => replica().prop_map(Op::Clear),
+        4 => request.prop_map(Op::Lookup),
+    ]
+}
+
+#[derive(Default)]
+struct Model {
+    refs: HashMap<ReplicaId, HashMap<BlockHash, u32>>,
+}
+
+impl Model {
+    fn store(&mut self, replica: ReplicaId, hashes: &[BlockHash]) -> usize {
+        let held = self.refs.entry(replica).or_default();
+        hashes
+            .iter()
+            .filter(|&&hash| {
+                let count = held.entry(hash).or_insert(0);
+                *count += 1;
+                *count == 1
+            })
+            .count()
+    }
+
+    fn remove(&mut self, replica: ReplicaId, hashes: &[BlockHash]) -> usize {
+        let Some(held) = self.refs.get_mut(&replica) else { return 0 };
+        let mut removed = 0;
+        for hash in hashes {
+            if let Some(count) = held.get_mut(hash) {
+                removed += 1;
+                *count -= 1;
+                if *count == 0 {
+                    held.remove(hash);
+                }
+            }
+        }
+        removed
+    }
+
+    fn clear(&mut self, replica: ReplicaId) -> usize {
+        self.refs.remove(&replica).map_or(0, |held| held.len())
+    }
+
+    fn lookup(&self, hashes: &[BlockHash]) -> Vec<(ReplicaId, usize)> {
+        let mut hits: Vec<_> = self
+            .refs
+            .iter()
+            .map(|(&replica, held)| {
+                (replica, hashes.iter().take_while(|hash| held.contains_key(hash)).count())
+            })
+            .filter(|&(_, blocks)| blocks > 0)
+            .collect();
+        hits.sort();
+        hits
+    }
+
+    fn blocks(&self, replica: ReplicaId) -> usize {
+        self.refs.get(&replica).map_or(0, HashMap::len)
+    }
+
+    fn entries(&self) -> usize {
+        self.refs.values().map(HashMap::len).sum()
+    }
+}
+
+fn config() -> Config {
+    Config {
+        cases: 256,
+        rng_seed: RngSeed::Fixed(0x006b_7672_6f75_7465),
+        failure_persistence: None,
+        ..Config::default()
+    }
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn matches_the_naive_model(ops in prop::collection::vec(op(), 1..200)) {
+        let index = SharedIndex::new();
+        let mut model = Model::default();
+        let mut out = Overlaps::new();
+        for op in ops {
+            match op {
+                Op::Store(id, hashes) => {
+                    prop_assert_eq!(index.store(r(id), &hashes), model.store(r(id), &hashes));
+                    prop_assert_eq!(index.blocks(r(id)), model.blocks(r(id)));
+                }
+                Op::Remove(id, hashes) => {
+                    prop_assert_eq!(index.remove(r(id), &hashes), model.remove(r(id), &hashes));
+                    prop_assert_eq!(index.blocks(r(id)), model.blocks(r(id)));
+                }
+                Op::Clear(id) => {
+                    prop_assert_eq!(index.clear_replica(r(id)), model.clear(r(id)));
+                    prop_assert_eq!(index.blocks(r(id)), 0);
+                }
+                Op::Lookup(hashes) => {
+                    index.lookup_into(&hashes, &mut out);
+                    prop_assert_eq!(sorted(&out), model.lookup(&hashes));
+                }
+            }
+            let stats = index.stats();
+            prop_assert_eq!(stats.entries, model.entries());
+            prop_assert_eq!(stats.replicas, model.refs.values().filter(|held| !held.is_empty()).count());
+        }
+        for id in 0..100 {
+            index.clear_replica(r(id));
+        }
+        prop_assert_eq!(index.stats(), IndexStats::default(), "everything freed");
+    }
+}
