@@ -3,6 +3,8 @@
 //!
 //! - [`cache`]: the block-level KV prefix cache (capacity in blocks, LRU/LFU/S3FIFO eviction,
 //!   refcounted pins for running requests, seed-000 hit accounting).
+//! - [`http`]: the OpenAI-compatible HTTP API (completions, chat, SSE streaming, `/tokenize`,
+//!   `/reset_prefix_cache`, `/metrics` with vLLM's names, `/v1/models`, `/health`).
 //! - [`publisher`]: the KV event publisher (ZMQ PUB live stream + ROUTER replay).
 #![forbid(unsafe_code)]
 
@@ -10,6 +12,7 @@ pub mod cache;
 pub mod config;
 pub mod engine;
 pub mod grpc;
+pub mod http;
 pub mod publisher;
 
 pub use config::Config;

@@ -1,0 +1,132 @@
+//! The routes around generation: `GET /v1/models`, `POST /tokenize`,
+//! `POST /reset_prefix_cache` (`GET /health` is an empty 200 in [`super`]).
+//!
+//! `/tokenize` takes vLLM's two request shapes, `{"model"?, "prompt", "add_special_tokens"?}`
+//! and `{"model"?, "messages", "add_generation_prompt"?, ...}`, parses them with the same
+//! parser and [`Tokenization`] as generation, and answers
+//! `{"count", "max_model_len", "tokens"}`: exactly the ids a generation request with the
+//! same fields would be prefilled with, so the router can rely on it.
+//!
+//! [`Tokenization`]: kvroute_proto::openai::Tokenization
+
+use std::borrow::Cow;
+
+use hyper::{Response, StatusCode};
+use kvroute_proto::openai::{Endpoint, ParsedRequest, RequestError};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+use super::error::ApiError;
+use super::{AppState, Body, empty, json_response};
+use crate::engine::ResetError;
+
+#[derive(Serialize)]
+struct ModelList<'a> {
+    object: &'static str,
+    data: Vec<ModelCard<'a>>,
+}
+
+/// One entry of `/v1/models`, as vLLM lists it.
+#[derive(Serialize)]
+struct ModelCard<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    owned_by: &'static str,
+    root: &'a str,
+    parent: Option<&'a str>,
+    max_model_len: u32,
+}
+
+/// `GET /v1/models`: the base model, then each LoRA adapter with the base as its parent.
+pub(super) fn models(state: &AppState) -> Response<Body> {
+    let config = state.config();
+    let card = |id, parent| ModelCard {
+        id,
+        object: "model",
+        created: state.started(),
+        owned_by: "kvroute",
+        root: id,
+        parent,
+        max_model_len: config.max_model_len,
+    };
+    let mut data = vec![card(config.model.as_str(), None)];
+    data.extend(config.lora_adapters.iter().map(|a| card(a.as_str(), Some(config.model.as_str()))));
+    let body = serde_json::to_vec(&ModelList { object: "list", data }).unwrap_or_default();
+    json_response(StatusCode::OK, body)
+}
+
+#[derive(Deserialize)]
+struct TokenizeProbe<'a> {
+    #[serde(borrow)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow)]
+    messages: Option<&'a RawValue>,
+}
+
+#[derive(Serialize)]
+struct TokenizeResponse<'a> {
+    count: usize,
+    max_model_len: u32,
+    tokens: &'a [u32],
+}
+
+/// `POST /tokenize`.
+pub(super) fn tokenize(state: &AppState, body: &[u8]) -> Result<Response<Body>, ApiError> {
+    let probe: TokenizeProbe<'_> = match serde_json::from_slice(body) {
+        Ok(probe) => probe,
+        // Not a JSON object: let the request parser say exactly what is wrong.
+        Err(_) => TokenizeProbe { model: None, messages: None },
+    };
+    let endpoint = if probe.messages.is_some() { Endpoint::ChatCompletions } else { Endpoint::Completions };
+    // `model` is optional here but required by the generation parser: default to the base.
+    let body: Cow<'_, [u8]> = match probe.model {
+        Some(m) if m.get() != "null" => Cow::Borrowed(body),
+        _ => Cow::Owned(with_model(body, &state.config().model)?),
+    };
+    let request = ParsedRequest::parse(endpoint, &body)?;
+    if !state.serves(request.model()) {
+        return Err(ApiError::model_not_found(request.model()));
+    }
+    let mut prompts = state.tokenization().prompt_tokens(&request)?;
+    if prompts.len() != 1 {
+        return Err(ApiError::invalid_field("prompt", "/tokenize takes one prompt, not a batch"));
+    }
+    let tokens = prompts.pop().unwrap_or_default();
+    let response = TokenizeResponse {
+        count: tokens.len(),
+        max_model_len: state.config().max_model_len,
+        tokens: &tokens,
+    };
+    Ok(json_response(StatusCode::OK, serde_json::to_vec(&response).unwrap_or_default()))
+}
+
+/// `body` (a JSON object) with `"model": model` set.
+fn with_model(body: &[u8], model: &str) -> Result<Vec<u8>, ApiError> {
+    let mut object: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(body).map_err(|e| {
+            ApiError::from(if body.trim_ascii_start().starts_with(b"{") {
+                RequestError::Json(e)
+            } else {
+                match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                    Ok(_) => RequestError::NotAnObject,
+                    Err(e) => RequestError::Json(e),
+                }
+            })
+        })?;
+    object.insert("model".into(), model.into());
+    Ok(serde_json::to_vec(&object).unwrap_or_default())
+}
+
+/// `POST /reset_prefix_cache`: 200 once the cache is empty; 409 while running requests hold
+/// blocks (vLLM refuses then too).
+pub(super) async fn reset_prefix_cache(state: &AppState) -> Result<Response<Body>, ApiError> {
+    match state.engine().reset_prefix_cache().await {
+        Ok(blocks) => {
+            tracing::info!(blocks, "prefix cache reset");
+            Ok(empty(StatusCode::OK))
+        }
+        Err(ResetError::Busy(e)) => Err(ApiError::cache_busy(format!("cannot reset the prefix cache: {e}"))),
+        Err(ResetError::ShuttingDown) => Err(ApiError::shutting_down()),
+    }
+}

@@ -1,0 +1,309 @@
+//! `POST /v1/completions` and `POST /v1/chat/completions`: from a request body to engine jobs
+//! to an OpenAI response.
+//!
+//! 1. Parse with [`ParsedRequest`] (the same parser and [`Tokenization`] the router uses),
+//!    plus the two fields only the replica cares about: `n` (only 1 is supported) and
+//!    `stream_options.include_usage`.
+//! 2. Check the model (404 unless it is the base model or a LoRA adapter), tokenize, hash
+//!    the prompt blocks in the request's cache namespace and check every prompt against
+//!    `max_model_len` (400, worded as vLLM words it). Without `max_tokens` a request gets
+//!    `default_max_tokens`, cut to what the context leaves.
+//! 3. Submit one engine job per prompt (a batch completion prompt is several) and wait for
+//!    each to be admitted, so a request the engine refuses still gets a proper status
+//!    (503 overloaded or shutting down, 500 engine failure) instead of a broken stream.
+//! 4. Without `stream`, collect the text and answer one JSON object; with `stream`, answer
+//!    an SSE body that forwards each token as the engine emits it ([`sse`]).
+//!
+//! The simulated engine always generates exactly `max_tokens` tokens, so `finish_reason` is
+//! always `"length"`. `usage.prompt_tokens_details.cached_tokens` is the engine's realized
+//! prefix-cache hit, summed over the prompts of a batch.
+//!
+//! [`Tokenization`]: kvroute_proto::openai::Tokenization
+//! [`sse`]: super::sse
+
+use hyper::header::{self, HeaderValue};
+use hyper::{Response, StatusCode};
+use kvroute_proto::openai::{Endpoint, ParsedRequest, RequestError};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use super::{AppState, Body, chat, completions, json_response, sse, unix_now};
+use crate::engine::{Job, Output, SubmitError, Usage};
+
+/// `finish_reason` of every choice: the simulated engine stops only at `max_tokens`.
+pub(super) const FINISH_REASON: &str = "length";
+
+/// What the response shapes share: `id`, `created`, `model`.
+#[derive(Debug, Clone)]
+pub(super) struct Meta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+/// OpenAI's `usage` object, with the realized prefix-cache hit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub(super) struct UsageJson {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub total_tokens: u64,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub(super) struct PromptTokensDetails {
+    pub cached_tokens: u64,
+}
+
+impl UsageJson {
+    pub fn add(&mut self, usage: &Usage) {
+        self.prompt_tokens += u64::from(usage.prompt_tokens);
+        self.completion_tokens += u64::from(usage.completion_tokens);
+        self.total_tokens = self.prompt_tokens + self.completion_tokens;
+        self.prompt_tokens_details.cached_tokens += u64::from(usage.cached_tokens);
+    }
+}
+
+/// One generation admitted by the engine: prompt `index` of the request.
+pub(super) struct Admitted {
+    pub rx: mpsc::Receiver<Output>,
+    pub max_tokens: u32,
+}
+
+/// The fields of a generation request that [`ParsedRequest`] leaves to the server.
+#[derive(Deserialize)]
+struct Extras<'a> {
+    #[serde(borrow)]
+    n: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stream_options: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    include_usage: Option<serde_json::Value>,
+}
+
+/// Serves one completion or chat completion request.
+pub(super) async fn generate(
+    state: &AppState,
+    endpoint: Endpoint,
+    body: &[u8],
+    request_id: &str,
+) -> Result<Response<Body>, ApiError> {
+    let request = ParsedRequest::parse(endpoint, body)?;
+    let include_usage = parse_extras(body, request.stream())?;
+    if !state.serves(request.model()) {
+        return Err(ApiError::model_not_found(request.model()));
+    }
+    let jobs = jobs(state, &request)?;
+    let meta = Meta {
+        id: match endpoint {
+            Endpoint::Completions => format!("cmpl-{request_id}"),
+            Endpoint::ChatCompletions => format!("chatcmpl-{request_id}"),
+        },
+        created: unix_now(),
+        model: request.model().to_owned(),
+    };
+    let stream = request.stream();
+    drop(request);
+
+    let mut admitted = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let max_tokens = job.max_tokens;
+        let rx = state.engine().submit(job).map_err(|e| match e {
+            SubmitError::Overloaded(_) => ApiError::overloaded(e.to_string()),
+            SubmitError::ShuttingDown => ApiError::shutting_down(),
+        })?;
+        admitted.push(Admitted { rx, max_tokens });
+    }
+    // Wait for every prompt's admission: a refusal still gets a status code.
+    for a in &mut admitted {
+        match a.rx.recv().await {
+            Some(Output::Started { .. }) => {}
+            Some(Output::Failed(why)) => return Err(failure(state, why)),
+            Some(other) => {
+                return Err(ApiError::engine_failed(format!(
+                    "engine sent {other:?} before admitting the request"
+                )));
+            }
+            None => return Err(failure(state, "the engine stopped before admitting the request".into())),
+        }
+    }
+
+    let api = Api::from(endpoint);
+    if stream {
+        let mut response = Response::new(sse::body(api, meta, admitted, include_usage));
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        return Ok(response);
+    }
+    let mut texts = Vec::with_capacity(admitted.len());
+    let mut usage = UsageJson::default();
+    for mut a in admitted {
+        let mut text = String::new();
+        loop {
+            match a.rx.recv().await {
+                Some(Output::Token(t)) => text.push_str(t),
+                Some(Output::Done(u)) => {
+                    usage.add(&u);
+                    break;
+                }
+                Some(Output::Started { .. }) => {}
+                Some(Output::Failed(why)) => return Err(failure(state, why)),
+                None => return Err(failure(state, "the engine stopped before finishing the request".into())),
+            }
+        }
+        texts.push(text);
+    }
+    let body = match api {
+        Api::Completions => completions::response(&meta, &texts, &usage),
+        Api::Chat => chat::response(&meta, &texts, &usage),
+    };
+    Ok(json_response(StatusCode::OK, body))
+}
+
+/// Which response shapes to write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Api {
+    Completions,
+    Chat,
+}
+
+impl From<Endpoint> for Api {
+    fn from(endpoint: Endpoint) -> Self {
+        match endpoint {
+            Endpoint::Completions => Api::Completions,
+            Endpoint::ChatCompletions => Api::Chat,
+        }
+    }
+}
+
+/// An engine failure: 503 while the server shuts down (retry elsewhere), else 500.
+pub(super) fn failure(state: &AppState, why: String) -> ApiError {
+    if state.shutting_down() { ApiError::shutting_down() } else { ApiError::engine_failed(why) }
+}
+
+/// Validates `n` and `stream_options`; returns `stream_options.include_usage`.
+fn parse_extras(body: &[u8], stream: bool) -> Result<bool, ApiError> {
+    let extras: Extras<'_> = serde_json::from_slice(body).map_err(RequestError::Json)?;
+    if let Some(n) = extras.n.filter(|n| n.get() != "null") {
+        match serde_json::from_str::<u64>(n.get()) {
+            Ok(1) => {}
+            Ok(n) => {
+                return Err(ApiError::invalid_field("n", format!("n = {n} is not supported; only n = 1 is")));
+            }
+            Err(_) => return Err(ApiError::invalid_field("n", "'n' must be a positive integer")),
+        }
+    }
+    let Some(options) = extras.stream_options.filter(|o| o.get() != "null") else { return Ok(false) };
+    if !stream {
+        return Err(ApiError::invalid_field(
+            "stream_options",
+            "stream_options can only be set when stream is true",
+        ));
+    }
+    let bad = || ApiError::invalid_field("stream_options", "'stream_options' must be an object");
+    if !options.get().starts_with('{') {
+        return Err(bad());
+    }
+    let options: StreamOptions = serde_json::from_str(options.get()).map_err(|_| bad())?;
+    match options.include_usage {
+        None | Some(serde_json::Value::Null) => Ok(false),
+        Some(serde_json::Value::Bool(b)) => Ok(b),
+        Some(_) => {
+            Err(ApiError::invalid_field("stream_options", "'stream_options.include_usage' must be a boolean"))
+        }
+    }
+}
+
+/// One engine job per prompt: tokens, block hashes in the request's namespace, and a
+/// `max_tokens` that fits the context.
+fn jobs(state: &AppState, request: &ParsedRequest<'_>) -> Result<Vec<Job>, ApiError> {
+    let tokenization = state.tokenization();
+    let config = state.config();
+    let prompts = tokenization.prompt_tokens(request)?;
+    let namespace = tokenization.namespace(request);
+    let block_size = state.engine().config().cache.block_size;
+    let param = match request {
+        ParsedRequest::Completion(_) => "prompt",
+        ParsedRequest::Chat(_) => "messages",
+    };
+    let max_model_len = u64::from(config.max_model_len);
+    if request.max_tokens() == Some(0) {
+        return Err(ApiError::invalid_field("max_tokens", "max_tokens must be at least 1, got 0"));
+    }
+    prompts
+        .into_iter()
+        .map(|prompt| {
+            let len = prompt.len() as u64;
+            let max_tokens = match request.max_tokens() {
+                Some(m) if len + m > max_model_len => {
+                    return Err(ApiError::context_length(config.max_model_len, prompt.len(), m, param));
+                }
+                Some(m) => m,
+                None if len >= max_model_len => {
+                    return Err(ApiError::context_length(config.max_model_len, prompt.len(), 1, param));
+                }
+                None => u64::from(config.default_max_tokens).min(max_model_len - len).max(1),
+            };
+            let hashes = namespace.chain(&prompt, block_size);
+            Ok(Job { prompt, hashes, max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX) })
+        })
+        .collect()
+}
+
+/// The `usage` key of a response or chunk: absent (streams without `include_usage`), `null`
+/// (every chunk but the last when `include_usage` is set), or the counts.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum UsageField<'a> {
+    Absent,
+    Null,
+    Present(&'a UsageJson),
+}
+
+impl UsageField<'_> {
+    fn is_absent(&self) -> bool {
+        matches!(self, UsageField::Absent)
+    }
+
+    /// What stream chunks carry: `null` with `include_usage`, nothing without.
+    pub fn for_chunks(include_usage: bool) -> Self {
+        if include_usage { UsageField::Null } else { UsageField::Absent }
+    }
+}
+
+impl Serialize for UsageField<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            UsageField::Absent | UsageField::Null => s.serialize_none(),
+            UsageField::Present(u) => u.serialize(s),
+        }
+    }
+}
+
+/// The keys every response object and chunk shares, around endpoint-specific `choices`.
+#[derive(Serialize)]
+pub(super) struct Envelope<'a, C> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: C,
+    #[serde(skip_serializing_if = "UsageField::is_absent")]
+    usage: UsageField<'a>,
+}
+
+impl<'a, C: Serialize> Envelope<'a, C> {
+    pub fn new(meta: &'a Meta, object: &'static str, choices: C, usage: UsageField<'a>) -> Self {
+        Envelope { id: &meta.id, object, created: meta.created, model: &meta.model, choices, usage }
+    }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        // Strings, integers and options only: serializing into a Vec cannot fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}

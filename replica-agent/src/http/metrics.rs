@@ -1,0 +1,153 @@
+//! `GET /metrics`: the engine's counters in Prometheus text format (0.0.4), under the names
+//! vLLM uses, so dashboards and the router's scrapers work unchanged against a simulated
+//! replica; kvroute's own extras are prefixed `kvroute_agent_`.
+//!
+//! Every sample has vLLM's `model_name` label. Counters end in `_total` (the `# TYPE` line
+//! names the sample, as Python's `prometheus_client` writes it). Values are read from the
+//! engine's atomics at scrape time, so the text is a cheap, lock-free read.
+//!
+//! | metric | type | meaning |
+//! |---|---|---|
+//! | `vllm:num_requests_running` | gauge | sequences in the running batch |
+//! | `vllm:num_requests_waiting` | gauge | requests waiting for admission |
+//! | `vllm:kv_cache_usage_perc` | gauge | resident blocks / capacity, 0..1 (vLLM's unit) |
+//! | `vllm:prefix_cache_queries_total` | counter | prompt tokens looked up in the prefix cache |
+//! | `vllm:prefix_cache_hits_total` | counter | of those, tokens served from the cache |
+//! | `vllm:prompt_tokens_total` | counter | prompt tokens of admitted requests |
+//! | `vllm:generation_tokens_total` | counter | generated tokens |
+//! | `vllm:request_success_total` | counter | finished requests (`finished_reason="length"`) |
+//! | `kvroute_agent_requests_failed_total` | counter | requests the engine failed |
+//! | `kvroute_agent_events_published_total` | counter | KV event batches published |
+//! | `kvroute_agent_steps_total` | counter | scheduler steps run |
+//! | `kvroute_agent_pending_prefill_tokens` | gauge | uncached prompt tokens still to prefill |
+//! | `kvroute_agent_resident_blocks` | gauge | blocks in the prefix cache |
+//! | `kvroute_agent_capacity_blocks` | gauge | prefix-cache capacity in blocks |
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use hyper::header::{self, HeaderValue};
+use hyper::{Response, StatusCode};
+
+use super::{AppState, Body, full};
+
+/// Prometheus' text exposition content type.
+const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Renders the metrics page.
+pub(super) fn render(state: &AppState) -> Response<Body> {
+    let engine = state.engine();
+    let m = engine.metrics();
+    let capacity = engine.config().cache.capacity_blocks as u64;
+    let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let resident = load(&m.resident_blocks);
+    let usage = if capacity == 0 { 0.0 } else { resident as f64 / capacity as f64 };
+
+    let mut out = Exposition::new(&state.config().model);
+    out.gauge(
+        "vllm:num_requests_running",
+        "Number of requests in model execution batches.",
+        load(&m.running),
+    );
+    out.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", load(&m.waiting));
+    out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage);
+    out.counter(
+        "vllm:prefix_cache_queries_total",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        load(&m.prefix_cache_queries),
+    );
+    out.counter(
+        "vllm:prefix_cache_hits_total",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        load(&m.prefix_cache_hits),
+    );
+    out.counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.", load(&m.prompt_tokens));
+    out.counter(
+        "vllm:generation_tokens_total",
+        "Number of generation tokens processed.",
+        load(&m.generation_tokens),
+    );
+    out.family("vllm:request_success_total", "counter", "Count of successfully processed requests.");
+    out.sample("vllm:request_success_total", &[("finished_reason", "length")], load(&m.requests_served));
+    out.counter(
+        "kvroute_agent_requests_failed_total",
+        "Requests the engine failed.",
+        load(&m.requests_failed),
+    );
+    out.counter(
+        "kvroute_agent_events_published_total",
+        "KV event batches published.",
+        load(&m.events_published),
+    );
+    out.counter("kvroute_agent_steps_total", "Scheduler steps run.", load(&m.steps));
+    out.gauge(
+        "kvroute_agent_pending_prefill_tokens",
+        "Uncached prompt tokens of admitted requests still to prefill.",
+        load(&m.pending_prefill_tokens),
+    );
+    out.gauge("kvroute_agent_resident_blocks", "Blocks resident in the prefix cache.", resident);
+    out.gauge("kvroute_agent_capacity_blocks", "Prefix-cache capacity in blocks.", capacity);
+
+    let mut response = Response::new(full(out.text));
+    *response.status_mut() = StatusCode::OK;
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE));
+    response
+}
+
+/// A Prometheus text page being written; every sample gets the `model_name` label.
+struct Exposition {
+    text: String,
+    model_label: String,
+}
+
+impl Exposition {
+    fn new(model: &str) -> Self {
+        Exposition { text: String::with_capacity(4096), model_label: escape(model) }
+    }
+
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        // Writing to a String cannot fail.
+        let _ = writeln!(self.text, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: impl std::fmt::Display) {
+        let _ = write!(self.text, "{name}{{model_name=\"{}\"", self.model_label);
+        for (k, v) in labels {
+            let _ = write!(self.text, ",{k}=\"{}\"", escape(v));
+        }
+        let _ = writeln!(self.text, "}} {value}");
+    }
+
+    fn gauge(&mut self, name: &str, help: &str, value: impl std::fmt::Display) {
+        self.family(name, "gauge", help);
+        self.sample(name, &[], value);
+    }
+
+    fn counter(&mut self, name: &str, help: &str, value: u64) {
+        debug_assert!(name.ends_with("_total"));
+        self.family(name, "counter", help);
+        self.sample(name, &[], value);
+    }
+}
+
+/// A label value escaped as the text format requires.
+fn escape(value: &str) -> String {
+    value.replace('\\', r"\\").replace('"', r#"\""#).replace('\n', r"\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_carry_the_escaped_model_label() {
+        let mut out = Exposition::new("a\"b");
+        out.counter("x_total", "help", 3);
+        out.sample("y", &[("k", "v")], 1.5);
+        assert_eq!(
+            out.text,
+            "# HELP x_total help\n# TYPE x_total counter\nx_total{model_name=\"a\\\"b\"} 3\n\
+             y{model_name=\"a\\\"b\",k=\"v\"} 1.5\n"
+        );
+    }
+}

@@ -1,0 +1,289 @@
+//! The replica's OpenAI-compatible HTTP API (hyper 1, HTTP/1.1 and HTTP/2 on one port).
+//!
+//! | route | what |
+//! |---|---|
+//! | `POST /v1/completions` | [`generate`]: text completions, streamed (SSE) or not |
+//! | `POST /v1/chat/completions` | [`generate`]: chat completions, streamed (SSE) or not |
+//! | `GET /v1/models` | [`admin`]: the base model and its LoRA adapters |
+//! | `GET /health` | [`admin`]: 200 with an empty body, as vLLM answers |
+//! | `POST /tokenize` | [`admin`]: the token ids generation would use, vLLM's shape |
+//! | `POST /reset_prefix_cache` | [`admin`]: drop the prefix cache (409 while requests hold blocks) |
+//! | `GET /metrics` | [`metrics`]: Prometheus text with vLLM's metric names |
+//!
+//! Every response carries `x-request-id` (the client's, or a generated one) and every error
+//! is OpenAI's error JSON, built in [`error`]. [`serve`] stops accepting when its shutdown
+//! token fires and returns once every open connection has finished its in-flight requests.
+
+mod admin;
+mod chat;
+mod completions;
+mod error;
+mod generate;
+mod metrics;
+mod sse;
+
+pub use error::ApiError;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{self, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use kvroute_proto::openai::Tokenization;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::Config;
+use crate::engine::Engine;
+
+/// Response body of every route: a full buffer, or a stream of SSE frames.
+pub(crate) type Body = UnsyncBoxBody<Bytes, Infallible>;
+
+/// What every request handler needs; cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    engine: Engine,
+    tokenization: Arc<Tokenization>,
+    config: Arc<Config>,
+    /// Unix seconds at startup, the `created` of `/v1/models` entries.
+    started: u64,
+    /// Cancelled when the server shuts down; tells a shutdown failure from an engine fault.
+    shutdown: CancellationToken,
+}
+
+impl AppState {
+    /// The state the API serves from. `tokenization` must be the one the router uses, so
+    /// that `/tokenize`, generation and the router agree on token ids.
+    pub fn new(engine: Engine, tokenization: Arc<Tokenization>, config: Arc<Config>) -> Self {
+        AppState {
+            inner: Arc::new(Inner {
+                engine,
+                tokenization,
+                config,
+                started: unix_now(),
+                shutdown: CancellationToken::new(),
+            }),
+        }
+    }
+
+    pub(crate) fn engine(&self) -> &Engine {
+        &self.inner.engine
+    }
+
+    pub(crate) fn tokenization(&self) -> &Tokenization {
+        &self.inner.tokenization
+    }
+
+    pub(crate) fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    pub(crate) fn started(&self) -> u64 {
+        self.inner.started
+    }
+
+    pub(crate) fn shutting_down(&self) -> bool {
+        self.inner.shutdown.is_cancelled()
+    }
+
+    /// Whether `model` is the base model or one of its LoRA adapters.
+    pub(crate) fn serves(&self, model: &str) -> bool {
+        let config = self.config();
+        model == config.model || config.lora_adapters.iter().any(|a| a == model)
+    }
+}
+
+/// Serves the API on `listener` until `shutdown` fires, then stops accepting and returns
+/// once every connection has finished the requests it was serving (streams included).
+pub async fn serve(listener: TcpListener, state: AppState, shutdown: CancellationToken) {
+    let connections = TaskTracker::new();
+    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    // Tell the handlers when the server is going down.
+    let server_shutdown = state.inner.shutdown.clone();
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(error = %e, %peer, "cannot set TCP_NODELAY");
+        }
+        let builder = builder.clone();
+        let state = state.clone();
+        let shutdown = shutdown.clone();
+        connections.spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let state = state.clone();
+                async move { Ok::<_, Infallible>(handle(state, req).await) }
+            });
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            let result = tokio::select! {
+                result = conn.as_mut() => result,
+                _ = shutdown.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = result {
+                tracing::debug!(error = %e, %peer, "connection ended with an error");
+            }
+        });
+    }
+    // Refuse new connections while the open ones drain.
+    drop(listener);
+    server_shutdown.cancel();
+    connections.close();
+    connections.wait().await;
+}
+
+/// Routes one request and stamps `x-request-id` on the answer.
+async fn handle(state: AppState, req: Request<Incoming>) -> Response<Body> {
+    let request_id = request_id(&req);
+    let path = req.uri().path();
+    let path = if path.len() > 1 { path.trim_end_matches('/') } else { path };
+    let mut response = match route(path) {
+        Some((allowed, _)) if req.method() != allowed => {
+            let mut r = error_response(&ApiError::method_not_allowed(req.method(), path));
+            if let Ok(allow) = HeaderValue::from_str(allowed.as_str()) {
+                r.headers_mut().insert(header::ALLOW, allow);
+            }
+            r
+        }
+        Some((_, route)) => match dispatch(route, &state, req, &request_id).await {
+            Ok(response) => response,
+            Err(e) => error_response(&e),
+        },
+        None => error_response(&ApiError::not_found(path)),
+    };
+    if let Ok(value) = HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert(X_REQUEST_ID, value);
+    }
+    response
+}
+
+const X_REQUEST_ID: &str = "x-request-id";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    Completions,
+    ChatCompletions,
+    Models,
+    Health,
+    Tokenize,
+    ResetPrefixCache,
+    Metrics,
+}
+
+/// The route at `path` and the one method it accepts.
+fn route(path: &str) -> Option<(Method, Route)> {
+    Some(match path {
+        "/v1/completions" => (Method::POST, Route::Completions),
+        "/v1/chat/completions" => (Method::POST, Route::ChatCompletions),
+        "/v1/models" => (Method::GET, Route::Models),
+        "/health" => (Method::GET, Route::Health),
+        "/tokenize" => (Method::POST, Route::Tokenize),
+        "/reset_prefix_cache" => (Method::POST, Route::ResetPrefixCache),
+        "/metrics" => (Method::GET, Route::Metrics),
+        _ => return None,
+    })
+}
+
+async fn dispatch(
+    route: Route,
+    state: &AppState,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Result<Response<Body>, ApiError> {
+    use kvroute_proto::openai::Endpoint;
+    match route {
+        Route::Completions => {
+            let body = read_body(state, req).await?;
+            generate::generate(state, Endpoint::Completions, &body, request_id).await
+        }
+        Route::ChatCompletions => {
+            let body = read_body(state, req).await?;
+            generate::generate(state, Endpoint::ChatCompletions, &body, request_id).await
+        }
+        Route::Models => Ok(admin::models(state)),
+        Route::Health => Ok(empty(StatusCode::OK)),
+        Route::Tokenize => {
+            let body = read_body(state, req).await?;
+            admin::tokenize(state, &body)
+        }
+        Route::ResetPrefixCache => admin::reset_prefix_cache(state).await,
+        Route::Metrics => Ok(metrics::render(state)),
+    }
+}
+
+/// The whole request body, refused with 413 past `max_body_bytes`.
+async fn read_body(state: &AppState, req: Request<Incoming>) -> Result<Bytes, ApiError> {
+    let limit = state.config().max_body_bytes;
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Err(ApiError::too_large(limit));
+    }
+    match Limited::new(req.into_body(), limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::too_large(limit)),
+        Err(e) => Err(ApiError::bad_request(format!("could not read the request body: {e}"))),
+    }
+}
+
+/// The client's `x-request-id` if it is a sane token, else a fresh random one.
+fn request_id(req: &Request<Incoming>) -> String {
+    req.headers()
+        .get(X_REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 256 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map_or_else(|| format!("{:032x}", rand::random::<u128>()), str::to_owned)
+}
+
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+pub(crate) fn full(body: impl Into<Bytes>) -> Body {
+    Full::new(body.into()).boxed_unsync()
+}
+
+pub(crate) fn empty(status: StatusCode) -> Response<Body> {
+    let mut response = Response::new(full(Bytes::new()));
+    *response.status_mut() = status;
+    response
+}
+
+/// A JSON response with `status`.
+pub(crate) fn json_response(status: StatusCode, body: Vec<u8>) -> Response<Body> {
+    let mut response = Response::new(full(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+pub(crate) fn error_response(err: &ApiError) -> Response<Body> {
+    json_response(err.status, err.error.to_json())
+}

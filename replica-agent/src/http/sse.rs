@@ -1,0 +1,176 @@
+//! Server-sent events for `stream: true`: a response body that turns the engine's output
+//! channels into `data: {json}\n\n` frames as the tokens arrive, never buffering them.
+//!
+//! The body is a stream over the engine's own bounded channels (one per prompt, merged), so
+//! hyper pulls a frame only when the engine has produced one and writes it out at once; a
+//! client that goes away drops the body, which drops the channels, which makes the engine
+//! abort the requests and unpin their blocks.
+//!
+//! Frame order, as OpenAI and vLLM send it:
+//! 1. chat only: one `delta: {"role":"assistant","content":""}` chunk per choice;
+//! 2. one chunk per token, the last token of a choice with `finish_reason: "length"` (if the
+//!    engine finishes a choice short of `max_tokens`, an empty chunk carries the reason);
+//! 3. with `stream_options.include_usage`, a chunk with `choices: []` and the summed `usage`
+//!    (every earlier chunk then has `"usage": null`); clients that need `cached_tokens` from
+//!    a stream, like kvroute's router and load generator, must set it;
+//! 4. `data: [DONE]`.
+//!
+//! If the engine fails a request mid-stream, the body ends with one
+//! `data: {"error":{...}}` event and no `[DONE]`, so a client cannot mistake it for a
+//! complete answer.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use futures::stream::{self, SelectAll, Stream, StreamExt};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+use tokio::sync::mpsc;
+
+use super::Body;
+use super::error::ApiError;
+use super::generate::{Admitted, Api, Envelope, Meta, UsageField, UsageJson};
+use super::{chat, completions};
+use crate::engine::Output;
+
+/// The SSE body of a streamed generation whose prompts have all been admitted.
+pub(super) fn body(api: Api, meta: Meta, admitted: Vec<Admitted>, include_usage: bool) -> Body {
+    let chunk_usage = UsageField::for_chunks(include_usage);
+    let mut opening = Vec::new();
+    if api == Api::Chat {
+        for index in 0..admitted.len() {
+            event(&mut opening, &chat::role_chunk(&meta, index, chunk_usage));
+        }
+    }
+    let state = State {
+        api,
+        include_usage,
+        opening: (!opening.is_empty()).then(|| Bytes::from(opening)),
+        generated: vec![0; admitted.len()],
+        max_tokens: admitted.iter().map(|a| a.max_tokens).collect(),
+        finished: vec![false; admitted.len()],
+        remaining: admitted.len(),
+        usage: UsageJson::default(),
+        outputs: admitted.into_iter().enumerate().map(|(index, a)| Tagged { index, rx: a.rx }).collect(),
+        meta,
+        done: false,
+    };
+    StreamBody::new(stream::unfold(state, next_frame)).boxed_unsync()
+}
+
+/// The progress of one streamed response.
+struct State {
+    api: Api,
+    meta: Meta,
+    include_usage: bool,
+    /// Frames to send before any token (the chat role chunks).
+    opening: Option<Bytes>,
+    /// Every prompt's engine outputs, tagged with the prompt's index.
+    outputs: SelectAll<Tagged>,
+    generated: Vec<u32>,
+    max_tokens: Vec<u32>,
+    /// Whether a choice's `finish_reason` chunk has been sent.
+    finished: Vec<bool>,
+    /// Prompts whose `Done` has not arrived yet.
+    remaining: usize,
+    usage: UsageJson,
+    done: bool,
+}
+
+async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, State)> {
+    if let Some(opening) = s.opening.take() {
+        return Some((Ok(Frame::data(opening)), s));
+    }
+    let mut buf = Vec::new();
+    while buf.is_empty() && !s.done {
+        let chunk_usage = UsageField::for_chunks(s.include_usage);
+        match s.outputs.next().await {
+            Some((i, Output::Token(text))) => {
+                s.generated[i] += 1;
+                let last = s.generated[i] >= s.max_tokens[i] && !s.finished[i];
+                s.finished[i] |= last;
+                event(&mut buf, &token_chunk(s.api, &s.meta, i, Some(text), last, chunk_usage));
+            }
+            Some((i, Output::Done(usage))) => {
+                s.usage.add(&usage);
+                s.remaining = s.remaining.saturating_sub(1);
+                if !s.finished[i] {
+                    s.finished[i] = true;
+                    event(&mut buf, &token_chunk(s.api, &s.meta, i, None, true, chunk_usage));
+                }
+                if s.remaining == 0 {
+                    if s.include_usage {
+                        event(&mut buf, &usage_chunk(s.api, &s.meta, &s.usage));
+                    }
+                    buf.extend_from_slice(b"data: [DONE]\n\n");
+                    s.done = true;
+                }
+            }
+            Some((_, Output::Started { .. })) => {}
+            Some((_, Output::Failed(why))) => {
+                event(&mut buf, &ApiError::engine_failed(why).error.to_json());
+                s.done = true;
+            }
+            None => {
+                let why = "the engine stopped before finishing the request";
+                event(&mut buf, &ApiError::engine_failed(why).error.to_json());
+                s.done = true;
+            }
+        }
+    }
+    if buf.is_empty() {
+        return None;
+    }
+    Some((Ok(Frame::data(Bytes::from(buf))), s))
+}
+
+/// Appends `data: {json}\n\n`.
+fn event(buf: &mut Vec<u8>, json: &[u8]) {
+    buf.reserve(json.len() + 8);
+    buf.extend_from_slice(b"data: ");
+    buf.extend_from_slice(json);
+    buf.extend_from_slice(b"\n\n");
+}
+
+/// A token chunk (or, with `text` `None`, the empty chunk that only carries the finish
+/// reason) in `api`'s shape.
+fn token_chunk(
+    api: Api,
+    meta: &Meta,
+    index: usize,
+    text: Option<&str>,
+    finish: bool,
+    usage: UsageField<'_>,
+) -> Vec<u8> {
+    match api {
+        Api::Completions => completions::chunk(meta, index, text.unwrap_or(""), finish, usage),
+        Api::Chat => chat::chunk(meta, index, text, finish, usage),
+    }
+}
+
+/// The final `choices: []` chunk carrying the usage of the whole request.
+fn usage_chunk(api: Api, meta: &Meta, usage: &UsageJson) -> Vec<u8> {
+    let object = match api {
+        Api::Completions => completions::OBJECT,
+        Api::Chat => chat::CHUNK_OBJECT,
+    };
+    Envelope::new(meta, object, [(); 0], UsageField::Present(usage)).to_json()
+}
+
+/// One prompt's engine outputs, tagged with the prompt's index in the request.
+struct Tagged {
+    index: usize,
+    rx: mpsc::Receiver<Output>,
+}
+
+impl Stream for Tagged {
+    type Item = (usize, Output);
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        let index = this.index;
+        this.rx.poll_recv(cx).map(|o| o.map(|o| (index, o)))
+    }
+}
