@@ -14,6 +14,8 @@
 //! 4. Without `stream`, collect the text and answer one JSON object; with `stream`, answer
 //!    an SSE body that forwards each token as the engine emits it ([`sse`]).
 //!
+//! Sampling parameters (`temperature`, `stop`, `seed`, `logprobs`, `echo`, ...) are accepted
+//! and ignored: the simulated text depends only on the prompt and the agent's `--seed`.
 //! The simulated engine always generates exactly `max_tokens` tokens, so `finish_reason` is
 //! always `"length"`. `usage.prompt_tokens_details.cached_tokens` is the engine's realized
 //! prefix-cache hit, summed over the prompts of a batch.

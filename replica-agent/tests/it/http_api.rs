@@ -1,0 +1,491 @@
+//! The OpenAI-compatible HTTP API against a real engine and publisher.
+//!
+//! Tests run on tokio's current-thread runtime, so the engine's scheduler, the server and
+//! the client interleave only at `.await` points: a response that has been read implies
+//! the scheduler step that produced it has completed, metrics included.
+
+use std::collections::BTreeMap;
+
+use http_body_util::BodyExt;
+use hyper::body::Body as _;
+use hyper::{Method, StatusCode};
+use serde_json::{Value, json};
+
+use crate::support::client::{Reply, collect, sse_events};
+use crate::support::shape::{self, Usage};
+use crate::support::{ADAPTER, Agent, Client, MODEL, config};
+
+/// `n` distinct words (one builtin-tokenizer token each), different for each `seed`.
+fn words(n: usize, seed: u32) -> String {
+    (0..n).map(|i| format!("w{seed}x{i}")).collect::<Vec<_>>().join(" ")
+}
+
+/// The seed-000 hit of a repeated prompt of `len` tokens: every full block, capped at `len`.
+fn full_block_hit(len: u64, block_size: u64) -> u64 {
+    ((len / block_size) * block_size).min(len)
+}
+
+async fn completion(client: &Client, body: &Value) -> (Vec<String>, Usage) {
+    let reply = client.post("/v1/completions", body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let n = body["prompt"].as_array().filter(|p| p.iter().all(|x| !x.is_u64())).map_or(1, Vec::len);
+    shape::completion(&reply.json(), n)
+}
+
+async fn chat(client: &Client, body: &Value) -> (String, Usage) {
+    let reply = client.post("/v1/chat/completions", body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_eq!(reply.headers["content-type"], "application/json");
+    shape::chat_completion(&reply.json())
+}
+
+async fn stream(client: &Client, path: &str, body: &Value) -> Vec<String> {
+    let reply = client.post(path, body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_eq!(reply.headers["content-type"], "text/event-stream");
+    sse_events(&reply.body)
+}
+
+#[tokio::test]
+async fn repeated_prompt_reports_seed000_cached_tokens() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    let block_size = u64::from(agent.config.block_size);
+    let prompt = words(37, 1);
+    let len = c.tokenize(&json!({ "prompt": prompt })).await.len() as u64;
+    let expected = full_block_hit(len, block_size);
+    assert!(expected > 0 && expected < len, "the prompt ends in a partial block ({len} tokens)");
+
+    let body = json!({ "model": MODEL, "prompt": prompt, "max_tokens": 3 });
+    let (_, first) = completion(c, &body).await;
+    assert_eq!(first, Usage { prompt_tokens: len, completion_tokens: 3, cached_tokens: 0 });
+    let (_, second) = completion(c, &body).await;
+    assert_eq!(second, Usage { prompt_tokens: len, completion_tokens: 3, cached_tokens: expected });
+
+    // Chat: the rendered conversation is the prompt.
+    let messages = json!([{ "role": "user", "content": words(50, 2) }]);
+    let len = c.tokenize(&json!({ "messages": messages })).await.len() as u64;
+    let body = json!({ "model": MODEL, "messages": messages, "max_tokens": 2 });
+    let (_, first) = chat(c, &body).await;
+    assert_eq!((first.prompt_tokens, first.cached_tokens), (len, 0));
+    let (_, second) = chat(c, &body).await;
+    assert_eq!((second.prompt_tokens, second.cached_tokens), (len, full_block_hit(len, block_size)));
+}
+
+#[tokio::test]
+async fn tokenize_returns_the_ids_generation_uses() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    let block_size = u64::from(agent.config.block_size);
+
+    // A text prompt, then the ids /tokenize gave for it: a full-block hit means same ids.
+    let prompt = words(30, 3);
+    let ids = c.tokenize(&json!({ "model": MODEL, "prompt": prompt })).await;
+    let (_, first) = completion(c, &json!({ "model": MODEL, "prompt": prompt, "max_tokens": 1 })).await;
+    assert_eq!(first.prompt_tokens, ids.len() as u64);
+    let (_, by_ids) = completion(c, &json!({ "model": MODEL, "prompt": ids, "max_tokens": 1 })).await;
+    assert_eq!(by_ids.prompt_tokens, ids.len() as u64);
+    assert_eq!(by_ids.cached_tokens, full_block_hit(ids.len() as u64, block_size));
+
+    // The same for chat: the rendered conversation's ids, replayed as a completion prompt.
+    let messages = json!([
+        { "role": "system", "content": "You are terse." },
+        { "role": "user", "content": words(20, 4) },
+    ]);
+    let ids = c.tokenize(&json!({ "messages": messages })).await;
+    let (_, first) = chat(c, &json!({ "model": MODEL, "messages": messages, "max_tokens": 1 })).await;
+    assert_eq!(first.prompt_tokens, ids.len() as u64);
+    let (_, by_ids) = completion(c, &json!({ "model": MODEL, "prompt": ids, "max_tokens": 1 })).await;
+    assert_eq!(by_ids.cached_tokens, full_block_hit(ids.len() as u64, block_size));
+
+    // Token-id prompts come back unchanged.
+    assert_eq!(c.tokenize(&json!({ "prompt": [5, 17, 400] })).await, vec![5, 17, 400]);
+    assert_eq!(c.tokenize(&json!({ "model": null, "prompt": [5] })).await, vec![5]);
+    assert_eq!(c.tokenize(&json!({ "model": ADAPTER, "prompt": [6] })).await, vec![6]);
+}
+
+#[tokio::test]
+async fn lora_adapter_prompts_live_in_their_own_namespace() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    let prompt = words(24, 5);
+    completion(c, &json!({ "model": MODEL, "prompt": prompt, "max_tokens": 1 })).await;
+    let (_, adapter) = completion(c, &json!({ "model": ADAPTER, "prompt": prompt, "max_tokens": 1 })).await;
+    assert_eq!(adapter.cached_tokens, 0, "the base model's blocks are not the adapter's");
+    let (_, again) = completion(c, &json!({ "model": ADAPTER, "prompt": prompt, "max_tokens": 1 })).await;
+    assert!(again.cached_tokens > 0);
+}
+
+#[tokio::test]
+async fn non_streaming_responses_have_openai_shape() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    let body = json!({ "model": MODEL, "prompt": [words(9, 6), words(13, 7)], "max_tokens": 4 });
+    let (texts, usage) = completion(c, &body).await;
+    assert!(texts.iter().all(|t| !t.is_empty()));
+    assert_eq!(usage.completion_tokens, 8, "4 tokens for each of 2 prompts");
+
+    let body = json!({ "model": MODEL, "prompt": [[20, 21, 22, 23, 24], [30, 31]], "max_tokens": 2 });
+    let (_, usage) = completion(c, &body).await;
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (7, 4));
+
+    // Without max_tokens: the configured default.
+    let (_, usage) = completion(c, &json!({ "model": MODEL, "prompt": "hello there" })).await;
+    assert_eq!(usage.completion_tokens, u64::from(agent.config.default_max_tokens));
+
+    let body = json!({
+        "model": MODEL,
+        "messages": [{ "role": "user", "content": [{ "type": "text", "text": "hi" }] }],
+        "max_completion_tokens": 5,
+    });
+    let (content, usage) = chat(c, &body).await;
+    assert!(!content.is_empty());
+    assert_eq!(usage.completion_tokens, 5);
+}
+
+#[tokio::test]
+async fn streaming_responses_have_openai_shape_and_match_non_streaming() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    let prompts = json!([words(11, 8), words(6, 9)]);
+    let (texts, _) = completion(c, &json!({ "model": MODEL, "prompt": prompts, "max_tokens": 5 })).await;
+    let messages = json!([{ "role": "user", "content": words(7, 10) }]);
+    let (content, _) = chat(c, &json!({ "model": MODEL, "messages": messages, "max_tokens": 6 })).await;
+
+    for include_usage in [false, true] {
+        let mut body = json!({ "model": MODEL, "prompt": prompts, "max_tokens": 5, "stream": true });
+        if include_usage {
+            body["stream_options"] = json!({ "include_usage": true });
+        }
+        let events = stream(c, "/v1/completions", &body).await;
+        let (streamed, usage) = shape::completion_stream(&events, 2, include_usage);
+        assert_eq!(streamed, texts, "generation is deterministic for a prompt");
+        if let Some(usage) = usage {
+            assert_eq!(usage.completion_tokens, 10);
+            assert!(usage.cached_tokens > 0, "the prompts were seen before: {usage:?}");
+        }
+
+        let mut body = json!({ "model": MODEL, "messages": messages, "max_tokens": 6, "stream": true });
+        if include_usage {
+            body["stream_options"] = json!({ "include_usage": true });
+        }
+        let events = stream(c, "/v1/chat/completions", &body).await;
+        let (streamed, usage) = shape::chat_stream(&events, include_usage);
+        assert_eq!(streamed, content);
+        assert_eq!(usage.is_some(), include_usage);
+        // One role chunk, six token chunks, the usage chunk, [DONE].
+        assert_eq!(events.len(), 1 + 6 + usize::from(include_usage) + 1);
+    }
+}
+
+/// Reads frames until one carries data.
+async fn next_data(body: &mut hyper::body::Incoming) -> bytes::Bytes {
+    loop {
+        let frame = body.frame().await.expect("the stream is still open").expect("frame");
+        if let Ok(data) = frame.into_data() {
+            return data;
+        }
+    }
+}
+
+/// A Prometheus text page as `name{labels}` → value, checking the format on the way:
+/// every sample has a `# TYPE`, counters end in `_total`, every sample names the model.
+fn parse_metrics(text: &str) -> BTreeMap<String, f64> {
+    let mut types = BTreeMap::new();
+    let mut samples = BTreeMap::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').expect("# TYPE name kind");
+            assert!(["counter", "gauge"].contains(&kind), "{line}");
+            types.insert(name.to_owned(), kind.to_owned());
+        } else if line.starts_with("# HELP ") {
+        } else {
+            let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad sample {line:?}"));
+            let name = series.split('{').next().expect("name");
+            let kind = types.get(name).unwrap_or_else(|| panic!("{name} has no # TYPE"));
+            assert_eq!(kind == "counter", name.ends_with("_total"), "{line}");
+            assert!(series.contains(&format!("model_name=\"{MODEL}\"")), "{line}");
+            let value: f64 = value.parse().unwrap_or_else(|_| panic!("bad value in {line:?}"));
+            samples.insert(name.to_owned(), value);
+        }
+    }
+    samples
+}
+
+async fn metrics(client: &Client) -> BTreeMap<String, f64> {
+    let reply = client.get("/metrics").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert!(reply.headers["content-type"].to_str().unwrap().starts_with("text/plain; version=0.0.4"));
+    parse_metrics(&reply.text())
+}
+
+#[tokio::test]
+async fn stream_chunks_arrive_while_the_engine_is_generating() {
+    // Real time: 400 decode steps of at least 6 ms each.
+    let agent = Agent::with(kvroute_replica_agent::Config { time_scale: 1.0, ..config() }).await;
+    let c = &agent.client;
+    let body = json!({ "model": MODEL, "prompt": words(10, 11), "max_tokens": 400, "stream": true });
+    let response = c.send(Method::POST, "/v1/completions", serde_json::to_vec(&body).unwrap(), &[]).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let first = next_data(&mut body).await;
+    let first = sse_events(&first);
+    assert_eq!(first.len(), 1);
+    let chunk: Value = serde_json::from_str(&first[0]).unwrap();
+    assert_eq!(chunk["choices"][0]["finish_reason"], Value::Null, "the first of 400 tokens");
+    assert!(!body.is_end_stream());
+
+    // The request is still running: the chunk was flushed mid-generation.
+    let m = metrics(c).await;
+    assert_eq!(m["vllm:num_requests_running"], 1.0);
+    // Its blocks are pinned, so the cache cannot be reset now.
+    let reply = c.request(Method::POST, "/reset_prefix_cache", "").await;
+    assert_eq!(reply.status, StatusCode::CONFLICT);
+    assert_eq!(shape::error(&reply.json()).2.as_deref(), Some("cache_busy"));
+}
+
+#[tokio::test]
+async fn metrics_parse_and_prefix_cache_counters_move() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    let before = metrics(c).await;
+    for name in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "kvroute_agent_events_published_total",
+        "kvroute_agent_steps_total",
+        "kvroute_agent_pending_prefill_tokens",
+    ] {
+        assert!(before.contains_key(name), "{name} missing");
+    }
+    let prompt = words(21, 12);
+    let body = json!({ "model": MODEL, "prompt": prompt, "max_tokens": 3 });
+    let (_, first) = completion(c, &body).await;
+    let (_, second) = completion(c, &body).await;
+    let after = metrics(c).await;
+    let delta = |name: &str| after[name] - before[name];
+    let len = first.prompt_tokens as f64;
+    assert_eq!(delta("vllm:prefix_cache_queries_total"), 2.0 * len);
+    assert_eq!(delta("vllm:prefix_cache_hits_total"), second.cached_tokens as f64);
+    assert_eq!(delta("vllm:prompt_tokens_total"), 2.0 * len);
+    assert_eq!(delta("vllm:generation_tokens_total"), 6.0);
+    assert_eq!(delta("vllm:request_success_total"), 2.0);
+    assert!(delta("kvroute_agent_events_published_total") >= 1.0, "the first request stored blocks");
+    let resident = (len as u64 / u64::from(agent.config.block_size)) as f64;
+    assert_eq!(after["vllm:kv_cache_usage_perc"], resident / agent.config.capacity_blocks as f64);
+    assert_eq!(after["vllm:num_requests_running"], 0.0);
+}
+
+#[tokio::test]
+async fn reset_prefix_cache_makes_the_next_repeat_miss() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    let body = json!({ "model": MODEL, "prompt": words(17, 13), "max_tokens": 1 });
+    completion(c, &body).await;
+    assert!(completion(c, &body).await.1.cached_tokens > 0);
+    let reply = c.request(Method::POST, "/reset_prefix_cache", "").await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert!(reply.body.is_empty());
+    assert_eq!(completion(c, &body).await.1.cached_tokens, 0);
+    assert!(completion(c, &body).await.1.cached_tokens > 0);
+}
+
+/// One malformed request and what it must get.
+struct Bad {
+    method: Method,
+    path: &'static str,
+    body: Vec<u8>,
+    status: StatusCode,
+    param: Option<&'static str>,
+    code: Option<&'static str>,
+}
+
+fn bad(method: Method, path: &'static str, body: impl Into<Vec<u8>>, status: u16) -> Bad {
+    Bad {
+        method,
+        path,
+        body: body.into(),
+        status: StatusCode::from_u16(status).unwrap(),
+        param: None,
+        code: None,
+    }
+}
+
+impl Bad {
+    fn param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
+    }
+    fn code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+}
+
+fn json_bytes(v: Value) -> Vec<u8> {
+    serde_json::to_vec(&v).unwrap()
+}
+
+#[tokio::test]
+async fn malformed_requests_get_openai_errors() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    let post = Method::POST;
+    let cmpl = "/v1/completions";
+    let chat = "/v1/chat/completions";
+    let long = words(600, 14);
+    let cases = [
+        bad(post.clone(), cmpl, "{not json", 400),
+        bad(post.clone(), cmpl, "[1, 2]", 400),
+        bad(post.clone(), cmpl, json_bytes(json!({ "prompt": "hi" })), 400)
+            .param("model")
+            .code("missing_required_parameter"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": { "a": 1 } })), 400).param("prompt"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "max_tokens": "5" })), 400)
+            .param("max_tokens"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "max_tokens": 0 })), 400)
+            .param("max_tokens"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": 2 })), 400).param("n"),
+        bad(
+            post.clone(),
+            cmpl,
+            json_bytes(json!({ "model": MODEL, "prompt": "hi", "stream_options": { "include_usage": true } })),
+            400,
+        )
+        .param("stream_options"),
+        bad(
+            post.clone(),
+            cmpl,
+            json_bytes(json!({ "model": MODEL, "prompt": "hi", "stream": true, "stream_options": { "include_usage": 1 } })),
+            400,
+        )
+        .param("stream_options"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": [[1, 2], [99_999_999]] })), 400)
+            .param("prompt"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": "nope", "prompt": "hi" })), 404)
+            .param("model")
+            .code("model_not_found"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": long })), 400)
+            .code("context_length_exceeded"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi there", "max_tokens": 511 })), 400)
+            .param("prompt")
+            .code("context_length_exceeded"),
+        bad(post.clone(), chat, json_bytes(json!({ "model": MODEL })), 400).param("messages"),
+        bad(post.clone(), chat, json_bytes(json!({ "model": MODEL, "messages": [] })), 400).param("messages"),
+        bad(post.clone(), chat, json_bytes(json!({ "model": MODEL, "messages": [{ "role": "user", "content": 5 }] })), 400)
+            .param("messages[0].content"),
+        bad(post.clone(), chat, json_bytes(json!({ "model": MODEL, "messages": [{ "role": "user", "content": long }] })), 400)
+            .param("messages")
+            .code("context_length_exceeded"),
+        bad(post.clone(), cmpl, vec![b' '; 64 * 1024 + 1], 413).code("request_too_large"),
+        bad(Method::GET, cmpl, "", 405).code("method_not_allowed"),
+        bad(Method::POST, "/v1/models", "", 405).code("method_not_allowed"),
+        bad(Method::GET, "/v2/nothing", "", 404).code("not_found"),
+        bad(post.clone(), "/tokenize", json_bytes(json!({ "model": "nope", "prompt": "x" })), 404)
+            .code("model_not_found"),
+        bad(post.clone(), "/tokenize", json_bytes(json!({ "prompt": 5 })), 400).param("prompt"),
+        bad(post.clone(), "/tokenize", "nope", 400),
+    ];
+    for case in cases {
+        let what = format!(
+            "{} {} {}",
+            case.method,
+            case.path,
+            String::from_utf8_lossy(&case.body[..case.body.len().min(80)])
+        );
+        let reply = c.request(case.method, case.path, case.body).await;
+        assert_eq!(reply.status, case.status, "{what}: {}", reply.text());
+        assert_eq!(reply.headers["content-type"], "application/json", "{what}");
+        assert!(reply.headers.contains_key("x-request-id"), "{what}");
+        let (kind, param, code) = shape::error(&reply.json());
+        let expected_kind =
+            if case.status.is_server_error() { "server_error" } else { "invalid_request_error" };
+        assert_eq!(kind, expected_kind, "{what}");
+        if case.param.is_some() {
+            assert_eq!(param.as_deref(), case.param, "{what}");
+        }
+        if case.code.is_some() {
+            assert_eq!(code.as_deref(), case.code, "{what}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn request_ids_are_echoed_or_generated() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    let body = json_bytes(json!({ "model": MODEL, "prompt": "hi", "max_tokens": 1 }));
+    let reply =
+        collect(c.send(Method::POST, "/v1/completions", body.clone(), &[("x-request-id", "abc-123")]).await)
+            .await;
+    assert_eq!(reply.headers["x-request-id"], "abc-123");
+    assert_eq!(reply.json()["id"], "cmpl-abc-123");
+    let reply: Reply = c.request(Method::POST, "/v1/completions", body).await;
+    let generated = reply.headers["x-request-id"].to_str().unwrap().to_owned();
+    assert!(!generated.is_empty());
+    assert_eq!(reply.json()["id"], format!("cmpl-{generated}"));
+    assert!(c.get("/health").await.headers.contains_key("x-request-id"));
+}
+
+#[tokio::test]
+async fn models_and_health() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    let health = c.get("/health").await;
+    assert_eq!(health.status, StatusCode::OK);
+    assert!(health.body.is_empty());
+
+    let models = c.get("/v1/models").await.json();
+    shape::assert_keys(&models, &["object", "data"], "model list");
+    assert_eq!(models["object"], "list");
+    let data = models["data"].as_array().unwrap();
+    let ids: Vec<&str> = data.iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, [MODEL, ADAPTER]);
+    for m in data {
+        shape::assert_keys(
+            m,
+            &["id", "object", "created", "owned_by", "root", "parent", "max_model_len"],
+            "model",
+        );
+        assert_eq!(m["object"], "model");
+        assert_eq!(m["max_model_len"], agent.config.max_model_len);
+    }
+    assert_eq!(data[0]["parent"], Value::Null);
+    assert_eq!(data[1]["parent"], MODEL);
+}
+
+#[tokio::test]
+async fn http2_with_prior_knowledge_is_served() {
+    let agent = Agent::start().await;
+    let c = Client::http2(agent.addr);
+    let (_, usage) = completion(&c, &json!({ "model": MODEL, "prompt": "over h2", "max_tokens": 2 })).await;
+    assert_eq!(usage.completion_tokens, 2);
+    let events = stream(
+        &c,
+        "/v1/completions",
+        &json!({ "model": MODEL, "prompt": "h2", "max_tokens": 3, "stream": true }),
+    )
+    .await;
+    shape::completion_stream(&events, 1, false);
+}
+
+#[tokio::test]
+async fn shutdown_lets_in_flight_streams_finish_and_refuses_new_connections() {
+    let agent = Agent::with(kvroute_replica_agent::Config { time_scale: 1.0, ..config() }).await;
+    let c = &agent.client;
+    let body = json!({ "model": MODEL, "prompt": words(5, 15), "max_tokens": 20, "stream": true });
+    let response = c.send(Method::POST, "/v1/completions", serde_json::to_vec(&body).unwrap(), &[]).await;
+    let mut body = response.into_body();
+    let mut received = next_data(&mut body).await.to_vec();
+    let ((), rest) = tokio::join!(agent.stop(), body.collect());
+    received.extend_from_slice(&rest.expect("the stream completes").to_bytes());
+    let (texts, _) = shape::completion_stream(&sse_events(&received), 1, false);
+    assert!(!texts[0].is_empty());
+    assert!(tokio::net::TcpStream::connect(agent.addr).await.is_err(), "the listener is closed");
+}

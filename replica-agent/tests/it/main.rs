@@ -1,0 +1,8 @@
+//! Integration tests of the replica agent over real sockets on 127.0.0.1 port 0.
+//!
+//! - [`support`]: starts agents, a small HTTP client, and a strict OpenAI-shape checker.
+//! - `http_api`: the OpenAI-compatible API: shapes, streaming, cached tokens, errors,
+//!   `/tokenize`, `/metrics`, `/reset_prefix_cache`, shutdown.
+
+mod http_api;
+mod support;
