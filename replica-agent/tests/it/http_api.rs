@@ -489,3 +489,46 @@ async fn shutdown_lets_in_flight_streams_finish_and_refuses_new_connections() {
     assert!(!texts[0].is_empty());
     assert!(tokio::net::TcpStream::connect(agent.addr).await.is_err(), "the listener is closed");
 }
+
+#[tokio::test]
+async fn engine_refusals_get_a_status_before_any_byte() {
+    // 4 blocks of 4 tokens: a 40-token prompt can never be pinned whole.
+    let agent =
+        Agent::with(kvroute_replica_agent::Config { capacity_blocks: 4, max_waiting: 1, ..config() }).await;
+    let c = &agent.client;
+    for stream in [false, true] {
+        let body = json!({ "model": MODEL, "prompt": words(40, 16), "max_tokens": 1, "stream": stream });
+        let reply = c.post("/v1/completions", &body).await;
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{}", reply.text());
+        assert_eq!(reply.headers["content-type"], "application/json");
+        assert_eq!(shape::error(&reply.json()).0, "server_error");
+    }
+    // A batch of three prompts against a one-slot admission queue: the second is refused.
+    let body = json!({ "model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 1 });
+    let reply = c.post("/v1/completions", &body).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{}", reply.text());
+    assert_eq!(shape::error(&reply.json()).2.as_deref(), Some("overloaded"));
+    // The replica still serves what fits.
+    completion(c, &json!({ "model": MODEL, "prompt": "fits", "max_tokens": 1 })).await;
+}
+
+#[tokio::test]
+async fn a_stream_failed_mid_generation_ends_with_an_error_event_and_no_done() {
+    // No grace: shutdown fails the running request after its first tokens.
+    let agent =
+        Agent::with(kvroute_replica_agent::Config { time_scale: 1.0, shutdown_grace_secs: 0, ..config() })
+            .await;
+    let c = &agent.client;
+    let body = json!({ "model": MODEL, "prompt": words(5, 17), "max_tokens": 400, "stream": true });
+    let response = c.send(Method::POST, "/v1/completions", serde_json::to_vec(&body).unwrap(), &[]).await;
+    let mut body = response.into_body();
+    let mut received = next_data(&mut body).await.to_vec();
+    let ((), rest) = tokio::join!(agent.stop(), body.collect());
+    received.extend_from_slice(&rest.expect("the stream ends cleanly").to_bytes());
+    let events = sse_events(&received);
+    assert!(!events.iter().any(|e| e == "[DONE]"), "a failed stream must not look complete");
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(shape::error(&last).0, "server_error");
+    let chunk: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(chunk["object"], "text_completion");
+}
