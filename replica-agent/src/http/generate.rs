@@ -68,7 +68,8 @@ impl UsageJson {
     }
 }
 
-/// One generation admitted by the engine: prompt `index` of the request.
+/// One prompt of the request, admitted by the engine: its output channel (past `Started`)
+/// and how many tokens it will generate.
 pub(super) struct Admitted {
     pub rx: mpsc::Receiver<Output>,
     pub max_tokens: u32,

@@ -2,16 +2,21 @@
 //!
 //! | route | what |
 //! |---|---|
-//! | `POST /v1/completions` | [`generate`]: text completions, streamed (SSE) or not |
-//! | `POST /v1/chat/completions` | [`generate`]: chat completions, streamed (SSE) or not |
-//! | `GET /v1/models` | [`admin`]: the base model and its LoRA adapters |
-//! | `GET /health` | [`admin`]: 200 with an empty body, as vLLM answers |
-//! | `POST /tokenize` | [`admin`]: the token ids generation would use, vLLM's shape |
-//! | `POST /reset_prefix_cache` | [`admin`]: drop the prefix cache (409 while requests hold blocks) |
-//! | `GET /metrics` | [`metrics`]: Prometheus text with vLLM's metric names |
+//! | `POST /v1/completions` | `generate.rs`: text completions, streamed (SSE) or not |
+//! | `POST /v1/chat/completions` | `generate.rs`: chat completions, streamed (SSE) or not |
+//! | `GET /v1/models` | `admin.rs`: the base model and its LoRA adapters |
+//! | `GET /health` | `admin.rs`: 200 with an empty body, as vLLM answers |
+//! | `POST /tokenize` | `admin.rs`: the token ids generation would use, vLLM's shape |
+//! | `POST /reset_prefix_cache` | `admin.rs`: drop the prefix cache (409 while requests hold blocks) |
+//! | `GET /metrics` | `metrics.rs`: Prometheus text with vLLM's metric names |
+//!
+//! Streams follow OpenAI: `usage` (with `prompt_tokens_details.cached_tokens`) comes only
+//! in a final chunk when the request sets `"stream_options": {"include_usage": true}`;
+//! clients that need the realized cache hit of a stream (kvroute's router and load
+//! generator) must set it. See `sse.rs` for the frame order.
 //!
 //! Every response carries `x-request-id` (the client's, or a generated one) and every error
-//! is OpenAI's error JSON, built in [`error`]. [`serve`] stops accepting when its shutdown
+//! is OpenAI's error JSON, built in `error.rs`. [`serve`] stops accepting when its shutdown
 //! token fires and returns once every open connection has finished its in-flight requests.
 
 mod admin;
@@ -22,7 +27,7 @@ mod generate;
 mod metrics;
 mod sse;
 
-pub use error::ApiError;
+use error::ApiError;
 
 use std::convert::Infallible;
 use std::sync::Arc;
