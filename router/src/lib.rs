@@ -3,6 +3,12 @@
 //!
 //! - [`index`]: which replica holds which KV blocks; one walk gives every replica's longest
 //!   cached prefix of a request ([`index::SharedIndex`] is the handle the router shares).
+//! - [`ingest`]: follows every replica's KV event stream (kvroute protobuf or vLLM/SGLang
+//!   msgpack over ZeroMQ) into the index, repairing gaps by replay or snapshot, with metrics.
+//! - [`replicas`]: the replica registry: configuration, name ↔ [`kvroute_proto::ReplicaId`]
+//!   interning, and the live status (stream state, seq, counters) the other parts read.
 #![forbid(unsafe_code)]
 
 pub mod index;
+pub mod ingest;
+pub mod replicas;

@@ -1,0 +1,266 @@
+//! Event ingestion: keeps the prefix index equal to every replica's KV cache, from the
+//! replicas' ZeroMQ event streams, and says honestly when it is not.
+//!
+//! # State machine (per replica and data-parallel rank; the replica shows the worst rank)
+//!
+//! ```text
+//!            start ──► DEGRADED (not synced) ──connected──► repair(from 0) ──► EXACT
+//! EXACT ── seq gap / queue overflow ──► DEGRADED ── repair(from first missing) ──► EXACT
+//!          (an overflow is reported once the queue has room, so a lost last batch is
+//!          repaired too)
+//! EXACT ── SUB disconnected ──► DEGRADED ── reconnected: repair(from next expected) ──► EXACT
+//! any ── no connection for `fallback_after` ──► FALLBACK ── connected: repair ──► EXACT
+//! any ── `malformed_fallback` malformed messages in a row ──► FALLBACK
+//!                          ── next good batch: snapshot, else clear and rebuild ──► EXACT
+//! seq backwards (vLLM) or new epoch (kvroute) ──► restart: clear the rank at once, then
+//!                          apply from seq 0 (a gap from 0 is repaired like any gap)
+//! AllBlocksCleared ──► clear the rank (state unchanged)
+//! ```
+//!
+//! After every (re)connect, a second `repair(from next expected)` runs `catch_up_after`
+//! later (if the replica has a replay endpoint): the subscription reaches the publisher some
+//! time after the connection, and a batch published in between is lost without anything
+//! revealing it when no batch follows (the slow-joiner problem, wire doc §3).
+//!
+//! `repair(from)`:
+//! 1. Replay: a fresh DEALER asks the replica's ROUTER for every batch `>= from`
+//!    (`replay_timeout` on connect and on every reply, at most `replay_max_batches`). It is
+//!    complete if its first batch is `from` (or it is empty and no newer batch was seen).
+//!    Complete → apply in order; batches still queued from the live stream with seqs the
+//!    replay covered are then dropped as duplicates.
+//! 2. Otherwise (no replay endpoint, failed, incomplete) the agent's gRPC `Snapshot`
+//!    (`snapshot_timeout`; rank 0 only): clear the rank, store the snapshot's blocks, expect
+//!    `snapshot.seq + 1`. Live batches that arrived meanwhile wait in the channel; those up
+//!    to `snapshot.seq` are dropped as duplicates.
+//! 3. Otherwise clear the rank, apply what an incomplete replay returned, and go on with the
+//!    live stream. The state goes back to EXACT at once: everything applied after the clear
+//!    is exact, the index is a subset of the cache (blocks cached before the clear are
+//!    missing until the engine announces them again), and a subset can only lose hits,
+//!    never route to a replica that lacks the prefix.
+//!
+//! Stored runs whose parent this rank does not know (typically after a clear: the engine
+//! extends a prefix it cached before) cannot be hashed and are counted as `unknown_parent`;
+//! removals of unknown blocks as `unknown_block`. Neither changes the state: the index stays
+//! a subset of the cache.
+//!
+//! A replica counts as synced (for `/ready`) once every rank completed one repair
+//! ([`Ingest::wait_synced`]). A batch whose payload does not decode is counted, skipped, and
+//! its seq consumed (a replay would return the same bytes). A vLLM publisher that restarts
+//! and gets past our next expected seq before we notice looks continuous: vLLM has no epoch;
+//! kvroute's replica agent has one.
+//!
+//! # Parameters ([`IngestConfig`])
+//! channel 4096 live messages per rank (overflow → counted, becomes a gap), fallback after
+//! 10 s without a connection, reconnect backoff 1 s, replay timeout 5 s, replay cap 100 000
+//! batches, snapshot timeout 30 s, FALLBACK after 16 malformed messages in a row, catch-up
+//! replay 1 s after each connect.
+//!
+//! # Layout
+//! - `subscriber`: the SUB socket task per (replica, rank).
+//! - `stream`: the state machine and applying batches to the index.
+//! - `decode`: payload → engine-neutral batch, and the vLLM event filters.
+//! - `engine_map`: engine hash → router hash (refcounted) per rank.
+//! - `replay` / `snapshot`: the DEALER and gRPC repair clients.
+//! - [`metrics`]: Prometheus metrics.
+
+pub mod metrics;
+
+mod decode;
+mod engine_map;
+mod replay;
+mod snapshot;
+mod stream;
+mod subscriber;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use kvroute_proto::ReplicaId;
+use prometheus_client::registry::Registry;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use metrics::{IngestMetrics, Malformed, Outcome, ReplicaMetrics, SkipReason};
+
+use crate::index::SharedIndex;
+use crate::replicas::{self, Replica, ReplicaSpec, Replicas, SpecError, StreamState};
+use stream::{RankStream, ReplicaCtx};
+use subscriber::SubscriberConfig;
+
+/// Ingestion parameters (see the module documentation for how each is used).
+#[derive(Clone, Debug)]
+pub struct IngestConfig {
+    /// Live messages buffered per rank between the socket and the stream task.
+    pub channel_capacity: usize,
+    /// A rank without a connection this long is FALLBACK (also the SUB connect timeout).
+    pub fallback_after: Duration,
+    /// Pause between failed connection attempts.
+    pub reconnect_backoff: Duration,
+    /// Timeout of the replay connect and of every replay reply.
+    pub replay_timeout: Duration,
+    /// Longest replay accepted (bounds memory).
+    pub replay_max_batches: usize,
+    /// Timeout of a whole snapshot.
+    pub snapshot_timeout: Duration,
+    /// Malformed messages in a row that make a rank FALLBACK.
+    pub malformed_fallback: u32,
+    /// Delay of the second replay after every (re)connect (slow-joiner catch-up).
+    pub catch_up_after: Duration,
+}
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        Self {
+            channel_capacity: 4096,
+            fallback_after: Duration::from_secs(10),
+            reconnect_backoff: Duration::from_secs(1),
+            replay_timeout: Duration::from_secs(5),
+            replay_max_batches: 100_000,
+            snapshot_timeout: Duration::from_secs(30),
+            malformed_fallback: 16,
+            catch_up_after: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Why a replica could not be added.
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error("ingestion is shut down")]
+    ShutDown,
+}
+
+/// The ingestion service: owns one socket task and one stream task per (replica, rank).
+/// Clone-cheap.
+#[derive(Clone, Debug)]
+pub struct Ingest {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: Arc<IngestConfig>,
+    index: SharedIndex,
+    replicas: Replicas,
+    metrics: IngestMetrics,
+    tracker: TaskTracker,
+    shutdown: CancellationToken,
+    running: Mutex<HashMap<ReplicaId, Running>>,
+}
+
+/// A replica's tasks.
+#[derive(Debug)]
+struct Running {
+    cancel: CancellationToken,
+    tasks: TaskTracker,
+}
+
+impl Ingest {
+    /// Sets up ingestion writing into `index`, registers its metrics into `registry`, and
+    /// spawns every task on `tracker`; all tasks stop when `shutdown` fires.
+    pub fn start(
+        config: IngestConfig,
+        index: SharedIndex,
+        registry: &mut Registry,
+        tracker: TaskTracker,
+        shutdown: CancellationToken,
+    ) -> Self {
+        let metrics = IngestMetrics::register(registry, index.clone());
+        Self {
+            inner: Arc::new(Inner {
+                config: Arc::new(config),
+                index,
+                replicas: Replicas::new(),
+                metrics,
+                tracker,
+                shutdown,
+                running: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// The replica registry (status for the proxy, policy and admin API).
+    pub fn replicas(&self) -> &Replicas {
+        &self.inner.replicas
+    }
+
+    /// The index ingestion writes to.
+    pub fn index(&self) -> &SharedIndex {
+        &self.inner.index
+    }
+
+    /// Registers a replica and starts following its event stream (one SUB per rank).
+    pub fn add_replica(&self, spec: ReplicaSpec) -> Result<Arc<Replica>, IngestError> {
+        let inner = &self.inner;
+        if inner.shutdown.is_cancelled() {
+            return Err(IngestError::ShutDown);
+        }
+        let replica = inner.replicas.insert(spec)?;
+        let metrics = inner.metrics.replica(&replica.spec.name);
+        metrics.set_state(StreamState::Degraded);
+        let ctx = Arc::new(ReplicaCtx {
+            replica: replica.clone(),
+            index: inner.index.clone(),
+            metrics: metrics.clone(),
+            config: inner.config.clone(),
+        });
+        let running = Running { cancel: inner.shutdown.child_token(), tasks: TaskTracker::new() };
+        let spec = &replica.spec;
+        for rank in 0..spec.dp_size {
+            // `insert` validated every rank's endpoints.
+            let endpoint = replicas::rank_endpoint(&spec.event_endpoint, rank)?;
+            let replay =
+                spec.replay_endpoint.as_deref().map(|e| replicas::rank_endpoint(e, rank)).transpose()?;
+            let (tx, rx) = mpsc::channel(inner.config.channel_capacity.max(1));
+            let sub = SubscriberConfig {
+                endpoint,
+                topic: spec.topic.clone(),
+                fallback_after: inner.config.fallback_after,
+                reconnect_backoff: inner.config.reconnect_backoff,
+            };
+            let stream = RankStream::new(ctx.clone(), rank, replay);
+            inner.tracker.spawn(running.tasks.track_future(subscriber::run(
+                sub,
+                tx,
+                metrics.clone(),
+                running.cancel.clone(),
+            )));
+            inner.tracker.spawn(running.tasks.track_future(stream.run(rx, running.cancel.clone())));
+        }
+        running.tasks.close();
+        inner.running.lock().unwrap_or_else(PoisonError::into_inner).insert(replica.id, running);
+        Ok(replica)
+    }
+
+    /// Stops a replica's tasks, then frees everything it held (index entries, engine maps,
+    /// metric label sets). Returns the distinct blocks freed, or `None` if it was unknown.
+    pub async fn remove_replica(&self, id: ReplicaId) -> Option<usize> {
+        let running = self.inner.running.lock().unwrap_or_else(PoisonError::into_inner).remove(&id)?;
+        running.cancel.cancel();
+        running.tasks.wait().await;
+        let replica = self.inner.replicas.remove(id)?;
+        let freed = self.inner.index.clear_replica(id);
+        self.inner.metrics.forget(&replica.spec.name);
+        Some(freed)
+    }
+
+    /// Waits until replica `id` completed its first sync; false if it is not registered.
+    pub async fn wait_synced(&self, id: ReplicaId) -> bool {
+        match self.inner.replicas.get(id) {
+            Some(replica) => {
+                replica.status.wait_synced().await;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// One replica's metric handles (for tests and the admin API).
+    pub fn replica_metrics(&self, name: &str) -> Option<ReplicaMetrics> {
+        self.inner.replicas.by_name(name).map(|_| self.inner.metrics.replica(name))
+    }
+}

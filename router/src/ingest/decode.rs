@@ -1,0 +1,284 @@
+//! Turns a message's payload into the engine-neutral [`Batch`] the stream applies, and
+//! decides here which vLLM / SGLang events the router can index.
+//!
+//! Filters (vLLM / SGLang; each skipped event counts once under its [`SkipReason`]):
+//! - `medium` other than absent or `GPU` (case-insensitive) → `medium`: offloaded tiers are
+//!   not a prefill skip the policy can count on;
+//! - `locality == "REMOTE"` → `remote`;
+//! - `kv_cache_spec_kind` other than `full_attention` / `mla_attention` → `attention_kind`;
+//!   without a kind (vLLM < 0.23) a `group_idx > 0` is treated the same way;
+//! - `block_size == 0` or `len(token_ids) != len(block_hashes) * block_size` →
+//!   `tokens_mismatch` (connector placeholders, sliding-window / Mamba masked blocks);
+//! - a block size other than the replica's configured one → `block_size`;
+//! - `extra_keys` holding anything but the LoRA name or a salt string → `extra_keys`
+//!   (multimodal / prompt-embedding hashes the router cannot reproduce).
+//!
+//! The cache namespace of a stored event: the replica's model, `lora_name` as the LoRA, and
+//! the salt from SGLang's `cache_salt` or, for vLLM, a string in the first block's
+//! `extra_keys` that is not the LoRA name (vLLM puts the salt there, on block 0 only).
+//! Only a chain's first event (no parent) uses the namespace: later blocks inherit it
+//! through their parent's router hash.
+
+use kvroute_proto::native;
+use kvroute_proto::vllm::{self, ExtraKey, VllmEvent};
+use kvroute_proto::{BlockHash, Epoch, Seq, pb};
+
+use super::metrics::SkipReason;
+use crate::replicas::EngineKind;
+
+/// One batch, whatever the wire format.
+#[derive(Debug)]
+pub(crate) struct Batch {
+    pub seq: Seq,
+    /// kvroute batches only: the publisher's process lifetime.
+    pub epoch: Option<Epoch>,
+    pub events: Vec<Event>,
+}
+
+#[derive(Debug)]
+pub(crate) enum Event {
+    Stored(Stored),
+    Removed(Removed),
+    Cleared,
+    Skipped(SkipReason),
+}
+
+/// A stored run of blocks.
+#[derive(Debug)]
+pub(crate) struct Stored {
+    /// The engine's hashes (for kvroute engines, the router's hashes themselves).
+    pub engine: Vec<BlockHash>,
+    pub parent: Option<BlockHash>,
+    pub tokens: Vec<u32>,
+    pub block_size: u32,
+    pub lora: Option<String>,
+    pub salt: Option<String>,
+    /// KV-cache group; engine hashes are only meaningful within one group.
+    pub group: u32,
+}
+
+/// Evicted blocks of one group.
+#[derive(Debug)]
+pub(crate) struct Removed {
+    pub engine: Vec<BlockHash>,
+    pub group: u32,
+}
+
+/// Why a payload is unusable.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum DecodeError {
+    #[error(transparent)]
+    Native(#[from] native::DecodeError),
+    #[error(transparent)]
+    Vllm(#[from] vllm::DecodeError),
+}
+
+/// Decodes the payload that arrived with frame seq `seq`.
+pub(crate) fn decode(
+    engine: EngineKind,
+    block_size: Option<u32>,
+    seq: Seq,
+    payload: &[u8],
+) -> Result<Batch, DecodeError> {
+    match engine {
+        EngineKind::Kvroute => Ok(from_native(native::decode_payload(seq, payload)?)),
+        EngineKind::Vllm | EngineKind::Sglang => {
+            let batch = vllm::decode_payload(payload)?;
+            let events = batch.events.into_iter().map(|e| from_vllm(e, block_size)).collect();
+            Ok(Batch { seq, epoch: None, events })
+        }
+    }
+}
+
+fn from_native(batch: pb::EventBatch) -> Batch {
+    use pb::event::Kind;
+    let events = batch
+        .events
+        .into_iter()
+        .map(|e| match e.kind {
+            Some(Kind::Stored(s)) => Event::Stored(Stored {
+                engine: s.block_hashes.into_iter().map(BlockHash).collect(),
+                parent: s.parent_block_hash.map(BlockHash),
+                tokens: s.token_ids,
+                block_size: batch.block_size,
+                lora: None,
+                salt: None,
+                group: 0,
+            }),
+            Some(Kind::Removed(r)) => Event::Removed(Removed {
+                engine: r.block_hashes.into_iter().map(BlockHash).collect(),
+                group: 0,
+            }),
+            Some(Kind::Cleared(_)) => Event::Cleared,
+            None => Event::Skipped(SkipReason::UnknownEvent),
+        })
+        .collect();
+    Batch { seq: Seq(batch.seq), epoch: Some(Epoch(batch.epoch)), events }
+}
+
+fn from_vllm(event: VllmEvent, block_size: Option<u32>) -> Event {
+    match event {
+        VllmEvent::BlockStored(s) => match check_stored(&s, block_size) {
+            Err(reason) => Event::Skipped(reason),
+            Ok(salt) => Event::Stored(Stored {
+                salt: s.cache_salt.or(salt),
+                engine: s.block_hashes,
+                parent: s.parent_block_hash,
+                tokens: s.token_ids,
+                block_size: s.block_size,
+                lora: s.lora_name,
+                group: s.group_idx.unwrap_or(0),
+            }),
+        },
+        VllmEvent::BlockRemoved(r) => {
+            if !gpu(r.medium.as_deref()) {
+                Event::Skipped(SkipReason::Medium)
+            } else if remote(r.locality.as_deref()) {
+                Event::Skipped(SkipReason::Remote)
+            } else {
+                // No kind on removals: the engine map is keyed by (group, hash), so hashes of
+                // a group that was never indexed are unknown to it (`unknown_block`).
+                Event::Removed(Removed { engine: r.block_hashes, group: r.group_idx.unwrap_or(0) })
+            }
+        }
+        VllmEvent::AllBlocksCleared => Event::Cleared,
+        VllmEvent::Unknown(_) => Event::Skipped(SkipReason::UnknownEvent),
+    }
+}
+
+/// Whether a stored event can be indexed; on success, the vLLM salt found in `extra_keys`.
+fn check_stored(s: &vllm::BlockStored, block_size: Option<u32>) -> Result<Option<String>, SkipReason> {
+    if !gpu(s.medium.as_deref()) {
+        return Err(SkipReason::Medium);
+    }
+    if remote(s.locality.as_deref()) {
+        return Err(SkipReason::Remote);
+    }
+    match s.kv_cache_spec_kind.as_deref() {
+        Some("full_attention" | "mla_attention") => {}
+        Some(_) => return Err(SkipReason::AttentionKind),
+        None if s.group_idx.is_some_and(|g| g > 0) => return Err(SkipReason::AttentionKind),
+        None => {}
+    }
+    let blocks = s.block_hashes.len();
+    if s.block_size == 0 || blocks == 0 || s.token_ids.len() != blocks.saturating_mul(s.block_size as usize) {
+        return Err(SkipReason::TokensMismatch);
+    }
+    if block_size.is_some_and(|b| b != s.block_size) {
+        return Err(SkipReason::BlockSize);
+    }
+    extra_salt(s)
+}
+
+/// The salt string of block 0's extra keys, if any; an error for keys the router cannot
+/// reproduce.
+fn extra_salt(s: &vllm::BlockStored) -> Result<Option<String>, SkipReason> {
+    let Some(keys) = &s.extra_keys else { return Ok(None) };
+    let mut salt = None;
+    for (i, key) in keys.iter().enumerate() {
+        let items: &[ExtraKey] = match key {
+            ExtraKey::Nil => continue,
+            ExtraKey::Tuple(items) => items,
+            other => std::slice::from_ref(other),
+        };
+        for item in items {
+            match item {
+                ExtraKey::Nil => {}
+                ExtraKey::Str(name) if Some(name) == s.lora_name.as_ref() => {}
+                ExtraKey::Str(value) if i == 0 && s.parent_block_hash.is_none() && salt.is_none() => {
+                    salt = Some(value.clone());
+                }
+                _ => return Err(SkipReason::ExtraKeys),
+            }
+        }
+    }
+    Ok(salt)
+}
+
+fn gpu(medium: Option<&str>) -> bool {
+    medium.is_none_or(|m| m.eq_ignore_ascii_case("gpu"))
+}
+
+fn remote(locality: Option<&str>) -> bool {
+    locality.is_some_and(|l| l.eq_ignore_ascii_case("remote"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored() -> vllm::BlockStored {
+        vllm::BlockStored {
+            block_hashes: vec![BlockHash(1), BlockHash(2)],
+            token_ids: vec![1, 2, 3, 4],
+            block_size: 2,
+            medium: Some("GPU".into()),
+            ..Default::default()
+        }
+    }
+
+    fn reason(s: vllm::BlockStored, block_size: Option<u32>) -> Option<SkipReason> {
+        match from_vllm(VllmEvent::BlockStored(s), block_size) {
+            Event::Skipped(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn filters_what_the_router_cannot_index() {
+        assert_eq!(reason(stored(), None), None);
+        assert_eq!(reason(stored(), Some(2)), None);
+        assert_eq!(reason(stored(), Some(16)), Some(SkipReason::BlockSize));
+        assert_eq!(
+            reason(vllm::BlockStored { medium: Some("cpu".into()), ..stored() }, None),
+            Some(SkipReason::Medium)
+        );
+        assert_eq!(reason(vllm::BlockStored { medium: None, ..stored() }, None), None);
+        assert_eq!(
+            reason(vllm::BlockStored { locality: Some("REMOTE".into()), ..stored() }, None),
+            Some(SkipReason::Remote)
+        );
+        let kind = |k: &str| vllm::BlockStored {
+            kv_cache_spec_kind: Some(k.into()),
+            group_idx: Some(1),
+            ..stored()
+        };
+        assert_eq!(reason(kind("sliding_window"), None), Some(SkipReason::AttentionKind));
+        assert_eq!(reason(kind("mamba"), None), Some(SkipReason::AttentionKind));
+        assert_eq!(reason(kind("mla_attention"), None), None);
+        assert_eq!(
+            reason(vllm::BlockStored { group_idx: Some(1), ..stored() }, None),
+            Some(SkipReason::AttentionKind)
+        );
+        let placeholder = vllm::BlockStored { token_ids: vec![], block_size: 0, ..stored() };
+        assert_eq!(reason(placeholder, None), Some(SkipReason::TokensMismatch));
+        let masked = vllm::BlockStored { token_ids: vec![1, 2, 3, 4, 5, 6], ..stored() };
+        assert_eq!(reason(masked, None), Some(SkipReason::TokensMismatch));
+        let mm = vllm::BlockStored {
+            extra_keys: Some(vec![
+                ExtraKey::Tuple(vec![ExtraKey::Tuple(vec![ExtraKey::Str("img".into()), ExtraKey::UInt(0)])]),
+                ExtraKey::Nil,
+            ]),
+            ..stored()
+        };
+        assert_eq!(reason(mm, None), Some(SkipReason::ExtraKeys));
+    }
+
+    #[test]
+    fn namespace_comes_from_lora_name_and_salt() {
+        let s = vllm::BlockStored {
+            lora_name: Some("ad".into()),
+            extra_keys: Some(vec![
+                ExtraKey::Tuple(vec![ExtraKey::Str("ad".into()), ExtraKey::Str("tenant".into())]),
+                ExtraKey::Tuple(vec![ExtraKey::Str("ad".into())]),
+            ]),
+            ..stored()
+        };
+        let Event::Stored(st) = from_vllm(VllmEvent::BlockStored(s), None) else { panic!("skipped") };
+        assert_eq!(st.lora.as_deref(), Some("ad"));
+        assert_eq!(st.salt.as_deref(), Some("tenant"));
+        let sglang = vllm::BlockStored { cache_salt: Some("t2".into()), ..stored() };
+        let Event::Stored(st) = from_vllm(VllmEvent::BlockStored(sglang), None) else { panic!("skipped") };
+        assert_eq!(st.salt.as_deref(), Some("t2"));
+    }
+}

@@ -1,0 +1,450 @@
+//! The stream state machine of one (replica, rank), applying batches to the index in seq
+//! order. The module documentation of [`super`] states the transitions; this file is their
+//! implementation.
+//!
+//! Seq classification of a decoded batch (`expected` = the next seq to apply):
+//! ```text
+//! new epoch (kvroute)                       -> restart: clear, expect 0, classify again
+//! expected unknown (fresh / after a clear)  -> apply
+//! seq == expected                           -> apply
+//! seq >  expected                           -> gap: repair from `expected`, classify again;
+//!                                              still a gap -> clear and start from this batch
+//! seq <  expected, kvroute (same epoch)     -> duplicate (already applied)
+//! seq <  expected, inside the last replay   -> duplicate (the channel still held it)
+//! seq <  expected, otherwise                -> restart (vLLM has no epoch)
+//! ```
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use kvroute_proto::framing::{self, LiveMessage};
+use kvroute_proto::{BlockHash, Epoch, Seq};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::IngestConfig;
+use super::decode::{self, Batch, Event, Stored};
+use super::engine_map::EngineMap;
+use super::metrics::{Malformed, Outcome, ReplicaMetrics, SkipReason};
+use super::subscriber::Input;
+use super::{replay, snapshot};
+use crate::index::SharedIndex;
+use crate::replicas::{Replica, StreamState};
+
+/// What every rank task of one replica shares.
+#[derive(Debug)]
+pub(crate) struct ReplicaCtx {
+    pub replica: Arc<Replica>,
+    pub index: SharedIndex,
+    pub metrics: ReplicaMetrics,
+    pub config: Arc<IngestConfig>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Action {
+    Apply,
+    Duplicate,
+    Gap(Seq),
+    Restart,
+}
+
+/// One rank's stream.
+pub(crate) struct RankStream {
+    ctx: Arc<ReplicaCtx>,
+    rank: u32,
+    replay_endpoint: Option<String>,
+    blocks: EngineMap,
+    /// The next seq to apply; `None` accepts any seq (fresh start or after a clear).
+    expected: Option<Seq>,
+    epoch: Option<Epoch>,
+    /// Seqs (inclusive) the last replay or snapshot covered: live copies are duplicates.
+    dup: Option<(Seq, Seq)>,
+    malformed_run: u32,
+    /// In FALLBACK because of decode errors: resync on the next good batch.
+    broken: bool,
+    scratch: Vec<BlockHash>,
+}
+
+impl RankStream {
+    pub(crate) fn new(ctx: Arc<ReplicaCtx>, rank: u32, replay_endpoint: Option<String>) -> Self {
+        Self {
+            ctx,
+            rank,
+            replay_endpoint,
+            blocks: EngineMap::default(),
+            expected: None,
+            epoch: None,
+            dup: None,
+            malformed_run: 0,
+            broken: false,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Consumes inputs until cancelled or the socket task ends. Dropping the state frees
+    /// the rank's engine map; the caller clears the index.
+    pub(crate) async fn run(mut self, mut rx: mpsc::Receiver<Input>, cancel: CancellationToken) {
+        // A second replay shortly after every (re)connect: batches published between the
+        // first replay and the subscription reaching the publisher are otherwise lost, and
+        // nothing would reveal it if no batch follows them.
+        let mut catch_up: Option<Pin<Box<tokio::time::Sleep>>> = None;
+        loop {
+            let due = async {
+                match catch_up.as_mut() {
+                    Some(sleep) => sleep.as_mut().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let input = tokio::select! {
+                () = cancel.cancelled() => return,
+                () = due => None,
+                input = rx.recv() => match input {
+                    Some(input) => Some(input),
+                    None => return,
+                },
+            };
+            let work = async {
+                match input {
+                    Some(input) => {
+                        match input {
+                            Input::Connected if self.replay_endpoint.is_some() => {
+                                let delay = self.ctx.config.catch_up_after;
+                                catch_up = Some(Box::pin(tokio::time::sleep(delay)));
+                            }
+                            // Only a connected stream can be caught up.
+                            Input::Disconnected | Input::Unreachable => catch_up = None,
+                            _ => {}
+                        }
+                        self.handle(input).await;
+                    }
+                    None => {
+                        catch_up = None;
+                        if !self.broken {
+                            let from = self.expected.unwrap_or(Seq(0));
+                            self.repair(from, None).await;
+                        }
+                    }
+                }
+            };
+            // Repairs await sockets; abandon them on cancellation.
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = work => {}
+            }
+        }
+    }
+
+    async fn handle(&mut self, input: Input) {
+        match input {
+            Input::Connected => {
+                // Slow joiner: whatever was published before the subscription took effect
+                // (or during an outage) is only available from the replay buffer.
+                let from = self.expected.unwrap_or(Seq(0));
+                self.repair(from, None).await;
+            }
+            Input::Overflowed => {
+                // Everything queued before the drop has been applied: what is missing starts
+                // at `expected`.
+                self.ctx.metrics.gaps.inc();
+                self.ctx.replica.status.add_gap();
+                self.set_state(StreamState::Degraded);
+                let from = self.expected.unwrap_or(Seq(0));
+                self.repair(from, None).await;
+            }
+            Input::Disconnected => self.set_state(StreamState::Degraded),
+            Input::Unreachable => self.set_state(StreamState::Fallback),
+            Input::Frames(frames) => self.on_frames(&frames).await,
+        }
+    }
+
+    async fn on_frames(&mut self, frames: &[bytes::Bytes]) {
+        let msg = match framing::decode_live(frames) {
+            Ok(msg) => msg,
+            Err(e) => {
+                tracing::debug!(error = %e, replica = %self.ctx.replica.spec.name, "malformed live frames");
+                self.malformed(Malformed::Frame);
+                return;
+            }
+        };
+        let Some(batch) = self.decode(&msg) else { return };
+        if self.broken {
+            self.broken = false;
+            self.resync_without_replay().await;
+        }
+        self.process(batch).await;
+    }
+
+    fn decode(&mut self, msg: &LiveMessage) -> Option<Batch> {
+        let spec = &self.ctx.replica.spec;
+        match decode::decode(spec.engine, spec.block_size, msg.seq, &msg.payload) {
+            Ok(batch) => {
+                self.malformed_run = 0;
+                Some(batch)
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, replica = %spec.name, seq = msg.seq.0, "malformed payload");
+                self.malformed(Malformed::Payload);
+                // The batch is lost; replaying it would give the same bytes.
+                if self.expected == Some(msg.seq) {
+                    self.expected = Some(msg.seq.next());
+                }
+                None
+            }
+        }
+    }
+
+    fn malformed(&mut self, what: Malformed) {
+        self.ctx.metrics.malformed(what).inc();
+        self.ctx.replica.status.add_malformed();
+        self.malformed_run = self.malformed_run.saturating_add(1);
+        if self.malformed_run >= self.ctx.config.malformed_fallback && !self.broken {
+            tracing::warn!(replica = %self.ctx.replica.spec.name, rank = self.rank, "too many malformed messages");
+            self.broken = true;
+            self.set_state(StreamState::Fallback);
+        }
+    }
+
+    async fn process(&mut self, batch: Batch) {
+        if self.dup.is_some_and(|(_, last)| batch.seq > last) {
+            self.dup = None; // Live messages have caught up with the replay.
+        }
+        let mut action = self.classify(&batch);
+        if action == Action::Restart {
+            tracing::info!(replica = %self.ctx.replica.spec.name, rank = self.rank, seq = batch.seq.0, "publisher restarted");
+            self.ctx.metrics.restarts.inc();
+            self.clear();
+            self.expected = Some(Seq(0));
+            self.epoch = batch.epoch;
+            action = self.classify(&batch);
+        }
+        if let Action::Gap(from) = action {
+            tracing::info!(replica = %self.ctx.replica.spec.name, rank = self.rank, from = from.0, seen = batch.seq.0, "seq gap");
+            self.ctx.metrics.gaps.inc();
+            self.ctx.replica.status.add_gap();
+            self.set_state(StreamState::Degraded);
+            self.repair(from, Some(batch.seq)).await;
+            action = self.classify(&batch);
+            if matches!(action, Action::Gap(_) | Action::Restart) {
+                // The repair could not reach this batch: start over from it.
+                self.clear();
+                self.expected = None;
+                self.synced_exact();
+                action = Action::Apply;
+            }
+        }
+        if action == Action::Apply {
+            self.apply(batch);
+        }
+    }
+
+    fn classify(&self, batch: &Batch) -> Action {
+        if let (Some(mine), Some(theirs)) = (self.epoch, batch.epoch)
+            && mine != theirs
+        {
+            return Action::Restart;
+        }
+        match self.expected {
+            None => Action::Apply,
+            Some(e) if batch.seq == e => Action::Apply,
+            Some(e) if batch.seq > e => Action::Gap(e),
+            Some(_) => {
+                let replayed = self.dup.is_some_and(|(first, last)| batch.seq >= first && batch.seq <= last);
+                if batch.epoch.is_some() || replayed { Action::Duplicate } else { Action::Restart }
+            }
+        }
+    }
+
+    /// Brings the rank up to date from seq `from`: replay; if that is unavailable or
+    /// incomplete, a snapshot; failing both, clear and rebuild from what the replay had (if
+    /// anything) and the live stream. `newer`: a live seq already seen past `from`, so an
+    /// empty replay is incomplete.
+    async fn repair(&mut self, from: Seq, newer: Option<Seq>) {
+        let mut partial = Vec::new();
+        if let Some(endpoint) = self.replay_endpoint.clone() {
+            let config = &self.ctx.config;
+            match replay::fetch(&endpoint, from, config.replay_timeout, config.replay_max_batches).await {
+                Ok(batches) => {
+                    let complete = match batches.first() {
+                        None => newer.is_none(),
+                        Some(first) => first.seq == from,
+                    };
+                    if complete {
+                        self.ctx.metrics.replays(Outcome::Ok).inc();
+                        self.apply_replayed(&batches);
+                        self.synced_exact();
+                        return;
+                    }
+                    tracing::info!(replica = %self.ctx.replica.spec.name, from = from.0, first = ?batches.first().map(|b| b.seq.0), "incomplete replay");
+                    self.ctx.metrics.replays(Outcome::Incomplete).inc();
+                    partial = batches;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, replica = %self.ctx.replica.spec.name, "replay failed");
+                    self.ctx.metrics.replays(Outcome::Failed).inc();
+                }
+            }
+        }
+        if self.snapshot().await {
+            return;
+        }
+        self.clear();
+        self.expected = None;
+        self.apply_replayed(&partial);
+        self.synced_exact();
+    }
+
+    /// After decode errors: the lost batches cannot be replayed, so resync from a snapshot
+    /// or clear and rebuild from the live stream.
+    async fn resync_without_replay(&mut self) {
+        if !self.snapshot().await {
+            self.clear();
+            self.expected = None;
+            self.synced_exact();
+        }
+    }
+
+    fn apply_replayed(&mut self, batches: &[LiveMessage]) {
+        self.dup = None;
+        let (Some(first), Some(last)) = (batches.first(), batches.last()) else { return };
+        for msg in batches {
+            let Some(batch) = self.decode(msg) else { continue };
+            if let (Some(mine), Some(theirs)) = (self.epoch, batch.epoch)
+                && mine != theirs
+            {
+                self.ctx.metrics.restarts.inc();
+                self.clear();
+                self.expected = None;
+            }
+            if self.expected.is_some_and(|e| batch.seq < e) {
+                continue;
+            }
+            self.apply(batch);
+        }
+        self.dup = Some((first.seq, last.seq));
+    }
+
+    /// Resyncs from the agent's snapshot (rank 0 only: the agent is one engine core).
+    async fn snapshot(&mut self) -> bool {
+        let Some(endpoint) = self.ctx.replica.spec.grpc_endpoint.clone() else { return false };
+        if self.rank != 0 {
+            return false;
+        }
+        let native = self.ctx.replica.spec.engine.native_hashes();
+        let snap = match snapshot::fetch(&endpoint, !native, self.ctx.config.snapshot_timeout).await {
+            Ok(snap) => snap,
+            Err(e) => {
+                tracing::warn!(error = %e, replica = %self.ctx.replica.spec.name, "snapshot failed");
+                self.ctx.metrics.snapshots(Outcome::Failed).inc();
+                return false;
+            }
+        };
+        self.ctx.metrics.snapshots(Outcome::Ok).inc();
+        self.clear();
+        if native {
+            self.epoch = Some(snap.epoch);
+            self.ctx.replica.status.set_epoch(snap.epoch);
+        }
+        for block in snap.blocks {
+            let stored = Stored {
+                engine: vec![BlockHash(block.hash)],
+                parent: block.parent.map(BlockHash),
+                tokens: block.token_ids,
+                block_size: snap.block_size,
+                lora: None,
+                salt: None,
+                group: 0,
+            };
+            self.store(&stored);
+        }
+        self.expected = Some(snap.seq.map_or(Seq(0), Seq::next));
+        self.dup = snap.seq.map(|seq| (Seq(0), seq));
+        self.update_blocks_gauge();
+        self.synced_exact();
+        true
+    }
+
+    fn apply(&mut self, batch: Batch) {
+        if let Some(epoch) = batch.epoch {
+            self.epoch = Some(epoch);
+            self.ctx.replica.status.set_epoch(epoch);
+        }
+        let events = batch.events.len() as u64;
+        for event in batch.events {
+            match event {
+                Event::Stored(stored) => self.store(&stored),
+                Event::Removed(removed) => {
+                    self.scratch.clear();
+                    let unknown = self.blocks.remove(&removed, &mut self.scratch);
+                    self.ctx.index.remove(self.ctx.replica.id, &self.scratch);
+                    self.ctx.metrics.blocks_removed.inc_by(self.scratch.len() as u64);
+                    if unknown > 0 {
+                        self.ctx.metrics.skipped(SkipReason::UnknownBlock).inc_by(unknown as u64);
+                    }
+                }
+                Event::Cleared => self.clear(),
+                Event::Skipped(reason) => {
+                    self.ctx.metrics.skipped(reason).inc();
+                }
+            }
+        }
+        self.ctx.metrics.events_applied.inc_by(events);
+        self.ctx.replica.status.add_events_applied(events);
+        self.ctx.replica.status.set_last_seq(batch.seq);
+        self.expected = Some(batch.seq.next());
+        self.update_blocks_gauge();
+    }
+
+    fn store(&mut self, stored: &Stored) {
+        self.scratch.clear();
+        let spec = &self.ctx.replica.spec;
+        match self.blocks.store(stored, spec.engine.native_hashes(), &spec.model, &mut self.scratch) {
+            Ok(()) => {
+                self.ctx.index.store(self.ctx.replica.id, &self.scratch);
+                self.ctx.metrics.blocks_stored.inc_by(self.scratch.len() as u64);
+            }
+            Err(reason) => {
+                self.ctx.metrics.skipped(reason).inc();
+            }
+        }
+    }
+
+    /// Drops everything this rank contributed to the index.
+    fn clear(&mut self) {
+        let id = self.ctx.replica.id;
+        if self.ctx.replica.spec.dp_size <= 1 {
+            self.ctx.index.clear_replica(id);
+            self.blocks.reset();
+        } else {
+            self.scratch.clear();
+            self.blocks.drain_into(&mut self.scratch);
+            self.ctx.index.remove(id, &self.scratch);
+            self.scratch = Vec::new();
+        }
+        self.dup = None;
+        self.ctx.metrics.clears.inc();
+        self.update_blocks_gauge();
+    }
+
+    fn update_blocks_gauge(&self) {
+        let blocks = self.ctx.index.blocks(self.ctx.replica.id);
+        self.ctx.metrics.blocks.set(i64::try_from(blocks).unwrap_or(i64::MAX));
+    }
+
+    fn synced_exact(&mut self) {
+        self.broken = false;
+        self.malformed_run = 0;
+        self.set_state(StreamState::Exact);
+        self.ctx.replica.status.mark_rank_synced(self.rank);
+    }
+
+    fn set_state(&self, state: StreamState) {
+        let status = &self.ctx.replica.status;
+        if status.rank_state(self.rank) != Some(state) {
+            let (_, now) = status.set_rank_state(self.rank, state);
+            tracing::info!(replica = %self.ctx.replica.spec.name, rank = self.rank, state = state.as_str(), "stream state");
+            // The aggregate as of now (another rank may change it concurrently; the next
+            // change of either rank publishes the newer value).
+            self.ctx.metrics.set_state(now);
+        }
+    }
+}

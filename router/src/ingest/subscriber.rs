@@ -1,0 +1,166 @@
+//! The socket task of one (replica, rank): a SUB socket drained into a bounded channel.
+//!
+//! `zeromq` 0.7's `connect()` waits for the peer (crates.md §1.4), so it runs here, off the
+//! stream task, with `fallback_after` as its timeout and `reconnect_backoff` between
+//! attempts; each failed attempt (and an outage longer than `fallback_after` after a
+//! disconnect) reports [`Input::Unreachable`]. Once connected, the SUB reconnects by itself;
+//! its monitor's `Connected` / `Disconnected` events are forwarded so the stream can replay
+//! what it missed. The subscription is registered before connecting, so it reaches the
+//! publisher in the handshake.
+//!
+//! Live messages go through `try_send`: a full channel drops the message and counts it
+//! (`overflow`) instead of stalling the socket (the publisher's queue is unbounded). As soon
+//! as the channel has room again, [`Input::Overflowed`] tells the stream to replay what it
+//! missed (even if no later message would reveal the gap). Control inputs use `send` (they
+//! are rare and must not be lost).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use zeromq::prelude::*;
+use zeromq::{SocketEvent, SocketOptions, SubSocket};
+
+use super::metrics::ReplicaMetrics;
+
+/// What the socket task tells the stream task.
+#[derive(Debug)]
+pub(crate) enum Input {
+    /// The SUB (re)connected: anything published meanwhile was missed.
+    Connected,
+    /// The connection dropped; the SUB is reconnecting by itself.
+    Disconnected,
+    /// No connection for `fallback_after`.
+    Unreachable,
+    /// Live messages were dropped because the channel was full (sent once there is room).
+    Overflowed,
+    /// One live message's frames.
+    Frames(Vec<Bytes>),
+}
+
+/// Socket parameters of one subscriber.
+#[derive(Clone, Debug)]
+pub(crate) struct SubscriberConfig {
+    pub endpoint: String,
+    pub topic: String,
+    pub fallback_after: Duration,
+    pub reconnect_backoff: Duration,
+}
+
+/// Runs until `cancel` fires or the stream task goes away.
+pub(crate) async fn run(
+    config: SubscriberConfig,
+    tx: mpsc::Sender<Input>,
+    metrics: ReplicaMetrics,
+    cancel: CancellationToken,
+) {
+    loop {
+        let Some(mut socket) = connect(&config, &tx, &cancel).await else { return };
+        // Installed after the first connect, whose `Connected` the explicit send replaces.
+        let mut monitor = socket.monitor();
+        if send(&tx, Input::Connected, &cancel).await.is_err() {
+            return;
+        }
+        let mut outage: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+        let mut overflowed = false;
+        loop {
+            let outage_over = async {
+                match outage.as_mut() {
+                    Some(sleep) => sleep.as_mut().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                msg = socket.recv() => match msg {
+                    Ok(msg) => match tx.try_send(Input::Frames(msg.into_vec())) {
+                        Ok(()) => {}
+                        Err(mpsc::error::TrySendError::Full(_)) => {
+                            metrics.overflow.inc();
+                            overflowed = true;
+                        }
+                        Err(mpsc::error::TrySendError::Closed(_)) => return,
+                    },
+                    Err(e) => {
+                        // The peer stream failed; the SUB reconnects in the background.
+                        tracing::debug!(error = %e, endpoint = %config.endpoint, "SUB receive failed");
+                        tokio::select! {
+                            () = cancel.cancelled() => return,
+                            () = tokio::time::sleep(Duration::from_millis(50)) => {}
+                        }
+                    }
+                },
+                event = monitor.next() => match event {
+                    Some(SocketEvent::Connected(..)) => {
+                        outage = None;
+                        if send(&tx, Input::Connected, &cancel).await.is_err() {
+                            return;
+                        }
+                    }
+                    Some(SocketEvent::Disconnected(_)) => {
+                        outage = Some(Box::pin(tokio::time::sleep(config.fallback_after)));
+                        if send(&tx, Input::Disconnected, &cancel).await.is_err() {
+                            return;
+                        }
+                    }
+                    Some(_) => {}
+                    None => break, // The socket is gone: start over with a new one.
+                },
+                permit = tx.reserve(), if overflowed => match permit {
+                    Ok(permit) => {
+                        permit.send(Input::Overflowed);
+                        overflowed = false;
+                    }
+                    Err(_) => return,
+                },
+                () = outage_over => {
+                    outage = None;
+                    if send(&tx, Input::Unreachable, &cancel).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Connects a fresh SUB, retrying until it succeeds; `None` when cancelled or orphaned.
+async fn connect(
+    config: &SubscriberConfig,
+    tx: &mpsc::Sender<Input>,
+    cancel: &CancellationToken,
+) -> Option<SubSocket> {
+    loop {
+        let mut options = SocketOptions::default();
+        options.connect_timeout(config.fallback_after);
+        let mut socket = SubSocket::with_options(options);
+        let attempt = async {
+            socket.subscribe(&config.topic).await?;
+            socket.connect(&config.endpoint).await
+        };
+        let result = tokio::select! {
+            () = cancel.cancelled() => return None,
+            result = attempt => result,
+        };
+        match result {
+            Ok(()) => return Some(socket),
+            Err(e) => {
+                tracing::info!(error = %e, endpoint = %config.endpoint, "cannot connect to the event publisher");
+                send(tx, Input::Unreachable, cancel).await.ok()?;
+            }
+        }
+        tokio::select! {
+            () = cancel.cancelled() => return None,
+            () = tokio::time::sleep(config.reconnect_backoff) => {}
+        }
+    }
+}
+
+async fn send(tx: &mpsc::Sender<Input>, input: Input, cancel: &CancellationToken) -> Result<(), ()> {
+    tokio::select! {
+        () = cancel.cancelled() => Err(()),
+        sent = tx.send(input) => sent.map_err(|_| ()),
+    }
+}

@@ -1,0 +1,444 @@
+//! The replica registry: every replica the router knows, its configuration, and the live
+//! status the ingest tasks write and the proxy, the policy and the admin API read.
+//!
+//! Names are interned to compact [`ReplicaId`]s (what the index stores). An id is never
+//! reused for another name, so a stale id can never address a different replica; re-adding a
+//! removed name gets its old id back. Status fields are atomics: writers (one ingest task per
+//! data-parallel rank) never block readers. Later additions (load, health, draining) belong in
+//! [`ReplicaStatus`] next to the stream fields.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+
+use kvroute_proto::pb;
+use kvroute_proto::{CacheNamespace, Epoch, ReplicaId, Seq};
+use thiserror::Error;
+use tokio::sync::watch;
+
+/// Which event format a replica publishes and whose hashes it uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EngineKind {
+    /// kvroute's replica agent: protobuf batches whose hashes are the router's own chain.
+    Kvroute,
+    /// vLLM: msgpack batches; the router recomputes its hashes from `token_ids`.
+    Vllm,
+    /// SGLang: like vLLM, plus a per-event `cache_salt`.
+    Sglang,
+}
+
+impl EngineKind {
+    /// Whether the engine's block hashes are the router's chain (usable without recomputing).
+    pub fn native_hashes(self) -> bool {
+        self == EngineKind::Kvroute
+    }
+}
+
+impl From<EngineKind> for pb::EngineKind {
+    fn from(kind: EngineKind) -> Self {
+        match kind {
+            EngineKind::Kvroute => pb::EngineKind::Kvroute,
+            EngineKind::Vllm => pb::EngineKind::Vllm,
+            EngineKind::Sglang => pb::EngineKind::Sglang,
+        }
+    }
+}
+
+impl TryFrom<pb::EngineKind> for EngineKind {
+    type Error = SpecError;
+    fn try_from(kind: pb::EngineKind) -> Result<Self, SpecError> {
+        match kind {
+            pb::EngineKind::Kvroute => Ok(EngineKind::Kvroute),
+            pb::EngineKind::Vllm => Ok(EngineKind::Vllm),
+            pb::EngineKind::Sglang => Ok(EngineKind::Sglang),
+            pb::EngineKind::Unspecified => Err(SpecError::EngineUnspecified),
+        }
+    }
+}
+
+/// How exact the router's view of a replica's cache is (see `ingest` for the transitions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
+pub enum StreamState {
+    /// Every batch since the last sync was applied, in order.
+    Exact = 0,
+    /// A gap or an outage: a repair is under way or the index may miss blocks.
+    Degraded = 1,
+    /// No usable stream: the replica is routed on load alone.
+    Fallback = 2,
+}
+
+impl StreamState {
+    /// Label value used in metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StreamState::Exact => "exact",
+            StreamState::Degraded => "degraded",
+            StreamState::Fallback => "fallback",
+        }
+    }
+
+    pub const ALL: [StreamState; 3] = [StreamState::Exact, StreamState::Degraded, StreamState::Fallback];
+
+    fn from_u8(v: u8) -> StreamState {
+        match v {
+            0 => StreamState::Exact,
+            1 => StreamState::Degraded,
+            _ => StreamState::Fallback,
+        }
+    }
+}
+
+impl From<StreamState> for pb::StreamState {
+    fn from(state: StreamState) -> Self {
+        match state {
+            StreamState::Exact => pb::StreamState::Exact,
+            StreamState::Degraded => pb::StreamState::Degraded,
+            StreamState::Fallback => pb::StreamState::Fallback,
+        }
+    }
+}
+
+/// A replica's configuration: where its HTTP API and event sockets are, and how to read them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaSpec {
+    /// Stable name (e.g. the pod name); interned to a [`ReplicaId`].
+    pub name: String,
+    pub http_url: String,
+    /// ZeroMQ PUB endpoint of DP rank 0, e.g. `tcp://10.0.0.7:5557` (rank r uses port + r).
+    pub event_endpoint: String,
+    /// ZeroMQ ROUTER replay endpoint of rank 0, if the engine has one.
+    pub replay_endpoint: Option<String>,
+    /// gRPC `ReplicaAgent` endpoint (`http://host:port`) serving `Snapshot`, if any.
+    pub grpc_endpoint: Option<String>,
+    pub engine: EngineKind,
+    /// Data-parallel ranks publishing events (at least 1).
+    pub dp_size: u32,
+    /// Subscription prefix on frame 0 (empty: everything).
+    pub topic: String,
+    /// Served model: the cache namespace's model, for router-side hashes.
+    pub model: String,
+    /// If set, stored events with another block size are skipped (the router hashes
+    /// requests with one block size per replica).
+    pub block_size: Option<u32>,
+}
+
+impl ReplicaSpec {
+    /// A single-rank replica with no replay or snapshot endpoint.
+    pub fn new(
+        name: impl Into<String>,
+        event_endpoint: impl Into<String>,
+        engine: EngineKind,
+        model: impl Into<String>,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            http_url: String::new(),
+            event_endpoint: event_endpoint.into(),
+            replay_endpoint: None,
+            grpc_endpoint: None,
+            engine,
+            dp_size: 1,
+            topic: String::new(),
+            model: model.into(),
+            block_size: None,
+        }
+    }
+
+    /// The cache namespace of this replica's un-adapted, unsalted prompts.
+    pub fn namespace(&self) -> CacheNamespace {
+        CacheNamespace::new(self.model.clone())
+    }
+
+    /// Checks the endpoints parse and the rank count is sane.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        if self.name.is_empty() {
+            return Err(SpecError::EmptyName);
+        }
+        if self.dp_size == 0 {
+            return Err(SpecError::NoRanks);
+        }
+        for rank in 0..self.dp_size {
+            rank_endpoint(&self.event_endpoint, rank)?;
+            if let Some(replay) = &self.replay_endpoint {
+                rank_endpoint(replay, rank)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The endpoint data-parallel rank `rank` uses, vLLM's way: `tcp://h:P` → `tcp://h:P+rank`,
+/// `ipc://x` / `inproc://x` → `…x_dp{rank}`; rank 0 and port 0 are unchanged.
+pub fn rank_endpoint(endpoint: &str, rank: u32) -> Result<String, SpecError> {
+    let bad = || SpecError::Endpoint(endpoint.to_owned());
+    if let Some(rest) = endpoint.strip_prefix("tcp://") {
+        let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
+        let port: u16 = port.parse().map_err(|_| bad())?;
+        if rank == 0 || port == 0 {
+            return Ok(endpoint.to_owned());
+        }
+        let port = u32::from(port).checked_add(rank).filter(|p| *p <= u32::from(u16::MAX)).ok_or_else(bad)?;
+        return Ok(format!("tcp://{host}:{port}"));
+    }
+    if endpoint.starts_with("ipc://") || endpoint.starts_with("inproc://") {
+        return Ok(if rank == 0 { endpoint.to_owned() } else { format!("{endpoint}_dp{rank}") });
+    }
+    Err(bad())
+}
+
+/// Why a [`ReplicaSpec`] cannot be used.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum SpecError {
+    #[error("replica name is empty")]
+    EmptyName,
+    #[error("dp_size must be at least 1")]
+    NoRanks,
+    #[error("engine kind is unspecified")]
+    EngineUnspecified,
+    #[error("unsupported ZeroMQ endpoint {0:?} (expected tcp://host:port or ipc://path)")]
+    Endpoint(String),
+    #[error("replica {0:?} is already registered")]
+    Duplicate(String),
+}
+
+const NO_SEQ: u64 = u64::MAX;
+
+/// Live per-replica status, written by the ingest tasks.
+#[derive(Debug)]
+pub struct ReplicaStatus {
+    /// Stream state of each data-parallel rank (a [`StreamState`] as `u8`).
+    ranks: Box<[AtomicU8]>,
+    rank_synced: Box<[AtomicBool]>,
+    synced: watch::Sender<bool>,
+    epoch: AtomicU64,
+    last_seq: AtomicU64,
+    events_applied: AtomicU64,
+    events_malformed: AtomicU64,
+    gaps: AtomicU64,
+}
+
+impl ReplicaStatus {
+    fn new(dp_size: u32) -> Self {
+        let n = dp_size.max(1) as usize;
+        Self {
+            ranks: (0..n).map(|_| AtomicU8::new(StreamState::Degraded as u8)).collect(),
+            rank_synced: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            synced: watch::Sender::new(false),
+            epoch: AtomicU64::new(0),
+            last_seq: AtomicU64::new(NO_SEQ),
+            events_applied: AtomicU64::new(0),
+            events_malformed: AtomicU64::new(0),
+            gaps: AtomicU64::new(0),
+        }
+    }
+
+    /// The replica's state: the worst over its ranks.
+    pub fn state(&self) -> StreamState {
+        self.ranks
+            .iter()
+            .map(|r| StreamState::from_u8(r.load(Ordering::Relaxed)))
+            .max()
+            .unwrap_or(StreamState::Fallback)
+    }
+
+    /// One rank's state.
+    pub fn rank_state(&self, rank: u32) -> Option<StreamState> {
+        self.ranks.get(rank as usize).map(|r| StreamState::from_u8(r.load(Ordering::Relaxed)))
+    }
+
+    /// Sets one rank's state; returns the replica's previous and new aggregate state.
+    pub fn set_rank_state(&self, rank: u32, state: StreamState) -> (StreamState, StreamState) {
+        let before = self.state();
+        if let Some(r) = self.ranks.get(rank as usize) {
+            r.store(state as u8, Ordering::Relaxed);
+        }
+        (before, self.state())
+    }
+
+    /// True once every rank completed its first sync (the router's `/ready` waits for it).
+    pub fn is_synced(&self) -> bool {
+        *self.synced.borrow()
+    }
+
+    /// Marks one rank synced; the replica is synced once all its ranks are.
+    pub fn mark_rank_synced(&self, rank: u32) {
+        if let Some(r) = self.rank_synced.get(rank as usize) {
+            r.store(true, Ordering::Relaxed);
+        }
+        if self.rank_synced.iter().all(|r| r.load(Ordering::Relaxed)) {
+            self.synced.send_if_modified(|s| !std::mem::replace(s, true));
+        }
+    }
+
+    /// Waits until the replica completed its first sync.
+    pub async fn wait_synced(&self) {
+        let mut rx = self.synced.subscribe();
+        // The sender lives as long as `self`, so this cannot fail while we borrow it.
+        if rx.wait_for(|synced| *synced).await.is_err() {
+            tracing::debug!("replica status dropped while waiting for sync");
+        }
+    }
+
+    pub fn epoch(&self) -> Epoch {
+        Epoch(self.epoch.load(Ordering::Relaxed))
+    }
+
+    pub fn set_epoch(&self, epoch: Epoch) {
+        self.epoch.store(epoch.0, Ordering::Relaxed);
+    }
+
+    /// Seq of the newest batch applied (any rank), if any.
+    pub fn last_seq(&self) -> Option<Seq> {
+        let v = self.last_seq.load(Ordering::Relaxed);
+        (v != NO_SEQ).then_some(Seq(v))
+    }
+
+    pub fn set_last_seq(&self, seq: Seq) {
+        self.last_seq.store(seq.0, Ordering::Relaxed);
+    }
+
+    pub fn events_applied(&self) -> u64 {
+        self.events_applied.load(Ordering::Relaxed)
+    }
+
+    pub fn add_events_applied(&self, n: u64) {
+        self.events_applied.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn events_malformed(&self) -> u64 {
+        self.events_malformed.load(Ordering::Relaxed)
+    }
+
+    pub fn add_malformed(&self) {
+        self.events_malformed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn gaps(&self) -> u64 {
+        self.gaps.load(Ordering::Relaxed)
+    }
+
+    pub fn add_gap(&self) {
+        self.gaps.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// One registered replica.
+#[derive(Debug)]
+pub struct Replica {
+    pub id: ReplicaId,
+    pub spec: ReplicaSpec,
+    pub status: ReplicaStatus,
+}
+
+/// The registry: a cheap, cloneable handle.
+#[derive(Clone, Debug, Default)]
+pub struct Replicas {
+    inner: Arc<RwLock<Inner>>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// Every name ever seen → its id (never reassigned).
+    ids: HashMap<String, ReplicaId>,
+    live: HashMap<ReplicaId, Arc<Replica>>,
+}
+
+impl Replicas {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers `spec` under its name's id. Fails if the spec is invalid or the name is
+    /// already registered.
+    pub fn insert(&self, spec: ReplicaSpec) -> Result<Arc<Replica>, SpecError> {
+        spec.validate()?;
+        let mut inner = self.inner.write().unwrap_or_else(PoisonError::into_inner);
+        let next = ReplicaId(u32::try_from(inner.ids.len()).expect("fewer than 2^32 replica names"));
+        let id = *inner.ids.entry(spec.name.clone()).or_insert(next);
+        if inner.live.contains_key(&id) {
+            return Err(SpecError::Duplicate(spec.name));
+        }
+        let replica = Arc::new(Replica { id, status: ReplicaStatus::new(spec.dp_size), spec });
+        inner.live.insert(id, replica.clone());
+        Ok(replica)
+    }
+
+    /// Unregisters a replica; returns it if it was registered.
+    pub fn remove(&self, id: ReplicaId) -> Option<Arc<Replica>> {
+        self.inner.write().unwrap_or_else(PoisonError::into_inner).live.remove(&id)
+    }
+
+    pub fn get(&self, id: ReplicaId) -> Option<Arc<Replica>> {
+        self.inner.read().unwrap_or_else(PoisonError::into_inner).live.get(&id).cloned()
+    }
+
+    /// The registered replica called `name`, if any.
+    pub fn by_name(&self, name: &str) -> Option<Arc<Replica>> {
+        let inner = self.inner.read().unwrap_or_else(PoisonError::into_inner);
+        inner.ids.get(name).and_then(|id| inner.live.get(id)).cloned()
+    }
+
+    /// Every registered replica, ordered by id.
+    pub fn list(&self) -> Vec<Arc<Replica>> {
+        let mut all: Vec<_> =
+            self.inner.read().unwrap_or_else(PoisonError::into_inner).live.values().cloned().collect();
+        all.sort_by_key(|r| r.id);
+        all
+    }
+
+    /// True once every registered replica completed its first sync.
+    pub fn all_synced(&self) -> bool {
+        self.list().iter().all(|r| r.status.is_synced())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_endpoints_follow_vllm() {
+        assert_eq!(rank_endpoint("tcp://h:5557", 0).unwrap(), "tcp://h:5557");
+        assert_eq!(rank_endpoint("tcp://h:5557", 3).unwrap(), "tcp://h:5560");
+        assert_eq!(rank_endpoint("tcp://[::1]:5557", 1).unwrap(), "tcp://[::1]:5558");
+        assert_eq!(rank_endpoint("tcp://h:0", 2).unwrap(), "tcp://h:0");
+        assert_eq!(rank_endpoint("ipc:///tmp/kv", 1).unwrap(), "ipc:///tmp/kv_dp1");
+        assert!(rank_endpoint("tcp://h:65535", 1).is_err());
+        assert!(rank_endpoint("tcp://h", 0).is_err());
+        assert!(rank_endpoint("http://h:1", 0).is_err());
+    }
+
+    #[test]
+    fn names_intern_to_stable_ids() {
+        let replicas = Replicas::new();
+        let a = replicas.insert(ReplicaSpec::new("a", "tcp://h:1", EngineKind::Vllm, "m")).unwrap();
+        let b = replicas.insert(ReplicaSpec::new("b", "tcp://h:2", EngineKind::Vllm, "m")).unwrap();
+        assert_ne!(a.id, b.id);
+        assert_eq!(
+            replicas.insert(ReplicaSpec::new("a", "tcp://h:1", EngineKind::Vllm, "m")).unwrap_err(),
+            SpecError::Duplicate("a".into())
+        );
+        replicas.remove(a.id).unwrap();
+        assert!(replicas.by_name("a").is_none());
+        let again = replicas.insert(ReplicaSpec::new("a", "tcp://h:1", EngineKind::Vllm, "m")).unwrap();
+        assert_eq!(again.id, a.id);
+        assert_eq!(replicas.list().len(), 2);
+    }
+
+    #[test]
+    fn state_is_the_worst_rank_and_sync_needs_every_rank() {
+        let status = ReplicaStatus::new(2);
+        assert_eq!(status.state(), StreamState::Degraded);
+        status.set_rank_state(0, StreamState::Exact);
+        assert_eq!(status.state(), StreamState::Degraded);
+        status.set_rank_state(1, StreamState::Exact);
+        assert_eq!(status.state(), StreamState::Exact);
+        status.set_rank_state(1, StreamState::Fallback);
+        assert_eq!(status.state(), StreamState::Fallback);
+        status.mark_rank_synced(0);
+        assert!(!status.is_synced());
+        status.mark_rank_synced(1);
+        assert!(status.is_synced());
+    }
+}

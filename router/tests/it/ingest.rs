@@ -1,0 +1,593 @@
+//! Event ingestion end to end: publishers (the replica agent's, or hand-written ones that
+//! misbehave) → ZeroMQ → the router's ingest tasks → the prefix index.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvroute_proto::pb::EventBatch;
+use kvroute_proto::{CacheNamespace, Seq, framing};
+use kvroute_replica_agent::publisher::EventFormat;
+use kvroute_router::ingest::{Outcome, SkipReason};
+use kvroute_router::replicas::{EngineKind, Replica, ReplicaSpec, StreamState};
+use tokio_util::sync::CancellationToken;
+
+use crate::support::*;
+
+/// Engine ids of the vLLM-format publishers: router hashes XOR this, so equal router hashes
+/// can only come from recomputing them.
+const ENGINE_SALT: u64 = 0x5eed_0000_dead_beef;
+
+fn vllm(batch: EventBatch) -> Bytes {
+    EventFormat::Vllm.encode_payload(&opaque(batch, ENGINE_SALT))
+}
+
+fn native(batch: EventBatch) -> Bytes {
+    EventFormat::Kvroute.encode_payload(&batch)
+}
+
+fn payload(engine: EngineKind, batch: EventBatch) -> Bytes {
+    match engine {
+        EngineKind::Kvroute => native(batch),
+        EngineKind::Vllm | EngineKind::Sglang => vllm(batch),
+    }
+}
+
+/// Publishes empty batches from `seq` on until the router applied one (so the subscription
+/// is in place); returns the next free seq.
+async fn warm_up(fake: &mut FakePublisher, replica: &Replica, epoch: u64, mut seq: u64) -> u64 {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        fake.send(seq, payload(replica.spec.engine, batch(epoch, seq, vec![]))).await;
+        seq += 1;
+        for _ in 0..20 {
+            if replica.status.last_seq() == Some(Seq(seq - 1)) {
+                return seq;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "publisher never reached the router");
+    }
+}
+
+/// Waits for the first replay and the catch-up replay after connecting, so that counters
+/// compared later change only because of what the test does.
+async fn settled(m: &kvroute_router::ingest::ReplicaMetrics) {
+    wait_until("catch-up replay done", || m.replays(Outcome::Ok).get() >= 2).await;
+}
+
+async fn applied(replica: &Replica, seq: u64) {
+    wait_until(&format!("{} applied seq {seq}", replica.spec.name), || {
+        replica.status.last_seq() == Some(Seq(seq))
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_stream_is_applied_to_the_index() {
+    let h = Harness::start();
+    let agent = AgentPublisher::start(EventFormat::Kvroute, true).await;
+    let (r, m) = h.add(spec("native-0", EngineKind::Kvroute, &agent.events, agent.replay.as_deref()));
+    h.synced(&r).await;
+    let mut rng = Rng::new(1);
+    let a = rng.tokens(6);
+    let mut b = a[..2 * BLOCK as usize].to_vec();
+    b.extend(rng.tokens(3));
+    let a_hashes = chain(&a);
+    agent.publish(batch(7, 0, vec![store_chain(&a, 0)])).await;
+    agent.publish(batch(7, 1, vec![store_chain(&b, 2)])).await;
+    agent.publish(batch(7, 2, vec![removed_event(&a_hashes[4..6])])).await;
+    applied(&r, 2).await;
+    assert_eq!(h.overlap(&r, &a), 4);
+    assert_eq!(h.overlap(&r, &b), 5);
+    assert_eq!(h.index.blocks(r.id), 7);
+    assert_eq!(r.status.state(), StreamState::Exact);
+    assert_eq!(r.status.epoch().0, 7);
+    assert_eq!(m.blocks_stored.get(), 9);
+    assert_eq!(m.blocks_removed.get(), 2);
+    assert_eq!(m.blocks.get(), 7);
+    let text = h.scrape();
+    assert!(text.contains(r#"kvroute_ingest_stream_state{replica="native-0",state="exact"} 1"#), "{text}");
+    assert!(text.contains("kvroute_ingest_index_entries 7"), "{text}");
+}
+
+/// The same seeded workload, once as kvroute batches and once as vLLM batches with opaque
+/// engine hashes: the router must end with identical index contents for both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_stream_gives_the_same_router_hashes_as_native() {
+    let h = Harness::start();
+    let native_pub = AgentPublisher::start(EventFormat::Kvroute, true).await;
+    let vllm_pub = AgentPublisher::start(EventFormat::Vllm, true).await;
+    let (n, _) = h.add(spec("native", EngineKind::Kvroute, &native_pub.events, native_pub.replay.as_deref()));
+    let (v, vm) = h.add(spec("vllm", EngineKind::Vllm, &vllm_pub.events, vllm_pub.replay.as_deref()));
+    h.synced(&n).await;
+    h.synced(&v).await;
+
+    let mut rng = Rng::new(42);
+    // Per prompt: its tokens and how many leading blocks are cached.
+    let mut prompts: Vec<(Vec<u32>, usize)> = Vec::new();
+    let steps = 120u64;
+    for seq in 0..steps {
+        let op = if prompts.is_empty() { 0 } else { rng.below(3) };
+        let event = match op {
+            0 => {
+                let blocks = 1 + rng.below(6) as usize;
+                let tokens = rng.tokens(blocks);
+                let event = store_chain(&tokens, 0);
+                prompts.push((tokens, blocks));
+                event
+            }
+            1 => {
+                let p = rng.below(prompts.len() as u64) as usize;
+                let extra = 1 + rng.below(3) as usize;
+                let new_tokens = rng.tokens(extra);
+                let (tokens, len) = &mut prompts[p];
+                tokens.truncate(*len * BLOCK as usize);
+                tokens.extend(new_tokens);
+                let event = store_chain(tokens, *len);
+                *len += extra;
+                event
+            }
+            _ => {
+                let p = rng.below(prompts.len() as u64) as usize;
+                let (tokens, len) = &mut prompts[p];
+                if *len == 0 {
+                    *len = 1;
+                    store_chain(&tokens[..BLOCK as usize], 0)
+                } else {
+                    let hashes = chain(&tokens[..*len * BLOCK as usize]);
+                    *len -= 1;
+                    removed_event(&hashes[*len..])
+                }
+            }
+        };
+        let b = batch(1, seq, vec![event]);
+        native_pub.publish(b.clone()).await;
+        vllm_pub.publish(opaque(b, ENGINE_SALT)).await;
+    }
+    applied(&n, steps - 1).await;
+    applied(&v, steps - 1).await;
+    let mut held = 0;
+    for (tokens, len) in &prompts {
+        let hashes = chain(&tokens[..*len * BLOCK as usize]);
+        assert_eq!(h.index.lookup(&hashes).get(n.id), *len);
+        assert_eq!(h.index.lookup(&hashes).get(v.id), *len);
+        held += len;
+    }
+    assert!(held > 20, "the workload should leave blocks cached");
+    assert_eq!(h.index.blocks(n.id), h.index.blocks(v.id));
+    assert_eq!(h.index.blocks(v.id), held);
+    for reason in SkipReason::ALL {
+        assert_eq!(vm.skipped(reason).get(), 0, "{reason:?}");
+    }
+}
+
+async fn gap_is_repaired_by_replay(layout: ReplayLayout) {
+    let h = Harness::start();
+    let mut fake = FakePublisher::start(Some(layout)).await;
+    let (r, m) = h.add(spec("gappy", EngineKind::Vllm, &fake.events, fake.replay.as_deref()));
+    h.synced(&r).await;
+    settled(&m).await;
+    let seq = warm_up(&mut fake, &r, 0, 0).await;
+    let (gaps, replays) = (m.gaps.get(), m.replays(Outcome::Ok).get());
+    let mut rng = Rng::new(3);
+    let a = rng.tokens(3);
+    let b = rng.tokens(2);
+    fake.send(seq, vllm(batch(0, seq, vec![store_chain(&a, 0)]))).await;
+    fake.keep(seq + 1, vllm(batch(0, seq + 1, vec![store_chain(&b, 0)])));
+    fake.send(seq + 2, vllm(batch(0, seq + 2, vec![removed_event(&chain(&a)[2..])]))).await;
+    applied(&r, seq + 2).await;
+    assert_eq!(h.overlap(&r, &a), 2);
+    assert_eq!(h.overlap(&r, &b), 2, "the dropped batch was replayed");
+    assert_eq!(m.gaps.get(), gaps + 1);
+    assert_eq!(m.replays(Outcome::Ok).get(), replays + 1);
+    assert_eq!(r.status.state(), StreamState::Exact);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_batch_is_repaired_by_replay() {
+    gap_is_repaired_by_replay(ReplayLayout::New).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn old_replay_layout_is_understood() {
+    gap_is_repaired_by_replay(ReplayLayout::Old).await;
+}
+
+/// A batch published after the router's first replay but before its subscription reached
+/// the publisher is lost, and no later batch reveals it: the catch-up replay finds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_lost_to_the_slow_joiner_is_caught_up() {
+    let h = Harness::with_config(kvroute_router::ingest::IngestConfig {
+        catch_up_after: Duration::from_secs(1),
+        ..test_config()
+    });
+    let fake = FakePublisher::start(Some(ReplayLayout::New)).await;
+    let (r, m) = h.add(spec("joiner", EngineKind::Vllm, &fake.events, fake.replay.as_deref()));
+    h.synced(&r).await;
+    let a = Rng::new(14).tokens(2);
+    fake.keep(0, vllm(batch(0, 0, vec![store_chain(&a, 0)])));
+    applied(&r, 0).await;
+    assert_eq!(h.overlap(&r, &a), 2);
+    assert_eq!(m.replays(Outcome::Ok).get(), 2);
+    assert_eq!(m.gaps.get(), 0);
+}
+
+/// Live messages arriving while the stream task is busy (here: waiting for a replay) fill
+/// the bounded queue; the rest are dropped and counted, and the hole they leave is repaired
+/// like any gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_overflow_is_counted_and_repaired() {
+    let h =
+        Harness::with_config(kvroute_router::ingest::IngestConfig { channel_capacity: 2, ..test_config() });
+    let mut fake = FakePublisher::start(Some(ReplayLayout::New)).await;
+    let (r, m) = h.add(spec("flooded", EngineKind::Vllm, &fake.events, fake.replay.as_deref()));
+    h.synced(&r).await;
+    settled(&m).await;
+    let seq = warm_up(&mut fake, &r, 0, 0).await;
+    let gaps = m.gaps.get();
+    let mut rng = Rng::new(4);
+    let prompts: Vec<Vec<u32>> = (0..12).map(|_| rng.tokens(2)).collect();
+    let store = |i: usize| vllm(batch(0, seq + i as u64, vec![store_chain(&prompts[i], 0)]));
+    fake.pause_replay(true);
+    fake.keep(seq, store(0)); // lost: the next batch triggers a replay, which stalls
+    fake.send(seq + 1, store(1)).await;
+    wait_until("replay requested", || m.gaps.get() == gaps + 1).await;
+    for i in 2..11 {
+        fake.send(seq + i as u64, store(i)).await;
+    }
+    wait_until("queue overflowed", || m.overflow.get() > 0).await;
+    fake.pause_replay(false);
+    fake.send(seq + 11, store(11)).await;
+    applied(&r, seq + 11).await;
+    for (i, p) in prompts.iter().enumerate() {
+        assert_eq!(h.overlap(&r, p), 2, "prompt {i}");
+    }
+    assert!(m.gaps.get() >= gaps + 2, "the overflow hole is a second gap");
+    assert_eq!(r.status.state(), StreamState::Exact);
+}
+
+/// Replay unavailable (`with_replay` false) or incomplete (its buffer wrapped): the router
+/// resyncs from the agent's snapshot, and the index equals the snapshot plus later batches.
+async fn gap_resyncs_from_snapshot(with_replay: bool) {
+    let h = Harness::start();
+    let shutdown = CancellationToken::new();
+    let agent = FakeAgent::default();
+    let grpc = agent.serve(shutdown.clone()).await;
+    let mut fake = FakePublisher::start(with_replay.then_some(ReplayLayout::New)).await;
+    let spec = ReplicaSpec {
+        grpc_endpoint: Some(grpc),
+        ..spec("snap", EngineKind::Kvroute, &fake.events, fake.replay.as_deref())
+    };
+    let (r, m) = h.add(spec);
+    h.synced(&r).await;
+    if with_replay {
+        settled(&m).await;
+    }
+    let seq = warm_up(&mut fake, &r, 9, 0).await;
+    let (gaps, snapshots) = (m.gaps.get(), m.snapshots(Outcome::Ok).get());
+    let mut rng = Rng::new(5);
+    let (a, c, d) = (rng.tokens(3), rng.tokens(4), rng.tokens(2));
+    fake.send(seq, native(batch(9, seq, vec![store_chain(&a, 0)]))).await;
+    applied(&r, seq).await;
+    // Batches seq+1 (store c) and seq+2 (evict a) are lost, and gone from the replay buffer.
+    fake.keep(seq + 2, native(batch(9, seq + 2, vec![removed_event(&chain(&a))])));
+    fake.forget_before(seq + 2);
+    *agent.state.lock().unwrap() =
+        SnapshotState { epoch: 9, seq: Some(seq + 2), blocks: snapshot_blocks(&c) };
+    fake.send(seq + 3, native(batch(9, seq + 3, vec![store_chain(&d, 0)]))).await;
+    applied(&r, seq + 3).await;
+    assert_eq!(h.overlap(&r, &a), 0);
+    assert_eq!(h.overlap(&r, &c), 4);
+    assert_eq!(h.overlap(&r, &d), 2);
+    assert_eq!(h.index.blocks(r.id), 6, "index = snapshot + batches after it");
+    assert_eq!(m.gaps.get(), gaps + 1);
+    assert_eq!(m.snapshots(Outcome::Ok).get(), snapshots + 1);
+    if with_replay {
+        assert_eq!(m.replays(Outcome::Incomplete).get(), 1);
+    }
+    assert_eq!(r.status.state(), StreamState::Exact);
+    shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gap_without_replay_resyncs_from_snapshot() {
+    gap_resyncs_from_snapshot(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incomplete_replay_resyncs_from_snapshot() {
+    gap_resyncs_from_snapshot(true).await;
+}
+
+/// A vLLM publisher restarts on the same ports with seq back at 0: the SUB reconnects by
+/// itself and the replica's old blocks are dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publisher_restart_on_the_same_port_clears_the_replica() {
+    let h = Harness::start();
+    let mut fake = FakePublisher::start(Some(ReplayLayout::New)).await;
+    let (events, replay) = (fake.events.clone(), fake.replay.clone().expect("replay"));
+    let (r, m) = h.add(spec("restarts", EngineKind::Vllm, &events, Some(&replay)));
+    h.synced(&r).await;
+    // The old process is far into its stream, so the new one's seqs are clearly backwards.
+    let seq = warm_up(&mut fake, &r, 0, 1000).await;
+    let mut rng = Rng::new(6);
+    let (a, b) = (rng.tokens(3), rng.tokens(2));
+    fake.send(seq, vllm(batch(0, seq, vec![store_chain(&a, 0)]))).await;
+    applied(&r, seq).await;
+    assert_eq!(h.overlap(&r, &a), 3);
+    let restarts = m.restarts.get();
+    fake.close().await;
+
+    let mut fake = FakePublisher::bind(&events, Some((replay, ReplayLayout::New))).await;
+    fake.send(0, vllm(batch(0, 0, vec![store_chain(&b, 0)]))).await;
+    // Keep the new process busy until the router has caught up with it.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut next = 1;
+    while !(h.overlap(&r, &b) == 2 && h.overlap(&r, &a) == 0) {
+        assert!(tokio::time::Instant::now() < deadline, "router never followed the restarted publisher");
+        fake.send(next, vllm(batch(0, next, vec![]))).await;
+        next += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(m.restarts.get() > restarts);
+    wait_until("exact again", || r.status.state() == StreamState::Exact).await;
+}
+
+/// kvroute batches carry an epoch: a new one means a restarted agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_epoch_clears_the_replica() {
+    let h = Harness::start();
+    let agent = AgentPublisher::start(EventFormat::Kvroute, true).await;
+    let (r, m) = h.add(spec("epochs", EngineKind::Kvroute, &agent.events, agent.replay.as_deref()));
+    h.synced(&r).await;
+    let mut rng = Rng::new(7);
+    let (a, b) = (rng.tokens(3), rng.tokens(2));
+    agent.publish(batch(1, 0, vec![store_chain(&a, 0)])).await;
+    agent.publish(batch(1, 1, vec![])).await;
+    applied(&r, 1).await;
+    let restarts = m.restarts.get();
+    agent.publish(batch(2, 0, vec![store_chain(&b, 0)])).await;
+    wait_until("new epoch applied", || r.status.epoch().0 == 2 && r.status.last_seq() == Some(Seq(0))).await;
+    assert_eq!(h.overlap(&r, &a), 0);
+    assert_eq!(h.overlap(&r, &b), 2);
+    assert_eq!(m.restarts.get(), restarts + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_blocks_cleared_clears_the_replica() {
+    let h = Harness::start();
+    let agent = AgentPublisher::start(EventFormat::Vllm, true).await;
+    let (r, _) = h.add(spec("cleared", EngineKind::Vllm, &agent.events, agent.replay.as_deref()));
+    h.synced(&r).await;
+    let mut rng = Rng::new(8);
+    let (a, b, c) = (rng.tokens(3), rng.tokens(2), rng.tokens(2));
+    agent.publish(opaque(batch(0, 0, vec![store_chain(&a, 0)]), ENGINE_SALT)).await;
+    agent
+        .publish(opaque(
+            batch(0, 1, vec![store_chain(&b, 0), cleared_event(), store_chain(&c, 0)]),
+            ENGINE_SALT,
+        ))
+        .await;
+    applied(&r, 1).await;
+    assert_eq!(h.overlap(&r, &a), 0);
+    assert_eq!(h.overlap(&r, &b), 0);
+    assert_eq!(h.overlap(&r, &c), 2);
+    assert_eq!(h.index.blocks(r.id), 2);
+}
+
+/// vLLM stores the same block twice and removes it twice: it stays cached until the second
+/// removal, and a third removal is an unknown block, not an underflow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_stores_and_removes_are_refcounted() {
+    let h = Harness::start();
+    let agent = AgentPublisher::start(EventFormat::Vllm, true).await;
+    let (r, m) = h.add(spec("dups", EngineKind::Vllm, &agent.events, agent.replay.as_deref()));
+    h.synced(&r).await;
+    let a = Rng::new(9).tokens(3);
+    let last = &chain(&a)[2..];
+    let send = |seq: u64, events| agent.publish(opaque(batch(0, seq, events), ENGINE_SALT));
+    send(0, vec![store_chain(&a, 0)]).await;
+    send(1, vec![store_chain(&a, 2)]).await; // the same last block again, via its parent
+    send(2, vec![removed_event(last)]).await;
+    applied(&r, 2).await;
+    assert_eq!(h.overlap(&r, &a), 3, "one reference left");
+    send(3, vec![removed_event(last)]).await;
+    applied(&r, 3).await;
+    assert_eq!(h.overlap(&r, &a), 2);
+    send(4, vec![removed_event(last)]).await;
+    applied(&r, 4).await;
+    assert_eq!(h.overlap(&r, &a), 2);
+    assert_eq!(m.skipped(SkipReason::UnknownBlock).get(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_frames_are_counted_and_skipped() {
+    let h = Harness::start();
+    let mut fake = FakePublisher::start(None).await;
+    let (r, m) = h.add(spec("garbage", EngineKind::Vllm, &fake.events, None));
+    h.synced(&r).await;
+    let seq = warm_up(&mut fake, &r, 0, 0).await;
+    let gaps = m.gaps.get();
+    let topic = Bytes::from_static(b"kv-events");
+    let seq_frame = |s: u64| Bytes::copy_from_slice(&s.to_be_bytes());
+    fake.send_frames(vec![topic.clone(), seq_frame(seq)]).await;
+    fake.send_frames(vec![topic.clone(), Bytes::from_static(b"abc"), Bytes::from_static(b"x")]).await;
+    fake.send_frames(framing::encode_live(topic.clone(), Seq(seq), Bytes::from_static(&[0xc1, 0xff, 0x00])))
+        .await;
+    let a = Rng::new(10).tokens(2);
+    fake.send(seq + 1, vllm(batch(0, seq + 1, vec![store_chain(&a, 0)]))).await;
+    applied(&r, seq + 1).await;
+    assert_eq!(h.overlap(&r, &a), 2);
+    assert_eq!(m.malformed_frame.get(), 2);
+    assert_eq!(m.malformed_payload.get(), 1);
+    assert_eq!(r.status.events_malformed(), 3);
+    assert_eq!(m.gaps.get(), gaps, "an undecodable batch consumes its seq");
+    assert_eq!(r.status.state(), StreamState::Exact);
+
+    // A run of garbage makes the stream unusable until a good batch arrives.
+    for i in 0..test_config().malformed_fallback as u64 {
+        fake.send_frames(framing::encode_live(topic.clone(), Seq(seq + 2 + i), Bytes::from_static(b"\xc1")))
+            .await;
+    }
+    wait_until("fallback after repeated garbage", || r.status.state() == StreamState::Fallback).await;
+    let next = seq + 2 + u64::from(test_config().malformed_fallback);
+    let b = Rng::new(11).tokens(1);
+    fake.send(next, vllm(batch(0, next, vec![store_chain(&b, 0)]))).await;
+    applied(&r, next).await;
+    assert_eq!(r.status.state(), StreamState::Exact);
+    assert_eq!(h.overlap(&r, &b), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_a_replica_frees_everything_it_held() {
+    let h = Harness::start();
+    let p0 = AgentPublisher::start(EventFormat::Kvroute, true).await;
+    let p1 = AgentPublisher::start(EventFormat::Vllm, true).await;
+    let (r0, _) = h.add(spec("keep", EngineKind::Kvroute, &p0.events, p0.replay.as_deref()));
+    let (r1, _) = h.add(spec("doomed", EngineKind::Vllm, &p1.events, p1.replay.as_deref()));
+    h.synced(&r0).await;
+    h.synced(&r1).await;
+    let mut rng = Rng::new(12);
+    let shared = rng.tokens(4);
+    let own = rng.tokens(50);
+    p0.publish(batch(1, 0, vec![store_chain(&shared, 0)])).await;
+    p1.publish(opaque(batch(1, 0, vec![store_chain(&shared, 0), store_chain(&own, 0)]), ENGINE_SALT)).await;
+    applied(&r0, 0).await;
+    applied(&r1, 0).await;
+    assert_eq!(h.index.stats().entries, 4 + 54);
+    let before = h.index.stats().memory_bytes;
+    assert!(h.scrape().contains("doomed"));
+
+    assert_eq!(h.ingest.remove_replica(r1.id).await, Some(54));
+    assert_eq!(h.index.blocks(r1.id), 0);
+    assert_eq!(h.index.stats().entries, 4);
+    assert_eq!(h.index.stats().replicas, 1);
+    assert!(h.index.stats().memory_bytes <= before);
+    assert_eq!(h.overlap(&r0, &shared), 4);
+    assert!(h.ingest.replicas().get(r1.id).is_none());
+    assert!(!h.scrape().contains("doomed"), "metric label sets are dropped");
+    assert_eq!(h.ingest.remove_replica(r1.id).await, None);
+    // The name can come back (same id, nothing left over).
+    let (again, _) = h.add(spec("doomed", EngineKind::Vllm, &p1.events, p1.replay.as_deref()));
+    assert_eq!(again.id, r1.id);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_publisher_is_fallback_until_it_appears() {
+    let h = Harness::with_config(kvroute_router::ingest::IngestConfig {
+        fallback_after: Duration::from_millis(300),
+        ..test_config()
+    });
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let (r, _) = h.add(spec("late", EngineKind::Vllm, &endpoint, None));
+    wait_until("fallback", || r.status.state() == StreamState::Fallback).await;
+    assert!(!r.status.is_synced());
+    let mut fake = FakePublisher::bind(&endpoint, None).await;
+    h.synced(&r).await;
+    warm_up(&mut fake, &r, 0, 0).await;
+    assert_eq!(r.status.state(), StreamState::Exact);
+}
+
+/// Every frame of a capture from a real vLLM server (block size 32), through sockets and the
+/// whole ingestion path: duplicate stores and removes, parent-linked re-stores, evictions and
+/// a final `AllBlocksCleared` + re-store leave exactly the last prompt's 10 blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_vllm_capture_is_ingested() {
+    let h = Harness::start();
+    let mut fake = FakePublisher::start(Some(ReplayLayout::New)).await;
+    let spec = ReplicaSpec {
+        replay_endpoint: fake.replay.clone(),
+        block_size: Some(32),
+        ..ReplicaSpec::new("captured", fake.events.clone(), EngineKind::Vllm, "m")
+    };
+    let (r, m) = h.add(spec);
+    h.synced(&r).await;
+    let capture = include_str!("../../../proto/tests/data/vllm-capture.jsonl");
+    let mut last_tokens = Vec::new();
+    let mut frames_sent = 0u64;
+    for line in capture.lines() {
+        let record: serde_json::Value = serde_json::from_str(line).unwrap();
+        let frames: Vec<Bytes> = record["frames_hex"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| Bytes::from(hex::decode(f.as_str().unwrap()).unwrap()))
+            .collect();
+        let msg = framing::decode_live(&frames).unwrap();
+        fake.keep(msg.seq.0, msg.payload.clone());
+        fake.send_frames(frames).await;
+        for event in record["decoded"][1].as_array().unwrap() {
+            if event["type"] == "BlockStored" && event["parent_block_hash"].is_null() {
+                last_tokens = event["token_ids"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_u64().unwrap() as u32)
+                    .collect();
+            }
+        }
+        frames_sent += 1;
+    }
+    assert_eq!(frames_sent, 11);
+    // One more (empty) batch, so a loss of the last capture frame shows up as a gap.
+    let empty = kvroute_proto::vllm::encode_payload(&kvroute_proto::vllm::VllmBatch::default());
+    fake.send(11, empty).await;
+    applied(&r, 11).await;
+    let expected = CacheNamespace::new("m").chain(&last_tokens, 32);
+    assert_eq!(expected.len(), 10);
+    assert_eq!(h.index.lookup(&expected).get(r.id), 10);
+    assert_eq!(h.index.blocks(r.id), 10);
+    assert_eq!(m.malformed_frame.get() + m.malformed_payload.get(), 0);
+    for reason in SkipReason::ALL {
+        assert_eq!(m.skipped(reason).get(), 0, "{reason:?}");
+    }
+    assert_eq!(m.events_applied.get(), 31);
+    assert_eq!(r.status.state(), StreamState::Exact);
+}
+
+/// Each data-parallel rank has its own stream (port + rank); clearing one rank keeps the
+/// other's blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dp_ranks_are_followed_and_cleared_separately() {
+    let h = Harness::start();
+    // Two publishers on adjacent ports (vLLM's rank offset); retry if the second is taken.
+    let (mut rank0, mut rank1) = {
+        let mut attempt = 0;
+        loop {
+            let rank0 = FakePublisher::start(None).await;
+            let port: u16 = rank0.events.rsplit(':').next().unwrap().parse().unwrap();
+            if let Some(next) = port.checked_add(1)
+                && let Some(rank1) = FakePublisher::try_bind(&format!("tcp://127.0.0.1:{next}")).await
+            {
+                break (rank0, rank1);
+            }
+            rank0.close().await;
+            attempt += 1;
+            assert!(attempt < 50, "no two adjacent free ports");
+        }
+    };
+    let spec = ReplicaSpec { dp_size: 2, ..spec("dp", EngineKind::Vllm, &rank0.events, None) };
+    let (r, _) = h.add(spec);
+    h.synced(&r).await;
+    let mut rng = Rng::new(13);
+    let (a, b) = (rng.tokens(2), rng.tokens(3));
+    rank0.send(0, vllm(batch(0, 0, vec![store_chain(&a, 0)]))).await;
+    rank1.send(0, vllm(batch(0, 0, vec![store_chain(&b, 0)]))).await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut seq = 1;
+    // Publishing again covers a batch lost to the subscription race (no replay here).
+    while !(h.overlap(&r, &a) == 2 && h.overlap(&r, &b) == 3) {
+        assert!(tokio::time::Instant::now() < deadline, "both ranks applied");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        rank0.send(seq, vllm(batch(0, seq, vec![store_chain(&a, 0)]))).await;
+        rank1.send(seq, vllm(batch(0, seq, vec![store_chain(&b, 0)]))).await;
+        seq += 1;
+    }
+    rank1.send(seq, vllm(batch(0, seq, vec![cleared_event()]))).await;
+    wait_until("rank 1 cleared", || h.overlap(&r, &b) == 0).await;
+    assert_eq!(h.overlap(&r, &a), 2, "rank 0 keeps its blocks");
+}

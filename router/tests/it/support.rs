@@ -1,0 +1,519 @@
+//! Test harness: the router's ingestion over real sockets on 127.0.0.1 port 0, the replica
+//! agent's publisher, a hand-written ZeroMQ publisher that can misbehave, a small gRPC
+//! `ReplicaAgent` serving snapshots, seeded workloads, and condition waits.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::Stream;
+use kvroute_proto::framing;
+use kvroute_proto::pb::replica_agent_server::{ReplicaAgent, ReplicaAgentServer};
+use kvroute_proto::pb::{self, EventBatch, event};
+use kvroute_proto::{BlockHash, CacheNamespace, Seq};
+use kvroute_replica_agent::publisher::{EventFormat, Publisher, PublisherConfig};
+use kvroute_router::index::SharedIndex;
+use kvroute_router::ingest::{Ingest, IngestConfig, ReplicaMetrics};
+use kvroute_router::replicas::{EngineKind, Replica, ReplicaSpec};
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use zeromq::prelude::*;
+use zeromq::{PubSocket, RouterSocket, ZmqMessage};
+
+pub const MODEL: &str = "test-model";
+pub const BLOCK: u32 = 4;
+
+/// Upper bound of every wait; generous because four engineers share two cores.
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// Polls `cond` until it holds; panics with `what` after [`WAIT`].
+pub async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Ingestion with short timeouts, torn down on drop.
+pub struct Harness {
+    pub ingest: Ingest,
+    pub index: SharedIndex,
+    pub registry: Registry,
+    pub tracker: TaskTracker,
+    pub shutdown: CancellationToken,
+}
+
+impl Harness {
+    pub fn start() -> Self {
+        Self::with_config(test_config())
+    }
+
+    pub fn with_config(config: IngestConfig) -> Self {
+        // Logs show with `RUST_LOG=kvroute_router=debug` (captured per test).
+        let filter = tracing_subscriber::EnvFilter::from_default_env();
+        drop(tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init());
+        let index = SharedIndex::new();
+        let mut registry = Registry::default();
+        let tracker = TaskTracker::new();
+        let shutdown = CancellationToken::new();
+        let ingest = Ingest::start(config, index.clone(), &mut registry, tracker.clone(), shutdown.clone());
+        Self { ingest, index, registry, tracker, shutdown }
+    }
+
+    pub fn add(&self, spec: ReplicaSpec) -> (Arc<Replica>, ReplicaMetrics) {
+        let name = spec.name.clone();
+        let replica = self.ingest.add_replica(spec).expect("valid spec");
+        (replica, self.ingest.replica_metrics(&name).expect("registered"))
+    }
+
+    /// Waits (bounded) for the replica's first sync.
+    pub async fn synced(&self, replica: &Replica) {
+        let synced = tokio::time::timeout(WAIT, self.ingest.wait_synced(replica.id)).await;
+        assert_eq!(synced, Ok(true), "{} never synced", replica.spec.name);
+    }
+
+    /// The Prometheus text exposition.
+    pub fn scrape(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("encode metrics");
+        out
+    }
+
+    /// How many leading blocks of `tokens` (default namespace) the replica holds.
+    pub fn overlap(&self, replica: &Replica, tokens: &[u32]) -> usize {
+        self.index.lookup(&chain(tokens)).get(replica.id)
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+        self.tracker.close();
+    }
+}
+
+pub fn test_config() -> IngestConfig {
+    IngestConfig {
+        channel_capacity: 1024,
+        fallback_after: Duration::from_secs(2),
+        reconnect_backoff: Duration::from_millis(100),
+        replay_timeout: Duration::from_secs(5),
+        replay_max_batches: 10_000,
+        snapshot_timeout: Duration::from_secs(10),
+        malformed_fallback: 4,
+        catch_up_after: Duration::from_millis(200),
+    }
+}
+
+pub fn spec(name: &str, engine: EngineKind, events: &str, replay: Option<&str>) -> ReplicaSpec {
+    ReplicaSpec {
+        replay_endpoint: replay.map(str::to_owned),
+        block_size: Some(BLOCK),
+        ..ReplicaSpec::new(name, events, engine, MODEL)
+    }
+}
+
+/// The router chain of `tokens` in the test model's default namespace.
+pub fn chain(tokens: &[u32]) -> Vec<BlockHash> {
+    CacheNamespace::new(MODEL).chain(tokens, BLOCK as usize)
+}
+
+/// Deterministic pseudo-random numbers (splitmix64), so workloads are reproducible.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+
+    /// `blocks` full blocks of token ids.
+    pub fn tokens(&mut self, blocks: usize) -> Vec<u32> {
+        (0..blocks * BLOCK as usize).map(|_| self.below(50_000) as u32).collect()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Native batches
+
+pub fn stored_event(hashes: &[BlockHash], parent: Option<BlockHash>, tokens: &[u32]) -> pb::Event {
+    pb::Event {
+        kind: Some(event::Kind::Stored(pb::BlockStored {
+            block_hashes: hashes.iter().map(|h| h.0).collect(),
+            parent_block_hash: parent.map(|h| h.0),
+            token_ids: tokens.to_vec(),
+        })),
+    }
+}
+
+pub fn removed_event(hashes: &[BlockHash]) -> pb::Event {
+    pb::Event {
+        kind: Some(event::Kind::Removed(pb::BlockRemoved {
+            block_hashes: hashes.iter().map(|h| h.0).collect(),
+        })),
+    }
+}
+
+pub fn cleared_event() -> pb::Event {
+    pb::Event { kind: Some(event::Kind::Cleared(pb::AllBlocksCleared {})) }
+}
+
+/// Stores `tokens[from_block..]` as one event whose hashes are the router chain.
+pub fn store_chain(tokens: &[u32], from_block: usize) -> pb::Event {
+    let hashes = chain(tokens);
+    let parent = from_block.checked_sub(1).map(|i| hashes[i]);
+    stored_event(&hashes[from_block..], parent, &tokens[from_block * BLOCK as usize..])
+}
+
+pub fn batch(epoch: u64, seq: u64, events: Vec<pb::Event>) -> EventBatch {
+    EventBatch {
+        replica: "agent".into(),
+        epoch,
+        seq,
+        ts_unix_nanos: 1_700_000_000_000_000_000 + seq,
+        block_size: BLOCK,
+        dp_rank: 0,
+        events,
+    }
+}
+
+/// The same batch as a vLLM engine would describe it: every hash replaced by an opaque
+/// engine id (`h ^ salt`), so the router must recompute its own hashes from the tokens.
+pub fn opaque(mut batch: EventBatch, salt: u64) -> EventBatch {
+    for e in &mut batch.events {
+        match &mut e.kind {
+            Some(event::Kind::Stored(s)) => {
+                s.block_hashes.iter_mut().for_each(|h| *h ^= salt);
+                s.parent_block_hash = s.parent_block_hash.map(|h| h ^ salt);
+            }
+            Some(event::Kind::Removed(r)) => r.block_hashes.iter_mut().for_each(|h| *h ^= salt),
+            _ => {}
+        }
+    }
+    batch
+}
+
+// ---------------------------------------------------------------------------------------
+// The replica agent's publisher
+
+pub struct AgentPublisher {
+    pub publisher: Publisher,
+    pub events: String,
+    pub replay: Option<String>,
+    shutdown: CancellationToken,
+}
+
+impl AgentPublisher {
+    pub async fn start(format: EventFormat, with_replay: bool) -> Self {
+        let shutdown = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        let config = PublisherConfig { format, topic: "kv-events".into(), ..Default::default() };
+        let replay = with_replay.then_some("tcp://127.0.0.1:0");
+        let (publisher, endpoints) =
+            Publisher::bind(config, "tcp://127.0.0.1:0", replay, &tracker, shutdown.clone())
+                .await
+                .expect("bind publisher");
+        Self { publisher, events: endpoints.events, replay: endpoints.replay, shutdown }
+    }
+
+    pub async fn publish(&self, batch: EventBatch) {
+        assert!(self.publisher.publish(batch).await, "publisher stopped");
+    }
+}
+
+impl Drop for AgentPublisher {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A hand-written publisher that can misbehave
+
+/// How the fake publisher answers replay requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReplayLayout {
+    /// vLLM >= 0.26 / kvroute: `[b"", topic, seq, payload]`.
+    New,
+    /// vLLM <= 0.24: `[b"", seq, payload]`.
+    Old,
+}
+
+type History = Arc<Mutex<VecDeque<(Seq, Bytes)>>>;
+
+/// A PUB socket plus an optional replay ROUTER serving a history the test controls.
+pub struct FakePublisher {
+    socket: PubSocket,
+    pub events: String,
+    pub replay: Option<String>,
+    history: History,
+    topic: Bytes,
+    /// While true, replay answers are computed but held back.
+    paused: tokio::sync::watch::Sender<bool>,
+    shutdown: CancellationToken,
+}
+
+impl FakePublisher {
+    pub async fn start(replay: Option<ReplayLayout>) -> Self {
+        Self::bind("tcp://127.0.0.1:0", replay.map(|l| ("tcp://127.0.0.1:0".to_owned(), l))).await
+    }
+
+    /// Binds on the given endpoints (retrying briefly: a port just closed may linger).
+    pub async fn bind(events: &str, replay: Option<(String, ReplayLayout)>) -> Self {
+        let mut socket = PubSocket::new();
+        let events = retry_bind(&mut socket, events).await;
+        let history: History = Arc::default();
+        let topic = Bytes::from_static(b"kv-events");
+        let shutdown = CancellationToken::new();
+        let paused = tokio::sync::watch::Sender::new(false);
+        let replay = match replay {
+            None => None,
+            Some((endpoint, layout)) => {
+                let mut router = RouterSocket::new();
+                let bound = retry_bind(&mut router, &endpoint).await;
+                let server = ReplayServer {
+                    layout,
+                    topic: topic.clone(),
+                    history: history.clone(),
+                    paused: paused.subscribe(),
+                };
+                tokio::spawn(server.run(router, shutdown.clone()));
+                Some(bound)
+            }
+        };
+        Self { socket, events, replay, history, topic, paused, shutdown }
+    }
+
+    /// Holds back (or releases) replay answers; what they contain is fixed when the request
+    /// arrives.
+    pub fn pause_replay(&self, paused: bool) {
+        self.paused.send_replace(paused);
+    }
+
+    /// One attempt to bind a PUB on `events` (no replay socket); `None` if it is taken.
+    pub async fn try_bind(events: &str) -> Option<Self> {
+        let mut socket = PubSocket::new();
+        let events = socket.bind(events).await.ok()?.to_string();
+        Some(Self {
+            socket,
+            events,
+            replay: None,
+            history: Arc::default(),
+            topic: Bytes::from_static(b"kv-events"),
+            paused: tokio::sync::watch::Sender::new(false),
+            shutdown: CancellationToken::new(),
+        })
+    }
+
+    /// Publishes `payload` as batch `seq` (and keeps it for replay).
+    pub async fn send(&mut self, seq: u64, payload: Bytes) {
+        self.keep(seq, payload.clone());
+        self.send_frames(framing::encode_live(self.topic.clone(), Seq(seq), payload)).await;
+    }
+
+    /// Keeps batch `seq` for replay without publishing it: a batch lost on the way.
+    pub fn keep(&self, seq: u64, payload: Bytes) {
+        self.history.lock().unwrap().push_back((Seq(seq), payload));
+    }
+
+    /// Forgets every buffered batch before `seq` (a replay buffer that wrapped).
+    pub fn forget_before(&self, seq: u64) {
+        self.history.lock().unwrap().retain(|(s, _)| s.0 >= seq);
+    }
+
+    /// Sends arbitrary frames.
+    pub async fn send_frames(&mut self, frames: Vec<Bytes>) {
+        let msg = ZmqMessage::try_from(frames).expect("non-empty frames");
+        self.socket.send(msg).await.expect("PUB send");
+    }
+
+    pub async fn close(self) {
+        self.shutdown.cancel();
+        for e in self.socket.close().await {
+            eprintln!("closing the fake PUB: {e}");
+        }
+    }
+}
+
+async fn retry_bind<S: Socket>(socket: &mut S, endpoint: &str) -> String {
+    let mut last = None;
+    for _ in 0..100 {
+        match socket.bind(endpoint).await {
+            Ok(bound) => return bound.to_string(),
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("cannot bind {endpoint}: {last:?}");
+}
+
+struct ReplayServer {
+    layout: ReplayLayout,
+    topic: Bytes,
+    history: History,
+    paused: tokio::sync::watch::Receiver<bool>,
+}
+
+impl ReplayServer {
+    async fn run(mut self, mut router: RouterSocket, shutdown: CancellationToken) {
+        loop {
+            let msg = tokio::select! {
+                () = shutdown.cancelled() => break,
+                msg = router.recv() => msg,
+            };
+            let Ok(msg) = msg else { continue };
+            let mut frames = msg.into_vec();
+            let identity = frames.remove(0);
+            let start = framing::decode_replay_request(&frames).expect("well-formed replay request");
+            let batches: Vec<_> =
+                self.history.lock().unwrap().iter().filter(|(s, _)| *s >= start).cloned().collect();
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                released = self.paused.wait_for(|p| !*p) => if released.is_err() { break },
+            }
+            let (layout, topic) = (self.layout, self.topic.clone());
+            let end = match layout {
+                ReplayLayout::New => framing::encode_replay_end(),
+                ReplayLayout::Old => {
+                    vec![Bytes::new(), Bytes::copy_from_slice(&u64::MAX.to_be_bytes()), Bytes::new()]
+                }
+            };
+            let replies = batches
+                .into_iter()
+                .map(|(seq, payload)| match layout {
+                    ReplayLayout::New => framing::encode_replay_batch(topic.clone(), seq, payload),
+                    ReplayLayout::Old => {
+                        vec![Bytes::new(), Bytes::copy_from_slice(&seq.0.to_be_bytes()), payload]
+                    }
+                })
+                .chain(std::iter::once(end));
+            for mut reply in replies {
+                reply.insert(0, identity.clone());
+                if router.send(ZmqMessage::try_from(reply).expect("frames")).await.is_err() {
+                    break;
+                }
+            }
+        }
+        drop(router.close().await);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A replica agent serving snapshots
+
+/// What the fake agent's `Snapshot` returns.
+#[derive(Clone, Debug, Default)]
+pub struct SnapshotState {
+    pub epoch: u64,
+    pub seq: Option<u64>,
+    pub blocks: Vec<pb::SnapshotBlock>,
+}
+
+#[derive(Clone, Default)]
+pub struct FakeAgent {
+    pub state: Arc<Mutex<SnapshotState>>,
+    pub calls: Arc<Mutex<u32>>,
+}
+
+impl FakeAgent {
+    /// Serves on 127.0.0.1:0; returns the `http://` endpoint.
+    pub async fn serve(&self, shutdown: CancellationToken) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind gRPC");
+        let addr = listener.local_addr().expect("local addr");
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        let service = ReplicaAgentServer::new(self.clone());
+        tokio::spawn(async move {
+            let served = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
+                .await;
+            served.expect("gRPC server");
+        });
+        format!("http://{addr}")
+    }
+}
+
+type ChunkStream = Pin<Box<dyn Stream<Item = Result<pb::SnapshotChunk, tonic::Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ReplicaAgent for FakeAgent {
+    async fn info(
+        &self,
+        _: tonic::Request<pb::InfoRequest>,
+    ) -> Result<tonic::Response<pb::InfoResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("info"))
+    }
+
+    type SnapshotStream = ChunkStream;
+
+    async fn snapshot(
+        &self,
+        _: tonic::Request<pb::SnapshotRequest>,
+    ) -> Result<tonic::Response<ChunkStream>, tonic::Status> {
+        *self.calls.lock().unwrap() += 1;
+        let state = self.state.lock().unwrap().clone();
+        // Two blocks per chunk, to exercise chunking.
+        let mut chunks: Vec<pb::SnapshotChunk> = state
+            .blocks
+            .chunks(2)
+            .enumerate()
+            .map(|(i, blocks)| pb::SnapshotChunk {
+                epoch: state.epoch,
+                seq: state.seq.unwrap_or(0),
+                has_seq: state.seq.is_some(),
+                block_size: BLOCK,
+                chunk: i as u32,
+                last: false,
+                blocks: blocks.to_vec(),
+            })
+            .collect();
+        if chunks.is_empty() {
+            chunks.push(pb::SnapshotChunk {
+                epoch: state.epoch,
+                seq: state.seq.unwrap_or(0),
+                has_seq: state.seq.is_some(),
+                block_size: BLOCK,
+                ..Default::default()
+            });
+        }
+        chunks.last_mut().expect("one chunk").last = true;
+        let stream: ChunkStream = Box::pin(futures::stream::iter(chunks.into_iter().map(Ok)));
+        Ok(tonic::Response::new(stream))
+    }
+
+    async fn stats(
+        &self,
+        _: tonic::Request<pb::StatsRequest>,
+    ) -> Result<tonic::Response<pb::StatsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("stats"))
+    }
+}
+
+/// Snapshot blocks of `tokens` in the default namespace (parent before child).
+pub fn snapshot_blocks(tokens: &[u32]) -> Vec<pb::SnapshotBlock> {
+    let hashes = chain(tokens);
+    hashes
+        .iter()
+        .enumerate()
+        .map(|(i, h)| pb::SnapshotBlock {
+            hash: h.0,
+            parent: i.checked_sub(1).map(|p| hashes[p].0),
+            token_ids: tokens[i * BLOCK as usize..(i + 1) * BLOCK as usize].to_vec(),
+        })
+        .collect()
+}
