@@ -6,6 +6,8 @@
 //! - [`http`]: the OpenAI-compatible HTTP API (completions, chat, SSE streaming, `/tokenize`,
 //!   `/reset_prefix_cache`, `/metrics` with vLLM's names, `/v1/models`, `/health`).
 //! - [`publisher`]: the KV event publisher (ZMQ PUB live stream + ROUTER replay).
+//! - [`config`], [`engine`], [`grpc`]: settings, the continuous-batching engine, the
+//!   `ReplicaAgent` gRPC service; [`server`] assembles them ([`start`], [`run`]).
 #![forbid(unsafe_code)]
 
 pub mod cache;
@@ -14,5 +16,7 @@ pub mod engine;
 pub mod grpc;
 pub mod http;
 pub mod publisher;
+pub mod server;
 
 pub use config::Config;
+pub use server::{RunningAgent, run, start};

@@ -3,6 +3,8 @@
 //! - [`support`]: starts agents, a small HTTP client, and a strict OpenAI-shape checker.
 //! - `http_api`: the OpenAI-compatible API: shapes, streaming, cached tokens, errors,
 //!   `/tokenize`, `/metrics`, `/reset_prefix_cache`, shutdown.
+//! - `events`: KV events over a real ZMQ SUB and DEALER, and the gRPC `ReplicaAgent` service.
 
+mod events;
 mod http_api;
 mod support;

@@ -1,21 +1,12 @@
-//! Test harness: [`Agent::start`] runs an engine, its event publisher and the HTTP API on
-//! loopback port 0; [`client`] speaks HTTP to it; [`shape`] checks OpenAI response shapes.
+//! Test harness: [`Agent::start`] runs a whole agent (`kvroute_replica_agent::start`: engine,
+//! event publisher, gRPC and HTTP API) on loopback port 0; [`client`] speaks HTTP to it; [`shape`] checks OpenAI response shapes.
 
 pub mod client;
 pub mod shape;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::Duration;
 
-use kvroute_proto::Epoch;
-use kvroute_proto::openai::{Tokenization, TokenizationConfig};
-use kvroute_replica_agent::Config;
-use kvroute_replica_agent::cache::{CacheConfig, S3FifoParams};
-use kvroute_replica_agent::engine::{Engine, EngineConfig};
-use kvroute_replica_agent::http;
-use kvroute_replica_agent::publisher::{Publisher, PublisherConfig};
-use tokio::net::TcpListener;
+pub use kvroute_replica_agent::Config;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -46,6 +37,10 @@ pub struct Agent {
     pub addr: SocketAddr,
     pub config: Config,
     pub client: Client,
+    pub events_endpoint: String,
+    pub replay_endpoint: Option<String>,
+    pub grpc_url: String,
+    pub engine: kvroute_replica_agent::engine::Engine,
     shutdown: CancellationToken,
     tracker: TaskTracker,
 }
@@ -58,51 +53,21 @@ impl Agent {
 
     /// Starts an agent with `config`: publisher, engine and HTTP API, as the binary wires them.
     pub async fn with(config: Config) -> Agent {
-        config.validate().expect("valid test config");
         let shutdown = CancellationToken::new();
-        let tracker = TaskTracker::new();
-        let tokenization = Tokenization::new(&TokenizationConfig {
-            base_model: config.model.clone(),
-            lora_adapters: config.lora_adapters.clone(),
-            ..TokenizationConfig::default()
-        })
-        .expect("builtin tokenizer");
-        let (publisher, _) = Publisher::bind(
-            PublisherConfig::default(),
-            &config.events_endpoint,
-            config.replay(),
-            &tracker,
-            shutdown.clone(),
-        )
-        .await
-        .expect("bind event sockets");
-        let engine = Engine::start(
-            EngineConfig {
-                replica: config.name.clone(),
-                epoch: Epoch(1),
-                cache: CacheConfig {
-                    capacity_blocks: config.capacity_blocks,
-                    block_size: config.block_size as usize,
-                    policy: config.policy,
-                    s3fifo: S3FifoParams::default(),
-                },
-                max_num_seqs: config.max_num_seqs as usize,
-                max_num_batched_tokens: config.max_num_batched_tokens as usize,
-                max_waiting: config.max_waiting,
-                timing: config.timing(),
-                seed: config.seed,
-                shutdown_grace: Duration::from_secs(config.shutdown_grace_secs),
-            },
-            publisher,
-            &tracker,
-            shutdown.clone(),
-        )
-        .expect("engine starts");
-        let listener = TcpListener::bind(config.http_addr).await.expect("bind HTTP");
-        let addr = listener.local_addr().expect("bound address");
-        let state = http::AppState::new(engine, Arc::new(tokenization), Arc::new(config.clone()));
-        tracker.spawn(http::serve(listener, state, shutdown.clone()));
-        Agent { addr, config, client: Client::new(addr), shutdown, tracker }
+        let running =
+            kvroute_replica_agent::start(config.clone(), shutdown.clone()).await.expect("agent starts");
+        let addr = running.http_addr;
+        Agent {
+            addr,
+            config,
+            client: Client::new(addr),
+            events_endpoint: running.events_endpoint.clone(),
+            replay_endpoint: running.replay_endpoint.clone(),
+            grpc_url: running.grpc_url(),
+            engine: running.engine.clone(),
+            shutdown,
+            tracker: running.tracker.clone(),
+        }
     }
 
     /// Fires shutdown and waits for every task, the HTTP server's drain included.

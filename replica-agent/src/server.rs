@@ -1,0 +1,186 @@
+//! Assembles a replica agent from its [`Config`]: event publisher, engine, gRPC service and
+//! HTTP API, every task owned by one `TaskTracker` and stopped by one `CancellationToken`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use kvroute_proto::openai::{Tokenization, TokenizationConfig, TokenizerSpec};
+use kvroute_proto::{Epoch, pb};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::cache::{CacheConfig, S3FifoParams};
+use crate::config::Config;
+use crate::engine::{Engine, EngineConfig};
+use crate::grpc::AgentService;
+use crate::http;
+use crate::publisher::{Publisher, PublisherConfig};
+
+/// A running agent: where it listens, and its engine (for tests and embedded fleets).
+pub struct RunningAgent {
+    pub name: String,
+    pub epoch: Epoch,
+    pub http_addr: SocketAddr,
+    pub grpc_addr: SocketAddr,
+    pub events_endpoint: String,
+    pub replay_endpoint: Option<String>,
+    pub engine: Engine,
+    pub tracker: TaskTracker,
+    pub shutdown: CancellationToken,
+}
+
+impl RunningAgent {
+    /// `http://addr` of the OpenAI API.
+    pub fn http_url(&self) -> String {
+        format!("http://{}", self.http_addr)
+    }
+
+    /// `http://addr` of the gRPC service.
+    pub fn grpc_url(&self) -> String {
+        format!("http://{}", self.grpc_addr)
+    }
+
+    /// Stops every task and waits for them (in-flight requests get the configured grace).
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        self.tracker.close();
+        self.tracker.wait().await;
+    }
+}
+
+/// Binds every socket the config names (port 0 allowed), starts all tasks and returns.
+/// The agent runs until `shutdown` fires.
+pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Result<RunningAgent> {
+    if let Err(errors) = config.validate() {
+        anyhow::bail!("invalid configuration:\n  - {}", errors.join("\n  - "));
+    }
+    let config = Arc::new(config);
+    let tracker = TaskTracker::new();
+    let epoch = Epoch(rand::random());
+
+    let tokenization = Arc::new(
+        Tokenization::new(&TokenizationConfig {
+            base_model: config.model.clone(),
+            lora_adapters: config.lora_adapters.clone(),
+            tokenizer: match &config.tokenizer {
+                Some(path) => TokenizerSpec::HuggingFace { path: path.clone() },
+                None => TokenizerSpec::Builtin,
+            },
+            tokenizer_config: None,
+            chat_template: config.chat_template.clone(),
+        })
+        .context("loading the tokenizer")?,
+    );
+
+    let publisher_config = PublisherConfig {
+        topic: config.topic.clone(),
+        format: config.event_format,
+        buffer_steps: config.buffer_steps,
+        ..PublisherConfig::default()
+    };
+    let (publisher, endpoints) = Publisher::bind(
+        publisher_config,
+        &config.events_endpoint,
+        config.replay(),
+        &tracker,
+        shutdown.clone(),
+    )
+    .await
+    .context("binding the event sockets")?;
+
+    let engine = Engine::start(
+        EngineConfig {
+            replica: config.name.clone(),
+            epoch,
+            cache: CacheConfig {
+                capacity_blocks: config.capacity_blocks,
+                block_size: config.block_size as usize,
+                policy: config.policy,
+                s3fifo: S3FifoParams {
+                    small_ratio: config.s3fifo_small_ratio,
+                    max_freq: config.s3fifo_max_freq,
+                },
+            },
+            max_num_seqs: config.max_num_seqs as usize,
+            max_num_batched_tokens: config.max_num_batched_tokens as usize,
+            max_waiting: config.max_waiting,
+            timing: config.timing(),
+            seed: config.seed,
+            shutdown_grace: Duration::from_secs(config.shutdown_grace_secs),
+        },
+        publisher,
+        &tracker,
+        shutdown.clone(),
+    )
+    .context("starting the engine")?;
+
+    let http_listener = TcpListener::bind(config.http_addr)
+        .await
+        .with_context(|| format!("binding HTTP on {}", config.http_addr))?;
+    let grpc_listener = TcpListener::bind(config.grpc_addr)
+        .await
+        .with_context(|| format!("binding gRPC on {}", config.grpc_addr))?;
+    let http_addr = http_listener.local_addr()?;
+    let grpc_addr = grpc_listener.local_addr()?;
+
+    let info = pb::InfoResponse {
+        replica: config.name.clone(),
+        epoch: epoch.0,
+        block_size: config.block_size,
+        capacity_blocks: config.capacity_blocks as u64,
+        policy: format!("{:?}", config.policy).to_lowercase(),
+        model: config.model.clone(),
+        max_model_len: config.max_model_len,
+        endpoints: Some(pb::Endpoints {
+            http: format!("http://{http_addr}"),
+            events: endpoints.events.clone(),
+            replay: endpoints.replay.clone().unwrap_or_default(),
+            grpc: format!("http://{grpc_addr}"),
+            topic: config.topic.clone(),
+        }),
+        event_format: config.event_format.as_str().into(),
+        tokenizer: config.tokenizer.as_ref().map_or_else(|| "builtin".into(), |p| p.display().to_string()),
+    };
+    let grpc = AgentService::new(engine.clone(), info).into_server();
+    let grpc_shutdown = shutdown.clone();
+    tracker.spawn(async move {
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
+        let served = tonic::transport::Server::builder()
+            .add_service(grpc)
+            .serve_with_incoming_shutdown(incoming, grpc_shutdown.cancelled_owned())
+            .await;
+        if let Err(e) = served {
+            tracing::error!(error = %e, "gRPC server failed");
+        }
+    });
+
+    let state = http::AppState::new(engine.clone(), tokenization, config.clone());
+    tracker.spawn(http::serve(http_listener, state, shutdown.clone()));
+
+    tracing::info!(
+        name = %config.name, %epoch, http = %http_addr, grpc = %grpc_addr,
+        events = %endpoints.events, replay = ?endpoints.replay, "replica agent started"
+    );
+    Ok(RunningAgent {
+        name: config.name.clone(),
+        epoch,
+        http_addr,
+        grpc_addr,
+        events_endpoint: endpoints.events,
+        replay_endpoint: endpoints.replay,
+        engine,
+        tracker,
+        shutdown,
+    })
+}
+
+/// Runs an agent until `shutdown` fires, then waits for its tasks.
+pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let agent = start(config, shutdown.clone()).await?;
+    shutdown.cancelled().await;
+    agent.stop().await;
+    Ok(())
+}
