@@ -7,7 +7,6 @@
 //! timer tick, so requests are batched by the engine, as on a real replica under load.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -17,64 +16,16 @@ use hyper::{Request, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvroute_proto::Epoch;
-use kvroute_proto::openai::{Tokenization, TokenizationConfig};
 use kvroute_replica_agent::Config;
-use kvroute_replica_agent::cache::{CacheConfig, S3FifoParams};
-use kvroute_replica_agent::engine::{Engine, EngineConfig};
-use kvroute_replica_agent::http;
-use kvroute_replica_agent::publisher::{Publisher, PublisherConfig};
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 const CONCURRENCY: u64 = 32;
 
-/// Starts publisher, engine and HTTP API on loopback; returns the HTTP address.
+/// Starts a whole agent on loopback; returns the HTTP address.
 async fn start_agent(shutdown: &CancellationToken) -> SocketAddr {
-    let config = Config { time_scale: 1e6, ..Config::loopback("bench") };
-    let tracker = TaskTracker::new();
-    let tokenization = Tokenization::new(&TokenizationConfig {
-        base_model: config.model.clone(),
-        ..TokenizationConfig::default()
-    })
-    .expect("builtin tokenizer");
-    let (publisher, _) = Publisher::bind(
-        PublisherConfig::default(),
-        &config.events_endpoint,
-        None,
-        &tracker,
-        shutdown.clone(),
-    )
-    .await
-    .expect("bind events");
-    let engine = Engine::start(
-        EngineConfig {
-            replica: config.name.clone(),
-            epoch: Epoch(1),
-            cache: CacheConfig {
-                capacity_blocks: config.capacity_blocks,
-                block_size: config.block_size as usize,
-                policy: config.policy,
-                s3fifo: S3FifoParams::default(),
-            },
-            max_num_seqs: config.max_num_seqs as usize,
-            max_num_batched_tokens: config.max_num_batched_tokens as usize,
-            max_waiting: config.max_waiting,
-            timing: config.timing(),
-            seed: config.seed,
-            shutdown_grace: Duration::from_secs(1),
-        },
-        publisher,
-        &tracker,
-        shutdown.clone(),
-    )
-    .expect("engine");
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind HTTP");
-    let addr = listener.local_addr().expect("address");
-    let state = http::AppState::new(engine, Arc::new(tokenization), Arc::new(config));
-    tracker.spawn(http::serve(listener, state, shutdown.clone()));
-    addr
+    let config = Config { time_scale: 1e6, replay_endpoint: String::new(), ..Config::loopback("bench") };
+    let agent = kvroute_replica_agent::start(config, shutdown.clone()).await.expect("agent starts");
+    agent.http_addr
 }
 
 /// Sends `total` requests from [`CONCURRENCY`] tasks and returns the elapsed time.
