@@ -13,12 +13,15 @@
 //!   so the router and the replica agent compute the same token ids for a request.
 //! - [`cli`] (feature `cli`): layered flags > env > TOML file > defaults for the binaries;
 //!   [`process`]: their logging setup and SIGTERM/SIGINT handling.
+//! - [`serve`] (feature `server`): the HTTP accept loop with graceful shutdown both servers use.
 #![forbid(unsafe_code)]
 
 #[cfg(feature = "cli")]
 pub mod cli;
 #[cfg(feature = "cli")]
 pub mod process;
+#[cfg(feature = "server")]
+pub mod serve;
 
 pub mod framing;
 pub mod hash;

@@ -31,7 +31,7 @@ use error::ApiError;
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http_body_util::combinators::UnsyncBoxBody;
@@ -39,11 +39,9 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::header::{self, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use kvroute_proto::openai::Tokenization;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::engine::Engine;
@@ -112,53 +110,11 @@ impl AppState {
 /// Serves the API on `listener` until `shutdown` fires, then stops accepting and returns
 /// once every connection has finished the requests it was serving (streams included).
 pub async fn serve(listener: TcpListener, state: AppState, shutdown: CancellationToken) {
-    let connections = TaskTracker::new();
-    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     // Tell the handlers when the server is going down.
     let server_shutdown = state.inner.shutdown.clone();
-    loop {
-        let (stream, peer) = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                }
-            },
-        };
-        if let Err(e) = stream.set_nodelay(true) {
-            tracing::debug!(error = %e, %peer, "cannot set TCP_NODELAY");
-        }
-        let builder = builder.clone();
-        let state = state.clone();
-        let shutdown = shutdown.clone();
-        connections.spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let state = state.clone();
-                async move { Ok::<_, Infallible>(handle(state, req).await) }
-            });
-            let conn = builder.serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(conn);
-            let result = tokio::select! {
-                result = conn.as_mut() => result,
-                _ = shutdown.cancelled() => {
-                    conn.as_mut().graceful_shutdown();
-                    conn.await
-                }
-            };
-            if let Err(e) = result {
-                tracing::debug!(error = %e, %peer, "connection ended with an error");
-            }
-        });
-    }
-    // Refuse new connections while the open ones drain.
-    drop(listener);
+    let handler = move |req| handle(state.clone(), req);
+    kvroute_proto::serve::serve(listener, handler, shutdown).await;
     server_shutdown.cancel();
-    connections.close();
-    connections.wait().await;
 }
 
 /// Routes one request and stamps `x-request-id` on the answer.
