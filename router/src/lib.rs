@@ -5,10 +5,13 @@
 //!   cached prefix of a request ([`index::SharedIndex`] is the handle the router shares).
 //! - [`ingest`]: follows every replica's KV event stream (kvroute protobuf or vLLM/SGLang
 //!   msgpack over ZeroMQ) into the index, repairing gaps by replay or snapshot, with metrics.
+//! - [`policy`]: routing policies (cache-aware, round-robin, random, least-loaded,
+//!   power-of-two) as pure functions of a request and replica views, shared with `loadgen`.
 //! - [`replicas`]: the replica registry: configuration, name ↔ [`kvroute_proto::ReplicaId`]
 //!   interning, and the live status (stream state, seq, counters) the other parts read.
 #![forbid(unsafe_code)]
 
 pub mod index;
 pub mod ingest;
+pub mod policy;
 pub mod replicas;

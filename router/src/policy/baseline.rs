@@ -1,0 +1,132 @@
+//! The baselines cache-aware routing is measured against: they ignore the cache entirely.
+//! - `round-robin`: the next eligible replica in turn.
+//! - `random`: a uniformly random eligible replica (seeded).
+//! - `least-loaded`: fewest in-flight requests, then fewest pending prefill tokens.
+//! - `power-of-two`: two distinct random eligible replicas, the less loaded one wins.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{Decision, Policy, PolicyKind, ReplicaView, RequestView, argmin, load_cost};
+
+#[derive(Debug, Default)]
+pub struct RoundRobin {
+    next: AtomicU64,
+}
+
+impl Policy for RoundRobin {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::RoundRobin
+    }
+
+    fn choose(&self, _: &RequestView, replicas: &[ReplicaView]) -> Decision {
+        let eligible: Vec<usize> = (0..replicas.len()).filter(|&i| replicas[i].eligible).collect();
+        let mut costs = vec![f64::INFINITY; replicas.len()];
+        if eligible.is_empty() {
+            return Decision { chosen: None, costs };
+        }
+        let turn = self.next.fetch_add(1, Ordering::Relaxed) as usize % eligible.len();
+        for (rank, &i) in eligible.iter().enumerate() {
+            costs[i] = ((rank + eligible.len() - turn) % eligible.len()) as f64;
+        }
+        Decision { chosen: Some(eligible[turn]), costs }
+    }
+}
+
+/// A lock-free SplitMix64 stream: reproducible for a seed, shareable across threads.
+#[derive(Debug)]
+struct Rng(AtomicU64);
+
+impl Rng {
+    fn next(&self) -> u64 {
+        let mut z =
+            self.0.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+#[derive(Debug)]
+pub struct Random {
+    rng: Rng,
+}
+
+impl Random {
+    pub fn new(seed: u64) -> Self {
+        Self { rng: Rng(AtomicU64::new(seed)) }
+    }
+}
+
+impl Policy for Random {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::Random
+    }
+
+    fn choose(&self, _: &RequestView, replicas: &[ReplicaView]) -> Decision {
+        let eligible: Vec<usize> = (0..replicas.len()).filter(|&i| replicas[i].eligible).collect();
+        let mut costs = vec![f64::INFINITY; replicas.len()];
+        if eligible.is_empty() {
+            return Decision { chosen: None, costs };
+        }
+        let pick = eligible[self.rng.below(eligible.len())];
+        for &i in &eligible {
+            costs[i] = if i == pick { 0.0 } else { 1.0 };
+        }
+        Decision { chosen: Some(pick), costs }
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct LeastLoaded;
+
+impl Policy for LeastLoaded {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::LeastLoaded
+    }
+
+    fn choose(&self, _: &RequestView, replicas: &[ReplicaView]) -> Decision {
+        argmin(replicas, load_cost)
+    }
+}
+
+#[derive(Debug)]
+pub struct PowerOfTwo {
+    rng: Rng,
+}
+
+impl PowerOfTwo {
+    pub fn new(seed: u64) -> Self {
+        Self { rng: Rng(AtomicU64::new(seed)) }
+    }
+}
+
+impl Policy for PowerOfTwo {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::PowerOfTwo
+    }
+
+    fn choose(&self, _: &RequestView, replicas: &[ReplicaView]) -> Decision {
+        let eligible: Vec<usize> = (0..replicas.len()).filter(|&i| replicas[i].eligible).collect();
+        let mut costs = vec![f64::INFINITY; replicas.len()];
+        let chosen = match eligible.len() {
+            0 => None,
+            1 => Some(eligible[0]),
+            n => {
+                let a = self.rng.below(n);
+                let b = (a + 1 + self.rng.below(n - 1)) % n;
+                let (a, b) = (eligible[a], eligible[b]);
+                costs[a] = load_cost(&replicas[a]);
+                costs[b] = load_cost(&replicas[b]);
+                Some(if costs[b] < costs[a] { b } else { a })
+            }
+        };
+        if let (Some(c), true) = (chosen, eligible.len() == 1) {
+            costs[c] = load_cost(&replicas[c]);
+        }
+        Decision { chosen, costs }
+    }
+}

@@ -1,0 +1,132 @@
+//! Routing policies: given a request and a view of every replica (its cached prefix of the
+//! request and its load), choose one.
+//!
+//! Policies are pure functions of their inputs (plus a counter or seed for the stateless
+//! baselines), so the router, `Explain` and the offline simulator in `loadgen` all call the
+//! same code. The router fills [`ReplicaView`]s from the prefix index and its own load
+//! accounting; the simulator fills them from its in-process caches and load model.
+
+use kvroute_proto::ReplicaId;
+use kvroute_proto::pb::StreamState;
+use serde::{Deserialize, Serialize};
+
+/// Which policy routes requests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyKind {
+    /// Longest cached prefix weighed against load (the default).
+    #[default]
+    CacheAware,
+    RoundRobin,
+    Random,
+    /// Fewest in-flight requests, then fewest pending prefill tokens.
+    LeastLoaded,
+    /// Two random replicas, the less loaded one wins.
+    PowerOfTwo,
+}
+
+impl PolicyKind {
+    pub const ALL: [PolicyKind; 5] = [
+        PolicyKind::CacheAware,
+        PolicyKind::RoundRobin,
+        PolicyKind::Random,
+        PolicyKind::LeastLoaded,
+        PolicyKind::PowerOfTwo,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::CacheAware => "cache-aware",
+            PolicyKind::RoundRobin => "round-robin",
+            PolicyKind::Random => "random",
+            PolicyKind::LeastLoaded => "least-loaded",
+            PolicyKind::PowerOfTwo => "power-of-two",
+        }
+    }
+}
+
+/// What a policy knows about the request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RequestView {
+    pub prompt_tokens: usize,
+    /// Full blocks of the prompt (`prompt_tokens / block_size`).
+    pub blocks: usize,
+    pub block_size: usize,
+}
+
+/// A replica's load as the router sees it at decision time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Requests the router has sent to it and not yet seen finish.
+    pub in_flight: u32,
+    /// Prompt tokens the router has sent to it that are not yet prefilled (uncached part of
+    /// every in-flight request whose first byte has not come back).
+    pub pending_prefill_tokens: u64,
+    /// Queue length the replica itself last reported (e.g. `num_requests_waiting`), if known.
+    pub reported_waiting: u32,
+}
+
+/// One candidate replica for a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReplicaView {
+    pub id: ReplicaId,
+    /// Leading blocks of the request the replica holds (0 for a `FALLBACK` stream).
+    pub overlap_blocks: usize,
+    pub load: Load,
+    pub stream: StreamState,
+    /// False when unhealthy, ejected, draining or saturated: never chosen.
+    pub eligible: bool,
+}
+
+/// A policy's answer, with the per-candidate cost that `Explain` shows.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Decision {
+    /// Index into the candidate slice; `None` when no candidate is eligible.
+    pub chosen: Option<usize>,
+    /// Lower is better; one per candidate, `f64::INFINITY` for ineligible ones.
+    pub costs: Vec<f64>,
+}
+
+/// A routing policy: the seam between the request path and the strategy.
+pub trait Policy: Send + Sync {
+    fn kind(&self) -> PolicyKind;
+    fn choose(&self, request: &RequestView, replicas: &[ReplicaView]) -> Decision;
+}
+
+mod baseline;
+mod cache_aware;
+
+pub use baseline::{LeastLoaded, PowerOfTwo, Random, RoundRobin};
+pub use cache_aware::{CacheAware, CacheAwareParams};
+
+/// Builds the policy `kind`; `seed` drives the random ones.
+pub fn build(kind: PolicyKind, params: CacheAwareParams, seed: u64) -> Box<dyn Policy> {
+    match kind {
+        PolicyKind::CacheAware => Box::new(CacheAware::new(params)),
+        PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
+        PolicyKind::Random => Box::new(Random::new(seed)),
+        PolicyKind::LeastLoaded => Box::new(LeastLoaded),
+        PolicyKind::PowerOfTwo => Box::new(PowerOfTwo::new(seed)),
+    }
+}
+
+/// The index of the eligible candidate with the lowest cost (first among ties), and costs
+/// with `INFINITY` for ineligible candidates.
+fn argmin(replicas: &[ReplicaView], cost: impl Fn(&ReplicaView) -> f64) -> Decision {
+    let costs: Vec<f64> = replicas.iter().map(|r| if r.eligible { cost(r) } else { f64::INFINITY }).collect();
+    let chosen = costs
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| replicas[*i].eligible)
+        .min_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, _)| i);
+    Decision { chosen, costs }
+}
+
+/// A replica's load as one number: in-flight requests first, pending prefill as tie-break.
+fn load_cost(r: &ReplicaView) -> f64 {
+    f64::from(r.load.in_flight) + r.load.pending_prefill_tokens as f64 * 1e-9
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,117 @@
+//! Every policy on hand-made views: eligibility is respected, choices follow the documented
+//! rules, and cache-aware routing weighs prefix against load.
+
+use super::*;
+use kvroute_proto::ReplicaId;
+
+fn view(id: u32, overlap: usize, in_flight: u32, pending: u64) -> ReplicaView {
+    ReplicaView {
+        id: ReplicaId(id),
+        overlap_blocks: overlap,
+        load: Load { in_flight, pending_prefill_tokens: pending, reported_waiting: 0 },
+        stream: StreamState::Exact,
+        eligible: true,
+    }
+}
+
+const REQ: RequestView = RequestView { prompt_tokens: 1000, blocks: 62, block_size: 16 };
+
+#[test]
+fn no_policy_chooses_an_ineligible_replica() {
+    for kind in PolicyKind::ALL {
+        let policy = build(kind, CacheAwareParams::default(), 7);
+        let mut replicas = vec![view(0, 62, 0, 0), view(1, 0, 50, 0), view(2, 0, 0, 0)];
+        replicas[0].eligible = false;
+        replicas[2].eligible = false;
+        for _ in 0..20 {
+            let d = policy.choose(&REQ, &replicas);
+            assert_eq!(d.chosen, Some(1), "{kind:?}");
+            assert!(d.costs[0].is_infinite() && d.costs[2].is_infinite());
+        }
+        for r in &mut replicas {
+            r.eligible = false;
+        }
+        assert_eq!(policy.choose(&REQ, &replicas).chosen, None, "{kind:?}");
+    }
+}
+
+#[test]
+fn round_robin_cycles_through_eligible_replicas() {
+    let p = RoundRobin::default();
+    let replicas = vec![view(0, 0, 0, 0), view(1, 0, 0, 0), view(2, 0, 0, 0)];
+    let picks: Vec<usize> = (0..6).map(|_| p.choose(&REQ, &replicas).chosen.unwrap()).collect();
+    assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
+}
+
+#[test]
+fn random_and_power_of_two_are_seeded_and_spread() {
+    let replicas: Vec<ReplicaView> = (0..4).map(|i| view(i, 0, 0, 0)).collect();
+    for kind in [PolicyKind::Random, PolicyKind::PowerOfTwo] {
+        let a: Vec<_> = {
+            let p = build(kind, CacheAwareParams::default(), 42);
+            (0..64).map(|_| p.choose(&REQ, &replicas).chosen.unwrap()).collect()
+        };
+        let b: Vec<_> = {
+            let p = build(kind, CacheAwareParams::default(), 42);
+            (0..64).map(|_| p.choose(&REQ, &replicas).chosen.unwrap()).collect()
+        };
+        assert_eq!(a, b, "{kind:?} is reproducible for a seed");
+        for i in 0..4 {
+            assert!(a.contains(&i), "{kind:?} reaches replica {i}");
+        }
+    }
+}
+
+#[test]
+fn power_of_two_prefers_the_less_loaded_of_its_pair() {
+    let p = PowerOfTwo::new(1);
+    let replicas = vec![view(0, 0, 10, 0), view(1, 0, 0, 0)];
+    for _ in 0..20 {
+        assert_eq!(p.choose(&REQ, &replicas).chosen, Some(1));
+    }
+}
+
+#[test]
+fn least_loaded_uses_in_flight_then_pending_prefill() {
+    let replicas = vec![view(0, 0, 3, 0), view(1, 0, 2, 900), view(2, 0, 2, 100)];
+    assert_eq!(LeastLoaded.choose(&REQ, &replicas).chosen, Some(2));
+}
+
+#[test]
+fn cache_aware_follows_the_prefix_when_load_is_equal() {
+    let p = CacheAware::default();
+    let replicas = vec![view(0, 10, 1, 0), view(1, 40, 1, 0), view(2, 0, 1, 0)];
+    assert_eq!(p.choose(&REQ, &replicas).chosen, Some(1));
+}
+
+#[test]
+fn cache_aware_leaves_a_cached_prefix_when_its_replica_is_swamped() {
+    let p = CacheAware::default();
+    // Replica 0 holds the whole prompt but has 20k prefill tokens queued.
+    let replicas = vec![view(0, 62, 30, 20_000), view(1, 0, 1, 0)];
+    assert_eq!(p.choose(&REQ, &replicas).chosen, Some(1));
+}
+
+#[test]
+fn a_shared_first_block_does_not_collapse_the_fleet() {
+    // Every replica holds the system prompt (1 block); load decides.
+    let p = CacheAware::default();
+    let mut replicas: Vec<ReplicaView> = (0..4).map(|i| view(i, 1, 0, 0)).collect();
+    let mut counts = [0u32; 4];
+    for _ in 0..40 {
+        let c = p.choose(&REQ, &replicas).chosen.unwrap();
+        counts[c] += 1;
+        replicas[c].load.in_flight += 1;
+        replicas[c].load.pending_prefill_tokens += 984;
+    }
+    assert_eq!(counts, [10, 10, 10, 10]);
+}
+
+#[test]
+fn cache_aware_ignores_overlap_of_fallback_streams_only_through_its_inputs() {
+    // The router passes overlap 0 for FALLBACK replicas; the policy then routes on load.
+    let p = CacheAware::default();
+    let mut replicas = vec![view(0, 0, 0, 0), view(1, 0, 2, 0)];
+    replicas[0].stream = StreamState::Fallback;
+    assert_eq!(p.choose(&REQ, &replicas).chosen, Some(0));
+}
