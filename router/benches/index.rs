@@ -353,7 +353,7 @@ enum Writer {
 /// same index (fresh 128-block batches stored and removed across 16 replicas).
 fn report_concurrency() {
     println!(
-        "\n== concurrency: one RwLock per lookup (shared = SharedIndex, std RwLock + 64-block write chunks) vs DashMap (lock per block); control = writer on another index =="
+        "\n== concurrency: one RwLock per lookup (shared = SharedIndex) vs DashMap (lock per block); control = writer on another index =="
     );
     let mut rng = Rng(99);
     let families: Vec<_> = (0..FAMILIES).map(|_| rng.hashes(128)).collect();

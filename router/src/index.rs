@@ -38,25 +38,38 @@
 //! # Concurrency: one `RwLock` around the index, taken once per lookup
 //!
 //! [`SharedIndex`] wraps a [`PrefixIndex`] in a `std::sync::RwLock`. A lookup takes the read
-//! lock once for its whole walk; writers apply at most 64 hashes (or one table shard) per
-//! write-lock hold, a few microseconds. Measured on the 2-core build machine (shared with
-//! other builds), reader timing 128-block × 16-replica lookups (`INDEX_REPORTS=concurrency`):
+//! lock once for its whole walk; writers apply at most 32 hashes (or one table shard) per
+//! write-lock hold, about a microsecond.
 //!
-//! | design | lookup p50 / p99, no writer | p99 with a flat-out writer (6 runs) |
-//! |---|---|---|
-//! | `RwLock<PrefixIndex>` (chosen) | 0.40 / 0.47-1.0 µs | 0.75-3.5 µs |
-//! | `DashMap<BlockHash, u64>` masks (lock per block) | 1.65 / 1.9-2.4 µs | 2.9-16 µs |
-//! | `parking_lot` RwLock with fair unlock | 0.40 / 0.53-0.80 µs | 0.87-70 µs (hand-off waits for the reader to wake) |
-//! | snapshots (arc-swap style) | publishing = cloning the index: 17 ms at 1 M blocks, and twice the memory | |
+//! One refinement was needed. The std lock lets a writer that unlocks and relocks at once
+//! barge past the readers it just woke: with a writer streaming chunks back to back (a
+//! snapshot replay) on a core of its own, lookups measured p50 3.8 µs, p99 0.53 ms, p99.9
+//! 1.2 ms. So a blocked lookup counts itself in `queued_readers`, and a writer lets that
+//! count drain before its next chunk; both sides spin up to 3 µs (longer than a chunk),
+//! then yield, and only block after 20 µs (a preempted lock holder).
 //!
-//! Ingest is the same for both candidates (about 19-22 M block-ops/s through the handle vs
-//! 18-21 M for the DashMap, which did not even keep refcounts). p99.9 under a paced writer
-//! is 25-45 µs for every design, and as high for a control whose writer uses a *different*
-//! index: that tail is the CPU scheduler on an oversubscribed machine, not the lock.
+//! Measured on the 2-core build machine, shared with other builds (so the spread between
+//! runs is large), reader timing 128-block × 16-replica lookups while one writer thread
+//! churns the index (`INDEX_REPORTS=concurrency`, 3-10 runs each). The plain lock's better
+//! best cases are runs where the writer did not get a core to itself, which hides barging:
+//!
+//! | design | p50 / p99, no writer | p99, writer at 1 M block-ops/s | p99, writer flat out |
+//! |---|---|---|---|
+//! | `SharedIndex` (chosen) | 0.41 / 0.45-0.9 µs | 0.65-3.8 µs | 1.0-7 µs |
+//! | plain std `RwLock`, 64-hash chunks | 0.40 / 0.5-1.0 µs | 0.6-1.4 µs | 0.75-3.5 µs, 530 µs when the writer had a free core |
+//! | `parking_lot` `RwLock`, fair unlock | 0.40 / 0.5-0.8 µs | 1.6-71 µs | 0.9-70 µs (hand-off waits for the reader to wake) |
+//! | `DashMap<BlockHash, u64>` masks, lock per block | 1.65 / 1.8-2.4 µs | 1.8-12 µs | 2.4-38 µs |
+//! | snapshots (arc-swap style) | publishing one means cloning the index: 17-22 ms at 1 M blocks, and twice the memory | | |
+//!
+//! The DashMap costs 13 ns per block in shard locking alone and ingests no faster (18-21 M
+//! vs 17-22 M block-ops/s, without even keeping refcounts). p99.9 under a writer is 2-70 µs
+//! for every design, and as high for a control whose writer churns a *different* index:
+//! that tail is the CPU scheduler on an oversubscribed machine, not the index.
 //!
 //! # Measured (`cargo bench -p kvroute-router --bench index`, release, 2 shared cores)
 //!
-//! - Ingest: 19-22 M block-ops/s on one core (store + remove churn, 512 k entries live).
+//! - Ingest: 17-22 M block-ops/s on one core through `SharedIndex` (store + remove churn of
+//!   128-block batches over 16 replicas, 512 k entries live); 11 M with the machine at load 4.
 //! - Memory (counting allocator): 35.7 bytes per (block, replica) entry at 1 M distinct
 //!   blocks each held by one replica, which is the worst case (hashbrown is at its least
 //!   full, 48 %, just past a doubling); 23.8 B at 1.5 M; 8.9 B at 1 M blocks × 4 replicas.
@@ -77,14 +90,22 @@ mod table;
 #[cfg(test)]
 mod tests;
 
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, TryLockError};
+use std::time::{Duration, Instant};
 
 use kvroute_proto::{BlockHash, ReplicaId};
 
 pub use table::PrefixIndex;
 
 /// Hashes applied per write-lock hold by [`SharedIndex`], bounding how long a lookup waits.
-const WRITE_CHUNK: usize = 64;
+const WRITE_CHUNK: usize = 32;
+
+/// How long a lock waiter busy-spins: longer than a write chunk's lock hold (about 1 µs).
+const SPIN: Duration = Duration::from_micros(3);
+/// How long a lock waiter spins and yields before it blocks; a writer also lets queued
+/// lookups go first for at most this long.
+const MAX_WAIT: Duration = Duration::from_micros(20);
 
 /// Per-replica overlaps found by a lookup: `(replica, leading blocks held)` for every replica
 /// whose overlap is at least one block. Reuse one value across lookups to avoid allocating.
@@ -140,12 +161,24 @@ pub struct IndexStats {
 /// cloneable handle to one [`PrefixIndex`] behind a reader-writer lock.
 ///
 /// A lookup takes the read lock once for its whole walk. Writes take the write lock for at
-/// most 64 hashes (or one table shard, for `clear_replica`) at a time, so a lookup never
-/// waits behind more than a few microseconds of one writer's work. Each replica's
-/// operations must come from one writer (its ingest task), in event order.
+/// most 32 hashes (or one table shard, for `clear_replica`) at a time and let waiting
+/// lookups go first, so a lookup waits for at most about a microsecond of one writer's work.
+/// Each replica's operations must come from one writer (its ingest task), in event order.
+/// A very large `store` (a snapshot of a million blocks) runs for tens of milliseconds;
+/// call it from a blocking-friendly context.
 #[derive(Clone, Debug, Default)]
 pub struct SharedIndex {
-    inner: Arc<RwLock<PrefixIndex>>,
+    inner: Arc<Shared>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    index: RwLock<PrefixIndex>,
+    /// Lookups blocked on the lock. The std lock lets a writer that unlocks and relocks at
+    /// once barge past readers it just woke, so a writer streaming chunks back to back
+    /// (a snapshot replay) could starve lookups for milliseconds; writers wait for this to
+    /// drain (up to [`MAX_WAIT`]) before each chunk instead.
+    queued_readers: AtomicUsize,
 }
 
 impl SharedIndex {
@@ -202,11 +235,75 @@ impl SharedIndex {
     // Every operation leaves the index consistent before it could panic (only on a broken
     // invariant), so a poisoned lock still guards a usable index.
     fn read(&self) -> RwLockReadGuard<'_, PrefixIndex> {
-        self.inner.read().unwrap_or_else(PoisonError::into_inner)
+        let try_read = || match self.inner.index.try_read() {
+            Ok(index) => Some(index),
+            Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        if let Some(index) = try_read() {
+            return index;
+        }
+        // A writer holds the lock for one chunk. Spin (rather than sleep and pay a wake-up of
+        // tens of microseconds) while counted as queued, so the writer lets us in next.
+        // Relaxed: the counter is only a scheduling hint; the lock orders the data.
+        self.inner.queued_readers.fetch_add(1, Ordering::Relaxed);
+        let start = Instant::now();
+        let index = loop {
+            if let Some(index) = try_read() {
+                break index;
+            }
+            if !back_off(start) {
+                break self.inner.index.read().unwrap_or_else(PoisonError::into_inner);
+            }
+        };
+        self.inner.queued_readers.fetch_sub(1, Ordering::Relaxed);
+        index
     }
 
-    /// Runs one bounded write step under the write lock.
+    /// Runs one bounded write step under the write lock. The writer spins for the lock
+    /// (after any queued lookups) instead of blocking at once: a blocked writer makes the
+    /// std lock turn new readers away until it has woken up, which takes tens of
+    /// microseconds on a busy machine.
     fn write<T>(&self, step: impl FnOnce(&mut PrefixIndex) -> T) -> T {
-        step(&mut self.inner.write().unwrap_or_else(PoisonError::into_inner))
+        let try_write = || {
+            if self.inner.queued_readers.load(Ordering::Relaxed) != 0 {
+                return None;
+            }
+            match self.inner.index.try_write() {
+                Ok(index) => Some(index),
+                Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+                Err(TryLockError::WouldBlock) => None,
+            }
+        };
+        let mut index = match try_write() {
+            Some(index) => index,
+            None => {
+                let start = Instant::now();
+                loop {
+                    if !back_off(start) {
+                        break self.inner.index.write().unwrap_or_else(PoisonError::into_inner);
+                    }
+                    if let Some(index) = try_write() {
+                        break index;
+                    }
+                }
+            }
+        };
+        step(&mut index)
     }
+}
+
+/// One step of waiting for the lock that began at `start`: spin through a normal chunk's
+/// hold, then yield the CPU (the holder may be preempted, or waiting for this very core);
+/// false once [`MAX_WAIT`] has passed and the caller should block instead.
+fn back_off(start: Instant) -> bool {
+    let waited = start.elapsed();
+    if waited < SPIN {
+        std::hint::spin_loop();
+    } else if waited < MAX_WAIT {
+        std::thread::yield_now();
+    } else {
+        return false;
+    }
+    true
 }

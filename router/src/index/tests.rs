@@ -162,6 +162,43 @@ fn release_keeps_a_slot_its_writer_refilled() {
     assert_eq!(sorted(&found), vec![(r(1), 1)]);
 }
 
+#[test]
+fn concurrent_writers_and_readers_agree_at_the_end() {
+    let index = SharedIndex::new();
+    std::thread::scope(|scope| {
+        for id in 0..4u64 {
+            let index = index.clone();
+            scope.spawn(move || {
+                let own = hs(id * 10_000..id * 10_000 + 2_000);
+                for round in 0..20 {
+                    index.store(r(id as u32), &own);
+                    if round % 2 == 0 {
+                        index.remove(r(id as u32), &own[1_000..]);
+                    }
+                    index.remove(r(id as u32), &own[..10]);
+                }
+            });
+        }
+        for _ in 0..2 {
+            let index = index.clone();
+            scope.spawn(move || {
+                let mut out = Overlaps::new();
+                for i in 0..2_000u64 {
+                    index.lookup_into(&hs((i % 4) * 10_000..(i % 4) * 10_000 + 100), &mut out);
+                    assert!(out.len() <= 1);
+                }
+            });
+        }
+    });
+    for id in 0..4u64 {
+        // The first ten blocks were removed as often as stored (20 times); the others keep
+        // 20 (first half) or 10 (second half) references.
+        let held = index.lookup(&hs(id * 10_000 + 10..id * 10_000 + 2_000));
+        assert_eq!(held.get(r(id as u32)), 1_990);
+        assert_eq!(index.blocks(r(id as u32)), 1_990);
+    }
+}
+
 // ---- randomized comparison with a naive model ----
 
 /// Three request "chains" of 12 blocks: stores and lookups mostly use their prefixes.
