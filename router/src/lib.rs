@@ -11,7 +11,16 @@
 //!   interning, and the live status (stream state, seq, counters) the other parts read.
 #![forbid(unsafe_code)]
 
+pub mod admin;
+pub mod config;
+pub mod fleet;
 pub mod index;
 pub mod ingest;
+pub mod metrics;
 pub mod policy;
+pub mod proxy;
 pub mod replicas;
+pub mod server;
+
+pub use config::Config;
+pub use server::{RunningRouter, run, start};

@@ -110,11 +110,16 @@ impl AppState {
 /// Serves the API on `listener` until `shutdown` fires, then stops accepting and returns
 /// once every connection has finished the requests it was serving (streams included).
 pub async fn serve(listener: TcpListener, state: AppState, shutdown: CancellationToken) {
-    // Tell the handlers when the server is going down.
-    let server_shutdown = state.inner.shutdown.clone();
+    // Handlers must know as soon as shutdown starts (not once the drain is over), so an
+    // engine failure during the drain answers 503 (retry elsewhere) rather than 500.
+    let shutting_down = state.inner.shutdown.clone();
+    let watch = shutdown.clone();
     let handler = move |req| handle(state.clone(), req);
-    kvroute_proto::serve::serve(listener, handler, shutdown).await;
-    server_shutdown.cancel();
+    let mark = async move {
+        watch.cancelled().await;
+        shutting_down.cancel();
+    };
+    tokio::join!(kvroute_proto::serve::serve(listener, handler, shutdown), mark);
 }
 
 /// Routes one request and stamps `x-request-id` on the answer.

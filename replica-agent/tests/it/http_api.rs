@@ -532,3 +532,22 @@ async fn a_stream_failed_mid_generation_ends_with_an_error_event_and_no_done() {
     let chunk: Value = serde_json::from_str(&events[0]).unwrap();
     assert_eq!(chunk["object"], "text_completion");
 }
+
+#[tokio::test]
+async fn a_request_failed_by_shutdown_gets_503_not_500() {
+    // No grace: shutdown fails the running request; the client should retry elsewhere.
+    let agent =
+        Agent::with(kvroute_replica_agent::Config { time_scale: 1.0, shutdown_grace_secs: 0, ..config() })
+            .await;
+    let body = json!({ "model": MODEL, "prompt": words(5, 18), "max_tokens": 400 });
+    let running = &agent.engine.metrics().running;
+    let (reply, ()) = tokio::join!(agent.client.post("/v1/completions", &body), async {
+        // Current-thread runtime: the request is admitted once the scheduler has run.
+        while running.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+            tokio::task::yield_now().await;
+        }
+        agent.stop().await;
+    });
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{}", reply.text());
+    assert_eq!(shape::error(&reply.json()).2.as_deref(), Some("shutting_down"));
+}
