@@ -89,7 +89,7 @@ impl Policy for LeastLoaded {
     }
 
     fn choose(&self, _: &RequestView, replicas: &[ReplicaView]) -> Decision {
-        argmin(replicas, load_cost)
+        argmin(replicas, None, load_cost)
     }
 }
 

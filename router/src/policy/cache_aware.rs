@@ -16,7 +16,8 @@
 //! least-loaded replica, which spreads new prefixes across the fleet.
 //!
 //! Replicas whose stream is `FALLBACK` report no overlap (the router routes them on load
-//! alone). Ties go to the first candidate in fleet order.
+//! alone). Ties go to the replica with the highest rendezvous hash of the request's key (its
+//! last full block), so distinct prompts reaching an idle fleet spread evenly over it.
 //!
 //! # Parameters
 //! - `in_flight_tokens` (default 64): what one in-flight request costs, in prefill tokens.
@@ -69,6 +70,6 @@ impl Policy for CacheAware {
     }
 
     fn choose(&self, request: &RequestView, replicas: &[ReplicaView]) -> Decision {
-        argmin(replicas, |r| self.cost(request, r))
+        argmin(replicas, Some(request.key), |r| self.cost(request, r))
     }
 }

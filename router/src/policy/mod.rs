@@ -52,6 +52,10 @@ pub struct RequestView {
     /// Full blocks of the prompt (`prompt_tokens / block_size`).
     pub blocks: usize,
     pub block_size: usize,
+    /// Identifies the request's content (the router uses its last full block's hash): breaks
+    /// ties between equally good replicas by rendezvous hashing, so distinct prompts arriving
+    /// at an idle fleet spread over it deterministically instead of all going to the first.
+    pub key: u64,
 }
 
 /// A replica's load as the router sees it at decision time.
@@ -110,17 +114,24 @@ pub fn build(kind: PolicyKind, params: CacheAwareParams, seed: u64) -> Box<dyn P
     }
 }
 
-/// The index of the eligible candidate with the lowest cost (first among ties), and costs
-/// with `INFINITY` for ineligible candidates.
-fn argmin(replicas: &[ReplicaView], cost: impl Fn(&ReplicaView) -> f64) -> Decision {
+/// The index of the eligible candidate with the lowest cost, and costs with `INFINITY` for
+/// ineligible candidates. Ties go to the highest `rendezvous(key, replica)`, or to the first
+/// candidate when `key` is `None`.
+fn argmin(replicas: &[ReplicaView], key: Option<u64>, cost: impl Fn(&ReplicaView) -> f64) -> Decision {
     let costs: Vec<f64> = replicas.iter().map(|r| if r.eligible { cost(r) } else { f64::INFINITY }).collect();
-    let chosen = costs
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| replicas[*i].eligible)
-        .min_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(i, _)| i);
+    let tie = |i: usize| key.map_or(0, |k| u64::MAX - rendezvous(k, replicas[i].id));
+    let chosen = (0..replicas.len())
+        .filter(|&i| replicas[i].eligible)
+        .min_by(|&a, &b| costs[a].total_cmp(&costs[b]).then(tie(a).cmp(&tie(b))).then(a.cmp(&b)));
     Decision { chosen, costs }
+}
+
+/// Highest-random-weight score of `replica` for `key` (SplitMix64 finaliser of both).
+pub fn rendezvous(key: u64, replica: ReplicaId) -> u64 {
+    let mut z = key ^ u64::from(replica.0).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// A replica's load as one number: in-flight requests first, pending prefill as tie-break.

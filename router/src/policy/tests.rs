@@ -14,7 +14,7 @@ fn view(id: u32, overlap: usize, in_flight: u32, pending: u64) -> ReplicaView {
     }
 }
 
-const REQ: RequestView = RequestView { prompt_tokens: 1000, blocks: 62, block_size: 16 };
+const REQ: RequestView = RequestView { prompt_tokens: 1000, blocks: 62, block_size: 16, key: 0 };
 
 #[test]
 fn no_policy_chooses_an_ineligible_replica() {
@@ -114,4 +114,18 @@ fn cache_aware_ignores_overlap_of_fallback_streams_only_through_its_inputs() {
     let mut replicas = vec![view(0, 0, 0, 0), view(1, 0, 2, 0)];
     replicas[0].stream = StreamState::Fallback;
     assert_eq!(p.choose(&REQ, &replicas).chosen, Some(0));
+}
+
+#[test]
+fn cache_aware_spreads_distinct_prompts_over_an_idle_fleet() {
+    let p = CacheAware::default();
+    let replicas: Vec<ReplicaView> = (0..4).map(|i| view(i, 0, 0, 0)).collect();
+    let mut counts = [0u32; 4];
+    for key in 0..400u64 {
+        let req = RequestView { key: key.wrapping_mul(0x2545_F491_4F6C_DD1D), ..REQ };
+        let c = p.choose(&req, &replicas).chosen.unwrap();
+        assert_eq!(p.choose(&req, &replicas).chosen, Some(c), "deterministic");
+        counts[c] += 1;
+    }
+    assert!(counts.iter().all(|&n| (70..=130).contains(&n)), "{counts:?}");
 }

@@ -1,6 +1,6 @@
 //! The router's integration tests: event ingestion over real ZeroMQ sockets and real gRPC,
-//! replica discovery (DNS, and a fake Kubernetes API server), and the proxy in front of a
-//! fleet of real replica agents ([`fleet`]), on 127.0.0.1 port 0.
+//! the proxy in front of a fleet of real replica agents ([`fleet`]), and the admin service,
+//! on 127.0.0.1 port 0.
 
 mod admin;
 mod agent;

@@ -1,0 +1,209 @@
+//! The router's gRPC admin service (`kvroute.v1.RouterAdmin`): `ListReplicas` with stream
+//! state and load, `Explain` (where would this request go and why — every replica's overlap
+//! and cost, changing nothing), `AddReplica`, `RemoveReplica` (frees its index entries) and
+//! `Drain`.
+//!
+//! It listens on loopback by default. With `--admin-token`, every call must carry
+//! `authorization: Bearer <token>` (compared in constant time); the router refuses to start
+//! with the admin service beyond loopback and no token. The token is never logged.
+
+use std::sync::Arc;
+
+use kvroute_proto::openai::Endpoint;
+use kvroute_proto::pb::{self, router_admin_server::RouterAdmin};
+use tonic::{Request, Response, Status};
+
+use crate::fleet::{Fleet, Member};
+use crate::proxy::ProxyState;
+use crate::proxy::error::ProxyError;
+use crate::proxy::route::Scored;
+use crate::replicas::{EngineKind, ReplicaSpec};
+
+/// Implements `RouterAdmin` over the proxy's state.
+#[derive(Clone)]
+pub struct AdminService {
+    state: Arc<ProxyState>,
+    model: String,
+    block_size: u32,
+}
+
+impl AdminService {
+    pub fn new(state: Arc<ProxyState>, model: String, block_size: u32) -> Self {
+        Self { state, model, block_size }
+    }
+
+    /// The tonic service, behind the bearer-token check when `token` is set.
+    pub fn into_server(
+        self,
+        token: Option<String>,
+    ) -> tonic::service::interceptor::InterceptedService<
+        pb::router_admin_server::RouterAdminServer<Self>,
+        BearerAuth,
+    > {
+        pb::router_admin_server::RouterAdminServer::with_interceptor(
+            self,
+            BearerAuth { token: token.map(Arc::from) },
+        )
+    }
+
+    fn fleet(&self) -> &Fleet {
+        self.state.fleet()
+    }
+
+    fn status(&self, m: &Member) -> pb::ReplicaStatus {
+        let spec = &m.replica.spec;
+        let s = &m.replica.status;
+        let load = m.upstream.load();
+        pb::ReplicaStatus {
+            spec: Some(pb::ReplicaSpec {
+                id: spec.name.clone(),
+                http_url: spec.http_url.clone(),
+                event_endpoint: spec.event_endpoint.clone(),
+                replay_endpoint: spec.replay_endpoint.clone().unwrap_or_default(),
+                grpc_endpoint: spec.grpc_endpoint.clone().unwrap_or_default(),
+                engine: pb::EngineKind::from(spec.engine) as i32,
+                dp_size: spec.dp_size,
+                topic: spec.topic.clone(),
+            }),
+            state: pb::StreamState::from(s.state()) as i32,
+            blocks: self.state.decider.index.blocks(m.replica.id) as u64,
+            in_flight: load.in_flight,
+            pending_prefill_tokens: load.pending_prefill_tokens,
+            healthy: m.upstream.is_healthy(),
+            draining: m.upstream.is_draining(),
+            epoch: s.epoch().0,
+            last_seq: s.last_seq().map_or(0, |q| q.0),
+            events_applied: s.events_applied(),
+            events_malformed: s.events_malformed(),
+            gaps: s.gaps(),
+        }
+    }
+
+    fn member(&self, name: &str) -> Result<Member, Status> {
+        self.fleet().member(name).ok_or_else(|| Status::not_found(format!("no replica named {name:?}")))
+    }
+}
+
+fn candidate(c: &Scored, block_size: usize, prompt_tokens: usize) -> pb::Candidate {
+    pb::Candidate {
+        replica: c.member.replica.spec.name.clone(),
+        overlap_blocks: c.view.overlap_blocks as u32,
+        predicted_cached_tokens: kvroute_proto::hit_tokens(c.view.overlap_blocks, block_size, prompt_tokens)
+            as u64,
+        in_flight: c.view.load.in_flight,
+        pending_prefill_tokens: c.view.load.pending_prefill_tokens,
+        cost: c.cost,
+        eligible: c.view.eligible,
+        reason: c.ineligible.unwrap_or_default().to_owned(),
+        state: c.view.stream as i32,
+    }
+}
+
+#[tonic::async_trait]
+impl RouterAdmin for AdminService {
+    async fn list_replicas(
+        &self,
+        _: Request<pb::ListReplicasRequest>,
+    ) -> Result<Response<pb::ListReplicasResponse>, Status> {
+        let replicas = self.fleet().members().iter().map(|m| self.status(m)).collect();
+        Ok(Response::new(pb::ListReplicasResponse { replicas }))
+    }
+
+    async fn explain(
+        &self,
+        request: Request<pb::ExplainRequest>,
+    ) -> Result<Response<pb::ExplainResponse>, Status> {
+        let request = request.into_inner();
+        let path = if request.path.is_empty() { "/v1/completions" } else { request.path.as_str() };
+        let endpoint = Endpoint::from_path(path)
+            .ok_or_else(|| Status::invalid_argument(format!("{path} is not a routed path")))?;
+        let plan = self.state.decider.explain(endpoint, &request.body).await.map_err(|e| match e {
+            ProxyError::BadRequest(e) => Status::invalid_argument(e.to_string()),
+            e => Status::unavailable(e.to_string()),
+        })?;
+        let candidates =
+            plan.candidates.iter().map(|c| candidate(c, plan.block_size, plan.first_prompt_tokens)).collect();
+        Ok(Response::new(pb::ExplainResponse {
+            chosen: plan.order.first().map(|c| c.member.replica.spec.name.clone()).unwrap_or_default(),
+            policy: self.state.decider.policy.kind().as_str().into(),
+            prompt_tokens: plan.prompt_tokens as u32,
+            request_blocks: plan.blocks.len() as u32,
+            candidates,
+        }))
+    }
+
+    async fn add_replica(
+        &self,
+        request: Request<pb::AddReplicaRequest>,
+    ) -> Result<Response<pb::ReplicaStatus>, Status> {
+        let spec = request.into_inner().spec.ok_or_else(|| Status::invalid_argument("spec is required"))?;
+        let engine = pb::EngineKind::try_from(spec.engine)
+            .ok()
+            .filter(|e| *e != pb::EngineKind::Unspecified)
+            .map_or(Ok(EngineKind::Kvroute), EngineKind::try_from)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if !(spec.http_url.starts_with("http://") || spec.http_url.starts_with("https://")) {
+            return Err(Status::invalid_argument(format!(
+                "http_url {:?} is not an http:// URL",
+                spec.http_url
+            )));
+        }
+        let mut replica = ReplicaSpec::new(spec.id, spec.event_endpoint, engine, self.model.clone());
+        replica.http_url = spec.http_url.trim_end_matches('/').to_owned();
+        replica.replay_endpoint = Some(spec.replay_endpoint).filter(|e| !e.is_empty());
+        replica.grpc_endpoint = Some(spec.grpc_endpoint).filter(|e| !e.is_empty());
+        replica.dp_size = spec.dp_size.max(1);
+        replica.topic = spec.topic;
+        replica.block_size = Some(self.block_size);
+        let member = self.fleet().add(replica).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        Ok(Response::new(self.status(&member)))
+    }
+
+    async fn remove_replica(
+        &self,
+        request: Request<pb::RemoveReplicaRequest>,
+    ) -> Result<Response<pb::RemoveReplicaResponse>, Status> {
+        let id = request.into_inner().id;
+        let freed = self.fleet().remove(&id).await;
+        Ok(Response::new(pb::RemoveReplicaResponse {
+            removed: freed.is_some(),
+            blocks_freed: freed.unwrap_or(0) as u64,
+        }))
+    }
+
+    async fn drain(&self, request: Request<pb::DrainRequest>) -> Result<Response<pb::ReplicaStatus>, Status> {
+        let request = request.into_inner();
+        let member = self.member(&request.id)?;
+        member.upstream.set_draining(request.drain);
+        tracing::info!(replica = %request.id, drain = request.drain, "drain changed");
+        Ok(Response::new(self.status(&member)))
+    }
+}
+
+/// Checks `authorization: Bearer <token>` when a token is configured.
+#[derive(Clone)]
+pub struct BearerAuth {
+    token: Option<Arc<str>>,
+}
+
+impl tonic::service::Interceptor for BearerAuth {
+    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
+        let Some(token) = &self.token else { return Ok(request) };
+        let given = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or_default();
+        if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+            Ok(request)
+        } else {
+            Err(Status::unauthenticated("a valid bearer token is required"))
+        }
+    }
+}
+
+/// Equality whose time depends only on the lengths, not on where the bytes differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}

@@ -1,0 +1,369 @@
+//! The router's configuration: one [`Config`] from flags, `KVROUTE_*` environment variables
+//! and an optional TOML file (`--config`; keys spelled like the flags), in that order of
+//! precedence. [`Config::validate`] reports every problem at once, before anything starts.
+//!
+//! Replicas are listed statically, as repeated `--replica` flags
+//! (`name=r0,http=http://10.0.0.7:8000,events=tcp://10.0.0.7:5557,replay=tcp://10.0.0.7:5558,grpc=http://10.0.0.7:50051,engine=kvroute`)
+//! or as `[[replica]]` tables in the file, or added at run time through the admin API.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::Parser;
+use serde::{Deserialize, Serialize};
+
+use crate::policy::{CacheAwareParams, PolicyKind};
+use crate::replicas::{EngineKind, ReplicaSpec};
+
+/// kvroute: a cache-aware reverse proxy for OpenAI-compatible inference fleets.
+#[derive(Parser, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[command(name = "kvroute-router", version, about, long_about = None)]
+#[serde(rename_all = "kebab-case")]
+pub struct Config {
+    /// TOML file with any of these settings (keys spelled like the flags).
+    #[arg(long, env = "KVROUTE_CONFIG")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config: Option<PathBuf>,
+
+    /// Address of the OpenAI-compatible proxy.
+    #[arg(long, env = "KVROUTE_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Address of the gRPC admin service (loopback by default).
+    #[arg(long, env = "KVROUTE_ADMIN_LISTEN", default_value = "127.0.0.1:50061")]
+    pub admin_listen: SocketAddr,
+    /// Bearer token the admin service requires; mandatory when it listens beyond loopback.
+    #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admin_token: Option<String>,
+
+    /// A replica: name=..,http=..,events=..[,replay=..][,grpc=..][,engine=kvroute|vllm|sglang][,dp-size=N][,topic=..]
+    #[arg(long = "replica", env = "KVROUTE_REPLICAS", value_delimiter = ';')]
+    #[serde(default, rename = "replica")]
+    pub replicas: Vec<ReplicaConfig>,
+
+    /// Routing policy.
+    #[arg(long, env = "KVROUTE_POLICY", value_enum, default_value_t = PolicyKind::CacheAware)]
+    pub policy: PolicyKind,
+    /// Cache-aware cost: weight of a replica's in-flight requests, in prefill-token units.
+    #[arg(long, env = "KVROUTE_LOAD_WEIGHT", default_value_t = CacheAwareParams::default().in_flight_tokens)]
+    pub load_weight: f64,
+    /// How long a routing decision credits the chosen replica with the request's blocks
+    /// before its events confirm them, milliseconds.
+    #[arg(long, env = "KVROUTE_CREDIT_TTL_MS", default_value_t = 2_000)]
+    pub credit_ttl_ms: u64,
+    /// Seed of the random and power-of-two policies.
+    #[arg(long, env = "KVROUTE_SEED", default_value_t = 0)]
+    pub seed: u64,
+
+    /// Served model name: the cache namespace's model (must match the replicas').
+    #[arg(long, env = "KVROUTE_MODEL", default_value = "kvroute-sim")]
+    pub model: String,
+    /// LoRA adapter names the fleet serves (comma-separated).
+    #[arg(long, env = "KVROUTE_LORA_ADAPTERS", value_delimiter = ',')]
+    #[serde(default)]
+    pub lora_adapters: Vec<String>,
+    /// Tokens per KV block on the replicas.
+    #[arg(long, env = "KVROUTE_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: u32,
+    /// HuggingFace tokenizer.json of the model; the built-in tokenizer when absent.
+    #[arg(long, env = "KVROUTE_TOKENIZER")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+    /// tokenizer_config.json (for its chat template and special tokens).
+    #[arg(long, env = "KVROUTE_TOKENIZER_CONFIG")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer_config: Option<PathBuf>,
+    /// Jinja chat template file, overriding the tokenizer config's.
+    #[arg(long, env = "KVROUTE_CHAT_TEMPLATE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<PathBuf>,
+    /// Ask a replica's `/tokenize` instead of tokenizing locally (results are cached).
+    #[arg(long, env = "KVROUTE_REMOTE_TOKENIZE", default_value_t = false)]
+    pub remote_tokenize: bool,
+
+    /// Upstream connect timeout, milliseconds.
+    #[arg(long, env = "KVROUTE_CONNECT_TIMEOUT_MS", default_value_t = 1_000)]
+    pub connect_timeout_ms: u64,
+    /// Time allowed until an upstream's response headers arrive, milliseconds.
+    #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_MS", default_value_t = 120_000)]
+    pub first_byte_timeout_ms: u64,
+    /// Longest silence allowed inside a streaming response, milliseconds.
+    #[arg(long, env = "KVROUTE_IDLE_TIMEOUT_MS", default_value_t = 60_000)]
+    pub idle_timeout_ms: u64,
+    /// Largest accepted request body, bytes.
+    #[arg(long, env = "KVROUTE_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Requests in flight through the router before new ones get 503.
+    #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT", default_value_t = 4_096)]
+    pub max_in_flight: usize,
+    /// Requests in flight on one replica before it counts as saturated.
+    #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT_PER_REPLICA", default_value_t = 512)]
+    pub max_in_flight_per_replica: u32,
+    /// Interval of active health checks (`GET /health`), milliseconds.
+    #[arg(long, env = "KVROUTE_HEALTH_INTERVAL_MS", default_value_t = 2_000)]
+    pub health_interval_ms: u64,
+    /// Consecutive failures (connection refused, timeouts, 5xx) that eject a replica.
+    #[arg(long, env = "KVROUTE_EJECT_AFTER", default_value_t = 3)]
+    pub eject_after: u32,
+    /// How long an ejected replica is kept out before it is tried again, milliseconds.
+    #[arg(long, env = "KVROUTE_EJECTION_MS", default_value_t = 10_000)]
+    pub ejection_ms: u64,
+}
+
+impl kvroute_proto::cli::Layered for Config {
+    fn config_file(&self) -> Option<&Path> {
+        self.config.as_deref()
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::parse_from(["kvroute-router"])
+    }
+}
+
+impl Config {
+    /// A config for tests and embedded fleets: proxy and admin on 127.0.0.1 port 0.
+    pub fn loopback(replicas: Vec<ReplicaConfig>) -> Self {
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
+        Config { listen: any, admin_listen: any, replicas, ..Config::default() }
+    }
+
+    /// Every problem with the settings, or `Ok`.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut errors = Vec::new();
+        let mut check = |ok: bool, msg: String| {
+            if !ok {
+                errors.push(msg);
+            }
+        };
+        check(!self.model.is_empty(), "--model must not be empty".into());
+        check(self.block_size > 0, "--block-size must be at least 1".into());
+        check(self.load_weight.is_finite() && self.load_weight >= 0.0, "--load-weight must be >= 0".into());
+        check(self.connect_timeout_ms > 0, "--connect-timeout-ms must be at least 1".into());
+        check(self.first_byte_timeout_ms > 0, "--first-byte-timeout-ms must be at least 1".into());
+        check(self.idle_timeout_ms > 0, "--idle-timeout-ms must be at least 1".into());
+        check(self.max_body_bytes > 0, "--max-body-bytes must be at least 1".into());
+        check(self.max_in_flight > 0, "--max-in-flight must be at least 1".into());
+        check(self.max_in_flight_per_replica > 0, "--max-in-flight-per-replica must be at least 1".into());
+        check(self.health_interval_ms > 0, "--health-interval-ms must be at least 1".into());
+        check(self.eject_after > 0, "--eject-after must be at least 1".into());
+        check(
+            self.admin_listen.ip().is_loopback()
+                || self.admin_token.as_deref().is_some_and(|t| !t.is_empty()),
+            format!("--admin-token is required when the admin service listens on {}", self.admin_listen),
+        );
+        for (flag, path) in [
+            ("--tokenizer", &self.tokenizer),
+            ("--tokenizer-config", &self.tokenizer_config),
+            ("--chat-template", &self.chat_template),
+        ] {
+            if let Some(p) = path {
+                check(p.is_file(), format!("{flag} {} is not a readable file", p.display()));
+            }
+        }
+        let mut names = std::collections::HashSet::new();
+        for r in &self.replicas {
+            check(names.insert(r.name.as_str()), format!("replica {:?} is listed twice", r.name));
+            let spec = r.to_spec(&self.model, self.block_size).validate();
+            check(
+                spec.is_ok(),
+                format!("replica {:?}: {}", r.name, spec.err().map(|e| e.to_string()).unwrap_or_default()),
+            );
+            check(
+                r.http.starts_with("http://") || r.http.starts_with("https://"),
+                format!("replica {:?}: http {:?} is not an http:// URL", r.name, r.http),
+            );
+        }
+        if errors.is_empty() { Ok(()) } else { Err(errors) }
+    }
+
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+    pub fn first_byte_timeout(&self) -> Duration {
+        Duration::from_millis(self.first_byte_timeout_ms)
+    }
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.idle_timeout_ms)
+    }
+    pub fn health_interval(&self) -> Duration {
+        Duration::from_millis(self.health_interval_ms)
+    }
+    pub fn ejection(&self) -> Duration {
+        Duration::from_millis(self.ejection_ms)
+    }
+    pub fn credit_ttl(&self) -> Duration {
+        Duration::from_millis(self.credit_ttl_ms)
+    }
+}
+
+/// One statically configured replica.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct ReplicaConfig {
+    pub name: String,
+    /// Base URL of its OpenAI API, e.g. `http://10.0.0.7:8000`.
+    pub http: String,
+    /// ZeroMQ PUB endpoint of its KV events (rank 0).
+    pub events: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay: Option<String>,
+    /// gRPC ReplicaAgent endpoint (kvroute agents), for snapshots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpc: Option<String>,
+    #[serde(default = "default_engine")]
+    pub engine: EngineName,
+    #[serde(default = "one")]
+    pub dp_size: u32,
+    #[serde(default)]
+    pub topic: String,
+}
+
+fn default_engine() -> EngineName {
+    EngineName::Kvroute
+}
+fn one() -> u32 {
+    1
+}
+
+/// Engine kinds as they are spelled in configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineName {
+    Kvroute,
+    Vllm,
+    Sglang,
+}
+
+impl From<EngineName> for EngineKind {
+    fn from(e: EngineName) -> Self {
+        match e {
+            EngineName::Kvroute => EngineKind::Kvroute,
+            EngineName::Vllm => EngineKind::Vllm,
+            EngineName::Sglang => EngineKind::Sglang,
+        }
+    }
+}
+
+impl ReplicaConfig {
+    /// The registry's spec for this replica.
+    pub fn to_spec(&self, model: &str, block_size: u32) -> ReplicaSpec {
+        let mut spec = ReplicaSpec::new(self.name.clone(), self.events.clone(), self.engine.into(), model);
+        spec.http_url = self.http.trim_end_matches('/').to_owned();
+        spec.replay_endpoint = self.replay.clone().filter(|r| !r.is_empty());
+        spec.grpc_endpoint = self.grpc.clone().filter(|g| !g.is_empty());
+        spec.dp_size = self.dp_size;
+        spec.topic = self.topic.clone();
+        spec.block_size = Some(block_size);
+        spec
+    }
+}
+
+impl FromStr for ReplicaConfig {
+    type Err = String;
+
+    /// `name=..,http=..,events=..[,replay=..][,grpc=..][,engine=..][,dp-size=..][,topic=..]`
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut table = toml::Table::new();
+        for part in s.split(',').filter(|p| !p.is_empty()) {
+            let (k, v) = part.split_once('=').ok_or_else(|| format!("{part:?} is not key=value"))?;
+            let value = match k.trim() {
+                "dp-size" | "dp_size" => toml::Value::Integer(
+                    v.trim().parse().map_err(|_| format!("dp-size {v:?} is not a number"))?,
+                ),
+                _ => toml::Value::String(v.trim().to_owned()),
+            };
+            table.insert(k.trim().replace('_', "-"), value);
+        }
+        ReplicaConfig::deserialize(table).map_err(|e| e.to_string())
+    }
+}
+
+impl fmt::Display for ReplicaConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "name={},http={},events={}", self.name, self.http, self.events)?;
+        if let Some(r) = &self.replay {
+            write!(f, ",replay={r}")?;
+        }
+        if let Some(g) = &self.grpc {
+            write!(f, ",grpc={g}")?;
+        }
+        let engine = match self.engine {
+            EngineName::Kvroute => "kvroute",
+            EngineName::Vllm => "vllm",
+            EngineName::Sglang => "sglang",
+        };
+        write!(f, ",engine={engine},dp-size={}", self.dp_size)?;
+        if !self.topic.is_empty() {
+            write!(f, ",topic={}", self.topic)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replica_flag_parses() {
+        let r: ReplicaConfig =
+            "name=r0,http=http://127.0.0.1:8000,events=tcp://127.0.0.1:5557,engine=vllm,dp-size=2"
+                .parse()
+                .unwrap();
+        assert_eq!(r.engine, EngineName::Vllm);
+        assert_eq!(r.dp_size, 2);
+        assert_eq!(r.replay, None);
+        assert_eq!(r.to_string().parse::<ReplicaConfig>().unwrap(), r);
+        assert!("name=r0,http=x".parse::<ReplicaConfig>().is_err(), "events is required");
+        assert!("name=r0,http=x,events=y,bogus=1".parse::<ReplicaConfig>().is_err());
+        assert!("name=r0,http=x,events=y,engine=tgi".parse::<ReplicaConfig>().is_err());
+    }
+
+    #[test]
+    fn file_replicas_and_flags_merge() {
+        let dir = std::env::temp_dir().join(format!("kvroute-router-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("router.toml");
+        std::fs::write(
+            &path,
+            "policy = \"round-robin\"\nblock-size = 32\n[[replica]]\nname = \"a\"\nhttp = \"http://127.0.0.1:1\"\nevents = \"tcp://127.0.0.1:2\"\n",
+        )
+        .unwrap();
+        let c: Config =
+            kvroute_proto::cli::parse_from(["r", "--config", path.to_str().unwrap(), "--block-size", "64"])
+                .unwrap();
+        assert_eq!(c.policy, PolicyKind::RoundRobin);
+        assert_eq!(c.block_size, 64, "the flag wins over the file");
+        assert_eq!(c.replicas.len(), 1);
+        assert_eq!(c.validate(), Ok(()));
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once() {
+        let bad = ReplicaConfig {
+            name: "a".into(),
+            http: "ftp://x".into(),
+            events: "nowhere".into(),
+            replay: None,
+            grpc: None,
+            engine: EngineName::Kvroute,
+            dp_size: 1,
+            topic: String::new(),
+        };
+        let c = Config {
+            block_size: 0,
+            admin_listen: "0.0.0.0:1".parse().unwrap(),
+            replicas: vec![bad.clone(), bad],
+            ..Config::default()
+        };
+        let errors = c.validate().unwrap_err();
+        // block size, admin token, duplicate name, 2x bad events, 2x bad http
+        assert_eq!(errors.len(), 7, "{errors:#?}");
+    }
+}

@@ -1,0 +1,91 @@
+//! The fleet: every replica the router routes to, joining the event side (the ingest
+//! registry, which interns names to ids and tracks stream state) with the HTTP side (the
+//! proxy's [`Upstream`] load and health). Adding a replica starts following its events and
+//! makes it routable; removing it stops both and frees its index entries and credits.
+
+use std::collections::HashMap;
+use std::sync::{Arc, PoisonError, RwLock};
+
+use kvroute_proto::ReplicaId;
+
+use crate::ingest::{Ingest, IngestError};
+use crate::proxy::credits::Credits;
+use crate::proxy::upstream::Upstream;
+use crate::replicas::{Replica, ReplicaSpec, StreamState};
+
+/// One routable replica: its registry entry and its proxy-side state.
+#[derive(Clone, Debug)]
+pub struct Member {
+    pub replica: Arc<Replica>,
+    pub upstream: Arc<Upstream>,
+}
+
+/// The fleet handle; cheap to clone.
+#[derive(Clone)]
+pub struct Fleet {
+    ingest: Ingest,
+    credits: Arc<Credits>,
+    upstreams: Arc<RwLock<HashMap<ReplicaId, Arc<Upstream>>>>,
+}
+
+impl Fleet {
+    pub fn new(ingest: Ingest, credits: Arc<Credits>) -> Self {
+        Self { ingest, credits, upstreams: Arc::default() }
+    }
+
+    pub fn ingest(&self) -> &Ingest {
+        &self.ingest
+    }
+
+    pub fn credits(&self) -> &Credits {
+        &self.credits
+    }
+
+    /// Starts routing to `spec` (and following its events).
+    pub fn add(&self, spec: ReplicaSpec) -> Result<Member, IngestError> {
+        let replica = self.ingest.add_replica(spec)?;
+        let upstream = Arc::new(Upstream::default());
+        self.upstreams.write().unwrap_or_else(PoisonError::into_inner).insert(replica.id, upstream.clone());
+        tracing::info!(replica = %replica.spec.name, id = %replica.id, http = %replica.spec.http_url, "replica added");
+        Ok(Member { replica, upstream })
+    }
+
+    /// Stops routing to the replica named `name`; returns the index blocks freed, or `None`
+    /// if no such replica is registered. In-flight requests to it finish on their own.
+    pub async fn remove(&self, name: &str) -> Option<usize> {
+        let replica = self.ingest.replicas().by_name(name)?;
+        self.upstreams.write().unwrap_or_else(PoisonError::into_inner).remove(&replica.id);
+        self.credits.forget(replica.id);
+        let freed = self.ingest.remove_replica(replica.id).await;
+        tracing::info!(replica = %name, freed = ?freed, "replica removed");
+        freed
+    }
+
+    /// Every routable replica, ordered by id.
+    pub fn members(&self) -> Vec<Member> {
+        let upstreams = self.upstreams.read().unwrap_or_else(PoisonError::into_inner);
+        self.ingest
+            .replicas()
+            .list()
+            .into_iter()
+            .filter_map(|replica| upstreams.get(&replica.id).map(|u| Member { replica, upstream: u.clone() }))
+            .collect()
+    }
+
+    pub fn member(&self, name: &str) -> Option<Member> {
+        let replica = self.ingest.replicas().by_name(name)?;
+        let upstream =
+            self.upstreams.read().unwrap_or_else(PoisonError::into_inner).get(&replica.id)?.clone();
+        Some(Member { replica, upstream })
+    }
+
+    /// True once there is a replica and every replica completed its first event sync or has
+    /// no usable stream at all (`FALLBACK`: routed on load alone, so nothing to wait for).
+    pub fn ready(&self) -> bool {
+        let members = self.members();
+        !members.is_empty()
+            && members
+                .iter()
+                .all(|m| m.replica.status.is_synced() || m.replica.status.state() == StreamState::Fallback)
+    }
+}

@@ -1,0 +1,139 @@
+//! Short-lived credits: right after a routing decision, the chosen replica is credited with
+//! the request's blocks, because its `BlockStored` events arrive only after it has admitted
+//! the request. Without credits, a burst of requests sharing a new prefix would each see no
+//! replica holding it and scatter across the fleet, paying the prefill once per replica.
+//!
+//! A credit lasts `ttl` (`--credit-ttl-ms`); by then the replica's events have confirmed the
+//! blocks in the index or the credit lapses. Lookups extend each replica's index overlap
+//! through credited blocks: overlap = longest prefix of blocks that are in the index or
+//! credited, for that replica. Expired credits are swept on every insert, in arrival order.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use kvroute_proto::{BlockHash, ReplicaId};
+use tokio::time::Instant;
+
+/// Credits of pending routing decisions.
+#[derive(Debug)]
+pub struct Credits {
+    ttl: Duration,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// Credited (block, replica) pairs with how many live credits cover each.
+    held: HashMap<(BlockHash, ReplicaId), u32>,
+    /// Credits in the order they expire.
+    queue: VecDeque<(Instant, ReplicaId, Vec<BlockHash>)>,
+}
+
+impl Credits {
+    pub fn new(ttl: Duration) -> Self {
+        Self { ttl, inner: Mutex::new(Inner::default()) }
+    }
+
+    /// Credits `replica` with `blocks` for the TTL.
+    pub fn credit(&self, replica: ReplicaId, blocks: &[BlockHash]) {
+        if self.ttl.is_zero() || blocks.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.sweep(now);
+        for &b in blocks {
+            *inner.held.entry((b, replica)).or_insert(0) += 1;
+        }
+        inner.queue.push_back((now + self.ttl, replica, blocks.to_vec()));
+    }
+
+    /// Extends `overlap` (the replica's index overlap of `blocks`) through credited blocks.
+    pub fn extend(&self, replica: ReplicaId, blocks: &[BlockHash], overlap: usize) -> usize {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if inner.held.is_empty() {
+            return overlap;
+        }
+        let now = Instant::now();
+        if inner.queue.front().is_some_and(|(t, ..)| *t <= now) {
+            // Some credits have expired but are not swept yet; be exact anyway.
+            let live = |b: &BlockHash| {
+                inner.queue.iter().any(|(t, r, bs)| *t > now && *r == replica && bs.contains(b))
+            };
+            return overlap + blocks[overlap..].iter().take_while(|b| live(b)).count();
+        }
+        overlap + blocks[overlap..].iter().take_while(|b| inner.held.contains_key(&(**b, replica))).count()
+    }
+
+    /// Live credited (block, replica) pairs (for metrics and tests).
+    pub fn len(&self) -> usize {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.sweep(Instant::now());
+        inner.held.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops every credit of a replica (it was removed or restarted).
+    pub fn forget(&self, replica: ReplicaId) {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.held.retain(|(_, r), _| *r != replica);
+        inner.queue.retain(|(_, r, _)| *r != replica);
+    }
+}
+
+impl Inner {
+    fn sweep(&mut self, now: Instant) {
+        while self.queue.front().is_some_and(|(t, ..)| *t <= now) {
+            let (_, replica, blocks) = self.queue.pop_front().expect("front exists");
+            for b in blocks {
+                if let Some(n) = self.held.get_mut(&(b, replica)) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.held.remove(&(b, replica));
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(n: u64) -> BlockHash {
+        BlockHash(n)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn credits_extend_the_prefix_until_they_expire() {
+        let c = Credits::new(Duration::from_secs(2));
+        let (r0, r1) = (ReplicaId(0), ReplicaId(1));
+        c.credit(r0, &[h(1), h(2), h(3)]);
+        let req = [h(1), h(2), h(3), h(4)];
+        assert_eq!(c.extend(r0, &req, 0), 3);
+        assert_eq!(c.extend(r0, &req, 1), 3, "index overlap 1 continues through credits");
+        assert_eq!(c.extend(r1, &req, 0), 0, "credits are per replica");
+        assert_eq!(c.extend(r0, &[h(9), h(1)], 0), 0, "only a contiguous prefix counts");
+        tokio::time::advance(Duration::from_secs(1)).await;
+        c.credit(r0, &[h(1)]);
+        tokio::time::advance(Duration::from_millis(1500)).await;
+        assert_eq!(c.extend(r0, &req, 0), 1, "the first credit lapsed, the second holds block 1");
+        assert_eq!(c.len(), 1);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(c.is_empty());
+    }
+
+    #[test]
+    fn forget_drops_a_replica() {
+        let c = Credits::new(Duration::from_secs(60));
+        c.credit(ReplicaId(3), &[h(1), h(2)]);
+        c.forget(ReplicaId(3));
+        assert_eq!(c.extend(ReplicaId(3), &[h(1)], 0), 0);
+        assert!(c.is_empty());
+    }
+}

@@ -1,0 +1,102 @@
+//! Every error the router itself answers with, in one place: OpenAI's error JSON shape, the
+//! right status, and the request id (in the body's message and the `x-request-id` header).
+//!
+//! | status | when |
+//! |---|---|
+//! | 400 | malformed body (not JSON, wrong types, empty prompt, bad token ids) |
+//! | 404 / 405 | unknown path / wrong method |
+//! | 413 | body larger than `--max-body-bytes` |
+//! | 502 | the replica failed before answering, and so did every retry |
+//! | 503 | no healthy replica, every replica saturated, or the router is at its in-flight limit |
+//! | 504 | the replica did not start answering within `--first-byte-timeout-ms` |
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode};
+use kvroute_proto::openai::{OpenAiError, RequestError};
+
+use super::body::{ProxyBody, full};
+
+/// An error the router answers itself.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error(transparent)]
+    BadRequest(#[from] RequestError),
+    #[error("the request body could not be read: {0}")]
+    BodyRead(String),
+    #[error("the request body exceeds the limit of {limit} bytes")]
+    BodyTooLarge { limit: usize },
+    #[error("unknown path {0}")]
+    NotFound(String),
+    #[error("method {0} is not allowed here")]
+    MethodNotAllowed(String),
+    #[error("no replica can take the request: {0}")]
+    Unavailable(String),
+    #[error("replica {replica} failed before answering: {reason}")]
+    Upstream { replica: String, reason: String },
+    #[error("replica {replica} did not start answering within {timeout_ms} ms")]
+    Timeout { replica: String, timeout_ms: u64 },
+}
+
+impl ProxyError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::BadRequest(e) => {
+                StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::BAD_REQUEST)
+            }
+            ProxyError::BodyRead(_) => StatusCode::BAD_REQUEST,
+            ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::NotFound(_) => StatusCode::NOT_FOUND,
+            ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            ProxyError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            ProxyError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// A short, fixed label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            ProxyError::BadRequest(_) | ProxyError::BodyRead(_) => "bad_request",
+            ProxyError::BodyTooLarge { .. } => "too_large",
+            ProxyError::NotFound(_) => "not_found",
+            ProxyError::MethodNotAllowed(_) => "method_not_allowed",
+            ProxyError::Unavailable(_) => "unavailable",
+            ProxyError::Upstream { .. } => "upstream_failed",
+            ProxyError::Timeout { .. } => "upstream_timeout",
+        }
+    }
+
+    fn openai(&self) -> OpenAiError {
+        match self {
+            ProxyError::BadRequest(e) => e.to_openai(),
+            ProxyError::BodyRead(_) | ProxyError::BodyTooLarge { .. } | ProxyError::MethodNotAllowed(_) => {
+                OpenAiError::new("invalid_request_error", self.to_string())
+            }
+            ProxyError::NotFound(_) => {
+                let mut e = OpenAiError::new("invalid_request_error", self.to_string());
+                e.code = Some("not_found".into());
+                e
+            }
+            ProxyError::Unavailable(_) | ProxyError::Upstream { .. } | ProxyError::Timeout { .. } => {
+                OpenAiError::new("server_error", self.to_string())
+            }
+        }
+    }
+
+    /// The response: OpenAI error JSON with the status and request id.
+    pub fn into_response(self, request_id: &str) -> Response<ProxyBody> {
+        let mut err = self.openai();
+        err.message = format!("{} (request id {request_id})", err.message);
+        let mut response = Response::new(full(Bytes::from(err.to_json())));
+        *response.status_mut() = self.status();
+        let headers = response.headers_mut();
+        headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Ok(id) = HeaderValue::from_str(request_id) {
+            headers.insert("x-request-id", id);
+        }
+        if matches!(self, ProxyError::Unavailable(_)) {
+            headers.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}

@@ -1,0 +1,256 @@
+//! Forwarding a request to a replica and its response back, faithfully: the original bytes
+//! go upstream unchanged (only hop-by-hop headers are dropped), the response streams back
+//! frame by frame.
+//!
+//! Retries: when a replica refuses the connection or fails before any response byte, the
+//! request goes to the next replica of the plan (at most [`MAX_ATTEMPTS`] in all) — never
+//! after a response has started, and never after a first-byte timeout (the replica may still
+//! be working on it). Each failure counts toward the replica's outlier ejection; 5xx answers
+//! are passed to the client and counted too.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+
+use super::body::{BoxError, Hooks, ProxyBody, Tracked, full};
+use super::error::ProxyError;
+use super::prompts::Client;
+use super::route::Plan;
+use super::upstream::{LoadGuard, Upstream};
+use crate::metrics::ProxyMetrics;
+
+/// Most replicas one request is tried on.
+pub const MAX_ATTEMPTS: usize = 3;
+
+/// Headers that describe one connection, not the message (RFC 9110 §7.6.1), plus `host`,
+/// which the client sets for the replica.
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+];
+
+/// Timeouts and ejection settings of the forwarder.
+#[derive(Clone, Debug)]
+pub struct ForwardConfig {
+    pub first_byte_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub eject_after: u32,
+    pub ejection: Duration,
+}
+
+/// Removes hop-by-hop headers, including any named by `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+/// Sends a routed request (buffered body, so it can be retried) along `plan.order`.
+pub async fn routed(
+    client: &Client,
+    config: &ForwardConfig,
+    metrics: &ProxyMetrics,
+    plan: &Plan,
+    parts: &http::request::Parts,
+    body: Bytes,
+    request_id: &str,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let mut last_error = None;
+    for (attempt, scored) in plan.order.iter().take(MAX_ATTEMPTS).enumerate() {
+        if attempt > 0 {
+            metrics.retries.inc();
+        }
+        let member = &scored.member;
+        let upstream = &member.upstream;
+        let guard = upstream.begin(plan.prefill_tokens(attempt));
+        let request = build_request(&member.replica.spec.http_url, parts, full(body.clone()), request_id)?;
+        let sent = Instant::now();
+        match tokio::time::timeout(config.first_byte_timeout, client.request(request)).await {
+            Ok(Ok(response)) => {
+                let mut response =
+                    wrap(response, guard, upstream.clone(), config, metrics.clone(), sent, request_id);
+                let headers = response.headers_mut();
+                if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
+                    headers.insert("x-kvroute-replica", v);
+                }
+                headers.insert(
+                    "x-kvroute-predicted-cached-tokens",
+                    HeaderValue::from(plan.predicted_cached_tokens(attempt)),
+                );
+                metrics.predicted_cached_tokens.inc_by(plan.predicted_cached_tokens(attempt));
+                metrics.prompt_tokens.inc_by(plan.prompt_tokens);
+                return Ok(response);
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(replica = %member.replica.spec.name, error = %e, request_id, "replica failed before answering");
+                record_failure(upstream, config, metrics);
+                last_error = Some(ProxyError::Upstream {
+                    replica: member.replica.spec.name.clone(),
+                    reason: e.to_string(),
+                });
+            }
+            Err(_) => {
+                record_failure(upstream, config, metrics);
+                return Err(ProxyError::Timeout {
+                    replica: member.replica.spec.name.clone(),
+                    timeout_ms: config.first_byte_timeout.as_millis() as u64,
+                });
+            }
+        }
+    }
+    Err(last_error.unwrap_or_else(|| ProxyError::Unavailable("no eligible replica".into())))
+}
+
+/// Sends a request whose body streams through (not retried) to one replica.
+pub async fn streamed(
+    client: &Client,
+    config: &ForwardConfig,
+    metrics: &ProxyMetrics,
+    member: &crate::fleet::Member,
+    parts: &http::request::Parts,
+    body: ProxyBody,
+    request_id: &str,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let upstream = &member.upstream;
+    let guard = upstream.begin(0);
+    let request = build_request(&member.replica.spec.http_url, parts, body, request_id)?;
+    let sent = Instant::now();
+    match tokio::time::timeout(config.first_byte_timeout, client.request(request)).await {
+        Ok(Ok(response)) => {
+            let mut response =
+                wrap(response, guard, upstream.clone(), config, metrics.clone(), sent, request_id);
+            if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
+                response.headers_mut().insert("x-kvroute-replica", v);
+            }
+            Ok(response)
+        }
+        Ok(Err(e)) => {
+            record_failure(upstream, config, metrics);
+            Err(ProxyError::Upstream { replica: member.replica.spec.name.clone(), reason: e.to_string() })
+        }
+        Err(_) => {
+            record_failure(upstream, config, metrics);
+            Err(ProxyError::Timeout {
+                replica: member.replica.spec.name.clone(),
+                timeout_ms: config.first_byte_timeout.as_millis() as u64,
+            })
+        }
+    }
+}
+
+fn record_failure(upstream: &Upstream, config: &ForwardConfig, metrics: &ProxyMetrics) {
+    if upstream.record_failure(config.eject_after, config.ejection) {
+        metrics.ejections.inc();
+    }
+}
+
+fn build_request(
+    base: &str,
+    parts: &http::request::Parts,
+    body: ProxyBody,
+    request_id: &str,
+) -> Result<Request<ProxyBody>, ProxyError> {
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut request = Request::builder()
+        .method(parts.method.clone())
+        .uri(format!("{base}{path}"))
+        .body(body)
+        .map_err(|e| ProxyError::Unavailable(format!("bad replica URL {base:?}: {e}")))?;
+    let headers = request.headers_mut();
+    *headers = parts.headers.clone();
+    strip_hop_by_hop(headers);
+    if let Ok(id) = HeaderValue::from_str(request_id) {
+        headers.insert("x-request-id", id);
+    }
+    Ok(request)
+}
+
+/// The upstream response, with the body tracked and hop-by-hop headers removed.
+fn wrap(
+    response: Response<Incoming>,
+    guard: LoadGuard,
+    upstream: Arc<Upstream>,
+    config: &ForwardConfig,
+    metrics: ProxyMetrics,
+    sent: Instant,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let status = response.status();
+    if status.is_server_error() {
+        if upstream.record_failure(config.eject_after, config.ejection) {
+            metrics.ejections.inc();
+        }
+    } else {
+        upstream.record_success();
+    }
+    let (mut parts, body) = response.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    if let Ok(id) = HeaderValue::from_str(request_id) {
+        parts.headers.insert("x-request-id", id);
+    }
+    let hooks = Box::new(ResponseHooks { guard, metrics, sent });
+    let body = Tracked::new(body, config.idle_timeout, hooks).map_err(|e: BoxError| e).boxed_unsync();
+    Response::from_parts(parts, body)
+}
+
+/// Releases a request's load and records what its response showed.
+struct ResponseHooks {
+    guard: LoadGuard,
+    metrics: ProxyMetrics,
+    sent: Instant,
+}
+
+impl Hooks for ResponseHooks {
+    fn first_data(&mut self) {
+        self.guard.prefill_done();
+        self.metrics.upstream_ttfb_seconds.observe(self.sent.elapsed().as_secs_f64());
+    }
+
+    fn finish(self: Box<Self>, cached_tokens: Option<u64>, _completed: bool) {
+        if let Some(n) = cached_tokens {
+            self.metrics.realized_cached_tokens.inc_by(n);
+        }
+        drop(self.guard);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_are_dropped() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, x-secret-hop"));
+        h.insert("x-secret-hop", HeaderValue::from_static("1"));
+        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert(header::HOST, HeaderValue::from_static("router"));
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer t"));
+        strip_hop_by_hop(&mut h);
+        let left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, vec!["content-type", "authorization"]);
+    }
+}

@@ -1,0 +1,86 @@
+//! Active health checks: every `--health-interval-ms`, `GET /health` on each replica (a
+//! replica that fails it is unhealthy until it passes again), then `GET /metrics` to read the
+//! queue length the replica reports itself (`vllm:num_requests_waiting`, which both vLLM and
+//! the kvroute agent export), used as [`crate::policy::Load::reported_waiting`].
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use tokio_util::sync::CancellationToken;
+
+use super::body::full;
+use super::prompts::Client;
+use crate::fleet::{Fleet, Member};
+
+/// Checks every replica of `fleet` each `interval` until `shutdown` fires.
+pub async fn run(
+    fleet: Fleet,
+    client: Client,
+    interval: Duration,
+    timeout: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = shutdown.cancelled() => return,
+        }
+        let checks = fleet.members().into_iter().map(|m| check(m, &client, timeout));
+        futures::future::join_all(checks).await;
+    }
+}
+
+async fn check(member: Member, client: &Client, timeout: Duration) {
+    let base = &member.replica.spec.http_url;
+    let healthy =
+        matches!(get(client, &format!("{base}/health"), timeout).await, Some((s, _)) if s.is_success());
+    if healthy != member.upstream.is_healthy() {
+        tracing::info!(replica = %member.replica.spec.name, healthy, "replica health changed");
+    }
+    member.upstream.set_healthy(healthy);
+    if !healthy {
+        return;
+    }
+    if let Some((status, body)) = get(client, &format!("{base}/metrics"), timeout).await
+        && status.is_success()
+        && let Some(waiting) = reported_waiting(&body)
+    {
+        member.upstream.set_reported_waiting(waiting);
+    }
+}
+
+async fn get(client: &Client, url: &str, timeout: Duration) -> Option<(http::StatusCode, Bytes)> {
+    let request = http::Request::get(url).body(full(Bytes::new())).ok()?;
+    let response = tokio::time::timeout(timeout, client.request(request)).await.ok()?.ok()?;
+    let status = response.status();
+    let body = tokio::time::timeout(timeout, response.into_body().collect()).await.ok()?.ok()?.to_bytes();
+    Some((status, body))
+}
+
+/// `vllm:num_requests_waiting{...} 3` → 3 (summed over label sets, e.g. per engine).
+fn reported_waiting(metrics: &[u8]) -> Option<u32> {
+    let text = std::str::from_utf8(metrics).ok()?;
+    let mut total = None;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("vllm:num_requests_waiting") else { continue };
+        if !(rest.starts_with('{') || rest.starts_with(' ')) {
+            continue;
+        }
+        let value = rest.rsplit(' ').next()?.parse::<f64>().ok()?;
+        *total.get_or_insert(0u32) += value as u32;
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn reads_waiting_requests_from_prometheus_text() {
+        let text = b"# HELP vllm:num_requests_waiting Requests waiting.\n# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} 3\nvllm:num_requests_waiting_total 9\n";
+        assert_eq!(super::reported_waiting(text), Some(3));
+        assert_eq!(super::reported_waiting(b"other 1\n"), None);
+    }
+}

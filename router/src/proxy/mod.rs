@@ -1,0 +1,246 @@
+//! The OpenAI-compatible reverse proxy.
+//!
+//! | path | what the router does |
+//! |---|---|
+//! | `POST /v1/completions`, `POST /v1/chat/completions` | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]) |
+//! | other `/v1/*` | streams the request to the least-loaded eligible replica |
+//! | `GET /v1/models` | the fleet's model and LoRA adapters |
+//! | `GET /health` | 200 while the process runs |
+//! | `GET /ready` | 200 once every replica completed its first event sync ([`Fleet::ready`]) |
+//! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
+//!
+//! Layout: [`body`] (pass-through bodies, usage sniffing), [`credits`] (pending decisions),
+//! [`error`] (every error the router answers), [`forward`], [`prompts`] (tokenization
+//! modes), [`route`] (the decision path), [`upstream`] (per-replica load and health).
+
+pub mod body;
+pub mod credits;
+pub mod error;
+pub mod forward;
+pub mod health;
+pub mod prompts;
+pub mod route;
+pub mod upstream;
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use kvroute_proto::openai::Endpoint;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::fleet::Fleet;
+use crate::metrics::{CodeLabel, ErrorLabel};
+use body::{BoxError, ProxyBody, full};
+use error::ProxyError;
+use forward::ForwardConfig;
+use prompts::Client;
+use route::Decider;
+
+/// Everything the request path shares.
+pub struct ProxyState {
+    pub decider: Decider,
+    pub client: Client,
+    pub forward: ForwardConfig,
+    pub registry: Arc<Registry>,
+    pub max_body_bytes: usize,
+    /// Global in-flight limit: a request that cannot get a permit gets 503 at once.
+    pub in_flight: Arc<Semaphore>,
+    /// Served model names: the base model, then its LoRA adapters.
+    pub models: Vec<String>,
+}
+
+impl ProxyState {
+    pub fn fleet(&self) -> &Fleet {
+        &self.decider.fleet
+    }
+}
+
+/// Serves the proxy on `listener` until `shutdown` fires, then drains open requests.
+pub async fn serve(listener: TcpListener, state: Arc<ProxyState>, shutdown: CancellationToken) {
+    let handler = move |req| handle(state.clone(), req);
+    kvroute_proto::serve::serve(listener, handler, shutdown).await;
+}
+
+async fn handle(state: Arc<ProxyState>, req: Request<Incoming>) -> Response<ProxyBody> {
+    let request_id = request_id(&req);
+    let response = match dispatch(&state, req, &request_id).await {
+        Ok(response) => response,
+        Err(e) => {
+            state.decider.metrics.errors.get_or_create(&ErrorLabel { kind: e.label() }).inc();
+            if e.status().is_server_error() {
+                tracing::warn!(error = %e, request_id, "request failed");
+            }
+            e.into_response(&request_id)
+        }
+    };
+    state.decider.metrics.requests.get_or_create(&CodeLabel { code: response.status().as_u16() }).inc();
+    response
+}
+
+async fn dispatch(
+    state: &Arc<ProxyState>,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let path = req.uri().path().to_owned();
+    let method = req.method().clone();
+    match (method, path.as_str()) {
+        (Method::POST, "/v1/completions") => routed(state, req, Endpoint::Completions, request_id).await,
+        (Method::POST, "/v1/chat/completions") => {
+            routed(state, req, Endpoint::ChatCompletions, request_id).await
+        }
+        (Method::GET, "/v1/models") => Ok(json(StatusCode::OK, models(state))),
+        (Method::GET, "/health") => Ok(Response::new(full(Bytes::new()))),
+        (Method::GET, "/ready") => Ok(if state.fleet().ready() {
+            Response::new(full(Bytes::from_static(b"ready")))
+        } else {
+            let mut r =
+                Response::new(full(Bytes::from_static(b"waiting for the first sync of every replica")));
+            *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            r
+        }),
+        (Method::GET, "/metrics") => Ok(metrics(state)),
+        (
+            _,
+            "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health" | "/ready" | "/metrics",
+        ) => Err(ProxyError::MethodNotAllowed(req.method().to_string())),
+        (_, p) if p.starts_with("/v1/") => passthrough(state, req, request_id).await,
+        _ => Err(ProxyError::NotFound(path)),
+    }
+}
+
+/// A completion or chat request: read, decide, forward.
+async fn routed(
+    state: &Arc<ProxyState>,
+    req: Request<Incoming>,
+    endpoint: Endpoint,
+    request_id: &str,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let _permit = state
+        .in_flight
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| ProxyError::Unavailable("the router is at its in-flight limit".into()))?;
+    let (parts, body) = req.into_parts();
+    let body = read_body(&parts, body, state.max_body_bytes).await?;
+    let plan = state.decider.decide(endpoint, &body).await?;
+    state.decider.metrics.in_flight.inc();
+    let result = forward::routed(
+        &state.client,
+        &state.forward,
+        &state.decider.metrics,
+        &plan,
+        &parts,
+        body,
+        request_id,
+    )
+    .await;
+    state.decider.metrics.in_flight.dec();
+    result
+}
+
+/// Any other `/v1/*` request: streamed to the least-loaded eligible replica.
+async fn passthrough(
+    state: &Arc<ProxyState>,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let max = state.decider.max_in_flight_per_replica;
+    let member = state
+        .fleet()
+        .members()
+        .into_iter()
+        .filter(|m| m.upstream.eligibility(max).is_ok())
+        .min_by_key(|m| m.upstream.load().in_flight)
+        .ok_or_else(|| ProxyError::Unavailable("no healthy replica".into()))?;
+    let (parts, body) = req.into_parts();
+    if content_length(&parts).is_some_and(|n| n > state.max_body_bytes) {
+        return Err(ProxyError::BodyTooLarge { limit: state.max_body_bytes });
+    }
+    let body = Limited::new(body, state.max_body_bytes).map_err(BoxError::from).boxed_unsync();
+    forward::streamed(
+        &state.client,
+        &state.forward,
+        &state.decider.metrics,
+        &member,
+        &parts,
+        body,
+        request_id,
+    )
+    .await
+}
+
+fn content_length(parts: &http::request::Parts) -> Option<usize> {
+    parts.headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
+/// Reads a whole request body, refusing more than `limit` bytes.
+async fn read_body(parts: &http::request::Parts, body: Incoming, limit: usize) -> Result<Bytes, ProxyError> {
+    if content_length(parts).is_some_and(|n| n > limit) {
+        return Err(ProxyError::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+            Err(ProxyError::BodyTooLarge { limit })
+        }
+        Err(e) => Err(ProxyError::BodyRead(e.to_string())),
+    }
+}
+
+fn models(state: &ProxyState) -> serde_json::Value {
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let data: Vec<serde_json::Value> = state
+        .models
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            serde_json::json!({
+                "id": id,
+                "object": "model",
+                "created": created,
+                "owned_by": "kvroute",
+                "root": state.models[0],
+                "parent": if i == 0 { serde_json::Value::Null } else { serde_json::json!(state.models[0]) },
+            })
+        })
+        .collect();
+    serde_json::json!({"object": "list", "data": data})
+}
+
+fn metrics(state: &ProxyState) -> Response<ProxyBody> {
+    let mut text = String::new();
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &state.registry) {
+        tracing::error!(error = %e, "encoding metrics");
+    }
+    let mut r = Response::new(full(Bytes::from(text)));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    r
+}
+
+fn json(status: StatusCode, value: serde_json::Value) -> Response<ProxyBody> {
+    let mut r = Response::new(full(Bytes::from(value.to_string())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+/// The client's `x-request-id` if it sent a sane one, else a fresh one.
+fn request_id(req: &Request<Incoming>) -> String {
+    req.headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map_or_else(|| format!("kvr-{:016x}", rand::random::<u64>()), str::to_owned)
+}

@@ -1,0 +1,177 @@
+//! Turning a request into the token ids the replica will see, by one of three means:
+//! - **local** (default): the shared `kvroute_proto::openai::Tokenization` with the
+//!   built-in tokenizer or a HuggingFace `tokenizer.json` + chat template, rendered exactly
+//!   as the replica renders it;
+//! - **remote**: ask a replica's vLLM-style `POST /tokenize` (prompt or messages), with a
+//!   small cache of recent answers, for models whose template the router cannot render;
+//! - token-id prompts skip tokenization in both.
+//!
+//! Either way the cache namespace (model, LoRA adapter, `cache_salt`) comes from the local
+//! `Tokenization`, so hashes match the replica's.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use kvroute_proto::CacheNamespace;
+use kvroute_proto::openai::{ParsedRequest, RequestError, Tokenization};
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::body::{ProxyBody, full};
+
+/// Answers kept by the remote tokenizer's cache.
+const REMOTE_CACHE_ENTRIES: usize = 4096;
+
+/// How the router gets token ids.
+pub enum Prompts {
+    Local(Arc<Tokenization>),
+    Remote(RemoteTokenizer),
+}
+
+/// What the decision path needs from a request.
+pub struct PromptInfo {
+    pub namespace: CacheNamespace,
+    /// One token list per prompt.
+    pub tokens: Vec<Vec<u32>>,
+}
+
+pub type Client =
+    hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, ProxyBody>;
+
+impl Prompts {
+    /// The namespace and token ids of `request`; `replica_url` is asked in remote mode.
+    pub async fn tokens(
+        &self,
+        request: &ParsedRequest<'_>,
+        body: &[u8],
+        replica_url: Option<&str>,
+    ) -> Result<PromptInfo, PromptError> {
+        match self {
+            Prompts::Local(t) => {
+                Ok(PromptInfo { namespace: t.namespace(request), tokens: t.prompt_tokens(request)? })
+            }
+            Prompts::Remote(r) => r.tokens(request, body, replica_url).await,
+        }
+    }
+}
+
+/// Why a request's tokens could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptError {
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    #[error("remote tokenization failed: {0}")]
+    Remote(String),
+}
+
+/// `/tokenize` on a replica, with a bounded cache keyed by the request's prompt part.
+pub struct RemoteTokenizer {
+    local: Arc<Tokenization>,
+    client: Client,
+    timeout: Duration,
+    cache: Mutex<Cache>,
+}
+
+#[derive(Default)]
+struct Cache {
+    map: HashMap<u64, Arc<Vec<Vec<u32>>>>,
+    order: VecDeque<u64>,
+}
+
+impl RemoteTokenizer {
+    pub fn new(local: Arc<Tokenization>, client: Client, timeout: Duration) -> Self {
+        Self { local, client, timeout, cache: Mutex::default() }
+    }
+
+    async fn tokens(
+        &self,
+        request: &ParsedRequest<'_>,
+        body: &[u8],
+        replica_url: Option<&str>,
+    ) -> Result<PromptInfo, PromptError> {
+        let namespace = self.local.namespace(request);
+        let key = xxh3_64(body);
+        if let Some(hit) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).map.get(&key).cloned() {
+            return Ok(PromptInfo { namespace, tokens: hit.as_ref().clone() });
+        }
+        // Token-id prompts need no replica; everything else asks one.
+        let tokens = match request {
+            ParsedRequest::Completion(r) => {
+                let mut out = Vec::new();
+                for input in r.prompt.inputs() {
+                    out.push(match input {
+                        kvroute_proto::openai::PromptInput::Tokens(ids) => ids.to_vec(),
+                        kvroute_proto::openai::PromptInput::Text(text) => {
+                            let req = serde_json::json!({"model": r.model, "prompt": text});
+                            self.ask(replica_url, req).await?
+                        }
+                    });
+                }
+                out
+            }
+            ParsedRequest::Chat(_) => {
+                // Send the chat body as the replica would receive it: /tokenize accepts the
+                // same `messages` (and template options).
+                let mut value: serde_json::Value =
+                    serde_json::from_slice(body).map_err(RequestError::Json)?;
+                if let Some(obj) = value.as_object_mut() {
+                    obj.retain(|k, _| {
+                        matches!(
+                            k.as_str(),
+                            "model"
+                                | "messages"
+                                | "add_generation_prompt"
+                                | "chat_template_kwargs"
+                                | "tools"
+                                | "add_special_tokens"
+                        )
+                    });
+                }
+                vec![self.ask(replica_url, value).await?]
+            }
+        };
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.order.len() >= REMOTE_CACHE_ENTRIES
+            && let Some(old) = cache.order.pop_front()
+        {
+            cache.map.remove(&old);
+        }
+        if cache.map.insert(key, Arc::new(tokens.clone())).is_none() {
+            cache.order.push_back(key);
+        }
+        Ok(PromptInfo { namespace, tokens })
+    }
+
+    async fn ask(&self, replica_url: Option<&str>, body: serde_json::Value) -> Result<Vec<u32>, PromptError> {
+        let base = replica_url.ok_or_else(|| PromptError::Remote("no healthy replica to ask".into()))?;
+        let request = http::Request::post(format!("{base}/tokenize"))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(full(Bytes::from(body.to_string())))
+            .map_err(|e| PromptError::Remote(e.to_string()))?;
+        let response = tokio::time::timeout(self.timeout, self.client.request(request))
+            .await
+            .map_err(|_| PromptError::Remote(format!("{base}/tokenize timed out")))?
+            .map_err(|e| PromptError::Remote(format!("{base}/tokenize: {e}")))?;
+        let status = response.status();
+        let bytes = tokio::time::timeout(self.timeout, response.into_body().collect())
+            .await
+            .map_err(|_| PromptError::Remote(format!("{base}/tokenize timed out")))?
+            .map_err(|e| PromptError::Remote(e.to_string()))?
+            .to_bytes();
+        if !status.is_success() {
+            return Err(PromptError::Remote(format!(
+                "{base}/tokenize answered {status}: {}",
+                String::from_utf8_lossy(&bytes)
+            )));
+        }
+        #[derive(serde::Deserialize)]
+        struct Tokenized {
+            tokens: Vec<u32>,
+        }
+        let parsed: Tokenized = serde_json::from_slice(&bytes)
+            .map_err(|e| PromptError::Remote(format!("{base}/tokenize: unexpected answer: {e}")))?;
+        Ok(parsed.tokens)
+    }
+}

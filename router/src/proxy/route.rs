@@ -1,0 +1,188 @@
+//! The decision path: parse the body just enough, get its token ids, hash them with the cache
+//! namespace (the shared chain), look up every replica's cached prefix in one index walk,
+//! extend it through pending credits, and let the policy weigh prefix against load.
+//!
+//! A completion request with several prompts goes to one replica: it is routed on its first
+//! prompt's blocks, and its load counts every prompt's tokens.
+
+use std::time::Instant;
+
+use kvroute_proto::openai::{Endpoint, ParsedRequest};
+use kvroute_proto::pb::StreamState as PbState;
+use kvroute_proto::{BlockHash, hit_tokens};
+
+use super::error::ProxyError;
+use super::prompts::{PromptError, Prompts};
+use crate::fleet::{Fleet, Member};
+use crate::index::SharedIndex;
+use crate::metrics::{PolicyLabel, ProxyMetrics};
+use crate::policy::{Policy, ReplicaView, RequestView};
+use crate::replicas::StreamState;
+
+/// Everything the decision needs, shared by all requests.
+pub struct Decider {
+    pub fleet: Fleet,
+    pub index: SharedIndex,
+    pub policy: Box<dyn Policy>,
+    pub prompts: Prompts,
+    pub block_size: usize,
+    pub max_in_flight_per_replica: u32,
+    pub metrics: ProxyMetrics,
+}
+
+/// One candidate as the decision saw it (what `Explain` shows).
+#[derive(Clone, Debug)]
+pub struct Scored {
+    pub member: Member,
+    pub view: ReplicaView,
+    pub cost: f64,
+    /// Why it was not eligible, if it was not.
+    pub ineligible: Option<&'static str>,
+}
+
+/// The outcome of a decision.
+#[derive(Debug)]
+pub struct Plan {
+    /// Eligible replicas to try, best first (the chosen one, then by cost).
+    pub order: Vec<Scored>,
+    /// Every replica, scored, in fleet order.
+    pub candidates: Vec<Scored>,
+    pub prompt_tokens: u64,
+    /// Full blocks of the routed prompt.
+    pub blocks: Vec<BlockHash>,
+    /// Blocks of every prompt, credited to the chosen replica.
+    pub all_blocks: Vec<BlockHash>,
+    /// Tokens of the routed (first) prompt.
+    pub first_prompt_tokens: usize,
+    pub block_size: usize,
+}
+
+impl Plan {
+    /// Tokens the replica at `order[i]` is predicted to have cached.
+    pub fn predicted_cached_tokens(&self, i: usize) -> u64 {
+        self.order.get(i).map_or(0, |s| {
+            hit_tokens(s.view.overlap_blocks, self.block_size, self.first_prompt_tokens) as u64
+        })
+    }
+
+    /// Prompt tokens the replica at `order[i]` will have to prefill.
+    pub fn prefill_tokens(&self, i: usize) -> u64 {
+        self.prompt_tokens.saturating_sub(self.predicted_cached_tokens(i))
+    }
+}
+
+impl Decider {
+    /// Chooses a replica for a request; also credits the chosen one with its blocks.
+    pub async fn decide(&self, endpoint: Endpoint, body: &[u8]) -> Result<Plan, ProxyError> {
+        let started = Instant::now();
+        let plan = self.explain(endpoint, body).await?;
+        self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
+        let chosen = plan.order.first().ok_or_else(|| ProxyError::Unavailable(unavailable_reason(&plan)))?;
+        self.fleet.credits().credit(chosen.member.replica.id, &plan.all_blocks);
+        self.metrics.decisions.get_or_create(&PolicyLabel { policy: self.policy.kind().as_str() }).inc();
+        Ok(plan)
+    }
+
+    /// Where a request would go and why, with no side effects (the admin `Explain`).
+    pub async fn explain(&self, endpoint: Endpoint, body: &[u8]) -> Result<Plan, ProxyError> {
+        let request = ParsedRequest::parse(endpoint, body)?;
+        let members = self.fleet.members();
+        let ask = members.iter().find(|m| m.upstream.is_healthy()).map(|m| m.replica.spec.http_url.clone());
+        let info = self.prompts.tokens(&request, body, ask.as_deref()).await.map_err(|e| match e {
+            PromptError::Request(e) => ProxyError::BadRequest(e),
+            PromptError::Remote(e) => ProxyError::Unavailable(e),
+        })?;
+        let first = info.tokens.first().map(Vec::as_slice).unwrap_or_default();
+        let blocks = info.namespace.chain(first, self.block_size);
+        let prompt_tokens: u64 = info.tokens.iter().map(|t| t.len() as u64).sum();
+        let mut all_blocks = blocks.clone();
+        for t in info.tokens.iter().skip(1) {
+            all_blocks.extend(info.namespace.chain(t, self.block_size));
+        }
+        Ok(self.score(members, blocks, all_blocks, prompt_tokens, first.len()))
+    }
+
+    /// Scores every member for a request with the given blocks (no side effects).
+    pub fn score(
+        &self,
+        members: Vec<Member>,
+        blocks: Vec<BlockHash>,
+        all_blocks: Vec<BlockHash>,
+        prompt_tokens: u64,
+        first_prompt_tokens: usize,
+    ) -> Plan {
+        let overlaps = self.index.lookup(&blocks);
+        let views: Vec<(ReplicaView, Option<&'static str>)> = members
+            .iter()
+            .map(|m| {
+                let state = m.replica.status.state();
+                let overlap = match state {
+                    StreamState::Fallback => 0,
+                    _ => self.fleet.credits().extend(m.replica.id, &blocks, overlaps.get(m.replica.id)),
+                };
+                let ineligible =
+                    m.upstream.eligibility(self.max_in_flight_per_replica).err().map(|e| e.as_str());
+                let view = ReplicaView {
+                    id: m.replica.id,
+                    overlap_blocks: overlap,
+                    load: m.upstream.load(),
+                    stream: PbState::from(state),
+                    eligible: ineligible.is_none(),
+                };
+                (view, ineligible)
+            })
+            .collect();
+        let request = RequestView {
+            prompt_tokens: prompt_tokens as usize,
+            blocks: blocks.len(),
+            block_size: self.block_size,
+            key: blocks.last().map_or(0, |b| b.0),
+        };
+        let just_views: Vec<ReplicaView> = views.iter().map(|(v, _)| *v).collect();
+        let decision = self.policy.choose(&request, &just_views);
+        let candidates: Vec<Scored> = members
+            .into_iter()
+            .zip(views)
+            .enumerate()
+            .map(|(i, (member, (view, ineligible)))| Scored {
+                member,
+                view,
+                cost: decision.costs.get(i).copied().unwrap_or(f64::INFINITY),
+                ineligible,
+            })
+            .collect();
+        let mut order: Vec<Scored> = Vec::new();
+        if let Some(i) = decision.chosen.filter(|&i| candidates.get(i).is_some_and(|c| c.view.eligible)) {
+            order.push(candidates[i].clone());
+            let mut rest: Vec<&Scored> = candidates
+                .iter()
+                .enumerate()
+                .filter(|(j, c)| *j != i && c.view.eligible)
+                .map(|(_, c)| c)
+                .collect();
+            rest.sort_by(|a, b| a.cost.total_cmp(&b.cost));
+            order.extend(rest.into_iter().cloned());
+        }
+        Plan {
+            order,
+            candidates,
+            prompt_tokens,
+            blocks,
+            all_blocks,
+            first_prompt_tokens,
+            block_size: self.block_size,
+        }
+    }
+}
+
+fn unavailable_reason(plan: &Plan) -> String {
+    if plan.candidates.is_empty() {
+        return "no replicas are configured".into();
+    }
+    let reasons: Vec<String> = plan
+        .candidates
+        .iter()
+        .map(|c| format!("{}: {}", c.member.replica.spec.name, c.ineligible.unwrap_or("not chosen")))
+        .collect();
+    reasons.join(", ")
+}

@@ -1,0 +1,224 @@
+//! The HTTP side of each replica, as the proxy sees it: load the router has put on it, its
+//! health, and whether it is draining.
+//!
+//! Load is counted at decision time: `in_flight` rises when a request is sent and falls when
+//! its response ends (or the client goes away); `pending_prefill` holds the uncached prompt
+//! tokens of requests that have not produced their first response byte yet, which is the work
+//! standing between a new request and its first token.
+//!
+//! Health combines an active check (`GET /health` every `--health-interval-ms`) with passive
+//! outlier ejection: `--eject-after` consecutive failures (connection refused, reset, timeout,
+//! 5xx) eject the replica for `--ejection-ms`; after that it is eligible again and a success
+//! makes it healthy (a failure ejects it again at once).
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::policy::Load;
+
+/// Why a replica is not eligible right now, if it is not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ineligible {
+    Unhealthy,
+    Ejected,
+    Draining,
+    Saturated,
+}
+
+impl Ineligible {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Ineligible::Unhealthy => "unhealthy",
+            Ineligible::Ejected => "ejected",
+            Ineligible::Draining => "draining",
+            Ineligible::Saturated => "saturated",
+        }
+    }
+}
+
+/// One replica's proxy-side state.
+#[derive(Debug)]
+pub struct Upstream {
+    in_flight: AtomicU32,
+    pending_prefill: AtomicU64,
+    /// Last `num_requests_waiting` the replica reported (via its metrics), if polled.
+    reported_waiting: AtomicU32,
+    consecutive_failures: AtomicU32,
+    /// Passed its last active health check (true until the first check says otherwise).
+    healthy: AtomicBool,
+    draining: AtomicBool,
+    ejected_until: Mutex<Option<Instant>>,
+    pub ejections: AtomicU64,
+}
+
+impl Default for Upstream {
+    fn default() -> Self {
+        Self {
+            in_flight: AtomicU32::new(0),
+            pending_prefill: AtomicU64::new(0),
+            reported_waiting: AtomicU32::new(0),
+            consecutive_failures: AtomicU32::new(0),
+            healthy: AtomicBool::new(true),
+            draining: AtomicBool::new(false),
+            ejected_until: Mutex::new(None),
+            ejections: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Upstream {
+    pub fn load(&self) -> Load {
+        Load {
+            in_flight: self.in_flight.load(Ordering::Relaxed),
+            pending_prefill_tokens: self.pending_prefill.load(Ordering::Relaxed),
+            reported_waiting: self.reported_waiting.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether the replica may receive a new request now.
+    pub fn eligibility(&self, max_in_flight: u32) -> Result<(), Ineligible> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err(Ineligible::Draining);
+        }
+        if self.is_ejected() {
+            return Err(Ineligible::Ejected);
+        }
+        if !self.healthy.load(Ordering::Relaxed) {
+            return Err(Ineligible::Unhealthy);
+        }
+        if self.in_flight.load(Ordering::Relaxed) >= max_in_flight {
+            return Err(Ineligible::Saturated);
+        }
+        Ok(())
+    }
+
+    fn is_ejected(&self) -> bool {
+        let mut until = self.ejected_until.lock().unwrap_or_else(|e| e.into_inner());
+        match *until {
+            Some(t) if Instant::now() < t => true,
+            Some(_) => {
+                *until = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Counts a request sent to this replica; the guard undoes it.
+    pub fn begin(self: &std::sync::Arc<Self>, prefill_tokens: u64) -> LoadGuard {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.pending_prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
+        LoadGuard { upstream: self.clone(), prefill_tokens }
+    }
+
+    pub fn record_success(&self) {
+        self.consecutive_failures.store(0, Ordering::Relaxed);
+    }
+
+    /// Records a failure; returns true if it ejected the replica.
+    pub fn record_failure(&self, eject_after: u32, ejection: Duration) -> bool {
+        let failures = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if failures >= eject_after {
+            let mut until = self.ejected_until.lock().unwrap_or_else(|e| e.into_inner());
+            if until.is_none() {
+                *until = Some(Instant::now() + ejection);
+                self.ejections.fetch_add(1, Ordering::Relaxed);
+                // After the ejection one more failure ejects again; one success clears it.
+                self.consecutive_failures.store(eject_after.saturating_sub(1), Ordering::Relaxed);
+                return true;
+            }
+        }
+        false
+    }
+
+    pub fn set_healthy(&self, healthy: bool) {
+        self.healthy.store(healthy, Ordering::Relaxed);
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed) && !self.is_ejected()
+    }
+
+    pub fn set_draining(&self, draining: bool) {
+        self.draining.store(draining, Ordering::Relaxed);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    pub fn set_reported_waiting(&self, waiting: u32) {
+        self.reported_waiting.store(waiting, Ordering::Relaxed);
+    }
+}
+
+/// A request's share of a replica's load; dropping it releases everything still held.
+#[derive(Debug)]
+pub struct LoadGuard {
+    upstream: std::sync::Arc<Upstream>,
+    prefill_tokens: u64,
+}
+
+impl LoadGuard {
+    /// The first response byte arrived: the prefill is done.
+    pub fn prefill_done(&mut self) {
+        let n = std::mem::take(&mut self.prefill_tokens);
+        self.upstream.pending_prefill.fetch_sub(n, Ordering::Relaxed);
+    }
+}
+
+impl Drop for LoadGuard {
+    fn drop(&mut self) {
+        self.prefill_done();
+        self.upstream.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn guard_releases_load_once() {
+        let u = Arc::new(Upstream::default());
+        let mut g = u.begin(100);
+        assert_eq!(u.load(), Load { in_flight: 1, pending_prefill_tokens: 100, reported_waiting: 0 });
+        g.prefill_done();
+        assert_eq!(u.load().pending_prefill_tokens, 0);
+        drop(g);
+        assert_eq!(u.load(), Load::default());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ejection_after_failures_and_recovery() {
+        let u = Upstream::default();
+        let ejection = Duration::from_secs(10);
+        assert!(!u.record_failure(3, ejection));
+        assert!(!u.record_failure(3, ejection));
+        assert!(u.record_failure(3, ejection));
+        assert_eq!(u.eligibility(10), Err(Ineligible::Ejected));
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert_eq!(u.eligibility(10), Ok(()));
+        // Still on probation: the next failure ejects again at once.
+        assert!(u.record_failure(3, ejection));
+        tokio::time::advance(Duration::from_secs(11)).await;
+        u.record_success();
+        assert!(!u.record_failure(3, ejection), "a success resets the count");
+    }
+
+    #[test]
+    fn saturation_draining_and_health() {
+        let u = Arc::new(Upstream::default());
+        let _g = u.begin(0);
+        assert_eq!(u.eligibility(1), Err(Ineligible::Saturated));
+        assert_eq!(u.eligibility(2), Ok(()));
+        u.set_healthy(false);
+        assert_eq!(u.eligibility(2), Err(Ineligible::Unhealthy));
+        u.set_draining(true);
+        assert_eq!(u.eligibility(2), Err(Ineligible::Draining));
+    }
+}

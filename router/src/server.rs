@@ -1,0 +1,182 @@
+//! Assembles a router from its [`Config`]: the index, event ingestion, the fleet, the
+//! proxy, health checks and the admin service, every task owned by one `TaskTracker` and
+//! stopped by one `CancellationToken`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use kvroute_proto::openai::{Tokenization, TokenizationConfig, TokenizerSpec};
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::admin::AdminService;
+use crate::config::Config;
+use crate::fleet::Fleet;
+use crate::index::SharedIndex;
+use crate::ingest::{Ingest, IngestConfig};
+use crate::metrics::ProxyMetrics;
+use crate::policy::{self, CacheAwareParams};
+use crate::proxy::credits::Credits;
+use crate::proxy::forward::ForwardConfig;
+use crate::proxy::prompts::{Client, Prompts, RemoteTokenizer};
+use crate::proxy::route::Decider;
+use crate::proxy::{self, ProxyState};
+
+/// A running router: where it listens, and handles for tests and embedded fleets.
+pub struct RunningRouter {
+    pub addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub state: Arc<ProxyState>,
+    pub tracker: TaskTracker,
+    pub shutdown: CancellationToken,
+}
+
+impl RunningRouter {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn admin_url(&self) -> String {
+        format!("http://{}", self.admin_addr)
+    }
+
+    pub fn fleet(&self) -> &Fleet {
+        self.state.fleet()
+    }
+
+    /// Stops every task and waits for them (open requests finish first).
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        self.tracker.close();
+        self.tracker.wait().await;
+    }
+}
+
+/// The upstream HTTP client: pooled keep-alive connections, connect timeout.
+pub fn client(connect_timeout: Duration) -> Client {
+    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    connector.set_connect_timeout(Some(connect_timeout));
+    connector.set_nodelay(true);
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(1024)
+        .build(connector)
+}
+
+/// Binds the proxy and admin listeners (port 0 allowed), starts every task and returns.
+pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Result<RunningRouter> {
+    if let Err(errors) = config.validate() {
+        anyhow::bail!("invalid configuration:\n  - {}", errors.join("\n  - "));
+    }
+    let tracker = TaskTracker::new();
+    let mut registry = Registry::default();
+    let index = SharedIndex::new();
+    let ingest = Ingest::start(
+        IngestConfig::default(),
+        index.clone(),
+        &mut registry,
+        tracker.clone(),
+        shutdown.clone(),
+    );
+    let fleet = Fleet::new(ingest, Arc::new(Credits::new(config.credit_ttl())));
+    for r in &config.replicas {
+        fleet
+            .add(r.to_spec(&config.model, config.block_size))
+            .with_context(|| format!("adding replica {}", r.name))?;
+    }
+
+    let tokenization = Arc::new(
+        Tokenization::new(&TokenizationConfig {
+            base_model: config.model.clone(),
+            lora_adapters: config.lora_adapters.clone(),
+            tokenizer: match &config.tokenizer {
+                Some(path) => TokenizerSpec::HuggingFace { path: path.clone() },
+                None => TokenizerSpec::Builtin,
+            },
+            tokenizer_config: config.tokenizer_config.clone(),
+            chat_template: config.chat_template.clone(),
+        })
+        .context("loading the tokenizer")?,
+    );
+    let client = client(config.connect_timeout());
+    let prompts = if config.remote_tokenize {
+        Prompts::Remote(RemoteTokenizer::new(tokenization, client.clone(), config.first_byte_timeout()))
+    } else {
+        Prompts::Local(tokenization)
+    };
+    let metrics = ProxyMetrics::register(&mut registry);
+    let params = CacheAwareParams { in_flight_tokens: config.load_weight };
+    let decider = Decider {
+        fleet: fleet.clone(),
+        index,
+        policy: policy::build(config.policy, params, config.seed),
+        prompts,
+        block_size: config.block_size as usize,
+        max_in_flight_per_replica: config.max_in_flight_per_replica,
+        metrics,
+    };
+    let mut models = vec![config.model.clone()];
+    models.extend(config.lora_adapters.iter().cloned());
+    let state = Arc::new(ProxyState {
+        decider,
+        client: client.clone(),
+        forward: ForwardConfig {
+            first_byte_timeout: config.first_byte_timeout(),
+            idle_timeout: config.idle_timeout(),
+            eject_after: config.eject_after,
+            ejection: config.ejection(),
+        },
+        registry: Arc::new(registry),
+        max_body_bytes: config.max_body_bytes,
+        in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
+        models,
+    });
+
+    let listener =
+        TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+    let admin_listener = TcpListener::bind(config.admin_listen)
+        .await
+        .with_context(|| format!("binding {}", config.admin_listen))?;
+    let addr = listener.local_addr()?;
+    let admin_addr = admin_listener.local_addr()?;
+
+    tracker.spawn(proxy::serve(listener, state.clone(), shutdown.clone()));
+    tracker.spawn(proxy::health::run(
+        fleet.clone(),
+        client,
+        config.health_interval(),
+        config.health_interval().min(config.connect_timeout() * 2),
+        shutdown.clone(),
+    ));
+    let admin = AdminService::new(state.clone(), config.model.clone(), config.block_size)
+        .into_server(config.admin_token.clone().filter(|t| !t.is_empty()));
+    let admin_shutdown = shutdown.clone();
+    tracker.spawn(async move {
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(admin_listener);
+        let served = tonic::transport::Server::builder()
+            .add_service(admin)
+            .serve_with_incoming_shutdown(incoming, admin_shutdown.cancelled_owned())
+            .await;
+        if let Err(e) = served {
+            tracing::error!(error = %e, "admin gRPC server failed");
+        }
+    });
+    tracing::info!(
+        listen = %addr, admin = %admin_addr, policy = config.policy.as_str(),
+        replicas = config.replicas.len(), admin_auth = config.admin_token.is_some(), "router started"
+    );
+    Ok(RunningRouter { addr, admin_addr, state, tracker, shutdown })
+}
+
+/// Runs a router until `shutdown` fires, then waits for its tasks.
+pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let router = start(config, shutdown.clone()).await?;
+    shutdown.cancelled().await;
+    router.stop().await;
+    Ok(())
+}

@@ -1,0 +1,124 @@
+//! The admin gRPC service over real gRPC: listing, explaining, draining, removing, adding,
+//! and the bearer token.
+
+use kvroute_proto::pb::{self, router_admin_client::RouterAdminClient};
+use serde_json::json;
+use tonic::Request;
+
+use crate::fleet::{FLEET_MODEL, Fleet, agent_config, replica_config};
+use crate::support::wait_until;
+
+fn body(prompt: &str) -> Vec<u8> {
+    json!({"model": FLEET_MODEL, "prompt": prompt, "max_tokens": 1}).to_string().into_bytes()
+}
+
+const PROMPT: &str = "the admin service explains where this long enough prompt would go and why";
+
+#[tokio::test]
+async fn list_explain_drain_remove_and_add() {
+    let fleet = Fleet::start(3).await;
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
+
+    let list = admin.list_replicas(pb::ListReplicasRequest {}).await.unwrap().into_inner();
+    assert_eq!(list.replicas.len(), 3);
+    for r in &list.replicas {
+        assert_eq!(r.state, pb::StreamState::Exact as i32);
+        assert!(r.healthy && !r.draining);
+    }
+
+    // Serve a prompt once; Explain then shows its overlap on the replica that cached it.
+    let reply =
+        fleet.http.post(&fleet.url("/v1/completions"), &serde_json::from_slice(&body(PROMPT)).unwrap()).await;
+    let home = reply.header("x-kvroute-replica").unwrap().to_owned();
+    let home_id = fleet.router.fleet().member(&home).unwrap().replica.id;
+    let index = fleet.router.state.decider.index.clone();
+    let blocks = fleet
+        .router
+        .state
+        .decider
+        .explain(kvroute_proto::openai::Endpoint::Completions, &body(PROMPT))
+        .await
+        .unwrap()
+        .blocks;
+    wait_until("events reach the index", || index.lookup(&blocks).get(home_id) == blocks.len()).await;
+    let explain = admin
+        .explain(pb::ExplainRequest { path: "/v1/completions".into(), body: body(PROMPT) })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(explain.chosen, home);
+    assert_eq!(explain.policy, "cache-aware");
+    assert_eq!(explain.candidates.len(), 3);
+    let chosen = explain.candidates.iter().find(|c| c.replica == home).unwrap();
+    assert_eq!(chosen.overlap_blocks, explain.request_blocks);
+    assert!(explain.candidates.iter().all(|c| c.cost >= chosen.cost));
+    let bad = admin.explain(pb::ExplainRequest { path: "/v1/completions".into(), body: b"{".to_vec() }).await;
+    assert_eq!(bad.unwrap_err().code(), tonic::Code::InvalidArgument);
+
+    // Draining the home replica sends the same prompt elsewhere.
+    let drained = admin.drain(pb::DrainRequest { id: home.clone(), drain: true }).await.unwrap().into_inner();
+    assert!(drained.draining);
+    let reply =
+        fleet.http.post(&fleet.url("/v1/completions"), &serde_json::from_slice(&body(PROMPT)).unwrap()).await;
+    assert_eq!(reply.status, 200);
+    assert_ne!(reply.header("x-kvroute-replica"), Some(home.as_str()));
+    admin.drain(pb::DrainRequest { id: home.clone(), drain: false }).await.unwrap();
+
+    // Removing frees its index entries; adding it back makes it routable again.
+    let before = index.blocks(home_id);
+    assert!(before > 0);
+    let removed =
+        admin.remove_replica(pb::RemoveReplicaRequest { id: home.clone() }).await.unwrap().into_inner();
+    assert!(removed.removed);
+    assert_eq!(removed.blocks_freed, before as u64);
+    assert_eq!(index.blocks(home_id), 0);
+    assert_eq!(admin.list_replicas(pb::ListReplicasRequest {}).await.unwrap().into_inner().replicas.len(), 2);
+    let missing = admin.drain(pb::DrainRequest { id: home.clone(), drain: true }).await;
+    assert_eq!(missing.unwrap_err().code(), tonic::Code::NotFound);
+
+    let agent = fleet.agents.iter().flatten().find(|a| a.name == home).unwrap();
+    let r = replica_config(agent);
+    let spec = pb::ReplicaSpec {
+        id: r.name,
+        http_url: r.http,
+        event_endpoint: r.events,
+        replay_endpoint: r.replay.unwrap_or_default(),
+        grpc_endpoint: r.grpc.unwrap_or_default(),
+        engine: pb::EngineKind::Kvroute as i32,
+        dp_size: 1,
+        topic: String::new(),
+    };
+    admin.add_replica(pb::AddReplicaRequest { spec: Some(spec.clone()) }).await.unwrap();
+    let fleet_handle = fleet.router.fleet().clone();
+    wait_until("re-added replica syncs from its snapshot", || fleet_handle.ready()).await;
+    assert!(index.blocks(home_id) > 0, "the snapshot restored its blocks");
+    let dup = admin.add_replica(pb::AddReplicaRequest { spec: Some(spec) }).await;
+    assert_eq!(dup.unwrap_err().code(), tonic::Code::InvalidArgument);
+}
+
+#[tokio::test]
+async fn a_token_protects_the_admin_service() {
+    let fleet =
+        Fleet::with(1, agent_config, |c| kvroute_router::Config { admin_token: Some("s3cret".into()), ..c })
+            .await;
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
+    let denied = admin.list_replicas(pb::ListReplicasRequest {}).await.unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::Unauthenticated);
+    let mut wrong = Request::new(pb::ListReplicasRequest {});
+    wrong.metadata_mut().insert("authorization", "Bearer nope".parse().unwrap());
+    assert_eq!(admin.list_replicas(wrong).await.unwrap_err().code(), tonic::Code::Unauthenticated);
+    let mut right = Request::new(pb::ListReplicasRequest {});
+    right.metadata_mut().insert("authorization", "Bearer s3cret".parse().unwrap());
+    assert_eq!(admin.list_replicas(right).await.unwrap().into_inner().replicas.len(), 1);
+}
+
+#[test]
+fn the_admin_service_beyond_loopback_needs_a_token() {
+    let config = kvroute_router::Config {
+        admin_listen: "0.0.0.0:0".parse().unwrap(),
+        ..kvroute_router::Config::default()
+    };
+    assert!(config.validate().is_err());
+    let config = kvroute_router::Config { admin_token: Some("t".into()), ..config };
+    assert_eq!(config.validate(), Ok(()));
+}

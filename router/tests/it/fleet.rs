@@ -1,0 +1,181 @@
+//! A whole fleet on loopback: N real replica agents (engine, events, gRPC, HTTP) and a real
+//! router in front of them, plus a small HTTP client.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use kvroute_replica_agent::RunningAgent;
+use kvroute_router::RunningRouter;
+use kvroute_router::config::{Config as RouterConfig, EngineName, ReplicaConfig};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::wait_until;
+
+pub const FLEET_MODEL: &str = "kvroute-sim";
+pub const FLEET_BLOCK: u32 = 4;
+
+/// An agent config for fast tests: 4-token blocks and a 1000x time scale.
+pub fn agent_config(name: &str) -> kvroute_replica_agent::Config {
+    kvroute_replica_agent::Config {
+        model: FLEET_MODEL.into(),
+        block_size: FLEET_BLOCK,
+        capacity_blocks: 4096,
+        time_scale: 1000.0,
+        ..kvroute_replica_agent::Config::loopback(name)
+    }
+}
+
+pub fn replica_config(agent: &RunningAgent) -> ReplicaConfig {
+    ReplicaConfig {
+        name: agent.name.clone(),
+        http: agent.http_url(),
+        events: agent.events_endpoint.clone(),
+        replay: agent.replay_endpoint.clone(),
+        grpc: Some(agent.grpc_url()),
+        engine: EngineName::Kvroute,
+        dp_size: 1,
+        topic: String::new(),
+    }
+}
+
+/// A router config in front of `agents`, with fast health checks.
+pub fn router_config(agents: &[RunningAgent]) -> RouterConfig {
+    RouterConfig {
+        model: FLEET_MODEL.into(),
+        block_size: FLEET_BLOCK,
+        health_interval_ms: 100,
+        ..RouterConfig::loopback(agents.iter().map(replica_config).collect())
+    }
+}
+
+/// Agents and a router; everything stops when dropped.
+pub struct Fleet {
+    pub agents: Vec<Option<RunningAgent>>,
+    pub router: RunningRouter,
+    pub http: Http,
+    pub shutdown: CancellationToken,
+}
+
+impl Fleet {
+    /// Starts `n` agents and a router, and waits until the router is ready.
+    pub async fn start(n: usize) -> Fleet {
+        Fleet::with(n, agent_config, |c| c).await
+    }
+
+    pub async fn with(
+        n: usize,
+        agent: impl Fn(&str) -> kvroute_replica_agent::Config,
+        router: impl FnOnce(RouterConfig) -> RouterConfig,
+    ) -> Fleet {
+        let shutdown = CancellationToken::new();
+        let mut agents = Vec::new();
+        for i in 0..n {
+            let config = agent(&format!("agent-{i}"));
+            agents.push(
+                kvroute_replica_agent::start(config, shutdown.child_token()).await.expect("agent starts"),
+            );
+        }
+        let config = router(router_config(&agents));
+        let router = kvroute_router::start(config, shutdown.child_token()).await.expect("router starts");
+        let fleet = router.fleet().clone();
+        wait_until("router ready", || fleet.ready()).await;
+        Fleet { agents: agents.into_iter().map(Some).collect(), router, http: Http::new(), shutdown }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.router.url())
+    }
+
+    pub fn agent(&self, i: usize) -> &RunningAgent {
+        self.agents[i].as_ref().expect("agent is running")
+    }
+
+    /// Stops agent `i` (its sockets close; in-flight requests end).
+    pub async fn kill(&mut self, i: usize) {
+        if let Some(agent) = self.agents[i].take() {
+            agent.stop().await;
+        }
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// A reply with its body collected.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// `usage.prompt_tokens_details.cached_tokens` of a non-streamed completion.
+    pub fn cached_tokens(&self) -> u64 {
+        self.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens")
+    }
+}
+
+/// A small HTTP client.
+#[derive(Clone)]
+pub struct Http {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Http {
+    pub fn new() -> Self {
+        Self { client: Client::builder(TokioExecutor::new()).build_http() }
+    }
+
+    pub async fn send(&self, method: http::Method, url: &str, body: impl Into<Bytes>) -> Reply {
+        let request = Request::builder()
+            .method(method)
+            .uri(url)
+            .header("content-type", "application/json")
+            .body(Full::new(body.into()))
+            .unwrap();
+        let response = tokio::time::timeout(Duration::from_secs(30), self.client.request(request))
+            .await
+            .unwrap()
+            .unwrap();
+        let (parts, body) = response.into_parts();
+        let body =
+            tokio::time::timeout(Duration::from_secs(30), body.collect()).await.unwrap().unwrap().to_bytes();
+        Reply { status: parts.status, headers: parts.headers, body }
+    }
+
+    pub async fn post(&self, url: &str, json: &Value) -> Reply {
+        self.send(http::Method::POST, url, json.to_string()).await
+    }
+
+    pub async fn get(&self, url: &str) -> Reply {
+        self.send(http::Method::GET, url, Bytes::new()).await
+    }
+
+    /// Sends a request and returns the response with its body still streaming.
+    pub async fn stream(&self, url: &str, json: &Value) -> http::Response<hyper::body::Incoming> {
+        let request = Request::post(url)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(json.to_string())))
+            .unwrap();
+        self.client.request(request).await.unwrap()
+    }
+}

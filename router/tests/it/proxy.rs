@@ -1,0 +1,233 @@
+//! The cache-aware proxy end to end: real replica agents behind a real router on loopback.
+
+use std::collections::HashMap;
+
+use http_body_util::BodyExt;
+use hyper::body::Body;
+use kvroute_proto::CacheNamespace;
+use kvroute_proto::openai::Endpoint;
+use serde_json::{Value, json};
+
+use crate::fleet::{FLEET_BLOCK, FLEET_MODEL, Fleet, agent_config};
+use crate::support::wait_until;
+
+fn completion(prompt: &str, max_tokens: u32) -> Value {
+    json!({"model": FLEET_MODEL, "prompt": prompt, "max_tokens": max_tokens})
+}
+
+/// A prompt of `words` distinct words starting with `tag`.
+fn text(tag: &str, words: usize) -> String {
+    (0..words).map(|i| format!("{tag}{i}")).collect::<Vec<_>>().join(" ")
+}
+
+#[tokio::test]
+async fn same_prefix_requests_land_on_the_replica_that_cached_them() {
+    let fleet = Fleet::start(3).await;
+    let mut home = HashMap::new();
+    for doc in 0..6 {
+        let prefix = text(&format!("doc{doc}w"), 40);
+        let first = fleet.http.post(&fleet.url("/v1/completions"), &completion(&prefix, 2)).await;
+        assert_eq!(first.status, 200, "{:?}", first.body);
+        assert_eq!(first.cached_tokens(), 0);
+        home.insert(doc, first.header("x-kvroute-replica").unwrap().to_owned());
+    }
+    for doc in 0..6 {
+        let follow_up = format!("{} and then a question {doc}", text(&format!("doc{doc}w"), 40));
+        let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion(&follow_up, 2)).await;
+        assert_eq!(reply.status, 200);
+        assert_eq!(
+            reply.header("x-kvroute-replica"),
+            Some(home[&doc].as_str()),
+            "doc {doc} follows its prefix"
+        );
+        let predicted: u64 = reply.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
+        assert!(predicted > 0);
+        assert!(reply.cached_tokens() > 0, "the replica reports a real hit");
+        assert_eq!(reply.cached_tokens(), predicted, "prediction is exact with an exact index");
+    }
+    let used: std::collections::HashSet<&String> = home.values().collect();
+    assert!(used.len() > 1, "new prefixes spread over the fleet: {home:?}");
+}
+
+#[tokio::test]
+async fn a_fleet_wide_shared_first_block_does_not_send_everything_to_one_replica() {
+    let fleet =
+        Fleet::with(4, |n| kvroute_replica_agent::Config { time_scale: 20.0, ..agent_config(n) }, |c| c)
+            .await;
+    let system = text("system", 24);
+    let url = fleet.url("/v1/completions");
+    let mut tasks = Vec::new();
+    for i in 0..48 {
+        let http = fleet.http.clone();
+        let url = url.clone();
+        let body = completion(&format!("{system} user question {i} {}", text(&format!("q{i}w"), 10)), 16);
+        tasks.push(tokio::spawn(async move { http.post(&url, &body).await }));
+    }
+    let mut per_replica: HashMap<String, u32> = HashMap::new();
+    for t in tasks {
+        let reply = t.await.unwrap();
+        assert_eq!(reply.status, 200);
+        *per_replica.entry(reply.header("x-kvroute-replica").unwrap().to_owned()).or_default() += 1;
+    }
+    assert_eq!(per_replica.len(), 4, "every replica served some: {per_replica:?}");
+    let max = *per_replica.values().max().unwrap() as f64;
+    let mean = 48.0 / 4.0;
+    assert!(max / mean <= 2.0, "load skew {} too high: {per_replica:?}", max / mean);
+}
+
+#[tokio::test]
+async fn streaming_passes_chunks_through_before_the_response_ends() {
+    let fleet =
+        Fleet::with(2, |n| kvroute_replica_agent::Config { time_scale: 1.0, ..agent_config(n) }, |c| c).await;
+    let body = json!({"model": FLEET_MODEL, "prompt": text("stream", 20), "max_tokens": 200, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let response = fleet.http.stream(&fleet.url("/v1/completions"), &body).await;
+    assert_eq!(response.status(), 200);
+    assert!(response.headers().get("x-kvroute-replica").is_some());
+    let mut body = response.into_body();
+    let first = loop {
+        let frame = body.frame().await.expect("a frame").expect("no error");
+        if let Ok(data) = frame.into_data()
+            && !data.is_empty()
+        {
+            break data;
+        }
+    };
+    assert!(std::str::from_utf8(&first).unwrap().starts_with("data: "));
+    // 200 tokens at 6 ms per step take over a second: the first chunk came well before the end.
+    assert!(!body.is_end_stream(), "the first chunk arrived while the replica was still generating");
+    let rest = body.collect().await.unwrap().to_bytes();
+    let text = String::from_utf8_lossy(&rest);
+    assert!(text.trim_end().ends_with("data: [DONE]"));
+    assert!(text.contains("\"cached_tokens\""));
+}
+
+#[tokio::test]
+async fn a_killed_replica_loses_no_request_that_had_not_started() {
+    let mut fleet = Fleet::start(3).await;
+    fleet.kill(1).await;
+    // Before any health check notices, requests routed to the dead replica are refused at
+    // connect time and retried elsewhere.
+    for i in 0..30 {
+        let reply = fleet
+            .http
+            .post(&fleet.url("/v1/completions"), &completion(&text(&format!("k{i}w"), 12), 2))
+            .await;
+        assert_eq!(reply.status, 200, "request {i}: {}", String::from_utf8_lossy(&reply.body));
+        assert_ne!(reply.header("x-kvroute-replica"), Some("agent-1"));
+    }
+}
+
+#[tokio::test]
+async fn malformed_oversized_and_unknown_requests_get_openai_errors() {
+    let fleet = Fleet::with(1, agent_config, |c| kvroute_router::Config { max_body_bytes: 1024, ..c }).await;
+    let url = fleet.url("/v1/completions");
+    let cases = [
+        (fleet.http.send(http::Method::POST, &url, "{not json").await, 400),
+        (fleet.http.post(&url, &json!({"model": FLEET_MODEL})).await, 400),
+        (fleet.http.post(&url, &json!({"model": FLEET_MODEL, "prompt": 7})).await, 400),
+        (fleet.http.post(&url, &json!({"model": FLEET_MODEL, "prompt": "x".repeat(4096)})).await, 413),
+        (
+            fleet
+                .http
+                .post(&fleet.url("/v1/chat/completions"), &json!({"model": FLEET_MODEL, "messages": []}))
+                .await,
+            400,
+        ),
+        (fleet.http.get(&url).await, 405),
+        (fleet.http.get(&fleet.url("/nope")).await, 404),
+    ];
+    for (i, (reply, status)) in cases.iter().enumerate() {
+        assert_eq!(reply.status.as_u16(), *status, "case {i}: {}", String::from_utf8_lossy(&reply.body));
+        let error = &reply.json()["error"];
+        assert!(error["message"].is_string() && error["type"].is_string(), "case {i}: {error}");
+        assert!(error.get("param").is_some() && error.get("code").is_some(), "case {i}: {error}");
+        assert!(reply.header("x-request-id").is_some(), "case {i}");
+    }
+}
+
+#[tokio::test]
+async fn router_hashes_equal_the_blocks_the_replica_stores() {
+    let fleet = Fleet::start(1).await;
+    let decider = &fleet.router.state.decider;
+    let chat = json!({"model": FLEET_MODEL, "messages": [
+        {"role": "system", "content": text("sys", 30)},
+        {"role": "user", "content": "what is the answer"}], "max_tokens": 2});
+    let completion = completion(&text("parity", 33), 2);
+    for (path, endpoint, body) in [
+        ("/v1/completions", Endpoint::Completions, &completion),
+        ("/v1/chat/completions", Endpoint::ChatCompletions, &chat),
+    ] {
+        let plan = decider.explain(endpoint, body.to_string().as_bytes()).await.unwrap();
+        assert!(plan.blocks.len() >= 5, "{path}: several blocks");
+        let reply = fleet.http.post(&fleet.url(path), body).await;
+        assert_eq!(reply.status, 200);
+        let resident: std::collections::HashSet<_> = fleet.agent(0).engine.resident().into_iter().collect();
+        for b in &plan.blocks {
+            assert!(resident.contains(b), "{path}: router block {b} is what the replica stored");
+        }
+        let prompt_tokens = reply.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(plan.prompt_tokens, prompt_tokens, "{path}: same token count");
+    }
+    // Token-id prompts skip tokenization and hash the same way.
+    let ids: Vec<u32> = (100..140).collect();
+    let body = json!({"model": FLEET_MODEL, "prompt": ids, "max_tokens": 1});
+    let plan = decider.explain(Endpoint::Completions, body.to_string().as_bytes()).await.unwrap();
+    assert_eq!(plan.blocks, CacheNamespace::new(FLEET_MODEL).chain(&ids, FLEET_BLOCK as usize));
+}
+
+#[tokio::test]
+async fn two_routers_in_front_of_one_fleet_converge_to_the_same_index() {
+    let fleet = Fleet::start(3).await;
+    let second = kvroute_router::start(
+        kvroute_router::Config {
+            replicas: fleet
+                .router
+                .state
+                .fleet()
+                .members()
+                .iter()
+                .map(|m| {
+                    let s = &m.replica.spec;
+                    kvroute_router::config::ReplicaConfig {
+                        name: s.name.clone(),
+                        http: s.http_url.clone(),
+                        events: s.event_endpoint.clone(),
+                        replay: s.replay_endpoint.clone(),
+                        grpc: s.grpc_endpoint.clone(),
+                        engine: kvroute_router::config::EngineName::Kvroute,
+                        dp_size: 1,
+                        topic: String::new(),
+                    }
+                })
+                .collect(),
+            model: FLEET_MODEL.into(),
+            block_size: FLEET_BLOCK,
+            ..kvroute_router::Config::loopback(Vec::new())
+        },
+        fleet.shutdown.child_token(),
+    )
+    .await
+    .unwrap();
+    for i in 0..20 {
+        let reply = fleet
+            .http
+            .post(&fleet.url("/v1/completions"), &completion(&text(&format!("conv{i}w"), 20), 1))
+            .await;
+        assert_eq!(reply.status, 200);
+    }
+    let blocks = |r: &kvroute_router::RunningRouter| -> Vec<(String, usize)> {
+        r.fleet()
+            .members()
+            .iter()
+            .map(|m| (m.replica.spec.name.clone(), r.state.decider.index.blocks(m.replica.id)))
+            .collect()
+    };
+    let truth: Vec<(String, usize)> =
+        fleet.agents.iter().flatten().map(|a| (a.name.clone(), a.engine.resident().len())).collect();
+    wait_until("both routers mirror every replica", || {
+        blocks(&fleet.router) == truth && blocks(&second) == truth
+    })
+    .await;
+    assert!(truth.iter().map(|(_, n)| n).sum::<usize>() > 0);
+}
