@@ -235,9 +235,10 @@ impl Scheduler {
                     completion_tokens: r.generated,
                     cached_tokens: r.cached_tokens,
                 };
-                let _ = r.out.try_send(Output::Done(usage));
+                // Count before telling the client, so a scrape right after the response sees it.
                 self.metrics.requests_served.fetch_add(1, Ordering::Relaxed);
                 self.metrics.generation_tokens.fetch_add(u64::from(r.generated), Ordering::Relaxed);
+                let _ = r.out.try_send(Output::Done(usage));
                 r.gone = true;
             }
         }

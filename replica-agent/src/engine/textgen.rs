@@ -7,9 +7,10 @@
 use xxhash_rust::xxh3::xxh3_64;
 
 const WORDS: &[&str] = &[
-    "the", "cache", "block", "prefix", "token", "router", "replica", "fleet", "prompt", "batch", "fast",
-    "exact", "load", "queue", "stream", "event", "hash", "chain", "model", "serve", "reuse", "skip",
-    "prefill", "decode", "system", "user", "answer", "and", "of", "to", "in", "is",
+    " the", " cache", " block", " prefix", " token", " router", " replica", " fleet", " prompt", " batch",
+    " fast", " exact", " load", " queue", " stream", " event", " hash", " chain", " model", " serve",
+    " reuse", " skip", " prefill", " decode", " system", " user", " answer", " and", " of", " to", " in",
+    " is",
 ];
 
 /// An endless, deterministic word stream for one request.
@@ -23,7 +24,7 @@ impl TextGen {
         Self { state: xxh3_64(&bytes) ^ seed }
     }
 
-    /// The next token's text.
+    /// The next token's text: one word with a leading space.
     pub fn next_token(&mut self) -> &'static str {
         // SplitMix64.
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -48,5 +49,6 @@ mod tests {
         assert_eq!(take(&[1, 2, 3], 0), take(&[1, 2, 3], 0));
         assert_ne!(take(&[1, 2, 3], 0), take(&[1, 2, 4], 0));
         assert_ne!(take(&[1, 2, 3], 0), take(&[1, 2, 3], 1));
+        assert!(take(&[1], 0).iter().all(|w| w.starts_with(' ') && w.len() > 1));
     }
 }
