@@ -31,7 +31,7 @@
 //!
 //! **Costs.** `store`/`remove`: O(1) per hash. `clear_replica`: one sweep of its group's
 //! table, O(distinct blocks in the group) rather than O(blocks it held). Keeping a per-replica
-//! block list instead would add 9-18 bytes to every (block, replica) entry for an operation
+//! block list instead would add 10-20 bytes to every (block, replica) entry for an operation
 //! that only runs when a replica restarts or leaves; the sweep of a 1 M-block table takes
 //! 2.9 ms, as 256 lock holds of about 11 µs.
 //!
@@ -69,7 +69,7 @@
 //! # Measured (`cargo bench -p kvroute-router --bench index`, release, 2 shared cores)
 //!
 //! - Ingest: 17-22 M block-ops/s on one core through `SharedIndex` (store + remove churn of
-//!   128-block batches over 16 replicas, 512 k entries live); 11 M with the machine at load 4.
+//!   128-block batches over 16 replicas, 512 k entries live); 11-15 M in runs at load 3-4.
 //! - Memory (counting allocator): 35.7 bytes per (block, replica) entry at 1 M distinct
 //!   blocks each held by one replica, which is the worst case (hashbrown is at its least
 //!   full, 48 %, just past a doubling); 23.8 B at 1.5 M; 8.9 B at 1 M blocks × 4 replicas.
