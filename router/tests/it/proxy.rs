@@ -231,3 +231,59 @@ async fn two_routers_in_front_of_one_fleet_converge_to_the_same_index() {
     .await;
     assert!(truth.iter().map(|(_, n)| n).sum::<usize>() > 0);
 }
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto/tests/data").join(name)
+}
+
+/// Blocks the router computes for `body` are blocks the replica stored after serving it.
+async fn assert_parity(fleet: &Fleet, path: &str, endpoint: Endpoint, body: &Value) {
+    let plan = fleet.router.state.decider.explain(endpoint, body.to_string().as_bytes()).await.unwrap();
+    assert!(plan.blocks.len() >= 3, "{path}: several blocks");
+    let reply = fleet.http.post(&fleet.url(path), body).await;
+    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(plan.prompt_tokens, reply.json()["usage"]["prompt_tokens"].as_u64().unwrap(), "{path}");
+    let resident: std::collections::HashSet<_> = fleet.agent(0).engine.resident().into_iter().collect();
+    assert!(
+        plan.blocks.iter().all(|b| resident.contains(b)),
+        "{path}: router blocks were stored by the replica"
+    );
+    // And the next identical request is predicted and served as a full-prefix hit.
+    let again = fleet.http.post(&fleet.url(path), body).await;
+    let predicted: u64 = again.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
+    assert_eq!(predicted, again.cached_tokens(), "{path}");
+    assert!(predicted > 0);
+}
+
+#[tokio::test]
+async fn a_huggingface_tokenizer_and_chat_template_hash_like_the_replica() {
+    let fleet = Fleet::with(
+        1,
+        |n| kvroute_replica_agent::Config {
+            tokenizer: Some(fixture("tiny-tokenizer.json")),
+            chat_template: Some(fixture("tiny-tokenizer_config.json")),
+            ..agent_config(n)
+        },
+        |c| kvroute_router::Config {
+            tokenizer: Some(fixture("tiny-tokenizer.json")),
+            tokenizer_config: Some(fixture("tiny-tokenizer_config.json")),
+            ..c
+        },
+    )
+    .await;
+    let chat = json!({"model": FLEET_MODEL, "max_tokens": 1, "messages": [
+        {"role": "system", "content": "You route requests to the replica that cached them."},
+        {"role": "user", "content": "Which replica holds the longest prefix of this question?"}]});
+    assert_parity(&fleet, "/v1/chat/completions", Endpoint::ChatCompletions, &chat).await;
+    let completion = completion("A completion prompt, tokenized with a byte-level BPE and a BOS token.", 1);
+    assert_parity(&fleet, "/v1/completions", Endpoint::Completions, &completion).await;
+}
+
+#[tokio::test]
+async fn remote_tokenization_asks_a_replica_and_hashes_like_it() {
+    let fleet = Fleet::with(1, agent_config, |c| kvroute_router::Config { remote_tokenize: true, ..c }).await;
+    let chat = json!({"model": FLEET_MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": text("remote", 30)}]});
+    assert_parity(&fleet, "/v1/chat/completions", Endpoint::ChatCompletions, &chat).await;
+    assert_parity(&fleet, "/v1/completions", Endpoint::Completions, &completion(&text("rc", 30), 1)).await;
+}
