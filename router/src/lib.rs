@@ -9,10 +9,13 @@
 //!   power-of-two) as pure functions of a request and replica views, shared with `loadgen`.
 //! - [`replicas`]: the replica registry: configuration, name ↔ [`kvroute_proto::ReplicaId`]
 //!   interning, and the live status (stream state, seq, counters) the other parts read.
+//! - [`discovery`]: keeps the replica set equal to a headless Service's DNS records or a
+//!   Service's Kubernetes EndpointSlices (cargo feature `k8s`), through a [`discovery::ReplicaSink`].
 #![forbid(unsafe_code)]
 
 pub mod admin;
 pub mod config;
+pub mod discovery;
 pub mod fleet;
 pub mod index;
 pub mod ingest;

@@ -13,11 +13,14 @@ use std::sync::{Arc, PoisonError, RwLock};
 
 use kvroute_proto::pb;
 use kvroute_proto::{CacheNamespace, Epoch, ReplicaId, Seq};
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tokio::sync::watch;
 
-/// Which event format a replica publishes and whose hashes it uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Which event format a replica publishes and whose hashes it uses (spelled `kvroute`,
+/// `vllm`, `sglang` in flags and files).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum EngineKind {
     /// kvroute's replica agent: protobuf batches whose hashes are the router's own chain.
     Kvroute,

@@ -1,9 +1,10 @@
 //! The router's integration tests: event ingestion over real ZeroMQ sockets and real gRPC,
-//! the proxy in front of a fleet of real replica agents ([`fleet`]), and the admin service,
-//! on 127.0.0.1 port 0.
+//! replica discovery (DNS, and a fake Kubernetes API server), the proxy in front of a fleet
+//! of real replica agents ([`fleet`]), and the admin service, on 127.0.0.1 port 0.
 
 mod admin;
 mod agent;
+mod discovery;
 mod fleet;
 mod ingest;
 mod proxy;

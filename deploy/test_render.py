@@ -1,0 +1,181 @@
+"""Tests of deploy/render.py and of the rendered manifests' invariants (run by check.sh)."""
+
+import json
+import os
+import re
+import tomllib
+import unittest
+
+import render
+
+DEPLOY = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(DEPLOY)
+OVERLAYS = ["base", "overlays/sim", "overlays/vllm", "loadgen"]
+
+
+def rendered(overlay):
+    return render.render(os.path.join(DEPLOY, overlay))
+
+
+def one(resources, kind, prefix=""):
+    found = [r for r in resources if r["kind"] == kind and r["metadata"]["name"].startswith(prefix)]
+    assert len(found) == 1, f"{kind} {prefix}: {len(found)}"
+    return found[0]
+
+
+class StrategicMerge(unittest.TestCase):
+    def test_named_lists_merge_and_others_replace(self):
+        base = {
+            "spec": {
+                "containers": [
+                    {"name": "a", "env": [{"name": "X", "value": "1"}], "args": ["--x"]},
+                    {"name": "b"},
+                ],
+                "ports": [{"containerPort": 1, "name": "p"}],
+            }
+        }
+        patch = {
+            "spec": {
+                "containers": [{"name": "a", "env": [{"name": "X", "value": "2"}, {"name": "Y"}], "args": ["--y"]}],
+                "ports": [{"containerPort": 2}],
+            }
+        }
+        out = render.strategic_merge(base, patch)
+        a = out["spec"]["containers"][0]
+        self.assertEqual(a["env"], [{"name": "X", "value": "2"}, {"name": "Y"}])
+        self.assertEqual(a["args"], ["--y"])
+        self.assertEqual(out["spec"]["containers"][1], {"name": "b"})
+        self.assertEqual([p["containerPort"] for p in out["spec"]["ports"]], [1, 2])
+        self.assertEqual(base["spec"]["containers"][0]["args"], ["--x"], "the base is not modified")
+
+    def test_null_deletes(self):
+        self.assertEqual(render.strategic_merge({"a": 1, "b": 2}, {"a": None}), {"b": 2})
+
+
+class Images(unittest.TestCase):
+    def test_name_matches_without_tag_and_registry_port(self):
+        res = [
+            {"kind": "Pod", "metadata": {"name": "p"}, "spec": {"containers": [
+                {"name": "a", "image": "kvroute"},
+                {"name": "b", "image": "kvroute:old"},
+                {"name": "c", "image": "reg:5000/kvroute:old"},
+                {"name": "d", "image": "kvroute-other"},
+            ]}}
+        ]
+        render.set_image(res, {"name": "kvroute", "newName": "reg/kv", "newTag": "1.0"})
+        images = [c["image"] for c in res[0]["spec"]["containers"]]
+        self.assertEqual(images, ["reg/kv:1.0", "reg/kv:1.0", "reg:5000/kvroute:old", "kvroute-other"])
+
+
+class Manifests(unittest.TestCase):
+    def test_every_overlay_renders_with_namespaces_and_hashed_config(self):
+        for overlay in OVERLAYS:
+            with self.subTest(overlay=overlay):
+                res = rendered(overlay)
+                for r in res:
+                    if r["kind"] != "Namespace":
+                        self.assertEqual(r["metadata"].get("namespace"), "kvroute", r["metadata"]["name"])
+                config_maps = {r["metadata"]["name"] for r in res if r["kind"] == "ConfigMap"}
+                for r in res:
+                    for pod in render.pod_specs(r):
+                        for v in pod.get("volumes", []):
+                            if "configMap" in v:
+                                self.assertIn(v["configMap"]["name"], config_maps)
+
+    def test_router_deployment(self):
+        for overlay in ["base", "overlays/sim", "overlays/vllm"]:
+            with self.subTest(overlay=overlay):
+                res = rendered(overlay)
+                d = one(res, "Deployment", "kvroute-router")
+                self.assertEqual(d["spec"]["replicas"], 2)
+                pod = d["spec"]["template"]
+                self.assertEqual(pod["metadata"]["annotations"]["prometheus.io/scrape"], "true")
+                c = pod["spec"]["containers"][0]
+                self.assertEqual(c["readinessProbe"]["httpGet"]["path"], "/ready")
+                self.assertEqual(c["livenessProbe"]["httpGet"]["path"], "/health")
+                self.assertIn("requests", c["resources"])
+                self.assertTrue(c["securityContext"]["readOnlyRootFilesystem"])
+                self.assertTrue(pod["spec"]["securityContext"]["runAsNonRoot"])
+                self.assertEqual(pod["spec"]["serviceAccountName"], "kvroute-router")
+                one(res, "PodDisruptionBudget", "kvroute-router")
+                role = one(res, "Role", "kvroute-router-discovery")
+                self.assertEqual(
+                    role["rules"],
+                    [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                      "verbs": ["get", "list", "watch"]}],
+                    "least privilege: read EndpointSlices only",
+                )
+
+    def test_fleets_expose_the_named_ports_discovery_reads(self):
+        for overlay, service, engine in [("overlays/sim", "kvroute-agent", "kvroute"), ("overlays/vllm", "vllm", "vllm")]:
+            with self.subTest(overlay=overlay):
+                res = rendered(overlay)
+                svc = one(res, "Service", service)
+                self.assertEqual(svc["spec"]["clusterIP"], "None", "headless")
+                names = {p["name"] for p in svc["spec"]["ports"]}
+                self.assertTrue({"http", "kv-events", "kv-replay"} <= names, names)
+                cm = one(res, "ConfigMap", "kvroute-router-config")
+                config = tomllib.loads(cm["data"]["router.toml"])
+                self.assertEqual(config["discovery"], "k8s")
+                self.assertEqual(config["discovery-service"], service)
+                self.assertEqual(config["discovery-engine"], engine)
+                self.assertEqual(one(res, "StatefulSet")["spec"]["serviceName"], service)
+
+    def test_vllm_publishes_kv_events_with_prefix_caching(self):
+        res = rendered("overlays/vllm")
+        args = one(res, "StatefulSet", "vllm")["spec"]["template"]["spec"]["containers"][0]["args"]
+        self.assertIn("--enable-prefix-caching", args)
+        self.assertIn("--enable-prompt-tokens-details", args)
+        (events,) = [a.split("=", 1)[1] for a in args if a.startswith("--kv-events-config=")]
+        events = json.loads(events)
+        self.assertEqual(
+            (events["enable_kv_cache_events"], events["publisher"], events["endpoint"], events["replay_endpoint"]),
+            (True, "zmq", "tcp://*:5557", "tcp://*:5558"),
+        )
+        config = tomllib.loads(one(res, "ConfigMap", "kvroute-router-config")["data"]["router.toml"])
+        self.assertEqual(config["discovery-topic"], events["topic"])
+        block = [a for a in args if a.startswith("--block-size=")][0].split("=")[1]
+        self.assertEqual(config["block-size"], int(block))
+        served = [a for a in args if a.startswith("--served-model-name=")][0].split("=")[1]
+        self.assertEqual(config["model"], served)
+
+    def test_router_config_keys_are_router_flags(self):
+        fields = set()
+        for path in ["router/src/config.rs", "router/src/discovery/config.rs"]:
+            full = os.path.join(ROOT, path)
+            if os.path.exists(full):
+                with open(full, encoding="utf-8") as f:
+                    fields |= {m.replace("_", "-") for m in re.findall(r"^\s*pub (\w+):", f.read(), re.M)}
+        if not os.path.exists(os.path.join(ROOT, "router/src/config.rs")):
+            self.skipTest("router/src/config.rs not there yet")
+        for overlay in ["base", "overlays/sim", "overlays/vllm"]:
+            with open(os.path.join(DEPLOY, overlay, "router.toml"), "rb") as f:
+                keys = set(tomllib.load(f))
+            self.assertEqual(keys - fields, set(), overlay)
+
+    def test_dashboard_queries_registered_metrics(self):
+        with open(os.path.join(DEPLOY, "grafana/kvroute-router.json"), encoding="utf-8") as f:
+            dashboard = json.load(f)
+        exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+        self.assertGreater(len(exprs), 10)
+        metrics = {m for e in exprs for m in re.findall(r"kvroute_\w+", e)}
+        sources = ""
+        for directory, _, files in os.walk(os.path.join(ROOT, "router/src")):
+            for name in files:
+                if name.endswith(".rs"):
+                    with open(os.path.join(directory, name), encoding="utf-8") as f:
+                        sources += f.read()
+        missing = []
+        for metric in sorted(metrics):
+            prefix, name = re.match(r"(kvroute_(?:router|ingest|discovery))_(\w+)", metric).groups()
+            name = re.sub(r"_(total|bucket)$", "", name)
+            if f'"{name}"' not in sources or f'"{prefix}"' not in sources:
+                missing.append(metric)
+        # The proxy's metrics land with the lead's work; until then this only reports them.
+        if missing:
+            print(f"\nnote: dashboard metrics not registered (yet) in router/src: {missing}")
+        self.assertTrue(any(m.startswith("kvroute_ingest_") for m in metrics))
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,398 @@
+//! Replica discovery: keeps the router's replica set equal to what the platform says is
+//! running, as an alternative (or an addition) to the static `--replica` list.
+//!
+//! Two sources, chosen by `--discovery` ([`DiscoveryConfig`]):
+//! - **dns** (`dns`): resolves a headless Service's name every `--discovery-interval-ms`
+//!   (5 s); every address is a replica named by its IP, with the configured ports. A failed
+//!   resolution keeps the current set (a resolver hiccup must not empty the fleet; the
+//!   proxy's health checks eject replicas that are really gone).
+//! - **Kubernetes** (`k8s`, cargo feature `k8s`): watches the EndpointSlices labelled
+//!   `kubernetes.io/service-name=<service>` with kube's watcher (list, then watch from the
+//!   list's resourceVersion; a dropped watch resumes from the last seen version, a `410 Gone`
+//!   re-lists). Every endpoint whose `ready` condition is not false is a replica named after
+//!   its pod (`targetRef`, else its address); its ports come from the slice's named ports
+//!   (`http`, `kv-events`, `kv-replay`, `grpc` by default), falling back to the configured
+//!   numbers. An endpoint that turns not-Ready, leaves its slice, or whose slice is deleted
+//!   is removed.
+//!
+//! Both feed a [`Reconciler`]: the desired set (name → [`ReplicaSpec`]) is diffed against
+//! what was last applied, and only the differences reach the [`ReplicaSink`] (removals
+//! first, then additions and changed specs), one at a time and awaited, so a sink never sees
+//! two operations on one name at once. Removing a replica frees everything it held in the
+//! index (the sink calls [`Ingest::remove_replica`]).
+//!
+//! [`Discovery::is_listed`] turns true after the first complete listing, for `/ready`.
+
+pub mod config;
+mod dns;
+#[cfg(feature = "k8s")]
+pub mod k8s;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use config::{DiscoveryConfig, DiscoveryMode, PortNames};
+
+use crate::ingest::{Ingest, IngestError};
+use crate::replicas::{EngineKind, ReplicaSpec};
+
+/// Where discovered replicas go: the seam between discovery and the router's fleet (which
+/// adds them to ingestion and to the proxy's upstreams).
+pub trait ReplicaSink: Send + Sync + 'static {
+    /// Why a spec was refused (logged and counted by discovery, which goes on).
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Adds a replica, or replaces the registered one of the same name whose spec changed
+    /// (e.g. a pod that came back with a new IP).
+    fn upsert(&self, spec: ReplicaSpec) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Removes a replica and frees what it held (index entries, streams, metrics).
+    fn remove(&self, name: &str) -> impl Future<Output = ()> + Send;
+}
+
+/// Ingestion alone as a sink (the fleet wraps it to also update the proxy's upstreams).
+impl ReplicaSink for Ingest {
+    type Error = IngestError;
+
+    async fn upsert(&self, spec: ReplicaSpec) -> Result<(), IngestError> {
+        if let Some(existing) = self.replicas().by_name(&spec.name) {
+            if existing.spec == spec {
+                return Ok(());
+            }
+            self.remove_replica(existing.id).await;
+        }
+        self.add_replica(spec).map(drop)
+    }
+
+    async fn remove(&self, name: &str) {
+        if let Some(existing) = self.replicas().by_name(name) {
+            self.remove_replica(existing.id).await;
+        }
+    }
+}
+
+/// A replica's port numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ports {
+    pub http: u16,
+    /// ZeroMQ PUB port of rank 0.
+    pub events: u16,
+    pub replay: Option<u16>,
+    pub grpc: Option<u16>,
+}
+
+/// What every discovered replica shares; discovery fills in the name and the address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaTemplate {
+    pub engine: EngineKind,
+    pub dp_size: u32,
+    pub topic: String,
+    pub model: String,
+    pub block_size: Option<u32>,
+    /// Default ports (DNS mode; fallbacks for ports a slice does not name).
+    pub ports: Ports,
+}
+
+impl ReplicaTemplate {
+    /// The spec of replica `name` at `host` (an IP address or a DNS name).
+    pub fn spec(&self, name: String, host: &str, ports: Ports) -> ReplicaSpec {
+        let host = if host.contains(':') { format!("[{host}]") } else { host.to_owned() };
+        let mut spec =
+            ReplicaSpec::new(name, format!("tcp://{host}:{}", ports.events), self.engine, self.model.clone());
+        spec.http_url = format!("http://{host}:{}", ports.http);
+        spec.replay_endpoint = ports.replay.map(|p| format!("tcp://{host}:{p}"));
+        spec.grpc_endpoint = ports.grpc.map(|p| format!("http://{host}:{p}"));
+        spec.dp_size = self.dp_size;
+        spec.topic = self.topic.clone();
+        spec.block_size = self.block_size;
+        spec
+    }
+}
+
+/// Why discovery could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    #[error("--discovery-service is required with --discovery dns|k8s")]
+    NoService,
+    #[error("--discovery k8s needs a router built with the `k8s` feature")]
+    K8sDisabled,
+    #[cfg(feature = "k8s")]
+    #[error("cannot set up the Kubernetes client")]
+    Kube(#[source] kube::Error),
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabel {
+    op: &'static str,
+}
+
+/// Discovery's metrics (prefix `kvroute_discovery_`).
+#[derive(Clone, Debug, Default)]
+pub struct DiscoveryMetrics {
+    replicas: Gauge,
+    changes: Family<OpLabel, Counter>,
+    errors: Counter,
+}
+
+impl DiscoveryMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        let r = registry.sub_registry_with_prefix("kvroute_discovery");
+        r.register("replicas", "Replicas discovery currently lists", m.replicas.clone());
+        r.register("changes", "Replica additions, updates and removals applied", m.changes.clone());
+        r.register(
+            "errors",
+            "Failed resolutions, watch errors and refused specs (discovery retries)",
+            m.errors.clone(),
+        );
+        m
+    }
+
+    fn change(&self, op: &'static str) {
+        self.changes.get_or_create(&OpLabel { op }).inc();
+    }
+}
+
+/// Applies desired replica sets to a sink, sending only the differences.
+#[derive(Debug)]
+pub struct Reconciler<S> {
+    sink: S,
+    metrics: DiscoveryMetrics,
+    applied: BTreeMap<String, ReplicaSpec>,
+    listed: watch::Sender<bool>,
+}
+
+impl<S: ReplicaSink> Reconciler<S> {
+    pub fn new(sink: S, metrics: DiscoveryMetrics) -> Self {
+        Self { sink, metrics, applied: BTreeMap::new(), listed: watch::Sender::new(false) }
+    }
+
+    /// Makes the sink hold exactly `desired` (as far as it accepts the specs) and marks the
+    /// first listing done.
+    pub async fn apply(&mut self, desired: BTreeMap<String, ReplicaSpec>) {
+        let gone: Vec<String> = self.applied.keys().filter(|n| !desired.contains_key(*n)).cloned().collect();
+        for name in gone {
+            tracing::info!(replica = %name, "discovery: replica gone");
+            self.sink.remove(&name).await;
+            self.applied.remove(&name);
+            self.metrics.change("removed");
+        }
+        for (name, spec) in desired {
+            let op = match self.applied.get(&name) {
+                Some(old) if *old == spec => continue,
+                Some(_) => "updated",
+                None => "added",
+            };
+            tracing::info!(replica = %name, http = %spec.http_url, events = %spec.event_endpoint, "discovery: replica {op}");
+            match self.sink.upsert(spec.clone()).await {
+                Ok(()) => {
+                    self.applied.insert(name, spec);
+                    self.metrics.change(op);
+                }
+                Err(e) => {
+                    // Not recorded as applied: the next listing tries again.
+                    tracing::warn!(replica = %name, error = %e, "discovery: replica refused");
+                    self.metrics.errors.inc();
+                    if self.applied.remove(&name).is_some() {
+                        self.sink.remove(&name).await;
+                    }
+                }
+            }
+        }
+        self.metrics.replicas.set(i64::try_from(self.applied.len()).unwrap_or(i64::MAX));
+        self.listed.send_if_modified(|l| !std::mem::replace(l, true));
+    }
+
+    /// Counts a source error (a failed resolution or watch step).
+    pub fn error(&self, error: &dyn std::error::Error) {
+        tracing::warn!(error = %error, "discovery error; retrying");
+        self.metrics.errors.inc();
+    }
+
+    /// The names currently applied.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.applied.keys().map(String::as_str)
+    }
+
+    fn listed(&self) -> watch::Receiver<bool> {
+        self.listed.subscribe()
+    }
+}
+
+/// A running discovery source: tells whether the first listing completed.
+#[derive(Clone, Debug)]
+pub struct Discovery {
+    listed: watch::Receiver<bool>,
+}
+
+impl Discovery {
+    /// Starts the source `config` selects on `tracker`; it stops when `shutdown` fires
+    /// (leaving the replicas in place: the router is going away). Static mode starts
+    /// nothing and counts as listed.
+    pub async fn start<S: ReplicaSink>(
+        config: &DiscoveryConfig,
+        template: ReplicaTemplate,
+        sink: S,
+        metrics: DiscoveryMetrics,
+        tracker: &TaskTracker,
+        shutdown: CancellationToken,
+    ) -> Result<Self, DiscoveryError> {
+        let service = config.discovery_service.clone().filter(|s| !s.is_empty());
+        match config.discovery {
+            DiscoveryMode::Static => Ok(Self { listed: watch::Sender::new(true).subscribe() }),
+            DiscoveryMode::Dns => {
+                let host = service.ok_or(DiscoveryError::NoService)?;
+                let reconciler = Reconciler::new(sink, metrics);
+                let listed = reconciler.listed();
+                let source = dns::DnsSource { host, template, interval: config.interval() };
+                tracker.spawn(source.run(dns::system_resolver, reconciler, shutdown));
+                Ok(Self { listed })
+            }
+            #[cfg(feature = "k8s")]
+            DiscoveryMode::K8s => {
+                service.as_ref().ok_or(DiscoveryError::NoService)?;
+                let client = kube::Client::try_default().await.map_err(DiscoveryError::Kube)?;
+                Self::start_k8s(client, config, template, sink, metrics, tracker, shutdown)
+            }
+            #[cfg(not(feature = "k8s"))]
+            DiscoveryMode::K8s => Err(DiscoveryError::K8sDisabled),
+        }
+    }
+
+    /// Kubernetes discovery with a given client (tests point it at a fake API server).
+    #[cfg(feature = "k8s")]
+    pub fn start_k8s<S: ReplicaSink>(
+        client: kube::Client,
+        config: &DiscoveryConfig,
+        template: ReplicaTemplate,
+        sink: S,
+        metrics: DiscoveryMetrics,
+        tracker: &TaskTracker,
+        shutdown: CancellationToken,
+    ) -> Result<Self, DiscoveryError> {
+        let service =
+            config.discovery_service.clone().filter(|s| !s.is_empty()).ok_or(DiscoveryError::NoService)?;
+        let namespace =
+            config.discovery_namespace.clone().unwrap_or_else(|| client.default_namespace().to_owned());
+        let reconciler = Reconciler::new(sink, metrics);
+        let listed = reconciler.listed();
+        let source = k8s::SliceSource { service, template, port_names: config.port_names() };
+        tracker.spawn(source.run(kube::Api::namespaced(client, &namespace), reconciler, shutdown));
+        Ok(Self { listed })
+    }
+
+    /// True once the source completed its first listing.
+    pub fn is_listed(&self) -> bool {
+        *self.listed.borrow()
+    }
+
+    /// Waits for the first complete listing.
+    pub async fn wait_listed(&self) {
+        let mut rx = self.listed.clone();
+        // The sender lives in the source task; if it ended (shutdown), stop waiting.
+        if rx.wait_for(|l| *l).await.is_err() {
+            tracing::debug!("discovery stopped before its first listing");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    /// Records every call; refuses names starting with `bad`.
+    #[derive(Clone, Default)]
+    struct Log(Arc<Mutex<Vec<String>>>);
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("refused")]
+    struct Refused;
+
+    impl ReplicaSink for Log {
+        type Error = Refused;
+        async fn upsert(&self, spec: ReplicaSpec) -> Result<(), Refused> {
+            self.0.lock().unwrap().push(format!("+{}@{}", spec.name, spec.http_url));
+            if spec.name.starts_with("bad") { Err(Refused) } else { Ok(()) }
+        }
+        async fn remove(&self, name: &str) {
+            self.0.lock().unwrap().push(format!("-{name}"));
+        }
+    }
+
+    fn template() -> ReplicaTemplate {
+        ReplicaTemplate {
+            engine: EngineKind::Vllm,
+            dp_size: 2,
+            topic: "kv".into(),
+            model: "m".into(),
+            block_size: Some(16),
+            ports: Ports { http: 8000, events: 5557, replay: Some(5558), grpc: None },
+        }
+    }
+
+    fn set(entries: &[(&str, &str)]) -> BTreeMap<String, ReplicaSpec> {
+        let t = template();
+        entries.iter().map(|(n, ip)| (n.to_string(), t.spec(n.to_string(), ip, t.ports))).collect()
+    }
+
+    #[test]
+    fn template_builds_endpoints() {
+        let t = template();
+        let spec = t.spec("r".into(), "10.0.0.7", t.ports);
+        assert_eq!(spec.http_url, "http://10.0.0.7:8000");
+        assert_eq!(spec.event_endpoint, "tcp://10.0.0.7:5557");
+        assert_eq!(spec.replay_endpoint.as_deref(), Some("tcp://10.0.0.7:5558"));
+        assert_eq!(spec.grpc_endpoint, None);
+        assert_eq!((spec.engine, spec.dp_size, spec.topic.as_str()), (EngineKind::Vllm, 2, "kv"));
+        spec.validate().unwrap();
+        let v6 = t.spec("r".into(), "fd00::7", Ports { grpc: Some(50051), ..t.ports });
+        assert_eq!(v6.event_endpoint, "tcp://[fd00::7]:5557");
+        assert_eq!(v6.grpc_endpoint.as_deref(), Some("http://[fd00::7]:50051"));
+        v6.validate().unwrap();
+    }
+
+    #[tokio::test]
+    async fn reconciler_sends_only_differences() {
+        let log = Log::default();
+        let mut r = Reconciler::new(log.clone(), DiscoveryMetrics::default());
+        let listed = r.listed();
+        assert!(!*listed.borrow());
+        r.apply(set(&[("a", "10.0.0.1"), ("b", "10.0.0.2")])).await;
+        assert!(*listed.borrow());
+        r.apply(set(&[("a", "10.0.0.1"), ("b", "10.0.0.2")])).await;
+        r.apply(set(&[("a", "10.0.0.9"), ("c", "10.0.0.3")])).await;
+        assert_eq!(
+            *log.0.lock().unwrap(),
+            [
+                "+a@http://10.0.0.1:8000",
+                "+b@http://10.0.0.2:8000",
+                "-b",
+                "+a@http://10.0.0.9:8000",
+                "+c@http://10.0.0.3:8000"
+            ]
+        );
+        assert_eq!(r.names().collect::<Vec<_>>(), ["a", "c"]);
+    }
+
+    #[tokio::test]
+    async fn refused_specs_are_retried_and_not_kept() {
+        let log = Log::default();
+        let mut r = Reconciler::new(log.clone(), DiscoveryMetrics::default());
+        r.apply(set(&[("bad", "10.0.0.1")])).await;
+        r.apply(set(&[("bad", "10.0.0.1")])).await;
+        assert_eq!(r.names().count(), 0);
+        assert_eq!(r.metrics.errors.get(), 2);
+        assert_eq!(*log.0.lock().unwrap(), ["+bad@http://10.0.0.1:8000", "+bad@http://10.0.0.1:8000"]);
+    }
+}

@@ -1,0 +1,232 @@
+//! Discovery settings: the `--discovery*` flags (env `KVROUTE_DISCOVERY*`, file keys spelled
+//! like the flags). [`DiscoveryConfig`] is meant to be flattened into the router's `Config`
+//! (`#[command(flatten)]` + `#[serde(flatten)]`); every flag starts with `discovery` so the
+//! flattened names cannot collide.
+
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use serde::{Deserialize, Serialize};
+
+use super::{Ports, ReplicaTemplate};
+use crate::replicas::EngineKind;
+
+/// Where the router learns its replicas from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DiscoveryMode {
+    /// Only the `--replica` list (and the admin API).
+    #[default]
+    Static,
+    /// Resolve `--discovery-service` (a headless Service's DNS name) every
+    /// `--discovery-interval-ms`; every address is a replica, named by its IP.
+    Dns,
+    /// Watch the EndpointSlices of Service `--discovery-service` (needs the `k8s` feature);
+    /// every Ready endpoint is a replica, named after its pod.
+    K8s,
+}
+
+/// The `--discovery*` flags.
+#[derive(Args, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct DiscoveryConfig {
+    /// Where replicas come from besides `--replica`: static, dns or k8s.
+    #[arg(long, env = "KVROUTE_DISCOVERY", value_enum, default_value_t = DiscoveryMode::Static)]
+    pub discovery: DiscoveryMode,
+    /// k8s: the Service whose EndpointSlices list the replicas; dns: the host name to
+    /// resolve (e.g. `kvroute-agent.kvroute.svc.cluster.local`).
+    #[arg(long, env = "KVROUTE_DISCOVERY_SERVICE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub discovery_service: Option<String>,
+    /// k8s: the Service's namespace (default: the router's own).
+    #[arg(long, env = "KVROUTE_DISCOVERY_NAMESPACE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub discovery_namespace: Option<String>,
+    /// Engine of every discovered replica.
+    #[arg(long, env = "KVROUTE_DISCOVERY_ENGINE", value_enum, default_value_t = EngineKind::Kvroute)]
+    pub discovery_engine: EngineKind,
+    /// Data-parallel ranks of every discovered replica (rank r publishes on port + r).
+    #[arg(long, env = "KVROUTE_DISCOVERY_DP_SIZE", default_value_t = 1)]
+    pub discovery_dp_size: u32,
+    /// ZeroMQ topic prefix of every discovered replica's events (empty: everything).
+    #[arg(long, env = "KVROUTE_DISCOVERY_TOPIC", default_value = "")]
+    #[serde(default)]
+    pub discovery_topic: String,
+    /// DNS re-resolution interval, milliseconds.
+    #[arg(long, env = "KVROUTE_DISCOVERY_INTERVAL_MS", default_value_t = 5_000)]
+    pub discovery_interval_ms: u64,
+
+    /// OpenAI HTTP port (k8s: used when the slice has no port named `--discovery-http-port-name`).
+    #[arg(long, env = "KVROUTE_DISCOVERY_HTTP_PORT", default_value_t = 8000)]
+    pub discovery_http_port: u16,
+    /// ZeroMQ KV-event PUB port of rank 0 (k8s: fallback for the named port).
+    #[arg(long, env = "KVROUTE_DISCOVERY_EVENTS_PORT", default_value_t = 5557)]
+    pub discovery_events_port: u16,
+    /// ZeroMQ replay (ROUTER) port of rank 0, if the replicas have one (k8s: fallback).
+    #[arg(long, env = "KVROUTE_DISCOVERY_REPLAY_PORT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub discovery_replay_port: Option<u16>,
+    /// gRPC `ReplicaAgent` port (snapshots; kvroute agents only), if any (k8s: fallback).
+    #[arg(long, env = "KVROUTE_DISCOVERY_GRPC_PORT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub discovery_grpc_port: Option<u16>,
+
+    /// k8s: name of the EndpointSlice port serving the OpenAI API.
+    #[arg(long, env = "KVROUTE_DISCOVERY_HTTP_PORT_NAME", default_value = "http")]
+    pub discovery_http_port_name: String,
+    /// k8s: name of the port publishing KV events.
+    #[arg(long, env = "KVROUTE_DISCOVERY_EVENTS_PORT_NAME", default_value = "kv-events")]
+    pub discovery_events_port_name: String,
+    /// k8s: name of the KV-event replay port.
+    #[arg(long, env = "KVROUTE_DISCOVERY_REPLAY_PORT_NAME", default_value = "kv-replay")]
+    pub discovery_replay_port_name: String,
+    /// k8s: name of the gRPC `ReplicaAgent` port.
+    #[arg(long, env = "KVROUTE_DISCOVERY_GRPC_PORT_NAME", default_value = "grpc")]
+    pub discovery_grpc_port_name: String,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        Self {
+            discovery: DiscoveryMode::Static,
+            discovery_service: None,
+            discovery_namespace: None,
+            discovery_engine: EngineKind::Kvroute,
+            discovery_dp_size: 1,
+            discovery_topic: String::new(),
+            discovery_interval_ms: 5_000,
+            discovery_http_port: 8000,
+            discovery_events_port: 5557,
+            discovery_replay_port: None,
+            discovery_grpc_port: None,
+            discovery_http_port_name: "http".into(),
+            discovery_events_port_name: "kv-events".into(),
+            discovery_replay_port_name: "kv-replay".into(),
+            discovery_grpc_port_name: "grpc".into(),
+        }
+    }
+}
+
+/// EndpointSlice port names of the four endpoints a replica has.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortNames {
+    pub http: String,
+    pub events: String,
+    pub replay: String,
+    pub grpc: String,
+}
+
+impl DiscoveryConfig {
+    /// Every problem with the discovery flags, or `Ok`.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut errors = Vec::new();
+        let service_given = self.discovery_service.as_deref().is_some_and(|s| !s.is_empty());
+        if self.discovery != DiscoveryMode::Static && !service_given {
+            errors.push("--discovery-service is required with --discovery dns|k8s".to_owned());
+        }
+        if self.discovery == DiscoveryMode::K8s && !cfg!(feature = "k8s") {
+            errors.push("--discovery k8s needs a router built with the `k8s` feature".to_owned());
+        }
+        if self.discovery_dp_size == 0 {
+            errors.push("--discovery-dp-size must be at least 1".to_owned());
+        }
+        if self.discovery_interval_ms == 0 {
+            errors.push("--discovery-interval-ms must be at least 1".to_owned());
+        }
+        if self.discovery_http_port == 0 || self.discovery_events_port == 0 {
+            errors.push("--discovery-http-port and --discovery-events-port must not be 0".to_owned());
+        }
+        if errors.is_empty() { Ok(()) } else { Err(errors) }
+    }
+
+    pub fn interval(&self) -> Duration {
+        Duration::from_millis(self.discovery_interval_ms)
+    }
+
+    /// The configured port numbers (DNS mode, and k8s fallbacks for unnamed ports).
+    pub fn ports(&self) -> Ports {
+        Ports {
+            http: self.discovery_http_port,
+            events: self.discovery_events_port,
+            replay: self.discovery_replay_port,
+            grpc: self.discovery_grpc_port,
+        }
+    }
+
+    pub fn port_names(&self) -> PortNames {
+        PortNames {
+            http: self.discovery_http_port_name.clone(),
+            events: self.discovery_events_port_name.clone(),
+            replay: self.discovery_replay_port_name.clone(),
+            grpc: self.discovery_grpc_port_name.clone(),
+        }
+    }
+
+    /// What every discovered replica shares; `model` and `block_size` are the router's.
+    pub fn template(&self, model: &str, block_size: Option<u32>) -> ReplicaTemplate {
+        ReplicaTemplate {
+            engine: self.discovery_engine,
+            dp_size: self.discovery_dp_size,
+            topic: self.discovery_topic.clone(),
+            model: model.to_owned(),
+            block_size,
+            ports: self.ports(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        discovery: DiscoveryConfig,
+    }
+
+    #[test]
+    fn defaults_match_the_flags() {
+        let cli = Cli::parse_from(["r"]);
+        assert_eq!(cli.discovery, DiscoveryConfig::default());
+        assert_eq!(cli.discovery.validate(), Ok(()));
+    }
+
+    #[test]
+    fn flags_parse_and_validate() {
+        let cli = Cli::parse_from([
+            "r",
+            "--discovery",
+            "dns",
+            "--discovery-service",
+            "agents.kvroute.svc",
+            "--discovery-engine",
+            "vllm",
+            "--discovery-replay-port",
+            "5558",
+        ]);
+        let d = cli.discovery;
+        assert_eq!((d.discovery, d.discovery_engine), (DiscoveryMode::Dns, EngineKind::Vllm));
+        assert_eq!(d.ports(), Ports { http: 8000, events: 5557, replay: Some(5558), grpc: None });
+        assert_eq!(d.validate(), Ok(()));
+        let missing = DiscoveryConfig { discovery: DiscoveryMode::Dns, discovery_dp_size: 0, ..d };
+        let missing = DiscoveryConfig { discovery_service: None, ..missing };
+        assert_eq!(missing.validate().unwrap_err().len(), 2);
+    }
+
+    #[test]
+    fn round_trips_through_serde() {
+        let d = DiscoveryConfig {
+            discovery: DiscoveryMode::K8s,
+            discovery_service: Some("vllm".into()),
+            discovery_engine: EngineKind::Sglang,
+            ..DiscoveryConfig::default()
+        };
+        let value = serde_json::to_value(&d).unwrap();
+        assert_eq!(value["discovery"], "k8s");
+        assert_eq!(value["discovery-engine"], "sglang");
+        assert_eq!(serde_json::from_value::<DiscoveryConfig>(value).unwrap(), d);
+    }
+}

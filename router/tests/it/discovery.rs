@@ -1,0 +1,284 @@
+//! Discovery end to end: DNS mode against `localhost`, and (feature `k8s`) kube's real
+//! client and watcher against a fake API server serving EndpointSlice list/watch, through
+//! readiness changes, a dropped watch that resumes, a `410 Gone` that re-lists, and into
+//! ingestion (removing a replica frees its index entries).
+
+#[cfg(feature = "k8s")]
+mod fake_api;
+
+use kvroute_router::discovery::{Discovery, DiscoveryConfig, DiscoveryMetrics, DiscoveryMode};
+use kvroute_router::replicas::EngineKind;
+
+use crate::support::{BLOCK, Harness, MODEL, WAIT};
+
+#[tokio::test]
+async fn dns_discovery_registers_localhost_with_the_configured_ports() {
+    let h = Harness::start();
+    let config = DiscoveryConfig {
+        discovery: DiscoveryMode::Dns,
+        discovery_service: Some("localhost".into()),
+        discovery_events_port: 1,
+        discovery_grpc_port: Some(2),
+        ..DiscoveryConfig::default()
+    };
+    let template = config.template(MODEL, Some(BLOCK));
+    let discovery = Discovery::start(
+        &config,
+        template,
+        h.ingest.clone(),
+        DiscoveryMetrics::default(),
+        &h.tracker,
+        h.shutdown.clone(),
+    )
+    .await
+    .unwrap();
+    tokio::time::timeout(WAIT, discovery.wait_listed()).await.expect("listed");
+    let replicas = h.ingest.replicas().list();
+    assert!(!replicas.is_empty());
+    for r in &replicas {
+        let ip: std::net::IpAddr = r.spec.name.parse().expect("named by IP");
+        assert!(ip.is_loopback());
+        assert!(r.spec.event_endpoint.ends_with(":1"), "{}", r.spec.event_endpoint);
+        assert!(r.spec.grpc_endpoint.as_deref().is_some_and(|g| g.ends_with(":2")));
+        assert_eq!(r.spec.engine, EngineKind::Kvroute);
+    }
+}
+
+#[tokio::test]
+async fn k8s_mode_without_a_service_is_refused() {
+    let h = Harness::start();
+    let config = DiscoveryConfig { discovery: DiscoveryMode::K8s, ..DiscoveryConfig::default() };
+    let started = Discovery::start(
+        &config,
+        config.template(MODEL, None),
+        h.ingest.clone(),
+        DiscoveryMetrics::default(),
+        &h.tracker,
+        h.shutdown.clone(),
+    )
+    .await;
+    assert!(started.is_err());
+}
+
+#[cfg(feature = "k8s")]
+mod k8s {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use kvroute_proto::pb::EventBatch;
+    use kvroute_replica_agent::publisher::EventFormat;
+    use kvroute_router::discovery::{
+        Discovery, DiscoveryConfig, DiscoveryMetrics, DiscoveryMode, ReplicaSink,
+    };
+    use kvroute_router::replicas::ReplicaSpec;
+    use serde_json::{Value, json};
+    use tokio::sync::watch;
+    use tokio_util::sync::CancellationToken;
+    use tokio_util::task::TaskTracker;
+
+    use super::fake_api::FakeApi;
+    use crate::support::{AgentPublisher, BLOCK, Harness, MODEL, Rng, WAIT, batch, store_chain, wait_until};
+
+    const NS: &str = "kvroute";
+
+    /// A sink whose replica set the test can await.
+    #[derive(Clone)]
+    struct Set(Arc<watch::Sender<BTreeMap<String, ReplicaSpec>>>);
+
+    impl ReplicaSink for Set {
+        type Error = std::convert::Infallible;
+        async fn upsert(&self, spec: ReplicaSpec) -> Result<(), Self::Error> {
+            self.0.send_modify(|s| drop(s.insert(spec.name.clone(), spec)));
+            Ok(())
+        }
+        async fn remove(&self, name: &str) {
+            self.0.send_modify(|s| drop(s.remove(name)));
+        }
+    }
+
+    impl Set {
+        /// Waits (bounded) until the replica names are `names`.
+        async fn names(&self, names: &[&str]) -> BTreeMap<String, ReplicaSpec> {
+            let mut rx = self.0.subscribe();
+            let got = tokio::time::timeout(
+                WAIT,
+                rx.wait_for(|s| s.keys().map(String::as_str).eq(names.iter().copied())),
+            )
+            .await;
+            match got {
+                Ok(set) => set.expect("sink alive").clone(),
+                Err(_) => panic!("replicas never became {names:?}; last {:?}", self.0.borrow().keys()),
+            }
+        }
+    }
+
+    fn ports(events: u16, replay: u16) -> Value {
+        json!([
+            {"name": "http", "port": 8000, "protocol": "TCP"},
+            {"name": "kv-events", "port": events, "protocol": "TCP"},
+            {"name": "kv-replay", "port": replay, "protocol": "TCP"},
+            {"name": "grpc", "port": 50051, "protocol": "TCP"},
+        ])
+    }
+
+    /// An EndpointSlice of `service` with `(pod, ip, ready)` endpoints.
+    fn slice(name: &str, service: &str, pods: &[(&str, &str, bool)], ports: Value) -> Value {
+        let endpoints: Vec<Value> = pods
+            .iter()
+            .map(|(pod, ip, ready)| {
+                json!({
+                    "addresses": [ip],
+                    "conditions": {"ready": ready, "serving": ready, "terminating": false},
+                    "targetRef": {"kind": "Pod", "name": pod, "namespace": NS},
+                })
+            })
+            .collect();
+        json!({
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {"name": name, "namespace": NS, "labels": {"kubernetes.io/service-name": service}},
+            "addressType": "IPv4",
+            "endpoints": endpoints,
+            "ports": ports,
+        })
+    }
+
+    fn client(api: &FakeApi) -> kube::Client {
+        let mut config = kube::Config::new(api.url().parse().expect("url"));
+        config.default_namespace = NS.into();
+        kube::Client::try_from(config).expect("kube client")
+    }
+
+    fn config(service: &str) -> DiscoveryConfig {
+        DiscoveryConfig {
+            discovery: DiscoveryMode::K8s,
+            discovery_service: Some(service.into()),
+            ..DiscoveryConfig::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn endpointslice_watch_follows_readiness_drops_and_410_gone() {
+        let api = FakeApi::start().await;
+        api.apply(slice(
+            "agents-a",
+            "agents",
+            &[("agent-0", "10.0.0.1", true), ("agent-1", "10.0.0.2", false)],
+            ports(5557, 5558),
+        ));
+        api.apply(slice("other-x", "other", &[("other-0", "10.9.9.9", true)], ports(5557, 5558)));
+        let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())));
+        let (tracker, shutdown) = (TaskTracker::new(), CancellationToken::new());
+        let config = config("agents");
+        let discovery = Discovery::start_k8s(
+            client(&api),
+            &config,
+            config.template(MODEL, Some(BLOCK)),
+            set.clone(),
+            DiscoveryMetrics::default(),
+            &tracker,
+            shutdown.clone(),
+        )
+        .unwrap();
+
+        // The first listing: only Ready endpoints of this Service.
+        let first = set.names(&["agent-0"]).await;
+        assert!(discovery.is_listed());
+        let spec = &first["agent-0"];
+        assert_eq!(spec.http_url, "http://10.0.0.1:8000");
+        assert_eq!(spec.event_endpoint, "tcp://10.0.0.1:5557");
+        assert_eq!(spec.replay_endpoint.as_deref(), Some("tcp://10.0.0.1:5558"));
+        assert_eq!(spec.grpc_endpoint.as_deref(), Some("http://10.0.0.1:50051"));
+
+        // Watch events: a pod turns Ready, a second slice appears.
+        api.apply(slice(
+            "agents-a",
+            "agents",
+            &[("agent-0", "10.0.0.1", true), ("agent-1", "10.0.0.2", true)],
+            ports(5557, 5558),
+        ));
+        set.names(&["agent-0", "agent-1"]).await;
+        api.apply(slice("agents-b", "agents", &[("agent-2", "10.0.0.3", true)], ports(5557, 5558)));
+        set.names(&["agent-0", "agent-1", "agent-2"]).await;
+
+        // The watch drops; a change happens while it is down; the watcher resumes from its
+        // resourceVersion (no second list) and gets the change.
+        api.atomically(|s| {
+            s.drop_watches();
+            s.apply(slice(
+                "agents-a",
+                "agents",
+                &[("agent-0", "10.0.0.1", false), ("agent-1", "10.0.0.2", true)],
+                ports(5557, 5558),
+            ));
+        });
+        set.names(&["agent-1", "agent-2"]).await;
+        assert_eq!(api.lists(), 1, "a dropped watch resumes without re-listing");
+        let watches = api.watches();
+        assert!(watches.len() >= 2 && watches[1] > watches[0], "resumed from a later version: {watches:?}");
+
+        // The watch drops and the history is gone: 410, re-list; a slice deleted meanwhile
+        // disappears with its replicas.
+        api.atomically(|s| {
+            s.drop_watches();
+            s.delete("agents-b");
+            s.expire_history();
+        });
+        set.names(&["agent-1"]).await;
+        assert_eq!(api.lists(), 2, "410 Gone re-lists");
+
+        // A pod that comes back with another IP is updated in place.
+        api.apply(slice("agents-a", "agents", &[("agent-1", "10.0.0.22", true)], ports(5557, 5558)));
+        wait_until("agent-1 moves", || {
+            set.0.borrow().get("agent-1").is_some_and(|s| s.http_url == "http://10.0.0.22:8000")
+        })
+        .await;
+
+        // The Service's last slice is deleted.
+        api.delete("agents-a");
+        set.names(&[]).await;
+
+        shutdown.cancel();
+        tracker.close();
+        tracker.wait().await;
+    }
+
+    fn port_of(endpoint: &str) -> u16 {
+        endpoint.rsplit(':').next().and_then(|p| p.parse().ok()).expect("tcp://host:port")
+    }
+
+    #[tokio::test]
+    async fn discovered_replicas_feed_ingest_and_leaving_frees_the_index() {
+        let api = FakeApi::start().await;
+        let agent = AgentPublisher::start(EventFormat::Kvroute, true).await;
+        let agent_ports = ports(port_of(&agent.events), port_of(agent.replay.as_deref().expect("replay")));
+        api.apply(slice("agents-a", "agents", &[("agent-0", "127.0.0.1", true)], agent_ports.clone()));
+
+        let h = Harness::start();
+        let config = config("agents");
+        let discovery = Discovery::start_k8s(
+            client(&api),
+            &config,
+            config.template(MODEL, Some(BLOCK)),
+            h.ingest.clone(),
+            DiscoveryMetrics::default(),
+            &h.tracker,
+            h.shutdown.clone(),
+        )
+        .unwrap();
+        tokio::time::timeout(WAIT, discovery.wait_listed()).await.expect("listed");
+        let replica = h.ingest.replicas().by_name("agent-0").expect("discovered replica registered");
+        h.synced(&replica).await;
+
+        let tokens = Rng::new(7).tokens(4);
+        let published: EventBatch = batch(1, 0, vec![store_chain(&tokens, 0)]);
+        agent.publish(published).await;
+        wait_until("blocks indexed", || h.index.blocks(replica.id) == 4).await;
+
+        // The pod turns not-Ready: the replica leaves ingestion and its blocks leave the index.
+        api.apply(slice("agents-a", "agents", &[("agent-0", "127.0.0.1", false)], agent_ports));
+        wait_until("replica removed", || h.ingest.replicas().by_name("agent-0").is_none()).await;
+        assert_eq!(h.index.blocks(replica.id), 0);
+        assert_eq!(h.index.stats().entries, 0);
+    }
+}
