@@ -10,9 +10,9 @@
 //!   `kubernetes.io/service-name=<service>` with kube's watcher (list, then watch from the
 //!   list's resourceVersion; a dropped watch resumes from the last seen version, a `410 Gone`
 //!   re-lists). Every endpoint whose `ready` condition is not false is a replica named after
-//!   its pod (`targetRef`, else its address); its ports come from the slice's named ports
-//!   (`http`, `kv-events`, `kv-replay`, `grpc` by default), falling back to the configured
-//!   numbers. An endpoint that turns not-Ready, leaves its slice, or whose slice is deleted
+//!   its pod (`targetRef`, else its address); its ports come from the pod's `kvroute.io/*`
+//!   annotations (opt-in, `k8s::PodOverrides`), else the slice's named ports (`http`,
+//!   `kv-events`, `kv-replay`, `grpc` by default), else the configured numbers. An endpoint that turns not-Ready, leaves its slice, or whose slice is deleted
 //!   is removed.
 //!
 //! Both feed a [`Reconciler`]: the desired set (name → [`ReplicaSpec`]) is diffed against
@@ -286,7 +286,9 @@ impl Discovery {
         let reconciler = Reconciler::new(sink, metrics);
         let listed = reconciler.listed();
         let source = k8s::SliceSource { service, template, port_names: config.port_names() };
-        tracker.spawn(source.run(kube::Api::namespaced(client, &namespace), reconciler, shutdown));
+        let pods =
+            config.discovery_pod_annotations.then(|| kube::Api::namespaced(client.clone(), &namespace));
+        tracker.spawn(source.run(kube::Api::namespaced(client, &namespace), pods, reconciler, shutdown));
         Ok(Self { listed })
     }
 

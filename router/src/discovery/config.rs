@@ -83,6 +83,11 @@ pub struct DiscoveryConfig {
     /// k8s: name of the gRPC `ReplicaAgent` port.
     #[arg(long, env = "KVROUTE_DISCOVERY_GRPC_PORT_NAME", default_value = "grpc")]
     pub discovery_grpc_port_name: String,
+    /// k8s: also read each Ready pod's `kvroute.io/*` annotations (ports, engine, dp-size,
+    /// topic), which win over named ports; needs `get` on pods.
+    #[arg(long, env = "KVROUTE_DISCOVERY_POD_ANNOTATIONS", default_value_t = false)]
+    #[serde(default)]
+    pub discovery_pod_annotations: bool,
 }
 
 impl Default for DiscoveryConfig {
@@ -103,6 +108,7 @@ impl Default for DiscoveryConfig {
             discovery_events_port_name: "kv-events".into(),
             discovery_replay_port_name: "kv-replay".into(),
             discovery_grpc_port_name: "grpc".into(),
+            discovery_pod_annotations: false,
         }
     }
 }

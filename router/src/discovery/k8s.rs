@@ -8,18 +8,23 @@
 //! every change the union over slices (first slice by name wins if a pod is in two, as
 //! happens briefly while the controller moves it) goes to the [`Reconciler`]. Watch errors
 //! are counted and retried with kube's default backoff (0.8 s doubling to 30 s).
+//!
+//! With `--discovery-pod-annotations`, every Ready pod is read once (`GET pod`, cached by
+//! name until its UID changes or it stops being Ready) and its `kvroute.io/*` annotations
+//! ([`PodOverrides`]) win over the slice's named ports and the configured defaults.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::pin::pin;
 
 use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio_util::sync::CancellationToken;
 
 use super::{PortNames, Ports, Reconciler, ReplicaSink, ReplicaTemplate};
-use crate::replicas::ReplicaSpec;
+use crate::replicas::{EngineKind, ReplicaSpec};
 
 /// The label the EndpointSlice controller puts on every slice of a Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -34,16 +39,31 @@ pub struct SliceSource {
 
 type Slices = BTreeMap<String, Vec<ReplicaSpec>>;
 
+/// A Ready endpoint of a slice, before pod annotations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct ReadyEndpoint {
+    /// The pod's name (`targetRef`), else the address.
+    name: String,
+    address: String,
+    /// The pod's UID, if the endpoint names a pod.
+    pod_uid: Option<String>,
+    is_pod: bool,
+    ports: Ports,
+}
+
 impl SliceSource {
-    /// Follows the slices until `shutdown`.
+    /// Follows the slices until `shutdown`. With `pods`, Ready pods' `kvroute.io/*`
+    /// annotations override what the slice says ([`PodOverrides`]).
     pub async fn run<S: ReplicaSink>(
         self,
         api: Api<EndpointSlice>,
+        pods: Option<Api<Pod>>,
         mut reconciler: Reconciler<S>,
         shutdown: CancellationToken,
     ) {
         let config = watcher::Config::default().labels(&format!("{SERVICE_NAME_LABEL}={}", self.service));
         let mut events = pin!(watcher(api, config).default_backoff());
+        let mut annotations = pods.map(|api| Annotations { api, cache: HashMap::new() });
         let mut slices = Slices::new();
         // Slices of a listing in progress (between `Init` and `InitDone`).
         let mut listing: Option<Slices> = None;
@@ -56,27 +76,50 @@ impl SliceSource {
             match event {
                 Ok(watcher::Event::Init) => listing = Some(Slices::new()),
                 Ok(watcher::Event::InitApply(slice)) => {
-                    listing.get_or_insert_default().insert(slice_name(&slice), self.replicas(&slice));
+                    let replicas = self.resolve(&slice, &mut annotations, &reconciler).await;
+                    listing.get_or_insert_default().insert(slice_name(&slice), replicas);
                 }
                 Ok(watcher::Event::InitDone) => {
                     slices = listing.take().unwrap_or_default();
-                    reconciler.apply(union(&slices)).await;
+                    apply(&slices, &mut annotations, &mut reconciler).await;
                 }
                 Ok(watcher::Event::Apply(slice)) => {
-                    slices.insert(slice_name(&slice), self.replicas(&slice));
-                    reconciler.apply(union(&slices)).await;
+                    let replicas = self.resolve(&slice, &mut annotations, &reconciler).await;
+                    slices.insert(slice_name(&slice), replicas);
+                    apply(&slices, &mut annotations, &mut reconciler).await;
                 }
                 Ok(watcher::Event::Delete(slice)) => {
                     slices.remove(&slice_name(&slice));
-                    reconciler.apply(union(&slices)).await;
+                    apply(&slices, &mut annotations, &mut reconciler).await;
                 }
                 Err(e) => reconciler.error(&e),
             }
         }
     }
 
-    /// The Ready endpoints of one slice as replicas.
+    /// The Ready endpoints of one slice as replicas (named ports, else configured ports).
     pub fn replicas(&self, slice: &EndpointSlice) -> Vec<ReplicaSpec> {
+        self.ready_endpoints(slice).into_iter().map(|ep| self.spec(&ep, None)).collect()
+    }
+
+    async fn resolve<S: ReplicaSink>(
+        &self,
+        slice: &EndpointSlice,
+        annotations: &mut Option<Annotations>,
+        reconciler: &Reconciler<S>,
+    ) -> Vec<ReplicaSpec> {
+        let mut replicas = Vec::new();
+        for ep in self.ready_endpoints(slice) {
+            let overrides = match annotations {
+                Some(a) if ep.is_pod => a.overrides(&ep, reconciler).await,
+                _ => None,
+            };
+            replicas.push(self.spec(&ep, overrides.as_ref()));
+        }
+        replicas
+    }
+
+    fn ready_endpoints(&self, slice: &EndpointSlice) -> Vec<ReadyEndpoint> {
         let named = |name: &str| {
             slice
                 .ports
@@ -100,12 +143,138 @@ impl SliceSource {
             // The API says a missing `ready` means ready; terminating pods are never ready.
             .filter(|ep| ep.conditions.as_ref().and_then(|c| c.ready) != Some(false))
             .filter_map(|ep| {
-                let address = ep.addresses.first()?;
+                let address = ep.addresses.first()?.clone();
                 let pod = ep.target_ref.as_ref().filter(|r| r.kind.as_deref() == Some("Pod"));
-                let name = pod.and_then(|r| r.name.clone()).unwrap_or_else(|| address.clone());
-                Some(self.template.spec(name, address, ports))
+                let pod_name = pod.and_then(|r| r.name.clone());
+                Some(ReadyEndpoint {
+                    is_pod: pod_name.is_some(),
+                    name: pod_name.unwrap_or_else(|| address.clone()),
+                    pod_uid: pod.and_then(|r| r.uid.clone()),
+                    address,
+                    ports,
+                })
             })
             .collect()
+    }
+
+    fn spec(&self, ep: &ReadyEndpoint, overrides: Option<&PodOverrides>) -> ReplicaSpec {
+        let Some(o) = overrides else {
+            return self.template.spec(ep.name.clone(), &ep.address, ep.ports);
+        };
+        let ports = Ports {
+            http: o.http.unwrap_or(ep.ports.http),
+            events: o.events.unwrap_or(ep.ports.events),
+            replay: o.replay.or(ep.ports.replay),
+            grpc: o.grpc.or(ep.ports.grpc),
+        };
+        let mut spec = self.template.spec(ep.name.clone(), &ep.address, ports);
+        spec.engine = o.engine.unwrap_or(spec.engine);
+        spec.dp_size = o.dp_size.unwrap_or(spec.dp_size);
+        if let Some(topic) = &o.topic {
+            spec.topic.clone_from(topic);
+        }
+        spec
+    }
+}
+
+async fn apply<S: ReplicaSink>(
+    slices: &Slices,
+    annotations: &mut Option<Annotations>,
+    reconciler: &mut Reconciler<S>,
+) {
+    let all = union(slices);
+    if let Some(a) = annotations {
+        // Forget pods that are no longer Ready: their annotations are read again when they are.
+        a.cache.retain(|name, _| all.contains_key(name));
+    }
+    reconciler.apply(all).await;
+}
+
+/// Pod annotations (prefix `kvroute.io/`) that override what the slice says about a replica:
+/// `http-port`, `kv-events-port`, `kv-replay-port`, `grpc-port`, `engine`
+/// (`kvroute|vllm|sglang`), `dp-size`, `topic`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodOverrides {
+    pub http: Option<u16>,
+    pub events: Option<u16>,
+    pub replay: Option<u16>,
+    pub grpc: Option<u16>,
+    pub engine: Option<EngineKind>,
+    pub dp_size: Option<u32>,
+    pub topic: Option<String>,
+}
+
+/// The annotation prefix [`PodOverrides`] reads.
+pub const ANNOTATION_PREFIX: &str = "kvroute.io/";
+
+impl PodOverrides {
+    /// Reads the overrides; returns the keys whose values do not parse (they are ignored).
+    pub fn from_annotations(annotations: &BTreeMap<String, String>) -> (Self, Vec<String>) {
+        let mut o = PodOverrides::default();
+        let mut bad = Vec::new();
+        for (key, value) in annotations {
+            let Some(field) = key.strip_prefix(ANNOTATION_PREFIX) else { continue };
+            let value = value.trim();
+            let port = || value.parse::<u16>().ok().filter(|p| *p != 0);
+            let ok = match field {
+                "http-port" => port().map(|p| o.http = Some(p)).is_some(),
+                "kv-events-port" => port().map(|p| o.events = Some(p)).is_some(),
+                "kv-replay-port" => port().map(|p| o.replay = Some(p)).is_some(),
+                "grpc-port" => port().map(|p| o.grpc = Some(p)).is_some(),
+                "engine" => {
+                    <EngineKind as clap::ValueEnum>::from_str(value, true).map(|e| o.engine = Some(e)).is_ok()
+                }
+                "dp-size" => {
+                    value.parse::<u32>().ok().filter(|n| *n > 0).map(|n| o.dp_size = Some(n)).is_some()
+                }
+                "topic" => {
+                    o.topic = Some(value.to_owned());
+                    true
+                }
+                _ => true,
+            };
+            if !ok {
+                bad.push(key.clone());
+            }
+        }
+        (o, bad)
+    }
+}
+
+/// Reads and caches Ready pods' annotations (by pod name, refreshed when its UID changes).
+struct Annotations {
+    api: Api<Pod>,
+    cache: HashMap<String, (Option<String>, PodOverrides)>,
+}
+
+impl Annotations {
+    async fn overrides<S: ReplicaSink>(
+        &mut self,
+        ep: &ReadyEndpoint,
+        reconciler: &Reconciler<S>,
+    ) -> Option<PodOverrides> {
+        if let Some((uid, overrides)) = self.cache.get(&ep.name)
+            && *uid == ep.pod_uid
+        {
+            return Some(overrides.clone());
+        }
+        match self.api.get_opt(&ep.name).await {
+            Ok(pod) => {
+                let annotations = pod.and_then(|p| p.metadata.annotations).unwrap_or_default();
+                let (overrides, bad) = PodOverrides::from_annotations(&annotations);
+                if !bad.is_empty() {
+                    tracing::warn!(pod = %ep.name, annotations = ?bad, "discovery: ignoring unparsable annotations");
+                }
+                self.cache.insert(ep.name.clone(), (ep.pod_uid.clone(), overrides.clone()));
+                Some(overrides)
+            }
+            Err(e) => {
+                // Not cached: the next event for this pod's slice tries again; meanwhile the
+                // slice's ports apply.
+                reconciler.error(&e);
+                None
+            }
+        }
     }
 }
 
@@ -162,6 +331,34 @@ mod tests {
         assert_eq!(r.event_endpoint, "tcp://10.0.0.1:6000");
         assert_eq!(r.replay_endpoint, None, "no kv-replay port and no default");
         assert_eq!(r.grpc_endpoint.as_deref(), Some("http://10.0.0.1:50051"));
+    }
+
+    #[test]
+    fn pod_annotations_parse_and_bad_ones_are_reported() {
+        let annotations: BTreeMap<String, String> = [
+            ("kvroute.io/kv-events-port", "6000"),
+            ("kvroute.io/kv-replay-port", "0"),
+            ("kvroute.io/engine", "SGLang"),
+            ("kvroute.io/dp-size", "2"),
+            ("kvroute.io/topic", "kv@x"),
+            ("kvroute.io/grpc-port", "http"),
+            ("other.io/http-port", "1"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        let (o, bad) = PodOverrides::from_annotations(&annotations);
+        assert_eq!(
+            o,
+            PodOverrides {
+                events: Some(6000),
+                engine: Some(EngineKind::Sglang),
+                dp_size: Some(2),
+                topic: Some("kv@x".into()),
+                ..PodOverrides::default()
+            }
+        );
+        assert_eq!(bad, ["kvroute.io/grpc-port", "kvroute.io/kv-replay-port"]);
     }
 
     #[test]

@@ -70,7 +70,7 @@ mod k8s {
     use kvroute_router::discovery::{
         Discovery, DiscoveryConfig, DiscoveryMetrics, DiscoveryMode, ReplicaSink,
     };
-    use kvroute_router::replicas::ReplicaSpec;
+    use kvroute_router::replicas::{EngineKind, ReplicaSpec};
     use serde_json::{Value, json};
     use tokio::sync::watch;
     use tokio_util::sync::CancellationToken;
@@ -237,6 +237,84 @@ mod k8s {
         // The Service's last slice is deleted.
         api.delete("agents-a");
         set.names(&[]).await;
+
+        shutdown.cancel();
+        tracker.close();
+        tracker.wait().await;
+    }
+
+    fn pod(name: &str, uid: &str, annotations: Value) -> Value {
+        json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "uid": uid, "annotations": annotations},
+            "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
+        })
+    }
+
+    /// `slice` whose endpoints also carry the pods' UIDs.
+    fn slice_with_uids(name: &str, pods: &[(&str, &str, &str)]) -> Value {
+        let mut s = slice(
+            name,
+            "vllm",
+            &pods.iter().map(|(p, ip, _)| (*p, *ip, true)).collect::<Vec<_>>(),
+            ports(5557, 5558),
+        );
+        for (ep, (_, _, uid)) in s["endpoints"].as_array_mut().unwrap().iter_mut().zip(pods) {
+            ep["targetRef"]["uid"] = json!(uid);
+        }
+        s
+    }
+
+    #[tokio::test]
+    async fn pod_annotations_override_named_ports_and_are_reread_when_the_pod_changes() {
+        let api = FakeApi::start().await;
+        api.atomically(|s| {
+            s.put_pod(pod("vllm-0", "uid-a", json!({"kvroute.io/kv-events-port": "6000", "kvroute.io/engine": "vllm", "kvroute.io/dp-size": "2"})));
+            s.put_pod(pod("vllm-1", "uid-b", json!({"unrelated": "x"})));
+            s.apply(slice_with_uids("vllm-a", &[("vllm-0", "10.0.0.1", "uid-a"), ("vllm-1", "10.0.0.2", "uid-b")]));
+        });
+        let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())));
+        let (tracker, shutdown) = (TaskTracker::new(), CancellationToken::new());
+        let config = DiscoveryConfig { discovery_pod_annotations: true, ..config("vllm") };
+        Discovery::start_k8s(
+            client(&api),
+            &config,
+            config.template(MODEL, Some(BLOCK)),
+            set.clone(),
+            DiscoveryMetrics::default(),
+            &tracker,
+            shutdown.clone(),
+        )
+        .unwrap();
+        let first = set.names(&["vllm-0", "vllm-1"]).await;
+        let annotated = &first["vllm-0"];
+        assert_eq!(annotated.event_endpoint, "tcp://10.0.0.1:6000", "annotation wins over the named port");
+        assert_eq!(annotated.replay_endpoint.as_deref(), Some("tcp://10.0.0.1:5558"), "named port");
+        assert_eq!((annotated.engine, annotated.dp_size), (EngineKind::Vllm, 2));
+        assert_eq!(first["vllm-1"].event_endpoint, "tcp://10.0.0.2:5557", "no annotations: named port");
+        assert_eq!(first["vllm-1"].engine, EngineKind::Kvroute, "the configured engine");
+        assert_eq!(api.pod_gets(), 2);
+
+        // Another slice event: cached, no new reads. Then vllm-0 is recreated (new UID) with
+        // other annotations: read again.
+        api.apply(slice_with_uids(
+            "vllm-a",
+            &[("vllm-0", "10.0.0.1", "uid-a"), ("vllm-1", "10.0.0.2", "uid-b")],
+        ));
+        api.atomically(|s| {
+            s.put_pod(pod("vllm-0", "uid-c", json!({"kvroute.io/kv-events-port": "7000"})));
+            s.apply(slice_with_uids(
+                "vllm-a",
+                &[("vllm-0", "10.0.0.9", "uid-c"), ("vllm-1", "10.0.0.2", "uid-b")],
+            ));
+        });
+        wait_until("vllm-0 re-read", || {
+            set.0.borrow().get("vllm-0").is_some_and(|s| s.event_endpoint == "tcp://10.0.0.9:7000")
+        })
+        .await;
+        assert_eq!(set.0.borrow()["vllm-0"].dp_size, 1, "the old pod's annotations are gone");
+        assert_eq!(api.pod_gets(), 3, "only the recreated pod was read again");
 
         shutdown.cancel();
         tracker.close();

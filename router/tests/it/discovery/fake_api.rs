@@ -5,7 +5,8 @@
 //!   list with `metadata.resourceVersion`;
 //! - the same with `watch=true&resourceVersion=N`: every recorded change after `N`, then live
 //!   changes, as chunked JSON lines; `ERROR 410 Gone` if `N` is older than the retained
-//!   history ([`FakeApi::expire_history`]).
+//!   history ([`FakeApi::expire_history`]);
+//! - `GET /api/v1/namespaces/{ns}/pods/{name}`: a pod put with [`State::put_pod`], else 404.
 //!
 //! The test drives it: [`FakeApi::apply`] / [`FakeApi::delete`] record a change (and push it
 //! to open watches), [`FakeApi::drop_watches`] ends every open watch cleanly, and
@@ -32,14 +33,16 @@ const PREFIX: &str = "/apis/discovery.k8s.io/v1/namespaces/";
 pub struct State {
     rv: u64,
     slices: BTreeMap<String, Value>,
+    pods: BTreeMap<String, Value>,
     /// Every change: (resourceVersion, event type, object).
     history: Vec<(u64, &'static str, Value)>,
     /// Watches from a resourceVersion below this get `410 Gone`.
     expired_below: u64,
     watchers: Vec<(Selector, mpsc::Sender<String>)>,
-    /// Requests served: lists, and the resourceVersion of every watch.
+    /// Requests served: lists, the resourceVersion of every watch, pod reads.
     pub lists: usize,
     pub watches: Vec<u64>,
+    pub pod_gets: usize,
 }
 
 impl State {
@@ -51,6 +54,12 @@ impl State {
         let kind = if self.slices.contains_key(&name) { "MODIFIED" } else { "ADDED" };
         self.slices.insert(name, slice.clone());
         self.record(kind, slice);
+    }
+
+    /// Creates or replaces a pod (its name is `metadata.name`).
+    pub fn put_pod(&mut self, pod: Value) {
+        let name = pod["metadata"]["name"].as_str().expect("pod name").to_owned();
+        self.pods.insert(name, pod);
     }
 
     pub fn delete(&mut self, name: &str) {
@@ -140,6 +149,10 @@ impl FakeApi {
     pub fn watches(&self) -> Vec<u64> {
         self.atomically(|s| s.watches.clone())
     }
+
+    pub fn pod_gets(&self) -> usize {
+        self.atomically(|s| s.pod_gets)
+    }
 }
 
 impl Drop for FakeApi {
@@ -165,10 +178,25 @@ async fn serve(mut stream: TcpStream, state: Arc<Mutex<State>>, stop: Cancellati
         .filter_map(|kv| kv.split_once('='))
         .map(|(k, v)| (k.to_owned(), decode(v)))
         .collect();
+    let not_found =
+        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404, "reason": "NotFound"});
+    if let Some((_, name)) =
+        path.strip_prefix("/api/v1/namespaces/").and_then(|rest| rest.split_once("/pods/"))
+    {
+        let pod = {
+            let mut s = state.lock().unwrap();
+            s.pod_gets += 1;
+            s.pods.get(name).cloned()
+        };
+        match pod {
+            Some(pod) => respond(&mut stream, "200 OK", &pod.to_string()).await,
+            None => respond(&mut stream, "404 Not Found", &not_found.to_string()).await,
+        }
+        return;
+    }
     let is_slices = path.strip_prefix(PREFIX).is_some_and(|rest| rest.ends_with("/endpointslices"));
     if !is_slices {
-        let body = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404, "reason": "NotFound"});
-        respond(&mut stream, "404 Not Found", &body.to_string()).await;
+        respond(&mut stream, "404 Not Found", &not_found.to_string()).await;
         return;
     }
     let selector =
