@@ -1,3 +1,7 @@
+//! `kvroute-loadgen`: parses the command line and runs it (see [`kvroute_loadgen::cli`]).
+
+use clap::Parser;
+
 fn main() -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+    kvroute_loadgen::cli::run(kvroute_loadgen::cli::Cli::parse())
 }

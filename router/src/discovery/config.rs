@@ -222,6 +222,51 @@ mod tests {
         assert_eq!(missing.validate().unwrap_err().len(), 2);
     }
 
+    /// How the router's `Config` embeds it: flattened into the layered flags > env > file
+    /// parser, whose file keys are the flag names.
+    #[derive(Parser, Serialize, Deserialize, Debug)]
+    #[serde(rename_all = "kebab-case")]
+    struct Layered {
+        #[arg(long)]
+        #[serde(skip_serializing_if = "Option::is_none")]
+        config: Option<std::path::PathBuf>,
+        #[command(flatten)]
+        #[serde(flatten)]
+        discovery: DiscoveryConfig,
+    }
+
+    impl kvroute_proto::cli::Layered for Layered {
+        fn config_file(&self) -> Option<&std::path::Path> {
+            self.config.as_deref()
+        }
+    }
+
+    #[test]
+    fn flattens_into_a_layered_config_file() {
+        let path = std::env::temp_dir().join(format!("kvroute-discovery-config-{}.toml", std::process::id()));
+        std::fs::write(
+            &path,
+            "discovery = \"k8s\"\ndiscovery-service = \"vllm\"\ndiscovery-engine = \"vllm\"\n\
+             discovery-replay-port = 5558\ndiscovery-pod-annotations = true\ndiscovery-dp-size = 4\n",
+        )
+        .unwrap();
+        let parsed: Result<Layered, _> = kvroute_proto::cli::parse_from([
+            "r",
+            "--config",
+            path.to_str().unwrap(),
+            "--discovery-dp-size",
+            "2",
+        ]);
+        std::fs::remove_file(&path).ok();
+        let d = parsed.unwrap().discovery;
+        assert_eq!(d.discovery, DiscoveryMode::K8s);
+        assert_eq!(d.discovery_service.as_deref(), Some("vllm"));
+        assert_eq!(d.discovery_engine, EngineKind::Vllm);
+        assert_eq!(d.discovery_replay_port, Some(5558));
+        assert!(d.discovery_pod_annotations);
+        assert_eq!(d.discovery_dp_size, 2, "the flag wins over the file");
+    }
+
     #[test]
     fn round_trips_through_serde() {
         let d = DiscoveryConfig {

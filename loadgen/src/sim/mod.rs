@@ -1,0 +1,248 @@
+//! The offline simulator: replays a [`Trace`] through N in-process [`BlockCache`]s under one
+//! of the router's routing policies, with no network and no clock.
+//!
+//! # Algorithm
+//! For each request in arrival order, at simulated time `arrival / speedup`:
+//! 1. every replica's [`engine`] model runs up to that instant, so its [`Load`] is what the
+//!    router would see live (requests in flight, uncached prompt tokens not yet prefilled,
+//!    waiting queue);
+//! 2. the policy ([`kvroute_router::policy::Policy`], the router's own code) gets a
+//!    [`ReplicaView`] per replica: its overlap is the longest prefix of the request's blocks
+//!    resident in that replica's cache (read with `contains`, nothing mutated) and its load;
+//! 3. the chosen replica's cache replays the request exactly as seed 000 does
+//!    ([`BlockCache::access_request`]: hit = `min(k * block_size, L)`, then every block is
+//!    accessed), and its engine receives the uncached tokens as prefill work and
+//!    `output_len` decode steps;
+//! 4. the **pooled bound**, one cache of the fleet's total capacity `N * C` under the same
+//!    eviction policy, replays the same request: what a router could reach if every replica
+//!    saw every other's cache.
+//!
+//! With N = 1 the result is seed 000's replay exactly (and equals the pooled bound).
+//!
+//! # Block identities
+//! [`BlockIdentity::HashIds`] uses the trace's `hash_ids` as the blocks (the partial last one
+//! included), as seed 000 does; [`BlockIdentity::Tokens`] materialises every prompt's tokens
+//! (see [`crate::workload`]) and names its full blocks with the fleet's hash chain at the
+//! configured block size, as the router and agents do live. `Auto` picks `HashIds` at the
+//! trace's block size (512) and `Tokens` otherwise.
+//!
+//! Layout: `engine.rs` (the per-replica engine model), `report.rs` (what a run reports).
+
+mod engine;
+mod report;
+
+use kvroute_proto::pb::StreamState;
+use kvroute_proto::{BlockHash, CacheNamespace, ReplicaId};
+use kvroute_replica_agent::cache::{self, AdmitError, BlockCache, CacheConfig, ConfigError, S3FifoParams};
+use kvroute_router::policy::{self, CacheAwareParams, Load, Policy, ReplicaView, RequestView};
+use serde::{Deserialize, Serialize};
+
+pub use engine::{EngineModel, Timing};
+pub use report::{LatencyReport, PooledBound, ReplicaReport, RequestResult, SimReport, SimSetup};
+
+use crate::workload::{TRACE_BLOCK_SIZE, Trace};
+
+/// How the simulator names a request's blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BlockIdentity {
+    /// `HashIds` when the block size is the trace's (512), `Tokens` otherwise.
+    #[default]
+    Auto,
+    /// The trace's hash ids are the blocks (seed 000), whatever the block size.
+    HashIds,
+    /// Chained hashes of the materialised prompt tokens, at the configured block size.
+    Tokens,
+}
+
+impl BlockIdentity {
+    /// `Auto` resolved for `block_size`.
+    pub fn resolve(self, block_size: usize) -> Self {
+        match self {
+            BlockIdentity::Auto if block_size == TRACE_BLOCK_SIZE => BlockIdentity::HashIds,
+            BlockIdentity::Auto => BlockIdentity::Tokens,
+            other => other,
+        }
+    }
+}
+
+/// What to simulate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimConfig {
+    /// Replicas in the fleet (N).
+    pub replicas: usize,
+    /// Cache capacity of each replica, in blocks (C); the pooled bound gets `N * C`.
+    pub capacity_blocks: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Every cache's eviction policy.
+    pub eviction: cache::PolicyKind,
+    /// S3FIFO's parameters, when `eviction` is S3FIFO.
+    pub s3fifo: S3FifoParams,
+    /// The router's routing policy.
+    pub routing: policy::PolicyKind,
+    /// Knobs of the `cache-aware` policy.
+    pub cache_aware: CacheAwareParams,
+    /// Seed of randomised routing policies.
+    pub seed: u64,
+    pub blocks: BlockIdentity,
+    /// Arrivals happen at `timestamp / speedup` (the engine model's times are not scaled):
+    /// 2 replays the trace twice as fast, doubling the load.
+    pub speedup: f64,
+    /// The replicas' engine model; `None` skips it (every load is zero, no latencies).
+    pub engine: Option<EngineModel>,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            replicas: 1,
+            capacity_blocks: 2048,
+            block_size: TRACE_BLOCK_SIZE,
+            eviction: cache::PolicyKind::Lru,
+            s3fifo: S3FifoParams::default(),
+            routing: policy::PolicyKind::CacheAware,
+            cache_aware: CacheAwareParams::default(),
+            seed: 0,
+            blocks: BlockIdentity::Auto,
+            speedup: 1.0,
+            engine: Some(EngineModel::default()),
+        }
+    }
+}
+
+/// Why a simulation could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("the fleet needs at least one replica")]
+    NoReplicas,
+    #[error("the speed-up must be a positive, finite number, got {0}")]
+    Speedup(f64),
+    #[error("the pooled capacity {replicas} x {capacity} blocks overflows")]
+    PooledCapacity { replicas: usize, capacity: usize },
+    #[error("invalid cache configuration")]
+    Cache(#[from] ConfigError),
+    #[error("the {policy} policy chose no replica for request {request} though all were eligible")]
+    NoChoice { policy: &'static str, request: usize },
+    #[error("the {policy} policy chose replica index {chosen} of {replicas}")]
+    BadChoice { policy: &'static str, chosen: usize, replicas: usize },
+    /// Cannot happen without pins; kept rather than unwrapped.
+    #[error("request {request} was refused by its cache")]
+    Admit {
+        request: usize,
+        #[source]
+        source: AdmitError,
+    },
+}
+
+/// Namespace of the chained block hashes in [`BlockIdentity::Tokens`] mode.
+const SIM_MODEL: &str = "kvroute-sim";
+
+/// Simulates `trace` under `config`, routing with the router's policy `config.routing`.
+pub fn simulate(trace: &Trace, config: &SimConfig) -> Result<SimReport, SimError> {
+    let policy = policy::build(config.routing, config.cache_aware, config.seed);
+    simulate_with(trace, config, policy.as_ref())
+}
+
+/// [`simulate`] with a given policy instance (a configured or custom one); `config.routing`
+/// is ignored in favour of `policy.kind()`.
+pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> Result<SimReport, SimError> {
+    let n = config.replicas;
+    if n == 0 {
+        return Err(SimError::NoReplicas);
+    }
+    if !(config.speedup.is_finite() && config.speedup > 0.0) {
+        return Err(SimError::Speedup(config.speedup));
+    }
+    let cache_config = |capacity_blocks| CacheConfig {
+        capacity_blocks,
+        block_size: config.block_size,
+        policy: config.eviction,
+        s3fifo: config.s3fifo,
+    };
+    let pooled_capacity = n
+        .checked_mul(config.capacity_blocks)
+        .ok_or(SimError::PooledCapacity { replicas: n, capacity: config.capacity_blocks })?;
+    let mut caches = (0..n)
+        .map(|_| BlockCache::new(&cache_config(config.capacity_blocks)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut pooled = BlockCache::new(&cache_config(pooled_capacity))?;
+    let mut engines: Vec<_> = config
+        .engine
+        .map(|model| (0..n).map(|_| engine::ReplicaEngine::new(model)).collect())
+        .unwrap_or_default();
+    let identity = config.blocks.resolve(config.block_size);
+    let namespace = CacheNamespace::new(SIM_MODEL);
+    let kind = policy.kind().as_str();
+
+    let mut timings: Vec<Option<Timing>> = vec![None; trace.len()];
+    let mut results = Vec::with_capacity(trace.len());
+    let mut views = Vec::with_capacity(n);
+    for (index, request) in trace.requests.iter().enumerate() {
+        let now = request.arrival.div_f64(config.speedup);
+        let blocks: Vec<BlockHash> = match identity {
+            BlockIdentity::Tokens => request.chained_blocks(&namespace, config.block_size),
+            _ => request.hash_ids.iter().map(|&h| BlockHash(h)).collect(),
+        };
+        views.clear();
+        for (i, cache) in caches.iter().enumerate() {
+            let load = engines.get_mut(i).map_or(Load::default(), |e| {
+                e.advance_to(now, &mut timings);
+                e.load()
+            });
+            views.push(ReplicaView {
+                id: ReplicaId(i as u32),
+                overlap_blocks: blocks.iter().take_while(|b| cache.contains(**b)).count(),
+                load,
+                stream: StreamState::Exact,
+                eligible: true,
+            });
+        }
+        // In hash-id mode `blocks` counts a partial last block, as seed 000 does.
+        let view = RequestView {
+            prompt_tokens: request.input_len,
+            blocks: blocks.len(),
+            block_size: config.block_size,
+            key: request_key(&blocks, request.input_len, config.block_size),
+        };
+        let chosen =
+            policy.choose(&view, &views).chosen.ok_or(SimError::NoChoice { policy: kind, request: index })?;
+        if chosen >= n {
+            return Err(SimError::BadChoice { policy: kind, chosen, replicas: n });
+        }
+        let admit = |source| SimError::Admit { request: index, source };
+        let outcome = caches[chosen].access_request(&blocks, request.input_len).map_err(admit)?;
+        pooled.access_request(&blocks, request.input_len).map_err(admit)?;
+        if let Some(engine) = engines.get_mut(chosen) {
+            let uncached = (request.input_len - outcome.hit_tokens) as u64;
+            engine.submit(now, index, uncached, request.output_len);
+        }
+        results.push(RequestResult {
+            replica: chosen,
+            arrival: now,
+            hit_tokens: outcome.hit_tokens as u64,
+            prompt_tokens: request.input_len as u64,
+            overlap_blocks: views[chosen].overlap_blocks,
+            timing: None,
+        });
+    }
+    for engine in &mut engines {
+        engine.drain(&mut timings);
+    }
+    for (result, timing) in results.iter_mut().zip(timings) {
+        result.timing = timing;
+    }
+    let steps = engines.iter().map(|e| e.steps()).sum();
+    let setup = report::setup(config, identity, policy.kind());
+    Ok(SimReport::new(setup, results, &caches, &pooled, steps))
+}
+
+/// The request's tie-break key, as the router computes it: its last full block's hash (the
+/// last block when none is full, 0 for no blocks).
+fn request_key(blocks: &[BlockHash], prompt_tokens: usize, block_size: usize) -> u64 {
+    let full = (prompt_tokens / block_size).min(blocks.len());
+    full.checked_sub(1).or(blocks.len().checked_sub(1)).map_or(0, |i| blocks[i].0)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,183 @@
+//! Workloads: what requests arrive when, and what their prompts are.
+//!
+//! Every workload, whether read from a Mooncake trace or generated, is a [`Trace`]: requests
+//! in arrival order, each with a prompt described as a sequence of **content blocks** of
+//! [`TRACE_BLOCK_SIZE`] (512) tokens, named by 64-bit ids exactly as Mooncake's `hash_ids`
+//! are. Equal ids mean equal tokens, and (the Mooncake convention, which the generators
+//! uphold) an id also implies the whole prefix before it, so an id names a KV block.
+//!
+//! A request's token ids follow deterministically from its ids ([`block_tokens`]): token `i`
+//! of block `h` is `TOKEN_FLOOR + xxh3_64_with_seed(i as u32 LE, seed = h) mod (VOCAB -
+//! TOKEN_FLOOR)`, and the last block is cut to `input_len`. Two requests sharing ids therefore
+//! share exactly those token blocks, so the fleet's own block-hash chain
+//! ([`kvroute_proto::hash`]) finds the same sharing at any block size: at 512 it sees one
+//! chained block per full content block; at a block size that divides 512 it sees every
+//! shared content block as `512 / B` shared blocks; at any other size chained blocks straddle
+//! content blocks, which is still exact (a chained block is shared iff every token before and
+//! in it is) but shares less, since a block crossing into a request's own content is its own.
+//!
+//! - [`mooncake`]: reading and writing Mooncake JSONL traces.
+//! - [`synth`]: seeded generators for multi-turn chat, RAG and batch workloads.
+//! - [`prompt`]: the builder the generators use to turn segment sequences into content
+//!   block ids.
+
+pub mod mooncake;
+pub mod prompt;
+pub mod synth;
+
+use std::time::Duration;
+
+use kvroute_proto::{BlockHash, CacheNamespace};
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+pub use mooncake::TraceError;
+
+/// Tokens per content block: Mooncake traces' block size.
+pub const TRACE_BLOCK_SIZE: usize = 512;
+
+/// Vocabulary of generated token ids: valid for the builtin tokenizer (`V = 32768`).
+pub const VOCAB: u32 = 32_768;
+
+/// Generated token ids start here, above the builtin tokenizer's reserved ids.
+pub const TOKEN_FLOOR: u32 = 16;
+
+/// One request of a workload.
+///
+/// The prompt is kept as its content-block ids and materialised on demand
+/// ([`Request::prompt`]): the shared trace alone is 61 M prompt tokens.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    /// When it arrives, from the start of the workload.
+    pub arrival: Duration,
+    /// Prompt length in tokens.
+    pub input_len: usize,
+    /// How many tokens to generate (`max_tokens`).
+    pub output_len: u32,
+    /// The prompt's content blocks of [`TRACE_BLOCK_SIZE`] tokens (Mooncake `hash_ids`); the
+    /// last one may be partial. Exactly `ceil(input_len / 512)` of them.
+    pub hash_ids: Vec<u64>,
+}
+
+impl Request {
+    /// The prompt's token ids (`input_len` of them).
+    pub fn prompt(&self) -> Vec<u32> {
+        let mut tokens = Vec::with_capacity(self.input_len);
+        self.write_prompt(&mut tokens);
+        tokens
+    }
+
+    /// Appends the prompt's token ids to `out`; lets a hot loop reuse one buffer.
+    pub fn write_prompt(&self, out: &mut Vec<u32>) {
+        let mut left = self.input_len;
+        for &id in &self.hash_ids {
+            let n = left.min(TRACE_BLOCK_SIZE);
+            out.extend((0..n).map(|i| block_token(id, i)));
+            left -= n;
+        }
+    }
+
+    /// The prompt's KV blocks as the fleet names them: the chained hashes of its full blocks of
+    /// `block_size` tokens in `namespace`.
+    pub fn chained_blocks(&self, namespace: &CacheNamespace, block_size: usize) -> Vec<BlockHash> {
+        namespace.chain(&self.prompt(), block_size)
+    }
+}
+
+/// Token `i` of content block `id`.
+#[inline]
+pub fn block_token(id: u64, i: usize) -> u32 {
+    let h = xxh3_64_with_seed(&(i as u32).to_le_bytes(), id);
+    TOKEN_FLOOR + (h % u64::from(VOCAB - TOKEN_FLOOR)) as u32
+}
+
+/// The full 512 tokens of content block `id`.
+pub fn block_tokens(id: u64) -> Vec<u32> {
+    (0..TRACE_BLOCK_SIZE).map(|i| block_token(id, i)).collect()
+}
+
+/// A workload: requests in arrival order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Trace {
+    pub requests: Vec<Request>,
+}
+
+impl Trace {
+    /// Wraps requests, sorting them by arrival (stable, so equal arrivals keep their order).
+    pub fn new(mut requests: Vec<Request>) -> Self {
+        requests.sort_by_key(|r| r.arrival);
+        Self { requests }
+    }
+
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// Sum of prompt lengths.
+    pub fn prompt_tokens(&self) -> u64 {
+        self.requests.iter().map(|r| r.input_len as u64).sum()
+    }
+
+    /// Arrival of the last request.
+    pub fn duration(&self) -> Duration {
+        self.requests.last().map_or(Duration::ZERO, |r| r.arrival)
+    }
+}
+
+/// `ceil(input_len / 512)`: how many content blocks a prompt has.
+pub fn content_blocks(input_len: usize) -> usize {
+    input_len.div_ceil(TRACE_BLOCK_SIZE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(input_len: usize, hash_ids: Vec<u64>) -> Request {
+        Request { arrival: Duration::ZERO, input_len, output_len: 1, hash_ids }
+    }
+
+    #[test]
+    fn shared_ids_share_exactly_those_token_blocks() {
+        let a = req(1200, vec![7, 8, 9]).prompt();
+        let b = req(1100, vec![7, 8, 10]).prompt();
+        assert_eq!(a.len(), 1200);
+        assert_eq!(b.len(), 1100);
+        assert_eq!(a[..1024], b[..1024]);
+        assert_ne!(a[1024..1100], b[1024..1100]);
+        assert_eq!(a[..512], block_tokens(7)[..]);
+        assert!(a.iter().all(|&t| (TOKEN_FLOOR..VOCAB).contains(&t)));
+    }
+
+    #[test]
+    fn chained_blocks_follow_content_at_any_block_size() {
+        let ns = CacheNamespace::new("m");
+        let a = req(1536, vec![1, 2, 3]);
+        let b = req(1536, vec![1, 2, 4]);
+        for (bs, shared) in [(512, 2), (128, 8), (384, 2)] {
+            let (ca, cb) = (a.chained_blocks(&ns, bs), b.chained_blocks(&ns, bs));
+            let common = ca.iter().zip(&cb).take_while(|(x, y)| x == y).count();
+            assert_eq!(common, shared, "block size {bs}");
+        }
+        // Different first blocks never share anything, whatever follows.
+        let c = req(1536, vec![5, 2, 3]);
+        assert_ne!(a.chained_blocks(&ns, 512)[1], c.chained_blocks(&ns, 512)[1]);
+    }
+
+    #[test]
+    fn trace_sorts_by_arrival_stably() {
+        let mut r1 = req(1, vec![1]);
+        r1.arrival = Duration::from_millis(5);
+        let r2 = req(2, vec![2]);
+        let r3 = req(3, vec![3]);
+        let t = Trace::new(vec![r1, r2, r3]);
+        let lens: Vec<_> = t.requests.iter().map(|r| r.input_len).collect();
+        assert_eq!(lens, [2, 3, 1]);
+        assert_eq!(t.duration(), Duration::from_millis(5));
+        assert_eq!(t.prompt_tokens(), 6);
+    }
+}

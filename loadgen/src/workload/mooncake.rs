@@ -1,0 +1,207 @@
+//! Mooncake (FAST '25) JSONL traces: one request per line,
+//! `{"timestamp": <ms>, "input_length": <tokens>, "output_length": <tokens>, "hash_ids": [..]}`,
+//! where `hash_ids` names the prompt's 512-token blocks (the last one possibly partial).
+//!
+//! Reading checks every line and reports the first bad one by its 1-based line number; blank
+//! lines are skipped and unknown fields ignored. Timestamps may be integers or decimals of
+//! milliseconds; they need not be sorted (the [`Trace`] is sorted by arrival, stably).
+//! Writing emits integer milliseconds (rounded down), so a written trace reads back equal
+//! when arrivals are whole milliseconds.
+
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::{Request, TRACE_BLOCK_SIZE, Trace, content_blocks};
+
+/// Why a trace could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("cannot open trace {path}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("reading line {line}")]
+    Read {
+        line: usize,
+        #[source]
+        source: io::Error,
+    },
+    #[error("line {line}: not a Mooncake request")]
+    Json {
+        line: usize,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("line {line}: {problem}")]
+    Invalid { line: usize, problem: LineProblem },
+    #[error("writing the trace")]
+    Write(#[source] io::Error),
+}
+
+/// What is wrong with a well-formed JSON line.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LineProblem {
+    #[error("timestamp {0} is not a finite, non-negative number of milliseconds")]
+    Timestamp(f64),
+    #[error("input_length is 0; a request needs at least one prompt token")]
+    EmptyPrompt,
+    #[error(
+        "input_length {input_length} needs ceil({input_length} / {TRACE_BLOCK_SIZE}) = {expected} \
+         hash_ids, got {got}"
+    )]
+    HashIdCount { input_length: usize, expected: usize, got: usize },
+}
+
+#[derive(Deserialize)]
+struct InLine {
+    timestamp: f64,
+    input_length: usize,
+    output_length: u32,
+    hash_ids: Vec<u64>,
+}
+
+#[derive(Serialize)]
+struct OutLine<'a> {
+    timestamp: u128,
+    input_length: usize,
+    output_length: u32,
+    hash_ids: &'a [u64],
+}
+
+/// Reads a Mooncake trace file.
+pub fn read_file(path: &Path) -> Result<Trace, TraceError> {
+    let file = File::open(path).map_err(|source| TraceError::Open { path: path.to_owned(), source })?;
+    read(BufReader::new(file))
+}
+
+/// Reads a Mooncake trace; fails on the first bad line.
+pub fn read(reader: impl BufRead) -> Result<Trace, TraceError> {
+    let mut requests = Vec::new();
+    for (index, line) in reader.lines().enumerate() {
+        let line_no = index + 1;
+        let line = line.map_err(|source| TraceError::Read { line: line_no, source })?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let raw: InLine =
+            serde_json::from_str(&line).map_err(|source| TraceError::Json { line: line_no, source })?;
+        let request = parse(raw).map_err(|problem| TraceError::Invalid { line: line_no, problem })?;
+        requests.push(request);
+    }
+    Ok(Trace::new(requests))
+}
+
+fn parse(raw: InLine) -> Result<Request, LineProblem> {
+    if !(raw.timestamp.is_finite() && raw.timestamp >= 0.0) {
+        return Err(LineProblem::Timestamp(raw.timestamp));
+    }
+    let arrival = Duration::try_from_secs_f64(raw.timestamp / 1000.0)
+        .map_err(|_| LineProblem::Timestamp(raw.timestamp))?;
+    if raw.input_length == 0 {
+        return Err(LineProblem::EmptyPrompt);
+    }
+    let expected = content_blocks(raw.input_length);
+    if raw.hash_ids.len() != expected {
+        return Err(LineProblem::HashIdCount {
+            input_length: raw.input_length,
+            expected,
+            got: raw.hash_ids.len(),
+        });
+    }
+    Ok(Request {
+        arrival,
+        input_len: raw.input_length,
+        output_len: raw.output_length,
+        hash_ids: raw.hash_ids,
+    })
+}
+
+/// Writes `trace` in Mooncake format, one request per line.
+pub fn write(trace: &Trace, mut out: impl Write) -> Result<(), TraceError> {
+    for r in &trace.requests {
+        let line = OutLine {
+            timestamp: r.arrival.as_millis(),
+            input_length: r.input_len,
+            output_length: r.output_len,
+            hash_ids: &r.hash_ids,
+        };
+        serde_json::to_writer(&mut out, &line).map_err(|e| TraceError::Write(e.into()))?;
+        out.write_all(b"\n").map_err(TraceError::Write)?;
+    }
+    out.flush().map_err(TraceError::Write)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read_str(s: &str) -> Result<Trace, TraceError> {
+        read(s.as_bytes())
+    }
+
+    #[test]
+    fn reads_sorts_and_round_trips() {
+        let text = "{\"timestamp\": 20, \"input_length\": 600, \"output_length\": 3, \"hash_ids\": [1, 2]}\n\
+                    \n\
+                    {\"timestamp\": 10.5, \"input_length\": 512, \"output_length\": 0, \"hash_ids\": [1], \"extra\": true}\n";
+        let trace = read_str(text).unwrap();
+        assert_eq!(trace.len(), 2);
+        assert_eq!(trace.requests[0].arrival, Duration::from_micros(10_500));
+        assert_eq!(trace.requests[1].hash_ids, [1, 2]);
+
+        let mut whole = trace.clone();
+        whole.requests[0].arrival = Duration::from_millis(10);
+        let mut buf = Vec::new();
+        write(&whole, &mut buf).unwrap();
+        assert_eq!(read_str(std::str::from_utf8(&buf).unwrap()).unwrap(), whole);
+    }
+
+    #[test]
+    fn bad_lines_are_reported_by_number() {
+        let good = "{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1, \"hash_ids\": [1]}";
+        let cases = [
+            ("not json", 2, "Json"),
+            ("{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1}", 2, "Json"),
+            (
+                "{\"timestamp\": -1, \"input_length\": 5, \"output_length\": 1, \"hash_ids\": [1]}",
+                2,
+                "Timestamp",
+            ),
+            (
+                "{\"timestamp\": 0, \"input_length\": 0, \"output_length\": 1, \"hash_ids\": []}",
+                2,
+                "EmptyPrompt",
+            ),
+            (
+                "{\"timestamp\": 0, \"input_length\": 513, \"output_length\": 1, \"hash_ids\": [1]}",
+                2,
+                "HashIdCount",
+            ),
+        ];
+        for (bad, line, kind) in cases {
+            let err = read_str(&format!("{good}\n{bad}\n{good}\n")).unwrap_err();
+            let (got_line, got_kind) = match &err {
+                TraceError::Json { line, .. } => (*line, "Json"),
+                TraceError::Invalid { line, problem: LineProblem::Timestamp(_) } => (*line, "Timestamp"),
+                TraceError::Invalid { line, problem: LineProblem::EmptyPrompt } => (*line, "EmptyPrompt"),
+                TraceError::Invalid { line, problem: LineProblem::HashIdCount { .. } } => {
+                    (*line, "HashIdCount")
+                }
+                other => panic!("unexpected error {other:?}"),
+            };
+            assert_eq!((got_line, got_kind), (line, kind), "for {bad}");
+        }
+    }
+
+    #[test]
+    fn missing_file_names_the_path() {
+        let err = read_file(Path::new("/nonexistent/trace.jsonl")).unwrap_err();
+        assert!(matches!(err, TraceError::Open { ref path, .. } if path.ends_with("trace.jsonl")));
+    }
+}

@@ -1,0 +1,7 @@
+//! loadgen's integration tests: seed-000 replays against hand-checked and reference numbers,
+//! and the command line.
+
+mod cli;
+mod fleet;
+mod seed000;
+mod support;
