@@ -8,7 +8,10 @@
 //! EXACT ── seq gap / queue overflow ──► DEGRADED ── repair(from first missing) ──► EXACT
 //!          (an overflow is reported once the queue has room, so a lost last batch is
 //!          repaired too)
-//! EXACT ── SUB disconnected ──► DEGRADED ── reconnected: repair(from next expected) ──► EXACT
+//! EXACT ── SUB disconnected ──► clear the rank, DEGRADED (live frames ignored)
+//!          ── reconnected: repair(from 0) ──► EXACT
+//!          (a publisher closes its connection when its replica stops, dies or restarts:
+//!          its blocks must leave the index at once, not after `fallback_after`)
 //! any ── no connection for `fallback_after` ──► FALLBACK ── connected: repair ──► EXACT
 //! any ── `malformed_fallback` malformed messages in a row ──► FALLBACK
 //!                          ── next good batch: snapshot, else clear and rebuild ──► EXACT

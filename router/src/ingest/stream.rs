@@ -62,6 +62,9 @@ pub(crate) struct RankStream {
     malformed_run: u32,
     /// In FALLBACK because of decode errors: resync on the next good batch.
     broken: bool,
+    /// The SUB lost its connection and the rank was cleared: live frames are ignored until
+    /// the next `Connected`, whose repair from seq 0 covers them.
+    disconnected: bool,
     scratch: Vec<BlockHash>,
 }
 
@@ -77,6 +80,7 @@ impl RankStream {
             dup: None,
             malformed_run: 0,
             broken: false,
+            disconnected: false,
             scratch: Vec::new(),
         }
     }
@@ -137,6 +141,7 @@ impl RankStream {
     async fn handle(&mut self, input: Input) {
         match input {
             Input::Connected => {
+                self.disconnected = false;
                 // Slow joiner: whatever was published before the subscription took effect
                 // (or during an outage) is only available from the replay buffer.
                 let from = self.expected.unwrap_or(Seq(0));
@@ -151,8 +156,21 @@ impl RankStream {
                 let from = self.expected.unwrap_or(Seq(0));
                 self.repair(from, None).await;
             }
-            Input::Disconnected => self.set_state(StreamState::Degraded),
+            Input::Disconnected => {
+                // The publisher closed the connection: the replica was stopped, killed or
+                // restarted. Its blocks leave the index at once (a dead replica must not
+                // attract requests, and a restarted one has an empty cache); a replica that
+                // was only cut off briefly is rebuilt by the repair from seq 0 that its
+                // reconnection triggers (replay, else snapshot).
+                self.set_state(StreamState::Degraded);
+                self.clear();
+                self.expected = None;
+                self.disconnected = true;
+            }
             Input::Unreachable => self.set_state(StreamState::Fallback),
+            // Late frames of the lost connection (or early ones of the next): the repair
+            // after `Connected` replays them.
+            Input::Frames(_) if self.disconnected => {}
             Input::Frames(frames) => self.on_frames(&frames).await,
         }
     }

@@ -6,6 +6,15 @@
 //! `usage`, whether it arrives in a JSON body or in the last SSE chunk, even split across
 //! frames), tells its [`Hooks`] when the first data passes (the prefill is over) and, on end,
 //! error or client disconnect, releases the request's load accounting exactly once.
+//!
+//! What a client sees when a replica fails in the middle of a response (it died, its
+//! connection broke, or it stayed silent past the idle timeout): a server-sent-event stream
+//! that stopped at an event boundary gets one final OpenAI error event,
+//! `data: {"error":{"message":..,"type":"server_error",..}}`, and then ends cleanly without
+//! `data: [DONE]` — the same contract the replica agent keeps for its own failures, so a
+//! client tells a failed stream from a finished one. Any other body (a non-streamed JSON
+//! answer, or a stream cut inside an event) is aborted: the client's connection reports an
+//! incomplete message.
 
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
@@ -15,6 +24,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
+use kvroute_proto::openai::OpenAiError;
 use tokio::time::{Instant, Sleep};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -44,6 +54,12 @@ pub struct Tracked<B> {
     scanner: UsageScanner,
     hooks: Option<Box<dyn Hooks>>,
     seen_data: bool,
+    /// The body is a server-sent-event stream (failures end it with an error event).
+    sse: bool,
+    /// Everything passed so far ends at an event boundary (`\n\n`).
+    at_boundary: bool,
+    /// The final error event was sent: the body is over.
+    done: bool,
 }
 
 impl<B> Tracked<B> {
@@ -55,7 +71,30 @@ impl<B> Tracked<B> {
             scanner: UsageScanner::default(),
             hooks: Some(hooks),
             seen_data: false,
+            sse: false,
+            at_boundary: true,
+            done: false,
         }
+    }
+
+    /// Marks the body as a server-sent-event stream.
+    pub fn sse(mut self, sse: bool) -> Self {
+        self.sse = sse;
+        self
+    }
+
+    /// The upstream failed with `error`: an error event if the stream allows one, else the
+    /// error itself (which aborts the client's response).
+    fn fail(&mut self, error: BoxError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.end(false);
+        if !(self.sse && self.at_boundary) {
+            return Poll::Ready(Some(Err(error)));
+        }
+        self.done = true;
+        let message = format!("the replica's stream failed: {error}");
+        let event = OpenAiError::new("server_error", message).to_json();
+        let event = [b"data: ".as_slice(), &event, b"\n\n"].concat();
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
     }
 
     fn end(&mut self, completed: bool) {
@@ -89,6 +128,9 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
@@ -99,33 +141,34 @@ where
                         }
                     }
                     this.scanner.feed(data);
+                    if !data.is_empty() {
+                        this.at_boundary = data.ends_with(b"\n\n") || data.ends_with(b"\r\n\r\n");
+                    }
                 }
                 let deadline = Instant::now() + this.idle;
                 this.sleep.as_mut().reset(deadline);
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => {
-                this.end(false);
-                Poll::Ready(Some(Err(e.into())))
-            }
+            Poll::Ready(Some(Err(e))) => this.fail(e.into()),
             Poll::Ready(None) => {
                 this.end(true);
                 Poll::Ready(None)
             }
             Poll::Pending => {
                 ready!(this.sleep.as_mut().poll(cx));
-                this.end(false);
-                Poll::Ready(Some(Err(Box::new(IdleTimeout(this.idle)))))
+                let idle = this.idle;
+                this.fail(Box::new(IdleTimeout(idle)))
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.done || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        // A stream may get a final error event: never promise an exact length.
+        if self.sse { SizeHint::default() } else { self.inner.size_hint() }
     }
 }
 

@@ -2,7 +2,8 @@
 //! go upstream unchanged (only hop-by-hop headers are dropped), the response streams back
 //! frame by frame.
 //!
-//! Retries: when a replica refuses the connection or fails before any response byte, the
+//! Retries: when a replica refuses the connection, fails before any response byte, or
+//! answers 503 (it refused to start the request: shutting down or its queue is full), the
 //! request goes to the next replica of the plan (at most [`MAX_ATTEMPTS`] in all) — never
 //! after a response has started, and never after a first-byte timeout (the replica may still
 //! be working on it). Each failure counts toward the replica's outlier ejection; 5xx answers
@@ -88,6 +89,19 @@ pub async fn routed(
         let request = build_request(&member.replica.spec.http_url, parts, full(body.clone()), request_id)?;
         let sent = Instant::now();
         match tokio::time::timeout(config.first_byte_timeout, client.request(request)).await {
+            Ok(Ok(response))
+                if response.status() == http::StatusCode::SERVICE_UNAVAILABLE
+                    && attempt + 1 < plan.order.len().min(MAX_ATTEMPTS) =>
+            {
+                // A 503 means the replica refused the request without starting it (shutting
+                // down, queue full): another replica can take it.
+                tracing::info!(replica = %member.replica.spec.name, request_id, "replica refused with 503; retrying elsewhere");
+                record_failure(upstream, config, metrics);
+                last_error = Some(ProxyError::Upstream {
+                    replica: member.replica.spec.name.clone(),
+                    reason: "503 Service Unavailable".into(),
+                });
+            }
             Ok(Ok(response)) => {
                 let mut response =
                     wrap(response, guard, upstream.clone(), config, metrics.clone(), sent, request_id);
@@ -210,8 +224,14 @@ fn wrap(
     if let Ok(id) = HeaderValue::from_str(request_id) {
         parts.headers.insert("x-request-id", id);
     }
+    let sse = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
     let hooks = Box::new(ResponseHooks { guard, metrics, sent });
-    let body = Tracked::new(body, config.idle_timeout, hooks).map_err(|e: BoxError| e).boxed_unsync();
+    let body =
+        Tracked::new(body, config.idle_timeout, hooks).sse(sse).map_err(|e: BoxError| e).boxed_unsync();
     Response::from_parts(parts, body)
 }
 

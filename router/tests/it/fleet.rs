@@ -74,6 +74,17 @@ impl Fleet {
         router: impl FnOnce(RouterConfig) -> RouterConfig,
     ) -> Fleet {
         let shutdown = CancellationToken::new();
+        let agents = Fleet::start_agents(n, agent, &shutdown).await;
+        let config = router(router_config(&agents));
+        Fleet::around(agents, config, shutdown).await
+    }
+
+    /// Starts `n` agents named `agent-{i}`, stopped by `shutdown`.
+    pub async fn start_agents(
+        n: usize,
+        agent: impl Fn(&str) -> kvroute_replica_agent::Config,
+        shutdown: &CancellationToken,
+    ) -> Vec<RunningAgent> {
         let mut agents = Vec::new();
         for i in 0..n {
             let config = agent(&format!("agent-{i}"));
@@ -81,7 +92,16 @@ impl Fleet {
                 kvroute_replica_agent::start(config, shutdown.child_token()).await.expect("agent starts"),
             );
         }
-        let config = router(router_config(&agents));
+        agents
+    }
+
+    /// A router with `config` in front of `agents`, once it is ready (for tests that put
+    /// something between the agents and the router).
+    pub async fn around(
+        agents: Vec<RunningAgent>,
+        config: RouterConfig,
+        shutdown: CancellationToken,
+    ) -> Fleet {
         let router = kvroute_router::start(config, shutdown.child_token()).await.expect("router starts");
         let fleet = router.fleet().clone();
         wait_until("router ready", || fleet.ready()).await;
@@ -101,6 +121,64 @@ impl Fleet {
         if let Some(agent) = self.agents[i].take() {
             agent.stop().await;
         }
+    }
+
+    /// Stops agent `i` and starts a new one from `config` on the same ports (a restarted
+    /// process: new epoch, seq 0, empty cache). Retries while the old ports linger.
+    pub async fn restart(&mut self, i: usize, config: kvroute_replica_agent::Config) {
+        let old = self.agents[i].take().expect("agent is running");
+        let config = kvroute_replica_agent::Config {
+            http_addr: old.http_addr,
+            grpc_addr: old.grpc_addr,
+            events_endpoint: old.events_endpoint.clone(),
+            replay_endpoint: old.replay_endpoint.clone().unwrap_or_default(),
+            ..config
+        };
+        old.stop().await;
+        let deadline = tokio::time::Instant::now() + crate::support::WAIT;
+        let agent = loop {
+            match kvroute_replica_agent::start(config.clone(), self.shutdown.child_token()).await {
+                Ok(agent) => break agent,
+                Err(e) => {
+                    assert!(tokio::time::Instant::now() < deadline, "agent {i} cannot restart: {e:#}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        self.agents[i] = Some(agent);
+    }
+
+    /// Puts `router` in front of the fleet; returns the previous one (still running).
+    pub fn replace_router(&mut self, router: RunningRouter) -> RunningRouter {
+        std::mem::replace(&mut self.router, router)
+    }
+
+    /// Waits until the router's index holds exactly agent `i`'s resident blocks.
+    pub async fn index_matches(&self, i: usize) {
+        index_matches(&self.router, self.agent(i)).await;
+    }
+}
+
+/// Waits until `router`'s index holds exactly `agent`'s resident blocks (same count, and
+/// every resident block present for that replica), which is what exact ingestion promises.
+pub async fn index_matches(router: &RunningRouter, agent: &RunningAgent) {
+    let id = router.fleet().member(&agent.name).expect("the router knows the agent").replica.id;
+    let index = &router.state.decider.index;
+    let deadline = tokio::time::Instant::now() + crate::support::WAIT;
+    loop {
+        let resident = agent.engine.resident();
+        let held = index.blocks(id);
+        let missing = resident.iter().filter(|b| index.lookup(&[**b]).get(id) != 1).count();
+        if held == resident.len() && missing == 0 {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{}: index holds {held} blocks, the replica {} ({missing} missing)",
+            agent.name,
+            resident.len()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 

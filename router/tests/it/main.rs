@@ -5,6 +5,7 @@
 mod admin;
 mod agent;
 mod discovery;
+mod faults;
 mod fleet;
 mod ingest;
 mod proxy;

@@ -350,7 +350,7 @@ impl FakePublisher {
     }
 }
 
-async fn retry_bind<S: Socket>(socket: &mut S, endpoint: &str) -> String {
+pub async fn retry_bind<S: Socket>(socket: &mut S, endpoint: &str) -> String {
     let mut last = None;
     for _ in 0..100 {
         match socket.bind(endpoint).await {
