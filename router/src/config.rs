@@ -15,6 +15,7 @@ use std::time::Duration;
 use clap::Parser;
 use serde::{Deserialize, Serialize};
 
+use crate::discovery::DiscoveryConfig;
 use crate::policy::{CacheAwareParams, PolicyKind};
 use crate::replicas::{EngineKind, ReplicaSpec};
 
@@ -40,7 +41,7 @@ pub struct Config {
     pub admin_token: Option<String>,
 
     /// A replica: name=..,http=..,events=..[,replay=..][,grpc=..][,engine=kvroute|vllm|sglang][,dp-size=N][,topic=..]
-    #[arg(long = "replica", env = "KVROUTE_REPLICAS", value_delimiter = ';')]
+    #[arg(id = "replica", long = "replica", env = "KVROUTE_REPLICAS", value_delimiter = ';')]
     #[serde(default, rename = "replica")]
     pub replicas: Vec<ReplicaConfig>,
 
@@ -111,6 +112,11 @@ pub struct Config {
     /// How long an ejected replica is kept out before it is tried again, milliseconds.
     #[arg(long, env = "KVROUTE_EJECTION_MS", default_value_t = 10_000)]
     pub ejection_ms: u64,
+
+    /// Replica discovery (DNS or Kubernetes EndpointSlices) besides the static list.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub discovery: DiscoveryConfig,
 }
 
 impl kvroute_proto::cli::Layered for Config {
@@ -165,6 +171,9 @@ impl Config {
                 check(p.is_file(), format!("{flag} {} is not a readable file", p.display()));
             }
         }
+        for problem in self.discovery.validate().err().unwrap_or_default() {
+            check(false, problem);
+        }
         let mut names = std::collections::HashSet::new();
         for r in &self.replicas {
             check(names.insert(r.name.as_str()), format!("replica {:?} is listed twice", r.name));
@@ -216,43 +225,24 @@ pub struct ReplicaConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grpc: Option<String>,
     #[serde(default = "default_engine")]
-    pub engine: EngineName,
+    pub engine: EngineKind,
     #[serde(default = "one")]
     pub dp_size: u32,
     #[serde(default)]
     pub topic: String,
 }
 
-fn default_engine() -> EngineName {
-    EngineName::Kvroute
+fn default_engine() -> EngineKind {
+    EngineKind::Kvroute
 }
 fn one() -> u32 {
     1
 }
 
-/// Engine kinds as they are spelled in configuration.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EngineName {
-    Kvroute,
-    Vllm,
-    Sglang,
-}
-
-impl From<EngineName> for EngineKind {
-    fn from(e: EngineName) -> Self {
-        match e {
-            EngineName::Kvroute => EngineKind::Kvroute,
-            EngineName::Vllm => EngineKind::Vllm,
-            EngineName::Sglang => EngineKind::Sglang,
-        }
-    }
-}
-
 impl ReplicaConfig {
     /// The registry's spec for this replica.
     pub fn to_spec(&self, model: &str, block_size: u32) -> ReplicaSpec {
-        let mut spec = ReplicaSpec::new(self.name.clone(), self.events.clone(), self.engine.into(), model);
+        let mut spec = ReplicaSpec::new(self.name.clone(), self.events.clone(), self.engine, model);
         spec.http_url = self.http.trim_end_matches('/').to_owned();
         spec.replay_endpoint = self.replay.clone().filter(|r| !r.is_empty());
         spec.grpc_endpoint = self.grpc.clone().filter(|g| !g.is_empty());
@@ -293,9 +283,9 @@ impl fmt::Display for ReplicaConfig {
             write!(f, ",grpc={g}")?;
         }
         let engine = match self.engine {
-            EngineName::Kvroute => "kvroute",
-            EngineName::Vllm => "vllm",
-            EngineName::Sglang => "sglang",
+            EngineKind::Kvroute => "kvroute",
+            EngineKind::Vllm => "vllm",
+            EngineKind::Sglang => "sglang",
         };
         write!(f, ",engine={engine},dp-size={}", self.dp_size)?;
         if !self.topic.is_empty() {
@@ -315,7 +305,7 @@ mod tests {
             "name=r0,http=http://127.0.0.1:8000,events=tcp://127.0.0.1:5557,engine=vllm,dp-size=2"
                 .parse()
                 .unwrap();
-        assert_eq!(r.engine, EngineName::Vllm);
+        assert_eq!(r.engine, EngineKind::Vllm);
         assert_eq!(r.dp_size, 2);
         assert_eq!(r.replay, None);
         assert_eq!(r.to_string().parse::<ReplicaConfig>().unwrap(), r);
@@ -352,7 +342,7 @@ mod tests {
             events: "nowhere".into(),
             replay: None,
             grpc: None,
-            engine: EngineName::Kvroute,
+            engine: EngineKind::Kvroute,
             dp_size: 1,
             topic: String::new(),
         };

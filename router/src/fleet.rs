@@ -8,6 +8,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 
 use kvroute_proto::ReplicaId;
 
+use crate::discovery::ReplicaSink;
 use crate::ingest::{Ingest, IngestError};
 use crate::proxy::credits::Credits;
 use crate::proxy::upstream::Upstream;
@@ -79,6 +80,17 @@ impl Fleet {
         Some(Member { replica, upstream })
     }
 
+    /// Adds `spec`, or replaces the registered replica of that name if its spec changed.
+    pub async fn upsert(&self, spec: ReplicaSpec) -> Result<(), IngestError> {
+        if let Some(existing) = self.ingest.replicas().by_name(&spec.name) {
+            if existing.spec == spec {
+                return Ok(());
+            }
+            self.remove(&spec.name).await;
+        }
+        self.add(spec).map(drop)
+    }
+
     /// True once there is a replica and every replica completed its first event sync or has
     /// no usable stream at all (`FALLBACK`: routed on load alone, so nothing to wait for).
     pub fn ready(&self) -> bool {
@@ -87,5 +99,18 @@ impl Fleet {
             && members
                 .iter()
                 .all(|m| m.replica.status.is_synced() || m.replica.status.state() == StreamState::Fallback)
+    }
+}
+
+/// Discovered replicas join and leave the fleet (ingestion and the proxy's upstreams).
+impl ReplicaSink for Fleet {
+    type Error = IngestError;
+
+    async fn upsert(&self, spec: ReplicaSpec) -> Result<(), IngestError> {
+        Fleet::upsert(self, spec).await
+    }
+
+    async fn remove(&self, name: &str) {
+        Fleet::remove(self, name).await;
     }
 }

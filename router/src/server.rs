@@ -16,6 +16,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::admin::AdminService;
 use crate::config::Config;
+use crate::discovery::{Discovery, DiscoveryMetrics};
 use crate::fleet::Fleet;
 use crate::index::SharedIndex;
 use crate::ingest::{Ingest, IngestConfig};
@@ -89,6 +90,16 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             .add(r.to_spec(&config.model, config.block_size))
             .with_context(|| format!("adding replica {}", r.name))?;
     }
+    let discovery = Discovery::start(
+        &config.discovery,
+        config.discovery.template(&config.model, Some(config.block_size)),
+        fleet.clone(),
+        DiscoveryMetrics::register(&mut registry),
+        &tracker,
+        shutdown.clone(),
+    )
+    .await
+    .context("starting replica discovery")?;
 
     let tokenization = Arc::new(
         Tokenization::new(&TokenizationConfig {
@@ -105,7 +116,11 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     );
     let client = client(config.connect_timeout());
     let prompts = if config.remote_tokenize {
-        Prompts::Remote(RemoteTokenizer::new(tokenization, client.clone(), config.first_byte_timeout()))
+        Prompts::Remote(Box::new(RemoteTokenizer::new(
+            tokenization,
+            client.clone(),
+            config.first_byte_timeout(),
+        )))
     } else {
         Prompts::Local(tokenization)
     };
@@ -135,6 +150,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         max_body_bytes: config.max_body_bytes,
         in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
         models,
+        discovery,
     });
 
     let listener =

@@ -6,7 +6,7 @@
 //! | other `/v1/*` | streams the request to the least-loaded eligible replica |
 //! | `GET /v1/models` | the fleet's model and LoRA adapters |
 //! | `GET /health` | 200 while the process runs |
-//! | `GET /ready` | 200 once every replica completed its first event sync ([`Fleet::ready`]) |
+//! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //!
 //! Layout: [`body`] (pass-through bodies, usage sniffing), [`credits`] (pending decisions),
@@ -55,11 +55,19 @@ pub struct ProxyState {
     pub in_flight: Arc<Semaphore>,
     /// Served model names: the base model, then its LoRA adapters.
     pub models: Vec<String>,
+    /// Replica discovery (static mode counts as listed from the start).
+    pub discovery: crate::discovery::Discovery,
 }
 
 impl ProxyState {
     pub fn fleet(&self) -> &Fleet {
         &self.decider.fleet
+    }
+
+    /// Ready to route: discovery has listed the replicas once, and every replica completed
+    /// its first event sync ([`Fleet::ready`]).
+    pub fn ready(&self) -> bool {
+        self.discovery.is_listed() && self.fleet().ready()
     }
 }
 
@@ -99,7 +107,7 @@ async fn dispatch(
         }
         (Method::GET, "/v1/models") => Ok(json(StatusCode::OK, models(state))),
         (Method::GET, "/health") => Ok(Response::new(full(Bytes::new()))),
-        (Method::GET, "/ready") => Ok(if state.fleet().ready() {
+        (Method::GET, "/ready") => Ok(if state.ready() {
             Response::new(full(Bytes::from_static(b"ready")))
         } else {
             let mut r =

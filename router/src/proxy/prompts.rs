@@ -27,7 +27,7 @@ const REMOTE_CACHE_ENTRIES: usize = 4096;
 /// How the router gets token ids.
 pub enum Prompts {
     Local(Arc<Tokenization>),
-    Remote(RemoteTokenizer),
+    Remote(Box<RemoteTokenizer>),
 }
 
 /// What the decision path needs from a request.

@@ -11,7 +11,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute_replica_agent::RunningAgent;
 use kvroute_router::RunningRouter;
-use kvroute_router::config::{Config as RouterConfig, EngineName, ReplicaConfig};
+use kvroute_router::config::{Config as RouterConfig, ReplicaConfig};
+use kvroute_router::replicas::EngineKind;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
@@ -38,7 +39,7 @@ pub fn replica_config(agent: &RunningAgent) -> ReplicaConfig {
         events: agent.events_endpoint.clone(),
         replay: agent.replay_endpoint.clone(),
         grpc: Some(agent.grpc_url()),
-        engine: EngineName::Kvroute,
+        engine: EngineKind::Kvroute,
         dp_size: 1,
         topic: String::new(),
     }

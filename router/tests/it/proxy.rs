@@ -195,7 +195,7 @@ async fn two_routers_in_front_of_one_fleet_converge_to_the_same_index() {
                         events: s.event_endpoint.clone(),
                         replay: s.replay_endpoint.clone(),
                         grpc: s.grpc_endpoint.clone(),
-                        engine: kvroute_router::config::EngineName::Kvroute,
+                        engine: kvroute_router::replicas::EngineKind::Kvroute,
                         dp_size: 1,
                         topic: String::new(),
                     }
