@@ -31,6 +31,8 @@
 mod engine;
 mod report;
 
+use std::time::Duration;
+
 use kvroute_proto::pb::StreamState;
 use kvroute_proto::{BlockHash, CacheNamespace, ReplicaId};
 use kvroute_replica_agent::cache::{self, AdmitError, BlockCache, CacheConfig, ConfigError, S3FifoParams};
@@ -116,7 +118,7 @@ impl Default for SimConfig {
 pub enum SimError {
     #[error("the fleet needs at least one replica")]
     NoReplicas,
-    #[error("the speed-up must be a positive, finite number, got {0}")]
+    #[error("the speed-up {0} is not a positive, finite number, or so small that arrivals overflow")]
     Speedup(f64),
     #[error("the pooled capacity {replicas} x {capacity} blocks overflows")]
     PooledCapacity { replicas: usize, capacity: usize },
@@ -179,7 +181,8 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
     let mut results = Vec::with_capacity(trace.len());
     let mut views = Vec::with_capacity(n);
     for (index, request) in trace.requests.iter().enumerate() {
-        let now = request.arrival.div_f64(config.speedup);
+        let now = Duration::try_from_secs_f64(request.arrival.as_secs_f64() / config.speedup)
+            .map_err(|_| SimError::Speedup(config.speedup))?;
         let blocks: Vec<BlockHash> = match identity {
             BlockIdentity::Tokens => request.chained_blocks(&namespace, config.block_size),
             _ => request.hash_ids.iter().map(|&h| BlockHash(h)).collect(),

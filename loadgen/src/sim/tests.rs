@@ -219,6 +219,10 @@ fn bad_configurations_are_errors() {
     ));
     let slow = SimConfig { speedup: 0.0, ..config(1, 8, cache::PolicyKind::Lru) };
     assert!(matches!(simulate_with(&trace, &slow, &rr), Err(SimError::Speedup(_))));
+    // So slow that the arrivals overflow.
+    let late = Trace::new(vec![req(1_000_000, 10, vec![1])]);
+    let glacial = SimConfig { speedup: 1e-20, ..config(1, 8, cache::PolicyKind::Lru) };
+    assert!(matches!(simulate_with(&late, &glacial, &rr), Err(SimError::Speedup(_))));
     assert!(matches!(
         simulate_with(&trace, &config(1, 0, cache::PolicyKind::Lru), &rr),
         Err(SimError::Cache(_))
