@@ -3,8 +3,8 @@
 //!
 //! It follows the replica agent's scheduler (`replica-agent/src/engine`) step for step, in
 //! simulated time with no clock:
-//! 1. a step starts when the previous one ends, or when a request arrives at an idle engine;
-//!    it first admits waiting requests in arrival order while fewer than `max_num_seqs` run;
+//! 1. a step starts when the previous one ends, or when a request arrives at an idle engine
+//!    (with every request arriving at that instant); it first admits waiting requests in arrival order while fewer than `max_num_seqs` run;
 //! 2. the step's token budget `max_num_batched_tokens` pays one decode token per running
 //!    sequence whose prefill is done, then prefill chunks of the uncached prompt tokens, oldest
 //!    request first;
@@ -76,6 +76,9 @@ pub(super) struct ReplicaEngine {
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     step: Option<Step>,
+    /// When an idle engine received work: its next step starts then, once every request
+    /// arriving at that same instant has joined the queue.
+    wake: Option<Duration>,
     /// Prefill tokens of every request not yet finished with prefill (running and waiting).
     pending_prefill: u64,
     steps: u64,
@@ -88,6 +91,7 @@ impl ReplicaEngine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             step: None,
+            wake: None,
             pending_prefill: 0,
             steps: 0,
         }
@@ -112,7 +116,11 @@ impl ReplicaEngine {
     /// Completes every step that ends by `now`, starting each next step when the previous one
     /// ends; finished requests' timings go to `done[request]`.
     pub(super) fn advance_to(&mut self, now: Duration, done: &mut [Option<Timing>]) {
-        while let Some(step) = self.step.take_if(|s| s.end <= now) {
+        loop {
+            if let Some(at) = self.wake.take_if(|at| *at < now) {
+                self.start(at);
+            }
+            let Some(step) = self.step.take_if(|s| s.end <= now) else { break };
             let end = step.end;
             self.complete(step, done);
             self.start(end);
@@ -121,6 +129,9 @@ impl ReplicaEngine {
 
     /// Runs until every request has finished.
     pub(super) fn drain(&mut self, done: &mut [Option<Timing>]) {
+        if let Some(at) = self.wake.take() {
+            self.start(at);
+        }
         while let Some(step) = self.step.take() {
             let end = step.end;
             self.complete(step, done);
@@ -141,8 +152,8 @@ impl ReplicaEngine {
             output_len,
             ttft: None,
         });
-        if self.step.is_none() {
-            self.start(now);
+        if self.step.is_none() && self.wake.is_none() {
+            self.wake = Some(now);
         }
     }
 
@@ -221,7 +232,7 @@ mod tests {
         let mut e = ReplicaEngine::new(model());
         let mut done = vec![None];
         e.submit(Duration::ZERO, 0, 1000, 3);
-        assert_eq!(e.load(), Load { in_flight: 1, pending_prefill_tokens: 1000, reported_waiting: 0 });
+        assert_eq!(e.load(), Load { in_flight: 1, pending_prefill_tokens: 1000, reported_waiting: 1 });
         e.drain(&mut done);
         // Prefill step: 6 ms + 1000 * 70 µs = 76 ms, first token; then two decode steps of
         // 6 ms + 60 µs.

@@ -2,6 +2,7 @@
 //! and the command line.
 
 mod cli;
+mod engine_model;
 mod fleet;
 mod seed000;
 mod support;
