@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
+use kvroute_proto::serve::{Limits, MIN_HEADER_BYTES};
 use serde::{Deserialize, Serialize};
 
 use crate::cache::PolicyKind;
@@ -120,6 +121,12 @@ pub struct Config {
     /// Largest accepted request body, bytes.
     #[arg(long, env = "KVROUTE_AGENT_MAX_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// HTTP connections open at once; more wait in the listen backlog.
+    #[arg(long, env = "KVROUTE_AGENT_MAX_CONNECTIONS", default_value_t = Limits::default().max_connections)]
+    pub max_connections: usize,
+    /// Largest request head (request line and headers), bytes; larger ones get 431.
+    #[arg(long, env = "KVROUTE_AGENT_MAX_HEADER_BYTES", default_value_t = Limits::default().max_header_bytes)]
+    pub max_header_bytes: usize,
 }
 
 impl kvroute_proto::cli::Layered for Config {
@@ -175,6 +182,11 @@ impl Config {
             ),
         );
         check(self.max_waiting > 0, "--max-waiting must be at least 1".into());
+        check(self.max_connections > 0, "--max-connections must be at least 1".into());
+        check(
+            self.max_header_bytes >= MIN_HEADER_BYTES,
+            format!("--max-header-bytes must be at least {MIN_HEADER_BYTES}"),
+        );
         check(
             self.time_scale.is_finite() && self.time_scale > 0.0,
             format!("--time-scale must be a positive number, got {}", self.time_scale),
@@ -206,6 +218,15 @@ impl Config {
             prefill_per_token: Duration::from_micros(self.prefill_us_per_token),
             decode_per_seq: Duration::from_micros(self.decode_us_per_seq),
             time_scale: self.time_scale,
+        }
+    }
+
+    /// Limits of the HTTP server.
+    pub fn serve_limits(&self) -> Limits {
+        Limits {
+            max_connections: self.max_connections,
+            max_header_bytes: self.max_header_bytes,
+            ..Limits::default()
         }
     }
 

@@ -16,7 +16,10 @@ use clap::Parser;
 use serde::{Deserialize, Serialize};
 
 use crate::discovery::DiscoveryConfig;
+use kvroute_proto::serve::{Limits, MIN_HEADER_BYTES};
+
 use crate::policy::{CacheAwareParams, PolicyKind};
+use crate::proxy::route::RequestLimits;
 use crate::replicas::{EngineKind, ReplicaSpec};
 
 /// kvroute: a cache-aware reverse proxy for OpenAI-compatible inference fleets.
@@ -38,7 +41,7 @@ pub struct Config {
     /// Bearer token the admin service requires; mandatory when it listens beyond loopback.
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub admin_token: Option<String>,
+    pub admin_token: Option<Secret>,
 
     /// A replica: name=..,http=..,events=..[,replay=..][,grpc=..][,engine=kvroute|vllm|sglang][,dp-size=N][,topic=..]
     #[arg(id = "replica", long = "replica", env = "KVROUTE_REPLICAS", value_delimiter = ';')]
@@ -100,6 +103,18 @@ pub struct Config {
     /// Requests in flight through the router before new ones get 503.
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT", default_value_t = 4_096)]
     pub max_in_flight: usize,
+    /// Client connections open at once; more wait in the listen backlog.
+    #[arg(long, env = "KVROUTE_MAX_CONNECTIONS", default_value_t = Limits::default().max_connections)]
+    pub max_connections: usize,
+    /// Largest request head (request line and headers), bytes; larger ones get 431.
+    #[arg(long, env = "KVROUTE_MAX_HEADER_BYTES", default_value_t = Limits::default().max_header_bytes)]
+    pub max_header_bytes: usize,
+    /// Most prompt tokens (all prompts of a request together) routed; more get 400.
+    #[arg(long, env = "KVROUTE_MAX_PROMPT_TOKENS", default_value_t = 131_072)]
+    pub max_prompt_tokens: u64,
+    /// Largest `max_tokens` / `max_completion_tokens` a request may ask for; more get 400.
+    #[arg(long, env = "KVROUTE_MAX_COMPLETION_TOKENS", default_value_t = 131_072)]
+    pub max_completion_tokens: u64,
     /// Requests in flight on one replica before it counts as saturated.
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT_PER_REPLICA", default_value_t = 512)]
     pub max_in_flight_per_replica: u32,
@@ -154,12 +169,19 @@ impl Config {
         check(self.idle_timeout_ms > 0, "--idle-timeout-ms must be at least 1".into());
         check(self.max_body_bytes > 0, "--max-body-bytes must be at least 1".into());
         check(self.max_in_flight > 0, "--max-in-flight must be at least 1".into());
+        check(self.max_connections > 0, "--max-connections must be at least 1".into());
+        check(
+            self.max_header_bytes >= MIN_HEADER_BYTES,
+            format!("--max-header-bytes must be at least {MIN_HEADER_BYTES}"),
+        );
+        check(self.max_prompt_tokens > 0, "--max-prompt-tokens must be at least 1".into());
+        check(self.max_completion_tokens > 0, "--max-completion-tokens must be at least 1".into());
         check(self.max_in_flight_per_replica > 0, "--max-in-flight-per-replica must be at least 1".into());
         check(self.health_interval_ms > 0, "--health-interval-ms must be at least 1".into());
         check(self.eject_after > 0, "--eject-after must be at least 1".into());
         check(
             self.admin_listen.ip().is_loopback()
-                || self.admin_token.as_deref().is_some_and(|t| !t.is_empty()),
+                || self.admin_token.as_ref().is_some_and(|t| !t.expose().is_empty()),
             format!("--admin-token is required when the admin service listens on {}", self.admin_listen),
         );
         for (flag, path) in [
@@ -207,6 +229,60 @@ impl Config {
     }
     pub fn credit_ttl(&self) -> Duration {
         Duration::from_millis(self.credit_ttl_ms)
+    }
+
+    /// Limits of the proxy's HTTP server.
+    pub fn serve_limits(&self) -> Limits {
+        Limits {
+            max_connections: self.max_connections,
+            max_header_bytes: self.max_header_bytes,
+            ..Limits::default()
+        }
+    }
+
+    /// Limits checked on every routed request before it is forwarded.
+    pub fn request_limits(&self) -> RequestLimits {
+        RequestLimits {
+            max_prompt_tokens: self.max_prompt_tokens,
+            max_completion_tokens: self.max_completion_tokens,
+        }
+    }
+}
+
+/// A secret setting (the admin token): its `Debug` never shows the value, so logging a
+/// `Config` cannot leak it; [`Secret::expose`] is the one way to read it.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The secret itself, for the one place that compares it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+impl FromStr for Secret {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self::new(s))
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(s: &str) -> Self {
+        Self::new(s)
     }
 }
 
@@ -355,5 +431,30 @@ mod tests {
         let errors = c.validate().unwrap_err();
         // block size, admin token, duplicate name, 2x bad events, 2x bad http
         assert_eq!(errors.len(), 7, "{errors:#?}");
+    }
+
+    #[test]
+    fn debug_output_redacts_the_admin_token() {
+        let c: Config =
+            kvroute_proto::cli::parse_from(["r", "--admin-token", "hunter2-very-secret"]).unwrap();
+        assert_eq!(c.admin_token.as_ref().map(Secret::expose), Some("hunter2-very-secret"));
+        let debug = format!("{c:?} {c:#?}");
+        assert!(!debug.contains("hunter2"), "{debug}");
+        assert!(debug.contains("redacted"));
+    }
+
+    #[test]
+    fn limits_have_safe_defaults_and_are_checked() {
+        let c = Config::default();
+        assert_eq!(c.serve_limits(), Limits::default());
+        assert!(c.max_connections > 0 && c.max_header_bytes >= MIN_HEADER_BYTES);
+        let bad = Config {
+            max_connections: 0,
+            max_header_bytes: 100,
+            max_prompt_tokens: 0,
+            max_completion_tokens: 0,
+            ..Config::default()
+        };
+        assert_eq!(bad.validate().unwrap_err().len(), 4);
     }
 }

@@ -148,6 +148,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         },
         registry: Arc::new(registry),
         max_body_bytes: config.max_body_bytes,
+        limits: config.request_limits(),
         in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
         models,
         discovery,
@@ -161,7 +162,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let addr = listener.local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
 
-    tracker.spawn(proxy::serve(listener, state.clone(), shutdown.clone()));
+    tracker.spawn(proxy::serve(listener, state.clone(), config.serve_limits(), shutdown.clone()));
     tracker.spawn(proxy::health::run(
         fleet.clone(),
         client,
@@ -170,7 +171,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         shutdown.clone(),
     ));
     let admin = AdminService::new(state.clone(), config.model.clone(), config.block_size)
-        .into_server(config.admin_token.clone().filter(|t| !t.is_empty()));
+        .into_server(config.admin_token.as_ref().map(|t| t.expose().to_owned()).filter(|t| !t.is_empty()));
     let admin_shutdown = shutdown.clone();
     tracker.spawn(async move {
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(admin_listener);

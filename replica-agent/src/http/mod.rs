@@ -113,13 +113,14 @@ pub async fn serve(listener: TcpListener, state: AppState, shutdown: Cancellatio
     // Handlers must know as soon as shutdown starts (not once the drain is over), so an
     // engine failure during the drain answers 503 (retry elsewhere) rather than 500.
     let shutting_down = state.inner.shutdown.clone();
+    let limits = state.config().serve_limits();
     let watch = shutdown.clone();
     let handler = move |req| handle(state.clone(), req);
     let mark = async move {
         watch.cancelled().await;
         shutting_down.cancel();
     };
-    tokio::join!(kvroute_proto::serve::serve(listener, handler, shutdown), mark);
+    tokio::join!(kvroute_proto::serve::serve_with(listener, handler, limits, shutdown), mark);
 }
 
 /// Routes one request and stamps `x-request-id` on the answer.

@@ -4,7 +4,9 @@
 //! - `http_api`: the OpenAI-compatible API: shapes, streaming, cached tokens, errors,
 //!   `/tokenize`, `/metrics`, `/reset_prefix_cache`, shutdown.
 //! - `events`: KV events over a real ZMQ SUB and DEALER, and the gRPC `ReplicaAgent` service.
+//! - `cli`: the binary's refusals of bad flags and settings.
 
+mod cli;
 mod events;
 mod http_api;
 mod support;

@@ -3,7 +3,7 @@
 //!
 //! | status | when |
 //! |---|---|
-//! | 400 | malformed body (not JSON, wrong types, empty prompt, bad token ids) |
+//! | 400 | malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens` |
 //! | 404 / 405 | unknown path / wrong method |
 //! | 413 | body larger than `--max-body-bytes` |
 //! | 502 | the replica failed before answering, and so did every retry |
@@ -25,6 +25,10 @@ pub enum ProxyError {
     BodyRead(String),
     #[error("the request body exceeds the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
+    #[error("the prompt has {tokens} tokens, more than the limit of {limit}")]
+    PromptTooLong { tokens: u64, limit: u64 },
+    #[error("max_tokens {asked} exceeds the limit of {limit}")]
+    TooManyTokens { asked: u64, limit: u64 },
     #[error("unknown path {0}")]
     NotFound(String),
     #[error("method {0} is not allowed here")]
@@ -43,7 +47,9 @@ impl ProxyError {
             ProxyError::BadRequest(e) => {
                 StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::BAD_REQUEST)
             }
-            ProxyError::BodyRead(_) => StatusCode::BAD_REQUEST,
+            ProxyError::BodyRead(_) | ProxyError::PromptTooLong { .. } | ProxyError::TooManyTokens { .. } => {
+                StatusCode::BAD_REQUEST
+            }
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::NotFound(_) => StatusCode::NOT_FOUND,
             ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
@@ -58,6 +64,7 @@ impl ProxyError {
         match self {
             ProxyError::BadRequest(_) | ProxyError::BodyRead(_) => "bad_request",
             ProxyError::BodyTooLarge { .. } => "too_large",
+            ProxyError::PromptTooLong { .. } | ProxyError::TooManyTokens { .. } => "over_limit",
             ProxyError::NotFound(_) => "not_found",
             ProxyError::MethodNotAllowed(_) => "method_not_allowed",
             ProxyError::Unavailable(_) => "unavailable",
@@ -71,6 +78,16 @@ impl ProxyError {
             ProxyError::BadRequest(e) => e.to_openai(),
             ProxyError::BodyRead(_) | ProxyError::BodyTooLarge { .. } | ProxyError::MethodNotAllowed(_) => {
                 OpenAiError::new("invalid_request_error", self.to_string())
+            }
+            ProxyError::PromptTooLong { .. } => {
+                let mut e = OpenAiError::new("invalid_request_error", self.to_string());
+                e.param = Some("prompt".into());
+                e
+            }
+            ProxyError::TooManyTokens { .. } => {
+                let mut e = OpenAiError::new("invalid_request_error", self.to_string());
+                e.param = Some("max_tokens".into());
+                e
             }
             ProxyError::NotFound(_) => {
                 let mut e = OpenAiError::new("invalid_request_error", self.to_string());

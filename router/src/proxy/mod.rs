@@ -31,6 +31,7 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use kvroute_proto::openai::Endpoint;
+use kvroute_proto::serve::Limits;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -42,7 +43,7 @@ use body::{BoxError, ProxyBody, full};
 use error::ProxyError;
 use forward::ForwardConfig;
 use prompts::Client;
-use route::Decider;
+use route::{Decider, RequestLimits};
 
 /// Everything the request path shares.
 pub struct ProxyState {
@@ -51,6 +52,8 @@ pub struct ProxyState {
     pub forward: ForwardConfig,
     pub registry: Arc<Registry>,
     pub max_body_bytes: usize,
+    /// Prompt and completion bounds of routed requests.
+    pub limits: RequestLimits,
     /// Global in-flight limit: a request that cannot get a permit gets 503 at once.
     pub in_flight: Arc<Semaphore>,
     /// Served model names: the base model, then its LoRA adapters.
@@ -71,10 +74,16 @@ impl ProxyState {
     }
 }
 
-/// Serves the proxy on `listener` until `shutdown` fires, then drains open requests.
-pub async fn serve(listener: TcpListener, state: Arc<ProxyState>, shutdown: CancellationToken) {
+/// Serves the proxy on `listener` within `limits` until `shutdown` fires, then drains open
+/// requests.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<ProxyState>,
+    limits: Limits,
+    shutdown: CancellationToken,
+) {
     let handler = move |req| handle(state.clone(), req);
-    kvroute_proto::serve::serve(listener, handler, shutdown).await;
+    kvroute_proto::serve::serve_with(listener, handler, limits, shutdown).await;
 }
 
 async fn handle(state: Arc<ProxyState>, req: Request<Incoming>) -> Response<ProxyBody> {
@@ -139,7 +148,7 @@ async fn routed(
         .map_err(|_| ProxyError::Unavailable("the router is at its in-flight limit".into()))?;
     let (parts, body) = req.into_parts();
     let body = read_body(&parts, body, state.max_body_bytes).await?;
-    let plan = state.decider.decide(endpoint, &body).await?;
+    let plan = state.decider.decide_within(endpoint, &body, &state.limits).await?;
     state.decider.metrics.in_flight.inc();
     let result = forward::routed(
         &state.client,

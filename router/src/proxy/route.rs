@@ -30,6 +30,37 @@ pub struct Decider {
     pub metrics: ProxyMetrics,
 }
 
+/// Per-request bounds checked after tokenization, before anything is credited or forwarded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// Prompt tokens of all of a request's prompts together.
+    pub max_prompt_tokens: u64,
+    /// The largest `max_tokens` (or `max_completion_tokens`) a request may ask for.
+    pub max_completion_tokens: u64,
+}
+
+impl RequestLimits {
+    /// No bounds (benchmarks, `Explain`).
+    pub const NONE: RequestLimits =
+        RequestLimits { max_prompt_tokens: u64::MAX, max_completion_tokens: u64::MAX };
+
+    /// Whether `plan` is within the bounds.
+    pub fn check(&self, plan: &Plan) -> Result<(), ProxyError> {
+        if plan.prompt_tokens > self.max_prompt_tokens {
+            return Err(ProxyError::PromptTooLong {
+                tokens: plan.prompt_tokens,
+                limit: self.max_prompt_tokens,
+            });
+        }
+        match plan.max_tokens {
+            Some(asked) if asked > self.max_completion_tokens => {
+                Err(ProxyError::TooManyTokens { asked, limit: self.max_completion_tokens })
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
 /// One candidate as the decision saw it (what `Explain` shows).
 #[derive(Clone, Debug)]
 pub struct Scored {
@@ -55,6 +86,8 @@ pub struct Plan {
     /// Tokens of the routed (first) prompt.
     pub first_prompt_tokens: usize,
     pub block_size: usize,
+    /// The request's `max_tokens` (`max_completion_tokens` for chat), if it set one.
+    pub max_tokens: Option<u64>,
 }
 
 impl Plan {
@@ -74,8 +107,19 @@ impl Plan {
 impl Decider {
     /// Chooses a replica for a request; also credits the chosen one with its blocks.
     pub async fn decide(&self, endpoint: Endpoint, body: &[u8]) -> Result<Plan, ProxyError> {
+        self.decide_within(endpoint, body, &RequestLimits::NONE).await
+    }
+
+    /// [`Decider::decide`], refusing requests beyond `limits` (before any credit).
+    pub async fn decide_within(
+        &self,
+        endpoint: Endpoint,
+        body: &[u8],
+        limits: &RequestLimits,
+    ) -> Result<Plan, ProxyError> {
         let started = Instant::now();
         let plan = self.explain(endpoint, body).await?;
+        limits.check(&plan)?;
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         let chosen = plan.order.first().ok_or_else(|| ProxyError::Unavailable(unavailable_reason(&plan)))?;
         self.fleet.credits().credit(chosen.member.replica.id, &plan.all_blocks);
@@ -99,7 +143,9 @@ impl Decider {
         for t in info.tokens.iter().skip(1) {
             all_blocks.extend(info.namespace.chain(t, self.block_size));
         }
-        Ok(self.score(members, blocks, all_blocks, prompt_tokens, first.len()))
+        let mut plan = self.score(members, blocks, all_blocks, prompt_tokens, first.len());
+        plan.max_tokens = request.max_tokens();
+        Ok(plan)
     }
 
     /// Scores every member for a request with the given blocks (no side effects).
@@ -171,6 +217,7 @@ impl Decider {
             all_blocks,
             first_prompt_tokens,
             block_size: self.block_size,
+            max_tokens: None,
         }
     }
 }

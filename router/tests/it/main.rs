@@ -8,5 +8,6 @@ mod discovery;
 mod faults;
 mod fleet;
 mod ingest;
+mod limits;
 mod proxy;
 mod support;

@@ -109,6 +109,9 @@ fn classify(items: Vec<Item<'_>>) -> Result<Prompt<'_>, RequestError> {
     }
 }
 
+/// Most elements preallocated from a deserializer's size hint.
+const MAX_PREALLOC: usize = 4096;
+
 /// A u64/i64/f64 as a token id, or `None` when out of `0..2^32` or fractional.
 fn token_id_u64(v: u64) -> Option<u32> {
     u32::try_from(v).ok()
@@ -151,7 +154,9 @@ impl<'de> Deserialize<'de> for Item<'de> {
                 Ok(Item::Other)
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Item<'de>, A::Error> {
-                let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+                // A deserializer's size hint comes from the input: never trust it further
+                // than a small preallocation.
+                let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(MAX_PREALLOC));
                 let mut verdict = None;
                 while let Some(item) = seq.next_element::<Item<'de>>()? {
                     match item {
@@ -164,5 +169,47 @@ impl<'de> Deserialize<'de> for Item<'de> {
             }
         }
         d.deserialize_any(ItemVisitor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde::de::{self, DeserializeSeed, Deserializer, SeqAccess, Visitor};
+
+    use super::Item;
+
+    /// A sequence that claims `usize::MAX` elements and has none, as a hostile binary
+    /// encoding could.
+    struct Liar;
+
+    impl<'de> SeqAccess<'de> for Liar {
+        type Error = de::value::Error;
+        fn next_element_seed<T: DeserializeSeed<'de>>(
+            &mut self,
+            _: T,
+        ) -> Result<Option<T::Value>, Self::Error> {
+            Ok(None)
+        }
+        fn size_hint(&self) -> Option<usize> {
+            Some(usize::MAX)
+        }
+    }
+
+    impl<'de> Deserializer<'de> for Liar {
+        type Error = de::value::Error;
+        fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+            visitor.visit_seq(Liar)
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf
+            option unit unit_struct newtype_struct seq tuple tuple_struct map struct enum
+            identifier ignored_any
+        }
+    }
+
+    #[test]
+    fn token_array_size_hint_does_not_size_the_allocation() {
+        let item: Item<'_> = serde::Deserialize::deserialize(Liar).expect("an empty id list");
+        assert!(matches!(item, Item::Ids(ids) if ids.is_empty()));
     }
 }

@@ -1,0 +1,247 @@
+//! Limits and hardening: header size and connection limits on both HTTP servers, prompt
+//! and completion bounds at the router, `cache_salt` isolation between tenants, secrets kept
+//! out of logs, and the binary's refusals (admin service beyond loopback without a token, bad
+//! flags).
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvroute_proto::pb::{self, router_admin_client::RouterAdminClient};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::fleet::{FLEET_MODEL, Fleet, Reply, agent_config};
+
+/// Sends one raw HTTP/1.1 request on `stream` and returns the response head.
+async fn raw_request(stream: &mut TcpStream, head: &str) -> String {
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut got = Vec::new();
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = stream.read(&mut buf).await.unwrap();
+        assert!(n > 0, "connection closed before a response: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+fn get_health(extra: &str) -> String {
+    format!("GET /health HTTP/1.1\r\nhost: test\r\n{extra}\r\n")
+}
+
+async fn status_of(addr: SocketAddr, head: &str) -> String {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    let response =
+        tokio::time::timeout(Duration::from_secs(10), raw_request(&mut stream, head)).await.unwrap();
+    response.lines().next().unwrap_or_default().to_owned()
+}
+
+#[tokio::test]
+async fn oversized_request_heads_get_431_on_both_servers() {
+    let small =
+        |name: &str| kvroute_replica_agent::Config { max_header_bytes: 16 * 1024, ..agent_config(name) };
+    let fleet = Fleet::with(1, small, |c| kvroute_router::Config { max_header_bytes: 16 * 1024, ..c }).await;
+    let big = format!("x-big: {}\r\n", "a".repeat(32 * 1024));
+    for addr in [fleet.router.addr, fleet.agent(0).http_addr] {
+        assert!(status_of(addr, &get_health("")).await.starts_with("HTTP/1.1 200"), "{addr}");
+        assert!(status_of(addr, &get_health(&big)).await.starts_with("HTTP/1.1 431"), "{addr}");
+        let many: String = (0..200).map(|i| format!("x-h{i}: v\r\n")).collect();
+        assert!(
+            status_of(addr, &get_health(&many)).await.starts_with("HTTP/1.1 431"),
+            "{addr}: too many headers"
+        );
+    }
+}
+
+#[tokio::test]
+async fn connections_beyond_the_limit_wait_for_a_free_slot() {
+    let fleet = Fleet::with(1, agent_config, |c| kvroute_router::Config { max_connections: 2, ..c }).await;
+    let addr = fleet.router.addr;
+    // Two keep-alive connections hold both slots.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        assert!(raw_request(&mut stream, &get_health("")).await.starts_with("HTTP/1.1 200"));
+        held.push(stream);
+    }
+    // A third connection is not served while they are open...
+    let mut third = TcpStream::connect(addr).await.unwrap();
+    let pending =
+        tokio::time::timeout(Duration::from_millis(300), raw_request(&mut third, &get_health(""))).await;
+    assert!(pending.is_err(), "served beyond the connection limit");
+    // ...and is as soon as one closes.
+    drop(held.pop());
+    let mut buf = vec![0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(10), third.read(&mut buf)).await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+}
+
+#[tokio::test]
+async fn long_prompts_and_large_max_tokens_get_400_before_forwarding() {
+    let fleet = Fleet::with(1, agent_config, |c| kvroute_router::Config {
+        max_prompt_tokens: 32,
+        max_completion_tokens: 100,
+        ..c
+    })
+    .await;
+    let url = fleet.url("/v1/completions");
+    let words = |n: usize| (0..n).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
+    let long =
+        fleet.http.post(&url, &json!({"model": FLEET_MODEL, "prompt": words(200), "max_tokens": 1})).await;
+    assert_eq!(long.status, 400);
+    assert_eq!(long.json()["error"]["param"], "prompt");
+    let batch = json!({"model": FLEET_MODEL, "prompt": [words(20), words(20)], "max_tokens": 1});
+    assert_eq!(fleet.http.post(&url, &batch).await.status, 400, "the limit counts every prompt");
+    let greedy =
+        fleet.http.post(&url, &json!({"model": FLEET_MODEL, "prompt": "hi", "max_tokens": 1000})).await;
+    assert_eq!(greedy.status, 400);
+    assert_eq!(greedy.json()["error"]["param"], "max_tokens");
+    let chat = json!({"model": FLEET_MODEL, "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 101});
+    assert_eq!(fleet.http.post(&fleet.url("/v1/chat/completions"), &chat).await.status, 400);
+    assert!(fleet.agent(0).engine.resident().is_empty(), "nothing reached the replica");
+    let fine =
+        fleet.http.post(&url, &json!({"model": FLEET_MODEL, "prompt": words(8), "max_tokens": 100})).await;
+    assert_eq!(fine.status, 200);
+}
+
+fn predicted(reply: &Reply) -> u64 {
+    reply.header("x-kvroute-predicted-cached-tokens").and_then(|v| v.parse().ok()).expect("prediction")
+}
+
+/// The same prompt under another tenant's salt, or none, never matches a tenant's blocks:
+/// predicted and realized cached tokens are both 0.
+#[tokio::test]
+async fn cache_salt_keeps_tenants_apart() {
+    let fleet = Fleet::start(1).await;
+    let url = fleet.url("/v1/completions");
+    let prompt = (0..40).map(|i| format!("tenant{i}")).collect::<Vec<_>>().join(" ");
+    let ask = |salt: Option<&str>| {
+        let mut body = json!({"model": FLEET_MODEL, "prompt": prompt, "max_tokens": 1});
+        if let Some(salt) = salt {
+            body["cache_salt"] = Value::from(salt);
+        }
+        body
+    };
+    assert_eq!(fleet.http.post(&url, &ask(Some("tenant-a"))).await.status, 200);
+    fleet.index_matches(0).await;
+    let again = fleet.http.post(&url, &ask(Some("tenant-a"))).await;
+    assert!(predicted(&again) > 0 && again.cached_tokens() > 0, "the tenant hits its own blocks");
+    assert_eq!(predicted(&again), again.cached_tokens());
+    for other in [Some("tenant-b"), None] {
+        let reply = fleet.http.post(&url, &ask(other)).await;
+        assert_eq!(reply.status, 200);
+        assert_eq!((predicted(&reply), reply.cached_tokens()), (0, 0), "salt {other:?}");
+        fleet.index_matches(0).await;
+    }
+}
+
+/// A `MakeWriter` into a shared buffer.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Captured {
+        self.clone()
+    }
+}
+
+/// The admin token and clients' `authorization` headers appear in no log line, at debug
+/// level, across a router start, proxied requests (good and failing) and admin calls.
+/// (A current-thread runtime, so every task logs to this test's subscriber.)
+#[tokio::test(flavor = "current_thread")]
+async fn secrets_never_appear_in_logs() {
+    const ADMIN: &str = "admin-token-8d1f3c";
+    const CLIENT: &str = "client-key-5e2a7b";
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_writer(captured.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let fleet =
+        Fleet::with(2, agent_config, |c| kvroute_router::Config { admin_token: Some(ADMIN.into()), ..c })
+            .await;
+    tracing::debug!(config = ?kvroute_router::Config { admin_token: Some(ADMIN.into()), ..kvroute_router::Config::default() }, "a config in a log line");
+    let client =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+    let body = json!({"model": FLEET_MODEL, "prompt": "a secret-free prompt", "max_tokens": 2}).to_string();
+    for (path, body) in [
+        ("/v1/completions", body.clone()),
+        ("/v1/completions", "{not json".to_owned()),
+        ("/v1/nope", String::new()),
+        ("/v1/models", String::new()),
+    ] {
+        let request = http::Request::post(fleet.url(path))
+            .header("authorization", format!("Bearer {CLIENT}"))
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        http_body_util::BodyExt::collect(response.into_body()).await.unwrap();
+    }
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
+    for token in ["wrong-token", ADMIN] {
+        let mut request = tonic::Request::new(pb::ListReplicasRequest {});
+        request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+        drop(admin.list_replicas(request).await);
+    }
+    drop(fleet);
+
+    let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    assert!(logs.contains("router started"), "the capture works: {logs}");
+    assert!(logs.contains("a config in a log line"));
+    for secret in [ADMIN, CLIENT] {
+        assert!(!logs.contains(secret), "{secret} was logged:\n{logs}");
+    }
+}
+
+fn router_binary(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
+        .args(args)
+        .env_remove("KVROUTE_ADMIN_TOKEN")
+        .env_remove("KVROUTE_CONFIG")
+        .output()
+        .expect("run kvroute-router")
+}
+
+#[test]
+fn the_binary_refuses_an_admin_service_beyond_loopback_without_a_token() {
+    let out = router_binary(&["--listen", "127.0.0.1:0", "--admin-listen", "0.0.0.0:0"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--admin-token"), "{stderr}");
+}
+
+#[test]
+fn bad_flags_make_the_binary_exit_with_a_message() {
+    for args in [
+        &["--bogus-flag"][..],
+        &["--max-in-flight", "many"],
+        &["--policy", "fastest"],
+        &["--listen", "not-an-address"],
+        &["--replica", "name=r0"],
+        &["--max-header-bytes", "100"],
+        &["--config", "/nonexistent/router.toml"],
+    ] {
+        let out = router_binary(args);
+        assert!(!out.status.success(), "{args:?} was accepted");
+        assert!(!out.stderr.is_empty(), "{args:?}: no message");
+    }
+}
