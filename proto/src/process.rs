@@ -46,3 +46,41 @@ pub async fn cancel_on_signal(token: CancellationToken) {
     tracing::info!("shutdown requested");
     token.cancel();
 }
+
+/// The whole `main` of a kvroute server binary: parse flags, environment and `--config`
+/// (bad input exits non-zero with clap's message or every configuration problem at once),
+/// set up logging, then run until SIGTERM/SIGINT and map the outcome to an exit code.
+pub async fn main<C, V, R, F, E>(name: &str, validate: V, run: R) -> std::process::ExitCode
+where
+    C: crate::cli::Layered,
+    V: FnOnce(&C) -> Result<(), Vec<String>>,
+    R: FnOnce(C, CancellationToken) -> F,
+    F: std::future::Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    let config: C = match crate::cli::parse() {
+        Ok(config) => config,
+        Err(crate::cli::ConfigError::Cli(e)) => e.exit(),
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    if let Err(errors) = validate(&config) {
+        eprintln!("{name}: invalid configuration:");
+        for e in errors {
+            eprintln!("  - {e}");
+        }
+        return std::process::ExitCode::from(2);
+    }
+    init_tracing();
+    let shutdown = CancellationToken::new();
+    tokio::spawn(cancel_on_signal(shutdown.clone()));
+    match run(config, shutdown).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

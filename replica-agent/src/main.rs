@@ -1,31 +1,11 @@
-use kvroute_replica_agent::{Config, run};
-use tokio_util::sync::CancellationToken;
+//! `kvroute-agent`: a simulated inference replica (see `--help`).
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let config: Config = match kvroute_proto::cli::parse() {
-        Ok(config) => config,
-        Err(kvroute_proto::cli::ConfigError::Cli(e)) => e.exit(),
-        Err(e) => {
-            eprintln!("kvroute-agent: {e}");
-            return std::process::ExitCode::from(2);
-        }
-    };
-    if let Err(errors) = config.validate() {
-        eprintln!("kvroute-agent: invalid configuration:");
-        for e in errors {
-            eprintln!("  - {e}");
-        }
-        return std::process::ExitCode::from(2);
-    }
-    kvroute_proto::process::init_tracing();
-    let shutdown = CancellationToken::new();
-    tokio::spawn(kvroute_proto::process::cancel_on_signal(shutdown.clone()));
-    match run(config, shutdown).await {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("kvroute-agent: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    kvroute_proto::process::main(
+        "kvroute-agent",
+        kvroute_replica_agent::Config::validate,
+        kvroute_replica_agent::run,
+    )
+    .await
 }
