@@ -64,7 +64,7 @@ impl ApiError {
                 "This model's maximum context length is {max_model_len} tokens. However, you requested {} tokens \
                  ({prompt_tokens} in the {what}, {max_tokens} in the completion). Please reduce the length of the \
                  {what} or completion.",
-                prompt_tokens as u64 + max_tokens
+                u128::from(max_tokens) + prompt_tokens as u128
             ),
             Some(param),
             Some("context_length_exceeded"),

@@ -244,7 +244,8 @@ fn jobs(state: &AppState, request: &ParsedRequest<'_>) -> Result<Vec<Job>, ApiEr
         .map(|prompt| {
             let len = prompt.len() as u64;
             let max_tokens = match request.max_tokens() {
-                Some(m) if len + m > max_model_len => {
+                // Saturating: `max_tokens` comes from the request and may be near u64::MAX.
+                Some(m) if len.saturating_add(m) > max_model_len => {
                     return Err(ApiError::context_length(config.max_model_len, prompt.len(), m, param));
                 }
                 Some(m) => m,

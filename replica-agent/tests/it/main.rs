@@ -5,8 +5,10 @@
 //!   `/tokenize`, `/metrics`, `/reset_prefix_cache`, shutdown.
 //! - `events`: KV events over a real ZMQ SUB and DEALER, and the gRPC `ReplicaAgent` service.
 //! - `cli`: the binary's refusals of bad flags and settings.
+//! - `limits`: request fields that must not overflow the agent's checks.
 
 mod cli;
 mod events;
 mod http_api;
+mod limits;
 mod support;
