@@ -1,0 +1,254 @@
+//! Decision-path benchmarks (`cargo bench -p kvroute-router --bench decision`).
+//!
+//! One decision is what the proxy does between reading a request body and forwarding it:
+//! parse the JSON, tokenize the prompt with the built-in tokenizer (or take its token ids),
+//! hash the blocks (16 tokens each), walk the prefix index once, extend through pending
+//! credits, score every replica with the cache-aware policy and credit the chosen one
+//! ([`Decider::decide`]).
+//!
+//! The fleet: 16 replicas, each holding 40 k background blocks in 64-block chains of its
+//! own; the benchmarked request's whole prefix is on replicas 0-3 and its first half on
+//! replicas 4-7. Replica event endpoints point at a closed port and never connect; their
+//! stream state stays `DEGRADED` (the overlap still counts), which is what a replica looks
+//! like while its events are being repaired.
+//!
+//! Requests: text prompts of about 1 k and 8 k tokens (one token per word) and the same
+//! token counts as token-id prompts. Criterion reports means; in `--bench` mode this binary
+//! first prints p50/p99/p99.9 from timing single decisions with `Instant`, then the median
+//! of each stage alone (parse, tokenize, hash, index lookup).
+
+use std::future::Future;
+use std::hint::black_box;
+use std::pin::pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion};
+use kvroute_proto::openai::{Endpoint, ParsedRequest, Tokenization, TokenizationConfig};
+use kvroute_proto::{BlockHash, ReplicaId};
+use kvroute_router::fleet::Fleet;
+use kvroute_router::ingest::{Ingest, IngestConfig};
+use kvroute_router::metrics::ProxyMetrics;
+use kvroute_router::policy::{self, CacheAwareParams, PolicyKind};
+use kvroute_router::proxy::credits::Credits;
+use kvroute_router::proxy::prompts::Prompts;
+use kvroute_router::proxy::route::Decider;
+use kvroute_router::replicas::{EngineKind, ReplicaSpec};
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+const MODEL: &str = "kvroute-sim";
+const BLOCK: usize = 16;
+const REPLICAS: u32 = 16;
+const BACKGROUND_CHAINS: usize = 625;
+const CHAIN_LEN: usize = 64;
+
+/// splitmix64, so every run builds the same fleet and prompts.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// A text prompt of `tokens` builtin tokens: words of 3-10 letters, each its own token.
+fn text_prompt(tokens: usize, seed: u64) -> String {
+    let mut rng = Rng(seed);
+    let mut text = String::with_capacity(tokens * 8);
+    for i in 0..tokens {
+        if i > 0 {
+            text.push(' ');
+        }
+        let len = 3 + rng.next() % 8;
+        for _ in 0..len {
+            text.push((b'a' + (rng.next() % 26) as u8) as char);
+        }
+    }
+    text
+}
+
+fn completion_body(prompt: serde_json::Value) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({ "model": MODEL, "prompt": prompt, "max_tokens": 16 }))
+        .expect("serializable")
+}
+
+/// Polls a future that never waits (the local tokenizer path) to completion.
+fn now<F: Future>(f: F) -> F::Output {
+    let mut f = pin!(f);
+    match f.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(out) => out,
+        Poll::Pending => panic!("the local decision path never waits"),
+    }
+}
+
+struct Bench {
+    decider: Decider,
+    _shutdown: CancellationToken,
+}
+
+impl Bench {
+    /// 16 replicas whose event sockets never connect, a populated index and a cache-aware
+    /// decider with the built-in tokenizer.
+    fn build(runtime: &tokio::runtime::Runtime) -> Self {
+        let _guard = runtime.enter();
+        let shutdown = CancellationToken::new();
+        let mut registry = Registry::default();
+        let index = kvroute_router::index::SharedIndex::new();
+        let config = IngestConfig {
+            fallback_after: Duration::from_secs(3600),
+            reconnect_backoff: Duration::from_secs(3600),
+            ..IngestConfig::default()
+        };
+        let ingest =
+            Ingest::start(config, index.clone(), &mut registry, TaskTracker::new(), shutdown.clone());
+        let fleet = Fleet::new(ingest, Arc::new(Credits::new(Duration::from_secs(2))));
+        let mut rng = Rng(7);
+        for r in 0..REPLICAS {
+            let mut spec =
+                ReplicaSpec::new(format!("replica-{r}"), "tcp://127.0.0.1:1", EngineKind::Kvroute, MODEL);
+            spec.http_url = format!("http://127.0.0.1:{}", 20_000 + r);
+            spec.block_size = Some(BLOCK as u32);
+            let member = fleet.add(spec).expect("replica added");
+            for _ in 0..BACKGROUND_CHAINS {
+                let chain: Vec<BlockHash> = (0..CHAIN_LEN).map(|_| BlockHash(rng.next())).collect();
+                index.store(member.replica.id, &chain);
+            }
+        }
+        let tokenization =
+            Tokenization::new(&TokenizationConfig { base_model: MODEL.into(), ..Default::default() })
+                .expect("builtin tokenizer");
+        let decider = Decider {
+            fleet,
+            index,
+            policy: policy::build(PolicyKind::CacheAware, CacheAwareParams::default(), 0),
+            prompts: Prompts::Local(Arc::new(tokenization)),
+            block_size: BLOCK,
+            max_in_flight_per_replica: 512,
+            metrics: ProxyMetrics::register(&mut registry),
+        };
+        Self { decider, _shutdown: shutdown }
+    }
+
+    /// Puts `body`'s whole prefix on replicas 0-3 and its first half on replicas 4-7.
+    fn seed_request(&self, body: &[u8]) {
+        let plan = now(self.decider.explain(Endpoint::Completions, body)).expect("valid request");
+        for r in 0..8 {
+            let blocks = if r < 4 { &plan.blocks[..] } else { &plan.blocks[..plan.blocks.len() / 2] };
+            self.decider.index.store(ReplicaId(r), blocks);
+        }
+    }
+
+    fn decide(&self, body: &[u8]) -> usize {
+        let plan = now(self.decider.decide(Endpoint::Completions, body)).expect("decided");
+        plan.order.len()
+    }
+}
+
+struct Case {
+    name: String,
+    body: Vec<u8>,
+}
+
+fn cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    for tokens in [1024usize, 8192] {
+        let text = text_prompt(tokens, tokens as u64);
+        cases.push(Case { name: format!("text/{tokens}"), body: completion_body(text.into()) });
+        let mut rng = Rng(tokens as u64 + 1);
+        let ids: Vec<u32> = (0..tokens).map(|_| 16 + (rng.next() % 32_000) as u32).collect();
+        cases.push(Case { name: format!("ids/{tokens}"), body: completion_body(ids.into()) });
+    }
+    cases
+}
+
+fn percentiles(bench: &Bench, cases: &[Case]) {
+    println!("decision path, single decisions timed with Instant (16 replicas, cache-aware):");
+    println!("{:<10} {:>8} {:>10} {:>10} {:>10}", "prompt", "blocks", "p50 µs", "p99 µs", "p99.9 µs");
+    for case in cases {
+        let blocks =
+            now(bench.decider.explain(Endpoint::Completions, &case.body)).expect("valid").blocks.len();
+        for _ in 0..500 {
+            black_box(bench.decide(&case.body));
+        }
+        let mut samples: Vec<Duration> = (0..20_000)
+            .map(|_| {
+                let t = Instant::now();
+                black_box(bench.decide(black_box(&case.body)));
+                t.elapsed()
+            })
+            .collect();
+        samples.sort();
+        let at = |q: f64| {
+            samples[((samples.len() as f64 * q) as usize).min(samples.len() - 1)].as_secs_f64() * 1e6
+        };
+        println!("{:<10} {:>8} {:>10.1} {:>10.1} {:>10.1}", case.name, blocks, at(0.5), at(0.99), at(0.999));
+    }
+}
+
+/// Median of `f` over `n` runs, µs.
+fn median_us(n: usize, mut f: impl FnMut()) -> f64 {
+    let mut samples: Vec<Duration> = (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed()
+        })
+        .collect();
+    samples.sort();
+    samples[n / 2].as_secs_f64() * 1e6
+}
+
+/// Where a decision's time goes: each stage alone, medians.
+fn stages(bench: &Bench, cases: &[Case]) {
+    let Prompts::Local(tokenization) = &bench.decider.prompts else { unreachable!("local tokenizer") };
+    println!("stages, median µs:");
+    println!("{:<10} {:>8} {:>10} {:>8} {:>8}", "prompt", "parse", "tokenize", "hash", "lookup");
+    for case in cases {
+        let request = ParsedRequest::parse(Endpoint::Completions, &case.body).expect("valid");
+        let tokens = tokenization.prompt_tokens(&request).expect("tokens");
+        let namespace = tokenization.namespace(&request);
+        let blocks = namespace.chain(&tokens[0], BLOCK);
+        let parse = median_us(2000, || {
+            black_box(ParsedRequest::parse(Endpoint::Completions, black_box(&case.body)).is_ok());
+        });
+        let tokenize = median_us(2000, || {
+            black_box(tokenization.prompt_tokens(black_box(&request)).is_ok());
+        });
+        let hash = median_us(2000, || {
+            black_box(namespace.chain(black_box(&tokens[0]), BLOCK));
+        });
+        let lookup = median_us(2000, || {
+            black_box(bench.decider.index.lookup(black_box(&blocks)));
+        });
+        println!("{:<10} {:>8.1} {:>10.1} {:>8.1} {:>8.1}", case.name, parse, tokenize, hash, lookup);
+    }
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let bench = Bench::build(&runtime);
+    let cases = cases();
+    for case in &cases {
+        bench.seed_request(&case.body);
+    }
+    if std::env::args().any(|a| a == "--bench") {
+        percentiles(&bench, &cases);
+        stages(&bench, &cases);
+    }
+    let mut c = Criterion::default().configure_from_args();
+    let mut group = c.benchmark_group("decide");
+    for case in &cases {
+        group.bench_with_input(BenchmarkId::from_parameter(&case.name), &case.body, |b, body| {
+            b.iter(|| bench.decide(black_box(body)))
+        });
+    }
+    group.finish();
+    c.final_summary();
+}
