@@ -30,7 +30,9 @@
 //!    (`replay_timeout` on connect and on every reply, at most `replay_max_batches`). It is
 //!    complete if its first batch is `from` (or it is empty and no newer batch was seen).
 //!    Complete → apply in order; batches still queued from the live stream with seqs the
-//!    replay covered are then dropped as duplicates.
+//!    replay covered are then dropped as duplicates. A complete, empty replay on a fresh
+//!    rank means the next batch is `from`: a live batch past it is a gap (its predecessors
+//!    went out before the subscription reached the publisher), not a fresh start.
 //! 2. Otherwise (no replay endpoint, failed, incomplete) the agent's gRPC `Snapshot`
 //!    (`snapshot_timeout`; rank 0 only): clear the rank, store the snapshot's blocks, expect
 //!    `snapshot.seq + 1`. Live batches that arrived meanwhile wait in the channel; those up

@@ -288,6 +288,12 @@ impl RankStream {
                     };
                     if complete {
                         self.ctx.metrics.replays(Outcome::Ok).inc();
+                        if batches.is_empty() && self.expected.is_none() {
+                            // Nothing from `from` on exists yet, so the next batch is `from`;
+                            // a later one means the first ones were published before our
+                            // subscription took effect (slow joiner) and must be replayed.
+                            self.expected = Some(from);
+                        }
                         self.apply_replayed(&batches);
                         self.synced_exact();
                         return;
