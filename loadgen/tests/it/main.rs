@@ -2,6 +2,7 @@
 //! and the command line.
 
 mod cli;
+mod cli_errors;
 mod engine_model;
 mod fleet;
 mod seed000;

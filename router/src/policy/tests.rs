@@ -129,3 +129,95 @@ fn cache_aware_spreads_distinct_prompts_over_an_idle_fleet() {
     }
     assert!(counts.iter().all(|&n| (70..=130).contains(&n)), "{counts:?}");
 }
+
+mod properties {
+    //! Every policy on random views: the choice is eligible (and exists exactly when some
+    //! replica is), ineligible replicas cost infinity, and the argmin policies choose a
+    //! replica of minimal cost, the same one whatever order the candidates come in.
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn views() -> impl Strategy<Value = Vec<ReplicaView>> {
+        prop::collection::vec((0usize..80, 0u32..20, 0u64..5000, 0u32..4, any::<bool>()), 0..12).prop_map(
+            |specs| {
+                specs
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (overlap, in_flight, pending, waiting, eligible))| {
+                        let mut load = Load::default();
+                        load.in_flight = in_flight;
+                        load.pending_prefill_tokens = pending;
+                        load.reported_waiting = waiting;
+                        ReplicaView {
+                            id: ReplicaId(i as u32 * 7 + 3),
+                            overlap_blocks: overlap,
+                            load,
+                            stream: StreamState::Exact,
+                            eligible,
+                        }
+                    })
+                    .collect()
+            },
+        )
+    }
+
+    fn request() -> impl Strategy<Value = RequestView> {
+        (1usize..1500, prop_oneof![Just(1usize), Just(16), Just(64)], any::<u64>()).prop_map(
+            |(prompt_tokens, block_size, key)| RequestView {
+                prompt_tokens,
+                blocks: prompt_tokens / block_size,
+                block_size,
+                key,
+            },
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn every_policy_chooses_an_eligible_replica(request in request(), replicas in views(), seed in any::<u64>()) {
+            for kind in PolicyKind::ALL {
+                let policy = build(kind, CacheAwareParams::default(), seed);
+                let d = policy.choose(&request, &replicas);
+                prop_assert_eq!(d.costs.len(), replicas.len(), "{:?}", kind);
+                prop_assert_eq!(d.chosen.is_some(), replicas.iter().any(|r| r.eligible), "{:?}", kind);
+                if let Some(c) = d.chosen {
+                    prop_assert!(replicas[c].eligible, "{:?} chose an ineligible replica", kind);
+                }
+                for (r, cost) in replicas.iter().zip(&d.costs) {
+                    if !r.eligible {
+                        prop_assert!(cost.is_infinite(), "{:?}", kind);
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn argmin_policies_choose_a_minimal_cost_in_any_order(
+            request in request(),
+            replicas in views(),
+            rotate in 0usize..12,
+        ) {
+            let cache_aware = CacheAware::new(CacheAwareParams::default());
+            for policy in [&cache_aware as &dyn Policy, &LeastLoaded] {
+                let d = policy.choose(&request, &replicas);
+                let Some(c) = d.chosen else { continue };
+                for (j, r) in replicas.iter().enumerate() {
+                    if r.eligible {
+                        prop_assert!(d.costs[c] <= d.costs[j], "{:?}: {} > {}", policy.kind(), d.costs[c], d.costs[j]);
+                    }
+                }
+                if policy.kind() == PolicyKind::CacheAware {
+                    // Ties break by rendezvous hash of the replica id, not by position.
+                    let mut rotated = replicas.clone();
+                    rotated.rotate_left(rotate % replicas.len());
+                    let again = policy.choose(&request, &rotated).chosen.map(|i| rotated[i].id);
+                    prop_assert_eq!(again, Some(replicas[c].id));
+                }
+            }
+        }
+    }
+}
