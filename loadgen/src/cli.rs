@@ -30,6 +30,12 @@ pub enum Command {
     Simulate(SimulateArgs),
     /// Generate a synthetic workload and write it as a Mooncake trace.
     Generate(GenerateArgs),
+    /// Send a workload live to a router or a replica, and measure it.
+    Live(crate::commands::LiveArgs),
+    /// Run a workload live once per routing policy against a fleet, and write one report.
+    Compare(crate::commands::CompareArgs),
+    /// Start an embedded fleet and compare routing policies on it (the README's command).
+    Demo(crate::commands::DemoArgs),
 }
 
 #[derive(Debug, Args)]
@@ -109,7 +115,7 @@ impl SimulateArgs {
             eviction: self.policy,
             s3fifo: S3FifoParams { small_ratio: self.s3fifo_small_ratio, max_freq: self.s3fifo_max_freq },
             routing: self.routing,
-            cache_aware: CacheAwareParams { in_flight_tokens: self.in_flight_tokens },
+            cache_aware: CacheAwareParams { in_flight_tokens: self.in_flight_tokens, ..CacheAwareParams::default() },
             seed: self.seed,
             blocks: self.blocks,
             speedup: self.speedup,
@@ -127,6 +133,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Simulate(args) => run_simulate(&args),
         Command::Generate(args) => run_generate(&args),
+        Command::Live(args) => crate::commands::run_live(&args),
+        Command::Compare(args) => crate::commands::run_compare(&args),
+        Command::Demo(args) => crate::commands::run_demo(&args),
     }
 }
 

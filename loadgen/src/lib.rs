@@ -1,4 +1,4 @@
-//! kvroute's load generator: workloads, the offline simulator, and (next) live runs, reports
+//! kvroute's load generator: workloads, the offline simulator, live runs, policy comparisons
 //! and the local demo.
 //!
 //! - [`workload`]: requests and their prompts: Mooncake JSONL traces and seeded synthetic
@@ -7,11 +7,22 @@
 //! - [`sim`]: the offline simulator: a trace through N in-process block caches under the
 //!   router's own routing policies, with a per-replica engine model for load and latency, and
 //!   the pooled bound beside every result ([`sim::simulate`]).
-//! - [`cli`]: the `kvroute-loadgen` command line (`simulate`, `generate`).
+//! - [`live`]: a workload sent as real HTTP completions to a router or replica, measured per
+//!   request (TTFT, time per output token, latency, errors by kind, cached tokens) and
+//!   fleet-wide (the replicas' and router's counters), with a progress bar.
+//! - [`compare`]: the same workload once per routing policy against one fleet, in one report
+//!   (terminal table, JSON, SVG plots) beside the pooled bound and the offline simulation.
+//! - [`demo`]: an embedded fleet (agents and a router per policy, on loopback) for `compare`.
+//! - [`cli`], [`commands`]: the `kvroute-loadgen` command line (`simulate`, `generate`;
+//!   `live`, `compare`, `demo`).
 //! - [`units`]: parsing durations on the command line.
 #![forbid(unsafe_code)]
 
 pub mod cli;
+pub mod commands;
+pub mod compare;
+pub mod demo;
+pub mod live;
 pub mod sim;
 pub mod units;
 pub mod workload;

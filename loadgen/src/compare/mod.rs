@@ -1,0 +1,269 @@
+//! `compare`: the same workload, live, once per routing policy against one fleet, in one
+//! report beside the pooled bound.
+//!
+//! The router has no runtime policy switch, so each policy gets its own router: either
+//! started here, in this process, in front of the given replicas ([`Routers::Embedded`]; one
+//! at a time, stopped after its run), or one already running per policy
+//! ([`Routers::External`]). Before each run every replica's prefix cache is reset
+//! (`POST /reset_prefix_cache`), so runs are independent and each starts cold.
+//!
+//! The pooled bound is the offline simulator's ([`crate::sim`]): one LRU cache of the
+//! fleet's total capacity (given, or summed from the agents' `kvroute_agent_capacity_blocks`)
+//! replaying the same requests, blocks named by the fleet's hash chain at its block size.
+//!
+//! Each policy can also be simulated offline on the same requests ([`OfflineRun`]), so the
+//! report shows live beside offline.
+//!
+//! - [`report`]: the [`CompareReport`], its terminal table and JSON.
+//! - [`plots`]: SVG plots (hit rate over time, TTFT CDF, prompt tokens per replica).
+
+pub mod plots;
+pub mod report;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use kvroute_replica_agent::cache;
+use kvroute_router::config::Config as RouterConfig;
+use kvroute_router::policy::PolicyKind;
+use tokio_util::sync::CancellationToken;
+
+pub use report::{CompareReport, FleetSummary, OfflineRun, PolicyRun, WorkloadSummary};
+
+use crate::live::{self, Client, LiveConfig, scrape};
+use crate::sim::{self, BlockIdentity, EngineModel, SimConfig};
+use crate::workload::Trace;
+
+/// Where each policy's router comes from.
+#[derive(Clone, Debug)]
+pub enum Routers {
+    /// Start a router per policy in this process, from this config (its `policy` is set per
+    /// run, its replicas are the fleet).
+    Embedded { config: Box<RouterConfig>, policies: Vec<PolicyKind> },
+    /// One running router per policy, by base URL.
+    External(Vec<(PolicyKind, String)>),
+}
+
+impl Routers {
+    pub fn policies(&self) -> Vec<PolicyKind> {
+        match self {
+            Routers::Embedded { policies, .. } => policies.clone(),
+            Routers::External(list) => list.iter().map(|(p, _)| *p).collect(),
+        }
+    }
+}
+
+/// What to compare.
+#[derive(Clone, Debug)]
+pub struct CompareConfig {
+    pub routers: Routers,
+    /// Base URLs of the replicas' HTTP APIs (caches reset, metrics read).
+    pub replicas: Vec<String>,
+    /// How each run sends the workload; `target` and `label` are set per policy.
+    pub live: LiveConfig,
+    /// Tokens per KV block on the replicas.
+    pub block_size: usize,
+    /// The fleet's total cache capacity in blocks; read from the agents' metrics if `None`.
+    pub total_capacity_blocks: Option<usize>,
+    /// The replicas' eviction policy, for the pooled bound.
+    pub eviction: cache::PolicyKind,
+    /// Where the report (JSON and SVGs) goes; nothing is written if `None`.
+    pub out_dir: Option<PathBuf>,
+    /// What the workload is, for the report.
+    pub workload: String,
+    /// Also simulate each policy offline, arrivals divided by this (trace speed-up over the
+    /// agents' time scale); `None` skips it.
+    pub offline_speedup: Option<f64>,
+}
+
+/// How long the replicas get to answer a cache reset, and a router to become ready.
+const RESET_TIMEOUT: Duration = Duration::from_secs(10);
+const READY_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Runs `trace` once per policy and writes the report to `config.out_dir`.
+pub async fn compare(
+    trace: &Trace,
+    config: &CompareConfig,
+    shutdown: CancellationToken,
+) -> anyhow::Result<CompareReport> {
+    let client = Client::new(Duration::from_secs(2));
+    let sent = config
+        .live
+        .max_requests
+        .map_or(trace.clone(), |n| Trace::new(trace.requests[..n.min(trace.len())].to_vec()));
+    let total_capacity = match config.total_capacity_blocks {
+        Some(c) => c,
+        None => fleet_capacity(&client, &config.replicas)
+            .await
+            .context("reading the fleet's capacity (give it with --capacity-blocks)")?,
+    };
+    let pooled = pooled_bound(&sent, config.block_size, total_capacity, config.eviction)?;
+
+    let mut runs = Vec::new();
+    for policy in config.routers.policies() {
+        if shutdown.is_cancelled() {
+            break;
+        }
+        reset_caches(&client, &config.replicas).await?;
+        let mut live = config.live.clone();
+        live.label = policy.as_str().into();
+        let report = match &config.routers {
+            Routers::Embedded { config: router, .. } => {
+                let router_shutdown = shutdown.child_token();
+                let router = start_router(router, policy, router_shutdown).await?;
+                live.target = router.url();
+                let report = live::run(&sent, &live, shutdown.clone()).await;
+                router.stop().await;
+                report?
+            }
+            Routers::External(list) => {
+                live.target =
+                    list.iter().find(|(p, _)| *p == policy).map(|(_, u)| u.clone()).unwrap_or_default();
+                live::run(&sent, &live, shutdown.clone()).await?
+            }
+        };
+        let offline = match config.offline_speedup {
+            Some(speedup) => Some(offline(&sent, config, total_capacity, policy, speedup)?),
+            None => None,
+        };
+        runs.push(PolicyRun::new(policy, report, pooled.overall_hit_rate, offline));
+    }
+    let report = CompareReport {
+        workload: WorkloadSummary::of(&config.workload, &sent),
+        fleet: FleetSummary {
+            replicas: config.replicas.len(),
+            total_capacity_blocks: total_capacity,
+            block_size: config.block_size,
+        },
+        pooled_hit_rate: pooled.overall_hit_rate,
+        runs,
+    };
+    if let Some(dir) = &config.out_dir {
+        write(&report, dir)?;
+    }
+    Ok(report)
+}
+
+/// Writes `report.json` and the plots into `dir` (created if missing).
+pub fn write(report: &CompareReport, dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let json = dir.join("report.json");
+    let text = serde_json::to_string_pretty(report).context("serialising the report")?;
+    std::fs::write(&json, text + "\n").with_context(|| format!("writing {}", json.display()))?;
+    std::fs::write(dir.join("table.txt"), report.table())
+        .with_context(|| format!("writing {}/table.txt", dir.display()))?;
+    plots::write_all(report, dir)
+}
+
+/// One cache of `capacity` blocks replaying `trace`: the most any router could reach.
+pub fn pooled_bound(
+    trace: &Trace,
+    block_size: usize,
+    capacity: usize,
+    eviction: cache::PolicyKind,
+) -> anyhow::Result<sim::PooledBound> {
+    let config = SimConfig {
+        replicas: 1,
+        capacity_blocks: capacity,
+        block_size,
+        eviction,
+        blocks: BlockIdentity::Tokens,
+        engine: None,
+        ..SimConfig::default()
+    };
+    Ok(sim::simulate(trace, &config).context("simulating the pooled bound")?.pooled)
+}
+
+/// The offline simulator's view of the same run: `policy` over N caches of the fleet's
+/// capacity each, with the agents' default engine model for load.
+fn offline(
+    trace: &Trace,
+    config: &CompareConfig,
+    total_capacity: usize,
+    policy: PolicyKind,
+    speedup: f64,
+) -> anyhow::Result<OfflineRun> {
+    let replicas = config.replicas.len().max(1);
+    let sim = SimConfig {
+        replicas,
+        capacity_blocks: total_capacity / replicas,
+        block_size: config.block_size,
+        eviction: config.eviction,
+        routing: policy,
+        blocks: BlockIdentity::Tokens,
+        speedup,
+        engine: Some(EngineModel::default()),
+        ..SimConfig::default()
+    };
+    let report =
+        sim::simulate(trace, &sim).with_context(|| format!("simulating {} offline", policy.as_str()))?;
+    Ok(OfflineRun {
+        hit_rate: report.overall_hit_rate,
+        load_skew: report.load_skew,
+        pct_of_pooled: report.pct_of_pooled,
+        ttft_p50_ms: report.latency.map(|l| l.ttft_p50_ms),
+        ttft_p99_ms: report.latency.map(|l| l.ttft_p99_ms),
+    })
+}
+
+/// Sum of the replicas' `kvroute_agent_capacity_blocks`.
+async fn fleet_capacity(client: &Client, replicas: &[String]) -> anyhow::Result<usize> {
+    let mut total = 0.0;
+    for url in replicas {
+        let (_, body) = client
+            .get(&format!("{url}/metrics"), RESET_TIMEOUT)
+            .await
+            .map_err(|e| anyhow::anyhow!("GET {url}/metrics: {}", e.label()))?;
+        let page = String::from_utf8_lossy(&body);
+        total += scrape::sum(&page, "kvroute_agent_capacity_blocks")
+            .with_context(|| format!("{url} exports no kvroute_agent_capacity_blocks"))?;
+    }
+    Ok(total as usize)
+}
+
+/// `POST /reset_prefix_cache` on every replica, retrying while one answers 409 (requests
+/// still hold blocks).
+pub async fn reset_caches(client: &Client, replicas: &[String]) -> anyhow::Result<()> {
+    for url in replicas {
+        let deadline = Instant::now() + RESET_TIMEOUT;
+        loop {
+            match client.post_empty(&format!("{url}/reset_prefix_cache"), RESET_TIMEOUT).await {
+                Ok((status, _)) if status.is_success() => break,
+                Ok((status, _)) if status.as_u16() == 409 && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Ok((status, body)) => {
+                    anyhow::bail!(
+                        "{url}/reset_prefix_cache answered {status}: {}",
+                        String::from_utf8_lossy(&body)
+                    )
+                }
+                Err(e) => anyhow::bail!("{url}/reset_prefix_cache failed: {}", e.label()),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Starts a router with `policy` and waits until it has synced every replica.
+async fn start_router(
+    config: &RouterConfig,
+    policy: PolicyKind,
+    shutdown: CancellationToken,
+) -> anyhow::Result<kvroute_router::RunningRouter> {
+    let config = RouterConfig { policy, ..config.clone() };
+    let router = kvroute_router::start(config, shutdown).await.context("starting a router")?;
+    let deadline = Instant::now() + READY_TIMEOUT;
+    while !router.fleet().ready() {
+        if Instant::now() >= deadline {
+            router.stop().await;
+            anyhow::bail!(
+                "the {} router did not sync every replica within {READY_TIMEOUT:?}",
+                policy.as_str()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(router)
+}

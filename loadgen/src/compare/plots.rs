@@ -1,0 +1,171 @@
+//! The compare report's plots, as SVG (no fonts needed: the SVG viewer renders the text):
+//! - `hit_rate_over_time.svg`: cumulative realized hit rate by completion time, per policy;
+//! - `ttft_cdf.svg`: the distribution of time to first token, per policy;
+//! - `tokens_per_replica.svg`: prompt tokens each replica received, grouped by replica.
+
+use std::path::Path;
+
+use anyhow::Context;
+use plotters::prelude::*;
+
+use super::CompareReport;
+
+const SIZE: (u32, u32) = (900, 540);
+
+/// Writes every plot into `dir`.
+pub fn write_all(report: &CompareReport, dir: &Path) -> anyhow::Result<()> {
+    hit_rate_over_time(report, &dir.join("hit_rate_over_time.svg")).context("plotting hit rate over time")?;
+    ttft_cdf(report, &dir.join("ttft_cdf.svg")).context("plotting the TTFT CDF")?;
+    tokens_per_replica(report, &dir.join("tokens_per_replica.svg")).context("plotting tokens per replica")?;
+    Ok(())
+}
+
+fn err(e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::anyhow!("{e}")
+}
+
+fn color(i: usize) -> RGBColor {
+    const COLORS: [RGBColor; 5] = [
+        RGBColor(31, 119, 180),
+        RGBColor(255, 127, 14),
+        RGBColor(44, 160, 44),
+        RGBColor(214, 39, 40),
+        RGBColor(148, 103, 189),
+    ];
+    COLORS[i % COLORS.len()]
+}
+
+fn hit_rate_over_time(report: &CompareReport, path: &Path) -> anyhow::Result<()> {
+    let root = SVGBackend::new(path, SIZE).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let x_max = report
+        .runs
+        .iter()
+        .flat_map(|r| r.live.hit_rate_over_time.iter().map(|p| p.0))
+        .fold(1.0_f64, f64::max);
+    let mut chart = ChartBuilder::on(&root)
+        .caption("Realized prefix-cache hit rate (cumulative)", ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(45)
+        .y_label_area_size(55)
+        .build_cartesian_2d(0.0..x_max, 0.0..100.0)
+        .map_err(err)?;
+    chart.configure_mesh().x_desc("time since start (s)").y_desc("hit rate (%)").draw().map_err(err)?;
+    let pooled = 100.0 * report.pooled_hit_rate;
+    chart
+        .draw_series(LineSeries::new([(0.0, pooled), (x_max, pooled)], BLACK.stroke_width(1)))
+        .map_err(err)?
+        .label("pooled bound")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK));
+    for (i, run) in report.runs.iter().enumerate() {
+        let c = color(i);
+        let points = run.live.hit_rate_over_time.iter().map(|&(t, r)| (t, 100.0 * r));
+        chart
+            .draw_series(LineSeries::new(points, c.stroke_width(2)))
+            .map_err(err)?
+            .label(run.policy.as_str())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], c.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)
+}
+
+fn ttft_cdf(report: &CompareReport, path: &Path) -> anyhow::Result<()> {
+    let curves: Vec<Vec<f64>> = report
+        .runs
+        .iter()
+        .map(|run| {
+            let mut ms: Vec<f64> = run
+                .live
+                .records
+                .iter()
+                .filter_map(|r| r.outcome.as_ref().ok()?.ttft.map(|t| t.as_secs_f64() * 1e3))
+                .collect();
+            ms.sort_unstable_by(f64::total_cmp);
+            ms
+        })
+        .collect();
+    let x_max = curves.iter().filter_map(|c| c.last().copied()).fold(1.0_f64, f64::max);
+    let root = SVGBackend::new(path, SIZE).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("Time to first token (CDF)", ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(45)
+        .y_label_area_size(55)
+        .build_cartesian_2d(0.0..x_max * 1.02, 0.0..1.0)
+        .map_err(err)?;
+    chart.configure_mesh().x_desc("TTFT (ms)").y_desc("fraction of requests").draw().map_err(err)?;
+    for (i, (run, ms)) in report.runs.iter().zip(&curves).enumerate() {
+        let c = color(i);
+        let n = ms.len() as f64;
+        let points = ms.iter().enumerate().map(|(k, &v)| (v, (k + 1) as f64 / n));
+        chart
+            .draw_series(LineSeries::new(points, c.stroke_width(2)))
+            .map_err(err)?
+            .label(run.policy.as_str())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], c.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)
+}
+
+fn tokens_per_replica(report: &CompareReport, path: &Path) -> anyhow::Result<()> {
+    let replicas = report.runs.iter().map(|r| r.live.per_replica.len()).max().unwrap_or(0).max(1);
+    let y_max = report
+        .runs
+        .iter()
+        .flat_map(|r| r.live.per_replica.iter().map(|s| s.prompt_tokens as f64))
+        .fold(1.0_f64, f64::max);
+    let root = SVGBackend::new(path, SIZE).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("Prompt tokens per replica", ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(45)
+        .y_label_area_size(80)
+        .build_cartesian_2d(-0.5..replicas as f64 - 0.5, 0.0..y_max * 1.1)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("replica")
+        .y_desc("prompt tokens")
+        .x_labels(replicas)
+        .x_label_formatter(&|x| format!("{}", x.round() as i64))
+        .disable_x_mesh()
+        .draw()
+        .map_err(err)?;
+    let width = 0.8 / report.runs.len().max(1) as f64;
+    for (i, run) in report.runs.iter().enumerate() {
+        let c = color(i);
+        let bars = run.live.per_replica.iter().enumerate().map(move |(r, share)| {
+            let x0 = r as f64 - 0.4 + i as f64 * width;
+            Rectangle::new([(x0, 0.0), (x0 + width * 0.9, share.prompt_tokens as f64)], c.filled())
+        });
+        chart
+            .draw_series(bars)
+            .map_err(err)?
+            .label(run.policy.as_str())
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], c.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)
+}

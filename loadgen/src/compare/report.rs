@@ -1,0 +1,153 @@
+//! The compare report: one row per routing policy beside the pooled bound, as a terminal
+//! table ([`CompareReport::table`]) and as JSON (serde; per-request records left out).
+
+use std::fmt::Write as _;
+
+use kvroute_router::policy::PolicyKind;
+use serde::Serialize;
+
+use crate::live::LiveReport;
+use crate::workload::Trace;
+
+/// Everything one `compare` measured.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CompareReport {
+    pub workload: WorkloadSummary,
+    pub fleet: FleetSummary,
+    /// Hit rate of one cache of the fleet's total capacity on the same requests.
+    pub pooled_hit_rate: f64,
+    pub runs: Vec<PolicyRun>,
+}
+
+/// What was sent.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct WorkloadSummary {
+    pub name: String,
+    pub requests: usize,
+    pub prompt_tokens: u64,
+    pub output_tokens: u64,
+    /// From the first to the last arrival in the trace.
+    pub trace_duration_s: f64,
+}
+
+impl WorkloadSummary {
+    pub fn of(name: &str, trace: &Trace) -> Self {
+        Self {
+            name: name.into(),
+            requests: trace.len(),
+            prompt_tokens: trace.prompt_tokens(),
+            output_tokens: trace.requests.iter().map(|r| u64::from(r.output_len)).sum(),
+            trace_duration_s: trace.duration().as_secs_f64(),
+        }
+    }
+}
+
+/// The fleet the runs went to.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FleetSummary {
+    pub replicas: usize,
+    pub total_capacity_blocks: usize,
+    pub block_size: usize,
+}
+
+/// One policy's run.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PolicyRun {
+    pub policy: PolicyKind,
+    /// Realized hit rate (fleet counters, else responses) as a percentage of the pooled bound.
+    pub pct_of_pooled: Option<f64>,
+    pub live: LiveReport,
+    /// The offline simulator on the same requests, if asked for.
+    pub offline: Option<OfflineRun>,
+}
+
+/// One policy simulated offline ([`crate::sim`]) on the requests the live run sent.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct OfflineRun {
+    pub hit_rate: f64,
+    pub load_skew: f64,
+    pub pct_of_pooled: Option<f64>,
+    /// Simulated, unscaled time to first token.
+    pub ttft_p50_ms: Option<f64>,
+    pub ttft_p99_ms: Option<f64>,
+}
+
+impl PolicyRun {
+    pub fn new(
+        policy: PolicyKind,
+        live: LiveReport,
+        pooled_hit_rate: f64,
+        offline: Option<OfflineRun>,
+    ) -> Self {
+        let pct_of_pooled =
+            live.realized_hit_rate().filter(|_| pooled_hit_rate > 0.0).map(|r| 100.0 * r / pooled_hit_rate);
+        Self { policy, pct_of_pooled, live, offline }
+    }
+}
+
+impl CompareReport {
+    /// The run of `policy`, if it was compared.
+    pub fn run(&self, policy: PolicyKind) -> Option<&PolicyRun> {
+        self.runs.iter().find(|r| r.policy == policy)
+    }
+
+    /// The report as a terminal table, one row per policy.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let w = &self.workload;
+        let f = &self.fleet;
+        let _ = writeln!(
+            out,
+            "workload {}: {} requests, {} prompt tokens, {} output tokens over {:.0} s of trace",
+            w.name, w.requests, w.prompt_tokens, w.output_tokens, w.trace_duration_s
+        );
+        let _ = writeln!(
+            out,
+            "fleet: {} replicas, {} blocks in total, block size {}; pooled bound (one cache of {} blocks): {:.1}% hit rate",
+            f.replicas,
+            f.total_capacity_blocks,
+            f.block_size,
+            f.total_capacity_blocks,
+            100.0 * self.pooled_hit_rate
+        );
+        let _ = writeln!(out);
+        let _ = writeln!(
+            out,
+            "{:<14} {:>9} {:>9} {:>8} {:>10} {:>10} {:>9} {:>6} {:>7}   {:>9} {:>8} {:>6}",
+            "policy",
+            "hit rate",
+            "predicted",
+            "% pooled",
+            "TTFT p50",
+            "TTFT p99",
+            "req/s",
+            "skew",
+            "errors",
+            "offline:",
+            "hit rate",
+            "skew"
+        );
+        for run in &self.runs {
+            let l = &run.live;
+            let pct = |v: Option<f64>| v.map_or("-".into(), |v| format!("{:.1}%", 100.0 * v));
+            let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.0} ms"));
+            let _ = writeln!(
+                out,
+                "{:<14} {:>9} {:>9} {:>8} {:>10} {:>10} {:>9.2} {:>6} {:>7}   {:>9} {:>8} {:>6}",
+                run.policy.as_str(),
+                pct(l.realized_hit_rate()),
+                pct(l.predicted_hit_rate),
+                run.pct_of_pooled.map_or("-".into(), |p| format!("{p:.1}%")),
+                ms(l.ttft.map(|t| t.p50_ms)),
+                ms(l.ttft.map(|t| t.p99_ms)),
+                l.throughput_rps,
+                l.load_skew.map_or("-".into(), |s| format!("{s:.2}")),
+                if l.failed() == 0 { "0".to_string() } else { format!("{}/{}", l.failed(), l.requests) },
+                "",
+                pct(run.offline.map(|o| o.hit_rate)),
+                run.offline.map_or("-".into(), |o| format!("{:.2}", o.load_skew)),
+            );
+        }
+        out
+    }
+}

@@ -1,0 +1,150 @@
+//! The demo: an embedded fleet in this process (N replica agents on loopback, and one router
+//! per routing policy in front of them, started in turn), then [`compare`] on a workload, so
+//! one command shows what cache-aware routing buys on a laptop.
+//!
+//! The agents run at `time_scale` (every simulated latency divided by it) and the trace's
+//! arrivals are divided by the same factor, so the run is the unscaled workload compressed in
+//! time: the same load, the same hit rates, latencies divided by `time_scale`.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use kvroute_replica_agent::RunningAgent;
+use kvroute_replica_agent::cache;
+use kvroute_router::config::{Config as RouterConfig, ReplicaConfig};
+use kvroute_router::policy::PolicyKind;
+use kvroute_router::replicas::EngineKind;
+use tokio_util::sync::CancellationToken;
+
+use crate::compare::{self, CompareConfig, CompareReport, Routers};
+use crate::live::{Arrivals, LiveConfig};
+use crate::workload::Trace;
+
+/// The served model of the embedded fleet.
+pub const DEMO_MODEL: &str = "kvroute-sim";
+
+/// How the embedded fleet is built.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FleetConfig {
+    pub replicas: usize,
+    /// Prefix-cache capacity of each agent, in blocks.
+    pub capacity_blocks: usize,
+    pub block_size: u32,
+    pub eviction: cache::PolicyKind,
+    /// Simulated seconds per wall-clock second on every agent.
+    pub time_scale: f64,
+}
+
+/// Longest prompt plus completion the embedded fleet accepts (agents and routers), so
+/// long-context traces are served (the shared Mooncake trace reaches 191k tokens).
+pub const DEMO_MAX_MODEL_LEN: u32 = 262_144;
+
+/// N replica agents on loopback; stopped by [`EmbeddedFleet::stop`] (or their token).
+pub struct EmbeddedFleet {
+    pub agents: Vec<RunningAgent>,
+    pub config: FleetConfig,
+    shutdown: CancellationToken,
+}
+
+impl EmbeddedFleet {
+    /// Starts the agents (every socket on 127.0.0.1 port 0).
+    pub async fn start(config: FleetConfig, shutdown: CancellationToken) -> anyhow::Result<Self> {
+        let mut agents = Vec::with_capacity(config.replicas);
+        for i in 0..config.replicas {
+            let agent = kvroute_replica_agent::Config {
+                model: DEMO_MODEL.into(),
+                block_size: config.block_size,
+                capacity_blocks: config.capacity_blocks,
+                policy: config.eviction,
+                time_scale: config.time_scale,
+                max_model_len: DEMO_MAX_MODEL_LEN,
+                ..kvroute_replica_agent::Config::loopback(format!("agent-{i}"))
+            };
+            let started = kvroute_replica_agent::start(agent, shutdown.child_token())
+                .await
+                .with_context(|| format!("starting agent-{i}"))?;
+            agents.push(started);
+        }
+        Ok(Self { agents, config, shutdown })
+    }
+
+    /// The agents' HTTP base URLs.
+    pub fn urls(&self) -> Vec<String> {
+        self.agents.iter().map(RunningAgent::http_url).collect()
+    }
+
+    /// A router config (any policy) in front of every agent, on loopback.
+    pub fn router_config(&self) -> RouterConfig {
+        let replicas = self
+            .agents
+            .iter()
+            .map(|a| ReplicaConfig {
+                name: a.name.clone(),
+                http: a.http_url(),
+                events: a.events_endpoint.clone(),
+                replay: a.replay_endpoint.clone(),
+                grpc: Some(a.grpc_url()),
+                engine: EngineKind::Kvroute,
+                dp_size: 1,
+                topic: String::new(),
+            })
+            .collect();
+        RouterConfig {
+            model: DEMO_MODEL.into(),
+            block_size: self.config.block_size,
+            health_interval_ms: 500,
+            max_prompt_tokens: u64::from(DEMO_MAX_MODEL_LEN),
+            ..RouterConfig::loopback(replicas)
+        }
+    }
+
+    /// Stops every agent and waits for them.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        for agent in self.agents {
+            agent.stop().await;
+        }
+    }
+}
+
+/// What the demo runs.
+#[derive(Clone, Debug)]
+pub struct DemoConfig {
+    pub fleet: FleetConfig,
+    pub policies: Vec<PolicyKind>,
+    pub trace: Trace,
+    /// The workload's name in the report.
+    pub workload: String,
+    /// Send at most this many requests.
+    pub max_requests: Option<usize>,
+    pub out_dir: Option<PathBuf>,
+    pub progress: bool,
+}
+
+/// Starts the fleet, compares the policies on it, stops the fleet.
+pub async fn run(config: &DemoConfig, shutdown: CancellationToken) -> anyhow::Result<CompareReport> {
+    let fleet = EmbeddedFleet::start(config.fleet.clone(), shutdown.child_token()).await?;
+    let mut live = LiveConfig::new(String::new(), DEMO_MODEL);
+    live.replicas = fleet.urls();
+    live.arrivals = Arrivals::Trace { speedup: config.fleet.time_scale };
+    live.max_requests = config.max_requests;
+    live.progress = config.progress;
+    let compare = CompareConfig {
+        routers: Routers::Embedded {
+            config: Box::new(fleet.router_config()),
+            policies: config.policies.clone(),
+        },
+        replicas: fleet.urls(),
+        live,
+        block_size: config.fleet.block_size as usize,
+        total_capacity_blocks: Some(config.fleet.replicas * config.fleet.capacity_blocks),
+        eviction: config.fleet.eviction,
+        out_dir: config.out_dir.clone(),
+        workload: config.workload.clone(),
+        // Arrivals and agents are scaled alike: the unscaled trace, offline.
+        offline_speedup: Some(1.0),
+    };
+    let report = compare::compare(&config.trace, &compare, shutdown).await;
+    fleet.stop().await;
+    report
+}

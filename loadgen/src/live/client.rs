@@ -1,0 +1,345 @@
+//! One completion request over HTTP, measured: the request body (token-id prompt, fixed
+//! `max_tokens`), the send, and for a stream the SSE frames as they arrive.
+//!
+//! Timing: TTFT is from sending the request to the first SSE event carrying a choice (the
+//! first generated token); time per output token is `(e2e - ttft) / (completion_tokens - 1)`;
+//! a non-streamed request has an end-to-end latency only. The realized hit comes from
+//! `usage.prompt_tokens_details.cached_tokens` (the last chunk of a stream, which is why
+//! streams set `stream_options.include_usage`); the router's prediction and choice from its
+//! `x-kvroute-predicted-cached-tokens` and `x-kvroute-replica` headers.
+
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{CONTENT_TYPE, HeaderValue};
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client as HyperClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::{Deserialize, Serialize};
+
+use crate::workload::Request as WorkloadRequest;
+
+/// The router's header naming the replica it chose.
+pub const REPLICA_HEADER: &str = "x-kvroute-replica";
+/// The router's header with the prompt tokens it predicted the chosen replica had cached.
+pub const PREDICTED_HEADER: &str = "x-kvroute-predicted-cached-tokens";
+
+/// Why a request failed, as the report counts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// The server answered with this non-2xx status.
+    Status(u16),
+    /// No connection could be made.
+    Connect,
+    /// No complete answer within the request timeout.
+    Timeout,
+    /// The connection failed after it was made, or the stream ended with an error event or
+    /// without `[DONE]`.
+    Stream,
+    /// The answer was not the JSON or SSE it should be.
+    Malformed,
+    /// The run was stopped while the request was in flight.
+    Cancelled,
+}
+
+impl ErrorKind {
+    /// The report's key: `http_503`, `connect`, `timeout`, ...
+    pub fn label(self) -> String {
+        match self {
+            ErrorKind::Status(code) => format!("http_{code}"),
+            ErrorKind::Connect => "connect".into(),
+            ErrorKind::Timeout => "timeout".into(),
+            ErrorKind::Stream => "stream".into(),
+            ErrorKind::Malformed => "malformed".into(),
+            ErrorKind::Cancelled => "cancelled".into(),
+        }
+    }
+}
+
+/// What a successful request measured.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Success {
+    /// Send to first generated token (streams only).
+    pub ttft: Option<Duration>,
+    /// Send to the end of the response.
+    pub e2e: Duration,
+    /// `usage.prompt_tokens` (the workload's length when the server sent no usage).
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    /// `usage.prompt_tokens_details.cached_tokens`, when reported.
+    pub cached_tokens: Option<u64>,
+    /// The router's `x-kvroute-replica` header.
+    pub replica: Option<String>,
+    /// The router's `x-kvroute-predicted-cached-tokens` header.
+    pub predicted_cached_tokens: Option<u64>,
+}
+
+impl Success {
+    /// `(e2e - ttft) / (completion_tokens - 1)`, when there is a TTFT and a second token.
+    pub fn time_per_output_token(&self) -> Option<Duration> {
+        let ttft = self.ttft?;
+        let more = self.completion_tokens.checked_sub(1).filter(|&n| n > 0)?;
+        Some(self.e2e.saturating_sub(ttft) / u32::try_from(more).unwrap_or(u32::MAX))
+    }
+}
+
+/// A keep-alive HTTP/1.1 client for completions against one base URL.
+#[derive(Clone)]
+pub struct Client {
+    http: HyperClient<HttpConnector, Full<Bytes>>,
+}
+
+impl Client {
+    /// A pooled client; `connect_timeout` bounds each connection attempt.
+    pub fn new(connect_timeout: Duration) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(connect_timeout));
+        connector.set_nodelay(true);
+        let http = HyperClient::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_max_idle_per_host(1024)
+            .build(connector);
+        Self { http }
+    }
+
+    /// `GET url`, the whole body, within `timeout`.
+    pub async fn get(&self, url: &str, timeout: Duration) -> Result<(StatusCode, Bytes), ErrorKind> {
+        self.simple(http::Method::GET, url, Bytes::new(), timeout).await
+    }
+
+    /// `POST url` with an empty body, the whole answer, within `timeout`.
+    pub async fn post_empty(&self, url: &str, timeout: Duration) -> Result<(StatusCode, Bytes), ErrorKind> {
+        self.simple(http::Method::POST, url, Bytes::new(), timeout).await
+    }
+
+    async fn simple(
+        &self,
+        method: http::Method,
+        url: &str,
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), ErrorKind> {
+        let request = Request::builder()
+            .method(method)
+            .uri(url)
+            .body(Full::new(body))
+            .map_err(|_| ErrorKind::Malformed)?;
+        let exchange = async {
+            let response = self.http.request(request).await.map_err(classify)?;
+            let status = response.status();
+            let body = response.into_body().collect().await.map_err(|_| ErrorKind::Stream)?.to_bytes();
+            Ok((status, body))
+        };
+        tokio::time::timeout(timeout, exchange).await.map_err(|_| ErrorKind::Timeout)?
+    }
+
+    /// Sends one completion to `{base}/v1/completions` and measures it; the whole exchange,
+    /// body included, must finish within `timeout`.
+    pub async fn complete(
+        &self,
+        base: &str,
+        body: Bytes,
+        stream: bool,
+        fallback_prompt_tokens: u64,
+        timeout: Duration,
+    ) -> Result<Success, ErrorKind> {
+        let request = Request::post(format!("{base}/v1/completions"))
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .body(Full::new(body))
+            .map_err(|_| ErrorKind::Malformed)?;
+        let sent = Instant::now();
+        let exchange = async {
+            let response = self.http.request(request).await.map_err(classify)?;
+            let status = response.status();
+            let header =
+                |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+            let replica = header(REPLICA_HEADER);
+            let predicted_cached_tokens = header(PREDICTED_HEADER).and_then(|v| v.parse().ok());
+            let mut body = response.into_body();
+            if !status.is_success() {
+                // Drain the error body so the connection can be reused.
+                let _ = body.collect().await;
+                return Err(ErrorKind::Status(status.as_u16()));
+            }
+            let mut success = Success {
+                replica,
+                predicted_cached_tokens,
+                prompt_tokens: fallback_prompt_tokens,
+                ..Success::default()
+            };
+            let usage = if stream {
+                let mut sse = SseState::default();
+                while let Some(frame) = body.frame().await {
+                    let frame = frame.map_err(|_| ErrorKind::Stream)?;
+                    if let Ok(data) = frame.into_data() {
+                        sse.feed(data, sent, &mut success)?;
+                    }
+                }
+                if !sse.done {
+                    return Err(ErrorKind::Stream);
+                }
+                sse.usage
+            } else {
+                let bytes = body.collect().await.map_err(|_| ErrorKind::Stream)?.to_bytes();
+                let parsed: Completion = serde_json::from_slice(&bytes).map_err(|_| ErrorKind::Malformed)?;
+                parsed.usage
+            };
+            success.e2e = sent.elapsed();
+            if let Some(usage) = usage {
+                success.prompt_tokens = usage.prompt_tokens;
+                success.completion_tokens = usage.completion_tokens;
+                success.cached_tokens = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
+            }
+            Ok(success)
+        };
+        tokio::time::timeout(timeout, exchange).await.map_err(|_| ErrorKind::Timeout)?
+    }
+}
+
+/// A client error before any response: refused or unreachable is `Connect`.
+fn classify(e: hyper_util::client::legacy::Error) -> ErrorKind {
+    if e.is_connect() { ErrorKind::Connect } else { ErrorKind::Stream }
+}
+
+/// The body of a completion request for `request`: its token-id prompt and output length.
+pub fn request_body(model: &str, request: &WorkloadRequest, stream: bool) -> Bytes {
+    let mut body = String::with_capacity(request.input_len * 6 + 160);
+    // Writing to a String cannot fail.
+    let _ = write!(body, "{{\"model\":{},\"prompt\":[", serde_json::Value::from(model));
+    let mut prompt = Vec::with_capacity(request.input_len);
+    request.write_prompt(&mut prompt);
+    for (i, token) in prompt.iter().enumerate() {
+        if i > 0 {
+            body.push(',');
+        }
+        let _ = write!(body, "{token}");
+    }
+    let _ = write!(body, "],\"max_tokens\":{},\"temperature\":0", request.output_len.max(1));
+    if stream {
+        body.push_str(",\"stream\":true,\"stream_options\":{\"include_usage\":true}");
+    }
+    body.push('}');
+    Bytes::from(body)
+}
+
+#[derive(Deserialize)]
+struct Completion {
+    usage: Option<Usage>,
+}
+
+#[derive(Deserialize)]
+struct Usage {
+    prompt_tokens: u64,
+    #[serde(default)]
+    completion_tokens: u64,
+    prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+#[derive(Deserialize)]
+struct PromptTokensDetails {
+    cached_tokens: Option<u64>,
+}
+
+/// A chunk, read only for what the measurement needs.
+#[derive(Deserialize)]
+struct Chunk {
+    #[serde(default)]
+    choices: Vec<serde::de::IgnoredAny>,
+    usage: Option<Usage>,
+    error: Option<serde::de::IgnoredAny>,
+}
+
+/// Incremental SSE parsing: events end with a blank line; only `data:` lines matter.
+#[derive(Default)]
+struct SseState {
+    buf: BytesMut,
+    usage: Option<Usage>,
+    done: bool,
+}
+
+impl SseState {
+    fn feed(&mut self, data: Bytes, sent: Instant, success: &mut Success) -> Result<(), ErrorKind> {
+        self.buf.extend_from_slice(&data);
+        while let Some(end) = find_event_end(&self.buf) {
+            let event = self.buf.split_to(end.0);
+            self.buf.advance(end.1);
+            for line in event[..].split(|&b| b == b'\n') {
+                let Some(payload) = line.strip_prefix(b"data:") else { continue };
+                let payload = payload.trim_ascii();
+                if payload == b"[DONE]" {
+                    self.done = true;
+                    continue;
+                }
+                let chunk: Chunk = serde_json::from_slice(payload).map_err(|_| ErrorKind::Malformed)?;
+                if chunk.error.is_some() {
+                    return Err(ErrorKind::Stream);
+                }
+                if !chunk.choices.is_empty() && success.ttft.is_none() {
+                    success.ttft = Some(sent.elapsed());
+                }
+                if let Some(usage) = chunk.usage {
+                    self.usage = Some(usage);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `(end of the event, length of its separator)` of the first complete event in `buf`.
+fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| (i, 4));
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_frames_split_anywhere_give_ttft_usage_and_done() {
+        let text = "data: {\"choices\":[{\"text\":\"a\"}],\"usage\":null}\n\n\
+                    data: {\"choices\":[{\"text\":\"b\"}],\"usage\":null}\n\n\
+                    data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"completion_tokens\":2,\
+                    \"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\ndata: [DONE]\n\n";
+        for cut in [1, 7, 50, text.len() - 3] {
+            let mut sse = SseState::default();
+            let mut success = Success::default();
+            let sent = Instant::now();
+            sse.feed(Bytes::copy_from_slice(&text.as_bytes()[..cut]), sent, &mut success).unwrap();
+            sse.feed(Bytes::copy_from_slice(&text.as_bytes()[cut..]), sent, &mut success).unwrap();
+            assert!(sse.done && success.ttft.is_some(), "cut at {cut}");
+            let usage = sse.usage.unwrap();
+            assert_eq!(
+                (usage.prompt_tokens, usage.prompt_tokens_details.unwrap().cached_tokens),
+                (40, Some(32))
+            );
+        }
+    }
+
+    #[test]
+    fn an_error_event_fails_the_stream() {
+        let mut sse = SseState::default();
+        let event = Bytes::from_static(b"data: {\"error\":{\"message\":\"x\"}}\n\n");
+        assert_eq!(sse.feed(event, Instant::now(), &mut Success::default()), Err(ErrorKind::Stream));
+    }
+
+    #[test]
+    fn the_body_carries_the_token_prompt() {
+        let request =
+            WorkloadRequest { arrival: Duration::ZERO, input_len: 600, output_len: 7, hash_ids: vec![1, 2] };
+        let body: serde_json::Value = serde_json::from_slice(&request_body("m", &request, true)).unwrap();
+        let prompt: Vec<u32> = serde_json::from_value(body["prompt"].clone()).unwrap();
+        assert_eq!(prompt, request.prompt());
+        assert_eq!(body["max_tokens"], 7);
+        assert_eq!(body["stream_options"]["include_usage"], true);
+    }
+}

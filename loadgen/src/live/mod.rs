@@ -1,0 +1,288 @@
+//! Live runs: a workload sent as real HTTP completions to a router (or a single replica),
+//! measured per request and fleet-wide.
+//!
+//! Requests go out at the trace's timestamps (divided by a speed-up), at a seeded Poisson
+//! rate, or closed-loop at a fixed concurrency ([`Arrivals`]); in-flight requests are bounded
+//! by a semaphore, and so is the run's length ([`LiveConfig::max_duration`]). Every prompt is
+//! the workload's token ids (no tokenizer involved), `max_tokens` its output length.
+//! Before and after the run the replicas' and the target's `/metrics` are read, so the
+//! [`LiveReport`] has the fleet's realized hit rate and per-replica prompt tokens as counter
+//! deltas beside what the responses said.
+//!
+//! - [`client`]: one measured request (SSE parsing, TTFT, usage, router headers).
+//! - [`scrape`]: Prometheus counters before and after.
+//! - [`report`]: aggregation into a [`LiveReport`].
+
+pub mod client;
+pub mod report;
+pub mod scrape;
+
+use std::io::IsTerminal;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use tokio::sync::{Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use client::{Client, ErrorKind, Success};
+pub use report::{LiveReport, Percentiles, ReplicaShare, RequestRecord};
+
+use crate::workload::{Request, Trace};
+
+/// When requests are sent.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arrivals {
+    /// At the trace's timestamps divided by `speedup`.
+    Trace { speedup: f64 },
+    /// A Poisson process of `rate` requests per second, seeded; the trace gives the order.
+    Poisson { rate: f64, seed: u64 },
+    /// `concurrency` requests always in flight, each sent when another finishes.
+    Closed { concurrency: usize },
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct LiveConfig {
+    /// Base URL of the router or replica the completions go to (`http://host:port`).
+    pub target: String,
+    /// Base URLs of every replica behind it, for their `/metrics` (may be empty).
+    pub replicas: Vec<String>,
+    /// The `model` of every request.
+    pub model: String,
+    pub arrivals: Arrivals,
+    /// Stream responses (SSE with `include_usage`), measuring TTFT; else one JSON answer.
+    pub stream: bool,
+    /// Most requests in flight at once; an open-loop request waits for a slot.
+    pub max_in_flight: usize,
+    /// Longest a request may take, body included.
+    pub request_timeout: Duration,
+    pub connect_timeout: Duration,
+    /// No request is sent after this long.
+    pub max_duration: Option<Duration>,
+    /// Send at most this many requests of the workload.
+    pub max_requests: Option<usize>,
+    /// Show a progress bar (only ever drawn when stderr is a terminal).
+    pub progress: bool,
+    /// The report's label, shown on the progress bar too.
+    pub label: String,
+}
+
+impl LiveConfig {
+    /// A config with sensible defaults for `target`.
+    pub fn new(target: impl Into<String>, model: impl Into<String>) -> Self {
+        Self {
+            target: target.into(),
+            replicas: Vec::new(),
+            model: model.into(),
+            arrivals: Arrivals::Trace { speedup: 1.0 },
+            stream: true,
+            max_in_flight: 256,
+            request_timeout: Duration::from_secs(120),
+            connect_timeout: Duration::from_secs(2),
+            max_duration: None,
+            max_requests: None,
+            progress: true,
+            label: "live".into(),
+        }
+    }
+}
+
+/// Why a live run could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LiveError {
+    #[error("the speed-up must be a positive, finite number, got {0}")]
+    Speedup(f64),
+    #[error("the Poisson rate must be a positive, finite number, got {0}")]
+    Rate(f64),
+    #[error("the concurrency and the in-flight limit must be at least 1")]
+    Concurrency,
+    #[error("the target {0:?} is not an http:// URL")]
+    Target(String),
+}
+
+/// Sends `trace` (its first `max_requests`) as `config` says and reports what happened.
+/// Cancelling `shutdown` stops sending and fails the requests in flight as `cancelled`.
+pub async fn run(
+    trace: &Trace,
+    config: &LiveConfig,
+    shutdown: CancellationToken,
+) -> Result<LiveReport, LiveError> {
+    validate(config)?;
+    let requests = &trace.requests[..config.max_requests.unwrap_or(usize::MAX).min(trace.len())];
+    let client = Client::new(config.connect_timeout);
+    let before = scrape::snapshot(&client, &config.target, &config.replicas).await;
+
+    let bar = progress_bar(config, requests.len());
+    let (tx, rx) = mpsc::channel(1024);
+    let collector = tokio::spawn(collect(rx, bar.clone()));
+    let sender = Sender {
+        client: client.clone(),
+        config: Arc::new(config.clone()),
+        start: Instant::now(),
+        tx,
+        shutdown: shutdown.clone(),
+    };
+    let deadline = config.max_duration.map(|d| sender.start + d);
+    let tracker = TaskTracker::new();
+    match config.arrivals {
+        Arrivals::Trace { speedup } => {
+            let at = requests.iter().map(|r| r.arrival.div_f64(speedup));
+            open_loop(&sender, &tracker, requests, at, deadline).await;
+        }
+        Arrivals::Poisson { rate, seed } => {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let mut t = Duration::ZERO;
+            let at = requests.iter().map(move |_| {
+                let u: f64 = rng.random();
+                t += Duration::try_from_secs_f64(-(1.0 - u).ln() / rate).unwrap_or(Duration::ZERO);
+                t
+            });
+            open_loop(&sender, &tracker, requests, at, deadline).await;
+        }
+        Arrivals::Closed { concurrency } => {
+            let next = Arc::new(AtomicUsize::new(0));
+            let requests: Arc<[Request]> = requests.into();
+            for _ in 0..concurrency.min(config.max_in_flight) {
+                let (sender, next, requests) = (sender.clone(), next.clone(), requests.clone());
+                tracker.spawn(async move {
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let past = deadline.is_some_and(|d| Instant::now() >= d);
+                        if i >= requests.len() || past || sender.shutdown.is_cancelled() {
+                            break;
+                        }
+                        sender.send(i, &requests[i]).await;
+                    }
+                });
+            }
+        }
+    }
+    tracker.close();
+    tracker.wait().await;
+    drop(sender);
+    let records = collector.await.unwrap_or_else(|e| {
+        tracing::error!(error = %e, "the progress collector failed; the report has no requests");
+        Vec::new()
+    });
+    bar.finish_and_clear();
+    let after = scrape::snapshot(&client, &config.target, &config.replicas).await;
+    Ok(LiveReport::new(
+        config.label.clone(),
+        config.target.clone(),
+        records,
+        &config.replicas,
+        &before,
+        &after,
+    ))
+}
+
+fn validate(config: &LiveConfig) -> Result<(), LiveError> {
+    if !config.target.starts_with("http://") {
+        return Err(LiveError::Target(config.target.clone()));
+    }
+    if config.max_in_flight == 0 {
+        return Err(LiveError::Concurrency);
+    }
+    match config.arrivals {
+        Arrivals::Trace { speedup } if !(speedup.is_finite() && speedup > 0.0) => {
+            Err(LiveError::Speedup(speedup))
+        }
+        Arrivals::Poisson { rate, .. } if !(rate.is_finite() && rate > 0.0) => Err(LiveError::Rate(rate)),
+        Arrivals::Closed { concurrency: 0 } => Err(LiveError::Concurrency),
+        _ => Ok(()),
+    }
+}
+
+/// Sends `requests[i]` at `start + at[i]`, each on its own task once a slot is free.
+async fn open_loop(
+    sender: &Sender,
+    tracker: &TaskTracker,
+    requests: &[Request],
+    at: impl Iterator<Item = Duration>,
+    deadline: Option<Instant>,
+) {
+    let slots = Arc::new(Semaphore::new(sender.config.max_in_flight));
+    for ((i, request), at) in requests.iter().enumerate().zip(at) {
+        let when = sender.start + at;
+        if deadline.is_some_and(|d| when >= d) {
+            break;
+        }
+        let permit = tokio::select! {
+            () = sender.shutdown.cancelled() => break,
+            () = tokio::time::sleep_until(when.into()) => match slots.clone().acquire_owned().await {
+                Ok(permit) => permit,
+                Err(_) => break,
+            },
+        };
+        let (sender, request) = (sender.clone(), request.clone());
+        tracker.spawn(async move {
+            sender.send(i, &request).await;
+            drop(permit);
+        });
+    }
+}
+
+/// What every request task needs.
+#[derive(Clone)]
+struct Sender {
+    client: Client,
+    config: Arc<LiveConfig>,
+    start: Instant,
+    tx: mpsc::Sender<RequestRecord>,
+    shutdown: CancellationToken,
+}
+
+impl Sender {
+    async fn send(&self, index: usize, request: &Request) {
+        let config = &self.config;
+        let body = client::request_body(&config.model, request, config.stream);
+        let sent = self.start.elapsed();
+        let outcome = tokio::select! {
+            outcome = self.client.complete(
+                &config.target, body, config.stream, request.input_len as u64, config.request_timeout,
+            ) => outcome,
+            () = self.shutdown.cancelled() => Err(ErrorKind::Cancelled),
+        };
+        // The collector outlives every sender; a closed channel means it failed, and said so.
+        let _ = self.tx.send(RequestRecord { index, sent, outcome }).await;
+    }
+}
+
+/// Gathers records and keeps the progress bar's hit rate current.
+async fn collect(mut rx: mpsc::Receiver<RequestRecord>, bar: ProgressBar) -> Vec<RequestRecord> {
+    let mut records = Vec::new();
+    let (mut prompt, mut cached, mut failed) = (0u64, 0u64, 0u64);
+    while let Some(record) = rx.recv().await {
+        match &record.outcome {
+            Ok(s) => {
+                prompt += s.prompt_tokens;
+                cached += s.cached_tokens.unwrap_or(0);
+            }
+            Err(_) => failed += 1,
+        }
+        records.push(record);
+        bar.inc(1);
+        let rate = if prompt > 0 { 100.0 * cached as f64 / prompt as f64 } else { 0.0 };
+        bar.set_message(format!("hit {rate:.1}%  errors {failed}"));
+    }
+    records
+}
+
+fn progress_bar(config: &LiveConfig, len: usize) -> ProgressBar {
+    if !config.progress || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(len as u64), ProgressDrawTarget::stderr());
+    let style =
+        ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos}/{len} {per_sec:>9}  {msg}  {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> ");
+    bar.set_style(style);
+    bar.set_prefix(config.label.clone());
+    bar
+}

@@ -1,0 +1,316 @@
+//! What a live run reports: latency percentiles, throughput, errors by kind, the realized hit
+//! rate (from responses and from the replicas' counters), the router's predicted hit rate
+//! (from its headers and its counters), prompt tokens per replica and the load skew.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::client::{ErrorKind, Success};
+use super::scrape::{ReplicaCounters, RouterCounters, Snapshot};
+
+/// One request of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RequestRecord {
+    /// Index of the request in the workload.
+    pub index: usize,
+    /// When it was sent, from the start of the run.
+    pub sent: Duration,
+    pub outcome: Result<Success, ErrorKind>,
+}
+
+impl RequestRecord {
+    /// When it finished (successes only), from the start of the run.
+    pub fn done(&self) -> Option<Duration> {
+        self.outcome.as_ref().ok().map(|s| self.sent + s.e2e)
+    }
+}
+
+/// Nearest-rank percentiles of a latency, in milliseconds.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Percentiles {
+    pub p50_ms: f64,
+    pub p90_ms: f64,
+    pub p99_ms: f64,
+    pub mean_ms: f64,
+    pub max_ms: f64,
+}
+
+impl Percentiles {
+    /// `None` for no samples.
+    pub fn of(mut values: Vec<Duration>) -> Option<Self> {
+        if values.is_empty() {
+            return None;
+        }
+        values.sort_unstable();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let at = |p: f64| {
+            let rank = ((p / 100.0) * values.len() as f64).ceil() as usize;
+            ms(values[rank.clamp(1, values.len()) - 1])
+        };
+        Some(Self {
+            p50_ms: at(50.0),
+            p90_ms: at(90.0),
+            p99_ms: at(99.0),
+            mean_ms: values.iter().map(|&d| ms(d)).sum::<f64>() / values.len() as f64,
+            max_ms: ms(values[values.len() - 1]),
+        })
+    }
+}
+
+/// One replica's share of a run.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ReplicaShare {
+    /// The replica's base URL (counters) or the router's name for it (headers).
+    pub replica: String,
+    /// Prompt tokens it received.
+    pub prompt_tokens: u64,
+    /// Its realized prefix-cache hit rate, when its counters were read.
+    pub hit_rate: Option<f64>,
+}
+
+/// The outcome of one live run.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LiveReport {
+    /// What was run (e.g. the routing policy).
+    pub label: String,
+    pub target: String,
+    pub requests: usize,
+    pub succeeded: usize,
+    /// Failed requests by kind (`http_503`, `connect`, `timeout`, `stream`, ...).
+    pub errors: BTreeMap<String, u64>,
+    /// From the first send to the last answer.
+    pub duration_s: f64,
+    /// Successful requests per second.
+    pub throughput_rps: f64,
+    pub output_tokens_per_s: f64,
+    pub ttft: Option<Percentiles>,
+    pub time_per_output_token: Option<Percentiles>,
+    pub e2e: Option<Percentiles>,
+    pub prompt_tokens: u64,
+    /// Sum of `cached_tokens` over the responses that reported it.
+    pub cached_tokens: u64,
+    /// `cached_tokens / prompt_tokens` over the responses that reported it.
+    pub hit_rate: Option<f64>,
+    /// Fleet-wide `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` deltas.
+    pub fleet_hit_rate: Option<f64>,
+    /// The router's predicted hit rate from its `x-kvroute-predicted-cached-tokens` headers.
+    pub predicted_hit_rate: Option<f64>,
+    /// The router's own counters over the run.
+    pub router: Option<RouterCounters>,
+    /// Prompt tokens per replica: the replicas' counters when read, else the router's headers.
+    pub per_replica: Vec<ReplicaShare>,
+    /// Max over mean of `per_replica` prompt tokens (1 = even); `None` without a per-replica view.
+    pub load_skew: Option<f64>,
+    /// Cumulative realized hit rate by completion time: `(seconds, rate)`.
+    pub hit_rate_over_time: Vec<(f64, f64)>,
+    /// Every request (left out of the JSON).
+    #[serde(skip)]
+    pub records: Vec<RequestRecord>,
+}
+
+/// Points kept in [`LiveReport::hit_rate_over_time`].
+const TIMELINE_POINTS: usize = 60;
+
+impl LiveReport {
+    /// Aggregates `records` (any order) and the counter snapshots around the run.
+    pub fn new(
+        label: String,
+        target: String,
+        mut records: Vec<RequestRecord>,
+        replica_urls: &[String],
+        before: &Snapshot,
+        after: &Snapshot,
+    ) -> Self {
+        records.sort_by_key(|r| r.index);
+        let ok: Vec<&Success> = records.iter().filter_map(|r| r.outcome.as_ref().ok()).collect();
+        let mut errors = BTreeMap::new();
+        for r in &records {
+            if let Err(kind) = r.outcome {
+                *errors.entry(kind.label()).or_insert(0) += 1;
+            }
+        }
+        let first = records.iter().map(|r| r.sent).min().unwrap_or_default();
+        let last = records.iter().filter_map(RequestRecord::done).max().unwrap_or(first);
+        let duration_s = last.saturating_sub(first).as_secs_f64();
+        let per_s = |n: f64| if duration_s > 0.0 { n / duration_s } else { 0.0 };
+
+        let reported: Vec<&&Success> = ok.iter().filter(|s| s.cached_tokens.is_some()).collect();
+        let reported_prompt: u64 = reported.iter().map(|s| s.prompt_tokens).sum();
+        let cached_tokens: u64 = reported.iter().filter_map(|s| s.cached_tokens).sum();
+        let predicted: Vec<&&Success> = ok.iter().filter(|s| s.predicted_cached_tokens.is_some()).collect();
+        let predicted_prompt: u64 = predicted.iter().map(|s| s.prompt_tokens).sum();
+        let predicted_tokens: u64 = predicted.iter().filter_map(|s| s.predicted_cached_tokens).sum();
+
+        let deltas: Vec<(String, ReplicaCounters)> = replica_urls
+            .iter()
+            .zip(after.replicas.iter().zip(&before.replicas))
+            .filter_map(|(url, (a, b))| Some((url.clone(), a.as_ref()?.since(b.as_ref()?))))
+            .collect();
+        let fleet_hits: f64 = deltas.iter().map(|(_, d)| d.prefix_cache_hits).sum();
+        let fleet_queries: f64 = deltas.iter().map(|(_, d)| d.prefix_cache_queries).sum();
+        let per_replica: Vec<ReplicaShare> = if !deltas.is_empty() && deltas.len() == replica_urls.len() {
+            deltas
+                .iter()
+                .map(|(url, d)| ReplicaShare {
+                    replica: url.clone(),
+                    prompt_tokens: d.prompt_tokens as u64,
+                    hit_rate: ratio(d.prefix_cache_hits, d.prefix_cache_queries),
+                })
+                .collect()
+        } else {
+            let mut by_header: BTreeMap<&str, u64> = BTreeMap::new();
+            for s in &ok {
+                if let Some(name) = &s.replica {
+                    *by_header.entry(name).or_insert(0) += s.prompt_tokens;
+                }
+            }
+            by_header
+                .into_iter()
+                .map(|(name, tokens)| ReplicaShare {
+                    replica: name.into(),
+                    prompt_tokens: tokens,
+                    hit_rate: None,
+                })
+                .collect()
+        };
+
+        let router = match (&before.router, &after.router) {
+            (Some(b), Some(a)) => Some(a.since(b)),
+            _ => None,
+        };
+        Self {
+            label,
+            target,
+            requests: records.len(),
+            succeeded: ok.len(),
+            errors,
+            duration_s,
+            throughput_rps: per_s(ok.len() as f64),
+            output_tokens_per_s: per_s(ok.iter().map(|s| s.completion_tokens as f64).sum()),
+            ttft: Percentiles::of(ok.iter().filter_map(|s| s.ttft).collect()),
+            time_per_output_token: Percentiles::of(
+                ok.iter().filter_map(|s| s.time_per_output_token()).collect(),
+            ),
+            e2e: Percentiles::of(ok.iter().map(|s| s.e2e).collect()),
+            prompt_tokens: ok.iter().map(|s| s.prompt_tokens).sum(),
+            cached_tokens,
+            hit_rate: (!reported.is_empty())
+                .then(|| ratio(cached_tokens as f64, reported_prompt as f64))
+                .flatten(),
+            fleet_hit_rate: ratio(fleet_hits, fleet_queries),
+            predicted_hit_rate: (!predicted.is_empty())
+                .then(|| ratio(predicted_tokens as f64, predicted_prompt as f64))
+                .flatten(),
+            router,
+            load_skew: skew(&per_replica),
+            per_replica,
+            hit_rate_over_time: timeline(&records),
+            records,
+        }
+    }
+
+    /// Failed requests.
+    pub fn failed(&self) -> u64 {
+        self.errors.values().sum()
+    }
+
+    /// The best realized hit rate available: the fleet's counters, else the responses'.
+    pub fn realized_hit_rate(&self) -> Option<f64> {
+        self.fleet_hit_rate.or(self.hit_rate)
+    }
+}
+
+fn ratio(a: f64, b: f64) -> Option<f64> {
+    (b > 0.0).then(|| a / b)
+}
+
+/// Max over mean of the replicas' prompt tokens.
+pub fn skew(shares: &[ReplicaShare]) -> Option<f64> {
+    let max = shares.iter().map(|s| s.prompt_tokens).max()?;
+    let mean = shares.iter().map(|s| s.prompt_tokens as f64).sum::<f64>() / shares.len() as f64;
+    ratio(max as f64, mean)
+}
+
+/// Cumulative `cached / prompt` over responses by completion time, at most
+/// [`TIMELINE_POINTS`] evenly spaced points.
+fn timeline(records: &[RequestRecord]) -> Vec<(f64, f64)> {
+    let mut done: Vec<(Duration, u64, u64)> = records
+        .iter()
+        .filter_map(|r| {
+            let s = r.outcome.as_ref().ok()?;
+            Some((r.done()?, s.prompt_tokens, s.cached_tokens?))
+        })
+        .collect();
+    done.sort_unstable_by_key(|d| d.0);
+    let Some(&(end, _, _)) = done.last() else { return Vec::new() };
+    let step = end.as_secs_f64() / TIMELINE_POINTS as f64;
+    let mut out = Vec::with_capacity(TIMELINE_POINTS + 1);
+    let (mut prompt, mut cached) = (0u64, 0u64);
+    let mut next = step;
+    for (i, &(at, p, c)) in done.iter().enumerate() {
+        prompt += p;
+        cached += c;
+        let last = i + 1 == done.len();
+        if (at.as_secs_f64() >= next || last) && prompt > 0 {
+            out.push((at.as_secs_f64(), cached as f64 / prompt as f64));
+            while next <= at.as_secs_f64() {
+                next += step.max(1e-9);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok(index: usize, sent_ms: u64, prompt: u64, cached: u64, replica: &str) -> RequestRecord {
+        RequestRecord {
+            index,
+            sent: Duration::from_millis(sent_ms),
+            outcome: Ok(Success {
+                ttft: Some(Duration::from_millis(10)),
+                e2e: Duration::from_millis(100),
+                prompt_tokens: prompt,
+                completion_tokens: 11,
+                cached_tokens: Some(cached),
+                replica: Some(replica.into()),
+                predicted_cached_tokens: Some(cached / 2),
+            }),
+        }
+    }
+
+    #[test]
+    fn aggregates_rates_skew_and_errors_from_headers() {
+        let records = vec![
+            ok(0, 0, 100, 0, "a"),
+            ok(1, 100, 100, 50, "a"),
+            ok(2, 200, 200, 100, "b"),
+            RequestRecord { index: 3, sent: Duration::ZERO, outcome: Err(ErrorKind::Status(503)) },
+            RequestRecord { index: 4, sent: Duration::ZERO, outcome: Err(ErrorKind::Connect) },
+        ];
+        let none = Snapshot::default();
+        let r = LiveReport::new("x".into(), "t".into(), records, &[], &none, &none);
+        assert_eq!((r.requests, r.succeeded, r.failed()), (5, 3, 2));
+        assert_eq!(r.errors.get("http_503"), Some(&1));
+        assert_eq!(r.errors.get("connect"), Some(&1));
+        assert_eq!(r.hit_rate, Some(150.0 / 400.0));
+        assert_eq!(r.predicted_hit_rate, Some(75.0 / 400.0));
+        assert_eq!(r.load_skew, Some(1.0));
+        assert!((r.duration_s - 0.3).abs() < 1e-9);
+        assert_eq!(r.ttft.unwrap().p50_ms, 10.0);
+        assert_eq!(r.time_per_output_token.unwrap().p50_ms, 9.0);
+        let last = r.hit_rate_over_time.last().unwrap();
+        assert!((last.1 - 150.0 / 400.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let p = Percentiles::of((1..=100).map(Duration::from_millis).collect()).unwrap();
+        assert_eq!((p.p50_ms, p.p90_ms, p.p99_ms, p.max_ms), (50.0, 90.0, 99.0, 100.0));
+        assert_eq!(Percentiles::of(vec![]), None);
+    }
+}

@@ -1,0 +1,152 @@
+//! Fleet-wide counters from Prometheus `/metrics` pages, read before and after a run so the
+//! report can use their deltas: every replica's `vllm:prefix_cache_hits_total`,
+//! `vllm:prefix_cache_queries_total` and `vllm:prompt_tokens_total` (vLLM and kvroute agents
+//! both export them), and the router's `kvroute_router_{predicted,realized}_cached_tokens_total`
+//! and `kvroute_router_prompt_tokens_total`.
+//!
+//! Parsing is deliberately small: a sample line is `name{labels} value [timestamp]`; samples
+//! of one name are summed over their label sets (e.g. vLLM's per-engine labels).
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::client::Client;
+
+/// How long one scrape may take.
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Sum of every sample of `name` on a Prometheus text page, `None` if it has none.
+pub fn sum(page: &str, name: &str) -> Option<f64> {
+    let mut total = None;
+    for line in page.lines() {
+        let line = line.trim_start();
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some(rest) = line.strip_prefix(name) else { continue };
+        let rest = match rest.as_bytes().first() {
+            Some(b'{') => match rest.find('}') {
+                Some(end) => &rest[end + 1..],
+                None => continue,
+            },
+            Some(b' ' | b'\t') => rest,
+            _ => continue,
+        };
+        if let Some(value) = rest.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) {
+            *total.get_or_insert(0.0) += value;
+        }
+    }
+    total
+}
+
+/// One replica's prefix-cache counters at one instant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct ReplicaCounters {
+    pub prefix_cache_hits: f64,
+    pub prefix_cache_queries: f64,
+    pub prompt_tokens: f64,
+}
+
+impl ReplicaCounters {
+    fn parse(page: &str) -> Self {
+        Self {
+            prefix_cache_hits: sum(page, "vllm:prefix_cache_hits_total").unwrap_or(0.0),
+            prefix_cache_queries: sum(page, "vllm:prefix_cache_queries_total").unwrap_or(0.0),
+            prompt_tokens: sum(page, "vllm:prompt_tokens_total").unwrap_or(0.0),
+        }
+    }
+
+    /// `self - before`, never negative (a replica restarted mid-run counts from zero).
+    pub fn since(&self, before: &Self) -> Self {
+        let d = |a: f64, b: f64| if a >= b { a - b } else { a };
+        Self {
+            prefix_cache_hits: d(self.prefix_cache_hits, before.prefix_cache_hits),
+            prefix_cache_queries: d(self.prefix_cache_queries, before.prefix_cache_queries),
+            prompt_tokens: d(self.prompt_tokens, before.prompt_tokens),
+        }
+    }
+}
+
+/// The router's prediction counters at one instant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct RouterCounters {
+    pub predicted_cached_tokens: f64,
+    pub realized_cached_tokens: f64,
+    pub prompt_tokens: f64,
+}
+
+impl RouterCounters {
+    /// `None` when the page is not a kvroute router's.
+    fn parse(page: &str) -> Option<Self> {
+        Some(Self {
+            predicted_cached_tokens: sum(page, "kvroute_router_predicted_cached_tokens_total")?,
+            realized_cached_tokens: sum(page, "kvroute_router_realized_cached_tokens_total").unwrap_or(0.0),
+            prompt_tokens: sum(page, "kvroute_router_prompt_tokens_total").unwrap_or(0.0),
+        })
+    }
+
+    pub fn since(&self, before: &Self) -> Self {
+        Self {
+            predicted_cached_tokens: (self.predicted_cached_tokens - before.predicted_cached_tokens).max(0.0),
+            realized_cached_tokens: (self.realized_cached_tokens - before.realized_cached_tokens).max(0.0),
+            prompt_tokens: (self.prompt_tokens - before.prompt_tokens).max(0.0),
+        }
+    }
+}
+
+/// Every counter the run reads, at one instant; a page that could not be read is `None`.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    pub replicas: Vec<Option<ReplicaCounters>>,
+    pub router: Option<RouterCounters>,
+}
+
+/// Reads `{url}/metrics` of every replica and of the target (a router's page has the router
+/// counters; a replica's has none). A page that cannot be read is logged and left out.
+pub async fn snapshot(client: &Client, target: &str, replicas: &[String]) -> Snapshot {
+    let page = |url: String| async move {
+        match client.get(&format!("{url}/metrics"), SCRAPE_TIMEOUT).await {
+            Ok((status, body)) if status.is_success() => Some(String::from_utf8_lossy(&body).into_owned()),
+            Ok((status, _)) => {
+                tracing::warn!(%url, %status, "metrics scrape refused");
+                None
+            }
+            Err(kind) => {
+                tracing::warn!(%url, error = kind.label(), "metrics scrape failed");
+                None
+            }
+        }
+    };
+    let mut out = Snapshot::default();
+    for url in replicas {
+        out.replicas.push(page(url.clone()).await.map(|p| ReplicaCounters::parse(&p)));
+    }
+    out.router = page(target.to_owned()).await.and_then(|p| RouterCounters::parse(&p));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_samples_over_labels_and_skips_lookalikes() {
+        let page = "# HELP vllm:prefix_cache_hits_total x\n# TYPE vllm:prefix_cache_hits_total counter\n\
+                    vllm:prefix_cache_hits_total{model_name=\"m\",engine=\"0\"} 10\n\
+                    vllm:prefix_cache_hits_total{model_name=\"m\",engine=\"1\"} 5.5 1700000000\n\
+                    vllm:prefix_cache_hits_total_created 3\n\
+                    vllm:prefix_cache_queries_total 40\n";
+        assert_eq!(sum(page, "vllm:prefix_cache_hits_total"), Some(15.5));
+        assert_eq!(sum(page, "vllm:prefix_cache_queries_total"), Some(40.0));
+        assert_eq!(sum(page, "vllm:prompt_tokens_total"), None);
+        assert_eq!(RouterCounters::parse(page), None);
+        let after =
+            ReplicaCounters { prefix_cache_hits: 20.0, prefix_cache_queries: 50.0, prompt_tokens: 5.0 };
+        let before = ReplicaCounters::parse(page);
+        assert_eq!(
+            after.since(&before),
+            ReplicaCounters { prefix_cache_hits: 4.5, prefix_cache_queries: 10.0, prompt_tokens: 5.0 }
+        );
+    }
+}

@@ -1,0 +1,220 @@
+//! Live runs over real sockets against an in-process fleet (agents at a 1000x time scale):
+//! `compare` produces a sane report with every file, a replica alone reports its own
+//! counters, an unreachable target is counted as connect errors without hanging, and the
+//! `demo` entry point completes with tiny flags.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use kvroute_loadgen::Trace;
+use kvroute_loadgen::cli::{self, Cli};
+use kvroute_loadgen::compare::{self, CompareConfig, Routers};
+use kvroute_loadgen::demo::{DEMO_MODEL, EmbeddedFleet, FleetConfig};
+use kvroute_loadgen::live::{self, Arrivals, LiveConfig};
+use kvroute_loadgen::workload::synth::ChatParams;
+use kvroute_replica_agent::cache::PolicyKind as Eviction;
+use kvroute_router::policy::PolicyKind;
+use tokio_util::sync::CancellationToken;
+
+/// Upper bound on any one test's live part: a hang fails instead of stalling the suite.
+const LIMIT: Duration = Duration::from_secs(30);
+
+fn fleet_config(replicas: usize) -> FleetConfig {
+    FleetConfig {
+        replicas,
+        capacity_blocks: 512,
+        block_size: 16,
+        eviction: Eviction::Lru,
+        time_scale: 1000.0,
+    }
+}
+
+/// About 30 chat turns behind one shared system prompt (over 512 tokens, a shared content block), arriving within a fraction of a second.
+fn small_chat() -> Trace {
+    ChatParams {
+        conversations: 8,
+        system_prompts: 1,
+        system_prompt_tokens: 1200,
+        min_turns: 3,
+        max_turns: 5,
+        user_tokens: 32,
+        output_tokens: 4,
+        conversation_rate: 100.0,
+        think_time: Duration::from_millis(20),
+        seed: 7,
+    }
+    .generate()
+}
+
+/// A directory under the system temp dir, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("kvroute-loadgen-live-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn quiet(mut config: LiveConfig) -> LiveConfig {
+    config.progress = false;
+    config.request_timeout = Duration::from_secs(10);
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_on_a_small_fleet_writes_a_sane_report() {
+    let shutdown = CancellationToken::new();
+    let fleet = EmbeddedFleet::start(fleet_config(2), shutdown.child_token()).await.unwrap();
+    let trace = small_chat();
+    assert!((20..=45).contains(&trace.len()), "{} requests", trace.len());
+    let out = TempDir::new("compare");
+    let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
+    live.replicas = fleet.urls();
+    live.arrivals = Arrivals::Trace { speedup: 1.0 };
+    let config = CompareConfig {
+        routers: Routers::Embedded {
+            config: Box::new(fleet.router_config()),
+            policies: vec![PolicyKind::CacheAware, PolicyKind::RoundRobin],
+        },
+        replicas: fleet.urls(),
+        live,
+        block_size: 16,
+        total_capacity_blocks: None,
+        eviction: Eviction::Lru,
+        out_dir: Some(out.0.clone()),
+        workload: "small chat".into(),
+        offline_speedup: Some(1.0),
+    };
+    let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
+        .await
+        .expect("compare finishes")
+        .expect("compare runs");
+
+    assert_eq!(report.fleet.total_capacity_blocks, 1024, "read from the agents' metrics");
+    assert!(report.pooled_hit_rate > 0.0, "{}", report.table());
+    let policies: Vec<_> = report.runs.iter().map(|r| r.policy).collect();
+    assert_eq!(policies, [PolicyKind::CacheAware, PolicyKind::RoundRobin]);
+    for run in &report.runs {
+        let l = &run.live;
+        assert_eq!((l.requests, l.succeeded, l.failed()), (trace.len(), trace.len(), 0), "{:?}", l.errors);
+        let hit = l.hit_rate.expect("responses report cached_tokens");
+        assert!(hit > 0.0 && hit <= 1.0, "{hit}");
+        // Each run starts from reset caches, so the counters see exactly the responses' hits.
+        assert_eq!(l.fleet_hit_rate, Some(hit), "{}", run.policy.as_str());
+        assert!(l.predicted_hit_rate.is_some() && l.router.is_some());
+        assert_eq!(l.per_replica.len(), 2);
+        assert_eq!(l.per_replica.iter().map(|s| s.prompt_tokens).sum::<u64>(), trace.prompt_tokens());
+        assert!(l.load_skew.is_some_and(|s| (1.0..=2.0).contains(&s)));
+        assert!(l.ttft.is_some_and(|t| t.p50_ms > 0.0 && t.p99_ms >= t.p50_ms));
+        assert!(run.pct_of_pooled.is_some_and(|p| p > 0.0));
+        assert!(!l.hit_rate_over_time.is_empty());
+        let offline = run.offline.expect("simulated offline too");
+        assert!(offline.hit_rate > 0.0 && offline.load_skew >= 1.0);
+    }
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.0.join("report.json")).unwrap())
+        .expect("report.json parses");
+    assert_eq!(json["runs"][0]["policy"], "cache-aware");
+    assert_eq!(json["runs"][1]["live"]["requests"], trace.len());
+    for svg in ["hit_rate_over_time.svg", "ttft_cdf.svg", "tokens_per_replica.svg"] {
+        let text = std::fs::read_to_string(out.0.join(svg)).unwrap();
+        assert!(text.starts_with("<svg") && text.contains("round-robin"), "{svg}");
+    }
+    assert!(report.table().contains("cache-aware"));
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_run_against_one_replica_reads_its_counters_without_router_headers() {
+    let shutdown = CancellationToken::new();
+    let fleet = EmbeddedFleet::start(fleet_config(1), shutdown.child_token()).await.unwrap();
+    let trace = small_chat();
+    let mut config = quiet(LiveConfig::new(fleet.urls()[0].clone(), DEMO_MODEL));
+    config.replicas = fleet.urls();
+    config.arrivals = Arrivals::Closed { concurrency: 4 };
+    config.max_requests = Some(12);
+    config.stream = false;
+    let report =
+        tokio::time::timeout(LIMIT, live::run(&trace, &config, shutdown.clone())).await.unwrap().unwrap();
+    assert_eq!((report.requests, report.succeeded), (12, 12));
+    assert!(report.ttft.is_none() && report.e2e.is_some(), "no TTFT without a stream");
+    assert_eq!(report.predicted_hit_rate, None);
+    assert!(report.router.is_none());
+    assert_eq!(report.fleet_hit_rate, report.hit_rate);
+    assert_eq!(report.load_skew, Some(1.0));
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_target_counts_connect_errors_and_does_not_hang() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    let trace = small_chat();
+    for arrivals in [Arrivals::Closed { concurrency: 3 }, Arrivals::Poisson { rate: 500.0, seed: 1 }] {
+        let mut config = quiet(LiveConfig::new(format!("http://{addr}"), DEMO_MODEL));
+        config.replicas = vec![format!("http://{addr}")];
+        config.arrivals = arrivals;
+        config.max_requests = Some(10);
+        let report = tokio::time::timeout(LIMIT, live::run(&trace, &config, CancellationToken::new()))
+            .await
+            .expect("no hang")
+            .unwrap();
+        assert_eq!((report.requests, report.succeeded), (10, 0));
+        assert_eq!(report.errors.get("connect"), Some(&10), "{:?}", report.errors);
+        assert_eq!((report.hit_rate, report.fleet_hit_rate), (None, None));
+    }
+}
+
+#[test]
+fn the_demo_entry_point_completes_with_tiny_flags() {
+    let out = TempDir::new("demo");
+    let dir = out.0.to_str().unwrap();
+    let args = [
+        "kvroute-loadgen",
+        "demo",
+        "--replicas",
+        "2",
+        "--capacity-blocks",
+        "256",
+        "--time-scale",
+        "1000",
+        "--requests",
+        "16",
+        "--policies",
+        "cache-aware,round-robin",
+        "--no-progress",
+        "--out",
+        dir,
+        "chat",
+        "--conversations",
+        "6",
+        "--system-prompt-tokens",
+        "128",
+        "--output-tokens",
+        "4",
+        "--conversation-rate",
+        "100",
+        "--think-time",
+        "10ms",
+    ];
+    cli::run(Cli::parse_from(args)).expect("the demo runs");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.0.join("report.json")).unwrap()).unwrap();
+    let runs = json["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    for run in runs {
+        assert_eq!(run["live"]["requests"], 16);
+        assert_eq!(run["live"]["succeeded"], 16);
+    }
+    assert!(out.0.join("table.txt").exists());
+}
