@@ -8,7 +8,7 @@ fn view(id: u32, overlap: usize, in_flight: u32, pending: u64) -> ReplicaView {
     ReplicaView {
         id: ReplicaId(id),
         overlap_blocks: overlap,
-        load: Load { in_flight, pending_prefill_tokens: pending, reported_waiting: 0 },
+        load: Load { in_flight, pending_prefill_tokens: pending, ..Load::default() },
         stream: StreamState::Exact,
         eligible: true,
     }
@@ -145,18 +145,17 @@ mod properties {
                 specs
                     .into_iter()
                     .enumerate()
-                    .map(|(i, (overlap, in_flight, pending, waiting, eligible))| {
-                        let mut load = Load::default();
-                        load.in_flight = in_flight;
-                        load.pending_prefill_tokens = pending;
-                        load.reported_waiting = waiting;
-                        ReplicaView {
-                            id: ReplicaId(i as u32 * 7 + 3),
-                            overlap_blocks: overlap,
-                            load,
-                            stream: StreamState::Exact,
-                            eligible,
-                        }
+                    .map(|(i, (overlap, in_flight, pending, waiting, eligible))| ReplicaView {
+                        id: ReplicaId(i as u32 * 7 + 3),
+                        overlap_blocks: overlap,
+                        load: Load {
+                            in_flight,
+                            pending_prefill_tokens: pending,
+                            reported_waiting: waiting,
+                            ..Load::default()
+                        },
+                        stream: StreamState::Exact,
+                        eligible,
                     })
                     .collect()
             },
