@@ -57,8 +57,8 @@
 //! # Parameters ([`IngestConfig`])
 //! channel 4096 live messages per rank (overflow → counted, becomes a gap), fallback after
 //! 10 s without a connection, reconnect backoff 1 s, replay timeout 5 s, replay cap 100 000
-//! batches, snapshot timeout 30 s, FALLBACK after 16 malformed messages in a row, catch-up
-//! replay 1 s after each connect.
+//! batches, snapshot timeout 30 s and cap 4 Mi blocks, FALLBACK after 16 malformed
+//! messages in a row, catch-up replay 1 s after each connect.
 //!
 //! # Layout
 //! - `subscriber`: the SUB socket task per (replica, rank).
@@ -109,6 +109,8 @@ pub struct IngestConfig {
     pub replay_max_batches: usize,
     /// Timeout of a whole snapshot.
     pub snapshot_timeout: Duration,
+    /// Largest snapshot accepted, in blocks (bounds memory; a larger one counts as failed).
+    pub snapshot_max_blocks: usize,
     /// Malformed messages in a row that make a rank FALLBACK.
     pub malformed_fallback: u32,
     /// Delay of the second replay after every (re)connect (slow-joiner catch-up).
@@ -124,6 +126,7 @@ impl Default for IngestConfig {
             replay_timeout: Duration::from_secs(5),
             replay_max_batches: 100_000,
             snapshot_timeout: Duration::from_secs(30),
+            snapshot_max_blocks: 1 << 22,
             malformed_fallback: 16,
             catch_up_after: Duration::from_secs(1),
         }

@@ -33,20 +33,28 @@ pub(crate) enum SnapshotError {
     Truncated,
     #[error("snapshot chunks disagree or are out of order")]
     Inconsistent,
+    #[error("snapshot holds more than {limit} blocks")]
+    TooLarge { limit: usize },
 }
 
-/// Fetches a whole snapshot; `include_tokens` when the router must hash blocks itself.
+/// Fetches a whole snapshot of at most `max_blocks` blocks; `include_tokens` when the router
+/// must hash blocks itself.
 pub(crate) async fn fetch(
     endpoint: &str,
     include_tokens: bool,
     timeout: Duration,
+    max_blocks: usize,
 ) -> Result<Snapshot, SnapshotError> {
-    tokio::time::timeout(timeout, fetch_inner(endpoint, include_tokens))
+    tokio::time::timeout(timeout, fetch_inner(endpoint, include_tokens, max_blocks))
         .await
         .map_err(|_| SnapshotError::Timeout)?
 }
 
-async fn fetch_inner(endpoint: &str, include_tokens: bool) -> Result<Snapshot, SnapshotError> {
+async fn fetch_inner(
+    endpoint: &str,
+    include_tokens: bool,
+    max_blocks: usize,
+) -> Result<Snapshot, SnapshotError> {
     let mut client = ReplicaAgentClient::connect(endpoint.to_owned())
         .await
         .map_err(|source| SnapshotError::Connect { endpoint: endpoint.to_owned(), source })?;
@@ -67,6 +75,11 @@ async fn fetch_inner(endpoint: &str, include_tokens: bool) -> Result<Snapshot, S
         });
         if snap.epoch != Epoch(chunk.epoch) || snap.seq != seq {
             return Err(SnapshotError::Inconsistent);
+        }
+        // The agent decides how many chunks it sends: bound what is kept, not only how long
+        // it takes.
+        if snap.blocks.len().saturating_add(chunk.blocks.len()) > max_blocks {
+            return Err(SnapshotError::TooLarge { limit: max_blocks });
         }
         snap.blocks.extend(chunk.blocks);
         if chunk.last {

@@ -354,7 +354,10 @@ impl RankStream {
             return false;
         }
         let native = self.ctx.replica.spec.engine.native_hashes();
-        let snap = match snapshot::fetch(&endpoint, !native, self.ctx.config.snapshot_timeout).await {
+        let config = &self.ctx.config;
+        let fetched =
+            snapshot::fetch(&endpoint, !native, config.snapshot_timeout, config.snapshot_max_blocks);
+        let snap = match fetched.await {
             Ok(snap) => snap,
             Err(e) => {
                 tracing::warn!(error = %e, replica = %self.ctx.replica.spec.name, "snapshot failed");

@@ -612,3 +612,30 @@ async fn dp_ranks_are_followed_and_cleared_separately() {
     wait_until("rank 1 cleared", || h.overlap(&r, &b) == 0).await;
     assert_eq!(h.overlap(&r, &a), 2, "rank 0 keeps its blocks");
 }
+
+/// An agent's snapshot stream decides how many chunks it sends: without a cap on the blocks
+/// kept, one that never ends (or is simply huge) grew the router's memory until the
+/// snapshot timeout. Beyond `snapshot_max_blocks` it counts as failed, and the rank falls
+/// back to clear-and-rebuild from the live stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_snapshot_is_refused() {
+    let h = Harness::with_config(kvroute_router::ingest::IngestConfig {
+        snapshot_max_blocks: 3,
+        ..test_config()
+    });
+    let shutdown = CancellationToken::new();
+    let agent = FakeAgent::default();
+    *agent.state.lock().unwrap() =
+        SnapshotState { epoch: 4, seq: Some(0), blocks: snapshot_blocks(&Rng::new(21).tokens(4)) };
+    let grpc = agent.serve(shutdown.clone()).await;
+    let fake = FakePublisher::start(None).await;
+    let spec =
+        ReplicaSpec { grpc_endpoint: Some(grpc), ..spec("huge", EngineKind::Kvroute, &fake.events, None) };
+    let (r, m) = h.add(spec);
+    h.synced(&r).await;
+    assert!(m.snapshots(Outcome::Failed).get() >= 1, "a 4-block snapshot is over the cap of 3");
+    assert_eq!(m.snapshots(Outcome::Ok).get(), 0);
+    assert_eq!(h.index.blocks(r.id), 0, "nothing of it was stored");
+    assert_eq!(r.status.state(), StreamState::Exact, "rebuilt from the live stream instead");
+    shutdown.cancel();
+}

@@ -104,6 +104,7 @@ pub fn test_config() -> IngestConfig {
         replay_timeout: Duration::from_secs(5),
         replay_max_batches: 10_000,
         snapshot_timeout: Duration::from_secs(10),
+        snapshot_max_blocks: 1 << 20,
         malformed_fallback: 4,
         catch_up_after: Duration::from_millis(200),
     }
