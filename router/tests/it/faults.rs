@@ -287,6 +287,49 @@ async fn silent_replica_times_out_is_ejected_and_comes_back() {
     fleet.index_matches(1).await;
 }
 
+/// The connection to a replica breaks in the middle of a stream (no error from the
+/// replica itself): the router ends the client's stream with an OpenAI error event and no
+/// `[DONE]`, and the next request goes elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_cut_mid_way_ends_with_an_error_event() {
+    // One token every 20 ms: the cut falls between two events.
+    let slow = |name: &str| kvroute_replica_agent::Config {
+        time_scale: 1.0,
+        step_base_us: 20_000,
+        ..fault_agent(name)
+    };
+    let shutdown = CancellationToken::new();
+    let agents = Fleet::start_agents(2, slow, &shutdown).await;
+    let switch = Switch::start(agents[0].http_addr).await;
+    let mut config = kvroute_router::Config {
+        policy: kvroute_router::policy::PolicyKind::RoundRobin,
+        health_interval_ms: 600_000,
+        ..router_config(&agents)
+    };
+    config.replicas[0].http = switch.url();
+    let fleet = Fleet::around(agents, config, shutdown).await;
+    let mut response = loop {
+        let body = completion(&words("cutme", 8), 1000, true);
+        let response = fleet.http.stream(&fleet.url("/v1/completions"), &body).await;
+        if response.headers()["x-kvroute-replica"] == "agent-0" {
+            break response;
+        }
+        drain(response).await;
+    };
+    assert_eq!(response.status(), 200);
+    let first = response.body_mut().frame().await.expect("a first chunk").expect("no error yet");
+    assert!(first.data_ref().is_some_and(|d| !d.is_empty()));
+    switch.cut();
+    let text = drain(response).await;
+    assert!(!text.contains("[DONE]"));
+    let last = text.trim_end().rsplit("\n\n").next().unwrap();
+    assert!(last.starts_with("data: {\"error\""), "ends with an error event: {last}");
+    load::assert_openai_error(last.trim_start_matches("data: ").as_bytes());
+    let next = post(&fleet, &words("aftercut", 8)).await;
+    assert_eq!(next.status, 200, "retried elsewhere: {}", String::from_utf8_lossy(&next.body));
+    assert_eq!(next.header("x-kvroute-replica"), Some("agent-1"));
+}
+
 /// A replica whose first token takes far longer than `--first-byte-timeout-ms`: 504s, then
 /// ejection; a stream to it that goes silent past `--idle-timeout-ms` ends with an error
 /// event; after `--ejection-ms` it is tried again (and, still slow, ejected again at once).

@@ -112,6 +112,11 @@ impl Switch {
     pub fn set_black_hole(&self, on: bool) {
         self.black_hole.store(on, Ordering::Relaxed);
     }
+
+    /// Closes every connection and stops accepting: the replica's end of the network is cut.
+    pub fn cut(&self) {
+        self.stop.cancel();
+    }
 }
 
 impl Drop for Switch {
