@@ -96,6 +96,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_proto::{BlockHash, ReplicaId};
 
+pub(crate) use hasher::FoldState;
 pub use table::PrefixIndex;
 
 /// Hashes applied per write-lock hold by [`SharedIndex`], bounding how long a lookup waits.

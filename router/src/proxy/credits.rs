@@ -15,6 +15,8 @@ use std::time::Duration;
 use kvroute_proto::{BlockHash, ReplicaId};
 use tokio::time::Instant;
 
+use crate::index::FoldState;
+
 /// Credits of pending routing decisions.
 #[derive(Debug)]
 pub struct Credits {
@@ -22,17 +24,19 @@ pub struct Credits {
     inner: Mutex<Inner>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Inner {
-    /// Credited (block, replica) pairs with how many live credits cover each.
-    held: HashMap<(BlockHash, ReplicaId), u32>,
+    /// Credited (block, replica) pairs with how many live credits cover each (block hashes
+    /// are uniform already: the index's one-multiply hasher, not SipHash).
+    held: HashMap<(BlockHash, ReplicaId), u32, FoldState>,
     /// Credits in the order they expire.
     queue: VecDeque<(Instant, ReplicaId, Vec<BlockHash>)>,
 }
 
 impl Credits {
     pub fn new(ttl: Duration) -> Self {
-        Self { ttl, inner: Mutex::new(Inner::default()) }
+        let inner = Inner { held: HashMap::with_hasher(FoldState::random()), queue: VecDeque::new() };
+        Self { ttl, inner: Mutex::new(inner) }
     }
 
     /// Credits `replica` with `blocks` for the TTL.
