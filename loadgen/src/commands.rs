@@ -202,7 +202,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 4)]
     pub replicas: usize,
     /// Prefix-cache capacity of each agent, in blocks.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 2048)]
     pub capacity_blocks: usize,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
@@ -243,10 +243,10 @@ pub fn demo_workload() -> Workload {
     Workload::Chat(ChatParams {
         conversations: 500,
         system_prompts: 8,
-        system_prompt_tokens: 1024,
+        system_prompt_tokens: 2048,
         min_turns: 2,
         max_turns: 8,
-        user_tokens: 128,
+        user_tokens: 256,
         output_tokens: 48,
         conversation_rate: 4.0,
         think_time: Duration::from_secs(10),
@@ -392,7 +392,7 @@ pub fn live_summary(r: &LiveReport) -> String {
 }
 
 /// Runs `work` on a multi-threaded runtime; Ctrl-C cancels its token.
-fn block_on<T, F>(work: impl FnOnce(CancellationToken) -> F) -> anyhow::Result<T>
+pub(crate) fn block_on<T, F>(work: impl FnOnce(CancellationToken) -> F) -> anyhow::Result<T>
 where
     F: std::future::Future<Output = anyhow::Result<T>>,
 {

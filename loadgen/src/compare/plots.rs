@@ -50,7 +50,13 @@ fn hit_rate_over_time(report: &CompareReport, path: &Path) -> anyhow::Result<()>
         .y_label_area_size(55)
         .build_cartesian_2d(0.0..x_max, 0.0..100.0)
         .map_err(err)?;
-    chart.configure_mesh().x_desc("time since start (s)").y_desc("hit rate (%)").draw().map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("time since start (s)")
+        .y_desc("hit rate (%)")
+        .y_label_formatter(&|v| format!("{v:.0}"))
+        .draw()
+        .map_err(err)?;
     let pooled = 100.0 * report.pooled_hit_rate;
     chart
         .draw_series(LineSeries::new([(0.0, pooled), (x_max, pooled)], BLACK.stroke_width(1)))
@@ -142,6 +148,7 @@ fn tokens_per_replica(report: &CompareReport, path: &Path) -> anyhow::Result<()>
         .configure_mesh()
         .x_desc("replica")
         .y_desc("prompt tokens")
+        .y_label_formatter(&|v| format!("{:.0}k", v / 1e3))
         .x_labels(replicas)
         .x_label_formatter(&|x| format!("{}", x.round() as i64))
         .disable_x_mesh()
