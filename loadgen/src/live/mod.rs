@@ -257,6 +257,7 @@ impl Sender {
 async fn collect(mut rx: mpsc::Receiver<RequestRecord>, bar: ProgressBar) -> Vec<RequestRecord> {
     let mut records = Vec::new();
     let (mut prompt, mut cached, mut failed) = (0u64, 0u64, 0u64);
+    let start = Instant::now();
     while let Some(record) = rx.recv().await {
         match &record.outcome {
             Ok(s) => {
@@ -268,7 +269,8 @@ async fn collect(mut rx: mpsc::Receiver<RequestRecord>, bar: ProgressBar) -> Vec
         records.push(record);
         bar.inc(1);
         let rate = if prompt > 0 { 100.0 * cached as f64 / prompt as f64 } else { 0.0 };
-        bar.set_message(format!("hit {rate:.1}%  errors {failed}"));
+        let per_s = records.len() as f64 / start.elapsed().as_secs_f64().max(1e-3);
+        bar.set_message(format!("{per_s:.1} req/s  hit {rate:.1}%  errors {failed}"));
     }
     records
 }
@@ -278,10 +280,9 @@ fn progress_bar(config: &LiveConfig, len: usize) -> ProgressBar {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::with_draw_target(Some(len as u64), ProgressDrawTarget::stderr());
-    let style =
-        ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos}/{len} {per_sec:>9}  {msg}  {elapsed}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> ");
+    let style = ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos}/{len}  {msg}  {elapsed}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
     bar.set_style(style);
     bar.set_prefix(config.label.clone());
     bar
