@@ -54,6 +54,13 @@ pub struct Config {
     /// Cache-aware cost: weight of a replica's in-flight requests, in prefill-token units.
     #[arg(long, env = "KVROUTE_LOAD_WEIGHT", default_value_t = CacheAwareParams::default().in_flight_tokens)]
     pub load_weight: f64,
+    /// Cache-aware cost: weight of an uncached prompt token relative to a queued one.
+    #[arg(long, env = "KVROUTE_MISS_WEIGHT", default_value_t = CacheAwareParams::default().miss_weight)]
+    pub miss_weight: f64,
+    /// Cache-aware cost: charge, in units of the request's prompt tokens, per multiple of the
+    /// fleet's mean recent prompt tokens that a replica has above that mean (0 turns it off).
+    #[arg(long, env = "KVROUTE_BALANCE_WEIGHT", default_value_t = CacheAwareParams::default().balance_weight)]
+    pub balance_weight: f64,
     /// How long a routing decision credits the chosen replica with the request's blocks
     /// before its events confirm them, milliseconds.
     #[arg(long, env = "KVROUTE_CREDIT_TTL_MS", default_value_t = 2_000)]
@@ -164,6 +171,11 @@ impl Config {
         check(!self.model.is_empty(), "--model must not be empty".into());
         check(self.block_size > 0, "--block-size must be at least 1".into());
         check(self.load_weight.is_finite() && self.load_weight >= 0.0, "--load-weight must be >= 0".into());
+        check(self.miss_weight.is_finite() && self.miss_weight >= 0.0, "--miss-weight must be >= 0".into());
+        check(
+            self.balance_weight.is_finite() && self.balance_weight >= 0.0,
+            "--balance-weight must be >= 0".into(),
+        );
         check(self.connect_timeout_ms > 0, "--connect-timeout-ms must be at least 1".into());
         check(self.first_byte_timeout_ms > 0, "--first-byte-timeout-ms must be at least 1".into());
         check(self.idle_timeout_ms > 0, "--idle-timeout-ms must be at least 1".into());

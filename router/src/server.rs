@@ -125,7 +125,11 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         Prompts::Local(tokenization)
     };
     let metrics = ProxyMetrics::register(&mut registry);
-    let params = CacheAwareParams { in_flight_tokens: config.load_weight };
+    let params = CacheAwareParams {
+        in_flight_tokens: config.load_weight,
+        miss_weight: config.miss_weight,
+        balance_weight: config.balance_weight,
+    };
     let decider = Decider {
         fleet: fleet.clone(),
         index,

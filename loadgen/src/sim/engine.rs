@@ -105,6 +105,7 @@ impl ReplicaEngine {
             in_flight: u32::try_from(self.running.len() + self.waiting.len()).unwrap_or(u32::MAX),
             pending_prefill_tokens: self.pending_prefill,
             reported_waiting: u32::try_from(self.waiting.len()).unwrap_or(u32::MAX),
+            recent_prompt_tokens: 0,
         }
     }
 
@@ -232,7 +233,10 @@ mod tests {
         let mut e = ReplicaEngine::new(model());
         let mut done = vec![None];
         e.submit(Duration::ZERO, 0, 1000, 3);
-        assert_eq!(e.load(), Load { in_flight: 1, pending_prefill_tokens: 1000, reported_waiting: 1 });
+        assert_eq!(
+            e.load(),
+            Load { in_flight: 1, pending_prefill_tokens: 1000, reported_waiting: 1, ..Load::default() }
+        );
         e.drain(&mut done);
         // Prefill step: 6 ms + 1000 * 70 µs = 76 ms, first token; then two decode steps of
         // 6 ms + 60 µs.

@@ -5,7 +5,8 @@
 //! For each request in arrival order, at simulated time `arrival / speedup`:
 //! 1. every replica's [`engine`] model runs up to that instant, so its [`Load`] is what the
 //!    router would see live (requests in flight, uncached prompt tokens not yet prefilled,
-//!    waiting queue);
+//!    waiting queue, and the [`RecentTokens`] sum of prompt tokens routed to it, which the
+//!    simulator keeps as the router's `Upstream` does);
 //! 2. the policy ([`kvroute_router::policy::Policy`], the router's own code) gets a
 //!    [`ReplicaView`] per replica: its overlap is the longest prefix of the request's blocks
 //!    resident in that replica's cache (read with `contains`, nothing mutated) and its load;
@@ -36,7 +37,7 @@ use std::time::Duration;
 use kvroute_proto::pb::StreamState;
 use kvroute_proto::{BlockHash, CacheNamespace, ReplicaId};
 use kvroute_replica_agent::cache::{self, AdmitError, BlockCache, CacheConfig, ConfigError, S3FifoParams};
-use kvroute_router::policy::{self, CacheAwareParams, Load, Policy, ReplicaView, RequestView};
+use kvroute_router::policy::{self, CacheAwareParams, Load, Policy, RecentTokens, ReplicaView, RequestView};
 use serde::{Deserialize, Serialize};
 
 pub use engine::{EngineModel, Timing};
@@ -177,6 +178,7 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
     let namespace = CacheNamespace::new(SIM_MODEL);
     let kind = policy.kind().as_str();
 
+    let mut recent = vec![RecentTokens::default(); n];
     let mut timings: Vec<Option<Timing>> = vec![None; trace.len()];
     let mut results = Vec::with_capacity(trace.len());
     let mut views = Vec::with_capacity(n);
@@ -189,10 +191,11 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
         };
         views.clear();
         for (i, cache) in caches.iter().enumerate() {
-            let load = engines.get_mut(i).map_or(Load::default(), |e| {
+            let mut load = engines.get_mut(i).map_or(Load::default(), |e| {
                 e.advance_to(now, &mut timings);
                 e.load()
             });
+            load.recent_prompt_tokens = recent[i].tokens(now);
             views.push(ReplicaView {
                 id: ReplicaId(i as u32),
                 overlap_blocks: blocks.iter().take_while(|b| cache.contains(**b)).count(),
@@ -216,6 +219,7 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
         let admit = |source| SimError::Admit { request: index, source };
         let outcome = caches[chosen].access_request(&blocks, request.input_len).map_err(admit)?;
         pooled.access_request(&blocks, request.input_len).map_err(admit)?;
+        recent[chosen].add(now, request.input_len as u64);
         if let Some(engine) = engines.get_mut(chosen) {
             let uncached = (request.input_len - outcome.hit_tokens) as u64;
             engine.submit(now, index, uncached, request.output_len);

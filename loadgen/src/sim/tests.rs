@@ -143,10 +143,15 @@ fn views_carry_each_replicas_resident_prefix_and_engine_load() {
     assert_eq!(seen[0].0, RequestView { prompt_tokens: 1500, blocks: 3, block_size: 512, key: 2 });
     // The second request arrives with the first queued on replica 0, nothing prefilled yet.
     let load = seen[1].1[0].load;
-    assert_eq!((load.in_flight, load.pending_prefill_tokens), (1, 1500));
+    assert_eq!((load.in_flight, load.pending_prefill_tokens, load.recent_prompt_tokens), (1, 1500, 1500));
     assert_eq!(seen[1].1[1].load, Load::default());
-    // Ten seconds later both have finished.
-    assert_eq!(seen[2].1[0].load, Load::default());
+    // Ten seconds later both have finished; their prompt tokens are remembered, decayed as the
+    // router's `Upstream` decays them.
+    let mut recent = RecentTokens::default();
+    recent.add(Duration::ZERO, 2600);
+    let ten_s = Duration::from_secs(10);
+    assert_eq!(seen[2].1[0].load, Load { recent_prompt_tokens: recent.tokens(ten_s), ..Load::default() });
+    assert!((2390..2395).contains(&recent.tokens(ten_s)));
     // The third is still running when the fourth arrives at the same instant.
     assert_eq!(seen[3].1[0].load.in_flight, 1);
     assert_eq!(seen[3].1[0].load.pending_prefill_tokens, 600 - 512);

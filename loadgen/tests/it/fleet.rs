@@ -36,7 +36,10 @@ fn every_router_policy_runs_and_cache_aware_beats_round_robin_on_chat() {
 }
 
 /// The fleet the issue quotes: 8 replicas x 2048 blocks. The pooled bound is the N = 1 replay
-/// at 16384 blocks, which the Python reference gives as 33,092,507 hit tokens (LRU).
+/// at 16384 blocks, which the Python reference gives as 33,092,507 hit tokens (LRU). The
+/// issue's target holds for the router's default cache-aware policy under LRU and LFU: at
+/// least 97% of the pooled bound with a load skew of at most 1.10, and a lower TTFT than round
+/// robin. (The simulation is deterministic: this checks its output, not a timing.)
 #[test]
 fn shared_trace_on_eight_replicas() {
     let Some(path) = shared_trace() else {
@@ -51,14 +54,24 @@ fn shared_trace_on_eight_replicas() {
         assert_eq!(report.pooled.total_hit_tokens, 33_092_507);
         assert_eq!(report.per_replica.len(), 8);
     }
-    eprintln!(
-        "8 x 2048 LRU: pooled {:.4}, round-robin {:.4} (skew {:.3}), cache-aware {:.4} ({:.1}% of pooled, skew {:.3})",
-        rr.pooled.overall_hit_rate,
-        rr.overall_hit_rate,
-        rr.load_skew,
-        ca.overall_hit_rate,
-        ca.pct_of_pooled.unwrap_or(0.0),
-        ca.load_skew
-    );
     assert!(ca.overall_hit_rate > 2.0 * rr.overall_hit_rate);
+    let lfu =
+        simulate(&trace, &SimConfig { eviction: Eviction::Lfu, ..fleet(8, 2048, PolicyKind::CacheAware) })
+            .unwrap();
+    for (name, report) in [("lru", &ca), ("lfu", &lfu)] {
+        let pct = report.pct_of_pooled.unwrap_or(0.0);
+        eprintln!(
+            "8 x 2048 {name}: pooled {:.4}, cache-aware {:.4} ({pct:.1}% of pooled, skew {:.3})",
+            report.pooled.overall_hit_rate, report.overall_hit_rate, report.load_skew
+        );
+        assert!(pct >= 97.0, "{name}: cache-aware at {pct:.1}% of the pooled bound");
+        assert!(report.load_skew <= 1.10, "{name}: load skew {:.3}", report.load_skew);
+    }
+    let ttft =
+        |r: &kvroute_loadgen::SimReport| r.latency.as_ref().map(|l| (l.ttft_p50_ms, l.ttft_p99_ms)).unwrap();
+    let (ca_ttft, rr_ttft) = (ttft(&ca), ttft(&rr));
+    assert!(
+        ca_ttft.0 < rr_ttft.0 && ca_ttft.1 < rr_ttft.1,
+        "TTFT cache-aware {ca_ttft:?} vs round robin {rr_ttft:?}"
+    );
 }

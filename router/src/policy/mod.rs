@@ -68,6 +68,9 @@ pub struct Load {
     pub pending_prefill_tokens: u64,
     /// Queue length the replica itself last reported (e.g. `num_requests_waiting`), if known.
     pub reported_waiting: u32,
+    /// Prompt tokens (cached or not) the router has sent it lately: a [`RecentTokens`] sum
+    /// with a [`RECENT_HORIZON`] time constant, read at decision time.
+    pub recent_prompt_tokens: u64,
 }
 
 /// One candidate replica for a request.
@@ -99,9 +102,11 @@ pub trait Policy: Send + Sync {
 
 mod baseline;
 mod cache_aware;
+mod recent;
 
 pub use baseline::{LeastLoaded, PowerOfTwo, Random, RoundRobin};
 pub use cache_aware::{CacheAware, CacheAwareParams};
+pub use recent::{RECENT_HORIZON, RecentTokens};
 
 /// Builds the policy `kind`; `seed` drives the random ones.
 pub fn build(kind: PolicyKind, params: CacheAwareParams, seed: u64) -> Box<dyn Policy> {

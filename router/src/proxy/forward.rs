@@ -85,7 +85,7 @@ pub async fn routed(
         }
         let member = &scored.member;
         let upstream = &member.upstream;
-        let guard = upstream.begin(plan.prefill_tokens(attempt));
+        let guard = upstream.begin(plan.prefill_tokens(attempt), plan.prompt_tokens);
         let request = build_request(&member.replica.spec.http_url, parts, full(body.clone()), request_id)?;
         let sent = Instant::now();
         match tokio::time::timeout(config.first_byte_timeout, client.request(request)).await {
@@ -148,7 +148,7 @@ pub async fn streamed(
     request_id: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let upstream = &member.upstream;
-    let guard = upstream.begin(0);
+    let guard = upstream.begin(0, 0);
     let request = build_request(&member.replica.spec.http_url, parts, body, request_id)?;
     let sent = Instant::now();
     match tokio::time::timeout(config.first_byte_timeout, client.request(request)).await {

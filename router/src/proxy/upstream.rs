@@ -4,7 +4,9 @@
 //! Load is counted at decision time: `in_flight` rises when a request is sent and falls when
 //! its response ends (or the client goes away); `pending_prefill` holds the uncached prompt
 //! tokens of requests that have not produced their first response byte yet, which is the work
-//! standing between a new request and its first token.
+//! standing between a new request and its first token; `recent_prompt_tokens` is a decayed
+//! sum of the prompt tokens sent to it ([`RecentTokens`]), the longer-run share of the work it
+//! has been given.
 //!
 //! Health combines an active check (`GET /health` every `--health-interval-ms`) with passive
 //! outlier ejection: `--eject-after` consecutive failures (connection refused, reset, timeout,
@@ -17,7 +19,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::policy::Load;
+use crate::policy::{Load, RecentTokens};
 
 /// Why a replica is not eligible right now, if it is not.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,6 +46,9 @@ impl Ineligible {
 pub struct Upstream {
     in_flight: AtomicU32,
     pending_prefill: AtomicU64,
+    /// Prompt tokens sent lately, since `epoch`.
+    recent: Mutex<RecentTokens>,
+    epoch: Instant,
     /// Last `num_requests_waiting` the replica reported (via its metrics), if polled.
     reported_waiting: AtomicU32,
     consecutive_failures: AtomicU32,
@@ -59,6 +64,8 @@ impl Default for Upstream {
         Self {
             in_flight: AtomicU32::new(0),
             pending_prefill: AtomicU64::new(0),
+            recent: Mutex::new(RecentTokens::default()),
+            epoch: Instant::now(),
             reported_waiting: AtomicU32::new(0),
             consecutive_failures: AtomicU32::new(0),
             healthy: AtomicBool::new(true),
@@ -75,7 +82,12 @@ impl Upstream {
             in_flight: self.in_flight.load(Ordering::Relaxed),
             pending_prefill_tokens: self.pending_prefill.load(Ordering::Relaxed),
             reported_waiting: self.reported_waiting.load(Ordering::Relaxed),
+            recent_prompt_tokens: self.recent().tokens(self.epoch.elapsed()),
         }
+    }
+
+    fn recent(&self) -> std::sync::MutexGuard<'_, RecentTokens> {
+        self.recent.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Whether the replica may receive a new request now.
@@ -107,10 +119,12 @@ impl Upstream {
         }
     }
 
-    /// Counts a request sent to this replica; the guard undoes it.
-    pub fn begin(self: &std::sync::Arc<Self>, prefill_tokens: u64) -> LoadGuard {
+    /// Counts a request with `prompt_tokens` tokens, `prefill_tokens` of them uncached, sent
+    /// to this replica; the guard undoes all but the recent prompt tokens, which only decay.
+    pub fn begin(self: &std::sync::Arc<Self>, prefill_tokens: u64, prompt_tokens: u64) -> LoadGuard {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.pending_prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
+        self.recent().add(self.epoch.elapsed(), prompt_tokens);
         LoadGuard { upstream: self.clone(), prefill_tokens }
     }
 
@@ -185,12 +199,23 @@ mod tests {
     #[test]
     fn guard_releases_load_once() {
         let u = Arc::new(Upstream::default());
-        let mut g = u.begin(100);
-        assert_eq!(u.load(), Load { in_flight: 1, pending_prefill_tokens: 100, reported_waiting: 0 });
+        let mut g = u.begin(100, 0);
+        assert_eq!(u.load(), Load { in_flight: 1, pending_prefill_tokens: 100, ..Load::default() });
         g.prefill_done();
         assert_eq!(u.load().pending_prefill_tokens, 0);
         drop(g);
         assert_eq!(u.load(), Load::default());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn recent_prompt_tokens_outlive_the_request_and_decay() {
+        let u = Arc::new(Upstream::default());
+        drop(u.begin(100, 1000));
+        drop(u.begin(0, 500));
+        assert_eq!(u.load().recent_prompt_tokens, 1500);
+        assert_eq!(u.load().in_flight, 0);
+        tokio::time::advance(crate::policy::RECENT_HORIZON).await;
+        assert_eq!(u.load().recent_prompt_tokens, (1500.0 / std::f64::consts::E).round() as u64);
     }
 
     #[tokio::test(start_paused = true)]
@@ -213,7 +238,7 @@ mod tests {
     #[test]
     fn saturation_draining_and_health() {
         let u = Arc::new(Upstream::default());
-        let _g = u.begin(0);
+        let _g = u.begin(0, 0);
         assert_eq!(u.eligibility(1), Err(Ineligible::Saturated));
         assert_eq!(u.eligibility(2), Ok(()));
         u.set_healthy(false);
