@@ -31,7 +31,6 @@ use kvroute_router::fleet::Fleet;
 use kvroute_router::ingest::{Ingest, IngestConfig};
 use kvroute_router::metrics::ProxyMetrics;
 use kvroute_router::policy::{self, CacheAwareParams, PolicyKind};
-use kvroute_router::proxy::credits::Credits;
 use kvroute_router::proxy::prompts::Prompts;
 use kvroute_router::proxy::route::Decider;
 use kvroute_router::replicas::{EngineKind, ReplicaSpec};
@@ -100,7 +99,7 @@ impl Bench {
         let _guard = runtime.enter();
         let shutdown = CancellationToken::new();
         let mut registry = Registry::default();
-        let index = kvroute_router::index::SharedIndex::new();
+        let index = kvroute_router::index::SharedIndex::with_credit_ttl(Duration::from_secs(2));
         let config = IngestConfig {
             fallback_after: Duration::from_secs(3600),
             reconnect_backoff: Duration::from_secs(3600),
@@ -108,7 +107,7 @@ impl Bench {
         };
         let ingest =
             Ingest::start(config, index.clone(), &mut registry, TaskTracker::new(), shutdown.clone());
-        let fleet = Fleet::new(ingest, Arc::new(Credits::new(Duration::from_secs(2))));
+        let fleet = Fleet::new(ingest);
         let mut rng = Rng(7);
         for r in 0..REPLICAS {
             let mut spec =

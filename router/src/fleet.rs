@@ -9,8 +9,8 @@ use std::sync::{Arc, PoisonError, RwLock};
 use kvroute_proto::ReplicaId;
 
 use crate::discovery::ReplicaSink;
+use crate::index::Credits;
 use crate::ingest::{Ingest, IngestError};
-use crate::proxy::credits::Credits;
 use crate::proxy::upstream::Upstream;
 use crate::replicas::{Replica, ReplicaSpec, StreamState};
 
@@ -25,21 +25,21 @@ pub struct Member {
 #[derive(Clone)]
 pub struct Fleet {
     ingest: Ingest,
-    credits: Arc<Credits>,
     upstreams: Arc<RwLock<HashMap<ReplicaId, Arc<Upstream>>>>,
 }
 
 impl Fleet {
-    pub fn new(ingest: Ingest, credits: Arc<Credits>) -> Self {
-        Self { ingest, credits, upstreams: Arc::default() }
+    pub fn new(ingest: Ingest) -> Self {
+        Self { ingest, upstreams: Arc::default() }
     }
 
     pub fn ingest(&self) -> &Ingest {
         &self.ingest
     }
 
+    /// Credits of pending routing decisions (kept by the index, settled by events).
     pub fn credits(&self) -> &Credits {
-        &self.credits
+        self.ingest.index().credits()
     }
 
     /// Starts routing to `spec` (and following its events).
@@ -56,7 +56,6 @@ impl Fleet {
     pub async fn remove(&self, name: &str) -> Option<usize> {
         let replica = self.ingest.replicas().by_name(name)?;
         self.upstreams.write().unwrap_or_else(PoisonError::into_inner).remove(&replica.id);
-        self.credits.forget(replica.id);
         let freed = self.ingest.remove_replica(replica.id).await;
         tracing::info!(replica = %name, freed = ?freed, "replica removed");
         freed

@@ -85,6 +85,7 @@
 //!   That is 5-11 ns per block walked (a 1024-block request walks 550-750 blocks before
 //!   every replica has dropped out).
 
+mod credits;
 mod hasher;
 mod table;
 #[cfg(test)]
@@ -96,6 +97,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_proto::{BlockHash, ReplicaId};
 
+pub use credits::Credits;
 pub(crate) use hasher::FoldState;
 pub use table::PrefixIndex;
 
@@ -167,14 +169,16 @@ pub struct IndexStats {
 /// Each replica's operations must come from one writer (its ingest task), in event order.
 /// A very large `store` (a snapshot of a million blocks) runs for tens of milliseconds;
 /// call it from a blocking-friendly context.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct SharedIndex {
     inner: Arc<Shared>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Shared {
     index: RwLock<PrefixIndex>,
+    /// Pending routing decisions; events for a (block, replica) end its credit.
+    credits: Credits,
     /// Lookups blocked on the lock. The std lock lets a writer that unlocks and relocks at
     /// once barge past readers it just woke, so a writer streaming chunks back to back
     /// (a snapshot replay) could starve lookups for milliseconds; writers wait for this to
@@ -182,24 +186,49 @@ struct Shared {
     queued_readers: AtomicUsize,
 }
 
+impl Default for SharedIndex {
+    fn default() -> Self {
+        Self::with_credit_ttl(Duration::ZERO)
+    }
+}
+
 impl SharedIndex {
-    /// An empty index.
+    /// An empty index without credits.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// See [`PrefixIndex::store`].
+    /// An empty index whose routing credits last `ttl` unless events settle them first.
+    pub fn with_credit_ttl(ttl: Duration) -> Self {
+        Self {
+            inner: Arc::new(Shared {
+                index: RwLock::default(),
+                credits: Credits::new(ttl),
+                queued_readers: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// Credits of pending routing decisions (see [`Credits`]).
+    pub fn credits(&self) -> &Credits {
+        &self.inner.credits
+    }
+
+    /// See [`PrefixIndex::store`]; also ends the replica's credits for these blocks.
     pub fn store(&self, replica: ReplicaId, hashes: &[BlockHash]) -> usize {
+        self.inner.credits.confirm(replica, hashes);
         hashes.chunks(WRITE_CHUNK).map(|chunk| self.write(|index| index.store(replica, chunk))).sum()
     }
 
-    /// See [`PrefixIndex::remove`].
+    /// See [`PrefixIndex::remove`]; also ends the replica's credits for these blocks.
     pub fn remove(&self, replica: ReplicaId, hashes: &[BlockHash]) -> usize {
+        self.inner.credits.confirm(replica, hashes);
         hashes.chunks(WRITE_CHUNK).map(|chunk| self.write(|index| index.remove(replica, chunk))).sum()
     }
 
     /// See [`PrefixIndex::clear_replica`]; releases the lock between table shards.
     pub fn clear_replica(&self, replica: ReplicaId) -> usize {
+        self.inner.credits.forget(replica);
         let freed =
             (0..table::SHARDS).map(|shard| self.write(|index| index.clear_shard(replica, shard))).sum();
         self.write(|index| index.release(replica));

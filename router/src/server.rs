@@ -22,7 +22,6 @@ use crate::index::SharedIndex;
 use crate::ingest::{Ingest, IngestConfig};
 use crate::metrics::ProxyMetrics;
 use crate::policy::{self, CacheAwareParams};
-use crate::proxy::credits::Credits;
 use crate::proxy::forward::ForwardConfig;
 use crate::proxy::prompts::{Client, Prompts, RemoteTokenizer};
 use crate::proxy::route::Decider;
@@ -76,7 +75,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     }
     let tracker = TaskTracker::new();
     let mut registry = Registry::default();
-    let index = SharedIndex::new();
+    let index = SharedIndex::with_credit_ttl(config.credit_ttl());
     let ingest = Ingest::start(
         IngestConfig::default(),
         index.clone(),
@@ -84,7 +83,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         tracker.clone(),
         shutdown.clone(),
     );
-    let fleet = Fleet::new(ingest, Arc::new(Credits::new(config.credit_ttl())));
+    let fleet = Fleet::new(ingest);
     for r in &config.replicas {
         fleet
             .add(r.to_spec(&config.model, config.block_size))

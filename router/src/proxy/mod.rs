@@ -9,12 +9,10 @@
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //!
-//! Layout: [`body`] (pass-through bodies, usage sniffing), [`credits`] (pending decisions),
-//! [`error`] (every error the router answers), [`forward`], [`prompts`] (tokenization
+//! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`prompts`] (tokenization
 //! modes), [`route`] (the decision path), [`upstream`] (per-replica load and health).
 
 pub mod body;
-pub mod credits;
 pub mod error;
 pub mod forward;
 pub mod health;

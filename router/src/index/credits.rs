@@ -3,10 +3,14 @@
 //! the request. Without credits, a burst of requests sharing a new prefix would each see no
 //! replica holding it and scatter across the fleet, paying the prefill once per replica.
 //!
-//! A credit lasts `ttl` (`--credit-ttl-ms`); by then the replica's events have confirmed the
-//! blocks in the index or the credit lapses. Lookups extend each replica's index overlap
-//! through credited blocks: overlap = longest prefix of blocks that are in the index or
-//! credited, for that replica. Expired credits are swept on every insert, in arrival order.
+//! A credit ends when the replica's events confirm it: a `BlockStored` (the index now holds
+//! the block, so the credit is redundant) or a `BlockRemoved` (the replica no longer holds
+//! it) for that (block, replica) drops the credit at once, so a block that was cached and
+//! later evicted is never predicted from a stale credit. A credit no event confirms lapses
+//! after `ttl` (`--credit-ttl-ms`): the request failed, or the replica never cached it.
+//! Lookups extend each replica's index overlap through credited blocks: overlap = longest
+//! prefix of blocks that are in the index or credited, for that replica. Expired credits are
+//! swept on every insert and lookup, in expiry order.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
@@ -15,7 +19,7 @@ use std::time::Duration;
 use kvroute_proto::{BlockHash, ReplicaId};
 use tokio::time::Instant;
 
-use crate::index::FoldState;
+use super::FoldState;
 
 /// Credits of pending routing decisions.
 #[derive(Debug)]
@@ -26,9 +30,9 @@ pub struct Credits {
 
 #[derive(Debug)]
 struct Inner {
-    /// Credited (block, replica) pairs with how many live credits cover each (block hashes
+    /// Credited (block, replica) pairs with the expiry of their latest credit (block hashes
     /// are uniform already: the index's one-multiply hasher, not SipHash).
-    held: HashMap<(BlockHash, ReplicaId), u32, FoldState>,
+    held: HashMap<(BlockHash, ReplicaId), Instant, FoldState>,
     /// Credits in the order they expire.
     queue: VecDeque<(Instant, ReplicaId, Vec<BlockHash>)>,
 }
@@ -47,10 +51,23 @@ impl Credits {
         let now = Instant::now();
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner.sweep(now);
+        let expiry = now + self.ttl;
         for &b in blocks {
-            *inner.held.entry((b, replica)).or_insert(0) += 1;
+            inner.held.insert((b, replica), expiry);
         }
-        inner.queue.push_back((now + self.ttl, replica, blocks.to_vec()));
+        inner.queue.push_back((expiry, replica, blocks.to_vec()));
+    }
+
+    /// The replica's events settled these blocks (stored: the index holds them now; removed:
+    /// the replica dropped them): their credits end.
+    pub fn confirm(&self, replica: ReplicaId, blocks: &[BlockHash]) {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if inner.held.is_empty() {
+            return;
+        }
+        for &b in blocks {
+            inner.held.remove(&(b, replica));
+        }
     }
 
     /// Extends `overlap` (the replica's index overlap of `blocks`) through credited blocks.
@@ -91,11 +108,9 @@ impl Inner {
         while self.queue.front().is_some_and(|(t, ..)| *t <= now) {
             let (_, replica, blocks) = self.queue.pop_front().expect("front exists");
             for b in blocks {
-                if let Some(n) = self.held.get_mut(&(b, replica)) {
-                    *n -= 1;
-                    if *n == 0 {
-                        self.held.remove(&(b, replica));
-                    }
+                // A later credit of the same pair keeps it alive.
+                if self.held.get(&(b, replica)).is_some_and(|t| *t <= now) {
+                    self.held.remove(&(b, replica));
                 }
             }
         }
@@ -126,6 +141,22 @@ mod tests {
         assert_eq!(c.extend(r0, &req, 0), 1, "the first credit lapsed, the second holds block 1");
         assert_eq!(c.len(), 1);
         tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(c.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn events_end_credits_so_an_evicted_block_is_not_predicted() {
+        let c = Credits::new(Duration::from_secs(60));
+        let r = ReplicaId(0);
+        c.credit(r, &[h(1), h(2), h(3)]);
+        // BlockStored for 1 and 2: the index holds them now; the credit for 3 remains.
+        c.confirm(r, &[h(1), h(2)]);
+        assert_eq!(c.extend(r, &[h(1), h(2), h(3)], 2), 3);
+        // Later the replica evicts block 2: the index overlap stops at 1 and no stale credit
+        // carries the prediction through it.
+        assert_eq!(c.extend(r, &[h(1), h(2), h(3)], 1), 1);
+        // BlockRemoved ends a credit too.
+        c.confirm(r, &[h(3)]);
         assert!(c.is_empty());
     }
 
