@@ -36,6 +36,9 @@ pub enum Command {
     Compare(crate::commands::CompareArgs),
     /// Start an embedded fleet and compare routing policies on it (the README's command).
     Demo(crate::commands::DemoArgs),
+    /// A long steady run against router and agent processes with replica churn, reporting
+    /// the router's memory over time, errors and the hit rate.
+    Soak(crate::soak::command::SoakArgs),
 }
 
 #[derive(Debug, Args)]
@@ -136,6 +139,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Live(args) => crate::commands::run_live(&args),
         Command::Compare(args) => crate::commands::run_compare(&args),
         Command::Demo(args) => crate::commands::run_demo(&args),
+        Command::Soak(args) => crate::soak::command::run(&args),
     }
 }
 

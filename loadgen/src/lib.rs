@@ -13,8 +13,10 @@
 //! - [`compare`]: the same workload once per routing policy against one fleet, in one report
 //!   (terminal table, JSON, SVG plots) beside the pooled bound and the offline simulation.
 //! - [`demo`]: an embedded fleet (agents and a router per policy, on loopback) for `compare`.
+//! - [`soak`]: a long steady run against router and agent processes with replica churn,
+//!   sampling the router's memory, errors and hit rate.
 //! - [`cli`], [`commands`]: the `kvroute-loadgen` command line (`simulate`, `generate`;
-//!   `live`, `compare`, `demo`).
+//!   `live`, `compare`, `demo`; `soak`).
 //! - [`units`]: parsing durations on the command line.
 #![forbid(unsafe_code)]
 
@@ -24,6 +26,7 @@ pub mod compare;
 pub mod demo;
 pub mod live;
 pub mod sim;
+pub mod soak;
 pub mod units;
 pub mod workload;
 

@@ -147,6 +147,34 @@ impl Client {
         fallback_prompt_tokens: u64,
         timeout: Duration,
     ) -> Result<Success, ErrorKind> {
+        self.complete_naming_replica(base, body, stream, fallback_prompt_tokens, timeout).await.0
+    }
+
+    /// [`Client::complete`], also returning the router's `x-kvroute-replica` header when the
+    /// response got that far, failed or not (the soak attributes a failed stream to the
+    /// replica it was on).
+    pub async fn complete_naming_replica(
+        &self,
+        base: &str,
+        body: Bytes,
+        stream: bool,
+        fallback_prompt_tokens: u64,
+        timeout: Duration,
+    ) -> (Result<Success, ErrorKind>, Option<String>) {
+        let mut named = None;
+        let outcome = self.exchange(base, body, stream, fallback_prompt_tokens, timeout, &mut named).await;
+        (outcome, named)
+    }
+
+    async fn exchange(
+        &self,
+        base: &str,
+        body: Bytes,
+        stream: bool,
+        fallback_prompt_tokens: u64,
+        timeout: Duration,
+        named: &mut Option<String>,
+    ) -> Result<Success, ErrorKind> {
         let request = Request::post(format!("{base}/v1/completions"))
             .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
             .body(Full::new(body))
@@ -158,6 +186,7 @@ impl Client {
             let header =
                 |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
             let replica = header(REPLICA_HEADER);
+            named.clone_from(&replica);
             let predicted_cached_tokens = header(PREDICTED_HEADER).and_then(|v| v.parse().ok());
             let mut body = response.into_body();
             if !status.is_success() {

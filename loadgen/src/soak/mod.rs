@@ -1,0 +1,391 @@
+//! The soak: a steady Poisson load through a router process in front of replica-agent
+//! processes, with churn (one replica killed and restarted on the same ports every
+//! `churn_interval`, rotating), sampled every `sample_interval` for the router's memory,
+//! its index size, request outcomes and the hit rate. Issue 8 asks that memory stay flat once
+//! warm; [`report::Flatness`] says whether it did.
+//!
+//! - The router and the agents are the `kvroute-router` and `kvroute-agent` binaries run as
+//!   children ([`procs`]), so the router's `/proc/<pid>/status` is its own memory. A kill is a
+//!   SIGKILL: the replica's running streams are cut (the router ends them with an error
+//!   event) and its event stream closes; the new process has a new epoch, sequence 0 and an
+//!   empty cache.
+//! - Requests are a synthetic workload with shared prefixes (multi-turn chat by default),
+//!   sent in order at Poisson arrivals as streams with `include_usage`; every one finishes as
+//!   a success, a loss to churn or an unexpected error by kind ([`tally`]).
+//! - [`report`]: samples, the per-minute table, the verdict and the files.
+//! - [`command`]: the `soak` subcommand and its default workload.
+
+pub mod command;
+pub mod procs;
+pub mod report;
+pub mod tally;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use procs::Binaries;
+pub use report::{Flatness, Sample, SoakReport};
+
+use crate::demo::DEMO_MODEL;
+use crate::live::{Client, client, scrape};
+use crate::workload::Trace;
+use procs::{AgentSpec, Child, Memory};
+use tally::Tally;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct SoakConfig {
+    pub binaries: Binaries,
+    /// Replica agents.
+    pub replicas: usize,
+    /// Requests per second (Poisson).
+    pub rate: f64,
+    /// How long requests are sent.
+    pub duration: Duration,
+    /// A replica is killed and restarted this often (rotating); `None`: no churn.
+    pub churn_interval: Option<Duration>,
+    /// How often the router is sampled.
+    pub sample_interval: Duration,
+    /// Prefix-cache capacity of each agent, in blocks.
+    pub capacity_blocks: usize,
+    pub block_size: u32,
+    /// The agents' `--time-scale`.
+    pub time_scale: f64,
+    /// Most requests in flight; an arrival waits for a slot.
+    pub max_in_flight: usize,
+    pub request_timeout: Duration,
+    pub seed: u64,
+    /// Where the report and the children's logs go.
+    pub out_dir: PathBuf,
+    /// The workload's description, for the report.
+    pub workload: String,
+    /// Print a line to stderr at every minute of the run.
+    pub progress: bool,
+}
+
+/// Longest prompt plus completion the agents and the router accept.
+const MAX_MODEL_LEN: u32 = 131_072;
+
+/// Runs the soak over `trace` (sent in order; the run ends early if it runs out) and writes
+/// the report into `config.out_dir`. Cancelling `shutdown` ends the run early, with a report.
+pub async fn run(
+    trace: &Trace,
+    config: &SoakConfig,
+    shutdown: CancellationToken,
+) -> anyhow::Result<SoakReport> {
+    anyhow::ensure!(config.rate.is_finite() && config.rate > 0.0, "the rate must be positive");
+    anyhow::ensure!(config.replicas > 0 && config.max_in_flight > 0, "need a replica and an in-flight slot");
+    let logs = config.out_dir.join("logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    let client = Client::new(Duration::from_secs(2));
+
+    let mut agents = Vec::with_capacity(config.replicas);
+    for i in 0..config.replicas {
+        let spec = AgentSpec::reserve(format!("agent-{i}"))?;
+        let child = start_agent(config, &spec, &logs, &client).await?;
+        agents.push((spec, child));
+    }
+    let router_port = procs::free_port()?;
+    let router_url = format!("http://127.0.0.1:{router_port}");
+    let mut args = vec![
+        "--listen".to_owned(),
+        format!("127.0.0.1:{router_port}"),
+        "--admin-listen".into(),
+        format!("127.0.0.1:{}", procs::free_port()?),
+        "--model".into(),
+        DEMO_MODEL.into(),
+        "--block-size".into(),
+        config.block_size.to_string(),
+        "--health-interval-ms".into(),
+        "500".into(),
+        "--max-prompt-tokens".into(),
+        MAX_MODEL_LEN.to_string(),
+    ];
+    for (spec, _) in &agents {
+        args.extend(["--replica".into(), spec.replica_flag()]);
+    }
+    let router = procs::start_ready(
+        &config.binaries.router,
+        &args,
+        "router",
+        &logs,
+        &client,
+        &format!("{router_url}/ready"),
+    )
+    .await?;
+    tracing::info!(pid = router.pid(), url = %router_url, "router ready");
+
+    let tally = Tally::default();
+    let stop = shutdown.child_token();
+    let start = Instant::now();
+    let load = tokio::spawn(send_load(
+        trace.clone(),
+        Load {
+            client: client.clone(),
+            target: router_url.clone(),
+            config: config.clone(),
+            tally: tally.clone(),
+        },
+        start,
+        stop.clone(),
+    ));
+    let churn = tokio::spawn(churn(
+        config.clone(),
+        agents,
+        logs.clone(),
+        client.clone(),
+        tally.clone(),
+        stop.clone(),
+    ));
+
+    let mut samples = Vec::new();
+    let mut previous = tally::Totals::default();
+    let mut ticks = tokio::time::interval(config.sample_interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut load = load;
+    let stopped_early = loop {
+        tokio::select! {
+            _ = ticks.tick() => {
+                let s = sample(&client, &router_url, router.pid(), start, &tally, &previous).await;
+                let minute = |s: &Sample| (s.t_s / 60.0) as u64;
+                if config.progress && samples.last().is_some_and(|p| minute(p) < minute(&s)) {
+                    eprintln!("{}", progress_line(&s));
+                }
+                previous = s.totals.clone();
+                samples.push(s);
+            }
+            outcome = &mut load => {
+                break match outcome {
+                    Ok(LoadEnd::Duration) => None,
+                    Ok(LoadEnd::Exhausted) => Some(format!("the workload ran out after {} requests", trace.len())),
+                    Ok(LoadEnd::Cancelled) => Some("interrupted".into()),
+                    Err(e) => Some(format!("the load task failed: {e}")),
+                };
+            }
+        }
+    };
+    stop.cancel();
+    let agents = churn.await.unwrap_or_else(|e| {
+        tracing::error!(error = %e, "the churn task failed");
+        Vec::new()
+    });
+    let last = sample(&client, &router_url, router.pid(), start, &tally, &previous).await;
+    let duration_s = last.t_s;
+    samples.push(last);
+    router.kill();
+    drop(agents);
+
+    let report = SoakReport::new(settings(config, trace), samples, duration_s, stopped_early);
+    report.write(&config.out_dir)?;
+    Ok(report)
+}
+
+/// One line about a sample, for the terminal.
+fn progress_line(s: &Sample) -> String {
+    let mb = |v: Option<u64>| v.map_or("-".into(), |v| format!("{:.1} MB", v as f64 / (1024.0 * 1024.0)));
+    format!(
+        "{:>4.0} s: router RSS {}, index {} ({} entries); {} done, {} lost to churn, {} unexpected errors; {} restarts",
+        s.t_s,
+        mb(s.router_rss),
+        mb(s.index_memory_bytes),
+        s.index_entries.map_or("-".into(), |e| e.to_string()),
+        s.totals.done,
+        s.totals.lost_to_churn,
+        s.totals.unexpected_errors(),
+        s.replica_restarts
+    )
+}
+
+/// The report's record of the settings.
+fn settings(config: &SoakConfig, trace: &Trace) -> BTreeMap<String, String> {
+    let mut s = BTreeMap::new();
+    let mut put = |k: &str, v: String| s.insert(k.to_owned(), v);
+    put("router", config.binaries.router.display().to_string());
+    put("agent", config.binaries.agent.display().to_string());
+    put("replicas", config.replicas.to_string());
+    put("rate_per_s", config.rate.to_string());
+    put("duration_s", config.duration.as_secs_f64().to_string());
+    put("churn_interval_s", config.churn_interval.map_or("none".into(), |d| d.as_secs_f64().to_string()));
+    put("sample_interval_s", config.sample_interval.as_secs_f64().to_string());
+    put("capacity_blocks", config.capacity_blocks.to_string());
+    put("block_size", config.block_size.to_string());
+    put("time_scale", config.time_scale.to_string());
+    put("max_in_flight", config.max_in_flight.to_string());
+    put("seed", config.seed.to_string());
+    put("workload", format!("{} ({} requests available)", config.workload, trace.len()));
+    s
+}
+
+async fn start_agent(
+    config: &SoakConfig,
+    spec: &AgentSpec,
+    logs: &Path,
+    client: &Client,
+) -> Result<Child, procs::ProcessError> {
+    let extra = [
+        "--capacity-blocks".to_owned(),
+        config.capacity_blocks.to_string(),
+        "--block-size".into(),
+        config.block_size.to_string(),
+        "--time-scale".into(),
+        config.time_scale.to_string(),
+        "--max-model-len".into(),
+        MAX_MODEL_LEN.to_string(),
+        "--model".into(),
+        DEMO_MODEL.into(),
+    ];
+    let url = format!("{}/health", spec.http_url());
+    procs::start_ready(&config.binaries.agent, &spec.args(&extra), &spec.name, logs, client, &url).await
+}
+
+/// Every `churn_interval`, kills the next agent and starts it again on its ports. Returns the
+/// agents when `stop` fires, for the caller to stop.
+async fn churn(
+    config: SoakConfig,
+    mut agents: Vec<(AgentSpec, Child)>,
+    logs: PathBuf,
+    client: Client,
+    tally: Tally,
+    stop: CancellationToken,
+) -> Vec<(AgentSpec, Child)> {
+    let Some(every) = config.churn_interval else {
+        stop.cancelled().await;
+        return agents;
+    };
+    let mut next = 0;
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return agents,
+            _ = ticks.tick() => {}
+        }
+        let (spec, child) = agents.remove(next);
+        tally.killing(&spec.name);
+        child.kill();
+        match start_agent(&config, &spec, &logs, &client).await {
+            Ok(child) => {
+                tracing::info!(replica = %spec.name, pid = child.pid(), "replica restarted");
+                agents.insert(next, (spec, child));
+            }
+            Err(e) => {
+                // The fleet is one replica short from here on; the samples show it.
+                tracing::error!(replica = %spec.name, error = %format!("{e:#}"), "restarting a replica failed");
+                if agents.is_empty() {
+                    stop.cancelled().await;
+                    return agents;
+                }
+            }
+        }
+        next = (next + 1) % agents.len().max(1);
+    }
+}
+
+/// What every request task needs.
+#[derive(Clone)]
+struct Load {
+    client: Client,
+    target: String,
+    config: SoakConfig,
+    tally: Tally,
+}
+
+/// Why sending stopped.
+enum LoadEnd {
+    Duration,
+    Exhausted,
+    Cancelled,
+}
+
+/// Sends `trace`'s requests in order at Poisson arrivals until the duration is over, then
+/// waits for the ones in flight.
+async fn send_load(trace: Trace, load: Load, start: Instant, stop: CancellationToken) -> LoadEnd {
+    let mut rng = StdRng::seed_from_u64(load.config.seed);
+    let slots = Arc::new(Semaphore::new(load.config.max_in_flight));
+    let tracker = TaskTracker::new();
+    let deadline = start + load.config.duration;
+    let mut at = start;
+    let mut end = LoadEnd::Exhausted;
+    for request in &trace.requests {
+        let u: f64 = rng.random();
+        at += Duration::try_from_secs_f64(-(1.0 - u).ln() / load.config.rate).unwrap_or(Duration::ZERO);
+        if at >= deadline {
+            end = LoadEnd::Duration;
+            break;
+        }
+        let permit = tokio::select! {
+            () = stop.cancelled() => { end = LoadEnd::Cancelled; break }
+            () = tokio::time::sleep_until(at.into()) => match slots.clone().acquire_owned().await {
+                Ok(permit) => permit,
+                Err(_) => break,
+            },
+        };
+        let body = client::request_body(DEMO_MODEL, request, true);
+        let prompt_tokens = request.input_len as u64;
+        let load = load.clone();
+        let stop = stop.clone();
+        load.tally.sent();
+        tracker.spawn(async move {
+            let sent = Instant::now();
+            let timeout = load.config.request_timeout;
+            let (outcome, replica) = tokio::select! {
+                done = load.client.complete_naming_replica(&load.target, body, true, prompt_tokens, timeout) => done,
+                () = stop.cancelled() => (Err(client::ErrorKind::Cancelled), None),
+            };
+            load.tally.finished(sent, replica.as_deref(), &outcome);
+            drop(permit);
+        });
+    }
+    tracker.close();
+    tracker.wait().await;
+    end
+}
+
+/// One sample: the router's memory and counters, the totals, the window's hit rates.
+async fn sample(
+    client: &Client,
+    router_url: &str,
+    router_pid: u32,
+    start: Instant,
+    tally: &Tally,
+    previous: &tally::Totals,
+) -> Sample {
+    let memory = Memory::of(router_pid);
+    let page = match client.get(&format!("{router_url}/metrics"), Duration::from_secs(5)).await {
+        Ok((status, body)) if status.is_success() => Some(String::from_utf8_lossy(&body).into_owned()),
+        Ok((status, _)) => {
+            tracing::warn!(%status, "router metrics refused");
+            None
+        }
+        Err(kind) => {
+            tracing::warn!(error = kind.label(), "router metrics scrape failed");
+            None
+        }
+    };
+    let metric = |name: &str| page.as_deref().and_then(|p| scrape::sum(p, name)).map(|v| v as u64);
+    let totals = tally.totals();
+    let (window_hit_rate, window_predicted_hit_rate) = report::window_rates(previous, &totals);
+    Sample {
+        t_s: start.elapsed().as_secs_f64(),
+        router_rss: memory.map(|m| m.rss),
+        router_rss_anon: memory.map(|m| m.rss_anon),
+        index_memory_bytes: metric("kvroute_ingest_index_memory_bytes"),
+        index_entries: metric("kvroute_ingest_index_entries"),
+        router_in_flight: metric("kvroute_router_in_flight"),
+        router_seen_restarts: metric("kvroute_ingest_restarts_total"),
+        router_index_clears: metric("kvroute_ingest_clears_total"),
+        replica_restarts: tally.kills() as u64,
+        totals,
+        window_hit_rate,
+        window_predicted_hit_rate,
+    }
+}

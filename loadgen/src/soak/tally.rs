@@ -1,0 +1,167 @@
+//! Running totals of the soak's requests, updated as each one finishes and read at every
+//! sample, and the rule that tells a loss to churn from an unexpected error.
+//!
+//! A failed request is **lost to churn** when a replica was killed while it was in flight
+//! (sent before the kill, failed after it) and the router either named that replica in its
+//! `x-kvroute-replica` header or sent no header at all (it failed before answering). Every
+//! other failure is **unexpected** and counted by kind.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::live::{ErrorKind, Success};
+
+/// A replica kill, as the churn loop recorded it before sending the signal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Kill {
+    pub at: Instant,
+    pub replica: String,
+}
+
+/// Cumulative counts at one instant.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Totals {
+    /// Requests sent.
+    pub sent: u64,
+    /// Requests finished, successfully or not.
+    pub done: u64,
+    pub succeeded: u64,
+    /// Failures attributed to a killed replica.
+    pub lost_to_churn: u64,
+    /// Every other failure, by kind (`http_502`, `stream`, `timeout`, ...).
+    pub unexpected: BTreeMap<String, u64>,
+    /// Prompt tokens of successful requests that reported `cached_tokens`.
+    pub prompt_tokens: u64,
+    /// Their `cached_tokens`.
+    pub cached_tokens: u64,
+    /// Their router-predicted cached tokens (`x-kvroute-predicted-cached-tokens`).
+    pub predicted_tokens: u64,
+}
+
+impl Totals {
+    pub fn unexpected_errors(&self) -> u64 {
+        self.unexpected.values().sum()
+    }
+
+    pub fn in_flight(&self) -> u64 {
+        self.sent.saturating_sub(self.done)
+    }
+}
+
+/// The shared tally: request tasks and the churn loop write, the sampler reads. The lock is
+/// held for a few additions, never across an `.await`.
+#[derive(Clone, Debug, Default)]
+pub struct Tally {
+    inner: Arc<Mutex<State>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    totals: Totals,
+    kills: Vec<Kill>,
+}
+
+impl Tally {
+    fn with<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
+        // Only counters live here; a panicking holder leaves them usable.
+        f(&mut self.inner.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    pub fn sent(&self) {
+        self.with(|s| s.totals.sent += 1);
+    }
+
+    /// Records a kill (call it before killing, so no failure it causes can precede it).
+    pub fn killing(&self, replica: &str) {
+        self.with(|s| s.kills.push(Kill { at: Instant::now(), replica: replica.into() }));
+    }
+
+    /// Records a finished request sent at `sent`; `replica` is the router's header, if any.
+    pub fn finished(&self, sent: Instant, replica: Option<&str>, outcome: &Result<Success, ErrorKind>) {
+        let now = Instant::now();
+        self.with(|s| {
+            let t = &mut s.totals;
+            t.done += 1;
+            match outcome {
+                Ok(ok) => {
+                    t.succeeded += 1;
+                    if let Some(cached) = ok.cached_tokens {
+                        t.prompt_tokens += ok.prompt_tokens;
+                        t.cached_tokens += cached;
+                        t.predicted_tokens += ok.predicted_cached_tokens.unwrap_or(0);
+                    }
+                }
+                Err(kind) if lost_to_churn(&s.kills, sent, now, replica) => {
+                    tracing::debug!(error = kind.label(), ?replica, "request lost to churn");
+                    t.lost_to_churn += 1;
+                }
+                Err(kind) => *t.unexpected.entry(kind.label()).or_insert(0) += 1,
+            }
+        });
+    }
+
+    pub fn totals(&self) -> Totals {
+        self.with(|s| s.totals.clone())
+    }
+
+    pub fn kills(&self) -> usize {
+        self.with(|s| s.kills.len())
+    }
+}
+
+/// Whether a request in flight over `[sent, failed]` on `replica` (as the router named it)
+/// was cut by one of `kills`.
+pub fn lost_to_churn(kills: &[Kill], sent: Instant, failed: Instant, replica: Option<&str>) -> bool {
+    kills
+        .iter()
+        .rev()
+        .take_while(|k| k.at >= sent)
+        .any(|k| k.at <= failed && replica.is_none_or(|r| r == k.replica))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn only_failures_in_flight_on_the_killed_replica_are_churn() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let kills =
+            vec![Kill { at: at(100), replica: "a".into() }, Kill { at: at(200), replica: "b".into() }];
+        // In flight over the kill of `a`, named `a` or unnamed: churn.
+        assert!(lost_to_churn(&kills, at(50), at(150), Some("a")));
+        assert!(lost_to_churn(&kills, at(50), at(150), None));
+        // On another replica, or outside every kill: unexpected.
+        assert!(!lost_to_churn(&kills, at(50), at(150), Some("b")));
+        assert!(!lost_to_churn(&kills, at(120), at(180), Some("a")));
+        assert!(!lost_to_churn(&kills, at(210), at(300), None));
+        // Spanning both kills.
+        assert!(lost_to_churn(&kills, at(50), at(250), Some("b")));
+    }
+
+    #[test]
+    fn the_tally_counts_successes_churn_and_errors() {
+        let tally = Tally::default();
+        let sent = Instant::now();
+        for _ in 0..4 {
+            tally.sent();
+        }
+        let ok = Success { prompt_tokens: 100, cached_tokens: Some(40), ..Success::default() };
+        tally.finished(sent, Some("a"), &Ok(ok));
+        tally.killing("a");
+        tally.finished(sent, Some("a"), &Err(ErrorKind::Stream));
+        tally.finished(sent, Some("b"), &Err(ErrorKind::Stream));
+        let totals = tally.totals();
+        assert_eq!((totals.sent, totals.done, totals.in_flight()), (4, 3, 1));
+        assert_eq!((totals.succeeded, totals.lost_to_churn, totals.unexpected_errors()), (1, 1, 1));
+        assert_eq!(totals.unexpected.get("stream"), Some(&1));
+        assert_eq!((totals.prompt_tokens, totals.cached_tokens), (100, 40));
+        assert_eq!(tally.kills(), 1);
+    }
+}
