@@ -64,69 +64,168 @@ impl Builtin {
 
     /// The id of one piece (rule "A piece's id" in the module docs).
     pub fn piece_id(piece: &str) -> u32 {
-        let span = u64::from(Self::VOCAB_SIZE - Self::RESERVED);
-        // The remainder is below `span`, which fits in u32.
-        Self::RESERVED + (xxh3_64(piece.as_bytes()) % span) as u32
+        piece_id(piece.as_bytes())
     }
 
     /// Splits `text` into pieces and calls `emit` with each piece's id.
+    ///
+    /// Works on bytes: ASCII characters are classified by table, and only non-ASCII ones
+    /// are decoded to `char`. Pieces are hashed in place.
     fn for_each_id(text: &str, mut emit: impl FnMut(u32)) {
+        let bytes = text.as_bytes();
         let mut i = 0;
-        while let Some(c) = text[i..].chars().next() {
-            if let Some((id, len)) = special_at(&text[i..]) {
+        while let Some((class, len)) = class_at(text, i) {
+            if let Some((id, len)) = special_at(&bytes[i..]) {
                 emit(id);
                 i += len;
                 continue;
             }
             let start = i;
-            if c == ' ' && starts_unit(&text[i + 1..]) {
-                i = unit_end(text, i + 1);
-            } else if !c.is_whitespace() {
-                i = unit_end(text, i);
+            if bytes[i] == b' '
+                && let Some((class, len)) = unit_at(text, i + 1)
+            {
+                i = unit_end(text, i + 1, class, len);
+            } else if class != Class::Space {
+                i = unit_end(text, i, class, len);
             } else {
-                i += c.len_utf8();
-                while let Some(d) = text[i..].chars().next() {
-                    if !d.is_whitespace() || (d == ' ' && starts_unit(&text[i + 1..])) {
+                i += len;
+                while let Some((class, len)) = class_at(text, i) {
+                    if class != Class::Space || (bytes[i] == b' ' && unit_at(text, i + 1).is_some()) {
                         break;
                     }
-                    i += d.len_utf8();
+                    i += len;
                 }
             }
-            emit(Self::piece_id(&text[start..i]));
+            emit(piece_id(&bytes[start..i]));
         }
     }
+}
+
+/// `R + xxh3_64(piece) % (V - R)`.
+#[inline]
+fn piece_id(piece: &[u8]) -> u32 {
+    let span = u64::from(Builtin::VOCAB_SIZE - Builtin::RESERVED);
+    // The remainder is below `span`, which fits in u32.
+    Builtin::RESERVED + (xxh3_64(piece) % span) as u32
+}
+
+/// What the algorithm needs to know of a character. `char::is_whitespace` and
+/// `char::is_alphanumeric` never both hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Class {
+    /// `char::is_whitespace`.
+    Space,
+    /// `char::is_alphanumeric`.
+    Alnum,
+    /// Punctuation, symbols, controls: a unit of its own.
+    Other,
+}
+
+impl Class {
+    fn of(c: char) -> Class {
+        if c.is_whitespace() {
+            Class::Space
+        } else if c.is_alphanumeric() {
+            Class::Alnum
+        } else {
+            Class::Other
+        }
+    }
+}
+
+/// [`Class::of`] for every ASCII character.
+const ASCII_CLASS: [Class; 128] = {
+    let mut table = [Class::Other; 128];
+    let mut b = 0;
+    while b < 128 {
+        let c = b as u8 as char;
+        table[b] = if c.is_whitespace() {
+            Class::Space
+        } else if c.is_ascii_alphanumeric() {
+            // `is_alphanumeric` is not const; for ASCII they agree (see the tests).
+            Class::Alnum
+        } else {
+            Class::Other
+        };
+        b += 1;
+    }
+    table
+};
+
+/// The class and UTF-8 length of the character at byte `i` of `text` (a character
+/// boundary), or `None` at the end.
+#[inline(always)]
+fn class_at(text: &str, i: usize) -> Option<(Class, usize)> {
+    let &b = text.as_bytes().get(i)?;
+    if b.is_ascii() {
+        return Some((ASCII_CLASS[usize::from(b)], 1));
+    }
+    non_ascii_class_at(text, i)
+}
+
+/// [`class_at`] for a non-ASCII character: decoded.
+#[inline]
+fn non_ascii_class_at(text: &str, i: usize) -> Option<(Class, usize)> {
+    let c = text[i..].chars().next()?;
+    Some((Class::of(c), c.len_utf8()))
 }
 
 /// The special token that `rest` starts with, as `(id, byte length)`.
-fn special_at(rest: &str) -> Option<(u32, usize)> {
-    if !rest.starts_with("<|") {
+#[inline]
+fn special_at(rest: &[u8]) -> Option<(u32, usize)> {
+    if !rest.starts_with(b"<|") {
         return None;
     }
-    Builtin::SPECIAL_TOKENS.iter().find(|(s, _)| rest.starts_with(s)).map(|&(s, id)| (id, s.len()))
+    Builtin::SPECIAL_TOKENS.iter().find(|(s, _)| rest.starts_with(s.as_bytes())).map(|&(s, id)| (id, s.len()))
 }
 
-/// Whether `rest` starts with a unit (a non-whitespace character that is not a special token).
-fn starts_unit(rest: &str) -> bool {
-    rest.chars().next().is_some_and(|c| !c.is_whitespace()) && special_at(rest).is_none()
+/// The class and length of the character at byte `i` if it starts a unit (it is not
+/// whitespace and does not start a special token).
+#[inline(always)]
+fn unit_at(text: &str, i: usize) -> Option<(Class, usize)> {
+    class_at(text, i)
+        .filter(|&(class, _)| class != Class::Space && special_at(&text.as_bytes()[i..]).is_none())
 }
 
-/// The end of the unit starting at byte `i` (which holds a non-whitespace character).
-fn unit_end(text: &str, i: usize) -> usize {
-    let mut chars = text[i..].char_indices();
-    match chars.next() {
-        Some((_, c)) if c.is_alphanumeric() => {
-            let mut end = i + c.len_utf8();
-            for (off, d) in chars.take(Builtin::MAX_WORD_CHARS - 1) {
-                if !d.is_alphanumeric() {
+/// The end of the unit whose first character, at byte `i`, is of `class` and `len` bytes.
+#[inline(always)]
+fn unit_end(text: &str, i: usize, class: Class, len: usize) -> usize {
+    match class {
+        Class::Alnum => alnum_run_end(text, i + len, Builtin::MAX_WORD_CHARS - 1),
+        _ => i + len,
+    }
+}
+
+/// The end of the run of at most `n` alphanumeric characters starting at byte `i`.
+#[inline(always)]
+fn alnum_run_end(text: &str, mut i: usize, n: usize) -> usize {
+    let bytes = text.as_bytes();
+    for taken in 0..n {
+        match bytes.get(i) {
+            Some(&b) if b.is_ascii() => {
+                if ASCII_CLASS[usize::from(b)] != Class::Alnum {
                     break;
                 }
-                end = i + off + d.len_utf8();
+                i += 1;
             }
-            end
+            Some(_) => return non_ascii_alnum_run_end(text, i, n - taken),
+            None => break,
         }
-        Some((_, c)) => i + c.len_utf8(),
-        None => i,
     }
+    i
+}
+
+/// [`alnum_run_end`] from a non-ASCII character on, decoding characters.
+#[inline(never)]
+fn non_ascii_alnum_run_end(text: &str, i: usize, n: usize) -> usize {
+    let mut end = i;
+    for (off, c) in text[i..].char_indices().take(n) {
+        if !c.is_alphanumeric() {
+            break;
+        }
+        end = i + off + c.len_utf8();
+    }
+    end
 }
 
 impl Tokenizer for Builtin {
@@ -203,7 +302,7 @@ mod tests {
         pieces_
             .iter()
             .map(|p| {
-                special_at(p)
+                special_at(p.as_bytes())
                     .filter(|&(_, len)| len == p.len())
                     .map_or_else(|| Builtin::piece_id(p), |(id, _)| id)
             })
@@ -242,6 +341,86 @@ mod tests {
             pieces("<|im_start|>user\nThe quick brown fox.<|im_end|>"),
             [1, 24338, 24604, 4287, 16769, 12118, 29544, 27875, 2]
         );
+    }
+
+    /// The algorithm as the module docs state it, char by char (the pre-byte-level code):
+    /// the fast scanner must produce exactly its ids.
+    fn reference(text: &str) -> Vec<u32> {
+        let special = |rest: &str| {
+            Builtin::SPECIAL_TOKENS.iter().find(|(s, _)| rest.starts_with(s)).map(|&(s, id)| (id, s.len()))
+        };
+        let starts_unit =
+            |rest: &str| rest.chars().next().is_some_and(|c| !c.is_whitespace()) && special(rest).is_none();
+        let unit_end = |i: usize| {
+            let mut chars = text[i..].char_indices();
+            match chars.next() {
+                Some((_, c)) if c.is_alphanumeric() => {
+                    let mut end = i + c.len_utf8();
+                    for (off, d) in chars.take(Builtin::MAX_WORD_CHARS - 1) {
+                        if !d.is_alphanumeric() {
+                            break;
+                        }
+                        end = i + off + d.len_utf8();
+                    }
+                    end
+                }
+                Some((_, c)) => i + c.len_utf8(),
+                None => i,
+            }
+        };
+        let (mut ids, mut i) = (Vec::new(), 0);
+        while let Some(c) = text[i..].chars().next() {
+            if let Some((id, len)) = special(&text[i..]) {
+                ids.push(id);
+                i += len;
+                continue;
+            }
+            let start = i;
+            if c == ' ' && starts_unit(&text[i + 1..]) {
+                i = unit_end(i + 1);
+            } else if !c.is_whitespace() {
+                i = unit_end(i);
+            } else {
+                i += c.len_utf8();
+                while let Some(d) = text[i..].chars().next() {
+                    if !d.is_whitespace() || (d == ' ' && starts_unit(&text[i + 1..])) {
+                        break;
+                    }
+                    i += d.len_utf8();
+                }
+            }
+            ids.push(Builtin::piece_id(&text[start..i]));
+        }
+        ids
+    }
+
+    #[test]
+    fn ascii_classes_match_char_methods() {
+        for b in 0..128u8 {
+            assert_eq!(ASCII_CLASS[usize::from(b)], Class::of(char::from(b)), "{b:#04x}");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn builtin_matches_the_reference(
+            parts in proptest::collection::vec(
+                proptest::prop_oneof![
+                    proptest::string::string_regex("[a-zA-Z0-9]{1,20}").unwrap(),
+                    proptest::string::string_regex("[ \\t\\n\\r\\x0b\\x0c\\x1c\\x1f]{1,3}").unwrap(),
+                    proptest::string::string_regex("[.,!?<|>_\\-]{1,2}").unwrap(),
+                    proptest::string::string_regex("[\\u{85}\\u{a0}\\u{2003}\\u{3000}éü東京٣ⅫÅ\\u{301}😀]{1,3}").unwrap(),
+                    proptest::sample::select(vec![
+                        "<|endoftext|>".to_string(), "<|im_start|>".into(), "<|im_end|>".into(), "<|im_".into(), "<|".into(),
+                    ]),
+                    proptest::string::string_regex("\\PC{0,8}").unwrap(),
+                ],
+                0..24,
+            )
+        ) {
+            let text = parts.concat();
+            proptest::prop_assert_eq!(pieces(&text), reference(&text), "{:?}", text);
+        }
     }
 
     #[test]

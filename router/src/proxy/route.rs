@@ -7,9 +7,10 @@
 
 use std::time::Instant;
 
+use kvroute_proto::hash::extend_chain;
 use kvroute_proto::openai::{Endpoint, ParsedRequest};
 use kvroute_proto::pb::StreamState as PbState;
-use kvroute_proto::{BlockHash, hit_tokens};
+use kvroute_proto::{BlockHash, chain, hit_tokens};
 
 use super::error::ProxyError;
 use super::prompts::{PromptError, Prompts};
@@ -131,17 +132,18 @@ impl Decider {
     pub async fn explain(&self, endpoint: Endpoint, body: &[u8]) -> Result<Plan, ProxyError> {
         let request = ParsedRequest::parse(endpoint, body)?;
         let members = self.fleet.members();
-        let ask = members.iter().find(|m| m.upstream.is_healthy()).map(|m| m.replica.spec.http_url.clone());
-        let info = self.prompts.tokens(&request, body, ask.as_deref()).await.map_err(|e| match e {
+        let ask = members.iter().find(|m| m.upstream.is_healthy()).map(|m| m.replica.spec.http_url.as_str());
+        let info = self.prompts.tokens(&request, body, ask).await.map_err(|e| match e {
             PromptError::Request(e) => ProxyError::BadRequest(e),
             PromptError::Remote(e) => ProxyError::Unavailable(e),
         })?;
         let first = info.tokens.first().map(Vec::as_slice).unwrap_or_default();
-        let blocks = info.namespace.chain(first, self.block_size);
+        let root = info.namespace.root();
+        let blocks = chain(root, first, self.block_size);
         let prompt_tokens: u64 = info.tokens.iter().map(|t| t.len() as u64).sum();
         let mut all_blocks = blocks.clone();
         for t in info.tokens.iter().skip(1) {
-            all_blocks.extend(info.namespace.chain(t, self.block_size));
+            extend_chain(root, t, self.block_size, &mut all_blocks);
         }
         let mut plan = self.score(members, blocks, all_blocks, prompt_tokens, first.len());
         plan.max_tokens = request.max_tokens();

@@ -39,6 +39,9 @@ fn every_prompt_shape() {
     assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, u32::MAX]));
     assert_eq!(r.prompt.inputs(), vec![PromptInput::Tokens(&[1, 2, u32::MAX])]);
 
+    let r = completion("{\"model\":\"m\",\"prompt\":[ 7 ,\n0,\t 12\r]}").unwrap();
+    assert_eq!(r.prompt, Prompt::Tokens(vec![7, 0, 12]), "whitespace around ids");
+
     let r = completion(r#"{"model":"m","prompt":[[1,2],[3]]}"#).unwrap();
     assert_eq!(r.prompt, Prompt::TokensBatch(vec![vec![1, 2], vec![3]]));
     assert_eq!(r.prompt.inputs(), vec![PromptInput::Tokens(&[1, 2]), PromptInput::Tokens(&[3])]);
