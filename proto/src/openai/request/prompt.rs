@@ -371,6 +371,8 @@ mod tests {
     fn element() -> impl Strategy<Value = Value> {
         let leaf = prop_oneof![
             4 => (0u32..40_000).prop_map(Value::from),
+            2 => any::<u32>().prop_map(Value::from),
+            1 => (0u64..100_000_000_000).prop_map(Value::from),
             1 => Just(Value::from(u32::MAX)),
             1 => Just(Value::from(u64::from(u32::MAX) + 1)),
             1 => Just(Value::from(-1)),
@@ -384,6 +386,22 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn plain_id_lists_round_trip(
+            ids in prop::collection::vec(prop_oneof![0u32..100, 0u32..100_000, any::<u32>()], 1..64),
+            big in prop::option::of((u64::from(u32::MAX) + 1..u64::MAX, any::<prop::sample::Index>())),
+        ) {
+            let json = serde_json::to_string(&ids).unwrap();
+            prop_assert_eq!(super::plain_token_ids(json.as_bytes()), Some(ids.clone()));
+            let spaced = serde_json::to_string_pretty(&ids).unwrap();
+            prop_assert_eq!(super::plain_token_ids(spaced.as_bytes()), Some(ids.clone()));
+            if let Some((big, at)) = big {
+                let mut wide: Vec<u64> = ids.iter().map(|&id| u64::from(id)).collect();
+                wide.insert(at.index(wide.len() + 1), big);
+                prop_assert_eq!(super::plain_token_ids(serde_json::to_string(&wide).unwrap().as_bytes()), None);
+            }
+        }
+
         #[test]
         fn prompt_arrays_parse_as_the_model_says(prompt in element()) {
             let raw = serde_json::value::to_raw_value(&prompt).unwrap();
