@@ -118,7 +118,10 @@ impl SimulateArgs {
             eviction: self.policy,
             s3fifo: S3FifoParams { small_ratio: self.s3fifo_small_ratio, max_freq: self.s3fifo_max_freq },
             routing: self.routing,
-            cache_aware: CacheAwareParams { in_flight_tokens: self.in_flight_tokens, ..CacheAwareParams::default() },
+            cache_aware: CacheAwareParams {
+                in_flight_tokens: self.in_flight_tokens,
+                ..CacheAwareParams::default()
+            },
             seed: self.seed,
             blocks: self.blocks,
             speedup: self.speedup,
