@@ -17,6 +17,7 @@
 //!   sampling the router's memory, errors and hit rate.
 //! - [`cli`], [`commands`]: the `kvroute-loadgen` command line (`simulate`, `generate`;
 //!   `live`, `compare`, `demo`; `soak`).
+//! - [`plot`]: the SVG chart frame, palette and legend both reports' plots share.
 //! - [`units`]: parsing durations on the command line.
 #![forbid(unsafe_code)]
 
@@ -25,6 +26,7 @@ pub mod commands;
 pub mod compare;
 pub mod demo;
 pub mod live;
+pub mod plot;
 pub mod sim;
 pub mod soak;
 pub mod units;

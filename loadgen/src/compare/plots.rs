@@ -9,8 +9,7 @@ use anyhow::Context;
 use plotters::prelude::*;
 
 use super::CompareReport;
-
-const SIZE: (u32, u32) = (900, 540);
+use crate::plot::{self, color, err, finish, frame, line};
 
 /// Writes every plot into `dir`.
 pub fn write_all(report: &CompareReport, dir: &Path) -> anyhow::Result<()> {
@@ -20,36 +19,14 @@ pub fn write_all(report: &CompareReport, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn err(e: impl std::fmt::Display) -> anyhow::Error {
-    anyhow::anyhow!("{e}")
-}
-
-fn color(i: usize) -> RGBColor {
-    const COLORS: [RGBColor; 5] = [
-        RGBColor(31, 119, 180),
-        RGBColor(255, 127, 14),
-        RGBColor(44, 160, 44),
-        RGBColor(214, 39, 40),
-        RGBColor(148, 103, 189),
-    ];
-    COLORS[i % COLORS.len()]
-}
-
 fn hit_rate_over_time(report: &CompareReport, path: &Path) -> anyhow::Result<()> {
-    let root = SVGBackend::new(path, SIZE).into_drawing_area();
-    root.fill(&WHITE).map_err(err)?;
+    let root = plot::canvas(path)?;
     let x_max = report
         .runs
         .iter()
         .flat_map(|r| r.live.hit_rate_over_time.iter().map(|p| p.0))
         .fold(1.0_f64, f64::max);
-    let mut chart = ChartBuilder::on(&root)
-        .caption("Realized prefix-cache hit rate (cumulative)", ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(45)
-        .y_label_area_size(55)
-        .build_cartesian_2d(0.0..x_max, 0.0..100.0)
-        .map_err(err)?;
+    let mut chart = frame(&root, "Realized prefix-cache hit rate (cumulative)", 0.0..x_max, 0.0..100.0, 55)?;
     chart
         .configure_mesh()
         .x_desc("time since start (s)")
@@ -66,20 +43,9 @@ fn hit_rate_over_time(report: &CompareReport, path: &Path) -> anyhow::Result<()>
     for (i, run) in report.runs.iter().enumerate() {
         let c = color(i);
         let points = run.live.hit_rate_over_time.iter().map(|&(t, r)| (t, 100.0 * r));
-        chart
-            .draw_series(LineSeries::new(points, c.stroke_width(2)))
-            .map_err(err)?
-            .label(run.policy.as_str())
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], c.stroke_width(2)));
+        line(&mut chart, points, c, run.policy.as_str())?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)
+    finish(chart, &root, SeriesLabelPosition::LowerRight)
 }
 
 fn ttft_cdf(report: &CompareReport, path: &Path) -> anyhow::Result<()> {
@@ -98,34 +64,16 @@ fn ttft_cdf(report: &CompareReport, path: &Path) -> anyhow::Result<()> {
         })
         .collect();
     let x_max = curves.iter().filter_map(|c| c.last().copied()).fold(1.0_f64, f64::max);
-    let root = SVGBackend::new(path, SIZE).into_drawing_area();
-    root.fill(&WHITE).map_err(err)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("Time to first token (CDF)", ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(45)
-        .y_label_area_size(55)
-        .build_cartesian_2d(0.0..x_max * 1.02, 0.0..1.0)
-        .map_err(err)?;
+    let root = plot::canvas(path)?;
+    let mut chart = frame(&root, "Time to first token (CDF)", 0.0..x_max * 1.02, 0.0..1.0, 55)?;
     chart.configure_mesh().x_desc("TTFT (ms)").y_desc("fraction of requests").draw().map_err(err)?;
     for (i, (run, ms)) in report.runs.iter().zip(&curves).enumerate() {
         let c = color(i);
         let n = ms.len() as f64;
         let points = ms.iter().enumerate().map(|(k, &v)| (v, (k + 1) as f64 / n));
-        chart
-            .draw_series(LineSeries::new(points, c.stroke_width(2)))
-            .map_err(err)?
-            .label(run.policy.as_str())
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], c.stroke_width(2)));
+        line(&mut chart, points, c, run.policy.as_str())?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)
+    finish(chart, &root, SeriesLabelPosition::LowerRight)
 }
 
 fn tokens_per_replica(report: &CompareReport, path: &Path) -> anyhow::Result<()> {
@@ -135,15 +83,9 @@ fn tokens_per_replica(report: &CompareReport, path: &Path) -> anyhow::Result<()>
         .iter()
         .flat_map(|r| r.live.per_replica.iter().map(|s| s.prompt_tokens as f64))
         .fold(1.0_f64, f64::max);
-    let root = SVGBackend::new(path, SIZE).into_drawing_area();
-    root.fill(&WHITE).map_err(err)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("Prompt tokens per replica", ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(45)
-        .y_label_area_size(80)
-        .build_cartesian_2d(-0.5..replicas as f64 - 0.5, 0.0..y_max * 1.1)
-        .map_err(err)?;
+    let root = plot::canvas(path)?;
+    let mut chart =
+        frame(&root, "Prompt tokens per replica", -0.5..replicas as f64 - 0.5, 0.0..y_max * 1.1, 80)?;
     chart
         .configure_mesh()
         .x_desc("replica")
@@ -167,12 +109,5 @@ fn tokens_per_replica(report: &CompareReport, path: &Path) -> anyhow::Result<()>
             .label(run.policy.as_str())
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], c.filled()));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)
+    finish(chart, &root, SeriesLabelPosition::UpperRight)
 }

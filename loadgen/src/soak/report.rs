@@ -18,6 +18,7 @@ use plotters::prelude::*;
 use serde::Serialize;
 
 use super::tally::Totals;
+use crate::plot::{self, err};
 
 /// Growth of the last third's mean RSS over the middle third's, in percent, below which the
 /// memory counts as flat.
@@ -326,12 +327,8 @@ fn minutes(samples: &[Sample]) -> Vec<MinuteRow> {
     rows
 }
 
-fn err(e: impl std::fmt::Display) -> anyhow::Error {
-    anyhow::anyhow!("{e}")
-}
-
-/// Router RSS, anonymous RSS and the index estimate (MB) against time, with a tick at every
-/// replica restart.
+/// Router RSS, anonymous RSS and the index estimate (MB) against time, with a tick along the
+/// top at every replica restart.
 fn plot_memory(report: &SoakReport, path: &Path) -> anyhow::Result<()> {
     let series = |f: fn(&Sample) -> Option<u64>| -> Vec<(f64, f64)> {
         report.samples.iter().filter_map(|s| Some((s.t_s / 60.0, f(s)? as f64 / MB))).collect()
@@ -342,15 +339,8 @@ fn plot_memory(report: &SoakReport, path: &Path) -> anyhow::Result<()> {
     let x_max = report.samples.last().map_or(1.0, |s| s.t_s / 60.0).max(0.1);
     let y_max = rss.iter().chain(&anon).chain(&index).map(|p| p.1).fold(1.0_f64, f64::max) * 1.15;
 
-    let root = SVGBackend::new(path, (900, 540)).into_drawing_area();
-    root.fill(&WHITE).map_err(err)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("Router memory during the soak", ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(45)
-        .y_label_area_size(55)
-        .build_cartesian_2d(0.0..x_max, 0.0..y_max)
-        .map_err(err)?;
+    let root = plot::canvas(path)?;
+    let mut chart = plot::frame(&root, "Router memory during the soak", 0.0..x_max, 0.0..y_max, 55)?;
     chart
         .configure_mesh()
         .x_desc("minutes since start")
@@ -364,31 +354,18 @@ fn plot_memory(report: &SoakReport, path: &Path) -> anyhow::Result<()> {
         .filter(|w| w[1].replica_restarts > w[0].replica_restarts)
         .map(|w| w[1].t_s / 60.0)
         .collect();
-    let grey = RGBColor(170, 170, 170);
+    let grey = RGBColor(120, 120, 120);
     chart
-        .draw_series(restarts.iter().map(|&x| PathElement::new([(x, 0.0), (x, y_max * 0.04)], grey)))
+        .draw_series(restarts.iter().map(|&x| PathElement::new([(x, y_max * 0.93), (x, y_max)], grey)))
         .map_err(err)?
         .label("replica restart")
         .legend(move |(x, y)| PathElement::new([(x + 10, y - 5), (x + 10, y + 5)], grey));
-    for (name, points, color) in [
-        ("router VmRSS", rss, RGBColor(31, 119, 180)),
-        ("router RssAnon", anon, RGBColor(255, 127, 14)),
-        ("index estimate", index, RGBColor(44, 160, 44)),
-    ] {
-        chart
-            .draw_series(LineSeries::new(points, color.stroke_width(2)))
-            .map_err(err)?
-            .label(name)
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
+    for (i, (name, points)) in
+        [("router VmRSS", rss), ("router RssAnon", anon), ("index estimate", index)].into_iter().enumerate()
+    {
+        plot::line(&mut chart, points, plot::color(i), name)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)
+    plot::finish(chart, &root, SeriesLabelPosition::LowerRight)
 }
 
 #[cfg(test)]
