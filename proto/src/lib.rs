@@ -6,6 +6,7 @@
 //!   replica agent's gRPC service, the router's admin service).
 //! - [`framing`]: ZeroMQ message layouts: live `[topic, seq, payload]` frames and the
 //!   replay request/reply protocol, with typed errors for every malformed case.
+//! - [`mix`]: SplitMix64, the deterministic generator and mixer every seeded part shares.
 //! - [`native`]: encode/decode kvroute's protobuf `EventBatch` on top of the framing.
 //! - [`vllm`]: vLLM / SGLang msgpack KV-event batches (every shape vLLM 0.9-0.33 and SGLang
 //!   send), decoded leniently; encoded as vLLM 0.33 does, for simulated replicas.
@@ -26,6 +27,7 @@ pub mod serve;
 pub mod framing;
 pub mod hash;
 pub mod ids;
+pub mod mix;
 pub mod native;
 #[cfg(feature = "openai")]
 pub mod openai;

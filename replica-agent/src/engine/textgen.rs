@@ -4,6 +4,7 @@
 //! Each generated token is one word (with a leading space) drawn from a fixed list by a
 //! SplitMix64 stream seeded with `xxh3(prompt token ids) ^ seed`.
 
+use kvroute_proto::mix::SplitMix64;
 use xxhash_rust::xxh3::xxh3_64;
 
 const WORDS: &[&str] = &[
@@ -15,24 +16,18 @@ const WORDS: &[&str] = &[
 
 /// An endless, deterministic word stream for one request.
 pub struct TextGen {
-    state: u64,
+    rng: SplitMix64,
 }
 
 impl TextGen {
     pub fn new(prompt: &[u32], seed: u64) -> Self {
         let bytes: Vec<u8> = prompt.iter().flat_map(|t| t.to_le_bytes()).collect();
-        Self { state: xxh3_64(&bytes) ^ seed }
+        Self { rng: SplitMix64(xxh3_64(&bytes) ^ seed) }
     }
 
     /// The next token's text: one word with a leading space.
     pub fn next_token(&mut self) -> &'static str {
-        // SplitMix64.
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        WORDS[(z % WORDS.len() as u64) as usize]
+        WORDS[self.rng.below(WORDS.len() as u64) as usize]
     }
 }
 

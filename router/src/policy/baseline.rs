@@ -6,6 +6,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use kvroute_proto::mix::{GOLDEN, mix64};
+
 use super::{Decision, Policy, PolicyKind, ReplicaView, RequestView, argmin, load_cost};
 
 #[derive(Debug, Default)]
@@ -38,11 +40,7 @@ struct Rng(AtomicU64);
 
 impl Rng {
     fn next(&self) -> u64 {
-        let mut z =
-            self.0.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed).wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        mix64(self.0.fetch_add(GOLDEN, Ordering::Relaxed).wrapping_add(GOLDEN))
     }
 
     fn below(&self, n: usize) -> usize {

@@ -133,10 +133,7 @@ fn argmin(replicas: &[ReplicaView], key: Option<u64>, cost: impl Fn(&ReplicaView
 
 /// Highest-random-weight score of `replica` for `key` (SplitMix64 finaliser of both).
 pub fn rendezvous(key: u64, replica: ReplicaId) -> u64 {
-    let mut z = key ^ u64::from(replica.0).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    kvroute_proto::mix::mix64(key ^ u64::from(replica.0).wrapping_mul(kvroute_proto::mix::GOLDEN))
 }
 
 /// A replica's load as one number: in-flight requests first, pending prefill as tie-break.
