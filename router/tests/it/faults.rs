@@ -106,12 +106,12 @@ async fn killed_replica_loses_no_request_and_leaves_the_index() {
     assert!(fleet.router.state.decider.index.blocks(id) > 0, "the victim had cached blocks");
 
     fleet.kill(victim).await;
+    // The entries go when the replica's event connection closes, not on a timer: wait for
+    // that event (bounded), and report how long it took rather than asserting a time.
     let killed = Instant::now();
     let index = fleet.router.state.decider.index.clone();
-    while index.blocks(id) > 0 {
-        assert!(killed.elapsed() < Duration::from_secs(1), "the dead replica's blocks are still indexed");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_until("the dead replica's blocks leave the index", || index.blocks(id) == 0).await;
+    eprintln!("dead replica's index entries freed {:?} after the kill", killed.elapsed());
 
     for (replica, response) in streams {
         let text = drain(response).await;
