@@ -27,7 +27,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::fleet::{Fleet, Reply, agent_config, replica_config, router_config};
-use crate::support::wait_until;
+use crate::support::{wait_until, wait_until_async};
 use load::{Load, LoadSpec, Outcome, completion, words};
 use net::{Relay, Switch};
 
@@ -59,15 +59,8 @@ async fn prediction_for(fleet: &Fleet, prompt: &str, name: &str) -> u64 {
 
 /// Waits (bounded) until the prediction for `prompt` on `name` satisfies `ok`.
 async fn wait_prediction(fleet: &Fleet, prompt: &str, name: &str, ok: impl Fn(u64) -> bool) {
-    let deadline = Instant::now() + crate::support::WAIT;
-    loop {
-        let p = prediction_for(fleet, prompt, name).await;
-        if ok(p) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "prediction on {name} stuck at {p}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let what = format!("the prediction on {name} to change");
+    wait_until_async(&what, async || ok(prediction_for(fleet, prompt, name).await)).await;
 }
 
 /// Reads a streamed response to its end; returns the text and whether it ended cleanly.

@@ -31,8 +31,14 @@ pub const WAIT: Duration = Duration::from_secs(30);
 
 /// Polls `cond` until it holds; panics with `what` after [`WAIT`].
 pub async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    wait_until_async(what, async || cond()).await;
+}
+
+/// [`wait_until`] for a condition that must await (an HTTP call, a routing decision): the one
+/// bounded polling loop of the tests, for states no event announces.
+pub async fn wait_until_async(what: &str, mut cond: impl AsyncFnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + WAIT;
-    while !cond() {
+    while !cond().await {
         assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
