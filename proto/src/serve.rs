@@ -62,7 +62,7 @@ where
     serve_with(listener, handler, Limits::default(), shutdown).await;
 }
 
-/// [`serve`] with explicit limits.
+/// [`serve`] with explicit limits, on the current runtime.
 pub async fn serve_with<H, F, B>(
     listener: TcpListener,
     handler: H,
@@ -76,6 +76,86 @@ pub async fn serve_with<H, F, B>(
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let connections = TaskTracker::new();
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    accept_loop(listener, handler, &limits, &slots, &connections, &shutdown).await;
+    connections.close();
+    connections.wait().await;
+}
+
+/// [`serve_with`] on `threads` threads of their own, each a single-threaded runtime with its
+/// own accept loop on a clone of `listener` and its own handler from `make_handler` (so
+/// per-thread state, an upstream connection pool say, stays on its thread).
+///
+/// A connection lives on the thread that accepted it, from its first byte to its last:
+/// nothing it does wakes another thread, which is what a reverse proxy's small requests
+/// spend most of their time on otherwise (the nginx worker model). The price: a request that
+/// computes for long (a large prompt through a slow tokenizer) delays the other connections
+/// of its thread, where a work-stealing runtime would move them. The connection limit is
+/// shared by all threads. Returns once every thread has drained.
+pub async fn serve_on_threads<M, H, F, B>(
+    listener: TcpListener,
+    threads: usize,
+    make_handler: M,
+    limits: Limits,
+    shutdown: CancellationToken,
+) -> std::io::Result<()>
+where
+    M: Fn() -> H,
+    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<B>> + Send + 'static,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let listener = listener.into_std()?;
+    let connections = TaskTracker::new();
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let mut done = Vec::new();
+    for i in 0..threads.max(1) {
+        let listener = listener.try_clone()?;
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let (handler, connections, slots, shutdown) =
+            (make_handler(), connections.clone(), slots.clone(), shutdown.clone());
+        let (finished, on_finish) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new().name(format!("http-{i}")).spawn(move || {
+            runtime.block_on(async move {
+                match TcpListener::from_std(listener) {
+                    Ok(listener) => {
+                        accept_loop(listener, handler, &limits, &slots, &connections, &shutdown).await
+                    }
+                    Err(e) => tracing::error!(error = %e, "cannot register the listener"),
+                }
+                // Connections accepted here run on this runtime: keep it until they end.
+                connections.close();
+                connections.wait().await;
+            });
+            let _ = finished.send(());
+        })?;
+        done.push(on_finish);
+    }
+    drop(listener);
+    for d in done {
+        let _ = d.await;
+    }
+    Ok(())
+}
+
+/// Accepts connections until `shutdown` fires, serving each on a task of the current runtime
+/// (tracked by `connections`, holding one of `slots`), then drops the listener.
+async fn accept_loop<H, F, B>(
+    listener: TcpListener,
+    handler: H,
+    limits: &Limits,
+    slots: &Arc<Semaphore>,
+    connections: &TaskTracker,
+    shutdown: &CancellationToken,
+) where
+    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<B>> + Send + 'static,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -84,7 +164,6 @@ pub async fn serve_with<H, F, B>(
         .max_buf_size(limits.max_header_bytes.max(MIN_HEADER_BYTES))
         .max_headers(limits.max_headers);
     builder.http2().max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
-    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     loop {
         // At the connection limit, stop accepting until a connection closes.
         let slot = tokio::select! {
@@ -130,6 +209,71 @@ pub async fn serve_with<H, F, B>(
         });
     }
     drop(listener);
-    connections.close();
-    connections.wait().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use http_body_util::Full;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Sends one HTTP/1.1 request and reads the response until the connection closes.
+    async fn get(addr: std::net::SocketAddr) -> String {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        response
+    }
+
+    #[tokio::test]
+    async fn threads_serve_their_own_connections_and_drain_on_shutdown() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let (entered, release) = (Arc::new(tokio::sync::Notify::new()), Arc::new(tokio::sync::Notify::new()));
+        let made = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let make_handler = {
+            let (entered, release, made) = (entered.clone(), release.clone(), made.clone());
+            move || {
+                made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let (entered, release) = (entered.clone(), release.clone());
+                move |req: Request<Incoming>| {
+                    let (entered, release) = (entered.clone(), release.clone());
+                    async move {
+                        if req.uri().path() == "/slow" {
+                            entered.notify_one();
+                            release.notified().await;
+                        }
+                        let name = std::thread::current().name().unwrap_or("?").to_owned();
+                        Response::new(Full::new(Bytes::from(name)))
+                    }
+                }
+            }
+        };
+        let server =
+            tokio::spawn(serve_on_threads(listener, 2, make_handler, Limits::default(), shutdown.clone()));
+        let mut gets = tokio::task::JoinSet::new();
+        for _ in 0..16 {
+            gets.spawn(get(addr));
+        }
+        for a in gets.join_all().await {
+            assert!(a.starts_with("HTTP/1.1 200"), "{a}");
+            assert!(a.ends_with("http-0") || a.ends_with("http-1"), "served off the HTTP threads: {a}");
+        }
+        assert_eq!(made.load(std::sync::atomic::Ordering::Relaxed), 2, "one handler per thread");
+
+        // A request in flight when shutdown fires still gets its answer; then serve returns.
+        let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+        slow.write_all(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        entered.notified().await;
+        shutdown.cancel();
+        release.notify_one();
+        let mut response = String::new();
+        slow.read_to_string(&mut response).await.unwrap();
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        server.await.unwrap().unwrap();
+        assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "the listener is closed");
+    }
 }

@@ -110,6 +110,10 @@ pub struct Config {
     /// Requests in flight through the router before new ones get 503.
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT", default_value_t = 4_096)]
     pub max_in_flight: usize,
+    /// Threads serving the proxy's HTTP connections, each with its own accept loop and
+    /// upstream connection pool; 0 means one per CPU core.
+    #[arg(long, env = "KVROUTE_HTTP_THREADS", default_value_t = 0)]
+    pub http_threads: usize,
     /// Client connections open at once; more wait in the listen backlog.
     #[arg(long, env = "KVROUTE_MAX_CONNECTIONS", default_value_t = Limits::default().max_connections)]
     pub max_connections: usize,
@@ -241,6 +245,14 @@ impl Config {
     }
     pub fn credit_ttl(&self) -> Duration {
         Duration::from_millis(self.credit_ttl_ms)
+    }
+
+    /// Threads serving proxy connections ([`Config::http_threads`], 0 resolved).
+    pub fn http_threads(&self) -> usize {
+        match self.http_threads {
+            0 => std::thread::available_parallelism().map_or(1, usize::from),
+            n => n,
+        }
     }
 
     /// Limits of the proxy's HTTP server.

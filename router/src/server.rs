@@ -142,7 +142,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     models.extend(config.lora_adapters.iter().cloned());
     let state = Arc::new(ProxyState {
         decider,
-        client: client.clone(),
+        new_client: {
+            let timeout = config.connect_timeout();
+            Box::new(move || self::client(timeout))
+        },
         forward: ForwardConfig {
             first_byte_timeout: config.first_byte_timeout(),
             idle_timeout: config.idle_timeout(),
@@ -165,7 +168,13 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let addr = listener.local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
 
-    tracker.spawn(proxy::serve(listener, state.clone(), config.serve_limits(), shutdown.clone()));
+    tracker.spawn(proxy::serve(
+        listener,
+        config.http_threads(),
+        state.clone(),
+        config.serve_limits(),
+        shutdown.clone(),
+    ));
     tracker.spawn(proxy::health::run(
         fleet.clone(),
         client,

@@ -46,7 +46,8 @@ use route::{Decider, RequestLimits};
 /// Everything the request path shares.
 pub struct ProxyState {
     pub decider: Decider,
-    pub client: Client,
+    /// Makes an upstream client (a connection pool): one per HTTP thread.
+    pub new_client: Box<dyn Fn() -> Client + Send + Sync>,
     pub forward: ForwardConfig,
     pub registry: Arc<Registry>,
     pub max_body_bytes: usize,
@@ -72,21 +73,30 @@ impl ProxyState {
     }
 }
 
-/// Serves the proxy on `listener` within `limits` until `shutdown` fires, then drains open
-/// requests.
+/// Serves the proxy on `listener` with `threads` threads within `limits` until `shutdown`
+/// fires, then drains open requests. Each thread forwards through an upstream connection
+/// pool of its own ([`kvroute_proto::serve::serve_on_threads`]).
 pub async fn serve(
     listener: TcpListener,
+    threads: usize,
     state: Arc<ProxyState>,
     limits: Limits,
     shutdown: CancellationToken,
 ) {
-    let handler = move |req| handle(state.clone(), req);
-    kvroute_proto::serve::serve_with(listener, handler, limits, shutdown).await;
+    let make_handler = || {
+        let state = state.clone();
+        let client = (state.new_client)();
+        move |req| handle(state.clone(), client.clone(), req)
+    };
+    let served = kvroute_proto::serve::serve_on_threads(listener, threads, make_handler, limits, shutdown);
+    if let Err(e) = served.await {
+        tracing::error!(error = %e, "cannot start the proxy's HTTP threads");
+    }
 }
 
-async fn handle(state: Arc<ProxyState>, req: Request<Incoming>) -> Response<ProxyBody> {
+async fn handle(state: Arc<ProxyState>, client: Client, req: Request<Incoming>) -> Response<ProxyBody> {
     let request_id = request_id(&req);
-    let response = match dispatch(&state, req, &request_id).await {
+    let response = match dispatch(&state, &client, req, &request_id).await {
         Ok(response) => response,
         Err(e) => {
             state.decider.metrics.errors.get_or_create(&ErrorLabel { kind: e.label() }).inc();
@@ -102,15 +112,18 @@ async fn handle(state: Arc<ProxyState>, req: Request<Incoming>) -> Response<Prox
 
 async fn dispatch(
     state: &Arc<ProxyState>,
+    client: &Client,
     req: Request<Incoming>,
     request_id: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let path = req.uri().path().to_owned();
     let method = req.method().clone();
     match (method, path.as_str()) {
-        (Method::POST, "/v1/completions") => routed(state, req, Endpoint::Completions, request_id).await,
+        (Method::POST, "/v1/completions") => {
+            routed(state, client, req, Endpoint::Completions, request_id).await
+        }
         (Method::POST, "/v1/chat/completions") => {
-            routed(state, req, Endpoint::ChatCompletions, request_id).await
+            routed(state, client, req, Endpoint::ChatCompletions, request_id).await
         }
         (Method::GET, "/v1/models") => Ok(json(StatusCode::OK, models(state))),
         (Method::GET, "/health") => Ok(Response::new(full(Bytes::new()))),
@@ -127,7 +140,7 @@ async fn dispatch(
             _,
             "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health" | "/ready" | "/metrics",
         ) => Err(ProxyError::MethodNotAllowed(req.method().to_string())),
-        (_, p) if p.starts_with("/v1/") => passthrough(state, req, request_id).await,
+        (_, p) if p.starts_with("/v1/") => passthrough(state, client, req, request_id).await,
         _ => Err(ProxyError::NotFound(path)),
     }
 }
@@ -135,6 +148,7 @@ async fn dispatch(
 /// A completion or chat request: read, decide, forward.
 async fn routed(
     state: &Arc<ProxyState>,
+    client: &Client,
     req: Request<Incoming>,
     endpoint: Endpoint,
     request_id: &str,
@@ -148,16 +162,9 @@ async fn routed(
     let body = read_body(&parts, body, state.max_body_bytes).await?;
     let plan = state.decider.decide_within(endpoint, &body, &state.limits).await?;
     state.decider.metrics.in_flight.inc();
-    let result = forward::routed(
-        &state.client,
-        &state.forward,
-        &state.decider.metrics,
-        &plan,
-        &parts,
-        body,
-        request_id,
-    )
-    .await;
+    let result =
+        forward::routed(client, &state.forward, &state.decider.metrics, &plan, &parts, body, request_id)
+            .await;
     state.decider.metrics.in_flight.dec();
     result
 }
@@ -165,6 +172,7 @@ async fn routed(
 /// Any other `/v1/*` request: streamed to the least-loaded eligible replica.
 async fn passthrough(
     state: &Arc<ProxyState>,
+    client: &Client,
     req: Request<Incoming>,
     request_id: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
@@ -181,16 +189,7 @@ async fn passthrough(
         return Err(ProxyError::BodyTooLarge { limit: state.max_body_bytes });
     }
     let body = Limited::new(body, state.max_body_bytes).map_err(BoxError::from).boxed_unsync();
-    forward::streamed(
-        &state.client,
-        &state.forward,
-        &state.decider.metrics,
-        &member,
-        &parts,
-        body,
-        request_id,
-    )
-    .await
+    forward::streamed(client, &state.forward, &state.decider.metrics, &member, &parts, body, request_id).await
 }
 
 fn content_length(parts: &http::request::Parts) -> Option<usize> {
