@@ -21,8 +21,10 @@
 //! `add_special_tokens` defaults to true for completions and false for chat (the template
 //! writes the special tokens itself).
 
+mod ids;
 mod messages;
 mod prompt;
+mod scan;
 
 use std::borrow::Cow;
 
@@ -32,6 +34,7 @@ use serde_json::value::RawValue;
 
 use self::messages::parse_messages;
 use self::prompt::parse_prompt;
+use self::scan::Field;
 use super::error::RequestError;
 
 /// The two OpenAI endpoints whose prompts kvroute understands.
@@ -247,26 +250,94 @@ struct RawChat<'a> {
 }
 
 impl<'a> CompletionRequest<'a> {
+    /// The fields read, in the order [`scan::fields`] returns them.
+    const FIELDS: [&'static str; 6] =
+        ["model", "prompt", "stream", "max_tokens", "cache_salt", "add_special_tokens"];
+
     /// Parses and validates a `/v1/completions` body.
     pub fn parse(body: &'a [u8]) -> Result<Self, RequestError> {
-        let raw: RawCompletion<'a> = parse_object(body)?;
-        let prompt = raw.prompt.ok_or(RequestError::MissingField { param: "prompt" })?;
+        Self::parse_with(body, true)
+    }
+
+    /// [`CompletionRequest::parse`], with or without the [`scan`] fast path.
+    fn parse_with(body: &'a [u8], fast: bool) -> Result<Self, RequestError> {
+        let fields = match fast.then(|| scan::fields(body, &Self::FIELDS, Some(1))).flatten() {
+            Some(fields) => fields,
+            None => {
+                let raw: RawCompletion<'a> = parse_object(body)?;
+                [raw.model, raw.prompt, raw.stream, raw.max_tokens, raw.cache_salt, raw.add_special_tokens]
+                    .map(|f| f.map(Field::Raw))
+            }
+        };
+        let [model_, prompt, stream, max_tokens, salt, add_special_tokens] = fields;
+        let prompt = match prompt.ok_or(RequestError::MissingField { param: "prompt" })? {
+            Field::Ids(ids) => Prompt::Tokens(ids),
+            Field::Text(text) => Prompt::Text(text),
+            Field::Raw(raw) => parse_prompt(raw)?,
+        };
         Ok(CompletionRequest {
-            model: model(raw.model)?,
-            prompt: parse_prompt(prompt)?,
-            stream: field(raw.stream, "stream", "a boolean")?.unwrap_or(false),
-            max_tokens: field(raw.max_tokens, "max_tokens", NON_NEGATIVE)?,
-            cache_salt: cache_salt(raw.cache_salt)?,
-            add_special_tokens: field(raw.add_special_tokens, "add_special_tokens", "a boolean")?
+            model: model(Field::raw(model_))?,
+            prompt,
+            stream: field(Field::raw(stream), "stream", "a boolean")?.unwrap_or(false),
+            max_tokens: field(Field::raw(max_tokens), "max_tokens", NON_NEGATIVE)?,
+            cache_salt: cache_salt(Field::raw(salt))?,
+            add_special_tokens: field(Field::raw(add_special_tokens), "add_special_tokens", "a boolean")?
                 .unwrap_or(true),
         })
     }
 }
 
 impl<'a> ChatRequest<'a> {
+    /// The fields read, in the order [`scan::fields`] returns them.
+    const FIELDS: [&'static str; 10] = [
+        "model",
+        "messages",
+        "stream",
+        "max_tokens",
+        "max_completion_tokens",
+        "cache_salt",
+        "add_generation_prompt",
+        "add_special_tokens",
+        "chat_template_kwargs",
+        "tools",
+    ];
+
     /// Parses and validates a `/v1/chat/completions` body.
     pub fn parse(body: &'a [u8]) -> Result<Self, RequestError> {
-        let raw: RawChat<'a> = parse_object(body)?;
+        Self::parse_with(body, true)
+    }
+
+    /// [`ChatRequest::parse`], with or without the [`scan`] fast path.
+    fn parse_with(body: &'a [u8], fast: bool) -> Result<Self, RequestError> {
+        let raw = match fast.then(|| scan::fields(body, &Self::FIELDS, None)).flatten() {
+            Some(fields) => {
+                let [
+                    model,
+                    messages,
+                    stream,
+                    max_tokens,
+                    max_completion_tokens,
+                    cache_salt,
+                    add_generation_prompt,
+                    add_special_tokens,
+                    chat_template_kwargs,
+                    tools,
+                ] = fields.map(Field::raw);
+                RawChat {
+                    model,
+                    messages,
+                    stream,
+                    max_tokens,
+                    max_completion_tokens,
+                    cache_salt,
+                    add_generation_prompt,
+                    add_special_tokens,
+                    chat_template_kwargs,
+                    tools,
+                }
+            }
+            None => parse_object(body)?,
+        };
         let messages = raw.messages.ok_or(RequestError::MissingField { param: "messages" })?;
         let messages = parse_messages(messages)?;
         if let Some(kwargs) = raw.chat_template_kwargs

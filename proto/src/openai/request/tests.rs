@@ -216,3 +216,121 @@ fn malformed_chats() {
         Err(E::InvalidField { param: "add_generation_prompt", .. })
     ));
 }
+
+mod fast_path {
+    use proptest::prelude::*;
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    /// Both paths' outcome, comparable: the request's debug form or the error's message.
+    fn outcome<T: std::fmt::Debug>(r: Result<T, RequestError>) -> String {
+        match r {
+            Ok(v) => format!("ok {v:?}"),
+            Err(e) => format!("error {e}"),
+        }
+    }
+
+    fn value() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            (0u64..70_000).prop_map(Value::from),
+            Just(json!(-3)),
+            Just(json!(2.5)),
+            "[a-z é\"\\\\\n]{0,6}".prop_map(Value::from),
+            prop::collection::vec(0u32..200_000, 0..12).prop_map(|v| json!(v)),
+            prop::collection::vec(prop_oneof![(0u32..9).prop_map(Value::from), Just(json!("x"))], 0..4)
+                .prop_map(Value::Array),
+            Just(json!([[1, 2], [3]])),
+            Just(json!({"role": "user", "content": "hi"})),
+            Just(json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": null}])),
+        ]
+    }
+
+    fn key() -> impl Strategy<Value = String> {
+        prop::sample::select(vec![
+            "model",
+            "prompt",
+            "messages",
+            "stream",
+            "max_tokens",
+            "max_completion_tokens",
+            "cache_salt",
+            "add_special_tokens",
+            "add_generation_prompt",
+            "chat_template_kwargs",
+            "tools",
+            "temperature",
+            "x\u{e9}",
+            "",
+        ])
+        .prop_map(str::to_owned)
+    }
+
+    /// A body: members written out by hand (so keys can repeat), with whitespace choices,
+    /// then possibly damaged.
+    fn body() -> impl Strategy<Value = String> {
+        let member = (key(), value(), any::<bool>());
+        (
+            prop::collection::vec(member, 0..7),
+            any::<bool>(),
+            prop::option::of((any::<prop::sample::Index>(), 0u8..5)),
+        )
+            .prop_map(|(members, spaced, damage)| {
+                let sep = if spaced { ", " } else { "," };
+                let items: Vec<String> = members
+                    .iter()
+                    .map(|(k, v, escaped)| {
+                        let k = if *escaped && k == "prompt" { "pr\\u006fmpt".to_owned() } else { k.clone() };
+                        if spaced { format!("\"{k}\" : {v}") } else { format!("\"{k}\":{v}") }
+                    })
+                    .collect();
+                let mut body = format!("{{{}}}", items.join(sep));
+                if let Some((at, how)) = damage {
+                    let i = at.index(body.len() + 1);
+                    let i = (0..=i).rev().find(|&i| body.is_char_boundary(i)).unwrap_or(0);
+                    match how {
+                        0 => body.truncate(i),
+                        1 => body.insert(i, ','),
+                        2 => body.insert(i, '0'),
+                        3 => body.insert_str(i, " \n"),
+                        _ => body.push_str(" x"),
+                    }
+                }
+                body
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+        #[test]
+        fn fast_and_serde_paths_agree(body in body()) {
+            let bytes = body.as_bytes();
+            prop_assert_eq!(
+                outcome(CompletionRequest::parse_with(bytes, true)),
+                outcome(CompletionRequest::parse_with(bytes, false)),
+                "completion {}", body
+            );
+            prop_assert_eq!(
+                outcome(ChatRequest::parse_with(bytes, true)),
+                outcome(ChatRequest::parse_with(bytes, false)),
+                "chat {}", body
+            );
+        }
+    }
+
+    #[test]
+    fn the_fast_path_takes_the_usual_bodies() {
+        let ids = serde_json::to_string(&(0..5000).collect::<Vec<u32>>()).unwrap();
+        let body = format!(r#"{{"model": "m", "prompt": {ids}, "max_tokens": 16, "temperature": 0.7}}"#);
+        let fields = scan::fields(body.as_bytes(), &CompletionRequest::FIELDS, Some(1)).expect("fast path");
+        assert!(matches!(&fields[1], Some(scan::Field::Ids(v)) if v.len() == 5000));
+        let body = r#"{"model":"m","prompt":"hello","stream":true,"cache_salt":null}"#;
+        let fields = scan::fields(body.as_bytes(), &CompletionRequest::FIELDS, Some(1)).expect("fast path");
+        assert!(matches!(&fields[1], Some(scan::Field::Text(t)) if t == "hello"));
+        assert!(fields[4].is_none(), "null is absent");
+        let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[]}"#;
+        assert!(scan::fields(chat.as_bytes(), &ChatRequest::FIELDS, None).is_some());
+    }
+}
