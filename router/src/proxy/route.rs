@@ -67,6 +67,9 @@ impl RequestLimits {
 pub struct Scored {
     pub member: Member,
     pub view: ReplicaView,
+    /// Leading blocks of the request the index already shows on the replica (0 when its
+    /// stream is `FALLBACK`); they need no credit.
+    pub indexed_blocks: usize,
     pub cost: f64,
     /// Why it was not eligible, if it was not.
     pub ineligible: Option<&'static str>,
@@ -123,7 +126,8 @@ impl Decider {
         limits.check(&plan)?;
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         let chosen = plan.order.first().ok_or_else(|| ProxyError::Unavailable(unavailable_reason(&plan)))?;
-        self.fleet.credits().credit(chosen.member.replica.id, &plan.all_blocks);
+        let uncredited = chosen.indexed_blocks.min(plan.all_blocks.len());
+        self.fleet.credits().credit(chosen.member.replica.id, &plan.all_blocks[uncredited..]);
         self.metrics.decisions.get_or_create(&PolicyLabel { policy: self.policy.kind().as_str() }).inc();
         Ok(plan)
     }
@@ -160,13 +164,17 @@ impl Decider {
         first_prompt_tokens: usize,
     ) -> Plan {
         let overlaps = self.index.lookup(&blocks);
-        let views: Vec<(ReplicaView, Option<&'static str>)> = members
+        let views: Vec<(ReplicaView, usize, Option<&'static str>)> = members
             .iter()
             .map(|m| {
                 let state = m.replica.status.state();
+                let indexed = match state {
+                    StreamState::Fallback => 0,
+                    _ => overlaps.get(m.replica.id),
+                };
                 let overlap = match state {
                     StreamState::Fallback => 0,
-                    _ => self.fleet.credits().extend(m.replica.id, &blocks, overlaps.get(m.replica.id)),
+                    _ => self.fleet.credits().extend(m.replica.id, &blocks, indexed),
                 };
                 let ineligible =
                     m.upstream.eligibility(self.max_in_flight_per_replica).err().map(|e| e.as_str());
@@ -177,7 +185,7 @@ impl Decider {
                     stream: PbState::from(state),
                     eligible: ineligible.is_none(),
                 };
-                (view, ineligible)
+                (view, indexed, ineligible)
             })
             .collect();
         let request = RequestView {
@@ -186,15 +194,16 @@ impl Decider {
             block_size: self.block_size,
             key: blocks.last().map_or(0, |b| b.0),
         };
-        let just_views: Vec<ReplicaView> = views.iter().map(|(v, _)| *v).collect();
+        let just_views: Vec<ReplicaView> = views.iter().map(|(v, ..)| *v).collect();
         let decision = self.policy.choose(&request, &just_views);
         let candidates: Vec<Scored> = members
             .into_iter()
             .zip(views)
             .enumerate()
-            .map(|(i, (member, (view, ineligible)))| Scored {
+            .map(|(i, (member, (view, indexed_blocks, ineligible)))| Scored {
                 member,
                 view,
+                indexed_blocks,
                 cost: decision.costs.get(i).copied().unwrap_or(f64::INFINITY),
                 ineligible,
             })

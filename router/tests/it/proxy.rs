@@ -49,6 +49,23 @@ async fn same_prefix_requests_land_on_the_replica_that_cached_them() {
     assert!(used.len() > 1, "new prefixes spread over the fleet: {home:?}");
 }
 
+/// Credits are predictions of blocks a replica is about to store; the blocks the index
+/// already shows on the chosen replica get none, so once the replicas' events settle the
+/// new blocks, no credit is left (with a TTL far beyond the test, only settling ends them).
+#[tokio::test]
+async fn credits_cover_only_blocks_the_index_does_not_show_yet() {
+    let fleet =
+        Fleet::with(2, agent_config, |c| kvroute_router::Config { credit_ttl_ms: 3_600_000, ..c }).await;
+    let prefix = text("creditw", 40);
+    for question in 0..4 {
+        let prompt = format!("{prefix} and question {question}");
+        let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion(&prompt, 2)).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        let credits = fleet.router.fleet().credits();
+        wait_until("the replica's events settle every credit", || credits.is_empty()).await;
+    }
+}
+
 #[tokio::test]
 async fn a_fleet_wide_shared_first_block_does_not_send_everything_to_one_replica() {
     let fleet =
