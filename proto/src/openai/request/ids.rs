@@ -16,8 +16,9 @@ pub(super) fn plain_token_ids(json: &[u8]) -> Option<(Vec<u32>, usize)> {
     }
     // A flat array ends at its first `]`; a nested one fails below on its `[`.
     let close = memchr::memchr(b']', json)?;
-    // The real element count (the bytes are in memory already), not a size hint.
-    let mut ids = Vec::with_capacity(memchr::memchr_iter(b',', &json[..close]).count() + 1);
+    // Every id takes at least two bytes of the array (a digit and a separator), so this
+    // bounds the count by bytes already in memory, without a counting pass.
+    let mut ids = Vec::with_capacity(close / 2 + 1);
     let mut i = skip_space(json, 1);
     loop {
         let (id, len) = number_at(json, i)?;
