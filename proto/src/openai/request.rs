@@ -309,60 +309,61 @@ impl<'a> ChatRequest<'a> {
 
     /// [`ChatRequest::parse`], with or without the [`scan`] fast path.
     fn parse_with(body: &'a [u8], fast: bool) -> Result<Self, RequestError> {
-        let raw = match fast.then(|| scan::fields(body, &Self::FIELDS, None)).flatten() {
-            Some(fields) => {
-                let [
-                    model,
-                    messages,
-                    stream,
-                    max_tokens,
-                    max_completion_tokens,
-                    cache_salt,
-                    add_generation_prompt,
-                    add_special_tokens,
-                    chat_template_kwargs,
-                    tools,
-                ] = fields.map(Field::raw);
-                RawChat {
-                    model,
-                    messages,
-                    stream,
-                    max_tokens,
-                    max_completion_tokens,
-                    cache_salt,
-                    add_generation_prompt,
-                    add_special_tokens,
-                    chat_template_kwargs,
-                    tools,
-                }
+        let fields = match fast.then(|| scan::fields(body, &Self::FIELDS, None)).flatten() {
+            Some(fields) => fields.map(Field::raw),
+            None => {
+                let raw: RawChat<'a> = parse_object(body)?;
+                [
+                    raw.model,
+                    raw.messages,
+                    raw.stream,
+                    raw.max_tokens,
+                    raw.max_completion_tokens,
+                    raw.cache_salt,
+                    raw.add_generation_prompt,
+                    raw.add_special_tokens,
+                    raw.chat_template_kwargs,
+                    raw.tools,
+                ]
             }
-            None => parse_object(body)?,
         };
-        let messages = raw.messages.ok_or(RequestError::MissingField { param: "messages" })?;
+        let [
+            model_,
+            messages,
+            stream,
+            max_tokens,
+            max_completion_tokens,
+            salt,
+            add_generation_prompt,
+            add_special_tokens,
+            chat_template_kwargs,
+            tools,
+        ] = fields;
+        let messages = messages.ok_or(RequestError::MissingField { param: "messages" })?;
         let messages = parse_messages(messages)?;
-        if let Some(kwargs) = raw.chat_template_kwargs
+        if let Some(kwargs) = chat_template_kwargs
             && !kwargs.get().starts_with('{')
         {
             return Err(RequestError::InvalidField { param: "chat_template_kwargs", expected: "an object" });
         }
-        if let Some(tools) = raw.tools
+        if let Some(tools) = tools
             && !tools.get().starts_with('[')
         {
             return Err(RequestError::InvalidField { param: "tools", expected: "an array" });
         }
         Ok(ChatRequest {
-            model: model(raw.model)?,
+            model: model(model_)?,
             messages,
-            stream: field(raw.stream, "stream", "a boolean")?.unwrap_or(false),
-            max_tokens: field(raw.max_tokens, "max_tokens", NON_NEGATIVE)?,
-            max_completion_tokens: field(raw.max_completion_tokens, "max_completion_tokens", NON_NEGATIVE)?,
-            cache_salt: cache_salt(raw.cache_salt)?,
-            add_generation_prompt: field(raw.add_generation_prompt, "add_generation_prompt", "a boolean")?
+            stream: field(stream, "stream", "a boolean")?.unwrap_or(false),
+            max_tokens: field(max_tokens, "max_tokens", NON_NEGATIVE)?,
+            max_completion_tokens: field(max_completion_tokens, "max_completion_tokens", NON_NEGATIVE)?,
+            cache_salt: cache_salt(salt)?,
+            add_generation_prompt: field(add_generation_prompt, "add_generation_prompt", "a boolean")?
                 .unwrap_or(true),
-            add_special_tokens: field(raw.add_special_tokens, "add_special_tokens", "a boolean")?
+            add_special_tokens: field(add_special_tokens, "add_special_tokens", "a boolean")?
                 .unwrap_or(false),
-            chat_template_kwargs: raw.chat_template_kwargs,
-            tools: raw.tools,
+            chat_template_kwargs,
+            tools,
         })
     }
 }
