@@ -85,7 +85,9 @@ pub async fn serve(
 ) {
     let make_handler = || {
         let state = state.clone();
-        let client = (state.new_client)();
+        // Shared by the thread's requests: one reference count per request, not the
+        // client's own several.
+        let client = Arc::new((state.new_client)());
         move |req| handle(state.clone(), client.clone(), req)
     };
     let served = kvroute_proto::serve::serve_on_threads(listener, threads, make_handler, limits, shutdown);
@@ -94,7 +96,7 @@ pub async fn serve(
     }
 }
 
-async fn handle(state: Arc<ProxyState>, client: Client, req: Request<Incoming>) -> Response<ProxyBody> {
+async fn handle(state: Arc<ProxyState>, client: Arc<Client>, req: Request<Incoming>) -> Response<ProxyBody> {
     let request_id = request_id(&req);
     let response = match dispatch(&state, &client, req, &request_id).await {
         Ok(response) => response,
