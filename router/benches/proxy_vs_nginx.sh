@@ -15,11 +15,11 @@
 # closed port: no events ever arrive, so after `fallback` they are FALLBACK and routed on
 # load alone (the decision path still parses, tokenizes, hashes and looks up every request).
 #
-# Measured on the 2-core shared dev machine (two runs, requests/s; wrk, both backends and the
-# proxy share the two cores, so throughput is set by each proxy's CPU time per request):
-#   direct 150 k / 141 k; nginx 60.5 k / 57.6 k (p99 4.3 / 4.1 ms);
-#   kvroute round-robin 44.4 k / 50.8 k (0.73x / 0.88x, p99 2.6 / 2.5 ms),
-#   cache-aware 48.9 k / 46.2 k (0.81x / 0.80x, p99 2.6 / 2.7 ms).
+# Measured on the 2-core shared dev machine (three runs, requests/s; wrk, both backends and
+# the proxy share the two cores, so throughput is set by each proxy's CPU time per request):
+#   nginx 60.5 k / 57.6 k / 67.1 k (p99 4.3 / 4.1 / 3.1 ms);
+#   kvroute round-robin 44.4 k / 50.8 k / 48.3 k (0.73x / 0.88x / 0.72x, p99 2.6 / 2.5 / 3.3 ms),
+#   cache-aware 48.9 k / 46.2 k / 49.4 k (0.81x / 0.80x / 0.74x, p99 2.6 / 2.7 / 2.7 ms).
 # Per request (CPU ticks from /proc over a run): nginx's two workers about 14-18 µs, kvroute
 # about 22 µs, of which about 13 µs in the kernel (loopback sends and the wake-ups they
 # cause, as for nginx) and 9 µs in user space (hyper server and client, the decision, the
