@@ -164,6 +164,25 @@ impl Tokenization {
         }
     }
 
+    /// [`Tokenization::prompt_tokens`], moving token-id prompts out of `request` (which is
+    /// left with an empty prompt) instead of copying them.
+    pub fn take_prompt_tokens(&self, request: &mut ParsedRequest<'_>) -> Result<Vec<Vec<u32>>, RequestError> {
+        if let ParsedRequest::Completion(r) = request {
+            match &mut r.prompt {
+                Prompt::Tokens(ids) => {
+                    self.check_range(ids)?;
+                    return Ok(vec![std::mem::take(ids)]);
+                }
+                Prompt::TokensBatch(batch) => {
+                    batch.iter().try_for_each(|ids| self.check_range(ids))?;
+                    return Ok(std::mem::take(batch));
+                }
+                Prompt::Text(_) | Prompt::TextBatch(_) => {}
+            }
+        }
+        self.prompt_tokens(request)
+    }
+
     /// The prompt string a chat request renders to.
     pub fn render_chat(&self, request: &ChatRequest<'_>) -> Result<String, RequestError> {
         let template = self.chat_template.as_ref().ok_or(RequestError::NoChatTemplate)?;
@@ -200,10 +219,15 @@ impl Tokenization {
     }
 
     fn check_ids(&self, ids: &[u32]) -> Result<Vec<u32>, RequestError> {
+        self.check_range(ids).map(|()| ids.to_vec())
+    }
+
+    /// Every id is below the vocabulary size.
+    fn check_range(&self, ids: &[u32]) -> Result<(), RequestError> {
         let vocab_size = self.tokenizer.vocab_size();
         match ids.iter().find(|&&id| id >= vocab_size) {
             Some(&token_id) => Err(RequestError::TokenIdOutOfRange { token_id, vocab_size }),
-            None => Ok(ids.to_vec()),
+            None => Ok(()),
         }
     }
 }

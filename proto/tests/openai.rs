@@ -305,3 +305,21 @@ fn config_is_strict_serde() {
         Err(LoadError::Io { .. })
     ));
 }
+
+#[test]
+fn taking_prompt_tokens_gives_what_reading_them_gives() {
+    let t = Tokenization::new(&builtin_config()).unwrap();
+    for body in [
+        r#"{"model":"demo","prompt":[5, 17, 30000]}"#,
+        r#"{"model":"demo","prompt":[[5, 17], [99]]}"#,
+        r#"{"model":"demo","prompt":"text is tokenized either way"}"#,
+        r#"{"model":"demo","prompt":["two", "texts"]}"#,
+        r#"{"model":"demo","prompt":[5, 40000]}"#,
+        r#"{"model":"demo","prompt":[[5], [40000]]}"#,
+    ] {
+        let read = tokens(&t, Endpoint::Completions, body).map_err(|e| e.to_string());
+        let mut request = ParsedRequest::parse(Endpoint::Completions, body.as_bytes()).unwrap();
+        let taken = t.take_prompt_tokens(&mut request).map_err(|e| e.to_string());
+        assert_eq!(taken, read, "{body}");
+    }
+}

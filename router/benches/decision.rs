@@ -21,16 +21,17 @@
 //!
 //! | prompt | decision p50 | p99 | parse | tokenize | hash | lookup |
 //! |---|---|---|---|---|---|---|
-//! | text/1024 | 11.0 | 12.7 | 1.2 | 6.1 | 0.4 | 0.2 |
-//! | ids/1024 | 8.2 | 8.9 | 4.1 | 0.4 | 0.4 | 0.2 |
-//! | text/8192 | 63.3 | 80.8 | 7.8 | 48.0 | 2.6 | 1.9 |
-//! | ids/8192 | 42.2 | 58.0 | 31.8 | 2.4 | 2.7 | 1.9 |
+//! | text/1024 | 11.3 | 11.6 | 1.2 | 6.0 | 0.4 | 0.2 |
+//! | ids/1024 | 7.8 | 7.9 | 3.6 | 0.4 | 0.4 | 0.2 |
+//! | text/8192 | 65.3 | 82.7 | 9.0 | 47.1 | 2.6 | 1.9 |
+//! | ids/8192 | 36.9 | 52.6 | 26.5 | 2.4 | 2.6 | 1.8 |
 //!
 //! History at 8 k (p50 / p99): text 185 / 366 and ids 214 / 1437 at first; 73.8 / 103.5 and
 //! 124.6 / 165.3 after the byte-level tokenizer and a plain-id reader behind serde's raw
 //! value; now one pass over the body's top level reads the ids as it meets them (parse 109
-//! -> 32 µs, about 4 ns an id) and text prompts once (14 -> 8 µs), and the chosen replica is
-//! credited only with blocks its index does not show. What is left at 8 k text is the
+//! -> 27 µs, about 3 ns an id) and text prompts once (14 -> 8 µs), and the chosen replica is
+//! credited only with blocks its index does not show. p99 moves by several µs from run to
+//! run on this machine; p50 is the steadier figure. What is left at 8 k text is the
 //! tokenizer (about 6 ns a piece: scanning and one xxh3 per piece); at 8 k ids, reading the
 //! ids.
 
@@ -54,6 +55,10 @@ use kvroute_router::replicas::{EngineKind, ReplicaSpec};
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+/// The router binary's allocator, so a decision's allocations cost what they cost there.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const MODEL: &str = "kvroute-sim";
 const BLOCK: usize = 16;

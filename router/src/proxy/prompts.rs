@@ -42,15 +42,16 @@ pub type Client =
 
 impl Prompts {
     /// The namespace and token ids of `request`; `replica_url` is asked in remote mode.
+    /// Token-id prompts are moved out of `request`, not copied.
     pub async fn tokens(
         &self,
-        request: &ParsedRequest<'_>,
+        request: &mut ParsedRequest<'_>,
         body: &[u8],
         replica_url: Option<&str>,
     ) -> Result<PromptInfo, PromptError> {
         match self {
             Prompts::Local(t) => {
-                Ok(PromptInfo { namespace: t.namespace(request), tokens: t.prompt_tokens(request)? })
+                Ok(PromptInfo { namespace: t.namespace(request), tokens: t.take_prompt_tokens(request)? })
             }
             Prompts::Remote(r) => r.tokens(request, body, replica_url).await,
         }

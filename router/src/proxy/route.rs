@@ -134,10 +134,10 @@ impl Decider {
 
     /// Where a request would go and why, with no side effects (the admin `Explain`).
     pub async fn explain(&self, endpoint: Endpoint, body: &[u8]) -> Result<Plan, ProxyError> {
-        let request = ParsedRequest::parse(endpoint, body)?;
+        let mut request = ParsedRequest::parse(endpoint, body)?;
         let members = self.fleet.members();
         let ask = members.iter().find(|m| m.upstream.is_healthy()).map(|m| m.replica.spec.http_url.as_str());
-        let info = self.prompts.tokens(&request, body, ask).await.map_err(|e| match e {
+        let info = self.prompts.tokens(&mut request, body, ask).await.map_err(|e| match e {
             PromptError::Request(e) => ProxyError::BadRequest(e),
             PromptError::Remote(e) => ProxyError::Unavailable(e),
         })?;
