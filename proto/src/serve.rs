@@ -110,34 +110,47 @@ where
     let listener = listener.into_std()?;
     let connections = TaskTracker::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    // A thread that cannot start stops the ones already serving, so the proxy runs whole
+    // or not at all.
+    let stop = shutdown.child_token();
     let mut done = Vec::new();
+    let mut failed = None;
     for i in 0..threads.max(1) {
-        let listener = listener.try_clone()?;
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let (handler, connections, slots, shutdown) =
-            (make_handler(), connections.clone(), slots.clone(), shutdown.clone());
-        let (finished, on_finish) = tokio::sync::oneshot::channel::<()>();
-        std::thread::Builder::new().name(format!("http-{i}")).spawn(move || {
-            runtime.block_on(async move {
-                match TcpListener::from_std(listener) {
-                    Ok(listener) => {
-                        accept_loop(listener, handler, &limits, &slots, &connections, &shutdown).await
+        let started = listener.try_clone().and_then(|listener| {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let (handler, connections, slots, stop) =
+                (make_handler(), connections.clone(), slots.clone(), stop.clone());
+            let (finished, on_finish) = tokio::sync::oneshot::channel::<()>();
+            std::thread::Builder::new().name(format!("http-{i}")).spawn(move || {
+                runtime.block_on(async move {
+                    match TcpListener::from_std(listener) {
+                        Ok(listener) => {
+                            accept_loop(listener, handler, &limits, &slots, &connections, &stop).await
+                        }
+                        Err(e) => tracing::error!(error = %e, "cannot register the listener"),
                     }
-                    Err(e) => tracing::error!(error = %e, "cannot register the listener"),
-                }
-                // Connections accepted here run on this runtime: keep it until they end.
-                connections.close();
-                connections.wait().await;
-            });
-            let _ = finished.send(());
-        })?;
-        done.push(on_finish);
+                    // Connections accepted here run on this runtime: keep it until they end.
+                    connections.close();
+                    connections.wait().await;
+                });
+                let _ = finished.send(());
+            })?;
+            Ok(on_finish)
+        });
+        match started {
+            Ok(on_finish) => done.push(on_finish),
+            Err(e) => {
+                stop.cancel();
+                failed = Some(e);
+                break;
+            }
+        }
     }
     drop(listener);
     for d in done {
         let _ = d.await;
     }
-    Ok(())
+    failed.map_or(Ok(()), Err)
 }
 
 /// Accepts connections until `shutdown` fires, serving each on a task of the current runtime

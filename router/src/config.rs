@@ -22,6 +22,9 @@ use crate::policy::{CacheAwareParams, PolicyKind};
 use crate::proxy::route::RequestLimits;
 use crate::replicas::{EngineKind, ReplicaSpec};
 
+/// Most proxy threads `--http-threads` accepts.
+pub const MAX_HTTP_THREADS: usize = 1024;
+
 /// kvroute: a cache-aware reverse proxy for OpenAI-compatible inference fleets.
 #[derive(Parser, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[command(name = "kvroute-router", version, about, long_about = None)]
@@ -186,6 +189,10 @@ impl Config {
         check(self.max_body_bytes > 0, "--max-body-bytes must be at least 1".into());
         check(self.max_in_flight > 0, "--max-in-flight must be at least 1".into());
         check(self.max_connections > 0, "--max-connections must be at least 1".into());
+        check(
+            self.http_threads <= MAX_HTTP_THREADS,
+            format!("--http-threads must be at most {MAX_HTTP_THREADS} (0: one per core)"),
+        );
         check(
             self.max_header_bytes >= MIN_HEADER_BYTES,
             format!("--max-header-bytes must be at least {MIN_HEADER_BYTES}"),
@@ -477,8 +484,10 @@ mod tests {
             max_header_bytes: 100,
             max_prompt_tokens: 0,
             max_completion_tokens: 0,
+            http_threads: MAX_HTTP_THREADS + 1,
             ..Config::default()
         };
-        assert_eq!(bad.validate().unwrap_err().len(), 4);
+        assert_eq!(bad.validate().unwrap_err().len(), 5);
+        assert!(Config::default().http_threads() >= 1, "0 resolves to the core count");
     }
 }
