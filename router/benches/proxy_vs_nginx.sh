@@ -6,7 +6,8 @@
 # OpenAI completion JSON (`return 200`), `/health` with 200 and `/metrics` with a vLLM-style
 # queue gauge. It is the same process for every run, so the runs differ only in the proxy.
 #
-# Runs (wrk, keep-alive, one POST /v1/completions body, fixed threads/connections/duration):
+# Runs (wrk, keep-alive, one POST /v1/completions body, fixed threads/connections/duration;
+# then each target again with one connection, for the latency a proxy adds):
 #   direct       wrk -> backend port 1
 #   nginx        wrk -> nginx (worker_processes auto, upstream of the backend ports, keepalive)
 #   kvroute-rr   wrk -> kvroute-router --policy round-robin
@@ -20,6 +21,13 @@
 #   nginx 60.5 k / 57.6 k / 67.1 k (p99 4.3 / 4.1 / 3.1 ms);
 #   kvroute round-robin 44.4 k / 50.8 k / 48.3 k (0.73x / 0.88x / 0.72x, p99 2.6 / 2.5 / 3.3 ms),
 #   cache-aware 48.9 k / 46.2 k / 49.4 k (0.81x / 0.80x / 0.74x, p99 2.6 / 2.7 / 2.7 ms).
+# A fourth run: nginx 54.8 k, kvroute 0.90x / 0.82x; one connection at a time, p50 (p99)
+# direct 61 (95) µs, through nginx 83 (190), through kvroute 94 (253) round-robin and
+# 96 (294) cache-aware: nginx adds 22 µs, kvroute 33-35 µs.
+# A bare forwarder on the same accept loop and upstream client (hyper server, hyper-util
+# client, no decision, no metrics; not in the repo) used 20-23 µs of CPU a request and
+# reached 0.73-0.84x: hyper's per-request machinery is most of what separates kvroute from
+# nginx, kvroute's own work (decision, load accounting, usage sniffing) about 2-3 µs.
 # Per request (CPU ticks from /proc over a run): nginx's two workers about 14-18 µs, kvroute
 # about 22 µs, of which about 13 µs in the kernel (loopback sends and the wake-ups they
 # cause, as for nginx) and 9 µs in user space (hyper server and client, the decision, the
@@ -120,13 +128,16 @@ wait_http() {
 wait_http "http://127.0.0.1:$(port_of_backend 1)/health"
 wait_http "http://127.0.0.1:$NGINX_PORT/health"
 
-declare -A RPS P50 P99 COUNT BAD
+declare -A RPS P50 P99 COUNT BAD ONE_P50 ONE_P99
 measure() {
     local name=$1 url=$2
     wrk -t"$THREADS" -c"$CONNECTIONS" -d2s -s "$WORK/post.lua" "$url" >/dev/null # warm-up
     local line
     line=$(wrk -t"$THREADS" -c"$CONNECTIONS" -d"$DURATION" -s "$WORK/post.lua" "$url" | grep '^RESULT')
     read -r _ RPS[$name] P50[$name] P99[$name] COUNT[$name] BAD[$name] <<<"$line"
+    # Added latency: one connection, one request at a time, nothing queued anywhere.
+    line=$(wrk -t1 -c1 -d"$DURATION" -s "$WORK/post.lua" "$url" | grep '^RESULT')
+    read -r _ _ ONE_P50[$name] ONE_P99[$name] _ _ <<<"$line"
 }
 
 router() {
@@ -156,4 +167,11 @@ printf '%-22s %12s %10s %10s %10s %8s %12s\n' run "requests/s" "p50 µs" "p99 µ
 for name in direct nginx kvroute-round-robin kvroute-cache-aware; do
     printf '%-22s %12s %10s %10s %10s %8s %11.2fx\n' "$name" "${RPS[$name]}" "${P50[$name]}" \
         "${P99[$name]}" "${COUNT[$name]}" "${BAD[$name]}" "$(awk "BEGIN { print ${RPS[$name]} / ${RPS[nginx]} }")"
+done
+echo
+echo "one connection, one request at a time (latency a proxy adds, µs):"
+printf '%-22s %10s %10s %14s\n' run "p50 µs" "p99 µs" "added p50 µs"
+for name in direct nginx kvroute-round-robin kvroute-cache-aware; do
+    printf '%-22s %10s %10s %14s\n' "$name" "${ONE_P50[$name]}" "${ONE_P99[$name]}" \
+        "$(awk "BEGIN { print ${ONE_P50[$name]} - ${ONE_P50[direct]} }")"
 done
