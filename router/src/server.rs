@@ -23,6 +23,7 @@ use crate::ingest::{Ingest, IngestConfig};
 use crate::metrics::ProxyMetrics;
 use crate::policy::{self, CacheAwareParams};
 use crate::proxy::forward::ForwardConfig;
+use crate::proxy::pool::Pool;
 use crate::proxy::prompts::{Client, Prompts, RemoteTokenizer};
 use crate::proxy::route::Decider;
 use crate::proxy::{self, ProxyState};
@@ -57,14 +58,20 @@ impl RunningRouter {
     }
 }
 
-/// The upstream HTTP client: pooled keep-alive connections, connect timeout.
+/// How long an idle upstream connection is kept for reuse.
+const UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// Most idle connections one proxy thread keeps per replica.
+const UPSTREAM_MAX_IDLE: usize = 1024;
+
+/// The HTTP client of health checks and remote tokenization: pooled keep-alive connections,
+/// connect timeout. (Proxied requests go through each thread's [`Pool`].)
 pub fn client(connect_timeout: Duration) -> Client {
     let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
     connector.set_connect_timeout(Some(connect_timeout));
     connector.set_nodelay(true);
     hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_max_idle_per_host(1024)
+        .pool_idle_timeout(UPSTREAM_IDLE_TIMEOUT)
+        .pool_max_idle_per_host(UPSTREAM_MAX_IDLE)
         .build(connector)
 }
 
@@ -142,9 +149,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     models.extend(config.lora_adapters.iter().cloned());
     let state = Arc::new(ProxyState {
         decider,
-        new_client: {
+        new_pool: {
             let timeout = config.connect_timeout();
-            Box::new(move || self::client(timeout))
+            Box::new(move || Pool::new(timeout, UPSTREAM_IDLE_TIMEOUT, UPSTREAM_MAX_IDLE))
         },
         forward: ForwardConfig {
             first_byte_timeout: config.first_byte_timeout(),

@@ -145,8 +145,14 @@ where
                         this.at_boundary = data.ends_with(b"\n\n") || data.ends_with(b"\r\n\r\n");
                     }
                 }
-                let deadline = Instant::now() + this.idle;
-                this.sleep.as_mut().reset(deadline);
+                if this.inner.is_end_stream() {
+                    // The last frame: hyper will not poll again (the length is known), so
+                    // the body ends here, its connection clean.
+                    this.end(true);
+                } else {
+                    let deadline = Instant::now() + this.idle;
+                    this.sleep.as_mut().reset(deadline);
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => this.fail(e.into()),
@@ -238,5 +244,49 @@ mod tests {
         assert_eq!(s.cached_tokens, None);
         s.feed(b"{\"cached_tokens\" : 7}{\"cached_tokens\":9}");
         assert_eq!(s.cached_tokens, Some(9), "the last one wins");
+    }
+
+    /// How a body ended: the cached tokens found and whether it completed.
+    type Ending = std::sync::Arc<std::sync::Mutex<Option<(Option<u64>, bool)>>>;
+
+    /// Records how the body ended.
+    struct Ended(Ending);
+
+    impl Hooks for Ended {
+        fn first_data(&mut self) {}
+        fn finish(self: Box<Self>, cached_tokens: Option<u64>, completed: bool) {
+            *self.0.lock().unwrap() = Some((cached_tokens, completed));
+        }
+    }
+
+    /// A body of known length ends with its last frame: whoever serves it stops polling
+    /// there, and the body must count as complete (its connection is clean and reusable).
+    #[tokio::test]
+    async fn a_sized_body_completes_with_its_last_frame() {
+        let ended = Ending::default();
+        let json = Bytes::from_static(br#"{"usage":{"prompt_tokens_details":{"cached_tokens":5}}}"#);
+        let inner = http_body_util::Full::new(json);
+        let mut body =
+            Tracked::new(inner, Duration::from_secs(5), Box::new(Ended(std::sync::Arc::clone(&ended))));
+        let frame = body.frame().await.unwrap().unwrap();
+        assert!(frame.is_data());
+        assert!(body.is_end_stream());
+        assert_eq!(*ended.lock().unwrap(), Some((Some(5), true)), "finished before any further poll");
+        drop(body);
+        assert_eq!(*ended.lock().unwrap(), Some((Some(5), true)), "and only once");
+    }
+
+    #[tokio::test]
+    async fn a_body_dropped_midway_is_not_complete() {
+        let ended = Ending::default();
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
+        let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let mut body =
+            Tracked::new(inner, Duration::from_secs(5), Box::new(Ended(std::sync::Arc::clone(&ended))));
+        body.frame().await.unwrap().unwrap();
+        assert_eq!(*ended.lock().unwrap(), None);
+        drop(body);
+        assert_eq!(*ended.lock().unwrap(), Some((None, false)));
     }
 }

@@ -20,7 +20,7 @@ use hyper::body::Incoming;
 
 use super::body::{BoxError, Hooks, ProxyBody, Tracked, full};
 use super::error::ProxyError;
-use super::prompts::Client;
+use super::pool::{Lease, Pool};
 use super::route::Plan;
 use super::upstream::{LoadGuard, Upstream};
 use crate::metrics::ProxyMetrics;
@@ -75,7 +75,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 
 /// Sends a routed request (buffered body, so it can be retried) along `plan.order`.
 pub async fn routed(
-    client: &Client,
+    pool: &Arc<Pool>,
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
     plan: &Plan,
@@ -93,8 +93,8 @@ pub async fn routed(
         let guard = upstream.begin(plan.prefill_tokens(attempt), plan.prompt_tokens);
         let request = build_request(&member.replica.spec.http_url, parts, full(body.clone()), request_id)?;
         let sent = Instant::now();
-        match tokio::time::timeout(config.first_byte_timeout, client.request(request)).await {
-            Ok(Ok(response))
+        match tokio::time::timeout(config.first_byte_timeout, pool.send(request)).await {
+            Ok(Ok((response, _lease)))
                 if response.status() == http::StatusCode::SERVICE_UNAVAILABLE
                     && attempt + 1 < plan.order.len().min(MAX_ATTEMPTS) =>
             {
@@ -107,8 +107,9 @@ pub async fn routed(
                     reason: "503 Service Unavailable".into(),
                 });
             }
-            Ok(Ok(response)) => {
-                let mut response = wrap(response, guard, upstream.clone(), config, metrics, sent, request_id);
+            Ok(Ok((response, lease))) => {
+                let mut response =
+                    wrap(response, lease, guard, upstream.clone(), config, metrics, sent, request_id);
                 let headers = response.headers_mut();
                 if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                     headers.insert("x-kvroute-replica", v);
@@ -143,7 +144,7 @@ pub async fn routed(
 
 /// Sends a request whose body streams through (not retried) to one replica.
 pub async fn streamed(
-    client: &Client,
+    pool: &Arc<Pool>,
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
     member: &crate::fleet::Member,
@@ -155,9 +156,10 @@ pub async fn streamed(
     let guard = upstream.begin(0, 0);
     let request = build_request(&member.replica.spec.http_url, parts, body, request_id)?;
     let sent = Instant::now();
-    match tokio::time::timeout(config.first_byte_timeout, client.request(request)).await {
-        Ok(Ok(response)) => {
-            let mut response = wrap(response, guard, upstream.clone(), config, metrics, sent, request_id);
+    match tokio::time::timeout(config.first_byte_timeout, pool.send(request)).await {
+        Ok(Ok((response, lease))) => {
+            let mut response =
+                wrap(response, lease, guard, upstream.clone(), config, metrics, sent, request_id);
             if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                 response.headers_mut().insert("x-kvroute-replica", v);
             }
@@ -205,8 +207,10 @@ fn build_request(
 }
 
 /// The upstream response, with the body tracked and hop-by-hop headers removed.
+#[allow(clippy::too_many_arguments)]
 fn wrap(
     response: Response<Incoming>,
+    lease: Lease,
     guard: LoadGuard,
     upstream: Arc<Upstream>,
     config: &ForwardConfig,
@@ -233,6 +237,7 @@ fn wrap(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
     let hooks = Box::new(ResponseHooks {
+        lease,
         guard,
         realized_cached_tokens: metrics.realized_cached_tokens.clone(),
         upstream_ttfb_seconds: metrics.upstream_ttfb_seconds.clone(),
@@ -243,8 +248,9 @@ fn wrap(
     Response::from_parts(parts, body)
 }
 
-/// Releases a request's load and records what its response showed.
+/// Releases a request's load and its connection, and records what its response showed.
 struct ResponseHooks {
+    lease: Lease,
     guard: LoadGuard,
     realized_cached_tokens: Counter,
     upstream_ttfb_seconds: Histogram,
@@ -257,9 +263,12 @@ impl Hooks for ResponseHooks {
         self.upstream_ttfb_seconds.observe(self.sent.elapsed().as_secs_f64());
     }
 
-    fn finish(self: Box<Self>, cached_tokens: Option<u64>, _completed: bool) {
+    fn finish(self: Box<Self>, cached_tokens: Option<u64>, completed: bool) {
         if let Some(n) = cached_tokens {
             self.realized_cached_tokens.inc_by(n);
+        }
+        if completed {
+            self.lease.release();
         }
         drop(self.guard);
     }

@@ -9,13 +9,15 @@
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //!
-//! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`prompts`] (tokenization
-//! modes), [`route`] (the decision path), [`upstream`] (per-replica load and health).
+//! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`pool`] (upstream
+//! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`route`] (the decision path), [`upstream`] (per-replica
+//! load and health).
 
 pub mod body;
 pub mod error;
 pub mod forward;
 pub mod health;
+pub mod pool;
 pub mod prompts;
 pub mod route;
 pub mod upstream;
@@ -40,14 +42,14 @@ use crate::metrics::{CodeLabel, ErrorLabel};
 use body::{BoxError, ProxyBody, full};
 use error::ProxyError;
 use forward::ForwardConfig;
-use prompts::Client;
+use pool::Pool;
 use route::{Decider, RequestLimits};
 
 /// Everything the request path shares.
 pub struct ProxyState {
     pub decider: Decider,
-    /// Makes an upstream client (a connection pool): one per HTTP thread.
-    pub new_client: Box<dyn Fn() -> Client + Send + Sync>,
+    /// Makes an upstream connection pool: one per HTTP thread.
+    pub new_pool: Box<dyn Fn() -> Pool + Send + Sync>,
     pub forward: ForwardConfig,
     pub registry: Arc<Registry>,
     pub max_body_bytes: usize,
@@ -85,10 +87,8 @@ pub async fn serve(
 ) {
     let make_handler = || {
         let state = state.clone();
-        // Shared by the thread's requests: one reference count per request, not the
-        // client's own several.
-        let client = Arc::new((state.new_client)());
-        move |req| handle(state.clone(), client.clone(), req)
+        let pool = Arc::new((state.new_pool)());
+        move |req| handle(state.clone(), pool.clone(), req)
     };
     let served = kvroute_proto::serve::serve_on_threads(listener, threads, make_handler, limits, shutdown);
     if let Err(e) = served.await {
@@ -96,9 +96,9 @@ pub async fn serve(
     }
 }
 
-async fn handle(state: Arc<ProxyState>, client: Arc<Client>, req: Request<Incoming>) -> Response<ProxyBody> {
+async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>) -> Response<ProxyBody> {
     let request_id = request_id(&req);
-    let response = match dispatch(&state, &client, req, &request_id).await {
+    let response = match dispatch(&state, &pool, req, &request_id).await {
         Ok(response) => response,
         Err(e) => {
             state.decider.metrics.errors.get_or_create(&ErrorLabel { kind: e.label() }).inc();
@@ -114,7 +114,7 @@ async fn handle(state: Arc<ProxyState>, client: Arc<Client>, req: Request<Incomi
 
 async fn dispatch(
     state: &Arc<ProxyState>,
-    client: &Client,
+    pool: &Arc<Pool>,
     req: Request<Incoming>,
     request_id: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
@@ -122,10 +122,10 @@ async fn dispatch(
     let method = req.method().clone();
     match (method, path.as_str()) {
         (Method::POST, "/v1/completions") => {
-            routed(state, client, req, Endpoint::Completions, request_id).await
+            routed(state, pool, req, Endpoint::Completions, request_id).await
         }
         (Method::POST, "/v1/chat/completions") => {
-            routed(state, client, req, Endpoint::ChatCompletions, request_id).await
+            routed(state, pool, req, Endpoint::ChatCompletions, request_id).await
         }
         (Method::GET, "/v1/models") => Ok(json(StatusCode::OK, models(state))),
         (Method::GET, "/health") => Ok(Response::new(full(Bytes::new()))),
@@ -142,7 +142,7 @@ async fn dispatch(
             _,
             "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health" | "/ready" | "/metrics",
         ) => Err(ProxyError::MethodNotAllowed(req.method().to_string())),
-        (_, p) if p.starts_with("/v1/") => passthrough(state, client, req, request_id).await,
+        (_, p) if p.starts_with("/v1/") => passthrough(state, pool, req, request_id).await,
         _ => Err(ProxyError::NotFound(path)),
     }
 }
@@ -150,7 +150,7 @@ async fn dispatch(
 /// A completion or chat request: read, decide, forward.
 async fn routed(
     state: &Arc<ProxyState>,
-    client: &Client,
+    pool: &Arc<Pool>,
     req: Request<Incoming>,
     endpoint: Endpoint,
     request_id: &str,
@@ -165,8 +165,7 @@ async fn routed(
     let plan = state.decider.decide_within(endpoint, &body, &state.limits).await?;
     state.decider.metrics.in_flight.inc();
     let result =
-        forward::routed(client, &state.forward, &state.decider.metrics, &plan, &parts, body, request_id)
-            .await;
+        forward::routed(pool, &state.forward, &state.decider.metrics, &plan, &parts, body, request_id).await;
     state.decider.metrics.in_flight.dec();
     result
 }
@@ -174,7 +173,7 @@ async fn routed(
 /// Any other `/v1/*` request: streamed to the least-loaded eligible replica.
 async fn passthrough(
     state: &Arc<ProxyState>,
-    client: &Client,
+    pool: &Arc<Pool>,
     req: Request<Incoming>,
     request_id: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
@@ -191,7 +190,7 @@ async fn passthrough(
         return Err(ProxyError::BodyTooLarge { limit: state.max_body_bytes });
     }
     let body = Limited::new(body, state.max_body_bytes).map_err(BoxError::from).boxed_unsync();
-    forward::streamed(client, &state.forward, &state.decider.metrics, &member, &parts, body, request_id).await
+    forward::streamed(pool, &state.forward, &state.decider.metrics, &member, &parts, body, request_id).await
 }
 
 fn content_length(parts: &http::request::Parts) -> Option<usize> {
