@@ -16,23 +16,21 @@
 # closed port: no events ever arrive, so after `fallback` they are FALLBACK and routed on
 # load alone (the decision path still parses, tokenizes, hashes and looks up every request).
 #
-# Measured on the 2-core shared dev machine (three runs, requests/s; wrk, both backends and
-# the proxy share the two cores, so throughput is set by each proxy's CPU time per request):
-#   nginx 60.5 k / 57.6 k / 67.1 k (p99 4.3 / 4.1 / 3.1 ms);
-#   kvroute round-robin 44.4 k / 50.8 k / 48.3 k (0.73x / 0.88x / 0.72x, p99 2.6 / 2.5 / 3.3 ms),
-#   cache-aware 48.9 k / 46.2 k / 49.4 k (0.81x / 0.80x / 0.74x, p99 2.6 / 2.7 / 2.7 ms).
-# A fourth run: nginx 54.8 k, kvroute 0.90x / 0.82x; one connection at a time, p50 (p99)
-# direct 61 (95) µs, through nginx 83 (190), through kvroute 94 (253) round-robin and
-# 96 (294) cache-aware: nginx adds 22 µs, kvroute 33-35 µs.
-# A bare forwarder on the same accept loop and upstream client (hyper server, hyper-util
-# client, no decision, no metrics; not in the repo) used 20-23 µs of CPU a request and
-# reached 0.73-0.84x: hyper's per-request machinery is most of what separates kvroute from
-# nginx, kvroute's own work (decision, load accounting, usage sniffing) about 2-3 µs.
-# Per request (CPU ticks from /proc over a run): nginx's two workers about 14-18 µs, kvroute
-# about 22 µs, of which about 13 µs in the kernel (loopback sends and the wake-ups they
-# cause, as for nginx) and 9 µs in user space (hyper server and client, the decision, the
-# body tracking) against nginx's 3. Before one single-threaded runtime per core and
-# mimalloc: 0.58-0.62x, with most of the difference in threads waking one another.
+# Measured on the 2-core shared dev machine, where run-to-run noise is about ±10%: wrk, both
+# backends and the proxy share the two cores, so throughput follows each proxy's CPU time
+# per request (read from /proc over a run: nginx's two workers 14-18 µs, kvroute 20-24 µs).
+#   Throughput, kvroute / nginx: 0.63-0.90x over six runs of this script (nginx 54.8-67.1 k
+#   requests/s), 0.68-0.82x over four more paired runs; p99 under load 2.5-4.3 ms for
+#   kvroute, 3.1-4.7 ms for nginx.
+#   Added latency, one connection at a time (p50): nginx +22 to +34 µs, kvroute +30 to +52 µs.
+# Where the difference is: kernel time is about the same for both (loopback sends and the
+# wake-ups they cause, ~12-13 µs); user time is ~3 µs for nginx and ~8-9 µs for kvroute. A
+# bare forwarder on the same accept loop (hyper server, hyper-util client, no decision, no
+# metrics; not in the repo) used 20-23 µs a request: hyper's per-request machinery is most
+# of it, kvroute's own work (decision, load accounting, usage sniffing) 2-3 µs. Steps taken:
+# one single-threaded runtime per core and mimalloc (0.58-0.62x before), then a per-thread
+# upstream pool that returns connections when the body ends (~1.5 µs less a request, +7%
+# requests/s over eight paired runs).
 #
 # Usage: router/benches/proxy_vs_nginx.sh   (env: DURATION=10s CONNECTIONS=64 THREADS=1 BACKENDS=2)
 # Needs root or sudo for `apt-get install -y nginx wrk` when they are missing.
