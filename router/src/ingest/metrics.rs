@@ -3,7 +3,7 @@
 //! reasons and repair outcomes as fixed label values, per-replica block counts and stream
 //! state as gauges, and the index's size read at scrape time.
 //!
-//! A removed replica's label sets are deleted ([`IngestMetrics::forget`]), so metrics do not
+//! A removed replica's label sets are deleted (`IngestMetrics::forget`), so metrics do not
 //! grow with replica churn.
 
 use prometheus_client::collector::Collector;
