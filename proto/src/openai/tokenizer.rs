@@ -70,16 +70,18 @@ impl Builtin {
     /// Splits `text` into pieces and calls `emit` with each piece's id.
     ///
     /// Works on bytes: ASCII characters are classified by table, and only non-ASCII ones
-    /// are decoded to `char`. Pieces are hashed in place.
+    /// are decoded to `char`. Pieces are hashed in place. The usual piece, an ASCII word,
+    /// is cut first ([`ascii_word_at`]); the rules below take everything else.
     fn for_each_id(text: &str, mut emit: impl FnMut(u32)) {
         let bytes = text.as_bytes();
         let mut i = 0;
-        while let Some((class, len)) = class_at(text, i) {
+        while i < bytes.len() {
             if let Some(end) = ascii_word_at(bytes, i) {
                 emit(piece_id(&bytes[i..end]));
                 i = end;
                 continue;
             }
+            let Some((class, len)) = class_at(text, i) else { break };
             if let Some((id, len)) = special_at(&bytes[i..]) {
                 emit(id);
                 i += len;
