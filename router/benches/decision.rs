@@ -21,19 +21,20 @@
 //!
 //! | prompt | decision p50 | p99 | parse | tokenize | hash | lookup |
 //! |---|---|---|---|---|---|---|
-//! | text/1024 | 11.3 | 11.6 | 1.2 | 6.0 | 0.4 | 0.2 |
-//! | ids/1024 | 7.8 | 7.9 | 3.6 | 0.4 | 0.4 | 0.2 |
-//! | text/8192 | 65.3 | 82.7 | 9.0 | 47.1 | 2.6 | 1.9 |
-//! | ids/8192 | 36.9 | 52.6 | 26.5 | 2.4 | 2.6 | 1.8 |
+//! | text/1024 | 10.6 | 15.7 | 1.3 | 5.4 | 0.4 | 0.2 |
+//! | ids/1024 | 8.0 | 10.1 | 3.7 | 0.6 | 0.4 | 0.2 |
+//! | text/8192 | 59.6 | 81.4 | 9.8 | 42.6 | 2.7 | 2.3 |
+//! | ids/8192 | 39.1 | 56.7 | 28.2 | 2.5 | 2.7 | 2.3 |
 //!
 //! History at 8 k (p50 / p99): text 185 / 366 and ids 214 / 1437 at first; 73.8 / 103.5 and
 //! 124.6 / 165.3 after the byte-level tokenizer and a plain-id reader behind serde's raw
 //! value; now one pass over the body's top level reads the ids as it meets them (parse 109
 //! -> 26.5 µs, about 3 ns an id; compact arrays are classified 64 bytes at a time) and text prompts once (14 -> 8 µs), and the chosen replica is
-//! credited only with blocks its index does not show. p99 moves by several µs from run to
-//! run on this machine; p50 is the steadier figure. What is left at 8 k text is the
-//! tokenizer (about 6 ns a piece: scanning and one xxh3 per piece); at 8 k ids, reading the
-//! ids.
+//! credited only with blocks its index does not show, and the tokenizer cuts ASCII words
+//! before trying its general rules (tokenize 48 -> 42 µs). p99 moves by several µs from run
+//! to run on this machine (ids/8192 p99 52.6-58.0 over five runs); p50 is the steadier
+//! figure. What is left at 8 k text is the tokenizer (about 5 ns a piece: scanning and one
+//! xxh3 per piece); at 8 k ids, reading the ids.
 
 use std::future::Future;
 use std::hint::black_box;
