@@ -28,13 +28,14 @@
 //!
 //! History at 8 k (p50 / p99): text 185 / 366 and ids 214 / 1437 at first; 73.8 / 103.5 and
 //! 124.6 / 165.3 after the byte-level tokenizer and a plain-id reader behind serde's raw
-//! value; now one pass over the body's top level reads the ids as it meets them (parse 109
-//! -> 26.5 µs, about 3 ns an id; compact arrays are classified 64 bytes at a time) and text prompts once (14 -> 8 µs), and the chosen replica is
-//! credited only with blocks its index does not show, and the tokenizer cuts ASCII words
-//! before trying its general rules (tokenize 48 -> 42 µs). p99 moves by several µs from run
-//! to run on this machine (ids/8192 p99 52.6-58.0 over five runs); p50 is the steadier
-//! figure. What is left at 8 k text is the tokenizer (about 5 ns a piece: scanning and one
-//! xxh3 per piece); at 8 k ids, reading the ids.
+//! value. Since: one pass over the body's top level reads token ids as it meets them (parse
+//! 109 -> 26.5-28 µs, about 3 ns an id; compact arrays are classified 64 bytes at a time)
+//! and text prompts once (14 -> 8-10 µs); the chosen replica is credited only with blocks its
+//! index does not show; the tokenizer cuts ASCII words before trying its general rules
+//! (tokenize 48 -> 42 µs). p99 moves by several µs from run to run on this machine
+//! (ids/8192: 52.6-58.0 over five runs); p50 is the steadier figure. What is left at 8 k
+//! text is the tokenizer (about 5 ns a piece: scanning and one xxh3 per piece); at 8 k ids,
+//! reading the ids.
 
 use std::future::Future;
 use std::hint::black_box;
