@@ -23,6 +23,10 @@
 #   requests/s), 0.68-0.82x over four more paired runs; p99 under load 2.5-4.3 ms for
 #   kvroute, 3.1-4.7 ms for nginx.
 #   Added latency, one connection at a time (p50): nginx +22 to +34 µs, kvroute +30 to +52 µs.
+#   A three-round run of this version of the script, in a slower spell of the machine:
+#   median 0.71x round-robin, 0.70x cache-aware (rounds 0.67-0.82x), added latency nginx +27,
+#   kvroute +72-74 µs (single connections were slower for both the pre-pool and the current
+#   build at that time: ~130-170 µs mean).
 # Where the difference is: kernel time is about the same for both (loopback sends and the
 # wake-ups they cause, ~12-13 µs); user time is ~3 µs for nginx and ~8-9 µs for kvroute. A
 # bare forwarder on the same accept loop (hyper server, hyper-util client, no decision, no
@@ -32,11 +36,13 @@
 # upstream pool that returns connections when the body ends (~1.5 µs less a request, +7%
 # requests/s over eight paired runs).
 #
-# Usage: router/benches/proxy_vs_nginx.sh   (env: DURATION=10s CONNECTIONS=64 THREADS=1 BACKENDS=2)
+# Usage: router/benches/proxy_vs_nginx.sh
+#   (env: DURATION=10s ROUNDS=3 CONNECTIONS=64 THREADS=1 BACKENDS=2; about 3 minutes)
 # Needs root or sudo for `apt-get install -y nginx wrk` when they are missing.
 set -euo pipefail
 
 DURATION=${DURATION:-10s}
+ROUNDS=${ROUNDS:-3}
 CONNECTIONS=${CONNECTIONS:-64}
 THREADS=${THREADS:-1}
 BACKENDS=${BACKENDS:-2}
@@ -126,50 +132,78 @@ wait_http() {
 wait_http "http://127.0.0.1:$(port_of_backend 1)/health"
 wait_http "http://127.0.0.1:$NGINX_PORT/health"
 
-declare -A RPS P50 P99 COUNT BAD ONE_P50 ONE_P99
+# Each target is measured ROUNDS times, the targets taking turns, so that a slow spell of the
+# machine falls on all of them; the table shows medians, and each round's kvroute/nginx ratio
+# is taken within the round.
+declare -A RPS P50 P99 BAD RATIO ONE_P50 ONE_P99
+TARGETS=(direct nginx kvroute-round-robin kvroute-cache-aware)
+declare -A URL=(
+    [direct]="http://127.0.0.1:$(port_of_backend 1)/v1/completions"
+    [nginx]="http://127.0.0.1:$NGINX_PORT/v1/completions"
+    [kvroute-round-robin]="http://127.0.0.1:$KVROUTE_PORT/v1/completions"
+    [kvroute-cache-aware]="http://127.0.0.1:$((KVROUTE_PORT + 1))/v1/completions"
+)
+
+# One throughput run of target $1: appends its requests/s, p50, p99 and errors.
 measure() {
-    local name=$1 url=$2
-    wrk -t"$THREADS" -c"$CONNECTIONS" -d2s -s "$WORK/post.lua" "$url" >/dev/null # warm-up
-    local line
-    line=$(wrk -t"$THREADS" -c"$CONNECTIONS" -d"$DURATION" -s "$WORK/post.lua" "$url" | grep '^RESULT')
-    read -r _ RPS[$name] P50[$name] P99[$name] COUNT[$name] BAD[$name] <<<"$line"
-    # Added latency: one connection, one request at a time, nothing queued anywhere.
-    line=$(wrk -t1 -c1 -d"$DURATION" -s "$WORK/post.lua" "$url" | grep '^RESULT')
-    read -r _ _ ONE_P50[$name] ONE_P99[$name] _ _ <<<"$line"
+    local name=$1 line rps p50 p99 bad
+    wrk -t"$THREADS" -c"$CONNECTIONS" -d2s -s "$WORK/post.lua" "${URL[$name]}" >/dev/null # warm-up
+    line=$(wrk -t"$THREADS" -c"$CONNECTIONS" -d"$DURATION" -s "$WORK/post.lua" "${URL[$name]}" | grep '^RESULT')
+    read -r _ rps p50 p99 _ bad <<<"$line"
+    RPS[$name]+="$rps "
+    P50[$name]+="$p50 "
+    P99[$name]+="$p99 "
+    BAD[$name]=$((${BAD[$name]:-0} + bad))
 }
 
+# Added latency of target $1: one connection, one request at a time, nothing queued.
+latency() {
+    local line
+    line=$(wrk -t1 -c1 -d"$DURATION" -s "$WORK/post.lua" "${URL[$1]}" | grep '^RESULT')
+    read -r _ _ ONE_P50[$1] ONE_P99[$1] _ _ <<<"$line"
+}
+
+median() { tr ' ' '\n' | grep . | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+range() { tr ' ' '\n' | grep . | sort -g | awk 'NR == 1 { lo = $1 } { hi = $1 } END { printf "%s-%s", lo, hi }'; }
+
 router() {
-    local policy=$1 replicas=()
+    local policy=$1 port=$2 replicas=()
     for i in $(seq 1 "$BACKENDS"); do
         replicas+=(--replica "name=b$i,http=http://127.0.0.1:$(port_of_backend "$i"),events=tcp://127.0.0.1:9,engine=kvroute")
     done
-    RUST_LOG=warn "$ROUTER" --listen "127.0.0.1:$KVROUTE_PORT" --admin-listen 127.0.0.1:0 \
+    RUST_LOG=warn "$ROUTER" --listen "127.0.0.1:$port" --admin-listen 127.0.0.1:0 \
         --policy "$policy" "${replicas[@]}" >"$WORK/router-$policy.log" 2>&1 &
-    ROUTER_PID=$!
-    PIDS+=("$ROUTER_PID")
-    wait_http "http://127.0.0.1:$KVROUTE_PORT/health"
+    PIDS+=("$!")
+    wait_http "http://127.0.0.1:$port/health"
 }
 
-measure direct "http://127.0.0.1:$(port_of_backend 1)/v1/completions"
-measure nginx "http://127.0.0.1:$NGINX_PORT/v1/completions"
-for policy in round-robin cache-aware; do
-    router "$policy"
-    measure "kvroute-$policy" "http://127.0.0.1:$KVROUTE_PORT/v1/completions"
-    kill "$ROUTER_PID"
-    wait "$ROUTER_PID" 2>/dev/null || true
+router round-robin "$KVROUTE_PORT"
+router cache-aware "$((KVROUTE_PORT + 1))"
+for round in $(seq 1 "$ROUNDS"); do
+    for name in "${TARGETS[@]}"; do
+        measure "$name"
+    done
+    nginx_rps=$(echo "${RPS[nginx]}" | awk '{ print $NF }')
+    for name in "${TARGETS[@]}"; do
+        RATIO[$name]+="$(echo "${RPS[$name]}" | awk -v n="$nginx_rps" '{ printf "%.2f", $NF / n }') "
+    done
+done
+for name in "${TARGETS[@]}"; do
+    latency "$name"
 done
 
 echo
-echo "POST /v1/completions, wrk -t$THREADS -c$CONNECTIONS -d$DURATION, $BACKENDS backend ports, $(nproc) cores"
-printf '%-22s %12s %10s %10s %10s %8s %12s\n' run "requests/s" "p50 µs" "p99 µs" requests errors "vs nginx"
-for name in direct nginx kvroute-round-robin kvroute-cache-aware; do
-    printf '%-22s %12s %10s %10s %10s %8s %11.2fx\n' "$name" "${RPS[$name]}" "${P50[$name]}" \
-        "${P99[$name]}" "${COUNT[$name]}" "${BAD[$name]}" "$(awk "BEGIN { print ${RPS[$name]} / ${RPS[nginx]} }")"
+echo "POST /v1/completions, wrk -t$THREADS -c$CONNECTIONS -d$DURATION, $ROUNDS rounds, $BACKENDS backend ports, $(nproc) cores"
+printf '%-22s %12s %16s %10s %10s %8s %10s %12s\n' run "requests/s" "range" "p50 µs" "p99 µs" errors "vs nginx" "range"
+for name in "${TARGETS[@]}"; do
+    printf '%-22s %12.0f %16s %10.0f %10.0f %8s %9.2fx %12s\n' "$name" "$(median <<<"${RPS[$name]}")" \
+        "$(range <<<"${RPS[$name]}")" "$(median <<<"${P50[$name]}")" "$(median <<<"${P99[$name]}")" \
+        "${BAD[$name]}" "$(median <<<"${RATIO[$name]}")" "$(range <<<"${RATIO[$name]}")"
 done
 echo
 echo "one connection, one request at a time (latency a proxy adds, µs):"
 printf '%-22s %10s %10s %14s\n' run "p50 µs" "p99 µs" "added p50 µs"
-for name in direct nginx kvroute-round-robin kvroute-cache-aware; do
+for name in "${TARGETS[@]}"; do
     printf '%-22s %10s %10s %14s\n' "$name" "${ONE_P50[$name]}" "${ONE_P99[$name]}" \
         "$(awk "BEGIN { print ${ONE_P50[$name]} - ${ONE_P50[direct]} }")"
 done
