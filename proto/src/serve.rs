@@ -123,6 +123,7 @@ where
             let (finished, on_finish) = tokio::sync::oneshot::channel::<()>();
             std::thread::Builder::new().name(format!("http-{i}")).spawn(move || {
                 runtime.block_on(async move {
+                    tokio::spawn(keep_timer_deadline_near(stop.clone()));
                     match TcpListener::from_std(listener) {
                         Ok(listener) => {
                             accept_loop(listener, handler, &limits, &slots, &connections, &stop).await
@@ -151,6 +152,24 @@ where
         let _ = d.await;
     }
     failed.map_or(Ok(()), Err)
+}
+
+/// Keeps a timer due within the second on the current runtime until `stop` fires.
+///
+/// tokio wakes its driver (an eventfd write and one more epoll event) whenever a new timer is
+/// due before the driver's current wake-up deadline. A proxy registers timers on every
+/// request (hyper's header-read timeout, the first-byte and idle timeouts), all due seconds
+/// away; with nothing sooner pending, each one moved the deadline closer and cost that wake-up.
+/// With this tick pending they never do.
+async fn keep_timer_deadline_near(stop: CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+    }
 }
 
 /// Accepts connections until `shutdown` fires, serving each on a task of the current runtime
