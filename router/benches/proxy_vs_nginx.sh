@@ -23,10 +23,13 @@
 #   requests/s), 0.68-0.82x over four more paired runs; p99 under load 2.5-4.3 ms for
 #   kvroute, 3.1-4.7 ms for nginx.
 #   Added latency, one connection at a time (p50): nginx +22 to +34 µs, kvroute +30 to +52 µs.
-#   A three-round run of this version of the script, in a slower spell of the machine:
-#   median 0.71x round-robin, 0.70x cache-aware (rounds 0.67-0.82x), added latency nginx +27,
-#   kvroute +72-74 µs (single connections were slower for both the pre-pool and the current
-#   build at that time: ~130-170 µs mean).
+#   Three-round runs of this version of the script: medians 0.65-0.71x (rounds 0.64-0.87x),
+#   added latency nginx +27 to +36 µs, kvroute +54 to +74 µs, in a slower spell of the
+#   machine (single connections were slower for every build then).
+#   Paired with the build this work started from, three rounds against the same nginx:
+#   0.54-0.59x and 27-35 µs of CPU a request before, 0.68-0.81x and 21.6-22.6 µs after.
+#   One connection at a time, a half-second tick on each thread took ~10 µs off each request
+#   (tokio woke its own driver whenever a request's timers were the soonest).
 # Where the difference is: kernel time is about the same for both (loopback sends and the
 # wake-ups they cause, ~12-13 µs); user time is ~3 µs for nginx and ~8-9 µs for kvroute. A
 # bare forwarder on the same accept loop (hyper server, hyper-util client, no decision, no
