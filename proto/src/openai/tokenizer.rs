@@ -36,6 +36,8 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::error::{LoadError, RequestError};
 
+mod plain;
+
 /// Turns text into token ids. Implementations must be deterministic: the router and every
 /// replica agent must get the same ids for the same text.
 pub trait Tokenizer: Send + Sync + fmt::Debug {
@@ -70,42 +72,51 @@ impl Builtin {
     /// Splits `text` into pieces and calls `emit` with each piece's id.
     ///
     /// Works on bytes: ASCII characters are classified by table, and only non-ASCII ones
-    /// are decoded to `char`. Pieces are hashed in place. The usual piece, an ASCII word,
-    /// is cut first ([`ascii_word_at`]); the rules below take everything else.
+    /// are decoded to `char`. Pieces are hashed in place. Plain text (ASCII words, single
+    /// spaces, punctuation) is cut 64 bytes at a time ([`plain::cut`]); where it stops,
+    /// [`general_piece_at`] takes pieces until it is past the byte that stopped it.
     fn for_each_id(text: &str, mut emit: impl FnMut(u32)) {
         let bytes = text.as_bytes();
         let mut i = 0;
         while i < bytes.len() {
-            if let Some(end) = ascii_word_at(bytes, i) {
-                emit(piece_id(&bytes[i..end]));
+            let (start, stop) = plain::cut(bytes, i, |start, end| emit(piece_id(&bytes[start..end])));
+            i = start;
+            while i < bytes.len() && i <= stop {
+                let (end, special) = general_piece_at(text, i);
+                emit(special.unwrap_or_else(|| piece_id(&bytes[i..end])));
                 i = end;
-                continue;
             }
-            let Some((class, len)) = class_at(text, i) else { break };
-            if let Some((id, len)) = special_at(&bytes[i..]) {
-                emit(id);
-                i += len;
-                continue;
-            }
-            let start = i;
-            if bytes[i] == b' '
-                && let Some((class, len)) = unit_at(text, i + 1)
-            {
-                i = unit_end(text, i + 1, class, len);
-            } else if class != Class::Space {
-                i = unit_end(text, i, class, len);
-            } else {
-                i += len;
-                while let Some((class, len)) = class_at(text, i) {
-                    if class != Class::Space || (bytes[i] == b' ' && unit_at(text, i + 1).is_some()) {
-                        break;
-                    }
-                    i += len;
-                }
-            }
-            emit(piece_id(&bytes[start..i]));
         }
     }
+}
+
+/// The piece at byte `i` by the general rules, as its end and, for a special token, its
+/// id.
+fn general_piece_at(text: &str, mut i: usize) -> (usize, Option<u32>) {
+    let bytes = text.as_bytes();
+    if let Some(end) = ascii_word_at(bytes, i) {
+        return (end, None);
+    }
+    if let Some((id, len)) = special_at(&bytes[i..]) {
+        return (i + len, Some(id));
+    }
+    let Some((class, len)) = class_at(text, i) else { return (bytes.len(), None) };
+    if bytes[i] == b' '
+        && let Some((class, len)) = unit_at(text, i + 1)
+    {
+        i = unit_end(text, i + 1, class, len);
+    } else if class != Class::Space {
+        i = unit_end(text, i, class, len);
+    } else {
+        i += len;
+        while let Some((class, len)) = class_at(text, i) {
+            if class != Class::Space || (bytes[i] == b' ' && unit_at(text, i + 1).is_some()) {
+                break;
+            }
+            i += len;
+        }
+    }
+    (i, None)
 }
 
 /// `R + xxh3_64(piece) % (V - R)`.
@@ -453,6 +464,30 @@ mod tests {
                     proptest::string::string_regex("\\PC{0,8}").unwrap(),
                 ],
                 0..24,
+            )
+        ) {
+            let text = parts.concat();
+            proptest::prop_assert_eq!(pieces(&text), reference(&text), "{:?}", text);
+        }
+    }
+
+    proptest::proptest! {
+        /// Mostly plain text, long enough for several 64-byte windows, with now and then
+        /// something a window does not vouch for.
+        #[test]
+        fn plain_text_matches_the_reference(
+            parts in proptest::collection::vec(
+                proptest::prop_oneof![
+                    8 => proptest::string::string_regex("[a-zA-Z0-9]{1,12}").unwrap(),
+                    6 => proptest::strategy::Just(" ".to_string()),
+                    3 => proptest::string::string_regex("[.,!?;:'()\\-\\x00\\x7f]").unwrap(),
+                    1 => proptest::string::string_regex("[a-zA-Z0-9]{15,34}").unwrap(),
+                    1 => proptest::sample::select(vec![
+                        "  ".to_string(), "   ".into(), "\n".into(), " \t".into(), "<|im_end|>".into(),
+                        "é".into(), "<".into(), " <|".into(), "東京".into(),
+                    ]),
+                ],
+                0..160,
             )
         ) {
             let text = parts.concat();
