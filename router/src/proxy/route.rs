@@ -164,6 +164,7 @@ impl Decider {
         first_prompt_tokens: usize,
     ) -> Plan {
         let overlaps = self.index.lookup(&blocks);
+        let now = tokio::time::Instant::now();
         let views: Vec<(ReplicaView, usize, Option<&'static str>)> = members
             .iter()
             .map(|m| {
@@ -181,7 +182,7 @@ impl Decider {
                 let view = ReplicaView {
                     id: m.replica.id,
                     overlap_blocks: overlap,
-                    load: m.upstream.load(),
+                    load: m.upstream.load_at(now),
                     stream: PbState::from(state),
                     eligible: ineligible.is_none(),
                 };

@@ -55,6 +55,9 @@ pub struct Upstream {
     /// Passed its last active health check (true until the first check says otherwise).
     healthy: AtomicBool,
     draining: AtomicBool,
+    /// Set while `ejected_until` holds a time, so a decision checks a flag, not a lock and
+    /// the clock, for each replica that is not ejected.
+    ejected: AtomicBool,
     ejected_until: Mutex<Option<Instant>>,
     pub ejections: AtomicU64,
 }
@@ -70,6 +73,7 @@ impl Default for Upstream {
             consecutive_failures: AtomicU32::new(0),
             healthy: AtomicBool::new(true),
             draining: AtomicBool::new(false),
+            ejected: AtomicBool::new(false),
             ejected_until: Mutex::new(None),
             ejections: AtomicU64::new(0),
         }
@@ -78,11 +82,16 @@ impl Default for Upstream {
 
 impl Upstream {
     pub fn load(&self) -> Load {
+        self.load_at(Instant::now())
+    }
+
+    /// [`Self::load`] as of `now` (one clock reading serves a whole decision).
+    pub fn load_at(&self, now: Instant) -> Load {
         Load {
             in_flight: self.in_flight.load(Ordering::Relaxed),
             pending_prefill_tokens: self.pending_prefill.load(Ordering::Relaxed),
             reported_waiting: self.reported_waiting.load(Ordering::Relaxed),
-            recent_prompt_tokens: self.recent().tokens(self.epoch.elapsed()),
+            recent_prompt_tokens: self.recent().tokens(now.saturating_duration_since(self.epoch)),
         }
     }
 
@@ -108,11 +117,15 @@ impl Upstream {
     }
 
     fn is_ejected(&self) -> bool {
+        if !self.ejected.load(Ordering::Acquire) {
+            return false;
+        }
         let mut until = self.ejected_until.lock().unwrap_or_else(|e| e.into_inner());
         match *until {
             Some(t) if Instant::now() < t => true,
             Some(_) => {
                 *until = None;
+                self.ejected.store(false, Ordering::Release);
                 false
             }
             None => false,
@@ -139,6 +152,7 @@ impl Upstream {
             let mut until = self.ejected_until.lock().unwrap_or_else(|e| e.into_inner());
             if until.is_none() {
                 *until = Some(Instant::now() + ejection);
+                self.ejected.store(true, Ordering::Release);
                 self.ejections.fetch_add(1, Ordering::Relaxed);
                 // After the ejection one more failure ejects again; one success clears it.
                 self.consecutive_failures.store(eject_after.saturating_sub(1), Ordering::Relaxed);
