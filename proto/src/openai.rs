@@ -226,7 +226,7 @@ impl Tokenization {
     fn check_range(&self, ids: &[u32]) -> Result<(), RequestError> {
         let vocab_size = self.tokenizer.vocab_size();
         // A pass without an exit per id (it vectorizes), then the first culprit if any.
-        if ids.iter().fold(0, |max, &id| max.max(id)) < vocab_size {
+        if !ids.iter().fold(false, |out, &id| out | (id >= vocab_size)) {
             return Ok(());
         }
         match ids.iter().find(|&&id| id >= vocab_size) {
