@@ -191,8 +191,8 @@ fn cases() -> Vec<Case> {
 fn percentiles(bench: &Bench, cases: &[Case]) {
     println!("decision path, single decisions timed with Instant (16 replicas, cache-aware):");
     println!(
-        "{:<10} {:>8} {:>10} {:>10} {:>10} {:>10}",
-        "prompt", "blocks", "p50 µs", "p90 µs", "p99 µs", "p99.9 µs"
+        "{:<10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>14}",
+        "prompt", "blocks", "p50 µs", "p90 µs", "p99 µs", "p99.9 µs", "loop p99 µs"
     );
     for case in cases {
         let blocks =
@@ -200,27 +200,64 @@ fn percentiles(bench: &Bench, cases: &[Case]) {
         for _ in 0..500 {
             black_box(bench.decide(&case.body));
         }
+        let decisions = Quantiles::time(|| {
+            black_box(bench.decide(black_box(&case.body)));
+        });
+        let rounds = spin_rounds_for(decisions.at(0.5));
+        let spin = Quantiles::time(|| {
+            black_box(spin(black_box(rounds)));
+        });
+        println!(
+            "{:<10} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>14.1}",
+            case.name,
+            blocks,
+            decisions.at(0.5),
+            decisions.at(0.9),
+            decisions.at(0.99),
+            decisions.at(0.999),
+            spin.at(0.99),
+        );
+    }
+    println!(
+        "(loop: arithmetic alone, as long as the decision's median: the tail this machine adds to any \
+         computation that long, timer interrupts and the hypervisor)"
+    );
+}
+
+/// 20 000 timings of `f`, sorted.
+struct Quantiles(Vec<Duration>);
+
+impl Quantiles {
+    fn time(mut f: impl FnMut()) -> Self {
         let mut samples: Vec<Duration> = (0..20_000)
             .map(|_| {
                 let t = Instant::now();
-                black_box(bench.decide(black_box(&case.body)));
+                f();
                 t.elapsed()
             })
             .collect();
         samples.sort();
-        let at = |q: f64| {
-            samples[((samples.len() as f64 * q) as usize).min(samples.len() - 1)].as_secs_f64() * 1e6
-        };
-        println!(
-            "{:<10} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
-            case.name,
-            blocks,
-            at(0.5),
-            at(0.9),
-            at(0.99),
-            at(0.999)
-        );
+        Self(samples)
     }
+
+    /// The `q` quantile, µs.
+    fn at(&self, q: f64) -> f64 {
+        self.0[((self.0.len() as f64 * q) as usize).min(self.0.len() - 1)].as_secs_f64() * 1e6
+    }
+}
+
+/// A dependent chain of multiply-adds: compute and nothing else.
+fn spin(rounds: u64) -> u64 {
+    (0..rounds).fold(1u64, |x, i| black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(i)))
+}
+
+/// Rounds of [`spin`] that take about `us` µs (median of 200 runs).
+fn spin_rounds_for(us: f64) -> u64 {
+    let probe = 100_000;
+    let per_round = median_us(200, || {
+        black_box(spin(black_box(probe)));
+    }) / probe as f64;
+    (us / per_round) as u64
 }
 
 /// Median of `f` over `n` runs, µs.
