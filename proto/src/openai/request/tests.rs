@@ -320,6 +320,25 @@ mod fast_path {
         }
     }
 
+    /// Strings the fast path must not take as they are: raw control characters and bytes
+    /// that are not UTF-8 are errors, escapes are decoded; both paths say the same.
+    #[test]
+    fn prompt_strings_only_serde_can_read() {
+        let bodies: [&[u8]; 4] = [
+            b"{\"model\":\"m\",\"prompt\":\"a\tb\"}",
+            b"{\"model\":\"m\",\"prompt\":\"a\xffb\"}",
+            b"{\"model\":\"m\",\"prompt\":\"a\\\"b\\u00e9\"}",
+            b"{\"model\":\"m\",\"prompt\":\"caf\xc3\xa9 \x7f\"}",
+        ];
+        for body in bodies {
+            let fast = CompletionRequest::parse_with(body, true);
+            assert_eq!(outcome(fast), outcome(CompletionRequest::parse_with(body, false)));
+        }
+        assert!(CompletionRequest::parse_with(bodies[0], true).is_err());
+        assert!(CompletionRequest::parse_with(bodies[1], true).is_err());
+        assert!(format!("{:?}", CompletionRequest::parse_with(bodies[2], true)).contains("a\\\"bé"));
+    }
+
     #[test]
     fn the_fast_path_takes_the_usual_bodies() {
         let ids = serde_json::to_string(&(0..5000).collect::<Vec<u32>>()).unwrap();
