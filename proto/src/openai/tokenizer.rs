@@ -75,16 +75,31 @@ impl Builtin {
     /// are decoded to `char`. Pieces are hashed in place. Plain text (ASCII words, single
     /// spaces, punctuation) is cut 64 bytes at a time ([`plain::cut`]); where it stops,
     /// [`general_piece_at`] takes pieces until it is past the byte that stopped it.
-    fn for_each_id(text: &str, mut emit: impl FnMut(u32)) {
-        let bytes = text.as_bytes();
-        let mut i = 0;
-        while i < bytes.len() {
-            let (start, stop) = plain::cut(bytes, i, |start, end| emit(piece_id(&bytes[start..end])));
-            i = start;
-            while i < bytes.len() && i <= stop {
-                let (end, special) = general_piece_at(text, i);
-                emit(special.unwrap_or_else(|| piece_id(&bytes[i..end])));
-                i = end;
+    fn for_each_id(text: &str, emit: impl FnMut(u32)) {
+        plain::cut(text.as_bytes(), &mut Emit { text, emit });
+    }
+}
+
+/// Pieces as ids, to `emit`.
+struct Emit<'a, F> {
+    text: &'a str,
+    emit: F,
+}
+
+impl<F: FnMut(u32)> plain::Pieces for Emit<'_, F> {
+    #[inline(always)]
+    fn piece(&mut self, start: usize, end: usize) {
+        (self.emit)(piece_id(&self.text.as_bytes()[start..end]));
+    }
+
+    fn general(&mut self, mut start: usize, until: usize) -> usize {
+        let bytes = self.text.as_bytes();
+        loop {
+            let (end, special) = general_piece_at(self.text, start);
+            (self.emit)(special.unwrap_or_else(|| piece_id(&bytes[start..end])));
+            start = end;
+            if start > until || start >= bytes.len() {
+                return start;
             }
         }
     }
@@ -92,6 +107,7 @@ impl Builtin {
 
 /// The piece at byte `i` by the general rules, as its end and, for a special token, its
 /// id.
+#[inline(always)]
 fn general_piece_at(text: &str, mut i: usize) -> (usize, Option<u32>) {
     let bytes = text.as_bytes();
     if let Some(end) = ascii_word_at(bytes, i) {
@@ -488,6 +504,28 @@ mod tests {
                     ]),
                 ],
                 0..160,
+            )
+        ) {
+            let text = parts.concat();
+            proptest::prop_assert_eq!(pieces(&text), reference(&text), "{:?}", text);
+        }
+    }
+
+    proptest::proptest! {
+        /// Text where most bytes need the general rules (another script, code indentation,
+        /// chat markup), with plain stretches between: dense blocks and the way back.
+        #[test]
+        fn dense_text_matches_the_reference(
+            parts in proptest::collection::vec(
+                proptest::prop_oneof![
+                    4 => proptest::string::string_regex("[東京数字éüÅ٣😀]{1,24}").unwrap(),
+                    3 => proptest::string::string_regex("[a-zA-Z0-9]{1,10}").unwrap(),
+                    3 => proptest::sample::select(vec![
+                        " ".to_string(), "\n".into(), "    ".into(), "\n\t".into(), " \n".into(),
+                        "<|im_start|>".into(), "<|im_end|>".into(), "<".into(), " <".into(), "(".into(),
+                    ]),
+                ],
+                0..200,
             )
         ) {
             let text = parts.concat();
