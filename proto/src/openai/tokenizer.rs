@@ -488,8 +488,9 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Mostly plain text, long enough for several 64-byte windows, with now and then
-        /// something a window does not vouch for.
+        #![proptest_config(proptest::test_runner::Config::with_cases(1000))]
+        /// Mostly plain text, long enough for several 64-byte blocks, with now and then
+        /// something the blocks do not vouch for.
         #[test]
         fn plain_text_matches_the_reference(
             parts in proptest::collection::vec(
@@ -500,7 +501,8 @@ mod tests {
                     1 => proptest::string::string_regex("[a-zA-Z0-9]{15,34}").unwrap(),
                     1 => proptest::sample::select(vec![
                         "  ".to_string(), "   ".into(), "\n".into(), " \t".into(), "<|im_end|>".into(),
-                        "é".into(), "<".into(), " <|".into(), "東京".into(),
+                        "é".into(), "<".into(), " <|".into(), "東京".into(), " <".into(), "\n <".into(),
+                        " \u{a0}".into(), "\r\n".into(), "\x0b ".into(),
                     ]),
                 ],
                 0..160,

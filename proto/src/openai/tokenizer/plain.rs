@@ -16,6 +16,8 @@
 //! where most bytes need the general rules (most non-English scripts, say) stops being
 //! classified for a while ([`DENSE`]), so it costs little more than the general rules alone.
 
+use super::{ASCII_CLASS, Class};
+
 /// Classification of a 64-byte block: bit `k` of each mask is about byte `k`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Masks {
@@ -23,51 +25,67 @@ struct Masks {
     alnum: u64,
     /// `' '`.
     space: u64,
-    /// Bytes the blocks' rules do not cover: non-ASCII bytes, whitespace other than
-    /// `' '`, and `<`.
-    other: u64,
-    /// Non-ASCII bytes (also in `other`).
+    /// ASCII whitespace (`char::is_whitespace`: \t \n \x0b \x0c \r and the space).
+    ws: u64,
+    /// `<`: a special token may start there.
+    lt: u64,
+    /// Non-ASCII bytes.
     non_ascii: u64,
 }
 
-/// What a block needs to know of the bytes before it.
+/// What a block needs to know of the bytes around it.
 #[derive(Clone, Copy, Default)]
-struct Carry {
+struct Context {
     /// The previous block's letters and digits (none before the first block).
     alnum: u64,
     /// 1 when the byte before the block is a space.
     space: u64,
+    /// 1 when the byte before the block is ASCII whitespace.
+    ws: u64,
+    /// 1 when the byte after the block is ASCII whitespace.
+    next_ws: u64,
+    /// 1 when the byte after the block is not covered (`<`, non-ASCII) or missing.
+    next_other: u64,
 }
 
 impl Masks {
-    /// Piece starts in covered bytes: every space (it takes the unit after it: the
-    /// tokenizer's rule 3), punctuation not after a space, and a word's first letter or
-    /// digit unless it follows a space.
-    fn piece_starts(&self, carry: Carry) -> u64 {
-        let after_space = self.space << 1 | carry.space;
-        let punct = !(self.alnum | self.space | self.other);
-        let word_start = self.alnum & !(self.alnum << 1 | carry.alnum >> 63);
-        self.space | ((punct | word_start) & !after_space)
+    /// Bytes the blocks' rules do not cover.
+    fn other(&self) -> u64 {
+        self.lt | self.non_ascii
     }
 
-    /// Bytes where the blocks stop vouching: those not covered, the second space of two in
-    /// a row (a whitespace run) and a letter or digit with 15 more before it.
-    fn unsure(&self, carry: Carry) -> u64 {
-        let double_space = self.space & (self.space << 1 | carry.space);
+    /// Piece starts in covered bytes: the first byte of a whitespace run; a space before a
+    /// unit (it takes the unit: the tokenizer's rule 3, and a whitespace run stops before
+    /// it: rule 5); punctuation and a word's first letter or digit, unless after a space.
+    fn piece_starts(&self, cx: Context) -> u64 {
+        let after_space = self.space << 1 | cx.space;
+        let ws_start = self.ws & !(self.ws << 1 | cx.ws);
+        let before_ws = self.ws >> 1 | cx.next_ws << 63;
+        let punct = !(self.alnum | self.ws | self.other());
+        let word_start = self.alnum & !(self.alnum << 1 | cx.alnum >> 63);
+        ws_start | (self.space & !before_ws) | ((punct | word_start) & !after_space)
+    }
+
+    /// Bytes where the blocks stop vouching: those not covered, a space before one (it may
+    /// or may not take what follows) and a letter or digit with 15 more before it.
+    fn unsure(&self, cx: Context) -> u64 {
+        let other = self.other();
+        let before_other = other >> 1 | cx.next_other << 63;
         // Bit k of `run` (above 64: this block) stays set while bytes k-2n+1..=k are all
         // letters or digits.
-        let mut run = u128::from(self.alnum) << 64 | u128::from(carry.alnum);
+        let mut run = u128::from(self.alnum) << 64 | u128::from(cx.alnum);
         for n in [1, 2, 4, 8] {
             run &= run << n;
         }
-        self.other | double_space | (run >> 64) as u64
+        other | (self.space & before_other) | (run >> 64) as u64
     }
 
-    /// Unsure bytes that still end the piece before them: ASCII whitespace or `<` with no
-    /// space before it (a word or a punctuation mark ends there; a space would belong to
-    /// a whitespace run or take the `<`).
-    fn ending(&self, carry: Carry) -> u64 {
-        self.other & !self.non_ascii & !(self.space << 1 | carry.space)
+    /// Unsure bytes that still end the piece before them: `<`, and a space before an
+    /// uncovered byte unless after whitespace (a run may take the space). (A `<` after a
+    /// space never gets here: that space is unsure, and comes first.)
+    fn ending(&self, cx: Context) -> u64 {
+        let before_other = self.other() >> 1 | cx.next_other << 63;
+        self.lt | (self.space & before_other & !(self.ws << 1 | cx.ws))
     }
 }
 
@@ -93,12 +111,18 @@ pub(super) trait Pieces {
 #[inline(always)]
 pub(super) fn cut(bytes: &[u8], out: &mut impl Pieces) {
     let (mut start, mut base) = (0usize, 0usize);
-    let mut carry = Carry::default();
+    let mut before = Context::default();
     while let Some(block) = bytes.get(base..base + 64) {
         let masks = classify(block.try_into().expect("64 bytes"));
-        let starts = masks.piece_starts(carry);
-        let unsure_all = masks.unsure(carry);
-        let ending = masks.ending(carry);
+        let next = bytes.get(base + 64).copied();
+        let cx = Context {
+            next_ws: u64::from(next.is_some_and(|b| ASCII_CLASS.get(usize::from(b)) == Some(&Class::Space))),
+            next_other: u64::from(next.is_none_or(|b| b == b'<' || !b.is_ascii())),
+            ..before
+        };
+        let starts = masks.piece_starts(cx);
+        let unsure_all = masks.unsure(cx);
+        let ending = masks.ending(cx);
         loop {
             // Bits at or after the piece start, and after it (all bits when it began in an
             // earlier block).
@@ -126,14 +150,14 @@ pub(super) fn cut(bytes: &[u8], out: &mut impl Pieces) {
             }
         }
         base += 64;
-        carry = Carry { alnum: masks.alnum, space: masks.space >> 63 };
+        before = Context { alnum: masks.alnum, space: masks.space >> 63, ws: masks.ws >> 63, ..before };
         if unsure_all.count_ones() >= DENSE && start < bytes.len() {
             start = out.general(start, start + DENSE_SKIP);
         }
         // A general piece ran past the next block: start afresh where it ended (a piece
         // start needs nothing from the bytes before it).
         if start >= base {
-            (base, carry) = (start, Carry::default());
+            (base, before) = (start, Context::default());
         }
     }
     if start < bytes.len() {
@@ -151,19 +175,20 @@ fn classify(block: &[u8; 64]) -> Masks {
     let within = |x, lo: u8, hi: u8| {
         bitand_m128i(cmp_gt_mask_i8_m128i(x, splat(lo - 1)), cmp_gt_mask_i8_m128i(splat(hi + 1), x))
     };
-    let mut masks = Masks { alnum: 0, space: 0, other: 0, non_ascii: 0 };
+    let mut masks = Masks { alnum: 0, space: 0, ws: 0, lt: 0, non_ascii: 0 };
     for (k, chunk) in block.chunks_exact(16).enumerate() {
         let v = load_unaligned_m128i(chunk.try_into().expect("16 bytes"));
         // `| 0x20` folds upper-case letters onto lower-case and makes nothing else a letter.
         let alnum = bitor_m128i(within(bitor_m128i(v, splat(0x20)), b'a', b'z'), within(v, b'0', b'9'));
         let space = cmp_eq_mask_i8_m128i(v, splat(b' '));
-        // Whitespace besides ' ' (`char::is_whitespace` in ASCII: \t \n \x0b \x0c \r) and
-        // `<`; non-ASCII bytes come from their sign bits.
-        let other = bitor_m128i(within(v, b'\t', b'\r'), cmp_eq_mask_i8_m128i(v, splat(b'<')));
+        // `char::is_whitespace` in ASCII: \t \n \x0b \x0c \r and the space.
+        let ws = bitor_m128i(within(v, b'\t', b'\r'), space);
         let bits = |m| u64::from(move_mask_i8_m128i(m) as u16) << (16 * k);
         masks.alnum |= bits(alnum);
         masks.space |= bits(space);
-        masks.other |= bits(other) | bits(v);
+        masks.ws |= bits(ws);
+        masks.lt |= bits(cmp_eq_mask_i8_m128i(v, splat(b'<')));
+        // Non-ASCII bytes from their sign bits.
         masks.non_ascii |= bits(v);
     }
     masks
@@ -178,20 +203,20 @@ fn classify(block: &[u8; 64]) -> Masks {
 /// [`classify`] with the tokenizer's byte classes, a byte at a time.
 #[cfg_attr(target_arch = "x86_64", allow(dead_code))]
 fn classify_bytewise(block: &[u8; 64]) -> Masks {
-    use super::{ASCII_CLASS, Class};
-    let mut masks = Masks { alnum: 0, space: 0, other: 0, non_ascii: 0 };
+    let mut masks = Masks { alnum: 0, space: 0, ws: 0, lt: 0, non_ascii: 0 };
     for (k, &b) in block.iter().enumerate() {
         let bit = 1u64 << k;
         match ASCII_CLASS.get(usize::from(b)) {
             Some(Class::Alnum) => masks.alnum |= bit,
-            _ if b == b' ' => masks.space |= bit,
-            Some(Class::Space) => masks.other |= bit,
-            None => {
-                masks.other |= bit;
-                masks.non_ascii |= bit;
+            Some(Class::Space) => {
+                masks.ws |= bit;
+                if b == b' ' {
+                    masks.space |= bit;
+                }
             }
-            Some(Class::Other) if b == b'<' => masks.other |= bit,
+            Some(Class::Other) if b == b'<' => masks.lt |= bit,
             Some(Class::Other) => {}
+            None => masks.non_ascii |= bit,
         }
     }
     masks
@@ -245,10 +270,14 @@ mod tests {
     #[test]
     fn vouches_only_for_pieces_before_what_it_does_not_cover() {
         assert_eq!(pieces("Hello, world! x"), (vec!["Hello", ",", " world", "!", " x"], None));
-        assert_eq!(pieces("a  b"), (vec!["a"], Some(1)));
-        assert_eq!(pieces("ab cd\nef"), (vec!["ab", " cd"], Some(5)));
-        assert_eq!(pieces("ab \nef"), (vec!["ab"], Some(2)));
+        // Whitespace runs, and the space that leaves one for the unit after it.
+        assert_eq!(pieces("a  b"), (vec!["a", " ", " b"], None));
+        assert_eq!(pieces("a   b\n\n c \n\td"), (vec!["a", "  ", " b", "\n\n", " c", " \n\t", "d"], None));
+        // `<` (maybe a special token) and what a space before it does are the general rules'.
         assert_eq!(pieces("ab <|im_end|>"), (vec!["ab"], Some(2)));
+        assert_eq!(pieces("ab\n<|im_end|>"), (vec!["ab", "\n"], Some(3)));
+        assert_eq!(pieces("ab\n <x"), (vec!["ab"], Some(2)));
+        // A word that may go on in a non-ASCII letter, or past the length cap.
         assert_eq!(pieces("ab caf\u{e9}"), (vec!["ab"], Some(2)));
         assert_eq!(pieces("ab abcdefghijklmnop"), (vec!["ab"], Some(2)));
         assert_eq!(pieces("abcdefghijklmnop"), (vec![], Some(0)));
@@ -256,10 +285,22 @@ mod tests {
     }
 
     #[test]
+    fn the_text_end_is_not_a_unit() {
+        // A block that is the whole text: a space at its end is a whitespace run's, not
+        // a word's; the general rules take it and the run before it.
+        let text = format!("{}a \n ", "xy ".repeat(20));
+        assert_eq!(text.len(), 64);
+        let mut record = Record::default();
+        cut(text.as_bytes(), &mut record);
+        assert_eq!(record.0.last(), Some(&Err(63)));
+        assert!(record.0.contains(&Ok((59, 61))) && !record.0.contains(&Ok((61, 63))));
+    }
+
+    #[test]
     fn goes_on_after_the_general_rules_in_the_same_block() {
-        // The word before "\n" is cut, the "\n" goes to the general rules (here: a byte
-        // each), then the blocks go on.
-        let text = format!("ab\ncd ef{}", ".".repeat(64));
+        // The word before "<" is cut, the "<" goes to the general rules (here: a byte each),
+        // then the blocks go on.
+        let text = format!("ab<cd ef{}", ".".repeat(64));
         let mut record = Record::default();
         cut(text.as_bytes(), &mut record);
         assert_eq!(&record.0[..4], [Ok((0, 2)), Err(2), Ok((3, 5)), Ok((5, 8))]);
@@ -286,14 +327,13 @@ mod tests {
         // The run's piece (from its space at 120) is left to the general rules.
         assert_eq!(record.0[want.len()], Err(120));
 
-        // Two spaces across the boundary: the second is left to the general rules.
+        // A whitespace run across the boundary: the space after it takes the next word.
         let text = format!("{}  z{}", "ab ".repeat(20) + "abc", ".".repeat(64));
-        assert_eq!(&text[62..65], "c  ");
+        assert_eq!(&text[62..66], "c  z");
         let mut record = Record::default();
         cut(text.as_bytes(), &mut record);
-        let first_general = record.0.iter().position(Result::is_err).unwrap();
-        assert_eq!(record.0[first_general - 1], Ok((59, 63)));
-        assert_eq!(record.0[first_general], Err(63));
+        let at = record.0.iter().position(|&step| step == Ok((59, 63))).unwrap();
+        assert_eq!(record.0[at + 1..at + 3], [Ok((63, 64)), Ok((64, 66))]);
     }
 
     proptest! {
