@@ -5,8 +5,9 @@
 //! converts it without a branch per digit: a SWAR multiply turns up to eight digits into
 //! their value. A compact array (no whitespace, what most clients send) is classified 64
 //! bytes at a time (SSE2 on x86-64, SWAR range tests elsewhere) and its commas bound the
-//! numbers, so no number waits for the one before it to be read; whether every number was
-//! acceptable is checked once at the end (8 k ids: about 22 µs, against 31 µs a number at a
+//! numbers, so no number waits for the one before it to be read; what makes a number
+//! unacceptable (an empty element, a leading zero, nine digits or more) is found with bit
+//! masks once a block, not once a number (8 k ids: about 22 µs, against 31 µs a number at a
 //! time). Whatever it does not take (signs, fractions, exponents, leading zeros, ids beyond
 //! `u32`, other elements, nesting) is `None` and goes through serde, which gives the same
 //! answer for everything this accepts.
@@ -43,37 +44,47 @@ pub(super) fn plain_token_ids(json: &[u8]) -> Option<(Vec<u32>, usize)> {
 
 /// The `count` ids of `inner` (an array's bytes between its brackets) when it holds only
 /// digits and commas, and every number is 1 to 8 digits without a leading zero (longer ones
-/// are left to [`number_at`]). Each 64-byte block is classified first (its commas, and
-/// whether anything is neither digit nor comma); then the commas bound every number.
+/// are left to [`number_at`]). Each 64-byte block is classified and checked first (commas,
+/// empty elements, leading zeros, nine digits in a row); then the commas bound every number.
 fn compact_ids(inner: &[u8], count: usize) -> Option<Vec<u32>> {
     // Written by index: cheaper than pushing, and `count` is exact.
     let mut ids = vec![0u32; count];
     let (mut n, mut start) = (0, 0);
-    let mut refused = false;
+    // What a block needs of the one before: its last byte a comma (the array's start counts
+    // as one), and its digits.
+    let (mut prev_comma, mut prev_digits) = (1u64, 0u64);
     let mut chunks = inner.chunks_exact(64);
     for (block, chunk) in (&mut chunks).enumerate() {
-        let (mut commas, other) = classify(chunk.try_into().expect("64 bytes"));
+        let Classes { mut commas, other, zeros } = classify(chunk.try_into().expect("64 bytes"));
         if other != 0 {
             return None;
         }
+        let digits = !commas;
+        let after_comma = commas << 1 | prev_comma;
+        let next_digit = u64::from(inner.get(64 * block + 64).is_some_and(u8::is_ascii_digit));
+        // Bit k (above 64: this block) stays set while bytes k-8..=k are all digits.
+        let mut run = u128::from(digits) << 64 | u128::from(prev_digits);
+        for shift in [1, 2, 4, 1] {
+            run &= run << shift;
+        }
+        let empty = commas & after_comma;
+        let leading_zero = zeros & after_comma & (digits >> 1 | next_digit << 63);
+        if empty | leading_zero | (run >> 64) as u64 != 0 {
+            return None;
+        }
+        (prev_comma, prev_digits) = (commas >> 63, digits);
         while commas != 0 {
             let end = 64 * block + commas.trailing_zeros() as usize;
             commas &= commas - 1;
-            let len = end - start;
             *ids.get_mut(n)? = match inner.get(start..start + 8) {
                 Some(word) => {
-                    let word = u64::from_le_bytes(word.try_into().expect("8 bytes"));
-                    refused |= len.wrapping_sub(1) >= 8 || (len > 1 && word as u8 == b'0');
-                    swar_value(word, len) as u32
+                    swar_value(u64::from_le_bytes(word.try_into().expect("8 bytes")), end - start) as u32
                 }
                 None => compact_number(inner, start, end)?,
             };
             n += 1;
             start = end + 1;
         }
-    }
-    if refused {
-        return None;
     }
     let rest = chunks.remainder();
     let rest_start = inner.len() - rest.len();
@@ -104,14 +115,23 @@ fn compact_number(inner: &[u8], start: usize, end: usize) -> Option<u32> {
     }
 }
 
-/// For a 64-byte block, two masks (bit `k` for byte `k`): commas, and bytes that are neither
-/// comma nor digit. SSE2 through `safe_arch`, since the crate forbids `unsafe`.
+/// A 64-byte block's classes, bit `k` for byte `k`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Classes {
+    commas: u64,
+    /// Neither comma nor digit.
+    other: u64,
+    /// `'0'`.
+    zeros: u64,
+}
+
+/// [`Classes`] with SSE2 through `safe_arch`, since the crate forbids `unsafe`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn classify(block: &[u8; 64]) -> (u64, u64) {
+fn classify(block: &[u8; 64]) -> Classes {
     use safe_arch::*;
     let splat = |b: u8| set_splat_i8_m128i(b as i8);
-    let (mut commas, mut other) = (0u64, 0u64);
+    let mut classes = Classes { commas: 0, other: 0, zeros: 0 };
     for (k, chunk) in block.chunks_exact(16).enumerate() {
         let v = load_unaligned_m128i(chunk.try_into().expect("16 bytes"));
         let comma = cmp_eq_mask_i8_m128i(v, splat(b','));
@@ -119,36 +139,38 @@ fn classify(block: &[u8; 64]) -> (u64, u64) {
         let digit =
             bitand_m128i(cmp_gt_mask_i8_m128i(v, splat(b'0' - 1)), cmp_gt_mask_i8_m128i(splat(b'9' + 1), v));
         let bits = |m| u64::from(move_mask_i8_m128i(m) as u16) << (16 * k);
-        commas |= bits(comma);
-        other |= !bits(bitor_m128i(comma, digit)) & (0xffff << (16 * k));
+        classes.commas |= bits(comma);
+        classes.other |= !bits(bitor_m128i(comma, digit)) & (0xffff << (16 * k));
+        classes.zeros |= bits(cmp_eq_mask_i8_m128i(v, splat(b'0')));
     }
-    (commas, other)
+    classes
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 #[inline(always)]
-fn classify(block: &[u8; 64]) -> (u64, u64) {
+fn classify(block: &[u8; 64]) -> Classes {
     classify_swar(block)
 }
 
 /// [`classify`] eight bytes at a time with SWAR range tests.
 #[cfg_attr(target_arch = "x86_64", allow(dead_code))]
-fn classify_swar(block: &[u8; 64]) -> (u64, u64) {
-    let (mut commas, mut other) = (0u64, 0u64);
+fn classify_swar(block: &[u8; 64]) -> Classes {
+    let mut classes = Classes { commas: 0, other: 0, zeros: 0 };
     for (k, word) in block.chunks_exact(8).enumerate() {
         let word = u64::from_le_bytes(word.try_into().expect("8 bytes"));
-        let comma = commas_in(word);
-        commas |= top_bits(comma) << (8 * k);
-        other |= top_bits(!(digits(word) | comma) & HIGH) << (8 * k);
+        let comma = bytes_equal(word, b',');
+        classes.commas |= top_bits(comma) << (8 * k);
+        classes.other |= top_bits(!(digits(word) | comma) & HIGH) << (8 * k);
+        classes.zeros |= top_bits(bytes_equal(word, b'0')) << (8 * k);
     }
-    (commas, other)
+    classes
 }
 
-/// For each byte of `word`, its top bit set when the byte is a comma (exact: no borrow
-/// crosses from one byte into the next).
+/// For each byte of `word`, its top bit set when the byte is `b` (exact: no borrow crosses
+/// from one byte into the next).
 #[inline(always)]
-fn commas_in(word: u64) -> u64 {
-    let v = word ^ (ONES * u64::from(b','));
+fn bytes_equal(word: u64, b: u8) -> u64 {
+    let v = word ^ (ONES * u64::from(b));
     !(((v & (ONES * 0x7f)) + ONES * 0x7f) | v) & HIGH
 }
 
@@ -298,17 +320,21 @@ mod tests {
             }
         }
 
-        /// Long compact arrays with one flaw somewhere (a leading zero, a sign, an id of 9
-        /// to 11 digits): read exactly as serde reads them.
+        /// Long compact arrays with one flaw somewhere (a leading zero, a sign, an empty
+        /// element, an id of 9 to 11 digits): read exactly as serde reads them.
         #[test]
         fn one_flaw_in_a_long_compact_array(
             ids_ in prop::collection::vec(0u32..100_000, 10..300),
             at in any::<prop::sample::Index>(),
-            flaw in prop::sample::select(vec!["0", "", "-", "00", "123456789", "4294967295", "4294967296", "12345678901"]),
+            (prefix, flaw) in prop_oneof![
+                prop::sample::select(vec!["0", "-", "00"]).prop_map(|f| (true, f)),
+                prop::sample::select(vec!["", "123456789", "4294967295", "4294967296", "12345678901"])
+                    .prop_map(|f| (false, f)),
+            ],
         ) {
             let mut parts: Vec<String> = ids_.iter().map(u32::to_string).collect();
             let at = at.index(parts.len());
-            parts[at] = if flaw.len() > 2 { flaw.to_string() } else { format!("{flaw}{}", parts[at]) };
+            parts[at] = if prefix { format!("{flaw}{}", parts[at]) } else { flaw.to_string() };
             let json = format!("[{}]", parts.join(","));
             prop_assert_eq!(ids(&json), serde_json::from_str::<Vec<u32>>(&json).ok(), "{}", json);
         }
