@@ -502,7 +502,9 @@ mod tests {
                     1 => proptest::sample::select(vec![
                         "  ".to_string(), "   ".into(), "\n".into(), " \t".into(), "<|im_end|>".into(),
                         "é".into(), "<".into(), " <|".into(), "東京".into(), " <".into(), "\n <".into(),
-                        " \u{a0}".into(), "\r\n".into(), "\x0b ".into(),
+                        " \u{a0}".into(), "\r\n".into(), "\x0b ".into(), "\x0c".into(), "\r".into(),
+                        "\x1c\x1d\x1e\x1f".into(), "<|endoftext|>".into(), " ".repeat(70), "\t".repeat(65),
+                        " \n".repeat(40),
                     ]),
                 ],
                 0..160,
@@ -532,6 +534,18 @@ mod tests {
         ) {
             let text = parts.concat();
             proptest::prop_assert_eq!(pieces(&text), reference(&text), "{:?}", text);
+        }
+    }
+
+    /// A 17-letter word, then a special token, at every offset across the first block
+    /// boundaries, after plain words or after a whitespace run.
+    #[test]
+    fn long_words_and_specials_at_every_offset() {
+        for lead in ["x", " ", "ab "] {
+            for off in 0..=140 {
+                let text = format!("{} abcdefghijklmnopq<|im_end|> tail end", lead.repeat(off));
+                assert_eq!(pieces(&text), reference(&text), "{text:?}");
+            }
         }
     }
 

@@ -304,6 +304,18 @@ mod tests {
     }
 
     proptest! {
+        /// Long compact arrays of ids of 1 to 8 digits, which the block path takes whole:
+        /// the same ids as serde, and taken (not left to the slower reader).
+        #[test]
+        fn long_compact_arrays_are_read_whole(
+            ids_ in prop::collection::vec(prop_oneof![0u32..10, 0u32..100_000, 0u32..100_000_000], 20..400),
+        ) {
+            let json = serde_json::to_string(&ids_).unwrap();
+            let inner = &json.as_bytes()[1..json.len() - 1];
+            prop_assert_eq!(super::compact_ids(inner, ids_.len()), Some(ids_.clone()));
+            prop_assert_eq!(ids(&json), Some(ids_));
+        }
+
         #[test]
         fn id_lists_round_trip(
             ids_ in prop::collection::vec(prop_oneof![0u32..100, 0u32..100_000, any::<u32>()], 1..64),
