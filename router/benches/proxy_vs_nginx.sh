@@ -30,8 +30,12 @@
 #   0.54-0.59x and 27-35 µs of CPU a request before, 0.68-0.81x and 21.6-22.6 µs after.
 #   One connection at a time, a half-second tick on each thread took ~10 µs off each request
 #   (tokio woke its own driver whenever a request's timers were the soonest).
+#   Later (a leaner decision path; the proxy itself unchanged): medians 0.79-0.81x (rounds
+#   0.75-0.83x), added latency nginx +18 µs, kvroute +36 to +39 µs; CPU a request from
+#   /proc, user + system: kvroute 9.1-9.6 + 12.4-12.8 µs, nginx's two workers 2.5-2.7 +
+#   11.7-12.2 µs.
 # Where the difference is: kernel time is about the same for both (loopback sends and the
-# wake-ups they cause, ~12-13 µs); user time is ~3 µs for nginx and ~8-9 µs for kvroute. A
+# wake-ups they cause, ~12-13 µs); user time is ~3 µs for nginx and ~9 µs for kvroute. A
 # bare forwarder on the same accept loop (hyper server, hyper-util client, no decision, no
 # metrics; not in the repo) used 20-23 µs a request: hyper's per-request machinery is most
 # of it, kvroute's own work (decision, load accounting, usage sniffing) 2-3 µs. Steps taken:
