@@ -134,7 +134,7 @@ pub(super) fn cut(bytes: &[u8], out: &mut impl Pieces) {
             let first = unsure & unsure.wrapping_neg();
             // Starts after the piece start and before the first unsure byte end pieces, and
             // so does that byte if it is an ending one.
-            let mut ends = ((starts & (first.wrapping_sub(1))) | (first & ending)) & past_start;
+            let mut ends = ((starts & first.wrapping_sub(1)) | (first & ending)) & past_start;
             while ends != 0 {
                 let end = base + ends.trailing_zeros() as usize;
                 out.piece(start, end);
@@ -154,8 +154,8 @@ pub(super) fn cut(bytes: &[u8], out: &mut impl Pieces) {
         if unsure_all.count_ones() >= DENSE && start < bytes.len() {
             start = out.general(start, start + DENSE_SKIP);
         }
-        // A general piece ran past the next block: start afresh where it ended (a piece
-        // start needs nothing from the bytes before it).
+        // The general rules took the cursor into the next block or past it: start the
+        // blocks afresh there (a piece start needs nothing from the bytes before it).
         if start >= base {
             (base, before) = (start, Context::default());
         }
