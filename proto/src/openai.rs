@@ -30,6 +30,7 @@
 
 pub mod chat_template;
 pub mod error;
+pub mod prefix_cache;
 pub mod request;
 pub mod tokenizer;
 
@@ -40,6 +41,7 @@ use serde::{Deserialize, Serialize};
 
 pub use chat_template::{ChatTemplate, DEFAULT_CHAT_TEMPLATE, SpecialTokens};
 pub use error::{LoadError, MessageProblem, OpenAiError, RequestError};
+pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 pub use request::{ChatRequest, CompletionRequest, Endpoint, Message, ParsedRequest, Prompt, PromptInput};
 pub use tokenizer::{Builtin, HuggingFace, Tokenizer};
 
@@ -89,6 +91,8 @@ pub struct Tokenization {
     chat_template: Option<ChatTemplate>,
     base_model: String,
     lora_adapters: HashSet<String>,
+    /// Token ids of texts' beginnings seen before, when enabled.
+    prefix_cache: Option<PrefixCache>,
 }
 
 impl Tokenization {
@@ -134,7 +138,23 @@ impl Tokenization {
             chat_template,
             base_model: base_model.into(),
             lora_adapters: lora_adapters.into_iter().collect(),
+            prefix_cache: None,
         }
+    }
+
+    /// Keeps about `capacity_bytes` of texts' beginnings and their ids, so that text which
+    /// begins like an earlier one is tokenized only from where it differs ([`PrefixCache`];
+    /// the ids are the same either way). Fails, saying why, when the tokenizer cannot resume
+    /// part-way through a text.
+    pub fn enable_prefix_cache(&mut self, capacity_bytes: u64) -> Result<(), String> {
+        self.tokenizer.resume().map_err(str::to_owned)?;
+        self.prefix_cache = Some(PrefixCache::new(capacity_bytes));
+        Ok(())
+    }
+
+    /// The prefix cache's counters, when it is enabled.
+    pub fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
+        self.prefix_cache.as_ref().map(PrefixCache::stats)
     }
 
     /// The tokenizer in use.
@@ -211,7 +231,10 @@ impl Tokenization {
     }
 
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, RequestError> {
-        let ids = self.tokenizer.encode(text, add_special_tokens)?;
+        let ids = match (&self.prefix_cache, self.tokenizer.resume()) {
+            (Some(cache), Ok(resume)) => cache.encode(resume, text, add_special_tokens)?,
+            _ => self.tokenizer.encode(text, add_special_tokens)?,
+        };
         if ids.is_empty() {
             return Err(RequestError::EmptyPrompt);
         }

@@ -323,3 +323,94 @@ fn taking_prompt_tokens_gives_what_reading_them_gives() {
         assert_eq!(taken, read, "{body}");
     }
 }
+
+/// A conversation that grows a turn at a time, long enough for several prefix-cache chunks.
+fn growing_conversation(turns: usize) -> Vec<String> {
+    let mut messages = Vec::new();
+    let mut bodies = Vec::new();
+    for turn in 0..turns {
+        let (role, content) = if turn % 2 == 0 {
+            (
+                "user",
+                format!(
+                    "Question {turn}: {}",
+                    "what does the naïve café on 東京 street serve? ".repeat(4 * turn + 12)
+                ),
+            )
+        } else {
+            (
+                "assistant",
+                format!(" Answer {turn}:\n{}", "It serves coffee, tea  and cake.\n".repeat(4 * turn + 20)),
+            )
+        };
+        messages.push(serde_json::json!({"role": role, "content": content}));
+        bodies.push(serde_json::json!({"model": "tiny", "messages": messages}).to_string());
+    }
+    bodies
+}
+
+#[test]
+fn hf_prefix_cache_gives_the_tokenizers_ids_and_reuses_earlier_turns() {
+    let plain = Tokenization::new(&hf_config()).unwrap();
+    let mut cached = Tokenization::new(&hf_config()).unwrap();
+    cached.enable_prefix_cache(1 << 20).unwrap();
+    for body in growing_conversation(12) {
+        assert_eq!(
+            tokens(&cached, Endpoint::ChatCompletions, &body).unwrap(),
+            tokens(&plain, Endpoint::ChatCompletions, &body).unwrap()
+        );
+        // The same conversation as a completion prompt, with the BOS the post-processor adds.
+        let text = plain
+            .render_chat(match &ParsedRequest::parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap() {
+                ParsedRequest::Chat(r) => r,
+                ParsedRequest::Completion(_) => unreachable!(),
+            })
+            .unwrap();
+        let completion =
+            serde_json::json!({"model": "tiny", "prompt": format!("{text}<|eot_id|> tail")}).to_string();
+        assert_eq!(
+            tokens(&cached, Endpoint::Completions, &completion).unwrap(),
+            tokens(&plain, Endpoint::Completions, &completion).unwrap()
+        );
+    }
+    let stats = cached.prefix_cache_stats().unwrap();
+    // Earlier turns end in added tokens, where a new turn resumes.
+    assert!(stats.reused_bytes > stats.tokenized_bytes, "{stats:?}");
+}
+
+/// A change to a `tokenizer.json`.
+type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
+
+/// The tiny tokenizer with one change to its JSON.
+fn tiny_with(change: impl FnOnce(&mut serde_json::Value)) -> HuggingFace {
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(data("tiny-tokenizer.json")).unwrap()).unwrap();
+    change(&mut json);
+    HuggingFace::from_bytes(json.to_string().as_bytes()).unwrap()
+}
+
+#[test]
+fn hf_tokenizers_that_cannot_resume_after_added_tokens_are_not_cached() {
+    assert!(tiny_with(|_| {}).resume().is_ok());
+    let cases: [(&str, Edit); 4] = [
+        ("strips", Box::new(|j| j["added_tokens"][4]["rstrip"] = true.into())),
+        ("normalized", Box::new(|j| j["added_tokens"][1]["normalized"] = true.into())),
+        ("no added tokens", Box::new(|j| j["added_tokens"] = serde_json::json!([]))),
+        (
+            "encodes differently",
+            // Metaspace puts its marker only before the text's first part.
+            Box::new(|j| {
+                j["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+                    {"type": "Metaspace", "replacement": "_", "prepend_scheme": "first", "split": false},
+                    {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}]});
+            }),
+        ),
+    ];
+    for (why, change) in cases {
+        let tokenizer = tiny_with(change);
+        let reason = tokenizer.resume().err().map(str::to_owned);
+        assert!(reason.as_deref().is_some_and(|r| r.contains(why)), "{why}: {reason:?}");
+        let mut t = Tokenization::from_parts(Box::new(tokenizer), None, "tiny", []);
+        assert!(t.enable_prefix_cache(1 << 20).is_err());
+    }
+}

@@ -30,13 +30,18 @@
 //! one has no BOS; the default chat template writes `<|im_start|>`/`<|im_end|>` itself.
 
 use std::fmt;
-use std::path::Path;
 
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::error::{LoadError, RequestError};
 
+mod huggingface;
 mod plain;
+pub mod resume;
+
+pub use huggingface::HuggingFace;
+
+pub use resume::{Point, Points, Resume};
 
 /// Turns text into token ids. Implementations must be deterministic: the router and every
 /// replica agent must get the same ids for the same text.
@@ -47,6 +52,12 @@ pub trait Tokenizer: Send + Sync + fmt::Debug {
 
     /// Every valid id is below this; prompt token ids are checked against it.
     fn vocab_size(&self) -> u32;
+
+    /// How this tokenizer starts again part-way through a text, if it can do so exactly
+    /// ([`resume`]), or why it cannot; a tokenizer that cannot is never cached.
+    fn resume(&self) -> Result<&dyn Resume, &str> {
+        Err("the tokenizer cannot resume part-way through a text")
+    }
 }
 
 /// The file-free deterministic tokenizer described in the module docs.
@@ -69,34 +80,82 @@ impl Builtin {
         piece_id(piece.as_bytes())
     }
 
-    /// Splits `text` into pieces and calls `emit` with each piece's id.
+    /// Splits `text` into pieces and appends their ids to `ids`, telling `marks` of every
+    /// piece (so of every resume point); `offset` is where `text` begins in the text being
+    /// encoded.
     ///
     /// Works on bytes: ASCII characters are classified by table, and only non-ASCII ones
     /// are decoded to `char`. Pieces are hashed in place. Plain text (ASCII words, single
     /// spaces, punctuation) is cut 64 bytes at a time ([`plain::cut`]); where it stops,
     /// [`general_piece_at`] takes pieces until it is past the byte that stopped it.
-    fn for_each_id(text: &str, emit: impl FnMut(u32)) {
-        plain::cut(text.as_bytes(), &mut Emit { text, emit });
+    #[inline(always)]
+    fn encode_into(text: &str, ids: &mut Vec<u32>, offset: usize, marks: impl Marks) {
+        plain::cut(text.as_bytes(), &mut Emit { text, ids, offset, marks });
     }
 }
 
-/// Pieces as ids, to `emit`.
-struct Emit<'a, F> {
-    text: &'a str,
-    emit: F,
+/// Bytes after a piece end that decide it (see [`resume`]): a space, then a special token.
+const BUILTIN_LOOKAHEAD: usize = 16;
+
+/// Where [`Builtin::encode_into`] reports pieces: nowhere, or to [`Points`].
+trait Marks {
+    fn span(&mut self, point: Point, next: usize);
 }
 
-impl<F: FnMut(u32)> plain::Pieces for Emit<'_, F> {
+impl Marks for () {
+    #[inline(always)]
+    fn span(&mut self, _: Point, _: usize) {}
+}
+
+/// [`Points`] with its next limit at hand, so a piece costs one comparison.
+struct Limits<'a> {
+    next: usize,
+    points: &'a mut Points,
+}
+
+impl<'a> Limits<'a> {
+    fn new(points: &'a mut Points) -> Self {
+        Self { next: points.next_limit(), points }
+    }
+}
+
+impl Marks for Limits<'_> {
+    #[inline(always)]
+    fn span(&mut self, point: Point, next: usize) {
+        if self.next < next {
+            self.points.span(point, next);
+            self.next = self.points.next_limit();
+        }
+    }
+}
+
+/// Pieces as ids, to `ids`.
+struct Emit<'a, M> {
+    text: &'a str,
+    ids: &'a mut Vec<u32>,
+    offset: usize,
+    marks: M,
+}
+
+impl<M: Marks> Emit<'_, M> {
+    #[inline(always)]
+    fn push(&mut self, start: usize, end: usize, id: u32) {
+        self.marks.span(Point { byte: self.offset + start, ids: self.ids.len() }, self.offset + end);
+        self.ids.push(id);
+    }
+}
+
+impl<M: Marks> plain::Pieces for Emit<'_, M> {
     #[inline(always)]
     fn piece(&mut self, start: usize, end: usize) {
-        (self.emit)(piece_id(&self.text.as_bytes()[start..end]));
+        self.push(start, end, piece_id(&self.text.as_bytes()[start..end]));
     }
 
     fn general(&mut self, mut start: usize, until: usize) -> usize {
         let bytes = self.text.as_bytes();
         loop {
             let (end, special) = general_piece_at(self.text, start);
-            (self.emit)(special.unwrap_or_else(|| piece_id(&bytes[start..end])));
+            self.push(start, end, special.unwrap_or_else(|| piece_id(&bytes[start..end])));
             start = end;
             if start > until || start >= bytes.len() {
                 return start;
@@ -295,62 +354,38 @@ fn non_ascii_alnum_run_end(text: &str, i: usize, n: usize) -> usize {
 impl Tokenizer for Builtin {
     fn encode(&self, text: &str, _add_special_tokens: bool) -> Result<Vec<u32>, RequestError> {
         let mut ids = Vec::with_capacity(text.len() / 4 + 1);
-        Self::for_each_id(text, |id| ids.push(id));
+        Self::encode_into(text, &mut ids, 0, ());
         Ok(ids)
     }
 
     fn vocab_size(&self) -> u32 {
         Self::VOCAB_SIZE
     }
-}
 
-/// A Hugging Face `tokenizer.json`, run by the `tokenizers` crate.
-pub struct HuggingFace {
-    inner: tokenizers::Tokenizer,
-    vocab_size: u32,
-}
-
-impl HuggingFace {
-    /// Loads a `tokenizer.json` file.
-    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, LoadError> {
-        let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| LoadError::Io { path: path.into(), source })?;
-        Self::load(&bytes, path)
-    }
-
-    /// Loads a `tokenizer.json` from memory.
-    pub fn from_bytes(bytes: &[u8]) -> Result<Self, LoadError> {
-        Self::load(bytes, Path::new("<bytes>"))
-    }
-
-    fn load(bytes: &[u8], path: &Path) -> Result<Self, LoadError> {
-        let inner = tokenizers::Tokenizer::from_bytes(bytes)
-            .map_err(|source| LoadError::Tokenizer { path: path.into(), source })?;
-        // vLLM rejects prompt ids above the largest id the tokenizer knows, added tokens included.
-        let vocab_size = inner.get_vocab(true).values().max().map_or(0, |&max| max.saturating_add(1));
-        Ok(Self { inner, vocab_size })
-    }
-
-    /// The underlying `tokenizers` tokenizer (for decoding, token strings, ...).
-    pub fn inner(&self) -> &tokenizers::Tokenizer {
-        &self.inner
+    fn resume(&self) -> Result<&dyn Resume, &str> {
+        Ok(self)
     }
 }
 
-impl fmt::Debug for HuggingFace {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HuggingFace").field("vocab_size", &self.vocab_size).finish_non_exhaustive()
-    }
-}
-
-impl Tokenizer for HuggingFace {
-    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, RequestError> {
-        let encoding = self.inner.encode_fast(text, add_special_tokens).map_err(RequestError::Tokenizer)?;
-        Ok(encoding.get_ids().to_vec())
+impl Resume for Builtin {
+    fn lookahead(&self) -> usize {
+        BUILTIN_LOOKAHEAD
     }
 
-    fn vocab_size(&self) -> u32 {
-        self.vocab_size
+    fn leading_ids(&self, _add_special_tokens: bool) -> &[u32] {
+        &[]
+    }
+
+    fn encode_from(
+        &self,
+        text: &str,
+        start: usize,
+        ids: &mut Vec<u32>,
+        points: &mut Points,
+    ) -> Result<(), RequestError> {
+        Self::encode_into(&text[start..], ids, start, Limits::new(points));
+        points.finish(Point { byte: text.len(), ids: ids.len() });
+        Ok(())
     }
 }
 
