@@ -97,6 +97,11 @@ pub struct Config {
     /// Ask a replica's `/tokenize` instead of tokenizing locally (results are cached).
     #[arg(long, env = "KVROUTE_REMOTE_TOKENIZE", default_value_t = false)]
     pub remote_tokenize: bool,
+    /// Bytes of token ids kept for prompts' beginnings, so that a prompt beginning like an
+    /// earlier one (a chat's next turn) is tokenized only from where it differs; 0 turns it
+    /// off. The ids are the same either way.
+    #[arg(long, env = "KVROUTE_TOKENIZE_CACHE_BYTES", default_value_t = 64 << 20)]
+    pub tokenize_cache_bytes: u64,
 
     /// Upstream connect timeout, milliseconds.
     #[arg(long, env = "KVROUTE_CONNECT_TIMEOUT_MS", default_value_t = 1_000)]

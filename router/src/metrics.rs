@@ -1,12 +1,17 @@
 //! The proxy's Prometheus metrics, all prefixed `kvroute_router_`: decisions per policy,
 //! predicted and realized cached tokens (realized = `usage.prompt_tokens_details.cached_tokens`
 //! read from the responses), requests by status code, retries, ejections, and latency
-//! histograms of the decision path and of the upstream time to first byte.
+//! histograms of the decision path and of the upstream time to first byte; and the
+//! tokenizer's prefix cache.
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
+use std::sync::Arc;
+
+use kvroute_proto::openai::Tokenization;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -95,5 +100,41 @@ impl ProxyMetrics {
             m.upstream_ttfb_seconds.clone(),
         );
         m
+    }
+}
+
+/// Registers the tokenizer's prefix cache counters (`kvroute_router_tokenize_*`), read at
+/// scrape time; nothing is reported while the cache is off.
+pub fn register_tokenize_cache(registry: &mut Registry, tokenization: Arc<Tokenization>) {
+    registry
+        .sub_registry_with_prefix("kvroute_router")
+        .register_collector(Box::new(TokenizeCache(tokenization)));
+}
+
+#[derive(Debug)]
+struct TokenizeCache(Arc<Tokenization>);
+
+impl Collector for TokenizeCache {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(stats) = self.0.prefix_cache_stats() else { return Ok(()) };
+        for (name, help, value) in [
+            (
+                "tokenize_reused_bytes",
+                "Prompt text bytes whose token ids came from the prefix cache",
+                stats.reused_bytes,
+            ),
+            ("tokenize_tokenized_bytes", "Prompt text bytes tokenized", stats.tokenized_bytes),
+        ] {
+            let counter = ConstCounter::new(value);
+            counter.encode(encoder.encode_descriptor(name, help, None, counter.metric_type())?)?;
+        }
+        for (name, help, value) in [
+            ("tokenize_cache_entries", "Entries in the tokenizer's prefix cache", stats.entries),
+            ("tokenize_cache_bytes", "Weight of the tokenizer's prefix cache, bytes", stats.weight_bytes),
+        ] {
+            let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        Ok(())
     }
 }

@@ -20,7 +20,7 @@ use crate::discovery::{Discovery, DiscoveryMetrics};
 use crate::fleet::Fleet;
 use crate::index::SharedIndex;
 use crate::ingest::{Ingest, IngestConfig};
-use crate::metrics::ProxyMetrics;
+use crate::metrics::{ProxyMetrics, register_tokenize_cache};
 use crate::policy::{self, CacheAwareParams};
 use crate::proxy::forward::ForwardConfig;
 use crate::proxy::pool::Pool;
@@ -107,19 +107,25 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     .await
     .context("starting replica discovery")?;
 
-    let tokenization = Arc::new(
-        Tokenization::new(&TokenizationConfig {
-            base_model: config.model.clone(),
-            lora_adapters: config.lora_adapters.clone(),
-            tokenizer: match &config.tokenizer {
-                Some(path) => TokenizerSpec::HuggingFace { path: path.clone() },
-                None => TokenizerSpec::Builtin,
-            },
-            tokenizer_config: config.tokenizer_config.clone(),
-            chat_template: config.chat_template.clone(),
-        })
-        .context("loading the tokenizer")?,
-    );
+    let mut tokenization = Tokenization::new(&TokenizationConfig {
+        base_model: config.model.clone(),
+        lora_adapters: config.lora_adapters.clone(),
+        tokenizer: match &config.tokenizer {
+            Some(path) => TokenizerSpec::HuggingFace { path: path.clone() },
+            None => TokenizerSpec::Builtin,
+        },
+        tokenizer_config: config.tokenizer_config.clone(),
+        chat_template: config.chat_template.clone(),
+    })
+    .context("loading the tokenizer")?;
+    if config.tokenize_cache_bytes > 0
+        && !config.remote_tokenize
+        && let Err(why) = tokenization.enable_prefix_cache(config.tokenize_cache_bytes)
+    {
+        tracing::warn!("tokenizing without a prefix cache: {why}");
+    }
+    let tokenization = Arc::new(tokenization);
+    register_tokenize_cache(&mut registry, tokenization.clone());
     let client = client(config.connect_timeout());
     let prompts = if config.remote_tokenize {
         Prompts::Remote(Box::new(RemoteTokenizer::new(

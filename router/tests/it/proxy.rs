@@ -193,6 +193,27 @@ async fn router_hashes_equal_the_blocks_the_replica_stores() {
     assert_eq!(plan.blocks, CacheNamespace::new(FLEET_MODEL).chain(&ids, FLEET_BLOCK as usize));
 }
 
+/// The prefix cache (on by default) gives every turn of a growing conversation the block
+/// hashes the replica stores, and tokenizes only what is new.
+#[tokio::test]
+async fn a_conversations_turns_hash_like_the_replica_and_reuse_earlier_turns() {
+    let fleet = Fleet::start(1).await;
+    let mut messages = vec![json!({"role": "system", "content": text("system", 400)})];
+    for turn in 0..4 {
+        messages.push(json!({"role": "user", "content": text(&format!("q{turn}x"), 150)}));
+        let body = json!({"model": FLEET_MODEL, "messages": messages, "max_tokens": 2});
+        assert_parity(&fleet, "/v1/chat/completions", Endpoint::ChatCompletions, &body).await;
+        messages.push(json!({"role": "assistant", "content": text(&format!("a{turn}x"), 60)}));
+    }
+    let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+    let metrics = String::from_utf8_lossy(&metrics.body).into_owned();
+    let reused = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kvroute_router_tokenize_reused_bytes_total "))
+        .map(|v| v.parse::<u64>().unwrap());
+    assert!(reused.is_some_and(|bytes| bytes > 10_000), "{reused:?}");
+}
+
 #[tokio::test]
 async fn two_routers_in_front_of_one_fleet_converge_to_the_same_index() {
     let fleet = Fleet::start(3).await;
