@@ -13,26 +13,39 @@
 //! like while its events are being repaired.
 //!
 //! Requests: text prompts of about 1 k and 8 k tokens (one token per word) and the same
-//! token counts as token-id prompts. Criterion reports means; in `--bench` mode this binary
-//! first prints p50/p90/p99/p99.9 from timing single decisions with `Instant`, beside the
-//! p99 of plain arithmetic as long as the decision's median ("loop p99": what this machine
-//! adds to any computation that long), then the median of each stage alone (parse,
-//! tokenize, hash, index lookup).
+//! token counts as token-id prompts, decided again and again (`text/*`, `ids/*`; tokenized
+//! from scratch each time, as with `--tokenize-cache-bytes 0`). Then two prompts that change
+//! before every decision, through the router's default tokenizer prefix cache (64 MiB, full
+//! and evicting before timing starts): `turn/8192`, 7 680 tokens of history the cache and
+//! the index have (as above) and a new 512-token turn; `new/8192`, 8 192 tokens nobody has
+//! seen (index lookup ends at the first block; all 512 blocks credited). Credits last
+//! [`CREDIT_TTL`] (see there). Criterion reports means; in `--bench` mode this binary first
+//! prints p50/p90/p99/p99.9 from timing single decisions with `Instant`, beside the p99 of
+//! plain arithmetic as long as the decision's median ("loop p99": what this machine adds to
+//! any computation that long), then the median of each stage alone (parse, tokenize, hash,
+//! index lookup; parse and tokenize together through the cache).
 //!
-//! Measured on the 2-core shared dev machine (µs; p99 and loop p99 as ranges over five
-//! runs; stages are medians):
+//! Measured on the 2-core shared dev machine (µs; ranges over five runs; stages are
+//! medians):
 //!
 //! | prompt | p50 | p90 | p99 | loop p99 | parse | tokenize | hash | lookup |
 //! |---|---|---|---|---|---|---|---|---|
-//! | text/1024 | 7.7-8.2 | 7.8-11.7 | 8.0-13.0 | 7.9-9.2 | 0.5 | 4.5 | 0.4 | 0.2 |
-//! | ids/1024 | 5.8-6.0 | 5.9-7.3 | 6.0-8.4 | 5.9-6.6 | 2.8 | 0.2 | 0.4 | 0.2 |
-//! | text/8192 | 45.2-47.2 | 45.8-59.8 | 62.3-74.7 | 61.3-67.8 | 3.0 | 35.8 | 2.7 | 2.3 |
-//! | ids/8192 | 30.5-32.0 | 30.9-36.9 | 46.4-51.9 | 44.1-48.9 | 22.2 | 1.1 | 2.7 | 2.4 |
+//! | text/1024 | 7.7-8.0 | 8.0-11.2 | 9.2-13.1 | 8.1-9.7 | 0.5 | 4.5 | 0.4 | 0.2 |
+//! | ids/1024 | 5.7-5.9 | 5.7-6.0 | 5.8-6.7 | 5.8-7.6 | 2.8 | 0.2 | 0.4 | 0.2 |
+//! | text/8192 | 45.2-46.2 | 46.4-63.9 | 63.6-76.3 | 60.9-63.5 | 2.7 | 35.1 | 2.6 | 2.3 |
+//! | ids/8192 | 29.7-30.8 | 30.0-31.5 | 42.1-46.8 | 40.0-47.3 | 22.2 | 1.1 | 2.6 | 2.3 |
+//! | turn/8192 | 17.5-18.1 | 18.2-18.7 | 26.0-32.0 | | 9.0 (both) | | | |
+//! | new/8192 | 62.8-65.0 | 65.2-68.3 | 94.8-112.8 | | 45.4 (both) | | | |
 //!
 //! The distribution is tight up to p90; p99 is where this machine's timer interrupts
 //! (250 Hz) and hypervisor land, and a decision's p99 sits within a few µs of plain
 //! arithmetic of the same median. So p99 follows p50: at 8 k ids, p99 was 45-52 µs at p50
 //! 31.4-32.0 and 46.4-46.9 in five runs at p50 30.5-30.9.
+//!
+//! A prompt whose first 7 680 tokens the router has seen decides in 18 µs, against 45 µs
+//! from scratch; one never seen pays ~10 µs more than from scratch for filling the cache,
+//! and ~15 µs for crediting 512 new blocks (it was ~35 µs while expired credits were
+//! removed one by one).
 //!
 //! History at 8 k (p50 / p99): text 185 / 366 and ids 214 / 1437 at first; 73.8 / 103.5 and
 //! 124.6 / 165.3 after the byte-level tokenizer and a plain-id reader behind serde's raw
@@ -42,9 +55,11 @@
 //! µs; `proto/benches/tokenizer.rs`); a text prompt without escapes is found with `memchr`
 //! (parse 8-10 -> 3 µs); compact id arrays are classified with SSE2 and their flaws found
 //! once a block (parse 28 -> 22 µs); the vocabulary check is one vectorized pass; a decision
-//! reads the clock once for all replicas' loads, and ejection is a flag (~1 µs). What is
-//! left at 8 k text is one xxh3 per piece (about half the tokenizer's time, fixed by its
-//! spec) and the cutting; at 8 k ids, converting the ids (about 2.7 ns each).
+//! reads the clock once for all replicas' loads, and ejection is a flag (~1 µs); the
+//! tokenizer's prefix cache (`turn`, `new`), and credits that expire a generation at a time.
+//! What is left at 8 k text from scratch is one xxh3 per piece (about half the tokenizer's
+//! time, fixed by its spec) and the cutting; at 8 k ids, converting the ids (about 2.7 ns
+//! each).
 
 use std::future::Future;
 use std::hint::black_box;
@@ -76,6 +91,13 @@ const BLOCK: usize = 16;
 const REPLICAS: u32 = 16;
 const BACKGROUND_CHAINS: usize = 625;
 const CHAIN_LEN: usize = 64;
+/// How long decisions' credits last. The router's default is 2 s, which at a busy fleet's
+/// ~100 decisions a second holds ~200 decisions' blocks; this benchmark decides 20-40 k times
+/// a second, so a 2 s window would hold 100 times a real router's credits of changing
+/// prompts. 20 ms holds about as many decisions as the router's window does.
+const CREDIT_TTL: Duration = Duration::from_millis(20);
+/// The router's default `--tokenize-cache-bytes`.
+const ROUTER_CACHE_BYTES: u64 = 64 << 20;
 
 /// splitmix64, so every run builds the same fleet and prompts.
 struct Rng(u64);
@@ -118,7 +140,10 @@ fn now<F: Future>(f: F) -> F::Output {
 }
 
 struct Bench {
+    /// Tokenizing every text from scratch (no prefix cache).
     decider: Decider,
+    /// The router's default: the same fleet and index, tokenizing through a prefix cache.
+    cached: Decider,
     _shutdown: CancellationToken,
 }
 
@@ -129,7 +154,7 @@ impl Bench {
         let _guard = runtime.enter();
         let shutdown = CancellationToken::new();
         let mut registry = Registry::default();
-        let index = kvroute_router::index::SharedIndex::with_credit_ttl(Duration::from_secs(2));
+        let index = kvroute_router::index::SharedIndex::with_credit_ttl(CREDIT_TTL);
         let config = IngestConfig {
             fallback_after: Duration::from_secs(3600),
             reconnect_backoff: Duration::from_secs(3600),
@@ -150,19 +175,26 @@ impl Bench {
                 index.store(member.replica.id, &chain);
             }
         }
-        let tokenization =
-            Tokenization::new(&TokenizationConfig { base_model: MODEL.into(), ..Default::default() })
-                .expect("builtin tokenizer");
-        let decider = Decider {
-            fleet,
-            index,
-            policy: policy::build(PolicyKind::CacheAware, CacheAwareParams::default(), 0),
-            prompts: Prompts::Local(Arc::new(tokenization)),
-            block_size: BLOCK,
-            max_in_flight_per_replica: 512,
-            metrics: ProxyMetrics::register(&mut registry),
+        let decider = |cache_bytes: u64, registry: &mut Registry| {
+            let mut tokenization =
+                Tokenization::new(&TokenizationConfig { base_model: MODEL.into(), ..Default::default() })
+                    .expect("builtin tokenizer");
+            if cache_bytes > 0 {
+                tokenization.enable_prefix_cache(cache_bytes).expect("the builtin tokenizer resumes");
+            }
+            Decider {
+                fleet: fleet.clone(),
+                index: index.clone(),
+                policy: policy::build(PolicyKind::CacheAware, CacheAwareParams::default(), 0),
+                prompts: Prompts::Local(Arc::new(tokenization)),
+                block_size: BLOCK,
+                max_in_flight_per_replica: 512,
+                metrics: ProxyMetrics::register(registry),
+            }
         };
-        Self { decider, _shutdown: shutdown }
+        let plain = decider(0, &mut registry);
+        let cached = decider(ROUTER_CACHE_BYTES, &mut registry);
+        Self { decider: plain, cached, _shutdown: shutdown }
     }
 
     /// Puts `body`'s whole prefix on replicas 0-3 and its first half on replicas 4-7.
@@ -177,6 +209,57 @@ impl Bench {
     fn decide(&self, body: &[u8]) -> usize {
         let plan = now(self.decider.decide(Endpoint::Completions, body)).expect("decided");
         plan.order.len()
+    }
+
+    fn decide_cached(&self, body: &[u8]) -> usize {
+        let plan = now(self.cached.decide(Endpoint::Completions, body)).expect("decided");
+        plan.order.len()
+    }
+}
+
+/// A prompt whose text changes before every decision, through the prefix cache:
+/// - `turn`: 7 680 tokens of history (seen before, its blocks on replicas 0-3 and half of
+///   them on 4-7) and a new turn of 512 tokens, fresh letters each time, as a chat's next
+///   turn; the cache has the history;
+/// - `new`: 8 192 tokens the cache has never seen (their first word changes), with nothing
+///   in the index either: the cost of a miss, inserts included.
+struct Changing {
+    name: &'static str,
+    body: Vec<u8>,
+    /// Bytes of `body` rewritten before each decision (letters only).
+    fresh: std::ops::Range<usize>,
+}
+
+impl Changing {
+    fn cases(bench: &Bench) -> Vec<Changing> {
+        let history = text_prompt(7680, 77);
+        let turn = text_prompt(512, 78);
+        let body = completion_body(format!("{history} {turn}").into());
+        // Seen before: the history alone went through the cache, and its blocks are placed.
+        let seen = completion_body(history.clone().into());
+        bench.decide_cached(&seen);
+        bench.seed_request(&seen);
+        let at =
+            |needle: &str| body.windows(needle.len()).position(|w| w == needle.as_bytes()).expect("in body");
+        // Steady state: a cache that is full and evicting, as in a router that has run a while.
+        for seed in 0..1200 {
+            bench.decide_cached(&completion_body(text_prompt(8192, 1000 + seed).into()));
+        }
+        let new = completion_body(text_prompt(8192, 79).into());
+        let start = at("\"prompt\":\"") + 10;
+        vec![
+            Changing { name: "turn/8192", fresh: at(&turn)..at(&turn) + turn.len(), body },
+            Changing { name: "new/8192", fresh: start..start + 40, body: new },
+        ]
+    }
+
+    /// Fresh letters where the letters were (spaces stay, so the token count does too).
+    fn refresh(&mut self, rng: &mut Rng) {
+        for b in &mut self.body[self.fresh.clone()] {
+            if b.is_ascii_lowercase() {
+                *b = b'a' + (rng.next() % 26) as u8;
+            }
+        }
     }
 }
 
@@ -227,6 +310,28 @@ fn percentiles(bench: &Bench, cases: &[Case]) {
             spin.at(0.99),
         );
     }
+    let mut rng = Rng(99);
+    for mut case in Changing::cases(bench) {
+        let blocks =
+            now(bench.cached.explain(Endpoint::Completions, &case.body)).expect("valid").blocks.len();
+        let decisions = Quantiles::time_each(
+            &mut case,
+            |case| case.refresh(&mut rng),
+            |case| {
+                black_box(bench.decide_cached(black_box(&case.body)));
+            },
+        );
+        println!(
+            "{:<10} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>14}",
+            case.name,
+            blocks,
+            decisions.at(0.5),
+            decisions.at(0.9),
+            decisions.at(0.99),
+            decisions.at(0.999),
+            "-",
+        );
+    }
     println!(
         "(loop: arithmetic alone, as long as the decision's median: the tail this machine adds to any \
          computation that long, timer interrupts and the hypervisor)"
@@ -238,12 +343,20 @@ struct Quantiles(Vec<Duration>);
 
 impl Quantiles {
     fn time(mut f: impl FnMut()) -> Self {
-        let mut samples: Vec<Duration> = (0..20_000)
+        Self::time_each(&mut (), |_| {}, |_| f())
+    }
+
+    /// Times `f` alone, `prepare` changing `state` untimed before each call (after 500
+    /// untimed rounds of both).
+    fn time_each<S>(state: &mut S, mut prepare: impl FnMut(&mut S), mut f: impl FnMut(&S)) -> Self {
+        let mut samples: Vec<Duration> = (0..20_500)
             .map(|_| {
+                prepare(state);
                 let t = Instant::now();
-                f();
+                f(state);
                 t.elapsed()
             })
+            .skip(500)
             .collect();
         samples.sort();
         Self(samples)
@@ -305,6 +418,20 @@ fn stages(bench: &Bench, cases: &[Case]) {
             black_box(bench.decider.index.lookup(black_box(&blocks)));
         });
         println!("{:<10} {:>8.1} {:>10.1} {:>8.1} {:>8.1}", case.name, parse, tokenize, hash, lookup);
+    }
+    let Prompts::Local(cached) = &bench.cached.prompts else { unreachable!("local tokenizer") };
+    println!("through the prefix cache, parse + tokenize, median µs:");
+    let mut rng = Rng(101);
+    for mut case in Changing::cases(bench) {
+        let tokenize = Quantiles::time_each(
+            &mut case,
+            |case| case.refresh(&mut rng),
+            |case| {
+                let request = ParsedRequest::parse(Endpoint::Completions, &case.body).expect("valid");
+                black_box(cached.prompt_tokens(black_box(&request)).is_ok());
+            },
+        );
+        println!("{:<10} {:>8.1}", case.name, tokenize.at(0.5));
     }
 }
 
