@@ -123,6 +123,8 @@ impl PrefixCache {
                 && let Some(entry) = self.entries.get(&key)
                 && entry.from == point.byte
                 && entry.point.ids == point.ids + entry.ids.len()
+                // Only a collision of keys could fail this; the tokenizer slices there.
+                && text.is_char_boundary(entry.point.byte)
             {
                 ids.extend_from_slice(&entry.ids);
                 point = entry.point;
