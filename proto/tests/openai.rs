@@ -7,8 +7,8 @@ use std::path::PathBuf;
 
 use kvroute_proto::CacheNamespace;
 use kvroute_proto::openai::{
-    Builtin, ChatTemplate, Endpoint, HuggingFace, LoadError, ParsedRequest, RequestError, SpecialTokens,
-    Tokenization, TokenizationConfig, Tokenizer, TokenizerSpec,
+    Builtin, ChatTemplate, Endpoint, HuggingFace, LoadError, ParsedRequest, PrefixCache, RequestError,
+    SpecialTokens, Tokenization, TokenizationConfig, Tokenizer, TokenizerSpec,
 };
 
 fn data(name: &str) -> PathBuf {
@@ -392,8 +392,23 @@ fn tiny_with(change: impl FnOnce(&mut serde_json::Value)) -> HuggingFace {
 #[test]
 fn hf_tokenizers_that_cannot_resume_after_added_tokens_are_not_cached() {
     assert!(tiny_with(|_| {}).resume().is_ok());
-    let cases: [(&str, Edit); 4] = [
+    let cases: [(&str, Edit); 6] = [
         ("strips", Box::new(|j| j["added_tokens"][4]["rstrip"] = true.into())),
+        (
+            "truncates",
+            Box::new(|j| {
+                j["truncation"] = serde_json::json!({"direction": "Right", "max_length": 512, "strategy": "LongestFirst", "stride": 0});
+            }),
+        ),
+        (
+            "encodes differently",
+            // An end-of-text id after the text: not a prefix that stays put.
+            Box::new(|j| {
+                j["post_processor"]["single"] = serde_json::json!([
+                    {"Sequence": {"id": "A", "type_id": 0}},
+                    {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}]);
+            }),
+        ),
         ("normalized", Box::new(|j| j["added_tokens"][1]["normalized"] = true.into())),
         ("no added tokens", Box::new(|j| j["added_tokens"] = serde_json::json!([]))),
         (
@@ -412,5 +427,84 @@ fn hf_tokenizers_that_cannot_resume_after_added_tokens_are_not_cached() {
         assert!(reason.as_deref().is_some_and(|r| r.contains(why)), "{why}: {reason:?}");
         let mut t = Tokenization::from_parts(Box::new(tokenizer), None, "tiny", []);
         assert!(t.enable_prefix_cache(1 << 20).is_err());
+    }
+}
+
+/// The tiny tokenizer with one more added token that extends another (`<|eot_id|>` and
+/// `<|eot_id|>!!`), so that a match depends on the bytes after the shorter one.
+fn tiny_with_overlapping_tokens() -> HuggingFace {
+    tiny_with(|j| {
+        j["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({
+            "id": 400, "content": "<|eot_id|>!!", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true}));
+    })
+}
+
+fn hf_text() -> impl proptest::strategy::Strategy<Value = String> {
+    use proptest::prelude::*;
+    proptest::collection::vec(
+        prop_oneof![
+            4 => "[a-zA-Z ]{1,12}",
+            2 => "[ \\n\\t.,!?'0-9]{1,4}",
+            1 => "[éü東京😀]{1,3}",
+            2 => proptest::sample::select(vec![
+                "<|eot_id|>".to_string(), "<|eot_id|>!".into(), "<|eot_id|>!!".into(), "<|begin_of_text|>".into(),
+                "<|start_header_id|>user<|end_header_id|>\n\n".into(), "<|eot".into(), "!".into(),
+            ]),
+        ],
+        0..24,
+    )
+    .prop_map(|parts| parts.concat())
+}
+
+/// [`hf_text`], often after a `!` or two, which make `<|eot_id|>!!` of a `<|eot_id|>` or
+/// `<|eot_id|>!` just before them.
+fn hf_tail() -> impl proptest::strategy::Strategy<Value = String> {
+    use proptest::prelude::*;
+    ("!{0,2}", hf_text()).prop_map(|(a, b)| a + &b)
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::test_runner::Config::with_cases(96))]
+    /// The resume contract for a `tokenizer.json`: a text that agrees with another up to a
+    /// resume point and the lookahead encodes to the other's ids before the point, then its
+    /// own from the point on; and the prefix cache (small chunks, so texts span several)
+    /// gives what the tokenizer gives.
+    #[test]
+    fn hf_resume_points_hold_for_any_continuation(
+        t in hf_text(),
+        tail in hf_tail(),
+        chunk_keep in 0.0..1.0f64,
+    ) {
+        use kvroute_proto::openai::tokenizer::Points;
+        let tok = tiny_with_overlapping_tokens();
+        let resume = tok.resume().unwrap();
+        let whole = tok.encode(&t, false).unwrap();
+        let mut points = Points::new((0..t.len()).collect());
+        let mut ids = Vec::new();
+        resume.encode_from(&t, 0, &mut ids, &mut points).unwrap();
+        proptest::prop_assert_eq!(&ids, &whole);
+        let mut found = points.found().to_vec();
+        found.dedup();
+        for point in found {
+            let agreed = point.byte + resume.lookahead();
+            if agreed > t.len() || !t.is_char_boundary(agreed) {
+                continue;
+            }
+            let u = format!("{}{tail}", &t[..agreed]);
+            let mut resumed = whole[..point.ids].to_vec();
+            resumed.extend(tok.encode(&u[point.byte..], false).unwrap());
+            proptest::prop_assert_eq!(tok.encode(&u, false).unwrap(), resumed, "{:?} at {}", u, point.byte);
+        }
+        let mut cut = (t.len() as f64 * chunk_keep) as usize;
+        while !t.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let cache = PrefixCache::with_chunk(1 << 20, 24);
+        for text in [t.clone(), format!("{}{tail}", &t[..cut]), format!("{t}{tail}")] {
+            for special in [false, true] {
+                proptest::prop_assert_eq!(cache.encode(resume, &text, special).unwrap(), tok.encode(&text, special).unwrap());
+            }
+        }
     }
 }

@@ -17,11 +17,17 @@
 //! the tokenizer gives for the whole text (tested against it), except after a collision of
 //! 128-bit hashes of different texts.
 //!
-//! Entries are weighed by their size and evicted by `quick_cache` (S3-FIFO: a text seen
-//! once does not push out beginnings that recur). The parameters: chunks of 4 KiB (an 8 k
-//! token prompt is 8-16 chunks; a new turn re-tokenizes at most a chunk before it; 1 KiB
-//! chunks made a miss ~10 µs dearer at 8 k tokens, for 60 entries instead of 15, and a hit
-//! ~3 µs dearer, for 60 lookups), and the capacity in bytes, set by the caller.
+//! How much of a text that begins like an earlier one is tokenized again depends on the
+//! tokenizer's resume points: with the builtin tokenizer (a point at every piece end), the
+//! new part and at most a chunk before it; with a `tokenizer.json` (points after added
+//! tokens), everything after the last added token that lies a lookahead before the last
+//! shared chunk boundary, so a long last message is tokenized whole.
+//!
+//! Entries are weighed by the bytes of their ids (4 a token) plus an overhead, and evicted
+//! by `quick_cache` (S3-FIFO: a text seen once does not push out beginnings that recur).
+//! The parameters: chunks of 4 KiB (an 8 k token prompt is 8-16 chunks; 1 KiB chunks made
+//! a miss ~10 µs dearer at 8 k tokens, for 60 entries instead of 15, and a hit ~3 µs
+//! dearer, for 60 lookups), and the capacity in bytes, set by the caller.
 
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
@@ -88,7 +94,11 @@ impl PrefixCache {
         Self::with_chunk(capacity_bytes, Self::CHUNK)
     }
 
-    fn with_chunk(capacity_bytes: u64, chunk: usize) -> Self {
+    /// A cache keyed every `chunk` bytes instead of every [`PrefixCache::CHUNK`] (smaller
+    /// chunks: more entries and lookups, less tokenized again; tests use them to make short
+    /// texts span several).
+    pub fn with_chunk(capacity_bytes: u64, chunk: usize) -> Self {
+        let chunk = chunk.max(1);
         let per_entry = ENTRY_OVERHEAD + chunk as u64;
         let items = usize::try_from(capacity_bytes / per_entry).unwrap_or(usize::MAX).max(16);
         Self {

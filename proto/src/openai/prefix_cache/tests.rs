@@ -63,7 +63,7 @@ proptest! {
         first in text(600),
         turns in proptest::collection::vec((0.0..1.2f64, text(200)), 1..6),
         capacity in prop_oneof![Just(4_000u64), Just(1 << 20)],
-        chunk in prop_oneof![Just(32usize), Just(100), Just(PrefixCache::CHUNK)],
+        chunk in prop_oneof![Just(32usize), Just(100), Just(1000)],
     ) {
         let cache = PrefixCache::with_chunk(capacity, chunk);
         let mut t = first;
