@@ -98,6 +98,8 @@ const CHAIN_LEN: usize = 64;
 const CREDIT_TTL: Duration = Duration::from_millis(20);
 /// The router's default `--tokenize-cache-bytes`.
 const ROUTER_CACHE_BYTES: u64 = 64 << 20;
+/// About what an 8 k-token prompt's entries weigh in the cache (4 bytes a token).
+const CHAIN_BYTES: u64 = 40 << 10;
 
 /// splitmix64, so every run builds the same fleet and prompts.
 struct Rng(u64);
@@ -242,9 +244,14 @@ impl Changing {
         let at =
             |needle: &str| body.windows(needle.len()).position(|w| w == needle.as_bytes()).expect("in body");
         // Steady state: a cache that is full and evicting, as in a router that has run a while.
-        for seed in 0..1200 {
-            bench.decide_cached(&completion_body(text_prompt(8192, 1000 + seed).into()));
+        let Prompts::Local(tokenization) = &bench.cached.prompts else { unreachable!("local tokenizer") };
+        let weight = || tokenization.prefix_cache_stats().expect("cache on").weight_bytes;
+        let mut seed = 1000;
+        while weight() < ROUTER_CACHE_BYTES - 2 * CHAIN_BYTES && seed < 10_000 {
+            bench.decide_cached(&completion_body(text_prompt(8192, seed).into()));
+            seed += 1;
         }
+        eprintln!("prefix cache: {} MiB after {} new prompts", weight() >> 20, seed - 1000);
         let new = completion_body(text_prompt(8192, 79).into());
         let start = at("\"prompt\":\"") + 10;
         vec![

@@ -34,7 +34,7 @@ pub struct Credits {
     inner: Mutex<Inner>,
 }
 
-/// Credited (block, replica) pairs and their expiry, in milliseconds since `epoch` (block
+/// Credited (block, replica) pairs and their expiry, in microseconds since `epoch` (block
 /// hashes are uniform already: the index's one-multiply hasher, not SipHash).
 type Held = HashMap<(BlockHash, ReplicaId), u64, FoldState>;
 
@@ -63,7 +63,7 @@ impl Credits {
         }
         let mut inner = self.lock();
         let now = inner.now(self.ttl);
-        let expiry = now + self.ttl.as_millis() as u64;
+        let expiry = now + self.ttl.as_micros() as u64;
         inner.current.extend(blocks.iter().map(|&b| ((b, replica), expiry)));
     }
 
@@ -120,7 +120,7 @@ impl Credits {
 }
 
 impl Inner {
-    /// Now, in milliseconds since `epoch`, after turning the generations over if the current
+    /// Now, in microseconds since `epoch`, after turning the generations over if the current
     /// one is `ttl` old.
     fn now(&mut self, ttl: Duration) -> u64 {
         let now = Instant::now();
@@ -133,7 +133,7 @@ impl Inner {
             }
             self.since = now;
         }
-        now.duration_since(self.epoch).as_millis() as u64
+        now.duration_since(self.epoch).as_micros() as u64
     }
 
     fn live(&self, key: (BlockHash, ReplicaId), now: u64) -> bool {

@@ -132,7 +132,8 @@ impl Decider {
         Ok(plan)
     }
 
-    /// Where a request would go and why, with no side effects (the admin `Explain`).
+    /// Where a request would go and why, crediting and counting nothing (the admin
+    /// `Explain`); its tokenizing may fill the tokenizer's prefix cache.
     pub async fn explain(&self, endpoint: Endpoint, body: &[u8]) -> Result<Plan, ProxyError> {
         let mut request = ParsedRequest::parse(endpoint, body)?;
         let members = self.fleet.members();
