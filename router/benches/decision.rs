@@ -30,12 +30,12 @@
 //!
 //! | prompt | p50 | p90 | p99 | loop p99 | parse | tokenize | hash | lookup |
 //! |---|---|---|---|---|---|---|---|---|
-//! | text/1024 | 7.7-8.0 | 8.0-11.2 | 9.2-13.1 | 8.1-9.7 | 0.5 | 4.5 | 0.4 | 0.2 |
-//! | ids/1024 | 5.7-5.9 | 5.7-6.0 | 5.8-6.7 | 5.8-7.6 | 2.8 | 0.2 | 0.4 | 0.2 |
-//! | text/8192 | 45.2-46.2 | 46.4-63.9 | 63.6-76.3 | 60.9-63.5 | 2.7 | 35.1 | 2.6 | 2.3 |
-//! | ids/8192 | 29.7-30.8 | 30.0-31.5 | 42.1-46.8 | 40.0-47.3 | 22.2 | 1.1 | 2.6 | 2.3 |
-//! | turn/8192 | 17.5-18.1 | 18.2-18.7 | 26.0-32.0 | | 9.0 (both) | | | |
-//! | new/8192 | 62.8-65.0 | 65.2-68.3 | 94.8-112.8 | | 45.4 (both) | | | |
+//! | text/1024 | 7.7-7.8 | 7.8-7.9 | 8.0-11.1 | 7.9-9.9 | 0.5 | 4.4 | 0.4 | 0.2 |
+//! | ids/1024 | 5.6-5.7 | 5.7-7.2 | 5.9-9.1 | 5.8-7.5 | 2.8 | 0.2 | 0.4 | 0.2 |
+//! | text/8192 | 44.9-45.1 | 45.5-52.4 | 65.6-77.5 | 60.1-71.8 | 2.9 | 34.7 | 2.6 | 2.3 |
+//! | ids/8192 | 29.5-29.8 | 30.4-39.3 | 45.4-54.0 | 43.3-46.1 | 21.9 | 0.9 | 2.6 | 2.3 |
+//! | turn/8192 | 17.9-18.6 | 18.4-27.2 | 25.1-46.9 | | 9.3 (both) | | | |
+//! | new/8192 | 63.1-66.0 | 65.2-72.8 | 98.2-117.9 | | 45.9 (both) | | | |
 //!
 //! The distribution is tight up to p90; p99 is where this machine's timer interrupts
 //! (250 Hz) and hypervisor land, and a decision's p99 sits within a few µs of plain
@@ -45,7 +45,7 @@
 //! A prompt whose first 7 680 tokens the router has seen decides in 18 µs, against 45 µs
 //! from scratch; one never seen pays ~10 µs more than from scratch for filling the cache,
 //! and ~15 µs for crediting 512 new blocks (it was ~35 µs while expired credits were
-//! removed one by one).
+//! removed one by one: `new/8192` p50 85-88 then).
 //!
 //! History at 8 k (p50 / p99): text 185 / 366 and ids 214 / 1437 at first; 73.8 / 103.5 and
 //! 124.6 / 165.3 after the byte-level tokenizer and a plain-id reader behind serde's raw
