@@ -148,6 +148,21 @@ impl CompareReport {
                 run.offline.map_or("-".into(), |o| format!("{:.2}", o.load_skew)),
             );
         }
+        let reuse: Vec<String> = self
+            .runs
+            .iter()
+            .filter_map(|run| {
+                let reuse = run.live.router.as_ref()?.tokenize_reuse()?;
+                Some(format!("{} {:.1}%", run.policy.as_str(), 100.0 * reuse))
+            })
+            .collect();
+        if !reuse.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nprompt text the router's tokenizer cache did not tokenize again: {}",
+                reuse.join(", ")
+            );
+        }
         out
     }
 }

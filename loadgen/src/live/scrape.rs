@@ -1,8 +1,9 @@
 //! Fleet-wide counters from Prometheus `/metrics` pages, read before and after a run so the
 //! report can use their deltas: every replica's `vllm:prefix_cache_hits_total`,
 //! `vllm:prefix_cache_queries_total` and `vllm:prompt_tokens_total` (vLLM and kvroute agents
-//! both export them), and the router's `kvroute_router_{predicted,realized}_cached_tokens_total`
-//! and `kvroute_router_prompt_tokens_total`.
+//! both export them), and the router's `kvroute_router_{predicted,realized}_cached_tokens_total`,
+//! `kvroute_router_prompt_tokens_total` and its tokenizer cache's
+//! `kvroute_router_tokenize_{reused,tokenized}_bytes_total`.
 //!
 //! Parsing is deliberately small: a sample line is `name{labels} value [timestamp]`; samples
 //! of one name are summed over their label sets (e.g. vLLM's per-engine labels).
@@ -74,6 +75,10 @@ pub struct RouterCounters {
     pub predicted_cached_tokens: f64,
     pub realized_cached_tokens: f64,
     pub prompt_tokens: f64,
+    /// Prompt text bytes whose token ids came from the router's prefix cache.
+    pub tokenize_reused_bytes: f64,
+    /// Prompt text bytes the router tokenized.
+    pub tokenize_tokenized_bytes: f64,
 }
 
 impl RouterCounters {
@@ -83,15 +88,27 @@ impl RouterCounters {
             predicted_cached_tokens: sum(page, "kvroute_router_predicted_cached_tokens_total")?,
             realized_cached_tokens: sum(page, "kvroute_router_realized_cached_tokens_total").unwrap_or(0.0),
             prompt_tokens: sum(page, "kvroute_router_prompt_tokens_total").unwrap_or(0.0),
+            tokenize_reused_bytes: sum(page, "kvroute_router_tokenize_reused_bytes_total").unwrap_or(0.0),
+            tokenize_tokenized_bytes: sum(page, "kvroute_router_tokenize_tokenized_bytes_total")
+                .unwrap_or(0.0),
         })
     }
 
     pub fn since(&self, before: &Self) -> Self {
+        let d = |a: f64, b: f64| (a - b).max(0.0);
         Self {
-            predicted_cached_tokens: (self.predicted_cached_tokens - before.predicted_cached_tokens).max(0.0),
-            realized_cached_tokens: (self.realized_cached_tokens - before.realized_cached_tokens).max(0.0),
-            prompt_tokens: (self.prompt_tokens - before.prompt_tokens).max(0.0),
+            predicted_cached_tokens: d(self.predicted_cached_tokens, before.predicted_cached_tokens),
+            realized_cached_tokens: d(self.realized_cached_tokens, before.realized_cached_tokens),
+            prompt_tokens: d(self.prompt_tokens, before.prompt_tokens),
+            tokenize_reused_bytes: d(self.tokenize_reused_bytes, before.tokenize_reused_bytes),
+            tokenize_tokenized_bytes: d(self.tokenize_tokenized_bytes, before.tokenize_tokenized_bytes),
         }
+    }
+
+    /// The share of prompt text the router's tokenizer cache saved it tokenizing.
+    pub fn tokenize_reuse(&self) -> Option<f64> {
+        let total = self.tokenize_reused_bytes + self.tokenize_tokenized_bytes;
+        (total > 0.0).then(|| self.tokenize_reused_bytes / total)
     }
 }
 
@@ -141,6 +158,12 @@ mod tests {
         assert_eq!(sum(page, "vllm:prefix_cache_queries_total"), Some(40.0));
         assert_eq!(sum(page, "vllm:prompt_tokens_total"), None);
         assert_eq!(RouterCounters::parse(page), None);
+        let router = "kvroute_router_predicted_cached_tokens_total 7\n\
+                      kvroute_router_tokenize_reused_bytes_total 300\n\
+                      kvroute_router_tokenize_tokenized_bytes_total 100\n";
+        let router = RouterCounters::parse(router).unwrap();
+        assert_eq!(router.tokenize_reuse(), Some(0.75));
+        assert_eq!(router.since(&router).tokenize_reuse(), None);
         let after =
             ReplicaCounters { prefix_cache_hits: 20.0, prefix_cache_queries: 50.0, prompt_tokens: 5.0 };
         let before = ReplicaCounters::parse(page);
