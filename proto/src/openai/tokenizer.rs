@@ -40,7 +40,6 @@ mod plain;
 pub mod resume;
 
 pub use huggingface::HuggingFace;
-
 pub use resume::{Point, Points, Resume};
 
 /// Turns text into token ids. Implementations must be deterministic: the router and every
