@@ -209,14 +209,11 @@ impl AddedTokens {
     /// (the ids of `text`); none when the two do not pair up.
     fn ends(&self, text: &str, ids: &[u32]) -> Vec<(usize, usize)> {
         let is_added = |id: u32| self.ids.get(id as usize / 64).is_some_and(|w| w >> (id % 64) & 1 == 1);
-        let ends: Vec<(usize, usize)> = self
-            .matcher
-            .find_iter(text)
-            .map(|m| m.end())
-            .zip(ids.iter().enumerate().filter(|&(_, &id)| is_added(id)).map(|(i, _)| i))
-            .collect();
-        let matches = self.matcher.find_iter(text).count();
-        let added = ids.iter().filter(|&&id| is_added(id)).count();
-        if ends.len() == matches && matches == added { ends } else { Vec::new() }
+        let matches: Vec<usize> = self.matcher.find_iter(text).map(|m| m.end()).collect();
+        let added: Vec<usize> = (0..ids.len()).filter(|&i| is_added(ids[i])).collect();
+        if matches.len() != added.len() {
+            return Vec::new();
+        }
+        matches.into_iter().zip(added).collect()
     }
 }
