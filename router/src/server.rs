@@ -160,13 +160,13 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             Box::new(move || Pool::new(timeout, UPSTREAM_IDLE_TIMEOUT, UPSTREAM_MAX_IDLE))
         },
         forward: ForwardConfig {
+            max_body_bytes: config.max_body_bytes,
             first_byte_timeout: config.first_byte_timeout(),
             idle_timeout: config.idle_timeout(),
             eject_after: config.eject_after,
             ejection: config.ejection(),
         },
         registry: Arc::new(registry),
-        max_body_bytes: config.max_body_bytes,
         limits: config.request_limits(),
         in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
         models,

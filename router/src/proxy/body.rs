@@ -41,9 +41,9 @@ pub fn full(bytes: Bytes) -> ProxyBody {
 pub trait Hooks: Send + 'static {
     /// The first data frame is passing through (the replica produced its first output).
     fn first_data(&mut self);
-    /// Called exactly once: `cached_tokens` as found in the body (if any), and whether the
-    /// body completed (false: error, idle timeout or client gone).
-    fn finish(self: Box<Self>, cached_tokens: Option<u64>, completed: bool);
+    /// Called exactly once, when the body ends, fails or is dropped: `cached_tokens` as found
+    /// in the body (if any).
+    fn finish(self: Box<Self>, cached_tokens: Option<u64>);
 }
 
 /// An upstream body with an idle timeout, usage sniffing and an end hook.
@@ -86,7 +86,7 @@ impl<B> Tracked<B> {
     /// The upstream failed with `error`: an error event if the stream allows one, else the
     /// error itself (which aborts the client's response).
     fn fail(&mut self, error: BoxError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.end(false);
+        self.end();
         if !(self.sse && self.at_boundary) {
             return Poll::Ready(Some(Err(error)));
         }
@@ -97,16 +97,16 @@ impl<B> Tracked<B> {
         Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
     }
 
-    fn end(&mut self, completed: bool) {
+    fn end(&mut self) {
         if let Some(hooks) = self.hooks.take() {
-            hooks.finish(self.scanner.cached_tokens, completed);
+            hooks.finish(self.scanner.cached_tokens);
         }
     }
 }
 
 impl<B> Drop for Tracked<B> {
     fn drop(&mut self) {
-        self.end(false);
+        self.end();
     }
 }
 
@@ -148,7 +148,7 @@ where
                 if this.inner.is_end_stream() {
                     // The last frame: hyper will not poll again (the length is known), so
                     // the body ends here, its connection clean.
-                    this.end(true);
+                    this.end();
                 } else {
                     let deadline = Instant::now() + this.idle;
                     this.sleep.as_mut().reset(deadline);
@@ -157,7 +157,7 @@ where
             }
             Poll::Ready(Some(Err(e))) => this.fail(e.into()),
             Poll::Ready(None) => {
-                this.end(true);
+                this.end();
                 Poll::Ready(None)
             }
             Poll::Pending => {
@@ -246,21 +246,21 @@ mod tests {
         assert_eq!(s.cached_tokens, Some(9), "the last one wins");
     }
 
-    /// How a body ended: the cached tokens found and whether it completed.
-    type Ending = std::sync::Arc<std::sync::Mutex<Option<(Option<u64>, bool)>>>;
+    /// Whether a body ended, and the cached tokens it found.
+    type Ending = std::sync::Arc<std::sync::Mutex<Option<Option<u64>>>>;
 
     /// Records how the body ended.
     struct Ended(Ending);
 
     impl Hooks for Ended {
         fn first_data(&mut self) {}
-        fn finish(self: Box<Self>, cached_tokens: Option<u64>, completed: bool) {
-            *self.0.lock().unwrap() = Some((cached_tokens, completed));
+        fn finish(self: Box<Self>, cached_tokens: Option<u64>) {
+            *self.0.lock().unwrap() = Some(cached_tokens);
         }
     }
 
     /// A body of known length ends with its last frame: whoever serves it stops polling
-    /// there, and the body must count as complete (its connection is clean and reusable).
+    /// there, and the request's load must be released then, not when the body is dropped.
     #[tokio::test]
     async fn a_sized_body_completes_with_its_last_frame() {
         let ended = Ending::default();
@@ -271,13 +271,13 @@ mod tests {
         let frame = body.frame().await.unwrap().unwrap();
         assert!(frame.is_data());
         assert!(body.is_end_stream());
-        assert_eq!(*ended.lock().unwrap(), Some((Some(5), true)), "finished before any further poll");
+        assert_eq!(*ended.lock().unwrap(), Some(Some(5)), "finished before any further poll");
         drop(body);
-        assert_eq!(*ended.lock().unwrap(), Some((Some(5), true)), "and only once");
+        assert_eq!(*ended.lock().unwrap(), Some(Some(5)), "and only once");
     }
 
     #[tokio::test]
-    async fn a_body_dropped_midway_is_not_complete() {
+    async fn a_body_dropped_midway_ends_when_dropped() {
         let ended = Ending::default();
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
         tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
@@ -287,6 +287,6 @@ mod tests {
         body.frame().await.unwrap().unwrap();
         assert_eq!(*ended.lock().unwrap(), None);
         drop(body);
-        assert_eq!(*ended.lock().unwrap(), Some((None, false)));
+        assert_eq!(*ended.lock().unwrap(), Some(None));
     }
 }

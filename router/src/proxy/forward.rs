@@ -16,11 +16,11 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 
-use super::body::{BoxError, Hooks, ProxyBody, Tracked, full};
+use super::body::{BoxError, Hooks, ProxyBody, Tracked};
 use super::error::ProxyError;
-use super::pool::{Lease, Pool};
+use super::http1::{Outgoing, UpstreamBody, WireError};
+use super::pool::{Pool, SendError};
 use super::route::Plan;
 use super::upstream::{LoadGuard, Upstream};
 use crate::metrics::ProxyMetrics;
@@ -44,9 +44,11 @@ const HOP_BY_HOP: [&str; 9] = [
     "host",
 ];
 
-/// Timeouts and ejection settings of the forwarder.
+/// Timeouts, ejection settings and the body limit of the forwarder.
 #[derive(Clone, Debug)]
 pub struct ForwardConfig {
+    /// Largest request body, bytes.
+    pub max_body_bytes: usize,
     pub first_byte_timeout: Duration,
     pub idle_timeout: Duration,
     pub eject_after: u32,
@@ -91,10 +93,11 @@ pub async fn routed(
         let member = &scored.member;
         let upstream = &member.upstream;
         let guard = upstream.begin(plan.prefill_tokens(attempt), plan.prompt_tokens);
-        let request = build_request(&member.replica.spec.http_url, parts, full(body.clone()), request_id)?;
+        let request =
+            build_request(&member.replica.spec.http_url, parts, Outgoing::Full(body.clone()), request_id)?;
         let sent = Instant::now();
         match tokio::time::timeout(config.first_byte_timeout, pool.send(request)).await {
-            Ok(Ok((response, _lease)))
+            Ok(Ok(response))
                 if response.status() == http::StatusCode::SERVICE_UNAVAILABLE
                     && attempt + 1 < plan.order.len().min(MAX_ATTEMPTS) =>
             {
@@ -107,9 +110,8 @@ pub async fn routed(
                     reason: "503 Service Unavailable".into(),
                 });
             }
-            Ok(Ok((response, lease))) => {
-                let mut response =
-                    wrap(response, lease, guard, upstream.clone(), config, metrics, sent, request_id);
+            Ok(Ok(response)) => {
+                let mut response = wrap(response, guard, upstream.clone(), config, metrics, sent, request_id);
                 let headers = response.headers_mut();
                 if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                     headers.insert("x-kvroute-replica", v);
@@ -154,16 +156,23 @@ pub async fn streamed(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let upstream = &member.upstream;
     let guard = upstream.begin(0, 0);
-    let request = build_request(&member.replica.spec.http_url, parts, body, request_id)?;
+    let request = build_request(&member.replica.spec.http_url, parts, Outgoing::Stream(body), request_id)?;
     let sent = Instant::now();
     match tokio::time::timeout(config.first_byte_timeout, pool.send(request)).await {
-        Ok(Ok((response, lease))) => {
-            let mut response =
-                wrap(response, lease, guard, upstream.clone(), config, metrics, sent, request_id);
+        Ok(Ok(response)) => {
+            let mut response = wrap(response, guard, upstream.clone(), config, metrics, sent, request_id);
             if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                 response.headers_mut().insert("x-kvroute-replica", v);
             }
             Ok(response)
+        }
+        // The client's body failed (too large, or the client went away): not the replica's fault.
+        Ok(Err(SendError::Wire(WireError::RequestBody(e)))) => {
+            Err(if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                ProxyError::BodyTooLarge { limit: config.max_body_bytes }
+            } else {
+                ProxyError::BodyRead(e.to_string())
+            })
         }
         Ok(Err(e)) => {
             record_failure(upstream, config, metrics);
@@ -188,9 +197,9 @@ fn record_failure(upstream: &Upstream, config: &ForwardConfig, metrics: &ProxyMe
 fn build_request(
     base: &str,
     parts: &http::request::Parts,
-    body: ProxyBody,
+    body: Outgoing,
     request_id: &str,
-) -> Result<Request<ProxyBody>, ProxyError> {
+) -> Result<Request<Outgoing>, ProxyError> {
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let mut request = Request::builder()
         .method(parts.method.clone())
@@ -207,10 +216,8 @@ fn build_request(
 }
 
 /// The upstream response, with the body tracked and hop-by-hop headers removed.
-#[allow(clippy::too_many_arguments)]
 fn wrap(
-    response: Response<Incoming>,
-    lease: Lease,
+    response: Response<UpstreamBody>,
     guard: LoadGuard,
     upstream: Arc<Upstream>,
     config: &ForwardConfig,
@@ -237,7 +244,6 @@ fn wrap(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
     let hooks = Box::new(ResponseHooks {
-        lease,
         guard,
         realized_cached_tokens: metrics.realized_cached_tokens.clone(),
         upstream_ttfb_seconds: metrics.upstream_ttfb_seconds.clone(),
@@ -248,9 +254,8 @@ fn wrap(
     Response::from_parts(parts, body)
 }
 
-/// Releases a request's load and its connection, and records what its response showed.
+/// Releases a request's load and records what its response showed.
 struct ResponseHooks {
-    lease: Lease,
     guard: LoadGuard,
     realized_cached_tokens: Counter,
     upstream_ttfb_seconds: Histogram,
@@ -263,12 +268,9 @@ impl Hooks for ResponseHooks {
         self.upstream_ttfb_seconds.observe(self.sent.elapsed().as_secs_f64());
     }
 
-    fn finish(self: Box<Self>, cached_tokens: Option<u64>, completed: bool) {
+    fn finish(self: Box<Self>, cached_tokens: Option<u64>) {
         if let Some(n) = cached_tokens {
             self.realized_cached_tokens.inc_by(n);
-        }
-        if completed {
-            self.lease.release();
         }
         drop(self.guard);
     }

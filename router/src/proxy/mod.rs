@@ -9,7 +9,7 @@
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //!
-//! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`pool`] (upstream
+//! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`pool`] (upstream
 //! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`route`] (the decision path), [`upstream`] (per-replica
 //! load and health).
 
@@ -17,6 +17,7 @@ pub mod body;
 pub mod error;
 pub mod forward;
 pub mod health;
+pub mod http1;
 pub mod pool;
 pub mod prompts;
 pub mod route;
@@ -52,7 +53,6 @@ pub struct ProxyState {
     pub new_pool: Box<dyn Fn() -> Pool + Send + Sync>,
     pub forward: ForwardConfig,
     pub registry: Arc<Registry>,
-    pub max_body_bytes: usize,
     /// Prompt and completion bounds of routed requests.
     pub limits: RequestLimits,
     /// Global in-flight limit: a request that cannot get a permit gets 503 at once.
@@ -161,7 +161,7 @@ async fn routed(
         .try_acquire_owned()
         .map_err(|_| ProxyError::Unavailable("the router is at its in-flight limit".into()))?;
     let (parts, body) = req.into_parts();
-    let body = read_body(&parts, body, state.max_body_bytes).await?;
+    let body = read_body(&parts, body, state.forward.max_body_bytes).await?;
     let plan = state.decider.decide_within(endpoint, &body, &state.limits).await?;
     state.decider.metrics.in_flight.inc();
     let result =
@@ -186,10 +186,10 @@ async fn passthrough(
         .min_by_key(|m| m.upstream.load().in_flight)
         .ok_or_else(|| ProxyError::Unavailable("no healthy replica".into()))?;
     let (parts, body) = req.into_parts();
-    if content_length(&parts).is_some_and(|n| n > state.max_body_bytes) {
-        return Err(ProxyError::BodyTooLarge { limit: state.max_body_bytes });
+    if content_length(&parts).is_some_and(|n| n > state.forward.max_body_bytes) {
+        return Err(ProxyError::BodyTooLarge { limit: state.forward.max_body_bytes });
     }
-    let body = Limited::new(body, state.max_body_bytes).map_err(BoxError::from).boxed_unsync();
+    let body = Limited::new(body, state.forward.max_body_bytes).map_err(BoxError::from).boxed_unsync();
     forward::streamed(pool, &state.forward, &state.decider.metrics, &member, &parts, body, request_id).await
 }
 

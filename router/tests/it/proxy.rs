@@ -325,3 +325,50 @@ async fn remote_tokenization_asks_a_replica_and_hashes_like_it() {
     assert_parity(&fleet, "/v1/chat/completions", Endpoint::ChatCompletions, &chat).await;
     assert_parity(&fleet, "/v1/completions", Endpoint::Completions, &completion(&text("rc", 30), 1)).await;
 }
+
+/// Sends `request` raw on a new connection to the router and reads the response to its end
+/// (`connection: close`).
+async fn raw_exchange(fleet: &Fleet, request: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let address = fleet.router.url().trim_start_matches("http://").to_owned();
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await.unwrap();
+    String::from_utf8_lossy(&response).into_owned()
+}
+
+/// Other `/v1/*` requests stream to a replica, whatever their body's framing; a body that
+/// outgrows the limit on its way is the client's error (413), not a failure of the replica.
+/// (It used to be answered 502 and counted against the replica, so three oversized uploads
+/// ejected it.)
+#[tokio::test]
+async fn other_v1_requests_stream_through_and_oversized_uploads_do_not_eject_replicas() {
+    let fleet = Fleet::with(1, agent_config, |c| kvroute_router::Config {
+        max_body_bytes: 1024,
+        eject_after: 1,
+        ..c
+    })
+    .await;
+    let small = "POST /v1/embeddings HTTP/1.1\r\nhost: t\r\nconnection: close\r\ntransfer-encoding: chunked\r\n\r\n\
+        5\r\nhello\r\n0\r\n\r\n";
+    let answer = raw_exchange(&fleet, small.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 404"), "the replica's own answer: {answer}");
+    assert!(answer.contains("x-kvroute-replica: "), "{answer}");
+    assert!(answer.contains("not_found"), "{answer}");
+
+    let chunk = format!("258\r\n{}\r\n", "x".repeat(600));
+    let oversized = format!(
+        "POST /v1/embeddings HTTP/1.1\r\nhost: t\r\nconnection: close\r\ntransfer-encoding: chunked\r\n\r\n{}0\r\n\r\n",
+        chunk.repeat(3)
+    );
+    for _ in 0..3 {
+        let answer = raw_exchange(&fleet, oversized.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+        assert!(answer.contains("invalid_request_error"), "{answer}");
+    }
+    let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion("still eligible", 2)).await;
+    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    let metrics = String::from_utf8_lossy(&fleet.http.get(&fleet.url("/metrics")).await.body).into_owned();
+    assert!(metrics.contains("kvroute_router_ejections_total 0"), "{metrics}");
+}

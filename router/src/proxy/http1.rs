@@ -1,0 +1,469 @@
+//! HTTP/1.1 on an upstream connection, as the proxy needs it: a request goes out as one
+//! vectored write (head and body), the response head is read with `httparse`, and the body
+//! is delimited by its framing (RFC 9112 §6.3) and passed on as it arrives, each read of the
+//! socket one frame, de-chunked, without copying.
+//!
+//! Why not hyper's client connection: it runs each connection as a task of its own and hands
+//! requests, responses and body chunks to it over channels, several task wake-ups a request.
+//! Here the request's own task writes and reads the socket; the same work the proxy's HTTP
+//! thread does for the client side. The client side stays hyper's server: clients are
+//! anyone, replicas are HTTP/1.1 servers the router was configured with.
+//!
+//! What is supported on the way back: `Content-Length`, `Transfer-Encoding: chunked` (chunk
+//! extensions and trailers are read and dropped), bodies delimited by the connection's close,
+//! no body for `HEAD`, 204 and 304, interim 1xx responses skipped. A connection goes back to
+//! its pool only when its response ended exactly where its framing said and the replica did
+//! not ask to close it.
+
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Response, StatusCode, Version};
+use http_body::{Body, Frame, SizeHint};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::body::{BoxError, ProxyBody};
+use super::pool::Checkin;
+
+/// Largest response head (status line and headers) read from a replica.
+pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// Most response headers read from a replica.
+const MAX_HEADERS: usize = 100;
+/// Read buffer of a connection; grows for larger heads.
+const READ_BUFFER: usize = 16 * 1024;
+
+/// Why an exchange on a connection failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("writing the request: {0}")]
+    Write(#[source] std::io::Error),
+    #[error("reading the response: {0}")]
+    Read(#[source] std::io::Error),
+    #[error("the replica closed the connection before answering")]
+    ClosedBeforeAnswer,
+    #[error("the replica's response head is malformed: {0}")]
+    Malformed(String),
+    #[error("reading the request body: {0}")]
+    RequestBody(#[source] BoxError),
+}
+
+impl WireError {
+    /// Nothing of the response arrived, so a fresh connection may carry the request again.
+    pub fn before_answer(&self) -> bool {
+        match self {
+            WireError::Write(_) | WireError::ClosedBeforeAnswer => true,
+            WireError::Read(e) => {
+                matches!(e.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe)
+            }
+            WireError::Malformed(_) | WireError::RequestBody(_) => false,
+        }
+    }
+}
+
+/// An open connection to a replica and the bytes read from it but not yet used.
+pub struct Conn {
+    stream: TcpStream,
+    buf: BytesMut,
+}
+
+/// A request's body on its way out.
+pub enum Outgoing {
+    /// In hand: sent with `Content-Length`, and can be sent again.
+    Full(Bytes),
+    /// Streamed: sent with `Content-Length` if the body knows its length, else chunked.
+    Stream(ProxyBody),
+}
+
+/// How a response body is delimited (RFC 9112 §6.3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framing {
+    Length(u64),
+    Chunked,
+    UntilClose,
+}
+
+/// A parsed response head.
+#[derive(Debug)]
+pub struct Head {
+    pub parts: http::response::Parts,
+    pub framing: Framing,
+    /// The replica keeps the connection open after this response.
+    pub keep_alive: bool,
+}
+
+impl Conn {
+    pub fn new(stream: TcpStream) -> Self {
+        Self { stream, buf: BytesMut::with_capacity(READ_BUFFER) }
+    }
+
+    /// Whether an idle connection can carry a request: the replica has not closed it and
+    /// sent nothing unasked. Costs a system call only when the socket was seen readable.
+    pub fn is_usable(&self) -> bool {
+        if !self.buf.is_empty() {
+            return false;
+        }
+        match self.stream.try_read(&mut [0u8; 1]) {
+            Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+            Ok(_) => false,
+        }
+    }
+
+    /// Writes a request: `method target`, `Host: host`, `headers` (hop-by-hop ones already
+    /// removed; `Content-Length`, `Transfer-Encoding` and `Expect` are set here), then the body.
+    pub async fn write_request(
+        &mut self,
+        method: &Method,
+        target: &str,
+        host: &str,
+        headers: &HeaderMap,
+        body: Outgoing,
+    ) -> Result<(), WireError> {
+        let mut head = Vec::with_capacity(512);
+        head.extend_from_slice(method.as_str().as_bytes());
+        head.push(b' ');
+        head.extend_from_slice(target.as_bytes());
+        head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+        head.extend_from_slice(host.as_bytes());
+        head.extend_from_slice(b"\r\n");
+        for (name, value) in headers {
+            if name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING || name == header::EXPECT {
+                continue;
+            }
+            head.extend_from_slice(name.as_str().as_bytes());
+            head.extend_from_slice(b": ");
+            head.extend_from_slice(value.as_bytes());
+            head.extend_from_slice(b"\r\n");
+        }
+        match body {
+            Outgoing::Full(body) => {
+                if !body.is_empty() || method_has_body(method) {
+                    head.extend_from_slice(format!("content-length: {}\r\n", body.len()).as_bytes());
+                }
+                head.extend_from_slice(b"\r\n");
+                let mut out = Bytes::from(head).chain(body);
+                self.stream.write_all_buf(&mut out).await.map_err(WireError::Write)
+            }
+            Outgoing::Stream(body) => self.write_streamed(head, body).await,
+        }
+    }
+
+    async fn write_streamed(&mut self, mut head: Vec<u8>, mut body: ProxyBody) -> Result<(), WireError> {
+        use http_body_util::BodyExt;
+        let length = body.size_hint().exact();
+        match length {
+            Some(n) => head.extend_from_slice(format!("content-length: {n}\r\n\r\n").as_bytes()),
+            None => head.extend_from_slice(b"transfer-encoding: chunked\r\n\r\n"),
+        }
+        self.stream.write_all(&head).await.map_err(WireError::Write)?;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(WireError::RequestBody)?;
+            let Ok(data) = frame.into_data() else { continue };
+            if data.is_empty() {
+                continue;
+            }
+            if length.is_some() {
+                let mut data = data;
+                self.stream.write_all_buf(&mut data).await.map_err(WireError::Write)?;
+            } else {
+                let size = Bytes::from(format!("{:x}\r\n", data.len()));
+                let mut out = size.chain(data).chain(Bytes::from_static(b"\r\n"));
+                self.stream.write_all_buf(&mut out).await.map_err(WireError::Write)?;
+            }
+        }
+        if length.is_none() {
+            self.stream.write_all(b"0\r\n\r\n").await.map_err(WireError::Write)?;
+        }
+        Ok(())
+    }
+
+    /// Reads the final response head to a request with `method`, skipping interim ones.
+    pub async fn read_head(&mut self, method: &Method) -> Result<Head, WireError> {
+        let mut read_any = !self.buf.is_empty();
+        loop {
+            if !self.buf.is_empty() {
+                match parse_head(&self.buf, method)? {
+                    Some((length, head)) => {
+                        self.buf.advance(length);
+                        if head.parts.status.is_informational() {
+                            continue;
+                        }
+                        return Ok(head);
+                    }
+                    None if self.buf.len() >= MAX_HEAD_BYTES => {
+                        return Err(WireError::Malformed(format!("head longer than {MAX_HEAD_BYTES} bytes")));
+                    }
+                    None => {}
+                }
+            }
+            self.buf.reserve(READ_BUFFER);
+            match self.stream.read_buf(&mut self.buf).await {
+                Ok(0) if read_any => {
+                    return Err(WireError::Malformed("the connection closed inside the head".into()));
+                }
+                Ok(0) => return Err(WireError::ClosedBeforeAnswer),
+                Ok(_) => read_any = true,
+                Err(e) => return Err(WireError::Read(e)),
+            }
+        }
+    }
+}
+
+fn method_has_body(method: &Method) -> bool {
+    !matches!(*method, Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS | Method::TRACE)
+}
+
+/// Parses a response head at the start of `buf`: its length and the head, or `None` if it
+/// is not complete yet.
+pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, WireError> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut parsed = httparse::Response::new(&mut headers);
+    let length = match parsed.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(WireError::Malformed(e.to_string())),
+    };
+    let code = parsed.code.unwrap_or_default();
+    let status = StatusCode::from_u16(code).map_err(|_| WireError::Malformed(format!("status {code}")))?;
+    let version = if parsed.version == Some(1) { Version::HTTP_11 } else { Version::HTTP_10 };
+    let mut map = HeaderMap::with_capacity(parsed.headers.len());
+    for h in parsed.headers.iter() {
+        let name = HeaderName::from_bytes(h.name.as_bytes())
+            .map_err(|_| WireError::Malformed(format!("header name {:?}", h.name)))?;
+        let value = HeaderValue::from_bytes(h.value)
+            .map_err(|_| WireError::Malformed(format!("value of header {name}")))?;
+        map.append(name, value);
+    }
+    let framing = framing(&map, status, method)?;
+    let close = map
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|token| token.trim().eq_ignore_ascii_case("close"));
+    let keep_alive = version == Version::HTTP_11 && !close && framing != Framing::UntilClose;
+    let mut response = Response::new(());
+    *response.status_mut() = status;
+    *response.version_mut() = version;
+    *response.headers_mut() = map;
+    let (parts, ()) = response.into_parts();
+    Ok(Some((length, Head { parts, framing, keep_alive })))
+}
+
+/// RFC 9112 §6.3, for a response to `method`.
+fn framing(headers: &HeaderMap, status: StatusCode, method: &Method) -> Result<Framing, WireError> {
+    if *method == Method::HEAD
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+    {
+        return Ok(Framing::Length(0));
+    }
+    if let Some(last) = headers.get_all(header::TRANSFER_ENCODING).iter().next_back() {
+        let chunked = last
+            .to_str()
+            .ok()
+            .and_then(|v| v.rsplit(',').next())
+            .is_some_and(|coding| coding.trim().eq_ignore_ascii_case("chunked"));
+        return Ok(if chunked { Framing::Chunked } else { Framing::UntilClose });
+    }
+    let mut lengths = headers.get_all(header::CONTENT_LENGTH).iter();
+    let Some(first) = lengths.next() else { return Ok(Framing::UntilClose) };
+    let parse = |v: &HeaderValue| -> Option<u64> {
+        let s = v.to_str().ok()?.trim();
+        if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        s.parse().ok()
+    };
+    let n = parse(first).ok_or_else(|| WireError::Malformed("bad Content-Length".into()))?;
+    if lengths.any(|v| parse(v) != Some(n)) {
+        return Err(WireError::Malformed("conflicting Content-Length headers".into()));
+    }
+    Ok(Framing::Length(n))
+}
+
+/// Where a response body is in its framing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    /// This many bytes of the body left.
+    Length(u64),
+    /// A chunk-size line is next.
+    ChunkSize,
+    /// This many bytes of the current chunk left.
+    Chunk(u64),
+    /// The CRLF after a chunk's data.
+    ChunkEnd,
+    /// Trailer fields up to an empty line.
+    Trailers,
+    UntilClose,
+    Done,
+}
+
+/// A response body read off its connection. When it ends where its framing says, the
+/// connection goes back to its pool ([`Checkin`]) if the replica keeps it open; dropped
+/// earlier, the connection is closed.
+pub struct UpstreamBody {
+    conn: Option<Conn>,
+    state: State,
+    keep_alive: bool,
+    checkin: Option<Checkin>,
+}
+
+/// The response body ended before its framing said it would.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("the replica closed the connection before the response ended")]
+    Truncated,
+    #[error("reading the response body: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("malformed chunked body: {0}")]
+    Chunked(&'static str),
+}
+
+impl UpstreamBody {
+    /// The body that follows `head` on `conn`. An empty one checks the connection in at once.
+    pub fn new(conn: Conn, head: &Head, checkin: Checkin) -> Self {
+        let state = match head.framing {
+            Framing::Length(0) => State::Done,
+            Framing::Length(n) => State::Length(n),
+            Framing::Chunked => State::ChunkSize,
+            Framing::UntilClose => State::UntilClose,
+        };
+        let mut body = Self { conn: Some(conn), state, keep_alive: head.keep_alive, checkin: Some(checkin) };
+        if body.state == State::Done {
+            body.finish();
+        }
+        body
+    }
+
+    /// The body ended where its framing said: the connection may carry another request.
+    fn finish(&mut self) {
+        self.state = State::Done;
+        if let (Some(conn), Some(checkin), true) = (self.conn.take(), self.checkin.take(), self.keep_alive) {
+            checkin.checkin(conn);
+        }
+    }
+
+    /// Reads more from the socket; `Ok(0)` at its end.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<Result<usize, BodyError>> {
+        let Some(conn) = self.conn.as_mut() else { return Poll::Ready(Ok(0)) };
+        if conn.buf.capacity() - conn.buf.len() < 1024 {
+            conn.buf.reserve(READ_BUFFER);
+        }
+        let n = ready!(tokio_util::io::poll_read_buf(Pin::new(&mut conn.stream), cx, &mut conn.buf))?;
+        Poll::Ready(Ok(n))
+    }
+
+    fn buf(&mut self) -> &mut BytesMut {
+        &mut self.conn.as_mut().expect("a body being read has its connection").buf
+    }
+
+    /// Up to `left` bytes of data already read, if any.
+    fn take(&mut self, left: u64) -> Bytes {
+        let buf = self.buf();
+        let n = (buf.len() as u64).min(left) as usize;
+        buf.split_to(n).freeze()
+    }
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        loop {
+            let buffered = this.conn.as_ref().map_or(0, |c| c.buf.len());
+            match this.state {
+                State::Done => return Poll::Ready(None),
+                State::Length(left) if buffered > 0 => {
+                    let data = this.take(left);
+                    match left - data.len() as u64 {
+                        0 => this.finish(),
+                        left => this.state = State::Length(left),
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                State::Chunk(left) if buffered > 0 => {
+                    let data = this.take(left);
+                    this.state = match left - data.len() as u64 {
+                        0 => State::ChunkEnd,
+                        left => State::Chunk(left),
+                    };
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                State::UntilClose if buffered > 0 => {
+                    let data = this.take(u64::MAX);
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                State::ChunkSize if buffered > 0 => match httparse::parse_chunk_size(this.buf()) {
+                    Ok(httparse::Status::Complete((used, size))) => {
+                        this.buf().advance(used);
+                        this.state = if size == 0 { State::Trailers } else { State::Chunk(size) };
+                        continue;
+                    }
+                    Ok(httparse::Status::Partial) if buffered < 1024 => {}
+                    _ => return Poll::Ready(Some(Err(BodyError::Chunked("bad chunk size line").into()))),
+                },
+                State::ChunkEnd if buffered >= 2 => {
+                    if !this.buf().starts_with(b"\r\n") {
+                        return Poll::Ready(Some(Err(BodyError::Chunked("no CRLF after a chunk").into())));
+                    }
+                    this.buf().advance(2);
+                    this.state = State::ChunkSize;
+                    continue;
+                }
+                State::Trailers if buffered > 0 => {
+                    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+                    match httparse::parse_headers(this.buf(), &mut fields) {
+                        Ok(httparse::Status::Complete((used, _))) => {
+                            this.buf().advance(used);
+                            this.finish();
+                            return Poll::Ready(None);
+                        }
+                        Ok(httparse::Status::Partial) if buffered < MAX_HEAD_BYTES => {}
+                        _ => return Poll::Ready(Some(Err(BodyError::Chunked("bad trailer section").into()))),
+                    }
+                }
+                _ => {}
+            }
+            match ready!(this.poll_fill(cx)) {
+                Ok(0) if this.state == State::UntilClose => {
+                    this.state = State::Done;
+                    this.conn = None;
+                    return Poll::Ready(None);
+                }
+                Ok(0) => return Poll::Ready(Some(Err(BodyError::Truncated.into()))),
+                Ok(_) => {}
+                Err(e) => return Poll::Ready(Some(Err(e.into()))),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.state == State::Done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.state {
+            State::Length(n) => SizeHint::with_exact(n),
+            State::Done => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+/// A response whose body reads off `conn`.
+pub fn response(conn: Conn, head: Head, checkin: Checkin) -> Response<UpstreamBody> {
+    let body = UpstreamBody::new(conn, &head, checkin);
+    Response::from_parts(head.parts, body)
+}
+
+#[cfg(test)]
+mod tests;

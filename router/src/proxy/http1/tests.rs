@@ -1,0 +1,315 @@
+use super::*;
+
+fn head(text: &str) -> Head {
+    head_for(text, &Method::POST)
+}
+
+fn head_for(text: &str, method: &Method) -> Head {
+    let (length, head) = parse_head(text.as_bytes(), method).unwrap().expect("complete");
+    assert_eq!(length, text.len());
+    head
+}
+
+#[test]
+fn framing_follows_rfc_9112() {
+    assert_eq!(head("HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\n").framing, Framing::Length(12));
+    let chunked = head("HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\nContent-Length: 5\r\n\r\n");
+    assert_eq!(chunked.framing, Framing::Chunked, "transfer-encoding wins over content-length");
+    assert_eq!(head("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n").framing, Framing::UntilClose);
+    assert_eq!(head("HTTP/1.1 200 OK\r\n\r\n").framing, Framing::UntilClose);
+    assert_eq!(head("HTTP/1.1 204 No Content\r\n\r\n").framing, Framing::Length(0));
+    assert_eq!(head("HTTP/1.1 304 Not Modified\r\ncontent-length: 9\r\n\r\n").framing, Framing::Length(0));
+    let to_head = head_for("HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n", &Method::HEAD);
+    assert_eq!(to_head.framing, Framing::Length(0));
+    assert_eq!(
+        head("HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 3\r\n\r\n").framing,
+        Framing::Length(3)
+    );
+}
+
+#[test]
+fn keep_alive_needs_http_1_1_no_close_and_a_delimited_body() {
+    assert!(head("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").keep_alive);
+    assert!(
+        !head("HTTP/1.1 200 OK\r\nConnection: keep-alive, Close\r\ncontent-length: 0\r\n\r\n").keep_alive
+    );
+    assert!(!head("HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n").keep_alive);
+    assert!(!head("HTTP/1.1 200 OK\r\n\r\n").keep_alive, "delimited by close");
+}
+
+#[test]
+fn heads_are_parsed_whole_or_not_at_all() {
+    let text = "HTTP/1.1 201 Created\r\nx-a: 1\r\nx-a: 2\r\ncontent-type: text/event-stream\r\n\r\nbody";
+    for cut in 0..text.len() - 4 {
+        assert!(parse_head(&text.as_bytes()[..cut], &Method::POST).unwrap().is_none(), "cut at {cut}");
+    }
+    let (length, head) = parse_head(text.as_bytes(), &Method::POST).unwrap().unwrap();
+    assert_eq!(&text[length..], "body");
+    assert_eq!(head.parts.status, StatusCode::CREATED);
+    let values: Vec<_> = head.parts.headers.get_all("x-a").iter().collect();
+    assert_eq!(values, ["1", "2"], "repeated headers kept in order");
+}
+
+#[test]
+fn malformed_heads_are_errors() {
+    for text in [
+        "HTTP/1.1 20 OK\r\n\r\n",
+        "SMTP 220 hello\r\n\r\n",
+        "HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+        "HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+        "HTTP/1.1 200 OK\r\nbad header\r\n\r\n",
+    ] {
+        assert!(
+            matches!(parse_head(text.as_bytes(), &Method::POST), Err(WireError::Malformed(_))),
+            "{text:?}"
+        );
+    }
+}
+
+mod on_a_socket {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use http_body_util::BodyExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    use super::*;
+    use crate::proxy::body::full;
+    use crate::proxy::pool::{Pool, SendError};
+
+    /// What a raw replica does with the `n`th request on a connection.
+    type Script = fn(usize) -> Reply;
+
+    enum Reply {
+        Answer(&'static [u8]),
+        AnswerAndClose(&'static [u8]),
+        Close,
+    }
+    use Reply::*;
+
+    /// A replica on 127.0.0.1 that reads requests (heads and `Content-Length` or chunked
+    /// bodies, through `httparse`) and writes its script's answers a byte at a time, so the
+    /// proxy reads them in pieces. Returns its URL and the requests' raw bytes.
+    async fn raw_replica(script: Script) -> (String, Arc<std::sync::Mutex<Vec<Vec<u8>>>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                stream.set_nodelay(true).unwrap();
+                let log = log.clone();
+                tokio::spawn(async move {
+                    let mut n = 0;
+                    while let Some(request) = read_request(&mut stream).await {
+                        log.lock().unwrap().push(request);
+                        let (answer, close) = match script(n) {
+                            Answer(bytes) => (bytes, false),
+                            AnswerAndClose(bytes) => (bytes, true),
+                            Close => return,
+                        };
+                        for byte in answer {
+                            if stream.write_all(&[*byte]).await.is_err() {
+                                return;
+                            }
+                            tokio::task::yield_now().await;
+                        }
+                        if close {
+                            return;
+                        }
+                        n += 1;
+                    }
+                });
+            }
+        });
+        (url, seen)
+    }
+
+    /// One request's bytes, or `None` at the end of the connection.
+    async fn read_request(stream: &mut TcpStream) -> Option<Vec<u8>> {
+        let mut buf = Vec::new();
+        loop {
+            let mut headers = [httparse::EMPTY_HEADER; 32];
+            let mut request = httparse::Request::new(&mut headers);
+            if let Ok(httparse::Status::Complete(head)) = request.parse(&buf) {
+                let get = |name: &str| {
+                    request
+                        .headers
+                        .iter()
+                        .find(|h| h.name.eq_ignore_ascii_case(name))
+                        .map(|h| h.value.to_vec())
+                };
+                let length: usize =
+                    get("content-length").map_or(0, |v| String::from_utf8(v).unwrap().parse().unwrap());
+                let chunked = get("transfer-encoding").is_some();
+                loop {
+                    let body = &buf[head..];
+                    let done = if chunked { body.ends_with(b"0\r\n\r\n") } else { body.len() >= length };
+                    if done {
+                        return Some(buf);
+                    }
+                    if read_more(stream, &mut buf).await == 0 {
+                        return None;
+                    }
+                }
+            }
+            if read_more(stream, &mut buf).await == 0 {
+                return None;
+            }
+        }
+    }
+
+    async fn read_more(stream: &mut TcpStream, buf: &mut Vec<u8>) -> usize {
+        let mut chunk = [0u8; 4096];
+        let n = stream.read(&mut chunk).await.unwrap_or(0);
+        buf.extend_from_slice(&chunk[..n]);
+        n
+    }
+
+    fn pool() -> Arc<Pool> {
+        Arc::new(Pool::new(Duration::from_secs(2), Duration::from_secs(60), 8))
+    }
+
+    fn post(url: &str, body: Outgoing) -> http::Request<Outgoing> {
+        http::Request::post(format!("{url}/v1/completions")).header("x-kept", "1").body(body).unwrap()
+    }
+
+    /// Sends a request and reads the whole response body.
+    async fn exchange(
+        pool: &Arc<Pool>,
+        request: http::Request<Outgoing>,
+    ) -> Result<(StatusCode, Vec<u8>), BoxError> {
+        let response = pool.send(request).await?;
+        let status = response.status();
+        let body = response.into_body().collect().await?.to_bytes();
+        Ok((status, body.to_vec()))
+    }
+
+    const CHUNKED: &[u8] =
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/event-stream\r\n\r\n\
+        6;ext=1\r\ndata: \r\n10\r\n{\"cached_tokens\"\r\n3\r\n:7}\r\n0\r\nx-trailer: t\r\n\r\n";
+
+    #[tokio::test]
+    async fn chunked_bodies_are_dechunked_and_their_connection_reused() {
+        let (url, seen) = raw_replica(|_| Answer(CHUNKED)).await;
+        let pool = pool();
+        for _ in 0..3 {
+            let (status, body) =
+                exchange(&pool, post(&url, Outgoing::Full(Bytes::from_static(b"{}")))).await.unwrap();
+            assert_eq!(status, StatusCode::OK);
+            assert_eq!(body, b"data: {\"cached_tokens\":7}");
+            assert_eq!(pool.idle_count(), 1, "back in the pool after its trailers");
+        }
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 3, "three requests on one connection");
+        let first = String::from_utf8_lossy(&seen[0]);
+        assert!(first.starts_with("POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:"), "{first}");
+        assert!(first.contains("x-kept: 1\r\n") && first.ends_with("content-length: 2\r\n\r\n{}"), "{first}");
+    }
+
+    #[tokio::test]
+    async fn interim_responses_are_skipped_and_lengths_followed() {
+        let (url, _) = raw_replica(|_| {
+            Answer(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 5\r\n\r\nhello")
+        })
+        .await;
+        let pool = pool();
+        for _ in 0..2 {
+            let answer = exchange(&pool, post(&url, Outgoing::Full(Bytes::new()))).await.unwrap();
+            assert_eq!(answer, (StatusCode::CREATED, b"hello".to_vec()));
+        }
+        assert_eq!(pool.idle_count(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_body_delimited_by_close_is_read_to_the_end_and_not_pooled() {
+        let (url, _) = raw_replica(|_| AnswerAndClose(b"HTTP/1.1 200 OK\r\n\r\nuntil the end")).await;
+        let pool = pool();
+        let answer = exchange(&pool, post(&url, Outgoing::Full(Bytes::new()))).await.unwrap();
+        assert_eq!(answer, (StatusCode::OK, b"until the end".to_vec()));
+        assert_eq!(pool.idle_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn truncated_bodies_are_errors_and_their_connection_closed() {
+        let (url, _) =
+            raw_replica(|_| AnswerAndClose(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort")).await;
+        let pool = pool();
+        let response = pool.send(post(&url, Outgoing::Full(Bytes::new()))).await.unwrap();
+        let mut body = response.into_body();
+        let mut read = Vec::new();
+        let error = loop {
+            match body.frame().await {
+                Some(Ok(frame)) => read.extend_from_slice(frame.data_ref().unwrap()),
+                Some(Err(e)) => break e,
+                None => panic!("a truncated body ended cleanly"),
+            }
+        };
+        assert_eq!(read, b"short");
+        assert!(
+            error.downcast_ref::<BodyError>().is_some_and(|e| matches!(e, BodyError::Truncated)),
+            "{error}"
+        );
+        assert_eq!(pool.idle_count(), 0);
+    }
+
+    /// A replica may close an idle connection just as a request goes out on it: the request
+    /// is sent again on a new connection, and the caller never sees the failure.
+    #[tokio::test]
+    async fn a_request_on_a_connection_closed_under_it_goes_out_again() {
+        let (url, seen) = raw_replica(|n| match n {
+            0 => Answer(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"),
+            _ => Close,
+        })
+        .await;
+        let pool = pool();
+        for _ in 0..3 {
+            let answer =
+                exchange(&pool, post(&url, Outgoing::Full(Bytes::from_static(b"{}")))).await.unwrap();
+            assert_eq!(answer, (StatusCode::OK, b"ok".to_vec()));
+        }
+        assert_eq!(seen.lock().unwrap().len(), 5, "three answered, two closed without an answer");
+    }
+
+    #[tokio::test]
+    async fn streamed_bodies_go_out_chunked_or_with_their_length() {
+        let (url, seen) = raw_replica(|_| Answer(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")).await;
+        let pool = pool();
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<http_body::Frame<Bytes>, BoxError>>(4);
+        for part in ["abc", "", "defghijklmnopq"] {
+            tx.send(Ok(http_body::Frame::data(Bytes::from(part)))).await.unwrap();
+        }
+        drop(tx);
+        let stream = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        exchange(&pool, post(&url, Outgoing::Stream(stream.boxed_unsync()))).await.unwrap();
+        exchange(&pool, post(&url, Outgoing::Stream(full(Bytes::from_static(b"sized"))))).await.unwrap();
+        let seen = seen.lock().unwrap();
+        let chunked = String::from_utf8_lossy(&seen[0]);
+        assert!(
+            chunked
+                .ends_with("transfer-encoding: chunked\r\n\r\n3\r\nabc\r\ne\r\ndefghijklmnopq\r\n0\r\n\r\n"),
+            "{chunked}"
+        );
+        let sized = String::from_utf8_lossy(&seen[1]);
+        assert!(sized.ends_with("content-length: 5\r\n\r\nsized"), "{sized}");
+    }
+
+    #[tokio::test]
+    async fn a_failing_request_body_is_the_callers_error() {
+        let (url, _) = raw_replica(|_| Answer(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")).await;
+        let failing = http_body_util::StreamBody::new(futures::stream::iter([
+            Ok(http_body::Frame::data(Bytes::from_static(b"part"))),
+            Err::<http_body::Frame<Bytes>, BoxError>("the client went away".into()),
+        ]));
+        let sent = pool().send(post(&url, Outgoing::Stream(failing.boxed_unsync()))).await;
+        assert!(matches!(sent, Err(SendError::Wire(WireError::RequestBody(_)))));
+    }
+
+    #[tokio::test]
+    async fn garbage_instead_of_a_response_is_malformed() {
+        let (url, _) = raw_replica(|_| Answer(b"SSH-2.0-OpenSSH\r\n\r\n")).await;
+        let sent = pool().send(post(&url, Outgoing::Full(Bytes::new()))).await;
+        assert!(matches!(sent, Err(SendError::Wire(WireError::Malformed(_)))));
+    }
+}
