@@ -3,8 +3,9 @@
 //! the listener is dropped (new connections are refused), every open connection finishes the
 //! requests it is serving (streams included) and then closes, and `serve` returns.
 //!
-//! [`Limits`] bound what one peer can hold: open connections (at the limit the loop stops
-//! accepting, so new connections wait in the kernel's listen backlog until one closes), the
+//! [`Limits`] bound what one peer can hold: open connections (at the limit each accept loop
+//! holds the one connection it accepted last, unserved, and accepts no more, so the others
+//! wait in the kernel's listen backlog until a connection closes), the
 //! size and number of request header fields (hyper answers `431` and closes), and the time
 //! allowed to send a request head (slowloris).
 
@@ -24,7 +25,8 @@ use tokio_util::task::TaskTracker;
 /// Limits of one HTTP server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
-    /// Connections open at once; more wait in the listen backlog.
+    /// Connections served at once; more wait (one per accept loop accepted, the rest in the
+    /// listen backlog).
     pub max_connections: usize,
     /// Largest request head (request line and header fields), bytes: HTTP/1's read buffer
     /// (hyper allows no less than [`MIN_HEADER_BYTES`]) and HTTP/2's header list size.
@@ -125,7 +127,7 @@ where
     let mut done = Vec::new();
     let mut failed = None;
     for (i, listener) in listeners.into_iter().enumerate() {
-        let started = {
+        let start = || -> std::io::Result<_> {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             let (handler, connections, slots, stop) =
                 (make_handler(), connections.clone(), slots.clone(), stop.clone());
@@ -145,9 +147,9 @@ where
                 });
                 let _ = finished.send(());
             })?;
-            Ok::<_, std::io::Error>(on_finish)
+            Ok(on_finish)
         };
-        match started {
+        match start() {
             Ok(on_finish) => done.push(on_finish),
             Err(e) => {
                 stop.cancel();
@@ -174,6 +176,10 @@ fn per_thread(
             Ok(others) => all.extend(others),
             Err(e) => {
                 tracing::debug!(error = %e, "SO_REUSEPORT unavailable; the HTTP threads share one socket");
+                // No other process may bind the port alongside this one after all.
+                if let Err(e) = socket2::SockRef::from(&listener).set_reuse_port(false) {
+                    tracing::debug!(error = %e, "cannot clear SO_REUSEPORT");
+                }
                 for _ in 1..threads {
                     all.push(listener.try_clone()?);
                 }
@@ -250,11 +256,6 @@ async fn accept_loop<H, F, B>(
         .max_headers(limits.max_headers);
     builder.http2().max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
     loop {
-        // At the connection limit, stop accepting until a connection closes.
-        let slot = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
-        };
         let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
             accepted = listener.accept() => match accepted {
@@ -266,6 +267,13 @@ async fn accept_loop<H, F, B>(
                     continue;
                 }
             },
+        };
+        // At the connection limit, this connection waits for one to close and the loop
+        // accepts no other. (Waiting before `accept` instead would strand a connection the
+        // kernel queued on this thread's socket while another thread's loop took the slot.)
+        let slot = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
         };
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(error = %e, %peer, "cannot set TCP_NODELAY");

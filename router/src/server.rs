@@ -58,8 +58,10 @@ impl RunningRouter {
     }
 }
 
-/// How long an idle upstream connection is kept for reuse.
-const UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// How long an idle upstream connection is kept for reuse: less than the replicas' servers
+/// keep one (uvicorn, under vLLM and SGLang, closes it after 5 s), so that they rarely close
+/// one just as a request goes out on it.
+const UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 /// Most idle connections one proxy thread keeps per replica.
 const UPSTREAM_MAX_IDLE: usize = 1024;
 

@@ -40,6 +40,7 @@ const READ_BUFFER: usize = 16 * 1024;
 pub enum WireError {
     #[error("writing the request: {0}")]
     Write(#[source] std::io::Error),
+    /// Before any byte of the response.
     #[error("reading the response: {0}")]
     Read(#[source] std::io::Error),
     #[error("the replica closed the connection before answering")]
@@ -51,13 +52,15 @@ pub enum WireError {
 }
 
 impl WireError {
-    /// Nothing of the response arrived, so a fresh connection may carry the request again.
-    pub fn before_answer(&self) -> bool {
+    /// Whether a request with `method` that failed so on a reused connection may go out again
+    /// on a new one: when the replica cannot have received it whole (the write failed), or
+    /// when it is idempotent and nothing of a response came back (the replica closed the idle
+    /// connection as the request went out). A POST that was written is not sent again: the
+    /// replica may have run it (the forwarder's own retry, on the next replica, decides).
+    pub fn may_resend(&self, method: &Method) -> bool {
         match self {
-            WireError::Write(_) | WireError::ClosedBeforeAnswer => true,
-            WireError::Read(e) => {
-                matches!(e.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe)
-            }
+            WireError::Write(_) => true,
+            WireError::Read(_) | WireError::ClosedBeforeAnswer => method.is_idempotent(),
             WireError::Malformed(_) | WireError::RequestBody(_) => false,
         }
     }
@@ -102,9 +105,6 @@ impl Conn {
     /// Whether an idle connection can carry a request: the replica has not closed it and
     /// sent nothing unasked. Costs a system call only when the socket was seen readable.
     pub fn is_usable(&self) -> bool {
-        if !self.buf.is_empty() {
-            return false;
-        }
         match self.stream.try_read(&mut [0u8; 1]) {
             Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
             Ok(_) => false,
@@ -113,6 +113,8 @@ impl Conn {
 
     /// Writes a request: `method target`, `Host: host`, `headers` (hop-by-hop ones already
     /// removed; `Content-Length`, `Transfer-Encoding` and `Expect` are set here), then the body.
+    /// Header values cannot hold CR or LF (`HeaderValue` refuses them), so nothing here can
+    /// end the head early.
     pub async fn write_request(
         &mut self,
         method: &Method,
@@ -137,6 +139,10 @@ impl Conn {
             head.extend_from_slice(value.as_bytes());
             head.extend_from_slice(b"\r\n");
         }
+        let body = match body {
+            Outgoing::Stream(stream) if stream.size_hint().exact() == Some(0) => Outgoing::Full(Bytes::new()),
+            body => body,
+        };
         match body {
             Outgoing::Full(body) => {
                 if !body.is_empty() || method_has_body(method) {
@@ -205,6 +211,9 @@ impl Conn {
                 }
                 Ok(0) => return Err(WireError::ClosedBeforeAnswer),
                 Ok(_) => read_any = true,
+                Err(e) if read_any => {
+                    return Err(WireError::Malformed(format!("the connection failed inside the head: {e}")));
+                }
                 Err(e) => return Err(WireError::Read(e)),
             }
         }
@@ -227,6 +236,10 @@ pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, 
     };
     let code = parsed.code.unwrap_or_default();
     let status = StatusCode::from_u16(code).map_err(|_| WireError::Malformed(format!("status {code}")))?;
+    if status == StatusCode::SWITCHING_PROTOCOLS {
+        // The proxy never asks for an upgrade (`Upgrade` is hop-by-hop).
+        return Err(WireError::Malformed("101 Switching Protocols, unasked".into()));
+    }
     let version = if parsed.version == Some(1) { Version::HTTP_11 } else { Version::HTTP_10 };
     let mut map = HeaderMap::with_capacity(parsed.headers.len());
     for h in parsed.headers.iter() {
@@ -237,12 +250,16 @@ pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, 
         map.append(name, value);
     }
     let framing = framing(&map, status, method)?;
-    let close = map
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|token| token.trim().eq_ignore_ascii_case("close"));
+    // Transfer-Encoding overrides Content-Length, which a proxy must not pass on; a reply
+    // with both is suspect, so its connection is not reused (RFC 9112 §6.3).
+    let both = map.contains_key(header::TRANSFER_ENCODING) && map.remove(header::CONTENT_LENGTH).is_some();
+    let close = both
+        || map
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|token| token.trim().eq_ignore_ascii_case("close"));
     let keep_alive = version == Version::HTTP_11 && !close && framing != Framing::UntilClose;
     let mut response = Response::new(());
     *response.status_mut() = status;
@@ -261,13 +278,21 @@ fn framing(headers: &HeaderMap, status: StatusCode, method: &Method) -> Result<F
     {
         return Ok(Framing::Length(0));
     }
-    if let Some(last) = headers.get_all(header::TRANSFER_ENCODING).iter().next_back() {
-        let chunked = last
-            .to_str()
-            .ok()
-            .and_then(|v| v.rsplit(',').next())
-            .is_some_and(|coding| coding.trim().eq_ignore_ascii_case("chunked"));
-        return Ok(if chunked { Framing::Chunked } else { Framing::UntilClose });
+    let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter().peekable();
+    if codings.peek().is_some() {
+        // Only `chunked` is decoded: another coding (gzip) would reach the client encoded
+        // once `Transfer-Encoding`, a hop-by-hop field, is dropped.
+        let only_chunked = codings
+            .flat_map(|v| v.to_str().unwrap_or("?").split(','))
+            .map(str::trim)
+            .filter(|coding| !coding.is_empty())
+            .try_fold(false, |seen, coding| {
+                (!seen && coding.eq_ignore_ascii_case("chunked")).then_some(true)
+            });
+        return match only_chunked {
+            Some(true) => Ok(Framing::Chunked),
+            _ => Err(WireError::Malformed("a transfer coding other than chunked".into())),
+        };
     }
     let mut lengths = headers.get_all(header::CONTENT_LENGTH).iter();
     let Some(first) = lengths.next() else { return Ok(Framing::UntilClose) };
@@ -339,10 +364,13 @@ impl UpstreamBody {
         body
     }
 
-    /// The body ended where its framing said: the connection may carry another request.
+    /// The body ended where its framing said: the connection may carry another request,
+    /// unless the replica sent more than the response.
     fn finish(&mut self) {
         self.state = State::Done;
-        if let (Some(conn), Some(checkin), true) = (self.conn.take(), self.checkin.take(), self.keep_alive) {
+        if let (Some(conn), Some(checkin), true) = (self.conn.take(), self.checkin.take(), self.keep_alive)
+            && conn.buf.is_empty()
+        {
             checkin.checkin(conn);
         }
     }
@@ -379,7 +407,8 @@ impl Body for UpstreamBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         loop {
-            let buffered = this.conn.as_ref().map_or(0, |c| c.buf.len());
+            let (buffered, first) =
+                this.conn.as_ref().map_or((0, None), |c| (c.buf.len(), c.buf.first().copied()));
             match this.state {
                 State::Done => return Poll::Ready(None),
                 State::Length(left) if buffered > 0 => {
@@ -401,6 +430,10 @@ impl Body for UpstreamBody {
                 State::UntilClose if buffered > 0 => {
                     let data = this.take(u64::MAX);
                     return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                // httparse reads a size line without digits as 0: that would end the body.
+                State::ChunkSize if first.is_some_and(|b| !b.is_ascii_hexdigit()) => {
+                    return Poll::Ready(Some(Err(BodyError::Chunked("bad chunk size line").into())));
                 }
                 State::ChunkSize if buffered > 0 => match httparse::parse_chunk_size(this.buf()) {
                     Ok(httparse::Status::Complete((used, size))) => {

@@ -12,9 +12,12 @@
 //!
 //! A connection whose response did not end cleanly (client gone, upstream error, idle
 //! timeout) is closed, not pooled: its state is unknown. A pooled connection the replica has
-//! closed meanwhile is found out at checkout ([`Conn::is_usable`]); in the race where the
-//! replica closes it as the request goes out, a request whose body is in hand is sent again
-//! on a new connection, once, when nothing of a response arrived.
+//! closed meanwhile is found out at checkout ([`Conn::is_usable`]). Idle connections are kept
+//! for less time than the replicas' servers keep them (uvicorn, under vLLM and SGLang: 5 s),
+//! so that the replica closing one just as a request goes out on it is rare; when it happens,
+//! the request goes out again on a new connection only if that cannot run it twice
+//! ([`WireError::may_resend`]). A request whose body streams takes a new connection: its body
+//! could not be sent again.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -67,8 +70,10 @@ impl Checkin {
         let Checkin { pool, authority } = self;
         let mut idle = pool.idle.lock().unwrap_or_else(|e| e.into_inner());
         let list = idle.entry(authority).or_default();
+        let now = Instant::now();
+        list.retain(|c| now.duration_since(c.since) < pool.idle_timeout);
         if list.len() < pool.max_idle {
-            list.push(Idle { conn, since: Instant::now() });
+            list.push(Idle { conn, since: now });
         }
     }
 }
@@ -90,17 +95,16 @@ impl Pool {
             return Err(SendError::BadUrl(uri.to_string()));
         };
         let target = uri.path_and_query().map_or("/", |pq| pq.as_str());
-        if let Some(mut conn) = self.checkout(&authority) {
-            let again = match &body {
-                Outgoing::Full(bytes) => Some(bytes.clone()),
-                Outgoing::Stream(_) => None,
-            };
+        let pooled = match &body {
+            Outgoing::Full(bytes) => self.checkout(&authority).map(|conn| (conn, bytes.clone())),
+            Outgoing::Stream(_) => None,
+        };
+        if let Some((mut conn, again)) = pooled {
             match exchange(&mut conn, &parts, target, &authority, body).await {
                 Ok(head) => return Ok(http1::response(conn, head, self.checkin(authority))),
-                // Closed under us before anything came back: a new connection can carry it.
-                Err(e) if e.before_answer() && again.is_some() => {
+                Err(e) if e.may_resend(&parts.method) => {
                     tracing::debug!(error = %e, "pooled upstream connection failed; sending again on a new one");
-                    body = Outgoing::Full(again.unwrap_or_default());
+                    body = Outgoing::Full(again);
                 }
                 Err(e) => return Err(e.into()),
             }
@@ -154,7 +158,9 @@ async fn exchange(
     authority: &Authority,
     body: Outgoing,
 ) -> Result<http1::Head, WireError> {
-    conn.write_request(&parts.method, target, authority.as_str(), &parts.headers, body).await?;
+    // `Host` is the authority without any `user:password@`.
+    let host = authority.as_str().rsplit('@').next().unwrap_or_default();
+    conn.write_request(&parts.method, target, host, &parts.headers, body).await?;
     conn.read_head(&parts.method).await
 }
 

@@ -13,18 +13,24 @@ fn head_for(text: &str, method: &Method) -> Head {
 #[test]
 fn framing_follows_rfc_9112() {
     assert_eq!(head("HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\n").framing, Framing::Length(12));
-    let chunked = head("HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\nContent-Length: 5\r\n\r\n");
-    assert_eq!(chunked.framing, Framing::Chunked, "transfer-encoding wins over content-length");
-    assert_eq!(head("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n").framing, Framing::UntilClose);
+    assert_eq!(head("HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n").framing, Framing::Chunked);
     assert_eq!(head("HTTP/1.1 200 OK\r\n\r\n").framing, Framing::UntilClose);
     assert_eq!(head("HTTP/1.1 204 No Content\r\n\r\n").framing, Framing::Length(0));
     assert_eq!(head("HTTP/1.1 304 Not Modified\r\ncontent-length: 9\r\n\r\n").framing, Framing::Length(0));
     let to_head = head_for("HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n", &Method::HEAD);
     assert_eq!(to_head.framing, Framing::Length(0));
-    assert_eq!(
-        head("HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 3\r\n\r\n").framing,
-        Framing::Length(3)
-    );
+    let two = head("HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 3\r\n\r\n");
+    assert_eq!(two.framing, Framing::Length(3));
+}
+
+/// Transfer-Encoding overrides Content-Length, which must not reach the client beside a
+/// de-chunked body; such a reply's connection is not reused.
+#[test]
+fn content_length_beside_chunked_is_dropped() {
+    let both = head("HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n");
+    assert_eq!(both.framing, Framing::Chunked);
+    assert!(!both.parts.headers.contains_key(header::CONTENT_LENGTH));
+    assert!(!both.keep_alive);
 }
 
 #[test]
@@ -58,6 +64,10 @@ fn malformed_heads_are_errors() {
         "HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
         "HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
         "HTTP/1.1 200 OK\r\nbad header\r\n\r\n",
+        "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n\r\n",
+        "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
+        "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
+        "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n",
     ] {
         assert!(
             matches!(parse_head(text.as_bytes(), &Method::POST), Err(WireError::Malformed(_))),
@@ -73,6 +83,7 @@ mod on_a_socket {
     use http_body_util::BodyExt;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::{TcpListener, TcpStream};
+    use tokio::sync::Semaphore;
 
     use super::*;
     use crate::proxy::body::full;
@@ -83,6 +94,8 @@ mod on_a_socket {
 
     enum Reply {
         Answer(&'static [u8]),
+        /// In one write, so the proxy reads it whole.
+        AnswerAtOnce(&'static [u8]),
         AnswerAndClose(&'static [u8]),
         Close,
     }
@@ -90,40 +103,53 @@ mod on_a_socket {
 
     /// A replica on 127.0.0.1 that reads requests (heads and `Content-Length` or chunked
     /// bodies, through `httparse`) and writes its script's answers a byte at a time, so the
-    /// proxy reads them in pieces. Returns its URL and the requests' raw bytes.
-    async fn raw_replica(script: Script) -> (String, Arc<std::sync::Mutex<Vec<Vec<u8>>>>) {
+    /// proxy reads them in pieces. Returns its URL, the requests' raw bytes, and a permit
+    /// for each connection it has closed.
+    async fn raw_replica(script: Script) -> (String, Arc<std::sync::Mutex<Vec<Vec<u8>>>>, Arc<Semaphore>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let log = seen.clone();
+        let closed = Arc::new(Semaphore::new(0));
+        let (log, closing) = (seen.clone(), closed.clone());
         tokio::spawn(async move {
-            while let Ok((mut stream, _)) = listener.accept().await {
+            while let Ok((stream, _)) = listener.accept().await {
                 stream.set_nodelay(true).unwrap();
-                let log = log.clone();
+                let (log, closing) = (log.clone(), closing.clone());
                 tokio::spawn(async move {
-                    let mut n = 0;
-                    while let Some(request) = read_request(&mut stream).await {
-                        log.lock().unwrap().push(request);
-                        let (answer, close) = match script(n) {
-                            Answer(bytes) => (bytes, false),
-                            AnswerAndClose(bytes) => (bytes, true),
-                            Close => return,
-                        };
-                        for byte in answer {
-                            if stream.write_all(&[*byte]).await.is_err() {
-                                return;
-                            }
-                            tokio::task::yield_now().await;
-                        }
-                        if close {
-                            return;
-                        }
-                        n += 1;
-                    }
+                    serve(stream, script, &log).await;
+                    closing.add_permits(1);
                 });
             }
         });
-        (url, seen)
+        (url, seen, closed)
+    }
+
+    /// Serves one connection by `script` until it closes (`stream` is dropped on return).
+    async fn serve(mut stream: TcpStream, script: Script, log: &std::sync::Mutex<Vec<Vec<u8>>>) {
+        let mut n = 0;
+        while let Some(request) = read_request(&mut stream).await {
+            log.lock().unwrap().push(request);
+            let (answer, close) = match script(n) {
+                AnswerAtOnce(bytes) => {
+                    stream.write_all(bytes).await.unwrap();
+                    n += 1;
+                    continue;
+                }
+                Answer(bytes) => (bytes, false),
+                AnswerAndClose(bytes) => (bytes, true),
+                Close => return,
+            };
+            for byte in answer {
+                if stream.write_all(&[*byte]).await.is_err() {
+                    return;
+                }
+                tokio::task::yield_now().await;
+            }
+            if close {
+                return;
+            }
+            n += 1;
+        }
     }
 
     /// One request's bytes, or `None` at the end of the connection.
@@ -192,7 +218,7 @@ mod on_a_socket {
 
     #[tokio::test]
     async fn chunked_bodies_are_dechunked_and_their_connection_reused() {
-        let (url, seen) = raw_replica(|_| Answer(CHUNKED)).await;
+        let (url, seen, _) = raw_replica(|_| Answer(CHUNKED)).await;
         let pool = pool();
         for _ in 0..3 {
             let (status, body) =
@@ -210,7 +236,7 @@ mod on_a_socket {
 
     #[tokio::test]
     async fn interim_responses_are_skipped_and_lengths_followed() {
-        let (url, _) = raw_replica(|_| {
+        let (url, _, _) = raw_replica(|_| {
             Answer(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 5\r\n\r\nhello")
         })
         .await;
@@ -224,7 +250,7 @@ mod on_a_socket {
 
     #[tokio::test]
     async fn a_body_delimited_by_close_is_read_to_the_end_and_not_pooled() {
-        let (url, _) = raw_replica(|_| AnswerAndClose(b"HTTP/1.1 200 OK\r\n\r\nuntil the end")).await;
+        let (url, _, _) = raw_replica(|_| AnswerAndClose(b"HTTP/1.1 200 OK\r\n\r\nuntil the end")).await;
         let pool = pool();
         let answer = exchange(&pool, post(&url, Outgoing::Full(Bytes::new()))).await.unwrap();
         assert_eq!(answer, (StatusCode::OK, b"until the end".to_vec()));
@@ -233,7 +259,7 @@ mod on_a_socket {
 
     #[tokio::test]
     async fn truncated_bodies_are_errors_and_their_connection_closed() {
-        let (url, _) =
+        let (url, _, _) =
             raw_replica(|_| AnswerAndClose(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort")).await;
         let pool = pool();
         let response = pool.send(post(&url, Outgoing::Full(Bytes::new()))).await.unwrap();
@@ -254,27 +280,114 @@ mod on_a_socket {
         assert_eq!(pool.idle_count(), 0);
     }
 
-    /// A replica may close an idle connection just as a request goes out on it: the request
-    /// is sent again on a new connection, and the caller never sees the failure.
+    const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+
+    /// A replica may close an idle connection just as a request goes out on it. An
+    /// idempotent request goes out again on a new connection; a POST does not (the replica
+    /// may have run it), and the caller sees the failure.
     #[tokio::test]
-    async fn a_request_on_a_connection_closed_under_it_goes_out_again() {
-        let (url, seen) = raw_replica(|n| match n {
-            0 => Answer(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"),
-            _ => Close,
-        })
-        .await;
+    async fn only_idempotent_requests_go_out_again_on_a_connection_closed_under_them() {
+        let (url, seen, _) = raw_replica(|n| if n == 0 { Answer(OK) } else { Close }).await;
         let pool = pool();
+        let get =
+            || http::Request::get(format!("{url}/v1/models")).body(Outgoing::Full(Bytes::new())).unwrap();
         for _ in 0..3 {
+            assert_eq!(exchange(&pool, get()).await.unwrap(), (StatusCode::OK, b"ok".to_vec()));
+        }
+        assert_eq!(seen.lock().unwrap().len(), 5, "three answered, two closed without an answer");
+        let failed = pool.send(post(&url, Outgoing::Full(Bytes::from_static(b"{}")))).await;
+        assert!(matches!(failed, Err(SendError::Wire(WireError::ClosedBeforeAnswer))), "{:?}", failed.err());
+        assert_eq!(seen.lock().unwrap().len(), 6, "the POST went out once");
+    }
+
+    /// A pooled connection the replica closed while it sat idle is not used again.
+    #[tokio::test]
+    async fn a_connection_closed_while_idle_is_left_out() {
+        let (url, seen, closed) = raw_replica(|_| AnswerAndClose(OK)).await;
+        let pool = pool();
+        for i in 0..3 {
             let answer =
                 exchange(&pool, post(&url, Outgoing::Full(Bytes::from_static(b"{}")))).await.unwrap();
             assert_eq!(answer, (StatusCode::OK, b"ok".to_vec()));
+            closed.acquire().await.unwrap().forget();
+            // The reactor sees the close once this task lets it run.
+            tokio::task::yield_now().await;
+            assert_eq!(seen.lock().unwrap().len(), i + 1);
         }
-        assert_eq!(seen.lock().unwrap().len(), 5, "three answered, two closed without an answer");
+    }
+
+    /// Bytes after the end of a response mean the connection is out of step: not reused.
+    #[tokio::test]
+    async fn a_connection_with_bytes_past_the_response_is_not_reused() {
+        let (url, _, _) =
+            raw_replica(|_| AnswerAtOnce(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200"))
+                .await;
+        let pool = pool();
+        let answer = exchange(&pool, post(&url, Outgoing::Full(Bytes::new()))).await.unwrap();
+        assert_eq!(answer, (StatusCode::OK, b"ok".to_vec()));
+        assert_eq!(pool.idle_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn replies_without_a_body_leave_their_connection_reusable() {
+        let (url, seen, _) = raw_replica(|n| match n {
+            0 => Answer(b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\n"),
+            _ => Answer(b"HTTP/1.1 204 No Content\r\n\r\n"),
+        })
+        .await;
+        let pool = pool();
+        let head = http::Request::head(format!("{url}/v1/x")).body(Outgoing::Full(Bytes::new())).unwrap();
+        let response = pool.send(head).await.unwrap();
+        assert_eq!(response.headers()[header::CONTENT_LENGTH], "7", "passed on for HEAD");
+        assert!(response.body().is_end_stream());
+        assert_eq!(
+            exchange(&pool, post(&url, Outgoing::Full(Bytes::new()))).await.unwrap().0,
+            StatusCode::NO_CONTENT
+        );
+        assert_eq!(pool.idle_count(), 1);
+        assert_eq!(seen.lock().unwrap().len(), 2, "both on one connection");
+        let first = String::from_utf8_lossy(&seen.lock().unwrap()[0]).into_owned();
+        assert!(!first.contains("content-length"), "no body, no length for HEAD: {first}");
+    }
+
+    #[tokio::test]
+    async fn malformed_chunked_bodies_are_errors() {
+        for answer in [
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\r\nmore".as_slice(),
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n;x\r\n",
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nokXX3\r\nabc\r\n0\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+        ] {
+            let url = one_answer(answer).await;
+            let pool = pool();
+            let response = pool.send(post(&url, Outgoing::Full(Bytes::new()))).await.unwrap();
+            let read = response.into_body().collect().await;
+            let error =
+                read.err().unwrap_or_else(|| panic!("accepted {:?}", String::from_utf8_lossy(answer)));
+            assert!(
+                error.downcast_ref::<BodyError>().is_some_and(|e| matches!(e, BodyError::Chunked(_))),
+                "{error}"
+            );
+            assert_eq!(pool.idle_count(), 0);
+        }
+    }
+
+    /// A replica that answers one request with `answer` and then closes (a script cannot
+    /// capture the answer).
+    async fn one_answer(answer: &'static [u8]) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            read_request(&mut stream).await;
+            stream.write_all(answer).await.unwrap();
+        });
+        url
     }
 
     #[tokio::test]
     async fn streamed_bodies_go_out_chunked_or_with_their_length() {
-        let (url, seen) = raw_replica(|_| Answer(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")).await;
+        let (url, seen, _) = raw_replica(|_| Answer(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")).await;
         let pool = pool();
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<http_body::Frame<Bytes>, BoxError>>(4);
         for part in ["abc", "", "defghijklmnopq"] {
@@ -297,7 +410,7 @@ mod on_a_socket {
 
     #[tokio::test]
     async fn a_failing_request_body_is_the_callers_error() {
-        let (url, _) = raw_replica(|_| Answer(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")).await;
+        let (url, _, _) = raw_replica(|_| Answer(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")).await;
         let failing = http_body_util::StreamBody::new(futures::stream::iter([
             Ok(http_body::Frame::data(Bytes::from_static(b"part"))),
             Err::<http_body::Frame<Bytes>, BoxError>("the client went away".into()),
@@ -308,7 +421,7 @@ mod on_a_socket {
 
     #[tokio::test]
     async fn garbage_instead_of_a_response_is_malformed() {
-        let (url, _) = raw_replica(|_| Answer(b"SSH-2.0-OpenSSH\r\n\r\n")).await;
+        let (url, _, _) = raw_replica(|_| Answer(b"SSH-2.0-OpenSSH\r\n\r\n")).await;
         let sent = pool().send(post(&url, Outgoing::Full(Bytes::new()))).await;
         assert!(matches!(sent, Err(SendError::Wire(WireError::Malformed(_)))));
     }
