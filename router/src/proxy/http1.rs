@@ -22,7 +22,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::body::{BoxError, ProxyBody};
@@ -34,6 +34,9 @@ pub const MAX_HEAD_BYTES: usize = 64 * 1024;
 const MAX_HEADERS: usize = 100;
 /// Read buffer of a connection; grows for larger heads.
 const READ_BUFFER: usize = 16 * 1024;
+/// Request bodies in hand up to this size are written without watching for an early answer
+/// (they fit the socket's buffers).
+const WATCH_BEYOND: usize = 16 * 1024;
 
 /// Why an exchange on a connection failed.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +73,9 @@ impl WireError {
 pub struct Conn {
     stream: TcpStream,
     buf: BytesMut,
+    /// The replica answered before the whole request went out: the connection is not
+    /// reused.
+    cut_short: bool,
 }
 
 /// A request's body on its way out.
@@ -99,7 +105,7 @@ pub struct Head {
 
 impl Conn {
     pub fn new(stream: TcpStream) -> Self {
-        Self { stream, buf: BytesMut::with_capacity(READ_BUFFER) }
+        Self { stream, buf: BytesMut::with_capacity(READ_BUFFER), cut_short: false }
     }
 
     /// Whether an idle connection can carry a request: the replica has not closed it and
@@ -111,11 +117,32 @@ impl Conn {
         }
     }
 
+    /// Sends a request ([`Self::write_request`]) and reads the head of its answer. If the
+    /// write fails because the replica answered and closed before reading the whole request,
+    /// that answer is what comes back.
+    pub async fn exchange(
+        &mut self,
+        method: &Method,
+        target: &str,
+        host: &str,
+        headers: &HeaderMap,
+        body: Outgoing,
+    ) -> Result<Head, WireError> {
+        match self.write_request(method, target, host, headers, body).await {
+            Ok(()) => self.read_head(method).await,
+            Err(WireError::Write(e)) => {
+                self.cut_short = true;
+                self.read_head(method).await.map_err(|_| WireError::Write(e))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Writes a request: `method target`, `Host: host`, `headers` (hop-by-hop ones already
     /// removed; `Content-Length`, `Transfer-Encoding` and `Expect` are set here), then the body.
     /// Header values cannot hold CR or LF (`HeaderValue` refuses them), so nothing here can
     /// end the head early.
-    pub async fn write_request(
+    async fn write_request(
         &mut self,
         method: &Method,
         target: &str,
@@ -143,50 +170,28 @@ impl Conn {
             Outgoing::Stream(stream) if stream.size_hint().exact() == Some(0) => Outgoing::Full(Bytes::new()),
             body => body,
         };
-        match body {
-            Outgoing::Full(body) => {
-                if !body.is_empty() || method_has_body(method) {
-                    head.extend_from_slice(format!("content-length: {}\r\n", body.len()).as_bytes());
-                }
-                head.extend_from_slice(b"\r\n");
-                let mut out = Bytes::from(head).chain(body);
-                self.stream.write_all_buf(&mut out).await.map_err(WireError::Write)
+        if let Outgoing::Full(bytes) = &body
+            && bytes.len() <= WATCH_BEYOND
+        {
+            return write_body(&mut self.stream, method, head, body).await;
+        }
+        // A longer body may not fit the socket's buffers: if the replica answers (or closes)
+        // without reading it all, writing would wait for ever or fail, so the answer is
+        // watched for meanwhile and, if it comes first, read without sending the rest.
+        let (mut reader, mut writer) = self.stream.split();
+        let mut probe = [0u8; 1];
+        tokio::select! {
+            biased;
+            _ = reader.peek(&mut probe) => {
+                self.cut_short = true;
+                Ok(())
             }
-            Outgoing::Stream(body) => self.write_streamed(head, body).await,
+            written = write_body(&mut writer, method, head, body) => written,
         }
-    }
-
-    async fn write_streamed(&mut self, mut head: Vec<u8>, mut body: ProxyBody) -> Result<(), WireError> {
-        use http_body_util::BodyExt;
-        let length = body.size_hint().exact();
-        match length {
-            Some(n) => head.extend_from_slice(format!("content-length: {n}\r\n\r\n").as_bytes()),
-            None => head.extend_from_slice(b"transfer-encoding: chunked\r\n\r\n"),
-        }
-        self.stream.write_all(&head).await.map_err(WireError::Write)?;
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(WireError::RequestBody)?;
-            let Ok(data) = frame.into_data() else { continue };
-            if data.is_empty() {
-                continue;
-            }
-            if length.is_some() {
-                let mut data = data;
-                self.stream.write_all_buf(&mut data).await.map_err(WireError::Write)?;
-            } else {
-                let size = Bytes::from(format!("{:x}\r\n", data.len()));
-                let mut out = size.chain(data).chain(Bytes::from_static(b"\r\n"));
-                self.stream.write_all_buf(&mut out).await.map_err(WireError::Write)?;
-            }
-        }
-        if length.is_none() {
-            self.stream.write_all(b"0\r\n\r\n").await.map_err(WireError::Write)?;
-        }
-        Ok(())
     }
 
     /// Reads the final response head to a request with `method`, skipping interim ones.
-    pub async fn read_head(&mut self, method: &Method) -> Result<Head, WireError> {
+    async fn read_head(&mut self, method: &Method) -> Result<Head, WireError> {
         let mut read_any = !self.buf.is_empty();
         loop {
             if !self.buf.is_empty() {
@@ -218,6 +223,52 @@ impl Conn {
             }
         }
     }
+}
+
+/// Writes the request `head` (its fields, without the blank line) and `body` to `out`.
+async fn write_body<W: AsyncWrite + Unpin>(
+    out: &mut W,
+    method: &Method,
+    mut head: Vec<u8>,
+    body: Outgoing,
+) -> Result<(), WireError> {
+    use http_body_util::BodyExt;
+    let mut body = match body {
+        Outgoing::Full(body) => {
+            if !body.is_empty() || method_has_body(method) {
+                head.extend_from_slice(format!("content-length: {}\r\n", body.len()).as_bytes());
+            }
+            head.extend_from_slice(b"\r\n");
+            let mut all = Bytes::from(head).chain(body);
+            return out.write_all_buf(&mut all).await.map_err(WireError::Write);
+        }
+        Outgoing::Stream(body) => body,
+    };
+    let length = body.size_hint().exact();
+    match length {
+        Some(n) => head.extend_from_slice(format!("content-length: {n}\r\n\r\n").as_bytes()),
+        None => head.extend_from_slice(b"transfer-encoding: chunked\r\n\r\n"),
+    }
+    out.write_all(&head).await.map_err(WireError::Write)?;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(WireError::RequestBody)?;
+        let Ok(data) = frame.into_data() else { continue };
+        if data.is_empty() {
+            continue;
+        }
+        if length.is_some() {
+            let mut data = data;
+            out.write_all_buf(&mut data).await.map_err(WireError::Write)?;
+        } else {
+            let size = Bytes::from(format!("{:x}\r\n", data.len()));
+            let mut chunk = size.chain(data).chain(Bytes::from_static(b"\r\n"));
+            out.write_all_buf(&mut chunk).await.map_err(WireError::Write)?;
+        }
+    }
+    if length.is_none() {
+        out.write_all(b"0\r\n\r\n").await.map_err(WireError::Write)?;
+    }
+    Ok(())
 }
 
 fn method_has_body(method: &Method) -> bool {
@@ -357,7 +408,8 @@ impl UpstreamBody {
             Framing::Chunked => State::ChunkSize,
             Framing::UntilClose => State::UntilClose,
         };
-        let mut body = Self { conn: Some(conn), state, keep_alive: head.keep_alive, checkin: Some(checkin) };
+        let keep_alive = head.keep_alive && !conn.cut_short;
+        let mut body = Self { conn: Some(conn), state, keep_alive, checkin: Some(checkin) };
         if body.state == State::Done {
             body.finish();
         }

@@ -160,8 +160,7 @@ async fn exchange(
 ) -> Result<http1::Head, WireError> {
     // `Host` is the authority without any `user:password@`.
     let host = authority.as_str().rsplit('@').next().unwrap_or_default();
-    conn.write_request(&parts.method, target, host, &parts.headers, body).await?;
-    conn.read_head(&parts.method).await
+    conn.exchange(&parts.method, target, host, &parts.headers, body).await
 }
 
 #[cfg(test)]

@@ -408,6 +408,40 @@ mod on_a_socket {
         assert!(sized.ends_with("content-length: 5\r\n\r\nsized"), "{sized}");
     }
 
+    /// A replica may answer before it has read a long body (413, 404) and read no more: its
+    /// answer is what the caller gets, not a stalled write or a broken pipe.
+    #[tokio::test]
+    async fn an_answer_before_the_whole_body_went_out_is_read() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (done, finished) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut head = Vec::new();
+            while !head.ends_with(b"\r\n\r\n") {
+                let mut byte = [0u8; 1];
+                stream.read_exact(&mut byte).await.unwrap();
+                head.push(byte[0]);
+            }
+            stream
+                .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 4\r\n\r\nbig!")
+                .await
+                .unwrap();
+            // Reads nothing more, and keeps the connection open until the test is over.
+            let _ = finished.await;
+        });
+        let pool = pool();
+        let body = Bytes::from(vec![b'x'; 32 << 20]);
+        let answer =
+            tokio::time::timeout(Duration::from_secs(20), exchange(&pool, post(&url, Outgoing::Full(body))))
+                .await
+                .expect("the write did not wait for the replica to read")
+                .unwrap();
+        assert_eq!(answer, (StatusCode::PAYLOAD_TOO_LARGE, b"big!".to_vec()));
+        assert_eq!(pool.idle_count(), 0, "a connection with half a request on it is not reused");
+        drop(done);
+    }
+
     #[tokio::test]
     async fn a_failing_request_body_is_the_callers_error() {
         let (url, _, _) = raw_replica(|_| Answer(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")).await;
