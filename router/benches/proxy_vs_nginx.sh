@@ -34,6 +34,17 @@
 #   0.75-0.83x), added latency nginx +18 µs, kvroute +36 to +39 µs; CPU a request from
 #   /proc, user + system: kvroute 9.1-9.6 + 12.4-12.8 µs, nginx's two workers 2.5-2.7 +
 #   11.7-12.2 µs.
+#   Then (HTTP/1.1 to the replicas on the request's own task instead of hyper's client
+#   connection; one listening socket per HTTP thread): kvroute's user CPU a request 7.0-7.3 µs
+#   against 8.5-9.1 for the build before, three paired runs (system 12.6-15.0 against
+#   11.9-13.5, noisy); nginx 2.6-2.7 + 11.3-12.0. Three-round runs of the script: 0.86x
+#   (rounds 0.73-0.94, nginx 57.3 k requests/s) and 0.74-0.78x (rounds 0.73-0.94, nginx 62.6 k);
+#   added latency nginx +18 to +23 µs, kvroute +25 to +34 µs. kvroute ran at 47.9-50.0 k
+#   requests/s in every run; nginx's figure moves with the machine's spell. Before the socket
+#   per thread, a burst of wrk's 64 connections all landed on one thread (99% of a core,
+#   the other at 0.2%). A fast path of our own for plain HTTP/1.1 requests in front of
+#   hyper's server (scratch, not kept) took another ~0.7 µs of user CPU a request and no
+#   visible throughput.
 # Where the difference is: kernel time is about the same for both (loopback sends and the
 # wake-ups they cause, ~12-13 µs); user time is ~3 µs for nginx and ~9 µs for kvroute. A
 # bare forwarder on the same accept loop (hyper server, hyper-util client, no decision, no

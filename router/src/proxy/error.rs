@@ -109,7 +109,7 @@ impl ProxyError {
         let headers = response.headers_mut();
         headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         if let Ok(id) = HeaderValue::from_str(request_id) {
-            headers.insert("x-request-id", id);
+            headers.insert(super::forward::X_REQUEST_ID, id);
         }
         if matches!(self, ProxyError::Unavailable(_)) {
             headers.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));

@@ -44,6 +44,13 @@ const HOP_BY_HOP: [&str; 9] = [
     "host",
 ];
 
+/// The request id, on the request to the replica and on the response.
+pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// The replica that answered.
+pub const X_KVROUTE_REPLICA: HeaderName = HeaderName::from_static("x-kvroute-replica");
+/// The prompt tokens the router expected the replica to have cached.
+pub const X_KVROUTE_PREDICTED: HeaderName = HeaderName::from_static("x-kvroute-predicted-cached-tokens");
+
 /// Timeouts, ejection settings and the body limit of the forwarder.
 #[derive(Clone, Debug)]
 pub struct ForwardConfig {
@@ -114,12 +121,9 @@ pub async fn routed(
                 let mut response = wrap(response, guard, upstream.clone(), config, metrics, sent, request_id);
                 let headers = response.headers_mut();
                 if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
-                    headers.insert("x-kvroute-replica", v);
+                    headers.insert(X_KVROUTE_REPLICA, v);
                 }
-                headers.insert(
-                    "x-kvroute-predicted-cached-tokens",
-                    HeaderValue::from(plan.predicted_cached_tokens(attempt)),
-                );
+                headers.insert(X_KVROUTE_PREDICTED, HeaderValue::from(plan.predicted_cached_tokens(attempt)));
                 metrics.predicted_cached_tokens.inc_by(plan.predicted_cached_tokens(attempt));
                 metrics.prompt_tokens.inc_by(plan.prompt_tokens);
                 return Ok(response);
@@ -162,7 +166,7 @@ pub async fn streamed(
         Ok(Ok(response)) => {
             let mut response = wrap(response, guard, upstream.clone(), config, metrics, sent, request_id);
             if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
-                response.headers_mut().insert("x-kvroute-replica", v);
+                response.headers_mut().insert(X_KVROUTE_REPLICA, v);
             }
             Ok(response)
         }
@@ -210,7 +214,7 @@ fn build_request(
     *headers = parts.headers.clone();
     strip_hop_by_hop(headers);
     if let Ok(id) = HeaderValue::from_str(request_id) {
-        headers.insert("x-request-id", id);
+        headers.insert(X_REQUEST_ID, id);
     }
     Ok(request)
 }
@@ -236,7 +240,7 @@ fn wrap(
     let (mut parts, body) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     if let Ok(id) = HeaderValue::from_str(request_id) {
-        parts.headers.insert("x-request-id", id);
+        parts.headers.insert(X_REQUEST_ID, id);
     }
     let sse = parts
         .headers

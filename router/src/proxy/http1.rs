@@ -5,15 +5,18 @@
 //!
 //! Why not hyper's client connection: it runs each connection as a task of its own and hands
 //! requests, responses and body chunks to it over channels, several task wake-ups a request.
-//! Here the request's own task writes and reads the socket; the same work the proxy's HTTP
-//! thread does for the client side. The client side stays hyper's server: clients are
-//! anyone, replicas are HTTP/1.1 servers the router was configured with.
+//! Here the request's own task writes and reads the socket. Measured on the router in front
+//! of nginx (user-space CPU a proxied request, three paired runs): 8.3-9.9 µs with hyper's
+//! client, 6.6-7.8 µs with this. The client side stays hyper's server: clients are anyone,
+//! replicas are HTTP/1.1 servers the router was configured with.
 //!
 //! What is supported on the way back: `Content-Length`, `Transfer-Encoding: chunked` (chunk
-//! extensions and trailers are read and dropped), bodies delimited by the connection's close,
-//! no body for `HEAD`, 204 and 304, interim 1xx responses skipped. A connection goes back to
-//! its pool only when its response ended exactly where its framing said and the replica did
-//! not ask to close it.
+//! extensions and trailers are read and dropped; any other transfer coding is refused),
+//! bodies delimited by the connection's close, no body for `HEAD`, 204 and 304, interim 1xx
+//! responses skipped. A connection goes back to its pool only when its response ended
+//! exactly where its framing said and the replica did not ask to close it. A replica that
+//! answers before it has read the whole request (a 413 or 404 to a long upload) is heard:
+//! long and streamed bodies are written while the socket is watched for its answer.
 
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};

@@ -254,7 +254,7 @@ fn json(status: StatusCode, value: serde_json::Value) -> Response<ProxyBody> {
 /// The client's `x-request-id` if it sent a sane one, else a fresh one.
 fn request_id(req: &Request<Incoming>) -> String {
     req.headers()
-        .get("x-request-id")
+        .get(forward::X_REQUEST_ID)
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
         .map_or_else(|| format!("kvr-{:016x}", rand::random::<u64>()), str::to_owned)
