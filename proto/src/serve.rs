@@ -139,7 +139,10 @@ where
                         Ok(listener) => {
                             accept_loop(listener, handler, &limits, &slots, &connections, &stop).await
                         }
-                        Err(e) => tracing::error!(error = %e, "cannot register the listener"),
+                        Err(e) => {
+                            tracing::error!(error = %e, "cannot register the listener");
+                            stop.cancel();
+                        }
                     }
                     // Connections accepted here run on this runtime: keep it until they end.
                     connections.close();

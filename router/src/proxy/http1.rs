@@ -132,6 +132,16 @@ impl Conn {
         body: Outgoing,
     ) -> Result<Head, WireError> {
         match self.write_request(method, target, host, headers, body).await {
+            // Closed before the request went out whole: the replica cannot have run it.
+            Ok(()) if self.cut_short => match self.read_head(method).await {
+                Err(e @ (WireError::ClosedBeforeAnswer | WireError::Read(_))) => {
+                    Err(WireError::Write(std::io::Error::new(
+                        std::io::ErrorKind::BrokenPipe,
+                        format!("before the whole request: {e}"),
+                    )))
+                }
+                answered => answered,
+            },
             Ok(()) => self.read_head(method).await,
             Err(WireError::Write(e)) => {
                 self.cut_short = true;
@@ -180,16 +190,25 @@ impl Conn {
         }
         // A longer body may not fit the socket's buffers: if the replica answers (or closes)
         // without reading it all, writing would wait for ever or fail, so the answer is
-        // watched for meanwhile and, if it comes first, read without sending the rest.
-        let (mut reader, mut writer) = self.stream.split();
-        let mut probe = [0u8; 1];
-        tokio::select! {
-            biased;
-            _ = reader.peek(&mut probe) => {
-                self.cut_short = true;
-                Ok(())
+        // watched for meanwhile and, if it comes first, read without sending the rest. An
+        // interim answer (100, 103) is read and dropped, and the body goes on.
+        let Conn { stream, buf, cut_short } = self;
+        let (mut reader, mut writer) = stream.split();
+        let write = write_body(&mut writer, method, head, body);
+        tokio::pin!(write);
+        loop {
+            let mut probe = [0u8; 1];
+            tokio::select! {
+                biased;
+                peeked = reader.peek(&mut probe) => {
+                    if matches!(peeked, Ok(n) if n > 0) && skip_interim(&mut reader, buf, method).await? {
+                        continue;
+                    }
+                    *cut_short = true;
+                    return Ok(());
+                }
+                written = &mut write => return written,
             }
-            written = write_body(&mut writer, method, head, body) => written,
         }
     }
 
@@ -228,6 +247,28 @@ impl Conn {
     }
 }
 
+/// Reads what the replica sent while the request was going out into `buf`: true if that was
+/// only interim answers (or the start of one), so the request can go on.
+async fn skip_interim(
+    reader: &mut tokio::net::tcp::ReadHalf<'_>,
+    buf: &mut BytesMut,
+    method: &Method,
+) -> Result<bool, WireError> {
+    buf.reserve(READ_BUFFER);
+    match reader.read_buf(buf).await {
+        Ok(0) | Err(_) => return Ok(false),
+        Ok(_) => {}
+    }
+    while !buf.is_empty() {
+        match parse_head(buf, method)? {
+            Some((length, head)) if head.parts.status.is_informational() => buf.advance(length),
+            Some(_) => return Ok(false),
+            None => return Ok(true),
+        }
+    }
+    Ok(true)
+}
+
 /// Writes the request `head` (its fields, without the blank line) and `body` to `out`.
 async fn write_body<W: AsyncWrite + Unpin>(
     out: &mut W,
@@ -253,11 +294,19 @@ async fn write_body<W: AsyncWrite + Unpin>(
         None => head.extend_from_slice(b"transfer-encoding: chunked\r\n\r\n"),
     }
     out.write_all(&head).await.map_err(WireError::Write)?;
-    while let Some(frame) = body.frame().await {
+    let mut sent = 0;
+    // A body of known length is done once that much went out; it need not say it ended.
+    while length != Some(sent)
+        && let Some(frame) = body.frame().await
+    {
         let frame = frame.map_err(WireError::RequestBody)?;
         let Ok(data) = frame.into_data() else { continue };
         if data.is_empty() {
             continue;
+        }
+        sent += data.len() as u64;
+        if length.is_some_and(|n| sent > n) {
+            return Err(WireError::RequestBody("the request body is longer than its length".into()));
         }
         if length.is_some() {
             let mut data = data;

@@ -45,7 +45,7 @@ pub enum SendError {
 
 /// Idle connections of one thread.
 pub struct Pool {
-    idle: Mutex<HashMap<Authority, Vec<Idle>>>,
+    idle: Mutex<IdleSet>,
     connect_timeout: Duration,
     /// Idle connections older than this are closed instead of reused.
     idle_timeout: Duration,
@@ -56,6 +56,29 @@ pub struct Pool {
 struct Idle {
     conn: Conn,
     since: Instant,
+}
+
+/// How often expired idle connections are closed, whichever replica they lead to.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// Idle connections by replica, and when expired ones were last closed.
+struct IdleSet {
+    by_replica: HashMap<Authority, Vec<Idle>>,
+    swept: Instant,
+}
+
+impl IdleSet {
+    /// Closes the connections idle for `timeout` or more, and forgets replicas left with
+    /// none: a replica that gets no more requests (ejected, removed, moved to a new
+    /// address) must not keep its connections open (the replica's server closed them long
+    /// ago; ours would sit in CLOSE_WAIT).
+    fn sweep(&mut self, now: Instant, timeout: Duration) {
+        self.swept = now;
+        self.by_replica.retain(|_, list| {
+            list.retain(|c| now.duration_since(c.since) < timeout);
+            !list.is_empty()
+        });
+    }
 }
 
 /// Where a connection goes back to when its response has ended cleanly.
@@ -69,9 +92,11 @@ impl Checkin {
     pub fn checkin(self, conn: Conn) {
         let Checkin { pool, authority } = self;
         let mut idle = pool.idle.lock().unwrap_or_else(|e| e.into_inner());
-        let list = idle.entry(authority).or_default();
         let now = Instant::now();
-        list.retain(|c| now.duration_since(c.since) < pool.idle_timeout);
+        if now.duration_since(idle.swept) >= SWEEP_EVERY.min(pool.idle_timeout) {
+            idle.sweep(now, pool.idle_timeout);
+        }
+        let list = idle.by_replica.entry(authority).or_default();
         if list.len() < pool.max_idle {
             list.push(Idle { conn, since: now });
         }
@@ -80,7 +105,8 @@ impl Checkin {
 
 impl Pool {
     pub fn new(connect_timeout: Duration, idle_timeout: Duration, max_idle: usize) -> Self {
-        Self { idle: Mutex::default(), connect_timeout, idle_timeout, max_idle }
+        let idle = IdleSet { by_replica: HashMap::new(), swept: Instant::now() };
+        Self { idle: Mutex::new(idle), connect_timeout, idle_timeout, max_idle }
     }
 
     /// Sends `request` (its URI absolute: `http://host:port/path`) on a pooled or new
@@ -122,7 +148,7 @@ impl Pool {
     /// expired ones on the way.
     fn checkout(&self, authority: &Authority) -> Option<Conn> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        let list = idle.get_mut(authority)?;
+        let list = idle.by_replica.get_mut(authority)?;
         let now = Instant::now();
         while let Some(Idle { conn, since }) = list.pop() {
             if now.duration_since(since) < self.idle_timeout && conn.is_usable() {
@@ -146,7 +172,7 @@ impl Pool {
 
     /// Idle connections held (for tests).
     pub fn idle_count(&self) -> usize {
-        self.idle.lock().unwrap_or_else(|e| e.into_inner()).values().map(Vec::len).sum()
+        self.idle.lock().unwrap_or_else(|e| e.into_inner()).by_replica.values().map(Vec::len).sum()
     }
 }
 
@@ -250,15 +276,29 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_connection_the_replica_closed_is_replaced() {
+    async fn a_connection_the_replica_asks_to_close_is_not_reused() {
         let (url, accepted) = backend(false).await;
         let pool = pool();
         for _ in 0..3 {
-            // Read to the end each time, but the replica closes it after answering: the
-            // next request must not fail on it.
+            // Read to the end each time, but the replica said `connection: close`.
             assert_eq!(get(&pool, &url, true).await.body().as_ref(), b"ok");
+            assert_eq!(pool.idle_count(), 0);
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 3);
+    }
+
+    /// Connections to a replica that gets no more requests are closed once expired, when
+    /// any other connection of the thread is checked in.
+    #[tokio::test]
+    async fn expired_connections_to_any_replica_are_closed() {
+        let ((a, _), (b, _)) = (backend(true).await, backend(true).await);
+        let pool = Arc::new(Pool::new(Duration::from_secs(2), Duration::ZERO, 8));
+        get(&pool, &a, true).await;
+        assert_eq!(pool.idle_count(), 1);
+        get(&pool, &b, true).await;
+        let idle = pool.idle.lock().unwrap();
+        let left: Vec<_> = idle.by_replica.keys().map(|k| format!("http://{k}")).collect();
+        assert_eq!(left, [b], "the first replica's connection closed and the replica forgotten");
     }
 
     #[tokio::test]

@@ -442,6 +442,77 @@ mod on_a_socket {
         drop(done);
     }
 
+    /// Reads a request head off `stream`, a byte at a time so nothing of the body is read.
+    async fn read_head_only(stream: &mut TcpStream) {
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            let mut byte = [0u8; 1];
+            stream.read_exact(&mut byte).await.unwrap();
+            head.push(byte[0]);
+        }
+    }
+
+    /// Reads a body of `length` bytes off `stream`.
+    async fn read_body_of(stream: &mut TcpStream, length: usize) {
+        let mut body = vec![0u8; length];
+        stream.read_exact(&mut body).await.unwrap();
+    }
+
+    /// A replica closing an idle connection just as a long POST goes out on it cannot have
+    /// run it (it never got it whole): it goes out again on a new connection.
+    #[tokio::test]
+    async fn a_long_post_cut_off_by_a_closing_replica_goes_out_again() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        // More than the sockets' buffers hold, so the write is still going when the replica
+        // closes.
+        let long = 32 << 20;
+        tokio::spawn(async move {
+            let (mut first, _) = listener.accept().await.unwrap();
+            read_head_only(&mut first).await;
+            read_body_of(&mut first, 2).await;
+            first.write_all(OK).await.unwrap();
+            read_head_only(&mut first).await;
+            drop(first);
+            let (mut second, _) = listener.accept().await.unwrap();
+            read_head_only(&mut second).await;
+            read_body_of(&mut second, long).await;
+            second.write_all(OK).await.unwrap();
+        });
+        let pool = pool();
+        exchange(&pool, post(&url, Outgoing::Full(Bytes::from_static(b"{}")))).await.unwrap();
+        let body = Bytes::from(vec![b'x'; long]);
+        let answer =
+            tokio::time::timeout(Duration::from_secs(20), exchange(&pool, post(&url, Outgoing::Full(body))))
+                .await
+                .unwrap();
+        assert_eq!(answer.unwrap(), (StatusCode::OK, b"ok".to_vec()));
+    }
+
+    /// An interim answer (100 Continue) while a long body goes out is not the answer: the
+    /// body goes on, and the final answer comes after.
+    #[tokio::test]
+    async fn an_interim_answer_does_not_stop_a_long_body() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let long = 4 << 20;
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            read_head_only(&mut stream).await;
+            stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await.unwrap();
+            read_body_of(&mut stream, long).await;
+            stream.write_all(OK).await.unwrap();
+        });
+        let pool = pool();
+        let body = Bytes::from(vec![b'x'; long]);
+        let answer =
+            tokio::time::timeout(Duration::from_secs(20), exchange(&pool, post(&url, Outgoing::Full(body))))
+                .await
+                .expect("the body stopped at the interim answer");
+        assert_eq!(answer.unwrap(), (StatusCode::OK, b"ok".to_vec()));
+        assert_eq!(pool.idle_count(), 1, "the whole request went out: the connection is reusable");
+    }
+
     #[tokio::test]
     async fn a_failing_request_body_is_the_callers_error() {
         let (url, _, _) = raw_replica(|_| Answer(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")).await;
