@@ -131,7 +131,8 @@ impl Conn {
         headers: &HeaderMap,
         body: Outgoing,
     ) -> Result<Head, WireError> {
-        match self.write_request(method, target, host, headers, body).await {
+        let head = request_head(method, target, host, headers);
+        match self.write_request(method, head, body).await {
             // Closed before the request went out whole: the replica cannot have run it.
             Ok(()) if self.cut_short => match self.read_head(method).await {
                 Err(e @ (WireError::ClosedBeforeAnswer | WireError::Read(_))) => {
@@ -151,34 +152,13 @@ impl Conn {
         }
     }
 
-    /// Writes a request: `method target`, `Host: host`, `headers` (hop-by-hop ones already
-    /// removed; `Content-Length`, `Transfer-Encoding` and `Expect` are set here), then the body.
-    /// Header values cannot hold CR or LF (`HeaderValue` refuses them), so nothing here can
-    /// end the head early.
+    /// Writes a request: its `head` (the fields of [`request_head`]), then the body.
     async fn write_request(
         &mut self,
         method: &Method,
-        target: &str,
-        host: &str,
-        headers: &HeaderMap,
+        head: Vec<u8>,
         body: Outgoing,
     ) -> Result<(), WireError> {
-        let mut head = Vec::with_capacity(512);
-        head.extend_from_slice(method.as_str().as_bytes());
-        head.push(b' ');
-        head.extend_from_slice(target.as_bytes());
-        head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
-        head.extend_from_slice(host.as_bytes());
-        head.extend_from_slice(b"\r\n");
-        for (name, value) in headers {
-            if name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING || name == header::EXPECT {
-                continue;
-            }
-            head.extend_from_slice(name.as_str().as_bytes());
-            head.extend_from_slice(b": ");
-            head.extend_from_slice(value.as_bytes());
-            head.extend_from_slice(b"\r\n");
-        }
         let body = match body {
             Outgoing::Stream(stream) if stream.size_hint().exact() == Some(0) => Outgoing::Full(Bytes::new()),
             body => body,
@@ -245,6 +225,30 @@ impl Conn {
             }
         }
     }
+}
+
+/// A request's head without its framing fields or the blank line: `method target`,
+/// `Host: host`, `headers` (hop-by-hop ones already removed; `Content-Length`,
+/// `Transfer-Encoding` and `Expect` are set when the body is written). Header values cannot
+/// hold CR or LF (`HeaderValue` refuses them), so nothing here can end the head early.
+fn request_head(method: &Method, target: &str, host: &str, headers: &HeaderMap) -> Vec<u8> {
+    let mut head = Vec::with_capacity(512);
+    head.extend_from_slice(method.as_str().as_bytes());
+    head.push(b' ');
+    head.extend_from_slice(target.as_bytes());
+    head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    head.extend_from_slice(host.as_bytes());
+    head.extend_from_slice(b"\r\n");
+    for (name, value) in headers {
+        if name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING || name == header::EXPECT {
+            continue;
+        }
+        head.extend_from_slice(name.as_str().as_bytes());
+        head.extend_from_slice(b": ");
+        head.extend_from_slice(value.as_bytes());
+        head.extend_from_slice(b"\r\n");
+    }
+    head
 }
 
 /// Reads what the replica sent while the request was going out into `buf`: true if that was

@@ -375,14 +375,12 @@ mod on_a_socket {
     /// A replica that answers one request with `answer` and then closes (a script cannot
     /// capture the answer).
     async fn one_answer(answer: &'static [u8]) -> String {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(async move {
+        by_hand(move |listener| async move {
             let (mut stream, _) = listener.accept().await.unwrap();
             read_request(&mut stream).await;
             stream.write_all(answer).await.unwrap();
-        });
-        url
+        })
+        .await
     }
 
     #[tokio::test]
@@ -408,38 +406,16 @@ mod on_a_socket {
         assert!(sized.ends_with("content-length: 5\r\n\r\nsized"), "{sized}");
     }
 
-    /// A replica may answer before it has read a long body (413, 404) and read no more: its
-    /// answer is what the caller gets, not a stalled write or a broken pipe.
-    #[tokio::test]
-    async fn an_answer_before_the_whole_body_went_out_is_read() {
+    /// A replica by hand: `serve` gets its listener; returns its URL.
+    async fn by_hand<F, S>(serve: S) -> String
+    where
+        S: FnOnce(TcpListener) -> F,
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        let (done, finished) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let (mut stream, _) = listener.accept().await.unwrap();
-            let mut head = Vec::new();
-            while !head.ends_with(b"\r\n\r\n") {
-                let mut byte = [0u8; 1];
-                stream.read_exact(&mut byte).await.unwrap();
-                head.push(byte[0]);
-            }
-            stream
-                .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 4\r\n\r\nbig!")
-                .await
-                .unwrap();
-            // Reads nothing more, and keeps the connection open until the test is over.
-            let _ = finished.await;
-        });
-        let pool = pool();
-        let body = Bytes::from(vec![b'x'; 32 << 20]);
-        let answer =
-            tokio::time::timeout(Duration::from_secs(20), exchange(&pool, post(&url, Outgoing::Full(body))))
-                .await
-                .expect("the write did not wait for the replica to read")
-                .unwrap();
-        assert_eq!(answer, (StatusCode::PAYLOAD_TOO_LARGE, b"big!".to_vec()));
-        assert_eq!(pool.idle_count(), 0, "a connection with half a request on it is not reused");
-        drop(done);
+        tokio::spawn(serve(listener));
+        url
     }
 
     /// Reads a request head off `stream`, a byte at a time so nothing of the body is read.
@@ -458,16 +434,47 @@ mod on_a_socket {
         stream.read_exact(&mut body).await.unwrap();
     }
 
+    /// POSTs a body of `length` bytes and reads the answer; fails if that takes 20 s.
+    async fn send_long(
+        pool: &Arc<Pool>,
+        url: &str,
+        length: usize,
+    ) -> Result<(StatusCode, Vec<u8>), BoxError> {
+        let body = Outgoing::Full(Bytes::from(vec![b'x'; length]));
+        tokio::time::timeout(Duration::from_secs(20), exchange(pool, post(url, body))).await?
+    }
+
+    /// A replica may answer before it has read a long body (413, 404) and read no more: its
+    /// answer is what the caller gets, not a stalled write or a broken pipe.
+    #[tokio::test]
+    async fn an_answer_before_the_whole_body_went_out_is_read() {
+        let (done, finished) = tokio::sync::oneshot::channel::<()>();
+        let url = by_hand(|listener| async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            read_head_only(&mut stream).await;
+            stream
+                .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 4\r\n\r\nbig!")
+                .await
+                .unwrap();
+            // Reads nothing more, and keeps the connection open until the test is over.
+            let _ = finished.await;
+        })
+        .await;
+        let pool = pool();
+        let answer = send_long(&pool, &url, 32 << 20).await.expect("the write did not wait for the replica");
+        assert_eq!(answer, (StatusCode::PAYLOAD_TOO_LARGE, b"big!".to_vec()));
+        assert_eq!(pool.idle_count(), 0, "a connection with half a request on it is not reused");
+        drop(done);
+    }
+
     /// A replica closing an idle connection just as a long POST goes out on it cannot have
     /// run it (it never got it whole): it goes out again on a new connection.
     #[tokio::test]
     async fn a_long_post_cut_off_by_a_closing_replica_goes_out_again() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
         // More than the sockets' buffers hold, so the write is still going when the replica
         // closes.
         let long = 32 << 20;
-        tokio::spawn(async move {
+        let url = by_hand(move |listener| async move {
             let (mut first, _) = listener.accept().await.unwrap();
             read_head_only(&mut first).await;
             read_body_of(&mut first, 2).await;
@@ -478,38 +485,29 @@ mod on_a_socket {
             read_head_only(&mut second).await;
             read_body_of(&mut second, long).await;
             second.write_all(OK).await.unwrap();
-        });
+        })
+        .await;
         let pool = pool();
         exchange(&pool, post(&url, Outgoing::Full(Bytes::from_static(b"{}")))).await.unwrap();
-        let body = Bytes::from(vec![b'x'; long]);
-        let answer =
-            tokio::time::timeout(Duration::from_secs(20), exchange(&pool, post(&url, Outgoing::Full(body))))
-                .await
-                .unwrap();
-        assert_eq!(answer.unwrap(), (StatusCode::OK, b"ok".to_vec()));
+        assert_eq!(send_long(&pool, &url, long).await.unwrap(), (StatusCode::OK, b"ok".to_vec()));
     }
 
     /// An interim answer (100 Continue) while a long body goes out is not the answer: the
     /// body goes on, and the final answer comes after.
     #[tokio::test]
     async fn an_interim_answer_does_not_stop_a_long_body() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
         let long = 4 << 20;
-        tokio::spawn(async move {
+        let url = by_hand(move |listener| async move {
             let (mut stream, _) = listener.accept().await.unwrap();
             read_head_only(&mut stream).await;
             stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await.unwrap();
             read_body_of(&mut stream, long).await;
             stream.write_all(OK).await.unwrap();
-        });
+        })
+        .await;
         let pool = pool();
-        let body = Bytes::from(vec![b'x'; long]);
-        let answer =
-            tokio::time::timeout(Duration::from_secs(20), exchange(&pool, post(&url, Outgoing::Full(body))))
-                .await
-                .expect("the body stopped at the interim answer");
-        assert_eq!(answer.unwrap(), (StatusCode::OK, b"ok".to_vec()));
+        let answer = send_long(&pool, &url, long).await.expect("the body stopped at the interim answer");
+        assert_eq!(answer, (StatusCode::OK, b"ok".to_vec()));
         assert_eq!(pool.idle_count(), 1, "the whole request went out: the connection is reusable");
     }
 
