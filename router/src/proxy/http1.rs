@@ -17,24 +17,25 @@
 //! exactly where its framing said and the replica did not ask to close it. A replica that
 //! answers before it has read the whole request (a 413 or 404 to a long upload) is heard:
 //! long and streamed bodies are written while the socket is watched for its answer.
-
-use std::pin::Pin;
-use std::task::{Context, Poll, ready};
+//!
+//! Layout: here the connection and the request on its way out; [`head`] the response head
+//! and its framing; [`response`] the response body and the connection's way back to its pool.
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Method, Response, StatusCode, Version};
-use http_body::{Body, Frame, SizeHint};
+use http::Method;
+use http::header::{self, HeaderMap};
+use http_body::Body;
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::body::{BoxError, ProxyBody};
-use super::pool::Checkin;
 
-/// Largest response head (status line and headers) read from a replica.
-pub const MAX_HEAD_BYTES: usize = 64 * 1024;
-/// Most response headers read from a replica.
-const MAX_HEADERS: usize = 100;
+mod head;
+mod response;
+
+pub use head::{Framing, Head, MAX_HEAD_BYTES, parse_head};
+pub use response::{BodyError, UpstreamBody, response};
+
 /// Read buffer of a connection; grows for larger heads.
 const READ_BUFFER: usize = 16 * 1024;
 /// Request bodies in hand up to this size are written without watching for an early answer
@@ -87,23 +88,6 @@ pub enum Outgoing {
     Full(Bytes),
     /// Streamed: sent with `Content-Length` if the body knows its length, else chunked.
     Stream(ProxyBody),
-}
-
-/// How a response body is delimited (RFC 9112 §6.3).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Framing {
-    Length(u64),
-    Chunked,
-    UntilClose,
-}
-
-/// A parsed response head.
-#[derive(Debug)]
-pub struct Head {
-    pub parts: http::response::Parts,
-    pub framing: Framing,
-    /// The replica keeps the connection open after this response.
-    pub keep_alive: bool,
 }
 
 impl Conn {
@@ -329,281 +313,6 @@ async fn write_body<W: AsyncWrite + Unpin>(
 
 fn method_has_body(method: &Method) -> bool {
     !matches!(*method, Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS | Method::TRACE)
-}
-
-/// Parses a response head at the start of `buf`: its length and the head, or `None` if it
-/// is not complete yet.
-pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, WireError> {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut parsed = httparse::Response::new(&mut headers);
-    let length = match parsed.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) => return Ok(None),
-        Err(e) => return Err(WireError::Malformed(e.to_string())),
-    };
-    let code = parsed.code.unwrap_or_default();
-    let status = StatusCode::from_u16(code).map_err(|_| WireError::Malformed(format!("status {code}")))?;
-    if status == StatusCode::SWITCHING_PROTOCOLS {
-        // The proxy never asks for an upgrade (`Upgrade` is hop-by-hop).
-        return Err(WireError::Malformed("101 Switching Protocols, unasked".into()));
-    }
-    let version = if parsed.version == Some(1) { Version::HTTP_11 } else { Version::HTTP_10 };
-    let mut map = HeaderMap::with_capacity(parsed.headers.len());
-    for h in parsed.headers.iter() {
-        let name = HeaderName::from_bytes(h.name.as_bytes())
-            .map_err(|_| WireError::Malformed(format!("header name {:?}", h.name)))?;
-        let value = HeaderValue::from_bytes(h.value)
-            .map_err(|_| WireError::Malformed(format!("value of header {name}")))?;
-        map.append(name, value);
-    }
-    let framing = framing(&map, status, method)?;
-    // Transfer-Encoding overrides Content-Length, which a proxy must not pass on; a reply
-    // with both is suspect, so its connection is not reused (RFC 9112 §6.3).
-    let both = map.contains_key(header::TRANSFER_ENCODING) && map.remove(header::CONTENT_LENGTH).is_some();
-    let close = both
-        || map
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|token| token.trim().eq_ignore_ascii_case("close"));
-    let keep_alive = version == Version::HTTP_11 && !close && framing != Framing::UntilClose;
-    let mut response = Response::new(());
-    *response.status_mut() = status;
-    *response.version_mut() = version;
-    *response.headers_mut() = map;
-    let (parts, ()) = response.into_parts();
-    Ok(Some((length, Head { parts, framing, keep_alive })))
-}
-
-/// RFC 9112 §6.3, for a response to `method`.
-fn framing(headers: &HeaderMap, status: StatusCode, method: &Method) -> Result<Framing, WireError> {
-    if *method == Method::HEAD
-        || status.is_informational()
-        || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED
-    {
-        return Ok(Framing::Length(0));
-    }
-    let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter().peekable();
-    if codings.peek().is_some() {
-        // Only `chunked` is decoded: another coding (gzip) would reach the client encoded
-        // once `Transfer-Encoding`, a hop-by-hop field, is dropped.
-        let only_chunked = codings
-            .flat_map(|v| v.to_str().unwrap_or("?").split(','))
-            .map(str::trim)
-            .filter(|coding| !coding.is_empty())
-            .try_fold(false, |seen, coding| {
-                (!seen && coding.eq_ignore_ascii_case("chunked")).then_some(true)
-            });
-        return match only_chunked {
-            Some(true) => Ok(Framing::Chunked),
-            _ => Err(WireError::Malformed("a transfer coding other than chunked".into())),
-        };
-    }
-    let mut lengths = headers.get_all(header::CONTENT_LENGTH).iter();
-    let Some(first) = lengths.next() else { return Ok(Framing::UntilClose) };
-    let parse = |v: &HeaderValue| -> Option<u64> {
-        let s = v.to_str().ok()?.trim();
-        if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
-            return None;
-        }
-        s.parse().ok()
-    };
-    let n = parse(first).ok_or_else(|| WireError::Malformed("bad Content-Length".into()))?;
-    if lengths.any(|v| parse(v) != Some(n)) {
-        return Err(WireError::Malformed("conflicting Content-Length headers".into()));
-    }
-    Ok(Framing::Length(n))
-}
-
-/// Where a response body is in its framing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum State {
-    /// This many bytes of the body left.
-    Length(u64),
-    /// A chunk-size line is next.
-    ChunkSize,
-    /// This many bytes of the current chunk left.
-    Chunk(u64),
-    /// The CRLF after a chunk's data.
-    ChunkEnd,
-    /// Trailer fields up to an empty line.
-    Trailers,
-    UntilClose,
-    Done,
-}
-
-/// A response body read off its connection. When it ends where its framing says, the
-/// connection goes back to its pool ([`Checkin`]) if the replica keeps it open; dropped
-/// earlier, the connection is closed.
-pub struct UpstreamBody {
-    conn: Option<Conn>,
-    state: State,
-    keep_alive: bool,
-    checkin: Option<Checkin>,
-}
-
-/// The response body ended before its framing said it would.
-#[derive(Debug, thiserror::Error)]
-pub enum BodyError {
-    #[error("the replica closed the connection before the response ended")]
-    Truncated,
-    #[error("reading the response body: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("malformed chunked body: {0}")]
-    Chunked(&'static str),
-}
-
-impl UpstreamBody {
-    /// The body that follows `head` on `conn`. An empty one checks the connection in at once.
-    pub fn new(conn: Conn, head: &Head, checkin: Checkin) -> Self {
-        let state = match head.framing {
-            Framing::Length(0) => State::Done,
-            Framing::Length(n) => State::Length(n),
-            Framing::Chunked => State::ChunkSize,
-            Framing::UntilClose => State::UntilClose,
-        };
-        let keep_alive = head.keep_alive && !conn.cut_short;
-        let mut body = Self { conn: Some(conn), state, keep_alive, checkin: Some(checkin) };
-        if body.state == State::Done {
-            body.finish();
-        }
-        body
-    }
-
-    /// The body ended where its framing said: the connection may carry another request,
-    /// unless the replica sent more than the response.
-    fn finish(&mut self) {
-        self.state = State::Done;
-        if let (Some(conn), Some(checkin), true) = (self.conn.take(), self.checkin.take(), self.keep_alive)
-            && conn.buf.is_empty()
-        {
-            checkin.checkin(conn);
-        }
-    }
-
-    /// Reads more from the socket; `Ok(0)` at its end.
-    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<Result<usize, BodyError>> {
-        let Some(conn) = self.conn.as_mut() else { return Poll::Ready(Ok(0)) };
-        if conn.buf.capacity() - conn.buf.len() < 1024 {
-            conn.buf.reserve(READ_BUFFER);
-        }
-        let n = ready!(tokio_util::io::poll_read_buf(Pin::new(&mut conn.stream), cx, &mut conn.buf))?;
-        Poll::Ready(Ok(n))
-    }
-
-    fn buf(&mut self) -> &mut BytesMut {
-        &mut self.conn.as_mut().expect("a body being read has its connection").buf
-    }
-
-    /// Up to `left` bytes of data already read, if any.
-    fn take(&mut self, left: u64) -> Bytes {
-        let buf = self.buf();
-        let n = (buf.len() as u64).min(left) as usize;
-        buf.split_to(n).freeze()
-    }
-}
-
-impl Body for UpstreamBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = &mut *self;
-        loop {
-            let (buffered, first) =
-                this.conn.as_ref().map_or((0, None), |c| (c.buf.len(), c.buf.first().copied()));
-            match this.state {
-                State::Done => return Poll::Ready(None),
-                State::Length(left) if buffered > 0 => {
-                    let data = this.take(left);
-                    match left - data.len() as u64 {
-                        0 => this.finish(),
-                        left => this.state = State::Length(left),
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                State::Chunk(left) if buffered > 0 => {
-                    let data = this.take(left);
-                    this.state = match left - data.len() as u64 {
-                        0 => State::ChunkEnd,
-                        left => State::Chunk(left),
-                    };
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                State::UntilClose if buffered > 0 => {
-                    let data = this.take(u64::MAX);
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                // httparse reads a size line without digits as 0: that would end the body.
-                State::ChunkSize if first.is_some_and(|b| !b.is_ascii_hexdigit()) => {
-                    return Poll::Ready(Some(Err(BodyError::Chunked("bad chunk size line").into())));
-                }
-                State::ChunkSize if buffered > 0 => match httparse::parse_chunk_size(this.buf()) {
-                    Ok(httparse::Status::Complete((used, size))) => {
-                        this.buf().advance(used);
-                        this.state = if size == 0 { State::Trailers } else { State::Chunk(size) };
-                        continue;
-                    }
-                    Ok(httparse::Status::Partial) if buffered < 1024 => {}
-                    _ => return Poll::Ready(Some(Err(BodyError::Chunked("bad chunk size line").into()))),
-                },
-                State::ChunkEnd if buffered >= 2 => {
-                    if !this.buf().starts_with(b"\r\n") {
-                        return Poll::Ready(Some(Err(BodyError::Chunked("no CRLF after a chunk").into())));
-                    }
-                    this.buf().advance(2);
-                    this.state = State::ChunkSize;
-                    continue;
-                }
-                State::Trailers if buffered > 0 => {
-                    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-                    match httparse::parse_headers(this.buf(), &mut fields) {
-                        Ok(httparse::Status::Complete((used, _))) => {
-                            this.buf().advance(used);
-                            this.finish();
-                            return Poll::Ready(None);
-                        }
-                        Ok(httparse::Status::Partial) if buffered < MAX_HEAD_BYTES => {}
-                        _ => return Poll::Ready(Some(Err(BodyError::Chunked("bad trailer section").into()))),
-                    }
-                }
-                _ => {}
-            }
-            match ready!(this.poll_fill(cx)) {
-                Ok(0) if this.state == State::UntilClose => {
-                    this.state = State::Done;
-                    this.conn = None;
-                    return Poll::Ready(None);
-                }
-                Ok(0) => return Poll::Ready(Some(Err(BodyError::Truncated.into()))),
-                Ok(_) => {}
-                Err(e) => return Poll::Ready(Some(Err(e.into()))),
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.state == State::Done
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self.state {
-            State::Length(n) => SizeHint::with_exact(n),
-            State::Done => SizeHint::with_exact(0),
-            _ => SizeHint::default(),
-        }
-    }
-}
-
-/// A response whose body reads off `conn`.
-pub fn response(conn: Conn, head: Head, checkin: Checkin) -> Response<UpstreamBody> {
-    let body = UpstreamBody::new(conn, &head, checkin);
-    Response::from_parts(head.parts, body)
 }
 
 #[cfg(test)]

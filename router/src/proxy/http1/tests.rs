@@ -1,4 +1,5 @@
 use super::*;
+use http::StatusCode;
 
 fn head(text: &str) -> Head {
     head_for(text, &Method::POST)

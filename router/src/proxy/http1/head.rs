@@ -1,0 +1,114 @@
+//! Response heads from a replica: parsed with `httparse`, and how their body is delimited.
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Response, StatusCode, Version};
+
+use super::WireError;
+
+/// Largest response head (status line and headers) read from a replica.
+pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// Most response headers read from a replica.
+pub(super) const MAX_HEADERS: usize = 100;
+
+/// How a response body is delimited (RFC 9112 §6.3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framing {
+    Length(u64),
+    Chunked,
+    UntilClose,
+}
+
+/// A parsed response head.
+#[derive(Debug)]
+pub struct Head {
+    pub parts: http::response::Parts,
+    pub framing: Framing,
+    /// The replica keeps the connection open after this response.
+    pub keep_alive: bool,
+}
+
+/// Parses a response head at the start of `buf`: its length and the head, or `None` if it
+/// is not complete yet.
+pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, WireError> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut parsed = httparse::Response::new(&mut headers);
+    let length = match parsed.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(WireError::Malformed(e.to_string())),
+    };
+    let code = parsed.code.unwrap_or_default();
+    let status = StatusCode::from_u16(code).map_err(|_| WireError::Malformed(format!("status {code}")))?;
+    if status == StatusCode::SWITCHING_PROTOCOLS {
+        // The proxy never asks for an upgrade (`Upgrade` is hop-by-hop).
+        return Err(WireError::Malformed("101 Switching Protocols, unasked".into()));
+    }
+    let version = if parsed.version == Some(1) { Version::HTTP_11 } else { Version::HTTP_10 };
+    let mut map = HeaderMap::with_capacity(parsed.headers.len());
+    for h in parsed.headers.iter() {
+        let name = HeaderName::from_bytes(h.name.as_bytes())
+            .map_err(|_| WireError::Malformed(format!("header name {:?}", h.name)))?;
+        let value = HeaderValue::from_bytes(h.value)
+            .map_err(|_| WireError::Malformed(format!("value of header {name}")))?;
+        map.append(name, value);
+    }
+    let framing = framing(&map, status, method)?;
+    // Transfer-Encoding overrides Content-Length, which a proxy must not pass on; a reply
+    // with both is suspect, so its connection is not reused (RFC 9112 §6.3).
+    let both = map.contains_key(header::TRANSFER_ENCODING) && map.remove(header::CONTENT_LENGTH).is_some();
+    let close = both
+        || map
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|token| token.trim().eq_ignore_ascii_case("close"));
+    let keep_alive = version == Version::HTTP_11 && !close && framing != Framing::UntilClose;
+    let mut response = Response::new(());
+    *response.status_mut() = status;
+    *response.version_mut() = version;
+    *response.headers_mut() = map;
+    let (parts, ()) = response.into_parts();
+    Ok(Some((length, Head { parts, framing, keep_alive })))
+}
+
+/// RFC 9112 §6.3, for a response to `method`.
+fn framing(headers: &HeaderMap, status: StatusCode, method: &Method) -> Result<Framing, WireError> {
+    if *method == Method::HEAD
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+    {
+        return Ok(Framing::Length(0));
+    }
+    let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter().peekable();
+    if codings.peek().is_some() {
+        // Only `chunked` is decoded: another coding (gzip) would reach the client encoded
+        // once `Transfer-Encoding`, a hop-by-hop field, is dropped.
+        let only_chunked = codings
+            .flat_map(|v| v.to_str().unwrap_or("?").split(','))
+            .map(str::trim)
+            .filter(|coding| !coding.is_empty())
+            .try_fold(false, |seen, coding| {
+                (!seen && coding.eq_ignore_ascii_case("chunked")).then_some(true)
+            });
+        return match only_chunked {
+            Some(true) => Ok(Framing::Chunked),
+            _ => Err(WireError::Malformed("a transfer coding other than chunked".into())),
+        };
+    }
+    let mut lengths = headers.get_all(header::CONTENT_LENGTH).iter();
+    let Some(first) = lengths.next() else { return Ok(Framing::UntilClose) };
+    let parse = |v: &HeaderValue| -> Option<u64> {
+        let s = v.to_str().ok()?.trim();
+        if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        s.parse().ok()
+    };
+    let n = parse(first).ok_or_else(|| WireError::Malformed("bad Content-Length".into()))?;
+    if lengths.any(|v| parse(v) != Some(n)) {
+        return Err(WireError::Malformed("conflicting Content-Length headers".into()));
+    }
+    Ok(Framing::Length(n))
+}
