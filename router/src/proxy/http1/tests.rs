@@ -468,6 +468,26 @@ mod on_a_socket {
         drop(done);
     }
 
+    /// The same when the replica closes right after its answer, its unread body making that
+    /// a reset: the answer already received is still what the caller gets, whether the watch
+    /// or the failed write notices first.
+    #[tokio::test]
+    async fn an_answer_then_a_close_before_the_whole_body_went_out_is_read() {
+        let url = by_hand(|listener| async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            read_head_only(&mut stream).await;
+            stream
+                .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 4\r\n\r\nbig!")
+                .await
+                .unwrap();
+        })
+        .await;
+        let pool = pool();
+        let answer = send_long(&pool, &url, 32 << 20).await.expect("the write did not wait for the replica");
+        assert_eq!(answer, (StatusCode::PAYLOAD_TOO_LARGE, b"big!".to_vec()));
+        assert_eq!(pool.idle_count(), 0);
+    }
+
     /// A replica closing an idle connection just as a long POST goes out on it cannot have
     /// run it (it never got it whole): it goes out again on a new connection.
     #[tokio::test]
