@@ -251,11 +251,18 @@ mod on_a_socket {
 
     #[tokio::test]
     async fn a_body_delimited_by_close_is_read_to_the_end_and_not_pooled() {
-        let (url, _, _) = raw_replica(|_| AnswerAndClose(b"HTTP/1.1 200 OK\r\n\r\nuntil the end")).await;
+        let (answer, idle) = post_once(|_| AnswerAndClose(b"HTTP/1.1 200 OK\r\n\r\nuntil the end")).await;
+        assert_eq!(answer, (StatusCode::OK, b"until the end".to_vec()));
+        assert_eq!(idle, 0);
+    }
+
+    /// One empty POST to a raw replica following `script`: its answer, and the idle
+    /// connections the pool holds after it.
+    async fn post_once(script: Script) -> ((StatusCode, Vec<u8>), usize) {
+        let (url, _, _) = raw_replica(script).await;
         let pool = pool();
         let answer = exchange(&pool, post(&url, Outgoing::Full(Bytes::new()))).await.unwrap();
-        assert_eq!(answer, (StatusCode::OK, b"until the end".to_vec()));
-        assert_eq!(pool.idle_count(), 0);
+        (answer, pool.idle_count())
     }
 
     #[tokio::test]
@@ -320,13 +327,10 @@ mod on_a_socket {
     /// Bytes after the end of a response mean the connection is out of step: not reused.
     #[tokio::test]
     async fn a_connection_with_bytes_past_the_response_is_not_reused() {
-        let (url, _, _) =
-            raw_replica(|_| AnswerAtOnce(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200"))
-                .await;
-        let pool = pool();
-        let answer = exchange(&pool, post(&url, Outgoing::Full(Bytes::new()))).await.unwrap();
+        let (answer, idle) =
+            post_once(|_| AnswerAtOnce(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200")).await;
         assert_eq!(answer, (StatusCode::OK, b"ok".to_vec()));
-        assert_eq!(pool.idle_count(), 0);
+        assert_eq!(idle, 0);
     }
 
     #[tokio::test]
