@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::compare::{self, CompareConfig, CompareReport, Routers};
 use crate::demo::{self, DemoConfig, FleetConfig};
-use crate::live::{self, Arrivals, LiveConfig, LiveReport};
+use crate::live::{self, Arrivals, LiveConfig, LiveReport, PromptFormat};
 use crate::units::parse_duration;
 use crate::workload::mooncake;
 use crate::workload::synth::{ChatParams, Workload};
@@ -56,6 +56,10 @@ pub struct SendArgs {
     /// The `model` of every request.
     #[arg(long, default_value = demo::DEMO_MODEL)]
     pub model: String,
+    /// How prompts are written: `ids` (token ids) or `text` (a word a token, tokenized by
+    /// the router and the replicas).
+    #[arg(long, value_enum, default_value_t = PromptFormat::Ids)]
+    pub prompt_format: PromptFormat,
     /// Most requests in flight at once.
     #[arg(long, default_value_t = 256)]
     pub max_in_flight: usize,
@@ -82,6 +86,7 @@ impl SendArgs {
             Mode::Closed => Arrivals::Closed { concurrency: self.concurrency },
         };
         config.stream = !self.no_stream;
+        config.prompt = self.prompt_format;
         config.max_in_flight = self.max_in_flight;
         config.request_timeout = self.timeout;
         config.max_duration = self.duration;
@@ -220,6 +225,10 @@ pub struct DemoArgs {
     /// Send at most this many requests.
     #[arg(long)]
     pub requests: Option<usize>,
+    /// How prompts are written: `ids` (token ids) or `text` (a word a token, tokenized by
+    /// the routers and the agents).
+    #[arg(long, value_enum, default_value_t = PromptFormat::Ids)]
+    pub prompt_format: PromptFormat,
     /// Directory for report.json, table.txt and the SVG plots.
     #[arg(long, default_value = "reports/demo")]
     pub out: PathBuf,
@@ -328,6 +337,7 @@ pub fn run_demo(args: &DemoArgs) -> anyhow::Result<()> {
         trace,
         workload: name,
         max_requests: None,
+        prompt: args.prompt_format,
         out_dir: Some(args.out.clone()),
         progress: !args.no_progress,
     };

@@ -17,7 +17,7 @@ use kvroute_router::replicas::EngineKind;
 use tokio_util::sync::CancellationToken;
 
 use crate::compare::{self, CompareConfig, CompareReport, Routers};
-use crate::live::{Arrivals, LiveConfig};
+use crate::live::{Arrivals, LiveConfig, PromptFormat};
 use crate::workload::Trace;
 
 /// The served model of the embedded fleet.
@@ -117,6 +117,8 @@ pub struct DemoConfig {
     pub workload: String,
     /// Send at most this many requests.
     pub max_requests: Option<usize>,
+    /// How prompts are written.
+    pub prompt: PromptFormat,
     pub out_dir: Option<PathBuf>,
     pub progress: bool,
 }
@@ -128,6 +130,7 @@ pub async fn run(config: &DemoConfig, shutdown: CancellationToken) -> anyhow::Re
     live.replicas = fleet.urls();
     live.arrivals = Arrivals::Trace { speedup: config.fleet.time_scale };
     live.max_requests = config.max_requests;
+    live.prompt = config.prompt;
     live.progress = config.progress;
     let compare = CompareConfig {
         routers: Routers::Embedded {

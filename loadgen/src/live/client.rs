@@ -1,5 +1,6 @@
-//! One completion request over HTTP, measured: the request body (token-id prompt, fixed
-//! `max_tokens`), the send, and for a stream the SSE frames as they arrive.
+//! One completion request over HTTP, measured: the request body (the prompt as token ids or
+//! as text, see [`PromptFormat`]; fixed `max_tokens`), the send, and for a stream the SSE
+//! frames as they arrive.
 //!
 //! Timing: TTFT is from sending the request to the first SSE event carrying a choice (the
 //! first generated token); time per output token is `(e2e - ttft) / (completion_tokens - 1)`;
@@ -229,25 +230,63 @@ impl Client {
     }
 }
 
+/// `token` as a word: its digits in base 26 as letters, lowest first (`0` is `""`, never a
+/// workload token).
+fn push_word(out: &mut String, mut token: u32) {
+    while token > 0 {
+        out.push(char::from(b'a' + (token % 26) as u8));
+        token /= 26;
+    }
+}
+
 /// A client error before any response: refused or unreachable is `Connect`.
 fn classify(e: hyper_util::client::legacy::Error) -> ErrorKind {
     if e.is_connect() { ErrorKind::Connect } else { ErrorKind::Stream }
 }
 
-/// The body of a completion request for `request`: its token-id prompt and output length.
-pub fn request_body(model: &str, request: &WorkloadRequest, stream: bool) -> Bytes {
+/// How a request's prompt is written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PromptFormat {
+    /// Token ids (`"prompt": [...]`): nobody tokenizes.
+    #[default]
+    Ids,
+    /// Text, one word for each token id (its letters in base 26): the router and the
+    /// replicas tokenize it. The built-in tokenizer makes each word one token, so the text
+    /// has the ids' length and shares exactly the blocks the ids share (other ids, though).
+    Text,
+}
+
+/// The body of a completion request for `request`: its prompt and output length.
+pub fn request_body(model: &str, request: &WorkloadRequest, stream: bool, format: PromptFormat) -> Bytes {
     let mut body = String::with_capacity(request.input_len * 6 + 160);
     // Writing to a String cannot fail.
-    let _ = write!(body, "{{\"model\":{},\"prompt\":[", serde_json::Value::from(model));
+    let _ = write!(body, "{{\"model\":{},\"prompt\":", serde_json::Value::from(model));
     let mut prompt = Vec::with_capacity(request.input_len);
     request.write_prompt(&mut prompt);
-    for (i, token) in prompt.iter().enumerate() {
-        if i > 0 {
-            body.push(',');
+    match format {
+        PromptFormat::Ids => {
+            body.push('[');
+            for (i, token) in prompt.iter().enumerate() {
+                if i > 0 {
+                    body.push(',');
+                }
+                let _ = write!(body, "{token}");
+            }
+            body.push(']');
         }
-        let _ = write!(body, "{token}");
+        PromptFormat::Text => {
+            body.push('"');
+            for (i, &token) in prompt.iter().enumerate() {
+                if i > 0 {
+                    body.push(' ');
+                }
+                push_word(&mut body, token);
+            }
+            body.push('"');
+        }
     }
-    let _ = write!(body, "],\"max_tokens\":{},\"temperature\":0", request.output_len.max(1));
+    let _ = write!(body, ",\"max_tokens\":{},\"temperature\":0", request.output_len.max(1));
     if stream {
         body.push_str(",\"stream\":true,\"stream_options\":{\"include_usage\":true}");
     }
@@ -331,6 +370,8 @@ fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
 
 #[cfg(test)]
 mod tests {
+    use kvroute_proto::openai::{Builtin, Tokenizer};
+
     use super::*;
 
     #[test]
@@ -365,10 +406,47 @@ mod tests {
     fn the_body_carries_the_token_prompt() {
         let request =
             WorkloadRequest { arrival: Duration::ZERO, input_len: 600, output_len: 7, hash_ids: vec![1, 2] };
-        let body: serde_json::Value = serde_json::from_slice(&request_body("m", &request, true)).unwrap();
+        let body: serde_json::Value =
+            serde_json::from_slice(&request_body("m", &request, true, PromptFormat::Ids)).unwrap();
         let prompt: Vec<u32> = serde_json::from_value(body["prompt"].clone()).unwrap();
         assert_eq!(prompt, request.prompt());
         assert_eq!(body["max_tokens"], 7);
         assert_eq!(body["stream_options"]["include_usage"], true);
+    }
+
+    /// The built-in tokenizer's ids of `request`'s text body.
+    fn text_tokens(request: &WorkloadRequest) -> Vec<u32> {
+        let body: serde_json::Value =
+            serde_json::from_slice(&request_body("m", request, false, PromptFormat::Text)).unwrap();
+        assert_eq!(body["max_tokens"], request.output_len.max(1));
+        Builtin.encode(body["prompt"].as_str().expect("a text prompt"), false).unwrap()
+    }
+
+    #[test]
+    fn a_text_prompt_is_a_token_a_word_and_shares_what_the_ids_share() {
+        let req = |input_len, hash_ids| WorkloadRequest {
+            arrival: Duration::ZERO,
+            input_len,
+            output_len: 3,
+            hash_ids,
+        };
+        // Two prompts sharing their first 512-token block, then not; a third sharing both.
+        let a = text_tokens(&req(1100, vec![1, 2, 3]));
+        let b = text_tokens(&req(700, vec![1, 9]));
+        let c = text_tokens(&req(1030, vec![1, 2, 4]));
+        assert_eq!((a.len(), b.len(), c.len()), (1100, 700, 1030));
+        let shared = |x: &[u32], y: &[u32]| x.iter().zip(y).take_while(|(p, q)| p == q).count();
+        // Equal exactly as far as the ids are (two different words get the same id once in
+        // 32 752; not where these prompts part).
+        assert_eq!(shared(&a, &b), 512);
+        assert_eq!(shared(&a, &c), 1024);
+        // Every token id has its own word.
+        let mut words = String::new();
+        for token in [16, 25, 26, 27, 675, 676, 32_767] {
+            words.clear();
+            push_word(&mut words, token);
+            let back = words.bytes().rev().fold(0, |n, b| n * 26 + u32::from(b - b'a'));
+            assert_eq!(back, token, "{words}");
+        }
     }
 }

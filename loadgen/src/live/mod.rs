@@ -29,7 +29,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub use client::{Client, ErrorKind, Success};
+pub use client::{Client, ErrorKind, PromptFormat, Success};
 pub use report::{LiveReport, Percentiles, ReplicaShare, RequestRecord};
 
 use crate::workload::{Request, Trace};
@@ -57,6 +57,8 @@ pub struct LiveConfig {
     pub arrivals: Arrivals,
     /// Stream responses (SSE with `include_usage`), measuring TTFT; else one JSON answer.
     pub stream: bool,
+    /// How prompts are written: token ids, or text the fleet tokenizes.
+    pub prompt: PromptFormat,
     /// Most requests in flight at once; an open-loop request waits for a slot.
     pub max_in_flight: usize,
     /// Longest a request may take, body included.
@@ -81,6 +83,7 @@ impl LiveConfig {
             model: model.into(),
             arrivals: Arrivals::Trace { speedup: 1.0 },
             stream: true,
+            prompt: PromptFormat::Ids,
             max_in_flight: 256,
             request_timeout: Duration::from_secs(120),
             connect_timeout: Duration::from_secs(2),
@@ -240,7 +243,7 @@ struct Sender {
 impl Sender {
     async fn send(&self, index: usize, request: &Request) {
         let config = &self.config;
-        let body = client::request_body(&config.model, request, config.stream);
+        let body = client::request_body(&config.model, request, config.stream, config.prompt);
         let sent = self.start.elapsed();
         let outcome = tokio::select! {
             outcome = self.client.complete(

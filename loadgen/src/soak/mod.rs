@@ -329,7 +329,7 @@ async fn send_load(trace: Trace, load: Load, start: Instant, stop: CancellationT
                 Err(_) => break,
             },
         };
-        let body = client::request_body(DEMO_MODEL, request, true);
+        let body = client::request_body(DEMO_MODEL, request, true, client::PromptFormat::Ids);
         let prompt_tokens = request.input_len as u64;
         let load = load.clone();
         let stop = stop.clone();
