@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::Args;
 
 use super::{Binaries, SoakConfig};
+use crate::live::PromptFormat;
 use crate::units::parse_duration;
 use crate::workload::synth::{ChatParams, Workload};
 
@@ -56,6 +57,10 @@ pub struct SoakArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Directory for samples.csv, report.json, summary.txt, memory.svg and the processes' logs.
+    /// How prompts are written: `ids` (token ids) or `text` (a word a token; the router
+    /// tokenizes them, and its tokenizer cache fills).
+    #[arg(long, value_enum, default_value_t = PromptFormat::Ids)]
+    pub prompt_format: PromptFormat,
     #[arg(long, default_value = "reports/soak")]
     pub out: PathBuf,
     /// The workload (default: multi-turn chat behind shared system prompts, sized to the run).
@@ -115,6 +120,7 @@ pub fn run(args: &SoakArgs) -> anyhow::Result<()> {
         max_in_flight: args.max_in_flight,
         request_timeout: args.timeout,
         seed: args.seed,
+        prompt: args.prompt_format,
         out_dir: args.out.clone(),
         workload: serde_json::to_string(&workload).context("describing the workload")?,
         progress: true,

@@ -64,6 +64,8 @@ pub struct SoakConfig {
     pub max_in_flight: usize,
     pub request_timeout: Duration,
     pub seed: u64,
+    /// How prompts are written (text: the router tokenizes, and its tokenizer cache fills).
+    pub prompt: client::PromptFormat,
     /// Where the report and the children's logs go.
     pub out_dir: PathBuf,
     /// The workload's description, for the report.
@@ -329,7 +331,7 @@ async fn send_load(trace: Trace, load: Load, start: Instant, stop: CancellationT
                 Err(_) => break,
             },
         };
-        let body = client::request_body(DEMO_MODEL, request, true, client::PromptFormat::Ids);
+        let body = client::request_body(DEMO_MODEL, request, true, load.config.prompt);
         let prompt_tokens = request.input_len as u64;
         let load = load.clone();
         let stop = stop.clone();

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use kvroute_loadgen::live::PromptFormat;
 use kvroute_loadgen::soak::command::soak_workload;
 use kvroute_loadgen::soak::{self, Binaries, SoakConfig};
 use tokio_util::sync::CancellationToken;
@@ -71,6 +72,9 @@ async fn soak_samples_memory_restarts_replicas_and_keeps_serving() {
         max_in_flight: 64,
         request_timeout: Duration::from_secs(20),
         seed: 7,
+        // Text, so the router processes tokenize too (the demo and the ids paths are
+        // covered elsewhere).
+        prompt: PromptFormat::Text,
         out_dir: out.0.clone(),
         workload: "chat".into(),
         progress: false,
