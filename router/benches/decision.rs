@@ -41,13 +41,14 @@
 //!
 //! **Until this version, every case decided one prompt again and again**, and the figures
 //! below were measured that way. Deciding one prompt repeatedly, the CPU learns its
-//! branches: in the tokenizer, which way XXH3 hashes each piece (by the piece's length) and
-//! where the 64-byte blocks' loops end; in the index, which entries are hot. The same build
-//! in the same spell, one prompt against 32 (p50, tokenize stage): text/8192 45.6 against
-//! 76.6-104.8 µs, tokenize 36.3 against 59.8-63.9; ids/8192 30.2 against 33.7-46.4; index
-//! lookup 2.5 against 4.4. A router's next prompt is not the one it just decided, so the
-//! figures above are the ones to quote; a branch-free XXH3 of short pieces (all three
-//! ways computed, one kept) was slower still (tokenize 65 µs) and is not used.
+//! branches (in the tokenizer, which way XXH3 hashes each piece, by the piece's length, and
+//! where the 64-byte blocks' loops end) and keeps its data in the nearer caches (the text,
+//! the index entries it looks up). The same build in the same spell, one prompt against 32
+//! (p50, tokenize stage): text/8192 45.6 against 76.6-104.8 µs, tokenize 36.3 against
+//! 59.8-63.9; index lookup 2.5 against 4.4 (caches, not branches); ids/8192 30.2 against
+//! 33.7-46.4, within this spell's noise. A router's next prompt is not the one it just
+//! decided, so the figures above are the ones to quote; a branch-free XXH3 of short pieces
+//! (all three ways computed, one kept) was slower still (tokenize 65 µs) and is not used.
 //!
 //! Earlier figures, one prompt repeated (ranges over five runs):
 //!
@@ -65,10 +66,11 @@
 //! arithmetic of the same median. So p99 follows p50: at 8 k ids, p99 was 45-52 µs at p50
 //! 31.4-32.0 and 46.4-46.9 in five runs at p50 30.5-30.9.
 //!
-//! In those figures, a prompt whose first 7 680 tokens the router has seen decides in 18 µs,
-//! against 45 µs from scratch (21-25 against 77-105 in the new ones); one never seen pays ~10 µs more than from scratch for filling the cache,
-//! and ~15 µs for crediting 512 new blocks (it was ~35 µs while expired credits were
-//! removed one by one: `new/8192` p50 85-88 then).
+//! In those figures, a prompt whose first 7 680 tokens the router has seen decides in 18
+//! µs, against 45 µs from scratch (21-25 against 77-105 in the new ones); one never seen
+//! pays ~10 µs more than from scratch for filling the cache, and ~15 µs for crediting 512
+//! new blocks (it was ~35 µs while expired credits were removed one by one: `new/8192` p50
+//! 85-88 then).
 //!
 //! History at 8 k (p50 / p99): text 185 / 366 and ids 214 / 1437 at first; 73.8 / 103.5 and
 //! 124.6 / 165.3 after the byte-level tokenizer and a plain-id reader behind serde's raw
@@ -120,10 +122,12 @@ const CHAIN_LEN: usize = 64;
 /// prompts. 20 ms holds about as many decisions as the router's window does.
 const CREDIT_TTL: Duration = Duration::from_millis(20);
 /// Distinct prompts each case takes turns with. A CPU that decides one prompt again and
-/// again learns its branches: its word lengths decide which way XXH3 hashes each piece, and
-/// on one 8 k-token text repeated those branches are predicted, on 32 different texts they
-/// are not (~2 ns against ~4.6 ns a piece, in a scratch harness; 8 texts: 4.1). A router's
-/// prompts are not the one it saw last, so every case takes turns with 32.
+/// again learns its branches and keeps its data at hand: its word lengths decide which way
+/// XXH3 hashes each piece, and on one 8 k-token text repeated those branches are predicted,
+/// on 32 different texts they are not (XXH3 of the pieces alone, in a scratch harness: ~2
+/// ns against ~4.6 ns a piece; 8 texts: 4.1); and 32 prompts' text and index entries do not
+/// stay in the nearer caches as one prompt's do. A router's prompts are not the one it saw
+/// last, so every case takes turns with 32.
 const ROTATION: usize = 32;
 /// The router's default `--tokenize-cache-bytes`.
 const ROUTER_CACHE_BYTES: u64 = 64 << 20;

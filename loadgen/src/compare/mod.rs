@@ -130,7 +130,7 @@ pub async fn compare(
         runs.push(PolicyRun::new(policy, report, pooled.overall_hit_rate, offline));
     }
     let report = CompareReport {
-        workload: WorkloadSummary::of(&config.workload, &sent),
+        workload: WorkloadSummary::of(&config.workload, &sent, config.live.prompt),
         fleet: FleetSummary {
             replicas: config.replicas.len(),
             total_capacity_blocks: total_capacity,

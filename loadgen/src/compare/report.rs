@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use kvroute_router::policy::PolicyKind;
 use serde::Serialize;
 
-use crate::live::LiveReport;
+use crate::live::{LiveReport, PromptFormat};
 use crate::workload::Trace;
 
 /// Everything one `compare` measured.
@@ -28,16 +28,19 @@ pub struct WorkloadSummary {
     pub output_tokens: u64,
     /// From the first to the last arrival in the trace.
     pub trace_duration_s: f64,
+    /// How the prompts were written.
+    pub prompt_format: PromptFormat,
 }
 
 impl WorkloadSummary {
-    pub fn of(name: &str, trace: &Trace) -> Self {
+    pub fn of(name: &str, trace: &Trace, prompt_format: PromptFormat) -> Self {
         Self {
             name: name.into(),
             requests: trace.len(),
             prompt_tokens: trace.prompt_tokens(),
             output_tokens: trace.requests.iter().map(|r| u64::from(r.output_len)).sum(),
             trace_duration_s: trace.duration().as_secs_f64(),
+            prompt_format,
         }
     }
 }
@@ -98,8 +101,13 @@ impl CompareReport {
         let f = &self.fleet;
         let _ = writeln!(
             out,
-            "workload {}: {} requests, {} prompt tokens, {} output tokens over {:.0} s of trace",
-            w.name, w.requests, w.prompt_tokens, w.output_tokens, w.trace_duration_s
+            "workload {}: {} requests, {} prompt tokens{}, {} output tokens over {:.0} s of trace",
+            w.name,
+            w.requests,
+            w.prompt_tokens,
+            if w.prompt_format == PromptFormat::Text { " (as text)" } else { "" },
+            w.output_tokens,
+            w.trace_duration_s
         );
         let _ = writeln!(
             out,

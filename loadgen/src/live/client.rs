@@ -233,6 +233,7 @@ impl Client {
 /// `token` as a word: its digits in base 26 as letters, lowest first (`0` is `""`, never a
 /// workload token).
 fn push_word(out: &mut String, mut token: u32) {
+    debug_assert!(token > 0, "token 0 has no word");
     while token > 0 {
         out.push(char::from(b'a' + (token % 26) as u8));
         token /= 26;
@@ -253,7 +254,8 @@ pub enum PromptFormat {
     Ids,
     /// Text, one word for each token id (its letters in base 26): the router and the
     /// replicas tokenize it. The built-in tokenizer makes each word one token, so the text
-    /// has the ids' length and shares exactly the blocks the ids share (other ids, though).
+    /// has the ids' length and shares the blocks the ids share, up to hash collisions
+    /// (other ids, though). Another tokenizer cuts the words its own way.
     Text,
 }
 

@@ -56,11 +56,11 @@ pub struct SoakArgs {
     /// Seed of the arrivals and of the default workload.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Directory for samples.csv, report.json, summary.txt, memory.svg and the processes' logs.
-    /// How prompts are written: `ids` (token ids) or `text` (a word a token; the router
-    /// tokenizes them, and its tokenizer cache fills).
+    /// How prompts are written: `ids` (token ids) or `text` (a word a token with the
+    /// built-in tokenizer; the router tokenizes them, and its tokenizer cache fills).
     #[arg(long, value_enum, default_value_t = PromptFormat::Ids)]
     pub prompt_format: PromptFormat,
+    /// Directory for samples.csv, report.json, summary.txt, memory.svg and the processes' logs.
     #[arg(long, default_value = "reports/soak")]
     pub out: PathBuf,
     /// The workload (default: multi-turn chat behind shared system prompts, sized to the run).

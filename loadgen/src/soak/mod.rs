@@ -223,6 +223,7 @@ fn settings(config: &SoakConfig, trace: &Trace) -> BTreeMap<String, String> {
     put("time_scale", config.time_scale.to_string());
     put("max_in_flight", config.max_in_flight.to_string());
     put("seed", config.seed.to_string());
+    put("prompt_format", format!("{:?}", config.prompt).to_lowercase());
     put("workload", format!("{} ({} requests available)", config.workload, trace.len()));
     s
 }
