@@ -60,6 +60,10 @@ pub struct SoakArgs {
     /// built-in tokenizer; the router tokenizes them, and its tokenizer cache fills).
     #[arg(long, value_enum, default_value_t = PromptFormat::Ids)]
     pub prompt_format: PromptFormat,
+    /// A flag for the router, after the soak's own (repeat it; e.g.
+    /// `--router-arg=--tokenize-cache-bytes --router-arg=8388608`).
+    #[arg(long = "router-arg", allow_hyphen_values = true)]
+    pub router_args: Vec<String>,
     /// Directory for samples.csv, report.json, summary.txt, memory.svg and the processes' logs.
     #[arg(long, default_value = "reports/soak")]
     pub out: PathBuf,
@@ -121,6 +125,7 @@ pub fn run(args: &SoakArgs) -> anyhow::Result<()> {
         request_timeout: args.timeout,
         seed: args.seed,
         prompt: args.prompt_format,
+        router_args: args.router_args.clone(),
         out_dir: args.out.clone(),
         workload: serde_json::to_string(&workload).context("describing the workload")?,
         progress: true,

@@ -66,6 +66,8 @@ pub struct SoakConfig {
     pub seed: u64,
     /// How prompts are written (text: the router tokenizes, and its tokenizer cache fills).
     pub prompt: client::PromptFormat,
+    /// More flags for the router, after the soak's own.
+    pub router_args: Vec<String>,
     /// Where the report and the children's logs go.
     pub out_dir: PathBuf,
     /// The workload's description, for the report.
@@ -115,6 +117,7 @@ pub async fn run(
     for (spec, _) in &agents {
         args.extend(["--replica".into(), spec.replica_flag()]);
     }
+    args.extend(config.router_args.iter().cloned());
     let router = procs::start_ready(
         &config.binaries.router,
         &args,
@@ -195,11 +198,12 @@ pub async fn run(
 fn progress_line(s: &Sample) -> String {
     let mb = |v: Option<u64>| v.map_or("-".into(), |v| format!("{:.1} MB", v as f64 / (1024.0 * 1024.0)));
     format!(
-        "{:>4.0} s: router RSS {}, index {} ({} entries); {} done, {} lost to churn, {} unexpected errors; {} restarts",
+        "{:>4.0} s: router RSS {}, index {} ({} entries), tokenizer cache {}; {} done, {} lost to churn, {} unexpected errors; {} restarts",
         s.t_s,
         mb(s.router_rss),
         mb(s.index_memory_bytes),
         s.index_entries.map_or("-".into(), |e| e.to_string()),
+        mb(s.tokenize_cache_bytes),
         s.totals.done,
         s.totals.lost_to_churn,
         s.totals.unexpected_errors(),
@@ -224,6 +228,7 @@ fn settings(config: &SoakConfig, trace: &Trace) -> BTreeMap<String, String> {
     put("max_in_flight", config.max_in_flight.to_string());
     put("seed", config.seed.to_string());
     put("prompt_format", format!("{:?}", config.prompt).to_lowercase());
+    put("router_args", config.router_args.join(" "));
     put("workload", format!("{} ({} requests available)", config.workload, trace.len()));
     s
 }
@@ -383,6 +388,7 @@ async fn sample(
         router_rss_anon: memory.map(|m| m.rss_anon),
         index_memory_bytes: metric("kvroute_ingest_index_memory_bytes"),
         index_entries: metric("kvroute_ingest_index_entries"),
+        tokenize_cache_bytes: metric("kvroute_router_tokenize_cache_bytes"),
         router_in_flight: metric("kvroute_router_in_flight"),
         router_seen_restarts: metric("kvroute_ingest_restarts_total"),
         router_index_clears: metric("kvroute_ingest_clears_total"),

@@ -39,6 +39,10 @@ pub struct Sample {
     pub index_memory_bytes: Option<u64>,
     /// `kvroute_ingest_index_entries`: (block, replica) pairs.
     pub index_entries: Option<u64>,
+    /// `kvroute_router_tokenize_cache_bytes`: the weight of the router's tokenizer prefix
+    /// cache (token ids, 4 bytes each), which fills up to `--tokenize-cache-bytes` with text
+    /// prompts and stays empty with token ids.
+    pub tokenize_cache_bytes: Option<u64>,
     /// `kvroute_router_in_flight`.
     pub router_in_flight: Option<u64>,
     /// Publisher restarts the router detected (`kvroute_ingest_restarts`, summed).
@@ -69,6 +73,9 @@ pub struct Flatness {
     pub slope_mb_per_min: f64,
     /// The same comparison for the index's own estimate, percent.
     pub index_growth_pct: Option<f64>,
+    /// The tokenizer cache's mean weight over the last third less the middle third's, MB:
+    /// growth that is the cache filling toward its bound.
+    pub tokenize_cache_growth_mb: Option<f64>,
     /// `growth_pct < FLAT_GROWTH_PCT`.
     pub flat: bool,
 }
@@ -93,12 +100,20 @@ impl Flatness {
             let (a, b) = (m(&index[third..2 * third]), m(&index[2 * third..]));
             if a > 0.0 { 100.0 * (b / a - 1.0) } else { 0.0 }
         });
+        let cache: Vec<f64> =
+            samples.iter().filter_map(|s| Some(s.tokenize_cache_bytes? as f64 / MB)).collect();
+        let tokenize_cache_growth_mb = (cache.len() >= 6).then(|| {
+            let third = cache.len() / 3;
+            let m = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len() as f64;
+            m(&cache[2 * third..]) - m(&cache[third..2 * third])
+        });
         Some(Self {
             middle_rss_mb,
             last_rss_mb,
             growth_pct,
             slope_mb_per_min: 60.0 * slope(&rss[third..]),
             index_growth_pct,
+            tokenize_cache_growth_mb,
             flat: growth_pct < FLAT_GROWTH_PCT,
         })
     }
@@ -121,6 +136,8 @@ pub struct MinuteRow {
     pub rss_anon_mb: Option<f64>,
     pub index_mb: Option<f64>,
     pub entries: Option<u64>,
+    /// The tokenizer cache's weight.
+    pub tokenize_cache_mb: Option<f64>,
     /// Requests finished during the minute.
     pub done: u64,
     /// Unexpected errors during the minute.
@@ -191,7 +208,7 @@ impl SoakReport {
         let mut out = String::from(
             "t_s,router_rss_bytes,router_rss_anon_bytes,index_memory_bytes,index_entries,router_in_flight,\
              sent,done,succeeded,lost_to_churn,unexpected_errors,window_hit_rate,window_predicted_hit_rate,\
-             replica_restarts,router_seen_restarts,router_index_clears\n",
+             replica_restarts,router_seen_restarts,router_index_clears,tokenize_cache_bytes\n",
         );
         let opt = |v: Option<u64>| v.map_or(String::new(), |v| v.to_string());
         let rate = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
@@ -199,7 +216,7 @@ impl SoakReport {
             let t = &s.totals;
             let _ = writeln!(
                 out,
-                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                 s.t_s,
                 opt(s.router_rss),
                 opt(s.router_rss_anon),
@@ -216,6 +233,7 @@ impl SoakReport {
                 s.replica_restarts,
                 opt(s.router_seen_restarts),
                 opt(s.router_index_clears),
+                opt(s.tokenize_cache_bytes),
             );
         }
         out
@@ -226,17 +244,18 @@ impl SoakReport {
         let mb = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
         let pct = |v: Option<f64>| v.map_or("-".into(), |v| format!("{:.1}%", 100.0 * v));
         let mut out = String::from(
-            "minute  RSS MB  anon MB  index MB   entries   done  errors  churn-lost  hit rate  restarts\n",
+            "minute  RSS MB  anon MB  index MB   entries  tok. cache MB   done  errors  churn-lost  hit rate  restarts\n",
         );
         for m in &self.minutes {
             let _ = writeln!(
                 out,
-                "{:>6}  {:>6}  {:>7}  {:>8}  {:>8}  {:>5}  {:>6}  {:>10}  {:>8}  {:>8}",
+                "{:>6}  {:>6}  {:>7}  {:>8}  {:>8}  {:>13}  {:>5}  {:>6}  {:>10}  {:>8}  {:>8}",
                 m.minute,
                 mb(m.rss_mb),
                 mb(m.rss_anon_mb),
                 mb(m.index_mb),
                 m.entries.map_or("-".into(), |e| e.to_string()),
+                mb(m.tokenize_cache_mb),
                 m.done,
                 m.errors,
                 m.lost_to_churn,
@@ -261,12 +280,17 @@ impl SoakReport {
             Some(f) => {
                 let _ = writeln!(
                     out,
-                    "memory: middle third {:.1} MB, last third {:.1} MB: growth {:+.2}% (slope {:+.3} MB/min; index {}): {}",
+                    "memory: middle third {:.1} MB, last third {:.1} MB: growth {:+.2}% (slope {:+.3} MB/min; index {}{}): {}",
                     f.middle_rss_mb,
                     f.last_rss_mb,
                     f.growth_pct,
                     f.slope_mb_per_min,
                     f.index_growth_pct.map_or("-".into(), |g| format!("{g:+.2}%")),
+                    match f.tokenize_cache_growth_mb {
+                        Some(g) if g.abs() >= 0.05 =>
+                            format!("; tokenizer cache {g:+.1} MB, filling toward its bound"),
+                        _ => String::new(),
+                    },
                     if f.flat {
                         format!("FLAT (under {FLAT_GROWTH_PCT}%)")
                     } else {
@@ -315,6 +339,7 @@ fn minutes(samples: &[Sample]) -> Vec<MinuteRow> {
             rss_anon_mb: s.router_rss_anon.map(|v| v as f64 / MB),
             index_mb: s.index_memory_bytes.map(|v| v as f64 / MB),
             entries: s.index_entries,
+            tokenize_cache_mb: s.tokenize_cache_bytes.map(|v| v as f64 / MB),
             done: t.done - previous.done,
             errors: t.unexpected_errors() - previous.unexpected_errors(),
             lost_to_churn: t.lost_to_churn - previous.lost_to_churn,
@@ -397,6 +422,18 @@ mod tests {
         let f = Flatness::of(&leak).unwrap();
         assert!(!f.flat && (f.slope_mb_per_min - 3.0).abs() < 1e-5, "{f:?}");
         assert_eq!(Flatness::of(&leak[..5]), None);
+        assert_eq!(f.tokenize_cache_growth_mb, None);
+        // The same growth while the tokenizer cache fills by 1 MB a minute: said (the thirds'
+        // middles are 100 s apart), and still growth (its weight is not all it costs in RSS).
+        let filling: Vec<Sample> = leak
+            .iter()
+            .map(|s| Sample { tokenize_cache_bytes: Some((s.t_s / 60.0 * MB) as u64), ..s.clone() })
+            .collect();
+        let f = Flatness::of(&filling).unwrap();
+        assert!(
+            !f.flat && f.tokenize_cache_growth_mb.is_some_and(|g| (g - 100.0 / 60.0).abs() < 0.01),
+            "{f:?}"
+        );
     }
 
     #[test]

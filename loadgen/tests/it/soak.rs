@@ -75,6 +75,7 @@ async fn soak_samples_memory_restarts_replicas_and_keeps_serving() {
         // Text, so the router processes tokenize too (the demo and the ids paths are
         // covered elsewhere).
         prompt: PromptFormat::Text,
+        router_args: Vec::new(),
         out_dir: out.0.clone(),
         workload: "chat".into(),
         progress: false,
@@ -102,6 +103,10 @@ async fn soak_samples_memory_restarts_replicas_and_keeps_serving() {
     assert_eq!(t.unexpected_errors(), 0, "unexpected errors: {:?}", t.unexpected);
     assert!(t.succeeded > 50, "{t:?}");
     assert!(report.hit_rate.is_some_and(|h| h > 0.0), "shared prefixes never hit");
+    assert!(
+        last.tokenize_cache_bytes.is_some_and(|b| b > 0),
+        "the router's tokenizer cache holds nothing of the text prompts: {last:?}"
+    );
 
     let restarted = report
         .samples
