@@ -3,28 +3,28 @@
 //!
 //! Plain ASCII text is cut 64 bytes at a time from bit masks; `<`, non-ASCII bytes and words
 //! past the 16-character cap go to the general rules (`src/openai/tokenizer/plain.rs`).
-//! Measured on the 2-core shared dev machine (µs per text; "before" is the byte-at-a-time
-//! scanner the blocks replaced, both run side by side in a scratch harness without the id
-//! vector, medians; this benchmark's means, vector included, come out 5-10% higher):
 //!
-//! | text | bytes | pieces | before | now |
-//! |---|---|---|---|---|
-//! | words (the decision bench's prompt) | 61 349 | 8 192 | 38.1 | 33.2 |
-//! | prose (punctuation, quotes, newlines) | 40 800 | 10 500 | 43.9 | 36.3 |
-//! | code (indentation, brackets) | 28 800 | 13 500 | 55.2 | 41.8 |
-//! | chat (ChatML markup, short turns) | 32 700 | 5 400 | 22.2 | 22.7-24.2 |
-//! | cjk | 37 800 | 1 500 | 131.5 | 135.5 |
-//! | mixed (accents, CJK, emoji) | 30 000 | 5 400 | 93.0 | 96.4-97.9 |
-//!
-//! About half of the plain-text time is the one xxh3 a piece that the tokenizer's spec
-//! requires.
-//!
-//! Every row above tokenizes one text again and again, and the CPU learns its branches
+//! Each kind takes turns with 32 different texts of its kind ([`ROTATION`], [`varied`]), as
+//! a router meets prompts. Tokenizing one text again and again, the CPU learns its branches
 //! (which way XXH3 hashes each piece, by its length; where the blocks' loops end) and keeps
-//! the text in its nearer caches: the other kinds of text even repeat one line. `words-32-in-turn` takes 32 texts like
-//! `words` in turn, as a router meets prompts: 62.1 µs a text against 37.1 for `words`
-//! in the same run (~7.6 against ~4.5 ns a piece). Quote that one for text nobody has
-//! seen.
+//! it in its nearer caches: `words-one-repeated` is `words` measured that way, as every row
+//! here was until the rotation. Criterion means, µs a text, the 2-core shared dev machine,
+//! one run:
+//!
+//! | text | bytes | 32 in turn | one repeated (earlier runs) |
+//! |---|---|---|---|
+//! | words (the decision bench's prompt) | 61 400 | 65.8 | 36.6 (33.2-37.1) |
+//! | prose (punctuation, quotes, newlines) | 43 700 | 77.1 | (36.3-38.7) |
+//! | code (indentation, brackets) | 30 400 | 58.6 | (41.8-44.6) |
+//! | chat (ChatML markup, short turns) | 33 400 | 45.5 | (22.7-24.1) |
+//! | cjk | 37 800 | 150.8 | (135.5-140.8) |
+//! | mixed (accents, CJK, emoji) | 31 800 | 133.8 | (96.4-99.1) |
+//!
+//! (The varied texts are not the repeated ones byte for byte: their words have other
+//! lengths, so the columns compare kinds, not texts.) About half of the plain-text time on
+//! repeated text is the one xxh3 a piece that the tokenizer's spec requires; on unseen text
+//! neither a branch-free xxh3 of short pieces nor hashing pieces in batches by XXH3's way
+//! made it faster (see `router/benches/decision.rs`).
 //!
 //! The `prefix_cache` group: the router's cache of texts' beginnings
 //! (`src/openai/prefix_cache.rs`), criterion means in µs, 64 MiB cache that has the history:
@@ -71,52 +71,97 @@ fn words_from(count: usize, mut state: u64) -> String {
     text
 }
 
-fn texts() -> Vec<(&'static str, String)> {
-    vec![
-        ("words", words(8192)),
+/// Texts a kind takes turns with (see the module's doc).
+const ROTATION: u64 = 32;
+
+/// `copies` copies of `line`, each different in what decides where pieces fall and how
+/// long they are, drawn from `seed`: every run of ASCII letters (outside `<|...|>`) becomes
+/// random letters of a random length (1 to twice the run's, at most 16); a line without
+/// ASCII letters has its characters shuffled. Spaces, punctuation, digits, markup and other
+/// scripts stay: the kind of text stays, and the CPU cannot learn it.
+fn varied(line: &str, copies: usize, mut seed: u64) -> String {
+    let mut next = || {
+        seed = seed.wrapping_add(kvroute_proto::mix::GOLDEN);
+        kvroute_proto::mix::mix64(seed)
+    };
+    let mut out = String::with_capacity(line.len() * copies);
+    if !line.bytes().any(|b| b.is_ascii_alphabetic()) {
+        let mut chars: Vec<char> = line.chars().collect();
+        for _ in 0..copies {
+            for i in (1..chars.len()).rev() {
+                chars.swap(i, (next() % (i as u64 + 1)) as usize);
+            }
+            out.extend(&chars);
+        }
+        return out;
+    }
+    for _ in 0..copies {
+        let mut rest = line;
+        while let Some(c) = rest.chars().next() {
+            let taken = if rest.starts_with("<|") {
+                let end = rest.find("|>").map_or(rest.len(), |e| e + 2);
+                out.push_str(&rest[..end]);
+                end
+            } else if c.is_ascii_alphabetic() {
+                let run = rest.find(|ch: char| !ch.is_ascii_alphabetic()).unwrap_or(rest.len());
+                for _ in 0..1 + next() % (2 * run as u64).min(16) {
+                    out.push(char::from(b'a' + (next() % 26) as u8));
+                }
+                run
+            } else {
+                out.push(c);
+                c.len_utf8()
+            };
+            rest = &rest[taken..];
+        }
+    }
+    out
+}
+
+/// Each kind of text: [`ROTATION`] texts of it, all different.
+fn kinds() -> Vec<(&'static str, Vec<String>)> {
+    let lines = [
         (
             "prose",
             "The quick brown fox, who had never seen a router before, asked: \"why do prefixes \
-             matter?\" It's simple (mostly); caches love repetition.\n"
-                .repeat(300),
+             matter?\" It's simple (mostly); caches love repetition.\n",
         ),
         (
             "code",
-            "fn main() {\n    let x = vec![1, 2, 3];\n    for i in &x {\n        println!(\"{}\", i * 2);\n    }\n}\n"
-                .repeat(300),
+            "fn main() {\n    let x = vec![1, 2, 3];\n    for i in &x {\n        println!(\"{}\", i * 2);\n    }\n}\n",
         ),
         (
             "chat",
             "<|im_start|>user\nPlease summarise the following text in three bullet points.<|im_end|>\n\
-             <|im_start|>assistant\n"
-                .repeat(300),
+             <|im_start|>assistant\n",
         ),
-        ("cjk", "缓存感知的请求路由器把每个请求发送到已经缓存了最长前缀的副本上，从而减少预填充时间。".repeat(300)),
-        (
-            "mixed",
-            "Résumé of naïve café owners in Zürich — ünïcödé everywhere, 数字 12345 and emoji 😀.\n".repeat(300),
-        ),
-    ]
+        ("cjk", "缓存感知的请求路由器把每个请求发送到已经缓存了最长前缀的副本上，从而减少预填充时间。"),
+        ("mixed", "Résumé of naïve café owners in Zürich — ünïcödé everywhere, 数字 12345 and emoji 😀.\n"),
+    ];
+    let mut kinds = vec![("words", (0..ROTATION).map(|k| words_from(8192, 0x1235 + k)).collect())];
+    for (name, line) in lines {
+        kinds.push((name, (0..ROTATION).map(|k| varied(line, 300, k)).collect()));
+    }
+    kinds
 }
 
 fn bench_builtin(c: &mut Criterion) {
     let mut group = c.benchmark_group("builtin_tokenizer");
-    for (name, text) in texts() {
-        group.throughput(Throughput::Bytes(text.len() as u64));
-        group.bench_function(name, |b| b.iter(|| Builtin.encode(black_box(&text), false)));
+    for (name, texts) in kinds() {
+        let bytes: usize = texts.iter().map(String::len).sum();
+        group.throughput(Throughput::Bytes((bytes / texts.len()) as u64));
+        let mut k = 0;
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                k = (k + 1) % texts.len();
+                Builtin.encode(black_box(&texts[k]), false)
+            })
+        });
     }
-    // The CPU learns one text's branches when it is tokenized again and again; 32 texts
-    // taken in turn it does not (see the module's doc). None of them is `words`' text.
-    let rotation: Vec<String> = (0..32).map(|k| words_from(8192, 0x1235 + k)).collect();
-    let bytes: usize = rotation.iter().map(String::len).sum();
-    group.throughput(Throughput::Bytes((bytes / rotation.len()) as u64));
-    let mut k = 0;
-    group.bench_function("words-32-in-turn", |b| {
-        b.iter(|| {
-            k = (k + 1) % rotation.len();
-            Builtin.encode(black_box(&rotation[k]), false)
-        })
-    });
+    // One text again and again, as every row was measured before.
+    let text = words(8192);
+    group.throughput(Throughput::Bytes(text.len() as u64));
+    group.bench_function("words-one-repeated", |b| b.iter(|| Builtin.encode(black_box(&text), false)));
     group.finish();
 }
 

@@ -47,8 +47,13 @@
 //! (p50, tokenize stage): text/8192 45.6 against 76.6-104.8 µs, tokenize 36.3 against
 //! 59.8-63.9; index lookup 2.5 against 4.4 (caches, not branches); ids/8192 30.2 against
 //! 33.7-46.4, within this spell's noise. A router's next prompt is not the one it just
-//! decided, so the figures above are the ones to quote; a branch-free XXH3 of short pieces
-//! (all three ways computed, one kept) was slower still (tokenize 65 µs) and is not used.
+//! decided, so the figures above are the ones to quote; two ways around XXH3's branches
+//! were tried and not kept: a branch-free XXH3 of short pieces (all three ways computed,
+//! one kept) was slower still (tokenize 65 µs), and hashing pieces in batches, a loop for
+//! each of XXH3's ways (queued as they are cut, sorted without branching), left unseen text
+//! where it was (`words` 62.8 against 63.0 µs in `proto/benches/tokenizer.rs`) and made
+//! repeated text 67-80% slower: the branches are not what bounds the tokenizer on unseen
+//! text.
 //!
 //! Earlier figures, one prompt repeated (ranges over five runs):
 //!
