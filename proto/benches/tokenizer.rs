@@ -27,7 +27,10 @@
 //! made it faster (see `router/benches/decision.rs`).
 //!
 //! The `prefix_cache` group: the router's cache of texts' beginnings
-//! (`src/openai/prefix_cache.rs`), criterion means in µs, 64 MiB cache that has the history:
+//! (`src/openai/prefix_cache.rs`), criterion means in µs, 64 MiB cache that has the history
+//! (`plain` is one text repeated, and `turn` and `new` change only letters: word lengths
+//! repeat, so these flatter the builtin tokenizer as above; the decision bench's `turn` and
+//! `new` take turns with 32 texts):
 //!
 //! | tokenizer, text | plain | turn (history + new ~4 KB turn) | new (never seen) |
 //! |---|---|---|---|
