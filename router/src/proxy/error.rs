@@ -5,6 +5,7 @@
 //! |---|---|
 //! | 400 | malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens` |
 //! | 404 / 405 | unknown path / wrong method |
+//! | 408 | the client left a routed request's body unfinished for `--idle-timeout-ms` |
 //! | 413 | body larger than `--max-body-bytes` |
 //! | 502 | the replica failed before answering, and so did every retry |
 //! | 503 | no healthy replica, every replica saturated, or the router is at its in-flight limit |
@@ -25,6 +26,8 @@ pub enum ProxyError {
     BodyRead(String),
     #[error("the request body exceeds the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
+    #[error("the request body stalled: nothing arrived for {timeout_ms} ms")]
+    BodyTimeout { timeout_ms: u64 },
     #[error("the prompt has {tokens} tokens, more than the limit of {limit}")]
     PromptTooLong { tokens: u64, limit: u64 },
     #[error("max_tokens {asked} exceeds the limit of {limit}")]
@@ -51,6 +54,7 @@ impl ProxyError {
                 StatusCode::BAD_REQUEST
             }
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NotFound(_) => StatusCode::NOT_FOUND,
             ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -64,6 +68,7 @@ impl ProxyError {
         match self {
             ProxyError::BadRequest(_) | ProxyError::BodyRead(_) => "bad_request",
             ProxyError::BodyTooLarge { .. } => "too_large",
+            ProxyError::BodyTimeout { .. } => "body_timeout",
             ProxyError::PromptTooLong { .. } | ProxyError::TooManyTokens { .. } => "over_limit",
             ProxyError::NotFound(_) => "not_found",
             ProxyError::MethodNotAllowed(_) => "method_not_allowed",
@@ -76,9 +81,10 @@ impl ProxyError {
     fn openai(&self) -> OpenAiError {
         match self {
             ProxyError::BadRequest(e) => e.to_openai(),
-            ProxyError::BodyRead(_) | ProxyError::BodyTooLarge { .. } | ProxyError::MethodNotAllowed(_) => {
-                OpenAiError::new("invalid_request_error", self.to_string())
-            }
+            ProxyError::BodyRead(_)
+            | ProxyError::BodyTooLarge { .. }
+            | ProxyError::BodyTimeout { .. }
+            | ProxyError::MethodNotAllowed(_) => OpenAiError::new("invalid_request_error", self.to_string()),
             ProxyError::PromptTooLong { .. } => {
                 let mut e = OpenAiError::new("invalid_request_error", self.to_string());
                 e.param = Some("prompt".into());

@@ -24,7 +24,7 @@ pub mod route;
 pub mod upstream;
 
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
@@ -161,7 +161,7 @@ async fn routed(
         .try_acquire_owned()
         .map_err(|_| ProxyError::Unavailable("the router is at its in-flight limit".into()))?;
     let (parts, body) = req.into_parts();
-    let body = read_body(&parts, body, state.forward.max_body_bytes).await?;
+    let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
     let plan = state.decider.decide_within(endpoint, &body, &state.limits).await?;
     state.decider.metrics.in_flight.inc();
     let result =
@@ -197,17 +197,32 @@ fn content_length(parts: &http::request::Parts) -> Option<usize> {
     parts.headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
-/// Reads a whole request body, refusing more than `limit` bytes.
-async fn read_body(parts: &http::request::Parts, body: Incoming, limit: usize) -> Result<Bytes, ProxyError> {
+/// Reads a whole request body, refusing more than `limit` bytes and a body that stalls for
+/// `idle` (it holds an in-flight slot while it is read).
+async fn read_body(
+    parts: &http::request::Parts,
+    body: Incoming,
+    limit: usize,
+    idle: Duration,
+) -> Result<Bytes, ProxyError> {
     if content_length(parts).is_some_and(|n| n > limit) {
         return Err(ProxyError::BodyTooLarge { limit });
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-            Err(ProxyError::BodyTooLarge { limit })
+    let mut body = Limited::new(body, limit);
+    let mut chunks: Vec<Bytes> = Vec::new();
+    loop {
+        let frame = tokio::time::timeout(idle, body.frame())
+            .await
+            .map_err(|_| ProxyError::BodyTimeout { timeout_ms: idle.as_millis() as u64 })?;
+        match frame {
+            None if chunks.len() <= 1 => return Ok(chunks.pop().unwrap_or_default()),
+            None => return Ok(Bytes::from(chunks.concat())),
+            Some(Ok(frame)) => chunks.extend(frame.into_data().ok().filter(|data| !data.is_empty())),
+            Some(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+                return Err(ProxyError::BodyTooLarge { limit });
+            }
+            Some(Err(e)) => return Err(ProxyError::BodyRead(e.to_string())),
         }
-        Err(e) => Err(ProxyError::BodyRead(e.to_string())),
     }
 }
 

@@ -108,6 +108,26 @@ async fn long_prompts_and_large_max_tokens_get_400_before_forwarding() {
     assert_eq!(fine.status, 200);
 }
 
+#[tokio::test]
+async fn a_stalled_request_body_gets_408_and_gives_back_its_slot() {
+    // One in-flight slot: a body that never finishes must not keep it.
+    let fleet = Fleet::with(1, agent_config, |c| kvroute_router::Config {
+        idle_timeout_ms: 300,
+        max_in_flight: 1,
+        ..c
+    })
+    .await;
+    let mut stalled = TcpStream::connect(fleet.router.addr).await.unwrap();
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n\
+                content-length: 100\r\n\r\n{\"model\":";
+    let response =
+        tokio::time::timeout(Duration::from_secs(10), raw_request(&mut stalled, head)).await.unwrap();
+    assert!(response.starts_with("HTTP/1.1 408"), "{response}");
+    let url = fleet.url("/v1/completions");
+    let fine = fleet.http.post(&url, &json!({"model": FLEET_MODEL, "prompt": "hi", "max_tokens": 2})).await;
+    assert_eq!(fine.status, 200, "the slot was given back");
+}
+
 fn predicted(reply: &Reply) -> u64 {
     reply.header("x-kvroute-predicted-cached-tokens").and_then(|v| v.parse().ok()).expect("prediction")
 }
