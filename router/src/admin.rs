@@ -142,9 +142,9 @@ impl RouterAdmin for AdminService {
             .filter(|e| *e != pb::EngineKind::Unspecified)
             .map_or(Ok(EngineKind::Kvroute), EngineKind::try_from)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        if !(spec.http_url.starts_with("http://") || spec.http_url.starts_with("https://")) {
+        if !spec.http_url.starts_with("http://") {
             return Err(Status::invalid_argument(format!(
-                "http_url {:?} is not an http:// URL",
+                "http_url {:?} is not an http:// URL (the router speaks plain HTTP/1.1 to replicas)",
                 spec.http_url
             )));
         }

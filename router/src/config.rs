@@ -193,8 +193,9 @@ impl Config {
         check(self.first_byte_timeout_ms > 0, "--first-byte-timeout-ms must be at least 1".into());
         check(self.idle_timeout_ms > 0, "--idle-timeout-ms must be at least 1".into());
         check(self.max_body_bytes > 0, "--max-body-bytes must be at least 1".into());
-        check(self.max_in_flight > 0, "--max-in-flight must be at least 1".into());
-        check(self.max_connections > 0, "--max-connections must be at least 1".into());
+        let most = tokio::sync::Semaphore::MAX_PERMITS;
+        check((1..=most).contains(&self.max_in_flight), format!("--max-in-flight must be 1 to {most}"));
+        check((1..=most).contains(&self.max_connections), format!("--max-connections must be 1 to {most}"));
         check(
             self.http_threads <= MAX_HTTP_THREADS,
             format!("--http-threads must be at most {MAX_HTTP_THREADS} (0: one per core)"),
@@ -234,8 +235,11 @@ impl Config {
                 format!("replica {:?}: {}", r.name, spec.err().map(|e| e.to_string()).unwrap_or_default()),
             );
             check(
-                r.http.starts_with("http://") || r.http.starts_with("https://"),
-                format!("replica {:?}: http {:?} is not an http:// URL", r.name, r.http),
+                r.http.starts_with("http://"),
+                format!(
+                    "replica {:?}: http {:?} is not an http:// URL (the router speaks plain HTTP/1.1 to replicas)",
+                    r.name, r.http
+                ),
             );
         }
         if errors.is_empty() { Ok(()) } else { Err(errors) }
@@ -495,5 +499,19 @@ mod tests {
         };
         assert_eq!(bad.validate().unwrap_err().len(), 5);
         assert!(Config::default().http_threads() >= 1, "0 resolves to the core count");
+        // Beyond what a semaphore holds: refused here, not a panic at start.
+        let huge = Config { max_in_flight: usize::MAX, max_connections: usize::MAX, ..Config::default() };
+        assert_eq!(huge.validate().unwrap_err().len(), 2);
+    }
+
+    #[test]
+    fn replicas_are_plain_http() {
+        let with = |http: &str| Config {
+            replicas: vec![format!("name=r0,http={http},events=tcp://127.0.0.1:5557").parse().unwrap()],
+            ..Config::default()
+        };
+        assert_eq!(with("http://10.0.0.1:8000").validate(), Ok(()));
+        let errors = with("https://10.0.0.1:8000").validate().unwrap_err();
+        assert!(errors.len() == 1 && errors[0].contains("plain HTTP/1.1"), "{errors:?}");
     }
 }

@@ -161,6 +161,9 @@ impl ReplicaSpec {
         if self.dp_size == 0 {
             return Err(SpecError::NoRanks);
         }
+        if self.dp_size > MAX_DP_SIZE {
+            return Err(SpecError::TooManyRanks(self.dp_size));
+        }
         for rank in 0..self.dp_size {
             rank_endpoint(&self.event_endpoint, rank)?;
             if let Some(replay) = &self.replay_endpoint {
@@ -190,6 +193,9 @@ pub fn rank_endpoint(endpoint: &str, rank: u32) -> Result<String, SpecError> {
     Err(bad())
 }
 
+/// Most data-parallel ranks one replica may have (each is an event stream of its own).
+pub const MAX_DP_SIZE: u32 = 1024;
+
 /// Why a [`ReplicaSpec`] cannot be used.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum SpecError {
@@ -197,6 +203,8 @@ pub enum SpecError {
     EmptyName,
     #[error("dp_size must be at least 1")]
     NoRanks,
+    #[error("dp_size {0} is more than {MAX_DP_SIZE} ranks")]
+    TooManyRanks(u32),
     #[error("engine kind is unspecified")]
     EngineUnspecified,
     #[error("unsupported ZeroMQ endpoint {0:?} (expected tcp://host:port or ipc://path)")]
@@ -399,6 +407,15 @@ impl Replicas {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dp_size_is_bounded() {
+        let mut spec = ReplicaSpec::new("a", "ipc:///tmp/x", EngineKind::Vllm, "m");
+        spec.dp_size = MAX_DP_SIZE;
+        assert_eq!(spec.validate(), Ok(()));
+        spec.dp_size = u32::MAX;
+        assert_eq!(spec.validate(), Err(SpecError::TooManyRanks(u32::MAX)));
+    }
 
     #[test]
     fn rank_endpoints_follow_vllm() {

@@ -142,6 +142,19 @@ impl DiscoveryConfig {
         if self.discovery_http_port == 0 || self.discovery_events_port == 0 {
             errors.push("--discovery-http-port and --discovery-events-port must not be 0".to_owned());
         }
+        // Rank r listens on the port + r (vLLM's layout).
+        let last_rank = self.discovery_dp_size.saturating_sub(1);
+        for (flag, port) in [
+            ("--discovery-events-port", Some(self.discovery_events_port)),
+            ("--discovery-replay-port", self.discovery_replay_port),
+        ] {
+            if let Some(port) = port.filter(|&p| u32::from(p) + last_rank > u32::from(u16::MAX)) {
+                errors.push(format!(
+                    "{flag} {port} + --discovery-dp-size {} - 1 is past port 65535",
+                    self.discovery_dp_size
+                ));
+            }
+        }
         if errors.is_empty() { Ok(()) } else { Err(errors) }
     }
 
@@ -217,9 +230,18 @@ mod tests {
         assert_eq!((d.discovery, d.discovery_engine), (DiscoveryMode::Dns, EngineKind::Vllm));
         assert_eq!(d.ports(), Ports { http: 8000, events: 5557, replay: Some(5558), grpc: None });
         assert_eq!(d.validate(), Ok(()));
-        let missing = DiscoveryConfig { discovery: DiscoveryMode::Dns, discovery_dp_size: 0, ..d };
+        let missing = DiscoveryConfig { discovery: DiscoveryMode::Dns, discovery_dp_size: 0, ..d.clone() };
         let missing = DiscoveryConfig { discovery_service: None, ..missing };
         assert_eq!(missing.validate().unwrap_err().len(), 2);
+        // Rank r's ports are the given ones + r: the last rank's must exist.
+        let ranks = |dp, events, replay| DiscoveryConfig {
+            discovery_dp_size: dp,
+            discovery_events_port: events,
+            discovery_replay_port: replay,
+            ..d.clone()
+        };
+        assert_eq!(ranks(4, 65532, Some(65530)).validate(), Ok(()));
+        assert_eq!(ranks(4, 65533, Some(65534)).validate().unwrap_err().len(), 2);
     }
 
     /// How the router's `Config` embeds it: flattened into the layered flags > env > file

@@ -70,13 +70,21 @@ fn reported_waiting(metrics: &[u8]) -> Option<u32> {
             continue;
         }
         let value = rest.rsplit(' ').next()?.parse::<f64>().ok()?;
-        *total.get_or_insert(0u32) += value as u32;
+        let total = total.get_or_insert(0u32);
+        *total = total.saturating_add(value as u32);
     }
     total
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn reported_waiting_saturates() {
+        let page =
+            "vllm:num_requests_waiting{engine=\"0\"} 4e9\nvllm:num_requests_waiting{engine=\"1\"} 4e9\n";
+        assert_eq!(super::reported_waiting(page.as_bytes()), Some(u32::MAX));
+    }
+
     #[test]
     fn reads_waiting_requests_from_prometheus_text() {
         let text = b"# HELP vllm:num_requests_waiting Requests waiting.\n# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} 3\nvllm:num_requests_waiting_total 9\n";

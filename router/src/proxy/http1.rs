@@ -251,6 +251,9 @@ async fn skip_interim(
         match parse_head(buf, method)? {
             Some((length, head)) if head.parts.status.is_informational() => buf.advance(length),
             Some(_) => return Ok(false),
+            None if buf.len() >= MAX_HEAD_BYTES => {
+                return Err(WireError::Malformed(format!("head longer than {MAX_HEAD_BYTES} bytes")));
+            }
             None => return Ok(true),
         }
     }

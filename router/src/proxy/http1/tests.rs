@@ -537,6 +537,26 @@ mod on_a_socket {
     }
 
     #[tokio::test]
+    async fn an_endless_head_while_the_body_goes_out_is_malformed() {
+        // The replica reads nothing of a long body and sends a head that never ends: the
+        // router stops at MAX_HEAD_BYTES instead of buffering it until a timeout.
+        let url = by_hand(|listener| async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            read_head_only(&mut stream).await;
+            stream.write_all(b"HTTP/1.1 200 OK\r\nx-endless: ").await.unwrap();
+            let more = [b'y'; 1000];
+            while stream.write_all(&more).await.is_ok() {}
+        })
+        .await;
+        let sent = send_long(&pool(), &url, 4 << 20).await;
+        let error = sent.expect_err("no answer can come of an endless head");
+        assert!(
+            matches!(error.downcast_ref::<SendError>(), Some(SendError::Wire(WireError::Malformed(_)))),
+            "{error}"
+        );
+    }
+
+    #[tokio::test]
     async fn a_failing_request_body_is_the_callers_error() {
         let (url, _, _) = raw_replica(|_| Answer(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")).await;
         let failing = http_body_util::StreamBody::new(futures::stream::iter([
