@@ -5,7 +5,7 @@
 //! |---|---|
 //! | 400 | malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens` |
 //! | 404 / 405 | unknown path / wrong method |
-//! | 408 | the client left a routed request's body unfinished for `--idle-timeout-ms` |
+//! | 408 | the client sent nothing of its request body for `--idle-timeout-ms` (routed, or streamed to a replica) |
 //! | 413 | body larger than `--max-body-bytes` |
 //! | 502 | the replica failed before answering, and so did every retry |
 //! | 503 | no healthy replica, every replica saturated, or the router is at its in-flight limit |

@@ -10,8 +10,8 @@
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //!
 //! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`pool`] (upstream
-//! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`route`] (the decision path), [`upstream`] (per-replica
-//! load and health).
+//! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`route`] (the decision path), [`upload`] (request bodies
+//! streamed to a replica), [`upstream`] (per-replica load and health).
 
 pub mod body;
 pub mod error;
@@ -21,6 +21,7 @@ pub mod http1;
 pub mod pool;
 pub mod prompts;
 pub mod route;
+pub mod upload;
 pub mod upstream;
 
 use std::sync::Arc;
@@ -190,6 +191,7 @@ async fn passthrough(
         return Err(ProxyError::BodyTooLarge { limit: state.forward.max_body_bytes });
     }
     let body = Limited::new(body, state.forward.max_body_bytes).map_err(BoxError::from).boxed_unsync();
+    let body = upload::Upload::new(body, state.forward.idle_timeout).boxed_unsync();
     forward::streamed(pool, &state.forward, &state.decider.metrics, &member, &parts, body, request_id).await
 }
 

@@ -375,3 +375,95 @@ async fn other_v1_requests_stream_through_and_oversized_uploads_do_not_eject_rep
     let metrics = String::from_utf8_lossy(&fleet.http.get(&fleet.url("/metrics")).await.body).into_owned();
     assert!(metrics.contains("kvroute_router_ejections_total 0"), "{metrics}");
 }
+
+/// A replica by hand that reads request bodies to their end before it answers (as vLLM's
+/// `/v1/embeddings` does), answering every request 200 on a kept-alive connection.
+async fn body_reading_replica() -> std::net::SocketAddr {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut stream = BufReader::new(stream);
+                loop {
+                    let (mut length, mut chunked, mut line) = (0usize, false, String::new());
+                    loop {
+                        line.clear();
+                        if stream.read_line(&mut line).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let lower = line.to_ascii_lowercase();
+                        if let Some(n) = lower.strip_prefix("content-length:") {
+                            length = n.trim().parse().unwrap_or(0);
+                        }
+                        chunked |= lower.starts_with("transfer-encoding:") && lower.contains("chunked");
+                        if line == "\r\n" {
+                            break;
+                        }
+                    }
+                    if chunked {
+                        // Until the last chunk's empty line (sizes and data are not checked).
+                        let mut last = String::new();
+                        loop {
+                            line.clear();
+                            if stream.read_line(&mut line).await.unwrap_or(0) == 0 {
+                                return;
+                            }
+                            if last.trim() == "0" && line == "\r\n" {
+                                break;
+                            }
+                            last = line.clone();
+                        }
+                    } else {
+                        let mut body = vec![0; length];
+                        if stream.read_exact(&mut body).await.is_err() {
+                            return;
+                        }
+                    }
+                    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    if stream.get_mut().write_all(ok).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// An upload the client stops sending is the client's error (408), not the replica's: it
+/// used to run into the first-byte timeout, answered 504 and counted toward the replica's
+/// ejection, so a few stalled uploads took healthy replicas out.
+#[tokio::test]
+async fn a_stalled_upload_is_the_clients_408_and_does_not_eject_the_replica() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let replica = body_reading_replica().await;
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas: vec![
+            format!("name=r0,http=http://{replica},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap(),
+        ],
+        idle_timeout_ms: 300,
+        first_byte_timeout_ms: 3_000,
+        eject_after: 1,
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let address = router.url().trim_start_matches("http://").to_owned();
+    let mut stalled = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let head = "POST /v1/embeddings HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n";
+    stalled.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = vec![0; 4096];
+    let n = tokio::time::timeout(std::time::Duration::from_secs(10), stalled.read(&mut answer))
+        .await
+        .expect("an answer before the first-byte timeout's 504")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    let http = crate::fleet::Http::new();
+    let fine = http.send(http::Method::POST, &format!("{}/v1/embeddings", router.url()), "{}").await;
+    assert_eq!(fine.status, 200, "the replica was not ejected");
+    shutdown.cancel();
+}
