@@ -3,7 +3,7 @@
 //!
 //! | status | when |
 //! |---|---|
-//! | 400 | malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens` |
+//! | 400 | malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens`, a prompt the replica's `/tokenize` refused (`--remote-tokenize`) |
 //! | 404 / 405 | unknown path / wrong method |
 //! | 408 | the client sent nothing of its request body for `--idle-timeout-ms` (routed, or streamed to a replica) |
 //! | 413 | body larger than `--max-body-bytes` |
@@ -24,6 +24,8 @@ pub enum ProxyError {
     BadRequest(#[from] RequestError),
     #[error("the request body could not be read: {0}")]
     BodyRead(String),
+    #[error("{0}")]
+    Refused(String),
     #[error("the request body exceeds the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
     #[error("the request body stalled: nothing arrived for {timeout_ms} ms")]
@@ -50,9 +52,10 @@ impl ProxyError {
             ProxyError::BadRequest(e) => {
                 StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::BAD_REQUEST)
             }
-            ProxyError::BodyRead(_) | ProxyError::PromptTooLong { .. } | ProxyError::TooManyTokens { .. } => {
-                StatusCode::BAD_REQUEST
-            }
+            ProxyError::BodyRead(_)
+            | ProxyError::Refused(_)
+            | ProxyError::PromptTooLong { .. }
+            | ProxyError::TooManyTokens { .. } => StatusCode::BAD_REQUEST,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NotFound(_) => StatusCode::NOT_FOUND,
@@ -66,7 +69,7 @@ impl ProxyError {
     /// A short, fixed label for metrics.
     pub fn label(&self) -> &'static str {
         match self {
-            ProxyError::BadRequest(_) | ProxyError::BodyRead(_) => "bad_request",
+            ProxyError::BadRequest(_) | ProxyError::BodyRead(_) | ProxyError::Refused(_) => "bad_request",
             ProxyError::BodyTooLarge { .. } => "too_large",
             ProxyError::BodyTimeout { .. } => "body_timeout",
             ProxyError::PromptTooLong { .. } | ProxyError::TooManyTokens { .. } => "over_limit",
@@ -82,6 +85,7 @@ impl ProxyError {
         match self {
             ProxyError::BadRequest(e) => e.to_openai(),
             ProxyError::BodyRead(_)
+            | ProxyError::Refused(_)
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::BodyTimeout { .. }
             | ProxyError::MethodNotAllowed(_) => OpenAiError::new("invalid_request_error", self.to_string()),

@@ -65,6 +65,9 @@ pub enum PromptError {
     Request(#[from] RequestError),
     #[error("remote tokenization failed: {0}")]
     Remote(String),
+    /// The replica's `/tokenize` refused the prompt itself (400 or 422): the client's error.
+    #[error("the replica's tokenizer refused the prompt: {0}")]
+    Refused(String),
 }
 
 /// `/tokenize` on a replica, with a bounded cache keyed by the request's prompt part.
@@ -161,6 +164,9 @@ impl RemoteTokenizer {
             .map_err(|_| PromptError::Remote(format!("{base}/tokenize timed out")))?
             .map_err(|e| PromptError::Remote(e.to_string()))?
             .to_bytes();
+        if status == http::StatusCode::BAD_REQUEST || status == http::StatusCode::UNPROCESSABLE_ENTITY {
+            return Err(PromptError::Refused(String::from_utf8_lossy(&bytes).into_owned()));
+        }
         if !status.is_success() {
             return Err(PromptError::Remote(format!(
                 "{base}/tokenize answered {status}: {}",

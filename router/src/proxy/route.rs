@@ -141,6 +141,7 @@ impl Decider {
         let info = self.prompts.tokens(&mut request, body, ask).await.map_err(|e| match e {
             PromptError::Request(e) => ProxyError::BadRequest(e),
             PromptError::Remote(e) => ProxyError::Unavailable(e),
+            refused @ PromptError::Refused(_) => ProxyError::Refused(refused.to_string()),
         })?;
         let first = info.tokens.first().map(Vec::as_slice).unwrap_or_default();
         let root = info.namespace.root();

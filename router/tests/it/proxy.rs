@@ -377,8 +377,9 @@ async fn other_v1_requests_stream_through_and_oversized_uploads_do_not_eject_rep
 }
 
 /// A replica by hand that reads request bodies to their end before it answers (as vLLM's
-/// `/v1/embeddings` does), answering every request 200 on a kept-alive connection.
-async fn body_reading_replica() -> std::net::SocketAddr {
+/// `/v1/embeddings` does): `GET`s get 200 and every other request `answer`, on a kept-alive
+/// connection.
+async fn body_reading_replica(answer: &'static [u8]) -> std::net::SocketAddr {
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -387,12 +388,13 @@ async fn body_reading_replica() -> std::net::SocketAddr {
             tokio::spawn(async move {
                 let mut stream = BufReader::new(stream);
                 loop {
-                    let (mut length, mut chunked, mut line) = (0usize, false, String::new());
+                    let (mut length, mut chunked, mut get, mut line) = (0usize, false, None, String::new());
                     loop {
                         line.clear();
                         if stream.read_line(&mut line).await.unwrap_or(0) == 0 {
                             return;
                         }
+                        get.get_or_insert(line.starts_with("GET "));
                         let lower = line.to_ascii_lowercase();
                         if let Some(n) = lower.strip_prefix("content-length:") {
                             length = n.trim().parse().unwrap_or(0);
@@ -421,8 +423,9 @@ async fn body_reading_replica() -> std::net::SocketAddr {
                             return;
                         }
                     }
-                    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                    if stream.get_mut().write_all(ok).await.is_err() {
+                    let ok: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    if stream.get_mut().write_all(if get == Some(true) { ok } else { answer }).await.is_err()
+                    {
                         return;
                     }
                 }
@@ -438,7 +441,7 @@ async fn body_reading_replica() -> std::net::SocketAddr {
 #[tokio::test]
 async fn a_stalled_upload_is_the_clients_408_and_does_not_eject_the_replica() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let replica = body_reading_replica().await;
+    let replica = body_reading_replica(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
     let config = kvroute_router::Config {
         model: FLEET_MODEL.into(),
         replicas: vec![
@@ -465,5 +468,33 @@ async fn a_stalled_upload_is_the_clients_408_and_does_not_eject_the_replica() {
     let http = crate::fleet::Http::new();
     let fine = http.send(http::Method::POST, &format!("{}/v1/embeddings", router.url()), "{}").await;
     assert_eq!(fine.status, 200, "the replica was not ejected");
+    shutdown.cancel();
+}
+
+/// With `--remote-tokenize`, a prompt the replica's `/tokenize` refuses (400, as vLLM does
+/// for a template error) is the client's 400 with the replica's reason, not a 503 asking
+/// the client to try again.
+#[tokio::test]
+async fn a_prompt_the_replicas_tokenizer_refuses_is_a_400() {
+    let refusal: &[u8] =
+        b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 52\r\n\r\n\
+        {\"error\":{\"message\":\"no template for this message\"}}";
+    let replica = body_reading_replica(refusal).await;
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas: vec![
+            format!("name=r0,http=http://{replica},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap(),
+        ],
+        remote_tokenize: true,
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let http = crate::fleet::Http::new();
+    let body = json!({"model": FLEET_MODEL, "prompt": "some text", "max_tokens": 1});
+    let reply = http.post(&format!("{}/v1/completions", router.url()), &body).await;
+    assert_eq!(reply.status, 400, "{:?}", reply.json());
+    let message = reply.json()["error"]["message"].as_str().unwrap_or_default().to_owned();
+    assert!(message.contains("no template for this message"), "{message}");
     shutdown.cancel();
 }
