@@ -424,6 +424,11 @@ impl RankStream {
     fn store(&mut self, stored: &Stored) {
         self.scratch.clear();
         let spec = &self.ctx.replica.spec;
+        // vLLM events are checked when decoded; native batches and snapshots here.
+        if spec.block_size.is_some_and(|size| size != stored.block_size) {
+            self.ctx.metrics.skipped(SkipReason::BlockSize).inc();
+            return;
+        }
         match self.blocks.store(stored, spec.engine.native_hashes(), &spec.model, &mut self.scratch) {
             Ok(()) => {
                 self.ctx.index.store(self.ctx.replica.id, &self.scratch);

@@ -90,6 +90,26 @@ async fn native_stream_is_applied_to_the_index() {
     assert!(text.contains("kvroute_ingest_index_entries 7"), "{text}");
 }
 
+/// Blocks of another size than the replica's (a misconfigured agent) never reach the
+/// index: their hashes would match no request. vLLM events were already checked when
+/// decoded; native batches were not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_blocks_of_another_size_are_skipped() {
+    let h = Harness::start();
+    let agent = AgentPublisher::start(EventFormat::Kvroute, true).await;
+    let (r, m) = h.add(spec("native-size", EngineKind::Kvroute, &agent.events, agent.replay.as_deref()));
+    h.synced(&r).await;
+    let mut rng = Rng::new(5);
+    let (a, b) = (rng.tokens(4), rng.tokens(3));
+    let mut other_size = batch(7, 0, vec![store_chain(&a, 0)]);
+    other_size.block_size = 2 * BLOCK;
+    agent.publish(other_size).await;
+    agent.publish(batch(7, 1, vec![store_chain(&b, 0)])).await;
+    applied(&r, 1).await;
+    assert_eq!((h.overlap(&r, &a), h.overlap(&r, &b)), (0, 3));
+    assert_eq!(m.skipped(SkipReason::BlockSize).get(), 1);
+}
+
 /// The same seeded workload, once as kvroute batches and once as vLLM batches with opaque
 /// engine hashes: the router must end with identical index contents for both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
