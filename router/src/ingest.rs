@@ -27,7 +27,8 @@
 //!
 //! `repair(from)`:
 //! 1. Replay: a fresh DEALER asks the replica's ROUTER for every batch `>= from`
-//!    (`replay_timeout` on connect and on every reply, at most `replay_max_batches`). It is
+//!    (`replay_timeout` on connect and on every reply, 12 of them for the whole replay, at
+//!    most `replay_max_batches`). It is
 //!    complete if its first batch is `from` (or it is empty and no newer batch was seen).
 //!    Complete → apply in order; batches still queued from the live stream with seqs the
 //!    replay covered are then dropped as duplicates. A complete, empty replay on a fresh
@@ -103,7 +104,7 @@ pub struct IngestConfig {
     pub fallback_after: Duration,
     /// Pause between failed connection attempts.
     pub reconnect_backoff: Duration,
-    /// Timeout of the replay connect and of every replay reply.
+    /// Timeout of the replay connect and of every replay reply (a whole replay: 12 of them).
     pub replay_timeout: Duration,
     /// Longest replay accepted (bounds memory).
     pub replay_max_batches: usize,

@@ -1,7 +1,8 @@
 //! The replay client: asks a publisher's ROUTER socket for every buffered batch from a seq
 //! on, over a fresh DEALER per request (a `zeromq` 0.7 DEALER never reconnects, and a
 //! request sent to a dead peer vanishes without an error), with a timeout on the connect
-//! and on every reply. Both reply layouts are accepted (`framing::decode_replay_reply`).
+//! and on every reply, and [`WHOLE_REPLAY`] of them for the whole replay. Both reply
+//! layouts are accepted (`framing::decode_replay_reply`).
 
 use std::time::Duration;
 
@@ -10,6 +11,11 @@ use kvroute_proto::Seq;
 use kvroute_proto::framing::{self, FrameError, LiveMessage, ReplayReply};
 use zeromq::prelude::*;
 use zeromq::{DealerSocket, SocketOptions, ZmqMessage};
+
+/// How many reply timeouts a whole replay may take: a peer that drips batches just inside
+/// the reply timeout must not keep a rank in repair (its stale entries still routed to) for
+/// as long as its buffer lasts. A replay of 100 000 batches on a LAN takes seconds.
+const WHOLE_REPLAY: u32 = 12;
 
 /// Why a replay produced nothing usable.
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +46,7 @@ pub(crate) async fn fetch(
     let mut options = SocketOptions::default();
     options.connect_timeout(timeout);
     let mut dealer = DealerSocket::with_options(options);
+    let deadline = tokio::time::Instant::now() + timeout * WHOLE_REPLAY;
     let result = async {
         tokio::time::timeout(timeout, dealer.connect(endpoint))
             .await
@@ -50,7 +57,8 @@ pub(crate) async fn fetch(
         dealer.send(request).await.map_err(socket_err)?;
         let mut batches = Vec::new();
         loop {
-            let msg = tokio::time::timeout(timeout, dealer.recv())
+            let reply_by = (tokio::time::Instant::now() + timeout).min(deadline);
+            let msg = tokio::time::timeout_at(reply_by, dealer.recv())
                 .await
                 .map_err(|_| timed_out())?
                 .map_err(socket_err)?;
@@ -66,4 +74,44 @@ pub(crate) async fn fetch(
         tracing::debug!(error = %e, endpoint, "closing a replay socket");
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use zeromq::RouterSocket;
+
+    use super::*;
+
+    /// A peer that answers a replay with one batch every `every` and never ends it.
+    async fn dripping_peer(every: Duration) -> String {
+        let mut router = RouterSocket::new();
+        let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        tokio::spawn(async move {
+            let request = router.recv().await.unwrap().into_vec();
+            let peer = request[0].clone();
+            for seq in 0.. {
+                tokio::time::sleep(every).await;
+                let mut frames = vec![peer.clone()];
+                frames.extend(framing::encode_replay_batch(Bytes::new(), Seq(seq), Bytes::from_static(b"x")));
+                if router.send(ZmqMessage::try_from(frames).unwrap()).await.is_err() {
+                    return;
+                }
+            }
+        });
+        endpoint
+    }
+
+    #[tokio::test]
+    async fn a_replay_that_never_ends_times_out_as_a_whole() {
+        // Each batch comes well inside the reply timeout; the replay as a whole does not.
+        let timeout = Duration::from_millis(100);
+        let endpoint = dripping_peer(Duration::from_millis(20)).await;
+        let started = std::time::Instant::now();
+        let result =
+            tokio::time::timeout(Duration::from_secs(10), fetch(&endpoint, Seq(0), timeout, usize::MAX))
+                .await
+                .expect("the replay ends");
+        assert!(matches!(result, Err(ReplayError::Timeout { .. })), "{result:?}");
+        assert!(started.elapsed() < timeout * (WHOLE_REPLAY + 10), "{:?}", started.elapsed());
+    }
 }
