@@ -435,6 +435,23 @@ async fn body_reading_replica(answer: &'static [u8]) -> std::net::SocketAddr {
     addr
 }
 
+/// A router in front of the one replica at `replica` (its events on a closed port), with
+/// `tweak` applied to its config; stopped by cancelling the token.
+async fn router_in_front_of(
+    replica: std::net::SocketAddr,
+    tweak: impl FnOnce(kvroute_router::Config) -> kvroute_router::Config,
+) -> (kvroute_router::RunningRouter, tokio_util::sync::CancellationToken) {
+    let config = tweak(kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas: vec![
+            format!("name=r0,http=http://{replica},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap(),
+        ],
+        ..kvroute_router::Config::loopback(Vec::new())
+    });
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    (kvroute_router::start(config, shutdown.clone()).await.unwrap(), shutdown)
+}
+
 /// An upload the client stops sending is the client's error (408), not the replica's: it
 /// used to run into the first-byte timeout, answered 504 and counted toward the replica's
 /// ejection, so a few stalled uploads took healthy replicas out.
@@ -442,18 +459,13 @@ async fn body_reading_replica(answer: &'static [u8]) -> std::net::SocketAddr {
 async fn a_stalled_upload_is_the_clients_408_and_does_not_eject_the_replica() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let replica = body_reading_replica(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
-    let config = kvroute_router::Config {
-        model: FLEET_MODEL.into(),
-        replicas: vec![
-            format!("name=r0,http=http://{replica},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap(),
-        ],
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
         idle_timeout_ms: 300,
         first_byte_timeout_ms: 3_000,
         eject_after: 1,
-        ..kvroute_router::Config::loopback(Vec::new())
-    };
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+        ..c
+    })
+    .await;
     let address = router.url().trim_start_matches("http://").to_owned();
     let mut stalled = tokio::net::TcpStream::connect(&address).await.unwrap();
     let head = "POST /v1/embeddings HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n";
@@ -480,16 +492,8 @@ async fn a_prompt_the_replicas_tokenizer_refuses_is_a_400() {
         b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 52\r\n\r\n\
         {\"error\":{\"message\":\"no template for this message\"}}";
     let replica = body_reading_replica(refusal).await;
-    let config = kvroute_router::Config {
-        model: FLEET_MODEL.into(),
-        replicas: vec![
-            format!("name=r0,http=http://{replica},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap(),
-        ],
-        remote_tokenize: true,
-        ..kvroute_router::Config::loopback(Vec::new())
-    };
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { remote_tokenize: true, ..c }).await;
     let http = crate::fleet::Http::new();
     let body = json!({"model": FLEET_MODEL, "prompt": "some text", "max_tokens": 1});
     let reply = http.post(&format!("{}/v1/completions", router.url()), &body).await;
