@@ -106,12 +106,11 @@ mod tests {
         // Each batch comes well inside the reply timeout; the replay as a whole does not.
         let timeout = Duration::from_millis(100);
         let endpoint = dripping_peer(Duration::from_millis(20)).await;
-        let started = std::time::Instant::now();
         let result =
             tokio::time::timeout(Duration::from_secs(10), fetch(&endpoint, Seq(0), timeout, usize::MAX))
                 .await
                 .expect("the replay ends");
+        // (Without the whole-replay deadline, the outer timeout fails the test instead.)
         assert!(matches!(result, Err(ReplayError::Timeout { .. })), "{result:?}");
-        assert!(started.elapsed() < timeout * (WHOLE_REPLAY + 10), "{:?}", started.elapsed());
     }
 }

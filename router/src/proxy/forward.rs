@@ -22,7 +22,7 @@ use super::error::ProxyError;
 use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::pool::{Pool, SendError};
 use super::route::Plan;
-use super::upload::Stalled;
+use super::upload;
 use super::upstream::{LoadGuard, Upstream};
 use crate::metrics::ProxyMetrics;
 use prometheus_client::metrics::counter::Counter;
@@ -173,13 +173,7 @@ pub async fn streamed(
         }
         // The client's body failed (too large, or the client went away): not the replica's fault.
         Ok(Err(SendError::Wire(WireError::RequestBody(e)))) => {
-            Err(if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
-                ProxyError::BodyTooLarge { limit: config.max_body_bytes }
-            } else if let Some(Stalled(idle)) = e.downcast_ref::<Stalled>() {
-                ProxyError::BodyTimeout { timeout_ms: idle.as_millis() as u64 }
-            } else {
-                ProxyError::BodyRead(e.to_string())
-            })
+            Err(upload::client_error(&e, config.max_body_bytes))
         }
         Ok(Err(e)) => {
             record_failure(upstream, config, metrics);

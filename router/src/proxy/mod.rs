@@ -10,8 +10,8 @@
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //!
 //! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`pool`] (upstream
-//! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`route`] (the decision path), [`upload`] (request bodies
-//! streamed to a replica), [`upstream`] (per-replica load and health).
+//! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`route`] (the decision path), [`upload`] (clients' request
+//! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health).
 
 pub mod body;
 pub mod error;
@@ -41,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::fleet::Fleet;
 use crate::metrics::{CodeLabel, ErrorLabel};
-use body::{BoxError, ProxyBody, full};
+use body::{ProxyBody, full};
 use error::ProxyError;
 use forward::ForwardConfig;
 use pool::Pool;
@@ -190,8 +190,9 @@ async fn passthrough(
     if content_length(&parts).is_some_and(|n| n > state.forward.max_body_bytes) {
         return Err(ProxyError::BodyTooLarge { limit: state.forward.max_body_bytes });
     }
-    let body = Limited::new(body, state.forward.max_body_bytes).map_err(BoxError::from).boxed_unsync();
-    let body = upload::Upload::new(body, state.forward.idle_timeout).boxed_unsync();
+    let body =
+        upload::Upload::new(Limited::new(body, state.forward.max_body_bytes), state.forward.idle_timeout)
+            .boxed_unsync();
     forward::streamed(pool, &state.forward, &state.decider.metrics, &member, &parts, body, request_id).await
 }
 
@@ -210,21 +211,9 @@ async fn read_body(
     if content_length(parts).is_some_and(|n| n > limit) {
         return Err(ProxyError::BodyTooLarge { limit });
     }
-    let mut body = Limited::new(body, limit);
-    let mut chunks: Vec<Bytes> = Vec::new();
-    loop {
-        let frame = tokio::time::timeout(idle, body.frame())
-            .await
-            .map_err(|_| ProxyError::BodyTimeout { timeout_ms: idle.as_millis() as u64 })?;
-        match frame {
-            None if chunks.len() <= 1 => return Ok(chunks.pop().unwrap_or_default()),
-            None => return Ok(Bytes::from(chunks.concat())),
-            Some(Ok(frame)) => chunks.extend(frame.into_data().ok().filter(|data| !data.is_empty())),
-            Some(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-                return Err(ProxyError::BodyTooLarge { limit });
-            }
-            Some(Err(e)) => return Err(ProxyError::BodyRead(e.to_string())),
-        }
+    match upload::Upload::new(Limited::new(body, limit), idle).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) => Err(upload::client_error(&e, limit)),
     }
 }
 

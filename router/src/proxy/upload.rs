@@ -1,6 +1,8 @@
-//! A request body streamed to a replica that fails when the client stops sending: a stalled
-//! upload is the client's doing, so it must end as the client's error (408) before the
-//! replica's first-byte timeout blames the replica (504, counted toward its ejection).
+//! A client's request body that fails when the client stops sending, whether the router
+//! reads it whole (a routed request, which holds an in-flight slot meanwhile) or streams it
+//! to a replica (where a stalled upload would otherwise run into the first-byte timeout and
+//! be blamed on the replica: 504, counted toward its ejection). Either way it is the
+//! client's error ([`client_error`]).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -10,7 +12,8 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::{Instant, Sleep};
 
-use super::body::{BoxError, ProxyBody};
+use super::body::BoxError;
+use super::error::ProxyError;
 
 /// The client sent nothing of its body for this long.
 #[derive(Debug, thiserror::Error)]
@@ -18,19 +21,34 @@ use super::body::{BoxError, ProxyBody};
 pub struct Stalled(pub Duration);
 
 /// `inner`, failing with [`Stalled`] when no frame comes for `idle`.
-pub struct Upload {
-    inner: ProxyBody,
+pub struct Upload<B> {
+    inner: B,
     idle: Duration,
     sleep: Pin<Box<Sleep>>,
 }
 
-impl Upload {
-    pub fn new(inner: ProxyBody, idle: Duration) -> Self {
+impl<B> Upload<B> {
+    pub fn new(inner: B, idle: Duration) -> Self {
         Self { inner, idle, sleep: Box::pin(tokio::time::sleep(idle)) }
     }
 }
 
-impl Body for Upload {
+/// What a failed client body means for the client: too large (413), stalled (408) or
+/// unreadable (400).
+pub fn client_error(e: &BoxError, limit: usize) -> ProxyError {
+    if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+        ProxyError::BodyTooLarge { limit }
+    } else if let Some(Stalled(idle)) = e.downcast_ref::<Stalled>() {
+        ProxyError::BodyTimeout { timeout_ms: idle.as_millis() as u64 }
+    } else {
+        ProxyError::BodyRead(e.to_string())
+    }
+}
+
+impl<B> Body for Upload<B>
+where
+    B: Body<Data = Bytes, Error = BoxError> + Unpin,
+{
     type Data = Bytes;
     type Error = BoxError;
 
@@ -70,17 +88,20 @@ mod tests {
     async fn a_body_that_keeps_coming_passes_and_one_that_stops_fails() {
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
         let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-        let mut body = Upload::new(inner.boxed_unsync(), Duration::from_secs(1));
+        let mut body = Upload::new(inner, Duration::from_secs(1));
         // Frames 0.9 s apart: never idle for a whole second.
         for _ in 0..3 {
             tokio::time::sleep(Duration::from_millis(900)).await;
             tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
             assert!(body.frame().await.unwrap().unwrap().is_data());
         }
-        let started = Instant::now();
-        let error = body.frame().await.unwrap().unwrap_err();
+        // Nothing more comes (the paused clock jumps to each timer): still waiting just short
+        // of a second, failed at the second.
+        let early = tokio::time::timeout(Duration::from_millis(999), body.frame()).await;
+        assert!(early.is_err(), "failed before a whole second of silence");
+        let late = tokio::time::timeout(Duration::from_millis(2), body.frame()).await;
+        let error = late.expect("failed at a whole second of silence").unwrap().unwrap_err();
         assert!(error.downcast_ref::<Stalled>().is_some(), "{error}");
-        assert_eq!(started.elapsed(), Duration::from_secs(1));
         drop(tx);
     }
 }
