@@ -109,8 +109,9 @@ pub struct Config {
     /// Time allowed until an upstream's response headers arrive, milliseconds.
     #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_MS", default_value_t = 120_000)]
     pub first_byte_timeout_ms: u64,
-    /// Longest silence allowed inside a streaming response, and inside a request's body
-    /// (then 408), milliseconds.
+    /// Longest silence allowed inside a streaming response, inside a request's body (then
+    /// 408), and from a client that takes nothing of its response (then it is cut),
+    /// milliseconds.
     #[arg(long, env = "KVROUTE_IDLE_TIMEOUT_MS", default_value_t = 60_000)]
     pub idle_timeout_ms: u64,
     /// Largest accepted request body, bytes.

@@ -42,6 +42,8 @@ pub struct ProxyMetrics {
     pub errors: Family<ErrorLabel, Counter>,
     pub retries: Counter,
     pub ejections: Counter,
+    /// Responses cut because their client stopped taking data.
+    pub client_stalls: Counter,
     pub in_flight: Gauge,
     pub decision_seconds: Histogram,
     pub upstream_ttfb_seconds: Histogram,
@@ -58,6 +60,7 @@ impl Default for ProxyMetrics {
             errors: Family::default(),
             retries: Counter::default(),
             ejections: Counter::default(),
+            client_stalls: Counter::default(),
             in_flight: Gauge::default(),
             // 1 µs .. ~16 ms
             decision_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 15)),
@@ -88,6 +91,11 @@ impl ProxyMetrics {
         r.register("errors", "Errors the router answered itself, by kind", m.errors.clone());
         r.register("retries", "Requests retried on another replica", m.retries.clone());
         r.register("ejections", "Replicas ejected as outliers", m.ejections.clone());
+        r.register(
+            "client_stalls",
+            "Responses cut because the client took nothing of them for the idle timeout",
+            m.client_stalls.clone(),
+        );
         r.register("in_flight", "Requests in flight through the router", m.in_flight.clone());
         r.register(
             "decision_seconds",

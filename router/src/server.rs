@@ -139,6 +139,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         Prompts::Local(tokenization)
     };
     let metrics = ProxyMetrics::register(&mut registry);
+    let stalls = proxy::stalls::StallWatch::start(config.idle_timeout(), metrics.client_stalls.clone());
     let params = CacheAwareParams {
         in_flight_tokens: config.load_weight,
         miss_weight: config.miss_weight,
@@ -165,6 +166,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             max_body_bytes: config.max_body_bytes,
             first_byte_timeout: config.first_byte_timeout(),
             idle_timeout: config.idle_timeout(),
+            stalls,
             eject_after: config.eject_after,
             ejection: config.ejection(),
         },

@@ -5,7 +5,8 @@
 //! between frames, picks `"cached_tokens": N` out of the bytes (the realized prefix hit from
 //! `usage`, whether it arrives in a JSON body or in the last SSE chunk, even split across
 //! frames), tells its [`Hooks`] when the first data passes (the prefill is over) and, on end,
-//! error or client disconnect, releases the request's load accounting exactly once.
+//! error or client disconnect, releases the request's load accounting exactly once. Given a
+//! [`StallWatch`], it is also cut when its client stops taking data ([`super::stalls`]).
 //!
 //! What a client sees when a replica fails in the middle of a response (it died, its
 //! connection broke, or it stayed silent past the idle timeout): a server-sent-event stream
@@ -17,6 +18,7 @@
 //! incomplete message.
 
 use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -26,6 +28,8 @@ use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use kvroute_proto::openai::OpenAiError;
 use tokio::time::{Instant, Sleep};
+
+use super::stalls::{StallWatch, Watch, Watched};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -46,11 +50,20 @@ pub trait Hooks: Send + 'static {
     fn finish(self: Box<Self>, cached_tokens: Option<u64>);
 }
 
-/// An upstream body with an idle timeout, usage sniffing and an end hook.
+/// An upstream body with an idle timeout, usage sniffing and an end hook; given a
+/// [`StallWatch`], also cut when its client stops taking data ([`super::stalls`]).
 pub struct Tracked<B> {
-    inner: B,
+    state: Arc<Mutex<State<B>>>,
     idle: Duration,
     sleep: Pin<Box<Sleep>>,
+    /// The watch to hand the body to once it has passed a frame and is still open.
+    watch: Option<Arc<StallWatch>>,
+}
+
+/// What a tracked body holds, shared with the stall watch.
+struct State<B> {
+    /// The upstream body; gone once cut.
+    inner: Option<B>,
     scanner: UsageScanner,
     hooks: Option<Box<dyn Hooks>>,
     seen_data: bool,
@@ -60,29 +73,51 @@ pub struct Tracked<B> {
     at_boundary: bool,
     /// The final error event was sent: the body is over.
     done: bool,
+    /// When the last frame was handed over, while nobody has asked for the next one yet.
+    handed: Option<Instant>,
+    /// The stall watch cut the body: its client took nothing for too long.
+    cut: bool,
 }
 
 impl<B> Tracked<B> {
     pub fn new(inner: B, idle: Duration, hooks: Box<dyn Hooks>) -> Self {
-        Self {
-            inner,
-            idle,
-            sleep: Box::pin(tokio::time::sleep(idle)),
+        let state = State {
+            inner: Some(inner),
             scanner: UsageScanner::default(),
             hooks: Some(hooks),
             seen_data: false,
             sse: false,
             at_boundary: true,
             done: false,
+            handed: None,
+            cut: false,
+        };
+        Self {
+            state: Arc::new(Mutex::new(state)),
+            idle,
+            sleep: Box::pin(tokio::time::sleep(idle)),
+            watch: None,
         }
     }
 
     /// Marks the body as a server-sent-event stream.
-    pub fn sse(mut self, sse: bool) -> Self {
-        self.sse = sse;
+    pub fn sse(self, sse: bool) -> Self {
+        self.lock().sse = sse;
         self
     }
 
+    /// Hands the body to `watch` once it has passed a frame and is still open.
+    pub fn watched(mut self, watch: Arc<StallWatch>) -> Self {
+        self.watch = Some(watch);
+        self
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State<B>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl<B> State<B> {
     /// The upstream failed with `error`: an error event if the stream allows one, else the
     /// error itself (which aborts the client's response).
     fn fail(&mut self, error: BoxError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
@@ -106,7 +141,24 @@ impl<B> Tracked<B> {
 
 impl<B> Drop for Tracked<B> {
     fn drop(&mut self) {
-        self.end();
+        self.lock().end();
+    }
+}
+
+impl<B: Send> Watched for Mutex<State<B>> {
+    fn check(&self, since: Instant) -> Watch {
+        let mut state = self.lock().unwrap_or_else(|e| e.into_inner());
+        if state.hooks.is_none() {
+            return Watch::Ended;
+        }
+        if state.handed.is_none_or(|at| at > since) {
+            return Watch::Keep;
+        }
+        // Closes the upstream connection unfinished: the replica sees its client gone.
+        state.inner = None;
+        state.cut = true;
+        state.end();
+        Watch::Cut
     }
 }
 
@@ -115,9 +167,14 @@ impl<B> Drop for Tracked<B> {
 #[error("the replica sent nothing for {0:?}")]
 pub struct IdleTimeout(Duration);
 
+/// The stall watch cut a response its client stopped taking.
+#[derive(Debug, thiserror::Error)]
+#[error("the client took nothing of the response for {0:?}")]
+pub struct ClientStalled(Duration);
+
 impl<B> Body for Tracked<B>
 where
-    B: Body<Data = Bytes> + Unpin,
+    B: Body<Data = Bytes> + Unpin + Send + 'static,
     B::Error: Into<BoxError>,
 {
     type Data = Bytes;
@@ -128,53 +185,70 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        if this.done {
+        let mut state = this.state.lock().unwrap_or_else(|e| e.into_inner());
+        let state = &mut *state;
+        state.handed = None;
+        if state.done {
             return Poll::Ready(None);
         }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
+        let Some(inner) = state.inner.as_mut() else {
+            // Cut by the stall watch: the error aborts the client's response.
+            state.done = true;
+            return Poll::Ready(state.cut.then(|| Err(Box::new(ClientStalled(this.idle)) as BoxError)));
+        };
+        match Pin::new(&mut *inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
-                    if !this.seen_data {
-                        this.seen_data = true;
-                        if let Some(hooks) = this.hooks.as_mut() {
+                    if !state.seen_data {
+                        state.seen_data = true;
+                        if let Some(hooks) = state.hooks.as_mut() {
                             hooks.first_data();
                         }
                     }
-                    this.scanner.feed(data);
+                    state.scanner.feed(data);
                     if !data.is_empty() {
-                        this.at_boundary = data.ends_with(b"\n\n") || data.ends_with(b"\r\n\r\n");
+                        state.at_boundary = data.ends_with(b"\n\n") || data.ends_with(b"\r\n\r\n");
                     }
                 }
-                if this.inner.is_end_stream() {
+                if inner.is_end_stream() {
                     // The last frame: hyper will not poll again (the length is known), so
                     // the body ends here, its connection clean.
-                    this.end();
+                    state.end();
                 } else {
-                    let deadline = Instant::now() + this.idle;
-                    this.sleep.as_mut().reset(deadline);
+                    let now = Instant::now();
+                    this.sleep.as_mut().reset(now + this.idle);
+                    state.handed = Some(now);
+                    if let Some(watch) = this.watch.take() {
+                        let weak = Arc::downgrade(&this.state);
+                        watch.watch(weak);
+                    }
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => this.fail(e.into()),
+            Poll::Ready(Some(Err(e))) => state.fail(e.into()),
             Poll::Ready(None) => {
-                this.end();
+                state.end();
                 Poll::Ready(None)
             }
             Poll::Pending => {
                 ready!(this.sleep.as_mut().poll(cx));
-                let idle = this.idle;
-                this.fail(Box::new(IdleTimeout(idle)))
+                state.fail(Box::new(IdleTimeout(this.idle)))
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done || self.inner.is_end_stream()
+        let state = self.lock();
+        state.done || state.inner.as_ref().is_some_and(Body::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
         // A stream may get a final error event: never promise an exact length.
-        if self.sse { SizeHint::default() } else { self.inner.size_hint() }
+        let state = self.lock();
+        match &state.inner {
+            Some(inner) if !state.sse => inner.size_hint(),
+            _ => SizeHint::default(),
+        }
     }
 }
 
@@ -288,5 +362,62 @@ mod tests {
         assert_eq!(*ended.lock().unwrap(), None);
         drop(body);
         assert_eq!(*ended.lock().unwrap(), Some(None));
+    }
+
+    /// Feeds a test body.
+    type Feed = tokio::sync::mpsc::Sender<Result<Frame<Bytes>, BoxError>>;
+
+    /// A body fed by a channel, its hooks and the channel's sender; watched by `watch`.
+    fn channel_body(
+        watch: Arc<StallWatch>,
+    ) -> (Tracked<impl Body<Data = Bytes, Error = BoxError> + Unpin>, Ending, Feed) {
+        let ended = Ending::default();
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+        let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let body =
+            Tracked::new(inner, Duration::from_secs(5), Box::new(Ended(Arc::clone(&ended)))).watched(watch);
+        (body, ended, tx)
+    }
+
+    /// A body that handed a frame and is not asked for the next one (its client stopped
+    /// reading) is cut once the limit has passed: its upstream is dropped, its load released,
+    /// and hyper's next poll gets an error.
+    #[tokio::test(start_paused = true)]
+    async fn a_body_its_client_stopped_taking_is_cut() {
+        let stalls = prometheus_client::metrics::counter::Counter::default();
+        let watch = StallWatch::start(Duration::from_secs(1), stalls.clone());
+        let (mut body, ended, tx) = channel_body(watch.clone());
+        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
+        body.frame().await.unwrap().unwrap();
+        assert_eq!(watch.watching(), 1, "watched once it passed a frame");
+        let handed = Instant::now();
+        watch.sweep(handed + Duration::from_millis(999));
+        assert_eq!(*ended.lock().unwrap(), None, "within the limit");
+        watch.sweep(handed + Duration::from_millis(1_000));
+        assert_eq!(*ended.lock().unwrap(), Some(None), "load released at the limit");
+        assert!(tx.is_closed(), "the upstream body dropped");
+        assert_eq!((stalls.get(), watch.watching()), (1, 0));
+        let next = body.frame().await.unwrap();
+        assert!(next.unwrap_err().is::<ClientStalled>());
+        assert!(body.frame().await.is_none());
+    }
+
+    /// A body waiting on its replica is not the watch's to cut, however long it waits (its
+    /// own idle timer covers that); one that ended is forgotten.
+    #[tokio::test(start_paused = true)]
+    async fn a_body_waiting_on_its_replica_is_not_cut() {
+        let stalls = prometheus_client::metrics::counter::Counter::default();
+        let watch = StallWatch::start(Duration::from_secs(1), stalls.clone());
+        let (mut body, ended, tx) = channel_body(watch.clone());
+        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
+        body.frame().await.unwrap().unwrap();
+        let waiting = futures::poll!(body.frame());
+        assert!(waiting.is_pending(), "nothing more from the replica yet");
+        watch.sweep(Instant::now() + Duration::from_secs(4));
+        assert_eq!((*ended.lock().unwrap(), stalls.get(), watch.watching()), (None, 0, 1));
+        drop(tx);
+        assert!(body.frame().await.is_none());
+        watch.sweep(Instant::now() + Duration::from_secs(4));
+        assert_eq!((*ended.lock().unwrap(), stalls.get(), watch.watching()), (Some(None), 0, 0));
     }
 }

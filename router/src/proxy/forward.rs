@@ -22,6 +22,7 @@ use super::error::ProxyError;
 use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::pool::{Pool, SendError};
 use super::route::Plan;
+use super::stalls::StallWatch;
 use super::upload;
 use super::upstream::{LoadGuard, Upstream};
 use crate::metrics::ProxyMetrics;
@@ -59,6 +60,8 @@ pub struct ForwardConfig {
     pub max_body_bytes: usize,
     pub first_byte_timeout: Duration,
     pub idle_timeout: Duration,
+    /// Cuts responses whose client took nothing for the idle timeout.
+    pub stalls: Arc<StallWatch>,
     pub eject_after: u32,
     pub ejection: Duration,
 }
@@ -250,8 +253,11 @@ fn wrap(
         upstream_ttfb_seconds: metrics.upstream_ttfb_seconds.clone(),
         sent,
     });
-    let body =
-        Tracked::new(body, config.idle_timeout, hooks).sse(sse).map_err(|e: BoxError| e).boxed_unsync();
+    let body = Tracked::new(body, config.idle_timeout, hooks)
+        .sse(sse)
+        .watched(config.stalls.clone())
+        .map_err(|e: BoxError| e)
+        .boxed_unsync();
     Response::from_parts(parts, body)
 }
 

@@ -10,7 +10,7 @@
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //!
 //! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`pool`] (upstream
-//! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`route`] (the decision path), [`upload`] (clients' request
+//! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`upload`] (clients' request
 //! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health).
 
 pub mod body;
@@ -21,6 +21,7 @@ pub mod http1;
 pub mod pool;
 pub mod prompts;
 pub mod route;
+pub mod stalls;
 pub mod upload;
 pub mod upstream;
 

@@ -502,3 +502,83 @@ async fn a_prompt_the_replicas_tokenizer_refuses_is_a_400() {
     assert!(message.contains("no template for this message"), "{message}");
     shutdown.cancel();
 }
+
+/// A replica that answers every request with an endless server-sent-event stream; the
+/// counter tells how many of its streams found their connection closed.
+async fn endless_stream_replica() -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let closed = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = closed.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    if stream.read(&mut byte).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    head.push(byte[0]);
+                }
+                let start = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+                let event = format!("data: {}\n\n", "x".repeat(8 * 1024));
+                let chunk = format!("{:x}\r\n{event}\r\n", event.len());
+                let mut sent = stream.write_all(start.as_bytes()).await;
+                while sent.is_ok() {
+                    sent = stream.write_all(chunk.as_bytes()).await;
+                }
+                count.fetch_add(1, Ordering::SeqCst);
+            });
+        }
+    });
+    (addr, closed)
+}
+
+/// A client that stops reading a streamed response (an HTTP/1 client that leaves its socket
+/// unread, an HTTP/2 client that sends no more window updates) no longer holds the request:
+/// hyper stops polling the body, so its idle timer never ran, and the replica stayed busy and
+/// counted as loaded for as long as the client liked. Now the router cuts the response after
+/// the idle timeout: the replica sees its connection closed and the load is released.
+#[tokio::test]
+async fn a_client_that_stops_reading_a_stream_does_not_hold_the_replica() {
+    use std::sync::atomic::Ordering;
+    use tokio::io::AsyncWriteExt;
+    let (replica, closed) = endless_stream_replica().await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { idle_timeout_ms: 300, ..c }).await;
+    let address: std::net::SocketAddr = router.url().trim_start_matches("http://").parse().unwrap();
+    let in_flight = || router.fleet().members()[0].upstream.load().in_flight;
+
+    // HTTP/1: a socket with a small receive buffer, never read.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut h1 = socket.connect(address).await.unwrap();
+    h1.write_all(b"GET /v1/stream HTTP/1.1\r\nhost: t\r\n\r\n").await.unwrap();
+    wait_until("the replica's stream closed", || closed.load(Ordering::SeqCst) == 1).await;
+    wait_until("the load released", || in_flight() == 0).await;
+
+    // HTTP/2: a stream whose window is never opened again.
+    let io = hyper_util::rt::TokioIo::new(tokio::net::TcpStream::connect(address).await.unwrap());
+    let (mut h2, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+        .initial_stream_window_size(4096)
+        .handshake::<_, http_body_util::Empty<bytes::Bytes>>(io)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let request = http::Request::get(format!("http://{address}/v1/stream")).body(Default::default()).unwrap();
+    let response = h2.send_request(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    wait_until("the replica's second stream closed", || closed.load(Ordering::SeqCst) == 2).await;
+    wait_until("the load released again", || in_flight() == 0).await;
+
+    let metrics =
+        crate::fleet::Http::new().send(http::Method::GET, &format!("{}/metrics", router.url()), "").await;
+    let metrics = String::from_utf8_lossy(&metrics.body);
+    assert!(metrics.contains("kvroute_router_client_stalls_total 2"), "{metrics}");
+    drop((h1, response));
+    shutdown.cancel();
+}
