@@ -302,6 +302,8 @@ fn parse_value(rest: &[u8]) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    use prometheus_client::metrics::counter::Counter;
+
     use super::*;
 
     #[test]
@@ -367,16 +369,22 @@ mod tests {
     /// Feeds a test body.
     type Feed = tokio::sync::mpsc::Sender<Result<Frame<Bytes>, BoxError>>;
 
-    /// A body fed by a channel, its hooks and the channel's sender; watched by `watch`.
-    fn channel_body(
-        watch: Arc<StallWatch>,
-    ) -> (Tracked<impl Body<Data = Bytes, Error = BoxError> + Unpin>, Ending, Feed) {
+    /// A body fed by a channel, watched by a stall watch with a 1 s limit, that has passed
+    /// one frame: the body, its hooks' record, the channel's sender, the watch and its count
+    /// of cut bodies.
+    async fn body_past_its_first_frame()
+    -> (Tracked<impl Body<Data = Bytes, Error = BoxError> + Unpin>, Ending, Feed, Arc<StallWatch>, Counter)
+    {
+        let stalls = Counter::default();
+        let watch = StallWatch::start(Duration::from_secs(1), stalls.clone());
         let ended = Ending::default();
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
         let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-        let body =
-            Tracked::new(inner, Duration::from_secs(5), Box::new(Ended(Arc::clone(&ended)))).watched(watch);
-        (body, ended, tx)
+        let mut body = Tracked::new(inner, Duration::from_secs(5), Box::new(Ended(Arc::clone(&ended))))
+            .watched(watch.clone());
+        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
+        body.frame().await.unwrap().unwrap();
+        (body, ended, tx, watch, stalls)
     }
 
     /// A body that handed a frame and is not asked for the next one (its client stopped
@@ -384,11 +392,7 @@ mod tests {
     /// and hyper's next poll gets an error.
     #[tokio::test(start_paused = true)]
     async fn a_body_its_client_stopped_taking_is_cut() {
-        let stalls = prometheus_client::metrics::counter::Counter::default();
-        let watch = StallWatch::start(Duration::from_secs(1), stalls.clone());
-        let (mut body, ended, tx) = channel_body(watch.clone());
-        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
-        body.frame().await.unwrap().unwrap();
+        let (mut body, ended, tx, watch, stalls) = body_past_its_first_frame().await;
         assert_eq!(watch.watching(), 1, "watched once it passed a frame");
         let handed = Instant::now();
         watch.sweep(handed + Duration::from_millis(999));
@@ -406,11 +410,7 @@ mod tests {
     /// own idle timer covers that); one that ended is forgotten.
     #[tokio::test(start_paused = true)]
     async fn a_body_waiting_on_its_replica_is_not_cut() {
-        let stalls = prometheus_client::metrics::counter::Counter::default();
-        let watch = StallWatch::start(Duration::from_secs(1), stalls.clone());
-        let (mut body, ended, tx) = channel_body(watch.clone());
-        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
-        body.frame().await.unwrap().unwrap();
+        let (mut body, ended, tx, watch, stalls) = body_past_its_first_frame().await;
         let waiting = futures::poll!(body.frame());
         assert!(waiting.is_pending(), "nothing more from the replica yet");
         watch.sweep(Instant::now() + Duration::from_secs(4));
