@@ -7,7 +7,8 @@
 //! holds the one connection it accepted last, unserved, and accepts no more, so the others
 //! wait in the kernel's listen backlog until a connection closes), the
 //! size and number of request header fields (hyper answers `431` and closes), and the time
-//! allowed to send a request head (slowloris).
+//! allowed to send a request head (slowloris), and the time a write to a client that stopped
+//! reading may wait ([`send_timeout`]).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -22,6 +23,10 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+pub mod send_timeout;
+
+use send_timeout::SendTimeout;
+
 /// Limits of one HTTP server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
@@ -35,6 +40,9 @@ pub struct Limits {
     pub max_headers: usize,
     /// Time allowed for a client to send a whole HTTP/1 request head.
     pub header_read_timeout: Duration,
+    /// Longest a write to a client may wait (it is not reading); then the connection
+    /// closes ([`send_timeout`]).
+    pub send_timeout: Duration,
 }
 
 /// hyper's smallest HTTP/1 read buffer.
@@ -47,6 +55,7 @@ impl Default for Limits {
             max_header_bytes: 64 * 1024,
             max_headers: 100,
             header_read_timeout: Duration::from_secs(30),
+            send_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -283,6 +292,7 @@ async fn accept_loop<H, F, B>(
         }
         let builder = builder.clone();
         let handler = handler.clone();
+        let send_timeout = limits.send_timeout;
         let shutdown = shutdown.clone();
         connections.spawn(async move {
             let _slot = slot;
@@ -290,7 +300,8 @@ async fn accept_loop<H, F, B>(
                 let response = handler(req);
                 async move { Ok::<_, Infallible>(response.await) }
             });
-            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            let conn =
+                builder.serve_connection(TokioIo::new(SendTimeout::new(stream, send_timeout)), service);
             tokio::pin!(conn);
             let result = tokio::select! {
                 result = conn.as_mut() => result,
@@ -406,5 +417,61 @@ mod tests {
         assert!(served.values().all(|&n| n >= 12), "{served:?}");
         shutdown.cancel();
         server.await.unwrap().unwrap();
+    }
+
+    /// An endless response body that tells when it is dropped.
+    struct Endless {
+        chunk: Bytes,
+        dropped: Option<tokio::sync::oneshot::Sender<()>>,
+    }
+
+    impl Body for Endless {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Infallible>>> {
+            std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(self.chunk.clone()))))
+        }
+    }
+
+    impl Drop for Endless {
+        fn drop(&mut self) {
+            if let Some(dropped) = self.dropped.take() {
+                let _ = dropped.send(());
+            }
+        }
+    }
+
+    /// A client that stops reading its response has its connection closed once a write has
+    /// waited for the send timeout: the response is dropped, and with it whatever it held.
+    /// Before, TCP's zero-window probes kept the connection, its slot and the response alive
+    /// for as long as the client stayed.
+    #[tokio::test]
+    async fn a_client_that_stops_reading_is_closed_after_the_send_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let (dropped, on_drop) = tokio::sync::oneshot::channel();
+        let dropped = Arc::new(std::sync::Mutex::new(Some(dropped)));
+        let handler = move |_: Request<Incoming>| {
+            let dropped = dropped.lock().unwrap().take();
+            async move { Response::new(Endless { chunk: Bytes::from(vec![b'x'; 64 * 1024]), dropped }) }
+        };
+        let limits = Limits { send_timeout: Duration::from_millis(200), ..Limits::default() };
+        let server = tokio::spawn(serve_with(listener, handler, limits, shutdown.clone()));
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut client = socket.connect(addr).await.unwrap();
+        client.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        tokio::time::timeout(Duration::from_secs(20), on_drop)
+            .await
+            .expect("the response dropped")
+            .expect("signalled by the body");
+        drop(client);
+        shutdown.cancel();
+        server.await.unwrap();
     }
 }

@@ -110,8 +110,8 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_MS", default_value_t = 120_000)]
     pub first_byte_timeout_ms: u64,
     /// Longest silence allowed inside a streaming response, inside a request's body (then
-    /// 408), and from a client that takes nothing of its response (then it is cut),
-    /// milliseconds.
+    /// 408), and from a client that takes nothing of its response (then the response is cut
+    /// and, if the client's socket is full, its connection closed), milliseconds.
     #[arg(long, env = "KVROUTE_IDLE_TIMEOUT_MS", default_value_t = 60_000)]
     pub idle_timeout_ms: u64,
     /// Largest accepted request body, bytes.
@@ -278,6 +278,7 @@ impl Config {
         Limits {
             max_connections: self.max_connections,
             max_header_bytes: self.max_header_bytes,
+            send_timeout: self.idle_timeout(),
             ..Limits::default()
         }
     }
