@@ -15,6 +15,11 @@
 //! not the watch's business: its own idle timer covers that. Small answers end with their
 //! first frame and are never watched; a body is handed over only once it has passed a frame
 //! and is still open, so the watch costs a request nothing until then.
+//!
+//! Over HTTP/1 the server's send timeout ([`kvroute_proto::serve::send_timeout`], the same
+//! limit) usually closes the client's connection first, which drops the body. An HTTP/2
+//! stream without window is the watch's alone: the client reads its socket, so no write
+//! waits.
 
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
