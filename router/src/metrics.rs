@@ -1,19 +1,25 @@
 //! The proxy's Prometheus metrics, all prefixed `kvroute_router_`: decisions per policy,
 //! predicted and realized cached tokens (realized = `usage.prompt_tokens_details.cached_tokens`
 //! read from the responses), requests by status code, retries, ejections, and latency
-//! histograms of the decision path and of the upstream time to first byte; and the
-//! tokenizer's prefix cache.
+//! histograms of the decision path and of the upstream time to first byte; the tokenizer's
+//! prefix cache; and each replica's load and state as the proxy sees them
+//! ([`register_replica_load`]).
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use kvroute_proto::openai::Tokenization;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use crate::fleet::{Fleet, Member};
+use crate::policy::Load;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PolicyLabel {
@@ -142,6 +148,99 @@ impl Collector for TokenizeCache {
         ] {
             let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
             gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Registers each replica's load and state as the proxy sees them, read at scrape time, all
+/// labelled `replica` (its name): requests sent to it, requests in flight, uncached prompt
+/// tokens waiting for their first byte, the queue it last reported, its ejections, and its
+/// routing state (`eligible`, or why not: `unhealthy`, `ejected`, `draining`, `saturated` at
+/// `max_in_flight` requests). A removed replica's series end with it.
+pub fn register_replica_load(registry: &mut Registry, fleet: Fleet, max_in_flight: u32) {
+    registry
+        .sub_registry_with_prefix("kvroute_router")
+        .register_collector(Box::new(ReplicaLoad { fleet, max_in_flight }));
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReplicaLabel {
+    replica: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReplicaStateLabels {
+    replica: String,
+    state: &'static str,
+}
+
+/// A per-replica series: its name, its help and how to read it.
+type Series<T> = (&'static str, &'static str, fn(&T) -> u64);
+
+struct ReplicaLoad {
+    fleet: Fleet,
+    max_in_flight: u32,
+}
+
+impl std::fmt::Debug for ReplicaLoad {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaLoad").field("max_in_flight", &self.max_in_flight).finish_non_exhaustive()
+    }
+}
+
+impl Collector for ReplicaLoad {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let members = self.fleet.members();
+        let label = |m: &Member| ReplicaLabel { replica: m.replica.spec.name.clone() };
+        let counters: [Series<Member>; 2] = [
+            ("replica_requests", "Requests sent to the replica, retries included", |m| {
+                m.upstream.requests.load(Ordering::Relaxed)
+            }),
+            ("replica_ejections", "Times the replica was ejected as an outlier", |m| {
+                m.upstream.ejections.load(Ordering::Relaxed)
+            }),
+        ];
+        for (name, help, value) in counters {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for m in &members {
+                ConstCounter::new(value(m)).encode(family.encode_family(&label(m))?)?;
+            }
+        }
+        let gauges: [Series<Load>; 3] = [
+            ("replica_in_flight", "Requests the router has in flight at the replica", |l| {
+                u64::from(l.in_flight)
+            }),
+            (
+                "replica_pending_prefill_tokens",
+                "Uncached prompt tokens sent to the replica whose first byte has not come back",
+                |l| l.pending_prefill_tokens,
+            ),
+            (
+                "replica_reported_waiting",
+                "Requests waiting in the replica's queue, as it last reported",
+                |l| u64::from(l.reported_waiting),
+            ),
+        ];
+        let loads: Vec<Load> = members.iter().map(|m| m.upstream.load()).collect();
+        for (name, help, value) in gauges {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (m, load) in members.iter().zip(&loads) {
+                let gauge = ConstGauge::new(i64::try_from(value(load)).unwrap_or(i64::MAX));
+                gauge.encode(family.encode_family(&label(m))?)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "replica_state",
+            "1 for the replica's routing state: eligible, or why it is not",
+            None,
+            MetricType::Gauge,
+        )?;
+        for m in &members {
+            let state =
+                m.upstream.eligibility(self.max_in_flight).map_or_else(|why| why.as_str(), |()| "eligible");
+            let labels = ReplicaStateLabels { replica: m.replica.spec.name.clone(), state };
+            ConstGauge::new(1).encode(family.encode_family(&labels)?)?;
         }
         Ok(())
     }

@@ -20,7 +20,7 @@ use crate::discovery::{Discovery, DiscoveryMetrics};
 use crate::fleet::Fleet;
 use crate::index::SharedIndex;
 use crate::ingest::{Ingest, IngestConfig};
-use crate::metrics::{ProxyMetrics, register_tokenize_cache};
+use crate::metrics::{ProxyMetrics, register_replica_load, register_tokenize_cache};
 use crate::policy::{self, CacheAwareParams};
 use crate::proxy::forward::ForwardConfig;
 use crate::proxy::pool::Pool;
@@ -139,6 +139,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         Prompts::Local(tokenization)
     };
     let metrics = ProxyMetrics::register(&mut registry);
+    register_replica_load(&mut registry, fleet.clone(), config.max_in_flight_per_replica);
     let stalls = proxy::stalls::StallWatch::start(config.idle_timeout(), metrics.client_stalls.clone());
     let params = CacheAwareParams {
         in_flight_tokens: config.load_weight,

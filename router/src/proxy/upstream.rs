@@ -60,6 +60,8 @@ pub struct Upstream {
     ejected: AtomicBool,
     ejected_until: Mutex<Option<Instant>>,
     pub ejections: AtomicU64,
+    /// Requests sent to the replica (each attempt of a retried request counts).
+    pub requests: AtomicU64,
 }
 
 impl Default for Upstream {
@@ -76,6 +78,7 @@ impl Default for Upstream {
             ejected: AtomicBool::new(false),
             ejected_until: Mutex::new(None),
             ejections: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
         }
     }
 }
@@ -136,6 +139,7 @@ impl Upstream {
     /// to this replica; the guard undoes all but the recent prompt tokens, which only decay.
     pub fn begin(self: &std::sync::Arc<Self>, prefill_tokens: u64, prompt_tokens: u64) -> LoadGuard {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.requests.fetch_add(1, Ordering::Relaxed);
         self.pending_prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
         self.recent().add(self.epoch.elapsed(), prompt_tokens);
         LoadGuard { upstream: self.clone(), prefill_tokens }

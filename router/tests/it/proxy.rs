@@ -90,6 +90,21 @@ async fn a_fleet_wide_shared_first_block_does_not_send_everything_to_one_replica
     let max = *per_replica.values().max().unwrap() as f64;
     let mean = 48.0 / 4.0;
     assert!(max / mean <= 2.0, "load skew {} too high: {per_replica:?}", max / mean);
+
+    // The same spread, per replica, in the router's metrics; nothing left in flight.
+    let metrics = scrape(&fleet.http, &fleet.url("")).await;
+    let retries = sample(&metrics, "kvroute_router_retries_total").unwrap();
+    let mut sent = 0;
+    for (replica, answered) in &per_replica {
+        let series = |name: &str| format!("kvroute_router_replica_{name}{{replica=\"{replica}\"}}");
+        let requests = sample(&metrics, &series("requests_total")).unwrap_or_else(|| panic!("{metrics}"));
+        assert!(requests >= u64::from(*answered), "{replica}: {requests} sent, {answered} answered");
+        sent += requests;
+        assert_eq!(sample(&metrics, &series("in_flight")), Some(0), "{replica}");
+        let eligible = format!("kvroute_router_replica_state{{replica=\"{replica}\",state=\"eligible\"}}");
+        assert_eq!(sample(&metrics, &eligible), Some(1), "{metrics}");
+    }
+    assert_eq!(sent, 48 + retries, "every attempt counted once");
 }
 
 #[tokio::test]
@@ -205,12 +220,8 @@ async fn a_conversations_turns_hash_like_the_replica_and_reuse_earlier_turns() {
         assert_parity(&fleet, "/v1/chat/completions", Endpoint::ChatCompletions, &body).await;
         messages.push(json!({"role": "assistant", "content": text(&format!("a{turn}x"), 60)}));
     }
-    let metrics = fleet.http.get(&fleet.url("/metrics")).await;
-    let metrics = String::from_utf8_lossy(&metrics.body).into_owned();
-    let reused = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("kvroute_router_tokenize_reused_bytes_total "))
-        .map(|v| v.parse::<u64>().unwrap());
+    let metrics = scrape(&fleet.http, &fleet.url("")).await;
+    let reused = sample(&metrics, "kvroute_router_tokenize_reused_bytes_total");
     assert!(reused.is_some_and(|bytes| bytes > 10_000), "{reused:?}");
 }
 
@@ -593,9 +604,17 @@ async fn a_client_that_stops_reading_a_stream_does_not_hold_the_replica() {
 
 /// `kvroute_router_client_stalls_total`, from the router's `/metrics`.
 async fn client_stalls(router: &kvroute_router::RunningRouter) -> u64 {
-    let metrics =
-        crate::fleet::Http::new().send(http::Method::GET, &format!("{}/metrics", router.url()), "").await;
-    let metrics = String::from_utf8_lossy(&metrics.body).into_owned();
-    let line = metrics.lines().find_map(|l| l.strip_prefix("kvroute_router_client_stalls_total "));
-    line.and_then(|n| n.trim().parse().ok()).unwrap_or_else(|| panic!("no client_stalls_total in {metrics}"))
+    let metrics = scrape(&crate::fleet::Http::new(), &router.url()).await;
+    sample(&metrics, "kvroute_router_client_stalls_total")
+        .unwrap_or_else(|| panic!("no client stalls in {metrics}"))
+}
+
+/// The `/metrics` text of the router at `base`.
+async fn scrape(http: &crate::fleet::Http, base: &str) -> String {
+    String::from_utf8_lossy(&http.get(&format!("{base}/metrics")).await.body).into_owned()
+}
+
+/// The value of `series` (a metric's name and labels, as the text format prints them).
+fn sample(metrics: &str, series: &str) -> Option<u64> {
+    metrics.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
 }
