@@ -462,6 +462,7 @@ mod tests {
         };
         let limits = Limits { send_timeout: Duration::from_millis(200), ..Limits::default() };
         let server = tokio::spawn(serve_with(listener, handler, limits, shutdown.clone()));
+        let before = send_timeout::send_timeouts();
         let socket = tokio::net::TcpSocket::new_v4().unwrap();
         socket.set_recv_buffer_size(4096).unwrap();
         let mut client = socket.connect(addr).await.unwrap();
@@ -470,6 +471,7 @@ mod tests {
             .await
             .expect("the response dropped")
             .expect("signalled by the body");
+        assert!(send_timeout::send_timeouts() > before, "counted");
         drop(client);
         shutdown.cancel();
         server.await.unwrap();

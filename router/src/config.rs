@@ -109,11 +109,16 @@ pub struct Config {
     /// Time allowed until an upstream's response headers arrive, milliseconds.
     #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_MS", default_value_t = 120_000)]
     pub first_byte_timeout_ms: u64,
-    /// Longest silence allowed inside a streaming response, inside a request's body (then
-    /// 408), and from a client that takes nothing of its response (then the response is cut
-    /// and, if the client's socket is full, its connection closed), milliseconds.
+    /// Longest silence allowed inside a streaming response, and inside a request's body
+    /// (then 408), milliseconds.
     #[arg(long, env = "KVROUTE_IDLE_TIMEOUT_MS", default_value_t = 60_000)]
     pub idle_timeout_ms: u64,
+    /// Longest a client may take nothing of its response, milliseconds: an HTTP/1 connection
+    /// whose write waits this long is closed, an HTTP/2 response whose stream has had no
+    /// window for this long is cut; either way the replica's request ends and its load is
+    /// released.
+    #[arg(long, env = "KVROUTE_SEND_TIMEOUT_MS", default_value_t = 60_000)]
+    pub send_timeout_ms: u64,
     /// Largest accepted request body, bytes.
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
     pub max_body_bytes: usize,
@@ -193,6 +198,7 @@ impl Config {
         check(self.connect_timeout_ms > 0, "--connect-timeout-ms must be at least 1".into());
         check(self.first_byte_timeout_ms > 0, "--first-byte-timeout-ms must be at least 1".into());
         check(self.idle_timeout_ms > 0, "--idle-timeout-ms must be at least 1".into());
+        check(self.send_timeout_ms > 0, "--send-timeout-ms must be at least 1".into());
         check(self.max_body_bytes > 0, "--max-body-bytes must be at least 1".into());
         let most = tokio::sync::Semaphore::MAX_PERMITS;
         check((1..=most).contains(&self.max_in_flight), format!("--max-in-flight must be 1 to {most}"));
@@ -255,6 +261,9 @@ impl Config {
     pub fn idle_timeout(&self) -> Duration {
         Duration::from_millis(self.idle_timeout_ms)
     }
+    pub fn send_timeout(&self) -> Duration {
+        Duration::from_millis(self.send_timeout_ms)
+    }
     pub fn health_interval(&self) -> Duration {
         Duration::from_millis(self.health_interval_ms)
     }
@@ -278,7 +287,7 @@ impl Config {
         Limits {
             max_connections: self.max_connections,
             max_header_bytes: self.max_header_bytes,
-            send_timeout: self.idle_timeout(),
+            send_timeout: self.send_timeout(),
             ..Limits::default()
         }
     }

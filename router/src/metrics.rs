@@ -48,7 +48,8 @@ pub struct ProxyMetrics {
     pub errors: Family<ErrorLabel, Counter>,
     pub retries: Counter,
     pub ejections: Counter,
-    /// Responses cut because their client stopped taking data.
+    /// HTTP/2 responses cut because their client stopped taking data (HTTP/1 connections
+    /// closed so are [`SendTimeouts`]).
     pub client_stalls: Counter,
     pub in_flight: Gauge,
     pub decision_seconds: Histogram,
@@ -99,9 +100,10 @@ impl ProxyMetrics {
         r.register("ejections", "Replicas ejected as outliers", m.ejections.clone());
         r.register(
             "client_stalls",
-            "Responses cut because the client took nothing of them for the idle timeout",
+            "HTTP/2 responses cut because their stream had no window for the send timeout",
             m.client_stalls.clone(),
         );
+        r.register_collector(Box::new(SendTimeouts));
         r.register("in_flight", "Requests in flight through the router", m.in_flight.clone());
         r.register(
             "decision_seconds",
@@ -114,6 +116,24 @@ impl ProxyMetrics {
             m.upstream_ttfb_seconds.clone(),
         );
         m
+    }
+}
+
+/// `client_send_timeouts`: client connections closed because a write to the client waited
+/// for the send timeout ([`kvroute_proto::serve::send_timeout`]; counted for the process).
+#[derive(Debug)]
+struct SendTimeouts;
+
+impl Collector for SendTimeouts {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let counter = ConstCounter::new(kvroute_proto::serve::send_timeout::send_timeouts());
+        let help = "Client connections closed because a write to the client waited for the send timeout";
+        counter.encode(encoder.encode_descriptor(
+            "client_send_timeouts",
+            help,
+            None,
+            counter.metric_type(),
+        )?)
     }
 }
 

@@ -140,7 +140,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     };
     let metrics = ProxyMetrics::register(&mut registry);
     register_replica_load(&mut registry, fleet.clone(), config.max_in_flight_per_replica);
-    let stalls = proxy::stalls::StallWatch::start(config.idle_timeout(), metrics.client_stalls.clone());
+    let stalls = proxy::stalls::StallWatch::start(config.send_timeout(), metrics.client_stalls.clone());
     let params = CacheAwareParams {
         in_flight_tokens: config.load_weight,
         miss_weight: config.miss_weight,

@@ -7,14 +7,25 @@
 //! long as the client likes. [`SendTimeout`] fails a write that has waited for `limit`, and
 //! the connection closes (nginx's `send_timeout`: between two writes, not for a whole
 //! response). Writes that go through at once, nearly all of them, arm no timer.
+//! [`send_timeouts`] counts the connections closed so, in this process.
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
+
+/// Writes failed by a send timeout, in this process.
+static SEND_TIMEOUTS: AtomicU64 = AtomicU64::new(0);
+
+/// How many client connections this process closed because a write to the client waited
+/// for the send timeout (every server of the process together).
+pub fn send_timeouts() -> u64 {
+    SEND_TIMEOUTS.load(Ordering::Relaxed)
+}
 
 /// `io` whose writes fail once they have waited for `limit`.
 pub struct SendTimeout<T> {
@@ -44,10 +55,13 @@ impl<T> SendTimeout<T> {
             timer.as_mut().reset(deadline);
         }
         match timer.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("the client took nothing for {:?}", self.limit),
-            ))),
+            Poll::Ready(()) => {
+                SEND_TIMEOUTS.fetch_add(1, Ordering::Relaxed);
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the client took nothing for {:?}", self.limit),
+                )))
+            }
             Poll::Pending => Poll::Pending,
         }
     }

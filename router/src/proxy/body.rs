@@ -55,7 +55,12 @@ pub trait Hooks: Send + 'static {
 pub struct Tracked<B> {
     state: Arc<Mutex<State<B>>>,
     idle: Duration,
+    /// The idle deadline of the current wait on the replica.
     sleep: Pin<Box<Sleep>>,
+    /// The body is waiting on the replica and `sleep` is that wait's deadline.
+    waiting: bool,
+    /// The body is watched for a client that stops taking it.
+    watched: bool,
     /// The watch to hand the body to once it has passed a frame and is still open.
     watch: Option<Arc<StallWatch>>,
 }
@@ -96,6 +101,8 @@ impl<B> Tracked<B> {
             state: Arc::new(Mutex::new(state)),
             idle,
             sleep: Box::pin(tokio::time::sleep(idle)),
+            waiting: false,
+            watched: false,
             watch: None,
         }
     }
@@ -108,6 +115,7 @@ impl<B> Tracked<B> {
 
     /// Hands the body to `watch` once it has passed a frame and is still open.
     pub fn watched(mut self, watch: Arc<StallWatch>) -> Self {
+        self.watched = true;
         self.watch = Some(watch);
         self
     }
@@ -210,14 +218,13 @@ where
                         state.at_boundary = data.ends_with(b"\n\n") || data.ends_with(b"\r\n\r\n");
                     }
                 }
+                this.waiting = false;
                 if inner.is_end_stream() {
                     // The last frame: hyper will not poll again (the length is known), so
                     // the body ends here, its connection clean.
                     state.end();
-                } else {
-                    let now = Instant::now();
-                    this.sleep.as_mut().reset(now + this.idle);
-                    state.handed = Some(now);
+                } else if this.watched {
+                    state.handed = Some(Instant::now());
                     if let Some(watch) = this.watch.take() {
                         let weak = Arc::downgrade(&this.state);
                         watch.watch(weak);
@@ -231,6 +238,12 @@ where
                 Poll::Ready(None)
             }
             Poll::Pending => {
+                // The replica's silence counts from here, not from the last frame: hyper may
+                // have taken its time to pass that one on.
+                if !this.waiting {
+                    this.waiting = true;
+                    this.sleep.as_mut().reset(Instant::now() + this.idle);
+                }
                 ready!(this.sleep.as_mut().poll(cx));
                 state.fail(Box::new(IdleTimeout(this.idle)))
             }
@@ -419,5 +432,28 @@ mod tests {
         assert!(body.frame().await.is_none());
         watch.sweep(Instant::now() + Duration::from_secs(4));
         assert_eq!((*ended.lock().unwrap(), stalls.get(), watch.watching()), (Some(None), 0, 0));
+    }
+
+    /// The replica's silence is timed from when the body starts waiting on it, not from its
+    /// last frame: a client that took its time over that frame does not shorten the wait.
+    #[tokio::test(start_paused = true)]
+    async fn the_idle_timeout_counts_from_when_the_body_waits() {
+        let ended = Ending::default();
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+        let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let mut body = Tracked::new(inner, Duration::from_secs(5), Box::new(Ended(Arc::clone(&ended))));
+        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
+        body.frame().await.unwrap().unwrap();
+        tokio::time::advance(Duration::from_millis(4_500)).await;
+        assert!(futures::poll!(body.frame()).is_pending(), "waiting on the replica from now");
+        tokio::time::advance(Duration::from_millis(1_000)).await;
+        assert!(futures::poll!(body.frame()).is_pending(), "5.5 s after the frame, 1 s into the wait");
+        tokio::time::advance(Duration::from_millis(3_990)).await;
+        assert!(futures::poll!(body.frame()).is_pending(), "4.99 s into the wait");
+        tokio::time::advance(Duration::from_millis(10)).await;
+        let failed = body.frame().await.unwrap().unwrap_err();
+        assert!(failed.is::<IdleTimeout>(), "{failed}");
+        assert_eq!(*ended.lock().unwrap(), Some(None));
+        drop(tx);
     }
 }

@@ -122,7 +122,7 @@ pub async fn routed(
                 });
             }
             Ok(Ok(response)) => {
-                let mut response = wrap(response, guard, upstream.clone(), config, metrics, sent, request_id);
+                let mut response = wrap(response, parts.version, guard, config, metrics, sent, request_id);
                 let headers = response.headers_mut();
                 if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                     headers.insert(X_KVROUTE_REPLICA, v);
@@ -168,7 +168,7 @@ pub async fn streamed(
     let sent = Instant::now();
     match tokio::time::timeout(config.first_byte_timeout, pool.send(request)).await {
         Ok(Ok(response)) => {
-            let mut response = wrap(response, guard, upstream.clone(), config, metrics, sent, request_id);
+            let mut response = wrap(response, parts.version, guard, config, metrics, sent, request_id);
             if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                 response.headers_mut().insert(X_KVROUTE_REPLICA, v);
             }
@@ -222,14 +222,15 @@ fn build_request(
 /// The upstream response, with the body tracked and hop-by-hop headers removed.
 fn wrap(
     response: Response<UpstreamBody>,
+    client_version: http::Version,
     guard: LoadGuard,
-    upstream: Arc<Upstream>,
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
     sent: Instant,
     request_id: &str,
 ) -> Response<ProxyBody> {
     let status = response.status();
+    let upstream = guard.upstream();
     if status.is_server_error() {
         if upstream.record_failure(config.eject_after, config.ejection) {
             metrics.ejections.inc();
@@ -253,11 +254,12 @@ fn wrap(
         upstream_ttfb_seconds: metrics.upstream_ttfb_seconds.clone(),
         sent,
     });
-    let body = Tracked::new(body, config.idle_timeout, hooks)
-        .sse(sse)
-        .watched(config.stalls.clone())
-        .map_err(|e: BoxError| e)
-        .boxed_unsync();
+    let body = Tracked::new(body, config.idle_timeout, hooks).sse(sse);
+    // An HTTP/1 client that stops reading is the server's send timeout's (its connection's
+    // writes wait); an HTTP/2 stream without window is the stall watch's.
+    let body =
+        if client_version == http::Version::HTTP_2 { body.watched(config.stalls.clone()) } else { body };
+    let body = body.map_err(|e: BoxError| e).boxed_unsync();
     Response::from_parts(parts, body)
 }
 

@@ -1,25 +1,27 @@
-//! Responses a client stopped taking.
+//! HTTP/2 responses a client stopped taking.
 //!
-//! A response body is polled only while its client takes data: an HTTP/1 client that stops
-//! reading fills the socket's buffers, an HTTP/2 client that withholds window updates leaves
-//! its stream without capacity, and in both cases hyper stops polling the body. Whatever the
-//! body holds is then held for as long as the client likes: the upstream connection (the
-//! replica keeps the request) and the request's share of the replica's load (the router
-//! routes around a replica that is not busy). The body's own idle timer cannot help; it is
-//! armed only by a poll.
+//! A response body is polled only while its client takes data. An HTTP/2 client that
+//! withholds window updates leaves its stream without capacity, and hyper stops polling the
+//! body, while the connection as a whole goes on (the client reads its socket, so no write
+//! waits and the server's send timeout, [`kvroute_proto::serve::send_timeout`], which
+//! closes HTTP/1 connections whose writes wait, never fires). Whatever the body holds is
+//! then held for as long as the client likes: the upstream connection (the replica keeps
+//! the request) and the request's share of the replica's load (the router routes around a
+//! replica that is not busy). The body's own idle timer cannot help; it is armed only by a
+//! poll.
 //!
-//! So a body that handed a frame to hyper and is not asked for the next one within the
-//! idle timeout is cut from outside: [`StallWatch`] looks at the bodies it was given every
-//! quarter of the timeout, and a stalled one drops its upstream connection (the replica sees
-//! its client gone and stops) and releases its load. A body that is waiting on the replica is
-//! not the watch's business: its own idle timer covers that. Small answers end with their
-//! first frame and are never watched; a body is handed over only once it has passed a frame
-//! and is still open, so the watch costs a request nothing until then.
+//! So an HTTP/2 body that handed a frame to hyper and is not asked for the next one within
+//! the send timeout is cut from outside: [`StallWatch`] looks at the bodies it was given
+//! every quarter of the timeout (at most every second), and a stalled one drops its upstream
+//! connection (the replica sees its client gone and stops) and releases its load. The client
+//! is not told: hyper still waits for the stream's window, and the stream, with the frame
+//! it holds, stays until the client opens the window (then it gets a reset) or goes away. A
+//! client that reads slowly but steadily opens its window as it reads and is not cut, unless
+//! it takes longer than the timeout to read what the window allowed.
 //!
-//! Over HTTP/1 the server's send timeout ([`kvroute_proto::serve::send_timeout`], the same
-//! limit) usually closes the client's connection first, which drops the body. An HTTP/2
-//! stream without window is the watch's alone: the client reads its socket, so no write
-//! waits.
+//! A body that is waiting on the replica is not the watch's business: its own idle timer
+//! covers that. Answers of known length end with their one frame and are never watched;
+//! a body is handed over only once it has passed a frame and is still open.
 
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -93,8 +95,9 @@ impl StallWatch {
 
     /// Looks at every body once, as of `now`; bodies given meanwhile wait for the next look.
     pub fn sweep(&self, now: Instant) {
+        // Before the clock could run `limit`, nothing can have waited that long.
+        let Some(since) = now.checked_sub(self.limit) else { return };
         let mut bodies = std::mem::take(&mut *self.lock());
-        let since = now.checked_sub(self.limit).unwrap_or(now);
         bodies.retain(|body| {
             let Some(body) = body.upgrade() else { return false };
             match body.check(since) {

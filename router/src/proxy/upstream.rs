@@ -195,6 +195,11 @@ pub struct LoadGuard {
 }
 
 impl LoadGuard {
+    /// The replica the load is on.
+    pub fn upstream(&self) -> &Upstream {
+        &self.upstream
+    }
+
     /// The first response byte arrived: the prefill is done.
     pub fn prefill_done(&mut self) {
         let n = std::mem::take(&mut self.prefill_tokens);

@@ -560,27 +560,30 @@ async fn endless_stream_replica() -> (std::net::SocketAddr, std::sync::Arc<std::
 /// A client that stops reading a streamed response (an HTTP/1 client that leaves its socket
 /// unread, an HTTP/2 client that sends no more window updates) no longer holds the request:
 /// hyper stops polling the body, so its idle timer never ran, and the replica stayed busy and
-/// counted as loaded for as long as the client liked. Now the response is cut after the idle
-/// timeout (HTTP/1: the write that waits, or the stall watch, whichever comes first; HTTP/2:
-/// the stall watch, as the client's socket is read): the replica sees its connection closed
-/// and the load is released.
+/// counted as loaded for as long as the client liked. Now the response ends after the send
+/// timeout (HTTP/1: the write that waits closes the connection; HTTP/2: the stall watch cuts
+/// the stream's response, as the client's socket is read and no write waits): the replica
+/// sees its connection closed and the load is released.
 #[tokio::test]
 async fn a_client_that_stops_reading_a_stream_does_not_hold_the_replica() {
     use std::sync::atomic::Ordering;
     use tokio::io::AsyncWriteExt;
     let (replica, closed) = endless_stream_replica().await;
     let (router, shutdown) =
-        router_in_front_of(replica, |c| kvroute_router::Config { idle_timeout_ms: 300, ..c }).await;
+        router_in_front_of(replica, |c| kvroute_router::Config { send_timeout_ms: 300, ..c }).await;
     let address: std::net::SocketAddr = router.url().trim_start_matches("http://").parse().unwrap();
     let in_flight = || router.fleet().members()[0].upstream.load().in_flight;
 
     // HTTP/1: a socket with a small receive buffer, never read.
+    let closed_before = sample(&scrape(&crate::fleet::Http::new(), &router.url()).await, TIMEOUTS).unwrap();
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
     let mut h1 = socket.connect(address).await.unwrap();
     h1.write_all(b"GET /v1/stream HTTP/1.1\r\nhost: t\r\n\r\n").await.unwrap();
     wait_until("the replica's stream closed", || closed.load(Ordering::SeqCst) == 1).await;
     wait_until("the load released", || in_flight() == 0).await;
+    let closed_after = sample(&scrape(&crate::fleet::Http::new(), &router.url()).await, TIMEOUTS).unwrap();
+    assert!(closed_after > closed_before, "the send timeout closed the connection");
 
     // HTTP/2: a stream whose window is never opened again.
     let cut_before = client_stalls(&router).await;
@@ -598,9 +601,13 @@ async fn a_client_that_stops_reading_a_stream_does_not_hold_the_replica() {
     wait_until("the load released again", || in_flight() == 0).await;
 
     assert_eq!(client_stalls(&router).await, cut_before + 1, "the stall watch cut it");
+    assert_eq!(cut_before, 0, "HTTP/1 is the send timeout's");
     drop((h1, response));
     shutdown.cancel();
 }
+
+/// Client connections closed by the send timeout (process-wide: other tests' count too).
+const TIMEOUTS: &str = "kvroute_router_client_send_timeouts_total";
 
 /// `kvroute_router_client_stalls_total`, from the router's `/metrics`.
 async fn client_stalls(router: &kvroute_router::RunningRouter) -> u64 {
