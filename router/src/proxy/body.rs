@@ -177,8 +177,8 @@ pub struct IdleTimeout(Duration);
 
 /// The stall watch cut a response its client stopped taking.
 #[derive(Debug, thiserror::Error)]
-#[error("the client took nothing of the response for {0:?}")]
-pub struct ClientStalled(Duration);
+#[error("the client took nothing of the response for the send timeout")]
+pub struct ClientStalled;
 
 impl<B> Body for Tracked<B>
 where
@@ -202,7 +202,7 @@ where
         let Some(inner) = state.inner.as_mut() else {
             // Cut by the stall watch: the error aborts the client's response.
             state.done = true;
-            return Poll::Ready(state.cut.then(|| Err(Box::new(ClientStalled(this.idle)) as BoxError)));
+            return Poll::Ready(state.cut.then(|| Err(Box::new(ClientStalled) as BoxError)));
         };
         match Pin::new(&mut *inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
