@@ -53,19 +53,23 @@ pub trait Hooks: Send + 'static {
 /// An upstream body with an idle timeout, usage sniffing and an end hook; given a
 /// [`StallWatch`], also cut when its client stops taking data ([`super::stalls`]).
 pub struct Tracked<B> {
-    state: Arc<Mutex<State<B>>>,
+    held: Held<B>,
     idle: Duration,
     /// The idle deadline of the current wait on the replica.
     sleep: Pin<Box<Sleep>>,
     /// The body is waiting on the replica and `sleep` is that wait's deadline.
     waiting: bool,
-    /// The body is watched for a client that stops taking it.
-    watched: bool,
     /// The watch to hand the body to once it has passed a frame and is still open.
     watch: Option<Arc<StallWatch>>,
 }
 
-/// What a tracked body holds, shared with the stall watch.
+/// A tracked body's state: its own, or shared with the stall watch (then behind a lock).
+enum Held<B> {
+    Own(State<B>),
+    Shared(Arc<Mutex<State<B>>>),
+}
+
+/// What a tracked body holds; dropping it releases the request's load, if not yet released.
 struct State<B> {
     /// The upstream body; gone once cut.
     inner: Option<B>,
@@ -78,7 +82,8 @@ struct State<B> {
     at_boundary: bool,
     /// The final error event was sent: the body is over.
     done: bool,
-    /// When the last frame was handed over, while nobody has asked for the next one yet.
+    /// When the last frame was handed over, while nobody has asked for the next one yet
+    /// (kept only while watched).
     handed: Option<Instant>,
     /// The stall watch cut the body: its client took nothing for too long.
     cut: bool,
@@ -98,31 +103,44 @@ impl<B> Tracked<B> {
             cut: false,
         };
         Self {
-            state: Arc::new(Mutex::new(state)),
+            held: Held::Own(state),
             idle,
             sleep: Box::pin(tokio::time::sleep(idle)),
             waiting: false,
-            watched: false,
             watch: None,
         }
     }
 
     /// Marks the body as a server-sent-event stream.
-    pub fn sse(self, sse: bool) -> Self {
-        self.lock().sse = sse;
+    pub fn sse(mut self, sse: bool) -> Self {
+        match &mut self.held {
+            Held::Own(state) => state.sse = sse,
+            Held::Shared(shared) => lock(shared).sse = sse,
+        }
         self
     }
 
-    /// Hands the body to `watch` once it has passed a frame and is still open.
+    /// Hands the body to `watch` once it has passed a frame and is still open; from now on
+    /// its state is shared with the watch.
     pub fn watched(mut self, watch: Arc<StallWatch>) -> Self {
-        self.watched = true;
+        self.held = match self.held {
+            Held::Own(state) => Held::Shared(Arc::new(Mutex::new(state))),
+            shared => shared,
+        };
         self.watch = Some(watch);
         self
     }
 
-    fn lock(&self) -> MutexGuard<'_, State<B>> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn read<R>(&self, f: impl FnOnce(&State<B>) -> R) -> R {
+        match &self.held {
+            Held::Own(state) => f(state),
+            Held::Shared(shared) => f(&lock(shared)),
+        }
     }
+}
+
+fn lock<B>(shared: &Mutex<State<B>>) -> MutexGuard<'_, State<B>> {
+    shared.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl<B> State<B> {
@@ -147,15 +165,15 @@ impl<B> State<B> {
     }
 }
 
-impl<B> Drop for Tracked<B> {
+impl<B> Drop for State<B> {
     fn drop(&mut self) {
-        self.lock().end();
+        self.end();
     }
 }
 
 impl<B: Send> Watched for Mutex<State<B>> {
     fn check(&self, since: Instant) -> Watch {
-        let mut state = self.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = lock(self);
         if state.hooks.is_none() {
             return Watch::Ended;
         }
@@ -193,74 +211,106 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        let mut state = this.state.lock().unwrap_or_else(|e| e.into_inner());
-        let state = &mut *state;
-        state.handed = None;
-        if state.done {
-            return Poll::Ready(None);
-        }
-        let Some(inner) = state.inner.as_mut() else {
-            // Cut by the stall watch: the error aborts the client's response.
-            state.done = true;
-            return Poll::Ready(state.cut.then(|| Err(Box::new(ClientStalled) as BoxError)));
-        };
-        match Pin::new(&mut *inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    if !state.seen_data {
-                        state.seen_data = true;
-                        if let Some(hooks) = state.hooks.as_mut() {
-                            hooks.first_data();
-                        }
-                    }
-                    state.scanner.feed(data);
-                    if !data.is_empty() {
-                        state.at_boundary = data.ends_with(b"\n\n") || data.ends_with(b"\r\n\r\n");
-                    }
-                }
-                this.waiting = false;
-                if inner.is_end_stream() {
-                    // The last frame: hyper will not poll again (the length is known), so
-                    // the body ends here, its connection clean.
-                    state.end();
-                } else if this.watched {
-                    state.handed = Some(Instant::now());
-                    if let Some(watch) = this.watch.take() {
-                        let weak = Arc::downgrade(&this.state);
-                        watch.watch(weak);
-                    }
-                }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Ready(Some(Err(e))) => state.fail(e.into()),
-            Poll::Ready(None) => {
-                state.end();
-                Poll::Ready(None)
-            }
-            Poll::Pending => {
-                // The replica's silence counts from here, not from the last frame: hyper may
-                // have taken its time to pass that one on.
-                if !this.waiting {
-                    this.waiting = true;
-                    this.sleep.as_mut().reset(Instant::now() + this.idle);
-                }
-                ready!(this.sleep.as_mut().poll(cx));
-                state.fail(Box::new(IdleTimeout(this.idle)))
+        let mut timer = Timer { idle: this.idle, sleep: &mut this.sleep, waiting: &mut this.waiting };
+        match &mut this.held {
+            Held::Own(state) => poll_state(state, &mut timer, None, cx),
+            Held::Shared(shared) => {
+                let shared: &Arc<Mutex<State<B>>> = shared;
+                let mut state = lock(shared);
+                let watch = Watching { shared, watch: &mut this.watch };
+                poll_state(&mut state, &mut timer, Some(watch), cx)
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        let state = self.lock();
-        state.done || state.inner.as_ref().is_some_and(Body::is_end_stream)
+        self.read(|state| state.done || state.inner.as_ref().is_some_and(Body::is_end_stream))
     }
 
     fn size_hint(&self) -> SizeHint {
         // A stream may get a final error event: never promise an exact length.
-        let state = self.lock();
-        match &state.inner {
+        self.read(|state| match &state.inner {
             Some(inner) if !state.sse => inner.size_hint(),
             _ => SizeHint::default(),
+        })
+    }
+}
+
+/// A body's idle timer, as [`poll_state`] needs it.
+struct Timer<'a> {
+    idle: Duration,
+    sleep: &'a mut Pin<Box<Sleep>>,
+    waiting: &'a mut bool,
+}
+
+/// A watched body's shared state and the watch it is handed to after its first open frame.
+struct Watching<'a, B> {
+    shared: &'a Arc<Mutex<State<B>>>,
+    watch: &'a mut Option<Arc<StallWatch>>,
+}
+
+/// [`Tracked::poll_frame`] on the body's state.
+fn poll_state<B>(
+    state: &mut State<B>,
+    timer: &mut Timer<'_>,
+    watching: Option<Watching<'_, B>>,
+    cx: &mut Context<'_>,
+) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
+where
+    B: Body<Data = Bytes> + Unpin + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    state.handed = None;
+    if state.done {
+        return Poll::Ready(None);
+    }
+    let Some(inner) = state.inner.as_mut() else {
+        // Cut by the stall watch: the error aborts the client's response.
+        state.done = true;
+        return Poll::Ready(state.cut.then(|| Err(Box::new(ClientStalled) as BoxError)));
+    };
+    match Pin::new(&mut *inner).poll_frame(cx) {
+        Poll::Ready(Some(Ok(frame))) => {
+            if let Some(data) = frame.data_ref() {
+                if !state.seen_data {
+                    state.seen_data = true;
+                    if let Some(hooks) = state.hooks.as_mut() {
+                        hooks.first_data();
+                    }
+                }
+                state.scanner.feed(data);
+                if !data.is_empty() {
+                    state.at_boundary = data.ends_with(b"\n\n") || data.ends_with(b"\r\n\r\n");
+                }
+            }
+            *timer.waiting = false;
+            if inner.is_end_stream() {
+                // The last frame: hyper will not poll again (the length is known), so the
+                // body ends here, its connection clean.
+                state.end();
+            } else if let Some(Watching { shared, watch }) = watching {
+                state.handed = Some(Instant::now());
+                if let Some(watch) = watch.take() {
+                    let weak = Arc::downgrade(shared);
+                    watch.watch(weak);
+                }
+            }
+            Poll::Ready(Some(Ok(frame)))
+        }
+        Poll::Ready(Some(Err(e))) => state.fail(e.into()),
+        Poll::Ready(None) => {
+            state.end();
+            Poll::Ready(None)
+        }
+        Poll::Pending => {
+            // The replica's silence counts from here, not from the last frame: hyper may have
+            // taken its time to pass that one on.
+            if !*timer.waiting {
+                *timer.waiting = true;
+                timer.sleep.as_mut().reset(Instant::now() + timer.idle);
+            }
+            ready!(timer.sleep.as_mut().poll(cx));
+            state.fail(Box::new(IdleTimeout(timer.idle)))
         }
     }
 }
