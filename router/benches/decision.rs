@@ -27,17 +27,22 @@
 //! computation that long), then the median of each stage alone (parse, tokenize, hash,
 //! index lookup; parse and tokenize together through the cache).
 //!
-//! Measured on the 2-core shared dev machine (µs; ranges over three runs in a noisy spell
-//! of the machine: see the loop column; stages are medians):
+//! Measured on the 2-core shared dev machine (µs; ranges over three runs on the quiet
+//! machine, stages are medians):
 //!
 //! | prompt | p50 | p90 | p99 | loop p99 | parse | tokenize | hash | lookup |
 //! |---|---|---|---|---|---|---|---|---|
-//! | text/1024 | 10.0-10.4 | 10.5-14.4 | 11.3-22.8 | 10.5-13.9 | 0.6 | 6.3-6.6 | 0.4 | 0.4-0.5 |
-//! | ids/1024 | 6.2-8.6 | 8.2-9.8 | 9.5-16.7 | 6.5-10.5 | 3.0-3.1 | 0.2 | 0.4 | 0.4-0.5 |
-//! | text/8192 | 76.6-104.8 | 82.7-132.1 | 121.8-192.7 | 97.0-127.1 | 3.0-3.2 | 59.8-63.9 | 2.7-2.8 | 4.4-4.6 |
-//! | ids/8192 | 33.7-46.4 | 35.1-55.9 | 64.8-99.4 | 48.6-64.5 | 22.4-23.6 | 0.9-1.0 | 2.7 | 4.4-4.6 |
-//! | turn/8192 | 20.9-25.2 | 22.0-39.5 | 32.9-80.9 | | 10.9-13.0 (both) | | | |
-//! | new/8192 | 96.4-105.4 | 101.9-138.8 | 146.8-182.3 | | 73.7-82.0 (both) | | | |
+//! | text/1024 | 9.7-10.0 | 10.0-12.3 | 10.3-15.8 | 9.9-10.3 | 0.5 | 6.2-6.3 | 0.4 | 0.4-0.5 |
+//! | ids/1024 | 5.5-5.6 | 5.6-5.8 | 5.7-6.4 | 5.5-5.9 | 2.4-2.5 | 0.2 | 0.3-0.4 | 0.4 |
+//! | text/8192 | 73.7-97.8 | 75.1-103.6 | 96.9-153.8 | 89.8-116.5 | 2.7-2.8 | 59.9-61.2 | 2.5-2.6 | 4.1-4.3 |
+//! | ids/8192 | 29.6-30.5 | 31.0-36.3 | 50.3-56.8 | 43.6-43.9 | 19.1-19.8 | 0.9-1.1 | 2.5-2.6 | 4.2-4.4 |
+//! | turn/8192 | 18.8-20.1 | 19.4-21.1 | 26.0-29.7 | | 10.1-10.4 (both) | | | |
+//! | new/8192 | 80.2-93.7 | 86.8-98.4 | 108.3-145.2 | | 66.2-70.4 (both) | | | |
+//!
+//! The ids rows are after reading each number from the eight bytes that end with it
+//! (`proto/src/openai/request/ids.rs`: parse 22.4-23.6 -> 19.1-19.8). In a noisier spell
+//! before it: ids/8192 p50 33.7-46.4, p99 64.8-99.4; text/8192 p50 76.6-104.8, p99
+//! 121.8-192.7.
 //!
 //! **Until this version, every case decided one prompt again and again**, and the figures
 //! below were measured that way. Deciding one prompt repeatedly, the CPU learns its
