@@ -31,8 +31,8 @@ use tokio::time::Instant;
 
 /// Something the watch looks at.
 pub trait Watched: Send + Sync {
-    /// Cuts the body if it has waited for its client since before `since`. Returns whether
-    /// it needs watching still (false once it ended or was cut).
+    /// Cuts the body if it has waited for its client since `since` or before, and says what
+    /// it found.
     fn check(&self, since: Instant) -> Watch;
 }
 
