@@ -45,10 +45,11 @@
 #   the other at 0.2%). A fast path of our own for plain HTTP/1.1 requests in front of
 #   hyper's server (scratch, not kept) took another ~0.7 µs of user CPU a request and no
 #   visible throughput.
-#   2026-11-22/23, three runs around the client send timeout and the HTTP/2 stall watch (the
-#   first before them, the last with an HTTP/1 response's state inline, no lock): kvroute
-#   47.1-49.9 k requests/s, nginx 56.6-67.3 k; medians 0.74-0.85x; added latency nginx +18
-#   to +28 µs, kvroute +24 to +64 µs (the single-connection runs are the noisiest).
+#   2026-11-22/23, three runs while the response stall watch and the client send timeout
+#   landed (the first with every response's state behind a lock, the last with an HTTP/1
+#   response's state inline): kvroute 47.1-49.9 k requests/s, nginx 56.6-67.3 k; medians
+#   0.74-0.85x; added latency nginx +18 to +28 µs, kvroute +24 to +64 µs (the
+#   single-connection runs are the noisiest).
 # Where the difference is: kernel time is about the same for both (loopback sends and the
 # wake-ups they cause, ~12-13 µs); user time is ~3 µs for nginx and ~9 µs for kvroute. A
 # bare forwarder on the same accept loop (hyper server, hyper-util client, no decision, no
