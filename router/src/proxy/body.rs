@@ -484,6 +484,18 @@ mod tests {
         assert_eq!((*ended.lock().unwrap(), stalls.get(), watch.watching()), (Some(None), 0, 0));
     }
 
+    /// A watched body the client drops midway (it went away) releases its load then, though
+    /// the watch still knows it; the watch forgets it at its next look.
+    #[tokio::test(start_paused = true)]
+    async fn a_watched_body_dropped_midway_ends_when_dropped() {
+        let (body, ended, _tx, watch, stalls) = body_past_its_first_frame().await;
+        assert_eq!((*ended.lock().unwrap(), watch.watching()), (None, 1));
+        drop(body);
+        assert_eq!(*ended.lock().unwrap(), Some(None));
+        watch.sweep(Instant::now() + Duration::from_secs(4));
+        assert_eq!((watch.watching(), stalls.get()), (0, 0));
+    }
+
     /// The replica's silence is timed from when the body starts waiting on it, not from its
     /// last frame: a client that took its time over that frame does not shorten the wait.
     #[tokio::test(start_paused = true)]
