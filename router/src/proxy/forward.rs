@@ -60,7 +60,7 @@ pub struct ForwardConfig {
     pub max_body_bytes: usize,
     pub first_byte_timeout: Duration,
     pub idle_timeout: Duration,
-    /// Cuts responses whose client took nothing for the idle timeout.
+    /// Cuts HTTP/2 responses whose stream had no window for the send timeout.
     pub stalls: Arc<StallWatch>,
     pub eject_after: u32,
     pub ejection: Duration,
