@@ -73,6 +73,7 @@ pub mod metrics;
 
 mod decode;
 mod engine_map;
+mod frame_guard;
 mod replay;
 mod snapshot;
 mod stream;

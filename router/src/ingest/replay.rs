@@ -9,8 +9,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvroute_proto::Seq;
 use kvroute_proto::framing::{self, FrameError, LiveMessage, ReplayReply};
+use prometheus_client::metrics::counter::Counter;
 use zeromq::prelude::*;
 use zeromq::{DealerSocket, SocketOptions, ZmqMessage};
+
+use super::frame_guard::{FrameGuard, MAX_FRAME_BYTES};
 
 /// How many reply timeouts a whole replay may take: a peer that drips batches just inside
 /// the reply timeout must not keep a rank in repair (its stale entries still routed to) for
@@ -34,13 +37,16 @@ pub(crate) enum ReplayError {
     TooLong(usize),
 }
 
-/// Every buffered batch with seq >= `start`, in the order the publisher sent them.
+/// Every buffered batch with seq >= `start`, in the order the publisher sent them (through
+/// a frame guard, counting a frame it refuses in `oversized`).
 pub(crate) async fn fetch(
     endpoint: &str,
     start: Seq,
     timeout: Duration,
     max_batches: usize,
+    oversized: &Counter,
 ) -> Result<Vec<LiveMessage>, ReplayError> {
+    let guard = FrameGuard::start(endpoint, MAX_FRAME_BYTES, oversized.clone()).await;
     let socket_err = |source| ReplayError::Socket { endpoint: endpoint.to_owned(), source };
     let timed_out = || ReplayError::Timeout { endpoint: endpoint.to_owned() };
     let mut options = SocketOptions::default();
@@ -48,7 +54,7 @@ pub(crate) async fn fetch(
     let mut dealer = DealerSocket::with_options(options);
     let deadline = tokio::time::Instant::now() + timeout * WHOLE_REPLAY;
     let result = async {
-        tokio::time::timeout(timeout, dealer.connect(endpoint))
+        tokio::time::timeout(timeout, dealer.connect(guard.endpoint()))
             .await
             .map_err(|_| timed_out())?
             .map_err(socket_err)?;
@@ -106,10 +112,12 @@ mod tests {
         // Each batch comes well inside the reply timeout; the replay as a whole does not.
         let timeout = Duration::from_millis(100);
         let endpoint = dripping_peer(Duration::from_millis(20)).await;
-        let result =
-            tokio::time::timeout(Duration::from_secs(10), fetch(&endpoint, Seq(0), timeout, usize::MAX))
-                .await
-                .expect("the replay ends");
+        let result = tokio::time::timeout(
+            Duration::from_secs(10),
+            fetch(&endpoint, Seq(0), timeout, usize::MAX, &Counter::default()),
+        )
+        .await
+        .expect("the replay ends");
         // (Without the whole-replay deadline, the outer timeout fails the test instead.)
         assert!(matches!(result, Err(ReplayError::Timeout { .. })), "{result:?}");
     }

@@ -280,7 +280,10 @@ impl RankStream {
         let mut partial = Vec::new();
         if let Some(endpoint) = self.replay_endpoint.clone() {
             let config = &self.ctx.config;
-            match replay::fetch(&endpoint, from, config.replay_timeout, config.replay_max_batches).await {
+            let oversized = &self.ctx.metrics.malformed_oversized;
+            match replay::fetch(&endpoint, from, config.replay_timeout, config.replay_max_batches, oversized)
+                .await
+            {
                 Ok(batches) => {
                     let complete = match batches.first() {
                         None => newer.is_none(),

@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use zeromq::prelude::*;
 use zeromq::{SocketEvent, SocketOptions, SubSocket};
 
+use super::frame_guard::{FrameGuard, MAX_FRAME_BYTES};
 use super::metrics::ReplicaMetrics;
 
 /// What the socket task tells the stream task.
@@ -56,8 +57,10 @@ pub(crate) async fn run(
     metrics: ReplicaMetrics,
     cancel: CancellationToken,
 ) {
+    let guard =
+        FrameGuard::start(&config.endpoint, MAX_FRAME_BYTES, metrics.malformed_oversized.clone()).await;
     loop {
-        let Some(mut socket) = connect(&config, &tx, &cancel).await else { return };
+        let Some(mut socket) = connect(&config, guard.endpoint(), &tx, &cancel).await else { return };
         // Installed after the first connect, whose `Connected` the explicit send replaces.
         let mut monitor = socket.monitor();
         if send(&tx, Input::Connected, &cancel).await.is_err() {
@@ -126,9 +129,11 @@ pub(crate) async fn run(
     }
 }
 
-/// Connects a fresh SUB, retrying until it succeeds; `None` when cancelled or orphaned.
+/// Connects a fresh SUB to `endpoint` (the frame guard's for `config.endpoint`), retrying
+/// until it succeeds; `None` when cancelled or orphaned.
 async fn connect(
     config: &SubscriberConfig,
+    endpoint: &str,
     tx: &mpsc::Sender<Input>,
     cancel: &CancellationToken,
 ) -> Option<SubSocket> {
@@ -138,7 +143,7 @@ async fn connect(
         let mut socket = SubSocket::with_options(options);
         let attempt = async {
             socket.subscribe(&config.topic).await?;
-            socket.connect(&config.endpoint).await
+            socket.connect(endpoint).await
         };
         let result = tokio::select! {
             () = cancel.cancelled() => return None,
