@@ -246,7 +246,7 @@ pub struct ReplicaMetrics {
     pub blocks_removed: Counter,
     pub malformed_frame: Counter,
     pub malformed_payload: Counter,
-    /// Connections cut for a frame over `frame_guard::MAX_FRAME_BYTES`.
+    /// Connections cut for a message over the frame guard's limits.
     pub malformed_oversized: Counter,
     skipped: [Counter; SkipReason::ALL.len()],
     pub overflow: Counter,

@@ -13,7 +13,7 @@ use prometheus_client::metrics::counter::Counter;
 use zeromq::prelude::*;
 use zeromq::{DealerSocket, SocketOptions, ZmqMessage};
 
-use super::frame_guard::{FrameGuard, MAX_FRAME_BYTES};
+use super::frame_guard::FrameGuard;
 
 /// How many reply timeouts a whole replay may take: a peer that drips batches just inside
 /// the reply timeout must not keep a rank in repair (its stale entries still routed to) for
@@ -28,6 +28,12 @@ pub(crate) enum ReplayError {
         endpoint: String,
         #[source]
         source: zeromq::ZmqError,
+    },
+    #[error("replay socket {endpoint}: no frame guard: {source}")]
+    Guard {
+        endpoint: String,
+        #[source]
+        source: std::io::Error,
     },
     #[error("replay from {endpoint} timed out")]
     Timeout { endpoint: String },
@@ -46,7 +52,9 @@ pub(crate) async fn fetch(
     max_batches: usize,
     oversized: &Counter,
 ) -> Result<Vec<LiveMessage>, ReplayError> {
-    let guard = FrameGuard::start(endpoint, MAX_FRAME_BYTES, oversized.clone()).await;
+    let guard = FrameGuard::start(endpoint, oversized.clone())
+        .await
+        .map_err(|source| ReplayError::Guard { endpoint: endpoint.to_owned(), source })?;
     let socket_err = |source| ReplayError::Socket { endpoint: endpoint.to_owned(), source };
     let timed_out = || ReplayError::Timeout { endpoint: endpoint.to_owned() };
     let mut options = SocketOptions::default();
@@ -105,6 +113,19 @@ mod tests {
             }
         });
         endpoint
+    }
+
+    /// Through the frame guard: without it, `zeromq` would reserve 2^62 bytes and abort.
+    #[tokio::test]
+    async fn a_replay_peer_announcing_a_huge_frame_is_cut_off_and_counted() {
+        let endpoint = crate::ingest::frame_guard::tests::huge_frame_peer().await;
+        let oversized = Counter::default();
+        let result = fetch(&endpoint, Seq(0), Duration::from_millis(500), usize::MAX, &oversized).await;
+        assert!(
+            matches!(result, Err(ReplayError::Socket { .. } | ReplayError::Timeout { .. })),
+            "{result:?}"
+        );
+        assert!(oversized.get() >= 1);
     }
 
     #[tokio::test]

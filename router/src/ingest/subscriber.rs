@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use zeromq::prelude::*;
 use zeromq::{SocketEvent, SocketOptions, SubSocket};
 
-use super::frame_guard::{FrameGuard, MAX_FRAME_BYTES};
+use super::frame_guard::FrameGuard;
 use super::metrics::ReplicaMetrics;
 
 /// What the socket task tells the stream task.
@@ -57,8 +57,7 @@ pub(crate) async fn run(
     metrics: ReplicaMetrics,
     cancel: CancellationToken,
 ) {
-    let guard =
-        FrameGuard::start(&config.endpoint, MAX_FRAME_BYTES, metrics.malformed_oversized.clone()).await;
+    let Some(guard) = guard(&config, &metrics, &tx, &cancel).await else { return };
     loop {
         let Some(mut socket) = connect(&config, guard.endpoint(), &tx, &cancel).await else { return };
         // Installed after the first connect, whose `Connected` the explicit send replaces.
@@ -125,6 +124,29 @@ pub(crate) async fn run(
                     }
                 }
             }
+        }
+    }
+}
+
+/// The frame guard for `config.endpoint`, retrying (as unreachable) while none can start;
+/// `None` when cancelled or orphaned.
+async fn guard(
+    config: &SubscriberConfig,
+    metrics: &ReplicaMetrics,
+    tx: &mpsc::Sender<Input>,
+    cancel: &CancellationToken,
+) -> Option<FrameGuard> {
+    loop {
+        match FrameGuard::start(&config.endpoint, metrics.malformed_oversized.clone()).await {
+            Ok(guard) => return Some(guard),
+            Err(e) => {
+                tracing::warn!(error = %e, endpoint = %config.endpoint, "cannot start the frame guard");
+                send(tx, Input::Unreachable, cancel).await.ok()?;
+            }
+        }
+        tokio::select! {
+            () = cancel.cancelled() => return None,
+            () = tokio::time::sleep(config.reconnect_backoff) => {}
         }
     }
 }
