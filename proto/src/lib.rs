@@ -15,6 +15,8 @@
 //! - [`cli`] (feature `cli`): layered flags > env > TOML file > defaults for the binaries;
 //!   [`process`]: their logging setup and SIGTERM/SIGINT handling.
 //! - [`serve`] (feature `server`): the HTTP accept loop with graceful shutdown both servers use.
+//! - [`zmtp_guard`] (feature `server`): a relay that bounds the ZMTP messages a `zeromq`
+//!   socket's peers send (the crate has no such bound).
 #![forbid(unsafe_code)]
 
 #[cfg(feature = "cli")]
@@ -23,6 +25,8 @@ pub mod cli;
 pub mod process;
 #[cfg(feature = "server")]
 pub mod serve;
+#[cfg(feature = "server")]
+pub mod zmtp_guard;
 
 pub mod framing;
 pub mod hash;

@@ -23,6 +23,7 @@ use bytes::Bytes;
 use kvroute_proto::Seq;
 use kvroute_proto::framing;
 use kvroute_proto::pb::EventBatch;
+use kvroute_proto::zmtp_guard::ZmtpGuard;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -70,6 +71,39 @@ pub enum PublisherError {
         #[source]
         source: zeromq::ZmqError,
     },
+    #[error("cannot listen for {what} peers on {endpoint}")]
+    Guard {
+        what: &'static str,
+        endpoint: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Binds `socket` where its peers reach it through a ZMTP guard listening on `endpoint`
+/// (`zeromq` alone would let a peer announcing a huge frame abort the agent): the socket on
+/// a loopback port, the guard on `endpoint`. Endpoints other than `tcp://` are bound
+/// directly. Returns where peers connect (port 0 resolved) and the guard to keep.
+async fn bind_guarded(
+    socket: &mut impl Socket,
+    endpoint: &str,
+    what: &'static str,
+) -> Result<(String, Option<ZmtpGuard>), PublisherError> {
+    let bind = async |socket: &mut _, at: &str| {
+        Socket::bind(socket, at).await.map(|bound| bound.to_string()).map_err(|source| PublisherError::Bind {
+            what,
+            endpoint: endpoint.to_owned(),
+            source,
+        })
+    };
+    if !endpoint.starts_with("tcp://") {
+        return Ok((bind(socket, endpoint).await?, None));
+    }
+    let internal = bind(socket, "tcp://127.0.0.1:0").await?;
+    let guard = ZmtpGuard::binding(endpoint, &internal, Arc::new(|| {}))
+        .await
+        .map_err(|source| PublisherError::Guard { what, endpoint: endpoint.to_owned(), source })?;
+    Ok((guard.endpoint().to_owned(), Some(guard)))
 }
 
 /// Recent batches kept for replay: `(seq, payload)`, oldest first.
@@ -86,27 +120,26 @@ impl Publisher {
         shutdown: CancellationToken,
     ) -> Result<(Publisher, PublisherEndpoints), PublisherError> {
         let mut pub_socket = PubSocket::new();
-        let events = pub_socket.bind(events_endpoint).await.map_err(|source| PublisherError::Bind {
-            what: "PUB",
-            endpoint: events_endpoint.to_owned(),
-            source,
-        })?;
+        let (events, events_guard) = bind_guarded(&mut pub_socket, events_endpoint, "PUB").await?;
         let buffer: RingBuffer = Arc::new(Mutex::new(VecDeque::with_capacity(config.buffer_steps.min(4096))));
         let topic = Bytes::from(config.topic.clone().into_bytes());
         let mut replay = None;
         if let Some(endpoint) = replay_endpoint {
             let mut router = RouterSocket::new();
-            let bound = router.bind(endpoint).await.map_err(|source| PublisherError::Bind {
-                what: "ROUTER",
-                endpoint: endpoint.to_owned(),
-                source,
-            })?;
-            replay = Some(bound.to_string());
-            tracker.spawn(serve_replay(router, topic.clone(), buffer.clone(), shutdown.clone()));
+            let (bound, guard) = bind_guarded(&mut router, endpoint, "ROUTER").await?;
+            replay = Some(bound);
+            let (topic, buffer, shutdown) = (topic.clone(), buffer.clone(), shutdown.clone());
+            tracker.spawn(async move {
+                serve_replay(router, topic, buffer, shutdown).await;
+                drop(guard);
+            });
         }
         let (tx, rx) = mpsc::channel(config.queue.max(1));
-        tracker.spawn(publish_loop(pub_socket, rx, config, topic, buffer, shutdown));
-        Ok((Publisher { tx }, PublisherEndpoints { events: events.to_string(), replay }))
+        tracker.spawn(async move {
+            publish_loop(pub_socket, rx, config, topic, buffer, shutdown).await;
+            drop(events_guard);
+        });
+        Ok((Publisher { tx }, PublisherEndpoints { events, replay }))
     }
 
     /// Hands a batch to the publisher; waits while its queue is full. Returns false if the

@@ -73,7 +73,6 @@ pub mod metrics;
 
 mod decode;
 mod engine_map;
-mod frame_guard;
 mod replay;
 mod snapshot;
 mod stream;

@@ -150,3 +150,37 @@ async fn vllm_format_decodes_with_the_vllm_decoder() {
     assert_eq!(stored.block_size, 2);
     shutdown.cancel();
 }
+
+/// A peer that sends a greeting and then announces a 2^62-byte frame, on both sockets:
+/// `zeromq` alone would reserve that much and abort the agent; the ZMTP guard cuts that
+/// peer, and the others go on being served.
+#[tokio::test]
+async fn a_peer_announcing_a_huge_frame_is_cut_off_and_the_others_served() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (publisher, endpoints, shutdown) = start(EventFormat::Kvroute).await;
+    let mut huge = kvroute_proto::zmtp_guard::NULL_GREETING.to_vec();
+    huge.push(0b110);
+    huge.extend_from_slice(&(1u64 << 62).to_be_bytes());
+    for endpoint in [&endpoints.events, endpoints.replay.as_ref().unwrap()] {
+        let mut peer =
+            tokio::net::TcpStream::connect(endpoint.strip_prefix("tcp://").unwrap()).await.unwrap();
+        peer.write_all(&huge).await.unwrap();
+        // The guard closes the connection (after the agent's greeting, if it came first).
+        let mut sink = vec![0u8; 1024];
+        let closed = tokio::time::timeout(Duration::from_secs(10), async {
+            while peer.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+        });
+        closed.await.expect("the peer is cut off");
+    }
+    let mut sub = subscribe(&endpoints.events).await;
+    let mut seq = 0;
+    loop {
+        assert!(publisher.publish(batch(seq)).await);
+        seq += 1;
+        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(50), sub.recv()).await {
+            break;
+        }
+    }
+    assert!(matches!(replay(endpoints.replay.as_ref().unwrap(), 0).await.last(), Some(ReplayReply::End)));
+    shutdown.cancel();
+}

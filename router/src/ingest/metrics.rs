@@ -246,7 +246,7 @@ pub struct ReplicaMetrics {
     pub blocks_removed: Counter,
     pub malformed_frame: Counter,
     pub malformed_payload: Counter,
-    /// Connections cut for a message over the frame guard's limits.
+    /// Connections cut for a message over the ZMTP guard's limits.
     pub malformed_oversized: Counter,
     skipped: [Counter; SkipReason::ALL.len()],
     pub overflow: Counter,
@@ -259,6 +259,14 @@ pub struct ReplicaMetrics {
 }
 
 impl ReplicaMetrics {
+    /// Counts a connection the ZMTP guard cut for a message over its limits.
+    pub fn on_oversized(&self) -> kvroute_proto::zmtp_guard::OnRefused {
+        let counter = self.malformed_oversized.clone();
+        std::sync::Arc::new(move || {
+            counter.inc();
+        })
+    }
+
     pub fn skipped(&self, reason: SkipReason) -> &Counter {
         let i = SkipReason::ALL.iter().position(|r| *r == reason).expect("every reason is in ALL");
         &self.skipped[i]

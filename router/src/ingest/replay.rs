@@ -9,11 +9,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvroute_proto::Seq;
 use kvroute_proto::framing::{self, FrameError, LiveMessage, ReplayReply};
-use prometheus_client::metrics::counter::Counter;
+use kvroute_proto::zmtp_guard::{OnRefused, ZmtpGuard};
 use zeromq::prelude::*;
 use zeromq::{DealerSocket, SocketOptions, ZmqMessage};
-
-use super::frame_guard::FrameGuard;
 
 /// How many reply timeouts a whole replay may take: a peer that drips batches just inside
 /// the reply timeout must not keep a rank in repair (its stale entries still routed to) for
@@ -29,7 +27,7 @@ pub(crate) enum ReplayError {
         #[source]
         source: zeromq::ZmqError,
     },
-    #[error("replay socket {endpoint}: no frame guard: {source}")]
+    #[error("replay socket {endpoint}: no ZMTP guard: {source}")]
     Guard {
         endpoint: String,
         #[source]
@@ -44,15 +42,15 @@ pub(crate) enum ReplayError {
 }
 
 /// Every buffered batch with seq >= `start`, in the order the publisher sent them (through
-/// a frame guard, counting a frame it refuses in `oversized`).
+/// a ZMTP guard, which calls `on_refused` for a message over its limits).
 pub(crate) async fn fetch(
     endpoint: &str,
     start: Seq,
     timeout: Duration,
     max_batches: usize,
-    oversized: &Counter,
+    on_refused: OnRefused,
 ) -> Result<Vec<LiveMessage>, ReplayError> {
-    let guard = FrameGuard::start(endpoint, oversized.clone())
+    let guard = ZmtpGuard::connecting(endpoint, on_refused)
         .await
         .map_err(|source| ReplayError::Guard { endpoint: endpoint.to_owned(), source })?;
     let socket_err = |source| ReplayError::Socket { endpoint: endpoint.to_owned(), source };
@@ -92,6 +90,9 @@ pub(crate) async fn fetch(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
     use zeromq::RouterSocket;
 
     use super::*;
@@ -115,17 +116,44 @@ mod tests {
         endpoint
     }
 
-    /// Through the frame guard: without it, `zeromq` would reserve 2^62 bytes and abort.
+    /// A listener that answers every connection with a ZMTP greeting and a command frame
+    /// announcing 2^62 bytes, then holds it open: its `tcp://` endpoint.
+    async fn huge_frame_peer() -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let peer = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("tcp://{}", peer.local_addr().unwrap());
+        let mut bytes = kvroute_proto::zmtp_guard::NULL_GREETING.to_vec();
+        bytes.push(0b110);
+        bytes.extend_from_slice(&(1u64 << 62).to_be_bytes());
+        tokio::spawn(async move {
+            loop {
+                let (mut conn, _) = peer.accept().await.unwrap();
+                let bytes = bytes.clone();
+                tokio::spawn(async move {
+                    conn.write_all(&bytes).await.ok();
+                    let mut sink = [0u8; 256];
+                    while conn.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+                });
+            }
+        });
+        endpoint
+    }
+
+    /// Through the ZMTP guard: without it, `zeromq` would reserve 2^62 bytes and abort.
     #[tokio::test]
     async fn a_replay_peer_announcing_a_huge_frame_is_cut_off_and_counted() {
-        let endpoint = crate::ingest::frame_guard::tests::huge_frame_peer().await;
-        let oversized = Counter::default();
-        let result = fetch(&endpoint, Seq(0), Duration::from_millis(500), usize::MAX, &oversized).await;
+        let endpoint = huge_frame_peer().await;
+        let refused = Arc::new(AtomicU64::new(0));
+        let counted = refused.clone();
+        let on_refused = Arc::new(move || {
+            counted.fetch_add(1, Ordering::Relaxed);
+        });
+        let result = fetch(&endpoint, Seq(0), Duration::from_millis(500), usize::MAX, on_refused).await;
         assert!(
             matches!(result, Err(ReplayError::Socket { .. } | ReplayError::Timeout { .. })),
             "{result:?}"
         );
-        assert!(oversized.get() >= 1);
+        assert!(refused.load(Ordering::Relaxed) >= 1);
     }
 
     #[tokio::test]
@@ -135,7 +163,7 @@ mod tests {
         let endpoint = dripping_peer(Duration::from_millis(20)).await;
         let result = tokio::time::timeout(
             Duration::from_secs(10),
-            fetch(&endpoint, Seq(0), timeout, usize::MAX, &Counter::default()),
+            fetch(&endpoint, Seq(0), timeout, usize::MAX, Arc::new(|| {})),
         )
         .await
         .expect("the replay ends");

@@ -280,7 +280,7 @@ impl RankStream {
         let mut partial = Vec::new();
         if let Some(endpoint) = self.replay_endpoint.clone() {
             let config = &self.ctx.config;
-            let oversized = &self.ctx.metrics.malformed_oversized;
+            let oversized = self.ctx.metrics.on_oversized();
             match replay::fetch(&endpoint, from, config.replay_timeout, config.replay_max_batches, oversized)
                 .await
             {

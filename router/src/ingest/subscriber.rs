@@ -18,12 +18,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
+use kvroute_proto::zmtp_guard::ZmtpGuard;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use zeromq::prelude::*;
 use zeromq::{SocketEvent, SocketOptions, SubSocket};
 
-use super::frame_guard::FrameGuard;
 use super::metrics::ReplicaMetrics;
 
 /// What the socket task tells the stream task.
@@ -128,19 +128,20 @@ pub(crate) async fn run(
     }
 }
 
-/// The frame guard for `config.endpoint`, retrying (as unreachable) while none can start;
-/// `None` when cancelled or orphaned.
+/// The ZMTP guard `config.endpoint` is reached through (which cuts a publisher sending a
+/// message over its limits, counted as malformed), retrying (as unreachable) while none can
+/// start; `None` when cancelled or orphaned.
 async fn guard(
     config: &SubscriberConfig,
     metrics: &ReplicaMetrics,
     tx: &mpsc::Sender<Input>,
     cancel: &CancellationToken,
-) -> Option<FrameGuard> {
+) -> Option<ZmtpGuard> {
     loop {
-        match FrameGuard::start(&config.endpoint, metrics.malformed_oversized.clone()).await {
+        match ZmtpGuard::connecting(&config.endpoint, metrics.on_oversized()).await {
             Ok(guard) => return Some(guard),
             Err(e) => {
-                tracing::warn!(error = %e, endpoint = %config.endpoint, "cannot start the frame guard");
+                tracing::warn!(error = %e, endpoint = %config.endpoint, "cannot start the ZMTP guard");
                 send(tx, Input::Unreachable, cancel).await.ok()?;
             }
         }
@@ -151,7 +152,7 @@ async fn guard(
     }
 }
 
-/// Connects a fresh SUB to `endpoint` (the frame guard's for `config.endpoint`), retrying
+/// Connects a fresh SUB to `endpoint` (the ZMTP guard's for `config.endpoint`), retrying
 /// until it succeeds; `None` when cancelled or orphaned.
 async fn connect(
     config: &SubscriberConfig,

@@ -525,7 +525,7 @@ async fn unreachable_publisher_is_fallback_until_it_appears() {
     };
     let endpoint = format!("tcp://127.0.0.1:{port}");
     let (r, _) = h.add(spec("late", EngineKind::Vllm, &endpoint, None));
-    // Not before `fallback_after`: the frame guard in front of the socket keeps trying the
+    // Not before `fallback_after`: the ZMTP guard in front of the socket keeps trying the
     // publisher for as long as the socket waits, as the socket alone would.
     tokio::time::sleep(Duration::from_millis(150)).await;
     assert_ne!(r.status.state(), StreamState::Fallback, "fallback before fallback_after");
@@ -538,7 +538,7 @@ async fn unreachable_publisher_is_fallback_until_it_appears() {
 }
 
 /// A publisher that announces a frame of 2^62 bytes. `zeromq` would reserve that much and
-/// abort the process; the frame guard cuts the connection first and counts it, and the
+/// abort the process; the ZMTP guard cuts the connection first and counts it, and the
 /// router goes on (here: it keeps reconnecting and cutting).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_announcing_a_huge_frame_is_cut_off_and_counted() {
@@ -546,10 +546,8 @@ async fn a_publisher_announcing_a_huge_frame_is_cut_off_and_counted() {
     let h = Harness::start();
     let evil = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("tcp://{}", evil.local_addr().unwrap());
-    // A ZMTP 3.1 greeting (NULL mechanism), then a command frame announcing 2^62 bytes.
-    let mut bytes = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 1];
-    bytes.extend_from_slice(b"NULL");
-    bytes.resize(64, 0);
+    // A ZMTP 3.1 greeting, then a command frame announcing 2^62 bytes.
+    let mut bytes = kvroute_proto::zmtp_guard::NULL_GREETING.to_vec();
     bytes.push(0b110);
     bytes.extend_from_slice(&(1u64 << 62).to_be_bytes());
     tokio::spawn(async move {

@@ -1,0 +1,282 @@
+//! A relay between a `zeromq` socket and its `tcp://` peers that refuses messages larger
+//! than [`MAX_MESSAGE_BYTES`] or [`MAX_MESSAGE_FRAMES`] from the peer side.
+//!
+//! `zeromq` 0.7 reserves the length a frame header announces before it reads the frame, and
+//! keeps every frame of a multipart message until its last; it has no option to bound
+//! either: a peer that announces 2^62 bytes aborts the process (the allocation fails), one
+//! that never ends a message grows it without limit. So the socket talks to its peers
+//! through a relay, which passes bytes both ways and follows the ZMTP framing of what the
+//! peer sends ([`frames`]). As soon as a length takes a message over the limits it closes
+//! both connections, before the socket has read that length whole; the socket sees a
+//! dropped connection, as with any other.
+//!
+//! - [`ZmtpGuard::connecting`] (the router's SUB and DEALER): the socket connects to a
+//!   loopback listener, which dials the real endpoint for each connection. Like `zeromq` on
+//!   its own, it retries a refused connection (50 ms, doubling to 30 s, with jitter) for as
+//!   long as the socket waits, and passes any other dial failure on at once (it closes the
+//!   socket's connection). One difference: `zeromq`'s background reconnect waits in its
+//!   handshake while the relay retries, so it learns of the peer's return through the relay.
+//! - [`ZmtpGuard::binding`] (the replica agent's PUB and ROUTER): the socket binds a loopback
+//!   port, and the guard listens on the public address and relays each peer to it.
+//!
+//! Endpoints other than `tcp://` (`ipc://`, `inproc://`) are on this host and are not
+//! relayed.
+
+pub mod frames;
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+pub use frames::{Frames, MAX_MESSAGE_BYTES, MAX_MESSAGE_FRAMES, NULL_GREETING, Refused};
+
+/// Called once for every connection cut for a message over the limits (a metric, say).
+pub type OnRefused = Arc<dyn Fn() + Send + Sync>;
+
+/// Most connections relayed at once by a connecting guard: a socket has one, and one more
+/// while it reconnects.
+const MAX_CONNECTING_PIPES: usize = 8;
+
+/// Most peers relayed at once by a binding guard.
+const MAX_BOUND_PIPES: usize = 1024;
+
+/// A relay for one socket, serving while this lives.
+pub struct ZmtpGuard {
+    endpoint: String,
+    _stop: Option<DropGuard>,
+}
+
+impl ZmtpGuard {
+    /// For a socket that connects to `endpoint`: the loopback endpoint to connect to instead
+    /// (`endpoint` itself when it is not `tcp://`).
+    pub async fn connecting(endpoint: &str, on_refused: OnRefused) -> io::Result<Self> {
+        let Some(target) = endpoint.strip_prefix("tcp://") else {
+            return Ok(Self { endpoint: endpoint.to_owned(), _stop: None });
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let local = format!("tcp://{}", listener.local_addr()?);
+        let relay = Relay { target: target.to_owned(), watch: Side::Dialed, on_refused };
+        Ok(relay.start(listener, local, MAX_CONNECTING_PIPES))
+    }
+
+    /// For a socket bound at `internal` (a loopback `tcp://` endpoint): listens on `public`
+    /// (`tcp://host:port`, `*` for every interface, port 0 for any) and relays each peer to
+    /// `internal`. Its [`Self::endpoint`] is `public` with the port resolved.
+    pub async fn binding(public: &str, internal: &str, on_refused: OnRefused) -> io::Result<Self> {
+        let invalid = |what: &str| io::Error::new(io::ErrorKind::InvalidInput, format!("{what}: {public:?}"));
+        let address = public.strip_prefix("tcp://").ok_or_else(|| invalid("not a tcp:// endpoint"))?;
+        let (host, port) = address.rsplit_once(':').ok_or_else(|| invalid("no port"))?;
+        let host = if host == "*" { "0.0.0.0" } else { host.trim_start_matches('[').trim_end_matches(']') };
+        let port: u16 = port.parse().map_err(|_| invalid("bad port"))?;
+        let listener = TcpListener::bind((host, port)).await?;
+        let bound = match listener.local_addr()? {
+            SocketAddr::V4(a) => format!("tcp://{a}"),
+            SocketAddr::V6(a) => format!("tcp://[{}]:{}", a.ip(), a.port()),
+        };
+        let target =
+            internal.strip_prefix("tcp://").ok_or_else(|| invalid("internal endpoint not tcp://"))?;
+        let relay = Relay { target: target.to_owned(), watch: Side::Accepted, on_refused };
+        Ok(relay.start(listener, bound, MAX_BOUND_PIPES))
+    }
+
+    /// Where the socket connects (connecting), or where peers connect (binding).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+}
+
+/// The side of a relayed connection whose stream is followed and bounded.
+#[derive(Clone, Copy, Debug)]
+enum Side {
+    /// The connection the relay dialed (the publisher a socket connects to).
+    Dialed,
+    /// The connection the relay accepted (a peer of a bound socket).
+    Accepted,
+}
+
+struct Relay {
+    target: String,
+    watch: Side,
+    on_refused: OnRefused,
+}
+
+impl Relay {
+    fn start(self, listener: TcpListener, endpoint: String, max_pipes: usize) -> ZmtpGuard {
+        let stop = CancellationToken::new();
+        tokio::spawn(self.run(listener, Arc::new(Semaphore::new(max_pipes)), stop.clone()));
+        ZmtpGuard { endpoint, _stop: Some(stop.drop_guard()) }
+    }
+
+    async fn run(self, listener: TcpListener, pipes: Arc<Semaphore>, stop: CancellationToken) {
+        let relay = Arc::new(self);
+        loop {
+            let accepted = tokio::select! {
+                () = stop.cancelled() => return,
+                accepted = listener.accept() => accepted,
+            };
+            match accepted {
+                // Past the limit, the connection is dropped unserved.
+                Ok((accepted, _)) => match pipes.clone().try_acquire_owned() {
+                    Ok(permit) => {
+                        let (relay, stop) = (relay.clone(), stop.clone());
+                        tokio::spawn(async move {
+                            stop.run_until_cancelled(relay.pipe(accepted)).await;
+                            drop(permit);
+                        });
+                    }
+                    Err(_) => tracing::debug!(target = %relay.target, "ZMTP guard: too many connections"),
+                },
+                Err(e) => {
+                    tracing::debug!(error = %e, target = %relay.target, "ZMTP guard cannot accept");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+    }
+
+    /// Relays one connection until either side closes or the watched side sends a message
+    /// over the limits.
+    async fn pipe(&self, mut accepted: TcpStream) {
+        // The accepted side may write its greeting before the target is reached; keep it.
+        let mut early = Vec::new();
+        let dial = dial(&self.target);
+        tokio::pin!(dial);
+        let dialed = loop {
+            tokio::select! {
+                dialed = &mut dial => match dialed {
+                    Ok(dialed) => break dialed,
+                    Err(e) => return tracing::info!(error = %e, target = %self.target, "cannot reach the ZMTP peer"),
+                },
+                read = accepted.read_buf(&mut early) => match read {
+                    Ok(n) if n > 0 && early.len() <= EARLY_BYTES => {}
+                    // The socket gave up (its connect timeout), or sent more than a handshake.
+                    _ => return,
+                },
+            }
+        };
+        for stream in [&accepted, &dialed] {
+            stream.set_nodelay(true).ok();
+        }
+        let (accepted_read, accepted_write) = accepted.into_split();
+        let (dialed_read, mut dialed_write) = dialed.into_split();
+        // What the accepted side sent early is the start of its stream.
+        let mut frames = Frames::default();
+        if matches!(self.watch, Side::Accepted) && self.refused(&mut frames, &early) {
+            return;
+        }
+        if dialed_write.write_all(&early).await.is_err() {
+            return;
+        }
+        // Either direction ending ends both.
+        let _: io::Result<()> = match self.watch {
+            Side::Dialed => tokio::select! {
+                ended = self.watched(frames, dialed_read, accepted_write) => ended,
+                ended = plain(accepted_read, dialed_write) => ended,
+            },
+            Side::Accepted => tokio::select! {
+                ended = self.watched(frames, accepted_read, dialed_write) => ended,
+                ended = plain(dialed_read, accepted_write) => ended,
+            },
+        };
+    }
+
+    /// Follows `bytes` in `frames`: true (counted and logged) if they go over the limits.
+    fn refused(&self, frames: &mut Frames, bytes: &[u8]) -> bool {
+        let Err(refused) = frames.feed(bytes) else { return false };
+        (self.on_refused)();
+        tracing::warn!(target = %self.target, ?refused, "ZMTP peer sent a message over the limits; connection closed");
+        true
+    }
+
+    /// Copies `from` to `to` while following its framing in `frames`; stops at a message
+    /// over the limits (counted and logged).
+    async fn watched(
+        &self,
+        mut frames: Frames,
+        mut from: OwnedReadHalf,
+        mut to: OwnedWriteHalf,
+    ) -> io::Result<()> {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = from.read(&mut buf).await?;
+            if n == 0 || self.refused(&mut frames, &buf[..n]) {
+                return Ok(());
+            }
+            to.write_all(&buf[..n]).await?;
+        }
+    }
+}
+
+/// Copies `from` to `to` as it is.
+async fn plain(mut from: OwnedReadHalf, mut to: OwnedWriteHalf) -> io::Result<()> {
+    tokio::io::copy(&mut from, &mut to).await.map(drop)
+}
+
+/// Most bytes of the accepted side's kept while the target is being reached: a greeting and
+/// handshake are far fewer.
+const EARLY_BYTES: usize = 64 << 10;
+
+/// Connects to `target`, retrying a refused connection as `zeromq` does (50 ms, doubling to
+/// 30 s, with up to 10% jitter); the caller bounds the wait.
+async fn dial(target: &str) -> io::Result<TcpStream> {
+    let mut delay = Duration::from_millis(50);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let mut jitter = now.subsec_nanos().into();
+    loop {
+        match TcpStream::connect(target).await {
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
+            connected => return connected,
+        }
+        jitter = crate::mix::mix64(jitter);
+        tokio::time::sleep(delay + delay.mul_f64((jitter % 1000) as f64 / 10_000.0)).await;
+        delay = (delay * 2).min(Duration::from_secs(30));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn endpoints_that_are_not_tcp_are_not_relayed_and_bad_ones_refused() {
+        let guard = ZmtpGuard::connecting("ipc:///tmp/kvroute.sock", Arc::new(|| {})).await.unwrap();
+        assert_eq!(guard.endpoint(), "ipc:///tmp/kvroute.sock");
+        for public in ["ipc:///tmp/x", "tcp://127.0.0.1", "tcp://127.0.0.1:port"] {
+            let bound = ZmtpGuard::binding(public, "tcp://127.0.0.1:1", Arc::new(|| {})).await;
+            assert_eq!(bound.err().map(|e| e.kind()), Some(io::ErrorKind::InvalidInput), "{public}");
+        }
+        let any = ZmtpGuard::binding("tcp://*:0", "tcp://127.0.0.1:1", Arc::new(|| {})).await.unwrap();
+        assert!(
+            any.endpoint().starts_with("tcp://0.0.0.0:") && !any.endpoint().ends_with(":0"),
+            "{}",
+            any.endpoint()
+        );
+    }
+
+    /// Both directions pass through as they are, the peer's greeting included.
+    #[tokio::test]
+    async fn bytes_pass_both_ways() {
+        let target = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let internal = format!("tcp://{}", target.local_addr().unwrap());
+        let guard = ZmtpGuard::binding("tcp://127.0.0.1:0", &internal, Arc::new(|| {})).await.unwrap();
+        let mut peer = TcpStream::connect(guard.endpoint().strip_prefix("tcp://").unwrap()).await.unwrap();
+        let mut sent = NULL_GREETING.to_vec();
+        sent.extend_from_slice(&[0b1, 3, b'a', b'b', b'c', 0, 0]);
+        peer.write_all(&sent).await.unwrap();
+        let (mut socket, _) = target.accept().await.unwrap();
+        let mut got = vec![0u8; sent.len()];
+        socket.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, sent);
+        socket.write_all(b"reply").await.unwrap();
+        let mut reply = [0u8; 5];
+        peer.read_exact(&mut reply).await.unwrap();
+        assert_eq!(&reply, b"reply");
+    }
+}

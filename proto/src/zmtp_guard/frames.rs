@@ -1,0 +1,224 @@
+//! Following a ZMTP 3 byte stream's framing, and bounding its messages: the 64-byte
+//! greeting, then frames (a flags byte, a 1- or 8-byte big-endian length, the body). A
+//! command frame stands alone; a data frame with the `more` flag is followed by more frames
+//! of its message.
+
+/// Largest message a peer may send, all its frames together: a vLLM batch of events or one
+/// replayed batch is kilobytes to a few megabytes.
+pub const MAX_MESSAGE_BYTES: u64 = 64 << 20;
+
+/// Most frames in one message: a live batch has three, a replay reply a few.
+pub const MAX_MESSAGE_FRAMES: u32 = 1024;
+
+/// A ZMTP 3.1 greeting with the NULL mechanism, as a peer sends it first (for tests and
+/// probes).
+pub const NULL_GREETING: [u8; 64] = {
+    let mut greeting = [0u8; 64];
+    greeting[0] = 0xff;
+    greeting[8] = 1;
+    greeting[9] = 0x7f;
+    (greeting[10], greeting[11]) = (3, 1);
+    (greeting[12], greeting[13], greeting[14], greeting[15]) = (b'N', b'U', b'L', b'L');
+    greeting
+};
+
+/// Why a peer's stream was cut.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// A frame's announced length, or a message's bytes with it, over [`MAX_MESSAGE_BYTES`].
+    Bytes(u64),
+    /// A message's frames over [`MAX_MESSAGE_FRAMES`].
+    Frames(u32),
+}
+
+/// Where a peer's byte stream is in ZMTP 3's framing, and how big the message being
+/// sent is so far.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Frames {
+    at: At,
+    /// Bytes and frames of the message so far (its frames before this one).
+    message_bytes: u64,
+    message_frames: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum At {
+    /// Bytes of the 64-byte greeting still to come.
+    Greeting(usize),
+    Flags,
+    /// A length being read: the frame's flags, its width (1 or 8 bytes), bytes read so far
+    /// and their value.
+    Length {
+        flags: u8,
+        width: u8,
+        read: u8,
+        value: u64,
+    },
+    /// Body bytes still to come, and whether more frames of the message follow.
+    Body {
+        left: u64,
+        more: bool,
+    },
+}
+
+impl Default for Frames {
+    fn default() -> Self {
+        Self { at: At::Greeting(64), message_bytes: 0, message_frames: 0 }
+    }
+}
+
+impl Frames {
+    /// Follows `bytes`; why they go over the limits, if they do.
+    pub fn feed(&mut self, mut bytes: &[u8]) -> Result<(), Refused> {
+        while let Some(&first) = bytes.first() {
+            let (at, used) = match self.at {
+                At::Greeting(left) => {
+                    let used = left.min(bytes.len());
+                    (if used == left { At::Flags } else { At::Greeting(left - used) }, used)
+                }
+                // Bit 1 of the flags: an 8-byte length.
+                At::Flags => (
+                    At::Length {
+                        flags: first,
+                        width: if first & 0b10 != 0 { 8 } else { 1 },
+                        read: 0,
+                        value: 0,
+                    },
+                    1,
+                ),
+                At::Length { flags, width, read, value } => {
+                    let value = value << 8 | u64::from(first);
+                    if read + 1 < width {
+                        (At::Length { flags, width, read: read + 1, value }, 1)
+                    } else {
+                        (self.frame(flags, value)?, 1)
+                    }
+                }
+                At::Body { left, more } => {
+                    let used = left.min(bytes.len() as u64);
+                    (
+                        if used == left { self.end(more) } else { At::Body { left: left - used, more } },
+                        used as usize,
+                    )
+                }
+            };
+            self.at = at;
+            bytes = &bytes[used..];
+        }
+        Ok(())
+    }
+
+    /// A frame of `len` bytes begins: refused if its message goes over the limits.
+    fn frame(&mut self, flags: u8, len: u64) -> Result<At, Refused> {
+        // Bit 2: a command (one frame, never part of a message); bit 0: more frames follow.
+        let (command, more) = (flags & 0b100 != 0, flags & 0b1 != 0 && flags & 0b100 == 0);
+        let bytes = if command { len } else { self.message_bytes.saturating_add(len) };
+        if bytes > MAX_MESSAGE_BYTES {
+            return Err(Refused::Bytes(bytes));
+        }
+        if !command {
+            self.message_bytes = bytes;
+            self.message_frames += 1;
+            if self.message_frames > MAX_MESSAGE_FRAMES {
+                return Err(Refused::Frames(self.message_frames));
+            }
+        }
+        Ok(if len == 0 { self.end(more) } else { At::Body { left: len, more } })
+    }
+
+    /// A frame ended: so did its message, unless more frames follow.
+    fn end(&mut self, more: bool) -> At {
+        if !more {
+            (self.message_bytes, self.message_frames) = (0, 0);
+        }
+        At::Flags
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A ZMTP 3.1 greeting (NULL mechanism), then `frames` (flags, body).
+    fn stream(frames: &[(u8, &[u8])]) -> Vec<u8> {
+        let mut bytes = NULL_GREETING.to_vec();
+        for &(flags, body) in frames {
+            if body.len() > 255 {
+                bytes.push(flags | 0b10);
+                bytes.extend_from_slice(&(body.len() as u64).to_be_bytes());
+            } else {
+                bytes.extend_from_slice(&[flags, body.len() as u8]);
+            }
+            bytes.extend_from_slice(body);
+        }
+        bytes
+    }
+
+    /// A greeting, then a command frame announcing 2^62 bytes.
+    fn huge_frame() -> Vec<u8> {
+        let mut bytes = stream(&[]);
+        bytes.push(0b110);
+        bytes.extend_from_slice(&(1u64 << 62).to_be_bytes());
+        bytes
+    }
+
+    /// The result of feeding `bytes` cut at `cut`, and then byte by byte.
+    fn fed(bytes: &[u8], cut: usize) -> [Result<Frames, Refused>; 2] {
+        let mut frames = Frames::default();
+        let split = frames.feed(&bytes[..cut]).and_then(|()| frames.feed(&bytes[cut..])).map(|()| frames);
+        let mut frames = Frames::default();
+        let bytewise = bytes.chunks(1).try_for_each(|b| frames.feed(b)).map(|()| frames);
+        [split, bytewise]
+    }
+
+    #[test]
+    fn frames_are_followed_across_any_split() {
+        let long = vec![7u8; 300];
+        let bytes = stream(&[(0b100, b"\x05READY"), (0b1, b"topic"), (0b1, b""), (0, &long), (0, b"x")]);
+        for cut in 0..bytes.len() {
+            for result in fed(&bytes, cut) {
+                assert_eq!(
+                    result,
+                    Ok(Frames { at: At::Flags, message_bytes: 0, message_frames: 0 }),
+                    "cut {cut}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_huge_announced_length_is_refused_before_it_is_complete_downstream() {
+        let bytes = huge_frame();
+        let mut frames = Frames::default();
+        // Everything but the length's last byte passes...
+        assert_eq!(frames.feed(&bytes[..bytes.len() - 1]), Ok(()));
+        // ...and that byte is refused, so the socket never holds the whole length.
+        assert_eq!(frames.feed(&bytes[bytes.len() - 1..]), Err(Refused::Bytes(1 << 62)));
+    }
+
+    #[test]
+    fn a_message_is_bounded_in_all_its_frames_and_bytes() {
+        // Two frames that each fit but together go past the limit.
+        let half = MAX_MESSAGE_BYTES / 2;
+        let frame = |flags: u8| {
+            let mut frame = vec![flags | 0b10];
+            frame.extend_from_slice(&half.to_be_bytes());
+            frame.resize(frame.len() + half as usize, 0);
+            frame
+        };
+        let mut parts = stream(&[(0b1, b"topic")]);
+        parts.extend(frame(0b1));
+        parts.extend(frame(0));
+        assert_eq!(Frames::default().feed(&parts), Err(Refused::Bytes(2 * half + 5)));
+        // The same frames as messages of their own pass.
+        let mut separate = stream(&[(0, b"topic")]);
+        separate.extend(frame(0));
+        separate.extend(frame(0));
+        assert_eq!(Frames::default().feed(&separate), Ok(()));
+        // Endless empty frames of one message.
+        let empty: Vec<(u8, &[u8])> = vec![(0b1, b""); MAX_MESSAGE_FRAMES as usize + 1];
+        assert_eq!(Frames::default().feed(&stream(&empty)), Err(Refused::Frames(MAX_MESSAGE_FRAMES + 1)));
+        let ended: Vec<(u8, &[u8])> = vec![(0, b""); MAX_MESSAGE_FRAMES as usize + 1];
+        assert_eq!(Frames::default().feed(&stream(&ended)), Ok(()));
+    }
+}
