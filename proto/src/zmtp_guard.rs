@@ -17,7 +17,10 @@
 //!   socket's connection). One difference: `zeromq`'s background reconnect waits in its
 //!   handshake while the relay retries, so it learns of the peer's return through the relay.
 //! - [`ZmtpGuard::binding`] (the replica agent's PUB and ROUTER): the socket binds a loopback
-//!   port, and the guard listens on the public address and relays each peer to it.
+//!   port, and the guard listens on the public address and relays each peer to it. A peer
+//!   there only subscribes or asks, so it may send 1 MiB of data over its connection in all
+//!   (`zeromq`'s PUB keeps every subscription it is sent), must send its greeting within
+//!   10 s, and at most 1024 peers are relayed at once.
 //!
 //! Endpoints other than `tcp://` (`ipc://`, `inproc://`) are on this host and are not
 //! relayed.
@@ -33,6 +36,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 pub use frames::{Frames, MAX_MESSAGE_BYTES, MAX_MESSAGE_FRAMES, NULL_GREETING, Refused};
@@ -47,10 +51,18 @@ const MAX_CONNECTING_PIPES: usize = 8;
 /// Most peers relayed at once by a binding guard.
 const MAX_BOUND_PIPES: usize = 1024;
 
+/// Data a peer of a bound socket may send over its connection: a subscriber sends its
+/// subscriptions and a replay client one request, a few dozen bytes.
+const BOUND_PEER_BUDGET: u64 = 1 << 20;
+
+/// Time a peer of a bound socket has to send its greeting, so that connections that never
+/// do cannot hold the guard's places for long.
+const GREETING_DEADLINE: Duration = Duration::from_secs(10);
+
 /// A relay for one socket, serving while this lives.
 pub struct ZmtpGuard {
     endpoint: String,
-    _stop: Option<DropGuard>,
+    stop: Option<(DropGuard, JoinHandle<()>)>,
 }
 
 impl ZmtpGuard {
@@ -58,7 +70,7 @@ impl ZmtpGuard {
     /// (`endpoint` itself when it is not `tcp://`).
     pub async fn connecting(endpoint: &str, on_refused: OnRefused) -> io::Result<Self> {
         let Some(target) = endpoint.strip_prefix("tcp://") else {
-            return Ok(Self { endpoint: endpoint.to_owned(), _stop: None });
+            return Ok(Self { endpoint: endpoint.to_owned(), stop: None });
         };
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let local = format!("tcp://{}", listener.local_addr()?);
@@ -90,6 +102,15 @@ impl ZmtpGuard {
     pub fn endpoint(&self) -> &str {
         &self.endpoint
     }
+
+    /// Stops relaying and waits until the listening port is closed (dropping the guard
+    /// stops it too, the port closing a moment later).
+    pub async fn close(self) {
+        if let Some((stop, run)) = self.stop {
+            drop(stop);
+            run.await.ok();
+        }
+    }
 }
 
 /// The side of a relayed connection whose stream is followed and bounded.
@@ -110,8 +131,8 @@ struct Relay {
 impl Relay {
     fn start(self, listener: TcpListener, endpoint: String, max_pipes: usize) -> ZmtpGuard {
         let stop = CancellationToken::new();
-        tokio::spawn(self.run(listener, Arc::new(Semaphore::new(max_pipes)), stop.clone()));
-        ZmtpGuard { endpoint, _stop: Some(stop.drop_guard()) }
+        let run = tokio::spawn(self.run(listener, Arc::new(Semaphore::new(max_pipes)), stop.clone()));
+        ZmtpGuard { endpoint, stop: Some((stop.drop_guard(), run)) }
     }
 
     async fn run(self, listener: TcpListener, pipes: Arc<Semaphore>, stop: CancellationToken) {
@@ -145,17 +166,28 @@ impl Relay {
     /// over the limits.
     async fn pipe(&self, mut accepted: TcpStream) {
         // The accepted side may write its greeting before the target is reached; keep it.
+        // What the accepted side sends before the target is reached is kept for then, and
+        // (when it is the watched side) followed as it comes.
+        let mut frames = match self.watch {
+            Side::Dialed => Frames::default(),
+            Side::Accepted => Frames::with_budget(BOUND_PEER_BUDGET),
+        };
         let mut early = Vec::new();
         let dial = dial(&self.target);
         tokio::pin!(dial);
         let dialed = loop {
+            let before = early.len();
             tokio::select! {
                 dialed = &mut dial => match dialed {
                     Ok(dialed) => break dialed,
                     Err(e) => return tracing::info!(error = %e, target = %self.target, "cannot reach the ZMTP peer"),
                 },
                 read = accepted.read_buf(&mut early) => match read {
-                    Ok(n) if n > 0 && early.len() <= EARLY_BYTES => {}
+                    Ok(n) if n > 0 && early.len() <= EARLY_BYTES => {
+                        if matches!(self.watch, Side::Accepted) && self.refused(&mut frames, &early[before..]) {
+                            return;
+                        }
+                    }
                     // The socket gave up (its connect timeout), or sent more than a handshake.
                     _ => return,
                 },
@@ -166,11 +198,6 @@ impl Relay {
         }
         let (accepted_read, accepted_write) = accepted.into_split();
         let (dialed_read, mut dialed_write) = dialed.into_split();
-        // What the accepted side sent early is the start of its stream.
-        let mut frames = Frames::default();
-        if matches!(self.watch, Side::Accepted) && self.refused(&mut frames, &early) {
-            return;
-        }
         if dialed_write.write_all(&early).await.is_err() {
             return;
         }
@@ -204,8 +231,20 @@ impl Relay {
         mut to: OwnedWriteHalf,
     ) -> io::Result<()> {
         let mut buf = vec![0u8; 64 << 10];
+        let greeting_by = tokio::time::Instant::now() + GREETING_DEADLINE;
         loop {
-            let n = from.read(&mut buf).await?;
+            let read = from.read(&mut buf);
+            let n = match self.watch {
+                Side::Accepted if !frames.greeted() => match tokio::time::timeout_at(greeting_by, read).await
+                {
+                    Ok(n) => n?,
+                    Err(_) => {
+                        tracing::debug!(target = %self.target, "ZMTP peer sent no greeting in time");
+                        return Ok(());
+                    }
+                },
+                _ => read.await?,
+            };
             if n == 0 || self.refused(&mut frames, &buf[..n]) {
                 return Ok(());
             }
@@ -278,5 +317,42 @@ mod tests {
         let mut reply = [0u8; 5];
         peer.read_exact(&mut reply).await.unwrap();
         assert_eq!(&reply, b"reply");
+    }
+
+    /// A peer that writes before the guard has reached the socket it guards: those bytes
+    /// are followed too (the socket here comes up 200 ms late).
+    #[tokio::test]
+    async fn what_a_peer_sends_before_the_socket_is_reached_is_followed_too() {
+        let port = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap().port();
+        let refused = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let counted = refused.clone();
+        let on_refused: OnRefused = Arc::new(move || {
+            counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        });
+        let guard = ZmtpGuard::binding("tcp://127.0.0.1:0", &format!("tcp://127.0.0.1:{port}"), on_refused)
+            .await
+            .unwrap();
+        let mut peer = TcpStream::connect(guard.endpoint().strip_prefix("tcp://").unwrap()).await.unwrap();
+        let mut huge = NULL_GREETING.to_vec();
+        huge.push(0b110);
+        huge.extend_from_slice(&(1u64 << 62).to_be_bytes());
+        peer.write_all(&huge).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let socket = TcpListener::bind(("127.0.0.1", port)).await.unwrap();
+        // The peer is cut, and the socket gets nothing of what it sent.
+        let mut rest = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), peer.read_to_end(&mut rest)).await.unwrap().ok();
+        assert_eq!(refused.load(std::sync::atomic::Ordering::Relaxed), 1);
+        let accepted = tokio::time::timeout(Duration::from_millis(300), socket.accept()).await;
+        assert!(accepted.is_err(), "the guard did not even connect");
+    }
+
+    #[tokio::test]
+    async fn closing_frees_the_port() {
+        let guard =
+            ZmtpGuard::binding("tcp://127.0.0.1:0", "tcp://127.0.0.1:1", Arc::new(|| {})).await.unwrap();
+        let address = guard.endpoint().strip_prefix("tcp://").unwrap().to_owned();
+        guard.close().await;
+        TcpListener::bind(&address).await.expect("the port is free again");
     }
 }

@@ -80,6 +80,13 @@ pub enum PublisherError {
     },
 }
 
+/// Closes a socket's guard, so that its port is free once the publisher's tasks are done.
+async fn close(guard: Option<ZmtpGuard>) {
+    if let Some(guard) = guard {
+        guard.close().await;
+    }
+}
+
 /// Binds `socket` where its peers reach it through a ZMTP guard listening on `endpoint`
 /// (`zeromq` alone would let a peer announcing a huge frame abort the agent): the socket on
 /// a loopback port, the guard on `endpoint`. Endpoints other than `tcp://` are bound
@@ -92,7 +99,7 @@ async fn bind_guarded(
     let bind = async |socket: &mut _, at: &str| {
         Socket::bind(socket, at).await.map(|bound| bound.to_string()).map_err(|source| PublisherError::Bind {
             what,
-            endpoint: endpoint.to_owned(),
+            endpoint: at.to_owned(),
             source,
         })
     };
@@ -131,13 +138,13 @@ impl Publisher {
             let (topic, buffer, shutdown) = (topic.clone(), buffer.clone(), shutdown.clone());
             tracker.spawn(async move {
                 serve_replay(router, topic, buffer, shutdown).await;
-                drop(guard);
+                close(guard).await;
             });
         }
         let (tx, rx) = mpsc::channel(config.queue.max(1));
         tracker.spawn(async move {
             publish_loop(pub_socket, rx, config, topic, buffer, shutdown).await;
-            drop(events_guard);
+            close(events_guard).await;
         });
         Ok((Publisher { tx }, PublisherEndpoints { events, replay }))
     }

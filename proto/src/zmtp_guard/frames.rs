@@ -29,6 +29,8 @@ pub enum Refused {
     Bytes(u64),
     /// A message's frames over [`MAX_MESSAGE_FRAMES`].
     Frames(u32),
+    /// The connection's data over its budget ([`Frames::with_budget`]): bytes so far.
+    Budget(u64),
 }
 
 /// Where a peer's byte stream is in ZMTP 3's framing, and how big the message being
@@ -39,6 +41,10 @@ pub struct Frames {
     /// Bytes and frames of the message so far (its frames before this one).
     message_bytes: u64,
     message_frames: u32,
+    /// Data bytes the connection may still send, each data frame counting one more.
+    budget: u64,
+    /// Data bytes (and frames) sent so far.
+    spent: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,20 +60,32 @@ enum At {
         read: u8,
         value: u64,
     },
-    /// Body bytes still to come, and whether more frames of the message follow.
+    /// Body bytes still to come, and whether the frame ends a message.
     Body {
         left: u64,
-        more: bool,
+        ends_message: bool,
     },
 }
 
 impl Default for Frames {
     fn default() -> Self {
-        Self { at: At::Greeting(64), message_bytes: 0, message_frames: 0 }
+        Self::with_budget(u64::MAX)
     }
 }
 
 impl Frames {
+    /// A stream that may send `budget` data bytes in all, each data frame counting one more
+    /// (commands are not counted): for a peer that only subscribes or asks, so that it
+    /// cannot grow what the socket keeps of it (`zeromq`'s PUB keeps every subscription).
+    pub fn with_budget(budget: u64) -> Self {
+        Self { at: At::Greeting(64), message_bytes: 0, message_frames: 0, budget, spent: 0 }
+    }
+
+    /// True once the peer's greeting has passed.
+    pub fn greeted(&self) -> bool {
+        !matches!(self.at, At::Greeting(_))
+    }
+
     /// Follows `bytes`; why they go over the limits, if they do.
     pub fn feed(&mut self, mut bytes: &[u8]) -> Result<(), Refused> {
         while let Some(&first) = bytes.first() {
@@ -94,10 +112,14 @@ impl Frames {
                         (self.frame(flags, value)?, 1)
                     }
                 }
-                At::Body { left, more } => {
+                At::Body { left, ends_message } => {
                     let used = left.min(bytes.len() as u64);
                     (
-                        if used == left { self.end(more) } else { At::Body { left: left - used, more } },
+                        if used == left {
+                            self.end(ends_message)
+                        } else {
+                            At::Body { left: left - used, ends_message }
+                        },
                         used as usize,
                     )
                 }
@@ -110,25 +132,35 @@ impl Frames {
 
     /// A frame of `len` bytes begins: refused if its message goes over the limits.
     fn frame(&mut self, flags: u8, len: u64) -> Result<At, Refused> {
-        // Bit 2: a command (one frame, never part of a message); bit 0: more frames follow.
-        let (command, more) = (flags & 0b100 != 0, flags & 0b1 != 0 && flags & 0b100 == 0);
-        let bytes = if command { len } else { self.message_bytes.saturating_add(len) };
+        // Bit 2: a command, which stands alone: `zeromq` handles it and goes on with the
+        // message it is in the middle of, so it neither counts toward that message nor
+        // ends it. Bit 0 of a data frame: more frames of its message follow.
+        if flags & 0b100 != 0 {
+            if len > MAX_MESSAGE_BYTES {
+                return Err(Refused::Bytes(len));
+            }
+            return Ok(if len == 0 { At::Flags } else { At::Body { left: len, ends_message: false } });
+        }
+        let ends_message = flags & 0b1 == 0;
+        let bytes = self.message_bytes.saturating_add(len);
         if bytes > MAX_MESSAGE_BYTES {
             return Err(Refused::Bytes(bytes));
         }
-        if !command {
-            self.message_bytes = bytes;
-            self.message_frames += 1;
-            if self.message_frames > MAX_MESSAGE_FRAMES {
-                return Err(Refused::Frames(self.message_frames));
-            }
+        self.spent = self.spent.saturating_add(len + 1);
+        if self.spent > self.budget {
+            return Err(Refused::Budget(self.spent));
         }
-        Ok(if len == 0 { self.end(more) } else { At::Body { left: len, more } })
+        self.message_bytes = bytes;
+        self.message_frames += 1;
+        if self.message_frames > MAX_MESSAGE_FRAMES {
+            return Err(Refused::Frames(self.message_frames));
+        }
+        Ok(if len == 0 { self.end(ends_message) } else { At::Body { left: len, ends_message } })
     }
 
-    /// A frame ended: so did its message, unless more frames follow.
-    fn end(&mut self, more: bool) -> At {
-        if !more {
+    /// A frame ended, and with it its message if `ends_message`.
+    fn end(&mut self, ends_message: bool) -> At {
+        if ends_message {
             (self.message_bytes, self.message_frames) = (0, 0);
         }
         At::Flags
@@ -179,7 +211,14 @@ mod tests {
             for result in fed(&bytes, cut) {
                 assert_eq!(
                     result,
-                    Ok(Frames { at: At::Flags, message_bytes: 0, message_frames: 0 }),
+                    // Data: 5 + 0 + 300 + 1 bytes in 4 frames.
+                    Ok(Frames {
+                        at: At::Flags,
+                        message_bytes: 0,
+                        message_frames: 0,
+                        budget: u64::MAX,
+                        spent: 310
+                    }),
                     "cut {cut}"
                 );
             }
@@ -220,5 +259,24 @@ mod tests {
         assert_eq!(Frames::default().feed(&stream(&empty)), Err(Refused::Frames(MAX_MESSAGE_FRAMES + 1)));
         let ended: Vec<(u8, &[u8])> = vec![(0, b""); MAX_MESSAGE_FRAMES as usize + 1];
         assert_eq!(Frames::default().feed(&stream(&ended)), Ok(()));
+    }
+
+    #[test]
+    fn a_command_inside_a_message_neither_ends_it_nor_counts_toward_it() {
+        let half = vec![0u8; (MAX_MESSAGE_BYTES / 2) as usize];
+        let ready: &[u8] = b"\x05READY";
+        let bytes = stream(&[(0b1, &half), (0b100, ready), (0b1, &half), (0b100, ready), (0, b"x")]);
+        assert_eq!(Frames::default().feed(&bytes), Err(Refused::Bytes(MAX_MESSAGE_BYTES + 1)));
+        let frames: Vec<(u8, &[u8])> =
+            (0..=MAX_MESSAGE_FRAMES).flat_map(|_| [(0b1, &b""[..]), (0b100, ready)]).collect();
+        assert_eq!(Frames::default().feed(&stream(&frames)), Err(Refused::Frames(MAX_MESSAGE_FRAMES + 1)));
+    }
+
+    #[test]
+    fn a_budget_bounds_the_data_of_a_whole_connection() {
+        // Subscriptions of 3 bytes (4 with their frame), commands free.
+        let bytes = stream(&[(0b100, b"\x05READY"), (0, b"\x01ab"), (0b100, b"\x04PING"), (0, b"\x01cd")]);
+        assert_eq!(Frames::with_budget(8).feed(&bytes), Ok(()));
+        assert_eq!(Frames::with_budget(7).feed(&bytes), Err(Refused::Budget(8)));
     }
 }
