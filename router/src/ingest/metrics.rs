@@ -189,7 +189,7 @@ impl IngestMetrics {
             blocks_removed: self.blocks_removed.get_or_create_owned(&replica),
             malformed_frame: self.malformed.get_or_create_owned(&kind("frame")),
             malformed_payload: self.malformed.get_or_create_owned(&kind("payload")),
-            malformed_oversized: self.malformed.get_or_create_owned(&kind("oversized_frame")),
+            malformed_oversized: self.malformed.get_or_create_owned(&kind("oversized_message")),
             skipped: SkipReason::ALL.map(|r| self.skipped.get_or_create_owned(&reason(r))),
             overflow: self.overflow.get_or_create_owned(&replica),
             gaps: self.gaps.get_or_create_owned(&replica),
@@ -218,7 +218,7 @@ impl IngestMetrics {
             family.remove(&replica);
         }
         self.blocks.remove(&replica);
-        for k in ["frame", "payload", "oversized_frame"] {
+        for k in ["frame", "payload", "oversized_message"] {
             self.malformed.remove(&KindLabels { replica: name.to_owned(), kind: k.to_owned() });
         }
         for r in SkipReason::ALL {

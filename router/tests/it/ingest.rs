@@ -564,7 +564,7 @@ async fn a_publisher_announcing_a_huge_frame_is_cut_off_and_counted() {
     let (r, m) = h.add(spec("evil", EngineKind::Vllm, &endpoint, None));
     wait_until("the oversized frame is counted", || m.malformed_oversized.get() >= 2).await;
     assert!(!r.status.is_synced());
-    assert!(h.scrape().contains(r#"kind="oversized_frame""#));
+    assert!(h.scrape().contains(r#"kind="oversized_message""#));
 }
 
 /// Every frame of a capture from a real vLLM server (block size 32), through sockets and the
