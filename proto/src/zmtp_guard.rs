@@ -113,6 +113,32 @@ impl ZmtpGuard {
     }
 }
 
+/// A greeting, then a command frame announcing 2^62 bytes: what a guard must cut before
+/// its socket reads the length (for tests).
+pub fn huge_frame() -> Vec<u8> {
+    let mut bytes = NULL_GREETING.to_vec();
+    bytes.push(0b110);
+    bytes.extend_from_slice(&(1u64 << 62).to_be_bytes());
+    bytes
+}
+
+/// A hostile peer (for tests): a listener on 127.0.0.1 that answers every connection with
+/// [`huge_frame`] and holds it open. Its `tcp://` endpoint.
+pub async fn huge_frame_peer() -> io::Result<String> {
+    let peer = TcpListener::bind("127.0.0.1:0").await?;
+    let endpoint = format!("tcp://{}", peer.local_addr()?);
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = peer.accept().await {
+            tokio::spawn(async move {
+                conn.write_all(&huge_frame()).await.ok();
+                let mut sink = [0u8; 256];
+                while conn.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+            });
+        }
+    });
+    Ok(endpoint)
+}
+
 /// The side of a relayed connection whose stream is followed and bounded.
 #[derive(Clone, Copy, Debug)]
 enum Side {
@@ -333,10 +359,7 @@ mod tests {
             .await
             .unwrap();
         let mut peer = TcpStream::connect(guard.endpoint().strip_prefix("tcp://").unwrap()).await.unwrap();
-        let mut huge = NULL_GREETING.to_vec();
-        huge.push(0b110);
-        huge.extend_from_slice(&(1u64 << 62).to_be_bytes());
-        peer.write_all(&huge).await.unwrap();
+        peer.write_all(&huge_frame()).await.unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;
         let socket = TcpListener::bind(("127.0.0.1", port)).await.unwrap();
         // The peer is cut, and the socket gets nothing of what it sent.

@@ -186,14 +186,6 @@ mod tests {
         bytes
     }
 
-    /// A greeting, then a command frame announcing 2^62 bytes.
-    fn huge_frame() -> Vec<u8> {
-        let mut bytes = stream(&[]);
-        bytes.push(0b110);
-        bytes.extend_from_slice(&(1u64 << 62).to_be_bytes());
-        bytes
-    }
-
     /// The result of feeding `bytes` cut at `cut`, and then byte by byte.
     fn fed(bytes: &[u8], cut: usize) -> [Result<Frames, Refused>; 2] {
         let mut frames = Frames::default();
@@ -227,7 +219,7 @@ mod tests {
 
     #[test]
     fn a_huge_announced_length_is_refused_before_it_is_complete_downstream() {
-        let bytes = huge_frame();
+        let bytes = crate::zmtp_guard::huge_frame();
         let mut frames = Frames::default();
         // Everything but the length's last byte passes...
         assert_eq!(frames.feed(&bytes[..bytes.len() - 1]), Ok(()));

@@ -158,9 +158,7 @@ async fn vllm_format_decodes_with_the_vllm_decoder() {
 async fn a_peer_announcing_a_huge_frame_is_cut_off_and_the_others_served() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (publisher, endpoints, shutdown) = start(EventFormat::Kvroute).await;
-    let mut huge = kvroute_proto::zmtp_guard::NULL_GREETING.to_vec();
-    huge.push(0b110);
-    huge.extend_from_slice(&(1u64 << 62).to_be_bytes());
+    let huge = kvroute_proto::zmtp_guard::huge_frame();
     for endpoint in [&endpoints.events, endpoints.replay.as_ref().unwrap()] {
         let mut peer =
             tokio::net::TcpStream::connect(endpoint.strip_prefix("tcp://").unwrap()).await.unwrap();

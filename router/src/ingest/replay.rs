@@ -116,33 +116,10 @@ mod tests {
         endpoint
     }
 
-    /// A listener that answers every connection with a ZMTP greeting and a command frame
-    /// announcing 2^62 bytes, then holds it open: its `tcp://` endpoint.
-    async fn huge_frame_peer() -> String {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let peer = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let endpoint = format!("tcp://{}", peer.local_addr().unwrap());
-        let mut bytes = kvroute_proto::zmtp_guard::NULL_GREETING.to_vec();
-        bytes.push(0b110);
-        bytes.extend_from_slice(&(1u64 << 62).to_be_bytes());
-        tokio::spawn(async move {
-            loop {
-                let (mut conn, _) = peer.accept().await.unwrap();
-                let bytes = bytes.clone();
-                tokio::spawn(async move {
-                    conn.write_all(&bytes).await.ok();
-                    let mut sink = [0u8; 256];
-                    while conn.read(&mut sink).await.is_ok_and(|n| n > 0) {}
-                });
-            }
-        });
-        endpoint
-    }
-
     /// Through the ZMTP guard: without it, `zeromq` would reserve 2^62 bytes and abort.
     #[tokio::test]
     async fn a_replay_peer_announcing_a_huge_frame_is_cut_off_and_counted() {
-        let endpoint = huge_frame_peer().await;
+        let endpoint = kvroute_proto::zmtp_guard::huge_frame_peer().await.unwrap();
         let refused = Arc::new(AtomicU64::new(0));
         let counted = refused.clone();
         let on_refused = Arc::new(move || {

@@ -140,15 +140,9 @@ async fn guard(
     loop {
         match ZmtpGuard::connecting(&config.endpoint, metrics.on_oversized()).await {
             Ok(guard) => return Some(guard),
-            Err(e) => {
-                tracing::warn!(error = %e, endpoint = %config.endpoint, "cannot start the ZMTP guard");
-                send(tx, Input::Unreachable, cancel).await.ok()?;
-            }
+            Err(e) => tracing::warn!(error = %e, endpoint = %config.endpoint, "cannot start the ZMTP guard"),
         }
-        tokio::select! {
-            () = cancel.cancelled() => return None,
-            () = tokio::time::sleep(config.reconnect_backoff) => {}
-        }
+        unreachable(config, tx, cancel).await?;
     }
 }
 
@@ -175,14 +169,24 @@ async fn connect(
         match result {
             Ok(()) => return Some(socket),
             Err(e) => {
-                tracing::info!(error = %e, endpoint = %config.endpoint, "cannot connect to the event publisher");
-                send(tx, Input::Unreachable, cancel).await.ok()?;
+                tracing::info!(error = %e, endpoint = %config.endpoint, "cannot connect to the event publisher")
             }
         }
-        tokio::select! {
-            () = cancel.cancelled() => return None,
-            () = tokio::time::sleep(config.reconnect_backoff) => {}
-        }
+        unreachable(config, tx, cancel).await?;
+    }
+}
+
+/// Reports the publisher unreachable, then waits `reconnect_backoff`; `None` when cancelled
+/// or orphaned.
+async fn unreachable(
+    config: &SubscriberConfig,
+    tx: &mpsc::Sender<Input>,
+    cancel: &CancellationToken,
+) -> Option<()> {
+    send(tx, Input::Unreachable, cancel).await.ok()?;
+    tokio::select! {
+        () = cancel.cancelled() => None,
+        () = tokio::time::sleep(config.reconnect_backoff) => Some(()),
     }
 }
 

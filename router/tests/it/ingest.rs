@@ -542,25 +542,8 @@ async fn unreachable_publisher_is_fallback_until_it_appears() {
 /// router goes on (here: it keeps reconnecting and cutting).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_announcing_a_huge_frame_is_cut_off_and_counted() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let h = Harness::start();
-    let evil = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("tcp://{}", evil.local_addr().unwrap());
-    // A ZMTP 3.1 greeting, then a command frame announcing 2^62 bytes.
-    let mut bytes = kvroute_proto::zmtp_guard::NULL_GREETING.to_vec();
-    bytes.push(0b110);
-    bytes.extend_from_slice(&(1u64 << 62).to_be_bytes());
-    tokio::spawn(async move {
-        loop {
-            let (mut conn, _) = evil.accept().await.unwrap();
-            let bytes = bytes.clone();
-            tokio::spawn(async move {
-                conn.write_all(&bytes).await.ok();
-                let mut sink = [0u8; 256];
-                while conn.read(&mut sink).await.is_ok_and(|n| n > 0) {}
-            });
-        }
-    });
+    let endpoint = kvroute_proto::zmtp_guard::huge_frame_peer().await.unwrap();
     let (r, m) = h.add(spec("evil", EngineKind::Vllm, &endpoint, None));
     wait_until("the oversized frame is counted", || m.malformed_oversized.get() >= 2).await;
     assert!(!r.status.is_synced());
