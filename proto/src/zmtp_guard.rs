@@ -18,9 +18,12 @@
 //!   handshake while the relay retries, so it learns of the peer's return through the relay.
 //! - [`ZmtpGuard::binding`] (the replica agent's PUB and ROUTER): the socket binds a loopback
 //!   port, and the guard listens on the public address and relays each peer to it. A peer
-//!   there only subscribes or asks, so it may send 1 MiB of data over its connection in all
-//!   (`zeromq`'s PUB keeps every subscription it is sent), must send its greeting within
-//!   10 s, and at most 1024 peers are relayed at once.
+//!   there only subscribes or asks, so it may send 64 KiB over its connection in all,
+//!   commands included, each frame charged 32 bytes more (`zeromq`'s PUB keeps every
+//!   subscription it is sent); it must finish its handshake (greeting and READY) within 10 s
+//!   of connecting (`zeromq`'s own handshake has no deadline); and at most 256 peers are
+//!   relayed at once. Its refusals are logged at debug level (any client could fill the log
+//!   otherwise), the publisher's at warn.
 //!
 //! Endpoints other than `tcp://` (`ipc://`, `inproc://`) are on this host and are not
 //! relayed.
@@ -49,15 +52,16 @@ pub type OnRefused = Arc<dyn Fn() + Send + Sync>;
 const MAX_CONNECTING_PIPES: usize = 8;
 
 /// Most peers relayed at once by a binding guard.
-const MAX_BOUND_PIPES: usize = 1024;
+const MAX_BOUND_PIPES: usize = 256;
 
-/// Data a peer of a bound socket may send over its connection: a subscriber sends its
-/// subscriptions and a replay client one request, a few dozen bytes.
-const BOUND_PEER_BUDGET: u64 = 1 << 20;
+/// What a peer of a bound socket may send over its connection ([`Frames::with_budget`]): a
+/// subscriber sends its handshake and subscriptions, a replay client its handshake and one
+/// request, a few hundred bytes.
+const BOUND_PEER_BUDGET: u64 = 64 << 10;
 
-/// Time a peer of a bound socket has to send its greeting, so that connections that never
-/// do cannot hold the guard's places for long.
-const GREETING_DEADLINE: Duration = Duration::from_secs(10);
+/// Time a peer of a bound socket has from connecting to the end of its handshake, so that
+/// connections that never finish one cannot hold the guard's places.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 
 /// A relay for one socket, serving while this lives.
 pub struct ZmtpGuard {
@@ -178,7 +182,9 @@ impl Relay {
                             drop(permit);
                         });
                     }
-                    Err(_) => tracing::debug!(target = %relay.target, "ZMTP guard: too many connections"),
+                    Err(_) => {
+                        tracing::warn!(target = %relay.target, "ZMTP guard at its connection limit; connection dropped")
+                    }
                 },
                 Err(e) => {
                     tracing::debug!(error = %e, target = %relay.target, "ZMTP guard cannot accept");
@@ -191,7 +197,7 @@ impl Relay {
     /// Relays one connection until either side closes or the watched side sends a message
     /// over the limits.
     async fn pipe(&self, mut accepted: TcpStream) {
-        // The accepted side may write its greeting before the target is reached; keep it.
+        let handshake_by = tokio::time::Instant::now() + HANDSHAKE_DEADLINE;
         // What the accepted side sends before the target is reached is kept for then, and
         // (when it is the watched side) followed as it comes.
         let mut frames = match self.watch {
@@ -230,11 +236,11 @@ impl Relay {
         // Either direction ending ends both.
         let _: io::Result<()> = match self.watch {
             Side::Dialed => tokio::select! {
-                ended = self.watched(frames, dialed_read, accepted_write) => ended,
+                ended = self.watched(frames, handshake_by, dialed_read, accepted_write) => ended,
                 ended = plain(accepted_read, dialed_write) => ended,
             },
             Side::Accepted => tokio::select! {
-                ended = self.watched(frames, accepted_read, dialed_write) => ended,
+                ended = self.watched(frames, handshake_by, accepted_read, dialed_write) => ended,
                 ended = plain(dialed_read, accepted_write) => ended,
             },
         };
@@ -244,31 +250,40 @@ impl Relay {
     fn refused(&self, frames: &mut Frames, bytes: &[u8]) -> bool {
         let Err(refused) = frames.feed(bytes) else { return false };
         (self.on_refused)();
-        tracing::warn!(target = %self.target, ?refused, "ZMTP peer sent a message over the limits; connection closed");
+        match self.watch {
+            Side::Dialed => {
+                tracing::warn!(target = %self.target, ?refused, "ZMTP peer went over the limits; connection closed")
+            }
+            Side::Accepted => {
+                tracing::debug!(target = %self.target, ?refused, "ZMTP peer went over the limits; connection closed")
+            }
+        }
         true
     }
 
     /// Copies `from` to `to` while following its framing in `frames`; stops at a message
-    /// over the limits (counted and logged).
+    /// over the limits (counted and logged), and at `handshake_by` if the accepted side has
+    /// not finished its handshake by then.
     async fn watched(
         &self,
         mut frames: Frames,
+        handshake_by: tokio::time::Instant,
         mut from: OwnedReadHalf,
         mut to: OwnedWriteHalf,
     ) -> io::Result<()> {
         let mut buf = vec![0u8; 64 << 10];
-        let greeting_by = tokio::time::Instant::now() + GREETING_DEADLINE;
         loop {
             let read = from.read(&mut buf);
             let n = match self.watch {
-                Side::Accepted if !frames.greeted() => match tokio::time::timeout_at(greeting_by, read).await
-                {
-                    Ok(n) => n?,
-                    Err(_) => {
-                        tracing::debug!(target = %self.target, "ZMTP peer sent no greeting in time");
-                        return Ok(());
+                Side::Accepted if !frames.handshaken() => {
+                    match tokio::time::timeout_at(handshake_by, read).await {
+                        Ok(n) => n?,
+                        Err(_) => {
+                            tracing::debug!(target = %self.target, "ZMTP peer did not finish its handshake in time");
+                            return Ok(());
+                        }
                     }
-                },
+                }
                 _ => read.await?,
             };
             if n == 0 || self.refused(&mut frames, &buf[..n]) {

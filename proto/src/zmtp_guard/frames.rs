@@ -10,6 +10,10 @@ pub const MAX_MESSAGE_BYTES: u64 = 64 << 20;
 /// Most frames in one message: a live batch has three, a replay reply a few.
 pub const MAX_MESSAGE_FRAMES: u32 = 1024;
 
+/// What a frame costs a budget ([`Frames::with_budget`]) beyond its bytes: about what the
+/// socket keeps for it besides them (a vector or a `Bytes` and its allocation).
+pub const FRAME_CHARGE: u64 = 32;
+
 /// A ZMTP 3.1 greeting with the NULL mechanism, as a peer sends it first (for tests and
 /// probes).
 pub const NULL_GREETING: [u8; 64] = {
@@ -38,13 +42,16 @@ pub enum Refused {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Frames {
     at: At,
-    /// Bytes and frames of the message so far (its frames before this one).
+    /// Bytes and frames of the message so far, the frame being read included.
     message_bytes: u64,
     message_frames: u32,
-    /// Data bytes the connection may still send, each data frame counting one more.
+    /// What the connection may send in all: its frames' bytes, each frame charged
+    /// [`FRAME_CHARGE`] more.
     budget: u64,
-    /// Data bytes (and frames) sent so far.
+    /// What it has sent so far, counted the same way.
     spent: u64,
+    /// A command frame (the handshake's READY, first) has been read whole.
+    handshaken: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,9 +67,11 @@ enum At {
         read: u8,
         value: u64,
     },
-    /// Body bytes still to come, and whether the frame ends a message.
+    /// Body bytes still to come; whether the frame is a command, and whether it ends a
+    /// message.
     Body {
         left: u64,
+        command: bool,
         ends_message: bool,
     },
 }
@@ -74,11 +83,23 @@ impl Default for Frames {
 }
 
 impl Frames {
-    /// A stream that may send `budget` data bytes in all, each data frame counting one more
-    /// (commands are not counted): for a peer that only subscribes or asks, so that it
-    /// cannot grow what the socket keeps of it (`zeromq`'s PUB keeps every subscription).
+    /// A stream that may send `budget` in all, its frames' bytes and [`FRAME_CHARGE`] a
+    /// frame: for a peer that only subscribes or asks, so that it cannot grow what the
+    /// socket keeps of it (`zeromq`'s PUB keeps every subscription it is sent).
     pub fn with_budget(budget: u64) -> Self {
-        Self { at: At::Greeting(64), message_bytes: 0, message_frames: 0, budget, spent: 0 }
+        Self {
+            at: At::Greeting(64),
+            message_bytes: 0,
+            message_frames: 0,
+            budget,
+            spent: 0,
+            handshaken: false,
+        }
+    }
+
+    /// True once the peer has sent its greeting and a whole command (its READY).
+    pub fn handshaken(&self) -> bool {
+        self.handshaken
     }
 
     /// True once the peer's greeting has passed.
@@ -112,13 +133,13 @@ impl Frames {
                         (self.frame(flags, value)?, 1)
                     }
                 }
-                At::Body { left, ends_message } => {
+                At::Body { left, command, ends_message } => {
                     let used = left.min(bytes.len() as u64);
                     (
                         if used == left {
-                            self.end(ends_message)
+                            self.end(command, ends_message)
                         } else {
-                            At::Body { left: left - used, ends_message }
+                            At::Body { left: left - used, command, ends_message }
                         },
                         used as usize,
                     )
@@ -130,36 +151,42 @@ impl Frames {
         Ok(())
     }
 
-    /// A frame of `len` bytes begins: refused if its message goes over the limits.
+    /// A frame of `len` bytes begins: refused if it takes its message or the connection
+    /// over the limits.
     fn frame(&mut self, flags: u8, len: u64) -> Result<At, Refused> {
-        // Bit 2: a command, which stands alone: `zeromq` handles it and goes on with the
-        // message it is in the middle of, so it neither counts toward that message nor
-        // ends it. Bit 0 of a data frame: more frames of its message follow.
-        if flags & 0b100 != 0 {
-            if len > MAX_MESSAGE_BYTES {
-                return Err(Refused::Bytes(len));
-            }
-            return Ok(if len == 0 { At::Flags } else { At::Body { left: len, ends_message: false } });
-        }
-        let ends_message = flags & 0b1 == 0;
-        let bytes = self.message_bytes.saturating_add(len);
-        if bytes > MAX_MESSAGE_BYTES {
-            return Err(Refused::Bytes(bytes));
-        }
-        self.spent = self.spent.saturating_add(len + 1);
+        self.spent = self.spent.saturating_add(len).saturating_add(FRAME_CHARGE);
         if self.spent > self.budget {
             return Err(Refused::Budget(self.spent));
         }
-        self.message_bytes = bytes;
-        self.message_frames += 1;
-        if self.message_frames > MAX_MESSAGE_FRAMES {
-            return Err(Refused::Frames(self.message_frames));
+        // Bit 2: a command, which stands alone: `zeromq` handles it and goes on with the
+        // message it is in the middle of, so it neither counts toward that message nor
+        // ends it. Bit 0 of a data frame: more frames of its message follow.
+        let command = flags & 0b100 != 0;
+        let ends_message = !command && flags & 0b1 == 0;
+        if command {
+            if len > MAX_MESSAGE_BYTES {
+                return Err(Refused::Bytes(len));
+            }
+        } else {
+            self.message_bytes = self.message_bytes.saturating_add(len);
+            if self.message_bytes > MAX_MESSAGE_BYTES {
+                return Err(Refused::Bytes(self.message_bytes));
+            }
+            self.message_frames += 1;
+            if self.message_frames > MAX_MESSAGE_FRAMES {
+                return Err(Refused::Frames(self.message_frames));
+            }
         }
-        Ok(if len == 0 { self.end(ends_message) } else { At::Body { left: len, ends_message } })
+        Ok(if len == 0 {
+            self.end(command, ends_message)
+        } else {
+            At::Body { left: len, command, ends_message }
+        })
     }
 
     /// A frame ended, and with it its message if `ends_message`.
-    fn end(&mut self, ends_message: bool) -> At {
+    fn end(&mut self, command: bool, ends_message: bool) -> At {
+        self.handshaken |= command;
         if ends_message {
             (self.message_bytes, self.message_frames) = (0, 0);
         }
@@ -203,13 +230,14 @@ mod tests {
             for result in fed(&bytes, cut) {
                 assert_eq!(
                     result,
-                    // Data: 5 + 0 + 300 + 1 bytes in 4 frames.
+                    // 6 + 5 + 0 + 300 + 1 bytes in 5 frames.
                     Ok(Frames {
                         at: At::Flags,
                         message_bytes: 0,
                         message_frames: 0,
                         budget: u64::MAX,
-                        spent: 310
+                        spent: 312 + 5 * FRAME_CHARGE,
+                        handshaken: true,
                     }),
                     "cut {cut}"
                 );
@@ -265,10 +293,20 @@ mod tests {
     }
 
     #[test]
-    fn a_budget_bounds_the_data_of_a_whole_connection() {
-        // Subscriptions of 3 bytes (4 with their frame), commands free.
+    fn a_budget_bounds_all_a_connection_sends() {
+        // Subscriptions of 3 bytes and commands of 6 and 5, each frame charged more.
         let bytes = stream(&[(0b100, b"\x05READY"), (0, b"\x01ab"), (0b100, b"\x04PING"), (0, b"\x01cd")]);
-        assert_eq!(Frames::with_budget(8).feed(&bytes), Ok(()));
-        assert_eq!(Frames::with_budget(7).feed(&bytes), Err(Refused::Budget(8)));
+        let all = 17 + 4 * FRAME_CHARGE;
+        let mut frames = Frames::with_budget(all);
+        assert!(!frames.handshaken());
+        assert_eq!(frames.feed(&bytes), Ok(()));
+        assert!(frames.handshaken());
+        assert_eq!(Frames::with_budget(all - 1).feed(&bytes), Err(Refused::Budget(all)));
+        // Commands alone are charged too.
+        let pings: Vec<(u8, &[u8])> = vec![(0b100, b"\x04PING"); 10];
+        assert_eq!(
+            Frames::with_budget(all).feed(&stream(&pings)),
+            Err(Refused::Budget(4 * (5 + FRAME_CHARGE)))
+        );
     }
 }

@@ -8,6 +8,12 @@
 //! what it missed. The subscription is registered before connecting, so it reaches the
 //! publisher in the handshake.
 //!
+//! The SUB reaches the publisher through a ZMTP guard (`kvroute_proto::zmtp_guard`), which
+//! cuts a publisher sending a message over its limits. A connection refused is retried
+//! inside the guard, as the SUB alone would; other dial failures (a name that does not
+//! resolve, no route) reach the SUB as a failed handshake, and the guard's log line names
+//! the cause.
+//!
 //! Live messages go through `try_send`: a full channel drops the message and counts it
 //! (`overflow`) instead of stalling the socket (the publisher's queue is unbounded). As soon
 //! as the channel has room again, [`Input::Overflowed`] tells the stream to replay what it

@@ -193,6 +193,8 @@ async fn slow_joiner_losing_the_first_batches_is_repaired() {
     let (events, replay) = (fake.events.clone(), fake.replay.clone().expect("replay"));
     let (r, m) = h.add(spec("slow-joiner", EngineKind::Vllm, &events, Some(&replay)));
     h.synced(&r).await;
+    // After the catch-up replay, or it could fetch batch 0 before any gap shows.
+    settled(&m).await;
     let a = Rng::new(11).tokens(3);
     fake.keep(0, vllm(batch(0, 0, vec![store_chain(&a, 0)])));
     warm_up(&mut fake, &r, 0, 1).await;
