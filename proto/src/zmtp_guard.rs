@@ -31,7 +31,6 @@
 pub mod frames;
 
 use std::io;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -92,10 +91,8 @@ impl ZmtpGuard {
         let host = if host == "*" { "0.0.0.0" } else { host.trim_start_matches('[').trim_end_matches(']') };
         let port: u16 = port.parse().map_err(|_| invalid("bad port"))?;
         let listener = TcpListener::bind((host, port)).await?;
-        let bound = match listener.local_addr()? {
-            SocketAddr::V4(a) => format!("tcp://{a}"),
-            SocketAddr::V6(a) => format!("tcp://[{}]:{}", a.ip(), a.port()),
-        };
+        // An IPv6 address shows in brackets.
+        let bound = format!("tcp://{}", listener.local_addr()?);
         let target =
             internal.strip_prefix("tcp://").ok_or_else(|| invalid("internal endpoint not tcp://"))?;
         let relay = Relay { target: target.to_owned(), watch: Side::Accepted, on_refused };
