@@ -17,13 +17,14 @@ mod format;
 pub use format::EventFormat;
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use kvroute_proto::Seq;
 use kvroute_proto::framing;
 use kvroute_proto::pb::EventBatch;
-use kvroute_proto::zmtp_guard::ZmtpGuard;
+use kvroute_proto::zmtp_guard::{OnRefused, ZmtpGuard};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -59,6 +60,7 @@ pub struct PublisherEndpoints {
 #[derive(Clone)]
 pub struct Publisher {
     tx: mpsc::Sender<EventBatch>,
+    refused: Arc<AtomicU64>,
 }
 
 /// Errors setting up the sockets.
@@ -95,6 +97,7 @@ async fn bind_guarded(
     socket: &mut impl Socket,
     endpoint: &str,
     what: &'static str,
+    on_refused: &OnRefused,
 ) -> Result<(String, Option<ZmtpGuard>), PublisherError> {
     let bind = async |socket: &mut _, at: &str| {
         Socket::bind(socket, at).await.map(|bound| bound.to_string()).map_err(|source| PublisherError::Bind {
@@ -107,7 +110,7 @@ async fn bind_guarded(
         return Ok((bind(socket, endpoint).await?, None));
     }
     let internal = bind(socket, "tcp://127.0.0.1:0").await?;
-    let guard = ZmtpGuard::binding(endpoint, &internal, Arc::new(|| {}))
+    let guard = ZmtpGuard::binding(endpoint, &internal, on_refused.clone())
         .await
         .map_err(|source| PublisherError::Guard { what, endpoint: endpoint.to_owned(), source })?;
     Ok((guard.endpoint().to_owned(), Some(guard)))
@@ -126,14 +129,22 @@ impl Publisher {
         tracker: &TaskTracker,
         shutdown: CancellationToken,
     ) -> Result<(Publisher, PublisherEndpoints), PublisherError> {
+        let refused = Arc::new(AtomicU64::new(0));
+        let on_refused: OnRefused = {
+            let refused = refused.clone();
+            Arc::new(move || {
+                refused.fetch_add(1, Ordering::Relaxed);
+            })
+        };
         let mut pub_socket = PubSocket::new();
-        let (events, events_guard) = bind_guarded(&mut pub_socket, events_endpoint, "PUB").await?;
+        let (events, events_guard) =
+            bind_guarded(&mut pub_socket, events_endpoint, "PUB", &on_refused).await?;
         let buffer: RingBuffer = Arc::new(Mutex::new(VecDeque::with_capacity(config.buffer_steps.min(4096))));
         let topic = Bytes::from(config.topic.clone().into_bytes());
         let mut replay = None;
         if let Some(endpoint) = replay_endpoint {
             let mut router = RouterSocket::new();
-            let (bound, guard) = bind_guarded(&mut router, endpoint, "ROUTER").await?;
+            let (bound, guard) = bind_guarded(&mut router, endpoint, "ROUTER", &on_refused).await?;
             replay = Some(bound);
             let (topic, buffer, shutdown) = (topic.clone(), buffer.clone(), shutdown.clone());
             tracker.spawn(async move {
@@ -146,7 +157,13 @@ impl Publisher {
             publish_loop(pub_socket, rx, config, topic, buffer, shutdown).await;
             close(events_guard).await;
         });
-        Ok((Publisher { tx }, PublisherEndpoints { events, replay }))
+        Ok((Publisher { tx, refused }, PublisherEndpoints { events, replay }))
+    }
+
+    /// Connections the ZMTP guards cut for going over their limits, so far (shared: it
+    /// goes on counting).
+    pub fn refused(&self) -> Arc<AtomicU64> {
+        self.refused.clone()
     }
 
     /// Hands a batch to the publisher; waits while its queue is full. Returns false if the

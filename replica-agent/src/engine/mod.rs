@@ -113,6 +113,8 @@ pub struct EngineMetrics {
     pub pending_prefill_tokens: AtomicU64,
     pub events_published: AtomicU64,
     pub steps: AtomicU64,
+    /// Event and replay connections the publisher's ZMTP guards cut (shared with it).
+    pub zmtp_refused: Arc<AtomicU64>,
 }
 
 /// The cache and what the engine knows about each resident block, behind one lock.
@@ -165,7 +167,8 @@ impl Engine {
     ) -> Result<Engine, crate::cache::ConfigError> {
         let cache = BlockCache::new(&config.cache)?;
         let state = Arc::new(Mutex::new(CacheState { cache, blocks: HashMap::new(), next_seq: 0 }));
-        let metrics = Arc::new(EngineMetrics::default());
+        let metrics =
+            Arc::new(EngineMetrics { zmtp_refused: publisher.refused(), ..EngineMetrics::default() });
         let config = Arc::new(config);
         let (tx, rx) = mpsc::channel(config.max_waiting.max(1));
         let accepting = shutdown.child_token();

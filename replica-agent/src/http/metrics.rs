@@ -18,6 +18,7 @@
 //! | `vllm:request_success_total` | counter | finished requests (`finished_reason="length"`) |
 //! | `kvroute_agent_requests_failed_total` | counter | requests the engine failed |
 //! | `kvroute_agent_events_published_total` | counter | KV event batches published |
+//! | `kvroute_agent_zmtp_refused_total` | counter | event and replay connections cut for going over the ZMTP guard's limits |
 //! | `kvroute_agent_steps_total` | counter | scheduler steps run |
 //! | `kvroute_agent_pending_prefill_tokens` | gauge | uncached prompt tokens still to prefill |
 //! | `kvroute_agent_resident_blocks` | gauge | blocks in the prefix cache |
@@ -78,6 +79,11 @@ pub(super) fn render(state: &AppState) -> Response<Body> {
         "kvroute_agent_events_published_total",
         "KV event batches published.",
         load(&m.events_published),
+    );
+    out.counter(
+        "kvroute_agent_zmtp_refused_total",
+        "Event and replay connections cut for going over the ZMTP guard's limits.",
+        load(&m.zmtp_refused),
     );
     out.counter("kvroute_agent_steps_total", "Scheduler steps run.", load(&m.steps));
     out.gauge(

@@ -170,6 +170,7 @@ async fn a_peer_announcing_a_huge_frame_is_cut_off_and_the_others_served() {
         });
         closed.await.expect("the peer is cut off");
     }
+    assert_eq!(publisher.refused().load(std::sync::atomic::Ordering::Relaxed), 2);
     let mut sub = subscribe(&endpoints.events).await;
     let mut seq = 0;
     loop {
