@@ -45,6 +45,9 @@ pub struct Limits {
     pub send_timeout: Duration,
 }
 
+/// hyper's limit on HTTP/1 request header fields when none is set.
+const HYPER_MAX_HEADERS: usize = 100;
+
 /// hyper's smallest HTTP/1 read buffer.
 pub const MIN_HEADER_BYTES: usize = 8192;
 
@@ -264,8 +267,13 @@ async fn accept_loop<H, F, B>(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
-        .max_buf_size(limits.max_header_bytes.max(MIN_HEADER_BYTES))
-        .max_headers(limits.max_headers);
+        .max_buf_size(limits.max_header_bytes.max(MIN_HEADER_BYTES));
+    // hyper's own limit is the same without setting it, and then its parser's header arrays
+    // are left uninitialized instead of being filled for every request (~2% of the proxy's
+    // user CPU a request).
+    if limits.max_headers != HYPER_MAX_HEADERS {
+        builder.http1().max_headers(limits.max_headers);
+    }
     builder.http2().max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
     loop {
         let (stream, peer) = tokio::select! {

@@ -27,8 +27,9 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use kvroute_proto::openai::OpenAiError;
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
 
+use super::idle::IdleTimer;
 use super::stalls::{StallWatch, Watch, Watched};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -54,11 +55,8 @@ pub trait Hooks: Send + 'static {
 /// [`StallWatch`], also cut when its client stops taking data ([`super::stalls`]).
 pub struct Tracked<B> {
     held: Held<B>,
-    idle: Duration,
     /// The idle deadline of the current wait on the replica.
-    sleep: Pin<Box<Sleep>>,
-    /// The body is waiting on the replica and `sleep` is that wait's deadline.
-    waiting: bool,
+    timer: IdleTimer,
     /// The watch to hand the body to once it has passed a frame and is still open.
     watch: Option<Arc<StallWatch>>,
 }
@@ -102,13 +100,7 @@ impl<B> Tracked<B> {
             handed: None,
             cut: false,
         };
-        Self {
-            held: Held::Own(state),
-            idle,
-            sleep: Box::pin(tokio::time::sleep(idle)),
-            waiting: false,
-            watch: None,
-        }
+        Self { held: Held::Own(state), timer: IdleTimer::new(idle), watch: None }
     }
 
     /// Marks the body as a server-sent-event stream.
@@ -211,14 +203,14 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        let mut timer = Timer { idle: this.idle, sleep: &mut this.sleep, waiting: &mut this.waiting };
+        let timer = &mut this.timer;
         match &mut this.held {
-            Held::Own(state) => poll_state(state, &mut timer, None, cx),
+            Held::Own(state) => poll_state(state, timer, None, cx),
             Held::Shared(shared) => {
                 let shared: &Arc<Mutex<State<B>>> = shared;
                 let mut state = lock(shared);
                 let watch = Watching { shared, watch: &mut this.watch };
-                poll_state(&mut state, &mut timer, Some(watch), cx)
+                poll_state(&mut state, timer, Some(watch), cx)
             }
         }
     }
@@ -236,13 +228,6 @@ where
     }
 }
 
-/// A body's idle timer, as [`poll_state`] needs it.
-struct Timer<'a> {
-    idle: Duration,
-    sleep: &'a mut Pin<Box<Sleep>>,
-    waiting: &'a mut bool,
-}
-
 /// A watched body's shared state and the watch it is handed to after its first open frame.
 struct Watching<'a, B> {
     shared: &'a Arc<Mutex<State<B>>>,
@@ -252,7 +237,7 @@ struct Watching<'a, B> {
 /// [`Tracked::poll_frame`] on the body's state.
 fn poll_state<B>(
     state: &mut State<B>,
-    timer: &mut Timer<'_>,
+    timer: &mut IdleTimer,
     watching: Option<Watching<'_, B>>,
     cx: &mut Context<'_>,
 ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
@@ -283,7 +268,7 @@ where
                     state.at_boundary = data.ends_with(b"\n\n") || data.ends_with(b"\r\n\r\n");
                 }
             }
-            *timer.waiting = false;
+            timer.progress();
             if inner.is_end_stream() {
                 // The last frame: hyper will not poll again (the length is known), so the
                 // body ends here, its connection clean.
@@ -305,12 +290,8 @@ where
         Poll::Pending => {
             // The replica's silence counts from here, not from the last frame: hyper may have
             // taken its time to pass that one on.
-            if !*timer.waiting {
-                *timer.waiting = true;
-                timer.sleep.as_mut().reset(Instant::now() + timer.idle);
-            }
-            ready!(timer.sleep.as_mut().poll(cx));
-            state.fail(Box::new(IdleTimeout(timer.idle)))
+            ready!(timer.poll_expired(cx));
+            state.fail(Box::new(IdleTimeout(timer.idle())))
         }
     }
 }
@@ -337,7 +318,7 @@ impl UsageScanner {
             &joined
         };
         let mut pos = 0;
-        while let Some(off) = find(&hay[pos..], KEY) {
+        while let Some(off) = memchr::memmem::find(&hay[pos..], KEY) {
             let start = pos + off + KEY.len();
             if let Some(n) = parse_value(&hay[start..]) {
                 self.cached_tokens = Some(n);
@@ -345,12 +326,10 @@ impl UsageScanner {
             pos = start;
         }
         let keep = hay.len().min(CARRY);
-        self.carry = hay[hay.len() - keep..].to_vec();
+        // `hay` is `data` or a copy: the carry's buffer is free to reuse.
+        self.carry.clear();
+        self.carry.extend_from_slice(&hay[hay.len() - keep..]);
     }
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
 }
 
 /// `: 123` → 123; `None` if the number is cut off at the end (the next frame completes it).

@@ -9,7 +9,7 @@
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //!
-//! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`pool`] (upstream
+//! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`], [`idle`] (bodies' idle timeouts) (HTTP/1.1 to the replicas), [`pool`] (upstream
 //! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`upload`] (clients' request
 //! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health).
 
@@ -18,6 +18,7 @@ pub mod error;
 pub mod forward;
 pub mod health;
 pub mod http1;
+pub mod idle;
 pub mod pool;
 pub mod prompts;
 pub mod route;
@@ -122,12 +123,15 @@ async fn dispatch(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let path = req.uri().path().to_owned();
     let method = req.method().clone();
+    // The forwarding futures are boxed: hyper keeps each request's future in place, moving
+    // it in whole, and every byte of them would be copied for every request (they are
+    // kilobytes), whichever path the request takes.
     match (method, path.as_str()) {
         (Method::POST, "/v1/completions") => {
-            routed(state, pool, req, Endpoint::Completions, request_id).await
+            Box::pin(routed(state, pool, req, Endpoint::Completions, request_id)).await
         }
         (Method::POST, "/v1/chat/completions") => {
-            routed(state, pool, req, Endpoint::ChatCompletions, request_id).await
+            Box::pin(routed(state, pool, req, Endpoint::ChatCompletions, request_id)).await
         }
         (Method::GET, "/v1/models") => Ok(json(StatusCode::OK, models(state))),
         (Method::GET, "/health") => Ok(Response::new(full(Bytes::new()))),
@@ -144,7 +148,7 @@ async fn dispatch(
             _,
             "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health" | "/ready" | "/metrics",
         ) => Err(ProxyError::MethodNotAllowed(req.method().to_string())),
-        (_, p) if p.starts_with("/v1/") => passthrough(state, pool, req, request_id).await,
+        (_, p) if p.starts_with("/v1/") => Box::pin(passthrough(state, pool, req, request_id)).await,
         _ => Err(ProxyError::NotFound(path)),
     }
 }

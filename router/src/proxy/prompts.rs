@@ -53,7 +53,9 @@ impl Prompts {
             Prompts::Local(t) => {
                 Ok(PromptInfo { namespace: t.namespace(request), tokens: t.take_prompt_tokens(request)? })
             }
-            Prompts::Remote(r) => r.tokens(request, body, replica_url).await,
+            // Boxed: the remote exchange's future would otherwise make every request's
+            // future larger (see `forward::first_byte`), local ones included.
+            Prompts::Remote(r) => Box::pin(r.tokens(request, body, replica_url)).await,
         }
     }
 }

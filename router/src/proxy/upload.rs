@@ -8,28 +8,26 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body::{Body, Frame, SizeHint};
-use tokio::time::{Instant, Sleep};
-
 use super::body::BoxError;
 use super::error::ProxyError;
+use super::idle::IdleTimer;
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
 
 /// The client sent nothing of its body for this long.
 #[derive(Debug, thiserror::Error)]
 #[error("the request body stalled for {} ms", .0.as_millis())]
 pub struct Stalled(pub Duration);
 
-/// `inner`, failing with [`Stalled`] when no frame comes for `idle`.
+/// `inner`, failing with [`Stalled`] when it has had no frame ready for `idle`.
 pub struct Upload<B> {
     inner: B,
-    idle: Duration,
-    sleep: Pin<Box<Sleep>>,
+    timer: IdleTimer,
 }
 
 impl<B> Upload<B> {
     pub fn new(inner: B, idle: Duration) -> Self {
-        Self { inner, idle, sleep: Box::pin(tokio::time::sleep(idle)) }
+        Self { inner, timer: IdleTimer::new(idle) }
     }
 }
 
@@ -59,11 +57,11 @@ where
         let this = self.get_mut();
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(frame) => {
-                this.sleep.as_mut().reset(Instant::now() + this.idle);
+                this.timer.progress();
                 Poll::Ready(frame)
             }
-            Poll::Pending => match this.sleep.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Some(Err(Stalled(this.idle).into()))),
+            Poll::Pending => match this.timer.poll_expired(cx) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(Stalled(this.timer.idle()).into()))),
                 Poll::Pending => Poll::Pending,
             },
         }
