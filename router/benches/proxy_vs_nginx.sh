@@ -10,6 +10,8 @@
 # then each target again with one connection, for the latency a proxy adds):
 #   direct       wrk -> backend port 1
 #   nginx        wrk -> nginx (worker_processes auto, upstream of the backend ports, keepalive)
+#   floor        wrk -> router/examples/bare_forwarder: kvroute-router's accept loop and
+#                upstream pool with nothing between them (no decision, accounting, metrics)
 #   kvroute-rr   wrk -> kvroute-router --policy round-robin
 #   kvroute-ca   wrk -> kvroute-router --policy cache-aware
 # kvroute's replicas are the backend ports with engine kvroute and event endpoints on a
@@ -81,8 +83,9 @@ if ! need nginx || ! need wrk; then
 fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 
-(cd "$ROOT" && cargo build --release -q -p kvroute-router --bin kvroute-router)
+(cd "$ROOT" && cargo build --release -q -p kvroute-router --bin kvroute-router --example bare_forwarder)
 ROUTER="${CARGO_TARGET_DIR:-$ROOT/target}/release/kvroute-router"
+FLOOR="${CARGO_TARGET_DIR:-$ROOT/target}/release/examples/bare_forwarder"
 
 WORK=$(mktemp -d)
 PIDS=()
@@ -158,21 +161,38 @@ wait_http "http://127.0.0.1:$NGINX_PORT/health"
 # Each target is measured ROUNDS times, the targets taking turns, so that a slow spell of the
 # machine falls on all of them; the table shows medians, and each round's kvroute/nginx ratio
 # is taken within the round.
-declare -A RPS P50 P99 BAD RATIO ONE_P50 ONE_P99
-TARGETS=(direct nginx kvroute-round-robin kvroute-cache-aware)
+declare -A RPS P50 P99 BAD RATIO CPU ONE_P50 ONE_P99 PROCS
+TARGETS=(direct nginx floor kvroute-round-robin kvroute-cache-aware)
 declare -A URL=(
     [direct]="http://127.0.0.1:$(port_of_backend 1)/v1/completions"
     [nginx]="http://127.0.0.1:$NGINX_PORT/v1/completions"
+    [floor]="http://127.0.0.1:$((KVROUTE_PORT + 2))/v1/completions"
     [kvroute-round-robin]="http://127.0.0.1:$KVROUTE_PORT/v1/completions"
     [kvroute-cache-aware]="http://127.0.0.1:$((KVROUTE_PORT + 1))/v1/completions"
 )
 
-# One throughput run of target $1: appends its requests/s, p50, p99 and errors.
+# CPU time (user + system, clock ticks) used so far by the processes given.
+ticks() {
+    local total=0 pid
+    for pid in "$@"; do
+        total=$((total + $(awk '{ print $14 + $15 }' "/proc/$pid/stat")))
+    done
+    echo "$total"
+}
+
+# One throughput run of target $1: appends its requests/s, p50, p99, errors and the CPU
+# time its proxy processes took a request (for `direct`, the backend's).
 measure() {
-    local name=$1 line rps p50 p99 bad
+    local name=$1 line rps p50 p99 requests bad before after
     wrk -t"$THREADS" -c"$CONNECTIONS" -d2s -s "$WORK/post.lua" "${URL[$name]}" >/dev/null # warm-up
+    # shellcheck disable=SC2086 # PROCS holds a list of pids
+    before=$(ticks ${PROCS[$name]})
     line=$(wrk -t"$THREADS" -c"$CONNECTIONS" -d"$DURATION" -s "$WORK/post.lua" "${URL[$name]}" | grep '^RESULT')
-    read -r _ rps p50 p99 _ bad <<<"$line"
+    # shellcheck disable=SC2086
+    after=$(ticks ${PROCS[$name]})
+    read -r _ rps p50 p99 requests bad <<<"$line"
+    CPU[$name]+="$(awk -v t=$((after - before)) -v hz="$(getconf CLK_TCK)" -v n="$requests" \
+        'BEGIN { printf "%.1f", t * 1e6 / hz / n }') "
     RPS[$name]+="$rps "
     P50[$name]+="$p50 "
     P99[$name]+="$p99 "
@@ -197,11 +217,21 @@ router() {
     RUST_LOG=warn "$ROUTER" --listen "127.0.0.1:$port" --admin-listen 127.0.0.1:0 \
         --policy "$policy" "${replicas[@]}" >"$WORK/router-$policy.log" 2>&1 &
     PIDS+=("$!")
+    PROCS[kvroute-$policy]=$!
     wait_http "http://127.0.0.1:$port/health"
 }
 
 router round-robin "$KVROUTE_PORT"
 router cache-aware "$((KVROUTE_PORT + 1))"
+# The floor: the router's accept loop and upstream pool with nothing between them.
+backend_urls=()
+for i in $(seq 1 "$BACKENDS"); do backend_urls+=("http://127.0.0.1:$(port_of_backend "$i")"); done
+"$FLOOR" "127.0.0.1:$((KVROUTE_PORT + 2))" "$(nproc)" "${backend_urls[@]}" >"$WORK/floor.log" 2>&1 &
+PIDS+=("$!")
+PROCS[floor]=$!
+wait_http "http://127.0.0.1:$((KVROUTE_PORT + 2))/health"
+PROCS[nginx]=$(pgrep -P "$(cat "$WORK/proxy.pid")" | tr '\n' ' ')
+PROCS[direct]=$(pgrep -P "$(cat "$WORK/backend.pid")" | tr '\n' ' ')
 for round in $(seq 1 "$ROUNDS"); do
     for name in "${TARGETS[@]}"; do
         measure "$name"
@@ -217,12 +247,15 @@ done
 
 echo
 echo "POST /v1/completions, wrk -t$THREADS -c$CONNECTIONS -d$DURATION, $ROUNDS rounds, $BACKENDS backend ports, $(nproc) cores"
-printf '%-22s %12s %16s %10s %10s %8s %10s %12s\n' run "requests/s" "range" "p50 µs" "p99 µs" errors "vs nginx" "range"
+printf '%-22s %12s %16s %10s %10s %8s %10s %12s %12s\n' run "requests/s" "range" "p50 µs" "p99 µs" errors \
+    "vs nginx" "range" "CPU µs/req"
 for name in "${TARGETS[@]}"; do
-    printf '%-22s %12.0f %16s %10.0f %10.0f %8s %9.2fx %12s\n' "$name" "$(median <<<"${RPS[$name]}")" \
+    printf '%-22s %12.0f %16s %10.0f %10.0f %8s %9.2fx %12s %12s\n' "$name" "$(median <<<"${RPS[$name]}")" \
         "$(range <<<"${RPS[$name]}")" "$(median <<<"${P50[$name]}")" "$(median <<<"${P99[$name]}")" \
-        "${BAD[$name]}" "$(median <<<"${RATIO[$name]}")" "$(range <<<"${RATIO[$name]}")"
+        "${BAD[$name]}" "$(median <<<"${RATIO[$name]}")" "$(range <<<"${RATIO[$name]}")" \
+        "$(median <<<"${CPU[$name]}")"
 done
+echo "(CPU µs/req: user + system time of the proxy's processes a request; for direct, the backend's)"
 echo
 echo "one connection, one request at a time (latency a proxy adds, µs):"
 printf '%-22s %10s %10s %14s\n' run "p50 µs" "p99 µs" "added p50 µs"

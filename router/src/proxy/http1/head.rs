@@ -1,5 +1,8 @@
 //! Response heads from a replica: parsed with `httparse`, and how their body is delimited.
 
+use std::mem::MaybeUninit;
+
+use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 
@@ -30,9 +33,14 @@ pub struct Head {
 /// Parses a response head at the start of `buf`: its length and the head, or `None` if it
 /// is not complete yet.
 pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, WireError> {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut parsed = httparse::Response::new(&mut headers);
-    let length = match parsed.parse(buf) {
+    // Left uninitialized: zeroing 100 fields for every response showed in profiles.
+    let mut headers = [const { MaybeUninit::uninit() }; MAX_HEADERS];
+    let mut parsed = httparse::Response::new(&mut []);
+    let length = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut parsed,
+        buf,
+        &mut headers,
+    ) {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(e) => return Err(WireError::Malformed(e.to_string())),
@@ -44,12 +52,20 @@ pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, 
         return Err(WireError::Malformed("101 Switching Protocols, unasked".into()));
     }
     let version = if parsed.version == Some(1) { Version::HTTP_11 } else { Version::HTTP_10 };
+    // The values share one copy of the head instead of taking a copy each.
+    let copy = Bytes::copy_from_slice(&buf[..length]);
     let mut map = HeaderMap::with_capacity(parsed.headers.len());
     for h in parsed.headers.iter() {
         let name = HeaderName::from_bytes(h.name.as_bytes())
             .map_err(|_| WireError::Malformed(format!("header name {:?}", h.name)))?;
-        let value = HeaderValue::from_bytes(h.value)
-            .map_err(|_| WireError::Malformed(format!("value of header {name}")))?;
+        // httparse's values lie within `buf`; anything else is copied on its own.
+        let value = match (h.value.as_ptr() as usize).checked_sub(buf.as_ptr() as usize) {
+            Some(at) if at + h.value.len() <= length => {
+                HeaderValue::from_maybe_shared(copy.slice(at..at + h.value.len()))
+            }
+            _ => HeaderValue::from_bytes(h.value),
+        }
+        .map_err(|_| WireError::Malformed(format!("value of header {name}")))?;
         map.append(name, value);
     }
     let framing = framing(&map, status, method)?;
