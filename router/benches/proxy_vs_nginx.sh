@@ -53,16 +53,32 @@
 #   0.74-0.85x; added latency nginx +18 to +28 µs, kvroute +24 to +64 µs (the
 #   single-connection runs are the noisiest).
 # Where the difference is: kernel time is about the same for both (loopback sends and the
-# wake-ups they cause, ~12-13 µs); user time is ~3 µs for nginx and ~9 µs for kvroute. A
-# bare forwarder on the same accept loop (hyper server, hyper-util client, no decision, no
-# metrics; not in the repo) used 20-23 µs a request: hyper's per-request machinery is most
-# of it, kvroute's own work (decision, load accounting, usage sniffing) 2-3 µs. Steps taken:
+# wake-ups they cause, ~12-13 µs); user time is ~3 µs for nginx and ~9 µs for kvroute. An
+# early bare forwarder on the same accept loop (hyper server, hyper-util client, no decision,
+# no metrics; not kept) used 20-23 µs a request: hyper's client machinery was most of it,
+# kvroute's own work (decision, load accounting, usage sniffing) 2-3 µs. Steps taken:
 # one single-threaded runtime per core and mimalloc (0.58-0.62x before), then a per-thread
 # upstream pool that returns connections when the body ends (~1.5 µs less a request, +7%
 # requests/s over eight paired runs).
+#   2026-11-23, with the `floor` (router/examples/bare_forwarder, in this script since):
+#   two runs (medians): nginx 65.0 k and 61.4 k requests/s at 14.3 and 15.2 µs of CPU a
+#   request; floor 0.93x and 0.94x (rounds 0.80-1.06) at 17.9 and 16.8 µs; kvroute
+#   cache-aware 0.81x and 0.73x (rounds 0.73-0.94) at 20.1 and 20.5 µs, round-robin 0.72x
+#   and 0.79x at 22.1 and 20.4 µs (the first run's router was built with tokio's
+#   `test-util`, see the build step). So the floor is at 0.93x of nginx, and kvroute's
+#   routing work takes it to about 0.75-0.8x: about a third of the gap is the router's
+#   plumbing (hyper's server, the accept loop's limits and timers, the pool), two thirds
+#   its routing work. A scratch forwarder (not kept) on hyper's server with a fixed
+#   upstream connection for each client connection and no timers matched nginx: 60-65 k,
+#   14.3-14.7 µs (user 3.0 against the floor's 4.0-4.7): hyper's server alone is not what
+#   keeps kvroute below nginx. The routing work a request, user CPU from profiles: the
+#   decision ~1.3 µs (`kvroute_router_decision_seconds`: mean 1.29 µs under this load),
+#   parsing the replica's response head into a HeaderMap ~0.35 µs (httparse itself 0.05),
+#   timers and clock reads ~0.5 µs before this version's changes (bodies' idle timers armed
+#   only while waiting; forwarding futures boxed, 4.5 KB copied into hyper a request before).
 #
 # Usage: router/benches/proxy_vs_nginx.sh
-#   (env: DURATION=10s ROUNDS=3 CONNECTIONS=64 THREADS=1 BACKENDS=2; about 3 minutes)
+#   (env: DURATION=10s ROUNDS=3 CONNECTIONS=64 THREADS=1 BACKENDS=2; about 4.5 minutes)
 # Needs root or sudo for `apt-get install -y nginx wrk` when they are missing.
 set -euo pipefail
 
@@ -83,7 +99,10 @@ if ! need nginx || ! need wrk; then
 fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 
-(cd "$ROOT" && cargo build --release -q -p kvroute-router --bin kvroute-router --example bare_forwarder)
+# Two builds: an example gets the dev-dependencies, whose features (tokio's `test-util`)
+# would otherwise be built into the router too.
+(cd "$ROOT" && cargo build --release -q -p kvroute-router --bin kvroute-router)
+(cd "$ROOT" && cargo build --release -q -p kvroute-router --example bare_forwarder)
 ROUTER="${CARGO_TARGET_DIR:-$ROOT/target}/release/kvroute-router"
 FLOOR="${CARGO_TARGET_DIR:-$ROOT/target}/release/examples/bare_forwarder"
 

@@ -6,8 +6,10 @@
 //! upstream pool (`kvroute_router::proxy::pool`); the body is read whole first, as the router
 //! reads a routed request's, and the exchange's future is boxed, as the router's is; the
 //! allocator is the router's. Nothing else: no decision, no load accounting, no timeouts
-//! beyond the server's, no metrics, no usage sniffing, headers passed as they are but
-//! `Host`. What kvroute-router costs beyond this is what its routing costs.
+//! but the server's and the pool's connect timeout, no metrics, no usage sniffing, headers
+//! passed as they are but `Host`. What kvroute-router costs beyond this is what its routing
+//! costs. (Built as an example, it has the dev-dependencies' features too: tokio's
+//! `test-util` takes a few more locks when a thread parks, so the floor is a little high.)
 //!
 //! Usage: `cargo run --release -p kvroute-router --example bare_forwarder -- LISTEN THREADS
 //! URL...` (e.g. `127.0.0.1:8080 2 http://127.0.0.1:8001 http://127.0.0.1:8002`).

@@ -10,12 +10,13 @@
 //! are passed to the client and counted too.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response};
 use http_body_util::BodyExt;
+use tokio::time::Instant;
 
 use super::body::{BoxError, Hooks, ProxyBody, Tracked};
 use super::error::ProxyError;
@@ -204,7 +205,7 @@ async fn first_byte(
     pool: &Arc<Pool>,
     request: Request<Outgoing>,
 ) -> Result<Result<Response<UpstreamBody>, SendError>, tokio::time::error::Elapsed> {
-    let deadline = tokio::time::Instant::from_std(sent) + config.first_byte_timeout;
+    let deadline = sent + config.first_byte_timeout;
     tokio::time::timeout_at(deadline, Box::pin(pool.send(request))).await
 }
 

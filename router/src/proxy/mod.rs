@@ -9,7 +9,7 @@
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //!
-//! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`], [`idle`] (bodies' idle timeouts) (HTTP/1.1 to the replicas), [`pool`] (upstream
+//! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`pool`] (upstream
 //! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`upload`] (clients' request
 //! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health).
 

@@ -87,12 +87,20 @@ mod tests {
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
         let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
         let mut body = Upload::new(inner, Duration::from_secs(1));
-        // Frames 0.9 s apart: never idle for a whole second.
+        // Time before the body is first read does not count.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        // Frames 0.9 s apart, each awaited as it comes: never idle for a whole second.
+        let sender = tokio::spawn(async move {
+            for _ in 0..3 {
+                tokio::time::sleep(Duration::from_millis(900)).await;
+                tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
+            }
+            tx
+        });
         for _ in 0..3 {
-            tokio::time::sleep(Duration::from_millis(900)).await;
-            tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
             assert!(body.frame().await.unwrap().unwrap().is_data());
         }
+        let tx = sender.await.unwrap();
         // Nothing more comes (the paused clock jumps to each timer): still waiting just short
         // of a second, failed at the second.
         let early = tokio::time::timeout(Duration::from_millis(999), body.frame()).await;

@@ -1,6 +1,8 @@
 use super::*;
 use http::StatusCode;
 
+use super::head::MAX_HEADERS;
+
 fn head(text: &str) -> Head {
     head_for(text, &Method::POST)
 }
@@ -55,6 +57,18 @@ fn heads_are_parsed_whole_or_not_at_all() {
     assert_eq!(head.parts.status, StatusCode::CREATED);
     let values: Vec<_> = head.parts.headers.get_all("x-a").iter().collect();
     assert_eq!(values, ["1", "2"], "repeated headers kept in order");
+}
+
+#[test]
+fn values_are_kept_exactly_even_empty_and_more_than_a_hundred_fields_are_refused() {
+    let h = head("HTTP/1.1 200 OK\r\nx-empty:\r\nx-b:  spaced out \r\ncontent-length: 0\r\n\r\n");
+    assert_eq!(h.parts.headers["x-empty"], "");
+    assert_eq!(h.parts.headers["x-b"], "spaced out");
+    let fields = |n: usize| -> String { (0..n).map(|i| format!("x-h{i}: {i}\r\n")).collect() };
+    let at_limit = format!("HTTP/1.1 200 OK\r\n{}\r\n", fields(MAX_HEADERS));
+    assert_eq!(head(&at_limit).parts.headers.len(), MAX_HEADERS);
+    let over = format!("HTTP/1.1 200 OK\r\n{}\r\n", fields(MAX_HEADERS + 1));
+    assert!(matches!(parse_head(over.as_bytes(), &Method::POST), Err(WireError::Malformed(_))));
 }
 
 #[test]
