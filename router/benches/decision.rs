@@ -27,8 +27,26 @@
 //! computation that long), then the median of each stage alone (parse, tokenize, hash,
 //! index lookup; parse and tokenize together through the cache).
 //!
-//! Measured on the 2-core shared dev machine (µs; ranges over three runs on the quiet
-//! machine, stages are medians):
+//! Measured on the 2-core shared dev machine (µs; ranges over five runs, 2026-11-23, stages
+//! are medians), after a compact id array's values were found four at a time with SSE2
+//! (`proto/src/openai/request/ids.rs`: parse 19.1-20.3 -> 14.8-15.6):
+//!
+//! | prompt | p50 | p90 | p99 | loop p99 | parse | tokenize | hash | lookup |
+//! |---|---|---|---|---|---|---|---|---|
+//! | text/1024 | 9.7-10.1 | 10.0-10.4 | 12.8 | 10.0-10.5 | 0.5 | 6.1-6.2 | 0.4 | 0.4-0.5 |
+//! | ids/1024 | 5.0-5.3 | 5.1-5.4 | 5.5-8.1 | 5.1-5.5 | 2.0-2.1 | 0.2 | 0.4 | 0.4-0.5 |
+//! | text/8192 | 72.5-86.7 | 74.7-97.9 | 101.0-144.8 | 88.4-107.4 | 2.8-2.9 | 58.8-59.1 | 2.6 | 4.3-4.4 |
+//! | ids/8192 | 24.9-25.7 | 25.3-26.0 | 33.3-39.1 | 27.3-29.4 | 14.8-15.6 | 0.9-1.0 | 2.5-2.7 | 4.2-4.5 |
+//! | turn/8192 | 19.4 | 20.0-20.1 | 23.6-28.0 | | 10.2-10.3 (both) | | | |
+//! | new/8192 | 88.7-89.6 | 91.8-93.0 | 118.9-120.7 | | 68.6-69.6 (both) | | | |
+//!
+//! (text and the prefix-cache rows: two of the five runs; the change does not touch them.)
+//! The same day before the change, three runs: ids/8192 p50 30.2-30.6, p99 45.8-57.6.
+//! A token-id prompt of 8 k decides within 50 µs at p99; a text prompt of 8 k tokenized from
+//! scratch does not (the built-in tokenizer's ~59 µs alone, one xxh3 per piece fixed by its
+//! spec, see below), and one whose history the router has seen does (`turn/8192`).
+//!
+//! Before (three runs on the quiet machine, stages are medians):
 //!
 //! | prompt | p50 | p90 | p99 | loop p99 | parse | tokenize | hash | lookup |
 //! |---|---|---|---|---|---|---|---|---|
