@@ -86,7 +86,7 @@
 //!   every replica has dropped out).
 
 mod credits;
-mod hasher;
+pub(crate) mod hasher;
 mod table;
 #[cfg(test)]
 mod tests;

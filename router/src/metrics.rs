@@ -5,8 +5,8 @@
 //! prefix cache; and each replica's load and state as the proxy sees them
 //! ([`register_replica_load`]).
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
 
 use kvroute_proto::openai::Tokenization;
 use prometheus_client::collector::Collector;
@@ -54,6 +54,18 @@ pub struct ProxyMetrics {
     pub in_flight: Gauge,
     pub decision_seconds: Histogram,
     pub upstream_ttfb_seconds: Histogram,
+    /// The usual labels' counters, kept at hand once first used ([`Self::count_decision`],
+    /// [`Self::count_response`]): a family's lookup takes a lock and hashes the label, which
+    /// showed in the proxy's profiles.
+    usual: Arc<UsualCounters>,
+}
+
+#[derive(Debug, Default)]
+struct UsualCounters {
+    /// `decisions` of the first policy counted (a router has one).
+    decisions: OnceLock<(&'static str, Counter)>,
+    /// `requests{code="200"}`.
+    ok: OnceLock<Counter>,
 }
 
 impl Default for ProxyMetrics {
@@ -73,6 +85,7 @@ impl Default for ProxyMetrics {
             decision_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 15)),
             // 1 ms .. ~65 s
             upstream_ttfb_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 17)),
+            usual: Arc::default(),
         }
     }
 }
@@ -116,6 +129,28 @@ impl ProxyMetrics {
             m.upstream_ttfb_seconds.clone(),
         );
         m
+    }
+
+    /// Counts a decision of `policy`.
+    pub fn count_decision(&self, policy: &'static str) {
+        let (usual, counter) = self
+            .usual
+            .decisions
+            .get_or_init(|| (policy, self.decisions.get_or_create(&PolicyLabel { policy }).clone()));
+        if *usual == policy {
+            counter.inc();
+        } else {
+            self.decisions.get_or_create(&PolicyLabel { policy }).inc();
+        }
+    }
+
+    /// Counts a response sent with status `code`.
+    pub fn count_response(&self, code: u16) {
+        if code == 200 {
+            self.usual.ok.get_or_init(|| self.requests.get_or_create(&CodeLabel { code }).clone()).inc();
+        } else {
+            self.requests.get_or_create(&CodeLabel { code }).inc();
+        }
     }
 }
 
@@ -263,5 +298,36 @@ impl Collector for ReplicaLoad {
             ConstGauge::new(1).encode(family.encode_family(&labels)?)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus_client::registry::Registry;
+
+    use super::ProxyMetrics;
+
+    #[test]
+    fn usual_and_other_labels_are_counted_in_their_own_series() {
+        let mut registry = Registry::default();
+        let metrics = ProxyMetrics::register(&mut registry);
+        let clone = metrics.clone();
+        for _ in 0..3 {
+            metrics.count_decision("cache-aware");
+            clone.count_response(200);
+        }
+        clone.count_decision("cache-aware");
+        metrics.count_decision("random");
+        metrics.count_response(404);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        for line in [
+            "kvroute_router_decisions_total{policy=\"cache-aware\"} 4",
+            "kvroute_router_decisions_total{policy=\"random\"} 1",
+            "kvroute_router_requests_total{code=\"200\"} 3",
+            "kvroute_router_requests_total{code=\"404\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing from\n{text}");
+        }
     }
 }

@@ -3,7 +3,9 @@
 //! Block hashes are already uniformly distributed xxh3 outputs, so the table only needs the
 //! bits spread over the whole word (hashbrown takes the bucket from the low bits and a tag
 //! from the top seven). A folded 64×64→128-bit multiply does that in a few cycles. A per-index
-//! random seed keeps the bucket layout different in every process.
+//! random seed keeps the bucket layout different in every process. The upstream pool keys its
+//! idle connections by replica address with it too: those keys come from the configuration,
+//! not from clients, and SipHash a byte at a time showed in the proxy's profiles.
 
 use std::hash::{BuildHasher, Hasher, RandomState};
 
@@ -56,6 +58,16 @@ impl Hasher for FoldHasher {
 
     fn write_u32(&mut self, x: u32) {
         self.write_u64(u64::from(x));
+    }
+
+    // A fold each, not a padded copy: `http`'s `Authority` (the upstream pool's key) hashes
+    // its length and then each byte, lowercased, on its own.
+    fn write_u8(&mut self, x: u8) {
+        self.write_u64(u64::from(x));
+    }
+
+    fn write_usize(&mut self, x: usize) {
+        self.write_u64(x as u64);
     }
 
     fn finish(&self) -> u64 {

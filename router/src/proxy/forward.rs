@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Request, Response};
+use http::{Method, Response, Uri};
 use http_body_util::BodyExt;
 use tokio::time::Instant;
 
@@ -35,17 +35,20 @@ pub const MAX_ATTEMPTS: usize = 3;
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1), plus `host`,
 /// which the client sets for the replica.
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "host",
-];
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
+    )
+}
 
 /// The request id, on the request to the replica and on the response.
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -67,20 +70,37 @@ pub struct ForwardConfig {
     pub ejection: Duration,
 }
 
-/// Removes hop-by-hop headers, including any named by `Connection`: one pass over the
-/// names present, then a removal for each one found (usually just `host`).
+/// Removes hop-by-hop headers, including any present that `Connection` names: one pass over
+/// the names present, then a removal for each one found. `host` (every request) and
+/// `connection` (most responses) are removed without collecting their names first.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let mut doomed: Vec<HeaderName> =
-        headers.keys().filter(|name| HOP_BY_HOP.contains(&name.as_str())).cloned().collect();
-    if doomed.contains(&header::CONNECTION) {
+    let (mut host, mut connection) = (false, false);
+    let mut doomed: Vec<HeaderName> = Vec::new();
+    for name in headers.keys() {
+        if name == header::HOST {
+            host = true;
+        } else if name == header::CONNECTION {
+            connection = true;
+        } else if is_hop_by_hop(name) {
+            doomed.push(name.clone());
+        }
+    }
+    if connection {
+        // `keep-alive` is hop-by-hop anyway; other options name a field only when present.
         doomed.extend(
             headers
                 .get_all(header::CONNECTION)
                 .iter()
                 .filter_map(|v| v.to_str().ok())
                 .flat_map(|v| v.split(','))
-                .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok()),
+                .map(str::trim)
+                .filter(|name| !name.eq_ignore_ascii_case("keep-alive") && headers.contains_key(*name))
+                .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok()),
         );
+        headers.remove(header::CONNECTION);
+    }
+    if host {
+        headers.remove(header::HOST);
     }
     for name in doomed {
         headers.remove(name);
@@ -93,10 +113,11 @@ pub async fn routed(
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
     plan: &Plan,
-    parts: &http::request::Parts,
+    parts: http::request::Parts,
     body: Bytes,
     request_id: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
+    let (client, headers) = upstream_head(parts, request_id);
     let mut last_error = None;
     for (attempt, scored) in plan.order.iter().take(MAX_ATTEMPTS).enumerate() {
         if attempt > 0 {
@@ -105,10 +126,11 @@ pub async fn routed(
         let member = &scored.member;
         let upstream = &member.upstream;
         let guard = upstream.begin(plan.prefill_tokens(attempt), plan.prompt_tokens);
-        let request =
-            build_request(&member.replica.spec.http_url, parts, Outgoing::Full(body.clone()), request_id)?;
+        let uri = replica_uri(&member.replica.spec.http_url, &client.uri)?;
         let sent = Instant::now();
-        match first_byte(config, sent, pool, request).await {
+        match first_byte(config, sent, pool, (&client.method, &uri, &headers), Outgoing::Full(body.clone()))
+            .await
+        {
             Ok(Ok(response))
                 if response.status() == http::StatusCode::SERVICE_UNAVAILABLE
                     && attempt + 1 < plan.order.len().min(MAX_ATTEMPTS) =>
@@ -123,7 +145,7 @@ pub async fn routed(
                 });
             }
             Ok(Ok(response)) => {
-                let mut response = wrap(response, parts.version, guard, config, metrics, sent, request_id);
+                let mut response = wrap(response, client.version, guard, config, metrics, sent, request_id);
                 let headers = response.headers_mut();
                 if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                     headers.insert(X_KVROUTE_REPLICA, v);
@@ -159,17 +181,18 @@ pub async fn streamed(
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
     member: &crate::fleet::Member,
-    parts: &http::request::Parts,
+    parts: http::request::Parts,
     body: ProxyBody,
     request_id: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let upstream = &member.upstream;
     let guard = upstream.begin(0, 0);
-    let request = build_request(&member.replica.spec.http_url, parts, Outgoing::Stream(body), request_id)?;
+    let (client, headers) = upstream_head(parts, request_id);
+    let uri = replica_uri(&member.replica.spec.http_url, &client.uri)?;
     let sent = Instant::now();
-    match first_byte(config, sent, pool, request).await {
+    match first_byte(config, sent, pool, (&client.method, &uri, &headers), Outgoing::Stream(body)).await {
         Ok(Ok(response)) => {
-            let mut response = wrap(response, parts.version, guard, config, metrics, sent, request_id);
+            let mut response = wrap(response, client.version, guard, config, metrics, sent, request_id);
             if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                 response.headers_mut().insert(X_KVROUTE_REPLICA, v);
             }
@@ -193,8 +216,8 @@ pub async fn streamed(
     }
 }
 
-/// Sends `request` and waits for its response head until the first-byte timeout (counted
-/// from `sent`).
+/// Sends a request (method, absolute URI, headers) with `body` and waits for its response
+/// head until the first-byte timeout (counted from `sent`).
 ///
 /// The exchange's future is boxed: it is about 2 KB, and unboxed it made every future that
 /// awaits it (up to the one hyper keeps for each request) that much larger, all of it
@@ -203,10 +226,11 @@ async fn first_byte(
     config: &ForwardConfig,
     sent: Instant,
     pool: &Arc<Pool>,
-    request: Request<Outgoing>,
+    (method, uri, headers): (&Method, &Uri, &HeaderMap),
+    body: Outgoing,
 ) -> Result<Result<Response<UpstreamBody>, SendError>, tokio::time::error::Elapsed> {
     let deadline = sent + config.first_byte_timeout;
-    tokio::time::timeout_at(deadline, Box::pin(pool.send(request))).await
+    tokio::time::timeout_at(deadline, Box::pin(pool.send_head(method, uri, headers, body))).await
 }
 
 fn record_failure(upstream: &Upstream, config: &ForwardConfig, metrics: &ProxyMetrics) {
@@ -215,25 +239,30 @@ fn record_failure(upstream: &Upstream, config: &ForwardConfig, metrics: &ProxyMe
     }
 }
 
-fn build_request(
-    base: &str,
-    parts: &http::request::Parts,
-    body: Outgoing,
-    request_id: &str,
-) -> Result<Request<Outgoing>, ProxyError> {
-    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    let mut request = Request::builder()
-        .method(parts.method.clone())
-        .uri(format!("{base}{path}"))
-        .body(body)
-        .map_err(|e| ProxyError::Unavailable(format!("bad replica URL {base:?}: {e}")))?;
-    let headers = request.headers_mut();
-    *headers = parts.headers.clone();
-    strip_hop_by_hop(headers);
+/// The client's request line and version, and the headers every attempt sends: the client's
+/// without hop-by-hop ones, and the request id. Taken once per request, not per attempt.
+fn upstream_head(parts: http::request::Parts, request_id: &str) -> (ClientHead, HeaderMap) {
+    let http::request::Parts { method, uri, version, mut headers, .. } = parts;
+    strip_hop_by_hop(&mut headers);
     if let Ok(id) = HeaderValue::from_str(request_id) {
         headers.insert(X_REQUEST_ID, id);
     }
-    Ok(request)
+    (ClientHead { method, uri, version }, headers)
+}
+
+/// What a forwarded request keeps of the client's request line.
+struct ClientHead {
+    method: Method,
+    uri: Uri,
+    version: http::Version,
+}
+
+/// The replica's URI for the client's: its `base` URL followed by the client's path and query.
+fn replica_uri(base: &str, client: &Uri) -> Result<Uri, ProxyError> {
+    let path = client.path_and_query().map_or("/", |p| p.as_str());
+    format!("{base}{path}")
+        .parse()
+        .map_err(|e| ProxyError::Unavailable(format!("bad replica URL {base:?}: {e}")))
 }
 
 /// The upstream response, with the body tracked and hop-by-hop headers removed.
@@ -319,5 +348,21 @@ mod tests {
         let mut left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
         left.sort_unstable();
         assert_eq!(left, vec!["authorization", "content-type"]);
+    }
+
+    #[test]
+    fn every_connection_field_and_every_name_they_list_are_dropped() {
+        let mut h = HeaderMap::new();
+        h.append(header::CONNECTION, HeaderValue::from_static("close"));
+        h.append(header::CONNECTION, HeaderValue::from_static("Keep-Alive , X-Other-Hop,absent,"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("x-other-hop", HeaderValue::from_static("1"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("h2c"));
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.append("x-kept", HeaderValue::from_static("a"));
+        h.append("x-kept", HeaderValue::from_static("b"));
+        strip_hop_by_hop(&mut h);
+        let left: Vec<(&str, &str)> = h.iter().map(|(k, v)| (k.as_str(), v.to_str().unwrap())).collect();
+        assert_eq!(left, vec![("x-kept", "a"), ("x-kept", "b")]);
     }
 }

@@ -42,7 +42,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::fleet::Fleet;
-use crate::metrics::{CodeLabel, ErrorLabel};
+use crate::metrics::ErrorLabel;
 use body::{ProxyBody, full};
 use error::ProxyError;
 use forward::ForwardConfig;
@@ -111,7 +111,7 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
             e.into_response(&request_id)
         }
     };
-    state.decider.metrics.requests.get_or_create(&CodeLabel { code: response.status().as_u16() }).inc();
+    state.decider.metrics.count_response(response.status().as_u16());
     response
 }
 
@@ -171,7 +171,7 @@ async fn routed(
     let plan = state.decider.decide_within(endpoint, &body, &state.limits).await?;
     state.decider.metrics.in_flight.inc();
     let result =
-        forward::routed(pool, &state.forward, &state.decider.metrics, &plan, &parts, body, request_id).await;
+        forward::routed(pool, &state.forward, &state.decider.metrics, &plan, parts, body, request_id).await;
     state.decider.metrics.in_flight.dec();
     result
 }
@@ -198,7 +198,7 @@ async fn passthrough(
     let body =
         upload::Upload::new(Limited::new(body, state.forward.max_body_bytes), state.forward.idle_timeout)
             .boxed_unsync();
-    forward::streamed(pool, &state.forward, &state.decider.metrics, &member, &parts, body, request_id).await
+    forward::streamed(pool, &state.forward, &state.decider.metrics, &member, parts, body, request_id).await
 }
 
 fn content_length(parts: &http::request::Parts) -> Option<usize> {

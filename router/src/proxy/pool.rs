@@ -24,11 +24,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::uri::{Authority, Scheme};
-use http::{Request, Response};
+use http::{HeaderMap, Method, Request, Response, Uri};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::http1::{self, Conn, Outgoing, UpstreamBody, WireError};
+use crate::index::hasher::FoldState;
 
 /// Why a request could not be sent.
 #[derive(Debug, thiserror::Error)]
@@ -63,7 +64,7 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// Idle connections by replica, and when expired ones were last closed.
 struct IdleSet {
-    by_replica: HashMap<Authority, Vec<Idle>>,
+    by_replica: HashMap<Authority, Vec<Idle>, FoldState>,
     swept: Instant,
 }
 
@@ -105,7 +106,7 @@ impl Checkin {
 
 impl Pool {
     pub fn new(connect_timeout: Duration, idle_timeout: Duration, max_idle: usize) -> Self {
-        let idle = IdleSet { by_replica: HashMap::new(), swept: Instant::now() };
+        let idle = IdleSet { by_replica: HashMap::with_hasher(FoldState::random()), swept: Instant::now() };
         Self { idle: Mutex::new(idle), connect_timeout, idle_timeout, max_idle }
     }
 
@@ -115,20 +116,33 @@ impl Pool {
         self: &Arc<Self>,
         request: Request<Outgoing>,
     ) -> Result<Response<UpstreamBody>, SendError> {
-        let (parts, mut body) = request.into_parts();
-        let uri = &parts.uri;
+        let (parts, body) = request.into_parts();
+        self.send_head(&parts.method, &parts.uri, &parts.headers, body).await
+    }
+
+    /// [`Self::send`] of a request given by its parts: the headers are only read, so a
+    /// request tried on several replicas prepares them once.
+    pub async fn send_head(
+        self: &Arc<Self>,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        mut body: Outgoing,
+    ) -> Result<Response<UpstreamBody>, SendError> {
         let (Some(authority), true) = (uri.authority().cloned(), uri.scheme() == Some(&Scheme::HTTP)) else {
             return Err(SendError::BadUrl(uri.to_string()));
         };
         let target = uri.path_and_query().map_or("/", |pq| pq.as_str());
+        // `Host` is the authority without any `user:password@`.
+        let host = authority.as_str().rsplit('@').next().unwrap_or_default();
         let pooled = match &body {
             Outgoing::Full(bytes) => self.checkout(&authority).map(|conn| (conn, bytes.clone())),
             Outgoing::Stream(_) => None,
         };
         if let Some((mut conn, again)) = pooled {
-            match exchange(&mut conn, &parts, target, &authority, body).await {
+            match conn.exchange(method, target, host, headers, body).await {
                 Ok(head) => return Ok(http1::response(conn, head, self.checkin(authority))),
-                Err(e) if e.may_resend(&parts.method) => {
+                Err(e) if e.may_resend(method) => {
                     tracing::debug!(error = %e, "pooled upstream connection failed; sending again on a new one");
                     body = Outgoing::Full(again);
                 }
@@ -136,7 +150,7 @@ impl Pool {
             }
         }
         let mut conn = self.connect(&authority).await?;
-        let head = exchange(&mut conn, &parts, target, &authority, body).await?;
+        let head = conn.exchange(method, target, host, headers, body).await?;
         Ok(http1::response(conn, head, self.checkin(authority)))
     }
 
@@ -174,19 +188,6 @@ impl Pool {
     pub fn idle_count(&self) -> usize {
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).by_replica.values().map(Vec::len).sum()
     }
-}
-
-/// Writes the request on `conn` and reads the response head.
-async fn exchange(
-    conn: &mut Conn,
-    parts: &http::request::Parts,
-    target: &str,
-    authority: &Authority,
-    body: Outgoing,
-) -> Result<http1::Head, WireError> {
-    // `Host` is the authority without any `user:password@`.
-    let host = authority.as_str().rsplit('@').next().unwrap_or_default();
-    conn.exchange(&parts.method, target, host, &parts.headers, body).await
 }
 
 #[cfg(test)]

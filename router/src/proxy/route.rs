@@ -16,7 +16,7 @@ use super::error::ProxyError;
 use super::prompts::{PromptError, Prompts};
 use crate::fleet::{Fleet, Member};
 use crate::index::SharedIndex;
-use crate::metrics::{PolicyLabel, ProxyMetrics};
+use crate::metrics::ProxyMetrics;
 use crate::policy::{Policy, ReplicaView, RequestView};
 use crate::replicas::StreamState;
 
@@ -128,7 +128,7 @@ impl Decider {
         let chosen = plan.order.first().ok_or_else(|| ProxyError::Unavailable(unavailable_reason(&plan)))?;
         let uncredited = chosen.indexed_blocks.min(plan.all_blocks.len());
         self.fleet.credits().credit(chosen.member.replica.id, &plan.all_blocks[uncredited..]);
-        self.metrics.decisions.get_or_create(&PolicyLabel { policy: self.policy.kind().as_str() }).inc();
+        self.metrics.count_decision(self.policy.kind().as_str());
         Ok(plan)
     }
 

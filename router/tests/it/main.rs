@@ -7,6 +7,7 @@ mod agent;
 mod discovery;
 mod faults;
 mod fleet;
+mod headers;
 mod ingest;
 mod limits;
 mod proxy;

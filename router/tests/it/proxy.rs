@@ -448,7 +448,7 @@ async fn body_reading_replica(answer: &'static [u8]) -> std::net::SocketAddr {
 
 /// A router in front of the one replica at `replica` (its events on a closed port), with
 /// `tweak` applied to its config; stopped by cancelling the token.
-async fn router_in_front_of(
+pub(crate) async fn router_in_front_of(
     replica: std::net::SocketAddr,
     tweak: impl FnOnce(kvroute_router::Config) -> kvroute_router::Config,
 ) -> (kvroute_router::RunningRouter, tokio_util::sync::CancellationToken) {

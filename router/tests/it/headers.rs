@@ -1,0 +1,132 @@
+//! What the replica receives, and what the client gets back, field by field: end-to-end
+//! fields go through as sent, hop-by-hop ones (and any a `Connection` field names) stop at
+//! the router, on the routed path and on the streamed one.
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::sync::mpsc;
+
+use crate::fleet::FLEET_MODEL;
+use crate::proxy::router_in_front_of;
+
+/// The answer to every POST: one end-to-end field and one its `Connection` field names.
+const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+    connection: keep-alive, x-reply-hop\r\nx-reply-hop: 1\r\nx-replica-field: yes\r\n\
+    content-length: 2\r\n\r\n{}";
+
+/// A request as the replica read it: the request line, the fields (names lowercased, in
+/// order) and the body.
+#[derive(Debug)]
+struct Seen {
+    line: String,
+    fields: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Seen {
+    fn values(&self, name: &str) -> Vec<&str> {
+        self.fields.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_str()).collect()
+    }
+}
+
+/// A replica that reports every POST it reads (framed by `content-length`) and answers it
+/// with [`ANSWER`]; anything else (health checks) gets an empty 200.
+async fn recording_replica() -> (std::net::SocketAddr, mpsc::UnboundedReceiver<Seen>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let mut stream = BufReader::new(stream);
+                loop {
+                    let mut line = String::new();
+                    if stream.read_line(&mut line).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let mut fields = Vec::new();
+                    loop {
+                        let mut field = String::new();
+                        if stream.read_line(&mut field).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let Some((name, value)) = field.trim_end().split_once(':') else { break };
+                        fields.push((name.to_ascii_lowercase(), value.trim().to_owned()));
+                    }
+                    let length = fields
+                        .iter()
+                        .find(|(n, _)| n == "content-length")
+                        .map_or(0, |(_, v)| v.parse().unwrap());
+                    let mut body = vec![0; length];
+                    if stream.read_exact(&mut body).await.is_err() {
+                        return;
+                    }
+                    let post = line.starts_with("POST ");
+                    let answer: &[u8] =
+                        if post { ANSWER } else { b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n" };
+                    if post {
+                        let _ = tx.send(Seen { line: line.trim_end().to_owned(), fields, body });
+                    }
+                    if stream.get_mut().write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, rx)
+}
+
+/// Sends `head` and `body` on a new connection and reads the answer's head (lowercased).
+async fn exchange(router: &str, head: &str, body: &str) -> String {
+    let mut stream = tokio::net::TcpStream::connect(router.trim_start_matches("http://")).await.unwrap();
+    stream.write_all(format!("{head}content-length: {}\r\n\r\n{body}", body.len()).as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = stream.read(&mut buf).await.unwrap();
+        assert!(n > 0, "closed before the answer's head: {}", String::from_utf8_lossy(&answer));
+        answer.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&answer).to_ascii_lowercase()
+}
+
+#[tokio::test]
+async fn end_to_end_fields_reach_the_replica_and_hop_by_hop_ones_do_not() {
+    let (replica, mut seen) = recording_replica().await;
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let completion =
+        serde_json::json!({"model": FLEET_MODEL, "prompt": "a few words", "max_tokens": 1}).to_string();
+    for (path, body) in
+        [("/v1/completions?trace=1", completion.as_str()), ("/v1/embeddings", "{\"input\":\"x\"}")]
+    {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nhost: router.example\r\nconnection: keep-alive, X-Secret-Hop\r\n\
+             x-secret-hop: 1\r\nkeep-alive: timeout=5\r\nte: trailers\r\nx-custom: kept\r\n\
+             x-multi: a\r\nx-multi: b\r\ncontent-type: application/json\r\n"
+        );
+        let answer = exchange(&router.url(), &head, body).await;
+        let got = seen.recv().await.expect("the replica saw the request");
+        assert_eq!(got.line, format!("POST {path} HTTP/1.1"));
+        assert_eq!(got.body, body.as_bytes(), "{path}: the body unchanged");
+        assert_eq!(got.values("host"), [replica.to_string().as_str()], "{path}");
+        assert_eq!(got.values("x-custom"), ["kept"], "{path}");
+        assert_eq!(got.values("x-multi"), ["a", "b"], "{path}");
+        assert_eq!(got.values("content-type"), ["application/json"], "{path}");
+        assert_eq!(got.values("content-length"), [body.len().to_string().as_str()], "{path}");
+        for hop in ["connection", "x-secret-hop", "keep-alive", "te"] {
+            assert!(got.values(hop).is_empty(), "{path}: {hop} reached the replica: {got:?}");
+        }
+        let id = got.values("x-request-id");
+        assert_eq!(id.len(), 1, "{path}: {got:?}");
+        assert!(
+            answer.contains(&format!("\r\nx-request-id: {}\r\n", id[0].to_ascii_lowercase())),
+            "{answer}"
+        );
+        assert!(answer.starts_with("http/1.1 200"), "{answer}");
+        assert!(answer.contains("\r\nx-replica-field: yes\r\n"), "{answer}");
+        assert!(answer.contains("\r\nx-kvroute-replica: r0\r\n"), "{answer}");
+        assert!(!answer.contains("x-reply-hop"), "{answer}");
+    }
+    shutdown.cancel();
+}
