@@ -29,7 +29,8 @@
 //!
 //! Measured on the 2-core shared dev machine (µs; ranges over five runs, 2026-11-23, stages
 //! are medians), after a compact id array's values were found four at a time with SSE2
-//! (`proto/src/openai/request/ids.rs`: parse 19.1-20.3 -> 14.8-15.6):
+//! (`proto/src/openai/request/ids.rs`: parse 20.1-20.3 in the same day's three runs before
+//! it, 19.1-19.8 in the table below -> 14.8-15.6):
 //!
 //! | prompt | p50 | p90 | p99 | loop p99 | parse | tokenize | hash | lookup |
 //! |---|---|---|---|---|---|---|---|---|

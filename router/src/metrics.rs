@@ -39,12 +39,14 @@ pub struct ErrorLabel {
 /// Handles to every proxy metric; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct ProxyMetrics {
-    pub decisions: Family<PolicyLabel, Counter>,
+    /// Counted through [`Self::count_decision`] (its cache holds this family's counters).
+    decisions: Family<PolicyLabel, Counter>,
     pub predicted_cached_tokens: Counter,
     pub realized_cached_tokens: Counter,
     /// Prompt tokens of routed requests (the denominator of both hit rates).
     pub prompt_tokens: Counter,
-    pub requests: Family<CodeLabel, Counter>,
+    /// Counted through [`Self::count_response`].
+    requests: Family<CodeLabel, Counter>,
     pub errors: Family<ErrorLabel, Counter>,
     pub retries: Counter,
     pub ejections: Counter,

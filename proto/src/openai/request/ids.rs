@@ -441,7 +441,9 @@ mod tests {
         /// Four numbers of 1 to 8 digits, as the block path hands them over (digits' values in
         /// the top bytes, zeros below): the same values as one at a time, and as written.
         #[test]
-        fn four_at_a_time_as_one_at_a_time(numbers in prop::array::uniform4(0u32..100_000_000)) {
+        fn four_at_a_time_as_one_at_a_time(
+            numbers in prop::array::uniform4(prop_oneof![0u32..10, 0u32..10_000, 0u32..100_000_000]),
+        ) {
             let words = numbers.map(|n| {
                 let digits = n.to_string();
                 let mut word = [0u8; 8];
