@@ -29,8 +29,8 @@ impl Seen {
 }
 
 /// A replica that reports every POST it reads (framed by `content-length`) and answers it
-/// with [`ANSWER`]; anything else (health checks) gets an empty 200.
-async fn recording_replica() -> (std::net::SocketAddr, mpsc::UnboundedReceiver<Seen>) {
+/// with `answer`; anything else (health checks) gets an empty 200.
+async fn recording_replica(answer: &'static [u8]) -> (std::net::SocketAddr, mpsc::UnboundedReceiver<Seen>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = mpsc::unbounded_channel();
@@ -63,7 +63,7 @@ async fn recording_replica() -> (std::net::SocketAddr, mpsc::UnboundedReceiver<S
                     }
                     let post = line.starts_with("POST ");
                     let answer: &[u8] =
-                        if post { ANSWER } else { b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n" };
+                        if post { answer } else { b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n" };
                     if post {
                         let _ = tx.send(Seen { line: line.trim_end().to_owned(), fields, body });
                     }
@@ -100,7 +100,7 @@ async fn exchange_now(router: &str, head: &str, body: &str) -> String {
 
 #[tokio::test]
 async fn end_to_end_fields_reach_the_replica_and_hop_by_hop_ones_do_not() {
-    let (replica, mut seen) = recording_replica().await;
+    let (replica, mut seen) = recording_replica(ANSWER).await;
     let (router, shutdown) = router_in_front_of(replica, |c| c).await;
     let completion =
         serde_json::json!({"model": FLEET_MODEL, "prompt": "a few words", "max_tokens": 1}).to_string();
@@ -136,5 +136,54 @@ async fn end_to_end_fields_reach_the_replica_and_hop_by_hop_ones_do_not() {
         assert!(answer.contains("\r\nx-kvroute-replica: r0\r\n"), "{answer}");
         assert!(!answer.contains("x-reply-hop"), "{answer}");
     }
+    shutdown.cancel();
+}
+
+/// A request a replica refuses with 503 is tried on another with the same fields (only
+/// `host` differs) and the same body.
+#[tokio::test]
+async fn a_retried_request_carries_the_same_fields_to_the_next_replica() {
+    let (refusing, mut refused) =
+        recording_replica(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n").await;
+    let (answering, mut answered) = recording_replica(ANSWER).await;
+    let replica = |name: &str, at: std::net::SocketAddr| {
+        format!("name={name},http=http://{at},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap()
+    };
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        policy: kvroute_router::policy::PolicyKind::RoundRobin,
+        replicas: vec![replica("refusing", refusing), replica("answering", answering)],
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let body = serde_json::json!({"model": FLEET_MODEL, "prompt": "retry me", "max_tokens": 1}).to_string();
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: router.example\r\nconnection: x-hop\r\nx-hop: 1\r\n\
+                x-custom: kept\r\ncontent-type: application/json\r\n";
+    // Round-robin: one of two requests goes to the refusing replica first.
+    for _ in 0..2 {
+        let answer = exchange(&router.url(), head, &body).await;
+        assert!(answer.starts_with("http/1.1 200"), "{answer}");
+        assert!(answer.contains("\r\nx-kvroute-replica: answering\r\n"), "{answer}");
+    }
+    let first =
+        tokio::time::timeout(WAIT, refused.recv()).await.expect("in time").expect("a refused request");
+    let mut second = tokio::time::timeout(WAIT, answered.recv()).await.expect("in time").expect("an answer");
+    if second.values("x-request-id") != first.values("x-request-id") {
+        second = tokio::time::timeout(WAIT, answered.recv()).await.expect("in time").expect("the retry");
+    }
+    assert_eq!(
+        second.values("x-request-id"),
+        first.values("x-request-id"),
+        "the retry of the refused request"
+    );
+    assert_eq!((&second.line, &second.body), (&first.line, &first.body));
+    let without_host =
+        |seen: &Seen| seen.fields.iter().filter(|(n, _)| n != "host").cloned().collect::<Vec<_>>();
+    assert_eq!(without_host(&second), without_host(&first));
+    assert_eq!(first.values("host"), [refusing.to_string().as_str()]);
+    assert_eq!(second.values("host"), [answering.to_string().as_str()]);
+    assert_eq!(first.values("x-custom"), ["kept"]);
+    assert!(first.values("x-hop").is_empty() && first.values("connection").is_empty(), "{first:?}");
     shutdown.cancel();
 }
