@@ -63,14 +63,22 @@ where
     let mut merged = toml::Table::try_from(&cli).map_err(|e| file_error(e.to_string()))?;
     let mut unknown = Vec::new();
     for (key, value) in file {
-        let id = key.replace('-', "_");
-        let known = command.get_arguments().any(|a| a.get_id().as_str() == id) && id != "config";
-        if !known {
-            unknown.push(key);
+        // A key is its flag's long name exactly: serde reads no other spelling, so a
+        // `block_size` accepted here would be dropped without a word.
+        let flag =
+            |name: &str| command.get_arguments().find(|a| a.get_long() == Some(name) && name != "config");
+        let Some(arg) = flag(&key) else {
+            let kebab = key.replace('_', "-");
+            unknown.push(match flag(&kebab) {
+                Some(_) => format!("{key} (spelled {kebab})"),
+                None => key,
+            });
             continue;
-        }
-        let from_user =
-            matches!(matches.value_source(&id), Some(ValueSource::CommandLine | ValueSource::EnvVariable));
+        };
+        let from_user = matches!(
+            matches.value_source(arg.get_id().as_str()),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        );
         if !from_user {
             merged.insert(key, value);
         }
@@ -155,6 +163,25 @@ mod tests {
         let err = parse_from::<Demo, _, _>(["x", "--config", f.0.to_str().unwrap()]).unwrap_err();
         let ConfigError::File { message, .. } = err else { panic!("file error expected, got {err:?}") };
         assert!(message.contains("bogus") && message.contains("also-bogus"), "{message}");
+    }
+
+    #[test]
+    fn keys_spelled_with_underscores_are_unknown() {
+        let f = file("block_size = 64\nmodel = \"from-file\"\n");
+        let err = parse_from::<Demo, _, _>(["x", "--config", f.0.to_str().unwrap()]).unwrap_err();
+        let ConfigError::File { message, .. } = err else { panic!("file error expected, got {err:?}") };
+        assert!(message.contains("block_size (spelled block-size)"), "{message}");
+        assert!(!message.contains("model"), "{message}");
+    }
+
+    #[test]
+    fn the_config_key_itself_is_unknown() {
+        let f = file("config = \"other.toml\"\n");
+        let err = parse_from::<Demo, _, _>(["x", "--config", f.0.to_str().unwrap()]).unwrap_err();
+        assert!(
+            matches!(err, ConfigError::File { ref message, .. } if message.contains("config")),
+            "{err:?}"
+        );
     }
 
     #[test]

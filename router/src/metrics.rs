@@ -83,8 +83,8 @@ impl Default for ProxyMetrics {
             ejections: Counter::default(),
             client_stalls: Counter::default(),
             in_flight: Gauge::default(),
-            // 1 µs .. ~16 ms
-            decision_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 15)),
+            // 1 µs .. ~1 s: with remote tokenization a decision includes a `/tokenize` call.
+            decision_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 21)),
             // 1 ms .. ~65 s
             upstream_ttfb_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 17)),
             usual: Arc::default(),

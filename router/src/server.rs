@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -176,6 +177,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
         models,
         discovery,
+        synced_once: AtomicBool::new(false),
     });
 
     let listener =

@@ -32,6 +32,10 @@ impl Policy for RoundRobin {
         }
         Decision { chosen: Some(eligible[turn]), costs }
     }
+
+    fn peek(&self, request: &RequestView, replicas: &[ReplicaView]) -> Decision {
+        RoundRobin { next: AtomicU64::new(self.next.load(Ordering::Relaxed)) }.choose(request, replicas)
+    }
 }
 
 /// A lock-free SplitMix64 stream: reproducible for a seed, shareable across threads.
@@ -45,6 +49,11 @@ impl Rng {
 
     fn below(&self, n: usize) -> usize {
         (self.next() % n as u64) as usize
+    }
+
+    /// A copy that goes on from where this stream is.
+    fn fork(&self) -> Rng {
+        Rng(AtomicU64::new(self.0.load(Ordering::Relaxed)))
     }
 }
 
@@ -75,6 +84,10 @@ impl Policy for Random {
             costs[i] = if i == pick { 0.0 } else { 1.0 };
         }
         Decision { chosen: Some(pick), costs }
+    }
+
+    fn peek(&self, request: &RequestView, replicas: &[ReplicaView]) -> Decision {
+        Random { rng: self.rng.fork() }.choose(request, replicas)
     }
 }
 
@@ -126,5 +139,9 @@ impl Policy for PowerOfTwo {
             costs[c] = load_cost(&replicas[c]);
         }
         Decision { chosen, costs }
+    }
+
+    fn peek(&self, request: &RequestView, replicas: &[ReplicaView]) -> Decision {
+        PowerOfTwo { rng: self.rng.fork() }.choose(request, replicas)
     }
 }

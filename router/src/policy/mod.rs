@@ -97,7 +97,13 @@ pub struct Decision {
 /// A routing policy: the seam between the request path and the strategy.
 pub trait Policy: Send + Sync {
     fn kind(&self) -> PolicyKind;
+    /// Chooses for a request that will be sent; a policy with a counter or a random stream
+    /// advances it.
     fn choose(&self, request: &RequestView, replicas: &[ReplicaView]) -> Decision;
+    /// What [`Policy::choose`] would answer now, leaving the policy as it is (`Explain`).
+    fn peek(&self, request: &RequestView, replicas: &[ReplicaView]) -> Decision {
+        self.choose(request, replicas)
+    }
 }
 
 mod baseline;

@@ -44,6 +44,22 @@ fn round_robin_cycles_through_eligible_replicas() {
 }
 
 #[test]
+fn peeking_answers_the_next_choice_and_leaves_the_policy_where_it_was() {
+    let replicas: Vec<ReplicaView> = (0..4).map(|i| view(i, 0, i, 0)).collect();
+    for kind in PolicyKind::ALL {
+        let policy = build(kind, CacheAwareParams::default(), 9);
+        let same = build(kind, CacheAwareParams::default(), 9);
+        for _ in 0..16 {
+            let peeked = policy.peek(&REQ, &replicas);
+            assert_eq!(policy.peek(&REQ, &replicas), peeked, "{kind:?}");
+            let chosen = policy.choose(&REQ, &replicas);
+            assert_eq!(chosen, peeked, "{kind:?}: the peek was the next choice");
+            assert_eq!(chosen, same.choose(&REQ, &replicas), "{kind:?}: peeks moved nothing");
+        }
+    }
+}
+
+#[test]
 fn random_and_power_of_two_are_seeded_and_spread() {
     let replicas: Vec<ReplicaView> = (0..4).map(|i| view(i, 0, 0, 0)).collect();
     for kind in [PolicyKind::Random, PolicyKind::PowerOfTwo] {

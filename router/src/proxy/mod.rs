@@ -27,6 +27,7 @@ pub mod upload;
 pub mod upstream;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -64,6 +65,8 @@ pub struct ProxyState {
     pub models: Vec<String>,
     /// Replica discovery (static mode counts as listed from the start).
     pub discovery: crate::discovery::Discovery,
+    /// Set once the first sync completed: `/ready` stays true from then on.
+    pub(crate) synced_once: AtomicBool,
 }
 
 impl ProxyState {
@@ -71,10 +74,20 @@ impl ProxyState {
         &self.decider.fleet
     }
 
-    /// Ready to route: discovery has listed the replicas once, and every replica completed
-    /// its first event sync ([`Fleet::ready`]).
+    /// Ready to route: discovery has listed the replicas once, and every replica then
+    /// completed its first event sync ([`Fleet::ready`]). Once ready, always ready: a
+    /// replica that joins later (a scale-up, a pod back under a new address) is routed on
+    /// load until its own sync, and one replica whose events cannot be reached must not take
+    /// every router out of its Service. Each replica's sync shows in `ListReplicas`.
     pub fn ready(&self) -> bool {
-        self.discovery.is_listed() && self.fleet().ready()
+        if self.synced_once.load(Ordering::Relaxed) {
+            return true;
+        }
+        let ready = self.discovery.is_listed() && self.fleet().ready();
+        if ready {
+            self.synced_once.store(true, Ordering::Relaxed);
+        }
+        ready
     }
 }
 

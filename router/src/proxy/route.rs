@@ -122,7 +122,7 @@ impl Decider {
         limits: &RequestLimits,
     ) -> Result<Plan, ProxyError> {
         let started = Instant::now();
-        let plan = self.explain(endpoint, body).await?;
+        let plan = self.plan(endpoint, body, true).await?;
         limits.check(&plan)?;
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         let chosen = plan.order.first().ok_or_else(|| ProxyError::Unavailable(unavailable_reason(&plan)))?;
@@ -132,9 +132,15 @@ impl Decider {
         Ok(plan)
     }
 
-    /// Where a request would go and why, crediting and counting nothing (the admin
-    /// `Explain`); its tokenizing may fill the tokenizer's prefix cache.
+    /// Where a request would go and why, crediting and counting nothing and leaving the
+    /// policy's turn or random stream where it is (the admin `Explain`); its tokenizing may
+    /// fill the tokenizer's prefix cache.
     pub async fn explain(&self, endpoint: Endpoint, body: &[u8]) -> Result<Plan, ProxyError> {
+        self.plan(endpoint, body, false).await
+    }
+
+    /// The decision for a request; `send` when it will be sent (the policy moves on).
+    async fn plan(&self, endpoint: Endpoint, body: &[u8], send: bool) -> Result<Plan, ProxyError> {
         let mut request = ParsedRequest::parse(endpoint, body)?;
         let members = self.fleet.members();
         let ask = members.iter().find(|m| m.upstream.is_healthy()).map(|m| m.replica.spec.http_url.as_str());
@@ -151,19 +157,21 @@ impl Decider {
         for t in info.tokens.iter().skip(1) {
             extend_chain(root, t, self.block_size, &mut all_blocks);
         }
-        let mut plan = self.score(members, blocks, all_blocks, prompt_tokens, first.len());
+        let mut plan = self.score(members, blocks, all_blocks, prompt_tokens, first.len(), send);
         plan.max_tokens = request.max_tokens();
         Ok(plan)
     }
 
-    /// Scores every member for a request with the given blocks (no side effects).
-    pub fn score(
+    /// Scores every member for a request with the given blocks; only a request to be sent
+    /// (`send`) moves the policy on.
+    fn score(
         &self,
         members: Vec<Member>,
         blocks: Vec<BlockHash>,
         all_blocks: Vec<BlockHash>,
         prompt_tokens: u64,
         first_prompt_tokens: usize,
+        send: bool,
     ) -> Plan {
         let overlaps = self.index.lookup(&blocks);
         let now = tokio::time::Instant::now();
@@ -198,7 +206,11 @@ impl Decider {
             key: blocks.last().map_or(0, |b| b.0),
         };
         let just_views: Vec<ReplicaView> = views.iter().map(|(v, ..)| *v).collect();
-        let decision = self.policy.choose(&request, &just_views);
+        let decision = if send {
+            self.policy.choose(&request, &just_views)
+        } else {
+            self.policy.peek(&request, &just_views)
+        };
         let candidates: Vec<Scored> = members
             .into_iter()
             .zip(views)

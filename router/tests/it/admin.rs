@@ -122,3 +122,51 @@ fn the_admin_service_beyond_loopback_needs_a_token() {
     let config = kvroute_router::Config { admin_token: Some("t".into()), ..config };
     assert_eq!(config.validate(), Ok(()));
 }
+
+/// `/ready` stays true once the first sync is done: a replica added later whose events never
+/// arrive is routed on load alone, and does not take the router out of its Service.
+#[tokio::test]
+async fn a_replica_added_later_does_not_unready_the_router() {
+    let fleet = Fleet::start(1).await;
+    assert_eq!(fleet.http.get(&fleet.url("/ready")).await.status, 200);
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
+    let silent = pb::ReplicaSpec {
+        id: "silent".into(),
+        http_url: "http://127.0.0.1:9".into(),
+        event_endpoint: "tcp://127.0.0.1:9".into(),
+        engine: pb::EngineKind::Kvroute as i32,
+        dp_size: 1,
+        ..Default::default()
+    };
+    admin.add_replica(pb::AddReplicaRequest { spec: Some(silent) }).await.unwrap();
+    assert!(!fleet.router.fleet().ready(), "the new replica has not synced");
+    assert_eq!(fleet.http.get(&fleet.url("/ready")).await.status, 200);
+}
+
+/// `Explain` leaves the policy's turn where it is: round-robin still alternates between the
+/// requests actually sent, however many explanations come in between.
+#[tokio::test]
+async fn explaining_does_not_move_round_robin_on() {
+    let fleet = Fleet::with(2, agent_config, |c| kvroute_router::Config {
+        policy: kvroute_router::policy::PolicyKind::RoundRobin,
+        ..c
+    })
+    .await;
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
+    let mut homes = Vec::new();
+    for _ in 0..4 {
+        let explain = admin
+            .explain(pb::ExplainRequest { path: "/v1/completions".into(), body: body(PROMPT) })
+            .await
+            .unwrap()
+            .into_inner();
+        let reply = fleet
+            .http
+            .post(&fleet.url("/v1/completions"), &serde_json::from_slice(&body(PROMPT)).unwrap())
+            .await;
+        let home = reply.header("x-kvroute-replica").unwrap().to_owned();
+        assert_eq!(explain.chosen, home, "the explanation foretold the next choice");
+        homes.push(home);
+    }
+    assert!(homes.windows(2).all(|w| w[0] != w[1]), "turns alternate: {homes:?}");
+}
