@@ -46,9 +46,21 @@ pub fn full(bytes: Bytes) -> ProxyBody {
 pub trait Hooks: Send + 'static {
     /// The first data frame is passing through (the replica produced its first output).
     fn first_data(&mut self);
-    /// Called exactly once, when the body ends, fails or is dropped: `cached_tokens` as found
-    /// in the body (if any).
-    fn finish(self: Box<Self>, cached_tokens: Option<u64>);
+    /// Called exactly once, when the body ends, fails or is dropped: how it ended, and
+    /// `cached_tokens` as found in the body (if any).
+    fn finish(self: Box<Self>, end: End, cached_tokens: Option<u64>);
+}
+
+/// How a tracked body ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum End {
+    /// The replica sent all of it.
+    Complete,
+    /// The replica broke off: its connection failed, or it stayed silent past the idle
+    /// timeout.
+    Failed,
+    /// The client went away or stopped taking data first: nothing to say of the replica.
+    Abandoned,
 }
 
 /// An upstream body with an idle timeout, usage sniffing and an end hook; given a
@@ -139,7 +151,7 @@ impl<B> State<B> {
     /// The upstream failed with `error`: an error event if the stream allows one, else the
     /// error itself (which aborts the client's response).
     fn fail(&mut self, error: BoxError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.end();
+        self.end(End::Failed);
         if !(self.sse && self.at_boundary) {
             return Poll::Ready(Some(Err(error)));
         }
@@ -150,16 +162,16 @@ impl<B> State<B> {
         Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
     }
 
-    fn end(&mut self) {
+    fn end(&mut self, end: End) {
         if let Some(hooks) = self.hooks.take() {
-            hooks.finish(self.scanner.cached_tokens);
+            hooks.finish(end, self.scanner.cached_tokens);
         }
     }
 }
 
 impl<B> Drop for State<B> {
     fn drop(&mut self) {
-        self.end();
+        self.end(End::Abandoned);
     }
 }
 
@@ -175,7 +187,7 @@ impl<B: Send> Watched for Mutex<State<B>> {
         // Closes the upstream connection unfinished: the replica sees its client gone.
         state.inner = None;
         state.cut = true;
-        state.end();
+        state.end(End::Abandoned);
         Watch::Cut
     }
 }
@@ -272,7 +284,7 @@ where
             if inner.is_end_stream() {
                 // The last frame: hyper will not poll again (the length is known), so the
                 // body ends here, its connection clean.
-                state.end();
+                state.end(End::Complete);
             } else if let Some(Watching { shared, watch }) = watching {
                 state.handed = Some(Instant::now());
                 if let Some(watch) = watch.take() {
@@ -284,7 +296,7 @@ where
         }
         Poll::Ready(Some(Err(e))) => state.fail(e.into()),
         Poll::Ready(None) => {
-            state.end();
+            state.end(End::Complete);
             Poll::Ready(None)
         }
         Poll::Pending => {
@@ -372,7 +384,7 @@ mod tests {
 
     impl Hooks for Ended {
         fn first_data(&mut self) {}
-        fn finish(self: Box<Self>, cached_tokens: Option<u64>) {
+        fn finish(self: Box<Self>, _: End, cached_tokens: Option<u64>) {
             *self.0.lock().unwrap() = Some(cached_tokens);
         }
     }
@@ -406,6 +418,53 @@ mod tests {
         assert_eq!(*ended.lock().unwrap(), None);
         drop(body);
         assert_eq!(*ended.lock().unwrap(), Some(None));
+    }
+
+    /// Records how a body ended.
+    struct Outcome(Arc<std::sync::Mutex<Option<End>>>);
+
+    impl Hooks for Outcome {
+        fn first_data(&mut self) {}
+        fn finish(self: Box<Self>, end: End, _: Option<u64>) {
+            *self.0.lock().unwrap() = Some(end);
+        }
+    }
+
+    /// A body fed by a channel that has passed one frame, with an idle timeout of 1 s.
+    async fn fed_body()
+    -> (Tracked<impl Body<Data = Bytes, Error = BoxError> + Unpin>, Feed, Arc<std::sync::Mutex<Option<End>>>)
+    {
+        let end = Arc::default();
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+        let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let mut body = Tracked::new(inner, Duration::from_secs(1), Box::new(Outcome(Arc::clone(&end))));
+        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
+        body.frame().await.unwrap().unwrap();
+        (body, tx, end)
+    }
+
+    /// The replica is judged by how its body ended: sent whole, broken off or silent past
+    /// the idle timeout (its failures), or left by the client (not its doing).
+    #[tokio::test(start_paused = true)]
+    async fn a_body_ends_complete_failed_or_abandoned() {
+        let (mut body, tx, end) = fed_body().await;
+        drop(tx);
+        assert!(body.frame().await.is_none());
+        assert_eq!(*end.lock().unwrap(), Some(End::Complete));
+
+        let (mut body, tx, end) = fed_body().await;
+        tx.send(Err("connection reset".into())).await.unwrap();
+        assert!(body.frame().await.unwrap().is_err());
+        assert_eq!(*end.lock().unwrap(), Some(End::Failed));
+
+        let (mut body, _tx, end) = fed_body().await;
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert!(body.frame().await.unwrap().unwrap_err().is::<IdleTimeout>());
+        assert_eq!(*end.lock().unwrap(), Some(End::Failed));
+
+        let (body, _tx, end) = fed_body().await;
+        drop(body);
+        assert_eq!(*end.lock().unwrap(), Some(End::Abandoned));
     }
 
     /// Feeds a test body.

@@ -18,7 +18,7 @@ use http::{Method, Response, Uri};
 use http_body_util::BodyExt;
 use tokio::time::Instant;
 
-use super::body::{BoxError, Hooks, ProxyBody, Tracked};
+use super::body::{BoxError, End, Hooks, ProxyBody, Tracked};
 use super::error::ProxyError;
 use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::pool::{Pool, SendError};
@@ -136,9 +136,9 @@ pub async fn routed(
                     && attempt + 1 < plan.order.len().min(MAX_ATTEMPTS) =>
             {
                 // A 503 means the replica refused the request without starting it (shutting
-                // down, queue full): another replica can take it.
+                // down, queue full): another replica can take it. Overload is not an outlier:
+                // counted as a failure, a load spike would eject the fleet replica by replica.
                 tracing::info!(replica = %member.replica.spec.name, request_id, "replica refused with 503; retrying elsewhere");
-                record_failure(upstream, config, metrics);
                 last_error = Some(ProxyError::Upstream {
                     replica: member.replica.spec.name.clone(),
                     reason: "503 Service Unavailable".into(),
@@ -276,14 +276,20 @@ fn wrap(
     request_id: &str,
 ) -> Response<ProxyBody> {
     let status = response.status();
-    let upstream = guard.upstream();
-    if status.is_server_error() {
-        if upstream.record_failure(config.eject_after, config.ejection) {
-            metrics.ejections.inc();
-        }
+    // A 5xx head is a failure at once; a 503 (a refusal: overload) is nothing either way;
+    // any other answer is judged by how its body ends.
+    let judge = if status == http::StatusCode::SERVICE_UNAVAILABLE {
+        None
+    } else if status.is_server_error() {
+        record_failure(guard.upstream(), config, metrics);
+        None
     } else {
-        upstream.record_success();
-    }
+        Some(Judge {
+            eject_after: config.eject_after,
+            ejection: config.ejection,
+            ejections: metrics.ejections.clone(),
+        })
+    };
     let (mut parts, body) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     if let Ok(id) = HeaderValue::from_str(request_id) {
@@ -296,6 +302,7 @@ fn wrap(
         .is_some_and(|v| v.starts_with("text/event-stream"));
     let hooks = Box::new(ResponseHooks {
         guard,
+        judge,
         realized_cached_tokens: metrics.realized_cached_tokens.clone(),
         upstream_ttfb_seconds: metrics.upstream_ttfb_seconds.clone(),
         sent,
@@ -312,6 +319,8 @@ fn wrap(
 /// Releases a request's load and records what its response showed.
 struct ResponseHooks {
     guard: LoadGuard,
+    /// Passive health: whether the body's end counts for or against the replica.
+    judge: Option<Judge>,
     realized_cached_tokens: Counter,
     upstream_ttfb_seconds: Histogram,
     sent: Instant,
@@ -323,12 +332,34 @@ impl Hooks for ResponseHooks {
         self.upstream_ttfb_seconds.observe(self.sent.elapsed().as_secs_f64());
     }
 
-    fn finish(self: Box<Self>, cached_tokens: Option<u64>) {
+    fn finish(self: Box<Self>, end: End, cached_tokens: Option<u64>) {
         if let Some(n) = cached_tokens {
             self.realized_cached_tokens.inc_by(n);
         }
+        if let Some(judge) = &self.judge {
+            let upstream = self.guard.upstream();
+            match end {
+                // Success only for a whole answer: a replica that sends its head and then
+                // hangs (a wedged engine streaming) would otherwise clear its failures with
+                // each new request, and never be ejected.
+                End::Complete => upstream.record_success(),
+                End::Failed => {
+                    if upstream.record_failure(judge.eject_after, judge.ejection) {
+                        judge.ejections.inc();
+                    }
+                }
+                End::Abandoned => {}
+            }
+        }
         drop(self.guard);
     }
+}
+
+/// What passive health needs to judge a response by its end.
+struct Judge {
+    eject_after: u32,
+    ejection: Duration,
+    ejections: Counter,
 }
 
 #[cfg(test)]

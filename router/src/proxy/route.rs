@@ -4,6 +4,9 @@
 //!
 //! A completion request with several prompts goes to one replica: it is routed on its first
 //! prompt's blocks, and its load counts every prompt's tokens.
+//!
+//! When no replica is eligible and some are only ejected, those are eligible after all (as
+//! Envoy's panic threshold does): passive ejection never leaves the router nothing to try.
 
 use std::time::Instant;
 
@@ -14,6 +17,7 @@ use kvroute_proto::{BlockHash, chain, hit_tokens};
 
 use super::error::ProxyError;
 use super::prompts::{PromptError, Prompts};
+use super::upstream::Ineligible;
 use crate::fleet::{Fleet, Member};
 use crate::index::SharedIndex;
 use crate::metrics::ProxyMetrics;
@@ -175,7 +179,7 @@ impl Decider {
     ) -> Plan {
         let overlaps = self.index.lookup(&blocks);
         let now = tokio::time::Instant::now();
-        let views: Vec<(ReplicaView, usize, Option<&'static str>)> = members
+        let mut views: Vec<(ReplicaView, usize, Option<Ineligible>)> = members
             .iter()
             .map(|m| {
                 let state = m.replica.status.state();
@@ -187,8 +191,7 @@ impl Decider {
                     StreamState::Fallback => 0,
                     _ => self.fleet.credits().extend(m.replica.id, &blocks, indexed),
                 };
-                let ineligible =
-                    m.upstream.eligibility(self.max_in_flight_per_replica).err().map(|e| e.as_str());
+                let ineligible = m.upstream.eligibility(self.max_in_flight_per_replica).err();
                 let view = ReplicaView {
                     id: m.replica.id,
                     overlap_blocks: overlap,
@@ -199,6 +202,14 @@ impl Decider {
                 (view, indexed, ineligible)
             })
             .collect();
+        if !views.iter().any(|(v, ..)| v.eligible) {
+            // Ejection steers traffic away from outliers; it must not leave nothing to try.
+            for (view, _, ineligible) in &mut views {
+                if *ineligible == Some(Ineligible::Ejected) {
+                    (view.eligible, *ineligible) = (true, None);
+                }
+            }
+        }
         let request = RequestView {
             prompt_tokens: prompt_tokens as usize,
             blocks: blocks.len(),
@@ -220,7 +231,7 @@ impl Decider {
                 view,
                 indexed_blocks,
                 cost: decision.costs.get(i).copied().unwrap_or(f64::INFINITY),
-                ineligible,
+                ineligible: ineligible.map(Ineligible::as_str),
             })
             .collect();
         let mut order: Vec<Scored> = Vec::new();

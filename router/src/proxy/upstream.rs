@@ -9,9 +9,19 @@
 //! has been given.
 //!
 //! Health combines an active check (`GET /health` every `--health-interval-ms`) with passive
-//! outlier ejection: `--eject-after` consecutive failures (connection refused, reset, timeout,
-//! 5xx) eject the replica for `--ejection-ms`; after that it is eligible again and a success
-//! makes it healthy (a failure ejects it again at once).
+//! outlier ejection: `--eject-after` consecutive failures eject the replica for
+//! `--ejection-ms`; after that it is eligible again and a success makes it healthy (a failure
+//! ejects it again at once).
+//! - Failures: connection refused or reset before an answer, the first-byte timeout, a 5xx
+//!   head other than 503, and a body the replica broke off or left silent past the idle
+//!   timeout.
+//! - Successes: an answer whose body the replica sent whole (so one that sends its head and
+//!   then hangs is not cleared by it).
+//! - Neither: a 503 (a refusal under load: counted, a load spike would eject the fleet one
+//!   replica after another) and a body its client left.
+//!
+//! When ejection would leave no replica eligible, the ejected ones are tried anyway (see
+//! `route::Decider`): ejection steers traffic away from outliers, it never empties the fleet.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};

@@ -397,6 +397,57 @@ async fn slow_replica_times_out_and_is_ejected() {
     }
 }
 
+/// A replica that answers streams with their head and then nothing (a wedged engine) is
+/// ejected by the streams' idle timeouts alone: a head is no success until its body ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_streams_go_silent_is_ejected() {
+    let wedged_or_fast = |name: &str| {
+        if name == "agent-1" {
+            kvroute_replica_agent::Config { time_scale: 1.0, step_base_us: 2_000_000, ..fault_agent(name) }
+        } else {
+            fault_agent(name)
+        }
+    };
+    let fleet = Fleet::with(2, wedged_or_fast, |c| kvroute_router::Config {
+        first_byte_timeout_ms: 30_000,
+        idle_timeout_ms: 300,
+        eject_after: 2,
+        ejection_ms: 60_000,
+        policy: kvroute_router::policy::PolicyKind::RoundRobin,
+        ..c
+    })
+    .await;
+    let upstream = fleet.router.fleet().member("agent-1").unwrap().upstream;
+    let mut silent = 0;
+    for i in 0.. {
+        assert!(i < 12, "never ejected after {silent} silent streams");
+        if upstream.eligibility(u32::MAX) == Err(Ineligible::Ejected) {
+            break;
+        }
+        let body = completion(&words(&format!("wedged{i}"), 8), 4, true);
+        let response = fleet.http.stream(&fleet.url("/v1/completions"), &body).await;
+        assert_eq!(response.status(), 200);
+        let agent_1 = response.headers().get("x-kvroute-replica").is_some_and(|v| v == "agent-1");
+        let text = drain(response).await;
+        assert_eq!(!text.contains("[DONE]"), agent_1, "only agent-1's streams fail: {text}");
+        silent += usize::from(agent_1);
+    }
+    assert_eq!(silent, 2, "--eject-after silent streams eject it");
+}
+
+/// Ejection never leaves the router with nothing to try: with every replica ejected, the
+/// ejected ones are tried anyway.
+#[tokio::test]
+async fn with_every_replica_ejected_the_ejected_are_tried() {
+    let fleet = Fleet::with(1, fault_agent, |c| c).await;
+    let upstream = fleet.router.fleet().member("agent-0").unwrap().upstream;
+    assert!(upstream.record_failure(1, Duration::from_secs(60)));
+    assert_eq!(upstream.eligibility(u32::MAX), Err(Ineligible::Ejected));
+    let reply = post(&fleet, &words("panic", 8)).await;
+    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(reply.header("x-kvroute-replica"), Some("agent-0"));
+}
+
 /// Router restart: a new router in front of the same agents is not ready until every
 /// replica synced (it still serves meanwhile), then its predictions are exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,7 @@
 //! What the replica receives, and what the client gets back, field by field: end-to-end
 //! fields go through as sent, hop-by-hop ones (and any a `Connection` field names) stop at
-//! the router, on the routed path and on the streamed one.
+//! the router, on the routed path and on the streamed one. Also what a refusal (503) does:
+//! the request goes on to the next replica, and the refusing one is not ejected.
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::mpsc;
@@ -185,5 +186,41 @@ async fn a_retried_request_carries_the_same_fields_to_the_next_replica() {
     assert_eq!(second.values("host"), [answering.to_string().as_str()]);
     assert_eq!(first.values("x-custom"), ["kept"]);
     assert!(first.values("x-hop").is_empty() && first.values("connection").is_empty(), "{first:?}");
+    shutdown.cancel();
+}
+
+/// A replica that refuses with 503 (overloaded) is not an outlier: its refusals go to the
+/// next replica and never eject it.
+#[tokio::test]
+async fn refusals_do_not_eject_a_replica() {
+    let (refusing, _refused) =
+        recording_replica(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n").await;
+    let (answering, _answered) = recording_replica(ANSWER).await;
+    let replica = |name: &str, at: std::net::SocketAddr| {
+        format!("name={name},http=http://{at},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap()
+    };
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        policy: kvroute_router::policy::PolicyKind::RoundRobin,
+        eject_after: 2,
+        replicas: vec![replica("refusing", refusing), replica("answering", answering)],
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let body = serde_json::json!({"model": FLEET_MODEL, "prompt": "busy", "max_tokens": 1}).to_string();
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n";
+    for _ in 0..8 {
+        let answer = exchange(&router.url(), head, &body).await;
+        assert!(answer.contains("\r\nx-kvroute-replica: answering\r\n"), "{answer}");
+    }
+    let upstream = router.fleet().member("refusing").unwrap().upstream;
+    assert_eq!(
+        upstream.requests.load(std::sync::atomic::Ordering::Relaxed),
+        4,
+        "round-robin tried it 4 times"
+    );
+    assert_eq!(upstream.eligibility(u32::MAX), Ok(()));
+    assert_eq!(upstream.ejections.load(std::sync::atomic::Ordering::Relaxed), 0);
     shutdown.cancel();
 }
