@@ -122,7 +122,8 @@ pub struct Config {
     /// Largest accepted request body, bytes.
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
     pub max_body_bytes: usize,
-    /// Requests in flight through the router before new ones get 503.
+    /// Requests in flight through the router before new ones get 503 (a request counts until
+    /// its response ends, streams included).
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT", default_value_t = 4_096)]
     pub max_in_flight: usize,
     /// Threads serving the proxy's HTTP connections, each with its own accept loop and

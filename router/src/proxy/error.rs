@@ -3,8 +3,8 @@
 //!
 //! | status | when |
 //! |---|---|
-//! | 400 | malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens`, a prompt the replica's `/tokenize` refused (`--remote-tokenize`) |
-//! | 404 / 405 | unknown path / wrong method |
+//! | 400 | a `/v1/*` path that is a routed path spelled otherwise (percent-encoded, a trailing slash) or has dot segments; malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens`, a prompt the replica's `/tokenize` refused (`--remote-tokenize`) |
+//! | 404 / 405 | unknown path / wrong method (with `Allow`) |
 //! | 408 | the client sent nothing of its request body for `--idle-timeout-ms` (routed, or streamed to a replica) |
 //! | 413 | body larger than `--max-body-bytes` |
 //! | 502 | the replica failed before answering, and so did every retry |
@@ -36,8 +36,10 @@ pub enum ProxyError {
     TooManyTokens { asked: u64, limit: u64 },
     #[error("unknown path {0}")]
     NotFound(String),
-    #[error("method {0} is not allowed here")]
-    MethodNotAllowed(String),
+    #[error("method {method} is not allowed here; use {allow}")]
+    MethodNotAllowed { method: String, allow: &'static str },
+    #[error("{0}")]
+    BadPath(String),
     #[error("no replica can take the request: {0}")]
     Unavailable(String),
     #[error("replica {replica} failed before answering: {reason}")]
@@ -55,11 +57,12 @@ impl ProxyError {
             ProxyError::BodyRead(_)
             | ProxyError::Refused(_)
             | ProxyError::PromptTooLong { .. }
-            | ProxyError::TooManyTokens { .. } => StatusCode::BAD_REQUEST,
+            | ProxyError::TooManyTokens { .. }
+            | ProxyError::BadPath(_) => StatusCode::BAD_REQUEST,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NotFound(_) => StatusCode::NOT_FOUND,
-            ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
@@ -69,12 +72,15 @@ impl ProxyError {
     /// A short, fixed label for metrics.
     pub fn label(&self) -> &'static str {
         match self {
-            ProxyError::BadRequest(_) | ProxyError::BodyRead(_) | ProxyError::Refused(_) => "bad_request",
+            ProxyError::BadRequest(_)
+            | ProxyError::BodyRead(_)
+            | ProxyError::Refused(_)
+            | ProxyError::BadPath(_) => "bad_request",
             ProxyError::BodyTooLarge { .. } => "too_large",
             ProxyError::BodyTimeout { .. } => "body_timeout",
             ProxyError::PromptTooLong { .. } | ProxyError::TooManyTokens { .. } => "over_limit",
             ProxyError::NotFound(_) => "not_found",
-            ProxyError::MethodNotAllowed(_) => "method_not_allowed",
+            ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
             ProxyError::Unavailable(_) => "unavailable",
             ProxyError::Upstream { .. } => "upstream_failed",
             ProxyError::Timeout { .. } => "upstream_timeout",
@@ -88,7 +94,10 @@ impl ProxyError {
             | ProxyError::Refused(_)
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::BodyTimeout { .. }
-            | ProxyError::MethodNotAllowed(_) => OpenAiError::new("invalid_request_error", self.to_string()),
+            | ProxyError::BadPath(_)
+            | ProxyError::MethodNotAllowed { .. } => {
+                OpenAiError::new("invalid_request_error", self.to_string())
+            }
             ProxyError::PromptTooLong { .. } => {
                 let mut e = OpenAiError::new("invalid_request_error", self.to_string());
                 e.param = Some("prompt".into());
@@ -121,8 +130,14 @@ impl ProxyError {
         if let Ok(id) = HeaderValue::from_str(request_id) {
             headers.insert(super::forward::X_REQUEST_ID, id);
         }
-        if matches!(self, ProxyError::Unavailable(_)) {
-            headers.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+        match self {
+            ProxyError::Unavailable(_) => {
+                headers.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            ProxyError::MethodNotAllowed { allow, .. } => {
+                headers.insert(http::header::ALLOW, HeaderValue::from_static(allow));
+            }
+            _ => {}
         }
         response
     }

@@ -7,7 +7,10 @@
 //! request goes to the next replica of the plan (at most [`MAX_ATTEMPTS`] in all) — never
 //! after a response has started, and never after a first-byte timeout (the replica may still
 //! be working on it). Each failure counts toward the replica's outlier ejection; 5xx answers
-//! are passed to the client and counted too.
+//! are passed to the client and counted too (503 excepted: see [`super::upstream`]).
+//!
+//! A request holds its [`Slot`] under `--max-in-flight` until its response body ends, streams
+//! included.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,7 +31,9 @@ use super::upload;
 use super::upstream::{LoadGuard, Upstream};
 use crate::metrics::ProxyMetrics;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Most replicas one request is tried on.
 pub const MAX_ATTEMPTS: usize = 3;
@@ -115,8 +120,9 @@ pub async fn routed(
     plan: &Plan,
     parts: http::request::Parts,
     body: Bytes,
-    request_id: &str,
+    admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
+    let request_id = admitted.request_id;
     let (client, headers) = upstream_head(parts, request_id);
     let mut last_error = None;
     for (attempt, scored) in plan.order.iter().take(MAX_ATTEMPTS).enumerate() {
@@ -145,7 +151,7 @@ pub async fn routed(
                 });
             }
             Ok(Ok(response)) => {
-                let mut response = wrap(response, client.version, guard, config, metrics, sent, request_id);
+                let mut response = wrap(response, client.version, guard, config, metrics, sent, admitted);
                 let headers = response.headers_mut();
                 if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                     headers.insert(X_KVROUTE_REPLICA, v);
@@ -183,16 +189,16 @@ pub async fn streamed(
     member: &crate::fleet::Member,
     parts: http::request::Parts,
     body: ProxyBody,
-    request_id: &str,
+    admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let upstream = &member.upstream;
     let guard = upstream.begin(0, 0);
-    let (client, headers) = upstream_head(parts, request_id);
+    let (client, headers) = upstream_head(parts, admitted.request_id);
     let uri = replica_uri(&member.replica.spec.http_url, &client.uri)?;
     let sent = Instant::now();
     match first_byte(config, sent, pool, (&client.method, &uri, &headers), Outgoing::Stream(body)).await {
         Ok(Ok(response)) => {
-            let mut response = wrap(response, client.version, guard, config, metrics, sent, request_id);
+            let mut response = wrap(response, client.version, guard, config, metrics, sent, admitted);
             if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                 response.headers_mut().insert(X_KVROUTE_REPLICA, v);
             }
@@ -273,7 +279,7 @@ fn wrap(
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
     sent: Instant,
-    request_id: &str,
+    admitted: Admitted<'_>,
 ) -> Response<ProxyBody> {
     let status = response.status();
     // A 5xx head is a failure at once; a 503 (a refusal: overload) is nothing either way;
@@ -292,7 +298,7 @@ fn wrap(
     };
     let (mut parts, body) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
-    if let Ok(id) = HeaderValue::from_str(request_id) {
+    if let Ok(id) = HeaderValue::from_str(admitted.request_id) {
         parts.headers.insert(X_REQUEST_ID, id);
     }
     let sse = parts
@@ -302,6 +308,7 @@ fn wrap(
         .is_some_and(|v| v.starts_with("text/event-stream"));
     let hooks = Box::new(ResponseHooks {
         guard,
+        _slot: admitted.slot,
         judge,
         realized_cached_tokens: metrics.realized_cached_tokens.clone(),
         upstream_ttfb_seconds: metrics.upstream_ttfb_seconds.clone(),
@@ -319,6 +326,8 @@ fn wrap(
 /// Releases a request's load and records what its response showed.
 struct ResponseHooks {
     guard: LoadGuard,
+    /// Released with the hooks, when the body ends.
+    _slot: Slot,
     /// Passive health: whether the body's end counts for or against the replica.
     judge: Option<Judge>,
     realized_cached_tokens: Counter,
@@ -352,6 +361,33 @@ impl Hooks for ResponseHooks {
             }
         }
         drop(self.guard);
+    }
+}
+
+/// A request the router took on: its id, and its place under `--max-in-flight`.
+pub struct Admitted<'a> {
+    pub request_id: &'a str,
+    pub slot: Slot,
+}
+
+/// A place under the router's in-flight limit, counted by its gauge while held.
+pub struct Slot {
+    _permit: OwnedSemaphorePermit,
+    gauge: Gauge,
+}
+
+impl Slot {
+    /// A place under `limit`, if one is free.
+    pub fn try_take(limit: &Arc<Semaphore>, gauge: &Gauge) -> Option<Slot> {
+        let permit = limit.clone().try_acquire_owned().ok()?;
+        gauge.inc();
+        Some(Slot { _permit: permit, gauge: gauge.clone() })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.gauge.dec();
     }
 }
 

@@ -3,13 +3,13 @@
 //! | path | what the router does |
 //! |---|---|
 //! | `POST /v1/completions`, `POST /v1/chat/completions` | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]) |
-//! | other `/v1/*` | streams the request to the least-loaded eligible replica |
+//! | other `/v1/*` | streams the request to the least-loaded eligible replica (a routed path spelled otherwise is refused: [`paths`]) |
 //! | `GET /v1/models` | the fleet's model and LoRA adapters |
 //! | `GET /health` | 200 while the process runs |
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //!
-//! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`pool`] (upstream
+//! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`paths`] (the router's own paths), [`pool`] (upstream
 //! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`upload`] (clients' request
 //! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health).
 
@@ -19,6 +19,7 @@ pub mod forward;
 pub mod health;
 pub mod http1;
 pub mod idle;
+mod paths;
 pub mod pool;
 pub mod prompts;
 pub mod route;
@@ -46,7 +47,7 @@ use crate::fleet::Fleet;
 use crate::metrics::ErrorLabel;
 use body::{ProxyBody, full};
 use error::ProxyError;
-use forward::ForwardConfig;
+use forward::{Admitted, ForwardConfig, Slot};
 use pool::Pool;
 use route::{Decider, RequestLimits};
 
@@ -157,12 +158,14 @@ async fn dispatch(
             r
         }),
         (Method::GET, "/metrics") => Ok(metrics(state)),
-        (
-            _,
-            "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health" | "/ready" | "/metrics",
-        ) => Err(ProxyError::MethodNotAllowed(req.method().to_string())),
-        (_, p) if p.starts_with("/v1/") => Box::pin(passthrough(state, pool, req, request_id)).await,
-        _ => Err(ProxyError::NotFound(path)),
+        (method, p) => match paths::allowed(p) {
+            Some(allow) => Err(ProxyError::MethodNotAllowed { method: method.to_string(), allow }),
+            None if p.starts_with("/v1/") => {
+                paths::check_passthrough(p)?;
+                Box::pin(passthrough(state, pool, req, request_id)).await
+            }
+            None => Err(ProxyError::NotFound(path)),
+        },
     }
 }
 
@@ -174,19 +177,18 @@ async fn routed(
     endpoint: Endpoint,
     request_id: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let _permit = state
-        .in_flight
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| ProxyError::Unavailable("the router is at its in-flight limit".into()))?;
+    let admitted = admit(state, request_id)?;
     let (parts, body) = req.into_parts();
     let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
     let plan = state.decider.decide_within(endpoint, &body, &state.limits).await?;
-    state.decider.metrics.in_flight.inc();
-    let result =
-        forward::routed(pool, &state.forward, &state.decider.metrics, &plan, parts, body, request_id).await;
-    state.decider.metrics.in_flight.dec();
-    result
+    forward::routed(pool, &state.forward, &state.decider.metrics, &plan, parts, body, admitted).await
+}
+
+/// A place under `--max-in-flight` for the request, held until its response ends.
+fn admit<'a>(state: &ProxyState, request_id: &'a str) -> Result<Admitted<'a>, ProxyError> {
+    let slot = Slot::try_take(&state.in_flight, &state.decider.metrics.in_flight)
+        .ok_or_else(|| ProxyError::Unavailable("the router is at its in-flight limit".into()))?;
+    Ok(Admitted { request_id, slot })
 }
 
 /// Any other `/v1/*` request: streamed to the least-loaded eligible replica.
@@ -196,6 +198,7 @@ async fn passthrough(
     req: Request<Incoming>,
     request_id: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
+    let admitted = admit(state, request_id)?;
     let max = state.decider.max_in_flight_per_replica;
     let member = state
         .fleet()
@@ -211,7 +214,7 @@ async fn passthrough(
     let body =
         upload::Upload::new(Limited::new(body, state.forward.max_body_bytes), state.forward.idle_timeout)
             .boxed_unsync();
-    forward::streamed(pool, &state.forward, &state.decider.metrics, &member, parts, body, request_id).await
+    forward::streamed(pool, &state.forward, &state.decider.metrics, &member, parts, body, admitted).await
 }
 
 fn content_length(parts: &http::request::Parts) -> Option<usize> {

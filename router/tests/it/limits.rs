@@ -291,3 +291,32 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
         assert!(!out.stderr.is_empty(), "{args:?}: no message");
     }
 }
+
+/// A stream holds its in-flight slot until it ends: with one slot, a request made while a
+/// stream is open gets 503, and one made after it ended is served.
+#[tokio::test]
+async fn an_open_stream_holds_its_in_flight_slot() {
+    let slow = |name: &str| kvroute_replica_agent::Config {
+        time_scale: 1.0,
+        step_base_us: 200_000,
+        ..agent_config(name)
+    };
+    let fleet = Fleet::with(1, slow, |c| kvroute_router::Config { max_in_flight: 1, ..c }).await;
+    let url = fleet.url("/v1/completions");
+    let streaming = json!({"model": FLEET_MODEL, "prompt": "hold it", "max_tokens": 8, "stream": true});
+    let open = fleet.http.stream(&url, &streaming).await;
+    assert_eq!(open.status(), 200);
+    let refused =
+        fleet.http.post(&url, &json!({"model": FLEET_MODEL, "prompt": "hi", "max_tokens": 1})).await;
+    assert_eq!(refused.status, 503, "{}", String::from_utf8_lossy(&refused.body));
+    assert!(refused.json()["error"]["message"].as_str().unwrap().contains("in-flight limit"));
+    let other = fleet.http.get(&fleet.url("/v1/anything")).await;
+    assert_eq!(other.status, 503, "other /v1/* requests count too");
+    let text = String::from_utf8(
+        http_body_util::BodyExt::collect(open.into_body()).await.unwrap().to_bytes().to_vec(),
+    )
+    .unwrap();
+    assert!(text.contains("[DONE]"), "{text}");
+    let after = fleet.http.post(&url, &json!({"model": FLEET_MODEL, "prompt": "hi", "max_tokens": 1})).await;
+    assert_eq!(after.status, 200, "the slot was given back when the stream ended");
+}

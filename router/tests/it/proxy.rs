@@ -168,6 +168,22 @@ async fn malformed_oversized_and_unknown_requests_get_openai_errors() {
         ),
         (fleet.http.get(&url).await, 405),
         (fleet.http.get(&fleet.url("/nope")).await, 404),
+        // A routed path spelled so that the replica would read it as one, passed through,
+        // would skip the router's limits: refused.
+        (
+            fleet
+                .http
+                .post(&fleet.url("/v1/%63ompletions"), &json!({"model": FLEET_MODEL, "prompt": "x"}))
+                .await,
+            400,
+        ),
+        (
+            fleet
+                .http
+                .post(&fleet.url("/v1/completions/"), &json!({"model": FLEET_MODEL, "prompt": "x"}))
+                .await,
+            400,
+        ),
     ];
     for (i, (reply, status)) in cases.iter().enumerate() {
         assert_eq!(reply.status.as_u16(), *status, "case {i}: {}", String::from_utf8_lossy(&reply.body));
@@ -176,6 +192,8 @@ async fn malformed_oversized_and_unknown_requests_get_openai_errors() {
         assert!(error.get("param").is_some() && error.get("code").is_some(), "case {i}: {error}");
         assert!(reply.header("x-request-id").is_some(), "case {i}");
     }
+    assert_eq!(cases[5].0.header("allow"), Some("POST"), "a 405 says which method");
+    assert!(fleet.agent(0).engine.resident().is_empty(), "nothing reached the replica");
 }
 
 #[tokio::test]

@@ -1,0 +1,78 @@
+//! The paths the router answers itself, and the ones it refuses to pass through.
+//!
+//! A `/v1/*` path the router does not route goes to a replica as it is. The replica's server
+//! (uvicorn for vLLM and SGLang) percent-decodes it before matching, and Starlette redirects a
+//! trailing slash: `/v1/%63ompletions` would run as a completion that skipped the router's
+//! limits and placement, and `/v1/completions/` would answer with a redirect to the replica's
+//! own address. Such spellings of a routed path are refused, and so are dot segments, which
+//! no OpenAI path has.
+
+use percent_encoding::percent_decode_str;
+
+use super::error::ProxyError;
+
+/// Paths the router answers itself (routes or serves), with the method each takes.
+const OWN: [(&str, &str); 6] = [
+    ("/v1/completions", "POST"),
+    ("/v1/chat/completions", "POST"),
+    ("/v1/models", "GET"),
+    ("/health", "GET"),
+    ("/ready", "GET"),
+    ("/metrics", "GET"),
+];
+
+/// The method `path` takes, if the router answers it itself.
+pub fn allowed(path: &str) -> Option<&'static str> {
+    OWN.iter().find(|(own, _)| *own == path).map(|(_, method)| *method)
+}
+
+/// Refuses a `/v1/*` path that the replica would read as one of the router's own, or with
+/// dot segments.
+pub fn check_passthrough(path: &str) -> Result<(), ProxyError> {
+    let decoded = percent_decode_str(path).decode_utf8_lossy();
+    if decoded.split('/').any(|segment| segment == "." || segment == "..") {
+        return Err(ProxyError::BadPath(format!("the path {path} has dot segments")));
+    }
+    let plain = decoded.trim_end_matches('/');
+    if plain != path && allowed(plain).is_some() {
+        return Err(ProxyError::BadPath(format!(
+            "the path {path} is {plain} spelled otherwise; send {plain}"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routed_paths_spelled_otherwise_are_refused() {
+        for path in [
+            "/v1/%63ompletions",
+            "/v1/completions/",
+            "/v1/chat%2Fcompletions",
+            "/v1/chat/completions//",
+            "/v1/%6dodels",
+            "/v1/./completions",
+            "/v1/x/../completions",
+            "/v1/x/%2E%2E/completions",
+        ] {
+            assert!(matches!(check_passthrough(path), Err(ProxyError::BadPath(_))), "{path}");
+        }
+    }
+
+    #[test]
+    fn other_paths_pass() {
+        for path in ["/v1/embeddings", "/v1/files/file-abc%20", "/v1/models/org%2Fname", "/v1/score/"] {
+            assert!(check_passthrough(path).is_ok(), "{path}");
+        }
+    }
+
+    #[test]
+    fn own_paths_take_one_method() {
+        assert_eq!(allowed("/v1/completions"), Some("POST"));
+        assert_eq!(allowed("/metrics"), Some("GET"));
+        assert_eq!(allowed("/v1/embeddings"), None);
+    }
+}
