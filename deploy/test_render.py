@@ -98,6 +98,15 @@ class Manifests(unittest.TestCase):
                 self.assertTrue(pod["spec"]["securityContext"]["runAsNonRoot"])
                 self.assertEqual(pod["spec"]["serviceAccountName"], "kvroute-router")
                 one(res, "PodDisruptionBudget", "kvroute-router")
+                # Admin changes reach every router: admin is only on the headless Service.
+                services = {r["metadata"]["name"]: r for r in res if r["kind"] == "Service"}
+                ports = {p["name"] for p in services["kvroute-router"]["spec"]["ports"]}
+                self.assertNotIn("grpc-admin", ports, "admin behind a load balancer reaches one router")
+                admin = services["kvroute-router-admin"]
+                self.assertEqual(admin["spec"]["clusterIP"], "None", "headless: one address per router")
+                # In-flight streams get longer than the preStop sleep to finish.
+                pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+                self.assertGreaterEqual(pod["spec"]["terminationGracePeriodSeconds"] - pre_stop, 300)
                 role = one(res, "Role", "kvroute-router-discovery")
                 self.assertEqual(
                     role["rules"],

@@ -78,10 +78,6 @@ impl AdminService {
             gaps: s.gaps(),
         }
     }
-
-    fn member(&self, name: &str) -> Result<Member, Status> {
-        self.fleet().member(name).ok_or_else(|| Status::not_found(format!("no replica named {name:?}")))
-    }
 }
 
 fn candidate(c: &Scored, block_size: usize, prompt_tokens: usize) -> pb::Candidate {
@@ -173,8 +169,10 @@ impl RouterAdmin for AdminService {
 
     async fn drain(&self, request: Request<pb::DrainRequest>) -> Result<Response<pb::ReplicaStatus>, Status> {
         let request = request.into_inner();
-        let member = self.member(&request.id)?;
-        member.upstream.set_draining(request.drain);
+        let member = self
+            .fleet()
+            .set_draining(&request.id, request.drain)
+            .ok_or_else(|| Status::not_found(format!("no replica named {:?}", request.id)))?;
         tracing::info!(replica = %request.id, drain = request.drain, "drain changed");
         Ok(Response::new(self.status(&member)))
     }

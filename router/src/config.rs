@@ -94,9 +94,13 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_CHAT_TEMPLATE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<PathBuf>,
-    /// Ask a replica's `/tokenize` instead of tokenizing locally (results are cached).
+    /// Ask a replica's `/tokenize` instead of tokenizing locally (results are cached). The
+    /// healthy replicas take turns by prompt; one that fails is followed by the next.
     #[arg(long, env = "KVROUTE_REMOTE_TOKENIZE", default_value_t = false)]
     pub remote_tokenize: bool,
+    /// Time allowed for one replica's `/tokenize` answer, milliseconds.
+    #[arg(long, env = "KVROUTE_TOKENIZE_TIMEOUT_MS", default_value_t = 10_000)]
+    pub tokenize_timeout_ms: u64,
     /// Bytes of token ids kept for prompts' beginnings, so that a prompt beginning like an
     /// earlier one (a chat's next turn) is tokenized only from where it differs; 0 turns it
     /// off. The ids are the same either way.
@@ -198,6 +202,7 @@ impl Config {
         );
         check(self.connect_timeout_ms > 0, "--connect-timeout-ms must be at least 1".into());
         check(self.first_byte_timeout_ms > 0, "--first-byte-timeout-ms must be at least 1".into());
+        check(self.tokenize_timeout_ms > 0, "--tokenize-timeout-ms must be at least 1".into());
         check(self.idle_timeout_ms > 0, "--idle-timeout-ms must be at least 1".into());
         check(self.send_timeout_ms > 0, "--send-timeout-ms must be at least 1".into());
         check(self.max_body_bytes > 0, "--max-body-bytes must be at least 1".into());
@@ -255,6 +260,9 @@ impl Config {
 
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.connect_timeout_ms)
+    }
+    pub fn tokenize_timeout(&self) -> Duration {
+        Duration::from_millis(self.tokenize_timeout_ms)
     }
     pub fn first_byte_timeout(&self) -> Duration {
         Duration::from_millis(self.first_byte_timeout_ms)

@@ -3,7 +3,7 @@
 //! proxy's [`Upstream`] load and health). Adding a replica starts following its events and
 //! makes it routable; removing it stops both and frees its index entries and credits.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use kvroute_proto::ReplicaId;
@@ -26,11 +26,15 @@ pub struct Member {
 pub struct Fleet {
     ingest: Ingest,
     upstreams: Arc<RwLock<HashMap<ReplicaId, Arc<Upstream>>>>,
+    /// Names drained by an operator: the drain outlasts the replica's entry, so a replica
+    /// that discovery replaces (a pod back under a new address) or removes and adds again
+    /// stays drained until it is undrained.
+    drained: Arc<RwLock<HashSet<String>>>,
 }
 
 impl Fleet {
     pub fn new(ingest: Ingest) -> Self {
-        Self { ingest, upstreams: Arc::default() }
+        Self { ingest, upstreams: Arc::default(), drained: Arc::default() }
     }
 
     pub fn ingest(&self) -> &Ingest {
@@ -44,8 +48,11 @@ impl Fleet {
 
     /// Starts routing to `spec` (and following its events).
     pub fn add(&self, spec: ReplicaSpec) -> Result<Member, IngestError> {
+        // Held until the upstream is in place, so that a drain cannot fall between the two.
+        let drained = self.drained.read().unwrap_or_else(PoisonError::into_inner);
         let replica = self.ingest.add_replica(spec)?;
         let upstream = Arc::new(Upstream::default());
+        upstream.set_draining(drained.contains(&replica.spec.name));
         self.upstreams.write().unwrap_or_else(PoisonError::into_inner).insert(replica.id, upstream.clone());
         tracing::info!(replica = %replica.spec.name, id = %replica.id, http = %replica.spec.http_url, "replica added");
         Ok(Member { replica, upstream })
@@ -70,6 +77,20 @@ impl Fleet {
             .into_iter()
             .filter_map(|replica| upstreams.get(&replica.id).map(|u| Member { replica, upstream: u.clone() }))
             .collect()
+    }
+
+    /// Drains the replica named `name` (no new requests; those in flight finish), or undrains
+    /// it; `None` if no such replica is registered.
+    pub fn set_draining(&self, name: &str, drain: bool) -> Option<Member> {
+        let mut drained = self.drained.write().unwrap_or_else(PoisonError::into_inner);
+        let member = self.member(name)?;
+        if drain {
+            drained.insert(name.to_owned());
+        } else {
+            drained.remove(name);
+        }
+        member.upstream.set_draining(drain);
+        Some(member)
     }
 
     pub fn member(&self, name: &str) -> Option<Member> {

@@ -134,7 +134,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         Prompts::Remote(Box::new(RemoteTokenizer::new(
             tokenization,
             client.clone(),
-            config.first_byte_timeout(),
+            config.tokenize_timeout(),
         )))
     } else {
         Prompts::Local(tokenization)
@@ -202,8 +202,11 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         config.health_interval().min(config.connect_timeout() * 2),
         shutdown.clone(),
     ));
-    let admin = AdminService::new(state.clone(), config.model.clone(), config.block_size)
-        .into_server(config.admin_token.as_ref().map(|t| t.expose().to_owned()).filter(|t| !t.is_empty()));
+    // An empty token is no token (allowed on loopback only, see `Config::validate`).
+    let admin_token = config.admin_token.as_ref().map(|t| t.expose().to_owned()).filter(|t| !t.is_empty());
+    let admin_auth = admin_token.is_some();
+    let admin =
+        AdminService::new(state.clone(), config.model.clone(), config.block_size).into_server(admin_token);
     let admin_shutdown = shutdown.clone();
     tracker.spawn(async move {
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(admin_listener);
@@ -217,7 +220,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     });
     tracing::info!(
         listen = %addr, admin = %admin_addr, policy = config.policy.as_str(),
-        replicas = config.replicas.len(), admin_auth = config.admin_token.is_some(), "router started"
+        replicas = config.replicas.len(), admin_auth, "router started"
     );
     Ok(RunningRouter { addr, admin_addr, state, tracker, shutdown })
 }

@@ -3,7 +3,10 @@
 //!   built-in tokenizer or a HuggingFace `tokenizer.json` + chat template, rendered exactly
 //!   as the replica renders it;
 //! - **remote**: ask a replica's vLLM-style `POST /tokenize` (prompt or messages), with a
-//!   small cache of recent answers, for models whose template the router cannot render;
+//!   small cache of recent answers, for models whose template the router cannot render. The
+//!   healthy, undrained replicas take turns by prompt (so no one replica tokenizes for the
+//!   whole fleet); when one fails or times out, the next is asked, up to
+//!   [`TOKENIZE_ATTEMPTS`] in all;
 //! - token-id prompts skip tokenization in both.
 //!
 //! Either way the cache namespace (model, LoRA adapter, `cache_salt`) comes from the local
@@ -20,9 +23,12 @@ use kvroute_proto::openai::{ParsedRequest, RequestError, Tokenization};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::body::{ProxyBody, full};
+use crate::fleet::Member;
 
 /// Answers kept by the remote tokenizer's cache.
 const REMOTE_CACHE_ENTRIES: usize = 4096;
+/// Replicas asked for one prompt's tokens before the request fails.
+pub const TOKENIZE_ATTEMPTS: usize = 3;
 
 /// How the router gets token ids.
 pub enum Prompts {
@@ -41,13 +47,13 @@ pub type Client =
     hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, ProxyBody>;
 
 impl Prompts {
-    /// The namespace and token ids of `request`; `replica_url` is asked in remote mode.
-    /// Token-id prompts are moved out of `request`, not copied.
+    /// The namespace and token ids of `request`; in remote mode, `fleet`'s replicas are
+    /// asked. Token-id prompts are moved out of `request`, not copied.
     pub async fn tokens(
         &self,
         request: &mut ParsedRequest<'_>,
         body: &[u8],
-        replica_url: Option<&str>,
+        fleet: &[Member],
     ) -> Result<PromptInfo, PromptError> {
         match self {
             Prompts::Local(t) => {
@@ -55,7 +61,7 @@ impl Prompts {
             }
             // Boxed: the remote exchange's future would otherwise make every request's
             // future larger (see `forward::first_byte`), local ones included.
-            Prompts::Remote(r) => Box::pin(r.tokens(request, body, replica_url)).await,
+            Prompts::Remote(r) => Box::pin(r.tokens(request, body, fleet)).await,
         }
     }
 }
@@ -95,13 +101,23 @@ impl RemoteTokenizer {
         &self,
         request: &ParsedRequest<'_>,
         body: &[u8],
-        replica_url: Option<&str>,
+        fleet: &[Member],
     ) -> Result<PromptInfo, PromptError> {
         let namespace = self.local.namespace(request);
         let key = xxh3_64(body);
         if let Some(hit) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).map.get(&key).cloned() {
             return Ok(PromptInfo { namespace, tokens: hit.as_ref().clone() });
         }
+        let mut askable: Vec<&str> = fleet
+            .iter()
+            .filter(|m| m.upstream.is_healthy() && !m.upstream.is_draining())
+            .map(|m| m.replica.spec.http_url.as_str())
+            .collect();
+        if !askable.is_empty() {
+            let turn = (key % askable.len() as u64) as usize;
+            askable.rotate_left(turn);
+        }
+        let replica_urls = askable.as_slice();
         // Token-id prompts need no replica; everything else asks one.
         let tokens = match request {
             ParsedRequest::Completion(r) => {
@@ -111,7 +127,7 @@ impl RemoteTokenizer {
                         kvroute_proto::openai::PromptInput::Tokens(ids) => ids.to_vec(),
                         kvroute_proto::openai::PromptInput::Text(text) => {
                             let req = serde_json::json!({"model": r.model, "prompt": text});
-                            self.ask(replica_url, req).await?
+                            self.ask(replica_urls, req).await?
                         }
                     });
                 }
@@ -135,7 +151,7 @@ impl RemoteTokenizer {
                         )
                     });
                 }
-                vec![self.ask(replica_url, value).await?]
+                vec![self.ask(replica_urls, value).await?]
             }
         };
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -150,11 +166,30 @@ impl RemoteTokenizer {
         Ok(PromptInfo { namespace, tokens })
     }
 
-    async fn ask(&self, replica_url: Option<&str>, body: serde_json::Value) -> Result<Vec<u32>, PromptError> {
-        let base = replica_url.ok_or_else(|| PromptError::Remote("no healthy replica to ask".into()))?;
+    /// Asks `replicas` in turn until one answers (or refuses the prompt: the client's error).
+    async fn ask(&self, replicas: &[&str], body: serde_json::Value) -> Result<Vec<u32>, PromptError> {
+        let body = Bytes::from(body.to_string());
+        let mut failures = Vec::new();
+        for base in replicas.iter().take(TOKENIZE_ATTEMPTS) {
+            match self.ask_one(base, body.clone()).await {
+                Err(PromptError::Remote(why)) => {
+                    tracing::warn!(replica = %base, error = %why, "remote tokenization failed; asking the next replica");
+                    failures.push(why);
+                }
+                answer => return answer,
+            }
+        }
+        Err(PromptError::Remote(if failures.is_empty() {
+            "no healthy replica to ask".into()
+        } else {
+            failures.join("; ")
+        }))
+    }
+
+    async fn ask_one(&self, base: &str, body: Bytes) -> Result<Vec<u32>, PromptError> {
         let request = http::Request::post(format!("{base}/tokenize"))
             .header(http::header::CONTENT_TYPE, "application/json")
-            .body(full(Bytes::from(body.to_string())))
+            .body(full(body))
             .map_err(|e| PromptError::Remote(e.to_string()))?;
         let response = tokio::time::timeout(self.timeout, self.client.request(request))
             .await

@@ -147,8 +147,7 @@ impl Decider {
     async fn plan(&self, endpoint: Endpoint, body: &[u8], send: bool) -> Result<Plan, ProxyError> {
         let mut request = ParsedRequest::parse(endpoint, body)?;
         let members = self.fleet.members();
-        let ask = members.iter().find(|m| m.upstream.is_healthy()).map(|m| m.replica.spec.http_url.as_str());
-        let info = self.prompts.tokens(&mut request, body, ask).await.map_err(|e| match e {
+        let info = self.prompts.tokens(&mut request, body, &members).await.map_err(|e| match e {
             PromptError::Request(e) => ProxyError::BadRequest(e),
             PromptError::Remote(e) => ProxyError::Unavailable(e),
             refused @ PromptError::Refused(_) => ProxyError::Refused(refused.to_string()),

@@ -170,3 +170,31 @@ async fn explaining_does_not_move_round_robin_on() {
     }
     assert!(homes.windows(2).all(|w| w[0] != w[1]), "turns alternate: {homes:?}");
 }
+
+/// A drain outlasts the replica's entry: a replica replaced under the same name (a pod back
+/// under a new address) or removed and added again stays drained until it is undrained.
+#[tokio::test]
+async fn a_drain_outlasts_the_replicas_entry() {
+    let fleet = Fleet::start(2).await;
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
+    let router_fleet = fleet.router.fleet().clone();
+    let agent = fleet.agents.iter().flatten().find(|a| a.name == "agent-0").unwrap();
+    let spec = replica_config(agent).to_spec(crate::fleet::FLEET_MODEL, crate::fleet::FLEET_BLOCK);
+    admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: true }).await.unwrap();
+
+    let mut moved = spec.clone();
+    moved.topic = "moved".into();
+    router_fleet.upsert(moved).await.unwrap();
+    let replaced = router_fleet.member("agent-0").unwrap();
+    assert_eq!(replaced.replica.spec.topic, "moved", "the entry was replaced");
+    assert!(replaced.upstream.is_draining(), "still drained after the replacement");
+
+    router_fleet.remove("agent-0").await.unwrap();
+    router_fleet.add(spec.clone()).unwrap();
+    assert!(router_fleet.member("agent-0").unwrap().upstream.is_draining(), "still drained when added again");
+
+    admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: false }).await.unwrap();
+    router_fleet.remove("agent-0").await.unwrap();
+    router_fleet.add(spec).unwrap();
+    assert!(!router_fleet.member("agent-0").unwrap().upstream.is_draining(), "undrained for good");
+}

@@ -17,8 +17,8 @@ const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
 /// A request as the replica read it: the request line, the fields (names lowercased, in
 /// order) and the body.
 #[derive(Debug)]
-struct Seen {
-    line: String,
+pub(crate) struct Seen {
+    pub(crate) line: String,
     fields: Vec<(String, String)>,
     body: Vec<u8>,
 }
@@ -31,7 +31,9 @@ impl Seen {
 
 /// A replica that reports every POST it reads (framed by `content-length`) and answers it
 /// with `answer`; anything else (health checks) gets an empty 200.
-async fn recording_replica(answer: &'static [u8]) -> (std::net::SocketAddr, mpsc::UnboundedReceiver<Seen>) {
+pub(crate) async fn recording_replica(
+    answer: &'static [u8],
+) -> (std::net::SocketAddr, mpsc::UnboundedReceiver<Seen>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = mpsc::unbounded_channel();

@@ -355,6 +355,32 @@ async fn remote_tokenization_asks_a_replica_and_hashes_like_it() {
     assert_parity(&fleet, "/v1/completions", Endpoint::Completions, &completion(&text("rc", 30), 1)).await;
 }
 
+/// With `--remote-tokenize`, a replica whose `/tokenize` fails (500) is followed by the next:
+/// the prompts it was asked for are tokenized by the healthy one.
+#[tokio::test]
+async fn remote_tokenization_asks_the_next_replica_when_one_fails() {
+    let (failing, mut asked) =
+        crate::headers::recording_replica(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n")
+            .await;
+    let fleet = Fleet::with(1, agent_config, |c| kvroute_router::Config { remote_tokenize: true, ..c }).await;
+    // Added once the router is ready: its events never come.
+    let broken: kvroute_router::config::ReplicaConfig =
+        format!("name=broken,http=http://{failing},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap();
+    fleet.router.fleet().add(broken.to_spec(FLEET_MODEL, FLEET_BLOCK)).unwrap();
+    for i in 0..8 {
+        let body = completion(&text(&format!("failover{i}"), 30), 1).to_string();
+        let plan = fleet.router.state.decider.explain(Endpoint::Completions, body.as_bytes()).await;
+        let plan = plan.unwrap_or_else(|e| panic!("prompt {i}: {e}"));
+        assert!(plan.blocks.len() >= 3, "prompt {i}");
+    }
+    let mut failed = 0;
+    while let Ok(seen) = asked.try_recv() {
+        assert!(seen.line.starts_with("POST /tokenize "), "{}", seen.line);
+        failed += 1;
+    }
+    assert!((1..8).contains(&failed), "the broken replica had its turns, not all: {failed}");
+}
+
 /// Sends `request` raw on a new connection to the router and reads the response to its end
 /// (`connection: close`).
 async fn raw_exchange(fleet: &Fleet, request: &[u8]) -> String {
