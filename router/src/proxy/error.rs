@@ -9,7 +9,7 @@
 //! | 413 | body larger than `--max-body-bytes` |
 //! | 502 | the replica failed before answering, and so did every retry |
 //! | 503 | no healthy replica, every replica saturated, or the router is at its in-flight limit |
-//! | 504 | the replica did not start answering within `--first-byte-timeout-ms` |
+//! | 504 | the replica did not start answering within `--first-byte-timeout-ms` (counted from the end of a streamed upload) |
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode};

@@ -27,7 +27,7 @@ use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::pool::{Pool, SendError};
 use super::route::Plan;
 use super::stalls::StallWatch;
-use super::upload;
+use super::upload::{self, Finished};
 use super::upstream::{LoadGuard, Upstream};
 use crate::metrics::ProxyMetrics;
 use prometheus_client::metrics::counter::Counter;
@@ -134,8 +134,14 @@ pub async fn routed(
         let guard = upstream.begin(plan.prefill_tokens(attempt), plan.prompt_tokens);
         let uri = replica_uri(&member.replica.spec.http_url, &client.uri)?;
         let sent = Instant::now();
-        match first_byte(config, sent, pool, (&client.method, &uri, &headers), Outgoing::Full(body.clone()))
-            .await
+        match first_byte(
+            config,
+            sent,
+            pool,
+            (&client.method, &uri, &headers),
+            (Outgoing::Full(body.clone()), None),
+        )
+        .await
         {
             Ok(Ok(response))
                 if response.status() == http::StatusCode::SERVICE_UNAVAILABLE
@@ -188,7 +194,7 @@ pub async fn streamed(
     metrics: &ProxyMetrics,
     member: &crate::fleet::Member,
     parts: http::request::Parts,
-    body: ProxyBody,
+    (body, uploaded): (ProxyBody, Finished),
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let upstream = &member.upstream;
@@ -196,7 +202,8 @@ pub async fn streamed(
     let (client, headers) = upstream_head(parts, admitted.request_id);
     let uri = replica_uri(&member.replica.spec.http_url, &client.uri)?;
     let sent = Instant::now();
-    match first_byte(config, sent, pool, (&client.method, &uri, &headers), Outgoing::Stream(body)).await {
+    let head = (&client.method, &uri, &headers);
+    match first_byte(config, sent, pool, head, (Outgoing::Stream(body), Some(&uploaded))).await {
         Ok(Ok(response)) => {
             let mut response = wrap(response, client.version, guard, config, metrics, sent, admitted);
             if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
@@ -228,15 +235,31 @@ pub async fn streamed(
 /// The exchange's future is boxed: it is about 2 KB, and unboxed it made every future that
 /// awaits it (up to the one hyper keeps for each request) that much larger, all of it
 /// copied each time one of them was made or moved (~3% of the proxy's user CPU a request).
+///
+/// For a streamed upload (`uploaded`), the timeout counts from when the upload went through
+/// whole: until then the replica is waiting on the client (whose silence the upload's own
+/// idle timeout catches).
 async fn first_byte(
     config: &ForwardConfig,
     sent: Instant,
     pool: &Arc<Pool>,
     (method, uri, headers): (&Method, &Uri, &HeaderMap),
-    body: Outgoing,
+    (body, uploaded): (Outgoing, Option<&Finished>),
 ) -> Result<Result<Response<UpstreamBody>, SendError>, tokio::time::error::Elapsed> {
-    let deadline = sent + config.first_byte_timeout;
-    tokio::time::timeout_at(deadline, Box::pin(pool.send_head(method, uri, headers, body))).await
+    let mut exchange = Box::pin(pool.send_head(method, uri, headers, body));
+    let mut deadline = sent + config.first_byte_timeout;
+    loop {
+        let elapsed = match tokio::time::timeout_at(deadline, &mut exchange).await {
+            Ok(answer) => return Ok(answer),
+            Err(elapsed) => elapsed,
+        };
+        let Some(uploaded) = uploaded else { return Err(elapsed) };
+        deadline = match uploaded.at() {
+            None => Instant::now() + config.first_byte_timeout,
+            Some(at) if at + config.first_byte_timeout > deadline => at + config.first_byte_timeout,
+            Some(_) => return Err(elapsed),
+        };
+    }
 }
 
 fn record_failure(upstream: &Upstream, config: &ForwardConfig, metrics: &ProxyMetrics) {

@@ -59,15 +59,15 @@ pub enum WireError {
 }
 
 impl WireError {
-    /// Whether a request with `method` that failed so on a reused connection may go out again
-    /// on a new one: when the replica cannot have received it whole (the write failed), or
-    /// when it is idempotent and nothing of a response came back (the replica closed the idle
-    /// connection as the request went out). A POST that was written is not sent again: the
-    /// replica may have run it (the forwarder's own retry, on the next replica, decides).
-    pub fn may_resend(&self, method: &Method) -> bool {
+    /// Whether a request that failed so on a reused connection goes out once more, on a new
+    /// connection to the same replica: when nothing of a response came back (the write
+    /// failed, or the replica closed or reset the connection, typically an idle one it closed
+    /// as the request went out). This holds for a POST too. The forwarder would otherwise send
+    /// it to the next replica, which is no safer if the replica did run it, and would count
+    /// the race as the replica's failure and lose its cached prefix.
+    pub fn may_resend(&self) -> bool {
         match self {
-            WireError::Write(_) => true,
-            WireError::Read(_) | WireError::ClosedBeforeAnswer => method.is_idempotent(),
+            WireError::Write(_) | WireError::Read(_) | WireError::ClosedBeforeAnswer => true,
             WireError::Malformed(_) | WireError::RequestBody(_) => false,
         }
     }

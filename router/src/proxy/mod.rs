@@ -211,10 +211,21 @@ async fn passthrough(
     if content_length(&parts).is_some_and(|n| n > state.forward.max_body_bytes) {
         return Err(ProxyError::BodyTooLarge { limit: state.forward.max_body_bytes });
     }
+    let uploaded = upload::Finished::default();
     let body =
         upload::Upload::new(Limited::new(body, state.forward.max_body_bytes), state.forward.idle_timeout)
+            .marking(uploaded.clone())
             .boxed_unsync();
-    forward::streamed(pool, &state.forward, &state.decider.metrics, &member, parts, body, admitted).await
+    forward::streamed(
+        pool,
+        &state.forward,
+        &state.decider.metrics,
+        &member,
+        parts,
+        (body, uploaded),
+        admitted,
+    )
+    .await
 }
 
 fn content_length(parts: &http::request::Parts) -> Option<usize> {

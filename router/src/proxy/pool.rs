@@ -15,7 +15,7 @@
 //! closed meanwhile is found out at checkout ([`Conn::is_usable`]). Idle connections are kept
 //! for less time than the replicas' servers keep them (uvicorn, under vLLM and SGLang: 5 s),
 //! so that the replica closing one just as a request goes out on it is rare; when it happens,
-//! the request goes out again on a new connection only if that cannot run it twice
+//! the request goes out once more, on a new connection to the same replica
 //! ([`WireError::may_resend`]). A request whose body streams takes a new connection: its body
 //! could not be sent again.
 
@@ -142,7 +142,7 @@ impl Pool {
         if let Some((mut conn, again)) = pooled {
             match conn.exchange(method, target, host, headers, body).await {
                 Ok(head) => return Ok(http1::response(conn, head, self.checkin(authority))),
-                Err(e) if e.may_resend(method) => {
+                Err(e) if e.may_resend() => {
                     tracing::debug!(error = %e, "pooled upstream connection failed; sending again on a new one");
                     body = Outgoing::Full(again);
                 }

@@ -3,10 +3,16 @@
 //! to a replica (where a stalled upload would otherwise run into the first-byte timeout and
 //! be blamed on the replica: 504, counted toward its ejection). Either way it is the
 //! client's error ([`client_error`]).
+//!
+//! A streamed upload also marks when it ended ([`Finished`]): the replica's first-byte
+//! timeout counts from there, so a slow but steady upload is not blamed on the replica either.
 
 use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::body::BoxError;
 use super::error::ProxyError;
@@ -23,11 +29,32 @@ pub struct Stalled(pub Duration);
 pub struct Upload<B> {
     inner: B,
     timer: IdleTimer,
+    finished: Option<Finished>,
 }
 
 impl<B> Upload<B> {
     pub fn new(inner: B, idle: Duration) -> Self {
-        Self { inner, timer: IdleTimer::new(idle) }
+        Self { inner, timer: IdleTimer::new(idle), finished: None }
+    }
+
+    /// Marks `finished` when the body has all gone through.
+    pub fn marking(mut self, finished: Finished) -> Self {
+        self.finished = Some(finished);
+        self
+    }
+}
+
+/// When an upload went through whole, if it has; cheap to clone.
+#[derive(Clone, Debug, Default)]
+pub struct Finished(Arc<OnceLock<Instant>>);
+
+impl Finished {
+    pub fn at(&self) -> Option<Instant> {
+        self.0.get().copied()
+    }
+
+    fn mark(&self) {
+        let _ = self.0.set(Instant::now());
     }
 }
 
@@ -58,6 +85,14 @@ where
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(frame) => {
                 this.timer.progress();
+                let whole = match &frame {
+                    None => true,
+                    Some(Ok(_)) => this.inner.is_end_stream(),
+                    Some(Err(_)) => false,
+                };
+                if let (true, Some(finished)) = (whole, &this.finished) {
+                    finished.mark();
+                }
                 Poll::Ready(frame)
             }
             Poll::Pending => match this.timer.poll_expired(cx) {
@@ -109,5 +144,29 @@ mod tests {
         let error = late.expect("failed at a whole second of silence").unwrap().unwrap_err();
         assert!(error.downcast_ref::<Stalled>().is_some(), "{error}");
         drop(tx);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_upload_marks_when_it_went_through_whole() {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+        let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let finished = Finished::default();
+        let mut body = Upload::new(inner, Duration::from_secs(1)).marking(finished.clone());
+        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
+        assert!(body.frame().await.unwrap().is_ok());
+        assert_eq!(finished.at(), None, "more may come");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        drop(tx);
+        assert!(body.frame().await.is_none());
+        assert_eq!(finished.at(), Some(Instant::now()));
+
+        let sized = Finished::default();
+        let mut body = Upload::new(
+            http_body_util::Full::new(Bytes::from_static(b"all")).map_err(|e| match e {}),
+            Duration::from_secs(1),
+        )
+        .marking(sized.clone());
+        assert!(body.frame().await.unwrap().is_ok());
+        assert!(sized.at().is_some(), "a body of known length is whole with its last frame");
     }
 }

@@ -226,3 +226,30 @@ async fn refusals_do_not_eject_a_replica() {
     assert_eq!(upstream.ejections.load(std::sync::atomic::Ordering::Relaxed), 0);
     shutdown.cancel();
 }
+
+/// A slow but steady upload to another `/v1/*` path outlasts `--first-byte-timeout-ms`: the
+/// replica's clock starts once the upload went through, so the answer comes back and the
+/// replica is not blamed.
+#[tokio::test]
+async fn a_slow_upload_is_not_the_replicas_first_byte_timeout() {
+    let (replica, mut seen) = recording_replica(ANSWER).await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { first_byte_timeout_ms: 300, ..c }).await;
+    let mut stream =
+        tokio::net::TcpStream::connect(router.url().trim_start_matches("http://")).await.unwrap();
+    let parts = ["{\"input\":", "\"slow ", "but ", "steady ", "upload", "\"}"];
+    let length: usize = parts.iter().map(|p| p.len()).sum();
+    let head = format!("POST /v1/embeddings HTTP/1.1\r\nhost: r\r\ncontent-length: {length}\r\n\r\n");
+    stream.write_all(head.as_bytes()).await.unwrap();
+    for part in parts {
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        stream.write_all(part.as_bytes()).await.unwrap();
+    }
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(WAIT, stream.read(&mut answer)).await.expect("an answer").unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]).to_ascii_lowercase();
+    assert!(answer.starts_with("http/1.1 200"), "900 ms of upload, a 300 ms first-byte timeout: {answer}");
+    let got = tokio::time::timeout(WAIT, seen.recv()).await.expect("in time").expect("the replica saw it");
+    assert_eq!(got.body, parts.concat().as_bytes());
+    shutdown.cancel();
+}
