@@ -272,12 +272,12 @@ impl Bench {
 
     fn decide(&self, body: &[u8]) -> usize {
         let plan = now(self.decider.decide(Endpoint::Completions, body)).expect("decided");
-        plan.order.len()
+        plan.order().len()
     }
 
     fn decide_cached(&self, body: &[u8]) -> usize {
         let plan = now(self.cached.decide(Endpoint::Completions, body)).expect("decided");
-        plan.order.len()
+        plan.order().len()
     }
 }
 

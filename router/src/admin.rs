@@ -17,6 +17,7 @@ use crate::fleet::{Fleet, Member};
 use crate::proxy::ProxyState;
 use crate::proxy::error::ProxyError;
 use crate::proxy::route::Scored;
+use crate::proxy::upstream::Ineligible;
 use crate::replicas::{EngineKind, ReplicaSpec};
 
 /// Implements `RouterAdmin` over the proxy's state.
@@ -90,7 +91,7 @@ fn candidate(c: &Scored, block_size: usize, prompt_tokens: usize) -> pb::Candida
         pending_prefill_tokens: c.view.load.pending_prefill_tokens,
         cost: c.cost,
         eligible: c.view.eligible,
-        reason: c.ineligible.unwrap_or_default().to_owned(),
+        reason: c.ineligible.map_or("", Ineligible::as_str).to_owned(),
         state: c.view.stream as i32,
     }
 }
@@ -120,7 +121,7 @@ impl RouterAdmin for AdminService {
         let candidates =
             plan.candidates.iter().map(|c| candidate(c, plan.block_size, plan.first_prompt_tokens)).collect();
         Ok(Response::new(pb::ExplainResponse {
-            chosen: plan.order.first().map(|c| c.member.replica.spec.name.clone()).unwrap_or_default(),
+            chosen: plan.chosen().map(|c| c.member.replica.spec.name.clone()).unwrap_or_default(),
             policy: self.state.decider.policy.kind().as_str().into(),
             prompt_tokens: plan.prompt_tokens as u32,
             request_blocks: plan.blocks.len() as u32,

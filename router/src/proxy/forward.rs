@@ -125,7 +125,7 @@ pub async fn routed(
     let request_id = admitted.request_id;
     let (client, headers) = upstream_head(parts, request_id);
     let mut last_error = None;
-    for (attempt, scored) in plan.order.iter().take(MAX_ATTEMPTS).enumerate() {
+    for (attempt, scored) in plan.order().take(MAX_ATTEMPTS).enumerate() {
         if attempt > 0 {
             metrics.retries.inc();
         }
@@ -145,7 +145,7 @@ pub async fn routed(
         {
             Ok(Ok(response))
                 if response.status() == http::StatusCode::SERVICE_UNAVAILABLE
-                    && attempt + 1 < plan.order.len().min(MAX_ATTEMPTS) =>
+                    && attempt + 1 < plan.order().len().min(MAX_ATTEMPTS) =>
             {
                 // A 503 means the replica refused the request without starting it (shutting
                 // down, queue full): another replica can take it. Overload is not an outlier:

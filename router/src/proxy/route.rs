@@ -76,14 +76,15 @@ pub struct Scored {
     pub indexed_blocks: usize,
     pub cost: f64,
     /// Why it was not eligible, if it was not.
-    pub ineligible: Option<&'static str>,
+    pub ineligible: Option<Ineligible>,
 }
 
 /// The outcome of a decision.
 #[derive(Debug)]
 pub struct Plan {
-    /// Eligible replicas to try, best first (the chosen one, then by cost).
-    pub order: Vec<Scored>,
+    /// Eligible candidates to try, best first (the chosen one, then by cost): indices into
+    /// `candidates` ([`Plan::order`]).
+    order: Vec<usize>,
     /// Every replica, scored, in fleet order.
     pub candidates: Vec<Scored>,
     pub prompt_tokens: u64,
@@ -99,9 +100,19 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Tokens the replica at `order[i]` is predicted to have cached.
+    /// Eligible replicas to try, best first (the chosen one, then by cost).
+    pub fn order(&self) -> impl ExactSizeIterator<Item = &Scored> {
+        self.order.iter().map(|&i| &self.candidates[i])
+    }
+
+    /// The replica the request goes to first, if any is eligible.
+    pub fn chosen(&self) -> Option<&Scored> {
+        self.order().next()
+    }
+
+    /// Tokens the `i`th replica of [`Plan::order`] is predicted to have cached.
     pub fn predicted_cached_tokens(&self, i: usize) -> u64 {
-        self.order.get(i).map_or(0, |s| {
+        self.order().nth(i).map_or(0, |s| {
             hit_tokens(s.view.overlap_blocks, self.block_size, self.first_prompt_tokens) as u64
         })
     }
@@ -129,7 +140,7 @@ impl Decider {
         let plan = self.plan(endpoint, body, true).await?;
         limits.check(&plan)?;
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
-        let chosen = plan.order.first().ok_or_else(|| ProxyError::Unavailable(unavailable_reason(&plan)))?;
+        let chosen = plan.chosen().ok_or_else(|| ProxyError::Unavailable(unavailable_reason(&plan)))?;
         let uncredited = chosen.indexed_blocks.min(plan.all_blocks.len());
         self.fleet.credits().credit(chosen.member.replica.id, &plan.all_blocks[uncredited..]);
         self.metrics.count_decision(self.policy.kind().as_str());
@@ -178,34 +189,34 @@ impl Decider {
     ) -> Plan {
         let overlaps = self.index.lookup(&blocks);
         let now = tokio::time::Instant::now();
-        let mut views: Vec<(ReplicaView, usize, Option<Ineligible>)> = members
-            .iter()
-            .map(|m| {
-                let state = m.replica.status.state();
-                let indexed = match state {
+        let mut candidates: Vec<Scored> = members
+            .into_iter()
+            .map(|member| {
+                let state = member.replica.status.state();
+                let indexed_blocks = match state {
                     StreamState::Fallback => 0,
-                    _ => overlaps.get(m.replica.id),
+                    _ => overlaps.get(member.replica.id),
                 };
                 let overlap = match state {
                     StreamState::Fallback => 0,
-                    _ => self.fleet.credits().extend(m.replica.id, &blocks, indexed),
+                    _ => self.fleet.credits().extend(member.replica.id, &blocks, indexed_blocks),
                 };
-                let ineligible = m.upstream.eligibility(self.max_in_flight_per_replica).err();
+                let ineligible = member.upstream.eligibility(self.max_in_flight_per_replica).err();
                 let view = ReplicaView {
-                    id: m.replica.id,
+                    id: member.replica.id,
                     overlap_blocks: overlap,
-                    load: m.upstream.load_at(now),
+                    load: member.upstream.load_at(now),
                     stream: PbState::from(state),
                     eligible: ineligible.is_none(),
                 };
-                (view, indexed, ineligible)
+                Scored { member, view, indexed_blocks, cost: f64::INFINITY, ineligible }
             })
             .collect();
-        if !views.iter().any(|(v, ..)| v.eligible) {
+        if !candidates.iter().any(|c| c.view.eligible) {
             // Ejection steers traffic away from outliers; it must not leave nothing to try.
-            for (view, _, ineligible) in &mut views {
-                if *ineligible == Some(Ineligible::Ejected) {
-                    (view.eligible, *ineligible) = (true, None);
+            for c in &mut candidates {
+                if c.ineligible == Some(Ineligible::Ejected) {
+                    (c.view.eligible, c.ineligible) = (true, None);
                 }
             }
         }
@@ -215,35 +226,17 @@ impl Decider {
             block_size: self.block_size,
             key: blocks.last().map_or(0, |b| b.0),
         };
-        let just_views: Vec<ReplicaView> = views.iter().map(|(v, ..)| *v).collect();
-        let decision = if send {
-            self.policy.choose(&request, &just_views)
-        } else {
-            self.policy.peek(&request, &just_views)
-        };
-        let candidates: Vec<Scored> = members
-            .into_iter()
-            .zip(views)
-            .enumerate()
-            .map(|(i, (member, (view, indexed_blocks, ineligible)))| Scored {
-                member,
-                view,
-                indexed_blocks,
-                cost: decision.costs.get(i).copied().unwrap_or(f64::INFINITY),
-                ineligible: ineligible.map(Ineligible::as_str),
-            })
-            .collect();
-        let mut order: Vec<Scored> = Vec::new();
+        let views: Vec<ReplicaView> = candidates.iter().map(|c| c.view).collect();
+        let decision =
+            if send { self.policy.choose(&request, &views) } else { self.policy.peek(&request, &views) };
+        for (c, cost) in candidates.iter_mut().zip(decision.costs) {
+            c.cost = cost;
+        }
+        let mut order = Vec::new();
         if let Some(i) = decision.chosen.filter(|&i| candidates.get(i).is_some_and(|c| c.view.eligible)) {
-            order.push(candidates[i].clone());
-            let mut rest: Vec<&Scored> = candidates
-                .iter()
-                .enumerate()
-                .filter(|(j, c)| *j != i && c.view.eligible)
-                .map(|(_, c)| c)
-                .collect();
-            rest.sort_by(|a, b| a.cost.total_cmp(&b.cost));
-            order.extend(rest.into_iter().cloned());
+            order.push(i);
+            order.extend((0..candidates.len()).filter(|&j| j != i && candidates[j].view.eligible));
+            order[1..].sort_by(|&a, &b| candidates[a].cost.total_cmp(&candidates[b].cost));
         }
         Plan {
             order,
@@ -265,7 +258,13 @@ fn unavailable_reason(plan: &Plan) -> String {
     let reasons: Vec<String> = plan
         .candidates
         .iter()
-        .map(|c| format!("{}: {}", c.member.replica.spec.name, c.ineligible.unwrap_or("not chosen")))
+        .map(|c| {
+            format!(
+                "{}: {}",
+                c.member.replica.spec.name,
+                c.ineligible.map_or("not chosen", Ineligible::as_str)
+            )
+        })
         .collect();
     reasons.join(", ")
 }
