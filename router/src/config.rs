@@ -46,7 +46,7 @@ pub struct Config {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_token: Option<Secret>,
 
-    /// A replica: name=..,http=..,events=..[,replay=..][,grpc=..][,engine=kvroute|vllm|sglang][,dp-size=N][,topic=..]
+    /// A replica: `name=..,http=..,events=..[,replay=..][,grpc=..][,engine=kvroute|vllm|sglang][,dp-size=N][,topic=..]`
     #[arg(id = "replica", long = "replica", env = "KVROUTE_REPLICAS", value_delimiter = ';')]
     #[serde(default, rename = "replica")]
     pub replicas: Vec<ReplicaConfig>,

@@ -51,7 +51,7 @@ pub struct ProxyMetrics {
     pub retries: Counter,
     pub ejections: Counter,
     /// HTTP/2 responses cut because their client stopped taking data (HTTP/1 connections
-    /// closed so are [`SendTimeouts`]).
+    /// closed so are counted in `kvroute_router_client_send_timeouts`).
     pub client_stalls: Counter,
     pub in_flight: Gauge,
     pub decision_seconds: Histogram,

@@ -19,7 +19,7 @@ pub mod forward;
 pub mod health;
 pub mod http1;
 pub mod idle;
-mod paths;
+pub mod paths;
 pub mod pool;
 pub mod prompts;
 pub mod route;
