@@ -110,7 +110,10 @@ pub struct Config {
     /// Upstream connect timeout, milliseconds.
     #[arg(long, env = "KVROUTE_CONNECT_TIMEOUT_MS", default_value_t = 1_000)]
     pub connect_timeout_ms: u64,
-    /// Time allowed until an upstream's response headers arrive, milliseconds.
+    /// Time allowed until an upstream's response headers arrive, milliseconds. A replica that
+    /// times out is tried no further for the request (504) and counts toward its ejection.
+    /// vLLM and SGLang answer a non-streamed request only once it is generated: set this above
+    /// the longest generation a non-streamed request may ask for.
     #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_MS", default_value_t = 120_000)]
     pub first_byte_timeout_ms: u64,
     /// Longest silence allowed inside a streaming response, and inside a request's body
