@@ -15,6 +15,9 @@
 //! any ── no connection for `fallback_after` ──► FALLBACK ── connected: repair ──► EXACT
 //! any ── `malformed_fallback` malformed messages in a row ──► FALLBACK
 //!                          ── next good batch: snapshot, else clear and rebuild ──► EXACT
+//! EXACT ── one batch that cannot be decoded (its seq is consumed: a replay would give the
+//!          same bytes) ── next good batch: snapshot, else clear and rebuild ──► EXACT
+//!          (what the lost batch removed is unknown, and the index must stay a subset)
 //! seq backwards (vLLM) or new epoch (kvroute) ──► restart: clear the rank at once, then
 //!                          apply from seq 0 (a gap from 0 is repaired like any gap)
 //! AllBlocksCleared ──► clear the rank (state unchanged)
@@ -30,7 +33,9 @@
 //!    (`replay_timeout` on connect and on every reply, 12 of them for the whole replay, at
 //!    most `replay_max_batches`). It is
 //!    complete if its first batch is `from` (or it is empty and no newer batch was seen).
-//!    Complete → apply in order; batches still queued from the live stream with seqs the
+//!    Complete → apply in order, up to the first hole in the seqs (a publisher's send buffer
+//!    can overflow, and ZeroMQ drops silently; the batch after a hole is a gap, repaired
+//!    again from the hole); batches still queued from the live stream with seqs the
 //!    replay covered are then dropped as duplicates. A complete, empty replay on a fresh
 //!    rank means the next batch is `from`: a live batch past it is a gap (its predecessors
 //!    went out before the subscription reached the publisher), not a fresh start.

@@ -62,6 +62,9 @@ pub(crate) struct RankStream {
     malformed_run: u32,
     /// In FALLBACK because of decode errors: resync on the next good batch.
     broken: bool,
+    /// A batch could not be decoded: what it removed is unknown, so the rank resyncs on the
+    /// next good batch (the index must never hold a block the replica dropped).
+    lost: bool,
     /// The SUB lost its connection and the rank was cleared: live frames are ignored until
     /// the next `Connected`, whose repair from seq 0 covers them.
     disconnected: bool,
@@ -80,6 +83,7 @@ impl RankStream {
             dup: None,
             malformed_run: 0,
             broken: false,
+            lost: false,
             disconnected: false,
             scratch: Vec::new(),
         }
@@ -185,8 +189,9 @@ impl RankStream {
             }
         };
         let Some(batch) = self.decode(&msg) else { return };
-        if self.broken {
+        if self.broken || self.lost {
             self.broken = false;
+            self.lost = false;
             self.resync_without_replay().await;
         }
         self.process(batch).await;
@@ -203,6 +208,7 @@ impl RankStream {
                 tracing::debug!(error = %e, replica = %spec.name, seq = msg.seq.0, "malformed payload");
                 self.malformed(Malformed::Payload);
                 // The batch is lost; replaying it would give the same bytes.
+                self.lost = true;
                 if self.expected == Some(msg.seq) {
                     self.expected = Some(msg.seq.next());
                 }
@@ -240,8 +246,16 @@ impl RankStream {
             self.ctx.metrics.gaps.inc();
             self.ctx.replica.status.add_gap();
             self.set_state(StreamState::Degraded);
-            self.repair(from, Some(batch.seq)).await;
-            action = self.classify(&batch);
+            let mut from = from;
+            loop {
+                self.repair(from, Some(batch.seq)).await;
+                action = self.classify(&batch);
+                // A replay that stopped at a hole moved `expected` on: ask again from there.
+                match action {
+                    Action::Gap(next) if next > from => from = next,
+                    _ => break,
+                }
+            }
             if matches!(action, Action::Gap(_) | Action::Restart) {
                 // The repair could not reach this batch: start over from it.
                 self.clear();
@@ -330,9 +344,17 @@ impl RankStream {
         }
     }
 
+    /// Applies a replay's batches in order, up to the first hole in their seqs: a replay can
+    /// come back with batches missing (the publisher's send buffer overflowed, and ZeroMQ
+    /// drops silently). Past a hole, `expected` is the missing seq, so the next batch is a
+    /// gap and repaired again.
     fn apply_replayed(&mut self, batches: &[LiveMessage]) {
         self.dup = None;
-        let (Some(first), Some(last)) = (batches.first(), batches.last()) else { return };
+        let Some(first) = batches.first() else { return };
+        let contiguous =
+            batches.windows(2).position(|w| w[1].seq != w[0].seq.next()).map_or(batches.len(), |i| i + 1);
+        let (batches, rest) = batches.split_at(contiguous);
+        let last = &batches[batches.len() - 1];
         for msg in batches {
             let Some(batch) = self.decode(msg) else { continue };
             if let (Some(mine), Some(theirs)) = (self.epoch, batch.epoch)
@@ -348,6 +370,14 @@ impl RankStream {
             self.apply(batch);
         }
         self.dup = Some((first.seq, last.seq));
+        if let Some(after_hole) = rest.first() {
+            tracing::info!(replica = %self.ctx.replica.spec.name, rank = self.rank, missing = last.seq.next().0, next = after_hole.seq.0, "replay with a hole");
+            self.ctx.metrics.gaps.inc();
+            self.ctx.replica.status.add_gap();
+            if self.expected.is_none_or(|e| e <= last.seq) {
+                self.expected = Some(last.seq.next());
+            }
+        }
     }
 
     /// Resyncs from the agent's snapshot (rank 0 only: the agent is one engine core).

@@ -224,6 +224,33 @@ async fn gap_is_repaired_by_replay(layout: ReplayLayout) {
     assert_eq!(r.status.state(), StreamState::Exact);
 }
 
+/// A replay that comes back with a batch missing (a publisher's send buffer overflowed, and
+/// ZeroMQ drops silently) is applied only up to the hole: the missing batch's removal must
+/// not be skipped over. The index never holds a block the replica dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_with_a_hole_is_applied_only_up_to_it() {
+    let h = Harness::start();
+    let mut fake = FakePublisher::start(Some(ReplayLayout::New)).await;
+    let (r, m) = h.add(spec("holey", EngineKind::Vllm, &fake.events, fake.replay.as_deref()));
+    h.synced(&r).await;
+    settled(&m).await;
+    let seq = warm_up(&mut fake, &r, 0, 0).await;
+    let mut rng = Rng::new(31);
+    let (a, b, c) = (rng.tokens(3), rng.tokens(2), rng.tokens(2));
+    fake.send(seq, vllm(batch(0, seq, vec![store_chain(&a, 0)]))).await;
+    applied(&r, seq).await;
+    assert_eq!(h.overlap(&r, &a), 3);
+    // seq+1 (b stored) is lost live but replayable; seq+2 (a's last block removed) is lost
+    // for good; seq+3 (c stored) is replayable; seq+4 arrives live and reveals the gap.
+    fake.keep(seq + 1, vllm(batch(0, seq + 1, vec![store_chain(&b, 0)])));
+    fake.keep(seq + 3, vllm(batch(0, seq + 3, vec![store_chain(&c, 0)])));
+    fake.send(seq + 4, vllm(batch(0, seq + 4, vec![]))).await;
+    applied(&r, seq + 4).await;
+    assert!(h.overlap(&r, &a) < 3, "a's last block was removed in the missing batch");
+    assert!(m.gaps.get() >= 2, "the gap, and the hole in its replay");
+    assert_eq!(r.status.state(), StreamState::Exact);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_batch_is_repaired_by_replay() {
     gap_is_repaired_by_replay(ReplayLayout::New).await;
@@ -479,6 +506,31 @@ async fn malformed_frames_are_counted_and_skipped() {
     applied(&r, next).await;
     assert_eq!(r.status.state(), StreamState::Exact);
     assert_eq!(h.overlap(&r, &b), 1);
+}
+
+/// A batch that cannot be decoded may have removed blocks: the rank resyncs (here, with no
+/// replay or snapshot, it clears and starts again from the next batch) rather than keep
+/// blocks the replica may have dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_batch_resyncs_its_rank() {
+    let h = Harness::start();
+    let mut fake = FakePublisher::start(None).await;
+    let (r, m) = h.add(spec("lossy", EngineKind::Vllm, &fake.events, None));
+    h.synced(&r).await;
+    let seq = warm_up(&mut fake, &r, 0, 0).await;
+    let mut rng = Rng::new(32);
+    let (a, b) = (rng.tokens(3), rng.tokens(2));
+    fake.send(seq, vllm(batch(0, seq, vec![store_chain(&a, 0)]))).await;
+    applied(&r, seq).await;
+    assert_eq!(h.overlap(&r, &a), 3);
+    let topic = Bytes::from_static(b"kv-events");
+    fake.send_frames(framing::encode_live(topic, Seq(seq + 1), Bytes::from_static(&[0xc1]))).await;
+    fake.send(seq + 2, vllm(batch(0, seq + 2, vec![store_chain(&b, 0)]))).await;
+    applied(&r, seq + 2).await;
+    assert_eq!(m.malformed_payload.get(), 1);
+    assert_eq!(h.overlap(&r, &a), 0, "what the lost batch may have removed is gone");
+    assert_eq!(h.overlap(&r, &b), 2, "the batch after it is applied");
+    assert_eq!(r.status.state(), StreamState::Exact);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
