@@ -252,14 +252,22 @@ impl Ingest {
 
     /// Stops a replica's tasks, then frees everything it held (index entries, engine maps,
     /// metric label sets). Returns the distinct blocks freed, or `None` if it was unknown.
+    ///
+    /// Once begun, the removal completes even if the caller stops waiting (an admin call
+    /// that timed out): a replica left registered without its tasks would never be followed
+    /// again, nor freed.
     pub async fn remove_replica(&self, id: ReplicaId) -> Option<usize> {
         let running = self.inner.running.lock().unwrap_or_else(PoisonError::into_inner).remove(&id)?;
-        running.cancel.cancel();
-        running.tasks.wait().await;
-        let replica = self.inner.replicas.remove(id)?;
-        let freed = self.inner.index.clear_replica(id);
-        self.inner.metrics.forget(&replica.spec.name);
-        Some(freed)
+        let inner = self.inner.clone();
+        let removal = tokio::spawn(async move {
+            running.cancel.cancel();
+            running.tasks.wait().await;
+            let replica = inner.replicas.remove(id)?;
+            let freed = inner.index.clear_replica(id);
+            inner.metrics.forget(&replica.spec.name);
+            Some(freed)
+        });
+        removal.await.ok().flatten()
     }
 
     /// Waits until replica `id` completed its first sync; false if it is not registered.

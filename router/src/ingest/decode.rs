@@ -167,6 +167,11 @@ fn check_stored(s: &vllm::BlockStored, block_size: Option<u32>) -> Result<Option
     if block_size.is_some_and(|b| b != s.block_size) {
         return Err(SkipReason::BlockSize);
     }
+    if s.lora_id.is_some() && s.lora_name.is_none() {
+        // An adapter known only by its id (vLLM 0.9-0.14): its blocks' namespace cannot be
+        // reproduced, and indexed under the base model they would be false hits.
+        return Err(SkipReason::ExtraKeys);
+    }
     extra_salt(s)
 }
 
@@ -262,6 +267,10 @@ mod tests {
             ..stored()
         };
         assert_eq!(reason(mm, None), Some(SkipReason::ExtraKeys));
+        let adapter_by_id = vllm::BlockStored { lora_id: Some(7), ..stored() };
+        assert_eq!(reason(adapter_by_id, None), Some(SkipReason::ExtraKeys), "its namespace is unknown");
+        let named = vllm::BlockStored { lora_id: Some(7), lora_name: Some("ad".into()), ..stored() };
+        assert_eq!(reason(named, None), None);
     }
 
     #[test]

@@ -31,7 +31,8 @@ pub enum SkipReason {
     Medium,
     /// The event's block size differs from the replica's configured one.
     BlockSize,
-    /// Extra hash keys the router cannot reproduce (multimodal, prompt embeddings).
+    /// Extra hash keys the router cannot reproduce (multimodal, prompt embeddings, a LoRA
+    /// adapter known only by its id).
     ExtraKeys,
     /// `parent_block_hash` names a block this rank never stored (or lost in a resync).
     UnknownParent,

@@ -349,7 +349,8 @@ impl RankStream {
     /// drops silently). Past a hole, `expected` is the missing seq, so the next batch is a
     /// gap and repaired again.
     fn apply_replayed(&mut self, batches: &[LiveMessage]) {
-        self.dup = None;
+        // An empty replay (a catch-up with nothing new) keeps the last one's window: live
+        // copies of what that one covered may still be queued, and are not a restart.
         let Some(first) = batches.first() else { return };
         let contiguous =
             batches.windows(2).position(|w| w[1].seq != w[0].seq.next()).map_or(batches.len(), |i| i + 1);

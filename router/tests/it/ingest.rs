@@ -567,6 +567,27 @@ async fn removing_a_replica_frees_everything_it_held() {
     assert_eq!(again.id, r1.id);
 }
 
+/// A removal whose caller stops waiting (an admin call that timed out) still completes: the
+/// replica is unregistered and its blocks freed, not left registered with no one following it.
+/// (One thread: the replica's tasks cannot end while the removal is polled.)
+#[tokio::test(flavor = "current_thread")]
+async fn a_removal_abandoned_midway_still_completes() {
+    let h = Harness::start();
+    let p = AgentPublisher::start(EventFormat::Kvroute, true).await;
+    let (r, _) = h.add(spec("abandoned", EngineKind::Kvroute, &p.events, p.replay.as_deref()));
+    h.synced(&r).await;
+    p.publish(batch(1, 0, vec![store_chain(&Rng::new(33).tokens(3), 0)])).await;
+    applied(&r, 0).await;
+    assert_eq!(h.index.blocks(r.id), 3);
+    {
+        let removal = h.ingest.remove_replica(r.id);
+        tokio::pin!(removal);
+        assert!(futures::poll!(removal.as_mut()).is_pending(), "waiting for the replica's tasks");
+    }
+    wait_until("the removal completes on its own", || h.ingest.replicas().get(r.id).is_none()).await;
+    assert_eq!(h.index.blocks(r.id), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_publisher_is_fallback_until_it_appears() {
     let h = Harness::with_config(kvroute_router::ingest::IngestConfig {
