@@ -156,7 +156,7 @@ impl IngestMetrics {
         r.register("blocks_removed", "Block removals applied to the index", m.blocks_removed.clone());
         r.register(
             "malformed",
-            "Messages that did not decode (kind = frame|payload), skipped, and connections cut for a message over the ZMTP guard's limits (kind = oversized_message)",
+            "Messages that did not decode (kind = frame|payload; a payload also resyncs its rank), skipped, and connections cut for a message over the ZMTP guard's limits (kind = oversized_message)",
             m.malformed.clone(),
         );
         r.register("skipped", "Events or blocks not applied, by reason", m.skipped.clone());
