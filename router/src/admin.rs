@@ -162,6 +162,7 @@ impl RouterAdmin for AdminService {
     ) -> Result<Response<pb::RemoveReplicaResponse>, Status> {
         let id = request.into_inner().id;
         let freed = self.fleet().remove(&id).await;
+        self.fleet().forget_drain(&id);
         Ok(Response::new(pb::RemoveReplicaResponse {
             removed: freed.is_some(),
             blocks_freed: freed.unwrap_or(0) as u64,

@@ -28,7 +28,7 @@ pub struct Fleet {
     upstreams: Arc<RwLock<HashMap<ReplicaId, Arc<Upstream>>>>,
     /// Names drained by an operator: the drain outlasts the replica's entry, so a replica
     /// that discovery replaces (a pod back under a new address) or removes and adds again
-    /// stays drained until it is undrained.
+    /// stays drained until it is undrained or removed through the admin service.
     drained: Arc<RwLock<HashSet<String>>>,
 }
 
@@ -91,6 +91,12 @@ impl Fleet {
         }
         member.upstream.set_draining(drain);
         Some(member)
+    }
+
+    /// Forgets a drain by name, for a replica removed for good (an address that discovery
+    /// hands to a new pod later must not come up drained).
+    pub fn forget_drain(&self, name: &str) {
+        self.drained.write().unwrap_or_else(PoisonError::into_inner).remove(name);
     }
 
     pub fn member(&self, name: &str) -> Option<Member> {

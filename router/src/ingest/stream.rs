@@ -188,7 +188,16 @@ impl RankStream {
                 return;
             }
         };
-        let Some(batch) = self.decode(&msg) else { return };
+        let Some(batch) = self.decode(&msg) else {
+            // What the lost batch removed must leave the index now, not when the replica
+            // next publishes (unless too much garbage made the rank FALLBACK: then at the
+            // next good batch).
+            if self.lost && !self.broken {
+                self.lost = false;
+                self.resync_without_replay().await;
+            }
+            return;
+        };
         if self.broken || self.lost {
             self.broken = false;
             self.lost = false;
@@ -312,6 +321,9 @@ impl RankStream {
                             self.expected = Some(from);
                         }
                         self.apply_replayed(&batches);
+                        if std::mem::take(&mut self.lost) {
+                            self.resync_without_replay().await;
+                        }
                         self.synced_exact();
                         return;
                     }
@@ -496,9 +508,10 @@ impl RankStream {
         self.ctx.metrics.blocks.set(i64::try_from(blocks).unwrap_or(i64::MAX));
     }
 
+    /// The rank is in step (its malformed run is the decoder's to reset: a resync after a
+    /// lost batch is no good message).
     fn synced_exact(&mut self) {
         self.broken = false;
-        self.malformed_run = 0;
         self.set_state(StreamState::Exact);
         self.ctx.replica.status.mark_rank_synced(self.rank);
     }

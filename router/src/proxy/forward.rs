@@ -312,6 +312,10 @@ fn wrap(
     } else if status.is_server_error() {
         record_failure(guard.upstream(), config, metrics);
         None
+    } else if http_body::Body::is_end_stream(response.body()) {
+        // Nothing will be read of an empty body (`Content-Length: 0`, 204): whole already.
+        guard.upstream().record_success();
+        None
     } else {
         Some(Judge {
             eject_after: config.eject_after,

@@ -199,12 +199,13 @@ async fn passthrough(
     request_id: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let admitted = admit(state, request_id)?;
-    let max = state.decider.max_in_flight_per_replica;
-    let member = state
-        .fleet()
-        .members()
+    let members = state.fleet().members();
+    let verdicts =
+        upstream::verdicts(members.iter().map(|m| &*m.upstream), state.decider.max_in_flight_per_replica);
+    let member = members
         .into_iter()
-        .filter(|m| m.upstream.eligibility(max).is_ok())
+        .zip(verdicts)
+        .filter_map(|(m, verdict)| verdict.is_none().then_some(m))
         .min_by_key(|m| m.upstream.load().in_flight)
         .ok_or_else(|| ProxyError::Unavailable("no healthy replica".into()))?;
     let (parts, body) = req.into_parts();

@@ -4,9 +4,9 @@
 //!   as the replica renders it;
 //! - **remote**: ask a replica's vLLM-style `POST /tokenize` (prompt or messages), with a
 //!   small cache of recent answers, for models whose template the router cannot render. The
-//!   healthy, undrained replicas take turns by prompt (so no one replica tokenizes for the
-//!   whole fleet); when one fails or times out, the next is asked, up to
-//!   [`TOKENIZE_ATTEMPTS`] in all;
+//!   replicas that are up take turns by prompt (so no one replica tokenizes for the whole
+//!   fleet; see [`super::upstream::verdicts`], busy ones included); when one fails or times
+//!   out, the next is asked, up to [`TOKENIZE_ATTEMPTS`] in all;
 //! - token-id prompts skip tokenization in both.
 //!
 //! Either way the cache namespace (model, LoRA adapter, `cache_salt`) comes from the local
@@ -23,6 +23,7 @@ use kvroute_proto::openai::{ParsedRequest, RequestError, Tokenization};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::body::{ProxyBody, full};
+use super::upstream::verdicts;
 use crate::fleet::Member;
 
 /// Answers kept by the remote tokenizer's cache.
@@ -108,10 +109,12 @@ impl RemoteTokenizer {
         if let Some(hit) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).map.get(&key).cloned() {
             return Ok(PromptInfo { namespace, tokens: hit.as_ref().clone() });
         }
+        // However busy: a tokenization is not a generation.
+        let verdicts = verdicts(fleet.iter().map(|m| &*m.upstream), u32::MAX);
         let mut askable: Vec<&str> = fleet
             .iter()
-            .filter(|m| m.upstream.is_healthy() && !m.upstream.is_draining())
-            .map(|m| m.replica.spec.http_url.as_str())
+            .zip(verdicts)
+            .filter_map(|(m, verdict)| verdict.is_none().then_some(m.replica.spec.http_url.as_str()))
             .collect();
         if !askable.is_empty() {
             let turn = (key % askable.len() as u64) as usize;
@@ -191,12 +194,14 @@ impl RemoteTokenizer {
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(full(body))
             .map_err(|e| PromptError::Remote(e.to_string()))?;
-        let response = tokio::time::timeout(self.timeout, self.client.request(request))
+        // One deadline for the whole answer, head and body.
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let response = tokio::time::timeout_at(deadline, self.client.request(request))
             .await
             .map_err(|_| PromptError::Remote(format!("{base}/tokenize timed out")))?
             .map_err(|e| PromptError::Remote(format!("{base}/tokenize: {e}")))?;
         let status = response.status();
-        let bytes = tokio::time::timeout(self.timeout, response.into_body().collect())
+        let bytes = tokio::time::timeout_at(deadline, response.into_body().collect())
             .await
             .map_err(|_| PromptError::Remote(format!("{base}/tokenize timed out")))?
             .map_err(|e| PromptError::Remote(e.to_string()))?

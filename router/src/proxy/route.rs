@@ -5,8 +5,8 @@
 //! A completion request with several prompts goes to one replica: it is routed on its first
 //! prompt's blocks, and its load counts every prompt's tokens.
 //!
-//! When no replica is eligible and some are only ejected, those are eligible after all (as
-//! Envoy's panic threshold does): passive ejection never leaves the router nothing to try.
+//! Eligibility comes from [`verdicts`]: when every replica that is up is ejected, the ejected
+//! ones are eligible after all, so passive ejection never leaves the router nothing to try.
 
 use std::time::Instant;
 
@@ -17,7 +17,7 @@ use kvroute_proto::{BlockHash, chain, hit_tokens};
 
 use super::error::ProxyError;
 use super::prompts::{PromptError, Prompts};
-use super::upstream::Ineligible;
+use super::upstream::{Ineligible, verdicts};
 use crate::fleet::{Fleet, Member};
 use crate::index::SharedIndex;
 use crate::metrics::ProxyMetrics;
@@ -189,9 +189,11 @@ impl Decider {
     ) -> Plan {
         let overlaps = self.index.lookup(&blocks);
         let now = tokio::time::Instant::now();
+        let verdicts = verdicts(members.iter().map(|m| &*m.upstream), self.max_in_flight_per_replica);
         let mut candidates: Vec<Scored> = members
             .into_iter()
-            .map(|member| {
+            .zip(verdicts)
+            .map(|(member, ineligible)| {
                 let state = member.replica.status.state();
                 let indexed_blocks = match state {
                     StreamState::Fallback => 0,
@@ -201,7 +203,6 @@ impl Decider {
                     StreamState::Fallback => 0,
                     _ => self.fleet.credits().extend(member.replica.id, &blocks, indexed_blocks),
                 };
-                let ineligible = member.upstream.eligibility(self.max_in_flight_per_replica).err();
                 let view = ReplicaView {
                     id: member.replica.id,
                     overlap_blocks: overlap,
@@ -212,14 +213,6 @@ impl Decider {
                 Scored { member, view, indexed_blocks, cost: f64::INFINITY, ineligible }
             })
             .collect();
-        if !candidates.iter().any(|c| c.view.eligible) {
-            // Ejection steers traffic away from outliers; it must not leave nothing to try.
-            for c in &mut candidates {
-                if c.ineligible == Some(Ineligible::Ejected) {
-                    (c.view.eligible, c.ineligible) = (true, None);
-                }
-            }
-        }
         let request = RequestView {
             prompt_tokens: prompt_tokens as usize,
             blocks: blocks.len(),

@@ -44,6 +44,18 @@ impl<B> Upload<B> {
     }
 }
 
+/// An upload whose body is dropped has gone as far as it will: one the exchange did not
+/// need to read (no body: `GET`), or that it stopped reading once its length went out (an
+/// HTTP/2 client that ends the stream in a frame of its own) is through; one that failed
+/// ended its exchange anyway.
+impl<B> Drop for Upload<B> {
+    fn drop(&mut self) {
+        if let Some(finished) = &self.finished {
+            finished.mark();
+        }
+    }
+}
+
 /// When an upload went through whole, if it has; cheap to clone.
 #[derive(Clone, Debug, Default)]
 pub struct Finished(Arc<OnceLock<Instant>>);

@@ -20,8 +20,9 @@
 //! - Neither: a 503 (a refusal under load: counted, a load spike would eject the fleet one
 //!   replica after another) and a body its client left.
 //!
-//! When ejection would leave no replica eligible, the ejected ones are tried anyway (see
-//! `route::Decider`): ejection steers traffic away from outliers, it never empties the fleet.
+//! When every replica that is up is ejected, the ejected ones are tried anyway
+//! ([`verdicts`], for routed requests, other `/v1/*` requests and remote tokenization):
+//! ejection steers traffic away from outliers, it never empties the fleet.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -114,10 +115,15 @@ impl Upstream {
 
     /// Whether the replica may receive a new request now.
     pub fn eligibility(&self, max_in_flight: u32) -> Result<(), Ineligible> {
+        self.eligibility_with(max_in_flight, true)
+    }
+
+    /// [`Self::eligibility`], setting passive ejection aside unless `ejection`.
+    fn eligibility_with(&self, max_in_flight: u32, ejection: bool) -> Result<(), Ineligible> {
         if self.draining.load(Ordering::Relaxed) {
             return Err(Ineligible::Draining);
         }
-        if self.is_ejected() {
+        if ejection && self.is_ejected() {
             return Err(Ineligible::Ejected);
         }
         if !self.healthy.load(Ordering::Relaxed) {
@@ -197,6 +203,31 @@ impl Upstream {
     }
 }
 
+/// Why each of `upstreams` may not take a new request now (`None`: it may).
+///
+/// Passive ejection is set aside when every replica that is up (healthy by its active check,
+/// not draining, not saturated) is ejected: ejection steers traffic away from outliers, it
+/// must not leave nothing to try (as Envoy's panic threshold does). Replicas that are down,
+/// draining or saturated stay out either way.
+pub fn verdicts<'a>(
+    upstreams: impl ExactSizeIterator<Item = &'a Upstream> + Clone,
+    max_in_flight: u32,
+) -> Vec<Option<Ineligible>> {
+    let mut verdicts: Vec<Option<Ineligible>> =
+        upstreams.clone().map(|u| u.eligibility(max_in_flight).err()).collect();
+    let only_ejected_are_up = verdicts
+        .iter()
+        .all(|v| matches!(v, Some(Ineligible::Ejected | Ineligible::Unhealthy | Ineligible::Draining)));
+    if only_ejected_are_up {
+        for (verdict, upstream) in verdicts.iter_mut().zip(upstreams) {
+            if *verdict == Some(Ineligible::Ejected) {
+                *verdict = upstream.eligibility_with(max_in_flight, false).err();
+            }
+        }
+    }
+    verdicts
+}
+
 /// A request's share of a replica's load; dropping it releases everything still held.
 #[derive(Debug)]
 pub struct LoadGuard {
@@ -249,6 +280,40 @@ mod tests {
         assert_eq!(u.load().in_flight, 0);
         tokio::time::advance(crate::policy::RECENT_HORIZON).await;
         assert_eq!(u.load().recent_prompt_tokens, (1500.0 / std::f64::consts::E).round() as u64);
+    }
+
+    /// Ejection is set aside only when every replica that is up is ejected; replicas that
+    /// are down, draining or saturated stay out, and keep the others' ejection in force.
+    #[tokio::test(start_paused = true)]
+    async fn ejection_is_set_aside_only_when_every_replica_up_is_ejected() {
+        let ejected = || {
+            let u = Arc::new(Upstream::default());
+            assert!(u.record_failure(1, Duration::from_secs(60)));
+            u
+        };
+        let of = |us: &[&Arc<Upstream>]| verdicts(us.iter().map(|u| &***u), 1);
+        let (a, b) = (ejected(), ejected());
+        assert_eq!(of(&[&a, &b]), [None, None], "all up replicas ejected: all tried");
+        let down = ejected();
+        down.set_healthy(false);
+        let draining = Arc::new(Upstream::default());
+        draining.set_draining(true);
+        assert_eq!(
+            of(&[&a, &down, &draining]),
+            [None, Some(Ineligible::Unhealthy), Some(Ineligible::Draining)],
+            "down and draining replicas stay out"
+        );
+        let busy = Arc::new(Upstream::default());
+        let _guard = busy.begin(0, 0);
+        assert_eq!(
+            of(&[&a, &busy]),
+            [Some(Ineligible::Ejected), Some(Ineligible::Saturated)],
+            "a saturated replica is up: the ejection holds"
+        );
+        let _also_busy = b.begin(0, 0);
+        assert_eq!(of(&[&a, &b]), [None, Some(Ineligible::Saturated)], "revived within its in-flight limit");
+        let fine = Arc::new(Upstream::default());
+        assert_eq!(of(&[&a, &fine]), [Some(Ineligible::Ejected), None]);
     }
 
     #[tokio::test(start_paused = true)]

@@ -195,6 +195,12 @@ async fn a_drain_outlasts_the_replicas_entry() {
 
     admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: false }).await.unwrap();
     router_fleet.remove("agent-0").await.unwrap();
-    router_fleet.add(spec).unwrap();
+    router_fleet.add(spec.clone()).unwrap();
     assert!(!router_fleet.member("agent-0").unwrap().upstream.is_draining(), "undrained for good");
+
+    // Removed through the admin service, a replica is gone for good, drain and all.
+    admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: true }).await.unwrap();
+    admin.remove_replica(pb::RemoveReplicaRequest { id: "agent-0".into() }).await.unwrap();
+    router_fleet.add(spec).unwrap();
+    assert!(!router_fleet.member("agent-0").unwrap().upstream.is_draining(), "a new replica under the name");
 }

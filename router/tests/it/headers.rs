@@ -253,3 +253,44 @@ async fn a_slow_upload_is_not_the_replicas_first_byte_timeout() {
     assert_eq!(got.body, parts.concat().as_bytes());
     shutdown.cancel();
 }
+
+/// A request with no body to another `/v1/*` path, to a replica that never answers, gets a
+/// 504 at the first-byte timeout: an upload that was nothing is through at once.
+#[tokio::test]
+async fn a_bodyless_request_to_a_silent_replica_times_out() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent = listener.local_addr().unwrap();
+    let held = tokio::spawn(async move {
+        let mut connections = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            connections.push(stream); // read nothing, answer nothing
+        }
+    });
+    let (router, shutdown) =
+        router_in_front_of(silent, |c| kvroute_router::Config { first_byte_timeout_ms: 300, ..c }).await;
+    let mut stream =
+        tokio::net::TcpStream::connect(router.url().trim_start_matches("http://")).await.unwrap();
+    stream.write_all(b"GET /v1/files/f1 HTTP/1.1\r\nhost: r\r\n\r\n").await.unwrap();
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(WAIT, stream.read(&mut answer)).await.expect("an answer").unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]).to_ascii_lowercase();
+    assert!(answer.starts_with("http/1.1 504"), "{answer}");
+    shutdown.cancel();
+    held.abort();
+}
+
+/// An empty answer (`Content-Length: 0`) is a whole one: it clears the replica's failures
+/// like any other, though nothing of its body is ever read.
+#[tokio::test]
+async fn an_empty_answer_counts_as_a_success() {
+    let (replica, _seen) = recording_replica(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let upstream = router.fleet().member("r0").unwrap().upstream;
+    let ejection = std::time::Duration::from_secs(60);
+    assert!(!upstream.record_failure(2, ejection), "one failure of two");
+    let body = serde_json::json!({"model": FLEET_MODEL, "prompt": "empty", "max_tokens": 1}).to_string();
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n";
+    assert!(exchange(&router.url(), head, &body).await.starts_with("http/1.1 200"));
+    assert!(!upstream.record_failure(2, ejection), "the empty answer cleared the first failure");
+    shutdown.cancel();
+}

@@ -508,9 +508,9 @@ async fn malformed_frames_are_counted_and_skipped() {
     assert_eq!(h.overlap(&r, &b), 1);
 }
 
-/// A batch that cannot be decoded may have removed blocks: the rank resyncs (here, with no
-/// replay or snapshot, it clears and starts again from the next batch) rather than keep
-/// blocks the replica may have dropped.
+/// A batch that cannot be decoded may have removed blocks: the rank resyncs at once (here,
+/// with no replay or snapshot, it clears and starts again from the next batch) rather than
+/// keep blocks the replica may have dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_undecodable_batch_resyncs_its_rank() {
     let h = Harness::start();
@@ -525,10 +525,10 @@ async fn an_undecodable_batch_resyncs_its_rank() {
     assert_eq!(h.overlap(&r, &a), 3);
     let topic = Bytes::from_static(b"kv-events");
     fake.send_frames(framing::encode_live(topic, Seq(seq + 1), Bytes::from_static(&[0xc1]))).await;
+    wait_until("what the lost batch may have removed is gone", || h.overlap(&r, &a) == 0).await;
     fake.send(seq + 2, vllm(batch(0, seq + 2, vec![store_chain(&b, 0)]))).await;
     applied(&r, seq + 2).await;
     assert_eq!(m.malformed_payload.get(), 1);
-    assert_eq!(h.overlap(&r, &a), 0, "what the lost batch may have removed is gone");
     assert_eq!(h.overlap(&r, &b), 2, "the batch after it is applied");
     assert_eq!(r.status.state(), StreamState::Exact);
 }
