@@ -263,9 +263,7 @@ async fn first_byte(
 }
 
 fn record_failure(upstream: &Upstream, config: &ForwardConfig, metrics: &ProxyMetrics) {
-    if upstream.record_failure(config.eject_after, config.ejection) {
-        metrics.ejections.inc();
-    }
+    Judge::new(config, metrics).failure(upstream);
 }
 
 /// The client's request line and version, and the headers every attempt sends: the client's
@@ -317,11 +315,7 @@ fn wrap(
         guard.upstream().record_success();
         None
     } else {
-        Some(Judge {
-            eject_after: config.eject_after,
-            ejection: config.ejection,
-            ejections: metrics.ejections.clone(),
-        })
+        Some(Judge::new(config, metrics))
     };
     let (mut parts, body) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
@@ -379,11 +373,7 @@ impl Hooks for ResponseHooks {
                 // hangs (a wedged engine streaming) would otherwise clear its failures with
                 // each new request, and never be ejected.
                 End::Complete => upstream.record_success(),
-                End::Failed => {
-                    if upstream.record_failure(judge.eject_after, judge.ejection) {
-                        judge.ejections.inc();
-                    }
-                }
+                End::Failed => judge.failure(upstream),
                 End::Abandoned => {}
             }
         }
@@ -418,11 +408,28 @@ impl Drop for Slot {
     }
 }
 
-/// What passive health needs to judge a response by its end.
+/// What passive health needs to count a failure (also when a response's body ends).
 struct Judge {
     eject_after: u32,
     ejection: Duration,
     ejections: Counter,
+}
+
+impl Judge {
+    fn new(config: &ForwardConfig, metrics: &ProxyMetrics) -> Self {
+        Judge {
+            eject_after: config.eject_after,
+            ejection: config.ejection,
+            ejections: metrics.ejections.clone(),
+        }
+    }
+
+    /// Counts a failure of `upstream`, and the ejection it may cause.
+    fn failure(&self, upstream: &Upstream) {
+        if upstream.record_failure(self.eject_after, self.ejection) {
+            self.ejections.inc();
+        }
+    }
 }
 
 #[cfg(test)]
