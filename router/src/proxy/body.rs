@@ -430,16 +430,25 @@ mod tests {
         }
     }
 
-    /// A body fed by a channel that has passed one frame, with an idle timeout of 1 s.
+    /// A body fed by a channel, with `idle` and `hooks`, that has passed one frame.
+    async fn fed(
+        idle: Duration,
+        hooks: Box<dyn Hooks>,
+    ) -> (Tracked<impl Body<Data = Bytes, Error = BoxError> + Unpin>, Feed) {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+        let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let mut body = Tracked::new(inner, idle, hooks);
+        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
+        body.frame().await.unwrap().unwrap();
+        (body, tx)
+    }
+
+    /// [`fed`], with an idle timeout of 1 s and a record of how it ends.
     async fn fed_body()
     -> (Tracked<impl Body<Data = Bytes, Error = BoxError> + Unpin>, Feed, Arc<std::sync::Mutex<Option<End>>>)
     {
         let end = Arc::default();
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
-        let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-        let mut body = Tracked::new(inner, Duration::from_secs(1), Box::new(Outcome(Arc::clone(&end))));
-        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
-        body.frame().await.unwrap().unwrap();
+        let (body, tx) = fed(Duration::from_secs(1), Box::new(Outcome(Arc::clone(&end)))).await;
         (body, tx, end)
     }
 
@@ -539,11 +548,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn the_idle_timeout_counts_from_when_the_body_waits() {
         let ended = Ending::default();
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
-        let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-        let mut body = Tracked::new(inner, Duration::from_secs(5), Box::new(Ended(Arc::clone(&ended))));
-        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
-        body.frame().await.unwrap().unwrap();
+        let (mut body, tx) = fed(Duration::from_secs(5), Box::new(Ended(Arc::clone(&ended)))).await;
         tokio::time::advance(Duration::from_millis(4_500)).await;
         assert!(futures::poll!(body.frame()).is_pending(), "waiting on the replica from now");
         tokio::time::advance(Duration::from_millis(1_000)).await;

@@ -36,6 +36,17 @@ fn fault_agent(name: &str) -> kvroute_replica_agent::Config {
     kvroute_replica_agent::Config { time_scale: 10.0, shutdown_grace_secs: 0, ..agent_config(name) }
 }
 
+/// Fault agents, `agent-1` slow: one engine step takes 2 s (its streams send their head at
+/// once, then nothing for 2 s).
+fn slow_agent_1(name: &str) -> kvroute_replica_agent::Config {
+    match name {
+        "agent-1" => {
+            kvroute_replica_agent::Config { time_scale: 1.0, step_base_us: 2_000_000, ..fault_agent(name) }
+        }
+        _ => fault_agent(name),
+    }
+}
+
 /// Index of the agent called `name`.
 fn agent_index(name: &str) -> usize {
     name.trim_start_matches("agent-").parse().expect("agent-N")
@@ -328,15 +339,7 @@ async fn stream_cut_mid_way_ends_with_an_error_event() {
 /// event; after `--ejection-ms` it is tried again (and, still slow, ejected again at once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_replica_times_out_and_is_ejected() {
-    let slow_or_fast = |name: &str| {
-        if name == "agent-1" {
-            // One engine step takes 2 s.
-            kvroute_replica_agent::Config { time_scale: 1.0, step_base_us: 2_000_000, ..fault_agent(name) }
-        } else {
-            fault_agent(name)
-        }
-    };
-    let fleet = Fleet::with(2, slow_or_fast, |c| kvroute_router::Config {
+    let fleet = Fleet::with(2, slow_agent_1, |c| kvroute_router::Config {
         first_byte_timeout_ms: 300,
         idle_timeout_ms: 300,
         eject_after: 2,
@@ -401,14 +404,7 @@ async fn slow_replica_times_out_and_is_ejected() {
 /// ejected by the streams' idle timeouts alone: a head is no success until its body ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_whose_streams_go_silent_is_ejected() {
-    let wedged_or_fast = |name: &str| {
-        if name == "agent-1" {
-            kvroute_replica_agent::Config { time_scale: 1.0, step_base_us: 2_000_000, ..fault_agent(name) }
-        } else {
-            fault_agent(name)
-        }
-    };
-    let fleet = Fleet::with(2, wedged_or_fast, |c| kvroute_router::Config {
+    let fleet = Fleet::with(2, slow_agent_1, |c| kvroute_router::Config {
         first_byte_timeout_ms: 30_000,
         idle_timeout_ms: 300,
         eject_after: 2,
