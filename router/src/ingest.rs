@@ -55,15 +55,15 @@
 //! a subset of the cache.
 //!
 //! A replica counts as synced (for `/ready`) once every rank completed one repair
-//! ([`Ingest::wait_synced`]). A batch whose payload does not decode is counted, skipped, and
-//! its seq consumed (a replay would return the same bytes). A vLLM publisher that restarts
+//! ([`Ingest::wait_synced`]). A batch whose payload does not decode is counted, its seq
+//! consumed (a replay would return the same bytes), and its rank resynced. A vLLM publisher that restarts
 //! and gets past our next expected seq before we notice looks continuous: vLLM has no epoch;
 //! kvroute's replica agent has one.
 //!
 //! # Parameters ([`IngestConfig`])
 //! channel 4096 live messages per rank (overflow → counted, becomes a gap), fallback after
 //! 10 s without a connection, reconnect backoff 1 s, replay timeout 5 s, replay cap 100 000
-//! batches, snapshot timeout 30 s and cap 4 Mi blocks, FALLBACK after 16 malformed
+//! batches or 256 MiB, snapshot timeout 30 s and cap 4 Mi blocks, FALLBACK after 16 malformed
 //! messages in a row, catch-up replay 1 s after each connect.
 //!
 //! # Layout
@@ -111,8 +111,10 @@ pub struct IngestConfig {
     pub reconnect_backoff: Duration,
     /// Timeout of the replay connect and of every replay reply (a whole replay: 12 of them).
     pub replay_timeout: Duration,
-    /// Longest replay accepted (bounds memory).
+    /// Longest replay accepted, in batches and in payload bytes (bounds memory: a replay is
+    /// held whole before it is applied; a longer one counts as failed).
     pub replay_max_batches: usize,
+    pub replay_max_bytes: usize,
     /// Timeout of a whole snapshot.
     pub snapshot_timeout: Duration,
     /// Largest snapshot accepted, in blocks (bounds memory; a larger one counts as failed).
@@ -131,6 +133,7 @@ impl Default for IngestConfig {
             reconnect_backoff: Duration::from_secs(1),
             replay_timeout: Duration::from_secs(5),
             replay_max_batches: 100_000,
+            replay_max_bytes: 256 << 20,
             snapshot_timeout: Duration::from_secs(30),
             snapshot_max_blocks: 1 << 22,
             malformed_fallback: 16,

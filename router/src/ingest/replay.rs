@@ -39,6 +39,15 @@ pub(crate) enum ReplayError {
     Malformed(#[from] FrameError),
     #[error("replay longer than {0} batches")]
     TooLong(usize),
+    #[error("replay larger than {0} bytes")]
+    TooLarge(usize),
+}
+
+/// The most a replay may hold.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Bounds {
+    pub batches: usize,
+    pub bytes: usize,
 }
 
 /// Every buffered batch with seq >= `start`, in the order the publisher sent them (through
@@ -47,7 +56,7 @@ pub(crate) async fn fetch(
     endpoint: &str,
     start: Seq,
     timeout: Duration,
-    max_batches: usize,
+    bounds: Bounds,
     on_refused: OnRefused,
 ) -> Result<Vec<LiveMessage>, ReplayError> {
     let guard = ZmtpGuard::connecting(endpoint, on_refused)
@@ -68,6 +77,7 @@ pub(crate) async fn fetch(
         let request = ZmqMessage::try_from(request).expect("a replay request has frames");
         dealer.send(request).await.map_err(socket_err)?;
         let mut batches = Vec::new();
+        let mut bytes = 0usize;
         loop {
             let reply_by = (tokio::time::Instant::now() + timeout).min(deadline);
             let msg = tokio::time::timeout_at(reply_by, dealer.recv())
@@ -76,8 +86,16 @@ pub(crate) async fn fetch(
                 .map_err(socket_err)?;
             match framing::decode_replay_reply(&msg.into_vec())? {
                 ReplayReply::End => return Ok(batches),
-                ReplayReply::Batch(batch) if batches.len() < max_batches => batches.push(batch),
-                ReplayReply::Batch(_) => return Err(ReplayError::TooLong(max_batches)),
+                ReplayReply::Batch(_) if batches.len() >= bounds.batches => {
+                    return Err(ReplayError::TooLong(bounds.batches));
+                }
+                ReplayReply::Batch(batch) => {
+                    bytes = bytes.saturating_add(batch.payload.len());
+                    if bytes > bounds.bytes {
+                        return Err(ReplayError::TooLarge(bounds.bytes));
+                    }
+                    batches.push(batch);
+                }
             }
         }
     }
@@ -96,6 +114,8 @@ mod tests {
     use zeromq::RouterSocket;
 
     use super::*;
+
+    const UNBOUNDED: Bounds = Bounds { batches: usize::MAX, bytes: usize::MAX };
 
     /// A peer that answers a replay with one batch every `every` and never ends it.
     async fn dripping_peer(every: Duration) -> String {
@@ -125,7 +145,7 @@ mod tests {
         let on_refused = Arc::new(move || {
             counted.fetch_add(1, Ordering::Relaxed);
         });
-        let result = fetch(&endpoint, Seq(0), Duration::from_millis(500), usize::MAX, on_refused).await;
+        let result = fetch(&endpoint, Seq(0), Duration::from_millis(500), UNBOUNDED, on_refused).await;
         assert!(
             matches!(result, Err(ReplayError::Socket { .. } | ReplayError::Timeout { .. })),
             "{result:?}"
@@ -140,11 +160,25 @@ mod tests {
         let endpoint = dripping_peer(Duration::from_millis(20)).await;
         let result = tokio::time::timeout(
             Duration::from_secs(10),
-            fetch(&endpoint, Seq(0), timeout, usize::MAX, Arc::new(|| {})),
+            fetch(&endpoint, Seq(0), timeout, UNBOUNDED, Arc::new(|| {})),
         )
         .await
         .expect("the replay ends");
         // (Without the whole-replay deadline, the outer timeout fails the test instead.)
         assert!(matches!(result, Err(ReplayError::Timeout { .. })), "{result:?}");
+    }
+
+    /// A replay is held whole before it is applied: one past its bounds, in batches or in
+    /// bytes, fails instead of growing.
+    #[tokio::test]
+    async fn a_replay_past_its_bounds_fails() {
+        let endpoint = dripping_peer(Duration::from_millis(1)).await;
+        let bytes = Bounds { batches: usize::MAX, bytes: 5 };
+        let result = fetch(&endpoint, Seq(0), Duration::from_secs(5), bytes, Arc::new(|| {})).await;
+        assert!(matches!(result, Err(ReplayError::TooLarge(5))), "six one-byte batches: {result:?}");
+        let endpoint = dripping_peer(Duration::from_millis(1)).await;
+        let batches = Bounds { batches: 3, bytes: usize::MAX };
+        let result = fetch(&endpoint, Seq(0), Duration::from_secs(5), batches, Arc::new(|| {})).await;
+        assert!(matches!(result, Err(ReplayError::TooLong(3))), "{result:?}");
     }
 }

@@ -304,9 +304,9 @@ impl RankStream {
         if let Some(endpoint) = self.replay_endpoint.clone() {
             let config = &self.ctx.config;
             let oversized = self.ctx.metrics.on_oversized();
-            match replay::fetch(&endpoint, from, config.replay_timeout, config.replay_max_batches, oversized)
-                .await
-            {
+            let bounds =
+                replay::Bounds { batches: config.replay_max_batches, bytes: config.replay_max_bytes };
+            match replay::fetch(&endpoint, from, config.replay_timeout, bounds, oversized).await {
                 Ok(batches) => {
                     let complete = match batches.first() {
                         None => newer.is_none(),

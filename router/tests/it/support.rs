@@ -109,6 +109,7 @@ pub fn test_config() -> IngestConfig {
         reconnect_backoff: Duration::from_millis(100),
         replay_timeout: Duration::from_secs(5),
         replay_max_batches: 10_000,
+        replay_max_bytes: 64 << 20,
         snapshot_timeout: Duration::from_secs(10),
         snapshot_max_blocks: 1 << 20,
         malformed_fallback: 4,
