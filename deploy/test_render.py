@@ -104,6 +104,9 @@ class Manifests(unittest.TestCase):
                 self.assertNotIn("grpc-admin", ports, "admin behind a load balancer reaches one router")
                 admin = services["kvroute-router-admin"]
                 self.assertEqual(admin["spec"]["clusterIP"], "None", "headless: one address per router")
+                policy = one(res, "NetworkPolicy", "kvroute-router")
+                open_ports = [p["port"] for rule in policy["spec"]["ingress"] if "from" not in rule for p in rule["ports"]]
+                self.assertEqual(open_ports, ["http"], "only the API is open to every pod")
                 # In-flight streams get longer than the preStop sleep to finish.
                 pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
                 self.assertGreaterEqual(pod["spec"]["terminationGracePeriodSeconds"] - pre_stop, 300)
