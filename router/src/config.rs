@@ -113,7 +113,8 @@ pub struct Config {
     /// Time allowed until an upstream's response headers arrive, milliseconds. A replica that
     /// times out is tried no further for the request (504) and counts toward its ejection.
     /// vLLM and SGLang answer a non-streamed request only once it is generated: set this above
-    /// the longest generation a non-streamed request may ask for.
+    /// the longest generation a non-streamed request may ask for. For a streamed upload it
+    /// counts from the upload's end (and, meanwhile, from when the replica last took some).
     #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_MS", default_value_t = 120_000)]
     pub first_byte_timeout_ms: u64,
     /// Longest silence allowed inside a streaming response, and inside a request's body
@@ -155,10 +156,13 @@ pub struct Config {
     /// Interval of active health checks (`GET /health`), milliseconds.
     #[arg(long, env = "KVROUTE_HEALTH_INTERVAL_MS", default_value_t = 2_000)]
     pub health_interval_ms: u64,
-    /// Consecutive failures (connection refused, timeouts, 5xx) that eject a replica.
+    /// Consecutive failures that eject a replica: connection refused or reset before an
+    /// answer, the first-byte timeout, a 5xx other than 503, a response body broken off or
+    /// silent past --idle-timeout-ms.
     #[arg(long, env = "KVROUTE_EJECT_AFTER", default_value_t = 3)]
     pub eject_after: u32,
-    /// How long an ejected replica is kept out before it is tried again, milliseconds.
+    /// How long an ejected replica is kept out before it is tried again, milliseconds (unless
+    /// every replica that is up is ejected: then they are all tried).
     #[arg(long, env = "KVROUTE_EJECTION_MS", default_value_t = 10_000)]
     pub ejection_ms: u64,
 

@@ -16,7 +16,8 @@
 //! any ── `malformed_fallback` malformed messages in a row ──► FALLBACK
 //!                          ── next good batch: snapshot, else clear and rebuild ──► EXACT
 //! EXACT ── one batch that cannot be decoded (its seq is consumed: a replay would give the
-//!          same bytes) ── next good batch: snapshot, else clear and rebuild ──► EXACT
+//!          same bytes) ── at once (already FALLBACK: at the next good batch): snapshot,
+//!          else clear and rebuild ──► EXACT
 //!          (what the lost batch removed is unknown, and the index must stay a subset)
 //! seq backwards (vLLM) or new epoch (kvroute) ──► restart: clear the rank at once, then
 //!                          apply from seq 0 (a gap from 0 is repaired like any gap)
@@ -31,7 +32,7 @@
 //! `repair(from)`:
 //! 1. Replay: a fresh DEALER asks the replica's ROUTER for every batch `>= from`
 //!    (`replay_timeout` on connect and on every reply, 12 of them for the whole replay, at
-//!    most `replay_max_batches`). It is
+//!    most `replay_max_batches` batches and `replay_max_bytes` bytes of payload). It is
 //!    complete if its first batch is `from` (or it is empty and no newer batch was seen).
 //!    Complete → apply in order, up to the first hole in the seqs (a publisher's send buffer
 //!    can overflow, and ZeroMQ drops silently; the batch after a hole is a gap, repaired

@@ -127,7 +127,7 @@ impl ProxyMetrics {
         );
         r.register(
             "upstream_ttfb_seconds",
-            "Time from sending a request to a replica to its response headers",
+            "Time from sending a request to a replica to the first data of its response",
             m.upstream_ttfb_seconds.clone(),
         );
         m

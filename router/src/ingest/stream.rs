@@ -7,8 +7,10 @@
 //! new epoch (kvroute)                       -> restart: clear, expect 0, classify again
 //! expected unknown (fresh / after a clear)  -> apply
 //! seq == expected                           -> apply
-//! seq >  expected                           -> gap: repair from `expected`, classify again;
-//!                                              still a gap -> clear and start from this batch
+//! seq >  expected                           -> gap: repair from `expected`, classify again
+//!                                              (again while each repair moves `expected`
+//!                                              on); no progress -> clear and start from
+//!                                              this batch
 //! seq <  expected, kvroute (same epoch)     -> duplicate (already applied)
 //! seq <  expected, inside the last replay   -> duplicate (the channel still held it)
 //! seq <  expected, otherwise                -> restart (vLLM has no epoch)
@@ -62,8 +64,9 @@ pub(crate) struct RankStream {
     malformed_run: u32,
     /// In FALLBACK because of decode errors: resync on the next good batch.
     broken: bool,
-    /// A batch could not be decoded: what it removed is unknown, so the rank resyncs on the
-    /// next good batch (the index must never hold a block the replica dropped).
+    /// A batch could not be decoded: what it removed is unknown, so the rank resyncs at once
+    /// (when FALLBACK, at the next good batch): the index must never hold a block the
+    /// replica dropped.
     lost: bool,
     /// The SUB lost its connection and the rank was cleared: live frames are ignored until
     /// the next `Connected`, whose repair from seq 0 covers them.

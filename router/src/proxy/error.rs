@@ -3,12 +3,12 @@
 //!
 //! | status | when |
 //! |---|---|
-//! | 400 | a `/v1/*` path that is a routed path spelled otherwise (percent-encoded, a trailing slash) or has dot segments; malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens`, a prompt the replica's `/tokenize` refused (`--remote-tokenize`) |
+//! | 400 | a `/v1/*` path that is one of the router's own paths spelled otherwise (percent-encoded, a trailing slash) or has dot segments; malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens`, a prompt the replica's `/tokenize` refused (`--remote-tokenize`) |
 //! | 404 / 405 | unknown path / wrong method (with `Allow`) |
 //! | 408 | the client sent nothing of its request body for `--idle-timeout-ms` (routed, or streamed to a replica) |
 //! | 413 | body larger than `--max-body-bytes` |
 //! | 502 | the replica failed before answering, and so did every retry |
-//! | 503 | no healthy replica, every replica saturated, or the router is at its in-flight limit |
+//! | 503 | no healthy replica, every replica saturated, the router at its in-flight limit, or (`--remote-tokenize`) no replica asked could tokenize the prompt |
 //! | 504 | the replica did not start answering within `--first-byte-timeout-ms` (counted from the end of a streamed upload) |
 
 use bytes::Bytes;

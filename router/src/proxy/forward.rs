@@ -27,7 +27,7 @@ use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::pool::{Pool, SendError};
 use super::route::Plan;
 use super::stalls::StallWatch;
-use super::upload::{self, Finished};
+use super::upload::{self, Progress};
 use super::upstream::{LoadGuard, Upstream};
 use crate::metrics::ProxyMetrics;
 use prometheus_client::metrics::counter::Counter;
@@ -194,7 +194,7 @@ pub async fn streamed(
     metrics: &ProxyMetrics,
     member: &crate::fleet::Member,
     parts: http::request::Parts,
-    (body, uploaded): (ProxyBody, Finished),
+    (body, uploaded): (ProxyBody, Progress),
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let upstream = &member.upstream;
@@ -237,14 +237,15 @@ pub async fn streamed(
 /// copied each time one of them was made or moved (~3% of the proxy's user CPU a request).
 ///
 /// For a streamed upload (`uploaded`), the timeout counts from when the upload went through
-/// whole: until then the replica is waiting on the client (whose silence the upload's own
-/// idle timeout catches).
+/// whole; while it is going, from when the replica last took some of it (the client's own
+/// silence is the upload's idle timeout's: 408). So a slow but steady upload waits, and a
+/// replica that stops reading one times out like one that does not answer.
 async fn first_byte(
     config: &ForwardConfig,
     sent: Instant,
     pool: &Arc<Pool>,
     (method, uri, headers): (&Method, &Uri, &HeaderMap),
-    (body, uploaded): (Outgoing, Option<&Finished>),
+    (body, uploaded): (Outgoing, Option<&Progress>),
 ) -> Result<Result<Response<UpstreamBody>, SendError>, tokio::time::error::Elapsed> {
     let mut exchange = Box::pin(pool.send_head(method, uri, headers, body));
     let mut deadline = sent + config.first_byte_timeout;
@@ -253,12 +254,16 @@ async fn first_byte(
             Ok(answer) => return Ok(answer),
             Err(elapsed) => elapsed,
         };
-        let Some(uploaded) = uploaded else { return Err(elapsed) };
-        deadline = match uploaded.at() {
-            None => Instant::now() + config.first_byte_timeout,
-            Some(at) if at + config.first_byte_timeout > deadline => at + config.first_byte_timeout,
-            Some(_) => return Err(elapsed),
+        // Nothing read yet: the exchange is waiting for the client's first bytes.
+        let Some(since) =
+            uploaded.map(|u| u.finished_at().or_else(|| u.read_at()).unwrap_or_else(Instant::now))
+        else {
+            return Err(elapsed);
         };
+        match since + config.first_byte_timeout {
+            later if later > deadline => deadline = later,
+            _ => return Err(elapsed),
+        }
     }
 }
 

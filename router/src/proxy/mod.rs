@@ -3,7 +3,7 @@
 //! | path | what the router does |
 //! |---|---|
 //! | `POST /v1/completions`, `POST /v1/chat/completions` | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]) |
-//! | other `/v1/*` | streams the request to the least-loaded eligible replica (a routed path spelled otherwise is refused: [`paths`]) |
+//! | other `/v1/*` | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused: [`paths`]) |
 //! | `GET /v1/models` | the fleet's model and LoRA adapters |
 //! | `GET /health` | 200 while the process runs |
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
@@ -212,10 +212,10 @@ async fn passthrough(
     if content_length(&parts).is_some_and(|n| n > state.forward.max_body_bytes) {
         return Err(ProxyError::BodyTooLarge { limit: state.forward.max_body_bytes });
     }
-    let uploaded = upload::Finished::default();
+    let uploaded = upload::Progress::default();
     let body =
         upload::Upload::new(Limited::new(body, state.forward.max_body_bytes), state.forward.idle_timeout)
-            .marking(uploaded.clone())
+            .tracking(uploaded.clone())
             .boxed_unsync();
     forward::streamed(
         pool,

@@ -4,8 +4,8 @@
 //! (uvicorn for vLLM and SGLang) percent-decodes it before matching, and Starlette redirects a
 //! trailing slash: `/v1/%63ompletions` would run as a completion that skipped the router's
 //! limits and placement, and `/v1/completions/` would answer with a redirect to the replica's
-//! own address. Such spellings of a routed path are refused, and so are dot segments, which
-//! no OpenAI path has.
+//! own address. Such spellings of the router's own paths are refused, and so are dot
+//! segments, which no OpenAI path has.
 
 use percent_encoding::percent_decode_str;
 

@@ -1,14 +1,15 @@
 //! A client's request body that fails when the client stops sending, whether the router
-//! reads it whole (a routed request, which holds an in-flight slot meanwhile) or streams it
-//! to a replica (where a stalled upload would otherwise run into the first-byte timeout and
-//! be blamed on the replica: 504, counted toward its ejection). Either way it is the
-//! client's error ([`client_error`]).
+//! reads it whole (a routed request) or streams it to a replica (where a stalled upload
+//! would otherwise run into the first-byte timeout and be blamed on the replica: 504,
+//! counted toward its ejection). Either way it is the client's error ([`client_error`]).
 //!
-//! A streamed upload also marks when it ended ([`Finished`]): the replica's first-byte
-//! timeout counts from there, so a slow but steady upload is not blamed on the replica either.
+//! A streamed upload also tracks how far it got ([`Progress`]): the replica's first-byte
+//! timeout counts from when the upload went through, so a slow but steady upload is not
+//! blamed on the replica either; while it is going, the replica must take some of it every
+//! first-byte timeout (a replica that stops reading an upload is not waited on forever).
 
 use std::pin::Pin;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -29,17 +30,17 @@ pub struct Stalled(pub Duration);
 pub struct Upload<B> {
     inner: B,
     timer: IdleTimer,
-    finished: Option<Finished>,
+    progress: Option<Progress>,
 }
 
 impl<B> Upload<B> {
     pub fn new(inner: B, idle: Duration) -> Self {
-        Self { inner, timer: IdleTimer::new(idle), finished: None }
+        Self { inner, timer: IdleTimer::new(idle), progress: None }
     }
 
-    /// Marks `finished` when the body has all gone through.
-    pub fn marking(mut self, finished: Finished) -> Self {
-        self.finished = Some(finished);
+    /// Records in `progress` each time the body is read, and when it has all gone through.
+    pub fn tracking(mut self, progress: Progress) -> Self {
+        self.progress = Some(progress);
         self
     }
 }
@@ -50,23 +51,40 @@ impl<B> Upload<B> {
 /// ended its exchange anyway.
 impl<B> Drop for Upload<B> {
     fn drop(&mut self) {
-        if let Some(finished) = &self.finished {
-            finished.mark();
+        if let Some(progress) = &self.progress {
+            progress.finish();
         }
     }
 }
 
-/// When an upload went through whole, if it has; cheap to clone.
+/// How far an upload got: when its body was last read, and when it went through whole;
+/// cheap to clone.
 #[derive(Clone, Debug, Default)]
-pub struct Finished(Arc<OnceLock<Instant>>);
+pub struct Progress(Arc<Marks>);
 
-impl Finished {
-    pub fn at(&self) -> Option<Instant> {
-        self.0.get().copied()
+#[derive(Debug, Default)]
+struct Marks {
+    read: Mutex<Option<Instant>>,
+    finished: OnceLock<Instant>,
+}
+
+impl Progress {
+    /// When the upload went through whole, if it has.
+    pub fn finished_at(&self) -> Option<Instant> {
+        self.0.finished.get().copied()
     }
 
-    fn mark(&self) {
-        let _ = self.0.set(Instant::now());
+    /// When a frame of the upload was last read, if one was.
+    pub fn read_at(&self) -> Option<Instant> {
+        *self.0.read.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn read(&self) {
+        *self.0.read.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+    }
+
+    fn finish(&self) {
+        let _ = self.0.finished.set(Instant::now());
     }
 }
 
@@ -97,13 +115,16 @@ where
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(frame) => {
                 this.timer.progress();
-                let whole = match &frame {
-                    None => true,
-                    Some(Ok(_)) => this.inner.is_end_stream(),
-                    Some(Err(_)) => false,
-                };
-                if let (true, Some(finished)) = (whole, &this.finished) {
-                    finished.mark();
+                if let Some(progress) = &this.progress {
+                    progress.read();
+                    let whole = match &frame {
+                        None => true,
+                        Some(Ok(_)) => this.inner.is_end_stream(),
+                        Some(Err(_)) => false,
+                    };
+                    if whole {
+                        progress.finish();
+                    }
                 }
                 Poll::Ready(frame)
             }
@@ -162,23 +183,24 @@ mod tests {
     async fn an_upload_marks_when_it_went_through_whole() {
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
         let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-        let finished = Finished::default();
-        let mut body = Upload::new(inner, Duration::from_secs(1)).marking(finished.clone());
+        let finished = Progress::default();
+        let mut body = Upload::new(inner, Duration::from_secs(1)).tracking(finished.clone());
         tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
         assert!(body.frame().await.unwrap().is_ok());
-        assert_eq!(finished.at(), None, "more may come");
+        assert_eq!(finished.finished_at(), None, "more may come");
+        assert_eq!(finished.read_at(), Some(Instant::now()));
         tokio::time::sleep(Duration::from_millis(500)).await;
         drop(tx);
         assert!(body.frame().await.is_none());
-        assert_eq!(finished.at(), Some(Instant::now()));
+        assert_eq!(finished.finished_at(), Some(Instant::now()));
 
-        let sized = Finished::default();
+        let sized = Progress::default();
         let mut body = Upload::new(
             http_body_util::Full::new(Bytes::from_static(b"all")).map_err(|e| match e {}),
             Duration::from_secs(1),
         )
-        .marking(sized.clone());
+        .tracking(sized.clone());
         assert!(body.frame().await.unwrap().is_ok());
-        assert!(sized.at().is_some(), "a body of known length is whole with its last frame");
+        assert!(sized.finished_at().is_some(), "a body of known length is whole with its last frame");
     }
 }

@@ -17,8 +17,8 @@
 //!   timeout.
 //! - Successes: an answer whose body the replica sent whole (so one that sends its head and
 //!   then hangs is not cleared by it).
-//! - Neither: a 503 (a refusal under load: counted, a load spike would eject the fleet one
-//!   replica after another) and a body its client left.
+//! - Neither: a 503 (a refusal under load: were it counted, a load spike would eject the
+//!   fleet one replica after another) and a body its client left.
 //!
 //! When every replica that is up is ejected, the ejected ones are tried anyway
 //! ([`verdicts`], for routed requests, other `/v1/*` requests and remote tokenization):

@@ -294,3 +294,42 @@ async fn an_empty_answer_counts_as_a_success() {
     assert!(!upstream.record_failure(2, ejection), "the empty answer cleared the first failure");
     shutdown.cancel();
 }
+
+/// A replica that stops reading a streamed upload (larger than the sockets' buffers) is not
+/// waited on forever: with nothing of the upload taken for the first-byte timeout, the
+/// client gets a 504.
+#[tokio::test]
+async fn a_replica_that_stops_reading_an_upload_times_out() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let stuck = listener.local_addr().unwrap();
+    let held = tokio::spawn(async move {
+        let mut connections = Vec::new();
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let mut head = [0u8; 1024];
+            let _ = stream.read(&mut head).await; // the head, then nothing more
+            connections.push(stream);
+        }
+    });
+    let length = 32 << 20;
+    let (router, shutdown) = router_in_front_of(stuck, |c| kvroute_router::Config {
+        first_byte_timeout_ms: 300,
+        max_body_bytes: length,
+        ..c
+    })
+    .await;
+    let stream = tokio::net::TcpStream::connect(router.url().trim_start_matches("http://")).await.unwrap();
+    let (mut read, mut write) = stream.into_split();
+    let upload = tokio::spawn(async move {
+        let head =
+            format!("POST /v1/audio/transcriptions HTTP/1.1\r\nhost: r\r\ncontent-length: {length}\r\n\r\n");
+        write.write_all(head.as_bytes()).await?;
+        write.write_all(&vec![b'x'; length]).await
+    });
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(WAIT, read.read(&mut answer)).await.expect("an answer").unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]).to_ascii_lowercase();
+    assert!(answer.starts_with("http/1.1 504"), "{answer}");
+    shutdown.cancel();
+    upload.abort();
+    held.abort();
+}

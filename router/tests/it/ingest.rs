@@ -471,7 +471,7 @@ async fn duplicate_stores_and_removes_are_refcounted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn malformed_frames_are_counted_and_skipped() {
+async fn malformed_messages_are_counted_and_a_bad_payload_resyncs() {
     let h = Harness::start();
     let mut fake = FakePublisher::start(None).await;
     let (r, m) = h.add(spec("garbage", EngineKind::Vllm, &fake.events, None));
