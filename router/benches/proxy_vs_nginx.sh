@@ -83,6 +83,14 @@
 #   cache-aware 0.82x (0.75-0.93) at 18.1 µs, round-robin 0.79x at 19.4 µs; added latency
 #   nginx +20 µs, kvroute +36 to +43 µs. Paired A/B rounds of the two builds stayed inside
 #   the machine's noise (user CPU a request 6.2-7.0 against 6.3-8.0 µs).
+#   2026-11-23, after the passive-health, in-flight-slot and decision changes (a plan's
+#   order as indices, no per-request clone of each replica's entry): one run, nginx 64.7 k
+#   requests/s at 14.3 µs of CPU a request; floor 0.94x (0.92-0.98) at 16.0 µs; kvroute
+#   cache-aware 0.87x (0.82-0.87) at 18.0 µs, round-robin 0.83x at 18.8 µs; added latency
+#   nginx +18 µs, kvroute +26 to +28 µs. Three paired rounds against the build the day
+#   started from: user CPU a request 6.4-7.0 against 7.4-7.6 µs, +6% requests/s. One HTTP
+#   thread instead of two gives the same CPU a request (user 6.2-6.9 µs, three paired
+#   rounds): no cross-core contention to win back; the gap is instructions a request.
 #
 # Usage: router/benches/proxy_vs_nginx.sh
 #   (env: DURATION=10s ROUNDS=3 CONNECTIONS=64 THREADS=1 BACKENDS=2; about 4.5 minutes)
