@@ -114,7 +114,8 @@ pub struct Config {
     /// times out is tried no further for the request (504) and counts toward its ejection.
     /// vLLM and SGLang answer a non-streamed request only once it is generated: set this above
     /// the longest generation a non-streamed request may ask for. For a streamed upload it
-    /// counts from the upload's end (and, meanwhile, from when the replica last took some).
+    /// counts from the upload's end (meanwhile, from when the replica last took some of it,
+    /// and not while the upload waits for the client).
     #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_MS", default_value_t = 120_000)]
     pub first_byte_timeout_ms: u64,
     /// Longest silence allowed inside a streaming response, and inside a request's body

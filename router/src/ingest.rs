@@ -32,7 +32,8 @@
 //! `repair(from)`:
 //! 1. Replay: a fresh DEALER asks the replica's ROUTER for every batch `>= from`
 //!    (`replay_timeout` on connect and on every reply, 12 of them for the whole replay, at
-//!    most `replay_max_batches` batches and `replay_max_bytes` bytes of payload). It is
+//!    most `replay_max_batches` batches, and payload bytes from a `replay_max_bytes` budget
+//!    that all replays share). It is
 //!    complete if its first batch is `from` (or it is empty and no newer batch was seen).
 //!    Complete → apply in order, up to the first hole in the seqs (a publisher's send buffer
 //!    can overflow, and ZeroMQ drops silently; the batch after a hole is a gap, repaired
@@ -64,7 +65,7 @@
 //! # Parameters ([`IngestConfig`])
 //! channel 4096 live messages per rank (overflow → counted, becomes a gap), fallback after
 //! 10 s without a connection, reconnect backoff 1 s, replay timeout 5 s, replay cap 100 000
-//! batches or 256 MiB, snapshot timeout 30 s and cap 4 Mi blocks, FALLBACK after 16 malformed
+//! batches (256 MiB of payload for all replays together), snapshot timeout 30 s and cap 4 Mi blocks, FALLBACK after 16 malformed
 //! messages in a row, catch-up replay 1 s after each connect.
 //!
 //! # Layout
@@ -112,9 +113,11 @@ pub struct IngestConfig {
     pub reconnect_backoff: Duration,
     /// Timeout of the replay connect and of every replay reply (a whole replay: 12 of them).
     pub replay_timeout: Duration,
-    /// Longest replay accepted, in batches and in payload bytes (bounds memory: a replay is
-    /// held whole before it is applied; a longer one counts as failed).
+    /// Longest replay accepted, in batches (bounds memory: a replay is held whole before it
+    /// is applied; a longer one counts as failed).
     pub replay_max_batches: usize,
+    /// Payload bytes all replays in progress may hold together (they run at once when the
+    /// router starts or its fleet reconnects); a replay that would go past it fails.
     pub replay_max_bytes: usize,
     /// Timeout of a whole snapshot.
     pub snapshot_timeout: Duration,
@@ -168,6 +171,8 @@ struct Inner {
     tracker: TaskTracker,
     shutdown: CancellationToken,
     running: Mutex<HashMap<ReplicaId, Running>>,
+    /// `config.replay_max_bytes`, shared by every replay.
+    replay_budget: Arc<tokio::sync::Semaphore>,
 }
 
 /// A replica's tasks.
@@ -188,6 +193,7 @@ impl Ingest {
         shutdown: CancellationToken,
     ) -> Self {
         let metrics = IngestMetrics::register(registry, index.clone());
+        let budget = config.replay_max_bytes.min(tokio::sync::Semaphore::MAX_PERMITS);
         Self {
             inner: Arc::new(Inner {
                 config: Arc::new(config),
@@ -197,6 +203,7 @@ impl Ingest {
                 tracker,
                 shutdown,
                 running: Mutex::new(HashMap::new()),
+                replay_budget: Arc::new(tokio::sync::Semaphore::new(budget)),
             }),
         }
     }
@@ -225,6 +232,7 @@ impl Ingest {
             index: inner.index.clone(),
             metrics: metrics.clone(),
             config: inner.config.clone(),
+            replay_budget: inner.replay_budget.clone(),
         });
         let running = Running { cancel: inner.shutdown.child_token(), tasks: TaskTracker::new() };
         let spec = &replica.spec;

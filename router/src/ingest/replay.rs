@@ -4,12 +4,14 @@
 //! and on every reply, and [`WHOLE_REPLAY`] of them for the whole replay. Both reply
 //! layouts are accepted (`framing::decode_replay_reply`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use kvroute_proto::Seq;
 use kvroute_proto::framing::{self, FrameError, LiveMessage, ReplayReply};
 use kvroute_proto::zmtp_guard::{OnRefused, ZmtpGuard};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use zeromq::prelude::*;
 use zeromq::{DealerSocket, SocketOptions, ZmqMessage};
 
@@ -39,16 +41,20 @@ pub(crate) enum ReplayError {
     Malformed(#[from] FrameError),
     #[error("replay longer than {0} batches")]
     TooLong(usize),
-    #[error("replay larger than {0} bytes")]
-    TooLarge(usize),
+    #[error("replays together would hold more than their budget of payload bytes")]
+    OverBudget,
 }
 
-/// The most a replay may hold.
+/// The most a replay may hold: batches, and bytes of payload drawn from a budget that every
+/// replay shares (a router's replays run at once when it starts or its fleet reconnects).
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Bounds {
+pub(crate) struct Bounds<'a> {
     pub batches: usize,
-    pub bytes: usize,
+    pub budget: &'a Arc<Semaphore>,
 }
+
+/// Budget bytes a replay's batches hold until they are applied.
+pub(crate) type Held = Option<OwnedSemaphorePermit>;
 
 /// Every buffered batch with seq >= `start`, in the order the publisher sent them (through
 /// a ZMTP guard, which calls `on_refused` for a message over its limits).
@@ -56,9 +62,9 @@ pub(crate) async fn fetch(
     endpoint: &str,
     start: Seq,
     timeout: Duration,
-    bounds: Bounds,
+    bounds: Bounds<'_>,
     on_refused: OnRefused,
-) -> Result<Vec<LiveMessage>, ReplayError> {
+) -> Result<(Vec<LiveMessage>, Held), ReplayError> {
     let guard = ZmtpGuard::connecting(endpoint, on_refused)
         .await
         .map_err(|source| ReplayError::Guard { endpoint: endpoint.to_owned(), source })?;
@@ -77,7 +83,7 @@ pub(crate) async fn fetch(
         let request = ZmqMessage::try_from(request).expect("a replay request has frames");
         dealer.send(request).await.map_err(socket_err)?;
         let mut batches = Vec::new();
-        let mut bytes = 0usize;
+        let mut held: Held = None;
         loop {
             let reply_by = (tokio::time::Instant::now() + timeout).min(deadline);
             let msg = tokio::time::timeout_at(reply_by, dealer.recv())
@@ -85,14 +91,17 @@ pub(crate) async fn fetch(
                 .map_err(|_| timed_out())?
                 .map_err(socket_err)?;
             match framing::decode_replay_reply(&msg.into_vec())? {
-                ReplayReply::End => return Ok(batches),
+                ReplayReply::End => return Ok((batches, held)),
                 ReplayReply::Batch(_) if batches.len() >= bounds.batches => {
                     return Err(ReplayError::TooLong(bounds.batches));
                 }
                 ReplayReply::Batch(batch) => {
-                    bytes = bytes.saturating_add(batch.payload.len());
-                    if bytes > bounds.bytes {
-                        return Err(ReplayError::TooLarge(bounds.bytes));
+                    let bytes = u32::try_from(batch.payload.len()).map_err(|_| ReplayError::OverBudget)?;
+                    let permit = bounds.budget.clone().try_acquire_many_owned(bytes);
+                    let permit = permit.map_err(|_| ReplayError::OverBudget)?;
+                    match &mut held {
+                        Some(held) => held.merge(permit),
+                        None => held = Some(permit),
                     }
                     batches.push(batch);
                 }
@@ -108,14 +117,19 @@ pub(crate) async fn fetch(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
 
     use zeromq::RouterSocket;
 
     use super::*;
 
-    const UNBOUNDED: Bounds = Bounds { batches: usize::MAX, bytes: usize::MAX };
+    fn unbounded(budget: &Arc<Semaphore>) -> Bounds<'_> {
+        Bounds { batches: usize::MAX, budget }
+    }
+
+    fn budget(bytes: usize) -> Arc<Semaphore> {
+        Arc::new(Semaphore::new(bytes))
+    }
 
     /// A peer that answers a replay with one batch every `every` and never ends it.
     async fn dripping_peer(every: Duration) -> String {
@@ -145,7 +159,9 @@ mod tests {
         let on_refused = Arc::new(move || {
             counted.fetch_add(1, Ordering::Relaxed);
         });
-        let result = fetch(&endpoint, Seq(0), Duration::from_millis(500), UNBOUNDED, on_refused).await;
+        let budget = budget(1 << 20);
+        let result =
+            fetch(&endpoint, Seq(0), Duration::from_millis(500), unbounded(&budget), on_refused).await;
         assert!(
             matches!(result, Err(ReplayError::Socket { .. } | ReplayError::Timeout { .. })),
             "{result:?}"
@@ -158,9 +174,10 @@ mod tests {
         // Each batch comes well inside the reply timeout; the replay as a whole does not.
         let timeout = Duration::from_millis(100);
         let endpoint = dripping_peer(Duration::from_millis(20)).await;
+        let budget = budget(1 << 20);
         let result = tokio::time::timeout(
             Duration::from_secs(10),
-            fetch(&endpoint, Seq(0), timeout, UNBOUNDED, Arc::new(|| {})),
+            fetch(&endpoint, Seq(0), timeout, unbounded(&budget), Arc::new(|| {})),
         )
         .await
         .expect("the replay ends");
@@ -169,15 +186,19 @@ mod tests {
     }
 
     /// A replay is held whole before it is applied: one past its bounds, in batches or in
-    /// bytes, fails instead of growing.
+    /// the bytes left of the shared budget, fails instead of growing.
     #[tokio::test]
     async fn a_replay_past_its_bounds_fails() {
+        let shared = budget(5);
+        let other_replay = shared.clone().try_acquire_many_owned(2).unwrap();
         let endpoint = dripping_peer(Duration::from_millis(1)).await;
-        let bytes = Bounds { batches: usize::MAX, bytes: 5 };
-        let result = fetch(&endpoint, Seq(0), Duration::from_secs(5), bytes, Arc::new(|| {})).await;
-        assert!(matches!(result, Err(ReplayError::TooLarge(5))), "six one-byte batches: {result:?}");
+        let result =
+            fetch(&endpoint, Seq(0), Duration::from_secs(5), unbounded(&shared), Arc::new(|| {})).await;
+        assert!(matches!(result, Err(ReplayError::OverBudget)), "4 one-byte batches, 3 left: {result:?}");
+        assert_eq!(shared.available_permits(), 3, "a failed replay gives its bytes back");
+        drop(other_replay);
         let endpoint = dripping_peer(Duration::from_millis(1)).await;
-        let batches = Bounds { batches: 3, bytes: usize::MAX };
+        let batches = Bounds { batches: 3, budget: &shared };
         let result = fetch(&endpoint, Seq(0), Duration::from_secs(5), batches, Arc::new(|| {})).await;
         assert!(matches!(result, Err(ReplayError::TooLong(3))), "{result:?}");
     }

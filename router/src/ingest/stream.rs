@@ -40,6 +40,8 @@ pub(crate) struct ReplicaCtx {
     pub index: SharedIndex,
     pub metrics: ReplicaMetrics,
     pub config: Arc<IngestConfig>,
+    /// Payload bytes every replay of the router draws from while it is held.
+    pub replay_budget: Arc<tokio::sync::Semaphore>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -193,9 +195,10 @@ impl RankStream {
         };
         let Some(batch) = self.decode(&msg) else {
             // What the lost batch removed must leave the index now, not when the replica
-            // next publishes (unless too much garbage made the rank FALLBACK: then at the
-            // next good batch).
-            if self.lost && !self.broken {
+            // next publishes. Only for the first of a run: the rest wait for the next good
+            // batch (as does a rank that too much garbage made FALLBACK), so a run of garbage
+            // is not a run of snapshots.
+            if self.lost && !self.broken && self.malformed_run == 1 {
                 self.lost = false;
                 self.resync_without_replay().await;
             }
@@ -219,8 +222,11 @@ impl RankStream {
             Err(e) => {
                 tracing::debug!(error = %e, replica = %spec.name, seq = msg.seq.0, "malformed payload");
                 self.malformed(Malformed::Payload);
-                // The batch is lost; replaying it would give the same bytes.
-                self.lost = true;
+                // The batch is lost; replaying it would give the same bytes. (A live copy of
+                // a seq already behind us was dealt with when its turn came.)
+                if self.expected.is_none_or(|e| msg.seq >= e) {
+                    self.lost = true;
+                }
                 if self.expected == Some(msg.seq) {
                     self.expected = Some(msg.seq.next());
                 }
@@ -303,14 +309,14 @@ impl RankStream {
     /// anything) and the live stream. `newer`: a live seq already seen past `from`, so an
     /// empty replay is incomplete.
     async fn repair(&mut self, from: Seq, newer: Option<Seq>) {
-        let mut partial = Vec::new();
+        let mut partial: (Vec<LiveMessage>, replay::Held) = (Vec::new(), None);
         if let Some(endpoint) = self.replay_endpoint.clone() {
             let config = &self.ctx.config;
             let oversized = self.ctx.metrics.on_oversized();
             let bounds =
-                replay::Bounds { batches: config.replay_max_batches, bytes: config.replay_max_bytes };
+                replay::Bounds { batches: config.replay_max_batches, budget: &self.ctx.replay_budget };
             match replay::fetch(&endpoint, from, config.replay_timeout, bounds, oversized).await {
-                Ok(batches) => {
+                Ok((batches, held)) => {
                     let complete = match batches.first() {
                         None => newer.is_none(),
                         Some(first) => first.seq == from,
@@ -324,6 +330,7 @@ impl RankStream {
                             self.expected = Some(from);
                         }
                         self.apply_replayed(&batches);
+                        drop((batches, held));
                         if std::mem::take(&mut self.lost) {
                             self.resync_without_replay().await;
                         }
@@ -332,7 +339,7 @@ impl RankStream {
                     }
                     tracing::info!(replica = %self.ctx.replica.spec.name, from = from.0, first = ?batches.first().map(|b| b.seq.0), "incomplete replay");
                     self.ctx.metrics.replays(Outcome::Incomplete).inc();
-                    partial = batches;
+                    partial = (batches, held);
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, replica = %self.ctx.replica.spec.name, "replay failed");
@@ -345,7 +352,13 @@ impl RankStream {
         }
         self.clear();
         self.expected = None;
-        self.apply_replayed(&partial);
+        self.apply_replayed(&partial.0);
+        drop(partial);
+        if std::mem::take(&mut self.lost) {
+            // A batch of it was lost: what came after cannot be trusted either.
+            self.clear();
+            self.expected = None;
+        }
         self.synced_exact();
     }
 

@@ -9,7 +9,7 @@
 //! | 413 | body larger than `--max-body-bytes` |
 //! | 502 | the replica failed before answering, and so did every retry |
 //! | 503 | no healthy replica, every replica saturated, the router at its in-flight limit, or (`--remote-tokenize`) no replica asked could tokenize the prompt |
-//! | 504 | the replica did not start answering within `--first-byte-timeout-ms` (counted from the end of a streamed upload) |
+//! | 504 | the replica did not start answering within `--first-byte-timeout-ms` (for a streamed upload: from its end, or from when the replica last took some of it) |
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode};

@@ -237,9 +237,10 @@ pub async fn streamed(
 /// copied each time one of them was made or moved (~3% of the proxy's user CPU a request).
 ///
 /// For a streamed upload (`uploaded`), the timeout counts from when the upload went through
-/// whole; while it is going, from when the replica last took some of it (the client's own
-/// silence is the upload's idle timeout's: 408). So a slow but steady upload waits, and a
-/// replica that stops reading one times out like one that does not answer.
+/// whole; while it is going, from when the replica last took some of it, and not at all
+/// while the upload waits for the client (the client's silence is the upload's idle
+/// timeout's: 408). So a slow upload waits, and a replica that stops reading one times out
+/// like one that does not answer.
 async fn first_byte(
     config: &ForwardConfig,
     sent: Instant,
@@ -254,11 +255,15 @@ async fn first_byte(
             Ok(answer) => return Ok(answer),
             Err(elapsed) => elapsed,
         };
-        // Nothing read yet: the exchange is waiting for the client's first bytes.
-        let Some(since) =
-            uploaded.map(|u| u.finished_at().or_else(|| u.read_at()).unwrap_or_else(Instant::now))
-        else {
-            return Err(elapsed);
+        let Some(uploaded) = uploaded else { return Err(elapsed) };
+        // While the upload waits for the client, the replica is not the one to time (the
+        // upload's idle timeout is); otherwise the replica is taking it, or not.
+        let since = match (uploaded.finished_at(), uploaded.waiting_on_client(), uploaded.read_at()) {
+            (Some(finished), ..) => finished,
+            (None, true, _) => Instant::now(),
+            (None, false, Some(read)) => read,
+            // The body was never asked for: the replica has not taken the head.
+            (None, false, None) => sent,
         };
         match since + config.first_byte_timeout {
             later if later > deadline => deadline = later,

@@ -9,6 +9,7 @@
 //! first-byte timeout (a replica that stops reading an upload is not waited on forever).
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -65,6 +66,8 @@ pub struct Progress(Arc<Marks>);
 #[derive(Debug, Default)]
 struct Marks {
     read: Mutex<Option<Instant>>,
+    /// The body is waiting for the client's next bytes (its silence is the idle timer's).
+    waiting: AtomicBool,
     finished: OnceLock<Instant>,
 }
 
@@ -79,7 +82,14 @@ impl Progress {
         *self.0.read.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether the upload is waiting for the client's next bytes (not for the replica to
+    /// take the last ones).
+    pub fn waiting_on_client(&self) -> bool {
+        self.0.waiting.load(Ordering::Relaxed)
+    }
+
     fn read(&self) {
+        self.0.waiting.store(false, Ordering::Relaxed);
         *self.0.read.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
     }
 
@@ -128,10 +138,15 @@ where
                 }
                 Poll::Ready(frame)
             }
-            Poll::Pending => match this.timer.poll_expired(cx) {
-                Poll::Ready(()) => Poll::Ready(Some(Err(Stalled(this.timer.idle()).into()))),
-                Poll::Pending => Poll::Pending,
-            },
+            Poll::Pending => {
+                if let Some(progress) = &this.progress {
+                    progress.0.waiting.store(true, Ordering::Relaxed);
+                }
+                match this.timer.poll_expired(cx) {
+                    Poll::Ready(()) => Poll::Ready(Some(Err(Stalled(this.timer.idle()).into()))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
     }
 

@@ -227,9 +227,9 @@ async fn refusals_do_not_eject_a_replica() {
     shutdown.cancel();
 }
 
-/// A slow but steady upload to another `/v1/*` path outlasts `--first-byte-timeout-ms`: the
-/// replica's clock starts once the upload went through, so the answer comes back and the
-/// replica is not blamed.
+/// A slow upload to another `/v1/*` path outlasts `--first-byte-timeout-ms`: the replica's
+/// clock does not run while the upload waits for the client, so the answer comes back and
+/// the replica is not blamed.
 #[tokio::test]
 async fn a_slow_upload_is_not_the_replicas_first_byte_timeout() {
     let (replica, mut seen) = recording_replica(ANSWER).await;
@@ -241,14 +241,16 @@ async fn a_slow_upload_is_not_the_replicas_first_byte_timeout() {
     let length: usize = parts.iter().map(|p| p.len()).sum();
     let head = format!("POST /v1/embeddings HTTP/1.1\r\nhost: r\r\ncontent-length: {length}\r\n\r\n");
     stream.write_all(head.as_bytes()).await.unwrap();
-    for part in parts {
-        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    for (i, part) in parts.iter().enumerate() {
+        // One pause twice the first-byte timeout: the client's, not the replica's.
+        let pause = if i == 3 { 600 } else { 150 };
+        tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
         stream.write_all(part.as_bytes()).await.unwrap();
     }
     let mut answer = vec![0u8; 4096];
     let n = tokio::time::timeout(WAIT, stream.read(&mut answer)).await.expect("an answer").unwrap();
     let answer = String::from_utf8_lossy(&answer[..n]).to_ascii_lowercase();
-    assert!(answer.starts_with("http/1.1 200"), "900 ms of upload, a 300 ms first-byte timeout: {answer}");
+    assert!(answer.starts_with("http/1.1 200"), "1.35 s of upload, a 300 ms first-byte timeout: {answer}");
     let got = tokio::time::timeout(WAIT, seen.recv()).await.expect("in time").expect("the replica saw it");
     assert_eq!(got.body, parts.concat().as_bytes());
     shutdown.cancel();
@@ -300,7 +302,11 @@ async fn an_empty_answer_counts_as_a_success() {
 /// client gets a 504.
 #[tokio::test]
 async fn a_replica_that_stops_reading_an_upload_times_out() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    // A small receive buffer: the replica holds little of what it does not read.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(16).unwrap();
     let stuck = listener.local_addr().unwrap();
     let held = tokio::spawn(async move {
         let mut connections = Vec::new();
@@ -329,6 +335,7 @@ async fn a_replica_that_stops_reading_an_upload_times_out() {
     let n = tokio::time::timeout(WAIT, read.read(&mut answer)).await.expect("an answer").unwrap();
     let answer = String::from_utf8_lossy(&answer[..n]).to_ascii_lowercase();
     assert!(answer.starts_with("http/1.1 504"), "{answer}");
+    assert!(!upload.is_finished(), "the answer came while the upload was stuck, not after it");
     shutdown.cancel();
     upload.abort();
     held.abort();
