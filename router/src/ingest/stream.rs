@@ -66,10 +66,14 @@ pub(crate) struct RankStream {
     malformed_run: u32,
     /// In FALLBACK because of decode errors: resync on the next good batch.
     broken: bool,
-    /// A batch could not be decoded: what it removed is unknown, so the rank resyncs at once
-    /// (when FALLBACK, at the next good batch): the index must never hold a block the
-    /// replica dropped.
+    /// A batch could not be decoded: what it removed is unknown, so the rank resyncs (the
+    /// index must never hold a block the replica dropped): at once for the first lost batch
+    /// since the last good one, else (and when FALLBACK) at the next good batch, DEGRADED
+    /// meanwhile.
     lost: bool,
+    /// The rank already resynced for a lost batch since the last good one: a run of garbage
+    /// is not a run of snapshots.
+    resynced_in_run: bool,
     /// The SUB lost its connection and the rank was cleared: live frames are ignored until
     /// the next `Connected`, whose repair from seq 0 covers them.
     disconnected: bool,
@@ -89,6 +93,7 @@ impl RankStream {
             malformed_run: 0,
             broken: false,
             lost: false,
+            resynced_in_run: false,
             disconnected: false,
             scratch: Vec::new(),
         }
@@ -195,12 +200,16 @@ impl RankStream {
         };
         let Some(batch) = self.decode(&msg) else {
             // What the lost batch removed must leave the index now, not when the replica
-            // next publishes. Only for the first of a run: the rest wait for the next good
-            // batch (as does a rank that too much garbage made FALLBACK), so a run of garbage
-            // is not a run of snapshots.
-            if self.lost && !self.broken && self.malformed_run == 1 {
-                self.lost = false;
-                self.resync_without_replay().await;
+            // next publishes; a second lost batch before a good one waits for it (as does a
+            // rank that too much garbage made FALLBACK).
+            if self.lost && !self.broken {
+                if self.resynced_in_run {
+                    self.set_state(StreamState::Degraded);
+                } else {
+                    self.lost = false;
+                    self.resynced_in_run = true;
+                    self.resync_without_replay().await;
+                }
             }
             return;
         };
@@ -217,6 +226,7 @@ impl RankStream {
         match decode::decode(spec.engine, spec.block_size, msg.seq, &msg.payload) {
             Ok(batch) => {
                 self.malformed_run = 0;
+                self.resynced_in_run = false;
                 Some(batch)
             }
             Err(e) => {
@@ -428,6 +438,8 @@ impl RankStream {
             }
         };
         self.ctx.metrics.snapshots(Outcome::Ok).inc();
+        // Taken after any lost batch arrived: it covers what that batch did.
+        self.lost = false;
         self.clear();
         if native {
             self.epoch = Some(snap.epoch);

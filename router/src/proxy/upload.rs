@@ -209,6 +209,17 @@ mod tests {
         assert!(body.frame().await.is_none());
         assert_eq!(finished.finished_at(), Some(Instant::now()));
 
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+        let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let waits = Progress::default();
+        let mut body = Upload::new(inner, Duration::from_secs(1)).tracking(waits.clone());
+        assert!(!waits.waiting_on_client(), "not asked yet");
+        assert!(futures::poll!(body.frame()).is_pending());
+        assert!(waits.waiting_on_client(), "asked, and the client has sent nothing");
+        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
+        assert!(body.frame().await.unwrap().is_ok());
+        assert!(!waits.waiting_on_client(), "a frame came: the upload is on its way to the replica");
+
         let sized = Progress::default();
         let mut body = Upload::new(
             http_body_util::Full::new(Bytes::from_static(b"all")).map_err(|e| match e {}),

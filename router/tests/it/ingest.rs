@@ -524,11 +524,13 @@ async fn an_undecodable_batch_resyncs_its_rank() {
     applied(&r, seq).await;
     assert_eq!(h.overlap(&r, &a), 3);
     let topic = Bytes::from_static(b"kv-events");
+    // A malformed frame first (it is no batch, so nothing is lost by it), then a lost batch.
+    fake.send_frames(vec![topic.clone(), Bytes::from_static(b"abc"), Bytes::from_static(b"x")]).await;
     fake.send_frames(framing::encode_live(topic, Seq(seq + 1), Bytes::from_static(&[0xc1]))).await;
     wait_until("what the lost batch may have removed is gone", || h.overlap(&r, &a) == 0).await;
     fake.send(seq + 2, vllm(batch(0, seq + 2, vec![store_chain(&b, 0)]))).await;
     applied(&r, seq + 2).await;
-    assert_eq!(m.malformed_payload.get(), 1);
+    assert_eq!((m.malformed_frame.get(), m.malformed_payload.get()), (1, 1));
     assert_eq!(h.overlap(&r, &b), 2, "the batch after it is applied");
     assert_eq!(r.status.state(), StreamState::Exact);
 }
