@@ -226,6 +226,9 @@ impl Ingest {
             return Err(IngestError::ShutDown);
         }
         let replica = inner.replicas.insert(spec)?;
+        // A name keeps its id: a decision made as the previous replica of this name was
+        // removed may have credited it after its credits were forgotten.
+        inner.index.credits().forget(replica.id);
         let metrics = inner.metrics.replica(&replica.spec.name);
         metrics.set_state(StreamState::Degraded);
         let ctx = Arc::new(ReplicaCtx {

@@ -590,6 +590,24 @@ async fn a_removal_abandoned_midway_still_completes() {
     assert_eq!(h.index.blocks(r.id), 0);
 }
 
+/// A replica added again under a name (same id) starts without credits: a decision made as
+/// its predecessor was removed may have credited that id after its credits were forgotten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_added_again_starts_without_credits() {
+    let index = kvroute_router::index::SharedIndex::with_credit_ttl(Duration::from_secs(60));
+    let h = Harness::with_index(test_config(), index);
+    let p = AgentPublisher::start(EventFormat::Kvroute, true).await;
+    let (r, _) = h.add(spec("again", EngineKind::Kvroute, &p.events, p.replay.as_deref()));
+    h.synced(&r).await;
+    h.ingest.remove_replica(r.id).await.unwrap();
+    let late = chain(&Rng::new(34).tokens(2));
+    h.index.credits().credit(r.id, &late); // a decision that raced the removal
+    assert_eq!(h.index.credits().extend(r.id, &late, 0), 2);
+    let (again, _) = h.add(spec("again", EngineKind::Kvroute, &p.events, p.replay.as_deref()));
+    assert_eq!(again.id, r.id);
+    assert_eq!(h.index.credits().extend(again.id, &late, 0), 0, "no credit from before");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_publisher_is_fallback_until_it_appears() {
     let h = Harness::with_config(kvroute_router::ingest::IngestConfig {

@@ -59,10 +59,14 @@ impl Harness {
     }
 
     pub fn with_config(config: IngestConfig) -> Self {
+        Self::with_index(config, SharedIndex::new())
+    }
+
+    /// A harness over `index` (one with routing credits, say).
+    pub fn with_index(config: IngestConfig, index: SharedIndex) -> Self {
         // Logs show with `RUST_LOG=kvroute_router=debug` (captured per test).
         let filter = tracing_subscriber::EnvFilter::from_default_env();
         drop(tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init());
-        let index = SharedIndex::new();
         let mut registry = Registry::default();
         let tracker = TaskTracker::new();
         let shutdown = CancellationToken::new();
