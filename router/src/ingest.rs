@@ -118,7 +118,8 @@ pub struct IngestConfig {
     /// is applied; a longer one counts as failed).
     pub replay_max_batches: usize,
     /// Payload bytes all replays in progress may hold together (they run at once when the
-    /// router starts or its fleet reconnects); a replay that would go past it fails.
+    /// router starts or its fleet reconnects); a replay that would go past it waits for
+    /// others to give some back, up to its reply timeout, then fails.
     pub replay_max_bytes: usize,
     /// Timeout of a whole snapshot.
     pub snapshot_timeout: Duration,

@@ -46,7 +46,8 @@ pub(crate) enum ReplayError {
 }
 
 /// The most a replay may hold: batches, and bytes of payload drawn from a budget that every
-/// replay shares (a router's replays run at once when it starts or its fleet reconnects).
+/// replay shares (a router's replays run at once when it starts or its fleet reconnects). A
+/// replay waits for budget that others hold, as long as it would wait for its next reply.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Bounds<'a> {
     pub batches: usize,
@@ -97,8 +98,11 @@ pub(crate) async fn fetch(
                 }
                 ReplayReply::Batch(batch) => {
                     let bytes = u32::try_from(batch.payload.len()).map_err(|_| ReplayError::OverBudget)?;
-                    let permit = bounds.budget.clone().try_acquire_many_owned(bytes);
-                    let permit = permit.map_err(|_| ReplayError::OverBudget)?;
+                    let wanted = bounds.budget.clone().acquire_many_owned(bytes);
+                    let permit = tokio::time::timeout_at(reply_by, wanted)
+                        .await
+                        .map_err(|_| ReplayError::OverBudget)?
+                        .map_err(|_| ReplayError::OverBudget)?;
                     match &mut held {
                         Some(held) => held.merge(permit),
                         None => held = Some(permit),
@@ -185,6 +189,24 @@ mod tests {
         assert!(matches!(result, Err(ReplayError::Timeout { .. })), "{result:?}");
     }
 
+    /// A peer that answers a replay with `n` one-byte batches and its end.
+    async fn finite_peer(n: u64) -> String {
+        let mut router = RouterSocket::new();
+        let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        tokio::spawn(async move {
+            let request = router.recv().await.unwrap().into_vec();
+            let peer = request[0].clone();
+            let batches = (0..n)
+                .map(|seq| framing::encode_replay_batch(Bytes::new(), Seq(seq), Bytes::from_static(b"x")));
+            for frames in batches.chain([framing::encode_replay_end()]) {
+                let frames: Vec<Bytes> = std::iter::once(peer.clone()).chain(frames).collect();
+                router.send(ZmqMessage::try_from(frames).unwrap()).await.unwrap();
+            }
+            std::future::pending::<()>().await;
+        });
+        endpoint
+    }
+
     /// A replay is held whole before it is applied: one past its bounds, in batches or in
     /// the bytes left of the shared budget, fails instead of growing.
     #[tokio::test]
@@ -193,7 +215,7 @@ mod tests {
         let other_replay = shared.clone().try_acquire_many_owned(2).unwrap();
         let endpoint = dripping_peer(Duration::from_millis(1)).await;
         let result =
-            fetch(&endpoint, Seq(0), Duration::from_secs(5), unbounded(&shared), Arc::new(|| {})).await;
+            fetch(&endpoint, Seq(0), Duration::from_millis(300), unbounded(&shared), Arc::new(|| {})).await;
         assert!(matches!(result, Err(ReplayError::OverBudget)), "4 one-byte batches, 3 left: {result:?}");
         assert_eq!(shared.available_permits(), 3, "a failed replay gives its bytes back");
         drop(other_replay);
@@ -201,5 +223,22 @@ mod tests {
         let batches = Bounds { batches: 3, budget: &shared };
         let result = fetch(&endpoint, Seq(0), Duration::from_secs(5), batches, Arc::new(|| {})).await;
         assert!(matches!(result, Err(ReplayError::TooLong(3))), "{result:?}");
+    }
+
+    /// A replay that finds the budget held by another waits for it (within its reply
+    /// timeout) instead of failing.
+    #[tokio::test]
+    async fn a_replay_waits_for_budget_another_replay_gives_back() {
+        let shared = budget(4);
+        let other_replay = shared.clone().try_acquire_many_owned(3).unwrap();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            drop(other_replay);
+        });
+        let endpoint = finite_peer(3).await;
+        let result =
+            fetch(&endpoint, Seq(0), Duration::from_secs(5), unbounded(&shared), Arc::new(|| {})).await;
+        let (batches, held) = result.expect("the budget came back in time");
+        assert_eq!((batches.len(), held.map(|h| h.num_permits())), (3, Some(3)));
     }
 }
