@@ -555,3 +555,57 @@ impl RankStream {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kvroute_proto::vllm::{self, VllmBatch, VllmEvent};
+
+    use super::*;
+    use crate::ingest::IngestMetrics;
+    use crate::replicas::{EngineKind, ReplicaSpec, Replicas};
+
+    fn rank() -> RankStream {
+        let spec = ReplicaSpec::new("r", "tcp://127.0.0.1:9", EngineKind::Vllm, "m");
+        let ctx = ReplicaCtx {
+            replica: Replicas::new().insert(spec).unwrap(),
+            index: SharedIndex::new(),
+            metrics: IngestMetrics::default().replica("r"),
+            config: Arc::default(),
+            replay_budget: Arc::new(tokio::sync::Semaphore::new(1 << 20)),
+        };
+        RankStream::new(Arc::new(ctx), 0, None)
+    }
+
+    /// Batch `seq`: one stored block of two tokens, parent `seq - 1`.
+    fn batch(seq: u64) -> LiveMessage {
+        let stored = vllm::BlockStored {
+            block_hashes: vec![BlockHash(100 + seq)],
+            parent_block_hash: seq.checked_sub(1).map(|p| BlockHash(100 + p)),
+            token_ids: vec![seq as u32, seq as u32],
+            block_size: 2,
+            ..Default::default()
+        };
+        let payload = vllm::encode_payload(&VllmBatch {
+            ts: 0.0,
+            events: vec![VllmEvent::BlockStored(stored)],
+            dp_rank: None,
+        });
+        LiveMessage { topic: bytes::Bytes::new(), seq: Seq(seq), payload }
+    }
+
+    /// A catch-up replay that finds nothing new keeps the window of the replay before it: a
+    /// live copy of a batch that replay covered, still queued, is a duplicate, not a restart
+    /// (which would clear the rank).
+    #[tokio::test]
+    async fn an_empty_replay_keeps_the_last_ones_duplicate_window() {
+        let mut rank = rank();
+        rank.apply_replayed(&[batch(0), batch(1)]);
+        let id = rank.ctx.replica.id;
+        assert_eq!(rank.ctx.index.blocks(id), 2);
+        rank.apply_replayed(&[]);
+        let late = rank.decode(&batch(1)).unwrap();
+        rank.process(late).await;
+        assert_eq!(rank.ctx.index.blocks(id), 2, "not cleared as a restart");
+        assert_eq!(rank.ctx.metrics.restarts.get(), 0);
+    }
+}
