@@ -135,23 +135,31 @@ mod tests {
         Arc::new(Semaphore::new(bytes))
     }
 
-    /// A peer that answers a replay with one batch every `every` and never ends it.
-    async fn dripping_peer(every: Duration) -> String {
+    /// A peer that answers a replay with a one-byte batch every `every`: `n` of them and the
+    /// replay's end, or batches without end.
+    async fn peer(every: Duration, n: Option<u64>) -> String {
         let mut router = RouterSocket::new();
         let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
         tokio::spawn(async move {
             let request = router.recv().await.unwrap().into_vec();
             let peer = request[0].clone();
-            for seq in 0.. {
+            let batches = (0..n.unwrap_or(u64::MAX))
+                .map(|seq| framing::encode_replay_batch(Bytes::new(), Seq(seq), Bytes::from_static(b"x")));
+            for frames in batches.chain(n.map(|_| framing::encode_replay_end())) {
                 tokio::time::sleep(every).await;
-                let mut frames = vec![peer.clone()];
-                frames.extend(framing::encode_replay_batch(Bytes::new(), Seq(seq), Bytes::from_static(b"x")));
+                let frames: Vec<Bytes> = std::iter::once(peer.clone()).chain(frames).collect();
                 if router.send(ZmqMessage::try_from(frames).unwrap()).await.is_err() {
                     return;
                 }
             }
+            std::future::pending::<()>().await;
         });
         endpoint
+    }
+
+    /// A peer that answers a replay with one batch every `every` and never ends it.
+    async fn dripping_peer(every: Duration) -> String {
+        peer(every, None).await
     }
 
     /// Through the ZMTP guard: without it, `zeromq` would reserve 2^62 bytes and abort.
@@ -189,24 +197,6 @@ mod tests {
         assert!(matches!(result, Err(ReplayError::Timeout { .. })), "{result:?}");
     }
 
-    /// A peer that answers a replay with `n` one-byte batches and its end.
-    async fn finite_peer(n: u64) -> String {
-        let mut router = RouterSocket::new();
-        let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
-        tokio::spawn(async move {
-            let request = router.recv().await.unwrap().into_vec();
-            let peer = request[0].clone();
-            let batches = (0..n)
-                .map(|seq| framing::encode_replay_batch(Bytes::new(), Seq(seq), Bytes::from_static(b"x")));
-            for frames in batches.chain([framing::encode_replay_end()]) {
-                let frames: Vec<Bytes> = std::iter::once(peer.clone()).chain(frames).collect();
-                router.send(ZmqMessage::try_from(frames).unwrap()).await.unwrap();
-            }
-            std::future::pending::<()>().await;
-        });
-        endpoint
-    }
-
     /// A replay is held whole before it is applied: one past its bounds, in batches or in
     /// the bytes left of the shared budget, fails instead of growing.
     #[tokio::test]
@@ -235,7 +225,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(100)).await;
             drop(other_replay);
         });
-        let endpoint = finite_peer(3).await;
+        let endpoint = peer(Duration::ZERO, Some(3)).await;
         let result =
             fetch(&endpoint, Seq(0), Duration::from_secs(5), unbounded(&shared), Arc::new(|| {})).await;
         let (batches, held) = result.expect("the budget came back in time");
