@@ -64,6 +64,8 @@ mod tests {
                         block_hashes: vec![1, 2],
                         parent_block_hash: None,
                         token_ids: vec![1, 2, 3, 4],
+                        lora_name: Some("adapter".into()),
+                        cache_salt: Some("tenant".into()),
                     })),
                 },
                 Event { kind: Some(event::Kind::Removed(BlockRemoved { block_hashes: vec![2] })) },

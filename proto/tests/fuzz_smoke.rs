@@ -121,6 +121,7 @@ fn native_batches() -> Vec<EventBatch> {
             block_hashes: hashes,
             parent_block_hash: parent,
             token_ids: tokens,
+            ..Default::default()
         })),
     };
     let batch = |seq: u64, events: Vec<Event>| EventBatch {

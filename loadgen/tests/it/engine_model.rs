@@ -84,8 +84,7 @@ async fn simulated_latencies_match_the_agent_engine() {
     let mut runs = Vec::new();
     for request in &trace.requests {
         let prompt = request.prompt();
-        let job =
-            Job { hashes: namespace.chain(&prompt, BLOCK_SIZE), prompt, max_tokens: request.output_len };
+        let job = Job::new(namespace.clone(), prompt, BLOCK_SIZE, request.output_len);
         let engine = engine.clone();
         let at = start + request.arrival;
         runs.push(tokio::spawn(async move {

@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvroute_proto::pb::{self, SnapshotBlock};
-use kvroute_proto::{BlockHash, Epoch};
+use kvroute_proto::{BlockHash, CacheNamespace, Epoch};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -61,9 +61,19 @@ pub struct EngineConfig {
 #[derive(Debug)]
 pub struct Job {
     pub prompt: Vec<u32>,
-    /// Chained hashes of the prompt's full blocks.
+    /// Chained hashes of the prompt's full blocks, in `namespace`.
     pub hashes: Vec<BlockHash>,
+    /// The cache namespace the hashes were chained in; its adapter and salt go into the
+    /// stored events (vLLM's format publishes them).
+    pub namespace: CacheNamespace,
     pub max_tokens: u32,
+}
+
+impl Job {
+    /// A job for `prompt`, its full blocks of `block_size` tokens hashed in `namespace`.
+    pub fn new(namespace: CacheNamespace, prompt: Vec<u32>, block_size: usize, max_tokens: u32) -> Job {
+        Job { hashes: namespace.chain(&prompt, block_size), prompt, namespace, max_tokens }
+    }
 }
 
 /// What the engine sends back for one job, in order: `Started`, `Token`s, then `Done` or

@@ -359,6 +359,8 @@ fn record_events(
                             block_hashes: vec![block.0],
                             parent_block_hash: parent.map(|p: BlockHash| p.0),
                             token_ids: tokens.to_vec(),
+                            lora_name: job.namespace.lora.clone(),
+                            cache_salt: job.namespace.cache_salt.clone(),
                         })),
                     });
                 }

@@ -33,8 +33,7 @@ async fn engine(capacity: usize, max_num_seqs: usize) -> (Engine, CancellationTo
 }
 
 fn job(tokens: Vec<u32>, max_tokens: u32) -> Job {
-    let hashes = CacheNamespace::new("m").chain(&tokens, 4);
-    Job { prompt: tokens, hashes, max_tokens }
+    Job::new(CacheNamespace::new("m"), tokens, 4, max_tokens)
 }
 
 async fn run(engine: &Engine, job: Job) -> (Vec<Output>, Usage) {

@@ -254,8 +254,8 @@ fn jobs(state: &AppState, request: &ParsedRequest<'_>) -> Result<Vec<Job>, ApiEr
                 }
                 None => u64::from(config.default_max_tokens).min(max_model_len - len).max(1),
             };
-            let hashes = namespace.chain(&prompt, block_size);
-            Ok(Job { prompt, hashes, max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX) })
+            let max_tokens = u32::try_from(max_tokens).unwrap_or(u32::MAX);
+            Ok(Job::new(namespace.clone(), prompt, block_size, max_tokens))
         })
         .collect()
 }

@@ -3,8 +3,8 @@
 //! path can be exercised without a GPU or Python.
 
 use bytes::Bytes;
-use kvroute_proto::pb::{EventBatch, event};
-use kvroute_proto::vllm::{self, VllmBatch, VllmEvent};
+use kvroute_proto::pb::{self, EventBatch, event};
+use kvroute_proto::vllm::{self, ExtraKey, VllmBatch, VllmEvent};
 use kvroute_proto::{BlockHash, native};
 
 /// Payload encoding of published batches.
@@ -38,7 +38,10 @@ impl EventFormat {
 }
 
 /// The vLLM rendering of a native batch: same hashes (opaque ids to a vLLM consumer), same
-/// tokens, `medium = "GPU"`, full-attention group 0.
+/// tokens, `medium = "GPU"`, full-attention group 0, and the namespace as vLLM (>= 0.20)
+/// publishes it: `lora_name`, and per block the untagged extra keys that went into its hash
+/// (the adapter's name on every block, the salt after it on a prompt's first block; `nil`
+/// for a block with neither).
 fn to_vllm(batch: &EventBatch) -> VllmBatch {
     let events = batch
         .events
@@ -50,6 +53,8 @@ fn to_vllm(batch: &EventBatch) -> VllmBatch {
                 parent_block_hash: s.parent_block_hash.map(BlockHash),
                 token_ids: s.token_ids.clone(),
                 block_size: batch.block_size,
+                lora_name: s.lora_name.clone(),
+                extra_keys: Some(extra_keys(s)),
                 medium: Some("GPU".into()),
                 group_idx: Some(0),
                 kv_cache_spec_kind: Some("full_attention".into()),
@@ -65,4 +70,17 @@ fn to_vllm(batch: &EventBatch) -> VllmBatch {
         })
         .collect();
     VllmBatch { ts: batch.ts_unix_nanos as f64 / 1e9, events, dp_rank: Some(batch.dp_rank) }
+}
+
+/// One `extra_keys` entry per block of `s`, as vLLM's `to_event_extra_keys` writes them.
+fn extra_keys(s: &pb::BlockStored) -> Vec<ExtraKey> {
+    let first_of_prompt = s.parent_block_hash.is_none();
+    (0..s.block_hashes.len())
+        .map(|i| {
+            let salt = s.cache_salt.as_ref().filter(|_| i == 0 && first_of_prompt);
+            let keys: Vec<ExtraKey> =
+                s.lora_name.iter().chain(salt).map(|k| ExtraKey::Str(k.clone())).collect();
+            if keys.is_empty() { ExtraKey::Nil } else { ExtraKey::Tuple(keys) }
+        })
+        .collect()
 }

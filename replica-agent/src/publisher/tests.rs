@@ -21,6 +21,7 @@ fn batch(seq: u64) -> EventBatch {
                 block_hashes: vec![seq * 10 + 1],
                 parent_block_hash: None,
                 token_ids: vec![1, 2],
+                ..Default::default()
             })),
         }],
     }
@@ -149,6 +150,50 @@ async fn vllm_format_decodes_with_the_vllm_decoder() {
     assert_eq!(stored.token_ids, vec![1, 2]);
     assert_eq!(stored.block_size, 2);
     shutdown.cancel();
+}
+
+/// vLLM's namespace fields: `lora_name` on every run of an adapter's request, and per block
+/// the untagged extra keys of its hash: the adapter's name, then the salt on the prompt's
+/// first block only; `nil` for a block with neither.
+#[test]
+fn vllm_format_names_the_adapter_and_the_salt_per_block() {
+    let stored = |hashes: Vec<u64>, parent: Option<u64>, lora: Option<&str>, salt: Option<&str>| Event {
+        kind: Some(event::Kind::Stored(BlockStored {
+            token_ids: vec![7; hashes.len() * 2],
+            block_hashes: hashes,
+            parent_block_hash: parent,
+            lora_name: lora.map(Into::into),
+            cache_salt: salt.map(Into::into),
+        })),
+    };
+    let mut native = batch(0);
+    native.events = vec![
+        stored(vec![1, 2], None, Some("tuned"), Some("s")),
+        stored(vec![3], Some(2), Some("tuned"), Some("s")),
+        stored(vec![4], None, None, Some("s")),
+        stored(vec![5, 6], None, None, None),
+    ];
+    let decoded = vllm::decode_payload(&EventFormat::Vllm.encode_payload(&native)).unwrap();
+    let runs: Vec<_> = decoded
+        .events
+        .iter()
+        .map(|e| match e {
+            vllm::VllmEvent::BlockStored(s) => (s.lora_name.clone(), s.extra_keys.clone().unwrap()),
+            other => panic!("BlockStored expected, got {other:?}"),
+        })
+        .collect();
+    let key =
+        |k: &[&str]| vllm::ExtraKey::Tuple(k.iter().map(|s| vllm::ExtraKey::Str(s.to_string())).collect());
+    let tuned = Some("tuned".to_string());
+    assert_eq!(
+        runs,
+        vec![
+            (tuned.clone(), vec![key(&["tuned", "s"]), key(&["tuned"])]),
+            (tuned, vec![key(&["tuned"])]),
+            (None, vec![key(&["s"])]),
+            (None, vec![vllm::ExtraKey::Nil, vllm::ExtraKey::Nil]),
+        ]
+    );
 }
 
 /// A peer that sends a greeting and then announces a 2^62-byte frame, on both sockets:

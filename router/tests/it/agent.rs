@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use kvroute_proto::{Epoch, pb};
+use kvroute_proto::{CacheNamespace, Epoch, pb};
 use kvroute_replica_agent::Config;
 use kvroute_replica_agent::cache::{CacheConfig, PolicyKind, S3FifoParams};
 use kvroute_replica_agent::engine::{Engine, EngineConfig, Job, Output};
@@ -86,7 +86,7 @@ impl RealAgent {
             let mut prompt = bases[rng.below(bases.len() as u64) as usize].clone();
             let extra = rng.below(5) as usize;
             prompt.extend(rng.tokens(extra));
-            let job = Job { hashes: chain(&prompt), prompt, max_tokens: 2 };
+            let job = Job::new(CacheNamespace::new(MODEL), prompt, BLOCK as usize, 2);
             let mut outputs = self.engine.submit(job).expect("submit");
             while let Some(output) = outputs.recv().await {
                 match output {

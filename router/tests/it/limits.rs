@@ -13,6 +13,9 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use kvroute_replica_agent::publisher::EventFormat;
+use kvroute_router::replicas::EngineKind;
+
 use crate::fleet::{FLEET_MODEL, Fleet, Reply, agent_config};
 
 /// Sends one raw HTTP/1.1 request on `stream` and returns the response head.
@@ -158,6 +161,43 @@ async fn cache_salt_keeps_tenants_apart() {
         assert_eq!(reply.status, 200);
         assert_eq!((predicted(&reply), reply.cached_tokens()), (0, 0), "salt {other:?}");
         fleet.index_matches(0).await;
+    }
+}
+
+/// A replica publishing in vLLM's format names a request's adapter and salt the way vLLM
+/// does (`lora_name`, `extra_keys`). The router recomputes every block's hash from the
+/// tokens and that namespace, so its index holds exactly the replica's blocks, and each
+/// namespace hits only its own.
+#[tokio::test]
+async fn vllm_events_carry_the_adapter_and_the_salt() {
+    let agent = |name: &str| kvroute_replica_agent::Config {
+        event_format: EventFormat::Vllm,
+        lora_adapters: vec!["tuned".into()],
+        ..agent_config(name)
+    };
+    let fleet = Fleet::with(1, agent, |mut config| {
+        config.replicas.iter_mut().for_each(|r| r.engine = EngineKind::Vllm);
+        config.lora_adapters = vec!["tuned".into()];
+        config
+    })
+    .await;
+    let url = fleet.url("/v1/completions");
+    let prompt = (0..40).map(|i| format!("ns{i}")).collect::<Vec<_>>().join(" ");
+    let ask = |model: &str, salt: Option<&str>| {
+        let mut body = json!({"model": model, "prompt": prompt, "max_tokens": 1});
+        if let Some(salt) = salt {
+            body["cache_salt"] = Value::from(salt);
+        }
+        body
+    };
+    let namespaces = [(FLEET_MODEL, Some("tenant-a")), ("tuned", None), ("tuned", Some("tenant-a"))];
+    for (model, salt) in namespaces {
+        let first = fleet.http.post(&url, &ask(model, salt)).await;
+        assert_eq!((first.status.as_u16(), predicted(&first)), (200, 0), "{model} {salt:?} is new");
+        fleet.index_matches(0).await;
+        let again = fleet.http.post(&url, &ask(model, salt)).await;
+        assert!(again.cached_tokens() > 0, "{model} {salt:?} hits its own blocks");
+        assert_eq!(predicted(&again), again.cached_tokens(), "{model} {salt:?}");
     }
 }
 

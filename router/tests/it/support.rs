@@ -166,6 +166,7 @@ pub fn stored_event(hashes: &[BlockHash], parent: Option<BlockHash>, tokens: &[u
             block_hashes: hashes.iter().map(|h| h.0).collect(),
             parent_block_hash: parent.map(|h| h.0),
             token_ids: tokens.to_vec(),
+            ..Default::default()
         })),
     }
 }
