@@ -9,8 +9,9 @@
 //! 2. spends the step's token budget (`max_num_batched_tokens`) on one decode token per
 //!    running sequence, then on prefill chunks of the uncached prompt tokens (chunked
 //!    prefill, oldest request first);
-//! 3. publishes the step's cache changes as one `EventBatch` (seq assigned under the cache
-//!    lock, so a snapshot knows which seq it is consistent with);
+//! 3. publishes the step's cache changes as one `EventBatch` (its seq taken with the first
+//!    change, under the cache lock, so a snapshot knows which seq it is consistent with; a
+//!    snapshot in the middle of a step splits the step's batch in two, see [`outbox`]);
 //! 4. waits the step's duration from the [`TimingModel`] and emits the tokens: a request whose
 //!    prefill completed gets its first token, decoding ones their next, finished ones their
 //!    usage, and their pins are released.
@@ -22,6 +23,7 @@
 //! vLLM would recompute it. Both simplifications are on the side of the seed-000 replay, which
 //! is the reference the offline simulator reproduces.
 
+mod outbox;
 mod scheduler;
 mod textgen;
 mod timing;
@@ -131,8 +133,8 @@ pub struct EngineMetrics {
 pub(crate) struct CacheState {
     pub cache: BlockCache,
     pub blocks: HashMap<BlockHash, BlockMeta>,
-    /// Seq of the next published batch.
-    pub next_seq: u64,
+    /// The events of changes made and not yet published.
+    pub outbox: outbox::Outbox,
 }
 
 /// What a snapshot needs to describe a resident block.
@@ -164,6 +166,8 @@ pub struct Engine {
     metrics: Arc<EngineMetrics>,
     config: Arc<EngineConfig>,
     accepting: CancellationToken,
+    /// See [`Engine::max_prompt_tokens`].
+    max_prompt_tokens: usize,
 }
 
 impl Engine {
@@ -176,7 +180,10 @@ impl Engine {
         shutdown: CancellationToken,
     ) -> Result<Engine, crate::cache::ConfigError> {
         let cache = BlockCache::new(&config.cache)?;
-        let state = Arc::new(Mutex::new(CacheState { cache, blocks: HashMap::new(), next_seq: 0 }));
+        // A prompt of `pin_limit` full blocks and a partial one is the longest that fits.
+        let max_prompt_tokens = (cache.pin_limit() + 1) * config.cache.block_size - 1;
+        let state =
+            Arc::new(Mutex::new(CacheState { cache, blocks: HashMap::new(), outbox: Default::default() }));
         let metrics =
             Arc::new(EngineMetrics { zmtp_refused: publisher.refused(), ..EngineMetrics::default() });
         let config = Arc::new(config);
@@ -186,7 +193,7 @@ impl Engine {
             scheduler::Scheduler::new(config.clone(), state.clone(), metrics.clone(), publisher, rx)
                 .run(shutdown),
         );
-        Ok(Engine { tx, state, metrics, config, accepting })
+        Ok(Engine { tx, state, metrics, config, accepting, max_prompt_tokens })
     }
 
     /// Queues a job; its outputs arrive on the returned channel.
@@ -194,13 +201,23 @@ impl Engine {
         if self.accepting.is_cancelled() {
             return Err(SubmitError::ShuttingDown);
         }
+        // `waiting` counts every job not yet admitted, queued in the channel or in the
+        // scheduler's queue; a job counts before it is sent, so the scheduler never takes one
+        // off the count before it is on it.
+        let max = self.config.max_waiting;
+        if self.metrics.waiting.fetch_add(1, Ordering::Relaxed) >= max as u64 {
+            self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
+            return Err(SubmitError::Overloaded(max));
+        }
         // Room for every output of the job, so the scheduler never waits on a slow client.
         let (out, rx) = mpsc::channel(job.max_tokens as usize + 3);
-        self.tx.try_send(Control::Run(job, out)).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => SubmitError::Overloaded(self.config.max_waiting),
-            mpsc::error::TrySendError::Closed(_) => SubmitError::ShuttingDown,
+        self.tx.try_send(Control::Run(job, out)).map_err(|e| {
+            self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
+            match e {
+                mpsc::error::TrySendError::Full(_) => SubmitError::Overloaded(max),
+                mpsc::error::TrySendError::Closed(_) => SubmitError::ShuttingDown,
+            }
         })?;
-        self.metrics.waiting.fetch_add(1, Ordering::Relaxed);
         Ok(rx)
     }
 
@@ -214,11 +231,12 @@ impl Engine {
 
     /// Every resident block, parents first, and the seq the copy is consistent with.
     pub fn snapshot(&self, include_tokens: bool) -> Snapshot {
-        let state = self.lock();
+        let mut state = self.lock();
+        let seq = state.outbox.seal();
         let mut blocks: Vec<(&BlockHash, &BlockMeta)> = state.blocks.iter().collect();
         blocks.sort_unstable_by_key(|(hash, meta)| (meta.depth, **hash));
         Snapshot {
-            seq: state.next_seq.checked_sub(1),
+            seq,
             blocks: blocks
                 .into_iter()
                 .map(|(hash, meta)| SnapshotBlock {
@@ -243,9 +261,15 @@ impl Engine {
         &self.config
     }
 
-    /// Seq of the newest published batch, if any.
+    /// The longest prompt the cache can ever hold whole while it runs (its full blocks are
+    /// all pinned at once); a longer one would wait forever, so it is refused up front.
+    pub fn max_prompt_tokens(&self) -> usize {
+        self.max_prompt_tokens
+    }
+
+    /// Seq of the newest batch, published or about to be, if any.
     pub fn last_seq(&self) -> Option<u64> {
-        self.lock().next_seq.checked_sub(1)
+        self.lock().outbox.last_seq()
     }
 
     fn lock(&self) -> MutexGuard<'_, CacheState> {

@@ -41,8 +41,6 @@ pub(super) struct Scheduler {
     rx: mpsc::Receiver<Control>,
     waiting: VecDeque<Pending>,
     running: Vec<Running>,
-    /// Cache changes of the current step, in order, as protobuf events.
-    events: Vec<pb::Event>,
     scratch: Vec<CacheEvent>,
     /// When the current step ends on the wall clock; steps are laid end to end so that short
     /// steps under a large time scale keep their average length despite timer granularity.
@@ -65,7 +63,6 @@ impl Scheduler {
             rx,
             waiting: VecDeque::new(),
             running: Vec::new(),
-            events: Vec::new(),
             scratch: Vec::new(),
             clock: Instant::now(),
         }
@@ -127,7 +124,9 @@ impl Scheduler {
                     if result.is_ok() {
                         state.blocks.clear();
                         self.metrics.resident_blocks.store(0, Ordering::Relaxed);
-                        self.events
+                        state
+                            .outbox
+                            .events()
                             .push(pb::Event { kind: Some(event::Kind::Cleared(pb::AllBlocksCleared {})) });
                     }
                     result
@@ -154,7 +153,7 @@ impl Scheduler {
                 let mut state = lock(&self.state);
                 let outcome = state.cache.start_request(&job.hashes, job.prompt.len(), &mut self.scratch);
                 if outcome.is_ok() {
-                    record_events(&mut state, &mut self.events, &self.scratch, job, block_size);
+                    record_events(&mut state, &self.scratch, job, block_size);
                     self.metrics.resident_blocks.store(state.cache.len() as u64, Ordering::Relaxed);
                 }
                 outcome
@@ -275,34 +274,31 @@ impl Scheduler {
         self.metrics.pending_prefill_tokens.store(pending as u64, Ordering::Relaxed);
     }
 
-    /// Publishes the step's events as one batch, its seq taken under the cache lock.
+    /// Publishes the step's events: one batch, or more where a snapshot split the step (their
+    /// seqs were taken under the cache lock with the changes).
     async fn flush_events(&mut self) {
-        if self.events.is_empty() {
+        let batches = lock(&self.state).outbox.take();
+        if batches.is_empty() {
             return;
         }
-        let events = std::mem::take(&mut self.events);
-        let seq = {
-            let mut state = lock(&self.state);
-            let seq = state.next_seq;
-            state.next_seq += 1;
-            seq
-        };
         let ts_unix_nanos = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0);
-        let batch = pb::EventBatch {
-            replica: self.config.replica.clone(),
-            epoch: self.config.epoch.0,
-            seq,
-            ts_unix_nanos,
-            block_size: self.config.cache.block_size as u32,
-            dp_rank: 0,
-            events,
-        };
-        self.metrics.events_published.fetch_add(batch.events.len() as u64, Ordering::Relaxed);
-        if !self.publisher.publish(batch).await {
-            tracing::warn!(seq, "event publisher has stopped; batch dropped");
+        for (seq, events) in batches {
+            let batch = pb::EventBatch {
+                replica: self.config.replica.clone(),
+                epoch: self.config.epoch.0,
+                seq,
+                ts_unix_nanos,
+                block_size: self.config.cache.block_size as u32,
+                dp_rank: 0,
+                events,
+            };
+            self.metrics.events_published.fetch_add(1, Ordering::Relaxed);
+            if !self.publisher.publish(batch).await {
+                tracing::warn!(seq, "event publisher has stopped; batch dropped");
+            }
         }
     }
 }
@@ -314,18 +310,17 @@ fn lock(state: &Mutex<CacheState>) -> std::sync::MutexGuard<'_, CacheState> {
 /// Turns one admission's residency changes into protobuf events (runs of stored blocks of
 /// one chain become one `BlockStored`, runs of removals one `BlockRemoved`) and keeps the
 /// per-block metadata a snapshot needs.
-fn record_events(
-    state: &mut CacheState,
-    events: &mut Vec<pb::Event>,
-    changes: &[CacheEvent],
-    job: &Job,
-    block_size: usize,
-) {
+fn record_events(state: &mut CacheState, changes: &[CacheEvent], job: &Job, block_size: usize) {
+    if changes.is_empty() {
+        return; // A batch is taken only for changes.
+    }
+    let CacheState { blocks, outbox, .. } = state;
+    let events = outbox.events();
     let mut cursor = 0;
     for change in changes {
         match *change {
             CacheEvent::Removed(block) => {
-                state.blocks.remove(&block);
+                blocks.remove(&block);
                 if let Some(pb::Event { kind: Some(event::Kind::Removed(r)) }) = events.last_mut() {
                     r.block_hashes.push(block.0);
                 } else {
@@ -342,7 +337,7 @@ fn record_events(
                 let index = cursor + offset;
                 cursor = index + 1;
                 let tokens = &job.prompt[index * block_size..(index + 1) * block_size];
-                state.blocks.insert(block, BlockMeta { parent, tokens: tokens.into(), depth: index as u32 });
+                blocks.insert(block, BlockMeta { parent, tokens: tokens.into(), depth: index as u32 });
                 let extends_last = matches!(
                     events.last(),
                     Some(pb::Event { kind: Some(event::Kind::Stored(s)) })

@@ -7,6 +7,14 @@ use kvroute_proto::CacheNamespace;
 use std::time::Duration;
 
 async fn engine(capacity: usize, max_num_seqs: usize) -> (Engine, CancellationToken) {
+    engine_waiting(capacity, max_num_seqs, 100).await
+}
+
+async fn engine_waiting(
+    capacity: usize,
+    max_num_seqs: usize,
+    max_waiting: usize,
+) -> (Engine, CancellationToken) {
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
     let (publisher, _) =
@@ -24,7 +32,7 @@ async fn engine(capacity: usize, max_num_seqs: usize) -> (Engine, CancellationTo
         },
         max_num_seqs,
         max_num_batched_tokens: 64,
-        max_waiting: 100,
+        max_waiting,
         timing: TimingModel { time_scale: 1000.0, ..TimingModel::default() },
         seed: 0,
         shutdown_grace: Duration::from_secs(5),
@@ -111,4 +119,24 @@ async fn a_request_waits_while_blocks_are_pinned() {
     let (_, b) = run(&engine, job((100..112).collect(), 1)).await;
     assert_eq!(b.prompt_tokens, 12);
     drop(a);
+}
+
+/// `max_waiting` bounds every job not yet admitted, not only those the scheduler has yet to
+/// take off its channel: with the batch full, the third job to wait is refused (a 503 the
+/// router can route around), even after the scheduler has queued the first two.
+#[tokio::test]
+async fn jobs_waiting_beyond_max_waiting_are_refused() {
+    let (engine, _shutdown) = engine_waiting(64, 1, 2).await;
+    let mut running = engine.submit(job((0..8).collect(), u32::MAX)).unwrap();
+    assert!(matches!(running.recv().await, Some(Output::Started { .. })));
+    let waiting: Vec<_> = (0..2u32).map(|i| engine.submit(job(vec![100 + i; 8], 1)).unwrap()).collect();
+    // Until the scheduler has moved both into its queue (they count as pending prefill then).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while engine.metrics().pending_prefill_tokens.load(Ordering::Relaxed) < 16 {
+        assert!(tokio::time::Instant::now() < deadline, "the scheduler never queued the jobs");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(engine.submit(job(vec![7; 8], 1)).err(), Some(SubmitError::Overloaded(2)));
+    assert_eq!(engine.metrics().waiting.load(Ordering::Relaxed), 2, "a refused job is not counted");
+    drop((running, waiting));
 }

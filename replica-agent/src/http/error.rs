@@ -71,6 +71,23 @@ impl ApiError {
         )
     }
 
+    /// The prompt needs more KV-cache blocks than the replica can hold for one request. vLLM
+    /// refuses to start with a `max_model_len` its cache cannot hold; the simulated replica
+    /// takes the configuration and refuses the prompt instead, as the client's error.
+    pub fn prompt_exceeds_cache(max_prompt_tokens: usize, prompt_tokens: usize, param: &str) -> Self {
+        let what = if param == "messages" { "messages" } else { "prompt" };
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            INVALID_REQUEST,
+            format!(
+                "The {what} has {prompt_tokens} tokens; this replica's KV cache holds at most \
+                 {max_prompt_tokens} prompt tokens for one request. Please reduce the length of the {what}."
+            ),
+            Some(param),
+            Some("context_length_exceeded"),
+        )
+    }
+
     /// The request names a model this replica does not serve (vLLM answers 404 too).
     pub fn model_not_found(model: &str) -> Self {
         Self::new(

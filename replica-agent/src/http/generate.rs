@@ -231,6 +231,7 @@ fn jobs(state: &AppState, request: &ParsedRequest<'_>) -> Result<Vec<Job>, ApiEr
     let prompts = tokenization.prompt_tokens(request)?;
     let namespace = tokenization.namespace(request);
     let block_size = state.engine().config().cache.block_size;
+    let max_prompt_tokens = state.engine().max_prompt_tokens();
     let param = match request {
         ParsedRequest::Completion(_) => "prompt",
         ParsedRequest::Chat(_) => "messages",
@@ -242,6 +243,9 @@ fn jobs(state: &AppState, request: &ParsedRequest<'_>) -> Result<Vec<Job>, ApiEr
     prompts
         .into_iter()
         .map(|prompt| {
+            if prompt.len() > max_prompt_tokens {
+                return Err(ApiError::prompt_exceeds_cache(max_prompt_tokens, prompt.len(), param));
+            }
             let len = prompt.len() as u64;
             let max_tokens = match request.max_tokens() {
                 // Saturating: `max_tokens` comes from the request and may be near u64::MAX.

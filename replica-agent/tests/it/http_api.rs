@@ -492,16 +492,27 @@ async fn shutdown_lets_in_flight_streams_finish_and_refuses_new_connections() {
 
 #[tokio::test]
 async fn engine_refusals_get_a_status_before_any_byte() {
-    // 4 blocks of 4 tokens: a 40-token prompt can never be pinned whole.
+    // 4 blocks of 4 tokens: a prompt of 5 full blocks can never be pinned whole. It is the
+    // client's error (a 400, as for a prompt past the context length), not the replica's: a
+    // router counts a 500 against the replica.
     let agent =
         Agent::with(kvroute_replica_agent::Config { capacity_blocks: 4, max_waiting: 1, ..config() }).await;
     let c = &agent.client;
-    for stream in [false, true] {
-        let body = json!({ "model": MODEL, "prompt": words(40, 16), "max_tokens": 1, "stream": stream });
-        let reply = c.post("/v1/completions", &body).await;
-        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{}", reply.text());
-        assert_eq!(reply.headers["content-type"], "application/json");
-        assert_eq!(shape::error(&reply.json()).0, "server_error");
+    for (tokens, status) in [(19, StatusCode::OK), (20, StatusCode::BAD_REQUEST)] {
+        for stream in [false, true] {
+            let body =
+                json!({ "model": MODEL, "prompt": words(tokens, 16), "max_tokens": 1, "stream": stream });
+            let reply = c.post("/v1/completions", &body).await;
+            assert_eq!(reply.status, status, "{tokens} tokens: {}", reply.text());
+            if status != StatusCode::OK {
+                assert_eq!(reply.headers["content-type"], "application/json");
+                let (kind, param, code) = shape::error(&reply.json());
+                assert_eq!(
+                    (kind.as_str(), param.as_deref(), code.as_deref()),
+                    ("invalid_request_error", Some("prompt"), Some("context_length_exceeded"))
+                );
+            }
+        }
     }
     // A batch of three prompts against a one-slot admission queue: the second is refused.
     let body = json!({ "model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 1 });
