@@ -72,6 +72,7 @@ impl AdminService {
             pending_prefill_tokens: load.pending_prefill_tokens,
             healthy: m.upstream.is_healthy(),
             draining: m.upstream.is_draining(),
+            not_serving: !m.upstream.is_serving(),
             epoch: s.epoch().0,
             last_seq: s.last_seq().map_or(0, |q| q.0),
             events_applied: s.events_applied(),

@@ -9,16 +9,20 @@
 //! - **Kubernetes** (`k8s`, cargo feature `k8s`): watches the EndpointSlices labelled
 //!   `kubernetes.io/service-name=<service>` with kube's watcher (list, then watch from the
 //!   list's resourceVersion; a dropped watch resumes from the last seen version, a `410 Gone`
-//!   re-lists). Every endpoint whose `ready` condition is not false is a replica named after
-//!   its pod (`targetRef`, else its address); its ports come from the pod's `kvroute.io/*`
+//!   re-lists). Every endpoint that is not terminating is a replica named after its pod
+//!   (`targetRef`, else its address); its ports come from the pod's `kvroute.io/*`
 //!   annotations (opt-in, `k8s::PodOverrides`), else the slice's named ports (`http`,
-//!   `kv-events`, `kv-replay`, `grpc` by default), else the configured numbers. An endpoint that turns not-Ready, leaves its slice, or whose slice is deleted
-//!   is removed.
+//!   `kv-events`, `kv-replay`, `grpc` by default), else the configured numbers. An endpoint
+//!   that is not Ready (or not serving) is followed but not routed to: a readiness probe
+//!   that times out under load must not throw away what the index knows of the replica's
+//!   cache (vLLM has no snapshot, and its replay buffer holds only recent batches). An
+//!   endpoint that is terminating, leaves its slice, or whose slice is deleted is removed.
 //!
-//! Both feed a [`Reconciler`]: the desired set (name → [`ReplicaSpec`]) is diffed against
-//! what was last applied, and only the differences reach the [`ReplicaSink`] (removals
-//! first, then additions and changed specs), one at a time and awaited, so a sink never sees
-//! two operations on one name at once. Removing a replica frees everything it held in the
+//! Both feed a [`Reconciler`]: the desired set (name → [`ReplicaSpec`] and whether it is
+//! serving) is diffed against what was last applied, and only the differences reach the
+//! [`ReplicaSink`] (removals first, then additions and changed specs, then changes of
+//! serving), one at a time and awaited, so a sink never sees two operations on one name at
+//! once. Removing a replica frees everything it held in the
 //! index (the sink calls [`Ingest::remove_replica`]).
 //!
 //! [`Discovery::is_listed`] turns true after the first complete listing, for `/ready`.
@@ -28,7 +32,7 @@ mod dns;
 #[cfg(feature = "k8s")]
 pub mod k8s;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -57,6 +61,13 @@ pub trait ReplicaSink: Send + Sync + 'static {
 
     /// Removes a replica and frees what it held (index entries, streams, metrics).
     fn remove(&self, name: &str) -> impl Future<Output = ()> + Send;
+
+    /// Whether the platform says the replica named `name` serves (Kubernetes: its endpoint is
+    /// Ready). A replica that does not is kept, its events followed, but not routed to. A
+    /// replica is serving when added; discovery says otherwise right after adding it.
+    fn set_serving(&self, name: &str, serving: bool) {
+        let _ = (name, serving);
+    }
 }
 
 /// Ingestion alone as a sink (the fleet wraps it to also update the proxy's upstreams).
@@ -168,43 +179,72 @@ pub struct Reconciler<S> {
     sink: S,
     metrics: DiscoveryMetrics,
     applied: BTreeMap<String, ReplicaSpec>,
+    /// Applied replicas the sink was told are not serving.
+    not_serving: BTreeSet<String>,
     listed: watch::Sender<bool>,
 }
 
 impl<S: ReplicaSink> Reconciler<S> {
     pub fn new(sink: S, metrics: DiscoveryMetrics) -> Self {
-        Self { sink, metrics, applied: BTreeMap::new(), listed: watch::Sender::new(false) }
+        Self {
+            sink,
+            metrics,
+            applied: BTreeMap::new(),
+            not_serving: BTreeSet::new(),
+            listed: watch::Sender::new(false),
+        }
     }
 
-    /// Makes the sink hold exactly `desired` (as far as it accepts the specs) and marks the
-    /// first listing done.
+    /// Makes the sink hold exactly `desired`, every replica serving (as far as the sink
+    /// accepts the specs), and marks the first listing done.
     pub async fn apply(&mut self, desired: BTreeMap<String, ReplicaSpec>) {
+        self.apply_serving(desired.into_iter().map(|(name, spec)| (name, (spec, true))).collect()).await;
+    }
+
+    /// [`Self::apply`] with each replica's spec and whether it is serving.
+    pub async fn apply_serving(&mut self, desired: BTreeMap<String, (ReplicaSpec, bool)>) {
         let gone: Vec<String> = self.applied.keys().filter(|n| !desired.contains_key(*n)).cloned().collect();
         for name in gone {
             tracing::info!(replica = %name, "discovery: replica gone");
             self.sink.remove(&name).await;
             self.applied.remove(&name);
+            self.not_serving.remove(&name);
             self.metrics.change("removed");
         }
-        for (name, spec) in desired {
+        for (name, (spec, serving)) in desired {
             let op = match self.applied.get(&name) {
-                Some(old) if *old == spec => continue,
-                Some(_) => "updated",
-                None => "added",
+                Some(old) if *old == spec => None,
+                Some(_) => Some("updated"),
+                None => Some("added"),
             };
-            tracing::info!(replica = %name, http = %spec.http_url, events = %spec.event_endpoint, "discovery: replica {op}");
-            match self.sink.upsert(spec.clone()).await {
-                Ok(()) => {
-                    self.applied.insert(name, spec);
-                    self.metrics.change(op);
-                }
-                Err(e) => {
-                    // Not recorded as applied: the next listing tries again.
-                    tracing::warn!(replica = %name, error = %e, "discovery: replica refused");
-                    self.metrics.errors.inc();
-                    if self.applied.remove(&name).is_some() {
-                        self.sink.remove(&name).await;
+            if let Some(op) = op {
+                tracing::info!(replica = %name, http = %spec.http_url, events = %spec.event_endpoint, "discovery: replica {op}");
+                match self.sink.upsert(spec.clone()).await {
+                    Ok(()) => {
+                        self.applied.insert(name.clone(), spec);
+                        // A new entry in the sink serves until told otherwise.
+                        self.not_serving.remove(&name);
+                        self.metrics.change(op);
                     }
+                    Err(e) => {
+                        // Not recorded as applied: the next listing tries again.
+                        tracing::warn!(replica = %name, error = %e, "discovery: replica refused");
+                        self.metrics.errors.inc();
+                        if self.applied.remove(&name).is_some() {
+                            self.sink.remove(&name).await;
+                        }
+                        self.not_serving.remove(&name);
+                        continue;
+                    }
+                }
+            }
+            if serving == self.not_serving.contains(&name) {
+                tracing::info!(replica = %name, serving, "discovery: replica {}", if serving { "serving" } else { "not serving" });
+                self.sink.set_serving(&name, serving);
+                if serving {
+                    self.not_serving.remove(&name);
+                } else {
+                    self.not_serving.insert(name);
                 }
             }
         }
@@ -330,6 +370,12 @@ mod tests {
         async fn remove(&self, name: &str) {
             self.0.lock().unwrap().push(format!("-{name}"));
         }
+        fn set_serving(&self, name: &str, serving: bool) {
+            self.0
+                .lock()
+                .unwrap()
+                .push(format!("{}{name}", if serving { "serving " } else { "not serving " }));
+        }
     }
 
     fn template() -> ReplicaTemplate {
@@ -396,5 +442,38 @@ mod tests {
         assert_eq!(r.names().count(), 0);
         assert_eq!(r.metrics.errors.get(), 2);
         assert_eq!(*log.0.lock().unwrap(), ["+bad@http://10.0.0.1:8000", "+bad@http://10.0.0.1:8000"]);
+    }
+
+    /// A replica that stops serving is kept (its index survives) and told so; it is told
+    /// again when it serves again; one added or replaced while not serving is told right
+    /// after the sink has it.
+    #[tokio::test]
+    async fn serving_changes_keep_the_replica() {
+        let log = Log::default();
+        let mut r = Reconciler::new(log.clone(), DiscoveryMetrics::default());
+        let serving = |entries: &[(&str, &str, bool)]| {
+            let t = template();
+            entries
+                .iter()
+                .map(|(n, ip, s)| (n.to_string(), (t.spec(n.to_string(), ip, t.ports), *s)))
+                .collect()
+        };
+        r.apply_serving(serving(&[("a", "10.0.0.1", true), ("b", "10.0.0.2", false)])).await;
+        r.apply_serving(serving(&[("a", "10.0.0.1", false), ("b", "10.0.0.2", false)])).await;
+        r.apply_serving(serving(&[("a", "10.0.0.1", true), ("b", "10.0.0.22", false)])).await;
+        r.apply_serving(serving(&[("a", "10.0.0.1", true), ("b", "10.0.0.22", true)])).await;
+        assert_eq!(
+            *log.0.lock().unwrap(),
+            [
+                "+a@http://10.0.0.1:8000",
+                "+b@http://10.0.0.2:8000",
+                "not serving b",
+                "not serving a",
+                "serving a",
+                "+b@http://10.0.0.22:8000",
+                "not serving b",
+                "serving b",
+            ]
+        );
     }
 }

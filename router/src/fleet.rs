@@ -117,10 +117,12 @@ impl Fleet {
         self.add(spec).map(drop)
     }
 
-    /// True once there is a replica and every replica completed its first event sync or has
-    /// no usable stream at all (`FALLBACK`: routed on load alone, so nothing to wait for).
+    /// True once there is a serving replica and every serving replica completed its first
+    /// event sync or has no usable stream at all (`FALLBACK`: routed on load alone, so nothing
+    /// to wait for). Replicas discovery says are not serving (a pod still loading its model)
+    /// are not waited for.
     pub fn ready(&self) -> bool {
-        let members = self.members();
+        let members: Vec<Member> = self.members().into_iter().filter(|m| m.upstream.is_serving()).collect();
         !members.is_empty()
             && members
                 .iter()
@@ -138,5 +140,11 @@ impl ReplicaSink for Fleet {
 
     async fn remove(&self, name: &str) {
         Fleet::remove(self, name).await;
+    }
+
+    fn set_serving(&self, name: &str, serving: bool) {
+        if let Some(member) = self.member(name) {
+            member.upstream.set_serving(serving);
+        }
     }
 }

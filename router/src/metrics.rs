@@ -213,8 +213,8 @@ impl Collector for TokenizeCache {
 /// Registers each replica's load and state as the proxy sees them, read at scrape time, all
 /// labelled `replica` (its name): requests sent to it, requests in flight, uncached prompt
 /// tokens waiting for their first byte, the queue it last reported, its ejections, and its
-/// routing state (`eligible`, or why not: `unhealthy`, `ejected`, `draining`, `saturated` at
-/// `max_in_flight` requests). A removed replica's series end with it.
+/// routing state (`eligible`, or why not: `unhealthy`, `ejected`, `draining`, `not_serving`,
+/// `saturated` at `max_in_flight` requests). A removed replica's series end with it.
 pub fn register_replica_load(registry: &mut Registry, fleet: Fleet, max_in_flight: u32) {
     registry
         .sub_registry_with_prefix("kvroute_router")

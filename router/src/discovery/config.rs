@@ -22,7 +22,8 @@ pub enum DiscoveryMode {
     /// `--discovery-interval-ms`; every address is a replica, named by its IP.
     Dns,
     /// Watch the EndpointSlices of Service `--discovery-service` (needs the `k8s` feature);
-    /// every Ready endpoint is a replica, named after its pod.
+    /// every endpoint that is not terminating is a replica, named after its pod, routed to
+    /// while it is Ready.
     K8s,
 }
 

@@ -1,5 +1,6 @@
-//! Kubernetes discovery: watch a Service's EndpointSlices and turn every Ready endpoint into
-//! a replica (see the parent module for the rules).
+//! Kubernetes discovery: watch a Service's EndpointSlices and turn every endpoint that is
+//! not terminating into a replica, serving while it is Ready (see the parent module for the
+//! rules).
 //!
 //! The watcher lists, then watches from the list's resourceVersion. Its events are folded
 //! into a map slice name → replicas: `Init` … `InitApply` … `InitDone` (a first list, or a
@@ -9,8 +10,8 @@
 //! happens briefly while the controller moves it) goes to the [`Reconciler`]. Watch errors
 //! are counted and retried with kube's default backoff (0.8 s doubling to 30 s).
 //!
-//! With `--discovery-pod-annotations`, every Ready pod is read once (`GET pod`, cached by
-//! name until its UID changes or it stops being Ready) and its `kvroute.io/*` annotations
+//! With `--discovery-pod-annotations`, every listed pod is read once (`GET pod`, cached by
+//! name until its UID changes or it leaves the listing) and its `kvroute.io/*` annotations
 //! ([`PodOverrides`]) win over the slice's named ports and the configured defaults.
 
 use std::collections::{BTreeMap, HashMap};
@@ -37,11 +38,12 @@ pub struct SliceSource {
     pub port_names: PortNames,
 }
 
-type Slices = BTreeMap<String, Vec<ReplicaSpec>>;
+/// Slice name → its replicas and whether each is serving.
+type Slices = BTreeMap<String, Vec<(ReplicaSpec, bool)>>;
 
-/// A Ready endpoint of a slice, before pod annotations.
+/// An endpoint of a slice that is not terminating, before pod annotations.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct ReadyEndpoint {
+struct ListedEndpoint {
     /// The pod's name (`targetRef`), else the address.
     name: String,
     address: String,
@@ -49,6 +51,8 @@ struct ReadyEndpoint {
     pod_uid: Option<String>,
     is_pod: bool,
     ports: Ports,
+    /// Ready and serving: may be routed to.
+    serving: bool,
 }
 
 impl SliceSource {
@@ -97,9 +101,10 @@ impl SliceSource {
         }
     }
 
-    /// The Ready endpoints of one slice as replicas (named ports, else configured ports).
-    pub fn replicas(&self, slice: &EndpointSlice) -> Vec<ReplicaSpec> {
-        self.ready_endpoints(slice).into_iter().map(|ep| self.spec(&ep, None)).collect()
+    /// The endpoints of one slice that are not terminating as replicas (named ports, else
+    /// configured ports), with whether each is serving.
+    pub fn replicas(&self, slice: &EndpointSlice) -> Vec<(ReplicaSpec, bool)> {
+        self.listed_endpoints(slice).into_iter().map(|ep| (self.spec(&ep, None), ep.serving)).collect()
     }
 
     async fn resolve<S: ReplicaSink>(
@@ -107,19 +112,19 @@ impl SliceSource {
         slice: &EndpointSlice,
         annotations: &mut Option<Annotations>,
         reconciler: &Reconciler<S>,
-    ) -> Vec<ReplicaSpec> {
+    ) -> Vec<(ReplicaSpec, bool)> {
         let mut replicas = Vec::new();
-        for ep in self.ready_endpoints(slice) {
+        for ep in self.listed_endpoints(slice) {
             let overrides = match annotations {
                 Some(a) if ep.is_pod => a.overrides(&ep, reconciler).await,
                 _ => None,
             };
-            replicas.push(self.spec(&ep, overrides.as_ref()));
+            replicas.push((self.spec(&ep, overrides.as_ref()), ep.serving));
         }
         replicas
     }
 
-    fn ready_endpoints(&self, slice: &EndpointSlice) -> Vec<ReadyEndpoint> {
+    fn listed_endpoints(&self, slice: &EndpointSlice) -> Vec<ListedEndpoint> {
         let named = |name: &str| {
             slice
                 .ports
@@ -140,24 +145,33 @@ impl SliceSource {
         slice
             .endpoints
             .iter()
-            // The API says a missing `ready` means ready; terminating pods are never ready.
-            .filter(|ep| ep.conditions.as_ref().and_then(|c| c.ready) != Some(false))
             .filter_map(|ep| {
+                // A missing condition means "unknown", read as ready, serving and not
+                // terminating (the API's guidance for consumers). A terminating pod is gone; one
+                // that is not ready (a readiness probe that timed out, a model still loading) is
+                // kept and not routed to. `serving` is `ready` regardless of terminating, so it
+                // only matters with `publishNotReadyAddresses`, where `ready` is always true.
+                let conditions = ep.conditions.as_ref();
+                if conditions.and_then(|c| c.terminating) == Some(true) {
+                    return None;
+                }
+                let serving = conditions.is_none_or(|c| c.ready != Some(false) && c.serving != Some(false));
                 let address = ep.addresses.first()?.clone();
                 let pod = ep.target_ref.as_ref().filter(|r| r.kind.as_deref() == Some("Pod"));
                 let pod_name = pod.and_then(|r| r.name.clone());
-                Some(ReadyEndpoint {
+                Some(ListedEndpoint {
                     is_pod: pod_name.is_some(),
                     name: pod_name.unwrap_or_else(|| address.clone()),
                     pod_uid: pod.and_then(|r| r.uid.clone()),
                     address,
                     ports,
+                    serving,
                 })
             })
             .collect()
     }
 
-    fn spec(&self, ep: &ReadyEndpoint, overrides: Option<&PodOverrides>) -> ReplicaSpec {
+    fn spec(&self, ep: &ListedEndpoint, overrides: Option<&PodOverrides>) -> ReplicaSpec {
         let Some(o) = overrides else {
             return self.template.spec(ep.name.clone(), &ep.address, ep.ports);
         };
@@ -184,10 +198,10 @@ async fn apply<S: ReplicaSink>(
 ) {
     let all = union(slices);
     if let Some(a) = annotations {
-        // Forget pods that are no longer Ready: their annotations are read again when they are.
+        // Forget pods that left: their annotations are read again if they come back.
         a.cache.retain(|name, _| all.contains_key(name));
     }
-    reconciler.apply(all).await;
+    reconciler.apply_serving(all).await;
 }
 
 /// Pod annotations (prefix `kvroute.io/`) that override what the slice says about a replica:
@@ -250,7 +264,7 @@ struct Annotations {
 impl Annotations {
     async fn overrides<S: ReplicaSink>(
         &mut self,
-        ep: &ReadyEndpoint,
+        ep: &ListedEndpoint,
         reconciler: &Reconciler<S>,
     ) -> Option<PodOverrides> {
         if let Some((uid, overrides)) = self.cache.get(&ep.name)
@@ -282,10 +296,10 @@ fn slice_name(slice: &EndpointSlice) -> String {
     slice.metadata.name.clone().unwrap_or_default()
 }
 
-fn union(slices: &Slices) -> BTreeMap<String, ReplicaSpec> {
+fn union(slices: &Slices) -> BTreeMap<String, (ReplicaSpec, bool)> {
     let mut all = BTreeMap::new();
-    for spec in slices.values().flatten() {
-        all.entry(spec.name.clone()).or_insert_with(|| spec.clone());
+    for (spec, serving) in slices.values().flatten() {
+        all.entry(spec.name.clone()).or_insert_with(|| (spec.clone(), *serving));
     }
     all
 }
@@ -299,8 +313,11 @@ mod tests {
         serde_json::from_value(json).unwrap()
     }
 
+    /// Terminating endpoints leave; endpoints that are not Ready (or, with
+    /// `publishNotReadyAddresses`, not serving) stay, not serving; a missing condition reads as
+    /// ready.
     #[test]
-    fn ready_endpoints_with_named_ports_become_replicas() {
+    fn endpoints_not_terminating_become_replicas_serving_while_ready() {
         let config = DiscoveryConfig::default();
         let source = SliceSource {
             service: "agents".into(),
@@ -316,6 +333,12 @@ mod tests {
                 {"addresses": ["10.0.0.2"], "conditions": {"ready": false, "terminating": true},
                  "targetRef": {"kind": "Pod", "name": "agent-1"}},
                 {"addresses": ["10.0.0.3"]},
+                {"addresses": ["10.0.0.4"], "conditions": {"ready": false, "serving": false, "terminating": false},
+                 "targetRef": {"kind": "Pod", "name": "agent-4"}},
+                {"addresses": ["10.0.0.5"], "conditions": {"ready": true, "serving": true, "terminating": true},
+                 "targetRef": {"kind": "Pod", "name": "agent-5"}},
+                {"addresses": ["10.0.0.6"], "conditions": {"ready": true, "serving": false},
+                 "targetRef": {"kind": "Pod", "name": "agent-6"}},
             ],
             "ports": [
                 {"name": "http", "port": 9000},
@@ -324,9 +347,9 @@ mod tests {
             ],
         }));
         let replicas = source.replicas(&s);
-        let names: Vec<_> = replicas.iter().map(|r| r.name.as_str()).collect();
-        assert_eq!(names, ["agent-0", "10.0.0.3"]);
-        let r = &replicas[0];
+        let names: Vec<_> = replicas.iter().map(|(r, serving)| (r.name.as_str(), *serving)).collect();
+        assert_eq!(names, [("agent-0", true), ("10.0.0.3", true), ("agent-4", false), ("agent-6", false)]);
+        let r = &replicas[0].0;
         assert_eq!(r.http_url, "http://10.0.0.1:9000");
         assert_eq!(r.event_endpoint, "tcp://10.0.0.1:6000");
         assert_eq!(r.replay_endpoint, None, "no kv-replay port and no default");
@@ -375,7 +398,7 @@ mod tests {
             "endpoints": [{"addresses": ["10.0.0.1"], "targetRef": {"kind": "Pod", "name": "vllm-0"}}],
             "ports": [{"name": "openai", "port": 8000}],
         }));
-        let r = &source.replicas(&s)[0];
+        let r = &source.replicas(&s)[0].0;
         assert_eq!(r.http_url, "http://10.0.0.1:8000");
         assert_eq!(r.event_endpoint, "tcp://10.0.0.1:5557");
         assert_eq!(r.replay_endpoint.as_deref(), Some("tcp://10.0.0.1:5558"));

@@ -1,5 +1,6 @@
 //! The HTTP side of each replica, as the proxy sees it: load the router has put on it, its
-//! health, and whether it is draining.
+//! health, whether it is draining (an operator's word) and whether it is serving (the
+//! platform's: Kubernetes readiness, from discovery).
 //!
 //! Load is counted at decision time: `in_flight` rises when a request is sent and falls when
 //! its response ends (or the client goes away); `pending_prefill` holds the uncached prompt
@@ -38,6 +39,8 @@ pub enum Ineligible {
     Unhealthy,
     Ejected,
     Draining,
+    /// Discovery says the replica is not serving (its endpoint is not Ready).
+    NotServing,
     Saturated,
 }
 
@@ -47,6 +50,7 @@ impl Ineligible {
             Ineligible::Unhealthy => "unhealthy",
             Ineligible::Ejected => "ejected",
             Ineligible::Draining => "draining",
+            Ineligible::NotServing => "not_serving",
             Ineligible::Saturated => "saturated",
         }
     }
@@ -66,6 +70,7 @@ pub struct Upstream {
     /// Passed its last active health check (true until the first check says otherwise).
     healthy: AtomicBool,
     draining: AtomicBool,
+    serving: AtomicBool,
     /// Set while `ejected_until` holds a time, so a decision checks a flag, not a lock and
     /// the clock, for each replica that is not ejected.
     ejected: AtomicBool,
@@ -86,6 +91,7 @@ impl Default for Upstream {
             consecutive_failures: AtomicU32::new(0),
             healthy: AtomicBool::new(true),
             draining: AtomicBool::new(false),
+            serving: AtomicBool::new(true),
             ejected: AtomicBool::new(false),
             ejected_until: Mutex::new(None),
             ejections: AtomicU64::new(0),
@@ -122,6 +128,9 @@ impl Upstream {
     fn eligibility_with(&self, max_in_flight: u32, ejection: bool) -> Result<(), Ineligible> {
         if self.draining.load(Ordering::Relaxed) {
             return Err(Ineligible::Draining);
+        }
+        if !self.serving.load(Ordering::Relaxed) {
+            return Err(Ineligible::NotServing);
         }
         if ejection && self.is_ejected() {
             return Err(Ineligible::Ejected);
@@ -198,6 +207,14 @@ impl Upstream {
         self.draining.load(Ordering::Relaxed)
     }
 
+    pub fn set_serving(&self, serving: bool) {
+        self.serving.store(serving, Ordering::Relaxed);
+    }
+
+    pub fn is_serving(&self) -> bool {
+        self.serving.load(Ordering::Relaxed)
+    }
+
     pub fn set_reported_waiting(&self, waiting: u32) {
         self.reported_waiting.store(waiting, Ordering::Relaxed);
     }
@@ -206,18 +223,21 @@ impl Upstream {
 /// Why each of `upstreams` may not take a new request now (`None`: it may).
 ///
 /// Passive ejection is set aside when every replica that is up (healthy by its active check,
-/// not draining, not saturated) is ejected: ejection steers traffic away from outliers, it
-/// must not leave nothing to try (as Envoy's panic threshold does). Replicas that are down,
-/// draining or saturated stay out either way.
+/// not draining, serving, not saturated) is ejected: ejection steers traffic away from
+/// outliers, it must not leave nothing to try (as Envoy's panic threshold does). Replicas
+/// that are down, draining, not serving or saturated stay out either way.
 pub fn verdicts<'a>(
     upstreams: impl ExactSizeIterator<Item = &'a Upstream> + Clone,
     max_in_flight: u32,
 ) -> Vec<Option<Ineligible>> {
     let mut verdicts: Vec<Option<Ineligible>> =
         upstreams.clone().map(|u| u.eligibility(max_in_flight).err()).collect();
-    let only_ejected_are_up = verdicts
-        .iter()
-        .all(|v| matches!(v, Some(Ineligible::Ejected | Ineligible::Unhealthy | Ineligible::Draining)));
+    let only_ejected_are_up = verdicts.iter().all(|v| {
+        matches!(
+            v,
+            Some(Ineligible::Ejected | Ineligible::Unhealthy | Ineligible::Draining | Ineligible::NotServing)
+        )
+    });
     if only_ejected_are_up {
         for (verdict, upstream) in verdicts.iter_mut().zip(upstreams) {
             if *verdict == Some(Ineligible::Ejected) {
@@ -283,7 +303,8 @@ mod tests {
     }
 
     /// Ejection is set aside only when every replica that is up is ejected; replicas that
-    /// are down, draining or saturated stay out, and keep the others' ejection in force.
+    /// are down, draining, not serving or saturated stay out, and keep the others' ejection
+    /// in force.
     #[tokio::test(start_paused = true)]
     async fn ejection_is_set_aside_only_when_every_replica_up_is_ejected() {
         let ejected = || {
@@ -298,11 +319,15 @@ mod tests {
         down.set_healthy(false);
         let draining = Arc::new(Upstream::default());
         draining.set_draining(true);
+        let unready = Arc::new(Upstream::default());
+        unready.set_serving(false);
         assert_eq!(
-            of(&[&a, &down, &draining]),
-            [None, Some(Ineligible::Unhealthy), Some(Ineligible::Draining)],
-            "down and draining replicas stay out"
+            of(&[&a, &down, &draining, &unready]),
+            [None, Some(Ineligible::Unhealthy), Some(Ineligible::Draining), Some(Ineligible::NotServing)],
+            "down, draining and not serving replicas stay out"
         );
+        unready.set_serving(true);
+        assert_eq!(of(&[&a, &unready]), [Some(Ineligible::Ejected), None], "serving again");
         let busy = Arc::new(Upstream::default());
         let _guard = busy.begin(0, 0);
         assert_eq!(

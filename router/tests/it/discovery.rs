@@ -70,6 +70,7 @@ mod k8s {
     use kvroute_router::discovery::{
         Discovery, DiscoveryConfig, DiscoveryMetrics, DiscoveryMode, ReplicaSink,
     };
+    use kvroute_router::fleet::Fleet;
     use kvroute_router::replicas::{EngineKind, ReplicaSpec};
     use serde_json::{Value, json};
     use tokio::sync::watch;
@@ -81,33 +82,46 @@ mod k8s {
 
     const NS: &str = "kvroute";
 
-    /// A sink whose replica set the test can await.
+    /// A sink whose replica set (name → spec, serving) the test can await.
     #[derive(Clone)]
-    struct Set(Arc<watch::Sender<BTreeMap<String, ReplicaSpec>>>);
+    struct Set(Arc<watch::Sender<BTreeMap<String, (ReplicaSpec, bool)>>>);
 
     impl ReplicaSink for Set {
         type Error = std::convert::Infallible;
         async fn upsert(&self, spec: ReplicaSpec) -> Result<(), Self::Error> {
-            self.0.send_modify(|s| drop(s.insert(spec.name.clone(), spec)));
+            self.0.send_modify(|s| drop(s.insert(spec.name.clone(), (spec, true))));
             Ok(())
         }
         async fn remove(&self, name: &str) {
             self.0.send_modify(|s| drop(s.remove(name)));
         }
+        fn set_serving(&self, name: &str, serving: bool) {
+            self.0.send_modify(|s| s.get_mut(name).into_iter().for_each(|(_, s)| *s = serving));
+        }
     }
 
     impl Set {
-        /// Waits (bounded) until the replica names are `names`.
-        async fn names(&self, names: &[&str]) -> BTreeMap<String, ReplicaSpec> {
+        /// Waits (bounded) until the replica names are `names`, the serving ones `serving`.
+        async fn names(&self, names: &[&str], serving: &[&str]) -> BTreeMap<String, ReplicaSpec> {
             let mut rx = self.0.subscribe();
             let got = tokio::time::timeout(
                 WAIT,
-                rx.wait_for(|s| s.keys().map(String::as_str).eq(names.iter().copied())),
+                rx.wait_for(|s| {
+                    s.keys().map(String::as_str).eq(names.iter().copied())
+                        && s.iter()
+                            .filter(|(_, (_, on))| *on)
+                            .map(|(n, _)| n.as_str())
+                            .eq(serving.iter().copied())
+                }),
             )
             .await;
             match got {
-                Ok(set) => set.expect("sink alive").clone(),
-                Err(_) => panic!("replicas never became {names:?}; last {:?}", self.0.borrow().keys()),
+                Ok(set) => {
+                    set.expect("sink alive").iter().map(|(n, (spec, _))| (n.clone(), spec.clone())).collect()
+                }
+                Err(_) => {
+                    panic!("replicas never became {names:?} serving {serving:?}; last {:?}", self.0.borrow())
+                }
             }
         }
     }
@@ -121,14 +135,25 @@ mod k8s {
         ])
     }
 
-    /// An EndpointSlice of `service` with `(pod, ip, ready)` endpoints.
+    /// An EndpointSlice of `service` with `(pod, ip, ready)` endpoints, none terminating.
     fn slice(name: &str, service: &str, pods: &[(&str, &str, bool)], ports: Value) -> Value {
+        let pods: Vec<_> = pods.iter().map(|&(pod, ip, ready)| (pod, ip, ready, false)).collect();
+        slice_terminating(name, service, &pods, ports)
+    }
+
+    /// An EndpointSlice of `service` with `(pod, ip, ready, terminating)` endpoints.
+    fn slice_terminating(
+        name: &str,
+        service: &str,
+        pods: &[(&str, &str, bool, bool)],
+        ports: Value,
+    ) -> Value {
         let endpoints: Vec<Value> = pods
             .iter()
-            .map(|(pod, ip, ready)| {
+            .map(|(pod, ip, ready, terminating)| {
                 json!({
                     "addresses": [ip],
-                    "conditions": {"ready": ready, "serving": ready, "terminating": false},
+                    "conditions": {"ready": ready, "serving": ready, "terminating": terminating},
                     "targetRef": {"kind": "Pod", "name": pod, "namespace": NS},
                 })
             })
@@ -181,8 +206,9 @@ mod k8s {
         )
         .unwrap();
 
-        // The first listing: only Ready endpoints of this Service.
-        let first = set.names(&["agent-0"]).await;
+        // The first listing: this Service's endpoints; the one that is not Ready is kept but
+        // not serving.
+        let first = set.names(&["agent-0", "agent-1"], &["agent-0"]).await;
         assert!(discovery.is_listed());
         let spec = &first["agent-0"];
         assert_eq!(spec.http_url, "http://10.0.0.1:8000");
@@ -197,9 +223,9 @@ mod k8s {
             &[("agent-0", "10.0.0.1", true), ("agent-1", "10.0.0.2", true)],
             ports(5557, 5558),
         ));
-        set.names(&["agent-0", "agent-1"]).await;
+        set.names(&["agent-0", "agent-1"], &["agent-0", "agent-1"]).await;
         api.apply(slice("agents-b", "agents", &[("agent-2", "10.0.0.3", true)], ports(5557, 5558)));
-        set.names(&["agent-0", "agent-1", "agent-2"]).await;
+        set.names(&["agent-0", "agent-1", "agent-2"], &["agent-0", "agent-1", "agent-2"]).await;
 
         // The watch drops; a change happens while it is down; the watcher resumes from its
         // resourceVersion (no second list) and gets the change.
@@ -212,31 +238,37 @@ mod k8s {
                 ports(5557, 5558),
             ));
         });
-        set.names(&["agent-1", "agent-2"]).await;
+        set.names(&["agent-0", "agent-1", "agent-2"], &["agent-1", "agent-2"]).await;
         assert_eq!(api.lists(), 1, "a dropped watch resumes without re-listing");
         let watches = api.watches();
         assert!(watches.len() >= 2 && watches[1] > watches[0], "resumed from a later version: {watches:?}");
 
         // The watch drops and the history is gone: 410, re-list; a slice deleted meanwhile
-        // disappears with its replicas.
+        // disappears with its replicas, and so does a pod that is terminating.
         api.atomically(|s| {
             s.drop_watches();
             s.delete("agents-b");
+            s.apply(slice_terminating(
+                "agents-a",
+                "agents",
+                &[("agent-0", "10.0.0.1", false, true), ("agent-1", "10.0.0.2", true, false)],
+                ports(5557, 5558),
+            ));
             s.expire_history();
         });
-        set.names(&["agent-1"]).await;
+        set.names(&["agent-1"], &["agent-1"]).await;
         assert_eq!(api.lists(), 2, "410 Gone re-lists");
 
         // A pod that comes back with another IP is updated in place.
         api.apply(slice("agents-a", "agents", &[("agent-1", "10.0.0.22", true)], ports(5557, 5558)));
         wait_until("agent-1 moves", || {
-            set.0.borrow().get("agent-1").is_some_and(|s| s.http_url == "http://10.0.0.22:8000")
+            set.0.borrow().get("agent-1").is_some_and(|(s, _)| s.http_url == "http://10.0.0.22:8000")
         })
         .await;
 
         // The Service's last slice is deleted.
         api.delete("agents-a");
-        set.names(&[]).await;
+        set.names(&[], &[]).await;
 
         shutdown.cancel();
         tracker.close();
@@ -287,7 +319,7 @@ mod k8s {
             shutdown.clone(),
         )
         .unwrap();
-        let first = set.names(&["vllm-0", "vllm-1"]).await;
+        let first = set.names(&["vllm-0", "vllm-1"], &["vllm-0", "vllm-1"]).await;
         let annotated = &first["vllm-0"];
         assert_eq!(annotated.event_endpoint, "tcp://10.0.0.1:6000", "annotation wins over the named port");
         assert_eq!(annotated.replay_endpoint.as_deref(), Some("tcp://10.0.0.1:5558"), "named port");
@@ -310,10 +342,10 @@ mod k8s {
             ));
         });
         wait_until("vllm-0 re-read", || {
-            set.0.borrow().get("vllm-0").is_some_and(|s| s.event_endpoint == "tcp://10.0.0.9:7000")
+            set.0.borrow().get("vllm-0").is_some_and(|(s, _)| s.event_endpoint == "tcp://10.0.0.9:7000")
         })
         .await;
-        assert_eq!(set.0.borrow()["vllm-0"].dp_size, 1, "the old pod's annotations are gone");
+        assert_eq!(set.0.borrow()["vllm-0"].0.dp_size, 1, "the old pod's annotations are gone");
         assert_eq!(api.pod_gets(), 3, "only the recreated pod was read again");
 
         shutdown.cancel();
@@ -333,12 +365,13 @@ mod k8s {
         api.apply(slice("agents-a", "agents", &[("agent-0", "127.0.0.1", true)], agent_ports.clone()));
 
         let h = Harness::start();
+        let fleet = Fleet::new(h.ingest.clone());
         let config = config("agents");
         let discovery = Discovery::start_k8s(
             client(&api),
             &config,
             config.template(MODEL, Some(BLOCK)),
-            h.ingest.clone(),
+            fleet.clone(),
             DiscoveryMetrics::default(),
             &h.tracker,
             h.shutdown.clone(),
@@ -353,8 +386,23 @@ mod k8s {
         agent.publish(published).await;
         wait_until("blocks indexed", || h.index.blocks(replica.id) == 4).await;
 
-        // The pod turns not-Ready: the replica leaves ingestion and its blocks leave the index.
-        api.apply(slice("agents-a", "agents", &[("agent-0", "127.0.0.1", false)], agent_ports));
+        // The pod turns not-Ready (a probe that timed out under load): it is not routed to,
+        // and what the index knows of its cache stays; then it is Ready again.
+        let serving = || fleet.member("agent-0").expect("still a member").upstream.is_serving();
+        api.apply(slice("agents-a", "agents", &[("agent-0", "127.0.0.1", false)], agent_ports.clone()));
+        wait_until("not serving", || !serving()).await;
+        api.apply(slice("agents-a", "agents", &[("agent-0", "127.0.0.1", true)], agent_ports.clone()));
+        wait_until("serving again", serving).await;
+        assert_eq!(fleet.member("agent-0").unwrap().replica.id, replica.id, "the same registration");
+        assert_eq!(h.index.blocks(replica.id), 4, "the index kept the replica's blocks");
+
+        // The pod terminates: the replica leaves ingestion and its blocks leave the index.
+        api.apply(slice_terminating(
+            "agents-a",
+            "agents",
+            &[("agent-0", "127.0.0.1", false, true)],
+            agent_ports,
+        ));
         wait_until("replica removed", || h.ingest.replicas().by_name("agent-0").is_none()).await;
         assert_eq!(h.index.blocks(replica.id), 0);
         assert_eq!(h.index.stats().entries, 0);
