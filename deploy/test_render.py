@@ -110,6 +110,32 @@ class Manifests(unittest.TestCase):
                 self.assertEqual(config["discovery-engine"], engine)
                 self.assertEqual(one(res, "StatefulSet")["spec"]["serviceName"], service)
 
+    def test_vllm_pods_stop_gracefully_and_keep_their_event_ports_to_the_routers(self):
+        res = rendered("overlays/vllm")
+        pod = one(res, "StatefulSet", "vllm")["spec"]["template"]
+        c = pod["spec"]["containers"][0]
+        router = one(res, "Deployment", "kvroute-router")["spec"]["template"]["spec"]
+        # vLLM outlasts the longest stream a router waits for, after its own preStop sleep.
+        self.assertGreaterEqual(
+            pod["spec"]["terminationGracePeriodSeconds"] - c["lifecycle"]["preStop"]["sleep"]["seconds"],
+            router["terminationGracePeriodSeconds"],
+        )
+        self.assertGreaterEqual(c["readinessProbe"]["timeoutSeconds"], 5, "a busy engine answers late")
+        self.assertEqual(one(res, "PodDisruptionBudget", "vllm")["spec"]["maxUnavailable"], 1)
+        policy = one(res, "NetworkPolicy", "vllm")
+        router_labels = one(res, "Deployment", "kvroute-router")["spec"]["template"]["metadata"]["labels"]
+        pod_labels = pod["metadata"]["labels"]
+        self.assertTrue(policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items())
+        for rule in policy["spec"]["ingress"]:
+            ports = {p["port"] for p in rule["ports"]}
+            if "from" not in rule:
+                self.assertEqual(ports, {"http"}, "only the API is open to every pod")
+            else:
+                self.assertEqual(ports, {"kv-events", "kv-replay"})
+                (peer,) = rule["from"]
+                self.assertTrue(peer["podSelector"]["matchLabels"].items() <= router_labels.items())
+        self.assertFalse(any(a.startswith("--model") for a in c["args"]), "vllm serve takes the model as its argument")
+
     def test_vllm_publishes_kv_events_with_prefix_caching(self):
         res = rendered("overlays/vllm")
         args = one(res, "StatefulSet", "vllm")["spec"]["template"]["spec"]["containers"][0]["args"]
