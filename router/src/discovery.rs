@@ -4,8 +4,9 @@
 //! Two sources, chosen by `--discovery` ([`DiscoveryConfig`]):
 //! - **dns** (`dns`): resolves a headless Service's name every `--discovery-interval-ms`
 //!   (5 s); every address is a replica named by its IP, with the configured ports. A failed
-//!   resolution keeps the current set (a resolver hiccup must not empty the fleet; the
-//!   proxy's health checks eject replicas that are really gone).
+//!   resolution (a timeout, SERVFAIL) keeps the current set (a resolver hiccup must not empty
+//!   the fleet; the proxy's health checks eject replicas that are really gone); a name that
+//!   does not exist or has no addresses (NXDOMAIN, NODATA: no ready pod) empties it.
 //! - **Kubernetes** (`k8s`, cargo feature `k8s`): watches the EndpointSlices labelled
 //!   `kubernetes.io/service-name=<service>` with kube's watcher (list, then watch from the
 //!   list's resourceVersion; a dropped watch resumes from the last seen version, a `410 Gone`

@@ -7,6 +7,7 @@ use std::io;
 use std::net::IpAddr;
 use std::time::Duration;
 
+use dns_lookup::{AddrInfoHints, LookupErrorKind, SockType};
 use tokio_util::sync::CancellationToken;
 
 use super::{Reconciler, ReplicaSink, ReplicaTemplate};
@@ -19,13 +20,25 @@ pub(super) struct DnsSource {
     pub interval: Duration,
 }
 
-/// The system resolver (`getaddrinfo` on a blocking thread).
+/// The system resolver (`getaddrinfo` on a blocking thread). A name that does not exist or
+/// has no addresses (NXDOMAIN, NODATA: a headless Service with no ready endpoint) is an
+/// answer, and it is empty; only a failure to get an answer (a timeout, SERVFAIL) is an error.
 pub(super) async fn system_resolver(host: String) -> io::Result<Vec<IpAddr>> {
-    Ok(tokio::net::lookup_host((host.as_str(), 0)).await?.map(|a| a.ip()).collect())
+    tokio::task::spawn_blocking(move || {
+        let hints = AddrInfoHints { socktype: SockType::Stream.into(), ..AddrInfoHints::default() };
+        match dns_lookup::getaddrinfo(Some(&host), None, Some(hints)) {
+            Ok(addresses) => addresses.map(|a| a.map(|a| a.sockaddr.ip())).collect(),
+            Err(e) if matches!(e.kind(), LookupErrorKind::NoName | LookupErrorKind::NoData) => Ok(Vec::new()),
+            Err(e) => Err(e.into()),
+        }
+    })
+    .await
+    .map_err(io::Error::other)?
 }
 
 impl DnsSource {
-    /// Resolves every `interval` until `shutdown`; a failed resolution keeps the current set.
+    /// Resolves every `interval` until `shutdown`; a failed resolution keeps the current set,
+    /// an empty answer empties it.
     pub(super) async fn run<S, R, F>(
         self,
         resolve: R,
@@ -152,6 +165,41 @@ mod tests {
         assert_eq!(names(&rx.wait_for(|s| s.len() == 1).await.unwrap()), ["10.0.0.2"]);
         assert_eq!(metrics.errors.get(), 1);
         assert_eq!(names(&rx.wait_for(|s| s.contains_key("10.0.0.3")).await.unwrap()), ["10.0.0.3"]);
+        shutdown.cancel();
+        task.await.unwrap();
+    }
+
+    /// A name that does not exist is an empty answer, not a failure: the set empties (a
+    /// fleet whose pods are all gone must not keep their addresses, which the cluster may give
+    /// to other pods).
+    #[tokio::test]
+    async fn a_name_that_does_not_exist_empties_the_set() {
+        assert_eq!(system_resolver("no-such-replica.invalid".into()).await.unwrap(), Vec::<IpAddr>::new());
+        let answers = Arc::new(Mutex::new(vec![Ok(vec!["10.0.0.1".parse().unwrap()])]));
+        let resolve = move |host: String| {
+            let next = answers.lock().unwrap().pop();
+            async move {
+                match next {
+                    Some(answer) => answer,
+                    None => system_resolver(format!("{host}.invalid")).await,
+                }
+            }
+        };
+        let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())));
+        let mut rx = set.0.subscribe();
+        let shutdown = CancellationToken::new();
+        let mut source = source("agents");
+        source.interval = Duration::from_millis(1);
+        let task = tokio::spawn(source.run(
+            resolve,
+            Reconciler::new(set.clone(), DiscoveryMetrics::default()),
+            shutdown.clone(),
+        ));
+        rx.wait_for(|s| s.len() == 1).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(30), rx.wait_for(BTreeMap::is_empty))
+            .await
+            .unwrap()
+            .unwrap();
         shutdown.cancel();
         task.await.unwrap();
     }
