@@ -71,6 +71,10 @@ class Manifests(unittest.TestCase):
                 self.assertEqual(c["readinessProbe"]["httpGet"]["path"], "/ready")
                 self.assertEqual(c["livenessProbe"]["httpGet"]["path"], "/health")
                 self.assertIn("requests", c["resources"])
+                env = {e["name"]: e for e in c["env"]}
+                for threads in ["KVROUTE_HTTP_THREADS", "TOKIO_WORKER_THREADS"]:
+                    field = env[threads]["valueFrom"]["resourceFieldRef"]
+                    self.assertEqual((field["containerName"], field["resource"]), (c["name"], "requests.cpu"), threads)
                 self.assertTrue(c["securityContext"]["readOnlyRootFilesystem"])
                 self.assertTrue(pod["spec"]["securityContext"]["runAsNonRoot"])
                 self.assertEqual(pod["spec"]["serviceAccountName"], "kvroute-router")
