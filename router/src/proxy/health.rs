@@ -1,7 +1,8 @@
 //! Active health checks: every `--health-interval-ms`, `GET /health` on each replica (a
 //! replica that fails it is unhealthy until it passes again), then `GET /metrics` to read the
 //! queue length the replica reports itself (`vllm:num_requests_waiting`, which both vLLM and
-//! the kvroute agent export), used as [`crate::policy::Load::reported_waiting`].
+//! the kvroute agent export; SGLang's `sglang:num_queue_reqs`), used as
+//! [`crate::policy::Load::reported_waiting`].
 
 use std::time::Duration;
 
@@ -60,16 +61,22 @@ async fn get(client: &Client, url: &str, timeout: Duration) -> Option<(http::Sta
     Some((status, body))
 }
 
+/// The gauges engines report their waiting requests in: vLLM's (and the agent's), SGLang's.
+const WAITING_GAUGES: [&str; 2] = ["vllm:num_requests_waiting", "sglang:num_queue_reqs"];
+
 /// `vllm:num_requests_waiting{...} 3` → 3 (summed over label sets, e.g. per engine).
 fn reported_waiting(metrics: &[u8]) -> Option<u32> {
     let text = std::str::from_utf8(metrics).ok()?;
     let mut total = None;
     for line in text.lines() {
-        let Some(rest) = line.strip_prefix("vllm:num_requests_waiting") else { continue };
-        if !(rest.starts_with('{') || rest.starts_with(' ')) {
-            continue;
-        }
-        let value = rest.rsplit(' ').next()?.parse::<f64>().ok()?;
+        let Some(rest) = WAITING_GAUGES.iter().find_map(|gauge| line.strip_prefix(gauge)) else { continue };
+        // The value is the first field after the labels; a timestamp may follow it.
+        let after_labels = match rest.strip_prefix('{') {
+            Some(labels) => &labels[labels.rfind('}')? + 1..],
+            None if rest.starts_with(' ') => rest,
+            None => continue,
+        };
+        let value = after_labels.split_whitespace().next()?.parse::<f64>().ok()?;
         let total = total.get_or_insert(0u32);
         *total = total.saturating_add(value as u32);
     }
@@ -90,5 +97,12 @@ mod tests {
         let text = b"# HELP vllm:num_requests_waiting Requests waiting.\n# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} 3\nvllm:num_requests_waiting_total 9\n";
         assert_eq!(super::reported_waiting(text), Some(3));
         assert_eq!(super::reported_waiting(b"other 1\n"), None);
+    }
+
+    #[test]
+    fn reads_sglang_queues_and_values_before_timestamps() {
+        let text = b"sglang:num_queue_reqs{model_name=\"a b} c\",engine_type=\"unified\"} 5 1700000000000\n\
+                     sglang:num_queue_reqs_total 7\nsglang:num_running_reqs 9\n";
+        assert_eq!(super::reported_waiting(text), Some(5));
     }
 }
