@@ -158,6 +158,16 @@ class Manifests(unittest.TestCase):
         served = [a for a in args if a.startswith("--served-model-name=")][0].split("=")[1]
         self.assertEqual(config["model"], served)
 
+    def test_images_are_the_workspace_version(self):
+        with open(os.path.join(ROOT, "Cargo.toml"), "rb") as f:
+            version = tomllib.load(f)["workspace"]["package"]["version"]
+        for overlay in OVERLAYS:
+            for r in rendered(overlay):
+                for pod in pod_specs(r):
+                    for c in pod["containers"]:
+                        if c["image"].split(":")[0] == "kvroute":
+                            self.assertEqual(c["image"], f"kvroute:{version}", f"{overlay}: a tag, never latest")
+
     def test_router_config_keys_are_router_flags(self):
         fields = set()
         for path in ["router/src/config.rs", "router/src/discovery/config.rs"]:
