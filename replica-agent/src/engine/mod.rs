@@ -143,6 +143,9 @@ pub(crate) struct BlockMeta {
     pub tokens: Box<[u32]>,
     /// Position in its chain (0 for a prompt's first block): sorting by it puts parents first.
     pub depth: u32,
+    /// A prompt's first block's namespace, when it has an adapter or a salt (later blocks
+    /// chain from their parent, and most prompts have neither).
+    pub namespace: Option<Box<CacheNamespace>>,
 }
 
 /// A consistent copy of the cache: every resident block, parent first, as of `seq`.
@@ -243,6 +246,8 @@ impl Engine {
                     hash: hash.0,
                     parent: meta.parent.map(|p| p.0),
                     token_ids: if include_tokens { meta.tokens.to_vec() } else { Vec::new() },
+                    lora_name: meta.namespace.as_ref().and_then(|ns| ns.lora.clone()),
+                    cache_salt: meta.namespace.as_ref().and_then(|ns| ns.cache_salt.clone()),
                 })
                 .collect(),
         }

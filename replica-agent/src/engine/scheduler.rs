@@ -337,7 +337,13 @@ fn record_events(state: &mut CacheState, changes: &[CacheEvent], job: &Job, bloc
                 let index = cursor + offset;
                 cursor = index + 1;
                 let tokens = &job.prompt[index * block_size..(index + 1) * block_size];
-                blocks.insert(block, BlockMeta { parent, tokens: tokens.into(), depth: index as u32 });
+                let namespace = (parent.is_none()
+                    && (job.namespace.lora.is_some() || job.namespace.cache_salt.is_some()))
+                .then(|| Box::new(job.namespace.clone()));
+                blocks.insert(
+                    block,
+                    BlockMeta { parent, tokens: tokens.into(), depth: index as u32, namespace },
+                );
                 let extends_last = matches!(
                     events.last(),
                     Some(pb::Event { kind: Some(event::Kind::Stored(s)) })

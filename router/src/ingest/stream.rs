@@ -451,8 +451,8 @@ impl RankStream {
                 parent: block.parent.map(BlockHash),
                 tokens: block.token_ids,
                 block_size: snap.block_size,
-                lora: None,
-                salt: None,
+                lora: block.lora_name,
+                salt: block.cache_salt,
                 group: 0,
             };
             self.store(&stored);

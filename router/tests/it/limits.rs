@@ -16,7 +16,9 @@ use tokio::net::TcpStream;
 use kvroute_replica_agent::publisher::EventFormat;
 use kvroute_router::replicas::EngineKind;
 
-use crate::fleet::{FLEET_MODEL, Fleet, Reply, agent_config};
+use kvroute_router::config::Config as RouterConfig;
+
+use crate::fleet::{FLEET_MODEL, Fleet, Reply, agent_config, index_matches, router_config};
 
 /// Sends one raw HTTP/1.1 request on `stream` and returns the response head.
 async fn raw_request(stream: &mut TcpStream, head: &str) -> String {
@@ -165,22 +167,26 @@ async fn cache_salt_keeps_tenants_apart() {
 }
 
 /// A replica publishing in vLLM's format names a request's adapter and salt the way vLLM
-/// does (`lora_name`, `extra_keys`). The router recomputes every block's hash from the
-/// tokens and that namespace, so its index holds exactly the replica's blocks, and each
-/// namespace hits only its own.
+/// does (`lora_name`, `extra_keys`), and so does its snapshot. The router recomputes every
+/// block's hash from the tokens and that namespace, so its index holds exactly the replica's
+/// blocks, and each namespace hits only its own; a router that joins later, from a snapshot
+/// (no replay endpoint), holds exactly them too.
 #[tokio::test]
-async fn vllm_events_carry_the_adapter_and_the_salt() {
+async fn vllm_events_and_snapshots_carry_the_adapter_and_the_salt() {
     let agent = |name: &str| kvroute_replica_agent::Config {
         event_format: EventFormat::Vllm,
         lora_adapters: vec!["tuned".into()],
         ..agent_config(name)
     };
-    let fleet = Fleet::with(1, agent, |mut config| {
-        config.replicas.iter_mut().for_each(|r| r.engine = EngineKind::Vllm);
+    let router = |mut config: RouterConfig| {
+        for r in &mut config.replicas {
+            r.engine = EngineKind::Vllm;
+            r.replay = None;
+        }
         config.lora_adapters = vec!["tuned".into()];
         config
-    })
-    .await;
+    };
+    let fleet = Fleet::with(1, agent, router).await;
     let url = fleet.url("/v1/completions");
     let prompt = (0..40).map(|i| format!("ns{i}")).collect::<Vec<_>>().join(" ");
     let ask = |model: &str, salt: Option<&str>| {
@@ -199,6 +205,9 @@ async fn vllm_events_carry_the_adapter_and_the_salt() {
         assert!(again.cached_tokens() > 0, "{model} {salt:?} hits its own blocks");
         assert_eq!(predicted(&again), again.cached_tokens(), "{model} {salt:?}");
     }
+    let late = router(router_config(std::slice::from_ref(fleet.agent(0))));
+    let late = kvroute_router::start(late, fleet.shutdown.child_token()).await.expect("router starts");
+    index_matches(&late, fleet.agent(0)).await;
 }
 
 /// A `MakeWriter` into a shared buffer.

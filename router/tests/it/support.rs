@@ -524,6 +524,7 @@ pub fn snapshot_blocks(tokens: &[u32]) -> Vec<pb::SnapshotBlock> {
             hash: h.0,
             parent: i.checked_sub(1).map(|p| hashes[p].0),
             token_ids: tokens[i * BLOCK as usize..(i + 1) * BLOCK as usize].to_vec(),
+            ..Default::default()
         })
         .collect()
 }
