@@ -140,13 +140,13 @@ impl Scheduler {
     /// pinned.
     fn admit(&mut self) {
         let block_size = self.config.cache.block_size;
+        // Requests whose clients left, wherever they wait: they would hold a place in the
+        // queue and count in the waiting gauge routers read as load.
+        let queued = self.waiting.len();
+        self.waiting.retain(|p| !p.out.is_closed());
+        self.metrics.waiting.fetch_sub((queued - self.waiting.len()) as u64, Ordering::Relaxed);
         while self.running.len() < self.config.max_num_seqs {
             let Some(pending) = self.waiting.front() else { break };
-            if pending.out.is_closed() {
-                self.waiting.pop_front();
-                self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
-                continue;
-            }
             let job = &pending.job;
             self.scratch.clear();
             let outcome = {
@@ -192,6 +192,12 @@ impl Scheduler {
 
     /// Runs one step: plans the token budget, waits the step's duration, emits tokens.
     async fn step(&mut self) {
+        // A request whose client left stops here, mid-prefill included, and gives back its
+        // share of the budget and its pins.
+        for r in &mut self.running {
+            r.gone |= r.out.is_closed();
+        }
+        self.release_finished();
         let mut budget = self.config.max_num_batched_tokens;
         let decoding: Vec<bool> = self.running.iter().map(|r| r.prefill_left == 0).collect();
         let n_decoding = decoding.iter().filter(|d| **d).count();

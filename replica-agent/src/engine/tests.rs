@@ -140,3 +140,25 @@ async fn jobs_waiting_beyond_max_waiting_are_refused() {
     assert_eq!(engine.metrics().waiting.load(Ordering::Relaxed), 2, "a refused job is not counted");
     drop((running, waiting));
 }
+
+/// A request whose client left stops counting as waiting at once, even behind one that
+/// cannot be admitted yet (the gauge routers read as the replica's queue).
+#[tokio::test]
+async fn waiting_requests_whose_clients_left_are_dropped() {
+    let (engine, _shutdown) = engine_waiting(64, 1, 8).await;
+    let mut running = engine.submit(job((0..8).collect(), u32::MAX)).unwrap();
+    assert!(matches!(running.recv().await, Some(Output::Started { .. })));
+    let kept = engine.submit(job(vec![50; 8], 1)).unwrap();
+    drop((engine.submit(job(vec![51; 8], 1)).unwrap(), engine.submit(job(vec![52; 8], 1)).unwrap()));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while engine.metrics().waiting.load(Ordering::Relaxed) != 1 {
+        assert!(tokio::time::Instant::now() < deadline, "left requests still count as waiting");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(
+        engine.metrics().pending_prefill_tokens.load(Ordering::Relaxed),
+        8,
+        "only the one still wanted"
+    );
+    drop((running, kept));
+}
