@@ -21,8 +21,10 @@
 //!   there only subscribes or asks, so it may send 64 KiB over its connection in all,
 //!   commands included, each frame charged 32 bytes more (`zeromq`'s PUB keeps every
 //!   subscription it is sent); it must finish its handshake (greeting and READY) within 10 s
-//!   of connecting (`zeromq`'s own handshake has no deadline); and at most 256 peers are
-//!   relayed at once. Its refusals are logged at debug level (any client could fill the log
+//!   of connecting (`zeromq`'s own handshake has no deadline); it must take what the socket
+//!   sends it, a write making progress at least every 30 s (`zeromq`'s PUB queues without
+//!   bound for a subscriber that stops reading: cut, the peer reconnects and repairs the gap
+//!   from the replay socket); and at most 256 peers are relayed at once. Its refusals are logged at debug level (any client could fill the log
 //!   otherwise), the publisher's at warn.
 //!
 //! Endpoints other than `tcp://` (`ipc://`, `inproc://`) are on this host and are not
@@ -61,6 +63,9 @@ const BOUND_PEER_BUDGET: u64 = 64 << 10;
 /// Time a peer of a bound socket has from connecting to the end of its handshake, so that
 /// connections that never finish one cannot hold the guard's places.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Longest a peer of a bound socket may leave one write to it unfinished before it is cut.
+const PEER_STALL: Duration = Duration::from_secs(30);
 
 /// A relay for one socket, serving while this lives.
 pub struct ZmtpGuard {
@@ -238,7 +243,7 @@ impl Relay {
             },
             Side::Accepted => tokio::select! {
                 ended = self.watched(frames, handshake_by, accepted_read, dialed_write) => ended,
-                ended = plain(dialed_read, accepted_write) => ended,
+                ended = to_peer(dialed_read, accepted_write, &self.target) => ended,
             },
         };
     }
@@ -294,6 +299,22 @@ impl Relay {
 /// Copies `from` to `to` as it is.
 async fn plain(mut from: OwnedReadHalf, mut to: OwnedWriteHalf) -> io::Result<()> {
     tokio::io::copy(&mut from, &mut to).await.map(drop)
+}
+
+/// Copies what a bound socket sends to its peer, until the peer leaves a write unfinished
+/// for [`PEER_STALL`].
+async fn to_peer(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, target: &str) -> io::Result<()> {
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = from.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        if tokio::time::timeout(PEER_STALL, to.write_all(&buf[..n])).await.is_err() {
+            tracing::debug!(%target, "ZMTP peer stopped reading; connection closed");
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+    }
 }
 
 /// Most bytes of the accepted side's kept while the target is being reached: a greeting and
@@ -389,5 +410,35 @@ mod tests {
         let address = guard.endpoint().strip_prefix("tcp://").unwrap().to_owned();
         guard.close().await;
         TcpListener::bind(&address).await.expect("the port is free again");
+    }
+
+    /// A peer that stops reading is cut once a write to it has waited `PEER_STALL`, so the
+    /// socket behind stops queueing for it (paused clock: the wait passes at once).
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_stops_reading_is_cut() {
+        let target = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let internal = format!("tcp://{}", target.local_addr().unwrap());
+        let guard = ZmtpGuard::binding("tcp://127.0.0.1:0", &internal, Arc::new(|| {})).await.unwrap();
+        let mut peer = TcpStream::connect(guard.endpoint().strip_prefix("tcp://").unwrap()).await.unwrap();
+        let mut handshake = NULL_GREETING.to_vec();
+        handshake.extend_from_slice(&[0b100, 6]);
+        handshake.extend_from_slice(b"\x05READY");
+        peer.write_all(&handshake).await.unwrap();
+        let (mut socket, _) = target.accept().await.unwrap();
+        let mut got = vec![0u8; handshake.len()];
+        socket.read_exact(&mut got).await.unwrap();
+        // The socket publishes; the peer reads nothing. The socket's side is closed.
+        let chunk = vec![7u8; 64 << 10];
+        let flood = async {
+            loop {
+                if socket.write_all(&chunk).await.is_err() {
+                    return;
+                }
+            }
+        };
+        tokio::time::timeout(PEER_STALL * 10, flood)
+            .await
+            .expect("the guard cut the peer that stopped reading");
+        drop(peer);
     }
 }
