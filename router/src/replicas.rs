@@ -35,6 +35,19 @@ impl EngineKind {
     pub fn native_hashes(self) -> bool {
         self == EngineKind::Kvroute
     }
+
+    /// Most leading cached blocks the engine reuses for a prompt of `prompt_len` tokens. vLLM
+    /// and SGLang must compute the prompt's last token for its logits, so they match at most
+    /// `prompt_len - 1` tokens, in whole blocks: a prompt that is all whole blocks, all cached,
+    /// recomputes its last block. The replica agent reuses every full block (seed 000).
+    pub fn reusable_blocks(self, prompt_len: usize, block_size: usize) -> usize {
+        match self {
+            EngineKind::Kvroute => usize::MAX,
+            EngineKind::Vllm | EngineKind::Sglang => {
+                prompt_len.saturating_sub(1).checked_div(block_size).unwrap_or(0)
+            }
+        }
+    }
 }
 
 impl From<EngineKind> for pb::EngineKind {
@@ -407,6 +420,24 @@ impl Replicas {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// vLLM's `max_cache_hit_length = num_tokens - 1`, in whole blocks of 16.
+    #[test]
+    fn real_engines_recompute_an_all_cached_last_block() {
+        for engine in [EngineKind::Vllm, EngineKind::Sglang] {
+            let reusable = |len| engine.reusable_blocks(len, 16);
+            assert_eq!(
+                [reusable(0), reusable(1), reusable(16), reusable(17), reusable(32), reusable(33)],
+                [0, 0, 0, 1, 1, 2]
+            );
+            assert_eq!(engine.reusable_blocks(100, 0), 0, "no block size, no blocks");
+        }
+        assert_eq!(
+            EngineKind::Kvroute.reusable_blocks(32, 16),
+            usize::MAX,
+            "the agent reuses every full block"
+        );
+    }
 
     #[test]
     fn dp_size_is_bounded() {

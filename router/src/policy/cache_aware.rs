@@ -29,7 +29,10 @@
 //! proportion to the request's size (the term does not depend on the fleet's throughput, so
 //! it behaves the same at any load or time scale).
 //!
-//! Replicas whose stream is `FALLBACK` report no overlap (the router routes them on load
+//! `overlap_blocks(r)` is what r's engine will reuse of the leading blocks it holds (index
+//! and credits): all of them for the replica agent (seed 000), at most `(prompt_tokens - 1) /
+//! block_size` for vLLM and SGLang, which compute a prompt's last token even when it is
+//! cached. Replicas whose stream is `FALLBACK` report no overlap (the router routes them on load
 //! alone). Ties go to the replica with the highest rendezvous hash of the request's key (its
 //! last full block), so distinct prompts reaching an idle fleet spread evenly over it.
 //!

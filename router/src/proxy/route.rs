@@ -203,6 +203,9 @@ impl Decider {
                     StreamState::Fallback => 0,
                     _ => self.fleet.credits().extend(member.replica.id, &blocks, indexed_blocks),
                 };
+                // What the engine will reuse of it (vLLM recomputes an all-cached last block).
+                let overlap = overlap
+                    .min(member.replica.spec.engine.reusable_blocks(first_prompt_tokens, self.block_size));
                 let view = ReplicaView {
                     id: member.replica.id,
                     overlap_blocks: overlap,
