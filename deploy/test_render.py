@@ -119,10 +119,15 @@ class Manifests(unittest.TestCase):
         pod = one(res, "StatefulSet", "vllm")["spec"]["template"]
         c = pod["spec"]["containers"][0]
         router = one(res, "Deployment", "kvroute-router")["spec"]["template"]["spec"]
-        # vLLM outlasts the longest stream a router waits for, after its own preStop sleep.
+        # vLLM lets running requests finish for as long as a router waits for a stream, and
+        # Kubernetes waits for that after vLLM's own preStop sleep.
+        (shutdown,) = [int(a.split("=")[1]) for a in c["args"] if a.startswith("--shutdown-timeout=")]
+        router_c = router["containers"][0]
         self.assertGreaterEqual(
-            pod["spec"]["terminationGracePeriodSeconds"] - c["lifecycle"]["preStop"]["sleep"]["seconds"],
-            router["terminationGracePeriodSeconds"],
+            shutdown, router["terminationGracePeriodSeconds"] - router_c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        )
+        self.assertGreater(
+            pod["spec"]["terminationGracePeriodSeconds"], c["lifecycle"]["preStop"]["sleep"]["seconds"] + shutdown
         )
         self.assertGreaterEqual(c["readinessProbe"]["timeoutSeconds"], 5, "a busy engine answers late")
         self.assertEqual(one(res, "PodDisruptionBudget", "vllm")["spec"]["maxUnavailable"], 1)
