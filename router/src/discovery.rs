@@ -21,9 +21,9 @@
 //!
 //! Both feed a [`Reconciler`]: the desired set (name → [`ReplicaSpec`] and whether it is
 //! serving) is diffed against what was last applied, and only the differences reach the
-//! [`ReplicaSink`] (removals first, then additions and changed specs, then changes of
-//! serving), one at a time and awaited, so a sink never sees two operations on one name at
-//! once. Removing a replica frees everything it held in the
+//! [`ReplicaSink`] (removals first, then name by name a change of serving before an addition
+//! or a changed spec), one at a time and awaited, so a sink never sees two operations on one
+//! name at once. Removing a replica frees everything it held in the
 //! index (the sink calls [`Ingest::remove_replica`]).
 //!
 //! [`Discovery::is_listed`] turns true after the first complete listing, for `/ready`.
@@ -64,8 +64,10 @@ pub trait ReplicaSink: Send + Sync + 'static {
     fn remove(&self, name: &str) -> impl Future<Output = ()> + Send;
 
     /// Whether the platform says the replica named `name` serves (Kubernetes: its endpoint is
-    /// Ready). A replica that does not is kept, its events followed, but not routed to. A
-    /// replica is serving when added; discovery says otherwise right after adding it.
+    /// Ready). A replica that does not is kept, its events followed, but not routed to. The
+    /// sink keeps this by name: discovery says it before adding a replica that does not
+    /// serve, and a replica added under the name later (an update, an admin's re-add) starts
+    /// that way, until the name serves again or discovery removes it.
     fn set_serving(&self, name: &str, serving: bool) {
         let _ = (name, serving);
     }
@@ -160,7 +162,11 @@ impl DiscoveryMetrics {
         let m = Self::default();
         let r = registry.sub_registry_with_prefix("kvroute_discovery");
         r.register("replicas", "Replicas discovery currently lists", m.replicas.clone());
-        r.register("changes", "Replica additions, updates and removals applied", m.changes.clone());
+        r.register(
+            "changes",
+            "Replica additions, updates, removals and changes of serving applied (op: added, updated, removed, serving, not_serving)",
+            m.changes.clone(),
+        );
         r.register(
             "errors",
             "Failed resolutions, watch errors and refused specs (discovery retries)",
@@ -218,39 +224,46 @@ impl<S: ReplicaSink> Reconciler<S> {
                 Some(_) => Some("updated"),
                 None => Some("added"),
             };
-            if let Some(op) = op {
-                tracing::info!(replica = %name, http = %spec.http_url, events = %spec.event_endpoint, "discovery: replica {op}");
-                match self.sink.upsert(spec.clone()).await {
-                    Ok(()) => {
-                        self.applied.insert(name.clone(), spec);
-                        // A new entry in the sink serves until told otherwise.
-                        self.not_serving.remove(&name);
-                        self.metrics.change(op);
-                    }
-                    Err(e) => {
-                        // Not recorded as applied: the next listing tries again.
-                        tracing::warn!(replica = %name, error = %e, "discovery: replica refused");
-                        self.metrics.errors.inc();
-                        if self.applied.remove(&name).is_some() {
-                            self.sink.remove(&name).await;
-                        }
-                        self.not_serving.remove(&name);
-                        continue;
-                    }
-                }
-            }
+            // Serving first: the sink keeps it by name and applies it to a replica it adds, so
+            // one that does not serve is never routable, not even between the two calls.
             if serving == self.not_serving.contains(&name) {
-                tracing::info!(replica = %name, serving, "discovery: replica {}", if serving { "serving" } else { "not serving" });
-                self.sink.set_serving(&name, serving);
-                if serving {
-                    self.not_serving.remove(&name);
-                } else {
-                    self.not_serving.insert(name);
+                self.set_serving(&name, serving);
+            }
+            let Some(op) = op else { continue };
+            tracing::info!(replica = %name, http = %spec.http_url, events = %spec.event_endpoint, "discovery: replica {op}");
+            match self.sink.upsert(spec.clone()).await {
+                Ok(()) => {
+                    self.applied.insert(name, spec);
+                    self.metrics.change(op);
+                }
+                Err(e) => {
+                    // Not recorded as applied: the next listing tries again.
+                    tracing::warn!(replica = %name, error = %e, "discovery: replica refused");
+                    self.metrics.errors.inc();
+                    if self.applied.remove(&name).is_some() {
+                        self.sink.remove(&name).await;
+                    }
+                    // Nothing of the name is left, not even its serving (said again next time).
+                    if self.not_serving.contains(&name) {
+                        self.set_serving(&name, true);
+                    }
                 }
             }
         }
         self.metrics.replicas.set(i64::try_from(self.applied.len()).unwrap_or(i64::MAX));
         self.listed.send_if_modified(|l| !std::mem::replace(l, true));
+    }
+
+    /// Tells the sink whether `name` serves, and remembers it.
+    fn set_serving(&mut self, name: &str, serving: bool) {
+        tracing::info!(replica = %name, serving, "discovery: replica {}", if serving { "serving" } else { "not serving" });
+        self.sink.set_serving(name, serving);
+        if serving {
+            self.not_serving.remove(name);
+        } else {
+            self.not_serving.insert(name.to_owned());
+        }
+        self.metrics.change(if serving { "serving" } else { "not_serving" });
     }
 
     /// Counts a source error (a failed resolution or watch step).
@@ -446,8 +459,8 @@ mod tests {
     }
 
     /// A replica that stops serving is kept (its index survives) and told so; it is told
-    /// again when it serves again; one added or replaced while not serving is told right
-    /// after the sink has it.
+    /// again when it serves again; one added or replaced while not serving is told first, so
+    /// the sink adds it not serving.
     #[tokio::test]
     async fn serving_changes_keep_the_replica() {
         let log = Log::default();
@@ -467,12 +480,11 @@ mod tests {
             *log.0.lock().unwrap(),
             [
                 "+a@http://10.0.0.1:8000",
-                "+b@http://10.0.0.2:8000",
                 "not serving b",
+                "+b@http://10.0.0.2:8000",
                 "not serving a",
                 "serving a",
                 "+b@http://10.0.0.22:8000",
-                "not serving b",
                 "serving b",
             ]
         );

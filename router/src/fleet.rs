@@ -30,11 +30,15 @@ pub struct Fleet {
     /// that discovery replaces (a pod back under a new address) or removes and adds again
     /// stays drained until it is undrained or removed through the admin service.
     drained: Arc<RwLock<HashSet<String>>>,
+    /// Names discovery says are not serving (endpoints that are not Ready): kept by name, so a
+    /// replica added or replaced under it (discovery, or an admin `AddReplica`) is never
+    /// routable, not even for a moment, until discovery says it serves.
+    not_serving: Arc<RwLock<HashSet<String>>>,
 }
 
 impl Fleet {
     pub fn new(ingest: Ingest) -> Self {
-        Self { ingest, upstreams: Arc::default(), drained: Arc::default() }
+        Self { ingest, upstreams: Arc::default(), drained: Arc::default(), not_serving: Arc::default() }
     }
 
     pub fn ingest(&self) -> &Ingest {
@@ -48,11 +52,14 @@ impl Fleet {
 
     /// Starts routing to `spec` (and following its events).
     pub fn add(&self, spec: ReplicaSpec) -> Result<Member, IngestError> {
-        // Held until the upstream is in place, so that a drain cannot fall between the two.
+        // Held until the upstream is in place, so that a drain (or a change of serving) cannot
+        // fall between the two.
         let drained = self.drained.read().unwrap_or_else(PoisonError::into_inner);
+        let not_serving = self.not_serving.read().unwrap_or_else(PoisonError::into_inner);
         let replica = self.ingest.add_replica(spec)?;
         let upstream = Arc::new(Upstream::default());
         upstream.set_draining(drained.contains(&replica.spec.name));
+        upstream.set_serving(!not_serving.contains(&replica.spec.name));
         self.upstreams.write().unwrap_or_else(PoisonError::into_inner).insert(replica.id, upstream.clone());
         tracing::info!(replica = %replica.spec.name, id = %replica.id, http = %replica.spec.http_url, "replica added");
         Ok(Member { replica, upstream })
@@ -91,6 +98,20 @@ impl Fleet {
         }
         member.upstream.set_draining(drain);
         Some(member)
+    }
+
+    /// Whether the replica named `name` serves (discovery's word), now and for a replica
+    /// added under that name later.
+    pub fn set_serving(&self, name: &str, serving: bool) {
+        let mut not_serving = self.not_serving.write().unwrap_or_else(PoisonError::into_inner);
+        if serving {
+            not_serving.remove(name);
+        } else {
+            not_serving.insert(name.to_owned());
+        }
+        if let Some(member) = self.member(name) {
+            member.upstream.set_serving(serving);
+        }
     }
 
     /// Forgets a drain by name, for a replica removed for good (an address that discovery
@@ -140,11 +161,11 @@ impl ReplicaSink for Fleet {
 
     async fn remove(&self, name: &str) {
         Fleet::remove(self, name).await;
+        // Gone from the platform: a replica added under the name later serves.
+        Fleet::set_serving(self, name, true);
     }
 
     fn set_serving(&self, name: &str, serving: bool) {
-        if let Some(member) = self.member(name) {
-            member.upstream.set_serving(serving);
-        }
+        Fleet::set_serving(self, name, serving);
     }
 }

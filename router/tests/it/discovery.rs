@@ -62,8 +62,8 @@ async fn k8s_mode_without_a_service_is_refused() {
 
 #[cfg(feature = "k8s")]
 mod k8s {
-    use std::collections::BTreeMap;
-    use std::sync::Arc;
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::sync::{Arc, Mutex};
 
     use kvroute_proto::pb::EventBatch;
     use kvroute_replica_agent::publisher::EventFormat;
@@ -82,20 +82,28 @@ mod k8s {
 
     const NS: &str = "kvroute";
 
-    /// A sink whose replica set (name → spec, serving) the test can await.
+    /// A sink whose replica set (name → spec, serving) the test can await; like the fleet, it
+    /// keeps serving by name.
     #[derive(Clone)]
-    struct Set(Arc<watch::Sender<BTreeMap<String, (ReplicaSpec, bool)>>>);
+    struct Set(Arc<watch::Sender<BTreeMap<String, (ReplicaSpec, bool)>>>, Arc<Mutex<BTreeSet<String>>>);
 
     impl ReplicaSink for Set {
         type Error = std::convert::Infallible;
         async fn upsert(&self, spec: ReplicaSpec) -> Result<(), Self::Error> {
-            self.0.send_modify(|s| drop(s.insert(spec.name.clone(), (spec, true))));
+            let serving = !self.1.lock().unwrap().contains(&spec.name);
+            self.0.send_modify(|s| drop(s.insert(spec.name.clone(), (spec, serving))));
             Ok(())
         }
         async fn remove(&self, name: &str) {
+            self.1.lock().unwrap().remove(name);
             self.0.send_modify(|s| drop(s.remove(name)));
         }
         fn set_serving(&self, name: &str, serving: bool) {
+            if serving {
+                self.1.lock().unwrap().remove(name);
+            } else {
+                self.1.lock().unwrap().insert(name.to_owned());
+            }
             self.0.send_modify(|s| s.get_mut(name).into_iter().for_each(|(_, s)| *s = serving));
         }
     }
@@ -192,7 +200,7 @@ mod k8s {
             ports(5557, 5558),
         ));
         api.apply(slice("other-x", "other", &[("other-0", "10.9.9.9", true)], ports(5557, 5558)));
-        let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())));
+        let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())), Arc::default());
         let (tracker, shutdown) = (TaskTracker::new(), CancellationToken::new());
         let config = config("agents");
         let discovery = Discovery::start_k8s(
@@ -306,7 +314,7 @@ mod k8s {
             s.put_pod(pod("vllm-1", "uid-b", json!({"unrelated": "x"})));
             s.apply(slice_with_uids("vllm-a", &[("vllm-0", "10.0.0.1", "uid-a"), ("vllm-1", "10.0.0.2", "uid-b")]));
         });
-        let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())));
+        let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())), Arc::default());
         let (tracker, shutdown) = (TaskTracker::new(), CancellationToken::new());
         let config = DiscoveryConfig { discovery_pod_annotations: true, ..config("vllm") };
         Discovery::start_k8s(
@@ -391,6 +399,14 @@ mod k8s {
         let serving = || fleet.member("agent-0").expect("still a member").upstream.is_serving();
         api.apply(slice("agents-a", "agents", &[("agent-0", "127.0.0.1", false)], agent_ports.clone()));
         wait_until("not serving", || !serving()).await;
+        // An operator removes and adds it again meanwhile: it comes back not serving.
+        let spec = fleet.member("agent-0").unwrap().replica.spec.clone();
+        fleet.remove("agent-0").await;
+        fleet.add(spec).expect("added again");
+        assert!(!serving(), "a replica added under a name that is not serving is not routable");
+        let replica = fleet.member("agent-0").unwrap().replica;
+        h.synced(&replica).await;
+        wait_until("blocks replayed", || h.index.blocks(replica.id) == 4).await;
         api.apply(slice("agents-a", "agents", &[("agent-0", "127.0.0.1", true)], agent_ports.clone()));
         wait_until("serving again", serving).await;
         assert_eq!(fleet.member("agent-0").unwrap().replica.id, replica.id, "the same registration");
