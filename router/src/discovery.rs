@@ -5,8 +5,9 @@
 //! - **dns** (`dns`): resolves a headless Service's name every `--discovery-interval-ms`
 //!   (5 s); every address is a replica named by its IP, with the configured ports. A failed
 //!   resolution (a timeout, SERVFAIL) keeps the current set (a resolver hiccup must not empty
-//!   the fleet; the proxy's health checks eject replicas that are really gone); a name that
-//!   does not exist or has no addresses (NXDOMAIN, NODATA: no ready pod) empties it.
+//!   the fleet; the proxy's health checks eject replicas that are really gone); so do answers
+//!   with no address (NXDOMAIN, NODATA: no pod is Ready, as in an overload where every
+//!   readiness probe fails) until six in a row (30 s at the default interval) empty it.
 //! - **Kubernetes** (`k8s`, cargo feature `k8s`): watches the EndpointSlices labelled
 //!   `kubernetes.io/service-name=<service>` with kube's watcher (list, then watch from the
 //!   list's resourceVersion; a dropped watch resumes from the last seen version, a `410 Gone`

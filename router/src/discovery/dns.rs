@@ -7,7 +7,7 @@ use std::io;
 use std::net::IpAddr;
 use std::time::Duration;
 
-use dns_lookup::{AddrInfoHints, LookupErrorKind, SockType};
+use dns_lookup::{AddrInfo, AddrInfoHints, LookupError, LookupErrorKind, SockType};
 use tokio_util::sync::CancellationToken;
 
 use super::{Reconciler, ReplicaSink, ReplicaTemplate};
@@ -20,25 +20,37 @@ pub(super) struct DnsSource {
     pub interval: Duration,
 }
 
-/// The system resolver (`getaddrinfo` on a blocking thread). A name that does not exist or
-/// has no addresses (NXDOMAIN, NODATA: a headless Service with no ready endpoint) is an
-/// answer, and it is empty; only a failure to get an answer (a timeout, SERVFAIL) is an error.
+/// Empty answers in a row that empty the set. A headless Service answers with no address
+/// when none of its pods is Ready, which a fleet so overloaded that every readiness probe
+/// fails looks like for a while too; the set (and what the index knows) is kept through that
+/// (at the default 5 s interval, 30 s), and dropped after it: the addresses of pods that are
+/// gone may be handed to other pods.
+const EMPTY_ANSWERS: u32 = 6;
+
+/// The system resolver (`getaddrinfo` on a blocking thread).
 pub(super) async fn system_resolver(host: String) -> io::Result<Vec<IpAddr>> {
     tokio::task::spawn_blocking(move || {
         let hints = AddrInfoHints { socktype: SockType::Stream.into(), ..AddrInfoHints::default() };
-        match dns_lookup::getaddrinfo(Some(&host), None, Some(hints)) {
-            Ok(addresses) => addresses.map(|a| a.map(|a| a.sockaddr.ip())).collect(),
-            Err(e) if matches!(e.kind(), LookupErrorKind::NoName | LookupErrorKind::NoData) => Ok(Vec::new()),
-            Err(e) => Err(e.into()),
-        }
+        addresses(dns_lookup::getaddrinfo(Some(&host), None, Some(hints)).map(|found| found.collect()))
     })
     .await
     .map_err(io::Error::other)?
 }
 
+/// A lookup's addresses. A name that does not exist or has no addresses (NXDOMAIN, NODATA)
+/// is an answer, and it is empty; only a failure to get an answer (a timeout, SERVFAIL) is
+/// an error.
+fn addresses(found: Result<Vec<io::Result<AddrInfo>>, LookupError>) -> io::Result<Vec<IpAddr>> {
+    match found {
+        Ok(addresses) => addresses.into_iter().map(|a| a.map(|a| a.sockaddr.ip())).collect(),
+        Err(e) if matches!(e.kind(), LookupErrorKind::NoName | LookupErrorKind::NoData) => Ok(Vec::new()),
+        Err(e) => Err(e.into()),
+    }
+}
+
 impl DnsSource {
     /// Resolves every `interval` until `shutdown`; a failed resolution keeps the current set,
-    /// an empty answer empties it.
+    /// and so do empty answers until [`EMPTY_ANSWERS`] of them in a row.
     pub(super) async fn run<S, R, F>(
         self,
         resolve: R,
@@ -49,13 +61,21 @@ impl DnsSource {
         R: Fn(String) -> F + Send,
         F: Future<Output = io::Result<Vec<IpAddr>>> + Send,
     {
+        let mut empty_answers = 0;
         loop {
             let resolved = tokio::select! {
                 () = shutdown.cancelled() => return,
                 r = resolve(self.host.clone()) => r,
             };
             match resolved {
-                Ok(ips) => reconciler.apply(self.desired(ips)).await,
+                Ok(ips) if ips.is_empty() && empty_answers + 1 < EMPTY_ANSWERS => {
+                    empty_answers += 1;
+                    tracing::info!(host = %self.host, empty_answers, "discovery: no addresses; keeping the replicas for now");
+                }
+                Ok(ips) => {
+                    empty_answers = if ips.is_empty() { EMPTY_ANSWERS } else { 0 };
+                    reconciler.apply(self.desired(ips)).await;
+                }
                 Err(e) => reconciler.error(&e),
             }
             tokio::select! {
@@ -169,37 +189,50 @@ mod tests {
         task.await.unwrap();
     }
 
-    /// A name that does not exist is an empty answer, not a failure: the set empties (a
-    /// fleet whose pods are all gone must not keep their addresses, which the cluster may give
-    /// to other pods).
-    #[tokio::test]
-    async fn a_name_that_does_not_exist_empties_the_set() {
-        assert_eq!(system_resolver("no-such-replica.invalid".into()).await.unwrap(), Vec::<IpAddr>::new());
-        let answers = Arc::new(Mutex::new(vec![Ok(vec!["10.0.0.1".parse().unwrap()])]));
-        let resolve = move |host: String| {
-            let next = answers.lock().unwrap().pop();
-            async move {
-                match next {
-                    Some(answer) => answer,
-                    None => system_resolver(format!("{host}.invalid")).await,
-                }
-            }
+    /// A name that does not exist or has no addresses is an empty answer; a failure to get
+    /// an answer is an error.
+    #[test]
+    fn no_such_name_is_an_empty_answer() {
+        for code in [libc::EAI_NONAME, libc::EAI_NODATA] {
+            assert_eq!(addresses(Err(LookupError::new(code))).unwrap(), Vec::<IpAddr>::new(), "{code}");
+        }
+        for code in [libc::EAI_AGAIN, libc::EAI_FAIL] {
+            assert!(addresses(Err(LookupError::new(code))).is_err(), "{code}");
+        }
+    }
+
+    /// Empty answers keep the set until `EMPTY_ANSWERS` of them in a row; an answer with
+    /// addresses in between starts the count again. (Paused clock: lookup `i` happens at
+    /// `5 s * i`; the set is read half an interval after a lookup.)
+    #[tokio::test(start_paused = true)]
+    async fn empty_answers_empty_the_set_only_in_a_row() {
+        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+        let n = EMPTY_ANSWERS as usize;
+        let mut script: Vec<Vec<IpAddr>> = vec![vec![ip("10.0.0.1")]];
+        script.extend(std::iter::repeat_n(Vec::new(), n - 1));
+        script.push(vec![ip("10.0.0.2")]);
+        script.extend(std::iter::repeat_n(Vec::new(), n));
+        let answers = Arc::new(Mutex::new(script.into_iter()));
+        let resolve = move |_host: String| {
+            let next = answers.lock().unwrap().next().unwrap_or_default();
+            async move { Ok(next) }
         };
         let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())));
-        let mut rx = set.0.subscribe();
         let shutdown = CancellationToken::new();
-        let mut source = source("agents");
-        source.interval = Duration::from_millis(1);
-        let task = tokio::spawn(source.run(
+        let start = tokio::time::Instant::now();
+        let task = tokio::spawn(source("agents").run(
             resolve,
             Reconciler::new(set.clone(), DiscoveryMetrics::default()),
             shutdown.clone(),
         ));
-        rx.wait_for(|s| s.len() == 1).await.unwrap();
-        tokio::time::timeout(Duration::from_secs(30), rx.wait_for(BTreeMap::is_empty))
-            .await
-            .unwrap()
-            .unwrap();
+        let after_lookup = async |i: usize| {
+            tokio::time::sleep_until(start + Duration::from_millis(5000 * i as u64 + 2500)).await;
+            set.0.borrow().keys().cloned().collect::<Vec<_>>()
+        };
+        assert_eq!(after_lookup(n - 1).await, ["10.0.0.1"], "{} empty answers keep the set", n - 1);
+        assert_eq!(after_lookup(n).await, ["10.0.0.2"]);
+        assert_eq!(after_lookup(2 * n - 1).await, ["10.0.0.2"], "the count started again");
+        assert_eq!(after_lookup(2 * n).await, Vec::<String>::new(), "{n} in a row empty it");
         shutdown.cancel();
         task.await.unwrap();
     }
