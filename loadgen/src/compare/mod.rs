@@ -60,7 +60,9 @@ pub struct CompareConfig {
     pub routers: Routers,
     /// Base URLs of the replicas' HTTP APIs (caches reset, metrics read).
     pub replicas: Vec<String>,
-    /// How each run sends the workload; `target` and `label` are set per policy.
+    /// How each run sends the workload; `target` and `label` are set per policy, and
+    /// `replicas` is always [`CompareConfig::replicas`], so every run reads the fleet's
+    /// counters whoever built this config.
     pub live: LiveConfig,
     /// Tokens per KV block on the replicas.
     pub block_size: usize,
@@ -108,6 +110,7 @@ pub async fn compare(
         reset_caches(&client, &config.replicas).await?;
         let mut live = config.live.clone();
         live.label = policy.as_str().into();
+        live.replicas.clone_from(&config.replicas);
         let report = match &config.routers {
             Routers::Embedded { config: router, .. } => {
                 let router_shutdown = shutdown.child_token();

@@ -1,7 +1,8 @@
 //! Live runs over real sockets against an in-process fleet (agents at a 1000x time scale):
-//! `compare` produces a sane report with every file, a replica alone reports its own
-//! counters, an unreachable target is counted as connect errors without hanging, and the
-//! `demo` entry point completes with tiny flags.
+//! `compare` produces a sane report with every file (and, from the command line, reads the
+//! replicas' counters), a replica alone reports its own counters, an unreachable target is
+//! counted as connect errors without hanging, and the `demo` entry point completes with tiny
+//! flags.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -12,6 +13,7 @@ use kvroute_loadgen::cli::{self, Cli};
 use kvroute_loadgen::compare::{self, CompareConfig, Routers};
 use kvroute_loadgen::demo::{DEMO_MODEL, EmbeddedFleet, FleetConfig};
 use kvroute_loadgen::live::{self, Arrivals, LiveConfig};
+use kvroute_loadgen::workload::mooncake;
 use kvroute_loadgen::workload::synth::ChatParams;
 use kvroute_replica_agent::cache::PolicyKind as Eviction;
 use kvroute_router::policy::PolicyKind;
@@ -217,4 +219,39 @@ fn the_demo_entry_point_completes_with_tiny_flags() {
         assert_eq!(run["live"]["succeeded"], 16);
     }
     assert!(out.0.join("table.txt").exists());
+}
+
+/// `compare` from the command line (`--replica`, routers started here) reads every replica's
+/// counters: the fleet's hit rate is there and the per-replica shares are by replica URL,
+/// not rebuilt from the router's headers.
+#[test]
+fn compare_from_the_command_line_reads_the_replicas_counters() {
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let shutdown = CancellationToken::new();
+    let fleet = runtime.block_on(EmbeddedFleet::start(fleet_config(2), shutdown.child_token())).unwrap();
+    let tmp = TempDir::new("compare-cli");
+    let (trace, out) = (tmp.0.join("chat.jsonl"), tmp.0.join("report"));
+    mooncake::write(&small_chat(), std::fs::File::create(&trace).unwrap()).unwrap();
+    let mut args: Vec<String> =
+        ["kvroute-loadgen", "compare", "--no-progress", "--no-offline"].map(String::from).into();
+    for replica in fleet.router_config().replicas {
+        args.extend(["--replica".into(), replica.to_string()]);
+    }
+    args.extend(["--block-size", "16", "--policies", "round-robin"].map(String::from));
+    args.extend([
+        "--out".into(),
+        out.to_str().unwrap().into(),
+        "--trace".into(),
+        trace.to_str().unwrap().into(),
+    ]);
+    cli::run(Cli::parse_from(args)).expect("compare runs");
+
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let live = &json["runs"][0]["live"];
+    assert!(live["fleet_hit_rate"].as_f64().is_some_and(|h| h > 0.0), "no fleet counters: {live}");
+    let named: Vec<&str> =
+        live["per_replica"].as_array().unwrap().iter().map(|s| s["replica"].as_str().unwrap()).collect();
+    assert_eq!(named, fleet.urls(), "per-replica shares not from the replicas' counters");
+    runtime.block_on(fleet.stop());
 }
