@@ -391,10 +391,13 @@ pub fn live_summary(r: &LiveReport) -> String {
         ms(r.time_per_output_token),
         ms(r.e2e)
     );
+    let fleet = match r.replicas_unread {
+        0 => pct(r.fleet_hit_rate),
+        n => format!("- ({n} replicas unread)"),
+    };
     out += &format!(
-        "hit rate: responses {}, fleet counters {}, router predicted {}; load skew {}\n",
+        "hit rate: responses {}, fleet counters {fleet}, router predicted {}; load skew {}\n",
         pct(r.hit_rate),
-        pct(r.fleet_hit_rate),
         pct(r.predicted_hit_rate),
         r.load_skew.map_or("-".into(), |s| format!("{s:.2}"))
     );

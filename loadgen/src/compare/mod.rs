@@ -250,7 +250,7 @@ pub async fn reset_caches(client: &Client, replicas: &[String]) -> anyhow::Resul
 }
 
 /// Starts a router with `policy` and waits until it has synced every replica.
-async fn start_router(
+pub async fn start_router(
     config: &RouterConfig,
     policy: PolicyKind,
     shutdown: CancellationToken,

@@ -62,7 +62,8 @@ impl Percentiles {
 /// One replica's share of a run.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ReplicaShare {
-    /// The replica's base URL (counters) or the router's name for it (headers).
+    /// The replica's base URL (counters) or the router's name for it (headers; an idle
+    /// replica the router did not list is `(unnamed replica N)`).
     pub replica: String,
     /// Prompt tokens it received.
     pub prompt_tokens: u64,
@@ -93,13 +94,20 @@ pub struct LiveReport {
     pub cached_tokens: u64,
     /// `cached_tokens / prompt_tokens` over the responses that reported it.
     pub hit_rate: Option<f64>,
-    /// Fleet-wide `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` deltas.
+    /// Fleet-wide `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` deltas;
+    /// `None` unless every replica's counters were read before and after the run (a part of
+    /// the fleet is not the fleet).
     pub fleet_hit_rate: Option<f64>,
+    /// Replicas given whose counters could not be read both before and after the run: any
+    /// leaves `fleet_hit_rate` out and the per-replica view to the router's headers.
+    pub replicas_unread: usize,
     /// The router's predicted hit rate from its `x-kvroute-predicted-cached-tokens` headers.
     pub predicted_hit_rate: Option<f64>,
     /// The router's own counters over the run.
     pub router: Option<RouterCounters>,
-    /// Prompt tokens per replica: the replicas' counters when read, else the router's headers.
+    /// Prompt tokens per replica: the replicas' counters when every replica's were read, else
+    /// the router's headers, with every replica the router lists (or, without its list, as
+    /// many as were given) even if no response named it.
     pub per_replica: Vec<ReplicaShare>,
     /// Max over mean of `per_replica` prompt tokens (1 = even); `None` without a per-replica view.
     pub load_skew: Option<f64>,
@@ -148,33 +156,19 @@ impl LiveReport {
             .zip(after.replicas.iter().zip(&before.replicas))
             .filter_map(|(url, (a, b))| Some((url.clone(), a.as_ref()?.since(b.as_ref()?))))
             .collect();
-        let fleet_hits: f64 = deltas.iter().map(|(_, d)| d.prefix_cache_hits).sum();
-        let fleet_queries: f64 = deltas.iter().map(|(_, d)| d.prefix_cache_queries).sum();
-        let per_replica: Vec<ReplicaShare> = if !deltas.is_empty() && deltas.len() == replica_urls.len() {
-            deltas
-                .iter()
-                .map(|(url, d)| ReplicaShare {
-                    replica: url.clone(),
-                    prompt_tokens: d.prompt_tokens as u64,
-                    hit_rate: ratio(d.prefix_cache_hits, d.prefix_cache_queries),
-                })
-                .collect()
+        // Counters speak for the fleet only when every replica's were read, before and after.
+        let every_replica = !deltas.is_empty() && deltas.len() == replica_urls.len();
+        let per_replica = if every_replica {
+            shares_from_counters(&deltas)
         } else {
-            let mut by_header: BTreeMap<&str, u64> = BTreeMap::new();
-            for s in &ok {
-                if let Some(name) = &s.replica {
-                    *by_header.entry(name).or_insert(0) += s.prompt_tokens;
-                }
-            }
-            by_header
-                .into_iter()
-                .map(|(name, tokens)| ReplicaShare {
-                    replica: name.into(),
-                    prompt_tokens: tokens,
-                    hit_rate: None,
-                })
-                .collect()
+            shares_from_headers(&ok, before, after, replica_urls.len())
         };
+        let fleet_hit_rate = every_replica
+            .then(|| {
+                let hits = deltas.iter().map(|(_, d)| d.prefix_cache_hits).sum();
+                ratio(hits, deltas.iter().map(|(_, d)| d.prefix_cache_queries).sum())
+            })
+            .flatten();
 
         let router = match (&before.router, &after.router) {
             (Some(b), Some(a)) => Some(a.since(b)),
@@ -199,7 +193,8 @@ impl LiveReport {
             hit_rate: (!reported.is_empty())
                 .then(|| ratio(cached_tokens as f64, reported_prompt as f64))
                 .flatten(),
-            fleet_hit_rate: ratio(fleet_hits, fleet_queries),
+            fleet_hit_rate,
+            replicas_unread: replica_urls.len() - deltas.len(),
             predicted_hit_rate: (!predicted.is_empty())
                 .then(|| ratio(predicted_tokens as f64, predicted_prompt as f64))
                 .flatten(),
@@ -220,6 +215,54 @@ impl LiveReport {
     pub fn realized_hit_rate(&self) -> Option<f64> {
         self.fleet_hit_rate.or(self.hit_rate)
     }
+}
+
+/// Each replica's share from its counters' deltas.
+fn shares_from_counters(deltas: &[(String, ReplicaCounters)]) -> Vec<ReplicaShare> {
+    deltas
+        .iter()
+        .map(|(url, d)| ReplicaShare {
+            replica: url.clone(),
+            prompt_tokens: d.prompt_tokens as u64,
+            hit_rate: ratio(d.prefix_cache_hits, d.prefix_cache_queries),
+        })
+        .collect()
+}
+
+/// Each replica's share from the router's `x-kvroute-replica` headers, every replica the
+/// router listed before or after the run starting at zero (one no response named still
+/// counts in the skew). Without the router's list, replicas given by URL that no response
+/// named count as idle, unnamed ones: `replicas` is the fleet's size as far as it is known.
+fn shares_from_headers(
+    ok: &[&Success],
+    before: &Snapshot,
+    after: &Snapshot,
+    replicas: usize,
+) -> Vec<ReplicaShare> {
+    let mut by_name: BTreeMap<&str, u64> =
+        before.router_replicas.iter().chain(&after.router_replicas).map(|name| (name.as_str(), 0)).collect();
+    let mut named_any = false;
+    for s in ok {
+        if let Some(name) = &s.replica {
+            *by_name.entry(name).or_insert(0) += s.prompt_tokens;
+            named_any = true;
+        }
+    }
+    if !named_any {
+        // No response named a replica: there is no per-replica view at all.
+        return Vec::new();
+    }
+    let named = by_name.len();
+    let mut shares: Vec<ReplicaShare> = by_name
+        .into_iter()
+        .map(|(name, tokens)| ReplicaShare { replica: name.into(), prompt_tokens: tokens, hit_rate: None })
+        .collect();
+    shares.extend((named..replicas).map(|i| ReplicaShare {
+        replica: format!("(unnamed replica {})", i + 1),
+        prompt_tokens: 0,
+        hit_rate: None,
+    }));
+    shares
 }
 
 fn ratio(a: f64, b: f64) -> Option<f64> {
@@ -305,6 +348,55 @@ mod tests {
         assert_eq!(r.time_per_output_token.unwrap().p50_ms, 9.0);
         let last = r.hit_rate_over_time.last().unwrap();
         assert!((last.1 - 150.0 / 400.0).abs() < 1e-12);
+    }
+
+    fn counters(hits: f64, queries: f64, prompt: f64) -> Option<ReplicaCounters> {
+        Some(ReplicaCounters {
+            prefix_cache_hits: hits,
+            prefix_cache_queries: queries,
+            prompt_tokens: prompt,
+        })
+    }
+
+    #[test]
+    fn idle_replicas_count_in_the_skew_from_headers() {
+        // Four replicas behind the router, all traffic on two of them, evenly.
+        let records = vec![ok(0, 0, 100, 0, "a"), ok(1, 10, 100, 0, "b")];
+        let listed = Snapshot {
+            router_replicas: ["a", "b", "c", "d"].map(String::from).into(),
+            ..Snapshot::default()
+        };
+        let r = LiveReport::new("x".into(), "t".into(), records.clone(), &[], &listed, &listed);
+        let names: Vec<&str> = r.per_replica.iter().map(|s| s.replica.as_str()).collect();
+        assert_eq!(names, ["a", "b", "c", "d"]);
+        assert_eq!(r.load_skew, Some(2.0));
+        // Without the router's list, the replicas given by URL say how many there are.
+        let urls: Vec<String> = (0..4).map(|i| format!("http://r{i}")).collect();
+        let unread = Snapshot { replicas: vec![None; 4], ..Snapshot::default() };
+        let r = LiveReport::new("x".into(), "t".into(), records, &urls, &unread, &unread);
+        assert_eq!(r.per_replica.len(), 4);
+        assert_eq!(r.load_skew, Some(2.0));
+    }
+
+    #[test]
+    fn a_partial_scrape_is_no_fleet_hit_rate() {
+        let urls = vec!["http://r0".to_string(), "http://r1".to_string()];
+        let records = vec![ok(0, 0, 100, 80, "r0"), ok(1, 10, 100, 0, "r1")];
+        let before = Snapshot { replicas: vec![counters(0.0, 0.0, 0.0), None], ..Snapshot::default() };
+        let after = Snapshot {
+            replicas: vec![counters(80.0, 100.0, 100.0), counters(0.0, 100.0, 100.0)],
+            ..Snapshot::default()
+        };
+        let r = LiveReport::new("x".into(), "t".into(), records.clone(), &urls, &before, &after);
+        assert_eq!((r.fleet_hit_rate, r.replicas_unread), (None, 1));
+        // The per-replica view falls back to the headers, both replicas in it.
+        assert_eq!(r.per_replica.len(), 2);
+        assert_eq!(r.per_replica[0].hit_rate, None);
+        // Read in full, the counters are the fleet's.
+        let before = Snapshot { replicas: vec![counters(0.0, 0.0, 0.0); 2], ..Snapshot::default() };
+        let r = LiveReport::new("x".into(), "t".into(), records, &urls, &before, &after);
+        assert_eq!((r.fleet_hit_rate, r.replicas_unread), (Some(80.0 / 200.0), 0));
+        assert_eq!(r.per_replica[0].replica, "http://r0");
     }
 
     #[test]

@@ -136,6 +136,21 @@ async fn compare_on_a_small_fleet_writes_a_sane_report() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_s_metrics_name_every_replica_behind_it() {
+    let shutdown = CancellationToken::new();
+    let fleet = EmbeddedFleet::start(fleet_config(2), shutdown.child_token()).await.unwrap();
+    let router =
+        compare::start_router(&fleet.router_config(), PolicyKind::RoundRobin, shutdown.child_token())
+            .await
+            .unwrap();
+    // No request yet: the names come from the router's own list, not from any response.
+    let snapshot = live::scrape::snapshot(&live::Client::new(LIMIT), &router.url(), &[]).await;
+    assert_eq!(snapshot.router_replicas, ["agent-0", "agent-1"]);
+    router.stop().await;
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_run_against_one_replica_reads_its_counters_without_router_headers() {
     let shutdown = CancellationToken::new();
     let fleet = EmbeddedFleet::start(fleet_config(1), shutdown.child_token()).await.unwrap();
