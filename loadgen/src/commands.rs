@@ -386,11 +386,19 @@ pub fn live_summary(r: &LiveReport) -> String {
         r.throughput_rps, r.output_tokens_per_s, r.duration_s
     );
     out += &format!(
-        "TTFT {}; time per output token {}; end-to-end {}\n",
+        "from the send: TTFT {}; time per output token {}; end-to-end {}\n",
         ms(r.ttft),
         ms(r.time_per_output_token),
         ms(r.e2e)
     );
+    if let Some(late) = r.send_lateness {
+        out += &format!(
+            "from the schedule: sent late {}; TTFT {}; end-to-end {}\n",
+            ms(Some(late)),
+            ms(r.ttft_from_intended),
+            ms(r.e2e_from_intended)
+        );
+    }
     let fleet = match r.replicas_unread {
         0 => pct(r.fleet_hit_rate),
         n => format!("- ({n} replicas unread)"),

@@ -3,8 +3,10 @@
 //!
 //! Requests go out at the trace's timestamps (divided by a speed-up), at a seeded Poisson
 //! rate, or closed-loop at a fixed concurrency ([`Arrivals`]); in-flight requests are bounded
-//! by a semaphore, and so is the run's length ([`LiveConfig::max_duration`]). Every prompt is
-//! the workload's token ids (no tokenizer involved), `max_tokens` its output length.
+//! by a semaphore, and so is the run's length ([`LiveConfig::max_duration`]). An open-loop
+//! request that waits for a slot is late: its intended send is kept, so the report has
+//! latencies from it beside those from the actual send. Every prompt is the workload's
+//! token ids (no tokenizer involved), `max_tokens` its output length.
 //! Before and after the run the replicas' and the target's `/metrics` are read, so the
 //! [`LiveReport`] has the fleet's realized hit rate and per-replica prompt tokens as counter
 //! deltas beside what the responses said.
@@ -159,7 +161,7 @@ pub async fn run(
                         if i >= requests.len() || past || sender.shutdown.is_cancelled() {
                             break;
                         }
-                        sender.send(i, &requests[i]).await;
+                        sender.send(i, None, &requests[i]).await;
                     }
                 });
             }
@@ -201,7 +203,11 @@ fn validate(config: &LiveConfig) -> Result<(), LiveError> {
     }
 }
 
-/// Sends `requests[i]` at `start + at[i]`, each on its own task once a slot is free.
+/// Sends `requests[i]` at `start + at[i]`, each on its own task once a slot is free. `at[i]`
+/// is recorded as the request's intended send time, so a request that waited for a slot (or
+/// for a late timer) is measured from when it should have gone out, not only from when it
+/// did: without that, a saturated client hides the queueing it causes (coordinated
+/// omission).
 async fn open_loop(
     sender: &Sender,
     tracker: &TaskTracker,
@@ -224,7 +230,7 @@ async fn open_loop(
         };
         let (sender, request) = (sender.clone(), request.clone());
         tracker.spawn(async move {
-            sender.send(i, &request).await;
+            sender.send(i, Some(at), &request).await;
             drop(permit);
         });
     }
@@ -241,7 +247,8 @@ struct Sender {
 }
 
 impl Sender {
-    async fn send(&self, index: usize, request: &Request) {
+    /// Sends `request` now, `intended` being when the schedule meant it to go (open loop).
+    async fn send(&self, index: usize, intended: Option<Duration>, request: &Request) {
         let config = &self.config;
         let body = client::request_body(&config.model, request, config.stream, config.prompt);
         let sent = self.start.elapsed();
@@ -252,7 +259,7 @@ impl Sender {
             () = self.shutdown.cancelled() => Err(ErrorKind::Cancelled),
         };
         // The collector outlives every sender; a closed channel means it failed, and said so.
-        let _ = self.tx.send(RequestRecord { index, sent, outcome }).await;
+        let _ = self.tx.send(RequestRecord { index, intended, sent, outcome }).await;
     }
 }
 

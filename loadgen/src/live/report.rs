@@ -1,6 +1,8 @@
-//! What a live run reports: latency percentiles, throughput, errors by kind, the realized hit
-//! rate (from responses and from the replicas' counters), the router's predicted hit rate
-//! (from its headers and its counters), prompt tokens per replica and the load skew.
+//! What a live run reports: latency percentiles (from each request's send, and in an open
+//! loop also from its intended send, with how late sends went out), throughput, errors by
+//! kind, the realized hit rate (from responses and from the replicas' counters), the
+//! router's predicted hit rate (from its headers and its counters), prompt tokens per
+//! replica and the load skew.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -15,6 +17,9 @@ use super::scrape::{ReplicaCounters, RouterCounters, Snapshot};
 pub struct RequestRecord {
     /// Index of the request in the workload.
     pub index: usize,
+    /// When the open-loop schedule meant to send it, from the start of the run (`None` in a
+    /// closed loop, which has no schedule).
+    pub intended: Option<Duration>,
     /// When it was sent, from the start of the run.
     pub sent: Duration,
     pub outcome: Result<Success, ErrorKind>,
@@ -24,6 +29,16 @@ impl RequestRecord {
     /// When it finished (successes only), from the start of the run.
     pub fn done(&self) -> Option<Duration> {
         self.outcome.as_ref().ok().map(|s| self.sent + s.e2e)
+    }
+
+    /// How much later than intended it was sent (open loop only).
+    pub fn lateness(&self) -> Option<Duration> {
+        Some(self.sent.saturating_sub(self.intended?))
+    }
+
+    /// `latency` (measured from the send) measured from the intended send instead.
+    fn since_intended(&self, latency: Duration) -> Option<Duration> {
+        Some(self.lateness()? + latency)
     }
 }
 
@@ -86,9 +101,21 @@ pub struct LiveReport {
     /// Successful requests per second.
     pub throughput_rps: f64,
     pub output_tokens_per_s: f64,
+    /// Time to first token from the actual send: the service's latency, without an
+    /// open-loop request's wait for an in-flight slot (see `ttft_from_intended`).
     pub ttft: Option<Percentiles>,
     pub time_per_output_token: Option<Percentiles>,
+    /// End-to-end latency from the actual send (service latency, as `ttft`).
     pub e2e: Option<Percentiles>,
+    /// Open loop only: time to first token from when the schedule meant to send the request,
+    /// so client-side queueing (a full in-flight limit, a late timer) counts, as it would
+    /// for a user arriving then.
+    pub ttft_from_intended: Option<Percentiles>,
+    /// Open loop only: end-to-end latency from the intended send.
+    pub e2e_from_intended: Option<Percentiles>,
+    /// Open loop only: how late requests were sent, against their schedule (every request
+    /// sent, failed or not).
+    pub send_lateness: Option<Percentiles>,
     pub prompt_tokens: u64,
     /// Sum of `cached_tokens` over the responses that reported it.
     pub cached_tokens: u64,
@@ -188,6 +215,13 @@ impl LiveReport {
                 ok.iter().filter_map(|s| s.time_per_output_token()).collect(),
             ),
             e2e: Percentiles::of(ok.iter().map(|s| s.e2e).collect()),
+            ttft_from_intended: Percentiles::of(
+                records.iter().filter_map(|r| r.since_intended(r.outcome.as_ref().ok()?.ttft?)).collect(),
+            ),
+            e2e_from_intended: Percentiles::of(
+                records.iter().filter_map(|r| r.since_intended(r.outcome.as_ref().ok()?.e2e)).collect(),
+            ),
+            send_lateness: Percentiles::of(records.iter().filter_map(RequestRecord::lateness).collect()),
             prompt_tokens: ok.iter().map(|s| s.prompt_tokens).sum(),
             cached_tokens,
             hit_rate: (!reported.is_empty())
@@ -313,6 +347,7 @@ mod tests {
     fn ok(index: usize, sent_ms: u64, prompt: u64, cached: u64, replica: &str) -> RequestRecord {
         RequestRecord {
             index,
+            intended: None,
             sent: Duration::from_millis(sent_ms),
             outcome: Ok(Success {
                 ttft: Some(Duration::from_millis(10)),
@@ -332,8 +367,18 @@ mod tests {
             ok(0, 0, 100, 0, "a"),
             ok(1, 100, 100, 50, "a"),
             ok(2, 200, 200, 100, "b"),
-            RequestRecord { index: 3, sent: Duration::ZERO, outcome: Err(ErrorKind::Status(503)) },
-            RequestRecord { index: 4, sent: Duration::ZERO, outcome: Err(ErrorKind::Connect) },
+            RequestRecord {
+                index: 3,
+                intended: None,
+                sent: Duration::ZERO,
+                outcome: Err(ErrorKind::Status(503)),
+            },
+            RequestRecord {
+                index: 4,
+                intended: None,
+                sent: Duration::ZERO,
+                outcome: Err(ErrorKind::Connect),
+            },
         ];
         let none = Snapshot::default();
         let r = LiveReport::new("x".into(), "t".into(), records, &[], &none, &none);

@@ -171,6 +171,40 @@ async fn a_live_run_against_one_replica_reads_its_counters_without_router_header
     fleet.stop().await;
 }
 
+/// Regression (coordinated omission): every request is due at once and one may be in flight,
+/// so each waits for those before it; measured from its intended send, its latency includes
+/// that wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_loop_request_that_waited_for_a_slot_is_measured_from_its_intended_send() {
+    let shutdown = CancellationToken::new();
+    let fleet = EmbeddedFleet::start(fleet_config(1), shutdown.child_token()).await.unwrap();
+    let mut trace = small_chat();
+    for r in &mut trace.requests {
+        r.arrival = Duration::ZERO;
+    }
+    let mut config = quiet(LiveConfig::new(fleet.urls()[0].clone(), DEMO_MODEL));
+    config.arrivals = Arrivals::Trace { speedup: 1.0 };
+    config.max_in_flight = 1;
+    config.max_requests = Some(4);
+    let report =
+        tokio::time::timeout(LIMIT, live::run(&trace, &config, shutdown.clone())).await.unwrap().unwrap();
+    assert_eq!(report.succeeded, 4, "{:?}", report.errors);
+
+    let mut records = report.records.clone();
+    records.sort_by_key(|r| r.sent);
+    let mut served_so_far = Duration::ZERO;
+    for r in &records {
+        let e2e = r.outcome.as_ref().unwrap().e2e;
+        served_so_far += e2e;
+        let lateness = r.lateness().expect("an open-loop request has an intended send");
+        assert!(lateness + e2e >= served_so_far, "{r:?} waited for none before it");
+    }
+    let (service, from_intended) = (report.e2e.unwrap(), report.e2e_from_intended.unwrap());
+    assert!(from_intended.max_ms > service.max_ms, "{from_intended:?} vs {service:?}");
+    assert!(report.send_lateness.is_some_and(|l| l.max_ms > 0.0));
+    fleet.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_target_counts_connect_errors_and_does_not_hang() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
