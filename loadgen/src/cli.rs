@@ -173,7 +173,7 @@ pub fn seed000_lines(report: &SimReport) -> String {
 }
 
 fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
-    let trace = args.workload.generate();
+    let trace = args.workload.generate().context("generating the workload")?;
     match &args.out {
         Some(path) => {
             let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;

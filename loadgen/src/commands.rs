@@ -117,7 +117,7 @@ fn load(
         }
         (None, w) => {
             let w = w.clone().unwrap_or_else(default);
-            Ok((w.generate(), workload_name(&w)))
+            Ok((w.generate().context("generating the workload")?, workload_name(&w)))
         }
     }
 }

@@ -49,9 +49,11 @@ fn config(replicas: usize, capacity_blocks: usize, eviction: cache::PolicyKind) 
 
 fn workloads() -> Vec<Trace> {
     vec![
-        Workload::Chat(ChatParams { conversations: 40, ..ChatParams::default() }).generate(),
-        Workload::Rag(RagParams { requests: 200, ..RagParams::default() }).generate(),
-        Workload::Batch(BatchParams { jobs: 3, requests_per_job: 40, ..BatchParams::default() }).generate(),
+        Workload::Chat(ChatParams { conversations: 40, ..ChatParams::default() }).generate().unwrap(),
+        Workload::Rag(RagParams { requests: 200, ..RagParams::default() }).generate().unwrap(),
+        Workload::Batch(BatchParams { jobs: 3, requests_per_job: 40, ..BatchParams::default() })
+            .generate()
+            .unwrap(),
     ]
 }
 
@@ -159,7 +161,7 @@ fn views_carry_each_replicas_resident_prefix_and_engine_load() {
 
 #[test]
 fn latency_reflects_hits_and_speedup_raises_load() {
-    let trace = Workload::Chat(ChatParams { conversations: 60, ..ChatParams::default() }).generate();
+    let trace = Workload::Chat(ChatParams { conversations: 60, ..ChatParams::default() }).generate().unwrap();
     let cfg = config(2, 256, cache::PolicyKind::Lru);
     let base = simulate_with(&trace, &cfg, &RoundRobin::default()).unwrap();
     let lat = base.latency.unwrap();

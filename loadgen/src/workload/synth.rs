@@ -40,9 +40,16 @@ pub enum Workload {
     Batch(BatchParams),
 }
 
+/// Why a synthetic workload cannot be generated.
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub enum SynthError {
+    #[error("the Zipf exponent (--zipf) must be a finite number of at least 0, got {0}")]
+    Zipf(f64),
+}
+
 impl Workload {
-    /// Generates the workload's trace.
-    pub fn generate(&self) -> Trace {
+    /// Generates the workload's trace, or says which parameter makes that impossible.
+    pub fn generate(&self) -> Result<Trace, SynthError> {
         match self {
             Workload::Chat(p) => p.generate(),
             Workload::Rag(p) => p.generate(),
@@ -112,11 +119,16 @@ impl Gen {
 
 /// Zipf(`s`) over ranks `0..n`: rank `k` has weight `1 / (k + 1)^s`.
 struct Zipf {
+    /// Cumulative weights: rank `k` owns `[cdf[k - 1], cdf[k])` (`[0, cdf[0])` for rank 0).
     cdf: Vec<f64>,
 }
 
 impl Zipf {
-    fn new(n: usize, s: f64) -> Self {
+    /// `s` must be finite and at least 0: every weight is then in `[0, 1]`, rank 0's is 1.
+    fn new(n: usize, s: f64) -> Result<Self, SynthError> {
+        if !(s.is_finite() && s >= 0.0) {
+            return Err(SynthError::Zipf(s));
+        }
         let mut acc = 0.0;
         let cdf = (0..n)
             .map(|k| {
@@ -124,13 +136,50 @@ impl Zipf {
                 acc
             })
             .collect();
-        Self { cdf }
+        Ok(Self { cdf })
     }
 
-    fn sample(&self, rng: &mut StdRng) -> usize {
+    /// Where rank `k`'s share of the cumulative weight starts.
+    fn start(&self, k: usize) -> f64 {
+        k.checked_sub(1).map_or(0.0, |i| self.cdf[i])
+    }
+
+    /// `k` distinct ranks (all of them if `k >= n`), in draw order: each draw is by Zipf
+    /// weight among the ranks not drawn yet, so it always ends (drawing with replacement
+    /// and skipping repeats never does once the weight left rounds to nothing, as with a
+    /// large `s`). Picking `u` in the weight left, it steps over the drawn ranks' shares;
+    /// with no weight left (or rounding onto a drawn rank) it takes the next undrawn rank
+    /// in popularity order.
+    fn draw_distinct(&self, k: usize, rng: &mut StdRng) -> Vec<usize> {
+        let n = self.cdf.len();
         let total = self.cdf.last().copied().unwrap_or(0.0);
-        let x = rng.random::<f64>() * total;
-        self.cdf.partition_point(|&c| c <= x).min(self.cdf.len().saturating_sub(1))
+        let mut drawn = Vec::with_capacity(k.min(n));
+        let mut ascending: Vec<usize> = Vec::with_capacity(k.min(n));
+        let mut taken = 0.0;
+        while drawn.len() < k.min(n) {
+            let left = total - taken;
+            let u: f64 = rng.random();
+            let rank = if left > 0.0 {
+                let mut x = u * left;
+                for &d in &ascending {
+                    if x >= self.start(d) {
+                        x += self.cdf[d] - self.start(d);
+                    }
+                }
+                self.cdf.partition_point(|&c| c <= x).min(n - 1)
+            } else {
+                0
+            };
+            let rank = (rank..n)
+                .chain((0..rank).rev())
+                .find(|r| ascending.binary_search(r).is_err())
+                .expect("fewer ranks drawn than there are");
+            let at = ascending.binary_search(&rank).unwrap_err();
+            ascending.insert(at, rank);
+            taken += self.cdf[rank] - self.start(rank);
+            drawn.push(rank);
+        }
+        drawn
     }
 }
 
@@ -149,22 +198,22 @@ mod tests {
     #[test]
     fn same_seed_same_trace_other_seed_other_trace() {
         for w in all() {
-            let a = w.generate();
-            assert_eq!(a, w.generate());
+            let a = w.generate().unwrap();
+            assert_eq!(a, w.generate().unwrap());
             let mut other = w.clone();
             match &mut other {
                 Workload::Chat(p) => p.seed += 1,
                 Workload::Rag(p) => p.seed += 1,
                 Workload::Batch(p) => p.seed += 1,
             }
-            assert_ne!(a, other.generate());
+            assert_ne!(a, other.generate().unwrap());
         }
     }
 
     #[test]
     fn traces_are_well_formed_and_survive_mooncake_round_trip() {
         for w in all() {
-            let trace = w.generate();
+            let trace = w.generate().unwrap();
             assert!(!trace.is_empty());
             for r in &trace.requests {
                 assert_eq!(r.hash_ids.len(), super::super::content_blocks(r.input_len));
@@ -183,13 +232,53 @@ mod tests {
 
     #[test]
     fn zipf_prefers_low_ranks() {
-        let z = Zipf::new(100, 1.0);
+        let z = Zipf::new(100, 1.0).unwrap();
         let mut rng = StdRng::seed_from_u64(1);
         let mut counts = [0u32; 100];
         for _ in 0..10_000 {
-            counts[z.sample(&mut rng)] += 1;
+            counts[z.draw_distinct(1, &mut rng)[0]] += 1;
         }
         assert!(counts[0] > counts[9] && counts[9] > counts[99]);
+    }
+
+    #[test]
+    fn a_later_draw_is_by_weight_among_the_ranks_left() {
+        // Weights 1, 1/2, 1/3: the first draw is 0 with probability 6/11, and then the second
+        // is 1 with probability (1/2) / (1/2 + 1/3) = 3/5.
+        let z = Zipf::new(3, 1.0).unwrap();
+        let mut rng = StdRng::seed_from_u64(2);
+        let draws = 50_000;
+        let pairs = (0..draws).filter(|_| z.draw_distinct(2, &mut rng) == [0, 1]).count();
+        let expected = 6.0 / 11.0 * 3.0 / 5.0;
+        assert!((pairs as f64 / draws as f64 - expected).abs() < 0.01, "{pairs} of {draws}");
+    }
+
+    /// Regression: drawing with replacement and skipping repeats never ended once the weight
+    /// left rounded to nothing (a large exponent).
+    #[test]
+    fn distinct_draws_end_for_any_exponent() {
+        let mut rng = StdRng::seed_from_u64(3);
+        for s in [0.0, 1.1, 60.0, 400.0, 1e6, f64::MAX] {
+            for n in [1, 3, 50] {
+                let z = Zipf::new(n, s).unwrap();
+                let mut drawn = z.draw_distinct(n + 1, &mut rng);
+                assert_eq!(drawn.len(), n, "s {s}");
+                if s >= 400.0 {
+                    // All the weight is on rank 0; then popularity order.
+                    assert!(drawn.iter().copied().eq(0..n), "s {s}: {drawn:?}");
+                }
+                drawn.sort_unstable();
+                assert!(drawn.iter().copied().eq(0..n), "s {s}: {drawn:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_bad_zipf_exponent_is_refused() {
+        for s in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -0.5] {
+            let rag = Workload::Rag(RagParams { requests: 10, zipf: s, ..RagParams::default() });
+            assert!(matches!(rag.generate(), Err(SynthError::Zipf(_))), "zipf {s}");
+        }
     }
 
     #[test]

@@ -14,7 +14,8 @@ fn fleet(replicas: usize, capacity_blocks: usize, routing: PolicyKind) -> SimCon
 
 #[test]
 fn every_router_policy_runs_and_cache_aware_beats_round_robin_on_chat() {
-    let trace = Workload::Chat(ChatParams { conversations: 150, ..ChatParams::default() }).generate();
+    let trace =
+        Workload::Chat(ChatParams { conversations: 150, ..ChatParams::default() }).generate().unwrap();
     let mut pooled = None;
     for routing in PolicyKind::ALL {
         let report = simulate(&trace, &fleet(4, 256, routing)).unwrap();

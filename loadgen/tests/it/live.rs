@@ -47,6 +47,7 @@ fn small_chat() -> Trace {
         seed: 7,
     }
     .generate()
+    .unwrap()
 }
 
 /// A directory under the system temp dir, removed when dropped.

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use super::{Gen, clap_defaults};
+use super::{Gen, SynthError, clap_defaults};
 use crate::workload::Trace;
 
 /// Parameters of the batch workload.
@@ -45,7 +45,7 @@ impl Default for BatchParams {
 
 impl BatchParams {
     /// Generates the trace.
-    pub fn generate(&self) -> Trace {
+    pub fn generate(&self) -> Result<Trace, SynthError> {
         let mut g = Gen::new(self.seed);
         let mut start = Duration::ZERO;
         for _ in 0..self.jobs {
@@ -61,7 +61,7 @@ impl BatchParams {
                 g.push(at, &[instruction, item], output);
             }
         }
-        g.finish()
+        Ok(g.finish())
     }
 }
 
@@ -73,7 +73,7 @@ mod tests {
     fn requests_of_a_job_share_its_instruction() {
         let p =
             BatchParams { jobs: 2, requests_per_job: 30, instruction_tokens: 2048, ..BatchParams::default() };
-        let trace = p.generate();
+        let trace = p.generate().unwrap();
         let mut firsts: Vec<u64> = trace.requests.iter().map(|r| r.hash_ids[0]).collect();
         firsts.sort_unstable();
         firsts.dedup();

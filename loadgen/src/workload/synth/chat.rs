@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use rand::RngExt;
 
-use super::{Gen, clap_defaults};
+use super::{Gen, SynthError, clap_defaults};
 use crate::units::parse_duration;
 use crate::workload::Trace;
 
@@ -54,7 +54,7 @@ impl Default for ChatParams {
 
 impl ChatParams {
     /// Generates the trace.
-    pub fn generate(&self) -> Trace {
+    pub fn generate(&self) -> Result<Trace, SynthError> {
         let mut g = Gen::new(self.seed);
         let systems: Vec<_> = (0..self.system_prompts.max(1))
             .map(|_| {
@@ -80,7 +80,7 @@ impl ChatParams {
                 history.push(g.segment(reply));
             }
         }
-        g.finish()
+        Ok(g.finish())
     }
 }
 
@@ -91,7 +91,7 @@ mod tests {
     #[test]
     fn turns_extend_their_conversation_behind_shared_system_prompts() {
         let one = ChatParams { conversations: 1, min_turns: 6, max_turns: 6, ..ChatParams::default() };
-        let trace = one.generate();
+        let trace = one.generate().unwrap();
         assert_eq!(trace.len(), 6);
         for pair in trace.requests.windows(2) {
             let (a, b) = (&pair[0], &pair[1]);
@@ -106,7 +106,7 @@ mod tests {
             ..ChatParams::default()
         };
         let firsts: std::collections::HashSet<u64> =
-            many.generate().requests.iter().map(|r| r.hash_ids[0]).collect();
+            many.generate().unwrap().requests.iter().map(|r| r.hash_ids[0]).collect();
         assert!(firsts.len() <= 2, "first blocks are system prompt blocks: {firsts:?}");
     }
 }
