@@ -72,8 +72,9 @@ pub struct SimulateArgs {
     /// Seed of randomised routing policies.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// How blocks are named: the trace's hash ids (seed 000) or chained hashes of the tokens;
-    /// `auto` uses hash ids at block size 512.
+    /// How blocks are named: the trace's hash ids (seed 000; block size 512 only, as each id
+    /// names 512 tokens) or chained hashes of the tokens; `auto` uses hash ids at block size
+    /// 512.
     #[arg(long, value_enum, default_value_t = BlockIdentity::Auto)]
     pub blocks: BlockIdentity,
     /// Skip the engine model: every replica reports zero load, and no latencies.

@@ -25,7 +25,8 @@
 //! included), as seed 000 does; [`BlockIdentity::Tokens`] materialises every prompt's tokens
 //! (see [`crate::workload`]) and names its full blocks with the fleet's hash chain at the
 //! configured block size, as the router and agents do live. `Auto` picks `HashIds` at the
-//! trace's block size (512) and `Tokens` otherwise.
+//! trace's block size (512) and `Tokens` otherwise; `HashIds` at another block size is an
+//! error (each id would count as a block of that size).
 //!
 //! Layout: `engine.rs` (the per-replica engine model), `report.rs` (what a run reports).
 
@@ -52,7 +53,8 @@ pub enum BlockIdentity {
     /// `HashIds` when the block size is the trace's (512), `Tokens` otherwise.
     #[default]
     Auto,
-    /// The trace's hash ids are the blocks (seed 000), whatever the block size.
+    /// The trace's hash ids are the blocks (seed 000); only at the trace's block size (512),
+    /// since each id names 512 tokens.
     HashIds,
     /// Chained hashes of the materialised prompt tokens, at the configured block size.
     Tokens,
@@ -121,6 +123,11 @@ pub enum SimError {
     NoReplicas,
     #[error("the speed-up {0} is not a positive, finite number, or so small that arrivals overflow")]
     Speedup(f64),
+    #[error(
+        "block size {0}: the trace's hash ids name {TRACE_BLOCK_SIZE}-token blocks, so they are the \
+         blocks only at block size {TRACE_BLOCK_SIZE} (use --blocks tokens or auto at other sizes)"
+    )]
+    HashIdsBlockSize(usize),
     #[error("the pooled capacity {replicas} x {capacity} blocks overflows")]
     PooledCapacity { replicas: usize, capacity: usize },
     #[error("invalid cache configuration")]
@@ -157,6 +164,12 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
     if !(config.speedup.is_finite() && config.speedup > 0.0) {
         return Err(SimError::Speedup(config.speedup));
     }
+    // A hash id stands for 512 tokens; at another block size each would count as one block
+    // of that size, in the cache's capacity and in every hit.
+    let identity = config.blocks.resolve(config.block_size);
+    if identity == BlockIdentity::HashIds && config.block_size != TRACE_BLOCK_SIZE {
+        return Err(SimError::HashIdsBlockSize(config.block_size));
+    }
     let cache_config = |capacity_blocks| CacheConfig {
         capacity_blocks,
         block_size: config.block_size,
@@ -174,7 +187,6 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
         .engine
         .map(|model| (0..n).map(|_| engine::ReplicaEngine::new(model)).collect())
         .unwrap_or_default();
-    let identity = config.blocks.resolve(config.block_size);
     let namespace = CacheNamespace::new(SIM_MODEL);
     let kind = policy.kind().as_str();
 

@@ -234,6 +234,10 @@ fn bad_configurations_are_errors() {
         simulate_with(&trace, &config(1, 0, cache::PolicyKind::Lru), &rr),
         Err(SimError::Cache(_))
     ));
+    // Regression: hash ids are 512-token blocks; at block size 16 each counted as 16 tokens.
+    let small_ids =
+        SimConfig { block_size: 16, blocks: BlockIdentity::HashIds, ..config(1, 8, cache::PolicyKind::Lru) };
+    assert!(matches!(simulate_with(&trace, &small_ids, &rr), Err(SimError::HashIdsBlockSize(16))));
     // S3FIFO needs a non-empty small queue.
     assert!(matches!(
         simulate_with(&trace, &config(1, 2, cache::PolicyKind::S3fifo), &rr),
