@@ -45,6 +45,18 @@ pub enum Workload {
 pub enum SynthError {
     #[error("the Zipf exponent (--zipf) must be a finite number of at least 0, got {0}")]
     Zipf(f64),
+    #[error("{name} must be a positive number per second (inf: all at once), got {value}")]
+    Rate { name: &'static str, value: f64 },
+    #[error(
+        "the arrivals run past the longest time a trace can hold: raise the rates or shorten the think time"
+    )]
+    TooLong,
+}
+
+/// `value` if it can pace a Poisson process: positive, infinite for all at once (zero, a
+/// negative or NaN would put every arrival at 0 or nowhere).
+fn check_rate(name: &'static str, value: f64) -> Result<f64, SynthError> {
+    if value > 0.0 { Ok(value) } else { Err(SynthError::Rate { name, value }) }
 }
 
 impl Workload {
@@ -93,17 +105,23 @@ impl Gen {
         self.rng.random_range(lo..=hi)
     }
 
-    /// An exponential gap with mean `1 / rate` seconds (zero when `rate` is infinite).
-    fn gap(&mut self, rate_per_s: f64) -> Duration {
+    /// `at` plus an exponential gap with mean `1 / rate` seconds (nothing when `rate` is
+    /// infinite); `rate` is one [`check_rate`] passed.
+    fn after_gap(&mut self, at: Duration, rate_per_s: f64) -> Result<Duration, SynthError> {
         let u: f64 = self.rng.random();
-        let secs = -(1.0 - u).ln() / rate_per_s;
-        Duration::try_from_secs_f64(secs).unwrap_or(Duration::ZERO)
+        Self::after(at, -(1.0 - u).ln() / rate_per_s)
     }
 
-    /// An exponential duration with mean `mean`.
-    fn exp(&mut self, mean: Duration) -> Duration {
+    /// `at` plus an exponential duration with mean `mean`.
+    fn after_exp(&mut self, at: Duration, mean: Duration) -> Result<Duration, SynthError> {
         let u: f64 = self.rng.random();
-        mean.mul_f64(-(1.0 - u).ln())
+        Self::after(at, mean.as_secs_f64() * -(1.0 - u).ln())
+    }
+
+    /// `at + secs`, unless that is past what a [`Duration`] holds.
+    fn after(at: Duration, secs: f64) -> Result<Duration, SynthError> {
+        let gap = Duration::try_from_secs_f64(secs).map_err(|_| SynthError::TooLong)?;
+        at.checked_add(gap).ok_or(SynthError::TooLong)
     }
 
     fn push(&mut self, arrival: Duration, segments: &[Segment], output_len: usize) {
@@ -271,6 +289,31 @@ mod tests {
                 assert!(drawn.iter().copied().eq(0..n), "s {s}: {drawn:?}");
             }
         }
+    }
+
+    /// Regression: a zero, negative or NaN rate gave every gap as 0 (all arrivals at once),
+    /// and so did one so small its gaps overflowed.
+    #[test]
+    fn bad_rates_are_refused_and_overflowing_arrivals_are_errors() {
+        let chat = |rate| {
+            Workload::Chat(ChatParams { conversations: 5, conversation_rate: rate, ..ChatParams::default() })
+        };
+        let rag = |rate| Workload::Rag(RagParams { requests: 5, rate, ..RagParams::default() });
+        let jobs = |rate| Workload::Batch(BatchParams { jobs: 2, job_rate: rate, ..BatchParams::default() });
+        let items =
+            |rate| Workload::Batch(BatchParams { jobs: 2, item_rate: rate, ..BatchParams::default() });
+        for make in [chat, rag, jobs, items] {
+            for rate in [0.0, -1.0, f64::NAN] {
+                assert!(matches!(make(rate).generate(), Err(SynthError::Rate { .. })), "{:?}", make(rate));
+            }
+            assert!(matches!(make(1e-300).generate(), Err(SynthError::TooLong)), "{:?}", make(1e-300));
+            // An infinite rate is all at once.
+            let trace = make(f64::INFINITY).generate().unwrap();
+            assert!(!trace.is_empty());
+        }
+        let chat =
+            ChatParams { conversations: 5, min_turns: 3, think_time: Duration::MAX, ..ChatParams::default() };
+        assert_eq!(chat.generate(), Err(SynthError::TooLong));
     }
 
     #[test]

@@ -227,6 +227,19 @@ async fn an_unreachable_target_counts_connect_errors_and_does_not_hang() {
     }
 }
 
+/// Regression: a tiny speed-up panicked (`Duration::div_f64`), and a tiny Poisson rate put
+/// every request at 0; both are schedules no run can keep, refused before anything is sent.
+#[tokio::test]
+async fn a_schedule_past_what_a_run_can_wait_is_an_error() {
+    let trace = small_chat();
+    for arrivals in [Arrivals::Trace { speedup: 1e-300 }, Arrivals::Poisson { rate: 1e-300, seed: 1 }] {
+        let mut config = quiet(LiveConfig::new("http://127.0.0.1:9", DEMO_MODEL));
+        config.arrivals = arrivals;
+        let run = live::run(&trace, &config, CancellationToken::new()).await;
+        assert!(matches!(run, Err(live::LiveError::Schedule(_))), "{arrivals:?}: {run:?}");
+    }
+}
+
 #[test]
 fn the_demo_entry_point_completes_with_tiny_flags() {
     let out = TempDir::new("demo");

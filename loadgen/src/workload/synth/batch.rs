@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use super::{Gen, SynthError, clap_defaults};
+use super::{Gen, SynthError, check_rate, clap_defaults};
 use crate::workload::Trace;
 
 /// Parameters of the batch workload.
@@ -46,15 +46,17 @@ impl Default for BatchParams {
 impl BatchParams {
     /// Generates the trace.
     pub fn generate(&self) -> Result<Trace, SynthError> {
+        let job_rate = check_rate("--job-rate", self.job_rate)?;
+        let item_rate = check_rate("--item-rate", self.item_rate)?;
         let mut g = Gen::new(self.seed);
         let mut start = Duration::ZERO;
         for _ in 0..self.jobs {
-            start += g.gap(self.job_rate);
+            start = g.after_gap(start, job_rate)?;
             let len = g.length(self.instruction_tokens);
             let instruction = g.segment(len);
             let mut at = start;
             for _ in 0..self.requests_per_job {
-                at += g.gap(self.item_rate);
+                at = g.after_gap(at, item_rate)?;
                 let len = g.length(self.item_tokens);
                 let item = g.segment(len);
                 let output = g.length(self.output_tokens);

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use rand::RngExt;
 
-use super::{Gen, SynthError, clap_defaults};
+use super::{Gen, SynthError, check_rate, clap_defaults};
 use crate::units::parse_duration;
 use crate::workload::Trace;
 
@@ -55,6 +55,7 @@ impl Default for ChatParams {
 impl ChatParams {
     /// Generates the trace.
     pub fn generate(&self) -> Result<Trace, SynthError> {
+        let rate = check_rate("--conversation-rate", self.conversation_rate)?;
         let mut g = Gen::new(self.seed);
         let systems: Vec<_> = (0..self.system_prompts.max(1))
             .map(|_| {
@@ -64,14 +65,14 @@ impl ChatParams {
             .collect();
         let mut start = Duration::ZERO;
         for _ in 0..self.conversations {
-            start += g.gap(self.conversation_rate);
+            start = g.after_gap(start, rate)?;
             let system = systems[g.rng.random_range(0..systems.len())];
             let turns = g.rng.random_range(self.min_turns.max(1)..=self.max_turns.max(self.min_turns).max(1));
             let mut history = vec![system];
             let mut at = start;
             for turn in 0..turns {
                 if turn > 0 {
-                    at += g.exp(self.think_time);
+                    at = g.after_exp(at, self.think_time)?;
                 }
                 let user_len = g.length(self.user_tokens);
                 history.push(g.segment(user_len));

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use super::{Gen, SynthError, Zipf, clap_defaults};
+use super::{Gen, SynthError, Zipf, check_rate, clap_defaults};
 use crate::workload::Trace;
 
 /// Parameters of the RAG workload.
@@ -53,6 +53,7 @@ impl Default for RagParams {
 impl RagParams {
     /// Generates the trace.
     pub fn generate(&self) -> Result<Trace, SynthError> {
+        let rate = check_rate("--rate", self.rate)?;
         let mut g = Gen::new(self.seed);
         let system = g.segment(self.system_prompt_tokens.max(1));
         let docs: Vec<_> = (0..self.documents.max(1))
@@ -64,7 +65,7 @@ impl RagParams {
         let zipf = Zipf::new(docs.len(), self.zipf)?;
         let mut at = Duration::ZERO;
         for _ in 0..self.requests {
-            at += g.gap(self.rate);
+            at = g.after_gap(at, rate)?;
             let picked = zipf.draw_distinct(self.docs_per_query, &mut g.rng);
             let mut segments = vec![system];
             segments.extend(picked.iter().map(|&d| docs[d]));
