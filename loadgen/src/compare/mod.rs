@@ -101,6 +101,14 @@ pub async fn compare(
             .context("reading the fleet's capacity (give it with --capacity-blocks)")?,
     };
     let pooled = pooled_bound(&sent, config.block_size, total_capacity, config.eviction)?;
+    // An offline simulation that cannot run would fail after its live run, losing every run
+    // done by then: check them all first.
+    if let Some(speedup) = config.offline_speedup {
+        for policy in config.routers.policies() {
+            sim::check(&sent, &offline_config(config, total_capacity, policy, speedup))
+                .with_context(|| format!("the offline simulation of {} cannot run", policy.as_str()))?;
+        }
+    }
 
     let mut runs = Vec::new();
     for policy in config.routers.policies() {
@@ -187,18 +195,7 @@ fn offline(
     policy: PolicyKind,
     speedup: f64,
 ) -> anyhow::Result<OfflineRun> {
-    let replicas = config.replicas.len().max(1);
-    let sim = SimConfig {
-        replicas,
-        capacity_blocks: total_capacity / replicas,
-        block_size: config.block_size,
-        eviction: config.eviction,
-        routing: policy,
-        blocks: BlockIdentity::Tokens,
-        speedup,
-        engine: Some(EngineModel::default()),
-        ..SimConfig::default()
-    };
+    let sim = offline_config(config, total_capacity, policy, speedup);
     let report =
         sim::simulate(trace, &sim).with_context(|| format!("simulating {} offline", policy.as_str()))?;
     Ok(OfflineRun {
@@ -208,6 +205,27 @@ fn offline(
         ttft_p50_ms: report.latency.map(|l| l.ttft_p50_ms),
         ttft_p99_ms: report.latency.map(|l| l.ttft_p99_ms),
     })
+}
+
+/// The offline simulator's setup for `policy`: the fleet's capacity split evenly.
+fn offline_config(
+    config: &CompareConfig,
+    total_capacity: usize,
+    policy: PolicyKind,
+    speedup: f64,
+) -> SimConfig {
+    let replicas = config.replicas.len().max(1);
+    SimConfig {
+        replicas,
+        capacity_blocks: total_capacity / replicas,
+        block_size: config.block_size,
+        eviction: config.eviction,
+        routing: policy,
+        blocks: BlockIdentity::Tokens,
+        speedup,
+        engine: Some(EngineModel::default()),
+        ..SimConfig::default()
+    }
 }
 
 /// Sum of the replicas' `kvroute_agent_capacity_blocks`.

@@ -154,9 +154,10 @@ pub fn simulate(trace: &Trace, config: &SimConfig) -> Result<SimReport, SimError
     simulate_with(trace, config, policy.as_ref())
 }
 
-/// [`simulate`] with a given policy instance (a configured or custom one); `config.routing`
-/// is ignored in favour of `policy.kind()`.
-pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> Result<SimReport, SimError> {
+/// Whether [`simulate`] can run `trace` under `config`: every error it can give but a
+/// policy's own misbehaviour, found without replaying anything (so a caller can check
+/// before work it would otherwise lose, as `compare` does before its live runs).
+pub fn check(trace: &Trace, config: &SimConfig) -> Result<(), SimError> {
     let n = config.replicas;
     if n == 0 {
         return Err(SimError::NoReplicas);
@@ -164,21 +165,43 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
     if !(config.speedup.is_finite() && config.speedup > 0.0) {
         return Err(SimError::Speedup(config.speedup));
     }
+    if let Some(last) = trace.requests.iter().map(|r| r.arrival).max() {
+        Duration::try_from_secs_f64(last.as_secs_f64() / config.speedup)
+            .map_err(|_| SimError::Speedup(config.speedup))?;
+    }
     // A hash id stands for 512 tokens; at another block size each would count as one block
     // of that size, in the cache's capacity and in every hit.
-    let identity = config.blocks.resolve(config.block_size);
-    if identity == BlockIdentity::HashIds && config.block_size != TRACE_BLOCK_SIZE {
+    if config.blocks.resolve(config.block_size) == BlockIdentity::HashIds
+        && config.block_size != TRACE_BLOCK_SIZE
+    {
         return Err(SimError::HashIdsBlockSize(config.block_size));
     }
-    let cache_config = |capacity_blocks| CacheConfig {
+    let pooled = n
+        .checked_mul(config.capacity_blocks)
+        .ok_or(SimError::PooledCapacity { replicas: n, capacity: config.capacity_blocks })?;
+    BlockCache::new(&cache_config(config, config.capacity_blocks))?;
+    BlockCache::new(&cache_config(config, pooled))?;
+    Ok(())
+}
+
+/// A cache of `capacity_blocks` as `config` describes every cache.
+fn cache_config(config: &SimConfig, capacity_blocks: usize) -> CacheConfig {
+    CacheConfig {
         capacity_blocks,
         block_size: config.block_size,
         policy: config.eviction,
         s3fifo: config.s3fifo,
-    };
-    let pooled_capacity = n
-        .checked_mul(config.capacity_blocks)
-        .ok_or(SimError::PooledCapacity { replicas: n, capacity: config.capacity_blocks })?;
+    }
+}
+
+/// [`simulate`] with a given policy instance (a configured or custom one); `config.routing`
+/// is ignored in favour of `policy.kind()`.
+pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> Result<SimReport, SimError> {
+    check(trace, config)?;
+    let n = config.replicas;
+    let identity = config.blocks.resolve(config.block_size);
+    let cache_config = |capacity_blocks| cache_config(config, capacity_blocks);
+    let pooled_capacity = n * config.capacity_blocks;
     let mut caches = (0..n)
         .map(|_| BlockCache::new(&cache_config(config.capacity_blocks)))
         .collect::<Result<Vec<_>, _>>()?;

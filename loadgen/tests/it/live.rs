@@ -136,6 +136,43 @@ async fn compare_on_a_small_fleet_writes_a_sane_report() {
     fleet.stop().await;
 }
 
+/// Regression: an offline simulation that cannot run (S3FIFO with 5 blocks a replica has an
+/// empty small queue) failed `compare` after the first live run, losing it; it is refused
+/// before any live run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offline_simulation_that_cannot_run_is_refused_before_any_live_run() {
+    let shutdown = CancellationToken::new();
+    let fleet = EmbeddedFleet::start(fleet_config(2), shutdown.child_token()).await.unwrap();
+    let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
+    live.max_requests = Some(4);
+    let config = CompareConfig {
+        routers: Routers::Embedded {
+            config: Box::new(fleet.router_config()),
+            policies: vec![PolicyKind::RoundRobin],
+        },
+        replicas: fleet.urls(),
+        live,
+        block_size: 16,
+        // The pooled bound's one cache of 10 has a small queue of 1; each replica's 5, none.
+        total_capacity_blocks: Some(10),
+        eviction: Eviction::S3fifo,
+        out_dir: None,
+        workload: "small chat".into(),
+        offline_speedup: Some(1.0),
+    };
+    let run = tokio::time::timeout(LIMIT, compare::compare(&small_chat(), &config, shutdown.clone()))
+        .await
+        .expect("compare finishes");
+    assert!(run.is_err(), "an offline simulation with an empty small queue ran");
+    let client = live::Client::new(LIMIT);
+    for url in fleet.urls() {
+        let (_, page) = client.get(&format!("{url}/metrics"), LIMIT).await.unwrap();
+        let prompts = live::scrape::sum(&String::from_utf8_lossy(&page), "vllm:prompt_tokens_total");
+        assert_eq!(prompts.unwrap_or(0.0), 0.0, "{url} was sent requests");
+    }
+    fleet.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_s_metrics_name_every_replica_behind_it() {
     let shutdown = CancellationToken::new();
