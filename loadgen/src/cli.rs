@@ -26,7 +26,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Replay a trace offline through N block caches under a routing policy, beside the pooled
-    /// bound (one cache of the fleet's total capacity).
+    /// reference (one cache of the fleet's total capacity; separate caches can beat it).
     Simulate(SimulateArgs),
     /// Generate a synthetic workload and write it as a Mooncake trace.
     Generate(GenerateArgs),

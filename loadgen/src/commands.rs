@@ -173,7 +173,7 @@ pub struct CompareArgs {
     /// The fleet's total cache capacity in blocks (default: the agents' own figures).
     #[arg(long)]
     pub capacity_blocks: Option<usize>,
-    /// The replicas' eviction policy (for the pooled bound).
+    /// The replicas' eviction policy (for the pooled reference).
     #[arg(long, value_enum, default_value_t = cache::PolicyKind::Lru)]
     pub eviction: cache::PolicyKind,
     /// The agents' `--time-scale`, so the offline simulation replays at the live load

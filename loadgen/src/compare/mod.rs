@@ -1,5 +1,5 @@
 //! `compare`: the same workload, live, once per routing policy against one fleet, in one
-//! report beside the pooled bound.
+//! report beside the pooled reference.
 //!
 //! The router has no runtime policy switch, so each policy gets its own router: either
 //! started here, in this process, in front of the given replicas ([`Routers::Embedded`]; one
@@ -7,7 +7,7 @@
 //! ([`Routers::External`]). Before each run every replica's prefix cache is reset
 //! (`POST /reset_prefix_cache`), so runs are independent and each starts cold.
 //!
-//! The pooled bound is the offline simulator's ([`crate::sim`]): one LRU cache of the
+//! The pooled reference is the offline simulator's ([`crate::sim`]): one cache of the
 //! fleet's total capacity (given, or summed from the agents' `kvroute_agent_capacity_blocks`)
 //! replaying the same requests, blocks named by the fleet's hash chain at its block size.
 //!
@@ -68,7 +68,7 @@ pub struct CompareConfig {
     pub block_size: usize,
     /// The fleet's total cache capacity in blocks; read from the agents' metrics if `None`.
     pub total_capacity_blocks: Option<usize>,
-    /// The replicas' eviction policy, for the pooled bound.
+    /// The replicas' eviction policy, for the pooled reference.
     pub eviction: cache::PolicyKind,
     /// Where the report (JSON and SVGs) goes; nothing is written if `None`.
     pub out_dir: Option<PathBuf>,
@@ -167,7 +167,9 @@ pub fn write(report: &CompareReport, dir: &Path) -> anyhow::Result<()> {
     plots::write_all(report, dir)
 }
 
-/// One cache of `capacity` blocks replaying `trace`: the most any router could reach.
+/// One cache of `capacity` blocks replaying `trace`: the pooled reference. Not an upper
+/// bound: separate caches can beat one shared cache (a scan on one replica does not evict
+/// another's hot prompts), so a policy can reach more than 100% of it.
 pub fn pooled_bound(
     trace: &Trace,
     block_size: usize,
@@ -183,7 +185,7 @@ pub fn pooled_bound(
         engine: None,
         ..SimConfig::default()
     };
-    Ok(sim::simulate(trace, &config).context("simulating the pooled bound")?.pooled)
+    Ok(sim::simulate(trace, &config).context("simulating the pooled reference")?.pooled)
 }
 
 /// The offline simulator's view of the same run: `policy` over N caches of the fleet's

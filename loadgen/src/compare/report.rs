@@ -1,4 +1,4 @@
-//! The compare report: one row per routing policy beside the pooled bound, as a terminal
+//! The compare report: one row per routing policy beside the pooled reference, as a terminal
 //! table ([`CompareReport::table`]) and as JSON (serde; per-request records left out).
 
 use std::fmt::Write as _;
@@ -57,7 +57,8 @@ pub struct FleetSummary {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PolicyRun {
     pub policy: PolicyKind,
-    /// Realized hit rate (fleet counters, else responses) as a percentage of the pooled bound.
+    /// Realized hit rate (fleet counters, else responses) as a percentage of the pooled
+    /// reference; above 100 when separate caches beat the pooled one.
     pub pct_of_pooled: Option<f64>,
     pub live: LiveReport,
     /// The offline simulator on the same requests, if asked for.
@@ -111,7 +112,7 @@ impl CompareReport {
         );
         let _ = writeln!(
             out,
-            "fleet: {} replicas, {} blocks in total, block size {}; pooled bound (one cache of {} blocks): {:.1}% hit rate",
+            "fleet: {} replicas, {} blocks in total, block size {}; pooled reference (one cache of {} blocks; separate caches can beat it): {:.1}% hit rate",
             f.replicas,
             f.total_capacity_blocks,
             f.block_size,

@@ -14,11 +14,13 @@
 //!    ([`BlockCache::access_request`]: hit = `min(k * block_size, L)`, then every block is
 //!    accessed), and its engine receives the uncached tokens as prefill work and
 //!    `output_len` decode steps;
-//! 4. the **pooled bound**, one cache of the fleet's total capacity `N * C` under the same
-//!    eviction policy, replays the same request: what a router could reach if every replica
-//!    saw every other's cache.
+//! 4. the **pooled reference**, one cache of the fleet's total capacity `N * C` under the
+//!    same eviction policy, replays the same request: what a router would get if every
+//!    replica saw every other's cache. It is a reference, not an upper bound: separate
+//!    caches can beat it (one kept for hot prompts is not flushed by another's scan), so a
+//!    fleet can reach more than 100% of it.
 //!
-//! With N = 1 the result is seed 000's replay exactly (and equals the pooled bound).
+//! With N = 1 the result is seed 000's replay exactly (and equals the pooled reference).
 //!
 //! # Block identities
 //! [`BlockIdentity::HashIds`] uses the trace's `hash_ids` as the blocks (the partial last one
@@ -76,7 +78,7 @@ impl BlockIdentity {
 pub struct SimConfig {
     /// Replicas in the fleet (N).
     pub replicas: usize,
-    /// Cache capacity of each replica, in blocks (C); the pooled bound gets `N * C`.
+    /// Cache capacity of each replica, in blocks (C); the pooled reference gets `N * C`.
     pub capacity_blocks: usize,
     /// Tokens per KV block.
     pub block_size: usize,

@@ -216,6 +216,37 @@ fn token_blocks_match_hash_ids_on_whole_blocks_and_rechunk_at_smaller_sizes() {
     assert_eq!(hits(&by_tokens), [0, 512]);
 }
 
+/// Requests whose key is `hot` to replica 0, everything else to replica 1.
+struct Partition {
+    hot: u64,
+}
+
+impl Policy for Partition {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::CacheAware
+    }
+    fn choose(&self, request: &RequestView, replicas: &[ReplicaView]) -> Decision {
+        Decision { chosen: Some(usize::from(request.key != self.hot)), costs: vec![0.0; replicas.len()] }
+    }
+}
+
+/// The pooled cache is a reference, not an upper bound: two LRU caches of one block, one
+/// kept for a hot prompt and one taking a scan, keep the hot prompt that one shared LRU cache
+/// of two blocks loses to the scan.
+#[test]
+fn separate_caches_can_beat_the_pooled_reference() {
+    let trace = Trace::new(vec![
+        req(0, 512, vec![1]),
+        req(1, 512, vec![1]),
+        req(2, 512, vec![2]),
+        req(3, 512, vec![3]),
+        req(4, 512, vec![1]),
+    ]);
+    let report = simulate_with(&trace, &config(2, 1, cache::PolicyKind::Lru), &Partition { hot: 1 }).unwrap();
+    assert_eq!((report.total_hit_tokens, report.pooled.total_hit_tokens), (1024, 512));
+    assert_eq!(report.pct_of_pooled, Some(200.0));
+}
+
 #[test]
 fn bad_configurations_are_errors() {
     let trace = Trace::new(vec![req(0, 10, vec![1])]);

@@ -153,7 +153,7 @@ async fn an_offline_simulation_that_cannot_run_is_refused_before_any_live_run() 
         replicas: fleet.urls(),
         live,
         block_size: 16,
-        // The pooled bound's one cache of 10 has a small queue of 1; each replica's 5, none.
+        // The pooled reference's one cache of 10 has a small queue of 1; each replica's 5, none.
         total_capacity_blocks: Some(10),
         eviction: Eviction::S3fifo,
         out_dir: None,
