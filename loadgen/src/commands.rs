@@ -66,7 +66,8 @@ pub struct SendArgs {
     /// Longest a request may take (e.g. `60s`).
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     pub timeout: Duration,
-    /// Send nothing after this long (e.g. `5m`).
+    /// Send nothing after this long (e.g. `5m`); `compare` then sets each run beside the
+    /// pooled reference and offline simulation of the requests it did send.
     #[arg(long, value_parser = parse_duration)]
     pub duration: Option<Duration>,
     /// Send at most this many requests of the workload.

@@ -14,6 +14,10 @@
 //! Each policy can also be simulated offline on the same requests ([`OfflineRun`]), so the
 //! report shows live beside offline.
 //!
+//! A run stopped early (`--duration`, Ctrl-C) sent only part of the workload; its pooled
+//! reference and offline simulation are then computed on exactly the requests it sent, so
+//! its row compares like with like (the report's own pooled figure is the whole workload's).
+//!
 //! - [`report`]: the [`CompareReport`], its terminal table and JSON.
 //! - [`plots`]: SVG plots (hit rate over time, TTFT CDF, prompt tokens per replica).
 
@@ -134,11 +138,19 @@ pub async fn compare(
                 live::run(&sent, &live, shutdown.clone()).await?
             }
         };
+        // A run cut short (--duration, Ctrl-C) is compared on the requests it did send.
+        let ran = requests_sent(&sent, &report);
+        let (ran, pooled_hit_rate) = match &ran {
+            Some(ran) => {
+                (ran, pooled_bound(ran, config.block_size, total_capacity, config.eviction)?.overall_hit_rate)
+            }
+            None => (&sent, pooled.overall_hit_rate),
+        };
         let offline = match config.offline_speedup {
-            Some(speedup) => Some(offline(&sent, config, total_capacity, policy, speedup)?),
+            Some(speedup) => Some(offline(ran, config, total_capacity, policy, speedup)?),
             None => None,
         };
-        runs.push(PolicyRun::new(policy, report, pooled.overall_hit_rate, offline));
+        runs.push(PolicyRun::new(policy, report, pooled_hit_rate, offline));
     }
     let report = CompareReport {
         workload: WorkloadSummary::of(&config.workload, &sent, config.live.prompt),
@@ -154,6 +166,16 @@ pub async fn compare(
         write(&report, dir)?;
     }
     Ok(report)
+}
+
+/// The requests of `trace` that `run` sent, if it did not send them all (it stopped early).
+fn requests_sent(trace: &Trace, run: &live::LiveReport) -> Option<Trace> {
+    if run.records.len() == trace.len() {
+        return None;
+    }
+    let mut sent: Vec<usize> = run.records.iter().map(|r| r.index).collect();
+    sent.sort_unstable();
+    Some(Trace::new(sent.into_iter().filter_map(|i| trace.requests.get(i).cloned()).collect()))
 }
 
 /// Writes `report.json` and the plots into `dir` (created if missing).

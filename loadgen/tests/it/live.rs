@@ -8,13 +8,14 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use kvroute_loadgen::Trace;
 use kvroute_loadgen::cli::{self, Cli};
 use kvroute_loadgen::compare::{self, CompareConfig, Routers};
 use kvroute_loadgen::demo::{DEMO_MODEL, EmbeddedFleet, FleetConfig};
 use kvroute_loadgen::live::{self, Arrivals, LiveConfig};
+use kvroute_loadgen::sim::{self, BlockIdentity, SimConfig};
 use kvroute_loadgen::workload::mooncake;
 use kvroute_loadgen::workload::synth::ChatParams;
+use kvroute_loadgen::{Request, Trace};
 use kvroute_replica_agent::cache::PolicyKind as Eviction;
 use kvroute_router::policy::PolicyKind;
 use tokio_util::sync::CancellationToken;
@@ -170,6 +171,59 @@ async fn an_offline_simulation_that_cannot_run_is_refused_before_any_live_run() 
         let prompts = live::scrape::sum(&String::from_utf8_lossy(&page), "vllm:prompt_tokens_total");
         assert_eq!(prompts.unwrap_or(0.0), 0.0, "{url} was sent requests");
     }
+    fleet.stop().await;
+}
+
+/// Regression: a run cut short by its duration was set beside the pooled reference and the
+/// offline simulation of the whole workload; they are now computed on the requests it sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_stopped_early_is_compared_on_the_requests_it_sent() {
+    let shutdown = CancellationToken::new();
+    let fleet = EmbeddedFleet::start(fleet_config(2), shutdown.child_token()).await.unwrap();
+    // The small chat, then all of it again an hour later: the repeats, which would all hit,
+    // are due past the run's duration, so they are never sent (whatever the timing).
+    let early = small_chat();
+    let mut requests = early.requests.clone();
+    let hour = Duration::from_secs(3600);
+    requests.extend(early.requests.iter().map(|r| Request { arrival: r.arrival + hour, ..r.clone() }));
+    let trace = Trace::new(requests);
+    let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
+    live.max_duration = Some(Duration::from_secs(60));
+    let config = CompareConfig {
+        routers: Routers::Embedded {
+            config: Box::new(fleet.router_config()),
+            policies: vec![PolicyKind::RoundRobin],
+        },
+        replicas: fleet.urls(),
+        live,
+        block_size: 16,
+        total_capacity_blocks: Some(1024),
+        eviction: Eviction::Lru,
+        out_dir: None,
+        workload: "small chat twice".into(),
+        offline_speedup: Some(1.0),
+    };
+    let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
+        .await
+        .expect("compare finishes")
+        .expect("compare runs");
+
+    let run = &report.runs[0];
+    assert_eq!(run.live.requests, early.len());
+    let pooled = |t: &Trace| compare::pooled_bound(t, 16, 1024, Eviction::Lru).unwrap().overall_hit_rate;
+    assert_eq!(report.pooled_hit_rate, pooled(&trace));
+    assert_eq!(run.pooled_hit_rate, pooled(&early));
+    assert!(run.pooled_hit_rate < report.pooled_hit_rate, "the repeats would have hit");
+    let offline = SimConfig {
+        replicas: 2,
+        capacity_blocks: 512,
+        block_size: 16,
+        routing: PolicyKind::RoundRobin,
+        blocks: BlockIdentity::Tokens,
+        ..SimConfig::default()
+    };
+    let offline = sim::simulate(&early, &offline).unwrap();
+    assert_eq!(run.offline.expect("simulated offline").hit_rate, offline.overall_hit_rate);
     fleet.stop().await;
 }
 
