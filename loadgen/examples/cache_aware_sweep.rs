@@ -1,6 +1,6 @@
 //! Sweeps the cache-aware policy's weights on a trace: for each eviction policy, speed-up and
 //! (`miss_weight`, `balance_weight`) pair, one simulation of N = 8 x 2048 blocks, printed as
-//! one line with the hit rate, % of the pooled bound, load skew and TTFT, and how many prompt
+//! one line with the hit rate, % of the pooled reference, load skew and TTFT, and how many prompt
 //! tokens the policy sent away from the replica with the longest cached prefix.
 //!
 //! ```text

@@ -26,7 +26,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Replay a trace offline through N block caches under a routing policy, beside the pooled
-    /// bound (one cache of the fleet's total capacity).
+    /// reference (one cache of the fleet's total capacity; separate caches can beat it).
     Simulate(SimulateArgs),
     /// Generate a synthetic workload and write it as a Mooncake trace.
     Generate(GenerateArgs),
@@ -72,8 +72,9 @@ pub struct SimulateArgs {
     /// Seed of randomised routing policies.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// How blocks are named: the trace's hash ids (seed 000) or chained hashes of the tokens;
-    /// `auto` uses hash ids at block size 512.
+    /// How blocks are named: the trace's hash ids (seed 000; block size 512 only, as each id
+    /// names 512 tokens) or chained hashes of the tokens; `auto` uses hash ids at block size
+    /// 512.
     #[arg(long, value_enum, default_value_t = BlockIdentity::Auto)]
     pub blocks: BlockIdentity,
     /// Skip the engine model: every replica reports zero load, and no latencies.
@@ -173,7 +174,7 @@ pub fn seed000_lines(report: &SimReport) -> String {
 }
 
 fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
-    let trace = args.workload.generate();
+    let trace = args.workload.generate().context("generating the workload")?;
     match &args.out {
         Some(path) => {
             let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;

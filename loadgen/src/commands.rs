@@ -66,7 +66,8 @@ pub struct SendArgs {
     /// Longest a request may take (e.g. `60s`).
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     pub timeout: Duration,
-    /// Send nothing after this long (e.g. `5m`).
+    /// Send nothing after this long (e.g. `5m`); `compare` then sets each run beside the
+    /// pooled reference and offline simulation of the requests it did send.
     #[arg(long, value_parser = parse_duration)]
     pub duration: Option<Duration>,
     /// Send at most this many requests of the workload.
@@ -117,7 +118,7 @@ fn load(
         }
         (None, w) => {
             let w = w.clone().unwrap_or_else(default);
-            Ok((w.generate(), workload_name(&w)))
+            Ok((w.generate().context("generating the workload")?, workload_name(&w)))
         }
     }
 }
@@ -173,7 +174,7 @@ pub struct CompareArgs {
     /// The fleet's total cache capacity in blocks (default: the agents' own figures).
     #[arg(long)]
     pub capacity_blocks: Option<usize>,
-    /// The replicas' eviction policy (for the pooled bound).
+    /// The replicas' eviction policy (for the pooled reference).
     #[arg(long, value_enum, default_value_t = cache::PolicyKind::Lru)]
     pub eviction: cache::PolicyKind,
     /// The agents' `--time-scale`, so the offline simulation replays at the live load
@@ -386,15 +387,26 @@ pub fn live_summary(r: &LiveReport) -> String {
         r.throughput_rps, r.output_tokens_per_s, r.duration_s
     );
     out += &format!(
-        "TTFT {}; time per output token {}; end-to-end {}\n",
+        "from the send: TTFT {}; time per output token {}; end-to-end {}\n",
         ms(r.ttft),
         ms(r.time_per_output_token),
         ms(r.e2e)
     );
+    if let Some(late) = r.send_lateness {
+        out += &format!(
+            "from the schedule: sent late {}; TTFT {}; end-to-end {}\n",
+            ms(Some(late)),
+            ms(r.ttft_from_intended),
+            ms(r.e2e_from_intended)
+        );
+    }
+    let fleet = match r.replicas_unread {
+        0 => pct(r.fleet_hit_rate),
+        n => format!("- ({n} replicas unread)"),
+    };
     out += &format!(
-        "hit rate: responses {}, fleet counters {}, router predicted {}; load skew {}\n",
+        "hit rate: responses {}, fleet counters {fleet}, router predicted {}; load skew {}\n",
         pct(r.hit_rate),
-        pct(r.fleet_hit_rate),
         pct(r.predicted_hit_rate),
         r.load_skew.map_or("-".into(), |s| format!("{s:.2}"))
     );

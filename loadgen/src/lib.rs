@@ -6,12 +6,14 @@
 //!   token ids.
 //! - [`sim`]: the offline simulator: a trace through N in-process block caches under the
 //!   router's own routing policies, with a per-replica engine model for load and latency, and
-//!   the pooled bound beside every result ([`sim::simulate`]).
+//!   the pooled reference (one cache of the fleet's capacity) beside every result
+//!   ([`sim::simulate`]).
 //! - [`live`]: a workload sent as real HTTP completions to a router or replica, measured per
 //!   request (TTFT, time per output token, latency, errors by kind, cached tokens) and
 //!   fleet-wide (the replicas' and router's counters), with a progress bar.
 //! - [`compare`]: the same workload once per routing policy against one fleet, in one report
-//!   (terminal table, JSON, SVG plots) beside the pooled bound and the offline simulation.
+//!   (terminal table, JSON, SVG plots) beside the pooled reference and the offline
+//!   simulation.
 //! - [`demo`]: an embedded fleet (agents and a router per policy, on loopback) for `compare`.
 //! - [`soak`]: a long steady run against router and agent processes with replica churn,
 //!   sampling the router's memory, errors and hit rate.

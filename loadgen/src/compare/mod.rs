@@ -1,5 +1,5 @@
 //! `compare`: the same workload, live, once per routing policy against one fleet, in one
-//! report beside the pooled bound.
+//! report beside the pooled reference.
 //!
 //! The router has no runtime policy switch, so each policy gets its own router: either
 //! started here, in this process, in front of the given replicas ([`Routers::Embedded`]; one
@@ -7,12 +7,16 @@
 //! ([`Routers::External`]). Before each run every replica's prefix cache is reset
 //! (`POST /reset_prefix_cache`), so runs are independent and each starts cold.
 //!
-//! The pooled bound is the offline simulator's ([`crate::sim`]): one LRU cache of the
+//! The pooled reference is the offline simulator's ([`crate::sim`]): one cache of the
 //! fleet's total capacity (given, or summed from the agents' `kvroute_agent_capacity_blocks`)
 //! replaying the same requests, blocks named by the fleet's hash chain at its block size.
 //!
 //! Each policy can also be simulated offline on the same requests ([`OfflineRun`]), so the
 //! report shows live beside offline.
+//!
+//! A run stopped early (`--duration`, Ctrl-C) sent only part of the workload; its pooled
+//! reference and offline simulation are then computed on exactly the requests it sent, so
+//! its row compares like with like (the report's own pooled figure is the whole workload's).
 //!
 //! - [`report`]: the [`CompareReport`], its terminal table and JSON.
 //! - [`plots`]: SVG plots (hit rate over time, TTFT CDF, prompt tokens per replica).
@@ -60,13 +64,15 @@ pub struct CompareConfig {
     pub routers: Routers,
     /// Base URLs of the replicas' HTTP APIs (caches reset, metrics read).
     pub replicas: Vec<String>,
-    /// How each run sends the workload; `target` and `label` are set per policy.
+    /// How each run sends the workload; `target` and `label` are set per policy, and
+    /// `replicas` is always [`CompareConfig::replicas`], so every run reads the fleet's
+    /// counters whoever built this config.
     pub live: LiveConfig,
     /// Tokens per KV block on the replicas.
     pub block_size: usize,
     /// The fleet's total cache capacity in blocks; read from the agents' metrics if `None`.
     pub total_capacity_blocks: Option<usize>,
-    /// The replicas' eviction policy, for the pooled bound.
+    /// The replicas' eviction policy, for the pooled reference.
     pub eviction: cache::PolicyKind,
     /// Where the report (JSON and SVGs) goes; nothing is written if `None`.
     pub out_dir: Option<PathBuf>,
@@ -99,6 +105,14 @@ pub async fn compare(
             .context("reading the fleet's capacity (give it with --capacity-blocks)")?,
     };
     let pooled = pooled_bound(&sent, config.block_size, total_capacity, config.eviction)?;
+    // An offline simulation that cannot run would fail after its live run, losing every run
+    // done by then: check them all first.
+    if let Some(speedup) = config.offline_speedup {
+        for policy in config.routers.policies() {
+            sim::check(&sent, &offline_config(config, total_capacity, policy, speedup))
+                .with_context(|| format!("the offline simulation of {} cannot run", policy.as_str()))?;
+        }
+    }
 
     let mut runs = Vec::new();
     for policy in config.routers.policies() {
@@ -108,6 +122,7 @@ pub async fn compare(
         reset_caches(&client, &config.replicas).await?;
         let mut live = config.live.clone();
         live.label = policy.as_str().into();
+        live.replicas.clone_from(&config.replicas);
         let report = match &config.routers {
             Routers::Embedded { config: router, .. } => {
                 let router_shutdown = shutdown.child_token();
@@ -123,11 +138,19 @@ pub async fn compare(
                 live::run(&sent, &live, shutdown.clone()).await?
             }
         };
+        // A run cut short (--duration, Ctrl-C) is compared on the requests it did send.
+        let ran = requests_sent(&sent, &report);
+        let (ran, pooled_hit_rate) = match &ran {
+            Some(ran) => {
+                (ran, pooled_bound(ran, config.block_size, total_capacity, config.eviction)?.overall_hit_rate)
+            }
+            None => (&sent, pooled.overall_hit_rate),
+        };
         let offline = match config.offline_speedup {
-            Some(speedup) => Some(offline(&sent, config, total_capacity, policy, speedup)?),
+            Some(speedup) => Some(offline(ran, config, total_capacity, policy, speedup)?),
             None => None,
         };
-        runs.push(PolicyRun::new(policy, report, pooled.overall_hit_rate, offline));
+        runs.push(PolicyRun::new(policy, report, pooled_hit_rate, offline));
     }
     let report = CompareReport {
         workload: WorkloadSummary::of(&config.workload, &sent, config.live.prompt),
@@ -145,6 +168,16 @@ pub async fn compare(
     Ok(report)
 }
 
+/// The requests of `trace` that `run` sent, if it did not send them all (it stopped early).
+fn requests_sent(trace: &Trace, run: &live::LiveReport) -> Option<Trace> {
+    if run.records.len() == trace.len() {
+        return None;
+    }
+    let mut sent: Vec<usize> = run.records.iter().map(|r| r.index).collect();
+    sent.sort_unstable();
+    Some(Trace::new(sent.into_iter().filter_map(|i| trace.requests.get(i).cloned()).collect()))
+}
+
 /// Writes `report.json` and the plots into `dir` (created if missing).
 pub fn write(report: &CompareReport, dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -156,7 +189,9 @@ pub fn write(report: &CompareReport, dir: &Path) -> anyhow::Result<()> {
     plots::write_all(report, dir)
 }
 
-/// One cache of `capacity` blocks replaying `trace`: the most any router could reach.
+/// One cache of `capacity` blocks replaying `trace`: the pooled reference. Not an upper
+/// bound: separate caches can beat one shared cache (a scan on one replica does not evict
+/// another's hot prompts), so a policy can reach more than 100% of it.
 pub fn pooled_bound(
     trace: &Trace,
     block_size: usize,
@@ -172,7 +207,7 @@ pub fn pooled_bound(
         engine: None,
         ..SimConfig::default()
     };
-    Ok(sim::simulate(trace, &config).context("simulating the pooled bound")?.pooled)
+    Ok(sim::simulate(trace, &config).context("simulating the pooled reference")?.pooled)
 }
 
 /// The offline simulator's view of the same run: `policy` over N caches of the fleet's
@@ -184,18 +219,7 @@ fn offline(
     policy: PolicyKind,
     speedup: f64,
 ) -> anyhow::Result<OfflineRun> {
-    let replicas = config.replicas.len().max(1);
-    let sim = SimConfig {
-        replicas,
-        capacity_blocks: total_capacity / replicas,
-        block_size: config.block_size,
-        eviction: config.eviction,
-        routing: policy,
-        blocks: BlockIdentity::Tokens,
-        speedup,
-        engine: Some(EngineModel::default()),
-        ..SimConfig::default()
-    };
+    let sim = offline_config(config, total_capacity, policy, speedup);
     let report =
         sim::simulate(trace, &sim).with_context(|| format!("simulating {} offline", policy.as_str()))?;
     Ok(OfflineRun {
@@ -205,6 +229,27 @@ fn offline(
         ttft_p50_ms: report.latency.map(|l| l.ttft_p50_ms),
         ttft_p99_ms: report.latency.map(|l| l.ttft_p99_ms),
     })
+}
+
+/// The offline simulator's setup for `policy`: the fleet's capacity split evenly.
+fn offline_config(
+    config: &CompareConfig,
+    total_capacity: usize,
+    policy: PolicyKind,
+    speedup: f64,
+) -> SimConfig {
+    let replicas = config.replicas.len().max(1);
+    SimConfig {
+        replicas,
+        capacity_blocks: total_capacity / replicas,
+        block_size: config.block_size,
+        eviction: config.eviction,
+        routing: policy,
+        blocks: BlockIdentity::Tokens,
+        speedup,
+        engine: Some(EngineModel::default()),
+        ..SimConfig::default()
+    }
 }
 
 /// Sum of the replicas' `kvroute_agent_capacity_blocks`.
@@ -247,7 +292,7 @@ pub async fn reset_caches(client: &Client, replicas: &[String]) -> anyhow::Resul
 }
 
 /// Starts a router with `policy` and waits until it has synced every replica.
-async fn start_router(
+pub async fn start_router(
     config: &RouterConfig,
     policy: PolicyKind,
     shutdown: CancellationToken,

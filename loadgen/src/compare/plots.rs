@@ -38,7 +38,7 @@ fn hit_rate_over_time(report: &CompareReport, path: &Path) -> anyhow::Result<()>
     chart
         .draw_series(LineSeries::new([(0.0, pooled), (x_max, pooled)], BLACK.stroke_width(1)))
         .map_err(err)?
-        .label("pooled bound")
+        .label("pooled reference")
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK));
     for (i, run) in report.runs.iter().enumerate() {
         let c = color(i);

@@ -3,8 +3,10 @@
 //!
 //! Requests go out at the trace's timestamps (divided by a speed-up), at a seeded Poisson
 //! rate, or closed-loop at a fixed concurrency ([`Arrivals`]); in-flight requests are bounded
-//! by a semaphore, and so is the run's length ([`LiveConfig::max_duration`]). Every prompt is
-//! the workload's token ids (no tokenizer involved), `max_tokens` its output length.
+//! by a semaphore, and so is the run's length ([`LiveConfig::max_duration`]). An open-loop
+//! request that waits for a slot is late: its intended send is kept, so the report has
+//! latencies from it beside those from the actual send. Every prompt is the workload's
+//! token ids (no tokenizer involved), `max_tokens` its output length.
 //! Before and after the run the replicas' and the target's `/metrics` are read, so the
 //! [`LiveReport`] has the fleet's realized hit rate and per-replica prompt tokens as counter
 //! deltas beside what the responses said.
@@ -106,6 +108,8 @@ pub enum LiveError {
     Concurrency,
     #[error("the target {0:?} is not an http:// URL")]
     Target(String),
+    #[error("at {0} the requests would be sent past the longest wait a run can hold")]
+    Schedule(String),
 }
 
 /// Sends `trace` (its first `max_requests`) as `config` says and reports what happened.
@@ -117,6 +121,7 @@ pub async fn run(
 ) -> Result<LiveReport, LiveError> {
     validate(config)?;
     let requests = &trace.requests[..config.max_requests.unwrap_or(usize::MAX).min(trace.len())];
+    let schedule = schedule(requests, config.arrivals)?;
     let client = Client::new(config.connect_timeout);
     let before = scrape::snapshot(&client, &config.target, &config.replicas).await;
 
@@ -130,22 +135,12 @@ pub async fn run(
         tx,
         shutdown: shutdown.clone(),
     };
-    let deadline = config.max_duration.map(|d| sender.start + d);
+    // A deadline past what an `Instant` holds is no deadline.
+    let deadline = config.max_duration.and_then(|d| sender.start.checked_add(d));
     let tracker = TaskTracker::new();
     match config.arrivals {
-        Arrivals::Trace { speedup } => {
-            let at = requests.iter().map(|r| r.arrival.div_f64(speedup));
-            open_loop(&sender, &tracker, requests, at, deadline).await;
-        }
-        Arrivals::Poisson { rate, seed } => {
-            let mut rng = StdRng::seed_from_u64(seed);
-            let mut t = Duration::ZERO;
-            let at = requests.iter().map(move |_| {
-                let u: f64 = rng.random();
-                t += Duration::try_from_secs_f64(-(1.0 - u).ln() / rate).unwrap_or(Duration::ZERO);
-                t
-            });
-            open_loop(&sender, &tracker, requests, at, deadline).await;
+        Arrivals::Trace { .. } | Arrivals::Poisson { .. } => {
+            open_loop(&sender, &tracker, requests, &schedule, deadline).await;
         }
         Arrivals::Closed { concurrency } => {
             let next = Arc::new(AtomicUsize::new(0));
@@ -159,7 +154,7 @@ pub async fn run(
                         if i >= requests.len() || past || sender.shutdown.is_cancelled() {
                             break;
                         }
-                        sender.send(i, &requests[i]).await;
+                        sender.send(i, None, &requests[i]).await;
                     }
                 });
             }
@@ -201,17 +196,59 @@ fn validate(config: &LiveConfig) -> Result<(), LiveError> {
     }
 }
 
-/// Sends `requests[i]` at `start + at[i]`, each on its own task once a slot is free.
+/// When each request is due, from the start of the run (open loop; empty in a closed loop):
+/// the trace's arrivals over the speed-up, or a seeded Poisson process. A schedule whose
+/// times overflow (a tiny speed-up or rate) is an error, not a run that sends everything at
+/// once or panics.
+fn schedule(requests: &[Request], arrivals: Arrivals) -> Result<Vec<Duration>, LiveError> {
+    let last = |at: &[Duration]| at.iter().max().copied().unwrap_or_default();
+    let at = match arrivals {
+        Arrivals::Trace { speedup } => {
+            let too_long = || LiveError::Schedule(format!("speed-up {speedup}"));
+            let at = requests
+                .iter()
+                .map(|r| {
+                    Duration::try_from_secs_f64(r.arrival.as_secs_f64() / speedup).map_err(|_| too_long())
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Instant::now().checked_add(last(&at)).ok_or_else(too_long)?;
+            at
+        }
+        Arrivals::Poisson { rate, seed } => {
+            let too_long = || LiveError::Schedule(format!("rate {rate}/s"));
+            let mut rng = StdRng::seed_from_u64(seed);
+            let mut t = Duration::ZERO;
+            let mut at = Vec::with_capacity(requests.len());
+            for _ in requests {
+                let u: f64 = rng.random();
+                let gap = Duration::try_from_secs_f64(-(1.0 - u).ln() / rate).map_err(|_| too_long())?;
+                t = t.checked_add(gap).ok_or_else(too_long)?;
+                at.push(t);
+            }
+            Instant::now().checked_add(t).ok_or_else(too_long)?;
+            at
+        }
+        Arrivals::Closed { .. } => Vec::new(),
+    };
+    Ok(at)
+}
+
+/// Sends `requests[i]` at `start + at[i]`, each on its own task once a slot is free. `at[i]`
+/// is recorded as the request's intended send time, so a request that waited for a slot (or
+/// for a late timer) is measured from when it should have gone out, not only from when it
+/// did: without that, a saturated client hides the queueing it causes (coordinated
+/// omission).
 async fn open_loop(
     sender: &Sender,
     tracker: &TaskTracker,
     requests: &[Request],
-    at: impl Iterator<Item = Duration>,
+    at: &[Duration],
     deadline: Option<Instant>,
 ) {
     let slots = Arc::new(Semaphore::new(sender.config.max_in_flight));
-    for ((i, request), at) in requests.iter().enumerate().zip(at) {
-        let when = sender.start + at;
+    for ((i, request), &at) in requests.iter().enumerate().zip(at) {
+        // `schedule` checked the last time fits an `Instant` a moment before `start`.
+        let Some(when) = sender.start.checked_add(at) else { break };
         if deadline.is_some_and(|d| when >= d) {
             break;
         }
@@ -224,7 +261,7 @@ async fn open_loop(
         };
         let (sender, request) = (sender.clone(), request.clone());
         tracker.spawn(async move {
-            sender.send(i, &request).await;
+            sender.send(i, Some(at), &request).await;
             drop(permit);
         });
     }
@@ -241,7 +278,8 @@ struct Sender {
 }
 
 impl Sender {
-    async fn send(&self, index: usize, request: &Request) {
+    /// Sends `request` now, `intended` being when the schedule meant it to go (open loop).
+    async fn send(&self, index: usize, intended: Option<Duration>, request: &Request) {
         let config = &self.config;
         let body = client::request_body(&config.model, request, config.stream, config.prompt);
         let sent = self.start.elapsed();
@@ -252,7 +290,7 @@ impl Sender {
             () = self.shutdown.cancelled() => Err(ErrorKind::Cancelled),
         };
         // The collector outlives every sender; a closed channel means it failed, and said so.
-        let _ = self.tx.send(RequestRecord { index, sent, outcome }).await;
+        let _ = self.tx.send(RequestRecord { index, intended, sent, outcome }).await;
     }
 }
 

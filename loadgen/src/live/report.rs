@@ -1,6 +1,8 @@
-//! What a live run reports: latency percentiles, throughput, errors by kind, the realized hit
-//! rate (from responses and from the replicas' counters), the router's predicted hit rate
-//! (from its headers and its counters), prompt tokens per replica and the load skew.
+//! What a live run reports: latency percentiles (from each request's send, and in an open
+//! loop also from its intended send, with how late sends went out), throughput, errors by
+//! kind, the realized hit rate (from responses and from the replicas' counters), the
+//! router's predicted hit rate (from its headers and its counters), prompt tokens per
+//! replica and the load skew.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -15,6 +17,9 @@ use super::scrape::{ReplicaCounters, RouterCounters, Snapshot};
 pub struct RequestRecord {
     /// Index of the request in the workload.
     pub index: usize,
+    /// When the open-loop schedule meant to send it, from the start of the run (`None` in a
+    /// closed loop, which has no schedule).
+    pub intended: Option<Duration>,
     /// When it was sent, from the start of the run.
     pub sent: Duration,
     pub outcome: Result<Success, ErrorKind>,
@@ -24,6 +29,16 @@ impl RequestRecord {
     /// When it finished (successes only), from the start of the run.
     pub fn done(&self) -> Option<Duration> {
         self.outcome.as_ref().ok().map(|s| self.sent + s.e2e)
+    }
+
+    /// How much later than intended it was sent (open loop only).
+    pub fn lateness(&self) -> Option<Duration> {
+        Some(self.sent.saturating_sub(self.intended?))
+    }
+
+    /// `latency` (measured from the send) measured from the intended send instead.
+    fn since_intended(&self, latency: Duration) -> Option<Duration> {
+        Some(self.lateness()? + latency)
     }
 }
 
@@ -62,7 +77,8 @@ impl Percentiles {
 /// One replica's share of a run.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ReplicaShare {
-    /// The replica's base URL (counters) or the router's name for it (headers).
+    /// The replica's base URL (counters) or the router's name for it (headers; an idle
+    /// replica the router did not list is `(unnamed replica N)`).
     pub replica: String,
     /// Prompt tokens it received.
     pub prompt_tokens: u64,
@@ -85,21 +101,40 @@ pub struct LiveReport {
     /// Successful requests per second.
     pub throughput_rps: f64,
     pub output_tokens_per_s: f64,
+    /// Time to first token from the actual send: the service's latency, without an
+    /// open-loop request's wait for an in-flight slot (see `ttft_from_intended`).
     pub ttft: Option<Percentiles>,
     pub time_per_output_token: Option<Percentiles>,
+    /// End-to-end latency from the actual send (service latency, as `ttft`).
     pub e2e: Option<Percentiles>,
+    /// Open loop only: time to first token from when the schedule meant to send the request,
+    /// so client-side queueing (a full in-flight limit, a late timer) counts, as it would
+    /// for a user arriving then.
+    pub ttft_from_intended: Option<Percentiles>,
+    /// Open loop only: end-to-end latency from the intended send.
+    pub e2e_from_intended: Option<Percentiles>,
+    /// Open loop only: how late requests were sent, against their schedule (every request
+    /// sent, failed or not).
+    pub send_lateness: Option<Percentiles>,
     pub prompt_tokens: u64,
     /// Sum of `cached_tokens` over the responses that reported it.
     pub cached_tokens: u64,
     /// `cached_tokens / prompt_tokens` over the responses that reported it.
     pub hit_rate: Option<f64>,
-    /// Fleet-wide `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` deltas.
+    /// Fleet-wide `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` deltas;
+    /// `None` unless every replica's counters were read before and after the run (a part of
+    /// the fleet is not the fleet).
     pub fleet_hit_rate: Option<f64>,
+    /// Replicas given whose counters could not be read both before and after the run: any
+    /// leaves `fleet_hit_rate` out and the per-replica view to the router's headers.
+    pub replicas_unread: usize,
     /// The router's predicted hit rate from its `x-kvroute-predicted-cached-tokens` headers.
     pub predicted_hit_rate: Option<f64>,
     /// The router's own counters over the run.
     pub router: Option<RouterCounters>,
-    /// Prompt tokens per replica: the replicas' counters when read, else the router's headers.
+    /// Prompt tokens per replica: the replicas' counters when every replica's were read, else
+    /// the router's headers, with every replica the router lists (or, without its list, as
+    /// many as were given) even if no response named it.
     pub per_replica: Vec<ReplicaShare>,
     /// Max over mean of `per_replica` prompt tokens (1 = even); `None` without a per-replica view.
     pub load_skew: Option<f64>,
@@ -148,33 +183,19 @@ impl LiveReport {
             .zip(after.replicas.iter().zip(&before.replicas))
             .filter_map(|(url, (a, b))| Some((url.clone(), a.as_ref()?.since(b.as_ref()?))))
             .collect();
-        let fleet_hits: f64 = deltas.iter().map(|(_, d)| d.prefix_cache_hits).sum();
-        let fleet_queries: f64 = deltas.iter().map(|(_, d)| d.prefix_cache_queries).sum();
-        let per_replica: Vec<ReplicaShare> = if !deltas.is_empty() && deltas.len() == replica_urls.len() {
-            deltas
-                .iter()
-                .map(|(url, d)| ReplicaShare {
-                    replica: url.clone(),
-                    prompt_tokens: d.prompt_tokens as u64,
-                    hit_rate: ratio(d.prefix_cache_hits, d.prefix_cache_queries),
-                })
-                .collect()
+        // Counters speak for the fleet only when every replica's were read, before and after.
+        let every_replica = !deltas.is_empty() && deltas.len() == replica_urls.len();
+        let per_replica = if every_replica {
+            shares_from_counters(&deltas)
         } else {
-            let mut by_header: BTreeMap<&str, u64> = BTreeMap::new();
-            for s in &ok {
-                if let Some(name) = &s.replica {
-                    *by_header.entry(name).or_insert(0) += s.prompt_tokens;
-                }
-            }
-            by_header
-                .into_iter()
-                .map(|(name, tokens)| ReplicaShare {
-                    replica: name.into(),
-                    prompt_tokens: tokens,
-                    hit_rate: None,
-                })
-                .collect()
+            shares_from_headers(&ok, before, after, replica_urls.len())
         };
+        let fleet_hit_rate = every_replica
+            .then(|| {
+                let hits = deltas.iter().map(|(_, d)| d.prefix_cache_hits).sum();
+                ratio(hits, deltas.iter().map(|(_, d)| d.prefix_cache_queries).sum())
+            })
+            .flatten();
 
         let router = match (&before.router, &after.router) {
             (Some(b), Some(a)) => Some(a.since(b)),
@@ -194,12 +215,20 @@ impl LiveReport {
                 ok.iter().filter_map(|s| s.time_per_output_token()).collect(),
             ),
             e2e: Percentiles::of(ok.iter().map(|s| s.e2e).collect()),
+            ttft_from_intended: Percentiles::of(
+                records.iter().filter_map(|r| r.since_intended(r.outcome.as_ref().ok()?.ttft?)).collect(),
+            ),
+            e2e_from_intended: Percentiles::of(
+                records.iter().filter_map(|r| r.since_intended(r.outcome.as_ref().ok()?.e2e)).collect(),
+            ),
+            send_lateness: Percentiles::of(records.iter().filter_map(RequestRecord::lateness).collect()),
             prompt_tokens: ok.iter().map(|s| s.prompt_tokens).sum(),
             cached_tokens,
             hit_rate: (!reported.is_empty())
                 .then(|| ratio(cached_tokens as f64, reported_prompt as f64))
                 .flatten(),
-            fleet_hit_rate: ratio(fleet_hits, fleet_queries),
+            fleet_hit_rate,
+            replicas_unread: replica_urls.len() - deltas.len(),
             predicted_hit_rate: (!predicted.is_empty())
                 .then(|| ratio(predicted_tokens as f64, predicted_prompt as f64))
                 .flatten(),
@@ -220,6 +249,54 @@ impl LiveReport {
     pub fn realized_hit_rate(&self) -> Option<f64> {
         self.fleet_hit_rate.or(self.hit_rate)
     }
+}
+
+/// Each replica's share from its counters' deltas.
+fn shares_from_counters(deltas: &[(String, ReplicaCounters)]) -> Vec<ReplicaShare> {
+    deltas
+        .iter()
+        .map(|(url, d)| ReplicaShare {
+            replica: url.clone(),
+            prompt_tokens: d.prompt_tokens as u64,
+            hit_rate: ratio(d.prefix_cache_hits, d.prefix_cache_queries),
+        })
+        .collect()
+}
+
+/// Each replica's share from the router's `x-kvroute-replica` headers, every replica the
+/// router listed before or after the run starting at zero (one no response named still
+/// counts in the skew). Without the router's list, replicas given by URL that no response
+/// named count as idle, unnamed ones: `replicas` is the fleet's size as far as it is known.
+fn shares_from_headers(
+    ok: &[&Success],
+    before: &Snapshot,
+    after: &Snapshot,
+    replicas: usize,
+) -> Vec<ReplicaShare> {
+    let mut by_name: BTreeMap<&str, u64> =
+        before.router_replicas.iter().chain(&after.router_replicas).map(|name| (name.as_str(), 0)).collect();
+    let mut named_any = false;
+    for s in ok {
+        if let Some(name) = &s.replica {
+            *by_name.entry(name).or_insert(0) += s.prompt_tokens;
+            named_any = true;
+        }
+    }
+    if !named_any {
+        // No response named a replica: there is no per-replica view at all.
+        return Vec::new();
+    }
+    let named = by_name.len();
+    let mut shares: Vec<ReplicaShare> = by_name
+        .into_iter()
+        .map(|(name, tokens)| ReplicaShare { replica: name.into(), prompt_tokens: tokens, hit_rate: None })
+        .collect();
+    shares.extend((named..replicas).map(|i| ReplicaShare {
+        replica: format!("(unnamed replica {})", i + 1),
+        prompt_tokens: 0,
+        hit_rate: None,
+    }));
+    shares
 }
 
 fn ratio(a: f64, b: f64) -> Option<f64> {
@@ -270,6 +347,7 @@ mod tests {
     fn ok(index: usize, sent_ms: u64, prompt: u64, cached: u64, replica: &str) -> RequestRecord {
         RequestRecord {
             index,
+            intended: None,
             sent: Duration::from_millis(sent_ms),
             outcome: Ok(Success {
                 ttft: Some(Duration::from_millis(10)),
@@ -289,8 +367,18 @@ mod tests {
             ok(0, 0, 100, 0, "a"),
             ok(1, 100, 100, 50, "a"),
             ok(2, 200, 200, 100, "b"),
-            RequestRecord { index: 3, sent: Duration::ZERO, outcome: Err(ErrorKind::Status(503)) },
-            RequestRecord { index: 4, sent: Duration::ZERO, outcome: Err(ErrorKind::Connect) },
+            RequestRecord {
+                index: 3,
+                intended: None,
+                sent: Duration::ZERO,
+                outcome: Err(ErrorKind::Status(503)),
+            },
+            RequestRecord {
+                index: 4,
+                intended: None,
+                sent: Duration::ZERO,
+                outcome: Err(ErrorKind::Connect),
+            },
         ];
         let none = Snapshot::default();
         let r = LiveReport::new("x".into(), "t".into(), records, &[], &none, &none);
@@ -305,6 +393,55 @@ mod tests {
         assert_eq!(r.time_per_output_token.unwrap().p50_ms, 9.0);
         let last = r.hit_rate_over_time.last().unwrap();
         assert!((last.1 - 150.0 / 400.0).abs() < 1e-12);
+    }
+
+    fn counters(hits: f64, queries: f64, prompt: f64) -> Option<ReplicaCounters> {
+        Some(ReplicaCounters {
+            prefix_cache_hits: hits,
+            prefix_cache_queries: queries,
+            prompt_tokens: prompt,
+        })
+    }
+
+    #[test]
+    fn idle_replicas_count_in_the_skew_from_headers() {
+        // Four replicas behind the router, all traffic on two of them, evenly.
+        let records = vec![ok(0, 0, 100, 0, "a"), ok(1, 10, 100, 0, "b")];
+        let listed = Snapshot {
+            router_replicas: ["a", "b", "c", "d"].map(String::from).into(),
+            ..Snapshot::default()
+        };
+        let r = LiveReport::new("x".into(), "t".into(), records.clone(), &[], &listed, &listed);
+        let names: Vec<&str> = r.per_replica.iter().map(|s| s.replica.as_str()).collect();
+        assert_eq!(names, ["a", "b", "c", "d"]);
+        assert_eq!(r.load_skew, Some(2.0));
+        // Without the router's list, the replicas given by URL say how many there are.
+        let urls: Vec<String> = (0..4).map(|i| format!("http://r{i}")).collect();
+        let unread = Snapshot { replicas: vec![None; 4], ..Snapshot::default() };
+        let r = LiveReport::new("x".into(), "t".into(), records, &urls, &unread, &unread);
+        assert_eq!(r.per_replica.len(), 4);
+        assert_eq!(r.load_skew, Some(2.0));
+    }
+
+    #[test]
+    fn a_partial_scrape_is_no_fleet_hit_rate() {
+        let urls = vec!["http://r0".to_string(), "http://r1".to_string()];
+        let records = vec![ok(0, 0, 100, 80, "r0"), ok(1, 10, 100, 0, "r1")];
+        let before = Snapshot { replicas: vec![counters(0.0, 0.0, 0.0), None], ..Snapshot::default() };
+        let after = Snapshot {
+            replicas: vec![counters(80.0, 100.0, 100.0), counters(0.0, 100.0, 100.0)],
+            ..Snapshot::default()
+        };
+        let r = LiveReport::new("x".into(), "t".into(), records.clone(), &urls, &before, &after);
+        assert_eq!((r.fleet_hit_rate, r.replicas_unread), (None, 1));
+        // The per-replica view falls back to the headers, both replicas in it.
+        assert_eq!(r.per_replica.len(), 2);
+        assert_eq!(r.per_replica[0].hit_rate, None);
+        // Read in full, the counters are the fleet's.
+        let before = Snapshot { replicas: vec![counters(0.0, 0.0, 0.0); 2], ..Snapshot::default() };
+        let r = LiveReport::new("x".into(), "t".into(), records, &urls, &before, &after);
+        assert_eq!((r.fleet_hit_rate, r.replicas_unread), (Some(80.0 / 200.0), 0));
+        assert_eq!(r.per_replica[0].replica, "http://r0");
     }
 
     #[test]

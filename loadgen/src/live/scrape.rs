@@ -3,7 +3,9 @@
 //! `vllm:prefix_cache_queries_total` and `vllm:prompt_tokens_total` (vLLM and kvroute agents
 //! both export them), and the router's `kvroute_router_{predicted,realized}_cached_tokens_total`,
 //! `kvroute_router_prompt_tokens_total` and its tokenizer cache's
-//! `kvroute_router_tokenize_{reused,tokenized}_bytes_total`.
+//! `kvroute_router_tokenize_{reused,tokenized}_bytes_total`; and the names of the router's
+//! replicas (the `replica` label of `kvroute_router_replica_requests_total`), so a replica
+//! that got no request still counts in the load skew.
 //!
 //! Parsing is deliberately small: a sample line is `name{labels} value [timestamp]`; samples
 //! of one name are summed over their label sets (e.g. vLLM's per-engine labels).
@@ -39,6 +41,48 @@ pub fn sum(page: &str, name: &str) -> Option<f64> {
         }
     }
     total
+}
+
+/// The values of `label` over the samples of `name`, in page order, each once.
+pub fn label_values(page: &str, name: &str, label: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for line in page.lines() {
+        let Some(labels) = line.trim_start().strip_prefix(name).and_then(|r| r.strip_prefix('{')) else {
+            continue;
+        };
+        if let Some(value) = parse_labels(labels).into_iter().find_map(|(k, v)| (k == label).then_some(v))
+            && !out.contains(&value)
+        {
+            out.push(value);
+        }
+    }
+    out
+}
+
+/// The `key="value"` pairs of a label set (the text after its `{`), values unescaped;
+/// whatever follows a malformed pair is dropped.
+fn parse_labels(mut rest: &str) -> Vec<(&str, String)> {
+    let mut pairs = Vec::new();
+    loop {
+        rest = rest.trim_start_matches([',', ' ']);
+        let Some((key, after)) = rest.split_once("=\"") else { return pairs };
+        let mut value = String::new();
+        let mut chars = after.char_indices();
+        let end = loop {
+            match chars.next() {
+                Some((i, '"')) => break i,
+                Some((_, '\\')) => match chars.next() {
+                    Some((_, 'n')) => value.push('\n'),
+                    Some((_, c)) => value.push(c),
+                    None => return pairs,
+                },
+                Some((_, c)) => value.push(c),
+                None => return pairs,
+            }
+        };
+        pairs.push((key.trim(), value));
+        rest = &after[end + 1..];
+    }
 }
 
 /// One replica's prefix-cache counters at one instant.
@@ -117,7 +161,13 @@ impl RouterCounters {
 pub struct Snapshot {
     pub replicas: Vec<Option<ReplicaCounters>>,
     pub router: Option<RouterCounters>,
+    /// The names of the replicas behind the router (empty when the target is no kvroute
+    /// router or its page could not be read): the names its `x-kvroute-replica` header uses.
+    pub router_replicas: Vec<String>,
 }
+
+/// The router's series naming each replica it routes to.
+const ROUTER_REPLICA_SERIES: &str = "kvroute_router_replica_requests_total";
 
 /// Reads `{url}/metrics` of every replica and of the target (a router's page has the router
 /// counters; a replica's has none). A page that cannot be read is logged and left out.
@@ -139,7 +189,10 @@ pub async fn snapshot(client: &Client, target: &str, replicas: &[String]) -> Sna
     for url in replicas {
         out.replicas.push(page(url.clone()).await.map(|p| ReplicaCounters::parse(&p)));
     }
-    out.router = page(target.to_owned()).await.and_then(|p| RouterCounters::parse(&p));
+    if let Some(page) = page(target.to_owned()).await {
+        out.router = RouterCounters::parse(&page);
+        out.router_replicas = label_values(&page, ROUTER_REPLICA_SERIES, "replica");
+    }
     out
 }
 
@@ -171,5 +224,18 @@ mod tests {
             after.since(&before),
             ReplicaCounters { prefix_cache_hits: 4.5, prefix_cache_queries: 10.0, prompt_tokens: 5.0 }
         );
+    }
+
+    #[test]
+    fn label_values_are_unescaped_and_listed_once() {
+        let page = "# TYPE kvroute_router_replica_requests counter\n\
+                    kvroute_router_replica_requests_total{replica=\"a\"} 3\n\
+                    kvroute_router_replica_requests_total{zone=\"x,y\",replica=\"b \\\"q\\\" \\\\\"} 0\n\
+                    kvroute_router_replica_requests_total{replica=\"a\"} 1\n\
+                    kvroute_router_replica_requests_total_created{replica=\"c\"} 1\n\
+                    kvroute_router_replica_requests_total{replica=\"unterminated} 1\n";
+        assert_eq!(label_values(page, ROUTER_REPLICA_SERIES, "replica"), ["a", "b \"q\" \\"]);
+        assert_eq!(label_values(page, ROUTER_REPLICA_SERIES, "zone"), ["x,y"]);
+        assert!(label_values(page, "kvroute_router_other", "replica").is_empty());
     }
 }

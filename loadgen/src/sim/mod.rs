@@ -14,18 +14,21 @@
 //!    ([`BlockCache::access_request`]: hit = `min(k * block_size, L)`, then every block is
 //!    accessed), and its engine receives the uncached tokens as prefill work and
 //!    `output_len` decode steps;
-//! 4. the **pooled bound**, one cache of the fleet's total capacity `N * C` under the same
-//!    eviction policy, replays the same request: what a router could reach if every replica
-//!    saw every other's cache.
+//! 4. the **pooled reference**, one cache of the fleet's total capacity `N * C` under the
+//!    same eviction policy, replays the same request: what a router would get if every
+//!    replica saw every other's cache. It is a reference, not an upper bound: separate
+//!    caches can beat it (one kept for hot prompts is not flushed by another's scan), so a
+//!    fleet can reach more than 100% of it.
 //!
-//! With N = 1 the result is seed 000's replay exactly (and equals the pooled bound).
+//! With N = 1 the result is seed 000's replay exactly (and equals the pooled reference).
 //!
 //! # Block identities
 //! [`BlockIdentity::HashIds`] uses the trace's `hash_ids` as the blocks (the partial last one
 //! included), as seed 000 does; [`BlockIdentity::Tokens`] materialises every prompt's tokens
 //! (see [`crate::workload`]) and names its full blocks with the fleet's hash chain at the
 //! configured block size, as the router and agents do live. `Auto` picks `HashIds` at the
-//! trace's block size (512) and `Tokens` otherwise.
+//! trace's block size (512) and `Tokens` otherwise; `HashIds` at another block size is an
+//! error (each id would count as a block of that size).
 //!
 //! Layout: `engine.rs` (the per-replica engine model), `report.rs` (what a run reports).
 
@@ -52,7 +55,8 @@ pub enum BlockIdentity {
     /// `HashIds` when the block size is the trace's (512), `Tokens` otherwise.
     #[default]
     Auto,
-    /// The trace's hash ids are the blocks (seed 000), whatever the block size.
+    /// The trace's hash ids are the blocks (seed 000); only at the trace's block size (512),
+    /// since each id names 512 tokens.
     HashIds,
     /// Chained hashes of the materialised prompt tokens, at the configured block size.
     Tokens,
@@ -74,7 +78,7 @@ impl BlockIdentity {
 pub struct SimConfig {
     /// Replicas in the fleet (N).
     pub replicas: usize,
-    /// Cache capacity of each replica, in blocks (C); the pooled bound gets `N * C`.
+    /// Cache capacity of each replica, in blocks (C); the pooled reference gets `N * C`.
     pub capacity_blocks: usize,
     /// Tokens per KV block.
     pub block_size: usize,
@@ -121,6 +125,11 @@ pub enum SimError {
     NoReplicas,
     #[error("the speed-up {0} is not a positive, finite number, or so small that arrivals overflow")]
     Speedup(f64),
+    #[error(
+        "block size {0}: the trace's hash ids name {TRACE_BLOCK_SIZE}-token blocks, so they are the \
+         blocks only at block size {TRACE_BLOCK_SIZE} (use --blocks tokens or auto at other sizes)"
+    )]
+    HashIdsBlockSize(usize),
     #[error("the pooled capacity {replicas} x {capacity} blocks overflows")]
     PooledCapacity { replicas: usize, capacity: usize },
     #[error("invalid cache configuration")]
@@ -147,9 +156,10 @@ pub fn simulate(trace: &Trace, config: &SimConfig) -> Result<SimReport, SimError
     simulate_with(trace, config, policy.as_ref())
 }
 
-/// [`simulate`] with a given policy instance (a configured or custom one); `config.routing`
-/// is ignored in favour of `policy.kind()`.
-pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> Result<SimReport, SimError> {
+/// Whether [`simulate`] can run `trace` under `config`: every error it can give but a
+/// policy's own misbehaviour, found without replaying anything (so a caller can check
+/// before work it would otherwise lose, as `compare` does before its live runs).
+pub fn check(trace: &Trace, config: &SimConfig) -> Result<(), SimError> {
     let n = config.replicas;
     if n == 0 {
         return Err(SimError::NoReplicas);
@@ -157,15 +167,43 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
     if !(config.speedup.is_finite() && config.speedup > 0.0) {
         return Err(SimError::Speedup(config.speedup));
     }
-    let cache_config = |capacity_blocks| CacheConfig {
+    if let Some(last) = trace.requests.iter().map(|r| r.arrival).max() {
+        Duration::try_from_secs_f64(last.as_secs_f64() / config.speedup)
+            .map_err(|_| SimError::Speedup(config.speedup))?;
+    }
+    // A hash id stands for 512 tokens; at another block size each would count as one block
+    // of that size, in the cache's capacity and in every hit.
+    if config.blocks.resolve(config.block_size) == BlockIdentity::HashIds
+        && config.block_size != TRACE_BLOCK_SIZE
+    {
+        return Err(SimError::HashIdsBlockSize(config.block_size));
+    }
+    let pooled = n
+        .checked_mul(config.capacity_blocks)
+        .ok_or(SimError::PooledCapacity { replicas: n, capacity: config.capacity_blocks })?;
+    BlockCache::new(&cache_config(config, config.capacity_blocks))?;
+    BlockCache::new(&cache_config(config, pooled))?;
+    Ok(())
+}
+
+/// A cache of `capacity_blocks` as `config` describes every cache.
+fn cache_config(config: &SimConfig, capacity_blocks: usize) -> CacheConfig {
+    CacheConfig {
         capacity_blocks,
         block_size: config.block_size,
         policy: config.eviction,
         s3fifo: config.s3fifo,
-    };
-    let pooled_capacity = n
-        .checked_mul(config.capacity_blocks)
-        .ok_or(SimError::PooledCapacity { replicas: n, capacity: config.capacity_blocks })?;
+    }
+}
+
+/// [`simulate`] with a given policy instance (a configured or custom one); `config.routing`
+/// is ignored in favour of `policy.kind()`.
+pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> Result<SimReport, SimError> {
+    check(trace, config)?;
+    let n = config.replicas;
+    let identity = config.blocks.resolve(config.block_size);
+    let cache_config = |capacity_blocks| cache_config(config, capacity_blocks);
+    let pooled_capacity = n * config.capacity_blocks;
     let mut caches = (0..n)
         .map(|_| BlockCache::new(&cache_config(config.capacity_blocks)))
         .collect::<Result<Vec<_>, _>>()?;
@@ -174,7 +212,6 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
         .engine
         .map(|model| (0..n).map(|_| engine::ReplicaEngine::new(model)).collect())
         .unwrap_or_default();
-    let identity = config.blocks.resolve(config.block_size);
     let namespace = CacheNamespace::new(SIM_MODEL);
     let kind = policy.kind().as_str();
 

@@ -1,5 +1,5 @@
 //! What a simulation reports: seed 000's four totals, per-replica tokens and load skew, the
-//! pooled bound beside the result, and simulated latencies; as JSON (serde) or a terminal
+//! pooled reference beside the result, and simulated latencies; as JSON (serde) or a terminal
 //! table ([`SimReport::table`]).
 
 use std::fmt::Write as _;
@@ -26,7 +26,8 @@ pub struct SimReport {
     /// Max over mean of the prompt tokens each replica received (1 = perfectly even).
     pub load_skew: f64,
     pub pooled: PooledBound,
-    /// `overall_hit_rate` as a percentage of the pooled bound's (`None` when the bound is 0).
+    /// `overall_hit_rate` as a percentage of the pooled reference's (`None` when it is 0);
+    /// can exceed 100, as separate caches can beat one pooled cache.
     pub pct_of_pooled: Option<f64>,
     pub per_replica: Vec<ReplicaReport>,
     /// Simulated latencies; `None` without an engine model.
@@ -50,7 +51,8 @@ pub struct SimSetup {
     pub engine_model: bool,
 }
 
-/// One cache of the fleet's total capacity replaying the same trace.
+/// One cache of the fleet's total capacity replaying the same trace: the pooled reference
+/// (the name `PooledBound` predates knowing it is no upper bound).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PooledBound {
     pub capacity_blocks: usize,

@@ -49,9 +49,11 @@ fn config(replicas: usize, capacity_blocks: usize, eviction: cache::PolicyKind) 
 
 fn workloads() -> Vec<Trace> {
     vec![
-        Workload::Chat(ChatParams { conversations: 40, ..ChatParams::default() }).generate(),
-        Workload::Rag(RagParams { requests: 200, ..RagParams::default() }).generate(),
-        Workload::Batch(BatchParams { jobs: 3, requests_per_job: 40, ..BatchParams::default() }).generate(),
+        Workload::Chat(ChatParams { conversations: 40, ..ChatParams::default() }).generate().unwrap(),
+        Workload::Rag(RagParams { requests: 200, ..RagParams::default() }).generate().unwrap(),
+        Workload::Batch(BatchParams { jobs: 3, requests_per_job: 40, ..BatchParams::default() })
+            .generate()
+            .unwrap(),
     ]
 }
 
@@ -159,7 +161,7 @@ fn views_carry_each_replicas_resident_prefix_and_engine_load() {
 
 #[test]
 fn latency_reflects_hits_and_speedup_raises_load() {
-    let trace = Workload::Chat(ChatParams { conversations: 60, ..ChatParams::default() }).generate();
+    let trace = Workload::Chat(ChatParams { conversations: 60, ..ChatParams::default() }).generate().unwrap();
     let cfg = config(2, 256, cache::PolicyKind::Lru);
     let base = simulate_with(&trace, &cfg, &RoundRobin::default()).unwrap();
     let lat = base.latency.unwrap();
@@ -214,6 +216,37 @@ fn token_blocks_match_hash_ids_on_whole_blocks_and_rechunk_at_smaller_sizes() {
     assert_eq!(hits(&by_tokens), [0, 512]);
 }
 
+/// Requests whose key is `hot` to replica 0, everything else to replica 1.
+struct Partition {
+    hot: u64,
+}
+
+impl Policy for Partition {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::CacheAware
+    }
+    fn choose(&self, request: &RequestView, replicas: &[ReplicaView]) -> Decision {
+        Decision { chosen: Some(usize::from(request.key != self.hot)), costs: vec![0.0; replicas.len()] }
+    }
+}
+
+/// The pooled cache is a reference, not an upper bound: two LRU caches of one block, one
+/// kept for a hot prompt and one taking a scan, keep the hot prompt that one shared LRU cache
+/// of two blocks loses to the scan.
+#[test]
+fn separate_caches_can_beat_the_pooled_reference() {
+    let trace = Trace::new(vec![
+        req(0, 512, vec![1]),
+        req(1, 512, vec![1]),
+        req(2, 512, vec![2]),
+        req(3, 512, vec![3]),
+        req(4, 512, vec![1]),
+    ]);
+    let report = simulate_with(&trace, &config(2, 1, cache::PolicyKind::Lru), &Partition { hot: 1 }).unwrap();
+    assert_eq!((report.total_hit_tokens, report.pooled.total_hit_tokens), (1024, 512));
+    assert_eq!(report.pct_of_pooled, Some(200.0));
+}
+
 #[test]
 fn bad_configurations_are_errors() {
     let trace = Trace::new(vec![req(0, 10, vec![1])]);
@@ -232,6 +265,10 @@ fn bad_configurations_are_errors() {
         simulate_with(&trace, &config(1, 0, cache::PolicyKind::Lru), &rr),
         Err(SimError::Cache(_))
     ));
+    // Regression: hash ids are 512-token blocks; at block size 16 each counted as 16 tokens.
+    let small_ids =
+        SimConfig { block_size: 16, blocks: BlockIdentity::HashIds, ..config(1, 8, cache::PolicyKind::Lru) };
+    assert!(matches!(simulate_with(&trace, &small_ids, &rr), Err(SimError::HashIdsBlockSize(16))));
     // S3FIFO needs a non-empty small queue.
     assert!(matches!(
         simulate_with(&trace, &config(1, 2, cache::PolicyKind::S3fifo), &rr),

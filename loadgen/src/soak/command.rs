@@ -110,7 +110,7 @@ pub fn run(args: &SoakArgs) -> anyhow::Result<()> {
     }
     let workload =
         args.workload.clone().unwrap_or_else(|| soak_workload(args.rate, args.duration, args.seed));
-    let trace = workload.generate();
+    let trace = workload.generate().context("generating the workload")?;
     let config = SoakConfig {
         binaries,
         replicas: args.replicas,

@@ -190,10 +190,10 @@ fn ratio(a: u64, b: u64) -> Option<f64> {
 
 /// The hit rates of the requests finished between two totals.
 pub fn window_rates(before: &Totals, after: &Totals) -> (Option<f64>, Option<f64>) {
-    let prompt = after.prompt_tokens.saturating_sub(before.prompt_tokens);
+    let delta = |f: fn(&Totals) -> u64| f(after).saturating_sub(f(before));
     (
-        ratio(after.cached_tokens.saturating_sub(before.cached_tokens), prompt),
-        ratio(after.predicted_tokens.saturating_sub(before.predicted_tokens), prompt),
+        ratio(delta(|t| t.cached_tokens), delta(|t| t.prompt_tokens)),
+        ratio(delta(|t| t.predicted_tokens), delta(|t| t.predicted_prompt_tokens)),
     )
 }
 

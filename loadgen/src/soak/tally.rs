@@ -37,8 +37,12 @@ pub struct Totals {
     pub prompt_tokens: u64,
     /// Their `cached_tokens`.
     pub cached_tokens: u64,
-    /// Their router-predicted cached tokens (`x-kvroute-predicted-cached-tokens`).
+    /// Router-predicted cached tokens (`x-kvroute-predicted-cached-tokens`) of successful
+    /// requests that carried the header.
     pub predicted_tokens: u64,
+    /// Their prompt tokens: the predicted hit rate's denominator (a response without the
+    /// header predicted nothing, so it is left out, as in a live run's report).
+    pub predicted_prompt_tokens: u64,
 }
 
 impl Totals {
@@ -91,7 +95,10 @@ impl Tally {
                     if let Some(cached) = ok.cached_tokens {
                         t.prompt_tokens += ok.prompt_tokens;
                         t.cached_tokens += cached;
-                        t.predicted_tokens += ok.predicted_cached_tokens.unwrap_or(0);
+                    }
+                    if let Some(predicted) = ok.predicted_cached_tokens {
+                        t.predicted_prompt_tokens += ok.prompt_tokens;
+                        t.predicted_tokens += predicted;
                     }
                 }
                 Err(kind) if lost_to_churn(&s.kills, sent, now, replica) => {
@@ -163,5 +170,24 @@ mod tests {
         assert_eq!(totals.unexpected.get("stream"), Some(&1));
         assert_eq!((totals.prompt_tokens, totals.cached_tokens), (100, 40));
         assert_eq!(tally.kills(), 1);
+    }
+
+    /// Regression: a response without the router's prediction header counted as predicting
+    /// 0 tokens, its prompt tokens kept in the denominator, biasing the rate low.
+    #[test]
+    fn the_predicted_hit_rate_leaves_out_responses_without_a_prediction() {
+        let tally = Tally::default();
+        let sent = Instant::now();
+        let predicted = Success {
+            prompt_tokens: 100,
+            cached_tokens: Some(40),
+            predicted_cached_tokens: Some(50),
+            ..Success::default()
+        };
+        let unpredicted = Success { prompt_tokens: 300, cached_tokens: Some(40), ..Success::default() };
+        tally.finished(sent, Some("a"), &Ok(predicted));
+        tally.finished(sent, Some("a"), &Ok(unpredicted));
+        let (hit, predicted) = crate::soak::report::window_rates(&Totals::default(), &tally.totals());
+        assert_eq!((hit, predicted), (Some(80.0 / 400.0), Some(0.5)));
     }
 }

@@ -40,9 +40,28 @@ pub enum Workload {
     Batch(BatchParams),
 }
 
+/// Why a synthetic workload cannot be generated.
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub enum SynthError {
+    #[error("the Zipf exponent (--zipf) must be a finite number of at least 0, got {0}")]
+    Zipf(f64),
+    #[error("{name} must be a positive number per second (inf: all at once), got {value}")]
+    Rate { name: &'static str, value: f64 },
+    #[error(
+        "the arrivals run past the longest time a trace can hold: raise the rates or shorten the think time"
+    )]
+    TooLong,
+}
+
+/// `value` if it can pace a Poisson process: positive, infinite for all at once (zero, a
+/// negative or NaN would put every arrival at 0 or nowhere).
+fn check_rate(name: &'static str, value: f64) -> Result<f64, SynthError> {
+    if value > 0.0 { Ok(value) } else { Err(SynthError::Rate { name, value }) }
+}
+
 impl Workload {
-    /// Generates the workload's trace.
-    pub fn generate(&self) -> Trace {
+    /// Generates the workload's trace, or says which parameter makes that impossible.
+    pub fn generate(&self) -> Result<Trace, SynthError> {
         match self {
             Workload::Chat(p) => p.generate(),
             Workload::Rag(p) => p.generate(),
@@ -86,17 +105,23 @@ impl Gen {
         self.rng.random_range(lo..=hi)
     }
 
-    /// An exponential gap with mean `1 / rate` seconds (zero when `rate` is infinite).
-    fn gap(&mut self, rate_per_s: f64) -> Duration {
+    /// `at` plus an exponential gap with mean `1 / rate` seconds (nothing when `rate` is
+    /// infinite); `rate` is one [`check_rate`] passed.
+    fn after_gap(&mut self, at: Duration, rate_per_s: f64) -> Result<Duration, SynthError> {
         let u: f64 = self.rng.random();
-        let secs = -(1.0 - u).ln() / rate_per_s;
-        Duration::try_from_secs_f64(secs).unwrap_or(Duration::ZERO)
+        Self::after(at, -(1.0 - u).ln() / rate_per_s)
     }
 
-    /// An exponential duration with mean `mean`.
-    fn exp(&mut self, mean: Duration) -> Duration {
+    /// `at` plus an exponential duration with mean `mean`.
+    fn after_exp(&mut self, at: Duration, mean: Duration) -> Result<Duration, SynthError> {
         let u: f64 = self.rng.random();
-        mean.mul_f64(-(1.0 - u).ln())
+        Self::after(at, mean.as_secs_f64() * -(1.0 - u).ln())
+    }
+
+    /// `at + secs`, unless that is past what a [`Duration`] holds.
+    fn after(at: Duration, secs: f64) -> Result<Duration, SynthError> {
+        let gap = Duration::try_from_secs_f64(secs).map_err(|_| SynthError::TooLong)?;
+        at.checked_add(gap).ok_or(SynthError::TooLong)
     }
 
     fn push(&mut self, arrival: Duration, segments: &[Segment], output_len: usize) {
@@ -112,11 +137,16 @@ impl Gen {
 
 /// Zipf(`s`) over ranks `0..n`: rank `k` has weight `1 / (k + 1)^s`.
 struct Zipf {
+    /// Cumulative weights: rank `k` owns `[cdf[k - 1], cdf[k])` (`[0, cdf[0])` for rank 0).
     cdf: Vec<f64>,
 }
 
 impl Zipf {
-    fn new(n: usize, s: f64) -> Self {
+    /// `s` must be finite and at least 0: every weight is then in `[0, 1]`, rank 0's is 1.
+    fn new(n: usize, s: f64) -> Result<Self, SynthError> {
+        if !(s.is_finite() && s >= 0.0) {
+            return Err(SynthError::Zipf(s));
+        }
         let mut acc = 0.0;
         let cdf = (0..n)
             .map(|k| {
@@ -124,13 +154,50 @@ impl Zipf {
                 acc
             })
             .collect();
-        Self { cdf }
+        Ok(Self { cdf })
     }
 
-    fn sample(&self, rng: &mut StdRng) -> usize {
+    /// Where rank `k`'s share of the cumulative weight starts.
+    fn start(&self, k: usize) -> f64 {
+        k.checked_sub(1).map_or(0.0, |i| self.cdf[i])
+    }
+
+    /// `k` distinct ranks (all of them if `k >= n`), in draw order: each draw is by Zipf
+    /// weight among the ranks not drawn yet, so it always ends (drawing with replacement
+    /// and skipping repeats never does once the weight left rounds to nothing, as with a
+    /// large `s`). Picking `u` in the weight left, it steps over the drawn ranks' shares;
+    /// with no weight left (or rounding onto a drawn rank) it takes the next undrawn rank
+    /// in popularity order.
+    fn draw_distinct(&self, k: usize, rng: &mut StdRng) -> Vec<usize> {
+        let n = self.cdf.len();
         let total = self.cdf.last().copied().unwrap_or(0.0);
-        let x = rng.random::<f64>() * total;
-        self.cdf.partition_point(|&c| c <= x).min(self.cdf.len().saturating_sub(1))
+        let mut drawn = Vec::with_capacity(k.min(n));
+        let mut ascending: Vec<usize> = Vec::with_capacity(k.min(n));
+        let mut taken = 0.0;
+        while drawn.len() < k.min(n) {
+            let left = total - taken;
+            let u: f64 = rng.random();
+            let rank = if left > 0.0 {
+                let mut x = u * left;
+                for &d in &ascending {
+                    if x >= self.start(d) {
+                        x += self.cdf[d] - self.start(d);
+                    }
+                }
+                self.cdf.partition_point(|&c| c <= x).min(n - 1)
+            } else {
+                0
+            };
+            let rank = (rank..n)
+                .chain((0..rank).rev())
+                .find(|r| ascending.binary_search(r).is_err())
+                .expect("fewer ranks drawn than there are");
+            let at = ascending.binary_search(&rank).unwrap_err();
+            ascending.insert(at, rank);
+            taken += self.cdf[rank] - self.start(rank);
+            drawn.push(rank);
+        }
+        drawn
     }
 }
 
@@ -149,22 +216,22 @@ mod tests {
     #[test]
     fn same_seed_same_trace_other_seed_other_trace() {
         for w in all() {
-            let a = w.generate();
-            assert_eq!(a, w.generate());
+            let a = w.generate().unwrap();
+            assert_eq!(a, w.generate().unwrap());
             let mut other = w.clone();
             match &mut other {
                 Workload::Chat(p) => p.seed += 1,
                 Workload::Rag(p) => p.seed += 1,
                 Workload::Batch(p) => p.seed += 1,
             }
-            assert_ne!(a, other.generate());
+            assert_ne!(a, other.generate().unwrap());
         }
     }
 
     #[test]
     fn traces_are_well_formed_and_survive_mooncake_round_trip() {
         for w in all() {
-            let trace = w.generate();
+            let trace = w.generate().unwrap();
             assert!(!trace.is_empty());
             for r in &trace.requests {
                 assert_eq!(r.hash_ids.len(), super::super::content_blocks(r.input_len));
@@ -183,13 +250,78 @@ mod tests {
 
     #[test]
     fn zipf_prefers_low_ranks() {
-        let z = Zipf::new(100, 1.0);
+        let z = Zipf::new(100, 1.0).unwrap();
         let mut rng = StdRng::seed_from_u64(1);
         let mut counts = [0u32; 100];
         for _ in 0..10_000 {
-            counts[z.sample(&mut rng)] += 1;
+            counts[z.draw_distinct(1, &mut rng)[0]] += 1;
         }
         assert!(counts[0] > counts[9] && counts[9] > counts[99]);
+    }
+
+    #[test]
+    fn a_later_draw_is_by_weight_among_the_ranks_left() {
+        // Weights 1, 1/2, 1/3: the first draw is 0 with probability 6/11, and then the second
+        // is 1 with probability (1/2) / (1/2 + 1/3) = 3/5.
+        let z = Zipf::new(3, 1.0).unwrap();
+        let mut rng = StdRng::seed_from_u64(2);
+        let draws = 50_000;
+        let pairs = (0..draws).filter(|_| z.draw_distinct(2, &mut rng) == [0, 1]).count();
+        let expected = 6.0 / 11.0 * 3.0 / 5.0;
+        assert!((pairs as f64 / draws as f64 - expected).abs() < 0.01, "{pairs} of {draws}");
+    }
+
+    /// Regression: drawing with replacement and skipping repeats never ended once the weight
+    /// left rounded to nothing (a large exponent).
+    #[test]
+    fn distinct_draws_end_for_any_exponent() {
+        let mut rng = StdRng::seed_from_u64(3);
+        for s in [0.0, 1.1, 60.0, 400.0, 1e6, f64::MAX] {
+            for n in [1, 3, 50] {
+                let z = Zipf::new(n, s).unwrap();
+                let mut drawn = z.draw_distinct(n + 1, &mut rng);
+                assert_eq!(drawn.len(), n, "s {s}");
+                if s >= 400.0 {
+                    // All the weight is on rank 0; then popularity order.
+                    assert!(drawn.iter().copied().eq(0..n), "s {s}: {drawn:?}");
+                }
+                drawn.sort_unstable();
+                assert!(drawn.iter().copied().eq(0..n), "s {s}: {drawn:?}");
+            }
+        }
+    }
+
+    /// Regression: a zero, negative or NaN rate gave every gap as 0 (all arrivals at once),
+    /// and so did one so small its gaps overflowed.
+    #[test]
+    fn bad_rates_are_refused_and_overflowing_arrivals_are_errors() {
+        let chat = |rate| {
+            Workload::Chat(ChatParams { conversations: 5, conversation_rate: rate, ..ChatParams::default() })
+        };
+        let rag = |rate| Workload::Rag(RagParams { requests: 5, rate, ..RagParams::default() });
+        let jobs = |rate| Workload::Batch(BatchParams { jobs: 2, job_rate: rate, ..BatchParams::default() });
+        let items =
+            |rate| Workload::Batch(BatchParams { jobs: 2, item_rate: rate, ..BatchParams::default() });
+        for make in [chat, rag, jobs, items] {
+            for rate in [0.0, -1.0, f64::NAN] {
+                assert!(matches!(make(rate).generate(), Err(SynthError::Rate { .. })), "{:?}", make(rate));
+            }
+            assert!(matches!(make(1e-300).generate(), Err(SynthError::TooLong)), "{:?}", make(1e-300));
+            // An infinite rate is all at once.
+            let trace = make(f64::INFINITY).generate().unwrap();
+            assert!(!trace.is_empty());
+        }
+        let chat =
+            ChatParams { conversations: 5, min_turns: 3, think_time: Duration::MAX, ..ChatParams::default() };
+        assert_eq!(chat.generate(), Err(SynthError::TooLong));
+    }
+
+    #[test]
+    fn a_bad_zipf_exponent_is_refused() {
+        for s in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -0.5] {
+            let rag = Workload::Rag(RagParams { requests: 10, zipf: s, ..RagParams::default() });
+            assert!(matches!(rag.generate(), Err(SynthError::Zipf(_))), "zipf {s}");
+        }
     }
 
     #[test]

@@ -33,7 +33,8 @@ async fn simulated_latencies_match_the_agent_engine() {
         seed: 5,
         ..ChatParams::default()
     })
-    .generate();
+    .generate()
+    .unwrap();
     // Whole milliseconds, as in Mooncake traces (and tokio's timers).
     let mut trace = trace;
     for r in &mut trace.requests {

@@ -1,18 +1,21 @@
 //! Live runs over real sockets against an in-process fleet (agents at a 1000x time scale):
-//! `compare` produces a sane report with every file, a replica alone reports its own
-//! counters, an unreachable target is counted as connect errors without hanging, and the
-//! `demo` entry point completes with tiny flags.
+//! `compare` produces a sane report with every file (and, from the command line, reads the
+//! replicas' counters), a replica alone reports its own counters, an unreachable target is
+//! counted as connect errors without hanging, and the `demo` entry point completes with tiny
+//! flags.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use kvroute_loadgen::Trace;
 use kvroute_loadgen::cli::{self, Cli};
 use kvroute_loadgen::compare::{self, CompareConfig, Routers};
 use kvroute_loadgen::demo::{DEMO_MODEL, EmbeddedFleet, FleetConfig};
 use kvroute_loadgen::live::{self, Arrivals, LiveConfig};
+use kvroute_loadgen::sim::{self, BlockIdentity, SimConfig};
+use kvroute_loadgen::workload::mooncake;
 use kvroute_loadgen::workload::synth::ChatParams;
+use kvroute_loadgen::{Request, Trace};
 use kvroute_replica_agent::cache::PolicyKind as Eviction;
 use kvroute_router::policy::PolicyKind;
 use tokio_util::sync::CancellationToken;
@@ -45,6 +48,7 @@ fn small_chat() -> Trace {
         seed: 7,
     }
     .generate()
+    .unwrap()
 }
 
 /// A directory under the system temp dir, removed when dropped.
@@ -133,6 +137,111 @@ async fn compare_on_a_small_fleet_writes_a_sane_report() {
     fleet.stop().await;
 }
 
+/// Regression: an offline simulation that cannot run (S3FIFO with 5 blocks a replica has an
+/// empty small queue) failed `compare` after the first live run, losing it; it is refused
+/// before any live run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offline_simulation_that_cannot_run_is_refused_before_any_live_run() {
+    let shutdown = CancellationToken::new();
+    let fleet = EmbeddedFleet::start(fleet_config(2), shutdown.child_token()).await.unwrap();
+    let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
+    live.max_requests = Some(4);
+    let config = CompareConfig {
+        routers: Routers::Embedded {
+            config: Box::new(fleet.router_config()),
+            policies: vec![PolicyKind::RoundRobin],
+        },
+        replicas: fleet.urls(),
+        live,
+        block_size: 16,
+        // The pooled reference's one cache of 10 has a small queue of 1; each replica's 5, none.
+        total_capacity_blocks: Some(10),
+        eviction: Eviction::S3fifo,
+        out_dir: None,
+        workload: "small chat".into(),
+        offline_speedup: Some(1.0),
+    };
+    let run = tokio::time::timeout(LIMIT, compare::compare(&small_chat(), &config, shutdown.clone()))
+        .await
+        .expect("compare finishes");
+    assert!(run.is_err(), "an offline simulation with an empty small queue ran");
+    let client = live::Client::new(LIMIT);
+    for url in fleet.urls() {
+        let (_, page) = client.get(&format!("{url}/metrics"), LIMIT).await.unwrap();
+        let prompts = live::scrape::sum(&String::from_utf8_lossy(&page), "vllm:prompt_tokens_total");
+        assert_eq!(prompts.unwrap_or(0.0), 0.0, "{url} was sent requests");
+    }
+    fleet.stop().await;
+}
+
+/// Regression: a run cut short by its duration was set beside the pooled reference and the
+/// offline simulation of the whole workload; they are now computed on the requests it sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_stopped_early_is_compared_on_the_requests_it_sent() {
+    let shutdown = CancellationToken::new();
+    let fleet = EmbeddedFleet::start(fleet_config(2), shutdown.child_token()).await.unwrap();
+    // The small chat, then all of it again an hour later: the repeats, which would all hit,
+    // are due past the run's duration, so they are never sent (whatever the timing).
+    let early = small_chat();
+    let mut requests = early.requests.clone();
+    let hour = Duration::from_secs(3600);
+    requests.extend(early.requests.iter().map(|r| Request { arrival: r.arrival + hour, ..r.clone() }));
+    let trace = Trace::new(requests);
+    let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
+    live.max_duration = Some(Duration::from_secs(60));
+    let config = CompareConfig {
+        routers: Routers::Embedded {
+            config: Box::new(fleet.router_config()),
+            policies: vec![PolicyKind::RoundRobin],
+        },
+        replicas: fleet.urls(),
+        live,
+        block_size: 16,
+        total_capacity_blocks: Some(1024),
+        eviction: Eviction::Lru,
+        out_dir: None,
+        workload: "small chat twice".into(),
+        offline_speedup: Some(1.0),
+    };
+    let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
+        .await
+        .expect("compare finishes")
+        .expect("compare runs");
+
+    let run = &report.runs[0];
+    assert_eq!(run.live.requests, early.len());
+    let pooled = |t: &Trace| compare::pooled_bound(t, 16, 1024, Eviction::Lru).unwrap().overall_hit_rate;
+    assert_eq!(report.pooled_hit_rate, pooled(&trace));
+    assert_eq!(run.pooled_hit_rate, pooled(&early));
+    assert!(run.pooled_hit_rate < report.pooled_hit_rate, "the repeats would have hit");
+    let offline = SimConfig {
+        replicas: 2,
+        capacity_blocks: 512,
+        block_size: 16,
+        routing: PolicyKind::RoundRobin,
+        blocks: BlockIdentity::Tokens,
+        ..SimConfig::default()
+    };
+    let offline = sim::simulate(&early, &offline).unwrap();
+    assert_eq!(run.offline.expect("simulated offline").hit_rate, offline.overall_hit_rate);
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_s_metrics_name_every_replica_behind_it() {
+    let shutdown = CancellationToken::new();
+    let fleet = EmbeddedFleet::start(fleet_config(2), shutdown.child_token()).await.unwrap();
+    let router =
+        compare::start_router(&fleet.router_config(), PolicyKind::RoundRobin, shutdown.child_token())
+            .await
+            .unwrap();
+    // No request yet: the names come from the router's own list, not from any response.
+    let snapshot = live::scrape::snapshot(&live::Client::new(LIMIT), &router.url(), &[]).await;
+    assert_eq!(snapshot.router_replicas, ["agent-0", "agent-1"]);
+    router.stop().await;
+    fleet.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_run_against_one_replica_reads_its_counters_without_router_headers() {
     let shutdown = CancellationToken::new();
@@ -154,6 +263,40 @@ async fn a_live_run_against_one_replica_reads_its_counters_without_router_header
     fleet.stop().await;
 }
 
+/// Regression (coordinated omission): every request is due at once and one may be in flight,
+/// so each waits for those before it; measured from its intended send, its latency includes
+/// that wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_loop_request_that_waited_for_a_slot_is_measured_from_its_intended_send() {
+    let shutdown = CancellationToken::new();
+    let fleet = EmbeddedFleet::start(fleet_config(1), shutdown.child_token()).await.unwrap();
+    let mut trace = small_chat();
+    for r in &mut trace.requests {
+        r.arrival = Duration::ZERO;
+    }
+    let mut config = quiet(LiveConfig::new(fleet.urls()[0].clone(), DEMO_MODEL));
+    config.arrivals = Arrivals::Trace { speedup: 1.0 };
+    config.max_in_flight = 1;
+    config.max_requests = Some(4);
+    let report =
+        tokio::time::timeout(LIMIT, live::run(&trace, &config, shutdown.clone())).await.unwrap().unwrap();
+    assert_eq!(report.succeeded, 4, "{:?}", report.errors);
+
+    let mut records = report.records.clone();
+    records.sort_by_key(|r| r.sent);
+    let mut served_so_far = Duration::ZERO;
+    for r in &records {
+        let e2e = r.outcome.as_ref().unwrap().e2e;
+        served_so_far += e2e;
+        let lateness = r.lateness().expect("an open-loop request has an intended send");
+        assert!(lateness + e2e >= served_so_far, "{r:?} waited for none before it");
+    }
+    let (service, from_intended) = (report.e2e.unwrap(), report.e2e_from_intended.unwrap());
+    assert!(from_intended.max_ms > service.max_ms, "{from_intended:?} vs {service:?}");
+    assert!(report.send_lateness.is_some_and(|l| l.max_ms > 0.0));
+    fleet.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_target_counts_connect_errors_and_does_not_hang() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -172,6 +315,19 @@ async fn an_unreachable_target_counts_connect_errors_and_does_not_hang() {
         assert_eq!((report.requests, report.succeeded), (10, 0));
         assert_eq!(report.errors.get("connect"), Some(&10), "{:?}", report.errors);
         assert_eq!((report.hit_rate, report.fleet_hit_rate), (None, None));
+    }
+}
+
+/// Regression: a tiny speed-up panicked (`Duration::div_f64`), and a tiny Poisson rate put
+/// every request at 0; both are schedules no run can keep, refused before anything is sent.
+#[tokio::test]
+async fn a_schedule_past_what_a_run_can_wait_is_an_error() {
+    let trace = small_chat();
+    for arrivals in [Arrivals::Trace { speedup: 1e-300 }, Arrivals::Poisson { rate: 1e-300, seed: 1 }] {
+        let mut config = quiet(LiveConfig::new("http://127.0.0.1:9", DEMO_MODEL));
+        config.arrivals = arrivals;
+        let run = live::run(&trace, &config, CancellationToken::new()).await;
+        assert!(matches!(run, Err(live::LiveError::Schedule(_))), "{arrivals:?}: {run:?}");
     }
 }
 
@@ -217,4 +373,39 @@ fn the_demo_entry_point_completes_with_tiny_flags() {
         assert_eq!(run["live"]["succeeded"], 16);
     }
     assert!(out.0.join("table.txt").exists());
+}
+
+/// `compare` from the command line (`--replica`, routers started here) reads every replica's
+/// counters: the fleet's hit rate is there and the per-replica shares are by replica URL,
+/// not rebuilt from the router's headers.
+#[test]
+fn compare_from_the_command_line_reads_the_replicas_counters() {
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let shutdown = CancellationToken::new();
+    let fleet = runtime.block_on(EmbeddedFleet::start(fleet_config(2), shutdown.child_token())).unwrap();
+    let tmp = TempDir::new("compare-cli");
+    let (trace, out) = (tmp.0.join("chat.jsonl"), tmp.0.join("report"));
+    mooncake::write(&small_chat(), std::fs::File::create(&trace).unwrap()).unwrap();
+    let mut args: Vec<String> =
+        ["kvroute-loadgen", "compare", "--no-progress", "--no-offline"].map(String::from).into();
+    for replica in fleet.router_config().replicas {
+        args.extend(["--replica".into(), replica.to_string()]);
+    }
+    args.extend(["--block-size", "16", "--policies", "round-robin"].map(String::from));
+    args.extend([
+        "--out".into(),
+        out.to_str().unwrap().into(),
+        "--trace".into(),
+        trace.to_str().unwrap().into(),
+    ]);
+    cli::run(Cli::parse_from(args)).expect("compare runs");
+
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let live = &json["runs"][0]["live"];
+    assert!(live["fleet_hit_rate"].as_f64().is_some_and(|h| h > 0.0), "no fleet counters: {live}");
+    let named: Vec<&str> =
+        live["per_replica"].as_array().unwrap().iter().map(|s| s["replica"].as_str().unwrap()).collect();
+    assert_eq!(named, fleet.urls(), "per-replica shares not from the replicas' counters");
+    runtime.block_on(fleet.stop());
 }

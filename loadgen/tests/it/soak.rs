@@ -58,7 +58,7 @@ async fn soak_samples_memory_restarts_replicas_and_keeps_serving() {
     let out = TempDir(std::env::temp_dir().join(format!("kvroute-soak-test-{}", std::process::id())));
     let (rate, duration) = (6.0, Duration::from_secs(20));
     let workload = soak_workload(rate, duration, 7);
-    let trace = workload.generate();
+    let trace = workload.generate().unwrap();
     let config = SoakConfig {
         binaries: server_binaries(),
         replicas: 4,

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use super::{Gen, clap_defaults};
+use super::{Gen, SynthError, check_rate, clap_defaults};
 use crate::workload::Trace;
 
 /// Parameters of the batch workload.
@@ -45,23 +45,25 @@ impl Default for BatchParams {
 
 impl BatchParams {
     /// Generates the trace.
-    pub fn generate(&self) -> Trace {
+    pub fn generate(&self) -> Result<Trace, SynthError> {
+        let job_rate = check_rate("--job-rate", self.job_rate)?;
+        let item_rate = check_rate("--item-rate", self.item_rate)?;
         let mut g = Gen::new(self.seed);
         let mut start = Duration::ZERO;
         for _ in 0..self.jobs {
-            start += g.gap(self.job_rate);
+            start = g.after_gap(start, job_rate)?;
             let len = g.length(self.instruction_tokens);
             let instruction = g.segment(len);
             let mut at = start;
             for _ in 0..self.requests_per_job {
-                at += g.gap(self.item_rate);
+                at = g.after_gap(at, item_rate)?;
                 let len = g.length(self.item_tokens);
                 let item = g.segment(len);
                 let output = g.length(self.output_tokens);
                 g.push(at, &[instruction, item], output);
             }
         }
-        g.finish()
+        Ok(g.finish())
     }
 }
 
@@ -73,7 +75,7 @@ mod tests {
     fn requests_of_a_job_share_its_instruction() {
         let p =
             BatchParams { jobs: 2, requests_per_job: 30, instruction_tokens: 2048, ..BatchParams::default() };
-        let trace = p.generate();
+        let trace = p.generate().unwrap();
         let mut firsts: Vec<u64> = trace.requests.iter().map(|r| r.hash_ids[0]).collect();
         firsts.sort_unstable();
         firsts.dedup();

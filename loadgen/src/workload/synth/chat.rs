@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use rand::RngExt;
 
-use super::{Gen, clap_defaults};
+use super::{Gen, SynthError, check_rate, clap_defaults};
 use crate::units::parse_duration;
 use crate::workload::Trace;
 
@@ -54,7 +54,8 @@ impl Default for ChatParams {
 
 impl ChatParams {
     /// Generates the trace.
-    pub fn generate(&self) -> Trace {
+    pub fn generate(&self) -> Result<Trace, SynthError> {
+        let rate = check_rate("--conversation-rate", self.conversation_rate)?;
         let mut g = Gen::new(self.seed);
         let systems: Vec<_> = (0..self.system_prompts.max(1))
             .map(|_| {
@@ -64,14 +65,14 @@ impl ChatParams {
             .collect();
         let mut start = Duration::ZERO;
         for _ in 0..self.conversations {
-            start += g.gap(self.conversation_rate);
+            start = g.after_gap(start, rate)?;
             let system = systems[g.rng.random_range(0..systems.len())];
             let turns = g.rng.random_range(self.min_turns.max(1)..=self.max_turns.max(self.min_turns).max(1));
             let mut history = vec![system];
             let mut at = start;
             for turn in 0..turns {
                 if turn > 0 {
-                    at += g.exp(self.think_time);
+                    at = g.after_exp(at, self.think_time)?;
                 }
                 let user_len = g.length(self.user_tokens);
                 history.push(g.segment(user_len));
@@ -80,7 +81,7 @@ impl ChatParams {
                 history.push(g.segment(reply));
             }
         }
-        g.finish()
+        Ok(g.finish())
     }
 }
 
@@ -91,7 +92,7 @@ mod tests {
     #[test]
     fn turns_extend_their_conversation_behind_shared_system_prompts() {
         let one = ChatParams { conversations: 1, min_turns: 6, max_turns: 6, ..ChatParams::default() };
-        let trace = one.generate();
+        let trace = one.generate().unwrap();
         assert_eq!(trace.len(), 6);
         for pair in trace.requests.windows(2) {
             let (a, b) = (&pair[0], &pair[1]);
@@ -106,7 +107,7 @@ mod tests {
             ..ChatParams::default()
         };
         let firsts: std::collections::HashSet<u64> =
-            many.generate().requests.iter().map(|r| r.hash_ids[0]).collect();
+            many.generate().unwrap().requests.iter().map(|r| r.hash_ids[0]).collect();
         assert!(firsts.len() <= 2, "first blocks are system prompt blocks: {firsts:?}");
     }
 }

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use super::{Gen, Zipf, clap_defaults};
+use super::{Gen, SynthError, Zipf, check_rate, clap_defaults};
 use crate::workload::Trace;
 
 /// Parameters of the RAG workload.
@@ -52,7 +52,8 @@ impl Default for RagParams {
 
 impl RagParams {
     /// Generates the trace.
-    pub fn generate(&self) -> Trace {
+    pub fn generate(&self) -> Result<Trace, SynthError> {
+        let rate = check_rate("--rate", self.rate)?;
         let mut g = Gen::new(self.seed);
         let system = g.segment(self.system_prompt_tokens.max(1));
         let docs: Vec<_> = (0..self.documents.max(1))
@@ -61,18 +62,11 @@ impl RagParams {
                 g.segment(len)
             })
             .collect();
-        let zipf = Zipf::new(docs.len(), self.zipf);
-        let k = self.docs_per_query.min(docs.len());
+        let zipf = Zipf::new(docs.len(), self.zipf)?;
         let mut at = Duration::ZERO;
         for _ in 0..self.requests {
-            at += g.gap(self.rate);
-            let mut picked: Vec<usize> = Vec::with_capacity(k);
-            while picked.len() < k {
-                let d = zipf.sample(&mut g.rng);
-                if !picked.contains(&d) {
-                    picked.push(d);
-                }
-            }
+            at = g.after_gap(at, rate)?;
+            let picked = zipf.draw_distinct(self.docs_per_query, &mut g.rng);
             let mut segments = vec![system];
             segments.extend(picked.iter().map(|&d| docs[d]));
             let question = g.length(self.query_tokens);
@@ -80,7 +74,7 @@ impl RagParams {
             let answer = g.length(self.output_tokens);
             g.push(at, &segments, answer);
         }
-        g.finish()
+        Ok(g.finish())
     }
 }
 
@@ -91,7 +85,7 @@ mod tests {
     #[test]
     fn queries_share_the_system_prompt_and_popular_documents() {
         let p = RagParams { requests: 300, system_prompt_tokens: 1024, ..RagParams::default() };
-        let trace = p.generate();
+        let trace = p.generate().unwrap();
         // The system prompt is two full blocks every query starts with.
         let head = &trace.requests[0].hash_ids[..2];
         assert!(trace.requests.iter().all(|r| &r.hash_ids[..2] == head));
