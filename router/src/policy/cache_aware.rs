@@ -22,7 +22,7 @@
 //! A miss counts `miss_weight` times its prefill: besides the prefill itself it writes a second
 //! copy of the prefix into another replica's cache (evicting someone else's) and splits the
 //! prefix's later requests between two replicas. With `miss_weight` 1 the router left a
-//! cached replica for a short queue elsewhere so often that it lost ~5% of the pooled bound.
+//! cached replica for a short queue elsewhere so often that it lost ~5% of the pooled reference.
 //! The last term replaces that pressure with a slower one: `recent_prompt_tokens` is a decayed
 //! sum over [`super::RECENT_HORIZON`] (120 s), so a replica that a popular prefix has made
 //! busier than the others loses the requests that it does not hold well, and is charged in
@@ -53,7 +53,7 @@
 //! Reproduce with `cargo run --release -p kvroute-loadgen --example cache_aware_sweep`.
 //!
 //! ```text
-//! eviction  pooled bound   round-robin                        cache-aware
+//! eviction  pooled reference   round-robin                        cache-aware
 //!           hit rate       hit (% pooled)  skew  TTFT p50/p99 hit (% pooled)  skew  TTFT p50/p99
 //! LRU       54.08%         11.02% (20.4%)  1.045 1067/11007ms 54.01% (99.9%)  1.081   40/3880 ms
 //! LFU       55.86%         10.96% (19.6%)  1.045 1068/12264ms 54.85% (98.2%)  1.044   41/3904 ms
@@ -72,7 +72,7 @@
 //! and never leaving a cached replica reaches only 70.5%. Each replica's small FIFO is 10% of
 //! 2048 blocks, about seven average requests and less than the largest one, so a prefix's
 //! first blocks leave it before the prefix comes back; the pooled cache's is eight times
-//! larger. With `--s3fifo-small-ratio` 0.25 cache-aware reaches 80.2% of the pooled bound,
+//! larger. With `--s3fifo-small-ratio` 0.25 cache-aware reaches 80.2% of the pooled reference,
 //! with 0.5 96.6%.
 
 use serde::{Deserialize, Serialize};
