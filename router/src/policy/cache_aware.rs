@@ -53,7 +53,7 @@
 //! Reproduce with `cargo run --release -p kvroute-loadgen --example cache_aware_sweep`.
 //!
 //! ```text
-//! eviction  pooled reference   round-robin                        cache-aware
+//! eviction  pooled ref.     round-robin                        cache-aware
 //!           hit rate       hit (% pooled)  skew  TTFT p50/p99 hit (% pooled)  skew  TTFT p50/p99
 //! LRU       54.08%         11.02% (20.4%)  1.045 1067/11007ms 54.01% (99.9%)  1.081   40/3880 ms
 //! LFU       55.86%         10.96% (19.6%)  1.045 1068/12264ms 54.85% (98.2%)  1.044   41/3904 ms
