@@ -198,6 +198,9 @@ impl Scheduler {
             r.gone |= r.out.is_closed();
         }
         self.release_finished();
+        if self.running.is_empty() {
+            return;
+        }
         let mut budget = self.config.max_num_batched_tokens;
         let decoding: Vec<bool> = self.running.iter().map(|r| r.prefill_left == 0).collect();
         let n_decoding = decoding.iter().filter(|d| **d).count();
@@ -317,16 +320,14 @@ fn lock(state: &Mutex<CacheState>) -> std::sync::MutexGuard<'_, CacheState> {
 /// one chain become one `BlockStored`, runs of removals one `BlockRemoved`) and keeps the
 /// per-block metadata a snapshot needs.
 fn record_events(state: &mut CacheState, changes: &[CacheEvent], job: &Job, block_size: usize) {
-    if changes.is_empty() {
-        return; // A batch is taken only for changes.
-    }
+    // A batch (and its seq) is taken with the first event, so never for nothing.
     let CacheState { blocks, outbox, .. } = state;
-    let events = outbox.events();
     let mut cursor = 0;
     for change in changes {
         match *change {
             CacheEvent::Removed(block) => {
                 blocks.remove(&block);
+                let events = outbox.events();
                 if let Some(pb::Event { kind: Some(event::Kind::Removed(r)) }) = events.last_mut() {
                     r.block_hashes.push(block.0);
                 } else {
@@ -342,6 +343,7 @@ fn record_events(state: &mut CacheState, changes: &[CacheEvent], job: &Job, bloc
                 };
                 let index = cursor + offset;
                 cursor = index + 1;
+                let events = outbox.events();
                 let tokens = &job.prompt[index * block_size..(index + 1) * block_size];
                 let namespace = (parent.is_none()
                     && (job.namespace.lora.is_some() || job.namespace.cache_salt.is_some()))

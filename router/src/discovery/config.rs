@@ -84,7 +84,7 @@ pub struct DiscoveryConfig {
     /// k8s: name of the gRPC `ReplicaAgent` port.
     #[arg(long, env = "KVROUTE_DISCOVERY_GRPC_PORT_NAME", default_value = "grpc")]
     pub discovery_grpc_port_name: String,
-    /// k8s: also read each Ready pod's `kvroute.io/*` annotations (ports, engine, dp-size,
+    /// k8s: also read each listed pod's `kvroute.io/*` annotations (ports, engine, dp-size,
     /// topic), which win over named ports; needs `get` on pods.
     #[arg(long, env = "KVROUTE_DISCOVERY_POD_ANNOTATIONS", default_value_t = false)]
     #[serde(default)]

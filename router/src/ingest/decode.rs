@@ -186,10 +186,13 @@ fn extra_salt(s: &vllm::BlockStored) -> Result<Option<String>, SkipReason> {
             ExtraKey::Tuple(items) => items,
             other => std::slice::from_ref(other),
         };
+        // A block's keys are its adapter's name (once, first), then on a prompt's first block
+        // the salt, which may be spelled like the adapter.
+        let mut adapter = s.lora_name.as_ref();
         for item in items {
             match item {
                 ExtraKey::Nil => {}
-                ExtraKey::Str(name) if Some(name) == s.lora_name.as_ref() => {}
+                ExtraKey::Str(name) if adapter == Some(name) => adapter = None,
                 ExtraKey::Str(value) if i == 0 && s.parent_block_hash.is_none() && salt.is_none() => {
                     salt = Some(value.clone());
                 }
@@ -286,6 +289,20 @@ mod tests {
         let Event::Stored(st) = from_vllm(VllmEvent::BlockStored(s), None) else { panic!("skipped") };
         assert_eq!(st.lora.as_deref(), Some("ad"));
         assert_eq!(st.salt.as_deref(), Some("tenant"));
+        let same = vllm::BlockStored {
+            lora_name: Some("ad".into()),
+            extra_keys: Some(vec![ExtraKey::Tuple(vec![
+                ExtraKey::Str("ad".into()),
+                ExtraKey::Str("ad".into()),
+            ])]),
+            ..stored()
+        };
+        let Event::Stored(st) = from_vllm(VllmEvent::BlockStored(same), None) else { panic!("skipped") };
+        assert_eq!(
+            (st.lora.as_deref(), st.salt.as_deref()),
+            (Some("ad"), Some("ad")),
+            "a salt spelled like the adapter"
+        );
         let sglang = vllm::BlockStored { cache_salt: Some("t2".into()), ..stored() };
         let Event::Stored(st) = from_vllm(VllmEvent::BlockStored(sglang), None) else { panic!("skipped") };
         assert_eq!(st.salt.as_deref(), Some("t2"));

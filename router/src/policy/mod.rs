@@ -81,7 +81,7 @@ pub struct ReplicaView {
     pub overlap_blocks: usize,
     pub load: Load,
     pub stream: StreamState,
-    /// False when unhealthy, ejected, draining or saturated: never chosen.
+    /// False when unhealthy, ejected, draining, not serving or saturated: never chosen.
     pub eligible: bool,
 }
 
