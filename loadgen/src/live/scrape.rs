@@ -21,66 +21,80 @@ const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Sum of every sample of `name` on a Prometheus text page, `None` if it has none.
 pub fn sum(page: &str, name: &str) -> Option<f64> {
-    let mut total = None;
-    for line in page.lines() {
-        let line = line.trim_start();
-        if line.starts_with('#') {
-            continue;
-        }
-        let Some(rest) = line.strip_prefix(name) else { continue };
-        let rest = match rest.as_bytes().first() {
-            Some(b'{') => match rest.find('}') {
-                Some(end) => &rest[end + 1..],
-                None => continue,
-            },
-            Some(b' ' | b'\t') => rest,
-            _ => continue,
-        };
-        if let Some(value) = rest.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) {
-            *total.get_or_insert(0.0) += value;
-        }
-    }
-    total
+    samples(page, name).map(|s| s.value).reduce(|a, b| a + b)
 }
 
 /// The values of `label` over the samples of `name`, in page order, each once.
 pub fn label_values(page: &str, name: &str, label: &str) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
-    for line in page.lines() {
-        let Some(labels) = line.trim_start().strip_prefix(name).and_then(|r| r.strip_prefix('{')) else {
-            continue;
-        };
-        if let Some(value) = parse_labels(labels).into_iter().find_map(|(k, v)| (k == label).then_some(v))
-            && !out.contains(&value)
+    for sample in samples(page, name) {
+        if let Some(value) = sample.label(label)
+            && !out.iter().any(|v| v == value)
         {
-            out.push(value);
+            out.push(value.to_owned());
         }
     }
     out
 }
 
-/// The `key="value"` pairs of a label set (the text after its `{`), values unescaped;
-/// whatever follows a malformed pair is dropped.
-fn parse_labels(mut rest: &str) -> Vec<(&str, String)> {
+/// One sample line: its labels (values unescaped) and its value.
+struct Sample<'a> {
+    labels: Vec<(&'a str, String)>,
+    value: f64,
+}
+
+impl Sample<'_> {
+    fn label(&self, key: &str) -> Option<&str> {
+        self.labels.iter().find_map(|(k, v)| (*k == key).then_some(v.as_str()))
+    }
+}
+
+/// The well-formed samples of `name` on a page, in page order: `name{labels} value
+/// [timestamp] [# exemplar]`; a line whose label set or value does not parse is skipped.
+fn samples<'a>(page: &'a str, name: &'a str) -> impl Iterator<Item = Sample<'a>> {
+    page.lines().filter_map(move |line| {
+        let rest = line.trim_start().strip_prefix(name)?;
+        let (labels, rest) = match rest.strip_prefix('{') {
+            Some(rest) => parse_labels(rest)?,
+            None if rest.starts_with([' ', '\t']) => (Vec::new(), rest),
+            None => return None,
+        };
+        let value = rest.split_whitespace().next()?.parse().ok()?;
+        Some(Sample { labels, value })
+    })
+}
+
+/// The `key="value"` pairs of a label set (the text after its `{`), values unescaped, and
+/// the text after its closing `}`; `None` if it is malformed. It stops at that `}`, so an
+/// exemplar's labels (`... 1 # {trace_id="x"} 1`) are not read as the sample's.
+fn parse_labels(mut rest: &str) -> Option<(Vec<(&str, String)>, &str)> {
     let mut pairs = Vec::new();
     loop {
         rest = rest.trim_start_matches([',', ' ']);
-        let Some((key, after)) = rest.split_once("=\"") else { return pairs };
+        if let Some(after) = rest.strip_prefix('}') {
+            return Some((pairs, after));
+        }
+        let (key, after) = rest.split_once("=\"")?;
+        let key = key.trim();
+        let mut name = key.chars();
+        if !(name.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && name.all(|c| c.is_ascii_alphanumeric() || c == '_'))
+        {
+            return None;
+        }
         let mut value = String::new();
         let mut chars = after.char_indices();
         let end = loop {
-            match chars.next() {
-                Some((i, '"')) => break i,
-                Some((_, '\\')) => match chars.next() {
-                    Some((_, 'n')) => value.push('\n'),
-                    Some((_, c)) => value.push(c),
-                    None => return pairs,
+            match chars.next()? {
+                (i, '"') => break i,
+                (_, '\\') => match chars.next()? {
+                    (_, 'n') => value.push('\n'),
+                    (_, c) => value.push(c),
                 },
-                Some((_, c)) => value.push(c),
-                None => return pairs,
+                (_, c) => value.push(c),
             }
         };
-        pairs.push((key.trim(), value));
+        pairs.push((key, value));
         rest = &after[end + 1..];
     }
 }
@@ -237,5 +251,20 @@ mod tests {
         assert_eq!(label_values(page, ROUTER_REPLICA_SERIES, "replica"), ["a", "b \"q\" \\"]);
         assert_eq!(label_values(page, ROUTER_REPLICA_SERIES, "zone"), ["x,y"]);
         assert!(label_values(page, "kvroute_router_other", "replica").is_empty());
+    }
+
+    /// Regression: the label parser ran on past a sample's `}`, taking an exemplar's labels
+    /// as pairs of the sample (under a key starting with the `}`), and `sum` took the first
+    /// `}` for the end of the label set, losing a sample with a `}` inside a label value.
+    #[test]
+    fn a_label_set_ends_at_its_closing_brace() {
+        let (pairs, rest) = parse_labels("zone=\"z\"} 1 # {replica=\"x\"} 1").unwrap();
+        assert_eq!((pairs, rest), (vec![("zone", "z".to_string())], " 1 # {replica=\"x\"} 1"));
+        assert_eq!(parse_labels("zone=\"z\" 1"), None);
+        assert_eq!(parse_labels("} 1 # {replica=\"x\"} 1"), Some((vec![], " 1 # {replica=\"x\"} 1")));
+        let page = "kvroute_router_replica_requests_total{zone=\"z\"} 1 # {replica=\"x\"} 1\n\
+                    kvroute_router_replica_requests_total{replica=\"a}\"} 2\n";
+        assert_eq!(label_values(page, ROUTER_REPLICA_SERIES, "replica"), ["a}"]);
+        assert_eq!(sum(page, ROUTER_REPLICA_SERIES), Some(3.0));
     }
 }
