@@ -108,12 +108,16 @@ pub struct ReplicaCounters {
 }
 
 impl ReplicaCounters {
-    fn parse(page: &str) -> Self {
-        Self {
-            prefix_cache_hits: sum(page, "vllm:prefix_cache_hits_total").unwrap_or(0.0),
-            prefix_cache_queries: sum(page, "vllm:prefix_cache_queries_total").unwrap_or(0.0),
-            prompt_tokens: sum(page, "vllm:prompt_tokens_total").unwrap_or(0.0),
-        }
+    /// `None` unless the page has all three series: a page without them (an SGLang engine,
+    /// a wrong URL answering 200, a vLLM too old to count prefix-cache queries) says
+    /// nothing about the replica's cache, and reading it as zeros would put a replica that
+    /// did serve requests into the fleet's hit rate as one that served none.
+    fn parse(page: &str) -> Option<Self> {
+        Some(Self {
+            prefix_cache_hits: sum(page, "vllm:prefix_cache_hits_total")?,
+            prefix_cache_queries: sum(page, "vllm:prefix_cache_queries_total")?,
+            prompt_tokens: sum(page, "vllm:prompt_tokens_total")?,
+        })
     }
 
     /// `self - before`, never negative (a replica restarted mid-run counts from zero).
@@ -170,7 +174,8 @@ impl RouterCounters {
     }
 }
 
-/// Every counter the run reads, at one instant; a page that could not be read is `None`.
+/// Every counter the run reads, at one instant; a page that could not be read, or has not
+/// the counters, is `None`.
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
     pub replicas: Vec<Option<ReplicaCounters>>,
@@ -184,7 +189,8 @@ pub struct Snapshot {
 const ROUTER_REPLICA_SERIES: &str = "kvroute_router_replica_requests_total";
 
 /// Reads `{url}/metrics` of every replica and of the target (a router's page has the router
-/// counters; a replica's has none). A page that cannot be read is logged and left out.
+/// counters; a replica's has none). A page that cannot be read, or a replica's without its
+/// counters, is logged and left out.
 pub async fn snapshot(client: &Client, target: &str, replicas: &[String]) -> Snapshot {
     let page = |url: String| async move {
         match client.get(&format!("{url}/metrics"), SCRAPE_TIMEOUT).await {
@@ -201,7 +207,14 @@ pub async fn snapshot(client: &Client, target: &str, replicas: &[String]) -> Sna
     };
     let mut out = Snapshot::default();
     for url in replicas {
-        out.replicas.push(page(url.clone()).await.map(|p| ReplicaCounters::parse(&p)));
+        let counters = page(url.clone()).await.and_then(|p| {
+            let counters = ReplicaCounters::parse(&p);
+            if counters.is_none() {
+                tracing::warn!(%url, "metrics page without vLLM's prefix-cache and prompt counters");
+            }
+            counters
+        });
+        out.replicas.push(counters);
     }
     if let Some(page) = page(target.to_owned()).await {
         out.router = RouterCounters::parse(&page);
@@ -233,11 +246,21 @@ mod tests {
         assert_eq!(router.since(&router).tokenize_reuse(), None);
         let after =
             ReplicaCounters { prefix_cache_hits: 20.0, prefix_cache_queries: 50.0, prompt_tokens: 5.0 };
-        let before = ReplicaCounters::parse(page);
+        let before = ReplicaCounters::parse(&format!("{page}vllm:prompt_tokens_total 0\n")).unwrap();
         assert_eq!(
             after.since(&before),
             ReplicaCounters { prefix_cache_hits: 4.5, prefix_cache_queries: 10.0, prompt_tokens: 5.0 }
         );
+    }
+
+    /// Regression: a page without vLLM's series (an SGLang engine, a wrong URL answering
+    /// 200) was read as a replica with every counter at zero.
+    #[test]
+    fn a_page_without_the_replica_counters_is_unread() {
+        assert_eq!(ReplicaCounters::parse("sglang:prompt_tokens_total 100\n"), None);
+        assert_eq!(ReplicaCounters::parse("<html>not found</html>"), None);
+        // A vLLM without the prefix-cache counters says nothing about its cache either.
+        assert_eq!(ReplicaCounters::parse("vllm:prompt_tokens_total 100\n"), None);
     }
 
     #[test]
