@@ -125,12 +125,14 @@ pub struct LiveReport {
     /// `None` unless every replica's counters were read before and after the run (a part of
     /// the fleet is not the fleet).
     pub fleet_hit_rate: Option<f64>,
-    /// Replicas given whose counters could not be read both before and after the run: any
-    /// leaves `fleet_hit_rate` out and the per-replica view to the router's headers.
+    /// Replicas given whose counters could not be read both before and after the run, or
+    /// whose deltas cannot be right (a counter went backwards: the replica restarted; more
+    /// hits than queries): any leaves `fleet_hit_rate` out and the per-replica view to the
+    /// router's headers.
     pub replicas_unread: usize,
     /// The router's predicted hit rate from its `x-kvroute-predicted-cached-tokens` headers.
     pub predicted_hit_rate: Option<f64>,
-    /// The router's own counters over the run.
+    /// The router's own counters over the run (`None` if it restarted during it).
     pub router: Option<RouterCounters>,
     /// Prompt tokens per replica: the replicas' counters when every replica's were read, else
     /// the router's headers, with every replica the router lists (or, without its list, as
@@ -181,7 +183,7 @@ impl LiveReport {
         let deltas: Vec<(String, ReplicaCounters)> = replica_urls
             .iter()
             .zip(after.replicas.iter().zip(&before.replicas))
-            .filter_map(|(url, (a, b))| Some((url.clone(), a.as_ref()?.since(b.as_ref()?))))
+            .filter_map(|(url, (a, b))| Some((url.clone(), a.as_ref()?.since(b.as_ref()?)?)))
             .collect();
         // Counters speak for the fleet only when every replica's were read, before and after.
         let every_replica = !deltas.is_empty() && deltas.len() == replica_urls.len();
@@ -198,7 +200,7 @@ impl LiveReport {
             .flatten();
 
         let router = match (&before.router, &after.router) {
-            (Some(b), Some(a)) => Some(a.since(b)),
+            (Some(b), Some(a)) => a.since(b),
             _ => None,
         };
         Self {
@@ -442,6 +444,25 @@ mod tests {
         let r = LiveReport::new("x".into(), "t".into(), records, &urls, &before, &after);
         assert_eq!((r.fleet_hit_rate, r.replicas_unread), (Some(80.0 / 200.0), 0));
         assert_eq!(r.per_replica[0].replica, "http://r0");
+    }
+
+    /// Regression: a replica restarted mid-run (its hits reset, its queries back where they
+    /// were) put 800 hits over 0 queries into the fleet's hit rate, which went past 100%.
+    #[test]
+    fn a_replica_restarted_mid_run_is_unread() {
+        let urls = vec!["http://r0".to_string(), "http://r1".to_string()];
+        let records = vec![ok(0, 0, 100, 80, "r0"), ok(1, 10, 100, 0, "r1")];
+        let before = Snapshot {
+            replicas: vec![counters(0.0, 0.0, 0.0), counters(0.0, 1000.0, 1000.0)],
+            ..Snapshot::default()
+        };
+        let after = Snapshot {
+            replicas: vec![counters(80.0, 100.0, 100.0), counters(800.0, 1000.0, 1000.0)],
+            ..Snapshot::default()
+        };
+        let r = LiveReport::new("x".into(), "t".into(), records, &urls, &before, &after);
+        assert_eq!((r.fleet_hit_rate, r.replicas_unread), (None, 1));
+        assert_eq!(r.realized_hit_rate(), Some(80.0 / 200.0));
     }
 
     #[test]

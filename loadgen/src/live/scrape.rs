@@ -120,15 +120,26 @@ impl ReplicaCounters {
         })
     }
 
-    /// `self - before`, never negative (a replica restarted mid-run counts from zero).
-    pub fn since(&self, before: &Self) -> Self {
-        let d = |a: f64, b: f64| if a >= b { a - b } else { a };
-        Self {
-            prefix_cache_hits: d(self.prefix_cache_hits, before.prefix_cache_hits),
-            prefix_cache_queries: d(self.prefix_cache_queries, before.prefix_cache_queries),
-            prompt_tokens: d(self.prompt_tokens, before.prompt_tokens),
-        }
+    /// `self - before` by [`delta`], `None` if any counter went backwards (the replica
+    /// restarted between the reads) or more tokens hit than were looked up: each counter
+    /// checked on its own would let a restart that reset one but not another (hits 0 to
+    /// 800, queries 1000 to 1000) count 800 hits in 0 queries.
+    pub fn since(&self, before: &Self) -> Option<Self> {
+        let d = Self {
+            prefix_cache_hits: delta(self.prefix_cache_hits, before.prefix_cache_hits)?,
+            prefix_cache_queries: delta(self.prefix_cache_queries, before.prefix_cache_queries)?,
+            prompt_tokens: delta(self.prompt_tokens, before.prompt_tokens)?,
+        };
+        (d.prefix_cache_hits <= d.prefix_cache_queries).then_some(d)
     }
+}
+
+/// The increase of a counter between two reads, `None` if it went backwards (or is not a
+/// number): its process restarted in between, so what it counted before that is lost and
+/// the increase is unknown. A restart that counted past the earlier read again goes unseen.
+fn delta(after: f64, before: f64) -> Option<f64> {
+    let d = after - before;
+    (d.is_finite() && d >= 0.0).then_some(d)
 }
 
 /// The router's prediction counters at one instant.
@@ -156,15 +167,16 @@ impl RouterCounters {
         })
     }
 
-    pub fn since(&self, before: &Self) -> Self {
-        let d = |a: f64, b: f64| (a - b).max(0.0);
-        Self {
-            predicted_cached_tokens: d(self.predicted_cached_tokens, before.predicted_cached_tokens),
-            realized_cached_tokens: d(self.realized_cached_tokens, before.realized_cached_tokens),
-            prompt_tokens: d(self.prompt_tokens, before.prompt_tokens),
-            tokenize_reused_bytes: d(self.tokenize_reused_bytes, before.tokenize_reused_bytes),
-            tokenize_tokenized_bytes: d(self.tokenize_tokenized_bytes, before.tokenize_tokenized_bytes),
-        }
+    /// `self - before` by [`delta`], `None` if any counter went backwards (the router
+    /// restarted between the reads).
+    pub fn since(&self, before: &Self) -> Option<Self> {
+        Some(Self {
+            predicted_cached_tokens: delta(self.predicted_cached_tokens, before.predicted_cached_tokens)?,
+            realized_cached_tokens: delta(self.realized_cached_tokens, before.realized_cached_tokens)?,
+            prompt_tokens: delta(self.prompt_tokens, before.prompt_tokens)?,
+            tokenize_reused_bytes: delta(self.tokenize_reused_bytes, before.tokenize_reused_bytes)?,
+            tokenize_tokenized_bytes: delta(self.tokenize_tokenized_bytes, before.tokenize_tokenized_bytes)?,
+        })
     }
 
     /// The share of prompt text the router's tokenizer cache saved it tokenizing.
@@ -243,13 +255,14 @@ mod tests {
                       kvroute_router_tokenize_tokenized_bytes_total 100\n";
         let router = RouterCounters::parse(router).unwrap();
         assert_eq!(router.tokenize_reuse(), Some(0.75));
-        assert_eq!(router.since(&router).tokenize_reuse(), None);
+        assert_eq!(router.since(&router).unwrap().tokenize_reuse(), None);
+        let with_prompts = format!("{page}vllm:prompt_tokens_total 0\n");
+        let before = ReplicaCounters::parse(&with_prompts).unwrap();
         let after =
             ReplicaCounters { prefix_cache_hits: 20.0, prefix_cache_queries: 50.0, prompt_tokens: 5.0 };
-        let before = ReplicaCounters::parse(&format!("{page}vllm:prompt_tokens_total 0\n")).unwrap();
         assert_eq!(
             after.since(&before),
-            ReplicaCounters { prefix_cache_hits: 4.5, prefix_cache_queries: 10.0, prompt_tokens: 5.0 }
+            Some(ReplicaCounters { prefix_cache_hits: 4.5, prefix_cache_queries: 10.0, prompt_tokens: 5.0 })
         );
     }
 
@@ -261,6 +274,26 @@ mod tests {
         assert_eq!(ReplicaCounters::parse("<html>not found</html>"), None);
         // A vLLM without the prefix-cache counters says nothing about its cache either.
         assert_eq!(ReplicaCounters::parse("vllm:prompt_tokens_total 100\n"), None);
+    }
+
+    /// Regression: each counter was checked for a reset on its own, so a restart that reset
+    /// the hits but not the queries gave 800 hits in 0 queries; and the router's counters
+    /// used another rule (clamp to 0) than the replicas'.
+    #[test]
+    fn a_counter_that_went_backwards_is_no_delta() {
+        let at = |hits, queries, prompt_tokens| ReplicaCounters {
+            prefix_cache_hits: hits,
+            prefix_cache_queries: queries,
+            prompt_tokens,
+        };
+        assert_eq!(at(800.0, 1000.0, 1000.0).since(&at(0.0, 1000.0, 1000.0)), None);
+        assert_eq!(at(10.0, 20.0, 20.0).since(&at(500.0, 1000.0, 1000.0)), None);
+        assert_eq!(at(10.0, 20.0, 5.0).since(&at(0.0, 0.0, 10.0)), None);
+        assert_eq!(at(10.0, 20.0, 20.0).since(&at(0.0, 0.0, 0.0)), Some(at(10.0, 20.0, 20.0)));
+        let router =
+            |predicted| RouterCounters { predicted_cached_tokens: predicted, ..RouterCounters::default() };
+        assert_eq!(router(5.0).since(&router(10.0)), None);
+        assert_eq!(router(10.0).since(&router(5.0)), Some(router(5.0)));
     }
 
     #[test]
