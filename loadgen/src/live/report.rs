@@ -135,8 +135,8 @@ pub struct LiveReport {
     /// The router's own counters over the run (`None` if it restarted during it).
     pub router: Option<RouterCounters>,
     /// Prompt tokens per replica: the replicas' counters when every replica's were read, else
-    /// the router's headers, with every replica the router lists (or, without its list, as
-    /// many as were given) even if no response named it.
+    /// the router's headers, with every replica the router could route to throughout the run
+    /// (or, without its lists, as many as were given) even if no response named it.
     pub per_replica: Vec<ReplicaShare>,
     /// Max over mean of `per_replica` prompt tokens (1 = even); `None` without a per-replica view.
     pub load_skew: Option<f64>,
@@ -265,18 +265,26 @@ fn shares_from_counters(deltas: &[(String, ReplicaCounters)]) -> Vec<ReplicaShar
         .collect()
 }
 
-/// Each replica's share from the router's `x-kvroute-replica` headers, every replica the
-/// router listed before or after the run starting at zero (one no response named still
-/// counts in the skew). Without the router's list, replicas given by URL that no response
-/// named count as idle, unnamed ones: `replicas` is the fleet's size as far as it is known.
+/// Each replica's share from the router's `x-kvroute-replica` headers. A replica no
+/// response named counts at zero (it could have had requests but got none) if the router
+/// listed it both before and after the run and, when its page says, could route to it
+/// after: one that joined mid-run, or was draining or not serving, is left out. Without the
+/// router's lists, replicas given by URL that no response named count as idle, unnamed
+/// ones: `replicas` is the fleet's size as far as it is known.
 fn shares_from_headers(
     ok: &[&Success],
     before: &Snapshot,
     after: &Snapshot,
     replicas: usize,
 ) -> Vec<ReplicaShare> {
-    let mut by_name: BTreeMap<&str, u64> =
-        before.router_replicas.iter().chain(&after.router_replicas).map(|name| (name.as_str(), 0)).collect();
+    let listed = !before.router_replicas.is_empty() && !after.router_replicas.is_empty();
+    let mut by_name: BTreeMap<&str, u64> = after
+        .router_replicas
+        .iter()
+        .filter(|name| before.router_replicas.contains(name))
+        .filter(|name| after.router_eligible.as_ref().is_none_or(|eligible| eligible.contains(name)))
+        .map(|name| (name.as_str(), 0))
+        .collect();
     let mut named_any = false;
     for s in ok {
         if let Some(name) = &s.replica {
@@ -293,11 +301,13 @@ fn shares_from_headers(
         .into_iter()
         .map(|(name, tokens)| ReplicaShare { replica: name.into(), prompt_tokens: tokens, hit_rate: None })
         .collect();
-    shares.extend((named..replicas).map(|i| ReplicaShare {
-        replica: format!("(unnamed replica {})", i + 1),
-        prompt_tokens: 0,
-        hit_rate: None,
-    }));
+    if !listed {
+        shares.extend((named..replicas).map(|i| ReplicaShare {
+            replica: format!("(unnamed replica {})", i + 1),
+            prompt_tokens: 0,
+            hit_rate: None,
+        }));
+    }
     shares
 }
 
@@ -423,6 +433,27 @@ mod tests {
         let r = LiveReport::new("x".into(), "t".into(), records, &urls, &unread, &unread);
         assert_eq!(r.per_replica.len(), 4);
         assert_eq!(r.load_skew, Some(2.0));
+    }
+
+    /// Regression: the skew from headers counted every replica the router listed before or
+    /// after the run as idle, with those it could not route to (draining, not serving) and
+    /// one that joined after the run began.
+    #[test]
+    fn replicas_the_router_could_not_route_to_are_not_idle_in_the_skew() {
+        let records = vec![ok(0, 0, 100, 0, "a"), ok(1, 10, 100, 0, "b")];
+        let names = |list: &[&str]| list.iter().map(|&n| n.to_string()).collect::<Vec<_>>();
+        let before = Snapshot { router_replicas: names(&["a", "b", "c", "d"]), ..Snapshot::default() };
+        let after = Snapshot {
+            router_replicas: names(&["a", "b", "c", "d", "e"]),
+            router_eligible: Some(names(&["a", "b", "c", "e"])),
+            ..Snapshot::default()
+        };
+        // Four replicas given by URL: the router's lists say which count, not their number.
+        let urls: Vec<String> = (0..4).map(|i| format!("http://r{i}")).collect();
+        let r = LiveReport::new("x".into(), "t".into(), records, &urls, &before, &after);
+        let shares: Vec<&str> = r.per_replica.iter().map(|s| s.replica.as_str()).collect();
+        assert_eq!(shares, ["a", "b", "c"]);
+        assert_eq!(r.load_skew, Some(1.5));
     }
 
     #[test]

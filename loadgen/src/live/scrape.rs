@@ -4,8 +4,9 @@
 //! both export them), and the router's `kvroute_router_{predicted,realized}_cached_tokens_total`,
 //! `kvroute_router_prompt_tokens_total` and its tokenizer cache's
 //! `kvroute_router_tokenize_{reused,tokenized}_bytes_total`; and the names of the router's
-//! replicas (the `replica` label of `kvroute_router_replica_requests_total`), so a replica
-//! that got no request still counts in the load skew.
+//! replicas (the `replica` label of `kvroute_router_replica_requests_total`) and which of
+//! them it can route to (`kvroute_router_replica_state{state="eligible"}`), so a replica
+//! that could have had requests but got none still counts in the load skew.
 //!
 //! Parsing is deliberately small: a sample line is `name{labels} value [timestamp]`; samples
 //! of one name are summed over their label sets (e.g. vLLM's per-engine labels).
@@ -194,11 +195,37 @@ pub struct Snapshot {
     pub router: Option<RouterCounters>,
     /// The names of the replicas behind the router (empty when the target is no kvroute
     /// router or its page could not be read): the names its `x-kvroute-replica` header uses.
+    /// Every member is listed, draining or not serving ones too.
     pub router_replicas: Vec<String>,
+    /// Those of `router_replicas` the router could route to (`state="eligible"`); `None`
+    /// when its page has no state series.
+    pub router_eligible: Option<Vec<String>>,
 }
 
 /// The router's series naming each replica it routes to.
 const ROUTER_REPLICA_SERIES: &str = "kvroute_router_replica_requests_total";
+
+/// The router's series giving each replica's routing state: 1 under the label `state` it is
+/// in (`eligible`, or why not: `draining`, `not_serving`, `unhealthy`, ...).
+const ROUTER_STATE_SERIES: &str = "kvroute_router_replica_state";
+
+/// The replicas whose routing state is `eligible` on a router's page, `None` if the page has
+/// no state series.
+fn eligible_replicas(page: &str) -> Option<Vec<String>> {
+    let mut any = false;
+    let mut out = Vec::new();
+    for sample in samples(page, ROUTER_STATE_SERIES) {
+        any = true;
+        if sample.value == 1.0
+            && sample.label("state") == Some("eligible")
+            && let Some(name) = sample.label("replica")
+            && !out.iter().any(|n| n == name)
+        {
+            out.push(name.to_owned());
+        }
+    }
+    any.then_some(out)
+}
 
 /// Reads `{url}/metrics` of every replica and of the target (a router's page has the router
 /// counters; a replica's has none). A page that cannot be read, or a replica's without its
@@ -231,6 +258,7 @@ pub async fn snapshot(client: &Client, target: &str, replicas: &[String]) -> Sna
     if let Some(page) = page(target.to_owned()).await {
         out.router = RouterCounters::parse(&page);
         out.router_replicas = label_values(&page, ROUTER_REPLICA_SERIES, "replica");
+        out.router_eligible = eligible_replicas(&page);
     }
     out
 }
@@ -307,6 +335,17 @@ mod tests {
         assert_eq!(label_values(page, ROUTER_REPLICA_SERIES, "replica"), ["a", "b \"q\" \\"]);
         assert_eq!(label_values(page, ROUTER_REPLICA_SERIES, "zone"), ["x,y"]);
         assert!(label_values(page, "kvroute_router_other", "replica").is_empty());
+    }
+
+    #[test]
+    fn eligible_replicas_are_those_in_the_eligible_state() {
+        let page = "kvroute_router_replica_state{replica=\"a\",state=\"eligible\"} 1\n\
+                    kvroute_router_replica_state{replica=\"b\",state=\"draining\"} 1\n\
+                    kvroute_router_replica_state{state=\"eligible\",replica=\"c\"} 1\n\
+                    kvroute_router_replica_state{replica=\"d\",state=\"eligible\"} 0\n\
+                    kvroute_router_replica_state_other{replica=\"e\",state=\"eligible\"} 1\n";
+        assert_eq!(eligible_replicas(page), Some(vec!["a".to_string(), "c".to_string()]));
+        assert_eq!(eligible_replicas("kvroute_router_replica_requests_total{replica=\"a\"} 1\n"), None);
     }
 
     /// Regression: the label parser ran on past a sample's `}`, taking an exemplar's labels

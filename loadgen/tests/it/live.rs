@@ -238,6 +238,10 @@ async fn a_router_s_metrics_name_every_replica_behind_it() {
     // No request yet: the names come from the router's own list, not from any response.
     let snapshot = live::scrape::snapshot(&live::Client::new(LIMIT), &router.url(), &[]).await;
     assert_eq!(snapshot.router_replicas, ["agent-0", "agent-1"]);
+    assert_eq!(
+        snapshot.router_eligible.as_deref(),
+        Some(&["agent-0".to_string(), "agent-1".to_string()][..])
+    );
     router.stop().await;
     fleet.stop().await;
 }
