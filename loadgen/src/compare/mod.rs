@@ -14,9 +14,10 @@
 //! Each policy can also be simulated offline on the same requests ([`OfflineRun`]), so the
 //! report shows live beside offline.
 //!
-//! A run stopped early (`--duration`, Ctrl-C) sent only part of the workload; its pooled
-//! reference and offline simulation are then computed on exactly the requests it sent, so
-//! its row compares like with like (the report's own pooled figure is the whole workload's).
+//! A run stopped early (`--duration`, Ctrl-C) served only part of the workload; its pooled
+//! reference and offline simulation are then computed on exactly the requests it served
+//! (sent, and not cancelled in flight by a Ctrl-C), so its row compares like with like (the
+//! report's own pooled figure is the whole workload's).
 //!
 //! - [`report`]: the [`CompareReport`], its terminal table and JSON.
 //! - [`plots`]: SVG plots (hit rate over time, TTFT CDF, prompt tokens per replica).
@@ -138,8 +139,8 @@ pub async fn compare(
                 live::run(&sent, &live, shutdown.clone()).await?
             }
         };
-        // A run cut short (--duration, Ctrl-C) is compared on the requests it did send.
-        let ran = requests_sent(&sent, &report);
+        // A run cut short (--duration, Ctrl-C) is compared on the requests it served.
+        let ran = requests_served(&sent, &report);
         let (ran, pooled_hit_rate) = match &ran {
             Some(ran) => {
                 (ran, pooled_bound(ran, config.block_size, total_capacity, config.eviction)?.overall_hit_rate)
@@ -150,7 +151,7 @@ pub async fn compare(
             Some(speedup) => Some(offline(ran, config, total_capacity, policy, speedup)?),
             None => None,
         };
-        runs.push(PolicyRun::new(policy, report, pooled_hit_rate, offline));
+        runs.push(PolicyRun::new(policy, report, ran.len(), pooled_hit_rate, offline));
     }
     let report = CompareReport {
         workload: WorkloadSummary::of(&config.workload, &sent, config.live.prompt),
@@ -168,14 +169,22 @@ pub async fn compare(
     Ok(report)
 }
 
-/// The requests of `trace` that `run` sent, if it did not send them all (it stopped early).
-fn requests_sent(trace: &Trace, run: &live::LiveReport) -> Option<Trace> {
-    if run.records.len() == trace.len() {
+/// The requests of `trace` that `run` served, if not all of them: a run stopped early sent
+/// only some, and those it cancelled in flight (Ctrl-C) are left out too, since no answer
+/// came back for them. Requests that failed otherwise (a 503, a timeout) count as served:
+/// the fleet had them.
+fn requests_served(trace: &Trace, run: &live::LiveReport) -> Option<Trace> {
+    let mut served: Vec<usize> = run
+        .records
+        .iter()
+        .filter(|r| r.outcome != Err(live::ErrorKind::Cancelled))
+        .map(|r| r.index)
+        .collect();
+    if served.len() == trace.len() {
         return None;
     }
-    let mut sent: Vec<usize> = run.records.iter().map(|r| r.index).collect();
-    sent.sort_unstable();
-    Some(Trace::new(sent.into_iter().filter_map(|i| trace.requests.get(i).cloned()).collect()))
+    served.sort_unstable();
+    Some(Trace::new(served.into_iter().filter_map(|i| trace.requests.get(i).cloned()).collect()))
 }
 
 /// Writes `report.json` and the plots into `dir` (created if missing).
@@ -311,4 +320,47 @@ pub async fn start_router(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Ok(router)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::live::{ErrorKind, LiveReport, RequestRecord, Success, scrape::Snapshot};
+    use crate::workload::Request;
+
+    fn record(index: usize, outcome: Result<Success, ErrorKind>) -> RequestRecord {
+        RequestRecord { index, intended: None, sent: Duration::ZERO, outcome }
+    }
+
+    /// Regression: a run stopped by Ctrl-C had the requests it cancelled in flight replayed
+    /// by its pooled reference and offline simulation, though the fleet never served them.
+    #[test]
+    fn requests_cancelled_in_flight_are_not_compared() {
+        let trace = Trace::new(
+            (0..4)
+                .map(|i| Request {
+                    arrival: Duration::from_secs(i),
+                    input_len: 10 + i as usize,
+                    output_len: 1,
+                    hash_ids: vec![i],
+                })
+                .collect(),
+        );
+        let report = |records| {
+            let none = Snapshot::default();
+            LiveReport::new("x".into(), "t".into(), records, &[], &none, &none)
+        };
+        let all_sent = report(vec![
+            record(0, Ok(Success::default())),
+            record(1, Err(ErrorKind::Status(503))),
+            record(2, Err(ErrorKind::Cancelled)),
+            record(3, Ok(Success::default())),
+        ]);
+        let served = requests_served(&trace, &all_sent).expect("a request was cancelled");
+        let expected: Vec<Request> = [0, 1, 3].map(|i| trace.requests[i].clone()).into();
+        assert_eq!(served.requests, expected);
+        // A run that served every request is compared on the whole workload.
+        let whole = report((0..4).map(|i| record(i, Err(ErrorKind::Status(503)))).collect());
+        assert_eq!(requests_served(&trace, &whole), None);
+    }
 }

@@ -15,7 +15,7 @@ pub struct CompareReport {
     pub workload: WorkloadSummary,
     pub fleet: FleetSummary,
     /// Hit rate of one cache of the fleet's total capacity on the whole workload (a run that
-    /// stopped early has its own, on the requests it sent).
+    /// stopped early has its own, on the requests it served).
     pub pooled_hit_rate: f64,
     pub runs: Vec<PolicyRun>,
 }
@@ -58,18 +58,21 @@ pub struct FleetSummary {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PolicyRun {
     pub policy: PolicyKind,
-    /// The pooled reference's hit rate on the requests this run sent: the workload's, unless
-    /// the run stopped early (`live.requests` says how many it sent).
+    /// The requests the pooled reference and the offline simulation replayed: those this
+    /// run served (sent, and not cancelled in flight); fewer than the workload's if it
+    /// stopped early.
+    pub compared_requests: usize,
+    /// The pooled reference's hit rate on those requests.
     pub pooled_hit_rate: f64,
     /// Realized hit rate (fleet counters, else responses) as a percentage of
     /// `pooled_hit_rate`; above 100 when separate caches beat the pooled one.
     pub pct_of_pooled: Option<f64>,
     pub live: LiveReport,
-    /// The offline simulator on the requests this run sent, if asked for.
+    /// The offline simulator on the same requests, if asked for.
     pub offline: Option<OfflineRun>,
 }
 
-/// One policy simulated offline ([`crate::sim`]) on the requests the live run sent.
+/// One policy simulated offline ([`crate::sim`]) on the requests the live run served.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct OfflineRun {
     pub hit_rate: f64,
@@ -84,12 +87,13 @@ impl PolicyRun {
     pub fn new(
         policy: PolicyKind,
         live: LiveReport,
+        compared_requests: usize,
         pooled_hit_rate: f64,
         offline: Option<OfflineRun>,
     ) -> Self {
         let pct_of_pooled =
             live.realized_hit_rate().filter(|_| pooled_hit_rate > 0.0).map(|r| 100.0 * r / pooled_hit_rate);
-        Self { policy, pooled_hit_rate, pct_of_pooled, live, offline }
+        Self { policy, compared_requests, pooled_hit_rate, pct_of_pooled, live, offline }
     }
 }
 
@@ -161,12 +165,12 @@ impl CompareReport {
                 run.offline.map_or("-".into(), |o| format!("{:.2}", o.load_skew)),
             );
         }
-        for run in self.runs.iter().filter(|r| r.live.requests < w.requests) {
+        for run in self.runs.iter().filter(|r| r.compared_requests < w.requests) {
             let _ = writeln!(
                 out,
-                "\n{} stopped early: sent {} of {} requests; its % pooled ({:.1}% pooled hit rate) and offline figures are on those",
+                "\n{} stopped early: served {} of {} requests (sent, not cancelled); its % pooled ({:.1}% pooled hit rate) and offline figures are on those",
                 run.policy.as_str(),
-                run.live.requests,
+                run.compared_requests,
                 w.requests,
                 100.0 * run.pooled_hit_rate
             );
