@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use kvroute_router::policy::PolicyKind;
 use serde::Serialize;
 
-use crate::live::{LiveReport, PromptFormat};
+use crate::live::{HitRateSource, LiveReport, PromptFormat};
 use crate::workload::Trace;
 
 /// Everything one `compare` measured.
@@ -64,8 +64,11 @@ pub struct PolicyRun {
     pub compared_requests: usize,
     /// The pooled reference's hit rate on those requests.
     pub pooled_hit_rate: f64,
-    /// Realized hit rate (fleet counters, else responses) as a percentage of
-    /// `pooled_hit_rate`; above 100 when separate caches beat the pooled one.
+    /// Where the realized hit rate of this run comes from: the replicas' counters when every
+    /// replica's were read, else the responses' usage.
+    pub hit_rate_source: Option<HitRateSource>,
+    /// Realized hit rate (as `hit_rate_source` says) as a percentage of `pooled_hit_rate`;
+    /// above 100 when separate caches beat the pooled one.
     pub pct_of_pooled: Option<f64>,
     pub live: LiveReport,
     /// The offline simulator on the same requests, if asked for.
@@ -91,9 +94,18 @@ impl PolicyRun {
         pooled_hit_rate: f64,
         offline: Option<OfflineRun>,
     ) -> Self {
+        let realized = live.realized();
         let pct_of_pooled =
-            live.realized_hit_rate().filter(|_| pooled_hit_rate > 0.0).map(|r| 100.0 * r / pooled_hit_rate);
-        Self { policy, compared_requests, pooled_hit_rate, pct_of_pooled, live, offline }
+            realized.filter(|_| pooled_hit_rate > 0.0).map(|(rate, _)| 100.0 * rate / pooled_hit_rate);
+        Self {
+            policy,
+            compared_requests,
+            pooled_hit_rate,
+            hit_rate_source: realized.map(|(_, source)| source),
+            pct_of_pooled,
+            live,
+            offline,
+        }
     }
 }
 
@@ -144,6 +156,12 @@ impl CompareReport {
             "hit rate",
             "skew"
         );
+        // A hit rate from the responses, not the counters, is marked `*` (and so is the
+        // `% pooled` made of it), with a footnote.
+        let mark = |run: &PolicyRun| match run.hit_rate_source {
+            Some(HitRateSource::Responses) => '*',
+            _ => ' ',
+        };
         for run in &self.runs {
             let l = &run.live;
             let pct = |v: Option<f64>| v.map_or("-".into(), |v| format!("{:.1}%", 100.0 * v));
@@ -152,9 +170,9 @@ impl CompareReport {
                 out,
                 "{:<14} {:>9} {:>9} {:>8} {:>10} {:>10} {:>9.2} {:>6} {:>7}   {:>9} {:>8} {:>6}",
                 run.policy.as_str(),
-                pct(l.realized_hit_rate()),
+                pct(l.realized_hit_rate()) + &mark(run).to_string(),
                 pct(l.predicted_hit_rate),
-                run.pct_of_pooled.map_or("-".into(), |p| format!("{p:.1}%")),
+                run.pct_of_pooled.map_or("-".into(), |p| format!("{p:.1}%{}", mark(run))),
                 ms(l.ttft.map(|t| t.p50_ms)),
                 ms(l.ttft.map(|t| t.p99_ms)),
                 l.throughput_rps,
@@ -163,6 +181,22 @@ impl CompareReport {
                 "",
                 pct(run.offline.map(|o| o.hit_rate)),
                 run.offline.map_or("-".into(), |o| format!("{:.2}", o.load_skew)),
+            );
+        }
+        let from_responses: Vec<String> = self
+            .runs
+            .iter()
+            .filter(|run| run.hit_rate_source == Some(HitRateSource::Responses))
+            .map(|run| match run.live.replicas_unread {
+                0 => run.policy.as_str().to_string(),
+                n => format!("{} ({n} of {} replicas' counters unread)", run.policy.as_str(), f.replicas),
+            })
+            .collect();
+        if !from_responses.is_empty() {
+            let _ = writeln!(
+                out,
+                "\n* hit rate from the responses' usage, not the replicas' counters: {}",
+                from_responses.join(", ")
             );
         }
         for run in self.runs.iter().filter(|r| r.compared_requests < w.requests) {
@@ -191,5 +225,68 @@ impl CompareReport {
             );
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::live::scrape::{ReplicaCounters, Snapshot};
+    use crate::live::{RequestRecord, Success};
+
+    /// A run of two requests to two replicas (80 of 200 prompt tokens cached, by the
+    /// responses), the replicas' counters read before it and after it as given.
+    fn live(before: Vec<Option<ReplicaCounters>>, after: Vec<Option<ReplicaCounters>>) -> LiveReport {
+        let records = (0..2)
+            .map(|index| RequestRecord {
+                index,
+                intended: None,
+                sent: Duration::ZERO,
+                outcome: Ok(Success {
+                    prompt_tokens: 100,
+                    cached_tokens: Some(80 * (1 - index as u64)),
+                    ..Success::default()
+                }),
+            })
+            .collect();
+        let urls = ["http://r0".to_string(), "http://r1".to_string()];
+        let before = Snapshot { replicas: before, ..Snapshot::default() };
+        let after = Snapshot { replicas: after, ..Snapshot::default() };
+        LiveReport::new("x".into(), "t".into(), records, &urls, &before, &after)
+    }
+
+    fn report(runs: Vec<PolicyRun>) -> CompareReport {
+        let workload = WorkloadSummary::of("w", &Trace::default(), PromptFormat::Ids);
+        let fleet = FleetSummary { replicas: 2, total_capacity_blocks: 8, block_size: 16 };
+        CompareReport { workload, fleet, pooled_hit_rate: 0.5, runs }
+    }
+
+    /// Regression: a run whose counters were partly unread fell back to the responses'
+    /// hit rate, shown under the same "hit rate" as another run's counters.
+    #[test]
+    fn a_hit_rate_from_the_responses_is_marked() {
+        let zero = Some(ReplicaCounters::default());
+        let half = Some(ReplicaCounters {
+            prefix_cache_hits: 50.0,
+            prefix_cache_queries: 100.0,
+            prompt_tokens: 100.0,
+        });
+        let counted =
+            PolicyRun::new(PolicyKind::CacheAware, live(vec![zero; 2], vec![half; 2]), 0, 0.5, None);
+        let partial =
+            PolicyRun::new(PolicyKind::RoundRobin, live(vec![zero, None], vec![half; 2]), 0, 0.5, None);
+        assert_eq!(counted.hit_rate_source, Some(HitRateSource::Counters));
+        assert_eq!(partial.hit_rate_source, Some(HitRateSource::Responses));
+        let report = report(vec![counted, partial]);
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["runs"][0]["hit_rate_source"], "counters");
+        assert_eq!(json["runs"][1]["hit_rate_source"], "responses");
+        let table = report.table();
+        let row = |policy: &str| table.lines().find(|l| l.starts_with(policy)).unwrap().to_string();
+        assert!(row("cache-aware").contains("50.0% ") && !row("cache-aware").contains('*'));
+        assert!(row("round-robin").contains("40.0%*"), "{table}");
+        assert!(table.contains("round-robin (1 of 2 replicas' counters unread)"), "{table}");
     }
 }

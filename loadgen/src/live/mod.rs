@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use client::{Client, ErrorKind, PromptFormat, Success};
-pub use report::{LiveReport, Percentiles, ReplicaShare, RequestRecord};
+pub use report::{HitRateSource, LiveReport, Percentiles, ReplicaShare, RequestRecord};
 
 use crate::workload::{Request, Trace};
 

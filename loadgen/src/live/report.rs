@@ -74,6 +74,18 @@ impl Percentiles {
     }
 }
 
+/// Where a realized hit rate comes from: the two can differ (the responses' `cached_tokens`
+/// is what each engine reported per request; the counters are what the replicas counted,
+/// with every request in them, including ones whose response was lost).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HitRateSource {
+    /// The replicas' prefix-cache counters, every replica's read ([`LiveReport::fleet_hit_rate`]).
+    Counters,
+    /// The responses' usage ([`LiveReport::hit_rate`]).
+    Responses,
+}
+
 /// One replica's share of a run.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ReplicaShare {
@@ -249,7 +261,16 @@ impl LiveReport {
 
     /// The best realized hit rate available: the fleet's counters, else the responses'.
     pub fn realized_hit_rate(&self) -> Option<f64> {
-        self.fleet_hit_rate.or(self.hit_rate)
+        self.realized().map(|(rate, _)| rate)
+    }
+
+    /// [`Self::realized_hit_rate`] and where it comes from.
+    pub fn realized(&self) -> Option<(f64, HitRateSource)> {
+        match (self.fleet_hit_rate, self.hit_rate) {
+            (Some(rate), _) => Some((rate, HitRateSource::Counters)),
+            (None, Some(rate)) => Some((rate, HitRateSource::Responses)),
+            (None, None) => None,
+        }
     }
 }
 
