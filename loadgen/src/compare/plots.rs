@@ -1,6 +1,7 @@
 //! The compare report's plots, as SVG (no fonts needed: the SVG viewer renders the text):
 //! - `hit_rate_over_time.svg`: cumulative realized hit rate by completion time, per policy;
-//! - `ttft_cdf.svg`: the distribution of time to first token, per policy;
+//! - `ttft_cdf.svg`: the distribution of time to first token from each request's actual
+//!   send, per policy;
 //! - `tokens_per_replica.svg`: prompt tokens each replica received, grouped by replica.
 
 use std::path::Path;
@@ -65,8 +66,14 @@ fn ttft_cdf(report: &CompareReport, path: &Path) -> anyhow::Result<()> {
         .collect();
     let x_max = curves.iter().filter_map(|c| c.last().copied()).fold(1.0_f64, f64::max);
     let root = plot::canvas(path)?;
-    let mut chart = frame(&root, "Time to first token (CDF)", 0.0..x_max * 1.02, 0.0..1.0, 55)?;
-    chart.configure_mesh().x_desc("TTFT (ms)").y_desc("fraction of requests").draw().map_err(err)?;
+    let mut chart =
+        frame(&root, "Time to first token from the actual send (CDF)", 0.0..x_max * 1.02, 0.0..1.0, 55)?;
+    chart
+        .configure_mesh()
+        .x_desc("TTFT from the send (ms)")
+        .y_desc("fraction of requests")
+        .draw()
+        .map_err(err)?;
     for (i, (run, ms)) in report.runs.iter().zip(&curves).enumerate() {
         let c = color(i);
         let n = ms.len() as f64;

@@ -1,5 +1,7 @@
 //! The compare report: one row per routing policy beside the pooled reference, as a terminal
-//! table ([`CompareReport::table`]) and as JSON (serde; per-request records left out).
+//! table ([`CompareReport::table`]) and as JSON (serde; per-request records left out). The
+//! table's TTFT is from each request's actual send (the service's latency); an open-loop
+//! run's TTFT from its intended send follows the table.
 
 use std::fmt::Write as _;
 
@@ -142,13 +144,13 @@ impl CompareReport {
         let _ = writeln!(out);
         let _ = writeln!(
             out,
-            "{:<14} {:>9} {:>9} {:>8} {:>10} {:>10} {:>9} {:>6} {:>7}   {:>9} {:>8} {:>6}",
+            "{:<14} {:>9} {:>9} {:>8} {:>15} {:>15} {:>9} {:>6} {:>7}   {:>9} {:>8} {:>6}",
             "policy",
             "hit rate",
             "predicted",
             "% pooled",
-            "TTFT p50",
-            "TTFT p99",
+            "TTFT p50 (send)",
+            "TTFT p99 (send)",
             "req/s",
             "skew",
             "errors",
@@ -168,7 +170,7 @@ impl CompareReport {
             let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.0} ms"));
             let _ = writeln!(
                 out,
-                "{:<14} {:>9} {:>9} {:>8} {:>10} {:>10} {:>9.2} {:>6} {:>7}   {:>9} {:>8} {:>6}",
+                "{:<14} {:>9} {:>9} {:>8} {:>15} {:>15} {:>9.2} {:>6} {:>7}   {:>9} {:>8} {:>6}",
                 run.policy.as_str(),
                 pct(l.realized_hit_rate()) + &mark(run).to_string(),
                 pct(l.predicted_hit_rate),
@@ -181,6 +183,23 @@ impl CompareReport {
                 "",
                 pct(run.offline.map(|o| o.hit_rate)),
                 run.offline.map_or("-".into(), |o| format!("{:.2}", o.load_skew)),
+            );
+        }
+        // The TTFT columns are the service's latency, from each request's actual send; in an
+        // open loop a request may have waited for a free slot first, which users would see.
+        let from_intended: Vec<String> = self
+            .runs
+            .iter()
+            .filter_map(|run| {
+                let t = run.live.ttft_from_intended?;
+                Some(format!("{} p50 {:.0} ms, p99 {:.0} ms", run.policy.as_str(), t.p50_ms, t.p99_ms))
+            })
+            .collect();
+        if !from_intended.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nTTFT from the intended send (with any wait for a free in-flight slot): {}",
+                from_intended.join("; ")
             );
         }
         let from_responses: Vec<String> = self
@@ -288,5 +307,44 @@ mod tests {
         assert!(row("cache-aware").contains("50.0% ") && !row("cache-aware").contains('*'));
         assert!(row("round-robin").contains("40.0%*"), "{table}");
         assert!(table.contains("round-robin (1 of 2 replicas' counters unread)"), "{table}");
+    }
+
+    /// Regression: the TTFT columns (and the CDF) are from the actual send, while an
+    /// open-loop run's JSON also has TTFT from the intended send; the table said neither.
+    #[test]
+    fn the_table_says_which_ttft_it_shows() {
+        // Sent 50 ms late (it waited for a slot), first token 10 ms after the send.
+        let late = RequestRecord {
+            index: 0,
+            intended: Some(Duration::ZERO),
+            sent: Duration::from_millis(50),
+            outcome: Ok(Success {
+                ttft: Some(Duration::from_millis(10)),
+                prompt_tokens: 100,
+                ..Success::default()
+            }),
+        };
+        let none = Snapshot::default();
+        let open = LiveReport::new("x".into(), "t".into(), vec![late.clone()], &[], &none, &none);
+        let closed = LiveReport::new(
+            "x".into(),
+            "t".into(),
+            vec![RequestRecord { intended: None, ..late }],
+            &[],
+            &none,
+            &none,
+        );
+        let run = |policy, live| PolicyRun::new(policy, live, 0, 0.5, None);
+        let table =
+            report(vec![run(PolicyKind::CacheAware, open), run(PolicyKind::RoundRobin, closed)]).table();
+        let header = table.lines().find(|l| l.starts_with("policy")).unwrap();
+        assert!(header.contains("TTFT p50 (send)") && header.contains("TTFT p99 (send)"), "{table}");
+        let row = table.lines().find(|l| l.starts_with("cache-aware")).unwrap();
+        assert!(row.contains("10 ms") && !row.contains("60 ms"), "{table}");
+        let intended = table
+            .lines()
+            .find(|l| l.starts_with("TTFT from the intended send"))
+            .unwrap_or_else(|| panic!("no TTFT from the intended send: {table}"));
+        assert!(intended.contains("cache-aware p50 60 ms, p99 60 ms") && !intended.contains("round-robin"));
     }
 }
