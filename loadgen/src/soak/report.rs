@@ -56,9 +56,12 @@ pub struct Sample {
     pub replica_restarts: u64,
     /// Request totals so far.
     pub totals: Totals,
-    /// `cached / prompt` tokens of the requests finished since the previous sample.
+    /// `cached / prompt` tokens of the requests finished since the previous sample whose
+    /// responses reported `cached_tokens`.
     pub window_hit_rate: Option<f64>,
-    /// The router's predicted hit rate over the same requests.
+    /// The router's predicted hit rate (`predicted / prompt` tokens) of the requests finished
+    /// since the previous sample whose responses carried its prediction header: not the same
+    /// requests as `window_hit_rate`'s, since a response without the header predicted nothing.
     pub window_predicted_hit_rate: Option<f64>,
 }
 
