@@ -25,8 +25,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rand::SeedableRng;
 use rand::rngs::StdRng;
-use rand::{RngExt, SeedableRng};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -34,7 +34,7 @@ use tokio_util::task::TaskTracker;
 pub use client::{Client, ErrorKind, PromptFormat, Success};
 pub use report::{HitRateSource, LiveReport, Percentiles, ReplicaShare, RequestRecord};
 
-use crate::workload::{Request, Trace};
+use crate::workload::{Request, Trace, after_poisson_gap};
 
 /// When requests are sent.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -207,9 +207,7 @@ fn schedule(requests: &[Request], arrivals: Arrivals) -> Result<Vec<Duration>, L
             let too_long = || LiveError::Schedule(format!("speed-up {speedup}"));
             let at = requests
                 .iter()
-                .map(|r| {
-                    Duration::try_from_secs_f64(r.arrival.as_secs_f64() / speedup).map_err(|_| too_long())
-                })
+                .map(|r| r.arrival_at(speedup).ok_or_else(too_long))
                 .collect::<Result<Vec<_>, _>>()?;
             Instant::now().checked_add(last(&at)).ok_or_else(too_long)?;
             at
@@ -220,9 +218,7 @@ fn schedule(requests: &[Request], arrivals: Arrivals) -> Result<Vec<Duration>, L
             let mut t = Duration::ZERO;
             let mut at = Vec::with_capacity(requests.len());
             for _ in requests {
-                let u: f64 = rng.random();
-                let gap = Duration::try_from_secs_f64(-(1.0 - u).ln() / rate).map_err(|_| too_long())?;
-                t = t.checked_add(gap).ok_or_else(too_long)?;
+                t = after_poisson_gap(&mut rng, t, rate).ok_or_else(too_long)?;
                 at.push(t);
             }
             Instant::now().checked_add(t).ok_or_else(too_long)?;

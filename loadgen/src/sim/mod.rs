@@ -35,8 +35,6 @@
 mod engine;
 mod report;
 
-use std::time::Duration;
-
 use kvroute_proto::pb::StreamState;
 use kvroute_proto::{BlockHash, CacheNamespace, ReplicaId};
 use kvroute_replica_agent::cache::{self, AdmitError, BlockCache, CacheConfig, ConfigError, S3FifoParams};
@@ -167,9 +165,8 @@ pub fn check(trace: &Trace, config: &SimConfig) -> Result<(), SimError> {
     if !(config.speedup.is_finite() && config.speedup > 0.0) {
         return Err(SimError::Speedup(config.speedup));
     }
-    if let Some(last) = trace.requests.iter().map(|r| r.arrival).max() {
-        Duration::try_from_secs_f64(last.as_secs_f64() / config.speedup)
-            .map_err(|_| SimError::Speedup(config.speedup))?;
+    if let Some(last) = trace.requests.iter().max_by_key(|r| r.arrival) {
+        last.arrival_at(config.speedup).ok_or(SimError::Speedup(config.speedup))?;
     }
     // A hash id stands for 512 tokens; at another block size each would count as one block
     // of that size, in the cache's capacity and in every hit.
@@ -220,8 +217,7 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
     let mut results = Vec::with_capacity(trace.len());
     let mut views = Vec::with_capacity(n);
     for (index, request) in trace.requests.iter().enumerate() {
-        let now = Duration::try_from_secs_f64(request.arrival.as_secs_f64() / config.speedup)
-            .map_err(|_| SimError::Speedup(config.speedup))?;
+        let now = request.arrival_at(config.speedup).ok_or(SimError::Speedup(config.speedup))?;
         let blocks: Vec<BlockHash> = match identity {
             BlockIdentity::Tokens => request.chained_blocks(&namespace, config.block_size),
             _ => request.hash_ids.iter().map(|&h| BlockHash(h)).collect(),

@@ -28,6 +28,8 @@ pub mod synth;
 use std::time::Duration;
 
 use kvroute_proto::{BlockHash, CacheNamespace};
+use rand::RngExt;
+use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -77,11 +79,28 @@ impl Request {
         }
     }
 
+    /// When it arrives with the workload played `speedup` times as fast; `None` when that is
+    /// past what a [`Duration`] holds (a tiny speed-up). The simulator and live runs both
+    /// scale arrivals with it.
+    pub fn arrival_at(&self, speedup: f64) -> Option<Duration> {
+        Duration::try_from_secs_f64(self.arrival.as_secs_f64() / speedup).ok()
+    }
+
     /// The prompt's KV blocks as the fleet names them: the chained hashes of its full blocks of
     /// `block_size` tokens in `namespace`.
     pub fn chained_blocks(&self, namespace: &CacheNamespace, block_size: usize) -> Vec<BlockHash> {
         namespace.chain(&self.prompt(), block_size)
     }
+}
+
+/// `at` plus an exponential gap with mean `1 / rate_per_s` seconds drawn from `rng`: the next
+/// arrival of a Poisson process of that rate (no gap when the rate is infinite). `None` when
+/// that is past what a [`Duration`] holds (a tiny rate). Synthetic workloads and live Poisson
+/// runs both draw their arrivals with it.
+pub fn after_poisson_gap(rng: &mut StdRng, at: Duration, rate_per_s: f64) -> Option<Duration> {
+    let u: f64 = rng.random();
+    let gap = Duration::try_from_secs_f64(-(1.0 - u).ln() / rate_per_s).ok()?;
+    at.checked_add(gap)
 }
 
 /// Token `i` of content block `id`.
@@ -139,6 +158,20 @@ mod tests {
 
     fn req(input_len: usize, hash_ids: Vec<u64>) -> Request {
         Request { arrival: Duration::ZERO, input_len, output_len: 1, hash_ids }
+    }
+
+    #[test]
+    fn arrivals_past_what_a_duration_holds_are_none() {
+        use rand::SeedableRng;
+        let mut rng = StdRng::seed_from_u64(0);
+        let at = Duration::from_secs(1);
+        assert_eq!(after_poisson_gap(&mut rng, at, f64::INFINITY), Some(at));
+        assert!(after_poisson_gap(&mut rng, at, 1.0).is_some_and(|t| t > at));
+        assert_eq!(after_poisson_gap(&mut rng, at, 1e-300), None);
+        assert_eq!(after_poisson_gap(&mut rng, Duration::MAX, 1.0), None);
+        let request = Request { arrival: Duration::from_secs(10), ..req(1, vec![1]) };
+        assert_eq!(request.arrival_at(4.0), Some(Duration::from_millis(2500)));
+        assert_eq!(request.arrival_at(1e-300), None);
     }
 
     #[test]

@@ -26,7 +26,7 @@ pub use chat::ChatParams;
 pub use rag::RagParams;
 
 use super::prompt::{BlockIds, Segment};
-use super::{Request, Trace};
+use super::{Request, Trace, after_poisson_gap};
 
 /// A synthetic workload and its parameters.
 #[derive(Clone, Debug, PartialEq, clap::Subcommand, serde::Serialize, serde::Deserialize)]
@@ -105,11 +105,9 @@ impl Gen {
         self.rng.random_range(lo..=hi)
     }
 
-    /// `at` plus an exponential gap with mean `1 / rate` seconds (nothing when `rate` is
-    /// infinite); `rate` is one [`check_rate`] passed.
+    /// [`after_poisson_gap`] with a rate [`check_rate`] passed.
     fn after_gap(&mut self, at: Duration, rate_per_s: f64) -> Result<Duration, SynthError> {
-        let u: f64 = self.rng.random();
-        Self::after(at, -(1.0 - u).ln() / rate_per_s)
+        after_poisson_gap(&mut self.rng, at, rate_per_s).ok_or(SynthError::TooLong)
     }
 
     /// `at` plus an exponential duration with mean `mean`.
