@@ -6,23 +6,38 @@ use std::process::Command;
 
 use crate::support::data;
 
+/// clap's exit code for a usage error; the program's own errors exit with 1.
+const USAGE: i32 = 2;
+
 #[test]
 fn bad_flags_make_the_binary_exit_with_a_message() {
     let trace = data("small_a.jsonl");
     let trace = trace.to_str().unwrap();
-    for args in [
-        &["--bogus-flag"][..],
-        &[],
-        &["simulate", "--policy", "nope"],
-        &["simulate", "--capacity", "many"],
-        &["simulate", "--trace", "/nonexistent/trace.jsonl"],
-        &["simulate", "--trace", trace, "--capacity", "8", "--blocks", "hash-ids", "--block-size", "16"],
-        &["generate", "--bogus-flag"],
-        &["generate", "rag", "--zipf", "nan"],
-        &["generate", "rag", "--zipf=-1"],
-    ] {
+    // Each case's exit code and a fragment of its message: a case meant to reach the program
+    // must not pass on a usage error from a misspelt flag, nor a usage case on another one.
+    let cases: [(&[&str], i32, &str); 9] = [
+        (&["--bogus-flag"], USAGE, "'--bogus-flag'"),
+        (&[], USAGE, "Usage:"),
+        (&["simulate", "--policy", "nope"], USAGE, "'nope'"),
+        (&["simulate", "--capacity", "many"], USAGE, "'many'"),
+        (
+            &["simulate", "--trace", "/nonexistent/trace.jsonl", "--capacity", "8"],
+            1,
+            "/nonexistent/trace.jsonl",
+        ),
+        (
+            &["simulate", "--trace", trace, "--capacity", "8", "--blocks", "hash-ids", "--block-size", "16"],
+            1,
+            "block size 16",
+        ),
+        (&["generate", "--bogus-flag"], USAGE, "'--bogus-flag'"),
+        (&["generate", "rag", "--zipf", "nan"], 1, "Zipf exponent"),
+        (&["generate", "rag", "--zipf=-1"], 1, "Zipf exponent"),
+    ];
+    for (args, code, fragment) in cases {
         let out = Command::new(env!("CARGO_BIN_EXE_kvroute-loadgen")).args(args).output().expect("runs");
-        assert!(!out.status.success(), "{args:?} was accepted");
-        assert!(!out.stderr.is_empty(), "{args:?}: no message");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
+        assert!(stderr.contains(fragment), "{args:?}: {fragment:?} not in {stderr}");
     }
 }

@@ -16,7 +16,7 @@ use kvroute_loadgen::sim::{self, BlockIdentity, SimConfig};
 use kvroute_loadgen::workload::mooncake;
 use kvroute_loadgen::workload::synth::ChatParams;
 use kvroute_loadgen::{Request, Trace};
-use kvroute_replica_agent::cache::PolicyKind as Eviction;
+use kvroute_replica_agent::cache::{ConfigError, PolicyKind as Eviction};
 use kvroute_router::policy::PolicyKind;
 use tokio_util::sync::CancellationToken;
 
@@ -164,7 +164,14 @@ async fn an_offline_simulation_that_cannot_run_is_refused_before_any_live_run() 
     let run = tokio::time::timeout(LIMIT, compare::compare(&small_chat(), &config, shutdown.clone()))
         .await
         .expect("compare finishes");
-    assert!(run.is_err(), "an offline simulation with an empty small queue ran");
+    let err = run.expect_err("an offline simulation with an empty small queue ran");
+    assert!(
+        matches!(
+            err.chain().find_map(|e| e.downcast_ref::<sim::SimError>()),
+            Some(sim::SimError::Cache(ConfigError::EmptyQueue { small_cap: 0, .. }))
+        ),
+        "not the empty small queue: {err:#}"
+    );
     let client = live::Client::new(LIMIT);
     for url in fleet.urls() {
         let (_, page) = client.get(&format!("{url}/metrics"), LIMIT).await.unwrap();
