@@ -8,8 +8,13 @@
 //! them it can route to (`kvroute_router_replica_state{state="eligible"}`), so a replica
 //! that could have had requests but got none still counts in the load skew.
 //!
-//! Parsing is deliberately small: a sample line is `name{labels} value [timestamp]`; samples
-//! of one name are summed over their label sets (e.g. vLLM's per-engine labels).
+//! A run's figures are the deltas of these counters ([`ReplicaCounters::since`],
+//! [`RouterCounters::since`]): a counter that went backwards (its process restarted) gives
+//! none, and a replica without them counts as unread.
+//!
+//! Parsing is deliberately small: a sample line is `name{labels} value [timestamp]` (an
+//! exemplar after it is ignored); samples of one name are summed over their label sets
+//! (e.g. vLLM's per-engine labels).
 
 use std::time::Duration;
 
@@ -121,10 +126,10 @@ impl ReplicaCounters {
         })
     }
 
-    /// `self - before` by [`delta`], `None` if any counter went backwards (the replica
-    /// restarted between the reads) or more tokens hit than were looked up: each counter
-    /// checked on its own would let a restart that reset one but not another (hits 0 to
-    /// 800, queries 1000 to 1000) count 800 hits in 0 queries.
+    /// `self - before`, counter by counter as `delta` says; `None` if any counter went
+    /// backwards (the replica restarted between the reads) or more tokens hit than were
+    /// looked up: each counter checked on its own would let a restart that reset one but
+    /// not another (hits 0 to 800, queries 1000 to 1000) count 800 hits in 0 queries.
     pub fn since(&self, before: &Self) -> Option<Self> {
         let d = Self {
             prefix_cache_hits: delta(self.prefix_cache_hits, before.prefix_cache_hits)?,
@@ -168,8 +173,8 @@ impl RouterCounters {
         })
     }
 
-    /// `self - before` by [`delta`], `None` if any counter went backwards (the router
-    /// restarted between the reads).
+    /// `self - before`, counter by counter as `delta` says (the replicas' rule); `None` if
+    /// any counter went backwards (the router restarted between the reads).
     pub fn since(&self, before: &Self) -> Option<Self> {
         Some(Self {
             predicted_cached_tokens: delta(self.predicted_cached_tokens, before.predicted_cached_tokens)?,
