@@ -195,13 +195,12 @@ impl CompareReport {
                 Some(format!("{} p50 {:.0} ms, p99 {:.0} ms", run.policy.as_str(), t.p50_ms, t.p99_ms))
             })
             .collect();
-        if !from_intended.is_empty() {
-            let _ = writeln!(
-                out,
-                "\nTTFT from the intended send (with any wait for a free in-flight slot): {}",
-                from_intended.join("; ")
-            );
-        }
+        footnote(
+            &mut out,
+            "TTFT from the intended send (with any wait for a free in-flight slot)",
+            &from_intended,
+            "; ",
+        );
         let from_responses: Vec<String> = self
             .runs
             .iter()
@@ -211,13 +210,12 @@ impl CompareReport {
                 n => format!("{} ({n} of {} replicas' counters unread)", run.policy.as_str(), f.replicas),
             })
             .collect();
-        if !from_responses.is_empty() {
-            let _ = writeln!(
-                out,
-                "\n* hit rate from the responses' usage, not the replicas' counters: {}",
-                from_responses.join(", ")
-            );
-        }
+        footnote(
+            &mut out,
+            "* hit rate from the responses' usage, not the replicas' counters",
+            &from_responses,
+            ", ",
+        );
         for run in self.runs.iter().filter(|r| r.compared_requests < w.requests) {
             let _ = writeln!(
                 out,
@@ -244,6 +242,13 @@ impl CompareReport {
             );
         }
         out
+    }
+}
+
+/// A line under the table, `what: items` (nothing when there are no items).
+fn footnote(out: &mut String, what: &str, items: &[String], separator: &str) {
+    if !items.is_empty() {
+        let _ = writeln!(out, "\n{what}: {}", items.join(separator));
     }
 }
 

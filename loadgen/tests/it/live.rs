@@ -69,6 +69,22 @@ impl Drop for TempDir {
     }
 }
 
+/// A compare of `policies`, each behind an embedded router in front of `fleet`, on `live`'s
+/// settings; offline replays at the trace's pace, no report files.
+fn compare_config(fleet: &EmbeddedFleet, policies: Vec<PolicyKind>, live: LiveConfig) -> CompareConfig {
+    CompareConfig {
+        routers: Routers::Embedded { config: Box::new(fleet.router_config()), policies },
+        replicas: fleet.urls(),
+        live,
+        block_size: 16,
+        total_capacity_blocks: None,
+        eviction: Eviction::Lru,
+        out_dir: None,
+        workload: "small chat".into(),
+        offline_speedup: Some(1.0),
+    }
+}
+
 fn quiet(mut config: LiveConfig) -> LiveConfig {
     config.progress = false;
     config.request_timeout = Duration::from_secs(10);
@@ -86,18 +102,8 @@ async fn compare_on_a_small_fleet_writes_a_sane_report() {
     live.replicas = fleet.urls();
     live.arrivals = Arrivals::Trace { speedup: 1.0 };
     let config = CompareConfig {
-        routers: Routers::Embedded {
-            config: Box::new(fleet.router_config()),
-            policies: vec![PolicyKind::CacheAware, PolicyKind::RoundRobin],
-        },
-        replicas: fleet.urls(),
-        live,
-        block_size: 16,
-        total_capacity_blocks: None,
-        eviction: Eviction::Lru,
         out_dir: Some(out.0.clone()),
-        workload: "small chat".into(),
-        offline_speedup: Some(1.0),
+        ..compare_config(&fleet, vec![PolicyKind::CacheAware, PolicyKind::RoundRobin], live)
     };
     let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
         .await
@@ -147,19 +153,10 @@ async fn an_offline_simulation_that_cannot_run_is_refused_before_any_live_run() 
     let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
     live.max_requests = Some(4);
     let config = CompareConfig {
-        routers: Routers::Embedded {
-            config: Box::new(fleet.router_config()),
-            policies: vec![PolicyKind::RoundRobin],
-        },
-        replicas: fleet.urls(),
-        live,
-        block_size: 16,
         // The pooled reference's one cache of 10 has a small queue of 1; each replica's 5, none.
         total_capacity_blocks: Some(10),
         eviction: Eviction::S3fifo,
-        out_dir: None,
-        workload: "small chat".into(),
-        offline_speedup: Some(1.0),
+        ..compare_config(&fleet, vec![PolicyKind::RoundRobin], live)
     };
     let run = tokio::time::timeout(LIMIT, compare::compare(&small_chat(), &config, shutdown.clone()))
         .await
@@ -197,18 +194,9 @@ async fn a_run_stopped_early_is_compared_on_the_requests_it_sent() {
     let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
     live.max_duration = Some(Duration::from_secs(60));
     let config = CompareConfig {
-        routers: Routers::Embedded {
-            config: Box::new(fleet.router_config()),
-            policies: vec![PolicyKind::RoundRobin],
-        },
-        replicas: fleet.urls(),
-        live,
-        block_size: 16,
         total_capacity_blocks: Some(1024),
-        eviction: Eviction::Lru,
-        out_dir: None,
         workload: "small chat twice".into(),
-        offline_speedup: Some(1.0),
+        ..compare_config(&fleet, vec![PolicyKind::RoundRobin], live)
     };
     let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
         .await
