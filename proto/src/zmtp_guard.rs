@@ -21,10 +21,10 @@
 //!   there only subscribes or asks, so it may send 64 KiB over its connection in all,
 //!   commands included, each frame charged 32 bytes more (`zeromq`'s PUB keeps every
 //!   subscription it is sent); it must finish its handshake (greeting and READY) within 10 s
-//!   of connecting (`zeromq`'s own handshake has no deadline); it must take what the socket
-//!   sends it, taking some of it at least every 30 s (`zeromq`'s PUB queues without bound for
-//!   a subscriber that stops reading: cut, the peer reconnects and resyncs); and at most 256
-//!   peers are relayed at once. Its refusals are logged at debug level (any client could fill the log
+//!   of connecting (`zeromq`'s own handshake has no deadline); once behind what the socket
+//!   sends it, it must take 64 KiB in every 30 s until it catches up (`zeromq`'s PUB queues
+//!   without bound for a subscriber that stops reading, or reads a trickle: cut, the peer
+//!   reconnects and resyncs); and at most 256 peers are relayed at once. Its refusals are logged at debug level (any client could fill the log
 //!   otherwise), the publisher's at warn.
 //!
 //! Endpoints other than `tcp://` (`ipc://`, `inproc://`) are on this host and are not
@@ -33,10 +33,12 @@
 pub mod frames;
 
 use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -64,8 +66,12 @@ const BOUND_PEER_BUDGET: u64 = 64 << 10;
 /// connections that never finish one cannot hold the guard's places.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 
-/// Longest a peer of a bound socket may take none of what is written to it before it is cut.
+/// A peer of a bound socket that has fallen behind must take [`PEER_MIN_TAKE`] bytes in
+/// every `PEER_STALL`, or it is cut.
 const PEER_STALL: Duration = Duration::from_secs(30);
+
+/// See [`PEER_STALL`]: 64 KiB in 30 s, far below what a subscriber that reads takes.
+const PEER_MIN_TAKE: usize = 64 << 10;
 
 /// A relay for one socket, serving while this lives.
 pub struct ZmtpGuard {
@@ -301,10 +307,18 @@ async fn plain(mut from: OwnedReadHalf, mut to: OwnedWriteHalf) -> io::Result<()
     tokio::io::copy(&mut from, &mut to).await.map(drop)
 }
 
-/// Copies what a bound socket sends to its peer, until the peer takes none of it for
-/// [`PEER_STALL`] (a peer that reads slowly is not cut).
-async fn to_peer(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, target: &str) -> io::Result<()> {
+/// Copies what a bound socket sends to its peer. A peer that has fallen behind (a write to it
+/// has to wait) must take [`PEER_MIN_TAKE`] bytes in every [`PEER_STALL`] until it has caught
+/// up (a write goes through at once), or it is cut: one that takes a trickle would let the
+/// socket queue for it without bound as surely as one that takes nothing.
+async fn to_peer(
+    mut from: impl AsyncRead + Unpin,
+    mut to: impl AsyncWrite + Unpin,
+    target: &str,
+) -> io::Result<()> {
     let mut buf = vec![0u8; 64 << 10];
+    // Since when the peer has been behind, and what it has taken since.
+    let mut behind: Option<(tokio::time::Instant, usize)> = None;
     loop {
         let n = from.read(&mut buf).await?;
         if n == 0 {
@@ -312,13 +326,32 @@ async fn to_peer(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, target: &str) 
         }
         let mut rest = &buf[..n];
         while !rest.is_empty() {
-            match tokio::time::timeout(PEER_STALL, to.write(rest)).await {
-                Ok(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(Ok(written)) => rest = &rest[written..],
-                Ok(Err(e)) => return Err(e),
-                Err(_) => {
-                    tracing::info!(%target, "ZMTP peer took nothing for {PEER_STALL:?}; connection closed");
-                    return Err(io::ErrorKind::TimedOut.into());
+            let at_once =
+                std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut to).poll_write(cx, rest))).await;
+            let written = match at_once {
+                Poll::Ready(written) => {
+                    behind = None;
+                    written?
+                }
+                Poll::Pending => {
+                    let (since, _) = *behind.get_or_insert((tokio::time::Instant::now(), 0));
+                    match tokio::time::timeout_at(since + PEER_STALL, to.write(rest)).await {
+                        Ok(written) => written?,
+                        Err(_) => {
+                            tracing::info!(%target, "ZMTP peer took under {PEER_MIN_TAKE} bytes in {PEER_STALL:?}; connection closed");
+                            return Err(io::ErrorKind::TimedOut.into());
+                        }
+                    }
+                }
+            };
+            if written == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            rest = &rest[written..];
+            if let Some((since, taken)) = &mut behind {
+                *taken += written;
+                if *taken >= PEER_MIN_TAKE {
+                    (*since, *taken) = (tokio::time::Instant::now(), 0);
                 }
             }
         }
@@ -452,5 +485,31 @@ mod tests {
             .await
             .expect("the guard cut the peer that stopped reading");
         drop(peer);
+    }
+
+    /// A peer behind the socket's stream, through an in-memory pipe (no kernel buffers, so
+    /// the paused clock is exact): one that takes 64 KiB every 20 s is kept, one that takes a
+    /// trickle (1 KiB every 20 s) is cut.
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_behind_must_take_its_minimum_in_every_window() {
+        for (every_20s, kept) in [(PEER_MIN_TAKE, true), (1024, false)] {
+            let (guard_side, mut peer) = tokio::io::duplex(4096);
+            let endless = tokio::io::repeat(7);
+            let relay = tokio::spawn(async move { to_peer(endless, guard_side, "test").await });
+            let mut taken = vec![0u8; every_20s];
+            let mut rounds = 0;
+            while rounds < 10 && !relay.is_finished() {
+                tokio::time::sleep(PEER_STALL * 2 / 3).await;
+                if peer.read_exact(&mut taken).await.is_err() {
+                    break;
+                }
+                rounds += 1;
+            }
+            assert_eq!(!relay.is_finished(), kept, "taking {every_20s} bytes every 20 s");
+            if !kept {
+                let ended = relay.await.unwrap();
+                assert_eq!(ended.unwrap_err().kind(), io::ErrorKind::TimedOut);
+            }
+        }
     }
 }
