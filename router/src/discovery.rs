@@ -225,17 +225,27 @@ impl<S: ReplicaSink> Reconciler<S> {
                 Some(_) => Some("updated"),
                 None => Some("added"),
             };
-            // Serving first: the sink keeps it by name and applies it to a replica it adds, so
-            // one that does not serve is never routable, not even between the two calls.
-            if serving == self.not_serving.contains(&name) {
-                self.set_serving(&name, serving);
+            let changes_serving = serving == self.not_serving.contains(&name);
+            let Some(op) = op else {
+                if changes_serving {
+                    self.set_serving(&name, serving);
+                }
+                continue;
+            };
+            // "Not serving" before the spec and "serving" after it: the sink keeps it by name
+            // and applies it to a replica it adds, so neither the new replica nor the old one
+            // it replaces is routable while its pod is not Ready, not even between the calls.
+            if changes_serving && !serving {
+                self.set_serving(&name, false);
             }
-            let Some(op) = op else { continue };
             tracing::info!(replica = %name, http = %spec.http_url, events = %spec.event_endpoint, "discovery: replica {op}");
             match self.sink.upsert(spec.clone()).await {
                 Ok(()) => {
-                    self.applied.insert(name, spec);
                     self.metrics.change(op);
+                    if changes_serving && serving {
+                        self.set_serving(&name, true);
+                    }
+                    self.applied.insert(name, spec);
                 }
                 Err(e) => {
                     // Not recorded as applied: the next listing tries again.
@@ -244,9 +254,10 @@ impl<S: ReplicaSink> Reconciler<S> {
                     if self.applied.remove(&name).is_some() {
                         self.sink.remove(&name).await;
                     }
-                    // Nothing of the name is left, not even its serving (said again next time).
-                    if self.not_serving.contains(&name) {
-                        self.set_serving(&name, true);
+                    // Nothing of the name is left, not even its serving (said again next time):
+                    // forgotten quietly, it was never a change of the replica's.
+                    if self.not_serving.remove(&name) {
+                        self.sink.set_serving(&name, true);
                     }
                 }
             }
@@ -489,5 +500,36 @@ mod tests {
                 "serving b",
             ]
         );
+    }
+
+    /// A replica back to serving under a changed spec is told so only once the sink has the
+    /// new spec (the old, not Ready address is never routable); a refused spec that was not
+    /// serving is forgotten without a word.
+    #[tokio::test]
+    async fn serving_is_said_after_a_new_spec_and_a_refusal_forgets_it_quietly() {
+        let log = Log::default();
+        let mut r = Reconciler::new(log.clone(), DiscoveryMetrics::default());
+        let t = template();
+        let one = |name: &str, ip: &str, serving: bool| {
+            BTreeMap::from([(name.to_string(), (t.spec(name.to_string(), ip, t.ports), serving))])
+        };
+        r.apply_serving(one("a", "10.0.0.1", false)).await;
+        r.apply_serving(one("a", "10.0.0.9", true)).await;
+        r.apply_serving(one("bad", "10.0.0.2", false)).await;
+        assert_eq!(
+            *log.0.lock().unwrap(),
+            [
+                "not serving a",
+                "+a@http://10.0.0.1:8000",
+                "+a@http://10.0.0.9:8000",
+                "serving a",
+                "-a",
+                "not serving bad",
+                "+bad@http://10.0.0.2:8000",
+                "serving bad",
+            ]
+        );
+        assert_eq!(r.metrics.changes.get_or_create(&OpLabel { op: "serving" }).get(), 1, "the refusal is no change");
+        assert!(r.not_serving.is_empty());
     }
 }
