@@ -5,9 +5,11 @@
 //! - **dns** (`dns`): resolves a headless Service's name every `--discovery-interval-ms`
 //!   (5 s); every address is a replica named by its IP, with the configured ports. A failed
 //!   resolution (a timeout, SERVFAIL) keeps the current set (a resolver hiccup must not empty
-//!   the fleet; the proxy's health checks eject replicas that are really gone); so do answers
-//!   with no address (NXDOMAIN, NODATA: no pod is Ready, as in an overload where every
-//!   readiness probe fails) until six in a row (30 s at the default interval) empty it.
+//!   the fleet; the proxy's health checks eject replicas that are really gone). An address
+//!   joins as soon as it is answered and leaves once six answers in a row (30 s at the
+//!   default interval) have left it out: a Service leaves out pods that are not Ready, as in
+//!   an overload where readiness probes fail, and a name with no Ready pod at all has no
+//!   address (NXDOMAIN, NODATA: an empty answer).
 //! - **Kubernetes** (`k8s`, cargo feature `k8s`): watches the EndpointSlices labelled
 //!   `kubernetes.io/service-name=<service>` with kube's watcher (list, then watch from the
 //!   list's resourceVersion; a dropped watch resumes from the last seen version, a `410 Gone`
@@ -529,7 +531,11 @@ mod tests {
                 "serving bad",
             ]
         );
-        assert_eq!(r.metrics.changes.get_or_create(&OpLabel { op: "serving" }).get(), 1, "the refusal is no change");
+        assert_eq!(
+            r.metrics.changes.get_or_create(&OpLabel { op: "serving" }).get(),
+            1,
+            "the refusal is no change"
+        );
         assert!(r.not_serving.is_empty());
     }
 }

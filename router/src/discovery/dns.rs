@@ -20,12 +20,13 @@ pub(super) struct DnsSource {
     pub interval: Duration,
 }
 
-/// Empty answers in a row that empty the set. A headless Service answers with no address
-/// when none of its pods is Ready, which a fleet so overloaded that every readiness probe
-/// fails looks like for a while too; the set (and what the index knows) is kept through that
-/// (at the default 5 s interval, 30 s), and dropped after it: the addresses of pods that are
-/// gone may be handed to other pods.
-const EMPTY_ANSWERS: u32 = 6;
+/// Answers in a row an address must be missing from before its replica is dropped. A
+/// headless Service leaves out the pods that are not Ready, which a fleet so loaded that its
+/// readiness probes fail looks like for a while too (all of them: no address at all); the
+/// replica, and what the index knows of its cache, is kept through that (at the default 5 s
+/// interval, 30 s), and dropped after it: the address of a pod that is gone may be handed to
+/// another pod.
+const MISSING_ANSWERS: u32 = 6;
 
 /// The system resolver (`getaddrinfo` on a blocking thread).
 pub(super) async fn system_resolver(host: String) -> io::Result<Vec<IpAddr>> {
@@ -50,7 +51,8 @@ fn addresses(found: Result<Vec<io::Result<AddrInfo>>, LookupError>) -> io::Resul
 
 impl DnsSource {
     /// Resolves every `interval` until `shutdown`; a failed resolution keeps the current set,
-    /// and so do empty answers until [`EMPTY_ANSWERS`] of them in a row.
+    /// an address joins as soon as it is answered, and leaves once [`MISSING_ANSWERS`] answers
+    /// in a row have left it out.
     pub(super) async fn run<S, R, F>(
         self,
         resolve: R,
@@ -61,20 +63,23 @@ impl DnsSource {
         R: Fn(String) -> F + Send,
         F: Future<Output = io::Result<Vec<IpAddr>>> + Send,
     {
-        let mut empty_answers = 0;
+        // Every address listed, and how many answers in a row have left it out.
+        let mut listed: BTreeMap<IpAddr, u32> = BTreeMap::new();
         loop {
             let resolved = tokio::select! {
                 () = shutdown.cancelled() => return,
                 r = resolve(self.host.clone()) => r,
             };
             match resolved {
-                Ok(ips) if ips.is_empty() && empty_answers + 1 < EMPTY_ANSWERS => {
-                    empty_answers += 1;
-                    tracing::info!(host = %self.host, empty_answers, "discovery: no addresses; keeping the replicas for now");
-                }
-                Ok(ips) => {
-                    empty_answers = if ips.is_empty() { EMPTY_ANSWERS } else { 0 };
-                    reconciler.apply(self.desired(ips)).await;
+                Ok(answer) => {
+                    listed.retain(|ip, missing| {
+                        *missing = if answer.contains(ip) { 0 } else { *missing + 1 };
+                        *missing < MISSING_ANSWERS
+                    });
+                    for ip in answer {
+                        listed.entry(ip).or_insert(0);
+                    }
+                    reconciler.apply(self.desired(listed.keys().copied())).await;
                 }
                 Err(e) => reconciler.error(&e),
             }
@@ -85,14 +90,13 @@ impl DnsSource {
         }
     }
 
-    fn desired(&self, ips: Vec<IpAddr>) -> BTreeMap<String, crate::replicas::ReplicaSpec> {
-        ips.into_iter()
-            .map(|ip| {
-                let name = ip.to_string();
-                let spec = self.template.spec(name.clone(), &name, self.template.ports);
-                (name, spec)
-            })
-            .collect()
+    fn desired(&self, ips: impl Iterator<Item = IpAddr>) -> BTreeMap<String, crate::replicas::ReplicaSpec> {
+        ips.map(|ip| {
+            let name = ip.to_string();
+            let spec = self.template.spec(name.clone(), &name, self.template.ports);
+            (name, spec)
+        })
+        .collect()
     }
 }
 
@@ -158,37 +162,6 @@ mod tests {
         }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn answers_change_the_set_and_failures_keep_it() {
-        let answers: Arc<Mutex<Vec<io::Result<Vec<IpAddr>>>>> = Arc::new(Mutex::new(vec![
-            Ok(vec!["10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap()]),
-            Err(io::Error::other("SERVFAIL")),
-            Ok(vec!["10.0.0.2".parse().unwrap()]),
-        ]));
-        let resolve = {
-            let answers = answers.clone();
-            move |_host: String| {
-                let mut answers = answers.lock().unwrap();
-                let next = (!answers.is_empty()).then(|| answers.remove(0));
-                async move { next.unwrap_or_else(|| Ok(vec!["10.0.0.3".parse().unwrap()])) }
-            }
-        };
-        let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())));
-        let mut rx = set.0.subscribe();
-        let shutdown = CancellationToken::new();
-        let reconciler = Reconciler::new(set.clone(), DiscoveryMetrics::default());
-        let metrics = reconciler.metrics.clone();
-        let task = tokio::spawn(source("agents").run(resolve, reconciler, shutdown.clone()));
-        let names = |s: &BTreeMap<String, ReplicaSpec>| s.keys().cloned().collect::<Vec<_>>();
-        assert_eq!(names(&rx.wait_for(|s| s.len() == 2).await.unwrap()), ["10.0.0.1", "10.0.0.2"]);
-        // The failure in between kept both; the third answer drops 10.0.0.1.
-        assert_eq!(names(&rx.wait_for(|s| s.len() == 1).await.unwrap()), ["10.0.0.2"]);
-        assert_eq!(metrics.errors.get(), 1);
-        assert_eq!(names(&rx.wait_for(|s| s.contains_key("10.0.0.3")).await.unwrap()), ["10.0.0.3"]);
-        shutdown.cancel();
-        task.await.unwrap();
-    }
-
     /// A name that does not exist or has no addresses is an empty answer; a failure to get
     /// an answer is an error.
     #[test]
@@ -201,39 +174,54 @@ mod tests {
         }
     }
 
-    /// Empty answers keep the set until `EMPTY_ANSWERS` of them in a row; an answer with
-    /// addresses in between starts the count again. (Paused clock: lookup `i` happens at
-    /// `5 s * i`; the set is read half an interval after a lookup.)
-    #[tokio::test(start_paused = true)]
-    async fn empty_answers_empty_the_set_only_in_a_row() {
-        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
-        let n = EMPTY_ANSWERS as usize;
-        let mut script: Vec<Vec<IpAddr>> = vec![vec![ip("10.0.0.1")]];
-        script.extend(std::iter::repeat_n(Vec::new(), n - 1));
-        script.push(vec![ip("10.0.0.2")]);
-        script.extend(std::iter::repeat_n(Vec::new(), n));
+    /// Scripted answers, lookup `i` at `5 s * i` on the paused clock; returns the set's
+    /// names half an interval after each of `lookups` (so every `i` in it must grow).
+    async fn sets_after(script: Vec<io::Result<Vec<&'static str>>>, lookups: &[usize]) -> Vec<Vec<String>> {
         let answers = Arc::new(Mutex::new(script.into_iter()));
         let resolve = move |_host: String| {
-            let next = answers.lock().unwrap().next().unwrap_or_default();
-            async move { Ok(next) }
+            let next = answers.lock().unwrap().next();
+            async move {
+                match next {
+                    Some(answer) => answer.map(|ips| ips.iter().map(|ip| ip.parse().unwrap()).collect()),
+                    None => Err(io::Error::other("script over")),
+                }
+            }
         };
         let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())));
         let shutdown = CancellationToken::new();
         let start = tokio::time::Instant::now();
-        let task = tokio::spawn(source("agents").run(
-            resolve,
-            Reconciler::new(set.clone(), DiscoveryMetrics::default()),
-            shutdown.clone(),
-        ));
-        let after_lookup = async |i: usize| {
+        let reconciler = Reconciler::new(set.clone(), DiscoveryMetrics::default());
+        let task = tokio::spawn(source("agents").run(resolve, reconciler, shutdown.clone()));
+        let mut sets = Vec::new();
+        for &i in lookups {
             tokio::time::sleep_until(start + Duration::from_millis(5000 * i as u64 + 2500)).await;
-            set.0.borrow().keys().cloned().collect::<Vec<_>>()
-        };
-        assert_eq!(after_lookup(n - 1).await, ["10.0.0.1"], "{} empty answers keep the set", n - 1);
-        assert_eq!(after_lookup(n).await, ["10.0.0.2"]);
-        assert_eq!(after_lookup(2 * n - 1).await, ["10.0.0.2"], "the count started again");
-        assert_eq!(after_lookup(2 * n).await, Vec::<String>::new(), "{n} in a row empty it");
+            sets.push(set.0.borrow().keys().cloned().collect());
+        }
         shutdown.cancel();
         task.await.unwrap();
+        sets
+    }
+
+    /// An address joins at once; one left out of an answer stays until `MISSING_ANSWERS`
+    /// answers in a row have left it out (an answer with it starts the count again); a failed
+    /// lookup counts for nothing; an empty answer is one that leaves everything out.
+    #[tokio::test(start_paused = true)]
+    async fn addresses_leave_only_when_left_out_answers_in_a_row() {
+        let n = MISSING_ANSWERS as usize;
+        let mut script = vec![Ok(vec!["10.0.0.1", "10.0.0.2"])];
+        script.extend((1..n).map(|_| Ok(vec!["10.0.0.1"]))); // 2 left out n - 1 times
+        script.push(Ok(vec!["10.0.0.1", "10.0.0.2"])); // back: the count starts again
+        script.push(Err(io::Error::other("SERVFAIL")));
+        script.extend((0..n - 1).map(|_| Ok(vec![]))); // both left out n - 1 times
+        script.push(Ok(vec!["10.0.0.3"])); // both left out n times; 3 joins
+        let sets = sets_after(script, &[0, n - 1, n, n + 1, 2 * n, 2 * n + 1]).await;
+        let names = |ips: &[&str]| ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>();
+        let both = names(&["10.0.0.1", "10.0.0.2"]);
+        assert_eq!(sets[0], both, "first answer");
+        assert_eq!(sets[1], both, "{} answers without 10.0.0.2 keep it", n - 1);
+        assert_eq!(sets[2], both, "back in the answer");
+        assert_eq!(sets[3], both, "a failed lookup keeps the set");
+        assert_eq!(sets[4], both, "{} empty answers keep it", n - 1);
+        assert_eq!(sets[5], names(&["10.0.0.3"]), "{n} in a row drop them; a new address joins at once");
     }
 }
