@@ -172,7 +172,8 @@ pub async fn compare(
 /// The requests of `trace` that `run` served, if not all of them: a run stopped early sent
 /// only some, and those it cancelled in flight (Ctrl-C) are left out too, since no answer
 /// came back for them. Requests that failed otherwise (a 503, a timeout) count as served:
-/// the fleet had them.
+/// the fleet had them. A replica may still have prefilled a cancelled request, so a hit rate
+/// from the replicas' counters can include its lookups while these figures leave it out.
 fn requests_served(trace: &Trace, run: &live::LiveReport) -> Option<Trace> {
     let mut served: Vec<usize> = run
         .records

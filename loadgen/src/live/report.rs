@@ -147,8 +147,9 @@ pub struct LiveReport {
     /// The router's own counters over the run (`None` if it restarted during it).
     pub router: Option<RouterCounters>,
     /// Prompt tokens per replica: the replicas' counters when every replica's were read, else
-    /// the router's headers, with every replica the router could route to throughout the run
-    /// (or, without its lists, as many as were given) even if no response named it.
+    /// the router's headers, with every replica the router listed before and after the run and
+    /// could route to at its end (or, without its lists, as many as were given) even if no
+    /// response named it.
     pub per_replica: Vec<ReplicaShare>,
     /// Max over mean of `per_replica` prompt tokens (1 = even); `None` without a per-replica view.
     pub load_skew: Option<f64>,

@@ -179,7 +179,7 @@ async fn an_offline_simulation_that_cannot_run_is_refused_before_any_live_run() 
 }
 
 /// Regression: a run cut short by its duration was set beside the pooled reference and the
-/// offline simulation of the whole workload; they are now computed on the requests it sent.
+/// offline simulation of the whole workload; they are now computed on the requests it served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_stopped_early_is_compared_on_the_requests_it_sent() {
     let shutdown = CancellationToken::new();
@@ -205,6 +205,7 @@ async fn a_run_stopped_early_is_compared_on_the_requests_it_sent() {
 
     let run = &report.runs[0];
     assert_eq!(run.live.requests, early.len());
+    assert_eq!(run.compared_requests, early.len(), "compared on what it served");
     let pooled = |t: &Trace| compare::pooled_bound(t, 16, 1024, Eviction::Lru).unwrap().overall_hit_rate;
     assert_eq!(report.pooled_hit_rate, pooled(&trace));
     assert_eq!(run.pooled_hit_rate, pooled(&early));
