@@ -68,9 +68,11 @@ pub struct Config {
     /// before its events confirm them, milliseconds.
     #[arg(long, env = "KVROUTE_CREDIT_TTL_MS", default_value_t = 2_000)]
     pub credit_ttl_ms: u64,
-    /// Seed of the random and power-of-two policies.
-    #[arg(long, env = "KVROUTE_SEED", default_value_t = 0)]
-    pub seed: u64,
+    /// Seed of the random and power-of-two policies; drawn at start (and logged) when not
+    /// given, so that several routers in front of one fleet do not draw in lockstep.
+    #[arg(long, env = "KVROUTE_SEED")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
 
     /// Served model name: the cache namespace's model (must match the replicas').
     #[arg(long, env = "KVROUTE_MODEL", default_value = "kvroute-sim")]

@@ -147,10 +147,16 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         miss_weight: config.miss_weight,
         balance_weight: config.balance_weight,
     };
+    let seed = config.seed.unwrap_or_else(|| {
+        use std::hash::{BuildHasher, Hasher};
+        // std's per-process random hasher keys: a seed from the OS without another crate.
+        std::collections::hash_map::RandomState::new().build_hasher().finish()
+    });
+    tracing::info!(seed, "policy seed");
     let decider = Decider {
         fleet: fleet.clone(),
         index,
-        policy: policy::build(config.policy, params, config.seed),
+        policy: policy::build(config.policy, params, seed),
         prompts,
         block_size: config.block_size as usize,
         max_in_flight_per_replica: config.max_in_flight_per_replica,

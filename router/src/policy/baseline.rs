@@ -99,8 +99,9 @@ impl Policy for LeastLoaded {
         PolicyKind::LeastLoaded
     }
 
-    fn choose(&self, _: &RequestView, replicas: &[ReplicaView]) -> Decision {
-        argmin(replicas, None, load_cost)
+    fn choose(&self, request: &RequestView, replicas: &[ReplicaView]) -> Decision {
+        // Ties (an idle fleet) spread by the request, not to the first replica.
+        argmin(replicas, Some(request.key), load_cost)
     }
 }
 

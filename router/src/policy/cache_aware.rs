@@ -6,10 +6,11 @@
 //! ```text
 //! cost(r) = miss_weight * (prompt_tokens - cached_tokens(r))    work this request adds on r
 //!         + pending_prefill_tokens(r)                           work already queued ahead of it
-//!         + in_flight_tokens * in_flight(r)                     decode load slowing every step
+//!         + in_flight_tokens * (in_flight(r) + others_waiting(r))  requests slowing every step
 //!         + balance_weight * prompt_tokens * excess(r)          r's share of recent work
-//! cached_tokens(r) = min(overlap_blocks(r) * block_size, prompt_tokens)
-//! excess(r)        = clamp(recent_prompt_tokens(r) / mean over eligible replicas - 1, 0, 0.5)
+//! cached_tokens(r)  = min(overlap_blocks(r) * block_size, prompt_tokens)
+//! others_waiting(r) = max(reported_waiting(r) - in_flight(r), 0)
+//! excess(r)         = clamp(recent_prompt_tokens(r) / mean over eligible replicas - 1, 0, 0.5)
 //! ```
 //!
 //! A long cached prefix lowers the first term, but queued prefill work on the same replica
@@ -38,6 +39,11 @@
 //!
 //! # Parameters
 //! - `in_flight_tokens` (default 64): what one in-flight request costs, in prefill tokens.
+//!   `reported_waiting` is the queue the replica reports (`vllm:num_requests_waiting`, polled
+//!   with the health checks): what it holds beyond this router's in-flight requests is other
+//!   routers' and other clients' work, which this router would not see otherwise (with
+//!   several routers in front of one fleet, each sees only its own load). Each such request
+//!   costs as one of this router's.
 //!   With the replica agent's default timing (70 µs per prefill token, 60 µs per running
 //!   sequence per decode step), a running sequence slows a waiting request's prefill steps
 //!   by roughly a token's worth per step, over tens of steps of a typical prefill.
@@ -130,7 +136,7 @@ impl CacheAware {
         };
         p.miss_weight * new_work
             + r.load.pending_prefill_tokens as f64
-            + p.in_flight_tokens * f64::from(r.load.in_flight)
+            + p.in_flight_tokens * f64::from(r.load.in_flight + r.load.others_waiting())
             + p.balance_weight * request.prompt_tokens as f64 * excess
     }
 }

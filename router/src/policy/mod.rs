@@ -73,6 +73,15 @@ pub struct Load {
     pub recent_prompt_tokens: u64,
 }
 
+impl Load {
+    /// Requests the replica reports waiting beyond every one this router has in flight on
+    /// it: other routers' and other clients'. (Its report cannot tell whose a waiting request
+    /// is; counting only the excess never counts this router's own twice.)
+    pub fn others_waiting(&self) -> u32 {
+        self.reported_waiting.saturating_sub(self.in_flight)
+    }
+}
+
 /// One candidate replica for a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReplicaView {
@@ -144,7 +153,9 @@ pub fn rendezvous(key: u64, replica: ReplicaId) -> u64 {
 
 /// A replica's load as one number: in-flight requests first, pending prefill as tie-break.
 fn load_cost(r: &ReplicaView) -> f64 {
-    f64::from(r.load.in_flight) + r.load.pending_prefill_tokens as f64 * 1e-9
+    f64::from(r.load.in_flight)
+        + f64::from(r.load.others_waiting())
+        + r.load.pending_prefill_tokens as f64 * 1e-9
 }
 
 #[cfg(test)]

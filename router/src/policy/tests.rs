@@ -133,17 +133,37 @@ fn cache_aware_ignores_overlap_of_fallback_streams_only_through_its_inputs() {
 }
 
 #[test]
-fn cache_aware_spreads_distinct_prompts_over_an_idle_fleet() {
-    let p = CacheAware::default();
+fn cache_aware_and_least_loaded_spread_distinct_prompts_over_an_idle_fleet() {
     let replicas: Vec<ReplicaView> = (0..4).map(|i| view(i, 0, 0, 0)).collect();
-    let mut counts = [0u32; 4];
-    for key in 0..400u64 {
-        let req = RequestView { key: key.wrapping_mul(0x2545_F491_4F6C_DD1D), ..REQ };
-        let c = p.choose(&req, &replicas).chosen.unwrap();
-        assert_eq!(p.choose(&req, &replicas).chosen, Some(c), "deterministic");
-        counts[c] += 1;
+    for kind in [PolicyKind::CacheAware, PolicyKind::LeastLoaded] {
+        let p = build(kind, CacheAwareParams::default(), 0);
+        let mut counts = [0u32; 4];
+        for key in 0..400u64 {
+            let req = RequestView { key: key.wrapping_mul(0x2545_F491_4F6C_DD1D), ..REQ };
+            let c = p.choose(&req, &replicas).chosen.unwrap();
+            assert_eq!(p.choose(&req, &replicas).chosen, Some(c), "{kind:?}: deterministic");
+            counts[c] += 1;
+        }
+        assert!(counts.iter().all(|&n| (70..=130).contains(&n)), "{kind:?}: {counts:?}");
     }
-    assert!(counts.iter().all(|&n| (70..=130).contains(&n)), "{counts:?}");
+}
+
+/// The queue a replica reports beyond this router's own in-flight requests (another
+/// router's) counts as load; what it reports within them is not counted twice.
+#[test]
+fn a_queue_the_replica_reports_beyond_this_routers_requests_counts() {
+    let waiting = |mut r: ReplicaView, n: u32| {
+        r.load.reported_waiting = n;
+        r
+    };
+    for kind in [PolicyKind::CacheAware, PolicyKind::LeastLoaded] {
+        let p = build(kind, CacheAwareParams::default(), 0);
+        // Equal prefixes; 0 has one request of ours in flight and reports 9 waiting.
+        let replicas = vec![waiting(view(0, 10, 1, 0), 9), view(1, 10, 2, 0)];
+        assert_eq!(p.choose(&REQ, &replicas).chosen, Some(1), "{kind:?}: 8 others' requests wait on 0");
+        let replicas = vec![waiting(view(0, 10, 1, 0), 1), view(1, 10, 2, 0)];
+        assert_eq!(p.choose(&REQ, &replicas).chosen, Some(0), "{kind:?}: the one waiting is ours");
+    }
 }
 
 mod properties {

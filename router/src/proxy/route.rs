@@ -13,7 +13,7 @@ use std::time::Instant;
 use kvroute_proto::hash::extend_chain;
 use kvroute_proto::openai::{Endpoint, ParsedRequest};
 use kvroute_proto::pb::StreamState as PbState;
-use kvroute_proto::{BlockHash, chain, hit_tokens};
+use kvroute_proto::{BlockHash, block_hash, chain, hit_tokens};
 
 use super::error::ProxyError;
 use super::prompts::{PromptError, Prompts};
@@ -171,7 +171,15 @@ impl Decider {
         for t in info.tokens.iter().skip(1) {
             extend_chain(root, t, self.block_size, &mut all_blocks);
         }
-        let mut plan = self.score(members, blocks, all_blocks, prompt_tokens, first.len(), send);
+        // What the request is, for ties: its last full block, or its tokens when it has none
+        // (so that short prompts at an idle fleet spread too).
+        let view = RequestView {
+            prompt_tokens: prompt_tokens as usize,
+            blocks: blocks.len(),
+            block_size: self.block_size,
+            key: blocks.last().copied().unwrap_or_else(|| block_hash(root, first)).0,
+        };
+        let mut plan = self.score(members, blocks, all_blocks, &view, first.len(), send);
         plan.max_tokens = request.max_tokens();
         Ok(plan)
     }
@@ -183,7 +191,7 @@ impl Decider {
         members: Vec<Member>,
         blocks: Vec<BlockHash>,
         all_blocks: Vec<BlockHash>,
-        prompt_tokens: u64,
+        request: &RequestView,
         first_prompt_tokens: usize,
         send: bool,
     ) -> Plan {
@@ -216,15 +224,9 @@ impl Decider {
                 Scored { member, view, indexed_blocks, cost: f64::INFINITY, ineligible }
             })
             .collect();
-        let request = RequestView {
-            prompt_tokens: prompt_tokens as usize,
-            blocks: blocks.len(),
-            block_size: self.block_size,
-            key: blocks.last().map_or(0, |b| b.0),
-        };
         let views: Vec<ReplicaView> = candidates.iter().map(|c| c.view).collect();
         let decision =
-            if send { self.policy.choose(&request, &views) } else { self.policy.peek(&request, &views) };
+            if send { self.policy.choose(request, &views) } else { self.policy.peek(request, &views) };
         for (c, cost) in candidates.iter_mut().zip(decision.costs) {
             c.cost = cost;
         }
@@ -237,7 +239,7 @@ impl Decider {
         Plan {
             order,
             candidates,
-            prompt_tokens,
+            prompt_tokens: request.prompt_tokens as u64,
             blocks,
             all_blocks,
             first_prompt_tokens,

@@ -107,6 +107,25 @@ async fn a_fleet_wide_shared_first_block_does_not_send_everything_to_one_replica
     assert_eq!(sent, 48 + retries, "every attempt counted once");
 }
 
+/// Prompts shorter than a block, one at a time at an idle fleet: ties between equally idle
+/// replicas are broken by the prompt, so they spread instead of all going to one replica.
+#[tokio::test]
+async fn short_prompts_one_at_a_time_spread_over_an_idle_fleet() {
+    let fleet = Fleet::with(2, agent_config, |c| kvroute_router::config::Config {
+        policy: kvroute_router::policy::PolicyKind::LeastLoaded,
+        ..c
+    })
+    .await;
+    let url = fleet.url("/v1/completions");
+    let mut per_replica: HashMap<String, u32> = HashMap::new();
+    for i in 0..16 {
+        let reply = fleet.http.post(&url, &completion(&format!("hi {i}"), 1)).await;
+        assert_eq!(reply.status, 200);
+        *per_replica.entry(reply.header("x-kvroute-replica").unwrap().to_owned()).or_default() += 1;
+    }
+    assert_eq!(per_replica.len(), 2, "both replicas served some: {per_replica:?}");
+}
+
 #[tokio::test]
 async fn streaming_passes_chunks_through_before_the_response_ends() {
     let fleet =
