@@ -20,7 +20,7 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use kvroute_proto::CacheNamespace;
 use kvroute_proto::openai::{ParsedRequest, RequestError, Tokenization};
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::body::{ProxyBody, full};
 use super::upstream::verdicts;
@@ -105,7 +105,13 @@ impl RemoteTokenizer {
         fleet: &[Member],
     ) -> Result<PromptInfo, PromptError> {
         let namespace = self.local.namespace(request);
-        let key = xxh3_64(body);
+        // The endpoint is part of what a body means (the same bytes can carry both a
+        // `prompt` and `messages`).
+        let endpoint_seed = match request {
+            ParsedRequest::Completion(_) => 1,
+            ParsedRequest::Chat(_) => 2,
+        };
+        let key = xxh3_64_with_seed(body, endpoint_seed);
         if let Some(hit) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).map.get(&key).cloned() {
             return Ok(PromptInfo { namespace, tokens: hit.as_ref().clone() });
         }
@@ -129,7 +135,11 @@ impl RemoteTokenizer {
                     out.push(match input {
                         kvroute_proto::openai::PromptInput::Tokens(ids) => ids.to_vec(),
                         kvroute_proto::openai::PromptInput::Text(text) => {
-                            let req = serde_json::json!({"model": r.model, "prompt": text});
+                            let req = serde_json::json!({
+                                "model": r.model,
+                                "prompt": text,
+                                "add_special_tokens": r.add_special_tokens,
+                            });
                             self.ask(replica_urls, req).await?
                         }
                     });
@@ -138,7 +148,8 @@ impl RemoteTokenizer {
             }
             ParsedRequest::Chat(_) => {
                 // Send the chat body as the replica would receive it: /tokenize accepts the
-                // same `messages` (and template options).
+                // same `messages` and every option of how they are rendered (vLLM's
+                // `TokenizeChatRequest`).
                 let mut value: serde_json::Value =
                     serde_json::from_slice(body).map_err(RequestError::Json)?;
                 if let Some(obj) = value.as_object_mut() {
@@ -148,8 +159,12 @@ impl RemoteTokenizer {
                             "model"
                                 | "messages"
                                 | "add_generation_prompt"
+                                | "continue_final_message"
+                                | "chat_template"
                                 | "chat_template_kwargs"
+                                | "documents"
                                 | "tools"
+                                | "mm_processor_kwargs"
                                 | "add_special_tokens"
                         )
                     });

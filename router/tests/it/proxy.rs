@@ -557,6 +557,71 @@ async fn a_stalled_upload_is_the_clients_408_and_does_not_eject_the_replica() {
     shutdown.cancel();
 }
 
+/// A replica whose `POST /tokenize` answers three tokens and records the body it was sent;
+/// anything else gets an empty 200.
+async fn tokenize_recording_replica() -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<Value>>>)
+{
+    use hyper::service::service_fn;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = asked.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let record = record.clone();
+            let service = service_fn(move |request: http::Request<hyper::body::Incoming>| {
+                let record = record.clone();
+                async move {
+                    let tokenize = request.uri().path() == "/tokenize";
+                    let body = request.into_body().collect().await?.to_bytes();
+                    let answer = if tokenize {
+                        record.lock().unwrap().push(serde_json::from_slice::<Value>(&body).unwrap());
+                        r#"{"count":3,"max_model_len":4096,"tokens":[5,6,7]}"#
+                    } else {
+                        "{}"
+                    };
+                    Ok::<_, hyper::Error>(http::Response::new(http_body_util::Full::new(bytes::Bytes::from(
+                        answer,
+                    ))))
+                }
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(io, service));
+        }
+    });
+    (addr, asked)
+}
+
+/// With `--remote-tokenize`, `/tokenize` is asked with everything that decides the ids: a
+/// completion's `add_special_tokens`, a chat's rendering options; and the same body sent to
+/// the other endpoint is asked again, not answered from the cache.
+#[tokio::test]
+async fn remote_tokenization_sends_what_decides_the_ids() {
+    let (replica, asked) = tokenize_recording_replica().await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { remote_tokenize: true, ..c }).await;
+    let http = crate::fleet::Http::new();
+    let body = json!({
+        "model": FLEET_MODEL, "prompt": "some text", "add_special_tokens": false,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}],
+        "continue_final_message": true, "add_generation_prompt": false,
+        "chat_template_kwargs": {"enable_thinking": false}, "max_tokens": 1, "temperature": 0.5,
+    });
+    for endpoint in ["completions", "chat/completions"] {
+        let reply = http.post(&format!("{}/v1/{endpoint}", router.url()), &body).await;
+        assert_eq!(reply.status, 200, "{endpoint}");
+    }
+    let asked = asked.lock().unwrap().clone();
+    assert_eq!(asked.len(), 2, "one /tokenize per endpoint: {asked:?}");
+    assert_eq!(asked[0], json!({"model": FLEET_MODEL, "prompt": "some text", "add_special_tokens": false}));
+    let chat = &asked[1];
+    assert_eq!(chat["continue_final_message"], true);
+    assert_eq!(chat["add_generation_prompt"], false);
+    assert_eq!(chat["chat_template_kwargs"], json!({"enable_thinking": false}));
+    assert!(chat.get("temperature").is_none() && chat.get("prompt").is_none(), "{chat}");
+    shutdown.cancel();
+}
+
 /// With `--remote-tokenize`, a prompt the replica's `/tokenize` refuses (400, as vLLM does
 /// for a template error) is the client's 400 with the replica's reason, not a 503 asking
 /// the client to try again.
