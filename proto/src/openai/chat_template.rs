@@ -7,8 +7,11 @@
 //! `strftime_now(fmt)` (UTC), and a `tojson` filter that writes what Python's `json.dumps`
 //! writes (`", "`/`": "` separators, or `indent=n`, non-ASCII kept, key order kept).
 //!
-//! Template variables: `messages` (each with `role`, `content` — a string, or none — and
-//! every other key the client sent, such as `tool_calls`), `tools` (the request's, or none),
+//! Template variables: `messages`, each as vLLM passes it (`chat_utils.parse_chat_messages`):
+//! `role`; `content`, a string (`""` when the client sent none); an assistant's non-empty
+//! `tool_calls`, each call's `function.arguments` parsed from its JSON string (`{}` when
+//! null or empty), and its `reasoning`; a tool message's `tool_call_id`; a string `name`;
+//! no other key of the client's. Then `tools` (the request's, or none),
 //! `documents` (none), `add_generation_prompt`, `bos_token`, `eos_token`, and then every
 //! key of the request's `chat_template_kwargs`, which may override any of them except
 //! `messages`.
@@ -21,6 +24,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use minijinja::value::Kwargs;
+use minijinja::value::ValueKind;
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::Deserialize;
 use serde::ser::{SerializeMap, Serializer};
@@ -223,13 +227,27 @@ fn json_value(raw: &RawValue) -> Result<Value, RequestError> {
     serde_json::from_str(raw.get()).map_err(|e| RequestError::Template(json_error(e)))
 }
 
-/// A message as the template sees it: `role`, `content`, then the client's other keys.
+/// A message as the template sees it (see the module docs): `role`, `content`, then the
+/// keys vLLM keeps, in the client's order.
 fn message_value(message: &Message<'_>) -> Result<Value, RequestError> {
-    let extra =
-        message.extra.iter().map(|(k, v)| Ok((k.as_ref(), json_value(v)?))).collect::<Result<Vec<_>, _>>()?;
+    let role = message.role.as_ref();
+    let mut extra = Vec::new();
+    for (key, raw) in &message.extra {
+        let value = match key.as_ref() {
+            "tool_calls" if role == "assistant" => match tool_calls(raw)? {
+                Some(calls) => calls,
+                None => continue,
+            },
+            "reasoning" if role == "assistant" => json_value(raw)?,
+            "tool_call_id" if role == "tool" => json_value(raw)?,
+            "name" if raw.get().starts_with('"') => json_value(raw)?,
+            _ => continue,
+        };
+        extra.push((key.as_ref(), value));
+    }
     struct View<'m> {
         role: &'m str,
-        content: Option<&'m str>,
+        content: &'m str,
         extra: Vec<(&'m str, Value)>,
     }
     impl serde::Serialize for View<'_> {
@@ -243,8 +261,76 @@ fn message_value(message: &Message<'_>) -> Result<Value, RequestError> {
             map.end()
         }
     }
-    let view = View { role: &message.role, content: message.content.as_deref(), extra };
+    let view = View { role, content: message.content.as_deref().unwrap_or_default(), extra };
     Ok(Value::from(minijinja::value::Serde(view)))
+}
+
+/// An assistant's `tool_calls` as vLLM hands them to the template: none when null or empty;
+/// else each call with its `function.arguments` a JSON value, parsed from the string the
+/// OpenAI API sends (`{}` for null or an empty string), as transformers' templates expect.
+fn tool_calls(raw: &RawValue) -> Result<Option<Value>, RequestError> {
+    let calls = json_value(raw)?;
+    let Ok(items) = calls.try_iter() else { return Ok((!calls.is_none()).then_some(calls)) };
+    let items: Vec<Value> = items.collect();
+    if items.is_empty() {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(items.len());
+    for call in items {
+        let Some(function) = call.get_attr("function").ok().filter(|f| f.kind() == ValueKind::Map) else {
+            out.push(call);
+            continue;
+        };
+        let arguments = function.get_attr("arguments").unwrap_or_default();
+        let arguments = match arguments.as_str() {
+            Some("") => Value::from(BTreeMap::<String, Value>::new()),
+            Some(text) => {
+                let raw: &RawValue =
+                    serde_json::from_str(text).map_err(|e| RequestError::Template(json_error(e)))?;
+                json_value(raw)?
+            }
+            None if arguments.is_none() || arguments.is_undefined() => {
+                Value::from(BTreeMap::<String, Value>::new())
+            }
+            None => arguments,
+        };
+        let function = replace(&function, "arguments", arguments);
+        out.push(replace(&call, "function", function));
+    }
+    Ok(Some(Value::from(out)))
+}
+
+/// `map` with `key`'s value replaced by (or `key` added with) `value`, key order kept.
+fn replace(map: &Value, key: &str, value: Value) -> Value {
+    let mut value = Some(value);
+    let mut pairs: Vec<(Value, Value)> = map
+        .try_iter()
+        .into_iter()
+        .flatten()
+        .map(|k| {
+            let v = if k.as_str() == Some(key) {
+                value.take().unwrap_or_default()
+            } else {
+                map.get_item(&k).unwrap_or_default()
+            };
+            (k, v)
+        })
+        .collect();
+    if let Some(value) = value {
+        pairs.push((Value::from(key), value));
+    }
+    /// Pairs serialized as a map, in their order.
+    struct Ordered(Vec<(Value, Value)>);
+    impl serde::Serialize for Ordered {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            let mut map = s.serialize_map(Some(self.0.len()))?;
+            for (k, v) in &self.0 {
+                map.serialize_entry(k, v)?;
+            }
+            map.end()
+        }
+    }
+    Value::from(minijinja::value::Serde(Ordered(pairs)))
 }
 
 /// `raise_exception(message)`: HF templates' way of rejecting a conversation.
@@ -396,6 +482,41 @@ mod tests {
         assert_eq!(strftime("%Y-%m-%d", 1_798_675_200), "2026-12-31");
     }
 
+    /// Messages reach the template as vLLM passes them: arguments parsed from their JSON
+    /// string (`{}` for null or empty), empty or null `tool_calls` gone, content `""` for
+    /// none, and only the keys vLLM keeps (a string `name`, a tool's `tool_call_id`, an
+    /// assistant's `tool_calls` and `reasoning`).
+    #[test]
+    fn messages_are_normalised_as_vllm_normalises_them() {
+        let source = "{% for m in messages %}{{ m | tojson }}\n{% endfor %}";
+        let template = ChatTemplate::new(source, SpecialTokens::default()).unwrap();
+        let body = br#"{"model":"m","messages":[
+            {"role":"user","content":"weather?","name":"ann","foo":1},
+            {"role":"assistant","content":null,"reasoning":"look it up","tool_calls":[
+                {"id":"c1","type":"function","function":{"name":"w","arguments":"{\"city\": \"Paris\", \"n\": [1, 2]}"}},
+                {"id":"c2","type":"function","function":{"name":"x","arguments":""}},
+                {"id":"c3","type":"function","function":{"name":"y","arguments":null}}]},
+            {"role":"tool","content":"sunny","tool_call_id":"c1","name":7},
+            {"role":"assistant","content":"done","tool_calls":[],"tool_call_id":"z"},
+            {"role":"user","content":"ok","tool_calls":null}]}"#;
+        let chat = crate::openai::ChatRequest::parse(body).unwrap();
+        let out = template.render(&chat.messages, false, None, None).unwrap();
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                r#"{"role": "user", "content": "weather?", "name": "ann"}"#,
+                r#"{"role": "assistant", "content": "", "reasoning": "look it up", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": {"city": "Paris", "n": [1, 2]}}}, {"id": "c2", "type": "function", "function": {"name": "x", "arguments": {}}}, {"id": "c3", "type": "function", "function": {"name": "y", "arguments": {}}}]}"#,
+                r#"{"role": "tool", "content": "sunny", "tool_call_id": "c1"}"#,
+                r#"{"role": "assistant", "content": "done"}"#,
+                r#"{"role": "user", "content": "ok"}"#,
+            ]
+        );
+        let bad = br#"{"model":"m","messages":[{"role":"assistant","tool_calls":[{"function":{"name":"w","arguments":"{not json"}}]}]}"#;
+        let chat = crate::openai::ChatRequest::parse(bad).unwrap();
+        assert!(matches!(template.render(&chat.messages, false, None, None), Err(RequestError::Template(_))));
+    }
+
     #[test]
     fn templates_see_tools_extra_keys_and_kwargs() {
         let source = "{% for m in messages %}{{ m.role }}:{{ m.content }}|{{ m.tool_calls | tojson }}\n{% endfor %}\
@@ -409,7 +530,7 @@ mod tests {
         let out = template.render(&chat.messages, true, chat.tools, chat.chat_template_kwargs).unwrap();
         assert_eq!(
             out,
-            "assistant:None|[{\"id\": \"c1\", \"function\": {\"name\": \"f\", \"arguments\": \"{}\"}}]\n\
+            "assistant:|[{\"id\": \"c1\", \"function\": {\"name\": \"f\", \"arguments\": {}}}]\n\
              [{\"type\": \"function\", \"function\": {\"name\": \"f\"}}] False True on <B>"
         );
         // none and booleans print as Python prints them, as in Jinja2.
