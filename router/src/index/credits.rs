@@ -80,6 +80,12 @@ impl Credits {
         }
     }
 
+    /// The request these blocks were credited for went elsewhere (the replica refused it or
+    /// failed): their credits end.
+    pub fn withdraw(&self, replica: ReplicaId, blocks: &[BlockHash]) {
+        self.confirm(replica, blocks);
+    }
+
     /// Extends `overlap` (the replica's index overlap of `blocks`) through credited blocks.
     pub fn extend(&self, replica: ReplicaId, blocks: &[BlockHash], overlap: usize) -> usize {
         let mut inner = self.lock();

@@ -25,7 +25,7 @@ use super::body::{BoxError, End, Hooks, ProxyBody, Tracked};
 use super::error::ProxyError;
 use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::pool::{Pool, SendError};
-use super::route::Plan;
+use super::route::{Decider, Plan};
 use super::stalls::StallWatch;
 use super::upload::{self, Progress};
 use super::upstream::{LoadGuard, Upstream};
@@ -112,22 +112,25 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// Sends a routed request (buffered body, so it can be retried) along `plan.order`.
+/// Sends a routed request (buffered body, so it can be retried) along `plan.order`; a retry
+/// takes the decision's credit along to the replica it goes to.
 pub async fn routed(
     pool: &Arc<Pool>,
     config: &ForwardConfig,
-    metrics: &ProxyMetrics,
+    decider: &Decider,
     plan: &Plan,
     parts: http::request::Parts,
     body: Bytes,
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let request_id = admitted.request_id;
+    let metrics = &decider.metrics;
     let (client, headers) = upstream_head(parts, request_id);
     let mut last_error = None;
     for (attempt, scored) in plan.order().take(MAX_ATTEMPTS).enumerate() {
         if attempt > 0 {
             metrics.retries.inc();
+            decider.move_credit(plan, attempt - 1, attempt);
         }
         let member = &scored.member;
         let upstream = &member.upstream;

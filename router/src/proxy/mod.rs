@@ -181,7 +181,7 @@ async fn routed(
     let (parts, body) = req.into_parts();
     let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
     let plan = state.decider.decide_within(endpoint, &body, &state.limits).await?;
-    forward::routed(pool, &state.forward, &state.decider.metrics, &plan, parts, body, admitted).await
+    forward::routed(pool, &state.forward, &state.decider, &plan, parts, body, admitted).await
 }
 
 /// A place under `--max-in-flight` for the request, held until its response ends.

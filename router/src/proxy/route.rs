@@ -110,6 +110,12 @@ impl Plan {
         self.order().next()
     }
 
+    /// The blocks `replica` is credited with when the request goes to it: those past what the
+    /// index already shows it holding.
+    pub fn uncredited(&self, replica: &Scored) -> &[BlockHash] {
+        &self.all_blocks[replica.indexed_blocks.min(self.all_blocks.len())..]
+    }
+
     /// Tokens the `i`th replica of [`Plan::order`] is predicted to have cached.
     pub fn predicted_cached_tokens(&self, i: usize) -> u64 {
         self.order().nth(i).map_or(0, |s| {
@@ -141,10 +147,22 @@ impl Decider {
         limits.check(&plan)?;
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         let chosen = plan.chosen().ok_or_else(|| ProxyError::Unavailable(unavailable_reason(&plan)))?;
-        let uncredited = chosen.indexed_blocks.min(plan.all_blocks.len());
-        self.fleet.credits().credit(chosen.member.replica.id, &plan.all_blocks[uncredited..]);
+        self.fleet.credits().credit(chosen.member.replica.id, plan.uncredited(chosen));
         self.metrics.count_decision(self.policy.kind().as_str());
         Ok(plan)
+    }
+
+    /// The request goes to the `to`th replica of `plan`'s order instead of the `from`th (which
+    /// refused it, or failed before answering): the decision's credit moves with it, so the
+    /// prefix's next requests follow it to the replica that will cache it.
+    pub fn move_credit(&self, plan: &Plan, from: usize, to: usize) {
+        let credits = self.fleet.credits();
+        if let Some(left) = plan.order().nth(from) {
+            credits.withdraw(left.member.replica.id, plan.uncredited(left));
+        }
+        if let Some(next) = plan.order().nth(to) {
+            credits.credit(next.member.replica.id, plan.uncredited(next));
+        }
     }
 
     /// Where a request would go and why, crediting and counting nothing and leaving the

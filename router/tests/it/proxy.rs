@@ -622,6 +622,60 @@ async fn remote_tokenization_sends_what_decides_the_ids() {
     shutdown.cancel();
 }
 
+/// A request its first replica refuses (503) and the next one serves: the decision's credit
+/// moves to the one that serves it, so the prefix's next requests follow it there instead
+/// of going back to the replica that refused.
+#[tokio::test]
+async fn a_retried_request_credits_the_replica_that_serves_it() {
+    let refuser =
+        body_reading_replica(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n").await;
+    let server = body_reading_replica(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+    )
+    .await;
+    let replica = |name: &str, addr: std::net::SocketAddr| {
+        format!("name={name},http=http://{addr},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap()
+    };
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas: vec![replica("refuser", refuser), replica("server", server)],
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let http = crate::fleet::Http::new();
+    let id = |name: &str| router.fleet().member(name).unwrap().replica.id;
+    let credits = router.fleet().credits();
+    let block = router.state.decider.block_size;
+    // Prompts until one goes to the refuser first (the tie between idle replicas is by prompt).
+    let mut retried = false;
+    for i in 0..64u32 {
+        let ids: Vec<u32> = (0..4 * block as u32).map(|t| 100 + t + i * 1000).collect();
+        let blocks = CacheNamespace::new(FLEET_MODEL).chain(&ids, block);
+        let before = sample(&scrape(&http, &router.url()).await, "kvroute_router_retries_total").unwrap_or(0);
+        let reply = http
+            .post(
+                &format!("{}/v1/completions", router.url()),
+                &json!({"model": FLEET_MODEL, "prompt": ids, "max_tokens": 1}),
+            )
+            .await;
+        assert_eq!((reply.status.as_u16(), reply.header("x-kvroute-replica")), (200, Some("server")));
+        assert_eq!(
+            credits.extend(id("server"), &blocks, 0),
+            blocks.len(),
+            "prompt {i}: the server holds the credit"
+        );
+        assert_eq!(credits.extend(id("refuser"), &blocks, 0), 0, "prompt {i}: the refuser holds none");
+        let after = sample(&scrape(&http, &router.url()).await, "kvroute_router_retries_total").unwrap_or(0);
+        if after > before {
+            retried = true;
+            break;
+        }
+    }
+    assert!(retried, "no prompt went to the refuser first");
+    shutdown.cancel();
+}
+
 /// With `--remote-tokenize`, a prompt the replica's `/tokenize` refuses (400, as vLLM does
 /// for a template error) is the client's 400 with the replica's reason, not a 503 asking
 /// the client to try again.
