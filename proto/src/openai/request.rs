@@ -76,6 +76,7 @@ impl<'a> ParsedRequest<'a> {
     }
 
     /// The `model` field: a base model or a LoRA adapter name.
+    /// The model the request names; `""` when it names none (the base model).
     pub fn model(&self) -> &str {
         match self {
             ParsedRequest::Completion(r) => &r.model,
@@ -396,10 +397,10 @@ fn field<'a, T: Deserialize<'a>>(
         .transpose()
 }
 
+/// The `model`; absent or null is `""`, which (as in vLLM, where `model` is optional) means
+/// the served base model.
 fn model<'a>(raw: Option<&'a RawValue>) -> Result<Cow<'a, str>, RequestError> {
-    field::<Str<'a>>(raw, "model", "a string")?
-        .map(|s| s.0)
-        .ok_or(RequestError::MissingField { param: "model" })
+    Ok(field::<Str<'a>>(raw, "model", "a string")?.map_or(Cow::Borrowed(""), |s| s.0))
 }
 
 fn cache_salt<'a>(raw: Option<&'a RawValue>) -> Result<Option<Cow<'a, str>>, RequestError> {

@@ -108,7 +108,11 @@ pub(super) async fn generate(
             Endpoint::ChatCompletions => format!("chatcmpl-{request_id}"),
         },
         created: unix_now(),
-        model: request.model().to_owned(),
+        // A request that names no model is answered as the base model's, as vLLM does.
+        model: match request.model() {
+            "" => state.config().model.clone(),
+            named => named.to_owned(),
+        },
     };
     let stream = request.stream();
     drop(request);

@@ -100,10 +100,11 @@ impl AppState {
         self.inner.shutdown.is_cancelled()
     }
 
-    /// Whether `model` is the base model or one of its LoRA adapters.
+    /// Whether `model` is the base model (or none: `""`, as in vLLM) or one of its LoRA
+    /// adapters.
     pub(crate) fn serves(&self, model: &str) -> bool {
         let config = self.config();
-        model == config.model || config.lora_adapters.iter().any(|a| a == model)
+        model.is_empty() || model == config.model || config.lora_adapters.iter().any(|a| a == model)
     }
 }
 

@@ -343,8 +343,8 @@ async fn malformed_requests_get_openai_errors() {
     let cases = [
         bad(post.clone(), cmpl, "{not json", 400),
         bad(post.clone(), cmpl, "[1, 2]", 400),
-        bad(post.clone(), cmpl, json_bytes(json!({ "prompt": "hi" })), 400)
-            .param("model")
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL })), 400)
+            .param("prompt")
             .code("missing_required_parameter"),
         bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": { "a": 1 } })), 400).param("prompt"),
         bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "max_tokens": "5" })), 400)
@@ -561,4 +561,22 @@ async fn a_request_failed_by_shutdown_gets_503_not_500() {
     });
     assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{}", reply.text());
     assert_eq!(shape::error(&reply.json()).2.as_deref(), Some("shutting_down"));
+}
+
+/// `model` is optional, as in vLLM: a request without one is the base model's, and is
+/// answered under its name; an unknown model is still a 404.
+#[tokio::test]
+async fn a_request_without_a_model_is_the_base_models() {
+    let agent = Agent::with(config()).await;
+    let c = &agent.client;
+    for (path, body) in [
+        ("/v1/completions", json!({ "prompt": "no model named", "max_tokens": 1 })),
+        ("/v1/chat/completions", json!({ "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1 })),
+    ] {
+        let reply = c.post(path, &body).await;
+        assert_eq!(reply.status, StatusCode::OK, "{path}: {}", reply.text());
+        assert_eq!(reply.json()["model"], MODEL, "{path}");
+    }
+    let reply = c.post("/v1/completions", &json!({ "model": "other", "prompt": "x", "max_tokens": 1 })).await;
+    assert_eq!(reply.status, StatusCode::NOT_FOUND);
 }

@@ -79,8 +79,6 @@ fn malformed_completions() {
         (r#"["m","p"]"#, |e| matches!(e, E::NotAnObject)),
         (r#" "text" "#, |e| matches!(e, E::NotAnObject)),
         (r#"{"model":"m","model":"n","prompt":"p"}"#, |e| matches!(e, E::Json(_))),
-        (r#"{"prompt":"p"}"#, |e| matches!(e, E::MissingField { param: "model" })),
-        (r#"{"model":null,"prompt":"p"}"#, |e| matches!(e, E::MissingField { param: "model" })),
         (r#"{"model":3,"prompt":"p"}"#, |e| matches!(e, E::InvalidField { param: "model", .. })),
         (r#"{"model":"m"}"#, |e| matches!(e, E::MissingField { param: "prompt" })),
         (r#"{"model":"m","prompt":null}"#, |e| matches!(e, E::MissingField { param: "prompt" })),
@@ -199,10 +197,18 @@ fn malformed_chats() {
         chat(r#"{"model":"m","messages":"hi"}"#),
         Err(E::InvalidField { param: "messages", .. })
     ));
-    assert!(matches!(
-        chat(r#"{"messages":[{"role":"user","content":"x"}]}"#),
-        Err(E::MissingField { param: "model" })
-    ));
+    // `model` is optional, as in vLLM: none is the base model.
+    for body in [
+        r#"{"messages":[{"role":"user","content":"x"}]}"#,
+        r#"{"model":null,"messages":[{"role":"user","content":"x"}]}"#,
+    ] {
+        assert_eq!(
+            ParsedRequest::parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap().model(),
+            "",
+            "{body}"
+        );
+    }
+    assert_eq!(ParsedRequest::parse(Endpoint::Completions, br#"{"prompt":"p"}"#).unwrap().model(), "");
     assert!(matches!(
         chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"chat_template_kwargs":[1]}"#),
         Err(E::InvalidField { param: "chat_template_kwargs", .. })
