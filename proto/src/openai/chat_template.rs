@@ -66,7 +66,7 @@ impl SpecialTokens {
 
     /// `bos_token` and `eos_token` of a Hugging Face `tokenizer_config.json`.
     pub fn from_tokenizer_config(path: impl AsRef<Path>) -> Result<Self, LoadError> {
-        Ok(TokenizerConfigFile::load(path.as_ref())?.special_tokens())
+        Ok(TokenizerConfigFile::load(path.as_ref())?.special_tokens(SpecialTokens::default()))
     }
 }
 
@@ -112,10 +112,11 @@ impl TokenizerConfigFile {
             .map_err(|source| LoadError::TokenizerConfig { path: path.into(), source })
     }
 
-    fn special_tokens(&mut self) -> SpecialTokens {
+    /// The file's special tokens; one it does not name is `fallback`'s.
+    fn special_tokens(&mut self, fallback: SpecialTokens) -> SpecialTokens {
         SpecialTokens {
-            bos_token: self.bos_token.take().map(TokenField::into_string).unwrap_or_default(),
-            eos_token: self.eos_token.take().map(TokenField::into_string).unwrap_or_default(),
+            bos_token: self.bos_token.take().map_or(fallback.bos_token, TokenField::into_string),
+            eos_token: self.eos_token.take().map_or(fallback.eos_token, TokenField::into_string),
         }
     }
 }
@@ -153,13 +154,13 @@ impl ChatTemplate {
         Self::new(DEFAULT_CHAT_TEMPLATE, SpecialTokens::builtin()).expect("default chat template compiles")
     }
 
-    /// Loads a template file: a `*.json` is read as a `tokenizer_config.json` (see
-    /// [`ChatTemplate::from_tokenizer_config`]), anything else as raw Jinja rendered with
-    /// `special`.
+    /// Loads a template file: a `*.json` is read as a `tokenizer_config.json` or a
+    /// `chat_template.json` (see [`ChatTemplate::from_tokenizer_config`]; special tokens it
+    /// does not name are `special`'s), anything else as raw Jinja rendered with `special`.
     pub fn from_file(path: impl AsRef<Path>, special: SpecialTokens) -> Result<Self, LoadError> {
         let path = path.as_ref();
         if path.extension().is_some_and(|e| e == "json") {
-            return Self::from_tokenizer_config(path);
+            return Self::from_config_file(path, special);
         }
         let source = read(path)?;
         Self::new(String::from_utf8_lossy(&source).into_owned(), special)
@@ -168,9 +169,14 @@ impl ChatTemplate {
     /// Loads `chat_template` (the one named `default` if it is a list), `bos_token` and
     /// `eos_token` from a Hugging Face `tokenizer_config.json`.
     pub fn from_tokenizer_config(path: impl AsRef<Path>) -> Result<Self, LoadError> {
-        let path = path.as_ref();
+        Self::from_config_file(path.as_ref(), SpecialTokens::default())
+    }
+
+    /// A JSON file's `chat_template`, with its special tokens, else `fallback`'s (Hugging
+    /// Face's `chat_template.json` holds the template alone).
+    fn from_config_file(path: &Path, fallback: SpecialTokens) -> Result<Self, LoadError> {
         let mut config = TokenizerConfigFile::load(path)?;
-        let special = config.special_tokens();
+        let special = config.special_tokens(fallback);
         let source = match config.chat_template {
             Some(TemplateField::One(t)) => t,
             Some(TemplateField::Named(list)) => list
@@ -480,6 +486,31 @@ mod tests {
         );
         assert_eq!(strftime("%Y-%m-%d %a", 0), "1970-01-01 Thu");
         assert_eq!(strftime("%Y-%m-%d", 1_798_675_200), "2026-12-31");
+    }
+
+    /// Hugging Face's `chat_template.json` holds the template alone: its special tokens come
+    /// from elsewhere (here `special`), not as empty strings; a tokenizer config's own win.
+    #[test]
+    fn a_chat_template_json_takes_the_special_tokens_it_does_not_name() {
+        let dir = std::env::temp_dir().join(format!("kvroute-chat-template-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let special = SpecialTokens { bos_token: "<B>".into(), eos_token: "<E>".into() };
+        let source = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}{{ eos_token }}";
+        let chat =
+            crate::openai::ChatRequest::parse(br#"{"messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        let alone = dir.join("chat_template.json");
+        std::fs::write(&alone, serde_json::json!({ "chat_template": source }).to_string()).unwrap();
+        let template = ChatTemplate::from_file(&alone, special.clone()).unwrap();
+        assert_eq!(template.render(&chat.messages, false, None, None).unwrap(), "<B>hi<E>");
+        let config = dir.join("tokenizer_config.json");
+        std::fs::write(
+            &config,
+            serde_json::json!({ "chat_template": source, "bos_token": "<s>" }).to_string(),
+        )
+        .unwrap();
+        let template = ChatTemplate::from_file(&config, special).unwrap();
+        assert_eq!(template.render(&chat.messages, false, None, None).unwrap(), "<s>hi<E>");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// Messages reach the template as vLLM passes them: arguments parsed from their JSON
