@@ -214,10 +214,14 @@ impl SharedIndex {
         &self.inner.credits
     }
 
-    /// See [`PrefixIndex::store`]; also ends the replica's credits for these blocks.
+    /// See [`PrefixIndex::store`]; then ends the replica's credits for these blocks (after:
+    /// a lookup between the chunks of a long run sees each block credited or stored, never
+    /// neither).
     pub fn store(&self, replica: ReplicaId, hashes: &[BlockHash]) -> usize {
+        let stored =
+            hashes.chunks(WRITE_CHUNK).map(|chunk| self.write(|index| index.store(replica, chunk))).sum();
         self.inner.credits.confirm(replica, hashes);
-        hashes.chunks(WRITE_CHUNK).map(|chunk| self.write(|index| index.store(replica, chunk))).sum()
+        stored
     }
 
     /// See [`PrefixIndex::remove`]; also ends the replica's credits for these blocks.
