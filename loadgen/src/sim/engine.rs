@@ -106,6 +106,8 @@ impl ReplicaEngine {
             pending_prefill_tokens: self.pending_prefill,
             reported_waiting: u32::try_from(self.waiting.len()).unwrap_or(u32::MAX),
             recent_prompt_tokens: 0,
+            // One router sends everything the simulated replicas run.
+            others: 0,
         }
     }
 

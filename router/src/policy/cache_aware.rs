@@ -6,10 +6,11 @@
 //! ```text
 //! cost(r) = miss_weight * (prompt_tokens - cached_tokens(r))    work this request adds on r
 //!         + pending_prefill_tokens(r)                           work already queued ahead of it
-//!         + in_flight_tokens * (in_flight(r) + others_waiting(r))  requests slowing every step
+//!         + in_flight_tokens * (in_flight(r) + others(r))        requests slowing every step
 //!         + balance_weight * prompt_tokens * excess(r)          r's share of recent work
 //! cached_tokens(r)  = min(overlap_blocks(r) * block_size, prompt_tokens)
-//! others_waiting(r) = max(reported_waiting(r) - in_flight(r), 0)
+//! others(r)         = max(reported running + waiting(r) - in_flight(r) then, 0), at the last
+//!                     health check
 //! excess(r)         = clamp(recent_prompt_tokens(r) / mean over eligible replicas - 1, 0, 0.5)
 //! ```
 //!
@@ -39,11 +40,11 @@
 //!
 //! # Parameters
 //! - `in_flight_tokens` (default 64): what one in-flight request costs, in prefill tokens.
-//!   `reported_waiting` is the queue the replica reports (`vllm:num_requests_waiting`, polled
-//!   with the health checks): what it holds beyond this router's in-flight requests is other
-//!   routers' and other clients' work, which this router would not see otherwise (with
-//!   several routers in front of one fleet, each sees only its own load). Each such request
-//!   costs as one of this router's.
+//!   `others` is what the replica reports running and waiting (`vllm:num_requests_running`
+//!   and `_waiting`, SGLang's `num_running_reqs` and `num_queue_reqs`, read with each health
+//!   check) beyond this router's in-flight requests at that moment: other routers' and other
+//!   clients' work, which this router would not see otherwise (with several routers in front
+//!   of one fleet, each sees only its own load). Each such request costs as one of its own.
 //!   With the replica agent's default timing (70 µs per prefill token, 60 µs per running
 //!   sequence per decode step), a running sequence slows a waiting request's prefill steps
 //!   by roughly a token's worth per step, over tens of steps of a typical prefill.
@@ -136,7 +137,7 @@ impl CacheAware {
         };
         p.miss_weight * new_work
             + r.load.pending_prefill_tokens as f64
-            + p.in_flight_tokens * f64::from(r.load.in_flight + r.load.others_waiting())
+            + p.in_flight_tokens * f64::from(r.load.in_flight.saturating_add(r.load.others))
             + p.balance_weight * request.prompt_tokens as f64 * excess
     }
 }

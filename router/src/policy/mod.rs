@@ -71,15 +71,11 @@ pub struct Load {
     /// Prompt tokens (cached or not) the router has sent it lately: a [`RecentTokens`] sum
     /// with a [`RECENT_HORIZON`] time constant, read at decision time.
     pub recent_prompt_tokens: u64,
-}
-
-impl Load {
-    /// Requests the replica reports waiting beyond every one this router has in flight on
-    /// it: other routers' and other clients'. (Its report cannot tell whose a waiting request
-    /// is; counting only the excess never counts this router's own twice.)
-    pub fn others_waiting(&self) -> u32 {
-        self.reported_waiting.saturating_sub(self.in_flight)
-    }
+    /// Requests the replica reported running or waiting at its last health check beyond the
+    /// ones this router had in flight on it then: other routers' and other clients' work,
+    /// which this router sees no other way. (A report cannot tell whose a request is; only
+    /// the excess counts, so this router's own are never counted twice.)
+    pub others: u32,
 }
 
 /// One candidate replica for a request.
@@ -153,9 +149,7 @@ pub fn rendezvous(key: u64, replica: ReplicaId) -> u64 {
 
 /// A replica's load as one number: in-flight requests first, pending prefill as tie-break.
 fn load_cost(r: &ReplicaView) -> f64 {
-    f64::from(r.load.in_flight)
-        + f64::from(r.load.others_waiting())
-        + r.load.pending_prefill_tokens as f64 * 1e-9
+    f64::from(r.load.in_flight) + f64::from(r.load.others) + r.load.pending_prefill_tokens as f64 * 1e-9
 }
 
 #[cfg(test)]

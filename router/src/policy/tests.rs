@@ -148,21 +148,21 @@ fn cache_aware_and_least_loaded_spread_distinct_prompts_over_an_idle_fleet() {
     }
 }
 
-/// The queue a replica reports beyond this router's own in-flight requests (another
-/// router's) counts as load; what it reports within them is not counted twice.
+/// Work a replica reports beyond this router's own in-flight requests (another router's)
+/// counts as load.
 #[test]
-fn a_queue_the_replica_reports_beyond_this_routers_requests_counts() {
-    let waiting = |mut r: ReplicaView, n: u32| {
-        r.load.reported_waiting = n;
+fn work_the_replica_reports_beyond_this_routers_requests_counts() {
+    let others = |mut r: ReplicaView, n: u32| {
+        r.load.others = n;
         r
     };
     for kind in [PolicyKind::CacheAware, PolicyKind::LeastLoaded] {
         let p = build(kind, CacheAwareParams::default(), 0);
-        // Equal prefixes; 0 has one request of ours in flight and reports 9 waiting.
-        let replicas = vec![waiting(view(0, 10, 1, 0), 9), view(1, 10, 2, 0)];
-        assert_eq!(p.choose(&REQ, &replicas).chosen, Some(1), "{kind:?}: 8 others' requests wait on 0");
-        let replicas = vec![waiting(view(0, 10, 1, 0), 1), view(1, 10, 2, 0)];
-        assert_eq!(p.choose(&REQ, &replicas).chosen, Some(0), "{kind:?}: the one waiting is ours");
+        // Equal prefixes; 0 has one request of ours in flight, 1 has two.
+        let replicas = vec![others(view(0, 10, 1, 0), 8), view(1, 10, 2, 0)];
+        assert_eq!(p.choose(&REQ, &replicas).chosen, Some(1), "{kind:?}: 8 others' requests on 0");
+        let replicas = vec![view(0, 10, 1, 0), view(1, 10, 2, 0)];
+        assert_eq!(p.choose(&REQ, &replicas).chosen, Some(0), "{kind:?}: none");
     }
 }
 

@@ -1,8 +1,9 @@
 //! Active health checks: every `--health-interval-ms`, `GET /health` on each replica (a
 //! replica that fails it is unhealthy until it passes again), then `GET /metrics` to read the
-//! queue length the replica reports itself (`vllm:num_requests_waiting`, which both vLLM and
-//! the kvroute agent export; SGLang's `sglang:num_queue_reqs`), used as
-//! [`crate::policy::Load::reported_waiting`].
+//! requests the replica reports waiting and running (`vllm:num_requests_waiting` and
+//! `_running`, which both vLLM and the kvroute agent export; SGLang's `sglang:num_queue_reqs`
+//! and `num_running_reqs`): what is beyond this router's own in-flight requests then is
+//! [`crate::policy::Load::others`]. A check that reads no report clears it.
 
 use std::time::Duration;
 
@@ -42,15 +43,16 @@ async fn check(member: Member, client: &Client, timeout: Duration) {
         tracing::info!(replica = %member.replica.spec.name, healthy, "replica health changed");
     }
     member.upstream.set_healthy(healthy);
-    if !healthy {
-        return;
-    }
-    if let Some((status, body)) = get(client, &format!("{base}/metrics"), timeout).await
-        && status.is_success()
-        && let Some(waiting) = reported_waiting(&body)
-    {
-        member.upstream.set_reported_waiting(waiting);
-    }
+    let report = match healthy {
+        true => match get(client, &format!("{base}/metrics"), timeout).await {
+            Some((status, body)) if status.is_success() => {
+                gauge_sum(&body, &WAITING_GAUGES).map(|w| (w, gauge_sum(&body, &RUNNING_GAUGES).unwrap_or(0)))
+            }
+            _ => None,
+        },
+        false => None,
+    };
+    member.upstream.set_reported(report);
 }
 
 async fn get(client: &Client, url: &str, timeout: Duration) -> Option<(http::StatusCode, Bytes)> {
@@ -63,13 +65,16 @@ async fn get(client: &Client, url: &str, timeout: Duration) -> Option<(http::Sta
 
 /// The gauges engines report their waiting requests in: vLLM's (and the agent's), SGLang's.
 const WAITING_GAUGES: [&str; 2] = ["vllm:num_requests_waiting", "sglang:num_queue_reqs"];
+/// And their running ones.
+const RUNNING_GAUGES: [&str; 2] = ["vllm:num_requests_running", "sglang:num_running_reqs"];
 
-/// `vllm:num_requests_waiting{...} 3` → 3 (summed over label sets, e.g. per engine).
-fn reported_waiting(metrics: &[u8]) -> Option<u32> {
+/// `vllm:num_requests_waiting{...} 3` → 3 for `gauges` naming it (summed over label sets, e.g.
+/// per engine); `None` when no gauge is there.
+fn gauge_sum(metrics: &[u8], gauges: &[&str]) -> Option<u32> {
     let text = std::str::from_utf8(metrics).ok()?;
     let mut total = None;
     for line in text.lines() {
-        let Some(rest) = WAITING_GAUGES.iter().find_map(|gauge| line.strip_prefix(gauge)) else { continue };
+        let Some(rest) = gauges.iter().find_map(|gauge| line.strip_prefix(gauge)) else { continue };
         // The value is the first field after the labels; a timestamp may follow it.
         let after_labels = match rest.strip_prefix('{') {
             Some(labels) => &labels[labels.rfind('}')? + 1..],
@@ -89,20 +94,20 @@ mod tests {
     fn reported_waiting_saturates() {
         let page =
             "vllm:num_requests_waiting{engine=\"0\"} 4e9\nvllm:num_requests_waiting{engine=\"1\"} 4e9\n";
-        assert_eq!(super::reported_waiting(page.as_bytes()), Some(u32::MAX));
+        assert_eq!(super::gauge_sum(page.as_bytes(), &super::WAITING_GAUGES), Some(u32::MAX));
     }
 
     #[test]
     fn reads_waiting_requests_from_prometheus_text() {
         let text = b"# HELP vllm:num_requests_waiting Requests waiting.\n# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} 3\nvllm:num_requests_waiting_total 9\n";
-        assert_eq!(super::reported_waiting(text), Some(3));
-        assert_eq!(super::reported_waiting(b"other 1\n"), None);
+        assert_eq!(super::gauge_sum(text, &super::WAITING_GAUGES), Some(3));
+        assert_eq!(super::gauge_sum(b"other 1\n", &super::WAITING_GAUGES), None);
     }
 
     #[test]
     fn reads_sglang_queues_and_values_before_timestamps() {
         let text = b"sglang:num_queue_reqs{model_name=\"a b} c\",engine_type=\"unified\"} 5 1700000000000\n\
                      sglang:num_queue_reqs_total 7\nsglang:num_running_reqs 9\n";
-        assert_eq!(super::reported_waiting(text), Some(5));
+        assert_eq!(super::gauge_sum(text, &super::WAITING_GAUGES), Some(5));
     }
 }

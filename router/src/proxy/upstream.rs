@@ -66,6 +66,8 @@ pub struct Upstream {
     epoch: Instant,
     /// Last `num_requests_waiting` the replica reported (via its metrics), if polled.
     reported_waiting: AtomicU32,
+    /// See [`Load::others`].
+    others: AtomicU32,
     consecutive_failures: AtomicU32,
     /// Passed its last active health check (true until the first check says otherwise).
     healthy: AtomicBool,
@@ -88,6 +90,7 @@ impl Default for Upstream {
             recent: Mutex::new(RecentTokens::default()),
             epoch: Instant::now(),
             reported_waiting: AtomicU32::new(0),
+            others: AtomicU32::new(0),
             consecutive_failures: AtomicU32::new(0),
             healthy: AtomicBool::new(true),
             draining: AtomicBool::new(false),
@@ -111,6 +114,7 @@ impl Upstream {
             in_flight: self.in_flight.load(Ordering::Relaxed),
             pending_prefill_tokens: self.pending_prefill.load(Ordering::Relaxed),
             reported_waiting: self.reported_waiting.load(Ordering::Relaxed),
+            others: self.others.load(Ordering::Relaxed),
             recent_prompt_tokens: self.recent().tokens(now.saturating_duration_since(self.epoch)),
         }
     }
@@ -215,8 +219,13 @@ impl Upstream {
         self.serving.load(Ordering::Relaxed)
     }
 
-    pub fn set_reported_waiting(&self, waiting: u32) {
+    /// What the replica reports at a health check: requests waiting and running (`None`: it
+    /// reported nothing, and its last report no longer counts).
+    pub fn set_reported(&self, report: Option<(u32, u32)>) {
+        let (waiting, running) = report.unwrap_or_default();
         self.reported_waiting.store(waiting, Ordering::Relaxed);
+        let ours = self.in_flight.load(Ordering::Relaxed);
+        self.others.store(waiting.saturating_add(running).saturating_sub(ours), Ordering::Relaxed);
     }
 }
 
@@ -300,6 +309,23 @@ mod tests {
         assert_eq!(u.load().in_flight, 0);
         tokio::time::advance(crate::policy::RECENT_HORIZON).await;
         assert_eq!(u.load().recent_prompt_tokens, (1500.0 / std::f64::consts::E).round() as u64);
+    }
+
+    /// Others' work is what a report holds beyond this router's in-flight requests when it
+    /// is read, and stays that until the next report: this router's own requests that end
+    /// after it never turn into others'. A check without a report clears it.
+    #[tokio::test(start_paused = true)]
+    async fn others_are_counted_against_the_in_flight_requests_of_the_report() {
+        let u = Arc::new(Upstream::default());
+        let guards: Vec<_> = (0..3).map(|_| u.begin(0, 0)).collect();
+        u.set_reported(Some((2, 4)));
+        assert_eq!(u.load().others, 3, "6 reported, 3 of them ours");
+        drop(guards);
+        assert_eq!(u.load().others, 3, "ours ending after the report are not others'");
+        u.set_reported(Some((0, 1)));
+        assert_eq!(u.load().others, 1);
+        u.set_reported(None);
+        assert_eq!((u.load().others, u.load().reported_waiting), (0, 0));
     }
 
     /// Ejection is set aside only when every replica that is up is ejected; replicas that
