@@ -74,6 +74,9 @@ pub struct Scored {
     /// Leading blocks of the request the index already shows on the replica (0 when its
     /// stream is `FALLBACK`); they need no credit.
     pub indexed_blocks: usize,
+    /// Leading blocks the index shows or earlier decisions' credits give it: this decision's
+    /// own credit adds the blocks past them.
+    pub credited_blocks: usize,
     pub cost: f64,
     /// Why it was not eligible, if it was not.
     pub ineligible: Option<Ineligible>,
@@ -158,7 +161,9 @@ impl Decider {
     pub fn move_credit(&self, plan: &Plan, from: usize, to: usize) {
         let credits = self.fleet.credits();
         if let Some(left) = plan.order().nth(from) {
-            credits.withdraw(left.member.replica.id, plan.uncredited(left));
+            // Only what this decision added: earlier requests' credits for the prefix stand.
+            let added = &plan.all_blocks[left.credited_blocks.min(plan.all_blocks.len())..];
+            credits.withdraw(left.member.replica.id, added);
         }
         if let Some(next) = plan.order().nth(to) {
             credits.credit(next.member.replica.id, plan.uncredited(next));
@@ -225,12 +230,12 @@ impl Decider {
                     StreamState::Fallback => 0,
                     _ => overlaps.get(member.replica.id),
                 };
-                let overlap = match state {
+                let credited_blocks = match state {
                     StreamState::Fallback => 0,
                     _ => self.fleet.credits().extend(member.replica.id, &blocks, indexed_blocks),
                 };
                 // What the engine will reuse of it (vLLM recomputes an all-cached last block).
-                let overlap = overlap
+                let overlap = credited_blocks
                     .min(member.replica.spec.engine.reusable_blocks(first_prompt_tokens, self.block_size));
                 let view = ReplicaView {
                     id: member.replica.id,
@@ -239,7 +244,7 @@ impl Decider {
                     stream: PbState::from(state),
                     eligible: ineligible.is_none(),
                 };
-                Scored { member, view, indexed_blocks, cost: f64::INFINITY, ineligible }
+                Scored { member, view, indexed_blocks, credited_blocks, cost: f64::INFINITY, ineligible }
             })
             .collect();
         let views: Vec<ReplicaView> = candidates.iter().map(|c| c.view).collect();

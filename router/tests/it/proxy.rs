@@ -627,22 +627,7 @@ async fn remote_tokenization_sends_what_decides_the_ids() {
 /// of going back to the replica that refused.
 #[tokio::test]
 async fn a_retried_request_credits_the_replica_that_serves_it() {
-    let refuser =
-        body_reading_replica(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n").await;
-    let server = body_reading_replica(
-        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
-    )
-    .await;
-    let replica = |name: &str, addr: std::net::SocketAddr| {
-        format!("name={name},http=http://{addr},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap()
-    };
-    let config = kvroute_router::Config {
-        model: FLEET_MODEL.into(),
-        replicas: vec![replica("refuser", refuser), replica("server", server)],
-        ..kvroute_router::Config::loopback(Vec::new())
-    };
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let (router, shutdown) = refuser_and_server().await;
     let http = crate::fleet::Http::new();
     let id = |name: &str| router.fleet().member(name).unwrap().replica.id;
     let credits = router.fleet().credits();
@@ -673,6 +658,47 @@ async fn a_retried_request_credits_the_replica_that_serves_it() {
         }
     }
     assert!(retried, "no prompt went to the refuser first");
+    shutdown.cancel();
+}
+
+/// A router in front of a replica that refuses everything (503) and one that serves it.
+async fn refuser_and_server() -> (kvroute_router::RunningRouter, tokio_util::sync::CancellationToken) {
+    let refuser =
+        body_reading_replica(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n").await;
+    let server = body_reading_replica(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+    )
+    .await;
+    let replica = |name: &str, addr: std::net::SocketAddr| {
+        format!("name={name},http=http://{addr},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap()
+    };
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas: vec![replica("refuser", refuser), replica("server", server)],
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    (kvroute_router::start(config, shutdown.clone()).await.unwrap(), shutdown)
+}
+
+/// The credit a retry takes away is only what its own decision added: earlier requests'
+/// credits for the prefix on the refusing replica stand.
+#[tokio::test]
+async fn a_retry_takes_away_only_its_own_credit() {
+    let (router, shutdown) = refuser_and_server().await;
+    let id = |name: &str| router.fleet().member(name).unwrap().replica.id;
+    let credits = router.fleet().credits();
+    let block = router.state.decider.block_size;
+    let ids: Vec<u32> = (0..4 * block as u32).map(|t| 500 + t).collect();
+    let blocks = CacheNamespace::new(FLEET_MODEL).chain(&ids, block);
+    // An earlier request's credit: the refuser holds the first two blocks, so it goes first.
+    credits.credit(id("refuser"), &blocks[..2]);
+    let http = crate::fleet::Http::new();
+    let body = json!({"model": FLEET_MODEL, "prompt": ids, "max_tokens": 1});
+    let reply = http.post(&format!("{}/v1/completions", router.url()), &body).await;
+    assert_eq!((reply.status.as_u16(), reply.header("x-kvroute-replica")), (200, Some("server")));
+    assert_eq!(credits.extend(id("refuser"), &blocks, 0), 2, "the earlier credit stands");
+    assert_eq!(credits.extend(id("server"), &blocks, 0), blocks.len());
     shutdown.cancel();
 }
 
