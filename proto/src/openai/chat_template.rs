@@ -9,9 +9,10 @@
 //!
 //! Template variables: `messages`, each as vLLM passes it (`chat_utils.parse_chat_messages`):
 //! `role`; `content`, a string (`""` when the client sent none); an assistant's non-empty
-//! `tool_calls`, each call's `function.arguments` parsed from its JSON string (`{}` when
-//! null or empty), and its `reasoning`; a tool message's `tool_call_id`; a string `name`;
-//! no other key of the client's. Then `tools` (the request's, or none),
+//! `tool_calls`, each call's `function.arguments` parsed from its JSON string (`{}` when it
+//! is not JSON), and its `reasoning` (also as `reasoning_content`); a tool message's
+//! `tool_call_id`; a string `name`; in that order, and no other key of the client's. Then
+//! `tools` (the request's, or none),
 //! `documents` (none), `add_generation_prompt`, `bos_token`, `eos_token`, and then every
 //! key of the request's `chat_template_kwargs`, which may override any of them except
 //! `messages`.
@@ -237,19 +238,29 @@ fn json_value(raw: &RawValue) -> Result<Value, RequestError> {
 /// keys vLLM keeps, in the client's order.
 fn message_value(message: &Message<'_>) -> Result<Value, RequestError> {
     let role = message.role.as_ref();
+    // The client's value of `key` (the last, as Python's `json` keeps), unless null.
+    let raw = |key: &str| {
+        message.extra.iter().rev().find(|(k, _)| k == key).map(|(_, raw)| *raw).filter(|r| r.get() != "null")
+    };
+    // In vLLM's order: tool calls, reasoning (under both its names), tool call id, name.
     let mut extra = Vec::new();
-    for (key, raw) in &message.extra {
-        let value = match key.as_ref() {
-            "tool_calls" if role == "assistant" => match tool_calls(raw)? {
-                Some(calls) => calls,
-                None => continue,
-            },
-            "reasoning" if role == "assistant" => json_value(raw)?,
-            "tool_call_id" if role == "tool" => json_value(raw)?,
-            "name" if raw.get().starts_with('"') => json_value(raw)?,
-            _ => continue,
-        };
-        extra.push((key.as_ref(), value));
+    if role == "assistant" {
+        if let Some(calls) = raw("tool_calls").map(tool_calls).transpose()?.flatten() {
+            extra.push(("tool_calls", calls));
+        }
+        if let Some(reasoning) = raw("reasoning").or_else(|| raw("reasoning_content")) {
+            let reasoning = json_value(reasoning)?;
+            extra.push(("reasoning", reasoning.clone()));
+            extra.push(("reasoning_content", reasoning));
+        }
+    }
+    if role == "tool"
+        && let Some(id) = raw("tool_call_id")
+    {
+        extra.push(("tool_call_id", json_value(id)?));
+    }
+    if let Some(name) = raw("name").filter(|r| r.get().starts_with('"')) {
+        extra.push(("name", json_value(name)?));
     }
     struct View<'m> {
         role: &'m str,
@@ -271,9 +282,9 @@ fn message_value(message: &Message<'_>) -> Result<Value, RequestError> {
     Ok(Value::from(minijinja::value::Serde(view)))
 }
 
-/// An assistant's `tool_calls` as vLLM hands them to the template: none when null or empty;
-/// else each call with its `function.arguments` a JSON value, parsed from the string the
-/// OpenAI API sends (`{}` for null or an empty string), as transformers' templates expect.
+/// An assistant's `tool_calls` as vLLM hands them to the template: none when empty; else
+/// each call with its `function.arguments` a JSON value, parsed from the string the OpenAI
+/// API sends, as transformers' templates expect.
 fn tool_calls(raw: &RawValue) -> Result<Option<Value>, RequestError> {
     let calls = json_value(raw)?;
     let Ok(items) = calls.try_iter() else { return Ok((!calls.is_none()).then_some(calls)) };
@@ -287,18 +298,17 @@ fn tool_calls(raw: &RawValue) -> Result<Option<Value>, RequestError> {
             out.push(call);
             continue;
         };
+        // A JSON string is parsed; an object or array kept; anything else (null, "", text
+        // that is not JSON, a number) is `{}`, as vLLM does.
         let arguments = function.get_attr("arguments").unwrap_or_default();
+        let empty = || Value::from(BTreeMap::<String, Value>::new());
         let arguments = match arguments.as_str() {
-            Some("") => Value::from(BTreeMap::<String, Value>::new()),
-            Some(text) => {
-                let raw: &RawValue =
-                    serde_json::from_str(text).map_err(|e| RequestError::Template(json_error(e)))?;
-                json_value(raw)?
-            }
-            None if arguments.is_none() || arguments.is_undefined() => {
-                Value::from(BTreeMap::<String, Value>::new())
-            }
-            None => arguments,
+            Some(text) => match serde_json::from_str::<&RawValue>(text) {
+                Ok(raw) => json_value(raw)?,
+                Err(_) => empty(),
+            },
+            None if matches!(arguments.kind(), ValueKind::Map | ValueKind::Seq) => arguments,
+            None => empty(),
         };
         let function = replace(&function, "arguments", arguments);
         out.push(replace(&call, "function", function));
@@ -514,9 +524,9 @@ mod tests {
     }
 
     /// Messages reach the template as vLLM passes them: arguments parsed from their JSON
-    /// string (`{}` for null or empty), empty or null `tool_calls` gone, content `""` for
-    /// none, and only the keys vLLM keeps (a string `name`, a tool's `tool_call_id`, an
-    /// assistant's `tool_calls` and `reasoning`).
+    /// string (`{}` for null, empty or not JSON), empty or null `tool_calls` gone, content
+    /// `""` for none, and only the keys vLLM keeps, in its order (an assistant's `tool_calls`
+    /// and `reasoning`, also as `reasoning_content`, a tool's `tool_call_id`, a string `name`).
     #[test]
     fn messages_are_normalised_as_vllm_normalises_them() {
         let source = "{% for m in messages %}{{ m | tojson }}\n{% endfor %}";
@@ -537,15 +547,19 @@ mod tests {
             lines,
             [
                 r#"{"role": "user", "content": "weather?", "name": "ann"}"#,
-                r#"{"role": "assistant", "content": "", "reasoning": "look it up", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": {"city": "Paris", "n": [1, 2]}}}, {"id": "c2", "type": "function", "function": {"name": "x", "arguments": {}}}, {"id": "c3", "type": "function", "function": {"name": "y", "arguments": {}}}]}"#,
+                r#"{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": {"city": "Paris", "n": [1, 2]}}}, {"id": "c2", "type": "function", "function": {"name": "x", "arguments": {}}}, {"id": "c3", "type": "function", "function": {"name": "y", "arguments": {}}}], "reasoning": "look it up", "reasoning_content": "look it up"}"#,
                 r#"{"role": "tool", "content": "sunny", "tool_call_id": "c1"}"#,
                 r#"{"role": "assistant", "content": "done"}"#,
                 r#"{"role": "user", "content": "ok"}"#,
             ]
         );
-        let bad = br#"{"model":"m","messages":[{"role":"assistant","tool_calls":[{"function":{"name":"w","arguments":"{not json"}}]}]}"#;
-        let chat = crate::openai::ChatRequest::parse(bad).unwrap();
-        assert!(matches!(template.render(&chat.messages, false, None, None), Err(RequestError::Template(_))));
+        let odd = br#"{"model":"m","messages":[{"role":"assistant","reasoning_content":"r","tool_calls":[
+            {"function":{"name":"w","arguments":"{not json"}},{"function":{"name":"v","arguments":5}}]}]}"#;
+        let chat = crate::openai::ChatRequest::parse(odd).unwrap();
+        assert_eq!(
+            template.render(&chat.messages, false, None, None).unwrap().trim_end(),
+            r#"{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "w", "arguments": {}}}, {"function": {"name": "v", "arguments": {}}}], "reasoning": "r", "reasoning_content": "r"}"#
+        );
     }
 
     #[test]
