@@ -9,8 +9,6 @@
 //!
 //! [`Tokenization`]: kvroute_proto::openai::Tokenization
 
-use std::borrow::Cow;
-
 use hyper::{Response, StatusCode};
 use kvroute_proto::openai::{Endpoint, ParsedRequest};
 use serde::{Deserialize, Serialize};
@@ -59,15 +57,8 @@ pub(super) fn models(state: &AppState) -> Response<Body> {
 /// Which keys a `/tokenize` body has; `model` is `Some("null")` for an explicit null.
 #[derive(Deserialize)]
 struct TokenizeProbe<'a> {
-    #[serde(borrow, default, deserialize_with = "present")]
-    model: Option<&'a RawValue>,
     #[serde(borrow)]
     messages: Option<&'a RawValue>,
-}
-
-/// A present key's raw value, `null` included (a plain `Option` would turn it into `None`).
-fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
-    <&'de RawValue>::deserialize(d).map(Some)
 }
 
 #[derive(Serialize)]
@@ -82,17 +73,11 @@ pub(super) fn tokenize(state: &AppState, body: &[u8]) -> Result<Response<Body>, 
     let probe: TokenizeProbe<'_> = match serde_json::from_slice(body) {
         Ok(probe) => probe,
         // Not a JSON object: let the request parser say exactly what is wrong.
-        Err(_) => TokenizeProbe { model: None, messages: None },
+        Err(_) => TokenizeProbe { messages: None },
     };
     let endpoint = if probe.messages.is_some() { Endpoint::ChatCompletions } else { Endpoint::Completions };
-    // `model` is optional here but required by the generation parser: default to the base.
-    let base = &state.config().model;
-    let body: Cow<'_, [u8]> = match probe.model {
-        Some(m) if m.get() == "null" => Cow::Owned(replace_model(body, base)),
-        Some(_) => Cow::Borrowed(body),
-        None => Cow::Owned(splice_model(body, base)),
-    };
-    let request = ParsedRequest::parse(endpoint, &body)?;
+    // `model` is optional, as everywhere: none is the base model.
+    let request = ParsedRequest::parse(endpoint, body)?;
     if !state.serves(request.model()) {
         return Err(ApiError::model_not_found(request.model()));
     }
@@ -109,33 +94,6 @@ pub(super) fn tokenize(state: &AppState, body: &[u8]) -> Result<Response<Body>, 
     Ok(json_response(StatusCode::OK, serde_json::to_vec(&response).unwrap_or_default()))
 }
 
-/// `body` with `"model": model` spliced in after the opening brace, so the rest of the body
-/// (key order, number spelling) reaches the parser as sent. A body that is not an object is
-/// returned as it is, for the parser to report.
-fn splice_model(body: &[u8], model: &str) -> Vec<u8> {
-    let Some(rest) = body.trim_ascii_start().strip_prefix(b"{") else { return body.to_vec() };
-    let model_json = serde_json::to_vec(model).unwrap_or_default();
-    let mut out = Vec::with_capacity(body.len() + model_json.len() + 10);
-    out.extend_from_slice(b"{\"model\":");
-    out.extend_from_slice(&model_json);
-    if !rest.trim_ascii_start().starts_with(b"}") {
-        out.push(b',');
-    }
-    out.extend_from_slice(rest);
-    out
-}
-
-/// `body`, an object with `"model": null`, re-serialized with `"model": model`.
-fn replace_model(body: &[u8], model: &str) -> Vec<u8> {
-    match serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(body) {
-        Ok(mut object) => {
-            object.insert("model".into(), model.into());
-            serde_json::to_vec(&object).unwrap_or_default()
-        }
-        Err(_) => body.to_vec(),
-    }
-}
-
 /// `POST /reset_prefix_cache`: 200 once the cache is empty; 409 while running requests hold
 /// blocks (vLLM refuses then too).
 pub(super) async fn reset_prefix_cache(state: &AppState) -> Result<Response<Body>, ApiError> {
@@ -146,20 +104,5 @@ pub(super) async fn reset_prefix_cache(state: &AppState) -> Result<Response<Body
         }
         Err(ResetError::Busy(e)) => Err(ApiError::cache_busy(format!("cannot reset the prefix cache: {e}"))),
         Err(ResetError::ShuttingDown) => Err(ApiError::shutting_down()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn model_is_spliced_or_replaced() {
-        assert_eq!(splice_model(br#" {"prompt": [1, 2.0]}"#, "m"), br#"{"model":"m","prompt": [1, 2.0]}"#);
-        assert_eq!(splice_model(b"{ }", "m"), br#"{"model":"m" }"#);
-        assert_eq!(splice_model(b"[1]", "m"), b"[1]");
-        let replaced = replace_model(br#"{"model":null,"prompt":"x"}"#, "m");
-        let replaced: serde_json::Value = serde_json::from_slice(&replaced).unwrap();
-        assert_eq!(replaced, serde_json::json!({"model": "m", "prompt": "x"}));
     }
 }

@@ -1,7 +1,8 @@
 //! The baselines cache-aware routing is measured against: they ignore the cache entirely.
 //! - `round-robin`: the next eligible replica in turn.
 //! - `random`: a uniformly random eligible replica (seeded).
-//! - `least-loaded`: fewest in-flight requests, then fewest pending prefill tokens.
+//! - `least-loaded`: fewest requests (this router's in flight, and others' it was told of:
+//!   [`super::Load::others`]), then fewest pending prefill tokens, then the request's key.
 //! - `power-of-two`: two distinct random eligible replicas, the less loaded one wins.
 
 use std::sync::atomic::{AtomicU64, Ordering};

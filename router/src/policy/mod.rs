@@ -19,7 +19,7 @@ pub enum PolicyKind {
     CacheAware,
     RoundRobin,
     Random,
-    /// Fewest in-flight requests, then fewest pending prefill tokens.
+    /// Fewest requests (in flight, and others' reported), then fewest pending prefill tokens.
     LeastLoaded,
     /// Two random replicas, the less loaded one wins.
     PowerOfTwo,
@@ -52,7 +52,8 @@ pub struct RequestView {
     /// Full blocks of the prompt (`prompt_tokens / block_size`).
     pub blocks: usize,
     pub block_size: usize,
-    /// Identifies the request's content (the router uses its last full block's hash): breaks
+    /// Identifies the request's content (the router uses its last full block's hash, or a
+    /// hash of its tokens when it has no full block): breaks
     /// ties between equally good replicas by rendezvous hashing, so distinct prompts arriving
     /// at an idle fleet spread over it deterministically instead of all going to the first.
     pub key: u64,
@@ -147,7 +148,8 @@ pub fn rendezvous(key: u64, replica: ReplicaId) -> u64 {
     kvroute_proto::mix::mix64(key ^ u64::from(replica.0).wrapping_mul(kvroute_proto::mix::GOLDEN))
 }
 
-/// A replica's load as one number: in-flight requests first, pending prefill as tie-break.
+/// A replica's load as one number: requests (in flight and others'), pending prefill as
+/// tie-break.
 fn load_cost(r: &ReplicaView) -> f64 {
     f64::from(r.load.in_flight) + f64::from(r.load.others) + r.load.pending_prefill_tokens as f64 * 1e-9
 }

@@ -135,11 +135,13 @@ impl RemoteTokenizer {
                     out.push(match input {
                         kvroute_proto::openai::PromptInput::Tokens(ids) => ids.to_vec(),
                         kvroute_proto::openai::PromptInput::Text(text) => {
-                            let req = serde_json::json!({
-                                "model": r.model,
+                            let mut req = serde_json::json!({
                                 "prompt": text,
                                 "add_special_tokens": r.add_special_tokens,
                             });
+                            if !r.model.is_empty() {
+                                req["model"] = r.model.as_ref().into();
+                            }
                             self.ask(replica_urls, req).await?
                         }
                     });
