@@ -1,4 +1,6 @@
-//! Parsing `messages`: role, content (a string, null, or text parts joined with `"\n"`) and
+//! Parsing `messages`: role, content (a string, null, or text parts joined with `"\n"`: as
+//! vLLM, plain strings and `text`, `input_text`, `output_text`, `refusal` and `thinking`
+//! parts) and
 //! every other key kept raw for the chat template. Visitors record a [`MessageProblem`]
 //! instead of failing, so the error names the message at fault.
 
@@ -74,6 +76,28 @@ struct RawPart<'a> {
     kind: Option<MaybeStr<'a>>,
     #[serde(borrow)]
     text: Option<MaybeStr<'a>>,
+    #[serde(borrow)]
+    refusal: Option<MaybeStr<'a>>,
+    #[serde(borrow)]
+    thinking: Option<MaybeStr<'a>>,
+}
+
+impl<'a> RawPart<'a> {
+    /// The text of a part vLLM reads as text (`text`, `input_text`, `output_text`, `refusal`,
+    /// `thinking`, each from its own key): `Some(Ok)`, or `Some(Err)` when that key is not a
+    /// string; `None` for any other type.
+    fn text(self, kind: &str) -> Option<Result<Cow<'a, str>, ()>> {
+        let value = match kind {
+            "text" | "input_text" | "output_text" => self.text,
+            "refusal" => self.refusal,
+            "thinking" => self.thinking,
+            _ => return None,
+        };
+        Some(match value {
+            Some(MaybeStr::Str(text)) => Ok(text),
+            _ => Err(()),
+        })
+    }
 }
 
 impl<'de> Deserialize<'de> for Content<'de> {
@@ -95,17 +119,20 @@ impl<'de> Deserialize<'de> for Content<'de> {
         let mut texts = Vec::with_capacity(parts.len());
         for part in parts {
             let bad = || Ok(Content::Parts(Err(MessageResult::Problem(MessageProblem::BadContentPart))));
+            // A plain string is a text part, as vLLM reads it.
+            if part.get().starts_with('"') {
+                texts.push(serde_json::from_str::<Str<'de>>(part.get()).map_err(de::Error::custom)?.0);
+                continue;
+            }
             if !part.get().starts_with('{') {
                 return bad();
             }
-            let part: RawPart<'de> = serde_json::from_str(part.get()).map_err(de::Error::custom)?;
-            match (part.kind, part.text) {
-                (Some(MaybeStr::Str(kind)), Some(MaybeStr::Str(text))) if kind == "text" => texts.push(text),
-                (Some(MaybeStr::Str(kind)), _) if kind == "text" => return bad(),
-                (Some(MaybeStr::Str(kind)), _) => {
-                    return Ok(Content::Parts(Err(MessageResult::Unsupported(kind.into_owned()))));
-                }
-                _ => return bad(),
+            let mut part: RawPart<'de> = serde_json::from_str(part.get()).map_err(de::Error::custom)?;
+            let Some(MaybeStr::Str(kind)) = part.kind.take() else { return bad() };
+            match part.text(&kind) {
+                Some(Ok(text)) => texts.push(text),
+                Some(Err(())) => return bad(),
+                None => return Ok(Content::Parts(Err(MessageResult::Unsupported(kind.into_owned())))),
             }
         }
         Ok(Content::Parts(Ok(texts)))
