@@ -19,7 +19,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use kvroute_proto::CacheNamespace;
-use kvroute_proto::openai::{ParsedRequest, RequestError, Tokenization};
+use kvroute_proto::openai::{Endpoint, ParsedRequest, RequestError, Tokenization};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::body::{ProxyBody, full};
@@ -57,6 +57,24 @@ impl Prompts {
         fleet: &[Member],
     ) -> Result<PromptInfo, PromptError> {
         match self {
+            Prompts::Local(t) if body.len() >= BLOCKING_TEXT_BYTES && has_text(request) => {
+                // Long enough to hold up every other connection of this thread for a while
+                // (a HuggingFace tokenizer takes milliseconds for tens of KiB): on the
+                // blocking pool, from a copy of the body.
+                let (t, body) = (t.clone(), body.to_vec());
+                let endpoint = match request {
+                    ParsedRequest::Completion(_) => Endpoint::Completions,
+                    ParsedRequest::Chat(_) => Endpoint::ChatCompletions,
+                };
+                let tokenized = tokio::task::spawn_blocking(move || {
+                    let mut request = ParsedRequest::parse(endpoint, &body)?;
+                    Ok(PromptInfo {
+                        namespace: t.namespace(&request),
+                        tokens: t.take_prompt_tokens(&mut request)?,
+                    })
+                });
+                tokenized.await.map_err(|e| PromptError::Remote(format!("tokenizing failed: {e}")))?
+            }
             Prompts::Local(t) => {
                 Ok(PromptInfo { namespace: t.namespace(request), tokens: t.take_prompt_tokens(request)? })
             }
@@ -64,6 +82,19 @@ impl Prompts {
             // future larger (see `forward::first_byte`), local ones included.
             Prompts::Remote(r) => Box::pin(r.tokens(request, body, fleet)).await,
         }
+    }
+}
+
+/// Bodies with text to tokenize from this size on are tokenized on the blocking pool.
+const BLOCKING_TEXT_BYTES: usize = 256 << 10;
+
+/// Whether `request` has text to tokenize (token-id prompts need none).
+fn has_text(request: &ParsedRequest<'_>) -> bool {
+    match request {
+        ParsedRequest::Completion(r) => {
+            r.prompt.inputs().iter().any(|p| matches!(p, kvroute_proto::openai::PromptInput::Text(_)))
+        }
+        ParsedRequest::Chat(_) => true,
     }
 }
 
@@ -239,5 +270,39 @@ impl RemoteTokenizer {
         let parsed: Tokenized = serde_json::from_slice(&bytes)
             .map_err(|e| PromptError::Remote(format!("{base}/tokenize: unexpected answer: {e}")))?;
         Ok(parsed.tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute_proto::openai::TokenizationConfig;
+
+    use super::*;
+
+    /// A long text is tokenized off this thread, and to the same ids as in place, for
+    /// completions (with a token-id prompt in the batch) and chats.
+    #[tokio::test]
+    async fn long_texts_tokenize_off_the_thread_to_the_same_ids() {
+        let config = TokenizationConfig { base_model: "m".into(), ..TokenizationConfig::default() };
+        let local = Arc::new(Tokenization::new(&config).unwrap());
+        let prompts = Prompts::Local(local.clone());
+        let text = (0..BLOCKING_TEXT_BYTES / 2).map(|i| format!("w{}", i % 97)).collect::<Vec<_>>().join(" ");
+        let bodies = [
+            (Endpoint::Completions, serde_json::json!({"model": "m", "prompt": [text.clone(), "x"]})),
+            (Endpoint::Completions, serde_json::json!({"model": "m", "prompt": [[1, 2], [3]], "pad": text})),
+            (
+                Endpoint::ChatCompletions,
+                serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]}),
+            ),
+        ];
+        for (endpoint, body) in bodies {
+            let body = body.to_string().into_bytes();
+            assert!(body.len() >= BLOCKING_TEXT_BYTES);
+            let mut request = ParsedRequest::parse(endpoint, &body).unwrap();
+            let info = prompts.tokens(&mut request, &body, &[]).await.unwrap();
+            let mut again = ParsedRequest::parse(endpoint, &body).unwrap();
+            assert_eq!(info.tokens, local.take_prompt_tokens(&mut again).unwrap(), "{endpoint:?}");
+            assert_eq!(info.namespace, local.namespace(&again));
+        }
     }
 }
