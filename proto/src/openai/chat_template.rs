@@ -10,8 +10,9 @@
 //! Template variables: `messages`, each as vLLM passes it (`chat_utils.parse_chat_messages`):
 //! `role`; `content`, a string (`""` when the client sent none); an assistant's non-empty
 //! `tool_calls`, each call's `function.arguments` parsed from its JSON string (`{}` when it
-//! is not JSON), and its `reasoning` (also as `reasoning_content`); a tool message's
-//! `tool_call_id`; a string `name`; in that order, and no other key of the client's. Then
+//! is not JSON), and its `reasoning` (passed under `reasoning_content` too); a tool
+//! message's `tool_call_id` (null included); a string `name`; in that order, and no other
+//! key of the client's. Then
 //! `tools` (the request's, or none),
 //! `documents` (none), `add_generation_prompt`, `bos_token`, `eos_token`, and then every
 //! key of the request's `chat_template_kwargs`, which may override any of them except
@@ -235,20 +236,20 @@ fn json_value(raw: &RawValue) -> Result<Value, RequestError> {
 }
 
 /// A message as the template sees it (see the module docs): `role`, `content`, then the
-/// keys vLLM keeps, in the client's order.
+/// keys vLLM keeps, in its order.
 fn message_value(message: &Message<'_>) -> Result<Value, RequestError> {
     let role = message.role.as_ref();
-    // The client's value of `key` (the last, as Python's `json` keeps), unless null.
-    let raw = |key: &str| {
-        message.extra.iter().rev().find(|(k, _)| k == key).map(|(_, raw)| *raw).filter(|r| r.get() != "null")
-    };
+    // The client's value of `key` (the last, as Python's `json` keeps), null included.
+    let raw = |key: &str| message.extra.iter().rev().find(|(k, _)| k == key).map(|(_, raw)| *raw);
+    let not_null = |r: &&RawValue| r.get() != "null";
     // In vLLM's order: tool calls, reasoning (under both its names), tool call id, name.
     let mut extra = Vec::new();
     if role == "assistant" {
-        if let Some(calls) = raw("tool_calls").map(tool_calls).transpose()?.flatten() {
+        if let Some(calls) = raw("tool_calls").filter(not_null).map(tool_calls).transpose()?.flatten() {
             extra.push(("tool_calls", calls));
         }
-        if let Some(reasoning) = raw("reasoning").or_else(|| raw("reasoning_content")) {
+        // vLLM reads `reasoning` (not `reasoning_content`) and passes it under both names.
+        if let Some(reasoning) = raw("reasoning").filter(not_null) {
             let reasoning = json_value(reasoning)?;
             extra.push(("reasoning", reasoning.clone()));
             extra.push(("reasoning_content", reasoning));
@@ -553,12 +554,17 @@ mod tests {
                 r#"{"role": "user", "content": "ok"}"#,
             ]
         );
-        let odd = br#"{"model":"m","messages":[{"role":"assistant","reasoning_content":"r","tool_calls":[
-            {"function":{"name":"w","arguments":"{not json"}},{"function":{"name":"v","arguments":5}}]}]}"#;
+        let odd = br#"{"model":"m","messages":[{"role":"assistant","reasoning":"r","reasoning_content":"ignored","tool_calls":[
+            {"function":{"name":"w","arguments":"{not json"}},{"function":{"name":"v","arguments":5}}]},
+            {"role":"tool","content":"x","tool_call_id":null}]}"#;
         let chat = crate::openai::ChatRequest::parse(odd).unwrap();
+        let out = template.render(&chat.messages, false, None, None).unwrap();
         assert_eq!(
-            template.render(&chat.messages, false, None, None).unwrap().trim_end(),
-            r#"{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "w", "arguments": {}}}, {"function": {"name": "v", "arguments": {}}}], "reasoning": "r", "reasoning_content": "r"}"#
+            out.lines().collect::<Vec<_>>(),
+            [
+                r#"{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "w", "arguments": {}}}, {"function": {"name": "v", "arguments": {}}}], "reasoning": "r", "reasoning_content": "r"}"#,
+                r#"{"role": "tool", "content": "x", "tool_call_id": null}"#,
+            ]
         );
     }
 

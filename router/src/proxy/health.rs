@@ -43,16 +43,22 @@ async fn check(member: Member, client: &Client, timeout: Duration) {
         tracing::info!(replica = %member.replica.spec.name, healthy, "replica health changed");
     }
     member.upstream.set_healthy(healthy);
+    // This router's own requests during the scrape: the most in flight before or after it
+    // are the most the report can hold of them.
+    let in_flight_before = member.upstream.load().in_flight;
     let report = match healthy {
         true => match get(client, &format!("{base}/metrics"), timeout).await {
             Some((status, body)) if status.is_success() => {
-                gauge_sum(&body, &WAITING_GAUGES).map(|w| (w, gauge_sum(&body, &RUNNING_GAUGES).unwrap_or(0)))
+                match (gauge_sum(&body, &WAITING_GAUGES), gauge_sum(&body, &RUNNING_GAUGES)) {
+                    (None, None) => None,
+                    (waiting, running) => Some((waiting.unwrap_or(0), running.unwrap_or(0))),
+                }
             }
             _ => None,
         },
         false => None,
     };
-    member.upstream.set_reported(report);
+    member.upstream.set_reported(report, in_flight_before);
 }
 
 async fn get(client: &Client, url: &str, timeout: Duration) -> Option<(http::StatusCode, Bytes)> {

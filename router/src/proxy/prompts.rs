@@ -66,6 +66,9 @@ impl Prompts {
                     ParsedRequest::Completion(_) => Endpoint::Completions,
                     ParsedRequest::Chat(_) => Endpoint::ChatCompletions,
                 };
+                // At most a core's worth of them at once, whatever the HTTP threads' pools allow.
+                let _turn =
+                    BLOCKING_TURNS.acquire().await.map_err(|e| PromptError::Tokenizing(e.to_string()))?;
                 let tokenized = tokio::task::spawn_blocking(move || {
                     let mut request = ParsedRequest::parse(endpoint, &body)?;
                     Ok(PromptInfo {
@@ -73,7 +76,7 @@ impl Prompts {
                         tokens: t.take_prompt_tokens(&mut request)?,
                     })
                 });
-                tokenized.await.map_err(|e| PromptError::Remote(format!("tokenizing failed: {e}")))?
+                tokenized.await.map_err(|e| PromptError::Tokenizing(e.to_string()))?
             }
             Prompts::Local(t) => {
                 Ok(PromptInfo { namespace: t.namespace(request), tokens: t.take_prompt_tokens(request)? })
@@ -87,6 +90,11 @@ impl Prompts {
 
 /// Bodies with text to tokenize from this size on are tokenized on the blocking pool.
 const BLOCKING_TEXT_BYTES: usize = 256 << 10;
+
+/// Turns on the blocking pool for tokenizing, one a core, shared by every HTTP thread.
+static BLOCKING_TURNS: std::sync::LazyLock<tokio::sync::Semaphore> = std::sync::LazyLock::new(|| {
+    tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(1, usize::from))
+});
 
 /// Whether `request` has text to tokenize (token-id prompts need none).
 fn has_text(request: &ParsedRequest<'_>) -> bool {
@@ -105,6 +113,9 @@ pub enum PromptError {
     Request(#[from] RequestError),
     #[error("remote tokenization failed: {0}")]
     Remote(String),
+    /// Tokenizing on the blocking pool failed (it panicked, or the runtime is going away).
+    #[error("tokenizing failed: {0}")]
+    Tokenizing(String),
     /// The replica's `/tokenize` refused the prompt itself (400 or 422): the client's error.
     #[error("the replica's tokenizer refused the prompt: {0}")]
     Refused(String),
@@ -280,7 +291,7 @@ mod tests {
     use super::*;
 
     /// A long text is tokenized off this thread, and to the same ids as in place, for
-    /// completions (with a token-id prompt in the batch) and chats.
+    /// completions (a batch, or one text) and chats.
     #[tokio::test]
     async fn long_texts_tokenize_off_the_thread_to_the_same_ids() {
         let config = TokenizationConfig { base_model: "m".into(), ..TokenizationConfig::default() };
@@ -289,7 +300,7 @@ mod tests {
         let text = (0..BLOCKING_TEXT_BYTES / 2).map(|i| format!("w{}", i % 97)).collect::<Vec<_>>().join(" ");
         let bodies = [
             (Endpoint::Completions, serde_json::json!({"model": "m", "prompt": [text.clone(), "x"]})),
-            (Endpoint::Completions, serde_json::json!({"model": "m", "prompt": [[1, 2], [3]], "pad": text})),
+            (Endpoint::Completions, serde_json::json!({"model": "m", "prompt": text})),
             (
                 Endpoint::ChatCompletions,
                 serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]}),

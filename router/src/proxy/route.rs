@@ -161,9 +161,12 @@ impl Decider {
     pub fn move_credit(&self, plan: &Plan, from: usize, to: usize) {
         let credits = self.fleet.credits();
         if let Some(left) = plan.order().nth(from) {
-            // Only what this decision added: earlier requests' credits for the prefix stand.
-            let added = &plan.all_blocks[left.credited_blocks.min(plan.all_blocks.len())..];
-            credits.withdraw(left.member.replica.id, added);
+            // Only what this decision added: earlier requests' credits for the prefix stand
+            // (a later prompt of a batch repeats the first's leading blocks).
+            let (held, added) = plan.all_blocks.split_at(left.credited_blocks.min(plan.all_blocks.len()));
+            let held: std::collections::HashSet<&BlockHash> = held.iter().collect();
+            let added: Vec<BlockHash> = added.iter().filter(|b| !held.contains(b)).copied().collect();
+            credits.withdraw(left.member.replica.id, &added);
         }
         if let Some(next) = plan.order().nth(to) {
             credits.credit(next.member.replica.id, plan.uncredited(next));
@@ -184,6 +187,7 @@ impl Decider {
         let info = self.prompts.tokens(&mut request, body, &members).await.map_err(|e| match e {
             PromptError::Request(e) => ProxyError::BadRequest(e),
             PromptError::Remote(e) => ProxyError::Unavailable(e),
+            failed @ PromptError::Tokenizing(_) => ProxyError::Unavailable(failed.to_string()),
             refused @ PromptError::Refused(_) => ProxyError::Refused(refused.to_string()),
         })?;
         let first = info.tokens.first().map(Vec::as_slice).unwrap_or_default();

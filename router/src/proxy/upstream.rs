@@ -220,11 +220,13 @@ impl Upstream {
     }
 
     /// What the replica reports at a health check: requests waiting and running (`None`: it
-    /// reported nothing, and its last report no longer counts).
-    pub fn set_reported(&self, report: Option<(u32, u32)>) {
+    /// reported nothing, and its last report no longer counts); `in_flight_before` is this
+    /// router's in-flight count when the check began (the larger of it and the one now is
+    /// taken as this router's share of the report).
+    pub fn set_reported(&self, report: Option<(u32, u32)>, in_flight_before: u32) {
         let (waiting, running) = report.unwrap_or_default();
         self.reported_waiting.store(waiting, Ordering::Relaxed);
-        let ours = self.in_flight.load(Ordering::Relaxed);
+        let ours = self.in_flight.load(Ordering::Relaxed).max(in_flight_before);
         self.others.store(waiting.saturating_add(running).saturating_sub(ours), Ordering::Relaxed);
     }
 }
@@ -318,13 +320,13 @@ mod tests {
     async fn others_are_counted_against_the_in_flight_requests_of_the_report() {
         let u = Arc::new(Upstream::default());
         let guards: Vec<_> = (0..3).map(|_| u.begin(0, 0)).collect();
-        u.set_reported(Some((2, 4)));
+        u.set_reported(Some((2, 4)), 3);
         assert_eq!(u.load().others, 3, "6 reported, 3 of them ours");
         drop(guards);
         assert_eq!(u.load().others, 3, "ours ending after the report are not others'");
-        u.set_reported(Some((0, 1)));
-        assert_eq!(u.load().others, 1);
-        u.set_reported(None);
+        u.set_reported(Some((0, 5)), 4);
+        assert_eq!(u.load().others, 1, "4 of ours were in flight when the check began");
+        u.set_reported(None, 0);
         assert_eq!((u.load().others, u.load().reported_waiting), (0, 0));
     }
 

@@ -694,9 +694,13 @@ async fn a_retry_takes_away_only_its_own_credit() {
     // An earlier request's credit: the refuser holds the first two blocks, so it goes first.
     credits.credit(id("refuser"), &blocks[..2]);
     let http = crate::fleet::Http::new();
-    let body = json!({"model": FLEET_MODEL, "prompt": ids, "max_tokens": 1});
+    // A batch: its second prompt repeats the first's leading blocks.
+    let body =
+        json!({"model": FLEET_MODEL, "prompt": [ids.clone(), ids[..2 * block].to_vec()], "max_tokens": 1});
     let reply = http.post(&format!("{}/v1/completions", router.url()), &body).await;
     assert_eq!((reply.status.as_u16(), reply.header("x-kvroute-replica")), (200, Some("server")));
+    let retries = sample(&scrape(&http, &router.url()).await, "kvroute_router_retries_total");
+    assert_eq!(retries, Some(1), "the refuser went first");
     assert_eq!(credits.extend(id("refuser"), &blocks, 0), 2, "the earlier credit stands");
     assert_eq!(credits.extend(id("server"), &blocks, 0), blocks.len());
     shutdown.cancel();

@@ -84,9 +84,10 @@ struct RawPart<'a> {
 
 impl<'a> RawPart<'a> {
     /// The text of a part vLLM reads as text (`text`, `input_text`, `output_text`, `refusal`,
-    /// `thinking`, each from its own key): `Some(Ok)`, or `Some(Err)` when that key is not a
-    /// string; `None` for any other type.
-    fn text(self, kind: &str) -> Option<Result<Cow<'a, str>, ()>> {
+    /// `thinking`, each from its own key): `Some(Ok(Some))`; `Some(Ok(None))` when that key is
+    /// missing, null or empty (vLLM skips the part); `Some(Err)` when it is not a string;
+    /// `None` for any other type.
+    fn text(self, kind: &str) -> Option<Result<Option<Cow<'a, str>>, ()>> {
         let value = match kind {
             "text" | "input_text" | "output_text" => self.text,
             "refusal" => self.refusal,
@@ -94,8 +95,9 @@ impl<'a> RawPart<'a> {
             _ => return None,
         };
         Some(match value {
-            Some(MaybeStr::Str(text)) => Ok(text),
-            _ => Err(()),
+            Some(MaybeStr::Str(text)) => Ok(Some(text).filter(|t| !t.is_empty())),
+            None | Some(MaybeStr::Null) => Ok(None),
+            Some(MaybeStr::Other) => Err(()),
         })
     }
 }
@@ -121,7 +123,10 @@ impl<'de> Deserialize<'de> for Content<'de> {
             let bad = || Ok(Content::Parts(Err(MessageResult::Problem(MessageProblem::BadContentPart))));
             // A plain string is a text part, as vLLM reads it.
             if part.get().starts_with('"') {
-                texts.push(serde_json::from_str::<Str<'de>>(part.get()).map_err(de::Error::custom)?.0);
+                let text = serde_json::from_str::<Str<'de>>(part.get()).map_err(de::Error::custom)?.0;
+                if !text.is_empty() {
+                    texts.push(text);
+                }
                 continue;
             }
             if !part.get().starts_with('{') {
@@ -130,7 +135,8 @@ impl<'de> Deserialize<'de> for Content<'de> {
             let mut part: RawPart<'de> = serde_json::from_str(part.get()).map_err(de::Error::custom)?;
             let Some(MaybeStr::Str(kind)) = part.kind.take() else { return bad() };
             match part.text(&kind) {
-                Some(Ok(text)) => texts.push(text),
+                Some(Ok(Some(text))) => texts.push(text),
+                Some(Ok(None)) => {}
                 Some(Err(())) => return bad(),
                 None => return Ok(Content::Parts(Err(MessageResult::Unsupported(kind.into_owned())))),
             }

@@ -183,14 +183,14 @@ fn malformed_chats() {
     bad_message(msg(r#"{"role":"user","content":5}"#), P::BadContent);
     bad_message(msg(r#"{"role":"user","content":{"type":"text"}}"#), P::BadContent);
     bad_message(msg(r#"{"role":"user","content":[5]}"#), P::BadContentPart);
-    bad_message(msg(r#"{"role":"assistant","content":[{"type":"refusal","text":"no"}]}"#), P::BadContentPart);
     bad_message(msg(r#"{"role":"user","content":[{"text":"x"}]}"#), P::BadContentPart);
     bad_message(msg(r#"{"role":"user","content":[{"type":"text","text":3}]}"#), P::BadContentPart);
-    bad_message(msg(r#"{"role":"user","content":[{"type":"text"}]}"#), P::BadContentPart);
 
     // vLLM reads plain strings, and these part types from their own keys, as text.
-    let parts = r#"{"role":"assistant","content":["a",{"type":"input_text","text":"b"},{"type":"output_text","text":"c"},
-        {"type":"refusal","refusal":"d"},{"type":"thinking","thinking":"e"}]}"#;
+    // One whose value is missing, null or empty is skipped.
+    let parts = r#"{"role":"assistant","content":["a","",{"type":"input_text","text":"b"},{"type":"output_text","text":"c"},
+        {"type":"refusal","refusal":"d"},{"type":"thinking","thinking":"e"},{"type":"text"},{"type":"text","text":null},
+        {"type":"refusal","text":"no"},{"type":"text","text":""}]}"#;
     let body = msg(parts);
     let r = chat(&body).unwrap();
     assert_eq!(r.messages[1].content.as_deref(), Some("a\nb\nc\nd\ne"));
