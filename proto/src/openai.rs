@@ -180,8 +180,47 @@ impl Tokenization {
                     PromptInput::Tokens(ids) => self.check_ids(ids),
                 })
                 .collect(),
-            ParsedRequest::Chat(r) => Ok(vec![self.encode(&self.render_chat(r)?, r.add_special_tokens)?]),
+            ParsedRequest::Chat(r) => {
+                if let Some((index, part_type)) = r.first_media() {
+                    let part_type = part_type.to_owned();
+                    return Err(RequestError::UnsupportedContentPart { index, part_type });
+                }
+                Ok(vec![self.encode(&self.render_chat(r)?, r.add_special_tokens)?])
+            }
         }
+    }
+
+    /// What can be known of the tokens of a chat with media ([`ChatRequest::first_media`];
+    /// [`Tokenization::prompt_tokens`] refuses those): the ones its prompt certainly begins
+    /// with, and how many of its tokens are text. (For a chat without media, all of them.)
+    ///
+    /// The messages before the first one with media are rendered alone, with no generation
+    /// prompt, and tokenized; of those tokens, the ones the whole conversation's tokens
+    /// (media left out) begin with too are certain. When the template renders each message on
+    /// its own, that is all of them; when it does not (it counts the messages, say), only
+    /// what the two renderings share; when a rendering fails, none. The count of text tokens
+    /// is the whole rendering's, or 0 without one.
+    pub fn partial_chat_tokens(&self, request: &ChatRequest<'_>) -> Result<PartialPrompt, RequestError> {
+        let Some((first, _)) = request.first_media() else {
+            let tokens = self.encode(&self.render_chat(request)?, request.add_special_tokens)?;
+            return Ok(PartialPrompt { text_tokens: tokens.len(), tokens });
+        };
+        let template = self.chat_template.as_ref().ok_or(RequestError::NoChatTemplate)?;
+        let render = |messages: &[Message<'_>], generation_prompt: bool| {
+            template.render(messages, generation_prompt, request.tools, request.chat_template_kwargs).ok()
+        };
+        let encode = |text: &str| self.encode(text, request.add_special_tokens).unwrap_or_default();
+        let Some(whole) = render(&request.messages, request.add_generation_prompt) else {
+            return Ok(PartialPrompt::default());
+        };
+        let whole_ids = encode(&whole);
+        let before = match first {
+            0 => Vec::new(),
+            _ => render(&request.messages[..first], false).map_or_else(Vec::new, |text| encode(&text)),
+        };
+        let agreed = before.iter().zip(&whole_ids).take_while(|(a, b)| a == b).count();
+        let tokens = before[..agreed].to_vec();
+        Ok(PartialPrompt { tokens, text_tokens: whole_ids.len() })
     }
 
     /// [`Tokenization::prompt_tokens`], moving token-id prompts out of `request` (which is
@@ -257,6 +296,15 @@ impl Tokenization {
             None => Ok(()),
         }
     }
+}
+
+/// What [`Tokenization::partial_chat_tokens`] knows of a prompt.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PartialPrompt {
+    /// The token ids the prompt certainly begins with.
+    pub tokens: Vec<u32>,
+    /// The prompt's text tokens, those above included; the media's own are not known.
+    pub text_tokens: usize,
 }
 
 /// The cache namespace of `request`: the model is always `base_model`; the LoRA adapter is

@@ -324,6 +324,74 @@ fn taking_prompt_tokens_gives_what_reading_them_gives() {
     }
 }
 
+/// A chat with media: exact token ids are refused, and what is certain is the conversation
+/// before the first message with media, however the replica's model renders the media.
+#[test]
+fn chats_with_media_are_known_up_to_their_first_media() {
+    let image = r#"{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}"#;
+    let chat = |messages: &str| format!(r#"{{"model":"tiny","messages":{messages}}}"#);
+    let history =
+        format!(r#"{},{{"role":"assistant","content":"Paris."}}"#, CONVERSATION.trim_end_matches(']'));
+    let with_media = chat(&format!(
+        r#"{history},{{"role":"user","content":[{{"type":"text","text":"And this?"}},{image}]}}]"#
+    ));
+    // What the replica's prompt could be, with the image as one model or another renders it.
+    let renderings = [r"<image>\nAnd this?", "And this?<|image_pad|><|image_pad|>", r"And this?\n[img]"]
+        .map(|content| chat(&format!(r#"{history},{{"role":"user","content":"{content}"}}]"#)));
+    let media_left_out = chat(&format!(r#"{history},{{"role":"user","content":"And this?"}}]"#));
+    let before_media = format!(r#"{{"model":"tiny","add_generation_prompt":false,"messages":{history}]}}"#);
+
+    for config in [builtin_config(), hf_config()] {
+        let t = Tokenization::new(&config).unwrap();
+        let parsed = ParsedRequest::parse(Endpoint::ChatCompletions, with_media.as_bytes()).unwrap();
+        let ParsedRequest::Chat(request) = &parsed else { unreachable!() };
+        assert_eq!(request.first_media(), Some((5, "image_url")));
+        match t.prompt_tokens(&parsed) {
+            Err(RequestError::UnsupportedContentPart { index: 5, part_type }) => {
+                assert_eq!(part_type, "image_url")
+            }
+            other => panic!("{other:?}"),
+        }
+        let partial = t.partial_chat_tokens(request).unwrap();
+        for rendering in &renderings {
+            let full = &tokens(&t, Endpoint::ChatCompletions, rendering).unwrap()[0];
+            assert!(full.starts_with(&partial.tokens), "{:?}: {rendering}", config.tokenizer);
+        }
+        let before = &tokens(&t, Endpoint::ChatCompletions, &before_media).unwrap()[0];
+        assert!(partial.tokens == *before && before.len() > 16, "{:?}", config.tokenizer);
+        assert_eq!(
+            partial.text_tokens,
+            tokens(&t, Endpoint::ChatCompletions, &media_left_out).unwrap()[0].len()
+        );
+
+        // Media in the first message: nothing is certain.
+        let first = chat(&format!(r#"[{{"role":"user","content":[{image},"What is it?"]}}]"#));
+        let ParsedRequest::Chat(request) =
+            ParsedRequest::parse(Endpoint::ChatCompletions, first.as_bytes()).unwrap()
+        else {
+            unreachable!()
+        };
+        let partial = t.partial_chat_tokens(&request).unwrap();
+        assert!(partial.tokens.is_empty() && partial.text_tokens > 0);
+    }
+
+    // A template that does not render each message on its own (it counts them first): the
+    // messages before the media do not begin the prompt, so nothing is certain.
+    let counting = ChatTemplate::new(
+        "{{ messages | length }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}",
+        SpecialTokens::builtin(),
+    )
+    .unwrap();
+    let t = Tokenization::from_parts(Box::new(Builtin), Some(counting), "tiny", []);
+    let ParsedRequest::Chat(request) =
+        ParsedRequest::parse(Endpoint::ChatCompletions, with_media.as_bytes()).unwrap()
+    else {
+        unreachable!()
+    };
+    let partial = t.partial_chat_tokens(&request).unwrap();
+    assert!(partial.tokens.is_empty() && partial.text_tokens > 0);
+}
+
 /// A conversation that grows a turn at a time, long enough for several prefix-cache chunks.
 fn growing_conversation(turns: usize) -> Vec<String> {
     let mut messages = Vec::new();

@@ -45,6 +45,8 @@ pub struct ProxyMetrics {
     pub realized_cached_tokens: Counter,
     /// Prompt tokens of routed requests (the denominator of both hit rates).
     pub prompt_tokens: Counter,
+    /// Routed requests whose tokens were known only in part (chats with media).
+    pub partial_prompts: Counter,
     /// Counted through [`Self::count_response`].
     requests: Family<CodeLabel, Counter>,
     pub errors: Family<ErrorLabel, Counter>,
@@ -77,6 +79,7 @@ impl Default for ProxyMetrics {
             predicted_cached_tokens: Counter::default(),
             realized_cached_tokens: Counter::default(),
             prompt_tokens: Counter::default(),
+            partial_prompts: Counter::default(),
             requests: Family::default(),
             errors: Family::default(),
             retries: Counter::default(),
@@ -109,6 +112,12 @@ impl ProxyMetrics {
             m.realized_cached_tokens.clone(),
         );
         r.register("prompt_tokens", "Prompt tokens of routed requests", m.prompt_tokens.clone());
+        r.register(
+            "partial_prompts",
+            "Routed requests whose tokens were known only up to their first media (an image, audio), \
+             and whose media's tokens are in neither token count",
+            m.partial_prompts.clone(),
+        );
         r.register("requests", "Responses sent, by HTTP status", m.requests.clone());
         r.register("errors", "Errors the router answered itself, by kind", m.errors.clone());
         r.register("retries", "Requests retried on another replica", m.retries.clone());

@@ -205,7 +205,13 @@ pub struct Message<'a> {
     /// `system`, `user`, `assistant`, `tool`, ...: any string.
     pub role: Cow<'a, str>,
     /// The text; `None` when `content` is null or absent (e.g. an assistant's tool call).
+    /// Parts that are not text ([`Message::media`]) are not in it.
     pub content: Option<Cow<'a, str>>,
+    /// The type of the first content part that is not text (`image_url`, `input_audio`,
+    /// ...), if any: what such a part becomes in the prompt is up to the replica's model
+    /// (its placeholder tokens, and the media's hash in its blocks), so the tokens from it on
+    /// cannot be computed from the request alone.
+    pub media: Option<Cow<'a, str>>,
     /// Every other key of the message (`name`, `tool_calls`, ...), for the template.
     pub extra: Vec<(Cow<'a, str>, &'a RawValue)>,
 }
@@ -306,6 +312,11 @@ impl<'a> ChatRequest<'a> {
     /// Parses and validates a `/v1/chat/completions` body.
     pub fn parse(body: &'a [u8]) -> Result<Self, RequestError> {
         Self::parse_with(body, true)
+    }
+
+    /// The first message with media ([`Message::media`]): its position and the media's type.
+    pub fn first_media(&self) -> Option<(usize, &str)> {
+        self.messages.iter().enumerate().find_map(|(i, m)| Some((i, m.media.as_deref()?)))
     }
 
     /// [`ChatRequest::parse`], with or without the [`scan`] fast path.

@@ -9,6 +9,11 @@
 //!   out, the next is asked, up to [`TOKENIZE_ATTEMPTS`] in all;
 //! - token-id prompts skip tokenization in both.
 //!
+//! A chat with media (images, audio: [`ChatRequest::first_media`]) is routed on what is certain
+//! of its tokens, the conversation before its first media
+//! ([`Tokenization::partial_chat_tokens`]; nothing in remote mode), and its load counts its
+//! text tokens: what the media become is up to the replica's model.
+//!
 //! Either way the cache namespace (model, LoRA adapter, `cache_salt`) comes from the local
 //! `Tokenization`, so hashes match the replica's.
 
@@ -19,7 +24,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use kvroute_proto::CacheNamespace;
-use kvroute_proto::openai::{Endpoint, ParsedRequest, RequestError, Tokenization};
+use kvroute_proto::openai::{ChatRequest, Endpoint, ParsedRequest, RequestError, Tokenization};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::body::{ProxyBody, full};
@@ -40,8 +45,32 @@ pub enum Prompts {
 /// What the decision path needs from a request.
 pub struct PromptInfo {
     pub namespace: CacheNamespace,
-    /// One token list per prompt.
+    /// One token list per prompt; for a chat with media, what is certain of its beginning.
     pub tokens: Vec<Vec<u32>>,
+    /// For a chat with media, its text tokens beyond its certain beginning (known to follow
+    /// `tokens`, but not which they are); `None` when every token is known.
+    pub unhashed_tokens: Option<usize>,
+}
+
+impl PromptInfo {
+    /// The namespace and tokens of `request`, tokenized by `t`.
+    fn local(t: &Tokenization, request: &mut ParsedRequest<'_>) -> Result<Self, RequestError> {
+        let namespace = t.namespace(request);
+        if let Some(chat) = media_chat(request) {
+            let partial = t.partial_chat_tokens(chat)?;
+            let unhashed_tokens = Some(partial.text_tokens.saturating_sub(partial.tokens.len()));
+            return Ok(Self { namespace, tokens: vec![partial.tokens], unhashed_tokens });
+        }
+        Ok(Self { namespace, tokens: t.take_prompt_tokens(request)?, unhashed_tokens: None })
+    }
+}
+
+/// `request` if it is a chat with media.
+fn media_chat<'r, 'a>(request: &'r ParsedRequest<'a>) -> Option<&'r ChatRequest<'a>> {
+    match request {
+        ParsedRequest::Chat(chat) if chat.first_media().is_some() => Some(chat),
+        _ => None,
+    }
 }
 
 pub type Client =
@@ -70,17 +99,11 @@ impl Prompts {
                 let _turn =
                     BLOCKING_TURNS.acquire().await.map_err(|e| PromptError::Tokenizing(e.to_string()))?;
                 let tokenized = tokio::task::spawn_blocking(move || {
-                    let mut request = ParsedRequest::parse(endpoint, &body)?;
-                    Ok(PromptInfo {
-                        namespace: t.namespace(&request),
-                        tokens: t.take_prompt_tokens(&mut request)?,
-                    })
+                    PromptInfo::local(&t, &mut ParsedRequest::parse(endpoint, &body)?)
                 });
-                tokenized.await.map_err(|e| PromptError::Tokenizing(e.to_string()))?
+                Ok(tokenized.await.map_err(|e| PromptError::Tokenizing(e.to_string()))??)
             }
-            Prompts::Local(t) => {
-                Ok(PromptInfo { namespace: t.namespace(request), tokens: t.take_prompt_tokens(request)? })
-            }
+            Prompts::Local(t) => Ok(PromptInfo::local(t, request)?),
             // Boxed: the remote exchange's future would otherwise make every request's
             // future larger (see `forward::first_byte`), local ones included.
             Prompts::Remote(r) => Box::pin(r.tokens(request, body, fleet)).await,
@@ -147,6 +170,11 @@ impl RemoteTokenizer {
         fleet: &[Member],
     ) -> Result<PromptInfo, PromptError> {
         let namespace = self.local.namespace(request);
+        if media_chat(request).is_some() {
+            // vLLM's `/tokenize` would expand the media into placeholders whose blocks carry
+            // the media's hash, which the router cannot compute: routed on load.
+            return Ok(PromptInfo { namespace, tokens: vec![Vec::new()], unhashed_tokens: Some(0) });
+        }
         // The endpoint is part of what a body means (the same bytes can carry both a
         // `prompt` and `messages`).
         let endpoint_seed = match request {
@@ -155,7 +183,7 @@ impl RemoteTokenizer {
         };
         let key = xxh3_64_with_seed(body, endpoint_seed);
         if let Some(hit) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).map.get(&key).cloned() {
-            return Ok(PromptInfo { namespace, tokens: hit.as_ref().clone() });
+            return Ok(PromptInfo { namespace, tokens: hit.as_ref().clone(), unhashed_tokens: None });
         }
         // However busy: a tokenization is not a generation.
         let verdicts = verdicts(fleet.iter().map(|m| &*m.upstream), u32::MAX);
@@ -225,7 +253,7 @@ impl RemoteTokenizer {
         if cache.map.insert(key, Arc::new(tokens.clone())).is_none() {
             cache.order.push_back(key);
         }
-        Ok(PromptInfo { namespace, tokens })
+        Ok(PromptInfo { namespace, tokens, unhashed_tokens: None })
     }
 
     /// Asks `replicas` in turn until one answers (or refuses the prompt: the client's error).

@@ -14,6 +14,7 @@ use kvroute_proto::hash::extend_chain;
 use kvroute_proto::openai::{Endpoint, ParsedRequest};
 use kvroute_proto::pb::StreamState as PbState;
 use kvroute_proto::{BlockHash, block_hash, chain, hit_tokens};
+use xxhash_rust::xxh3::xxh3_64;
 
 use super::error::ProxyError;
 use super::prompts::{PromptError, Prompts};
@@ -97,6 +98,9 @@ pub struct Plan {
     pub all_blocks: Vec<BlockHash>,
     /// Tokens of the routed (first) prompt.
     pub first_prompt_tokens: usize,
+    /// For a chat with media, how many of those are past what could be hashed; `None` when
+    /// every token was.
+    pub unhashed_tokens: Option<usize>,
     pub block_size: usize,
     /// The request's `max_tokens` (`max_completion_tokens` for chat), if it set one.
     pub max_tokens: Option<u64>,
@@ -152,6 +156,9 @@ impl Decider {
         let chosen = plan.chosen().ok_or_else(|| ProxyError::Unavailable(unavailable_reason(&plan)))?;
         self.fleet.credits().credit(chosen.member.replica.id, plan.uncredited(chosen));
         self.metrics.count_decision(self.policy.kind().as_str());
+        if plan.unhashed_tokens.is_some() {
+            self.metrics.partial_prompts.inc();
+        }
         Ok(plan)
     }
 
@@ -191,23 +198,31 @@ impl Decider {
             refused @ PromptError::Refused(_) => ProxyError::Refused(refused.to_string()),
         })?;
         let first = info.tokens.first().map(Vec::as_slice).unwrap_or_default();
+        let unhashed = info.unhashed_tokens.unwrap_or(0);
         let root = info.namespace.root();
         let blocks = chain(root, first, self.block_size);
-        let prompt_tokens: u64 = info.tokens.iter().map(|t| t.len() as u64).sum();
+        let prompt_tokens: u64 = info.tokens.iter().map(|t| t.len() as u64).sum::<u64>() + unhashed as u64;
         let mut all_blocks = blocks.clone();
         for t in info.tokens.iter().skip(1) {
             extend_chain(root, t, self.block_size, &mut all_blocks);
         }
         // What the request is, for ties: its last full block, or its tokens when it has none
-        // (so that short prompts at an idle fleet spread too).
+        // (so that short prompts at an idle fleet spread too), or its body when none are known.
+        let key = match (blocks.last(), first) {
+            (Some(last), _) => last.0,
+            (None, []) => xxh3_64(body),
+            (None, first) => block_hash(root, first).0,
+        };
         let view = RequestView {
             prompt_tokens: prompt_tokens as usize,
             blocks: blocks.len(),
             block_size: self.block_size,
-            key: blocks.last().copied().unwrap_or_else(|| block_hash(root, first)).0,
+            key,
         };
-        let mut plan = self.score(members, blocks, all_blocks, &view, first.len(), send);
+        let first_prompt_tokens = first.len() + unhashed;
+        let mut plan = self.score(members, blocks, all_blocks, &view, first_prompt_tokens, send);
         plan.max_tokens = request.max_tokens();
+        plan.unhashed_tokens = info.unhashed_tokens;
         Ok(plan)
     }
 
@@ -272,6 +287,7 @@ impl Decider {
             first_prompt_tokens,
             block_size: self.block_size,
             max_tokens: None,
+            unhashed_tokens: None,
         }
     }
 }

@@ -622,6 +622,61 @@ async fn remote_tokenization_sends_what_decides_the_ids() {
     shutdown.cancel();
 }
 
+/// A chat with an image is forwarded, not refused: routed on the conversation before the
+/// image, to the replica that cached it, as far as that conversation goes. (The agent itself
+/// has no vision model: its 400 is the replica's answer, passed on.)
+#[tokio::test]
+async fn a_chat_with_an_image_is_routed_on_the_conversation_before_it() {
+    let fleet = Fleet::start(3).await;
+    let history = |tag: &str| {
+        vec![
+            json!({"role": "system", "content": text(&format!("{tag}sys"), 120)}),
+            json!({"role": "user", "content": text(&format!("{tag}q"), 40)}),
+        ]
+    };
+    let mut homes = HashMap::new();
+    for tag in ["a", "b", "c", "d"] {
+        let body = json!({"model": FLEET_MODEL, "messages": history(tag), "max_tokens": 2});
+        let reply = fleet.http.post(&fleet.url("/v1/chat/completions"), &body).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        homes.insert(tag, reply.header("x-kvroute-replica").unwrap().to_owned());
+    }
+    for tag in ["a", "b", "c", "d"] {
+        let mut messages = history(tag);
+        messages.push(json!({"role": "assistant", "content": "Let me look."}));
+        messages.push(json!({"role": "user", "content": [
+            {"type": "text", "text": "What is in this picture?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        ]}));
+        let body = json!({"model": FLEET_MODEL, "messages": messages, "max_tokens": 2});
+        let reply = fleet.http.post(&fleet.url("/v1/chat/completions"), &body).await;
+        assert_eq!(reply.header("x-kvroute-replica"), Some(homes[tag].as_str()), "{tag}: {:?}", reply.body);
+        assert_eq!(reply.status, 400, "the agent's own answer: {:?}", reply.body);
+        assert!(String::from_utf8_lossy(&reply.body).contains("image_url"), "{:?}", reply.body);
+        let predicted: u32 = reply.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
+        assert!(predicted >= 10 * FLEET_BLOCK, "{tag}: the system prompt and question: {predicted}");
+    }
+    let metrics = scrape(&fleet.http, &fleet.url("")).await;
+    assert_eq!(sample(&metrics, "kvroute_router_partial_prompts_total"), Some(4));
+}
+
+/// With `--remote-tokenize`, a chat with media is routed on load: `/tokenize` would give the
+/// media's placeholders, whose blocks carry a hash the router cannot compute.
+#[tokio::test]
+async fn remote_tokenization_routes_a_chat_with_media_on_load() {
+    let (replica, asked) = tokenize_recording_replica().await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { remote_tokenize: true, ..c }).await;
+    let http = crate::fleet::Http::new();
+    let body = json!({"model": FLEET_MODEL, "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "Transcribe it."]}]});
+    let reply = http.post(&format!("{}/v1/chat/completions", router.url()), &body).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.header("x-kvroute-predicted-cached-tokens"), Some("0"));
+    assert!(asked.lock().unwrap().is_empty(), "/tokenize was asked");
+    shutdown.cancel();
+}
+
 /// A request its first replica refuses (503) and the next one serves: the decision's credit
 /// moves to the one that serves it, so the prefix's next requests follow it there instead
 /// of going back to the replica that refused.

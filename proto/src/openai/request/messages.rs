@@ -1,8 +1,8 @@
 //! Parsing `messages`: role, content (a string, null, or text parts joined with `"\n"`: as
 //! vLLM, plain strings and `text`, `input_text`, `output_text`, `refusal` and `thinking`
-//! parts) and
-//! every other key kept raw for the chat template. Visitors record a [`MessageProblem`]
-//! instead of failing, so the error names the message at fault.
+//! parts; any other part, an image or audio, is left out of the text and its type kept in
+//! [`Message::media`]) and every other key kept raw for the chat template. Visitors record a
+//! [`MessageProblem`] instead of failing, so the error names the message at fault.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -18,7 +18,6 @@ use crate::openai::error::{MessageProblem, RequestError};
 enum MessageResult<'a> {
     Ok(Message<'a>),
     Problem(MessageProblem),
-    Unsupported(String),
 }
 
 pub(super) fn parse_messages<'a>(raw: &'a RawValue) -> Result<Vec<Message<'a>>, RequestError> {
@@ -36,9 +35,6 @@ pub(super) fn parse_messages<'a>(raw: &'a RawValue) -> Result<Vec<Message<'a>>, 
         .map(|(index, r)| match r {
             MessageResult::Ok(m) => Ok(m),
             MessageResult::Problem(problem) => Err(RequestError::InvalidMessage { index, problem }),
-            MessageResult::Unsupported(part_type) => {
-                Err(RequestError::UnsupportedContentPart { index, part_type })
-            }
         })
         .collect()
 }
@@ -66,8 +62,13 @@ impl<'de: 'a, 'a> Deserialize<'de> for MaybeStr<'a> {
 enum Content<'a> {
     Null,
     Text(Cow<'a, str>),
-    Parts(Result<Vec<Cow<'a, str>>, MessageResult<'a>>),
+    /// The text parts, and the type of the first part that is not text.
+    Parts(Vec<Cow<'a, str>>, Option<Cow<'a, str>>),
+    /// Neither null, a string nor a list.
     Bad,
+    /// A part that is not an object with a string `type`, or a text part whose text is not a
+    /// string.
+    BadPart,
 }
 
 #[derive(Deserialize)]
@@ -119,8 +120,9 @@ impl<'de> Deserialize<'de> for Content<'de> {
         }
         let parts: Vec<&'de RawValue> = serde_json::from_str(s).map_err(de::Error::custom)?;
         let mut texts = Vec::with_capacity(parts.len());
+        let mut media = None;
         for part in parts {
-            let bad = || Ok(Content::Parts(Err(MessageResult::Problem(MessageProblem::BadContentPart))));
+            let bad = || Ok(Content::BadPart);
             // A plain string is a text part, as vLLM reads it.
             if part.get().starts_with('"') {
                 let text = serde_json::from_str::<Str<'de>>(part.get()).map_err(de::Error::custom)?.0;
@@ -138,10 +140,12 @@ impl<'de> Deserialize<'de> for Content<'de> {
                 Some(Ok(Some(text))) => texts.push(text),
                 Some(Ok(None)) => {}
                 Some(Err(())) => return bad(),
-                None => return Ok(Content::Parts(Err(MessageResult::Unsupported(kind.into_owned())))),
+                None => {
+                    media.get_or_insert(kind);
+                }
             }
         }
-        Ok(Content::Parts(Ok(texts)))
+        Ok(Content::Parts(texts, media))
     }
 }
 
@@ -171,14 +175,14 @@ impl<'de> Deserialize<'de> for MessageResult<'de> {
                     Some(MaybeStr::Other) => return Ok(MessageResult::Problem(MessageProblem::BadRole)),
                     Some(MaybeStr::Str(r)) => r,
                 };
-                let content = match content {
-                    Content::Null => None,
-                    Content::Text(t) => Some(t),
-                    Content::Parts(Ok(texts)) => Some(join_text_parts(texts)),
-                    Content::Parts(Err(problem)) => return Ok(problem),
+                let (content, media) = match content {
+                    Content::Null => (None, None),
+                    Content::Text(t) => (Some(t), None),
+                    Content::Parts(texts, media) => (Some(join_text_parts(texts)), media),
                     Content::Bad => return Ok(MessageResult::Problem(MessageProblem::BadContent)),
+                    Content::BadPart => return Ok(MessageResult::Problem(MessageProblem::BadContentPart)),
                 };
-                Ok(MessageResult::Ok(Message { role, content, extra }))
+                Ok(MessageResult::Ok(Message { role, content, media, extra }))
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
                 while seq.next_element::<IgnoredAny>()?.is_some() {}

@@ -195,10 +195,14 @@ fn malformed_chats() {
     let r = chat(&body).unwrap();
     assert_eq!(r.messages[1].content.as_deref(), Some("a\nb\nc\nd\ne"));
 
-    match chat(&msg(r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}"#)) {
-        Err(E::UnsupportedContentPart { index: 1, part_type }) => assert_eq!(part_type, "image_url"),
-        other => panic!("{other:?}"),
-    }
+    // Other parts (media) are left out of the text; the first one's type is kept.
+    let media = msg(r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}},"a",
+        {"type":"input_audio","input_audio":{}},{"type":"text","text":"b"}]}"#);
+    let r = chat(&media).unwrap();
+    assert_eq!(r.messages[1].content.as_deref(), Some("a\nb"));
+    assert_eq!(r.messages[1].media.as_deref(), Some("image_url"));
+    assert_eq!((r.messages[0].media.as_deref(), r.first_media()), (None, Some((1, "image_url"))));
+    assert_eq!(chat(&body).unwrap().first_media(), None);
     assert!(matches!(chat(r#"{"model":"m","messages":[]}"#), Err(E::EmptyMessages)));
     assert!(matches!(chat(r#"{"model":"m"}"#), Err(E::MissingField { param: "messages" })));
     assert!(matches!(
