@@ -23,6 +23,7 @@
 
 mod ids;
 mod messages;
+mod object;
 mod prompt;
 mod scan;
 
@@ -216,46 +217,6 @@ pub struct Message<'a> {
     pub extra: Vec<(Cow<'a, str>, &'a RawValue)>,
 }
 
-#[derive(Deserialize)]
-struct RawCompletion<'a> {
-    #[serde(borrow)]
-    model: Option<&'a RawValue>,
-    #[serde(borrow)]
-    prompt: Option<&'a RawValue>,
-    #[serde(borrow)]
-    stream: Option<&'a RawValue>,
-    #[serde(borrow)]
-    max_tokens: Option<&'a RawValue>,
-    #[serde(borrow)]
-    cache_salt: Option<&'a RawValue>,
-    #[serde(borrow)]
-    add_special_tokens: Option<&'a RawValue>,
-}
-
-#[derive(Deserialize)]
-struct RawChat<'a> {
-    #[serde(borrow)]
-    model: Option<&'a RawValue>,
-    #[serde(borrow)]
-    messages: Option<&'a RawValue>,
-    #[serde(borrow)]
-    stream: Option<&'a RawValue>,
-    #[serde(borrow)]
-    max_tokens: Option<&'a RawValue>,
-    #[serde(borrow)]
-    max_completion_tokens: Option<&'a RawValue>,
-    #[serde(borrow)]
-    cache_salt: Option<&'a RawValue>,
-    #[serde(borrow)]
-    add_generation_prompt: Option<&'a RawValue>,
-    #[serde(borrow)]
-    add_special_tokens: Option<&'a RawValue>,
-    #[serde(borrow)]
-    chat_template_kwargs: Option<&'a RawValue>,
-    #[serde(borrow)]
-    tools: Option<&'a RawValue>,
-}
-
 impl<'a> CompletionRequest<'a> {
     /// The fields read, in the order [`scan::fields`] returns them.
     const FIELDS: [&'static str; 6] =
@@ -270,11 +231,7 @@ impl<'a> CompletionRequest<'a> {
     fn parse_with(body: &'a [u8], fast: bool) -> Result<Self, RequestError> {
         let fields = match fast.then(|| scan::fields(body, &Self::FIELDS, Some(1))).flatten() {
             Some(fields) => fields,
-            None => {
-                let raw: RawCompletion<'a> = parse_object(body)?;
-                [raw.model, raw.prompt, raw.stream, raw.max_tokens, raw.cache_salt, raw.add_special_tokens]
-                    .map(|f| f.map(Field::Raw))
-            }
+            None => parse_object(body, &Self::FIELDS)?.map(|f| f.map(Field::Raw)),
         };
         let [model_, prompt, stream, max_tokens, salt, add_special_tokens] = fields;
         let prompt = match prompt.ok_or(RequestError::MissingField { param: "prompt" })? {
@@ -323,21 +280,7 @@ impl<'a> ChatRequest<'a> {
     fn parse_with(body: &'a [u8], fast: bool) -> Result<Self, RequestError> {
         let fields = match fast.then(|| scan::fields(body, &Self::FIELDS, None)).flatten() {
             Some(fields) => fields.map(Field::raw),
-            None => {
-                let raw: RawChat<'a> = parse_object(body)?;
-                [
-                    raw.model,
-                    raw.messages,
-                    raw.stream,
-                    raw.max_tokens,
-                    raw.max_completion_tokens,
-                    raw.cache_salt,
-                    raw.add_generation_prompt,
-                    raw.add_special_tokens,
-                    raw.chat_template_kwargs,
-                    raw.tools,
-                ]
-            }
+            None => parse_object(body, &Self::FIELDS)?,
         };
         let [
             model_,
@@ -382,8 +325,12 @@ impl<'a> ChatRequest<'a> {
 
 const NON_NEGATIVE: &str = "a non-negative integer";
 
-/// Deserializes the top-level object, telling "not JSON" from "JSON but not an object".
-fn parse_object<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, RequestError> {
+/// The fields `names` of the top-level object ([`object::fields`]), telling "not JSON" from
+/// "JSON but not an object".
+fn parse_object<'a, const N: usize>(
+    body: &'a [u8],
+    names: &[&str; N],
+) -> Result<[Option<&'a RawValue>; N], RequestError> {
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
     if first != Some(&b'{') {
         return Err(match serde_json::from_slice::<IgnoredAny>(body) {
@@ -391,7 +338,7 @@ fn parse_object<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, RequestErro
             Err(e) => RequestError::Json(e),
         });
     }
-    serde_json::from_slice(body).map_err(RequestError::Json)
+    object::fields(body, names).map_err(RequestError::Json)
 }
 
 /// A string that borrows from the body when it has no escapes.

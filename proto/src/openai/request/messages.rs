@@ -11,7 +11,7 @@ use serde::Deserialize;
 use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
-use super::{Message, Str};
+use super::{Message, Str, object};
 use crate::openai::error::{MessageProblem, RequestError};
 
 /// What one message parsed to, without failing the parse.
@@ -71,16 +71,28 @@ enum Content<'a> {
     BadPart,
 }
 
-#[derive(Deserialize)]
+/// A content part object's fields that decide its text (a repeated key's last value wins).
 struct RawPart<'a> {
-    #[serde(borrow, rename = "type")]
     kind: Option<MaybeStr<'a>>,
-    #[serde(borrow)]
     text: Option<MaybeStr<'a>>,
-    #[serde(borrow)]
     refusal: Option<MaybeStr<'a>>,
-    #[serde(borrow)]
     thinking: Option<MaybeStr<'a>>,
+}
+
+impl<'de> Deserialize<'de> for RawPart<'de> {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let read = |raw: Option<&'de RawValue>| {
+            raw.map(|raw| serde_json::from_str::<MaybeStr<'de>>(raw.get()).map_err(de::Error::custom))
+                .transpose()
+        };
+        let [kind, text, refusal, thinking] = object::fields_of(d, &["type", "text", "refusal", "thinking"])?;
+        Ok(RawPart {
+            kind: read(kind)?,
+            text: read(text)?,
+            refusal: read(refusal)?,
+            thinking: read(thinking)?,
+        })
+    }
 }
 
 impl<'a> RawPart<'a> {

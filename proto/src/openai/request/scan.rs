@@ -5,7 +5,7 @@
 //! Values are still read by serde_json (a [`RawValue`] for a known field, [`IgnoredAny`]
 //! for an unknown one, so they are validated exactly as the serde path validates them); only
 //! the object's own punctuation, its keys and a plain token-id or text `prompt` are read
-//! here. Anything unusual — a key with an escape, a repeated field, a syntax error — makes
+//! here. Anything unusual — a key with an escape, a syntax error — makes
 //! [`fields`] return `None`, and the caller parses the body with serde instead, which gives
 //! the error messages. A property test checks that both paths agree.
 
@@ -48,7 +48,6 @@ pub(super) fn fields<'a, const N: usize>(
     prompt: Option<usize>,
 ) -> Option<[Option<Field<'a>>; N]> {
     let mut out: [Option<Field<'a>>; N] = std::array::from_fn(|_| None);
-    let mut seen = [false; N];
     let mut i = skip_space(body, 0);
     if body.get(i) != Some(&b'{') {
         return None;
@@ -65,10 +64,8 @@ pub(super) fn fields<'a, const N: usize>(
         }
         i = skip_space(body, i + 1);
         match names.iter().position(|name| name.as_bytes() == key) {
+            // A repeated field's last value wins, as in Python (so vLLM).
             Some(k) => {
-                if std::mem::replace(&mut seen[k], true) {
-                    return None;
-                }
                 let (field, len) =
                     if Some(k) == prompt { prompt_at(&body[i..])? } else { raw_at(&body[i..])? };
                 out[k] = field;
