@@ -120,6 +120,7 @@ pub async fn serve_on_threads<M, H, F, B>(
     threads: usize,
     make_handler: M,
     limits: Limits,
+    heartbeats: Heartbeats,
     shutdown: CancellationToken,
 ) -> std::io::Result<()>
 where
@@ -141,12 +142,12 @@ where
     for (i, listener) in listeners.into_iter().enumerate() {
         let start = || -> std::io::Result<_> {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-            let (handler, connections, slots, stop) =
-                (make_handler(), connections.clone(), slots.clone(), stop.clone());
+            let (handler, connections, slots, stop, heartbeats) =
+                (make_handler(), connections.clone(), slots.clone(), stop.clone(), heartbeats.clone());
             let (finished, on_finish) = tokio::sync::oneshot::channel::<()>();
             std::thread::Builder::new().name(format!("http-{i}")).spawn(move || {
                 runtime.block_on(async move {
-                    tokio::spawn(keep_timer_deadline_near(stop.clone()));
+                    tokio::spawn(keep_timer_deadline_near(stop.clone(), move || heartbeats.beat(i)));
                     match TcpListener::from_std(listener) {
                         Ok(listener) => {
                             accept_loop(listener, handler, &limits, &slots, &connections, &stop).await
@@ -235,14 +236,47 @@ fn shared_port(listener: &std::net::TcpListener, n: usize) -> std::io::Result<Ve
 /// request (hyper's header-read timeout, the first-byte and idle timeouts), all due seconds
 /// away; with nothing sooner pending, each one moved the deadline closer and cost that wake-up.
 /// With this tick pending they never do.
-async fn keep_timer_deadline_near(stop: CancellationToken) {
+///
+/// Each tick also calls `beat`: a thread whose ticks stop is stuck ([`Heartbeats`]).
+async fn keep_timer_deadline_near(stop: CancellationToken, beat: impl Fn()) {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tick.tick() => {}
+            _ = tick.tick() => beat(),
         }
+    }
+}
+
+/// When each thread of [`serve_on_threads`] last ran its half-second tick. A thread that has
+/// not ticked for seconds is stuck (a blocking call, a loop that does not yield), and so is
+/// every connection it holds; the other threads and the process may look healthy meanwhile.
+#[derive(Clone, Debug)]
+pub struct Heartbeats {
+    epoch: std::time::Instant,
+    /// Milliseconds from `epoch` to each thread's last tick.
+    beats: Arc<[std::sync::atomic::AtomicU64]>,
+}
+
+impl Heartbeats {
+    /// For `threads` threads, each counted as having ticked now.
+    pub fn new(threads: usize) -> Self {
+        Self { epoch: std::time::Instant::now(), beats: (0..threads).map(|_| Default::default()).collect() }
+    }
+
+    fn beat(&self, thread: usize) {
+        if let Some(beat) = self.beats.get(thread) {
+            let millis = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+            beat.store(millis, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// The threads whose last tick was `max_age` or more before `now`.
+    pub fn stalled(&self, now: std::time::Instant, max_age: Duration) -> Vec<usize> {
+        let age = |millis: u64| now.saturating_duration_since(self.epoch + Duration::from_millis(millis));
+        let beats = self.beats.iter().map(|b| b.load(std::sync::atomic::Ordering::Relaxed));
+        beats.enumerate().filter(|&(_, millis)| age(millis) >= max_age).map(|(i, _)| i).collect()
     }
 }
 
@@ -367,8 +401,14 @@ mod tests {
                 }
             }
         };
-        let server =
-            tokio::spawn(serve_on_threads(listener, 2, make_handler, Limits::default(), shutdown.clone()));
+        let server = tokio::spawn(serve_on_threads(
+            listener,
+            2,
+            make_handler,
+            Limits::default(),
+            Heartbeats::new(2),
+            shutdown.clone(),
+        ));
         let mut gets = tokio::task::JoinSet::new();
         for _ in 0..16 {
             gets.spawn(get(addr));
@@ -392,6 +432,52 @@ mod tests {
         assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "the listener is closed");
     }
 
+    /// A thread its handler blocks stops ticking and is reported stalled; the other is not.
+    #[tokio::test]
+    async fn a_blocked_thread_is_reported_stalled() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let make_handler = || {
+            |req: Request<Incoming>| async move {
+                if req.uri().path() == "/block" {
+                    std::thread::sleep(Duration::from_secs(4));
+                }
+                Response::new(Full::new(Bytes::from(std::thread::current().name().unwrap_or("?").to_owned())))
+            }
+        };
+        let heartbeats = Heartbeats::new(2);
+        let server = tokio::spawn(serve_on_threads(
+            listener,
+            2,
+            make_handler,
+            Limits::default(),
+            heartbeats.clone(),
+            shutdown.clone(),
+        ));
+        let max_age = Duration::from_secs(2);
+        assert!(heartbeats.stalled(std::time::Instant::now(), max_age).is_empty());
+        let blocked = tokio::spawn(async move {
+            let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+            stream.write_all(b"GET /block HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();
+            let mut response = String::new();
+            stream.read_to_string(&mut response).await.unwrap();
+            response
+        });
+        let stalled = loop {
+            let stalled = heartbeats.stalled(std::time::Instant::now(), max_age);
+            if !stalled.is_empty() || blocked.is_finished() {
+                break stalled;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let response = blocked.await.unwrap();
+        assert_eq!(stalled.len(), 1, "{stalled:?}");
+        assert!(response.ends_with(&format!("http-{}", stalled[0])), "{stalled:?}: {response}");
+        shutdown.cancel();
+        server.await.unwrap().unwrap();
+    }
+
     /// A client that opens its connections in a burst gets them served by every thread
     /// (one listening socket per thread): on one shared socket the first thread to wake took
     /// most of them.
@@ -405,8 +491,14 @@ mod tests {
                 Response::new(Full::new(Bytes::from(std::thread::current().name().unwrap_or("?").to_owned())))
             }
         };
-        let server =
-            tokio::spawn(serve_on_threads(listener, 2, make_handler, Limits::default(), shutdown.clone()));
+        let server = tokio::spawn(serve_on_threads(
+            listener,
+            2,
+            make_handler,
+            Limits::default(),
+            Heartbeats::new(2),
+            shutdown.clone(),
+        ));
         let mut streams = Vec::new();
         for _ in 0..64 {
             streams.push(tokio::net::TcpStream::connect(addr).await.unwrap());

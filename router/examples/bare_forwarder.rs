@@ -23,7 +23,7 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use kvroute_proto::serve::{Limits, serve_on_threads};
+use kvroute_proto::serve::{Heartbeats, Limits, serve_on_threads};
 use kvroute_router::proxy::body::ProxyBody;
 use kvroute_router::proxy::http1::Outgoing;
 use kvroute_router::proxy::pool::Pool;
@@ -58,7 +58,15 @@ fn main() -> anyhow::Result<()> {
             let _ = tokio::signal::ctrl_c().await;
             on_signal.cancel();
         });
-        serve_on_threads(listener, threads, make_handler, Limits::default(), shutdown).await?;
+        serve_on_threads(
+            listener,
+            threads,
+            make_handler,
+            Limits::default(),
+            Heartbeats::new(threads),
+            shutdown,
+        )
+        .await?;
         Ok(())
     })
 }

@@ -41,6 +41,11 @@ pub struct Config {
     /// Address of the gRPC admin service (loopback by default).
     #[arg(long, env = "KVROUTE_ADMIN_LISTEN", default_value = "127.0.0.1:50061")]
     pub admin_listen: SocketAddr,
+    /// Address of a listener of its own for `GET /health` and `/ready`, outside the proxy's
+    /// connection limit, so that a liveness probe is answered while the proxy is full.
+    #[arg(long, env = "KVROUTE_HEALTH_LISTEN")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_listen: Option<SocketAddr>,
     /// Bearer token the admin service requires; mandatory when it listens beyond loopback.
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
     #[serde(skip_serializing_if = "Option::is_none")]

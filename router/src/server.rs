@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use kvroute_proto::openai::{Tokenization, TokenizationConfig, TokenizerSpec};
+use kvroute_proto::serve::Heartbeats;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -33,6 +34,8 @@ use crate::proxy::{self, ProxyState};
 pub struct RunningRouter {
     pub addr: SocketAddr,
     pub admin_addr: SocketAddr,
+    /// Where `/health` and `/ready` are served apart from the proxy, if anywhere.
+    pub health_addr: Option<SocketAddr>,
     pub state: Arc<ProxyState>,
     pub tracker: TaskTracker,
     pub shutdown: CancellationToken,
@@ -184,6 +187,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         models,
         discovery,
         synced_once: AtomicBool::new(false),
+        heartbeats: Heartbeats::new(config.http_threads()),
     });
 
     let listener =
@@ -193,6 +197,15 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         .with_context(|| format!("binding {}", config.admin_listen))?;
     let addr = listener.local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
+    let health_addr = match config.health_listen {
+        Some(at) => {
+            let health = TcpListener::bind(at).await.with_context(|| format!("binding {at}"))?;
+            let health_addr = health.local_addr()?;
+            tracker.spawn(proxy::serve_probes(health, state.clone(), shutdown.clone()));
+            Some(health_addr)
+        }
+        None => None,
+    };
 
     tracker.spawn(proxy::serve(
         listener,
@@ -225,10 +238,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         }
     });
     tracing::info!(
-        listen = %addr, admin = %admin_addr, policy = config.policy.as_str(),
+        listen = %addr, admin = %admin_addr, health = ?health_addr, policy = config.policy.as_str(),
         replicas = config.replicas.len(), admin_auth, "router started"
     );
-    Ok(RunningRouter { addr, admin_addr, state, tracker, shutdown })
+    Ok(RunningRouter { addr, admin_addr, health_addr, state, tracker, shutdown })
 }
 
 /// Runs a router until `shutdown` fires, then waits for its tasks.

@@ -5,7 +5,7 @@
 //! | `POST /v1/completions`, `POST /v1/chat/completions` | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]) |
 //! | other `/v1/*` | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused: [`paths`]) |
 //! | `GET /v1/models` | the fleet's model and LoRA adapters |
-//! | `GET /health` | 200 while the process runs |
+//! | `GET /health` | 200 while every HTTP thread runs its tick ([`ProxyState::stalled_threads`]), else 503 |
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //!
@@ -37,7 +37,7 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use kvroute_proto::openai::Endpoint;
-use kvroute_proto::serve::Limits;
+use kvroute_proto::serve::{Heartbeats, Limits};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -68,11 +68,23 @@ pub struct ProxyState {
     pub discovery: crate::discovery::Discovery,
     /// Set once the first sync completed: `/ready` stays true from then on.
     pub(crate) synced_once: AtomicBool,
+    /// The proxy's HTTP threads' ticks.
+    pub heartbeats: Heartbeats,
 }
+
+/// An HTTP thread that has not ticked for this long is stuck: `/health` fails.
+pub const STALLED_AFTER: Duration = Duration::from_secs(10);
 
 impl ProxyState {
     pub fn fleet(&self) -> &Fleet {
         &self.decider.fleet
+    }
+
+    /// The proxy's HTTP threads that have not ticked for [`STALLED_AFTER`]: stuck in a
+    /// blocking call or a loop, with their connections. A probe on the proxy's port reaches
+    /// one thread, a stuck one never, so it could not tell.
+    pub fn stalled_threads(&self) -> Vec<usize> {
+        self.heartbeats.stalled(std::time::Instant::now(), STALLED_AFTER)
     }
 
     /// Ready to route: discovery has listed the replicas once, and every replica then
@@ -92,6 +104,49 @@ impl ProxyState {
     }
 }
 
+/// The answer to `GET /health` or `GET /ready` (any other path: 404), on the proxy's port or
+/// the health port ([`serve_probes`]).
+fn probe(state: &ProxyState, path: &str) -> Response<ProxyBody> {
+    let (status, text) = match path {
+        "/health" => match state.stalled_threads() {
+            stalled if stalled.is_empty() => (StatusCode::OK, String::new()),
+            stalled => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("HTTP threads {stalled:?} have not run for {} s or more", STALLED_AFTER.as_secs()),
+            ),
+        },
+        "/ready" if state.ready() => (StatusCode::OK, "ready".into()),
+        "/ready" => (StatusCode::SERVICE_UNAVAILABLE, "waiting for the first sync of every replica".into()),
+        _ => (StatusCode::NOT_FOUND, String::new()),
+    };
+    let mut response = Response::new(full(Bytes::from(text)));
+    *response.status_mut() = status;
+    response
+}
+
+/// Serves `GET /health` and `GET /ready` on `listener` until `shutdown` fires: a listener of
+/// its own, outside the proxy's connection limit, so that liveness probes are answered while
+/// the proxy is full (a probe that waits behind the limit would have the router restarted
+/// under load, dropping every connection and the index with it).
+pub async fn serve_probes(listener: TcpListener, state: Arc<ProxyState>, shutdown: CancellationToken) {
+    let limits =
+        Limits { max_connections: 64, header_read_timeout: Duration::from_secs(10), ..Limits::default() };
+    let handler = move |req: Request<Incoming>| {
+        let state = state.clone();
+        async move {
+            match *req.method() {
+                Method::GET => probe(&state, req.uri().path()),
+                _ => {
+                    let mut response = Response::new(full(Bytes::new()));
+                    *response.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+                    response
+                }
+            }
+        }
+    };
+    kvroute_proto::serve::serve_with(listener, handler, limits, shutdown).await;
+}
+
 /// Serves the proxy on `listener` with `threads` threads within `limits` until `shutdown`
 /// fires, then drains open requests. Each thread forwards through an upstream connection
 /// pool of its own ([`kvroute_proto::serve::serve_on_threads`]).
@@ -107,7 +162,9 @@ pub async fn serve(
         let pool = Arc::new((state.new_pool)());
         move |req| handle(state.clone(), pool.clone(), req)
     };
-    let served = kvroute_proto::serve::serve_on_threads(listener, threads, make_handler, limits, shutdown);
+    let heartbeats = state.heartbeats.clone();
+    let served =
+        kvroute_proto::serve::serve_on_threads(listener, threads, make_handler, limits, heartbeats, shutdown);
     if let Err(e) = served.await {
         tracing::error!(error = %e, "cannot start the proxy's HTTP threads");
     }
@@ -148,15 +205,7 @@ async fn dispatch(
             Box::pin(routed(state, pool, req, Endpoint::ChatCompletions, request_id)).await
         }
         (Method::GET, "/v1/models") => Ok(json(StatusCode::OK, models(state))),
-        (Method::GET, "/health") => Ok(Response::new(full(Bytes::new()))),
-        (Method::GET, "/ready") => Ok(if state.ready() {
-            Response::new(full(Bytes::from_static(b"ready")))
-        } else {
-            let mut r =
-                Response::new(full(Bytes::from_static(b"waiting for the first sync of every replica")));
-            *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-            r
-        }),
+        (Method::GET, "/health" | "/ready") => Ok(probe(state, &path)),
         (Method::GET, "/metrics") => Ok(metrics(state)),
         (method, p) => match paths::allowed(p) {
             Some(allow) => Err(ProxyError::MethodNotAllowed { method: method.to_string(), allow }),

@@ -63,9 +63,17 @@ async fn oversized_request_heads_get_431_on_both_servers() {
     }
 }
 
+/// A connection beyond `--max-connections` waits for a free slot, while the health port
+/// (`--health-listen`) still answers: a liveness probe that waited behind the limit would
+/// have the router restarted under load.
 #[tokio::test]
 async fn connections_beyond_the_limit_wait_for_a_free_slot() {
-    let fleet = Fleet::with(1, agent_config, |c| kvroute_router::Config { max_connections: 2, ..c }).await;
+    let fleet = Fleet::with(1, agent_config, |c| kvroute_router::Config {
+        max_connections: 2,
+        health_listen: Some("127.0.0.1:0".parse().unwrap()),
+        ..c
+    })
+    .await;
     let addr = fleet.router.addr;
     // Two keep-alive connections hold both slots.
     let mut held = Vec::new();
@@ -79,6 +87,13 @@ async fn connections_beyond_the_limit_wait_for_a_free_slot() {
     let pending =
         tokio::time::timeout(Duration::from_millis(300), raw_request(&mut third, &get_health(""))).await;
     assert!(pending.is_err(), "served beyond the connection limit");
+    let health = fleet.router.health_addr.unwrap();
+    for probe in ["/health", "/ready"] {
+        let mut stream = TcpStream::connect(health).await.unwrap();
+        let request = format!("GET {probe} HTTP/1.1\r\nhost: x\r\n\r\n");
+        let answer = tokio::time::timeout(Duration::from_secs(10), raw_request(&mut stream, &request)).await;
+        assert!(answer.unwrap().starts_with("HTTP/1.1 200"), "{probe} on the health port");
+    }
     // ...and is as soon as one closes.
     drop(held.pop());
     let mut buf = vec![0u8; 1024];
