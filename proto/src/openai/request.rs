@@ -31,6 +31,7 @@ use std::borrow::Cow;
 
 use serde::Deserialize;
 use serde::de::IgnoredAny;
+use serde_json::Value;
 use serde_json::value::RawValue;
 
 use self::messages::parse_messages;
@@ -242,10 +243,10 @@ impl<'a> CompletionRequest<'a> {
         Ok(CompletionRequest {
             model: model(Field::raw(model_))?,
             prompt,
-            stream: field(Field::raw(stream), "stream", "a boolean")?.unwrap_or(false),
-            max_tokens: field(Field::raw(max_tokens), "max_tokens", NON_NEGATIVE)?,
+            stream: boolean(Field::raw(stream), "stream")?.unwrap_or(false),
+            max_tokens: count(Field::raw(max_tokens), "max_tokens")?,
             cache_salt: cache_salt(Field::raw(salt))?,
-            add_special_tokens: field(Field::raw(add_special_tokens), "add_special_tokens", "a boolean")?
+            add_special_tokens: boolean(Field::raw(add_special_tokens), "add_special_tokens")?
                 .unwrap_or(true),
         })
     }
@@ -309,14 +310,12 @@ impl<'a> ChatRequest<'a> {
         Ok(ChatRequest {
             model: model(model_)?,
             messages,
-            stream: field(stream, "stream", "a boolean")?.unwrap_or(false),
-            max_tokens: field(max_tokens, "max_tokens", NON_NEGATIVE)?,
-            max_completion_tokens: field(max_completion_tokens, "max_completion_tokens", NON_NEGATIVE)?,
+            stream: boolean(stream, "stream")?.unwrap_or(false),
+            max_tokens: count(max_tokens, "max_tokens")?,
+            max_completion_tokens: count(max_completion_tokens, "max_completion_tokens")?,
             cache_salt: cache_salt(salt)?,
-            add_generation_prompt: field(add_generation_prompt, "add_generation_prompt", "a boolean")?
-                .unwrap_or(true),
-            add_special_tokens: field(add_special_tokens, "add_special_tokens", "a boolean")?
-                .unwrap_or(false),
+            add_generation_prompt: boolean(add_generation_prompt, "add_generation_prompt")?.unwrap_or(true),
+            add_special_tokens: boolean(add_special_tokens, "add_special_tokens")?.unwrap_or(false),
             chat_template_kwargs,
             tools,
         })
@@ -353,6 +352,48 @@ fn field<'a, T: Deserialize<'a>>(
 ) -> Result<Option<T>, RequestError> {
     raw.map(|r| serde_json::from_str(r.get()).map_err(|_| RequestError::InvalidField { param, expected }))
         .transpose()
+}
+
+/// An optional boolean as pydantic's default (lax) mode reads one, and so vLLM: `true` and
+/// `false`, `0` and `1`, and the strings `"true"`, `"yes"`, `"on"`, `"1"`, `"t"`, `"y"` and
+/// their opposites; `null` is absent, anything else [`RequestError::InvalidField`].
+fn boolean(raw: Option<&RawValue>, param: &'static str) -> Result<Option<bool>, RequestError> {
+    let Some(raw) = raw else { return Ok(None) };
+    let value = match serde_json::from_str(raw.get()) {
+        Ok(Value::Bool(b)) => Some(b),
+        Ok(Value::Number(n)) => match n.as_f64() {
+            Some(0.0) => Some(false),
+            Some(1.0) => Some(true),
+            _ => None,
+        },
+        Ok(Value::String(s)) => match s.to_ascii_lowercase().as_str() {
+            "0" | "off" | "f" | "false" | "n" | "no" => Some(false),
+            "1" | "on" | "t" | "true" | "y" | "yes" => Some(true),
+            _ => None,
+        },
+        _ => None,
+    };
+    value.map(Some).ok_or(RequestError::InvalidField { param, expected: "a boolean" })
+}
+
+/// An optional non-negative integer as pydantic's lax mode reads one: an integer, a number
+/// with no fractional part (`256.0`, as Python's `json.dumps` writes a float), a string of
+/// digits, or a boolean; `null` is absent, anything else [`RequestError::InvalidField`].
+fn count(raw: Option<&RawValue>, param: &'static str) -> Result<Option<u64>, RequestError> {
+    let Some(raw) = raw else { return Ok(None) };
+    let value = match serde_json::from_str(raw.get()) {
+        Ok(Value::Number(n)) => n.as_u64().or_else(|| n.as_f64().and_then(whole_u64)),
+        Ok(Value::String(s)) => s.trim().parse().ok(),
+        Ok(Value::Bool(b)) => Some(u64::from(b)),
+        _ => None,
+    };
+    value.map(Some).ok_or(RequestError::InvalidField { param, expected: NON_NEGATIVE })
+}
+
+/// `v` as a u64 when it is one exactly.
+fn whole_u64(v: f64) -> Option<u64> {
+    // 2^64 is exact as an f64; every whole f64 below it converts exactly.
+    (v.fract() == 0.0 && (0.0..18_446_744_073_709_551_616.0).contains(&v)).then_some(v as u64)
 }
 
 /// The `model`; absent or null is `""`, which (as in vLLM, where `model` is optional) means

@@ -347,7 +347,7 @@ async fn malformed_requests_get_openai_errors() {
             .param("prompt")
             .code("missing_required_parameter"),
         bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": { "a": 1 } })), 400).param("prompt"),
-        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "max_tokens": "5" })), 400)
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "max_tokens": "five" })), 400)
             .param("max_tokens"),
         bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "max_tokens": 0 })), 400)
             .param("max_tokens"),

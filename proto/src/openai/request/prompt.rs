@@ -182,8 +182,10 @@ impl<'de> Deserialize<'de> for Item<'de> {
             fn visit_i64<E: de::Error>(self, v: i64) -> Result<Item<'de>, E> {
                 Ok(u64::try_from(v).ok().and_then(token_id_u64).map_or(Item::BadId, Item::Id))
             }
-            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Item<'de>, E> {
-                Ok(Item::BadId)
+            // A number with no fractional part is a token id too, as pydantic's lax mode
+            // reads `list[int]` (so vLLM): `[1.0, 2.0]`.
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Item<'de>, E> {
+                Ok(super::whole_u64(v).and_then(token_id_u64).map_or(Item::BadId, Item::Id))
             }
             fn visit_unit<E: de::Error>(self) -> Result<Item<'de>, E> {
                 Ok(Item::Other)
@@ -275,7 +277,13 @@ mod tests {
     fn kind(v: &Value) -> Kind {
         match v {
             Value::String(s) => Kind::Text(s.clone()),
-            Value::Number(n) => n.as_u64().and_then(|n| u32::try_from(n).ok()).map_or(Kind::BadId, Kind::Id),
+            Value::Number(n) => n
+                .as_u64()
+                .or_else(|| {
+                    n.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 1e20).map(|f| f as u64)
+                })
+                .and_then(|n| u32::try_from(n).ok())
+                .map_or(Kind::BadId, Kind::Id),
             Value::Array(items) => {
                 let kinds: Vec<Kind> = items.iter().map(kind).collect();
                 if kinds.iter().any(|k| !matches!(k, Kind::Id(_) | Kind::BadId)) {
@@ -339,6 +347,9 @@ mod tests {
             1 => Just(Value::from(u64::from(u32::MAX) + 1)),
             1 => Just(Value::from(-1)),
             1 => Just(Value::from(1.5)),
+            1 => Just(Value::from(7.0)),
+            1 => Just(Value::from(4294967296.0)),
+            1 => Just(Value::from(-0.0)),
             1 => "[a-c]{0,2}".prop_map(Value::from),
             1 => Just(Value::Null),
             1 => Just(Value::Bool(true)),

@@ -66,6 +66,42 @@ fn optional_fields_and_unknown_fields() {
     assert_eq!((r.max_tokens, r.stream, r.cache_salt), (None, false, None));
 }
 
+/// Numbers and booleans are read as pydantic's default (lax) mode reads them, so as vLLM:
+/// `256.0` (Python's `json.dumps` of a float) is 256, `"true"` is true.
+#[test]
+fn numbers_and_booleans_are_read_as_vllm_reads_them() {
+    let body =
+        r#"{"model":"m","prompt":[1.0,2e0,3],"max_tokens":256.0,"stream":"true","add_special_tokens":0}"#;
+    let r = completion(body).unwrap();
+    assert_eq!(
+        (&r.prompt, r.max_tokens, r.stream, r.add_special_tokens),
+        (&Prompt::Tokens(vec![1, 2, 3]), Some(256), true, false)
+    );
+    let r = completion(
+        r#"{"model":"m","prompt":[[5.0],[6]],"max_tokens":" 17 ","stream":"Off","add_special_tokens":"yes"}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        (&r.prompt, r.max_tokens, r.stream, r.add_special_tokens),
+        (&Prompt::TokensBatch(vec![vec![5], vec![6]]), Some(17), false, true)
+    );
+    let r = chat(r#"{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":1e2,"add_generation_prompt":"n"}"#).unwrap();
+    assert_eq!((r.max_completion_tokens, r.add_generation_prompt), (Some(100), false));
+    for (body, param) in [
+        (r#"{"prompt":"p","max_tokens":1.5}"#, "max_tokens"),
+        (r#"{"prompt":"p","max_tokens":"ten"}"#, "max_tokens"),
+        (r#"{"prompt":"p","max_tokens":-1.0}"#, "max_tokens"),
+        (r#"{"prompt":"p","stream":"maybe"}"#, "stream"),
+        (r#"{"prompt":"p","stream":2}"#, "stream"),
+        (r#"{"prompt":"p","add_special_tokens":[]}"#, "add_special_tokens"),
+    ] {
+        match completion(body) {
+            Err(RequestError::InvalidField { param: p, .. }) => assert_eq!(p, param, "{body}"),
+            other => panic!("{body}: {other:?}"),
+        }
+    }
+}
+
 /// A repeated key's last value wins, as Python's `json.loads` (so vLLM) reads it: at the top
 /// level, by either path, and in content parts.
 #[test]
@@ -119,7 +155,7 @@ fn malformed_completions() {
         (r#"{"model":"m","prompt":[4294967296]}"#, |e| matches!(e, E::BadTokenId)),
         (r#"{"model":"m","prompt":[1.5]}"#, |e| matches!(e, E::BadTokenId)),
         (r#"{"model":"m","prompt":[[1,-2]]}"#, |e| matches!(e, E::BadTokenId)),
-        (r#"{"model":"m","prompt":"p","stream":"yes"}"#, |e| {
+        (r#"{"model":"m","prompt":"p","stream":"sure"}"#, |e| {
             matches!(e, E::InvalidField { param: "stream", .. })
         }),
         (r#"{"model":"m","prompt":"p","max_tokens":-1}"#, |e| {
@@ -252,7 +288,7 @@ fn malformed_chats() {
         Err(E::InvalidField { param: "tools", .. })
     ));
     assert!(matches!(
-        chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"add_generation_prompt":1}"#),
+        chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"add_generation_prompt":2}"#),
         Err(E::InvalidField { param: "add_generation_prompt", .. })
     ));
 }
