@@ -3,7 +3,7 @@
 //! | path | what the router does |
 //! |---|---|
 //! | `POST /v1/completions`, `POST /v1/chat/completions` | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]) |
-//! | other `/v1/*` | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused: [`paths`]) |
+//! | other `/v1/*`, `/v2/*`, and the engines' inference paths outside them (`/tokenize`, `/rerank`, SGLang's `/generate`, ...: [`paths`]) | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused) |
 //! | `GET /v1/models` | the fleet's model and LoRA adapters |
 //! | `GET /health` | 200 while every HTTP thread runs its tick ([`ProxyState::stalled_threads`]), else 503 |
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
@@ -209,7 +209,7 @@ async fn dispatch(
         (Method::GET, "/metrics") => Ok(metrics(state)),
         (method, p) => match paths::allowed(p) {
             Some(allow) => Err(ProxyError::MethodNotAllowed { method: method.to_string(), allow }),
-            None if p.starts_with("/v1/") => {
+            None if paths::passes_through(p) => {
                 paths::check_passthrough(p)?;
                 Box::pin(passthrough(state, pool, req, request_id)).await
             }
@@ -240,7 +240,8 @@ fn admit<'a>(state: &ProxyState, request_id: &'a str) -> Result<Admitted<'a>, Pr
     Ok(Admitted { request_id, slot })
 }
 
-/// Any other `/v1/*` request: streamed to the least-loaded eligible replica.
+/// Any other request that passes through ([`paths::passes_through`]): streamed to the
+/// least-loaded eligible replica.
 async fn passthrough(
     state: &Arc<ProxyState>,
     pool: &Arc<Pool>,

@@ -21,6 +21,31 @@ const OWN: [(&str, &str); 6] = [
     ("/metrics", "GET"),
 ];
 
+/// The engines' own inference paths outside `/v1/` that pass through like `/v1/*` ones: vLLM's
+/// tokenizer, pooling, scoring and SageMaker endpoints, and SGLang's native API.
+const ENGINE: [&str; 11] = [
+    "/tokenize",
+    "/detokenize",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/rerank",
+    "/invocations",
+    "/generate",
+    "/encode",
+    "/v1",
+    "/v2",
+];
+
+/// Whether a path the router does not answer itself goes to a replica: `/v1/*` and `/v2/*`,
+/// and the engines' other inference paths ([`ENGINE`]).
+pub fn passes_through(path: &str) -> bool {
+    ENGINE.iter().any(|prefix| {
+        path.strip_prefix(prefix)
+            .is_some_and(|rest| rest.is_empty() && !prefix.starts_with("/v") || rest.starts_with('/'))
+    })
+}
+
 /// The method `path` takes, if the router answers it itself.
 pub fn allowed(path: &str) -> Option<&'static str> {
     OWN.iter().find(|(own, _)| *own == path).map(|(_, method)| *method)
@@ -66,6 +91,18 @@ mod tests {
     fn other_paths_pass() {
         for path in ["/v1/embeddings", "/v1/files/file-abc%20", "/v1/models/org%2Fname", "/v1/score/"] {
             assert!(check_passthrough(path).is_ok(), "{path}");
+        }
+    }
+
+    #[test]
+    fn engine_paths_pass_through_and_others_do_not() {
+        for path in
+            ["/v1/embeddings", "/v2/rerank", "/tokenize", "/detokenize", "/rerank", "/generate", "/v1/x/y"]
+        {
+            assert!(passes_through(path), "{path}");
+        }
+        for path in ["/", "/v1", "/v2", "/tokenizer", "/version", "/admin", "/v10/x", "/generate2"] {
+            assert!(!passes_through(path), "{path}");
         }
     }
 

@@ -431,6 +431,12 @@ async fn other_v1_requests_stream_through_and_oversized_uploads_do_not_eject_rep
     assert!(answer.starts_with("HTTP/1.1 404"), "the replica's own answer: {answer}");
     assert!(answer.contains("x-kvroute-replica: "), "{answer}");
     assert!(answer.contains("not_found"), "{answer}");
+    // The engines' own paths outside /v1 pass too: the agent's vLLM-style /tokenize answers.
+    let tokenize =
+        fleet.http.post(&fleet.url("/tokenize"), &json!({"model": FLEET_MODEL, "prompt": "a b c"})).await;
+    assert_eq!(tokenize.status, 200, "{:?}", tokenize.body);
+    assert_eq!(tokenize.json()["count"], 3);
+    assert!(tokenize.header("x-kvroute-replica").is_some());
 
     let chunk = format!("258\r\n{}\r\n", "x".repeat(600));
     let oversized = format!(
