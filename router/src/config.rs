@@ -41,6 +41,10 @@ pub struct Config {
     /// Address of the gRPC admin service (loopback by default).
     #[arg(long, env = "KVROUTE_ADMIN_LISTEN", default_value = "127.0.0.1:50061")]
     pub admin_listen: SocketAddr,
+    /// Log every request (replica, predicted and reported cached tokens, status, timings)
+    /// at INFO under the target `kvroute_router::access`.
+    #[arg(long, env = "KVROUTE_ACCESS_LOG", default_value_t = false)]
+    pub access_log: bool,
     /// Address of a listener of its own for `GET /health` and `/ready`, outside the proxy's
     /// connection limit, so that a liveness probe is answered while the proxy is full.
     #[arg(long, env = "KVROUTE_HEALTH_LISTEN")]

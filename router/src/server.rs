@@ -180,6 +180,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             stalls,
             eject_after: config.eject_after,
             ejection: config.ejection(),
+            access_log: config.access_log,
         },
         registry: Arc::new(registry),
         limits: config.request_limits(),

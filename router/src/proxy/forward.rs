@@ -21,6 +21,7 @@ use http::{Method, Response, Uri};
 use http_body_util::BodyExt;
 use tokio::time::Instant;
 
+use super::access;
 use super::body::{BoxError, End, Hooks, ProxyBody, Tracked};
 use super::error::ProxyError;
 use super::http1::{Outgoing, UpstreamBody, WireError};
@@ -73,6 +74,8 @@ pub struct ForwardConfig {
     pub stalls: Arc<StallWatch>,
     pub eject_after: u32,
     pub ejection: Duration,
+    /// Log each request when its response ends ([`super::access`]).
+    pub access_log: bool,
 }
 
 /// Removes hop-by-hop headers, including any present that `Connection` names: one pass over
@@ -160,7 +163,17 @@ pub async fn routed(
                 });
             }
             Ok(Ok(response)) => {
-                let mut response = wrap(response, client.version, guard, config, metrics, sent, admitted);
+                let line = config.access_log.then(|| {
+                    Box::new(access::Line {
+                        replica: member.replica.spec.name.clone(),
+                        attempt,
+                        prompt_tokens: plan.prompt_tokens,
+                        predicted_cached_tokens: plan.predicted_cached_tokens(attempt),
+                        ..access::Line::new(&admitted, &client.method, &client.uri)
+                    })
+                });
+                let mut response =
+                    wrap(response, client.version, (guard, sent), config, metrics, admitted, line);
                 let headers = response.headers_mut();
                 if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                     headers.insert(X_KVROUTE_REPLICA, v);
@@ -208,7 +221,13 @@ pub async fn streamed(
     let head = (&client.method, &uri, &headers);
     match first_byte(config, sent, pool, head, (Outgoing::Stream(body), Some(&uploaded))).await {
         Ok(Ok(response)) => {
-            let mut response = wrap(response, client.version, guard, config, metrics, sent, admitted);
+            let line = config.access_log.then(|| {
+                Box::new(access::Line {
+                    replica: member.replica.spec.name.clone(),
+                    ..access::Line::new(&admitted, &client.method, &client.uri)
+                })
+            });
+            let mut response = wrap(response, client.version, (guard, sent), config, metrics, admitted, line);
             if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                 response.headers_mut().insert(X_KVROUTE_REPLICA, v);
             }
@@ -309,13 +328,16 @@ fn replica_uri(base: &str, client: &Uri) -> Result<Uri, ProxyError> {
 fn wrap(
     response: Response<UpstreamBody>,
     client_version: http::Version,
-    guard: LoadGuard,
+    (guard, sent): (LoadGuard, Instant),
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
-    sent: Instant,
     admitted: Admitted<'_>,
+    mut access: Option<Box<access::Line>>,
 ) -> Response<ProxyBody> {
     let status = response.status();
+    if let Some(line) = &mut access {
+        line.status = status.as_u16();
+    }
     // A 5xx head is a failure at once; a 503 (a refusal: overload) is nothing either way;
     // any other answer is judged by how its body ends.
     let judge = if status == http::StatusCode::SERVICE_UNAVAILABLE {
@@ -347,6 +369,7 @@ fn wrap(
         realized_cached_tokens: metrics.realized_cached_tokens.clone(),
         upstream_ttfb_seconds: metrics.upstream_ttfb_seconds.clone(),
         sent,
+        access,
     });
     let body = Tracked::new(body, config.idle_timeout, hooks).sse(sse);
     // An HTTP/1 client that stops reading is the server's send timeout's (its connection's
@@ -367,15 +390,24 @@ struct ResponseHooks {
     realized_cached_tokens: Counter,
     upstream_ttfb_seconds: Histogram,
     sent: Instant,
+    /// The access log's line, when it is on.
+    access: Option<Box<access::Line>>,
 }
 
 impl Hooks for ResponseHooks {
     fn first_data(&mut self) {
         self.guard.prefill_done();
-        self.upstream_ttfb_seconds.observe(self.sent.elapsed().as_secs_f64());
+        let now = Instant::now();
+        self.upstream_ttfb_seconds.observe(now.duration_since(self.sent).as_secs_f64());
+        if let Some(line) = &mut self.access {
+            line.first_data = Some(now);
+        }
     }
 
-    fn finish(self: Box<Self>, end: End, cached_tokens: Option<u64>) {
+    fn finish(mut self: Box<Self>, end: End, cached_tokens: Option<u64>) {
+        if let Some(line) = self.access.take() {
+            line.finish(end, cached_tokens);
+        }
         if let Some(n) = cached_tokens {
             self.realized_cached_tokens.inc_by(n);
         }
@@ -394,10 +426,12 @@ impl Hooks for ResponseHooks {
     }
 }
 
-/// A request the router took on: its id, and its place under `--max-in-flight`.
+/// A request the router took on: its id, its place under `--max-in-flight`, and when it
+/// arrived (known only when the access log is on).
 pub struct Admitted<'a> {
     pub request_id: &'a str,
     pub slot: Slot,
+    pub received: Option<Instant>,
 }
 
 /// A place under the router's in-flight limit, counted by its gauge while held.

@@ -9,10 +9,11 @@
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //!
-//! Layout: [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`paths`] (the router's own paths), [`pool`] (upstream
+//! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`paths`] (the router's own paths), [`pool`] (upstream
 //! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`upload`] (clients' request
 //! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health).
 
+pub mod access;
 pub mod body;
 pub mod error;
 pub mod forward;
@@ -172,12 +173,18 @@ pub async fn serve(
 
 async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>) -> Response<ProxyBody> {
     let request_id = request_id(&req);
-    let response = match dispatch(&state, &pool, req, &request_id).await {
+    // For the access log's lines, only when it is on (a clock read is not free).
+    let received = state.forward.access_log.then(tokio::time::Instant::now);
+    let asked = state.forward.access_log.then(|| (req.method().clone(), req.uri().path().to_owned()));
+    let response = match dispatch(&state, &pool, req, &request_id, received).await {
         Ok(response) => response,
         Err(e) => {
             state.decider.metrics.errors.get_or_create(&ErrorLabel { kind: e.label() }).inc();
             if e.status().is_server_error() {
                 tracing::warn!(error = %e, request_id, "request failed");
+            }
+            if let (Some((method, path)), Some(received)) = (&asked, received) {
+                access::refused(&request_id, method, path, received, &e);
             }
             e.into_response(&request_id)
         }
@@ -191,6 +198,7 @@ async fn dispatch(
     pool: &Arc<Pool>,
     req: Request<Incoming>,
     request_id: &str,
+    received: Option<tokio::time::Instant>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let path = req.uri().path().to_owned();
     let method = req.method().clone();
@@ -199,10 +207,10 @@ async fn dispatch(
     // kilobytes), whichever path the request takes.
     match (method, path.as_str()) {
         (Method::POST, "/v1/completions") => {
-            Box::pin(routed(state, pool, req, Endpoint::Completions, request_id)).await
+            Box::pin(routed(state, pool, req, Endpoint::Completions, (request_id, received))).await
         }
         (Method::POST, "/v1/chat/completions") => {
-            Box::pin(routed(state, pool, req, Endpoint::ChatCompletions, request_id)).await
+            Box::pin(routed(state, pool, req, Endpoint::ChatCompletions, (request_id, received))).await
         }
         (Method::GET, "/v1/models") => Ok(json(StatusCode::OK, models(state))),
         (Method::GET, "/health" | "/ready") => Ok(probe(state, &path)),
@@ -211,7 +219,7 @@ async fn dispatch(
             Some(allow) => Err(ProxyError::MethodNotAllowed { method: method.to_string(), allow }),
             None if paths::passes_through(p) => {
                 paths::check_passthrough(p)?;
-                Box::pin(passthrough(state, pool, req, request_id)).await
+                Box::pin(passthrough(state, pool, req, (request_id, received))).await
             }
             None => Err(ProxyError::NotFound(path)),
         },
@@ -224,20 +232,24 @@ async fn routed(
     pool: &Arc<Pool>,
     req: Request<Incoming>,
     endpoint: Endpoint,
-    request_id: &str,
+    arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let admitted = admit(state, request_id)?;
+    let admitted = admit(state, arrived)?;
     let (parts, body) = req.into_parts();
     let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
     let plan = state.decider.decide_within(endpoint, &body, &state.limits).await?;
     forward::routed(pool, &state.forward, &state.decider, &plan, parts, body, admitted).await
 }
 
-/// A place under `--max-in-flight` for the request, held until its response ends.
-fn admit<'a>(state: &ProxyState, request_id: &'a str) -> Result<Admitted<'a>, ProxyError> {
+/// A place under `--max-in-flight` for the request (its id, and when it arrived), held
+/// until its response ends.
+fn admit<'a>(
+    state: &ProxyState,
+    (request_id, received): (&'a str, Option<tokio::time::Instant>),
+) -> Result<Admitted<'a>, ProxyError> {
     let slot = Slot::try_take(&state.in_flight, &state.decider.metrics.in_flight)
         .ok_or_else(|| ProxyError::Unavailable("the router is at its in-flight limit".into()))?;
-    Ok(Admitted { request_id, slot })
+    Ok(Admitted { request_id, slot, received })
 }
 
 /// Any other request that passes through ([`paths::passes_through`]): streamed to the
@@ -246,9 +258,9 @@ async fn passthrough(
     state: &Arc<ProxyState>,
     pool: &Arc<Pool>,
     req: Request<Incoming>,
-    request_id: &str,
+    arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let admitted = admit(state, request_id)?;
+    let admitted = admit(state, arrived)?;
     let members = state.fleet().members();
     let verdicts =
         upstream::verdicts(members.iter().map(|m| &*m.upstream), state.decider.max_in_flight_per_replica);

@@ -287,20 +287,27 @@ async fn secrets_never_appear_in_logs_inner() {
         .finish();
     tracing::subscriber::set_global_default(subscriber).expect("the only subscriber of this process");
 
-    let fleet =
-        Fleet::with(2, agent_config, |c| kvroute_router::Config { admin_token: Some(ADMIN.into()), ..c })
-            .await;
+    let fleet = Fleet::with(2, agent_config, |c| kvroute_router::Config {
+        admin_token: Some(ADMIN.into()),
+        access_log: true,
+        ..c
+    })
+    .await;
     tracing::debug!(config = ?kvroute_router::Config { admin_token: Some(ADMIN.into()), ..kvroute_router::Config::default() }, "a config in a log line");
     let client =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
     let body = json!({"model": FLEET_MODEL, "prompt": "a secret-free prompt", "max_tokens": 2}).to_string();
-    for (path, body) in [
+    for (i, (path, body)) in [
         ("/v1/completions", body.clone()),
         ("/v1/completions", "{not json".to_owned()),
         ("/v1/nope", String::new()),
         ("/v1/models", String::new()),
-    ] {
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let request = http::Request::post(fleet.url(path))
+            .header("x-request-id", format!("logged-{}", i + 1))
             .header("authorization", format!("Bearer {CLIENT}"))
             .header("content-type", "application/json")
             .body(http_body_util::Full::new(bytes::Bytes::from(body)))
@@ -318,6 +325,29 @@ async fn secrets_never_appear_in_logs_inner() {
 
     let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
     assert!(logs.contains("router started"), "the capture works: {logs}");
+    // The access log: a line for each request, forwarded or refused, with its request id.
+    let access: Vec<&str> = logs.lines().filter(|l| l.contains("kvroute_router::access")).collect();
+    for (id, fields) in [
+        (
+            "logged-1",
+            &[
+                "status=200",
+                "path=\"/v1/completions\"",
+                "attempt=1",
+                "end=\"complete\"",
+                "cached_tokens=0",
+                "ttfb_ms=",
+            ][..],
+        ),
+        ("logged-2", &["status=400", "error=\"bad_request\""]),
+        ("logged-3", &["status=404", "replica=", "end=\"complete\""]),
+    ] {
+        let line =
+            access.iter().find(|l| l.contains(id)).unwrap_or_else(|| panic!("no line for {id}: {access:?}"));
+        for field in fields {
+            assert!(line.contains(field), "{id}: {field} not in {line}");
+        }
+    }
     assert!(logs.contains("a config in a log line"));
     for secret in [ADMIN, CLIENT] {
         assert!(!logs.contains(secret), "{secret} was logged:\n{logs}");

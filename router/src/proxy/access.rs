@@ -1,0 +1,101 @@
+//! The access log (`--access-log`): one line a request, at `INFO` under the target
+//! `kvroute_router::access`, through the process's log output (`KVROUTE_LOG_FORMAT=json`
+//! makes each one a JSON object).
+//!
+//! A forwarded request is logged when its response ends, so the line has what only the end
+//! shows: how it ended and the cached tokens the replica reported (`cached_tokens`, absent
+//! when its response had no `usage`) beside the router's prediction. A request the router
+//! answered itself with an error is logged with that error.
+//!
+//! Fields: `request_id`, `method`, `path` (no query), `status`, `replica`, `attempt` (1 for
+//! the first replica tried), `prompt_tokens`, `predicted_cached_tokens`, `cached_tokens`,
+//! `end` (`complete`, `failed`: the replica broke off, `abandoned`: the client left),
+//! `ttfb_ms` (from the request's arrival to the response's first data), `duration_ms`.
+
+use http::Method;
+use tokio::time::Instant;
+
+use super::body::End;
+use super::error::ProxyError;
+
+/// Where the log lines go.
+pub const TARGET: &str = "kvroute_router::access";
+
+/// What a forwarded request's line says, gathered on its way.
+pub struct Line {
+    pub request_id: String,
+    pub method: Method,
+    pub path: String,
+    pub replica: String,
+    pub status: u16,
+    /// 0 for the first replica tried.
+    pub attempt: usize,
+    pub prompt_tokens: u64,
+    pub predicted_cached_tokens: u64,
+    pub received: Instant,
+    pub first_data: Option<Instant>,
+}
+
+impl Line {
+    /// The line of `admitted`, a `method` request for `uri`; the rest is filled in on the
+    /// way.
+    pub fn new(admitted: &super::forward::Admitted<'_>, method: &Method, uri: &http::Uri) -> Self {
+        Self {
+            request_id: admitted.request_id.to_owned(),
+            method: method.clone(),
+            path: uri.path().to_owned(),
+            replica: String::new(),
+            status: 0,
+            attempt: 0,
+            prompt_tokens: 0,
+            predicted_cached_tokens: 0,
+            received: admitted.received.unwrap_or_else(Instant::now),
+            first_data: None,
+        }
+    }
+
+    /// Logs the line of a response that ended as `end`.
+    pub fn finish(self, end: End, cached_tokens: Option<u64>) {
+        let end = match end {
+            End::Complete => "complete",
+            End::Failed => "failed",
+            End::Abandoned => "abandoned",
+        };
+        let ttfb_ms = self.first_data.map(|at| millis(at.duration_since(self.received)));
+        tracing::info!(
+            target: TARGET,
+            request_id = self.request_id,
+            method = %self.method,
+            path = self.path,
+            status = self.status,
+            replica = self.replica,
+            attempt = self.attempt + 1,
+            prompt_tokens = self.prompt_tokens,
+            predicted_cached_tokens = self.predicted_cached_tokens,
+            cached_tokens,
+            end,
+            ttfb_ms,
+            duration_ms = millis(self.received.elapsed()),
+            "request"
+        );
+    }
+}
+
+/// Logs a request the router answered itself with `error`.
+pub fn refused(request_id: &str, method: &Method, path: &str, received: Instant, error: &ProxyError) {
+    tracing::info!(
+        target: TARGET,
+        request_id,
+        method = %method,
+        path,
+        status = error.status().as_u16(),
+        error = error.label(),
+        duration_ms = millis(received.elapsed()),
+        "request"
+    );
+}
+
+/// Milliseconds, to the microsecond.
+fn millis(d: std::time::Duration) -> f64 {
+    d.as_micros() as f64 / 1e3
+}
