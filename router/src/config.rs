@@ -74,7 +74,8 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_BALANCE_WEIGHT", default_value_t = CacheAwareParams::default().balance_weight)]
     pub balance_weight: f64,
     /// How long a routing decision credits the chosen replica with the request's blocks
-    /// before its events confirm them, milliseconds.
+    /// after the replica's first output for it (before that, however long the request
+    /// queues, they hold), unless its events confirm them first, milliseconds.
     #[arg(long, env = "KVROUTE_CREDIT_TTL_MS", default_value_t = 2_000)]
     pub credit_ttl_ms: u64,
     /// Seed of the random and power-of-two policies; drawn at start (and logged) when not

@@ -3,20 +3,25 @@
 //! the request. Without credits, a burst of requests sharing a new prefix would each see no
 //! replica holding it and scatter across the fleet, paying the prefill once per replica.
 //!
-//! A credit ends when the replica's events confirm it: a `BlockStored` (the index now holds
+//! A decision *pins* its credits ([`Credits::pin`]): they hold however long the request waits
+//! in the replica's queue, until its prefill is done (its response's first data) or it ends
+//! ([`Credits::unpin`]); from then they last `ttl` (`--credit-ttl-ms`), time for the replica's
+//! events to arrive. Pins are counted: one request's retry or end takes only its own. A
+//! credit ends when the replica's events confirm it: a `BlockStored` (the index now holds
 //! the block, so the credit is redundant) or a `BlockRemoved` (the replica no longer holds
-//! it) for that (block, replica) drops the credit at once, so a block that was cached and
-//! later evicted is never predicted from a stale credit. A credit no event confirms lapses
-//! after `ttl` (`--credit-ttl-ms`): the request failed, or the replica never cached it.
-//! Lookups extend each replica's index overlap through credited blocks: overlap = longest
-//! prefix of blocks that are in the index or credited, for that replica.
+//! it) for that (block, replica) drops the credit at once, pinned or not, so a block that
+//! was cached and later evicted is never predicted from a stale credit. Lookups extend each
+//! replica's index overlap through credited blocks: overlap = longest prefix of blocks that
+//! are in the index or credited, for that replica.
 //!
-//! Storage: credits live in two generations of `ttl` each, with their expiry. A credit is
-//! read as live until its expiry; when the current generation is `ttl` old it becomes the
-//! previous one and the one before, all of whose credits have expired by then, is cleared
-//! whole and reused. So a credit costs one insert and nothing to expire: removing each
-//! expired pair one by one from a table holding every credit of the last `ttl` cost as
-//! much as inserting it (a request with a new 8 k-token prompt credits 512 blocks).
+//! Storage: credits live in two generations of `ttl` each, with their expiry and pins. A
+//! credit is live while pinned or until its expiry; when the current generation is `ttl`
+//! old it becomes the previous one and the one before is cleared whole and reused, its
+//! pinned credits carried into the new current one (every unpinned credit in it has expired
+//! by then). So a credit costs one insert and nothing to expire: removing each expired pair
+//! one by one from a table holding every credit of the last `ttl` cost as much as inserting
+//! it (a request with a new 8 k-token prompt credits 512 blocks). One (block, replica) may
+//! have an entry in each generation; it is live if either is, and its pins are their sum.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -34,9 +39,24 @@ pub struct Credits {
     inner: Mutex<Inner>,
 }
 
-/// Credited (block, replica) pairs and their expiry, in microseconds since `epoch` (block
-/// hashes are uniform already: the index's one-multiply hasher, not SipHash).
-type Held = HashMap<(BlockHash, ReplicaId), u64, FoldState>;
+/// One (block, replica)'s credit in one generation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Credit {
+    /// Microseconds since `epoch`.
+    expiry: u64,
+    /// Decisions whose requests have not yet had their prefill done.
+    pins: u32,
+}
+
+impl Credit {
+    fn live(&self, now: u64) -> bool {
+        self.pins > 0 || self.expiry > now
+    }
+}
+
+/// Credited (block, replica) pairs (block hashes are uniform already: the index's
+/// one-multiply hasher, not SipHash).
+type Held = HashMap<(BlockHash, ReplicaId), Credit, FoldState>;
 
 #[derive(Debug)]
 struct Inner {
@@ -58,17 +78,47 @@ impl Credits {
 
     /// Credits `replica` with `blocks` for the TTL.
     pub fn credit(&self, replica: ReplicaId, blocks: &[BlockHash]) {
+        self.add(replica, blocks, 0);
+    }
+
+    /// Credits `replica` with `blocks`, pinned: live until as many [`Credits::unpin`]s (or
+    /// [`Credits::withdraw`]s), then for the TTL.
+    pub fn pin(&self, replica: ReplicaId, blocks: &[BlockHash]) {
+        self.add(replica, blocks, 1);
+    }
+
+    fn add(&self, replica: ReplicaId, blocks: &[BlockHash], pins: u32) {
         if self.ttl.is_zero() || blocks.is_empty() {
             return;
         }
         let mut inner = self.lock();
         let now = inner.now(self.ttl);
         let expiry = now + self.ttl.as_micros() as u64;
-        inner.current.extend(blocks.iter().map(|&b| ((b, replica), expiry)));
+        for &b in blocks {
+            let credit = inner.current.entry((b, replica)).or_default();
+            credit.expiry = expiry;
+            credit.pins += pins;
+        }
+    }
+
+    /// Takes one pin off each of `blocks` (the request's prefill is done, or it ended): they
+    /// last the TTL from now.
+    pub fn unpin(&self, replica: ReplicaId, blocks: &[BlockHash]) {
+        if self.ttl.is_zero() || blocks.is_empty() {
+            return;
+        }
+        let mut inner = self.lock();
+        let now = inner.now(self.ttl);
+        let expiry = now + self.ttl.as_micros() as u64;
+        for &b in blocks {
+            if inner.take_pin((b, replica)) {
+                inner.current.entry((b, replica)).or_default().expiry = expiry;
+            }
+        }
     }
 
     /// The replica's events settled these blocks (stored: the index holds them now; removed:
-    /// the replica dropped them): their credits end.
+    /// the replica dropped them): their credits end, pinned or not.
     pub fn confirm(&self, replica: ReplicaId, blocks: &[BlockHash]) {
         let mut inner = self.lock();
         if inner.is_empty() {
@@ -80,10 +130,25 @@ impl Credits {
         }
     }
 
-    /// The request these blocks were credited for went elsewhere (the replica refused it or
-    /// failed): their credits end.
-    pub fn withdraw(&self, replica: ReplicaId, blocks: &[BlockHash]) {
-        self.confirm(replica, blocks);
+    /// The request `pinned` was pinned for went elsewhere (the replica refused it or
+    /// failed): its pins come off, and the credits of `added` (the blocks only its decision
+    /// credited) end unless another request pinned them meanwhile.
+    pub fn withdraw(&self, replica: ReplicaId, pinned: &[BlockHash], added: &[BlockHash]) {
+        let mut inner = self.lock();
+        if inner.is_empty() {
+            return;
+        }
+        for &b in pinned {
+            inner.take_pin((b, replica));
+        }
+        for &b in added {
+            let key = (b, replica);
+            let pins = |held: &Held| held.get(&key).map_or(0, |c| c.pins);
+            if pins(&inner.current) + pins(&inner.previous) == 0 {
+                inner.current.remove(&key);
+                inner.previous.remove(&key);
+            }
+        }
     }
 
     /// Extends `overlap` (the replica's index overlap of `blocks`) through credited blocks.
@@ -101,11 +166,11 @@ impl Credits {
         let mut inner = self.lock();
         let now = inner.now(self.ttl);
         let inner = &*inner;
-        let current = inner.current.values().filter(|&&e| e > now).count();
+        let current = inner.current.values().filter(|c| c.live(now)).count();
         let previous = inner
             .previous
             .iter()
-            .filter(|&(k, &e)| e > now && inner.current.get(k).is_none_or(|&c| c <= now));
+            .filter(|&(k, c)| c.live(now) && inner.current.get(k).is_none_or(|c| !c.live(now)));
         current + previous.count()
     }
 
@@ -125,25 +190,74 @@ impl Credits {
     }
 }
 
+/// A decision's pins on the credits of the replica its request goes to ([`Credits::pin`]):
+/// taken off when the hold is dropped (the request's prefill is done, or it ended), or moved
+/// with the request to another replica ([`CreditHold::move_to`]).
+#[derive(Debug)]
+pub struct CreditHold {
+    index: super::SharedIndex,
+    replica: ReplicaId,
+    blocks: Vec<BlockHash>,
+}
+
+impl CreditHold {
+    /// Pins `blocks` on `replica`.
+    pub fn pin(index: &super::SharedIndex, replica: ReplicaId, blocks: Vec<BlockHash>) -> Self {
+        index.credits().pin(replica, &blocks);
+        Self { index: index.clone(), replica, blocks }
+    }
+
+    /// The request goes to `replica` instead, whose credits it pins for `blocks`: the pins on
+    /// the replica before come off, and its credits of `added` (the blocks only this
+    /// decision credited there) end ([`Credits::withdraw`]).
+    pub fn move_to(&mut self, added: &[BlockHash], replica: ReplicaId, blocks: Vec<BlockHash>) {
+        let credits = self.index.credits();
+        credits.withdraw(self.replica, &self.blocks, added);
+        credits.pin(replica, &blocks);
+        (self.replica, self.blocks) = (replica, blocks);
+    }
+}
+
+impl Drop for CreditHold {
+    fn drop(&mut self) {
+        self.index.credits().unpin(self.replica, &self.blocks);
+    }
+}
+
 impl Inner {
     /// Now, in microseconds since `epoch`, after turning the generations over if the current
     /// one is `ttl` old.
     fn now(&mut self, ttl: Duration) -> u64 {
         let now = Instant::now();
         if now.duration_since(self.since) >= ttl {
-            // Everything in `previous` was credited at least `ttl` before `since`: expired.
-            self.previous.clear();
+            // Every unpinned credit in `previous` was made at least `ttl` before `since`:
+            // expired. Pinned ones go on in the new current generation.
+            let mut carried = Vec::new();
+            carried.extend(self.previous.drain().filter(|(_, c)| c.pins > 0));
             std::mem::swap(&mut self.previous, &mut self.current);
             if now.duration_since(self.since) >= 2 * ttl {
-                self.previous.clear();
+                carried.extend(self.previous.drain().filter(|(_, c)| c.pins > 0));
+            }
+            for (key, credit) in carried {
+                let into = self.current.entry(key).or_default();
+                into.pins += credit.pins;
+                into.expiry = into.expiry.max(credit.expiry);
             }
             self.since = now;
         }
         now.duration_since(self.epoch).as_micros() as u64
     }
 
+    /// Takes one pin off `key`, from whichever generation has one; whether it had one.
+    fn take_pin(&mut self, key: (BlockHash, ReplicaId)) -> bool {
+        let pinned =
+            |held: &mut Held| held.get_mut(&key).filter(|c| c.pins > 0).map(|c| c.pins -= 1).is_some();
+        pinned(&mut self.current) || pinned(&mut self.previous)
+    }
+
     fn live(&self, key: (BlockHash, ReplicaId), now: u64) -> bool {
-        self.current.get(&key).or_else(|| self.previous.get(&key)).is_some_and(|&expiry| expiry > now)
+        let live = |held: &Held| held.get(&key).is_some_and(|c| c.live(now));
+        live(&self.current) || live(&self.previous)
     }
 
     fn is_empty(&self) -> bool {
@@ -198,6 +312,9 @@ mod tests {
     enum Op {
         Credit(u32, Vec<u64>),
         Confirm(u32, Vec<u64>),
+        Pin(u32, Vec<u64>),
+        Unpin(u32, Vec<u64>),
+        Withdraw(u32, Vec<u64>, Vec<u64>),
         Forget(u32),
         /// Milliseconds.
         Advance(u64),
@@ -210,6 +327,9 @@ mod tests {
         prop_oneof![
             3 => (0..3u32, blocks()).prop_map(|(r, b)| Op::Credit(r, b)),
             1 => (0..3u32, blocks()).prop_map(|(r, b)| Op::Confirm(r, b)),
+            2 => (0..3u32, blocks()).prop_map(|(r, b)| Op::Pin(r, b)),
+            2 => (0..3u32, blocks()).prop_map(|(r, b)| Op::Unpin(r, b)),
+            1 => (0..3u32, blocks(), blocks()).prop_map(|(r, p, a)| Op::Withdraw(r, p, a)),
             1 => (0..3u32).prop_map(Op::Forget),
             3 => prop_oneof![0..5u64, 30..70u64, 90..110u64, 190..450u64].prop_map(Op::Advance),
             3 => (0..3u32, blocks(), 0..3usize).prop_map(|(r, b, o)| Op::Extend(r, b, o)),
@@ -217,23 +337,54 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Against a map of every credit's expiry, with a 100 ms TTL and time moving by
-        /// less than, about and more than it: every credit lives exactly its TTL unless
-        /// confirmed or forgotten, whichever generation holds it.
+        /// Against a map of every credit's expiry and pins, with a 100 ms TTL and time
+        /// moving by less than, about and more than it: every credit lives while pinned and
+        /// then exactly its TTL unless confirmed, withdrawn or forgotten, whichever
+        /// generation holds it.
         #[test]
         fn credits_behave_like_a_map_of_expiries(ops in proptest::collection::vec(op(), 1..60)) {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
             runtime.block_on(async {
                 let ttl = Duration::from_millis(100);
                 let credits = Credits::new(ttl);
-                let mut model: HashMap<(BlockHash, ReplicaId), u64> = HashMap::new();
+                // (expiry, pins)
+                let mut model: HashMap<(BlockHash, ReplicaId), (u64, u32)> = HashMap::new();
+                let hashes = |blocks: &[u64]| blocks.iter().map(|&b| h(b)).collect::<Vec<_>>();
                 let mut now = 0u64;
                 for op in ops {
                     match op {
                         Op::Credit(r, blocks) => {
                             credits.credit(ReplicaId(r), &blocks.iter().map(|&b| h(b)).collect::<Vec<_>>());
                             for b in blocks {
-                                model.insert((h(b), ReplicaId(r)), now + 100);
+                                model.entry((h(b), ReplicaId(r))).or_default().0 = now + 100;
+                            }
+                        }
+                        Op::Pin(r, blocks) => {
+                            credits.pin(ReplicaId(r), &hashes(&blocks));
+                            for b in blocks {
+                                let credit = model.entry((h(b), ReplicaId(r))).or_default();
+                                *credit = (now + 100, credit.1 + 1);
+                            }
+                        }
+                        Op::Unpin(r, blocks) => {
+                            credits.unpin(ReplicaId(r), &hashes(&blocks));
+                            for b in blocks {
+                                if let Some(credit) = model.get_mut(&(h(b), ReplicaId(r))).filter(|c| c.1 > 0) {
+                                    *credit = (now + 100, credit.1 - 1);
+                                }
+                            }
+                        }
+                        Op::Withdraw(r, pinned, added) => {
+                            credits.withdraw(ReplicaId(r), &hashes(&pinned), &hashes(&added));
+                            for b in pinned {
+                                if let Some(credit) = model.get_mut(&(h(b), ReplicaId(r))).filter(|c| c.1 > 0) {
+                                    credit.1 -= 1;
+                                }
+                            }
+                            for b in added {
+                                if model.get(&(h(b), ReplicaId(r))).is_some_and(|c| c.1 == 0) {
+                                    model.remove(&(h(b), ReplicaId(r)));
+                                }
                             }
                         }
                         Op::Confirm(r, blocks) => {
@@ -253,12 +404,12 @@ mod tests {
                         Op::Extend(r, blocks, overlap) => {
                             let blocks: Vec<BlockHash> = blocks.iter().map(|&b| h(b)).collect();
                             let overlap = overlap.min(blocks.len());
-                            let live = |b: &BlockHash| model.get(&(*b, ReplicaId(r))).is_some_and(|&e| e > now);
+                            let live = |b: &BlockHash| model.get(&(*b, ReplicaId(r))).is_some_and(|&(e, pins)| pins > 0 || e > now);
                             let want = overlap + blocks[overlap..].iter().take_while(|b| live(b)).count();
                             proptest::prop_assert_eq!(credits.extend(ReplicaId(r), &blocks, overlap), want);
                         }
                     }
-                    let live = model.values().filter(|&&e| e > now).count();
+                    let live = model.values().filter(|&&(e, pins)| pins > 0 || e > now).count();
                     proptest::prop_assert_eq!(credits.len(), live);
                 }
                 Ok(())

@@ -30,6 +30,7 @@ use super::route::{Decider, Plan};
 use super::stalls::StallWatch;
 use super::upload::{self, Progress};
 use super::upstream::{LoadGuard, Upstream};
+use crate::index::CreditHold;
 use crate::metrics::ProxyMetrics;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -121,7 +122,7 @@ pub async fn routed(
     pool: &Arc<Pool>,
     config: &ForwardConfig,
     decider: &Decider,
-    plan: &Plan,
+    plan: &mut Plan,
     parts: http::request::Parts,
     body: Bytes,
     admitted: Admitted<'_>,
@@ -130,12 +131,14 @@ pub async fn routed(
     let metrics = &decider.metrics;
     let (client, headers) = upstream_head(parts, request_id);
     let mut last_error = None;
-    for (attempt, scored) in plan.order().take(MAX_ATTEMPTS).enumerate() {
+    let attempts = plan.order().len().min(MAX_ATTEMPTS);
+    for attempt in 0..attempts {
         if attempt > 0 {
             metrics.retries.inc();
             decider.move_credit(plan, attempt - 1, attempt);
         }
-        let member = &scored.member;
+        let Some(scored) = plan.order().nth(attempt) else { break };
+        let member = &scored.member.clone();
         let upstream = &member.upstream;
         let guard = upstream.begin(plan.prefill_tokens(attempt), plan.prompt_tokens);
         let uri = replica_uri(&member.replica.spec.http_url, &client.uri)?;
@@ -172,14 +175,15 @@ pub async fn routed(
                         ..access::Line::new(&admitted, &client.method, &client.uri)
                     })
                 });
-                let mut response =
-                    wrap(response, client.version, (guard, sent), config, metrics, admitted, line);
+                let predicted = plan.predicted_cached_tokens(attempt);
+                let sent = (guard, sent, plan.hold.take());
+                let mut response = wrap(response, client.version, sent, config, metrics, admitted, line);
                 let headers = response.headers_mut();
                 if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                     headers.insert(X_KVROUTE_REPLICA, v);
                 }
-                headers.insert(X_KVROUTE_PREDICTED, HeaderValue::from(plan.predicted_cached_tokens(attempt)));
-                metrics.predicted_cached_tokens.inc_by(plan.predicted_cached_tokens(attempt));
+                headers.insert(X_KVROUTE_PREDICTED, HeaderValue::from(predicted));
+                metrics.predicted_cached_tokens.inc_by(predicted);
                 metrics.prompt_tokens.inc_by(plan.prompt_tokens);
                 return Ok(response);
             }
@@ -227,7 +231,8 @@ pub async fn streamed(
                     ..access::Line::new(&admitted, &client.method, &client.uri)
                 })
             });
-            let mut response = wrap(response, client.version, (guard, sent), config, metrics, admitted, line);
+            let mut response =
+                wrap(response, client.version, (guard, sent, None), config, metrics, admitted, line);
             if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                 response.headers_mut().insert(X_KVROUTE_REPLICA, v);
             }
@@ -328,7 +333,7 @@ fn replica_uri(base: &str, client: &Uri) -> Result<Uri, ProxyError> {
 fn wrap(
     response: Response<UpstreamBody>,
     client_version: http::Version,
-    (guard, sent): (LoadGuard, Instant),
+    (guard, sent, hold): (LoadGuard, Instant, Option<CreditHold>),
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
     admitted: Admitted<'_>,
@@ -370,6 +375,7 @@ fn wrap(
         upstream_ttfb_seconds: metrics.upstream_ttfb_seconds.clone(),
         sent,
         access,
+        hold,
     });
     let body = Tracked::new(body, config.idle_timeout, hooks).sse(sse);
     // An HTTP/1 client that stops reading is the server's send timeout's (its connection's
@@ -392,11 +398,15 @@ struct ResponseHooks {
     sent: Instant,
     /// The access log's line, when it is on.
     access: Option<Box<access::Line>>,
+    /// The decision's pinned credits: let go at the first data (the prefill is done, the
+    /// replica's events follow), or when the body ends without any.
+    hold: Option<CreditHold>,
 }
 
 impl Hooks for ResponseHooks {
     fn first_data(&mut self) {
         self.guard.prefill_done();
+        drop(self.hold.take());
         let now = Instant::now();
         self.upstream_ttfb_seconds.observe(now.duration_since(self.sent).as_secs_f64());
         if let Some(line) = &mut self.access {

@@ -237,8 +237,8 @@ async fn routed(
     let admitted = admit(state, arrived)?;
     let (parts, body) = req.into_parts();
     let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
-    let plan = state.decider.decide_within(endpoint, &body, &state.limits).await?;
-    forward::routed(pool, &state.forward, &state.decider, &plan, parts, body, admitted).await
+    let mut plan = state.decider.decide_within(endpoint, &body, &state.limits).await?;
+    forward::routed(pool, &state.forward, &state.decider, &mut plan, parts, body, admitted).await
 }
 
 /// A place under `--max-in-flight` for the request (its id, and when it arrived), held

@@ -20,7 +20,7 @@ use super::error::ProxyError;
 use super::prompts::{PromptError, Prompts};
 use super::upstream::{Ineligible, verdicts};
 use crate::fleet::{Fleet, Member};
-use crate::index::SharedIndex;
+use crate::index::{CreditHold, SharedIndex};
 use crate::metrics::ProxyMetrics;
 use crate::policy::{Policy, ReplicaView, RequestView};
 use crate::replicas::StreamState;
@@ -104,6 +104,10 @@ pub struct Plan {
     pub block_size: usize,
     /// The request's `max_tokens` (`max_completion_tokens` for chat), if it set one.
     pub max_tokens: Option<u64>,
+    /// The decision's pinned credits on the replica the request goes to (none for
+    /// `Explain`): the forwarder hands them to the response, which lets them go when the
+    /// replica's first output arrives.
+    pub hold: Option<CreditHold>,
 }
 
 impl Plan {
@@ -153,8 +157,10 @@ impl Decider {
         let plan = self.plan(endpoint, body, true).await?;
         limits.check(&plan)?;
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
+        let mut plan = plan;
         let chosen = plan.chosen().ok_or_else(|| ProxyError::Unavailable(unavailable_reason(&plan)))?;
-        self.fleet.credits().credit(chosen.member.replica.id, plan.uncredited(chosen));
+        plan.hold =
+            Some(CreditHold::pin(&self.index, chosen.member.replica.id, plan.uncredited(chosen).to_vec()));
         self.metrics.count_decision(self.policy.kind().as_str());
         if plan.unhashed_tokens.is_some() {
             self.metrics.partial_prompts.inc();
@@ -165,18 +171,16 @@ impl Decider {
     /// The request goes to the `to`th replica of `plan`'s order instead of the `from`th (which
     /// refused it, or failed before answering): the decision's credit moves with it, so the
     /// prefix's next requests follow it to the replica that will cache it.
-    pub fn move_credit(&self, plan: &Plan, from: usize, to: usize) {
-        let credits = self.fleet.credits();
-        if let Some(left) = plan.order().nth(from) {
-            // Only what this decision added: earlier requests' credits for the prefix stand
-            // (a later prompt of a batch repeats the first's leading blocks).
-            let (held, added) = plan.all_blocks.split_at(left.credited_blocks.min(plan.all_blocks.len()));
-            let held: std::collections::HashSet<&BlockHash> = held.iter().collect();
-            let added: Vec<BlockHash> = added.iter().filter(|b| !held.contains(b)).copied().collect();
-            credits.withdraw(left.member.replica.id, &added);
-        }
-        if let Some(next) = plan.order().nth(to) {
-            credits.credit(next.member.replica.id, plan.uncredited(next));
+    pub fn move_credit(&self, plan: &mut Plan, from: usize, to: usize) {
+        let (Some(left), Some(next)) = (plan.order().nth(from), plan.order().nth(to)) else { return };
+        // Only what this decision added ends: earlier requests' credits for the prefix stand
+        // (a later prompt of a batch repeats the first's leading blocks).
+        let (held, added) = plan.all_blocks.split_at(left.credited_blocks.min(plan.all_blocks.len()));
+        let held: std::collections::HashSet<&BlockHash> = held.iter().collect();
+        let added: Vec<BlockHash> = added.iter().filter(|b| !held.contains(b)).copied().collect();
+        let (replica, blocks) = (next.member.replica.id, plan.uncredited(next).to_vec());
+        if let Some(hold) = &mut plan.hold {
+            hold.move_to(&added, replica, blocks);
         }
     }
 
@@ -288,6 +292,7 @@ impl Decider {
             block_size: self.block_size,
             max_tokens: None,
             unhashed_tokens: None,
+            hold: None,
         }
     }
 }

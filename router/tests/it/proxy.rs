@@ -628,6 +628,52 @@ async fn remote_tokenization_sends_what_decides_the_ids() {
     shutdown.cancel();
 }
 
+/// A decision's credits hold while its request waits in the replica's queue, however long
+/// past the credit TTL: a request for the same prefix that comes meanwhile follows it there
+/// rather than to a replica with less load and nothing cached (when they held only the TTL,
+/// it went to the other replica and prefilled the prefix a second time).
+#[tokio::test]
+async fn credits_hold_while_the_request_waits_in_the_replicas_queue() {
+    // One sequence at a time, at real speed: a 400-token completion holds a replica ~2.4 s.
+    let agent =
+        |name: &str| kvroute_replica_agent::Config { max_num_seqs: 1, time_scale: 1.0, ..agent_config(name) };
+    let fleet =
+        Fleet::with(2, agent, |c| kvroute_router::Config { credit_ttl_ms: 300, balance_weight: 0.0, ..c })
+            .await;
+    let router = fleet.router.fleet().clone();
+    let in_flight = move || {
+        let mut load: Vec<(String, u32)> = router
+            .members()
+            .iter()
+            .map(|m| (m.replica.spec.name.clone(), m.upstream.load().in_flight))
+            .collect();
+        load.sort();
+        load
+    };
+    let send = |body: Value| {
+        let url = fleet.url("/v1/completions");
+        tokio::spawn(async move { crate::fleet::Http::new().post(&url, &body).await })
+    };
+    // Both replicas busy with a long completion each.
+    let long = [send(completion("long one", 400)), send(completion("long two", 400))];
+    wait_until("both replicas busy", || in_flight().iter().all(|(_, n)| *n == 1)).await;
+    // A new prefix queues behind one of them; no event shows it before it runs.
+    let prefix = text("queuedw", 800);
+    let queued = send(completion(&format!("{prefix} first"), 2));
+    wait_until("the queued request sent", || in_flight().iter().any(|(_, n)| *n == 2)).await;
+    let home = in_flight().into_iter().find(|(_, n)| *n == 2).unwrap().0;
+    tokio::time::sleep(std::time::Duration::from_millis(900)).await;
+    assert_eq!(in_flight().iter().map(|(_, n)| n).sum::<u32>(), 3, "still queued after 3 credit TTLs");
+    let follow = send(completion(&format!("{prefix} second"), 2)).await.unwrap();
+    assert_eq!(follow.header("x-kvroute-replica"), Some(home.as_str()), "follows the queued prefix");
+    let queued = queued.await.unwrap();
+    assert_eq!(queued.header("x-kvroute-replica"), Some(home.as_str()));
+    assert!(follow.cached_tokens() > 0, "and finds it cached there");
+    for reply in long {
+        assert_eq!(reply.await.unwrap().status, 200);
+    }
+}
+
 /// A chat with an image is forwarded, not refused: routed on the conversation before the
 /// image, to the replica that cached it, as far as that conversation goes. (The agent itself
 /// has no vision model: its 400 is the replica's answer, passed on.)
