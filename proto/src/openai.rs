@@ -195,32 +195,41 @@ impl Tokenization {
     /// with, and how many of its tokens are text. (For a chat without media, all of them.)
     ///
     /// The messages before the first one with media are rendered alone, with no generation
-    /// prompt, and tokenized; of those tokens, the ones the whole conversation's tokens
-    /// (media left out) begin with too are certain. When the template renders each message on
-    /// its own, that is all of them; when it does not (it counts the messages, say), only
-    /// what the two renderings share; when a rendering fails, none. The count of text tokens
-    /// is the whole rendering's, or 0 without one.
+    /// prompt, and tokenized; of those tokens, the ones that the whole conversation's tokens
+    /// begin with too, rendered both with the media left out and with them as OpenAI-style
+    /// parts ([`ChatTemplate::render_with_media`]; when the template cannot take those, the
+    /// first alone), are certain. When the template renders each message on its own, that is
+    /// all of them; when it does not (it counts the messages, or leaves out its default
+    /// system prompt when there are images, as Llama 3.2 Vision's does), only what the
+    /// renderings share; when the rendering fails, none. The count of text tokens is the
+    /// whole rendering's (media left out), or without one [`PartialPrompt::estimated`].
     pub fn partial_chat_tokens(&self, request: &ChatRequest<'_>) -> Result<PartialPrompt, RequestError> {
         let Some((first, _)) = request.first_media() else {
             let tokens = self.encode(&self.render_chat(request)?, request.add_special_tokens)?;
             return Ok(PartialPrompt { text_tokens: tokens.len(), tokens });
         };
         let template = self.chat_template.as_ref().ok_or(RequestError::NoChatTemplate)?;
-        let render = |messages: &[Message<'_>], generation_prompt: bool| {
-            template.render(messages, generation_prompt, request.tools, request.chat_template_kwargs).ok()
+        let (tools, kwargs) = (request.tools, request.chat_template_kwargs);
+        let encode = |text: String| self.encode(&text, request.add_special_tokens).unwrap_or_default();
+        let Ok(whole) = template.render(&request.messages, request.add_generation_prompt, tools, kwargs)
+        else {
+            return Ok(PartialPrompt::estimated(request));
         };
-        let encode = |text: &str| self.encode(text, request.add_special_tokens).unwrap_or_default();
-        let Some(whole) = render(&request.messages, request.add_generation_prompt) else {
-            return Ok(PartialPrompt::default());
-        };
-        let whole_ids = encode(&whole);
+        let whole = encode(whole);
+        let with_media =
+            template.render_with_media(&request.messages, request.add_generation_prompt, tools, kwargs).ok();
         let before = match first {
             0 => Vec::new(),
-            _ => render(&request.messages[..first], false).map_or_else(Vec::new, |text| encode(&text)),
+            _ => template
+                .render(&request.messages[..first], false, tools, kwargs)
+                .map_or_else(|_| Vec::new(), encode),
         };
-        let agreed = before.iter().zip(&whole_ids).take_while(|(a, b)| a == b).count();
-        let tokens = before[..agreed].to_vec();
-        Ok(PartialPrompt { tokens, text_tokens: whole_ids.len() })
+        let agreed = |ids: &[u32]| before.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        let certain = match with_media.map(encode) {
+            Some(with_media) => agreed(&whole).min(agreed(&with_media)),
+            None => agreed(&whole),
+        };
+        Ok(PartialPrompt { tokens: before[..certain].to_vec(), text_tokens: whole.len() })
     }
 
     /// [`Tokenization::prompt_tokens`], moving token-id prompts out of `request` (which is
@@ -305,6 +314,18 @@ pub struct PartialPrompt {
     pub tokens: Vec<u32>,
     /// The prompt's text tokens, those above included; the media's own are not known.
     pub text_tokens: usize,
+}
+
+impl PartialPrompt {
+    /// Nothing certain, and text tokens estimated from the messages' text at one a
+    /// [`PartialPrompt::BYTES_PER_TOKEN`] (English text runs about that with most
+    /// tokenizers): for the load a chat brings, and the router's prompt limit.
+    pub fn estimated(request: &ChatRequest<'_>) -> Self {
+        Self { tokens: Vec::new(), text_tokens: request.text_bytes().div_ceil(Self::BYTES_PER_TOKEN) }
+    }
+
+    /// See [`PartialPrompt::estimated`].
+    pub const BYTES_PER_TOKEN: usize = 4;
 }
 
 /// The cache namespace of `request`: the model is always `base_model`; the LoRA adapter is

@@ -392,6 +392,45 @@ fn chats_with_media_are_known_up_to_their_first_media() {
     assert!(partial.tokens.is_empty() && partial.text_tokens > 0);
 }
 
+/// A template that leaves out its default system prompt when the conversation has images, as
+/// Llama 3.2 Vision's does: the messages before the image, rendered alone, begin with that
+/// prompt and the replica's prompt does not, so only what they share is certain.
+#[test]
+fn a_template_that_changes_with_images_is_trusted_only_where_it_agrees() {
+    let vision = ChatTemplate::new(
+        "{%- set ns = namespace(images=false) %}{%- for m in messages %}{%- if m.content is not string %}\
+         {%- for c in m.content %}{%- if c.type == 'image' %}{%- set ns.images = true %}{%- endif %}{%- endfor %}\
+         {%- endif %}{%- endfor %}{%- if not ns.images %}<|im_start|>system\nDefault.<|im_end|>\n{% endif %}\
+         {%- for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}\
+         {%- else %}{% for c in m.content %}{% if c.type == 'image' %}[img]{% else %}{{ c.text }}{% endif %}\
+         {%- endfor %}{% endif %}<|im_end|>\n{% endfor %}",
+        SpecialTokens::builtin(),
+    )
+    .unwrap();
+    let t = Tokenization::from_parts(Box::new(Builtin), Some(vision), "tiny", []);
+    let body = r#"{"model":"tiny","add_generation_prompt":false,"messages":[
+        {"role":"system","content":"You look at pictures."},{"role":"user","content":"Hello there."},
+        {"role":"assistant","content":"Hi."},
+        {"role":"user","content":[{"image_url":{"url":"data:image/png;base64,AAAA"}},{"type":"text","text":"What is it?"}]}]}"#;
+    let ParsedRequest::Chat(request) =
+        ParsedRequest::parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap()
+    else {
+        unreachable!()
+    };
+    assert_eq!(
+        request.first_media(),
+        Some((3, "image_url")),
+        "a part with no type but an image_url is an image"
+    );
+    let partial = t.partial_chat_tokens(&request).unwrap();
+    // What vLLM renders: images present, no default system prompt.
+    let real = "<|im_start|>system\nYou look at pictures.<|im_end|>\n<|im_start|>user\nHello there.<|im_end|>\n\
+                <|im_start|>assistant\nHi.<|im_end|>\n<|im_start|>user\n[img]What is it?<|im_end|>\n";
+    let real = Builtin.encode(real, false).unwrap();
+    assert!(real.starts_with(&partial.tokens), "{:?} does not begin {real:?}", partial.tokens);
+    assert!(!partial.tokens.is_empty() && partial.tokens.len() < 4, "{:?}", partial.tokens);
+}
+
 /// A conversation that grows a turn at a time, long enough for several prefix-cache chunks.
 fn growing_conversation(turns: usize) -> Vec<String> {
     let mut messages = Vec::new();

@@ -167,6 +167,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     };
     let mut models = vec![config.model.clone()];
     models.extend(config.lora_adapters.iter().cloned());
+    // Resolved once: the heartbeats need one slot for each thread that will tick.
+    let http_threads = config.http_threads();
     let state = Arc::new(ProxyState {
         decider,
         new_pool: {
@@ -188,7 +190,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         models,
         discovery,
         synced_once: AtomicBool::new(false),
-        heartbeats: Heartbeats::new(config.http_threads()),
+        heartbeats: Heartbeats::new(http_threads),
     });
 
     let listener =
@@ -210,7 +212,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
 
     tracker.spawn(proxy::serve(
         listener,
-        config.http_threads(),
+        http_threads,
         state.clone(),
         config.serve_limits(),
         shutdown.clone(),

@@ -196,7 +196,8 @@ impl ChatTemplate {
         &self.special
     }
 
-    /// Renders `messages` to the prompt string.
+    /// Renders `messages` to the prompt string (the content of a message with media is its
+    /// text alone).
     pub fn render(
         &self,
         messages: &[Message<'_>],
@@ -204,7 +205,34 @@ impl ChatTemplate {
         tools: Option<&RawValue>,
         chat_template_kwargs: Option<&RawValue>,
     ) -> Result<String, RequestError> {
-        let messages = messages.iter().map(message_value).collect::<Result<Vec<_>, _>>()?;
+        self.render_as(messages, add_generation_prompt, tools, chat_template_kwargs, false)
+    }
+
+    /// [`ChatTemplate::render`], but a message with media ([`Message::media`]) has for content
+    /// a list of parts as vLLM passes them to a template that takes OpenAI-style content: the
+    /// media's `{"type": "image"}` (or `"audio"`, `"video"`), then `{"type": "text", "text":
+    /// ...}`. A template that does something else when a conversation has media shows it
+    /// here.
+    pub fn render_with_media(
+        &self,
+        messages: &[Message<'_>],
+        add_generation_prompt: bool,
+        tools: Option<&RawValue>,
+        chat_template_kwargs: Option<&RawValue>,
+    ) -> Result<String, RequestError> {
+        self.render_as(messages, add_generation_prompt, tools, chat_template_kwargs, true)
+    }
+
+    fn render_as(
+        &self,
+        messages: &[Message<'_>],
+        add_generation_prompt: bool,
+        tools: Option<&RawValue>,
+        chat_template_kwargs: Option<&RawValue>,
+        media_parts: bool,
+    ) -> Result<String, RequestError> {
+        let messages =
+            messages.iter().map(|m| message_value(m, media_parts)).collect::<Result<Vec<_>, _>>()?;
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
         ctx.insert("tools".into(), tools.map(json_value).transpose()?.unwrap_or(Value::from(())));
         ctx.insert("documents".into(), Value::from(()));
@@ -236,8 +264,9 @@ fn json_value(raw: &RawValue) -> Result<Value, RequestError> {
 }
 
 /// A message as the template sees it (see the module docs): `role`, `content`, then the
-/// keys vLLM keeps, in its order.
-fn message_value(message: &Message<'_>) -> Result<Value, RequestError> {
+/// keys vLLM keeps, in its order; with `media_parts`, the content of a message with media is
+/// a list of parts ([`ChatTemplate::render_with_media`]).
+fn message_value(message: &Message<'_>, media_parts: bool) -> Result<Value, RequestError> {
     let role = message.role.as_ref();
     // The client's value of `key` (the last, as Python's `json` keeps), null included.
     let raw = |key: &str| message.extra.iter().rev().find(|(k, _)| k == key).map(|(_, raw)| *raw);
@@ -266,21 +295,39 @@ fn message_value(message: &Message<'_>) -> Result<Value, RequestError> {
     struct View<'m> {
         role: &'m str,
         content: &'m str,
+        /// The media's modality, when the content is a list of parts.
+        media: Option<&'static str>,
         extra: Vec<(&'m str, Value)>,
     }
     impl serde::Serialize for View<'_> {
         fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
             let mut map = s.serialize_map(Some(2 + self.extra.len()))?;
             map.serialize_entry("role", self.role)?;
-            map.serialize_entry("content", &self.content)?;
+            match self.media {
+                Some(modality) => map.serialize_entry(
+                    "content",
+                    &serde_json::json!([{"type": modality}, {"type": "text", "text": self.content}]),
+                )?,
+                None => map.serialize_entry("content", &self.content)?,
+            }
             for (k, v) in &self.extra {
                 map.serialize_entry(k, v)?;
             }
             map.end()
         }
     }
-    let view = View { role, content: message.content.as_deref().unwrap_or_default(), extra };
+    let media = message.media.as_deref().filter(|_| media_parts).map(modality);
+    let view = View { role, content: message.content.as_deref().unwrap_or_default(), media, extra };
     Ok(Value::from(minijinja::value::Serde(view)))
+}
+
+/// The modality vLLM gives a media part of type `part_type` (an unknown type: `"image"`).
+fn modality(part_type: &str) -> &'static str {
+    match part_type {
+        "audio_url" | "input_audio" | "audio_embeds" => "audio",
+        "video_url" => "video",
+        _ => "image",
+    }
 }
 
 /// An assistant's `tool_calls` as vLLM hands them to the template: none when empty; else

@@ -70,8 +70,10 @@ pub enum RequestError {
         /// What is wrong with it.
         problem: MessageProblem,
     },
-    /// A content part other than `{"type": "text"}` (images, audio, ...): its tokens
-    /// cannot be computed from the request alone.
+    /// A content part that is not text (images, audio, ...): its tokens cannot be computed
+    /// from the request alone, so [`crate::openai::Tokenization::prompt_tokens`] refuses the
+    /// request (the replica agent answers 400; the router routes it on what is certain,
+    /// [`crate::openai::Tokenization::partial_chat_tokens`]).
     #[error("unsupported content part type '{part_type}' at messages[{index}]")]
     UnsupportedContentPart {
         /// Position of the message in `messages`.

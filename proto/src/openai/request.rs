@@ -272,6 +272,11 @@ impl<'a> ChatRequest<'a> {
         Self::parse_with(body, true)
     }
 
+    /// Bytes of the messages' text.
+    pub fn text_bytes(&self) -> usize {
+        self.messages.iter().filter_map(|m| m.content.as_ref()).map(|c| c.len()).sum()
+    }
+
     /// The first message with media ([`Message::media`]): its position and the media's type.
     pub fn first_media(&self) -> Option<(usize, &str)> {
         self.messages.iter().enumerate().find_map(|(i, m)| Some((i, m.media.as_deref()?)))
@@ -378,12 +383,17 @@ fn boolean(raw: Option<&RawValue>, param: &'static str) -> Result<Option<bool>, 
 
 /// An optional non-negative integer as pydantic's lax mode reads one: an integer, a number
 /// with no fractional part (`256.0`, as Python's `json.dumps` writes a float), a string of
-/// digits, or a boolean; `null` is absent, anything else [`RequestError::InvalidField`].
+/// digits (a decimal part of zeros allowed), or a boolean; `null` is absent, anything else [`RequestError::InvalidField`].
 fn count(raw: Option<&RawValue>, param: &'static str) -> Result<Option<u64>, RequestError> {
     let Some(raw) = raw else { return Ok(None) };
     let value = match serde_json::from_str(raw.get()) {
         Ok(Value::Number(n)) => n.as_u64().or_else(|| n.as_f64().and_then(whole_u64)),
-        Ok(Value::String(s)) => s.trim().parse().ok(),
+        // pydantic takes "256.0" and "256." too: a decimal part of zeros.
+        Ok(Value::String(s)) => {
+            let s = s.trim();
+            let whole = s.split_once('.').filter(|(_, zeros)| zeros.bytes().all(|b| b == b'0'));
+            whole.map_or(s, |(whole, _)| whole).parse().ok()
+        }
         Ok(Value::Bool(b)) => Some(u64::from(b)),
         _ => None,
     };

@@ -3,7 +3,7 @@
 //!
 //! | status | when |
 //! |---|---|
-//! | 400 | a `/v1/*` path that is one of the router's own paths spelled otherwise (percent-encoded, a trailing slash) or has dot segments; malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens`, a prompt the replica's `/tokenize` refused (`--remote-tokenize`) |
+//! | 400 | a path passed through that is one of the router's own paths spelled otherwise (percent-encoded, a trailing slash) or has dot segments; malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens`, a prompt the replica's `/tokenize` refused (`--remote-tokenize`) |
 //! | 404 / 405 | unknown path / wrong method (with `Allow`) |
 //! | 408 | the client sent nothing of its request body for `--idle-timeout-ms` (routed, or streamed to a replica) |
 //! | 413 | body larger than `--max-body-bytes` |

@@ -176,15 +176,20 @@ pub async fn routed(
                     })
                 });
                 let predicted = plan.predicted_cached_tokens(attempt);
-                let sent = (guard, sent, plan.hold.take());
+                // A chat with media counts in neither hit rate: its media's tokens are in
+                // the replica's cached tokens, and in no prompt count of the router's.
+                let counted = plan.unhashed_tokens.is_none();
+                let sent = Attempt { guard, sent, hold: plan.hold.take(), counted };
                 let mut response = wrap(response, client.version, sent, config, metrics, admitted, line);
                 let headers = response.headers_mut();
                 if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                     headers.insert(X_KVROUTE_REPLICA, v);
                 }
                 headers.insert(X_KVROUTE_PREDICTED, HeaderValue::from(predicted));
-                metrics.predicted_cached_tokens.inc_by(predicted);
-                metrics.prompt_tokens.inc_by(plan.prompt_tokens);
+                if counted {
+                    metrics.predicted_cached_tokens.inc_by(predicted);
+                    metrics.prompt_tokens.inc_by(plan.prompt_tokens);
+                }
                 return Ok(response);
             }
             Ok(Err(e)) => {
@@ -231,8 +236,15 @@ pub async fn streamed(
                     ..access::Line::new(&admitted, &client.method, &client.uri)
                 })
             });
-            let mut response =
-                wrap(response, client.version, (guard, sent, None), config, metrics, admitted, line);
+            let mut response = wrap(
+                response,
+                client.version,
+                Attempt { guard, sent, hold: None, counted: true },
+                config,
+                metrics,
+                admitted,
+                line,
+            );
             if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                 response.headers_mut().insert(X_KVROUTE_REPLICA, v);
             }
@@ -329,11 +341,21 @@ fn replica_uri(base: &str, client: &Uri) -> Result<Uri, ProxyError> {
         .map_err(|e| ProxyError::Unavailable(format!("bad replica URL {base:?}: {e}")))
 }
 
+/// What a response takes over from the attempt that got it: the replica's load, when the
+/// request went out, the decision's credit hold, and whether its cached tokens count in the
+/// hit rates.
+struct Attempt {
+    guard: LoadGuard,
+    sent: Instant,
+    hold: Option<CreditHold>,
+    counted: bool,
+}
+
 /// The upstream response, with the body tracked and hop-by-hop headers removed.
 fn wrap(
     response: Response<UpstreamBody>,
     client_version: http::Version,
-    (guard, sent, hold): (LoadGuard, Instant, Option<CreditHold>),
+    Attempt { guard, sent, hold, counted }: Attempt,
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
     admitted: Admitted<'_>,
@@ -371,7 +393,7 @@ fn wrap(
         guard,
         _slot: admitted.slot,
         judge,
-        realized_cached_tokens: metrics.realized_cached_tokens.clone(),
+        realized_cached_tokens: counted.then(|| metrics.realized_cached_tokens.clone()),
         upstream_ttfb_seconds: metrics.upstream_ttfb_seconds.clone(),
         sent,
         access,
@@ -393,7 +415,8 @@ struct ResponseHooks {
     _slot: Slot,
     /// Passive health: whether the body's end counts for or against the replica.
     judge: Option<Judge>,
-    realized_cached_tokens: Counter,
+    /// Where the cached tokens the response reports count (not for a chat with media).
+    realized_cached_tokens: Option<Counter>,
     upstream_ttfb_seconds: Histogram,
     sent: Instant,
     /// The access log's line, when it is on.
@@ -418,8 +441,8 @@ impl Hooks for ResponseHooks {
         if let Some(line) = self.access.take() {
             line.finish(end, cached_tokens);
         }
-        if let Some(n) = cached_tokens {
-            self.realized_cached_tokens.inc_by(n);
+        if let (Some(n), Some(counter)) = (cached_tokens, &self.realized_cached_tokens) {
+            counter.inc_by(n);
         }
         if let Some(judge) = &self.judge {
             let upstream = self.guard.upstream();

@@ -3,7 +3,7 @@
 //! | path | what the router does |
 //! |---|---|
 //! | `POST /v1/completions`, `POST /v1/chat/completions` | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]) |
-//! | other `/v1/*`, `/v2/*`, and the engines' inference paths outside them (`/tokenize`, `/rerank`, SGLang's `/generate`, ...: [`paths`]) | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused) |
+//! | other `/v1/*`, and the engines' own paths outside `/v1` that do not generate (`/tokenize`, `/rerank`, ...: [`paths`]) | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused) |
 //! | `GET /v1/models` | the fleet's model and LoRA adapters |
 //! | `GET /health` | 200 while every HTTP thread runs its tick ([`ProxyState::stalled_threads`]), else 503 |
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
@@ -130,8 +130,9 @@ fn probe(state: &ProxyState, path: &str) -> Response<ProxyBody> {
 /// the proxy is full (a probe that waits behind the limit would have the router restarted
 /// under load, dropping every connection and the index with it).
 pub async fn serve_probes(listener: TcpListener, state: Arc<ProxyState>, shutdown: CancellationToken) {
+    // Probes only: a few connections at a time, none held long.
     let limits =
-        Limits { max_connections: 64, header_read_timeout: Duration::from_secs(10), ..Limits::default() };
+        Limits { max_connections: 256, header_read_timeout: Duration::from_secs(5), ..Limits::default() };
     let handler = move |req: Request<Incoming>| {
         let state = state.clone();
         async move {

@@ -1,6 +1,7 @@
 //! The paths the router answers itself, and the ones it refuses to pass through.
 //!
-//! A `/v1/*` path the router does not route goes to a replica as it is. The replica's server
+//! A `/v1/*` path the router does not route, or one of the engines' own paths outside `/v1/`
+//! ([`passes_through`]), goes to a replica as it is. The replica's server
 //! (uvicorn for vLLM and SGLang) percent-decodes it before matching, and Starlette redirects a
 //! trailing slash: `/v1/%63ompletions` would run as a completion that skipped the router's
 //! limits and placement, and `/v1/completions/` would answer with a redirect to the replica's
@@ -21,29 +22,20 @@ const OWN: [(&str, &str); 6] = [
     ("/metrics", "GET"),
 ];
 
-/// The engines' own inference paths outside `/v1/` that pass through like `/v1/*` ones: vLLM's
-/// tokenizer, pooling, scoring and SageMaker endpoints, and SGLang's native API.
-const ENGINE: [&str; 11] = [
-    "/tokenize",
-    "/detokenize",
-    "/pooling",
-    "/classify",
-    "/score",
-    "/rerank",
-    "/invocations",
-    "/generate",
-    "/encode",
-    "/v1",
-    "/v2",
-];
+/// The engines' own paths outside `/v1/` that pass through like `/v1/*` ones: vLLM's tokenizer,
+/// pooling, scoring and reranking endpoints, and SGLang's `/encode`. Not the ones that
+/// generate text some other way (vLLM's `/invocations`, SGLang's `/generate`): through them a
+/// generation would skip the router's placement and its prompt and completion limits.
+const ENGINE: [&str; 8] =
+    ["/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/encode", "/v2/rerank"];
 
-/// Whether a path the router does not answer itself goes to a replica: `/v1/*` and `/v2/*`,
-/// and the engines' other inference paths ([`ENGINE`]).
+/// Whether a path the router does not answer itself goes to a replica: `/v1/*`, and the
+/// engines' other paths in [`ENGINE`] (each with what follows a `/`).
 pub fn passes_through(path: &str) -> bool {
-    ENGINE.iter().any(|prefix| {
-        path.strip_prefix(prefix)
-            .is_some_and(|rest| rest.is_empty() && !prefix.starts_with("/v") || rest.starts_with('/'))
-    })
+    path.starts_with("/v1/")
+        || ENGINE.iter().any(|prefix| {
+            path.strip_prefix(prefix).is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+        })
 }
 
 /// The method `path` takes, if the router answers it itself.
@@ -51,8 +43,8 @@ pub fn allowed(path: &str) -> Option<&'static str> {
     OWN.iter().find(|(own, _)| *own == path).map(|(_, method)| *method)
 }
 
-/// Refuses a `/v1/*` path that the replica would read as one of the router's own, or with
-/// dot segments.
+/// Refuses a path that passes through but that the replica would read as one of the router's
+/// own, or with dot segments.
 pub fn check_passthrough(path: &str) -> Result<(), ProxyError> {
     let decoded = percent_decode_str(path).decode_utf8_lossy();
     if decoded.split('/').any(|segment| segment == "." || segment == "..") {
@@ -97,11 +89,21 @@ mod tests {
     #[test]
     fn engine_paths_pass_through_and_others_do_not() {
         for path in
-            ["/v1/embeddings", "/v2/rerank", "/tokenize", "/detokenize", "/rerank", "/generate", "/v1/x/y"]
+            ["/v1/embeddings", "/v2/rerank", "/tokenize", "/detokenize", "/rerank", "/encode", "/v1/x/y"]
         {
             assert!(passes_through(path), "{path}");
         }
-        for path in ["/", "/v1", "/v2", "/tokenizer", "/version", "/admin", "/v10/x", "/generate2"] {
+        let others = [
+            "/",
+            "/v1",
+            "/v2/models/m/load",
+            "/tokenizer",
+            "/version",
+            "/v10/x",
+            "/generate",
+            "/invocations",
+        ];
+        for path in others {
             assert!(!passes_through(path), "{path}");
         }
     }

@@ -24,7 +24,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use kvroute_proto::CacheNamespace;
-use kvroute_proto::openai::{ChatRequest, Endpoint, ParsedRequest, RequestError, Tokenization};
+use kvroute_proto::openai::{
+    ChatRequest, Endpoint, ParsedRequest, PartialPrompt, RequestError, Tokenization,
+};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::body::{ProxyBody, full};
@@ -86,7 +88,7 @@ impl Prompts {
         fleet: &[Member],
     ) -> Result<PromptInfo, PromptError> {
         match self {
-            Prompts::Local(t) if body.len() >= BLOCKING_TEXT_BYTES && has_text(request) => {
+            Prompts::Local(t) if text_bytes(request) >= BLOCKING_TEXT_BYTES => {
                 // Long enough to hold up every other connection of this thread for a while
                 // (a HuggingFace tokenizer takes milliseconds for tens of KiB): on the
                 // blocking pool, from a copy of the body.
@@ -111,7 +113,8 @@ impl Prompts {
     }
 }
 
-/// Bodies with text to tokenize from this size on are tokenized on the blocking pool.
+/// Requests with this many bytes of text or more are tokenized on the blocking pool (media
+/// and token ids do not count).
 const BLOCKING_TEXT_BYTES: usize = 256 << 10;
 
 /// Turns on the blocking pool for tokenizing, one a core, shared by every HTTP thread.
@@ -119,13 +122,20 @@ static BLOCKING_TURNS: std::sync::LazyLock<tokio::sync::Semaphore> = std::sync::
     tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(1, usize::from))
 });
 
-/// Whether `request` has text to tokenize (token-id prompts need none).
-fn has_text(request: &ParsedRequest<'_>) -> bool {
+/// Bytes of text `request` has to tokenize (token-id prompts need none; a chat's media are
+/// not text).
+fn text_bytes(request: &ParsedRequest<'_>) -> usize {
     match request {
-        ParsedRequest::Completion(r) => {
-            r.prompt.inputs().iter().any(|p| matches!(p, kvroute_proto::openai::PromptInput::Text(_)))
-        }
-        ParsedRequest::Chat(_) => true,
+        ParsedRequest::Completion(r) => r
+            .prompt
+            .inputs()
+            .iter()
+            .map(|p| match p {
+                kvroute_proto::openai::PromptInput::Text(text) => text.len(),
+                kvroute_proto::openai::PromptInput::Tokens(_) => 0,
+            })
+            .sum(),
+        ParsedRequest::Chat(chat) => chat.text_bytes(),
     }
 }
 
@@ -170,10 +180,16 @@ impl RemoteTokenizer {
         fleet: &[Member],
     ) -> Result<PromptInfo, PromptError> {
         let namespace = self.local.namespace(request);
-        if media_chat(request).is_some() {
+        if let Some(chat) = media_chat(request) {
             // vLLM's `/tokenize` would expand the media into placeholders whose blocks carry
-            // the media's hash, which the router cannot compute: routed on load.
-            return Ok(PromptInfo { namespace, tokens: vec![Vec::new()], unhashed_tokens: Some(0) });
+            // the media's hash, which the router cannot compute: routed on load, its text
+            // tokens estimated.
+            let estimate = PartialPrompt::estimated(chat);
+            return Ok(PromptInfo {
+                namespace,
+                tokens: vec![Vec::new()],
+                unhashed_tokens: Some(estimate.text_tokens),
+            });
         }
         // The endpoint is part of what a body means (the same bytes can carry both a
         // `prompt` and `messages`).

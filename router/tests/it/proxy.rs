@@ -654,8 +654,11 @@ async fn credits_hold_while_the_request_waits_in_the_replicas_queue() {
         let url = fleet.url("/v1/completions");
         tokio::spawn(async move { crate::fleet::Http::new().post(&url, &body).await })
     };
-    // Both replicas busy with a long completion each.
-    let long = [send(completion("long one", 400)), send(completion("long two", 400))];
+    // Both replicas busy with a long completion each (one after the other: two decisions at
+    // once could both see an idle fleet).
+    let first = send(completion("long one", 400));
+    wait_until("one replica busy", || in_flight().iter().any(|(_, n)| *n == 1)).await;
+    let long = [first, send(completion("long two", 400))];
     wait_until("both replicas busy", || in_flight().iter().all(|(_, n)| *n == 1)).await;
     // A new prefix queues behind one of them; no event shows it before it runs.
     let prefix = text("queuedw", 800);
@@ -693,6 +696,11 @@ async fn a_chat_with_an_image_is_routed_on_the_conversation_before_it() {
         assert_eq!(reply.status, 200, "{:?}", reply.body);
         homes.insert(tag, reply.header("x-kvroute-replica").unwrap().to_owned());
     }
+    let counted = |metrics: &str| {
+        ["prompt_tokens", "predicted_cached_tokens"]
+            .map(|m| sample(metrics, &format!("kvroute_router_{m}_total")))
+    };
+    let before = counted(&scrape(&fleet.http, &fleet.url("")).await);
     for tag in ["a", "b", "c", "d"] {
         let mut messages = history(tag);
         messages.push(json!({"role": "assistant", "content": "Let me look."}));
@@ -710,6 +718,7 @@ async fn a_chat_with_an_image_is_routed_on_the_conversation_before_it() {
     }
     let metrics = scrape(&fleet.http, &fleet.url("")).await;
     assert_eq!(sample(&metrics, "kvroute_router_partial_prompts_total"), Some(4));
+    assert_eq!(counted(&metrics), before, "chats with media count in neither hit rate");
 }
 
 /// With `--remote-tokenize`, a chat with media is routed on load: `/tokenize` would give the

@@ -77,7 +77,14 @@ struct RawPart<'a> {
     text: Option<MaybeStr<'a>>,
     refusal: Option<MaybeStr<'a>>,
     thinking: Option<MaybeStr<'a>>,
+    /// For a part without a `type`: the first of [`UNTYPED_MEDIA`] it has.
+    untyped_media: Option<&'static str>,
 }
+
+/// The keys that make a part without a `type` a media part, in the order vLLM looks for them
+/// (`input_audio` only when not null).
+const UNTYPED_MEDIA: [&str; 7] =
+    ["image_url", "image_pil", "image_embeds", "audio_embeds", "audio_url", "input_audio", "video_url"];
 
 impl<'de> Deserialize<'de> for RawPart<'de> {
     fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -85,12 +92,19 @@ impl<'de> Deserialize<'de> for RawPart<'de> {
             raw.map(|raw| serde_json::from_str::<MaybeStr<'de>>(raw.get()).map_err(de::Error::custom))
                 .transpose()
         };
-        let [kind, text, refusal, thinking] = object::fields_of(d, &["type", "text", "refusal", "thinking"])?;
+        let mut names = ["type", "text", "refusal", "thinking", "", "", "", "", "", "", ""];
+        names[4..].copy_from_slice(&UNTYPED_MEDIA);
+        let fields = object::fields_of(d, &names)?;
+        // Absent and null are both `None` here: vLLM takes a null `input_audio` for no media
+        // (and a null `image_url` for an image without a URL, which it then refuses).
+        let untyped_media =
+            UNTYPED_MEDIA.iter().zip(&fields[4..]).find(|(_, f)| f.is_some()).map(|(k, _)| *k);
         Ok(RawPart {
-            kind: read(kind)?,
-            text: read(text)?,
-            refusal: read(refusal)?,
-            thinking: read(thinking)?,
+            kind: read(fields[0])?,
+            text: read(fields[1])?,
+            refusal: read(fields[2])?,
+            thinking: read(fields[3])?,
+            untyped_media,
         })
     }
 }
@@ -147,7 +161,12 @@ impl<'de> Deserialize<'de> for Content<'de> {
                 return bad();
             }
             let mut part: RawPart<'de> = serde_json::from_str(part.get()).map_err(de::Error::custom)?;
-            let Some(MaybeStr::Str(kind)) = part.kind.take() else { return bad() };
+            let kind = match (part.kind.take(), part.untyped_media) {
+                (Some(MaybeStr::Str(kind)), _) => kind,
+                // No `type` (or a null one), but a media key: vLLM reads the part as that media.
+                (None | Some(MaybeStr::Null), Some(key)) => Cow::Borrowed(key),
+                _ => return bad(),
+            };
             match part.text(&kind) {
                 Some(Ok(Some(text))) => texts.push(text),
                 Some(Ok(None)) => {}

@@ -190,8 +190,9 @@ impl<'de> Deserialize<'de> for Item<'de> {
             fn visit_unit<E: de::Error>(self) -> Result<Item<'de>, E> {
                 Ok(Item::Other)
             }
-            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Item<'de>, E> {
-                Ok(Item::Other)
+            // pydantic's lax `list[int]` takes `true` and `false` as 1 and 0.
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Item<'de>, E> {
+                Ok(Item::Id(u32::from(v)))
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Item<'de>, A::Error> {
                 while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
@@ -277,6 +278,7 @@ mod tests {
     fn kind(v: &Value) -> Kind {
         match v {
             Value::String(s) => Kind::Text(s.clone()),
+            Value::Bool(b) => Kind::Id(u32::from(*b)),
             Value::Number(n) => n
                 .as_u64()
                 .or_else(|| {

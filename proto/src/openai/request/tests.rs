@@ -78,18 +78,24 @@ fn numbers_and_booleans_are_read_as_vllm_reads_them() {
         (&Prompt::Tokens(vec![1, 2, 3]), Some(256), true, false)
     );
     let r = completion(
-        r#"{"model":"m","prompt":[[5.0],[6]],"max_tokens":" 17 ","stream":"Off","add_special_tokens":"yes"}"#,
+        r#"{"model":"m","prompt":[[5.0],[6,true]],"max_tokens":" 17.00 ","stream":"Off","add_special_tokens":"yes"}"#,
     )
     .unwrap();
     assert_eq!(
         (&r.prompt, r.max_tokens, r.stream, r.add_special_tokens),
-        (&Prompt::TokensBatch(vec![vec![5], vec![6]]), Some(17), false, true)
+        (&Prompt::TokensBatch(vec![vec![5], vec![6, 1]]), Some(17), false, true)
     );
+    assert_eq!(
+        completion(r#"{"prompt":[false,2],"max_tokens":"8."}"#).unwrap().prompt,
+        Prompt::Tokens(vec![0, 2])
+    );
+    assert_eq!(completion(r#"{"prompt":"p","max_tokens":"8."}"#).unwrap().max_tokens, Some(8));
     let r = chat(r#"{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":1e2,"add_generation_prompt":"n"}"#).unwrap();
     assert_eq!((r.max_completion_tokens, r.add_generation_prompt), (Some(100), false));
     for (body, param) in [
         (r#"{"prompt":"p","max_tokens":1.5}"#, "max_tokens"),
         (r#"{"prompt":"p","max_tokens":"ten"}"#, "max_tokens"),
+        (r#"{"prompt":"p","max_tokens":"8.5"}"#, "max_tokens"),
         (r#"{"prompt":"p","max_tokens":-1.0}"#, "max_tokens"),
         (r#"{"prompt":"p","stream":"maybe"}"#, "stream"),
         (r#"{"prompt":"p","stream":2}"#, "stream"),
