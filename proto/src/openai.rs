@@ -36,6 +36,7 @@ pub mod tokenizer;
 
 use std::collections::HashSet;
 use std::path::PathBuf;
+use std::sync::RwLock;
 
 use serde::{Deserialize, Serialize};
 
@@ -90,7 +91,9 @@ pub struct Tokenization {
     tokenizer: Box<dyn Tokenizer>,
     chat_template: Option<ChatTemplate>,
     base_model: String,
-    lora_adapters: HashSet<String>,
+    /// The LoRA adapters requests may name: configured, or loaded since
+    /// ([`Tokenization::add_lora_adapter`]).
+    lora_adapters: RwLock<HashSet<String>>,
     /// Token ids of texts' beginnings seen before, when enabled.
     prefix_cache: Option<PrefixCache>,
 }
@@ -137,7 +140,7 @@ impl Tokenization {
             tokenizer,
             chat_template,
             base_model: base_model.into(),
-            lora_adapters: lora_adapters.into_iter().collect(),
+            lora_adapters: RwLock::new(lora_adapters.into_iter().collect()),
             prefix_cache: None,
         }
     }
@@ -262,9 +265,36 @@ impl Tokenization {
         )
     }
 
+    /// Whether requests for `model` are for a LoRA adapter of the base model.
+    pub fn is_lora_adapter(&self, model: &str) -> bool {
+        self.adapters().contains(model)
+    }
+
+    /// The LoRA adapters requests may name, sorted.
+    pub fn lora_adapters(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.adapters().iter().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// Adds a LoRA adapter loaded at run time (vLLM's `/v1/load_lora_adapter`); false if it
+    /// was there already.
+    pub fn add_lora_adapter(&self, name: &str) -> bool {
+        self.lora_adapters.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_owned())
+    }
+
+    /// Removes a LoRA adapter (vLLM's `/v1/unload_lora_adapter`); false if it was not there.
+    pub fn remove_lora_adapter(&self, name: &str) -> bool {
+        self.lora_adapters.write().unwrap_or_else(|e| e.into_inner()).remove(name)
+    }
+
+    fn adapters(&self) -> std::sync::RwLockReadGuard<'_, HashSet<String>> {
+        self.lora_adapters.read().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The cache namespace of `request` under this config; see [`namespace`].
     pub fn namespace(&self, request: &ParsedRequest<'_>) -> CacheNamespace {
-        namespace(request, &self.base_model, |m| self.lora_adapters.contains(m))
+        namespace(request, &self.base_model, |m| self.is_lora_adapter(m))
     }
 
     /// The block hashes of every prompt of `request`: [`Tokenization::prompt_tokens`]

@@ -165,8 +165,6 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         max_in_flight_per_replica: config.max_in_flight_per_replica,
         metrics,
     };
-    let mut models = vec![config.model.clone()];
-    models.extend(config.lora_adapters.iter().cloned());
     // Resolved once: the heartbeats need one slot for each thread that will tick.
     let http_threads = config.http_threads();
     let state = Arc::new(ProxyState {
@@ -187,7 +185,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         registry: Arc::new(registry),
         limits: config.request_limits(),
         in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
-        models,
+        base_model: config.model.clone(),
         discovery,
         synced_once: AtomicBool::new(false),
         heartbeats: Heartbeats::new(http_threads),

@@ -1,5 +1,6 @@
 //! The routes around generation: `GET /v1/models`, `POST /tokenize`,
-//! `POST /reset_prefix_cache` (`GET /health` is an empty 200 in [`super`]).
+//! `POST /reset_prefix_cache`, `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+//! (`GET /health` is an empty 200 in [`super`]).
 //!
 //! `/tokenize` takes vLLM's two request shapes, `{"model"?, "prompt", "add_special_tokens"?}`
 //! and `{"model"?, "messages", "add_generation_prompt"?, ...}`, parses them with the same
@@ -48,8 +49,9 @@ pub(super) fn models(state: &AppState) -> Response<Body> {
         parent,
         max_model_len: config.max_model_len,
     };
+    let adapters = state.tokenization().lora_adapters();
     let mut data = vec![card(config.model.as_str(), None)];
-    data.extend(config.lora_adapters.iter().map(|a| card(a.as_str(), Some(config.model.as_str()))));
+    data.extend(adapters.iter().map(|a| card(a.as_str(), Some(config.model.as_str()))));
     let body = serde_json::to_vec(&ModelList { object: "list", data }).unwrap_or_default();
     json_response(StatusCode::OK, body)
 }
@@ -105,4 +107,55 @@ pub(super) async fn reset_prefix_cache(state: &AppState) -> Result<Response<Body
         Err(ResetError::Busy(e)) => Err(ApiError::cache_busy(format!("cannot reset the prefix cache: {e}"))),
         Err(ResetError::ShuttingDown) => Err(ApiError::shutting_down()),
     }
+}
+
+/// A `/v1/load_lora_adapter` or `/v1/unload_lora_adapter` body, as vLLM reads it.
+#[derive(Deserialize)]
+struct LoraRequest {
+    lora_name: String,
+    /// Required to load (the agent has no weights to read: only its presence counts).
+    lora_path: Option<String>,
+}
+
+fn lora_request(body: &[u8], loading: bool) -> Result<LoraRequest, ApiError> {
+    let request: LoraRequest = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid LoRA request: {e}")))?;
+    if request.lora_name.is_empty() || loading && request.lora_path.as_deref().is_none_or(str::is_empty) {
+        return Err(ApiError::bad_request("Both 'lora_name' and 'lora_path' must be provided."));
+    }
+    Ok(request)
+}
+
+/// `POST /v1/load_lora_adapter`: requests may name the adapter from now on (its blocks in
+/// its own cache namespace, as vLLM's). vLLM's answers: 200 with a line of text, 400 for an
+/// adapter already loaded.
+pub(super) fn load_lora(state: &AppState, body: &[u8]) -> Result<Response<Body>, ApiError> {
+    let LoraRequest { lora_name, .. } = lora_request(body, true)?;
+    if lora_name == state.config().model || !state.tokenization().add_lora_adapter(&lora_name) {
+        return Err(ApiError::bad_request(format!(
+            "The lora adapter '{lora_name}' has already been loaded."
+        )));
+    }
+    tracing::info!(lora_name, "LoRA adapter loaded");
+    Ok(text_response(format!("Success: LoRA adapter '{lora_name}' added successfully.")))
+}
+
+/// `POST /v1/unload_lora_adapter`: requests naming the adapter get 404 from now on (its
+/// blocks stay cached until evicted, as vLLM's). 404 for an adapter not loaded.
+pub(super) fn unload_lora(state: &AppState, body: &[u8]) -> Result<Response<Body>, ApiError> {
+    let LoraRequest { lora_name, .. } = lora_request(body, false)?;
+    if !state.tokenization().remove_lora_adapter(&lora_name) {
+        return Err(ApiError::lora_not_found(&lora_name));
+    }
+    tracing::info!(lora_name, "LoRA adapter unloaded");
+    Ok(text_response(format!("Success: LoRA adapter '{lora_name}' removed successfully.")))
+}
+
+fn text_response(text: String) -> Response<Body> {
+    let mut response = Response::new(super::full(bytes::Bytes::from(text)));
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
 }

@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | malformed body, bad field, too long for the context | 400 | `invalid_request_error` |
 //! | unknown model | 404 | `invalid_request_error` / `model_not_found` |
+//! | unloading an adapter not loaded | 404 | `invalid_request_error` / `lora_not_found` |
 //! | unknown path | 404 | `invalid_request_error` / `not_found` |
 //! | wrong method | 405 | `invalid_request_error` / `method_not_allowed` |
 //! | cache reset while requests hold blocks | 409 | `invalid_request_error` / `cache_busy` |
@@ -96,6 +97,17 @@ impl ApiError {
             format!("The model `{model}` does not exist."),
             Some("model"),
             Some("model_not_found"),
+        )
+    }
+
+    /// An unload for an adapter that is not loaded (vLLM answers 404).
+    pub fn lora_not_found(name: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            INVALID_REQUEST,
+            format!("The lora adapter '{name}' cannot be found."),
+            Some("lora_name"),
+            Some("lora_not_found"),
         )
     }
 

@@ -8,6 +8,7 @@
 //! | `GET /health` | `admin.rs`: 200 with an empty body, as vLLM answers |
 //! | `POST /tokenize` | `admin.rs`: the token ids generation would use, vLLM's shape |
 //! | `POST /reset_prefix_cache` | `admin.rs`: drop the prefix cache (409 while requests hold blocks) |
+//! | `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter` | `admin.rs`: serve a LoRA adapter (a name: the agent simulates its weights), or stop, as vLLM with runtime LoRA updating |
 //! | `GET /metrics` | `metrics.rs`: Prometheus text with vLLM's metric names |
 //!
 //! Streams follow OpenAI: `usage` (with `prompt_tokens_details.cached_tokens`) comes only
@@ -103,8 +104,7 @@ impl AppState {
     /// Whether `model` is the base model (or none: `""`, as in vLLM) or one of its LoRA
     /// adapters.
     pub(crate) fn serves(&self, model: &str) -> bool {
-        let config = self.config();
-        model.is_empty() || model == config.model || config.lora_adapters.iter().any(|a| a == model)
+        model.is_empty() || model == self.config().model || self.tokenization().is_lora_adapter(model)
     }
 }
 
@@ -159,6 +159,8 @@ enum Route {
     Health,
     Tokenize,
     ResetPrefixCache,
+    LoadLora,
+    UnloadLora,
     Metrics,
 }
 
@@ -171,6 +173,8 @@ fn route(path: &str) -> Option<(Method, Route)> {
         "/health" => (Method::GET, Route::Health),
         "/tokenize" => (Method::POST, Route::Tokenize),
         "/reset_prefix_cache" => (Method::POST, Route::ResetPrefixCache),
+        "/v1/load_lora_adapter" => (Method::POST, Route::LoadLora),
+        "/v1/unload_lora_adapter" => (Method::POST, Route::UnloadLora),
         "/metrics" => (Method::GET, Route::Metrics),
         _ => return None,
     })
@@ -199,6 +203,8 @@ async fn dispatch(
             admin::tokenize(state, &body)
         }
         Route::ResetPrefixCache => admin::reset_prefix_cache(state).await,
+        Route::LoadLora => admin::load_lora(state, &read_body(state, req).await?),
+        Route::UnloadLora => admin::unload_lora(state, &read_body(state, req).await?),
         Route::Metrics => Ok(metrics::render(state)),
     }
 }

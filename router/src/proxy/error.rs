@@ -7,7 +7,7 @@
 //! | 404 / 405 | unknown path / wrong method (with `Allow`) |
 //! | 408 | the client sent nothing of its request body for `--idle-timeout-ms` (routed, or streamed to a replica) |
 //! | 413 | body larger than `--max-body-bytes` |
-//! | 502 | the replica failed before answering, and so did every retry |
+//! | 502 | the replica failed before answering, and so did every retry; a LoRA adapter change some replicas took and some did not (`partial_fan_out`) |
 //! | 503 | no healthy replica, every replica saturated, the router at its in-flight limit, or (`--remote-tokenize`) no replica asked could tokenize the prompt |
 //! | 504 | the replica did not start answering within `--first-byte-timeout-ms` (for a streamed upload: from its end, or from when the replica last took some of it) |
 
@@ -46,6 +46,9 @@ pub enum ProxyError {
     Upstream { replica: String, reason: String },
     #[error("replica {replica} did not start answering within {timeout_ms} ms")]
     Timeout { replica: String, timeout_ms: u64 },
+    /// A request sent to every replica that some took and some did not.
+    #[error("{0}")]
+    FanOut(String),
 }
 
 impl ProxyError {
@@ -64,7 +67,7 @@ impl ProxyError {
             ProxyError::NotFound(_) => StatusCode::NOT_FOUND,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            ProxyError::Upstream { .. } | ProxyError::FanOut(_) => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
         }
     }
@@ -84,6 +87,7 @@ impl ProxyError {
             ProxyError::Unavailable(_) => "unavailable",
             ProxyError::Upstream { .. } => "upstream_failed",
             ProxyError::Timeout { .. } => "upstream_timeout",
+            ProxyError::FanOut(_) => "fan_out",
         }
     }
 
@@ -115,6 +119,11 @@ impl ProxyError {
             }
             ProxyError::Unavailable(_) | ProxyError::Upstream { .. } | ProxyError::Timeout { .. } => {
                 OpenAiError::new("server_error", self.to_string())
+            }
+            ProxyError::FanOut(_) => {
+                let mut e = OpenAiError::new("server_error", self.to_string());
+                e.code = Some("partial_fan_out".into());
+                e
             }
         }
     }

@@ -5,11 +5,12 @@
 //! | `POST /v1/completions`, `POST /v1/chat/completions` | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]) |
 //! | other `/v1/*`, and the engines' own paths outside `/v1` that do not generate (`/tokenize`, `/rerank`, ...: [`paths`]) | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused) |
 //! | `GET /v1/models` | the fleet's model and LoRA adapters |
+//! | `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter` | sent to every replica ([`lora`]) |
 //! | `GET /health` | 200 while every HTTP thread runs its tick ([`ProxyState::stalled_threads`]), else 503 |
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //!
-//! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`paths`] (the router's own paths), [`pool`] (upstream
+//! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
 //! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`upload`] (clients' request
 //! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health).
 
@@ -20,6 +21,7 @@ pub mod forward;
 pub mod health;
 pub mod http1;
 pub mod idle;
+pub mod lora;
 pub mod paths;
 pub mod pool;
 pub mod prompts;
@@ -63,8 +65,8 @@ pub struct ProxyState {
     pub limits: RequestLimits,
     /// Global in-flight limit: a request that cannot get a permit gets 503 at once.
     pub in_flight: Arc<Semaphore>,
-    /// Served model names: the base model, then its LoRA adapters.
-    pub models: Vec<String>,
+    /// The served base model (its LoRA adapters are the tokenization's).
+    pub base_model: String,
     /// Replica discovery (static mode counts as listed from the start).
     pub discovery: crate::discovery::Discovery,
     /// Set once the first sync completed: `/ready` stays true from then on.
@@ -214,6 +216,12 @@ async fn dispatch(
             Box::pin(routed(state, pool, req, Endpoint::ChatCompletions, (request_id, received))).await
         }
         (Method::GET, "/v1/models") => Ok(json(StatusCode::OK, models(state))),
+        (Method::POST, p) if let Some(change) = lora::route(p) => {
+            let (parts, body) = req.into_parts();
+            let body =
+                read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
+            Box::pin(lora::fan_out(state, pool, change, p, body)).await
+        }
         (Method::GET, "/health" | "/ready") => Ok(probe(state, &path)),
         (Method::GET, "/metrics") => Ok(metrics(state)),
         (method, p) => match paths::allowed(p) {
@@ -315,21 +323,15 @@ async fn read_body(
 
 fn models(state: &ProxyState) -> serde_json::Value {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let data: Vec<serde_json::Value> = state
-        .models
-        .iter()
-        .enumerate()
-        .map(|(i, id)| {
-            serde_json::json!({
-                "id": id,
-                "object": "model",
-                "created": created,
-                "owned_by": "kvroute",
-                "root": state.models[0],
-                "parent": if i == 0 { serde_json::Value::Null } else { serde_json::json!(state.models[0]) },
-            })
+    let base = state.base_model.as_str();
+    let card = |id: &str, parent: Option<&str>| {
+        serde_json::json!({
+            "id": id, "object": "model", "created": created, "owned_by": "kvroute", "root": base, "parent": parent,
         })
-        .collect();
+    };
+    let adapters = state.decider.prompts.tokenization().lora_adapters();
+    let data: Vec<serde_json::Value> =
+        std::iter::once(card(base, None)).chain(adapters.iter().map(|a| card(a, Some(base)))).collect();
     serde_json::json!({"object": "list", "data": data})
 }
 

@@ -79,6 +79,14 @@ pub type Client =
     hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, ProxyBody>;
 
 impl Prompts {
+    /// The tokenization that names the cache namespace (and tokenizes, when local).
+    pub fn tokenization(&self) -> &Tokenization {
+        match self {
+            Prompts::Local(t) => t,
+            Prompts::Remote(r) => &r.local,
+        }
+    }
+
     /// The namespace and token ids of `request`; in remote mode, `fleet`'s replicas are
     /// asked. Token-id prompts are moved out of `request`, not copied.
     pub async fn tokens(

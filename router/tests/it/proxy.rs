@@ -628,6 +628,57 @@ async fn remote_tokenization_sends_what_decides_the_ids() {
     shutdown.cancel();
 }
 
+/// A LoRA adapter loaded through the router reaches every replica, hashes in its own
+/// namespace from then on (as the replicas hash it), and is listed; unloading takes it back;
+/// a change some replicas refuse is a 502 that says which.
+#[tokio::test]
+async fn lora_adapters_loaded_through_the_router_reach_every_replica() {
+    let fleet = Fleet::start(3).await;
+    let http = &fleet.http;
+    let listed = async |url: String| -> Vec<String> {
+        let models = http.get(&url).await.json();
+        models["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap().to_owned()).collect()
+    };
+    let agents: Vec<String> = fleet.agents.iter().map(|a| a.as_ref().unwrap().http_url()).collect();
+    let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
+    let reply = http.post(&fleet.url("/v1/load_lora_adapter"), &load).await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    for agent in &agents {
+        assert!(listed(format!("{agent}/v1/models")).await.contains(&"sql".to_owned()), "{agent}");
+    }
+    assert_eq!(listed(fleet.url("/v1/models")).await, [FLEET_MODEL, "sql"]);
+
+    // The adapter's prefix: cached in its own namespace, predicted to the token.
+    let prompt = text("lorapromptw", 60);
+    let ask = |model: &str, suffix: &str| json!({"model": model, "prompt": format!("{prompt} {suffix}"), "max_tokens": 2});
+    assert_eq!(http.post(&fleet.url("/v1/completions"), &ask("sql", "one")).await.status, 200);
+    let again = http.post(&fleet.url("/v1/completions"), &ask("sql", "two")).await;
+    let predicted: u64 = again.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
+    assert!(predicted > 0);
+    assert_eq!(again.cached_tokens(), predicted);
+    let base = http.post(&fleet.url("/v1/completions"), &ask(FLEET_MODEL, "three")).await;
+    assert_eq!(
+        base.header("x-kvroute-predicted-cached-tokens"),
+        Some("0"),
+        "the base model's namespace is another"
+    );
+
+    // Loaded already everywhere: the replicas' own answer.
+    assert_eq!(http.post(&fleet.url("/v1/load_lora_adapter"), &load).await.status, 400);
+
+    // One replica lost it already: the others unload it, the router says which did what.
+    let unload = json!({"lora_name": "sql"});
+    assert_eq!(http.post(&format!("{}/v1/unload_lora_adapter", agents[0]), &unload).await.status, 200);
+    let reply = http.post(&fleet.url("/v1/unload_lora_adapter"), &unload).await;
+    assert_eq!(reply.status, 502, "{:?}", reply.body);
+    assert_eq!(reply.json()["error"]["code"], "partial_fan_out");
+    assert!(reply.json()["error"]["message"].as_str().unwrap().contains("agent-0: 404"), "{:?}", reply.body);
+    for url in agents.iter().map(|a| format!("{a}/v1/models")).chain([fleet.url("/v1/models")]) {
+        assert!(!listed(url.clone()).await.contains(&"sql".to_owned()), "{url}");
+    }
+    assert_eq!(http.post(&fleet.url("/v1/completions"), &ask("sql", "four")).await.status, 404);
+}
+
 /// A decision's credits hold while its request waits in the replica's queue, however long
 /// past the credit TTL: a request for the same prefix that comes meanwhile follows it there
 /// rather than to a replica with less load and nothing cached (when they held only the TTL,
