@@ -14,14 +14,18 @@
 //! replica's index overlap through credited blocks: overlap = longest prefix of blocks that
 //! are in the index or credited, for that replica.
 //!
-//! Storage: credits live in two generations of `ttl` each, with their expiry and pins. A
-//! credit is live while pinned or until its expiry; when the current generation is `ttl`
-//! old it becomes the previous one and the one before is cleared whole and reused, its
-//! pinned credits carried into the new current one (every unpinned credit in it has expired
-//! by then). So a credit costs one insert and nothing to expire: removing each expired pair
-//! one by one from a table holding every credit of the last `ttl` cost as much as inserting
-//! it (a request with a new 8 k-token prompt credits 512 blocks). One (block, replica) may
-//! have an entry in each generation; it is live if either is, and its pins are their sum.
+//! Storage: credits live in two generations of `ttl` each, with their expiry. A credit is
+//! read as live until its expiry; when the current generation is `ttl` old it becomes the
+//! previous one and the one before, all of whose credits have expired by then, is cleared
+//! whole and reused. So a credit costs one insert and nothing to expire: removing each
+//! expired pair one by one from a table holding every credit of the last `ttl` cost as
+//! much as inserting it (a request with a new 8 k-token prompt credits 512 blocks). Pins
+//! are counted in a table of their own, which does not turn over: a credit is live while
+//! pinned whatever its expiry, and queued requests' pins are not copied each `ttl`.
+//!
+//! Pins are counted by (block, replica), not by request: when events end a pinned credit
+//! and a later decision pins the block again, the first request's release takes the later
+//! one's pin, whose credit then lasts the TTL from there, as unpinned credits do.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -39,24 +43,9 @@ pub struct Credits {
     inner: Mutex<Inner>,
 }
 
-/// One (block, replica)'s credit in one generation.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Credit {
-    /// Microseconds since `epoch`.
-    expiry: u64,
-    /// Decisions whose requests have not yet had their prefill done.
-    pins: u32,
-}
-
-impl Credit {
-    fn live(&self, now: u64) -> bool {
-        self.pins > 0 || self.expiry > now
-    }
-}
-
-/// Credited (block, replica) pairs (block hashes are uniform already: the index's
-/// one-multiply hasher, not SipHash).
-type Held = HashMap<(BlockHash, ReplicaId), Credit, FoldState>;
+/// Credited (block, replica) pairs and their expiry, in microseconds since `epoch` (block
+/// hashes are uniform already: the index's one-multiply hasher, not SipHash).
+type Held = HashMap<(BlockHash, ReplicaId), u64, FoldState>;
 
 #[derive(Debug)]
 struct Inner {
@@ -64,6 +53,8 @@ struct Inner {
     current: Held,
     /// Credits made in the `ttl` before `since`.
     previous: Held,
+    /// Pins of credits whose requests have not yet had their prefill done.
+    pins: HashMap<(BlockHash, ReplicaId), u32, FoldState>,
     since: Instant,
     epoch: Instant,
 }
@@ -71,8 +62,13 @@ struct Inner {
 impl Credits {
     pub fn new(ttl: Duration) -> Self {
         let now = Instant::now();
-        let held = || HashMap::with_hasher(FoldState::random());
-        let inner = Inner { current: held(), previous: held(), since: now, epoch: now };
+        let inner = Inner {
+            current: HashMap::with_hasher(FoldState::random()),
+            previous: HashMap::with_hasher(FoldState::random()),
+            pins: HashMap::with_hasher(FoldState::random()),
+            since: now,
+            epoch: now,
+        };
         Self { ttl, inner: Mutex::new(inner) }
     }
 
@@ -94,10 +90,11 @@ impl Credits {
         let mut inner = self.lock();
         let now = inner.now(self.ttl);
         let expiry = now + self.ttl.as_micros() as u64;
-        for &b in blocks {
-            let credit = inner.current.entry((b, replica)).or_default();
-            credit.expiry = expiry;
-            credit.pins += pins;
+        inner.current.extend(blocks.iter().map(|&b| ((b, replica), expiry)));
+        if pins > 0 {
+            for &b in blocks {
+                *inner.pins.entry((b, replica)).or_default() += pins;
+            }
         }
     }
 
@@ -112,7 +109,7 @@ impl Credits {
         let expiry = now + self.ttl.as_micros() as u64;
         for &b in blocks {
             if inner.take_pin((b, replica)) {
-                inner.current.entry((b, replica)).or_default().expiry = expiry;
+                inner.current.insert((b, replica), expiry);
             }
         }
     }
@@ -127,6 +124,7 @@ impl Credits {
         for &b in blocks {
             inner.current.remove(&(b, replica));
             inner.previous.remove(&(b, replica));
+            inner.pins.remove(&(b, replica));
         }
     }
 
@@ -143,8 +141,7 @@ impl Credits {
         }
         for &b in added {
             let key = (b, replica);
-            let pins = |held: &Held| held.get(&key).map_or(0, |c| c.pins);
-            if pins(&inner.current) + pins(&inner.previous) == 0 {
+            if !inner.pins.contains_key(&key) {
                 inner.current.remove(&key);
                 inner.previous.remove(&key);
             }
@@ -166,12 +163,13 @@ impl Credits {
         let mut inner = self.lock();
         let now = inner.now(self.ttl);
         let inner = &*inner;
-        let current = inner.current.values().filter(|c| c.live(now)).count();
+        let unpinned = |k: &(BlockHash, ReplicaId)| !inner.pins.contains_key(k);
+        let current = inner.current.iter().filter(|&(k, &e)| e > now && unpinned(k)).count();
         let previous = inner
             .previous
             .iter()
-            .filter(|&(k, c)| c.live(now) && inner.current.get(k).is_none_or(|c| !c.live(now)));
-        current + previous.count()
+            .filter(|&(k, &e)| e > now && unpinned(k) && inner.current.get(k).is_none_or(|&c| c <= now));
+        inner.pins.len() + current + previous.count()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -183,6 +181,7 @@ impl Credits {
         let mut inner = self.lock();
         inner.current.retain(|(_, r), _| *r != replica);
         inner.previous.retain(|(_, r), _| *r != replica);
+        inner.pins.retain(|(_, r), _| *r != replica);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -216,6 +215,13 @@ impl CreditHold {
         credits.pin(replica, &blocks);
         (self.replica, self.blocks) = (replica, blocks);
     }
+
+    /// The request failed on the replica without starting: the pins come off, and the
+    /// credits of `added` end ([`Credits::withdraw`]).
+    pub fn withdraw(mut self, added: &[BlockHash]) {
+        self.index.credits().withdraw(self.replica, &self.blocks, added);
+        self.blocks.clear();
+    }
 }
 
 impl Drop for CreditHold {
@@ -230,38 +236,34 @@ impl Inner {
     fn now(&mut self, ttl: Duration) -> u64 {
         let now = Instant::now();
         if now.duration_since(self.since) >= ttl {
-            // Every unpinned credit in `previous` was made at least `ttl` before `since`:
-            // expired. Pinned ones go on in the new current generation.
-            let mut carried = Vec::new();
-            carried.extend(self.previous.drain().filter(|(_, c)| c.pins > 0));
+            // Everything in `previous` was credited at least `ttl` before `since`: expired.
+            self.previous.clear();
             std::mem::swap(&mut self.previous, &mut self.current);
             if now.duration_since(self.since) >= 2 * ttl {
-                carried.extend(self.previous.drain().filter(|(_, c)| c.pins > 0));
-            }
-            for (key, credit) in carried {
-                let into = self.current.entry(key).or_default();
-                into.pins += credit.pins;
-                into.expiry = into.expiry.max(credit.expiry);
+                self.previous.clear();
             }
             self.since = now;
         }
         now.duration_since(self.epoch).as_micros() as u64
     }
 
-    /// Takes one pin off `key`, from whichever generation has one; whether it had one.
+    /// Takes one pin off `key`; whether it had one.
     fn take_pin(&mut self, key: (BlockHash, ReplicaId)) -> bool {
-        let pinned =
-            |held: &mut Held| held.get_mut(&key).filter(|c| c.pins > 0).map(|c| c.pins -= 1).is_some();
-        pinned(&mut self.current) || pinned(&mut self.previous)
+        let Some(pins) = self.pins.get_mut(&key) else { return false };
+        *pins -= 1;
+        if *pins == 0 {
+            self.pins.remove(&key);
+        }
+        true
     }
 
     fn live(&self, key: (BlockHash, ReplicaId), now: u64) -> bool {
-        let live = |held: &Held| held.get(&key).is_some_and(|c| c.live(now));
-        live(&self.current) || live(&self.previous)
+        let live = |held: &Held| held.get(&key).is_some_and(|&expiry| expiry > now);
+        live(&self.current) || live(&self.previous) || self.pins.contains_key(&key)
     }
 
     fn is_empty(&self) -> bool {
-        self.current.is_empty() && self.previous.is_empty()
+        self.current.is_empty() && self.previous.is_empty() && self.pins.is_empty()
     }
 }
 

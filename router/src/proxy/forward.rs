@@ -209,6 +209,11 @@ pub async fn routed(
             }
         }
     }
+    // Failed everywhere it was tried, without starting: the last replica holds no credit for
+    // it. (After a first-byte timeout the replica may still run it: its credit stands.)
+    if attempts > 0 {
+        decider.withdraw_credit(plan, attempts - 1);
+    }
     Err(last_error.unwrap_or_else(|| ProxyError::Unavailable("no eligible replica".into())))
 }
 
@@ -236,10 +241,11 @@ pub async fn streamed(
                     ..access::Line::new(&admitted, &client.method, &client.uri)
                 })
             });
+            // Not routed on a prompt: its usage counts in neither hit rate.
             let mut response = wrap(
                 response,
                 client.version,
-                Attempt { guard, sent, hold: None, counted: true },
+                Attempt { guard, sent, hold: None, counted: false },
                 config,
                 metrics,
                 admitted,

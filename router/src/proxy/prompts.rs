@@ -143,7 +143,11 @@ fn text_bytes(request: &ParsedRequest<'_>) -> usize {
                 kvroute_proto::openai::PromptInput::Tokens(_) => 0,
             })
             .sum(),
-        ParsedRequest::Chat(chat) => chat.text_bytes(),
+        // Tool definitions and template options are rendered into the prompt too.
+        ParsedRequest::Chat(chat) => {
+            let raw = |r: Option<&serde_json::value::RawValue>| r.map_or(0, |r| r.get().len());
+            chat.text_bytes() + raw(chat.tools) + raw(chat.chat_template_kwargs)
+        }
     }
 }
 

@@ -127,6 +127,16 @@ impl Plan {
         &self.all_blocks[replica.indexed_blocks.min(self.all_blocks.len())..]
     }
 
+    /// The blocks only this decision credited the `i`th replica of [`Plan::order`] with:
+    /// earlier requests' credits for the prefix are not its to end (a later prompt of a batch
+    /// repeats the first's leading blocks).
+    fn added(&self, i: usize) -> Vec<BlockHash> {
+        let Some(scored) = self.order().nth(i) else { return Vec::new() };
+        let (held, added) = self.all_blocks.split_at(scored.credited_blocks.min(self.all_blocks.len()));
+        let held: std::collections::HashSet<&BlockHash> = held.iter().collect();
+        added.iter().filter(|b| !held.contains(b)).copied().collect()
+    }
+
     /// Tokens the `i`th replica of [`Plan::order`] is predicted to have cached.
     pub fn predicted_cached_tokens(&self, i: usize) -> u64 {
         self.order().nth(i).map_or(0, |s| {
@@ -172,15 +182,20 @@ impl Decider {
     /// refused it, or failed before answering): the decision's credit moves with it, so the
     /// prefix's next requests follow it to the replica that will cache it.
     pub fn move_credit(&self, plan: &mut Plan, from: usize, to: usize) {
-        let (Some(left), Some(next)) = (plan.order().nth(from), plan.order().nth(to)) else { return };
-        // Only what this decision added ends: earlier requests' credits for the prefix stand
-        // (a later prompt of a batch repeats the first's leading blocks).
-        let (held, added) = plan.all_blocks.split_at(left.credited_blocks.min(plan.all_blocks.len()));
-        let held: std::collections::HashSet<&BlockHash> = held.iter().collect();
-        let added: Vec<BlockHash> = added.iter().filter(|b| !held.contains(b)).copied().collect();
+        let Some(next) = plan.order().nth(to) else { return };
         let (replica, blocks) = (next.member.replica.id, plan.uncredited(next).to_vec());
+        let added = plan.added(from);
         if let Some(hold) = &mut plan.hold {
             hold.move_to(&added, replica, blocks);
+        }
+    }
+
+    /// The request failed on the `at`th replica of `plan`'s order without starting there, and
+    /// goes nowhere else: the decision's credit there ends.
+    pub fn withdraw_credit(&self, plan: &mut Plan, at: usize) {
+        let added = plan.added(at);
+        if let Some(hold) = plan.hold.take() {
+            hold.withdraw(&added);
         }
     }
 

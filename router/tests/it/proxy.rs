@@ -789,6 +789,35 @@ async fn remote_tokenization_routes_a_chat_with_media_on_load() {
     shutdown.cancel();
 }
 
+/// A request that fails on its replica without starting (the connection closes before any
+/// answer) leaves no credit there: the prefix's next requests are not drawn to it.
+#[tokio::test]
+async fn a_request_that_failed_everywhere_leaves_no_credit() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            drop(stream);
+        }
+    });
+    let (router, shutdown) =
+        router_in_front_of(addr, |c| kvroute_router::Config { credit_ttl_ms: 3_600_000, ..c }).await;
+    let block = router.state.decider.block_size;
+    let ids: Vec<u32> = (0..4 * block as u32).map(|t| 100 + t).collect();
+    let blocks = CacheNamespace::new(FLEET_MODEL).chain(&ids, block);
+    let http = crate::fleet::Http::new();
+    let reply = http
+        .post(
+            &format!("{}/v1/completions", router.url()),
+            &json!({"model": FLEET_MODEL, "prompt": ids, "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(reply.status, 502, "{:?}", reply.body);
+    let id = router.fleet().member("r0").unwrap().replica.id;
+    assert_eq!(router.fleet().credits().extend(id, &blocks, 0), 0, "a credit was left");
+    shutdown.cancel();
+}
+
 /// A request its first replica refuses (503) and the next one serves: the decision's credit
 /// moves to the one that serves it, so the prefix's next requests follow it there instead
 /// of going back to the replica that refused.
