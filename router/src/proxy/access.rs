@@ -8,9 +8,11 @@
 //! answered itself with an error is logged with that error.
 //!
 //! Fields: `request_id`, `method`, `path` (no query), `status`, `replica`, `attempt` (1 for
-//! the first replica tried), `prompt_tokens`, `predicted_cached_tokens`, `cached_tokens`,
-//! `end` (`complete`, `failed`: the replica broke off, `abandoned`: the client left),
-//! `ttfb_ms` (from the request's arrival to the response's first data), `duration_ms`.
+//! the first replica tried), `prompt_tokens` and `predicted_cached_tokens` (routed requests),
+//! `cached_tokens`, `end` (`complete`, `failed`: the replica broke off, `abandoned`: the
+//! client left, before its answer began too: status 499), `ttfb_ms` (from the request's
+//! arrival to the response's first data), `duration_ms`; for an error the router answered,
+//! `error` and, when a replica failed, `replica`.
 
 use http::Method;
 use tokio::time::Instant;
@@ -30,8 +32,9 @@ pub struct Line {
     pub status: u16,
     /// 0 for the first replica tried.
     pub attempt: usize,
-    pub prompt_tokens: u64,
-    pub predicted_cached_tokens: u64,
+    /// Known for a routed request only.
+    pub prompt_tokens: Option<u64>,
+    pub predicted_cached_tokens: Option<u64>,
     pub received: Instant,
     pub first_data: Option<Instant>,
 }
@@ -47,8 +50,8 @@ impl Line {
             replica: String::new(),
             status: 0,
             attempt: 0,
-            prompt_tokens: 0,
-            predicted_cached_tokens: 0,
+            prompt_tokens: None,
+            predicted_cached_tokens: None,
             received: admitted.received.unwrap_or_else(Instant::now),
             first_data: None,
         }
@@ -81,6 +84,42 @@ impl Line {
     }
 }
 
+/// A request on its way to an answer: logged as `abandoned` (status 499, as nginx writes a
+/// client that closed first) if it is dropped before [`Unanswered::answered`].
+pub struct Unanswered<'a> {
+    line: Option<(&'a str, &'a (Method, String), Instant)>,
+}
+
+impl<'a> Unanswered<'a> {
+    /// For the request `request_id`, when the access log is on (`asked` and `received` are
+    /// known then).
+    pub fn new(request_id: &'a str, asked: Option<&'a (Method, String)>, received: Option<Instant>) -> Self {
+        Self { line: asked.zip(received).map(|(asked, received)| (request_id, asked, received)) }
+    }
+
+    /// The request has its answer (or error): its line is someone else's to write.
+    pub fn answered(&mut self) {
+        self.line = None;
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if let Some((request_id, (method, path), received)) = self.line.take() {
+            tracing::info!(
+                target: TARGET,
+                request_id,
+                method = %method,
+                path,
+                status = 499,
+                end = "abandoned",
+                duration_ms = millis(received.elapsed()),
+                "request"
+            );
+        }
+    }
+}
+
 /// Logs a request the router answered itself with `error`.
 pub fn refused(request_id: &str, method: &Method, path: &str, received: Instant, error: &ProxyError) {
     tracing::info!(
@@ -90,6 +129,7 @@ pub fn refused(request_id: &str, method: &Method, path: &str, received: Instant,
         path,
         status = error.status().as_u16(),
         error = error.label(),
+        replica = error.replica(),
         duration_ms = millis(received.elapsed()),
         "request"
     );

@@ -97,6 +97,9 @@ struct State<B> {
     handed: Option<Instant>,
     /// The stall watch cut the body: its client took nothing for too long.
     cut: bool,
+    /// The body had nothing to send from the start (`Content-Length: 0`, a 204): whole,
+    /// though nobody may ever read it.
+    empty: bool,
 }
 
 impl<B> Tracked<B> {
@@ -111,8 +114,18 @@ impl<B> Tracked<B> {
             done: false,
             handed: None,
             cut: false,
+            empty: false,
         };
         Self { held: Held::Own(state), timer: IdleTimer::new(idle), watch: None }
+    }
+
+    /// Marks a body that has nothing to send (its end is complete, read or not).
+    pub fn empty(mut self, empty: bool) -> Self {
+        match &mut self.held {
+            Held::Own(state) => state.empty = empty,
+            Held::Shared(shared) => lock(shared).empty = empty,
+        }
+        self
     }
 
     /// Marks the body as a server-sent-event stream.
@@ -171,7 +184,7 @@ impl<B> State<B> {
 
 impl<B> Drop for State<B> {
     fn drop(&mut self) {
-        self.end(End::Abandoned);
+        self.end(if self.empty { End::Complete } else { End::Abandoned });
     }
 }
 

@@ -72,6 +72,14 @@ impl ProxyError {
         }
     }
 
+    /// The replica the error is about, if it is one's.
+    pub fn replica(&self) -> Option<&str> {
+        match self {
+            ProxyError::Upstream { replica, .. } | ProxyError::Timeout { replica, .. } => Some(replica),
+            _ => None,
+        }
+    }
+
     /// A short, fixed label for metrics.
     pub fn label(&self) -> &'static str {
         match self {

@@ -170,8 +170,8 @@ pub async fn routed(
                     Box::new(access::Line {
                         replica: member.replica.spec.name.clone(),
                         attempt,
-                        prompt_tokens: plan.prompt_tokens,
-                        predicted_cached_tokens: plan.predicted_cached_tokens(attempt),
+                        prompt_tokens: Some(plan.prompt_tokens),
+                        predicted_cached_tokens: Some(plan.predicted_cached_tokens(attempt)),
                         ..access::Line::new(&admitted, &client.method, &client.uri)
                     })
                 });
@@ -371,6 +371,7 @@ fn wrap(
     if let Some(line) = &mut access {
         line.status = status.as_u16();
     }
+    let empty = http_body::Body::is_end_stream(response.body());
     // A 5xx head is a failure at once; a 503 (a refusal: overload) is nothing either way;
     // any other answer is judged by how its body ends.
     let judge = if status == http::StatusCode::SERVICE_UNAVAILABLE {
@@ -378,7 +379,7 @@ fn wrap(
     } else if status.is_server_error() {
         record_failure(guard.upstream(), config, metrics);
         None
-    } else if http_body::Body::is_end_stream(response.body()) {
+    } else if empty {
         // Nothing will be read of an empty body (`Content-Length: 0`, 204): whole already.
         guard.upstream().record_success();
         None
@@ -405,7 +406,7 @@ fn wrap(
         access,
         hold,
     });
-    let body = Tracked::new(body, config.idle_timeout, hooks).sse(sse);
+    let body = Tracked::new(body, config.idle_timeout, hooks).sse(sse).empty(empty);
     // An HTTP/1 client that stops reading is the server's send timeout's (its connection's
     // writes wait); an HTTP/2 stream without window is the stall watch's.
     let body =

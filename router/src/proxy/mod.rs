@@ -179,7 +179,11 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
     // For the access log's lines, only when it is on (a clock read is not free).
     let received = state.forward.access_log.then(tokio::time::Instant::now);
     let asked = state.forward.access_log.then(|| (req.method().clone(), req.uri().path().to_owned()));
-    let response = match dispatch(&state, &pool, req, &request_id, received).await {
+    // Logs the request if the client leaves before it has an answer (this future dropped).
+    let mut unanswered = access::Unanswered::new(&request_id, asked.as_ref(), received);
+    let answered = dispatch(&state, &pool, req, &request_id, received).await;
+    unanswered.answered();
+    let response = match answered {
         Ok(response) => response,
         Err(e) => {
             state.decider.metrics.errors.get_or_create(&ErrorLabel { kind: e.label() }).inc();

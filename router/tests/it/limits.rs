@@ -322,6 +322,13 @@ async fn secrets_never_appear_in_logs_inner() {
         drop(admin.list_replicas(request).await);
     }
     drop(fleet);
+    // A request whose client left before its answer began.
+    let asked = (http::Method::POST, "/v1/completions".to_owned());
+    drop(kvroute_router::proxy::access::Unanswered::new(
+        "logged-gone",
+        Some(&asked),
+        Some(tokio::time::Instant::now()),
+    ));
 
     let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
     assert!(logs.contains("router started"), "the capture works: {logs}");
@@ -341,6 +348,7 @@ async fn secrets_never_appear_in_logs_inner() {
         ),
         ("logged-2", &["status=400", "error=\"bad_request\""]),
         ("logged-3", &["status=404", "replica=", "end=\"complete\""]),
+        ("logged-gone", &["status=499", "end=\"abandoned\""]),
     ] {
         let line =
             access.iter().find(|l| l.contains(id)).unwrap_or_else(|| panic!("no line for {id}: {access:?}"));
