@@ -91,6 +91,11 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_LORA_ADAPTERS", value_delimiter = ',')]
     #[serde(default)]
     pub lora_adapters: Vec<String>,
+    /// Let clients load and unload LoRA adapters through the router (sent to every replica;
+    /// vLLM needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`). Any client of the router can
+    /// then change every replica.
+    #[arg(long, env = "KVROUTE_LORA_UPDATES", default_value_t = false)]
+    pub lora_updates: bool,
     /// Tokens per KV block on the replicas.
     #[arg(long, env = "KVROUTE_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: u32,

@@ -186,6 +186,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         limits: config.request_limits(),
         in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
         base_model: config.model.clone(),
+        lora: proxy::lora::Updates::new(config.lora_updates),
         discovery,
         synced_once: AtomicBool::new(false),
         heartbeats: Heartbeats::new(http_threads),

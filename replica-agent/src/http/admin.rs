@@ -115,6 +115,9 @@ struct LoraRequest {
     lora_name: String,
     /// Required to load (the agent has no weights to read: only its presence counts).
     lora_path: Option<String>,
+    /// Load again an adapter that is loaded already (vLLM: reload its weights in place).
+    #[serde(default)]
+    load_inplace: bool,
 }
 
 fn lora_request(body: &[u8], loading: bool) -> Result<LoraRequest, ApiError> {
@@ -128,10 +131,11 @@ fn lora_request(body: &[u8], loading: bool) -> Result<LoraRequest, ApiError> {
 
 /// `POST /v1/load_lora_adapter`: requests may name the adapter from now on (its blocks in
 /// its own cache namespace, as vLLM's). vLLM's answers: 200 with a line of text, 400 for an
-/// adapter already loaded.
+/// adapter already loaded (unless `load_inplace`).
 pub(super) fn load_lora(state: &AppState, body: &[u8]) -> Result<Response<Body>, ApiError> {
-    let LoraRequest { lora_name, .. } = lora_request(body, true)?;
-    if lora_name == state.config().model || !state.tokenization().add_lora_adapter(&lora_name) {
+    let LoraRequest { lora_name, load_inplace, .. } = lora_request(body, true)?;
+    let added = lora_name != state.config().model && state.tokenization().add_lora_adapter(&lora_name);
+    if !(added || load_inplace && state.tokenization().is_lora_adapter(&lora_name)) {
         return Err(ApiError::bad_request(format!(
             "The lora adapter '{lora_name}' has already been loaded."
         )));

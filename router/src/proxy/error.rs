@@ -4,6 +4,7 @@
 //! | status | when |
 //! |---|---|
 //! | 400 | a path passed through that is one of the router's own paths spelled otherwise (percent-encoded, a trailing slash) or has dot segments; malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens`, a prompt the replica's `/tokenize` refused (`--remote-tokenize`) |
+//! | 403 | a LoRA adapter change while `--lora-updates` is off |
 //! | 404 / 405 | unknown path / wrong method (with `Allow`) |
 //! | 408 | the client sent nothing of its request body for `--idle-timeout-ms` (routed, or streamed to a replica) |
 //! | 413 | body larger than `--max-body-bytes` |
@@ -49,6 +50,9 @@ pub enum ProxyError {
     /// A request sent to every replica that some took and some did not.
     #[error("{0}")]
     FanOut(String),
+    /// Something the router is not set up to let clients do.
+    #[error("{0}")]
+    Forbidden(String),
 }
 
 impl ProxyError {
@@ -65,6 +69,7 @@ impl ProxyError {
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NotFound(_) => StatusCode::NOT_FOUND,
+            ProxyError::Forbidden(_) => StatusCode::FORBIDDEN,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } | ProxyError::FanOut(_) => StatusCode::BAD_GATEWAY,
@@ -96,6 +101,7 @@ impl ProxyError {
             ProxyError::Upstream { .. } => "upstream_failed",
             ProxyError::Timeout { .. } => "upstream_timeout",
             ProxyError::FanOut(_) => "fan_out",
+            ProxyError::Forbidden(_) => "forbidden",
         }
     }
 
@@ -107,6 +113,7 @@ impl ProxyError {
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::BodyTimeout { .. }
             | ProxyError::BadPath(_)
+            | ProxyError::Forbidden(_)
             | ProxyError::MethodNotAllowed { .. } => {
                 OpenAiError::new("invalid_request_error", self.to_string())
             }

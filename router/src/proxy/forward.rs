@@ -323,7 +323,7 @@ fn record_failure(upstream: &Upstream, config: &ForwardConfig, metrics: &ProxyMe
 
 /// The client's request line and version, and the headers every attempt sends: the client's
 /// without hop-by-hop ones, and the request id. Taken once per request, not per attempt.
-fn upstream_head(parts: http::request::Parts, request_id: &str) -> (ClientHead, HeaderMap) {
+pub(super) fn upstream_head(parts: http::request::Parts, request_id: &str) -> (ClientHead, HeaderMap) {
     let http::request::Parts { method, uri, version, mut headers, .. } = parts;
     strip_hop_by_hop(&mut headers);
     if let Ok(id) = HeaderValue::from_str(request_id) {
@@ -333,7 +333,7 @@ fn upstream_head(parts: http::request::Parts, request_id: &str) -> (ClientHead, 
 }
 
 /// What a forwarded request keeps of the client's request line.
-struct ClientHead {
+pub(super) struct ClientHead {
     method: Method,
     uri: Uri,
     version: http::Version,

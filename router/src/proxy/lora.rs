@@ -5,11 +5,17 @@
 //! hash apart from the base model's, as the replicas hash them), and lists it in
 //! `/v1/models`.
 //!
-//! The answer: every replica's success is a 200 (the first one's body); when none succeeded
-//! and all answered alike (an adapter already loaded, not found), that answer; anything else
-//! is a 502 that names each replica's outcome. The router counts the adapter as loaded when
-//! some replica loaded it and every other refused it (already loaded, most likely), and as
-//! unloaded when some replica unloaded it and every other had not got it.
+//! Off unless the router runs with `--lora-updates` (403 otherwise): it lets any client of
+//! the router change every replica. Changes go one at a time, each to every replica at once,
+//! with the client's headers (its `Authorization` for replicas started with `--api-key`), to
+//! vLLM's paths or SGLang's (`/load_lora_adapter`, `/unload_lora_adapter`) by engine.
+//!
+//! The answer: every replica's success is a 200 (the first one's body). The fleet is where
+//! the change wanted it when some replica made the change and every other was there already
+//! (vLLM's 400 "has already been loaded", its 404 for an adapter to unload that is not
+//! loaded): a 200 that says so. When none made it and all answered alike, that answer;
+//! anything else is a 502 that names each replica's outcome. The router names the adapter's
+//! namespace from when every replica has it, and stops when none has it.
 //!
 //! Not covered: a replica that joins later does not get the adapter, and another router in
 //! front of the same fleet does not learn of it (its requests still route, on load and on
@@ -17,7 +23,6 @@
 
 use bytes::Bytes;
 use futures::future::join_all;
-use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Response, StatusCode};
 use http_body_util::BodyExt;
 
@@ -25,12 +30,13 @@ use super::ProxyState;
 use super::body::{ProxyBody, full};
 use super::error::ProxyError;
 use super::pool::Pool;
+use crate::replicas::EngineKind;
 
-/// Whether `path` is one of the two, and which.
+/// Whether `path` is one of the two (vLLM's or SGLang's spelling), and which.
 pub fn route(path: &str) -> Option<Change> {
     match path {
-        "/v1/load_lora_adapter" => Some(Change::Load),
-        "/v1/unload_lora_adapter" => Some(Change::Unload),
+        "/v1/load_lora_adapter" | "/load_lora_adapter" => Some(Change::Load),
+        "/v1/unload_lora_adapter" | "/unload_lora_adapter" => Some(Change::Unload),
         _ => None,
     }
 }
@@ -41,20 +47,62 @@ pub enum Change {
     Unload,
 }
 
+impl Change {
+    /// The path of the change on a replica of `engine`.
+    fn path(self, engine: EngineKind) -> &'static str {
+        match (self, engine) {
+            (Change::Load, EngineKind::Sglang) => "/load_lora_adapter",
+            (Change::Unload, EngineKind::Sglang) => "/unload_lora_adapter",
+            (Change::Load, _) => "/v1/load_lora_adapter",
+            (Change::Unload, _) => "/v1/unload_lora_adapter",
+        }
+    }
+
+    /// Whether a replica's refusal means it is where the change wanted it already.
+    fn there_already(self, status: StatusCode, body: &[u8]) -> bool {
+        match self {
+            Change::Load => {
+                status == StatusCode::BAD_REQUEST
+                    && memchr::memmem::find(body, b"already been loaded").is_some()
+            }
+            Change::Unload => status == StatusCode::NOT_FOUND,
+        }
+    }
+}
+
+/// Whether changes may go through, and the turn they take one at a time.
+#[derive(Debug, Default)]
+pub struct Updates {
+    pub enabled: bool,
+    turn: tokio::sync::Mutex<()>,
+}
+
+impl Updates {
+    pub fn new(enabled: bool) -> Self {
+        Self { enabled, turn: tokio::sync::Mutex::new(()) }
+    }
+}
+
 /// One replica's answer, or why there was none.
 struct Outcome {
     replica: String,
     answer: Result<(StatusCode, Bytes), String>,
 }
 
-/// Sends `body` (the client's request) to every replica and answers as the module says.
+/// Sends the client's request (`parts`, `body`) to every replica and answers as the module
+/// says.
 pub async fn fan_out(
     state: &ProxyState,
     pool: &std::sync::Arc<Pool>,
     change: Change,
-    path: &str,
-    body: Bytes,
+    (parts, body): (http::request::Parts, Bytes),
+    request_id: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
+    if !state.lora.enabled {
+        return Err(ProxyError::Forbidden(
+            "LoRA adapter changes through the router are off (start it with --lora-updates)".into(),
+        ));
+    }
     #[derive(serde::Deserialize)]
     struct Named {
         lora_name: String,
@@ -66,13 +114,13 @@ pub async fn fan_out(
     if members.is_empty() {
         return Err(ProxyError::Unavailable("no replicas are configured".into()));
     }
-    let mut headers = HeaderMap::new();
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    let _turn = state.lora.turn.lock().await;
+    let (_, headers) = super::forward::upstream_head(parts, request_id);
     let timeout = state.forward.first_byte_timeout;
     let asks = members.iter().map(|member| {
         let (body, headers) = (body.clone(), &headers);
         async move {
-            let url = format!("{}{path}", member.replica.spec.http_url);
+            let url = format!("{}{}", member.replica.spec.http_url, change.path(member.replica.spec.engine));
             let answer = async {
                 let uri: http::Uri = url.parse().map_err(|e| format!("bad replica URL {url:?}: {e}"))?;
                 let exchange = async {
@@ -92,32 +140,27 @@ pub async fn fan_out(
         }
     });
     let outcomes = join_all(asks).await;
-    let ok = |o: &&Outcome| o.answer.as_ref().is_ok_and(|(status, _)| status.is_success());
-    let refused =
-        |o: &&Outcome, expected: StatusCode| o.answer.as_ref().is_ok_and(|(status, _)| *status == expected);
-    let done = outcomes.iter().filter(ok).count();
-    // Refusals that mean the fleet is where the change wanted it.
-    let fine = match change {
-        Change::Load => outcomes.iter().filter(|o| refused(o, StatusCode::BAD_REQUEST)).count(),
-        Change::Unload => outcomes.iter().filter(|o| refused(o, StatusCode::NOT_FOUND)).count(),
-    };
-    let tokenization = state.decider.prompts.tokenization();
-    if done > 0 && done + fine == outcomes.len() {
+    let status = |o: &Outcome| o.answer.as_ref().ok().map(|(status, _)| *status);
+    let done = outcomes.iter().filter(|o| status(o).is_some_and(|s| s.is_success())).count();
+    let there = outcomes
+        .iter()
+        .filter(|o| o.answer.as_ref().is_ok_and(|(status, body)| change.there_already(*status, body)))
+        .count();
+    if done + there == outcomes.len() {
+        let tokenization = state.decider.prompts.tokenization();
         match change {
             Change::Load => tokenization.add_lora_adapter(&name),
             Change::Unload => tokenization.remove_lora_adapter(&name),
         };
-        tracing::info!(lora_name = name, ?change, replicas = done, "LoRA adapter change sent to the fleet");
+        tracing::info!(lora_name = name, ?change, done, there, "LoRA adapter change reached every replica");
     }
-    if done == outcomes.len() {
-        let (status, bytes) = outcomes.into_iter().find_map(|o| o.answer.ok()).unwrap_or_default();
+    if done == outcomes.len() || done + there == outcomes.len() && done > 0 {
+        let first = outcomes.into_iter().find_map(|o| o.answer.ok().filter(|(s, _)| s.is_success()));
+        let (status, bytes) = first.unwrap_or_default();
         return Ok(passed_on(status, bytes));
     }
-    let first = outcomes[0].answer.as_ref().ok().map(|(status, _)| *status);
-    if done == 0
-        && first.is_some()
-        && outcomes.iter().all(|o| o.answer.as_ref().ok().map(|(s, _)| *s) == first)
-    {
+    let first = status(&outcomes[0]);
+    if done == 0 && first.is_some() && outcomes.iter().all(|o| status(o) == first) {
         let (status, bytes) = outcomes.into_iter().find_map(|o| o.answer.ok()).unwrap_or_default();
         return Ok(passed_on(status, bytes));
     }
@@ -131,7 +174,7 @@ pub async fn fan_out(
         })
         .collect();
     Err(ProxyError::FanOut(format!(
-        "the adapter change reached {done} of {} replicas: {}",
+        "the adapter change reached {done} of {} replicas ({there} were there already): {}",
         outcomes.len(),
         said.join("; ")
     )))

@@ -5,7 +5,7 @@
 //! | `POST /v1/completions`, `POST /v1/chat/completions` | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]) |
 //! | other `/v1/*`, and the engines' own paths outside `/v1` that do not generate (`/tokenize`, `/rerank`, ...: [`paths`]) | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused) |
 //! | `GET /v1/models` | the fleet's model and LoRA adapters |
-//! | `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter` | sent to every replica ([`lora`]) |
+//! | `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter` (and SGLang's spellings) | sent to every replica, with `--lora-updates` ([`lora`]) |
 //! | `GET /health` | 200 while every HTTP thread runs its tick ([`ProxyState::stalled_threads`]), else 503 |
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
@@ -67,6 +67,8 @@ pub struct ProxyState {
     pub in_flight: Arc<Semaphore>,
     /// The served base model (its LoRA adapters are the tokenization's).
     pub base_model: String,
+    /// LoRA adapter changes through the router ([`lora`]).
+    pub lora: lora::Updates,
     /// Replica discovery (static mode counts as listed from the start).
     pub discovery: crate::discovery::Discovery,
     /// Set once the first sync completed: `/ready` stays true from then on.
@@ -224,7 +226,7 @@ async fn dispatch(
             let (parts, body) = req.into_parts();
             let body =
                 read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
-            Box::pin(lora::fan_out(state, pool, change, p, body)).await
+            Box::pin(lora::fan_out(state, pool, change, (parts, body), request_id)).await
         }
         (Method::GET, "/health" | "/ready") => Ok(probe(state, &path)),
         (Method::GET, "/metrics") => Ok(metrics(state)),

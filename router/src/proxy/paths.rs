@@ -13,12 +13,14 @@ use percent_encoding::percent_decode_str;
 use super::error::ProxyError;
 
 /// Paths the router answers itself (routes or serves), with the method each takes.
-const OWN: [(&str, &str); 8] = [
+const OWN: [(&str, &str); 10] = [
     ("/v1/completions", "POST"),
     ("/v1/chat/completions", "POST"),
     ("/v1/models", "GET"),
     ("/v1/load_lora_adapter", "POST"),
     ("/v1/unload_lora_adapter", "POST"),
+    ("/load_lora_adapter", "POST"),
+    ("/unload_lora_adapter", "POST"),
     ("/health", "GET"),
     ("/ready", "GET"),
     ("/metrics", "GET"),

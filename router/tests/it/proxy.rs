@@ -628,13 +628,15 @@ async fn remote_tokenization_sends_what_decides_the_ids() {
     shutdown.cancel();
 }
 
-/// A LoRA adapter loaded through the router reaches every replica, hashes in its own
-/// namespace from then on (as the replicas hash it), and is listed; unloading takes it back;
-/// a change some replicas refuse is a 502 that says which.
+/// With `--lora-updates`, a LoRA adapter loaded through the router reaches every replica,
+/// hashes in its own namespace from then on (as the replicas hash it), and is listed;
+/// unloading takes it back, replicas without it counting as done; a change a replica cannot
+/// take is a 502 that says which. Without the flag, a 403.
 #[tokio::test]
 async fn lora_adapters_loaded_through_the_router_reach_every_replica() {
-    let fleet = Fleet::start(3).await;
-    let http = &fleet.http;
+    let mut fleet =
+        Fleet::with(3, agent_config, |c| kvroute_router::Config { lora_updates: true, ..c }).await;
+    let http = crate::fleet::Http::new();
     let listed = async |url: String| -> Vec<String> {
         let models = http.get(&url).await.json();
         models["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap().to_owned()).collect()
@@ -666,17 +668,26 @@ async fn lora_adapters_loaded_through_the_router_reach_every_replica() {
     // Loaded already everywhere: the replicas' own answer.
     assert_eq!(http.post(&fleet.url("/v1/load_lora_adapter"), &load).await.status, 400);
 
-    // One replica lost it already: the others unload it, the router says which did what.
+    // One replica lost it already: the others unload it, and the fleet is without it.
     let unload = json!({"lora_name": "sql"});
     assert_eq!(http.post(&format!("{}/v1/unload_lora_adapter", agents[0]), &unload).await.status, 200);
     let reply = http.post(&fleet.url("/v1/unload_lora_adapter"), &unload).await;
-    assert_eq!(reply.status, 502, "{:?}", reply.body);
-    assert_eq!(reply.json()["error"]["code"], "partial_fan_out");
-    assert!(reply.json()["error"]["message"].as_str().unwrap().contains("agent-0: 404"), "{:?}", reply.body);
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
     for url in agents.iter().map(|a| format!("{a}/v1/models")).chain([fleet.url("/v1/models")]) {
         assert!(!listed(url.clone()).await.contains(&"sql".to_owned()), "{url}");
     }
     assert_eq!(http.post(&fleet.url("/v1/completions"), &ask("sql", "four")).await.status, 404);
+
+    // A replica that is down: a 502 naming it, and the router does not take the adapter.
+    fleet.kill(2).await;
+    let reply = http.post(&fleet.url("/v1/load_lora_adapter"), &load).await;
+    assert_eq!(reply.status, 502, "{:?}", reply.body);
+    assert_eq!(reply.json()["error"]["code"], "partial_fan_out");
+    assert!(reply.json()["error"]["message"].as_str().unwrap().contains("agent-2"), "{:?}", reply.body);
+    assert_eq!(listed(fleet.url("/v1/models")).await, [FLEET_MODEL]);
+
+    let without = Fleet::start(1).await;
+    assert_eq!(http.post(&without.url("/v1/load_lora_adapter"), &load).await.status, 403);
 }
 
 /// A decision's credits hold while its request waits in the replica's queue, however long
