@@ -97,7 +97,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_proto::{BlockHash, ReplicaId};
 
-pub use credits::{CreditHold, Credits};
+pub use credits::{CreditHold, Credits, Stamp};
 pub(crate) use hasher::FoldState;
 pub use table::PrefixIndex;
 

@@ -804,11 +804,25 @@ async fn remote_tokenization_routes_a_chat_with_media_on_load() {
 /// answer) leaves no credit there: the prefix's next requests are not drawn to it.
 #[tokio::test]
 async fn a_request_that_failed_everywhere_leaves_no_credit() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // Health checks (GETs) are answered, so the replica stays in; a POST's connection closes
+    // before any answer.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            drop(stream);
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = [0u8; 4096];
+                while let Ok(n @ 1..) = stream.read(&mut head).await {
+                    if !head[..n].starts_with(b"GET ") {
+                        return;
+                    }
+                    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+                    if stream.write_all(ok).await.is_err() {
+                        return;
+                    }
+                }
+            });
         }
     });
     let (router, shutdown) =
