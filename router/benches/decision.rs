@@ -27,6 +27,14 @@
 //! computation that long), then the median of each stage alone (parse, tokenize, hash,
 //! index lookup; parse and tokenize together through the cache).
 //!
+//! Latest, one run (2026-11-23), after XXH3 of 4-16 byte pieces stopped branching on their
+//! length (`proto/src/openai/tokenizer/short_hash.rs`): text/8192 p50 61.7, p90 63.0, p99
+//! 83.7 (loop p99 79.3), tokenize 50.0 (58.8-59.1 below); new/8192 p50 74.7, p99 105.4;
+//! text/1024 9.4 / 9.6; the ids rows as below (ids/8192 23.6 / 27.2). On this machine a
+//! computation of 60 µs has a p99 of ~80 µs whatever it does ("loop p99"), so a text prompt
+//! of 8 k tokens decides within 50 µs at p99 only when its median is near 40 µs: the cutting
+//! alone is ~24 µs of the 50 (`proto/benches/tokenizer.rs`).
+//!
 //! Measured on the 2-core shared dev machine (µs; ranges over five runs, 2026-11-23, stages
 //! are medians), after a compact id array's values were found four at a time with SSE2
 //! (`proto/src/openai/request/ids.rs`: parse 20.1-20.3 in the same day's three runs before

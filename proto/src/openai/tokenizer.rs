@@ -38,6 +38,7 @@ use super::error::{LoadError, RequestError};
 mod huggingface;
 mod plain;
 pub mod resume;
+mod short_hash;
 
 pub use huggingface::HuggingFace;
 pub use resume::{Point, Points, Resume};
@@ -147,14 +148,14 @@ impl<M: Marks> Emit<'_, M> {
 impl<M: Marks> plain::Pieces for Emit<'_, M> {
     #[inline(always)]
     fn piece(&mut self, start: usize, end: usize) {
-        self.push(start, end, piece_id(&self.text.as_bytes()[start..end]));
+        self.push(start, end, piece_id_in(self.text.as_bytes(), start, end));
     }
 
     fn general(&mut self, mut start: usize, until: usize) -> usize {
         let bytes = self.text.as_bytes();
         loop {
             let (end, special) = general_piece_at(self.text, start);
-            self.push(start, end, special.unwrap_or_else(|| piece_id(&bytes[start..end])));
+            self.push(start, end, special.unwrap_or_else(|| piece_id_in(bytes, start, end)));
             start = end;
             if start > until || start >= bytes.len() {
                 return start;
@@ -196,9 +197,21 @@ fn general_piece_at(text: &str, mut i: usize) -> (usize, Option<u32>) {
 /// `R + xxh3_64(piece) % (V - R)`.
 #[inline]
 fn piece_id(piece: &[u8]) -> u32 {
+    id_of_hash(xxh3_64(piece))
+}
+
+/// [`piece_id`] of `text[start..end]`, whose hash may read the bytes around it
+/// ([`short_hash`]).
+#[inline(always)]
+fn piece_id_in(text: &[u8], start: usize, end: usize) -> u32 {
+    id_of_hash(short_hash::xxh3_of(text, start, end))
+}
+
+#[inline(always)]
+fn id_of_hash(hash: u64) -> u32 {
     let span = u64::from(Builtin::VOCAB_SIZE - Builtin::RESERVED);
     // The remainder is below `span`, which fits in u32.
-    Builtin::RESERVED + (xxh3_64(piece) % span) as u32
+    Builtin::RESERVED + (hash % span) as u32
 }
 
 /// What the algorithm needs to know of a character. `char::is_whitespace` and
