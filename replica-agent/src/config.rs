@@ -118,6 +118,11 @@ pub struct Config {
     /// Seconds in-flight requests get to finish after SIGTERM.
     #[arg(long, env = "KVROUTE_AGENT_SHUTDOWN_GRACE_SECS", default_value_t = 30)]
     pub shutdown_grace_secs: u64,
+    /// Requests to `/v1/*` must carry `Authorization: Bearer <key>`, as with vLLM's
+    /// `--api-key`; others get vLLM's 401. `/health`, `/metrics` and `/tokenize` stay open.
+    #[arg(long, env = "KVROUTE_AGENT_API_KEY")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<String>,
     /// Largest accepted request body, bytes.
     #[arg(long, env = "KVROUTE_AGENT_MAX_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub max_body_bytes: usize,

@@ -34,11 +34,24 @@ pub struct Fleet {
     /// replica added or replaced under it (discovery, or an admin `AddReplica`) is never
     /// routable, not even for a moment, until discovery says it serves.
     not_serving: Arc<RwLock<HashSet<String>>>,
+    /// LoRA adapters loaded through the router, which every replica should have.
+    adapters: Arc<crate::proxy::lora::Registry>,
 }
 
 impl Fleet {
     pub fn new(ingest: Ingest) -> Self {
-        Self { ingest, upstreams: Arc::default(), drained: Arc::default(), not_serving: Arc::default() }
+        Self {
+            ingest,
+            upstreams: Arc::default(),
+            drained: Arc::default(),
+            not_serving: Arc::default(),
+            adapters: Arc::default(),
+        }
+    }
+
+    /// LoRA adapters loaded through the router ([`crate::proxy::lora`]).
+    pub fn adapters(&self) -> &crate::proxy::lora::Registry {
+        &self.adapters
     }
 
     pub fn ingest(&self) -> &Ingest {

@@ -11,6 +11,8 @@
 //! | `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter` | `admin.rs`: serve a LoRA adapter (a name: the agent simulates its weights), or stop, as vLLM with runtime LoRA updating |
 //! | `GET /metrics` | `metrics.rs`: Prometheus text with vLLM's metric names |
 //!
+//! With `--api-key`, every `/v1/*` route needs `Authorization: Bearer <key>`, as in vLLM.
+//!
 //! Streams follow OpenAI: `usage` (with `prompt_tokens_details.cached_tokens`) comes only
 //! in a final chunk when the request sets `"stream_options": {"include_usage": true}`;
 //! clients that need the realized cache hit of a stream (kvroute's router and load
@@ -130,6 +132,9 @@ async fn handle(state: AppState, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path();
     let path = if path.len() > 1 { path.trim_end_matches('/') } else { path };
     let mut response = match route(path) {
+        _ if !authorized(state.config(), path, &req) => {
+            json_response(StatusCode::UNAUTHORIZED, br#"{"error":"Unauthorized"}"#.to_vec())
+        }
         Some((allowed, _)) if req.method() != allowed => {
             let mut r = error_response(&ApiError::method_not_allowed(req.method(), path));
             if let Ok(allow) = HeaderValue::from_str(allowed.as_str()) {
@@ -150,6 +155,20 @@ async fn handle(state: AppState, req: Request<Incoming>) -> Response<Body> {
 }
 
 const X_REQUEST_ID: &str = "x-request-id";
+
+/// Whether `req` may go on under `--api-key`, as vLLM's check has it: paths under `/v1`
+/// need `Authorization: Bearer <key>` (preflight `OPTIONS` excepted); the rest are open.
+fn authorized(config: &Config, path: &str, req: &Request<Incoming>) -> bool {
+    let Some(key) = &config.api_key else { return true };
+    if !path.starts_with("/v1") || req.method() == Method::OPTIONS {
+        return true;
+    }
+    let given = req.headers().get(header::AUTHORIZATION).map_or(&b""[..], HeaderValue::as_bytes);
+    let expected = format!("Bearer {key}");
+    // Every byte compared, so the time taken does not tell how much of a guess was right.
+    given.len() == expected.len()
+        && given.iter().zip(expected.as_bytes()).fold(0, |d, (a, b)| d | (a ^ b)) == 0
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Route {

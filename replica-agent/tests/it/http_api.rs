@@ -104,6 +104,31 @@ async fn tokenize_returns_the_ids_generation_uses() {
     assert_eq!(c.tokenize(&json!({ "model": ADAPTER, "prompt": [6] })).await, vec![6]);
 }
 
+/// With `--api-key`, as vLLM: `/v1/*` needs the bearer key (vLLM's 401 otherwise, its
+/// body too); health, metrics and tokenize stay open.
+#[tokio::test]
+async fn an_api_key_guards_the_v1_paths() {
+    let agent = Agent::with(kvroute_replica_agent::Config { api_key: Some("k3y".into()), ..config() }).await;
+    let c = &agent.client;
+    let body = serde_json::to_vec(&json!({ "model": MODEL, "prompt": "hi", "max_tokens": 1 })).unwrap();
+    for (headers, status) in [
+        (&[][..], StatusCode::UNAUTHORIZED),
+        (&[("authorization", "Bearer k3yy")][..], StatusCode::UNAUTHORIZED),
+        (&[("authorization", "Bearer k3x")][..], StatusCode::UNAUTHORIZED),
+        (&[("authorization", "Bearer k3y")][..], StatusCode::OK),
+    ] {
+        let reply = collect(c.send(Method::POST, "/v1/completions", body.clone(), headers).await).await;
+        assert_eq!(reply.status, status, "{headers:?}: {}", reply.text());
+        if status == StatusCode::UNAUTHORIZED {
+            assert_eq!(reply.json(), json!({"error": "Unauthorized"}));
+        }
+    }
+    assert_eq!(c.get("/v1/models").await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(c.get("/health").await.status, StatusCode::OK);
+    assert_eq!(c.get("/metrics").await.status, StatusCode::OK);
+    assert_eq!(c.post("/tokenize", &json!({ "prompt": "hi" })).await.status, StatusCode::OK);
+}
+
 #[tokio::test]
 async fn lora_adapter_prompts_live_in_their_own_namespace() {
     let agent = Agent::start().await;

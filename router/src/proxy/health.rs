@@ -3,7 +3,9 @@
 //! requests the replica reports waiting and running (`vllm:num_requests_waiting` and
 //! `_running`, which both vLLM and the kvroute agent export; SGLang's `sglang:num_queue_reqs`
 //! and `num_running_reqs`): what is beyond this router's own in-flight requests then is
-//! [`crate::policy::Load::others`]. A check that reads no report clears it.
+//! [`crate::policy::Load::others`]. A check that reads no report clears it. A healthy replica
+//! is then given the LoRA adapters loaded through the router that it lacks
+//! ([`super::lora::catch_up`]).
 
 use std::time::Duration;
 
@@ -30,12 +32,12 @@ pub async fn run(
             _ = tick.tick() => {}
             () = shutdown.cancelled() => return,
         }
-        let checks = fleet.members().into_iter().map(|m| check(m, &client, timeout));
+        let checks = fleet.members().into_iter().map(|m| check(m, &fleet, &client, timeout));
         futures::future::join_all(checks).await;
     }
 }
 
-async fn check(member: Member, client: &Client, timeout: Duration) {
+async fn check(member: Member, fleet: &Fleet, client: &Client, timeout: Duration) {
     let base = &member.replica.spec.http_url;
     let healthy =
         matches!(get(client, &format!("{base}/health"), timeout).await, Some((s, _)) if s.is_success());
@@ -59,6 +61,9 @@ async fn check(member: Member, client: &Client, timeout: Duration) {
         false => None,
     };
     member.upstream.set_reported(report, in_flight_before);
+    if healthy {
+        super::lora::catch_up(&member, client, fleet.adapters(), timeout).await;
+    }
 }
 
 async fn get(client: &Client, url: &str, timeout: Duration) -> Option<(http::StatusCode, Bytes)> {

@@ -17,14 +17,20 @@
 //! anything else is a 502 that names each replica's outcome. The router names the adapter's
 //! namespace from when every replica has it, and stops when none has it.
 //!
-//! Not covered: a replica that joins later does not get the adapter, and another router in
-//! front of the same fleet does not learn of it (its requests still route, on load and on
-//! the base model's namespace).
+//! A replica that joins later, or restarts and loses the adapter, is given it again
+//! ([`catch_up`]); until then the adapter's requests go to the replicas that have it.
+//!
+//! Not covered: another router in front of the same fleet does not learn of the adapter (its
+//! requests still route, on load and on the base model's namespace).
 
 use bytes::Bytes;
 use futures::future::join_all;
 use http::{Method, Response, StatusCode};
 use http_body_util::BodyExt;
+
+mod catch_up;
+
+pub use catch_up::{Adapter, Registry, catch_up};
 
 use super::ProxyState;
 use super::body::{ProxyBody, full};
@@ -115,7 +121,10 @@ pub async fn fan_out(
         return Err(ProxyError::Unavailable("no replicas are configured".into()));
     }
     let _turn = state.lora.turn.lock().await;
-    let (_, headers) = super::forward::upstream_head(parts, request_id);
+    let (_, mut headers) = super::forward::upstream_head(parts, request_id);
+    // Kept with the adapter and sent again to replicas that lack it: the original request's
+    // id would name a request that is long over.
+    headers.remove(super::forward::X_REQUEST_ID);
     let timeout = state.forward.first_byte_timeout;
     let asks = members.iter().map(|member| {
         let (body, headers) = (body.clone(), &headers);
@@ -141,17 +150,32 @@ pub async fn fan_out(
     });
     let outcomes = join_all(asks).await;
     let status = |o: &Outcome| o.answer.as_ref().ok().map(|(status, _)| *status);
-    let done = outcomes.iter().filter(|o| status(o).is_some_and(|s| s.is_success())).count();
-    let there = outcomes
-        .iter()
-        .filter(|o| o.answer.as_ref().is_ok_and(|(status, body)| change.there_already(*status, body)))
-        .count();
+    let success = |o: &Outcome| status(o).is_some_and(|s| s.is_success());
+    let is_there =
+        |o: &Outcome| o.answer.as_ref().is_ok_and(|(status, body)| change.there_already(*status, body));
+    for (member, outcome) in members.iter().zip(&outcomes) {
+        if success(outcome) || is_there(outcome) {
+            member.upstream.mark_adapter(&name, change == Change::Load);
+        }
+    }
+    let done = outcomes.iter().filter(|o| success(o)).count();
+    let there = outcomes.iter().filter(|o| is_there(o)).count();
+    let registry = state.fleet().adapters();
+    if change == Change::Unload {
+        // Not sent again to replicas that lack it, whether every replica let it go or not.
+        registry.remove(&name);
+    }
     if done + there == outcomes.len() {
         let tokenization = state.decider.prompts.tokenization();
         match change {
-            Change::Load => tokenization.add_lora_adapter(&name),
-            Change::Unload => tokenization.remove_lora_adapter(&name),
-        };
+            Change::Load => {
+                tokenization.add_lora_adapter(&name);
+                registry.insert(Adapter { name: name.clone(), body, headers });
+            }
+            Change::Unload => {
+                tokenization.remove_lora_adapter(&name);
+            }
+        }
         tracing::info!(lora_name = name, ?change, done, there, "LoRA adapter change reached every replica");
     }
     if done == outcomes.len() || done + there == outcomes.len() && done > 0 {

@@ -239,7 +239,9 @@ impl Decider {
             key,
         };
         let first_prompt_tokens = first.len() + unhashed;
-        let mut plan = self.score(members, blocks, all_blocks, &view, first_prompt_tokens, send);
+        // An adapter loaded through the router goes only where it is known to be.
+        let adapter = Some(request.model()).filter(|model| self.fleet.adapters().contains(model));
+        let mut plan = self.score(members, blocks, all_blocks, &view, (first_prompt_tokens, adapter), send);
         plan.max_tokens = request.max_tokens();
         plan.unhashed_tokens = info.unhashed_tokens;
         Ok(plan)
@@ -253,7 +255,7 @@ impl Decider {
         blocks: Vec<BlockHash>,
         all_blocks: Vec<BlockHash>,
         request: &RequestView,
-        first_prompt_tokens: usize,
+        (first_prompt_tokens, adapter): (usize, Option<&str>),
         send: bool,
     ) -> Plan {
         let overlaps = self.index.lookup(&blocks);
@@ -263,6 +265,9 @@ impl Decider {
             .into_iter()
             .zip(verdicts)
             .map(|(member, ineligible)| {
+                let ineligible = ineligible.or_else(|| {
+                    adapter.filter(|a| !member.upstream.has_adapter(a)).map(|_| Ineligible::NoAdapter)
+                });
                 let state = member.replica.status.state();
                 let indexed_blocks = match state {
                     StreamState::Fallback => 0,

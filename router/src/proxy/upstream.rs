@@ -25,8 +25,9 @@
 //! ([`verdicts`], for routed requests, other `/v1/*` requests and remote tokenization):
 //! ejection steers traffic away from outliers, it never empties the fleet.
 
-use std::sync::Mutex;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -42,6 +43,9 @@ pub enum Ineligible {
     /// Discovery says the replica is not serving (its endpoint is not Ready).
     NotServing,
     Saturated,
+    /// The request names a LoRA adapter loaded through the router that the replica is not
+    /// known to have ([`crate::proxy::lora::catch_up`]).
+    NoAdapter,
 }
 
 impl Ineligible {
@@ -52,6 +56,7 @@ impl Ineligible {
             Ineligible::Draining => "draining",
             Ineligible::NotServing => "not_serving",
             Ineligible::Saturated => "saturated",
+            Ineligible::NoAdapter => "lora_adapter_missing",
         }
     }
 }
@@ -80,6 +85,8 @@ pub struct Upstream {
     pub ejections: AtomicU64,
     /// Requests sent to the replica (each attempt of a retried request counts).
     pub requests: AtomicU64,
+    /// The LoRA adapters loaded through the router that the replica is known to have.
+    adapters: Mutex<HashSet<String>>,
 }
 
 impl Default for Upstream {
@@ -99,6 +106,7 @@ impl Default for Upstream {
             ejected_until: Mutex::new(None),
             ejections: AtomicU64::new(0),
             requests: AtomicU64::new(0),
+            adapters: Mutex::default(),
         }
     }
 }
@@ -193,6 +201,20 @@ impl Upstream {
             }
         }
         false
+    }
+
+    /// Whether the replica is known to have `adapter` (loaded through the router).
+    pub fn has_adapter(&self, adapter: &str) -> bool {
+        self.adapters.lock().unwrap_or_else(PoisonError::into_inner).contains(adapter)
+    }
+
+    /// Marks the replica as having `adapter`, or not.
+    pub fn mark_adapter(&self, adapter: &str, has: bool) {
+        let mut adapters = self.adapters.lock().unwrap_or_else(PoisonError::into_inner);
+        match has {
+            true => adapters.insert(adapter.to_owned()),
+            false => adapters.remove(adapter),
+        };
     }
 
     pub fn set_healthy(&self, healthy: bool) {

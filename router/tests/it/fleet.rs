@@ -217,20 +217,27 @@ impl Reply {
 #[derive(Clone)]
 pub struct Http {
     client: Client<HttpConnector, Full<Bytes>>,
+    /// Sent as `Authorization: Bearer <key>` with every request.
+    bearer: Option<String>,
 }
 
 impl Http {
     pub fn new() -> Self {
-        Self { client: Client::builder(TokioExecutor::new()).build_http() }
+        Self { client: Client::builder(TokioExecutor::new()).build_http(), bearer: None }
+    }
+
+    /// The client, sending `Authorization: Bearer {key}` with every request.
+    pub fn bearer(self, key: &str) -> Self {
+        Self { bearer: Some(key.to_owned()), ..self }
     }
 
     pub async fn send(&self, method: http::Method, url: &str, body: impl Into<Bytes>) -> Reply {
-        let request = Request::builder()
-            .method(method)
-            .uri(url)
-            .header("content-type", "application/json")
-            .body(Full::new(body.into()))
-            .unwrap();
+        let mut request =
+            Request::builder().method(method).uri(url).header("content-type", "application/json");
+        if let Some(key) = &self.bearer {
+            request = request.header("authorization", format!("Bearer {key}"));
+        }
+        let request = request.body(Full::new(body.into())).unwrap();
         let response = tokio::time::timeout(Duration::from_secs(30), self.client.request(request))
             .await
             .unwrap()

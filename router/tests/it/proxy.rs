@@ -690,6 +690,61 @@ async fn lora_adapters_loaded_through_the_router_reach_every_replica() {
     assert_eq!(http.post(&without.url("/v1/load_lora_adapter"), &load).await.status, 403);
 }
 
+/// Replicas started with an API key (vLLM's `--api-key`): a LoRA load through the router
+/// carries the client's key to each of them. A replica that restarts without the adapter
+/// gets none of its requests until the router has given it the adapter again, with the key
+/// the load came with (while it runs with another key it refuses that, and stays without).
+#[tokio::test]
+async fn a_lora_adapter_reaches_a_replica_that_restarted_without_it() {
+    let keyed = |key: &'static str| {
+        move |name: &str| kvroute_replica_agent::Config { api_key: Some(key.into()), ..agent_config(name) }
+    };
+    let mut fleet =
+        Fleet::with(2, keyed("sekret"), |c| kvroute_router::Config { lora_updates: true, ..c }).await;
+    let http = crate::fleet::Http::new().bearer("sekret");
+    let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
+    let unkeyed = crate::fleet::Http::new().post(&fleet.url("/v1/load_lora_adapter"), &load).await;
+    assert_eq!(unkeyed.status, 401, "every replica's answer without the key: {:?}", unkeyed.body);
+    let reply = http.post(&fleet.url("/v1/load_lora_adapter"), &load).await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+
+    let router = fleet.router.fleet().clone();
+    let has_it = move |name: &str| router.member(name).unwrap().upstream.has_adapter("sql");
+    let lists_it = async |http: &crate::fleet::Http, agent: String| {
+        let models = http.get(&format!("{agent}/v1/models")).await.json();
+        models["data"].as_array().is_some_and(|cards| cards.iter().any(|m| m["id"] == "sql"))
+    };
+    let ask =
+        |n: usize| json!({"model": "sql", "prompt": text(&format!("adapterw{n}x"), 40), "max_tokens": 2});
+
+    // Back under another key: it cannot be given the adapter, and gets none of its requests.
+    fleet.restart(1, keyed("other")("agent-1")).await;
+    wait_until("the router saw agent-1 lost the adapter", || !has_it("agent-1")).await;
+    for n in 0..8 {
+        let reply = http.post(&fleet.url("/v1/completions"), &ask(n)).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        assert_eq!(reply.header("x-kvroute-replica"), Some("agent-0"));
+    }
+    let other = crate::fleet::Http::new().bearer("other");
+    assert!(!lists_it(&other, fleet.agent(1).http_url()).await);
+
+    // Back under the fleet's key: the router loads it there, and routes its requests there again.
+    fleet.restart(1, keyed("sekret")("agent-1")).await;
+    let agent = fleet.agent(1).http_url();
+    let deadline = tokio::time::Instant::now() + crate::support::WAIT;
+    while !(lists_it(&http, agent.clone()).await && has_it("agent-1")) {
+        assert!(tokio::time::Instant::now() < deadline, "agent-1 was not given the adapter again");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let mut replicas = std::collections::HashSet::new();
+    for n in 100..120 {
+        let reply = http.post(&fleet.url("/v1/completions"), &ask(n)).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        replicas.insert(reply.header("x-kvroute-replica").unwrap().to_owned());
+    }
+    assert_eq!(replicas.len(), 2, "the adapter's requests spread again: {replicas:?}");
+}
+
 /// A decision's credits hold while its request waits in the replica's queue, however long
 /// past the credit TTL: a request for the same prefix that comes meanwhile follows it there
 /// rather than to a replica with less load and nothing cached (when they held only the TTL,
