@@ -220,7 +220,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         fleet.clone(),
         client,
         config.health_interval(),
-        config.health_interval().min(config.connect_timeout() * 2),
+        (config.health_interval().min(config.connect_timeout() * 2), config.first_byte_timeout()),
         shutdown.clone(),
     ));
     // An empty token is no token (allowed on loopback only, see `Config::validate`).

@@ -14,6 +14,7 @@ use http_body_util::BodyExt;
 use tokio_util::sync::CancellationToken;
 
 use super::body::full;
+use super::lora::catch_up;
 use super::prompts::Client;
 use crate::fleet::{Fleet, Member};
 
@@ -22,7 +23,7 @@ pub async fn run(
     fleet: Fleet,
     client: Client,
     interval: Duration,
-    timeout: Duration,
+    (timeout, load_timeout): (Duration, Duration),
     shutdown: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(interval);
@@ -32,12 +33,18 @@ pub async fn run(
             _ = tick.tick() => {}
             () = shutdown.cancelled() => return,
         }
-        let checks = fleet.members().into_iter().map(|m| check(m, &fleet, &client, timeout));
+        let timeouts = (timeout, load_timeout);
+        let checks = fleet.members().into_iter().map(|m| check(m, &fleet, &client, timeouts));
         futures::future::join_all(checks).await;
     }
 }
 
-async fn check(member: Member, fleet: &Fleet, client: &Client, timeout: Duration) {
+async fn check(
+    member: Member,
+    fleet: &Fleet,
+    client: &Client,
+    (timeout, load_timeout): (Duration, Duration),
+) {
     let base = &member.replica.spec.http_url;
     let healthy =
         matches!(get(client, &format!("{base}/health"), timeout).await, Some((s, _)) if s.is_success());
@@ -62,7 +69,8 @@ async fn check(member: Member, fleet: &Fleet, client: &Client, timeout: Duration
     };
     member.upstream.set_reported(report, in_flight_before);
     if healthy {
-        super::lora::catch_up(&member, client, fleet.adapters(), timeout).await;
+        let timeouts = catch_up::Timeouts { list: timeout, load: load_timeout };
+        catch_up::spawn(fleet, member, client, timeouts);
     }
 }
 

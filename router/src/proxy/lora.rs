@@ -17,8 +17,9 @@
 //! anything else is a 502 that names each replica's outcome. The router names the adapter's
 //! namespace from when every replica has it, and stops when none has it.
 //!
-//! A replica that joins later, or restarts and loses the adapter, is given it again
-//! ([`catch_up`]); until then the adapter's requests go to the replicas that have it.
+//! A replica that joins later, restarts and loses the adapter, or was down when it was loaded,
+//! is given it again ([`catch_up`]); until then the adapter's requests go to the replicas that
+//! have it.
 //!
 //! Not covered: another router in front of the same fleet does not learn of the adapter (its
 //! requests still route, on load and on the base model's namespace).
@@ -28,9 +29,9 @@ use futures::future::join_all;
 use http::{Method, Response, StatusCode};
 use http_body_util::BodyExt;
 
-mod catch_up;
+pub mod catch_up;
 
-pub use catch_up::{Adapter, Registry, catch_up};
+pub use catch_up::{Adapter, Registry};
 
 use super::ProxyState;
 use super::body::{ProxyBody, full};
@@ -67,25 +68,27 @@ impl Change {
     /// Whether a replica's refusal means it is where the change wanted it already.
     fn there_already(self, status: StatusCode, body: &[u8]) -> bool {
         match self {
+            // vLLM's words, then SGLang's.
             Change::Load => {
                 status == StatusCode::BAD_REQUEST
-                    && memchr::memmem::find(body, b"already been loaded").is_some()
+                    && [&b"already been loaded"[..], b"already exists"]
+                        .iter()
+                        .any(|words| memchr::memmem::find(body, words).is_some())
             }
             Change::Unload => status == StatusCode::NOT_FOUND,
         }
     }
 }
 
-/// Whether changes may go through, and the turn they take one at a time.
+/// Whether changes may go through (they take their turn one at a time, [`Registry::change`]).
 #[derive(Debug, Default)]
 pub struct Updates {
     pub enabled: bool,
-    turn: tokio::sync::Mutex<()>,
 }
 
 impl Updates {
     pub fn new(enabled: bool) -> Self {
-        Self { enabled, turn: tokio::sync::Mutex::new(()) }
+        Self { enabled }
     }
 }
 
@@ -120,11 +123,9 @@ pub async fn fan_out(
     if members.is_empty() {
         return Err(ProxyError::Unavailable("no replicas are configured".into()));
     }
-    let _turn = state.lora.turn.lock().await;
-    let (_, mut headers) = super::forward::upstream_head(parts, request_id);
-    // Kept with the adapter and sent again to replicas that lack it: the original request's
-    // id would name a request that is long over.
-    headers.remove(super::forward::X_REQUEST_ID);
+    let registry = state.fleet().adapters();
+    let _turn = registry.change().await;
+    let (_, headers) = super::forward::upstream_head(parts, request_id);
     let timeout = state.forward.first_byte_timeout;
     let asks = members.iter().map(|member| {
         let (body, headers) = (body.clone(), &headers);
@@ -160,17 +161,20 @@ pub async fn fan_out(
     }
     let done = outcomes.iter().filter(|o| success(o)).count();
     let there = outcomes.iter().filter(|o| is_there(o)).count();
-    let registry = state.fleet().adapters();
-    if change == Change::Unload {
-        // Not sent again to replicas that lack it, whether every replica let it go or not.
-        registry.remove(&name);
+    // Once some replica has it (or, for an unload, some replica is without it), the adapter
+    // is kept for replicas that lack it (or no longer), whether every replica took the change
+    // or not: one that was down gets it when it is back.
+    if done + there > 0 {
+        match change {
+            Change::Load => registry.insert(Adapter::new(name.clone(), body, &headers)),
+            Change::Unload => registry.remove(&name),
+        }
     }
     if done + there == outcomes.len() {
         let tokenization = state.decider.prompts.tokenization();
         match change {
             Change::Load => {
                 tokenization.add_lora_adapter(&name);
-                registry.insert(Adapter { name: name.clone(), body, headers });
             }
             Change::Unload => {
                 tokenization.remove_lora_adapter(&name);

@@ -18,7 +18,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::error::ProxyError;
 use super::prompts::{PromptError, Prompts};
-use super::upstream::{Ineligible, verdicts};
+use super::upstream::{Ineligible, verdicts_for};
 use crate::fleet::{Fleet, Member};
 use crate::index::{CreditHold, SharedIndex};
 use crate::metrics::ProxyMetrics;
@@ -260,14 +260,12 @@ impl Decider {
     ) -> Plan {
         let overlaps = self.index.lookup(&blocks);
         let now = tokio::time::Instant::now();
-        let verdicts = verdicts(members.iter().map(|m| &*m.upstream), self.max_in_flight_per_replica);
+        let verdicts =
+            verdicts_for(members.iter().map(|m| &*m.upstream), self.max_in_flight_per_replica, adapter);
         let mut candidates: Vec<Scored> = members
             .into_iter()
             .zip(verdicts)
             .map(|(member, ineligible)| {
-                let ineligible = ineligible.or_else(|| {
-                    adapter.filter(|a| !member.upstream.has_adapter(a)).map(|_| Ineligible::NoAdapter)
-                });
                 let state = member.replica.status.state();
                 let indexed_blocks = match state {
                     StreamState::Fallback => 0,

@@ -263,18 +263,35 @@ pub fn verdicts<'a>(
     upstreams: impl ExactSizeIterator<Item = &'a Upstream> + Clone,
     max_in_flight: u32,
 ) -> Vec<Option<Ineligible>> {
+    verdicts_for(upstreams, max_in_flight, None)
+}
+
+/// [`verdicts`] for a request to `adapter`, a LoRA adapter loaded through the router: a
+/// replica not known to have it is out, and counts as down when ejection is set aside.
+pub fn verdicts_for<'a>(
+    upstreams: impl ExactSizeIterator<Item = &'a Upstream> + Clone,
+    max_in_flight: u32,
+    adapter: Option<&str>,
+) -> Vec<Option<Ineligible>> {
+    let lacks = |u: &Upstream| adapter.is_some_and(|a| !u.has_adapter(a)).then_some(Ineligible::NoAdapter);
     let mut verdicts: Vec<Option<Ineligible>> =
-        upstreams.clone().map(|u| u.eligibility(max_in_flight).err()).collect();
+        upstreams.clone().map(|u| u.eligibility(max_in_flight).err().or_else(|| lacks(u))).collect();
     let only_ejected_are_up = verdicts.iter().all(|v| {
         matches!(
             v,
-            Some(Ineligible::Ejected | Ineligible::Unhealthy | Ineligible::Draining | Ineligible::NotServing)
+            Some(
+                Ineligible::Ejected
+                    | Ineligible::Unhealthy
+                    | Ineligible::Draining
+                    | Ineligible::NotServing
+                    | Ineligible::NoAdapter
+            )
         )
     });
     if only_ejected_are_up {
         for (verdict, upstream) in verdicts.iter_mut().zip(upstreams) {
             if *verdict == Some(Ineligible::Ejected) {
-                *verdict = upstream.eligibility_with(max_in_flight, false).err();
+                *verdict = upstream.eligibility_with(max_in_flight, false).err().or_else(|| lacks(upstream));
             }
         }
     }
@@ -389,6 +406,27 @@ mod tests {
         assert_eq!(of(&[&a, &b]), [None, Some(Ineligible::Saturated)], "revived within its in-flight limit");
         let fine = Arc::new(Upstream::default());
         assert_eq!(of(&[&a, &fine]), [Some(Ineligible::Ejected), None]);
+    }
+
+    /// For a request to an adapter loaded through the router, a replica without it is out,
+    /// and an ejected one that has it is tried rather than leave nothing.
+    #[tokio::test(start_paused = true)]
+    async fn a_replica_without_the_adapter_is_out_and_counts_as_down() {
+        let with = Arc::new(Upstream::default());
+        with.mark_adapter("sql", true);
+        let without = Arc::new(Upstream::default());
+        let of = |us: &[&Arc<Upstream>], adapter| verdicts_for(us.iter().map(|u| &***u), 8, adapter);
+        assert_eq!(of(&[&with, &without], Some("sql")), [None, Some(Ineligible::NoAdapter)]);
+        assert_eq!(of(&[&with, &without], None), [None, None], "the base model: both");
+        assert!(with.record_failure(1, Duration::from_secs(60)));
+        assert_eq!(
+            of(&[&with, &without], Some("sql")),
+            [None, Some(Ineligible::NoAdapter)],
+            "the only replica with the adapter is ejected: tried after all"
+        );
+        assert_eq!(of(&[&with, &without], None), [Some(Ineligible::Ejected), None]);
+        with.mark_adapter("sql", false);
+        assert_eq!(of(&[&with], Some("sql")), [Some(Ineligible::NoAdapter)]);
     }
 
     #[tokio::test(start_paused = true)]

@@ -710,9 +710,9 @@ async fn a_lora_adapter_reaches_a_replica_that_restarted_without_it() {
 
     let router = fleet.router.fleet().clone();
     let has_it = move |name: &str| router.member(name).unwrap().upstream.has_adapter("sql");
-    let lists_it = async |http: &crate::fleet::Http, agent: String| {
+    let lists_it = async |http: &crate::fleet::Http, agent: String, adapter: &str| {
         let models = http.get(&format!("{agent}/v1/models")).await.json();
-        models["data"].as_array().is_some_and(|cards| cards.iter().any(|m| m["id"] == "sql"))
+        models["data"].as_array().is_some_and(|cards| cards.iter().any(|m| m["id"] == adapter))
     };
     let ask =
         |n: usize| json!({"model": "sql", "prompt": text(&format!("adapterw{n}x"), 40), "max_tokens": 2});
@@ -726,14 +726,21 @@ async fn a_lora_adapter_reaches_a_replica_that_restarted_without_it() {
         assert_eq!(reply.header("x-kvroute-replica"), Some("agent-0"));
     }
     let other = crate::fleet::Http::new().bearer("other");
-    assert!(!lists_it(&other, fleet.agent(1).http_url()).await);
+    assert!(!lists_it(&other, fleet.agent(1).http_url(), "sql").await);
+    // A second adapter loaded meanwhile reaches agent-0 only: a 502, and agent-1 is given it
+    // later too.
+    let load_too = json!({"lora_name": "sql2", "lora_path": "/adapters/sql2"});
+    assert_eq!(http.post(&fleet.url("/v1/load_lora_adapter"), &load_too).await.status, 502);
 
-    // Back under the fleet's key: the router loads it there, and routes its requests there again.
+    // Back under the fleet's key: the router loads both there, and routes their requests there again.
     fleet.restart(1, keyed("sekret")("agent-1")).await;
     let agent = fleet.agent(1).http_url();
     let deadline = tokio::time::Instant::now() + crate::support::WAIT;
-    while !(lists_it(&http, agent.clone()).await && has_it("agent-1")) {
-        assert!(tokio::time::Instant::now() < deadline, "agent-1 was not given the adapter again");
+    while !(lists_it(&http, agent.clone(), "sql").await
+        && lists_it(&http, agent.clone(), "sql2").await
+        && has_it("agent-1"))
+    {
+        assert!(tokio::time::Instant::now() < deadline, "agent-1 was not given the adapters again");
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     let mut replicas = std::collections::HashSet::new();

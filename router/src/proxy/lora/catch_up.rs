@@ -1,38 +1,70 @@
 //! Adapters loaded through the router reach replicas that lack them: one that joined the
-//! fleet later, or restarted and lost what was loaded at run time. The router keeps each
-//! adapter with the request that loaded it ([`Registry`]); at each active health check of a
-//! replica ([`crate::proxy::health`]) it reads what the replica lists in `/v1/models` and
-//! sends the load request again for what is missing. Until a replica is known to have an
-//! adapter, that adapter's requests go to the replicas that have it
-//! ([`crate::proxy::upstream::Ineligible::NoAdapter`]).
+//! fleet later, or restarted and lost what was loaded at run time, or was down when the
+//! adapter was loaded. The router keeps each adapter with the request that loaded it
+//! ([`Registry`]); after each active health check of a replica ([`crate::proxy::health`]) it
+//! reads what the replica lists in `/v1/models` and sends the load request again for what is
+//! missing, in a task of its own (a load can take longer than a health check may). Until a
+//! replica is known to have an adapter, that adapter's requests go to the replicas that have
+//! it ([`crate::proxy::upstream::Ineligible::NoAdapter`]).
+//!
+//! A catch-up and a change through the router never overlap: a change waits for running
+//! catch-ups, and a catch-up does not start while a change runs (it would load an adapter
+//! being unloaded, or the one a new load replaces).
 //!
 //! SGLang replicas are not asked what they list: an adapter goes to one once, when the
 //! router first checks it, and is taken as there from then on (a restart that keeps its
 //! address is not noticed).
+//!
+//! What is kept of the load request: its body, and of its headers only `Authorization`
+//! (replicas started with `--api-key`; marked sensitive, never printed) and `Content-Type`.
 
 use std::collections::HashSet;
+use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{PoisonError, RwLock};
+use std::sync::{Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap};
 use http::{Method, StatusCode};
 use http_body_util::BodyExt;
+use kvroute_proto::ReplicaId;
 
 use super::Change;
-use crate::fleet::Member;
+use crate::fleet::{Fleet, Member};
 use crate::proxy::body::full;
 use crate::proxy::prompts::Client;
 use crate::replicas::EngineKind;
 
-/// A LoRA adapter loaded through the router: its name, and the load request's body and
-/// headers (without hop-by-hop ones), sent again to replicas that lack it.
-#[derive(Clone, Debug)]
+/// A LoRA adapter loaded through the router: its name, and what is kept of the load request
+/// (see the module docs), sent again to replicas that lack it.
+#[derive(Clone)]
 pub struct Adapter {
     pub name: String,
-    pub body: Bytes,
-    pub headers: HeaderMap,
+    body: Bytes,
+    headers: HeaderMap,
+}
+
+impl Adapter {
+    /// The adapter `name`, loaded with `body` and the request's `headers`.
+    pub fn new(name: String, body: Bytes, headers: &HeaderMap) -> Self {
+        let mut kept = HeaderMap::new();
+        if let Some(authorization) = headers.get(header::AUTHORIZATION) {
+            let mut authorization = authorization.clone();
+            authorization.set_sensitive(true);
+            kept.insert(header::AUTHORIZATION, authorization);
+        }
+        if let Some(content_type) = headers.get(header::CONTENT_TYPE) {
+            kept.insert(header::CONTENT_TYPE, content_type.clone());
+        }
+        Self { name, body, headers: kept }
+    }
+}
+
+impl fmt::Debug for Adapter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Adapter").field("name", &self.name).finish_non_exhaustive()
+    }
 }
 
 /// The adapters loaded through the router that every replica should have.
@@ -41,6 +73,10 @@ pub struct Registry {
     adapters: RwLock<Vec<Adapter>>,
     /// Whether there is any, so a request to the base model takes no lock.
     any: AtomicBool,
+    /// Changes through the router take it whole, one at a time; catch-ups share it.
+    turn: tokio::sync::RwLock<()>,
+    /// Replicas whose catch-up is running.
+    busy: Mutex<HashSet<ReplicaId>>,
 }
 
 impl Registry {
@@ -67,59 +103,99 @@ impl Registry {
     pub fn all(&self) -> Vec<Adapter> {
         self.adapters.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
+
+    /// The turn of a change through the router: once running catch-ups are done, and none
+    /// starts until it is dropped.
+    pub async fn change(&self) -> tokio::sync::RwLockWriteGuard<'_, ()> {
+        self.turn.write().await
+    }
+}
+
+/// How long a catch-up waits for a replica's list, and for a load.
+#[derive(Clone, Copy, Debug)]
+pub struct Timeouts {
+    pub list: Duration,
+    pub load: Duration,
+}
+
+/// Starts [`catch_up`] for `member` in a task of its own, unless there is nothing to catch up
+/// or its last one is still running.
+pub fn spawn(fleet: &Fleet, member: Member, client: &Client, timeouts: Timeouts) {
+    let registry = fleet.adapters();
+    if !registry.any.load(Ordering::Relaxed) {
+        return;
+    }
+    let id = member.replica.id;
+    if !registry.busy.lock().unwrap_or_else(PoisonError::into_inner).insert(id) {
+        return;
+    }
+    let (fleet, client) = (fleet.clone(), client.clone());
+    tokio::spawn(async move {
+        let registry = fleet.adapters();
+        // A change is running or waiting: it goes first, this replica is seen to next time.
+        if let Ok(_turn) = registry.turn.try_read() {
+            catch_up(&member, &client, registry, timeouts).await;
+        }
+        registry.busy.lock().unwrap_or_else(PoisonError::into_inner).remove(&id);
+    });
 }
 
 /// Gives `member` the adapters of `registry` it lacks (see the module docs), and marks those
 /// it has.
-pub async fn catch_up(member: &Member, client: &Client, registry: &Registry, timeout: Duration) {
+pub async fn catch_up(member: &Member, client: &Client, registry: &Registry, timeouts: Timeouts) {
     let adapters = registry.all();
     let Some(latest) = adapters.last() else { return };
     let spec = &member.replica.spec;
     let listed = match spec.engine {
         EngineKind::Sglang => None,
         // The latest load's credentials, for replicas started with `--api-key`.
-        _ => match listed_models(client, &spec.http_url, &latest.headers, timeout).await {
+        _ => match listed_models(client, &spec.http_url, &latest.headers, timeouts.list).await {
             Listed::Models(listed) => Some(listed),
             // A replica that refuses the credentials cannot be shown to have any, and would
             // refuse the adapter's requests too.
             Listed::Refused => Some(HashSet::new()),
             // Not this time (it will be asked again at the next check).
-            Listed::Unreachable => return,
+            Listed::Unknown => return,
         },
     };
-    for adapter in &adapters {
-        let has = match &listed {
-            Some(listed) => listed.contains(&adapter.name),
-            None => member.upstream.has_adapter(&adapter.name),
-        };
-        if !has {
-            member.upstream.mark_adapter(&adapter.name, false);
-            let url = format!("{}{}", spec.http_url, Change::Load.path(spec.engine));
-            let sent =
-                send(client, Method::POST, &url, &adapter.headers, adapter.body.clone(), timeout).await;
-            match sent {
-                Some((status, body)) if status.is_success() || Change::Load.there_already(status, &body) => {
-                    tracing::info!(replica = %spec.name, lora_name = adapter.name, "LoRA adapter loaded on a replica that lacked it");
-                }
-                answer => {
-                    let answer = answer.map(|(s, b)| format!("{s} {}", String::from_utf8_lossy(&b).trim()));
-                    tracing::warn!(replica = %spec.name, lora_name = adapter.name, ?answer, "cannot load the LoRA adapter on a replica that lacks it");
-                    continue;
-                }
+    let missing: Vec<&Adapter> = adapters
+        .iter()
+        .filter(|adapter| {
+            let has = match &listed {
+                Some(listed) => listed.contains(&adapter.name),
+                None => member.upstream.has_adapter(&adapter.name),
+            };
+            member.upstream.mark_adapter(&adapter.name, has);
+            !has
+        })
+        .collect();
+    let loads = missing.into_iter().map(|adapter| async move {
+        let url = format!("{}{}", spec.http_url, Change::Load.path(spec.engine));
+        let load = send(client, Method::POST, &url, &adapter.headers, adapter.body.clone(), timeouts.load);
+        match load.await {
+            Some((status, _)) if status.is_success() => {
+                tracing::info!(replica = %spec.name, lora_name = adapter.name, "LoRA adapter loaded on a replica that lacked it");
+            }
+            Some((status, body)) if Change::Load.there_already(status, &body) => {}
+            answer => {
+                let answer = answer.map(|(s, b)| format!("{s} {}", String::from_utf8_lossy(&b).trim()));
+                tracing::warn!(replica = %spec.name, lora_name = adapter.name, ?answer, "cannot load the LoRA adapter on a replica that lacks it");
+                return;
             }
         }
         member.upstream.mark_adapter(&adapter.name, true);
-    }
+    });
+    futures::future::join_all(loads).await;
 }
 
 /// What a replica's `GET /v1/models` said.
 enum Listed {
     /// The model ids it lists.
     Models(HashSet<String>),
-    /// An answer that is not a list (a 401, say).
+    /// It refused the credentials (401 or 403).
     Refused,
-    /// No answer.
-    Unreachable,
+    /// No answer, or one that tells nothing (a 5xx, say).
+    Unknown,
 }
 
 async fn listed_models(client: &Client, base: &str, credentials: &HeaderMap, timeout: Duration) -> Listed {
@@ -129,7 +205,7 @@ async fn listed_models(client: &Client, base: &str, credentials: &HeaderMap, tim
     }
     let url = format!("{base}/v1/models");
     let Some((status, body)) = send(client, Method::GET, &url, &headers, Bytes::new(), timeout).await else {
-        return Listed::Unreachable;
+        return Listed::Unknown;
     };
     #[derive(serde::Deserialize)]
     struct Models {
@@ -139,11 +215,10 @@ async fn listed_models(client: &Client, base: &str, credentials: &HeaderMap, tim
     struct Card {
         id: String,
     }
-    match serde_json::from_slice::<Models>(&body) {
-        Ok(models) if status == StatusCode::OK => {
-            Listed::Models(models.data.into_iter().map(|card| card.id).collect())
-        }
-        _ => Listed::Refused,
+    match (status, serde_json::from_slice::<Models>(&body)) {
+        (StatusCode::OK, Ok(models)) => Listed::Models(models.data.into_iter().map(|card| card.id).collect()),
+        (StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN, _) => Listed::Refused,
+        _ => Listed::Unknown,
     }
 }
 
