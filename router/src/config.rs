@@ -124,6 +124,18 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_TOKENIZE_CACHE_BYTES", default_value_t = 64 << 20)]
     pub tokenize_cache_bytes: u64,
 
+    /// A replica's event stream without a connection this long is FALLBACK (routed on load
+    /// alone), milliseconds; also the event socket's connect timeout.
+    #[arg(long, env = "KVROUTE_EVENTS_FALLBACK_MS", default_value_t = 10_000)]
+    pub events_fallback_ms: u64,
+    /// Timeout of a replay's connect and of each of its replies, milliseconds (a large cache
+    /// over a slow network may need more).
+    #[arg(long, env = "KVROUTE_REPLAY_TIMEOUT_MS", default_value_t = 5_000)]
+    pub replay_timeout_ms: u64,
+    /// Timeout of a whole snapshot of a replica's cache over gRPC, milliseconds.
+    #[arg(long, env = "KVROUTE_SNAPSHOT_TIMEOUT_MS", default_value_t = 30_000)]
+    pub snapshot_timeout_ms: u64,
+
     /// Upstream connect timeout, milliseconds.
     #[arg(long, env = "KVROUTE_CONNECT_TIMEOUT_MS", default_value_t = 1_000)]
     pub connect_timeout_ms: u64,
@@ -226,6 +238,9 @@ impl Config {
             "--balance-weight must be >= 0".into(),
         );
         check(self.connect_timeout_ms > 0, "--connect-timeout-ms must be at least 1".into());
+        check(self.events_fallback_ms > 0, "--events-fallback-ms must be at least 1".into());
+        check(self.replay_timeout_ms > 0, "--replay-timeout-ms must be at least 1".into());
+        check(self.snapshot_timeout_ms > 0, "--snapshot-timeout-ms must be at least 1".into());
         check(self.first_byte_timeout_ms > 0, "--first-byte-timeout-ms must be at least 1".into());
         check(self.tokenize_timeout_ms > 0, "--tokenize-timeout-ms must be at least 1".into());
         check(self.idle_timeout_ms > 0, "--idle-timeout-ms must be at least 1".into());
@@ -306,6 +321,16 @@ impl Config {
     }
     pub fn credit_ttl(&self) -> Duration {
         Duration::from_millis(self.credit_ttl_ms)
+    }
+
+    /// The event ingestion's settings: its defaults, with the timeouts given here.
+    pub fn ingest(&self) -> crate::ingest::IngestConfig {
+        crate::ingest::IngestConfig {
+            fallback_after: Duration::from_millis(self.events_fallback_ms),
+            replay_timeout: Duration::from_millis(self.replay_timeout_ms),
+            snapshot_timeout: Duration::from_millis(self.snapshot_timeout_ms),
+            ..crate::ingest::IngestConfig::default()
+        }
     }
 
     /// Threads serving proxy connections ([`Config::http_threads`], 0 resolved).
@@ -517,6 +542,13 @@ mod tests {
         let errors = c.validate().unwrap_err();
         // block size, admin token, duplicate name, 2x bad events, 2x bad http
         assert_eq!(errors.len(), 7, "{errors:#?}");
+        let c = Config {
+            replay_timeout_ms: 0,
+            snapshot_timeout_ms: 0,
+            events_fallback_ms: 0,
+            ..Config::default()
+        };
+        assert_eq!(c.validate().unwrap_err().len(), 3);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use crate::config::Config;
 use crate::discovery::{Discovery, DiscoveryMetrics};
 use crate::fleet::Fleet;
 use crate::index::SharedIndex;
-use crate::ingest::{Ingest, IngestConfig};
+use crate::ingest::Ingest;
 use crate::metrics::{ProxyMetrics, register_replica_load, register_tokenize_cache};
 use crate::policy::{self, CacheAwareParams};
 use crate::proxy::forward::ForwardConfig;
@@ -89,13 +89,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let tracker = TaskTracker::new();
     let mut registry = Registry::default();
     let index = SharedIndex::with_credit_ttl(config.credit_ttl());
-    let ingest = Ingest::start(
-        IngestConfig::default(),
-        index.clone(),
-        &mut registry,
-        tracker.clone(),
-        shutdown.clone(),
-    );
+    let ingest =
+        Ingest::start(config.ingest(), index.clone(), &mut registry, tracker.clone(), shutdown.clone());
     let fleet = Fleet::new(ingest);
     for r in &config.replicas {
         fleet

@@ -862,6 +862,29 @@ async fn remote_tokenization_routes_a_chat_with_media_on_load() {
     shutdown.cancel();
 }
 
+/// `--events-fallback-ms` is how long a replica's events may stay unreachable before it is
+/// routed on load alone (the default is 10 s: this test would see none of it in 5 s).
+#[tokio::test]
+async fn the_events_fallback_flag_sets_when_a_silent_replica_is_routed_on_load() {
+    let replica = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (router, shutdown) = router_in_front_of(replica.local_addr().unwrap(), |c| kvroute_router::Config {
+        events_fallback_ms: 300,
+        ..c
+    })
+    .await;
+    let member = router.fleet().member("r0").unwrap();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    while member.replica.status.state() != kvroute_router::replicas::StreamState::Fallback {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still {:?} after 5 s",
+            member.replica.status.state()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    shutdown.cancel();
+}
+
 /// A request that fails on its replica without starting (the connection closes before any
 /// answer) leaves no credit there: the prefix's next requests are not drawn to it.
 #[tokio::test]
