@@ -73,6 +73,7 @@ impl AdminService {
             healthy: m.upstream.is_healthy(),
             draining: m.upstream.is_draining(),
             not_serving: !m.upstream.is_serving(),
+            lora_adapters: m.upstream.adapters(),
             epoch: s.epoch().0,
             last_seq: s.last_seq().map_or(0, |q| q.0),
             events_applied: s.events_applied(),

@@ -208,6 +208,14 @@ impl Upstream {
         self.adapters.lock().unwrap_or_else(PoisonError::into_inner).contains(adapter)
     }
 
+    /// The adapters (loaded through the router) the replica is known to have, sorted.
+    pub fn adapters(&self) -> Vec<String> {
+        let mut adapters: Vec<String> =
+            self.adapters.lock().unwrap_or_else(PoisonError::into_inner).iter().cloned().collect();
+        adapters.sort_unstable();
+        adapters
+    }
+
     /// Marks the replica as having `adapter`, or not.
     pub fn mark_adapter(&self, adapter: &str, has: bool) {
         let mut adapters = self.adapters.lock().unwrap_or_else(PoisonError::into_inner);

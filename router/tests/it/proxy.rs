@@ -720,6 +720,14 @@ async fn a_lora_adapter_reaches_a_replica_that_restarted_without_it() {
     // Back under another key: it cannot be given the adapter, and gets none of its requests.
     fleet.restart(1, keyed("other")("agent-1")).await;
     wait_until("the router saw agent-1 lost the adapter", || !has_it("agent-1")).await;
+    let mut admin =
+        kvroute_proto::pb::router_admin_client::RouterAdminClient::connect(fleet.router.admin_url())
+            .await
+            .unwrap();
+    let listed = admin.list_replicas(kvroute_proto::pb::ListReplicasRequest {}).await.unwrap().into_inner();
+    let adapters: Vec<(String, Vec<String>)> =
+        listed.replicas.into_iter().map(|r| (r.spec.unwrap().id, r.lora_adapters)).collect();
+    assert_eq!(adapters, [("agent-0".into(), vec!["sql".into()]), ("agent-1".into(), vec![])]);
     for n in 0..8 {
         let reply = http.post(&fleet.url("/v1/completions"), &ask(n)).await;
         assert_eq!(reply.status, 200, "{:?}", reply.body);
