@@ -322,6 +322,32 @@ async fn secrets_never_appear_in_logs_inner() {
         drop(admin.list_replicas(request).await);
     }
     drop(fleet);
+    // A replica whose answer has no body (`Content-Length: 0`): the response ends complete.
+    let replica = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = replica.local_addr().unwrap();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        while let Ok((mut stream, _)) = replica.accept().await {
+            tokio::spawn(async move {
+                let mut request = [0u8; 4096];
+                if let Ok(1..) = stream.read(&mut request).await {
+                    let empty = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+                    stream.write_all(empty).await.ok();
+                }
+            });
+        }
+    });
+    let (router, stop) =
+        crate::proxy::router_in_front_of(addr, |c| kvroute_router::Config { access_log: true, ..c }).await;
+    let request = http::Request::post(format!("{}/v1/completions", router.url()))
+        .header("x-request-id", "logged-empty")
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let response = client.request(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    http_body_util::BodyExt::collect(response.into_body()).await.unwrap();
+    stop.cancel();
     // A request whose client left before its answer began.
     let asked = (http::Method::POST, "/v1/completions".to_owned());
     drop(kvroute_router::proxy::access::Unanswered::new(
@@ -349,6 +375,7 @@ async fn secrets_never_appear_in_logs_inner() {
         ("logged-2", &["status=400", "error=\"bad_request\""]),
         ("logged-3", &["status=404", "replica=", "end=\"complete\""]),
         ("logged-gone", &["status=499", "end=\"abandoned\""]),
+        ("logged-empty", &["status=200", "replica=\"r0\"", "end=\"complete\""]),
     ] {
         let line =
             access.iter().find(|l| l.contains(id)).unwrap_or_else(|| panic!("no line for {id}: {access:?}"));
