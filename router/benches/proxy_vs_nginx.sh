@@ -91,6 +91,11 @@
 #   started from: user CPU a request 6.4-7.0 against 7.4-7.6 µs, +6% requests/s. One HTTP
 #   thread instead of two gives the same CPU a request (user 6.2-6.9 µs, three paired
 #   rounds): no cross-core contention to win back; the gap is instructions a request.
+#   2026-11-23, later (pins stamped per request, LoRA eligibility in the decision): one run,
+#   nginx 65.8 k requests/s at 14.2 µs of CPU a request; floor 0.95x (0.87-1.03) at 15.5 µs;
+#   kvroute cache-aware 0.79x (0.74-0.82) at 20.1 µs, round-robin 0.80x at 20.6 µs; added
+#   latency nginx +22 µs, floor +20, kvroute +24 to +27 µs. Paired rounds against the day's
+#   first build: inside the noise (0.79-0.84x both).
 #
 # Usage: router/benches/proxy_vs_nginx.sh
 #   (env: DURATION=10s ROUNDS=3 CONNECTIONS=64 THREADS=1 BACKENDS=2; about 4.5 minutes)
