@@ -161,6 +161,9 @@ impl RankStream {
                 let from = self.expected.unwrap_or(Seq(0));
                 self.repair(from, None).await;
             }
+            // The connection is gone: the repair after the next one covers what was dropped
+            // (a repair now would mark the rank synced while its events cannot arrive).
+            Input::Overflowed if self.disconnected => {}
             Input::Overflowed => {
                 // Everything queued before the drop has been applied: what is missing starts
                 // at `expected`.
@@ -408,7 +411,12 @@ impl RankStream {
             }
             self.apply(batch);
         }
-        self.dup = Some((first.seq, last.seq));
+        // A replay that goes on from the last one (a catch-up, a second repair) widens its
+        // window: live copies of either may still be queued.
+        self.dup = Some(match self.dup {
+            Some((from, to)) if from <= first.seq && first.seq <= to.next() => (from, last.seq.max(to)),
+            _ => (first.seq, last.seq),
+        });
         if let Some(after_hole) = rest.first() {
             tracing::info!(replica = %self.ctx.replica.spec.name, rank = self.rank, missing = last.seq.next().0, next = after_hole.seq.0, "replay with a hole");
             self.ctx.metrics.gaps.inc();
@@ -606,6 +614,32 @@ mod tests {
         let late = rank.decode(&batch(1)).unwrap();
         rank.process(late).await;
         assert_eq!(rank.ctx.index.blocks(id), 2, "not cleared as a restart");
+        assert_eq!(rank.ctx.metrics.restarts.get(), 0);
+    }
+
+    /// A queue overflow reported after the connection dropped waits for the next connection:
+    /// no repair now, so the rank is not taken as synced while its events cannot arrive.
+    #[tokio::test]
+    async fn an_overflow_after_a_disconnect_waits_for_the_next_connection() {
+        let mut rank = rank();
+        rank.handle(Input::Disconnected).await;
+        rank.handle(Input::Overflowed).await;
+        assert_eq!(rank.ctx.replica.status.state(), StreamState::Degraded);
+        assert_eq!(rank.ctx.metrics.gaps.get(), 0);
+    }
+
+    /// A replay that goes on from the last one keeps that one's window too: a queued live
+    /// copy of a batch the first replay covered is a duplicate, not a restart.
+    #[tokio::test]
+    async fn a_replay_after_a_replay_keeps_both_windows() {
+        let mut rank = rank();
+        rank.apply_replayed(&[batch(0), batch(1)]);
+        rank.apply_replayed(&[batch(2), batch(3)]);
+        let id = rank.ctx.replica.id;
+        assert_eq!(rank.ctx.index.blocks(id), 4);
+        let late = rank.decode(&batch(1)).unwrap();
+        rank.process(late).await;
+        assert_eq!(rank.ctx.index.blocks(id), 4, "not cleared as a restart");
         assert_eq!(rank.ctx.metrics.restarts.get(), 0);
     }
 }
