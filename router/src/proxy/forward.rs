@@ -2,8 +2,8 @@
 //! go upstream unchanged (only hop-by-hop headers are dropped), the response streams back
 //! frame by frame.
 //!
-//! Retries: when a replica refuses the connection, fails before any response byte, or
-//! answers 503 (it refused to start the request: shutting down or its queue is full), the
+//! Retries: when a replica refuses the connection, fails before any response byte (a
+//! malformed response head counts as an answer: never retried), or answers 503 (it refused to start the request: shutting down or its queue is full), the
 //! request goes to the next replica of the plan (at most [`MAX_ATTEMPTS`] in all) — never
 //! after a response has started, and never after a first-byte timeout (the replica may still
 //! be working on it). Each failure counts toward the replica's outlier ejection; 5xx answers
@@ -191,6 +191,15 @@ pub async fn routed(
                     metrics.prompt_tokens.inc_by(plan.prompt_tokens);
                 }
                 return Ok(response);
+            }
+            // The replica answered, malformed: it ran the request, which goes nowhere else.
+            Ok(Err(e @ SendError::Wire(WireError::Malformed(_)))) => {
+                tracing::warn!(replica = %member.replica.spec.name, error = %e, request_id, "replica answered with a malformed head");
+                record_failure(upstream, config, metrics);
+                return Err(ProxyError::Upstream {
+                    replica: member.replica.spec.name.clone(),
+                    reason: e.to_string(),
+                });
             }
             Ok(Err(e)) => {
                 tracing::warn!(replica = %member.replica.spec.name, error = %e, request_id, "replica failed before answering");

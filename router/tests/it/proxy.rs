@@ -893,6 +893,71 @@ async fn the_events_fallback_flag_sets_when_a_silent_replica_is_routed_on_load()
     shutdown.cancel();
 }
 
+/// A replica whose answer to a completion has a malformed head ran the request: the router
+/// answers 502 and sends it to no other replica.
+#[tokio::test]
+async fn a_malformed_answer_is_not_sent_to_another_replica() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // Health checks (GETs) get 200; a POST gets `answer`, counted.
+    let replica = |answer: &'static [u8]| async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let posts = Arc::new(AtomicUsize::new(0));
+        let counted = posts.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let posts = counted.clone();
+                tokio::spawn(async move {
+                    let mut request = [0u8; 4096];
+                    if let Ok(n @ 1..) = stream.read(&mut request).await {
+                        let post = request[..n].starts_with(b"POST ");
+                        if post {
+                            posts.fetch_add(1, Ordering::SeqCst);
+                        }
+                        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+                        stream.write_all(if post { answer } else { ok }).await.ok();
+                    }
+                });
+            }
+        });
+        (addr, posts)
+    };
+    let (bad, bad_posts) = replica(b"HTTP/1.1 200 OK\r\ncontent-length: 12, 13\r\n\r\n").await;
+    let (good, good_posts) =
+        replica(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok").await;
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas: [("r0", bad), ("r1", good)]
+            .iter()
+            .map(|(name, addr)| {
+                format!("name={name},http=http://{addr},events=tcp://127.0.0.1:9,engine=kvroute")
+                    .parse()
+                    .unwrap()
+            })
+            .collect(),
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let http = crate::fleet::Http::new();
+    let mut malformed = 0;
+    for n in 0..12 {
+        let body = json!({"model": FLEET_MODEL, "prompt": format!("prompt number {n}"), "max_tokens": 1});
+        let reply = http.post(&format!("{}/v1/completions", router.url()), &body).await;
+        if reply.status == 502 {
+            malformed += 1;
+        } else {
+            assert_eq!(reply.status, 200, "{:?}", reply.body);
+        }
+    }
+    assert!(malformed > 0, "no request went to r0");
+    assert_eq!(bad_posts.load(Ordering::SeqCst), malformed, "each 502 is one request r0 answered");
+    assert_eq!(good_posts.load(Ordering::SeqCst), 12 - malformed, "r1 got only its own");
+    shutdown.cancel();
+}
+
 /// A request that fails on its replica without starting (the connection closes before any
 /// answer) leaves no credit there: the prefix's next requests are not drawn to it.
 #[tokio::test]
