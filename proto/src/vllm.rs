@@ -17,8 +17,11 @@
 //! releases): map events are read by key name, in any order, unknown keys skipped and
 //! missing optional keys read as `None`; positional events may be shorter (older releases)
 //! or longer (trailing elements ignored) than the newest layout. An unknown tag becomes
-//! [`VllmEvent::Unknown`] instead of failing the batch. `block_hashes`, `token_ids` and
-//! `block_size` (BlockStored) and `block_hashes` (BlockRemoved) are required.
+//! [`VllmEvent::Unknown`] instead of failing the batch, and an event that does not decode
+//! (EAGLE's bigram `token_ids`, say) becomes [`VllmEvent::Malformed`]: only a batch whose
+//! own shape is wrong, or that is not whole msgpack, is an error. `block_hashes`,
+//! `token_ids` and `block_size` (BlockStored) and `block_hashes` (BlockRemoved) are
+//! required.
 //!
 //! Robustness: every input gives `Ok` or `Err`, never a panic. Payloads are read from the
 //! slice (no allocation by declared string/bin length), nesting is limited to
@@ -68,6 +71,27 @@ pub enum VllmEvent {
     AllBlocksCleared,
     /// An event tag this decoder does not know; consumers skip it.
     Unknown(String),
+    /// An event that did not decode (a field of the wrong type, a required one missing, a
+    /// shape from a newer engine); the rest of its batch stands. Encoded as nil, which
+    /// decodes to `Malformed` again.
+    Malformed(MalformedEvent),
+}
+
+/// What is known of an event that did not decode.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MalformedEvent {
+    /// Its tag, if one could be read: a consumer can skip a `BlockStored` it cannot read (it
+    /// misses blocks), but not a removal (it would keep blocks the engine dropped).
+    pub tag: Option<String>,
+    /// Why it did not decode.
+    pub reason: String,
+}
+
+impl MalformedEvent {
+    /// Whether it announced stored blocks (and nothing else).
+    pub fn is_store(&self) -> bool {
+        self.tag.as_deref() == Some("BlockStored")
+    }
 }
 
 /// Newly cached, full blocks of one request in one KV-cache group.
@@ -165,19 +189,28 @@ pub fn block_hash_from_digest(digest: &[u8]) -> BlockHash {
 }
 
 /// Decodes a msgpack `KVEventBatch` payload (live or replayed).
+///
+/// A batch that does not decode as a whole is read again event by event: if only some of
+/// its events are at fault, they come back as [`VllmEvent::Malformed`] and the rest as usual.
 pub fn decode_payload(payload: &[u8]) -> Result<VllmBatch, DecodeError> {
+    decode_whole::<VllmBatch>(payload)
+        .or_else(|strict| decode_whole::<de::LenientBatch>(payload).map(|b| b.0).map_err(|_| strict))
+}
+
+/// One `T` that is the whole of `payload`.
+fn decode_whole<'a, T: serde::Deserialize<'a>>(payload: &'a [u8]) -> Result<T, DecodeError> {
     use serde::Deserialize;
 
     let mut de = rmp_serde::Deserializer::from_read_ref(payload);
     de.set_max_depth(MAX_DEPTH);
-    let batch = VllmBatch::deserialize(&mut de).map_err(DecodeError::Payload)?;
+    let value = T::deserialize(&mut de).map_err(DecodeError::Payload)?;
     // rmp-serde does not expose the unread rest; reading one more value only succeeds if
     // something follows the batch.
     match serde::de::IgnoredAny::deserialize(&mut de) {
         Err(rmp_serde::decode::Error::InvalidMarkerRead(e))
             if e.kind() == std::io::ErrorKind::UnexpectedEof =>
         {
-            Ok(batch)
+            Ok(value)
         }
         _ => Err(DecodeError::TrailingBytes),
     }

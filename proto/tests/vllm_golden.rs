@@ -103,6 +103,9 @@ fn event_to_json(e: &VllmEvent) -> Json {
         VllmEvent::Unknown(tag) => {
             m.insert("type".into(), json!(tag));
         }
+        VllmEvent::Malformed(bad) => {
+            m.insert("malformed".into(), json!(bad.reason));
+        }
     }
     Json::Object(m)
 }
@@ -598,8 +601,10 @@ fn every_truncation_of_the_golden_vectors_is_an_error() {
     }
 }
 
+/// A batch whose own shape is wrong is an error; an event whose shape is wrong is
+/// `Malformed`, and the events around it stand.
 #[test]
-fn wrong_shapes_and_types_are_errors() {
+fn wrong_shapes_and_types_fail_the_batch_or_the_event() {
     let ts = || Value::F64(TS);
     let stored = |fields: Vec<(&'static str, Value)>| {
         let mut all = vec![
@@ -610,11 +615,11 @@ fn wrong_shapes_and_types_are_errors() {
         ];
         all.retain(|(k, _)| !fields.iter().any(|(f, _)| f == k));
         all.extend(fields.into_iter().filter(|(_, v)| *v != Value::Boolean(false)));
-        arr(vec![ts(), arr(vec![map(all)]), u(0)])
+        map(all)
     };
     let absent = Value::Boolean(false); // marker: drop this key
     #[rustfmt::skip]
-    let cases: Vec<(&str, Value)> = vec![
+    let batches: Vec<(&str, Value)> = vec![
         ("int batch", u(5)),
         ("string batch", s("batch")),
         ("nil batch", Value::Nil),
@@ -624,35 +629,67 @@ fn wrong_shapes_and_types_are_errors() {
         ("ts is a string", arr(vec![s("now"), arr(vec![]), u(0)])),
         ("events is an int", arr(vec![ts(), u(5), u(0)])),
         ("events is a bin", arr(vec![ts(), Value::Binary(vec![0x90]), u(0)])),
-        ("event is an int", arr(vec![ts(), arr(vec![u(5)]), u(0)])),
-        ("event is an empty array", arr(vec![ts(), arr(vec![arr(vec![])]), u(0)])),
-        ("tag is an int", arr(vec![ts(), arr(vec![arr(vec![u(1), arr(vec![])])]), u(0)])),
-        ("array BlockStored too short", arr(vec![ts(), arr(vec![arr(vec![s("BlockStored"), arr(vec![u(1)]), Value::Nil])]), u(0)])),
-        ("array BlockRemoved without hashes", arr(vec![ts(), arr(vec![arr(vec![s("BlockRemoved")])]), u(0)])),
         ("dp_rank is a string", arr(vec![ts(), arr(vec![]), s("0")])),
         ("dp_rank is negative", arr(vec![ts(), arr(vec![]), Value::from(-1)])),
         ("map batch without events", map(vec![("ts", ts())])),
-        ("map event without type", arr(vec![ts(), arr(vec![map(vec![("block_hashes", arr(vec![]))])]), u(0)])),
-        ("missing token_ids", stored(vec![("token_ids", absent.clone())])),
-        ("missing block_hashes", stored(vec![("block_hashes", absent.clone())])),
-        ("missing block_size", stored(vec![("block_size", absent)])),
-        ("hashes is a string", stored(vec![("block_hashes", s("abc"))])),
-        ("hash is a string", stored(vec![("block_hashes", arr(vec![s("abc")]))])),
-        ("hash is a float", stored(vec![("block_hashes", arr(vec![Value::F64(1.0)]))])),
-        ("hashes is a bin", stored(vec![("block_hashes", Value::Binary(vec![1; 8]))])),
-        ("negative token", stored(vec![("token_ids", arr(vec![Value::from(-1)]))])),
-        ("token beyond u32", stored(vec![("token_ids", arr(vec![u(1 << 32)]))])),
-        ("block_size nil", stored(vec![("block_size", Value::Nil)])),
-        ("medium is an int", stored(vec![("medium", u(1))])),
-        ("extra_keys is a string", stored(vec![("extra_keys", s("x"))])),
     ];
-    for (what, value) in cases {
+    for (what, value) in batches {
         assert!(matches!(vllm::decode_payload(&pack(&value)), Err(DecodeError::Payload(_))), "{what}");
+    }
+    #[rustfmt::skip]
+    let events: Vec<(&str, Value, bool)> = vec![
+        ("event is an int", u(5), false),
+        ("event is nil", Value::Nil, false),
+        ("event is an empty array", arr(vec![]), false),
+        ("tag is an int", arr(vec![u(1), arr(vec![])]), false),
+        ("array BlockStored too short", arr(vec![s("BlockStored"), arr(vec![u(1)]), Value::Nil]), true),
+        ("array BlockRemoved without hashes", arr(vec![s("BlockRemoved")]), false),
+        ("map BlockRemoved with a string hash", map(vec![("type", s("BlockRemoved")), ("block_hashes", arr(vec![s("x")]))]), false),
+        ("map event without type", map(vec![("block_hashes", arr(vec![]))]), false),
+        ("missing token_ids", stored(vec![("token_ids", absent.clone())]), true),
+        ("missing block_hashes", stored(vec![("block_hashes", absent.clone())]), true),
+        ("missing block_size", stored(vec![("block_size", absent)]), true),
+        ("hashes is a string", stored(vec![("block_hashes", s("abc"))]), true),
+        ("hash is a string", stored(vec![("block_hashes", arr(vec![s("abc")]))]), true),
+        ("hash is a float", stored(vec![("block_hashes", arr(vec![Value::F64(1.0)]))]), true),
+        ("hashes is a bin", stored(vec![("block_hashes", Value::Binary(vec![1; 8]))]), true),
+        ("negative token", stored(vec![("token_ids", arr(vec![Value::from(-1)]))]), true),
+        ("token beyond u32", stored(vec![("token_ids", arr(vec![u(1 << 32)]))]), true),
+        ("bigram token_ids (EAGLE)", stored(vec![("token_ids", arr(vec![arr(vec![u(1), u(2)])]))]), true),
+        ("block_size nil", stored(vec![("block_size", Value::Nil)]), true),
+        ("medium is an int", stored(vec![("medium", u(1))]), true),
+        ("extra_keys is a string", stored(vec![("extra_keys", s("x"))]), true),
+    ];
+    let good = stored(vec![]);
+    let removed = map(vec![("type", s("BlockRemoved")), ("block_hashes", arr(vec![u(9)]))]);
+    let good_events =
+        vllm::decode_payload(&pack(&arr(vec![ts(), arr(vec![good.clone(), removed.clone()]), u(0)])))
+            .expect("valid")
+            .events;
+    for (what, bad, store) in events {
+        let payload = pack(&arr(vec![ts(), arr(vec![good.clone(), bad.clone(), removed.clone()]), u(2)]));
+        let batch = vllm::decode_payload(&payload).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(batch.dp_rank, Some(2), "{what}");
+        assert_eq!(batch.events.len(), 3, "{what}");
+        let VllmEvent::Malformed(malformed) = &batch.events[1] else {
+            panic!("{what}: {:?}", batch.events[1])
+        };
+        assert_eq!(malformed.is_store(), store, "{what}: {malformed:?}");
+        assert_eq!([&batch.events[0], &batch.events[2]], [&good_events[0], &good_events[1]], "{what}");
+        // The same event in a map-shaped batch.
+        let in_map = pack(&map(vec![("ts", ts()), ("events", arr(vec![bad]))]));
+        let batch = vllm::decode_payload(&in_map).unwrap_or_else(|e| panic!("{what} (map batch): {e}"));
+        assert!(matches!(&batch.events[..], [VllmEvent::Malformed(_)]), "{what} (map batch)");
     }
     assert!(matches!(vllm::decode_payload(&[]), Err(DecodeError::Payload(_))));
     let mut trailing = hex::decode(GOLDEN_A).unwrap();
     trailing.push(0x00);
     assert!(matches!(vllm::decode_payload(&trailing), Err(DecodeError::TrailingBytes)));
+    // A malformed event encodes as nil, which decodes as malformed again.
+    let bad = vllm::MalformedEvent { tag: None, reason: "x".into() };
+    let batch = VllmBatch { ts: TS, events: vec![VllmEvent::Malformed(bad)], dp_rank: None };
+    let back = vllm::decode_payload(&vllm::encode_payload(&batch)).expect("valid batch");
+    assert!(matches!(&back.events[..], [VllmEvent::Malformed(_)]));
 }
 
 // ---------------------------------------------------------------------------------------

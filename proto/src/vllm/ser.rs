@@ -45,6 +45,7 @@ impl Serialize for VllmEvent {
                 m.serialize_entry("type", tag)?;
                 m.end()
             }
+            VllmEvent::Malformed(_) => s.serialize_unit(),
         }
     }
 }

@@ -11,7 +11,11 @@
 //!   `tokens_mismatch` (connector placeholders, sliding-window / Mamba masked blocks);
 //! - a block size other than the replica's configured one → `block_size`;
 //! - `extra_keys` holding anything but the LoRA name or a salt string → `extra_keys`
-//!   (multimodal / prompt-embedding hashes the router cannot reproduce).
+//!   (multimodal / prompt-embedding hashes the router cannot reproduce);
+//! - a `BlockStored` that does not decode (EAGLE's bigram `token_ids`, a field of a newer
+//!   shape) → `malformed_event`: the rest of its batch is applied. Any other event that does
+//!   not decode fails its batch ([`DecodeError::Event`]), as an undecodable payload does: it
+//!   may have removed blocks, so the rank resyncs.
 //!
 //! The cache namespace of a stored event: the replica's model, `lora_name` as the LoRA, and
 //! the salt from SGLang's `cache_salt` or, for vLLM, a string in the first block's
@@ -71,6 +75,9 @@ pub(crate) enum DecodeError {
     Native(#[from] native::DecodeError),
     #[error(transparent)]
     Vllm(#[from] vllm::DecodeError),
+    /// An event that may have removed blocks did not decode: the batch is as good as lost.
+    #[error("an event that is not a BlockStored did not decode: {0}")]
+    Event(String),
 }
 
 /// Decodes the payload that arrived with frame seq `seq`.
@@ -84,6 +91,11 @@ pub(crate) fn decode(
         EngineKind::Kvroute => Ok(from_native(native::decode_payload(seq, payload)?)),
         EngineKind::Vllm | EngineKind::Sglang => {
             let batch = vllm::decode_payload(payload)?;
+            if let Some(VllmEvent::Malformed(bad)) =
+                batch.events.iter().find(|e| matches!(e, VllmEvent::Malformed(bad) if !bad.is_store()))
+            {
+                return Err(DecodeError::Event(bad.reason.clone()));
+            }
             let events = batch.events.into_iter().map(|e| from_vllm(e, block_size)).collect();
             Ok(Batch { seq, epoch: None, events })
         }
@@ -143,6 +155,10 @@ fn from_vllm(event: VllmEvent, block_size: Option<u32>) -> Event {
         }
         VllmEvent::AllBlocksCleared => Event::Cleared,
         VllmEvent::Unknown(_) => Event::Skipped(SkipReason::UnknownEvent),
+        VllmEvent::Malformed(bad) => {
+            tracing::debug!(reason = %bad.reason, "malformed stored event skipped");
+            Event::Skipped(SkipReason::MalformedEvent)
+        }
     }
 }
 

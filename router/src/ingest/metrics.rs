@@ -40,10 +40,13 @@ pub enum SkipReason {
     UnknownBlock,
     /// An event tag the decoder does not know.
     UnknownEvent,
+    /// An event that did not decode (a field of the wrong type or shape, say EAGLE's bigram
+    /// `token_ids`); the rest of its batch is applied.
+    MalformedEvent,
 }
 
 impl SkipReason {
-    pub const ALL: [SkipReason; 9] = [
+    pub const ALL: [SkipReason; 10] = [
         SkipReason::TokensMismatch,
         SkipReason::AttentionKind,
         SkipReason::Remote,
@@ -53,6 +56,7 @@ impl SkipReason {
         SkipReason::UnknownParent,
         SkipReason::UnknownBlock,
         SkipReason::UnknownEvent,
+        SkipReason::MalformedEvent,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -66,6 +70,7 @@ impl SkipReason {
             SkipReason::UnknownParent => "unknown_parent",
             SkipReason::UnknownBlock => "unknown_block",
             SkipReason::UnknownEvent => "unknown_event",
+            SkipReason::MalformedEvent => "malformed_event",
         }
     }
 }

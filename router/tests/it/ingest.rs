@@ -535,6 +535,52 @@ async fn an_undecodable_batch_resyncs_its_rank() {
     assert_eq!(r.status.state(), StreamState::Exact);
 }
 
+/// `payload` (a vLLM batch) with the `i`th event's `key` set to `value`.
+fn with_field(payload: &[u8], i: usize, key: &str, value: rmpv::Value) -> Bytes {
+    let mut batch = rmpv::decode::read_value(&mut &payload[..]).expect("msgpack");
+    let rmpv::Value::Array(parts) = &mut batch else { panic!("an array batch") };
+    let rmpv::Value::Array(events) = &mut parts[1] else { panic!("an events array") };
+    let rmpv::Value::Map(fields) = &mut events[i] else { panic!("a map event") };
+    fields.iter_mut().find(|(k, _)| k.as_str() == Some(key)).expect("the field").1 = value;
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &batch).expect("encoded");
+    Bytes::from(out)
+}
+
+/// A BlockStored the router cannot read (EAGLE's bigram token ids: pairs, not ids) used to
+/// fail its whole batch, so the stores beside it were lost with it: it is skipped and
+/// counted, and the rest of the batch applied. A removal it cannot read still fails the
+/// batch (it may have dropped blocks), and the rank resyncs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_store_is_skipped_and_the_rest_of_its_batch_applied() {
+    let h = Harness::start();
+    let mut fake = FakePublisher::start(None).await;
+    let (r, m) = h.add(spec("bigram", EngineKind::Vllm, &fake.events, None));
+    h.synced(&r).await;
+    let seq = warm_up(&mut fake, &r, 0, 0).await;
+    let mut rng = Rng::new(33);
+    let (a, b, c) = (rng.tokens(2), rng.tokens(3), rng.tokens(1));
+    let stores = vllm(batch(0, seq, vec![store_chain(&a, 0), store_chain(&b, 0), store_chain(&c, 0)]));
+    let pair = |t: u32| rmpv::Value::Array(vec![t.into(), (t + 1).into()]);
+    let pairs = rmpv::Value::Array((0..3 * BLOCK).map(pair).collect());
+    fake.send(seq, with_field(&stores, 1, "token_ids", pairs)).await;
+    applied(&r, seq).await;
+    assert_eq!((h.overlap(&r, &a), h.overlap(&r, &b), h.overlap(&r, &c)), (2, 0, 1));
+    assert_eq!(m.skipped(SkipReason::MalformedEvent).get(), 1);
+    assert_eq!(m.malformed_payload.get(), 0);
+    assert_eq!(r.status.state(), StreamState::Exact);
+
+    let removal = vllm(batch(0, seq + 1, vec![removed_event(&chain(&c))]));
+    let unreadable = rmpv::Value::Array(vec![rmpv::Value::from("not a hash")]);
+    fake.send(seq + 1, with_field(&removal, 0, "block_hashes", unreadable)).await;
+    wait_until("what the unreadable removal may have removed is gone", || {
+        h.overlap(&r, &a) == 0 && h.overlap(&r, &c) == 0
+    })
+    .await;
+    assert_eq!(m.malformed_payload.get(), 1);
+    assert_eq!(m.skipped(SkipReason::MalformedEvent).get(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn removing_a_replica_frees_everything_it_held() {
     let h = Harness::start();
