@@ -128,6 +128,10 @@ pub struct BlockStored {
     pub lookahead_token_ids: Option<Vec<Vec<u32>>>,
     /// SGLang only: the request's cache salt (vLLM folds it into `extra_keys` instead).
     pub cache_salt: Option<String>,
+    /// How the blocks came to be announced: `"NEW"` (cached by this request) or `"REUSED"`
+    /// (prefix-cache hits re-announced under `kv_cache_report_mode="full"`); proposed in
+    /// vLLM PR 51699, absent before.
+    pub origin: Option<String>,
 }
 
 /// Blocks evicted (or re-hashed) by the engine.

@@ -88,6 +88,7 @@ fn event_to_json(e: &VllmEvent) -> Json {
             put(&mut m, "session_id", &b.session_id);
             put(&mut m, "lookahead_token_ids", &b.lookahead_token_ids);
             put(&mut m, "cache_salt", &b.cache_salt);
+            put(&mut m, "origin", &b.origin);
         }
         VllmEvent::BlockRemoved(b) => {
             m.insert("type".into(), json!("BlockRemoved"));

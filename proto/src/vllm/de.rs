@@ -416,6 +416,7 @@ impl<'de> Visitor<'de> for EventVisitor {
                         .map(|rows| rows.into_iter().map(|t| t.0).collect());
                 }
                 "cache_salt" => f.s.cache_salt = map.next_value()?,
+                "origin" => f.s.origin = map.next_value()?,
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }

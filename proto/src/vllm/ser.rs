@@ -62,6 +62,7 @@ impl Serialize for BlockStored {
             self.session_id.is_some(),
             self.lookahead_token_ids.is_some(),
             self.cache_salt.is_some(),
+            self.origin.is_some(),
         ]);
         let mut m = s.serialize_map(Some(8 + optional))?;
         m.serialize_entry("type", "BlockStored")?;
@@ -82,6 +83,7 @@ impl Serialize for BlockStored {
         entry_if(&mut m, "lookahead_token_ids", &self.lookahead_token_ids)?;
         // Not a vLLM field (SGLang's); msgspec ignores unknown keys, so it is safe to send.
         entry_if(&mut m, "cache_salt", &self.cache_salt)?;
+        entry_if(&mut m, "origin", &self.origin)?;
         m.end()
     }
 }

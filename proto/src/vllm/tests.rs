@@ -31,6 +31,7 @@ fn full_stored() -> BlockStored {
         session_id: Some("s-1".into()),
         lookahead_token_ids: Some(vec![vec![9, 10], vec![]]),
         cache_salt: Some("tenant-a".into()),
+        origin: Some("REUSED".into()),
     }
 }
 

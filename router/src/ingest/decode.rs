@@ -59,6 +59,9 @@ pub(crate) struct Stored {
     pub salt: Option<String>,
     /// KV-cache group; engine hashes are only meaningful within one group.
     pub group: u32,
+    /// What the engine says of the blocks: `Some(true)` re-announced prefix-cache hits
+    /// (vLLM's `origin: "REUSED"`), `Some(false)` newly cached (`"NEW"`), `None` unsaid.
+    pub reused: Option<bool>,
 }
 
 /// Evicted blocks of one group.
@@ -116,6 +119,7 @@ fn from_native(batch: pb::EventBatch) -> Batch {
                 lora: None,
                 salt: None,
                 group: 0,
+                reused: Some(false),
             }),
             Some(Kind::Removed(r)) => Event::Removed(Removed {
                 engine: r.block_hashes.into_iter().map(BlockHash).collect(),
@@ -140,6 +144,11 @@ fn from_vllm(event: VllmEvent, block_size: Option<u32>) -> Event {
                 block_size: s.block_size,
                 lora: s.lora_name,
                 group: s.group_idx.unwrap_or(0),
+                reused: match s.origin.as_deref() {
+                    Some(o) if o.eq_ignore_ascii_case("reused") => Some(true),
+                    Some(o) if o.eq_ignore_ascii_case("new") => Some(false),
+                    _ => None,
+                },
             }),
         },
         VllmEvent::BlockRemoved(r) => {

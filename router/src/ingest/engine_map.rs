@@ -14,6 +14,16 @@
 //! store of an engine hash keeps its first router hash (they can only differ on a 64-bit
 //! collision or a namespace the engine does not hash, and consistency with the index matters
 //! more). The map also lets a rank be cleared without touching other ranks' entries.
+//!
+//! Re-announcements add no reference. Under `kv_cache_report_mode="full"` vLLM announces a
+//! request's prefix-cache hits again as a `BlockStored` from token 0 (no parent), for blocks
+//! it already holds once: counted as copies, they would outlive their one removal and stay
+//! indexed after eviction. A run is a re-announcement when the engine says so (`origin:
+//! "REUSED"`), or, when it says nothing, when it has no parent and this rank holds every one
+//! of its blocks already. Its blocks this rank does not hold are stored as usual. The price
+//! of the guess: a true second copy stored from token 0 (two requests that computed the
+//! same prompt at once) counts once, so the index drops the prefix at the first copy's
+//! eviction, a missed hit while the second copy lasts, never a false one.
 
 use std::collections::HashMap;
 
@@ -68,11 +78,24 @@ impl EngineMap {
             }
             .root(),
         };
+        let reannounced = self.reannounced(stored);
         for (&engine, tokens) in stored.engine.iter().zip(stored.tokens.chunks_exact(bs)) {
             prev = block_hash(prev, tokens);
+            if reannounced && self.map.contains_key(&(group, engine)) {
+                continue;
+            }
             out.push(self.add(group, engine, prev));
         }
         Ok(())
+    }
+
+    /// Whether `stored` announces blocks already held rather than new copies of them (see
+    /// the module docs).
+    fn reannounced(&self, stored: &Stored) -> bool {
+        stored.reused.unwrap_or_else(|| {
+            stored.parent.is_none()
+                && stored.engine.iter().all(|&h| self.map.contains_key(&(stored.group, h)))
+        })
     }
 
     fn add(&mut self, group: u32, engine: BlockHash, router: BlockHash) -> BlockHash {
@@ -134,6 +157,7 @@ mod tests {
             lora: None,
             salt: None,
             group: 0,
+            reused: None,
         }
     }
 
@@ -157,7 +181,9 @@ mod tests {
         let mut map = EngineMap::default();
         let mut out = Vec::new();
         map.store(&stored(&[10], None, vec![1, 2]), false, "m", &mut out).unwrap();
-        map.store(&stored(&[10], None, vec![1, 2]), false, "m", &mut out).unwrap();
+        // A second copy from token 0, said to be new (vLLM's `origin: "NEW"`).
+        let copy = Stored { reused: Some(false), ..stored(&[10], None, vec![1, 2]) };
+        map.store(&copy, false, "m", &mut out).unwrap();
         assert_eq!(out[0], out[1]);
         let removed = Removed { engine: vec![BlockHash(10)], group: 0 };
         let mut gone = Vec::new();
@@ -173,5 +199,44 @@ mod tests {
         let mut drained = Vec::new();
         map.drain_into(&mut drained);
         assert_eq!(drained.len(), 1);
+    }
+
+    /// vLLM's `kv_cache_report_mode="full"` announces a request's prefix-cache hits again,
+    /// from token 0: the blocks were held once and are removed once. Counted as second
+    /// copies, they stayed indexed after their eviction.
+    #[test]
+    fn reannounced_prefixes_add_no_reference() {
+        let mut map = EngineMap::default();
+        let mut out = Vec::new();
+        map.store(&stored(&[10, 11], None, vec![1, 2, 3, 4]), false, "m", &mut out).unwrap();
+        let first = out.clone();
+        // Unsaid, no parent, every block held: a re-announcement.
+        map.store(&stored(&[10, 11], None, vec![1, 2, 3, 4]), false, "m", &mut out).unwrap();
+        map.store(&stored(&[10], None, vec![1, 2]), false, "m", &mut out).unwrap();
+        assert_eq!(out, first, "nothing more to index");
+        let mut gone = Vec::new();
+        assert_eq!(
+            map.remove(&Removed { engine: vec![BlockHash(11), BlockHash(10)], group: 0 }, &mut gone),
+            0
+        );
+        assert_eq!(map.len(), 0, "one removal each ends them");
+        assert_eq!(gone, vec![first[1], first[0]]);
+
+        // Said to be reused: only the blocks not held are stored (the router had missed them).
+        out.clear();
+        map.store(&stored(&[10], None, vec![1, 2]), false, "m", &mut out).unwrap();
+        let reused = Stored { reused: Some(true), ..stored(&[10, 11], None, vec![1, 2, 3, 4]) };
+        map.store(&reused, false, "m", &mut out).unwrap();
+        assert_eq!(out, first, "block 11 added, block 10 not again");
+        // Unsaid with a block not held: a request that computed them, so new copies.
+        out.clear();
+        map.store(&stored(&[10, 11, 12], None, vec![1, 2, 3, 4, 5, 6]), false, "m", &mut out).unwrap();
+        assert_eq!(out.len(), 3);
+        // With a parent it is never a re-announcement (vLLM re-announces from token 0).
+        map.store(&stored(&[12], Some(11), vec![5, 6]), false, "m", &mut out).unwrap();
+        assert_eq!(out.len(), 4);
+        let removed = Removed { engine: vec![BlockHash(10), BlockHash(11), BlockHash(12)], group: 0 };
+        map.remove(&removed, &mut gone);
+        assert_eq!(map.len(), 3, "each block was stored twice, and removed once");
     }
 }

@@ -462,6 +462,7 @@ impl RankStream {
                 lora: block.lora_name,
                 salt: block.cache_salt,
                 group: 0,
+                reused: Some(false),
             };
             self.store(&stored);
         }

@@ -470,6 +470,25 @@ async fn duplicate_stores_and_removes_are_refcounted() {
     assert_eq!(m.skipped(SkipReason::UnknownBlock).get(), 1);
 }
 
+/// Under `kv_cache_report_mode="full"` vLLM announces a request's prefix-cache hits again,
+/// from token 0, for blocks it holds once: one removal ends each of them (counted as second
+/// copies, they stayed indexed after their eviction).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reannounced_prefixes_end_at_their_one_removal() {
+    let h = Harness::start();
+    let agent = AgentPublisher::start(EventFormat::Vllm, true).await;
+    let (r, _) = h.add(spec("full-report", EngineKind::Vllm, &agent.events, agent.replay.as_deref()));
+    h.synced(&r).await;
+    let a = Rng::new(12).tokens(3);
+    let send = |seq: u64, events| agent.publish(opaque(batch(0, seq, events), ENGINE_SALT));
+    send(0, vec![store_chain(&a, 0)]).await;
+    send(1, vec![store_chain(&a, 0), store_chain(&a[..2 * BLOCK as usize], 0)]).await;
+    send(2, vec![removed_event(&chain(&a)[1..])]).await;
+    applied(&r, 2).await;
+    assert_eq!(h.overlap(&r, &a), 1);
+    assert_eq!(h.index.blocks(r.id), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_messages_are_counted_and_a_bad_payload_resyncs() {
     let h = Harness::start();
