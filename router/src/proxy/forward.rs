@@ -97,14 +97,10 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if connection {
         // `keep-alive` is hop-by-hop anyway; other options name a field only when present.
         doomed.extend(
-            headers
-                .get_all(header::CONNECTION)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .flat_map(|v| v.split(','))
-                .map(str::trim)
-                .filter(|name| !name.eq_ignore_ascii_case("keep-alive") && headers.contains_key(*name))
-                .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok()),
+            super::http1::connection_options(headers)
+                .filter(|name| !name.eq_ignore_ascii_case(b"keep-alive"))
+                .filter_map(|name| HeaderName::from_bytes(name).ok())
+                .filter(|name| headers.contains_key(name)),
         );
         headers.remove(header::CONNECTION);
     }
@@ -561,5 +557,17 @@ mod tests {
         strip_hop_by_hop(&mut h);
         let left: Vec<(&str, &str)> = h.iter().map(|(k, v)| (k.as_str(), v.to_str().unwrap())).collect();
         assert_eq!(left, vec![("x-kept", "a"), ("x-kept", "b")]);
+    }
+
+    /// A `Connection` value that is not UTF-8 somewhere still names its fields.
+    #[test]
+    fn a_connection_value_that_is_not_utf8_still_names_its_fields() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_bytes(b"x-hop, x-\xff").unwrap());
+        h.insert("x-hop", HeaderValue::from_static("1"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        let left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, vec!["x-kept"]);
     }
 }

@@ -33,7 +33,7 @@ use super::body::{BoxError, ProxyBody};
 mod head;
 mod response;
 
-pub use head::{Framing, Head, MAX_HEAD_BYTES, parse_head};
+pub use head::{Framing, Head, MAX_HEAD_BYTES, connection_options, parse_head};
 pub use response::{BodyError, UpstreamBody, response};
 
 /// Read buffer of a connection; grows for larger heads.

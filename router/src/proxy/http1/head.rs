@@ -72,13 +72,7 @@ pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, 
     // Transfer-Encoding overrides Content-Length, which a proxy must not pass on; a reply
     // with both is suspect, so its connection is not reused (RFC 9112 §6.3).
     let both = map.contains_key(header::TRANSFER_ENCODING) && map.remove(header::CONTENT_LENGTH).is_some();
-    let close = both
-        || map
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|token| token.trim().eq_ignore_ascii_case("close"));
+    let close = both || connection_options(&map).any(|option| option.eq_ignore_ascii_case(b"close"));
     let keep_alive = version == Version::HTTP_11 && !close && framing != Framing::UntilClose;
     let mut response = Response::new(());
     *response.status_mut() = status;
@@ -86,6 +80,16 @@ pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, 
     *response.headers_mut() = map;
     let (parts, ()) = response.into_parts();
     Ok(Some((length, Head { parts, framing, keep_alive })))
+}
+
+/// The options of every `Connection` field, trimmed, as bytes: a value that is not UTF-8
+/// elsewhere must not hide its `close` (RFC 9110 §7.6.1).
+pub fn connection_options(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
 }
 
 /// RFC 9112 §6.3, for a response to `method`.

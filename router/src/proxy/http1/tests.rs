@@ -44,6 +44,10 @@ fn keep_alive_needs_http_1_1_no_close_and_a_delimited_body() {
     );
     assert!(!head("HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n").keep_alive);
     assert!(!head("HTTP/1.1 200 OK\r\n\r\n").keep_alive, "delimited by close");
+    // A byte that is not UTF-8 elsewhere in the value does not hide its `close`.
+    let text = b"HTTP/1.1 200 OK\r\nConnection: close, x-\xff\r\ncontent-length: 0\r\n\r\n";
+    let (_, head) = parse_head(text, &Method::POST).unwrap().expect("complete");
+    assert!(!head.keep_alive);
 }
 
 #[test]
