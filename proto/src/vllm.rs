@@ -39,6 +39,7 @@ use crate::framing::{self, FrameError};
 use crate::{BlockHash, Seq};
 
 mod de;
+mod lenient;
 mod ser;
 
 /// Deepest msgpack nesting accepted (a valid batch nests about 6 levels deep); deeper input
@@ -73,7 +74,7 @@ pub enum VllmEvent {
     Unknown(String),
     /// An event that did not decode (a field of the wrong type, a required one missing, a
     /// shape from a newer engine); the rest of its batch stands. Encoded as nil, which
-    /// decodes to `Malformed` again.
+    /// decodes to `Malformed` again, without its tag.
     Malformed(MalformedEvent),
 }
 
@@ -194,11 +195,11 @@ pub fn block_hash_from_digest(digest: &[u8]) -> BlockHash {
 
 /// Decodes a msgpack `KVEventBatch` payload (live or replayed).
 ///
-/// A batch that does not decode as a whole is read again event by event: if only some of
-/// its events are at fault, they come back as [`VllmEvent::Malformed`] and the rest as usual.
+/// A batch that does not decode as a whole is read again event by event ([`lenient`]): if
+/// only some of its events are at fault, they come back as [`VllmEvent::Malformed`] and the
+/// rest as usual.
 pub fn decode_payload(payload: &[u8]) -> Result<VllmBatch, DecodeError> {
-    decode_whole::<VllmBatch>(payload)
-        .or_else(|strict| decode_whole::<de::LenientBatch>(payload).map(|b| b.0).map_err(|_| strict))
+    decode_whole::<VllmBatch>(payload).or_else(|strict| lenient::decode(payload).ok_or(strict))
 }
 
 /// One `T` that is the whole of `payload`.

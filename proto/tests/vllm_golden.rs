@@ -677,11 +677,19 @@ fn wrong_shapes_and_types_fail_the_batch_or_the_event() {
         };
         assert_eq!(malformed.is_store(), store, "{what}: {malformed:?}");
         assert_eq!([&batch.events[0], &batch.events[2]], [&good_events[0], &good_events[1]], "{what}");
-        // The same event in a map-shaped batch.
-        let in_map = pack(&map(vec![("ts", ts()), ("events", arr(vec![bad]))]));
-        let batch = vllm::decode_payload(&in_map).unwrap_or_else(|e| panic!("{what} (map batch): {e}"));
-        assert!(matches!(&batch.events[..], [VllmEvent::Malformed(_)]), "{what} (map batch)");
+        // The same events in a map-shaped batch.
+        let events = arr(vec![good.clone(), bad, removed.clone()]);
+        let in_map = pack(&map(vec![("dp_rank", u(2)), ("events", events), ("ts", ts())]));
+        let from_map = vllm::decode_payload(&in_map).unwrap_or_else(|e| panic!("{what} (map batch): {e}"));
+        assert_eq!(from_map, batch, "{what} (map batch)");
     }
+    // A second `events` key would hide the first one's events: the batch is an error.
+    let unreadable_removal = map(vec![("type", s("BlockRemoved")), ("block_hashes", arr(vec![s("x")]))]);
+    let twice = map(vec![("ts", ts()), ("events", arr(vec![unreadable_removal])), ("events", arr(vec![]))]);
+    assert!(matches!(vllm::decode_payload(&pack(&twice)), Err(DecodeError::Payload(_))));
+    let twice_readable =
+        map(vec![("ts", ts()), ("events", arr(vec![removed.clone()])), ("events", arr(vec![]))]);
+    assert!(matches!(vllm::decode_payload(&pack(&twice_readable)), Err(DecodeError::Payload(_))));
     assert!(matches!(vllm::decode_payload(&[]), Err(DecodeError::Payload(_))));
     let mut trailing = hex::decode(GOLDEN_A).unwrap();
     trailing.push(0x00);

@@ -7,9 +7,7 @@ use std::fmt;
 use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-use rmpv::ValueRef;
-
-use super::{BlockRemoved, BlockStored, ExtraKey, MAX_PREALLOC, MalformedEvent, VllmBatch, VllmEvent};
+use super::{BlockRemoved, BlockStored, ExtraKey, MAX_PREALLOC, VllmBatch, VllmEvent};
 use crate::BlockHash;
 
 /// A vector with room for the declared length, but never more than [`MAX_PREALLOC`].
@@ -118,7 +116,7 @@ impl<'de> Deserialize<'de> for Tokens {
 // Batch
 
 /// `ts`: msgspec writes a float64; accept any number.
-struct Timestamp(f64);
+pub(super) struct Timestamp(pub f64);
 
 impl<'de> Deserialize<'de> for Timestamp {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -142,76 +140,37 @@ impl<'de> Deserialize<'de> for Timestamp {
     }
 }
 
-/// The events array. `LENIENT`: each event is first read whole (an [`rmpv::ValueRef`]
-/// borrowing the payload), so one that does not decode becomes [`VllmEvent::Malformed`] and
-/// the others stand; otherwise the first bad event fails the batch (the fast path, taken
-/// first).
-struct Events<const LENIENT: bool>(Vec<VllmEvent>);
+struct Events(Vec<VllmEvent>);
 
-impl<'de, const LENIENT: bool> Deserialize<'de> for Events<LENIENT> {
+impl<'de> Deserialize<'de> for Events {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V<const LENIENT: bool>;
-        impl<'de, const LENIENT: bool> Visitor<'de> for V<LENIENT> {
-            type Value = Events<LENIENT>;
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Events;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("an array of events")
             }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Events<LENIENT>, A::Error> {
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Events, A::Error> {
                 let mut out = capped(seq.size_hint());
-                if LENIENT {
-                    while let Some(raw) = seq.next_element::<ValueRef<'de>>()? {
-                        let event = VllmEvent::deserialize(&raw).unwrap_or_else(|e| {
-                            VllmEvent::Malformed(MalformedEvent { tag: tag_of(&raw), reason: e.to_string() })
-                        });
-                        out.push(event);
-                    }
-                } else {
-                    while let Some(event) = seq.next_element()? {
-                        out.push(event);
-                    }
+                while let Some(event) = seq.next_element()? {
+                    out.push(event);
                 }
                 Ok(Events(out))
             }
         }
-        d.deserialize_any(V::<LENIENT>)
-    }
-}
-
-/// The tag of an event that did not decode, if it has a string where the tag goes.
-fn tag_of(raw: &ValueRef) -> Option<String> {
-    let tag = match raw {
-        ValueRef::Array(items) => items.first(),
-        ValueRef::Map(entries) => entries
-            .iter()
-            .find(|(k, _)| matches!(k, ValueRef::String(s) if s.as_str() == Some("type")))
-            .map(|e| &e.1),
-        _ => None,
-    };
-    match tag {
-        Some(ValueRef::String(s)) => s.as_str().map(str::to_owned),
-        _ => None,
+        d.deserialize_any(V)
     }
 }
 
 impl<'de> Deserialize<'de> for VllmBatch {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(BatchVisitor::<false>)
+        d.deserialize_any(BatchVisitor)
     }
 }
 
-/// A batch read with each event on its own: an event that does not decode is
-/// [`VllmEvent::Malformed`] instead of an error for the whole batch.
-pub(super) struct LenientBatch(pub VllmBatch);
+struct BatchVisitor;
 
-impl<'de> Deserialize<'de> for LenientBatch {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(BatchVisitor::<true>).map(LenientBatch)
-    }
-}
-
-struct BatchVisitor<const LENIENT: bool>;
-
-impl<'de, const LENIENT: bool> Visitor<'de> for BatchVisitor<LENIENT> {
+impl<'de> Visitor<'de> for BatchVisitor {
     type Value = VllmBatch;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -220,7 +179,7 @@ impl<'de, const LENIENT: bool> Visitor<'de> for BatchVisitor<LENIENT> {
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<VllmBatch, A::Error> {
         let Timestamp(ts) = required(&mut seq, 0, "a batch of at least [ts, events]")?;
-        let Events::<LENIENT>(events) = required(&mut seq, 1, "a batch of at least [ts, events]")?;
+        let Events(events) = required(&mut seq, 1, "a batch of at least [ts, events]")?;
         let dp_rank = optional(&mut seq)?;
         drain_seq(&mut seq)?;
         Ok(VllmBatch { ts, events, dp_rank })
@@ -231,7 +190,9 @@ impl<'de, const LENIENT: bool> Visitor<'de> for BatchVisitor<LENIENT> {
         while let Some(key) = map.next_key::<Key>()? {
             match key.as_str() {
                 Some("ts") => ts = Some(map.next_value::<Timestamp>()?.0),
-                Some("events") => events = Some(map.next_value::<Events<LENIENT>>()?.0),
+                // A second `events` would hide the first one's events.
+                Some("events") if events.is_some() => return Err(de::Error::duplicate_field("events")),
+                Some("events") => events = Some(map.next_value::<Events>()?.0),
                 Some("data_parallel_rank" | "dp_rank" | "attn_dp_rank") => {
                     dp_rank = map.next_value::<Option<u32>>()?;
                 }

@@ -112,16 +112,29 @@ fn huge_declared_lengths_fail_without_allocating() {
     }
 }
 
+/// An event nested deeper than [`MAX_DEPTH`] is malformed, not a stack overflow; the batch
+/// around it stands. Where the batch's own parts should be, it is an error.
 #[test]
 fn deep_nesting_is_an_error_not_a_stack_overflow() {
     // [ts, [["BlockStored", [], nil, [], 4, nil, nil, nil, [[[[...]]]]]]]
     let mut p = hex::decode("92cb00000000000000009199ab426c6f636b53746f72656490c09004c0c0c0").unwrap();
     p.extend(std::iter::repeat_n(0x91, 100_000));
     p.push(0xc0);
-    assert!(matches!(
-        decode_payload(&p),
-        Err(DecodeError::Payload(rmp_serde::decode::Error::DepthLimitExceeded))
-    ));
+    let batch = decode_payload(&p).expect("the batch around it is right");
+    assert!(
+        matches!(&batch.events[..], [VllmEvent::Malformed(bad)] if bad.is_store() && bad.reason.contains("depth")),
+        "{:?}",
+        batch.events
+    );
+    // [ts, [[[[...]]]]]: the events array holds no event.
+    let mut p = hex::decode("92cb0000000000000000").unwrap();
+    p.extend(std::iter::repeat_n(0x91, 100_000));
+    p.push(0xc0);
+    let batch = decode_payload(&p).expect("one malformed event");
+    assert!(matches!(&batch.events[..], [VllmEvent::Malformed(bad)] if bad.tag.is_none()));
+    // [[[[...]]]]: no batch at all.
+    let p: Vec<u8> = std::iter::repeat_n(0x91, 100_000).chain([0xc0]).collect();
+    assert!(matches!(decode_payload(&p), Err(DecodeError::Payload(_))));
 }
 
 #[test]

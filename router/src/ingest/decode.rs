@@ -332,4 +332,18 @@ mod tests {
         let Event::Stored(st) = from_vllm(VllmEvent::BlockStored(sglang), None) else { panic!("skipped") };
         assert_eq!(st.salt.as_deref(), Some("t2"));
     }
+
+    #[test]
+    fn origin_says_whether_blocks_are_reused() {
+        let reused = |origin: Option<&str>| {
+            let s = vllm::BlockStored { origin: origin.map(Into::into), ..stored() };
+            let Event::Stored(st) = from_vllm(VllmEvent::BlockStored(s), None) else { panic!("skipped") };
+            st.reused
+        };
+        assert_eq!(reused(Some("REUSED")), Some(true));
+        assert_eq!(reused(Some("reused")), Some(true));
+        assert_eq!(reused(Some("NEW")), Some(false));
+        assert_eq!(reused(Some("LATER")), None, "an origin this router does not know says nothing");
+        assert_eq!(reused(None), None);
+    }
 }

@@ -9,21 +9,23 @@
 //!
 //! Keys are `(group_idx, engine hash)`: hashes are only unique within a KV-cache group.
 //! Real engines store the same block twice and remove it twice (the capture in
-//! `proto/tests/data/vllm-capture.jsonl` does); every store adds one reference here and one
-//! in the index, every known removal takes one from both, so the two stay in step. A second
-//! store of an engine hash keeps its first router hash (they can only differ on a 64-bit
-//! collision or a namespace the engine does not hash, and consistency with the index matters
-//! more). The map also lets a rank be cleared without touching other ranks' entries.
+//! `proto/tests/data/vllm-capture.jsonl` does); every store of a copy adds one reference
+//! here and one in the index, every known removal takes one from both, so the two stay in
+//! step. A second store of an engine hash keeps its first router hash (they can only differ
+//! on a 64-bit collision or a namespace the engine does not hash, and consistency with the
+//! index matters more). The map also lets a rank be cleared without touching other ranks'
+//! entries.
 //!
 //! Re-announcements add no reference. Under `kv_cache_report_mode="full"` vLLM announces a
 //! request's prefix-cache hits again as a `BlockStored` from token 0 (no parent), for blocks
 //! it already holds once: counted as copies, they would outlive their one removal and stay
 //! indexed after eviction. A run is a re-announcement when the engine says so (`origin:
-//! "REUSED"`), or, when it says nothing, when it has no parent and this rank holds every one
-//! of its blocks already. Its blocks this rank does not hold are stored as usual. The price
-//! of the guess: a true second copy stored from token 0 (two requests that computed the
-//! same prompt at once) counts once, so the index drops the prefix at the first copy's
-//! eviction, a missed hit while the second copy lasts, never a false one.
+//! "REUSED"`), or, when it says nothing, when it has no parent: its blocks this rank holds
+//! get no second reference, the others are stored as usual (the router may have missed
+//! them: it started after the engine, or rebuilt the rank). The price of the guess: a true
+//! second copy stored from token 0 (two requests that computed the same prompt at once)
+//! counts once, so the index drops the prefix at the first copy's eviction, a missed hit
+//! while the second copy lasts, never a false one.
 
 use std::collections::HashMap;
 
@@ -47,7 +49,8 @@ pub(crate) struct EngineMap {
 
 impl EngineMap {
     /// Records a stored run and appends the router hashes to add to the index (one per
-    /// stored block, duplicates included). `native`: the engine hashes are router hashes.
+    /// stored copy of a block, duplicates included; none for a block re-announced). `native`:
+    /// the engine hashes are router hashes.
     pub(crate) fn store(
         &mut self,
         stored: &Stored,
@@ -78,7 +81,8 @@ impl EngineMap {
             }
             .root(),
         };
-        let reannounced = self.reannounced(stored);
+        // Held blocks of a re-announcement get no second reference (see the module docs).
+        let reannounced = stored.reused.unwrap_or(stored.parent.is_none());
         for (&engine, tokens) in stored.engine.iter().zip(stored.tokens.chunks_exact(bs)) {
             prev = block_hash(prev, tokens);
             if reannounced && self.map.contains_key(&(group, engine)) {
@@ -87,15 +91,6 @@ impl EngineMap {
             out.push(self.add(group, engine, prev));
         }
         Ok(())
-    }
-
-    /// Whether `stored` announces blocks already held rather than new copies of them (see
-    /// the module docs).
-    fn reannounced(&self, stored: &Stored) -> bool {
-        stored.reused.unwrap_or_else(|| {
-            stored.parent.is_none()
-                && stored.engine.iter().all(|&h| self.map.contains_key(&(stored.group, h)))
-        })
     }
 
     fn add(&mut self, group: u32, engine: BlockHash, router: BlockHash) -> BlockHash {
@@ -228,15 +223,19 @@ mod tests {
         let reused = Stored { reused: Some(true), ..stored(&[10, 11], None, vec![1, 2, 3, 4]) };
         map.store(&reused, false, "m", &mut out).unwrap();
         assert_eq!(out, first, "block 11 added, block 10 not again");
-        // Unsaid with a block not held: a request that computed them, so new copies.
+        // Unsaid, with blocks not held (the router started after the engine cached them): the
+        // held ones get no second reference, the others are stored.
         out.clear();
         map.store(&stored(&[10, 11, 12], None, vec![1, 2, 3, 4, 5, 6]), false, "m", &mut out).unwrap();
-        assert_eq!(out.len(), 3);
-        // With a parent it is never a re-announcement (vLLM re-announces from token 0).
-        map.store(&stored(&[12], Some(11), vec![5, 6]), false, "m", &mut out).unwrap();
-        assert_eq!(out.len(), 4);
-        let removed = Removed { engine: vec![BlockHash(10), BlockHash(11), BlockHash(12)], group: 0 };
-        map.remove(&removed, &mut gone);
-        assert_eq!(map.len(), 3, "each block was stored twice, and removed once");
+        assert_eq!(out.len(), 1, "block 12 only");
+        let mut gone = Vec::new();
+        let removed = Removed { engine: vec![BlockHash(12), BlockHash(11), BlockHash(10)], group: 0 };
+        assert_eq!(map.remove(&removed, &mut gone), 0);
+        assert_eq!(map.len(), 0, "one removal each ends them");
+        // With a parent it is a new copy (vLLM re-announces from token 0 only).
+        map.store(&stored(&[10, 11], None, vec![1, 2, 3, 4]), false, "m", &mut out).unwrap();
+        map.store(&stored(&[11], Some(10), vec![3, 4]), false, "m", &mut out).unwrap();
+        map.remove(&Removed { engine: vec![BlockHash(11)], group: 0 }, &mut gone);
+        assert_eq!(map.len(), 2, "block 11 has its second copy");
     }
 }
