@@ -27,7 +27,15 @@
 //! computation that long), then the median of each stage alone (parse, tokenize, hash,
 //! index lookup; parse and tokenize together through the cache).
 //!
-//! Latest, one run (2026-11-23), after XXH3 of 4-16 byte pieces stopped branching on their
+//! 2026-11-26, on a slower machine of the same kind (about 2.4x every figure below), four
+//! runs, two with the release profile's whole-program optimization (LTO) and two without,
+//! in turn (p50 / p99, µs): text/8192 146.2-148.9 / 262.7-279.3 without, 154.7-156.7 /
+//! 289.4-350.9 with; ids/8192 61.7-72.1 / 127.2-154.3 without, 59.1-75.6 / 115.2-192.8
+//! with; text/1024 18.4-18.9 / 32.4-39.4 either way. LTO does not move the decision path
+//! beyond this machine's noise (the tokenizer is already inlined within `proto`); it is kept
+//! for the proxy around it (`router/benches/proxy_vs_nginx.sh`).
+//!
+//! Latest on the earlier machine, one run (2026-11-23), after XXH3 of 4-16 byte pieces stopped branching on their
 //! length (`proto/src/openai/tokenizer/short_hash.rs`): text/8192 p50 61.7, p90 63.0, p99
 //! 83.7 (loop p99 79.3), tokenize 50.0 (58.8-59.1 below); new/8192 p50 74.7, p99 105.4;
 //! text/1024 9.4 / 9.6; the ids rows as below (ids/8192 23.6 / 27.2). On this machine a

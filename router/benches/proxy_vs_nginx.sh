@@ -96,9 +96,20 @@
 #   kvroute cache-aware 0.79x (0.74-0.82) at 20.1 µs, round-robin 0.80x at 20.6 µs; added
 #   latency nginx +22 µs, floor +20, kvroute +24 to +27 µs. Paired rounds against the day's
 #   first build: inside the noise (0.79-0.84x both).
+#   2026-11-26, on a slower machine of the same kind (nginx 50.7 k requests/s at 20.3 µs of
+#   CPU a request; single decisions 2.4x slower than on the machine above): one run, floor
+#   0.82x (rounds 0.73-0.83) at 25.3 µs, kvroute cache-aware 0.57x (0.52-0.62) at 36.9 µs,
+#   round-robin 0.58x at 35.7 µs; added latency nginx +30 µs, floor +30, kvroute +38 to +40.
+#   User time a request there: kvroute 16.6-18.4 µs, nginx 6.4-6.8; system 14.9-16.5 against
+#   11.5-12.3. Then the release profile's whole-program optimization (lto = "fat", one
+#   codegen unit) against the same code without it, paired rounds by hand (6 s each, three
+#   rounds, user + system CPU a request): 32.3-34.6 µs against 37.4-43.8 (nginx 18.5-18.9),
+#   +10-26% requests/s; the same build as this script's `compare` target: 0.57x against 0.53x.
 #
 # Usage: router/benches/proxy_vs_nginx.sh
 #   (env: DURATION=10s ROUNDS=3 CONNECTIONS=64 THREADS=1 BACKENDS=2; about 4.5 minutes)
+#   COMPARE=path/to/another/kvroute-router adds `kvroute-compare`, that build with the
+#   cache-aware policy, to every round: a paired A/B of two builds against the same nginx.
 # Needs root or sudo for `apt-get install -y nginx wrk` when they are missing.
 set -euo pipefail
 
@@ -202,12 +213,14 @@ wait_http "http://127.0.0.1:$NGINX_PORT/health"
 # is taken within the round.
 declare -A RPS P50 P99 BAD RATIO CPU ONE_P50 ONE_P99 PROCS
 TARGETS=(direct nginx floor kvroute-round-robin kvroute-cache-aware)
+[ -n "${COMPARE:-}" ] && TARGETS+=(kvroute-compare)
 declare -A URL=(
     [direct]="http://127.0.0.1:$(port_of_backend 1)/v1/completions"
     [nginx]="http://127.0.0.1:$NGINX_PORT/v1/completions"
     [floor]="http://127.0.0.1:$((KVROUTE_PORT + 2))/v1/completions"
     [kvroute-round-robin]="http://127.0.0.1:$KVROUTE_PORT/v1/completions"
     [kvroute-cache-aware]="http://127.0.0.1:$((KVROUTE_PORT + 1))/v1/completions"
+    [kvroute-compare]="http://127.0.0.1:$((KVROUTE_PORT + 3))/v1/completions"
 )
 
 # CPU time (user + system, clock ticks) used so far by the processes given.
@@ -249,19 +262,20 @@ median() { tr ' ' '\n' | grep . | sort -g | awk '{ v[NR] = $1 } END { print (NR 
 range() { tr ' ' '\n' | grep . | sort -g | awk 'NR == 1 { lo = $1 } { hi = $1 } END { printf "%s-%s", lo, hi }'; }
 
 router() {
-    local policy=$1 port=$2 replicas=()
+    local policy=$1 port=$2 name=${3:-kvroute-$1} binary=${4:-$ROUTER} replicas=()
     for i in $(seq 1 "$BACKENDS"); do
         replicas+=(--replica "name=b$i,http=http://127.0.0.1:$(port_of_backend "$i"),events=tcp://127.0.0.1:9,engine=kvroute")
     done
-    RUST_LOG=warn "$ROUTER" --listen "127.0.0.1:$port" --admin-listen 127.0.0.1:0 \
-        --policy "$policy" "${replicas[@]}" >"$WORK/router-$policy.log" 2>&1 &
+    RUST_LOG=warn "$binary" --listen "127.0.0.1:$port" --admin-listen 127.0.0.1:0 \
+        --policy "$policy" "${replicas[@]}" >"$WORK/router-$name.log" 2>&1 &
     PIDS+=("$!")
-    PROCS[kvroute-$policy]=$!
+    PROCS[$name]=$!
     wait_http "http://127.0.0.1:$port/health"
 }
 
 router round-robin "$KVROUTE_PORT"
 router cache-aware "$((KVROUTE_PORT + 1))"
+[ -n "${COMPARE:-}" ] && router cache-aware "$((KVROUTE_PORT + 3))" kvroute-compare "$COMPARE"
 # The floor: the router's accept loop and upstream pool with nothing between them.
 backend_urls=()
 for i in $(seq 1 "$BACKENDS"); do backend_urls+=("http://127.0.0.1:$(port_of_backend "$i")"); done
