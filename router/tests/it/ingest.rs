@@ -1,6 +1,7 @@
 //! Event ingestion end to end: publishers (the replica agent's, or hand-written ones that
 //! misbehave) → ZeroMQ → the router's ingest tasks → the prefix index.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -53,6 +54,19 @@ async fn warm_up(fake: &mut FakePublisher, replica: &Replica, epoch: u64, mut se
 /// compared later change only because of what the test does.
 async fn settled(m: &kvroute_router::ingest::ReplicaMetrics) {
     wait_until("catch-up replay done", || m.replays(Outcome::Ok).get() >= 2).await;
+}
+
+/// A hand-written vLLM publisher without replay, its replica synced and its stream warmed
+/// up; the seq to send next.
+async fn vllm_without_replay(
+    h: &Harness,
+    name: &str,
+) -> (FakePublisher, Arc<Replica>, kvroute_router::ingest::ReplicaMetrics, u64) {
+    let mut fake = FakePublisher::start(None).await;
+    let (r, m) = h.add(spec(name, EngineKind::Vllm, &fake.events, None));
+    h.synced(&r).await;
+    let seq = warm_up(&mut fake, &r, 0, 0).await;
+    (fake, r, m, seq)
 }
 
 async fn applied(replica: &Replica, seq: u64) {
@@ -492,10 +506,7 @@ async fn reannounced_prefixes_end_at_their_one_removal() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_messages_are_counted_and_a_bad_payload_resyncs() {
     let h = Harness::start();
-    let mut fake = FakePublisher::start(None).await;
-    let (r, m) = h.add(spec("garbage", EngineKind::Vllm, &fake.events, None));
-    h.synced(&r).await;
-    let seq = warm_up(&mut fake, &r, 0, 0).await;
+    let (mut fake, r, m, seq) = vllm_without_replay(&h, "garbage").await;
     let gaps = m.gaps.get();
     let topic = Bytes::from_static(b"kv-events");
     let seq_frame = |s: u64| Bytes::copy_from_slice(&s.to_be_bytes());
@@ -533,10 +544,7 @@ async fn malformed_messages_are_counted_and_a_bad_payload_resyncs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_undecodable_batch_resyncs_its_rank() {
     let h = Harness::start();
-    let mut fake = FakePublisher::start(None).await;
-    let (r, m) = h.add(spec("lossy", EngineKind::Vllm, &fake.events, None));
-    h.synced(&r).await;
-    let seq = warm_up(&mut fake, &r, 0, 0).await;
+    let (mut fake, r, m, seq) = vllm_without_replay(&h, "lossy").await;
     let mut rng = Rng::new(32);
     let (a, b) = (rng.tokens(3), rng.tokens(2));
     fake.send(seq, vllm(batch(0, seq, vec![store_chain(&a, 0)]))).await;
@@ -573,10 +581,7 @@ fn with_field(payload: &[u8], i: usize, key: &str, value: rmpv::Value) -> Bytes 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreadable_store_is_skipped_and_the_rest_of_its_batch_applied() {
     let h = Harness::start();
-    let mut fake = FakePublisher::start(None).await;
-    let (r, m) = h.add(spec("bigram", EngineKind::Vllm, &fake.events, None));
-    h.synced(&r).await;
-    let seq = warm_up(&mut fake, &r, 0, 0).await;
+    let (mut fake, r, m, seq) = vllm_without_replay(&h, "bigram").await;
     let mut rng = Rng::new(33);
     let (a, b, c) = (rng.tokens(2), rng.tokens(3), rng.tokens(1));
     let stores = vllm(batch(0, seq, vec![store_chain(&a, 0), store_chain(&b, 0), store_chain(&c, 0)]));
