@@ -102,9 +102,11 @@
 #   round-robin 0.58x at 35.7 µs; added latency nginx +30 µs, floor +30, kvroute +38 to +40.
 #   User time a request there: kvroute 16.6-18.4 µs, nginx 6.4-6.8; system 14.9-16.5 against
 #   11.5-12.3. Then the release profile's whole-program optimization (lto = "fat", one
-#   codegen unit) against the same code without it, paired rounds by hand (6 s each, three
-#   rounds, user + system CPU a request): 32.3-34.6 µs against 37.4-43.8 (nginx 18.5-18.9),
-#   +10-26% requests/s; the same build as this script's `compare` target: 0.57x against 0.53x.
+#   codegen unit) against the same code without it, paired rounds by hand (6 s each, user +
+#   system CPU a request): three rounds 32.3-34.6 µs against 37.4-43.8 (nginx 18.5-18.9), then
+#   eight more in a noisier spell, 2-21% less (user time 7-32% less); thin LTO fell between.
+#   In this script, the same builds (`compare` the one without LTO): 0.57x against 0.53x,
+#   then 0.56x (40.2 µs) against 0.51x (45.3 µs).
 #
 # Usage: router/benches/proxy_vs_nginx.sh
 #   (env: DURATION=10s ROUNDS=3 CONNECTIONS=64 THREADS=1 BACKENDS=2; about 4.5 minutes)
