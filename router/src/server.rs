@@ -212,7 +212,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         shutdown.clone(),
     ));
     tracker.spawn(proxy::health::run(
-        fleet.clone(),
+        state.clone(),
         client,
         config.health_interval(),
         (config.health_interval().min(config.connect_timeout() * 2), config.first_byte_timeout()),

@@ -6,26 +6,43 @@
 //! [`crate::policy::Load::others`]. A check that reads no report clears it. A healthy replica
 //! is then given the LoRA adapters loaded through the router that it lacks
 //! ([`super::lora::catch_up`]).
+//!
+//! Adapters loaded by anyone else (another router in front of the same fleet, an operator
+//! on a replica itself) are learned from the replicas: each check also reads a healthy vLLM
+//! or kvroute replica's `GET /v1/models` (the cards with a `parent` are adapters). An
+//! adapter every replica that answered lists is hashed in its own namespace from then on,
+//! as the replicas hash it, and listed in the router's `/v1/models`; one that no replica
+//! lists any more is forgotten (unless this router's configuration or its own load named
+//! it). Without this, another router's adapter was hashed in the base model's namespace,
+//! where the base model's cached prefixes gave it predicted hits it never had. SGLang
+//! replicas, and replicas that refuse an unauthenticated list (vLLM's `--api-key`), tell
+//! nothing here.
 
+use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use tokio_util::sync::CancellationToken;
 
+use super::ProxyState;
 use super::body::full;
 use super::lora::catch_up;
 use super::prompts::Client;
 use crate::fleet::{Fleet, Member};
+use crate::replicas::EngineKind;
 
-/// Checks every replica of `fleet` each `interval` until `shutdown` fires.
+/// Checks every replica of the proxy's fleet each `interval` until `shutdown` fires.
 pub async fn run(
-    fleet: Fleet,
+    state: Arc<ProxyState>,
     client: Client,
     interval: Duration,
     (timeout, load_timeout): (Duration, Duration),
     shutdown: CancellationToken,
 ) {
+    let fleet = state.fleet();
+    let mut learned = HashSet::new();
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -34,17 +51,41 @@ pub async fn run(
             () = shutdown.cancelled() => return,
         }
         let timeouts = (timeout, load_timeout);
-        let checks = fleet.members().into_iter().map(|m| check(m, &fleet, &client, timeouts));
-        futures::future::join_all(checks).await;
+        let checks = fleet.members().into_iter().map(|m| check(m, fleet, &client, timeouts));
+        let listed: Vec<HashSet<String>> =
+            futures::future::join_all(checks).await.into_iter().flatten().collect();
+        learn_adapters(&state, &listed, &mut learned);
     }
 }
 
+/// Takes the adapters that every replica in `listed` has, and forgets those it `learned`
+/// that none has any more (see the module docs).
+fn learn_adapters(state: &ProxyState, listed: &[HashSet<String>], learned: &mut HashSet<String>) {
+    let Some((first, others)) = listed.split_first() else { return };
+    let tokenization = state.decider.prompts.tokenization();
+    for name in first.iter().filter(|name| others.iter().all(|l| l.contains(*name))) {
+        if tokenization.add_lora_adapter(name) {
+            tracing::info!(lora_name = name, "LoRA adapter every replica lists: hashed in its namespace");
+            learned.insert(name.clone());
+        }
+    }
+    learned.retain(|name| {
+        let kept = listed.iter().any(|l| l.contains(name)) || state.fleet().adapters().contains(name);
+        if !kept {
+            tokenization.remove_lora_adapter(name);
+            tracing::info!(lora_name = name, "LoRA adapter no replica lists any more: forgotten");
+        }
+        kept
+    });
+}
+
+/// Checks `member`; returns the adapters it lists, if it is healthy and said.
 async fn check(
     member: Member,
     fleet: &Fleet,
     client: &Client,
     (timeout, load_timeout): (Duration, Duration),
-) {
+) -> Option<HashSet<String>> {
     let base = &member.replica.spec.http_url;
     let healthy =
         matches!(get(client, &format!("{base}/health"), timeout).await, Some((s, _)) if s.is_success());
@@ -68,10 +109,37 @@ async fn check(
         false => None,
     };
     member.upstream.set_reported(report, in_flight_before);
-    if healthy {
-        let timeouts = catch_up::Timeouts { list: timeout, load: load_timeout };
-        catch_up::spawn(fleet, member, client, timeouts);
+    if !healthy {
+        return None;
     }
+    let listed = match member.replica.spec.engine {
+        EngineKind::Sglang => None,
+        EngineKind::Vllm | EngineKind::Kvroute => {
+            match get(client, &format!("{base}/v1/models"), timeout).await {
+                Some((status, body)) if status.is_success() => adapters_listed(&body),
+                _ => None,
+            }
+        }
+    };
+    let timeouts = catch_up::Timeouts { list: timeout, load: load_timeout };
+    catch_up::spawn(fleet, member, client, timeouts);
+    listed
+}
+
+/// The adapters of a `/v1/models` answer: the cards with a parent model.
+fn adapters_listed(body: &[u8]) -> Option<HashSet<String>> {
+    #[derive(serde::Deserialize)]
+    struct Models {
+        data: Vec<Card>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Card {
+        id: String,
+        #[serde(default)]
+        parent: Option<String>,
+    }
+    let models: Models = serde_json::from_slice(body).ok()?;
+    Some(models.data.into_iter().filter(|card| card.parent.is_some()).map(|card| card.id).collect())
 }
 
 async fn get(client: &Client, url: &str, timeout: Duration) -> Option<(http::StatusCode, Bytes)> {

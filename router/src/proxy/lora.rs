@@ -21,8 +21,8 @@
 //! is given it again ([`catch_up`]); until then the adapter's requests go to the replicas that
 //! have it.
 //!
-//! Not covered: another router in front of the same fleet does not learn of the adapter (its
-//! requests still route, on load and on the base model's namespace).
+//! Another router in front of the same fleet learns of the adapter from the replicas' own
+//! lists ([`super::health`]), without the load request: it gives no replica the adapter.
 
 use bytes::Bytes;
 use futures::future::join_all;

@@ -690,6 +690,45 @@ async fn lora_adapters_loaded_through_the_router_reach_every_replica() {
     assert_eq!(http.post(&without.url("/v1/load_lora_adapter"), &load).await.status, 403);
 }
 
+/// A LoRA adapter loaded without this router (by another router in front of the same
+/// replicas, or on each replica by hand) is learned from what every replica lists: its
+/// requests hash in its own namespace, so a prompt the base model cached predicts nothing
+/// for the adapter (it had predicted the base model's hits, which the adapter never gets).
+/// Once no replica lists it, it is forgotten.
+#[tokio::test]
+async fn a_lora_adapter_loaded_elsewhere_is_learned_from_the_replicas() {
+    let fleet = Fleet::start(2).await;
+    let http = crate::fleet::Http::new();
+    let agents: Vec<String> = fleet.agents.iter().map(|a| a.as_ref().unwrap().http_url()).collect();
+    let state = fleet.router.state.clone();
+    let knows = move || state.decider.prompts.tokenization().lora_adapters().contains(&"sql".to_owned());
+    let ask = |model: &str| json!({"model": model, "prompt": text("elsewherew", 60), "max_tokens": 2});
+    assert_eq!(http.post(&fleet.url("/v1/completions"), &ask(FLEET_MODEL)).await.status, 200);
+    let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
+    for agent in &agents {
+        assert_eq!(http.post(&format!("{agent}/v1/load_lora_adapter"), &load).await.status, 200);
+    }
+    wait_until("the router learned the adapter", &knows).await;
+    let reply = http.post(&fleet.url("/v1/completions"), &ask("sql")).await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    assert_eq!(
+        reply.header("x-kvroute-predicted-cached-tokens"),
+        Some("0"),
+        "the base model's blocks are not its"
+    );
+    assert_eq!(reply.cached_tokens(), 0);
+    let again = http.post(&fleet.url("/v1/completions"), &ask("sql")).await;
+    let predicted: u64 = again.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
+    assert!(predicted > 0);
+    assert_eq!(again.cached_tokens(), predicted, "its own prefix, predicted to the token");
+
+    let unload = json!({"lora_name": "sql"});
+    for agent in &agents {
+        assert_eq!(http.post(&format!("{agent}/v1/unload_lora_adapter"), &unload).await.status, 200);
+    }
+    wait_until("the router forgot the adapter", || !knows()).await;
+}
+
 /// Replicas started with an API key (vLLM's `--api-key`): a LoRA load through the router
 /// carries the client's key to each of them. A replica that restarts without the adapter
 /// gets none of its requests until the router has given it the adapter again, with the key
