@@ -128,18 +128,8 @@ async fn check(
 
 /// The adapters of a `/v1/models` answer: the cards with a parent model.
 fn adapters_listed(body: &[u8]) -> Option<HashSet<String>> {
-    #[derive(serde::Deserialize)]
-    struct Models {
-        data: Vec<Card>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Card {
-        id: String,
-        #[serde(default)]
-        parent: Option<String>,
-    }
-    let models: Models = serde_json::from_slice(body).ok()?;
-    Some(models.data.into_iter().filter(|card| card.parent.is_some()).map(|card| card.id).collect())
+    let cards = catch_up::model_cards(body)?;
+    Some(cards.into_iter().filter(|card| card.parent.is_some()).map(|card| card.id).collect())
 }
 
 async fn get(client: &Client, url: &str, timeout: Duration) -> Option<(http::StatusCode, Bytes)> {

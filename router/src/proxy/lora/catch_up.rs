@@ -207,19 +207,28 @@ async fn listed_models(client: &Client, base: &str, credentials: &HeaderMap, tim
     let Some((status, body)) = send(client, Method::GET, &url, &headers, Bytes::new(), timeout).await else {
         return Listed::Unknown;
     };
-    #[derive(serde::Deserialize)]
-    struct Models {
-        data: Vec<Card>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Card {
-        id: String,
-    }
-    match (status, serde_json::from_slice::<Models>(&body)) {
-        (StatusCode::OK, Ok(models)) => Listed::Models(models.data.into_iter().map(|card| card.id).collect()),
+    match (status, model_cards(&body)) {
+        (StatusCode::OK, Some(cards)) => Listed::Models(cards.into_iter().map(|card| card.id).collect()),
         (StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN, _) => Listed::Refused,
         _ => Listed::Unknown,
     }
+}
+
+/// One model of a `GET /v1/models` answer; an adapter has the model it adapts as `parent`.
+#[derive(serde::Deserialize)]
+pub struct ModelCard {
+    pub id: String,
+    #[serde(default)]
+    pub parent: Option<String>,
+}
+
+/// The models of a `GET /v1/models` answer (OpenAI's `{"data": [...]}`).
+pub fn model_cards(body: &[u8]) -> Option<Vec<ModelCard>> {
+    #[derive(serde::Deserialize)]
+    struct Models {
+        data: Vec<ModelCard>,
+    }
+    serde_json::from_slice::<Models>(body).ok().map(|models| models.data)
 }
 
 /// Sends a request and reads its whole answer within `timeout`.
