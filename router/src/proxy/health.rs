@@ -112,24 +112,23 @@ async fn check(
     if !healthy {
         return None;
     }
-    let listed = match member.replica.spec.engine {
+    let cards = match member.replica.spec.engine {
         EngineKind::Sglang => None,
         EngineKind::Vllm | EngineKind::Kvroute => {
             match get(client, &format!("{base}/v1/models"), timeout).await {
-                Some((status, body)) if status.is_success() => adapters_listed(&body),
+                Some((status, body)) if status.is_success() => catch_up::model_cards(&body),
                 _ => None,
             }
         }
     };
+    // The adapters: the cards with a parent model.
+    let adapters = cards
+        .as_ref()
+        .map(|cards| cards.iter().filter(|card| card.parent.is_some()).map(|card| card.id.clone()).collect());
     let timeouts = catch_up::Timeouts { list: timeout, load: load_timeout };
-    catch_up::spawn(fleet, member, client, timeouts);
-    listed
-}
-
-/// The adapters of a `/v1/models` answer: the cards with a parent model.
-fn adapters_listed(body: &[u8]) -> Option<HashSet<String>> {
-    let cards = catch_up::model_cards(body)?;
-    Some(cards.into_iter().filter(|card| card.parent.is_some()).map(|card| card.id).collect())
+    let listed = cards.map(|cards| cards.into_iter().map(|card| card.id).collect());
+    catch_up::spawn(fleet, member, client, timeouts, listed);
+    adapters
 }
 
 async fn get(client: &Client, url: &str, timeout: Duration) -> Option<(http::StatusCode, Bytes)> {

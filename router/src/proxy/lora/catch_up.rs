@@ -2,7 +2,8 @@
 //! fleet later, or restarted and lost what was loaded at run time, or was down when the
 //! adapter was loaded. The router keeps each adapter with the request that loaded it
 //! ([`Registry`]); after each active health check of a replica ([`crate::proxy::health`]) it
-//! reads what the replica lists in `/v1/models` and sends the load request again for what is
+//! reads what the replica lists in `/v1/models` (the check's own list, when the replica gave
+//! it without credentials) and sends the load request again for what is
 //! missing, in a task of its own (a load can take longer than a health check may). Until a
 //! replica is known to have an adapter, that adapter's requests go to the replicas that have
 //! it ([`crate::proxy::upstream::Ineligible::NoAdapter`]).
@@ -120,7 +121,16 @@ pub struct Timeouts {
 
 /// Starts [`catch_up`] for `member` in a task of its own, unless there is nothing to catch up
 /// or its last one is still running.
-pub fn spawn(fleet: &Fleet, member: Member, client: &Client, timeouts: Timeouts) {
+///
+/// `listed`: the models the replica listed to the health check that calls this, if it
+/// answered without credentials (then it is not asked again).
+pub fn spawn(
+    fleet: &Fleet,
+    member: Member,
+    client: &Client,
+    timeouts: Timeouts,
+    listed: Option<HashSet<String>>,
+) {
     let registry = fleet.adapters();
     if !registry.any.load(Ordering::Relaxed) {
         return;
@@ -134,7 +144,7 @@ pub fn spawn(fleet: &Fleet, member: Member, client: &Client, timeouts: Timeouts)
         let registry = fleet.adapters();
         // A change is running or waiting: it goes first, this replica is seen to next time.
         if let Ok(_turn) = registry.turn.try_read() {
-            catch_up(&member, &client, registry, timeouts).await;
+            catch_up(&member, &client, registry, timeouts, listed).await;
         }
         registry.busy.lock().unwrap_or_else(PoisonError::into_inner).remove(&id);
     });
@@ -142,12 +152,19 @@ pub fn spawn(fleet: &Fleet, member: Member, client: &Client, timeouts: Timeouts)
 
 /// Gives `member` the adapters of `registry` it lacks (see the module docs), and marks those
 /// it has.
-pub async fn catch_up(member: &Member, client: &Client, registry: &Registry, timeouts: Timeouts) {
+pub async fn catch_up(
+    member: &Member,
+    client: &Client,
+    registry: &Registry,
+    timeouts: Timeouts,
+    known: Option<HashSet<String>>,
+) {
     let adapters = registry.all();
     let Some(latest) = adapters.last() else { return };
     let spec = &member.replica.spec;
     let listed = match spec.engine {
         EngineKind::Sglang => None,
+        _ if known.is_some() => known,
         // The latest load's credentials, for replicas started with `--api-key`.
         _ => match listed_models(client, &spec.http_url, &latest.headers, timeouts.list).await {
             Listed::Models(listed) => Some(listed),
