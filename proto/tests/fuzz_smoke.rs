@@ -189,7 +189,7 @@ fn captured_frames() -> Vec<Vec<Bytes>> {
         .collect()
 }
 
-const OPENAI_SEEDS: [&str; 10] = [
+const OPENAI_SEEDS: [&str; 12] = [
     r#"{"model":"kvroute-sim","prompt":"Hello world, this is a prompt.","max_tokens":16}"#,
     r#"{"model":"kvroute-sim","prompt":["one prompt","and <|im_start|> another"],"stream":true}"#,
     r#"{"model":"kvroute-sim","prompt":[17,18,19,20,21,22,23,24],"cache_salt":"tenant-a"}"#,
@@ -200,6 +200,8 @@ const OPENAI_SEEDS: [&str; 10] = [
     r#"{"model":"kvroute-sim","prompt":"\u00e9t\u00e9 \ud83d\ude00 emoji","max_tokens":null}"#,
     r#"{"model":"kvroute-sim","prompt":""}"#,
     r#"{"prompt":"no model"}"#,
+    r#"{"model":"kvroute-sim","max_tokens":4,"system":[{"type":"text","text":"Be brief."}],"messages":[{"role":"user","content":[{"type":"text","text":"hi"},{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"r"}]}]},{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"f","input":{"a":1}}]}],"tools":[{"name":"f","input_schema":{}}]}"#,
+    r#"{"max_tokens":1,"messages":[{"role":"system","content":"s"},{"role":"user","content":"q"},{"role":"system","content":"late"}],"thinking":{"type":"disabled"}}"#,
 ];
 
 /// Writes `proto/fuzz/corpus/<target>/seed-NN` from the encoders (run by hand, see top).

@@ -12,8 +12,8 @@
 //!   timestamps, map-valued extra keys).
 //! - [`framing`]: `decode_live`, `decode_replay_request`, `decode_replay_reply`; whatever
 //!   decodes re-encodes to the same frames.
-//! - [`openai_request`]: the input as a `/v1/completions` and a `/v1/chat/completions` body:
-//!   `ParsedRequest::parse`, then token ids (builtin tokenizer and chat template),
+//! - [`openai_request`]: the input as a `/v1/completions`, a `/v1/chat/completions` and a
+//!   `/v1/messages` body (converted to the chat request it stands for): `ParsedRequest::parse`, then token ids (builtin tokenizer and chat template),
 //!   namespace and block hashes.
 //!
 //! Frames are cut from the input as `[len: u16 LE][len bytes]`, repeated, at most
@@ -120,8 +120,9 @@ fn tokenization() -> &'static Tokenization {
 
 pub fn openai_request(data: &[u8]) {
     let t = tokenization();
-    for endpoint in [Endpoint::Completions, Endpoint::ChatCompletions] {
-        let Ok(request) = ParsedRequest::parse(endpoint, data) else { continue };
+    for endpoint in [Endpoint::Completions, Endpoint::ChatCompletions, Endpoint::Messages] {
+        let Ok((endpoint, data)) = endpoint.readable(data) else { continue };
+        let Ok(request) = ParsedRequest::parse(endpoint, &data) else { continue };
         let _ = (request.model(), request.cache_salt(), request.stream(), request.max_tokens());
         let _ = t.namespace(&request);
         if let Ok(prompts) = t.prompt_tokens(&request) {

@@ -37,6 +37,14 @@ pub enum RequestError {
         /// What the field should be, in words.
         expected: &'static str,
     },
+    /// A field inside a known field is of the wrong type, e.g. `messages[2].content[0].text`.
+    #[error("invalid '{at}': expected {expected}")]
+    InvalidAt {
+        /// Where the field is.
+        at: String,
+        /// What it should be, in words.
+        expected: &'static str,
+    },
     /// `prompt` is an empty list or holds an empty token list, or a text prompt tokenized
     /// to no tokens at all (an empty string with no BOS to add).
     #[error("the prompt is empty")]
@@ -130,6 +138,7 @@ impl RequestError {
                 (INVALID_REQUEST, Some((*param).into()), Some("missing_required_parameter"))
             }
             E::InvalidField { param, .. } => (INVALID_REQUEST, Some((*param).into()), Some("invalid_value")),
+            E::InvalidAt { at, .. } => (INVALID_REQUEST, Some(at.clone()), Some("invalid_value")),
             E::EmptyPrompt => (INVALID_REQUEST, Some("prompt".into()), Some("invalid_value")),
             E::BadPromptType => (INVALID_REQUEST, Some("prompt".into()), Some("invalid_type")),
             E::BadTokenId | E::TokenIdOutOfRange { .. } => {
@@ -184,6 +193,19 @@ impl OpenAiError {
         }
         // Serializing plain strings and options into a Vec cannot fail.
         serde_json::to_vec(&Body { error: self }).unwrap_or_default()
+    }
+
+    /// The body for a client of Anthropic's Messages API: `{"type":"error","error":{…}}`,
+    /// the error object as in [`OpenAiError::to_json`]. Anthropic's SDKs read the outer
+    /// `type` and the error's `type` and `message`; OpenAI's read `error` as usual.
+    pub fn to_anthropic_json(&self) -> Vec<u8> {
+        #[derive(Serialize)]
+        struct Body<'a> {
+            #[serde(rename = "type")]
+            kind: &'static str,
+            error: &'a OpenAiError,
+        }
+        serde_json::to_vec(&Body { kind: "error", error: self }).unwrap_or_default()
     }
 }
 

@@ -1,5 +1,5 @@
 //! Just enough of OpenAI's `/v1/completions` and `/v1/chat/completions` request bodies to
-//! compute a request's token ids.
+//! compute a request's token ids (and of Anthropic's `/v1/messages`, through [`anthropic`]).
 //!
 //! The router forwards the client's original bytes, so parsing here is lenient and
 //! borrowing: unknown fields are skipped without being materialised, strings borrow from the
@@ -21,6 +21,7 @@
 //! `add_special_tokens` defaults to true for completions and false for chat (the template
 //! writes the special tokens itself).
 
+pub mod anthropic;
 mod ids;
 mod messages;
 mod object;
@@ -39,13 +40,16 @@ use self::prompt::parse_prompt;
 use self::scan::Field;
 use super::error::RequestError;
 
-/// The two OpenAI endpoints whose prompts kvroute understands.
+/// The endpoints whose prompts kvroute understands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Endpoint {
     /// `POST /v1/completions`.
     Completions,
     /// `POST /v1/chat/completions`.
     ChatCompletions,
+    /// `POST /v1/messages`: Anthropic's Messages API, read as the chat completion request
+    /// vLLM makes of it ([`anthropic`]); [`Endpoint::readable`] converts its body.
+    Messages,
 }
 
 impl Endpoint {
@@ -54,7 +58,17 @@ impl Endpoint {
         match path.trim_end_matches('/') {
             "/v1/completions" => Some(Endpoint::Completions),
             "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
+            anthropic::MESSAGES_PATH => Some(Endpoint::Messages),
             _ => None,
+        }
+    }
+
+    /// The endpoint whose parser reads `body`, and the body it reads: a Messages body becomes
+    /// the chat completion request vLLM makes of it; the others are read as they are.
+    pub fn readable(self, body: &[u8]) -> Result<(Endpoint, Cow<'_, [u8]>), RequestError> {
+        match self {
+            Endpoint::Messages => Ok((Endpoint::ChatCompletions, Cow::Owned(anthropic::chat_body(body)?))),
+            endpoint => Ok((endpoint, Cow::Borrowed(body))),
         }
     }
 }
@@ -69,11 +83,18 @@ pub enum ParsedRequest<'a> {
 }
 
 impl<'a> ParsedRequest<'a> {
-    /// Parses `body` as a request to `endpoint`.
+    /// Parses `body` as a request to `endpoint`. A Messages body must be made
+    /// [`Endpoint::readable`] first: as it is, it is refused.
     pub fn parse(endpoint: Endpoint, body: &'a [u8]) -> Result<Self, RequestError> {
         Ok(match endpoint {
             Endpoint::Completions => ParsedRequest::Completion(CompletionRequest::parse(body)?),
             Endpoint::ChatCompletions => ParsedRequest::Chat(ChatRequest::parse(body)?),
+            Endpoint::Messages => {
+                return Err(RequestError::InvalidField {
+                    param: "messages",
+                    expected: "a chat request (a Messages body is read through Endpoint::readable)",
+                });
+            }
         })
     }
 

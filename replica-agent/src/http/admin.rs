@@ -96,6 +96,29 @@ pub(super) fn tokenize(state: &AppState, body: &[u8]) -> Result<Response<Body>, 
     Ok(json_response(StatusCode::OK, serde_json::to_vec(&response).unwrap_or_default()))
 }
 
+/// `POST /v1/messages/count_tokens`: the token count of a Messages request's prompt (with
+/// no generation prompt's difference: vLLM renders it the same way).
+pub(super) fn count_tokens(state: &AppState, body: &[u8]) -> Result<Response<Body>, ApiError> {
+    let body = with_max_tokens(body);
+    let (read_as, readable) = Endpoint::Messages.readable(&body)?;
+    let request = ParsedRequest::parse(read_as, &readable)?;
+    if !state.serves(request.model()) {
+        return Err(ApiError::model_not_found(request.model()));
+    }
+    let tokens: usize = state.tokenization().prompt_tokens(&request)?.iter().map(Vec::len).sum();
+    Ok(json_response(StatusCode::OK, super::messages::token_count(tokens)))
+}
+
+/// A count_tokens body has no `max_tokens`; the conversion wants one.
+fn with_max_tokens(body: &[u8]) -> Vec<u8> {
+    let trimmed = body.trim_ascii();
+    match trimmed.strip_prefix(b"{") {
+        Some(rest) if rest.trim_ascii() == b"}" => br#"{"max_tokens":1}"#.to_vec(),
+        Some(rest) => [&br#"{"max_tokens":1,"#[..], rest].concat(),
+        None => body.to_vec(),
+    }
+}
+
 /// `POST /reset_prefix_cache`: 200 once the cache is empty; 409 while running requests hold
 /// blocks (vLLM refuses then too).
 pub(super) async fn reset_prefix_cache(state: &AppState) -> Result<Response<Body>, ApiError> {

@@ -1,7 +1,8 @@
-//! `POST /v1/completions` and `POST /v1/chat/completions`: from a request body to engine jobs
-//! to an OpenAI response.
+//! `POST /v1/completions`, `POST /v1/chat/completions` and `POST /v1/messages`: from a
+//! request body to engine jobs to an OpenAI (or, for `/v1/messages`, Anthropic) response.
 //!
-//! 1. Parse with [`ParsedRequest`] (the same parser and [`Tokenization`] the router uses),
+//! 1. Parse with [`ParsedRequest`] (the same parser and [`Tokenization`] the router uses; a
+//!    Messages body as the chat request vLLM makes of it),
 //!    plus the two fields only the replica cares about: `n` (only 1 is supported) and
 //!    `stream_options.include_usage`.
 //! 2. Check the model (404 unless it is the base model or a LoRA adapter), tokenize, hash
@@ -31,7 +32,7 @@ use serde_json::value::RawValue;
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
-use super::{AppState, Body, chat, completions, json_response, sse, unix_now};
+use super::{AppState, Body, chat, completions, json_response, messages, sse, unix_now};
 use crate::engine::{Job, Output, SubmitError, Usage};
 
 /// `finish_reason` of every choice: the simulated engine stops only at `max_tokens`.
@@ -73,6 +74,9 @@ impl UsageJson {
 pub(super) struct Admitted {
     pub rx: mpsc::Receiver<Output>,
     pub max_tokens: u32,
+    pub prompt_tokens: u32,
+    /// What the prefix cache served of the prompt, known at admission.
+    pub cached_tokens: u32,
 }
 
 /// The fields of a generation request that [`ParsedRequest`] leaves to the server.
@@ -96,8 +100,13 @@ pub(super) async fn generate(
     body: &[u8],
     request_id: &str,
 ) -> Result<Response<Body>, ApiError> {
-    let request = ParsedRequest::parse(endpoint, body)?;
-    let include_usage = parse_extras(body, request.stream())?;
+    let (read_as, readable) = endpoint.readable(body)?;
+    let request = ParsedRequest::parse(read_as, &readable)?;
+    // A Messages stream always carries its usage; the fields are OpenAI's.
+    let include_usage = match endpoint {
+        Endpoint::Messages => true,
+        _ => parse_extras(body, request.stream())?,
+    };
     if !state.serves(request.model()) {
         return Err(ApiError::model_not_found(request.model()));
     }
@@ -106,6 +115,7 @@ pub(super) async fn generate(
         id: match endpoint {
             Endpoint::Completions => format!("cmpl-{request_id}"),
             Endpoint::ChatCompletions => format!("chatcmpl-{request_id}"),
+            Endpoint::Messages => format!("msg_{request_id}"),
         },
         created: unix_now(),
         // A request that names no model is answered as the base model's, as vLLM does.
@@ -119,17 +129,17 @@ pub(super) async fn generate(
 
     let mut admitted = Vec::with_capacity(jobs.len());
     for job in jobs {
-        let max_tokens = job.max_tokens;
+        let (max_tokens, prompt_tokens) = (job.max_tokens, job.prompt.len() as u32);
         let rx = state.engine().submit(job).map_err(|e| match e {
             SubmitError::Overloaded(_) => ApiError::overloaded(e.to_string()),
             SubmitError::ShuttingDown => ApiError::shutting_down(),
         })?;
-        admitted.push(Admitted { rx, max_tokens });
+        admitted.push(Admitted { rx, max_tokens, prompt_tokens, cached_tokens: 0 });
     }
     // Wait for every prompt's admission: a refusal still gets a status code.
     for a in &mut admitted {
         match a.rx.recv().await {
-            Some(Output::Started { .. }) => {}
+            Some(Output::Started { cached_tokens }) => a.cached_tokens = cached_tokens,
             Some(Output::Failed(why)) => return Err(failure(state, why)),
             Some(other) => {
                 return Err(ApiError::engine_failed(format!(
@@ -169,6 +179,7 @@ pub(super) async fn generate(
     let body = match api {
         Api::Completions => completions::response(&meta, &texts, &usage),
         Api::Chat => chat::response(&meta, &texts, &usage),
+        Api::Messages => messages::response(&meta, &texts, &usage),
     };
     Ok(json_response(StatusCode::OK, body))
 }
@@ -178,6 +189,8 @@ pub(super) async fn generate(
 pub(super) enum Api {
     Completions,
     Chat,
+    /// Anthropic's Messages API.
+    Messages,
 }
 
 impl From<Endpoint> for Api {
@@ -185,6 +198,7 @@ impl From<Endpoint> for Api {
         match endpoint {
             Endpoint::Completions => Api::Completions,
             Endpoint::ChatCompletions => Api::Chat,
+            Endpoint::Messages => Api::Messages,
         }
     }
 }

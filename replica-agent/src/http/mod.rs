@@ -4,6 +4,8 @@
 //! |---|---|
 //! | `POST /v1/completions` | `generate.rs`: text completions, streamed (SSE) or not |
 //! | `POST /v1/chat/completions` | `generate.rs`: chat completions, streamed (SSE) or not |
+//! | `POST /v1/messages` | `generate.rs`: Anthropic's Messages API as vLLM serves it (the request read as the chat request vLLM makes of it, `messages.rs` the answer), streamed or not |
+//! | `POST /v1/messages/count_tokens` | `admin.rs`: the prompt's token count, `{"input_tokens"}` |
 //! | `GET /v1/models` | `admin.rs`: the base model and its LoRA adapters |
 //! | `GET /health` | `admin.rs`: 200 with an empty body, as vLLM answers |
 //! | `POST /tokenize` | `admin.rs`: the token ids generation would use, vLLM's shape |
@@ -19,7 +21,8 @@
 //! generator) must set it. See `sse.rs` for the frame order.
 //!
 //! Every response carries `x-request-id` (the client's, or a generated one) and every error
-//! is OpenAI's error JSON, built in `error.rs`. [`serve`] stops accepting when its shutdown
+//! is OpenAI's error JSON, built in `error.rs` (under `/v1/messages`, inside Anthropic's
+//! `{"type":"error"}` envelope). [`serve`] stops accepting when its shutdown
 //! token fires and returns once every open connection has finished its in-flight requests.
 
 mod admin;
@@ -27,6 +30,7 @@ mod chat;
 mod completions;
 mod error;
 mod generate;
+mod messages;
 mod metrics;
 mod sse;
 
@@ -144,6 +148,9 @@ async fn handle(state: AppState, req: Request<Incoming>) -> Response<Body> {
         }
         Some((_, route)) => match dispatch(route, &state, req, &request_id).await {
             Ok(response) => response,
+            Err(e) if matches!(route, Route::Messages | Route::CountTokens) => {
+                json_response(e.status, e.error.to_anthropic_json())
+            }
             Err(e) => error_response(&e),
         },
         None => error_response(&ApiError::not_found(path)),
@@ -174,6 +181,8 @@ fn authorized(config: &Config, path: &str, req: &Request<Incoming>) -> bool {
 enum Route {
     Completions,
     ChatCompletions,
+    Messages,
+    CountTokens,
     Models,
     Health,
     Tokenize,
@@ -188,6 +197,8 @@ fn route(path: &str) -> Option<(Method, Route)> {
     Some(match path {
         "/v1/completions" => (Method::POST, Route::Completions),
         "/v1/chat/completions" => (Method::POST, Route::ChatCompletions),
+        "/v1/messages" => (Method::POST, Route::Messages),
+        "/v1/messages/count_tokens" => (Method::POST, Route::CountTokens),
         "/v1/models" => (Method::GET, Route::Models),
         "/health" => (Method::GET, Route::Health),
         "/tokenize" => (Method::POST, Route::Tokenize),
@@ -215,6 +226,11 @@ async fn dispatch(
             let body = read_body(state, req).await?;
             generate::generate(state, Endpoint::ChatCompletions, &body, request_id).await
         }
+        Route::Messages => {
+            let body = read_body(state, req).await?;
+            generate::generate(state, Endpoint::Messages, &body, request_id).await
+        }
+        Route::CountTokens => admin::count_tokens(state, &read_body(state, req).await?),
         Route::Models => Ok(admin::models(state)),
         Route::Health => Ok(empty(StatusCode::OK)),
         Route::Tokenize => {

@@ -15,6 +15,8 @@
 //!    a stream, like kvroute's router and load generator, must set it;
 //! 4. `data: [DONE]`.
 //!
+//! A `/v1/messages` stream is Anthropic's named events instead (`messages.rs`).
+//!
 //! If the engine fails a request mid-stream, the body ends with one
 //! `data: {"error":{...}}` event and no `[DONE]`, so a client cannot mistake it for a
 //! complete answer.
@@ -32,17 +34,28 @@ use tokio::sync::mpsc;
 use super::Body;
 use super::error::ApiError;
 use super::generate::{Admitted, Api, Envelope, Meta, UsageField, UsageJson};
-use super::{chat, completions};
+use super::{chat, completions, messages};
 use crate::engine::Output;
 
 /// The SSE body of a streamed generation whose prompts have all been admitted.
 pub(super) fn body(api: Api, meta: Meta, admitted: Vec<Admitted>, include_usage: bool) -> Body {
     let chunk_usage = UsageField::for_chunks(include_usage);
     let mut opening = Vec::new();
-    if api == Api::Chat {
-        for index in 0..admitted.len() {
-            event(&mut opening, &chat::role_chunk(&meta, index, chunk_usage));
+    match api {
+        Api::Chat => {
+            for index in 0..admitted.len() {
+                event(&mut opening, &chat::role_chunk(&meta, index, chunk_usage));
+            }
         }
+        Api::Messages => {
+            let mut usage = UsageJson::default();
+            for a in &admitted {
+                usage.prompt_tokens += u64::from(a.prompt_tokens);
+                usage.prompt_tokens_details.cached_tokens += u64::from(a.cached_tokens);
+            }
+            opening = messages::opening(&meta, &usage);
+        }
+        Api::Completions => {}
     }
     let state = State {
         api,
@@ -91,16 +104,22 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
                 s.generated[i] += 1;
                 let last = s.generated[i] >= s.max_tokens[i] && !s.finished[i];
                 s.finished[i] |= last;
-                event(&mut buf, &token_chunk(s.api, &s.meta, i, Some(text), last, chunk_usage));
+                match s.api {
+                    Api::Messages => messages::delta(&mut buf, text),
+                    api => event(&mut buf, &token_chunk(api, &s.meta, i, Some(text), last, chunk_usage)),
+                }
             }
             Some((i, Output::Done(usage))) => {
                 s.usage.add(&usage);
                 s.remaining = s.remaining.saturating_sub(1);
-                if !s.finished[i] {
+                if !s.finished[i] && s.api != Api::Messages {
                     s.finished[i] = true;
                     event(&mut buf, &token_chunk(s.api, &s.meta, i, None, true, chunk_usage));
                 }
-                if s.remaining == 0 {
+                if s.remaining == 0 && s.api == Api::Messages {
+                    messages::closing(&mut buf, &s.usage);
+                    s.done = true;
+                } else if s.remaining == 0 {
                     if s.include_usage {
                         event(&mut buf, &usage_chunk(s.api, &s.meta, &s.usage));
                     }
@@ -110,12 +129,12 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
             }
             Some((_, Output::Started { .. })) => {}
             Some((_, Output::Failed(why))) => {
-                event(&mut buf, &ApiError::engine_failed(why).error.to_json());
+                failed(&mut buf, s.api, &ApiError::engine_failed(why));
                 s.done = true;
             }
             None => {
                 let why = "the engine stopped before finishing the request";
-                event(&mut buf, &ApiError::engine_failed(why).error.to_json());
+                failed(&mut buf, s.api, &ApiError::engine_failed(why));
                 s.done = true;
             }
         }
@@ -124,6 +143,14 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
         return None;
     }
     Some((Ok(Frame::data(Bytes::from(buf))), s))
+}
+
+/// The event that ends a failed stream.
+fn failed(buf: &mut Vec<u8>, api: Api, error: &ApiError) {
+    match api {
+        Api::Messages => messages::error(buf, &error.error),
+        _ => event(buf, &error.error.to_json()),
+    }
 }
 
 /// Appends `data: {json}\n\n`.
@@ -146,7 +173,7 @@ fn token_chunk(
 ) -> Vec<u8> {
     match api {
         Api::Completions => completions::chunk(meta, index, text.unwrap_or(""), finish, usage),
-        Api::Chat => chat::chunk(meta, index, text, finish, usage),
+        Api::Chat | Api::Messages => chat::chunk(meta, index, text, finish, usage),
     }
 }
 
@@ -154,7 +181,7 @@ fn token_chunk(
 fn usage_chunk(api: Api, meta: &Meta, usage: &UsageJson) -> Vec<u8> {
     let object = match api {
         Api::Completions => completions::OBJECT,
-        Api::Chat => chat::CHUNK_OBJECT,
+        Api::Chat | Api::Messages => chat::CHUNK_OBJECT,
     };
     Envelope::new(meta, object, [(); 0], UsageField::Present(usage)).to_json()
 }

@@ -321,7 +321,8 @@ where
     }
 }
 
-/// Finds the last `"cached_tokens": N` in a byte stream, across frame boundaries.
+/// Finds the last realized prefix hit in a byte stream, across frame boundaries: OpenAI's
+/// `"cached_tokens": N`, or Anthropic's `"cache_read_input_tokens": N` (`/v1/messages`).
 #[derive(Default, Debug)]
 pub struct UsageScanner {
     /// The tail of the previous frame, in case the pattern straddles two frames.
@@ -329,9 +330,11 @@ pub struct UsageScanner {
     pub cached_tokens: Option<u64>,
 }
 
-const KEY: &[u8] = b"\"cached_tokens\"";
-/// Longest carry needed: the key, a colon, whitespace and a 20-digit number.
-const CARRY: usize = 48;
+/// What both keys begin with; [`KEYS`] are the rest of each.
+const STEM: &[u8] = b"\"cache";
+const KEYS: [&[u8]; 2] = [b"d_tokens\"", b"_read_input_tokens\""];
+/// Longest carry needed: the longer key, a colon, whitespace and a 20-digit number.
+const CARRY: usize = 64;
 
 impl UsageScanner {
     pub fn feed(&mut self, data: &[u8]) {
@@ -343,8 +346,11 @@ impl UsageScanner {
             &joined
         };
         let mut pos = 0;
-        while let Some(off) = memchr::memmem::find(&hay[pos..], KEY) {
-            let start = pos + off + KEY.len();
+        while let Some(off) = memchr::memmem::find(&hay[pos..], STEM) {
+            let after = pos + off + STEM.len();
+            pos = after;
+            let Some(key) = KEYS.iter().find(|key| hay[after..].starts_with(key)) else { continue };
+            let start = after + key.len();
             if let Some(n) = parse_value(&hay[start..]) {
                 self.cached_tokens = Some(n);
             }
@@ -387,6 +393,15 @@ mod tests {
         assert_eq!(s.cached_tokens, None);
         s.feed(b"{\"cached_tokens\" : 7}{\"cached_tokens\":9}");
         assert_eq!(s.cached_tokens, Some(9), "the last one wins");
+        // Anthropic's usage, split anywhere, among keys that begin alike.
+        let body =
+            br#"{"usage":{"cache_creation_input_tokens":3,"input_tokens":8,"cache_read_input_tokens":32}}"#;
+        for split in 0..body.len() {
+            let mut s = UsageScanner::default();
+            s.feed(&body[..split]);
+            s.feed(&body[split..]);
+            assert_eq!(s.cached_tokens, Some(32), "split at {split}");
+        }
     }
 
     /// Whether a body ended, and the cached tokens it found.

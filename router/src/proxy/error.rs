@@ -1,5 +1,6 @@
-//! Every error the router itself answers with, in one place: OpenAI's error JSON shape, the
-//! right status, and the request id (in the body's message and the `x-request-id` header).
+//! Every error the router itself answers with, in one place: OpenAI's error JSON shape (for
+//! `/v1/messages*`, inside Anthropic's envelope, [`Client`]), the right status, and the
+//! request id (in the body's message and the `x-request-id` header).
 //!
 //! | status | when |
 //! |---|---|
@@ -17,6 +18,24 @@ use http::{HeaderValue, Response, StatusCode};
 use kvroute_proto::openai::{OpenAiError, RequestError};
 
 use super::body::{ProxyBody, full};
+
+/// Whose API a request is in, which decides the error envelope: OpenAI's
+/// `{"error":{…}}`, or for `/v1/messages*` Anthropic's `{"type":"error","error":{…}}` (the
+/// same error object inside).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Client {
+    OpenAi,
+    Anthropic,
+}
+
+impl Client {
+    pub fn of_path(path: &str) -> Self {
+        match path.strip_prefix(kvroute_proto::openai::request::anthropic::MESSAGES_PATH) {
+            Some(rest) if rest.is_empty() || rest.starts_with('/') => Client::Anthropic,
+            _ => Client::OpenAi,
+        }
+    }
+}
 
 /// An error the router answers itself.
 #[derive(Debug, thiserror::Error)]
@@ -145,9 +164,18 @@ impl ProxyError {
 
     /// The response: OpenAI error JSON with the status and request id.
     pub fn into_response(self, request_id: &str) -> Response<ProxyBody> {
+        self.into_response_for(request_id, Client::OpenAi)
+    }
+
+    /// [`ProxyError::into_response`], the body in the envelope `client` reads.
+    pub fn into_response_for(self, request_id: &str, client: Client) -> Response<ProxyBody> {
         let mut err = self.openai();
         err.message = format!("{} (request id {request_id})", err.message);
-        let mut response = Response::new(full(Bytes::from(err.to_json())));
+        let body = match client {
+            Client::OpenAi => err.to_json(),
+            Client::Anthropic => err.to_anthropic_json(),
+        };
+        let mut response = Response::new(full(Bytes::from(body)));
         *response.status_mut() = self.status();
         let headers = response.headers_mut();
         headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));

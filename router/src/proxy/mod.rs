@@ -2,7 +2,7 @@
 //!
 //! | path | what the router does |
 //! |---|---|
-//! | `POST /v1/completions`, `POST /v1/chat/completions` | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]) |
+//! | `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages` (Anthropic's API, decided as the chat request vLLM makes of it) | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]) |
 //! | other `/v1/*`, and the engines' own paths outside `/v1` that do not generate (`/tokenize`, `/rerank`, ...: [`paths`]) | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused) |
 //! | `GET /v1/models` | the fleet's model and LoRA adapters |
 //! | `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter` (and SGLang's spellings) | sent to every replica, with `--lora-updates` ([`lora`]) |
@@ -178,6 +178,7 @@ pub async fn serve(
 
 async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>) -> Response<ProxyBody> {
     let request_id = request_id(&req);
+    let client = error::Client::of_path(req.uri().path());
     // For the access log's lines, only when it is on (a clock read is not free).
     let received = state.forward.access_log.then(tokio::time::Instant::now);
     let asked = state.forward.access_log.then(|| (req.method().clone(), req.uri().path().to_owned()));
@@ -195,7 +196,7 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
             if let (Some((method, path)), Some(received)) = (&asked, received) {
                 access::refused(&request_id, method, path, received, &e);
             }
-            e.into_response(&request_id)
+            e.into_response_for(&request_id, client)
         }
     };
     state.decider.metrics.count_response(response.status().as_u16());
@@ -220,6 +221,9 @@ async fn dispatch(
         }
         (Method::POST, "/v1/chat/completions") => {
             Box::pin(routed(state, pool, req, Endpoint::ChatCompletions, (request_id, received))).await
+        }
+        (Method::POST, "/v1/messages") => {
+            Box::pin(routed(state, pool, req, Endpoint::Messages, (request_id, received))).await
         }
         (Method::GET, "/v1/models") => Ok(json(StatusCode::OK, models(state))),
         (Method::POST, p) if let Some(change) = lora::route(p) => {

@@ -10,5 +10,6 @@ mod fleet;
 mod headers;
 mod ingest;
 mod limits;
+mod messages;
 mod proxy;
 mod support;

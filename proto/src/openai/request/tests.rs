@@ -18,6 +18,22 @@ fn endpoints_from_paths() {
     assert_eq!(Endpoint::from_path("/v1/completions"), Some(Endpoint::Completions));
     assert_eq!(Endpoint::from_path("/v1/chat/completions/"), Some(Endpoint::ChatCompletions));
     assert_eq!(Endpoint::from_path("/v1/embeddings"), None);
+    assert_eq!(Endpoint::from_path("/v1/messages"), Some(Endpoint::Messages));
+    assert_eq!(Endpoint::from_path("/v1/messages/count_tokens"), None);
+}
+
+#[test]
+fn a_messages_body_is_read_as_the_chat_request_it_becomes() {
+    let body = br#"{"model":"m","max_tokens":3,"system":"S","messages":[{"role":"user","content":"q"}]}"#;
+    assert!(ParsedRequest::parse(Endpoint::Messages, body).is_err(), "not without conversion");
+    let (endpoint, readable) = Endpoint::Messages.readable(body).unwrap();
+    assert_eq!(endpoint, Endpoint::ChatCompletions);
+    let ParsedRequest::Chat(chat) = ParsedRequest::parse(endpoint, &readable).unwrap() else {
+        panic!("a chat")
+    };
+    assert_eq!((chat.model.as_ref(), chat.messages.len(), chat.max_tokens), ("m", 2, Some(3)));
+    let (endpoint, same) = Endpoint::Completions.readable(b"{}").unwrap();
+    assert!(endpoint == Endpoint::Completions && matches!(same, Cow::Borrowed(b"{}")));
 }
 
 #[test]

@@ -1,0 +1,798 @@
+//! Anthropic's Messages API (`POST /v1/messages`) as vLLM serves it: a Messages request
+//! becomes the chat completion request vLLM turns it into before rendering it with the
+//! model's chat template (`vllm/entrypoints/anthropic/serving.py` and `inline_system.py`,
+//! 2026), so the router and the replica agent compute the prompt vLLM will.
+//! [`chat_body`] writes that request as JSON, for [`super::ChatRequest::parse`].
+//!
+//! The conversion, in vLLM's order:
+//!
+//! 1. **System prompt.** `system` is a string (as it is) or text blocks (their non-empty
+//!    texts joined with nothing between them, a block that starts with
+//!    `x-anthropic-billing-header` left out: Claude Code's per-request attribution, which would
+//!    defeat prefix caching). System messages that lead `messages` are appended to it, each
+//!    joined with a blank line; the result is the first message, `role: "system"`.
+//! 2. **Inline system messages** (later `role: "system"` messages, which Claude Code sends):
+//!    first moved past the tool results that answer an assistant's `tool_use`; then kept in
+//!    place as system messages when there is a system prompt, or else folded into the
+//!    neighbouring user text (see [`fold`]). vLLM chooses between the two by probing the
+//!    model's template once ("auto"); this keeps them in place whenever vLLM's `preserve`
+//!    would, so behind a vLLM that chose `fold` for a template that cannot render a system turn
+//!    mid-conversation, only the conversation's end differs.
+//! 3. **Content blocks.** A string stays a string. Of a list of blocks: non-empty `text`
+//!    blocks become text parts (one alone becomes a string; several are joined with `"\n"` by
+//!    the chat parser, as vLLM's string content format joins them); `image` becomes an
+//!    `image_url` part (media: the prompt is hashed up to that message); `thinking` becomes
+//!    the message's `reasoning` (texts joined with nothing); `redacted_thinking` and
+//!    `tool_reference` are dropped; `tool_use` becomes a tool call whose `arguments` is the
+//!    `input` object (`{}` when absent); a user's `tool_result` becomes a `role: "tool"`
+//!    message placed *before* the user message (its text items joined with `"\n"`; its images
+//!    a user message of `image_url` parts after it); an assistant's `tool_result` becomes the
+//!    text `Tool result: {content}` (a list there is written by Python's `str()`, which is
+//!    not reproduced: that message counts as media). A user message left with no content is
+//!    dropped.
+//! 4. **Tools.** `{name, description, input_schema}` becomes `{"type": "function",
+//!    "function": {"name", "description" (null when absent), "parameters" (the schema, with
+//!    `"type": "object"` added at its end when it has no `type`), "strict" and
+//!    "defer_loading" (when set)}}`.
+//! 5. **The rest.** `model`, `max_tokens` (required), `stream`, `cache_salt` and
+//!    `chat_template_kwargs` are carried over; `output_config.effort` becomes
+//!    `reasoning_effort`, and `thinking: {"type": "disabled"}` makes it `"none"` (vLLM may
+//!    probe for `"low"` instead, for a template that ignores `"none"`). Sampling fields do not
+//!    change the prompt and are left out.
+//!
+//! What is read is validated as vLLM's request model validates it, each problem a
+//! [`RequestError`] naming the field at fault; unknown fields and block types are skipped.
+
+use std::borrow::Cow;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+use serde_json::value::RawValue;
+
+use super::{Str, object, parse_object};
+use crate::openai::error::{MessageProblem, RequestError};
+
+/// The path of the Messages API.
+pub const MESSAGES_PATH: &str = "/v1/messages";
+
+/// Claude Code's per-request attribution block, left out of system prompts.
+const BILLING_HEADER: &str = "x-anthropic-billing-header";
+
+/// The chat completion request, as JSON, that vLLM makes of the Messages request `body`.
+pub fn chat_body(body: &[u8]) -> Result<Vec<u8>, RequestError> {
+    const FIELDS: [&str; 10] = [
+        "model",
+        "messages",
+        "system",
+        "max_tokens",
+        "stream",
+        "cache_salt",
+        "chat_template_kwargs",
+        "tools",
+        "thinking",
+        "output_config",
+    ];
+    let [model, messages, system, max_tokens, stream, cache_salt, kwargs, tools, thinking, output_config] =
+        parse_object(body, &FIELDS)?;
+    let messages = parse_messages(messages.ok_or(RequestError::MissingField { param: "messages" })?)?;
+    let max_tokens = max_tokens.ok_or(RequestError::MissingField { param: "max_tokens" })?;
+    let system = system_prompt(system)?;
+
+    let (leading, rest) = place_inline_system(messages, !system.is_empty());
+    let mut out = Vec::new();
+    let system = join([system.as_ref(), leading.as_str()]);
+    if !system.is_empty() {
+        out.push(OutMessage::text(Role::System, Cow::Owned(system)));
+    }
+    for message in rest {
+        convert(message, &mut out)?;
+    }
+    let body = ChatBody {
+        model,
+        messages: out,
+        max_tokens,
+        stream,
+        cache_salt,
+        chat_template_kwargs: kwargs,
+        tools: tools.map(convert_tools).transpose()?,
+        reasoning_effort: reasoning_effort(thinking, output_config)?,
+    };
+    // Strings, raw JSON and options only: serializing into a Vec cannot fail.
+    Ok(serde_json::to_vec(&body).unwrap_or_default())
+}
+
+/// The chat completion request written out.
+#[derive(Serialize)]
+struct ChatBody<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model: Option<&'a RawValue>,
+    messages: Vec<OutMessage<'a>>,
+    max_tokens: &'a RawValue,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream: Option<&'a RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_salt: Option<&'a RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    chat_template_kwargs: Option<&'a RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<Vec<Tool<'a>>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_effort: Option<Cow<'a, str>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Role {
+    System,
+    User,
+    Assistant,
+    Tool,
+}
+
+/// One message of the request, parsed.
+#[derive(Debug)]
+struct Message<'a> {
+    role: Role,
+    content: Content<'a>,
+}
+
+#[derive(Debug)]
+enum Content<'a> {
+    Text(Cow<'a, str>),
+    Blocks(Vec<Block<'a>>),
+}
+
+/// A content block: the fields vLLM reads of it.
+#[derive(Debug, Clone)]
+enum Block<'a> {
+    Text(Cow<'a, str>),
+    Image(String),
+    Thinking(Cow<'a, str>),
+    ToolUse {
+        id: Option<Cow<'a, str>>,
+        name: Cow<'a, str>,
+        input: Option<&'a RawValue>,
+    },
+    ToolResult {
+        tool_use_id: Cow<'a, str>,
+        content: ToolResult<'a>,
+    },
+    /// A block that adds nothing to the prompt (`redacted_thinking`, `tool_reference`, types
+    /// vLLM skips).
+    Skipped,
+}
+
+/// A `tool_result`'s content.
+#[derive(Debug, Clone)]
+enum ToolResult<'a> {
+    None,
+    Text(Cow<'a, str>),
+    Items(Vec<Item<'a>>),
+}
+
+/// An item of a `tool_result`'s content list.
+#[derive(Debug, Clone)]
+enum Item<'a> {
+    Text(Cow<'a, str>),
+    Image(String),
+    Reference(Cow<'a, str>),
+    Other,
+}
+
+fn parse_messages(raw: &RawValue) -> Result<Vec<Message<'_>>, RequestError> {
+    let not_array = || RequestError::InvalidField { param: "messages", expected: "an array of messages" };
+    if !raw.get().starts_with('[') {
+        return Err(not_array());
+    }
+    let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| not_array())?;
+    if items.is_empty() {
+        return Err(RequestError::EmptyMessages);
+    }
+    items.into_iter().enumerate().map(|(index, raw)| parse_message(index, raw)).collect()
+}
+
+fn parse_message(index: usize, raw: &RawValue) -> Result<Message<'_>, RequestError> {
+    let problem = |problem| RequestError::InvalidMessage { index, problem };
+    if !raw.get().starts_with('{') {
+        return Err(problem(MessageProblem::NotAnObject));
+    }
+    let [role, content] =
+        object::fields(raw.get().as_bytes(), &["role", "content"]).map_err(RequestError::Json)?;
+    let role = match string(role.ok_or(problem(MessageProblem::MissingRole))?) {
+        Some(role) => role,
+        None => return Err(problem(MessageProblem::BadRole)),
+    };
+    let role = match role.as_ref() {
+        "user" => Role::User,
+        "assistant" => Role::Assistant,
+        "system" => Role::System,
+        _ => {
+            return Err(RequestError::InvalidAt {
+                at: format!("messages[{index}].role"),
+                expected: "\"user\", \"assistant\" or \"system\"",
+            });
+        }
+    };
+    let at = format!("messages[{index}].content");
+    let content = content.ok_or_else(|| RequestError::InvalidAt { at: at.clone(), expected: BLOCKS })?;
+    Ok(Message { role, content: parse_content(content, &at)? })
+}
+
+const BLOCKS: &str = "a string or an array of content blocks";
+
+fn parse_content<'a>(raw: &'a RawValue, at: &str) -> Result<Content<'a>, RequestError> {
+    if let Some(text) = string(raw) {
+        return Ok(Content::Text(text));
+    }
+    let invalid = || RequestError::InvalidAt { at: at.to_owned(), expected: BLOCKS };
+    if !raw.get().starts_with('[') {
+        return Err(invalid());
+    }
+    let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| invalid())?;
+    let blocks: Result<Vec<_>, _> =
+        items.into_iter().enumerate().map(|(i, raw)| parse_block(raw, &format!("{at}[{i}]"))).collect();
+    Ok(Content::Blocks(blocks?))
+}
+
+fn parse_block<'a>(raw: &'a RawValue, at: &str) -> Result<Block<'a>, RequestError> {
+    const FIELDS: [&str; 8] = ["type", "text", "source", "id", "name", "input", "content", "tool_use_id"];
+    let bad = |field: &str, expected| RequestError::InvalidAt { at: format!("{at}{field}"), expected };
+    if !raw.get().starts_with('{') {
+        return Err(bad("", "a content block object"));
+    }
+    let [kind, text, source, id, name, input, content, tool_use_id] =
+        object::fields(raw.get().as_bytes(), &FIELDS).map_err(RequestError::Json)?;
+    let kind = kind.and_then(string).ok_or_else(|| bad(".type", "a string"))?;
+    // A string field: absent or null is `None`, any other type an error.
+    let text_of = |raw: Option<&'a RawValue>, field: &str| match raw {
+        None => Ok(None),
+        Some(raw) => string(raw).map(Some).ok_or_else(|| bad(field, "a string")),
+    };
+    Ok(match kind.as_ref() {
+        "text" => Block::Text(text_of(text, ".text")?.unwrap_or_default()),
+        "image" => match source {
+            Some(source) => Block::Image(image_url(source)),
+            None => Block::Skipped,
+        },
+        "thinking" => {
+            let [thinking] =
+                object::fields(raw.get().as_bytes(), &["thinking"]).map_err(RequestError::Json)?;
+            match text_of(thinking, ".thinking")? {
+                Some(thinking) => Block::Thinking(thinking),
+                None => Block::Skipped,
+            }
+        }
+        "tool_use" => {
+            if input.is_some_and(|i| !i.get().starts_with('{')) {
+                return Err(bad(".input", "an object"));
+            }
+            Block::ToolUse {
+                id: text_of(id, ".id")?,
+                name: text_of(name, ".name")?.unwrap_or_default(),
+                input,
+            }
+        }
+        "tool_result" => Block::ToolResult {
+            tool_use_id: text_of(tool_use_id, ".tool_use_id")?.unwrap_or_default(),
+            content: parse_tool_result(content, &format!("{at}.content"))?,
+        },
+        _ => Block::Skipped,
+    })
+}
+
+fn parse_tool_result<'a>(raw: Option<&'a RawValue>, at: &str) -> Result<ToolResult<'a>, RequestError> {
+    let invalid =
+        || RequestError::InvalidAt { at: at.to_owned(), expected: "a string or an array of objects" };
+    let Some(raw) = raw else { return Ok(ToolResult::None) };
+    if let Some(text) = string(raw) {
+        return Ok(ToolResult::Text(text));
+    }
+    if !raw.get().starts_with('[') {
+        return Err(invalid());
+    }
+    let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| invalid())?;
+    let mut out = Vec::with_capacity(items.len());
+    for raw in items {
+        if !raw.get().starts_with('{') {
+            return Err(invalid());
+        }
+        let [kind, text, source, tool_name, name] =
+            object::fields(raw.get().as_bytes(), &["type", "text", "source", "tool_name", "name"])
+                .map_err(RequestError::Json)?;
+        // As vLLM reads these items (plain dicts): a missing or odd field is a default.
+        let text_field = |raw: Option<&'a RawValue>| raw.and_then(string);
+        out.push(match kind.and_then(string).as_deref() {
+            Some("text") => Item::Text(text_field(text).unwrap_or_default()),
+            Some("image") => Item::Image(source.map(image_url).unwrap_or_default()),
+            Some("tool_reference") => match text_field(tool_name).or_else(|| text_field(name)) {
+                Some(name) if !name.is_empty() => Item::Reference(name),
+                _ => Item::Other,
+            },
+            _ => Item::Other,
+        });
+    }
+    Ok(ToolResult::Items(out))
+}
+
+/// An image `source` as the URL vLLM makes of it: a `url` source's URL, else a data URL.
+fn image_url(source: &RawValue) -> String {
+    fn text(raw: Option<&RawValue>) -> Option<Cow<'_, str>> {
+        raw.and_then(string)
+    }
+    let Ok([kind, url, media_type, data]) =
+        object::fields(source.get().as_bytes(), &["type", "url", "media_type", "data"])
+    else {
+        return String::new();
+    };
+    if text(kind).as_deref() == Some("url") {
+        return text(url).unwrap_or_default().into_owned();
+    }
+    let media_type = text(media_type).unwrap_or(Cow::Borrowed("image/jpeg"));
+    format!("data:{media_type};base64,{}", text(data).unwrap_or_default())
+}
+
+/// A JSON string's value, if `raw` is one.
+fn string(raw: &RawValue) -> Option<Cow<'_, str>> {
+    raw.get().starts_with('"').then(|| serde_json::from_str::<Str<'_>>(raw.get()).ok()).flatten().map(|s| s.0)
+}
+
+/// The top-level `system`: a string as it is, or its text blocks' text.
+fn system_prompt(raw: Option<&RawValue>) -> Result<Cow<'_, str>, RequestError> {
+    let Some(raw) = raw else { return Ok(Cow::Borrowed("")) };
+    match parse_content(raw, "system") {
+        Ok(Content::Text(text)) => Ok(text),
+        Ok(Content::Blocks(blocks)) => Ok(Cow::Owned(blocks_text(&blocks))),
+        Err(_) => Err(RequestError::InvalidField {
+            param: "system",
+            expected: "a string or an array of text blocks",
+        }),
+    }
+}
+
+/// Text blocks' non-empty texts joined with nothing, the billing header left out.
+fn blocks_text(blocks: &[Block<'_>]) -> String {
+    blocks
+        .iter()
+        .filter_map(|b| match b {
+            Block::Text(text) if !text.is_empty() && !text.starts_with(BILLING_HEADER) => Some(text.as_ref()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A system message's text, the billing header left out.
+fn system_text<'m>(message: &'m Message<'_>) -> Cow<'m, str> {
+    match &message.content {
+        Content::Text(text) if text.starts_with(BILLING_HEADER) => Cow::Borrowed(""),
+        Content::Text(text) => Cow::Borrowed(text),
+        Content::Blocks(blocks) => Cow::Owned(blocks_text(blocks)),
+    }
+}
+
+/// Non-empty texts joined with a blank line.
+fn join<'t>(texts: impl IntoIterator<Item = &'t str>) -> String {
+    texts.into_iter().filter(|t| !t.is_empty()).collect::<Vec<_>>().join("\n\n")
+}
+
+/// The text of the system messages that lead `messages`, and the rest placed as vLLM places
+/// them (module docs, step 2); `has_system` when the request has a system prompt.
+fn place_inline_system(messages: Vec<Message<'_>>, has_system: bool) -> (String, Vec<Message<'_>>) {
+    if messages.iter().all(|m| m.role != Role::System) {
+        return (String::new(), messages);
+    }
+    let leading = messages.iter().take_while(|m| m.role == Role::System).count();
+    let mut messages = messages.into_iter();
+    let texts: Vec<String> = messages.by_ref().take(leading).map(|m| system_text(&m).into_owned()).collect();
+    let leading = join(texts.iter().map(String::as_str));
+    let rest = move_out_of_tool_runs(messages.collect());
+    if has_system || !leading.is_empty() {
+        return (leading, rest);
+    }
+    (leading, fold(rest))
+}
+
+/// System messages between an assistant's `tool_use` and the user message with its results
+/// move after that message.
+fn move_out_of_tool_runs(messages: Vec<Message<'_>>) -> Vec<Message<'_>> {
+    let mut out = Vec::with_capacity(messages.len());
+    let mut held = Vec::new();
+    let mut awaiting_results = false;
+    for message in messages {
+        if message.role == Role::System {
+            if awaiting_results {
+                held.push(message)
+            } else {
+                out.push(message)
+            }
+            continue;
+        }
+        let role = message.role;
+        if role == Role::Assistant {
+            out.append(&mut held);
+        }
+        awaiting_results = role == Role::Assistant
+            && matches!(&message.content, Content::Blocks(b) if b.iter().any(|b| matches!(b, Block::ToolUse { .. })));
+        out.push(message);
+        if role == Role::User {
+            out.append(&mut held);
+        }
+    }
+    out.append(&mut held);
+    out
+}
+
+/// vLLM's `fold` mode: an inline system message's text joins the user message before it
+/// (its own text, or its last tool result when it has only tool results), or the next user
+/// message's start, or becomes a user message of its own after an assistant turn.
+fn fold(messages: Vec<Message<'_>>) -> Vec<Message<'_>> {
+    let mut out: Vec<Message<'_>> = Vec::with_capacity(messages.len());
+    let mut pending: Vec<String> = Vec::new();
+    for mut message in messages {
+        if message.role == Role::System {
+            let text = system_text(&message).into_owned();
+            if text.is_empty() {
+                continue;
+            }
+            match out.last_mut() {
+                Some(last) if last.role == Role::User && pending.is_empty() => append_to_user(last, text),
+                _ => pending.push(text),
+            }
+            continue;
+        }
+        if !pending.is_empty() {
+            let text = join(pending.iter().map(String::as_str));
+            pending.clear();
+            if message.role == Role::User {
+                message.content = add_text(message.content, text, false);
+            } else {
+                out.push(Message { role: Role::User, content: Content::Text(Cow::Owned(text)) });
+            }
+        }
+        out.push(message);
+    }
+    if !pending.is_empty() {
+        let text = join(pending.iter().map(String::as_str));
+        out.push(Message { role: Role::User, content: Content::Text(Cow::Owned(text)) });
+    }
+    out
+}
+
+/// Joins `text` onto the text at one end of `content`: into the end text block, or as a new
+/// text block.
+fn add_text<'a>(content: Content<'a>, text: String, at_end: bool) -> Content<'a> {
+    match content {
+        Content::Text(old) => {
+            let joined = if at_end { join([old.as_ref(), &text]) } else { join([text.as_str(), &old]) };
+            Content::Text(Cow::Owned(joined))
+        }
+        Content::Blocks(mut blocks) => {
+            let end = if at_end { blocks.len().checked_sub(1) } else { (!blocks.is_empty()).then_some(0) };
+            match end.map(|i| (i, &blocks[i])) {
+                Some((i, Block::Text(old))) => {
+                    let joined =
+                        if at_end { join([old.as_ref(), &text]) } else { join([text.as_str(), old]) };
+                    blocks[i] = Block::Text(Cow::Owned(joined));
+                }
+                _ if at_end => blocks.push(Block::Text(Cow::Owned(text))),
+                _ => blocks.insert(0, Block::Text(Cow::Owned(text))),
+            }
+            Content::Blocks(blocks)
+        }
+    }
+}
+
+/// Appends `text` to a user message's own text or, when it has only tool results, to the
+/// last of them.
+fn append_to_user(message: &mut Message<'_>, text: String) {
+    let content = std::mem::replace(&mut message.content, Content::Blocks(Vec::new()));
+    message.content = match content {
+        Content::Blocks(mut blocks)
+            if !blocks.is_empty() && blocks.iter().all(|b| matches!(b, Block::ToolResult { .. })) =>
+        {
+            if let Some(Block::ToolResult { content, .. }) = blocks.last_mut() {
+                *content = match std::mem::replace(content, ToolResult::None) {
+                    ToolResult::None => ToolResult::Text(Cow::Owned(text)),
+                    ToolResult::Text(old) => ToolResult::Text(Cow::Owned(join([old.as_ref(), &text]))),
+                    ToolResult::Items(mut items) => {
+                        match items.last_mut() {
+                            Some(Item::Text(old)) => *old = Cow::Owned(join([old.as_ref(), &text])),
+                            _ => items.push(Item::Text(Cow::Owned(text))),
+                        }
+                        ToolResult::Items(items)
+                    }
+                };
+            }
+            Content::Blocks(blocks)
+        }
+        Content::Text(old) => add_text(Content::Text(old), text, true),
+        Content::Blocks(blocks) => {
+            let (results, own): (Vec<_>, Vec<_>) =
+                blocks.into_iter().partition(|b| matches!(b, Block::ToolResult { .. }));
+            let Content::Blocks(own) = add_text(Content::Blocks(own), text, true) else { unreachable!() };
+            Content::Blocks(results.into_iter().chain(own).collect())
+        }
+    };
+}
+
+/// A chat message written out.
+#[derive(Serialize)]
+struct OutMessage<'a> {
+    role: Role,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<OutContent<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<ToolCall<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_call_id: Option<Cow<'a, str>>,
+}
+
+impl<'a> OutMessage<'a> {
+    fn text(role: Role, text: Cow<'a, str>) -> Self {
+        OutMessage {
+            role,
+            content: Some(OutContent::Text(text)),
+            reasoning: None,
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum OutContent<'a> {
+    Text(Cow<'a, str>),
+    Parts(Vec<Part<'a>>),
+}
+
+#[derive(Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Part<'a> {
+    Text {
+        text: Cow<'a, str>,
+    },
+    ImageUrl {
+        image_url: Url,
+    },
+    ToolReference {
+        name: Cow<'a, str>,
+    },
+    /// Text vLLM writes with Python's `str()` of a JSON value, which is not reproduced: a part
+    /// the chat parser takes for media, so the prompt is hashed up to its message.
+    PythonRepr,
+}
+
+#[derive(Serialize)]
+struct Url {
+    url: String,
+}
+
+#[derive(Serialize)]
+struct ToolCall<'a> {
+    id: Cow<'a, str>,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: Function<'a>,
+}
+
+#[derive(Serialize)]
+struct Function<'a> {
+    name: Cow<'a, str>,
+    /// The `input` object's JSON (the chat template parses it again, so its spacing is
+    /// irrelevant and its key order is kept).
+    arguments: &'a str,
+}
+
+/// Appends what vLLM makes of `message` to `out` (module docs, step 3).
+fn convert<'a>(message: Message<'a>, out: &mut Vec<OutMessage<'a>>) -> Result<(), RequestError> {
+    let role = message.role;
+    if role == Role::System {
+        let text = system_text(&message).into_owned();
+        if !text.is_empty() {
+            out.push(OutMessage::text(Role::System, Cow::Owned(text)));
+        }
+        return Ok(());
+    }
+    let blocks = match message.content {
+        Content::Text(text) => {
+            out.push(OutMessage::text(role, text));
+            return Ok(());
+        }
+        Content::Blocks(blocks) => blocks,
+    };
+    let mut parts = Vec::new();
+    let mut tool_calls = Vec::new();
+    let mut reasoning: Option<String> = None;
+    for block in blocks {
+        match block {
+            Block::Text(text) if !text.is_empty() => parts.push(Part::Text { text }),
+            Block::Text(_) | Block::Skipped => {}
+            Block::Image(url) => parts.push(Part::ImageUrl { image_url: Url { url } }),
+            Block::Thinking(text) => reasoning.get_or_insert_default().push_str(&text),
+            Block::ToolUse { id, name, input } => tool_calls.push(ToolCall {
+                id: id
+                    .filter(|id| !id.is_empty())
+                    .unwrap_or_else(|| Cow::Owned(format!("call_{}", unix_now()))),
+                kind: "function",
+                function: Function { name, arguments: input.map_or("{}", RawValue::get) },
+            }),
+            Block::ToolResult { tool_use_id, content } if role == Role::User => {
+                tool_result_messages(tool_use_id, content, out);
+            }
+            Block::ToolResult { content, .. } => parts.push(match content {
+                ToolResult::None => Part::Text { text: Cow::Borrowed("Tool result: ") },
+                ToolResult::Text(text) => Part::Text { text: Cow::Owned(format!("Tool result: {text}")) },
+                ToolResult::Items(_) => Part::PythonRepr,
+            }),
+        }
+    }
+    let content = match parts.len() {
+        0 => None,
+        1 if matches!(parts[0], Part::Text { .. }) => match parts.pop() {
+            Some(Part::Text { text }) => Some(OutContent::Text(text)),
+            _ => None,
+        },
+        _ => Some(OutContent::Parts(parts)),
+    };
+    if role == Role::User && content.is_none() {
+        return Ok(());
+    }
+    out.push(OutMessage { role, content, reasoning, tool_calls, tool_call_id: None });
+    Ok(())
+}
+
+/// A user's `tool_result`: a tool message, then its images as a user message, then its tool
+/// references as another tool message.
+fn tool_result_messages<'a>(
+    tool_use_id: Cow<'a, str>,
+    content: ToolResult<'a>,
+    out: &mut Vec<OutMessage<'a>>,
+) {
+    let (text, images, references) = match content {
+        ToolResult::None => (Cow::Borrowed(""), Vec::new(), Vec::new()),
+        ToolResult::Text(text) => (text, Vec::new(), Vec::new()),
+        ToolResult::Items(items) => {
+            let (mut texts, mut images, mut references) = (Vec::new(), Vec::new(), Vec::new());
+            for item in items {
+                match item {
+                    Item::Text(text) => texts.push(text),
+                    Item::Image(url) if !url.is_empty() => {
+                        images.push(Part::ImageUrl { image_url: Url { url } })
+                    }
+                    Item::Reference(name) => references.push(Part::ToolReference { name }),
+                    Item::Image(_) | Item::Other => {}
+                }
+            }
+            (Cow::Owned(texts.join("\n")), images, references)
+        }
+    };
+    let message = |role, content, tool_call_id| OutMessage {
+        role,
+        content: Some(content),
+        reasoning: None,
+        tool_calls: Vec::new(),
+        tool_call_id,
+    };
+    out.push(message(Role::Tool, OutContent::Text(text), Some(tool_use_id.clone())));
+    if !images.is_empty() {
+        out.push(message(Role::User, OutContent::Parts(images), None));
+    }
+    if !references.is_empty() {
+        out.push(message(Role::Tool, OutContent::Parts(references), Some(tool_use_id)));
+    }
+}
+
+/// An OpenAI tool definition (module docs, step 4).
+#[derive(Serialize)]
+struct Tool<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: ToolFunction<'a>,
+}
+
+#[derive(Serialize)]
+struct ToolFunction<'a> {
+    name: Cow<'a, str>,
+    description: Option<Cow<'a, str>>,
+    parameters: Box<RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    strict: Option<&'a RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    defer_loading: Option<&'a RawValue>,
+}
+
+fn convert_tools(raw: &RawValue) -> Result<Vec<Tool<'_>>, RequestError> {
+    let not_array = || RequestError::InvalidField { param: "tools", expected: "an array of tools" };
+    if !raw.get().starts_with('[') {
+        return Err(not_array());
+    }
+    let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| not_array())?;
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, raw)| {
+            let bad = |field: &str, expected| RequestError::InvalidAt {
+                at: format!("tools[{i}]{field}"),
+                expected,
+            };
+            if !raw.get().starts_with('{') {
+                return Err(bad("", "a tool object"));
+            }
+            let [name, description, schema, strict, defer_loading] = object::fields(
+                raw.get().as_bytes(),
+                &["name", "description", "input_schema", "strict", "defer_loading"],
+            )
+            .map_err(RequestError::Json)?;
+            let name = name.and_then(string).ok_or_else(|| bad(".name", "a string"))?;
+            let description = match description {
+                None => None,
+                Some(raw) => Some(string(raw).ok_or_else(|| bad(".description", "a string"))?),
+            };
+            let schema = schema
+                .filter(|s| s.get().starts_with('{'))
+                .ok_or_else(|| bad(".input_schema", "an object"))?;
+            Ok(Tool {
+                kind: "function",
+                function: ToolFunction {
+                    name,
+                    description,
+                    parameters: with_object_type(schema)?,
+                    strict,
+                    defer_loading,
+                },
+            })
+        })
+        .collect()
+}
+
+/// `schema` with `"type": "object"` added at its end when it has no `type`.
+fn with_object_type(schema: &RawValue) -> Result<Box<RawValue>, RequestError> {
+    let [kind] = object::fields(schema.get().as_bytes(), &["type"]).map_err(RequestError::Json)?;
+    let text = schema.get();
+    let owned = match kind {
+        Some(_) => text.to_owned(),
+        None => {
+            let inner = text[1..text.len() - 1].trim();
+            if inner.is_empty() {
+                r#"{"type":"object"}"#.to_owned()
+            } else {
+                format!(r#"{{{inner},"type":"object"}}"#)
+            }
+        }
+    };
+    RawValue::from_string(owned).map_err(RequestError::Json)
+}
+
+/// `reasoning_effort` from `output_config.effort`, overridden by `thinking: {"type":
+/// "disabled"}` (`"none"`).
+fn reasoning_effort<'a>(
+    thinking: Option<&'a RawValue>,
+    output_config: Option<&'a RawValue>,
+) -> Result<Option<Cow<'a, str>>, RequestError> {
+    let field = |raw: Option<&'a RawValue>,
+                 param: &'static str,
+                 key: &str|
+     -> Result<Option<Cow<'a, str>>, RequestError> {
+        let Some(raw) = raw else { return Ok(None) };
+        let invalid = RequestError::InvalidField { param, expected: "an object" };
+        if !raw.get().starts_with('{') {
+            return Err(invalid);
+        }
+        let [value] = object::fields(raw.get().as_bytes(), &[key]).map_err(RequestError::Json)?;
+        Ok(value.and_then(string))
+    };
+    let disabled = field(thinking, "thinking", "type")?.is_some_and(|t| t == "disabled");
+    if disabled {
+        return Ok(Some(Cow::Borrowed("none")));
+    }
+    field(output_config, "output_config", "effort")
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests;

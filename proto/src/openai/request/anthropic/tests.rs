@@ -1,0 +1,279 @@
+use serde_json::{Value, json};
+
+use super::chat_body;
+use crate::openai::request::ChatRequest;
+use crate::openai::{ChatTemplate, MessageProblem, RequestError};
+
+/// The chat request made of the Messages request `body`.
+fn chat(body: Value) -> Value {
+    serde_json::from_slice(&chat_body(body.to_string().as_bytes()).unwrap()).unwrap()
+}
+
+fn error(body: Value) -> RequestError {
+    chat_body(body.to_string().as_bytes()).unwrap_err()
+}
+
+#[test]
+fn the_system_prompt_comes_first_without_the_billing_header_and_with_leading_system_messages() {
+    let out = chat(json!({
+        "model": "m", "max_tokens": 8, "stream": true, "cache_salt": "tenant",
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=abc;"},
+            {"type": "text", "text": "You are "},
+            {"type": "text", "text": ""},
+            {"type": "text", "text": "helpful."}
+        ],
+        "messages": [
+            {"role": "system", "content": "Project rules."},
+            {"role": "system", "content": [{"type": "text", "text": "More rules."}]},
+            {"role": "user", "content": "hi"}
+        ],
+        "temperature": 0.2, "stop_sequences": ["\n"]
+    }));
+    assert_eq!(
+        out,
+        json!({
+            "model": "m", "max_tokens": 8, "stream": true, "cache_salt": "tenant",
+            "messages": [
+                {"role": "system", "content": "You are helpful.\n\nProject rules.\n\nMore rules."},
+                {"role": "user", "content": "hi"}
+            ]
+        })
+    );
+    // A string system prompt is taken as it is, header or not.
+    let out = chat(
+        json!({"max_tokens": 1, "system": "x-anthropic-billing-header: a", "messages": [{"role": "user", "content": "q"}]}),
+    );
+    assert_eq!(out["messages"][0], json!({"role": "system", "content": "x-anthropic-billing-header: a"}));
+}
+
+#[test]
+fn tool_use_and_tool_results_become_tool_calls_and_tool_messages_in_vllms_order() {
+    let out = chat(json!({
+        "max_tokens": 1,
+        "messages": [
+            {"role": "user", "content": "list files"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "I should ", "signature": "s"},
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "thinking", "thinking": "call ls."},
+                {"type": "text", "text": "Calling ls."},
+                {"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {"path": "/", "all": true}}
+            ]},
+            {"role": "user", "content": [
+                {"type": "text", "text": "A"},
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                    {"type": "text", "text": "bin"}, {"type": "text", "text": "etc"}
+                ]},
+                {"type": "text", "text": "B"}
+            ]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "done"}]},
+            {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "odd"}]}
+        ]
+    }));
+    assert_eq!(
+        out["messages"],
+        json!([
+            {"role": "user", "content": "list files"},
+            {"role": "assistant", "content": "Calling ls.", "reasoning": "I should call ls.",
+             "tool_calls": [{"id": "toolu_1", "type": "function",
+                             "function": {"name": "ls", "arguments": "{\"all\":true,\"path\":\"/\"}"}}]},
+            {"role": "tool", "content": "bin\netc", "tool_call_id": "toolu_1"},
+            {"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]},
+            {"role": "tool", "content": "done", "tool_call_id": "toolu_2"},
+            {"role": "assistant", "content": "Tool result: odd"}
+        ])
+    );
+}
+
+#[test]
+fn images_become_image_url_parts_that_the_chat_parser_takes_for_media() {
+    let body = json!({"max_tokens": 1, "messages": [
+        {"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "data": "AAAA"}},
+            {"type": "text", "text": "what is this?"}
+        ]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "image", "source": {"type": "url", "url": "http://img"}}
+        ]}]}
+    ]});
+    let out = chat(body.clone());
+    assert_eq!(
+        out["messages"][0]["content"][0],
+        json!({"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,AAAA"}})
+    );
+    assert_eq!(out["messages"][1], json!({"role": "tool", "content": "", "tool_call_id": "t"}));
+    assert_eq!(
+        out["messages"][2],
+        json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://img"}}]})
+    );
+    let converted = chat_body(body.to_string().as_bytes()).unwrap();
+    let parsed = ChatRequest::parse(&converted).unwrap();
+    assert_eq!(parsed.first_media(), Some((0, "image_url")));
+}
+
+#[test]
+fn tools_become_openai_functions_with_an_object_schema() {
+    let out = chat(json!({"max_tokens": 1, "messages": [{"role": "user", "content": "q"}], "tools": [
+        {"name": "ls", "description": "List.", "input_schema": {"properties": {"b": {}, "a": {}}}},
+        {"name": "pwd", "input_schema": {}, "strict": true},
+        {"name": "cat", "input_schema": {"type": "object"}, "cache_control": {"type": "ephemeral"}}
+    ]}));
+    let tools = serde_json::to_string(&out["tools"]).unwrap();
+    let ls = r#"[{"function":{"description":"List.","name":"ls","parameters":{"properties":{"a":{},"b":{}},"type":"object"}},"type":"function"}"#;
+    assert!(tools.starts_with(ls), "{tools}");
+    // Key order as vLLM's dicts keep it: the schema's own keys, then the added type.
+    let raw = String::from_utf8(
+        chat_body(br#"{"max_tokens":1,"messages":[{"role":"user","content":"q"}],"tools":[{"name":"ls","input_schema":{"properties":{"b":{},"a":{}}}}]}"#)
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(raw.contains(r#""parameters":{"properties":{"b":{},"a":{}},"type":"object"}"#), "{raw}");
+    assert_eq!(
+        out["tools"][1]["function"],
+        json!({"name": "pwd", "description": null, "parameters": {"type": "object"}, "strict": true})
+    );
+    assert_eq!(out["tools"][2]["function"]["parameters"], json!({"type": "object"}));
+}
+
+#[test]
+fn inline_system_messages_stay_in_place_after_the_tool_results_they_interrupt() {
+    let out = chat(json!({"max_tokens": 1, "system": "S", "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+        {"role": "system", "content": "reminder"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "r"}]},
+        {"role": "system", "content": "x-anthropic-billing-header: z"}
+    ]}));
+    let roles: Vec<&str> =
+        out["messages"].as_array().unwrap().iter().map(|m| m["role"].as_str().unwrap()).collect();
+    assert_eq!(roles, ["system", "user", "assistant", "tool", "system"]);
+    assert_eq!(out["messages"][4]["content"], "reminder");
+}
+
+#[test]
+fn without_a_system_prompt_inline_system_messages_fold_into_user_turns() {
+    let out = chat(json!({"max_tokens": 1, "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "system", "content": "after q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "system", "content": "before next"},
+        {"role": "user", "content": [{"type": "text", "text": "next"}]},
+        {"role": "assistant", "content": "b"},
+        {"role": "system", "content": "trailing"}
+    ]}));
+    assert_eq!(
+        out["messages"],
+        json!([
+            {"role": "user", "content": "q\n\nafter q"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "before next\n\nnext"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "trailing"}
+        ])
+    );
+    // Into the last tool result when the user turn has only tool results.
+    let out = chat(json!({"max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "r"}]}]},
+        {"role": "system", "content": "note"}
+    ]}));
+    assert_eq!(out["messages"], json!([{"role": "tool", "content": "r\n\nnote", "tool_call_id": "t"}]));
+}
+
+#[test]
+fn effort_and_disabled_thinking_become_reasoning_effort() {
+    let base = || json!({"max_tokens": 1, "messages": [{"role": "user", "content": "q"}]});
+    let with = |key: &str, value: Value| {
+        let mut body = base();
+        body[key] = value;
+        chat(body)
+    };
+    assert_eq!(with("output_config", json!({"effort": "high"}))["reasoning_effort"], "high");
+    let mut both = base();
+    both["output_config"] = json!({"effort": "high"});
+    both["thinking"] = json!({"type": "disabled"});
+    assert_eq!(chat(both)["reasoning_effort"], "none");
+    assert_eq!(
+        with("thinking", json!({"type": "enabled", "budget_tokens": 1024})).get("reasoning_effort"),
+        None
+    );
+}
+
+#[test]
+fn malformed_requests_name_the_field_at_fault() {
+    let user = json!([{"role": "user", "content": "q"}]);
+    assert!(matches!(error(json!({"messages": user})), RequestError::MissingField { param: "max_tokens" }));
+    assert!(matches!(error(json!({"max_tokens": 1})), RequestError::MissingField { param: "messages" }));
+    assert!(matches!(
+        error(json!({"max_tokens": 1, "messages": {}})),
+        RequestError::InvalidField { param: "messages", .. }
+    ));
+    assert!(matches!(error(json!({"max_tokens": 1, "messages": []})), RequestError::EmptyMessages));
+    assert!(matches!(
+        error(json!({"max_tokens": 1, "messages": [1]})),
+        RequestError::InvalidMessage { index: 0, problem: MessageProblem::NotAnObject }
+    ));
+    let at = |body: Value| match error(body) {
+        RequestError::InvalidAt { at, .. } => at,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        at(json!({"max_tokens": 1, "messages": [{"role": "tool", "content": "x"}]})),
+        "messages[0].role"
+    );
+    assert_eq!(at(json!({"max_tokens": 1, "messages": [{"role": "user"}]})), "messages[0].content");
+    assert_eq!(
+        at(
+            json!({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]})
+        ),
+        "messages[0].content[0].text"
+    );
+    assert_eq!(
+        at(
+            json!({"max_tokens": 1, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": [1]}]}]})
+        ),
+        "messages[0].content[0].input"
+    );
+    assert_eq!(
+        at(json!({"max_tokens": 1, "messages": user, "tools": [{"name": "f"}]})),
+        "tools[0].input_schema"
+    );
+    assert!(matches!(
+        error(json!({"max_tokens": 1, "messages": user, "system": 5})),
+        RequestError::InvalidField { param: "system", .. }
+    ));
+    assert!(matches!(chat_body(b"[1]"), Err(RequestError::NotAnObject)));
+    assert!(matches!(chat_body(b"{"), Err(RequestError::Json(_))));
+}
+
+/// What the template renders of a Messages request is what it renders of the chat request
+/// written by hand.
+#[test]
+fn a_messages_request_renders_as_the_chat_request_it_stands_for() {
+    let converted = chat_body(
+        json!({"model": "m", "max_tokens": 4, "system": [{"type": "text", "text": "Be brief."}], "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": "Hi."},
+            {"role": "user", "content": "Bye"}
+        ]})
+        .to_string()
+        .as_bytes(),
+    )
+    .unwrap();
+    let by_hand = json!({"model": "m", "max_tokens": 4, "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello\nthere"},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "Bye"}
+    ]})
+    .to_string();
+    let template = ChatTemplate::builtin_default();
+    let render = |body: &[u8]| {
+        let chat = ChatRequest::parse(body).unwrap();
+        template
+            .render(&chat.messages, chat.add_generation_prompt, chat.tools, chat.chat_template_kwargs)
+            .unwrap()
+    };
+    assert_eq!(render(&converted), render(by_hand.as_bytes()));
+    assert_eq!(ChatRequest::parse(&converted).unwrap().max_tokens, Some(4));
+}
