@@ -40,7 +40,7 @@ use std::sync::RwLock;
 
 use serde::{Deserialize, Serialize};
 
-pub use chat_template::{ChatTemplate, DEFAULT_CHAT_TEMPLATE, SpecialTokens};
+pub use chat_template::{ChatTemplate, DEFAULT_CHAT_TEMPLATE, SpecialTokens, Variables};
 pub use error::{LoadError, MessageProblem, OpenAiError, RequestError};
 pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 pub use request::{ChatRequest, CompletionRequest, Endpoint, Message, ParsedRequest, Prompt, PromptInput};
@@ -212,19 +212,17 @@ impl Tokenization {
             return Ok(PartialPrompt { text_tokens: tokens.len(), tokens });
         };
         let template = self.chat_template.as_ref().ok_or(RequestError::NoChatTemplate)?;
-        let (tools, kwargs) = (request.tools, request.chat_template_kwargs);
+        let vars = request.variables();
         let encode = |text: String| self.encode(&text, request.add_special_tokens).unwrap_or_default();
-        let Ok(whole) = template.render(&request.messages, request.add_generation_prompt, tools, kwargs)
-        else {
+        let Ok(whole) = template.render(&request.messages, vars) else {
             return Ok(PartialPrompt::estimated(request));
         };
         let whole = encode(whole);
-        let with_media =
-            template.render_with_media(&request.messages, request.add_generation_prompt, tools, kwargs).ok();
+        let with_media = template.render_with_media(&request.messages, vars).ok();
         let before = match first {
             0 => Vec::new(),
             _ => template
-                .render(&request.messages[..first], false, tools, kwargs)
+                .render(&request.messages[..first], Variables { add_generation_prompt: false, ..vars })
                 .map_or_else(|_| Vec::new(), encode),
         };
         let agreed = |ids: &[u32]| before.iter().zip(ids).take_while(|(a, b)| a == b).count();
@@ -257,12 +255,7 @@ impl Tokenization {
     /// The prompt string a chat request renders to.
     pub fn render_chat(&self, request: &ChatRequest<'_>) -> Result<String, RequestError> {
         let template = self.chat_template.as_ref().ok_or(RequestError::NoChatTemplate)?;
-        template.render(
-            &request.messages,
-            request.add_generation_prompt,
-            request.tools,
-            request.chat_template_kwargs,
-        )
+        template.render(&request.messages, request.variables())
     }
 
     /// Whether requests for `model` are for a LoRA adapter of the base model.

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use kvroute_proto::CacheNamespace;
 use kvroute_proto::openai::{
     Builtin, ChatTemplate, Endpoint, HuggingFace, LoadError, ParsedRequest, PrefixCache, RequestError,
-    SpecialTokens, Tokenization, TokenizationConfig, Tokenizer, TokenizerSpec,
+    SpecialTokens, Tokenization, TokenizationConfig, Tokenizer, TokenizerSpec, Variables,
 };
 
 fn data(name: &str) -> PathBuf {
@@ -198,7 +198,12 @@ fn llama_style_template_matches_transformers() {
     else {
         unreachable!()
     };
-    assert_eq!(from_jinja.render(&chat.messages, true, None, None).unwrap(), format!("{jinja2}{header}"));
+    assert_eq!(
+        from_jinja
+            .render(&chat.messages, Variables { add_generation_prompt: true, ..Variables::default() })
+            .unwrap(),
+        format!("{jinja2}{header}")
+    );
 
     // The template's raise_exception becomes a 400.
     let body = r#"{"model":"tiny","messages":[{"role":"user","content":"a"},{"role":"user","content":"b"}]}"#;

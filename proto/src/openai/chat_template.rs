@@ -198,14 +198,8 @@ impl ChatTemplate {
 
     /// Renders `messages` to the prompt string (the content of a message with media is its
     /// text alone).
-    pub fn render(
-        &self,
-        messages: &[Message<'_>],
-        add_generation_prompt: bool,
-        tools: Option<&RawValue>,
-        chat_template_kwargs: Option<&RawValue>,
-    ) -> Result<String, RequestError> {
-        self.render_as(messages, add_generation_prompt, tools, chat_template_kwargs, false)
+    pub fn render(&self, messages: &[Message<'_>], vars: Variables<'_>) -> Result<String, RequestError> {
+        self.render_as(messages, vars, false)
     }
 
     /// [`ChatTemplate::render`], but a message with media ([`Message::media`]) has for content
@@ -216,38 +210,54 @@ impl ChatTemplate {
     pub fn render_with_media(
         &self,
         messages: &[Message<'_>],
-        add_generation_prompt: bool,
-        tools: Option<&RawValue>,
-        chat_template_kwargs: Option<&RawValue>,
+        vars: Variables<'_>,
     ) -> Result<String, RequestError> {
-        self.render_as(messages, add_generation_prompt, tools, chat_template_kwargs, true)
+        self.render_as(messages, vars, true)
     }
 
     fn render_as(
         &self,
         messages: &[Message<'_>],
-        add_generation_prompt: bool,
-        tools: Option<&RawValue>,
-        chat_template_kwargs: Option<&RawValue>,
+        vars: Variables<'_>,
         media_parts: bool,
     ) -> Result<String, RequestError> {
         let messages =
             messages.iter().map(|m| message_value(m, media_parts)).collect::<Result<Vec<_>, _>>()?;
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
-        ctx.insert("tools".into(), tools.map(json_value).transpose()?.unwrap_or(Value::from(())));
+        ctx.insert("tools".into(), vars.tools.map(tools_value).transpose()?.unwrap_or(Value::from(())));
         ctx.insert("documents".into(), Value::from(()));
-        ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
+        ctx.insert("add_generation_prompt".into(), Value::from(vars.add_generation_prompt));
         ctx.insert("bos_token".into(), Value::from(self.special.bos_token.as_str()));
         ctx.insert("eos_token".into(), Value::from(self.special.eos_token.as_str()));
-        if let Some(kwargs) = chat_template_kwargs {
-            let kwargs: BTreeMap<String, Value> =
-                serde_json::from_str(kwargs.get()).map_err(|e| RequestError::Template(json_error(e)))?;
-            ctx.extend(kwargs);
+        let mut kwargs: BTreeMap<String, Value> = match vars.chat_template_kwargs {
+            Some(kwargs) => {
+                serde_json::from_str(kwargs.get()).map_err(|e| RequestError::Template(json_error(e)))?
+            }
+            None => BTreeMap::new(),
+        };
+        if let Some(effort) = vars.reasoning_effort {
+            if !kwargs.contains_key("enable_thinking") {
+                kwargs.insert("enable_thinking".into(), Value::from(effort != "none"));
+            }
+            kwargs.insert("reasoning_effort".into(), Value::from(effort));
         }
+        ctx.extend(kwargs);
         ctx.insert("messages".into(), Value::from(messages));
         let template = self.env.get_template(TEMPLATE_NAME).map_err(RequestError::Template)?;
         template.render(Value::from(ctx)).map_err(RequestError::Template)
     }
+}
+
+/// What a request sets of a template's variables besides `messages` (see the module docs).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Variables<'a> {
+    pub add_generation_prompt: bool,
+    /// The request's `tools`, an array.
+    pub tools: Option<&'a RawValue>,
+    /// The request's `chat_template_kwargs`, an object.
+    pub chat_template_kwargs: Option<&'a RawValue>,
+    /// The request's `reasoning_effort`.
+    pub reasoning_effort: Option<&'a str>,
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
@@ -319,6 +329,58 @@ fn message_value(message: &Message<'_>, media_parts: bool) -> Result<Value, Requ
     let media = message.media.as_deref().filter(|_| media_parts).map(modality);
     let view = View { role, content: message.content.as_deref().unwrap_or_default(), media, extra };
     Ok(Value::from(minijinja::value::Serde(view)))
+}
+
+/// The request's `tools` as vLLM hands them to the template (each its pydantic model dumped):
+/// a tool whose `function` is an object becomes `{"type": "function", "function": {"name",
+/// "description", "parameters", "strict", "defer_loading"}}` in that order, `description` and
+/// `parameters` null when absent, `strict` and `defer_loading` (the tool's own, else its
+/// function's) only when set, and no other key; anything else is passed as it is.
+fn tools_value(raw: &RawValue) -> Result<Value, RequestError> {
+    #[derive(Deserialize)]
+    struct Tool<'a> {
+        #[serde(borrow)]
+        function: Option<&'a RawValue>,
+        #[serde(borrow)]
+        defer_loading: Option<&'a RawValue>,
+    }
+    #[derive(Deserialize, serde::Serialize)]
+    struct Function<'a> {
+        #[serde(borrow)]
+        name: Option<&'a RawValue>,
+        #[serde(borrow)]
+        description: Option<&'a RawValue>,
+        #[serde(borrow)]
+        parameters: Option<&'a RawValue>,
+        #[serde(borrow, skip_serializing_if = "Option::is_none")]
+        strict: Option<&'a RawValue>,
+        #[serde(borrow, skip_serializing_if = "Option::is_none")]
+        defer_loading: Option<&'a RawValue>,
+    }
+    #[derive(serde::Serialize)]
+    struct Dumped<'a> {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        function: Function<'a>,
+    }
+    let Ok(items) = serde_json::from_str::<Vec<&RawValue>>(raw.get()) else { return json_value(raw) };
+    let mut out = Vec::with_capacity(items.len());
+    for item in items {
+        let tool = serde_json::from_str::<Tool<'_>>(item.get()).ok();
+        let function = tool.as_ref().and_then(|t| t.function).filter(|f| f.get().starts_with('{'));
+        let Some((tool, mut function)) =
+            tool.zip(function.and_then(|f| serde_json::from_str::<Function<'_>>(f.get()).ok()))
+        else {
+            out.push(json_value(item)?);
+            continue;
+        };
+        // (A null field reads as absent.)
+        function.defer_loading = tool.defer_loading.or(function.defer_loading);
+        let dumped = serde_json::value::to_raw_value(&Dumped { kind: "function", function })
+            .map_err(|e| RequestError::Template(json_error(e)))?;
+        out.push(json_value(&dumped)?);
+    }
+    Ok(Value::from(out))
 }
 
 /// The modality vLLM gives a media part of type `part_type` (an unknown type: `"image"`).
@@ -559,7 +621,7 @@ mod tests {
         let alone = dir.join("chat_template.json");
         std::fs::write(&alone, serde_json::json!({ "chat_template": source }).to_string()).unwrap();
         let template = ChatTemplate::from_file(&alone, special.clone()).unwrap();
-        assert_eq!(template.render(&chat.messages, false, None, None).unwrap(), "<B>hi<E>");
+        assert_eq!(template.render(&chat.messages, Variables::default()).unwrap(), "<B>hi<E>");
         let config = dir.join("tokenizer_config.json");
         std::fs::write(
             &config,
@@ -567,7 +629,7 @@ mod tests {
         )
         .unwrap();
         let template = ChatTemplate::from_file(&config, special).unwrap();
-        assert_eq!(template.render(&chat.messages, false, None, None).unwrap(), "<s>hi<E>");
+        assert_eq!(template.render(&chat.messages, Variables::default()).unwrap(), "<s>hi<E>");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -589,7 +651,7 @@ mod tests {
             {"role":"assistant","content":"done","tool_calls":[],"tool_call_id":"z"},
             {"role":"user","content":"ok","tool_calls":null}]}"#;
         let chat = crate::openai::ChatRequest::parse(body).unwrap();
-        let out = template.render(&chat.messages, false, None, None).unwrap();
+        let out = template.render(&chat.messages, Variables::default()).unwrap();
         let lines: Vec<&str> = out.lines().collect();
         assert_eq!(
             lines,
@@ -605,7 +667,7 @@ mod tests {
             {"function":{"name":"w","arguments":"{not json"}},{"function":{"name":"v","arguments":5}}]},
             {"role":"tool","content":"x","tool_call_id":null}]}"#;
         let chat = crate::openai::ChatRequest::parse(odd).unwrap();
-        let out = template.render(&chat.messages, false, None, None).unwrap();
+        let out = template.render(&chat.messages, Variables::default()).unwrap();
         assert_eq!(
             out.lines().collect::<Vec<_>>(),
             [
@@ -625,15 +687,61 @@ mod tests {
             "tool_calls":[{"id":"c1","function":{"name":"f","arguments":"{}"}}]}],
             "tools":[{"type":"function","function":{"name":"f"}}],"chat_template_kwargs":{"flag":"on","bos_token":"<B>"}}"#;
         let chat = crate::openai::ChatRequest::parse(body).unwrap();
-        let out = template.render(&chat.messages, true, chat.tools, chat.chat_template_kwargs).unwrap();
+        let out = template.render(&chat.messages, chat.variables()).unwrap();
         assert_eq!(
             out,
             "assistant:|[{\"id\": \"c1\", \"function\": {\"name\": \"f\", \"arguments\": {}}}]\n\
-             [{\"type\": \"function\", \"function\": {\"name\": \"f\"}}] False True on <B>"
+             [{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": null, \"parameters\": null}}] \
+             False True on <B>"
         );
         // none and booleans print as Python prints them, as in Jinja2.
-        let out = template.render(&chat.messages, true, None, None).unwrap();
+        let out = template
+            .render(&chat.messages, Variables { add_generation_prompt: true, ..Variables::default() })
+            .unwrap();
         assert!(out.ends_with("null True True  <s>"), "{out}");
+    }
+
+    /// vLLM dumps each tool through its pydantic model: its fields in their order, the
+    /// unset ones null (`strict` and `defer_loading` left out), nothing else.
+    #[test]
+    fn tools_reach_the_template_as_vllm_dumps_them() {
+        let template = ChatTemplate::new("{{ tools | tojson }}", SpecialTokens::default()).unwrap();
+        let body = br#"{"messages":[{"role":"user","content":"q"}],"tools":[
+            {"function":{"parameters":{"z":1,"a":2},"extra":0,"strict":null,"name":"f"},"type":"function","defer_loading":true},
+            {"type":"function","function":{"name":"g","description":"G.","strict":false}},
+            {"type":"code_interpreter"}]}"#;
+        let chat = crate::openai::ChatRequest::parse(body).unwrap();
+        assert_eq!(
+            template.render(&chat.messages, chat.variables()).unwrap(),
+            r#"[{"type": "function", "function": {"name": "f", "description": null, "parameters": {"z": 1, "a": 2}, "defer_loading": true}}, "#
+                .to_owned()
+                + r#"{"type": "function", "function": {"name": "g", "description": "G.", "parameters": null, "strict": false}}, "#
+                + r#"{"type": "code_interpreter"}]"#
+        );
+    }
+
+    /// `reasoning_effort` reaches the template, and sets `enable_thinking` unless the
+    /// request's `chat_template_kwargs` does.
+    #[test]
+    fn reasoning_effort_sets_enable_thinking_unless_the_kwargs_do() {
+        let template =
+            ChatTemplate::new("{{ reasoning_effort }} {{ enable_thinking }}", SpecialTokens::default())
+                .unwrap();
+        let render = |extra: &str| {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"q"}}]{extra}}}"#);
+            let chat = crate::openai::ChatRequest::parse(body.as_bytes())?;
+            template.render(&chat.messages, chat.variables())
+        };
+        assert_eq!(render(r#","reasoning_effort":"high""#).unwrap(), "high True");
+        assert_eq!(render(r#","reasoning_effort":"none""#).unwrap(), "none False");
+        let kwargs = r#","chat_template_kwargs":{"enable_thinking":false,"reasoning_effort":"low"}"#;
+        assert_eq!(render(&format!(r#"{kwargs},"reasoning_effort":"max""#)).unwrap(), "max False");
+        assert_eq!(render(kwargs).unwrap(), "low False");
+        assert_eq!(render("").unwrap(), " ");
+        assert!(matches!(
+            render(r#","reasoning_effort":"extreme""#),
+            Err(RequestError::InvalidField { param: "reasoning_effort", .. })
+        ));
     }
 
     #[test]

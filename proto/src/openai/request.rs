@@ -16,6 +16,7 @@
 //! | `cache_salt` | non-empty string |
 //! | `chat_template_kwargs` | object |
 //! | `tools` | array (kept raw for the template) |
+//! | `reasoning_effort` | one of [`REASONING_EFFORTS`] |
 //!
 //! As in vLLM, text content parts are joined with `"\n"` into one string, and
 //! `add_special_tokens` defaults to true for completions and false for chat (the template
@@ -38,6 +39,7 @@ use serde_json::value::RawValue;
 use self::messages::parse_messages;
 use self::prompt::parse_prompt;
 use self::scan::Field;
+use super::chat_template::Variables;
 use super::error::RequestError;
 
 /// The endpoints whose prompts kvroute understands.
@@ -220,7 +222,13 @@ pub struct ChatRequest<'a> {
     pub chat_template_kwargs: Option<&'a RawValue>,
     /// Tool definitions, an array if present; templates may render them into the prompt.
     pub tools: Option<&'a RawValue>,
+    /// How hard a reasoning model should think: one of [`REASONING_EFFORTS`]; passed to the
+    /// template, with `enable_thinking` (unless `chat_template_kwargs` sets it).
+    pub reasoning_effort: Option<Cow<'a, str>>,
 }
+
+/// The values vLLM takes for `reasoning_effort`.
+pub const REASONING_EFFORTS: [&str; 7] = ["none", "minimal", "low", "medium", "high", "xhigh", "max"];
 
 /// One chat message.
 #[derive(Debug, Clone)]
@@ -275,7 +283,7 @@ impl<'a> CompletionRequest<'a> {
 
 impl<'a> ChatRequest<'a> {
     /// The fields read, in the order [`scan::fields`] returns them.
-    const FIELDS: [&'static str; 10] = [
+    const FIELDS: [&'static str; 11] = [
         "model",
         "messages",
         "stream",
@@ -286,6 +294,7 @@ impl<'a> ChatRequest<'a> {
         "add_special_tokens",
         "chat_template_kwargs",
         "tools",
+        "reasoning_effort",
     ];
 
     /// Parses and validates a `/v1/chat/completions` body.
@@ -320,6 +329,7 @@ impl<'a> ChatRequest<'a> {
             add_special_tokens,
             chat_template_kwargs,
             tools,
+            reasoning_effort,
         ] = fields;
         let messages = messages.ok_or(RequestError::MissingField { param: "messages" })?;
         let messages = parse_messages(messages)?;
@@ -344,9 +354,27 @@ impl<'a> ChatRequest<'a> {
             add_special_tokens: boolean(add_special_tokens, "add_special_tokens")?.unwrap_or(false),
             chat_template_kwargs,
             tools,
+            reasoning_effort: match field::<Str<'a>>(reasoning_effort, "reasoning_effort", EFFORT)? {
+                Some(Str(effort)) if !REASONING_EFFORTS.contains(&effort.as_ref()) => {
+                    return Err(RequestError::InvalidField { param: "reasoning_effort", expected: EFFORT });
+                }
+                effort => effort.map(|s| s.0),
+            },
         })
     }
+
+    /// What the request sets of its chat template's variables.
+    pub fn variables(&self) -> Variables<'_> {
+        Variables {
+            add_generation_prompt: self.add_generation_prompt,
+            tools: self.tools,
+            chat_template_kwargs: self.chat_template_kwargs,
+            reasoning_effort: self.reasoning_effort.as_deref(),
+        }
+    }
 }
+
+const EFFORT: &str = "one of \"none\", \"minimal\", \"low\", \"medium\", \"high\", \"xhigh\", \"max\"";
 
 const NON_NEGATIVE: &str = "a non-negative integer";
 

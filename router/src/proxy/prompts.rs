@@ -121,6 +121,20 @@ impl Prompts {
     }
 }
 
+/// `/tokenize` takes no `reasoning_effort`: it goes into `chat_template_kwargs` as vLLM's chat
+/// endpoint puts it there (with `enable_thinking`, unless the kwargs set that).
+fn fold_reasoning_effort(body: &mut serde_json::Map<String, serde_json::Value>) {
+    let Some(serde_json::Value::String(effort)) = body.remove("reasoning_effort") else { return };
+    let kwargs = body.entry("chat_template_kwargs").or_insert_with(|| serde_json::json!({}));
+    if kwargs.is_null() {
+        *kwargs = serde_json::json!({});
+    }
+    if let Some(kwargs) = kwargs.as_object_mut() {
+        kwargs.entry("enable_thinking").or_insert_with(|| (effort != "none").into());
+        kwargs.insert("reasoning_effort".into(), effort.into());
+    }
+}
+
 /// Requests with this many bytes of text or more are tokenized on the blocking pool (media
 /// and token ids do not count).
 const BLOCKING_TEXT_BYTES: usize = 256 << 10;
@@ -253,6 +267,7 @@ impl RemoteTokenizer {
                 let mut value: serde_json::Value =
                     serde_json::from_slice(body).map_err(RequestError::Json)?;
                 if let Some(obj) = value.as_object_mut() {
+                    fold_reasoning_effort(obj);
                     obj.retain(|k, _| {
                         matches!(
                             k.as_str(),

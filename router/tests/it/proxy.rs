@@ -612,6 +612,7 @@ async fn remote_tokenization_sends_what_decides_the_ids() {
         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}],
         "continue_final_message": true, "add_generation_prompt": false,
         "chat_template_kwargs": {"enable_thinking": false}, "max_tokens": 1, "temperature": 0.5,
+        "reasoning_effort": "high",
     });
     for endpoint in ["completions", "chat/completions"] {
         let reply = http.post(&format!("{}/v1/{endpoint}", router.url()), &body).await;
@@ -623,7 +624,9 @@ async fn remote_tokenization_sends_what_decides_the_ids() {
     let chat = &asked[1];
     assert_eq!(chat["continue_final_message"], true);
     assert_eq!(chat["add_generation_prompt"], false);
-    assert_eq!(chat["chat_template_kwargs"], json!({"enable_thinking": false}));
+    // `/tokenize` takes no `reasoning_effort`: it is folded into the kwargs as vLLM's chat
+    // endpoint folds it (the request's own `enable_thinking` kept).
+    assert_eq!(chat["chat_template_kwargs"], json!({"enable_thinking": false, "reasoning_effort": "high"}));
     assert!(chat.get("temperature").is_none() && chat.get("prompt").is_none(), "{chat}");
     shutdown.cancel();
 }

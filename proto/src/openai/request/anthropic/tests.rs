@@ -270,9 +270,7 @@ fn a_messages_request_renders_as_the_chat_request_it_stands_for() {
     let template = ChatTemplate::builtin_default();
     let render = |body: &[u8]| {
         let chat = ChatRequest::parse(body).unwrap();
-        template
-            .render(&chat.messages, chat.add_generation_prompt, chat.tools, chat.chat_template_kwargs)
-            .unwrap()
+        template.render(&chat.messages, chat.variables()).unwrap()
     };
     assert_eq!(render(&converted), render(by_hand.as_bytes()));
     assert_eq!(ChatRequest::parse(&converted).unwrap().max_tokens, Some(4));
