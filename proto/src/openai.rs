@@ -34,6 +34,7 @@ pub mod prefix_cache;
 pub mod request;
 pub mod tokenizer;
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::RwLock;
@@ -43,6 +44,7 @@ use serde::{Deserialize, Serialize};
 pub use chat_template::{ChatTemplate, DEFAULT_CHAT_TEMPLATE, SpecialTokens, Variables};
 pub use error::{LoadError, MessageProblem, OpenAiError, RequestError};
 pub use prefix_cache::{PrefixCache, PrefixCacheStats};
+pub use request::anthropic::{InlineSystem, inline_system_mode};
 pub use request::{ChatRequest, CompletionRequest, Endpoint, Message, ParsedRequest, Prompt, PromptInput};
 pub use tokenizer::{Builtin, HuggingFace, Tokenizer};
 
@@ -96,6 +98,8 @@ pub struct Tokenization {
     lora_adapters: RwLock<HashSet<String>>,
     /// Token ids of texts' beginnings seen before, when enabled.
     prefix_cache: Option<PrefixCache>,
+    /// Where a Messages request's inline system messages go with this chat template.
+    inline_system: InlineSystem,
 }
 
 impl Tokenization {
@@ -136,7 +140,9 @@ impl Tokenization {
         base_model: impl Into<String>,
         lora_adapters: impl IntoIterator<Item = String>,
     ) -> Self {
+        let inline_system = chat_template.as_ref().map_or(InlineSystem::default(), inline_system_mode);
         Self {
+            inline_system,
             tokenizer,
             chat_template,
             base_model: base_model.into(),
@@ -250,6 +256,29 @@ impl Tokenization {
             }
         }
         self.prompt_tokens(request)
+    }
+
+    /// The endpoint whose parser reads `body`, and the body it reads: a Messages body becomes
+    /// the chat completion request vLLM makes of it (its inline system messages placed as
+    /// vLLM places them with this chat template, [`request::anthropic::inline_system_mode`]);
+    /// the others are read as they are.
+    pub fn readable<'b>(
+        &self,
+        endpoint: Endpoint,
+        body: &'b [u8],
+    ) -> Result<(Endpoint, Cow<'b, [u8]>), RequestError> {
+        match endpoint {
+            Endpoint::Messages => Ok((
+                Endpoint::ChatCompletions,
+                Cow::Owned(request::anthropic::chat_body(body, self.inline_system)?),
+            )),
+            endpoint => Ok((endpoint, Cow::Borrowed(body))),
+        }
+    }
+
+    /// Where a Messages request's inline system messages go with this chat template.
+    pub fn inline_system(&self) -> InlineSystem {
+        self.inline_system
     }
 
     /// The prompt string a chat request renders to.

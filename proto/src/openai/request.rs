@@ -50,7 +50,7 @@ pub enum Endpoint {
     /// `POST /v1/chat/completions`.
     ChatCompletions,
     /// `POST /v1/messages`: Anthropic's Messages API, read as the chat completion request
-    /// vLLM makes of it ([`anthropic`]); [`Endpoint::readable`] converts its body.
+    /// vLLM makes of it ([`anthropic`]); `Tokenization::readable` converts its body.
     Messages,
 }
 
@@ -62,15 +62,6 @@ impl Endpoint {
             "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
             anthropic::MESSAGES_PATH => Some(Endpoint::Messages),
             _ => None,
-        }
-    }
-
-    /// The endpoint whose parser reads `body`, and the body it reads: a Messages body becomes
-    /// the chat completion request vLLM makes of it; the others are read as they are.
-    pub fn readable(self, body: &[u8]) -> Result<(Endpoint, Cow<'_, [u8]>), RequestError> {
-        match self {
-            Endpoint::Messages => Ok((Endpoint::ChatCompletions, Cow::Owned(anthropic::chat_body(body)?))),
-            endpoint => Ok((endpoint, Cow::Borrowed(body))),
         }
     }
 }
@@ -85,8 +76,8 @@ pub enum ParsedRequest<'a> {
 }
 
 impl<'a> ParsedRequest<'a> {
-    /// Parses `body` as a request to `endpoint`. A Messages body must be made
-    /// [`Endpoint::readable`] first: as it is, it is refused.
+    /// Parses `body` as a request to `endpoint`. A Messages body must be made readable first
+    /// (`Tokenization::readable`): as it is, it is refused.
     pub fn parse(endpoint: Endpoint, body: &'a [u8]) -> Result<Self, RequestError> {
         Ok(match endpoint {
             Endpoint::Completions => ParsedRequest::Completion(CompletionRequest::parse(body)?),
@@ -94,7 +85,7 @@ impl<'a> ParsedRequest<'a> {
             Endpoint::Messages => {
                 return Err(RequestError::InvalidField {
                     param: "messages",
-                    expected: "a chat request (a Messages body is read through Endpoint::readable)",
+                    expected: "a chat request (a Messages body is read through Tokenization::readable)",
                 });
             }
         })

@@ -100,7 +100,7 @@ pub(super) fn tokenize(state: &AppState, body: &[u8]) -> Result<Response<Body>, 
 /// no generation prompt's difference: vLLM renders it the same way).
 pub(super) fn count_tokens(state: &AppState, body: &[u8]) -> Result<Response<Body>, ApiError> {
     let body = with_max_tokens(body);
-    let (read_as, readable) = Endpoint::Messages.readable(&body)?;
+    let (read_as, readable) = state.tokenization().readable(Endpoint::Messages, &body)?;
     let request = ParsedRequest::parse(read_as, &readable)?;
     if !state.serves(request.model()) {
         return Err(ApiError::model_not_found(request.model()));

@@ -100,7 +100,7 @@ pub(super) async fn generate(
     body: &[u8],
     request_id: &str,
 ) -> Result<Response<Body>, ApiError> {
-    let (read_as, readable) = endpoint.readable(body)?;
+    let (read_as, readable) = state.tokenization().readable(endpoint, body)?;
     let request = ParsedRequest::parse(read_as, &readable)?;
     // A Messages stream always carries its usage; the fields are OpenAI's.
     let include_usage = match endpoint {

@@ -209,7 +209,7 @@ impl Decider {
     /// The decision for a request; `send` when it will be sent (the policy moves on).
     async fn plan(&self, endpoint: Endpoint, body: &[u8], send: bool) -> Result<Plan, ProxyError> {
         // A Messages body is decided as the chat request vLLM makes of it (and sent as it is).
-        let (endpoint, body) = endpoint.readable(body)?;
+        let (endpoint, body) = self.prompts.tokenization().readable(endpoint, body)?;
         let body = &*body;
         let mut request = ParsedRequest::parse(endpoint, body)?;
         let members = self.fleet.members();

@@ -12,12 +12,12 @@
 //!    defeat prefix caching). System messages that lead `messages` are appended to it, each
 //!    joined with a blank line; the result is the first message, `role: "system"`.
 //! 2. **Inline system messages** (later `role: "system"` messages, which Claude Code sends):
-//!    first moved past the tool results that answer an assistant's `tool_use`; then kept in
-//!    place as system messages when there is a system prompt, or else folded into the
-//!    neighbouring user text (see [`fold`]). vLLM chooses between the two by probing the
-//!    model's template once ("auto"); this keeps them in place whenever vLLM's `preserve`
-//!    would, so behind a vLLM that chose `fold` for a template that cannot render a system turn
-//!    mid-conversation, only the conversation's end differs.
+//!    first moved past the tool results that answer an assistant's `tool_use`; then, in
+//!    [`InlineSystem::Preserve`] mode and when there is a system prompt, kept in place as
+//!    system messages, else folded into the neighbouring user text (see [`fold`]). vLLM
+//!    chooses the mode by probing the model's template once (its default, "auto");
+//!    [`inline_system_mode`] runs the same probe on the router's template, on the rendered
+//!    text where vLLM compares token ids.
 //! 3. **Content blocks.** A string stays a string. Of a list of blocks: non-empty `text`
 //!    blocks become text parts (one alone becomes a string; several are joined with `"\n"` by
 //!    the chat parser, as vLLM's string content format joins them); `image` becomes an
@@ -26,7 +26,8 @@
 //!    `tool_reference` are dropped; `tool_use` becomes a tool call whose `arguments` is the
 //!    `input` object (`{}` when absent); a user's `tool_result` becomes a `role: "tool"`
 //!    message placed *before* the user message (its text items joined with `"\n"`; its images
-//!    a user message of `image_url` parts after it); an assistant's `tool_result` becomes the
+//!    a user message of `image_url` parts after it; its `tool_reference` items another tool
+//!    message, of their names, one a line); an assistant's `tool_result` becomes the
 //!    text `Tool result: {content}` (a list there is written by Python's `str()`, which is
 //!    not reproduced: that message counts as media). A user message left with no content is
 //!    dropped.
@@ -50,6 +51,7 @@ use serde::Serialize;
 use serde_json::value::RawValue;
 
 use super::{Str, object, parse_object};
+use crate::openai::ChatTemplate;
 use crate::openai::error::{MessageProblem, RequestError};
 
 /// The path of the Messages API.
@@ -58,8 +60,18 @@ pub const MESSAGES_PATH: &str = "/v1/messages";
 /// Claude Code's per-request attribution block, left out of system prompts.
 const BILLING_HEADER: &str = "x-anthropic-billing-header";
 
+/// Where inline system messages go (module docs, step 2).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum InlineSystem {
+    /// Kept in place, when the request has a system prompt.
+    #[default]
+    Preserve,
+    /// Folded into the neighbouring user text.
+    Fold,
+}
+
 /// The chat completion request, as JSON, that vLLM makes of the Messages request `body`.
-pub fn chat_body(body: &[u8]) -> Result<Vec<u8>, RequestError> {
+pub fn chat_body(body: &[u8], inline: InlineSystem) -> Result<Vec<u8>, RequestError> {
     const FIELDS: [&str; 10] = [
         "model",
         "messages",
@@ -78,7 +90,7 @@ pub fn chat_body(body: &[u8]) -> Result<Vec<u8>, RequestError> {
     let max_tokens = max_tokens.ok_or(RequestError::MissingField { param: "max_tokens" })?;
     let system = system_prompt(system)?;
 
-    let (leading, rest) = place_inline_system(messages, !system.is_empty());
+    let (leading, rest) = place_inline_system(messages, !system.is_empty(), inline);
     let mut out = Vec::new();
     let system = join([system.as_ref(), leading.as_str()]);
     if !system.is_empty() {
@@ -250,7 +262,10 @@ fn parse_block<'a>(raw: &'a RawValue, at: &str) -> Result<Block<'a>, RequestErro
     };
     Ok(match kind.as_ref() {
         "text" => Block::Text(text_of(text, ".text")?.unwrap_or_default()),
-        "image" => match source {
+        // An empty source is no image, as vLLM reads it.
+        "image" => match source.filter(|s| s.get() != "null") {
+            Some(source) if !source.get().starts_with('{') => return Err(bad(".source", "an object")),
+            Some(source) if is_empty_object(source) => Block::Skipped,
             Some(source) => Block::Image(image_url(source)),
             None => Block::Skipped,
         },
@@ -303,15 +318,25 @@ fn parse_tool_result<'a>(raw: Option<&'a RawValue>, at: &str) -> Result<ToolResu
         let text_field = |raw: Option<&'a RawValue>| raw.and_then(string);
         out.push(match kind.and_then(string).as_deref() {
             Some("text") => Item::Text(text_field(text).unwrap_or_default()),
-            Some("image") => Item::Image(source.map(image_url).unwrap_or_default()),
-            Some("tool_reference") => match text_field(tool_name).or_else(|| text_field(name)) {
-                Some(name) if !name.is_empty() => Item::Reference(name),
-                _ => Item::Other,
-            },
+            // A missing source is an empty one: a data URL with no data, as vLLM makes it.
+            Some("image") => {
+                Item::Image(source.map_or_else(|| "data:image/jpeg;base64,".to_owned(), image_url))
+            }
+            Some("tool_reference") => {
+                match text_field(tool_name).filter(|n| !n.is_empty()).or_else(|| text_field(name)) {
+                    Some(name) if !name.is_empty() => Item::Reference(name),
+                    _ => Item::Other,
+                }
+            }
             _ => Item::Other,
         });
     }
     Ok(ToolResult::Items(out))
+}
+
+/// Whether `raw` is an object with no keys.
+fn is_empty_object(raw: &RawValue) -> bool {
+    raw.get().strip_prefix('{').and_then(|r| r.strip_suffix('}')).is_some_and(|r| r.trim().is_empty())
 }
 
 /// An image `source` as the URL vLLM makes of it: a `url` source's URL, else a data URL.
@@ -376,7 +401,11 @@ fn join<'t>(texts: impl IntoIterator<Item = &'t str>) -> String {
 
 /// The text of the system messages that lead `messages`, and the rest placed as vLLM places
 /// them (module docs, step 2); `has_system` when the request has a system prompt.
-fn place_inline_system(messages: Vec<Message<'_>>, has_system: bool) -> (String, Vec<Message<'_>>) {
+fn place_inline_system(
+    messages: Vec<Message<'_>>,
+    has_system: bool,
+    inline: InlineSystem,
+) -> (String, Vec<Message<'_>>) {
     if messages.iter().all(|m| m.role != Role::System) {
         return (String::new(), messages);
     }
@@ -385,7 +414,7 @@ fn place_inline_system(messages: Vec<Message<'_>>, has_system: bool) -> (String,
     let texts: Vec<String> = messages.by_ref().take(leading).map(|m| system_text(&m).into_owned()).collect();
     let leading = join(texts.iter().map(String::as_str));
     let rest = move_out_of_tool_runs(messages.collect());
-    if has_system || !leading.is_empty() {
+    if inline == InlineSystem::Preserve && (has_system || !leading.is_empty()) {
         return (leading, rest);
     }
     (leading, fold(rest))
@@ -556,9 +585,6 @@ enum Part<'a> {
     ImageUrl {
         image_url: Url,
     },
-    ToolReference {
-        name: Cow<'a, str>,
-    },
     /// Text vLLM writes with Python's `str()` of a JSON value, which is not reproduced: a part
     /// the chat parser takes for media, so the prompt is hashed up to its message.
     PythonRepr,
@@ -624,6 +650,9 @@ fn convert<'a>(message: Message<'a>, out: &mut Vec<OutMessage<'a>>) -> Result<()
             Block::ToolResult { content, .. } => parts.push(match content {
                 ToolResult::None => Part::Text { text: Cow::Borrowed("Tool result: ") },
                 ToolResult::Text(text) => Part::Text { text: Cow::Owned(format!("Tool result: {text}")) },
+                ToolResult::Items(items) if items.is_empty() => {
+                    Part::Text { text: Cow::Borrowed("Tool result: ") }
+                }
                 ToolResult::Items(_) => Part::PythonRepr,
             }),
         }
@@ -661,7 +690,7 @@ fn tool_result_messages<'a>(
                     Item::Image(url) if !url.is_empty() => {
                         images.push(Part::ImageUrl { image_url: Url { url } })
                     }
-                    Item::Reference(name) => references.push(Part::ToolReference { name }),
+                    Item::Reference(name) => references.push(name),
                     Item::Image(_) | Item::Other => {}
                 }
             }
@@ -679,8 +708,9 @@ fn tool_result_messages<'a>(
     if !images.is_empty() {
         out.push(message(Role::User, OutContent::Parts(images), None));
     }
+    // vLLM's `{"type": "tool_reference", "name"}` parts are read as their names' text.
     if !references.is_empty() {
-        out.push(message(Role::Tool, OutContent::Parts(references), Some(tool_use_id)));
+        out.push(message(Role::Tool, OutContent::Text(Cow::Owned(references.join("\n"))), Some(tool_use_id)));
     }
 }
 
@@ -788,6 +818,117 @@ fn reasoning_effort<'a>(
         return Ok(Some(Cow::Borrowed("none")));
     }
     field(output_config, "output_config", "effort")
+}
+
+/// vLLM's probe of a template for inline system messages: each of three conversations (one
+/// mid-way, one after a tool result, one at the end) is rendered with and without an inline
+/// system message, with `reasoning_effort` "high" and then none; the message may stay in
+/// place only if every rendering succeeds and the message's text appears once, as a segment
+/// inserted into the prompt and nothing else changed, with more than its text (a role
+/// marker), not as a user message would be, before the generation prompt, and keeping
+/// whatever prior reasoning the prompt kept. Any doubt folds; so does a template that cannot
+/// render the conversations at all.
+pub fn inline_system_mode(template: &ChatTemplate) -> InlineSystem {
+    const INLINE: &str = "Echo inline note";
+    const REASONING: &str = "Foxtrot prior reasoning";
+    const SYSTEM: &str = r#"{"role":"system","content":"Alpha leading instructions"}"#;
+    const USER: &str = r#"{"role":"user","content":"Bravo first question"}"#;
+    let after_tool = format!(
+        r#"{{"role":"assistant","reasoning":"{REASONING}","tool_calls":[{{"id":"probe0001","type":"function","function":{{"name":"probe_tool","arguments":"{{}}"}}}}]}}"#
+    );
+    let cases: [(Vec<String>, usize); 3] = [
+        (
+            vec![
+                SYSTEM.into(),
+                USER.into(),
+                r#"{"role":"assistant","content":"Charlie first answer"}"#.into(),
+                r#"{"role":"user","content":"Delta second question"}"#.into(),
+            ],
+            3,
+        ),
+        (
+            vec![
+                SYSTEM.into(),
+                USER.into(),
+                after_tool,
+                r#"{"role":"tool","tool_call_id":"probe0001","content":"Golf output"}"#.into(),
+            ],
+            4,
+        ),
+        (vec![SYSTEM.into(), USER.into()], 2),
+    ];
+    let render = |messages: &[String], effort: Option<&str>| -> Option<String> {
+        let effort = effort.map_or(String::new(), |e| format!(r#","reasoning_effort":"{e}""#));
+        let body = format!(
+            r#"{{"messages":[{}],"tools":[{{"type":"function","function":{{"name":"probe_tool","description":"Probe tool.","parameters":{{"type":"object","properties":{{}}}}}}}}]{effort}}}"#,
+            messages.join(",")
+        );
+        let chat = super::ChatRequest::parse(body.as_bytes()).ok()?;
+        template.render(&chat.messages, chat.variables()).ok()
+    };
+    let inserted = |messages: &[String], index: usize, message: &str| {
+        let mut with = messages.to_vec();
+        with.insert(index, message.to_owned());
+        with
+    };
+    let mut evaluated: Option<Vec<String>> = None;
+    for effort in [Some("high"), None] {
+        let mut bases = Vec::new();
+        let mut rendered = Vec::new();
+        for (messages, index) in &cases {
+            let mut messages = messages.clone();
+            let mut base = render(&messages, effort);
+            if base.is_none() && messages.iter().any(|m| m.contains(REASONING)) {
+                // A template that refuses reasoning in history is probed without it.
+                messages = messages
+                    .iter()
+                    .map(|m| m.replace(&format!(r#""reasoning":"{REASONING}","#), ""))
+                    .collect();
+                base = render(&messages, effort);
+            }
+            let Some(base) = base else { break };
+            bases.push(base);
+            rendered.push((messages, *index));
+        }
+        if bases.len() != cases.len() || evaluated.as_ref() == Some(&bases) {
+            continue;
+        }
+        for ((messages, index), base) in rendered.iter().zip(&bases) {
+            let inline = format!(r#"{{"role":"system","content":"{INLINE}"}}"#);
+            let Some(new) = render(&inserted(messages, *index, &inline), effort) else {
+                return InlineSystem::Fold;
+            };
+            let Some((position, segment)) = insertion(base, &new).filter(|_| new.contains(INLINE)) else {
+                return InlineSystem::Fold;
+            };
+            let lands_last = *index == messages.len() && position >= base.len();
+            let marked = !segment.replacen(INLINE, "", 1).trim().is_empty();
+            if lands_last || segment.matches(INLINE).count() != 1 || !marked {
+                return InlineSystem::Fold;
+            }
+            if *index == 3 {
+                let as_user = format!(r#"{{"role":"user","content":"{INLINE}"}}"#);
+                let user = render(&inserted(messages, *index, &as_user), effort);
+                if user.and_then(|user| insertion(base, &user).map(|(_, s)| s == segment)) == Some(true) {
+                    return InlineSystem::Fold;
+                }
+            }
+            if base.contains(REASONING) != new.contains(REASONING) {
+                return InlineSystem::Fold;
+            }
+        }
+        evaluated = Some(bases);
+    }
+    if evaluated.is_none() { InlineSystem::Fold } else { InlineSystem::Preserve }
+}
+
+/// Where `new` is `base` with one segment inserted, and the segment, if it is.
+fn insertion<'n>(base: &str, new: &'n str) -> Option<(usize, &'n str)> {
+    let (b, n) = (base.as_bytes(), new.as_bytes());
+    let p = b.iter().zip(n).take_while(|(x, y)| x == y).count();
+    let room = b.len().min(n.len()) - p;
+    let s = b.iter().rev().zip(n.iter().rev()).take(room).take_while(|(x, y)| x == y).count();
+    (p + s == b.len()).then(|| new.get(p..n.len() - s).map(|segment| (p, segment))).flatten()
 }
 
 fn unix_now() -> u64 {

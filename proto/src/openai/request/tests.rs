@@ -26,13 +26,14 @@ fn endpoints_from_paths() {
 fn a_messages_body_is_read_as_the_chat_request_it_becomes() {
     let body = br#"{"model":"m","max_tokens":3,"system":"S","messages":[{"role":"user","content":"q"}]}"#;
     assert!(ParsedRequest::parse(Endpoint::Messages, body).is_err(), "not without conversion");
-    let (endpoint, readable) = Endpoint::Messages.readable(body).unwrap();
+    let t = crate::openai::Tokenization::new(&Default::default()).unwrap();
+    let (endpoint, readable) = t.readable(Endpoint::Messages, body).unwrap();
     assert_eq!(endpoint, Endpoint::ChatCompletions);
     let ParsedRequest::Chat(chat) = ParsedRequest::parse(endpoint, &readable).unwrap() else {
         panic!("a chat")
     };
     assert_eq!((chat.model.as_ref(), chat.messages.len(), chat.max_tokens), ("m", 2, Some(3)));
-    let (endpoint, same) = Endpoint::Completions.readable(b"{}").unwrap();
+    let (endpoint, same) = t.readable(Endpoint::Completions, b"{}").unwrap();
     assert!(endpoint == Endpoint::Completions && matches!(same, Cow::Borrowed(b"{}")));
 }
 

@@ -1,16 +1,16 @@
 use serde_json::{Value, json};
 
-use super::chat_body;
+use super::{InlineSystem, chat_body};
 use crate::openai::request::ChatRequest;
 use crate::openai::{ChatTemplate, MessageProblem, RequestError};
 
 /// The chat request made of the Messages request `body`.
 fn chat(body: Value) -> Value {
-    serde_json::from_slice(&chat_body(body.to_string().as_bytes()).unwrap()).unwrap()
+    serde_json::from_slice(&preserve(body.to_string().as_bytes()).unwrap()).unwrap()
 }
 
 fn error(body: Value) -> RequestError {
-    chat_body(body.to_string().as_bytes()).unwrap_err()
+    preserve(body.to_string().as_bytes()).unwrap_err()
 }
 
 #[test]
@@ -107,7 +107,7 @@ fn images_become_image_url_parts_that_the_chat_parser_takes_for_media() {
         out["messages"][2],
         json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://img"}}]})
     );
-    let converted = chat_body(body.to_string().as_bytes()).unwrap();
+    let converted = preserve(body.to_string().as_bytes()).unwrap();
     let parsed = ChatRequest::parse(&converted).unwrap();
     assert_eq!(parsed.first_media(), Some((0, "image_url")));
 }
@@ -124,7 +124,7 @@ fn tools_become_openai_functions_with_an_object_schema() {
     assert!(tools.starts_with(ls), "{tools}");
     // Key order as vLLM's dicts keep it: the schema's own keys, then the added type.
     let raw = String::from_utf8(
-        chat_body(br#"{"max_tokens":1,"messages":[{"role":"user","content":"q"}],"tools":[{"name":"ls","input_schema":{"properties":{"b":{},"a":{}}}}]}"#)
+        preserve(br#"{"max_tokens":1,"messages":[{"role":"user","content":"q"}],"tools":[{"name":"ls","input_schema":{"properties":{"b":{},"a":{}}}}]}"#)
             .unwrap(),
     )
     .unwrap();
@@ -242,15 +242,15 @@ fn malformed_requests_name_the_field_at_fault() {
         error(json!({"max_tokens": 1, "messages": user, "system": 5})),
         RequestError::InvalidField { param: "system", .. }
     ));
-    assert!(matches!(chat_body(b"[1]"), Err(RequestError::NotAnObject)));
-    assert!(matches!(chat_body(b"{"), Err(RequestError::Json(_))));
+    assert!(matches!(preserve(b"[1]"), Err(RequestError::NotAnObject)));
+    assert!(matches!(preserve(b"{"), Err(RequestError::Json(_))));
 }
 
 /// What the template renders of a Messages request is what it renders of the chat request
 /// written by hand.
 #[test]
 fn a_messages_request_renders_as_the_chat_request_it_stands_for() {
-    let converted = chat_body(
+    let converted = preserve(
         json!({"model": "m", "max_tokens": 4, "system": [{"type": "text", "text": "Be brief."}], "messages": [
             {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]},
             {"role": "assistant", "content": "Hi."},
@@ -274,4 +274,90 @@ fn a_messages_request_renders_as_the_chat_request_it_stands_for() {
     };
     assert_eq!(render(&converted), render(by_hand.as_bytes()));
     assert_eq!(ChatRequest::parse(&converted).unwrap().max_tokens, Some(4));
+}
+
+fn preserve(body: &[u8]) -> Result<Vec<u8>, RequestError> {
+    chat_body(body, InlineSystem::Preserve)
+}
+
+#[test]
+fn odd_tool_results_and_images_read_as_vllm_reads_them() {
+    let out = chat(json!({"max_tokens": 1, "messages": [
+        {"role": "user", "content": [
+            {"type": "image", "source": {}},
+            {"type": "text", "text": "no image above"},
+            {"type": "tool_result", "tool_use_id": "t", "content": [
+                {"type": "tool_reference", "tool_name": "", "name": "grep"},
+                {"type": "tool_reference", "tool_name": "glob"},
+                {"type": "image"}
+            ]}
+        ]},
+        {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t", "content": []}]}
+    ]}));
+    assert_eq!(
+        out["messages"],
+        json!([
+            {"role": "tool", "content": "", "tool_call_id": "t"},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,"}}]},
+            {"role": "tool", "content": "grep\nglob", "tool_call_id": "t"},
+            {"role": "user", "content": "no image above"},
+            {"role": "assistant", "content": "Tool result: "}
+        ])
+    );
+    let bad = error(
+        json!({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image", "source": "x"}]}]}),
+    );
+    assert!(
+        matches!(bad, RequestError::InvalidAt { ref at, .. } if at == "messages[0].content[0].source"),
+        "{bad:?}"
+    );
+}
+
+/// A template that refuses a system message after the first (as Qwen3.5's does) folds
+/// inline system messages, as vLLM's probe decides for it; ChatML keeps them in place.
+#[test]
+fn the_template_probe_folds_where_a_system_turn_cannot_stand_mid_conversation() {
+    use crate::openai::{SpecialTokens, inline_system_mode};
+    let chatml = ChatTemplate::builtin_default();
+    assert_eq!(inline_system_mode(&chatml), InlineSystem::Preserve);
+    let refusing = "{% for m in messages %}{% if m.role == 'system' and not loop.first %}\
+                    {{ raise_exception('System message must be at the beginning.') }}{% endif %}\
+                    <|{{ m.role }}|>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+    let dropping = "{% for m in messages %}{% if m.role != 'system' or loop.first %}<|{{ m.role }}|>{{ m.content }}\
+                    {% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+    let as_user = "{% for m in messages %}<|{{ 'user' if m.role == 'system' and not loop.first else m.role }}|>\
+                   {{ m.content }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+    let unmarked = "{% for m in messages %}{% if m.role == 'system' and not loop.first %}{{ m.content }}\
+                    {% else %}<|{{ m.role }}|>{{ m.content }}{% endif %}{% endfor %}";
+    let marked = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+    for (name, source, mode) in [
+        ("refusing", refusing, InlineSystem::Fold),
+        ("dropping", dropping, InlineSystem::Fold),
+        ("as user", as_user, InlineSystem::Fold),
+        ("unmarked", unmarked, InlineSystem::Fold),
+        ("marked", marked, InlineSystem::Preserve),
+    ] {
+        let template = ChatTemplate::new(source, SpecialTokens::default()).unwrap();
+        assert_eq!(inline_system_mode(&template), mode, "{name}");
+    }
+    // Through a tokenization with the refusing template, a Claude Code turn is folded, not refused.
+    let t = crate::openai::Tokenization::from_parts(
+        Box::new(crate::openai::Builtin),
+        Some(ChatTemplate::new(refusing, SpecialTokens::default()).unwrap()),
+        "m",
+        [],
+    );
+    let body = json!({"max_tokens": 1, "system": "S", "messages": [
+        {"role": "user", "content": "q"}, {"role": "system", "content": "reminder"}]});
+    let body = body.to_string();
+    let (endpoint, readable) = t.readable(crate::openai::Endpoint::Messages, body.as_bytes()).unwrap();
+    let request = crate::openai::ParsedRequest::parse(endpoint, &readable).unwrap();
+    assert_eq!(
+        t.render_chat(match &request {
+            crate::openai::ParsedRequest::Chat(chat) => chat,
+            _ => unreachable!(),
+        })
+        .unwrap(),
+        "<|system|>S<|user|>q\n\nreminder<|assistant|>"
+    );
 }
