@@ -27,6 +27,7 @@ use http::header::{self, HeaderMap};
 use http_body::Body;
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 use super::body::{BoxError, ProxyBody};
 
@@ -80,6 +81,10 @@ pub struct Conn {
     /// The replica answered before the whole request went out: the connection is not
     /// reused.
     cut_short: bool,
+    /// When the replica's last bytes were read: its server's keep-alive timer started no
+    /// later (the pool counts a connection's idle time from here, not from when a slow
+    /// client let the response end).
+    pub(super) last_read: Option<Instant>,
 }
 
 /// A request's body on its way out.
@@ -92,7 +97,7 @@ pub enum Outgoing {
 
 impl Conn {
     pub fn new(stream: TcpStream) -> Self {
-        Self { stream, buf: BytesMut::with_capacity(READ_BUFFER), cut_short: false }
+        Self { stream, buf: BytesMut::with_capacity(READ_BUFFER), cut_short: false, last_read: None }
     }
 
     /// Whether an idle connection can carry a request: the replica has not closed it and
@@ -156,7 +161,7 @@ impl Conn {
         // without reading it all, writing would wait for ever or fail, so the answer is
         // watched for meanwhile and, if it comes first, read without sending the rest. An
         // interim answer (100, 103) is read and dropped, and the body goes on.
-        let Conn { stream, buf, cut_short } = self;
+        let Conn { stream, buf, cut_short, .. } = self;
         let (mut reader, mut writer) = stream.split();
         let write = write_body(&mut writer, method, head, body);
         tokio::pin!(write);
@@ -187,6 +192,7 @@ impl Conn {
                         if head.parts.status.is_informational() {
                             continue;
                         }
+                        self.last_read = Some(Instant::now());
                         return Ok(head);
                     }
                     None if self.buf.len() >= MAX_HEAD_BYTES => {

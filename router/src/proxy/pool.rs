@@ -14,7 +14,9 @@
 //! timeout) is closed, not pooled: its state is unknown. A pooled connection the replica has
 //! closed meanwhile is found out at checkout ([`Conn::is_usable`]). Idle connections are kept
 //! for less time than the replicas' servers keep them (uvicorn, under vLLM and SGLang: 5 s),
-//! so that the replica closing one just as a request goes out on it is rare; when it happens,
+//! counted from the response's last byte read off the socket (where the server's keep-alive
+//! timer starts too), not from when a slow client let it end, so that the replica closing
+//! one just as a request goes out on it is rare; when it happens,
 //! the request goes out once more, on a new connection to the same replica
 //! ([`WireError::may_resend`]). A request whose body streams takes a new connection: its body
 //! could not be sent again.
@@ -99,7 +101,10 @@ impl Checkin {
         }
         let list = idle.by_replica.entry(authority).or_default();
         if list.len() < pool.max_idle {
-            list.push(Idle { conn, since: now });
+            // Idle since the replica's last bytes: a response the client took its time over
+            // has been idle at the replica's end for that long already.
+            let since = conn.last_read.map_or(now, |read| read.min(now));
+            list.push(Idle { conn, since });
         }
     }
 }
@@ -300,6 +305,23 @@ mod tests {
         let idle = pool.idle.lock().unwrap();
         let left: Vec<_> = idle.by_replica.keys().map(|k| format!("http://{k}")).collect();
         assert_eq!(left, [b], "the first replica's connection closed and the replica forgotten");
+    }
+
+    /// A connection is idle at the replica's end from its response's last byte: a client
+    /// that takes longer than the idle timeout to take the response leaves it expired.
+    #[tokio::test]
+    async fn a_connection_counts_as_idle_from_the_replicas_last_byte() {
+        let (url, accepted) = backend(true).await;
+        let pool = Arc::new(Pool::new(Duration::from_secs(2), Duration::from_millis(300), 8));
+        let response = pool.send(request(&url)).await.unwrap();
+        // A slow client: the body (in hand with the head) is taken after the idle timeout.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(response.into_body().collect().await.unwrap().to_bytes().as_ref(), b"ok");
+        assert_eq!(get(&pool, &url, true).await.body().as_ref(), b"ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "the expired connection was not reused");
+        // A client that takes its response at once leaves the connection for the next request.
+        assert_eq!(get(&pool, &url, true).await.body().as_ref(), b"ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]

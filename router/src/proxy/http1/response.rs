@@ -86,6 +86,9 @@ impl UpstreamBody {
             conn.buf.reserve(READ_BUFFER);
         }
         let n = ready!(tokio_util::io::poll_read_buf(Pin::new(&mut conn.stream), cx, &mut conn.buf))?;
+        if n > 0 {
+            conn.last_read = Some(tokio::time::Instant::now());
+        }
         Poll::Ready(Ok(n))
     }
 
