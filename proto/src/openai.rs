@@ -41,7 +41,7 @@ use std::sync::RwLock;
 
 use serde::{Deserialize, Serialize};
 
-pub use chat_template::{ChatTemplate, DEFAULT_CHAT_TEMPLATE, SpecialTokens, Variables};
+pub use chat_template::{ChatTemplate, ContentFormat, DEFAULT_CHAT_TEMPLATE, SpecialTokens, Variables};
 pub use error::{LoadError, MessageProblem, OpenAiError, RequestError};
 pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 pub use request::anthropic::{InlineSystem, inline_system_mode};

@@ -8,7 +8,9 @@
 //! writes (`", "`/`": "` separators, or `indent=n`, non-ASCII kept, key order kept).
 //!
 //! Template variables: `messages`, each as vLLM passes it (`chat_utils.parse_chat_messages`):
-//! `role`; `content`, a string (`""` when the client sent none); an assistant's non-empty
+//! `role`; `content`, a string (`""` when the client sent none), or for a template that
+//! loops over it (vLLM's "openai" content format, [`ContentFormat`]) a list of text parts
+//! (empty when the client sent none); an assistant's non-empty
 //! `tool_calls`, each call's `function.arguments` parsed from its JSON string (`{}` when it
 //! is not JSON), and its `reasoning` (passed under `reasoning_content` too); a tool
 //! message's `tool_call_id` (null included); a string `name`; in that order, and no other
@@ -24,10 +26,12 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::LazyLock;
 
 use minijinja::value::Kwargs;
 use minijinja::value::ValueKind;
 use minijinja::{Environment, Error, ErrorKind, Value};
+use regex::Regex;
 use serde::Deserialize;
 use serde::ser::{SerializeMap, Serializer};
 use serde_json::value::RawValue;
@@ -77,6 +81,38 @@ impl SpecialTokens {
 pub struct ChatTemplate {
     env: Environment<'static>,
     special: SpecialTokens,
+    format: ContentFormat,
+}
+
+/// How a template takes a message's `content`, as vLLM decides it (`--chat-template-content-format
+/// auto`): a template that loops over a message's `content` gets a list of parts
+/// (`{"type": "text", "text": ...}`, one for each text part the client sent, a string being
+/// one), any other a string (text parts joined with `"\n"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ContentFormat {
+    String,
+    OpenAi,
+}
+
+impl ContentFormat {
+    /// vLLM's reading of a template's source (there, its Jinja syntax tree): a `{% for x in
+    /// m.content %}` (or `m['content']`, through filters) where `m` is a `{% for m in messages
+    /// %}` loop's variable makes it [`ContentFormat::OpenAi`].
+    pub fn of_template(source: &str) -> Self {
+        static MESSAGE_LOOPS: LazyLock<Regex> =
+            LazyLock::new(|| Regex::new(r"\{%-?\s*for\s+(\w+)\s+in\s+messages\b").expect("a valid pattern"));
+        static CONTENT_LOOPS: LazyLock<Regex> = LazyLock::new(|| {
+            Regex::new(r#"\{%-?\s*for\s+\w+\s+in\s+(\w+)\s*(?:\.\s*content\b|\[\s*['"]content['"]\s*\])"#)
+                .expect("a valid pattern")
+        });
+        let messages: Vec<&str> =
+            MESSAGE_LOOPS.captures_iter(source).filter_map(|c| c.get(1)).map(|m| m.as_str()).collect();
+        let loops_over_content = CONTENT_LOOPS
+            .captures_iter(source)
+            .filter_map(|c| c.get(1))
+            .any(|var| messages.contains(&var.as_str()));
+        if loops_over_content { ContentFormat::OpenAi } else { ContentFormat::String }
+    }
 }
 
 /// The fields of a Hugging Face `tokenizer_config.json` that matter here.
@@ -146,8 +182,10 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, source.into()).map_err(LoadError::Template)?;
-        Ok(Self { env, special })
+        let source = source.into();
+        let format = ContentFormat::of_template(&source);
+        env.add_template_owned(TEMPLATE_NAME, source).map_err(LoadError::Template)?;
+        Ok(Self { env, special, format })
     }
 
     /// The documented ChatML default for the builtin tokenizer.
@@ -196,6 +234,11 @@ impl ChatTemplate {
         &self.special
     }
 
+    /// How the template takes a message's content.
+    pub fn content_format(&self) -> ContentFormat {
+        self.format
+    }
+
     /// Renders `messages` to the prompt string (the content of a message with media is its
     /// text alone).
     pub fn render(&self, messages: &[Message<'_>], vars: Variables<'_>) -> Result<String, RequestError> {
@@ -221,8 +264,10 @@ impl ChatTemplate {
         vars: Variables<'_>,
         media_parts: bool,
     ) -> Result<String, RequestError> {
-        let messages =
-            messages.iter().map(|m| message_value(m, media_parts)).collect::<Result<Vec<_>, _>>()?;
+        let messages = messages
+            .iter()
+            .map(|m| message_value(m, media_parts, self.format))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
         ctx.insert("tools".into(), vars.tools.map(tools_value).transpose()?.unwrap_or(Value::from(())));
         ctx.insert("documents".into(), Value::from(()));
@@ -275,8 +320,13 @@ fn json_value(raw: &RawValue) -> Result<Value, RequestError> {
 
 /// A message as the template sees it (see the module docs): `role`, `content`, then the
 /// keys vLLM keeps, in its order; with `media_parts`, the content of a message with media is
-/// a list of parts ([`ChatTemplate::render_with_media`]).
-fn message_value(message: &Message<'_>, media_parts: bool) -> Result<Value, RequestError> {
+/// a list of parts ([`ChatTemplate::render_with_media`]); in the "openai" content `format`,
+/// every content is a list of parts.
+fn message_value(
+    message: &Message<'_>,
+    media_parts: bool,
+    format: ContentFormat,
+) -> Result<Value, RequestError> {
     let role = message.role.as_ref();
     // The client's value of `key` (the last, as Python's `json` keeps), null included.
     let raw = |key: &str| message.extra.iter().rev().find(|(k, _)| k == key).map(|(_, raw)| *raw);
@@ -302,23 +352,28 @@ fn message_value(message: &Message<'_>, media_parts: bool) -> Result<Value, Requ
     if let Some(name) = raw("name").filter(|r| r.get().starts_with('"')) {
         extra.push(("name", json_value(name)?));
     }
+    /// A message's content as the template sees it.
+    enum Content<'m> {
+        Text(&'m str),
+        /// A list: the media's modality first if any, then a text part for each text.
+        Parts(Option<&'static str>, Vec<&'m str>),
+    }
     struct View<'m> {
         role: &'m str,
-        content: &'m str,
-        /// The media's modality, when the content is a list of parts.
-        media: Option<&'static str>,
+        content: Content<'m>,
         extra: Vec<(&'m str, Value)>,
     }
     impl serde::Serialize for View<'_> {
         fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
             let mut map = s.serialize_map(Some(2 + self.extra.len()))?;
             map.serialize_entry("role", self.role)?;
-            match self.media {
-                Some(modality) => map.serialize_entry(
-                    "content",
-                    &serde_json::json!([{"type": modality}, {"type": "text", "text": self.content}]),
-                )?,
-                None => map.serialize_entry("content", &self.content)?,
+            match &self.content {
+                Content::Text(text) => map.serialize_entry("content", text)?,
+                Content::Parts(media, texts) => {
+                    let media = media.iter().map(|modality| serde_json::json!({"type": modality}));
+                    let texts = texts.iter().map(|text| serde_json::json!({"type": "text", "text": text}));
+                    map.serialize_entry("content", &media.chain(texts).collect::<Vec<_>>())?
+                }
             }
             for (k, v) in &self.extra {
                 map.serialize_entry(k, v)?;
@@ -327,7 +382,18 @@ fn message_value(message: &Message<'_>, media_parts: bool) -> Result<Value, Requ
         }
     }
     let media = message.media.as_deref().filter(|_| media_parts).map(modality);
-    let view = View { role, content: message.content.as_deref().unwrap_or_default(), media, extra };
+    let text = message.content.as_deref().unwrap_or_default();
+    let content = match (format, media) {
+        (ContentFormat::OpenAi, _) if !message.parts.is_empty() => {
+            Content::Parts(media, message.parts.iter().map(|p| p.as_ref()).collect())
+        }
+        (ContentFormat::OpenAi, _) => {
+            Content::Parts(media, [text].into_iter().filter(|t| !t.is_empty()).collect())
+        }
+        (ContentFormat::String, Some(_)) => Content::Parts(media, vec![text]),
+        (ContentFormat::String, None) => Content::Text(text),
+    };
+    let view = View { role, content, extra };
     Ok(Value::from(minijinja::value::Serde(view)))
 }
 
@@ -699,6 +765,45 @@ mod tests {
             .render(&chat.messages, Variables { add_generation_prompt: true, ..Variables::default() })
             .unwrap();
         assert!(out.ends_with("null True True  <s>"), "{out}");
+    }
+
+    /// A template that loops over a message's content gets every content as a list of text
+    /// parts, one for each the client sent (vLLM's "openai" format); any other gets them joined.
+    #[test]
+    fn a_template_that_loops_over_content_gets_the_parts_apart() {
+        let chatml = ChatTemplate::builtin_default();
+        assert_eq!(chatml.content_format(), ContentFormat::String);
+        let looping = "{% for message in messages %}{% if message['content'] is string %}{{ message['content'] }}\
+                       {% else %}{% for part in message['content'] %}<{{ part.text }}>{% endfor %}{% endif %}|{% endfor %}";
+        let template = ChatTemplate::new(looping, SpecialTokens::default()).unwrap();
+        assert_eq!(template.content_format(), ContentFormat::OpenAi);
+        let body = br#"{"messages":[{"role":"user","content":[{"type":"text","text":"A"},{"type":"text","text":"B"}]},
+            {"role":"assistant","content":"C"},{"role":"assistant","content":null},{"role":"user","content":""}]}"#;
+        let chat = crate::openai::ChatRequest::parse(body).unwrap();
+        assert_eq!(template.render(&chat.messages, chat.variables()).unwrap(), "<A><B>|<C>|||");
+        // The same source read as a string template joins the parts.
+        let joined = looping
+            .replace("message['content']", "message['content'] ")
+            .replace("for part in message['content'] ", "for part in [message.content]");
+        let template = ChatTemplate::new(&*joined, SpecialTokens::default()).unwrap();
+        assert_eq!(template.content_format(), ContentFormat::String, "{joined}");
+        assert_eq!(template.render(&chat.messages, chat.variables()).unwrap(), "A\nB|C|||");
+        for (source, format) in [
+            (
+                "{%- for m in messages %}{%- for c in m.content | selectattr('type', 'eq', 'text') %}{{ c.text }}{% endfor %}{% endfor %}",
+                ContentFormat::OpenAi,
+            ),
+            (
+                "{% for m in messages[1:] %}{% for c in m[\"content\"] %}{% endfor %}{% endfor %}",
+                ContentFormat::OpenAi,
+            ),
+            (
+                "{% for m in messages %}{% endfor %}{% for c in tools.content %}{% endfor %}",
+                ContentFormat::String,
+            ),
+        ] {
+            assert_eq!(ContentFormat::of_template(source), format, "{source}");
+        }
     }
 
     /// vLLM dumps each tool through its pydantic model: its fields in their order, the

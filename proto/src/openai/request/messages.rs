@@ -206,14 +206,20 @@ impl<'de> Deserialize<'de> for MessageResult<'de> {
                     Some(MaybeStr::Other) => return Ok(MessageResult::Problem(MessageProblem::BadRole)),
                     Some(MaybeStr::Str(r)) => r,
                 };
+                let mut parts = Vec::new();
                 let (content, media) = match content {
                     Content::Null => (None, None),
                     Content::Text(t) => (Some(t), None),
+                    Content::Parts(texts, media) if texts.len() > 1 => {
+                        let joined = Cow::Owned(texts.join("\n"));
+                        parts = texts;
+                        (Some(joined), media)
+                    }
                     Content::Parts(texts, media) => (Some(join_text_parts(texts)), media),
                     Content::Bad => return Ok(MessageResult::Problem(MessageProblem::BadContent)),
                     Content::BadPart => return Ok(MessageResult::Problem(MessageProblem::BadContentPart)),
                 };
-                Ok(MessageResult::Ok(Message { role, content, media, extra }))
+                Ok(MessageResult::Ok(Message { role, content, media, extra, parts }))
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
                 while seq.next_element::<IgnoredAny>()?.is_some() {}
