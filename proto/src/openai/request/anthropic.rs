@@ -47,9 +47,10 @@
 use std::borrow::Cow;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
+use self::text::Text;
 use super::{Str, object, parse_object};
 use crate::openai::ChatTemplate;
 use crate::openai::error::{MessageProblem, RequestError};
@@ -72,29 +73,26 @@ pub enum InlineSystem {
 
 /// The chat completion request, as JSON, that vLLM makes of the Messages request `body`.
 pub fn chat_body(body: &[u8], inline: InlineSystem) -> Result<Vec<u8>, RequestError> {
-    const FIELDS: [&str; 10] = [
-        "model",
-        "messages",
-        "system",
-        "max_tokens",
-        "stream",
-        "cache_salt",
-        "chat_template_kwargs",
-        "tools",
-        "thinking",
-        "output_config",
-    ];
-    let [model, messages, system, max_tokens, stream, cache_salt, kwargs, tools, thinking, output_config] =
-        parse_object(body, &FIELDS)?;
-    let messages = parse_messages(messages.ok_or(RequestError::MissingField { param: "messages" })?)?;
+    let Request {
+        model,
+        messages,
+        system,
+        max_tokens,
+        stream,
+        cache_salt,
+        kwargs,
+        tools,
+        thinking,
+        output_config,
+    } = read_request(body)?;
     let max_tokens = max_tokens.ok_or(RequestError::MissingField { param: "max_tokens" })?;
     let system = system_prompt(system)?;
 
     let (leading, rest) = place_inline_system(messages, !system.is_empty(), inline);
     let mut out = Vec::new();
-    let system = join([system.as_ref(), leading.as_str()]);
+    let system = if leading.is_empty() { system } else { Text::join_paragraphs([&system, &leading]) };
     if !system.is_empty() {
-        out.push(OutMessage::text(Role::System, Cow::Owned(system)));
+        out.push(OutMessage::text(Role::System, system));
     }
     for message in rest {
         convert(message, &mut out)?;
@@ -111,6 +109,128 @@ pub fn chat_body(body: &[u8], inline: InlineSystem) -> Result<Vec<u8>, RequestEr
     };
     // Strings, raw JSON and options only: serializing into a Vec cannot fail.
     Ok(serde_json::to_vec(&body).unwrap_or_default())
+}
+
+/// What the conversion reads of a Messages request.
+struct Request<'a> {
+    model: Option<&'a RawValue>,
+    messages: Vec<Message<'a>>,
+    system: Option<&'a RawValue>,
+    max_tokens: Option<&'a RawValue>,
+    stream: Option<&'a RawValue>,
+    cache_salt: Option<&'a RawValue>,
+    kwargs: Option<&'a RawValue>,
+    tools: Option<&'a RawValue>,
+    thinking: Option<&'a RawValue>,
+    output_config: Option<&'a RawValue>,
+}
+
+/// The request's fields in one pass over the body, messages and their fields included; a
+/// body this cannot read (a repeated key, a field of another type) is read again field by
+/// field ([`parse_object`]), which takes a repeated key's last value as vLLM does and says
+/// what is wrong, if anything is. A long prompt is read past once here, not once a level.
+#[derive(Deserialize)]
+struct FastRequest<'a> {
+    #[serde(borrow)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow)]
+    messages: Option<Vec<FastMessage<'a>>>,
+    #[serde(borrow)]
+    system: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow)]
+    cache_salt: Option<&'a RawValue>,
+    #[serde(borrow)]
+    chat_template_kwargs: Option<&'a RawValue>,
+    #[serde(borrow)]
+    tools: Option<&'a RawValue>,
+    #[serde(borrow)]
+    thinking: Option<&'a RawValue>,
+    #[serde(borrow)]
+    output_config: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct FastMessage<'a> {
+    #[serde(borrow)]
+    role: Option<&'a RawValue>,
+    #[serde(borrow)]
+    content: Option<&'a RawValue>,
+}
+
+fn read_request(body: &[u8]) -> Result<Request<'_>, RequestError> {
+    if let Ok(fast) = serde_json::from_slice::<FastRequest<'_>>(body) {
+        let messages = fast.messages.ok_or(RequestError::MissingField { param: "messages" })?;
+        return Ok(Request {
+            model: fast.model,
+            messages: read_messages(messages.into_iter().map(|m| Ok((m.role, m.content))))?,
+            system: fast.system,
+            max_tokens: fast.max_tokens,
+            stream: fast.stream,
+            cache_salt: fast.cache_salt,
+            kwargs: fast.chat_template_kwargs,
+            tools: fast.tools,
+            thinking: fast.thinking,
+            output_config: fast.output_config,
+        });
+    }
+    const FIELDS: [&str; 10] = [
+        "model",
+        "messages",
+        "system",
+        "max_tokens",
+        "stream",
+        "cache_salt",
+        "chat_template_kwargs",
+        "tools",
+        "thinking",
+        "output_config",
+    ];
+    let [model, messages, system, max_tokens, stream, cache_salt, kwargs, tools, thinking, output_config] =
+        parse_object(body, &FIELDS)?;
+    let messages = messages.ok_or(RequestError::MissingField { param: "messages" })?;
+    let not_array = || RequestError::InvalidField { param: "messages", expected: "an array of messages" };
+    if !messages.get().starts_with('[') {
+        return Err(not_array());
+    }
+    let items: Vec<&RawValue> = serde_json::from_str(messages.get()).map_err(|_| not_array())?;
+    let fields = items.into_iter().enumerate().map(|(index, raw)| {
+        if !raw.get().starts_with('{') {
+            return Err(RequestError::InvalidMessage { index, problem: MessageProblem::NotAnObject });
+        }
+        let [role, content] =
+            object::fields(raw.get().as_bytes(), &["role", "content"]).map_err(RequestError::Json)?;
+        Ok((role, content))
+    });
+    let messages = read_messages(fields)?;
+    Ok(Request {
+        model,
+        messages,
+        system,
+        max_tokens,
+        stream,
+        cache_salt,
+        kwargs,
+        tools,
+        thinking,
+        output_config,
+    })
+}
+
+/// The messages from each one's `role` and `content`.
+fn read_messages<'a>(
+    fields: impl ExactSizeIterator<Item = Result<(Option<&'a RawValue>, Option<&'a RawValue>), RequestError>>,
+) -> Result<Vec<Message<'a>>, RequestError> {
+    if fields.len() == 0 {
+        return Err(RequestError::EmptyMessages);
+    }
+    fields
+        .enumerate()
+        .map(|(index, fields)| fields.and_then(|(role, content)| read_message(index, role, content)))
+        .collect()
 }
 
 /// The chat completion request written out.
@@ -150,16 +270,16 @@ struct Message<'a> {
 
 #[derive(Debug)]
 enum Content<'a> {
-    Text(Cow<'a, str>),
+    Text(Text<'a>),
     Blocks(Vec<Block<'a>>),
 }
 
 /// A content block: the fields vLLM reads of it.
 #[derive(Debug, Clone)]
 enum Block<'a> {
-    Text(Cow<'a, str>),
+    Text(Text<'a>),
     Image(String),
-    Thinking(Cow<'a, str>),
+    Thinking(Text<'a>),
     ToolUse {
         id: Option<Cow<'a, str>>,
         name: Cow<'a, str>,
@@ -178,38 +298,25 @@ enum Block<'a> {
 #[derive(Debug, Clone)]
 enum ToolResult<'a> {
     None,
-    Text(Cow<'a, str>),
+    Text(Text<'a>),
     Items(Vec<Item<'a>>),
 }
 
 /// An item of a `tool_result`'s content list.
 #[derive(Debug, Clone)]
 enum Item<'a> {
-    Text(Cow<'a, str>),
+    Text(Text<'a>),
     Image(String),
     Reference(Cow<'a, str>),
     Other,
 }
 
-fn parse_messages(raw: &RawValue) -> Result<Vec<Message<'_>>, RequestError> {
-    let not_array = || RequestError::InvalidField { param: "messages", expected: "an array of messages" };
-    if !raw.get().starts_with('[') {
-        return Err(not_array());
-    }
-    let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| not_array())?;
-    if items.is_empty() {
-        return Err(RequestError::EmptyMessages);
-    }
-    items.into_iter().enumerate().map(|(index, raw)| parse_message(index, raw)).collect()
-}
-
-fn parse_message(index: usize, raw: &RawValue) -> Result<Message<'_>, RequestError> {
+fn read_message<'a>(
+    index: usize,
+    role: Option<&'a RawValue>,
+    content: Option<&'a RawValue>,
+) -> Result<Message<'a>, RequestError> {
     let problem = |problem| RequestError::InvalidMessage { index, problem };
-    if !raw.get().starts_with('{') {
-        return Err(problem(MessageProblem::NotAnObject));
-    }
-    let [role, content] =
-        object::fields(raw.get().as_bytes(), &["role", "content"]).map_err(RequestError::Json)?;
     let role = match string(role.ok_or(problem(MessageProblem::MissingRole))?) {
         Some(role) => role,
         None => return Err(problem(MessageProblem::BadRole)),
@@ -225,43 +332,84 @@ fn parse_message(index: usize, raw: &RawValue) -> Result<Message<'_>, RequestErr
             });
         }
     };
-    let at = format!("messages[{index}].content");
-    let content = content.ok_or_else(|| RequestError::InvalidAt { at: at.clone(), expected: BLOCKS })?;
+    let at = || format!("messages[{index}].content");
+    let content = content.ok_or_else(|| RequestError::InvalidAt { at: at(), expected: BLOCKS })?;
     Ok(Message { role, content: parse_content(content, &at)? })
 }
 
 const BLOCKS: &str = "a string or an array of content blocks";
 
-fn parse_content<'a>(raw: &'a RawValue, at: &str) -> Result<Content<'a>, RequestError> {
-    if let Some(text) = string(raw) {
+/// A content block's fields, read in one pass over the content (see [`FastRequest`]).
+#[derive(Deserialize)]
+struct FastBlock<'a> {
+    #[serde(borrow, rename = "type")]
+    kind: Option<&'a RawValue>,
+    #[serde(borrow)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow)]
+    source: Option<&'a RawValue>,
+    #[serde(borrow)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    name: Option<&'a RawValue>,
+    #[serde(borrow)]
+    input: Option<&'a RawValue>,
+    #[serde(borrow)]
+    content: Option<&'a RawValue>,
+    #[serde(borrow)]
+    tool_use_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    thinking: Option<&'a RawValue>,
+}
+
+/// The fields [`block`] reads, in its order.
+const BLOCK_FIELDS: [&str; 9] =
+    ["type", "text", "source", "id", "name", "input", "content", "tool_use_id", "thinking"];
+
+fn parse_content<'a>(raw: &'a RawValue, at: &dyn Fn() -> String) -> Result<Content<'a>, RequestError> {
+    if let Some(text) = Text::of(raw) {
         return Ok(Content::Text(text));
     }
-    let invalid = || RequestError::InvalidAt { at: at.to_owned(), expected: BLOCKS };
+    let invalid = || RequestError::InvalidAt { at: at(), expected: BLOCKS };
     if !raw.get().starts_with('[') {
         return Err(invalid());
     }
+    let at = |i: usize| format!("{}[{i}]", at());
+    if let Ok(fast) = serde_json::from_str::<Vec<FastBlock<'a>>>(raw.get()) {
+        let blocks = fast.into_iter().enumerate().map(|(i, b)| {
+            let fields =
+                [b.kind, b.text, b.source, b.id, b.name, b.input, b.content, b.tool_use_id, b.thinking];
+            block(fields, &|| at(i))
+        });
+        return Ok(Content::Blocks(blocks.collect::<Result<_, _>>()?));
+    }
     let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| invalid())?;
-    let blocks: Result<Vec<_>, _> =
-        items.into_iter().enumerate().map(|(i, raw)| parse_block(raw, &format!("{at}[{i}]"))).collect();
-    Ok(Content::Blocks(blocks?))
+    let blocks = items.into_iter().enumerate().map(|(i, raw)| {
+        if !raw.get().starts_with('{') {
+            return Err(RequestError::InvalidAt { at: at(i), expected: "a content block object" });
+        }
+        block(object::fields(raw.get().as_bytes(), &BLOCK_FIELDS).map_err(RequestError::Json)?, &|| at(i))
+    });
+    Ok(Content::Blocks(blocks.collect::<Result<_, _>>()?))
 }
 
-fn parse_block<'a>(raw: &'a RawValue, at: &str) -> Result<Block<'a>, RequestError> {
-    const FIELDS: [&str; 8] = ["type", "text", "source", "id", "name", "input", "content", "tool_use_id"];
-    let bad = |field: &str, expected| RequestError::InvalidAt { at: format!("{at}{field}"), expected };
-    if !raw.get().starts_with('{') {
-        return Err(bad("", "a content block object"));
-    }
-    let [kind, text, source, id, name, input, content, tool_use_id] =
-        object::fields(raw.get().as_bytes(), &FIELDS).map_err(RequestError::Json)?;
+/// A content block from its [`BLOCK_FIELDS`]; `at` names it in errors.
+fn block<'a>(fields: [Option<&'a RawValue>; 9], at: &dyn Fn() -> String) -> Result<Block<'a>, RequestError> {
+    let bad = |field: &str, expected| RequestError::InvalidAt { at: format!("{}{field}", at()), expected };
+    let [kind, text, source, id, name, input, content, tool_use_id, thinking] = fields;
     let kind = kind.and_then(string).ok_or_else(|| bad(".type", "a string"))?;
     // A string field: absent or null is `None`, any other type an error.
     let text_of = |raw: Option<&'a RawValue>, field: &str| match raw {
         None => Ok(None),
         Some(raw) => string(raw).map(Some).ok_or_else(|| bad(field, "a string")),
     };
+    // A long text: kept as written.
+    let long_text = |raw: Option<&'a RawValue>, field: &str| match raw {
+        None => Ok(None),
+        Some(raw) => Text::of(raw).map(Some).ok_or_else(|| bad(field, "a string")),
+    };
     Ok(match kind.as_ref() {
-        "text" => Block::Text(text_of(text, ".text")?.unwrap_or_default()),
+        "text" => Block::Text(long_text(text, ".text")?.unwrap_or_default()),
         // An empty source is no image, as vLLM reads it.
         "image" => match source.filter(|s| s.get() != "null") {
             Some(source) if !source.get().starts_with('{') => return Err(bad(".source", "an object")),
@@ -269,14 +417,10 @@ fn parse_block<'a>(raw: &'a RawValue, at: &str) -> Result<Block<'a>, RequestErro
             Some(source) => Block::Image(image_url(source)),
             None => Block::Skipped,
         },
-        "thinking" => {
-            let [thinking] =
-                object::fields(raw.get().as_bytes(), &["thinking"]).map_err(RequestError::Json)?;
-            match text_of(thinking, ".thinking")? {
-                Some(thinking) => Block::Thinking(thinking),
-                None => Block::Skipped,
-            }
-        }
+        "thinking" => match long_text(thinking, ".thinking")? {
+            Some(thinking) => Block::Thinking(thinking),
+            None => Block::Skipped,
+        },
         "tool_use" => {
             if input.is_some_and(|i| !i.get().starts_with('{')) {
                 return Err(bad(".input", "an object"));
@@ -289,7 +433,7 @@ fn parse_block<'a>(raw: &'a RawValue, at: &str) -> Result<Block<'a>, RequestErro
         }
         "tool_result" => Block::ToolResult {
             tool_use_id: text_of(tool_use_id, ".tool_use_id")?.unwrap_or_default(),
-            content: parse_tool_result(content, &format!("{at}.content"))?,
+            content: parse_tool_result(content, &format!("{}.content", at()))?,
         },
         _ => Block::Skipped,
     })
@@ -299,7 +443,7 @@ fn parse_tool_result<'a>(raw: Option<&'a RawValue>, at: &str) -> Result<ToolResu
     let invalid =
         || RequestError::InvalidAt { at: at.to_owned(), expected: "a string or an array of objects" };
     let Some(raw) = raw else { return Ok(ToolResult::None) };
-    if let Some(text) = string(raw) {
+    if let Some(text) = Text::of(raw) {
         return Ok(ToolResult::Text(text));
     }
     if !raw.get().starts_with('[') {
@@ -317,7 +461,7 @@ fn parse_tool_result<'a>(raw: Option<&'a RawValue>, at: &str) -> Result<ToolResu
         // As vLLM reads these items (plain dicts): a missing or odd field is a default.
         let text_field = |raw: Option<&'a RawValue>| raw.and_then(string);
         out.push(match kind.and_then(string).as_deref() {
-            Some("text") => Item::Text(text_field(text).unwrap_or_default()),
+            Some("text") => Item::Text(text.and_then(Text::of).unwrap_or_default()),
             // A missing source is an empty one: a data URL with no data, as vLLM makes it.
             Some("image") => {
                 Item::Image(source.map_or_else(|| "data:image/jpeg;base64,".to_owned(), image_url))
@@ -362,11 +506,11 @@ fn string(raw: &RawValue) -> Option<Cow<'_, str>> {
 }
 
 /// The top-level `system`: a string as it is, or its text blocks' text.
-fn system_prompt(raw: Option<&RawValue>) -> Result<Cow<'_, str>, RequestError> {
-    let Some(raw) = raw else { return Ok(Cow::Borrowed("")) };
-    match parse_content(raw, "system") {
+fn system_prompt(raw: Option<&RawValue>) -> Result<Text<'_>, RequestError> {
+    let Some(raw) = raw else { return Ok(Text::default()) };
+    match parse_content(raw, &|| "system".to_owned()) {
         Ok(Content::Text(text)) => Ok(text),
-        Ok(Content::Blocks(blocks)) => Ok(Cow::Owned(blocks_text(&blocks))),
+        Ok(Content::Blocks(blocks)) => Ok(blocks_text(&blocks)),
         Err(_) => Err(RequestError::InvalidField {
             param: "system",
             expected: "a string or an array of text blocks",
@@ -375,28 +519,21 @@ fn system_prompt(raw: Option<&RawValue>) -> Result<Cow<'_, str>, RequestError> {
 }
 
 /// Text blocks' non-empty texts joined with nothing, the billing header left out.
-fn blocks_text(blocks: &[Block<'_>]) -> String {
-    blocks
-        .iter()
-        .filter_map(|b| match b {
-            Block::Text(text) if !text.is_empty() && !text.starts_with(BILLING_HEADER) => Some(text.as_ref()),
-            _ => None,
-        })
-        .collect()
+fn blocks_text<'a>(blocks: &[Block<'a>]) -> Text<'a> {
+    let texts = blocks.iter().filter_map(|b| match b {
+        Block::Text(text) if !text.is_empty() && !text.starts_with(BILLING_HEADER) => Some(text),
+        _ => None,
+    });
+    Text::join(texts, "")
 }
 
 /// A system message's text, the billing header left out.
-fn system_text<'m>(message: &'m Message<'_>) -> Cow<'m, str> {
+fn system_text<'a>(message: &Message<'a>) -> Text<'a> {
     match &message.content {
-        Content::Text(text) if text.starts_with(BILLING_HEADER) => Cow::Borrowed(""),
-        Content::Text(text) => Cow::Borrowed(text),
-        Content::Blocks(blocks) => Cow::Owned(blocks_text(blocks)),
+        Content::Text(text) if text.starts_with(BILLING_HEADER) => Text::default(),
+        Content::Text(text) => text.clone(),
+        Content::Blocks(blocks) => blocks_text(blocks),
     }
-}
-
-/// Non-empty texts joined with a blank line.
-fn join<'t>(texts: impl IntoIterator<Item = &'t str>) -> String {
-    texts.into_iter().filter(|t| !t.is_empty()).collect::<Vec<_>>().join("\n\n")
 }
 
 /// The text of the system messages that lead `messages`, and the rest placed as vLLM places
@@ -405,14 +542,14 @@ fn place_inline_system(
     messages: Vec<Message<'_>>,
     has_system: bool,
     inline: InlineSystem,
-) -> (String, Vec<Message<'_>>) {
+) -> (Text<'_>, Vec<Message<'_>>) {
     if messages.iter().all(|m| m.role != Role::System) {
-        return (String::new(), messages);
+        return (Text::default(), messages);
     }
     let leading = messages.iter().take_while(|m| m.role == Role::System).count();
     let mut messages = messages.into_iter();
-    let texts: Vec<String> = messages.by_ref().take(leading).map(|m| system_text(&m).into_owned()).collect();
-    let leading = join(texts.iter().map(String::as_str));
+    let texts: Vec<Text<'_>> = messages.by_ref().take(leading).map(|m| system_text(&m)).collect();
+    let leading = Text::join_paragraphs(&texts);
     let rest = move_out_of_tool_runs(messages.collect());
     if inline == InlineSystem::Preserve && (has_system || !leading.is_empty()) {
         return (leading, rest);
@@ -455,10 +592,10 @@ fn move_out_of_tool_runs(messages: Vec<Message<'_>>) -> Vec<Message<'_>> {
 /// message's start, or becomes a user message of its own after an assistant turn.
 fn fold(messages: Vec<Message<'_>>) -> Vec<Message<'_>> {
     let mut out: Vec<Message<'_>> = Vec::with_capacity(messages.len());
-    let mut pending: Vec<String> = Vec::new();
+    let mut pending: Vec<Text<'_>> = Vec::new();
     for mut message in messages {
         if message.role == Role::System {
-            let text = system_text(&message).into_owned();
+            let text = system_text(&message);
             if text.is_empty() {
                 continue;
             }
@@ -469,41 +606,38 @@ fn fold(messages: Vec<Message<'_>>) -> Vec<Message<'_>> {
             continue;
         }
         if !pending.is_empty() {
-            let text = join(pending.iter().map(String::as_str));
+            let text = Text::join_paragraphs(&pending);
             pending.clear();
             if message.role == Role::User {
                 message.content = add_text(message.content, text, false);
             } else {
-                out.push(Message { role: Role::User, content: Content::Text(Cow::Owned(text)) });
+                out.push(Message { role: Role::User, content: Content::Text(text) });
             }
         }
         out.push(message);
     }
     if !pending.is_empty() {
-        let text = join(pending.iter().map(String::as_str));
-        out.push(Message { role: Role::User, content: Content::Text(Cow::Owned(text)) });
+        out.push(Message { role: Role::User, content: Content::Text(Text::join_paragraphs(&pending)) });
     }
     out
 }
 
+/// `old` and `text` in that order (`text` first unless `at_end`), joined with a blank line.
+fn paragraphs<'a>(old: &Text<'a>, text: &Text<'a>, at_end: bool) -> Text<'a> {
+    if at_end { Text::join_paragraphs([old, text]) } else { Text::join_paragraphs([text, old]) }
+}
+
 /// Joins `text` onto the text at one end of `content`: into the end text block, or as a new
 /// text block.
-fn add_text<'a>(content: Content<'a>, text: String, at_end: bool) -> Content<'a> {
+fn add_text<'a>(content: Content<'a>, text: Text<'a>, at_end: bool) -> Content<'a> {
     match content {
-        Content::Text(old) => {
-            let joined = if at_end { join([old.as_ref(), &text]) } else { join([text.as_str(), &old]) };
-            Content::Text(Cow::Owned(joined))
-        }
+        Content::Text(old) => Content::Text(paragraphs(&old, &text, at_end)),
         Content::Blocks(mut blocks) => {
             let end = if at_end { blocks.len().checked_sub(1) } else { (!blocks.is_empty()).then_some(0) };
             match end.map(|i| (i, &blocks[i])) {
-                Some((i, Block::Text(old))) => {
-                    let joined =
-                        if at_end { join([old.as_ref(), &text]) } else { join([text.as_str(), old]) };
-                    blocks[i] = Block::Text(Cow::Owned(joined));
-                }
-                _ if at_end => blocks.push(Block::Text(Cow::Owned(text))),
-                _ => blocks.insert(0, Block::Text(Cow::Owned(text))),
+                Some((i, Block::Text(old))) => blocks[i] = Block::Text(paragraphs(old, &text, at_end)),
+                _ if at_end => blocks.push(Block::Text(text)),
+                _ => blocks.insert(0, Block::Text(text)),
             }
             Content::Blocks(blocks)
         }
@@ -512,7 +646,7 @@ fn add_text<'a>(content: Content<'a>, text: String, at_end: bool) -> Content<'a>
 
 /// Appends `text` to a user message's own text or, when it has only tool results, to the
 /// last of them.
-fn append_to_user(message: &mut Message<'_>, text: String) {
+fn append_to_user<'a>(message: &mut Message<'a>, text: Text<'a>) {
     let content = std::mem::replace(&mut message.content, Content::Blocks(Vec::new()));
     message.content = match content {
         Content::Blocks(mut blocks)
@@ -520,12 +654,12 @@ fn append_to_user(message: &mut Message<'_>, text: String) {
         {
             if let Some(Block::ToolResult { content, .. }) = blocks.last_mut() {
                 *content = match std::mem::replace(content, ToolResult::None) {
-                    ToolResult::None => ToolResult::Text(Cow::Owned(text)),
-                    ToolResult::Text(old) => ToolResult::Text(Cow::Owned(join([old.as_ref(), &text]))),
+                    ToolResult::None => ToolResult::Text(text),
+                    ToolResult::Text(old) => ToolResult::Text(paragraphs(&old, &text, true)),
                     ToolResult::Items(mut items) => {
                         match items.last_mut() {
-                            Some(Item::Text(old)) => *old = Cow::Owned(join([old.as_ref(), &text])),
-                            _ => items.push(Item::Text(Cow::Owned(text))),
+                            Some(Item::Text(old)) => *old = paragraphs(old, &text, true),
+                            _ => items.push(Item::Text(text)),
                         }
                         ToolResult::Items(items)
                     }
@@ -550,7 +684,7 @@ struct OutMessage<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<OutContent<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    reasoning: Option<String>,
+    reasoning: Option<Text<'a>>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     tool_calls: Vec<ToolCall<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -558,7 +692,7 @@ struct OutMessage<'a> {
 }
 
 impl<'a> OutMessage<'a> {
-    fn text(role: Role, text: Cow<'a, str>) -> Self {
+    fn text(role: Role, text: Text<'a>) -> Self {
         OutMessage {
             role,
             content: Some(OutContent::Text(text)),
@@ -572,7 +706,7 @@ impl<'a> OutMessage<'a> {
 #[derive(Serialize)]
 #[serde(untagged)]
 enum OutContent<'a> {
-    Text(Cow<'a, str>),
+    Text(Text<'a>),
     Parts(Vec<Part<'a>>),
 }
 
@@ -580,7 +714,7 @@ enum OutContent<'a> {
 #[serde(tag = "type", rename_all = "snake_case")]
 enum Part<'a> {
     Text {
-        text: Cow<'a, str>,
+        text: Text<'a>,
     },
     ImageUrl {
         image_url: Url,
@@ -615,9 +749,9 @@ struct Function<'a> {
 fn convert<'a>(message: Message<'a>, out: &mut Vec<OutMessage<'a>>) -> Result<(), RequestError> {
     let role = message.role;
     if role == Role::System {
-        let text = system_text(&message).into_owned();
+        let text = system_text(&message);
         if !text.is_empty() {
-            out.push(OutMessage::text(Role::System, Cow::Owned(text)));
+            out.push(OutMessage::text(Role::System, text));
         }
         return Ok(());
     }
@@ -630,13 +764,13 @@ fn convert<'a>(message: Message<'a>, out: &mut Vec<OutMessage<'a>>) -> Result<()
     };
     let mut parts = Vec::new();
     let mut tool_calls = Vec::new();
-    let mut reasoning: Option<String> = None;
+    let mut reasoning: Option<Vec<Text<'a>>> = None;
     for block in blocks {
         match block {
             Block::Text(text) if !text.is_empty() => parts.push(Part::Text { text }),
             Block::Text(_) | Block::Skipped => {}
             Block::Image(url) => parts.push(Part::ImageUrl { image_url: Url { url } }),
-            Block::Thinking(text) => reasoning.get_or_insert_default().push_str(&text),
+            Block::Thinking(text) => reasoning.get_or_insert_default().push(text),
             Block::ToolUse { id, name, input } => tool_calls.push(ToolCall {
                 id: id
                     .filter(|id| !id.is_empty())
@@ -648,10 +782,10 @@ fn convert<'a>(message: Message<'a>, out: &mut Vec<OutMessage<'a>>) -> Result<()
                 tool_result_messages(tool_use_id, content, out);
             }
             Block::ToolResult { content, .. } => parts.push(match content {
-                ToolResult::None => Part::Text { text: Cow::Borrowed("Tool result: ") },
-                ToolResult::Text(text) => Part::Text { text: Cow::Owned(format!("Tool result: {text}")) },
+                ToolResult::None => Part::Text { text: Text::plain("Tool result: ") },
+                ToolResult::Text(text) => Part::Text { text: text.after("Tool result: ") },
                 ToolResult::Items(items) if items.is_empty() => {
-                    Part::Text { text: Cow::Borrowed("Tool result: ") }
+                    Part::Text { text: Text::plain("Tool result: ") }
                 }
                 ToolResult::Items(_) => Part::PythonRepr,
             }),
@@ -668,6 +802,7 @@ fn convert<'a>(message: Message<'a>, out: &mut Vec<OutMessage<'a>>) -> Result<()
     if role == Role::User && content.is_none() {
         return Ok(());
     }
+    let reasoning = reasoning.map(|texts| Text::join(&texts, ""));
     out.push(OutMessage { role, content, reasoning, tool_calls, tool_call_id: None });
     Ok(())
 }
@@ -680,7 +815,7 @@ fn tool_result_messages<'a>(
     out: &mut Vec<OutMessage<'a>>,
 ) {
     let (text, images, references) = match content {
-        ToolResult::None => (Cow::Borrowed(""), Vec::new(), Vec::new()),
+        ToolResult::None => (Text::default(), Vec::new(), Vec::new()),
         ToolResult::Text(text) => (text, Vec::new(), Vec::new()),
         ToolResult::Items(items) => {
             let (mut texts, mut images, mut references) = (Vec::new(), Vec::new(), Vec::new());
@@ -694,7 +829,8 @@ fn tool_result_messages<'a>(
                     Item::Image(_) | Item::Other => {}
                 }
             }
-            (Cow::Owned(texts.join("\n")), images, references)
+            // Every text item, empty ones too, as vLLM joins them.
+            (Text::join(&texts, "\n"), images, references)
         }
     };
     let message = |role, content, tool_call_id| OutMessage {
@@ -710,7 +846,8 @@ fn tool_result_messages<'a>(
     }
     // vLLM's `{"type": "tool_reference", "name"}` parts are read as their names' text.
     if !references.is_empty() {
-        out.push(message(Role::Tool, OutContent::Text(Cow::Owned(references.join("\n"))), Some(tool_use_id)));
+        let names = Text::plain(&references.join("\n"));
+        out.push(message(Role::Tool, OutContent::Text(names), Some(tool_use_id)));
     }
 }
 
@@ -934,6 +1071,8 @@ fn insertion<'n>(base: &str, new: &'n str) -> Option<(usize, &'n str)> {
 fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
+
+mod text;
 
 #[cfg(test)]
 mod tests;

@@ -361,3 +361,33 @@ fn the_template_probe_folds_where_a_system_turn_cannot_stand_mid_conversation() 
         "<|system|>S<|user|>q\n\nreminder<|assistant|>"
     );
 }
+
+/// Texts are joined as written, escapes and all, and read back as the texts they stand for.
+#[test]
+fn escaped_texts_join_into_the_texts_they_stand_for() {
+    let body = r#"{"max_tokens":1,"system":[{"type":"text","text":"say \"hi\"\\"},{"type":"text","text":"\u00e9\n"}],
+        "messages":[{"role":"system","content":"tab\there"},{"role":"user","content":[
+            {"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"a\"b"},{"type":"text","text":""},{"type":"text","text":"\ud83d\ude00"}]}]},
+            {"role":"assistant","content":[{"type":"thinking","thinking":"x\""},{"type":"thinking","thinking":"y"},
+            {"type":"tool_result","tool_use_id":"t","content":"\"q\""}]}]}"#;
+    let out: Value = serde_json::from_slice(&preserve(body.as_bytes()).unwrap()).unwrap();
+    assert_eq!(
+        out["messages"],
+        json!([
+            {"role": "system", "content": "say \"hi\"\\é\n\n\ntab\there"},
+            {"role": "tool", "content": "a\"b\n\n😀", "tool_call_id": "t"},
+            {"role": "assistant", "content": "Tool result: \"q\"", "reasoning": "x\"y"}
+        ])
+    );
+}
+
+/// A repeated key takes its last value, as Python's `json` reads it (the one-pass reading
+/// refuses such a body, and the field-by-field one reads it).
+#[test]
+fn a_repeated_key_takes_its_last_value() {
+    let body = br#"{"max_tokens":1,"max_tokens":2,"messages":[{"role":"user","content":"a","content":[
+        {"type":"text","text":"x","text":"y"}]}]}"#;
+    let out: Value = serde_json::from_slice(&preserve(body).unwrap()).unwrap();
+    assert_eq!(out["max_tokens"], 2);
+    assert_eq!(out["messages"], json!([{"role": "user", "content": "y"}]));
+}
