@@ -265,3 +265,15 @@ impl Http {
         self.client.request(request).await.unwrap()
     }
 }
+
+/// The first frame of `body` with data in it.
+pub async fn first_data(body: &mut hyper::body::Incoming) -> Bytes {
+    loop {
+        let frame = body.frame().await.expect("a frame").expect("no error");
+        if let Ok(data) = frame.into_data()
+            && !data.is_empty()
+        {
+            return data;
+        }
+    }
+}

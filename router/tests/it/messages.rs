@@ -126,14 +126,7 @@ async fn a_messages_stream_passes_through_as_it_is_generated() {
     assert_eq!(response.status(), 200);
     assert!(response.headers().get("x-kvroute-replica").is_some());
     let mut stream = response.into_body();
-    let first = loop {
-        let frame = stream.frame().await.expect("a frame").expect("no error");
-        if let Ok(data) = frame.into_data()
-            && !data.is_empty()
-        {
-            break data;
-        }
-    };
+    let first = crate::fleet::first_data(&mut stream).await;
     assert!(std::str::from_utf8(&first).unwrap().starts_with("event: message_start\n"));
     // 200 tokens at 6 ms a step take over a second: the first event came well before the end.
     assert!(!stream.is_end_stream(), "the first event arrived while the replica was still generating");

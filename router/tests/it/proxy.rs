@@ -136,14 +136,7 @@ async fn streaming_passes_chunks_through_before_the_response_ends() {
     assert_eq!(response.status(), 200);
     assert!(response.headers().get("x-kvroute-replica").is_some());
     let mut body = response.into_body();
-    let first = loop {
-        let frame = body.frame().await.expect("a frame").expect("no error");
-        if let Ok(data) = frame.into_data()
-            && !data.is_empty()
-        {
-            break data;
-        }
-    };
+    let first = crate::fleet::first_data(&mut body).await;
     assert!(std::str::from_utf8(&first).unwrap().starts_with("data: "));
     // 200 tokens at 6 ms per step take over a second: the first chunk came well before the end.
     assert!(!body.is_end_stream(), "the first chunk arrived while the replica was still generating");

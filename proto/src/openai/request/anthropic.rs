@@ -73,18 +73,19 @@ pub enum InlineSystem {
 
 /// The chat completion request, as JSON, that vLLM makes of the Messages request `body`.
 pub fn chat_body(body: &[u8], inline: InlineSystem) -> Result<Vec<u8>, RequestError> {
-    let Request {
+    let (fields, messages) = read_request(body)?;
+    let Fields {
         model,
-        messages,
         system,
         max_tokens,
         stream,
         cache_salt,
-        kwargs,
+        chat_template_kwargs,
         tools,
         thinking,
         output_config,
-    } = read_request(body)?;
+        ..
+    } = fields;
     let max_tokens = max_tokens.ok_or(RequestError::MissingField { param: "max_tokens" })?;
     let system = system_prompt(system)?;
 
@@ -103,7 +104,7 @@ pub fn chat_body(body: &[u8], inline: InlineSystem) -> Result<Vec<u8>, RequestEr
         max_tokens,
         stream,
         cache_salt,
-        chat_template_kwargs: kwargs,
+        chat_template_kwargs,
         tools: tools.map(convert_tools).transpose()?,
         reasoning_effort: reasoning_effort(thinking, output_config)?,
     };
@@ -111,26 +112,10 @@ pub fn chat_body(body: &[u8], inline: InlineSystem) -> Result<Vec<u8>, RequestEr
     Ok(serde_json::to_vec(&body).unwrap_or_default())
 }
 
-/// What the conversion reads of a Messages request.
-struct Request<'a> {
-    model: Option<&'a RawValue>,
-    messages: Vec<Message<'a>>,
-    system: Option<&'a RawValue>,
-    max_tokens: Option<&'a RawValue>,
-    stream: Option<&'a RawValue>,
-    cache_salt: Option<&'a RawValue>,
-    kwargs: Option<&'a RawValue>,
-    tools: Option<&'a RawValue>,
-    thinking: Option<&'a RawValue>,
-    output_config: Option<&'a RawValue>,
-}
-
-/// The request's fields in one pass over the body, messages and their fields included; a
-/// body this cannot read (a repeated key, a field of another type) is read again field by
-/// field ([`parse_object`]), which takes a repeated key's last value as vLLM does and says
-/// what is wrong, if anything is. A long prompt is read past once here, not once a level.
+/// What the conversion reads of a Messages request ([`read_request`]); `messages` are taken
+/// out for [`read_messages`].
 #[derive(Deserialize)]
-struct FastRequest<'a> {
+struct Fields<'a> {
     #[serde(borrow)]
     model: Option<&'a RawValue>,
     #[serde(borrow)]
@@ -161,21 +146,15 @@ struct FastMessage<'a> {
     content: Option<&'a RawValue>,
 }
 
-fn read_request(body: &[u8]) -> Result<Request<'_>, RequestError> {
-    if let Ok(fast) = serde_json::from_slice::<FastRequest<'_>>(body) {
-        let messages = fast.messages.ok_or(RequestError::MissingField { param: "messages" })?;
-        return Ok(Request {
-            model: fast.model,
-            messages: read_messages(messages.into_iter().map(|m| Ok((m.role, m.content))))?,
-            system: fast.system,
-            max_tokens: fast.max_tokens,
-            stream: fast.stream,
-            cache_salt: fast.cache_salt,
-            kwargs: fast.chat_template_kwargs,
-            tools: fast.tools,
-            thinking: fast.thinking,
-            output_config: fast.output_config,
-        });
+/// The request's fields and messages, in one pass over the body where it reads as
+/// [`Fields`] (messages and their fields included: a long prompt is read past once here, not
+/// once a level); a body that does not (a repeated key, a field of another type) is read
+/// again field by field ([`parse_object`]), which takes a repeated key's last value as vLLM
+/// does and says what is wrong, if anything is.
+fn read_request(body: &[u8]) -> Result<(Fields<'_>, Vec<Message<'_>>), RequestError> {
+    if let Ok(mut fields) = serde_json::from_slice::<Fields<'_>>(body) {
+        let messages = fields.messages.take().ok_or(RequestError::MissingField { param: "messages" })?;
+        return Ok((fields, read_messages(messages.into_iter().map(|m| Ok((m.role, m.content))))?));
     }
     const FIELDS: [&str; 10] = [
         "model",
@@ -189,15 +168,25 @@ fn read_request(body: &[u8]) -> Result<Request<'_>, RequestError> {
         "thinking",
         "output_config",
     ];
-    let [model, messages, system, max_tokens, stream, cache_salt, kwargs, tools, thinking, output_config] =
-        parse_object(body, &FIELDS)?;
+    let [
+        model,
+        messages,
+        system,
+        max_tokens,
+        stream,
+        cache_salt,
+        chat_template_kwargs,
+        tools,
+        thinking,
+        output_config,
+    ] = parse_object(body, &FIELDS)?;
     let messages = messages.ok_or(RequestError::MissingField { param: "messages" })?;
     let not_array = || RequestError::InvalidField { param: "messages", expected: "an array of messages" };
     if !messages.get().starts_with('[') {
         return Err(not_array());
     }
     let items: Vec<&RawValue> = serde_json::from_str(messages.get()).map_err(|_| not_array())?;
-    let fields = items.into_iter().enumerate().map(|(index, raw)| {
+    let each = items.into_iter().enumerate().map(|(index, raw)| {
         if !raw.get().starts_with('{') {
             return Err(RequestError::InvalidMessage { index, problem: MessageProblem::NotAnObject });
         }
@@ -205,19 +194,20 @@ fn read_request(body: &[u8]) -> Result<Request<'_>, RequestError> {
             object::fields(raw.get().as_bytes(), &["role", "content"]).map_err(RequestError::Json)?;
         Ok((role, content))
     });
-    let messages = read_messages(fields)?;
-    Ok(Request {
+    let messages = read_messages(each)?;
+    let fields = Fields {
         model,
-        messages,
+        messages: None,
         system,
         max_tokens,
         stream,
         cache_salt,
-        kwargs,
+        chat_template_kwargs,
         tools,
         thinking,
         output_config,
-    })
+    };
+    Ok((fields, messages))
 }
 
 /// The messages from each one's `role` and `content`.
@@ -339,7 +329,7 @@ fn read_message<'a>(
 
 const BLOCKS: &str = "a string or an array of content blocks";
 
-/// A content block's fields, read in one pass over the content (see [`FastRequest`]).
+/// A content block's fields, read in one pass over the content (see [`Fields`]).
 #[derive(Deserialize)]
 struct FastBlock<'a> {
     #[serde(borrow, rename = "type")]
