@@ -96,21 +96,34 @@ pub enum ContentFormat {
 
 impl ContentFormat {
     /// vLLM's reading of a template's source (there, its Jinja syntax tree): a `{% for x in
-    /// m.content %}` (or `m['content']`, through filters) where `m` is a `{% for m in messages
-    /// %}` loop's variable makes it [`ContentFormat::OpenAi`].
+    /// m.content %}` (or `m['content']`, through filters or a slice, not a method call) where
+    /// `m` is the variable of a loop over `messages` (or over a list set from it, `{% set
+    /// loop_messages = messages[1:] %}`) makes it [`ContentFormat::OpenAi`].
     pub fn of_template(source: &str) -> Self {
-        static MESSAGE_LOOPS: LazyLock<Regex> =
-            LazyLock::new(|| Regex::new(r"\{%-?\s*for\s+(\w+)\s+in\s+messages\b").expect("a valid pattern"));
+        static ALIASES: LazyLock<Regex> =
+            LazyLock::new(|| Regex::new(r"\{%-?\s*set\s+(\w+)\s*=\s*messages\b").expect("a valid pattern"));
+        static LOOPS: LazyLock<Regex> =
+            LazyLock::new(|| Regex::new(r"\{%-?\s*for\s+(\w+)\s+in\s+(\w+)").expect("a valid pattern"));
+        // The content, then what follows it: a filter, a slice, the tag's end, but not a
+        // method call (`.split(...)`), which vLLM does not count.
         static CONTENT_LOOPS: LazyLock<Regex> = LazyLock::new(|| {
-            Regex::new(r#"\{%-?\s*for\s+\w+\s+in\s+(\w+)\s*(?:\.\s*content\b|\[\s*['"]content['"]\s*\])"#)
-                .expect("a valid pattern")
+            Regex::new(
+                r#"\{%-?\s*for\s+\w+\s+in\s+(\w+)\s*(?:\.\s*content\b|\[\s*['"]content['"]\s*\])\s*(\S)"#,
+            )
+            .expect("a valid pattern")
         });
-        let messages: Vec<&str> =
-            MESSAGE_LOOPS.captures_iter(source).filter_map(|c| c.get(1)).map(|m| m.as_str()).collect();
-        let loops_over_content = CONTENT_LOOPS
+        let mut lists = vec!["messages"];
+        lists.extend(ALIASES.captures_iter(source).filter_map(|c| c.get(1)).map(|m| m.as_str()));
+        let messages: Vec<&str> = LOOPS
             .captures_iter(source)
+            .filter(|c| c.get(2).is_some_and(|list| lists.contains(&list.as_str())))
             .filter_map(|c| c.get(1))
-            .any(|var| messages.contains(&var.as_str()));
+            .map(|m| m.as_str())
+            .collect();
+        let loops_over_content = CONTENT_LOOPS.captures_iter(source).any(|c| {
+            let after = c.get(2).map_or("", |m| m.as_str());
+            c.get(1).is_some_and(|var| messages.contains(&var.as_str())) && after != "." && after != "("
+        });
         if loops_over_content { ContentFormat::OpenAi } else { ContentFormat::String }
     }
 }
@@ -383,13 +396,14 @@ fn message_value(
     }
     let media = message.media.as_deref().filter(|_| media_parts).map(modality);
     let text = message.content.as_deref().unwrap_or_default();
+    // vLLM's "openai" format: a list's text parts (empty ones too), a string as one part, no
+    // content as none.
     let content = match (format, media) {
-        (ContentFormat::OpenAi, _) if !message.parts.is_empty() => {
-            Content::Parts(media, message.parts.iter().map(|p| p.as_ref()).collect())
-        }
-        (ContentFormat::OpenAi, _) => {
-            Content::Parts(media, [text].into_iter().filter(|t| !t.is_empty()).collect())
-        }
+        (ContentFormat::OpenAi, _) => match (&message.parts, &message.content) {
+            (Some(parts), _) => Content::Parts(media, parts.iter().map(|p| p.as_ref()).collect()),
+            (None, Some(text)) => Content::Parts(media, vec![text]),
+            (None, None) => Content::Parts(media, Vec::new()),
+        },
         (ContentFormat::String, Some(_)) => Content::Parts(media, vec![text]),
         (ContentFormat::String, None) => Content::Text(text),
     };
@@ -778,16 +792,18 @@ mod tests {
         let template = ChatTemplate::new(looping, SpecialTokens::default()).unwrap();
         assert_eq!(template.content_format(), ContentFormat::OpenAi);
         let body = br#"{"messages":[{"role":"user","content":[{"type":"text","text":"A"},{"type":"text","text":"B"}]},
-            {"role":"assistant","content":"C"},{"role":"assistant","content":null},{"role":"user","content":""}]}"#;
+            {"role":"assistant","content":"C"},{"role":"assistant","content":null},{"role":"user","content":""},
+            {"role":"user","content":[{"type":"text","text":""},{"type":"text","text":"D"}]}]}"#;
         let chat = crate::openai::ChatRequest::parse(body).unwrap();
-        assert_eq!(template.render(&chat.messages, chat.variables()).unwrap(), "<A><B>|<C>|||");
+        // No content is no part; an empty string is one empty part, as vLLM makes them.
+        assert_eq!(template.render(&chat.messages, chat.variables()).unwrap(), "<A><B>|<C>||<>|<><D>|");
         // The same source read as a string template joins the parts.
         let joined = looping
             .replace("message['content']", "message['content'] ")
             .replace("for part in message['content'] ", "for part in [message.content]");
         let template = ChatTemplate::new(&*joined, SpecialTokens::default()).unwrap();
         assert_eq!(template.content_format(), ContentFormat::String, "{joined}");
-        assert_eq!(template.render(&chat.messages, chat.variables()).unwrap(), "A\nB|C|||");
+        assert_eq!(template.render(&chat.messages, chat.variables()).unwrap(), "A\nB|C|||D|");
         for (source, format) in [
             (
                 "{%- for m in messages %}{%- for c in m.content | selectattr('type', 'eq', 'text') %}{{ c.text }}{% endfor %}{% endfor %}",
@@ -799,6 +815,15 @@ mod tests {
             ),
             (
                 "{% for m in messages %}{% endfor %}{% for c in tools.content %}{% endfor %}",
+                ContentFormat::String,
+            ),
+            (
+                "{% set loop_messages = messages[1:] %}{% for message in loop_messages %}\
+                 {% for block in message['content'] %}{% endfor %}{% endfor %}",
+                ContentFormat::OpenAi,
+            ),
+            (
+                "{% for m in messages %}{% for line in m.content.split('\\n') %}{% endfor %}{% endfor %}",
                 ContentFormat::String,
             ),
         ] {

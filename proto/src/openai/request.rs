@@ -236,9 +236,9 @@ pub struct Message<'a> {
     pub media: Option<Cow<'a, str>>,
     /// Every other key of the message (`name`, `tool_calls`, ...), for the template.
     pub extra: Vec<(Cow<'a, str>, &'a RawValue)>,
-    /// The text parts `content` joins, when it joins two or more (a template in vLLM's
+    /// When `content` was a list: its text parts, empty ones too (a template in vLLM's
     /// "openai" content format sees them apart).
-    pub parts: Vec<Cow<'a, str>>,
+    pub parts: Option<Vec<Cow<'a, str>>>,
 }
 
 impl<'a> CompletionRequest<'a> {

@@ -11,8 +11,9 @@
 //! What a client sees when a replica fails in the middle of a response (it died, its
 //! connection broke, or it stayed silent past the idle timeout): a server-sent-event stream
 //! that stopped at an event boundary gets one final OpenAI error event,
-//! `data: {"error":{"message":..,"type":"server_error",..}}`, and then ends cleanly without
-//! `data: [DONE]` — the same contract the replica agent keeps for its own failures, so a
+//! `data: {"error":{"message":..,"type":"server_error",..}}` (to a `/v1/messages` client,
+//! Anthropic's `event: error` with `{"type":"error","error":{..}}`), and then ends cleanly
+//! without `data: [DONE]` — the same contract the replica agent keeps for its own failures, so a
 //! client tells a failed stream from a finished one. Any other body (a non-streamed JSON
 //! answer, or a stream cut inside an event) is aborted: the client's connection reports an
 //! incomplete message.
@@ -29,6 +30,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use kvroute_proto::openai::OpenAiError;
 use tokio::time::Instant;
 
+use super::error::Client;
 use super::idle::IdleTimer;
 use super::stalls::{StallWatch, Watch, Watched};
 
@@ -86,8 +88,9 @@ struct State<B> {
     scanner: UsageScanner,
     hooks: Option<Box<dyn Hooks>>,
     seen_data: bool,
-    /// The body is a server-sent-event stream (failures end it with an error event).
-    sse: bool,
+    /// The body is a server-sent-event stream (failures end it with an error event in the
+    /// envelope of this client's API).
+    sse: Option<Client>,
     /// Everything passed so far ends at an event boundary (`\n\n`).
     at_boundary: bool,
     /// The final error event was sent: the body is over.
@@ -109,7 +112,7 @@ impl<B> Tracked<B> {
             scanner: UsageScanner::default(),
             hooks: Some(hooks),
             seen_data: false,
-            sse: false,
+            sse: None,
             at_boundary: true,
             done: false,
             handed: None,
@@ -128,8 +131,8 @@ impl<B> Tracked<B> {
         self
     }
 
-    /// Marks the body as a server-sent-event stream.
-    pub fn sse(mut self, sse: bool) -> Self {
+    /// Marks the body as a server-sent-event stream to a client of this API.
+    pub fn sse(mut self, sse: Option<Client>) -> Self {
         match &mut self.held {
             Held::Own(state) => state.sse = sse,
             Held::Shared(shared) => lock(shared).sse = sse,
@@ -165,13 +168,17 @@ impl<B> State<B> {
     /// error itself (which aborts the client's response).
     fn fail(&mut self, error: BoxError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.end(End::Failed);
-        if !(self.sse && self.at_boundary) {
+        let Some(client) = self.sse.filter(|_| self.at_boundary) else {
             return Poll::Ready(Some(Err(error)));
-        }
+        };
         self.done = true;
-        let message = format!("the replica's stream failed: {error}");
-        let event = OpenAiError::new("server_error", message).to_json();
-        let event = [b"data: ".as_slice(), &event, b"\n\n"].concat();
+        let error = OpenAiError::new("server_error", format!("the replica's stream failed: {error}"));
+        let event = match client {
+            Client::OpenAi => [b"data: ".as_slice(), &error.to_json(), b"\n\n"].concat(),
+            Client::Anthropic => {
+                [b"event: error\ndata: ".as_slice(), &error.to_anthropic_json(), b"\n\n"].concat()
+            }
+        };
         Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
     }
 
@@ -247,7 +254,7 @@ where
     fn size_hint(&self) -> SizeHint {
         // A stream may get a final error event: never promise an exact length.
         self.read(|state| match &state.inner {
-            Some(inner) if !state.sse => inner.size_hint(),
+            Some(inner) if state.sse.is_none() => inner.size_hint(),
             _ => SizeHint::default(),
         })
     }
@@ -432,6 +439,30 @@ mod tests {
         assert_eq!(*ended.lock().unwrap(), Some(Some(5)), "finished before any further poll");
         drop(body);
         assert_eq!(*ended.lock().unwrap(), Some(Some(5)), "and only once");
+    }
+
+    /// A stream that fails at an event boundary ends with one error event, in the envelope
+    /// its client's API reads.
+    #[tokio::test]
+    async fn a_failed_stream_ends_with_an_error_event_its_client_reads() {
+        for (client, start) in [
+            (Client::OpenAi, "data: {\"error\":{"),
+            (Client::Anthropic, "event: error\ndata: {\"type\":\"error\",\"error\":{"),
+        ] {
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+            tx.send(Ok(Frame::data(Bytes::from_static(b"event: x\ndata: {}\n\n")))).await.unwrap();
+            tx.send(Err("cut".into())).await.unwrap();
+            let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+            let hooks = Box::new(Ended(Ending::default()));
+            let body = Tracked::new(inner, Duration::from_secs(5), hooks).sse(Some(client));
+            let bytes = body.collect().await.expect("ends with an event, not an error").to_bytes();
+            let text = String::from_utf8_lossy(&bytes);
+            let last = text.trim_end().rsplit("\n\n").next().unwrap();
+            assert!(last.starts_with(start), "{client:?}: {last}");
+            let json: serde_json::Value =
+                serde_json::from_str(last.rsplit("data: ").next().unwrap()).unwrap();
+            assert!(json["error"]["message"].as_str().is_some_and(|m| m.contains("cut")), "{json}");
+        }
     }
 
     #[tokio::test]

@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 use super::access;
 use super::body::{BoxError, End, Hooks, ProxyBody, Tracked};
-use super::error::ProxyError;
+use super::error::{Client, ProxyError};
 use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::pool::{Pool, SendError};
 use super::route::{Decider, Plan};
@@ -176,7 +176,7 @@ pub async fn routed(
                 // the replica's cached tokens, and in no prompt count of the router's.
                 let counted = plan.unhashed_tokens.is_none();
                 let sent = Attempt { guard, sent, hold: plan.hold.take(), counted };
-                let mut response = wrap(response, client.version, sent, config, metrics, admitted, line);
+                let mut response = wrap(response, &client, sent, config, metrics, admitted, line);
                 let headers = response.headers_mut();
                 if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                     headers.insert(X_KVROUTE_REPLICA, v);
@@ -249,7 +249,7 @@ pub async fn streamed(
             // Not routed on a prompt: its usage counts in neither hit rate.
             let mut response = wrap(
                 response,
-                client.version,
+                &client,
                 Attempt { guard, sent, hold: None, counted: false },
                 config,
                 metrics,
@@ -365,7 +365,7 @@ struct Attempt {
 /// The upstream response, with the body tracked and hop-by-hop headers removed.
 fn wrap(
     response: Response<UpstreamBody>,
-    client_version: http::Version,
+    client: &ClientHead,
     Attempt { guard, sent, hold, counted }: Attempt,
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
@@ -411,11 +411,13 @@ fn wrap(
         access,
         hold,
     });
+    // A stream that fails ends with an error event in the envelope its client reads.
+    let sse = sse.then(|| Client::of_path(client.uri.path()));
     let body = Tracked::new(body, config.idle_timeout, hooks).sse(sse).empty(empty);
     // An HTTP/1 client that stops reading is the server's send timeout's (its connection's
     // writes wait); an HTTP/2 stream without window is the stall watch's.
     let body =
-        if client_version == http::Version::HTTP_2 { body.watched(config.stalls.clone()) } else { body };
+        if client.version == http::Version::HTTP_2 { body.watched(config.stalls.clone()) } else { body };
     let body = body.map_err(|e: BoxError| e).boxed_unsync();
     Response::from_parts(parts, body)
 }

@@ -79,6 +79,11 @@ pub type Client =
     hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, ProxyBody>;
 
 impl Prompts {
+    /// Whether the replicas tokenize (`--remote-tokenize`).
+    pub fn is_remote(&self) -> bool {
+        matches!(self, Prompts::Remote(_))
+    }
+
     /// The tokenization that names the cache namespace (and tokenizes, when local).
     pub fn tokenization(&self) -> &Tokenization {
         match self {

@@ -11,7 +11,8 @@
 use std::time::Instant;
 
 use kvroute_proto::hash::extend_chain;
-use kvroute_proto::openai::{Endpoint, ParsedRequest};
+use kvroute_proto::openai::request::anthropic;
+use kvroute_proto::openai::{Endpoint, InlineSystem, ParsedRequest};
 use kvroute_proto::pb::StreamState as PbState;
 use kvroute_proto::{BlockHash, block_hash, chain, hit_tokens};
 use xxhash_rust::xxh3::xxh3_64;
@@ -209,11 +210,27 @@ impl Decider {
     /// The decision for a request; `send` when it will be sent (the policy moves on).
     async fn plan(&self, endpoint: Endpoint, body: &[u8], send: bool) -> Result<Plan, ProxyError> {
         // A Messages body is decided as the chat request vLLM makes of it (and sent as it is).
+        let (asked, sent) = (endpoint, body);
         let (endpoint, body) = self.prompts.tokenization().readable(endpoint, body)?;
         let body = &*body;
         let mut request = ParsedRequest::parse(endpoint, body)?;
         let members = self.fleet.members();
-        let info = self.prompts.tokens(&mut request, body, &members).await.map_err(|e| match e {
+        let info = match self.prompts.tokens(&mut request, body, &members).await {
+            // A replica's template that refuses a system turn mid-conversation is one vLLM
+            // folds inline system messages for ([`InlineSystem`]); the router's own template,
+            // which chose to keep them, is not the replicas' in remote mode.
+            Err(PromptError::Refused(why)) if asked == Endpoint::Messages && self.prompts.is_remote() => {
+                let folded = anthropic::chat_body(sent, InlineSystem::Fold)?;
+                if folded == body {
+                    Err(PromptError::Refused(why))
+                } else {
+                    let mut again = ParsedRequest::parse(endpoint, &folded)?;
+                    self.prompts.tokens(&mut again, &folded, &members).await
+                }
+            }
+            tokens => tokens,
+        }
+        .map_err(|e| match e {
             PromptError::Request(e) => ProxyError::BadRequest(e),
             PromptError::Remote(e) => ProxyError::Unavailable(e),
             failed @ PromptError::Tokenizing(_) => ProxyError::Unavailable(failed.to_string()),

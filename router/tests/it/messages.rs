@@ -4,7 +4,6 @@
 use std::collections::{HashMap, HashSet};
 
 use http_body_util::BodyExt;
-use hyper::body::Body;
 use kvroute_proto::openai::Endpoint;
 use serde_json::{Value, json};
 
@@ -129,7 +128,8 @@ async fn a_messages_stream_passes_through_as_it_is_generated() {
     let first = crate::fleet::first_data(&mut stream).await;
     assert!(std::str::from_utf8(&first).unwrap().starts_with("event: message_start\n"));
     // 200 tokens at 6 ms a step take over a second: the first event came well before the end.
-    assert!(!stream.is_end_stream(), "the first event arrived while the replica was still generating");
+    let first = String::from_utf8_lossy(&first);
+    assert!(!first.contains("message_stop"), "the first event came before the end: {first}");
     let rest = String::from_utf8(stream.collect().await.unwrap().to_bytes().to_vec()).unwrap();
     let names: Vec<&str> = rest.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
     assert_eq!(names.iter().filter(|n| **n == "content_block_delta").count(), 200);
@@ -180,4 +180,41 @@ async fn malformed_messages_requests_get_errors_an_anthropic_client_reads() {
         .post(&format!("http://{}/v1/messages", fleet.agent(0).http_addr), &json!({"max_tokens": 1}))
         .await;
     assert_eq!((direct.status.as_u16(), direct.json()["type"].as_str()), (400, Some("error")));
+}
+
+/// With `--remote-tokenize` the replicas' template decides where inline system messages go:
+/// one that refuses a system turn mid-conversation (as Qwen3.5's does) has vLLM fold them, so
+/// the router, refused the conversation with them in place, asks again with them folded.
+#[tokio::test]
+async fn remote_tokenization_folds_inline_system_messages_the_replicas_template_refuses() {
+    let template = std::env::temp_dir().join(format!("kvroute-refusing-{}.jinja", std::process::id()));
+    std::fs::write(
+        &template,
+        "{% for m in messages %}{% if m.role == 'system' and not loop.first %}\
+         {{ raise_exception('System message must be at the beginning.') }}{% endif %}\
+         <|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+         {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    )
+    .unwrap();
+    let agent = |name: &str| kvroute_replica_agent::Config {
+        chat_template: Some(template.clone()),
+        ..agent_config(name)
+    };
+    let fleet = Fleet::with(1, agent, |c| kvroute_router::Config { remote_tokenize: true, ..c }).await;
+    let body = messages(
+        &text("foldsys", 40),
+        json!([
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "r"},
+            {"role": "system", "content": "a reminder"}
+        ]),
+    );
+    let first = fleet.http.post(&fleet.url("/v1/messages"), &body).await;
+    assert_eq!(first.status, 200, "{}", String::from_utf8_lossy(&first.body));
+    let again = fleet.http.post(&fleet.url("/v1/messages"), &body).await;
+    assert_eq!(again.status, 200);
+    assert!(predicted(&again) > 40, "{}", predicted(&again));
+    assert_eq!(cache_read(&again), predicted(&again), "predicted as the replica renders it, folded");
+    let _ = std::fs::remove_file(&template);
 }

@@ -138,12 +138,13 @@ struct Fields<'a> {
     output_config: Option<&'a RawValue>,
 }
 
-#[derive(Deserialize)]
-struct FastMessage<'a> {
-    #[serde(borrow)]
-    role: Option<&'a RawValue>,
-    #[serde(borrow)]
-    content: Option<&'a RawValue>,
+/// A message's `role` and `content`: an object only (see [`object::fields_of`]).
+struct FastMessage<'a>([Option<&'a RawValue>; 2]);
+
+impl<'de: 'a, 'a> Deserialize<'de> for FastMessage<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        object::fields_of(d, &["role", "content"]).map(FastMessage)
+    }
 }
 
 /// The request's fields and messages, in one pass over the body where it reads as
@@ -152,9 +153,12 @@ struct FastMessage<'a> {
 /// again field by field ([`parse_object`]), which takes a repeated key's last value as vLLM
 /// does and says what is wrong, if anything is.
 fn read_request(body: &[u8]) -> Result<(Fields<'_>, Vec<Message<'_>>), RequestError> {
-    if let Ok(mut fields) = serde_json::from_slice::<Fields<'_>>(body) {
+    // (A derived reading takes an array for a struct, field by field: only an object here.)
+    let object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    if let Some(mut fields) = object.then(|| serde_json::from_slice::<Fields<'_>>(body).ok()).flatten() {
         let messages = fields.messages.take().ok_or(RequestError::MissingField { param: "messages" })?;
-        return Ok((fields, read_messages(messages.into_iter().map(|m| Ok((m.role, m.content))))?));
+        let each = messages.into_iter().map(|FastMessage([role, content])| Ok((role, content)));
+        return Ok((fields, read_messages(each)?));
     }
     const FIELDS: [&str; 10] = [
         "model",
@@ -329,27 +333,14 @@ fn read_message<'a>(
 
 const BLOCKS: &str = "a string or an array of content blocks";
 
-/// A content block's fields, read in one pass over the content (see [`Fields`]).
-#[derive(Deserialize)]
-struct FastBlock<'a> {
-    #[serde(borrow, rename = "type")]
-    kind: Option<&'a RawValue>,
-    #[serde(borrow)]
-    text: Option<&'a RawValue>,
-    #[serde(borrow)]
-    source: Option<&'a RawValue>,
-    #[serde(borrow)]
-    id: Option<&'a RawValue>,
-    #[serde(borrow)]
-    name: Option<&'a RawValue>,
-    #[serde(borrow)]
-    input: Option<&'a RawValue>,
-    #[serde(borrow)]
-    content: Option<&'a RawValue>,
-    #[serde(borrow)]
-    tool_use_id: Option<&'a RawValue>,
-    #[serde(borrow)]
-    thinking: Option<&'a RawValue>,
+/// A content block's [`BLOCK_FIELDS`], read in one pass over the content (see
+/// [`read_request`]): an object only.
+struct FastBlock<'a>([Option<&'a RawValue>; 9]);
+
+impl<'de: 'a, 'a> Deserialize<'de> for FastBlock<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        object::fields_of(d, &BLOCK_FIELDS).map(FastBlock)
+    }
 }
 
 /// The fields [`block`] reads, in its order.
@@ -366,11 +357,7 @@ fn parse_content<'a>(raw: &'a RawValue, at: &dyn Fn() -> String) -> Result<Conte
     }
     let at = |i: usize| format!("{}[{i}]", at());
     if let Ok(fast) = serde_json::from_str::<Vec<FastBlock<'a>>>(raw.get()) {
-        let blocks = fast.into_iter().enumerate().map(|(i, b)| {
-            let fields =
-                [b.kind, b.text, b.source, b.id, b.name, b.input, b.content, b.tool_use_id, b.thinking];
-            block(fields, &|| at(i))
-        });
+        let blocks = fast.into_iter().enumerate().map(|(i, FastBlock(fields))| block(fields, &|| at(i)));
         return Ok(Content::Blocks(blocks.collect::<Result<_, _>>()?));
     }
     let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| invalid())?;

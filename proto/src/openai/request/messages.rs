@@ -112,7 +112,8 @@ impl<'de> Deserialize<'de> for RawPart<'de> {
 impl<'a> RawPart<'a> {
     /// The text of a part vLLM reads as text (`text`, `input_text`, `output_text`, `refusal`,
     /// `thinking`, each from its own key): `Some(Ok(Some))`; `Some(Ok(None))` when that key is
-    /// missing, null or empty (vLLM skips the part); `Some(Err)` when it is not a string;
+    /// missing or null (vLLM skips the part; an empty text it skips when it joins the texts,
+    /// [`join_text_parts`], and keeps as a part); `Some(Err)` when it is not a string;
     /// `None` for any other type.
     fn text(self, kind: &str) -> Option<Result<Option<Cow<'a, str>>, ()>> {
         let value = match kind {
@@ -122,7 +123,7 @@ impl<'a> RawPart<'a> {
             _ => return None,
         };
         Some(match value {
-            Some(MaybeStr::Str(text)) => Ok(Some(text).filter(|t| !t.is_empty())),
+            Some(MaybeStr::Str(text)) => Ok(Some(text)),
             None | Some(MaybeStr::Null) => Ok(None),
             Some(MaybeStr::Other) => Err(()),
         })
@@ -151,10 +152,7 @@ impl<'de> Deserialize<'de> for Content<'de> {
             let bad = || Ok(Content::BadPart);
             // A plain string is a text part, as vLLM reads it.
             if part.get().starts_with('"') {
-                let text = serde_json::from_str::<Str<'de>>(part.get()).map_err(de::Error::custom)?.0;
-                if !text.is_empty() {
-                    texts.push(text);
-                }
+                texts.push(serde_json::from_str::<Str<'de>>(part.get()).map_err(de::Error::custom)?.0);
                 continue;
             }
             if !part.get().starts_with('{') {
@@ -206,16 +204,15 @@ impl<'de> Deserialize<'de> for MessageResult<'de> {
                     Some(MaybeStr::Other) => return Ok(MessageResult::Problem(MessageProblem::BadRole)),
                     Some(MaybeStr::Str(r)) => r,
                 };
-                let mut parts = Vec::new();
+                let mut parts = None;
                 let (content, media) = match content {
                     Content::Null => (None, None),
                     Content::Text(t) => (Some(t), None),
-                    Content::Parts(texts, media) if texts.len() > 1 => {
-                        let joined = Cow::Owned(texts.join("\n"));
-                        parts = texts;
+                    Content::Parts(texts, media) => {
+                        let joined = join_text_parts(&texts);
+                        parts = Some(texts);
                         (Some(joined), media)
                     }
-                    Content::Parts(texts, media) => (Some(join_text_parts(texts)), media),
                     Content::Bad => return Ok(MessageResult::Problem(MessageProblem::BadContent)),
                     Content::BadPart => return Ok(MessageResult::Problem(MessageProblem::BadContentPart)),
                 };
@@ -248,10 +245,19 @@ impl<'de> Deserialize<'de> for MessageResult<'de> {
     }
 }
 
-/// vLLM's "string" content format: text parts joined with a newline.
-fn join_text_parts(mut texts: Vec<Cow<'_, str>>) -> Cow<'_, str> {
-    if texts.len() == 1 {
-        return texts.pop().unwrap_or_default();
+/// vLLM's "string" content format: the texts that are not empty, joined with a newline.
+fn join_text_parts<'a>(texts: &[Cow<'a, str>]) -> Cow<'a, str> {
+    let mut texts = texts.iter().filter(|t| !t.is_empty());
+    match (texts.next(), texts.next()) {
+        (None, _) => Cow::Borrowed(""),
+        (Some(one), None) => one.clone(),
+        (Some(first), Some(second)) => {
+            let mut joined = format!("{first}\n{second}");
+            for text in texts {
+                joined.push('\n');
+                joined.push_str(text);
+            }
+            Cow::Owned(joined)
+        }
     }
-    Cow::Owned(texts.join("\n"))
 }

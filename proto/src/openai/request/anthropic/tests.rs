@@ -391,3 +391,18 @@ fn a_repeated_key_takes_its_last_value() {
     assert_eq!(out["max_tokens"], 2);
     assert_eq!(out["messages"], json!([{"role": "user", "content": "y"}]));
 }
+
+/// Arrays are not objects: neither a message nor a block may be one (a derived reading
+/// would take one positionally).
+#[test]
+fn arrays_are_not_messages_or_blocks() {
+    assert!(matches!(
+        preserve(br#"{"max_tokens":1,"messages":[["user","hi"]]}"#),
+        Err(RequestError::InvalidMessage { index: 0, problem: MessageProblem::NotAnObject })
+    ));
+    assert!(matches!(
+        preserve(br#"{"max_tokens":1,"messages":[{"role":"user","content":[["text","hi"]]}]}"#),
+        Err(RequestError::InvalidAt { .. })
+    ));
+    assert!(matches!(preserve(br#"[null,[{"role":"user","content":"q"}]]"#), Err(RequestError::NotAnObject)));
+}
