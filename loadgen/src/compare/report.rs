@@ -128,7 +128,11 @@ impl CompareReport {
             w.name,
             w.requests,
             w.prompt_tokens,
-            if w.prompt_format == PromptFormat::Text { " (as text)" } else { "" },
+            match w.prompt_format {
+                PromptFormat::Ids => "",
+                PromptFormat::Text => " (as text)",
+                PromptFormat::Messages => " (as text, Anthropic Messages requests)",
+            },
             w.output_tokens,
             w.trace_duration_s
         );

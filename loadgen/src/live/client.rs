@@ -138,12 +138,12 @@ impl Client {
         tokio::time::timeout(timeout, exchange).await.map_err(|_| ErrorKind::Timeout)?
     }
 
-    /// Sends one completion to `{base}/v1/completions` and measures it; the whole exchange,
+    /// Sends one request to `{base}{body.path}` and measures it; the whole exchange,
     /// body included, must finish within `timeout`.
     pub async fn complete(
         &self,
         base: &str,
-        body: Bytes,
+        body: Body,
         stream: bool,
         fallback_prompt_tokens: u64,
         timeout: Duration,
@@ -157,7 +157,7 @@ impl Client {
     pub async fn complete_naming_replica(
         &self,
         base: &str,
-        body: Bytes,
+        body: Body,
         stream: bool,
         fallback_prompt_tokens: u64,
         timeout: Duration,
@@ -170,15 +170,15 @@ impl Client {
     async fn exchange(
         &self,
         base: &str,
-        body: Bytes,
+        body: Body,
         stream: bool,
         fallback_prompt_tokens: u64,
         timeout: Duration,
         named: &mut Option<String>,
     ) -> Result<Success, ErrorKind> {
-        let request = Request::post(format!("{base}/v1/completions"))
+        let request = Request::post(format!("{base}{}", body.path))
             .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
-            .body(Full::new(body))
+            .body(Full::new(body.bytes))
             .map_err(|_| ErrorKind::Malformed)?;
         let sent = Instant::now();
         let exchange = async {
@@ -220,9 +220,9 @@ impl Client {
             };
             success.e2e = sent.elapsed();
             if let Some(usage) = usage {
-                success.prompt_tokens = usage.prompt_tokens;
-                success.completion_tokens = usage.completion_tokens;
-                success.cached_tokens = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
+                success.prompt_tokens = usage.prompt_tokens().unwrap_or(fallback_prompt_tokens);
+                success.completion_tokens = usage.completion_tokens();
+                success.cached_tokens = usage.cached_tokens();
             }
             Ok(success)
         };
@@ -257,13 +257,38 @@ pub enum PromptFormat {
     /// has the ids' length and shares the blocks the ids share, up to hash collisions
     /// (other ids, though). Another tokenizer cuts the words its own way.
     Text,
+    /// The same text as the one user message of an Anthropic Messages request
+    /// (`POST /v1/messages`): the router and the replicas render it with the chat template
+    /// (a few tokens more than the ids) and report hits as `cache_read_input_tokens`.
+    Messages,
 }
 
-/// The body of a completion request for `request`: its prompt and output length.
-pub fn request_body(model: &str, request: &WorkloadRequest, stream: bool, format: PromptFormat) -> Bytes {
+impl PromptFormat {
+    /// The path a request in this format goes to.
+    pub fn path(self) -> &'static str {
+        match self {
+            PromptFormat::Ids | PromptFormat::Text => "/v1/completions",
+            PromptFormat::Messages => "/v1/messages",
+        }
+    }
+}
+
+/// A request's body and the path it goes to.
+#[derive(Clone, Debug)]
+pub struct Body {
+    pub path: &'static str,
+    pub bytes: Bytes,
+}
+
+/// The body of a request for `request` in `format`: its prompt and output length.
+pub fn request_body(model: &str, request: &WorkloadRequest, stream: bool, format: PromptFormat) -> Body {
     let mut body = String::with_capacity(request.input_len * 6 + 160);
     // Writing to a String cannot fail.
-    let _ = write!(body, "{{\"model\":{},\"prompt\":", serde_json::Value::from(model));
+    let _ = write!(body, "{{\"model\":{},", serde_json::Value::from(model));
+    body.push_str(match format {
+        PromptFormat::Messages => "\"messages\":[{\"role\":\"user\",\"content\":",
+        PromptFormat::Ids | PromptFormat::Text => "\"prompt\":",
+    });
     let mut prompt = Vec::with_capacity(request.input_len);
     request.write_prompt(&mut prompt);
     match format {
@@ -277,7 +302,7 @@ pub fn request_body(model: &str, request: &WorkloadRequest, stream: bool, format
             }
             body.push(']');
         }
-        PromptFormat::Text => {
+        PromptFormat::Text | PromptFormat::Messages => {
             body.push('"');
             for (i, &token) in prompt.iter().enumerate() {
                 if i > 0 {
@@ -288,12 +313,18 @@ pub fn request_body(model: &str, request: &WorkloadRequest, stream: bool, format
             body.push('"');
         }
     }
+    if format == PromptFormat::Messages {
+        body.push_str("}]");
+    }
     let _ = write!(body, ",\"max_tokens\":{},\"temperature\":0", request.output_len.max(1));
-    if stream {
-        body.push_str(",\"stream\":true,\"stream_options\":{\"include_usage\":true}");
+    match (stream, format) {
+        (false, _) => {}
+        // A Messages stream always carries its usage.
+        (true, PromptFormat::Messages) => body.push_str(",\"stream\":true"),
+        (true, _) => body.push_str(",\"stream\":true,\"stream_options\":{\"include_usage\":true}"),
     }
     body.push('}');
-    Bytes::from(body)
+    Body { path: format.path(), bytes: Bytes::from(body) }
 }
 
 #[derive(Deserialize)]
@@ -301,26 +332,66 @@ struct Completion {
     usage: Option<Usage>,
 }
 
-#[derive(Deserialize)]
+/// OpenAI's `usage`, or Anthropic's (`input_tokens` is the prompt less its cache hits).
+#[derive(Clone, Copy, Debug, Default, Deserialize)]
 struct Usage {
-    prompt_tokens: u64,
-    #[serde(default)]
-    completion_tokens: u64,
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
     prompt_tokens_details: Option<PromptTokensDetails>,
+    input_tokens: Option<u64>,
+    output_tokens: Option<u64>,
+    cache_read_input_tokens: Option<u64>,
 }
 
-#[derive(Deserialize)]
+impl Usage {
+    fn prompt_tokens(&self) -> Option<u64> {
+        self.prompt_tokens.or_else(|| Some(self.input_tokens? + self.cache_read_input_tokens.unwrap_or(0)))
+    }
+
+    fn completion_tokens(&self) -> u64 {
+        self.completion_tokens.or(self.output_tokens).unwrap_or(0)
+    }
+
+    fn cached_tokens(&self) -> Option<u64> {
+        self.prompt_tokens_details.and_then(|d| d.cached_tokens).or(self.cache_read_input_tokens)
+    }
+
+    /// `newer`, with what it leaves out from `self` (Anthropic's `message_start` has the
+    /// prompt's counts, its `message_delta` the output's and perhaps the rest).
+    fn updated(self, newer: Usage) -> Usage {
+        Usage {
+            prompt_tokens: newer.prompt_tokens.or(self.prompt_tokens),
+            completion_tokens: newer.completion_tokens.or(self.completion_tokens),
+            prompt_tokens_details: newer.prompt_tokens_details.or(self.prompt_tokens_details),
+            input_tokens: newer.input_tokens.or(self.input_tokens),
+            output_tokens: newer.output_tokens.or(self.output_tokens),
+            cache_read_input_tokens: newer.cache_read_input_tokens.or(self.cache_read_input_tokens),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Deserialize)]
 struct PromptTokensDetails {
     cached_tokens: Option<u64>,
 }
 
-/// A chunk, read only for what the measurement needs.
+/// A chunk (or an Anthropic stream event), read only for what the measurement needs.
 #[derive(Deserialize)]
 struct Chunk {
     #[serde(default)]
     choices: Vec<serde::de::IgnoredAny>,
     usage: Option<Usage>,
     error: Option<serde::de::IgnoredAny>,
+    /// An Anthropic event's type.
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    /// `message_start`'s message.
+    message: Option<StartedMessage>,
+}
+
+#[derive(Deserialize)]
+struct StartedMessage {
+    usage: Option<Usage>,
 }
 
 /// Incremental SSE parsing: events end with a blank line; only `data:` lines matter.
@@ -348,11 +419,16 @@ impl SseState {
                 if chunk.error.is_some() {
                     return Err(ErrorKind::Stream);
                 }
-                if !chunk.choices.is_empty() && success.ttft.is_none() {
+                let token = !chunk.choices.is_empty() || chunk.kind.as_deref() == Some("content_block_delta");
+                if token && success.ttft.is_none() {
                     success.ttft = Some(sent.elapsed());
                 }
-                if let Some(usage) = chunk.usage {
-                    self.usage = Some(usage);
+                if chunk.kind.as_deref() == Some("message_stop") {
+                    self.done = true;
+                }
+                let usage = chunk.usage.or(chunk.message.and_then(|m| m.usage));
+                if let Some(usage) = usage {
+                    self.usage = Some(self.usage.unwrap_or_default().updated(usage));
                 }
             }
         }
@@ -390,11 +466,39 @@ mod tests {
             sse.feed(Bytes::copy_from_slice(&text.as_bytes()[cut..]), sent, &mut success).unwrap();
             assert!(sse.done && success.ttft.is_some(), "cut at {cut}");
             let usage = sse.usage.unwrap();
+            assert_eq!((usage.prompt_tokens(), usage.cached_tokens()), (Some(40), Some(32)));
+        }
+    }
+
+    /// Anthropic's stream: TTFT at the first text delta, usage from `message_start` and
+    /// `message_delta` together, done at `message_stop`.
+    #[test]
+    fn an_anthropic_stream_gives_ttft_usage_and_done() {
+        let text = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\
+                    \"usage\":{\"input_tokens\":8,\"output_tokens\":0,\"cache_read_input_tokens\":32}}}\n\n\
+                    event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0}\n\n\
+                    event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\
+                    \"delta\":{\"type\":\"text_delta\",\"text\":\"a\"}}\n\n\
+                    event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":2}}\n\n\
+                    event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+        for cut in [1, 30, 200, text.len() - 3] {
+            let mut sse = SseState::default();
+            let mut success = Success::default();
+            let sent = Instant::now();
+            sse.feed(Bytes::copy_from_slice(&text.as_bytes()[..cut]), sent, &mut success).unwrap();
+            assert!(!sse.done || cut == text.len() - 3, "cut at {cut}");
+            sse.feed(Bytes::copy_from_slice(&text.as_bytes()[cut..]), sent, &mut success).unwrap();
+            assert!(sse.done && success.ttft.is_some(), "cut at {cut}");
+            let usage = sse.usage.unwrap();
             assert_eq!(
-                (usage.prompt_tokens, usage.prompt_tokens_details.unwrap().cached_tokens),
-                (40, Some(32))
+                (usage.prompt_tokens(), usage.cached_tokens(), usage.completion_tokens()),
+                (Some(40), Some(32), 2)
             );
         }
+        let mut sse = SseState::default();
+        let error =
+            Bytes::from_static(b"event: error\ndata: {\"type\":\"error\",\"error\":{\"message\":\"x\"}}\n\n");
+        assert_eq!(sse.feed(error, Instant::now(), &mut Success::default()), Err(ErrorKind::Stream));
     }
 
     #[test]
@@ -408,18 +512,30 @@ mod tests {
     fn the_body_carries_the_token_prompt() {
         let request =
             WorkloadRequest { arrival: Duration::ZERO, input_len: 600, output_len: 7, hash_ids: vec![1, 2] };
-        let body: serde_json::Value =
-            serde_json::from_slice(&request_body("m", &request, true, PromptFormat::Ids)).unwrap();
+        let body = request_body("m", &request, true, PromptFormat::Ids);
+        assert_eq!(body.path, "/v1/completions");
+        let body: serde_json::Value = serde_json::from_slice(&body.bytes).unwrap();
         let prompt: Vec<u32> = serde_json::from_value(body["prompt"].clone()).unwrap();
         assert_eq!(prompt, request.prompt());
         assert_eq!(body["max_tokens"], 7);
         assert_eq!(body["stream_options"]["include_usage"], true);
+        // As a Messages request: the text as the one user message.
+        let messages = request_body("m", &request, true, PromptFormat::Messages);
+        assert_eq!(messages.path, "/v1/messages");
+        let messages: serde_json::Value = serde_json::from_slice(&messages.bytes).unwrap();
+        let text = serde_json::from_slice::<serde_json::Value>(
+            &request_body("m", &request, false, PromptFormat::Text).bytes,
+        )
+        .unwrap()["prompt"]
+            .clone();
+        assert_eq!(messages["messages"], serde_json::json!([{"role": "user", "content": text}]));
+        assert_eq!((messages["max_tokens"].as_u64(), messages["stream"].as_bool()), (Some(7), Some(true)));
     }
 
     /// The built-in tokenizer's ids of `request`'s text body.
     fn text_tokens(request: &WorkloadRequest) -> Vec<u32> {
         let body: serde_json::Value =
-            serde_json::from_slice(&request_body("m", request, false, PromptFormat::Text)).unwrap();
+            serde_json::from_slice(&request_body("m", request, false, PromptFormat::Text).bytes).unwrap();
         assert_eq!(body["max_tokens"], request.output_len.max(1));
         Builtin.encode(body["prompt"].as_str().expect("a text prompt"), false).unwrap()
     }

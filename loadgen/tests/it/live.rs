@@ -11,7 +11,7 @@ use clap::Parser;
 use kvroute_loadgen::cli::{self, Cli};
 use kvroute_loadgen::compare::{self, CompareConfig, Routers};
 use kvroute_loadgen::demo::{DEMO_MODEL, EmbeddedFleet, FleetConfig};
-use kvroute_loadgen::live::{self, Arrivals, LiveConfig};
+use kvroute_loadgen::live::{self, Arrivals, LiveConfig, PromptFormat};
 use kvroute_loadgen::sim::{self, BlockIdentity, SimConfig};
 use kvroute_loadgen::workload::mooncake;
 use kvroute_loadgen::workload::synth::ChatParams;
@@ -140,6 +140,36 @@ async fn compare_on_a_small_fleet_writes_a_sane_report() {
         assert!(text.starts_with("<svg") && text.contains("round-robin"), "{svg}");
     }
     assert!(report.table().contains("cache-aware"));
+    fleet.stop().await;
+}
+
+/// The same chat workload as Anthropic Messages requests (`--prompt-format messages`):
+/// every one served, their hits read from Anthropic's usage and predicted by the router (it
+/// renders them as the replicas do).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_workload_as_anthropic_messages_is_routed_on_its_cached_prefix() {
+    let shutdown = CancellationToken::new();
+    let fleet = EmbeddedFleet::start(fleet_config(2), shutdown.child_token()).await.unwrap();
+    let trace = small_chat();
+    let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
+    live.replicas = fleet.urls();
+    live.arrivals = Arrivals::Trace { speedup: 1.0 };
+    live.prompt = PromptFormat::Messages;
+    let config = compare_config(&fleet, vec![PolicyKind::CacheAware], live);
+    let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
+        .await
+        .expect("compare finishes")
+        .expect("compare runs");
+    let l = &report.runs[0].live;
+    assert_eq!((l.requests, l.succeeded, l.failed()), (trace.len(), trace.len(), 0), "{:?}", l.errors);
+    let hit = l.hit_rate.expect("responses report cache_read_input_tokens");
+    assert!(hit > 0.3, "the shared system prompt is reused: {hit}");
+    // (Requests in flight together may see one another's blocks a little late or early.)
+    let predicted = l.predicted_hit_rate.expect("the router's predictions");
+    assert!((predicted - hit).abs() < 0.05, "predicted {predicted} against {hit}");
+    // The chat template's tokens come on top of the workload's.
+    let served: u64 = l.per_replica.iter().map(|s| s.prompt_tokens).sum();
+    assert!(served > trace.prompt_tokens(), "{served} against {}", trace.prompt_tokens());
     fleet.stop().await;
 }
 
