@@ -56,8 +56,9 @@ pub struct SendArgs {
     /// The `model` of every request.
     #[arg(long, default_value = demo::DEMO_MODEL)]
     pub model: String,
-    /// How prompts are written: `ids` (token ids) or `text` (a word a token with the
-    /// built-in tokenizer, tokenized by the router and the replicas).
+    /// How prompts are written: `ids` (token ids), `text` (a word a token with the
+    /// built-in tokenizer, tokenized by the router and the replicas) or `messages` (that
+    /// text as Anthropic Messages requests, rendered with the chat template).
     #[arg(long, value_enum, default_value_t = PromptFormat::Ids)]
     pub prompt_format: PromptFormat,
     /// Most requests in flight at once.
@@ -226,8 +227,9 @@ pub struct DemoArgs {
     /// Send at most this many requests.
     #[arg(long)]
     pub requests: Option<usize>,
-    /// How prompts are written: `ids` (token ids) or `text` (a word a token with the
-    /// built-in tokenizer, tokenized by the routers and the agents).
+    /// How prompts are written: `ids` (token ids), `text` (a word a token with the
+    /// built-in tokenizer, tokenized by the routers and the agents) or `messages` (that
+    /// text as Anthropic Messages requests, rendered with the chat template).
     #[arg(long, value_enum, default_value_t = PromptFormat::Ids)]
     pub prompt_format: PromptFormat,
     /// Directory for report.json, table.txt and the SVG plots.
