@@ -267,11 +267,20 @@ impl Tokenization {
         endpoint: Endpoint,
         body: &'b [u8],
     ) -> Result<(Endpoint, Cow<'b, [u8]>), RequestError> {
+        Self::readable_with(endpoint, body, self.inline_system)
+    }
+
+    /// [`Tokenization::readable`], inline system messages placed as `inline` says (for a
+    /// router whose replicas' template is not its own).
+    pub fn readable_with(
+        endpoint: Endpoint,
+        body: &[u8],
+        inline: InlineSystem,
+    ) -> Result<(Endpoint, Cow<'_, [u8]>), RequestError> {
         match endpoint {
-            Endpoint::Messages => Ok((
-                Endpoint::ChatCompletions,
-                Cow::Owned(request::anthropic::chat_body(body, self.inline_system)?),
-            )),
+            Endpoint::Messages => {
+                Ok((Endpoint::ChatCompletions, Cow::Owned(request::anthropic::chat_body(body, inline)?)))
+            }
             endpoint => Ok((endpoint, Cow::Borrowed(body))),
         }
     }

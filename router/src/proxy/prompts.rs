@@ -18,6 +18,7 @@
 //! `Tokenization`, so hashes match the replica's.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,7 +26,7 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use kvroute_proto::CacheNamespace;
 use kvroute_proto::openai::{
-    ChatRequest, Endpoint, ParsedRequest, PartialPrompt, RequestError, Tokenization,
+    ChatRequest, Endpoint, InlineSystem, ParsedRequest, PartialPrompt, RequestError, Tokenization,
 };
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -82,6 +83,22 @@ impl Prompts {
     /// Whether the replicas tokenize (`--remote-tokenize`).
     pub fn is_remote(&self) -> bool {
         matches!(self, Prompts::Remote(_))
+    }
+
+    /// Where a Messages request's inline system messages go: as the local chat template's
+    /// probe says, or folded once the replicas were seen to want them so (remote mode).
+    pub fn inline_system(&self) -> InlineSystem {
+        match self {
+            Prompts::Remote(r) if r.folds_inline_system.load(Relaxed) => InlineSystem::Fold,
+            prompts => prompts.tokenization().inline_system(),
+        }
+    }
+
+    /// The replicas took a Messages conversation only with its inline system messages folded.
+    pub fn saw_replicas_fold(&self) {
+        if let Prompts::Remote(r) = self {
+            r.folds_inline_system.store(true, Relaxed);
+        }
     }
 
     /// The tokenization that names the cache namespace (and tokenizes, when local).
@@ -191,6 +208,9 @@ pub struct RemoteTokenizer {
     client: Client,
     timeout: Duration,
     cache: Mutex<Cache>,
+    /// The replicas were seen to refuse a Messages conversation with its inline system
+    /// messages in place and take it with them folded: later ones are folded from the start.
+    folds_inline_system: AtomicBool,
 }
 
 #[derive(Default)]
@@ -201,7 +221,7 @@ struct Cache {
 
 impl RemoteTokenizer {
     pub fn new(local: Arc<Tokenization>, client: Client, timeout: Duration) -> Self {
-        Self { local, client, timeout, cache: Mutex::default() }
+        Self { local, client, timeout, cache: Mutex::default(), folds_inline_system: AtomicBool::new(false) }
     }
 
     async fn tokens(

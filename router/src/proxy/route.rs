@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use kvroute_proto::hash::extend_chain;
 use kvroute_proto::openai::request::anthropic;
-use kvroute_proto::openai::{Endpoint, InlineSystem, ParsedRequest};
+use kvroute_proto::openai::{Endpoint, InlineSystem, ParsedRequest, Tokenization};
 use kvroute_proto::pb::StreamState as PbState;
 use kvroute_proto::{BlockHash, block_hash, chain, hit_tokens};
 use xxhash_rust::xxh3::xxh3_64;
@@ -210,8 +210,8 @@ impl Decider {
     /// The decision for a request; `send` when it will be sent (the policy moves on).
     async fn plan(&self, endpoint: Endpoint, body: &[u8], send: bool) -> Result<Plan, ProxyError> {
         // A Messages body is decided as the chat request vLLM makes of it (and sent as it is).
-        let (asked, sent) = (endpoint, body);
-        let (endpoint, body) = self.prompts.tokenization().readable(endpoint, body)?;
+        let (asked, sent, inline) = (endpoint, body, self.prompts.inline_system());
+        let (endpoint, body) = Tokenization::readable_with(endpoint, body, inline)?;
         let body = &*body;
         let mut request = ParsedRequest::parse(endpoint, body)?;
         let members = self.fleet.members();
@@ -219,13 +219,22 @@ impl Decider {
             // A replica's template that refuses a system turn mid-conversation is one vLLM
             // folds inline system messages for ([`InlineSystem`]); the router's own template,
             // which chose to keep them, is not the replicas' in remote mode.
-            Err(PromptError::Refused(why)) if asked == Endpoint::Messages && self.prompts.is_remote() => {
+            // (Remembered: later ones are folded from the start.)
+            Err(PromptError::Refused(why))
+                if asked == Endpoint::Messages
+                    && inline == InlineSystem::Preserve
+                    && self.prompts.is_remote() =>
+            {
                 let folded = anthropic::chat_body(sent, InlineSystem::Fold)?;
                 if folded == body {
                     Err(PromptError::Refused(why))
                 } else {
                     let mut again = ParsedRequest::parse(endpoint, &folded)?;
-                    self.prompts.tokens(&mut again, &folded, &members).await
+                    let tokens = self.prompts.tokens(&mut again, &folded, &members).await;
+                    if tokens.is_ok() {
+                        self.prompts.saw_replicas_fold();
+                    }
+                    tokens
                 }
             }
             tokens => tokens,

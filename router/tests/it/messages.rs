@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 
 use http_body_util::BodyExt;
-use kvroute_proto::openai::Endpoint;
+use kvroute_proto::openai::{Endpoint, InlineSystem};
 use serde_json::{Value, json};
 
 use crate::fleet::{FLEET_MODEL, Fleet, Reply, agent_config};
@@ -210,8 +210,11 @@ async fn remote_tokenization_folds_inline_system_messages_the_replicas_template_
             {"role": "system", "content": "a reminder"}
         ]),
     );
+    let prompts = &fleet.router.state.decider.prompts;
+    assert_eq!(prompts.inline_system(), InlineSystem::Preserve, "the router's own template keeps them");
     let first = fleet.http.post(&fleet.url("/v1/messages"), &body).await;
     assert_eq!(first.status, 200, "{}", String::from_utf8_lossy(&first.body));
+    assert_eq!(prompts.inline_system(), InlineSystem::Fold, "remembered for the next ones");
     let again = fleet.http.post(&fleet.url("/v1/messages"), &body).await;
     assert_eq!(again.status, 200);
     assert!(predicted(&again) > 40, "{}", predicted(&again));
