@@ -135,12 +135,17 @@ async fn handle(state: AppState, req: Request<Incoming>) -> Response<Body> {
     let request_id = request_id(&req);
     let path = req.uri().path();
     let path = if path.len() > 1 { path.trim_end_matches('/') } else { path };
+    // Errors on Anthropic's paths in Anthropic's envelope.
+    let anthropic = matches!(route(path), Some((_, Route::Messages | Route::CountTokens)));
+    let error = |e: &ApiError| {
+        if anthropic { json_response(e.status, e.error.to_anthropic_json()) } else { error_response(e) }
+    };
     let mut response = match route(path) {
         _ if !authorized(state.config(), path, &req) => {
             json_response(StatusCode::UNAUTHORIZED, br#"{"error":"Unauthorized"}"#.to_vec())
         }
         Some((allowed, _)) if req.method() != allowed => {
-            let mut r = error_response(&ApiError::method_not_allowed(req.method(), path));
+            let mut r = error(&ApiError::method_not_allowed(req.method(), path));
             if let Ok(allow) = HeaderValue::from_str(allowed.as_str()) {
                 r.headers_mut().insert(header::ALLOW, allow);
             }
@@ -148,10 +153,7 @@ async fn handle(state: AppState, req: Request<Incoming>) -> Response<Body> {
         }
         Some((_, route)) => match dispatch(route, &state, req, &request_id).await {
             Ok(response) => response,
-            Err(e) if matches!(route, Route::Messages | Route::CountTokens) => {
-                json_response(e.status, e.error.to_anthropic_json())
-            }
-            Err(e) => error_response(&e),
+            Err(e) => error(&e),
         },
         None => error_response(&ApiError::not_found(path)),
     };

@@ -180,6 +180,8 @@ async fn malformed_messages_requests_get_errors_an_anthropic_client_reads() {
         .post(&format!("http://{}/v1/messages", fleet.agent(0).http_addr), &json!({"max_tokens": 1}))
         .await;
     assert_eq!((direct.status.as_u16(), direct.json()["type"].as_str()), (400, Some("error")));
+    let wrong_method = fleet.http.get(&format!("http://{}/v1/messages", fleet.agent(0).http_addr)).await;
+    assert_eq!((wrong_method.status.as_u16(), wrong_method.json()["type"].as_str()), (405, Some("error")));
 }
 
 /// With `--remote-tokenize` the replicas' template decides where inline system messages go:
