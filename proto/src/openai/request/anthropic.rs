@@ -14,7 +14,7 @@
 //! 2. **Inline system messages** (later `role: "system"` messages, which Claude Code sends):
 //!    first moved past the tool results that answer an assistant's `tool_use`; then, in
 //!    [`InlineSystem::Preserve`] mode and when there is a system prompt, kept in place as
-//!    system messages, else folded into the neighbouring user text (see [`fold`]). vLLM
+//!    system messages, else folded into the neighbouring user text (see `fold`). vLLM
 //!    chooses the mode by probing the model's template once (its default, "auto");
 //!    [`inline_system_mode`] runs the same probe on the router's template, on the rendered
 //!    text where vLLM compares token ids. (A router that tokenizes through its replicas does
@@ -45,8 +45,8 @@
 //!
 //! What is read is validated as vLLM's request model validates it, each problem a
 //! [`RequestError`] naming the field at fault; unknown fields and block types are skipped.
-//! Texts go through as the JSON strings they were written as ([`text`]), and a well-formed
-//! body is read in one pass ([`read_request`]): the conversion costs a fraction of what
+//! Texts go through as the JSON strings they were written as (`text.rs`), and a well-formed
+//! body is read in one pass (`read_request`): the conversion costs a fraction of what
 //! tokenizing the prompt does (`proto/benches/messages.rs`).
 
 use std::borrow::Cow;
