@@ -195,7 +195,7 @@ pub fn block_hash_from_digest(digest: &[u8]) -> BlockHash {
 
 /// Decodes a msgpack `KVEventBatch` payload (live or replayed).
 ///
-/// A batch that does not decode as a whole is read again event by event ([`lenient`]): if
+/// A batch that does not decode as a whole is read again event by event (`vllm/lenient.rs`): if
 /// only some of its events are at fault, they come back as [`VllmEvent::Malformed`] and the
 /// rest as usual.
 pub fn decode_payload(payload: &[u8]) -> Result<VllmBatch, DecodeError> {
