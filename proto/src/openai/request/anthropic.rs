@@ -615,14 +615,19 @@ fn add_text<'a>(content: Content<'a>, text: Text<'a>, at_end: bool) -> Content<'
     match content {
         Content::Text(old) => Content::Text(paragraphs(&old, &text, at_end)),
         Content::Blocks(mut blocks) => {
-            let end = if at_end { blocks.len().checked_sub(1) } else { (!blocks.is_empty()).then_some(0) };
-            match end.map(|i| (i, &blocks[i])) {
-                Some((i, Block::Text(old))) => blocks[i] = Block::Text(paragraphs(old, &text, at_end)),
-                _ if at_end => blocks.push(Block::Text(text)),
-                _ => blocks.insert(0, Block::Text(text)),
-            }
+            add_text_block(&mut blocks, text, at_end);
             Content::Blocks(blocks)
         }
+    }
+}
+
+/// [`add_text`] for a list of blocks.
+fn add_text_block<'a>(blocks: &mut Vec<Block<'a>>, text: Text<'a>, at_end: bool) {
+    let end = if at_end { blocks.len().checked_sub(1) } else { (!blocks.is_empty()).then_some(0) };
+    match end.map(|i| (i, &blocks[i])) {
+        Some((i, Block::Text(old))) => blocks[i] = Block::Text(paragraphs(old, &text, at_end)),
+        _ if at_end => blocks.push(Block::Text(text)),
+        _ => blocks.insert(0, Block::Text(text)),
     }
 }
 
@@ -651,10 +656,11 @@ fn append_to_user<'a>(message: &mut Message<'a>, text: Text<'a>) {
         }
         Content::Text(old) => add_text(Content::Text(old), text, true),
         Content::Blocks(blocks) => {
-            let (results, own): (Vec<_>, Vec<_>) =
+            let (mut blocks, mut own): (Vec<_>, Vec<_>) =
                 blocks.into_iter().partition(|b| matches!(b, Block::ToolResult { .. }));
-            let Content::Blocks(own) = add_text(Content::Blocks(own), text, true) else { unreachable!() };
-            Content::Blocks(results.into_iter().chain(own).collect())
+            add_text_block(&mut own, text, true);
+            blocks.append(&mut own);
+            Content::Blocks(blocks)
         }
     };
 }
