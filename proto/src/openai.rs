@@ -281,6 +281,13 @@ impl Tokenization {
             Endpoint::Messages => {
                 Ok((Endpoint::ChatCompletions, Cow::Owned(request::anthropic::chat_body(body, inline)?)))
             }
+            Endpoint::Responses => {
+                let request = request::responses::Responses::read(body)?;
+                if request.previous_response_id.is_some() {
+                    return Err(RequestError::StoredConversation);
+                }
+                Ok((Endpoint::ChatCompletions, Cow::Owned(request.chat_body(&[]))))
+            }
             endpoint => Ok((endpoint, Cow::Borrowed(body))),
         }
     }

@@ -123,6 +123,11 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_AGENT_API_KEY")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub api_key: Option<String>,
+    /// Keep every Responses API response in this process, so a later request can continue it
+    /// (`previous_response_id`) or fetch it, as vLLM with `VLLM_ENABLE_RESPONSES_API_STORE=1`.
+    #[arg(long, env = "KVROUTE_AGENT_RESPONSES_STORE")]
+    #[serde(default)]
+    pub responses_store: bool,
     /// Largest accepted request body, bytes.
     #[arg(long, env = "KVROUTE_AGENT_MAX_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub max_body_bytes: usize,

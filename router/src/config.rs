@@ -124,6 +124,12 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_TOKENIZE_CACHE_BYTES", default_value_t = 64 << 20)]
     pub tokenize_cache_bytes: u64,
 
+    /// Responses API ids whose replica the router remembers (about 100 bytes each): a later
+    /// request about one (`previous_response_id`, `GET /v1/responses/{id}`) goes to the replica
+    /// that stored it. An id it has let go is asked of every replica again.
+    #[arg(long, env = "KVROUTE_RESPONSE_OWNERS", default_value_t = 100_000)]
+    pub response_owners: usize,
+
     /// A replica's event stream without a connection this long is FALLBACK (routed on load
     /// alone), milliseconds; also the event socket's connect timeout.
     #[arg(long, env = "KVROUTE_EVENTS_FALLBACK_MS", default_value_t = 10_000)]

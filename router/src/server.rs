@@ -176,6 +176,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             eject_after: config.eject_after,
             ejection: config.ejection(),
             access_log: config.access_log,
+            owners: Arc::new(proxy::responses::Owners::new(config.response_owners)),
         },
         registry: Arc::new(registry),
         limits: config.request_limits(),

@@ -120,7 +120,9 @@ fn tokenization() -> &'static Tokenization {
 
 pub fn openai_request(data: &[u8]) {
     let t = tokenization();
-    for endpoint in [Endpoint::Completions, Endpoint::ChatCompletions, Endpoint::Messages] {
+    for endpoint in
+        [Endpoint::Completions, Endpoint::ChatCompletions, Endpoint::Messages, Endpoint::Responses]
+    {
         let Ok((endpoint, data)) = t.readable(endpoint, data) else { continue };
         let Ok(request) = ParsedRequest::parse(endpoint, &data) else { continue };
         let _ = (request.model(), request.cache_salt(), request.stream(), request.max_tokens());

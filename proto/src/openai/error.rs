@@ -89,6 +89,10 @@ pub enum RequestError {
         /// The part's `type`.
         part_type: String,
     },
+    /// A Responses request that continues a stored response (`previous_response_id`): its
+    /// prompt starts with a conversation only the replica that stored it has.
+    #[error("the prompt continues a stored response, which only the replica that stored it has")]
+    StoredConversation,
     /// A chat request, but no chat template is configured for this tokenizer.
     #[error("no chat template is configured for this model, so chat requests are not supported")]
     NoChatTemplate,
@@ -157,6 +161,7 @@ impl RequestError {
                 (INVALID_REQUEST, Some(format!("messages[{index}].content")), Some("unsupported_content"))
             }
             E::NoChatTemplate | E::Template(_) => (INVALID_REQUEST, Some("messages".into()), None),
+            E::StoredConversation => (INVALID_REQUEST, Some("previous_response_id".into()), None),
             E::Tokenizer(_) => ("server_error", None, None),
         };
         OpenAiError { message: self.to_string(), kind: kind.into(), param, code: code.map(Into::into) }

@@ -27,6 +27,7 @@ mod ids;
 mod messages;
 mod object;
 mod prompt;
+pub mod responses;
 mod scan;
 
 use std::borrow::Cow;
@@ -52,6 +53,9 @@ pub enum Endpoint {
     /// `POST /v1/messages`: Anthropic's Messages API, read as the chat completion request
     /// vLLM makes of it ([`anthropic`]); `Tokenization::readable` converts its body.
     Messages,
+    /// `POST /v1/responses`: OpenAI's Responses API, read as the chat completion request
+    /// vLLM makes of it ([`responses`]); `Tokenization::readable` converts its body.
+    Responses,
 }
 
 impl Endpoint {
@@ -61,6 +65,7 @@ impl Endpoint {
             "/v1/completions" => Some(Endpoint::Completions),
             "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
             anthropic::MESSAGES_PATH => Some(Endpoint::Messages),
+            responses::RESPONSES_PATH => Some(Endpoint::Responses),
             _ => None,
         }
     }
@@ -82,10 +87,10 @@ impl<'a> ParsedRequest<'a> {
         Ok(match endpoint {
             Endpoint::Completions => ParsedRequest::Completion(CompletionRequest::parse(body)?),
             Endpoint::ChatCompletions => ParsedRequest::Chat(ChatRequest::parse(body)?),
-            Endpoint::Messages => {
+            Endpoint::Messages | Endpoint::Responses => {
                 return Err(RequestError::InvalidField {
                     param: "messages",
-                    expected: "a chat request (a Messages body is read through Tokenization::readable)",
+                    expected: "a chat request (a Messages or Responses body is read through Tokenization::readable)",
                 });
             }
         })

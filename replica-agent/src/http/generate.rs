@@ -32,7 +32,7 @@ use serde_json::value::RawValue;
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
-use super::{AppState, Body, chat, completions, json_response, messages, sse, unix_now};
+use super::{AppState, Body, chat, completions, json_response, messages, responses, sse, unix_now};
 use crate::engine::{Job, Output, SubmitError, Usage};
 
 /// `finish_reason` of every choice: the simulated engine stops only at `max_tokens`.
@@ -100,11 +100,21 @@ pub(super) async fn generate(
     body: &[u8],
     request_id: &str,
 ) -> Result<Response<Body>, ApiError> {
-    let (read_as, readable) = state.tokenization().readable(endpoint, body)?;
+    let (chat, keep, previous) = match endpoint {
+        Endpoint::Responses => {
+            let prepared = responses::prepare(state.responses(), body)?;
+            (Some(prepared.chat), prepared.keep, prepared.previous)
+        }
+        _ => (None, None, None),
+    };
+    let (read_as, readable) = match &chat {
+        Some(chat) => (Endpoint::ChatCompletions, std::borrow::Cow::Borrowed(&chat[..])),
+        None => state.tokenization().readable(endpoint, body)?,
+    };
     let request = ParsedRequest::parse(read_as, &readable)?;
-    // A Messages stream always carries its usage; the fields are OpenAI's.
+    // A Messages or Responses stream always carries its usage; the fields are OpenAI's.
     let include_usage = match endpoint {
-        Endpoint::Messages => true,
+        Endpoint::Messages | Endpoint::Responses => true,
         _ => parse_extras(body, request.stream())?,
     };
     if !state.serves(request.model()) {
@@ -116,6 +126,9 @@ pub(super) async fn generate(
             Endpoint::Completions => format!("cmpl-{request_id}"),
             Endpoint::ChatCompletions => format!("chatcmpl-{request_id}"),
             Endpoint::Messages => format!("msg_{request_id}"),
+            // Not the request id, which a client may send again: a stored response's id is
+            // its own (vLLM's: 16 random hex digits).
+            Endpoint::Responses => format!("resp_{:016x}", rand::random::<u64>()),
         },
         created: unix_now(),
         // A request that names no model is answered as the base model's, as vLLM does.
@@ -152,7 +165,13 @@ pub(super) async fn generate(
 
     let api = Api::from(endpoint);
     if stream {
-        let mut response = Response::new(sse::body(api, meta, admitted, include_usage));
+        let streaming = (api == Api::Responses).then(|| responses::Streaming {
+            keep,
+            previous,
+            text: String::new(),
+            sequence: 0,
+        });
+        let mut response = Response::new(sse::body(api, meta, admitted, include_usage, streaming));
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
@@ -180,6 +199,13 @@ pub(super) async fn generate(
         Api::Completions => completions::response(&meta, &texts, &usage),
         Api::Chat => chat::response(&meta, &texts, &usage),
         Api::Messages => messages::response(&meta, &texts, &usage),
+        Api::Responses => {
+            let text = texts.first().map_or("", String::as_str);
+            if let Some(keep) = keep {
+                keep.store(&meta, text, &usage);
+            }
+            responses::response(&meta, text, &usage, previous.as_deref())
+        }
     };
     Ok(json_response(StatusCode::OK, body))
 }
@@ -191,6 +217,8 @@ pub(super) enum Api {
     Chat,
     /// Anthropic's Messages API.
     Messages,
+    /// OpenAI's Responses API.
+    Responses,
 }
 
 impl From<Endpoint> for Api {
@@ -199,6 +227,7 @@ impl From<Endpoint> for Api {
             Endpoint::Completions => Api::Completions,
             Endpoint::ChatCompletions => Api::Chat,
             Endpoint::Messages => Api::Messages,
+            Endpoint::Responses => Api::Responses,
         }
     }
 }

@@ -5,6 +5,8 @@
 //! | `POST /v1/completions` | `generate.rs`: text completions, streamed (SSE) or not |
 //! | `POST /v1/chat/completions` | `generate.rs`: chat completions, streamed (SSE) or not |
 //! | `POST /v1/messages` | `generate.rs`: Anthropic's Messages API as vLLM serves it (the request read as the chat request vLLM makes of it, `messages.rs` the answer), streamed or not |
+//! | `POST /v1/responses` | `generate.rs`: OpenAI's Responses API as vLLM serves it (the request read as the chat request vLLM makes of it, `responses.rs` the answer and the store), streamed or not |
+//! | `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` | `responses.rs`: a stored response (with `--responses-store`) |
 //! | `POST /v1/messages/count_tokens` | `admin.rs`: the prompt's token count, `{"input_tokens"}` |
 //! | `GET /v1/models` | `admin.rs`: the base model and its LoRA adapters |
 //! | `GET /health` | `admin.rs`: 200 with an empty body, as vLLM answers |
@@ -32,6 +34,7 @@ mod error;
 mod generate;
 mod messages;
 mod metrics;
+mod responses;
 mod sse;
 
 use error::ApiError;
@@ -70,12 +73,15 @@ struct Inner {
     started: u64,
     /// Cancelled when the server shuts down; tells a shutdown failure from an engine fault.
     shutdown: CancellationToken,
+    /// Responses API responses kept for later requests.
+    responses: Arc<responses::Store>,
 }
 
 impl AppState {
     /// The state the API serves from. `tokenization` must be the one the router uses, so
     /// that `/tokenize`, generation and the router agree on token ids.
     pub fn new(engine: Engine, tokenization: Arc<Tokenization>, config: Arc<Config>) -> Self {
+        let store = config.responses_store;
         AppState {
             inner: Arc::new(Inner {
                 engine,
@@ -83,6 +89,7 @@ impl AppState {
                 config,
                 started: unix_now(),
                 shutdown: CancellationToken::new(),
+                responses: Arc::new(responses::Store::new(store)),
             }),
         }
     }
@@ -97,6 +104,10 @@ impl AppState {
 
     pub(crate) fn config(&self) -> &Config {
         &self.inner.config
+    }
+
+    pub(crate) fn responses(&self) -> &Arc<responses::Store> {
+        &self.inner.responses
     }
 
     pub(crate) fn started(&self) -> u64 {
@@ -184,6 +195,11 @@ enum Route {
     Completions,
     ChatCompletions,
     Messages,
+    Responses,
+    /// `GET /v1/responses/{id}`.
+    Retrieve,
+    /// `POST /v1/responses/{id}/cancel`.
+    Cancel,
     CountTokens,
     Models,
     Health,
@@ -208,8 +224,22 @@ fn route(path: &str) -> Option<(Method, Route)> {
         "/v1/load_lora_adapter" => (Method::POST, Route::LoadLora),
         "/v1/unload_lora_adapter" => (Method::POST, Route::UnloadLora),
         "/metrics" => (Method::GET, Route::Metrics),
-        _ => return None,
+        "/v1/responses" => (Method::POST, Route::Responses),
+        _ => match stored_response(path)? {
+            (_, false) => (Method::GET, Route::Retrieve),
+            (_, true) => (Method::POST, Route::Cancel),
+        },
     })
+}
+
+/// The id of `/v1/responses/{id}` or `/v1/responses/{id}/cancel`, and whether it is the latter.
+fn stored_response(path: &str) -> Option<(&str, bool)> {
+    let rest = path.strip_prefix("/v1/responses/")?;
+    let (id, cancel) = match rest.strip_suffix("/cancel") {
+        Some(id) => (id, true),
+        None => (rest, false),
+    };
+    (!id.is_empty() && !id.contains('/')).then_some((id, cancel))
 }
 
 async fn dispatch(
@@ -231,6 +261,16 @@ async fn dispatch(
         Route::Messages => {
             let body = read_body(state, req).await?;
             generate::generate(state, Endpoint::Messages, &body, request_id).await
+        }
+        Route::Responses => {
+            let body = read_body(state, req).await?;
+            generate::generate(state, Endpoint::Responses, &body, request_id).await
+        }
+        Route::Retrieve | Route::Cancel => {
+            let (id, _) = stored_response(req.uri().path()).unwrap_or_default();
+            let store = state.responses();
+            let json = if route == Route::Cancel { store.cancel(id)? } else { store.retrieve(id)? };
+            Ok(json_response(StatusCode::OK, json))
         }
         Route::CountTokens => admin::count_tokens(state, &read_body(state, req).await?),
         Route::Models => Ok(admin::models(state)),

@@ -34,11 +34,17 @@ use tokio::sync::mpsc;
 use super::Body;
 use super::error::ApiError;
 use super::generate::{Admitted, Api, Envelope, Meta, UsageField, UsageJson};
-use super::{chat, completions, messages};
+use super::{chat, completions, messages, responses};
 use crate::engine::Output;
 
 /// The SSE body of a streamed generation whose prompts have all been admitted.
-pub(super) fn body(api: Api, meta: Meta, admitted: Vec<Admitted>, include_usage: bool) -> Body {
+pub(super) fn body(
+    api: Api,
+    meta: Meta,
+    admitted: Vec<Admitted>,
+    include_usage: bool,
+    mut responses: Option<responses::Streaming>,
+) -> Body {
     let chunk_usage = UsageField::for_chunks(include_usage);
     let mut opening = Vec::new();
     match api {
@@ -55,6 +61,11 @@ pub(super) fn body(api: Api, meta: Meta, admitted: Vec<Admitted>, include_usage:
             }
             opening = messages::opening(&meta, &usage);
         }
+        Api::Responses => {
+            if let Some(r) = &mut responses {
+                opening = responses::opening(&meta, r.previous.as_deref(), &mut r.sequence);
+            }
+        }
         Api::Completions => {}
     }
     let state = State {
@@ -69,6 +80,7 @@ pub(super) fn body(api: Api, meta: Meta, admitted: Vec<Admitted>, include_usage:
         outputs: admitted.into_iter().enumerate().map(|(index, a)| Tagged { index, rx: a.rx }).collect(),
         meta,
         done: false,
+        responses,
     };
     StreamBody::new(stream::unfold(state, next_frame)).boxed_unsync()
 }
@@ -90,6 +102,8 @@ struct State {
     remaining: usize,
     usage: UsageJson,
     done: bool,
+    /// A Responses API stream's own progress.
+    responses: Option<responses::Streaming>,
 }
 
 async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, State)> {
@@ -104,20 +118,34 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
                 s.generated[i] += 1;
                 let last = s.generated[i] >= s.max_tokens[i] && !s.finished[i];
                 s.finished[i] |= last;
-                match s.api {
-                    Api::Messages => messages::delta(&mut buf, text),
-                    api => event(&mut buf, &token_chunk(api, &s.meta, i, Some(text), last, chunk_usage)),
+                match (s.api, &mut s.responses) {
+                    (Api::Messages, _) => messages::delta(&mut buf, text),
+                    (Api::Responses, Some(r)) => {
+                        r.text.push_str(text);
+                        responses::delta(&mut buf, &s.meta, text, &mut r.sequence);
+                    }
+                    (api, _) => event(&mut buf, &token_chunk(api, &s.meta, i, Some(text), last, chunk_usage)),
                 }
             }
             Some((i, Output::Done(usage))) => {
                 s.usage.add(&usage);
                 s.remaining = s.remaining.saturating_sub(1);
-                if !s.finished[i] && s.api != Api::Messages {
+                let named = matches!(s.api, Api::Messages | Api::Responses);
+                if !s.finished[i] && !named {
                     s.finished[i] = true;
                     event(&mut buf, &token_chunk(s.api, &s.meta, i, None, true, chunk_usage));
                 }
                 if s.remaining == 0 && s.api == Api::Messages {
                     messages::closing(&mut buf, &s.usage);
+                    s.done = true;
+                } else if s.remaining == 0
+                    && let Some(r) = s.responses.as_mut()
+                {
+                    let previous = r.previous.as_deref();
+                    responses::closing(&mut buf, &s.meta, (&r.text, &s.usage), previous, &mut r.sequence);
+                    if let Some(keep) = r.keep.take() {
+                        keep.store(&s.meta, &r.text, &s.usage);
+                    }
                     s.done = true;
                 } else if s.remaining == 0 {
                     if s.include_usage {
@@ -129,12 +157,12 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
             }
             Some((_, Output::Started { .. })) => {}
             Some((_, Output::Failed(why))) => {
-                failed(&mut buf, s.api, &ApiError::engine_failed(why));
+                failed(&mut buf, &mut s, &ApiError::engine_failed(why));
                 s.done = true;
             }
             None => {
                 let why = "the engine stopped before finishing the request";
-                failed(&mut buf, s.api, &ApiError::engine_failed(why));
+                failed(&mut buf, &mut s, &ApiError::engine_failed(why));
                 s.done = true;
             }
         }
@@ -146,9 +174,10 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
 }
 
 /// The event that ends a failed stream.
-fn failed(buf: &mut Vec<u8>, api: Api, error: &ApiError) {
-    match api {
-        Api::Messages => messages::error(buf, &error.error),
+fn failed(buf: &mut Vec<u8>, s: &mut State, error: &ApiError) {
+    match (s.api, &mut s.responses) {
+        (Api::Messages, _) => messages::error(buf, &error.error),
+        (Api::Responses, Some(r)) => responses::error(buf, &error.error, &mut r.sequence),
         _ => event(buf, &error.error.to_json()),
     }
 }
@@ -173,7 +202,7 @@ fn token_chunk(
 ) -> Vec<u8> {
     match api {
         Api::Completions => completions::chunk(meta, index, text.unwrap_or(""), finish, usage),
-        Api::Chat | Api::Messages => chat::chunk(meta, index, text, finish, usage),
+        Api::Chat | Api::Messages | Api::Responses => chat::chunk(meta, index, text, finish, usage),
     }
 }
 
@@ -181,7 +210,7 @@ fn token_chunk(
 fn usage_chunk(api: Api, meta: &Meta, usage: &UsageJson) -> Vec<u8> {
     let object = match api {
         Api::Completions => completions::OBJECT,
-        Api::Chat | Api::Messages => chat::CHUNK_OBJECT,
+        Api::Chat | Api::Messages | Api::Responses => chat::CHUNK_OBJECT,
     };
     Envelope::new(meta, object, [(); 0], UsageField::Present(usage)).to_json()
 }

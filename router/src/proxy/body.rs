@@ -48,6 +48,11 @@ pub fn full(bytes: Bytes) -> ProxyBody {
 pub trait Hooks: Send + 'static {
     /// The first data frame is passing through (the replica produced its first output).
     fn first_data(&mut self);
+    /// Each data frame from the first, for as long as it answers `true` (by default only the
+    /// first is shown).
+    fn watch(&mut self, _data: &[u8]) -> bool {
+        false
+    }
     /// Called exactly once, when the body ends, fails or is dropped: how it ended, and
     /// `cached_tokens` as found in the body (if any).
     fn finish(self: Box<Self>, end: End, cached_tokens: Option<u64>);
@@ -88,6 +93,8 @@ struct State<B> {
     scanner: UsageScanner,
     hooks: Option<Box<dyn Hooks>>,
     seen_data: bool,
+    /// The hooks want to see the frames ([`Hooks::watch`]).
+    watching: bool,
     /// The body is a server-sent-event stream (failures end it with an error event in the
     /// envelope of this client's API).
     sse: Option<Client>,
@@ -112,6 +119,7 @@ impl<B> Tracked<B> {
             scanner: UsageScanner::default(),
             hooks: Some(hooks),
             seen_data: false,
+            watching: true,
             sse: None,
             at_boundary: true,
             done: false,
@@ -294,6 +302,9 @@ where
                     if let Some(hooks) = state.hooks.as_mut() {
                         hooks.first_data();
                     }
+                }
+                if state.watching {
+                    state.watching = state.hooks.as_mut().is_some_and(|hooks| hooks.watch(data));
                 }
                 state.scanner.feed(data);
                 if !data.is_empty() {

@@ -72,6 +72,9 @@ pub enum ProxyError {
     /// Something the router is not set up to let clients do.
     #[error("{0}")]
     Forbidden(String),
+    /// A Responses API id that no replica has (vLLM's own answer for one it has not).
+    #[error("Response with id '{0}' not found.")]
+    UnknownResponse(String),
 }
 
 impl ProxyError {
@@ -87,7 +90,7 @@ impl ProxyError {
             | ProxyError::BadPath(_) => StatusCode::BAD_REQUEST,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            ProxyError::NotFound(_) => StatusCode::NOT_FOUND,
+            ProxyError::NotFound(_) | ProxyError::UnknownResponse(_) => StatusCode::NOT_FOUND,
             ProxyError::Forbidden(_) => StatusCode::FORBIDDEN,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -114,7 +117,7 @@ impl ProxyError {
             ProxyError::BodyTooLarge { .. } => "too_large",
             ProxyError::BodyTimeout { .. } => "body_timeout",
             ProxyError::PromptTooLong { .. } | ProxyError::TooManyTokens { .. } => "over_limit",
-            ProxyError::NotFound(_) => "not_found",
+            ProxyError::NotFound(_) | ProxyError::UnknownResponse(_) => "not_found",
             ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
             ProxyError::Unavailable(_) => "unavailable",
             ProxyError::Upstream { .. } => "upstream_failed",
@@ -149,6 +152,12 @@ impl ProxyError {
             ProxyError::NotFound(_) => {
                 let mut e = OpenAiError::new("invalid_request_error", self.to_string());
                 e.code = Some("not_found".into());
+                e
+            }
+            ProxyError::UnknownResponse(_) => {
+                let mut e = OpenAiError::new("invalid_request_error", self.to_string());
+                e.param = Some("response_id".into());
+                e.code = Some("404".into());
                 e
             }
             ProxyError::Unavailable(_) | ProxyError::Upstream { .. } | ProxyError::Timeout { .. } => {

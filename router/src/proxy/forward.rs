@@ -26,6 +26,7 @@ use super::body::{BoxError, End, Hooks, ProxyBody, Tracked};
 use super::error::{Client, ProxyError};
 use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::pool::{Pool, SendError};
+use super::responses::{self, Learner, Owners};
 use super::route::{Decider, Plan};
 use super::stalls::StallWatch;
 use super::upload::{self, Progress};
@@ -77,6 +78,8 @@ pub struct ForwardConfig {
     pub ejection: Duration,
     /// Log each request when its response ends ([`super::access`]).
     pub access_log: bool,
+    /// Which replica stored each Responses API response ([`super::responses`]).
+    pub owners: Arc<Owners>,
 }
 
 /// Removes hop-by-hop headers, including any present that `Connection` names: one pass over
@@ -175,7 +178,13 @@ pub async fn routed(
                 // A chat with media counts in neither hit rate: its media's tokens are in
                 // the replica's cached tokens, and in no prompt count of the router's.
                 let counted = plan.unhashed_tokens.is_none();
-                let sent = Attempt { guard, sent, hold: plan.hold.take(), counted };
+                let sent = Attempt {
+                    replica: &member.replica.spec.name,
+                    guard,
+                    sent,
+                    hold: plan.hold.take(),
+                    counted,
+                };
                 let mut response = wrap(response, &client, sent, config, metrics, admitted, line);
                 let headers = response.headers_mut();
                 if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
@@ -250,7 +259,7 @@ pub async fn streamed(
             let mut response = wrap(
                 response,
                 &client,
-                Attempt { guard, sent, hold: None, counted: false },
+                Attempt { replica: &member.replica.spec.name, guard, sent, hold: None, counted: false },
                 config,
                 metrics,
                 admitted,
@@ -355,7 +364,9 @@ fn replica_uri(base: &str, client: &Uri) -> Result<Uri, ProxyError> {
 /// What a response takes over from the attempt that got it: the replica's load, when the
 /// request went out, the decision's credit hold, and whether its cached tokens count in the
 /// hit rates.
-struct Attempt {
+struct Attempt<'a> {
+    /// The replica's name.
+    replica: &'a str,
     guard: LoadGuard,
     sent: Instant,
     hold: Option<CreditHold>,
@@ -366,7 +377,7 @@ struct Attempt {
 fn wrap(
     response: Response<UpstreamBody>,
     client: &ClientHead,
-    Attempt { guard, sent, hold, counted }: Attempt,
+    Attempt { replica, guard, sent, hold, counted }: Attempt<'_>,
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
     admitted: Admitted<'_>,
@@ -410,6 +421,8 @@ fn wrap(
         sent,
         access,
         hold,
+        learner: (status.is_success() && responses::target(client.uri.path()).is_some())
+            .then(|| Learner::new(config.owners.clone(), replica.into())),
     });
     // A stream that fails ends with an error event in the envelope its client reads.
     let sse = sse.then(|| Client::of_path(client.uri.path()));
@@ -438,9 +451,19 @@ struct ResponseHooks {
     /// The decision's pinned credits: let go at the first data (the prefill is done, the
     /// replica's events follow), or when the body ends without any.
     hold: Option<CreditHold>,
+    /// For a Responses API answer: learns which replica stored it.
+    learner: Option<Learner>,
 }
 
 impl Hooks for ResponseHooks {
+    fn watch(&mut self, data: &[u8]) -> bool {
+        let wants = self.learner.as_mut().is_some_and(|learner| learner.feed(data));
+        if !wants {
+            self.learner = None;
+        }
+        wants
+    }
+
     fn first_data(&mut self) {
         self.guard.prefill_done();
         drop(self.hold.take());

@@ -25,6 +25,7 @@ pub mod lora;
 pub mod paths;
 pub mod pool;
 pub mod prompts;
+pub mod responses;
 pub mod route;
 pub mod stalls;
 pub mod upload;
@@ -39,14 +40,15 @@ use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use kvroute_proto::openai::Endpoint;
+use kvroute_proto::openai::request::responses::Responses as ResponsesRequest;
+use kvroute_proto::openai::{Endpoint, RequestError};
 use kvroute_proto::serve::{Heartbeats, Limits};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use crate::fleet::Fleet;
+use crate::fleet::{Fleet, Member};
 use crate::metrics::ErrorLabel;
 use body::{ProxyBody, full};
 use error::ProxyError;
@@ -225,6 +227,14 @@ async fn dispatch(
         (Method::POST, "/v1/messages") => {
             Box::pin(routed(state, pool, req, Endpoint::Messages, (request_id, received))).await
         }
+        (Method::POST, responses::RESPONSES_PATH) => {
+            Box::pin(create_response(state, pool, req, (request_id, received))).await
+        }
+        (_, p) if let Some(responses::Target::Stored(id)) = responses::target(p) => {
+            paths::check_passthrough(p)?;
+            let id = id.to_owned();
+            Box::pin(stored_response(state, pool, req, &id, (request_id, received))).await
+        }
         (Method::GET, "/v1/models") => Ok(json(StatusCode::OK, models(state))),
         (Method::POST, p) if let Some(change) = lora::route(p) => {
             let (parts, body) = req.into_parts();
@@ -260,6 +270,67 @@ async fn routed(
     forward::routed(pool, &state.forward, &state.decider, &mut plan, parts, body, admitted).await
 }
 
+/// `POST /v1/responses`: a new conversation is routed on its prompt; one that continues a
+/// stored response goes to the replica that stored it ([`responses`]).
+async fn create_response(
+    state: &Arc<ProxyState>,
+    pool: &Arc<Pool>,
+    req: Request<Incoming>,
+    arrived: (&str, Option<tokio::time::Instant>),
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let admitted = admit(state, arrived)?;
+    let (parts, body) = req.into_parts();
+    let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
+    match state.decider.decide_within(Endpoint::Responses, &body, &state.limits).await {
+        Ok(mut plan) => {
+            forward::routed(pool, &state.forward, &state.decider, &mut plan, parts, body, admitted).await
+        }
+        Err(ProxyError::BadRequest(RequestError::StoredConversation)) => {
+            let request = ResponsesRequest::read(&body)?;
+            let id = request.previous_response_id.as_deref().unwrap_or_default();
+            let member = find_owner(state, pool, &parts.headers, id).await?;
+            let uploaded = upload::Progress::default();
+            let body = (full(body), uploaded);
+            forward::streamed(pool, &state.forward, &state.decider.metrics, &member, parts, body, admitted)
+                .await
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`: to the replica that stored it.
+async fn stored_response(
+    state: &Arc<ProxyState>,
+    pool: &Arc<Pool>,
+    req: Request<Incoming>,
+    id: &str,
+    arrived: (&str, Option<tokio::time::Instant>),
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let admitted = admit(state, arrived)?;
+    let member = find_owner(state, pool, req.headers(), id).await?;
+    streamed_to(state, pool, member, req, admitted).await
+}
+
+/// The replica that stored response `id`, asked for with the client's credentials.
+async fn find_owner(
+    state: &ProxyState,
+    pool: &Arc<Pool>,
+    client: &http::HeaderMap,
+    id: &str,
+) -> Result<Member, ProxyError> {
+    let mut headers = http::HeaderMap::new();
+    if let Some(auth) = client.get(header::AUTHORIZATION) {
+        headers.insert(header::AUTHORIZATION, auth.clone());
+    }
+    let (fleet, timeout) = (state.fleet(), state.forward.first_byte_timeout);
+    state
+        .forward
+        .owners
+        .find(fleet, pool, id, &headers, timeout)
+        .await
+        .ok_or_else(|| responses::not_found(id))
+}
+
 /// A place under `--max-in-flight` for the request (its id, and when it arrived), held
 /// until its response ends.
 fn admit<'a>(
@@ -289,6 +360,17 @@ async fn passthrough(
         .filter_map(|(m, verdict)| verdict.is_none().then_some(m))
         .min_by_key(|m| m.upstream.load().in_flight)
         .ok_or_else(|| ProxyError::Unavailable("no healthy replica".into()))?;
+    streamed_to(state, pool, member, req, admitted).await
+}
+
+/// Sends `req` to `member`, its body streamed through.
+async fn streamed_to(
+    state: &Arc<ProxyState>,
+    pool: &Arc<Pool>,
+    member: Member,
+    req: Request<Incoming>,
+    admitted: Admitted<'_>,
+) -> Result<Response<ProxyBody>, ProxyError> {
     let (parts, body) = req.into_parts();
     if content_length(&parts).is_some_and(|n| n > state.forward.max_body_bytes) {
         return Err(ProxyError::BodyTooLarge { limit: state.forward.max_body_bytes });

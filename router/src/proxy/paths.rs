@@ -13,10 +13,11 @@ use percent_encoding::percent_decode_str;
 use super::error::ProxyError;
 
 /// Paths the router answers itself (routes or serves), with the method each takes.
-const OWN: [(&str, &str); 11] = [
+const OWN: [(&str, &str); 12] = [
     ("/v1/completions", "POST"),
     ("/v1/chat/completions", "POST"),
     ("/v1/messages", "POST"),
+    ("/v1/responses", "POST"),
     ("/v1/models", "GET"),
     ("/v1/load_lora_adapter", "POST"),
     ("/v1/unload_lora_adapter", "POST"),

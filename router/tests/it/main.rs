@@ -12,4 +12,5 @@ mod ingest;
 mod limits;
 mod messages;
 mod proxy;
+mod responses;
 mod support;

@@ -1,0 +1,223 @@
+//! OpenAI's Responses API (`/v1/responses`), which vLLM serves with a store of its own in
+//! each server process (with `VLLM_ENABLE_RESPONSES_API_STORE=1`): a response can be
+//! continued (`previous_response_id`), fetched (`GET /v1/responses/{id}`) or cancelled
+//! (`POST /v1/responses/{id}/cancel`) only on the replica that made it.
+//!
+//! - A new conversation (`POST /v1/responses` without `previous_response_id`) is routed on
+//!   its prompt like a chat: the router reads it as the chat request vLLM makes of it
+//!   (`kvroute_proto::openai::request::responses`).
+//! - A request about a stored response goes to the replica that made it, whatever its load
+//!   (only it can answer), with no retry elsewhere. Its prompt starts with a conversation only
+//!   that replica has, so it counts in neither hit rate.
+//! - The router learns which replica made a response from the response itself: the first
+//!   `"id"` of a successful answer's body (vLLM writes the response object's `id` first, and
+//!   a stream's first event is `response.created` with the response inside, its `id`
+//!   first). The map is bounded ([`Owners`]); an id the router does not know (another
+//!   router's, one from before a restart, or one it has let go) is asked of every replica
+//!   (`GET /v1/responses/{id}`) and the one that has it remembered.
+//! - An id no replica has gets vLLM's own answer: 404, `Response with id '…' not found.`
+
+use std::sync::Arc;
+
+use futures::future::join_all;
+use http::{Method, StatusCode};
+
+use super::error::ProxyError;
+use super::pool::Pool;
+use crate::fleet::{Fleet, Member};
+
+pub use kvroute_proto::openai::request::responses::RESPONSES_PATH;
+
+/// Most bytes of a response's beginning searched for its id.
+const ID_WITHIN: usize = 4096;
+
+/// What a request under `/v1/responses` is.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Target<'a> {
+    /// `POST /v1/responses`: a new response.
+    Create,
+    /// `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` (and anything else under
+    /// an id): about a stored response.
+    Stored(&'a str),
+}
+
+/// What `path` asks of the Responses API, if it is under it.
+pub fn target(path: &str) -> Option<Target<'_>> {
+    let rest = path.strip_prefix(RESPONSES_PATH)?;
+    if rest.is_empty() {
+        return Some(Target::Create);
+    }
+    let id = rest.strip_prefix('/')?.split('/').next()?;
+    (!id.is_empty()).then_some(Target::Stored(id))
+}
+
+/// Which replica made each response the router has seen (by replica name), bounded: the
+/// least used go first.
+#[derive(Debug)]
+pub struct Owners {
+    map: quick_cache::sync::Cache<Box<str>, Arc<str>>,
+}
+
+impl Owners {
+    /// A map of at most `capacity` responses (0: none is kept; every id is asked for).
+    pub fn new(capacity: usize) -> Self {
+        Owners { map: quick_cache::sync::Cache::new(capacity.max(1)) }
+    }
+
+    pub fn learn(&self, id: &str, replica: &Arc<str>) {
+        self.map.insert(id.into(), replica.clone());
+    }
+
+    pub fn owner(&self, id: &str) -> Option<Arc<str>> {
+        self.map.get(id)
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// The replica that made response `id`: the one the router knows, else the one that
+    /// answers for it when every replica is asked (`headers` are the client's, so a
+    /// replica's API key is given). `None` when no replica has it.
+    pub async fn find(
+        &self,
+        fleet: &Fleet,
+        pool: &Arc<Pool>,
+        id: &str,
+        headers: &http::HeaderMap,
+        timeout: std::time::Duration,
+    ) -> Option<Member> {
+        if let Some(member) = self.owner(id).and_then(|name| fleet.member(&name)) {
+            return Some(member);
+        }
+        let members = fleet.members();
+        let asks = members.iter().map(|member| async move {
+            let url = format!("{}{RESPONSES_PATH}/{id}", member.replica.spec.http_url);
+            let uri: http::Uri = url.parse().ok()?;
+            let ask = pool.send_head(
+                &Method::GET,
+                &uri,
+                headers,
+                super::http1::Outgoing::Full(bytes::Bytes::new()),
+            );
+            let response = tokio::time::timeout(timeout, ask).await.ok()?.ok()?;
+            let found = response.status() == StatusCode::OK;
+            // Read to its end, so the connection goes back to the pool.
+            let _ = http_body_util::BodyExt::collect(response.into_body()).await;
+            found.then_some(())
+        });
+        let answers = join_all(asks).await;
+        let (member, _) = members.into_iter().zip(answers).find(|(_, found)| found.is_some())?;
+        self.learn(id, &member.replica.spec.name.as_str().into());
+        Some(member)
+    }
+}
+
+/// vLLM's answer for a response id no replica has.
+pub fn not_found(id: &str) -> ProxyError {
+    ProxyError::UnknownResponse(id.to_owned())
+}
+
+/// Finds the id at the beginning of a response body, frame by frame, and tells [`Owners`].
+pub struct Learner {
+    owners: Arc<Owners>,
+    replica: Arc<str>,
+    seen: Vec<u8>,
+}
+
+impl Learner {
+    pub fn new(owners: Arc<Owners>, replica: Arc<str>) -> Self {
+        Learner { owners, replica, seen: Vec::new() }
+    }
+
+    /// Takes the next data frame; whether it wants more.
+    pub fn feed(&mut self, data: &[u8]) -> bool {
+        let found = if self.seen.is_empty() {
+            first_id(data)
+        } else {
+            self.seen.extend_from_slice(&data[..data.len().min(ID_WITHIN - self.seen.len())]);
+            first_id(&self.seen)
+        };
+        match found {
+            Some(Ok(id)) => {
+                if let Ok(id) = std::str::from_utf8(id) {
+                    self.owners.learn(id, &self.replica);
+                }
+                false
+            }
+            Some(Err(())) => false,
+            None if self.seen.is_empty() && data.len() < ID_WITHIN => {
+                self.seen.extend_from_slice(data);
+                true
+            }
+            None => self.seen.len() < ID_WITHIN && !self.seen.is_empty(),
+        }
+    }
+}
+
+/// The value of the first `"id"` key in `json`: `Some(Err)` when it is not a plain string
+/// (or none is within [`ID_WITHIN`] bytes), `None` when more bytes are needed.
+fn first_id(json: &[u8]) -> Option<Result<&[u8], ()>> {
+    let json = &json[..json.len().min(ID_WITHIN)];
+    let Some(at) = memchr::memmem::find(json, b"\"id\"") else {
+        return (json.len() >= ID_WITHIN).then_some(Err(()));
+    };
+    let rest = &json[at + 4..];
+    let rest = rest.trim_ascii_start();
+    let rest = rest.strip_prefix(b":")?.trim_ascii_start();
+    let value = match rest.first()? {
+        b'"' => &rest[1..],
+        _ => return Some(Err(())),
+    };
+    let end = memchr::memchr2(b'"', b'\\', value)?;
+    match value[end] {
+        b'"' if end > 0 => Some(Ok(&value[..end])),
+        _ => Some(Err(())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_name_a_new_response_or_a_stored_one() {
+        assert_eq!(target("/v1/responses"), Some(Target::Create));
+        assert_eq!(target("/v1/responses/resp_1"), Some(Target::Stored("resp_1")));
+        assert_eq!(target("/v1/responses/resp_1/cancel"), Some(Target::Stored("resp_1")));
+        assert_eq!(target("/v1/responses/"), None);
+        assert_eq!(target("/v1/responsesx"), None);
+        assert_eq!(target("/v1/chat/completions"), None);
+    }
+
+    #[test]
+    fn the_first_id_is_found_in_json_and_in_a_stream() {
+        let json = br#"{"id":"resp_0a1b","created_at":1,"output":[{"id":"msg_2"}]}"#;
+        assert_eq!(first_id(json), Some(Ok(&b"resp_0a1b"[..])));
+        let sse = b"event: response.created\ndata: {\"response\":{\"id\": \"resp_9\",\"x\":1},\"type\":\"response.created\"}\n\n";
+        assert_eq!(first_id(sse), Some(Ok(&b"resp_9"[..])));
+        assert_eq!(first_id(br#"{"id":"res"#), None, "cut before the value ends");
+        assert_eq!(first_id(br#"{"i"#), None);
+        assert_eq!(first_id(br#"{"id":7}"#), Some(Err(())));
+        assert_eq!(first_id(br#"{"id":"a\"b"}"#), Some(Err(())));
+    }
+
+    #[test]
+    fn an_id_split_across_frames_is_learned() {
+        let owners = Arc::new(Owners::new(16));
+        let mut learner = Learner::new(owners.clone(), "replica-1".into());
+        assert!(learner.feed(b"event: response.created\ndata: {\"response\":{\"i"));
+        assert!(learner.feed(b"d\":\"resp_"));
+        assert!(!learner.feed(b"77\",\"status\":\"in_progress\"}}\n\n"));
+        assert_eq!(owners.owner("resp_77").as_deref(), Some("replica-1"));
+        let mut no_id = Learner::new(owners.clone(), "replica-2".into());
+        let error = br#"{"error":{"message":"bad","type":"invalid_request_error","param":null,"code":400}}"#;
+        assert!(no_id.feed(error), "it cannot know yet that no id follows");
+        assert!(!no_id.feed(&[b' '; ID_WITHIN]), "but it gives up past the bound");
+        assert_eq!(owners.len(), 1);
+    }
+}

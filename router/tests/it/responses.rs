@@ -1,0 +1,174 @@
+//! OpenAI's Responses API (`/v1/responses`) through the router, in front of real replica
+//! agents that keep their responses (`--responses-store`, as vLLM with
+//! `VLLM_ENABLE_RESPONSES_API_STORE=1`): new conversations are routed on their prompt; a
+//! response is continued, fetched and cancelled on the replica that stored it, by this router
+//! or by one that never saw it made.
+
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+
+use crate::fleet::{FLEET_MODEL, Fleet, Reply, agent_config, replica_config, router_config};
+
+/// A text of `words` distinct words starting with `tag`.
+fn text(tag: &str, words: usize) -> String {
+    (0..words).map(|i| format!("{tag}{i}")).collect::<Vec<_>>().join(" ")
+}
+
+fn storing(name: &str) -> kvroute_replica_agent::Config {
+    kvroute_replica_agent::Config { responses_store: true, ..agent_config(name) }
+}
+
+fn cached(reply: &Reply) -> u64 {
+    reply.json()["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .expect("usage.input_tokens_details")
+}
+
+fn predicted(reply: &Reply) -> u64 {
+    reply.header("x-kvroute-predicted-cached-tokens").expect("the prediction header").parse().unwrap()
+}
+
+fn replica(reply: &Reply) -> String {
+    reply.header("x-kvroute-replica").expect("the replica header").to_owned()
+}
+
+/// A new conversation is routed on its prompt: its next turn, sent whole (no stored
+/// response), lands where the first was cached and hits as predicted; conversations spread.
+#[tokio::test]
+async fn a_conversation_sent_whole_follows_its_prefix() {
+    let fleet = Fleet::with(3, storing, |c| c).await;
+    let url = fleet.url("/v1/responses");
+    let mut homes = Vec::new();
+    for c in 0..6 {
+        let instructions = text(&format!("rules{c}w"), 40);
+        let first = json!({"model": FLEET_MODEL, "instructions": instructions, "input": "hello",
+            "max_output_tokens": 2, "store": false});
+        let first = fleet.http.post(&url, &first).await;
+        assert_eq!(first.status, 200, "{}", String::from_utf8_lossy(&first.body));
+        assert_eq!(first.json()["object"], "response");
+        let answer = first.json()["output"][0]["content"][0]["text"].as_str().unwrap().to_owned();
+        let next = json!({"model": FLEET_MODEL, "instructions": instructions, "max_output_tokens": 2,
+            "store": false, "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "hello"}]},
+                {"type": "message", "role": "assistant", "status": "completed",
+                    "content": [{"type": "output_text", "text": answer, "annotations": []}]},
+                {"type": "function_call", "call_id": "call_1", "name": "ls", "arguments": "{\"path\":\"/\"}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": text("file", 10)},
+                {"role": "user", "content": "which is largest?"}]});
+        let next = fleet.http.post(&url, &next).await;
+        assert_eq!(next.status, 200, "{}", String::from_utf8_lossy(&next.body));
+        assert_eq!(replica(&next), replica(&first), "conversation {c} follows its prefix");
+        assert!(predicted(&next) > 40, "the instructions at least: {}", predicted(&next));
+        assert_eq!(cached(&next), predicted(&next), "the prediction is the replica's hit");
+        homes.push(replica(&first));
+    }
+    homes.sort();
+    homes.dedup();
+    assert!(homes.len() > 1, "new conversations spread over the fleet: {homes:?}");
+}
+
+/// A stored response is continued, fetched and cancelled on the replica that made it, which
+/// alone has it; a router that did not see it made finds it by asking the replicas.
+#[tokio::test]
+async fn a_stored_response_is_continued_where_it_was_made() {
+    let fleet = Fleet::with(3, storing, |c| c).await;
+    let url = fleet.url("/v1/responses");
+    let mut made = Vec::new();
+    for c in 0..4 {
+        let body = json!({"model": FLEET_MODEL, "instructions": text(&format!("sys{c}w"), 30),
+            "input": "start", "max_output_tokens": 3});
+        let first = fleet.http.post(&url, &body).await;
+        assert_eq!(first.status, 200, "{}", String::from_utf8_lossy(&first.body));
+        made.push((first.json()["id"].as_str().unwrap().to_owned(), replica(&first)));
+    }
+    // Whatever the load, each continuation goes home, and is served from its cache there.
+    // Instructions do not carry over: each turn sends them again, so its prompt starts as the
+    // stored one did.
+    for (c, (id, home)) in made.iter().enumerate() {
+        let next = json!({"model": FLEET_MODEL, "previous_response_id": id, "input": "go on",
+            "instructions": text(&format!("sys{c}w"), 30), "max_output_tokens": 2});
+        let next = fleet.http.post(&url, &next).await;
+        assert_eq!(next.status, 200, "{id}: {}", String::from_utf8_lossy(&next.body));
+        assert_eq!(&replica(&next), home, "{id} continues where it was made");
+        assert_eq!(next.json()["previous_response_id"], json!(id));
+        assert!(cached(&next) > 0, "the conversation so far is cached there");
+        let fetched = fleet.http.get(&format!("{url}/{id}")).await;
+        assert_eq!((fetched.status.as_u16(), replica(&fetched)), (200, home.clone()));
+        assert_eq!(fetched.json()["id"], json!(id));
+        let cancel = fleet.http.send(http::Method::POST, &format!("{url}/{id}/cancel"), "").await;
+        assert_eq!(cancel.status, 400, "the replica's own answer: {}", String::from_utf8_lossy(&cancel.body));
+    }
+
+    // A second router, which saw none of them made.
+    let config = kvroute_router::Config {
+        replicas: fleet.agents.iter().flatten().map(replica_config).collect(),
+        ..router_config(&[])
+    };
+    let other = kvroute_router::start(config, fleet.shutdown.child_token()).await.unwrap();
+    let other_url = format!("{}/v1/responses", other.url());
+    for (id, home) in &made {
+        let next = json!({"model": FLEET_MODEL, "previous_response_id": id, "input": "again",
+            "max_output_tokens": 2});
+        let next = fleet.http.post(&other_url, &next).await;
+        assert_eq!(next.status, 200, "{id}: {}", String::from_utf8_lossy(&next.body));
+        assert_eq!(&replica(&next), home, "the other router found {id} at home");
+    }
+
+    let unknown = fleet
+        .http
+        .post(&url, &json!({"model": FLEET_MODEL, "previous_response_id": "resp_nobody", "input": "x"}))
+        .await;
+    assert_eq!(unknown.status, 404);
+    assert_eq!(unknown.json()["error"]["param"], "response_id");
+    assert!(unknown.json()["error"]["message"].as_str().unwrap().contains("resp_nobody"));
+    let fetched = fleet.http.get(&format!("{url}/resp_nobody")).await;
+    assert_eq!(fetched.status, 404);
+}
+
+/// A streamed response's id is learned from its first event: the continuation goes home.
+#[tokio::test]
+async fn a_streamed_response_is_learned_from_its_first_event() {
+    let fleet = Fleet::with(3, storing, |c| c).await;
+    let url = fleet.url("/v1/responses");
+    for c in 0..3 {
+        let body = json!({"model": FLEET_MODEL, "instructions": text(&format!("s{c}w"), 20), "input": "hi",
+            "max_output_tokens": 3, "stream": true});
+        let response = fleet.http.stream(&url, &body).await;
+        assert_eq!(response.status(), 200);
+        let home = response.headers()["x-kvroute-replica"].to_str().unwrap().to_owned();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let events = String::from_utf8_lossy(&bytes).into_owned();
+        let first = events.lines().find_map(|l| l.strip_prefix("data: ")).expect("an event");
+        let created: Value = serde_json::from_str(first).unwrap();
+        assert_eq!(created["type"], "response.created");
+        let last = events.lines().rev().find_map(|l| l.strip_prefix("data: ")).unwrap();
+        let whole: Value = serde_json::from_str(last).unwrap();
+        assert_eq!(whole["type"], "response.incomplete");
+        let id = created["response"]["id"].as_str().unwrap();
+        assert_eq!(whole["response"]["id"], json!(id));
+        let next = json!({"model": FLEET_MODEL, "previous_response_id": id, "input": "more", "max_output_tokens": 2});
+        let next = fleet.http.post(&url, &next).await;
+        assert_eq!(next.status, 200, "{}", String::from_utf8_lossy(&next.body));
+        assert_eq!(replica(&next), home);
+    }
+    assert!(fleet.router.state.forward.owners.len() >= 6, "every response's replica is known");
+}
+
+/// Malformed Responses bodies get OpenAI-shaped 400s from the router, naming the field.
+#[tokio::test]
+async fn malformed_responses_requests_are_refused_with_the_field() {
+    let fleet = Fleet::with(1, storing, |c| c).await;
+    let url = fleet.url("/v1/responses");
+    for (body, param) in [
+        (json!({"model": FLEET_MODEL}), "input"),
+        (json!({"model": FLEET_MODEL, "input": [{"type": "item_reference", "id": "x"}]}), "input[0].type"),
+        (json!({"model": FLEET_MODEL, "input": "x", "tools": [{"type": "function"}]}), "tools[0].name"),
+    ] {
+        let reply = fleet.http.post(&url, &body).await;
+        assert_eq!(reply.status, 400, "{body}");
+        assert_eq!(reply.json()["error"]["param"], param, "{body}");
+    }
+    let reply = fleet.http.send(http::Method::POST, &url, "{\"input\": ").await;
+    assert_eq!(reply.status, 400);
+    assert_eq!(reply.json()["error"]["type"], "invalid_request_error");
+}
