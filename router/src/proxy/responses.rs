@@ -51,17 +51,33 @@ pub fn target(path: &str) -> Option<Target<'_>> {
     (!id.is_empty()).then_some(Target::Stored(id))
 }
 
-/// Which replica made each response the router has seen (by replica name), bounded: the
-/// least used go first.
+/// Which replica made each response the router has seen (by replica name), bounded.
 #[derive(Debug)]
 pub struct Owners {
     map: quick_cache::sync::Cache<Box<str>, Arc<str>>,
 }
 
 impl Owners {
-    /// A map of at most `capacity` responses (0: none is kept; every id is asked for).
+    /// A map of at most `capacity` responses. Most of it is for new ids: the cache's default
+    /// keeps 97% for ids read again, and a conversation's id is read once, by its next turn,
+    /// so new ids would share the other 3% and go before their next turn came.
     pub fn new(capacity: usize) -> Self {
-        Owners { map: quick_cache::sync::Cache::new(capacity.max(1)) }
+        let capacity = capacity.max(1);
+        let options = quick_cache::OptionsBuilder::new()
+            .estimated_items_capacity(capacity)
+            .weight_capacity(capacity as u64)
+            .hot_allocation(0.05)
+            .build();
+        let map = match options {
+            Ok(options) => quick_cache::sync::Cache::with_options(
+                options,
+                Default::default(),
+                Default::default(),
+                Default::default(),
+            ),
+            Err(_) => quick_cache::sync::Cache::new(capacity),
+        };
+        Owners { map }
     }
 
     pub fn learn(&self, id: &str, replica: &Arc<str>) {
@@ -95,20 +111,22 @@ impl Owners {
             return Some(member);
         }
         let members = fleet.members();
+        // An id that is not a plain path segment is no response's the router can ask for.
+        if id.bytes().any(|b| matches!(b, b'?' | b'#' | b'%' | b'/') || !b.is_ascii_graphic()) {
+            return None;
+        }
         let asks = members.iter().map(|member| async move {
             let url = format!("{}{RESPONSES_PATH}/{id}", member.replica.spec.http_url);
             let uri: http::Uri = url.parse().ok()?;
-            let ask = pool.send_head(
-                &Method::GET,
-                &uri,
-                headers,
-                super::http1::Outgoing::Full(bytes::Bytes::new()),
-            );
-            let response = tokio::time::timeout(timeout, ask).await.ok()?.ok()?;
-            let found = response.status() == StatusCode::OK;
-            // Read to its end, so the connection goes back to the pool.
-            let _ = http_body_util::BodyExt::collect(response.into_body()).await;
-            found.then_some(())
+            let ask = async {
+                let empty = super::http1::Outgoing::Full(bytes::Bytes::new());
+                let response = pool.send_head(&Method::GET, &uri, headers, empty).await.ok()?;
+                let found = response.status() == StatusCode::OK;
+                // Read to its end, so the connection goes back to the pool.
+                let _ = http_body_util::BodyExt::collect(response.into_body()).await;
+                found.then_some(())
+            };
+            tokio::time::timeout(timeout, ask).await.ok()?
         });
         let answers = join_all(asks).await;
         let (member, _) = members.into_iter().zip(answers).find(|(_, found)| found.is_some())?;

@@ -28,17 +28,18 @@
 //!      as text, `input_image` as media);
 //!    - anything else is refused, as vLLM refuses it ("Unsupported input item type").
 //!
-//!    What vLLM reads in a way that is not reproduced makes its message count as media, so
-//!    the prompt is hashed up to that message: a reasoning item with `encrypted_content`
-//!    (vLLM 0.33 refuses it, later versions may not), and a `function_call` whose
-//!    `namespace` is set.
+//!    A `function_call` with a `namespace` is named `{namespace}__{name}`. A reasoning item
+//!    with `encrypted_content` (which vLLM 0.33 refuses, and later versions may not) makes its
+//!    message count as media, so the prompt is hashed up to that message.
 //! 4. **Tools.** `function` tools become `{"type": "function", "function": {"name",
 //!    "description", "parameters", "strict"}}`; a `namespace` tool's functions the same, each
 //!    named `{namespace}__{name}`; a `custom` tool a function taking one string `input`;
-//!    every other tool type (web search, MCP, …) is not shown to the model and is dropped.
+//!    every other tool type (web search, MCP, …) is not shown to the model and is dropped
+//!    (a request whose tools are all such passes `[]`).
 //! 5. **The rest.** `model`, `stream`, `cache_salt` and `chat_template_kwargs` carry over;
 //!    `max_output_tokens` becomes `max_tokens`; `reasoning.effort` becomes
-//!    `reasoning_effort`. When the last item is an assistant message or a reasoning item
+//!    `reasoning_effort`; the prompt is tokenized with the tokenizer's special tokens
+//!    (`add_special_tokens`, vLLM's default for this API, unlike chat's). When the last item is an assistant message or a reasoning item
 //!    whose `status` is `in_progress` or `incomplete`, the model continues it
 //!    (`continue_final_message`, no generation prompt).
 
@@ -84,8 +85,13 @@ struct Rest<'a> {
     chat_template_kwargs: Option<&'a RawValue>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning_effort: Option<&'a RawValue>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    tools: Vec<Tool<'a>>,
+    /// `None` when the request has no tools; `[]` when none of them is shown to the model,
+    /// as vLLM passes it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<Vec<Tool<'a>>>,
+    /// vLLM tokenizes a Responses prompt with the tokenizer's special tokens (a BOS), where
+    /// a chat request's default is without.
+    add_special_tokens: bool,
 }
 
 /// One chat message made of the input.
@@ -201,9 +207,11 @@ impl<'a> Responses<'a> {
             }
             None => None,
         };
+        // vLLM passes `[]` for tools none of which is shown to the model.
         let tools = match tools {
-            Some(raw) => read_tools(raw)?,
-            None => Vec::new(),
+            Some(raw) if raw.get().starts_with('[') && raw.get() != "[]" => Some(read_tools(raw)?),
+            Some(raw) => Some(read_tools(raw)?).filter(|t| !t.is_empty()),
+            None => None,
         };
         let rest = Rest {
             model,
@@ -213,6 +221,7 @@ impl<'a> Responses<'a> {
             chat_template_kwargs: kwargs,
             reasoning_effort,
             tools,
+            add_special_tokens: true,
         };
         Ok(Responses { previous_response_id, instructions, input, continue_final, rest })
     }
@@ -372,19 +381,23 @@ fn read_input(raw: &RawValue) -> Result<(Vec<Msg<'_>>, bool), RequestError> {
         };
         match (kind.as_deref(), role.as_deref()) {
             (Some("function_call"), _) => {
+                // A namespaced call is named as vLLM flattens it.
+                let name = str_at(name, || at("name"))?.ok_or_else(|| invalid_at(at("name"), "a string"))?;
+                let name = match str_at(namespace, || at("namespace"))? {
+                    Some(namespace) if !namespace.is_empty() => Cow::Owned(format!("{namespace}__{name}")),
+                    _ => name,
+                };
                 let call = ToolCall {
                     id: str_at(call_id, || at("call_id"))?
                         .ok_or_else(|| invalid_at(at("call_id"), "a string"))?,
                     function: Function {
-                        name: str_at(name, || at("name"))?
-                            .ok_or_else(|| invalid_at(at("name"), "a string"))?,
+                        name,
                         arguments: str_at(arguments, || at("arguments"))?
                             .ok_or_else(|| invalid_at(at("arguments"), "a string"))?,
                     },
                     kind: "function",
                 };
-                let opaque = namespace.is_some();
-                add_tool_call(&mut messages, call, opaque);
+                add_tool_call(&mut messages, call);
             }
             (Some("custom_tool_call"), _) => {
                 let payload = str_at(input, || at("input"))?.unwrap_or_default();
@@ -399,9 +412,11 @@ fn read_input(raw: &RawValue) -> Result<(Vec<Msg<'_>>, bool), RequestError> {
                     },
                     kind: "function",
                 };
-                add_tool_call(&mut messages, call, false);
+                add_tool_call(&mut messages, call);
             }
             (Some("reasoning"), _) => {
+                // An empty `encrypted_content` is none to vLLM (Python's falsy string).
+                let encrypted = encrypted.filter(|e| !matches!(e.get(), "\"\"" | "null"));
                 let text = if encrypted.is_some() {
                     None
                 } else {
@@ -457,7 +472,7 @@ fn read_input(raw: &RawValue) -> Result<(Vec<Msg<'_>>, bool), RequestError> {
 }
 
 /// A tool call joins the previous assistant message, or starts one.
-fn add_tool_call<'a>(messages: &mut Vec<Msg<'a>>, call: ToolCall<'a>, opaque: bool) {
+fn add_tool_call<'a>(messages: &mut Vec<Msg<'a>>, call: ToolCall<'a>) {
     let assistant = match messages.last_mut() {
         Some(Msg::Assistant(a)) => a,
         _ => {
@@ -467,9 +482,6 @@ fn add_tool_call<'a>(messages: &mut Vec<Msg<'a>>, call: ToolCall<'a>, opaque: bo
         }
     };
     assistant.tool_calls.get_or_insert_with(Vec::new).push(call);
-    if opaque {
-        assistant.content = Some(Content::Opaque([OPAQUE]));
-    }
 }
 
 /// The text of an assistant item's `content`: a string, or its first part's `text`.

@@ -23,7 +23,8 @@ fn instructions_lead_and_a_string_input_is_a_user_message() {
     assert_eq!(
         out,
         json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\n\"there\""}],
-            "model": "m", "stream": true, "max_tokens": 7, "cache_salt": "s", "reasoning_effort": "low"})
+            "model": "m", "stream": true, "max_tokens": 7, "cache_salt": "s", "reasoning_effort": "low",
+            "add_special_tokens": true})
     );
     let empty = chat(json!({"model": "m", "instructions": "", "input": "x"}));
     assert_eq!(empty["messages"], json!([{"role": "user", "content": "x"}]), "an empty instruction is none");
@@ -97,12 +98,20 @@ fn what_is_not_reproduced_is_media_so_the_prompt_is_hashed_up_to_it() {
         {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "namespace": "ns"},
     ]})
     .to_string();
+    let converted = chat(serde_json::from_str(&body).unwrap());
+    assert_eq!(
+        converted["messages"][1]["tool_calls"][0]["function"]["name"], "ns__f",
+        "named as vLLM flattens it"
+    );
+    let empty =
+        chat(json!({"model": "m", "input": [{"type": "reasoning", "encrypted_content": "", "summary": []}]}));
+    assert_eq!(empty["messages"][0], json!({"role": "assistant", "reasoning": ""}), "an empty one is none");
     let t = tokenization();
     let (endpoint, readable) = t.readable(Endpoint::Responses, body.as_bytes()).unwrap();
     assert_eq!(endpoint, Endpoint::ChatCompletions);
     let parsed = ChatRequest::parse(&readable).unwrap();
     let media: Vec<bool> = parsed.messages.iter().map(|m| m.media.is_some()).collect();
-    assert_eq!(media, [false, true], "the reasoning and the namespaced call share one assistant turn");
+    assert_eq!(media, [false, true], "the encrypted reasoning's turn, which the call joins");
 }
 
 #[test]
@@ -123,6 +132,16 @@ fn tools_become_chat_functions() {
                  "required": ["input"], "additionalProperties": false}}},
         ])
     );
+}
+
+#[test]
+fn tools_none_of_which_the_model_sees_are_an_empty_list() {
+    assert_eq!(
+        chat(json!({"model": "m", "input": "x", "tools": [{"type": "web_search"}]}))["tools"],
+        json!([])
+    );
+    assert!(chat(json!({"model": "m", "input": "x", "tools": []})).get("tools").is_none());
+    assert!(chat(json!({"model": "m", "input": "x"})).get("tools").is_none());
 }
 
 #[test]
