@@ -228,7 +228,7 @@ async fn dispatch(
             Box::pin(routed(state, pool, req, Endpoint::Messages, (request_id, received))).await
         }
         (Method::POST, responses::RESPONSES_PATH) => {
-            Box::pin(create_response(state, pool, req, (request_id, received))).await
+            Box::pin(routed(state, pool, req, Endpoint::Responses, (request_id, received))).await
         }
         (_, p) if let Some(responses::Target::Stored(id)) = responses::target(p) => {
             paths::check_passthrough(p)?;
@@ -255,7 +255,9 @@ async fn dispatch(
     }
 }
 
-/// A completion or chat request: read, decide, forward.
+/// A completion, chat, Messages or Responses request: read, decide, forward. A Responses
+/// request that continues a stored response goes to the replica that stored it
+/// ([`responses`]).
 async fn routed(
     state: &Arc<ProxyState>,
     pool: &Arc<Pool>,
@@ -266,22 +268,7 @@ async fn routed(
     let admitted = admit(state, arrived)?;
     let (parts, body) = req.into_parts();
     let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
-    let mut plan = state.decider.decide_within(endpoint, &body, &state.limits).await?;
-    forward::routed(pool, &state.forward, &state.decider, &mut plan, parts, body, admitted).await
-}
-
-/// `POST /v1/responses`: a new conversation is routed on its prompt; one that continues a
-/// stored response goes to the replica that stored it ([`responses`]).
-async fn create_response(
-    state: &Arc<ProxyState>,
-    pool: &Arc<Pool>,
-    req: Request<Incoming>,
-    arrived: (&str, Option<tokio::time::Instant>),
-) -> Result<Response<ProxyBody>, ProxyError> {
-    let admitted = admit(state, arrived)?;
-    let (parts, body) = req.into_parts();
-    let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
-    match state.decider.decide_within(Endpoint::Responses, &body, &state.limits).await {
+    match state.decider.decide_within(endpoint, &body, &state.limits).await {
         Ok(mut plan) => {
             forward::routed(pool, &state.forward, &state.decider, &mut plan, parts, body, admitted).await
         }
@@ -289,8 +276,7 @@ async fn create_response(
             let request = ResponsesRequest::read(&body)?;
             let id = request.previous_response_id.as_deref().unwrap_or_default();
             let member = find_owner(state, pool, &parts.headers, id).await?;
-            let uploaded = upload::Progress::default();
-            let body = (full(body), uploaded);
+            let body = (full(body), upload::Progress::default());
             forward::streamed(pool, &state.forward, &state.decider.metrics, &member, parts, body, admitted)
                 .await
         }
