@@ -14,12 +14,14 @@
 //! and read a well-formed body in one pass, the conversion took 83 µs (ad-hoc, median).
 //!
 //! The same prompt as a Responses API request (`responses_*`: instructions and one input
-//! message of `input_text` parts; `src/openai/request/responses.rs`), first version,
-//! 2026-11-26 on the same machine, two runs: convert 69.6 and 86.5 µs; convert, parse and
-//! tokenize 386.1 and 407.8 µs, against chat 178.7 µs (and messages 229.3) in the first run.
-//! Reading the converted body costs ~80 µs where a chat body's parse costs ~7, and rendering
-//! is the same 11 µs for both (ad-hoc groups, not kept): the converted body's parse, not the
-//! conversion, is what to look at first.
+//! message of `input_text` parts; `src/openai/request/responses.rs`), 2026-11-26 on the same
+//! machine: convert 40.1 µs, convert, parse and tokenize 289.1 µs (chat 182.0 and messages
+//! 235.6 in the run just before). The first version escaped the instructions again and
+//! grew its output as it went: convert 69.6-86.5, all 386-413 µs in three runs. Profiles of
+//! the whole: the tokenizer and serde_json's string scanning (`skip_to_escape`, each read of
+//! a raw value scans its strings again: the body's top level, the input's items, each item's
+//! fields, then the chat parser's own) are nearly all of it; the chat parse is the same 55-64
+//! µs for the converted body as for the chat one (ad-hoc groups, not kept).
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvroute_proto::openai::{Endpoint, ParsedRequest, Tokenization, TokenizationConfig};

@@ -65,10 +65,13 @@ const CUSTOM_TOOL_PARAMETERS: &str = r#"{"type":"object","properties":{"input":{
 pub struct Responses<'a> {
     /// The stored response this one continues, if any.
     pub previous_response_id: Option<Cow<'a, str>>,
-    instructions: Option<Cow<'a, str>>,
+    /// A JSON string, as written (a long system prompt is not escaped again).
+    instructions: Option<&'a RawValue>,
     input: Vec<Msg<'a>>,
     continue_final: bool,
     rest: Rest<'a>,
+    /// The request body's length: about the converted body's.
+    body_len: usize,
 }
 
 /// The fields carried over to the chat request as they are.
@@ -195,7 +198,9 @@ impl<'a> Responses<'a> {
             ],
         )?;
         let model = optional_str(model, "model", "a string")?.unwrap_or_default();
-        let instructions = optional_str(instructions, "instructions", "a string")?;
+        if instructions.is_some_and(|raw| !raw.get().starts_with('"')) {
+            return Err(invalid("instructions", "a string"));
+        }
         let previous_response_id = optional_str(previous, "previous_response_id", "a string")?;
         let input = input.ok_or(RequestError::MissingField { param: "input" })?;
         let (input, continue_final) = read_input(input)?;
@@ -223,7 +228,14 @@ impl<'a> Responses<'a> {
             tools,
             add_special_tokens: true,
         };
-        Ok(Responses { previous_response_id, instructions, input, continue_final, rest })
+        Ok(Responses {
+            previous_response_id,
+            instructions,
+            input,
+            continue_final,
+            rest,
+            body_len: body.len(),
+        })
     }
 
     /// The chat completion request vLLM renders, as JSON: the instructions, then `history`
@@ -243,7 +255,7 @@ impl<'a> Responses<'a> {
             rest: &'r Rest<'a>,
         }
         let mut messages = Vec::with_capacity(1 + history.len() + self.input.len());
-        if let Some(instructions) = self.instructions.as_deref().filter(|i| !i.is_empty()) {
+        if let Some(instructions) = self.instructions.filter(|i| i.get() != r#""""#) {
             messages.push(MsgOut::System(System { role: "system", content: instructions }));
         }
         messages.extend(history.iter().map(|raw| MsgOut::Msg(Msg::Raw(raw))));
@@ -255,14 +267,16 @@ impl<'a> Responses<'a> {
             rest: &self.rest,
         };
         // Strings, raw JSON and options only: serializing cannot fail.
-        serde_json::to_vec(&chat).unwrap_or_default()
+        let mut out = Vec::with_capacity(self.body_len + 256);
+        let _ = serde_json::to_writer(&mut out, &chat);
+        out
     }
 }
 
 #[derive(Serialize)]
 struct System<'a> {
     role: &'static str,
-    content: &'a str,
+    content: &'a RawValue,
 }
 
 #[derive(Serialize)]
