@@ -126,9 +126,14 @@ impl Keep {
 
 /// Reads a Responses request, with the stored conversation it continues.
 pub(super) fn prepare(store: &Arc<Store>, body: &[u8]) -> Result<Prepared, ApiError> {
+    /// `store`: absent is true; `null` is false, as Python reads `if request.store`.
     #[derive(Deserialize)]
     struct Flags {
+        #[serde(default = "absent")]
         store: Option<bool>,
+    }
+    fn absent() -> Option<bool> {
+        Some(true)
     }
     #[derive(Deserialize)]
     struct Chat {
@@ -138,7 +143,7 @@ pub(super) fn prepare(store: &Arc<Store>, body: &[u8]) -> Result<Prepared, ApiEr
     let asked_to_store = serde_json::from_slice::<Flags>(body)
         .map_err(|_| ApiError::invalid_field("store", "'store' must be a boolean"))?
         .store
-        .unwrap_or(true);
+        .unwrap_or(false);
     let previous = request.previous_response_id.as_deref().map(str::to_owned);
     let earlier = match &previous {
         Some(id) => Some(store.get(id).ok_or_else(|| not_found(id))?),

@@ -232,7 +232,7 @@ async fn dispatch(
         }
         (_, p) if let Some(responses::Target::Stored(id)) = responses::target(p) => {
             paths::check_passthrough(p)?;
-            let id = id.to_owned();
+            let id = responses::decoded(id);
             Box::pin(stored_response(state, pool, req, &id, (request_id, received))).await
         }
         (Method::GET, "/v1/models") => Ok(json(StatusCode::OK, models(state))),
@@ -309,12 +309,7 @@ async fn find_owner(
         headers.insert(header::AUTHORIZATION, auth.clone());
     }
     let (fleet, timeout) = (state.fleet(), state.forward.first_byte_timeout);
-    state
-        .forward
-        .owners
-        .find(fleet, pool, id, &headers, timeout)
-        .await
-        .ok_or_else(|| responses::not_found(id))
+    state.forward.owners.find(fleet, pool, id, &headers, timeout).await
 }
 
 /// A place under `--max-in-flight` for the request (its id, and when it arrived), held

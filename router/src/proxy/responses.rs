@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use futures::future::join_all;
 use http::{Method, StatusCode};
+use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, percent_decode_str, utf8_percent_encode};
 
 use super::error::ProxyError;
 use super::pool::Pool;
@@ -96,9 +97,11 @@ impl Owners {
         self.map.is_empty()
     }
 
-    /// The replica that made response `id`: the one the router knows, else the one that
-    /// answers for it when every replica is asked (`headers` are the client's, so a
-    /// replica's API key is given). `None` when no replica has it.
+    /// The replica that made response `id` (as the replicas read it: percent-decoded): the
+    /// one the router knows, else the one that answers for it when every replica is asked
+    /// (`headers` are the client's, so a replica's API key is given). A 404 when every
+    /// replica answered that it does not have it; a 503 when one did not answer, which may
+    /// be the one that has it.
     pub async fn find(
         &self,
         fleet: &Fleet,
@@ -106,38 +109,55 @@ impl Owners {
         id: &str,
         headers: &http::HeaderMap,
         timeout: std::time::Duration,
-    ) -> Option<Member> {
+    ) -> Result<Member, ProxyError> {
         if let Some(member) = self.owner(id).and_then(|name| fleet.member(&name)) {
-            return Some(member);
+            return Ok(member);
         }
         let members = fleet.members();
-        // An id that is not a plain path segment is no response's the router can ask for.
-        if id.bytes().any(|b| matches!(b, b'?' | b'#' | b'%' | b'/') || !b.is_ascii_graphic()) {
-            return None;
-        }
-        let asks = members.iter().map(|member| async move {
-            let url = format!("{}{RESPONSES_PATH}/{id}", member.replica.spec.http_url);
-            let uri: http::Uri = url.parse().ok()?;
-            let ask = async {
-                let empty = super::http1::Outgoing::Full(bytes::Bytes::new());
-                let response = pool.send_head(&Method::GET, &uri, headers, empty).await.ok()?;
-                let found = response.status() == StatusCode::OK;
-                // Read to its end, so the connection goes back to the pool.
-                let _ = http_body_util::BodyExt::collect(response.into_body()).await;
-                found.then_some(())
-            };
-            tokio::time::timeout(timeout, ask).await.ok()?
+        let segment = utf8_percent_encode(id, SEGMENT).to_string();
+        let asks = members.iter().map(|member| {
+            let url = format!("{}{RESPONSES_PATH}/{segment}", member.replica.spec.http_url);
+            async move {
+                let uri: http::Uri = url.parse().ok()?;
+                let ask = async {
+                    let empty = super::http1::Outgoing::Full(bytes::Bytes::new());
+                    let response = pool.send_head(&Method::GET, &uri, headers, empty).await.ok()?;
+                    let status = response.status();
+                    // Read to its end, so the connection goes back to the pool.
+                    http_body_util::BodyExt::collect(response.into_body()).await.ok()?;
+                    Some(status)
+                };
+                tokio::time::timeout(timeout, ask).await.ok()?
+            }
         });
         let answers = join_all(asks).await;
-        let (member, _) = members.into_iter().zip(answers).find(|(_, found)| found.is_some())?;
-        self.learn(id, &member.replica.spec.name.as_str().into());
-        Some(member)
+        let found = answers.iter().position(|a| *a == Some(StatusCode::OK));
+        match found {
+            Some(at) => {
+                let member = members.into_iter().nth(at).ok_or_else(|| not_found(id))?;
+                self.learn(id, &member.replica.spec.name.as_str().into());
+                Ok(member)
+            }
+            None if answers.iter().all(Option::is_some) => Err(not_found(id)),
+            None => Err(ProxyError::Unavailable(format!(
+                "response '{id}' is on no replica that answered, and {} did not answer",
+                answers.iter().filter(|a| a.is_none()).count()
+            ))),
+        }
     }
 }
 
+/// What is percent-encoded in a path segment: everything but RFC 3986's unreserved.
+const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+
 /// vLLM's answer for a response id no replica has.
-pub fn not_found(id: &str) -> ProxyError {
+fn not_found(id: &str) -> ProxyError {
     ProxyError::UnknownResponse(id.to_owned())
+}
+
+/// The id in a `/v1/responses/{id}` path segment, as the replica's server reads it.
+pub fn decoded(segment: &str) -> String {
+    percent_decode_str(segment).decode_utf8_lossy().into_owned()
 }
 
 /// Finds the id at the beginning of a response body, frame by frame, and tells [`Owners`].

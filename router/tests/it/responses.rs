@@ -123,6 +123,22 @@ async fn a_stored_response_is_continued_where_it_was_made() {
     assert!(unknown.json()["error"]["message"].as_str().unwrap().contains("resp_nobody"));
     let fetched = fleet.http.get(&format!("{url}/resp_nobody")).await;
     assert_eq!(fetched.status, 404);
+
+    // A router that does not know where a response is, with that replica down: the replicas
+    // that answered do not have it, and the one that did not answer may.
+    let (id, home) = &made[0];
+    let config = kvroute_router::Config {
+        replicas: fleet.agents.iter().flatten().map(replica_config).collect(),
+        ..router_config(&[])
+    };
+    let third = kvroute_router::start(config, fleet.shutdown.child_token()).await.unwrap();
+    let at: usize = home.strip_prefix("agent-").unwrap().parse().unwrap();
+    let mut fleet = fleet;
+    fleet.kill(at).await;
+    let next =
+        json!({"model": FLEET_MODEL, "previous_response_id": id, "input": "x", "max_output_tokens": 2});
+    let lost = fleet.http.post(&format!("{}/v1/responses", third.url()), &next).await;
+    assert_eq!(lost.status, 503, "{}", String::from_utf8_lossy(&lost.body));
 }
 
 /// A streamed response's id is learned from its first event: the continuation goes home.

@@ -32,7 +32,7 @@
 //!    with `encrypted_content` (which vLLM 0.33 refuses, and later versions may not) makes its
 //!    message count as media, so the prompt is hashed up to that message.
 //! 4. **Tools.** `function` tools become `{"type": "function", "function": {"name",
-//!    "description", "parameters", "strict"}}`; a `namespace` tool's functions the same, each
+//!    "description", "parameters", "strict", "defer_loading"}}`; a `namespace` tool's functions the same, each
 //!    named `{namespace}__{name}`; a `custom` tool a function taking one string `input`;
 //!    every other tool type (web search, MCP, …) is not shown to the model and is dropped
 //!    (a request whose tools are all such passes `[]`).
@@ -166,6 +166,8 @@ struct ToolFunction<'a> {
     parameters: Option<Cow<'a, RawValue>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     strict: Option<&'a RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    defer_loading: Option<&'a RawValue>,
 }
 
 impl<'a> Responses<'a> {
@@ -540,21 +542,24 @@ fn read_tools(raw: &RawValue) -> Result<Vec<Tool<'_>>, RequestError> {
     let mut tools = Vec::new();
     for (i, item) in items.iter().enumerate() {
         let at = |field: &str| format!("tools[{i}].{field}");
-        let [kind, name, description, parameters, strict, nested] = object::fields(
+        let [kind, name, description, parameters, strict, nested, defer] = object::fields(
             item.get().as_bytes(),
-            &["type", "name", "description", "parameters", "strict", "tools"],
+            &["type", "name", "description", "parameters", "strict", "tools", "defer_loading"],
         )
         .map_err(|_| invalid_at(format!("tools[{i}]"), "an object"))?;
         let kind = str_at(kind, || at("type"))?.ok_or_else(|| invalid_at(at("type"), "a string"))?;
         let name = || str_at(name, || at("name"))?.ok_or_else(|| invalid_at(at("name"), "a string"));
         match &*kind {
-            "function" => {
-                tools.push(function_tool(name()?, description, parameters.map(Cow::Borrowed), strict))
-            }
+            "function" => tools.push(function_tool(
+                name()?,
+                description,
+                parameters.map(Cow::Borrowed),
+                (strict, defer),
+            )),
             "custom" => {
                 let parameters =
                     RawValue::from_string(CUSTOM_TOOL_PARAMETERS.to_owned()).ok().map(Cow::Owned);
-                tools.push(function_tool(name()?, description, parameters, None));
+                tools.push(function_tool(name()?, description, parameters, (None, defer)));
             }
             "namespace" => {
                 let namespace = name()?;
@@ -566,9 +571,9 @@ fn read_tools(raw: &RawValue) -> Result<Vec<Tool<'_>>, RequestError> {
                 };
                 for (j, tool) in nested.iter().enumerate() {
                     let at = |field: &str| format!("tools[{i}].tools[{j}].{field}");
-                    let [kind, name, description, parameters, strict] = object::fields(
+                    let [kind, name, description, parameters, strict, defer] = object::fields(
                         tool.get().as_bytes(),
-                        &["type", "name", "description", "parameters", "strict"],
+                        &["type", "name", "description", "parameters", "strict", "defer_loading"],
                     )
                     .map_err(|_| invalid_at(format!("tools[{i}].tools[{j}]"), "an object"))?;
                     if str_at(kind, || at("type"))?.as_deref() != Some("function") {
@@ -577,7 +582,12 @@ fn read_tools(raw: &RawValue) -> Result<Vec<Tool<'_>>, RequestError> {
                     let name =
                         str_at(name, || at("name"))?.ok_or_else(|| invalid_at(at("name"), "a string"))?;
                     let flat = Cow::Owned(format!("{namespace}__{name}"));
-                    tools.push(function_tool(flat, description, parameters.map(Cow::Borrowed), strict));
+                    tools.push(function_tool(
+                        flat,
+                        description,
+                        parameters.map(Cow::Borrowed),
+                        (strict, defer),
+                    ));
                 }
             }
             _ => {}
@@ -590,9 +600,9 @@ fn function_tool<'a>(
     name: Cow<'a, str>,
     description: Option<&'a RawValue>,
     parameters: Option<Cow<'a, RawValue>>,
-    strict: Option<&'a RawValue>,
+    (strict, defer_loading): (Option<&'a RawValue>, Option<&'a RawValue>),
 ) -> Tool<'a> {
-    Tool { kind: "function", function: ToolFunction { name, description, parameters, strict } }
+    Tool { kind: "function", function: ToolFunction { name, description, parameters, strict, defer_loading } }
 }
 
 #[cfg(test)]

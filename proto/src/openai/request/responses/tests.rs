@@ -117,7 +117,8 @@ fn what_is_not_reproduced_is_media_so_the_prompt_is_hashed_up_to_it() {
 #[test]
 fn tools_become_chat_functions() {
     let out = chat(json!({"model": "m", "input": "x", "tools": [
-        {"type": "function", "name": "get", "description": "Get it.", "parameters": {"type": "object"}, "strict": true},
+        {"type": "function", "name": "get", "description": "Get it.", "parameters": {"type": "object"}, "strict": true,
+            "defer_loading": true},
         {"type": "web_search"},
         {"type": "namespace", "name": "fs", "tools": [{"type": "function", "name": "read"}, {"type": "other", "name": "no"}]},
         {"type": "custom", "name": "patch", "description": "Apply a patch."},
@@ -125,7 +126,8 @@ fn tools_become_chat_functions() {
     assert_eq!(
         out["tools"],
         json!([
-            {"type": "function", "function": {"name": "get", "description": "Get it.", "parameters": {"type": "object"}, "strict": true}},
+            {"type": "function", "function": {"name": "get", "description": "Get it.", "parameters": {"type": "object"}, "strict": true,
+                "defer_loading": true}},
             {"type": "function", "function": {"name": "fs__read", "description": null, "parameters": null}},
             {"type": "function", "function": {"name": "patch", "description": "Apply a patch.", "parameters":
                 {"type": "object", "properties": {"input": {"type": "string", "description": "The freeform text payload for this tool."}},
