@@ -57,8 +57,9 @@ pub struct SendArgs {
     #[arg(long, default_value = demo::DEMO_MODEL)]
     pub model: String,
     /// How prompts are written: `ids` (token ids), `text` (a word a token with the
-    /// built-in tokenizer, tokenized by the router and the replicas) or `messages` (that
-    /// text as Anthropic Messages requests, rendered with the chat template).
+    /// built-in tokenizer, tokenized by the router and the replicas), `messages` (that
+    /// text as Anthropic Messages requests, rendered with the chat template) or `responses`
+    /// (that text as OpenAI Responses requests, rendered the same way).
     #[arg(long, value_enum, default_value_t = PromptFormat::Ids)]
     pub prompt_format: PromptFormat,
     /// Most requests in flight at once.
@@ -228,8 +229,9 @@ pub struct DemoArgs {
     #[arg(long)]
     pub requests: Option<usize>,
     /// How prompts are written: `ids` (token ids), `text` (a word a token with the
-    /// built-in tokenizer, tokenized by the routers and the agents) or `messages` (that
-    /// text as Anthropic Messages requests, rendered with the chat template).
+    /// built-in tokenizer, tokenized by the routers and the agents), `messages` (that
+    /// text as Anthropic Messages requests, rendered with the chat template) or `responses`
+    /// (that text as OpenAI Responses requests, rendered the same way).
     #[arg(long, value_enum, default_value_t = PromptFormat::Ids)]
     pub prompt_format: PromptFormat,
     /// Directory for report.json, table.txt and the SVG plots.

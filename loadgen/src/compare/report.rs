@@ -132,6 +132,7 @@ impl CompareReport {
                 PromptFormat::Ids => "",
                 PromptFormat::Text => " (as text)",
                 PromptFormat::Messages => " (as text, Anthropic Messages requests)",
+                PromptFormat::Responses => " (as text, OpenAI Responses requests)",
             },
             w.output_tokens,
             w.trace_duration_s

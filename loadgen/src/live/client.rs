@@ -261,6 +261,10 @@ pub enum PromptFormat {
     /// (`POST /v1/messages`): the router and the replicas render it with the chat template
     /// (a few tokens more than the ids) and report hits as `cache_read_input_tokens`.
     Messages,
+    /// The same text as the `input` of an OpenAI Responses request (`POST /v1/responses`,
+    /// `store: false`, the whole conversation sent each time): rendered with the chat
+    /// template, hits reported as `input_tokens_details.cached_tokens`.
+    Responses,
 }
 
 impl PromptFormat {
@@ -269,6 +273,7 @@ impl PromptFormat {
         match self {
             PromptFormat::Ids | PromptFormat::Text => "/v1/completions",
             PromptFormat::Messages => "/v1/messages",
+            PromptFormat::Responses => "/v1/responses",
         }
     }
 }
@@ -287,6 +292,7 @@ pub fn request_body(model: &str, request: &WorkloadRequest, stream: bool, format
     let _ = write!(body, "{{\"model\":{},", serde_json::Value::from(model));
     body.push_str(match format {
         PromptFormat::Messages => "\"messages\":[{\"role\":\"user\",\"content\":",
+        PromptFormat::Responses => "\"store\":false,\"input\":",
         PromptFormat::Ids | PromptFormat::Text => "\"prompt\":",
     });
     let mut prompt = Vec::with_capacity(request.input_len);
@@ -302,7 +308,7 @@ pub fn request_body(model: &str, request: &WorkloadRequest, stream: bool, format
             }
             body.push(']');
         }
-        PromptFormat::Text | PromptFormat::Messages => {
+        PromptFormat::Text | PromptFormat::Messages | PromptFormat::Responses => {
             body.push('"');
             for (i, &token) in prompt.iter().enumerate() {
                 if i > 0 {
@@ -316,11 +322,12 @@ pub fn request_body(model: &str, request: &WorkloadRequest, stream: bool, format
     if format == PromptFormat::Messages {
         body.push_str("}]");
     }
-    let _ = write!(body, ",\"max_tokens\":{},\"temperature\":0", request.output_len.max(1));
+    let limit = if format == PromptFormat::Responses { "max_output_tokens" } else { "max_tokens" };
+    let _ = write!(body, ",\"{limit}\":{},\"temperature\":0", request.output_len.max(1));
     match (stream, format) {
         (false, _) => {}
-        // A Messages stream always carries its usage.
-        (true, PromptFormat::Messages) => body.push_str(",\"stream\":true"),
+        // A Messages or Responses stream always carries its usage.
+        (true, PromptFormat::Messages | PromptFormat::Responses) => body.push_str(",\"stream\":true"),
         (true, _) => body.push_str(",\"stream\":true,\"stream_options\":{\"include_usage\":true}"),
     }
     body.push('}');
@@ -332,19 +339,24 @@ struct Completion {
     usage: Option<Usage>,
 }
 
-/// OpenAI's `usage`, or Anthropic's (`input_tokens` is the prompt less its cache hits).
+/// OpenAI's `usage`, its Responses API's (`input_tokens` with `input_tokens_details`), or
+/// Anthropic's (`input_tokens` is the prompt less its cache hits).
 #[derive(Clone, Copy, Debug, Default, Deserialize)]
 struct Usage {
     prompt_tokens: Option<u64>,
     completion_tokens: Option<u64>,
     prompt_tokens_details: Option<PromptTokensDetails>,
     input_tokens: Option<u64>,
+    input_tokens_details: Option<PromptTokensDetails>,
     output_tokens: Option<u64>,
     cache_read_input_tokens: Option<u64>,
 }
 
 impl Usage {
     fn prompt_tokens(&self) -> Option<u64> {
+        if self.input_tokens_details.is_some() {
+            return self.prompt_tokens.or(self.input_tokens);
+        }
         self.prompt_tokens.or_else(|| Some(self.input_tokens? + self.cache_read_input_tokens.unwrap_or(0)))
     }
 
@@ -353,7 +365,8 @@ impl Usage {
     }
 
     fn cached_tokens(&self) -> Option<u64> {
-        self.prompt_tokens_details.and_then(|d| d.cached_tokens).or(self.cache_read_input_tokens)
+        let details = self.prompt_tokens_details.or(self.input_tokens_details);
+        details.and_then(|d| d.cached_tokens).or(self.cache_read_input_tokens)
     }
 
     /// `newer`, with what it leaves out from `self` (Anthropic's `message_start` has the
@@ -364,6 +377,7 @@ impl Usage {
             completion_tokens: newer.completion_tokens.or(self.completion_tokens),
             prompt_tokens_details: newer.prompt_tokens_details.or(self.prompt_tokens_details),
             input_tokens: newer.input_tokens.or(self.input_tokens),
+            input_tokens_details: newer.input_tokens_details.or(self.input_tokens_details),
             output_tokens: newer.output_tokens.or(self.output_tokens),
             cache_read_input_tokens: newer.cache_read_input_tokens.or(self.cache_read_input_tokens),
         }
@@ -385,13 +399,23 @@ struct Chunk {
     /// An Anthropic event's type.
     #[serde(rename = "type")]
     kind: Option<String>,
-    /// `message_start`'s message.
-    message: Option<StartedMessage>,
+    /// `message_start`'s message (a Responses API `error` event's is its text).
+    message: Option<Started>,
+    /// A Responses API event's response (the whole of it in the last one).
+    response: Option<StartedMessage>,
 }
 
 #[derive(Deserialize)]
 struct StartedMessage {
     usage: Option<Usage>,
+}
+
+/// An object with a `usage`, or anything else.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Started {
+    Message(StartedMessage),
+    Other(serde::de::IgnoredAny),
 }
 
 /// Incremental SSE parsing: events end with a blank line; only `data:` lines matter.
@@ -419,14 +443,26 @@ impl SseState {
                 if chunk.error.is_some() {
                     return Err(ErrorKind::Stream);
                 }
-                let token = !chunk.choices.is_empty() || chunk.kind.as_deref() == Some("content_block_delta");
+                let kind = chunk.kind.as_deref();
+                // The Responses API's failures are events of their own.
+                if matches!(kind, Some("error" | "response.failed")) {
+                    return Err(ErrorKind::Stream);
+                }
+                let token = !chunk.choices.is_empty()
+                    || matches!(kind, Some("content_block_delta" | "response.output_text.delta"));
                 if token && success.ttft.is_none() {
                     success.ttft = Some(sent.elapsed());
                 }
-                if chunk.kind.as_deref() == Some("message_stop") {
+                if matches!(kind, Some("message_stop" | "response.completed" | "response.incomplete")) {
                     self.done = true;
                 }
-                let usage = chunk.usage.or(chunk.message.and_then(|m| m.usage));
+                let usage = chunk
+                    .usage
+                    .or(chunk.message.and_then(|m| match m {
+                        Started::Message(m) => m.usage,
+                        Started::Other(_) => None,
+                    }))
+                    .or(chunk.response.and_then(|r| r.usage));
                 if let Some(usage) = usage {
                     self.usage = Some(self.usage.unwrap_or_default().updated(usage));
                 }
@@ -530,6 +566,29 @@ mod tests {
             .clone();
         assert_eq!(messages["messages"], serde_json::json!([{"role": "user", "content": text}]));
         assert_eq!((messages["max_tokens"].as_u64(), messages["stream"].as_bool()), (Some(7), Some(true)));
+        // As a Responses request: the text as the input, nothing stored.
+        let responses = request_body("m", &request, false, PromptFormat::Responses);
+        assert_eq!(responses.path, "/v1/responses");
+        let responses: serde_json::Value = serde_json::from_slice(&responses.bytes).unwrap();
+        assert_eq!((&responses["input"], &responses["store"]), (&text, &serde_json::json!(false)));
+        assert_eq!(responses["max_output_tokens"], 7);
+    }
+
+    /// The Responses API's stream: TTFT at the first text delta, usage from the last event.
+    #[test]
+    fn a_responses_stream_gives_ttft_usage_and_done() {
+        let text = "event: response.created\ndata: {\"response\":{\"id\":\"resp_1\",\"usage\":null},\"sequence_number\":0,\"type\":\"response.created\"}\n\n\
+                    event: response.output_text.delta\ndata: {\"delta\":\"a\",\"sequence_number\":1,\"type\":\"response.output_text.delta\"}\n\n\
+                    event: response.incomplete\ndata: {\"response\":{\"id\":\"resp_1\",\"usage\":{\"input_tokens\":40,\
+                    \"input_tokens_details\":{\"cached_tokens\":32},\"output_tokens\":1}},\"sequence_number\":2,\"type\":\"response.incomplete\"}\n\n";
+        let mut sse = SseState::default();
+        let mut success = Success::default();
+        sse.feed(Bytes::from(text), Instant::now(), &mut success).unwrap();
+        assert!(sse.done && success.ttft.is_some());
+        let usage = sse.usage.unwrap();
+        assert_eq!((usage.prompt_tokens(), usage.cached_tokens()), (Some(40), Some(32)));
+        let failed = Bytes::from_static(b"event: error\ndata: {\"message\":\"x\",\"type\":\"error\"}\n\n");
+        assert_eq!(SseState::default().feed(failed, Instant::now(), &mut success), Err(ErrorKind::Stream));
     }
 
     /// The built-in tokenizer's ids of `request`'s text body.

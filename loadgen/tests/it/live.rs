@@ -148,13 +148,24 @@ async fn compare_on_a_small_fleet_writes_a_sane_report() {
 /// renders them as the replicas do).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chat_workload_as_anthropic_messages_is_routed_on_its_cached_prefix() {
+    chat_workload_as(PromptFormat::Messages).await;
+}
+
+/// The same as OpenAI Responses requests (`--prompt-format responses`): hits read from
+/// `input_tokens_details`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_workload_as_openai_responses_is_routed_on_its_cached_prefix() {
+    chat_workload_as(PromptFormat::Responses).await;
+}
+
+async fn chat_workload_as(format: PromptFormat) {
     let shutdown = CancellationToken::new();
     let fleet = EmbeddedFleet::start(fleet_config(2), shutdown.child_token()).await.unwrap();
     let trace = small_chat();
     let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
     live.replicas = fleet.urls();
     live.arrivals = Arrivals::Trace { speedup: 1.0 };
-    live.prompt = PromptFormat::Messages;
+    live.prompt = format;
     let config = compare_config(&fleet, vec![PolicyKind::CacheAware], live);
     let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
         .await
@@ -162,7 +173,7 @@ async fn a_chat_workload_as_anthropic_messages_is_routed_on_its_cached_prefix() 
         .expect("compare runs");
     let l = &report.runs[0].live;
     assert_eq!((l.requests, l.succeeded, l.failed()), (trace.len(), trace.len(), 0), "{:?}", l.errors);
-    let hit = l.hit_rate.expect("responses report cache_read_input_tokens");
+    let hit = l.hit_rate.expect("responses report their cached tokens");
     assert!(hit > 0.3, "the shared system prompt is reused: {hit}");
     // (Requests in flight together may see one another's blocks a little late or early.)
     let predicted = l.predicted_hit_rate.expect("the router's predictions");
