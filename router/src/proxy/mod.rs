@@ -2,7 +2,8 @@
 //!
 //! | path | what the router does |
 //! |---|---|
-//! | `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages` (Anthropic's API, decided as the chat request vLLM makes of it) | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]) |
+//! | `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages` (Anthropic's API) and `POST /v1/responses` (OpenAI's Responses API), the last two decided as the chat request vLLM makes of them | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]); a Responses request that continues a stored response goes to the replica that stored it ([`responses`]) |
+//! | `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` | streamed to the replica that stored the response ([`responses`]) |
 //! | other `/v1/*`, and the engines' own paths outside `/v1` that do not generate (`/tokenize`, `/rerank`, ...: [`paths`]) | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused) |
 //! | `GET /v1/models` | the fleet's model and LoRA adapters |
 //! | `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter` (and SGLang's spellings) | sent to every replica, with `--lora-updates` ([`lora`]) |
@@ -11,7 +12,7 @@
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //!
 //! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
-//! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`upload`] (clients' request
+//! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`responses`] (which replica stored each Responses API response), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`upload`] (clients' request
 //! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health).
 
 pub mod access;
