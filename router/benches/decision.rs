@@ -27,6 +27,11 @@
 //! computation that long), then the median of each stage alone (parse, tokenize, hash,
 //! index lookup; parse and tokenize together through the cache).
 //!
+//! 2026-11-26, later, in a slower spell of that machine, the session's end against its
+//! start (f666215) in turn (p50 / p99, µs): text/8192 307.4 / 353.1 against 290.4 / 386.7,
+//! ids/8192 137.8 / 185.5 against 139.3 / 205.2, turn/8192 72.7 / 113.5 against 73.5 / 107.5:
+//! the Responses API left the decision path where it was; the spell doubled every figure.
+//!
 //! 2026-11-26, on a slower machine of the same kind (about 2.4x every figure below), four
 //! runs, two with the release profile's whole-program optimization (LTO) and two without,
 //! in turn (p50 / p99, µs): text/8192 146.2-148.9 / 262.7-279.3 without, 154.7-156.7 /

@@ -107,6 +107,10 @@
 #   eight more in a noisier spell, 2-21% less (user time 7-32% less); thin LTO fell between.
 #   In this script, the same builds (`compare` the one without LTO): 0.57x against 0.53x,
 #   then 0.56x (40.2 µs) against 0.51x (45.3 µs).
+#   Later the same day, in a slower spell still (nginx 31.3 k requests/s at 33.1 µs), with the
+#   Responses API in the router (a frame watch on every response's first data): floor 0.88x
+#   (0.77-0.91) at 40.8 µs, kvroute cache-aware 0.68x (0.62-0.72) at 57.4 µs, round-robin
+#   0.62x at 61.2 µs; added latency nginx +41 µs, floor +41, kvroute +59 to +66.
 #
 # Usage: router/benches/proxy_vs_nginx.sh
 #   (env: DURATION=10s ROUNDS=3 CONNECTIONS=64 THREADS=1 BACKENDS=2; about 4.5 minutes)
