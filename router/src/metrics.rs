@@ -36,6 +36,11 @@ pub struct ErrorLabel {
     pub kind: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    pub outcome: &'static str,
+}
+
 /// Handles to every proxy metric; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct ProxyMetrics {
@@ -51,6 +56,8 @@ pub struct ProxyMetrics {
     requests: Family<CodeLabel, Counter>,
     pub errors: Family<ErrorLabel, Counter>,
     pub retries: Counter,
+    /// Looking up the replica that stored a Responses API response, by outcome.
+    pub response_lookups: Family<OutcomeLabel, Counter>,
     pub ejections: Counter,
     /// HTTP/2 responses cut because their client stopped taking data (HTTP/1 connections
     /// closed so are counted in `kvroute_router_client_send_timeouts`).
@@ -83,6 +90,7 @@ impl Default for ProxyMetrics {
             requests: Family::default(),
             errors: Family::default(),
             retries: Counter::default(),
+            response_lookups: Family::default(),
             ejections: Counter::default(),
             client_stalls: Counter::default(),
             in_flight: Gauge::default(),
@@ -121,6 +129,11 @@ impl ProxyMetrics {
         r.register("requests", "Responses sent, by HTTP status", m.requests.clone());
         r.register("errors", "Errors the router answered itself, by kind", m.errors.clone());
         r.register("retries", "Requests retried on another replica", m.retries.clone());
+        r.register(
+            "response_lookups",
+            "Requests about a stored Responses API response, by how its replica was found: known (remembered), found (by asking every replica), missing (no replica has it: 404), unanswered (a replica that may have it did not answer: 503)",
+            m.response_lookups.clone(),
+        );
         r.register("ejections", "Replicas ejected as outliers", m.ejections.clone());
         r.register(
             "client_stalls",

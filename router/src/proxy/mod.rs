@@ -310,7 +310,7 @@ async fn find_owner(
         headers.insert(header::AUTHORIZATION, auth.clone());
     }
     let (fleet, timeout) = (state.fleet(), state.forward.first_byte_timeout);
-    state.forward.owners.find(fleet, pool, id, &headers, timeout).await
+    state.forward.owners.find(fleet, pool, id, &headers, (timeout, &state.decider.metrics)).await
 }
 
 /// A place under `--max-in-flight` for the request (its id, and when it arrived), held

@@ -26,6 +26,7 @@ use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, percent_decode_str, utf8_perc
 use super::error::ProxyError;
 use super::pool::Pool;
 use crate::fleet::{Fleet, Member};
+use crate::metrics::{OutcomeLabel, ProxyMetrics};
 
 pub use kvroute_proto::openai::request::responses::RESPONSES_PATH;
 
@@ -108,9 +109,11 @@ impl Owners {
         pool: &Arc<Pool>,
         id: &str,
         headers: &http::HeaderMap,
-        timeout: std::time::Duration,
+        (timeout, metrics): (std::time::Duration, &ProxyMetrics),
     ) -> Result<Member, ProxyError> {
+        let count = |outcome| metrics.response_lookups.get_or_create(&OutcomeLabel { outcome }).inc();
         if let Some(member) = self.owner(id).and_then(|name| fleet.member(&name)) {
+            count("known");
             return Ok(member);
         }
         let members = fleet.members();
@@ -136,13 +139,20 @@ impl Owners {
             Some(at) => {
                 let member = members.into_iter().nth(at).ok_or_else(|| not_found(id))?;
                 self.learn(id, &member.replica.spec.name.as_str().into());
+                count("found");
                 Ok(member)
             }
-            None if answers.iter().all(Option::is_some) => Err(not_found(id)),
-            None => Err(ProxyError::Unavailable(format!(
-                "response '{id}' is on no replica that answered, and {} did not answer",
-                answers.iter().filter(|a| a.is_none()).count()
-            ))),
+            None if answers.iter().all(Option::is_some) => {
+                count("missing");
+                Err(not_found(id))
+            }
+            None => {
+                count("unanswered");
+                Err(ProxyError::Unavailable(format!(
+                    "response '{id}' is on no replica that answered, and {} did not answer",
+                    answers.iter().filter(|a| a.is_none()).count()
+                )))
+            }
         }
     }
 }

@@ -28,6 +28,14 @@ fn predicted(reply: &Reply) -> u64 {
     reply.header("x-kvroute-predicted-cached-tokens").expect("the prediction header").parse().unwrap()
 }
 
+/// `kvroute_router_response_lookups_total{outcome}` of the router at `base`.
+async fn lookups(fleet: &Fleet, base: &str, outcome: &str) -> u64 {
+    let metrics = fleet.http.get(&format!("{base}/metrics")).await;
+    let text = String::from_utf8_lossy(&metrics.body).into_owned();
+    let line = format!("kvroute_router_response_lookups_total{{outcome=\"{outcome}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&line)?.trim().parse().ok()).unwrap_or(0)
+}
+
 fn replica(reply: &Reply) -> String {
     reply.header("x-kvroute-replica").expect("the replica header").to_owned()
 }
@@ -113,6 +121,9 @@ async fn a_stored_response_is_continued_where_it_was_made() {
         assert_eq!(next.status, 200, "{id}: {}", String::from_utf8_lossy(&next.body));
         assert_eq!(&replica(&next), home, "the other router found {id} at home");
     }
+    assert_eq!(lookups(&fleet, &other.url(), "found").await, 4, "each asked for once");
+    assert_eq!(lookups(&fleet, &other.url(), "known").await, 0);
+    assert_eq!(lookups(&fleet, &fleet.router.url(), "known").await, 12, "learned from the answers");
 
     let unknown = fleet
         .http
@@ -139,6 +150,8 @@ async fn a_stored_response_is_continued_where_it_was_made() {
         json!({"model": FLEET_MODEL, "previous_response_id": id, "input": "x", "max_output_tokens": 2});
     let lost = fleet.http.post(&format!("{}/v1/responses", third.url()), &next).await;
     assert_eq!(lost.status, 503, "{}", String::from_utf8_lossy(&lost.body));
+    assert_eq!(lookups(&fleet, &third.url(), "unanswered").await, 1);
+    assert_eq!(lookups(&fleet, &fleet.router.url(), "missing").await, 2, "resp_nobody, twice");
 }
 
 /// A streamed response's id is learned from its first event: the continuation goes home.
