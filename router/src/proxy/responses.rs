@@ -211,14 +211,21 @@ impl Learner {
 /// (or none is within [`ID_WITHIN`] bytes), `None` when more bytes are needed.
 fn first_id(json: &[u8]) -> Option<Result<&[u8], ()>> {
     let json = &json[..json.len().min(ID_WITHIN)];
-    let Some(at) = memchr::memmem::find(json, b"\"id\"") else {
-        return (json.len() >= ID_WITHIN).then_some(Err(()));
+    let mut from = 0;
+    // The first `"id"` that is a key (a value `"id"` is passed over).
+    let value = loop {
+        let Some(at) = memchr::memmem::find(&json[from..], b"\"id\"") else {
+            return (json.len() >= ID_WITHIN).then_some(Err(()));
+        };
+        from += at + 4;
+        let rest = json[from..].trim_ascii_start();
+        match rest.first()? {
+            b':' => break rest[1..].trim_ascii_start(),
+            _ => continue,
+        }
     };
-    let rest = &json[at + 4..];
-    let rest = rest.trim_ascii_start();
-    let rest = rest.strip_prefix(b":")?.trim_ascii_start();
-    let value = match rest.first()? {
-        b'"' => &rest[1..],
+    let value = match value.first()? {
+        b'"' => &value[1..],
         _ => return Some(Err(())),
     };
     let end = memchr::memchr2(b'"', b'\\', value)?;
@@ -251,6 +258,11 @@ mod tests {
         assert_eq!(first_id(br#"{"id":"res"#), None, "cut before the value ends");
         assert_eq!(first_id(br#"{"i"#), None);
         assert_eq!(first_id(br#"{"id":7}"#), Some(Err(())));
+        assert_eq!(
+            first_id(br#"{"kind":"id","id":"resp_2"}"#),
+            Some(Ok(&b"resp_2"[..])),
+            "a value is no key"
+        );
         assert_eq!(first_id(br#"{"id":"a\"b"}"#), Some(Err(())));
     }
 
