@@ -421,8 +421,9 @@ fn wrap(
         sent,
         access,
         hold,
-        learner: (status.is_success() && responses::target(client.uri.path()).is_some())
-            .then(|| Learner::new(config.owners.clone(), replica.into())),
+        learner: (status.is_success()
+            && responses::target(client.uri.path()) == Some(responses::Target::Create))
+        .then(|| Learner::new(config.owners.clone(), replica.into())),
     });
     // A stream that fails ends with an error event in the envelope its client reads.
     let sse = sse.then(|| Client::of_path(client.uri.path()));

@@ -142,15 +142,16 @@ impl Owners {
                 count("found");
                 Ok(member)
             }
-            None if answers.iter().all(Option::is_some) => {
+            None if !answers.is_empty() && answers.iter().all(|a| *a == Some(StatusCode::NOT_FOUND)) => {
                 count("missing");
                 Err(not_found(id))
             }
             None => {
                 count("unanswered");
                 Err(ProxyError::Unavailable(format!(
-                    "response '{id}' is on no replica that answered, and {} did not answer",
-                    answers.iter().filter(|a| a.is_none()).count()
+                    "response '{id}' is on no replica that answered, and {} of {} did not say they lack it",
+                    answers.iter().filter(|a| **a != Some(StatusCode::NOT_FOUND)).count(),
+                    answers.len()
                 )))
             }
         }

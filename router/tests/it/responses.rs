@@ -181,6 +181,9 @@ async fn a_streamed_response_is_learned_from_its_first_event() {
         assert_eq!(replica(&next), home);
     }
     assert!(fleet.router.state.forward.owners.len() >= 6, "every response's replica is known");
+    let base = fleet.router.url();
+    let (known, found) = (lookups(&fleet, &base, "known").await, lookups(&fleet, &base, "found").await);
+    assert_eq!((known, found), (3, 0), "learned from the streams, not found by asking");
 }
 
 /// Malformed Responses bodies get OpenAI-shaped 400s from the router, naming the field.
