@@ -48,7 +48,7 @@ use std::borrow::Cow;
 use serde::Serialize;
 use serde_json::value::RawValue;
 
-use super::{Str, object, parse_object};
+use super::{Str, field, object, parse_object};
 use crate::openai::error::RequestError;
 
 /// The path of the Responses API.
@@ -199,11 +199,11 @@ impl<'a> Responses<'a> {
                 "tools",
             ],
         )?;
-        let model = optional_str(model, "model", "a string")?.unwrap_or_default();
+        let model = field::<Str>(model, "model", "a string")?.map(|s| s.0).unwrap_or_default();
         if instructions.is_some_and(|raw| !raw.get().starts_with('"')) {
             return Err(invalid("instructions", "a string"));
         }
-        let previous_response_id = optional_str(previous, "previous_response_id", "a string")?;
+        let previous_response_id = field::<Str>(previous, "previous_response_id", "a string")?.map(|s| s.0);
         let input = input.ok_or(RequestError::MissingField { param: "input" })?;
         let (input, continue_final) = read_input(input)?;
         let reasoning_effort = match reasoning {
@@ -319,17 +319,6 @@ fn invalid(param: &'static str, expected: &'static str) -> RequestError {
 
 fn invalid_at(at: String, expected: &'static str) -> RequestError {
     RequestError::InvalidAt { at, expected }
-}
-
-fn optional_str<'a>(
-    raw: Option<&'a RawValue>,
-    param: &'static str,
-    expected: &'static str,
-) -> Result<Option<Cow<'a, str>>, RequestError> {
-    raw.map(|raw| {
-        serde_json::from_str::<Str<'a>>(raw.get()).map(|s| s.0).map_err(|_| invalid(param, expected))
-    })
-    .transpose()
 }
 
 fn str_at<'a>(
