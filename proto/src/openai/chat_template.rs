@@ -16,9 +16,14 @@
 //! message's `tool_call_id` (null included); a string `name`; in that order, and no other
 //! key of the client's. Then
 //! `tools` (the request's, or none),
-//! `documents` (none), `add_generation_prompt`, `bos_token`, `eos_token`, and then every
-//! key of the request's `chat_template_kwargs`, which may override any of them except
-//! `messages`.
+//! `documents` (none), `bos_token`, `eos_token`, then every key of the request's
+//! `chat_template_kwargs` (which may override those), then `add_generation_prompt` (the
+//! request's own wins over its kwargs, as vLLM 0.33 merges them).
+//!
+//! `continue_final_message` ends the prompt inside the last message, as transformers (5.16
+//! to 5.20, vLLM 0.33's) does it: the text the prompt ends in (the last message's content,
+//! or its last text part in the "openai" format) is rendered with a tag after it, and the
+//! prompt cut where the tag begins.
 //!
 //! [`ChatTemplate::builtin_default`] is the ChatML template ([`DEFAULT_CHAT_TEMPLATE`]) that
 //! goes with the builtin tokenizer, so the router and the agents render identically with no
@@ -82,6 +87,9 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     special: SpecialTokens,
     format: ContentFormat,
+    /// Whether the source says `content` anywhere (transformers' test of whether it can
+    /// continue a final message).
+    mentions_content: bool,
 }
 
 /// How a template takes a message's `content`, as vLLM decides it (`--chat-template-content-format
@@ -197,8 +205,9 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         let source = source.into();
         let format = ContentFormat::of_template(&source);
+        let mentions_content = source.contains("content");
         env.add_template_owned(TEMPLATE_NAME, source).map_err(LoadError::Template)?;
-        Ok(Self { env, special, format })
+        Ok(Self { env, special, format, mentions_content })
     }
 
     /// The documented ChatML default for the builtin tokenizer.
@@ -277,14 +286,19 @@ impl ChatTemplate {
         vars: Variables<'_>,
         media_parts: bool,
     ) -> Result<String, RequestError> {
-        let messages = messages
+        let tagged = match (vars.continue_final_message, messages.split_last()) {
+            (true, Some((last, _))) => Some(self.tagged(last)?),
+            _ => None,
+        };
+        let untagged = &messages[..messages.len() - usize::from(tagged.is_some())];
+        let messages = untagged
             .iter()
+            .chain(tagged.as_ref().map(|(last, _)| last))
             .map(|m| message_value(m, media_parts, self.format))
             .collect::<Result<Vec<_>, _>>()?;
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
         ctx.insert("tools".into(), vars.tools.map(tools_value).transpose()?.unwrap_or(Value::from(())));
         ctx.insert("documents".into(), Value::from(()));
-        ctx.insert("add_generation_prompt".into(), Value::from(vars.add_generation_prompt));
         ctx.insert("bos_token".into(), Value::from(self.special.bos_token.as_str()));
         ctx.insert("eos_token".into(), Value::from(self.special.eos_token.as_str()));
         let mut kwargs: BTreeMap<String, Value> = match vars.chat_template_kwargs {
@@ -293,6 +307,8 @@ impl ChatTemplate {
             }
             None => BTreeMap::new(),
         };
+        // transformers takes it as an argument of its own, not a template variable.
+        kwargs.remove("continue_final_message");
         if let Some(effort) = vars.reasoning_effort {
             if !kwargs.contains_key("enable_thinking") {
                 kwargs.insert("enable_thinking".into(), Value::from(effort != "none"));
@@ -300,16 +316,79 @@ impl ChatTemplate {
             kwargs.insert("reasoning_effort".into(), Value::from(effort));
         }
         ctx.extend(kwargs);
+        // The request's own field wins over its kwargs (vLLM merges them so).
+        ctx.insert("add_generation_prompt".into(), Value::from(vars.add_generation_prompt));
         ctx.insert("messages".into(), Value::from(messages));
         let template = self.env.get_template(TEMPLATE_NAME).map_err(RequestError::Template)?;
-        template.render(Value::from(ctx)).map_err(RequestError::Template)
+        let rendered = template.render(Value::from(ctx)).map_err(RequestError::Template)?;
+        match tagged {
+            Some((_, text)) => continued(rendered, &text),
+            None => Ok(rendered),
+        }
     }
+
+    /// The last message with [`CONTINUE_TAG`] after the text a continued prompt ends in (the
+    /// last text part, in the "openai" content format), and that text, as transformers tags
+    /// it.
+    fn tagged<'m>(&self, last: &Message<'m>) -> Result<(Message<'m>, String), RequestError> {
+        if !self.mentions_content {
+            return Err(RequestError::CannotContinue(
+                "continue_final_message is set but the chat template has no 'content' to continue",
+            ));
+        }
+        let mut last = last.clone();
+        let text = match (self.format, &mut last.parts, &mut last.content) {
+            (ContentFormat::OpenAi, Some(parts), _) => parts.last_mut(),
+            (ContentFormat::OpenAi, None, content) => content.as_mut(),
+            // A string content: `""` when the client sent none.
+            (ContentFormat::String, _, content) => Some(content.get_or_insert_default()),
+        }
+        .ok_or(RequestError::CannotContinue(
+            "continue_final_message is set but we could not find any text to continue in the final message",
+        ))?;
+        let original = text.to_string();
+        text.to_mut().push_str(CONTINUE_TAG);
+        Ok((last, original))
+    }
+}
+
+/// What transformers appends to the text a continued prompt ends in, to find where that
+/// text ends once rendered.
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+/// A prompt rendered with [`CONTINUE_TAG`] after `text`, cut where the tag begins (and, when
+/// the template trimmed the tag's space, cut of the whitespace before it too), as
+/// transformers cuts it; an error when the template does not render `text` or the tag.
+fn continued(mut rendered: String, text: &str) -> Result<String, RequestError> {
+    let tag = CONTINUE_TAG.trim_end();
+    let at = match rendered.rfind(tag) {
+        Some(at) if rendered.contains(text.trim_matches(is_python_space)) => at,
+        _ => {
+            return Err(RequestError::CannotContinue(
+                "continue_final_message is set but the final message does not appear in the chat after \
+                 applying the chat template",
+            ));
+        }
+    };
+    let spaced = rendered[at..].starts_with(CONTINUE_TAG);
+    rendered.truncate(at);
+    if !spaced {
+        rendered.truncate(rendered.trim_end_matches(is_python_space).len());
+    }
+    Ok(rendered)
+}
+
+/// Python's `str.isspace`: Unicode's white space and the four ASCII separators.
+fn is_python_space(c: char) -> bool {
+    c.is_whitespace() || ('\x1c'..='\x1f').contains(&c)
 }
 
 /// What a request sets of a template's variables besides `messages` (see the module docs).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Variables<'a> {
     pub add_generation_prompt: bool,
+    /// End the prompt inside the last message's text, as transformers does.
+    pub continue_final_message: bool,
     /// The request's `tools`, an array.
     pub tools: Option<&'a RawValue>,
     /// The request's `chat_template_kwargs`, an object.
@@ -884,5 +963,73 @@ mod tests {
             pretty.as_str(),
             Some("{\n  \"b\": [\n    1,\n    \"ü\",\n    null\n  ],\n  \"a\": {\n    \"x\": true\n  }\n}")
         );
+    }
+
+    /// `continue_final_message` cuts the prompt where the last text ends, as transformers
+    /// 5.20 does: expected strings from its `render_jinja_template`.
+    #[test]
+    fn a_continued_final_message_ends_the_prompt_as_transformers_ends_it() {
+        let render = |source: &str, messages: &str| {
+            let template = ChatTemplate::new(source, SpecialTokens::default()).unwrap();
+            let body = format!(
+                r#"{{"messages":{messages},"continue_final_message":true,"add_generation_prompt":false}}"#
+            );
+            let chat = crate::openai::ChatRequest::parse(body.as_bytes()).unwrap();
+            template.render(&chat.messages, chat.variables())
+        };
+        let hi = r#"{"role":"user","content":"Hi"}"#;
+        assert_eq!(
+            render(DEFAULT_CHAT_TEMPLATE, &format!(r#"[{hi},{{"role":"assistant","content":"Hello "}}]"#))
+                .unwrap(),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello "
+        );
+        assert_eq!(
+            render(DEFAULT_CHAT_TEMPLATE, &format!(r#"[{hi},{{"role":"assistant","content":null}}]"#))
+                .unwrap(),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // A template that trims the text trims the tag's space: the spaces before go too.
+        let trimming =
+            "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>{% endfor %}";
+        assert_eq!(
+            render(trimming, &format!(r#"[{hi},{{"role":"assistant","content":" Sure, here  "}}]"#)).unwrap(),
+            "<user>Hi</user><assistant>Sure, here"
+        );
+        // In the "openai" content format, the last text part is the one continued.
+        let parts = "{% for m in messages %}{% for p in m.content %}[{{ p.text }}]{% endfor %}|{% endfor %}";
+        let last =
+            r#"{"role":"assistant","content":[{"type":"text","text":"A"},{"type":"text","text":"B"}]}"#;
+        assert_eq!(render(parts, &format!("[{hi},{last}]")).unwrap(), "[Hi]|[A][B");
+        let refused = |source: &str, messages: &str| {
+            matches!(render(source, messages), Err(RequestError::CannotContinue(_)))
+        };
+        assert!(refused(parts, &format!(r#"[{hi},{{"role":"assistant","content":null}}]"#)), "no text");
+        assert!(refused("{% for m in messages %}{{ m.role }}{% endfor %}", &format!("[{hi}]")), "no content");
+        let dropping = "{% for m in messages[:-1] %}{{ m.content }}{% endfor %}";
+        assert!(
+            refused(dropping, &format!(r#"[{hi},{{"role":"assistant","content":"Yo"}}]"#)),
+            "not rendered"
+        );
+        // Without it the same template renders the whole message.
+        let body = format!(r#"{{"messages":[{hi},{last}],"add_generation_prompt":false}}"#);
+        let chat = crate::openai::ChatRequest::parse(body.as_bytes()).unwrap();
+        let template = ChatTemplate::new(parts, SpecialTokens::default()).unwrap();
+        assert_eq!(template.render(&chat.messages, chat.variables()).unwrap(), "[Hi]|[A][B]|");
+    }
+
+    /// The request's `add_generation_prompt` wins over its `chat_template_kwargs`' (vLLM 0.33
+    /// merges the request's fields over the kwargs); `continue_final_message` is no template
+    /// variable.
+    #[test]
+    fn the_requests_generation_prompt_wins_over_its_kwargs() {
+        let template = ChatTemplate::new(
+            "{{ add_generation_prompt }} {{ continue_final_message is defined }}",
+            SpecialTokens::default(),
+        )
+        .unwrap();
+        let body = br#"{"messages":[{"role":"user","content":"q"}],
+            "chat_template_kwargs":{"add_generation_prompt":false,"continue_final_message":true}}"#;
+        let chat = crate::openai::ChatRequest::parse(body).unwrap();
+        assert_eq!(template.render(&chat.messages, chat.variables()).unwrap(), "True False");
     }
 }

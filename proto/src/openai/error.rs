@@ -93,6 +93,11 @@ pub enum RequestError {
     /// prompt starts with a conversation only the replica that stored it has.
     #[error("the prompt continues a stored response, which only the replica that stored it has")]
     StoredConversation,
+    /// `continue_final_message` asked for what cannot be done: with a generation prompt, or
+    /// with a last message whose text the template does not render as it is (transformers'
+    /// checks, which vLLM answers with a 400).
+    #[error("{0}")]
+    CannotContinue(&'static str),
     /// A chat request, but no chat template is configured for this tokenizer.
     #[error("no chat template is configured for this model, so chat requests are not supported")]
     NoChatTemplate,
@@ -162,6 +167,7 @@ impl RequestError {
             }
             E::NoChatTemplate | E::Template(_) => (INVALID_REQUEST, Some("messages".into()), None),
             E::StoredConversation => (INVALID_REQUEST, Some("previous_response_id".into()), None),
+            E::CannotContinue(_) => (INVALID_REQUEST, Some("continue_final_message".into()), None),
             E::Tokenizer(_) => ("server_error", None, None),
         };
         OpenAiError { message: self.to_string(), kind: kind.into(), param, code: code.map(Into::into) }

@@ -212,6 +212,9 @@ pub struct ChatRequest<'a> {
     pub cache_salt: Option<Cow<'a, str>>,
     /// End the prompt with the assistant turn's header; default true.
     pub add_generation_prompt: bool,
+    /// End the prompt inside the last message, for the model to go on with it (the client
+    /// "prefills" the answer); needs `add_generation_prompt: false`.
+    pub continue_final_message: bool,
     /// Whether the rendered prompt also gets the tokenizer's special tokens; default false.
     pub add_special_tokens: bool,
     /// Extra template variables (`{"enable_thinking": false}`), an object if present.
@@ -282,7 +285,7 @@ impl<'a> CompletionRequest<'a> {
 
 impl<'a> ChatRequest<'a> {
     /// The fields read, in the order [`scan::fields`] returns them.
-    const FIELDS: [&'static str; 11] = [
+    const FIELDS: [&'static str; 12] = [
         "model",
         "messages",
         "stream",
@@ -294,6 +297,7 @@ impl<'a> ChatRequest<'a> {
         "chat_template_kwargs",
         "tools",
         "reasoning_effort",
+        "continue_final_message",
     ];
 
     /// Parses and validates a `/v1/chat/completions` body.
@@ -329,6 +333,7 @@ impl<'a> ChatRequest<'a> {
             chat_template_kwargs,
             tools,
             reasoning_effort,
+            continue_final_message,
         ] = fields;
         let messages = messages.ok_or(RequestError::MissingField { param: "messages" })?;
         let messages = parse_messages(messages)?;
@@ -342,6 +347,16 @@ impl<'a> ChatRequest<'a> {
         {
             return Err(RequestError::InvalidField { param: "tools", expected: "an array" });
         }
+        let add_generation_prompt = boolean(add_generation_prompt, "add_generation_prompt")?.unwrap_or(true);
+        let continue_final_message =
+            boolean(continue_final_message, "continue_final_message")?.unwrap_or(false);
+        // vLLM refuses both (its default generation prompt included: transformers does).
+        if continue_final_message && add_generation_prompt {
+            return Err(RequestError::CannotContinue(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True \
+                 (`add_generation_prompt` is true unless set to false)",
+            ));
+        }
         Ok(ChatRequest {
             model: model(model_)?,
             messages,
@@ -349,7 +364,8 @@ impl<'a> ChatRequest<'a> {
             max_tokens: count(max_tokens, "max_tokens")?,
             max_completion_tokens: count(max_completion_tokens, "max_completion_tokens")?,
             cache_salt: cache_salt(salt)?,
-            add_generation_prompt: boolean(add_generation_prompt, "add_generation_prompt")?.unwrap_or(true),
+            add_generation_prompt,
+            continue_final_message,
             add_special_tokens: boolean(add_special_tokens, "add_special_tokens")?.unwrap_or(false),
             chat_template_kwargs,
             tools,
@@ -366,6 +382,7 @@ impl<'a> ChatRequest<'a> {
     pub fn variables(&self) -> Variables<'_> {
         Variables {
             add_generation_prompt: self.add_generation_prompt,
+            continue_final_message: self.continue_final_message,
             tools: self.tools,
             chat_template_kwargs: self.chat_template_kwargs,
             reasoning_effort: self.reasoning_effort.as_deref(),

@@ -452,3 +452,24 @@ mod fast_path {
         assert!(scan::fields(chat.as_bytes(), &ChatRequest::FIELDS, None).is_some());
     }
 }
+
+/// vLLM refuses `continue_final_message` with a generation prompt, its default one included.
+#[test]
+fn a_continued_final_message_needs_the_generation_prompt_off() {
+    let last = r#""messages":[{"role":"assistant","content":"Sure"}]"#;
+    for asked in
+        [r#","continue_final_message":true"#, r#","continue_final_message":1,"add_generation_prompt":true"#]
+    {
+        let body = format!("{{{last}{asked}}}");
+        let refused = chat(&body);
+        assert!(matches!(refused, Err(RequestError::CannotContinue(_))), "{asked}: {refused:?}");
+    }
+    let body = format!(r#"{{{last},"continue_final_message":true,"add_generation_prompt":false}}"#);
+    let r = chat(&body).unwrap();
+    assert!(r.continue_final_message && !r.add_generation_prompt);
+    assert!(!chat(&format!("{{{last}}}")).unwrap().continue_final_message);
+    assert!(matches!(
+        chat(&format!(r#"{{{last},"continue_final_message":"maybe"}}"#)),
+        Err(RequestError::InvalidField { param: "continue_final_message", .. })
+    ));
+}
