@@ -52,8 +52,9 @@ pub enum ProxyError {
     BodyTimeout { timeout_ms: u64 },
     #[error("the prompt has {tokens} tokens, more than the limit of {limit}")]
     PromptTooLong { tokens: u64, limit: u64 },
-    #[error("max_tokens {asked} exceeds the limit of {limit}")]
-    TooManyTokens { asked: u64, limit: u64 },
+    /// `param` is the request's name for it (`max_tokens`, `max_output_tokens`).
+    #[error("{param} {asked} exceeds the limit of {limit}")]
+    TooManyTokens { param: &'static str, asked: u64, limit: u64 },
     #[error("unknown path {0}")]
     NotFound(String),
     #[error("method {method} is not allowed here; use {allow}")]
@@ -144,9 +145,9 @@ impl ProxyError {
                 e.param = Some("prompt".into());
                 e
             }
-            ProxyError::TooManyTokens { .. } => {
+            ProxyError::TooManyTokens { param, .. } => {
                 let mut e = OpenAiError::new("invalid_request_error", self.to_string());
-                e.param = Some("max_tokens".into());
+                e.param = Some((*param).into());
                 e
             }
             ProxyError::NotFound(_) => {

@@ -231,27 +231,51 @@ pub async fn routed(
     Err(last_error.unwrap_or_else(|| ProxyError::Unavailable("no eligible replica".into())))
 }
 
-/// Sends a request whose body streams through (not retried) to one replica.
-pub async fn streamed(
+/// A request's body for [`to_replica`], and the load it brings the replica.
+pub struct Sending {
+    /// In hand (sent with `Content-Length`, on a pooled connection) or streamed through.
+    pub body: Outgoing,
+    /// A streamed body's progress (the first-byte timeout waits for the upload).
+    pub uploaded: Option<Progress>,
+    /// Prompt tokens, and those of them the replica is to prefill (0 when not known).
+    pub prompt_tokens: u64,
+    pub prefill_tokens: u64,
+}
+
+impl Sending {
+    /// A body that streams through, its load not known.
+    pub fn streamed(body: ProxyBody, uploaded: Progress) -> Self {
+        Sending {
+            body: Outgoing::Stream(body),
+            uploaded: Some(uploaded),
+            prompt_tokens: 0,
+            prefill_tokens: 0,
+        }
+    }
+}
+
+/// Sends a request to one replica, once.
+pub async fn to_replica(
     pool: &Arc<Pool>,
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
     member: &crate::fleet::Member,
     parts: http::request::Parts,
-    (body, uploaded): (ProxyBody, Progress),
+    Sending { body, uploaded, prompt_tokens, prefill_tokens }: Sending,
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let upstream = &member.upstream;
-    let guard = upstream.begin(0, 0);
+    let guard = upstream.begin(prefill_tokens, prompt_tokens);
     let (client, headers) = upstream_head(parts, admitted.request_id);
     let uri = replica_uri(&member.replica.spec.http_url, &client.uri)?;
     let sent = Instant::now();
     let head = (&client.method, &uri, &headers);
-    match first_byte(config, sent, pool, head, (Outgoing::Stream(body), Some(&uploaded))).await {
+    match first_byte(config, sent, pool, head, (body, uploaded.as_ref())).await {
         Ok(Ok(response)) => {
             let line = config.access_log.then(|| {
                 Box::new(access::Line {
                     replica: member.replica.spec.name.clone(),
+                    prompt_tokens: (prompt_tokens > 0).then_some(prompt_tokens),
                     ..access::Line::new(&admitted, &client.method, &client.uri)
                 })
             });

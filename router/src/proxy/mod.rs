@@ -41,7 +41,6 @@ use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use kvroute_proto::openai::request::responses::Responses as ResponsesRequest;
 use kvroute_proto::openai::{Endpoint, RequestError};
 use kvroute_proto::serve::{Heartbeats, Limits};
 use prometheus_client::registry::Registry;
@@ -53,8 +52,10 @@ use crate::fleet::{Fleet, Member};
 use crate::metrics::ErrorLabel;
 use body::{ProxyBody, full};
 use error::ProxyError;
-use forward::{Admitted, ForwardConfig, Slot};
+use forward::{Admitted, ForwardConfig, Sending, Slot};
+use http1::Outgoing;
 use pool::Pool;
+use responses::Continuation;
 use route::{Decider, RequestLimits};
 
 /// Everything the request path shares.
@@ -274,12 +275,13 @@ async fn routed(
             forward::routed(pool, &state.forward, &state.decider, &mut plan, parts, body, admitted).await
         }
         Err(ProxyError::BadRequest(RequestError::StoredConversation)) => {
-            let request = ResponsesRequest::read(&body)?;
-            let id = request.previous_response_id.as_deref().unwrap_or_default();
-            let member = find_owner(state, pool, &parts.headers, id).await?;
-            let body = (full(body), upload::Progress::default());
-            forward::streamed(pool, &state.forward, &state.decider.metrics, &member, parts, body, admitted)
-                .await
+            let continuation = Continuation::read(&state.decider, &body, &state.limits).await?;
+            let member = find_owner(state, pool, &parts.headers, &continuation.id).await?;
+            let (prompt_tokens, prefill_tokens) = continuation.load_on(&member);
+            let sending =
+                Sending { body: Outgoing::Full(body), uploaded: None, prompt_tokens, prefill_tokens };
+            let metrics = &state.decider.metrics;
+            forward::to_replica(pool, &state.forward, metrics, &member, parts, sending, admitted).await
         }
         Err(e) => Err(e),
     }
@@ -362,16 +364,8 @@ async fn streamed_to(
         upload::Upload::new(Limited::new(body, state.forward.max_body_bytes), state.forward.idle_timeout)
             .tracking(uploaded.clone())
             .boxed_unsync();
-    forward::streamed(
-        pool,
-        &state.forward,
-        &state.decider.metrics,
-        &member,
-        parts,
-        (body, uploaded),
-        admitted,
-    )
-    .await
+    let sending = Sending::streamed(body, uploaded);
+    forward::to_replica(pool, &state.forward, &state.decider.metrics, &member, parts, sending, admitted).await
 }
 
 fn content_length(parts: &http::request::Parts) -> Option<usize> {

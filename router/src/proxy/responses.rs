@@ -16,6 +16,11 @@
 //!   router's, one from before a restart, or one it has let go) is asked of every replica
 //!   (`GET /v1/responses/{id}`) and the one that has it remembered.
 //! - An id no replica has gets vLLM's own answer: 404, `Response with id '…' not found.`
+//! - A continuation's body is sent whole (on a pooled connection), once. What it adds to the
+//!   stored conversation (its instructions and input) is tokenized as a chat of its own
+//!   ([`Continuation`]): that is held to `--max-prompt-tokens` (the whole prompt is longer
+//!   still) and its `max_output_tokens` to `--max-completion-tokens`, and counts as the
+//!   owner's load, less what the owner is shown to hold of it (the instructions, usually).
 
 use std::sync::Arc;
 
@@ -25,8 +30,11 @@ use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, percent_decode_str, utf8_perc
 
 use super::error::ProxyError;
 use super::pool::Pool;
+use super::route::{Decider, Plan, RequestLimits};
 use crate::fleet::{Fleet, Member};
 use crate::metrics::{OutcomeLabel, ProxyMetrics};
+use kvroute_proto::openai::Endpoint;
+use kvroute_proto::openai::request::responses::Responses;
 
 pub use kvroute_proto::openai::request::responses::RESPONSES_PATH;
 
@@ -51,6 +59,45 @@ pub fn target(path: &str) -> Option<Target<'_>> {
     }
     let id = rest.strip_prefix('/')?.split('/').next()?;
     (!id.is_empty()).then_some(Target::Stored(id))
+}
+
+/// A Responses request that continues a stored response (`previous_response_id`).
+#[derive(Debug)]
+pub struct Continuation {
+    /// The stored response's id.
+    pub id: String,
+    /// What the request adds to the stored conversation, decided as a chat of its own with
+    /// nothing credited or counted; `None` when it could not be tokenized (a remote
+    /// tokenizer that did not answer): the request goes without an estimate of its load.
+    added: Option<Plan>,
+}
+
+impl Continuation {
+    /// Reads a continuation's `body`, refusing one beyond `limits`.
+    pub async fn read(decider: &Decider, body: &[u8], limits: &RequestLimits) -> Result<Self, ProxyError> {
+        let request = Responses::read(body)?;
+        let id = request.previous_response_id.as_deref().unwrap_or_default().to_owned();
+        let added = match decider.explain(Endpoint::ChatCompletions, &request.chat_body(&[])).await {
+            Ok(plan) => {
+                limits.check(&plan, Endpoint::Responses)?;
+                Some(plan)
+            }
+            Err(e @ ProxyError::BadRequest(_)) => return Err(e),
+            Err(e) => {
+                tracing::debug!(error = %e, "a continuation's new turn could not be tokenized");
+                None
+            }
+        };
+        Ok(Continuation { id, added })
+    }
+
+    /// Its load on `owner`: prompt tokens (at least: the new ones), and those of them `owner`
+    /// is to prefill (the stored conversation is cached there, having just been made there).
+    pub fn load_on(&self, owner: &Member) -> (u64, u64) {
+        self.added
+            .as_ref()
+            .map_or((0, 0), |plan| (plan.prompt_tokens, plan.prefill_tokens_on(owner.replica.id)))
+    }
 }
 
 /// Which replica made each response the router has seen (by replica name), bounded.

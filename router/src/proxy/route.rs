@@ -14,7 +14,7 @@ use kvroute_proto::hash::extend_chain;
 use kvroute_proto::openai::request::anthropic;
 use kvroute_proto::openai::{Endpoint, InlineSystem, ParsedRequest, Tokenization};
 use kvroute_proto::pb::StreamState as PbState;
-use kvroute_proto::{BlockHash, block_hash, chain, hit_tokens};
+use kvroute_proto::{BlockHash, ReplicaId, block_hash, chain, hit_tokens};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::error::ProxyError;
@@ -51,8 +51,8 @@ impl RequestLimits {
     pub const NONE: RequestLimits =
         RequestLimits { max_prompt_tokens: u64::MAX, max_completion_tokens: u64::MAX };
 
-    /// Whether `plan` is within the bounds.
-    pub fn check(&self, plan: &Plan) -> Result<(), ProxyError> {
+    /// Whether `plan`, of a request to `endpoint`, is within the bounds.
+    pub fn check(&self, plan: &Plan, endpoint: Endpoint) -> Result<(), ProxyError> {
         if plan.prompt_tokens > self.max_prompt_tokens {
             return Err(ProxyError::PromptTooLong {
                 tokens: plan.prompt_tokens,
@@ -61,7 +61,11 @@ impl RequestLimits {
         }
         match plan.max_tokens {
             Some(asked) if asked > self.max_completion_tokens => {
-                Err(ProxyError::TooManyTokens { asked, limit: self.max_completion_tokens })
+                let param = match endpoint {
+                    Endpoint::Responses => "max_output_tokens",
+                    _ => "max_tokens",
+                };
+                Err(ProxyError::TooManyTokens { param, asked, limit: self.max_completion_tokens })
             }
             _ => Ok(()),
         }
@@ -140,9 +144,17 @@ impl Plan {
 
     /// Tokens the `i`th replica of [`Plan::order`] is predicted to have cached.
     pub fn predicted_cached_tokens(&self, i: usize) -> u64 {
-        self.order().nth(i).map_or(0, |s| {
-            hit_tokens(s.view.overlap_blocks, self.block_size, self.first_prompt_tokens) as u64
-        })
+        self.order().nth(i).map_or(0, |s| self.hit(s))
+    }
+
+    /// Prompt tokens `replica` would have to prefill (all of them if it is no candidate).
+    pub fn prefill_tokens_on(&self, replica: ReplicaId) -> u64 {
+        let hit = self.candidates.iter().find(|s| s.member.replica.id == replica).map_or(0, |s| self.hit(s));
+        self.prompt_tokens.saturating_sub(hit)
+    }
+
+    fn hit(&self, scored: &Scored) -> u64 {
+        hit_tokens(scored.view.overlap_blocks, self.block_size, self.first_prompt_tokens) as u64
     }
 
     /// Prompt tokens the replica at `order[i]` will have to prefill.
@@ -166,7 +178,7 @@ impl Decider {
     ) -> Result<Plan, ProxyError> {
         let started = Instant::now();
         let plan = self.plan(endpoint, body, true).await?;
-        limits.check(&plan)?;
+        limits.check(&plan, endpoint)?;
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         let mut plan = plan;
         let chosen = plan.chosen().ok_or_else(|| ProxyError::Unavailable(unavailable_reason(&plan)))?;

@@ -154,6 +154,50 @@ async fn a_stored_response_is_continued_where_it_was_made() {
     assert_eq!(lookups(&fleet, &fleet.router.url(), "missing").await, 2, "resp_nobody, twice");
 }
 
+/// A continuation is held to the router's bounds before any replica is asked, and what it
+/// adds to the stored conversation weighs on its owner, less the instructions the owner holds.
+#[tokio::test]
+async fn a_continuation_is_bounded_and_weighs_on_its_owner() {
+    let fleet = Fleet::with(2, storing, |c| kvroute_router::Config { max_completion_tokens: 8, ..c }).await;
+    let url = fleet.url("/v1/responses");
+    let instructions = text("law", 40);
+    let first =
+        json!({"model": FLEET_MODEL, "instructions": instructions, "input": "start", "max_output_tokens": 3});
+    let first = fleet.http.post(&url, &first).await;
+    assert_eq!(first.status, 200, "{}", String::from_utf8_lossy(&first.body));
+    let (id, home) = (first.json()["id"].as_str().unwrap().to_owned(), replica(&first));
+    let at: usize = home.strip_prefix("agent-").unwrap().parse().unwrap();
+    fleet.index_matches(at).await;
+
+    let next = |max: u64| {
+        json!({"model": FLEET_MODEL, "previous_response_id": id, "instructions": instructions,
+            "input": text("new", 12), "max_output_tokens": max})
+    };
+    let over = fleet.http.post(&url, &next(9)).await;
+    assert_eq!(over.status, 400, "{}", String::from_utf8_lossy(&over.body));
+    assert_eq!(over.json()["error"]["param"], "max_output_tokens");
+    assert_eq!(lookups(&fleet, &fleet.router.url(), "known").await, 0, "refused before its owner was sought");
+
+    let state = &fleet.router.state;
+    let body = serde_json::to_vec(&next(8)).unwrap();
+    let continuation =
+        kvroute_router::proxy::responses::Continuation::read(&state.decider, &body, &state.limits)
+            .await
+            .unwrap();
+    assert_eq!(continuation.id, id);
+    let member = |name: &str| state.fleet().member(name).unwrap();
+    let (prompt, prefill) = continuation.load_on(&member(&home));
+    assert!(prompt > 40, "the instructions and the new input: {prompt}");
+    assert!(prefill < prompt - 30, "the instructions are cached at home: {prefill} of {prompt}");
+    assert!(prefill >= 12, "the new input is not: {prefill}");
+    let elsewhere = format!("agent-{}", 1 - at);
+    assert_eq!(continuation.load_on(&member(&elsewhere)), (prompt, prompt), "nothing of it is elsewhere");
+
+    let ok = fleet.http.post(&url, &next(8)).await;
+    assert_eq!((ok.status.as_u16(), replica(&ok)), (200, home));
+    assert!(cached(&ok) > prompt - prefill, "the conversation so far was cached too");
+}
+
 /// A streamed response's id is learned from its first event: the continuation goes home.
 #[tokio::test]
 async fn a_streamed_response_is_learned_from_its_first_event() {
