@@ -33,7 +33,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use hyper::StatusCode;
-use kvroute_proto::openai::request::responses::Responses;
+use kvroute_proto::openai::request::responses::{Responses, asks_to_store};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
@@ -126,24 +126,12 @@ impl Keep {
 
 /// Reads a Responses request, with the stored conversation it continues.
 pub(super) fn prepare(store: &Arc<Store>, body: &[u8]) -> Result<Prepared, ApiError> {
-    /// `store`: absent is true; `null` is false, as Python reads `if request.store`.
-    #[derive(Deserialize)]
-    struct Flags {
-        #[serde(default = "absent")]
-        store: Option<bool>,
-    }
-    fn absent() -> Option<bool> {
-        Some(true)
-    }
     #[derive(Deserialize)]
     struct Chat {
         messages: Vec<Box<RawValue>>,
     }
     let request = Responses::read(body)?;
-    let asked_to_store = serde_json::from_slice::<Flags>(body)
-        .map_err(|_| ApiError::invalid_field("store", "'store' must be a boolean"))?
-        .store
-        .unwrap_or(false);
+    let asked_to_store = asks_to_store(body)?;
     let previous = request.previous_response_id.as_deref().map(str::to_owned);
     let earlier = match &previous {
         Some(id) => Some(store.get(id).ok_or_else(|| not_found(id))?),

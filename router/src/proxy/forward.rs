@@ -26,7 +26,7 @@ use super::body::{BoxError, End, Hooks, ProxyBody, Tracked};
 use super::error::{Client, ProxyError};
 use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::pool::{Pool, SendError};
-use super::responses::{self, Learner, Owners};
+use super::responses::{Learner, Owners};
 use super::route::{Decider, Plan};
 use super::stalls::StallWatch;
 use super::upload::{self, Progress};
@@ -184,6 +184,7 @@ pub async fn routed(
                     sent,
                     hold: plan.hold.take(),
                     counted,
+                    keeps_response: plan.keeps_response,
                 };
                 let mut response = wrap(response, &client, sent, config, metrics, admitted, line);
                 let headers = response.headers_mut();
@@ -240,6 +241,8 @@ pub struct Sending {
     /// Prompt tokens, and those of them the replica is to prefill (0 when not known).
     pub prompt_tokens: u64,
     pub prefill_tokens: u64,
+    /// A Responses request whose response the replica may keep: its id is learned.
+    pub keeps_response: bool,
 }
 
 impl Sending {
@@ -250,6 +253,7 @@ impl Sending {
             uploaded: Some(uploaded),
             prompt_tokens: 0,
             prefill_tokens: 0,
+            keeps_response: false,
         }
     }
 }
@@ -261,7 +265,7 @@ pub async fn to_replica(
     metrics: &ProxyMetrics,
     member: &crate::fleet::Member,
     parts: http::request::Parts,
-    Sending { body, uploaded, prompt_tokens, prefill_tokens }: Sending,
+    Sending { body, uploaded, prompt_tokens, prefill_tokens, keeps_response }: Sending,
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let upstream = &member.upstream;
@@ -283,7 +287,14 @@ pub async fn to_replica(
             let mut response = wrap(
                 response,
                 &client,
-                Attempt { replica: &member.replica.spec.name, guard, sent, hold: None, counted: false },
+                Attempt {
+                    replica: &member.replica.spec.name,
+                    guard,
+                    sent,
+                    hold: None,
+                    counted: false,
+                    keeps_response,
+                },
                 config,
                 metrics,
                 admitted,
@@ -395,13 +406,15 @@ struct Attempt<'a> {
     sent: Instant,
     hold: Option<CreditHold>,
     counted: bool,
+    /// Whether the answer's id names a response the replica keeps.
+    keeps_response: bool,
 }
 
 /// The upstream response, with the body tracked and hop-by-hop headers removed.
 fn wrap(
     response: Response<UpstreamBody>,
     client: &ClientHead,
-    Attempt { replica, guard, sent, hold, counted }: Attempt<'_>,
+    Attempt { replica, guard, sent, hold, counted, keeps_response }: Attempt<'_>,
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
     admitted: Admitted<'_>,
@@ -445,9 +458,8 @@ fn wrap(
         sent,
         access,
         hold,
-        learner: (status.is_success()
-            && responses::target(client.uri.path()) == Some(responses::Target::Create))
-        .then(|| Learner::new(config.owners.clone(), replica.into())),
+        learner: (status.is_success() && keeps_response)
+            .then(|| Learner::new(config.owners.clone(), replica.into())),
     });
     // A stream that fails ends with an error event in the envelope its client reads.
     let sse = sse.then(|| Client::of_path(client.uri.path()));

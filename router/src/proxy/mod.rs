@@ -41,6 +41,7 @@ use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
+use kvroute_proto::openai::request::responses::asks_to_store;
 use kvroute_proto::openai::{Endpoint, RequestError};
 use kvroute_proto::serve::{Heartbeats, Limits};
 use prometheus_client::registry::Registry;
@@ -272,14 +273,21 @@ async fn routed(
     let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
     match state.decider.decide_within(endpoint, &body, &state.limits).await {
         Ok(mut plan) => {
+            // A malformed `store` is the replica's to refuse; until then, its id is worth keeping.
+            plan.keeps_response = endpoint == Endpoint::Responses && asks_to_store(&body).unwrap_or(true);
             forward::routed(pool, &state.forward, &state.decider, &mut plan, parts, body, admitted).await
         }
         Err(ProxyError::BadRequest(RequestError::StoredConversation)) => {
             let continuation = Continuation::read(&state.decider, &body, &state.limits).await?;
             let member = find_owner(state, pool, &parts.headers, &continuation.id).await?;
             let (prompt_tokens, prefill_tokens) = continuation.load_on(&member);
-            let sending =
-                Sending { body: Outgoing::Full(body), uploaded: None, prompt_tokens, prefill_tokens };
+            let sending = Sending {
+                body: Outgoing::Full(body),
+                uploaded: None,
+                prompt_tokens,
+                prefill_tokens,
+                keeps_response: continuation.store,
+            };
             let metrics = &state.decider.metrics;
             forward::to_replica(pool, &state.forward, metrics, &member, parts, sending, admitted).await
         }

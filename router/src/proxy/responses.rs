@@ -9,7 +9,8 @@
 //! - A request about a stored response goes to the replica that made it, whatever its load
 //!   (only it can answer), with no retry elsewhere. Its prompt starts with a conversation only
 //!   that replica has, so it counts in neither hit rate.
-//! - The router learns which replica made a response from the response itself: the first
+//! - The router learns which replica made a response (one that asked to be kept: `store`
+//!   true or absent) from the response itself: the first
 //!   `"id"` of a successful answer's body (vLLM writes the response object's `id` first, and
 //!   a stream's first event is `response.created` with the response inside, its `id`
 //!   first). The map is bounded ([`Owners`]); an id the router does not know (another
@@ -34,7 +35,7 @@ use super::route::{Decider, Plan, RequestLimits};
 use crate::fleet::{Fleet, Member};
 use crate::metrics::{OutcomeLabel, ProxyMetrics};
 use kvroute_proto::openai::Endpoint;
-use kvroute_proto::openai::request::responses::Responses;
+use kvroute_proto::openai::request::responses::{Responses, asks_to_store};
 
 pub use kvroute_proto::openai::request::responses::RESPONSES_PATH;
 
@@ -66,6 +67,8 @@ pub fn target(path: &str) -> Option<Target<'_>> {
 pub struct Continuation {
     /// The stored response's id.
     pub id: String,
+    /// Whether it asks for its own response to be kept ([`asks_to_store`]).
+    pub store: bool,
     /// What the request adds to the stored conversation, decided as a chat of its own with
     /// nothing credited or counted; `None` when it could not be tokenized (a remote
     /// tokenizer that did not answer): the request goes without an estimate of its load.
@@ -88,7 +91,7 @@ impl Continuation {
                 None
             }
         };
-        Ok(Continuation { id, added })
+        Ok(Continuation { id, store: asks_to_store(body).unwrap_or(true), added })
     }
 
     /// Its load on `owner`: prompt tokens (at least: the new ones), and those of them `owner`

@@ -113,6 +113,9 @@ pub struct Plan {
     /// `Explain`): the forwarder hands them to the response, which lets them go when the
     /// replica's first output arrives.
     pub hold: Option<CreditHold>,
+    /// A Responses request whose response the replica may keep (`store`): the response's id
+    /// is learned from its answer ([`super::responses::Owners`]).
+    pub keeps_response: bool,
 }
 
 impl Plan {
@@ -352,6 +355,7 @@ impl Decider {
             max_tokens: None,
             unhashed_tokens: None,
             hold: None,
+            keeps_response: false,
         }
     }
 }

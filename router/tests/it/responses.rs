@@ -73,6 +73,7 @@ async fn a_conversation_sent_whole_follows_its_prefix() {
     homes.sort();
     homes.dedup();
     assert!(homes.len() > 1, "new conversations spread over the fleet: {homes:?}");
+    assert!(fleet.router.state.forward.owners.is_empty(), "responses not to be kept are not remembered");
 }
 
 /// A stored response is continued, fetched and cancelled on the replica that made it, which

@@ -313,6 +313,23 @@ impl Serialize for Msg<'_> {
     }
 }
 
+/// Whether a Responses request asks for its response to be kept (`store`): absent is true
+/// (vLLM's default), `null` false (Python's `if request.store`). Whether it is kept is the
+/// server's choice too (vLLM's `VLLM_ENABLE_RESPONSES_API_STORE`).
+pub fn asks_to_store(body: &[u8]) -> Result<bool, RequestError> {
+    #[derive(serde::Deserialize)]
+    struct Flags {
+        #[serde(default = "absent")]
+        store: Option<bool>,
+    }
+    fn absent() -> Option<bool> {
+        Some(true)
+    }
+    serde_json::from_slice::<Flags>(body)
+        .map(|flags| flags.store.unwrap_or(false))
+        .map_err(|_| invalid("store", "a boolean"))
+}
+
 fn invalid(param: &'static str, expected: &'static str) -> RequestError {
     RequestError::InvalidField { param, expected }
 }
