@@ -16,7 +16,8 @@
 //!   first). The map is bounded ([`Owners`]); an id the router does not know (another
 //!   router's, one from before a restart, or one it has let go) is asked of every replica
 //!   (`GET /v1/responses/{id}`) and the one that has it remembered.
-//! - An id no replica has gets vLLM's own answer: 404, `Response with id '…' not found.`
+//! - An id no replica has gets vLLM's own answer: 404, `Response with id '…' not found.`,
+//!   and for [`MISSING_FOR`] after that the same answer without the replicas asked again.
 //! - A continuation's body is sent whole (on a pooled connection), once. What it adds to the
 //!   stored conversation (its instructions and input) is tokenized as a chat of its own
 //!   ([`Continuation`]): that is held to `--max-prompt-tokens` (the whole prompt is longer
@@ -24,6 +25,7 @@
 //!   owner's load, less what the owner is shown to hold of it (the instructions, usually).
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use http::{Method, StatusCode};
@@ -103,10 +105,21 @@ impl Continuation {
     }
 }
 
+/// How long an id every replica said it lacks gets the 404 without the replicas asked
+/// again: a client that repeats a stale id costs the fleet one round of asking in that time,
+/// not one a request. Short, for a response that is kept only once it is done (vLLM keeps a
+/// streamed one at its end) and was asked for before.
+pub const MISSING_FOR: Duration = Duration::from_secs(2);
+
+/// Most ids remembered as missing.
+const MISSING_IDS: usize = 4096;
+
 /// Which replica made each response the router has seen (by replica name), bounded.
 #[derive(Debug)]
 pub struct Owners {
     map: quick_cache::sync::Cache<Box<str>, Arc<str>>,
+    /// Ids every replica said it lacks, and when ([`MISSING_FOR`]).
+    missing: quick_cache::sync::Cache<Box<str>, Instant>,
 }
 
 impl Owners {
@@ -129,11 +142,14 @@ impl Owners {
             ),
             Err(_) => quick_cache::sync::Cache::new(capacity),
         };
-        Owners { map }
+        Owners { map, missing: quick_cache::sync::Cache::new(MISSING_IDS) }
     }
 
     pub fn learn(&self, id: &str, replica: &Arc<str>) {
         self.map.insert(id.into(), replica.clone());
+        if !self.missing.is_empty() {
+            self.missing.remove(id);
+        }
     }
 
     pub fn owner(&self, id: &str) -> Option<Arc<str>> {
@@ -159,12 +175,16 @@ impl Owners {
         pool: &Arc<Pool>,
         id: &str,
         headers: &http::HeaderMap,
-        (timeout, metrics): (std::time::Duration, &ProxyMetrics),
+        (timeout, metrics): (Duration, &ProxyMetrics),
     ) -> Result<Member, ProxyError> {
         let count = |outcome| metrics.response_lookups.get_or_create(&OutcomeLabel { outcome }).inc();
         if let Some(member) = self.owner(id).and_then(|name| fleet.member(&name)) {
             count("known");
             return Ok(member);
+        }
+        if self.missing.get(id).is_some_and(|since| since.elapsed() < MISSING_FOR) {
+            count("known_missing");
+            return Err(not_found(id));
         }
         let members = fleet.members();
         let segment = utf8_percent_encode(id, SEGMENT).to_string();
@@ -194,6 +214,7 @@ impl Owners {
             }
             None if !answers.is_empty() && answers.iter().all(|a| *a == Some(StatusCode::NOT_FOUND)) => {
                 count("missing");
+                self.missing.insert(id.into(), Instant::now());
                 Err(not_found(id))
             }
             None => {
@@ -330,5 +351,14 @@ mod tests {
         assert!(no_id.feed(error), "it cannot know yet that no id follows");
         assert!(!no_id.feed(&[b' '; ID_WITHIN]), "but it gives up past the bound");
         assert_eq!(owners.len(), 1);
+    }
+
+    #[test]
+    fn an_id_learned_is_no_longer_missing() {
+        let owners = Owners::new(16);
+        owners.missing.insert("resp_late".into(), Instant::now());
+        owners.learn("resp_late", &"replica-1".into());
+        assert!(owners.missing.get("resp_late").is_none());
+        assert_eq!(owners.owner("resp_late").as_deref(), Some("replica-1"));
     }
 }
