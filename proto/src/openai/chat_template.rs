@@ -1004,7 +1004,9 @@ mod tests {
             matches!(render(source, messages), Err(RequestError::CannotContinue(_)))
         };
         assert!(refused(parts, &format!(r#"[{hi},{{"role":"assistant","content":null}}]"#)), "no text");
-        assert!(refused("{% for m in messages %}{{ m.role }}{% endfor %}", &format!("[{hi}]")), "no content");
+        // transformers looks for `content` in the source, not in what it renders.
+        let unnamed = "{% for m in messages %}{{ m['cont' ~ 'ent'] }}{% endfor %}";
+        assert!(refused(unnamed, &format!("[{hi}]")), "no content named");
         let dropping = "{% for m in messages[:-1] %}{{ m.content }}{% endfor %}";
         assert!(
             refused(dropping, &format!(r#"[{hi},{{"role":"assistant","content":"Yo"}}]"#)),

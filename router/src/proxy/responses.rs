@@ -72,24 +72,29 @@ pub struct Continuation {
     /// Whether it asks for its own response to be kept ([`asks_to_store`]).
     pub store: bool,
     /// What the request adds to the stored conversation, decided as a chat of its own with
-    /// nothing credited or counted; `None` when it could not be tokenized (a remote
-    /// tokenizer that did not answer): the request goes without an estimate of its load.
+    /// nothing credited or counted; `None` when that chat cannot be rendered or tokenized:
+    /// the request goes without an estimate of its load.
     added: Option<Plan>,
 }
 
 impl Continuation {
     /// Reads a continuation's `body`, refusing one beyond `limits`.
+    ///
+    /// Its new turn alone is not what the replica renders (the stored conversation goes
+    /// before it), and a template may refuse it where it takes the whole (a turn of tool
+    /// outputs with no user message, roles that do not alternate, no message at all): that
+    /// is no reason to refuse the request, only to go without the estimate.
     pub async fn read(decider: &Decider, body: &[u8], limits: &RequestLimits) -> Result<Self, ProxyError> {
         let request = Responses::read(body)?;
+        limits.check_completion(request.max_output_tokens()?, Endpoint::Responses)?;
         let id = request.previous_response_id.as_deref().unwrap_or_default().to_owned();
         let added = match decider.explain(Endpoint::ChatCompletions, &request.chat_body(&[])).await {
             Ok(plan) => {
                 limits.check(&plan, Endpoint::Responses)?;
                 Some(plan)
             }
-            Err(e @ ProxyError::BadRequest(_)) => return Err(e),
             Err(e) => {
-                tracing::debug!(error = %e, "a continuation's new turn could not be tokenized");
+                tracing::debug!(error = %e, "a continuation's new turn alone could not be tokenized");
                 None
             }
         };
@@ -152,6 +157,11 @@ impl Owners {
         }
     }
 
+    /// Whether every replica said it lacks `id` less than [`MISSING_FOR`] before `now`.
+    fn known_missing(&self, id: &str, now: Instant) -> bool {
+        self.missing.get(id).is_some_and(|since| now.saturating_duration_since(since) < MISSING_FOR)
+    }
+
     pub fn owner(&self, id: &str) -> Option<Arc<str>> {
         self.map.get(id)
     }
@@ -182,7 +192,7 @@ impl Owners {
             count("known");
             return Ok(member);
         }
-        if self.missing.get(id).is_some_and(|since| since.elapsed() < MISSING_FOR) {
+        if self.known_missing(id, Instant::now()) {
             count("known_missing");
             return Err(not_found(id));
         }
@@ -354,10 +364,15 @@ mod tests {
     }
 
     #[test]
-    fn an_id_learned_is_no_longer_missing() {
+    fn an_id_is_known_missing_for_a_while_and_not_once_learned() {
         let owners = Owners::new(16);
-        owners.missing.insert("resp_late".into(), Instant::now());
+        let then = Instant::now();
+        owners.missing.insert("resp_late".into(), then);
+        assert!(owners.known_missing("resp_late", then + MISSING_FOR / 2));
+        assert!(!owners.known_missing("resp_late", then + MISSING_FOR), "only for a while");
+        assert!(!owners.known_missing("resp_other", then));
         owners.learn("resp_late", &"replica-1".into());
+        assert!(!owners.known_missing("resp_late", then));
         assert!(owners.missing.get("resp_late").is_none());
         assert_eq!(owners.owner("resp_late").as_deref(), Some("replica-1"));
     }

@@ -59,7 +59,12 @@ impl RequestLimits {
                 limit: self.max_prompt_tokens,
             });
         }
-        match plan.max_tokens {
+        self.check_completion(plan.max_tokens, endpoint)
+    }
+
+    /// Whether the completion tokens a request to `endpoint` asks for are within the bound.
+    pub fn check_completion(&self, asked: Option<u64>, endpoint: Endpoint) -> Result<(), ProxyError> {
+        match asked {
             Some(asked) if asked > self.max_completion_tokens => {
                 let param = match endpoint {
                     Endpoint::Responses => "max_output_tokens",

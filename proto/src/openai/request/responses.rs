@@ -240,6 +240,11 @@ impl<'a> Responses<'a> {
         })
     }
 
+    /// `max_output_tokens`, if set.
+    pub fn max_output_tokens(&self) -> Result<Option<u64>, RequestError> {
+        super::count(self.rest.max_tokens, "max_output_tokens")
+    }
+
     /// The chat completion request vLLM renders, as JSON: the instructions, then `history`
     /// (the stored conversation a `previous_response_id` names, already without its system
     /// messages), then the input.
