@@ -7,14 +7,20 @@
 //! `strftime_now(fmt)` (UTC), and a `tojson` filter that writes what Python's `json.dumps`
 //! writes (`", "`/`": "` separators, or `indent=n`, non-ASCII kept, key order kept).
 //!
-//! Template variables: `messages`, each as vLLM passes it (`chat_utils.parse_chat_messages`):
+//! Template variables: `messages`, each as vLLM (0.33) passes it (`parse_chat_messages`):
 //! `role`; `content`, a string (`""` when the client sent none), or for a template that
 //! loops over it (vLLM's "openai" content format, [`ContentFormat`]) a list of text parts
-//! (empty when the client sent none); an assistant's non-empty
+//! (empty when the client sent none), except a tool message's, whose text parts are joined
+//! into one string with newlines (empty ones too); an assistant's non-empty
 //! `tool_calls`, each call's `function.arguments` parsed from its JSON string (`{}` when it
 //! is not JSON), and its `reasoning` (passed under `reasoning_content` too); a tool
-//! message's `tool_call_id` (null included); a string `name`; in that order, and no other
-//! key of the client's. Then
+//! message's `tool_call_id` (null included); a string `name`; a string `task`; a developer
+//! message's `tools` (null when it has none); in that order, and no other key of the
+//! client's. A system message's text has Claude Code's attribution line left out
+//! (`request::messages`). For a template that does not name the `developer` role (as
+//! `"developer"` or `'developer'`), developer messages are system ones, and then, if a
+//! system message is not the first, all of them are merged into one first one
+//! (vLLM's `_convert_developer_to_system`, `_consolidate_system_messages`). Then
 //! `tools` (the request's, or none),
 //! `documents` (none), `bos_token`, `eos_token`, then every key of the request's
 //! `chat_template_kwargs` (which may override those), then `add_generation_prompt` (the
@@ -29,6 +35,7 @@
 //! goes with the builtin tokenizer, so the router and the agents render identically with no
 //! configuration at all.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::LazyLock;
@@ -90,6 +97,9 @@ pub struct ChatTemplate {
     /// Whether the source says `content` anywhere (transformers' test of whether it can
     /// continue a final message).
     mentions_content: bool,
+    /// Whether the source names the `developer` role as a string (vLLM's test of whether
+    /// the template takes it; otherwise developer turns become system ones).
+    knows_developer: bool,
 }
 
 /// How a template takes a message's `content`, as vLLM decides it (`--chat-template-content-format
@@ -206,8 +216,9 @@ impl ChatTemplate {
         let source = source.into();
         let format = ContentFormat::of_template(&source);
         let mentions_content = source.contains("content");
+        let knows_developer = source.contains("\"developer\"") || source.contains("'developer'");
         env.add_template_owned(TEMPLATE_NAME, source).map_err(LoadError::Template)?;
-        Ok(Self { env, special, format, mentions_content })
+        Ok(Self { env, special, format, mentions_content, knows_developer })
     }
 
     /// The documented ChatML default for the builtin tokenizer.
@@ -286,15 +297,18 @@ impl ChatTemplate {
         vars: Variables<'_>,
         media_parts: bool,
     ) -> Result<String, RequestError> {
-        let tagged = match (vars.continue_final_message, messages.split_last()) {
-            (true, Some((last, _))) => Some(self.tagged(last)?),
+        let mut passed = self.passed(messages);
+        let continued_text = match (vars.continue_final_message, passed.last_mut()) {
+            (true, Some(last)) => {
+                let (tagged, text) = self.tagged(&last.message, last.format(self.format))?;
+                last.message = Cow::Owned(tagged);
+                Some(text)
+            }
             _ => None,
         };
-        let untagged = &messages[..messages.len() - usize::from(tagged.is_some())];
-        let messages = untagged
+        let messages = passed
             .iter()
-            .chain(tagged.as_ref().map(|(last, _)| last))
-            .map(|m| message_value(m, media_parts, self.format))
+            .map(|p| message_value(&p.message, media_parts, p.format(self.format)))
             .collect::<Result<Vec<_>, _>>()?;
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
         ctx.insert("tools".into(), vars.tools.map(tools_value).transpose()?.unwrap_or(Value::from(())));
@@ -321,23 +335,68 @@ impl ChatTemplate {
         ctx.insert("messages".into(), Value::from(messages));
         let template = self.env.get_template(TEMPLATE_NAME).map_err(RequestError::Template)?;
         let rendered = template.render(Value::from(ctx)).map_err(RequestError::Template)?;
-        match tagged {
-            Some((_, text)) => continued(rendered, &text),
+        match continued_text {
+            Some(text) => continued(rendered, &text),
             None => Ok(rendered),
         }
+    }
+
+    /// The messages as vLLM hands them to this template: for one that does not name the
+    /// `developer` role, a conversation with developer turns has them as system turns, and
+    /// then, if a system turn is not the first, every system turn merged into one first one
+    /// (their non-empty texts joined with a blank line; only `role` and a string `content`).
+    fn passed<'m, 'a>(&self, messages: &'m [Message<'a>]) -> Vec<Passed<'m, 'a>> {
+        let as_is = |message| Passed { message: Cow::Borrowed(message), plain: false };
+        if self.knows_developer || !messages.iter().any(|m| m.role == "developer") {
+            return messages.iter().map(as_is).collect();
+        }
+        let system = |m: &Message<'_>| m.role == "system" || m.role == "developer";
+        if !messages.iter().skip(1).any(system) {
+            let converted = messages.iter().map(|m| match m.role == "developer" {
+                true => Passed {
+                    message: Cow::Owned(Message { role: "system".into(), ..m.clone() }),
+                    plain: false,
+                },
+                false => as_is(m),
+            });
+            return converted.collect();
+        }
+        let texts: Vec<Cow<'_, str>> = messages
+            .iter()
+            .filter(|m| system(m))
+            .map(|m| match self.format {
+                ContentFormat::String => Cow::Borrowed(m.content.as_deref().unwrap_or_default()),
+                ContentFormat::OpenAi => all_parts_joined(m),
+            })
+            .filter(|text| !text.is_empty())
+            .collect();
+        let merged = Message {
+            role: "system".into(),
+            content: Some(Cow::Owned(texts.join("\n\n"))),
+            media: None,
+            extra: Vec::new(),
+            parts: None,
+        };
+        std::iter::once(Passed { message: Cow::Owned(merged), plain: true })
+            .chain(messages.iter().filter(|m| !system(m)).map(as_is))
+            .collect()
     }
 
     /// The last message with [`CONTINUE_TAG`] after the text a continued prompt ends in (the
     /// last text part, in the "openai" content format), and that text, as transformers tags
     /// it.
-    fn tagged<'m>(&self, last: &Message<'m>) -> Result<(Message<'m>, String), RequestError> {
+    fn tagged<'m>(
+        &self,
+        last: &Message<'m>,
+        format: ContentFormat,
+    ) -> Result<(Message<'m>, String), RequestError> {
         if !self.mentions_content {
             return Err(RequestError::CannotContinue(
                 "continue_final_message is set but the chat template has no 'content' to continue",
             ));
         }
         let mut last = last.clone();
-        let text = match (self.format, &mut last.parts, &mut last.content) {
+        let text = match (format, &mut last.parts, &mut last.content) {
             (ContentFormat::OpenAi, Some(parts), _) => parts.last_mut(),
             (ContentFormat::OpenAi, None, content) => content.as_mut(),
             // A string content: `""` when the client sent none.
@@ -349,6 +408,29 @@ impl ChatTemplate {
         let original = text.to_string();
         text.to_mut().push_str(CONTINUE_TAG);
         Ok((last, original))
+    }
+}
+
+/// A message as it goes to the template ([`ChatTemplate::passed`]).
+struct Passed<'m, 'a> {
+    message: Cow<'m, Message<'a>>,
+    /// Its content is a string whatever the template's content format (a merged system turn).
+    plain: bool,
+}
+
+impl Passed<'_, '_> {
+    fn format(&self, template: ContentFormat) -> ContentFormat {
+        if self.plain { ContentFormat::String } else { template }
+    }
+}
+
+/// A message's text parts joined with newlines, empty ones too, as vLLM joins an
+/// "openai"-format content's texts where it wants a string (a string content is one part).
+fn all_parts_joined<'m>(message: &'m Message<'_>) -> Cow<'m, str> {
+    match (&message.parts, &message.content) {
+        (Some(parts), _) => Cow::Owned(parts.join("\n")),
+        (None, Some(text)) => Cow::Borrowed(text),
+        (None, None) => Cow::Borrowed(""),
     }
 }
 
@@ -444,6 +526,13 @@ fn message_value(
     if let Some(name) = raw("name").filter(|r| r.get().starts_with('"')) {
         extra.push(("name", json_value(name)?));
     }
+    if let Some(task) = raw("task").filter(|r| r.get().starts_with('"')) {
+        extra.push(("task", json_value(task)?));
+    }
+    // A developer turn (for a template that takes them) carries its `tools`, null if none.
+    if role == "developer" {
+        extra.push(("tools", raw("tools").map(json_value).transpose()?.unwrap_or(Value::from(()))));
+    }
     /// A message's content as the template sees it.
     enum Content<'m> {
         Text(&'m str),
@@ -477,7 +566,13 @@ fn message_value(
     let text = message.content.as_deref().unwrap_or_default();
     // vLLM's "openai" format: a list's text parts (empty ones too), a string as one part, no
     // content as none.
+    let joined;
     let content = match (format, media) {
+        // vLLM makes a tool turn's text parts one string, for templates that only take one.
+        (ContentFormat::OpenAi, None) if role == "tool" && message.media.is_none() => {
+            joined = all_parts_joined(message);
+            Content::Text(&joined)
+        }
         (ContentFormat::OpenAi, _) => match (&message.parts, &message.content) {
             (Some(parts), _) => Content::Parts(media, parts.iter().map(|p| p.as_ref()).collect()),
             (None, Some(text)) => Content::Parts(media, vec![text]),
@@ -1033,5 +1128,63 @@ mod tests {
             "chat_template_kwargs":{"add_generation_prompt":false,"continue_final_message":true}}"#;
         let chat = crate::openai::ChatRequest::parse(body).unwrap();
         assert_eq!(template.render(&chat.messages, chat.variables()).unwrap(), "True False");
+    }
+
+    /// For a template that does not name the `developer` role, vLLM makes developer turns
+    /// system ones, and then merges every system turn into a first one if one is not first.
+    #[test]
+    fn developer_turns_become_system_ones_for_a_template_without_them() {
+        let chatml = ChatTemplate::builtin_default();
+        let render = |template: &ChatTemplate, messages: &str| {
+            let body = format!(r#"{{"messages":{messages},"add_generation_prompt":false}}"#);
+            let chat = crate::openai::ChatRequest::parse(body.as_bytes()).unwrap();
+            template.render(&chat.messages, chat.variables()).unwrap()
+        };
+        let first = r#"[{"role":"developer","content":"D"},{"role":"user","content":"U"}]"#;
+        assert_eq!(
+            render(&chatml, first),
+            "<|im_start|>system\nD<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+        );
+        let later = r#"[{"role":"system","content":"S","name":"n"},{"role":"user","content":"U"},
+            {"role":"developer","content":[{"type":"text","text":"D1"},{"type":"text","text":"D2"}]},
+            {"role":"system","content":""},{"role":"assistant","content":"A"}]"#;
+        assert_eq!(
+            render(&chatml, later),
+            "<|im_start|>system\nS\n\nD1\nD2<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
+        );
+        // Without a developer turn, system turns stay where they are.
+        let inline = r#"[{"role":"user","content":"U"},{"role":"system","content":"S"}]"#;
+        assert_eq!(
+            render(&chatml, inline),
+            "<|im_start|>user\nU<|im_end|>\n<|im_start|>system\nS<|im_end|>\n"
+        );
+        // A template that names the role gets it, with the turn's tools (null if none).
+        let knowing = ChatTemplate::new(
+            "{% for m in messages %}{{ m.role }}:{{ m.content }}\
+             {% if m.role == 'developer' %}:{{ m.tools | tojson }}{% endif %}|{% endfor %}",
+            SpecialTokens::default(),
+        )
+        .unwrap();
+        assert_eq!(render(&knowing, first), "developer:D:null|user:U|");
+        let tools = r#"[{"role":"developer","content":"D","tools":[{"type":"function"}]}]"#;
+        assert_eq!(render(&knowing, tools), r#"developer:D:[{"type": "function"}]|"#);
+    }
+
+    /// In the "openai" content format a tool turn's text parts reach the template as one
+    /// string (empty parts too), and a string `task` is passed on.
+    #[test]
+    fn a_tool_turns_parts_are_one_string_and_a_task_is_passed() {
+        let template = ChatTemplate::new(
+            "{% for m in messages %}{% if m.content is string %}S[{{ m.content }}]\
+             {% else %}{% for p in m.content %}<{{ p.text }}>{% endfor %}{% endif %}{{ m.task }}|{% endfor %}",
+            SpecialTokens::default(),
+        )
+        .unwrap();
+        assert_eq!(template.content_format(), ContentFormat::OpenAi);
+        let body = br#"{"messages":[{"role":"user","content":[{"type":"text","text":"q"}],"task":"t"},
+            {"role":"tool","content":[{"type":"text","text":"a"},{"type":"text","text":""},{"type":"text","text":"b"}]},
+            {"role":"tool","content":null},{"role":"tool","content":"c"}]}"#;
+        let chat = crate::openai::ChatRequest::parse(body).unwrap();
+        assert_eq!(template.render(&chat.messages, chat.variables()).unwrap(), "<q>t|S[a\n\nb]|S[]|S[c]|");
     }
 }

@@ -43,6 +43,10 @@ use self::scan::Field;
 use super::chat_template::Variables;
 use super::error::RequestError;
 
+/// Claude Code's per-request attribution, which vLLM leaves out of system prompts (its
+/// `cch` value changes with every request).
+const BILLING_HEADER: &str = "x-anthropic-billing-header";
+
 /// The endpoints whose prompts kvroute understands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Endpoint {

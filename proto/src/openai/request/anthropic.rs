@@ -56,15 +56,13 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
 use self::text::Text;
+use super::BILLING_HEADER;
 use super::{Str, object, parse_object};
 use crate::openai::ChatTemplate;
 use crate::openai::error::{MessageProblem, RequestError};
 
 /// The path of the Messages API.
 pub const MESSAGES_PATH: &str = "/v1/messages";
-
-/// Claude Code's per-request attribution block, left out of system prompts.
-const BILLING_HEADER: &str = "x-anthropic-billing-header";
 
 /// Where inline system messages go (module docs, step 2).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

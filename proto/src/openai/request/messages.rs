@@ -1,7 +1,9 @@
 //! Parsing `messages`: role, content (a string, null, or text parts joined with `"\n"`: as
 //! vLLM, plain strings and `text`, `input_text`, `output_text`, `refusal` and `thinking`
 //! parts; any other part, an image or audio, is left out of the text and its type kept in
-//! [`Message::media`]) and every other key kept raw for the chat template. Visitors record a
+//! [`Message::media`]) and every other key kept raw for the chat template. A system
+//! message's plain and `text` parts lose Claude Code's attribution line, as vLLM 0.33's
+//! (`_strip_claude_code_billing_header`). Visitors record a
 //! [`MessageProblem`] instead of failing, so the error names the message at fault.
 
 use std::borrow::Cow;
@@ -11,7 +13,7 @@ use serde::Deserialize;
 use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
-use super::{Message, Str, object};
+use super::{BILLING_HEADER, Message, Str, object};
 use crate::openai::error::{MessageProblem, RequestError};
 
 /// What one message parsed to, without failing the parse.
@@ -62,8 +64,10 @@ impl<'de: 'a, 'a> Deserialize<'de> for MaybeStr<'a> {
 enum Content<'a> {
     Null,
     Text(Cow<'a, str>),
-    /// The text parts, and the type of the first part that is not text.
-    Parts(Vec<Cow<'a, str>>, Option<Cow<'a, str>>),
+    /// The text parts, the type of the first part that is not text, and for each text part
+    /// whether it is a plain string or typed `text` (the parts vLLM looks at for Claude
+    /// Code's attribution line, [`strip_billing_header`]).
+    Parts(Vec<Cow<'a, str>>, Option<Cow<'a, str>>, Vec<bool>),
     /// Neither null, a string nor a list.
     Bad,
     /// A part that is not an object with a string `type`, or a text part whose text is not a
@@ -147,12 +151,14 @@ impl<'de> Deserialize<'de> for Content<'de> {
         }
         let parts: Vec<&'de RawValue> = serde_json::from_str(s).map_err(de::Error::custom)?;
         let mut texts = Vec::with_capacity(parts.len());
+        let mut plain = Vec::with_capacity(parts.len());
         let mut media = None;
         for part in parts {
             let bad = || Ok(Content::BadPart);
             // A plain string is a text part, as vLLM reads it.
             if part.get().starts_with('"') {
                 texts.push(serde_json::from_str::<Str<'de>>(part.get()).map_err(de::Error::custom)?.0);
+                plain.push(true);
                 continue;
             }
             if !part.get().starts_with('{') {
@@ -165,8 +171,12 @@ impl<'de> Deserialize<'de> for Content<'de> {
                 (None | Some(MaybeStr::Null), Some(key)) => Cow::Borrowed(key),
                 _ => return bad(),
             };
+            let typed_text = kind == "text";
             match part.text(&kind) {
-                Some(Ok(Some(text))) => texts.push(text),
+                Some(Ok(Some(text))) => {
+                    texts.push(text);
+                    plain.push(typed_text);
+                }
                 Some(Ok(None)) => {}
                 Some(Err(())) => return bad(),
                 None => {
@@ -174,7 +184,7 @@ impl<'de> Deserialize<'de> for Content<'de> {
                 }
             }
         }
-        Ok(Content::Parts(texts, media))
+        Ok(Content::Parts(texts, media, plain))
     }
 }
 
@@ -207,8 +217,23 @@ impl<'de> Deserialize<'de> for MessageResult<'de> {
                 let mut parts = None;
                 let (content, media) = match content {
                     Content::Null => (None, None),
+                    Content::Text(t) if role == "system" && t.starts_with(BILLING_HEADER) => {
+                        let mut texts = vec![t];
+                        strip_billing_header(&mut texts, &[true]);
+                        match texts.pop() {
+                            Some(rest) => (Some(rest), None),
+                            // No text left: an empty list, as vLLM has it.
+                            None => {
+                                parts = Some(Vec::new());
+                                (Some(Cow::Borrowed("")), None)
+                            }
+                        }
+                    }
                     Content::Text(t) => (Some(t), None),
-                    Content::Parts(texts, media) => {
+                    Content::Parts(mut texts, media, plain) => {
+                        if role == "system" {
+                            strip_billing_header(&mut texts, &plain);
+                        }
                         let joined = join_text_parts(&texts);
                         parts = Some(texts);
                         (Some(joined), media)
@@ -243,6 +268,30 @@ impl<'de> Deserialize<'de> for MessageResult<'de> {
         }
         d.deserialize_any(MessageVisitor)
     }
+}
+
+/// vLLM (0.33) drops Claude Code's attribution line (`x-anthropic-billing-header: ...;
+/// cch=...`, which changes with every request) from a system message's text parts that are
+/// plain strings or typed `text` (`plain`), and a part that was nothing else: a gateway
+/// that turns Claude Code's requests into chat requests keeps it, and the prefix cache
+/// would miss from there on.
+fn strip_billing_header(texts: &mut Vec<Cow<'_, str>>, plain: &[bool]) {
+    let mut plain = plain.iter();
+    texts.retain_mut(|text| {
+        if !plain.next().copied().unwrap_or(false) || !text.starts_with(BILLING_HEADER) {
+            return true;
+        }
+        // What follows the first line, if anything.
+        let start = match text.find('\n') {
+            Some(end) if end + 1 < text.len() => end + 1,
+            _ => return false,
+        };
+        match text {
+            Cow::Borrowed(all) => *all = &all[start..],
+            Cow::Owned(all) => drop(all.drain(..start)),
+        }
+        true
+    });
 }
 
 /// vLLM's "string" content format: the texts that are not empty, joined with a newline.

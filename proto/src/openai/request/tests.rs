@@ -473,3 +473,32 @@ fn a_continued_final_message_needs_the_generation_prompt_off() {
         Err(RequestError::InvalidField { param: "continue_final_message", .. })
     ));
 }
+
+/// vLLM 0.33 drops Claude Code's attribution line from a system message's plain or `text`
+/// parts (and a part that was nothing else), whatever API the request came through.
+#[test]
+fn a_system_messages_billing_header_line_is_left_out() {
+    let header = "x-anthropic-billing-header: cc_version=2.1; cch=9f3a1;";
+    let system = |content: serde_json::Value| {
+        let body = serde_json::json!({"messages": [{"role": "system", "content": content},
+            {"role": "user", "content": content}]});
+        let body = body.to_string();
+        let chat = ChatRequest::parse(body.as_bytes()).unwrap();
+        let [system, user] = [&chat.messages[0], &chat.messages[1]]
+            .map(|m| (m.content.as_deref().map(str::to_owned), m.parts.clone().map(|p| p.concat())));
+        (system, user)
+    };
+    let (kept, user) = system(format!("{header}\nYou are Claude Code.").into());
+    assert_eq!(kept, (Some("You are Claude Code.".into()), None));
+    assert_eq!(user.0.as_deref(), Some(&*format!("{header}\nYou are Claude Code.")), "only a system turn's");
+    let (nothing, _) = system(header.into());
+    assert_eq!(nothing, (Some(String::new()), Some(String::new())), "no text left: no part");
+    let parts = serde_json::json!([{"type": "text", "text": header}, "Be brief.",
+        {"type": "input_text", "text": format!("{header}\nkept")}, {"type": "text", "text": format!("{header}\nx\ny")}]);
+    let (kept, _) = system(parts);
+    assert_eq!(
+        kept.0.as_deref(),
+        Some(&*format!("Be brief.\n{header}\nkept\nx\ny")),
+        "only plain and text parts"
+    );
+}
