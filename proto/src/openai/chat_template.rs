@@ -38,18 +38,20 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::LazyLock;
 
 use minijinja::value::Kwargs;
 use minijinja::value::ValueKind;
 use minijinja::{Environment, Error, ErrorKind, Value};
-use regex::Regex;
 use serde::Deserialize;
 use serde::ser::{SerializeMap, Serializer};
 use serde_json::value::RawValue;
 
 use super::error::{LoadError, RequestError};
+
+mod content_format;
+
 use super::request::Message;
+pub use content_format::ContentFormat;
 
 /// ChatML, as Qwen and many others use it: one `<|im_start|>{role}\n{content}<|im_end|>\n`
 /// block per message, then `<|im_start|>assistant\n` when a generation prompt is asked for.
@@ -100,50 +102,6 @@ pub struct ChatTemplate {
     /// Whether the source names the `developer` role as a string (vLLM's test of whether
     /// the template takes it; otherwise developer turns become system ones).
     knows_developer: bool,
-}
-
-/// How a template takes a message's `content`, as vLLM decides it (`--chat-template-content-format
-/// auto`): a template that loops over a message's `content` gets a list of parts
-/// (`{"type": "text", "text": ...}`, one for each text part the client sent, a string being
-/// one), any other a string (text parts joined with `"\n"`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ContentFormat {
-    String,
-    OpenAi,
-}
-
-impl ContentFormat {
-    /// vLLM's reading of a template's source (there, its Jinja syntax tree): a `{% for x in
-    /// m.content %}` (or `m['content']`, through filters or a slice, not a method call) where
-    /// `m` is the variable of a loop over `messages` (or over a list set from it, `{% set
-    /// loop_messages = messages[1:] %}`) makes it [`ContentFormat::OpenAi`].
-    pub fn of_template(source: &str) -> Self {
-        static ALIASES: LazyLock<Regex> =
-            LazyLock::new(|| Regex::new(r"\{%-?\s*set\s+(\w+)\s*=\s*messages\b").expect("a valid pattern"));
-        static LOOPS: LazyLock<Regex> =
-            LazyLock::new(|| Regex::new(r"\{%-?\s*for\s+(\w+)\s+in\s+(\w+)").expect("a valid pattern"));
-        // The content, then what follows it: a filter, a slice, the tag's end, but not a
-        // method call (`.split(...)`), which vLLM does not count.
-        static CONTENT_LOOPS: LazyLock<Regex> = LazyLock::new(|| {
-            Regex::new(
-                r#"\{%-?\s*for\s+\w+\s+in\s+(\w+)\s*(?:\.\s*content\b|\[\s*['"]content['"]\s*\])\s*(\S)"#,
-            )
-            .expect("a valid pattern")
-        });
-        let mut lists = vec!["messages"];
-        lists.extend(ALIASES.captures_iter(source).filter_map(|c| c.get(1)).map(|m| m.as_str()));
-        let messages: Vec<&str> = LOOPS
-            .captures_iter(source)
-            .filter(|c| c.get(2).is_some_and(|list| lists.contains(&list.as_str())))
-            .filter_map(|c| c.get(1))
-            .map(|m| m.as_str())
-            .collect();
-        let loops_over_content = CONTENT_LOOPS.captures_iter(source).any(|c| {
-            let after = c.get(2).map_or("", |m| m.as_str());
-            c.get(1).is_some_and(|var| messages.contains(&var.as_str())) && after != "." && after != "("
-        });
-        if loops_over_content { ContentFormat::OpenAi } else { ContentFormat::String }
-    }
 }
 
 /// The fields of a Hugging Face `tokenizer_config.json` that matter here.
@@ -511,8 +469,11 @@ fn message_value(
         if let Some(calls) = raw("tool_calls").filter(not_null).map(tool_calls).transpose()?.flatten() {
             extra.push(("tool_calls", calls));
         }
-        // vLLM reads `reasoning` (not `reasoning_content`) and passes it under both names.
-        if let Some(reasoning) = raw("reasoning").filter(not_null) {
+        // vLLM reads `reasoning` (else the older `reasoning_content`, which it renames) and
+        // passes it under both names.
+        if let Some(reasoning) =
+            raw("reasoning").filter(not_null).or_else(|| raw("reasoning_content").filter(not_null))
+        {
             let reasoning = json_value(reasoning)?;
             extra.push(("reasoning", reasoning.clone()));
             extra.push(("reasoning_content", reasoning));
@@ -662,22 +623,39 @@ fn tool_calls(raw: &RawValue) -> Result<Option<Value>, RequestError> {
             out.push(call);
             continue;
         };
-        // A JSON string is parsed; an object or array kept; anything else (null, "", text
-        // that is not JSON, a number) is `{}`, as vLLM does.
+        // A JSON string is parsed; an object kept; anything that is not an object then (null,
+        // "", text that is not JSON, a number, an array) is `{}`, as vLLM does.
         let arguments = function.get_attr("arguments").unwrap_or_default();
-        let empty = || Value::from(BTreeMap::<String, Value>::new());
         let arguments = match arguments.as_str() {
             Some(text) => match serde_json::from_str::<&RawValue>(text) {
                 Ok(raw) => json_value(raw)?,
-                Err(_) => empty(),
+                Err(_) => Value::UNDEFINED,
             },
-            None if matches!(arguments.kind(), ValueKind::Map | ValueKind::Seq) => arguments,
-            None => empty(),
+            None => arguments,
         };
-        let function = replace(&function, "arguments", arguments);
-        out.push(replace(&call, "function", function));
+        let arguments = match arguments.kind() {
+            ValueKind::Map => arguments,
+            _ => Value::from(BTreeMap::<String, Value>::new()),
+        };
+        // vLLM validates each call against OpenAI's typed dicts, which writes their fields in
+        // the types' order (what a template that dumps them shows), the others after.
+        let function = reordered(&replace(&function, "arguments", arguments), &["arguments", "name"]);
+        out.push(reordered(&replace(&call, "function", function), &["id", "function", "type"]));
     }
     Ok(Some(Value::from(out)))
+}
+
+/// `map` with the `first` keys it has first, in that order, and the rest after in theirs.
+fn reordered(map: &Value, first: &[&str]) -> Value {
+    let keys: Vec<Value> = map.try_iter().into_iter().flatten().collect();
+    let rank = |k: &Value| k.as_str().and_then(|k| first.iter().position(|f| *f == k)).unwrap_or(first.len());
+    let mut keys: Vec<(usize, Value)> = keys.into_iter().map(|k| (rank(&k), k)).collect();
+    keys.sort_by_key(|(rank, _)| *rank);
+    let pairs = keys.into_iter().map(|(_, k)| {
+        let v = map.get_item(&k).unwrap_or_default();
+        (k, v)
+    });
+    ordered_map(pairs.collect())
 }
 
 /// `map` with `key`'s value replaced by (or `key` added with) `value`, key order kept.
@@ -699,7 +677,11 @@ fn replace(map: &Value, key: &str, value: Value) -> Value {
     if let Some(value) = value {
         pairs.push((Value::from(key), value));
     }
-    /// Pairs serialized as a map, in their order.
+    ordered_map(pairs)
+}
+
+/// A map of `pairs`, in their order.
+fn ordered_map(pairs: Vec<(Value, Value)>) -> Value {
     struct Ordered(Vec<(Value, Value)>);
     impl serde::Serialize for Ordered {
         fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -888,7 +870,9 @@ mod tests {
     }
 
     /// Messages reach the template as vLLM passes them: arguments parsed from their JSON
-    /// string (`{}` for null, empty or not JSON), empty or null `tool_calls` gone, content
+    /// string (`{}` for null, empty, not JSON or not an object), each call's keys in
+    /// OpenAI's typed-dict order (`id`, `function` with `arguments` then `name`, `type`),
+    /// empty or null `tool_calls` gone, content
     /// `""` for none, and only the keys vLLM keeps, in its order (an assistant's `tool_calls`
     /// and `reasoning`, also as `reasoning_content`, a tool's `tool_call_id`, a string `name`).
     #[test]
@@ -911,22 +895,25 @@ mod tests {
             lines,
             [
                 r#"{"role": "user", "content": "weather?", "name": "ann"}"#,
-                r#"{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": {"city": "Paris", "n": [1, 2]}}}, {"id": "c2", "type": "function", "function": {"name": "x", "arguments": {}}}, {"id": "c3", "type": "function", "function": {"name": "y", "arguments": {}}}], "reasoning": "look it up", "reasoning_content": "look it up"}"#,
+                r#"{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": {"arguments": {"city": "Paris", "n": [1, 2]}, "name": "w"}, "type": "function"}, {"id": "c2", "function": {"arguments": {}, "name": "x"}, "type": "function"}, {"id": "c3", "function": {"arguments": {}, "name": "y"}, "type": "function"}], "reasoning": "look it up", "reasoning_content": "look it up"}"#,
                 r#"{"role": "tool", "content": "sunny", "tool_call_id": "c1"}"#,
                 r#"{"role": "assistant", "content": "done"}"#,
                 r#"{"role": "user", "content": "ok"}"#,
             ]
         );
         let odd = br#"{"model":"m","messages":[{"role":"assistant","reasoning":"r","reasoning_content":"ignored","tool_calls":[
-            {"function":{"name":"w","arguments":"{not json"}},{"function":{"name":"v","arguments":5}}]},
-            {"role":"tool","content":"x","tool_call_id":null}]}"#;
+            {"function":{"name":"w","arguments":"{not json"}},{"function":{"name":"v","arguments":5}},
+            {"type":"function","x":1,"function":{"arguments":"[1, 2]","name":"u"},"id":"c4"}]},
+            {"role":"tool","content":"x","tool_call_id":null},
+            {"role":"assistant","content":"a","reasoning":null,"reasoning_content":"older name"}]}"#;
         let chat = crate::openai::ChatRequest::parse(odd).unwrap();
         let out = template.render(&chat.messages, Variables::default()).unwrap();
         assert_eq!(
             out.lines().collect::<Vec<_>>(),
             [
-                r#"{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "w", "arguments": {}}}, {"function": {"name": "v", "arguments": {}}}], "reasoning": "r", "reasoning_content": "r"}"#,
+                r#"{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}, "name": "w"}}, {"function": {"arguments": {}, "name": "v"}}, {"id": "c4", "function": {"arguments": {}, "name": "u"}, "type": "function", "x": 1}], "reasoning": "r", "reasoning_content": "r"}"#,
                 r#"{"role": "tool", "content": "x", "tool_call_id": null}"#,
+                r#"{"role": "assistant", "content": "a", "reasoning": "older name", "reasoning_content": "older name"}"#,
             ]
         );
     }
@@ -944,7 +931,7 @@ mod tests {
         let out = template.render(&chat.messages, chat.variables()).unwrap();
         assert_eq!(
             out,
-            "assistant:|[{\"id\": \"c1\", \"function\": {\"name\": \"f\", \"arguments\": {}}}]\n\
+            "assistant:|[{\"id\": \"c1\", \"function\": {\"arguments\": {}, \"name\": \"f\"}}]\n\
              [{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": null, \"parameters\": null}}] \
              False True on <B>"
         );
