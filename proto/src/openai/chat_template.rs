@@ -5,7 +5,8 @@
 //! on, loop controls (`{% break %}`) available, Python string methods (`.strip()`,
 //! `.startswith()`, ... via minijinja-contrib's pycompat), `raise_exception(msg)`,
 //! `strftime_now(fmt)` (UTC), and a `tojson` filter that writes what Python's `json.dumps`
-//! writes (`", "`/`": "` separators, or `indent=n`, non-ASCII kept, key order kept).
+//! writes with transformers' arguments (`ensure_ascii`, `indent`, `separators`, `sort_keys`;
+//! by default `", "`/`": "` separators, non-ASCII kept, key order kept).
 //!
 //! Template variables: `messages`, each as vLLM (0.33) passes it (`parse_chat_messages`):
 //! `role`; `content`, a string (`""` when the client sent none), or for a template that
@@ -23,13 +24,18 @@
 //! (vLLM's `_convert_developer_to_system`, `_consolidate_system_messages`). Then
 //! `tools` (the request's, or none),
 //! `documents` (none), `bos_token`, `eos_token`, then every key of the request's
-//! `chat_template_kwargs` (which may override those), then `add_generation_prompt` (the
-//! request's own wins over its kwargs, as vLLM 0.33 merges them).
+//! `chat_template_kwargs` (which may override those), then `add_generation_prompt` and the
+//! request's `documents` if it has some (the request's own win over its kwargs, as vLLM
+//! 0.33 merges them).
 //!
 //! `continue_final_message` ends the prompt inside the last message, as transformers (5.16
 //! to 5.20, vLLM 0.33's) does it: the text the prompt ends in (the last message's content,
 //! or its last text part in the "openai" format) is rendered with a tag after it, and the
 //! prompt cut where the tag begins.
+//!
+//! A model with named templates renders with its `default` one, and with its `tool_use`
+//! one (if it has one) for a request with tools, as transformers chooses; each has its own
+//! content format.
 //!
 //! [`ChatTemplate::builtin_default`] is the ChatML template ([`DEFAULT_CHAT_TEMPLATE`]) that
 //! goes with the builtin tokenizer, so the router and the agents render identically with no
@@ -68,6 +74,7 @@ pub const DEFAULT_CHAT_TEMPLATE: &str = "\
 ";
 
 const TEMPLATE_NAME: &str = "chat";
+const TOOL_USE_TEMPLATE_NAME: &str = "chat_tool_use";
 
 /// The special-token strings a template may print (`bos_token`, `eos_token`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -95,6 +102,17 @@ impl SpecialTokens {
 pub struct ChatTemplate {
     env: Environment<'static>,
     special: SpecialTokens,
+    /// The template, and the one for requests with tools if the model has one apart (a
+    /// `tool_use` template, which transformers chooses when a request has tools).
+    default: Facts,
+    tool_use: Option<Facts>,
+}
+
+/// What is read from a template's source, besides compiling it.
+#[derive(Debug)]
+struct Facts {
+    /// Its name in the environment.
+    name: &'static str,
     format: ContentFormat,
     /// Whether the source says `content` anywhere (transformers' test of whether it can
     /// continue a final message).
@@ -171,12 +189,14 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        let source = source.into();
-        let format = ContentFormat::of_template(&source);
-        let mentions_content = source.contains("content");
-        let knows_developer = source.contains("\"developer\"") || source.contains("'developer'");
-        env.add_template_owned(TEMPLATE_NAME, source).map_err(LoadError::Template)?;
-        Ok(Self { env, special, format, mentions_content, knows_developer })
+        let default = Facts::add(&mut env, TEMPLATE_NAME, source.into())?;
+        Ok(Self { env, special, default, tool_use: None })
+    }
+
+    /// This template, with `source` for requests with tools.
+    fn with_tool_use(mut self, source: String) -> Result<Self, LoadError> {
+        self.tool_use = Some(Facts::add(&mut self.env, TOOL_USE_TEMPLATE_NAME, source)?);
+        Ok(self)
     }
 
     /// The documented ChatML default for the builtin tokenizer.
@@ -197,8 +217,9 @@ impl ChatTemplate {
         Self::new(String::from_utf8_lossy(&source).into_owned(), special)
     }
 
-    /// Loads `chat_template` (the one named `default` if it is a list), `bos_token` and
-    /// `eos_token` from a Hugging Face `tokenizer_config.json`.
+    /// Loads `chat_template` (the one named `default` if it is a list, and the one named
+    /// `tool_use` for requests with tools if there is one), `bos_token` and `eos_token` from a
+    /// Hugging Face `tokenizer_config.json`.
     pub fn from_tokenizer_config(path: impl AsRef<Path>) -> Result<Self, LoadError> {
         Self::from_config_file(path.as_ref(), SpecialTokens::default())
     }
@@ -208,16 +229,24 @@ impl ChatTemplate {
     fn from_config_file(path: &Path, fallback: SpecialTokens) -> Result<Self, LoadError> {
         let mut config = TokenizerConfigFile::load(path)?;
         let special = config.special_tokens(fallback);
-        let source = match config.chat_template {
-            Some(TemplateField::One(t)) => t,
-            Some(TemplateField::Named(list)) => list
-                .into_iter()
-                .find(|t| t.name == "default")
-                .map(|t| t.template)
-                .ok_or_else(|| LoadError::NoChatTemplate { path: path.into() })?,
+        let (source, tool_use) = match config.chat_template {
+            Some(TemplateField::One(t)) => (t, None),
+            Some(TemplateField::Named(mut list)) => {
+                let mut take = |name: &str| {
+                    let at = list.iter().position(|t| t.name == name)?;
+                    Some(list.swap_remove(at).template)
+                };
+                let default =
+                    take("default").ok_or_else(|| LoadError::NoChatTemplate { path: path.into() })?;
+                (default, take("tool_use"))
+            }
             None => return Err(LoadError::NoChatTemplate { path: path.into() }),
         };
-        Self::new(source, special)
+        let template = Self::new(source, special)?;
+        match tool_use {
+            Some(tool_use) => template.with_tool_use(tool_use),
+            None => Ok(template),
+        }
     }
 
     /// The special tokens this template is rendered with.
@@ -225,9 +254,19 @@ impl ChatTemplate {
         &self.special
     }
 
-    /// How the template takes a message's content.
+    /// How the template takes a message's content (the default template, for requests
+    /// without tools).
     pub fn content_format(&self) -> ContentFormat {
-        self.format
+        self.default.format
+    }
+
+    /// The template a request renders with: the `tool_use` one when it has tools and the
+    /// model has one.
+    fn facts(&self, vars: &Variables<'_>) -> &Facts {
+        match (&self.tool_use, vars.tools) {
+            (Some(tool_use), Some(_)) => tool_use,
+            _ => &self.default,
+        }
     }
 
     /// Renders `messages` to the prompt string (the content of a message with media is its
@@ -255,10 +294,11 @@ impl ChatTemplate {
         vars: Variables<'_>,
         media_parts: bool,
     ) -> Result<String, RequestError> {
-        let mut passed = self.passed(messages);
+        let facts = self.facts(&vars);
+        let mut passed = facts.passed(messages);
         let continued_text = match (vars.continue_final_message, passed.last_mut()) {
             (true, Some(last)) => {
-                let (tagged, text) = self.tagged(&last.message, last.format(self.format))?;
+                let (tagged, text) = facts.tagged(&last.message, last.format(facts.format))?;
                 last.message = Cow::Owned(tagged);
                 Some(text)
             }
@@ -266,7 +306,7 @@ impl ChatTemplate {
         };
         let messages = passed
             .iter()
-            .map(|p| message_value(&p.message, media_parts, p.format(self.format)))
+            .map(|p| message_value(&p.message, media_parts, p.format(facts.format)))
             .collect::<Result<Vec<_>, _>>()?;
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
         ctx.insert("tools".into(), vars.tools.map(tools_value).transpose()?.unwrap_or(Value::from(())));
@@ -288,15 +328,33 @@ impl ChatTemplate {
             kwargs.insert("reasoning_effort".into(), Value::from(effort));
         }
         ctx.extend(kwargs);
-        // The request's own field wins over its kwargs (vLLM merges them so).
+        // The request's own fields win over its kwargs (vLLM merges them so), `documents`
+        // when it has some.
         ctx.insert("add_generation_prompt".into(), Value::from(vars.add_generation_prompt));
+        if let Some(documents) = vars.documents {
+            ctx.insert("documents".into(), json_value(documents)?);
+        }
         ctx.insert("messages".into(), Value::from(messages));
-        let template = self.env.get_template(TEMPLATE_NAME).map_err(RequestError::Template)?;
+        let template = self.env.get_template(facts.name).map_err(RequestError::Template)?;
         let rendered = template.render(Value::from(ctx)).map_err(RequestError::Template)?;
         match continued_text {
             Some(text) => continued(rendered, &text),
             None => Ok(rendered),
         }
+    }
+}
+
+impl Facts {
+    /// Compiles `source` into `env` as `name`.
+    fn add(env: &mut Environment<'static>, name: &'static str, source: String) -> Result<Self, LoadError> {
+        let facts = Facts {
+            name,
+            format: ContentFormat::of_template(&source),
+            mentions_content: source.contains("content"),
+            knows_developer: source.contains("\"developer\"") || source.contains("'developer'"),
+        };
+        env.add_template_owned(name, source).map_err(LoadError::Template)?;
+        Ok(facts)
     }
 
     /// The messages as vLLM hands them to this template: for one that does not name the
@@ -369,7 +427,7 @@ impl ChatTemplate {
     }
 }
 
-/// A message as it goes to the template ([`ChatTemplate::passed`]).
+/// A message as it goes to the template ([`Facts::passed`]).
 struct Passed<'m, 'a> {
     message: Cow<'m, Message<'a>>,
     /// Its content is a string whatever the template's content format (a merged system turn).
@@ -431,6 +489,8 @@ pub struct Variables<'a> {
     pub continue_final_message: bool,
     /// The request's `tools`, an array.
     pub tools: Option<&'a RawValue>,
+    /// The request's `documents`, an array.
+    pub documents: Option<&'a RawValue>,
     /// The request's `chat_template_kwargs`, an object.
     pub chat_template_kwargs: Option<&'a RawValue>,
     /// The request's `reasoning_effort`.
@@ -549,8 +609,9 @@ fn message_value(
 /// The request's `tools` as vLLM hands them to the template (each its pydantic model dumped):
 /// a tool whose `function` is an object becomes `{"type": "function", "function": {"name",
 /// "description", "parameters", "strict", "defer_loading"}}` in that order, `description` and
-/// `parameters` null when absent, `strict` and `defer_loading` (the tool's own, else its
-/// function's) only when set, and no other key; anything else is passed as it is.
+/// `parameters` null when absent, `strict` and `defer_loading` (the function's own, else the
+/// tool's) only when set, then the tool's own `defer_loading` when set, and no other key;
+/// anything else is passed as it is.
 fn tools_value(raw: &RawValue) -> Result<Value, RequestError> {
     #[derive(Deserialize)]
     struct Tool<'a> {
@@ -577,6 +638,8 @@ fn tools_value(raw: &RawValue) -> Result<Value, RequestError> {
         #[serde(rename = "type")]
         kind: &'static str,
         function: Function<'a>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        defer_loading: Option<&'a RawValue>,
     }
     let Ok(items) = serde_json::from_str::<Vec<&RawValue>>(raw.get()) else { return json_value(raw) };
     let mut out = Vec::with_capacity(items.len());
@@ -589,10 +652,12 @@ fn tools_value(raw: &RawValue) -> Result<Value, RequestError> {
             out.push(json_value(item)?);
             continue;
         };
-        // (A null field reads as absent.)
-        function.defer_loading = tool.defer_loading.or(function.defer_loading);
-        let dumped = serde_json::value::to_raw_value(&Dumped { kind: "function", function })
-            .map_err(|e| RequestError::Template(json_error(e)))?;
+        // The function's own, else the tool's; the tool keeps its own too. (A null field
+        // reads as absent.)
+        function.defer_loading = function.defer_loading.or(tool.defer_loading);
+        let dumped = Dumped { kind: "function", function, defer_loading: tool.defer_loading };
+        let dumped =
+            serde_json::value::to_raw_value(&dumped).map_err(|e| RequestError::Template(json_error(e)))?;
         out.push(json_value(&dumped)?);
     }
     Ok(Value::from(out))
@@ -781,49 +846,177 @@ fn strftime(format: &str, unix_secs: u64) -> String {
     out
 }
 
-/// `tojson(indent=None)`: Python `json.dumps(x, ensure_ascii=False, indent=indent)`, as
-/// transformers defines the filter.
+/// `tojson(ensure_ascii=False, indent=None, separators=None, sort_keys=False)`: Python's
+/// `json.dumps` with those arguments, as transformers defines the filter (Kimi's templates
+/// write their tools with `separators=(',', ':')`).
 fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
-    let indent: Option<usize> = kwargs.get("indent")?;
-    let mut out = Vec::new();
-    let result = match indent {
-        Some(n) => {
-            let pad = vec![b' '; n];
-            let mut ser = serde_json::Serializer::with_formatter(
-                &mut out,
-                serde_json::ser::PrettyFormatter::with_indent(&pad),
-            );
-            serde::Serialize::serialize(value, &mut ser)
-        }
-        None => {
-            let mut ser = serde_json::Serializer::with_formatter(&mut out, PythonFormatter);
-            serde::Serialize::serialize(value, &mut ser)
-        }
+    let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
+    let indent: Option<Value> = kwargs.get("indent")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    kwargs.assert_all_used()?;
+    let indent = match indent.filter(|i| !i.is_none()) {
+        None => None,
+        Some(i) => match (i.as_str(), i.as_usize()) {
+            (Some(text), _) => Some(text.as_bytes().to_vec()),
+            (None, Some(n)) => Some(vec![b' '; n]),
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    "tojson: indent must be a number or a string",
+                ));
+            }
+        },
     };
-    result.map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
+    // Python's defaults: `", "` between items, or `","` when indenting; `": "` after keys.
+    let (item, key) = match separators.as_deref() {
+        Some([item, key]) => (item.clone().into_bytes(), key.clone().into_bytes()),
+        Some(_) => {
+            return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be two strings"));
+        }
+        None if indent.is_some() => (b",".to_vec(), b": ".to_vec()),
+        None => (b", ".to_vec(), b": ".to_vec()),
+    };
+    let sorted;
+    let value = if sort_keys {
+        sorted = sorted_keys(value);
+        &sorted
+    } else {
+        value
+    };
+    let mut out = Vec::new();
+    let formatter = PythonFormatter { item, key, indent, ensure_ascii, level: 0, has_value: false };
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, formatter);
+    serde::Serialize::serialize(value, &mut ser)
+        .map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
     Ok(Value::from(String::from_utf8_lossy(&out).into_owned()))
 }
 
-/// serde_json output with Python's default `json.dumps` separators: `", "` and `": "`.
-struct PythonFormatter;
+/// `value` with every map's keys sorted (Python's `sort_keys=True`).
+fn sorted_keys(value: &Value) -> Value {
+    match value.kind() {
+        ValueKind::Map => {
+            let mut pairs: Vec<(Value, Value)> = value
+                .try_iter()
+                .into_iter()
+                .flatten()
+                .map(|k| {
+                    let v = sorted_keys(&value.get_item(&k).unwrap_or_default());
+                    (k, v)
+                })
+                .collect();
+            pairs.sort_by_key(|(k, _)| k.to_string());
+            ordered_map(pairs)
+        }
+        ValueKind::Seq => {
+            Value::from(value.try_iter().into_iter().flatten().map(|v| sorted_keys(&v)).collect::<Vec<_>>())
+        }
+        _ => value.clone(),
+    }
+}
+
+/// serde_json output as Python's `json.dumps` writes it: its item and key separators, its
+/// indentation (a newline and the indent for each level after `[`, `{` and each item
+/// separator), and with `ensure_ascii` every non-ASCII character as `\uXXXX`.
+struct PythonFormatter {
+    item: Vec<u8>,
+    key: Vec<u8>,
+    indent: Option<Vec<u8>>,
+    ensure_ascii: bool,
+    level: usize,
+    has_value: bool,
+}
+
+impl PythonFormatter {
+    fn newline<W: ?Sized + std::io::Write>(&self, w: &mut W) -> std::io::Result<()> {
+        if let Some(indent) = &self.indent {
+            w.write_all(b"\n")?;
+            for _ in 0..self.level {
+                w.write_all(indent)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn open<W: ?Sized + std::io::Write>(&mut self, w: &mut W, bracket: &[u8]) -> std::io::Result<()> {
+        self.level += 1;
+        self.has_value = false;
+        w.write_all(bracket)
+    }
+
+    fn close<W: ?Sized + std::io::Write>(&mut self, w: &mut W, bracket: &[u8]) -> std::io::Result<()> {
+        self.level -= 1;
+        if self.has_value {
+            self.newline(w)?;
+        }
+        w.write_all(bracket)
+    }
+
+    fn item<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if !first {
+            w.write_all(&self.item)?;
+        }
+        self.newline(w)
+    }
+}
 
 impl serde_json::ser::Formatter for PythonFormatter {
+    fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open(w, b"[")
+    }
+    fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"]")
+    }
     fn begin_array_value<W: ?Sized + std::io::Write>(
         &mut self,
         w: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
+        self.item(w, first)
+    }
+    fn end_array_value<W: ?Sized + std::io::Write>(&mut self, _: &mut W) -> std::io::Result<()> {
+        self.has_value = true;
+        Ok(())
+    }
+    fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open(w, b"{")
+    }
+    fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"}")
     }
     fn begin_object_key<W: ?Sized + std::io::Write>(
         &mut self,
         w: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
+        self.item(w, first)
     }
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        w.write_all(b": ")
+        w.write_all(&self.key)
+    }
+    fn end_object_value<W: ?Sized + std::io::Write>(&mut self, _: &mut W) -> std::io::Result<()> {
+        self.has_value = true;
+        Ok(())
+    }
+    fn write_string_fragment<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        fragment: &str,
+    ) -> std::io::Result<()> {
+        if !self.ensure_ascii || fragment.is_ascii() {
+            return w.write_all(fragment.as_bytes());
+        }
+        for c in fragment.chars() {
+            if c.is_ascii() {
+                w.write_all(&[c as u8])?;
+            } else {
+                let mut units = [0u16; 2];
+                for unit in c.encode_utf16(&mut units) {
+                    write!(w, "\\u{unit:04x}")?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -867,6 +1060,31 @@ mod tests {
         let template = ChatTemplate::from_file(&config, special).unwrap();
         assert_eq!(template.render(&chat.messages, Variables::default()).unwrap(), "<s>hi<E>");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A model with named templates renders with `default`, and with `tool_use` when the
+    /// request has tools (an empty list too), as transformers chooses.
+    #[test]
+    fn a_request_with_tools_renders_with_the_tool_use_template() {
+        let dir = std::env::temp_dir().join(format!("kvroute-tool-use-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("tokenizer_config.json");
+        let templates = serde_json::json!([
+            {"name": "tool_use", "template": "{% for m in messages %}{% for p in m.content %}T[{{ p.text }}]{% endfor %}{% endfor %}{{ tools | length }}"},
+            {"name": "default", "template": "D[{{ messages[0].content }}]"},
+        ]);
+        std::fs::write(&config, serde_json::json!({ "chat_template": templates }).to_string()).unwrap();
+        let template = ChatTemplate::from_tokenizer_config(&config).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let render = |extra: &str| {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"q"}}]{extra}}}"#);
+            let chat = crate::openai::ChatRequest::parse(body.as_bytes()).unwrap();
+            template.render(&chat.messages, chat.variables()).unwrap()
+        };
+        assert_eq!(render(""), "D[q]");
+        // Each template's own content format: the tool_use one loops over the parts.
+        assert_eq!(render(r#","tools":[{"type":"function","function":{"name":"f"}}]"#), "T[q]1");
+        assert_eq!(render(r#","tools":[]"#), "T[q]0");
     }
 
     /// Messages reach the template as vLLM passes them: arguments parsed from their JSON
@@ -993,20 +1211,23 @@ mod tests {
     }
 
     /// vLLM dumps each tool through its pydantic model: its fields in their order, the
-    /// unset ones null (`strict` and `defer_loading` left out), nothing else.
+    /// unset ones null (`strict` and `defer_loading` left out), nothing else; a tool's own
+    /// `defer_loading` goes to its function when that has none, and stays on the tool.
     #[test]
     fn tools_reach_the_template_as_vllm_dumps_them() {
         let template = ChatTemplate::new("{{ tools | tojson }}", SpecialTokens::default()).unwrap();
         let body = br#"{"messages":[{"role":"user","content":"q"}],"tools":[
             {"function":{"parameters":{"z":1,"a":2},"extra":0,"strict":null,"name":"f"},"type":"function","defer_loading":true},
             {"type":"function","function":{"name":"g","description":"G.","strict":false}},
+            {"type":"function","function":{"name":"h","defer_loading":false},"defer_loading":true},
             {"type":"code_interpreter"}]}"#;
         let chat = crate::openai::ChatRequest::parse(body).unwrap();
         assert_eq!(
             template.render(&chat.messages, chat.variables()).unwrap(),
-            r#"[{"type": "function", "function": {"name": "f", "description": null, "parameters": {"z": 1, "a": 2}, "defer_loading": true}}, "#
+            r#"[{"type": "function", "function": {"name": "f", "description": null, "parameters": {"z": 1, "a": 2}, "defer_loading": true}, "defer_loading": true}, "#
                 .to_owned()
                 + r#"{"type": "function", "function": {"name": "g", "description": "G.", "parameters": null, "strict": false}}, "#
+                + r#"{"type": "function", "function": {"name": "h", "description": null, "parameters": null, "defer_loading": false}, "defer_loading": true}, "#
                 + r#"{"type": "code_interpreter"}]"#
         );
     }
@@ -1045,6 +1266,20 @@ mod tests {
             pretty.as_str(),
             Some("{\n  \"b\": [\n    1,\n    \"ü\",\n    null\n  ],\n  \"a\": {\n    \"x\": true\n  }\n}")
         );
+        // The rest of `json.dumps`' arguments, each line as Python 3.11 writes it.
+        let v: Value = serde_json::from_str(r#"{"b": [1, "ü😀", {}], "a": {"y": [], "x": true}}"#).unwrap();
+        let dumps = |args: Vec<(&str, Value)>| tojson(&v, Kwargs::from_iter(args)).unwrap().to_string();
+        let tight = Value::from(vec![",", ":"]);
+        assert_eq!(dumps(vec![("separators", tight.clone())]), r#"{"b":[1,"ü😀",{}],"a":{"y":[],"x":true}}"#);
+        assert_eq!(
+            dumps(vec![("ensure_ascii", Value::from(true)), ("sort_keys", Value::from(true))]),
+            r#"{"a": {"x": true, "y": []}, "b": [1, "\u00fc\ud83d\ude00", {}]}"#
+        );
+        assert_eq!(
+            dumps(vec![("indent", Value::from(1)), ("separators", tight)]),
+            "{\n \"b\":[\n  1,\n  \"ü😀\",\n  {}\n ],\n \"a\":{\n  \"y\":[],\n  \"x\":true\n }\n}"
+        );
+        assert!(tojson(&v, Kwargs::from_iter([("sort", Value::from(true))])).is_err(), "an unknown argument");
     }
 
     /// `continue_final_message` cuts the prompt where the last text ends, as transformers
@@ -1173,5 +1408,28 @@ mod tests {
             {"role":"tool","content":null},{"role":"tool","content":"c"}]}"#;
         let chat = crate::openai::ChatRequest::parse(body).unwrap();
         assert_eq!(template.render(&chat.messages, chat.variables()).unwrap(), "<q>t|S[a\n\nb]|S[]|S[c]|");
+    }
+
+    /// A request's `documents` reach the template, over its kwargs' (vLLM merges them so).
+    #[test]
+    fn documents_reach_the_template() {
+        let template = ChatTemplate::new(
+            "{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}",
+            SpecialTokens::default(),
+        )
+        .unwrap();
+        let render = |extra: &str| {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"q"}}]{extra}}}"#);
+            let chat = crate::openai::ChatRequest::parse(body.as_bytes()).unwrap();
+            template.render(&chat.messages, chat.variables()).unwrap()
+        };
+        let kwargs = r#","chat_template_kwargs":{"documents":[{"title":"K","text":"k"}]}"#;
+        assert_eq!(
+            render(r#","documents":[{"title":"A","text":"a"},{"title":"B","text":"b"}]"#),
+            "[A: a][B: b]"
+        );
+        assert_eq!(render(&format!(r#"{kwargs},"documents":[{{"title":"A","text":"a"}}]"#)), "[A: a]");
+        assert_eq!(render(&format!(r#"{kwargs},"documents":null"#)), "[K: k]");
+        assert_eq!(render(""), "");
     }
 }

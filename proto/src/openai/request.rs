@@ -225,6 +225,8 @@ pub struct ChatRequest<'a> {
     pub chat_template_kwargs: Option<&'a RawValue>,
     /// Tool definitions, an array if present; templates may render them into the prompt.
     pub tools: Option<&'a RawValue>,
+    /// Documents for a retrieval template (Command-R's), an array if present.
+    pub documents: Option<&'a RawValue>,
     /// How hard a reasoning model should think: one of [`REASONING_EFFORTS`]; passed to the
     /// template, with `enable_thinking` (unless `chat_template_kwargs` sets it).
     pub reasoning_effort: Option<Cow<'a, str>>,
@@ -289,7 +291,7 @@ impl<'a> CompletionRequest<'a> {
 
 impl<'a> ChatRequest<'a> {
     /// The fields read, in the order [`scan::fields`] returns them.
-    const FIELDS: [&'static str; 12] = [
+    const FIELDS: [&'static str; 13] = [
         "model",
         "messages",
         "stream",
@@ -302,6 +304,7 @@ impl<'a> ChatRequest<'a> {
         "tools",
         "reasoning_effort",
         "continue_final_message",
+        "documents",
     ];
 
     /// Parses and validates a `/v1/chat/completions` body.
@@ -338,6 +341,7 @@ impl<'a> ChatRequest<'a> {
             tools,
             reasoning_effort,
             continue_final_message,
+            documents,
         ] = fields;
         let messages = messages.ok_or(RequestError::MissingField { param: "messages" })?;
         let messages = parse_messages(messages)?;
@@ -350,6 +354,10 @@ impl<'a> ChatRequest<'a> {
             && !tools.get().starts_with('[')
         {
             return Err(RequestError::InvalidField { param: "tools", expected: "an array" });
+        }
+        let documents = documents.filter(|d| d.get() != "null");
+        if documents.is_some_and(|d| !d.get().starts_with('[')) {
+            return Err(RequestError::InvalidField { param: "documents", expected: "an array" });
         }
         let add_generation_prompt = boolean(add_generation_prompt, "add_generation_prompt")?.unwrap_or(true);
         let continue_final_message =
@@ -373,6 +381,7 @@ impl<'a> ChatRequest<'a> {
             add_special_tokens: boolean(add_special_tokens, "add_special_tokens")?.unwrap_or(false),
             chat_template_kwargs,
             tools,
+            documents,
             reasoning_effort: match field::<Str<'a>>(reasoning_effort, "reasoning_effort", EFFORT)? {
                 Some(Str(effort)) if !REASONING_EFFORTS.contains(&effort.as_ref()) => {
                     return Err(RequestError::InvalidField { param: "reasoning_effort", expected: EFFORT });
@@ -388,6 +397,7 @@ impl<'a> ChatRequest<'a> {
             add_generation_prompt: self.add_generation_prompt,
             continue_final_message: self.continue_final_message,
             tools: self.tools,
+            documents: self.documents,
             chat_template_kwargs: self.chat_template_kwargs,
             reasoning_effort: self.reasoning_effort.as_deref(),
         }
