@@ -55,6 +55,7 @@ use serde_json::value::RawValue;
 use super::error::{LoadError, RequestError};
 
 mod content_format;
+mod python_float;
 
 use super::request::Message;
 pub use content_format::ContentFormat;
@@ -189,6 +190,8 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
+        env.add_filter("string", string);
+        env.set_formatter(write_value);
         let default = Facts::add(&mut env, TEMPLATE_NAME, source.into())?;
         Ok(Self { env, special, default, tool_use: None })
     }
@@ -846,6 +849,35 @@ fn strftime(format: &str, unix_secs: u64) -> String {
     out
 }
 
+/// Writes `{{ value }}` as Jinja2 does: minijinja's way, but floats as Python spells them.
+fn write_value(
+    out: &mut minijinja::Output,
+    state: &mut minijinja::State,
+    value: &Value,
+) -> Result<(), Error> {
+    match f64_of(value) {
+        Some(x) => out.write_str(&python_float::python_float(x)).map_err(Error::from),
+        None => minijinja::escape_formatter(out, state, value),
+    }
+}
+
+/// The `string` filter as Jinja2's (`str(value)`): minijinja's, but floats as Python spells
+/// them (Qwen3-Coder writes a tool call's scalar arguments with it).
+fn string(state: &minijinja::State, value: &Value) -> Result<Value, Error> {
+    match f64_of(value) {
+        Some(x) => Ok(Value::from(python_float::python_float(x))),
+        None => minijinja::filters::string(state, value),
+    }
+}
+
+/// The float `value` holds, if it is one (not an integer).
+fn f64_of(value: &Value) -> Option<f64> {
+    if value.kind() != ValueKind::Number || value.is_integer() {
+        return None;
+    }
+    f64::try_from(value.clone()).ok()
+}
+
 /// `tojson(ensure_ascii=False, indent=None, separators=None, sort_keys=False)`: Python's
 /// `json.dumps` with those arguments, as transformers defines the filter (Kimi's templates
 /// write their tools with `separators=(',', ':')`).
@@ -961,6 +993,9 @@ impl PythonFormatter {
 }
 
 impl serde_json::ser::Formatter for PythonFormatter {
+    fn write_f64<W: ?Sized + std::io::Write>(&mut self, w: &mut W, value: f64) -> std::io::Result<()> {
+        w.write_all(python_float::python_float(value).as_bytes())
+    }
     fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
         self.open(w, b"[")
     }
@@ -1158,6 +1193,26 @@ mod tests {
             .render(&chat.messages, Variables { add_generation_prompt: true, ..Variables::default() })
             .unwrap();
         assert!(out.ends_with("null True True  <s>"), "{out}");
+    }
+
+    /// Floats a template writes are spelled as Jinja2 spells them (Python's `repr`), written
+    /// out, through `string` (Qwen3-Coder's tool-call arguments) and through `tojson`. The
+    /// expected line is Jinja2 3.1's rendering of the same template and arguments.
+    #[test]
+    fn floats_are_written_as_python_writes_them() {
+        let source = "{% for m in messages %}{% for tc in m.tool_calls %}{% for k, v in tc.function.arguments|items %}\
+                      {{ k }}={{ v }}|{{ v|string }}|{{ v|tojson }};{% endfor %}{% endfor %}{% endfor %}";
+        let template = ChatTemplate::new(source, SpecialTokens::default()).unwrap();
+        let args = r#"{\"lr\": 1e-5, \"n\": 3, \"big\": 1e16, \"t\": 0.7, \"w\": 2.0, \"ok\": true, \"none\": null}"#;
+        let body = format!(
+            r#"{{"messages":[{{"role":"assistant","tool_calls":[{{"function":{{"name":"f","arguments":"{args}"}}}}]}}]}}"#
+        );
+        let chat = crate::openai::ChatRequest::parse(body.as_bytes()).unwrap();
+        assert_eq!(
+            template.render(&chat.messages, chat.variables()).unwrap(),
+            "lr=1e-05|1e-05|1e-05;n=3|3|3;big=1e+16|1e+16|1e+16;t=0.7|0.7|0.7;w=2.0|2.0|2.0;\
+             ok=True|True|true;none=None|None|null;"
+        );
     }
 
     /// A template that loops over a message's content gets every content as a list of text
