@@ -41,7 +41,10 @@ use std::sync::RwLock;
 
 use serde::{Deserialize, Serialize};
 
-pub use chat_template::{ChatTemplate, ContentFormat, DEFAULT_CHAT_TEMPLATE, SpecialTokens, Variables};
+pub use chat_template::{
+    ChatOptions, ChatTemplate, ContentFormat, ContentFormatOption, DEFAULT_CHAT_TEMPLATE, JsonObject,
+    SpecialTokens, Variables,
+};
 pub use error::{LoadError, MessageProblem, OpenAiError, RequestError};
 pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 pub use request::anthropic::{InlineSystem, inline_system_mode};
@@ -70,6 +73,9 @@ pub struct TokenizationConfig {
     /// `tokenizer_config`.
     #[serde(default)]
     pub chat_template: Option<PathBuf>,
+    /// The fleet's vLLM flags that change how chats are rendered.
+    #[serde(default)]
+    pub chat: ChatOptions,
 }
 
 /// Which tokenizer a [`Tokenization`] runs.
@@ -124,7 +130,8 @@ impl Tokenization {
             },
             (None, None) if builtin => Some(ChatTemplate::builtin_default()),
             (None, None) => None,
-        };
+        }
+        .map(|template| template.with_options(config.chat.clone()));
         Ok(Self::from_parts(
             tokenizer,
             chat_template,

@@ -7,8 +7,9 @@ use std::path::PathBuf;
 
 use kvroute_proto::CacheNamespace;
 use kvroute_proto::openai::{
-    Builtin, ChatTemplate, Endpoint, HuggingFace, LoadError, ParsedRequest, PrefixCache, RequestError,
-    SpecialTokens, Tokenization, TokenizationConfig, Tokenizer, TokenizerSpec, Variables,
+    Builtin, ChatOptions, ChatTemplate, ContentFormatOption, Endpoint, HuggingFace, LoadError, ParsedRequest,
+    PrefixCache, RequestError, SpecialTokens, Tokenization, TokenizationConfig, Tokenizer, TokenizerSpec,
+    Variables,
 };
 
 fn data(name: &str) -> PathBuf {
@@ -22,6 +23,7 @@ fn hf_config() -> TokenizationConfig {
         tokenizer: TokenizerSpec::HuggingFace { path: data("tiny-tokenizer.json") },
         tokenizer_config: Some(data("tiny-tokenizer_config.json")),
         chat_template: None,
+        ..Default::default()
     }
 }
 
@@ -619,4 +621,37 @@ proptest::proptest! {
             }
         }
     }
+}
+
+/// The fleet's chat flags reach the template through the config: a request's own template
+/// is refused unless trusted, and then renders the prompt; a forced content format changes
+/// what the default ChatML template writes.
+#[test]
+fn chat_options_in_the_config_change_the_prompt() {
+    let chat = |extra: &str| {
+        format!(r#"{{"model":"demo","messages":[{{"role":"user","content":"hi there"}}]{extra}}}"#)
+    };
+    let own = r#","chat_template":"{{ messages[0].content }} again""#;
+    let plain = Tokenization::new(&builtin_config()).unwrap();
+    assert!(matches!(
+        tokens(&plain, Endpoint::ChatCompletions, &chat(own)),
+        Err(RequestError::UntrustedChatTemplate)
+    ));
+    let trusting = Tokenization::new(&TokenizationConfig {
+        chat: ChatOptions { trust_request_chat_template: true, ..ChatOptions::default() },
+        ..builtin_config()
+    })
+    .unwrap();
+    let expected = plain.tokenizer().encode("hi there again", false).unwrap();
+    assert_eq!(tokens(&trusting, Endpoint::ChatCompletions, &chat(own)).unwrap(), vec![expected]);
+    let forced = Tokenization::new(&TokenizationConfig {
+        chat: ChatOptions {
+            chat_template_content_format: ContentFormatOption::Openai,
+            ..ChatOptions::default()
+        },
+        ..builtin_config()
+    })
+    .unwrap();
+    let as_parts = tokens(&forced, Endpoint::ChatCompletions, &chat("")).unwrap();
+    assert_ne!(as_parts, tokens(&plain, Endpoint::ChatCompletions, &chat("")).unwrap());
 }

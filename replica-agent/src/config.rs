@@ -98,6 +98,11 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_AGENT_CHAT_TEMPLATE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<PathBuf>,
+    /// The fleet's vLLM flags that change how chats are rendered (the router's must be the
+    /// replicas'; router and agents read the same environment variables).
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub chat: kvroute_proto::openai::ChatOptions,
 
     /// Simulated seconds per wall-clock second (20 = every latency divided by 20).
     #[arg(long, env = "KVROUTE_AGENT_TIME_SCALE", default_value_t = 1.0)]
@@ -175,6 +180,9 @@ impl Config {
         };
         check(!self.name.is_empty(), "--name must not be empty".into());
         check(!self.model.is_empty(), "--model must not be empty".into());
+        for problem in self.chat.problems() {
+            check(false, problem);
+        }
         check(self.block_size > 0, "--block-size must be at least 1".into());
         check(self.capacity_blocks > 0, "--capacity-blocks must be at least 1".into());
         check(

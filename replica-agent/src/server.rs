@@ -71,6 +71,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             },
             tokenizer_config: None,
             chat_template: config.chat_template.clone(),
+            chat: config.chat.clone(),
         })
         .context("loading the tokenizer")?,
     );

@@ -111,6 +111,11 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_CHAT_TEMPLATE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<PathBuf>,
+    /// The fleet's vLLM flags that change how chats are rendered (the router's must be the
+    /// replicas'; router and agents read the same environment variables).
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub chat: kvroute_proto::openai::ChatOptions,
     /// Ask a replica's `/tokenize` instead of tokenizing locally (results are cached). The
     /// healthy replicas take turns by prompt; one that fails is followed by the next.
     #[arg(long, env = "KVROUTE_REMOTE_TOKENIZE", default_value_t = false)]
@@ -283,6 +288,9 @@ impl Config {
             }
         }
         for problem in self.discovery.validate().err().unwrap_or_default() {
+            check(false, problem);
+        }
+        for problem in self.chat.problems() {
             check(false, problem);
         }
         let mut names = std::collections::HashSet::new();
@@ -524,6 +532,48 @@ mod tests {
         assert_eq!(c.block_size, 64, "the flag wins over the file");
         assert_eq!(c.replicas.len(), 1);
         assert_eq!(c.validate(), Ok(()));
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// The fleet's chat flags, from the file and from flags, as vLLM spells them; an effort
+    /// vLLM does not know is refused either way.
+    #[test]
+    fn chat_options_come_from_the_file_and_flags() {
+        let dir = std::env::temp_dir().join(format!("kvroute-router-chat-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("router.toml");
+        std::fs::write(
+            &path,
+            "trust-request-chat-template = true\nchat-template-content-format = \"openai\"\n\
+             reasoning-effort-map = { huge = \"max\" }\n[default-chat-template-kwargs]\nenable_thinking = false\n",
+        )
+        .unwrap();
+        let file = path.to_str().unwrap();
+        let c: Config = kvroute_proto::cli::parse_from(["r", "--config", file]).unwrap();
+        assert!(c.chat.trust_request_chat_template);
+        assert_eq!(c.chat.chat_template_content_format, kvroute_proto::openai::ContentFormatOption::Openai);
+        let kwargs = c.chat.default_chat_template_kwargs.as_ref().unwrap();
+        assert_eq!(kwargs.get("enable_thinking"), Some(&serde_json::Value::Bool(false)));
+        assert_eq!(c.validate().unwrap_err().len(), 1, "the file's unknown effort");
+        let c: Config = kvroute_proto::cli::parse_from([
+            "r",
+            "--config",
+            file,
+            "--reasoning-effort-map",
+            r#"{"medium": "low"}"#,
+            "--exclude-tools-when-tool-choice-none",
+        ])
+        .unwrap();
+        assert_eq!(c.chat.reasoning_effort_map, Some([("medium".into(), "low".into())].into()));
+        assert!(c.chat.exclude_tools_when_tool_choice_none);
+        assert_eq!(c.validate(), Ok(()));
+        for bad in [r#"{"huge": "max"}"#, "[1]", r#"{"low": 1}"#] {
+            let parsed = kvroute_proto::cli::parse_from::<Config, _, _>(["r", "--reasoning-effort-map", bad]);
+            assert!(parsed.is_err(), "{bad}");
+        }
+        let parsed =
+            kvroute_proto::cli::parse_from::<Config, _, _>(["r", "--default-chat-template-kwargs", "[]"]);
+        assert!(parsed.is_err(), "not an object");
         std::fs::remove_dir_all(dir).ok();
     }
 

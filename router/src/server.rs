@@ -117,6 +117,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         },
         tokenizer_config: config.tokenizer_config.clone(),
         chat_template: config.chat_template.clone(),
+        chat: config.chat.clone(),
     })
     .context("loading the tokenizer")?;
     if config.tokenize_cache_bytes > 0

@@ -23,10 +23,16 @@
 //! system message is not the first, all of them are merged into one first one
 //! (vLLM's `_convert_developer_to_system`, `_consolidate_system_messages`). Then
 //! `tools` (the request's, or none),
-//! `documents` (none), `bos_token`, `eos_token`, then every key of the request's
-//! `chat_template_kwargs` (which may override those), then `add_generation_prompt` and the
-//! request's `documents` if it has some (the request's own win over its kwargs, as vLLM
-//! 0.33 merges them).
+//! `documents` (none), `bos_token`, `eos_token`, then the fleet's default kwargs
+//! ([`ChatOptions`]) and over them every key of the request's `chat_template_kwargs` that is
+//! not null or "auto" (which may override those), with `add_generation_prompt`, the
+//! request's `documents` if it has some and its reasoning effort over its kwargs (the
+//! request's own fields win, as vLLM 0.33 merges them).
+//!
+//! The vLLM server flags that change a chat's prompt are [`ChatOptions`]: default kwargs,
+//! the reasoning effort map, tools left out for `tool_choice: "none"`, a content format for
+//! every template, and whether a request may bring its own template (rendered with it,
+//! compiled once; otherwise refused as vLLM refuses it).
 //!
 //! `continue_final_message` ends the prompt inside the last message, as transformers (5.16
 //! to 5.20, vLLM 0.33's) does it: the text the prompt ends in (the last message's content,
@@ -44,6 +50,7 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use minijinja::value::Kwargs;
 use minijinja::value::ValueKind;
@@ -55,10 +62,12 @@ use serde_json::value::RawValue;
 use super::error::{LoadError, RequestError};
 
 mod content_format;
+mod options;
 mod python_float;
 
 use super::request::Message;
 pub use content_format::ContentFormat;
+pub use options::{ChatOptions, ContentFormatOption, JsonObject};
 
 /// ChatML, as Qwen and many others use it: one `<|im_start|>{role}\n{content}<|im_end|>\n`
 /// block per message, then `<|im_start|>assistant\n` when a generation prompt is asked for.
@@ -107,7 +116,14 @@ pub struct ChatTemplate {
     /// `tool_use` template, which transformers chooses when a request has tools).
     default: Facts,
     tool_use: Option<Facts>,
+    /// The fleet's flags ([`ChatOptions`]).
+    options: Arc<ChatOptions>,
+    /// Templates requests brought, compiled, by source; none in such a template itself.
+    requested: Option<quick_cache::sync::Cache<String, Arc<ChatTemplate>>>,
 }
+
+/// Templates of requests kept compiled (`trust_request_chat_template`).
+const REQUESTED_TEMPLATES: usize = 16;
 
 /// What is read from a template's source, besides compiling it.
 #[derive(Debug)]
@@ -193,12 +209,41 @@ impl ChatTemplate {
         env.add_filter("string", string);
         env.set_formatter(write_value);
         let default = Facts::add(&mut env, TEMPLATE_NAME, source.into())?;
-        Ok(Self { env, special, default, tool_use: None })
+        Ok(Self {
+            env,
+            special,
+            default,
+            tool_use: None,
+            options: Arc::default(),
+            requested: Some(quick_cache::sync::Cache::new(REQUESTED_TEMPLATES)),
+        })
+    }
+
+    /// This template, rendered as a vLLM server with `options` renders.
+    pub fn with_options(mut self, options: ChatOptions) -> Self {
+        self.options = Arc::new(options);
+        self.apply_options();
+        self
+    }
+
+    fn apply_options(&mut self) {
+        if let Some(format) = self.options.chat_template_content_format.forced() {
+            self.default.format = format;
+            if let Some(tool_use) = &mut self.tool_use {
+                tool_use.format = format;
+            }
+        }
+    }
+
+    /// The fleet's flags this template is rendered with.
+    pub fn options(&self) -> &ChatOptions {
+        &self.options
     }
 
     /// This template, with `source` for requests with tools.
     fn with_tool_use(mut self, source: String) -> Result<Self, LoadError> {
         self.tool_use = Some(Facts::add(&mut self.env, TOOL_USE_TEMPLATE_NAME, source)?);
+        self.apply_options();
         Ok(self)
     }
 
@@ -294,9 +339,15 @@ impl ChatTemplate {
     fn render_as(
         &self,
         messages: &[Message<'_>],
-        vars: Variables<'_>,
+        mut vars: Variables<'_>,
         media_parts: bool,
     ) -> Result<String, RequestError> {
+        if let Some(source) = vars.chat_template.take() {
+            return self.requested(source)?.render_as(messages, vars, media_parts);
+        }
+        if vars.tool_choice_none && self.options.exclude_tools_when_tool_choice_none {
+            vars.tools = None;
+        }
         let facts = self.facts(&vars);
         let mut passed = facts.passed(messages);
         let continued_text = match (vars.continue_final_message, passed.last_mut()) {
@@ -316,27 +367,7 @@ impl ChatTemplate {
         ctx.insert("documents".into(), Value::from(()));
         ctx.insert("bos_token".into(), Value::from(self.special.bos_token.as_str()));
         ctx.insert("eos_token".into(), Value::from(self.special.eos_token.as_str()));
-        let mut kwargs: BTreeMap<String, Value> = match vars.chat_template_kwargs {
-            Some(kwargs) => {
-                serde_json::from_str(kwargs.get()).map_err(|e| RequestError::Template(json_error(e)))?
-            }
-            None => BTreeMap::new(),
-        };
-        // transformers takes it as an argument of its own, not a template variable.
-        kwargs.remove("continue_final_message");
-        if let Some(effort) = vars.reasoning_effort {
-            if !kwargs.contains_key("enable_thinking") {
-                kwargs.insert("enable_thinking".into(), Value::from(effort != "none"));
-            }
-            kwargs.insert("reasoning_effort".into(), Value::from(effort));
-        }
-        ctx.extend(kwargs);
-        // The request's own fields win over its kwargs (vLLM merges them so), `documents`
-        // when it has some.
-        ctx.insert("add_generation_prompt".into(), Value::from(vars.add_generation_prompt));
-        if let Some(documents) = vars.documents {
-            ctx.insert("documents".into(), json_value(documents)?);
-        }
+        ctx.extend(self.kwargs(&vars)?);
         ctx.insert("messages".into(), Value::from(messages));
         let template = self.env.get_template(facts.name).map_err(RequestError::Template)?;
         let rendered = template.render(Value::from(ctx)).map_err(RequestError::Template)?;
@@ -344,6 +375,73 @@ impl ChatTemplate {
             Some(text) => continued(rendered, &text),
             None => Ok(rendered),
         }
+    }
+}
+
+impl ChatTemplate {
+    /// The template variables the request's fields and `chat_template_kwargs` set, merged
+    /// as vLLM 0.33 merges them: the request's fields (`add_generation_prompt`, its
+    /// `documents` when it has some, its reasoning effort through the effort map, with
+    /// `enable_thinking` unless its kwargs set that) over its kwargs, then all that over
+    /// the fleet's default kwargs, where a value that is null or "auto" leaves the default
+    /// (`merge_kwargs`). A kwarg `chat_template` is refused unless requests' templates are
+    /// trusted, and is no variable either way; nor is `continue_final_message`
+    /// (transformers takes it as an argument). vLLM always has defaults to merge into (its
+    /// own `tokenize`, which no template sees), so a request's null or "auto" kwargs are
+    /// always left out.
+    fn kwargs(&self, vars: &Variables<'_>) -> Result<BTreeMap<String, Value>, RequestError> {
+        let mut request: BTreeMap<String, Value> = match vars.chat_template_kwargs {
+            Some(kwargs) => {
+                serde_json::from_str(kwargs.get()).map_err(|e| RequestError::Template(json_error(e)))?
+            }
+            None => BTreeMap::new(),
+        };
+        if let Some(template) = request.remove("chat_template")
+            && !template.is_none()
+            && !self.options.trust_request_chat_template
+        {
+            return Err(RequestError::UntrustedChatTemplate);
+        }
+        if let Some(effort) = self.options.effort(vars.reasoning_effort) {
+            if !request.contains_key("enable_thinking") {
+                request.insert("enable_thinking".into(), Value::from(effort != "none"));
+            }
+            request.insert("reasoning_effort".into(), Value::from(effort));
+        }
+        request.insert("add_generation_prompt".into(), Value::from(vars.add_generation_prompt));
+        request.remove("continue_final_message");
+        if let Some(documents) = vars.documents {
+            request.insert("documents".into(), json_value(documents)?);
+        }
+        let mut merged = BTreeMap::new();
+        for (key, value) in self.options.default_chat_template_kwargs.iter().flatten() {
+            let value = Value::deserialize(value).map_err(|e| RequestError::Template(json_error(e)))?;
+            merged.insert(key.clone(), value);
+        }
+        let unset = |v: &Value| v.is_none() || v.as_str() == Some("auto");
+        merged.extend(request.into_iter().filter(|(_, v)| !unset(v)));
+        Ok(merged)
+    }
+
+    /// The template a request brought (`chat_template`), compiled once and kept, with this
+    /// one's special tokens and options; refused unless requests' templates are trusted.
+    fn requested(&self, source: &str) -> Result<Arc<ChatTemplate>, RequestError> {
+        if !self.options.trust_request_chat_template {
+            return Err(RequestError::UntrustedChatTemplate);
+        }
+        let Some(requested) = &self.requested else {
+            return Err(RequestError::UntrustedChatTemplate);
+        };
+        requested.get_or_insert_with(source, || {
+            let mut template = ChatTemplate::new(source, self.special.clone()).map_err(|e| match e {
+                LoadError::Template(e) => RequestError::Template(e),
+                other => RequestError::Template(Error::new(ErrorKind::SyntaxError, other.to_string())),
+            })?;
+            template.options = Arc::clone(&self.options);
+            template.requested = None;
+            template.apply_options();
+            Ok(Arc::new(template))
+        })
     }
 }
 
@@ -498,6 +596,10 @@ pub struct Variables<'a> {
     pub chat_template_kwargs: Option<&'a RawValue>,
     /// The request's `reasoning_effort`.
     pub reasoning_effort: Option<&'a str>,
+    /// Whether the request's `tool_choice` is "none".
+    pub tool_choice_none: bool,
+    /// The request's own template (`chat_template`).
+    pub chat_template: Option<&'a str>,
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
@@ -575,8 +677,15 @@ fn message_value(
             match &self.content {
                 Content::Text(text) => map.serialize_entry("content", text)?,
                 Content::Parts(media, texts) => {
-                    let media = media.iter().map(|modality| serde_json::json!({"type": modality}));
-                    let texts = texts.iter().map(|text| serde_json::json!({"type": "text", "text": text}));
+                    // Keys in vLLM's order (`type` first), which a template dumping them shows.
+                    #[derive(serde::Serialize)]
+                    struct Part<'p> {
+                        r#type: &'p str,
+                        #[serde(skip_serializing_if = "Option::is_none")]
+                        text: Option<&'p str>,
+                    }
+                    let media = media.iter().map(|modality| Part { r#type: modality, text: None });
+                    let texts = texts.iter().map(|text| Part { r#type: "text", text: Some(text) });
                     map.serialize_entry("content", &media.chain(texts).collect::<Vec<_>>())?
                 }
             }

@@ -98,6 +98,13 @@ pub enum RequestError {
     /// checks, which vLLM answers with a 400).
     #[error("{0}")]
     CannotContinue(&'static str),
+    /// A request brought its own chat template (`chat_template`, or one in its
+    /// `chat_template_kwargs`) and the fleet does not take those; vLLM's words.
+    #[error(
+        "Chat template is passed with request, but --trust-request-chat-template is not set. \
+         Refused request with untrusted chat template."
+    )]
+    UntrustedChatTemplate,
     /// A chat request, but no chat template is configured for this tokenizer.
     #[error("no chat template is configured for this model, so chat requests are not supported")]
     NoChatTemplate,
@@ -168,6 +175,7 @@ impl RequestError {
             E::NoChatTemplate | E::Template(_) => (INVALID_REQUEST, Some("messages".into()), None),
             E::StoredConversation => (INVALID_REQUEST, Some("previous_response_id".into()), None),
             E::CannotContinue(_) => (INVALID_REQUEST, Some("continue_final_message".into()), None),
+            E::UntrustedChatTemplate => (INVALID_REQUEST, Some("chat_template".into()), None),
             E::Tokenizer(_) => ("server_error", None, None),
         };
         OpenAiError { message: self.to_string(), kind: kind.into(), param, code: code.map(Into::into) }

@@ -230,6 +230,10 @@ pub struct ChatRequest<'a> {
     /// How hard a reasoning model should think: one of [`REASONING_EFFORTS`]; passed to the
     /// template, with `enable_thinking` (unless `chat_template_kwargs` sets it).
     pub reasoning_effort: Option<Cow<'a, str>>,
+    /// Whether `tool_choice` is "none".
+    pub tool_choice_none: bool,
+    /// The request's own chat template (`chat_template`), if it brought one.
+    pub chat_template: Option<Cow<'a, str>>,
 }
 
 /// The values vLLM takes for `reasoning_effort`.
@@ -291,7 +295,7 @@ impl<'a> CompletionRequest<'a> {
 
 impl<'a> ChatRequest<'a> {
     /// The fields read, in the order [`scan::fields`] returns them.
-    const FIELDS: [&'static str; 13] = [
+    const FIELDS: [&'static str; 15] = [
         "model",
         "messages",
         "stream",
@@ -305,6 +309,8 @@ impl<'a> ChatRequest<'a> {
         "reasoning_effort",
         "continue_final_message",
         "documents",
+        "tool_choice",
+        "chat_template",
     ];
 
     /// Parses and validates a `/v1/chat/completions` body.
@@ -342,6 +348,8 @@ impl<'a> ChatRequest<'a> {
             reasoning_effort,
             continue_final_message,
             documents,
+            tool_choice,
+            chat_template,
         ] = fields;
         let messages = messages.ok_or(RequestError::MissingField { param: "messages" })?;
         let messages = parse_messages(messages)?;
@@ -388,6 +396,10 @@ impl<'a> ChatRequest<'a> {
                 }
                 effort => effort.map(|s| s.0),
             },
+            tool_choice_none: tool_choice.is_some_and(|t| t.get() == r#""none""#),
+            chat_template: field::<Option<Str<'a>>>(chat_template, "chat_template", "a string")?
+                .flatten()
+                .map(|s| s.0),
         })
     }
 
@@ -400,6 +412,8 @@ impl<'a> ChatRequest<'a> {
             documents: self.documents,
             chat_template_kwargs: self.chat_template_kwargs,
             reasoning_effort: self.reasoning_effort.as_deref(),
+            tool_choice_none: self.tool_choice_none,
+            chat_template: self.chat_template.as_deref(),
         }
     }
 }
