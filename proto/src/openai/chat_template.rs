@@ -65,7 +65,7 @@ mod content_format;
 mod options;
 mod python_float;
 
-use super::request::Message;
+use super::request::{Message, Part};
 pub use content_format::ContentFormat;
 pub use options::{ChatOptions, ContentFormatOption, JsonObject};
 
@@ -514,7 +514,10 @@ impl Facts {
         }
         let mut last = last.clone();
         let text = match (format, &mut last.parts, &mut last.content) {
-            (ContentFormat::OpenAi, Some(parts), _) => parts.last_mut(),
+            (ContentFormat::OpenAi, Some(parts), _) => match parts.last_mut() {
+                Some(Part::Text(text)) => Some(text),
+                _ => None,
+            },
             (ContentFormat::OpenAi, None, content) => content.as_mut(),
             // A string content: `""` when the client sent none.
             (ContentFormat::String, _, content) => Some(content.get_or_insert_default()),
@@ -545,7 +548,7 @@ impl Passed<'_, '_> {
 /// "openai"-format content's texts where it wants a string (a string content is one part).
 fn all_parts_joined<'m>(message: &'m Message<'_>) -> Cow<'m, str> {
     match (&message.parts, &message.content) {
-        (Some(parts), _) => Cow::Owned(parts.join("\n")),
+        (Some(parts), _) => Cow::Owned(parts.iter().map(Part::text).collect::<Vec<_>>().join("\n")),
         (None, Some(text)) => Cow::Borrowed(text),
         (None, None) => Cow::Borrowed(""),
     }
@@ -662,8 +665,32 @@ fn message_value(
     /// A message's content as the template sees it.
     enum Content<'m> {
         Text(&'m str),
-        /// A list: the media's modality first if any, then a text part for each text.
-        Parts(Option<&'static str>, Vec<&'m str>),
+        /// A list: the media's modality first if any, then a part for each text or tool
+        /// reference.
+        Parts(Option<&'static str>, Vec<Item<'m>>),
+    }
+    /// A part of a list content, keys in vLLM's order (`type` first), which a template
+    /// dumping them shows.
+    #[derive(serde::Serialize)]
+    #[serde(untagged)]
+    enum Item<'p> {
+        Media { r#type: &'p str },
+        Part(Typed<'p>),
+    }
+    #[derive(serde::Serialize)]
+    #[serde(tag = "type", rename_all = "snake_case")]
+    enum Typed<'p> {
+        Text { text: &'p str },
+        ToolReference { name: Option<&'p str> },
+    }
+    fn item<'p>(part: &'p Part<'_>) -> Item<'p> {
+        match part {
+            Part::Text(text) => Item::Part(Typed::Text { text }),
+            Part::ToolReference(name) => Item::Part(Typed::ToolReference { name: name.as_deref() }),
+        }
+    }
+    fn text_item(text: &str) -> Item<'_> {
+        Item::Part(Typed::Text { text })
     }
     struct View<'m> {
         role: &'m str,
@@ -676,17 +703,10 @@ fn message_value(
             map.serialize_entry("role", self.role)?;
             match &self.content {
                 Content::Text(text) => map.serialize_entry("content", text)?,
-                Content::Parts(media, texts) => {
-                    // Keys in vLLM's order (`type` first), which a template dumping them shows.
-                    #[derive(serde::Serialize)]
-                    struct Part<'p> {
-                        r#type: &'p str,
-                        #[serde(skip_serializing_if = "Option::is_none")]
-                        text: Option<&'p str>,
-                    }
-                    let media = media.iter().map(|modality| Part { r#type: modality, text: None });
-                    let texts = texts.iter().map(|text| Part { r#type: "text", text: Some(text) });
-                    map.serialize_entry("content", &media.chain(texts).collect::<Vec<_>>())?
+                Content::Parts(media, parts) => {
+                    let media = media.map(|modality| Item::Media { r#type: modality });
+                    let items: Vec<&Item<'_>> = media.iter().chain(parts).collect();
+                    map.serialize_entry("content", &items)?
                 }
             }
             for (k, v) in &self.extra {
@@ -701,17 +721,22 @@ fn message_value(
     // content as none.
     let joined;
     let content = match (format, media) {
-        // vLLM makes a tool turn's text parts one string, for templates that only take one.
-        (ContentFormat::OpenAi, None) if role == "tool" && message.media.is_none() => {
+        // vLLM makes a tool turn's text parts one string, for templates that only take one,
+        // unless it has other parts (tool references, for the template to expand).
+        (ContentFormat::OpenAi, None)
+            if role == "tool"
+                && message.media.is_none()
+                && !message.parts.iter().flatten().any(|p| matches!(p, Part::ToolReference(_))) =>
+        {
             joined = all_parts_joined(message);
             Content::Text(&joined)
         }
         (ContentFormat::OpenAi, _) => match (&message.parts, &message.content) {
-            (Some(parts), _) => Content::Parts(media, parts.iter().map(|p| p.as_ref()).collect()),
-            (None, Some(text)) => Content::Parts(media, vec![text]),
+            (Some(parts), _) => Content::Parts(media, parts.iter().map(item).collect()),
+            (None, Some(text)) => Content::Parts(media, vec![text_item(text)]),
             (None, None) => Content::Parts(media, Vec::new()),
         },
-        (ContentFormat::String, Some(_)) => Content::Parts(media, vec![text]),
+        (ContentFormat::String, Some(_)) => Content::Parts(media, vec![text_item(text)]),
         (ContentFormat::String, None) => Content::Text(text),
     };
     let view = View { role, content, extra };
@@ -1302,6 +1327,36 @@ mod tests {
             .render(&chat.messages, Variables { add_generation_prompt: true, ..Variables::default() })
             .unwrap();
         assert!(out.ends_with("null True True  <s>"), "{out}");
+    }
+
+    /// `tool_reference` parts (Claude Code's tool search) reach the template as vLLM 0.33
+    /// passes them: their names among the texts in the "string" format (none left out), as
+    /// `{"type": "tool_reference", "name"}` parts in the "openai" one, where a tool turn with
+    /// one keeps its parts apart. They are no media: the whole prompt is known.
+    #[test]
+    fn tool_references_reach_the_template_as_vllm_passes_them() {
+        let body = br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"tool_reference","name":"grep"}]},
+            {"role":"tool","tool_call_id":"t","content":[{"type":"tool_reference","name":"glob"},{"type":"tool_reference"}]},
+            {"role":"tool","content":[{"type":"text","text":"x"},{"type":"text","text":"y"}]}]}"#;
+        let chat = crate::openai::ChatRequest::parse(body).unwrap();
+        assert_eq!(chat.first_media(), None);
+        let string = "{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor %}";
+        let template = ChatTemplate::new(string, SpecialTokens::default()).unwrap();
+        assert_eq!(
+            template.render(&chat.messages, chat.variables()).unwrap(),
+            "user:a\ngrep|tool:glob|tool:x\ny|"
+        );
+        let openai = "{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}\
+                      {% else %}{% for p in m.content %}{{ p | tojson }}{% endfor %}{% endif %}|{% endfor %}";
+        let template = ChatTemplate::new(openai, SpecialTokens::default()).unwrap();
+        assert_eq!(template.content_format(), ContentFormat::OpenAi);
+        assert_eq!(
+            template.render(&chat.messages, chat.variables()).unwrap(),
+            r#"user:{"type": "text", "text": "a"}{"type": "tool_reference", "name": "grep"}|tool:{"type": "tool_reference", "name": "glob"}{"type": "tool_reference", "name": null}|tool:x
+y|"#
+        );
+        let bad = br#"{"messages":[{"role":"tool","content":[{"type":"tool_reference","name":3}]}]}"#;
+        assert!(crate::openai::ChatRequest::parse(bad).is_err(), "a name that is not a string");
     }
 
     /// Floats a template writes are spelled as Jinja2 spells them (Python's `repr`), written

@@ -254,9 +254,31 @@ pub struct Message<'a> {
     pub media: Option<Cow<'a, str>>,
     /// Every other key of the message (`name`, `tool_calls`, ...), for the template.
     pub extra: Vec<(Cow<'a, str>, &'a RawValue)>,
-    /// When `content` was a list: its text parts, empty ones too (a template in vLLM's
-    /// "openai" content format sees them apart).
-    pub parts: Option<Vec<Cow<'a, str>>>,
+    /// When `content` was a list: its text and tool-reference parts, empty ones too (a
+    /// template in vLLM's "openai" content format sees them apart).
+    pub parts: Option<Vec<Part<'a>>>,
+}
+
+/// A part of a list `content` that reaches the template as it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Part<'a> {
+    /// A text part's text (`text`, `input_text`, `output_text`, `refusal`, `thinking`, or a
+    /// plain string).
+    Text(Cow<'a, str>),
+    /// A `tool_reference` part's `name` (none when absent or null): vLLM passes it as
+    /// `{"type": "tool_reference", "name": ...}` for the template to expand, or, where the
+    /// template takes a string, as the name's text.
+    ToolReference(Option<Cow<'a, str>>),
+}
+
+impl Part<'_> {
+    /// The text the part is in a string content (a reference's name; none is empty).
+    pub fn text(&self) -> &str {
+        match self {
+            Part::Text(text) => text,
+            Part::ToolReference(name) => name.as_deref().unwrap_or_default(),
+        }
+    }
 }
 
 impl<'a> CompletionRequest<'a> {

@@ -29,7 +29,7 @@
 //!    `input` object (`{}` when absent); a user's `tool_result` becomes a `role: "tool"`
 //!    message placed *before* the user message (its text items joined with `"\n"`; its images
 //!    a user message of `image_url` parts after it; its `tool_reference` items another tool
-//!    message, of their names, one a line); an assistant's `tool_result` becomes the
+//!    message, of `{"type": "tool_reference", "name"}` parts); an assistant's `tool_result` becomes the
 //!    text `Tool result: {content}` (a list there is written by Python's `str()`, which is
 //!    not reproduced: that message counts as media). A user message left with no content is
 //!    dropped.
@@ -705,6 +705,9 @@ enum Part<'a> {
     ImageUrl {
         image_url: Url,
     },
+    ToolReference {
+        name: Cow<'a, str>,
+    },
     /// Text vLLM writes with Python's `str()` of a JSON value, which is not reproduced: a part
     /// the chat parser takes for media, so the prompt is hashed up to its message.
     PythonRepr,
@@ -830,10 +833,10 @@ fn tool_result_messages<'a>(
     if !images.is_empty() {
         out.push(message(Role::User, OutContent::Parts(images), None));
     }
-    // vLLM's `{"type": "tool_reference", "name"}` parts are read as their names' text.
+    // As vLLM's `{"type": "tool_reference", "name"}` parts, for the template to expand.
     if !references.is_empty() {
-        let names = Text::plain(&references.join("\n"));
-        out.push(message(Role::Tool, OutContent::Text(names), Some(tool_use_id)));
+        let references = references.into_iter().map(|name| Part::ToolReference { name }).collect();
+        out.push(message(Role::Tool, OutContent::Parts(references), Some(tool_use_id)));
     }
 }
 

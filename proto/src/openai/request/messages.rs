@@ -13,7 +13,7 @@ use serde::Deserialize;
 use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
-use super::{BILLING_HEADER, Message, Str, object};
+use super::{BILLING_HEADER, Message, Part, Str, object};
 use crate::openai::error::{MessageProblem, RequestError};
 
 /// What one message parsed to, without failing the parse.
@@ -64,10 +64,10 @@ impl<'de: 'a, 'a> Deserialize<'de> for MaybeStr<'a> {
 enum Content<'a> {
     Null,
     Text(Cow<'a, str>),
-    /// The text parts, the type of the first part that is not text, and for each text part
-    /// whether it is a plain string or typed `text` (the parts vLLM looks at for Claude
-    /// Code's attribution line, [`strip_billing_header`]).
-    Parts(Vec<Cow<'a, str>>, Option<Cow<'a, str>>, Vec<bool>),
+    /// The text and tool-reference parts, the type of the first part that is neither, and
+    /// for each of those parts whether it is a plain string or typed `text` (the parts vLLM
+    /// looks at for Claude Code's attribution line, [`strip_billing_header`]).
+    Parts(Vec<Part<'a>>, Option<Cow<'a, str>>, Vec<bool>),
     /// Neither null, a string nor a list.
     Bad,
     /// A part that is not an object with a string `type`, or a text part whose text is not a
@@ -81,6 +81,8 @@ struct RawPart<'a> {
     text: Option<MaybeStr<'a>>,
     refusal: Option<MaybeStr<'a>>,
     thinking: Option<MaybeStr<'a>>,
+    /// A `tool_reference` part's.
+    name: Option<MaybeStr<'a>>,
     /// For a part without a `type`: the first of [`UNTYPED_MEDIA`] it has.
     untyped_media: Option<&'static str>,
 }
@@ -96,18 +98,19 @@ impl<'de> Deserialize<'de> for RawPart<'de> {
             raw.map(|raw| serde_json::from_str::<MaybeStr<'de>>(raw.get()).map_err(de::Error::custom))
                 .transpose()
         };
-        let mut names = ["type", "text", "refusal", "thinking", "", "", "", "", "", "", ""];
-        names[4..].copy_from_slice(&UNTYPED_MEDIA);
+        let mut names = ["type", "text", "refusal", "thinking", "name", "", "", "", "", "", "", ""];
+        names[5..].copy_from_slice(&UNTYPED_MEDIA);
         let fields = object::fields_of(d, &names)?;
         // Absent and null are both `None` here: vLLM takes a null `input_audio` for no media
         // (and a null `image_url` for an image without a URL, which it then refuses).
         let untyped_media =
-            UNTYPED_MEDIA.iter().zip(&fields[4..]).find(|(_, f)| f.is_some()).map(|(k, _)| *k);
+            UNTYPED_MEDIA.iter().zip(&fields[5..]).find(|(_, f)| f.is_some()).map(|(k, _)| *k);
         Ok(RawPart {
             kind: read(fields[0])?,
             text: read(fields[1])?,
             refusal: read(fields[2])?,
             thinking: read(fields[3])?,
+            name: read(fields[4])?,
             untyped_media,
         })
     }
@@ -118,16 +121,24 @@ impl<'a> RawPart<'a> {
     /// `thinking`, each from its own key): `Some(Ok(Some))`; `Some(Ok(None))` when that key is
     /// missing or null (vLLM skips the part; an empty text it skips when it joins the texts,
     /// [`join_text_parts`], and keeps as a part); `Some(Err)` when it is not a string;
-    /// `None` for any other type.
-    fn text(self, kind: &str) -> Option<Result<Option<Cow<'a, str>>, ()>> {
+    /// `None` for any other type. A `tool_reference` is kept whatever its name (a name that
+    /// is not a string is an error).
+    fn part(self, kind: &str) -> Option<Result<Option<Part<'a>>, ()>> {
         let value = match kind {
             "text" | "input_text" | "output_text" => self.text,
             "refusal" => self.refusal,
             "thinking" => self.thinking,
+            "tool_reference" => {
+                return Some(match self.name {
+                    Some(MaybeStr::Str(name)) => Ok(Some(Part::ToolReference(Some(name)))),
+                    None | Some(MaybeStr::Null) => Ok(Some(Part::ToolReference(None))),
+                    Some(MaybeStr::Other) => Err(()),
+                });
+            }
             _ => return None,
         };
         Some(match value {
-            Some(MaybeStr::Str(text)) => Ok(Some(text)),
+            Some(MaybeStr::Str(text)) => Ok(Some(Part::Text(text))),
             None | Some(MaybeStr::Null) => Ok(None),
             Some(MaybeStr::Other) => Err(()),
         })
@@ -157,7 +168,9 @@ impl<'de> Deserialize<'de> for Content<'de> {
             let bad = || Ok(Content::BadPart);
             // A plain string is a text part, as vLLM reads it.
             if part.get().starts_with('"') {
-                texts.push(serde_json::from_str::<Str<'de>>(part.get()).map_err(de::Error::custom)?.0);
+                texts.push(Part::Text(
+                    serde_json::from_str::<Str<'de>>(part.get()).map_err(de::Error::custom)?.0,
+                ));
                 plain.push(true);
                 continue;
             }
@@ -172,9 +185,9 @@ impl<'de> Deserialize<'de> for Content<'de> {
                 _ => return bad(),
             };
             let typed_text = kind == "text";
-            match part.text(&kind) {
-                Some(Ok(Some(text))) => {
-                    texts.push(text);
+            match part.part(&kind) {
+                Some(Ok(Some(part))) => {
+                    texts.push(part);
                     plain.push(typed_text);
                 }
                 Some(Ok(None)) => {}
@@ -218,12 +231,12 @@ impl<'de> Deserialize<'de> for MessageResult<'de> {
                 let (content, media) = match content {
                     Content::Null => (None, None),
                     Content::Text(t) if role == "system" && t.starts_with(BILLING_HEADER) => {
-                        let mut texts = vec![t];
+                        let mut texts = vec![Part::Text(t)];
                         strip_billing_header(&mut texts, &[true]);
                         match texts.pop() {
-                            Some(rest) => (Some(rest), None),
+                            Some(Part::Text(rest)) => (Some(rest), None),
                             // No text left: an empty list, as vLLM has it.
-                            None => {
+                            _ => {
                                 parts = Some(Vec::new());
                                 (Some(Cow::Borrowed("")), None)
                             }
@@ -275,9 +288,13 @@ impl<'de> Deserialize<'de> for MessageResult<'de> {
 /// plain strings or typed `text` (`plain`), and a part that was nothing else: a gateway
 /// that turns Claude Code's requests into chat requests keeps it, and the prefix cache
 /// would miss from there on.
-fn strip_billing_header(texts: &mut Vec<Cow<'_, str>>, plain: &[bool]) {
+fn strip_billing_header(texts: &mut Vec<Part<'_>>, plain: &[bool]) {
     let mut plain = plain.iter();
-    texts.retain_mut(|text| {
+    texts.retain_mut(|part| {
+        let Part::Text(text) = part else {
+            plain.next();
+            return true;
+        };
         if !plain.next().copied().unwrap_or(false) || !text.starts_with(BILLING_HEADER) {
             return true;
         }
@@ -295,16 +312,17 @@ fn strip_billing_header(texts: &mut Vec<Cow<'_, str>>, plain: &[bool]) {
 }
 
 /// vLLM's "string" content format: the texts that are not empty, joined with a newline.
-fn join_text_parts<'a>(texts: &[Cow<'a, str>]) -> Cow<'a, str> {
-    let mut texts = texts.iter().filter(|t| !t.is_empty());
+fn join_text_parts<'a>(parts: &[Part<'a>]) -> Cow<'a, str> {
+    let mut texts = parts.iter().filter(|p| !p.text().is_empty());
     match (texts.next(), texts.next()) {
         (None, _) => Cow::Borrowed(""),
-        (Some(one), None) => one.clone(),
+        (Some(Part::Text(one)), None) => one.clone(),
+        (Some(one), None) => Cow::Owned(one.text().to_owned()),
         (Some(first), Some(second)) => {
-            let mut joined = format!("{first}\n{second}");
-            for text in texts {
+            let mut joined = format!("{}\n{}", first.text(), second.text());
+            for part in texts {
                 joined.push('\n');
-                joined.push_str(text);
+                joined.push_str(part.text());
             }
             Cow::Owned(joined)
         }

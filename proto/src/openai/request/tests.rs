@@ -484,8 +484,12 @@ fn a_system_messages_billing_header_line_is_left_out() {
             {"role": "user", "content": content}]});
         let body = body.to_string();
         let chat = ChatRequest::parse(body.as_bytes()).unwrap();
-        let [system, user] = [&chat.messages[0], &chat.messages[1]]
-            .map(|m| (m.content.as_deref().map(str::to_owned), m.parts.clone().map(|p| p.concat())));
+        let [system, user] = [&chat.messages[0], &chat.messages[1]].map(|m| {
+            (
+                m.content.as_deref().map(str::to_owned),
+                m.parts.clone().map(|p| p.iter().map(Part::text).collect()),
+            )
+        });
         (system, user)
     };
     let (kept, user) = system(format!("{header}\nYou are Claude Code.").into());

@@ -299,7 +299,8 @@ fn odd_tool_results_and_images_read_as_vllm_reads_them() {
         json!([
             {"role": "tool", "content": "", "tool_call_id": "t"},
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,"}}]},
-            {"role": "tool", "content": "grep\nglob", "tool_call_id": "t"},
+            {"role": "tool", "content": [{"type": "tool_reference", "name": "grep"}, {"type": "tool_reference", "name": "glob"}],
+                "tool_call_id": "t"},
             {"role": "user", "content": "no image above"},
             {"role": "assistant", "content": "Tool result: "}
         ])
