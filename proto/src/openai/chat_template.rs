@@ -755,7 +755,7 @@ fn tools_value(raw: &RawValue) -> Result<Value, RequestError> {
         #[serde(borrow)]
         function: Option<&'a RawValue>,
         #[serde(borrow)]
-        defer_loading: Option<&'a RawValue>,
+        defer_loading: Option<Flag<'a>>,
     }
     #[derive(Deserialize, serde::Serialize)]
     struct Function<'a> {
@@ -766,9 +766,9 @@ fn tools_value(raw: &RawValue) -> Result<Value, RequestError> {
         #[serde(borrow)]
         parameters: Option<&'a RawValue>,
         #[serde(borrow, skip_serializing_if = "Option::is_none")]
-        strict: Option<&'a RawValue>,
+        strict: Option<Flag<'a>>,
         #[serde(borrow, skip_serializing_if = "Option::is_none")]
-        defer_loading: Option<&'a RawValue>,
+        defer_loading: Option<Flag<'a>>,
     }
     #[derive(serde::Serialize)]
     struct Dumped<'a> {
@@ -776,7 +776,7 @@ fn tools_value(raw: &RawValue) -> Result<Value, RequestError> {
         kind: &'static str,
         function: Function<'a>,
         #[serde(skip_serializing_if = "Option::is_none")]
-        defer_loading: Option<&'a RawValue>,
+        defer_loading: Option<Flag<'a>>,
     }
     let Ok(items) = serde_json::from_str::<Vec<&RawValue>>(raw.get()) else { return json_value(raw) };
     let mut out = Vec::with_capacity(items.len());
@@ -798,6 +798,26 @@ fn tools_value(raw: &RawValue) -> Result<Value, RequestError> {
         out.push(json_value(&dumped)?);
     }
     Ok(Value::from(out))
+}
+
+/// A tool's `bool | None` field (`strict`, `defer_loading`) as pydantic's lax mode reads it
+/// (`"true"`, `1`, `"yes"`, ...) and vLLM dumps it, a boolean; kept as it came when it is
+/// not one (vLLM then refuses the request, and the replica says so).
+#[derive(Clone, Copy, serde::Serialize)]
+#[serde(untagged)]
+enum Flag<'a> {
+    Bool(bool),
+    Raw(&'a RawValue),
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Flag<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw = <&'de RawValue>::deserialize(d)?;
+        Ok(match super::request::lax_boolean(raw) {
+            Some(b) => Flag::Bool(b),
+            None => Flag::Raw(raw),
+        })
+    }
 }
 
 /// The modality vLLM gives a media part of type `part_type` (an unknown type: `"image"`).
@@ -1434,11 +1454,12 @@ y|"#
     /// `defer_loading` goes to its function when that has none, and stays on the tool.
     #[test]
     fn tools_reach_the_template_as_vllm_dumps_them() {
+        // (`strict` and `defer_loading` as pydantic's lax mode reads booleans: "no", 0, "Yes".)
         let template = ChatTemplate::new("{{ tools | tojson }}", SpecialTokens::default()).unwrap();
         let body = br#"{"messages":[{"role":"user","content":"q"}],"tools":[
             {"function":{"parameters":{"z":1,"a":2},"extra":0,"strict":null,"name":"f"},"type":"function","defer_loading":true},
-            {"type":"function","function":{"name":"g","description":"G.","strict":false}},
-            {"type":"function","function":{"name":"h","defer_loading":false},"defer_loading":true},
+            {"type":"function","function":{"name":"g","description":"G.","strict":"no"}},
+            {"type":"function","function":{"name":"h","defer_loading":0},"defer_loading":"Yes"},
             {"type":"code_interpreter"}]}"#;
         let chat = crate::openai::ChatRequest::parse(body).unwrap();
         assert_eq!(

@@ -479,7 +479,12 @@ fn field<'a, T: Deserialize<'a>>(
 /// their opposites; `null` is absent, anything else [`RequestError::InvalidField`].
 fn boolean(raw: Option<&RawValue>, param: &'static str) -> Result<Option<bool>, RequestError> {
     let Some(raw) = raw else { return Ok(None) };
-    let value = match serde_json::from_str(raw.get()) {
+    lax_boolean(raw).map(Some).ok_or(RequestError::InvalidField { param, expected: "a boolean" })
+}
+
+/// A boolean as pydantic's lax mode reads one ([`boolean`]), or none.
+pub(super) fn lax_boolean(raw: &RawValue) -> Option<bool> {
+    match serde_json::from_str(raw.get()) {
         Ok(Value::Bool(b)) => Some(b),
         Ok(Value::Number(n)) => match n.as_f64() {
             Some(0.0) => Some(false),
@@ -492,8 +497,7 @@ fn boolean(raw: Option<&RawValue>, param: &'static str) -> Result<Option<bool>, 
             _ => None,
         },
         _ => None,
-    };
-    value.map(Some).ok_or(RequestError::InvalidField { param, expected: "a boolean" })
+    }
 }
 
 /// An optional non-negative integer as pydantic's lax mode reads one: an integer, a number
