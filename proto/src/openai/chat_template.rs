@@ -342,13 +342,24 @@ impl ChatTemplate {
         mut vars: Variables<'_>,
         media_parts: bool,
     ) -> Result<String, RequestError> {
+        let mut named = None;
         if let Some(source) = vars.chat_template.take() {
-            return self.requested(source)?.render_as(messages, vars, media_parts);
+            if !self.options.trust_request_chat_template {
+                return Err(RequestError::UntrustedChatTemplate);
+            }
+            match source {
+                // vLLM takes an empty template for none.
+                "" => {}
+                // The name of one of the model's templates picks it, as transformers does.
+                "default" if self.tool_use.is_some() => named = Some(&self.default),
+                "tool_use" if self.tool_use.is_some() => named = self.tool_use.as_ref(),
+                source => return self.requested(source)?.render_as(messages, vars, media_parts),
+            }
         }
         if vars.tool_choice_none && self.options.exclude_tools_when_tool_choice_none {
             vars.tools = None;
         }
-        let facts = self.facts(&vars);
+        let facts = named.unwrap_or_else(|| self.facts(&vars));
         let mut passed = facts.passed(messages);
         let continued_text = match (vars.continue_final_message, passed.last_mut()) {
             (true, Some(last)) => {
@@ -424,11 +435,8 @@ impl ChatTemplate {
     }
 
     /// The template a request brought (`chat_template`), compiled once and kept, with this
-    /// one's special tokens and options; refused unless requests' templates are trusted.
+    /// one's special tokens and options (a template requests brought renders no other).
     fn requested(&self, source: &str) -> Result<Arc<ChatTemplate>, RequestError> {
-        if !self.options.trust_request_chat_template {
-            return Err(RequestError::UntrustedChatTemplate);
-        }
         let Some(requested) = &self.requested else {
             return Err(RequestError::UntrustedChatTemplate);
         };

@@ -233,5 +233,34 @@ mod tests {
             render(source, &trust, r#","chat_template":"{% if %}""#),
             Err(RequestError::Template(_))
         ));
+        // An empty one is none when trusted (vLLM's `or`), and refused when not.
+        assert_eq!(render(source, &trust, r#","chat_template":"""#).unwrap(), "hi");
+        assert!(render(source, &ChatOptions::default(), r#","chat_template":"""#).is_err());
+    }
+
+    /// A trusted request's `chat_template` naming one of the model's templates picks it, as
+    /// transformers picks a named template.
+    #[test]
+    fn a_requests_template_may_name_one_of_the_models() {
+        let dir = std::env::temp_dir().join(format!("kvroute-named-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokenizer_config.json");
+        let config = r#"{"chat_template":[{"name":"default","template":"D{{ tools is none }}"},
+            {"name":"tool_use","template":"T{{ tools is none }}"}]}"#;
+        std::fs::write(&path, config).unwrap();
+        let trust = ChatOptions { trust_request_chat_template: true, ..ChatOptions::default() };
+        let template = ChatTemplate::from_tokenizer_config(&path).unwrap().with_options(trust);
+        std::fs::remove_dir_all(dir).ok();
+        let render = |fields: &str| {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}]{fields}}}"#);
+            let chat = ChatRequest::parse(body.as_bytes()).unwrap();
+            template.render(&chat.messages, chat.variables()).unwrap()
+        };
+        assert_eq!(render(""), "DTrue");
+        assert_eq!(render(r#","chat_template":"tool_use""#), "TTrue");
+        let tools = r#","tools":[{"type":"function","function":{"name":"f"}}]"#;
+        assert_eq!(render(tools), "TFalse");
+        assert_eq!(render(&format!(r#"{tools},"chat_template":"default""#)), "DFalse");
+        assert_eq!(render(r#","chat_template":"other""#), "other", "not a name: a template");
     }
 }
