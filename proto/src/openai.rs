@@ -48,7 +48,9 @@ pub use chat_template::{
 pub use error::{LoadError, MessageProblem, OpenAiError, RequestError};
 pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 pub use request::anthropic::{InlineSystem, inline_system_mode};
-pub use request::{ChatRequest, CompletionRequest, Endpoint, Message, ParsedRequest, Prompt, PromptInput};
+pub use request::{
+    ChatRequest, CompletionRequest, Endpoint, Message, ParsedRequest, Prompt, PromptInput, Side, Truncation,
+};
 pub use tokenizer::{Builtin, HuggingFace, Tokenizer};
 
 use crate::{BlockHash, CacheNamespace};
@@ -106,6 +108,9 @@ pub struct Tokenization {
     prefix_cache: Option<PrefixCache>,
     /// Where a Messages request's inline system messages go with this chat template.
     inline_system: InlineSystem,
+    /// The fleet's chat flags (the template has them too; remote tokenization needs them
+    /// without one).
+    chat_options: ChatOptions,
 }
 
 impl Tokenization {
@@ -132,12 +137,14 @@ impl Tokenization {
             (None, None) => None,
         }
         .map(|template| template.with_options(config.chat.clone()));
-        Ok(Self::from_parts(
+        let mut tokenization = Self::from_parts(
             tokenizer,
             chat_template,
             &config.base_model,
             config.lora_adapters.iter().cloned(),
-        ))
+        );
+        tokenization.chat_options = config.chat.clone();
+        Ok(tokenization)
     }
 
     /// Assembles a tokenization from already-built parts (tests, custom tokenizers).
@@ -155,7 +162,13 @@ impl Tokenization {
             base_model: base_model.into(),
             lora_adapters: RwLock::new(lora_adapters.into_iter().collect()),
             prefix_cache: None,
+            chat_options: ChatOptions::default(),
         }
+    }
+
+    /// The fleet's chat flags ([`ChatOptions`]).
+    pub fn chat_options(&self) -> &ChatOptions {
+        &self.chat_options
     }
 
     /// Keeps about `capacity_bytes` of texts' beginnings and their ids, so that text which
@@ -195,13 +208,18 @@ impl Tokenization {
                     PromptInput::Text(text) => self.encode(text, r.add_special_tokens),
                     PromptInput::Tokens(ids) => self.check_ids(ids),
                 })
+                .map(|ids| {
+                    let text = matches!(r.prompt, Prompt::Text(_) | Prompt::TextBatch(_));
+                    Ok(self.truncated(ids?, r.truncation, text && r.add_special_tokens))
+                })
                 .collect(),
             ParsedRequest::Chat(r) => {
                 if let Some((index, part_type)) = r.first_media() {
                     let part_type = part_type.to_owned();
                     return Err(RequestError::UnsupportedContentPart { index, part_type });
                 }
-                Ok(vec![self.encode(&self.render_chat(r)?, r.add_special_tokens)?])
+                let ids = self.encode(&self.render_chat(r)?, r.add_special_tokens)?;
+                Ok(vec![self.truncated(ids, r.truncation, r.add_special_tokens)])
             }
         }
     }
@@ -222,8 +240,13 @@ impl Tokenization {
     pub fn partial_chat_tokens(&self, request: &ChatRequest<'_>) -> Result<PartialPrompt, RequestError> {
         let Some((first, _)) = request.first_media() else {
             let tokens = self.encode(&self.render_chat(request)?, request.add_special_tokens)?;
+            let tokens = self.truncated(tokens, request.truncation, request.add_special_tokens);
             return Ok(PartialPrompt { text_tokens: tokens.len(), tokens });
         };
+        // vLLM truncates once the media's tokens are in: which tokens stay is not known here.
+        if request.truncation.is_some() {
+            return Ok(PartialPrompt::estimated(request));
+        }
         let template = self.chat_template.as_ref().ok_or(RequestError::NoChatTemplate)?;
         let vars = request.variables();
         let encode = |text: String| self.encode(&text, request.add_special_tokens).unwrap_or_default();
@@ -252,15 +275,17 @@ impl Tokenization {
     /// [`Tokenization::prompt_tokens`], moving token-id prompts out of `request` (which is
     /// left with an empty prompt) instead of copying them.
     pub fn take_prompt_tokens(&self, request: &mut ParsedRequest<'_>) -> Result<Vec<Vec<u32>>, RequestError> {
+        let truncation = request.truncation();
+        let cut = |ids: Vec<u32>| self.truncated(ids, truncation, false);
         if let ParsedRequest::Completion(r) = request {
             match &mut r.prompt {
                 Prompt::Tokens(ids) => {
                     self.check_range(ids)?;
-                    return Ok(vec![std::mem::take(ids)]);
+                    return Ok(vec![cut(std::mem::take(ids))]);
                 }
                 Prompt::TokensBatch(batch) => {
                     batch.iter().try_for_each(|ids| self.check_range(ids))?;
-                    return Ok(std::mem::take(batch));
+                    return Ok(std::mem::take(batch).into_iter().map(cut).collect());
                 }
                 Prompt::Text(_) | Prompt::TextBatch(_) => {}
             }
@@ -365,6 +390,18 @@ impl Tokenization {
             return Err(RequestError::EmptyPrompt);
         }
         Ok(ids)
+    }
+
+    /// A prompt's ids as the replica keeps them ([`Truncation`]), `special` when they were
+    /// encoded from text with the tokenizer's special tokens (the ids of a text the replica
+    /// encoded, for remote tokenization, go through here too).
+    pub fn truncated(&self, ids: Vec<u32>, truncation: Option<Truncation>, special: bool) -> Vec<u32> {
+        let Some(truncation) = truncation else { return ids };
+        let specials = match special {
+            true => self.tokenizer.encode("", true).unwrap_or_default(),
+            false => Vec::new(),
+        };
+        truncation.apply(ids, &specials)
     }
 
     fn check_ids(&self, ids: &[u32]) -> Result<Vec<u32>, RequestError> {

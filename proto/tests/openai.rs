@@ -655,3 +655,44 @@ fn chat_options_in_the_config_change_the_prompt() {
     let as_parts = tokens(&forced, Endpoint::ChatCompletions, &chat("")).unwrap();
     assert_ne!(as_parts, tokens(&plain, Endpoint::ChatCompletions, &chat("")).unwrap());
 }
+
+/// `truncate_prompt_tokens` keeps what vLLM keeps: with a tokenizer that adds a BOS, by
+/// default (the tokenizer's left truncation) the BOS and the text's last tokens; with
+/// `truncation_side` the last or first of the whole encoding; token ids and chats their last.
+#[test]
+fn truncated_prompts_keep_what_vllm_keeps() {
+    let t = Tokenization::new(&hf_config()).unwrap();
+    let completion = |extra: &str| {
+        let body =
+            format!(r#"{{"model":"tiny","prompt":"the quick brown fox jumps over the lazy dog"{extra}}}"#);
+        tokens(&t, Endpoint::Completions, &body).unwrap().remove(0)
+    };
+    let whole = completion("");
+    let bos = t.tokenizer().encode("", true).unwrap();
+    assert_eq!(bos.len(), 1, "the fixture adds a BOS");
+    assert_eq!(whole[0], bos[0]);
+    assert!(whole.len() > 5);
+    let last = |n: usize| whole[whole.len() - n..].to_vec();
+    assert_eq!(completion(r#","truncate_prompt_tokens":4"#), [vec![bos[0]], last(3)].concat());
+    assert_eq!(completion(r#","truncate_prompt_tokens":4,"truncation_side":"left""#), last(4));
+    assert_eq!(completion(r#","truncate_prompt_tokens":4,"truncation_side":"right""#), whole[..4].to_vec());
+    assert_eq!(completion(r#","truncate_prompt_tokens":-1"#), whole, "the context length: not known here");
+    assert_eq!(completion(&format!(r#","truncate_prompt_tokens":{}"#, whole.len())), whole);
+    let ids = |extra: &str| {
+        let body = format!(r#"{{"model":"tiny","prompt":[5,6,7,8,9]{extra}}}"#);
+        let mut request = ParsedRequest::parse(Endpoint::Completions, body.as_bytes()).unwrap();
+        let taken = t.take_prompt_tokens(&mut request).unwrap();
+        assert_eq!(tokens(&t, Endpoint::Completions, &body).unwrap(), taken, "both ways alike");
+        taken.concat()
+    };
+    assert_eq!(ids(r#","truncate_prompt_tokens":2"#), [8, 9]);
+    assert_eq!(ids(r#","truncate_prompt_tokens":2,"truncation_side":"right""#), [5, 6]);
+    let chat = |extra: &str| tokens(&t, Endpoint::ChatCompletions, &chat_body(extra)).unwrap().remove(0);
+    let whole = chat("");
+    assert_eq!(chat(r#","truncate_prompt_tokens":3"#), whole[whole.len() - 3..].to_vec());
+    for bad in
+        [r#","truncate_prompt_tokens":0"#, r#","truncate_prompt_tokens":-2"#, r#","truncation_side":"up""#]
+    {
+        assert!(tokens(&t, Endpoint::ChatCompletions, &chat_body(bad)).is_err(), "{bad}");
+    }
+}

@@ -29,6 +29,7 @@ mod object;
 mod prompt;
 pub mod responses;
 mod scan;
+pub mod truncation;
 
 use std::borrow::Cow;
 
@@ -40,6 +41,7 @@ use serde_json::value::RawValue;
 use self::messages::parse_messages;
 use self::prompt::parse_prompt;
 use self::scan::Field;
+pub use self::truncation::{Side, Truncation};
 use super::chat_template::Variables;
 use super::error::RequestError;
 
@@ -125,6 +127,14 @@ impl<'a> ParsedRequest<'a> {
         }
     }
 
+    /// Which of each prompt's tokens the replica keeps (`truncate_prompt_tokens`).
+    pub fn truncation(&self) -> Option<Truncation> {
+        match self {
+            ParsedRequest::Completion(r) => r.truncation,
+            ParsedRequest::Chat(r) => r.truncation,
+        }
+    }
+
     /// The output-length limit (`max_completion_tokens` wins over `max_tokens` for chat).
     pub fn max_tokens(&self) -> Option<u64> {
         match self {
@@ -149,6 +159,8 @@ pub struct CompletionRequest<'a> {
     pub cache_salt: Option<Cow<'a, str>>,
     /// Whether text prompts get the tokenizer's special tokens (BOS); default true.
     pub add_special_tokens: bool,
+    /// Which of each prompt's tokens the replica keeps (`truncate_prompt_tokens`).
+    pub truncation: Option<Truncation>,
 }
 
 /// The `prompt` of a completion request, in the shape the client sent.
@@ -234,6 +246,8 @@ pub struct ChatRequest<'a> {
     pub tool_choice_none: bool,
     /// The request's own chat template (`chat_template`), if it brought one.
     pub chat_template: Option<Cow<'a, str>>,
+    /// Which of the prompt's tokens the replica keeps (`truncate_prompt_tokens`).
+    pub truncation: Option<Truncation>,
 }
 
 /// The values vLLM takes for `reasoning_effort`.
@@ -283,8 +297,16 @@ impl Part<'_> {
 
 impl<'a> CompletionRequest<'a> {
     /// The fields read, in the order [`scan::fields`] returns them.
-    const FIELDS: [&'static str; 6] =
-        ["model", "prompt", "stream", "max_tokens", "cache_salt", "add_special_tokens"];
+    const FIELDS: [&'static str; 8] = [
+        "model",
+        "prompt",
+        "stream",
+        "max_tokens",
+        "cache_salt",
+        "add_special_tokens",
+        "truncate_prompt_tokens",
+        "truncation_side",
+    ];
 
     /// Parses and validates a `/v1/completions` body.
     pub fn parse(body: &'a [u8]) -> Result<Self, RequestError> {
@@ -297,7 +319,7 @@ impl<'a> CompletionRequest<'a> {
             Some(fields) => fields,
             None => parse_object(body, &Self::FIELDS)?.map(|f| f.map(Field::Raw)),
         };
-        let [model_, prompt, stream, max_tokens, salt, add_special_tokens] = fields;
+        let [model_, prompt, stream, max_tokens, salt, add_special_tokens, truncate, side] = fields;
         let prompt = match prompt.ok_or(RequestError::MissingField { param: "prompt" })? {
             Field::Ids(ids) => Prompt::Tokens(ids),
             Field::Text(text) => Prompt::Text(text),
@@ -311,13 +333,14 @@ impl<'a> CompletionRequest<'a> {
             cache_salt: cache_salt(Field::raw(salt))?,
             add_special_tokens: boolean(Field::raw(add_special_tokens), "add_special_tokens")?
                 .unwrap_or(true),
+            truncation: Truncation::parse(Field::raw(truncate), Field::raw(side))?,
         })
     }
 }
 
 impl<'a> ChatRequest<'a> {
     /// The fields read, in the order [`scan::fields`] returns them.
-    const FIELDS: [&'static str; 15] = [
+    const FIELDS: [&'static str; 17] = [
         "model",
         "messages",
         "stream",
@@ -333,6 +356,8 @@ impl<'a> ChatRequest<'a> {
         "documents",
         "tool_choice",
         "chat_template",
+        "truncate_prompt_tokens",
+        "truncation_side",
     ];
 
     /// Parses and validates a `/v1/chat/completions` body.
@@ -372,6 +397,8 @@ impl<'a> ChatRequest<'a> {
             documents,
             tool_choice,
             chat_template,
+            truncate,
+            side,
         ] = fields;
         let messages = messages.ok_or(RequestError::MissingField { param: "messages" })?;
         let messages = parse_messages(messages)?;
@@ -422,6 +449,7 @@ impl<'a> ChatRequest<'a> {
             chat_template: field::<Option<Str<'a>>>(chat_template, "chat_template", "a string")?
                 .flatten()
                 .map(|s| s.0),
+            truncation: Truncation::parse(truncate, side)?,
         })
     }
 

@@ -26,7 +26,8 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use kvroute_proto::CacheNamespace;
 use kvroute_proto::openai::{
-    ChatRequest, Endpoint, InlineSystem, ParsedRequest, PartialPrompt, RequestError, Tokenization,
+    ChatOptions, ChatRequest, Endpoint, InlineSystem, ParsedRequest, PartialPrompt, RequestError,
+    Tokenization, Truncation,
 };
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -144,9 +145,19 @@ impl Prompts {
 }
 
 /// `/tokenize` takes no `reasoning_effort`: it goes into `chat_template_kwargs` as vLLM's chat
-/// endpoint puts it there (with `enable_thinking`, unless the kwargs set that).
-fn fold_reasoning_effort(body: &mut serde_json::Map<String, serde_json::Value>) {
+/// endpoint puts it there (rewritten by the fleet's `--reasoning-effort-map`, with
+/// `enable_thinking`, unless the kwargs set that). Nor does it read `tool_choice`: with
+/// `--exclude-tools-when-tool-choice-none`, tools the chat endpoint would leave out are left
+/// out of what is sent.
+fn chat_endpoint_options(body: &mut serde_json::Map<String, serde_json::Value>, options: &ChatOptions) {
+    if options.exclude_tools_when_tool_choice_none && body.get("tool_choice").is_some_and(|c| c == "none") {
+        body.remove("tools");
+    }
     let Some(serde_json::Value::String(effort)) = body.remove("reasoning_effort") else { return };
+    let effort = match options.reasoning_effort_map.as_ref().and_then(|map| map.get(&effort)) {
+        Some(mapped) => mapped.clone(),
+        None => effort,
+    };
     let kwargs = body.entry("chat_template_kwargs").or_insert_with(|| serde_json::json!({}));
     if kwargs.is_null() {
         *kwargs = serde_json::json!({});
@@ -211,6 +222,8 @@ pub struct RemoteTokenizer {
     /// The replicas were seen to refuse a Messages conversation with its inline system
     /// messages in place and take it with them folded: later ones are folded from the start.
     folds_inline_system: AtomicBool,
+    /// The special tokens the replicas' tokenizer adds to a text, asked when first needed.
+    specials: tokio::sync::OnceCell<Vec<u32>>,
 }
 
 #[derive(Default)]
@@ -221,7 +234,14 @@ struct Cache {
 
 impl RemoteTokenizer {
     pub fn new(local: Arc<Tokenization>, client: Client, timeout: Duration) -> Self {
-        Self { local, client, timeout, cache: Mutex::default(), folds_inline_system: AtomicBool::new(false) }
+        Self {
+            local,
+            client,
+            timeout,
+            cache: Mutex::default(),
+            folds_inline_system: AtomicBool::new(false),
+            specials: tokio::sync::OnceCell::new(),
+        }
     }
 
     async fn tokens(
@@ -270,7 +290,9 @@ impl RemoteTokenizer {
                 let mut out = Vec::new();
                 for input in r.prompt.inputs() {
                     out.push(match input {
-                        kvroute_proto::openai::PromptInput::Tokens(ids) => ids.to_vec(),
+                        kvroute_proto::openai::PromptInput::Tokens(ids) => {
+                            self.local.truncated(ids.to_vec(), r.truncation, false)
+                        }
                         kvroute_proto::openai::PromptInput::Text(text) => {
                             let mut req = serde_json::json!({
                                 "prompt": text,
@@ -279,20 +301,21 @@ impl RemoteTokenizer {
                             if !r.model.is_empty() {
                                 req["model"] = r.model.as_ref().into();
                             }
-                            self.ask(replica_urls, req).await?
+                            let ids = self.ask(replica_urls, req).await?;
+                            self.truncated(replica_urls, ids, r.truncation, r.add_special_tokens).await?
                         }
                     });
                 }
                 out
             }
-            ParsedRequest::Chat(_) => {
+            ParsedRequest::Chat(chat) => {
                 // Send the chat body as the replica would receive it: /tokenize accepts the
                 // same `messages` and every option of how they are rendered (vLLM's
                 // `TokenizeChatRequest`).
                 let mut value: serde_json::Value =
                     serde_json::from_slice(body).map_err(RequestError::Json)?;
                 if let Some(obj) = value.as_object_mut() {
-                    fold_reasoning_effort(obj);
+                    chat_endpoint_options(obj, self.local.chat_options());
                     obj.retain(|k, _| {
                         matches!(
                             k.as_str(),
@@ -309,7 +332,8 @@ impl RemoteTokenizer {
                         )
                     });
                 }
-                vec![self.ask(replica_urls, value).await?]
+                let ids = self.ask(replica_urls, value).await?;
+                vec![self.truncated(replica_urls, ids, chat.truncation, chat.add_special_tokens).await?]
             }
         };
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -322,6 +346,29 @@ impl RemoteTokenizer {
             cache.order.push_back(key);
         }
         Ok(PromptInfo { namespace, tokens, unhashed_tokens: None })
+    }
+
+    /// `ids` the replicas encoded, as they keep them ([`Tokenization::truncated`]); the
+    /// special tokens the model's tokenizer adds are asked of them, once.
+    async fn truncated(
+        &self,
+        replicas: &[&str],
+        ids: Vec<u32>,
+        truncation: Option<Truncation>,
+        special: bool,
+    ) -> Result<Vec<u32>, PromptError> {
+        let Some(truncation) = truncation else { return Ok(ids) };
+        let specials: &[u32] = match special && truncation.side.is_none() {
+            true => {
+                self.specials
+                    .get_or_try_init(|| {
+                        self.ask(replicas, serde_json::json!({"prompt": "", "add_special_tokens": true}))
+                    })
+                    .await?
+            }
+            false => &[],
+        };
+        Ok(truncation.apply(ids, specials))
     }
 
     /// Asks `replicas` in turn until one answers (or refuses the prompt: the client's error).
