@@ -696,3 +696,51 @@ fn truncated_prompts_keep_what_vllm_keeps() {
         assert!(tokens(&t, Endpoint::ChatCompletions, &chat_body(bad)).is_err(), "{bad}");
     }
 }
+
+/// `tool_choice: none` reaches the template through the Messages and Responses conversions
+/// too, so `--exclude-tools-when-tool-choice-none` leaves their tools out as vLLM does.
+#[test]
+fn tool_choice_none_carries_through_messages_and_responses() {
+    let dir = std::env::temp_dir().join(format!("kvroute-tool-choice-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("template.jinja");
+    std::fs::write(&path, "{{ tools is none }}{% for m in messages %}|{{ m.content }}{% endfor %}").unwrap();
+    let tokenization = |exclude: bool| {
+        let chat = ChatOptions { exclude_tools_when_tool_choice_none: exclude, ..ChatOptions::default() };
+        Tokenization::new(&TokenizationConfig { chat_template: Some(path.clone()), chat, ..builtin_config() })
+            .unwrap()
+    };
+    let (excluding, keeping) = (tokenization(true), tokenization(false));
+    std::fs::remove_dir_all(&dir).ok();
+    let ids = |t: &Tokenization, endpoint: Endpoint, body: &str| {
+        let (endpoint, body) = t.readable(endpoint, body.as_bytes()).unwrap();
+        tokens(t, endpoint, std::str::from_utf8(&body).unwrap()).unwrap()
+    };
+    let messages_tools = r#""tools":[{"name":"f","input_schema":{"type":"object"}}]"#;
+    let responses_tools = r#""tools":[{"type":"function","name":"f","parameters":{"type":"object"}}]"#;
+    let cases = [
+        (
+            Endpoint::Messages,
+            format!(
+                r#"{{"model":"demo","max_tokens":5,"messages":[{{"role":"user","content":"hi"}}],{messages_tools}"#
+            ),
+            r#","tool_choice":{"type":"none"}}"#,
+        ),
+        (
+            Endpoint::Responses,
+            format!(r#"{{"model":"demo","input":"hi",{responses_tools}"#),
+            r#","tool_choice":"none"}"#,
+        ),
+    ];
+    for (endpoint, open, none) in cases {
+        let (with_none, plain) = (format!("{open}{none}"), format!("{open}}}"));
+        let no_tools = excluding.tokenizer().encode("True|hi", false).unwrap();
+        assert_eq!(ids(&excluding, endpoint, &with_none), vec![no_tools.clone()], "{endpoint:?}");
+        assert_ne!(
+            ids(&excluding, endpoint, &plain),
+            vec![no_tools.clone()],
+            "{endpoint:?}: no choice, tools"
+        );
+        assert_ne!(ids(&keeping, endpoint, &with_none), vec![no_tools], "{endpoint:?}: without the flag");
+    }
+}

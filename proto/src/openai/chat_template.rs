@@ -374,7 +374,7 @@ impl ChatTemplate {
             .map(|p| message_value(&p.message, media_parts, p.format(facts.format)))
             .collect::<Result<Vec<_>, _>>()?;
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
-        ctx.insert("tools".into(), vars.tools.map(tools_value).transpose()?.unwrap_or(Value::from(())));
+        ctx.insert("tools".into(), Value::from(()));
         ctx.insert("documents".into(), Value::from(()));
         ctx.insert("bos_token".into(), Value::from(self.special.bos_token.as_str()));
         ctx.insert("eos_token".into(), Value::from(self.special.eos_token.as_str()));
@@ -397,7 +397,8 @@ impl ChatTemplate {
     /// the fleet's default kwargs, where a value that is null or "auto" leaves the default
     /// (`merge_kwargs`). A kwarg `chat_template` is refused unless requests' templates are
     /// trusted, and is no variable either way; nor is `continue_final_message`
-    /// (transformers takes it as an argument). vLLM always has defaults to merge into (its
+    /// (transformers takes it as an argument). The request's tools go between the defaults
+    /// and its kwargs (vLLM merges them into the defaults). vLLM always has defaults to merge into (its
     /// own `tokenize`, which no template sees), so a request's null or "auto" kwargs are
     /// always left out.
     fn kwargs(&self, vars: &Variables<'_>) -> Result<BTreeMap<String, Value>, RequestError> {
@@ -420,7 +421,6 @@ impl ChatTemplate {
             request.insert("reasoning_effort".into(), Value::from(effort));
         }
         request.insert("add_generation_prompt".into(), Value::from(vars.add_generation_prompt));
-        request.remove("continue_final_message");
         if let Some(documents) = vars.documents {
             request.insert("documents".into(), json_value(documents)?);
         }
@@ -429,8 +429,16 @@ impl ChatTemplate {
             let value = Value::deserialize(value).map_err(|e| RequestError::Template(json_error(e)))?;
             merged.insert(key.clone(), value);
         }
+        if let Some(tools) = vars.tools {
+            merged.insert("tools".into(), tools_value(tools)?);
+        }
         let unset = |v: &Value| v.is_none() || v.as_str() == Some("auto");
         merged.extend(request.into_iter().filter(|(_, v)| !unset(v)));
+        // Arguments of transformers' `apply_chat_template`, not variables, wherever they came
+        // from.
+        for argument in ["continue_final_message", "chat_template", "tokenize"] {
+            merged.remove(argument);
+        }
         Ok(merged)
     }
 
@@ -522,10 +530,11 @@ impl Facts {
         }
         let mut last = last.clone();
         let text = match (format, &mut last.parts, &mut last.content) {
-            (ContentFormat::OpenAi, Some(parts), _) => match parts.last_mut() {
-                Some(Part::Text(text)) => Some(text),
-                _ => None,
-            },
+            // The last part with text, as transformers finds it.
+            (ContentFormat::OpenAi, Some(parts), _) => parts.iter_mut().rev().find_map(|p| match p {
+                Part::Text(text) => Some(text),
+                Part::ToolReference(_) => None,
+            }),
             (ContentFormat::OpenAi, None, content) => content.as_mut(),
             // A string content: `""` when the client sent none.
             (ContentFormat::String, _, content) => Some(content.get_or_insert_default()),
@@ -553,10 +562,20 @@ impl Passed<'_, '_> {
 }
 
 /// A message's text parts joined with newlines, empty ones too, as vLLM joins an
-/// "openai"-format content's texts where it wants a string (a string content is one part).
+/// "openai"-format content's texts where it wants a string (a string content is one part;
+/// tool references are no text).
 fn all_parts_joined<'m>(message: &'m Message<'_>) -> Cow<'m, str> {
     match (&message.parts, &message.content) {
-        (Some(parts), _) => Cow::Owned(parts.iter().map(Part::text).collect::<Vec<_>>().join("\n")),
+        (Some(parts), _) => {
+            let texts: Vec<&str> = parts
+                .iter()
+                .filter_map(|p| match p {
+                    Part::Text(text) => Some(text.as_ref()),
+                    Part::ToolReference(_) => None,
+                })
+                .collect();
+            Cow::Owned(texts.join("\n"))
+        }
         (None, Some(text)) => Cow::Borrowed(text),
         (None, None) => Cow::Borrowed(""),
     }
@@ -1385,6 +1404,19 @@ y|"#
         );
         let bad = br#"{"messages":[{"role":"tool","content":[{"type":"tool_reference","name":3}]}]}"#;
         assert!(crate::openai::ChatRequest::parse(bad).is_err(), "a name that is not a string");
+        // A continued message ends in its last text part, as transformers finds it.
+        let names = "{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}{% else %}\
+                     {% for p in m.content %}{{ p.text or p.name }}{% endfor %}{% endif %}|{% endfor %}";
+        let template = ChatTemplate::new(names, SpecialTokens::default()).unwrap();
+        let body = br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"tool_reference","name":"g"}]}],
+            "continue_final_message":true,"add_generation_prompt":false}"#;
+        let chat = crate::openai::ChatRequest::parse(body).unwrap();
+        assert_eq!(template.render(&chat.messages, chat.variables()).unwrap(), "user:a");
+        // Merged system turns take no reference names (vLLM keeps parts with text).
+        let body = br#"{"messages":[{"role":"user","content":"q"},
+            {"role":"developer","content":[{"type":"text","text":"d"},{"type":"tool_reference","name":"g"}]}]}"#;
+        let chat = crate::openai::ChatRequest::parse(body).unwrap();
+        assert_eq!(template.render(&chat.messages, chat.variables()).unwrap(), "system:d|user:q|");
     }
 
     /// Floats a template writes are spelled as Jinja2 spells them (Python's `repr`), written

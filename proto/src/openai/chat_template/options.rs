@@ -155,6 +155,12 @@ mod tests {
         assert_eq!(with(r#"{"enable_thinking": null, "x": "auto", "y": null}"#), "False 1 False");
         // A reasoning effort sets enable_thinking over the default, as a request field.
         assert_eq!(render(source, &options, r#","reasoning_effort":"high""#).unwrap(), "True 1 False");
+        // The request's tools win over a default `tools`; the default stands without them.
+        let with_tools =
+            ChatOptions { default_chat_template_kwargs: kwargs(r#"{"tools": "D"}"#), ..options.clone() };
+        let tools = r#","tools":[{"type":"function","function":{"name":"f"}}]"#;
+        assert_eq!(render("{{ tools is string }}", &with_tools, tools).unwrap(), "False");
+        assert_eq!(render("{{ tools is string }}", &with_tools, "").unwrap(), "True");
         // Null and "auto" kwargs are left out with no defaults too (vLLM always merges).
         let none =
             render("{{ y is defined }}", &ChatOptions::default(), r#","chat_template_kwargs":{"y":null}"#);
@@ -228,7 +234,9 @@ mod tests {
         assert_eq!(render(source, &ChatOptions::default(), r#","chat_template":null"#).unwrap(), "hi");
         let trust = ChatOptions { trust_request_chat_template: true, ..ChatOptions::default() };
         assert_eq!(render(source, &trust, own).unwrap(), "HI!");
-        assert_eq!(render(source, &trust, in_kwargs).unwrap(), "hi", "the kwarg is no template");
+        // vLLM renders with the kwarg's template only when it has no --chat-template of its
+        // own, which the router cannot tell: it takes the model's.
+        assert_eq!(render(source, &trust, in_kwargs).unwrap(), "hi");
         assert!(matches!(
             render(source, &trust, r#","chat_template":"{% if %}""#),
             Err(RequestError::Template(_))

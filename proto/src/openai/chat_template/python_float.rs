@@ -1,7 +1,10 @@
 //! Floats spelled as Python spells them (`repr`, which `str` and `json.dumps` share), so a
-//! number a template writes is the text vLLM's Jinja2 writes: `1e-05`, `1e+16`, `100.0`.
-//! Rust and serde_json agree with Python on the digits (the shortest that read back the same)
-//! but not on where scientific notation starts or how its exponent is written.
+//! number a template writes out (`{{ x }}`), through `string` or through `tojson` is the
+//! text vLLM's Jinja2 writes: `1e-05`, `1e+16`, `100.0`. Rust and serde_json agree with
+//! Python on the digits (the shortest that read back the same) but not on where scientific
+//! notation starts or how its exponent is written. Not covered (minijinja has no hook there):
+//! a float inside a list or map written out whole, joined with `~` or `join`, or through
+//! `safe`.
 
 /// `repr(x)` of a Python float. (`tojson` never gets a non-finite one: serde_json writes
 /// those as `null`, where Python writes `NaN` and `Infinity`; no JSON input holds them.)

@@ -87,6 +87,7 @@ pub fn chat_body(body: &[u8], inline: InlineSystem) -> Result<Vec<u8>, RequestEr
         tools,
         thinking,
         output_config,
+        tool_choice,
         ..
     } = fields;
     let max_tokens = max_tokens.ok_or(RequestError::MissingField { param: "max_tokens" })?;
@@ -109,6 +110,7 @@ pub fn chat_body(body: &[u8], inline: InlineSystem) -> Result<Vec<u8>, RequestEr
         cache_salt,
         chat_template_kwargs,
         tools: tools.map(convert_tools).transpose()?,
+        tool_choice: tool_choice_none(tool_choice),
         reasoning_effort: reasoning_effort(thinking, output_config)?,
     };
     // Strings, raw JSON and options only: serializing into a Vec cannot fail.
@@ -139,6 +141,8 @@ struct Fields<'a> {
     thinking: Option<&'a RawValue>,
     #[serde(borrow)]
     output_config: Option<&'a RawValue>,
+    #[serde(borrow)]
+    tool_choice: Option<&'a RawValue>,
 }
 
 /// A message's `role` and `content`: an object only (see [`object::fields_of`]).
@@ -163,7 +167,7 @@ fn read_request(body: &[u8]) -> Result<(Fields<'_>, Vec<Message<'_>>), RequestEr
         let each = messages.into_iter().map(|FastMessage([role, content])| Ok((role, content)));
         return Ok((fields, read_messages(each)?));
     }
-    const FIELDS: [&str; 10] = [
+    const FIELDS: [&str; 11] = [
         "model",
         "messages",
         "system",
@@ -174,6 +178,7 @@ fn read_request(body: &[u8]) -> Result<(Fields<'_>, Vec<Message<'_>>), RequestEr
         "tools",
         "thinking",
         "output_config",
+        "tool_choice",
     ];
     let [
         model,
@@ -186,6 +191,7 @@ fn read_request(body: &[u8]) -> Result<(Fields<'_>, Vec<Message<'_>>), RequestEr
         tools,
         thinking,
         output_config,
+        tool_choice,
     ] = parse_object(body, &FIELDS)?;
     let messages = messages.ok_or(RequestError::MissingField { param: "messages" })?;
     let not_array = || RequestError::InvalidField { param: "messages", expected: "an array of messages" };
@@ -213,6 +219,7 @@ fn read_request(body: &[u8]) -> Result<(Fields<'_>, Vec<Message<'_>>), RequestEr
         tools,
         thinking,
         output_config,
+        tool_choice,
     };
     Ok((fields, messages))
 }
@@ -245,8 +252,18 @@ struct ChatBody<'a> {
     chat_template_kwargs: Option<&'a RawValue>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tools: Option<Vec<Tool<'a>>>,
+    /// `"none"` for `{"type": "none"}` (what `--exclude-tools-when-tool-choice-none` reads;
+    /// vLLM makes the other choices OpenAI's too, which the prompt does not show).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning_effort: Option<Cow<'a, str>>,
+}
+
+/// `Some("none")` for a `tool_choice` of type `none`.
+fn tool_choice_none(raw: Option<&RawValue>) -> Option<&'static str> {
+    let [kind] = object::fields(raw?.get().as_bytes(), &["type"]).ok()?;
+    (kind?.get() == r#""none""#).then_some("none")
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

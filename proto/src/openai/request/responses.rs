@@ -92,6 +92,9 @@ struct Rest<'a> {
     /// as vLLM passes it.
     #[serde(skip_serializing_if = "Option::is_none")]
     tools: Option<Vec<Tool<'a>>>,
+    /// `"none"` when the request's is (what `--exclude-tools-when-tool-choice-none` reads).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<&'static str>,
     /// vLLM tokenizes a Responses prompt with the tokenizer's special tokens (a BOS), where
     /// a chat request's default is without.
     add_special_tokens: bool,
@@ -184,6 +187,7 @@ impl<'a> Responses<'a> {
             kwargs,
             reasoning,
             tools,
+            tool_choice,
         ] = parse_object(
             body,
             &[
@@ -197,6 +201,7 @@ impl<'a> Responses<'a> {
                 "chat_template_kwargs",
                 "reasoning",
                 "tools",
+                "tool_choice",
             ],
         )?;
         let model = field::<Str>(model, "model", "a string")?.map(|s| s.0).unwrap_or_default();
@@ -228,6 +233,7 @@ impl<'a> Responses<'a> {
             chat_template_kwargs: kwargs,
             reasoning_effort,
             tools,
+            tool_choice: tool_choice.filter(|c| c.get() == r#""none""#).map(|_| "none"),
             add_special_tokens: true,
         };
         Ok(Responses {
