@@ -125,6 +125,11 @@ pub struct ChatTemplate {
 /// Templates of requests kept compiled (`trust_request_chat_template`).
 const REQUESTED_TEMPLATES: usize = 16;
 
+/// Instructions a request's own template may run in one rendering (vLLM's
+/// `VLLM_CHAT_TEMPLATE_FUEL` default for the same MiniJinja limit); the model's templates
+/// have none.
+const REQUESTED_TEMPLATE_FUEL: u64 = 500_000;
+
 /// What is read from a template's source, besides compiling it.
 #[derive(Debug)]
 struct Facts {
@@ -455,6 +460,7 @@ impl ChatTemplate {
             })?;
             template.options = Arc::clone(&self.options);
             template.requested = None;
+            template.env.set_fuel(Some(REQUESTED_TEMPLATE_FUEL));
             template.apply_options();
             Ok(Arc::new(template))
         })

@@ -241,6 +241,9 @@ mod tests {
             render(source, &trust, r#","chat_template":"{% if %}""#),
             Err(RequestError::Template(_))
         ));
+        // One that runs too long is stopped, as vLLM stops it (its instruction limit).
+        let endless = r#","chat_template":"{% for i in range(100000) %}{% for j in range(100) %}x{% endfor %}{% endfor %}""#;
+        assert!(matches!(render(source, &trust, endless), Err(RequestError::Template(_))));
         // An empty one is none when trusted (vLLM's `or`), and refused when not.
         assert_eq!(render(source, &trust, r#","chat_template":"""#).unwrap(), "hi");
         assert!(render(source, &ChatOptions::default(), r#","chat_template":"""#).is_err());
