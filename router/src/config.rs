@@ -515,16 +515,21 @@ mod tests {
         assert!("name=r0,http=x,events=y,engine=tgi".parse::<ReplicaConfig>().is_err());
     }
 
-    #[test]
-    fn file_replicas_and_flags_merge() {
-        let dir = std::env::temp_dir().join(format!("kvroute-router-config-{}", std::process::id()));
+    /// `text` written to `router.toml` in a directory of its own (`tag`), and that directory.
+    fn config_file(tag: &str, text: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("kvroute-router-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("router.toml");
-        std::fs::write(
-            &path,
+        std::fs::write(&path, text).unwrap();
+        (dir, path)
+    }
+
+    #[test]
+    fn file_replicas_and_flags_merge() {
+        let (dir, path) = config_file(
+            "config",
             "policy = \"round-robin\"\nblock-size = 32\n[[replica]]\nname = \"a\"\nhttp = \"http://127.0.0.1:1\"\nevents = \"tcp://127.0.0.1:2\"\n",
-        )
-        .unwrap();
+        );
         let c: Config =
             kvroute_proto::cli::parse_from(["r", "--config", path.to_str().unwrap(), "--block-size", "64"])
                 .unwrap();
@@ -539,15 +544,11 @@ mod tests {
     /// vLLM does not know is refused either way.
     #[test]
     fn chat_options_come_from_the_file_and_flags() {
-        let dir = std::env::temp_dir().join(format!("kvroute-router-chat-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("router.toml");
-        std::fs::write(
-            &path,
+        let (dir, path) = config_file(
+            "chat",
             "trust-request-chat-template = true\nchat-template-content-format = \"openai\"\n\
              reasoning-effort-map = { huge = \"max\" }\n[default-chat-template-kwargs]\nenable_thinking = false\n",
-        )
-        .unwrap();
+        );
         let file = path.to_str().unwrap();
         let c: Config = kvroute_proto::cli::parse_from(["r", "--config", file]).unwrap();
         assert!(c.chat.trust_request_chat_template);
