@@ -27,6 +27,11 @@
 //! computation that long), then the median of each stage alone (parse, tokenize, hash,
 //! index lookup; parse and tokenize together through the cache).
 //!
+//! 2026-11-26, night, in a noisy spell (loop p99 159 µs at text/8192's median), after the
+//! chat flags and `truncate_prompt_tokens` (p50 / p99, µs): text/8192 142.2 / 274.3,
+//! ids/8192 80.9 / 143.8, text/1024 18.1 / 39.8, ids/1024 8.7 / 17.4, turn/8192 39.3 / 79.7,
+//! new/8192 173.4 / 296.2 (a first run, with helpers busy: text/8192 157.1 / 297.0).
+//!
 //! 2026-11-26, later, in a slower spell of that machine, the session's end against its
 //! start (f666215) in turn (p50 / p99, µs): text/8192 307.4 / 353.1 against 290.4 / 386.7,
 //! ids/8192 137.8 / 185.5 against 139.3 / 205.2, turn/8192 72.7 / 113.5 against 73.5 / 107.5:

@@ -111,6 +111,11 @@
 #   Responses API in the router (a frame watch on every response's first data): floor 0.88x
 #   (0.77-0.91) at 40.8 µs, kvroute cache-aware 0.68x (0.62-0.72) at 57.4 µs, round-robin
 #   0.62x at 61.2 µs; added latency nginx +41 µs, floor +41, kvroute +59 to +66.
+#   2026-11-26, night (vLLM's chat flags, truncate_prompt_tokens): one run 0.55x cache-aware
+#   (floor 0.88x, nginx 58.8 k at 17.5 µs, kvroute 34.9 µs); then paired with the build the
+#   work started from (COMPARE, same rounds): this build 0.66x (0.58-0.70) at 37.0 µs, that
+#   one 0.61x (0.58-0.62) at 42.2 µs, floor 0.84x, nginx 48.8 k: no cost from the change, and
+#   the machine's spell moves the ratio by a tenth.
 #
 # Usage: router/benches/proxy_vs_nginx.sh
 #   (env: DURATION=10s ROUNDS=3 CONNECTIONS=64 THREADS=1 BACKENDS=2; about 4.5 minutes)
