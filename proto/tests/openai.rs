@@ -193,7 +193,11 @@ fn llama_style_template_matches_transformers() {
     assert_eq!(ids, [[&LLAMA_PREFIX_IDS[..], &header_ids, &think].concat()]);
 
     // The same template from a raw .jinja file, with the special tokens given explicitly.
-    let special = SpecialTokens { bos_token: "<|begin_of_text|>".into(), eos_token: "<|eot_id|>".into() };
+    let special = SpecialTokens {
+        bos_token: "<|begin_of_text|>".into(),
+        eos_token: "<|eot_id|>".into(),
+        others: Vec::new(),
+    };
     let from_jinja = ChatTemplate::from_file(data("llama3-style.jinja"), special).unwrap();
     let body = chat_body("");
     let ParsedRequest::Chat(chat) = ParsedRequest::parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap()

@@ -23,7 +23,8 @@
 //! system message is not the first, all of them are merged into one first one
 //! (vLLM's `_convert_developer_to_system`, `_consolidate_system_messages`). Then
 //! `tools` (the request's, or none),
-//! `documents` (none), `bos_token`, `eos_token`, then the fleet's default kwargs
+//! `documents` (none), `bos_token`, `eos_token` (and those of `unk_token`, `sep_token`,
+//! `pad_token`, `cls_token`, `mask_token` the tokenizer config sets), then the fleet's default kwargs
 //! ([`ChatOptions`]) and over them every key of the request's `chat_template_kwargs` that is
 //! not null or "auto" (which may override those), with `add_generation_prompt`, the
 //! request's `documents` if it has some and its reasoning effort over its kwargs (the
@@ -86,19 +87,28 @@ pub const DEFAULT_CHAT_TEMPLATE: &str = "\
 const TEMPLATE_NAME: &str = "chat";
 const TOOL_USE_TEMPLATE_NAME: &str = "chat_tool_use";
 
-/// The special-token strings a template may print (`bos_token`, `eos_token`).
+/// The special-token strings a template may print (`bos_token`, `eos_token`, and the other
+/// named ones transformers passes).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SpecialTokens {
     /// Beginning-of-sequence token text, e.g. `<|begin_of_text|>`; empty if none.
     pub bos_token: String,
     /// End-of-sequence token text, e.g. `<|eot_id|>`; empty if none.
     pub eos_token: String,
+    /// The other named special tokens the tokenizer config sets ([`OTHER_SPECIAL_TOKENS`]),
+    /// as (name, text).
+    pub others: Vec<(&'static str, String)>,
 }
+
+/// The named special tokens besides bos and eos that transformers (5.20) passes a template
+/// when the tokenizer has them (`special_tokens_map`).
+pub const OTHER_SPECIAL_TOKENS: [&str; 5] =
+    ["unk_token", "sep_token", "pad_token", "cls_token", "mask_token"];
 
 impl SpecialTokens {
     /// The builtin tokenizer's: no BOS, `<|im_end|>` ends a turn.
     pub fn builtin() -> Self {
-        Self { bos_token: String::new(), eos_token: "<|im_end|>".into() }
+        Self { bos_token: String::new(), eos_token: "<|im_end|>".into(), others: Vec::new() }
     }
 
     /// `bos_token` and `eos_token` of a Hugging Face `tokenizer_config.json`.
@@ -150,6 +160,11 @@ struct TokenizerConfigFile {
     chat_template: Option<TemplateField>,
     bos_token: Option<TokenField>,
     eos_token: Option<TokenField>,
+    unk_token: Option<TokenField>,
+    sep_token: Option<TokenField>,
+    pad_token: Option<TokenField>,
+    cls_token: Option<TokenField>,
+    mask_token: Option<TokenField>,
 }
 
 #[derive(Deserialize)]
@@ -181,9 +196,22 @@ impl TokenizerConfigFile {
 
     /// The file's special tokens; one it does not name is `fallback`'s.
     fn special_tokens(&mut self, fallback: SpecialTokens) -> SpecialTokens {
+        let others = [
+            self.unk_token.take(),
+            self.sep_token.take(),
+            self.pad_token.take(),
+            self.cls_token.take(),
+            self.mask_token.take(),
+        ];
+        let others: Vec<(&'static str, String)> = OTHER_SPECIAL_TOKENS
+            .into_iter()
+            .zip(others)
+            .filter_map(|(name, token)| Some((name, token?.into_string())))
+            .collect();
         SpecialTokens {
             bos_token: self.bos_token.take().map_or(fallback.bos_token, TokenField::into_string),
             eos_token: self.eos_token.take().map_or(fallback.eos_token, TokenField::into_string),
+            others: if others.is_empty() { fallback.others } else { others },
         }
     }
 }
@@ -383,6 +411,9 @@ impl ChatTemplate {
         ctx.insert("documents".into(), Value::from(()));
         ctx.insert("bos_token".into(), Value::from(self.special.bos_token.as_str()));
         ctx.insert("eos_token".into(), Value::from(self.special.eos_token.as_str()));
+        for (name, text) in &self.special.others {
+            ctx.insert((*name).into(), Value::from(text.as_str()));
+        }
         ctx.extend(self.kwargs(&vars)?);
         ctx.insert("messages".into(), Value::from(messages));
         let template = self.env.get_template(facts.name).map_err(RequestError::Template)?;
@@ -1265,7 +1296,7 @@ mod tests {
     fn a_chat_template_json_takes_the_special_tokens_it_does_not_name() {
         let dir = std::env::temp_dir().join(format!("kvroute-chat-template-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let special = SpecialTokens { bos_token: "<B>".into(), eos_token: "<E>".into() };
+        let special = SpecialTokens { bos_token: "<B>".into(), eos_token: "<E>".into(), others: Vec::new() };
         let source = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}{{ eos_token }}";
         let chat =
             crate::openai::ChatRequest::parse(br#"{"messages":[{"role":"user","content":"hi"}]}"#).unwrap();
@@ -1281,6 +1312,14 @@ mod tests {
         .unwrap();
         let template = ChatTemplate::from_file(&config, special).unwrap();
         assert_eq!(template.render(&chat.messages, Variables::default()).unwrap(), "<s>hi<E>");
+        // The other named special tokens the config sets, as transformers passes them; one it
+        // does not set is not a variable.
+        let others = "{{ pad_token }}|{{ unk_token }}|{{ sep_token is defined }}";
+        let tokens = serde_json::json!({ "chat_template": others, "pad_token": "<pad>",
+            "unk_token": {"content": "<unk>", "lstrip": false}, "sep_token": null });
+        std::fs::write(&config, tokens.to_string()).unwrap();
+        let template = ChatTemplate::from_file(&config, SpecialTokens::default()).unwrap();
+        assert_eq!(template.render(&chat.messages, Variables::default()).unwrap(), "<pad>|<unk>|False");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -1362,7 +1401,7 @@ mod tests {
     fn templates_see_tools_extra_keys_and_kwargs() {
         let source = "{% for m in messages %}{{ m.role }}:{{ m.content }}|{{ m.tool_calls | tojson }}\n{% endfor %}\
                       {{ tools | tojson }} {{ tools is none }} {{ documents is none }} {{ flag }} {{ bos_token }}";
-        let special = SpecialTokens { bos_token: "<s>".into(), eos_token: "</s>".into() };
+        let special = SpecialTokens { bos_token: "<s>".into(), eos_token: "</s>".into(), others: Vec::new() };
         let template = ChatTemplate::new(source, special).unwrap();
         let body = br#"{"model":"m","messages":[{"role":"assistant","content":null,
             "tool_calls":[{"id":"c1","function":{"name":"f","arguments":"{}"}}]}],
