@@ -397,7 +397,8 @@ impl Tokenization {
     /// encoded, for remote tokenization, go through here too).
     pub fn truncated(&self, ids: Vec<u32>, truncation: Option<Truncation>, special: bool) -> Vec<u32> {
         let Some(truncation) = truncation else { return ids };
-        let specials = match special {
+        // Only the tokenizer's own (left) truncation keeps them apart.
+        let specials = match special && truncation.side.is_none() {
             true => self.tokenizer.encode("", true).unwrap_or_default(),
             false => Vec::new(),
         };

@@ -24,8 +24,8 @@
 //! (vLLM's `_convert_developer_to_system`, `_consolidate_system_messages`). Then
 //! `tools` (the request's, or none),
 //! `documents` (none), `bos_token`, `eos_token` (and those of `unk_token`, `sep_token`,
-//! `pad_token`, `cls_token`, `mask_token` the tokenizer config sets), then the fleet's default kwargs
-//! ([`ChatOptions`]) and over them every key of the request's `chat_template_kwargs` that is
+//! `pad_token`, `cls_token`, `mask_token` the tokenizer config sets), then the fleet's
+//! default kwargs ([`ChatOptions`]) and over them every key of the request's `chat_template_kwargs` that is
 //! not null or "auto" (which may override those), with `add_generation_prompt`, the
 //! request's `documents` if it has some and its reasoning effort over its kwargs (the
 //! request's own fields win, as vLLM 0.33 merges them).
@@ -434,9 +434,9 @@ impl ChatTemplate {
     /// (`merge_kwargs`). A kwarg `chat_template` is refused unless requests' templates are
     /// trusted, and is no variable either way; nor is `continue_final_message`
     /// (transformers takes it as an argument). The request's tools go between the defaults
-    /// and its kwargs (vLLM merges them into the defaults). vLLM always has defaults to merge into (its
-    /// own `tokenize`, which no template sees), so a request's null or "auto" kwargs are
-    /// always left out.
+    /// and its kwargs (vLLM merges them into the defaults). vLLM always has defaults to
+    /// merge into (its own `tokenize`, which no template sees), so a request's null or
+    /// "auto" kwargs are always left out.
     fn kwargs(&self, vars: &Variables<'_>) -> Result<BTreeMap<String, Value>, RequestError> {
         let mut request: BTreeMap<String, Value> = match vars.chat_template_kwargs {
             Some(kwargs) => {

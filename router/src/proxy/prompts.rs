@@ -154,10 +154,7 @@ fn chat_endpoint_options(body: &mut serde_json::Map<String, serde_json::Value>, 
         body.remove("tools");
     }
     let Some(serde_json::Value::String(effort)) = body.remove("reasoning_effort") else { return };
-    let effort = match options.reasoning_effort_map.as_ref().and_then(|map| map.get(&effort)) {
-        Some(mapped) => mapped.clone(),
-        None => effort,
-    };
+    let effort = options.effort(Some(&effort)).unwrap_or_default().to_owned();
     let kwargs = body.entry("chat_template_kwargs").or_insert_with(|| serde_json::json!({}));
     if kwargs.is_null() {
         *kwargs = serde_json::json!({});

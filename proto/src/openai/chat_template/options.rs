@@ -89,8 +89,8 @@ impl ChatOptions {
         self.reasoning_effort_map.as_ref().and_then(effort_map_problem).into_iter().collect()
     }
 
-    /// The effort a template is given for a request's `effort`.
-    pub(super) fn effort<'a>(&'a self, effort: Option<&'a str>) -> Option<&'a str> {
+    /// The effort a template is given for a request's `effort` (`--reasoning-effort-map`).
+    pub fn effort<'a>(&'a self, effort: Option<&'a str>) -> Option<&'a str> {
         let effort = effort?;
         Some(
             self.reasoning_effort_map.as_ref().and_then(|map| map.get(effort)).map_or(effort, String::as_str),
