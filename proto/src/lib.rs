@@ -6,6 +6,7 @@
 //!   replica agent's gRPC service, the router's admin service).
 //! - [`framing`]: ZeroMQ message layouts: live `[topic, seq, payload]` frames and the
 //!   replay request/reply protocol, with typed errors for every malformed case.
+//! - [`loopback_port`]: a loopback port outside the kernel's ephemeral range, to bind later.
 //! - [`mix`]: SplitMix64, the deterministic generator and mixer every seeded part shares.
 //! - [`native`]: encode/decode kvroute's protobuf `EventBatch` on top of the framing.
 //! - [`vllm`]: vLLM / SGLang msgpack KV-event batches (every shape vLLM 0.9-0.33 and SGLang
@@ -31,6 +32,7 @@ pub mod zmtp_guard;
 pub mod framing;
 pub mod hash;
 pub mod ids;
+pub mod loopback_port;
 pub mod mix;
 pub mod native;
 #[cfg(feature = "openai")]

@@ -423,7 +423,7 @@ mod tests {
     /// are followed too (the socket here comes up 200 ms late).
     #[tokio::test]
     async fn what_a_peer_sends_before_the_socket_is_reached_is_followed_too() {
-        let port = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap().port();
+        let port = crate::loopback_port::unused().unwrap();
         let refused = Arc::new(std::sync::atomic::AtomicU32::new(0));
         let counted = refused.clone();
         let on_refused: OnRefused = Arc::new(move || {

@@ -9,7 +9,6 @@
 //! loadgen leaves nothing running.
 
 use std::fs::File;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -78,10 +77,10 @@ impl Binaries {
     }
 }
 
-/// A free loopback TCP port, released for a child to bind.
+/// A free loopback TCP port, released for a child to bind (outside the ephemeral range, so
+/// no other socket is handed it meanwhile).
 pub fn free_port() -> Result<u16, ProcessError> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(ProcessError::Port)?;
-    Ok(listener.local_addr().map_err(ProcessError::Port)?.port())
+    kvroute_proto::loopback_port::unused().map_err(ProcessError::Port)
 }
 
 /// A child process, killed (SIGKILL) and reaped when dropped.

@@ -460,7 +460,7 @@ async fn restarted_router_resyncs_before_it_is_ready() {
     }
 
     // The new router reaches agent-0's events through a relay that is not there yet.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = kvroute_proto::loopback_port::unused().unwrap();
     let gated = format!("tcp://127.0.0.1:{port}");
     let mut config = kvroute_router::Config {
         replicas: fleet.agents.iter().flatten().map(replica_config).collect(),

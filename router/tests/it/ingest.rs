@@ -684,10 +684,7 @@ async fn unreachable_publisher_is_fallback_until_it_appears() {
         fallback_after: Duration::from_secs(2),
         ..test_config()
     });
-    let port = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.local_addr().unwrap().port()
-    };
+    let port = kvroute_proto::loopback_port::unused().unwrap();
     let endpoint = format!("tcp://127.0.0.1:{port}");
     let (r, _) = h.add(spec("late", EngineKind::Vllm, &endpoint, None));
     // Not before `fallback_after`: the ZMTP guard in front of the socket keeps trying the
