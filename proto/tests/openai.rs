@@ -163,7 +163,10 @@ fn default_template_renders_chatml() {
 fn llama_style_template_matches_transformers() {
     let t = Tokenization::new(&hf_config()).unwrap();
     let special = t.chat_template().unwrap().special_tokens();
-    assert_eq!((special.bos_token.as_str(), special.eos_token.as_str()), ("<|begin_of_text|>", "<|eot_id|>"));
+    assert_eq!(
+        (special.get("bos_token"), special.get("eos_token")),
+        (Some("<|begin_of_text|>"), Some("<|eot_id|>"))
+    );
 
     let render = |extra: &str| {
         let body = chat_body(extra);
@@ -193,11 +196,7 @@ fn llama_style_template_matches_transformers() {
     assert_eq!(ids, [[&LLAMA_PREFIX_IDS[..], &header_ids, &think].concat()]);
 
     // The same template from a raw .jinja file, with the special tokens given explicitly.
-    let special = SpecialTokens {
-        bos_token: "<|begin_of_text|>".into(),
-        eos_token: "<|eot_id|>".into(),
-        others: Vec::new(),
-    };
+    let special = SpecialTokens::new([("bos_token", "<|begin_of_text|>"), ("eos_token", "<|eot_id|>")]);
     let from_jinja = ChatTemplate::from_file(data("llama3-style.jinja"), special).unwrap();
     let body = chat_body("");
     let ParsedRequest::Chat(chat) = ParsedRequest::parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap()

@@ -23,8 +23,8 @@
 //! system message is not the first, all of them are merged into one first one
 //! (vLLM's `_convert_developer_to_system`, `_consolidate_system_messages`). Then
 //! `tools` (the request's, or none),
-//! `documents` (none), `bos_token`, `eos_token` (and those of `unk_token`, `sep_token`,
-//! `pad_token`, `cls_token`, `mask_token` the tokenizer config sets), then the fleet's
+//! `documents` (none), the named special tokens the tokenizer config sets ([`SpecialTokens`]:
+//! `bos_token`, `eos_token`, ..., none when unset), then the fleet's
 //! default kwargs ([`ChatOptions`]) and over them every key of the request's `chat_template_kwargs` that is
 //! not null or "auto" (which may override those), with `add_generation_prompt`, the
 //! request's `documents` if it has some and its reasoning effort over its kwargs (the
@@ -87,33 +87,41 @@ pub const DEFAULT_CHAT_TEMPLATE: &str = "\
 const TEMPLATE_NAME: &str = "chat";
 const TOOL_USE_TEMPLATE_NAME: &str = "chat_tool_use";
 
-/// The special-token strings a template may print (`bos_token`, `eos_token`, and the other
-/// named ones transformers passes).
+/// The named special tokens a template may print, as transformers (5.20) passes them
+/// (`special_tokens_map` and the model's own named ones): `bos_token`, `eos_token`,
+/// `unk_token`, `sep_token`, `pad_token`, `cls_token`, `mask_token`, and any other
+/// `*_token` the tokenizer config names (e.g. `image_token`). A name the tokenizer does not
+/// set is not a variable at all: `{{ bos_token }}` prints nothing, and
+/// `bos_token is defined` is false.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SpecialTokens {
-    /// Beginning-of-sequence token text, e.g. `<|begin_of_text|>`; empty if none.
-    pub bos_token: String,
-    /// End-of-sequence token text, e.g. `<|eot_id|>`; empty if none.
-    pub eos_token: String,
-    /// The other named special tokens the tokenizer config sets ([`OTHER_SPECIAL_TOKENS`]),
-    /// as (name, text).
-    pub others: Vec<(&'static str, String)>,
+    /// By name, the token's text.
+    pub named: BTreeMap<String, String>,
 }
 
-/// The named special tokens besides bos and eos that transformers (5.20) passes a template
-/// when the tokenizer has them (`special_tokens_map`).
-pub const OTHER_SPECIAL_TOKENS: [&str; 5] =
-    ["unk_token", "sep_token", "pad_token", "cls_token", "mask_token"];
+/// The named special tokens every transformers tokenizer has a place for.
+const STANDARD_SPECIAL_TOKENS: [&str; 7] =
+    ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"];
 
 impl SpecialTokens {
-    /// The builtin tokenizer's: no BOS, `<|im_end|>` ends a turn.
-    pub fn builtin() -> Self {
-        Self { bos_token: String::new(), eos_token: "<|im_end|>".into(), others: Vec::new() }
+    /// These names and texts.
+    pub fn new<'a>(named: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
+        Self { named: named.into_iter().map(|(n, t)| (n.to_owned(), t.to_owned())).collect() }
     }
 
-    /// `bos_token` and `eos_token` of a Hugging Face `tokenizer_config.json`.
+    /// The builtin tokenizer's: no BOS, `<|im_end|>` ends a turn.
+    pub fn builtin() -> Self {
+        Self::new([("eos_token", "<|im_end|>")])
+    }
+
+    /// The named special tokens of a Hugging Face `tokenizer_config.json`.
     pub fn from_tokenizer_config(path: impl AsRef<Path>) -> Result<Self, LoadError> {
         Ok(TokenizerConfigFile::load(path.as_ref())?.special_tokens(SpecialTokens::default()))
+    }
+
+    /// The text of the token named `name`, if the tokenizer sets it.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.named.get(name).map(String::as_str)
     }
 }
 
@@ -154,17 +162,13 @@ struct Facts {
     knows_developer: bool,
 }
 
-/// The fields of a Hugging Face `tokenizer_config.json` that matter here.
+/// The fields of a Hugging Face `tokenizer_config.json` that matter here: the template,
+/// and the rest for the named special tokens.
 #[derive(Deserialize)]
 struct TokenizerConfigFile {
     chat_template: Option<TemplateField>,
-    bos_token: Option<TokenField>,
-    eos_token: Option<TokenField>,
-    unk_token: Option<TokenField>,
-    sep_token: Option<TokenField>,
-    pad_token: Option<TokenField>,
-    cls_token: Option<TokenField>,
-    mask_token: Option<TokenField>,
+    #[serde(flatten)]
+    rest: serde_json::Map<String, serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -194,25 +198,31 @@ impl TokenizerConfigFile {
             .map_err(|source| LoadError::TokenizerConfig { path: path.into(), source })
     }
 
-    /// The file's special tokens; one it does not name is `fallback`'s.
+    /// The file's named special tokens, over `fallback`'s, as transformers 5.20 reads them:
+    /// the standard names, any other `*_token` whose value is a token, and the entries of an
+    /// `extra_special_tokens` object (which win over the `*_token` keys). A null is unset.
     fn special_tokens(&mut self, fallback: SpecialTokens) -> SpecialTokens {
-        let others = [
-            self.unk_token.take(),
-            self.sep_token.take(),
-            self.pad_token.take(),
-            self.cls_token.take(),
-            self.mask_token.take(),
-        ];
-        let others: Vec<(&'static str, String)> = OTHER_SPECIAL_TOKENS
-            .into_iter()
-            .zip(others)
-            .filter_map(|(name, token)| Some((name, token?.into_string())))
-            .collect();
-        SpecialTokens {
-            bos_token: self.bos_token.take().map_or(fallback.bos_token, TokenField::into_string),
-            eos_token: self.eos_token.take().map_or(fallback.eos_token, TokenField::into_string),
-            others: if others.is_empty() { fallback.others } else { others },
+        let token =
+            |value: &serde_json::Value| TokenField::deserialize(value).ok().map(TokenField::into_string);
+        let mut named = fallback.named;
+        let mut model_specific = BTreeMap::new();
+        for (key, value) in &self.rest {
+            if STANDARD_SPECIAL_TOKENS.contains(&key.as_str()) {
+                match token(value) {
+                    Some(text) => named.insert(key.clone(), text),
+                    None => named.remove(key),
+                };
+            } else if key.ends_with("_token")
+                && let Some(text) = token(value)
+            {
+                model_specific.insert(key.clone(), text);
+            }
         }
+        if let Some(serde_json::Value::Object(extra)) = self.rest.get("extra_special_tokens") {
+            model_specific.extend(extra.iter().filter_map(|(k, v)| Some((k.clone(), token(v)?))));
+        }
+        named.extend(model_specific);
+        SpecialTokens { named }
     }
 }
 
@@ -409,10 +419,8 @@ impl ChatTemplate {
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
         ctx.insert("tools".into(), Value::from(()));
         ctx.insert("documents".into(), Value::from(()));
-        ctx.insert("bos_token".into(), Value::from(self.special.bos_token.as_str()));
-        ctx.insert("eos_token".into(), Value::from(self.special.eos_token.as_str()));
-        for (name, text) in &self.special.others {
-            ctx.insert((*name).into(), Value::from(text.as_str()));
+        for (name, text) in &self.special.named {
+            ctx.insert(name.clone(), Value::from(text.as_str()));
         }
         ctx.extend(self.kwargs(&vars)?);
         ctx.insert("messages".into(), Value::from(messages));
@@ -1296,7 +1304,7 @@ mod tests {
     fn a_chat_template_json_takes_the_special_tokens_it_does_not_name() {
         let dir = std::env::temp_dir().join(format!("kvroute-chat-template-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let special = SpecialTokens { bos_token: "<B>".into(), eos_token: "<E>".into(), others: Vec::new() };
+        let special = SpecialTokens::new([("bos_token", "<B>"), ("eos_token", "<E>")]);
         let source = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}{{ eos_token }}";
         let chat =
             crate::openai::ChatRequest::parse(br#"{"messages":[{"role":"user","content":"hi"}]}"#).unwrap();
@@ -1320,6 +1328,19 @@ mod tests {
         std::fs::write(&config, tokens.to_string()).unwrap();
         let template = ChatTemplate::from_file(&config, SpecialTokens::default()).unwrap();
         assert_eq!(template.render(&chat.messages, Variables::default()).unwrap(), "<pad>|<unk>|False");
+        // An unset bos is no variable, as transformers leaves it (not ""); a model's own named
+        // tokens are, an `extra_special_tokens` object's over its `*_token` keys; a flag
+        // named `*_token` is not a token.
+        let named = "{{ bos_token is defined }}|{{ bos_token | default('none') }}|{{ image_token }}|\
+                     {{ video_token }}|{{ add_bos_token is defined }}";
+        let tokens = serde_json::json!({ "chat_template": named, "bos_token": null, "add_bos_token": true,
+            "image_token": "<img>", "video_token": "<v>", "extra_special_tokens": {"video_token": "<video>"} });
+        std::fs::write(&config, tokens.to_string()).unwrap();
+        let template = ChatTemplate::from_file(&config, SpecialTokens::new([("bos_token", "<B>")])).unwrap();
+        assert_eq!(
+            template.render(&chat.messages, Variables::default()).unwrap(),
+            "False|none|<img>|<video>|False"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -1401,7 +1422,7 @@ mod tests {
     fn templates_see_tools_extra_keys_and_kwargs() {
         let source = "{% for m in messages %}{{ m.role }}:{{ m.content }}|{{ m.tool_calls | tojson }}\n{% endfor %}\
                       {{ tools | tojson }} {{ tools is none }} {{ documents is none }} {{ flag }} {{ bos_token }}";
-        let special = SpecialTokens { bos_token: "<s>".into(), eos_token: "</s>".into(), others: Vec::new() };
+        let special = SpecialTokens::new([("bos_token", "<s>"), ("eos_token", "</s>")]);
         let template = ChatTemplate::new(source, special).unwrap();
         let body = br#"{"model":"m","messages":[{"role":"assistant","content":null,
             "tool_calls":[{"id":"c1","function":{"name":"f","arguments":"{}"}}]}],
