@@ -127,7 +127,7 @@ impl Tokenization {
             None => SpecialTokens::default(),
         };
         let chat_template = match (&config.chat_template, &config.tokenizer_config) {
-            (Some(path), _) => Some(ChatTemplate::from_file(path, special)?),
+            (Some(path), _) => Some(ChatTemplate::from_file(path, special)?.as_chat_template_flag()),
             (None, Some(path)) => match ChatTemplate::from_tokenizer_config(path) {
                 Ok(t) => Some(t),
                 Err(LoadError::NoChatTemplate { .. }) => None,

@@ -94,7 +94,8 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_AGENT_TOKENIZER")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<PathBuf>,
-    /// Jinja chat template file (or a tokenizer_config.json holding `chat_template`).
+    /// Jinja chat template file (or a tokenizer_config.json holding `chat_template`), as
+    /// vLLM's `--chat-template` (a trusted request's kwargs template is then not used).
     #[arg(long, env = "KVROUTE_AGENT_CHAT_TEMPLATE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<PathBuf>,

@@ -107,7 +107,9 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_TOKENIZER_CONFIG")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer_config: Option<PathBuf>,
-    /// Jinja chat template file, overriding the tokenizer config's.
+    /// Jinja chat template file, overriding the tokenizer config's: the replicas'
+    /// `--chat-template`, when they have one (a trusted request's kwargs template is then
+    /// not used, as vLLM does not use it).
     #[arg(long, env = "KVROUTE_CHAT_TEMPLATE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<PathBuf>,

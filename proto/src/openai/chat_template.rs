@@ -33,7 +33,12 @@
 //! The vLLM server flags that change a chat's prompt are [`ChatOptions`]: default kwargs,
 //! the reasoning effort map, tools left out for `tool_choice: "none"`, a content format for
 //! every template, and whether a request may bring its own template (rendered with it,
-//! compiled once; otherwise refused as vLLM refuses it).
+//! compiled once; otherwise refused as vLLM refuses it). A trusted request's template is
+//! chosen as vLLM 0.33 chooses: its `chat_template` (empty is none); else, unless the
+//! replicas have a `--chat-template` (the router's `chat_template` setting), the one in its
+//! `chat_template_kwargs`, read in the content format of the template it replaces. A
+//! request's own `"auto"` skips the replicas' flag, where vLLM then renders the model's own
+//! template (the tokenizer's), and the router the one it has.
 //!
 //! `continue_final_message` ends the prompt inside the last message, as transformers (5.16
 //! to 5.20, vLLM 0.33's) does it: the text the prompt ends in (the last message's content,
@@ -138,6 +143,8 @@ pub struct ChatTemplate {
     options: Arc<ChatOptions>,
     /// Templates requests brought, compiled, by source; none in such a template itself.
     requested: Option<quick_cache::sync::Cache<String, Arc<ChatTemplate>>>,
+    /// Whether this is the replicas' `--chat-template` rather than the model's own.
+    is_flag: bool,
 }
 
 /// Templates of requests kept compiled (`trust_request_chat_template`).
@@ -259,7 +266,15 @@ impl ChatTemplate {
             tool_use: None,
             options: Arc::default(),
             requested: Some(quick_cache::sync::Cache::new(REQUESTED_TEMPLATES)),
+            is_flag: false,
         })
+    }
+
+    /// This template, as the fleet's replicas' `--chat-template` (vLLM's flag) rather than
+    /// the model's own: a template in a request's `chat_template_kwargs` is then not used.
+    pub fn as_chat_template_flag(mut self) -> Self {
+        self.is_flag = true;
+        self
     }
 
     /// This template, rendered as a vLLM server with `options` renders.
@@ -386,27 +401,74 @@ impl ChatTemplate {
         media_parts: bool,
     ) -> Result<String, RequestError> {
         let mut named = None;
-        if let Some(source) = vars.chat_template.take() {
-            if !self.options.trust_request_chat_template {
-                return Err(RequestError::UntrustedChatTemplate);
+        match self.requested_source(&mut vars)? {
+            None => {}
+            // The name of one of the model's templates picks it, as transformers does.
+            Some((source, _)) if source == "default" && self.tool_use.is_some() => {
+                named = Some(&self.default)
             }
-            match source {
-                // vLLM takes an empty template for none.
-                "" => {}
-                // The name of one of the model's templates picks it, as transformers does.
-                "default" if self.tool_use.is_some() => named = Some(&self.default),
-                "tool_use" if self.tool_use.is_some() => named = self.tool_use.as_ref(),
-                source => return self.requested(source)?.render_as(messages, vars, media_parts),
+            Some((source, _)) if source == "tool_use" && self.tool_use.is_some() => {
+                named = self.tool_use.as_ref()
+            }
+            Some((source, from_kwargs)) => {
+                // vLLM reads a kwarg template's content format from the template it would
+                // have rendered otherwise.
+                let format = from_kwargs.then(|| self.facts(&vars).format);
+                return self.requested(&source)?.render_chosen(None, format, messages, vars, media_parts);
             }
         }
+        self.render_chosen(named, None, messages, vars, media_parts)
+    }
+
+    /// The template a request brings, as vLLM 0.33 chooses it: its own `chat_template`
+    /// (empty is none); else, when the fleet's replicas have no `--chat-template`
+    /// ([`ChatTemplate::as_chat_template_flag`]), the one in its `chat_template_kwargs`;
+    /// `"auto"` is none, and as the request's own it skips the fleet's flag. Whether it came
+    /// from the kwargs.
+    fn requested_source<'v>(
+        &self,
+        vars: &mut Variables<'v>,
+    ) -> Result<Option<(Cow<'v, str>, bool)>, RequestError> {
+        let own = vars.chat_template.take();
+        if !self.options.trust_request_chat_template {
+            // The kwargs' template is refused with the kwargs (`kwargs`).
+            return match own {
+                Some(_) => Err(RequestError::UntrustedChatTemplate),
+                None => Ok(None),
+            };
+        }
+        let from_kwargs = || {
+            Ok::<_, RequestError>(kwargs_template(vars.chat_template_kwargs)?.map(|k| (Cow::Owned(k), true)))
+        };
+        match own {
+            Some(source) if !source.is_empty() && source != "auto" => {
+                Ok(Some((Cow::Borrowed(source), false)))
+            }
+            Some("auto") => from_kwargs(),
+            _ if self.is_flag => Ok(None),
+            _ => from_kwargs(),
+        }
+    }
+
+    /// Renders with `named` (else the template [`ChatTemplate::facts`] picks), in `format`
+    /// (else that template's).
+    fn render_chosen(
+        &self,
+        named: Option<&Facts>,
+        format: Option<ContentFormat>,
+        messages: &[Message<'_>],
+        mut vars: Variables<'_>,
+        media_parts: bool,
+    ) -> Result<String, RequestError> {
         if vars.tool_choice_none && self.options.exclude_tools_when_tool_choice_none {
             vars.tools = None;
         }
         let facts = named.unwrap_or_else(|| self.facts(&vars));
+        let format = format.unwrap_or(facts.format);
         let mut passed = facts.passed(messages);
         let continued_text = match (vars.continue_final_message, passed.last_mut()) {
             (true, Some(last)) => {
-                let (tagged, text) = facts.tagged(&last.message, last.format(facts.format))?;
+                let (tagged, text) = facts.tagged(&last.message, last.format(format))?;
                 last.message = Cow::Owned(tagged);
                 Some(text)
             }
@@ -414,7 +476,7 @@ impl ChatTemplate {
         };
         let messages = passed
             .iter()
-            .map(|p| message_value(&p.message, media_parts, p.format(facts.format)))
+            .map(|p| message_value(&p.message, media_parts, p.format(format)))
             .collect::<Result<Vec<_>, _>>()?;
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
         ctx.insert("tools".into(), Value::from(()));
@@ -683,6 +745,27 @@ fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
 
 fn json_error(e: serde_json::Error) -> Error {
     Error::new(ErrorKind::CannotDeserialize, e.to_string())
+}
+
+/// The template in a request's `chat_template_kwargs`: none when absent, null, empty or
+/// `"auto"`; anything but a string is an error.
+fn kwargs_template(kwargs: Option<&RawValue>) -> Result<Option<String>, RequestError> {
+    #[derive(Deserialize)]
+    struct Kwargs {
+        chat_template: Option<serde_json::Value>,
+    }
+    let Some(kwargs) = kwargs else { return Ok(None) };
+    let kwargs: Kwargs =
+        serde_json::from_str(kwargs.get()).map_err(|e| RequestError::Template(json_error(e)))?;
+    match kwargs.chat_template {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::String(s)) if s.is_empty() || s == "auto" => Ok(None),
+        Some(serde_json::Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(RequestError::Template(Error::new(
+            ErrorKind::InvalidOperation,
+            "chat_template_kwargs.chat_template must be a string",
+        ))),
+    }
 }
 
 /// A JSON value from the request as a template value (object key order kept).

@@ -234,9 +234,8 @@ mod tests {
         assert_eq!(render(source, &ChatOptions::default(), r#","chat_template":null"#).unwrap(), "hi");
         let trust = ChatOptions { trust_request_chat_template: true, ..ChatOptions::default() };
         assert_eq!(render(source, &trust, own).unwrap(), "HI!");
-        // vLLM renders with the kwarg's template only when it has no --chat-template of its
-        // own, which the router cannot tell: it takes the model's.
-        assert_eq!(render(source, &trust, in_kwargs).unwrap(), "hi");
+        // vLLM renders with the kwarg's template when it has no --chat-template of its own.
+        assert_eq!(render(source, &trust, in_kwargs).unwrap(), "x");
         assert!(matches!(
             render(source, &trust, r#","chat_template":"{% if %}""#),
             Err(RequestError::Template(_))
@@ -247,6 +246,47 @@ mod tests {
         // An empty one is none when trusted (vLLM's `or`), and refused when not.
         assert_eq!(render(source, &trust, r#","chat_template":"""#).unwrap(), "hi");
         assert!(render(source, &ChatOptions::default(), r#","chat_template":"""#).is_err());
+    }
+
+    /// A trusted template in a request's kwargs renders it as vLLM 0.33 chooses: under the
+    /// request's own, not at all when the replicas have a `--chat-template`, unless the
+    /// request's own is "auto"; in the content format of the template it replaces.
+    #[test]
+    fn a_kwargs_template_is_used_as_vllm_chooses() {
+        let trust = ChatOptions { trust_request_chat_template: true, ..ChatOptions::default() };
+        let model = "{{ messages[0].content }}";
+        let template = |flag: bool| {
+            let t = ChatTemplate::new(model, SpecialTokens::default()).unwrap().with_options(trust.clone());
+            if flag { t.as_chat_template_flag() } else { t }
+        };
+        let render = |template: &ChatTemplate, fields: &str| {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}]{fields}}}"#);
+            let chat = ChatRequest::parse(body.as_bytes())?;
+            template.render(&chat.messages, chat.variables())
+        };
+        let (model_own, flag) = (template(false), template(true));
+        let k = r#","chat_template_kwargs":{"chat_template":"K{{ messages[0].content }}"}"#;
+        assert_eq!(render(&model_own, k).unwrap(), "Khi");
+        assert_eq!(render(&flag, k).unwrap(), "hi", "the replicas' --chat-template wins");
+        let own_and_k = format!(r#"{k},"chat_template":"T""#);
+        assert_eq!(render(&model_own, &own_and_k).unwrap(), "T");
+        let auto_and_k = format!(r#"{k},"chat_template":"auto""#);
+        assert_eq!(render(&flag, &auto_and_k).unwrap(), "Khi", "'auto' skips the flag");
+        let empty_and_k = format!(r#"{k},"chat_template":"""#);
+        assert_eq!(render(&model_own, &empty_and_k).unwrap(), "Khi");
+        assert_eq!(render(&flag, &empty_and_k).unwrap(), "hi");
+        for none in [r#"null"#, r#""auto""#, r#""""#] {
+            let fields = format!(r#","chat_template_kwargs":{{"chat_template":{none}}}"#);
+            assert_eq!(render(&model_own, &fields).unwrap(), "hi", "{none}");
+        }
+        let number = r#","chat_template_kwargs":{"chat_template":3}"#;
+        assert!(matches!(render(&model_own, number), Err(RequestError::Template(_))));
+        // The content: a string, as the model's template takes it, though the kwarg's
+        // template loops over parts (its own format would be "openai").
+        let looping = r#","chat_template_kwargs":{"chat_template":"{% for m in messages %}{% for p in m.content %}[{{ p }}]{% endfor %}{% endfor %}"}"#;
+        assert_eq!(render(&model_own, looping).unwrap(), "[h][i]");
+        let own_looping = r#","chat_template":"{% for m in messages %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endfor %}""#;
+        assert_eq!(render(&model_own, own_looping).unwrap(), "[hi]", "a request's own: its format");
     }
 
     /// A trusted request's `chat_template` naming one of the model's templates picks it, as
