@@ -60,7 +60,7 @@ pub struct EngineConfig {
 }
 
 /// One generation request, already tokenized and hashed.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Job {
     pub prompt: Vec<u32>,
     /// Chained hashes of the prompt's full blocks, in `namespace`.
@@ -69,12 +69,19 @@ pub struct Job {
     /// stored events (vLLM's format publishes them).
     pub namespace: CacheNamespace,
     pub max_tokens: u32,
+    /// Which of the prompt's `n` choices this is (0 for the first): each has its own text.
+    pub sample: u32,
 }
 
 impl Job {
     /// A job for `prompt`, its full blocks of `block_size` tokens hashed in `namespace`.
     pub fn new(namespace: CacheNamespace, prompt: Vec<u32>, block_size: usize, max_tokens: u32) -> Job {
-        Job { hashes: namespace.chain(&prompt, block_size), prompt, namespace, max_tokens }
+        Job { hashes: namespace.chain(&prompt, block_size), prompt, namespace, max_tokens, sample: 0 }
+    }
+
+    /// The same prompt again, as choice `sample` of its request.
+    pub fn sample(&self, sample: u32) -> Job {
+        Job { sample, ..self.clone() }
     }
 }
 

@@ -169,7 +169,7 @@ impl Scheduler {
                     let gone = out.try_send(Output::Started { cached_tokens }).is_err();
                     self.running.push(Running {
                         prefill_left: (job.prompt.len() - outcome.hit_tokens).max(1),
-                        text: TextGen::new(&job.prompt, self.config.seed),
+                        text: TextGen::new(&job.prompt, self.config.seed, job.sample),
                         job,
                         out,
                         cached_tokens,

@@ -2,7 +2,8 @@
 //! responses can be compared across runs and replicas.
 //!
 //! Each generated token is one word (with a leading space) drawn from a fixed list by a
-//! SplitMix64 stream seeded with `xxh3(prompt token ids) ^ seed`.
+//! SplitMix64 stream seeded with `xxh3(prompt token ids) ^ seed`, and for the prompt's
+//! further choices of a request with `n` (sample `i` > 0) `^ i * 0x9E3779B97F4A7C15`.
 
 use kvroute_proto::mix::SplitMix64;
 use xxhash_rust::xxh3::xxh3_64;
@@ -20,9 +21,10 @@ pub struct TextGen {
 }
 
 impl TextGen {
-    pub fn new(prompt: &[u32], seed: u64) -> Self {
+    pub fn new(prompt: &[u32], seed: u64, sample: u32) -> Self {
         let bytes: Vec<u8> = prompt.iter().flat_map(|t| t.to_le_bytes()).collect();
-        Self { rng: SplitMix64(xxh3_64(&bytes) ^ seed) }
+        let sample = u64::from(sample).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        Self { rng: SplitMix64(xxh3_64(&bytes) ^ seed ^ sample) }
     }
 
     /// The next token's text: one word with a leading space.
@@ -38,12 +40,14 @@ mod tests {
     #[test]
     fn same_prompt_same_text_other_prompt_other_text() {
         let take = |p: &[u32], seed| {
-            let mut g = TextGen::new(p, seed);
+            let mut g = TextGen::new(p, seed, 0);
             (0..16).map(|_| g.next_token()).collect::<Vec<_>>()
         };
         assert_eq!(take(&[1, 2, 3], 0), take(&[1, 2, 3], 0));
         assert_ne!(take(&[1, 2, 3], 0), take(&[1, 2, 4], 0));
         assert_ne!(take(&[1, 2, 3], 0), take(&[1, 2, 3], 1));
         assert!(take(&[1], 0).iter().all(|w| w.starts_with(' ') && w.len() > 1));
+        let mut second = TextGen::new(&[1, 2, 3], 0, 1);
+        assert_ne!(take(&[1, 2, 3], 0), (0..16).map(|_| second.next_token()).collect::<Vec<_>>());
     }
 }

@@ -52,7 +52,7 @@ struct Delta<'a> {
     content: Option<&'a str>,
 }
 
-/// The non-streaming response: one choice (chat requests have one prompt).
+/// The non-streaming response: one choice for each of the `n` a request asks for.
 pub(super) fn response(meta: &Meta, texts: &[String], usage: &UsageJson) -> Vec<u8> {
     let choices: Vec<Choice<'_>> = texts
         .iter()

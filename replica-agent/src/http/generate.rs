@@ -3,13 +3,14 @@
 //!
 //! 1. Parse with [`ParsedRequest`] (the same parser and [`Tokenization`] the router uses; a
 //!    Messages body as the chat request vLLM makes of it),
-//!    plus the two fields only the replica cares about: `n` (only 1 is supported) and
-//!    `stream_options.include_usage`.
+//!    plus the fields only the replica cares about: `n` (with `temperature`, which must not
+//!    be greedy for `n` > 1, as in vLLM) and `stream_options.include_usage`.
 //! 2. Check the model (404 unless it is the base model or a LoRA adapter), tokenize, hash
 //!    the prompt blocks in the request's cache namespace and check every prompt against
 //!    `max_model_len` (400, worded as vLLM words it). Without `max_tokens` a request gets
 //!    `default_max_tokens`, cut to what the context leaves.
-//! 3. Submit one engine job per prompt (a batch completion prompt is several) and wait for
+//! 3. Submit one engine job per choice (`n` a prompt; a batch completion prompt is several),
+//!    as vLLM runs one engine request per choice, and wait for
 //!    each to be admitted, so a request the engine refuses still gets a proper status
 //!    (503 overloaded or shutting down, 500 engine failure) instead of a broken stream.
 //! 4. Without `stream`, collect the text and answer one JSON object; with `stream`, answer
@@ -19,7 +20,9 @@
 //! and ignored: the simulated text depends only on the prompt and the agent's `--seed`.
 //! The simulated engine always generates exactly `max_tokens` tokens, so `finish_reason` is
 //! always `"length"`. `usage.prompt_tokens_details.cached_tokens` is the engine's realized
-//! prefix-cache hit, summed over the prompts of a batch.
+//! prefix-cache hit, summed over the prompts of a batch; with `n` > 1, each prompt's is one
+//! choice's ([`Tally`]): a prompt's later choices find its blocks cached by the first, as
+//! in vLLM, which reports one of them.
 //!
 //! [`Tokenization`]: kvroute_proto::openai::Tokenization
 //! [`sse`]: super::sse
@@ -60,12 +63,52 @@ pub(super) struct PromptTokensDetails {
     pub cached_tokens: u64,
 }
 
-impl UsageJson {
-    pub fn add(&mut self, usage: &Usage) {
-        self.prompt_tokens += u64::from(usage.prompt_tokens);
+/// A request's usage as vLLM 0.33 counts it when each prompt has `n` choices (one engine
+/// request each): every prompt's tokens once, every choice's completion tokens, and one
+/// choice's cached tokens a prompt: in a stream, the choice whose output came first; else
+/// the one that finished last.
+pub(super) struct Tally {
+    n: usize,
+    stream: bool,
+    completion_tokens: u64,
+    /// Each prompt's tokens and the cached tokens counted for it, once known.
+    prompts: Vec<Option<(u32, u32)>>,
+}
+
+impl Tally {
+    /// For `choices` choices, `n` a prompt (choice `i` is of prompt `i / n`).
+    pub fn new(choices: usize, n: usize, stream: bool) -> Self {
+        let n = n.max(1);
+        Self { n, stream, completion_tokens: 0, prompts: vec![None; choices.div_ceil(n)] }
+    }
+
+    /// Choice `choice` produced output, with `cached_tokens` of its `prompt_tokens` cached.
+    pub fn output(&mut self, choice: usize, prompt_tokens: u32, cached_tokens: u32) {
+        if let Some(slot) = self.prompts.get_mut(choice / self.n)
+            && (slot.is_none() || !self.stream)
+        {
+            *slot = Some((prompt_tokens, cached_tokens));
+        }
+    }
+
+    /// Choice `choice` finished with `usage`.
+    pub fn done(&mut self, choice: usize, usage: &Usage) {
         self.completion_tokens += u64::from(usage.completion_tokens);
-        self.total_tokens = self.prompt_tokens + self.completion_tokens;
-        self.prompt_tokens_details.cached_tokens += u64::from(usage.cached_tokens);
+        self.output(choice, usage.prompt_tokens, usage.cached_tokens);
+    }
+
+    pub fn usage(&self) -> UsageJson {
+        let (mut prompt_tokens, mut cached_tokens) = (0, 0);
+        for &(prompt, cached) in self.prompts.iter().flatten() {
+            prompt_tokens += u64::from(prompt);
+            cached_tokens += u64::from(cached);
+        }
+        UsageJson {
+            prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            total_tokens: prompt_tokens + self.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+        }
     }
 }
 
@@ -85,8 +128,25 @@ struct Extras<'a> {
     #[serde(borrow)]
     n: Option<&'a RawValue>,
     #[serde(borrow)]
+    temperature: Option<&'a RawValue>,
+    #[serde(borrow)]
     stream_options: Option<&'a RawValue>,
 }
+
+/// What the server reads of a request itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ServerFields {
+    /// Choices a prompt.
+    n: u32,
+    /// `stream_options.include_usage`.
+    include_usage: bool,
+}
+
+/// vLLM's bound on `n` (`VLLM_MAX_N_SEQUENCES`' default).
+const MAX_N: i64 = 16384;
+
+/// Below this temperature vLLM samples greedily, where `n` must be 1.
+const GREEDY_TEMPERATURE: f64 = 1e-5;
 
 #[derive(Deserialize)]
 struct StreamOptions {
@@ -113,14 +173,21 @@ pub(super) async fn generate(
     };
     let request = ParsedRequest::parse(read_as, &readable)?;
     // A Messages or Responses stream always carries its usage; the fields are OpenAI's.
-    let include_usage = match endpoint {
-        Endpoint::Messages | Endpoint::Responses => true,
+    let ServerFields { n, include_usage } = match endpoint {
+        Endpoint::Messages | Endpoint::Responses => ServerFields { n: 1, include_usage: true },
         _ => parse_extras(body, request.stream())?,
     };
     if !state.serves(request.model()) {
         return Err(ApiError::model_not_found(request.model()));
     }
-    let jobs = jobs(state, &request)?;
+    // Each prompt's `n` choices in turn, as vLLM numbers them (`prompt * n + choice`).
+    let jobs: Vec<Job> = jobs(state, &request)?
+        .into_iter()
+        .flat_map(|job| {
+            let more: Vec<Job> = (1..n).map(|choice| job.sample(choice)).collect();
+            std::iter::once(job).chain(more)
+        })
+        .collect();
     let meta = Meta {
         id: match endpoint {
             Endpoint::Completions => format!("cmpl-{request_id}"),
@@ -171,21 +238,22 @@ pub(super) async fn generate(
             text: String::new(),
             sequence: 0,
         });
-        let mut response = Response::new(sse::body(api, meta, admitted, include_usage, streaming));
+        let tally = Tally::new(admitted.len(), n as usize, true);
+        let mut response = Response::new(sse::body(api, meta, admitted, (include_usage, tally), streaming));
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         return Ok(response);
     }
     let mut texts = Vec::with_capacity(admitted.len());
-    let mut usage = UsageJson::default();
-    for mut a in admitted {
+    let mut tally = Tally::new(admitted.len(), n as usize, false);
+    for (choice, mut a) in admitted.into_iter().enumerate() {
         let mut text = String::new();
         loop {
             match a.rx.recv().await {
                 Some(Output::Token(t)) => text.push_str(t),
                 Some(Output::Done(u)) => {
-                    usage.add(&u);
+                    tally.done(choice, &u);
                     break;
                 }
                 Some(Output::Started { .. }) => {}
@@ -195,6 +263,7 @@ pub(super) async fn generate(
         }
         texts.push(text);
     }
+    let usage = tally.usage();
     let body = match api {
         Api::Completions => completions::response(&meta, &texts, &usage),
         Api::Chat => chat::response(&meta, &texts, &usage),
@@ -237,19 +306,62 @@ pub(super) fn failure(state: &AppState, why: String) -> ApiError {
     if state.shutting_down() { ApiError::shutting_down() } else { ApiError::engine_failed(why) }
 }
 
-/// Validates `n` and `stream_options`; returns `stream_options.include_usage`.
-fn parse_extras(body: &[u8], stream: bool) -> Result<bool, ApiError> {
+/// Validates `n` (with `temperature`, as vLLM does) and `stream_options`.
+fn parse_extras(body: &[u8], stream: bool) -> Result<ServerFields, ApiError> {
     let extras: Extras<'_> = serde_json::from_slice(body).map_err(RequestError::Json)?;
-    if let Some(n) = extras.n.filter(|n| n.get() != "null") {
-        match serde_json::from_str::<u64>(n.get()) {
-            Ok(1) => {}
-            Ok(n) => {
-                return Err(ApiError::invalid_field("n", format!("n = {n} is not supported; only n = 1 is")));
-            }
-            Err(_) => return Err(ApiError::invalid_field("n", "'n' must be a positive integer")),
-        }
+    let n = choices(extras.n)?;
+    if n > 1 && temperature(extras.temperature)? < GREEDY_TEMPERATURE {
+        return Err(ApiError::invalid_field(
+            "n",
+            format!("n must be 1 when using greedy sampling, got {n}."),
+        ));
     }
-    let Some(options) = extras.stream_options.filter(|o| o.get() != "null") else { return Ok(false) };
+    let include_usage = include_usage(extras.stream_options, stream)?;
+    Ok(ServerFields { n, include_usage })
+}
+
+/// `n`, checked as vLLM 0.33 checks it (null is 1, where vLLM refuses it for completions).
+fn choices(raw: Option<&RawValue>) -> Result<u32, ApiError> {
+    let not_integer = || ApiError::invalid_field("n", "'n' must be an integer");
+    let n = match raw.map(|r| serde_json::from_str::<serde_json::Value>(r.get())) {
+        None | Some(Ok(serde_json::Value::Null)) => return Ok(1),
+        Some(Ok(serde_json::Value::Number(n))) => n
+            .as_i64()
+            .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 1e15).map(|f| f as i64))
+            .ok_or_else(not_integer)?,
+        Some(_) => return Err(not_integer()),
+    };
+    if n < 1 {
+        return Err(ApiError::invalid_field("n", format!("n must be at least 1, got {n}.")));
+    }
+    if n > MAX_N {
+        return Err(ApiError::invalid_field(
+            "n",
+            format!(
+                "n must be at most {MAX_N}, got {n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES \
+                 environment variable."
+            ),
+        ));
+    }
+    Ok(n as u32)
+}
+
+/// `temperature`; absent or null is vLLM's default of 1.
+fn temperature(raw: Option<&RawValue>) -> Result<f64, ApiError> {
+    match raw.map(|r| serde_json::from_str::<serde_json::Value>(r.get())) {
+        None | Some(Ok(serde_json::Value::Null)) => Ok(1.0),
+        Some(Ok(serde_json::Value::Number(t))) => t.as_f64().ok_or_else(|| unreadable("temperature")),
+        Some(_) => Err(unreadable("temperature")),
+    }
+}
+
+fn unreadable(param: &str) -> ApiError {
+    ApiError::invalid_field(param, format!("'{param}' must be a number"))
+}
+
+/// `stream_options.include_usage`, only allowed with `stream`.
+fn include_usage(options: Option<&RawValue>, stream: bool) -> Result<bool, ApiError> {
+    let Some(options) = options.filter(|o| o.get() != "null") else { return Ok(false) };
     if !stream {
         return Err(ApiError::invalid_field(
             "stream_options",

@@ -10,7 +10,7 @@
 //! 1. chat only: one `delta: {"role":"assistant","content":""}` chunk per choice;
 //! 2. one chunk per token, the last token of a choice with `finish_reason: "length"` (if the
 //!    engine finishes a choice short of `max_tokens`, an empty chunk carries the reason);
-//! 3. with `stream_options.include_usage`, a chunk with `choices: []` and the summed `usage`
+//! 3. with `stream_options.include_usage`, a chunk with `choices: []` and the `usage`
 //!    (every earlier chunk then has `"usage": null`); clients that need `cached_tokens` from
 //!    a stream, like kvroute's router and load generator, must set it;
 //! 4. `data: [DONE]`.
@@ -33,16 +33,17 @@ use tokio::sync::mpsc;
 
 use super::Body;
 use super::error::ApiError;
-use super::generate::{Admitted, Api, Envelope, Meta, UsageField, UsageJson};
+use super::generate::{Admitted, Api, Envelope, Meta, Tally, UsageField, UsageJson};
 use super::{chat, completions, messages, responses};
 use crate::engine::Output;
 
-/// The SSE body of a streamed generation whose prompts have all been admitted.
+/// The SSE body of a streamed generation whose choices have all been admitted, with
+/// `stream_options.include_usage` and how the usage is counted.
 pub(super) fn body(
     api: Api,
     meta: Meta,
     admitted: Vec<Admitted>,
-    include_usage: bool,
+    (include_usage, tally): (bool, Tally),
     mut responses: Option<responses::Streaming>,
 ) -> Body {
     let chunk_usage = UsageField::for_chunks(include_usage);
@@ -76,7 +77,8 @@ pub(super) fn body(
         max_tokens: admitted.iter().map(|a| a.max_tokens).collect(),
         finished: vec![false; admitted.len()],
         remaining: admitted.len(),
-        usage: UsageJson::default(),
+        tally,
+        prompt: admitted.iter().map(|a| (a.prompt_tokens, a.cached_tokens)).collect(),
         outputs: admitted.into_iter().enumerate().map(|(index, a)| Tagged { index, rx: a.rx }).collect(),
         meta,
         done: false,
@@ -98,9 +100,11 @@ struct State {
     max_tokens: Vec<u32>,
     /// Whether a choice's `finish_reason` chunk has been sent.
     finished: Vec<bool>,
-    /// Prompts whose `Done` has not arrived yet.
+    /// Choices whose `Done` has not arrived yet.
     remaining: usize,
-    usage: UsageJson,
+    tally: Tally,
+    /// Each choice's prompt tokens and how many of them were cached.
+    prompt: Vec<(u32, u32)>,
     done: bool,
     /// A Responses API stream's own progress.
     responses: Option<responses::Streaming>,
@@ -115,6 +119,7 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
         let chunk_usage = UsageField::for_chunks(s.include_usage);
         match s.outputs.next().await {
             Some((i, Output::Token(text))) => {
+                s.tally.output(i, s.prompt[i].0, s.prompt[i].1);
                 s.generated[i] += 1;
                 let last = s.generated[i] >= s.max_tokens[i] && !s.finished[i];
                 s.finished[i] |= last;
@@ -128,7 +133,7 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
                 }
             }
             Some((i, Output::Done(usage))) => {
-                s.usage.add(&usage);
+                s.tally.done(i, &usage);
                 s.remaining = s.remaining.saturating_sub(1);
                 let named = matches!(s.api, Api::Messages | Api::Responses);
                 if !s.finished[i] && !named {
@@ -136,20 +141,21 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
                     event(&mut buf, &token_chunk(s.api, &s.meta, i, None, true, chunk_usage));
                 }
                 if s.remaining == 0 && s.api == Api::Messages {
-                    messages::closing(&mut buf, &s.usage);
+                    messages::closing(&mut buf, &s.tally.usage());
                     s.done = true;
                 } else if s.remaining == 0
                     && let Some(r) = s.responses.as_mut()
                 {
                     let previous = r.previous.as_deref();
-                    responses::closing(&mut buf, &s.meta, (&r.text, &s.usage), previous, &mut r.sequence);
+                    let usage = s.tally.usage();
+                    responses::closing(&mut buf, &s.meta, (&r.text, &usage), previous, &mut r.sequence);
                     if let Some(keep) = r.keep.take() {
-                        keep.store(&s.meta, &r.text, &s.usage);
+                        keep.store(&s.meta, &r.text, &usage);
                     }
                     s.done = true;
                 } else if s.remaining == 0 {
                     if s.include_usage {
-                        event(&mut buf, &usage_chunk(s.api, &s.meta, &s.usage));
+                        event(&mut buf, &usage_chunk(s.api, &s.meta, &s.tally.usage()));
                     }
                     buf.extend_from_slice(b"data: [DONE]\n\n");
                     s.done = true;

@@ -32,6 +32,12 @@ async fn completion(client: &Client, body: &Value) -> (Vec<String>, Usage) {
     shape::completion(&reply.json(), n)
 }
 
+async fn completion_n(client: &Client, body: &Value, choices: usize) -> (Vec<String>, Usage) {
+    let reply = client.post("/v1/completions", body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    shape::completion(&reply.json(), choices)
+}
+
 async fn chat(client: &Client, body: &Value) -> (String, Usage) {
     let reply = client.post("/v1/chat/completions", body).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
@@ -201,6 +207,52 @@ async fn streaming_responses_have_openai_shape_and_match_non_streaming() {
         // One role chunk, six token chunks, the usage chunk, [DONE].
         assert_eq!(events.len(), 1 + 6 + usize::from(include_usage) + 1);
     }
+}
+
+/// `n` choices a prompt, as vLLM runs them: one engine request each, numbered
+/// `prompt * n + choice`, each with its own text; the prompt counted once, and one choice's
+/// cached tokens: the later choices find the prompt's blocks cached by the first.
+#[tokio::test]
+async fn n_choices_a_prompt_are_generated_and_counted_as_vllm_counts_them() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    let block_size = u64::from(agent.config.block_size);
+    let prompts = [words(37, 40), words(21, 41)];
+    let mut lens = Vec::new();
+    for p in &prompts {
+        lens.push(c.tokenize(&json!({ "prompt": p })).await.len() as u64);
+    }
+    let body = json!({ "model": MODEL, "prompt": prompts, "max_tokens": 3, "n": 3 });
+    let (texts, usage) = completion_n(c, &body, 6).await;
+    assert_eq!(usage.prompt_tokens, lens.iter().sum::<u64>(), "each prompt once");
+    assert_eq!(usage.completion_tokens, 18);
+    let hit: u64 = lens.iter().map(|&l| full_block_hit(l, block_size)).sum();
+    assert_eq!(usage.cached_tokens, hit, "the last choice of each prompt, which found it cached");
+    let (single, _) = completion(c, &json!({ "model": MODEL, "prompt": prompts, "max_tokens": 3 })).await;
+    assert_eq!([&texts[0], &texts[3]], [&single[0], &single[1]], "each prompt's first choice is n = 1's");
+    assert!(texts[0] != texts[1] && texts[1] != texts[2], "{texts:?}");
+
+    let messages = json!([{ "role": "user", "content": words(30, 42) }]);
+    let body = json!({ "model": MODEL, "messages": messages, "max_tokens": 4, "n": 2, "temperature": 0.7 });
+    let reply = c.post("/v1/chat/completions", &body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let (contents, usage) = shape::chat_completion_n(&reply.json(), 2);
+    assert_ne!(contents[0], contents[1]);
+    assert_eq!(usage.completion_tokens, 8);
+
+    let mut body = json!({ "model": MODEL, "messages": messages, "max_tokens": 4, "n": 2, "stream": true });
+    body["stream_options"] = json!({ "include_usage": true });
+    let events = stream(c, "/v1/chat/completions", &body).await;
+    let (streamed, usage) = shape::chat_stream_n(&events, 2, true);
+    assert_eq!(streamed, contents, "a stream's choices are the same texts");
+    let usage = usage.unwrap();
+    assert_eq!(usage.completion_tokens, 8);
+    assert!(usage.cached_tokens > 0 && usage.cached_tokens < usage.prompt_tokens, "{usage:?}");
+
+    let body = json!({ "model": MODEL, "prompt": prompts[0], "max_tokens": 2, "n": 2, "stream": true });
+    let events = stream(c, "/v1/completions", &body).await;
+    let (streamed, _) = shape::completion_stream(&events, 2, false);
+    assert!(streamed.iter().all(|t| !t.is_empty()) && streamed[0] != streamed[1], "{streamed:?}");
 }
 
 /// Reads frames until one carries data.
@@ -376,7 +428,11 @@ async fn malformed_requests_get_openai_errors() {
             .param("max_tokens"),
         bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "max_tokens": 0 })), 400)
             .param("max_tokens"),
-        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": 2 })), 400).param("n"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": 0 })), 400).param("n"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": 16385 })), 400).param("n"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": "two" })), 400).param("n"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": 2, "temperature": 0 })), 400)
+            .param("n"),
         bad(
             post.clone(),
             cmpl,

@@ -95,20 +95,32 @@ pub fn completion(v: &Value, n: usize) -> (Vec<String>, Usage) {
 
 /// A non-streaming `chat.completion`; returns the content and usage.
 pub fn chat_completion(v: &Value) -> (String, Usage) {
+    let (mut contents, usage) = chat_completion_n(v, 1);
+    (contents.remove(0), usage)
+}
+
+/// A non-streaming `chat.completion` with `n` choices; returns their contents and the usage.
+pub fn chat_completion_n(v: &Value, n: usize) -> (Vec<String>, Usage) {
     assert_keys(v, &["id", "object", "created", "model", "choices", "usage"], "chat completion");
     envelope(v, "chat.completion", "chatcmpl-");
     let choices = v["choices"].as_array().expect("choices is an array");
-    assert_eq!(choices.len(), 1, "{v}");
-    let c = &choices[0];
-    assert_keys(c, &["index", "message", "logprobs", "finish_reason"], "chat choice");
-    assert_eq!(uint(&c["index"], "index"), 0);
-    null(&c["logprobs"], "logprobs");
-    assert!(finish_reason(&c["finish_reason"]).is_some(), "{c}");
-    let m = &c["message"];
-    assert_keys(m, &["role", "content", "refusal"], "message");
-    assert_eq!(string(&m["role"], "role"), "assistant");
-    null(&m["refusal"], "refusal");
-    (string(&m["content"], "content").to_owned(), usage(&v["usage"]))
+    assert_eq!(choices.len(), n, "{v}");
+    let contents = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            assert_keys(c, &["index", "message", "logprobs", "finish_reason"], "chat choice");
+            assert_eq!(uint(&c["index"], "index"), i as u64);
+            null(&c["logprobs"], "logprobs");
+            assert!(finish_reason(&c["finish_reason"]).is_some(), "{c}");
+            let m = &c["message"];
+            assert_keys(m, &["role", "content", "refusal"], "message");
+            assert_eq!(string(&m["role"], "role"), "assistant");
+            null(&m["refusal"], "refusal");
+            string(&m["content"], "content").to_owned()
+        })
+        .collect();
+    (contents, usage(&v["usage"]))
 }
 
 /// Checks the frame-independent rules of a stream and parses its chunks: the last event is
@@ -183,17 +195,26 @@ pub fn completion_stream(events: &[String], n: usize, include_usage: bool) -> (V
 
 /// A `chat.completion.chunk` stream; returns the content and the usage.
 pub fn chat_stream(events: &[String], include_usage: bool) -> (String, Option<Usage>) {
+    let (mut contents, usage) = chat_stream_n(events, 1, include_usage);
+    (contents.remove(0), usage)
+}
+
+/// A `chat.completion.chunk` stream of `n` choices, which opens with each one's role chunk
+/// in turn (as vLLM's does); returns their contents and the usage.
+pub fn chat_stream_n(events: &[String], n: usize, include_usage: bool) -> (Vec<String>, Option<Usage>) {
     let (chunks, usage) = stream_chunks(events, "chat.completion.chunk", "chatcmpl-", include_usage);
-    let mut content = String::new();
+    let mut contents = vec![String::new(); n];
     let mut finished = BTreeMap::new();
     for (i, c) in chunks.iter().enumerate() {
         let choice = &c["choices"][0];
         assert_keys(choice, &["index", "delta", "logprobs", "finish_reason"], "chat chunk choice");
-        assert_eq!(uint(&choice["index"], "index"), 0);
+        let index = uint(&choice["index"], "index");
+        assert!((index as usize) < n, "choice index {index} out of range: {c}");
         null(&choice["logprobs"], "logprobs");
         let finish = finish_reason(&choice["finish_reason"]);
         let delta = &choice["delta"];
-        if i == 0 {
+        if i < n {
+            assert_eq!(index, i as u64, "the role chunks come first, in order: {c}");
             assert_keys(delta, &["role", "content"], "first delta");
             assert_eq!(delta["role"], "assistant");
             assert_eq!(delta["content"], "");
@@ -202,12 +223,13 @@ pub fn chat_stream(events: &[String], include_usage: bool) -> (String, Option<Us
             // An empty delta may carry only the finish reason.
         } else {
             assert_keys(delta, &["content"], "content delta");
-            content.push_str(string(&delta["content"], "content"));
+            contents[index as usize].push_str(string(&delta["content"], "content"));
         }
-        check_finish_order(&mut finished, 0, finish, c);
+        check_finish_order(&mut finished, index, finish, c);
     }
-    assert_eq!(finished.get(&0), Some(&true), "the stream ends with a finish_reason");
-    (content, usage)
+    assert_eq!(finished.len(), n, "every choice streams");
+    assert!(finished.values().all(|f| *f), "every choice ends with a finish_reason");
+    (contents, usage)
 }
 
 /// An OpenAI error body; returns `(type, param, code)`.
