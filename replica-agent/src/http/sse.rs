@@ -18,8 +18,8 @@
 //! A `/v1/messages` stream is Anthropic's named events instead (`messages.rs`).
 //!
 //! If the engine fails a request mid-stream, the body ends with one
-//! `data: {"error":{...}}` event and no `[DONE]`, so a client cannot mistake it for a
-//! complete answer.
+//! `data: {"error":{...}}` event and then `data: [DONE]`, as vLLM 0.33 ends a stream it
+//! fails; the error event is what tells a client the answer is incomplete.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -179,12 +179,15 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
     Some((Ok(Frame::data(Bytes::from(buf))), s))
 }
 
-/// The event that ends a failed stream.
+/// The events that end a failed stream.
 fn failed(buf: &mut Vec<u8>, s: &mut State, error: &ApiError) {
     match (s.api, &mut s.responses) {
         (Api::Messages, _) => messages::error(buf, &error.error),
         (Api::Responses, Some(r)) => responses::error(buf, &error.error, &mut r.sequence),
-        _ => event(buf, &error.error.to_json()),
+        _ => {
+            event(buf, &error.error.to_json());
+            buf.extend_from_slice(b"data: [DONE]\n\n");
+        }
     }
 }
 

@@ -605,7 +605,7 @@ async fn engine_refusals_get_a_status_before_any_byte() {
 }
 
 #[tokio::test]
-async fn a_stream_failed_mid_generation_ends_with_an_error_event_and_no_done() {
+async fn a_stream_failed_mid_generation_ends_with_an_error_event_then_done() {
     // No grace: shutdown fails the running request after its first tokens.
     let agent =
         Agent::with(kvroute_replica_agent::Config { time_scale: 1.0, shutdown_grace_secs: 0, ..config() })
@@ -618,9 +618,12 @@ async fn a_stream_failed_mid_generation_ends_with_an_error_event_and_no_done() {
     let ((), rest) = tokio::join!(agent.stop(), body.collect());
     received.extend_from_slice(&rest.expect("the stream ends cleanly").to_bytes());
     let events = sse_events(&received);
-    assert!(!events.iter().any(|e| e == "[DONE]"), "a failed stream must not look complete");
-    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
-    assert_eq!(shape::error(&last).0, "server_error");
+    // As vLLM 0.33 ends a stream it fails: the error event, then [DONE].
+    let [.., error, done] = &events[..] else { panic!("{events:?}") };
+    assert_eq!(done, "[DONE]");
+    assert_eq!(events.iter().filter(|e| *e == "[DONE]").count(), 1);
+    let error: Value = serde_json::from_str(error).unwrap();
+    assert_eq!(shape::error(&error).0, "server_error");
     let chunk: Value = serde_json::from_str(&events[0]).unwrap();
     assert_eq!(chunk["object"], "text_completion");
 }

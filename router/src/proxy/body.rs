@@ -13,8 +13,9 @@
 //! that stopped at an event boundary gets one final OpenAI error event,
 //! `data: {"error":{"message":..,"type":"server_error",..}}` (to a `/v1/messages` client,
 //! Anthropic's `event: error` with `{"type":"error","error":{..}}`), and then ends cleanly
-//! without `data: [DONE]` — the same contract the replica agent keeps for its own failures, so a
-//! client tells a failed stream from a finished one. Any other body (a non-streamed JSON
+//! without `data: [DONE]`, so that even a client that reads only up to `[DONE]` tells a failed
+//! stream from a finished one. (A replica that fails a stream itself sends its error event and,
+//! as vLLM does, `[DONE]` after it; the router passes both through.) Any other body (a non-streamed JSON
 //! answer, or a stream cut inside an event) is aborted: the client's connection reports an
 //! incomplete message.
 

@@ -31,7 +31,8 @@ pub enum Outcome {
     Ok { replica: String },
     /// The router or a replica answered an OpenAI-shaped error (`{"error": {"message", "type"}}`).
     Error { status: u16 },
-    /// A stream that started with 200 ended with an OpenAI error event and no `[DONE]`.
+    /// A stream that started with 200 ended with an OpenAI error event: the router's own
+    /// (no `[DONE]` after it) or a replica's (vLLM sends `[DONE]` after it).
     StreamError,
 }
 
@@ -215,12 +216,15 @@ async fn send(
         return Outcome::Ok { replica };
     }
     let events: Vec<&str> = text.split("\n\n").map(str::trim).filter(|e| !e.is_empty()).collect();
-    match events.last() {
-        Some(&"data: [DONE]") => Outcome::Ok { replica },
-        Some(last) if last.starts_with("data: {\"error\"") => {
-            assert_openai_error(last.trim_start_matches("data: ").as_bytes());
+    let error = events.iter().position(|e| e.starts_with("data: {\"error\""));
+    match (error, events.last()) {
+        (Some(at), _) => {
+            assert!(events.len() - at <= 2, "an error event ends the stream: {text}");
+            assert!(at + 1 == events.len() || events[at + 1] == "data: [DONE]", "{text}");
+            assert_openai_error(events[at].trim_start_matches("data: ").as_bytes());
             Outcome::StreamError
         }
+        (None, Some(&"data: [DONE]")) => Outcome::Ok { replica },
         _ => panic!("stream ended with neither [DONE] nor an error event: {text}"),
     }
 }
