@@ -120,6 +120,13 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         chat: config.chat.clone(),
     })
     .context("loading the tokenizer")?;
+    if tokenization.chat_template().is_some_and(|t| t.is_harmony()) {
+        tracing::warn!(
+            "the chat template is in OpenAI's Harmony format (gpt-oss): vLLM renders these chats \
+             with Harmony rather than the template, so a chat's predicted prefix holds only up to \
+             its system prompt (completions and token-id prompts are exact)"
+        );
+    }
     if config.tokenize_cache_bytes > 0
         && !config.remote_tokenize
         && let Err(why) = tokenization.enable_prefix_cache(config.tokenize_cache_bytes)

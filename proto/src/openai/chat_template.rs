@@ -167,6 +167,8 @@ struct Facts {
     /// Whether the source names the `developer` role as a string (vLLM's test of whether
     /// the template takes it; otherwise developer turns become system ones).
     knows_developer: bool,
+    /// Whether it writes OpenAI's Harmony format (`<|start|>`, `<|channel|>`): gpt-oss's.
+    harmony: bool,
 }
 
 /// The fields of a Hugging Face `tokenizer_config.json` that matter here: the template,
@@ -353,6 +355,13 @@ impl ChatTemplate {
             Some(tool_use) => template.with_tool_use(tool_use),
             None => Ok(template),
         }
+    }
+
+    /// Whether this is a template in OpenAI's Harmony format (gpt-oss's). vLLM 0.33 does not
+    /// render such a model's chats with its template but with Harmony itself, which agrees
+    /// with the template up to the system prompt's last token and differs after it.
+    pub fn is_harmony(&self) -> bool {
+        self.default.harmony
     }
 
     /// The special tokens this template is rendered with.
@@ -576,6 +585,7 @@ impl Facts {
             format: ContentFormat::of_template(&source),
             mentions_content: source.contains("content"),
             knows_developer: source.contains("\"developer\"") || source.contains("'developer'"),
+            harmony: source.contains("<|channel|>") && source.contains("<|start|>"),
         };
         env.add_template_owned(name, source).map_err(LoadError::Template)?;
         Ok(facts)
@@ -1425,6 +1435,17 @@ mod tests {
             "False|none|<img>|<video>|False"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// gpt-oss's template (Harmony) is told apart from ChatML and Llama-style ones.
+    #[test]
+    fn a_harmony_template_is_recognised() {
+        let harmony = "{{- '<|start|>system<|message|>' }}{% for m in messages %}\
+            {{- '<|start|>' + m.role + '<|channel|>final<|message|>' + m.content + '<|end|>' }}{% endfor %}";
+        assert!(ChatTemplate::new(harmony, SpecialTokens::default()).unwrap().is_harmony());
+        assert!(!ChatTemplate::builtin_default().is_harmony());
+        let llama = "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>{% endfor %}";
+        assert!(!ChatTemplate::new(llama, SpecialTokens::default()).unwrap().is_harmony());
     }
 
     /// A model with named templates renders with `default`, and with `tool_use` when the
