@@ -62,9 +62,10 @@ pub struct EngineConfig {
 /// One generation request, already tokenized and hashed.
 #[derive(Clone, Debug)]
 pub struct Job {
-    pub prompt: Vec<u32>,
+    /// The prompt's token ids (shared by the choices of a request with `n`).
+    pub prompt: Arc<[u32]>,
     /// Chained hashes of the prompt's full blocks, in `namespace`.
-    pub hashes: Vec<BlockHash>,
+    pub hashes: Arc<[BlockHash]>,
     /// The cache namespace the hashes were chained in; its adapter and salt go into the
     /// stored events (vLLM's format publishes them).
     pub namespace: CacheNamespace,
@@ -76,7 +77,8 @@ pub struct Job {
 impl Job {
     /// A job for `prompt`, its full blocks of `block_size` tokens hashed in `namespace`.
     pub fn new(namespace: CacheNamespace, prompt: Vec<u32>, block_size: usize, max_tokens: u32) -> Job {
-        Job { hashes: namespace.chain(&prompt, block_size), prompt, namespace, max_tokens, sample: 0 }
+        let hashes = namespace.chain(&prompt, block_size).into();
+        Job { hashes, prompt: prompt.into(), namespace, max_tokens, sample: 0 }
     }
 
     /// The same prompt again, as choice `sample` of its request.

@@ -20,9 +20,8 @@
 //! and ignored: the simulated text depends only on the prompt and the agent's `--seed`.
 //! The simulated engine always generates exactly `max_tokens` tokens, so `finish_reason` is
 //! always `"length"`. `usage.prompt_tokens_details.cached_tokens` is the engine's realized
-//! prefix-cache hit, summed over the prompts of a batch; with `n` > 1, each prompt's is one
-//! choice's ([`Tally`]): a prompt's later choices find its blocks cached by the first, as
-//! in vLLM, which reports one of them.
+//! prefix-cache hit of one prompt, as vLLM reports it for a request of several prompts or
+//! choices ([`Tally`]); a prompt's later choices find its blocks cached by the first.
 //!
 //! [`Tokenization`]: kvroute_proto::openai::Tokenization
 //! [`sse`]: super::sse
@@ -63,31 +62,40 @@ pub(super) struct PromptTokensDetails {
     pub cached_tokens: u64,
 }
 
-/// A request's usage as vLLM 0.33 counts it when each prompt has `n` choices (one engine
-/// request each): every prompt's tokens once, every choice's completion tokens, and one
-/// choice's cached tokens a prompt: in a stream, the choice whose output came first; else
-/// the one that finished last.
+/// A request's usage as vLLM 0.33 counts it, with `n` choices a prompt (one engine request
+/// each) and maybe several prompts: every prompt's tokens once, every choice's completion
+/// tokens, and the cached tokens of one choice of the whole request: in a stream, the choice
+/// whose output came first; else the last one in order (the last prompt's last choice,
+/// which here is also the last to finish).
 pub(super) struct Tally {
     n: usize,
     stream: bool,
     completion_tokens: u64,
-    /// Each prompt's tokens and the cached tokens counted for it, once known.
-    prompts: Vec<Option<(u32, u32)>>,
+    /// Each prompt's tokens, once known.
+    prompts: Vec<Option<u32>>,
+    cached_tokens: Option<u32>,
 }
 
 impl Tally {
     /// For `choices` choices, `n` a prompt (choice `i` is of prompt `i / n`).
     pub fn new(choices: usize, n: usize, stream: bool) -> Self {
         let n = n.max(1);
-        Self { n, stream, completion_tokens: 0, prompts: vec![None; choices.div_ceil(n)] }
+        Self {
+            n,
+            stream,
+            completion_tokens: 0,
+            prompts: vec![None; choices.div_ceil(n)],
+            cached_tokens: None,
+        }
     }
 
     /// Choice `choice` produced output, with `cached_tokens` of its `prompt_tokens` cached.
     pub fn output(&mut self, choice: usize, prompt_tokens: u32, cached_tokens: u32) {
-        if let Some(slot) = self.prompts.get_mut(choice / self.n)
-            && (slot.is_none() || !self.stream)
-        {
-            *slot = Some((prompt_tokens, cached_tokens));
+        if let Some(slot) = self.prompts.get_mut(choice / self.n) {
+            *slot = Some(prompt_tokens);
+        }
+        if self.cached_tokens.is_none() || !self.stream {
+            self.cached_tokens = Some(cached_tokens);
         }
     }
 
@@ -98,16 +106,14 @@ impl Tally {
     }
 
     pub fn usage(&self) -> UsageJson {
-        let (mut prompt_tokens, mut cached_tokens) = (0, 0);
-        for &(prompt, cached) in self.prompts.iter().flatten() {
-            prompt_tokens += u64::from(prompt);
-            cached_tokens += u64::from(cached);
-        }
+        let prompt_tokens = self.prompts.iter().flatten().map(|&p| u64::from(p)).sum();
         UsageJson {
             prompt_tokens,
             completion_tokens: self.completion_tokens,
             total_tokens: prompt_tokens + self.completion_tokens,
-            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: self.cached_tokens.map_or(0, u64::from),
+            },
         }
     }
 }
@@ -173,15 +179,26 @@ pub(super) async fn generate(
     };
     let request = ParsedRequest::parse(read_as, &readable)?;
     // A Messages or Responses stream always carries its usage; the fields are OpenAI's.
+    if !state.serves(request.model()) {
+        return Err(ApiError::model_not_found(request.model()));
+    }
     let ServerFields { n, include_usage } = match endpoint {
         Endpoint::Messages | Endpoint::Responses => ServerFields { n: 1, include_usage: true },
         _ => parse_extras(body, request.stream())?,
     };
-    if !state.serves(request.model()) {
-        return Err(ApiError::model_not_found(request.model()));
+    let jobs = jobs(state, &request)?;
+    // Every choice is an engine request, all queued at once: an `n` that needs more than
+    // the queue holds could never be admitted (a 503 would send it on to the next replica,
+    // to the same end).
+    let max_waiting = state.engine().config().max_waiting;
+    if n > 1 && jobs.len().saturating_mul(n as usize) > max_waiting {
+        return Err(ApiError::bad_request(format!(
+            "n ({n}) times the {} prompts is more requests than this replica queues ({max_waiting})",
+            jobs.len()
+        )));
     }
     // Each prompt's `n` choices in turn, as vLLM numbers them (`prompt * n + choice`).
-    let jobs: Vec<Job> = jobs(state, &request)?
+    let jobs: Vec<Job> = jobs
         .into_iter()
         .flat_map(|job| {
             let more: Vec<Job> = (1..n).map(|choice| job.sample(choice)).collect();
@@ -332,16 +349,13 @@ fn choices(raw: Option<&RawValue>) -> Result<u32, ApiError> {
         Some(_) => return Err(not_integer()),
     };
     if n < 1 {
-        return Err(ApiError::invalid_field("n", format!("n must be at least 1, got {n}.")));
+        return Err(ApiError::bad_request(format!("n must be at least 1, got {n}.")));
     }
     if n > MAX_N {
-        return Err(ApiError::invalid_field(
-            "n",
-            format!(
-                "n must be at most {MAX_N}, got {n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES \
-                 environment variable."
-            ),
-        ));
+        return Err(ApiError::bad_request(format!(
+            "n must be at most {MAX_N}, got {n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES \
+             environment variable."
+        )));
     }
     Ok(n as u32)
 }

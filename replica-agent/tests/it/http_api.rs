@@ -226,8 +226,8 @@ async fn n_choices_a_prompt_are_generated_and_counted_as_vllm_counts_them() {
     let (texts, usage) = completion_n(c, &body, 6).await;
     assert_eq!(usage.prompt_tokens, lens.iter().sum::<u64>(), "each prompt once");
     assert_eq!(usage.completion_tokens, 18);
-    let hit: u64 = lens.iter().map(|&l| full_block_hit(l, block_size)).sum();
-    assert_eq!(usage.cached_tokens, hit, "the last choice of each prompt, which found it cached");
+    // One choice's, as vLLM reports it: the last prompt's last, which found it cached.
+    assert_eq!(usage.cached_tokens, full_block_hit(lens[1], block_size));
     let (single, _) = completion(c, &json!({ "model": MODEL, "prompt": prompts, "max_tokens": 3 })).await;
     assert_eq!([&texts[0], &texts[3]], [&single[0], &single[1]], "each prompt's first choice is n = 1's");
     assert!(texts[0] != texts[1] && texts[1] != texts[2], "{texts:?}");
@@ -428,11 +428,14 @@ async fn malformed_requests_get_openai_errors() {
             .param("max_tokens"),
         bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "max_tokens": 0 })), 400)
             .param("max_tokens"),
-        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": 0 })), 400).param("n"),
-        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": 16385 })), 400).param("n"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": 0 })), 400),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": 16385 })), 400),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": ["a", "b"], "n": 5000 })), 400),
         bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": "two" })), 400).param("n"),
-        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": 2, "temperature": 0 })), 400)
-            .param("n"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": 2, "temperature": 0 })), 400),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": "nope", "prompt": "hi", "n": 0 })), 404)
+            .param("model")
+            .code("model_not_found"),
         bad(
             post.clone(),
             cmpl,
