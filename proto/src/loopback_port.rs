@@ -16,18 +16,13 @@ use std::sync::atomic::{AtomicU32, Ordering};
 /// Where [`unused`] looks, when the ephemeral range leaves room below it.
 const LOWEST: u16 = 10_000;
 
-/// Linux's default ephemeral range, when `/proc` does not tell.
-const DEFAULT_EPHEMERAL: RangeInclusive<u16> = 32768..=60999;
-
 /// A port on 127.0.0.1 that nothing listened on when asked and that lies outside the
 /// kernel's ephemeral range (below it, else above it); calls in one process never repeat a
-/// port until they have gone through every candidate. If the range leaves no room, a
-/// released ephemeral port.
+/// port until they have gone through every candidate. If the range is unknown (no Linux
+/// `/proc`) or leaves no room, a released ephemeral port.
 pub fn unused() -> io::Result<u16> {
     static NEXT: AtomicU32 = AtomicU32::new(0);
-    let ephemeral = ephemeral_range();
-    let candidates: Vec<u16> =
-        (LOWEST..*ephemeral.start()).chain(ephemeral.end().saturating_add(1)..=u16::MAX).collect();
+    let candidates = ephemeral_range().map_or_else(Vec::new, |ephemeral| outside(&ephemeral));
     if candidates.is_empty() {
         return Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port());
     }
@@ -45,10 +40,16 @@ pub fn unused() -> io::Result<u16> {
     Err(last.unwrap_or_else(|| io::Error::new(io::ErrorKind::AddrInUse, "no unused port")))
 }
 
-/// The kernel's ephemeral port range (Linux), or its default elsewhere.
-fn ephemeral_range() -> RangeInclusive<u16> {
-    let read = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok();
-    read.and_then(|s| parse_range(&s)).unwrap_or(DEFAULT_EPHEMERAL)
+/// The ports from [`LOWEST`] up that `ephemeral` leaves out.
+fn outside(ephemeral: &RangeInclusive<u16>) -> Vec<u16> {
+    let above = ephemeral.end().checked_add(1).into_iter().flat_map(|first| first..=u16::MAX);
+    (LOWEST..*ephemeral.start()).chain(above).collect()
+}
+
+/// The kernel's ephemeral port range, where Linux tells it.
+fn ephemeral_range() -> Option<RangeInclusive<u16>> {
+    let read = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    parse_range(&read)
 }
 
 fn parse_range(text: &str) -> Option<RangeInclusive<u16>> {
@@ -64,15 +65,27 @@ mod tests {
     #[test]
     fn ports_lie_outside_the_ephemeral_range_and_can_be_bound() {
         let ephemeral = ephemeral_range();
+        let room = ephemeral.as_ref().is_some_and(|e| !outside(e).is_empty());
         let ports: Vec<u16> = (0..20).map(|_| unused().unwrap()).collect();
         for &port in &ports {
-            assert!(!ephemeral.contains(&port), "{port} in {ephemeral:?}");
+            if let Some(ephemeral) = ephemeral.as_ref().filter(|_| room) {
+                assert!(!ephemeral.contains(&port), "{port} in {ephemeral:?}");
+            }
             TcpListener::bind((Ipv4Addr::LOCALHOST, port)).unwrap();
         }
         let mut distinct = ports.clone();
         distinct.sort_unstable();
         distinct.dedup();
         assert_eq!(distinct.len(), ports.len(), "{ports:?}");
+    }
+
+    #[test]
+    fn the_candidates_are_the_ports_the_range_leaves_out() {
+        let below_and_above = outside(&(32768..=60999));
+        assert_eq!(below_and_above.len(), (32768 - 10_000) + (65535 - 60999));
+        assert!(!below_and_above.iter().any(|p| (32768..=60999).contains(p)));
+        assert_eq!(outside(&(1024..=65535)), Vec::<u16>::new(), "no room: 65535 is ephemeral too");
+        assert_eq!(outside(&(10_000..=65534)), vec![65535]);
     }
 
     #[test]

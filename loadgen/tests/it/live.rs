@@ -340,9 +340,8 @@ async fn an_open_loop_request_that_waited_for_a_slot_is_measured_from_its_intend
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_target_counts_connect_errors_and_does_not_hang() {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    drop(listener);
+    // Outside the ephemeral range: no other test's listener, nor a self-connect, can answer.
+    let addr = format!("127.0.0.1:{}", kvroute_proto::loopback_port::unused().unwrap());
     let trace = small_chat();
     for arrivals in [Arrivals::Closed { concurrency: 3 }, Arrivals::Poisson { rate: 500.0, seed: 1 }] {
         let mut config = quiet(LiveConfig::new(format!("http://{addr}"), DEMO_MODEL));
