@@ -20,13 +20,17 @@
 //!
 //! # Choosing the chat template
 //!
-//! 1. `chat_template` in the config (a Jinja file, or a `tokenizer_config.json`) wins;
-//! 2. else the `chat_template` of the configured `tokenizer_config`;
+//! 1. `chat_template` in the config (a Jinja file, or a `tokenizer_config.json`) wins: it is
+//!    the replicas' `--chat-template`;
+//! 2. else the model's own: a `chat_template.jinja` beside the configured
+//!    `tokenizer_config` (and `additional_chat_templates/tool_use.jinja`), else the
+//!    config's `chat_template` ([`ChatTemplate::from_tokenizer_config`]);
 //! 3. else, for the builtin tokenizer, [`DEFAULT_CHAT_TEMPLATE`] (ChatML);
 //! 4. else there is none and chat requests fail with [`RequestError::NoChatTemplate`].
 //!
-//! `bos_token`/`eos_token` come from `tokenizer_config` if configured, else from
-//! [`SpecialTokens::builtin`] for the builtin tokenizer, else they are empty.
+//! The named special tokens (`bos_token`, `eos_token`, ...) come from `tokenizer_config` if
+//! configured, else from [`SpecialTokens::builtin`] for the builtin tokenizer; a token the
+//! tokenizer does not set is no template variable ([`SpecialTokens`]).
 
 pub mod chat_template;
 pub mod error;

@@ -103,7 +103,8 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_TOKENIZER")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<PathBuf>,
-    /// tokenizer_config.json (for its chat template and special tokens).
+    /// tokenizer_config.json (for its special tokens and the model's chat template, which a
+    /// chat_template.jinja beside it overrides, as transformers loads it).
     #[arg(long, env = "KVROUTE_TOKENIZER_CONFIG")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer_config: Option<PathBuf>,

@@ -208,11 +208,21 @@ impl TokenizerConfigFile {
     }
 
     /// The file's named special tokens, over `fallback`'s, as transformers 5.20 reads them:
-    /// the standard names, any other `*_token` whose value is a token, and the entries of an
-    /// `extra_special_tokens` object (which win over the `*_token` keys). A null is unset.
+    /// the standard names, any other `*_token` whose value is a token (a string, or an
+    /// object of `"__type": "AddedToken"`), and the entries of an `extra_special_tokens`
+    /// object (else of an `additional_special_tokens` one), which win over the `*_token`
+    /// keys. A null is unset.
     fn special_tokens(&mut self, fallback: SpecialTokens) -> SpecialTokens {
         let token =
             |value: &serde_json::Value| TokenField::deserialize(value).ok().map(TokenField::into_string);
+        let added_token = |value: &serde_json::Value| match value {
+            serde_json::Value::Object(o)
+                if o.get("__type").and_then(|t| t.as_str()) != Some("AddedToken") =>
+            {
+                None
+            }
+            other => token(other),
+        };
         let mut named = fallback.named;
         let mut model_specific = BTreeMap::new();
         for (key, value) in &self.rest {
@@ -222,13 +232,24 @@ impl TokenizerConfigFile {
                     None => named.remove(key),
                 };
             } else if key.ends_with("_token")
-                && let Some(text) = token(value)
+                && let Some(text) = added_token(value)
             {
                 model_specific.insert(key.clone(), text);
             }
         }
-        if let Some(serde_json::Value::Object(extra)) = self.rest.get("extra_special_tokens") {
-            model_specific.extend(extra.iter().filter_map(|(k, v)| Some((k.clone(), token(v)?))));
+        // transformers takes `additional_special_tokens` for `extra_special_tokens` when that
+        // is absent or empty.
+        let given = |key| {
+            self.rest.get(key).filter(|v| match v {
+                serde_json::Value::Null => false,
+                serde_json::Value::Object(o) => !o.is_empty(),
+                serde_json::Value::Array(a) => !a.is_empty(),
+                _ => true,
+            })
+        };
+        let extra = given("extra_special_tokens").or_else(|| given("additional_special_tokens"));
+        if let Some(serde_json::Value::Object(extra)) = extra {
+            model_specific.extend(extra.iter().filter_map(|(k, v)| Some((k.clone(), added_token(v)?))));
         }
         named.extend(model_specific);
         SpecialTokens { named }
@@ -325,11 +346,33 @@ impl ChatTemplate {
         Self::new(String::from_utf8_lossy(&source).into_owned(), special)
     }
 
-    /// Loads `chat_template` (the one named `default` if it is a list, and the one named
-    /// `tool_use` for requests with tools if there is one), `bos_token` and `eos_token` from a
-    /// Hugging Face `tokenizer_config.json`.
+    /// Loads the model's chat template (the one named `default` if there are several, and
+    /// the one named `tool_use` for requests with tools if there is one) and named special
+    /// tokens from a Hugging Face `tokenizer_config.json`. As transformers 5.20 loads them,
+    /// template files beside it win over its `chat_template`: `chat_template.jinja` (the
+    /// default) and `additional_chat_templates/tool_use.jinja`.
     pub fn from_tokenizer_config(path: impl AsRef<Path>) -> Result<Self, LoadError> {
-        Self::from_config_file(path.as_ref(), SpecialTokens::default())
+        let path = path.as_ref();
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let beside = |file: &Path| -> Result<Option<String>, LoadError> {
+            match file.is_file() {
+                true => Ok(Some(String::from_utf8_lossy(&read(file)?).into_owned())),
+                false => Ok(None),
+            }
+        };
+        let default = beside(&dir.join("chat_template.jinja"))?;
+        let tool_use = beside(&dir.join("additional_chat_templates").join("tool_use.jinja"))?;
+        if default.is_none() && tool_use.is_none() {
+            return Self::from_config_file(path, SpecialTokens::default());
+        }
+        let special = TokenizerConfigFile::load(path)?.special_tokens(SpecialTokens::default());
+        let default =
+            default.ok_or_else(|| LoadError::NoChatTemplate { path: dir.join("chat_template.jinja") })?;
+        let template = Self::new(default, special)?;
+        match tool_use {
+            Some(tool_use) => template.with_tool_use(tool_use),
+            None => Ok(template),
+        }
     }
 
     /// A JSON file's `chat_template`, with its special tokens, else `fallback`'s (Hugging
@@ -359,7 +402,8 @@ impl ChatTemplate {
 
     /// Whether this is a template in OpenAI's Harmony format (gpt-oss's). vLLM 0.33 does not
     /// render such a model's chats with its template but with Harmony itself, which agrees
-    /// with the template up to the system prompt's last token and differs after it.
+    /// with the template at most up to the system prompt's last token (when the date and
+    /// the reasoning effort agree) and differs after it.
     pub fn is_harmony(&self) -> bool {
         self.default.harmony
     }
@@ -409,6 +453,14 @@ impl ChatTemplate {
         mut vars: Variables<'_>,
         media_parts: bool,
     ) -> Result<String, RequestError> {
+        // vLLM drops the tools before it picks a template and reads its content format.
+        if vars.tool_choice_none && self.options.exclude_tools_when_tool_choice_none {
+            vars.tools = None;
+        }
+        // vLLM reads the content format of the request's own template, and "auto" read as a
+        // template is the text "auto", whose format is "string".
+        let auto = (vars.chat_template == Some("auto"))
+            .then(|| self.options.chat_template_content_format.forced().unwrap_or(ContentFormat::String));
         let mut named = None;
         match self.requested_source(&mut vars)? {
             None => {}
@@ -420,13 +472,12 @@ impl ChatTemplate {
                 named = self.tool_use.as_ref()
             }
             Some((source, from_kwargs)) => {
-                // vLLM reads a kwarg template's content format from the template it would
-                // have rendered otherwise.
-                let format = from_kwargs.then(|| self.facts(&vars).format);
+                // A kwarg template is read in the format of the template it replaces.
+                let format = auto.or_else(|| from_kwargs.then(|| self.facts(&vars).format));
                 return self.requested(&source)?.render_chosen(None, format, messages, vars, media_parts);
             }
         }
-        self.render_chosen(named, None, messages, vars, media_parts)
+        self.render_chosen(named, auto, messages, vars, media_parts)
     }
 
     /// The template a request brings, as vLLM 0.33 chooses it: its own `chat_template`
@@ -466,15 +517,12 @@ impl ChatTemplate {
         named: Option<&Facts>,
         format: Option<ContentFormat>,
         messages: &[Message<'_>],
-        mut vars: Variables<'_>,
+        vars: Variables<'_>,
         media_parts: bool,
     ) -> Result<String, RequestError> {
-        if vars.tool_choice_none && self.options.exclude_tools_when_tool_choice_none {
-            vars.tools = None;
-        }
         let facts = named.unwrap_or_else(|| self.facts(&vars));
         let format = format.unwrap_or(facts.format);
-        let mut passed = facts.passed(messages);
+        let mut passed = facts.passed(messages, format);
         let continued_text = match (vars.continue_final_message, passed.last_mut()) {
             (true, Some(last)) => {
                 let (tagged, text) = facts.tagged(&last.message, last.format(format))?;
@@ -595,7 +643,7 @@ impl Facts {
     /// `developer` role, a conversation with developer turns has them as system turns, and
     /// then, if a system turn is not the first, every system turn merged into one first one
     /// (their non-empty texts joined with a blank line; only `role` and a string `content`).
-    fn passed<'m, 'a>(&self, messages: &'m [Message<'a>]) -> Vec<Passed<'m, 'a>> {
+    fn passed<'m, 'a>(&self, messages: &'m [Message<'a>], format: ContentFormat) -> Vec<Passed<'m, 'a>> {
         let as_is = |message| Passed { message: Cow::Borrowed(message), plain: false };
         if self.knows_developer || !messages.iter().any(|m| m.role == "developer") {
             return messages.iter().map(as_is).collect();
@@ -614,7 +662,7 @@ impl Facts {
         let texts: Vec<Cow<'_, str>> = messages
             .iter()
             .filter(|m| system(m))
-            .map(|m| match self.format {
+            .map(|m| match format {
                 ContentFormat::String => Cow::Borrowed(m.content.as_deref().unwrap_or_default()),
                 ContentFormat::OpenAi => all_parts_joined(m),
             })
@@ -1434,6 +1482,48 @@ mod tests {
             template.render(&chat.messages, Variables::default()).unwrap(),
             "False|none|<img>|<video>|False"
         );
+        // An object is a token only as an AddedToken; `additional_special_tokens` stands in
+        // for an absent `extra_special_tokens`.
+        let typed = "{{ a_token }}|{{ b_token is defined }}|{{ c_token }}";
+        let tokens = serde_json::json!({ "chat_template": typed,
+            "a_token": {"__type": "AddedToken", "content": "<a>"}, "b_token": {"content": "<b>"},
+            "extra_special_tokens": {}, "additional_special_tokens": {"c_token": "<c>"} });
+        std::fs::write(&config, tokens.to_string()).unwrap();
+        let template = ChatTemplate::from_file(&config, SpecialTokens::default()).unwrap();
+        assert_eq!(template.render(&chat.messages, Variables::default()).unwrap(), "<a>|False|<c>");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Template files beside a tokenizer config win over its `chat_template`, as transformers
+    /// 5.20 loads them: `chat_template.jinja`, and a `tool_use` one in
+    /// `additional_chat_templates/`; the config's special tokens go with them.
+    #[test]
+    fn template_files_beside_the_tokenizer_config_win() {
+        let dir = std::env::temp_dir().join(format!("kvroute-beside-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("additional_chat_templates")).unwrap();
+        let config = dir.join("tokenizer_config.json");
+        let inline = serde_json::json!({ "chat_template": "C{{ bos_token }}", "bos_token": "<s>" });
+        std::fs::write(&config, inline.to_string()).unwrap();
+        let chat =
+            crate::openai::ChatRequest::parse(br#"{"messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        let with_tools = crate::openai::ChatRequest::parse(
+            br#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#,
+        )
+        .unwrap();
+        let render = |chat: &crate::openai::ChatRequest<'_>| {
+            ChatTemplate::from_tokenizer_config(&config)
+                .unwrap()
+                .render(&chat.messages, chat.variables())
+                .unwrap()
+        };
+        assert_eq!(render(&chat), "C<s>", "the config's own, with no file beside it");
+        std::fs::write(dir.join("chat_template.jinja"), "J{{ bos_token }}").unwrap();
+        assert_eq!(render(&chat), "J<s>");
+        assert_eq!(render(&with_tools), "J<s>");
+        std::fs::write(dir.join("additional_chat_templates/tool_use.jinja"), "T{{ tools | length }}")
+            .unwrap();
+        assert_eq!(render(&with_tools), "T1");
+        assert_eq!(render(&chat), "J<s>");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -3,15 +3,16 @@
 //! test. Every test checks, besides its own point:
 //!
 //! - every request either succeeded or got an OpenAI-shaped error — a JSON error with its
-//!   status, or, for a stream that had started, a final `data: {"error": ..}` event without
-//!   `[DONE]` — and none hung ([`load::Outcome`]; a request that breaks any of these fails
-//!   the test);
+//!   status, or, for a stream that had started, a final `data: {"error": ..}` event (the
+//!   router's without `[DONE]` after it, the agent's with it, as vLLM's) — and none hung
+//!   ([`load::Outcome`]; a request that breaks any of these fails the test);
 //! - at the end, the router's index holds exactly each live replica's resident blocks
 //!   ([`crate::fleet::index_matches`]).
 //!
 //! What a client sees when its replica dies mid-stream: the stream ends with one OpenAI
-//! error event and no `data: [DONE]` (from the agent when it fails its requests, from the
-//! router when the connection breaks or goes silent past `--idle-timeout-ms`).
+//! error event: from the agent when it fails its requests (then `data: [DONE]`, as vLLM
+//! sends it), from the router when the connection breaks or goes silent past
+//! `--idle-timeout-ms` (then nothing).
 
 mod load;
 mod net;

@@ -289,6 +289,41 @@ mod tests {
         assert_eq!(render(&model_own, own_looping).unwrap(), "[hi]", "a request's own: its format");
     }
 
+    /// The content format vLLM reads for a request's own template of "auto" (the text
+    /// "auto": "string") and for one whose tools `tool_choice: "none"` drops (the default
+    /// template's, not the `tool_use` one's).
+    #[test]
+    fn the_content_format_follows_vllms_choice_of_template() {
+        let looping = "{% for m in messages %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endfor %}";
+        let trust = ChatOptions { trust_request_chat_template: true, ..ChatOptions::default() };
+        assert_eq!(render(looping, &trust, "").unwrap(), "[hi]", "the template's own format: openai");
+        let auto = r#","chat_template":"auto""#;
+        assert_eq!(render(looping, &trust, auto).unwrap(), "[][]", "'auto': the string format");
+
+        let dir = std::env::temp_dir().join(format!("kvroute-none-tools-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokenizer_config.json");
+        let config = serde_json::json!({ "chat_template": [{"name": "default", "template": looping},
+            {"name": "tool_use", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"}] });
+        std::fs::write(&path, config.to_string()).unwrap();
+        let exclude = ChatOptions {
+            exclude_tools_when_tool_choice_none: true,
+            trust_request_chat_template: true,
+            ..trust
+        };
+        let template = ChatTemplate::from_tokenizer_config(&path).unwrap().with_options(exclude);
+        std::fs::remove_dir_all(dir).ok();
+        // A kwarg template, read in the format of the template it replaces: the default one,
+        // as the tools are gone.
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":"hi"}}],"tool_choice":"none",
+            "tools":[{{"type":"function","function":{{"name":"f"}}}}],"chat_template_kwargs":{{"chat_template":{}}}}}"#,
+            serde_json::to_string(looping).unwrap()
+        );
+        let chat = ChatRequest::parse(body.as_bytes()).unwrap();
+        assert_eq!(template.render(&chat.messages, chat.variables()).unwrap(), "[hi]");
+    }
+
     /// A trusted request's `chat_template` naming one of the model's templates picks it, as
     /// transformers picks a named template.
     #[test]
