@@ -34,6 +34,7 @@
 
 pub mod chat_template;
 pub mod error;
+pub mod harmony;
 pub mod prefix_cache;
 pub mod request;
 pub mod tokenizer;
@@ -222,6 +223,9 @@ impl Tokenization {
                     let part_type = part_type.to_owned();
                     return Err(RequestError::UnsupportedContentPart { index, part_type });
                 }
+                if let Some(ids) = self.harmony_ids(r)? {
+                    return Ok(vec![self.truncated(ids, r.truncation, false)]);
+                }
                 let ids = self.encode(&self.render_chat(r)?, r.add_special_tokens)?;
                 Ok(vec![self.truncated(ids, r.truncation, r.add_special_tokens)])
             }
@@ -334,6 +338,36 @@ impl Tokenization {
     /// Where a Messages request's inline system messages go with this chat template.
     pub fn inline_system(&self) -> InlineSystem {
         self.inline_system
+    }
+
+    /// The token ids of a chat that vLLM renders with Harmony rather than its template
+    /// (gpt-oss, [`ChatTemplate::is_harmony`]; [`harmony`]), `None` for any other chat, and
+    /// for one with tools, which is rendered with the template (the closest there is).
+    fn harmony_ids(&self, request: &ChatRequest<'_>) -> Result<Option<Vec<u32>>, RequestError> {
+        let Some(template) = self.chat_template.as_ref().filter(|t| t.is_harmony()) else { return Ok(None) };
+        let options = template.options();
+        let vars = request.variables();
+        let has_tools = vars.tools.is_some_and(|t| t.get() != "[]" && t.get() != "null")
+            && !(vars.tool_choice_none && options.exclude_tools_when_tool_choice_none);
+        let date = std::env::var("VLLM_SYSTEM_START_DATE").unwrap_or_else(|_| chat_template::today());
+        let chat = harmony::HarmonyChat {
+            messages: &request.messages,
+            reasoning_effort: options.effort(vars.reasoning_effort),
+            has_tools,
+            date: &date,
+        };
+        let Some(pieces) = harmony::render(&chat)? else { return Ok(None) };
+        let mut ids = Vec::new();
+        for piece in &pieces {
+            match piece {
+                harmony::Piece::Text(text) => ids.extend(self.tokenizer.encode(text, false)?),
+                harmony::Piece::Special(token) => match self.tokenizer.encode(token, false)?[..] {
+                    [id] => ids.push(id),
+                    _ => return Err(RequestError::Harmony(format!("the tokenizer has no {token} token"))),
+                },
+            }
+        }
+        Ok(Some(ids))
     }
 
     /// The prompt string a chat request renders to.

@@ -747,3 +747,92 @@ fn tool_choice_none_carries_through_messages_and_responses() {
         assert_ne!(ids(&keeping, endpoint, &with_none), vec![no_tools], "{endpoint:?}: without the flag");
     }
 }
+
+/// A gpt-oss model (its template in Harmony's format): chats are tokenized from vLLM's
+/// Harmony rendering, piece by piece with the special tokens by id, not from the template;
+/// a chat with tools falls back to the template; an effort Harmony lacks is a 400.
+#[test]
+fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
+    let dir = std::env::temp_dir().join(format!("kvroute-harmony-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut tokenizer: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(data("tiny-tokenizer.json")).unwrap()).unwrap();
+    let added = tokenizer["added_tokens"].as_array_mut().unwrap();
+    for (i, special) in ["<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|call|>"].iter().enumerate()
+    {
+        added.push(serde_json::json!({"id": 400 + i, "content": special, "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": true}));
+    }
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let template = "{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}<|end|>{% endfor %}";
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({ "chat_template": template }).to_string(),
+    )
+    .unwrap();
+    let config = TokenizationConfig {
+        tokenizer: TokenizerSpec::HuggingFace { path: dir.join("tokenizer.json") },
+        tokenizer_config: Some(dir.join("tokenizer_config.json")),
+        ..hf_config()
+    };
+    let t = Tokenization::new(&config).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(t.chat_template().unwrap().is_harmony());
+
+    let body = r#"{"model":"tiny","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hello"}],
+        "reasoning_effort":"low"}"#;
+    let ids = tokens(&t, Endpoint::ChatCompletions, body).unwrap().remove(0);
+    let completion = |text: &str| {
+        let body =
+            serde_json::json!({"model": "tiny", "prompt": text, "add_special_tokens": false}).to_string();
+        tokens(&t, Endpoint::Completions, &body).unwrap().remove(0)
+    };
+    let today = std::env::var("VLLM_SYSTEM_START_DATE").unwrap_or_else(|_| {
+        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+        let z = (secs / 86_400) as i64 + 719_468;
+        let (era, doe) = (z.div_euclid(146_097), z.rem_euclid(146_097));
+        let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+        let mp = (5 * doy + 2) / 153;
+        let (d, m) = (doy - (153 * mp + 2) / 5 + 1, if mp < 10 { mp + 3 } else { mp - 9 });
+        format!("{:04}-{m:02}-{d:02}", yoe + era * 400 + i64::from(m <= 2))
+    });
+    let system = format!(
+        "You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\n\
+         Current date: {today}\n\nReasoning: low\n\n# Valid channels: analysis, commentary, final. \
+         Channel must be included for every message."
+    );
+    let special = |token: &str| match completion(token)[..] {
+        [id] => id,
+        ref other => panic!("{token} is {other:?}"),
+    };
+    let (start, message, end) = (special("<|start|>"), special("<|message|>"), special("<|end|>"));
+    let expected = [
+        vec![start],
+        completion("system"),
+        vec![message],
+        completion(&system),
+        vec![end, start],
+        completion("developer"),
+        vec![message],
+        completion("# Instructions\n\nBe brief."),
+        vec![end, start],
+        completion("user"),
+        vec![message],
+        completion("Hello"),
+        vec![end, start],
+        completion("assistant"),
+    ]
+    .concat();
+    assert_eq!(ids, expected);
+
+    // With tools, the template renders it (vLLM's Harmony tool definitions are not written here).
+    let tools = r#"{"model":"tiny","messages":[{"role":"user","content":"Hello"}],
+        "tools":[{"type":"function","function":{"name":"f"}}]}"#;
+    let from_template = completion("<|start|>user<|channel|>final<|message|>Hello<|end|>");
+    assert_eq!(tokens(&t, Endpoint::ChatCompletions, tools).unwrap(), [from_template]);
+    let none = r#"{"model":"tiny","messages":[{"role":"user","content":"Hello"}],"reasoning_effort":"none"}"#;
+    let refused = tokens(&t, Endpoint::ChatCompletions, none).unwrap_err();
+    assert!(matches!(refused, RequestError::Harmony(_)) && refused.http_status() == 400, "{refused}");
+}

@@ -121,10 +121,12 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     })
     .context("loading the tokenizer")?;
     if tokenization.chat_template().is_some_and(|t| t.is_harmony()) {
-        tracing::warn!(
-            "the chat template is in OpenAI's Harmony format (gpt-oss): vLLM renders these chats \
-             with Harmony rather than the template, so a chat's predicted prefix holds only up to \
-             its system prompt (completions and token-id prompts are exact)"
+        tracing::info!(
+            "the chat template is in OpenAI's Harmony format (gpt-oss): chats are rendered with \
+             Harmony as vLLM renders them, dated {} (VLLM_SYSTEM_START_DATE, else today in UTC); \
+             a chat with tools is rendered with the template, which agrees with Harmony at most \
+             up to its system prompt",
+            std::env::var("VLLM_SYSTEM_START_DATE").as_deref().unwrap_or("today")
         );
     }
     if config.tokenize_cache_bytes > 0

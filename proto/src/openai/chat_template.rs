@@ -1137,6 +1137,11 @@ fn raise_exception(message: String) -> Result<Value, Error> {
 
 /// `strftime_now(format)`: the current UTC time; supports `%Y %m %d %e %b %B %a %A %H %M
 /// %S %y %j %%` (and `%-d`, `%-m`), other directives are copied as they are.
+/// Today's date, `YYYY-MM-DD`, in UTC.
+pub(crate) fn today() -> String {
+    strftime_now("%Y-%m-%d".into())
+}
+
 fn strftime_now(format: String) -> String {
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     strftime(&format, secs)

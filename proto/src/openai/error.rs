@@ -106,6 +106,10 @@ pub enum RequestError {
     )]
     UntrustedChatTemplate,
     /// A chat request, but no chat template is configured for this tokenizer.
+    /// A chat that vLLM's Harmony rendering (gpt-oss) refuses, with vLLM's reason.
+    #[error("{0}")]
+    Harmony(String),
+
     #[error("no chat template is configured for this model, so chat requests are not supported")]
     NoChatTemplate,
     /// The chat template failed, including a template's own `raise_exception(..)`.
@@ -176,6 +180,7 @@ impl RequestError {
             E::StoredConversation => (INVALID_REQUEST, Some("previous_response_id".into()), None),
             E::CannotContinue(_) => (INVALID_REQUEST, Some("continue_final_message".into()), None),
             E::UntrustedChatTemplate => (INVALID_REQUEST, Some("chat_template".into()), None),
+            E::Harmony(_) => (INVALID_REQUEST, Some("messages".into()), None),
             E::Tokenizer(_) => ("server_error", None, None),
         };
         OpenAiError { message: self.to_string(), kind: kind.into(), param, code: code.map(Into::into) }

@@ -1,0 +1,406 @@
+//! gpt-oss chats as vLLM 0.33 renders them: in OpenAI's Harmony format, built from the
+//! messages directly (vLLM's `harmony_utils` with `oss-harmony` 0.0.11), not with the model's
+//! chat template, which agrees with Harmony only up to the end of the system prompt.
+//!
+//! The prompt is a list of [`Piece`]s: texts, each encoded on its own without special
+//! tokens (Harmony's `encode_ordinary`), and Harmony's special tokens by name. For a chat
+//! completion:
+//!
+//! 1. The system message: the model identity, knowledge cutoff, `Current date:` (vLLM's
+//!    `VLLM_SYSTEM_START_DATE` if set, else today; the replicas' clock, the router's here,
+//!    in UTC), `Reasoning:` the request's effort through the fleet's effort map (medium by
+//!    default; only low, medium and high, as vLLM checks), and the required channels.
+//! 2. A developer message `# Instructions` with the text of a first system or developer
+//!    message (its text parts joined), when that text is not empty.
+//! 3. The other messages: a user's content (each text part its own text); an assistant's
+//!    reasoning (`reasoning`) on the analysis channel, its content on the final channel (or,
+//!    beside tool calls, on the commentary channel), and each tool call as
+//!    `assistant to=functions.NAME` on the `commentary json` channel, ended by `<|call|>`
+//!    (vLLM's legacy header); a tool result as `functions.NAME` (named by its call's id) on
+//!    the commentary channel `to=assistant`; a later system or developer message as another
+//!    developer message. Reasoning before the last final answer is dropped.
+//! 4. `<|start|>assistant`.
+//!
+//! Requests with tools are not rendered here ([`render`] answers `None`): their tool
+//! definitions are written as TypeScript namespaces, which this does not do.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use super::error::RequestError;
+use super::request::{Message, Part};
+
+/// A piece of a Harmony prompt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Piece<'a> {
+    /// Text, encoded on its own without special tokens.
+    Text(Cow<'a, str>),
+    /// A special token, by its text (`<|start|>`, ...).
+    Special(&'static str),
+}
+
+const START: &str = "<|start|>";
+const MESSAGE: &str = "<|message|>";
+const END: &str = "<|end|>";
+const CHANNEL: &str = "<|channel|>";
+const CALL: &str = "<|call|>";
+
+/// The system message's parts that do not change.
+const IDENTITY: &str =
+    "You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06";
+const CHANNELS: &str =
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message.";
+
+/// The reasoning efforts Harmony takes.
+const EFFORTS: [&str; 3] = ["high", "medium", "low"];
+
+/// What a chat completion request brings to its Harmony prompt.
+#[derive(Clone, Copy, Debug)]
+pub struct HarmonyChat<'r, 'a> {
+    pub messages: &'r [Message<'a>],
+    /// The effort after the fleet's effort map; `None` is medium.
+    pub reasoning_effort: Option<&'r str>,
+    /// Whether the request has tools left (after `tool_choice: "none"` with the fleet's
+    /// exclusion flag).
+    pub has_tools: bool,
+    /// `YYYY-MM-DD`.
+    pub date: &'r str,
+}
+
+/// The prompt of `chat` (see the module docs), or `None` for a request with tools.
+pub fn render<'r, 'a>(chat: &HarmonyChat<'r, 'a>) -> Result<Option<Vec<Piece<'r>>>, RequestError> {
+    if chat.has_tools {
+        return Ok(None);
+    }
+    let effort = match chat.reasoning_effort {
+        None => "medium",
+        Some("none") => return Err(unsupported("Harmony does not support reasoning_effort='none'".into())),
+        Some(effort) if EFFORTS.contains(&effort) => effort,
+        Some(effort) => {
+            return Err(unsupported(format!(
+                "reasoning_effort={effort:?} is not supported by Harmony. Supported values are: high, medium, low."
+            )));
+        }
+    };
+    let mut out = Vec::new();
+    let system = format!("{IDENTITY}\nCurrent date: {}\n\nReasoning: {effort}\n\n{CHANNELS}", chat.date);
+    message(&mut out, Header::of("system"), vec![Cow::Owned(system)], END);
+    let mut messages = chat.messages;
+    if let Some((first, rest)) = messages.split_first()
+        && matches!(&*first.role, "system" | "developer")
+    {
+        if let Some(instructions) = flattened(first).filter(|t| !t.is_empty()) {
+            let text = format!("# Instructions\n\n{instructions}");
+            message(&mut out, Header::of("developer"), vec![Cow::Owned(text)], END);
+        }
+        messages = rest;
+    }
+    let names = call_names(messages)?;
+    let mut rendered: Vec<Rendered<'r>> = Vec::new();
+    for m in messages {
+        convert(m, &names, &mut rendered)?;
+    }
+    // Reasoning that an answer on the final channel has followed is dropped.
+    let last_final = rendered.iter().rposition(|r| r.channel == Some("final"));
+    for (i, r) in rendered.into_iter().enumerate() {
+        if !(last_final.is_some_and(|last| i < last) && r.channel == Some("analysis")) {
+            out.extend(r.pieces);
+        }
+    }
+    out.push(Piece::Special(START));
+    out.push(Piece::Text(Cow::Borrowed("assistant")));
+    Ok(Some(out))
+}
+
+fn unsupported(message: String) -> RequestError {
+    RequestError::Harmony(message)
+}
+
+/// One Harmony message, with the channel it went to.
+struct Rendered<'r> {
+    channel: Option<&'static str>,
+    pieces: Vec<Piece<'r>>,
+}
+
+/// A message's header: its author (with vLLM's legacy tool-call recipient in it), channel,
+/// and the recipient that follows a commentary channel.
+#[derive(Clone, Copy)]
+struct Header<'h> {
+    author: &'h str,
+    channel: Option<&'h str>,
+    recipient: Option<&'h str>,
+}
+
+impl<'h> Header<'h> {
+    fn of(author: &'h str) -> Self {
+        Header { author, channel: None, recipient: None }
+    }
+
+    fn on(self, channel: &'h str) -> Self {
+        Header { channel: Some(channel), ..self }
+    }
+}
+
+/// Appends one message: `<|start|>`, the header, `<|message|>`, the contents, then `end`.
+fn message<'r>(out: &mut Vec<Piece<'r>>, header: Header<'_>, contents: Vec<Cow<'r, str>>, end: &'static str) {
+    out.push(Piece::Special(START));
+    out.push(Piece::Text(Cow::Owned(header.author.to_owned())));
+    if let Some(channel) = header.channel {
+        out.push(Piece::Special(CHANNEL));
+        out.push(Piece::Text(Cow::Owned(channel.to_owned())));
+    }
+    if let Some(recipient) = header.recipient {
+        out.push(Piece::Text(Cow::Owned(format!(" to={recipient}"))));
+    }
+    out.push(Piece::Special(MESSAGE));
+    out.extend(contents.into_iter().map(Piece::Text));
+    out.push(Piece::Special(end));
+}
+
+/// The Harmony messages of one chat message (vLLM's `parse_chat_input_to_harmony_message`).
+fn convert<'r>(
+    m: &'r Message<'_>,
+    names: &[(String, String)],
+    rendered: &mut Vec<Rendered<'r>>,
+) -> Result<(), RequestError> {
+    let mut push = |header: Header<'_>, contents: Vec<Cow<'r, str>>, end| {
+        let mut pieces = Vec::new();
+        message(&mut pieces, header, contents, end);
+        let channel = match header.channel {
+            Some("final") => Some("final"),
+            Some("analysis") => Some("analysis"),
+            Some(_) => Some("commentary"),
+            None => None,
+        };
+        rendered.push(Rendered { channel, pieces });
+    };
+    let reasoning = extra_str(m, "reasoning")?.filter(|r| !r.is_empty());
+    let calls = tool_calls(m)?;
+    let assistant = Header::of("assistant");
+    match &*m.role {
+        "assistant" if !calls.is_empty() => {
+            if let Some(content) = flattened(m).filter(|c| !c.is_empty()) {
+                push(assistant.on("commentary"), vec![content], END);
+            }
+            if let Some(reasoning) = reasoning {
+                push(assistant.on("analysis"), vec![reasoning], END);
+            }
+            for call in calls {
+                // vLLM's legacy tool-call header: the recipient in the author's text, and the
+                // content type after the channel without `<|constrain|>`.
+                let author = format!("assistant to=functions.{}", call.name);
+                push(Header::of(&author).on("commentary json"), vec![Cow::Owned(call.arguments)], CALL);
+            }
+        }
+        "tool" => {
+            let id = extra_str(m, "tool_call_id")?.unwrap_or_default();
+            let name = names.iter().find(|(i, _)| *i == id).map_or("", |(_, n)| n.as_str());
+            let author = format!("functions.{name}");
+            let header = Header { recipient: Some("assistant"), ..Header::of(&author).on("commentary") };
+            push(header, vec![flattened(m).unwrap_or_default()], END);
+        }
+        "assistant" => {
+            if let Some(reasoning) = reasoning {
+                push(assistant.on("analysis"), vec![reasoning], END);
+            }
+            let contents = contents(m);
+            if contents.first().is_some_and(|c| !c.is_empty()) {
+                push(assistant.on("final"), contents, END);
+            }
+        }
+        "system" | "developer" => {
+            if let Some(instructions) = flattened(m) {
+                push(
+                    Header::of("developer"),
+                    vec![Cow::Owned(format!("# Instructions\n\n{instructions}"))],
+                    END,
+                );
+            }
+        }
+        "user" => push(Header::of("user"), contents(m), END),
+        other => return Err(unsupported(format!("'{other}' is not a role Harmony takes"))),
+    }
+    Ok(())
+}
+
+/// A message's content as one text (vLLM's `flatten_input_text_content`): the string, or
+/// the text parts joined; `None` for no content or no text part.
+fn flattened<'r>(m: &'r Message<'_>) -> Option<Cow<'r, str>> {
+    match &m.parts {
+        Some(parts) => {
+            let texts: Vec<&str> = parts
+                .iter()
+                .filter_map(|p| match p {
+                    Part::Text(t) => Some(&**t),
+                    Part::ToolReference(_) => None,
+                })
+                .collect();
+            (!texts.is_empty()).then(|| Cow::Owned(texts.concat()))
+        }
+        None => m.content.as_deref().map(Cow::Borrowed),
+    }
+}
+
+/// A message's contents, each a text of its own: the string (empty when none), or every
+/// part's text (a part without one is empty).
+fn contents<'r>(m: &'r Message<'_>) -> Vec<Cow<'r, str>> {
+    match &m.parts {
+        Some(parts) => parts
+            .iter()
+            .map(|p| match p {
+                Part::Text(t) => Cow::Borrowed(&**t),
+                Part::ToolReference(_) => Cow::Borrowed(""),
+            })
+            .collect(),
+        None => vec![Cow::Borrowed(m.content.as_deref().unwrap_or_default())],
+    }
+}
+
+/// A string key of the message besides `role` and `content`; null is none.
+fn extra_str<'r>(m: &'r Message<'_>, key: &str) -> Result<Option<Cow<'r, str>>, RequestError> {
+    let Some((_, raw)) = m.extra.iter().find(|(k, _)| k == key) else { return Ok(None) };
+    let value: Option<Cow<'r, str>> = serde_json::from_str(raw.get())
+        .map_err(|_| unsupported(format!("'{key}' of a message must be a string")))?;
+    Ok(value)
+}
+
+/// One tool call of an assistant message.
+struct Call {
+    id: String,
+    name: String,
+    arguments: String,
+}
+
+#[derive(Deserialize)]
+struct RawCall<'a> {
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default, borrow)]
+    function: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct RawFunction<'a> {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default, borrow)]
+    arguments: Option<&'a RawValue>,
+}
+
+/// The message's `tool_calls`, as vLLM reads them (a missing name or arguments is empty;
+/// arguments that are not a string are their JSON text).
+fn tool_calls(m: &Message<'_>) -> Result<Vec<Call>, RequestError> {
+    let Some((_, raw)) = m.extra.iter().find(|(k, _)| k == "tool_calls") else { return Ok(Vec::new()) };
+    let bad = || unsupported("'tool_calls' must be a list of tool calls".into());
+    let calls: Option<Vec<RawCall<'_>>> = serde_json::from_str(raw.get()).map_err(|_| bad())?;
+    calls
+        .unwrap_or_default()
+        .into_iter()
+        .map(|call| {
+            let function: RawFunction<'_> = match call.function {
+                Some(f) => serde_json::from_str(f.get()).map_err(|_| bad())?,
+                None => RawFunction { name: None, arguments: None },
+            };
+            let arguments = match function.arguments {
+                None => String::new(),
+                Some(a) => match serde_json::from_str::<Option<String>>(a.get()) {
+                    Ok(text) => text.unwrap_or_default(),
+                    Err(_) => a.get().to_owned(),
+                },
+            };
+            Ok(Call { id: call.id.unwrap_or_default(), name: function.name.unwrap_or_default(), arguments })
+        })
+        .collect()
+}
+
+/// Each tool call's id and function name, over the whole conversation.
+fn call_names(messages: &[Message<'_>]) -> Result<Vec<(String, String)>, RequestError> {
+    let mut names = Vec::new();
+    for m in messages {
+        names.extend(tool_calls(m)?.into_iter().map(|c| (c.id, c.name)));
+    }
+    Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::openai::ChatRequest;
+
+    /// The pieces of `body`'s messages, written compactly: specials as they are, each text
+    /// in brackets.
+    fn rendered(body: &str, effort: Option<&str>) -> Result<String, RequestError> {
+        let chat = ChatRequest::parse(body.as_bytes()).unwrap();
+        let request = HarmonyChat {
+            messages: &chat.messages,
+            reasoning_effort: effort,
+            has_tools: false,
+            date: "2026-11-27",
+        };
+        let pieces = render(&request)?.expect("no tools");
+        Ok(pieces
+            .iter()
+            .map(|p| match p {
+                Piece::Text(t) => format!("[{t}]"),
+                Piece::Special(s) => (*s).to_owned(),
+            })
+            .collect())
+    }
+
+    fn system(effort: &str) -> String {
+        format!(
+            "<|start|>[system]<|message|>[{IDENTITY}\nCurrent date: 2026-11-27\n\nReasoning: {effort}\n\n{CHANNELS}]<|end|>"
+        )
+    }
+
+    #[test]
+    fn a_first_system_message_is_the_developer_instructions() {
+        let body = r#"{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}]}"#;
+        let expected = format!(
+            "{}<|start|>[developer]<|message|>[# Instructions\n\nBe brief.]<|end|>\
+             <|start|>[user]<|message|>[Hi]<|end|><|start|>[assistant]",
+            system("medium")
+        );
+        assert_eq!(rendered(body, None).unwrap(), expected);
+        let empty = r#"{"messages":[{"role":"developer","content":""},{"role":"user","content":"Hi"}]}"#;
+        let expected = format!("{}<|start|>[user]<|message|>[Hi]<|end|><|start|>[assistant]", system("high"));
+        assert_eq!(rendered(empty, Some("high")).unwrap(), expected, "an empty one is none");
+    }
+
+    #[test]
+    fn history_keeps_answers_tool_calls_and_only_the_current_reasoning() {
+        let body = r#"{"messages":[
+            {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},
+            {"role":"assistant","content":"A1","reasoning":"old thought"},
+            {"role":"user","content":"weather?"},
+            {"role":"assistant","content":null,"reasoning":"call it","tool_calls":[
+                {"id":"c1","type":"function","function":{"name":"get","arguments":"{\"q\":1}"}}]},
+            {"role":"tool","tool_call_id":"c1","content":"sunny"},
+            {"role":"system","content":"Later rule."}]}"#;
+        let expected = format!(
+            "{}<|start|>[user]<|message|>[a][b]<|end|>\
+             <|start|>[assistant]<|channel|>[final]<|message|>[A1]<|end|>\
+             <|start|>[user]<|message|>[weather?]<|end|>\
+             <|start|>[assistant]<|channel|>[analysis]<|message|>[call it]<|end|>\
+             <|start|>[assistant to=functions.get]<|channel|>[commentary json]<|message|>[{{\"q\":1}}]<|call|>\
+             <|start|>[functions.get]<|channel|>[commentary][ to=assistant]<|message|>[sunny]<|end|>\
+             <|start|>[developer]<|message|>[# Instructions\n\nLater rule.]<|end|>\
+             <|start|>[assistant]",
+            system("low")
+        );
+        assert_eq!(rendered(body, Some("low")).unwrap(), expected);
+    }
+
+    #[test]
+    fn efforts_harmony_lacks_are_refused_as_vllm_refuses_them() {
+        let body = r#"{"messages":[{"role":"user","content":"Hi"}]}"#;
+        assert!(matches!(rendered(body, Some("none")), Err(RequestError::Harmony(_))));
+        assert!(matches!(rendered(body, Some("xhigh")), Err(RequestError::Harmony(_))));
+        let chat = ChatRequest::parse(body.as_bytes()).unwrap();
+        let with_tools =
+            HarmonyChat { messages: &chat.messages, reasoning_effort: None, has_tools: true, date: "d" };
+        assert_eq!(render(&with_tools).unwrap(), None, "a request with tools is not rendered here");
+    }
+}
