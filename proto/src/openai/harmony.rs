@@ -404,3 +404,39 @@ mod tests {
         assert_eq!(render(&with_tools).unwrap(), None, "a request with tools is not rendered here");
     }
 }
+
+/// Reference renderings: the conversation vLLM 0.33 builds for each request, rendered by
+/// `oss-harmony` 0.0.11 (the package vLLM renders gpt-oss prompts with) with its own o200k
+/// vocabulary and decoded to text, special tokens included (`tests/data/harmony-cases.json`).
+#[cfg(test)]
+mod reference {
+    use super::*;
+    use crate::openai::ChatRequest;
+
+    #[test]
+    fn renderings_match_vllms_with_oss_harmony() {
+        let cases: Vec<serde_json::Value> =
+            serde_json::from_str(include_str!("../../tests/data/harmony-cases.json")).unwrap();
+        assert!(cases.len() >= 10);
+        for case in cases {
+            let body = case["request"].to_string();
+            let chat = ChatRequest::parse(body.as_bytes()).unwrap();
+            let request = HarmonyChat {
+                messages: &chat.messages,
+                reasoning_effort: case["request"]["reasoning_effort"].as_str(),
+                has_tools: false,
+                date: case["date"].as_str().unwrap(),
+            };
+            let text: String = render(&request)
+                .unwrap()
+                .unwrap()
+                .iter()
+                .map(|p| match p {
+                    Piece::Text(t) => t.as_ref(),
+                    Piece::Special(s) => s,
+                })
+                .collect();
+            assert_eq!(text, case["rendered"].as_str().unwrap(), "{}", case["name"]);
+        }
+    }
+}
