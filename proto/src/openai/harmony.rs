@@ -91,9 +91,8 @@ pub fn render<'r, 'a>(chat: &HarmonyChat<'r, 'a>) -> Result<Option<Vec<Piece<'r>
     if let Some((first, rest)) = messages.split_first()
         && matches!(&*first.role, "system" | "developer")
     {
-        if let Some(instructions) = flattened(first).filter(|t| !t.is_empty()) {
-            let text = format!("# Instructions\n\n{instructions}");
-            message(&mut out, Header::of("developer"), vec![Cow::Owned(text)], END);
+        if let Some(text) = flattened(first).filter(|t| !t.is_empty()) {
+            message(&mut out, Header::of("developer"), vec![instructions(&text)], END);
         }
         messages = rest;
     }
@@ -116,6 +115,11 @@ pub fn render<'r, 'a>(chat: &HarmonyChat<'r, 'a>) -> Result<Option<Vec<Piece<'r>
 
 fn unsupported(message: String) -> RequestError {
     RequestError::Harmony(message)
+}
+
+/// A developer message's text for `text`.
+fn instructions(text: &str) -> Cow<'static, str> {
+    Cow::Owned(format!("# Instructions\n\n{text}"))
 }
 
 /// One Harmony message, with the channel it went to.
@@ -211,12 +215,8 @@ fn convert<'r>(
             }
         }
         "system" | "developer" => {
-            if let Some(instructions) = flattened(m) {
-                push(
-                    Header::of("developer"),
-                    vec![Cow::Owned(format!("# Instructions\n\n{instructions}"))],
-                    END,
-                );
+            if let Some(text) = flattened(m) {
+                push(Header::of("developer"), vec![instructions(&text)], END);
             }
         }
         "user" => push(Header::of("user"), contents(m), END),
