@@ -212,7 +212,7 @@ impl TokenizerConfigFile {
     /// object of `"__type": "AddedToken"`), and the entries of an `extra_special_tokens`
     /// object (else of an `additional_special_tokens` one), which win over the `*_token`
     /// keys. A null is unset.
-    fn special_tokens(&mut self, fallback: SpecialTokens) -> SpecialTokens {
+    fn special_tokens(&self, fallback: SpecialTokens) -> SpecialTokens {
         let token =
             |value: &serde_json::Value| TokenField::deserialize(value).ok().map(TokenField::into_string);
         let added_token = |value: &serde_json::Value| match value {
@@ -378,7 +378,7 @@ impl ChatTemplate {
     /// A JSON file's `chat_template`, with its special tokens, else `fallback`'s (Hugging
     /// Face's `chat_template.json` holds the template alone).
     fn from_config_file(path: &Path, fallback: SpecialTokens) -> Result<Self, LoadError> {
-        let mut config = TokenizerConfigFile::load(path)?;
+        let config = TokenizerConfigFile::load(path)?;
         let special = config.special_tokens(fallback);
         let (source, tool_use) = match config.chat_template {
             Some(TemplateField::One(t)) => (t, None),
