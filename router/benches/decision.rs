@@ -27,6 +27,12 @@
 //! computation that long), then the median of each stage alone (parse, tokenize, hash,
 //! index lookup; parse and tokenize together through the cache).
 //!
+//! 2026-11-27, early, a slower spell still (loop p99 175.4 µs at text/8192's median; nothing
+//! on the decision path changed since the run below): text/8192 152.7 / 306.3, ids/8192
+//! 58.0 / 124.2, text/1024 18.9 / 37.5, ids/1024 8.7 / 17.4, turn/8192 40.6 / 86.0,
+//! new/8192 177.2 / 313.6; stage medians at 8 k: parse 7.5 (ids 31.9), tokenize 100.6,
+//! hash 3.9, lookup 10.4.
+//!
 //! 2026-11-26, night, in a noisy spell (loop p99 159 µs at text/8192's median), after the
 //! chat flags and `truncate_prompt_tokens` (p50 / p99, µs): text/8192 142.2 / 274.3,
 //! ids/8192 80.9 / 143.8, text/1024 18.1 / 39.8, ids/1024 8.7 / 17.4, turn/8192 39.3 / 79.7,

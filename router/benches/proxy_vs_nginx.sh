@@ -52,6 +52,10 @@
 #   response's state inline): kvroute 47.1-49.9 k requests/s, nginx 56.6-67.3 k; medians
 #   0.74-0.85x; added latency nginx +18 to +28 µs, kvroute +24 to +64 µs (the
 #   single-connection runs are the noisiest).
+#   2026-11-27, a slow spell (nginx at 26.3 µs of CPU a request): nginx 39.0 k requests/s, floor
+#   0.92x (29.8 µs), kvroute cache-aware 0.64x (45.0 µs), round-robin 0.63x; added latency
+#   p50 nginx +29 µs, floor +22, kvroute +31 to +35. A flat profile of kvroute under this load
+#   (perf, cpu-clock): no symbol of its own above 2%; kernel wake-ups and sends lead.
 # Where the difference is: kernel time is about the same for both (loopback sends and the
 # wake-ups they cause, ~12-13 µs); user time is ~3 µs for nginx and ~9 µs for kvroute. An
 # early bare forwarder on the same accept loop (hyper server, hyper-util client, no decision,
