@@ -13,8 +13,9 @@
 //! 2. A developer message `# Instructions` with the text of a first system or developer
 //!    message (its text parts joined), when that text is not empty.
 //! 3. The other messages: a user's content (each text part its own text); an assistant's
-//!    reasoning (`reasoning`) on the analysis channel, its content on the final channel (or,
-//!    beside tool calls, on the commentary channel), and each tool call as
+//!    reasoning (`reasoning`, or the older `reasoning_content`) on the analysis channel, its
+//!    content on the final channel (or, beside tool calls, on the commentary channel), and
+//!    each tool call as
 //!    `assistant to=functions.NAME` on the `commentary json` channel, ended by `<|call|>`
 //!    (vLLM's legacy header); a tool result as `functions.NAME` (named by its call's id) on
 //!    the commentary channel `to=assistant`; a later system or developer message as another
@@ -180,7 +181,12 @@ fn convert<'r>(
         };
         rendered.push(Rendered { channel, pieces });
     };
-    let reasoning = extra_str(m, "reasoning")?.filter(|r| !r.is_empty());
+    // vLLM renames the older `reasoning_content` to `reasoning` when that is unset.
+    let reasoning = match extra_str(m, "reasoning")? {
+        Some(reasoning) => Some(reasoning),
+        None => extra_str(m, "reasoning_content")?,
+    };
+    let reasoning = reasoning.filter(|r| !r.is_empty());
     let calls = tool_calls(m)?;
     let assistant = Header::of("assistant");
     match &*m.role {
@@ -375,7 +381,7 @@ mod tests {
             {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},
             {"role":"assistant","content":"A1","reasoning":"old thought"},
             {"role":"user","content":"weather?"},
-            {"role":"assistant","content":null,"reasoning":"call it","tool_calls":[
+            {"role":"assistant","content":null,"reasoning_content":"call it","tool_calls":[
                 {"id":"c1","type":"function","function":{"name":"get","arguments":"{\"q\":1}"}}]},
             {"role":"tool","tool_call_id":"c1","content":"sunny"},
             {"role":"system","content":"Later rule."}]}"#;
