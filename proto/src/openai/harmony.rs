@@ -206,7 +206,8 @@ fn convert<'r>(
         }
         "tool" => {
             let id = extra_str(m, "tool_call_id")?.unwrap_or_default();
-            let name = names.iter().find(|(i, _)| *i == id).map_or("", |(_, n)| n.as_str());
+            // The last call with the id names it, as in vLLM's map of ids to names.
+            let name = names.iter().rev().find(|(i, _)| *i == id).map_or("", |(_, n)| n.as_str());
             let author = format!("functions.{name}");
             let header = Header { recipient: Some("assistant"), ..Header::of(&author).on("commentary") };
             push(header, vec![flattened(m).unwrap_or_default()], END);
@@ -411,9 +412,10 @@ mod tests {
     }
 }
 
-/// Reference renderings: the conversation vLLM 0.33 builds for each request, rendered by
-/// `oss-harmony` 0.0.11 (the package vLLM renders gpt-oss prompts with) with its own o200k
-/// vocabulary and decoded to text, special tokens included (`tests/data/harmony-cases.json`).
+/// Reference renderings: the conversation vLLM 0.33's own `harmony_utils` builds for each
+/// request (its request parsing replayed), rendered by `oss-harmony` 0.0.11 (the package vLLM
+/// renders gpt-oss prompts with) piece by piece, as in its source: the pieces, empty texts
+/// left out, and the whole decoded to text (`tests/data/harmony-cases.json`).
 #[cfg(test)]
 mod reference {
     use super::*;
@@ -423,7 +425,7 @@ mod reference {
     fn renderings_match_vllms_with_oss_harmony() {
         let cases: Vec<serde_json::Value> =
             serde_json::from_str(include_str!("../../tests/data/harmony-cases.json")).unwrap();
-        assert!(cases.len() >= 10);
+        assert!(cases.len() >= 20);
         for case in cases {
             let body = case["request"].to_string();
             let chat = ChatRequest::parse(body.as_bytes()).unwrap();
@@ -433,9 +435,17 @@ mod reference {
                 has_tools: false,
                 date: case["date"].as_str().unwrap(),
             };
-            let text: String = render(&request)
-                .unwrap()
-                .unwrap()
+            let pieces = render(&request).unwrap().unwrap();
+            let segments: Vec<serde_json::Value> = pieces
+                .iter()
+                .filter(|p| !matches!(p, Piece::Text(t) if t.is_empty()))
+                .map(|p| match p {
+                    Piece::Text(t) => serde_json::json!({ "text": t }),
+                    Piece::Special(s) => serde_json::json!({ "special": s }),
+                })
+                .collect();
+            assert_eq!(serde_json::Value::from(segments), case["segments"], "{}", case["name"]);
+            let text: String = pieces
                 .iter()
                 .map(|p| match p {
                     Piece::Text(t) => t.as_ref(),
