@@ -347,8 +347,11 @@ impl Tokenization {
         let Some(template) = self.chat_template.as_ref().filter(|t| t.is_harmony()) else { return Ok(None) };
         let options = template.options();
         let vars = request.variables();
-        let has_tools = vars.tools.is_some_and(|t| t.get() != "[]" && t.get() != "null")
-            && !(vars.tool_choice_none && options.exclude_tools_when_tool_choice_none);
+        // vLLM writes a developer message's tools section for a non-empty list only.
+        let has_tools = options.tools(&vars).is_some_and(|t| {
+            let list = serde_json::from_str::<Option<Vec<&serde_json::value::RawValue>>>(t.get());
+            list.map_or(true, |list| list.is_some_and(|l| !l.is_empty()))
+        });
         let date = std::env::var("VLLM_SYSTEM_START_DATE").unwrap_or_else(|_| chat_template::today());
         let chat = harmony::HarmonyChat {
             messages: &request.messages,

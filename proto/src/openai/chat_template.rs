@@ -454,9 +454,7 @@ impl ChatTemplate {
         media_parts: bool,
     ) -> Result<String, RequestError> {
         // vLLM drops the tools before it picks a template and reads its content format.
-        if vars.tool_choice_none && self.options.exclude_tools_when_tool_choice_none {
-            vars.tools = None;
-        }
+        vars.tools = self.options.tools(&vars);
         // vLLM reads the content format of the request's own template, and "auto" read as a
         // template is the text "auto", whose format is "string".
         let auto = (vars.chat_template == Some("auto"))

@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::ContentFormat;
+use serde_json::value::RawValue;
+
+use super::{ContentFormat, Variables};
 use crate::openai::request::REASONING_EFFORTS;
 
 /// A JSON object, as flags and TOML give it.
@@ -95,6 +97,12 @@ impl ChatOptions {
         Some(
             self.reasoning_effort_map.as_ref().and_then(|map| map.get(effort)).map_or(effort, String::as_str),
         )
+    }
+
+    /// The request's tools as vLLM renders its chat: none for `tool_choice: "none"` when
+    /// the fleet leaves them out (`--exclude-tools-when-tool-choice-none`).
+    pub fn tools<'a>(&self, vars: &Variables<'a>) -> Option<&'a RawValue> {
+        vars.tools.filter(|_| !(vars.tool_choice_none && self.exclude_tools_when_tool_choice_none))
     }
 }
 
