@@ -342,24 +342,27 @@ impl Tokenization {
 
     /// The token ids of a chat that vLLM renders with Harmony rather than its template
     /// (gpt-oss, [`ChatTemplate::is_harmony`]; [`harmony`]), `None` for any other chat, and
-    /// for one with tools, which is rendered with the template (the closest there is).
+    /// for one whose tools vLLM refuses (the replica answers it with a 400), which is
+    /// rendered with the template.
     fn harmony_ids(&self, request: &ChatRequest<'_>) -> Result<Option<Vec<u32>>, RequestError> {
         let Some(template) = self.chat_template.as_ref().filter(|t| t.is_harmony()) else { return Ok(None) };
         let options = template.options();
         let vars = request.variables();
-        // vLLM writes a developer message's tools section for a non-empty list only.
-        let has_tools = options.tools(&vars).is_some_and(|t| {
-            let list = serde_json::from_str::<Option<Vec<&serde_json::value::RawValue>>>(t.get());
-            list.map_or(true, |list| list.is_some_and(|l| !l.is_empty()))
-        });
+        let tools = match options.tools(&vars) {
+            Some(raw) => match harmony::Tool::list(raw.get()) {
+                Some(tools) => tools,
+                None => return Ok(None),
+            },
+            None => Vec::new(),
+        };
         let date = std::env::var("VLLM_SYSTEM_START_DATE").unwrap_or_else(|_| chat_template::today());
         let chat = harmony::HarmonyChat {
             messages: &request.messages,
             reasoning_effort: options.effort(vars.reasoning_effort),
-            has_tools,
+            tools: &tools,
             date: &date,
         };
-        let Some(pieces) = harmony::render(&chat)? else { return Ok(None) };
+        let pieces = harmony::render(&chat)?;
         let mut ids = Vec::new();
         for piece in &pieces {
             match piece {

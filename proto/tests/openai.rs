@@ -749,8 +749,9 @@ fn tool_choice_none_carries_through_messages_and_responses() {
 }
 
 /// A gpt-oss model (its template in Harmony's format): chats are tokenized from vLLM's
-/// Harmony rendering, piece by piece with the special tokens by id, not from the template;
-/// a chat with tools falls back to the template; an effort Harmony lacks is a 400.
+/// Harmony rendering, piece by piece with the special tokens by id, not from the template,
+/// tools included; a chat with tools vLLM refuses falls back to the template; an effort
+/// Harmony lacks is a 400.
 #[test]
 fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
     let dir = std::env::temp_dir().join(format!("kvroute-harmony-{}", std::process::id()));
@@ -827,11 +828,33 @@ fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
     .concat();
     assert_eq!(ids, expected);
 
-    // With tools, the template renders it (vLLM's Harmony tool definitions are not written here).
-    let tools = r#"{"model":"tiny","messages":[{"role":"user","content":"Hello"}],
+    // Tools: a TypeScript namespace in the developer message, and a line in the system
+    // message on where calls to them go.
+    let tools = r#"{"model":"tiny","messages":[{"role":"user","content":"Hello"}],"reasoning_effort":"low",
         "tools":[{"type":"function","function":{"name":"f"}}]}"#;
+    let with_tools = [
+        vec![start],
+        completion("system"),
+        vec![message],
+        completion(&format!("{system}\nCalls to these tools must go to the commentary channel: 'functions'.")),
+        vec![end, start],
+        completion("developer"),
+        vec![message],
+        completion("# Tools\n\n## functions\n\nnamespace functions {\n\ntype f = () => any;\n\n} // namespace functions"),
+        vec![end, start],
+        completion("user"),
+        vec![message],
+        completion("Hello"),
+        vec![end, start],
+        completion("assistant"),
+    ]
+    .concat();
+    assert_eq!(tokens(&t, Endpoint::ChatCompletions, tools).unwrap(), [with_tools]);
+    // Tools vLLM refuses (the replica answers 400) leave the chat to the template.
+    let refused_tools = r#"{"model":"tiny","messages":[{"role":"user","content":"Hello"}],
+        "tools":[{"type":"retrieval","function":{"name":"f"}}]}"#;
     let from_template = completion("<|start|>user<|channel|>final<|message|>Hello<|end|>");
-    assert_eq!(tokens(&t, Endpoint::ChatCompletions, tools).unwrap(), [from_template]);
+    assert_eq!(tokens(&t, Endpoint::ChatCompletions, refused_tools).unwrap(), [from_template]);
     let none = r#"{"model":"tiny","messages":[{"role":"user","content":"Hello"}],"reasoning_effort":"none"}"#;
     let refused = tokens(&t, Endpoint::ChatCompletions, none).unwrap_err();
     assert!(matches!(refused, RequestError::Harmony(_)) && refused.http_status() == 400, "{refused}");

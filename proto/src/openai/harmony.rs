@@ -10,8 +10,9 @@
 //!    `VLLM_SYSTEM_START_DATE` if set, else today; the replicas' clock, the router's here,
 //!    in UTC), `Reasoning:` the request's effort through the fleet's effort map (medium by
 //!    default; only low, medium and high, as vLLM checks), and the required channels.
-//! 2. A developer message `# Instructions` with the text of a first system or developer
-//!    message (its text parts joined), when that text is not empty.
+//! 2. A developer message: `# Instructions` with the text of a first system or developer
+//!    message (its text parts joined), then the `# Tools`; there is none when that text is
+//!    empty and there are no tools.
 //! 3. The other messages: a user's content (each text part its own text); an assistant's
 //!    reasoning (`reasoning`, or the older `reasoning_content`) on the analysis channel, its
 //!    content on the final channel (or, beside tool calls, on the commentary channel), and
@@ -22,8 +23,8 @@
 //!    developer message. Reasoning before the last final answer is dropped.
 //! 4. `<|start|>assistant`.
 //!
-//! Requests with tools are not rendered here ([`render`] answers `None`): their tool
-//! definitions are written as TypeScript namespaces, which this does not do.
+//! A request's tools go into the developer message after the instructions, as a TypeScript
+//! namespace ([`tools`]), and the system message then says where calls to them go.
 
 use std::borrow::Cow;
 
@@ -32,6 +33,9 @@ use serde_json::value::RawValue;
 
 use super::error::RequestError;
 use super::request::{Message, Part};
+
+mod tools;
+pub use tools::Tool;
 
 /// A piece of a Harmony prompt.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -63,18 +67,15 @@ pub struct HarmonyChat<'r, 'a> {
     pub messages: &'r [Message<'a>],
     /// The effort after the fleet's effort map; `None` is medium.
     pub reasoning_effort: Option<&'r str>,
-    /// Whether the request has tools left (after `tool_choice: "none"` with the fleet's
-    /// exclusion flag).
-    pub has_tools: bool,
+    /// The request's tools (none after `tool_choice: "none"` with the fleet's exclusion
+    /// flag).
+    pub tools: &'r [Tool],
     /// `YYYY-MM-DD`.
     pub date: &'r str,
 }
 
-/// The prompt of `chat` (see the module docs), or `None` for a request with tools.
-pub fn render<'r, 'a>(chat: &HarmonyChat<'r, 'a>) -> Result<Option<Vec<Piece<'r>>>, RequestError> {
-    if chat.has_tools {
-        return Ok(None);
-    }
+/// The prompt of `chat` (see the module docs).
+pub fn render<'r, 'a>(chat: &HarmonyChat<'r, 'a>) -> Result<Vec<Piece<'r>>, RequestError> {
     let effort = match chat.reasoning_effort {
         None => "medium",
         Some("none") => return Err(unsupported("Harmony does not support reasoning_effort='none'".into())),
@@ -86,16 +87,28 @@ pub fn render<'r, 'a>(chat: &HarmonyChat<'r, 'a>) -> Result<Option<Vec<Piece<'r>
         }
     };
     let mut out = Vec::new();
-    let system = format!("{IDENTITY}\nCurrent date: {}\n\nReasoning: {effort}\n\n{CHANNELS}", chat.date);
+    let mut system = format!("{IDENTITY}\nCurrent date: {}\n\nReasoning: {effort}\n\n{CHANNELS}", chat.date);
+    if !chat.tools.is_empty() {
+        system.push_str("\nCalls to these tools must go to the commentary channel: 'functions'.");
+    }
     message(&mut out, Header::of("system"), vec![Cow::Owned(system)], END);
     let mut messages = chat.messages;
+    let mut first_instructions = None;
     if let Some((first, rest)) = messages.split_first()
         && matches!(&*first.role, "system" | "developer")
     {
-        if let Some(text) = flattened(first).filter(|t| !t.is_empty()) {
-            message(&mut out, Header::of("developer"), vec![instructions(&text)], END);
-        }
+        first_instructions = flattened(first);
         messages = rest;
+    }
+    // vLLM writes the developer message for instructions that are not empty, or for tools
+    // (then with instructions that are).
+    if first_instructions.as_ref().is_some_and(|t| !t.is_empty()) || !chat.tools.is_empty() {
+        let mut sections: Vec<String> =
+            first_instructions.iter().map(|text| instructions(text).into_owned()).collect();
+        if !chat.tools.is_empty() {
+            sections.push(tools::section(chat.tools));
+        }
+        message(&mut out, Header::of("developer"), vec![Cow::Owned(sections.join("\n\n"))], END);
     }
     let names = call_names(messages)?;
     let mut rendered: Vec<Rendered<'r>> = Vec::new();
@@ -111,7 +124,7 @@ pub fn render<'r, 'a>(chat: &HarmonyChat<'r, 'a>) -> Result<Option<Vec<Piece<'r>
     }
     out.push(Piece::Special(START));
     out.push(Piece::Text(Cow::Borrowed("assistant")));
-    Ok(Some(out))
+    Ok(out)
 }
 
 fn unsupported(message: String) -> RequestError {
@@ -343,10 +356,10 @@ mod tests {
         let request = HarmonyChat {
             messages: &chat.messages,
             reasoning_effort: effort,
-            has_tools: false,
+            tools: &[],
             date: "2026-11-27",
         };
-        let pieces = render(&request)?.expect("no tools");
+        let pieces = render(&request)?;
         Ok(pieces
             .iter()
             .map(|p| match p {
@@ -405,17 +418,15 @@ mod tests {
         let body = r#"{"messages":[{"role":"user","content":"Hi"}]}"#;
         assert!(matches!(rendered(body, Some("none")), Err(RequestError::Harmony(_))));
         assert!(matches!(rendered(body, Some("xhigh")), Err(RequestError::Harmony(_))));
-        let chat = ChatRequest::parse(body.as_bytes()).unwrap();
-        let with_tools =
-            HarmonyChat { messages: &chat.messages, reasoning_effort: None, has_tools: true, date: "d" };
-        assert_eq!(render(&with_tools).unwrap(), None, "a request with tools is not rendered here");
     }
 }
 
 /// Reference renderings: the conversation vLLM 0.33's own `harmony_utils` builds for each
 /// request (its request parsing replayed), rendered by `oss-harmony` 0.0.11 (the package vLLM
 /// renders gpt-oss prompts with) piece by piece, as in its source: the pieces, empty texts
-/// left out, and the whole decoded to text (`tests/data/harmony-cases.json`).
+/// left out, and the whole decoded to text (`tests/data/harmony-cases.json`). The cases with
+/// `tools` validate them as vLLM's `ChatCompletionToolsParam` and take the system and
+/// developer messages' texts from oss-harmony's own rendering of them.
 #[cfg(test)]
 mod reference {
     use super::*;
@@ -425,17 +436,19 @@ mod reference {
     fn renderings_match_vllms_with_oss_harmony() {
         let cases: Vec<serde_json::Value> =
             serde_json::from_str(include_str!("../../tests/data/harmony-cases.json")).unwrap();
-        assert!(cases.len() >= 20);
+        assert!(cases.len() >= 30);
+        assert!(cases.iter().filter(|c| c["request"].get("tools").is_some()).count() >= 10);
         for case in cases {
             let body = case["request"].to_string();
             let chat = ChatRequest::parse(body.as_bytes()).unwrap();
+            let tools = Tool::list(&case["request"]["tools"].to_string()).unwrap();
             let request = HarmonyChat {
                 messages: &chat.messages,
                 reasoning_effort: case["request"]["reasoning_effort"].as_str(),
-                has_tools: false,
+                tools: &tools,
                 date: case["date"].as_str().unwrap(),
             };
-            let pieces = render(&request).unwrap().unwrap();
+            let pieces = render(&request).unwrap();
             let segments: Vec<serde_json::Value> = pieces
                 .iter()
                 .filter(|p| !matches!(p, Piece::Text(t) if t.is_empty()))
