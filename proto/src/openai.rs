@@ -303,29 +303,32 @@ impl Tokenization {
 
     /// The endpoint whose parser reads `body`, and the body it reads: a Messages body becomes
     /// the chat completion request vLLM makes of it (its inline system messages placed as
-    /// vLLM places them with this chat template, [`request::anthropic::inline_system_mode`]);
-    /// the others are read as they are.
+    /// vLLM places them with this chat template, [`request::anthropic::inline_system_mode`]),
+    /// a Responses body the chat request that renders to its prompt (for gpt-oss, the one whose
+    /// Harmony rendering is vLLM's of its items); the others are read as they are.
     pub fn readable<'b>(
         &self,
         endpoint: Endpoint,
         body: &'b [u8],
     ) -> Result<(Endpoint, Cow<'b, [u8]>), RequestError> {
-        Self::readable_with(endpoint, body, self.inline_system)
+        Self::readable_with(endpoint, body, self.inline_system, self.is_harmony())
     }
 
     /// [`Tokenization::readable`], inline system messages placed as `inline` says (for a
-    /// router whose replicas' template is not its own).
+    /// router whose replicas' template is not its own), Responses items read for Harmony
+    /// when `harmony`.
     pub fn readable_with(
         endpoint: Endpoint,
         body: &[u8],
         inline: InlineSystem,
+        harmony: bool,
     ) -> Result<(Endpoint, Cow<'_, [u8]>), RequestError> {
         match endpoint {
             Endpoint::Messages => {
                 Ok((Endpoint::ChatCompletions, Cow::Owned(request::anthropic::chat_body(body, inline)?)))
             }
             Endpoint::Responses => {
-                let request = request::responses::Responses::read(body)?;
+                let request = request::responses::Responses::read_as(body, harmony)?;
                 if request.previous_response_id.is_some() {
                     return Err(RequestError::StoredConversation);
                 }
@@ -338,6 +341,12 @@ impl Tokenization {
     /// Where a Messages request's inline system messages go with this chat template.
     pub fn inline_system(&self) -> InlineSystem {
         self.inline_system
+    }
+
+    /// Whether vLLM renders this model's chats with Harmony (gpt-oss,
+    /// [`ChatTemplate::is_harmony`]).
+    pub fn is_harmony(&self) -> bool {
+        self.chat_template.as_ref().is_some_and(ChatTemplate::is_harmony)
     }
 
     /// The token ids of a chat that vLLM renders with Harmony rather than its template

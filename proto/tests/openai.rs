@@ -850,6 +850,21 @@ fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
     ]
     .concat();
     assert_eq!(tokens(&t, Endpoint::ChatCompletions, tools).unwrap(), [with_tools]);
+    // A Responses request is read as vLLM reads its items for Harmony: reasoning after an
+    // answer is a message of its own, kept.
+    let responses = r#"{"model":"tiny","input":[{"role":"user","content":"q"},
+        {"type":"message","role":"assistant","content":[{"type":"output_text","text":"a"}]},
+        {"type":"reasoning","summary":[],"content":[{"type":"reasoning_text","text":"r"}]},
+        {"role":"user","content":"q2"}]}"#;
+    let (read_as, chat) = t.readable(Endpoint::Responses, responses.as_bytes()).unwrap();
+    let as_harmony = r#"{"model":"tiny","messages":[{"role":"user","content":"q"},
+        {"role":"assistant","content":"a"},{"role":"assistant","reasoning":"r"},{"role":"user","content":"q2"}]}"#;
+    let expected = tokens(&t, Endpoint::ChatCompletions, as_harmony).unwrap();
+    assert_eq!(tokens(&t, read_as, std::str::from_utf8(&chat).unwrap()).unwrap(), expected);
+    let (_, template_chat) =
+        Tokenization::readable_with(Endpoint::Responses, responses.as_bytes(), t.inline_system(), false)
+            .unwrap();
+    assert_ne!(tokens(&t, read_as, std::str::from_utf8(&template_chat).unwrap()).unwrap(), expected);
     // Tools vLLM refuses (the replica answers 400) leave the chat to the template.
     let refused_tools = r#"{"model":"tiny","messages":[{"role":"user","content":"Hello"}],
         "tools":[{"type":"retrieval","function":{"name":"f"}}]}"#;

@@ -426,11 +426,14 @@ mod tests {
 /// renders gpt-oss prompts with) piece by piece, as in its source: the pieces, empty texts
 /// left out, and the whole decoded to text (`tests/data/harmony-cases.json`). The cases with
 /// `tools` validate them as vLLM's `ChatCompletionToolsParam` and take the system and
-/// developer messages' texts from oss-harmony's own rendering of them.
+/// developer messages' texts from oss-harmony's own rendering of them. The `responses` cases
+/// are rendered from their input items as vLLM's Responses path does (its
+/// `responses/harmony.py`, after its request's own item parsing).
 #[cfg(test)]
 mod reference {
     use super::*;
     use crate::openai::ChatRequest;
+    use crate::openai::request::responses::Responses;
 
     #[test]
     fn renderings_match_vllms_with_oss_harmony() {
@@ -438,13 +441,20 @@ mod reference {
             serde_json::from_str(include_str!("../../tests/data/harmony-cases.json")).unwrap();
         assert!(cases.len() >= 30);
         assert!(cases.iter().filter(|c| c["request"].get("tools").is_some()).count() >= 10);
+        assert!(cases.iter().filter(|c| c["api"] == "responses").count() >= 10);
         for case in cases {
-            let body = case["request"].to_string();
+            let mut body = case["request"].to_string();
+            // A Responses request: the chat request made of it for Harmony.
+            if case["api"] == "responses" {
+                let request = Responses::read_as(body.as_bytes(), true).unwrap();
+                body = String::from_utf8(request.chat_body(&[])).unwrap();
+            }
+            let request: serde_json::Value = serde_json::from_str(&body).unwrap();
             let chat = ChatRequest::parse(body.as_bytes()).unwrap();
-            let tools = Tool::list(&case["request"]["tools"].to_string()).unwrap();
+            let tools = Tool::list(&request["tools"].to_string()).unwrap();
             let request = HarmonyChat {
                 messages: &chat.messages,
-                reasoning_effort: case["request"]["reasoning_effort"].as_str(),
+                reasoning_effort: request["reasoning_effort"].as_str(),
                 tools: &tools,
                 date: case["date"].as_str().unwrap(),
             };

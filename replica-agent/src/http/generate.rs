@@ -168,7 +168,7 @@ pub(super) async fn generate(
 ) -> Result<Response<Body>, ApiError> {
     let (chat, keep, previous) = match endpoint {
         Endpoint::Responses => {
-            let prepared = responses::prepare(state.responses(), body)?;
+            let prepared = responses::prepare(state.responses(), body, state.tokenization().is_harmony())?;
             (Some(prepared.chat), prepared.keep, prepared.previous)
         }
         _ => (None, None, None),

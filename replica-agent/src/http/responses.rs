@@ -124,13 +124,14 @@ impl Keep {
     }
 }
 
-/// Reads a Responses request, with the stored conversation it continues.
-pub(super) fn prepare(store: &Arc<Store>, body: &[u8]) -> Result<Prepared, ApiError> {
+/// Reads a Responses request (for gpt-oss when `harmony`), with the stored conversation it
+/// continues.
+pub(super) fn prepare(store: &Arc<Store>, body: &[u8], harmony: bool) -> Result<Prepared, ApiError> {
     #[derive(Deserialize)]
     struct Chat {
         messages: Vec<Box<RawValue>>,
     }
-    let request = Responses::read(body)?;
+    let request = Responses::read_as(body, harmony)?;
     let asked_to_store = asks_to_store(body)?;
     let previous = request.previous_response_id.as_deref().map(str::to_owned);
     let earlier = match &previous {

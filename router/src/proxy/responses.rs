@@ -85,7 +85,7 @@ impl Continuation {
     /// outputs with no user message, roles that do not alternate, no message at all): that
     /// is no reason to refuse the request, only to go without the estimate.
     pub async fn read(decider: &Decider, body: &[u8], limits: &RequestLimits) -> Result<Self, ProxyError> {
-        let request = Responses::read(body)?;
+        let request = Responses::read_as(body, decider.prompts.tokenization().is_harmony())?;
         limits.check_completion(request.max_output_tokens()?, Endpoint::Responses)?;
         let id = request.previous_response_id.as_deref().unwrap_or_default().to_owned();
         let added = match decider.explain(Endpoint::ChatCompletions, &request.chat_body(&[])).await {

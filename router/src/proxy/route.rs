@@ -231,7 +231,8 @@ impl Decider {
     async fn plan(&self, endpoint: Endpoint, body: &[u8], send: bool) -> Result<Plan, ProxyError> {
         // A Messages body is decided as the chat request vLLM makes of it (and sent as it is).
         let (asked, sent, inline) = (endpoint, body, self.prompts.inline_system());
-        let (endpoint, body) = Tokenization::readable_with(endpoint, body, inline)?;
+        let harmony = self.prompts.tokenization().is_harmony();
+        let (endpoint, body) = Tokenization::readable_with(endpoint, body, inline, harmony)?;
         let body = &*body;
         let mut request = ParsedRequest::parse(endpoint, body)?;
         let members = self.fleet.members();

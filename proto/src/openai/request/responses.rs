@@ -42,6 +42,18 @@
 //!    (`add_special_tokens`, vLLM's default for this API, unlike chat's). When the last item is an assistant message or a reasoning item
 //!    whose `status` is `in_progress` or `incomplete`, the model continues it
 //!    (`continue_final_message`, no generation prompt).
+//!
+//! For gpt-oss ([`Responses::read_as`] with `harmony`) vLLM makes Harmony messages of the
+//! items itself (`vllm/entrypoints/openai/responses/harmony.py`), and the chat request made
+//! here is the one whose Harmony rendering ([`crate::openai::harmony`]) is that: each
+//! `function_call` an assistant message of its own, named without its namespace; each
+//! `reasoning` item one of its own, its content's texts joined with `"\n"` (its summary
+//! unread; an item without content is skipped); each assistant message one of its own,
+//! every part's text kept. Not reproduced there: an empty assistant answer (vLLM keeps it
+//! on the final channel), an empty `instructions` string (vLLM then leaves a first system
+//! item where it is), a later system item with no text (vLLM skips it), image parts (read as
+//! media here, as empty texts by vLLM), and tools vLLM refuses for Harmony (`namespace`,
+//! `custom`, MCP), which the replica answers with a 400.
 
 use std::borrow::Cow;
 
@@ -131,6 +143,15 @@ enum Content<'a> {
     /// A part the chat parser takes for media: what vLLM reads here is not reproduced, so the
     /// prompt is hashed up to this message.
     Opaque([Opaque; 1]),
+    /// Text parts, each its own (for Harmony).
+    Parts(Vec<TextPart<'a>>),
+}
+
+#[derive(Debug, Serialize)]
+struct TextPart<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    text: Cow<'a, str>,
 }
 
 #[derive(Debug, Serialize)]
@@ -174,8 +195,14 @@ struct ToolFunction<'a> {
 }
 
 impl<'a> Responses<'a> {
-    /// Reads a Responses request body.
+    /// Reads a Responses request body, for a model whose chat template renders its prompt.
     pub fn read(body: &'a [u8]) -> Result<Self, RequestError> {
+        Self::read_as(body, false)
+    }
+
+    /// Reads a Responses request body; with `harmony`, for gpt-oss, whose input items vLLM
+    /// turns into Harmony messages of their own (see the module docs).
+    pub fn read_as(body: &'a [u8], harmony: bool) -> Result<Self, RequestError> {
         let [
             model,
             input,
@@ -210,7 +237,7 @@ impl<'a> Responses<'a> {
         }
         let previous_response_id = field::<Str>(previous, "previous_response_id", "a string")?.map(|s| s.0);
         let input = input.ok_or(RequestError::MissingField { param: "input" })?;
-        let (input, continue_final) = read_input(input)?;
+        let (input, continue_final) = read_input(input, harmony)?;
         let reasoning_effort = match reasoning {
             Some(raw) => {
                 let [effort] = object::fields(raw.get().as_bytes(), &["effort"])
@@ -360,7 +387,7 @@ fn str_at<'a>(
 }
 
 /// The input's messages, and whether the model continues the last one.
-fn read_input(raw: &RawValue) -> Result<(Vec<Msg<'_>>, bool), RequestError> {
+fn read_input(raw: &RawValue, harmony: bool) -> Result<(Vec<Msg<'_>>, bool), RequestError> {
     if raw.get().starts_with('"') {
         serde_json::from_str::<Str<'_>>(raw.get()).map_err(|_| invalid("input", "a string"))?;
         return Ok((vec![Msg::User(raw)], false));
@@ -417,7 +444,9 @@ fn read_input(raw: &RawValue) -> Result<(Vec<Msg<'_>>, bool), RequestError> {
                 // A namespaced call is named as vLLM flattens it.
                 let name = str_at(name, || at("name"))?.ok_or_else(|| invalid_at(at("name"), "a string"))?;
                 let name = match str_at(namespace, || at("namespace"))? {
-                    Some(namespace) if !namespace.is_empty() => Cow::Owned(format!("{namespace}__{name}")),
+                    Some(namespace) if !namespace.is_empty() && !harmony => {
+                        Cow::Owned(format!("{namespace}__{name}"))
+                    }
                     _ => name,
                 };
                 let call = ToolCall {
@@ -430,7 +459,15 @@ fn read_input(raw: &RawValue) -> Result<(Vec<Msg<'_>>, bool), RequestError> {
                     },
                     kind: "function",
                 };
-                add_tool_call(&mut messages, call);
+                if harmony {
+                    messages.push(Msg::Assistant(Assistant {
+                        role: "assistant",
+                        tool_calls: Some(vec![call]),
+                        ..Assistant::default()
+                    }));
+                } else {
+                    add_tool_call(&mut messages, call);
+                }
             }
             (Some("custom_tool_call"), _) => {
                 let payload = str_at(input, || at("input"))?.unwrap_or_default();
@@ -446,6 +483,18 @@ fn read_input(raw: &RawValue) -> Result<(Vec<Msg<'_>>, bool), RequestError> {
                     kind: "function",
                 };
                 add_tool_call(&mut messages, call);
+            }
+            // Harmony: the content's texts on lines of their own (an item without any is
+            // skipped), its summary and encrypted content unread.
+            (Some("reasoning"), _) if harmony => {
+                let texts = part_texts(content, || at("content"))?;
+                if !texts.is_empty() {
+                    messages.push(Msg::Assistant(Assistant {
+                        role: "assistant",
+                        reasoning: Some(Cow::Owned(texts.join("\n"))),
+                        ..Assistant::default()
+                    }));
+                }
             }
             (Some("reasoning"), _) => {
                 // An empty `encrypted_content` is none to vLLM (Python's falsy string).
@@ -476,6 +525,25 @@ fn read_input(raw: &RawValue) -> Result<(Vec<Msg<'_>>, bool), RequestError> {
             }
             (Some("function_call_output" | "custom_tool_call_output"), _) => {
                 messages.push(Msg::Tool { content: output, tool_call_id: call_id });
+            }
+            // Harmony: every part's text (a part without one, empty), an answer of its own.
+            (_, Some("assistant")) if harmony => {
+                let content = match content {
+                    Some(raw) if raw.get().starts_with('"') => {
+                        Content::Text(str_at(Some(raw), || at("content"))?.unwrap_or_default())
+                    }
+                    content => Content::Parts(
+                        part_texts(content, || at("content"))?
+                            .into_iter()
+                            .map(|text| TextPart { kind: "text", text })
+                            .collect(),
+                    ),
+                };
+                messages.push(Msg::Assistant(Assistant {
+                    role: "assistant",
+                    content: Some(content),
+                    ..Assistant::default()
+                }));
             }
             (_, Some("assistant")) if let Some(text) = assistant_text(content, || at("content"))? => {
                 match prev {
@@ -540,6 +608,23 @@ fn first_text<'a>(
     let [text] = object::fields(first.get().as_bytes(), &["text"])
         .map_err(|_| invalid_at(at(), "an array of objects"))?;
     str_at(text, || format!("{}[0].text", at()))
+}
+
+/// The `text` of every item of a list, empty for an item without one (none for an absent
+/// list).
+fn part_texts<'a>(
+    list: Option<&'a RawValue>,
+    at: impl Fn() -> String,
+) -> Result<Vec<Cow<'a, str>>, RequestError> {
+    let Some(list) = list.filter(|l| l.get() != "null") else { return Ok(Vec::new()) };
+    let items: Vec<&RawValue> = serde_json::from_str(list.get()).map_err(|_| invalid_at(at(), "an array"))?;
+    let mut texts = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let [text] = object::fields(item.get().as_bytes(), &["text"])
+            .map_err(|_| invalid_at(at(), "an array of objects"))?;
+        texts.push(str_at(text, || format!("{}[{i}].text", at()))?.unwrap_or_default());
+    }
+    Ok(texts)
 }
 
 /// `json.dumps({key: value}, ensure_ascii=False)`: Python's separators, its escapes.
