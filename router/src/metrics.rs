@@ -287,9 +287,11 @@ impl Collector for ReplicaLoad {
             }
         }
         let gauges: [Series<Load>; 3] = [
-            ("replica_in_flight", "Requests the router has in flight at the replica", |l| {
-                u64::from(l.in_flight)
-            }),
+            (
+                "replica_in_flight",
+                "Sequences the router has in flight at the replica (a request's prompts times its n)",
+                |l| u64::from(l.in_flight),
+            ),
             (
                 "replica_pending_prefill_tokens",
                 "Uncached prompt tokens sent to the replica whose first byte has not come back",

@@ -142,6 +142,15 @@ impl<'a> ParsedRequest<'a> {
             ParsedRequest::Chat(r) => r.max_completion_tokens.or(r.max_tokens),
         }
     }
+
+    /// Choices asked for each prompt (`n`, at least 1): vLLM runs each as a request of its
+    /// own.
+    pub fn n(&self) -> u32 {
+        match self {
+            ParsedRequest::Completion(r) => r.n,
+            ParsedRequest::Chat(r) => r.n,
+        }
+    }
 }
 
 /// A `/v1/completions` body.
@@ -155,6 +164,8 @@ pub struct CompletionRequest<'a> {
     pub stream: bool,
     /// Output-length limit.
     pub max_tokens: Option<u64>,
+    /// Choices for each prompt (`n`; 1 when absent, null or 0).
+    pub n: u32,
     /// Tenant isolation salt for the prefix cache.
     pub cache_salt: Option<Cow<'a, str>>,
     /// Whether text prompts get the tokenizer's special tokens (BOS); default true.
@@ -224,6 +235,8 @@ pub struct ChatRequest<'a> {
     pub max_tokens: Option<u64>,
     /// Output-length limit (current name).
     pub max_completion_tokens: Option<u64>,
+    /// Choices (`n`; 1 when absent, null or 0).
+    pub n: u32,
     /// Tenant isolation salt for the prefix cache.
     pub cache_salt: Option<Cow<'a, str>>,
     /// End the prompt with the assistant turn's header; default true.
@@ -297,7 +310,7 @@ impl Part<'_> {
 
 impl<'a> CompletionRequest<'a> {
     /// The fields read, in the order [`scan::fields`] returns them.
-    const FIELDS: [&'static str; 8] = [
+    const FIELDS: [&'static str; 9] = [
         "model",
         "prompt",
         "stream",
@@ -306,6 +319,7 @@ impl<'a> CompletionRequest<'a> {
         "add_special_tokens",
         "truncate_prompt_tokens",
         "truncation_side",
+        "n",
     ];
 
     /// Parses and validates a `/v1/completions` body.
@@ -319,7 +333,7 @@ impl<'a> CompletionRequest<'a> {
             Some(fields) => fields,
             None => parse_object(body, &Self::FIELDS)?.map(|f| f.map(Field::Raw)),
         };
-        let [model_, prompt, stream, max_tokens, salt, add_special_tokens, truncate, side] = fields;
+        let [model_, prompt, stream, max_tokens, salt, add_special_tokens, truncate, side, n] = fields;
         let prompt = match prompt.ok_or(RequestError::MissingField { param: "prompt" })? {
             Field::Ids(ids) => Prompt::Tokens(ids),
             Field::Text(text) => Prompt::Text(text),
@@ -330,6 +344,7 @@ impl<'a> CompletionRequest<'a> {
             prompt,
             stream: boolean(Field::raw(stream), "stream")?.unwrap_or(false),
             max_tokens: count(Field::raw(max_tokens), "max_tokens")?,
+            n: choices(Field::raw(n))?,
             cache_salt: cache_salt(Field::raw(salt))?,
             add_special_tokens: boolean(Field::raw(add_special_tokens), "add_special_tokens")?
                 .unwrap_or(true),
@@ -340,7 +355,7 @@ impl<'a> CompletionRequest<'a> {
 
 impl<'a> ChatRequest<'a> {
     /// The fields read, in the order [`scan::fields`] returns them.
-    const FIELDS: [&'static str; 17] = [
+    const FIELDS: [&'static str; 18] = [
         "model",
         "messages",
         "stream",
@@ -358,6 +373,7 @@ impl<'a> ChatRequest<'a> {
         "chat_template",
         "truncate_prompt_tokens",
         "truncation_side",
+        "n",
     ];
 
     /// Parses and validates a `/v1/chat/completions` body.
@@ -399,6 +415,7 @@ impl<'a> ChatRequest<'a> {
             chat_template,
             truncate,
             side,
+            n,
         ] = fields;
         let messages = messages.ok_or(RequestError::MissingField { param: "messages" })?;
         let messages = parse_messages(messages)?;
@@ -432,6 +449,7 @@ impl<'a> ChatRequest<'a> {
             stream: boolean(stream, "stream")?.unwrap_or(false),
             max_tokens: count(max_tokens, "max_tokens")?,
             max_completion_tokens: count(max_completion_tokens, "max_completion_tokens")?,
+            n: choices(n)?,
             cache_salt: cache_salt(salt)?,
             add_generation_prompt,
             continue_final_message,
@@ -545,6 +563,11 @@ fn count(raw: Option<&RawValue>, param: &'static str) -> Result<Option<u64>, Req
         _ => None,
     };
     value.map(Some).ok_or(RequestError::InvalidField { param, expected: NON_NEGATIVE })
+}
+
+/// `n`: 1 when absent (or 0, which the replica refuses), at most `u32::MAX`.
+fn choices(raw: Option<&RawValue>) -> Result<u32, RequestError> {
+    Ok(count(raw, "n")?.map_or(1, |n| n.clamp(1, u64::from(u32::MAX)) as u32))
 }
 
 /// `v` as a u64 when it is one exactly.

@@ -6,7 +6,7 @@
 //! ```text
 //! cost(r) = miss_weight * (prompt_tokens - cached_tokens(r))    work this request adds on r
 //!         + pending_prefill_tokens(r)                           work already queued ahead of it
-//!         + in_flight_tokens * (in_flight(r) + others(r))        requests slowing every step
+//!         + in_flight_tokens * (in_flight(r) + others(r))        sequences slowing every step
 //!         + balance_weight * prompt_tokens * excess(r)          r's share of recent work
 //! cached_tokens(r)  = min(overlap_blocks(r) * block_size, prompt_tokens)
 //! others(r)         = max(reported running + waiting(r) - in_flight(r) then, 0), at the last
@@ -39,7 +39,8 @@
 //! last full block), so distinct prompts reaching an idle fleet spread evenly over it.
 //!
 //! # Parameters
-//! - `in_flight_tokens` (default 64): what one in-flight request costs, in prefill tokens.
+//! - `in_flight_tokens` (default 64): what one in-flight sequence costs, in prefill tokens
+//!   (`in_flight(r)` counts a request's prompts times its `n`, as the replica runs them).
 //!   `others` is what the replica reports running and waiting (`vllm:num_requests_running`
 //!   and `_waiting`, SGLang's `num_running_reqs` and `num_queue_reqs`, read with each health
 //!   check) beyond this router's in-flight requests at that moment: other routers' and other

@@ -62,7 +62,9 @@ pub struct RequestView {
 /// A replica's load as the router sees it at decision time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Load {
-    /// Requests the router has sent to it and not yet seen finish.
+    /// Sequences of the requests the router has sent to it and not yet seen finish: a
+    /// request's prompts times its `n` (one for most), which is what the replica runs and
+    /// reports.
     pub in_flight: u32,
     /// Prompt tokens the router has sent to it that are not yet prefilled (uncached part of
     /// every in-flight request whose first byte has not come back).

@@ -139,7 +139,7 @@ pub async fn routed(
         let Some(scored) = plan.order().nth(attempt) else { break };
         let member = &scored.member.clone();
         let upstream = &member.upstream;
-        let guard = upstream.begin(plan.prefill_tokens(attempt), plan.prompt_tokens);
+        let guard = upstream.begin(plan.sequences, plan.prefill_tokens(attempt), plan.prompt_tokens);
         let uri = replica_uri(&member.replica.spec.http_url, &client.uri)?;
         let sent = Instant::now();
         match first_byte(
@@ -269,7 +269,9 @@ pub async fn to_replica(
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let upstream = &member.upstream;
-    let guard = upstream.begin(prefill_tokens, prompt_tokens);
+    // A request sent this way (a Responses continuation, a body streamed through) is one
+    // sequence.
+    let guard = upstream.begin(1, prefill_tokens, prompt_tokens);
     let (client, headers) = upstream_head(parts, admitted.request_id);
     let uri = replica_uri(&member.replica.spec.http_url, &client.uri)?;
     let sent = Instant::now();

@@ -114,6 +114,8 @@ pub struct Plan {
     pub block_size: usize,
     /// The request's `max_tokens` (`max_completion_tokens` for chat), if it set one.
     pub max_tokens: Option<u64>,
+    /// Sequences the replica will run for it: its prompts times its `n`.
+    pub sequences: u32,
     /// The decision's pinned credits on the replica the request goes to (none for
     /// `Explain`): the forwarder hands them to the response, which lets them go when the
     /// replica's first output arrives.
@@ -294,6 +296,8 @@ impl Decider {
         let mut plan = self.score(members, blocks, all_blocks, &view, (first_prompt_tokens, adapter), send);
         plan.max_tokens = request.max_tokens();
         plan.unhashed_tokens = info.unhashed_tokens;
+        plan.sequences =
+            u32::try_from(info.tokens.len().max(1)).unwrap_or(u32::MAX).saturating_mul(request.n());
         Ok(plan)
     }
 
@@ -362,6 +366,7 @@ impl Decider {
             unhashed_tokens: None,
             hold: None,
             keeps_response: false,
+            sequences: 1,
         }
     }
 }

@@ -3,7 +3,8 @@
 //! platform's: Kubernetes readiness, from discovery).
 //!
 //! Load is counted at decision time: `in_flight` rises when a request is sent and falls when
-//! its response ends (or the client goes away); `pending_prefill` holds the uncached prompt
+//! its response ends (or the client goes away), and `sequences` with it by the request's
+//! sequences (its prompts times its `n`: what the replica runs and reports); `pending_prefill` holds the uncached prompt
 //! tokens of requests that have not produced their first response byte yet, which is the work
 //! standing between a new request and its first token; `recent_prompt_tokens` is a decayed
 //! sum of the prompt tokens sent to it ([`RecentTokens`]), the longer-run share of the work it
@@ -64,7 +65,10 @@ impl Ineligible {
 /// One replica's proxy-side state.
 #[derive(Debug)]
 pub struct Upstream {
+    /// Requests in flight (what `--max-in-flight-per-replica` bounds).
     in_flight: AtomicU32,
+    /// Their sequences ([`Load::in_flight`]).
+    sequences: AtomicU32,
     pending_prefill: AtomicU64,
     /// Prompt tokens sent lately, since `epoch`.
     recent: Mutex<RecentTokens>,
@@ -93,6 +97,7 @@ impl Default for Upstream {
     fn default() -> Self {
         Self {
             in_flight: AtomicU32::new(0),
+            sequences: AtomicU32::new(0),
             pending_prefill: AtomicU64::new(0),
             recent: Mutex::new(RecentTokens::default()),
             epoch: Instant::now(),
@@ -119,7 +124,7 @@ impl Upstream {
     /// [`Self::load`] as of `now` (one clock reading serves a whole decision).
     pub fn load_at(&self, now: Instant) -> Load {
         Load {
-            in_flight: self.in_flight.load(Ordering::Relaxed),
+            in_flight: self.sequences.load(Ordering::Relaxed),
             pending_prefill_tokens: self.pending_prefill.load(Ordering::Relaxed),
             reported_waiting: self.reported_waiting.load(Ordering::Relaxed),
             others: self.others.load(Ordering::Relaxed),
@@ -172,14 +177,21 @@ impl Upstream {
         }
     }
 
-    /// Counts a request with `prompt_tokens` tokens, `prefill_tokens` of them uncached, sent
-    /// to this replica; the guard undoes all but the recent prompt tokens, which only decay.
-    pub fn begin(self: &std::sync::Arc<Self>, prefill_tokens: u64, prompt_tokens: u64) -> LoadGuard {
+    /// Counts a request of `sequences` sequences with `prompt_tokens` tokens,
+    /// `prefill_tokens` of them uncached, sent to this replica; the guard undoes all but the
+    /// recent prompt tokens, which only decay.
+    pub fn begin(
+        self: &std::sync::Arc<Self>,
+        sequences: u32,
+        prefill_tokens: u64,
+        prompt_tokens: u64,
+    ) -> LoadGuard {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.sequences.fetch_add(sequences, Ordering::Relaxed);
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.pending_prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
         self.recent().add(self.epoch.elapsed(), prompt_tokens);
-        LoadGuard { upstream: self.clone(), prefill_tokens }
+        LoadGuard { upstream: self.clone(), sequences, prefill_tokens }
     }
 
     pub fn record_success(&self) {
@@ -256,7 +268,7 @@ impl Upstream {
     pub fn set_reported(&self, report: Option<(u32, u32)>, in_flight_before: u32) {
         let (waiting, running) = report.unwrap_or_default();
         self.reported_waiting.store(waiting, Ordering::Relaxed);
-        let ours = self.in_flight.load(Ordering::Relaxed).max(in_flight_before);
+        let ours = self.sequences.load(Ordering::Relaxed).max(in_flight_before);
         self.others.store(waiting.saturating_add(running).saturating_sub(ours), Ordering::Relaxed);
     }
 }
@@ -310,6 +322,7 @@ pub fn verdicts_for<'a>(
 #[derive(Debug)]
 pub struct LoadGuard {
     upstream: std::sync::Arc<Upstream>,
+    sequences: u32,
     prefill_tokens: u64,
 }
 
@@ -330,6 +343,7 @@ impl Drop for LoadGuard {
     fn drop(&mut self) {
         self.prefill_done();
         self.upstream.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.upstream.sequences.fetch_sub(self.sequences, Ordering::Relaxed);
     }
 }
 
@@ -341,7 +355,7 @@ mod tests {
     #[test]
     fn guard_releases_load_once() {
         let u = Arc::new(Upstream::default());
-        let mut g = u.begin(100, 0);
+        let mut g = u.begin(1, 100, 0);
         assert_eq!(u.load(), Load { in_flight: 1, pending_prefill_tokens: 100, ..Load::default() });
         g.prefill_done();
         assert_eq!(u.load().pending_prefill_tokens, 0);
@@ -349,11 +363,28 @@ mod tests {
         assert_eq!(u.load(), Load::default());
     }
 
+    /// A request of several sequences (prompts times `n`) weighs as many in the load the
+    /// policies read, and as one request against the per-replica limit.
+    #[test]
+    fn a_request_counts_its_sequences_in_load_and_once_against_the_limit() {
+        let u = Arc::new(Upstream::default());
+        let many = u.begin(4, 0, 0);
+        assert_eq!(u.load().in_flight, 4);
+        assert_eq!(u.eligibility(2), Ok(()), "one request of the two allowed");
+        let one = u.begin(1, 0, 0);
+        assert_eq!(u.load().in_flight, 5);
+        assert_eq!(u.eligibility(2), Err(Ineligible::Saturated));
+        drop(many);
+        assert_eq!((u.load().in_flight, u.eligibility(2)), (1, Ok(())));
+        drop(one);
+        assert_eq!(u.load(), Load::default());
+    }
+
     #[tokio::test(start_paused = true)]
     async fn recent_prompt_tokens_outlive_the_request_and_decay() {
         let u = Arc::new(Upstream::default());
-        drop(u.begin(100, 1000));
-        drop(u.begin(0, 500));
+        drop(u.begin(1, 100, 1000));
+        drop(u.begin(1, 0, 500));
         assert_eq!(u.load().recent_prompt_tokens, 1500);
         assert_eq!(u.load().in_flight, 0);
         tokio::time::advance(crate::policy::RECENT_HORIZON).await;
@@ -366,7 +397,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn others_are_counted_against_the_in_flight_requests_of_the_report() {
         let u = Arc::new(Upstream::default());
-        let guards: Vec<_> = (0..3).map(|_| u.begin(0, 0)).collect();
+        let guards: Vec<_> = (0..3).map(|_| u.begin(1, 0, 0)).collect();
         u.set_reported(Some((2, 4)), 3);
         assert_eq!(u.load().others, 3, "6 reported, 3 of them ours");
         drop(guards);
@@ -404,13 +435,13 @@ mod tests {
         unready.set_serving(true);
         assert_eq!(of(&[&a, &unready]), [Some(Ineligible::Ejected), None], "serving again");
         let busy = Arc::new(Upstream::default());
-        let _guard = busy.begin(0, 0);
+        let _guard = busy.begin(1, 0, 0);
         assert_eq!(
             of(&[&a, &busy]),
             [Some(Ineligible::Ejected), Some(Ineligible::Saturated)],
             "a saturated replica is up: the ejection holds"
         );
-        let _also_busy = b.begin(0, 0);
+        let _also_busy = b.begin(1, 0, 0);
         assert_eq!(of(&[&a, &b]), [None, Some(Ineligible::Saturated)], "revived within its in-flight limit");
         let fine = Arc::new(Upstream::default());
         assert_eq!(of(&[&a, &fine]), [Some(Ineligible::Ejected), None]);
@@ -457,7 +488,7 @@ mod tests {
     #[test]
     fn saturation_draining_and_health() {
         let u = Arc::new(Upstream::default());
-        let _g = u.begin(0, 0);
+        let _g = u.begin(1, 0, 0);
         assert_eq!(u.eligibility(1), Err(Ineligible::Saturated));
         assert_eq!(u.eligibility(2), Ok(()));
         u.set_healthy(false);

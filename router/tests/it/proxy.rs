@@ -844,6 +844,51 @@ async fn credits_hold_while_the_request_waits_in_the_replicas_queue() {
     }
 }
 
+/// A request's load is its sequences, its prompts times its `n`, as the replica runs them: a
+/// replica with one request of four choices is busier than one with two single ones, so the
+/// next request goes to the second. (No health check reports in between: the replicas' own
+/// counts are not what decides.)
+#[tokio::test]
+async fn a_requests_choices_are_its_load() {
+    let agent = |name: &str| kvroute_replica_agent::Config { time_scale: 1.0, ..agent_config(name) };
+    let fleet = Fleet::with(2, agent, |c| kvroute_router::Config {
+        health_interval_ms: 600_000,
+        balance_weight: 0.0,
+        ..c
+    })
+    .await;
+    let router = fleet.router.fleet().clone();
+    let load = move || -> Vec<(String, u32)> {
+        router.members().iter().map(|m| (m.replica.spec.name.clone(), m.upstream.load().in_flight)).collect()
+    };
+    let send = |body: Value| {
+        let url = fleet.url("/v1/completions");
+        tokio::spawn(async move { crate::fleet::Http::new().post(&url, &body).await })
+    };
+    let mut four = completion("four choices of one prompt", 300);
+    four["n"] = json!(2);
+    four["prompt"] = json!(["first of two prompts", "second of two prompts"]);
+    let busy = send(four);
+    wait_until("one replica runs four sequences", || load().iter().any(|(_, n)| *n == 4)).await;
+    let (four_on, _) = load().into_iter().find(|(_, n)| *n == 4).unwrap();
+    let mut singles = Vec::new();
+    for (i, prompt) in ["single one", "single two", "single three"].iter().enumerate() {
+        singles.push(send(completion(prompt, 300)));
+        wait_until("the single sent", || load().iter().map(|(_, n)| n).sum::<u32>() == 5 + i as u32).await;
+    }
+    let on_four = load().into_iter().find(|(name, _)| *name == four_on).unwrap().1;
+    assert_eq!(on_four, 4, "every single request went to the other replica: {:?}", load());
+    for reply in singles {
+        let reply = reply.await.unwrap();
+        assert_eq!(reply.status, 200);
+        assert_ne!(reply.header("x-kvroute-replica"), Some(four_on.as_str()));
+    }
+    let busy = busy.await.unwrap();
+    assert_eq!(busy.status, 200, "{}", String::from_utf8_lossy(&busy.body));
+    assert_eq!(busy.json()["choices"].as_array().map(Vec::len), Some(4));
+    wait_until("the load released", || load().iter().all(|(_, n)| *n == 0)).await;
+}
+
 /// A chat with an image is forwarded, not refused: routed on the conversation before the
 /// image, to the replica that cached it, as far as that conversation goes. (The agent itself
 /// has no vision model: its 400 is the replica's answer, passed on.)
