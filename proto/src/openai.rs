@@ -365,11 +365,15 @@ impl Tokenization {
             None => Vec::new(),
         };
         let date = std::env::var("VLLM_SYSTEM_START_DATE").unwrap_or_else(|_| chat_template::today());
+        // As vLLM reads it: an integer, not zero.
+        let system_instructions = std::env::var("VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS")
+            .is_ok_and(|v| v.trim().parse::<i64>().is_ok_and(|v| v != 0));
         let chat = harmony::HarmonyChat {
             messages: &request.messages,
             reasoning_effort: options.effort(vars.reasoning_effort),
             tools: &tools,
             date: &date,
+            system_instructions,
         };
         let pieces = harmony::render(&chat)?;
         let mut ids = Vec::new();

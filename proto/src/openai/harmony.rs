@@ -24,7 +24,13 @@
 //! 4. `<|start|>assistant`.
 //!
 //! A request's tools go into the developer message after the instructions, as a TypeScript
-//! namespace ([`tools`]), and the system message then says where calls to them go.
+//! namespace ([`tools`]), and every system message then says where calls to them go.
+//!
+//! With vLLM's `VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS` ([`HarmonyChat::system_instructions`])
+//! the first system or developer message's text goes into the system message instead, after
+//! the model identity (the developer message then holds only tools), a later system message
+//! is a system message of its own (medium effort) with its text there, and a later developer
+//! message is an empty developer message (vLLM drops its text).
 
 use std::borrow::Cow;
 
@@ -53,10 +59,11 @@ const CHANNEL: &str = "<|channel|>";
 const CALL: &str = "<|call|>";
 
 /// The system message's parts that do not change.
-const IDENTITY: &str =
-    "You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06";
+const IDENTITY: &str = "You are ChatGPT, a large language model trained by OpenAI.";
+const CUTOFF: &str = "Knowledge cutoff: 2024-06";
 const CHANNELS: &str =
     "# Valid channels: analysis, commentary, final. Channel must be included for every message.";
+const TOOL_CHANNEL: &str = "Calls to these tools must go to the commentary channel: 'functions'.";
 
 /// The reasoning efforts Harmony takes.
 const EFFORTS: [&str; 3] = ["high", "medium", "low"];
@@ -72,6 +79,21 @@ pub struct HarmonyChat<'r, 'a> {
     pub tools: &'r [Tool],
     /// `YYYY-MM-DD`.
     pub date: &'r str,
+    /// vLLM's `VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS`: system instructions go into the
+    /// system message (see the module docs).
+    pub system_instructions: bool,
+}
+
+impl HarmonyChat<'_, '_> {
+    /// A system message's text: `instructions` after the identity, `effort`.
+    fn system(&self, instructions: Option<&str>, effort: &str) -> String {
+        let instructions = instructions.map(|i| format!("\n{i}")).unwrap_or_default();
+        let tools = if self.tools.is_empty() { String::new() } else { format!("\n{TOOL_CHANNEL}") };
+        format!(
+            "{IDENTITY}{instructions}\n{CUTOFF}\nCurrent date: {}\n\nReasoning: {effort}\n\n{CHANNELS}{tools}",
+            self.date
+        )
+    }
 }
 
 /// The prompt of `chat` (see the module docs).
@@ -86,12 +108,6 @@ pub fn render<'r, 'a>(chat: &HarmonyChat<'r, 'a>) -> Result<Vec<Piece<'r>>, Requ
             )));
         }
     };
-    let mut out = Vec::new();
-    let mut system = format!("{IDENTITY}\nCurrent date: {}\n\nReasoning: {effort}\n\n{CHANNELS}", chat.date);
-    if !chat.tools.is_empty() {
-        system.push_str("\nCalls to these tools must go to the commentary channel: 'functions'.");
-    }
-    message(&mut out, Header::of("system"), vec![Cow::Owned(system)], END);
     let mut messages = chat.messages;
     let mut first_instructions = None;
     if let Some((first, rest)) = messages.split_first()
@@ -99,6 +115,12 @@ pub fn render<'r, 'a>(chat: &HarmonyChat<'r, 'a>) -> Result<Vec<Piece<'r>>, Requ
     {
         first_instructions = flattened(first);
         messages = rest;
+    }
+    let mut out = Vec::new();
+    let in_system = first_instructions.as_deref().filter(|_| chat.system_instructions);
+    message(&mut out, Header::of("system"), vec![Cow::Owned(chat.system(in_system, effort))], END);
+    if chat.system_instructions {
+        first_instructions = None;
     }
     // vLLM writes the developer message for instructions that are not empty, or for tools
     // (then with instructions that are).
@@ -113,7 +135,7 @@ pub fn render<'r, 'a>(chat: &HarmonyChat<'r, 'a>) -> Result<Vec<Piece<'r>>, Requ
     let names = call_names(messages)?;
     let mut rendered: Vec<Rendered<'r>> = Vec::new();
     for m in messages {
-        convert(m, &names, &mut rendered)?;
+        convert(m, chat, &names, &mut rendered)?;
     }
     // Reasoning that an answer on the final channel has followed is dropped.
     let last_final = rendered.iter().rposition(|r| r.channel == Some("final"));
@@ -180,6 +202,7 @@ fn message<'r>(out: &mut Vec<Piece<'r>>, header: Header<'_>, contents: Vec<Cow<'
 /// The Harmony messages of one chat message (vLLM's `parse_chat_input_to_harmony_message`).
 fn convert<'r>(
     m: &'r Message<'_>,
+    chat: &HarmonyChat<'_, '_>,
     names: &[(String, String)],
     rendered: &mut Vec<Rendered<'r>>,
 ) -> Result<(), RequestError> {
@@ -234,11 +257,16 @@ fn convert<'r>(
                 push(assistant.on("final"), contents, END);
             }
         }
-        "system" | "developer" => {
-            if let Some(text) = flattened(m) {
-                push(Header::of("developer"), vec![instructions(&text)], END);
+        "system" | "developer" => match flattened(m) {
+            Some(text) if chat.system_instructions && m.role == "system" => {
+                push(Header::of("system"), vec![Cow::Owned(chat.system(Some(&text), "medium"))], END);
             }
-        }
+            Some(_) if chat.system_instructions => {
+                push(Header::of("developer"), vec![Cow::Borrowed("")], END)
+            }
+            Some(text) => push(Header::of("developer"), vec![instructions(&text)], END),
+            None => {}
+        },
         "user" => push(Header::of("user"), contents(m), END),
         other => return Err(unsupported(format!("'{other}' is not a role Harmony takes"))),
     }
@@ -358,6 +386,7 @@ mod tests {
             reasoning_effort: effort,
             tools: &[],
             date: "2026-11-27",
+            system_instructions: false,
         };
         let pieces = render(&request)?;
         Ok(pieces
@@ -371,7 +400,7 @@ mod tests {
 
     fn system(effort: &str) -> String {
         format!(
-            "<|start|>[system]<|message|>[{IDENTITY}\nCurrent date: 2026-11-27\n\nReasoning: {effort}\n\n{CHANNELS}]<|end|>"
+            "<|start|>[system]<|message|>[{IDENTITY}\n{CUTOFF}\nCurrent date: 2026-11-27\n\nReasoning: {effort}\n\n{CHANNELS}]<|end|>"
         )
     }
 
@@ -457,6 +486,7 @@ mod reference {
                 reasoning_effort: request["reasoning_effort"].as_str(),
                 tools: &tools,
                 date: case["date"].as_str().unwrap(),
+                system_instructions: case["system_instructions"] == true,
             };
             let pieces = render(&request).unwrap();
             let segments: Vec<serde_json::Value> = pieces
