@@ -60,6 +60,10 @@ pub use tokenizer::{Builtin, HuggingFace, Tokenizer};
 
 use crate::{BlockHash, CacheNamespace};
 
+/// A Harmony prompt's texts this long or longer go through the prefix cache whole (shorter
+/// ones cost less to encode than to look up).
+const HARMONY_CACHED_BYTES: usize = 256;
+
 /// Everything that decides a request's token ids and namespace. The router and every agent
 /// of one model must be given equal configs.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -377,9 +381,17 @@ impl Tokenization {
         };
         let pieces = harmony::render(&chat)?;
         let mut ids = Vec::new();
+        // Each text is encoded on its own; a long one (the system and developer messages, the
+        // history's) is most likely the same as in the conversation's previous request.
+        let encode = |text: &str| self.tokenizer.encode(text, false);
         for piece in &pieces {
             match piece {
-                harmony::Piece::Text(text) => ids.extend(self.tokenizer.encode(text, false)?),
+                harmony::Piece::Text(text) => match &self.prefix_cache {
+                    Some(cache) if text.len() >= HARMONY_CACHED_BYTES => {
+                        ids.extend(cache.encode_whole(text, encode)?)
+                    }
+                    _ => ids.extend(encode(text)?),
+                },
                 harmony::Piece::Special(token) => match self.tokenizer.encode(token, false)?[..] {
                     [id] => ids.push(id),
                     _ => return Err(RequestError::Harmony(format!("the tokenizer has no {token} token"))),

@@ -776,7 +776,7 @@ fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
         tokenizer_config: Some(dir.join("tokenizer_config.json")),
         ..hf_config()
     };
-    let t = Tokenization::new(&config).unwrap();
+    let mut t = Tokenization::new(&config).unwrap();
     std::fs::remove_dir_all(&dir).ok();
     assert!(t.chat_template().unwrap().is_harmony());
 
@@ -873,4 +873,19 @@ fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
     let none = r#"{"model":"tiny","messages":[{"role":"user","content":"Hello"}],"reasoning_effort":"none"}"#;
     let refused = tokens(&t, Endpoint::ChatCompletions, none).unwrap_err();
     assert!(matches!(refused, RequestError::Harmony(_)) && refused.http_status() == 400, "{refused}");
+
+    // Through the prefix cache, long texts are encoded once and the ids stay the same.
+    let long = "Hello world ".repeat(40);
+    let conversation = serde_json::json!({"model": "tiny", "messages": [
+        {"role": "system", "content": long}, {"role": "user", "content": long},
+        {"role": "assistant", "content": long}, {"role": "user", "content": "Hi"}]})
+    .to_string();
+    let uncached = tokens(&t, Endpoint::ChatCompletions, &conversation).unwrap();
+    t.enable_prefix_cache(1 << 20).unwrap();
+    assert_eq!(tokens(&t, Endpoint::ChatCompletions, &conversation).unwrap(), uncached);
+    let first = t.prefix_cache_stats().unwrap();
+    assert_eq!(tokens(&t, Endpoint::ChatCompletions, &conversation).unwrap(), uncached);
+    let second = t.prefix_cache_stats().unwrap();
+    assert_eq!(second.tokenized_bytes, first.tokenized_bytes, "nothing long encoded again");
+    assert!(second.reused_bytes >= first.reused_bytes + 3 * long.len() as u64, "{first:?} {second:?}");
 }

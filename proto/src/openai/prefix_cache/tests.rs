@@ -153,3 +153,27 @@ fn a_piece_the_next_chunk_may_extend_is_not_in_the_entry() {
         }
     }
 }
+
+/// A whole text's ids come back from the cache the second time, and only for the same text;
+/// whole texts and beginnings do not answer for each other.
+#[test]
+fn whole_texts_are_kept_apart_from_beginnings() {
+    let cache = PrefixCache::with_chunk(1 << 20, 8);
+    let text = "one whole piece of a prompt, longer than a chunk";
+    let calls = std::cell::Cell::new(0);
+    let encode = |t: &str| {
+        calls.set(calls.get() + 1);
+        Builtin.encode(t, false)
+    };
+    let expected = Builtin.encode(text, false).unwrap();
+    assert_eq!(cache.encode_whole(text, encode).unwrap(), expected);
+    assert_eq!(cache.encode_whole(text, encode).unwrap(), expected);
+    assert_eq!(calls.get(), 1, "the second came from the cache");
+    assert_eq!(cache.stats().reused_bytes, text.len() as u64);
+    let other = "one whole piece of a prompt, longer than a chunk!";
+    assert_eq!(cache.encode_whole(other, encode).unwrap(), Builtin.encode(other, false).unwrap());
+    assert_eq!(calls.get(), 2, "another text is encoded");
+    // The beginnings of the same text are not taken from the whole text's entry.
+    assert_eq!(cache.encode(&Builtin, text, false).unwrap(), expected);
+    assert_eq!(cache.stats().reused_bytes, text.len() as u64, "nothing reused for a first beginning");
+}
