@@ -364,7 +364,11 @@ impl Tokenization {
             },
             None => Vec::new(),
         };
-        let date = std::env::var("VLLM_SYSTEM_START_DATE").unwrap_or_else(|_| chat_template::today());
+        // vLLM's `VLLM_SYSTEM_START_DATE or today`: empty is unset.
+        let date = std::env::var("VLLM_SYSTEM_START_DATE")
+            .ok()
+            .filter(|d| !d.is_empty())
+            .unwrap_or_else(chat_template::today);
         // As vLLM reads it: an integer, not zero.
         let system_instructions = std::env::var("VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS")
             .is_ok_and(|v| v.trim().parse::<i64>().is_ok_and(|v| v != 0));

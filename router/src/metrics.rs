@@ -286,10 +286,20 @@ impl Collector for ReplicaLoad {
                 ConstCounter::new(value(m)).encode(family.encode_family(&label(m))?)?;
             }
         }
+        let mut family = encoder.encode_descriptor(
+            "replica_in_flight",
+            "Requests the router has in flight at the replica",
+            None,
+            MetricType::Gauge,
+        )?;
+        for m in &members {
+            ConstGauge::new(i64::from(m.upstream.requests_in_flight()))
+                .encode(family.encode_family(&label(m))?)?;
+        }
         let gauges: [Series<Load>; 3] = [
             (
-                "replica_in_flight",
-                "Sequences the router has in flight at the replica (a request's prompts times its n)",
+                "replica_in_flight_sequences",
+                "Their sequences, as the replica runs them (a request's prompts times its n)",
                 |l| u64::from(l.in_flight),
             ),
             (

@@ -565,9 +565,12 @@ fn count(raw: Option<&RawValue>, param: &'static str) -> Result<Option<u64>, Req
     value.map(Some).ok_or(RequestError::InvalidField { param, expected: NON_NEGATIVE })
 }
 
-/// `n`: 1 when absent (or 0, which the replica refuses), at most `u32::MAX`.
+/// vLLM's bound on `n` (`VLLM_MAX_N_SEQUENCES`' default); the replica refuses more.
+pub const MAX_N: u32 = 16384;
+
+/// `n`: 1 when absent (or 0, which the replica refuses), at most [`MAX_N`].
 fn choices(raw: Option<&RawValue>) -> Result<u32, RequestError> {
-    Ok(count(raw, "n")?.map_or(1, |n| n.clamp(1, u64::from(u32::MAX)) as u32))
+    Ok(count(raw, "n")?.map_or(1, |n| n.clamp(1, u64::from(MAX_N)) as u32))
 }
 
 /// `v` as a u64 when it is one exactly.

@@ -28,6 +28,7 @@
 
 use hyper::header::{self, HeaderValue};
 use hyper::{Response, StatusCode};
+use kvroute_proto::openai::request::MAX_N;
 use kvroute_proto::openai::{Endpoint, ParsedRequest, RequestError};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -147,9 +148,6 @@ struct ServerFields {
     /// `stream_options.include_usage`.
     include_usage: bool,
 }
-
-/// vLLM's bound on `n` (`VLLM_MAX_N_SEQUENCES`' default).
-const MAX_N: i64 = 16384;
 
 /// Below this temperature vLLM samples greedily, where `n` must be 1.
 const GREEDY_TEMPERATURE: f64 = 1e-5;
@@ -351,7 +349,7 @@ fn choices(raw: Option<&RawValue>) -> Result<u32, ApiError> {
     if n < 1 {
         return Err(ApiError::bad_request(format!("n must be at least 1, got {n}.")));
     }
-    if n > MAX_N {
+    if n > i64::from(MAX_N) {
         return Err(ApiError::bad_request(format!(
             "n must be at most {MAX_N}, got {n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES \
              environment variable."

@@ -11,7 +11,7 @@
 use std::time::Instant;
 
 use kvroute_proto::hash::extend_chain;
-use kvroute_proto::openai::request::anthropic;
+use kvroute_proto::openai::request::{MAX_N, anthropic};
 use kvroute_proto::openai::{Endpoint, InlineSystem, ParsedRequest, Tokenization};
 use kvroute_proto::pb::StreamState as PbState;
 use kvroute_proto::{BlockHash, ReplicaId, block_hash, chain, hit_tokens};
@@ -296,8 +296,9 @@ impl Decider {
         let mut plan = self.score(members, blocks, all_blocks, &view, (first_prompt_tokens, adapter), send);
         plan.max_tokens = request.max_tokens();
         plan.unhashed_tokens = info.unhashed_tokens;
-        plan.sequences =
-            u32::try_from(info.tokens.len().max(1)).unwrap_or(u32::MAX).saturating_mul(request.n());
+        // Counted up to vLLM's bound on `n`, so that a replica's count cannot wrap.
+        let prompts = u32::try_from(info.tokens.len().max(1)).unwrap_or(u32::MAX);
+        plan.sequences = prompts.saturating_mul(request.n()).min(MAX_N);
         Ok(plan)
     }
 

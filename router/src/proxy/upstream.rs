@@ -132,6 +132,11 @@ impl Upstream {
         }
     }
 
+    /// Requests in flight (each counts once, whatever its sequences).
+    pub fn requests_in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
     fn recent(&self) -> std::sync::MutexGuard<'_, RecentTokens> {
         self.recent.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -865,12 +865,16 @@ async fn a_requests_choices_are_its_load() {
         let url = fleet.url("/v1/completions");
         tokio::spawn(async move { crate::fleet::Http::new().post(&url, &body).await })
     };
-    let mut four = completion("four choices of one prompt", 300);
+    let mut four = completion("four choices of one prompt", 600);
     four["n"] = json!(2);
     four["prompt"] = json!(["first of two prompts", "second of two prompts"]);
     let busy = send(four);
     wait_until("one replica runs four sequences", || load().iter().any(|(_, n)| *n == 4)).await;
     let (four_on, _) = load().into_iter().find(|(_, n)| *n == 4).unwrap();
+    let metrics = scrape(&fleet.http, &fleet.url("")).await;
+    let series = |name: &str| format!("kvroute_router_replica_{name}{{replica=\"{four_on}\"}}");
+    assert_eq!(sample(&metrics, &series("in_flight")), Some(1), "{metrics}");
+    assert_eq!(sample(&metrics, &series("in_flight_sequences")), Some(4), "{metrics}");
     let mut singles = Vec::new();
     for (i, prompt) in ["single one", "single two", "single three"].iter().enumerate() {
         singles.push(send(completion(prompt, 300)));

@@ -38,7 +38,13 @@ pub struct Tool {
 struct Function {
     name: String,
     description: Option<String>,
-    parameters: Option<serde_json::Map<String, Value>>,
+    /// An object (or none): anything else vLLM refuses.
+    #[serde(default, deserialize_with = "object_or_null")]
+    parameters: Option<Value>,
+}
+
+fn object_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Ok(Option::<serde_json::Map<String, Value>>::deserialize(d)?.map(Value::Object))
 }
 
 fn function_type() {}
@@ -67,8 +73,7 @@ pub fn section(tools: &[Tool]) -> String {
         }
         match &f.parameters {
             Some(schema) => {
-                let schema = Value::Object(schema.clone());
-                let _ = writeln!(out, "type {} = (_: {}) => any;\n", f.name, typescript(&schema, ""));
+                let _ = writeln!(out, "type {} = (_: {}) => any;\n", f.name, typescript(schema, ""));
             }
             None => {
                 let _ = writeln!(out, "type {} = () => any;\n", f.name);

@@ -49,11 +49,14 @@
 //! `function_call` an assistant message of its own, named without its namespace; each
 //! `reasoning` item one of its own, its content's texts joined with `"\n"` (its summary
 //! unread; an item without content is skipped); each assistant message one of its own,
-//! every part's text kept. Not reproduced there: an empty assistant answer (vLLM keeps it
-//! on the final channel), an empty `instructions` string (vLLM then leaves a first system
-//! item where it is), a later system item with no text (vLLM skips it), image parts (read as
-//! media here, as empty texts by vLLM), and tools vLLM refuses for Harmony (`namespace`,
-//! `custom`, MCP), which the replica answers with a 400.
+//! every part's text kept; the tools whatever `tool_choice` says. Not reproduced there: an
+//! assistant answer whose first part is empty and a reasoning item whose only text is
+//! (vLLM keeps both, here they are dropped, and with the answer the analysis before it), an
+//! empty `instructions` string (vLLM then leaves a first system item where it is), a later
+//! system item with no text (vLLM skips it), a tool output named by a `call_id` used twice
+//! (vLLM: the call before it; here: the last one), image parts (read as media here, as empty
+//! texts by vLLM), and what vLLM refuses for Harmony (`custom_tool_call` items; `namespace`,
+//! `custom` and MCP tools), which the replica answers with a 400.
 
 use std::borrow::Cow;
 
@@ -260,7 +263,8 @@ impl<'a> Responses<'a> {
             chat_template_kwargs: kwargs,
             reasoning_effort,
             tools,
-            tool_choice: tool_choice.filter(|c| c.get() == r#""none""#).map(|_| "none"),
+            // vLLM's Harmony path keeps the tools whatever the tool choice.
+            tool_choice: tool_choice.filter(|c| !harmony && c.get() == r#""none""#).map(|_| "none"),
             add_special_tokens: true,
         };
         Ok(Responses {

@@ -204,3 +204,21 @@ fn malformed_requests_name_the_field() {
     );
     assert!(matches!(Responses::read(b"[1]"), Err(RequestError::NotAnObject)));
 }
+
+/// For gpt-oss, vLLM keeps a Responses request's tools whatever its `tool_choice` (its
+/// Harmony path never reads it), so the chat request made of it does not carry "none" for
+/// `--exclude-tools-when-tool-choice-none` to act on.
+#[test]
+fn for_harmony_tool_choice_none_leaves_the_tools() {
+    let body = json!({"model": "m", "input": "x", "tool_choice": "none",
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]})
+    .to_string();
+    let read = |harmony| -> Value {
+        let request = Responses::read_as(body.as_bytes(), harmony).unwrap();
+        serde_json::from_slice(&request.chat_body(&[])).unwrap()
+    };
+    assert_eq!(read(false)["tool_choice"], "none");
+    let harmony = read(true);
+    assert_eq!(harmony.get("tool_choice"), None);
+    assert_eq!(harmony["tools"][0]["function"]["name"], "f");
+}
