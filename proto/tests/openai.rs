@@ -809,46 +809,36 @@ fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
         ref other => panic!("{token} is {other:?}"),
     };
     let (start, message, end) = (special("<|start|>"), special("<|message|>"), special("<|end|>"));
-    let expected = [
-        vec![start],
-        completion("system"),
-        vec![message],
-        completion(&system),
-        vec![end, start],
-        completion("developer"),
-        vec![message],
-        completion("# Instructions\n\nBe brief."),
-        vec![end, start],
-        completion("user"),
-        vec![message],
-        completion("Hello"),
-        vec![end, start],
-        completion("assistant"),
-    ]
-    .concat();
-    assert_eq!(ids, expected);
+    // The prompt of a chat of one user message "Hello", with these system and developer texts.
+    let hello = |system: &str, developer: &str| {
+        [
+            vec![start],
+            completion("system"),
+            vec![message],
+            completion(system),
+            vec![end, start],
+            completion("developer"),
+            vec![message],
+            completion(developer),
+            vec![end, start],
+            completion("user"),
+            vec![message],
+            completion("Hello"),
+            vec![end, start],
+            completion("assistant"),
+        ]
+        .concat()
+    };
+    assert_eq!(ids, hello(&system, "# Instructions\n\nBe brief."));
 
     // Tools: a TypeScript namespace in the developer message, and a line in the system
     // message on where calls to them go.
     let tools = r#"{"model":"tiny","messages":[{"role":"user","content":"Hello"}],"reasoning_effort":"low",
         "tools":[{"type":"function","function":{"name":"f"}}]}"#;
-    let with_tools = [
-        vec![start],
-        completion("system"),
-        vec![message],
-        completion(&format!("{system}\nCalls to these tools must go to the commentary channel: 'functions'.")),
-        vec![end, start],
-        completion("developer"),
-        vec![message],
-        completion("# Tools\n\n## functions\n\nnamespace functions {\n\ntype f = () => any;\n\n} // namespace functions"),
-        vec![end, start],
-        completion("user"),
-        vec![message],
-        completion("Hello"),
-        vec![end, start],
-        completion("assistant"),
-    ]
-    .concat();
+    let with_tools = hello(
+        &format!("{system}\nCalls to these tools must go to the commentary channel: 'functions'."),
+        "# Tools\n\n## functions\n\nnamespace functions {\n\ntype f = () => any;\n\n} // namespace functions",
+    );
     assert_eq!(tokens(&t, Endpoint::ChatCompletions, tools).unwrap(), [with_tools]);
     // A Responses request is read as vLLM reads its items for Harmony: reasoning after an
     // answer is a message of its own, kept.
