@@ -50,8 +50,8 @@
 //! `reasoning` item one of its own, its content's texts joined with `"\n"` (its summary
 //! unread; an item without content is skipped); each assistant message one of its own,
 //! every part's text kept; the tools whatever `tool_choice` says. Not reproduced there: an
-//! assistant answer whose first part is empty and a reasoning item whose only text is
-//! (vLLM keeps both, here they are dropped, and with the answer the analysis before it), an
+//! assistant answer with no text at all and a reasoning item whose only text is empty (vLLM
+//! keeps both, empty; here they are dropped, and with the answer the analysis before it), an
 //! empty `instructions` string (vLLM then leaves a first system item where it is), a later
 //! system item with no text (vLLM skips it), a tool output named by a `call_id` used twice
 //! (vLLM: the call before it; here: the last one), image parts (read as media here, as empty
@@ -531,17 +531,22 @@ fn read_input(raw: &RawValue, harmony: bool) -> Result<(Vec<Msg<'_>>, bool), Req
                 messages.push(Msg::Tool { content: output, tool_call_id: call_id });
             }
             // Harmony: every part's text (a part without one, empty), an answer of its own.
+            // Empty texts add no tokens: leaving them out keeps an answer whose first part is
+            // empty (a refusal, say) on the final channel, where vLLM puts it.
             (_, Some("assistant")) if harmony => {
                 let content = match content {
                     Some(raw) if raw.get().starts_with('"') => {
                         Content::Text(str_at(Some(raw), || at("content"))?.unwrap_or_default())
                     }
-                    content => Content::Parts(
-                        part_texts(content, || at("content"))?
-                            .into_iter()
-                            .map(|text| TextPart { kind: "text", text })
-                            .collect(),
-                    ),
+                    content => {
+                        let mut texts = part_texts(content, || at("content"))?;
+                        if texts.iter().any(|t| !t.is_empty()) {
+                            texts.retain(|t| !t.is_empty());
+                        }
+                        Content::Parts(
+                            texts.into_iter().map(|text| TextPart { kind: "text", text }).collect(),
+                        )
+                    }
                 };
                 messages.push(Msg::Assistant(Assistant {
                     role: "assistant",
