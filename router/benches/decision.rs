@@ -290,6 +290,7 @@ impl Bench {
                 prompts: Prompts::Local(Arc::new(tokenization)),
                 block_size: BLOCK,
                 max_in_flight_per_replica: 512,
+                eagle: false,
                 metrics: ProxyMetrics::register(registry),
             }
         };

@@ -99,6 +99,11 @@ pub struct Config {
     /// Tokens per KV block on the replicas.
     #[arg(long, env = "KVROUTE_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: u32,
+    /// The vLLM replicas run EAGLE, EAGLE-3 or MTP speculative decoding: vLLM then computes
+    /// the last block of a cache hit again (for the draft head), so a prompt reuses one block
+    /// fewer than it holds.
+    #[arg(long, env = "KVROUTE_EAGLE", default_value_t = false)]
+    pub eagle: bool,
     /// HuggingFace tokenizer.json of the model; the built-in tokenizer when absent.
     #[arg(long, env = "KVROUTE_TOKENIZER")]
     #[serde(skip_serializing_if = "Option::is_none")]

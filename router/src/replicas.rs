@@ -48,6 +48,18 @@ impl EngineKind {
             }
         }
     }
+
+    /// The leading blocks the engine reuses of the `held` it holds of a prompt of
+    /// `prompt_len` tokens ([`EngineKind::reusable_blocks`]). With `eagle` (EAGLE, EAGLE-3 or
+    /// MTP speculative decoding), vLLM drops the last block of a hit and computes it again,
+    /// for the draft head's hidden states.
+    pub fn reused_blocks(self, held: usize, prompt_len: usize, block_size: usize, eagle: bool) -> usize {
+        let hit = held.min(self.reusable_blocks(prompt_len, block_size));
+        match self {
+            EngineKind::Vllm if eagle => hit.saturating_sub(1),
+            _ => hit,
+        }
+    }
 }
 
 impl From<EngineKind> for pb::EngineKind {
@@ -437,6 +449,18 @@ mod tests {
             usize::MAX,
             "the agent reuses every full block"
         );
+    }
+
+    /// vLLM with EAGLE or MTP drops a hit's last block (`drop_eagle_block`); without, or on
+    /// the other engines, a hit is what is held, within what the prompt can reuse.
+    #[test]
+    fn eagle_drops_the_last_block_of_a_vllm_hit() {
+        assert_eq!(EngineKind::Vllm.reused_blocks(3, 100, 16, true), 2);
+        assert_eq!(EngineKind::Vllm.reused_blocks(10, 100, 16, true), 5, "6 reusable, one dropped");
+        assert_eq!(EngineKind::Vllm.reused_blocks(0, 100, 16, true), 0);
+        assert_eq!(EngineKind::Vllm.reused_blocks(3, 100, 16, false), 3);
+        assert_eq!(EngineKind::Sglang.reused_blocks(3, 100, 16, true), 3);
+        assert_eq!(EngineKind::Kvroute.reused_blocks(3, 100, 16, true), 3);
     }
 
     #[test]

@@ -168,6 +168,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         prompts,
         block_size: config.block_size as usize,
         max_in_flight_per_replica: config.max_in_flight_per_replica,
+        eagle: config.eagle,
         metrics,
     };
     // Resolved once: the heartbeats need one slot for each thread that will tick.

@@ -34,6 +34,8 @@ pub struct Decider {
     pub prompts: Prompts,
     pub block_size: usize,
     pub max_in_flight_per_replica: u32,
+    /// The vLLM replicas run EAGLE or MTP speculative decoding ([`crate::Config::eagle`]).
+    pub eagle: bool,
     pub metrics: ProxyMetrics,
 }
 
@@ -330,9 +332,14 @@ impl Decider {
                     StreamState::Fallback => 0,
                     _ => self.fleet.credits().extend(member.replica.id, &blocks, indexed_blocks),
                 };
-                // What the engine will reuse of it (vLLM recomputes an all-cached last block).
-                let overlap = credited_blocks
-                    .min(member.replica.spec.engine.reusable_blocks(first_prompt_tokens, self.block_size));
+                // What the engine will reuse of it (vLLM recomputes an all-cached last block,
+                // and with EAGLE a hit's last block).
+                let overlap = member.replica.spec.engine.reused_blocks(
+                    credited_blocks,
+                    first_prompt_tokens,
+                    self.block_size,
+                    self.eagle,
+                );
                 let view = ReplicaView {
                     id: member.replica.id,
                     overlap_blocks: overlap,

@@ -18,7 +18,7 @@ use kvroute_router::replicas::EngineKind;
 
 use kvroute_router::config::Config as RouterConfig;
 
-use crate::fleet::{FLEET_MODEL, Fleet, Reply, agent_config, index_matches, router_config};
+use crate::fleet::{FLEET_BLOCK, FLEET_MODEL, Fleet, Reply, agent_config, index_matches, router_config};
 
 /// Sends one raw HTTP/1.1 request on `stream` and returns the response head.
 async fn raw_request(stream: &mut TcpStream, head: &str) -> String {
@@ -225,6 +225,35 @@ async fn vllm_events_and_snapshots_carry_the_adapter_and_the_salt() {
     let late = router(router_config(std::slice::from_ref(fleet.agent(0))));
     let late = kvroute_router::start(late, fleet.shutdown.child_token()).await.expect("router starts");
     index_matches(&late, fleet.agent(0)).await;
+}
+
+/// With `--eagle`, a vLLM replica's hit is predicted one block short: vLLM computes a hit's
+/// last block again for the draft head. (The agent reuses every block it holds, so it
+/// reports one block more than such a replica would.)
+#[tokio::test]
+async fn eagle_replicas_are_predicted_one_block_short() {
+    let agent =
+        |name: &str| kvroute_replica_agent::Config { event_format: EventFormat::Vllm, ..agent_config(name) };
+    let router = |mut config: RouterConfig| {
+        for r in &mut config.replicas {
+            r.engine = EngineKind::Vllm;
+            r.replay = None;
+        }
+        config.eagle = true;
+        config
+    };
+    let fleet = Fleet::with(1, agent, router).await;
+    let url = fleet.url("/v1/completions");
+    // 41 tokens: whole blocks and a part of one.
+    let prompt = (0..41).map(|i| format!("eagle{i}")).collect::<Vec<_>>().join(" ");
+    let body = json!({"model": FLEET_MODEL, "prompt": prompt, "max_tokens": 1});
+    let first = fleet.http.post(&url, &body).await;
+    assert_eq!((first.status.as_u16(), predicted(&first)), (200, 0));
+    fleet.index_matches(0).await;
+    let again = fleet.http.post(&url, &body).await;
+    let block = u64::from(FLEET_BLOCK);
+    assert_eq!(again.cached_tokens(), 41 / block * block, "the agent reuses every whole block");
+    assert_eq!(predicted(&again), again.cached_tokens() - block, "vLLM with EAGLE one fewer");
 }
 
 /// A `MakeWriter` into a shared buffer.
