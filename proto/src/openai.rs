@@ -116,6 +116,9 @@ pub struct Tokenization {
     /// The fleet's chat flags (the template has them too; remote tokenization needs them
     /// without one).
     chat_options: ChatOptions,
+    /// Chats with a Harmony template are rendered with the template all the same (a fleet
+    /// whose engine does so: [`Tokenization::render_harmony_with_template`]).
+    harmony_off: bool,
 }
 
 impl Tokenization {
@@ -168,7 +171,14 @@ impl Tokenization {
             lora_adapters: RwLock::new(lora_adapters.into_iter().collect()),
             prefix_cache: None,
             chat_options: ChatOptions::default(),
+            harmony_off: false,
         }
+    }
+
+    /// Renders chats with the chat template even when it is in Harmony's format: SGLang
+    /// renders gpt-oss chat completions with the model's template, where vLLM uses Harmony.
+    pub fn render_harmony_with_template(&mut self) {
+        self.harmony_off = true;
     }
 
     /// The fleet's chat flags ([`ChatOptions`]).
@@ -343,10 +353,10 @@ impl Tokenization {
         self.inline_system
     }
 
-    /// Whether vLLM renders this model's chats with Harmony (gpt-oss,
-    /// [`ChatTemplate::is_harmony`]).
+    /// Whether this model's chats are rendered with Harmony, as vLLM renders gpt-oss's
+    /// ([`ChatTemplate::is_harmony`]; not after [`Tokenization::render_harmony_with_template`]).
     pub fn is_harmony(&self) -> bool {
-        self.chat_template.as_ref().is_some_and(ChatTemplate::is_harmony)
+        !self.harmony_off && self.chat_template.as_ref().is_some_and(ChatTemplate::is_harmony)
     }
 
     /// The token ids of a chat that vLLM renders with Harmony rather than its template
@@ -354,7 +364,9 @@ impl Tokenization {
     /// for one whose tools vLLM refuses (the replica answers it with a 400), which is
     /// rendered with the template.
     fn harmony_ids(&self, request: &ChatRequest<'_>) -> Result<Option<Vec<u32>>, RequestError> {
-        let Some(template) = self.chat_template.as_ref().filter(|t| t.is_harmony()) else { return Ok(None) };
+        let Some(template) = self.chat_template.as_ref().filter(|_| self.is_harmony()) else {
+            return Ok(None);
+        };
         let options = template.options();
         let vars = request.variables();
         let tools = match options.tools(&vars) {

@@ -859,7 +859,10 @@ fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
     let refused_tools = r#"{"model":"tiny","messages":[{"role":"user","content":"Hello"}],
         "tools":[{"type":"retrieval","function":{"name":"f"}}]}"#;
     let from_template = completion("<|start|>user<|channel|>final<|message|>Hello<|end|>");
-    assert_eq!(tokens(&t, Endpoint::ChatCompletions, refused_tools).unwrap(), [from_template]);
+    assert_eq!(
+        tokens(&t, Endpoint::ChatCompletions, refused_tools).unwrap(),
+        std::slice::from_ref(&from_template)
+    );
     let none = r#"{"model":"tiny","messages":[{"role":"user","content":"Hello"}],"reasoning_effort":"none"}"#;
     let refused = tokens(&t, Endpoint::ChatCompletions, none).unwrap_err();
     assert!(matches!(refused, RequestError::Harmony(_)) && refused.http_status() == 400, "{refused}");
@@ -878,4 +881,10 @@ fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
     let second = t.prefix_cache_stats().unwrap();
     assert_eq!(second.tokenized_bytes, first.tokenized_bytes, "nothing long encoded again");
     assert!(second.reused_bytes >= first.reused_bytes + 3 * long.len() as u64, "{first:?} {second:?}");
+
+    // A fleet whose engine renders such chats with the template (SGLang) gets the template's.
+    t.render_harmony_with_template();
+    assert!(!t.is_harmony());
+    let hello = r#"{"model":"tiny","messages":[{"role":"user","content":"Hello"}]}"#;
+    assert_eq!(tokens(&t, Endpoint::ChatCompletions, hello).unwrap(), [from_template]);
 }

@@ -355,6 +355,16 @@ impl Config {
         }
     }
 
+    /// Whether every replica the router knows of at start runs SGLang (the `--replica` list,
+    /// and discovery's engine when discovery is on), which renders gpt-oss chats with the
+    /// model's template rather than with Harmony as vLLM does.
+    pub fn sglang_fleet(&self) -> bool {
+        let discovered = (self.discovery.discovery != crate::discovery::DiscoveryMode::Static)
+            .then_some(self.discovery.discovery_engine);
+        let mut engines = self.replicas.iter().map(|r| r.engine).chain(discovered).peekable();
+        engines.peek().is_some() && engines.all(|e| e == EngineKind::Sglang)
+    }
+
     /// Threads serving proxy connections ([`Config::http_threads`], 0 resolved).
     pub fn http_threads(&self) -> usize {
         match self.http_threads {
@@ -521,6 +531,33 @@ mod tests {
         assert!("name=r0,http=x".parse::<ReplicaConfig>().is_err(), "events is required");
         assert!("name=r0,http=x,events=y,bogus=1".parse::<ReplicaConfig>().is_err());
         assert!("name=r0,http=x,events=y,engine=tgi".parse::<ReplicaConfig>().is_err());
+    }
+
+    /// Only a fleet of SGLang replicas, listed or discovered, is one (its gpt-oss chats are
+    /// rendered with the template).
+    #[test]
+    fn an_sglang_fleet_is_all_sglang() {
+        let config = |args: &[&str]| -> Config {
+            let replica = |engine: &str| {
+                format!("name={engine},http=http://127.0.0.1:1,events=tcp://127.0.0.1:2,engine={engine}")
+            };
+            let mut all = vec!["r".to_owned()];
+            for a in args {
+                match a.strip_prefix("engine:") {
+                    Some(engine) => all.extend(["--replica".to_owned(), replica(engine)]),
+                    None => all.push((*a).to_owned()),
+                }
+            }
+            kvroute_proto::cli::parse_from(all).unwrap()
+        };
+        assert!(config(&["engine:sglang"]).sglang_fleet());
+        assert!(!config(&["engine:sglang", "engine:vllm"]).sglang_fleet());
+        assert!(!config(&["engine:vllm"]).sglang_fleet());
+        assert!(!config(&[]).sglang_fleet(), "no replica at all");
+        let dns = ["--discovery", "dns", "--discovery-service", "s.local"];
+        assert!(!config(&dns).sglang_fleet(), "discovered replicas run the agent by default");
+        let sglang_dns = [&dns[..], &["--discovery-engine", "sglang", "engine:sglang"]].concat();
+        assert!(config(&sglang_dns).sglang_fleet());
     }
 
     /// `text` written to `router.toml` in a directory of its own (`tag`), and that directory.

@@ -120,12 +120,13 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         chat: config.chat.clone(),
     })
     .context("loading the tokenizer")?;
-    if tokenization.chat_template().is_some_and(|t| t.is_harmony()) {
+    if config.sglang_fleet() {
+        tokenization.render_harmony_with_template();
+    }
+    if tokenization.is_harmony() {
         tracing::info!(
             "the chat template is in OpenAI's Harmony format (gpt-oss): chats are rendered with \
-             Harmony as vLLM renders them, dated {} (VLLM_SYSTEM_START_DATE, else today in UTC); \
-             a chat with tools is rendered with the template, which agrees with Harmony at most \
-             up to its system prompt",
+             Harmony as vLLM renders them, dated {} (VLLM_SYSTEM_START_DATE, else today in UTC)",
             std::env::var("VLLM_SYSTEM_START_DATE").as_deref().unwrap_or("today")
         );
     }
