@@ -72,24 +72,9 @@ fn finish_reason(v: &Value) -> Option<&str> {
 
 /// A non-streaming `text_completion` with `n` choices; returns the texts and usage.
 pub fn completion(v: &Value, n: usize) -> (Vec<String>, Usage) {
-    assert_keys(v, &["id", "object", "created", "model", "choices", "usage"], "completion");
-    envelope(v, "text_completion", "cmpl-");
-    let choices = v["choices"].as_array().expect("choices is an array");
-    assert_eq!(choices.len(), n, "{v}");
-    let texts = choices
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            assert_keys(c, &["index", "text", "logprobs", "finish_reason"], "completion choice");
-            assert_eq!(uint(&c["index"], "index"), i as u64);
-            null(&c["logprobs"], "logprobs");
-            assert!(
-                finish_reason(&c["finish_reason"]).is_some(),
-                "a finished choice has a finish_reason: {c}"
-            );
-            string(&c["text"], "text").to_owned()
-        })
-        .collect();
+    let texts = choices(v, ("completion", "text_completion", "cmpl-"), n, &["text"], |c| {
+        string(&c["text"], "text").to_owned()
+    });
     (texts, usage(&v["usage"]))
 }
 
@@ -101,26 +86,45 @@ pub fn chat_completion(v: &Value) -> (String, Usage) {
 
 /// A non-streaming `chat.completion` with `n` choices; returns their contents and the usage.
 pub fn chat_completion_n(v: &Value, n: usize) -> (Vec<String>, Usage) {
-    assert_keys(v, &["id", "object", "created", "model", "choices", "usage"], "chat completion");
-    envelope(v, "chat.completion", "chatcmpl-");
+    let contents = choices(v, ("chat completion", "chat.completion", "chatcmpl-"), n, &["message"], |c| {
+        let m = &c["message"];
+        assert_keys(m, &["role", "content", "refusal"], "message");
+        assert_eq!(string(&m["role"], "role"), "assistant");
+        null(&m["refusal"], "refusal");
+        string(&m["content"], "content").to_owned()
+    });
+    (contents, usage(&v["usage"]))
+}
+
+/// The `n` choices of a non-streaming response `v` (`what`, its `object` and id prefix):
+/// its keys and envelope checked, and each choice's keys (`index`, `logprobs`,
+/// `finish_reason` and `own`), index, null logprobs and finish reason, then `read`.
+fn choices<T>(
+    v: &Value,
+    (what, object, id_prefix): (&str, &str, &str),
+    n: usize,
+    own: &[&str],
+    read: impl Fn(&Value) -> T,
+) -> Vec<T> {
+    assert_keys(v, &["id", "object", "created", "model", "choices", "usage"], what);
+    envelope(v, object, id_prefix);
     let choices = v["choices"].as_array().expect("choices is an array");
     assert_eq!(choices.len(), n, "{v}");
-    let contents = choices
+    let keys: Vec<&str> = ["index", "logprobs", "finish_reason"].iter().chain(own).copied().collect();
+    choices
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            assert_keys(c, &["index", "message", "logprobs", "finish_reason"], "chat choice");
+            assert_keys(c, &keys, &format!("{what} choice"));
             assert_eq!(uint(&c["index"], "index"), i as u64);
             null(&c["logprobs"], "logprobs");
-            assert!(finish_reason(&c["finish_reason"]).is_some(), "{c}");
-            let m = &c["message"];
-            assert_keys(m, &["role", "content", "refusal"], "message");
-            assert_eq!(string(&m["role"], "role"), "assistant");
-            null(&m["refusal"], "refusal");
-            string(&m["content"], "content").to_owned()
+            assert!(
+                finish_reason(&c["finish_reason"]).is_some(),
+                "a finished choice has a finish_reason: {c}"
+            );
+            read(c)
         })
-        .collect();
-    (contents, usage(&v["usage"]))
+        .collect()
 }
 
 /// Checks the frame-independent rules of a stream and parses its chunks: the last event is
