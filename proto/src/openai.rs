@@ -22,14 +22,16 @@
 //!
 //! 1. `chat_template` in the config (a Jinja file, or a `tokenizer_config.json`) wins: it is
 //!    the replicas' `--chat-template`;
-//! 2. else the model's own: a `chat_template.jinja` beside the configured
-//!    `tokenizer_config` (and `additional_chat_templates/tool_use.jinja`), else the
-//!    config's `chat_template` ([`ChatTemplate::from_tokenizer_config`]);
+//! 2. else the model's own: a `chat_template.jinja` beside the `tokenizer_config` (the
+//!    configured one, else the one beside the `tokenizer.json`, as vLLM reads a model's
+//!    directory: [`TokenizerSpec::model_files`]; and
+//!    `additional_chat_templates/tool_use.jinja`), else that config's `chat_template`
+//!    ([`ChatTemplate::from_tokenizer_config`]);
 //! 3. else, for the builtin tokenizer, [`DEFAULT_CHAT_TEMPLATE`] (ChatML);
 //! 4. else there is none and chat requests fail with [`RequestError::NoChatTemplate`].
 //!
-//! The named special tokens (`bos_token`, `eos_token`, ...) come from `tokenizer_config` if
-//! configured, else from [`SpecialTokens::builtin`] for the builtin tokenizer; a token the
+//! The named special tokens (`bos_token`, `eos_token`, ...) come from that
+//! `tokenizer_config` if there is one, else from [`SpecialTokens::builtin`] for the builtin tokenizer; a token the
 //! tokenizer does not set is no template variable ([`SpecialTokens`]).
 
 pub mod chat_template;
@@ -41,7 +43,7 @@ pub mod tokenizer;
 
 use std::borrow::Cow;
 use std::collections::HashSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::RwLock;
 
 use serde::{Deserialize, Serialize};
@@ -74,6 +76,8 @@ pub struct TokenizationConfig {
     #[serde(default)]
     pub tokenizer: TokenizerSpec,
     /// A Hugging Face `tokenizer_config.json`: special tokens and, usually, the chat template.
+    /// Unset, the one beside the `tokenizer.json` is read, if there is one
+    /// ([`TokenizerSpec::model_files`]).
     #[serde(default)]
     pub tokenizer_config: Option<PathBuf>,
     /// A chat template file (Jinja, or a `tokenizer_config.json`), overriding the one in
@@ -94,9 +98,45 @@ pub enum TokenizerSpec {
     Builtin,
     /// A `tokenizer.json` file.
     HuggingFace {
-        /// Path of the `tokenizer.json`.
+        /// Path of the `tokenizer.json`, or of the model's directory that holds it.
         path: PathBuf,
     },
+}
+
+/// The tokenizer files of a model directory, as vLLM and transformers find them there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelFiles {
+    /// The `tokenizer.json`.
+    pub tokenizer: PathBuf,
+    /// The `tokenizer_config.json` beside it, if there is one: its special tokens and, with
+    /// a `chat_template.jinja` beside it or inside it, the model's chat template.
+    pub tokenizer_config: Option<PathBuf>,
+}
+
+impl TokenizerSpec {
+    /// The files a Hugging Face tokenizer is loaded from: `path` itself, or `tokenizer.json`
+    /// inside it when it is a directory, and the `tokenizer_config.json` beside that; `None`
+    /// for the builtin tokenizer.
+    pub fn model_files(&self) -> Option<ModelFiles> {
+        let TokenizerSpec::HuggingFace { path } = self else { return None };
+        let tokenizer = if path.is_dir() { path.join("tokenizer.json") } else { path.clone() };
+        let tokenizer_config = tokenizer.with_file_name("tokenizer_config.json");
+        Some(ModelFiles {
+            tokenizer_config: tokenizer_config.is_file().then_some(tokenizer_config),
+            tokenizer,
+        })
+    }
+}
+
+/// Why `path`, given as `flag`, cannot be a model's tokenizer, if it cannot: it must be a
+/// `tokenizer.json` or a directory holding one.
+pub fn tokenizer_path_problem(flag: &str, path: &Path) -> Option<String> {
+    let spec = TokenizerSpec::HuggingFace { path: path.to_owned() };
+    let files = spec.model_files()?;
+    (!files.tokenizer.is_file()).then(|| match path.is_dir() {
+        true => format!("{flag} {} is a directory without a tokenizer.json", path.display()),
+        false => format!("{flag} {} is not a readable file", path.display()),
+    })
 }
 
 /// The one entry point both the router and the replica agent use to get a request's token
@@ -125,16 +165,20 @@ impl Tokenization {
     /// Loads the tokenizer and chat template `config` names (see the module docs for how
     /// the template is chosen).
     pub fn new(config: &TokenizationConfig) -> Result<Self, LoadError> {
-        let (tokenizer, builtin): (Box<dyn Tokenizer>, bool) = match &config.tokenizer {
-            TokenizerSpec::Builtin => (Box::new(Builtin), true),
-            TokenizerSpec::HuggingFace { path } => (Box::new(HuggingFace::from_file(path)?), false),
+        let files = config.tokenizer.model_files();
+        let (tokenizer, builtin): (Box<dyn Tokenizer>, bool) = match &files {
+            None => (Box::new(Builtin), true),
+            Some(files) => (Box::new(HuggingFace::from_file(&files.tokenizer)?), false),
         };
-        let special = match &config.tokenizer_config {
+        // The model's own tokenizer_config.json, found beside its tokenizer.json, unless one is
+        // configured.
+        let tokenizer_config = config.tokenizer_config.clone().or(files.and_then(|f| f.tokenizer_config));
+        let special = match &tokenizer_config {
             Some(path) => SpecialTokens::from_tokenizer_config(path)?,
             None if builtin => SpecialTokens::builtin(),
             None => SpecialTokens::default(),
         };
-        let chat_template = match (&config.chat_template, &config.tokenizer_config) {
+        let chat_template = match (&config.chat_template, &tokenizer_config) {
             (Some(path), _) => Some(ChatTemplate::from_file(path, special)?.as_chat_template_flag()),
             (None, Some(path)) => match ChatTemplate::from_tokenizer_config(path) {
                 Ok(t) => Some(t),

@@ -230,6 +230,43 @@ fn hf_without_template_rejects_chat_only() {
     assert!(tokens(&Tokenization::new(&config).unwrap(), Endpoint::ChatCompletions, body).is_ok());
 }
 
+/// A model directory as vLLM reads it: the `tokenizer_config.json` beside the
+/// `tokenizer.json` gives the chat template and special tokens, whether the tokenizer is named
+/// by its file or by the directory.
+#[test]
+fn a_model_directory_brings_its_tokenizer_config() {
+    let root = std::env::temp_dir().join(format!("kvroute-model-dir-{}", std::process::id()));
+    let (dir, empty) = (root.join("model"), root.join("empty"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::create_dir_all(&empty).unwrap();
+    std::fs::copy(data("tiny-tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    let chat = r#"{"model":"tiny","messages":[{"role":"user","content":"hi"}]}"#;
+    let alone = TokenizationConfig {
+        tokenizer: TokenizerSpec::HuggingFace { path: dir.join("tokenizer.json") },
+        tokenizer_config: None,
+        ..hf_config()
+    };
+    let t = Tokenization::new(&alone).unwrap();
+    assert!(matches!(tokens(&t, Endpoint::ChatCompletions, chat), Err(RequestError::NoChatTemplate)));
+    assert!(matches!(
+        kvroute_proto::openai::tokenizer_path_problem("--tokenizer", &dir.join("nothing")),
+        Some(p) if p.contains("not a readable file")
+    ));
+
+    std::fs::copy(data("tiny-tokenizer_config.json"), dir.join("tokenizer_config.json")).unwrap();
+    let expected =
+        tokens(&Tokenization::new(&hf_config()).unwrap(), Endpoint::ChatCompletions, chat).unwrap();
+    for path in [dir.join("tokenizer.json"), dir.clone()] {
+        assert_eq!(kvroute_proto::openai::tokenizer_path_problem("--tokenizer", &path), None);
+        let config = TokenizationConfig { tokenizer: TokenizerSpec::HuggingFace { path }, ..alone.clone() };
+        let t = Tokenization::new(&config).unwrap();
+        assert_eq!(tokens(&t, Endpoint::ChatCompletions, chat).unwrap(), expected);
+    }
+    let problem = kvroute_proto::openai::tokenizer_path_problem("--tokenizer", &empty).unwrap();
+    assert!(problem.contains("without a tokenizer.json"), "{problem}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 #[test]
 fn independent_instances_agree_on_block_hashes() {
     let long_prompt =

@@ -90,7 +90,9 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_AGENT_MAX_WAITING", default_value_t = 4096)]
     pub max_waiting: usize,
 
-    /// HuggingFace tokenizer.json; the built-in tokenizer when absent.
+    /// HuggingFace tokenizer.json, or the model's directory holding it; the built-in
+    /// tokenizer when absent. The tokenizer_config.json beside it (special tokens, the chat
+    /// template) is read, as vLLM reads the model's directory.
     #[arg(long, env = "KVROUTE_AGENT_TOKENIZER")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<PathBuf>,
@@ -218,10 +220,15 @@ impl Config {
             self.replay_endpoint.is_empty() || self.replay_endpoint.contains("://"),
             format!("--replay-endpoint {:?} is not a ZeroMQ endpoint", self.replay_endpoint),
         );
-        for (flag, path) in [("--tokenizer", &self.tokenizer), ("--chat-template", &self.chat_template)] {
-            if let Some(p) = path {
-                check(p.is_file(), format!("{flag} {} is not a readable file", p.display()));
-            }
+        if let Some(problem) = self
+            .tokenizer
+            .as_ref()
+            .and_then(|p| kvroute_proto::openai::tokenizer_path_problem("--tokenizer", p))
+        {
+            check(false, problem);
+        }
+        if let Some(path) = &self.chat_template {
+            check(path.is_file(), format!("--chat-template {} is not a readable file", path.display()));
         }
         check(
             !self.lora_adapters.contains(&self.model),

@@ -104,12 +104,15 @@ pub struct Config {
     /// fewer than it holds.
     #[arg(long, env = "KVROUTE_EAGLE", default_value_t = false)]
     pub eagle: bool,
-    /// HuggingFace tokenizer.json of the model; the built-in tokenizer when absent.
+    /// HuggingFace tokenizer.json of the model, or the model's directory holding it; the
+    /// built-in tokenizer when absent. A tokenizer_config.json beside it is read unless
+    /// --tokenizer-config names one, as vLLM reads the model's directory.
     #[arg(long, env = "KVROUTE_TOKENIZER")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<PathBuf>,
     /// tokenizer_config.json (for its special tokens and the model's chat template, which a
-    /// chat_template.jinja beside it overrides, as transformers loads it).
+    /// chat_template.jinja beside it overrides, as transformers loads it); by default the one
+    /// beside the tokenizer.json.
     #[arg(long, env = "KVROUTE_TOKENIZER_CONFIG")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer_config: Option<PathBuf>,
@@ -286,11 +289,16 @@ impl Config {
                 || self.admin_token.as_ref().is_some_and(|t| !t.expose().is_empty()),
             format!("--admin-token is required when the admin service listens on {}", self.admin_listen),
         );
-        for (flag, path) in [
-            ("--tokenizer", &self.tokenizer),
-            ("--tokenizer-config", &self.tokenizer_config),
-            ("--chat-template", &self.chat_template),
-        ] {
+        if let Some(problem) = self
+            .tokenizer
+            .as_ref()
+            .and_then(|p| kvroute_proto::openai::tokenizer_path_problem("--tokenizer", p))
+        {
+            check(false, problem);
+        }
+        for (flag, path) in
+            [("--tokenizer-config", &self.tokenizer_config), ("--chat-template", &self.chat_template)]
+        {
             if let Some(p) = path {
                 check(p.is_file(), format!("{flag} {} is not a readable file", p.display()));
             }

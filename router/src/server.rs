@@ -108,18 +108,32 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     .await
     .context("starting replica discovery")?;
 
+    let tokenizer = match &config.tokenizer {
+        Some(path) => TokenizerSpec::HuggingFace { path: path.clone() },
+        None => TokenizerSpec::Builtin,
+    };
+    if let Some(files) = tokenizer.model_files() {
+        tracing::info!(
+            tokenizer = %files.tokenizer.display(),
+            tokenizer_config = ?config.tokenizer_config.as_ref().or(files.tokenizer_config.as_ref()),
+            "tokenizing locally with the model's tokenizer"
+        );
+    }
     let mut tokenization = Tokenization::new(&TokenizationConfig {
         base_model: config.model.clone(),
         lora_adapters: config.lora_adapters.clone(),
-        tokenizer: match &config.tokenizer {
-            Some(path) => TokenizerSpec::HuggingFace { path: path.clone() },
-            None => TokenizerSpec::Builtin,
-        },
+        tokenizer,
         tokenizer_config: config.tokenizer_config.clone(),
         chat_template: config.chat_template.clone(),
         chat: config.chat.clone(),
     })
     .context("loading the tokenizer")?;
+    if tokenization.chat_template().is_none() && !config.remote_tokenize {
+        tracing::warn!(
+            "no chat template: chat, Messages and Responses requests will be refused (400); give \
+             --tokenizer-config (the model's tokenizer_config.json) or --chat-template"
+        );
+    }
     if config.sglang_fleet() {
         tokenization.render_harmony_with_template();
     }
