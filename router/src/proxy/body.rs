@@ -11,7 +11,8 @@
 //! What a client sees when a replica fails in the middle of a response (it died, its
 //! connection broke, or it stayed silent past the idle timeout): a server-sent-event stream
 //! that stopped at an event boundary gets one final OpenAI error event,
-//! `data: {"error":{"message":..,"type":"server_error",..}}` (to a `/v1/messages` client,
+//! `data: {"error":{"message":..,"type":"server_error",..}}`, its message ending with the
+//! request's id as every error of the router's does (to a `/v1/messages` client,
 //! Anthropic's `event: error` with `{"type":"error","error":{..}}`), and then ends cleanly
 //! without `data: [DONE]`, so that even a client that reads only up to `[DONE]` tells a failed
 //! stream from a finished one. (A replica that fails a stream itself sends its error event and,
@@ -31,7 +32,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use kvroute_proto::openai::OpenAiError;
 use tokio::time::Instant;
 
-use super::error::Client;
+use super::error::{Client, with_request_id};
 use super::idle::IdleTimer;
 use super::stalls::{StallWatch, Watch, Watched};
 
@@ -97,10 +98,11 @@ struct State<B> {
     /// The hooks want to see the frames ([`Hooks::watch`]).
     watching: bool,
     /// The body is a server-sent-event stream (failures end it with an error event in the
-    /// envelope of this client's API).
-    sse: Option<Client>,
-    /// Everything passed so far ends at an event boundary (`\n\n`).
-    at_boundary: bool,
+    /// envelope of this client's API, naming the request's id).
+    sse: Option<(Client, Box<str>)>,
+    /// The last four bytes passed, to tell whether everything passed so far ends at an event
+    /// boundary ([`at_boundary`]) however the frames split it; `None` before any.
+    tail: Option<u32>,
     /// The final error event was sent: the body is over.
     done: bool,
     /// When the last frame was handed over, while nobody has asked for the next one yet
@@ -122,7 +124,7 @@ impl<B> Tracked<B> {
             seen_data: false,
             watching: true,
             sse: None,
-            at_boundary: true,
+            tail: None,
             done: false,
             handed: None,
             cut: false,
@@ -140,8 +142,10 @@ impl<B> Tracked<B> {
         self
     }
 
-    /// Marks the body as a server-sent-event stream to a client of this API.
-    pub fn sse(mut self, sse: Option<Client>) -> Self {
+    /// Marks the body as a server-sent-event stream to a client of this API, for the request
+    /// with this id.
+    pub fn sse(mut self, sse: Option<(Client, &str)>) -> Self {
+        let sse = sse.map(|(client, request_id)| (client, request_id.into()));
         match &mut self.held {
             Held::Own(state) => state.sse = sse,
             Held::Shared(shared) => lock(shared).sse = sse,
@@ -177,11 +181,12 @@ impl<B> State<B> {
     /// error itself (which aborts the client's response).
     fn fail(&mut self, error: BoxError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.end(End::Failed);
-        let Some(client) = self.sse.filter(|_| self.at_boundary) else {
+        let Some((client, request_id)) = self.sse.as_ref().filter(|_| at_boundary(self.tail)) else {
             return Poll::Ready(Some(Err(error)));
         };
         self.done = true;
-        let error = OpenAiError::new("server_error", format!("the replica's stream failed: {error}"));
+        let message = with_request_id(&format!("the replica's stream failed: {error}"), request_id);
+        let error = OpenAiError::new("server_error", message);
         let event = match client {
             Client::OpenAi => [b"data: ".as_slice(), &error.to_json(), b"\n\n"].concat(),
             Client::Anthropic => {
@@ -196,6 +201,14 @@ impl<B> State<B> {
             hooks.finish(end, self.scanner.cached_tokens);
         }
     }
+}
+
+/// Whether bytes ending in `tail` (the last four, [`State::tail`]) end a server-sent event:
+/// a blank line, `\n\n` or `\r\n\r\n`; nothing passed yet is a boundary too.
+fn at_boundary(tail: Option<u32>) -> bool {
+    tail.is_none_or(|t| {
+        t & 0xffff == u32::from_be_bytes(*b"\0\0\n\n") || t == u32::from_be_bytes(*b"\r\n\r\n")
+    })
 }
 
 impl<B> Drop for State<B> {
@@ -309,7 +322,9 @@ where
                 }
                 state.scanner.feed(data);
                 if !data.is_empty() {
-                    state.at_boundary = data.ends_with(b"\n\n") || data.ends_with(b"\r\n\r\n");
+                    let last = &data[data.len().saturating_sub(4)..];
+                    let tail = state.tail.unwrap_or(0);
+                    state.tail = Some(last.iter().fold(tail, |t, &b| (t << 8) | u32::from(b)));
                 }
             }
             timer.progress();
@@ -453,27 +468,54 @@ mod tests {
         assert_eq!(*ended.lock().unwrap(), Some(Some(5)), "and only once");
     }
 
+    /// How a stream whose replica sent `frames` and then failed ends for a `client` of the
+    /// request `req-7`: its bytes, or the error that aborted it.
+    async fn failed_after(frames: &[&'static str], client: Client) -> Result<String, BoxError> {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(8);
+        for frame in frames {
+            tx.send(Ok(Frame::data(Bytes::from_static(frame.as_bytes())))).await.unwrap();
+        }
+        tx.send(Err("cut".into())).await.unwrap();
+        let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let hooks = Box::new(Ended(Ending::default()));
+        let body = Tracked::new(inner, Duration::from_secs(5), hooks).sse(Some((client, "req-7")));
+        let bytes = body.collect().await?.to_bytes();
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
     /// A stream that fails at an event boundary ends with one error event, in the envelope
-    /// its client's API reads.
+    /// its client's API reads, naming the request; however the replica's frames split the
+    /// blank line that ends the last event.
     #[tokio::test]
     async fn a_failed_stream_ends_with_an_error_event_its_client_reads() {
+        let splits: [&[&str]; 4] = [
+            &["event: x\ndata: {}\n\n"],
+            &["event: x\ndata: {}\n", "\n"],
+            &["event: x\r\ndata: {}\r\n\r", "\n"],
+            &["event: x\r\ndata: {}\r", "\n", "\r", "\n"],
+        ];
         for (client, start) in [
             (Client::OpenAi, "data: {\"error\":{"),
             (Client::Anthropic, "event: error\ndata: {\"type\":\"error\",\"error\":{"),
         ] {
-            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
-            tx.send(Ok(Frame::data(Bytes::from_static(b"event: x\ndata: {}\n\n")))).await.unwrap();
-            tx.send(Err("cut".into())).await.unwrap();
-            let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-            let hooks = Box::new(Ended(Ending::default()));
-            let body = Tracked::new(inner, Duration::from_secs(5), hooks).sse(Some(client));
-            let bytes = body.collect().await.expect("ends with an event, not an error").to_bytes();
-            let text = String::from_utf8_lossy(&bytes);
-            let last = text.trim_end().rsplit("\n\n").next().unwrap();
-            assert!(last.starts_with(start), "{client:?}: {last}");
-            let json: serde_json::Value =
-                serde_json::from_str(last.rsplit("data: ").next().unwrap()).unwrap();
-            assert!(json["error"]["message"].as_str().is_some_and(|m| m.contains("cut")), "{json}");
+            for frames in splits {
+                let text = failed_after(frames, client).await.expect("ends with an event, not an error");
+                let event = text.strip_prefix(&frames.concat()).expect("the replica's bytes, then");
+                assert!(
+                    event.starts_with(start) && event.ends_with("\n\n"),
+                    "{client:?} {frames:?}: {event}"
+                );
+                let json: serde_json::Value =
+                    serde_json::from_str(event.trim_end().rsplit("data: ").next().unwrap()).unwrap();
+                let message = json["error"]["message"].as_str().unwrap_or_default();
+                assert!(message.contains("cut") && message.contains("(request id req-7)"), "{json}");
+            }
+        }
+        // Cut inside an event: an error event there would be read as part of it.
+        for frames in
+            [&["event: x\ndata: {}\n"][..], &["data: {}\n\n", "data: {"], &["data: {}\r\n\r\n", "x"]]
+        {
+            assert!(failed_after(frames, Client::OpenAi).await.is_err(), "{frames:?}");
         }
     }
 

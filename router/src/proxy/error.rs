@@ -37,6 +37,12 @@ impl Client {
     }
 }
 
+/// An error message of the router's, naming the request it answers (its `x-request-id`), so
+/// a client that logs only the message can find the request in the router's logs.
+pub fn with_request_id(message: &str, request_id: &str) -> String {
+    format!("{message} (request id {request_id})")
+}
+
 /// An error the router answers itself.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
@@ -180,7 +186,7 @@ impl ProxyError {
     /// [`ProxyError::into_response`], the body in the envelope `client` reads.
     pub fn into_response_for(self, request_id: &str, client: Client) -> Response<ProxyBody> {
         let mut err = self.openai();
-        err.message = format!("{} (request id {request_id})", err.message);
+        err.message = with_request_id(&err.message, request_id);
         let body = match client {
             Client::OpenAi => err.to_json(),
             Client::Anthropic => err.to_anthropic_json(),

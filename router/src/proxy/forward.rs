@@ -464,7 +464,7 @@ fn wrap(
             .then(|| Learner::new(config.owners.clone(), replica.into())),
     });
     // A stream that fails ends with an error event in the envelope its client reads.
-    let sse = sse.then(|| Client::of_path(client.uri.path()));
+    let sse = sse.then(|| (Client::of_path(client.uri.path()), admitted.request_id));
     let body = Tracked::new(body, config.idle_timeout, hooks).sse(sse).empty(empty);
     // An HTTP/1 client that stops reading is the server's send timeout's (its connection's
     // writes wait); an HTTP/2 stream without window is the stall watch's.

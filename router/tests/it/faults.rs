@@ -325,6 +325,7 @@ async fn stream_cut_mid_way_ends_with_an_error_event() {
         drain(response).await;
     };
     assert_eq!(response.status(), 200);
+    let request_id = response.headers()["x-request-id"].to_str().unwrap().to_owned();
     let first = response.body_mut().frame().await.expect("a first chunk").expect("no error yet");
     assert!(first.data_ref().is_some_and(|d| !d.is_empty()));
     switch.cut();
@@ -333,6 +334,7 @@ async fn stream_cut_mid_way_ends_with_an_error_event() {
     let last = text.trim_end().rsplit("\n\n").next().unwrap();
     assert!(last.starts_with("data: {\"error\""), "ends with an error event: {last}");
     load::assert_openai_error(last.trim_start_matches("data: ").as_bytes());
+    assert!(last.contains(&format!("(request id {request_id})")), "names the request: {last}");
     let next = post(&fleet, &words("aftercut", 8)).await;
     assert_eq!(next.status, 200, "retried elsewhere: {}", String::from_utf8_lossy(&next.body));
     assert_eq!(next.header("x-kvroute-replica"), Some("agent-1"));
