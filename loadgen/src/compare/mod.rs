@@ -98,7 +98,7 @@ pub async fn compare(
     let sent = config
         .live
         .max_requests
-        .map_or(trace.clone(), |n| Trace::new(trace.requests[..n.min(trace.len())].to_vec()));
+        .map_or(trace.clone(), |n| Trace::in_order(trace.requests[..n.min(trace.len())].to_vec()));
     let total_capacity = match config.total_capacity_blocks {
         Some(c) => c,
         None => fleet_capacity(&client, &config.replicas)
@@ -185,7 +185,7 @@ fn requests_served(trace: &Trace, run: &live::LiveReport) -> Option<Trace> {
         return None;
     }
     served.sort_unstable();
-    Some(Trace::new(served.into_iter().filter_map(|i| trace.requests.get(i).cloned()).collect()))
+    Some(Trace::in_order(served.into_iter().filter_map(|i| trace.requests.get(i).cloned()).collect()))
 }
 
 /// Writes `report.json` and the plots into `dir` (created if missing).

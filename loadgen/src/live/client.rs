@@ -340,7 +340,8 @@ struct Completion {
 }
 
 /// OpenAI's `usage`, its Responses API's (`input_tokens` with `input_tokens_details`), or
-/// Anthropic's (`input_tokens` is the prompt less its cache hits).
+/// Anthropic's (the prompt is `input_tokens` + `cache_creation_input_tokens` +
+/// `cache_read_input_tokens`).
 #[derive(Clone, Copy, Debug, Default, Deserialize)]
 struct Usage {
     prompt_tokens: Option<u64>,
@@ -349,6 +350,7 @@ struct Usage {
     input_tokens: Option<u64>,
     input_tokens_details: Option<PromptTokensDetails>,
     output_tokens: Option<u64>,
+    cache_creation_input_tokens: Option<u64>,
     cache_read_input_tokens: Option<u64>,
 }
 
@@ -357,7 +359,11 @@ impl Usage {
         if self.input_tokens_details.is_some() {
             return self.prompt_tokens.or(self.input_tokens);
         }
-        self.prompt_tokens.or_else(|| Some(self.input_tokens? + self.cache_read_input_tokens.unwrap_or(0)))
+        self.prompt_tokens.or_else(|| {
+            let cached =
+                self.cache_creation_input_tokens.unwrap_or(0) + self.cache_read_input_tokens.unwrap_or(0);
+            Some(self.input_tokens? + cached)
+        })
     }
 
     fn completion_tokens(&self) -> u64 {
@@ -379,6 +385,9 @@ impl Usage {
             input_tokens: newer.input_tokens.or(self.input_tokens),
             input_tokens_details: newer.input_tokens_details.or(self.input_tokens_details),
             output_tokens: newer.output_tokens.or(self.output_tokens),
+            cache_creation_input_tokens: newer
+                .cache_creation_input_tokens
+                .or(self.cache_creation_input_tokens),
             cache_read_input_tokens: newer.cache_read_input_tokens.or(self.cache_read_input_tokens),
         }
     }
@@ -511,7 +520,8 @@ mod tests {
     #[test]
     fn an_anthropic_stream_gives_ttft_usage_and_done() {
         let text = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\
-                    \"usage\":{\"input_tokens\":8,\"output_tokens\":0,\"cache_read_input_tokens\":32}}}\n\n\
+                    \"usage\":{\"input_tokens\":8,\"output_tokens\":0,\"cache_creation_input_tokens\":100,\
+                    \"cache_read_input_tokens\":32}}}\n\n\
                     event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0}\n\n\
                     event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\
                     \"delta\":{\"type\":\"text_delta\",\"text\":\"a\"}}\n\n\
@@ -528,7 +538,8 @@ mod tests {
             let usage = sse.usage.unwrap();
             assert_eq!(
                 (usage.prompt_tokens(), usage.cached_tokens(), usage.completion_tokens()),
-                (Some(40), Some(32), 2)
+                (Some(140), Some(32), 2),
+                "the prompt counts the tokens written to the cache"
             );
         }
         let mut sse = SseState::default();

@@ -34,7 +34,7 @@ use tokio_util::task::TaskTracker;
 pub use client::{Client, ErrorKind, PromptFormat, Success};
 pub use report::{HitRateSource, LiveReport, Percentiles, ReplicaShare, RequestRecord};
 
-use crate::workload::{Request, Trace, after_poisson_gap};
+use crate::workload::{Request, Trace, after_poisson_gap, arrivals_at};
 
 /// When requests are sent.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -204,11 +204,11 @@ fn schedule(requests: &[Request], arrivals: Arrivals) -> Result<Vec<Duration>, L
     let last = |at: &[Duration]| at.iter().max().copied().unwrap_or_default();
     let at = match arrivals {
         Arrivals::Trace { speedup } => {
+            // From the first request: a trace cut from a longer one starts at once.
             let too_long = || LiveError::Schedule(format!("speed-up {speedup}"));
-            let at = requests
-                .iter()
-                .map(|r| r.arrival_at(speedup).ok_or_else(too_long))
-                .collect::<Result<Vec<_>, _>>()?;
+            let arrivals = arrivals_at(requests, speedup).ok_or_else(too_long)?;
+            let first = arrivals.first().copied().unwrap_or_default();
+            let at: Vec<Duration> = arrivals.into_iter().map(|a| a - first).collect();
             Instant::now().checked_add(last(&at)).ok_or_else(too_long)?;
             at
         }
@@ -323,4 +323,24 @@ fn progress_bar(config: &LiveConfig, len: usize) -> ProgressBar {
     bar.set_style(style);
     bar.set_prefix(config.label.clone());
     bar
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(millis: u64) -> Request {
+        Request { arrival: Duration::from_millis(millis), input_len: 1, output_len: 1, hash_ids: vec![1] }
+    }
+
+    /// A trace's requests go out from its first arrival (one cut from the middle of a longer
+    /// trace starts at once), in its order, never before the one listed before them.
+    #[test]
+    fn a_trace_is_sent_from_its_first_arrival_in_its_order() {
+        let ms = Duration::from_millis;
+        let requests = [at(10_000), at(12_000), at(11_000), at(14_000)];
+        let got = schedule(&requests, Arrivals::Trace { speedup: 2.0 }).unwrap();
+        assert_eq!(got, [ms(0), ms(1000), ms(1000), ms(2000)]);
+        assert!(schedule(&requests, Arrivals::Trace { speedup: 1e-300 }).is_err());
+    }
 }

@@ -2,7 +2,9 @@
 //! of the router's routing policies, with no network and no clock.
 //!
 //! # Algorithm
-//! For each request in arrival order, at simulated time `arrival / speedup`:
+//! For each request in the trace's order (a file's, as seed 000 replays it), at simulated
+//! time `arrival / speedup` (never before the request listed before it,
+//! [`Trace::arrivals_at`]):
 //! 1. every replica's [`engine`] model runs up to that instant, so its [`Load`] is what the
 //!    router would see live (requests in flight, uncached prompt tokens not yet prefilled,
 //!    waiting queue, and the [`RecentTokens`] sum of prompt tokens routed to it, which the
@@ -165,9 +167,7 @@ pub fn check(trace: &Trace, config: &SimConfig) -> Result<(), SimError> {
     if !(config.speedup.is_finite() && config.speedup > 0.0) {
         return Err(SimError::Speedup(config.speedup));
     }
-    if let Some(last) = trace.requests.iter().max_by_key(|r| r.arrival) {
-        last.arrival_at(config.speedup).ok_or(SimError::Speedup(config.speedup))?;
-    }
+    trace.arrivals_at(config.speedup).ok_or(SimError::Speedup(config.speedup))?;
     // A hash id stands for 512 tokens; at another block size each would count as one block
     // of that size, in the cache's capacity and in every hit.
     if config.blocks.resolve(config.block_size) == BlockIdentity::HashIds
@@ -216,8 +216,8 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
     let mut timings: Vec<Option<Timing>> = vec![None; trace.len()];
     let mut results = Vec::with_capacity(trace.len());
     let mut views = Vec::with_capacity(n);
-    for (index, request) in trace.requests.iter().enumerate() {
-        let now = request.arrival_at(config.speedup).ok_or(SimError::Speedup(config.speedup))?;
+    let arrivals = trace.arrivals_at(config.speedup).ok_or(SimError::Speedup(config.speedup))?;
+    for (index, (request, &now)) in trace.requests.iter().zip(&arrivals).enumerate() {
         let blocks: Vec<BlockHash> = match identity {
             BlockIdentity::Tokens => request.chained_blocks(&namespace, config.block_size),
             _ => request.hash_ids.iter().map(|&h| BlockHash(h)).collect(),

@@ -115,17 +115,33 @@ pub fn block_tokens(id: u64) -> Vec<u32> {
     (0..TRACE_BLOCK_SIZE).map(|i| block_token(id, i)).collect()
 }
 
-/// A workload: requests in arrival order.
+/// A workload: requests in the order they are replayed. A trace read from a file keeps the
+/// file's order, which is what seed 000 replays (a timestamp plays no part there); times are
+/// then read in that order ([`Trace::arrivals_at`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Trace {
     pub requests: Vec<Request>,
 }
 
 impl Trace {
-    /// Wraps requests, sorting them by arrival (stable, so equal arrivals keep their order).
+    /// Wraps requests, sorting them by arrival (stable, so equal arrivals keep their order):
+    /// a generated workload.
     pub fn new(mut requests: Vec<Request>) -> Self {
         requests.sort_by_key(|r| r.arrival);
         Self { requests }
+    }
+
+    /// Wraps requests in the order given (a trace file's, or part of a trace).
+    pub fn in_order(requests: Vec<Request>) -> Self {
+        Self { requests }
+    }
+
+    /// Each request's arrival with the workload played `speedup` times as fast, in the
+    /// trace's order: one listed after a later one arrives with it (time does not run
+    /// backwards in a replay that keeps the order). `None` when a time is past what a
+    /// [`Duration`] holds (a tiny speed-up).
+    pub fn arrivals_at(&self, speedup: f64) -> Option<Vec<Duration>> {
+        arrivals_at(&self.requests, speedup)
     }
 
     pub fn len(&self) -> usize {
@@ -141,10 +157,26 @@ impl Trace {
         self.requests.iter().map(|r| r.input_len as u64).sum()
     }
 
-    /// Arrival of the last request.
+    /// From the first arrival to the last ([`Trace::arrivals_at`]).
     pub fn duration(&self) -> Duration {
-        self.requests.last().map_or(Duration::ZERO, |r| r.arrival)
+        let arrivals = self.arrivals_at(1.0).unwrap_or_default();
+        match (arrivals.first(), arrivals.last()) {
+            (Some(first), Some(last)) => *last - *first,
+            _ => Duration::ZERO,
+        }
     }
+}
+
+/// [`Trace::arrivals_at`] of `requests`, in their order.
+pub fn arrivals_at(requests: &[Request], speedup: f64) -> Option<Vec<Duration>> {
+    let mut latest = Duration::ZERO;
+    requests
+        .iter()
+        .map(|r| {
+            latest = latest.max(r.arrival_at(speedup)?);
+            Some(latest)
+        })
+        .collect()
 }
 
 /// `ceil(input_len / 512)`: how many content blocks a prompt has.
@@ -207,10 +239,27 @@ mod tests {
         r1.arrival = Duration::from_millis(5);
         let r2 = req(2, vec![2]);
         let r3 = req(3, vec![3]);
-        let t = Trace::new(vec![r1, r2, r3]);
+        let t = Trace::new(vec![r1.clone(), r2.clone(), r3.clone()]);
         let lens: Vec<_> = t.requests.iter().map(|r| r.input_len).collect();
         assert_eq!(lens, [2, 3, 1]);
         assert_eq!(t.duration(), Duration::from_millis(5));
         assert_eq!(t.prompt_tokens(), 6);
+        // A file's order is kept; a request listed after a later one arrives with it.
+        let file = Trace::in_order(vec![r2, r1, r3]);
+        let lens: Vec<_> = file.requests.iter().map(|r| r.input_len).collect();
+        assert_eq!(lens, [2, 1, 3]);
+        let ms = |v: u64| Duration::from_millis(v);
+        assert_eq!(file.arrivals_at(1.0), Some(vec![ms(0), ms(5), ms(5)]));
+        assert_eq!(file.arrivals_at(0.5), Some(vec![ms(0), ms(10), ms(10)]));
+        assert_eq!(file.arrivals_at(1e-300), None);
+    }
+
+    /// A trace cut from the middle of a longer one lasts from its first arrival.
+    #[test]
+    fn a_traces_duration_runs_from_its_first_arrival() {
+        let at = |secs: u64| Request { arrival: Duration::from_secs(secs), ..req(1, vec![1]) };
+        assert_eq!(Trace::in_order(vec![at(10), at(12)]).duration(), Duration::from_secs(2));
+        assert_eq!(Trace::in_order(vec![at(10), at(8), at(12)]).duration(), Duration::from_secs(2));
+        assert_eq!(Trace::default().duration(), Duration::ZERO);
     }
 }

@@ -80,7 +80,7 @@ pub fn read_file(path: &Path) -> Result<Trace, TraceError> {
     read(BufReader::new(file))
 }
 
-/// Reads a Mooncake trace; fails on the first bad line.
+/// Reads a Mooncake trace, in the file's order; fails on the first bad line.
 pub fn read(reader: impl BufRead) -> Result<Trace, TraceError> {
     let mut requests = Vec::new();
     for (index, line) in reader.lines().enumerate() {
@@ -94,7 +94,7 @@ pub fn read(reader: impl BufRead) -> Result<Trace, TraceError> {
         let request = parse(raw).map_err(|problem| TraceError::Invalid { line: line_no, problem })?;
         requests.push(request);
     }
-    Ok(Trace::new(requests))
+    Ok(Trace::in_order(requests))
 }
 
 fn parse(raw: InLine) -> Result<Request, LineProblem> {
@@ -146,17 +146,17 @@ mod tests {
     }
 
     #[test]
-    fn reads_sorts_and_round_trips() {
+    fn reads_in_the_files_order_and_round_trips() {
         let text = "{\"timestamp\": 20, \"input_length\": 600, \"output_length\": 3, \"hash_ids\": [1, 2]}\n\
                     \n\
                     {\"timestamp\": 10.5, \"input_length\": 512, \"output_length\": 0, \"hash_ids\": [1], \"extra\": true}\n";
         let trace = read_str(text).unwrap();
         assert_eq!(trace.len(), 2);
-        assert_eq!(trace.requests[0].arrival, Duration::from_micros(10_500));
-        assert_eq!(trace.requests[1].hash_ids, [1, 2]);
+        assert_eq!(trace.requests[0].hash_ids, [1, 2]);
+        assert_eq!(trace.requests[1].arrival, Duration::from_micros(10_500));
 
         let mut whole = trace.clone();
-        whole.requests[0].arrival = Duration::from_millis(10);
+        whole.requests[1].arrival = Duration::from_millis(10);
         let mut buf = Vec::new();
         write(&whole, &mut buf).unwrap();
         assert_eq!(read_str(std::str::from_utf8(&buf).unwrap()).unwrap(), whole);

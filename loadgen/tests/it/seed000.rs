@@ -75,8 +75,9 @@ fn small_trace_a_matches_hand_checked_numbers() {
 }
 
 /// `small_b.jsonl`: 20 requests on a prefix tree with partial last blocks and a few
-/// out-of-order timestamps, capacity 10 (S3FIFO: small 1, main 9); numbers from the Python
-/// reference. S3FIFO ends below capacity, as seed 000 warns it may.
+/// out-of-order timestamps (replayed in the file's order, each result in its line's place),
+/// capacity 10 (S3FIFO: small 1, main 9); numbers from the Python reference. S3FIFO ends
+/// below capacity, as seed 000 warns it may.
 #[test]
 fn small_trace_b_matches_the_reference() {
     let trace = read(&data("small_b.jsonl"));
@@ -88,7 +89,7 @@ fn small_trace_b_matches_the_reference() {
             prompt_tokens: 19066,
             final_blocks: 10,
             per_request: &[
-                0, 60, 429, 64, 0, 512, 512, 512, 950, 1024, 0, 429, 1024, 553, 1024, 486, 364, 920, 61, 460,
+                0, 60, 429, 0, 64, 512, 512, 512, 950, 1024, 0, 429, 553, 1024, 486, 1024, 364, 61, 920, 460,
             ],
         },
         Expected {
@@ -98,7 +99,7 @@ fn small_trace_b_matches_the_reference() {
             prompt_tokens: 19066,
             final_blocks: 10,
             per_request: &[
-                0, 60, 429, 64, 0, 512, 512, 512, 950, 1024, 512, 429, 1024, 553, 1024, 486, 364, 920, 61,
+                0, 60, 429, 0, 64, 512, 512, 512, 950, 1024, 512, 429, 553, 1024, 486, 1024, 364, 61, 920,
                 460,
             ],
         },
@@ -109,7 +110,7 @@ fn small_trace_b_matches_the_reference() {
             prompt_tokens: 19066,
             final_blocks: 7,
             per_request: &[
-                0, 0, 429, 64, 0, 512, 0, 512, 512, 512, 512, 429, 1024, 553, 1024, 486, 364, 920, 61, 460,
+                0, 0, 429, 0, 64, 512, 0, 512, 512, 512, 512, 429, 553, 1024, 486, 1024, 364, 61, 920, 460,
             ],
         },
     ];
@@ -120,6 +121,27 @@ fn small_trace_b_matches_the_reference() {
 
 /// The shared trace (3,993 requests, 121,877 block accesses) against the Python reference:
 /// `python3 tests/data/seed000_reference.py TRACE --policy P --capacity C`.
+/// Seed 000 replays a trace in its file's order, whatever the timestamps say: here the
+/// third line's block would hit had the replay gone by time (after the first), but the
+/// second line's block evicted it first (one block of LRU).
+#[test]
+fn a_trace_is_replayed_in_its_files_order() {
+    let lines = [(0, 1), (20, 2), (10, 1)].map(|(t, id)| {
+        format!(r#"{{"timestamp":{t},"input_length":512,"output_length":1,"hash_ids":[{id}]}}"#)
+    });
+    let trace = kvroute_loadgen::workload::mooncake::read(lines.join("\n").as_bytes()).unwrap();
+    let report = replay(&trace, Eviction::Lru, 1);
+    let want = Expected {
+        eviction: Eviction::Lru,
+        capacity: 1,
+        hit_tokens: 0,
+        prompt_tokens: 1536,
+        final_blocks: 1,
+        per_request: &[0, 0, 0],
+    };
+    check(&report, &want);
+}
+
 #[test]
 fn shared_trace_matches_the_reference() {
     let Some(path) = shared_trace() else {
