@@ -234,7 +234,7 @@ impl Relay {
             }
         };
         for stream in [&accepted, &dialed] {
-            stream.set_nodelay(true).ok();
+            tune(stream);
         }
         let (accepted_read, accepted_write) = accepted.into_split();
         let (dialed_read, mut dialed_write) = dialed.into_split();
@@ -358,6 +358,24 @@ async fn to_peer(
     }
 }
 
+/// TCP keepalive on a relayed connection: a peer whose host died or was cut off without a
+/// FIN or RST (power lost, a partition) is found in about [`KEEPALIVE_IDLE`] + 3 ×
+/// [`KEEPALIVE_INTERVAL`] of silence. A vLLM publisher sends nothing while idle and `zeromq`
+/// has no heartbeat, so without it a SUB would wait on a dead peer for ever, its replica's
+/// index entries kept and its stream still counted as followed.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+
+/// A relayed connection's options: no Nagle delay, and keepalive ([`KEEPALIVE_IDLE`]).
+fn tune(stream: &TcpStream) {
+    stream.set_nodelay(true).ok();
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(3);
+    socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive).ok();
+}
+
 /// Most bytes of the accepted side's kept while the target is being reached: a greeting and
 /// handshake are far fewer.
 const EARLY_BYTES: usize = 64 << 10;
@@ -382,6 +400,20 @@ async fn dial(target: &str) -> io::Result<TcpStream> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A relayed connection notices a dead peer it never hears from again.
+    #[tokio::test]
+    async fn relayed_connections_keep_alive() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let socket = socket2::SockRef::from(&stream);
+        assert!(!socket.keepalive().unwrap());
+        tune(&stream);
+        assert!(socket.keepalive().unwrap() && stream.nodelay().unwrap());
+        assert_eq!(socket.tcp_keepalive_time().unwrap(), KEEPALIVE_IDLE);
+        assert_eq!(socket.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
+        assert_eq!(socket.tcp_keepalive_retries().unwrap(), 3);
+    }
 
     #[tokio::test]
     async fn endpoints_that_are_not_tcp_are_not_relayed_and_bad_ones_refused() {

@@ -279,9 +279,12 @@ impl Ingest {
         let removal = tokio::spawn(async move {
             running.cancel.cancel();
             running.tasks.wait().await;
-            let replica = inner.replicas.remove(id)?;
+            // The name stays registered until all is freed: a replica added again under it
+            // (same id) must find no blocks or label sets of this one's to lose.
+            let replica = inner.replicas.get(id)?;
             let freed = inner.index.clear_replica(id);
             inner.metrics.forget(&replica.spec.name);
+            inner.replicas.remove(id)?;
             Some(freed)
         });
         removal.await.ok().flatten()

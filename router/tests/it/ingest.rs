@@ -660,6 +660,32 @@ async fn a_removal_abandoned_midway_still_completes() {
     assert_eq!(h.index.blocks(r.id), 0);
 }
 
+/// A removal frees the name last: once a replica added again under it could take the id, the
+/// old one's blocks are gone (the index is cleared shard by shard, which takes a while for a
+/// large one), and its metric label sets are not dropped after the new one made its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_name_is_free_only_once_everything_is_freed() {
+    let h = Harness::start();
+    let p = AgentPublisher::start(EventFormat::Kvroute, true).await;
+    let (r, _) = h.add(spec("big", EngineKind::Kvroute, &p.events, p.replay.as_deref()));
+    h.synced(&r).await;
+    let mut rng = Rng::new(35);
+    for _ in 0..2000 {
+        h.index.store(r.id, &chain(&rng.tokens(128)));
+    }
+    assert_eq!(h.index.blocks(r.id), 256_000);
+    let (ingest, id) = (h.ingest.clone(), r.id);
+    let removal = tokio::spawn(async move { ingest.remove_replica(id).await });
+    while h.ingest.replicas().by_name("big").is_some() {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(h.index.blocks(id), 0, "freed before the name");
+    let (again, _) = h.add(spec("big", EngineKind::Kvroute, &p.events, p.replay.as_deref()));
+    assert_eq!(removal.await.unwrap(), Some(256_000));
+    h.synced(&again).await;
+    assert!(h.scrape().contains("replica=\"big\""), "the new one's metrics are kept");
+}
+
 /// A replica added again under a name (same id) starts without credits: a decision made as
 /// its predecessor was removed may have credited that id after its credits were forgotten.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
