@@ -116,8 +116,16 @@ impl RouterAdmin for AdminService {
         let path = if request.path.is_empty() { "/v1/completions" } else { request.path.as_str() };
         let endpoint = Endpoint::from_path(path)
             .ok_or_else(|| Status::invalid_argument(format!("{path} is not a routed path")))?;
-        let plan = self.state.decider.explain(endpoint, &request.body).await.map_err(|e| match e {
+        // A request the proxy would refuse (malformed, or beyond --max-prompt-tokens or
+        // --max-completion-tokens) is explained by that refusal.
+        let plan = async {
+            let plan = self.state.decider.explain(endpoint, &request.body).await?;
+            self.state.limits.check(&plan, endpoint)?;
+            Ok(plan)
+        };
+        let plan = plan.await.map_err(|e| match e {
             ProxyError::BadRequest(e) => Status::invalid_argument(e.to_string()),
+            e if e.status().is_client_error() => Status::invalid_argument(e.to_string()),
             e => Status::unavailable(e.to_string()),
         })?;
         let candidates =
@@ -136,11 +144,14 @@ impl RouterAdmin for AdminService {
         request: Request<pb::AddReplicaRequest>,
     ) -> Result<Response<pb::ReplicaStatus>, Status> {
         let spec = request.into_inner().spec.ok_or_else(|| Status::invalid_argument("spec is required"))?;
-        let engine = pb::EngineKind::try_from(spec.engine)
-            .ok()
-            .filter(|e| *e != pb::EngineKind::Unspecified)
-            .map_or(Ok(EngineKind::Kvroute), EngineKind::try_from)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        // Unspecified is the default; a value this router does not know (a newer client's) is
+        // refused, not taken for the default.
+        let engine = match pb::EngineKind::try_from(spec.engine) {
+            Ok(pb::EngineKind::Unspecified) => Ok(EngineKind::Kvroute),
+            Ok(engine) => EngineKind::try_from(engine).map_err(|e| e.to_string()),
+            Err(_) => Err(format!("unknown engine kind {}", spec.engine)),
+        }
+        .map_err(Status::invalid_argument)?;
         if !spec.http_url.starts_with("http://") {
             return Err(Status::invalid_argument(format!(
                 "http_url {:?} is not an http:// URL (the router speaks plain HTTP/1.1 to replicas)",
@@ -163,8 +174,10 @@ impl RouterAdmin for AdminService {
         request: Request<pb::RemoveReplicaRequest>,
     ) -> Result<Response<pb::RemoveReplicaResponse>, Status> {
         let id = request.into_inner().id;
-        let freed = self.fleet().remove(&id).await;
+        // Before the removal's wait: a call cancelled there (its deadline passed) still removes
+        // the replica, and must not leave the name drained for one added under it later.
         self.fleet().forget_drain(&id);
+        let freed = self.fleet().remove(&id).await;
         Ok(Response::new(pb::RemoveReplicaResponse {
             removed: freed.is_some(),
             blocks_freed: freed.unwrap_or(0) as u64,

@@ -134,8 +134,8 @@ impl DiscoveryConfig {
         if self.discovery == DiscoveryMode::K8s && !cfg!(feature = "k8s") {
             errors.push("--discovery k8s needs a router built with the `k8s` feature".to_owned());
         }
-        if self.discovery_dp_size == 0 {
-            errors.push("--discovery-dp-size must be at least 1".to_owned());
+        if !(1..=crate::replicas::MAX_DP_SIZE).contains(&self.discovery_dp_size) {
+            errors.push(format!("--discovery-dp-size must be 1 to {}", crate::replicas::MAX_DP_SIZE));
         }
         if self.discovery_interval_ms == 0 {
             errors.push("--discovery-interval-ms must be at least 1".to_owned());
@@ -243,6 +243,9 @@ mod tests {
         };
         assert_eq!(ranks(4, 65532, Some(65530)).validate(), Ok(()));
         assert_eq!(ranks(4, 65533, Some(65534)).validate().unwrap_err().len(), 2);
+        // More ranks than a replica may have would have every discovered replica refused.
+        assert_eq!(ranks(1024, 5557, None).validate(), Ok(()));
+        assert_eq!(ranks(1025, 5557, None).validate().unwrap_err().len(), 1);
     }
 
     /// How the router's `Config` embeds it: flattened into the layered flags > env > file

@@ -92,8 +92,40 @@ async fn list_explain_drain_remove_and_add() {
     let fleet_handle = fleet.router.fleet().clone();
     wait_until("re-added replica syncs from its snapshot", || fleet_handle.ready()).await;
     assert!(index.blocks(home_id) > 0, "the snapshot restored its blocks");
-    let dup = admin.add_replica(pb::AddReplicaRequest { spec: Some(spec) }).await;
+    let dup = admin.add_replica(pb::AddReplicaRequest { spec: Some(spec.clone()) }).await;
     assert_eq!(dup.unwrap_err().code(), tonic::Code::InvalidArgument);
+    // An engine kind this router does not know (a newer client's) is refused, not taken for
+    // the default.
+    let newer = pb::ReplicaSpec { id: "newer".into(), engine: 7, ..spec };
+    let refused = admin.add_replica(pb::AddReplicaRequest { spec: Some(newer) }).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    assert!(fleet.router.fleet().member("newer").is_none());
+}
+
+/// A `RemoveReplica` cut short while it waits (its deadline passed, its client went away)
+/// still removes the replica, in the background; the drain goes with it, so a replica added
+/// under the name later serves.
+#[tokio::test]
+async fn a_removal_cut_short_takes_its_drain_with_it() {
+    use futures::FutureExt;
+    use kvroute_proto::pb::router_admin_server::RouterAdmin;
+    let fleet = Fleet::start(2).await;
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
+    let router_fleet = fleet.router.fleet().clone();
+    let agent = fleet.agents.iter().flatten().find(|a| a.name == "agent-0").unwrap();
+    let spec = replica_config(agent).to_spec(crate::fleet::FLEET_MODEL, crate::fleet::FLEET_BLOCK);
+    admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: true }).await.unwrap();
+    let service = kvroute_router::admin::AdminService::new(
+        fleet.router.state.clone(),
+        crate::fleet::FLEET_MODEL.into(),
+        crate::fleet::FLEET_BLOCK,
+    );
+    let call = service.remove_replica(Request::new(pb::RemoveReplicaRequest { id: "agent-0".into() }));
+    assert!(call.now_or_never().is_none(), "cut short while the replica's tasks stop");
+    let ingest = router_fleet.ingest().clone();
+    wait_until("the removal completes on its own", || ingest.replicas().by_name("agent-0").is_none()).await;
+    router_fleet.add(spec).unwrap();
+    assert!(!router_fleet.member("agent-0").unwrap().upstream.is_draining(), "a new replica under the name");
 }
 
 #[tokio::test]

@@ -128,6 +128,19 @@ async fn long_prompts_and_large_max_tokens_get_400_before_forwarding() {
     let fine =
         fleet.http.post(&url, &json!({"model": FLEET_MODEL, "prompt": words(8), "max_tokens": 100})).await;
     assert_eq!(fine.status, 200);
+    // The admin service's Explain says what the proxy would do: refuse it.
+    let mut admin =
+        kvroute_proto::pb::router_admin_client::RouterAdminClient::connect(fleet.router.admin_url())
+            .await
+            .unwrap();
+    let explain = |prompt: String| kvroute_proto::pb::ExplainRequest {
+        path: "/v1/completions".into(),
+        body: json!({"model": FLEET_MODEL, "prompt": prompt, "max_tokens": 1}).to_string().into_bytes(),
+    };
+    let refused = admin.explain(explain(words(200))).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(refused.message().contains("32"), "{refused:?}");
+    assert!(admin.explain(explain(words(8))).await.is_ok());
 }
 
 #[tokio::test]
