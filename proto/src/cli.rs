@@ -12,6 +12,7 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
+use clap::ArgAction;
 use clap::parser::ValueSource;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -64,9 +65,17 @@ where
     let mut unknown = Vec::new();
     for (key, value) in file {
         // A key is its flag's long name exactly: serde reads no other spelling, so a
-        // `block_size` accepted here would be dropped without a word.
-        let flag =
-            |name: &str| command.get_arguments().find(|a| a.get_long() == Some(name) && name != "config");
+        // `block_size` accepted here would be dropped without a word. `config`, `help` and
+        // `version` are flags but no settings.
+        let setting = |a: &clap::Arg| {
+            !matches!(
+                a.get_action(),
+                ArgAction::Help | ArgAction::HelpShort | ArgAction::HelpLong | ArgAction::Version
+            )
+        };
+        let flag = |name: &str| {
+            command.get_arguments().find(|a| a.get_long() == Some(name) && name != "config" && setting(a))
+        };
         let Some(arg) = flag(&key) else {
             let kebab = key.replace('_', "-");
             unknown.push(match flag(&kebab) {
@@ -182,6 +191,10 @@ mod tests {
             matches!(err, ConfigError::File { ref message, .. } if message.contains("config")),
             "{err:?}"
         );
+        // So are clap's own flags, which set nothing.
+        let f = file("help = true\n");
+        let err = parse_from::<Demo, _, _>(["x", "--config", f.0.to_str().unwrap()]).unwrap_err();
+        assert!(matches!(err, ConfigError::File { ref message, .. } if message.contains("help")), "{err:?}");
     }
 
     #[test]
