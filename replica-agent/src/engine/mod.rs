@@ -131,6 +131,9 @@ pub struct EngineMetrics {
     pub prefix_cache_queries: AtomicU64,
     pub prefix_cache_hits: AtomicU64,
     pub resident_blocks: AtomicU64,
+    /// Distinct blocks running requests hold (pinned): what vLLM counts as used, its other
+    /// cached blocks being free to evict.
+    pub used_blocks: AtomicU64,
     pub pending_prefill_tokens: AtomicU64,
     pub events_published: AtomicU64,
     pub steps: AtomicU64,

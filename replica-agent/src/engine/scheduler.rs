@@ -124,6 +124,7 @@ impl Scheduler {
                     if result.is_ok() {
                         state.blocks.clear();
                         self.metrics.resident_blocks.store(0, Ordering::Relaxed);
+                        self.metrics.used_blocks.store(0, Ordering::Relaxed);
                         state
                             .outbox
                             .events()
@@ -155,6 +156,7 @@ impl Scheduler {
                 if outcome.is_ok() {
                     record_events(&mut state, &self.scratch, job, block_size);
                     self.metrics.resident_blocks.store(state.cache.len() as u64, Ordering::Relaxed);
+                    self.metrics.used_blocks.store(state.cache.pinned_len() as u64, Ordering::Relaxed);
                 }
                 outcome
             };
@@ -263,6 +265,7 @@ impl Scheduler {
             }
             !r.gone
         });
+        self.metrics.used_blocks.store(state.cache.pinned_len() as u64, Ordering::Relaxed);
         drop(state);
         self.metrics.running.store(self.running.len() as u64, Ordering::Relaxed);
         self.update_pending();

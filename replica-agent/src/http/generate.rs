@@ -185,13 +185,14 @@ pub(super) async fn generate(
         _ => parse_extras(body, request.stream())?,
     };
     let jobs = jobs(state, &request)?;
-    // Every choice is an engine request, all queued at once: an `n` that needs more than
-    // the queue holds could never be admitted (a 503 would send it on to the next replica,
-    // to the same end).
+    // Every choice of every prompt is an engine request, all queued at once: a request that
+    // needs more than the queue holds could never be admitted (a 503 would send it on to the
+    // next replica, to the same end).
     let max_waiting = state.engine().config().max_waiting;
-    if n > 1 && jobs.len().saturating_mul(n as usize) > max_waiting {
+    let requests = jobs.len().saturating_mul(n as usize);
+    if requests > max_waiting {
         return Err(ApiError::bad_request(format!(
-            "n ({n}) times the {} prompts is more requests than this replica queues ({max_waiting})",
+            "{} prompts times n ({n}) is {requests} requests, more than this replica queues ({max_waiting})",
             jobs.len()
         )));
     }

@@ -10,7 +10,7 @@
 //! |---|---|---|
 //! | `vllm:num_requests_running` | gauge | sequences in the running batch |
 //! | `vllm:num_requests_waiting` | gauge | requests waiting for admission |
-//! | `vllm:kv_cache_usage_perc` | gauge | resident blocks / capacity, 0..1 (vLLM's unit) |
+//! | `vllm:kv_cache_usage_perc` | gauge | blocks running requests hold / capacity, 0..1: as vLLM's, which counts cached blocks no request holds as free (evictable) |
 //! | `vllm:prefix_cache_queries_total` | counter | prompt tokens looked up in the prefix cache |
 //! | `vllm:prefix_cache_hits_total` | counter | of those, tokens served from the cache |
 //! | `vllm:prompt_tokens_total` | counter | prompt tokens of admitted requests |
@@ -41,8 +41,8 @@ pub(super) fn render(state: &AppState) -> Response<Body> {
     let m = engine.metrics();
     let capacity = engine.config().cache.capacity_blocks as u64;
     let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-    let resident = load(&m.resident_blocks);
-    let usage = if capacity == 0 { 0.0 } else { resident as f64 / capacity as f64 };
+    let used = load(&m.used_blocks);
+    let usage = if capacity == 0 { 0.0 } else { used as f64 / capacity as f64 };
 
     let mut out = Exposition::new(&state.config().model);
     out.gauge(
@@ -91,7 +91,11 @@ pub(super) fn render(state: &AppState) -> Response<Body> {
         "Uncached prompt tokens of admitted requests still to prefill.",
         load(&m.pending_prefill_tokens),
     );
-    out.gauge("kvroute_agent_resident_blocks", "Blocks resident in the prefix cache.", resident);
+    out.gauge(
+        "kvroute_agent_resident_blocks",
+        "Blocks resident in the prefix cache.",
+        load(&m.resident_blocks),
+    );
     out.gauge("kvroute_agent_capacity_blocks", "Prefix-cache capacity in blocks.", capacity);
 
     let mut response = Response::new(full(out.text));

@@ -315,6 +315,13 @@ async fn stream_chunks_arrive_while_the_engine_is_generating() {
     // The request is still running: the chunk was flushed mid-generation.
     let m = metrics(c).await;
     assert_eq!(m["vllm:num_requests_running"], 1.0);
+    let held = m["kvroute_agent_resident_blocks"];
+    assert!(held > 0.0);
+    assert_eq!(
+        m["vllm:kv_cache_usage_perc"],
+        held / agent.config.capacity_blocks as f64,
+        "its blocks are used"
+    );
     // Its blocks are pinned, so the cache cannot be reset now.
     let reply = c.request(Method::POST, "/reset_prefix_cache", "").await;
     assert_eq!(reply.status, StatusCode::CONFLICT);
@@ -355,8 +362,10 @@ async fn metrics_parse_and_prefix_cache_counters_move() {
     assert_eq!(delta("vllm:request_success_total"), 2.0);
     assert!(delta("kvroute_agent_events_published_total") >= 1.0, "the first request stored blocks");
     let resident = (len as u64 / u64::from(agent.config.block_size)) as f64;
-    assert_eq!(after["vllm:kv_cache_usage_perc"], resident / agent.config.capacity_blocks as f64);
+    assert_eq!(after["kvroute_agent_resident_blocks"], resident);
     assert_eq!(after["vllm:num_requests_running"], 0.0);
+    // As vLLM's: cached blocks no request holds are free (evictable), not used.
+    assert_eq!(after["vllm:kv_cache_usage_perc"], 0.0);
 }
 
 #[tokio::test]
@@ -598,13 +607,55 @@ async fn engine_refusals_get_a_status_before_any_byte() {
             }
         }
     }
-    // A batch of three prompts against a one-slot admission queue: the second is refused.
+    // A batch of three prompts against a one-slot admission queue could never be admitted
+    // whole: a 400 (a 503 would send it to the next replica, to the same end).
     let body = json!({ "model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 1 });
     let reply = c.post("/v1/completions", &body).await;
-    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{}", reply.text());
-    assert_eq!(shape::error(&reply.json()).2.as_deref(), Some("overloaded"));
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert_eq!(shape::error(&reply.json()).0, "invalid_request_error");
     // The replica still serves what fits.
     completion(c, &json!({ "model": MODEL, "prompt": "fits", "max_tokens": 1 })).await;
+}
+
+/// A request that would fit the admission queue but finds it full gets a 503 (`overloaded`):
+/// another replica may take it.
+#[tokio::test]
+async fn a_full_admission_queue_is_a_503() {
+    let agent = Agent::with(kvroute_replica_agent::Config {
+        time_scale: 1.0,
+        max_num_seqs: 1,
+        max_waiting: 1,
+        ..config()
+    })
+    .await;
+    let c = &agent.client;
+    let long = |seed| json!({ "model": MODEL, "prompt": words(5, seed), "max_tokens": 100 });
+    let (a, b, more) = (long(30), long(31), json!({ "model": MODEL, "prompt": "one more", "max_tokens": 1 }));
+    let m = agent.engine.metrics();
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    // Until the gauges read (running, waiting) (current-thread runtime: yield meanwhile).
+    let until = |gauges: (u64, u64)| async move {
+        let reached = async {
+            while (load(&m.running), load(&m.waiting)) != gauges {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(30), reached).await.expect("gauges reached");
+    };
+    let (first, second, reply) = tokio::join!(
+        c.post("/v1/completions", &a),
+        async {
+            until((1, 0)).await;
+            c.post("/v1/completions", &b).await
+        },
+        async {
+            until((1, 1)).await;
+            c.post("/v1/completions", &more).await
+        }
+    );
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{}", reply.text());
+    assert_eq!(shape::error(&reply.json()).2.as_deref(), Some("overloaded"));
+    assert_eq!((first.status, second.status), (StatusCode::OK, StatusCode::OK), "both queued ones served");
 }
 
 #[tokio::test]

@@ -53,8 +53,9 @@ pub struct PrefixIndex {
     groups: Vec<Group>,
     slots: Vec<Option<Slot>>,
     by_id: Map<ReplicaId, u32>,
-    /// References beyond the first, for (block, slot) pairs stored more than once.
-    extra: Map<(BlockHash, u32), u32>,
+    /// References beyond the first, for (block, slot) pairs stored more than once, in the
+    /// block's shard (so a clear step sweeps only its shard's); no shards until the first.
+    extra: Vec<Map<(BlockHash, u32), u32>>,
     /// Sum of `Slot::blocks`: (block, replica) pairs present.
     entries: usize,
 }
@@ -83,7 +84,7 @@ impl PrefixIndex {
             groups: Vec::new(),
             slots: Vec::new(),
             by_id: Map::with_hasher(hasher),
-            extra: Map::with_hasher(hasher),
+            extra: Vec::new(),
             entries: 0,
         }
     }
@@ -104,7 +105,10 @@ impl PrefixIndex {
                 *mask |= bit;
                 added += 1;
             } else {
-                *self.extra.entry((hash, slot)).or_insert(0) += 1;
+                if self.extra.is_empty() {
+                    self.extra = (0..SHARDS).map(|_| Map::with_hasher(self.hasher)).collect();
+                }
+                *self.extra[shard_of(hash)].entry((hash, slot)).or_insert(0) += 1;
             }
         }
         self.slot_mut(slot).blocks += added;
@@ -129,8 +133,9 @@ impl PrefixIndex {
                 continue;
             }
             removed += 1;
-            if !self.extra.is_empty()
-                && let Entry::Occupied(mut more) = self.extra.entry((hash, slot))
+            if let Some(extra) = self.extra.get_mut(shard_of(hash))
+                && !extra.is_empty()
+                && let Entry::Occupied(mut more) = extra.entry((hash, slot))
             {
                 *more.get_mut() -= 1;
                 if *more.get() == 0 {
@@ -175,8 +180,11 @@ impl PrefixIndex {
             *mask != 0
         });
         shrink_if_sparse(map, self.hasher);
-        if !self.extra.is_empty() {
-            self.extra.retain(|&(hash, s), _| s != slot || shard_of(hash) != shard);
+        if let Some(extra) = self.extra.get_mut(shard)
+            && !extra.is_empty()
+        {
+            extra.retain(|&(_, s), _| s != slot);
+            shrink_if_sparse(extra, self.hasher);
         }
         self.slot_mut(slot).blocks -= freed;
         self.entries -= freed;
@@ -205,7 +213,7 @@ impl PrefixIndex {
             self.groups.shrink_to_fit();
             self.slots.shrink_to_fit();
             self.by_id.shrink_to_fit();
-            self.extra.shrink_to_fit();
+            self.extra = Vec::new();
         }
     }
 
@@ -270,7 +278,8 @@ impl PrefixIndex {
         tables
             + groups
             + table_bytes(&self.by_id)
-            + table_bytes(&self.extra)
+            + self.extra.iter().map(table_bytes).sum::<usize>()
+            + self.extra.capacity() * size_of::<Map<(BlockHash, u32), u32>>()
             + self.slots.capacity() * size_of::<Option<Slot>>()
     }
 
