@@ -82,6 +82,10 @@ pub enum ProxyError {
     /// A Responses API id that no replica has (vLLM's own answer for one it has not).
     #[error("Response with id '{0}' not found.")]
     UnknownResponse(String),
+    /// Every replica asked refused the request alike, with a client error (a wrong API key,
+    /// say): their status, and what the first said.
+    #[error("every replica answered {status}: {said}")]
+    RefusedEverywhere { status: StatusCode, said: String },
 }
 
 impl ProxyError {
@@ -103,6 +107,7 @@ impl ProxyError {
             ProxyError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } | ProxyError::FanOut(_) => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::RefusedEverywhere { status, .. } => *status,
         }
     }
 
@@ -131,6 +136,7 @@ impl ProxyError {
             ProxyError::Timeout { .. } => "upstream_timeout",
             ProxyError::FanOut(_) => "fan_out",
             ProxyError::Forbidden(_) => "forbidden",
+            ProxyError::RefusedEverywhere { .. } => "refused_everywhere",
         }
     }
 
@@ -143,7 +149,8 @@ impl ProxyError {
             | ProxyError::BodyTimeout { .. }
             | ProxyError::BadPath(_)
             | ProxyError::Forbidden(_)
-            | ProxyError::MethodNotAllowed { .. } => {
+            | ProxyError::MethodNotAllowed { .. }
+            | ProxyError::RefusedEverywhere { .. } => {
                 OpenAiError::new("invalid_request_error", self.to_string())
             }
             ProxyError::PromptTooLong { .. } => {

@@ -33,10 +33,13 @@ pub mod catch_up;
 
 pub use catch_up::{Adapter, Registry};
 
+use std::sync::Arc;
+
 use super::ProxyState;
 use super::body::{ProxyBody, full};
 use super::error::ProxyError;
 use super::pool::Pool;
+use crate::fleet::Member;
 use crate::replicas::EngineKind;
 
 /// Whether `path` is one of the two (vLLM's or SGLang's spelling), and which.
@@ -95,14 +98,22 @@ impl Updates {
 /// One replica's answer, or why there was none.
 struct Outcome {
     replica: String,
-    answer: Result<(StatusCode, Bytes), String>,
+    answer: Result<Answer, String>,
+}
+
+/// A replica's answer: its status, body and content type.
+#[derive(Default)]
+struct Answer {
+    status: StatusCode,
+    body: Bytes,
+    content_type: Option<http::HeaderValue>,
 }
 
 /// Sends the client's request (`parts`, `body`) to every replica and answers as the module
 /// says.
 pub async fn fan_out(
-    state: &ProxyState,
-    pool: &std::sync::Arc<Pool>,
+    state: &Arc<ProxyState>,
+    pool: &Arc<Pool>,
     change: Change,
     (parts, body): (http::request::Parts, Bytes),
     request_id: &str,
@@ -123,10 +134,33 @@ pub async fn fan_out(
     if members.is_empty() {
         return Err(ProxyError::Unavailable("no replicas are configured".into()));
     }
+    // Run to its end whether or not the client waits for it (a client that times out drops
+    // this future): replicas changed and the router's records left behind would disagree,
+    // and its catch-up would then undo an unload or never finish a load.
+    let (_, headers) = super::forward::upstream_head(parts, request_id);
+    let apply = apply(state.clone(), pool.clone(), change, name, members, (headers, body));
+    let mut response = tokio::spawn(apply)
+        .await
+        .map_err(|e| ProxyError::FanOut(format!("the adapter change failed: {e}")))??;
+    if let Ok(id) = http::HeaderValue::from_str(request_id) {
+        response.headers_mut().insert(super::forward::X_REQUEST_ID, id);
+    }
+    Ok(response)
+}
+
+/// Sends the change to every member, records who has the adapter and answers.
+async fn apply(
+    state: Arc<ProxyState>,
+    pool: Arc<Pool>,
+    change: Change,
+    name: String,
+    members: Vec<Member>,
+    (headers, body): (http::HeaderMap, Bytes),
+) -> Result<Response<ProxyBody>, ProxyError> {
     let registry = state.fleet().adapters();
     let _turn = registry.change().await;
-    let (_, headers) = super::forward::upstream_head(parts, request_id);
     let timeout = state.forward.first_byte_timeout;
+    let pool = &pool;
     let asks = members.iter().map(|member| {
         let (body, headers) = (body.clone(), &headers);
         async move {
@@ -139,8 +173,9 @@ pub async fn fan_out(
                         .await
                         .map_err(|e| e.to_string())?;
                     let status = response.status();
-                    let bytes = response.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
-                    Ok((status, bytes))
+                    let content_type = response.headers().get(http::header::CONTENT_TYPE).cloned();
+                    let body = response.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+                    Ok(Answer { status, body, content_type })
                 };
                 tokio::time::timeout(timeout, exchange)
                     .await
@@ -150,10 +185,9 @@ pub async fn fan_out(
         }
     });
     let outcomes = join_all(asks).await;
-    let status = |o: &Outcome| o.answer.as_ref().ok().map(|(status, _)| *status);
+    let status = |o: &Outcome| o.answer.as_ref().ok().map(|a| a.status);
     let success = |o: &Outcome| status(o).is_some_and(|s| s.is_success());
-    let is_there =
-        |o: &Outcome| o.answer.as_ref().is_ok_and(|(status, body)| change.there_already(*status, body));
+    let is_there = |o: &Outcome| o.answer.as_ref().is_ok_and(|a| change.there_already(a.status, &a.body));
     for (member, outcome) in members.iter().zip(&outcomes) {
         if success(outcome) || is_there(outcome) {
             member.upstream.mark_adapter(&name, change == Change::Load);
@@ -183,21 +217,21 @@ pub async fn fan_out(
         tracing::info!(lora_name = name, ?change, done, there, "LoRA adapter change reached every replica");
     }
     if done == outcomes.len() || done + there == outcomes.len() && done > 0 {
-        let first = outcomes.into_iter().find_map(|o| o.answer.ok().filter(|(s, _)| s.is_success()));
-        let (status, bytes) = first.unwrap_or_default();
-        return Ok(passed_on(status, bytes));
+        let first = outcomes.into_iter().find_map(|o| o.answer.ok().filter(|a| a.status.is_success()));
+        return Ok(passed_on(first.unwrap_or_default()));
     }
+    // Every replica refused it alike (all had it already, or none takes the request): their
+    // answer. One "there already" among other refusals would hide theirs: that is a fan-out
+    // failure, below.
     let first = status(&outcomes[0]);
-    if done == 0 && first.is_some() && outcomes.iter().all(|o| status(o) == first) {
-        let (status, bytes) = outcomes.into_iter().find_map(|o| o.answer.ok()).unwrap_or_default();
-        return Ok(passed_on(status, bytes));
+    let alike = outcomes.iter().all(|o| status(o) == first);
+    if done == 0 && first.is_some() && alike && (there == 0 || there == outcomes.len()) {
+        return Ok(passed_on(outcomes.into_iter().find_map(|o| o.answer.ok()).unwrap_or_default()));
     }
     let said: Vec<String> = outcomes
         .iter()
         .map(|o| match &o.answer {
-            Ok((status, bytes)) => {
-                format!("{}: {status} {}", o.replica, String::from_utf8_lossy(bytes).trim())
-            }
+            Ok(a) => format!("{}: {} {}", o.replica, a.status, String::from_utf8_lossy(&a.body).trim()),
             Err(why) => format!("{}: {why}", o.replica),
         })
         .collect();
@@ -208,9 +242,12 @@ pub async fn fan_out(
     )))
 }
 
-/// A replica's answer as the router's.
-fn passed_on(status: StatusCode, bytes: Bytes) -> Response<ProxyBody> {
-    let mut response = Response::new(full(bytes));
-    *response.status_mut() = status;
+/// A replica's answer as the router's (the request id is added by [`fan_out`]).
+fn passed_on(answer: Answer) -> Response<ProxyBody> {
+    let mut response = Response::new(full(answer.body));
+    *response.status_mut() = answer.status;
+    if let Some(content_type) = answer.content_type {
+        response.headers_mut().insert(http::header::CONTENT_TYPE, content_type);
+    }
     response
 }

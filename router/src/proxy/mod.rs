@@ -235,6 +235,10 @@ async fn dispatch(
         }
         (_, p) if let Some(responses::Target::Stored(id)) = responses::target(p) => {
             paths::check_passthrough(p)?;
+            // The replica's server would answer it with a redirect to its own address.
+            if p.ends_with('/') {
+                return Err(ProxyError::BadPath(format!("the path {p} ends with a slash; send it without")));
+            }
             let id = responses::decoded(id);
             Box::pin(stored_response(state, pool, req, &id, (request_id, received))).await
         }

@@ -192,7 +192,8 @@ impl Owners {
             count("known");
             return Ok(member);
         }
-        if self.known_missing(id, Instant::now()) {
+        // An empty id names nothing (a replica would redirect `/v1/responses/` instead).
+        if id.is_empty() || self.known_missing(id, Instant::now()) {
             count("known_missing");
             return Err(not_found(id));
         }
@@ -207,13 +208,15 @@ impl Owners {
                     let response = pool.send_head(&Method::GET, &uri, headers, empty).await.ok()?;
                     let status = response.status();
                     // Read to its end, so the connection goes back to the pool.
-                    http_body_util::BodyExt::collect(response.into_body()).await.ok()?;
-                    Some(status)
+                    let body = http_body_util::BodyExt::collect(response.into_body()).await.ok()?;
+                    Some((status, body.to_bytes()))
                 };
                 tokio::time::timeout(timeout, ask).await.ok()?
             }
         });
         let answers = join_all(asks).await;
+        let first = answers.first().and_then(|a| a.as_ref());
+        let answers: Vec<Option<StatusCode>> = answers.iter().map(|a| a.as_ref().map(|(s, _)| *s)).collect();
         let found = answers.iter().position(|a| *a == Some(StatusCode::OK));
         match found {
             Some(at) => {
@@ -226,6 +229,17 @@ impl Owners {
                 count("missing");
                 self.missing.insert(id.into(), Instant::now());
                 Err(not_found(id))
+            }
+            // Refused alike everywhere, for another reason (a wrong API key, say): the client's
+            // to fix, not the router's to retry.
+            None if let Some((status, said)) = first.filter(|(s, _)| s.is_client_error())
+                && answers.iter().all(|a| *a == Some(*status)) =>
+            {
+                count("refused");
+                Err(ProxyError::RefusedEverywhere {
+                    status: *status,
+                    said: String::from_utf8_lossy(said).trim().chars().take(512).collect(),
+                })
             }
             None => {
                 count("unanswered");

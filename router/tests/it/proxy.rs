@@ -453,6 +453,14 @@ async fn other_v1_requests_stream_through_and_oversized_uploads_do_not_eject_rep
 /// `/v1/embeddings` does): `GET`s get 200 and every other request `answer`, on a kept-alive
 /// connection.
 async fn body_reading_replica(answer: &'static [u8]) -> std::net::SocketAddr {
+    slow_body_reading_replica(answer, std::time::Duration::ZERO).await
+}
+
+/// [`body_reading_replica`], answering requests other than GETs after `delay`.
+async fn slow_body_reading_replica(
+    answer: &'static [u8],
+    delay: std::time::Duration,
+) -> std::net::SocketAddr {
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -497,6 +505,9 @@ async fn body_reading_replica(answer: &'static [u8]) -> std::net::SocketAddr {
                         }
                     }
                     let ok: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    if get != Some(true) {
+                        tokio::time::sleep(delay).await;
+                    }
                     if stream.get_mut().write_all(if get == Some(true) { ok } else { answer }).await.is_err()
                     {
                         return;
@@ -684,6 +695,41 @@ async fn lora_adapters_loaded_through_the_router_reach_every_replica() {
 
     let without = Fleet::start(1).await;
     assert_eq!(http.post(&without.url("/v1/load_lora_adapter"), &load).await.status, 403);
+}
+
+/// A LoRA change runs to its end when its client stops waiting (a client timeout shorter than
+/// the replicas' answers): the router records what the replicas did. (Cut off, it used to
+/// leave the replicas changed and the router's records not, which its catch-up then undid.)
+/// A replica's answer passed on keeps its content type and gets the request id.
+#[tokio::test]
+async fn a_lora_change_whose_client_left_still_completes() {
+    use tokio::io::AsyncWriteExt;
+    let answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 8\r\n\r\nSuccess.";
+    let replica = slow_body_reading_replica(answer, std::time::Duration::from_millis(800)).await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { lora_updates: true, ..c }).await;
+    let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"}).to_string();
+    let request = format!(
+        "POST /v1/load_lora_adapter HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{load}",
+        load.len()
+    );
+    let mut client = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    client.write_all(request.as_bytes()).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    drop(client); // the client gives up
+    assert!(!router.fleet().adapters().contains("sql"));
+    let fleet = router.fleet().clone();
+    wait_until("the change the client left is recorded", || fleet.adapters().contains("sql")).await;
+
+    let reply = crate::fleet::Http::new()
+        .post(&format!("{}/v1/unload_lora_adapter", router.url()), &json!({"lora_name": "sql"}))
+        .await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(&reply.body[..], b"Success.");
+    assert_eq!(reply.header("content-type"), Some("text/plain"));
+    assert!(reply.header("x-request-id").is_some());
+    shutdown.cancel();
 }
 
 /// A LoRA adapter loaded without this router (by another router in front of the same

@@ -159,6 +159,30 @@ async fn a_stored_response_is_continued_where_it_was_made() {
     assert!(missing >= 1 && missing + known_missing == 2, "resp_nobody: {missing} + {known_missing}");
 }
 
+/// A response id asked of every replica (one this router does not know) that all refuse
+/// alike for another reason than not having it (here, a wrong API key) gets their answer,
+/// not a 503 to retry; an empty id names no response.
+#[tokio::test]
+async fn an_id_every_replica_refuses_alike_gets_their_answer() {
+    let keyed =
+        |name: &str| kvroute_replica_agent::Config { api_key: Some("sekret".into()), ..storing(name) };
+    let fleet = Fleet::with(2, keyed, |c| c).await;
+    let url = fleet.url("/v1/responses");
+    let wrong = crate::fleet::Http::new().bearer("wrong");
+    let refused = wrong.get(&format!("{url}/resp_somewhere")).await;
+    assert_eq!(refused.status, 401, "{}", String::from_utf8_lossy(&refused.body));
+    assert!(refused.json()["error"]["message"].as_str().unwrap().contains("401"));
+    assert_eq!(lookups(&fleet, &fleet.router.url(), "refused").await, 1);
+    let right = crate::fleet::Http::new().bearer("sekret");
+    assert_eq!(right.get(&format!("{url}/resp_somewhere")).await.status, 404, "not there, with the key");
+    let empty = json!({"model": FLEET_MODEL, "previous_response_id": "", "input": "x"});
+    let empty = right.post(&url, &empty).await;
+    assert_eq!(empty.status, 404, "{}", String::from_utf8_lossy(&empty.body));
+    assert_eq!(empty.json()["error"]["param"], "response_id");
+    // A trailing slash would be redirected by the replica to its own address: refused here.
+    assert_eq!(right.get(&format!("{url}/resp_somewhere/")).await.status, 400);
+}
+
 /// A continuation is held to the router's bounds before any replica is asked, and what it
 /// adds to the stored conversation weighs on its owner, less the instructions the owner holds.
 #[tokio::test]
