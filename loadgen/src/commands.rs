@@ -24,7 +24,7 @@ use crate::workload::{TRACE_BLOCK_SIZE, Trace};
 /// How requests are paced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Mode {
-    /// At the trace's timestamps, divided by `--speedup`.
+    /// In the trace's order, at its timestamps (from its first) divided by `--speedup`.
     Trace,
     /// A seeded Poisson process at `--rate` requests per second.
     Poisson,

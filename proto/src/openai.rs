@@ -159,6 +159,8 @@ pub struct Tokenization {
     /// Chats with a Harmony template are rendered with the template all the same (a fleet
     /// whose engine does so: [`Tokenization::render_harmony_with_template`]).
     harmony_off: bool,
+    /// See [`Tokenization::template_problem`].
+    template_problem: Option<String>,
 }
 
 impl Tokenization {
@@ -173,8 +175,26 @@ impl Tokenization {
         // The model's own tokenizer_config.json, found beside its tokenizer.json, unless one is
         // configured.
         let tokenizer_config = config.tokenizer_config.clone().or(files.and_then(|f| f.tokenizer_config));
+        // One found rather than given that cannot be read (or whose template does not
+        // compile) stops nothing: chats are refused as without a template, completions served,
+        // and the problem is told ([`Tokenization::template_problem`]).
+        let found = config.tokenizer_config.is_none();
+        let mut problem = None;
+        let mut lenient = |e: LoadError| {
+            if !found {
+                return Err(e);
+            }
+            problem = Some(e.to_string());
+            Ok(())
+        };
         let special = match &tokenizer_config {
-            Some(path) => SpecialTokens::from_tokenizer_config(path)?,
+            Some(path) => match SpecialTokens::from_tokenizer_config(path) {
+                Ok(special) => special,
+                Err(e) => {
+                    lenient(e)?;
+                    SpecialTokens::default()
+                }
+            },
             None if builtin => SpecialTokens::builtin(),
             None => SpecialTokens::default(),
         };
@@ -183,7 +203,10 @@ impl Tokenization {
             (None, Some(path)) => match ChatTemplate::from_tokenizer_config(path) {
                 Ok(t) => Some(t),
                 Err(LoadError::NoChatTemplate { .. }) => None,
-                Err(e) => return Err(e),
+                Err(e) => {
+                    lenient(e)?;
+                    None
+                }
             },
             (None, None) if builtin => Some(ChatTemplate::builtin_default()),
             (None, None) => None,
@@ -196,7 +219,14 @@ impl Tokenization {
             config.lora_adapters.iter().cloned(),
         );
         tokenization.chat_options = config.chat.clone();
+        tokenization.template_problem = problem;
         Ok(tokenization)
+    }
+
+    /// Why the `tokenizer_config.json` found beside the tokenizer gave no chat template or
+    /// special tokens, if it could not be used.
+    pub fn template_problem(&self) -> Option<&str> {
+        self.template_problem.as_deref()
     }
 
     /// Assembles a tokenization from already-built parts (tests, custom tokenizers).
@@ -216,6 +246,7 @@ impl Tokenization {
             prefix_cache: None,
             chat_options: ChatOptions::default(),
             harmony_off: false,
+            template_problem: None,
         }
     }
 

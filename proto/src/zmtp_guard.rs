@@ -401,18 +401,31 @@ async fn dial(target: &str) -> io::Result<TcpStream> {
 mod tests {
     use super::*;
 
-    /// A relayed connection notices a dead peer it never hears from again.
+    /// The connection a relay dials to a publisher has TCP keepalive on: Linux lists its
+    /// keepalive timer (`tr` 2 in `/proc/net/tcp`) while it is idle; 0 without.
+    #[cfg(target_os = "linux")]
     #[tokio::test]
-    async fn relayed_connections_keep_alive() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let stream = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
-        let socket = socket2::SockRef::from(&stream);
-        assert!(!socket.keepalive().unwrap());
-        tune(&stream);
-        assert!(socket.keepalive().unwrap() && stream.nodelay().unwrap());
-        assert_eq!(socket.tcp_keepalive_time().unwrap(), KEEPALIVE_IDLE);
-        assert_eq!(socket.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
-        assert_eq!(socket.tcp_keepalive_retries().unwrap(), 3);
+    async fn a_relays_dialed_connection_keeps_alive() {
+        let publisher = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = publisher.local_addr().unwrap().port();
+        let guard = ZmtpGuard::connecting(&format!("tcp://127.0.0.1:{port}"), Arc::new(|| {})).await.unwrap();
+        let _socket = TcpStream::connect(guard.endpoint().trim_start_matches("tcp://")).await.unwrap();
+        let (_peer, _) = publisher.accept().await.unwrap();
+        // The dialed side's row: remote address the publisher's port; its timer column.
+        let timer = || {
+            let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+            let remote = format!("0100007F:{port:04X}");
+            table.lines().find_map(|row| {
+                let cols: Vec<&str> = row.split_whitespace().collect();
+                (cols.get(2) == Some(&remote.as_str()))
+                    .then(|| cols[5].split(':').next().unwrap_or("").to_owned())
+            })
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while timer().as_deref() != Some("02") && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(timer().as_deref(), Some("02"), "the keepalive timer is armed");
     }
 
     #[tokio::test]

@@ -264,6 +264,20 @@ fn a_model_directory_brings_its_tokenizer_config() {
     }
     let problem = kvroute_proto::openai::tokenizer_path_problem("--tokenizer", &empty).unwrap();
     assert!(problem.contains("without a tokenizer.json"), "{problem}");
+
+    // One found that cannot be read stops nothing (completions are served, chats refused);
+    // one given stops the start.
+    std::fs::write(dir.join("tokenizer_config.json"), "{ not json").unwrap();
+    let t = Tokenization::new(&TokenizationConfig {
+        tokenizer: TokenizerSpec::HuggingFace { path: dir.clone() },
+        ..alone.clone()
+    })
+    .unwrap();
+    assert!(t.template_problem().is_some());
+    assert!(matches!(tokens(&t, Endpoint::ChatCompletions, chat), Err(RequestError::NoChatTemplate)));
+    assert!(tokens(&t, Endpoint::Completions, r#"{"model":"tiny","prompt":"hi"}"#).is_ok());
+    let given = TokenizationConfig { tokenizer_config: Some(dir.join("tokenizer_config.json")), ..alone };
+    assert!(Tokenization::new(&given).is_err());
     std::fs::remove_dir_all(&root).unwrap();
 }
 

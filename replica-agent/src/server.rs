@@ -75,6 +75,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         })
         .context("loading the tokenizer")?,
     );
+    if let Some(problem) = tokenization.template_problem() {
+        tracing::warn!(problem, "the tokenizer_config.json beside the tokenizer is unusable: not used");
+    }
 
     let publisher_config = PublisherConfig {
         topic: config.topic.clone(),

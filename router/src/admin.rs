@@ -14,6 +14,7 @@ use kvroute_proto::pb::{self, router_admin_server::RouterAdmin};
 use tonic::{Request, Response, Status};
 
 use crate::fleet::{Fleet, Member};
+use crate::ingest::IngestError;
 use crate::proxy::ProxyState;
 use crate::proxy::error::ProxyError;
 use crate::proxy::route::Scored;
@@ -165,7 +166,10 @@ impl RouterAdmin for AdminService {
         replica.dp_size = spec.dp_size.max(1);
         replica.topic = spec.topic;
         replica.block_size = Some(self.block_size);
-        let member = self.fleet().add(replica).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let member = self.fleet().add(replica).map_err(|e| match e {
+            IngestError::Removing(_) | IngestError::ShutDown => Status::unavailable(e.to_string()),
+            IngestError::Spec(_) => Status::invalid_argument(e.to_string()),
+        })?;
         Ok(Response::new(self.status(&member)))
     }
 
@@ -174,10 +178,9 @@ impl RouterAdmin for AdminService {
         request: Request<pb::RemoveReplicaRequest>,
     ) -> Result<Response<pb::RemoveReplicaResponse>, Status> {
         let id = request.into_inner().id;
-        // Before the removal's wait: a call cancelled there (its deadline passed) still removes
-        // the replica, and must not leave the name drained for one added under it later.
-        self.fleet().forget_drain(&id);
-        let freed = self.fleet().remove(&id).await;
+        // The drain goes before the removal's wait: a call cut short there (its deadline
+        // passed) still removes the replica, and must not leave the name drained.
+        let freed = self.fleet().remove_for_good(&id).await;
         Ok(Response::new(pb::RemoveReplicaResponse {
             removed: freed.is_some(),
             blocks_freed: freed.unwrap_or(0) as u64,

@@ -81,8 +81,27 @@ impl Fleet {
     /// Stops routing to the replica named `name`; returns the index blocks freed, or `None`
     /// if no such replica is registered. In-flight requests to it finish on their own.
     pub async fn remove(&self, name: &str) -> Option<usize> {
-        let replica = self.ingest.replicas().by_name(name)?;
-        self.upstreams.write().unwrap_or_else(PoisonError::into_inner).remove(&replica.id);
+        self.remove_with(name, false).await
+    }
+
+    /// [`Fleet::remove`] for good (an operator's removal): the name's drain goes too, so that
+    /// an address discovery hands to a new pod later does not come up drained. The drain is
+    /// forgotten and the upstream taken out at once, before the removal's wait: a drain can
+    /// fall neither between the two nor after a caller stopped waiting.
+    pub async fn remove_for_good(&self, name: &str) -> Option<usize> {
+        self.remove_with(name, true).await
+    }
+
+    async fn remove_with(&self, name: &str, forget_drain: bool) -> Option<usize> {
+        let replica = {
+            let mut drained = self.drained.write().unwrap_or_else(PoisonError::into_inner);
+            if forget_drain {
+                drained.remove(name);
+            }
+            let replica = self.ingest.replicas().by_name(name)?;
+            self.upstreams.write().unwrap_or_else(PoisonError::into_inner).remove(&replica.id);
+            replica
+        };
         let freed = self.ingest.remove_replica(replica.id).await;
         tracing::info!(replica = %name, freed = ?freed, "replica removed");
         freed
@@ -125,12 +144,6 @@ impl Fleet {
         if let Some(member) = self.member(name) {
             member.upstream.set_serving(serving);
         }
-    }
-
-    /// Forgets a drain by name, for a replica removed for good (an address that discovery
-    /// hands to a new pod later must not come up drained).
-    pub fn forget_drain(&self, name: &str) {
-        self.drained.write().unwrap_or_else(PoisonError::into_inner).remove(name);
     }
 
     pub fn member(&self, name: &str) -> Option<Member> {

@@ -14,7 +14,8 @@
 //! - Reference counts: the bit is the first reference. References beyond the first (vLLM
 //!   stores a block it already holds, and removes it as often) go to a side table
 //!   `(BlockHash, slot) → extra`, empty in the common case, so refcounts cost nothing per
-//!   entry.
+//!   entry. It is split into the same 256 shards (created at the first such reference,
+//!   dropped when the last replica leaves), so a `clear_replica` step sweeps only its own.
 //! - Per slot: the replica id and its count of distinct blocks.
 //!
 //! **Lookup.** Per group: `alive` = the group's assigned slots; for block `i`,
@@ -30,7 +31,9 @@
 //! bit; `entries()` is their sum. (4) A slot is only reused once no table holds its bit.
 //!
 //! **Costs.** `store`/`remove`: O(1) per hash. `clear_replica`: one sweep of its group's
-//! table, O(distinct blocks in the group) rather than O(blocks it held). Keeping a per-replica
+//! table and of the references beyond the first, O(distinct blocks in the group + such
+//! references) rather than O(blocks it held); 1 k blocks cleared beside another replica's
+//! 200 k such references take 1.5 ms in all (`benches/index.rs`). Keeping a per-replica
 //! block list instead would add 10-20 bytes to every (block, replica) entry for an operation
 //! that only runs when a replica restarts or leaves; the sweep of a 1 M-block table takes
 //! 2.9 ms, as 256 lock holds of about 11 µs.

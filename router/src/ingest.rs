@@ -155,6 +155,9 @@ pub enum IngestError {
     Spec(#[from] SpecError),
     #[error("ingestion is shut down")]
     ShutDown,
+    /// The name's previous replica is still being freed (its index entries cleared).
+    #[error("replica {0:?} is still being removed; try again shortly")]
+    Removing(String),
 }
 
 /// The ingestion service: owns one socket task and one stream task per (replica, rank).
@@ -225,6 +228,12 @@ impl Ingest {
         let inner = &self.inner;
         if inner.shutdown.is_cancelled() {
             return Err(IngestError::ShutDown);
+        }
+        // Registered but no longer followed: a removal is freeing it.
+        if let Some(existing) = inner.replicas.by_name(&spec.name)
+            && !inner.running.lock().unwrap_or_else(PoisonError::into_inner).contains_key(&existing.id)
+        {
+            return Err(IngestError::Removing(spec.name));
         }
         let replica = inner.replicas.insert(spec)?;
         // A name keeps its id: a decision made as the previous replica of this name was

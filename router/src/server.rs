@@ -128,6 +128,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         chat: config.chat.clone(),
     })
     .context("loading the tokenizer")?;
+    if let Some(problem) = tokenization.template_problem() {
+        tracing::warn!(problem, "the tokenizer_config.json beside the tokenizer is unusable: not used");
+    }
     if tokenization.chat_template().is_none() && !config.remote_tokenize {
         tracing::warn!(
             "no chat template: chat, Messages and Responses requests will be refused (400); give \

@@ -39,7 +39,8 @@ use crate::workload::{Request, Trace, after_poisson_gap, arrivals_at};
 /// When requests are sent.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Arrivals {
-    /// At the trace's timestamps divided by `speedup`.
+    /// In the trace's order, at its timestamps divided by `speedup` counted from its first
+    /// (never before the request listed before: [`Trace::arrivals_at`]).
     Trace { speedup: f64 },
     /// A Poisson process of `rate` requests per second, seeded; the trace gives the order.
     Poisson { rate: f64, seed: u64 },

@@ -92,7 +92,8 @@ pub struct RequestResult {
     pub prompt_tokens: u64,
     #[serde(skip)]
     pub replica: usize,
-    /// Simulated arrival (the trace's timestamp over the speed-up).
+    /// Simulated arrival: the trace's timestamp over the speed-up, never before the request
+    /// listed before it ([`crate::Trace::arrivals_at`]).
     #[serde(skip)]
     pub arrival: Duration,
     /// The chosen replica's resident prefix when the policy chose it, in blocks.

@@ -119,8 +119,6 @@ fn small_trace_b_matches_the_reference() {
     }
 }
 
-/// The shared trace (3,993 requests, 121,877 block accesses) against the Python reference:
-/// `python3 tests/data/seed000_reference.py TRACE --policy P --capacity C`.
 /// Seed 000 replays a trace in its file's order, whatever the timestamps say: here the
 /// third line's block would hit had the replay gone by time (after the first), but the
 /// second line's block evicted it first (one block of LRU).
@@ -142,6 +140,8 @@ fn a_trace_is_replayed_in_its_files_order() {
     check(&report, &want);
 }
 
+/// The shared trace (3,993 requests, 121,877 block accesses) against the Python reference:
+/// `python3 tests/data/seed000_reference.py TRACE --policy P --capacity C`.
 #[test]
 fn shared_trace_matches_the_reference() {
     let Some(path) = shared_trace() else {

@@ -676,11 +676,19 @@ async fn a_removed_name_is_free_only_once_everything_is_freed() {
     assert_eq!(h.index.blocks(r.id), 256_000);
     let (ingest, id) = (h.ingest.clone(), r.id);
     let removal = tokio::spawn(async move { ingest.remove_replica(id).await });
-    while h.ingest.replicas().by_name("big").is_some() {
+    // Meanwhile the name cannot be taken again, and says why; once it can, all is freed.
+    let mut refused = 0;
+    let again = loop {
+        match h.ingest.add_replica(spec("big", EngineKind::Kvroute, &p.events, p.replay.as_deref())) {
+            Ok(again) => break again,
+            Err(kvroute_router::ingest::IngestError::Removing(_)) => refused += 1,
+            Err(kvroute_router::ingest::IngestError::Spec(_)) => {} // not begun yet: a duplicate
+            Err(other) => panic!("{other:?}"),
+        }
         tokio::task::yield_now().await;
-    }
+    };
     assert_eq!(h.index.blocks(id), 0, "freed before the name");
-    let (again, _) = h.add(spec("big", EngineKind::Kvroute, &p.events, p.replay.as_deref()));
+    assert!(refused > 0, "the clear of 256 k blocks outlasts a few attempts");
     assert_eq!(removal.await.unwrap(), Some(256_000));
     h.synced(&again).await;
     assert!(h.scrape().contains("replica=\"big\""), "the new one's metrics are kept");
