@@ -165,6 +165,11 @@ pub async fn routed(
                 });
             }
             Ok(Ok(response)) => {
+                // An error answer (a request the replica refused, or failed) cached nothing to
+                // credit it with: its credit ends now, not after the TTL.
+                if !response.status().is_success() {
+                    decider.withdraw_credit(plan, attempt);
+                }
                 let line = config.access_log.then(|| {
                     Box::new(access::Line {
                         replica: member.replica.spec.name.clone(),

@@ -93,9 +93,9 @@ async fn check(
         tracing::info!(replica = %member.replica.spec.name, healthy, "replica health changed");
     }
     member.upstream.set_healthy(healthy);
-    // This router's own requests during the scrape: the most in flight before or after it
-    // are the most the report can hold of them.
-    let in_flight_before = member.upstream.load().in_flight;
+    // This router's own requests during the scrape: those in flight as it begins and those
+    // sent meanwhile are the most the report can hold of them.
+    let mark = member.upstream.report_mark();
     let report = match healthy {
         true => match get(client, &format!("{base}/metrics"), timeout).await {
             Some((status, body)) if status.is_success() => {
@@ -108,7 +108,7 @@ async fn check(
         },
         false => None,
     };
-    member.upstream.set_reported(report, in_flight_before);
+    member.upstream.set_reported(report, mark);
     if !healthy {
         return None;
     }

@@ -23,7 +23,7 @@ use super::upstream::{Ineligible, verdicts_for};
 use crate::fleet::{Fleet, Member};
 use crate::index::{CreditHold, SharedIndex};
 use crate::metrics::ProxyMetrics;
-use crate::policy::{Policy, ReplicaView, RequestView};
+use crate::policy::{self, Policy, ReplicaView, RequestView};
 use crate::replicas::StreamState;
 
 /// Everything the decision needs, shared by all requests.
@@ -360,7 +360,13 @@ impl Decider {
         if let Some(i) = decision.chosen.filter(|&i| candidates.get(i).is_some_and(|c| c.view.eligible)) {
             order.push(i);
             order.extend((0..candidates.len()).filter(|&j| j != i && candidates[j].view.eligible));
-            order[1..].sort_by(|&a, &b| candidates[a].cost.total_cmp(&candidates[b].cost));
+            // Equal costs (the random policy's others, equal loads) are taken in the request's
+            // rendezvous order, as the policies break ties: fleet order would send every
+            // retry of a failed replica's traffic to the lowest id.
+            let tie = |i: usize| std::cmp::Reverse(policy::rendezvous(request.key, candidates[i].view.id));
+            order[1..].sort_by(|&a, &b| {
+                candidates[a].cost.total_cmp(&candidates[b].cost).then(tie(a).cmp(&tie(b)))
+            });
         }
         Plan {
             order,

@@ -89,6 +89,8 @@ pub struct Upstream {
     pub ejections: AtomicU64,
     /// Requests sent to the replica (each attempt of a retried request counts).
     pub requests: AtomicU64,
+    /// Sequences ever sent to the replica ([`Upstream::report_mark`]).
+    begun: AtomicU64,
     /// The LoRA adapters loaded through the router that the replica is known to have.
     adapters: Mutex<HashSet<String>>,
 }
@@ -111,6 +113,7 @@ impl Default for Upstream {
             ejected_until: Mutex::new(None),
             ejections: AtomicU64::new(0),
             requests: AtomicU64::new(0),
+            begun: AtomicU64::new(0),
             adapters: Mutex::default(),
         }
     }
@@ -193,6 +196,7 @@ impl Upstream {
     ) -> LoadGuard {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.sequences.fetch_add(sequences, Ordering::Relaxed);
+        self.begun.fetch_add(u64::from(sequences), Ordering::Relaxed);
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.pending_prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
         self.recent().add(self.epoch.elapsed(), prompt_tokens);
@@ -266,16 +270,34 @@ impl Upstream {
         self.serving.load(Ordering::Relaxed)
     }
 
+    /// This router's sequences in flight, and ever sent, as a health check begins: what a
+    /// report read after it can hold of this router's own ([`Upstream::set_reported`]).
+    pub fn report_mark(&self) -> ReportMark {
+        ReportMark {
+            in_flight: self.sequences.load(Ordering::Relaxed),
+            begun: self.begun.load(Ordering::Relaxed),
+        }
+    }
+
     /// What the replica reports at a health check: requests waiting and running (`None`: it
-    /// reported nothing, and its last report no longer counts); `in_flight_before` is this
-    /// router's in-flight count when the check began (the larger of it and the one now is
-    /// taken as this router's share of the report).
-    pub fn set_reported(&self, report: Option<(u32, u32)>, in_flight_before: u32) {
+    /// reported nothing, and its last report no longer counts). This router's share of it is
+    /// at most what was in flight when the check began (`mark`) and what was sent since: the
+    /// rest is others' work, never this router's own counted twice.
+    pub fn set_reported(&self, report: Option<(u32, u32)>, mark: ReportMark) {
         let (waiting, running) = report.unwrap_or_default();
         self.reported_waiting.store(waiting, Ordering::Relaxed);
-        let ours = self.sequences.load(Ordering::Relaxed).max(in_flight_before);
-        self.others.store(waiting.saturating_add(running).saturating_sub(ours), Ordering::Relaxed);
+        let since = self.begun.load(Ordering::Relaxed).saturating_sub(mark.begun);
+        let ours = u64::from(mark.in_flight).saturating_add(since);
+        let others = u64::from(waiting.saturating_add(running)).saturating_sub(ours);
+        self.others.store(others as u32, Ordering::Relaxed);
     }
+}
+
+/// [`Upstream::report_mark`]: this router's sequences as a health check begins.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReportMark {
+    in_flight: u32,
+    begun: u64,
 }
 
 /// Why each of `upstreams` may not take a new request now (`None`: it may).
@@ -403,14 +425,22 @@ mod tests {
     async fn others_are_counted_against_the_in_flight_requests_of_the_report() {
         let u = Arc::new(Upstream::default());
         let guards: Vec<_> = (0..3).map(|_| u.begin(1, 0, 0)).collect();
-        u.set_reported(Some((2, 4)), 3);
+        u.set_reported(Some((2, 4)), u.report_mark());
         assert_eq!(u.load().others, 3, "6 reported, 3 of them ours");
+        let mark = u.report_mark();
         drop(guards);
         assert_eq!(u.load().others, 3, "ours ending after the report are not others'");
-        u.set_reported(Some((0, 5)), 4);
-        assert_eq!(u.load().others, 1, "4 of ours were in flight when the check began");
-        u.set_reported(None, 0);
+        u.set_reported(Some((0, 5)), mark);
+        assert_eq!(u.load().others, 2, "3 of ours were in flight when the check began");
+        u.set_reported(None, ReportMark::default());
         assert_eq!((u.load().others, u.load().reported_waiting), (0, 0));
+        // Ours that began during the scrape are ours too, though others of ours ended.
+        let first: Vec<_> = (0..10).map(|_| u.begin(1, 0, 0)).collect();
+        let mark = u.report_mark();
+        let _second: Vec<_> = (0..10).map(|_| u.begin(1, 0, 0)).collect();
+        drop(first);
+        u.set_reported(Some((0, 20)), mark);
+        assert_eq!(u.load().others, 0, "all 20 were this router's");
     }
 
     /// Ejection is set aside only when every replica that is up is ejected; replicas that

@@ -203,6 +203,28 @@ async fn explaining_does_not_move_round_robin_on() {
     assert!(homes.windows(2).all(|w| w[0] != w[1]), "turns alternate: {homes:?}");
 }
 
+/// A request's retries go to the replicas it did not choose in its own rendezvous order when
+/// their costs tie (the random policy's others): not to the lowest id every time, which would
+/// pile a failed replica's traffic onto one other.
+#[tokio::test]
+async fn tied_retries_spread_over_the_fleet() {
+    let fleet = Fleet::with(4, agent_config, |c| kvroute_router::Config {
+        policy: kvroute_router::policy::PolicyKind::Random,
+        ..c
+    })
+    .await;
+    let decider = &fleet.router.state.decider;
+    let mut seconds = std::collections::HashSet::new();
+    for i in 0..64 {
+        let body = body(&format!("w{i} {PROMPT}"));
+        let plan = decider.decide(kvroute_proto::openai::Endpoint::Completions, &body).await.unwrap();
+        let costs: Vec<f64> = plan.order().skip(1).map(|s| s.cost).collect();
+        assert!(costs.windows(2).all(|w| w[0] <= w[1]), "by cost first: {costs:?}");
+        seconds.insert(plan.order().nth(1).unwrap().member.replica.spec.name.clone());
+    }
+    assert_eq!(seconds.len(), 4, "every replica is someone's second: {seconds:?}");
+}
+
 /// A drain outlasts the replica's entry: a replica replaced under the same name (a pod back
 /// under a new address) or removed and added again stays drained until it is undrained.
 #[tokio::test]

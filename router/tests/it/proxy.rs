@@ -1131,6 +1131,31 @@ async fn a_request_that_failed_everywhere_leaves_no_credit() {
     shutdown.cancel();
 }
 
+/// A request the replica answers with an error (here a 400: it ran nothing) leaves no credit
+/// there: the prefix's next requests are not steered to it for a TTL by blocks it never
+/// cached.
+#[tokio::test]
+async fn an_error_answer_withdraws_the_credit() {
+    let refusal =
+        b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+    let replica = body_reading_replica(refusal).await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { credit_ttl_ms: 3_600_000, ..c }).await;
+    let block = router.state.decider.block_size;
+    let ids: Vec<u32> = (0..4 * block as u32).map(|t| 200 + t).collect();
+    let blocks = CacheNamespace::new(FLEET_MODEL).chain(&ids, block);
+    let reply = crate::fleet::Http::new()
+        .post(
+            &format!("{}/v1/completions", router.url()),
+            &json!({"model": FLEET_MODEL, "prompt": ids, "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(reply.status, 400, "the replica's answer: {:?}", reply.body);
+    let id = router.fleet().member("r0").unwrap().replica.id;
+    assert_eq!(router.fleet().credits().extend(id, &blocks, 0), 0, "a credit was left");
+    shutdown.cancel();
+}
+
 /// A request its first replica refuses (503) and the next one serves: the decision's credit
 /// moves to the one that serves it, so the prefix's next requests follow it there instead
 /// of going back to the replica that refused.
