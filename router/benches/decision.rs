@@ -27,6 +27,12 @@
 //! computation that long), then the median of each stage alone (parse, tokenize, hash,
 //! index lookup; parse and tokenize together through the cache).
 //!
+//! 2026-11-27, a later session (nothing on the decision path changed but the retry order's
+//! tie-break, which runs only for a request's second choice onwards), loop p99 167.8 µs at
+//! text/8192's median: text/8192 149.1 / 230.5, ids/8192 62.2 / 139.5, text/1024 18.4 / 36.0,
+//! ids/1024 8.9 / 16.7, turn/8192 43.3 / 102.7, new/8192 179.1 / 333.4; stage medians at 8 k:
+//! parse 7.5 (ids 33.0), tokenize 97.5, hash 3.9, lookup 12.2.
+//!
 //! 2026-11-27, later (the request parser now reads `n` too; otherwise as below), loop p99
 //! 153.9 µs at text/8192's median: text/8192 143.5 / 172.4, ids/8192 52.9 / 75.5, text/1024
 //! 18.6 / 26.4, ids/1024 8.8 / 15.9, turn/8192 40.4 / 67.0, new/8192 174.4 / 220.4; stage

@@ -56,6 +56,13 @@
 #   0.92x (29.8 µs), kvroute cache-aware 0.64x (45.0 µs), round-robin 0.63x; added latency
 #   p50 nginx +29 µs, floor +22, kvroute +31 to +35. A flat profile of kvroute under this load
 #   (perf, cpu-clock): no symbol of its own above 2%; kernel wake-ups and sends lead.
+#   2026-11-27, a later session (credits withdrawn on error answers, reports' own share):
+#   nginx 59.6 k requests/s (17.3 µs of CPU a request), floor 0.94x (18.9 µs), kvroute
+#   cache-aware 0.64x (30.0 µs, rounds 0.61-0.68), round-robin 0.67x (29.4 µs); added latency
+#   p50 nginx +27 µs, floor +28, kvroute +38/+39. A call-graph profile of cache-aware under
+#   this load (perf, DWARF): the decision is 9.4% of the process's samples (parse 3.1%,
+#   tokenize 2.3%, the member list 1.1%), forwarding (write and read the replica's head) 34%,
+#   almost all of it kernel sends; no router function over 2% of its own.
 #   2026-11-27, later (requests' sequences counted): nginx 52.8 k requests/s (19.2 µs of CPU a
 #   request), floor 0.91x (22.3 µs), kvroute cache-aware 0.66x (31.8 µs, rounds 0.58-0.77),
 #   round-robin 0.58x (34.1 µs); added latency p50 nginx +28 µs, floor +28, kvroute +37/+38.
