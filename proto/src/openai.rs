@@ -179,6 +179,9 @@ impl Tokenization {
         // compile) stops nothing: chats are refused as without a template, completions served,
         // and the problem is told ([`Tokenization::template_problem`]).
         let found = config.tokenizer_config.is_none();
+        // A given template needs the config's special tokens (its `bos_token`, say): without
+        // them it would render wrong, not refuse.
+        let special_found = found && config.chat_template.is_none();
         let mut problem = None;
         let mut lenient = |e: LoadError| {
             if !found {
@@ -190,10 +193,11 @@ impl Tokenization {
         let special = match &tokenizer_config {
             Some(path) => match SpecialTokens::from_tokenizer_config(path) {
                 Ok(special) => special,
-                Err(e) => {
+                Err(e) if special_found => {
                     lenient(e)?;
                     SpecialTokens::default()
                 }
+                Err(e) => return Err(e),
             },
             None if builtin => SpecialTokens::builtin(),
             None => SpecialTokens::default(),

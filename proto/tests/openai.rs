@@ -276,6 +276,13 @@ fn a_model_directory_brings_its_tokenizer_config() {
     assert!(t.template_problem().is_some());
     assert!(matches!(tokens(&t, Endpoint::ChatCompletions, chat), Err(RequestError::NoChatTemplate)));
     assert!(tokens(&t, Endpoint::Completions, r#"{"model":"tiny","prompt":"hi"}"#).is_ok());
+    // A template given needs its special tokens: it would render wrong without them.
+    let with_template = TokenizationConfig {
+        tokenizer: TokenizerSpec::HuggingFace { path: dir.clone() },
+        chat_template: Some(data("llama3-style.jinja")),
+        ..alone.clone()
+    };
+    assert!(Tokenization::new(&with_template).is_err());
     let given = TokenizationConfig { tokenizer_config: Some(dir.join("tokenizer_config.json")), ..alone };
     assert!(Tokenization::new(&given).is_err());
     std::fs::remove_dir_all(&root).unwrap();

@@ -229,9 +229,11 @@ impl Ingest {
         if inner.shutdown.is_cancelled() {
             return Err(IngestError::ShutDown);
         }
-        // Registered but no longer followed: a removal is freeing it.
+        // Held until the replica is followed: registered and not followed is a removal
+        // freeing it, never an add half done.
+        let mut followed = inner.running.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(existing) = inner.replicas.by_name(&spec.name)
-            && !inner.running.lock().unwrap_or_else(PoisonError::into_inner).contains_key(&existing.id)
+            && !followed.contains_key(&existing.id)
         {
             return Err(IngestError::Removing(spec.name));
         }
@@ -272,7 +274,7 @@ impl Ingest {
             inner.tracker.spawn(running.tasks.track_future(stream.run(rx, running.cancel.clone())));
         }
         running.tasks.close();
-        inner.running.lock().unwrap_or_else(PoisonError::into_inner).insert(replica.id, running);
+        followed.insert(replica.id, running);
         Ok(replica)
     }
 

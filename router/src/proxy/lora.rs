@@ -13,8 +13,10 @@
 //! The answer: every replica's success is a 200 (the first one's body). The fleet is where
 //! the change wanted it when some replica made the change and every other was there already
 //! (vLLM's 400 "has already been loaded", its 404 for an adapter to unload that is not
-//! loaded): a 200 that says so. When none made it and all answered alike, that answer;
-//! anything else is a 502 that names each replica's outcome. The router names the adapter's
+//! loaded): a 200 that says so. When none made it and all answered alike (all there already,
+//! or none: one "already loaded" among other refusals would hide them), that answer; anything
+//! else is a 502 that names each replica's outcome. The change runs to its end whether or not
+//! its client waits (in a task of the HTTP thread's own; only a shutdown cuts it short). The router names the adapter's
 //! namespace from when every replica has it, and stops when none has it.
 //!
 //! A replica that joins later, restarts and loses the adapter, or was down when it was loaded,
