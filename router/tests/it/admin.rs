@@ -102,6 +102,23 @@ async fn list_explain_drain_remove_and_add() {
     assert!(fleet.router.fleet().member("newer").is_none());
 }
 
+/// Two replicas, agent-0 drained through the admin service: the fleet, an admin client, the
+/// router's fleet and agent-0's spec.
+async fn agent_0_drained() -> (
+    Fleet,
+    RouterAdminClient<tonic::transport::Channel>,
+    kvroute_router::fleet::Fleet,
+    kvroute_router::replicas::ReplicaSpec,
+) {
+    let fleet = Fleet::start(2).await;
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
+    let router_fleet = fleet.router.fleet().clone();
+    let agent = fleet.agents.iter().flatten().find(|a| a.name == "agent-0").unwrap();
+    let spec = replica_config(agent).to_spec(crate::fleet::FLEET_MODEL, crate::fleet::FLEET_BLOCK);
+    admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: true }).await.unwrap();
+    (fleet, admin, router_fleet, spec)
+}
+
 /// A `RemoveReplica` cut short while it waits (its deadline passed, its client went away)
 /// still removes the replica, in the background; the drain goes with it, so a replica added
 /// under the name later serves.
@@ -109,12 +126,7 @@ async fn list_explain_drain_remove_and_add() {
 async fn a_removal_cut_short_takes_its_drain_with_it() {
     use futures::FutureExt;
     use kvroute_proto::pb::router_admin_server::RouterAdmin;
-    let fleet = Fleet::start(2).await;
-    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
-    let router_fleet = fleet.router.fleet().clone();
-    let agent = fleet.agents.iter().flatten().find(|a| a.name == "agent-0").unwrap();
-    let spec = replica_config(agent).to_spec(crate::fleet::FLEET_MODEL, crate::fleet::FLEET_BLOCK);
-    admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: true }).await.unwrap();
+    let (fleet, _admin, router_fleet, spec) = agent_0_drained().await;
     let service = kvroute_router::admin::AdminService::new(
         fleet.router.state.clone(),
         crate::fleet::FLEET_MODEL.into(),
@@ -229,12 +241,7 @@ async fn tied_retries_spread_over_the_fleet() {
 /// under a new address) or removed and added again stays drained until it is undrained.
 #[tokio::test]
 async fn a_drain_outlasts_the_replicas_entry() {
-    let fleet = Fleet::start(2).await;
-    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
-    let router_fleet = fleet.router.fleet().clone();
-    let agent = fleet.agents.iter().flatten().find(|a| a.name == "agent-0").unwrap();
-    let spec = replica_config(agent).to_spec(crate::fleet::FLEET_MODEL, crate::fleet::FLEET_BLOCK);
-    admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: true }).await.unwrap();
+    let (_fleet, mut admin, router_fleet, spec) = agent_0_drained().await;
 
     let mut moved = spec.clone();
     moved.topic = "moved".into();

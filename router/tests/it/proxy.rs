@@ -1113,22 +1113,29 @@ async fn a_request_that_failed_everywhere_leaves_no_credit() {
             });
         }
     });
+    let (reply, credited) = credited_after_one_request(addr).await;
+    assert_eq!(reply.status, 502, "{:?}", reply.body);
+    assert_eq!(credited, 0, "a credit was left");
+}
+
+/// Sends a request of 4 blocks to a router (credits lasting an hour) in front of the one
+/// replica at `replica`: its answer, and the blocks of it the replica is credited with after.
+async fn credited_after_one_request(replica: std::net::SocketAddr) -> (crate::fleet::Reply, usize) {
     let (router, shutdown) =
-        router_in_front_of(addr, |c| kvroute_router::Config { credit_ttl_ms: 3_600_000, ..c }).await;
+        router_in_front_of(replica, |c| kvroute_router::Config { credit_ttl_ms: 3_600_000, ..c }).await;
     let block = router.state.decider.block_size;
     let ids: Vec<u32> = (0..4 * block as u32).map(|t| 100 + t).collect();
     let blocks = CacheNamespace::new(FLEET_MODEL).chain(&ids, block);
-    let http = crate::fleet::Http::new();
-    let reply = http
+    let reply = crate::fleet::Http::new()
         .post(
             &format!("{}/v1/completions", router.url()),
             &json!({"model": FLEET_MODEL, "prompt": ids, "max_tokens": 1}),
         )
         .await;
-    assert_eq!(reply.status, 502, "{:?}", reply.body);
     let id = router.fleet().member("r0").unwrap().replica.id;
-    assert_eq!(router.fleet().credits().extend(id, &blocks, 0), 0, "a credit was left");
+    let credited = router.fleet().credits().extend(id, &blocks, 0);
     shutdown.cancel();
+    (reply, credited)
 }
 
 /// A request the replica answers with an error (here a 400: it ran nothing) leaves no credit
@@ -1138,22 +1145,9 @@ async fn a_request_that_failed_everywhere_leaves_no_credit() {
 async fn an_error_answer_withdraws_the_credit() {
     let refusal =
         b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
-    let replica = body_reading_replica(refusal).await;
-    let (router, shutdown) =
-        router_in_front_of(replica, |c| kvroute_router::Config { credit_ttl_ms: 3_600_000, ..c }).await;
-    let block = router.state.decider.block_size;
-    let ids: Vec<u32> = (0..4 * block as u32).map(|t| 200 + t).collect();
-    let blocks = CacheNamespace::new(FLEET_MODEL).chain(&ids, block);
-    let reply = crate::fleet::Http::new()
-        .post(
-            &format!("{}/v1/completions", router.url()),
-            &json!({"model": FLEET_MODEL, "prompt": ids, "max_tokens": 1}),
-        )
-        .await;
+    let (reply, credited) = credited_after_one_request(body_reading_replica(refusal).await).await;
     assert_eq!(reply.status, 400, "the replica's answer: {:?}", reply.body);
-    let id = router.fleet().member("r0").unwrap().replica.id;
-    assert_eq!(router.fleet().credits().extend(id, &blocks, 0), 0, "a credit was left");
-    shutdown.cancel();
+    assert_eq!(credited, 0, "a credit was left");
 }
 
 /// A request its first replica refuses (503) and the next one serves: the decision's credit
