@@ -63,6 +63,24 @@ impl Default for Limits {
     }
 }
 
+/// Work a request starts that must run to its end whether or not its client waits (a change
+/// made on several servers, say), in every request's extensions: tasks spawned with
+/// [`Background::spawn`] run on the request's runtime, and the server drains them at
+/// shutdown as it drains its connections.
+#[derive(Clone, Debug)]
+pub struct Background(TaskTracker);
+
+impl Background {
+    /// Spawns `task`, to be waited for at shutdown.
+    pub fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.0.spawn(task)
+    }
+}
+
 /// Serves `handler` on `listener` with the default [`Limits`] until `shutdown` fires, then
 /// drains.
 pub async fn serve<H, F, B>(listener: TcpListener, handler: H, shutdown: CancellationToken)
@@ -336,9 +354,11 @@ async fn accept_loop<H, F, B>(
         let handler = handler.clone();
         let send_timeout = limits.send_timeout;
         let shutdown = shutdown.clone();
+        let background = Background(connections.clone());
         connections.spawn(async move {
             let _slot = slot;
-            let service = hyper::service::service_fn(move |req| {
+            let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+                req.extensions_mut().insert(background.clone());
                 let response = handler(req);
                 async move { Ok::<_, Infallible>(response.await) }
             });

@@ -16,7 +16,8 @@
 //! loaded): a 200 that says so. When none made it and all answered alike (all there already,
 //! or none: one "already loaded" among other refusals would hide them), that answer; anything
 //! else is a 502 that names each replica's outcome. The change runs to its end whether or not
-//! its client waits (in a task of the HTTP thread's own; only a shutdown cuts it short). The router names the adapter's
+//! its client waits, a shutdown included (in a task the server drains as it drains its
+//! connections). The router names the adapter's
 //! namespace from when every replica has it, and stops when none has it.
 //!
 //! A replica that joins later, restarts and loses the adapter, or was down when it was loaded,
@@ -139,11 +140,16 @@ pub async fn fan_out(
     // Run to its end whether or not the client waits for it (a client that times out drops
     // this future): replicas changed and the router's records left behind would disagree,
     // and its catch-up would then undo an unload or never finish a load.
+    // Tracked by the server (drained at shutdown, as connections are), where it serves.
+    let background = parts.extensions.get::<kvroute_proto::serve::Background>().cloned();
     let (_, headers) = super::forward::upstream_head(parts, request_id);
     let apply = apply(state.clone(), pool.clone(), change, name, members, (headers, body));
-    let mut response = tokio::spawn(apply)
-        .await
-        .map_err(|e| ProxyError::FanOut(format!("the adapter change failed: {e}")))??;
+    let task = match background {
+        Some(background) => background.spawn(apply),
+        None => tokio::spawn(apply),
+    };
+    let mut response =
+        task.await.map_err(|e| ProxyError::FanOut(format!("the adapter change failed: {e}")))??;
     if let Ok(id) = http::HeaderValue::from_str(request_id) {
         response.headers_mut().insert(super::forward::X_REQUEST_ID, id);
     }

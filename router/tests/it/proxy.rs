@@ -697,27 +697,32 @@ async fn lora_adapters_loaded_through_the_router_reach_every_replica() {
     assert_eq!(http.post(&without.url("/v1/load_lora_adapter"), &load).await.status, 403);
 }
 
-/// A LoRA change runs to its end when its client stops waiting (a client timeout shorter than
-/// the replicas' answers): the router records what the replicas did. (Cut off, it used to
-/// leave the replicas changed and the router's records not, which its catch-up then undid.)
-/// A replica's answer passed on keeps its content type and gets the request id.
-#[tokio::test]
-async fn a_lora_change_whose_client_left_still_completes() {
+/// Asks the router at `addr` to load the LoRA adapter `sql`, and leaves after 100 ms
+/// without its answer (a client whose timeout is shorter than the replicas' answers).
+async fn load_and_leave(addr: std::net::SocketAddr) {
     use tokio::io::AsyncWriteExt;
-    let answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 8\r\n\r\nSuccess.";
-    let replica = slow_body_reading_replica(answer, std::time::Duration::from_millis(800)).await;
-    let (router, shutdown) =
-        router_in_front_of(replica, |c| kvroute_router::Config { lora_updates: true, ..c }).await;
     let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"}).to_string();
     let request = format!(
         "POST /v1/load_lora_adapter HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n\
          content-length: {}\r\n\r\n{load}",
         load.len()
     );
-    let mut client = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
     client.write_all(request.as_bytes()).await.unwrap();
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    drop(client); // the client gives up
+}
+
+/// A LoRA change runs to its end when its client stops waiting (a client timeout shorter than
+/// the replicas' answers): the router records what the replicas did. (Cut off, it used to
+/// leave the replicas changed and the router's records not, which its catch-up then undid.)
+/// A replica's answer passed on keeps its content type and gets the request id.
+#[tokio::test]
+async fn a_lora_change_whose_client_left_still_completes() {
+    let answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 8\r\n\r\nSuccess.";
+    let replica = slow_body_reading_replica(answer, std::time::Duration::from_millis(800)).await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { lora_updates: true, ..c }).await;
+    load_and_leave(router.addr).await;
     assert!(!router.fleet().adapters().contains("sql"));
     let fleet = router.fleet().clone();
     wait_until("the change the client left is recorded", || fleet.adapters().contains("sql")).await;
@@ -730,6 +735,20 @@ async fn a_lora_change_whose_client_left_still_completes() {
     assert_eq!(reply.header("content-type"), Some("text/plain"));
     assert!(reply.header("x-request-id").is_some());
     shutdown.cancel();
+}
+
+/// A LoRA change whose client left runs to its end through a shutdown too: the server
+/// drains it as it drains its connections.
+#[tokio::test]
+async fn a_lora_change_whose_client_left_outlasts_a_shutdown() {
+    let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\nSuccess.";
+    let replica = slow_body_reading_replica(answer, std::time::Duration::from_millis(800)).await;
+    let (router, _shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { lora_updates: true, ..c }).await;
+    load_and_leave(router.addr).await;
+    let fleet = router.fleet().clone();
+    router.stop().await;
+    assert!(fleet.adapters().contains("sql"), "the change ran to its end before the router stopped");
 }
 
 /// A LoRA adapter loaded without this router (by another router in front of the same
