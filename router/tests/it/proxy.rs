@@ -453,19 +453,23 @@ async fn other_v1_requests_stream_through_and_oversized_uploads_do_not_eject_rep
 /// `/v1/embeddings` does): `GET`s get 200 and every other request `answer`, on a kept-alive
 /// connection.
 async fn body_reading_replica(answer: &'static [u8]) -> std::net::SocketAddr {
-    slow_body_reading_replica(answer, std::time::Duration::ZERO).await
+    slow_body_reading_replica(answer, std::time::Duration::ZERO).await.0
 }
 
-/// [`body_reading_replica`], answering requests other than GETs after `delay`.
+/// [`body_reading_replica`], answering requests other than GETs after `delay`; the `Notify`
+/// is told of each such request once read.
 async fn slow_body_reading_replica(
     answer: &'static [u8],
     delay: std::time::Duration,
-) -> std::net::SocketAddr {
+) -> (std::net::SocketAddr, std::sync::Arc<tokio::sync::Notify>) {
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let read = std::sync::Arc::new(tokio::sync::Notify::new());
+    let told = read.clone();
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
+            let told = told.clone();
             tokio::spawn(async move {
                 let mut stream = BufReader::new(stream);
                 loop {
@@ -506,6 +510,7 @@ async fn slow_body_reading_replica(
                     }
                     let ok: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
                     if get != Some(true) {
+                        told.notify_one();
                         tokio::time::sleep(delay).await;
                     }
                     if stream.get_mut().write_all(if get == Some(true) { ok } else { answer }).await.is_err()
@@ -516,7 +521,7 @@ async fn slow_body_reading_replica(
             });
         }
     });
-    addr
+    (addr, read)
 }
 
 /// A router in front of the one replica at `replica` (its events on a closed port), with
@@ -697,9 +702,10 @@ async fn lora_adapters_loaded_through_the_router_reach_every_replica() {
     assert_eq!(http.post(&without.url("/v1/load_lora_adapter"), &load).await.status, 403);
 }
 
-/// Asks the router at `addr` to load the LoRA adapter `sql`, and leaves after 100 ms
-/// without its answer (a client whose timeout is shorter than the replicas' answers).
-async fn load_and_leave(addr: std::net::SocketAddr) {
+/// Asks the router at `addr` to load the LoRA adapter `sql`, and leaves without its answer
+/// once the replica has the request (`read`): a client whose timeout is shorter than the
+/// replicas' answers.
+async fn load_and_leave(addr: std::net::SocketAddr, read: &tokio::sync::Notify) {
     use tokio::io::AsyncWriteExt;
     let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"}).to_string();
     let request = format!(
@@ -709,7 +715,9 @@ async fn load_and_leave(addr: std::net::SocketAddr) {
     );
     let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
     client.write_all(request.as_bytes()).await.unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    tokio::time::timeout(std::time::Duration::from_secs(10), read.notified())
+        .await
+        .expect("the replica has it");
 }
 
 /// A LoRA change runs to its end when its client stops waiting (a client timeout shorter than
@@ -719,10 +727,10 @@ async fn load_and_leave(addr: std::net::SocketAddr) {
 #[tokio::test]
 async fn a_lora_change_whose_client_left_still_completes() {
     let answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 8\r\n\r\nSuccess.";
-    let replica = slow_body_reading_replica(answer, std::time::Duration::from_millis(800)).await;
+    let (replica, read) = slow_body_reading_replica(answer, std::time::Duration::from_millis(800)).await;
     let (router, shutdown) =
         router_in_front_of(replica, |c| kvroute_router::Config { lora_updates: true, ..c }).await;
-    load_and_leave(router.addr).await;
+    load_and_leave(router.addr, &read).await;
     assert!(!router.fleet().adapters().contains("sql"));
     let fleet = router.fleet().clone();
     wait_until("the change the client left is recorded", || fleet.adapters().contains("sql")).await;
@@ -742,10 +750,10 @@ async fn a_lora_change_whose_client_left_still_completes() {
 #[tokio::test]
 async fn a_lora_change_whose_client_left_outlasts_a_shutdown() {
     let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\nSuccess.";
-    let replica = slow_body_reading_replica(answer, std::time::Duration::from_millis(800)).await;
+    let (replica, read) = slow_body_reading_replica(answer, std::time::Duration::from_millis(800)).await;
     let (router, _shutdown) =
         router_in_front_of(replica, |c| kvroute_router::Config { lora_updates: true, ..c }).await;
-    load_and_leave(router.addr).await;
+    load_and_leave(router.addr, &read).await;
     let fleet = router.fleet().clone();
     router.stop().await;
     assert!(fleet.adapters().contains("sql"), "the change ran to its end before the router stopped");
