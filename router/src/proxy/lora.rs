@@ -17,8 +17,8 @@
 //! or none: one "already loaded" among other refusals would hide them), that answer; anything
 //! else is a 502 that names each replica's outcome. The change runs to its end whether or not
 //! its client waits, a shutdown included (in a task the server drains as it drains its
-//! connections). The router names the adapter's
-//! namespace from when every replica has it, and stops when none has it.
+//! connections). The router names the adapter's namespace from when every replica has it,
+//! and stops when none has it.
 //!
 //! A replica that joins later, restarts and loses the adapter, or was down when it was loaded,
 //! is given it again ([`catch_up`]); until then the adapter's requests go to the replicas that
@@ -139,8 +139,8 @@ pub async fn fan_out(
     }
     // Run to its end whether or not the client waits for it (a client that times out drops
     // this future): replicas changed and the router's records left behind would disagree,
-    // and its catch-up would then undo an unload or never finish a load.
-    // Tracked by the server (drained at shutdown, as connections are), where it serves.
+    // and its catch-up would then undo an unload or never finish a load. The server drains
+    // the task at shutdown, as it drains connections.
     let background = parts.extensions.get::<kvroute_proto::serve::Background>().cloned();
     let (_, headers) = super::forward::upstream_head(parts, request_id);
     let apply = apply(state.clone(), pool.clone(), change, name, members, (headers, body));
