@@ -61,7 +61,14 @@ where
         std::fs::read_to_string(&path).map_err(|source| ConfigError::Read { path: path.clone(), source })?;
     let file_error = |message: String| ConfigError::File { path: path.clone(), message };
     let file: toml::Table = text.parse().map_err(|e: toml::de::Error| file_error(e.to_string()))?;
-    let mut merged = toml::Table::try_from(&cli).map_err(|e| file_error(e.to_string()))?;
+    // TOML's integers are signed 64-bit: a flag's value beyond them cannot be merged in.
+    let mut merged = toml::Table::try_from(&cli).map_err(|e| {
+        file_error(format!(
+            "the flags and environment cannot be merged with it ({e}): with a config file, numbers \
+             are at most {}",
+            i64::MAX
+        ))
+    })?;
     let mut unknown = Vec::new();
     for (key, value) in file {
         // A key is its flag's long name exactly: serde reads no other spelling, so a
@@ -116,6 +123,9 @@ mod tests {
         #[arg(long)]
         #[serde(skip_serializing_if = "Option::is_none")]
         salt: Option<String>,
+        #[arg(long)]
+        #[serde(skip_serializing_if = "Option::is_none")]
+        seed: Option<u64>,
     }
 
     impl Layered for Demo {
@@ -181,6 +191,20 @@ mod tests {
         let ConfigError::File { message, .. } = err else { panic!("file error expected, got {err:?}") };
         assert!(message.contains("block_size (spelled block-size)"), "{message}");
         assert!(!message.contains("model"), "{message}");
+    }
+
+    /// A flag's number beyond TOML's integers, with a config file: an error that says so.
+    #[test]
+    fn numbers_beyond_tomls_are_an_error_that_says_so() {
+        let f = file("block-size = 64\n");
+        let path = f.0.to_str().unwrap();
+        let parsed =
+            parse_from::<Demo, _, _>(["x", "--config", path, "--seed", &i64::MAX.to_string()]).unwrap();
+        assert_eq!(parsed.seed, Some(i64::MAX as u64));
+        let err =
+            parse_from::<Demo, _, _>(["x", "--config", path, "--seed", &u64::MAX.to_string()]).unwrap_err();
+        let ConfigError::File { message, .. } = err else { panic!("file error expected, got {err:?}") };
+        assert!(message.contains(&i64::MAX.to_string()), "{message}");
     }
 
     #[test]
