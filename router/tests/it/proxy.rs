@@ -702,22 +702,27 @@ async fn lora_adapters_loaded_through_the_router_reach_every_replica() {
     assert_eq!(http.post(&without.url("/v1/load_lora_adapter"), &load).await.status, 403);
 }
 
-/// Asks the router at `addr` to load the LoRA adapter `sql`, and leaves without its answer
-/// once the replica has the request (`read`): a client whose timeout is shorter than the
-/// replicas' answers.
-async fn load_and_leave(addr: std::net::SocketAddr, read: &tokio::sync::Notify) {
+/// A router with LoRA updates in front of one replica that answers changes after 800 ms
+/// (`Success.`, as plain text), asked to load the adapter `sql` by a client that leaves once
+/// the replica has the request: a client whose timeout is shorter than the replicas' answers.
+async fn a_load_whose_client_left() -> (kvroute_router::RunningRouter, tokio_util::sync::CancellationToken) {
     use tokio::io::AsyncWriteExt;
+    let answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 8\r\n\r\nSuccess.";
+    let (replica, read) = slow_body_reading_replica(answer, std::time::Duration::from_millis(800)).await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { lora_updates: true, ..c }).await;
     let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"}).to_string();
     let request = format!(
         "POST /v1/load_lora_adapter HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n\
          content-length: {}\r\n\r\n{load}",
         load.len()
     );
-    let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut client = tokio::net::TcpStream::connect(router.addr).await.unwrap();
     client.write_all(request.as_bytes()).await.unwrap();
     tokio::time::timeout(std::time::Duration::from_secs(10), read.notified())
         .await
         .expect("the replica has it");
+    (router, shutdown)
 }
 
 /// A LoRA change runs to its end when its client stops waiting (a client timeout shorter than
@@ -726,11 +731,7 @@ async fn load_and_leave(addr: std::net::SocketAddr, read: &tokio::sync::Notify) 
 /// A replica's answer passed on keeps its content type and gets the request id.
 #[tokio::test]
 async fn a_lora_change_whose_client_left_still_completes() {
-    let answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 8\r\n\r\nSuccess.";
-    let (replica, read) = slow_body_reading_replica(answer, std::time::Duration::from_millis(800)).await;
-    let (router, shutdown) =
-        router_in_front_of(replica, |c| kvroute_router::Config { lora_updates: true, ..c }).await;
-    load_and_leave(router.addr, &read).await;
+    let (router, shutdown) = a_load_whose_client_left().await;
     assert!(!router.fleet().adapters().contains("sql"));
     let fleet = router.fleet().clone();
     wait_until("the change the client left is recorded", || fleet.adapters().contains("sql")).await;
@@ -749,11 +750,7 @@ async fn a_lora_change_whose_client_left_still_completes() {
 /// drains it as it drains its connections.
 #[tokio::test]
 async fn a_lora_change_whose_client_left_outlasts_a_shutdown() {
-    let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\nSuccess.";
-    let (replica, read) = slow_body_reading_replica(answer, std::time::Duration::from_millis(800)).await;
-    let (router, _shutdown) =
-        router_in_front_of(replica, |c| kvroute_router::Config { lora_updates: true, ..c }).await;
-    load_and_leave(router.addr, &read).await;
+    let (router, _shutdown) = a_load_whose_client_left().await;
     let fleet = router.fleet().clone();
     router.stop().await;
     assert!(fleet.adapters().contains("sql"), "the change ran to its end before the router stopped");
