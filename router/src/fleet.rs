@@ -4,6 +4,7 @@
 //! makes it routable; removing it stops both and frees its index entries and credits.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use kvroute_proto::ReplicaId;
@@ -36,6 +37,8 @@ pub struct Fleet {
     not_serving: Arc<RwLock<HashSet<String>>>,
     /// LoRA adapters loaded through the router, which every replica should have.
     adapters: Arc<crate::proxy::lora::Registry>,
+    /// Bumped after every change of membership ([`Fleet::changes`]).
+    changes: Arc<AtomicU64>,
 }
 
 impl Fleet {
@@ -46,7 +49,14 @@ impl Fleet {
             drained: Arc::default(),
             not_serving: Arc::default(),
             adapters: Arc::default(),
+            changes: Arc::default(),
         }
+    }
+
+    /// How many times replicas joined or left so far: a caller that read [`Fleet::members`]
+    /// before waiting on something (a remote tokenization) reads them again if this moved.
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Ordering::Acquire)
     }
 
     /// LoRA adapters loaded through the router ([`crate::proxy::lora`]).
@@ -74,6 +84,7 @@ impl Fleet {
         upstream.set_draining(drained.contains(&replica.spec.name));
         upstream.set_serving(!not_serving.contains(&replica.spec.name));
         self.upstreams.write().unwrap_or_else(PoisonError::into_inner).insert(replica.id, upstream.clone());
+        self.changes.fetch_add(1, Ordering::Release);
         tracing::info!(replica = %replica.spec.name, id = %replica.id, http = %replica.spec.http_url, "replica added");
         Ok(Member { replica, upstream })
     }
@@ -100,6 +111,7 @@ impl Fleet {
             }
             let replica = self.ingest.replicas().by_name(name)?;
             self.upstreams.write().unwrap_or_else(PoisonError::into_inner).remove(&replica.id);
+            self.changes.fetch_add(1, Ordering::Release);
             replica
         };
         let freed = self.ingest.remove_replica(replica.id).await;

@@ -239,6 +239,7 @@ impl Decider {
         let (endpoint, body) = Tokenization::readable_with(endpoint, body, inline, harmony)?;
         let body = &*body;
         let mut request = ParsedRequest::parse(endpoint, body)?;
+        let changes = self.fleet.changes();
         let members = self.fleet.members();
         let info = match self.prompts.tokens(&mut request, body, &members).await {
             // A replica's template that refuses a system turn mid-conversation is one vLLM
@@ -270,6 +271,9 @@ impl Decider {
             failed @ PromptError::Tokenizing(_) => ProxyError::Unavailable(failed.to_string()),
             refused @ PromptError::Refused(_) => ProxyError::Refused(refused.to_string()),
         })?;
+        // A replica that left while the prompt was tokenized (remotely, or on the blocking
+        // pool) is not chosen, nor credited; one that joined is a candidate.
+        let members = if self.fleet.changes() == changes { members } else { self.fleet.members() };
         let first = info.tokens.first().map(Vec::as_slice).unwrap_or_default();
         let unhashed = info.unhashed_tokens.unwrap_or(0);
         let root = info.namespace.root();

@@ -393,6 +393,67 @@ async fn remote_tokenization_asks_the_next_replica_when_one_fails() {
     assert!((1..8).contains(&failed), "the broken replica had its turns, not all: {failed}");
 }
 
+/// With `--remote-tokenize`, a replica that leaves the fleet while a request's prompt is
+/// being tokenized is not chosen for it; one that joined meanwhile is.
+#[tokio::test]
+async fn a_replica_removed_during_a_remote_tokenization_is_not_chosen() {
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let (leaving, mut tokenizing) = gated_tokenize_replica(gate.clone()).await;
+    let (router, shutdown) =
+        router_in_front_of(leaving, |c| kvroute_router::Config { remote_tokenize: true, ..c }).await;
+    let joining = gated_tokenize_replica(std::sync::Arc::new(tokio::sync::Semaphore::new(0))).await.0;
+    let url = format!("{}/v1/completions", router.url());
+    let sent = tokio::spawn(async move {
+        crate::fleet::Http::new().post(&url, &completion(&text("leaving", 30), 1)).await
+    });
+    tokenizing.recv().await.expect("the prompt is sent to /tokenize");
+    let joining: kvroute_router::config::ReplicaConfig =
+        format!("name=r1,http=http://{joining},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap();
+    router.fleet().add(joining.to_spec(FLEET_MODEL, FLEET_BLOCK)).unwrap();
+    router.fleet().remove("r0").await.expect("r0 was a member");
+    gate.add_permits(1);
+    let reply = sent.await.unwrap();
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    assert_eq!(reply.header("x-kvroute-replica"), Some("r1"));
+    shutdown.cancel();
+}
+
+/// A replica whose `POST /tokenize` reports on `tokenizing` and then waits for a permit of
+/// `gate` before it answers three tokens; anything else gets an empty 200 at once.
+async fn gated_tokenize_replica(
+    gate: std::sync::Arc<tokio::sync::Semaphore>,
+) -> (std::net::SocketAddr, tokio::sync::mpsc::UnboundedReceiver<()>) {
+    use hyper::service::service_fn;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tell, tokenizing) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (gate, tell) = (gate.clone(), tell.clone());
+            let service = service_fn(move |request: http::Request<hyper::body::Incoming>| {
+                let (gate, tell) = (gate.clone(), tell.clone());
+                async move {
+                    let tokenize = request.uri().path() == "/tokenize";
+                    request.into_body().collect().await?;
+                    let answer = if tokenize {
+                        let _ = tell.send(());
+                        gate.acquire().await.unwrap().forget();
+                        r#"{"count":3,"max_model_len":4096,"tokens":[5,6,7]}"#
+                    } else {
+                        "{}"
+                    };
+                    Ok::<_, hyper::Error>(http::Response::new(http_body_util::Full::new(bytes::Bytes::from(
+                        answer,
+                    ))))
+                }
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(io, service));
+        }
+    });
+    (addr, tokenizing)
+}
+
 /// Sends `request` raw on a new connection to the router and reads the response to its end
 /// (`connection: close`).
 async fn raw_exchange(fleet: &Fleet, request: &[u8]) -> String {
