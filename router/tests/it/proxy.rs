@@ -763,6 +763,30 @@ async fn lora_adapters_loaded_through_the_router_reach_every_replica() {
     assert_eq!(http.post(&without.url("/v1/load_lora_adapter"), &load).await.status, 403);
 }
 
+/// A LoRA load that one replica has already and another refuses for a reason of its own is
+/// a 502 naming that refusal: the "already loaded" answer would hide it.
+#[tokio::test]
+async fn a_lora_refusal_beside_an_adapter_there_already_is_a_fan_out_failure() {
+    const REFUSAL: &[u8] = b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 41\r\n\r\n{\"error\":{\"message\":\"no such lora_path\"}}";
+    let fleet = Fleet::with(1, agent_config, |c| kvroute_router::Config { lora_updates: true, ..c }).await;
+    let http = crate::fleet::Http::new();
+    let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
+    let agent = fleet.agents[0].as_ref().unwrap().http_url();
+    assert_eq!(http.post(&format!("{agent}/v1/load_lora_adapter"), &load).await.status, 200);
+    let (refusing, _asked) = crate::headers::recording_replica(REFUSAL).await;
+    let refusing: kvroute_router::config::ReplicaConfig =
+        format!("name=refusing,http=http://{refusing},events=tcp://127.0.0.1:9,engine=kvroute")
+            .parse()
+            .unwrap();
+    fleet.router.fleet().add(refusing.to_spec(FLEET_MODEL, FLEET_BLOCK)).unwrap();
+
+    let reply = http.post(&fleet.url("/v1/load_lora_adapter"), &load).await;
+    assert_eq!(reply.status, 502, "{:?}", reply.body);
+    let message = reply.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(message.contains("refusing: 400") && message.contains("no such lora_path"), "{message}");
+    assert!(message.contains("1 were there already"), "{message}");
+}
+
 /// A router with LoRA updates in front of one replica that answers changes after 800 ms
 /// (`Success.`, as plain text), asked to load the adapter `sql` by a client that leaves once
 /// the replica has the request: a client whose timeout is shorter than the replicas' answers.
