@@ -355,21 +355,39 @@ async fn accept_loop<H, F, B>(
         let send_timeout = limits.send_timeout;
         let shutdown = shutdown.clone();
         let background = Background(connections.clone());
+        let first_request_timeout = limits.header_read_timeout;
         connections.spawn(async move {
             let _slot = slot;
-            let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
-                req.extensions_mut().insert(background.clone());
-                let response = handler(req);
-                async move { Ok::<_, Infallible>(response.await) }
+            let greeted = Arc::new(Greeted::default());
+            let service = hyper::service::service_fn({
+                let greeted = greeted.clone();
+                move |mut req: Request<Incoming>| {
+                    greeted.request();
+                    req.extensions_mut().insert(background.clone());
+                    let response = handler(req);
+                    async move { Ok::<_, Infallible>(response.await) }
+                }
             });
             let conn =
                 builder.serve_connection(TokioIo::new(SendTimeout::new(stream, send_timeout)), service);
             tokio::pin!(conn);
-            let result = tokio::select! {
-                result = conn.as_mut() => result,
-                _ = shutdown.cancelled() => {
-                    conn.as_mut().graceful_shutdown();
-                    conn.await
+            // hyper's header-read timer starts once it knows the protocol, which it learns from
+            // the first bytes: a connection that sends none (or a part of HTTP/2's preface)
+            // would hold its slot for good. Its first request is due within the same time.
+            let first_request = tokio::time::sleep(first_request_timeout);
+            tokio::pin!(first_request);
+            let result = loop {
+                tokio::select! {
+                    result = conn.as_mut() => break result,
+                    _ = shutdown.cancelled() => {
+                        conn.as_mut().graceful_shutdown();
+                        break conn.await;
+                    }
+                    () = greeted.wait(), if !greeted.seen() => {}
+                    () = &mut first_request, if !greeted.seen() => {
+                        tracing::debug!(%peer, "no request within the header-read timeout: closed");
+                        return;
+                    }
                 }
             };
             if let Err(e) = result {
@@ -378,6 +396,31 @@ async fn accept_loop<H, F, B>(
         });
     }
     drop(listener);
+}
+
+/// Whether a connection has had its first request, and a wake-up when it does.
+#[derive(Default)]
+struct Greeted {
+    seen: std::sync::atomic::AtomicBool,
+    notify: tokio::sync::Notify,
+}
+
+impl Greeted {
+    /// Called for every request: only the first one stores anything.
+    fn request(&self) {
+        if !self.seen() {
+            self.seen.store(true, std::sync::atomic::Ordering::Relaxed);
+            self.notify.notify_one();
+        }
+    }
+
+    fn seen(&self) -> bool {
+        self.seen.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    async fn wait(&self) {
+        self.notify.notified().await;
+    }
 }
 
 #[cfg(test)]
@@ -595,5 +638,36 @@ mod tests {
         drop(client);
         shutdown.cancel();
         server.await.unwrap();
+    }
+
+    /// A connection that sends no request (nothing at all, or part of HTTP/2's preface, which
+    /// hyper reads before any of its timers runs) is closed after the header-read timeout:
+    /// it does not hold a connection slot for good.
+    #[tokio::test]
+    async fn a_connection_that_sends_no_request_is_closed() {
+        for opening in [&b""[..], b"PRI * HTTP/2.0\r\n"] {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let shutdown = CancellationToken::new();
+            let handler =
+                |_: Request<Incoming>| async { Response::new(Full::new(Bytes::from_static(b"fine"))) };
+            let limits = Limits {
+                max_connections: 1,
+                header_read_timeout: Duration::from_millis(300),
+                ..Limits::default()
+            };
+            let server = tokio::spawn(serve_with(listener, handler, limits, shutdown.clone()));
+            let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+            silent.write_all(opening).await.unwrap();
+            let answer = tokio::time::timeout(Duration::from_secs(10), get(addr))
+                .await
+                .unwrap_or_else(|_| panic!("the slot came free after {opening:?}"));
+            assert!(answer.ends_with("fine"), "{answer}");
+            let mut rest = Vec::new();
+            let read = tokio::time::timeout(Duration::from_secs(10), silent.read_to_end(&mut rest)).await;
+            assert!(read.is_ok_and(|read| read.is_ok_and(|n| n == 0)), "closed without an answer: {rest:?}");
+            shutdown.cancel();
+            server.await.unwrap();
+        }
     }
 }
