@@ -41,12 +41,14 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 /// Most replicas one request is tried on.
 pub const MAX_ATTEMPTS: usize = 3;
 
-/// Headers that describe one connection, not the message (RFC 9110 §7.6.1), plus `host`,
-/// which the client sets for the replica.
+/// Headers that describe one connection, not the message (RFC 9110 §7.6.1; and
+/// `proxy-connection`, which older clients send in its place), plus `host`, which the client
+/// sets for the replica.
 fn is_hop_by_hop(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
         "connection"
+            | "proxy-connection"
             | "keep-alive"
             | "proxy-authenticate"
             | "proxy-authorization"

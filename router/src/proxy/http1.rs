@@ -229,8 +229,25 @@ fn request_head(method: &Method, target: &str, host: &str, headers: &HeaderMap) 
     head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     head.extend_from_slice(host.as_bytes());
     head.extend_from_slice(b"\r\n");
+    let mut cookies = false;
     for (name, value) in headers {
         if name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING || name == header::EXPECT {
+            continue;
+        }
+        // HTTP/2 clients send each cookie as a field of its own; HTTP/1.1 takes them as one,
+        // joined by "; " (RFC 9113 §8.2.3): many servers read only the first `Cookie` line.
+        if name == header::COOKIE {
+            if std::mem::replace(&mut cookies, true) {
+                continue;
+            }
+            head.extend_from_slice(b"cookie: ");
+            for (i, cookie) in headers.get_all(header::COOKIE).iter().enumerate() {
+                if i > 0 {
+                    head.extend_from_slice(b"; ");
+                }
+                head.extend_from_slice(cookie.as_bytes());
+            }
+            head.extend_from_slice(b"\r\n");
             continue;
         }
         head.extend_from_slice(name.as_str().as_bytes());

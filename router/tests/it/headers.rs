@@ -113,7 +113,8 @@ async fn end_to_end_fields_reach_the_replica_and_hop_by_hop_ones_do_not() {
         let head = format!(
             "POST {path} HTTP/1.1\r\nhost: router.example\r\nconnection: keep-alive, X-Secret-Hop\r\n\
              x-secret-hop: 1\r\nkeep-alive: timeout=5\r\nte: trailers\r\nx-custom: kept\r\n\
-             x-multi: a\r\nx-multi: b\r\ncontent-type: application/json\r\n"
+             x-multi: a\r\nx-multi: b\r\ncookie: a=1\r\ncookie: b=2\r\nproxy-connection: keep-alive\r\n\
+             content-type: application/json\r\n"
         );
         let answer = exchange(&router.url(), &head, body).await;
         assert!(answer.starts_with("http/1.1 200"), "{answer}");
@@ -124,9 +125,10 @@ async fn end_to_end_fields_reach_the_replica_and_hop_by_hop_ones_do_not() {
         assert_eq!(got.values("host"), [replica.to_string().as_str()], "{path}");
         assert_eq!(got.values("x-custom"), ["kept"], "{path}");
         assert_eq!(got.values("x-multi"), ["a", "b"], "{path}");
+        assert_eq!(got.values("cookie"), ["a=1; b=2"], "{path}: one line, as HTTP/1.1 has it");
         assert_eq!(got.values("content-type"), ["application/json"], "{path}");
         assert_eq!(got.values("content-length"), [body.len().to_string().as_str()], "{path}");
-        for hop in ["connection", "x-secret-hop", "keep-alive", "te"] {
+        for hop in ["connection", "x-secret-hop", "keep-alive", "te", "proxy-connection"] {
             assert!(got.values(hop).is_empty(), "{path}: {hop} reached the replica: {got:?}");
         }
         let id = got.values("x-request-id");
