@@ -68,6 +68,7 @@ use serde_json::value::RawValue;
 use super::error::{LoadError, RequestError};
 
 mod content_format;
+mod generation_tag;
 mod options;
 mod python_float;
 
@@ -626,6 +627,10 @@ impl ChatTemplate {
 impl Facts {
     /// Compiles `source` into `env` as `name`.
     fn add(env: &mut Environment<'static>, name: &'static str, source: String) -> Result<Self, LoadError> {
+        let source = match generation_tag::as_plain_blocks(&source) {
+            Cow::Owned(plain) => plain,
+            Cow::Borrowed(_) => source,
+        };
         let facts = Facts {
             name,
             format: ContentFormat::of_template(&source),
@@ -1440,6 +1445,25 @@ mod tests {
         );
         assert_eq!(strftime("%Y-%m-%d %a", 0), "1970-01-01 Thu");
         assert_eq!(strftime("%Y-%m-%d", 1_798_675_200), "2026-12-31");
+    }
+
+    /// A template with transformers' `{% generation %}` blocks (LFM2's, TRL's assistant-only
+    /// training templates) renders as the same template without them, as in vLLM.
+    #[test]
+    fn generation_blocks_render_their_body() {
+        let body = "{%- for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}TAG{{ m.content }}END\
+                    {% else %}{{ m.content }}{% endif %}\n{% endfor -%}";
+        let chat = crate::openai::ChatRequest::parse(
+            br#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":" there "}]}"#,
+        )
+        .unwrap();
+        let render = |source: String| {
+            let template = ChatTemplate::new(source, SpecialTokens::default()).unwrap();
+            template.render(&chat.messages, Variables::default()).unwrap()
+        };
+        let tagged = render(body.replace("TAG", "{%- generation %}").replace("END", "{% endgeneration -%}"));
+        assert_eq!(tagged, render(body.replace("TAG", "{%- if true %}").replace("END", "{% endif -%}")));
+        assert_eq!(tagged, "<user>hi<assistant> there ");
     }
 
     /// Hugging Face's `chat_template.json` holds the template alone: its special tokens come
