@@ -80,7 +80,7 @@
 pub mod metrics;
 
 mod decode;
-mod engine_map;
+pub(crate) mod engine_map;
 mod replay;
 mod snapshot;
 mod stream;

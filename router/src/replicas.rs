@@ -36,6 +36,16 @@ impl EngineKind {
         self == EngineKind::Kvroute
     }
 
+    /// What the engine's block hashes are to the router's engine map.
+    pub(crate) fn hashes(self) -> crate::ingest::engine_map::Hashes {
+        use crate::ingest::engine_map::Hashes;
+        match self {
+            EngineKind::Kvroute => Hashes::Router,
+            EngineKind::Vllm => Hashes::Namespaced,
+            EngineKind::Sglang => Hashes::Blind,
+        }
+    }
+
     /// Most leading cached blocks the engine reuses for a prompt of `prompt_len` tokens. vLLM
     /// and SGLang must compute the prompt's last token for its logits, so they match at most
     /// `prompt_len - 1` tokens, in whole blocks: a prompt that is all whole blocks, all cached,

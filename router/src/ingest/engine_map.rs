@@ -16,6 +16,14 @@
 //! index matters more). The map also lets a rank be cleared without touching other ranks'
 //! entries.
 //!
+//! SGLang's hashes cover the tokens only ([`Hashes::Blind`]): its radix cache keeps a page
+//! apart for each adapter and salt, and the same tokens under two of them are two pages of
+//! one hash. Their entries are keyed by the hash mixed with the run's namespace root (every
+//! SGLang event names its namespace, and a page's parent is in its namespace), so a run
+//! chains from its own namespace's parent, never another tenant's. Removals name no
+//! namespace: a hash held under several is taken from each of them (the index loses a hit it
+//! might have kept, and never keeps a block that is gone).
+//!
 //! Re-announcements add no reference. Under `kv_cache_report_mode="full"` vLLM announces a
 //! request's prefix-cache hits again as a `BlockStored` from token 0 (no parent), for blocks
 //! it already holds once: counted as copies, they would outlive their one removal and stay
@@ -41,10 +49,30 @@ struct Entry {
     refs: u32,
 }
 
+/// What an engine's block hashes are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hashes {
+    /// The router's own chain (the replica agent).
+    Router,
+    /// The engine's own, covering the cache namespace (vLLM: the adapter and salt are in
+    /// the hashed extra keys).
+    Namespaced,
+    /// The engine's own, of the tokens alone (SGLang's default).
+    Blind,
+}
+
 /// One rank's blocks.
 #[derive(Debug, Default)]
 pub(crate) struct EngineMap {
     map: HashMap<(u32, BlockHash), Entry>,
+    /// For [`Hashes::Blind`] engines: the namespace roots each engine hash is held under
+    /// (the map's keys are the hash mixed with one of them, [`under`]).
+    roots: HashMap<(u32, BlockHash), Vec<BlockHash>>,
+}
+
+/// The map's key of a namespace-blind engine hash held under the namespace `root`.
+fn under(engine: BlockHash, root: BlockHash) -> BlockHash {
+    BlockHash(engine.0 ^ kvroute_proto::mix::mix64(root.0))
 }
 
 impl EngineMap {
@@ -54,12 +82,12 @@ impl EngineMap {
     pub(crate) fn store(
         &mut self,
         stored: &Stored,
-        native: bool,
+        hashes: Hashes,
         model: &str,
         out: &mut Vec<BlockHash>,
     ) -> Result<(), SkipReason> {
         let group = stored.group;
-        if native {
+        if hashes == Hashes::Router {
             for &h in &stored.engine {
                 out.push(self.add(group, h, h));
             }
@@ -69,26 +97,37 @@ impl EngineMap {
         if bs == 0 || stored.tokens.len() != stored.engine.len().saturating_mul(bs) {
             return Err(SkipReason::TokensMismatch);
         }
+        let root = CacheNamespace {
+            model: model.to_owned(),
+            lora: stored.lora.clone(),
+            cache_salt: stored.salt.clone(),
+        }
+        .root();
+        let key = |engine: BlockHash| match hashes {
+            Hashes::Blind => under(engine, root),
+            Hashes::Router | Hashes::Namespaced => engine,
+        };
         let mut prev = match stored.parent {
-            Some(parent) => match self.map.get(&(group, parent)) {
+            Some(parent) => match self.map.get(&(group, key(parent))) {
                 Some(entry) => entry.router,
                 None => return Err(SkipReason::UnknownParent),
             },
-            None => CacheNamespace {
-                model: model.to_owned(),
-                lora: stored.lora.clone(),
-                cache_salt: stored.salt.clone(),
-            }
-            .root(),
+            None => root,
         };
         // Held blocks of a re-announcement get no second reference (see the module docs).
         let reannounced = stored.reused.unwrap_or(stored.parent.is_none());
         for (&engine, tokens) in stored.engine.iter().zip(stored.tokens.chunks_exact(bs)) {
             prev = block_hash(prev, tokens);
-            if reannounced && self.map.contains_key(&(group, engine)) {
+            if reannounced && self.map.contains_key(&(group, key(engine))) {
                 continue;
             }
-            out.push(self.add(group, engine, prev));
+            if hashes == Hashes::Blind {
+                let roots = self.roots.entry((group, engine)).or_default();
+                if !roots.contains(&root) {
+                    roots.push(root);
+                }
+            }
+            out.push(self.add(group, key(engine), prev));
         }
         Ok(())
     }
@@ -104,19 +143,36 @@ impl EngineMap {
     pub(crate) fn remove(&mut self, removed: &Removed, out: &mut Vec<BlockHash>) -> usize {
         let mut unknown = 0;
         for &engine in &removed.engine {
-            let key = (removed.group, engine);
-            match self.map.get_mut(&key) {
-                Some(entry) => {
-                    out.push(entry.router);
-                    entry.refs -= 1;
-                    if entry.refs == 0 {
-                        self.map.remove(&key);
+            let group = removed.group;
+            match self.roots.remove(&(group, engine)) {
+                // Namespace-blind: one reference from every namespace holding it; those
+                // still holding it after that stay listed.
+                Some(mut roots) => {
+                    roots.retain(|&root| self.release((group, under(engine, root)), out) > 0);
+                    if !roots.is_empty() {
+                        self.roots.insert((group, engine), roots);
                     }
+                }
+                None if self.map.contains_key(&(group, engine)) => {
+                    self.release((group, engine), out);
                 }
                 None => unknown += 1,
             }
         }
         unknown
+    }
+
+    /// Drops one reference of the entry at `key` (which exists), appending its router hash to
+    /// `out`; returns the references left.
+    fn release(&mut self, key: (u32, BlockHash), out: &mut Vec<BlockHash>) -> u32 {
+        let Some(entry) = self.map.get_mut(&key) else { return 0 };
+        out.push(entry.router);
+        entry.refs -= 1;
+        let left = entry.refs;
+        if left == 0 {
+            self.map.remove(&key);
+        }
+        left
     }
 
     /// Empties the map, appending every reference's router hash (with repeats) to `out`, and
@@ -125,11 +181,13 @@ impl EngineMap {
         for entry in std::mem::take(&mut self.map).into_values() {
             out.extend(std::iter::repeat_n(entry.router, entry.refs as usize));
         }
+        self.roots = HashMap::new();
     }
 
     /// Forgets everything without reporting it (the caller cleared the whole replica).
     pub(crate) fn reset(&mut self) {
         self.map = HashMap::new();
+        self.roots = HashMap::new();
     }
 
     /// Engine blocks held.
@@ -162,11 +220,11 @@ mod tests {
         let whole = ns.chain(&[1, 2, 3, 4, 5, 6], 2);
         let mut map = EngineMap::default();
         let mut out = Vec::new();
-        map.store(&stored(&[10, 11], None, vec![1, 2, 3, 4]), false, "m", &mut out).unwrap();
-        map.store(&stored(&[12], Some(11), vec![5, 6]), false, "m", &mut out).unwrap();
+        map.store(&stored(&[10, 11], None, vec![1, 2, 3, 4]), Hashes::Namespaced, "m", &mut out).unwrap();
+        map.store(&stored(&[12], Some(11), vec![5, 6]), Hashes::Namespaced, "m", &mut out).unwrap();
         assert_eq!(out, whole);
         assert_eq!(
-            map.store(&stored(&[13], Some(99), vec![7, 8]), false, "m", &mut out),
+            map.store(&stored(&[13], Some(99), vec![7, 8]), Hashes::Namespaced, "m", &mut out),
             Err(SkipReason::UnknownParent)
         );
     }
@@ -175,10 +233,10 @@ mod tests {
     fn refcounts_duplicate_stores() {
         let mut map = EngineMap::default();
         let mut out = Vec::new();
-        map.store(&stored(&[10], None, vec![1, 2]), false, "m", &mut out).unwrap();
+        map.store(&stored(&[10], None, vec![1, 2]), Hashes::Namespaced, "m", &mut out).unwrap();
         // A second copy from token 0, said to be new (vLLM's `origin: "NEW"`).
         let copy = Stored { reused: Some(false), ..stored(&[10], None, vec![1, 2]) };
-        map.store(&copy, false, "m", &mut out).unwrap();
+        map.store(&copy, Hashes::Namespaced, "m", &mut out).unwrap();
         assert_eq!(out[0], out[1]);
         let removed = Removed { engine: vec![BlockHash(10)], group: 0 };
         let mut gone = Vec::new();
@@ -189,7 +247,7 @@ mod tests {
         assert_eq!(map.remove(&removed, &mut gone), 1);
         assert_eq!(gone, vec![out[0], out[0]]);
         // Another group's hash never touches group 0's entries.
-        map.store(&stored(&[10], None, vec![1, 2]), false, "m", &mut out).unwrap();
+        map.store(&stored(&[10], None, vec![1, 2]), Hashes::Namespaced, "m", &mut out).unwrap();
         assert_eq!(map.remove(&Removed { engine: vec![BlockHash(10)], group: 1 }, &mut gone), 1);
         let mut drained = Vec::new();
         map.drain_into(&mut drained);
@@ -203,11 +261,11 @@ mod tests {
     fn reannounced_prefixes_add_no_reference() {
         let mut map = EngineMap::default();
         let mut out = Vec::new();
-        map.store(&stored(&[10, 11], None, vec![1, 2, 3, 4]), false, "m", &mut out).unwrap();
+        map.store(&stored(&[10, 11], None, vec![1, 2, 3, 4]), Hashes::Namespaced, "m", &mut out).unwrap();
         let first = out.clone();
         // Unsaid, no parent, every block held: a re-announcement.
-        map.store(&stored(&[10, 11], None, vec![1, 2, 3, 4]), false, "m", &mut out).unwrap();
-        map.store(&stored(&[10], None, vec![1, 2]), false, "m", &mut out).unwrap();
+        map.store(&stored(&[10, 11], None, vec![1, 2, 3, 4]), Hashes::Namespaced, "m", &mut out).unwrap();
+        map.store(&stored(&[10], None, vec![1, 2]), Hashes::Namespaced, "m", &mut out).unwrap();
         assert_eq!(out, first, "nothing more to index");
         let mut gone = Vec::new();
         assert_eq!(
@@ -219,23 +277,60 @@ mod tests {
 
         // Said to be reused: only the blocks not held are stored (the router had missed them).
         out.clear();
-        map.store(&stored(&[10], None, vec![1, 2]), false, "m", &mut out).unwrap();
+        map.store(&stored(&[10], None, vec![1, 2]), Hashes::Namespaced, "m", &mut out).unwrap();
         let reused = Stored { reused: Some(true), ..stored(&[10, 11], None, vec![1, 2, 3, 4]) };
-        map.store(&reused, false, "m", &mut out).unwrap();
+        map.store(&reused, Hashes::Namespaced, "m", &mut out).unwrap();
         assert_eq!(out, first, "block 11 added, block 10 not again");
         // Unsaid, with blocks not held (the router started after the engine cached them): the
         // held ones get no second reference, the others are stored.
         out.clear();
-        map.store(&stored(&[10, 11, 12], None, vec![1, 2, 3, 4, 5, 6]), false, "m", &mut out).unwrap();
+        map.store(&stored(&[10, 11, 12], None, vec![1, 2, 3, 4, 5, 6]), Hashes::Namespaced, "m", &mut out)
+            .unwrap();
         assert_eq!(out.len(), 1, "block 12 only");
         let mut gone = Vec::new();
         let removed = Removed { engine: vec![BlockHash(12), BlockHash(11), BlockHash(10)], group: 0 };
         assert_eq!(map.remove(&removed, &mut gone), 0);
         assert_eq!(map.len(), 0, "one removal each ends them");
         // With a parent it is a new copy (vLLM re-announces from token 0 only).
-        map.store(&stored(&[10, 11], None, vec![1, 2, 3, 4]), false, "m", &mut out).unwrap();
-        map.store(&stored(&[11], Some(10), vec![3, 4]), false, "m", &mut out).unwrap();
+        map.store(&stored(&[10, 11], None, vec![1, 2, 3, 4]), Hashes::Namespaced, "m", &mut out).unwrap();
+        map.store(&stored(&[11], Some(10), vec![3, 4]), Hashes::Namespaced, "m", &mut out).unwrap();
         map.remove(&Removed { engine: vec![BlockHash(11)], group: 0 }, &mut gone);
         assert_eq!(map.len(), 2, "block 11 has its second copy");
+    }
+
+    /// SGLang hashes the tokens alone: the same page under two salts is one hash. Tenant B's
+    /// copy of tenant A's first page, and B's page after it, are B's: chained from A's, they
+    /// were a false hit for A's requests. A removal of the shared hash takes it from both.
+    #[test]
+    fn namespace_blind_hashes_chain_within_their_namespace() {
+        let salted = |salt: &str, stored: Stored| Stored { salt: Some(salt.into()), ..stored };
+        let (a, b) = (CacheNamespace::new("m").with_salt("A"), CacheNamespace::new("m").with_salt("B"));
+        let mut map = EngineMap::default();
+        let mut out = Vec::new();
+        map.store(&salted("A", stored(&[10], None, vec![1, 2])), Hashes::Blind, "m", &mut out).unwrap();
+        map.store(&salted("B", stored(&[10], None, vec![1, 2])), Hashes::Blind, "m", &mut out).unwrap();
+        map.store(&salted("B", stored(&[11], Some(10), vec![3, 4])), Hashes::Blind, "m", &mut out).unwrap();
+        let b_chain = b.chain(&[1, 2, 3, 4], 2);
+        assert_eq!(out, [a.chain(&[1, 2], 2)[0], b_chain[0], b_chain[1]]);
+        assert!(!out.contains(&a.chain(&[1, 2, 3, 4], 2)[1]), "no page of A's after its first");
+        assert_eq!(
+            map.store(&salted("A", stored(&[11], Some(12), vec![3, 4])), Hashes::Blind, "m", &mut out),
+            Err(SkipReason::UnknownParent)
+        );
+
+        let mut gone = Vec::new();
+        assert_eq!(
+            map.remove(&Removed { engine: vec![BlockHash(11), BlockHash(10)], group: 0 }, &mut gone),
+            0
+        );
+        assert_eq!(gone, [b_chain[1], a.chain(&[1, 2], 2)[0], b_chain[0]]);
+        assert_eq!(map.len(), 0);
+        assert_eq!(map.remove(&Removed { engine: vec![BlockHash(10)], group: 0 }, &mut gone), 1);
+        // The namespace-covering kind keys by the hash as it is.
+        out.clear();
+        map.store(&salted("A", stored(&[10], None, vec![1, 2])), Hashes::Namespaced, "m", &mut out).unwrap();
+        map.store(&salted("B", stored(&[11], Some(10), vec![3, 4])), Hashes::Namespaced, "m", &mut out)
+            .unwrap();
+        assert_eq!(out[1], a.chain(&[1, 2, 3, 4], 2)[1], "vLLM's parent hash names its namespace");
     }
 }

@@ -512,7 +512,7 @@ impl RankStream {
             self.ctx.metrics.skipped(SkipReason::BlockSize).inc();
             return;
         }
-        match self.blocks.store(stored, spec.engine.native_hashes(), &spec.model, &mut self.scratch) {
+        match self.blocks.store(stored, spec.engine.hashes(), &spec.model, &mut self.scratch) {
             Ok(()) => {
                 self.ctx.index.store(self.ctx.replica.id, &self.scratch);
                 self.ctx.metrics.blocks_stored.inc_by(self.scratch.len() as u64);
