@@ -95,6 +95,17 @@ pub enum Outgoing {
     Stream(ProxyBody),
 }
 
+impl Outgoing {
+    /// A streamed body known to be empty as one in hand (which can go on a pooled connection
+    /// and be sent again).
+    pub fn in_hand_if_empty(self) -> Self {
+        match self {
+            Outgoing::Stream(stream) if stream.size_hint().exact() == Some(0) => Outgoing::Full(Bytes::new()),
+            body => body,
+        }
+    }
+}
+
 impl Conn {
     pub fn new(stream: TcpStream) -> Self {
         Self { stream, buf: BytesMut::with_capacity(READ_BUFFER), cut_short: false, last_read: None }
@@ -148,10 +159,7 @@ impl Conn {
         head: Vec<u8>,
         body: Outgoing,
     ) -> Result<(), WireError> {
-        let body = match body {
-            Outgoing::Stream(stream) if stream.size_hint().exact() == Some(0) => Outgoing::Full(Bytes::new()),
-            body => body,
-        };
+        let body = body.in_hand_if_empty();
         if let Outgoing::Full(bytes) = &body
             && bytes.len() <= WATCH_BEYOND
         {

@@ -132,8 +132,9 @@ impl Pool {
         method: &Method,
         uri: &Uri,
         headers: &HeaderMap,
-        mut body: Outgoing,
+        body: Outgoing,
     ) -> Result<Response<UpstreamBody>, SendError> {
+        let mut body = body.in_hand_if_empty();
         let (Some(authority), true) = (uri.authority().cloned(), uri.scheme() == Some(&Scheme::HTTP)) else {
             return Err(SendError::BadUrl(uri.to_string()));
         };
@@ -268,6 +269,21 @@ mod tests {
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection for five requests");
         assert_eq!(pool.idle_count(), 1);
+    }
+
+    /// A streamed body known to be empty (a passed-through GET's) is sent as one in hand: on
+    /// a pooled connection.
+    #[tokio::test]
+    async fn requests_with_an_empty_streamed_body_use_pooled_connections() {
+        let (url, accepted) = backend(true).await;
+        let pool = pool();
+        for _ in 0..3 {
+            let empty = super::super::body::full(Bytes::new());
+            let request = Request::get(format!("{url}/v1/models")).body(Outgoing::Stream(empty)).unwrap();
+            let response = pool.send(request).await.unwrap();
+            assert_eq!(response.into_body().collect().await.unwrap().to_bytes().as_ref(), b"ok");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection for three requests");
     }
 
     #[tokio::test]
