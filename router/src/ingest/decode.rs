@@ -45,6 +45,11 @@ pub(crate) enum Event {
     Removed(Removed),
     Cleared,
     Skipped(SkipReason),
+    /// A store in a KV-cache group of a kind the router does not index (sliding window,
+    /// Mamba): skipped, and that group's removals are not unknown blocks.
+    OtherKind {
+        group: u32,
+    },
 }
 
 /// A stored run of blocks.
@@ -135,6 +140,7 @@ fn from_native(batch: pb::EventBatch) -> Batch {
 fn from_vllm(event: VllmEvent, block_size: Option<u32>) -> Event {
     match event {
         VllmEvent::BlockStored(s) => match check_stored(&s, block_size) {
+            Err(SkipReason::AttentionKind) => Event::OtherKind { group: s.group_idx.unwrap_or(0) },
             Err(reason) => Event::Skipped(reason),
             Ok(salt) => Event::Stored(Stored {
                 salt: s.cache_salt.or(salt),
@@ -157,8 +163,9 @@ fn from_vllm(event: VllmEvent, block_size: Option<u32>) -> Event {
             } else if remote(r.locality.as_deref()) {
                 Event::Skipped(SkipReason::Remote)
             } else {
-                // No kind on removals: the engine map is keyed by (group, hash), so hashes of
-                // a group that was never indexed are unknown to it (`unknown_block`).
+                // No kind on removals: the engine map is keyed by (group, hash); a group whose
+                // stores were of another kind is known by them (`attention_kind`), any other
+                // hash not held is an `unknown_block`.
                 Event::Removed(Removed { engine: r.block_hashes, group: r.group_idx.unwrap_or(0) })
             }
         }
@@ -253,6 +260,7 @@ mod tests {
     fn reason(s: vllm::BlockStored, block_size: Option<u32>) -> Option<SkipReason> {
         match from_vllm(VllmEvent::BlockStored(s), block_size) {
             Event::Skipped(r) => Some(r),
+            Event::OtherKind { .. } => Some(SkipReason::AttentionKind),
             _ => None,
         }
     }

@@ -23,7 +23,7 @@ pub enum SkipReason {
     /// sliding-window or Mamba groups with masked blocks.
     TokensMismatch,
     /// `kv_cache_spec_kind` is not full or MLA attention (or, before vLLM 0.23 which has
-    /// no kind, `group_idx > 0`).
+    /// no kind, `group_idx > 0`); also the removals of such a group's blocks.
     AttentionKind,
     /// `locality == "REMOTE"`: blocks held by another node.
     Remote,
@@ -36,7 +36,7 @@ pub enum SkipReason {
     ExtraKeys,
     /// `parent_block_hash` names a block this rank never stored (or lost in a resync).
     UnknownParent,
-    /// A removed engine hash that this rank does not hold.
+    /// A removed engine hash that this rank does not hold (in a group it indexes).
     UnknownBlock,
     /// An event tag the decoder does not know.
     UnknownEvent,

@@ -77,6 +77,9 @@ pub(crate) struct RankStream {
     /// The SUB lost its connection and the rank was cleared: live frames are ignored until
     /// the next `Connected`, whose repair from seq 0 covers them.
     disconnected: bool,
+    /// KV-cache groups whose stores were of a kind the router does not index: their
+    /// removals are expected misses, not unknown blocks.
+    other_kinds: Vec<u32>,
     scratch: Vec<BlockHash>,
 }
 
@@ -95,6 +98,7 @@ impl RankStream {
             lost: false,
             resynced_in_run: false,
             disconnected: false,
+            other_kinds: Vec::new(),
             scratch: Vec::new(),
         }
     }
@@ -488,12 +492,22 @@ impl RankStream {
                     self.ctx.index.remove(self.ctx.replica.id, &self.scratch);
                     self.ctx.metrics.blocks_removed.inc_by(self.scratch.len() as u64);
                     if unknown > 0 {
-                        self.ctx.metrics.skipped(SkipReason::UnknownBlock).inc_by(unknown as u64);
+                        let reason = match self.other_kinds.contains(&removed.group) {
+                            true => SkipReason::AttentionKind,
+                            false => SkipReason::UnknownBlock,
+                        };
+                        self.ctx.metrics.skipped(reason).inc_by(unknown as u64);
                     }
                 }
                 Event::Cleared => self.clear(),
                 Event::Skipped(reason) => {
                     self.ctx.metrics.skipped(reason).inc();
+                }
+                Event::OtherKind { group } => {
+                    if !self.other_kinds.contains(&group) {
+                        self.other_kinds.push(group);
+                    }
+                    self.ctx.metrics.skipped(SkipReason::AttentionKind).inc();
                 }
             }
         }
@@ -642,5 +656,44 @@ mod tests {
         rank.process(late).await;
         assert_eq!(rank.ctx.index.blocks(id), 4, "not cleared as a restart");
         assert_eq!(rank.ctx.metrics.restarts.get(), 0);
+    }
+
+    /// A hybrid model's removals from a sliding-window group (whose stores are not indexed)
+    /// count as `attention_kind`, not as unknown blocks: those are kept for hashes the rank
+    /// should have held (a sign the index is out of step).
+    #[tokio::test]
+    async fn removals_from_a_group_of_another_kind_are_not_unknown_blocks() {
+        let mut rank = rank();
+        let kind = |group: u32, kind: &str, hash: u64| {
+            VllmEvent::BlockStored(vllm::BlockStored {
+                block_hashes: vec![BlockHash(hash)],
+                token_ids: vec![1, 2],
+                block_size: 2,
+                group_idx: Some(group),
+                kv_cache_spec_kind: Some(kind.into()),
+                ..Default::default()
+            })
+        };
+        let removed = |group: u32, hash: u64| {
+            VllmEvent::BlockRemoved(vllm::BlockRemoved {
+                block_hashes: vec![BlockHash(hash)],
+                group_idx: Some(group),
+                ..Default::default()
+            })
+        };
+        let events = vec![
+            kind(0, "full_attention", 1),
+            kind(1, "sliding_window", 2),
+            removed(1, 2),
+            removed(0, 1),
+            removed(0, 3),
+        ];
+        let payload = vllm::encode_payload(&VllmBatch { ts: 0.0, events, dp_rank: None });
+        let batch = rank.decode(&LiveMessage { topic: bytes::Bytes::new(), seq: Seq(0), payload }).unwrap();
+        rank.process(batch).await;
+        let metrics = &rank.ctx.metrics;
+        assert_eq!(metrics.skipped(SkipReason::AttentionKind).get(), 2, "the store and its removal");
+        assert_eq!(metrics.skipped(SkipReason::UnknownBlock).get(), 1, "hash 3 only");
+        assert_eq!(rank.ctx.index.blocks(rank.ctx.replica.id), 0);
     }
 }
