@@ -48,8 +48,13 @@ pub struct ProxyMetrics {
     decisions: Family<PolicyLabel, Counter>,
     pub predicted_cached_tokens: Counter,
     pub realized_cached_tokens: Counter,
-    /// Prompt tokens of routed requests (the denominator of both hit rates).
+    /// Prompt tokens of routed requests (the denominator of the predicted hit rate).
     pub prompt_tokens: Counter,
+    /// Prompt tokens of routed requests whose answer reported its cached tokens (the
+    /// denominator of the realized hit rate).
+    pub reported_prompt_tokens: Counter,
+    /// The predicted cached tokens of those requests.
+    pub reported_predicted_cached_tokens: Counter,
     /// Routed requests whose tokens were known only in part (chats with media).
     pub partial_prompts: Counter,
     /// Counted through [`Self::count_response`].
@@ -86,6 +91,8 @@ impl Default for ProxyMetrics {
             predicted_cached_tokens: Counter::default(),
             realized_cached_tokens: Counter::default(),
             prompt_tokens: Counter::default(),
+            reported_prompt_tokens: Counter::default(),
+            reported_predicted_cached_tokens: Counter::default(),
             partial_prompts: Counter::default(),
             requests: Family::default(),
             errors: Family::default(),
@@ -120,6 +127,18 @@ impl ProxyMetrics {
             m.realized_cached_tokens.clone(),
         );
         r.register("prompt_tokens", "Prompt tokens of routed requests", m.prompt_tokens.clone());
+        r.register(
+            "reported_prompt_tokens",
+            "Prompt tokens of routed requests whose answer reported its cached tokens \
+             (realized_cached_tokens over this is the realized hit rate)",
+            m.reported_prompt_tokens.clone(),
+        );
+        r.register(
+            "reported_predicted_cached_tokens",
+            "Predicted cached tokens of routed requests whose answer reported its cached tokens \
+             (to set beside realized_cached_tokens)",
+            m.reported_predicted_cached_tokens.clone(),
+        );
         r.register(
             "partial_prompts",
             "Routed requests whose tokens were known only up to their first media (an image, audio), \

@@ -190,7 +190,8 @@ pub async fn routed(
                     guard,
                     sent,
                     hold: plan.hold.take(),
-                    counted,
+                    counted: counted
+                        .then_some(Predicted { prompt_tokens: plan.prompt_tokens, cached_tokens: predicted }),
                     keeps_response: plan.keeps_response,
                 };
                 let mut response = wrap(response, &client, sent, config, metrics, admitted, line);
@@ -301,7 +302,7 @@ pub async fn to_replica(
                     guard,
                     sent,
                     hold: None,
-                    counted: false,
+                    counted: None,
                     keeps_response,
                 },
                 config,
@@ -414,9 +415,26 @@ struct Attempt<'a> {
     guard: LoadGuard,
     sent: Instant,
     hold: Option<CreditHold>,
-    counted: bool,
+    /// What the router predicted of a routed request whose tokens it knew.
+    counted: Option<Predicted>,
     /// Whether the answer's id names a response the replica keeps.
     keeps_response: bool,
+}
+
+/// Where a routed request's reported cached tokens count, with what was predicted of it
+/// ([`ProxyMetrics::reported_prompt_tokens`]).
+struct Reported {
+    predicted: Predicted,
+    realized_cached_tokens: Counter,
+    prompt_tokens: Counter,
+    predicted_cached_tokens: Counter,
+}
+
+/// A routed request's prompt tokens and the cached tokens the router predicted for it.
+#[derive(Clone, Copy, Debug)]
+struct Predicted {
+    prompt_tokens: u64,
+    cached_tokens: u64,
 }
 
 /// The upstream response, with the body tracked and hop-by-hop headers removed.
@@ -462,7 +480,12 @@ fn wrap(
         guard,
         _slot: admitted.slot,
         judge,
-        realized_cached_tokens: counted.then(|| metrics.realized_cached_tokens.clone()),
+        reported: counted.map(|predicted| Reported {
+            predicted,
+            realized_cached_tokens: metrics.realized_cached_tokens.clone(),
+            prompt_tokens: metrics.reported_prompt_tokens.clone(),
+            predicted_cached_tokens: metrics.reported_predicted_cached_tokens.clone(),
+        }),
         upstream_ttfb_seconds: metrics.upstream_ttfb_seconds.clone(),
         sent,
         access,
@@ -488,8 +511,9 @@ struct ResponseHooks {
     _slot: Slot,
     /// Passive health: whether the body's end counts for or against the replica.
     judge: Option<Judge>,
-    /// Where the cached tokens the response reports count (not for a chat with media).
-    realized_cached_tokens: Option<Counter>,
+    /// Where the cached tokens the response reports count, beside what was predicted of the
+    /// same request (not for a chat with media).
+    reported: Option<Reported>,
     upstream_ttfb_seconds: Histogram,
     sent: Instant,
     /// The access log's line, when it is on.
@@ -524,8 +548,13 @@ impl Hooks for ResponseHooks {
         if let Some(line) = self.access.take() {
             line.finish(end, cached_tokens);
         }
-        if let (Some(n), Some(counter)) = (cached_tokens, &self.realized_cached_tokens) {
-            counter.inc_by(n);
+        // Only answers that report their cached tokens (an error does not, nor a stream
+        // without `stream_options.include_usage`) count on the realized side, so the two
+        // hit rates compare the same requests.
+        if let (Some(n), Some(reported)) = (cached_tokens, &self.reported) {
+            reported.realized_cached_tokens.inc_by(n);
+            reported.prompt_tokens.inc_by(reported.predicted.prompt_tokens);
+            reported.predicted_cached_tokens.inc_by(reported.predicted.cached_tokens);
         }
         if let Some(judge) = &self.judge {
             let upstream = self.guard.upstream();

@@ -418,6 +418,60 @@ async fn a_replica_removed_during_a_remote_tokenization_is_not_chosen() {
     shutdown.cancel();
 }
 
+/// The realized hit rate's denominator counts only requests whose answer reported its cached
+/// tokens: an error answer, or a stream without `include_usage`, reports none, and counted
+/// there it made the realized rate look lower than the predicted one for the same hits.
+#[tokio::test]
+async fn only_answers_with_usage_count_toward_the_realized_hit_rate() {
+    use hyper::service::service_fn;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let replica = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let service = service_fn(|request: http::Request<hyper::body::Incoming>| async move {
+                let completion = request.uri().path() == "/v1/completions";
+                let body = request.into_body().collect().await?.to_bytes();
+                let usage = String::from_utf8_lossy(&body).contains("reported");
+                let (status, answer) = match (completion, usage) {
+                    (false, _) => (200, ""),
+                    (true, true) => {
+                        (200, r#"{"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":3}}}"#)
+                    }
+                    (true, false) => {
+                        (400, r#"{"error":{"message":"too long","type":"BadRequestError","code":400}}"#)
+                    }
+                };
+                let mut response = http::Response::new(http_body_util::Full::new(bytes::Bytes::from(answer)));
+                *response.status_mut() = http::StatusCode::from_u16(status).unwrap();
+                Ok::<_, hyper::Error>(response)
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(io, service));
+        }
+    });
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let http = crate::fleet::Http::new();
+    let counter = async |name: &str| -> u64 {
+        let metrics = http.get(&format!("{}/metrics", router.url())).await;
+        let metrics = String::from_utf8_lossy(&metrics.body).into_owned();
+        let line = format!("kvroute_router_{name}_total ");
+        metrics.lines().find_map(|l| l.strip_prefix(&line)?.trim().parse().ok()).unwrap_or(0)
+    };
+    let url = format!("{}/v1/completions", router.url());
+    let refused = http.post(&url, &completion(&text("refused", 20), 1)).await;
+    assert_eq!(refused.status, 400);
+    let routed = counter("prompt_tokens").await;
+    assert!(routed >= 20, "{routed}");
+    assert_eq!(counter("reported_prompt_tokens").await, 0);
+    let reported = http.post(&url, &completion(&text("reported", 30), 1)).await;
+    assert_eq!(reported.status, 200);
+    let all = counter("prompt_tokens").await;
+    assert_eq!(counter("reported_prompt_tokens").await, all - routed, "the second request's alone");
+    assert_eq!(counter("realized_cached_tokens").await, 3);
+    assert_eq!(counter("reported_predicted_cached_tokens").await, 0, "nothing cached was known");
+    shutdown.cancel();
+}
+
 /// A replica whose `POST /tokenize` reports on `tokenizing` and then waits for a permit of
 /// `gate` before it answers three tokens; anything else gets an empty 200 at once.
 async fn gated_tokenize_replica(
