@@ -817,8 +817,8 @@ fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
     let mut tokenizer: serde_json::Value =
         serde_json::from_slice(&std::fs::read(data("tiny-tokenizer.json")).unwrap()).unwrap();
     let added = tokenizer["added_tokens"].as_array_mut().unwrap();
-    for (i, special) in ["<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|call|>"].iter().enumerate()
-    {
+    let specials = ["<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|call|>", "<|constrain|>"];
+    for (i, special) in specials.iter().enumerate() {
         added.push(serde_json::json!({"id": 400 + i, "content": special, "single_word": false,
             "lstrip": false, "rstrip": false, "normalized": false, "special": true}));
     }
@@ -898,6 +898,13 @@ fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
         "# Tools\n\n## functions\n\nnamespace functions {\n\ntype f = () => any;\n\n} // namespace functions",
     );
     assert_eq!(tokens(&t, Endpoint::ChatCompletions, tools).unwrap(), [with_tools]);
+    // A tool call in the history: its content type after `<|constrain|>`, as oss-harmony
+    // writes it.
+    let call = r#"{"model":"tiny","messages":[{"role":"user","content":"q"},{"role":"assistant","content":null,
+        "tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]},
+        {"role":"tool","tool_call_id":"c","content":"r"}]}"#;
+    let ids = tokens(&t, Endpoint::ChatCompletions, call).unwrap();
+    assert_eq!(ids[0].iter().filter(|&&id| id == 405).count(), 1, "one <|constrain|>: {ids:?}");
     // A Responses request is read as vLLM reads its items for Harmony: reasoning after an
     // answer is a message of its own, kept.
     let responses = r#"{"model":"tiny","input":[{"role":"user","content":"q"},

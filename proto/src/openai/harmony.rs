@@ -16,9 +16,9 @@
 //! 3. The other messages: a user's content (each text part its own text); an assistant's
 //!    reasoning (`reasoning`, or the older `reasoning_content`) on the analysis channel, its
 //!    content on the final channel (or, beside tool calls, on the commentary channel), and
-//!    each tool call as
-//!    `assistant to=functions.NAME` on the `commentary json` channel, ended by `<|call|>`
-//!    (vLLM's legacy header); a tool result as `functions.NAME` (named by its call's id) on
+//!    each tool call as the assistant's on the commentary channel `to=functions.NAME`, of
+//!    content type `<|constrain|>json` (as oss-harmony 0.0.11 writes vLLM's call), ended by
+//!    `<|call|>`; a tool result as `functions.NAME` (named by its call's id) on
 //!    the commentary channel `to=assistant`; a later system or developer message as another
 //!    developer message. Reasoning before the last final answer is dropped.
 //! 4. `<|start|>assistant`.
@@ -57,6 +57,7 @@ const MESSAGE: &str = "<|message|>";
 const END: &str = "<|end|>";
 const CHANNEL: &str = "<|channel|>";
 const CALL: &str = "<|call|>";
+const CONSTRAIN: &str = "<|constrain|>";
 
 /// The system message's parts that do not change.
 const IDENTITY: &str = "You are ChatGPT, a large language model trained by OpenAI.";
@@ -164,18 +165,19 @@ struct Rendered<'r> {
     pieces: Vec<Piece<'r>>,
 }
 
-/// A message's header: its author (with vLLM's legacy tool-call recipient in it), channel,
-/// and the recipient that follows a commentary channel.
+/// A message's header: its author, channel, the recipient that follows the channel, and the
+/// content type after it (written `<|constrain|>json`, as oss-harmony writes a call's).
 #[derive(Clone, Copy)]
 struct Header<'h> {
     author: &'h str,
     channel: Option<&'h str>,
     recipient: Option<&'h str>,
+    content_type: Option<&'h str>,
 }
 
 impl<'h> Header<'h> {
     fn of(author: &'h str) -> Self {
-        Header { author, channel: None, recipient: None }
+        Header { author, channel: None, recipient: None, content_type: None }
     }
 
     fn on(self, channel: &'h str) -> Self {
@@ -193,6 +195,11 @@ fn message<'r>(out: &mut Vec<Piece<'r>>, header: Header<'_>, contents: Vec<Cow<'
     }
     if let Some(recipient) = header.recipient {
         out.push(Piece::Text(Cow::Owned(format!(" to={recipient}"))));
+    }
+    if let Some(content_type) = header.content_type {
+        out.push(Piece::Text(Cow::Borrowed(" ")));
+        out.push(Piece::Special(CONSTRAIN));
+        out.push(Piece::Text(Cow::Owned(content_type.to_owned())));
     }
     out.push(Piece::Special(MESSAGE));
     out.extend(contents.into_iter().map(Piece::Text));
@@ -234,10 +241,15 @@ fn convert<'r>(
                 push(assistant.on("analysis"), vec![reasoning], END);
             }
             for call in calls {
-                // vLLM's legacy tool-call header: the recipient in the author's text, and the
-                // content type after the channel without `<|constrain|>`.
-                let author = format!("assistant to=functions.{}", call.name);
-                push(Header::of(&author).on("commentary json"), vec![Cow::Owned(call.arguments)], CALL);
+                // vLLM's call: recipient `functions.<name>`, content type `json` (which
+                // oss-harmony writes after `<|constrain|>`).
+                let recipient = format!("functions.{}", call.name);
+                let header = Header {
+                    recipient: Some(&recipient),
+                    content_type: Some("json"),
+                    ..assistant.on("commentary")
+                };
+                push(header, vec![Cow::Owned(call.arguments)], CALL);
             }
         }
         "tool" => {
@@ -433,7 +445,7 @@ mod tests {
              <|start|>[assistant]<|channel|>[final]<|message|>[A1]<|end|>\
              <|start|>[user]<|message|>[weather?]<|end|>\
              <|start|>[assistant]<|channel|>[analysis]<|message|>[call it]<|end|>\
-             <|start|>[assistant to=functions.get]<|channel|>[commentary json]<|message|>[{{\"q\":1}}]<|call|>\
+             <|start|>[assistant]<|channel|>[commentary][ to=functions.get][ ]<|constrain|>[json]<|message|>[{{\"q\":1}}]<|call|>\
              <|start|>[functions.get]<|channel|>[commentary][ to=assistant]<|message|>[sunny]<|end|>\
              <|start|>[developer]<|message|>[# Instructions\n\nLater rule.]<|end|>\
              <|start|>[assistant]",
