@@ -1322,6 +1322,24 @@ fn sorted_keys(value: &Value) -> Value {
     }
 }
 
+/// `json.dumps(value)` with Python's defaults: `", "` and `": "` between items and after keys,
+/// every non-ASCII character as `\uXXXX`.
+pub(crate) fn python_json_dumps(value: &serde_json::Value) -> String {
+    let formatter = PythonFormatter {
+        item: b", ".to_vec(),
+        key: b": ".to_vec(),
+        indent: None,
+        ensure_ascii: true,
+        level: 0,
+        has_value: false,
+    };
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, formatter);
+    // Writing to memory cannot fail, and what is written is ASCII.
+    let _ = serde::Serialize::serialize(value, &mut ser);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// serde_json output as Python's `json.dumps` writes it: its item and key separators, its
 /// indentation (a newline and the indent for each level after `[`, `{` and each item
 /// separator), and with `ensure_ascii` every non-ASCII character as `\uXXXX`.

@@ -26,7 +26,8 @@
 //!    `image_url` part (media: the prompt is hashed up to that message); `thinking` becomes
 //!    the message's `reasoning` (texts joined with nothing); `redacted_thinking` and
 //!    `tool_reference` are dropped; `tool_use` becomes a tool call whose `arguments` is the
-//!    `input` object (`{}` when absent); a user's `tool_result` becomes a `role: "tool"`
+//!    `input` object as vLLM writes it, Python's `json.dumps` (`{}` when absent or empty: a
+//!    Jinja template parses it again, but Harmony writes it as it is); a user's `tool_result` becomes a `role: "tool"`
 //!    message placed *before* the user message (its text items joined with `"\n"`; its images
 //!    a user message of `image_url` parts after it; its `tool_reference` items another tool
 //!    message, of `{"type": "tool_reference", "name"}` parts); an assistant's `tool_result` becomes the
@@ -746,9 +747,8 @@ struct ToolCall<'a> {
 #[derive(Serialize)]
 struct Function<'a> {
     name: Cow<'a, str>,
-    /// The `input` object's JSON (the chat template parses it again, so its spacing is
-    /// irrelevant and its key order is kept).
-    arguments: &'a str,
+    /// The `input` object as `json.dumps` writes it (its key order kept).
+    arguments: String,
 }
 
 /// Appends what vLLM makes of `message` to `out` (module docs, step 3).
@@ -782,7 +782,7 @@ fn convert<'a>(message: Message<'a>, out: &mut Vec<OutMessage<'a>>) -> Result<()
                     .filter(|id| !id.is_empty())
                     .unwrap_or_else(|| Cow::Owned(format!("call_{}", unix_now()))),
                 kind: "function",
-                function: Function { name, arguments: input.map_or("{}", RawValue::get) },
+                function: Function { name, arguments: tool_arguments(input) },
             }),
             Block::ToolResult { tool_use_id, content } if role == Role::User => {
                 tool_result_messages(tool_use_id, content, out);
@@ -1079,6 +1079,17 @@ fn unix_now() -> u64 {
 }
 
 mod text;
+
+/// vLLM's `json.dumps(block.input or {})` (the input is an object): an absent or empty one is
+/// `{}`.
+fn tool_arguments(input: Option<&RawValue>) -> String {
+    match input.map(|raw| serde_json::from_str::<serde_json::Value>(raw.get())) {
+        Some(Ok(value)) if value.as_object().is_some_and(|input| !input.is_empty()) => {
+            crate::openai::chat_template::python_json_dumps(&value)
+        }
+        _ => "{}".to_owned(),
+    }
+}
 
 #[cfg(test)]
 mod tests;

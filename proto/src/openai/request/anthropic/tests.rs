@@ -58,7 +58,7 @@ fn tool_use_and_tool_results_become_tool_calls_and_tool_messages_in_vllms_order(
                 {"type": "redacted_thinking", "data": "opaque"},
                 {"type": "thinking", "thinking": "call ls."},
                 {"type": "text", "text": "Calling ls."},
-                {"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {"path": "/", "all": true}}
+                {"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {"path": "/é", "all": true}}
             ]},
             {"role": "user", "content": [
                 {"type": "text", "text": "A"},
@@ -77,7 +77,7 @@ fn tool_use_and_tool_results_become_tool_calls_and_tool_messages_in_vllms_order(
             {"role": "user", "content": "list files"},
             {"role": "assistant", "content": "Calling ls.", "reasoning": "I should call ls.",
              "tool_calls": [{"id": "toolu_1", "type": "function",
-                             "function": {"name": "ls", "arguments": "{\"path\":\"/\",\"all\":true}"}}]},
+                             "function": {"name": "ls", "arguments": "{\"path\": \"/\\u00e9\", \"all\": true}"}}]},
             {"role": "tool", "content": "bin\netc", "tool_call_id": "toolu_1"},
             {"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]},
             {"role": "tool", "content": "done", "tool_call_id": "toolu_2"},
