@@ -509,7 +509,10 @@ mod reference {
                     Piece::Special(s) => serde_json::json!({ "special": s }),
                 })
                 .collect();
-            assert_eq!(serde_json::Value::from(segments), case["segments"], "{}", case["name"]);
+            // Cases added later have the library's text alone.
+            if let Some(expected) = case.get("segments") {
+                assert_eq!(&serde_json::Value::from(segments), expected, "{}", case["name"]);
+            }
             let text: String = pieces
                 .iter()
                 .map(|p| match p {

@@ -7,7 +7,8 @@
 //! The conversion, in vLLM's order:
 //!
 //! 1. **Instructions.** A non-empty `instructions` string is the first message,
-//!    `role: "system"`.
+//!    `role: "system"` (for gpt-oss an empty one too: vLLM's Harmony path tells `""` from
+//!    none).
 //! 2. **History.** With `previous_response_id`, the stored conversation follows: the earlier
 //!    request's messages less its system ones (instructions do not carry over), then each
 //!    text of the earlier response's output as an assistant message. Only the replica that
@@ -51,9 +52,8 @@
 //! unread; an item without content is skipped); each assistant message one of its own,
 //! every part's text kept; the tools whatever `tool_choice` says. Not reproduced there: an
 //! assistant answer with no text at all and a reasoning item whose only text is empty (vLLM
-//! keeps both, empty; here they are dropped, and with the answer the analysis before it), an
-//! empty `instructions` string (vLLM then leaves a first system item where it is), a later
-//! system item with no text (vLLM skips it), a tool output named by a `call_id` used twice
+//! keeps both, empty; here they are dropped, and with the answer the analysis before it), a
+//! later system item with no text (vLLM skips it), a tool output named by a `call_id` used twice
 //! (vLLM: the call before it; here: the last one), image parts (read as media here, as empty
 //! texts by vLLM), and what vLLM refuses for Harmony (`custom_tool_call` items; `namespace`,
 //! `custom` and MCP tools), which the replica answers with a 400.
@@ -82,6 +82,8 @@ pub struct Responses<'a> {
     pub previous_response_id: Option<Cow<'a, str>>,
     /// A JSON string, as written (a long system prompt is not escaped again).
     instructions: Option<&'a RawValue>,
+    /// Read for gpt-oss: an empty `instructions` string is kept (see [`Responses::chat_body`]).
+    harmony: bool,
     input: Vec<Msg<'a>>,
     continue_final: bool,
     rest: Rest<'a>,
@@ -270,6 +272,7 @@ impl<'a> Responses<'a> {
         Ok(Responses {
             previous_response_id,
             instructions,
+            harmony,
             input,
             continue_final,
             rest,
@@ -299,7 +302,10 @@ impl<'a> Responses<'a> {
             rest: &'r Rest<'a>,
         }
         let mut messages = Vec::with_capacity(1 + history.len() + self.input.len());
-        if let Some(instructions) = self.instructions.filter(|i| i.get() != r#""""#) {
+        // An empty string is no system message, except for Harmony: vLLM's Harmony path then
+        // writes an empty `# Instructions` beside the tools, and leaves a first system item
+        // where it is (a developer message of its own) instead of taking it as instructions.
+        if let Some(instructions) = self.instructions.filter(|i| self.harmony || i.get() != r#""""#) {
             messages.push(MsgOut::System(System { role: "system", content: instructions }));
         }
         messages.extend(history.iter().map(|raw| MsgOut::Msg(Msg::Raw(raw))));
