@@ -50,11 +50,11 @@
 //! `function_call` an assistant message of its own, named without its namespace; each
 //! `reasoning` item one of its own, its content's texts joined with `"\n"` (its summary
 //! unread; an item without content is skipped); each assistant message one of its own,
-//! every part's text kept; the tools whatever `tool_choice` says. Not reproduced there: an
+//! every part's text kept; a tool output named by the latest call before it with its
+//! `call_id` (calls may reuse one); the tools whatever `tool_choice` says. Not reproduced there: an
 //! assistant answer with no text at all and a reasoning item whose only text is empty (vLLM
 //! keeps both, empty; here they are dropped, and with the answer the analysis before it), a
-//! later system item with no text (vLLM skips it), a tool output named by a `call_id` used twice
-//! (vLLM: the call before it; here: the last one), image parts (read as media here, as empty
+//! later system item with no text (vLLM skips it), image parts (read as media here, as empty
 //! texts by vLLM), and what vLLM refuses for Harmony (`custom_tool_call` items; `namespace`,
 //! `custom` and MCP tools), which the replica answers with a 400.
 
@@ -127,7 +127,55 @@ enum Msg<'a> {
     /// An assistant's turn built of items.
     Assistant(Assistant<'a>),
     /// A tool's output.
-    Tool { content: Option<&'a RawValue>, tool_call_id: Option<&'a RawValue> },
+    Tool { content: Option<&'a RawValue>, tool_call_id: Option<CallId<'a>> },
+}
+
+/// A tool output's call id: as written, or the id given to a call whose id an earlier call
+/// had (Harmony, see [`CallIds`]).
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum CallId<'a> {
+    Raw(&'a RawValue),
+    Renamed(String),
+}
+
+/// For Harmony: vLLM names a tool output by the latest call before it with its `call_id`,
+/// where a chat names it by the last call with the id in the whole conversation. A call whose
+/// id an earlier call had gets an id of its own (ids are not rendered, only names), and
+/// outputs after it take that id.
+#[derive(Default)]
+struct CallIds<'a> {
+    /// Each id used, and how many calls used it after the first.
+    seen: Vec<(Cow<'a, str>, usize)>,
+}
+
+impl<'a> CallIds<'a> {
+    fn renamed(id: &str, again: usize) -> String {
+        format!("{id}\u{1f}{again}")
+    }
+
+    /// The id a call with `id` goes by.
+    fn call(&mut self, id: Cow<'a, str>) -> Cow<'a, str> {
+        match self.seen.iter_mut().find(|(seen, _)| *seen == id) {
+            Some((_, again)) => {
+                *again += 1;
+                Cow::Owned(Self::renamed(&id, *again))
+            }
+            None => {
+                self.seen.push((id.clone(), 0));
+                id
+            }
+        }
+    }
+
+    /// The id an output naming `raw` (a JSON string) refers to.
+    fn output(&self, raw: &'a RawValue) -> CallId<'a> {
+        let id = serde_json::from_str::<Cow<'_, str>>(raw.get()).ok();
+        match id.and_then(|id| self.seen.iter().find(|(seen, _)| *seen == id)) {
+            Some((id, again)) if *again > 0 => CallId::Renamed(Self::renamed(id, *again)),
+            _ => CallId::Raw(raw),
+        }
+    }
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -343,7 +391,7 @@ impl Serialize for Msg<'_> {
         struct ToolMsg<'a> {
             role: &'static str,
             content: Option<&'a RawValue>,
-            tool_call_id: Option<&'a RawValue>,
+            tool_call_id: &'a Option<CallId<'a>>,
         }
         #[derive(Serialize)]
         struct User<'a> {
@@ -355,7 +403,7 @@ impl Serialize for Msg<'_> {
             Msg::User(content) => User { role: "user", content }.serialize(s),
             Msg::Assistant(a) => a.serialize(s),
             Msg::Tool { content, tool_call_id } => {
-                ToolMsg { role: "tool", content: *content, tool_call_id: *tool_call_id }.serialize(s)
+                ToolMsg { role: "tool", content: *content, tool_call_id }.serialize(s)
             }
         }
     }
@@ -406,6 +454,7 @@ fn read_input(raw: &RawValue, harmony: bool) -> Result<(Vec<Msg<'_>>, bool), Req
         serde_json::from_str(raw.get()).map_err(|_| invalid("input", "a string or an array of items"))?;
     let mut messages: Vec<Msg<'_>> = Vec::with_capacity(items.len());
     let mut continue_final = false;
+    let mut call_ids = CallIds::default();
     for (i, item) in items.iter().enumerate() {
         let at = |field: &str| format!("input[{i}].{field}");
         let [
@@ -470,6 +519,7 @@ fn read_input(raw: &RawValue, harmony: bool) -> Result<(Vec<Msg<'_>>, bool), Req
                     kind: "function",
                 };
                 if harmony {
+                    let call = ToolCall { id: call_ids.call(call.id), ..call };
                     messages.push(Msg::Assistant(Assistant {
                         role: "assistant",
                         tool_calls: Some(vec![call]),
@@ -534,7 +584,11 @@ fn read_input(raw: &RawValue, harmony: bool) -> Result<(Vec<Msg<'_>>, bool), Req
                 }
             }
             (Some("function_call_output" | "custom_tool_call_output"), _) => {
-                messages.push(Msg::Tool { content: output, tool_call_id: call_id });
+                let tool_call_id = match harmony {
+                    true => call_id.map(|raw| call_ids.output(raw)),
+                    false => call_id.map(CallId::Raw),
+                };
+                messages.push(Msg::Tool { content: output, tool_call_id });
             }
             // Harmony: every part's text (a part without one, empty), an answer of its own.
             // Empty texts add no tokens: leaving them out keeps an answer whose first part is
