@@ -146,7 +146,8 @@ pub async fn serve_probes(listener: TcpListener, state: Arc<ProxyState>, shutdow
         let state = state.clone();
         async move {
             match *req.method() {
-                Method::GET => probe(&state, req.uri().path()),
+                // hyper sends no body in answer to a HEAD.
+                Method::GET | Method::HEAD => probe(&state, req.uri().path()),
                 _ => {
                     let mut response = Response::new(full(Bytes::new()));
                     *response.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
@@ -189,6 +190,7 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
     let asked = state.forward.access_log.then(|| (req.method().clone(), req.uri().path().to_owned()));
     // Logs the request if the client leaves before it has an answer (this future dropped).
     let mut unanswered = access::Unanswered::new(&request_id, asked.as_ref(), received);
+    let own_probe = matches!(req.uri().path(), "/health" | "/ready" | "/metrics");
     let answered = dispatch(&state, &pool, req, &request_id, received).await;
     unanswered.answered();
     let response = match answered {
@@ -204,7 +206,11 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
             e.into_response_for(&request_id, client)
         }
     };
-    state.decider.metrics.count_response(response.status().as_u16());
+    // The router's own probes and scrapes are not requests to the fleet: a readiness
+    // probe's 503s before the first sync would count as failed requests.
+    if !own_probe {
+        state.decider.metrics.count_response(response.status().as_u16());
+    }
     response
 }
 
@@ -242,15 +248,15 @@ async fn dispatch(
             let id = responses::decoded(id);
             Box::pin(stored_response(state, pool, req, &id, (request_id, received))).await
         }
-        (Method::GET, "/v1/models") => Ok(json(StatusCode::OK, models(state))),
+        (Method::GET | Method::HEAD, "/v1/models") => Ok(json(StatusCode::OK, models(state))),
         (Method::POST, p) if let Some(change) = lora::route(p) => {
             let (parts, body) = req.into_parts();
             let body =
                 read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
             Box::pin(lora::fan_out(state, pool, change, (parts, body), request_id)).await
         }
-        (Method::GET, "/health" | "/ready") => Ok(probe(state, &path)),
-        (Method::GET, "/metrics") => Ok(metrics(state)),
+        (Method::GET | Method::HEAD, "/health" | "/ready") => Ok(probe(state, &path)),
+        (Method::GET | Method::HEAD, "/metrics") => Ok(metrics(state)),
         (method, p) => match paths::allowed(p) {
             Some(allow) => Err(ProxyError::MethodNotAllowed { method: method.to_string(), allow }),
             None if paths::passes_through(p) => {

@@ -18,14 +18,14 @@ const OWN: [(&str, &str); 12] = [
     ("/v1/chat/completions", "POST"),
     ("/v1/messages", "POST"),
     ("/v1/responses", "POST"),
-    ("/v1/models", "GET"),
+    ("/v1/models", "GET, HEAD"),
     ("/v1/load_lora_adapter", "POST"),
     ("/v1/unload_lora_adapter", "POST"),
     ("/load_lora_adapter", "POST"),
     ("/unload_lora_adapter", "POST"),
-    ("/health", "GET"),
-    ("/ready", "GET"),
-    ("/metrics", "GET"),
+    ("/health", "GET, HEAD"),
+    ("/ready", "GET, HEAD"),
+    ("/metrics", "GET, HEAD"),
 ];
 
 /// The engines' own paths outside `/v1/` that pass through like `/v1/*` ones: vLLM's tokenizer,
@@ -117,7 +117,7 @@ mod tests {
     #[test]
     fn own_paths_take_one_method() {
         assert_eq!(allowed("/v1/completions"), Some("POST"));
-        assert_eq!(allowed("/metrics"), Some("GET"));
+        assert_eq!(allowed("/metrics"), Some("GET, HEAD"));
         assert_eq!(allowed("/v1/embeddings"), None);
     }
 }

@@ -472,6 +472,36 @@ async fn only_answers_with_usage_count_toward_the_realized_hit_rate() {
     shutdown.cancel();
 }
 
+/// The router's own probes and scrapes are not counted as requests (a readiness probe's 503s
+/// before the first sync looked like failed requests); `HEAD` is answered like `GET` there.
+#[tokio::test]
+async fn probes_and_scrapes_are_not_counted_as_requests() {
+    let (replica, _seen) =
+        crate::headers::recording_replica(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}").await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { events_fallback_ms: 200, ..c }).await;
+    let http = crate::fleet::Http::new();
+    let ready = format!("{}/ready", router.url());
+    // 503 until the replica's stream is given up for load alone (no events ever come).
+    crate::support::wait_until_async("ready", async || http.get(&ready).await.status == 200).await;
+    for path in ["/health", "/ready", "/metrics", "/v1/models"] {
+        let head = http.send(http::Method::HEAD, &format!("{}{path}", router.url()), "").await;
+        assert_eq!(head.status, 200, "HEAD {path}");
+        assert!(head.body.is_empty(), "HEAD {path}");
+    }
+    let metrics = scrape(&http, &router.url()).await;
+    assert_eq!(
+        sample(&metrics, "kvroute_router_requests_total{code=\"200\"}"),
+        Some(1),
+        "/v1/models only: {metrics}"
+    );
+    let routed = http.post(&format!("{}/v1/completions", router.url()), &completion("hi", 1)).await;
+    assert_eq!(routed.status, 200);
+    let metrics = scrape(&http, &router.url()).await;
+    assert_eq!(sample(&metrics, "kvroute_router_requests_total{code=\"200\"}"), Some(2), "{metrics}");
+    shutdown.cancel();
+}
+
 /// A replica whose `POST /tokenize` reports on `tokenizing` and then waits for a permit of
 /// `gate` before it answers three tokens; anything else gets an empty 200 at once.
 async fn gated_tokenize_replica(
