@@ -41,6 +41,10 @@ pub struct OutcomeLabel {
     pub outcome: &'static str,
 }
 
+/// Buckets of `upstream_ttfb_seconds`: 1 ms doubling to 131 s, past the default first-byte
+/// timeout (120 s; a non-streamed answer's first byte comes when it is all generated).
+const TTFB_BUCKETS: u16 = 18;
+
 /// Handles to every proxy metric; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct ProxyMetrics {
@@ -104,7 +108,7 @@ impl Default for ProxyMetrics {
             // 1 µs .. ~1 s: with remote tokenization a decision includes a `/tokenize` call.
             decision_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 21)),
             // 1 ms .. ~65 s
-            upstream_ttfb_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 17)),
+            upstream_ttfb_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, TTFB_BUCKETS)),
             usual: Arc::default(),
         }
     }
@@ -384,5 +388,23 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing from\n{text}");
         }
+    }
+
+    /// Time to first byte is bucketed up to the default first-byte timeout and beyond: the
+    /// answers it cuts are told apart from those it lets through.
+    #[test]
+    fn time_to_first_byte_buckets_reach_the_first_byte_timeout() {
+        let mut registry = Registry::default();
+        let metrics = ProxyMetrics::register(&mut registry);
+        metrics.upstream_ttfb_seconds.observe(0.5);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let largest = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("kvroute_router_upstream_ttfb_seconds_bucket{le=\""))
+            .filter_map(|l| l.split('"').next()?.parse::<f64>().ok())
+            .fold(0.0, f64::max);
+        let timeout = crate::config::Config::loopback(Vec::new()).first_byte_timeout_ms as f64 / 1e3;
+        assert!(largest >= timeout, "largest bucket {largest} s, first-byte timeout {timeout} s");
     }
 }
