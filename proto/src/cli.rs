@@ -29,7 +29,7 @@ pub enum ConfigError {
     /// Bad flags, `--help` or `--version`: call `.exit()` to print it the way clap does.
     #[error(transparent)]
     Cli(#[from] clap::Error),
-    #[error("cannot read config file {path}")]
+    #[error("cannot read config file {path}: {source}")]
     Read {
         path: PathBuf,
         #[source]
@@ -61,13 +61,15 @@ where
         std::fs::read_to_string(&path).map_err(|source| ConfigError::Read { path: path.clone(), source })?;
     let file_error = |message: String| ConfigError::File { path: path.clone(), message };
     let file: toml::Table = text.parse().map_err(|e: toml::de::Error| file_error(e.to_string()))?;
-    // TOML's integers are signed 64-bit: a flag's value beyond them cannot be merged in.
+    // The flags are merged as TOML, which cannot hold every value a flag can: a number above
+    // TOML's signed 64-bit integers, or a null inside a JSON object.
     let mut merged = toml::Table::try_from(&cli).map_err(|e| {
-        file_error(format!(
-            "the flags and environment cannot be merged with it ({e}): with a config file, numbers \
-             are at most {}",
-            i64::MAX
-        ))
+        let e = e.to_string();
+        let why = match e.contains("too large") {
+            true => format!("with a config file, numbers are at most {}", i64::MAX),
+            false => "with a config file, flags must hold what TOML can (JSON without nulls)".to_owned(),
+        };
+        file_error(format!("the flags and environment cannot be merged with it ({e}): {why}"))
     })?;
     let mut unknown = Vec::new();
     for (key, value) in file {
@@ -191,6 +193,16 @@ mod tests {
         let ConfigError::File { message, .. } = err else { panic!("file error expected, got {err:?}") };
         assert!(message.contains("block_size (spelled block-size)"), "{message}");
         assert!(!message.contains("model"), "{message}");
+    }
+
+    /// A config file that cannot be read says why.
+    #[test]
+    fn an_unreadable_config_file_says_why() {
+        let dir = std::env::temp_dir();
+        let err = parse_from::<Demo, _, _>(["x", "--config", dir.to_str().unwrap()]).unwrap_err();
+        let message = err.to_string();
+        assert!(matches!(err, ConfigError::Read { .. }), "{err:?}");
+        assert!(message.to_lowercase().contains("directory"), "{message}");
     }
 
     /// A flag's number beyond TOML's integers, with a config file: an error that says so.
