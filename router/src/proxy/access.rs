@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 use super::body::End;
 use super::error::ProxyError;
+use crate::metrics::ProxyMetrics;
 
 /// Where the log lines go.
 pub const TARGET: &str = "kvroute_router::access";
@@ -85,26 +86,40 @@ impl Line {
 }
 
 /// A request on its way to an answer: logged as `abandoned` (status 499, as nginx writes a
-/// client that closed first) if it is dropped before [`Unanswered::answered`].
+/// client that closed first) if it is dropped before [`Unanswered::answered`], and counted
+/// so in `requests_total`.
 pub struct Unanswered<'a> {
     line: Option<(&'a str, &'a (Method, String), Instant)>,
+    counted: Option<&'a ProxyMetrics>,
 }
 
 impl<'a> Unanswered<'a> {
-    /// For the request `request_id`, when the access log is on (`asked` and `received` are
-    /// known then).
-    pub fn new(request_id: &'a str, asked: Option<&'a (Method, String)>, received: Option<Instant>) -> Self {
-        Self { line: asked.zip(received).map(|(asked, received)| (request_id, asked, received)) }
+    /// For the request `request_id`, logged when the access log is on (`asked` and
+    /// `received` are known then), counted in `metrics` if given.
+    pub fn new(
+        request_id: &'a str,
+        asked: Option<&'a (Method, String)>,
+        received: Option<Instant>,
+        metrics: Option<&'a ProxyMetrics>,
+    ) -> Self {
+        Self {
+            line: asked.zip(received).map(|(asked, received)| (request_id, asked, received)),
+            counted: metrics,
+        }
     }
 
-    /// The request has its answer (or error): its line is someone else's to write.
+    /// The request has its answer (or error): its line and count are someone else's.
     pub fn answered(&mut self) {
         self.line = None;
+        self.counted = None;
     }
 }
 
 impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
+        if let Some(metrics) = self.counted.take() {
+            metrics.count_response(499);
+        }
         if let Some((request_id, (method, path), received)) = self.line.take() {
             tracing::info!(
                 target: TARGET,

@@ -189,8 +189,9 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
     let received = state.forward.access_log.then(tokio::time::Instant::now);
     let asked = state.forward.access_log.then(|| (req.method().clone(), req.uri().path().to_owned()));
     // Logs the request if the client leaves before it has an answer (this future dropped).
-    let mut unanswered = access::Unanswered::new(&request_id, asked.as_ref(), received);
     let own_probe = matches!(req.uri().path(), "/health" | "/ready" | "/metrics");
+    let counted = (!own_probe).then_some(&state.decider.metrics);
+    let mut unanswered = access::Unanswered::new(&request_id, asked.as_ref(), received, counted);
     let answered = dispatch(&state, &pool, req, &request_id, received).await;
     unanswered.answered();
     let response = match answered {

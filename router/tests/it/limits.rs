@@ -396,6 +396,7 @@ async fn secrets_never_appear_in_logs_inner() {
         "logged-gone",
         Some(&asked),
         Some(tokio::time::Instant::now()),
+        None,
     ));
 
     let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();

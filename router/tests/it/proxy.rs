@@ -502,6 +502,35 @@ async fn probes_and_scrapes_are_not_counted_as_requests() {
     shutdown.cancel();
 }
 
+/// A client that leaves before its answer is counted as a 499 in `requests_total` (it was in
+/// the access log only).
+#[tokio::test]
+async fn a_client_that_leaves_before_its_answer_is_counted() {
+    use tokio::io::AsyncWriteExt;
+    let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}";
+    let (replica, read) = slow_body_reading_replica(answer, std::time::Duration::from_secs(30)).await;
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let body = completion("leaving", 1).to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut client = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    client.write_all(request.as_bytes()).await.unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), read.notified())
+        .await
+        .expect("the replica has it");
+    drop(client);
+    let http = crate::fleet::Http::new();
+    let series = "kvroute_router_requests_total{code=\"499\"}";
+    crate::support::wait_until_async("the 499 counted", async || {
+        sample(&scrape(&http, &router.url()).await, series) == Some(1)
+    })
+    .await;
+    shutdown.cancel();
+}
+
 /// A replica whose `POST /tokenize` reports on `tokenizing` and then waits for a permit of
 /// `gate` before it answers three tokens; anything else gets an empty 200 at once.
 async fn gated_tokenize_replica(
