@@ -252,6 +252,10 @@ impl Config {
             }
         };
         check(!self.model.is_empty(), "--model must not be empty".into());
+        check(
+            !self.lora_adapters.iter().any(|a| a.trim().is_empty()),
+            "--lora-adapters must not name an empty adapter".into(),
+        );
         check(self.block_size > 0, "--block-size must be at least 1".into());
         check(self.load_weight.is_finite() && self.load_weight >= 0.0, "--load-weight must be >= 0".into());
         check(self.miss_weight.is_finite() && self.miss_weight >= 0.0, "--miss-weight must be >= 0".into());
@@ -525,6 +529,19 @@ impl fmt::Display for ReplicaConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An empty adapter name (`KVROUTE_LORA_ADAPTERS=`, or a stray comma) is refused: it
+    /// was listed as a model named "".
+    #[test]
+    fn empty_lora_adapter_names_are_refused() {
+        for adapters in [vec![String::new()], vec!["sql".into(), " ".into()]] {
+            let config = Config { lora_adapters: adapters, ..Config::loopback(Vec::new()) };
+            let errors = config.validate().unwrap_err();
+            assert!(errors.iter().any(|e| e.contains("--lora-adapters")), "{errors:?}");
+        }
+        let named = Config { lora_adapters: vec!["sql".into()], ..Config::loopback(Vec::new()) };
+        assert!(named.validate().is_ok());
+    }
 
     #[test]
     fn replica_flag_parses() {
