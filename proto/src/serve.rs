@@ -38,7 +38,8 @@ pub struct Limits {
     pub max_header_bytes: usize,
     /// Most header fields in one HTTP/1 request.
     pub max_headers: usize,
-    /// Time allowed for a client to send a whole HTTP/1 request head.
+    /// Time allowed for a client to send a whole HTTP/1 request head, and for a new
+    /// connection (HTTP/1 or HTTP/2) to send its first request's.
     pub header_read_timeout: Duration,
     /// Longest a write to a client may wait (it is not reading); then the connection
     /// closes ([`send_timeout`]).
@@ -374,19 +375,31 @@ async fn accept_loop<H, F, B>(
             // hyper's header-read timer starts once it knows the protocol, which it learns from
             // the first bytes: a connection that sends none (or a part of HTTP/2's preface)
             // would hold its slot for good. Its first request is due within the same time.
-            let first_request = tokio::time::sleep(first_request_timeout);
-            tokio::pin!(first_request);
+            // (The timer goes with the first request.)
+            let mut first_request = Some(Box::pin(tokio::time::sleep(first_request_timeout)));
             let result = loop {
+                let waiting = first_request.is_some();
                 tokio::select! {
                     result = conn.as_mut() => break result,
                     _ = shutdown.cancelled() => {
                         conn.as_mut().graceful_shutdown();
                         break conn.await;
                     }
-                    () = greeted.wait(), if !greeted.seen() => {}
-                    () = &mut first_request, if !greeted.seen() => {
+                    () = greeted.wait(), if waiting => first_request = None,
+                    () = async { if let Some(timer) = first_request.as_mut() { timer.await } }, if waiting => {
+                        // A request that came as the timer fired is served.
+                        if greeted.seen() {
+                            first_request = None;
+                            continue;
+                        }
                         tracing::debug!(%peer, "no request within the header-read timeout: closed");
-                        return;
+                        // An HTTP/2 client is told (GOAWAY), for as long again at most; a
+                        // connection still being read for its protocol ends at once.
+                        conn.as_mut().graceful_shutdown();
+                        match tokio::time::timeout(first_request_timeout, conn.as_mut()).await {
+                            Ok(result) => break result,
+                            Err(_) => return,
+                        }
                     }
                 }
             };
