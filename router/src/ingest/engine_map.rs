@@ -21,8 +21,12 @@
 //! one hash. Their entries are keyed by the hash mixed with the run's namespace root (every
 //! SGLang event names its namespace, and a page's parent is in its namespace), so a run
 //! chains from its own namespace's parent, never another tenant's. Removals name no
-//! namespace: a hash held under several is taken from each of them (the index loses a hit it
-//! might have kept, and never keeps a block that is gone).
+//! namespace: a hash held under several is taken from each of them, so the index never keeps
+//! a block that is gone. The price is high for a page every tenant shares (a common system
+//! prompt under per-user salts): the first tenant to evict it takes it from all, and the
+//! others' pages after it are not indexed again while they hold it (`unknown_parent`), nor
+//! is its later removal known (`unknown_block`). SGLang's `format: "dynamo"` hashes the
+//! namespace too: with salts or adapters, use it.
 //!
 //! Re-announcements add no reference. Under `kv_cache_report_mode="full"` vLLM announces a
 //! request's prefix-cache hits again as a `BlockStored` from token 0 (no parent), for blocks
@@ -67,7 +71,25 @@ pub(crate) struct EngineMap {
     map: HashMap<(u32, BlockHash), Entry>,
     /// For [`Hashes::Blind`] engines: the namespace roots each engine hash is held under
     /// (the map's keys are the hash mixed with one of them, [`under`]).
-    roots: HashMap<(u32, BlockHash), Vec<BlockHash>>,
+    roots: HashMap<(u32, BlockHash), Roots>,
+}
+
+/// The namespaces a namespace-blind hash is held under: almost always one.
+#[derive(Debug)]
+enum Roots {
+    One(BlockHash),
+    Many(Vec<BlockHash>),
+}
+
+impl Roots {
+    fn add(&mut self, root: BlockHash) {
+        match self {
+            Roots::One(one) if *one == root => {}
+            Roots::One(one) => *self = Roots::Many(vec![*one, root]),
+            Roots::Many(many) if many.contains(&root) => {}
+            Roots::Many(many) => many.push(root),
+        }
+    }
 }
 
 /// The map's key of a namespace-blind engine hash held under the namespace `root`.
@@ -77,8 +99,8 @@ fn under(engine: BlockHash, root: BlockHash) -> BlockHash {
 
 impl EngineMap {
     /// Records a stored run and appends the router hashes to add to the index (one per
-    /// stored copy of a block, duplicates included; none for a block re-announced). `native`:
-    /// the engine hashes are router hashes.
+    /// stored copy of a block, duplicates included; none for a block re-announced), the
+    /// engine's hashes read as `hashes` says.
     pub(crate) fn store(
         &mut self,
         stored: &Stored,
@@ -97,22 +119,26 @@ impl EngineMap {
         if bs == 0 || stored.tokens.len() != stored.engine.len().saturating_mul(bs) {
             return Err(SkipReason::TokensMismatch);
         }
-        let root = CacheNamespace {
-            model: model.to_owned(),
-            lora: stored.lora.clone(),
-            cache_salt: stored.salt.clone(),
-        }
-        .root();
-        let key = |engine: BlockHash| match hashes {
-            Hashes::Blind => under(engine, root),
-            Hashes::Router | Hashes::Namespaced => engine,
+        // The namespace's root, made only where it is needed (an allocation and a hash).
+        let namespace_root = || {
+            CacheNamespace {
+                model: model.to_owned(),
+                lora: stored.lora.clone(),
+                cache_salt: stored.salt.clone(),
+            }
+            .root()
+        };
+        let root = (hashes == Hashes::Blind).then(namespace_root);
+        let key = |engine: BlockHash| match root {
+            Some(root) => under(engine, root),
+            None => engine,
         };
         let mut prev = match stored.parent {
             Some(parent) => match self.map.get(&(group, key(parent))) {
                 Some(entry) => entry.router,
                 None => return Err(SkipReason::UnknownParent),
             },
-            None => root,
+            None => root.unwrap_or_else(namespace_root),
         };
         // Held blocks of a re-announcement get no second reference (see the module docs).
         let reannounced = stored.reused.unwrap_or(stored.parent.is_none());
@@ -121,10 +147,12 @@ impl EngineMap {
             if reannounced && self.map.contains_key(&(group, key(engine))) {
                 continue;
             }
-            if hashes == Hashes::Blind {
-                let roots = self.roots.entry((group, engine)).or_default();
-                if !roots.contains(&root) {
-                    roots.push(root);
+            if let Some(root) = root {
+                match self.roots.get_mut(&(group, engine)) {
+                    Some(roots) => roots.add(root),
+                    None => {
+                        self.roots.insert((group, engine), Roots::One(root));
+                    }
                 }
             }
             out.push(self.add(group, key(engine), prev));
@@ -147,10 +175,21 @@ impl EngineMap {
             match self.roots.remove(&(group, engine)) {
                 // Namespace-blind: one reference from every namespace holding it; those
                 // still holding it after that stay listed.
-                Some(mut roots) => {
+                Some(Roots::One(root)) => {
+                    if self.release((group, under(engine, root)), out) > 0 {
+                        self.roots.insert((group, engine), Roots::One(root));
+                    }
+                }
+                Some(Roots::Many(mut roots)) => {
                     roots.retain(|&root| self.release((group, under(engine, root)), out) > 0);
-                    if !roots.is_empty() {
-                        self.roots.insert((group, engine), roots);
+                    match roots[..] {
+                        [] => {}
+                        [one] => {
+                            self.roots.insert((group, engine), Roots::One(one));
+                        }
+                        _ => {
+                            self.roots.insert((group, engine), Roots::Many(roots));
+                        }
                     }
                 }
                 None if self.map.contains_key(&(group, engine)) => {
