@@ -25,8 +25,8 @@
 //! a block that is gone. The price is high for a page every tenant shares (a common system
 //! prompt under per-user salts): the first tenant to evict it takes it from all, and the
 //! others' pages after it are not indexed again while they hold it (`unknown_parent`), nor
-//! is its later removal known (`unknown_block`). SGLang's `format: "dynamo"` hashes the
-//! namespace too: with salts or adapters, use it.
+//! is its later removal known (`unknown_block`). (SGLang's `format: "dynamo"` hashes the
+//! namespace too; the router has not been tried with it.)
 //!
 //! Re-announcements add no reference. Under `kv_cache_report_mode="full"` vLLM announces a
 //! request's prefix-cache hits again as a `BlockStored` from token 0 (no parent), for blocks
