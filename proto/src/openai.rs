@@ -413,9 +413,10 @@ impl Tokenization {
         harmony: bool,
     ) -> Result<(Endpoint, Cow<'_, [u8]>), RequestError> {
         match endpoint {
-            Endpoint::Messages => {
-                Ok((Endpoint::ChatCompletions, Cow::Owned(request::anthropic::chat_body(body, inline)?)))
-            }
+            Endpoint::Messages => Ok((
+                Endpoint::ChatCompletions,
+                Cow::Owned(request::anthropic::chat_body(body, inline, harmony)?),
+            )),
             Endpoint::Responses => {
                 let request = request::responses::Responses::read_as(body, harmony)?;
                 if request.previous_response_id.is_some() {

@@ -251,7 +251,7 @@ impl Decider {
                     && inline == InlineSystem::Preserve
                     && self.prompts.is_remote() =>
             {
-                let folded = anthropic::chat_body(sent, InlineSystem::Fold)?;
+                let folded = anthropic::chat_body(sent, InlineSystem::Fold, harmony)?;
                 if folded == body {
                     Err(PromptError::Refused(why))
                 } else {

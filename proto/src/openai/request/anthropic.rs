@@ -26,8 +26,8 @@
 //!    `image_url` part (media: the prompt is hashed up to that message); `thinking` becomes
 //!    the message's `reasoning` (texts joined with nothing); `redacted_thinking` and
 //!    `tool_reference` are dropped; `tool_use` becomes a tool call whose `arguments` is the
-//!    `input` object as vLLM writes it, Python's `json.dumps` (`{}` when absent or empty: a
-//!    Jinja template parses it again, but Harmony writes it as it is); a user's `tool_result` becomes a `role: "tool"`
+//!    `input` object (`{}` when absent), for gpt-oss as vLLM writes it, `json.dumps`
+//!    (Harmony writes it as it is; a chat template parses it again); a user's `tool_result` becomes a `role: "tool"`
 //!    message placed *before* the user message (its text items joined with `"\n"`; its images
 //!    a user message of `image_url` parts after it; its `tool_reference` items another tool
 //!    message, of `{"type": "tool_reference", "name"}` parts); an assistant's `tool_result` becomes the
@@ -75,8 +75,9 @@ pub enum InlineSystem {
     Fold,
 }
 
-/// The chat completion request, as JSON, that vLLM makes of the Messages request `body`.
-pub fn chat_body(body: &[u8], inline: InlineSystem) -> Result<Vec<u8>, RequestError> {
+/// The chat completion request, as JSON, that vLLM makes of the Messages request `body`, for a
+/// model whose chats are rendered with Harmony (gpt-oss) if `harmony`.
+pub fn chat_body(body: &[u8], inline: InlineSystem, harmony: bool) -> Result<Vec<u8>, RequestError> {
     let (fields, messages) = read_request(body)?;
     let Fields {
         model,
@@ -101,7 +102,7 @@ pub fn chat_body(body: &[u8], inline: InlineSystem) -> Result<Vec<u8>, RequestEr
         out.push(OutMessage::text(Role::System, system));
     }
     for message in rest {
-        convert(message, &mut out)?;
+        convert(message, harmony, &mut out)?;
     }
     let body = ChatBody {
         model,
@@ -747,12 +748,18 @@ struct ToolCall<'a> {
 #[derive(Serialize)]
 struct Function<'a> {
     name: Cow<'a, str>,
-    /// The `input` object as `json.dumps` writes it (its key order kept).
-    arguments: String,
+    /// The `input` object's JSON: as written (a chat template parses it again, so its
+    /// spacing is irrelevant and its key order is kept), or for Harmony, which writes it as
+    /// it is, as vLLM's `json.dumps` writes it.
+    arguments: Cow<'a, str>,
 }
 
 /// Appends what vLLM makes of `message` to `out` (module docs, step 3).
-fn convert<'a>(message: Message<'a>, out: &mut Vec<OutMessage<'a>>) -> Result<(), RequestError> {
+fn convert<'a>(
+    message: Message<'a>,
+    harmony: bool,
+    out: &mut Vec<OutMessage<'a>>,
+) -> Result<(), RequestError> {
     let role = message.role;
     if role == Role::System {
         let text = system_text(&message);
@@ -782,7 +789,7 @@ fn convert<'a>(message: Message<'a>, out: &mut Vec<OutMessage<'a>>) -> Result<()
                     .filter(|id| !id.is_empty())
                     .unwrap_or_else(|| Cow::Owned(format!("call_{}", unix_now()))),
                 kind: "function",
-                function: Function { name, arguments: tool_arguments(input) },
+                function: Function { name, arguments: tool_arguments(input, harmony) },
             }),
             Block::ToolResult { tool_use_id, content } if role == Role::User => {
                 tool_result_messages(tool_use_id, content, out);
@@ -1080,14 +1087,18 @@ fn unix_now() -> u64 {
 
 mod text;
 
-/// vLLM's `json.dumps(block.input or {})` (the input is an object): an absent or empty one is
-/// `{}`.
-fn tool_arguments(input: Option<&RawValue>) -> String {
-    match input.map(|raw| serde_json::from_str::<serde_json::Value>(raw.get())) {
-        Some(Ok(value)) if value.as_object().is_some_and(|input| !input.is_empty()) => {
-            crate::openai::chat_template::python_json_dumps(&value)
+/// vLLM's `json.dumps(block.input or {})` (the input is an object: an absent or empty one is
+/// `{}`), for Harmony; else the input as written.
+fn tool_arguments(input: Option<&RawValue>, harmony: bool) -> Cow<'_, str> {
+    let Some(input) = input else { return Cow::Borrowed("{}") };
+    if !harmony {
+        return Cow::Borrowed(input.get());
+    }
+    match serde_json::from_str::<serde_json::Value>(input.get()) {
+        Ok(value) if value.as_object().is_some_and(|input| !input.is_empty()) => {
+            Cow::Owned(crate::openai::chat_template::python_json_dumps(&value))
         }
-        _ => "{}".to_owned(),
+        _ => Cow::Borrowed("{}"),
     }
 }
 

@@ -58,7 +58,7 @@ fn tool_use_and_tool_results_become_tool_calls_and_tool_messages_in_vllms_order(
                 {"type": "redacted_thinking", "data": "opaque"},
                 {"type": "thinking", "thinking": "call ls."},
                 {"type": "text", "text": "Calling ls."},
-                {"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {"path": "/é", "all": true}}
+                {"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {"path": "/", "all": true}}
             ]},
             {"role": "user", "content": [
                 {"type": "text", "text": "A"},
@@ -77,7 +77,7 @@ fn tool_use_and_tool_results_become_tool_calls_and_tool_messages_in_vllms_order(
             {"role": "user", "content": "list files"},
             {"role": "assistant", "content": "Calling ls.", "reasoning": "I should call ls.",
              "tool_calls": [{"id": "toolu_1", "type": "function",
-                             "function": {"name": "ls", "arguments": "{\"path\": \"/\\u00e9\", \"all\": true}"}}]},
+                             "function": {"name": "ls", "arguments": "{\"path\":\"/\",\"all\":true}"}}]},
             {"role": "tool", "content": "bin\netc", "tool_call_id": "toolu_1"},
             {"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]},
             {"role": "tool", "content": "done", "tool_call_id": "toolu_2"},
@@ -271,7 +271,28 @@ fn a_messages_request_renders_as_the_chat_request_it_stands_for() {
 }
 
 fn preserve(body: &[u8]) -> Result<Vec<u8>, RequestError> {
-    chat_body(body, InlineSystem::Preserve)
+    chat_body(body, InlineSystem::Preserve, false)
+}
+
+/// For gpt-oss, whose Harmony prompt writes a call's arguments as they are, a `tool_use`
+/// input is written as vLLM's `json.dumps` writes it (a chat template parses it again).
+#[test]
+fn tool_use_input_for_harmony_is_written_as_json_dumps_writes_it() {
+    let body = json!({"max_tokens": 1, "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "a", "name": "ls", "input": {"path":"/é","all":true}},
+            {"type": "tool_use", "id": "b", "name": "pwd", "input": {}}]}]});
+    let arguments = |harmony| {
+        let out: Value = serde_json::from_slice(
+            &chat_body(body.to_string().as_bytes(), InlineSystem::Preserve, harmony).unwrap(),
+        )
+        .unwrap();
+        let calls = out["messages"][1]["tool_calls"].as_array().unwrap().clone();
+        calls.iter().map(|c| c["function"]["arguments"].as_str().unwrap().to_owned()).collect::<Vec<_>>()
+    };
+    assert_eq!(arguments(true), [r#"{"path": "/\u00e9", "all": true}"#, "{}"]);
+    assert_eq!(arguments(false), [r#"{"path":"/é","all":true}"#, "{}"]);
 }
 
 #[test]
