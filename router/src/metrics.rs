@@ -45,20 +45,28 @@ pub struct OutcomeLabel {
 /// timeout (120 s; a non-streamed answer's first byte comes when it is all generated).
 const TTFB_BUCKETS: u16 = 18;
 
+/// The counters of the routed requests whose answers reported their cached tokens: the
+/// realized hit rate, and the predicted one of the same requests beside it.
+#[derive(Debug, Default)]
+pub struct Reported {
+    /// Prompt tokens the replicas reported as cached.
+    pub realized_cached_tokens: Counter,
+    /// Those requests' prompt tokens (the realized hit rate's denominator).
+    pub prompt_tokens: Counter,
+    /// The cached tokens predicted of them.
+    pub predicted_cached_tokens: Counter,
+}
+
 /// Handles to every proxy metric; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct ProxyMetrics {
     /// Counted through [`Self::count_decision`] (its cache holds this family's counters).
     decisions: Family<PolicyLabel, Counter>,
     pub predicted_cached_tokens: Counter,
-    pub realized_cached_tokens: Counter,
     /// Prompt tokens of routed requests (the denominator of the predicted hit rate).
     pub prompt_tokens: Counter,
-    /// Prompt tokens of routed requests whose answer reported its cached tokens (the
-    /// denominator of the realized hit rate).
-    pub reported_prompt_tokens: Counter,
-    /// The predicted cached tokens of those requests.
-    pub reported_predicted_cached_tokens: Counter,
+    /// What the answers that report their cached tokens count (one handle a response).
+    pub reported: Arc<Reported>,
     /// Routed requests whose tokens were known only in part (chats with media).
     pub partial_prompts: Counter,
     /// Counted through [`Self::count_response`].
@@ -93,10 +101,9 @@ impl Default for ProxyMetrics {
         Self {
             decisions: Family::default(),
             predicted_cached_tokens: Counter::default(),
-            realized_cached_tokens: Counter::default(),
+
             prompt_tokens: Counter::default(),
-            reported_prompt_tokens: Counter::default(),
-            reported_predicted_cached_tokens: Counter::default(),
+            reported: Arc::default(),
             partial_prompts: Counter::default(),
             requests: Family::default(),
             errors: Family::default(),
@@ -128,20 +135,20 @@ impl ProxyMetrics {
         r.register(
             "realized_cached_tokens",
             "Prompt tokens the replicas reported as cached (usage.prompt_tokens_details)",
-            m.realized_cached_tokens.clone(),
+            m.reported.realized_cached_tokens.clone(),
         );
         r.register("prompt_tokens", "Prompt tokens of routed requests", m.prompt_tokens.clone());
         r.register(
             "reported_prompt_tokens",
             "Prompt tokens of routed requests whose answer reported its cached tokens \
              (realized_cached_tokens over this is the realized hit rate)",
-            m.reported_prompt_tokens.clone(),
+            m.reported.prompt_tokens.clone(),
         );
         r.register(
             "reported_predicted_cached_tokens",
             "Predicted cached tokens of routed requests whose answer reported its cached tokens \
              (to set beside realized_cached_tokens)",
-            m.reported_predicted_cached_tokens.clone(),
+            m.reported.predicted_cached_tokens.clone(),
         );
         r.register(
             "partial_prompts",
@@ -149,7 +156,12 @@ impl ProxyMetrics {
              and whose media's tokens are in neither token count",
             m.partial_prompts.clone(),
         );
-        r.register("requests", "Responses sent, by HTTP status", m.requests.clone());
+        r.register(
+            "requests",
+            "Requests by the status of their answer (499: the client left first); the router's own \
+             /health, /ready and /metrics not counted",
+            m.requests.clone(),
+        );
         r.register("errors", "Errors the router answered itself, by kind", m.errors.clone());
         r.register("retries", "Requests retried on another replica", m.retries.clone());
         r.register(

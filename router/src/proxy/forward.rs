@@ -421,15 +421,6 @@ struct Attempt<'a> {
     keeps_response: bool,
 }
 
-/// Where a routed request's reported cached tokens count, with what was predicted of it
-/// ([`ProxyMetrics::reported_prompt_tokens`]).
-struct Reported {
-    predicted: Predicted,
-    realized_cached_tokens: Counter,
-    prompt_tokens: Counter,
-    predicted_cached_tokens: Counter,
-}
-
 /// A routed request's prompt tokens and the cached tokens the router predicted for it.
 #[derive(Clone, Copy, Debug)]
 struct Predicted {
@@ -480,12 +471,7 @@ fn wrap(
         guard,
         _slot: admitted.slot,
         judge,
-        reported: counted.map(|predicted| Reported {
-            predicted,
-            realized_cached_tokens: metrics.realized_cached_tokens.clone(),
-            prompt_tokens: metrics.reported_prompt_tokens.clone(),
-            predicted_cached_tokens: metrics.reported_predicted_cached_tokens.clone(),
-        }),
+        reported: counted.map(|predicted| (predicted, metrics.reported.clone())),
         upstream_ttfb_seconds: metrics.upstream_ttfb_seconds.clone(),
         sent,
         access,
@@ -513,7 +499,7 @@ struct ResponseHooks {
     judge: Option<Judge>,
     /// Where the cached tokens the response reports count, beside what was predicted of the
     /// same request (not for a chat with media).
-    reported: Option<Reported>,
+    reported: Option<(Predicted, Arc<crate::metrics::Reported>)>,
     upstream_ttfb_seconds: Histogram,
     sent: Instant,
     /// The access log's line, when it is on.
@@ -551,10 +537,10 @@ impl Hooks for ResponseHooks {
         // Only answers that report their cached tokens (an error does not, nor a stream
         // without `stream_options.include_usage`) count on the realized side, so the two
         // hit rates compare the same requests.
-        if let (Some(n), Some(reported)) = (cached_tokens, &self.reported) {
+        if let (Some(n), Some((predicted, reported))) = (cached_tokens, &self.reported) {
             reported.realized_cached_tokens.inc_by(n);
-            reported.prompt_tokens.inc_by(reported.predicted.prompt_tokens);
-            reported.predicted_cached_tokens.inc_by(reported.predicted.cached_tokens);
+            reported.prompt_tokens.inc_by(predicted.prompt_tokens);
+            reported.predicted_cached_tokens.inc_by(predicted.cached_tokens);
         }
         if let Some(judge) = &self.judge {
             let upstream = self.guard.upstream();

@@ -468,7 +468,11 @@ async fn only_answers_with_usage_count_toward_the_realized_hit_rate() {
     let all = counter("prompt_tokens").await;
     assert_eq!(counter("reported_prompt_tokens").await, all - routed, "the second request's alone");
     assert_eq!(counter("realized_cached_tokens").await, 3);
-    assert_eq!(counter("reported_predicted_cached_tokens").await, 0, "nothing cached was known");
+    // The same prompt again: the first one's blocks are credited to the replica.
+    let again = http.post(&url, &completion(&text("reported", 30), 1)).await;
+    let predicted: u64 = again.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
+    assert!(predicted > 0);
+    assert_eq!(counter("reported_predicted_cached_tokens").await, predicted);
     shutdown.cancel();
 }
 
