@@ -200,9 +200,9 @@ mod tests {
     fn an_unreadable_config_file_says_why() {
         let dir = std::env::temp_dir();
         let err = parse_from::<Demo, _, _>(["x", "--config", dir.to_str().unwrap()]).unwrap_err();
-        let message = err.to_string();
-        assert!(matches!(err, ConfigError::Read { .. }), "{err:?}");
-        assert!(message.to_lowercase().contains("directory"), "{message}");
+        let ConfigError::Read { source, .. } = &err else { panic!("a read error expected, got {err:?}") };
+        assert_eq!(source.kind(), std::io::ErrorKind::IsADirectory);
+        assert!(err.to_string().ends_with(&source.to_string()), "the cause is in the message: {err}");
     }
 
     /// A flag's number beyond TOML's integers, with a config file: an error that says so.
