@@ -382,6 +382,11 @@ const EARLY_BYTES: usize = 64 << 10;
 
 /// Connects to `target`, retrying a refused connection as `zeromq` does (50 ms, doubling to
 /// 30 s, with up to 10% jitter); the caller bounds the wait.
+///
+/// A connection to itself is refused too: dialing a port on this host that nobody listens on
+/// (a publisher restarting), the kernel can pick that very port as the connection's own, and
+/// TCP's simultaneous open then connects the socket to itself, holding the port the
+/// publisher is about to listen on again.
 async fn dial(target: &str) -> io::Result<TcpStream> {
     let mut delay = Duration::from_millis(50);
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
@@ -389,6 +394,7 @@ async fn dial(target: &str) -> io::Result<TcpStream> {
     loop {
         match TcpStream::connect(target).await {
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
+            Ok(stream) if connected_to_itself(&stream) => drop(stream),
             connected => return connected,
         }
         jitter = crate::mix::mix64(jitter);
@@ -397,9 +403,31 @@ async fn dial(target: &str) -> io::Result<TcpStream> {
     }
 }
 
+/// Whether `stream`'s two ends are the same address (see [`dial`]).
+fn connected_to_itself(stream: &TcpStream) -> bool {
+    matches!((stream.local_addr(), stream.peer_addr()), (Ok(local), Ok(peer)) if local == peer)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A socket connected to itself (TCP's simultaneous open, forced here by binding the port
+    /// it dials) is told apart; a connection to a listener is not.
+    #[tokio::test]
+    async fn a_connection_to_itself_is_told_apart() {
+        let free = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = free.local_addr().unwrap();
+        drop(free);
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_reuseaddr(true).unwrap();
+        socket.bind(address).unwrap();
+        let itself = socket.connect(address).await.unwrap();
+        assert!(connected_to_itself(&itself));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let other = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        assert!(!connected_to_itself(&other));
+    }
 
     /// The connection a relay dials to a publisher has TCP keepalive on: Linux lists its
     /// keepalive timer (`tr` 2 in `/proc/net/tcp`) while it is idle; 0 without.
