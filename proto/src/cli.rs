@@ -71,7 +71,8 @@ where
         };
         file_error(format!("the flags and environment cannot be merged with it ({e}): {why}"))
     })?;
-    let mut unknown = Vec::new();
+    let flags = merged.clone();
+    let (mut unknown, mut bad) = (Vec::new(), Vec::new());
     for (key, value) in file {
         // A key is its flag's long name exactly: serde reads no other spelling, so a
         // `block_size` accepted here would be dropped without a word. `config`, `help` and
@@ -97,12 +98,26 @@ where
             matches.value_source(arg.get_id().as_str()),
             Some(ValueSource::CommandLine | ValueSource::EnvVariable)
         );
-        if !from_user {
-            merged.insert(key, value);
+        if from_user {
+            continue;
+        }
+        // Each value is checked on its own, so that every bad one is reported at once.
+        let mut alone = flags.clone();
+        alone.insert(key.clone(), value.clone());
+        match C::deserialize(alone) {
+            Ok(_) => {
+                merged.insert(key, value);
+            }
+            Err(e) => bad.push(format!("{key}: {}", e.message().trim_end())),
         }
     }
+    let mut problems = Vec::new();
     if !unknown.is_empty() {
-        return Err(file_error(format!("unknown keys: {}", unknown.join(", "))));
+        problems.push(format!("unknown keys: {}", unknown.join(", ")));
+    }
+    problems.extend(bad);
+    if !problems.is_empty() {
+        return Err(file_error(problems.join("; ")));
     }
     C::deserialize(merged).map_err(|e| file_error(e.to_string()))
 }
@@ -184,6 +199,18 @@ mod tests {
         let err = parse_from::<Demo, _, _>(["x", "--config", f.0.to_str().unwrap()]).unwrap_err();
         let ConfigError::File { message, .. } = err else { panic!("file error expected, got {err:?}") };
         assert!(message.contains("bogus") && message.contains("also-bogus"), "{message}");
+    }
+
+    /// Unknown keys and every value of the wrong type are reported together.
+    #[test]
+    fn every_bad_key_of_a_file_is_reported_at_once() {
+        let f = file("bogus = 1\nblock-size = \"big\"\nseed = -1\nmodel = \"fine\"\n");
+        let err = parse_from::<Demo, _, _>(["x", "--config", f.0.to_str().unwrap()]).unwrap_err();
+        let ConfigError::File { message, .. } = err else { panic!("file error expected, got {err:?}") };
+        for key in ["bogus", "block-size", "seed"] {
+            assert!(message.contains(key), "{key} not reported: {message}");
+        }
+        assert!(!message.contains("model"), "{message}");
     }
 
     #[test]
