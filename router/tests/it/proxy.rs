@@ -423,32 +423,17 @@ async fn a_replica_removed_during_a_remote_tokenization_is_not_chosen() {
 /// there it made the realized rate look lower than the predicted one for the same hits.
 #[tokio::test]
 async fn only_answers_with_usage_count_toward_the_realized_hit_rate() {
-    use hyper::service::service_fn;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let replica = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let service = service_fn(|request: http::Request<hyper::body::Incoming>| async move {
-                let completion = request.uri().path() == "/v1/completions";
-                let body = request.into_body().collect().await?.to_bytes();
-                let usage = String::from_utf8_lossy(&body).contains("reported");
-                let (status, answer) = match (completion, usage) {
-                    (false, _) => (200, ""),
-                    (true, true) => {
-                        (200, r#"{"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":3}}}"#)
-                    }
-                    (true, false) => {
-                        (400, r#"{"error":{"message":"too long","type":"BadRequestError","code":400}}"#)
-                    }
-                };
-                let mut response = http::Response::new(http_body_util::Full::new(bytes::Bytes::from(answer)));
-                *response.status_mut() = http::StatusCode::from_u16(status).unwrap();
-                Ok::<_, hyper::Error>(response)
-            });
-            let io = hyper_util::rt::TokioIo::new(stream);
-            tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(io, service));
+    let replica = hand_made_replica(|path, body| async move {
+        let usage = String::from_utf8_lossy(&body).contains("reported");
+        match (path == "/v1/completions", usage) {
+            (false, _) => (200, ""),
+            (true, true) => {
+                (200, r#"{"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":3}}}"#)
+            }
+            (true, false) => (400, r#"{"error":{"message":"too long","type":"BadRequestError","code":400}}"#),
         }
-    });
+    })
+    .await;
     let (router, shutdown) = router_in_front_of(replica, |c| c).await;
     let http = crate::fleet::Http::new();
     let counter = async |name: &str| -> u64 {
@@ -540,35 +525,55 @@ async fn a_client_that_leaves_before_its_answer_is_counted() {
 async fn gated_tokenize_replica(
     gate: std::sync::Arc<tokio::sync::Semaphore>,
 ) -> (std::net::SocketAddr, tokio::sync::mpsc::UnboundedReceiver<()>) {
+    let (tell, tokenizing) = tokio::sync::mpsc::unbounded_channel();
+    let replica = hand_made_replica(move |path, _| {
+        let (gate, tell) = (gate.clone(), tell.clone());
+        async move {
+            if path != "/tokenize" {
+                return (200, "{}");
+            }
+            let _ = tell.send(());
+            gate.acquire().await.unwrap().forget();
+            (200, THREE_TOKENS)
+        }
+    })
+    .await;
+    (replica, tokenizing)
+}
+
+/// `/tokenize`'s answer of the hand-made replicas: three tokens.
+const THREE_TOKENS: &str = r#"{"count":3,"max_model_len":4096,"tokens":[5,6,7]}"#;
+
+/// A replica that answers each request with the status and body `answer` makes of its path
+/// and body.
+async fn hand_made_replica<F, A>(answer: F) -> std::net::SocketAddr
+where
+    F: Fn(String, bytes::Bytes) -> A + Clone + Send + Sync + 'static,
+    A: std::future::Future<Output = (u16, &'static str)> + Send,
+{
     use hyper::service::service_fn;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let (tell, tokenizing) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
-            let (gate, tell) = (gate.clone(), tell.clone());
+            let answer = answer.clone();
             let service = service_fn(move |request: http::Request<hyper::body::Incoming>| {
-                let (gate, tell) = (gate.clone(), tell.clone());
+                let answer = answer.clone();
                 async move {
-                    let tokenize = request.uri().path() == "/tokenize";
-                    request.into_body().collect().await?;
-                    let answer = if tokenize {
-                        let _ = tell.send(());
-                        gate.acquire().await.unwrap().forget();
-                        r#"{"count":3,"max_model_len":4096,"tokens":[5,6,7]}"#
-                    } else {
-                        "{}"
-                    };
-                    Ok::<_, hyper::Error>(http::Response::new(http_body_util::Full::new(bytes::Bytes::from(
-                        answer,
-                    ))))
+                    let path = request.uri().path().to_owned();
+                    let body = request.into_body().collect().await?.to_bytes();
+                    let (status, text) = answer(path, body).await;
+                    let mut response =
+                        http::Response::new(http_body_util::Full::new(bytes::Bytes::from(text)));
+                    *response.status_mut() = http::StatusCode::from_u16(status).unwrap();
+                    Ok::<_, hyper::Error>(response)
                 }
             });
             let io = hyper_util::rt::TokioIo::new(stream);
             tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(io, service));
         }
     });
-    (addr, tokenizing)
+    addr
 }
 
 /// Sends `request` raw on a new connection to the router and reads the response to its end
@@ -754,35 +759,20 @@ async fn a_stalled_upload_is_the_clients_408_and_does_not_eject_the_replica() {
 /// anything else gets an empty 200.
 async fn tokenize_recording_replica() -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<Value>>>)
 {
-    use hyper::service::service_fn;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let record = asked.clone();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let record = record.clone();
-            let service = service_fn(move |request: http::Request<hyper::body::Incoming>| {
-                let record = record.clone();
-                async move {
-                    let tokenize = request.uri().path() == "/tokenize";
-                    let body = request.into_body().collect().await?.to_bytes();
-                    let answer = if tokenize {
-                        record.lock().unwrap().push(serde_json::from_slice::<Value>(&body).unwrap());
-                        r#"{"count":3,"max_model_len":4096,"tokens":[5,6,7]}"#
-                    } else {
-                        "{}"
-                    };
-                    Ok::<_, hyper::Error>(http::Response::new(http_body_util::Full::new(bytes::Bytes::from(
-                        answer,
-                    ))))
-                }
-            });
-            let io = hyper_util::rt::TokioIo::new(stream);
-            tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(io, service));
+    let replica = hand_made_replica(move |path, body| {
+        let record = record.clone();
+        async move {
+            if path != "/tokenize" {
+                return (200, "{}");
+            }
+            record.lock().unwrap().push(serde_json::from_slice::<Value>(&body).unwrap());
+            (200, THREE_TOKENS)
         }
-    });
-    (addr, asked)
+    })
+    .await;
+    (replica, asked)
 }
 
 /// With `--remote-tokenize`, `/tokenize` is asked with everything that decides the ids: a
