@@ -68,8 +68,9 @@
 #   0.84x (20.3 µs), kvroute cache-aware 0.61x (31.5 µs, rounds 0.57-0.63), round-robin 0.62x
 #   (31.0 µs); added latency p50 nginx +27 µs, floor +27, kvroute +36. A paired A/B against the
 #   build of 2026-11-23 that measured 0.87x (59f6bb1, built with this release profile), four
-#   rounds of cache-aware by hand: 36.0 against 35.7 µs of CPU a request, user 17.7 against
-#   19.8: the fall since then is the machine's (the floor's CPU a request rose with it).
+#   rounds of cache-aware by hand: this build 36.6 µs of CPU a request against that one's
+#   35.3 (user 19.8 against 17.9): most of the fall since then is the machine's (the floor
+#   used 20-22 µs a request in the same spell, 15.5-16.0 then).
 #   2026-11-27, later (requests' sequences counted): nginx 52.8 k requests/s (19.2 µs of CPU a
 #   request), floor 0.91x (22.3 µs), kvroute cache-aware 0.66x (31.8 µs, rounds 0.58-0.77),
 #   round-robin 0.58x (34.1 µs); added latency p50 nginx +28 µs, floor +28, kvroute +37/+38.
