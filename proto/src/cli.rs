@@ -7,7 +7,8 @@
 //! `rename_all = "kebab-case"`, so a file key is spelled exactly like its flag without the
 //! dashes in front. The merge goes through TOML: the parsed flags are serialized, every file
 //! key whose flag was not given on the command line or in the environment replaces the
-//! default, and the result is deserialized back. Unknown file keys are all reported at once.
+//! default, and the result is deserialized back. Unknown file keys and file values of the
+//! wrong type are all reported at once.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -71,7 +72,9 @@ where
         };
         file_error(format!("the flags and environment cannot be merged with it ({e}): {why}"))
     })?;
+    // The flags alone read back (else every file key would be blamed for them).
     let flags = merged.clone();
+    C::deserialize(flags.clone()).map_err(|e| file_error(format!("the flags and environment: {e}")))?;
     let (mut unknown, mut bad) = (Vec::new(), Vec::new());
     for (key, value) in file {
         // A key is its flag's long name exactly: serde reads no other spelling, so a
@@ -98,16 +101,15 @@ where
             matches.value_source(arg.get_id().as_str()),
             Some(ValueSource::CommandLine | ValueSource::EnvVariable)
         );
-        if from_user {
-            continue;
-        }
-        // Each value is checked on its own, so that every bad one is reported at once.
+        // Each value is checked on its own, so that every bad one is reported at once (one a
+        // flag overrides too: the file is wrong wherever the flag is not given).
         let mut alone = flags.clone();
         alone.insert(key.clone(), value.clone());
         match C::deserialize(alone) {
-            Ok(_) => {
+            Ok(_) if !from_user => {
                 merged.insert(key, value);
             }
+            Ok(_) => {}
             Err(e) => bad.push(format!("{key}: {}", e.message().trim_end())),
         }
     }
@@ -211,6 +213,10 @@ mod tests {
             assert!(message.contains(key), "{key} not reported: {message}");
         }
         assert!(!message.contains("model"), "{message}");
+        // A bad value is reported even where a flag overrides it.
+        let f = file("block-size = \"big\"\n");
+        let err = parse_from::<Demo, _, _>(["x", "--config", f.0.to_str().unwrap(), "--block-size", "8"]);
+        assert!(matches!(err, Err(ConfigError::File { ref message, .. }) if message.contains("block-size")));
     }
 
     #[test]

@@ -377,29 +377,29 @@ async fn accept_loop<H, F, B>(
             // would hold its slot for good. Its first request is due within the same time.
             // (The timer goes with the first request.)
             let mut first_request = Some(Box::pin(tokio::time::sleep(first_request_timeout)));
+            let mut closing = false;
             let result = loop {
                 let waiting = first_request.is_some();
                 tokio::select! {
+                    // The connection first: a request that came as the timer fired is seen.
+                    biased;
                     result = conn.as_mut() => break result,
                     _ = shutdown.cancelled() => {
                         conn.as_mut().graceful_shutdown();
                         break conn.await;
                     }
                     () = greeted.wait(), if waiting => first_request = None,
-                    () = async { if let Some(timer) = first_request.as_mut() { timer.await } }, if waiting => {
-                        // A request that came as the timer fired is served.
-                        if greeted.seen() {
-                            first_request = None;
-                            continue;
+                    () = elapsed(&mut first_request), if waiting => {
+                        if closing {
+                            return;
                         }
-                        tracing::debug!(%peer, "no request within the header-read timeout: closed");
-                        // An HTTP/2 client is told (GOAWAY), for as long again at most; a
-                        // connection still being read for its protocol ends at once.
+                        // An HTTP/2 client is told (GOAWAY), and has as long again to go; a
+                        // request that still comes is served to its end. A connection still
+                        // being read for its protocol ends at once.
+                        tracing::debug!(%peer, "no request within the header-read timeout: closing");
                         conn.as_mut().graceful_shutdown();
-                        match tokio::time::timeout(first_request_timeout, conn.as_mut()).await {
-                            Ok(result) => break result,
-                            Err(_) => return,
-                        }
+                        closing = true;
+                        first_request = Some(Box::pin(tokio::time::sleep(first_request_timeout)));
                     }
                 }
             };
@@ -409,6 +409,14 @@ async fn accept_loop<H, F, B>(
         });
     }
     drop(listener);
+}
+
+/// Waits for `timer` (for ever without one).
+async fn elapsed(timer: &mut Option<std::pin::Pin<Box<tokio::time::Sleep>>>) {
+    match timer {
+        Some(timer) => timer.await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Whether a connection has had its first request, and a wake-up when it does.

@@ -101,7 +101,6 @@ impl Default for ProxyMetrics {
         Self {
             decisions: Family::default(),
             predicted_cached_tokens: Counter::default(),
-
             prompt_tokens: Counter::default(),
             reported: Arc::default(),
             partial_prompts: Counter::default(),

@@ -372,4 +372,35 @@ mod tests {
             .unwrap();
         assert_eq!(out[1], a.chain(&[1, 2, 3, 4], 2)[1], "vLLM's parent hash names its namespace");
     }
+
+    /// A namespace-blind hash held under three namespaces (one of them twice): each removal
+    /// takes one reference from every namespace still holding it, until none does.
+    #[test]
+    fn namespace_blind_removals_go_down_every_namespace() {
+        let salted = |salt: &str| Stored { salt: Some(salt.into()), ..stored(&[10], None, vec![1, 2]) };
+        let first = |salt: &str| CacheNamespace::new("m").with_salt(salt).chain(&[1, 2], 2)[0];
+        let mut map = EngineMap::default();
+        let mut out = Vec::new();
+        let copy = |salt: &str| Stored { reused: Some(false), ..salted(salt) };
+        for stored in [salted("A"), copy("A"), salted("B"), salted("C")] {
+            map.store(&stored, Hashes::Blind, "m", &mut out).unwrap();
+        }
+        assert_eq!(out, [first("A"), first("A"), first("B"), first("C")]);
+        let removed = Removed { engine: vec![BlockHash(10)], group: 0 };
+        let mut gone = Vec::new();
+        assert_eq!(map.remove(&removed, &mut gone), 0);
+        assert_eq!(gone, [first("A"), first("B"), first("C")], "one from each");
+        assert_eq!(map.len(), 1, "A's second copy is left");
+        gone.clear();
+        assert_eq!(map.remove(&removed, &mut gone), 0);
+        assert_eq!(gone, [first("A")]);
+        assert_eq!(map.len(), 0);
+        assert_eq!(map.remove(&removed, &mut gone), 1, "none left: unknown");
+        // Under one namespace, held twice: the first removal leaves it listed.
+        map.store(&salted("A"), Hashes::Blind, "m", &mut out).unwrap();
+        map.store(&copy("A"), Hashes::Blind, "m", &mut out).unwrap();
+        assert_eq!(map.remove(&removed, &mut gone), 0);
+        assert_eq!(map.remove(&removed, &mut gone), 0);
+        assert_eq!(map.remove(&removed, &mut gone), 1);
+    }
 }

@@ -434,7 +434,8 @@ async fn only_answers_with_usage_count_toward_the_realized_hit_rate() {
         }
     })
     .await;
-    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { credit_ttl_ms: 600_000, ..c }).await;
     let http = crate::fleet::Http::new();
     let counter = async |name: &str| -> u64 {
         let metrics = http.get(&format!("{}/metrics", router.url())).await;
