@@ -841,6 +841,11 @@ fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
     let body = r#"{"model":"tiny","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hello"}],
         "reasoning_effort":"low"}"#;
     let ids = tokens(&t, Endpoint::ChatCompletions, body).unwrap().remove(0);
+    // A special token's text in a message is text, as Harmony's `encode_ordinary` writes it:
+    // `<|end|>` (id 402) only ends messages.
+    let quoted = r#"{"model":"tiny","messages":[{"role":"user","content":"what is <|end|>?"}]}"#;
+    let quoted = tokens(&t, Endpoint::ChatCompletions, quoted).unwrap().remove(0);
+    assert_eq!(quoted.iter().filter(|&&id| id == 402).count(), 2, "the system message's and the user's ends");
     let completion = |text: &str| {
         let body =
             serde_json::json!({"model": "tiny", "prompt": text, "add_special_tokens": false}).to_string();

@@ -50,6 +50,13 @@ pub trait Tokenizer: Send + Sync + fmt::Debug {
     /// adds what it is configured to (typically a BOS id), as vLLM does for completions.
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, RequestError>;
 
+    /// The token ids of `text` with no special token's text read as that token: Harmony's
+    /// `encode_ordinary`, which writes a conversation's texts (a user's `<|end|>` is the
+    /// characters, not the token).
+    fn encode_ordinary(&self, text: &str) -> Result<Vec<u32>, RequestError> {
+        self.encode(text, false)
+    }
+
     /// Every valid id is below this; prompt token ids are checked against it.
     fn vocab_size(&self) -> u32;
 

@@ -27,6 +27,9 @@ use super::{LoadError, RequestError, Tokenizer};
 /// A Hugging Face `tokenizer.json`, run by the `tokenizers` crate.
 pub struct HuggingFace {
     inner: tokenizers::Tokenizer,
+    /// `inner` reading special tokens' texts as text ([`Tokenizer::encode_ordinary`]), made
+    /// when first asked for (gpt-oss fleets only).
+    ordinary: std::sync::OnceLock<tokenizers::Tokenizer>,
     vocab_size: u32,
     /// How to resume after added tokens, or why not.
     resume: Result<AddedTokens, String>,
@@ -51,7 +54,7 @@ impl HuggingFace {
         // vLLM rejects prompt ids above the largest id the tokenizer knows, added tokens included.
         let vocab_size = inner.get_vocab(true).values().max().map_or(0, |&max| max.saturating_add(1));
         let resume = AddedTokens::check(&inner, vocab_size);
-        Ok(Self { inner, vocab_size, resume })
+        Ok(Self { inner, ordinary: std::sync::OnceLock::new(), vocab_size, resume })
     }
 
     /// The underlying `tokenizers` tokenizer (for decoding, token strings, ...).
@@ -74,6 +77,16 @@ impl fmt::Debug for HuggingFace {
 impl Tokenizer for HuggingFace {
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, RequestError> {
         self.encode_ids(text, add_special_tokens)
+    }
+
+    fn encode_ordinary(&self, text: &str) -> Result<Vec<u32>, RequestError> {
+        let ordinary = self.ordinary.get_or_init(|| {
+            let mut ordinary = self.inner.clone();
+            ordinary.set_encode_special_tokens(true);
+            ordinary
+        });
+        let encoding = ordinary.encode_fast(text, false).map_err(RequestError::Tokenizer)?;
+        Ok(encoding.get_ids().to_vec())
     }
 
     fn vocab_size(&self) -> u32 {
