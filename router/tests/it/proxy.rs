@@ -496,21 +496,11 @@ async fn probes_and_scrapes_are_not_counted_as_requests() {
 /// the access log only).
 #[tokio::test]
 async fn a_client_that_leaves_before_its_answer_is_counted() {
-    use tokio::io::AsyncWriteExt;
     let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}";
     let (replica, read) = slow_body_reading_replica(answer, std::time::Duration::from_secs(30)).await;
     let (router, shutdown) = router_in_front_of(replica, |c| c).await;
-    let body = completion("leaving", 1).to_string();
-    let request = format!(
-        "POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let mut client = tokio::net::TcpStream::connect(router.addr).await.unwrap();
-    client.write_all(request.as_bytes()).await.unwrap();
-    tokio::time::timeout(std::time::Duration::from_secs(10), read.notified())
-        .await
-        .expect("the replica has it");
+    let client =
+        post_once_the_replica_has_it(&router, "/v1/completions", &completion("leaving", 1), &read).await;
     drop(client);
     let http = crate::fleet::Http::new();
     let series = "kvroute_router_requests_total{code=\"499\"}";
@@ -899,23 +889,36 @@ async fn a_lora_refusal_beside_an_adapter_there_already_is_a_fan_out_failure() {
 /// (`Success.`, as plain text), asked to load the adapter `sql` by a client that leaves once
 /// the replica has the request: a client whose timeout is shorter than the replicas' answers.
 async fn a_load_whose_client_left() -> (kvroute_router::RunningRouter, tokio_util::sync::CancellationToken) {
-    use tokio::io::AsyncWriteExt;
     let answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 8\r\n\r\nSuccess.";
     let (replica, read) = slow_body_reading_replica(answer, std::time::Duration::from_millis(800)).await;
     let (router, shutdown) =
         router_in_front_of(replica, |c| kvroute_router::Config { lora_updates: true, ..c }).await;
-    let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"}).to_string();
+    let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
+    drop(post_once_the_replica_has_it(&router, "/v1/load_lora_adapter", &load, &read).await);
+    (router, shutdown)
+}
+
+/// Posts `body` to the router's `path` on a raw connection, and returns that connection once
+/// the replica signals (`read`) that it has the request.
+async fn post_once_the_replica_has_it(
+    router: &kvroute_router::RunningRouter,
+    path: &str,
+    body: &Value,
+    read: &tokio::sync::Notify,
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let body = body.to_string();
     let request = format!(
-        "POST /v1/load_lora_adapter HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\n\r\n{load}",
-        load.len()
+        "POST {path} HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
     );
     let mut client = tokio::net::TcpStream::connect(router.addr).await.unwrap();
     client.write_all(request.as_bytes()).await.unwrap();
     tokio::time::timeout(std::time::Duration::from_secs(10), read.notified())
         .await
         .expect("the replica has it");
-    (router, shutdown)
+    client
 }
 
 /// A LoRA change runs to its end when its client stops waiting (a client timeout shorter than
