@@ -180,3 +180,41 @@ fn shared_trace_matches_the_reference() {
         }
     }
 }
+
+/// The replica agent's engine path (`start_request`, which pins a request's blocks, then
+/// `finish_request`), one request at a time, gives seed 000's S3FIFO hits on the shared trace:
+/// pins change nothing while no block a request uses is ever a victim. That holds while the
+/// small queue is longer than any request (374 blocks here); at capacity 2048 (small 205)
+/// a long request's own first blocks would leave the small queue while it runs, which an
+/// engine cannot do. (LRU is vLLM's there: blocks are used again when a request finishes,
+/// its tail first, and differs by design.)
+#[test]
+fn s3fifo_with_pins_one_request_at_a_time_is_seed_000() {
+    use kvroute_proto::BlockHash;
+    use kvroute_replica_agent::cache::{BlockCache, CacheConfig};
+
+    let Some(path) = shared_trace() else {
+        eprintln!("note: ../shared/traces/mooncake_synthetic_trace.jsonl is absent; skipping");
+        return;
+    };
+    let trace = read(&path);
+    assert_eq!(trace.requests.iter().map(|r| r.hash_ids.len()).max(), Some(374));
+    for capacity in [4096, 16384] {
+        let report = replay(&trace, Eviction::S3fifo, capacity);
+        let config = CacheConfig {
+            capacity_blocks: capacity,
+            block_size: 512,
+            policy: Eviction::S3fifo,
+            s3fifo: Default::default(),
+        };
+        let mut cache = BlockCache::new(&config).unwrap();
+        let mut events = vec![];
+        for (i, (r, want)) in trace.requests.iter().zip(&report.per_request).enumerate() {
+            let blocks: Vec<BlockHash> = r.hash_ids.iter().map(|&h| BlockHash(h)).collect();
+            let got = cache.start_request(&blocks, r.input_len, &mut events).unwrap();
+            assert_eq!(got.hit_tokens as u64, want.hit_tokens, "capacity {capacity}, request {i}");
+            cache.finish_request(&blocks).unwrap();
+        }
+        assert_eq!(cache.len(), report.final_cache_blocks, "capacity {capacity}");
+    }
+}

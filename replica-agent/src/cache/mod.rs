@@ -29,9 +29,11 @@
 //! | LRU | leaves the recency list | rejoins at the most-recent end (finishing is a use) |
 //! | LFU | leaves its frequency class's list; hits still count | rejoins at the most-recent end of its class |
 //! | S3FIFO, in small | stays in place; if it reaches the head, it is promoted to main with its freq instead of going to ghost | nothing moves |
-//! | S3FIFO, in main | leaves the main FIFO but still counts in `\|M\|` | rejoins at the tail with its freq |
+//! | S3FIFO, in main | stays in place (second chance as usual); if it reaches the head with freq 0, it leaves the main FIFO but still counts in `\|M\|` | a block that left rejoins at the tail with its freq |
 //!
-//! With no pins, every rule reduces to seed 000. `finish_request` unpins in reverse request
+//! With no pins, every rule reduces to seed 000. S3FIFO's pins change nothing until a block in
+//! use would be a victim, so one request at a time the engine's path gives seed 000's hits;
+//! LRU and LFU follow vLLM's free-block queue instead (finishing is a use). `finish_request` unpins in reverse request
 //! order, so (as in vLLM's free-block queue) a request's tail blocks become victims before its
 //! shared prefix.
 //!

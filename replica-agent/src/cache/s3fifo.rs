@@ -23,11 +23,15 @@
 //! Pinning (no effect without pins):
 //! - A pinned block in S stays in place. When it reaches S's head during a drain it is
 //!   promoted to M with its freq (a block in use is warm) instead of going to G.
-//! - A pinned block in M leaves M's FIFO but still counts in `|M|`; the drain only looks at
-//!   unpinned blocks. On its last unpin the block rejoins M's tail with its freq, as if the
-//!   second chance had requeued it.
-//! - So the only way to find no victim is an M full of pinned blocks: `pin_limit = main_cap`.
-//!   An access that would need such a victim returns [`Full`] before changing anything.
+//! - A pinned block in M stays in place, and the drain treats it as the seed does while its
+//!   freq is at least 1 (requeued at the tail, freq - 1). Only a pinned block with freq 0 at
+//!   M's head is treated otherwise: it cannot be evicted, so it is parked (off M's FIFO,
+//!   still counted in `|M|`; hits still count) and rejoins M's tail with its freq on its
+//!   last unpin. Parking is at most once a pin, so the drain stays O(1) amortised.
+//! - So pins change nothing until a block in use would be a victim: one request at a time,
+//!   the engine's path gives seed 000's hits unless one request alone cycles S or M. The only
+//!   way to find no victim is an M full of pinned blocks: `pin_limit = main_cap`. An access
+//!   that would need such a victim returns [`Full`] before changing anything.
 
 use kvroute_proto::BlockHash;
 
@@ -52,6 +56,8 @@ struct Node {
     freq: u8,
     queue: Queue,
     pinned: bool,
+    /// In M but off M's FIFO: a pinned block that reached the head with freq 0.
+    parked: bool,
     link: Link,
 }
 
@@ -75,10 +81,12 @@ pub struct S3Fifo {
     map: BlockMap<u32>,
     nodes: Slab<Node>,
     small: List,
-    /// M's unpinned blocks; pinned ones are off the list.
+    /// M's blocks but the parked ones.
     main: List,
-    /// `|M|`, pinned blocks included.
+    /// `|M|`, parked blocks included.
     main_len: usize,
+    /// How many blocks in M are pinned.
+    main_pinned: usize,
     ghost: List,
 }
 
@@ -107,6 +115,7 @@ impl S3Fifo {
             small: List::default(),
             main: List::default(),
             main_len: 0,
+            main_pinned: 0,
             ghost: List::default(),
         })
     }
@@ -123,7 +132,7 @@ impl S3Fifo {
 
     /// An admission to M would need a victim and every block in M is pinned.
     fn main_blocked(&self) -> bool {
-        self.main_len >= self.main_cap && self.main.is_empty()
+        self.main_len >= self.main_cap && self.main_pinned == self.main_len
     }
 
     /// Admitting a new block to S would cascade into M and find M blocked.
@@ -153,12 +162,15 @@ impl S3Fifo {
 
     fn admit_main(&mut self, i: u32, freq: u8, evicted: &mut Vec<BlockHash>) {
         while self.main_len >= self.main_cap {
-            // Callers checked `main_blocked()` first, so an unpinned block exists, and the
-            // drain below only moves unpinned blocks within M.
+            // Callers checked `main_blocked()` first, so an unpinned block exists; it is never
+            // parked, and each turn spends a freq or parks a pinned block, so this ends.
             let v = self.main.front().expect("main has an unpinned block");
             if self.nodes[v].freq >= 1 {
                 self.nodes[v].freq -= 1;
                 self.main.move_to_back(&mut self.nodes, v);
+            } else if self.nodes[v].pinned {
+                self.main.unlink(&mut self.nodes, v);
+                self.nodes[v].parked = true;
             } else {
                 self.main.unlink(&mut self.nodes, v);
                 self.main_len -= 1;
@@ -170,9 +182,8 @@ impl S3Fifo {
         node.queue = Queue::Main;
         node.freq = freq;
         self.main_len += 1;
-        if !node.pinned {
-            self.main.push_back(&mut self.nodes, i);
-        }
+        self.main_pinned += usize::from(node.pinned);
+        self.main.push_back(&mut self.nodes, i);
     }
 
     /// Moves resident node `i`, already off its queue, to G: it leaves residency.
@@ -238,6 +249,7 @@ impl Policy for S3Fifo {
                     freq: 0,
                     queue: Queue::Small,
                     pinned: false,
+                    parked: false,
                     link: Link::DETACHED,
                 });
                 self.map.insert(block, i);
@@ -256,9 +268,13 @@ impl Policy for S3Fifo {
         self.nodes[i].pinned = pinned;
         if node.queue == Queue::Main {
             if pinned {
-                self.main.unlink(&mut self.nodes, i);
+                self.main_pinned += 1;
             } else {
-                self.main.push_back(&mut self.nodes, i);
+                self.main_pinned -= 1;
+                if node.parked {
+                    self.nodes[i].parked = false;
+                    self.main.push_back(&mut self.nodes, i);
+                }
             }
         }
     }
@@ -269,13 +285,14 @@ impl Policy for S3Fifo {
         self.small = List::default();
         self.main = List::default();
         self.main_len = 0;
+        self.main_pinned = 0;
         self.ghost = List::default();
     }
 
     fn resident(&self) -> Box<dyn Iterator<Item = BlockHash> + '_> {
         let nodes = &self.nodes;
         let resident = self.small.iter(nodes).chain(self.main.iter(nodes));
-        // Pinned M blocks are off M's list, so walk the map for completeness.
+        // Parked M blocks are off M's list, so walk the map for completeness.
         if self.main.len() == self.main_len {
             Box::new(resident.map(move |i| nodes[i].block))
         } else {

@@ -97,8 +97,8 @@ impl RefPolicy for RefLfu {
 }
 
 /// Seed 000's pseudocode, line by line, plus the pin rules: a pinned small head is promoted
-/// rather than ghosted; main's drain looks at the first unpinned entry; an unpinned main entry
-/// moves to main's tail.
+/// rather than ghosted; a pinned main head with freq 0 is parked (resident, off the FIFO)
+/// rather than ghosted, and rejoins main's tail with its freq when unpinned.
 pub struct RefS3Fifo {
     pub small_cap: usize,
     pub main_cap: usize,
@@ -106,6 +106,7 @@ pub struct RefS3Fifo {
     pub max_freq: u8,
     pub small: VecDeque<(BlockHash, u8)>,
     pub main: VecDeque<(BlockHash, u8)>,
+    pub parked: Vec<(BlockHash, u8)>,
     pub ghost: VecDeque<BlockHash>,
 }
 
@@ -120,6 +121,7 @@ impl RefS3Fifo {
             max_freq: p.max_freq,
             small: VecDeque::new(),
             main: VecDeque::new(),
+            parked: Vec::new(),
             ghost: VecDeque::new(),
         }
     }
@@ -134,11 +136,12 @@ impl RefS3Fifo {
     }
 
     fn admit_main(&mut self, h: BlockHash, f: u8, pinned: Pinned<'_>, ev: &mut Vec<BlockHash>) {
-        while self.main.len() >= self.main_cap {
-            let pos = self.main.iter().position(|e| !pinned(e.0)).expect("a victim");
-            let (v, vf) = self.main.remove(pos).unwrap();
+        while self.main.len() + self.parked.len() >= self.main_cap {
+            let (v, vf) = self.main.pop_front().expect("a victim");
             if vf >= 1 {
                 self.main.push_back((v, vf - 1));
+            } else if pinned(v) {
+                self.parked.push((v, 0));
             } else {
                 self.insert_ghost(v);
                 ev.push(v);
@@ -164,7 +167,7 @@ impl RefS3Fifo {
 
 impl RefPolicy for RefS3Fifo {
     fn contains(&self, b: BlockHash) -> bool {
-        self.small.iter().chain(&self.main).any(|e| e.0 == b)
+        self.small.iter().chain(&self.main).any(|e| e.0 == b) || self.parked.iter().any(|e| e.0 == b)
     }
     fn pin_limit(&self) -> usize {
         self.main_cap
@@ -172,7 +175,9 @@ impl RefPolicy for RefS3Fifo {
     fn access(&mut self, h: BlockHash, pinned: Pinned<'_>) -> Vec<BlockHash> {
         let mut ev = vec![];
         let max = self.max_freq;
-        if let Some(e) = self.small.iter_mut().chain(self.main.iter_mut()).find(|e| e.0 == h) {
+        if let Some(e) =
+            self.small.iter_mut().chain(&mut self.main).chain(&mut self.parked).find(|e| e.0 == h)
+        {
             e.1 = (e.1 + 1).min(max);
         } else if let Some(pos) = self.ghost.iter().position(|&g| g == h) {
             self.ghost.remove(pos);
@@ -183,13 +188,13 @@ impl RefPolicy for RefS3Fifo {
         ev
     }
     fn unpinned(&mut self, b: BlockHash) {
-        if let Some(pos) = self.main.iter().position(|e| e.0 == b) {
-            let e = self.main.remove(pos).unwrap();
+        if let Some(pos) = self.parked.iter().position(|e| e.0 == b) {
+            let e = self.parked.remove(pos);
             self.main.push_back(e);
         }
     }
     fn resident(&self) -> Vec<BlockHash> {
-        self.small.iter().chain(&self.main).map(|e| e.0).collect()
+        self.small.iter().chain(&self.main).chain(&self.parked).map(|e| e.0).collect()
     }
 }
 
