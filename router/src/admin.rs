@@ -19,7 +19,7 @@ use crate::proxy::ProxyState;
 use crate::proxy::error::ProxyError;
 use crate::proxy::route::Scored;
 use crate::proxy::upstream::Ineligible;
-use crate::replicas::{EngineKind, ReplicaSpec};
+use crate::replicas::{EngineKind, ReplicaSpec, SpecError, base_url};
 
 /// Implements `RouterAdmin` over the proxy's state.
 #[derive(Clone)]
@@ -153,14 +153,10 @@ impl RouterAdmin for AdminService {
             Err(_) => Err(format!("unknown engine kind {}", spec.engine)),
         }
         .map_err(Status::invalid_argument)?;
-        if !spec.http_url.starts_with("http://") {
-            return Err(Status::invalid_argument(format!(
-                "http_url {:?} is not an http:// URL (the router speaks plain HTTP/1.1 to replicas)",
-                spec.http_url
-            )));
-        }
+        let http_url =
+            base_url(&spec.http_url).map_err(|e| Status::invalid_argument(format!("http_url: {e}")))?;
         let mut replica = ReplicaSpec::new(spec.id, spec.event_endpoint, engine, self.model.clone());
-        replica.http_url = spec.http_url.trim_end_matches('/').to_owned();
+        replica.http_url = http_url;
         replica.replay_endpoint = Some(spec.replay_endpoint).filter(|e| !e.is_empty());
         replica.grpc_endpoint = Some(spec.grpc_endpoint).filter(|e| !e.is_empty());
         replica.dp_size = spec.dp_size.max(1);
@@ -168,6 +164,7 @@ impl RouterAdmin for AdminService {
         replica.block_size = Some(self.block_size);
         let member = self.fleet().add(replica).map_err(|e| match e {
             IngestError::Removing(_) | IngestError::ShutDown => Status::unavailable(e.to_string()),
+            IngestError::Spec(SpecError::Duplicate(_)) => Status::already_exists(e.to_string()),
             IngestError::Spec(_) => Status::invalid_argument(e.to_string()),
         })?;
         Ok(Response::new(self.status(&member)))
@@ -189,10 +186,10 @@ impl RouterAdmin for AdminService {
 
     async fn drain(&self, request: Request<pb::DrainRequest>) -> Result<Response<pb::ReplicaStatus>, Status> {
         let request = request.into_inner();
-        let member = self
-            .fleet()
-            .set_draining(&request.id, request.drain)
-            .ok_or_else(|| Status::not_found(format!("no replica named {:?}", request.id)))?;
+        let member = self.fleet().set_draining(&request.id, request.drain).ok_or_else(|| {
+            let lifted = if request.drain { "" } else { " (a drain kept for the name is lifted)" };
+            Status::not_found(format!("no replica named {:?}{lifted}", request.id))
+        })?;
         tracing::info!(replica = %request.id, drain = request.drain, "drain changed");
         Ok(Response::new(self.status(&member)))
     }
@@ -211,8 +208,9 @@ impl tonic::service::Interceptor for BearerAuth {
             .metadata()
             .get("authorization")
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or_default();
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map_or("", |(_, token)| token.trim_start());
         if constant_time_eq(given.as_bytes(), token.as_bytes()) {
             Ok(request)
         } else {

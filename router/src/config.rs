@@ -20,7 +20,7 @@ use kvroute_proto::serve::{Limits, MIN_HEADER_BYTES};
 
 use crate::policy::{CacheAwareParams, PolicyKind};
 use crate::proxy::route::RequestLimits;
-use crate::replicas::{EngineKind, ReplicaSpec};
+use crate::replicas::{EngineKind, ReplicaSpec, base_url};
 
 /// Most proxy threads `--http-threads` accepts.
 pub const MAX_HTTP_THREADS: usize = 1024;
@@ -321,11 +321,13 @@ impl Config {
                 spec.is_ok(),
                 format!("replica {:?}: {}", r.name, spec.err().map(|e| e.to_string()).unwrap_or_default()),
             );
+            let http = base_url(&r.http);
             check(
-                r.http.starts_with("http://"),
+                http.is_ok(),
                 format!(
-                    "replica {:?}: http {:?} is not an http:// URL (the router speaks plain HTTP/1.1 to replicas)",
-                    r.name, r.http
+                    "replica {:?}: http {}",
+                    r.name,
+                    http.err().map(|e| e.to_string()).unwrap_or_default()
                 ),
             );
         }

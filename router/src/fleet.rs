@@ -131,9 +131,13 @@ impl Fleet {
     }
 
     /// Drains the replica named `name` (no new requests; those in flight finish), or undrains
-    /// it; `None` if no such replica is registered.
+    /// it; `None` if no such replica is registered. Undraining a name that left the fleet
+    /// still lifts its drain, so that it does not come back drained.
     pub fn set_draining(&self, name: &str, drain: bool) -> Option<Member> {
         let mut drained = self.drained.write().unwrap_or_else(PoisonError::into_inner);
+        if !drain {
+            drained.remove(name);
+        }
         let member = self.member(name)?;
         if drain {
             drained.insert(name.to_owned());

@@ -199,6 +199,9 @@ impl ReplicaSpec {
         if self.dp_size > MAX_DP_SIZE {
             return Err(SpecError::TooManyRanks(self.dp_size));
         }
+        if let Some(grpc) = &self.grpc_endpoint {
+            base_url(grpc)?;
+        }
         for rank in 0..self.dp_size {
             rank_endpoint(&self.event_endpoint, rank)?;
             if let Some(replay) = &self.replay_endpoint {
@@ -228,6 +231,29 @@ pub fn rank_endpoint(endpoint: &str, rank: u32) -> Result<String, SpecError> {
     Err(bad())
 }
 
+/// Checks a replica's base URL (its OpenAI API, or its gRPC service) and returns it without a
+/// trailing `/`: `http://host[:port]`, optionally with a path prefix the client's path is
+/// appended to, and no query.
+pub fn base_url(url: &str) -> Result<String, SpecError> {
+    let bad = |why: String| SpecError::Url(url.to_owned(), why);
+    let uri: http::Uri = url.parse().map_err(|e: http::uri::InvalidUri| bad(e.to_string()))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(bad("not an http:// URL (the router speaks plain HTTP/1.1 to replicas)".into()));
+    }
+    // `port()` is `None` for a port that is no u16, so look at what follows the host.
+    let port_ok = |a: &http::uri::Authority| {
+        a.as_str().rsplit_once(a.host()).is_some_and(|(_, rest)| rest.is_empty() || a.port_u16().is_some())
+    };
+    match uri.authority() {
+        Some(a) if !a.host().is_empty() && port_ok(a) => {}
+        _ => return Err(bad("no host, or a bad port".into())),
+    }
+    if uri.query().is_some() {
+        return Err(bad("has a query".into()));
+    }
+    Ok(url.trim_end_matches('/').to_owned())
+}
+
 /// Most data-parallel ranks one replica may have (each is an event stream of its own).
 pub const MAX_DP_SIZE: u32 = 1024;
 
@@ -244,6 +270,8 @@ pub enum SpecError {
     EngineUnspecified,
     #[error("unsupported ZeroMQ endpoint {0:?} (expected tcp://host:port or ipc://path)")]
     Endpoint(String),
+    #[error("URL {0:?}: {1}")]
+    Url(String, String),
     #[error("replica {0:?} is already registered")]
     Duplicate(String),
 }
@@ -492,6 +520,21 @@ mod tests {
         assert!(rank_endpoint("tcp://h:65535", 1).is_err());
         assert!(rank_endpoint("tcp://h", 0).is_err());
         assert!(rank_endpoint("http://h:1", 0).is_err());
+    }
+
+    #[test]
+    fn base_urls_are_plain_http_with_a_host() {
+        assert_eq!(base_url("http://10.0.0.7:8000/").unwrap(), "http://10.0.0.7:8000");
+        assert_eq!(base_url("http://[fd00::7]:8000").unwrap(), "http://[fd00::7]:8000");
+        assert_eq!(base_url("http://gw:80/replica-0/").unwrap(), "http://gw:80/replica-0");
+        for bad in
+            ["", "http://", "https://h:1", "h:8000", "http://h:8000 ", "http://h:99999", "http://h:1/?a=b"]
+        {
+            assert!(matches!(base_url(bad), Err(SpecError::Url(..))), "{bad:?}");
+        }
+        let mut spec = ReplicaSpec::new("a", "tcp://h:1", EngineKind::Kvroute, "m");
+        spec.grpc_endpoint = Some("h:50051".into());
+        assert!(matches!(spec.validate(), Err(SpecError::Url(..))));
     }
 
     #[test]

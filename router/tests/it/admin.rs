@@ -93,7 +93,14 @@ async fn list_explain_drain_remove_and_add() {
     wait_until("re-added replica syncs from its snapshot", || fleet_handle.ready()).await;
     assert!(index.blocks(home_id) > 0, "the snapshot restored its blocks");
     let dup = admin.add_replica(pb::AddReplicaRequest { spec: Some(spec.clone()) }).await;
-    assert_eq!(dup.unwrap_err().code(), tonic::Code::InvalidArgument);
+    assert_eq!(dup.unwrap_err().code(), tonic::Code::AlreadyExists);
+    // A URL the proxy could not use is refused up front, not found out by clients' 503s.
+    for http_url in ["http://", "http://127.0.0.1:8000 ", "http://127.0.0.1:99999"] {
+        let bad = pb::ReplicaSpec { id: "bad-url".into(), http_url: http_url.into(), ..spec.clone() };
+        let refused = admin.add_replica(pb::AddReplicaRequest { spec: Some(bad) }).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{http_url:?}: {refused:?}");
+    }
+    assert!(fleet.router.fleet().member("bad-url").is_none());
     // An engine kind this router does not know (a newer client's) is refused, not taken for
     // the default.
     let newer = pb::ReplicaSpec { id: "newer".into(), engine: 7, ..spec };
@@ -154,6 +161,10 @@ async fn a_token_protects_the_admin_service() {
     let mut right = Request::new(pb::ListReplicasRequest {});
     right.metadata_mut().insert("authorization", "Bearer s3cret".parse().unwrap());
     assert_eq!(admin.list_replicas(right).await.unwrap().into_inner().replicas.len(), 1);
+    // The scheme's name is case-insensitive (RFC 9110 §11.1).
+    let mut lower = Request::new(pb::ListReplicasRequest {});
+    lower.metadata_mut().insert("authorization", "bearer s3cret".parse().unwrap());
+    assert_eq!(admin.list_replicas(lower).await.unwrap().into_inner().replicas.len(), 1);
 }
 
 #[test]
@@ -258,6 +269,14 @@ async fn a_drain_outlasts_the_replicas_entry() {
     router_fleet.remove("agent-0").await.unwrap();
     router_fleet.add(spec.clone()).unwrap();
     assert!(!router_fleet.member("agent-0").unwrap().upstream.is_draining(), "undrained for good");
+
+    // Undrained while it is out of the fleet (a pod being rescheduled), it comes back serving.
+    admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: true }).await.unwrap();
+    router_fleet.remove("agent-0").await.unwrap();
+    let absent = admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: false }).await.unwrap_err();
+    assert_eq!(absent.code(), tonic::Code::NotFound);
+    router_fleet.add(spec.clone()).unwrap();
+    assert!(!router_fleet.member("agent-0").unwrap().upstream.is_draining(), "the drain was lifted");
 
     // Removed through the admin service, a replica is gone for good, drain and all.
     admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: true }).await.unwrap();

@@ -399,7 +399,7 @@ mod k8s {
         let serving = || fleet.member("agent-0").expect("still a member").upstream.is_serving();
         api.apply(slice("agents-a", "agents", &[("agent-0", "127.0.0.1", false)], agent_ports.clone()));
         wait_until("not serving", || !serving()).await;
-        assert_eq!(fleet.member("agent-0").unwrap().replica.id, replica.id, "the same registration");
+        assert!(Arc::ptr_eq(&fleet.member("agent-0").unwrap().replica, &replica), "the same registration");
         assert_eq!(h.index.blocks(replica.id), 4, "the index kept the replica's blocks");
         // An operator removes and adds it again meanwhile: it comes back not serving.
         let spec = fleet.member("agent-0").unwrap().replica.spec.clone();
@@ -411,7 +411,7 @@ mod k8s {
         wait_until("blocks replayed", || h.index.blocks(replica.id) == 4).await;
         api.apply(slice("agents-a", "agents", &[("agent-0", "127.0.0.1", true)], agent_ports.clone()));
         wait_until("serving again", serving).await;
-        assert_eq!(fleet.member("agent-0").unwrap().replica.id, replica.id, "the same registration");
+        assert!(Arc::ptr_eq(&fleet.member("agent-0").unwrap().replica, &replica), "the same registration");
         assert_eq!(h.index.blocks(replica.id), 4, "serving again, with its blocks");
 
         // The pod terminates: the replica leaves ingestion and its blocks leave the index.
