@@ -34,8 +34,12 @@
 //! `overlap_blocks(r)` is what r's engine will reuse of the leading blocks it holds (index
 //! and credits): all of them for the replica agent (seed 000), at most `(prompt_tokens - 1) /
 //! block_size` for vLLM and SGLang, which compute a prompt's last token even when it is
-//! cached. Replicas whose stream is `FALLBACK` report no overlap (the router routes them on load
-//! alone). Ties go to the replica with the highest rendezvous hash of the request's key (its
+//! cached. A replica whose stream is `FALLBACK` reports no overlap: what it caches is unknown,
+//! so it is scored with the least overlap of the eligible replicas that have a stream (what
+//! every one of them holds, a shared system prompt say; 0 if none has a stream). Its cache
+//! neither helps nor hurts it, and it competes on load with the replicas that do not hold
+//! the prefix. Scored as a full miss instead, it would lose every request to replicas that
+//! merely hold the fleet's common prefix and sit idle while they queue. Ties go to the replica with the highest rendezvous hash of the request's key (its
 //! last full block), so distinct prompts reaching an idle fleet spread evenly over it.
 //!
 //! # Parameters
@@ -85,7 +89,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Decision, Policy, PolicyKind, ReplicaView, RequestView, argmin};
+use super::{Decision, Policy, PolicyKind, ReplicaView, RequestView, StreamState, argmin};
 use kvroute_proto::hit_tokens;
 
 /// The most `excess` counts. While few requests have been routed, one replica's share of them
@@ -152,6 +156,16 @@ fn mean_recent(replicas: &[ReplicaView]) -> f64 {
     if n == 0 { 0.0 } else { sum / f64::from(n) }
 }
 
+/// The least overlap of the eligible replicas that have a stream (0 when none has).
+fn common_overlap(replicas: &[ReplicaView]) -> usize {
+    replicas
+        .iter()
+        .filter(|r| r.eligible && r.stream != StreamState::Fallback)
+        .map(|r| r.overlap_blocks)
+        .min()
+        .unwrap_or(0)
+}
+
 impl Policy for CacheAware {
     fn kind(&self) -> PolicyKind {
         PolicyKind::CacheAware
@@ -159,6 +173,10 @@ impl Policy for CacheAware {
 
     fn choose(&self, request: &RequestView, replicas: &[ReplicaView]) -> Decision {
         let mean = mean_recent(replicas);
-        argmin(replicas, Some(request.key), |r| self.cost(request, r, mean))
+        let common = common_overlap(replicas);
+        argmin(replicas, Some(request.key), |r| match r.stream {
+            StreamState::Fallback => self.cost(request, &ReplicaView { overlap_blocks: common, ..*r }, mean),
+            _ => self.cost(request, r, mean),
+        })
     }
 }

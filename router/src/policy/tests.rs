@@ -132,6 +132,25 @@ fn cache_aware_ignores_overlap_of_fallback_streams_only_through_its_inputs() {
     assert_eq!(p.choose(&REQ, &replicas).chosen, Some(0));
 }
 
+/// A FALLBACK replica is taken to hold what every replica with a stream holds (a shared
+/// system prompt): an idle one wins over busy ones that hold only that, and still loses to
+/// one that holds more of the prompt.
+#[test]
+fn cache_aware_gives_a_fallback_stream_the_fleets_common_prefix() {
+    let p = CacheAware::default();
+    let mut replicas = vec![view(0, 50, 8, 0), view(1, 50, 8, 0), view(2, 0, 0, 0)];
+    replicas[2].stream = StreamState::Fallback;
+    assert_eq!(p.choose(&REQ, &replicas).chosen, Some(2));
+    replicas[0].overlap_blocks = 62;
+    replicas[0].load.in_flight = 0;
+    assert_eq!(p.choose(&REQ, &replicas).chosen, Some(0));
+    // An ineligible replica's overlap is not the fleet's.
+    let mut replicas = vec![view(0, 0, 8, 0), view(1, 50, 8, 0), view(2, 0, 0, 0)];
+    replicas[0].eligible = false;
+    replicas[2].stream = StreamState::Fallback;
+    assert_eq!(p.choose(&REQ, &replicas).chosen, Some(2));
+}
+
 #[test]
 fn cache_aware_and_least_loaded_spread_distinct_prompts_over_an_idle_fleet() {
     let replicas: Vec<ReplicaView> = (0..4).map(|i| view(i, 0, 0, 0)).collect();
