@@ -11,7 +11,7 @@
 //! [`Tokenization`]: kvroute_proto::openai::Tokenization
 
 use hyper::{Response, StatusCode};
-use kvroute_proto::openai::{Endpoint, ParsedRequest};
+use kvroute_proto::openai::{Endpoint, ParsedRequest, RequestError};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
@@ -83,7 +83,12 @@ pub(super) fn tokenize(state: &AppState, body: &[u8]) -> Result<Response<Body>, 
     if !state.serves(request.model()) {
         return Err(ApiError::model_not_found(request.model()));
     }
-    let mut prompts = state.tokenization().prompt_tokens(&request)?;
+    let mut prompts = match state.tokenization().prompt_tokens(&request) {
+        // vLLM's /tokenize answers an empty prompt with no ids (a router asks it for the ids
+        // the tokenizer adds); only generation refuses one.
+        Err(RequestError::EmptyPrompt) => vec![Vec::new()],
+        prompts => prompts?,
+    };
     if prompts.len() != 1 {
         return Err(ApiError::invalid_field("prompt", "/tokenize takes one prompt, not a batch"));
     }

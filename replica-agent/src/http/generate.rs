@@ -152,11 +152,6 @@ struct ServerFields {
 /// Below this temperature vLLM samples greedily, where `n` must be 1.
 const GREEDY_TEMPERATURE: f64 = 1e-5;
 
-#[derive(Deserialize)]
-struct StreamOptions {
-    include_usage: Option<serde_json::Value>,
-}
-
 /// Serves one completion or chat completion request.
 pub(super) async fn generate(
     state: &AppState,
@@ -372,23 +367,28 @@ fn unreadable(param: &str) -> ApiError {
     ApiError::invalid_field(param, format!("'{param}' must be a number"))
 }
 
-/// `stream_options.include_usage`, only allowed with `stream`.
+/// `stream_options.include_usage` as vLLM reads it: a `stream_options` object asks for usage
+/// unless its `include_usage` is false or null, and only an empty one may come without
+/// `stream`. (`continuous_usage_stats` is not served: usage comes once, at the end.)
 fn include_usage(options: Option<&RawValue>, stream: bool) -> Result<bool, ApiError> {
     let Some(options) = options.filter(|o| o.get() != "null") else { return Ok(false) };
+    let bad = || ApiError::invalid_field("stream_options", "'stream_options' must be an object");
+    // A map: a repeated key's last value counts, as in Python's `json.loads`.
+    let options: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(options.get()).map_err(|_| bad())?;
     if !stream {
+        if options.is_empty() {
+            return Ok(false);
+        }
         return Err(ApiError::invalid_field(
             "stream_options",
             "stream_options can only be set when stream is true",
         ));
     }
-    let bad = || ApiError::invalid_field("stream_options", "'stream_options' must be an object");
-    if !options.get().starts_with('{') {
-        return Err(bad());
-    }
-    let options: StreamOptions = serde_json::from_str(options.get()).map_err(|_| bad())?;
-    match options.include_usage {
-        None | Some(serde_json::Value::Null) => Ok(false),
-        Some(serde_json::Value::Bool(b)) => Ok(b),
+    match options.get("include_usage") {
+        None => Ok(true),
+        Some(serde_json::Value::Null) => Ok(false),
+        Some(serde_json::Value::Bool(b)) => Ok(*b),
         Some(_) => {
             Err(ApiError::invalid_field("stream_options", "'stream_options.include_usage' must be a boolean"))
         }

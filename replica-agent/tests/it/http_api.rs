@@ -104,6 +104,9 @@ async fn tokenize_returns_the_ids_generation_uses() {
     let (_, by_ids) = completion(c, &json!({ "model": MODEL, "prompt": ids, "max_tokens": 1 })).await;
     assert_eq!(by_ids.cached_tokens, full_block_hit(ids.len() as u64, block_size));
 
+    // An empty prompt has no ids (what a router asks to learn the ids the tokenizer adds).
+    assert_eq!(c.tokenize(&json!({ "prompt": "", "add_special_tokens": true })).await, Vec::<u32>::new());
+
     // Token-id prompts come back unchanged.
     assert_eq!(c.tokenize(&json!({ "prompt": [5, 17, 400] })).await, vec![5, 17, 400]);
     assert_eq!(c.tokenize(&json!({ "model": null, "prompt": [5] })).await, vec![5]);
@@ -207,6 +210,16 @@ async fn streaming_responses_have_openai_shape_and_match_non_streaming() {
         // One role chunk, six token chunks, the usage chunk, [DONE].
         assert_eq!(events.len(), 1 + 6 + usize::from(include_usage) + 1);
     }
+
+    // As in vLLM, a `stream_options` object asks for usage unless it says otherwise, and an
+    // empty one may come without `stream`.
+    for (options, usage) in [(json!({}), true), (json!({ "include_usage": null }), false)] {
+        let body = json!({ "model": MODEL, "messages": messages, "max_tokens": 6, "stream": true, "stream_options": options });
+        let events = stream(c, "/v1/chat/completions", &body).await;
+        assert_eq!(shape::chat_stream(&events, usage).1.is_some(), usage, "{options}");
+    }
+    let body = json!({ "model": MODEL, "messages": messages, "max_tokens": 6, "stream_options": {} });
+    assert_eq!(chat(c, &body).await.0, content);
 }
 
 /// `n` choices a prompt, as vLLM runs them: one engine request each, numbered
