@@ -130,6 +130,10 @@ pub enum SimError {
          blocks only at block size {TRACE_BLOCK_SIZE} (use --blocks tokens or auto at other sizes)"
     )]
     HashIdsBlockSize(usize),
+    #[error("{0}")]
+    Engine(String),
+    #[error("the cache-aware weights must be finite and at least 0, got {0:?}")]
+    Weights(CacheAwareParams),
     #[error("the pooled capacity {replicas} x {capacity} blocks overflows")]
     PooledCapacity { replicas: usize, capacity: usize },
     #[error("invalid cache configuration")]
@@ -174,6 +178,23 @@ pub fn check(trace: &Trace, config: &SimConfig) -> Result<(), SimError> {
         && config.block_size != TRACE_BLOCK_SIZE
     {
         return Err(SimError::HashIdsBlockSize(config.block_size));
+    }
+    // As the agent and the router refuse them: an engine that admits nothing, or whose steps
+    // prefill nothing, would never finish.
+    if let Some(engine) = &config.engine {
+        if engine.max_num_seqs == 0 {
+            return Err(SimError::Engine("--max-num-seqs must be at least 1".into()));
+        }
+        if engine.max_num_batched_tokens < config.block_size.max(1) {
+            return Err(SimError::Engine(format!(
+                "--max-num-batched-tokens ({}) must be at least the block size ({})",
+                engine.max_num_batched_tokens, config.block_size
+            )));
+        }
+    }
+    let p = config.cache_aware;
+    if ![p.in_flight_tokens, p.miss_weight, p.balance_weight].iter().all(|w| w.is_finite() && *w >= 0.0) {
+        return Err(SimError::Weights(p));
     }
     let pooled = n
         .checked_mul(config.capacity_blocks)

@@ -15,7 +15,7 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
     let trace = trace.to_str().unwrap();
     // Each case's exit code and a fragment of its message: a case meant to reach the program
     // must not pass on a usage error from a misspelt flag, nor a usage case on another one.
-    let cases: [(&[&str], i32, &str); 9] = [
+    let cases: [(&[&str], i32, &str); 12] = [
         (&["--bogus-flag"], USAGE, "'--bogus-flag'"),
         (&[], USAGE, "Usage:"),
         (&["simulate", "--policy", "nope"], USAGE, "'nope'"),
@@ -29,6 +29,18 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
             &["simulate", "--trace", trace, "--capacity", "8", "--blocks", "hash-ids", "--block-size", "16"],
             1,
             "block size 16",
+        ),
+        // An engine whose steps prefill nothing never finished.
+        (
+            &["simulate", "--trace", trace, "--capacity", "8", "--max-num-batched-tokens", "0"],
+            1,
+            "--max-num-batched-tokens (0)",
+        ),
+        (&["simulate", "--trace", trace, "--capacity", "8", "--max-num-seqs", "0"], 1, "--max-num-seqs"),
+        (
+            &["simulate", "--trace", trace, "--capacity", "8", "--in-flight-tokens=-1"],
+            1,
+            "cache-aware weights",
         ),
         (&["generate", "--bogus-flag"], USAGE, "'--bogus-flag'"),
         (&["generate", "rag", "--zipf", "nan"], 1, "Zipf exponent"),
