@@ -365,6 +365,10 @@ async fn remote_tokenization_asks_a_replica_and_hashes_like_it() {
         {"role": "user", "content": text("remote", 30)}]});
     assert_parity(&fleet, "/v1/chat/completions", Endpoint::ChatCompletions, &chat).await;
     assert_parity(&fleet, "/v1/completions", Endpoint::Completions, &completion(&text("rc", 30), 1)).await;
+    // Truncation needs the ids the tokenizer adds, asked with an empty prompt.
+    let mut truncated = completion(&text("rt", 30), 1);
+    truncated["truncate_prompt_tokens"] = json!(40);
+    assert_parity(&fleet, "/v1/completions", Endpoint::Completions, &truncated).await;
 }
 
 /// With `--remote-tokenize`, a replica whose `/tokenize` fails (500) is followed by the next:
