@@ -39,8 +39,11 @@
 //! every one of them holds, a shared system prompt say; 0 if none has a stream). Its cache
 //! neither helps nor hurts it, and it competes on load with the replicas that do not hold
 //! the prefix. Scored as a full miss instead, it would lose every request to replicas that
-//! merely hold the fleet's common prefix and sit idle while they queue. Ties go to the replica with the highest rendezvous hash of the request's key (its
-//! last full block), so distinct prompts reaching an idle fleet spread evenly over it.
+//! merely hold the fleet's common prefix and sit idle while they queue.
+//!
+//! Ties go to the replica with the highest rendezvous hash of the request's key (the chained
+//! hash of its tokens, the partial last block included), so distinct prompts reaching an
+//! idle fleet spread evenly over it.
 //!
 //! # Parameters
 //! - `in_flight_tokens` (default 64): what one in-flight sequence costs, in prefill tokens

@@ -52,8 +52,8 @@ pub struct RequestView {
     /// Full blocks of the prompt (`prompt_tokens / block_size`).
     pub blocks: usize,
     pub block_size: usize,
-    /// Identifies the request's content (the router uses its last full block's hash, or a
-    /// hash of its tokens when it has no full block): breaks
+    /// Identifies the request's content (the router uses the chained hash of its tokens, the
+    /// partial last block included): breaks
     /// ties between equally good replicas by rendezvous hashing, so distinct prompts arriving
     /// at an idle fleet spread over it deterministically instead of all going to the first.
     pub key: u64,

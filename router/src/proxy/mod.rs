@@ -48,6 +48,7 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::fleet::{Fleet, Member};
 use crate::metrics::ErrorLabel;
@@ -361,7 +362,13 @@ async fn passthrough(
         .into_iter()
         .zip(verdicts)
         .filter_map(|(m, verdict)| verdict.is_none().then_some(m))
-        .min_by_key(|m| m.upstream.load().in_flight)
+        // The fewest requests (this router's and others'), ties spread by the request's id:
+        // the first of equals would send every lone request to the lowest id.
+        .min_by_key(|m| {
+            let load = m.upstream.load();
+            let tie = crate::policy::rendezvous(xxh3_64(arrived.0.as_bytes()), m.replica.id);
+            (load.in_flight.saturating_add(load.others), std::cmp::Reverse(tie))
+        })
         .ok_or_else(|| ProxyError::Unavailable("no healthy replica".into()))?;
     streamed_to(state, pool, member, req, admitted).await
 }

@@ -283,12 +283,14 @@ impl Decider {
         for t in info.tokens.iter().skip(1) {
             extend_chain(root, t, self.block_size, &mut all_blocks);
         }
-        // What the request is, for ties: its last full block, or its tokens when it has none
-        // (so that short prompts at an idle fleet spread too), or its body when none are known.
-        let key = match (blocks.last(), first) {
-            (Some(last), _) => last.0,
-            (None, []) => xxh3_64(body),
-            (None, first) => block_hash(root, first).0,
+        // What the request is, for ties: its tokens' chained hash, the partial last block
+        // included (prompts that differ only there, short questions after one long shared
+        // prefix, spread over an idle fleet too), or its body when no tokens are known.
+        let parent = blocks.last().copied().unwrap_or(root);
+        let key = match first.get(blocks.len() * self.block_size..).unwrap_or_default() {
+            _ if first.is_empty() => xxh3_64(body),
+            [] => parent.0,
+            tail => block_hash(parent, tail).0,
         };
         let view = RequestView {
             prompt_tokens: prompt_tokens as usize,

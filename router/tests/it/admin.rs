@@ -226,6 +226,27 @@ async fn explaining_does_not_move_round_robin_on() {
     assert!(homes.windows(2).all(|w| w[0] != w[1]), "turns alternate: {homes:?}");
 }
 
+/// Prompts that share every full block and differ only in their partial last one spread over
+/// an idle fleet too: the tie key covers the whole prompt.
+#[tokio::test]
+async fn prompts_differing_in_their_last_partial_block_spread() {
+    let fleet = Fleet::with(4, agent_config, |c| kvroute_router::Config {
+        policy: kvroute_router::policy::PolicyKind::LeastLoaded,
+        ..c
+    })
+    .await;
+    let decider = &fleet.router.state.decider;
+    let mut chosen = std::collections::HashSet::new();
+    for k in 0..40u32 {
+        // Eight full blocks of 4, then three tokens of their own.
+        let prompt: Vec<u32> = (1..=32).chain([100 + k, 200 + k, 300 + k]).collect();
+        let body = serde_json::to_vec(&serde_json::json!({"prompt": prompt, "max_tokens": 1})).unwrap();
+        let plan = decider.explain(kvroute_proto::openai::Endpoint::Completions, &body).await.unwrap();
+        chosen.insert(plan.chosen().unwrap().member.replica.spec.name.clone());
+    }
+    assert_eq!(chosen.len(), 4, "{chosen:?}");
+}
+
 /// A request's retries go to the replicas it did not choose in its own rendezvous order when
 /// their costs tie (the random policy's others): not to the lowest id every time, which would
 /// pile a failed replica's traffic onto one other.

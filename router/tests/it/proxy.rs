@@ -627,6 +627,21 @@ async fn other_v1_requests_stream_through_and_oversized_uploads_do_not_eject_rep
     assert!(metrics.contains("kvroute_router_ejections_total 0"), "{metrics}");
 }
 
+/// Requests that pass through to an idle fleet spread over it (ties by request id): before,
+/// every lone `/tokenize` or `/v1/embeddings` went to the first replica.
+#[tokio::test]
+async fn requests_passing_through_to_an_idle_fleet_spread() {
+    let fleet = Fleet::start(3).await;
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..30 {
+        let reply = fleet.http.post(&fleet.url("/tokenize"), &json!({"prompt": "a b c"})).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        seen.insert(reply.header("x-kvroute-replica").expect("a replica").to_owned());
+    }
+    // Random request ids: all 30 on one replica has odds of 3^-29.
+    assert!(seen.len() >= 2, "{seen:?}");
+}
+
 /// A replica by hand that reads request bodies to their end before it answers (as vLLM's
 /// `/v1/embeddings` does): `GET`s get 200 and every other request `answer`, on a kept-alive
 /// connection.
