@@ -87,6 +87,8 @@ pub struct CompareConfig {
 /// How long the replicas get to answer a cache reset, and a router to become ready.
 const RESET_TIMEOUT: Duration = Duration::from_secs(10);
 const READY_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a router named with `--router` gets to answer `/ready`.
+const EXTERNAL_READY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Runs `trace` once per policy and writes the report to `config.out_dir`.
 pub async fn compare(
@@ -136,6 +138,7 @@ pub async fn compare(
             Routers::External(list) => {
                 live.target =
                     list.iter().find(|(p, _)| *p == policy).map(|(_, u)| u.clone()).unwrap_or_default();
+                wait_ready(&client, &live.target, EXTERNAL_READY_TIMEOUT).await?;
                 live::run(&sent, &live, shutdown.clone()).await?
             }
         };
@@ -171,14 +174,15 @@ pub async fn compare(
 
 /// The requests of `trace` that `run` served, if not all of them: a run stopped early sent
 /// only some, and those it cancelled in flight (Ctrl-C) are left out too, since no answer
-/// came back for them. Requests that failed otherwise (a 503, a timeout) count as served:
-/// the fleet had them. A replica may still have prefilled a cancelled request, so a hit rate
+/// came back for them, as are those that found no connection (the router down or
+/// restarting): no cache saw them. Requests that failed otherwise (a 503, a timeout) count
+/// as served: the fleet had them. A replica may still have prefilled a cancelled request, so a hit rate
 /// from the replicas' counters can include its lookups while these figures leave it out.
 fn requests_served(trace: &Trace, run: &live::LiveReport) -> Option<Trace> {
     let mut served: Vec<usize> = run
         .records
         .iter()
-        .filter(|r| r.outcome != Err(live::ErrorKind::Cancelled))
+        .filter(|r| !matches!(r.outcome, Err(live::ErrorKind::Cancelled | live::ErrorKind::Connect)))
         .map(|r| r.index)
         .collect();
     if served.len() == trace.len() {
@@ -301,6 +305,27 @@ pub async fn reset_caches(client: &Client, replicas: &[String]) -> anyhow::Resul
     Ok(())
 }
 
+/// Waits until the router at `url` answers `/ready` with 200 (synced, after the caches'
+/// reset too): a run against a router that is still syncing, or down, would measure nothing.
+async fn wait_ready(client: &Client, url: &str, timeout: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let answer = client.get(&format!("{url}/ready"), RESET_TIMEOUT).await;
+        match answer {
+            Ok((status, _)) if status.is_success() => return Ok(()),
+            _ if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(200)).await,
+            Ok((status, body)) => anyhow::bail!(
+                "the router at {url} was not ready within {timeout:?}: /ready answered {status}: {}",
+                String::from_utf8_lossy(&body)
+            ),
+            Err(e) => anyhow::bail!(
+                "the router at {url} was not ready within {timeout:?}: /ready failed: {}",
+                e.label()
+            ),
+        }
+    }
+}
+
 /// Starts a router with `policy` and waits until it has synced every replica.
 pub async fn start_router(
     config: &RouterConfig,
@@ -335,8 +360,40 @@ mod tests {
 
     /// Regression: a run stopped by Ctrl-C had the requests it cancelled in flight replayed
     /// by its pooled reference and offline simulation, though the fleet never served them.
+    /// A router whose `/ready` gives `answers`, then 503s; the request lines seen go on `asked`.
+    async fn readying_router(answers: Vec<u16>) -> (String, tokio::sync::mpsc::UnboundedReceiver<String>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (tx, asked) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            for code in answers.into_iter().chain(std::iter::repeat(503)) {
+                let Ok((mut conn, _)) = listener.accept().await else { return };
+                let mut head = vec![0; 1024];
+                let n = conn.read(&mut head).await.unwrap_or(0);
+                let _ = tx.send(String::from_utf8_lossy(&head[..n]).lines().next().unwrap_or("").to_owned());
+                let reply = format!("HTTP/1.1 {code} X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                let _ = conn.write_all(reply.as_bytes()).await;
+            }
+        });
+        (url, asked)
+    }
+
+    #[tokio::test]
+    async fn a_run_waits_for_its_router_to_be_ready() {
+        let client = Client::new(Duration::from_secs(2));
+        let (url, mut asked) = readying_router(vec![503, 503, 200]).await;
+        wait_ready(&client, &url, Duration::from_secs(30)).await.unwrap();
+        for _ in 0..3 {
+            assert_eq!(asked.recv().await.unwrap(), "GET /ready HTTP/1.1");
+        }
+        let (url, _) = readying_router(vec![]).await;
+        let err = wait_ready(&client, &url, Duration::from_millis(300)).await.unwrap_err().to_string();
+        assert!(err.contains("not ready") && err.contains("503"), "{err}");
+    }
+
     #[test]
-    fn requests_cancelled_in_flight_are_not_compared() {
+    fn requests_cancelled_in_flight_or_never_connected_are_not_compared() {
         let trace = Trace::new(
             (0..4)
                 .map(|i| Request {
@@ -355,10 +412,10 @@ mod tests {
             record(0, Ok(Success::default())),
             record(1, Err(ErrorKind::Status(503))),
             record(2, Err(ErrorKind::Cancelled)),
-            record(3, Ok(Success::default())),
+            record(3, Err(ErrorKind::Connect)),
         ]);
         let served = requests_served(&trace, &all_sent).expect("a request was cancelled");
-        let expected: Vec<Request> = [0, 1, 3].map(|i| trace.requests[i].clone()).into();
+        let expected: Vec<Request> = [0, 1].map(|i| trace.requests[i].clone()).into();
         assert_eq!(served.requests, expected);
         // A run that served every request is compared on the whole workload.
         let whole = report((0..4).map(|i| record(i, Err(ErrorKind::Status(503)))).collect());

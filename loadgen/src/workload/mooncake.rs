@@ -4,7 +4,8 @@
 //!
 //! Reading checks every line and reports the first bad one by its 1-based line number; blank
 //! lines are skipped and unknown fields ignored. Timestamps may be integers or decimals of
-//! milliseconds; they need not be sorted (the [`Trace`] is sorted by arrival, stably).
+//! milliseconds; they need not be sorted (the [`Trace`] keeps the file's order, which is the
+//! order seed 000 replays; a live run sends them in it, each no earlier than its timestamp).
 //! Writing emits integer milliseconds (rounded down), so a written trace reads back equal
 //! when arrivals are whole milliseconds.
 
