@@ -95,14 +95,17 @@ class Manifests(unittest.TestCase):
                 self.assertEqual(
                     role["rules"],
                     [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                      "verbs": ["get", "list", "watch"]}],
+                      "verbs": ["list", "watch"]}],
                     "least privilege: read EndpointSlices only",
                 )
 
     def test_baseline_router_is_sized_like_the_router(self):
         """`compare`'s round-robin baseline gets the threads and health port the cache-aware
         router has, so the two differ only in their policy."""
-        c = one(rendered("loadgen"), "Deployment", "kvroute-router-baseline")["spec"]["template"]["spec"]["containers"][0]
+        template = one(rendered("loadgen"), "Deployment", "kvroute-router-baseline")["spec"]["template"]
+        c = template["spec"]["containers"][0]
+        router = one(rendered("base"), "Deployment", "kvroute-router")["spec"]["template"]
+        self.assertEqual(template["metadata"]["annotations"], router["metadata"]["annotations"], "scraped alike")
         env = {e["name"]: e for e in c["env"]}
         self.assertEqual(env["KVROUTE_POLICY"]["value"], "round-robin")
         for threads in ["KVROUTE_HTTP_THREADS", "TOKIO_WORKER_THREADS"]:
