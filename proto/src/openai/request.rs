@@ -490,9 +490,9 @@ const EFFORT: &str = "one of \"none\", \"minimal\", \"low\", \"medium\", \"high\
 
 const NON_NEGATIVE: &str = "a non-negative integer";
 
-/// The fields `names` of the top-level object ([`object::fields`]), telling "not JSON" from
-/// "JSON but not an object".
-fn parse_object<'a, const N: usize>(
+/// The fields `names` of the top-level object, read as vLLM reads them (a repeated key's last
+/// value counts; [`object::fields`]), telling "not JSON" from "JSON but not an object".
+pub fn parse_object<'a, const N: usize>(
     body: &'a [u8],
     names: &[&str; N],
 ) -> Result<[Option<&'a RawValue>; N], RequestError> {

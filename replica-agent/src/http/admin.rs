@@ -11,9 +11,9 @@
 //! [`Tokenization`]: kvroute_proto::openai::Tokenization
 
 use hyper::{Response, StatusCode};
+use kvroute_proto::openai::request::parse_object;
 use kvroute_proto::openai::{Endpoint, ParsedRequest, RequestError};
 use serde::{Deserialize, Serialize};
-use serde_json::value::RawValue;
 
 use super::error::ApiError;
 use super::{AppState, Body, empty, json_response};
@@ -56,13 +56,6 @@ pub(super) fn models(state: &AppState) -> Response<Body> {
     json_response(StatusCode::OK, body)
 }
 
-/// Which keys a `/tokenize` body has; `model` is `Some("null")` for an explicit null.
-#[derive(Deserialize)]
-struct TokenizeProbe<'a> {
-    #[serde(borrow)]
-    messages: Option<&'a RawValue>,
-}
-
 #[derive(Serialize)]
 struct TokenizeResponse<'a> {
     count: usize,
@@ -72,12 +65,9 @@ struct TokenizeResponse<'a> {
 
 /// `POST /tokenize`.
 pub(super) fn tokenize(state: &AppState, body: &[u8]) -> Result<Response<Body>, ApiError> {
-    let probe: TokenizeProbe<'_> = match serde_json::from_slice(body) {
-        Ok(probe) => probe,
-        // Not a JSON object: let the request parser say exactly what is wrong.
-        Err(_) => TokenizeProbe { messages: None },
-    };
-    let endpoint = if probe.messages.is_some() { Endpoint::ChatCompletions } else { Endpoint::Completions };
+    // Not a JSON object: the request parser below says exactly what is wrong.
+    let messages = parse_object(body, &["messages"]).map_or(None, |[messages]| messages);
+    let endpoint = if messages.is_some() { Endpoint::ChatCompletions } else { Endpoint::Completions };
     // `model` is optional, as everywhere: none is the base model.
     let request = ParsedRequest::parse(endpoint, body)?;
     if !state.serves(request.model()) {

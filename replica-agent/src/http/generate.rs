@@ -28,9 +28,9 @@
 
 use hyper::header::{self, HeaderValue};
 use hyper::{Response, StatusCode};
-use kvroute_proto::openai::request::MAX_N;
-use kvroute_proto::openai::{Endpoint, ParsedRequest, RequestError};
-use serde::{Deserialize, Serialize};
+use kvroute_proto::openai::request::{MAX_N, parse_object};
+use kvroute_proto::openai::{Endpoint, ParsedRequest};
+use serde::Serialize;
 use serde_json::value::RawValue;
 use tokio::sync::mpsc;
 
@@ -127,17 +127,6 @@ pub(super) struct Admitted {
     pub prompt_tokens: u32,
     /// What the prefix cache served of the prompt, known at admission.
     pub cached_tokens: u32,
-}
-
-/// The fields of a generation request that [`ParsedRequest`] leaves to the server.
-#[derive(Deserialize)]
-struct Extras<'a> {
-    #[serde(borrow)]
-    n: Option<&'a RawValue>,
-    #[serde(borrow)]
-    temperature: Option<&'a RawValue>,
-    #[serde(borrow)]
-    stream_options: Option<&'a RawValue>,
 }
 
 /// What the server reads of a request itself.
@@ -319,15 +308,17 @@ pub(super) fn failure(state: &AppState, why: String) -> ApiError {
 
 /// Validates `n` (with `temperature`, as vLLM does) and `stream_options`.
 fn parse_extras(body: &[u8], stream: bool) -> Result<ServerFields, ApiError> {
-    let extras: Extras<'_> = serde_json::from_slice(body).map_err(RequestError::Json)?;
-    let n = choices(extras.n)?;
-    if n > 1 && temperature(extras.temperature)? < GREEDY_TEMPERATURE {
+    // The fields of a generation request that [`ParsedRequest`] leaves to the server, a
+    // repeated key's last value counting, as in vLLM.
+    let [n, temperature_field, stream_options] = parse_object(body, &["n", "temperature", "stream_options"])?;
+    let n = choices(n)?;
+    if n > 1 && temperature(temperature_field)? < GREEDY_TEMPERATURE {
         return Err(ApiError::invalid_field(
             "n",
             format!("n must be 1 when using greedy sampling, got {n}."),
         ));
     }
-    let include_usage = include_usage(extras.stream_options, stream)?;
+    let include_usage = include_usage(stream_options, stream)?;
     Ok(ServerFields { n, include_usage })
 }
 

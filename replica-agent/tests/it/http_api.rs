@@ -252,6 +252,13 @@ async fn n_choices_a_prompt_are_generated_and_counted_as_vllm_counts_them() {
     let (contents, usage) = shape::chat_completion_n(&reply.json(), 2);
     assert_ne!(contents[0], contents[1]);
     assert_eq!(usage.completion_tokens, 8);
+    // A repeated key's last value counts, as with vLLM's `json.loads`: sampled, so n = 2 may.
+    let repeated = format!(
+        r#"{{"model":"{MODEL}","messages":{messages},"max_tokens":4,"n":2,"temperature":0,"temperature":0.7}}"#
+    );
+    let reply = collect(c.send(Method::POST, "/v1/chat/completions", repeated.into_bytes(), &[]).await).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_eq!(shape::chat_completion_n(&reply.json(), 2).0, contents);
 
     let mut body = json!({ "model": MODEL, "messages": messages, "max_tokens": 4, "n": 2, "stream": true });
     body["stream_options"] = json!({ "include_usage": true });
