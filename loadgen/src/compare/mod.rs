@@ -401,6 +401,7 @@ mod tests {
                     input_len: 10 + i as usize,
                     output_len: 1,
                     hash_ids: vec![i],
+                    segments: Vec::new(),
                 })
                 .collect(),
         );

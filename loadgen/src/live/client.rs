@@ -557,8 +557,13 @@ mod tests {
 
     #[test]
     fn the_body_carries_the_token_prompt() {
-        let request =
-            WorkloadRequest { arrival: Duration::ZERO, input_len: 600, output_len: 7, hash_ids: vec![1, 2] };
+        let request = WorkloadRequest {
+            arrival: Duration::ZERO,
+            input_len: 600,
+            output_len: 7,
+            hash_ids: vec![1, 2],
+            segments: Vec::new(),
+        };
         let body = request_body("m", &request, true, PromptFormat::Ids);
         assert_eq!(body.path, "/v1/completions");
         let body: serde_json::Value = serde_json::from_slice(&body.bytes).unwrap();
@@ -617,6 +622,7 @@ mod tests {
             input_len,
             output_len: 3,
             hash_ids,
+            segments: Vec::new(),
         };
         // Two prompts sharing their first 512-token block, then not; a third sharing both.
         let a = text_tokens(&req(1100, vec![1, 2, 3]));

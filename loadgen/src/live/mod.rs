@@ -331,7 +331,8 @@ mod tests {
     use super::*;
 
     fn at(millis: u64) -> Request {
-        Request { arrival: Duration::from_millis(millis), input_len: 1, output_len: 1, hash_ids: vec![1] }
+        let arrival = Duration::from_millis(millis);
+        Request { arrival, input_len: 1, output_len: 1, hash_ids: vec![1], segments: Vec::new() }
     }
 
     /// A trace's requests go out from its first arrival (one cut from the middle of a longer

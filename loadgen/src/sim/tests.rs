@@ -40,7 +40,7 @@ impl Policy for Recorder {
 }
 
 fn req(ms: u64, input_len: usize, hash_ids: Vec<u64>) -> Request {
-    Request { arrival: Duration::from_millis(ms), input_len, output_len: 4, hash_ids }
+    Request { arrival: Duration::from_millis(ms), input_len, output_len: 4, hash_ids, segments: Vec::new() }
 }
 
 fn config(replicas: usize, capacity_blocks: usize, eviction: cache::PolicyKind) -> SimConfig {

@@ -16,6 +16,13 @@
 //! content blocks, which is still exact (a chained block is shared iff every token before and
 //! in it is) but shares less, since a block crossing into a request's own content is its own.
 //!
+//! A generated request also keeps the [`Segment`]s its prompt is made of (a system prompt,
+//! each turn), and its tokens follow from those instead ([`segment_token`]): a conversation's
+//! next turn re-sends the history token for token, its last partial content block included
+//! (whose id changes once the block fills). Ids name the same sharing at 512 tokens either way;
+//! below that, tokens from ids would make the re-sent tail of every earlier turn a miss. A
+//! trace written by [`mooncake::write`] keeps the segments in an extra `segments` field.
+//!
 //! - [`mooncake`]: reading and writing Mooncake JSONL traces.
 //! - [`synth`]: seeded generators for multi-turn chat, RAG and batch workloads.
 //! - [`prompt`]: the builder the generators use to turn segment sequences into content
@@ -34,6 +41,7 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 pub use mooncake::TraceError;
+pub use prompt::Segment;
 
 /// Tokens per content block: Mooncake traces' block size.
 pub const TRACE_BLOCK_SIZE: usize = 512;
@@ -59,6 +67,10 @@ pub struct Request {
     /// The prompt's content blocks of [`TRACE_BLOCK_SIZE`] tokens (Mooncake `hash_ids`); the
     /// last one may be partial. Exactly `ceil(input_len / 512)` of them.
     pub hash_ids: Vec<u64>,
+    /// What a generated prompt is made of, `input_len` tokens in all; empty for a trace's
+    /// request, whose tokens follow from its ids.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub segments: Vec<Segment>,
 }
 
 impl Request {
@@ -71,6 +83,12 @@ impl Request {
 
     /// Appends the prompt's token ids to `out`; lets a hot loop reuse one buffer.
     pub fn write_prompt(&self, out: &mut Vec<u32>) {
+        if !self.segments.is_empty() {
+            for s in &self.segments {
+                out.extend((0..s.len).map(|offset| segment_token(s.id, offset)));
+            }
+            return;
+        }
         let mut left = self.input_len;
         for &id in &self.hash_ids {
             let n = left.min(TRACE_BLOCK_SIZE);
@@ -107,6 +125,13 @@ pub fn after_poisson_gap(rng: &mut StdRng, at: Duration, rate_per_s: f64) -> Opt
 #[inline]
 pub fn block_token(id: u64, i: usize) -> u32 {
     let h = xxh3_64_with_seed(&(i as u32).to_le_bytes(), id);
+    TOKEN_FLOOR + (h % u64::from(VOCAB - TOKEN_FLOOR)) as u32
+}
+
+/// Token `offset` of segment `id` (an 8-byte offset, so never a [`block_token`] by design).
+#[inline]
+pub fn segment_token(id: u64, offset: usize) -> u32 {
+    let h = xxh3_64_with_seed(&(offset as u64).to_le_bytes(), id);
     TOKEN_FLOOR + (h % u64::from(VOCAB - TOKEN_FLOOR)) as u32
 }
 
@@ -189,7 +214,7 @@ mod tests {
     use super::*;
 
     fn req(input_len: usize, hash_ids: Vec<u64>) -> Request {
-        Request { arrival: Duration::ZERO, input_len, output_len: 1, hash_ids }
+        Request { arrival: Duration::ZERO, input_len, output_len: 1, hash_ids, segments: Vec::new() }
     }
 
     #[test]

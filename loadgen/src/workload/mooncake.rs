@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::{Request, TRACE_BLOCK_SIZE, Trace, content_blocks};
+use super::{Request, Segment, TRACE_BLOCK_SIZE, Trace, content_blocks};
 
 /// Why a trace could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +57,8 @@ pub enum LineProblem {
          hash_ids, got {got}"
     )]
     HashIdCount { input_length: usize, expected: usize, got: usize },
+    #[error("segments hold {segments:?} tokens, not input_length {input_length}")]
+    SegmentTokens { input_length: usize, segments: Option<usize> },
 }
 
 #[derive(Deserialize)]
@@ -65,6 +67,9 @@ struct InLine {
     input_length: usize,
     output_length: u32,
     hash_ids: Vec<u64>,
+    /// A generated trace's prompt segments (not Mooncake's; empty in its traces).
+    #[serde(default)]
+    segments: Vec<Segment>,
 }
 
 #[derive(Serialize)]
@@ -73,6 +78,8 @@ struct OutLine<'a> {
     input_length: usize,
     output_length: u32,
     hash_ids: &'a [u64],
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    segments: &'a [Segment],
 }
 
 /// Reads a Mooncake trace file.
@@ -115,11 +122,16 @@ fn parse(raw: InLine) -> Result<Request, LineProblem> {
             got: raw.hash_ids.len(),
         });
     }
+    let segment_tokens = raw.segments.iter().try_fold(0usize, |sum, s| sum.checked_add(s.len));
+    if !raw.segments.is_empty() && segment_tokens != Some(raw.input_length) {
+        return Err(LineProblem::SegmentTokens { input_length: raw.input_length, segments: segment_tokens });
+    }
     Ok(Request {
         arrival,
         input_len: raw.input_length,
         output_len: raw.output_length,
         hash_ids: raw.hash_ids,
+        segments: raw.segments,
     })
 }
 
@@ -131,6 +143,7 @@ pub fn write(trace: &Trace, mut out: impl Write) -> Result<(), TraceError> {
             input_length: r.input_len,
             output_length: r.output_len,
             hash_ids: &r.hash_ids,
+            segments: &r.segments,
         };
         serde_json::to_writer(&mut out, &line).map_err(|e| TraceError::Write(e.into()))?;
         out.write_all(b"\n").map_err(TraceError::Write)?;
@@ -184,6 +197,12 @@ mod tests {
                 2,
                 "HashIdCount",
             ),
+            (
+                "{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1, \"hash_ids\": [1], \
+                 \"segments\": [{\"id\": 3, \"len\": 4}]}",
+                2,
+                "SegmentTokens",
+            ),
         ];
         for (bad, line, kind) in cases {
             let err = read_str(&format!("{good}\n{bad}\n{good}\n")).unwrap_err();
@@ -193,6 +212,9 @@ mod tests {
                 TraceError::Invalid { line, problem: LineProblem::EmptyPrompt } => (*line, "EmptyPrompt"),
                 TraceError::Invalid { line, problem: LineProblem::HashIdCount { .. } } => {
                     (*line, "HashIdCount")
+                }
+                TraceError::Invalid { line, problem: LineProblem::SegmentTokens { .. } } => {
+                    (*line, "SegmentTokens")
                 }
                 other => panic!("unexpected error {other:?}"),
             };

@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 
+use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
 use super::TRACE_BLOCK_SIZE;
@@ -16,7 +17,7 @@ use super::TRACE_BLOCK_SIZE;
 /// `len` tokens of content `id`: equal ids mean equal tokens, so a segment repeated in two
 /// prompts (a system prompt, a shared document) must keep its id, and new content needs a
 /// new one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Segment {
     pub id: u64,
     pub len: usize,

@@ -125,7 +125,7 @@ impl Gen {
     fn push(&mut self, arrival: Duration, segments: &[Segment], output_len: usize) {
         let (hash_ids, input_len) = self.ids.assign(segments);
         let output_len = u32::try_from(output_len).unwrap_or(u32::MAX);
-        self.requests.push(Request { arrival, input_len, output_len, hash_ids });
+        self.requests.push(Request { arrival, input_len, output_len, hash_ids, segments: segments.to_vec() });
     }
 
     fn finish(self) -> Trace {
@@ -243,6 +243,21 @@ mod tests {
             let mut buf = Vec::new();
             super::super::mooncake::write(&ms, &mut buf).unwrap();
             assert_eq!(super::super::mooncake::read(&buf[..]).unwrap(), ms);
+        }
+    }
+
+    /// A conversation's next turn re-sends the history token for token, the part of its last
+    /// content block that was partial included (the block's id changed as it filled).
+    #[test]
+    fn a_next_turn_starts_with_the_previous_prompt() {
+        let chat = ChatParams { conversations: 1, min_turns: 3, max_turns: 3, ..ChatParams::default() };
+        let trace = Workload::Chat(chat).generate().unwrap();
+        assert_eq!(trace.len(), 3);
+        for pair in trace.requests.windows(2) {
+            let (a, b) = (&pair[0], &pair[1]);
+            assert_ne!(a.input_len % super::super::TRACE_BLOCK_SIZE, 0, "a partial last block");
+            assert_ne!(a.hash_ids.last(), b.hash_ids.get(a.hash_ids.len() - 1), "filled, renamed");
+            assert_eq!(b.prompt()[..a.input_len], a.prompt()[..]);
         }
     }
 

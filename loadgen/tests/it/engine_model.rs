@@ -25,10 +25,10 @@ const CAPACITY: usize = 1 << 16;
 
 #[tokio::test(start_paused = true)]
 async fn simulated_latencies_match_the_agent_engine() {
-    // Busy enough that requests queue and share steps: ~12 new conversations a second.
+    // Busy enough that requests queue and share steps: ~20 new conversations a second.
     let trace = Workload::Chat(ChatParams {
         conversations: 60,
-        conversation_rate: 12.0,
+        conversation_rate: 20.0,
         think_time: Duration::from_secs(2),
         seed: 5,
         ..ChatParams::default()
@@ -133,7 +133,8 @@ async fn simulated_latencies_match_the_agent_engine() {
     );
     // tokio's timers wake on whole milliseconds, so the agent emits up to 1 ms after the
     // step's exact end, and an arrival in that window may join a step the model starts
-    // without it; otherwise the two agree.
+    // without it, and the requests queued behind it may shift too; otherwise the two agree
+    // (341 of 344 within 2 ms here, means within 0.1%).
     assert!(within_2ms * 100 >= trace.len() * 95, "{within_2ms} of {} TTFTs within 2 ms", trace.len());
     assert!((agent_ttft - sim_ttft).abs() <= 0.01 * agent_ttft);
     assert!((agent_e2e - sim_e2e).abs() <= 0.01 * agent_e2e);
