@@ -140,6 +140,7 @@ impl PrefixIndex {
                 *more.get_mut() -= 1;
                 if *more.get() == 0 {
                     more.remove();
+                    shrink_if_sparse(extra, self.hasher);
                 }
                 continue;
             }
