@@ -247,6 +247,24 @@ impl SharedIndex {
         self.read().lookup_into(hashes, out);
     }
 
+    /// [`Self::lookup`], then `with_credits` of its result and the credits, under the same
+    /// read of the index: a [`Self::store`] (the index, then the end of its credits) cannot
+    /// fall between the two, so each block is seen stored or credited, never neither. (Read
+    /// one after the other, a block stored and confirmed in between was seen as neither.)
+    pub fn lookup_with_credits<T>(
+        &self,
+        hashes: &[BlockHash],
+        with_credits: impl FnOnce(&Overlaps, &Credits) -> T,
+    ) -> (Overlaps, T) {
+        let index = self.read();
+        let mut out = Overlaps::new();
+        index.lookup_into(hashes, &mut out);
+        // No writer takes the index's lock while it holds the credits', so this cannot deadlock.
+        let credited = with_credits(&out, &self.inner.credits);
+        drop(index);
+        (out, credited)
+    }
+
     /// Like [`Self::lookup_into`] with a fresh result.
     pub fn lookup(&self, hashes: &[BlockHash]) -> Overlaps {
         let mut out = Overlaps::new();

@@ -143,6 +143,14 @@ fn memory_estimate_tracks_live_blocks() {
     assert!(index.memory_bytes() < full / 8, "sparse tables shrink");
     index.clear_replica(r(0));
     assert_eq!(index.memory_bytes(), 0);
+    // Extra references (several data-parallel ranks holding one block) shrink the same way.
+    let blocks = hs(0..100_000);
+    index.store(r(0), &blocks);
+    index.store(r(0), &blocks);
+    let peak = index.memory_bytes();
+    index.remove(r(0), &blocks);
+    index.remove(r(0), &blocks[..99_000]);
+    assert!(index.memory_bytes() < peak / 8, "{} of {peak}", index.memory_bytes());
 }
 
 #[test]
@@ -413,4 +421,29 @@ proptest! {
             }
         }
     }
+}
+
+/// A store cannot fall between a lookup and its credits' extension: while the closure runs,
+/// a concurrent store of the credited blocks (which ends their credits after it writes the
+/// index) waits, so the blocks are still seen credited; afterwards they are stored.
+#[test]
+fn a_store_waits_for_a_lookup_with_its_credits() {
+    let index = SharedIndex::with_credit_ttl(Duration::from_secs(60));
+    let blocks = hs(0..4);
+    index.credits().credit(r(0), &blocks);
+    let (stored, stored_rx) = std::sync::mpsc::channel();
+    let (_, seen) = std::thread::scope(|s| {
+        index.lookup_with_credits(&blocks, |overlaps, credits| {
+            s.spawn(|| {
+                index.store(r(0), &blocks);
+                stored.send(()).unwrap();
+            });
+            // Microseconds unhindered; it must not finish while this read lasts.
+            let finished = stored_rx.recv_timeout(Duration::from_millis(50)).is_ok();
+            (finished, credits.extend(r(0), &blocks, overlaps.get(r(0))))
+        })
+    });
+    assert_eq!(seen, (false, 4), "the store waited, and the blocks were seen credited");
+    stored_rx.recv().unwrap();
+    assert_eq!(index.lookup(&blocks).get(r(0)), 4);
 }

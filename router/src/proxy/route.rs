@@ -321,22 +321,25 @@ impl Decider {
         (first_prompt_tokens, adapter): (usize, Option<&str>),
         send: bool,
     ) -> Plan {
-        let overlaps = self.index.lookup(&blocks);
+        let states: Vec<StreamState> = members.iter().map(|m| m.replica.status.state()).collect();
+        let (overlaps, credited) = self.index.lookup_with_credits(&blocks, |overlaps, credits| {
+            let credited = |(m, state): (&Member, &StreamState)| match state {
+                StreamState::Fallback => 0,
+                _ => credits.extend(m.replica.id, &blocks, overlaps.get(m.replica.id)),
+            };
+            members.iter().zip(&states).map(credited).collect::<Vec<usize>>()
+        });
         let now = tokio::time::Instant::now();
         let verdicts =
             verdicts_for(members.iter().map(|m| &*m.upstream), self.max_in_flight_per_replica, adapter);
         let mut candidates: Vec<Scored> = members
             .into_iter()
             .zip(verdicts)
-            .map(|(member, ineligible)| {
-                let state = member.replica.status.state();
+            .zip(states.into_iter().zip(credited))
+            .map(|((member, ineligible), (state, credited_blocks))| {
                 let indexed_blocks = match state {
                     StreamState::Fallback => 0,
                     _ => overlaps.get(member.replica.id),
-                };
-                let credited_blocks = match state {
-                    StreamState::Fallback => 0,
-                    _ => self.fleet.credits().extend(member.replica.id, &blocks, indexed_blocks),
                 };
                 // What the engine will reuse of it (vLLM recomputes an all-cached last block,
                 // and with EAGLE a hit's last block).
