@@ -182,7 +182,10 @@ async fn publish_loop(
     shutdown: CancellationToken,
 ) {
     loop {
+        // Batches already handed over go out before a shutdown ends the loop: they are seq'd,
+        // and a snapshot taken before may cover them.
         let batch = tokio::select! {
+            biased;
             batch = rx.recv() => match batch {
                 Some(batch) => batch,
                 None => break,

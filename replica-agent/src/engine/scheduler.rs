@@ -235,6 +235,9 @@ impl Scheduler {
             };
             if emits && r.generated < r.job.max_tokens {
                 r.generated += 1;
+                // Counted as generated, as vLLM counts each step's, whether or not the
+                // request then finishes (its client may leave).
+                self.metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
                 if r.out.try_send(Output::Token(r.text.next_token())).is_err() {
                     r.gone = true;
                 }
@@ -247,7 +250,6 @@ impl Scheduler {
                 };
                 // Count before telling the client, so a scrape right after the response sees it.
                 self.metrics.requests_served.fetch_add(1, Ordering::Relaxed);
-                self.metrics.generation_tokens.fetch_add(u64::from(r.generated), Ordering::Relaxed);
                 let _ = r.out.try_send(Output::Done(usage));
                 r.gone = true;
             }
@@ -307,8 +309,9 @@ impl Scheduler {
                 dp_rank: 0,
                 events,
             };
-            self.metrics.events_published.fetch_add(1, Ordering::Relaxed);
-            if !self.publisher.publish(batch).await {
+            if self.publisher.publish(batch).await {
+                self.metrics.events_published.fetch_add(1, Ordering::Relaxed);
+            } else {
                 tracing::warn!(seq, "event publisher has stopped; batch dropped");
             }
         }

@@ -162,3 +162,23 @@ async fn waiting_requests_whose_clients_left_are_dropped() {
     );
     drop((running, kept));
 }
+
+/// Tokens a client received count as generated even when it leaves before the end (vLLM
+/// counts each step's output).
+#[tokio::test]
+async fn tokens_of_a_request_whose_client_left_count_as_generated() {
+    let (engine, _shutdown) = engine(64, 4).await;
+    let mut rx = engine.submit(job((0..8).collect(), 1000)).unwrap();
+    assert!(matches!(rx.recv().await, Some(Output::Started { .. })));
+    for _ in 0..3 {
+        assert!(matches!(rx.recv().await, Some(Output::Token(_))));
+    }
+    drop(rx);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while engine.metrics().running.load(Ordering::Relaxed) != 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the left request still runs");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(engine.metrics().generation_tokens.load(Ordering::Relaxed) >= 3);
+    assert_eq!(engine.metrics().requests_served.load(Ordering::Relaxed), 0);
+}

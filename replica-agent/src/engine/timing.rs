@@ -40,6 +40,9 @@ impl Default for TimingModel {
     }
 }
 
+/// The longest one engine step lasts on the wall clock, whatever the time scale.
+pub const MAX_WALL_STEP: Duration = Duration::from_secs(24 * 3600);
+
 impl TimingModel {
     /// Simulated duration of a step that prefills `prefill_tokens` and decodes
     /// `decoding_seqs` sequences.
@@ -50,10 +53,12 @@ impl TimingModel {
         self.step_base.saturating_add(prefill).saturating_add(decode)
     }
 
-    /// Wall-clock duration of a simulated duration under `time_scale`.
+    /// Wall-clock duration of a simulated duration under `time_scale`, at most [`MAX_WALL_STEP`]
+    /// (a tiny scale would overflow a `Duration`, or the clock past it).
     pub fn wall(&self, simulated: Duration) -> Duration {
         if self.time_scale > 0.0 && self.time_scale.is_finite() {
-            simulated.div_f64(self.time_scale)
+            Duration::try_from_secs_f64(simulated.as_secs_f64() / self.time_scale)
+                .map_or(MAX_WALL_STEP, |wall| wall.min(MAX_WALL_STEP))
         } else {
             simulated
         }
@@ -63,6 +68,16 @@ impl TimingModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tiny_time_scale_is_capped_not_a_panic() {
+        for time_scale in [1e-300, 5e-22] {
+            let m = TimingModel { time_scale, ..TimingModel::default() };
+            assert_eq!(m.wall(Duration::from_millis(6)), MAX_WALL_STEP);
+        }
+        let m = TimingModel { time_scale: 0.5, ..TimingModel::default() };
+        assert_eq!(m.wall(Duration::from_millis(6)), Duration::from_millis(12));
+    }
 
     #[test]
     fn prefill_grows_with_uncached_tokens_only_and_decode_with_batch() {

@@ -102,6 +102,25 @@ async fn live_batches_reach_a_subscriber_and_replay_returns_the_rest() {
     shutdown.cancel();
 }
 
+/// Batches handed to the publisher before a shutdown are still sent (and kept for replay):
+/// they are seq'd, and a snapshot may cover them. Here the shutdown comes first.
+#[tokio::test]
+async fn batches_handed_over_before_shutdown_are_sent() {
+    let mut socket = PubSocket::new();
+    socket.bind("tcp://127.0.0.1:0").await.unwrap();
+    let config = PublisherConfig::default();
+    let (tx, rx) = mpsc::channel(config.queue);
+    for seq in 0..200 {
+        tx.send(batch(seq)).await.unwrap();
+    }
+    let buffer: RingBuffer = Arc::default();
+    let shutdown = CancellationToken::new();
+    shutdown.cancel();
+    publish_loop(socket, rx, config, Bytes::from_static(b"kv-events"), buffer.clone(), shutdown).await;
+    let kept: Vec<u64> = buffer.lock().unwrap().iter().map(|(seq, _)| seq.0).collect();
+    assert_eq!(kept, (0..200).collect::<Vec<u64>>());
+}
+
 #[tokio::test]
 async fn replay_buffer_is_bounded() {
     let shutdown = CancellationToken::new();
