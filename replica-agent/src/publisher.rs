@@ -181,16 +181,20 @@ async fn publish_loop(
     buffer: RingBuffer,
     shutdown: CancellationToken,
 ) {
+    let mut closed = false;
     loop {
-        // Batches already handed over go out before a shutdown ends the loop: they are seq'd,
-        // and a snapshot taken before may cover them.
+        // On shutdown the queue closes (a later `publish` returns false), and the batches
+        // already handed over still go out: they are seq'd, and a snapshot may cover them.
         let batch = tokio::select! {
-            biased;
             batch = rx.recv() => match batch {
                 Some(batch) => batch,
                 None => break,
             },
-            () = shutdown.cancelled() => break,
+            () = shutdown.cancelled(), if !closed => {
+                rx.close();
+                closed = true;
+                continue;
+            }
         };
         let seq = Seq(batch.seq);
         let payload = config.format.encode_payload(&batch);

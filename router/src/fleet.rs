@@ -181,9 +181,9 @@ impl Fleet {
     }
 
     /// True once there is a serving replica and every serving replica completed its first
-    /// event sync or has no usable stream at all (`FALLBACK`: routed on load alone, so nothing
-    /// to wait for). Replicas discovery says are not serving (a pod still loading its model)
-    /// are not waited for.
+    /// event sync or has no usable stream at all (`FALLBACK`: routed without its own cache,
+    /// so nothing to wait for). Replicas discovery says are not serving (a pod still loading
+    /// its model) are not waited for.
     pub fn ready(&self) -> bool {
         let members: Vec<Member> = self.members().into_iter().filter(|m| m.upstream.is_serving()).collect();
         !members.is_empty()

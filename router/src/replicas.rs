@@ -102,7 +102,8 @@ pub enum StreamState {
     Exact = 0,
     /// A gap or an outage: a repair is under way or the index may miss blocks.
     Degraded = 1,
-    /// No usable stream: the replica is routed on load alone.
+    /// No usable stream: the replica is routed without its own cache (as holding what every
+    /// replica with a stream holds; see the cache-aware policy).
     Fallback = 2,
 }
 
@@ -242,14 +243,16 @@ pub fn base_url(url: &str) -> Result<String, SpecError> {
     }
     // `port()` is `None` for a port that is no u16, so look at what follows the host.
     let port_ok = |a: &http::uri::Authority| {
-        a.as_str().rsplit_once(a.host()).is_some_and(|(_, rest)| rest.is_empty() || a.port_u16().is_some())
+        let host_port = a.as_str().rsplit_once('@').map_or(a.as_str(), |(_, hp)| hp);
+        host_port.strip_prefix(a.host()).is_some_and(|rest| rest.is_empty() || a.port_u16().is_some())
     };
     match uri.authority() {
         Some(a) if !a.host().is_empty() && port_ok(a) => {}
         _ => return Err(bad("no host, or a bad port".into())),
     }
-    if uri.query().is_some() {
-        return Err(bad("has a query".into()));
+    // The URL is kept as written and the client's path appended, so neither may follow.
+    if uri.query().is_some() || url.contains('#') {
+        return Err(bad("has a query or a fragment".into()));
     }
     Ok(url.trim_end_matches('/').to_owned())
 }
@@ -527,9 +530,19 @@ mod tests {
         assert_eq!(base_url("http://10.0.0.7:8000/").unwrap(), "http://10.0.0.7:8000");
         assert_eq!(base_url("http://[fd00::7]:8000").unwrap(), "http://[fd00::7]:8000");
         assert_eq!(base_url("http://gw:80/replica-0/").unwrap(), "http://gw:80/replica-0");
-        for bad in
-            ["", "http://", "https://h:1", "h:8000", "http://h:8000 ", "http://h:99999", "http://h:1/?a=b"]
-        {
+        assert_eq!(base_url("http://u@h:8000").unwrap(), "http://u@h:8000");
+        for bad in [
+            "",
+            "http://",
+            "https://h:1",
+            "h:8000",
+            "http://h:8000 ",
+            "http://h:99999",
+            "http://0:70000",
+            "http://h:",
+            "http://h:1/?a=b",
+            "http://h:1/p#x",
+        ] {
             assert!(matches!(base_url(bad), Err(SpecError::Url(..))), "{bad:?}");
         }
         let mut spec = ReplicaSpec::new("a", "tcp://h:1", EngineKind::Kvroute, "m");

@@ -138,7 +138,8 @@ pub async fn compare(
             Routers::External(list) => {
                 live.target =
                     list.iter().find(|(p, _)| *p == policy).map(|(_, u)| u.clone()).unwrap_or_default();
-                wait_ready(&client, &live.target, EXTERNAL_READY_TIMEOUT).await?;
+                live::validate(&live)?;
+                wait_ready(&client, &live.target, EXTERNAL_READY_TIMEOUT, &shutdown).await?;
                 live::run(&sent, &live, shutdown.clone()).await?
             }
         };
@@ -305,15 +306,28 @@ pub async fn reset_caches(client: &Client, replicas: &[String]) -> anyhow::Resul
     Ok(())
 }
 
-/// Waits until the router at `url` answers `/ready` with 200 (synced, after the caches'
-/// reset too): a run against a router that is still syncing, or down, would measure nothing.
-async fn wait_ready(client: &Client, url: &str, timeout: Duration) -> anyhow::Result<()> {
+/// Waits until the router at `url` answers `/ready` with 200 (it has synced every replica
+/// once): a run against a router that is still syncing, or down, would measure nothing. A
+/// shutdown ends the wait (and the run that follows).
+async fn wait_ready(
+    client: &Client,
+    url: &str,
+    timeout: Duration,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
+    let ready = format!("{url}/ready");
     loop {
-        let answer = client.get(&format!("{url}/ready"), RESET_TIMEOUT).await;
+        let answer = tokio::select! {
+            answer = client.get(&ready, RESET_TIMEOUT) => answer,
+            () = shutdown.cancelled() => return Ok(()),
+        };
         match answer {
             Ok((status, _)) if status.is_success() => return Ok(()),
-            _ if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(200)).await,
+            _ if Instant::now() < deadline => tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(200)) => {}
+                () = shutdown.cancelled() => return Ok(()),
+            },
             Ok((status, body)) => anyhow::bail!(
                 "the router at {url} was not ready within {timeout:?}: /ready answered {status}: {}",
                 String::from_utf8_lossy(&body)
@@ -358,8 +372,6 @@ mod tests {
         RequestRecord { index, intended: None, sent: Duration::ZERO, outcome }
     }
 
-    /// Regression: a run stopped by Ctrl-C had the requests it cancelled in flight replayed
-    /// by its pooled reference and offline simulation, though the fleet never served them.
     /// A router whose `/ready` gives `answers`, then 503s; the request lines seen go on `asked`.
     async fn readying_router(answers: Vec<u16>) -> (String, tokio::sync::mpsc::UnboundedReceiver<String>) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -383,15 +395,22 @@ mod tests {
     async fn a_run_waits_for_its_router_to_be_ready() {
         let client = Client::new(Duration::from_secs(2));
         let (url, mut asked) = readying_router(vec![503, 503, 200]).await;
-        wait_ready(&client, &url, Duration::from_secs(30)).await.unwrap();
+        let shutdown = CancellationToken::new();
+        wait_ready(&client, &url, Duration::from_secs(30), &shutdown).await.unwrap();
         for _ in 0..3 {
             assert_eq!(asked.recv().await.unwrap(), "GET /ready HTTP/1.1");
         }
         let (url, _) = readying_router(vec![]).await;
-        let err = wait_ready(&client, &url, Duration::from_millis(300)).await.unwrap_err().to_string();
+        let err =
+            wait_ready(&client, &url, Duration::from_millis(300), &shutdown).await.unwrap_err().to_string();
         assert!(err.contains("not ready") && err.contains("503"), "{err}");
+        // A shutdown ends the wait at once.
+        shutdown.cancel();
+        wait_ready(&client, &url, Duration::from_secs(3600), &shutdown).await.unwrap();
     }
 
+    /// Regression: a run stopped by Ctrl-C had the requests it cancelled in flight replayed
+    /// by its pooled reference and offline simulation, though the fleet never served them.
     #[test]
     fn requests_cancelled_in_flight_or_never_connected_are_not_compared() {
         let trace = Trace::new(

@@ -180,7 +180,8 @@ pub async fn run(
     ))
 }
 
-fn validate(config: &LiveConfig) -> Result<(), LiveError> {
+/// Checks `config` before a run (also done by [`run`]).
+pub fn validate(config: &LiveConfig) -> Result<(), LiveError> {
     if !config.target.starts_with("http://") {
         return Err(LiveError::Target(config.target.clone()));
     }

@@ -6,8 +6,8 @@
 //! are. Equal ids mean equal tokens, and (the Mooncake convention, which the generators
 //! uphold) an id also implies the whole prefix before it, so an id names a KV block.
 //!
-//! A request's token ids follow deterministically from its ids ([`block_tokens`]): token `i`
-//! of block `h` is `TOKEN_FLOOR + xxh3_64_with_seed(i as u32 LE, seed = h) mod (VOCAB -
+//! A trace's request's token ids follow deterministically from its ids ([`block_tokens`]):
+//! token `i` of block `h` is `TOKEN_FLOOR + xxh3_64_with_seed(i as u32 LE, seed = h) mod (VOCAB -
 //! TOKEN_FLOOR)`, and the last block is cut to `input_len`. Two requests sharing ids therefore
 //! share exactly those token blocks, so the fleet's own block-hash chain
 //! ([`kvroute_proto::hash`]) finds the same sharing at any block size: at 512 it sees one
@@ -54,8 +54,9 @@ pub const TOKEN_FLOOR: u32 = 16;
 
 /// One request of a workload.
 ///
-/// The prompt is kept as its content-block ids and materialised on demand
-/// ([`Request::prompt`]): the shared trace alone is 61 M prompt tokens.
+/// The prompt is kept as its content-block ids (and a generated one's segments) and
+/// materialised on demand ([`Request::prompt`]): the shared trace alone is 61 M prompt
+/// tokens.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Request {
     /// When it arrives, from the start of the workload.

@@ -9,6 +9,7 @@
 //! Writing emits integer milliseconds (rounded down), so a written trace reads back equal
 //! when arrivals are whole milliseconds.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -16,6 +17,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::prompt::BlockIds;
 use super::{Request, Segment, TRACE_BLOCK_SIZE, Trace, content_blocks};
 
 /// Why a trace could not be read or written.
@@ -57,8 +59,13 @@ pub enum LineProblem {
          hash_ids, got {got}"
     )]
     HashIdCount { input_length: usize, expected: usize, got: usize },
-    #[error("segments hold {segments:?} tokens, not input_length {input_length}")]
+    #[error("the segments' lengths add up to {}, not input_length {input_length}", segments.map_or("more than a usize holds".into(), |n| n.to_string()))]
     SegmentTokens { input_length: usize, segments: Option<usize> },
+    #[error(
+        "hash id {hash_id} (block {block}) does not name the same segments' content as elsewhere \
+         in the trace"
+    )]
+    SegmentIds { block: usize, hash_id: u64 },
 }
 
 #[derive(Deserialize)]
@@ -91,6 +98,7 @@ pub fn read_file(path: &Path) -> Result<Trace, TraceError> {
 /// Reads a Mooncake trace, in the file's order; fails on the first bad line.
 pub fn read(reader: impl BufRead) -> Result<Trace, TraceError> {
     let mut requests = Vec::new();
+    let mut segment_ids = SegmentIds::default();
     for (index, line) in reader.lines().enumerate() {
         let line_no = index + 1;
         let line = line.map_err(|source| TraceError::Read { line: line_no, source })?;
@@ -99,7 +107,9 @@ pub fn read(reader: impl BufRead) -> Result<Trace, TraceError> {
         }
         let raw: InLine =
             serde_json::from_str(&line).map_err(|source| TraceError::Json { line: line_no, source })?;
-        let request = parse(raw).map_err(|problem| TraceError::Invalid { line: line_no, problem })?;
+        let request = parse(raw)
+            .and_then(|r| segment_ids.check(&r).map(|()| r))
+            .map_err(|problem| TraceError::Invalid { line: line_no, problem })?;
         requests.push(request);
     }
     Ok(Trace::in_order(requests))
@@ -133,6 +143,34 @@ fn parse(raw: InLine) -> Result<Request, LineProblem> {
         hash_ids: raw.hash_ids,
         segments: raw.segments,
     })
+}
+
+/// Checks that generated requests' hash ids name what their segments do: the ids the
+/// generator's [`BlockIds`] gives the segments, read in the file's order, map one to one onto
+/// the file's (which live runs, taking tokens from the segments, and the simulator, taking
+/// blocks from the ids, rely on).
+#[derive(Default)]
+struct SegmentIds {
+    ids: BlockIds,
+    to_file: HashMap<u64, u64>,
+    from_file: HashMap<u64, u64>,
+}
+
+impl SegmentIds {
+    fn check(&mut self, request: &Request) -> Result<(), LineProblem> {
+        if request.segments.is_empty() {
+            return Ok(());
+        }
+        let (named, _) = self.ids.assign(&request.segments);
+        for (block, (&ours, &theirs)) in named.iter().zip(&request.hash_ids).enumerate() {
+            let same = *self.to_file.entry(ours).or_insert(theirs) == theirs
+                && *self.from_file.entry(theirs).or_insert(ours) == ours;
+            if !same {
+                return Err(LineProblem::SegmentIds { block, hash_id: theirs });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Writes `trace` in Mooncake format, one request per line.
@@ -174,6 +212,28 @@ mod tests {
         let mut buf = Vec::new();
         write(&whole, &mut buf).unwrap();
         assert_eq!(read_str(std::str::from_utf8(&buf).unwrap()).unwrap(), whole);
+    }
+
+    /// A generated trace's ids must name what its segments do (live runs take tokens from
+    /// the segments, the simulator blocks from the ids); renumbered alike, they still do.
+    #[test]
+    fn segments_and_hash_ids_must_agree() {
+        let line = |segment: u64, ids: &str| {
+            format!(
+                "{{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 1, \"hash_ids\": {ids}, \
+                 \"segments\": [{{\"id\": {segment}, \"len\": 600}}]}}\n"
+            )
+        };
+        read_str(&(line(3, "[7, 8]") + &line(3, "[7, 8]") + &line(4, "[9, 10]"))).unwrap();
+        for (second, block, hash_id) in [(line(3, "[7, 9]"), 1, 9), (line(4, "[7, 10]"), 0, 7)] {
+            let err = read_str(&(line(3, "[7, 8]") + &second)).unwrap_err();
+            let TraceError::Invalid { line: 2, problem: LineProblem::SegmentIds { block: b, hash_id: h } } =
+                err
+            else {
+                panic!("{err:?}")
+            };
+            assert_eq!((b, h), (block, hash_id));
+        }
     }
 
     #[test]

@@ -530,14 +530,19 @@ fn boolean(raw: Option<&RawValue>, param: &'static str) -> Result<Option<bool>, 
 
 /// A boolean as pydantic's lax mode reads one ([`boolean`]), or none.
 pub(super) fn lax_boolean(raw: &RawValue) -> Option<bool> {
-    match serde_json::from_str(raw.get()) {
-        Ok(Value::Bool(b)) => Some(b),
-        Ok(Value::Number(n)) => match n.as_f64() {
+    lax_boolean_value(&serde_json::from_str(raw.get()).ok()?)
+}
+
+/// [`lax_boolean`] of a parsed value: `true`/`false`, 1/0, or one of pydantic's words.
+pub fn lax_boolean_value(value: &Value) -> Option<bool> {
+    match value {
+        Value::Bool(b) => Some(*b),
+        Value::Number(n) => match n.as_f64() {
             Some(0.0) => Some(false),
             Some(1.0) => Some(true),
             _ => None,
         },
-        Ok(Value::String(s)) => match s.to_ascii_lowercase().as_str() {
+        Value::String(s) => match s.to_ascii_lowercase().as_str() {
             "0" | "off" | "f" | "false" | "n" | "no" => Some(false),
             "1" | "on" | "t" | "true" | "y" | "yes" => Some(true),
             _ => None,

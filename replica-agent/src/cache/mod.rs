@@ -22,7 +22,8 @@
 //!
 //! # Pinning
 //! A pinned block is never evicted. Each policy keeps pinned blocks out of its victim order
-//! and lets them back in on the last unpin (details in [`Lru`], [`Lfu`], [`S3Fifo`]):
+//! (S3FIFO only once one would be the victim) and lets them back in on the last unpin
+//! (details in [`Lru`], [`Lfu`], [`S3Fifo`]):
 //!
 //! | policy | while pinned | on the last unpin |
 //! |---|---|---|

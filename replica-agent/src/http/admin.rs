@@ -73,10 +73,11 @@ pub(super) fn tokenize(state: &AppState, body: &[u8]) -> Result<Response<Body>, 
     if !state.serves(request.model()) {
         return Err(ApiError::model_not_found(request.model()));
     }
+    let single = !matches!(&request, ParsedRequest::Completion(c) if c.prompt.len() > 1);
     let mut prompts = match state.tokenization().prompt_tokens(&request) {
         // vLLM's /tokenize answers an empty prompt with no ids (a router asks it for the ids
         // the tokenizer adds); only generation refuses one.
-        Err(RequestError::EmptyPrompt) => vec![Vec::new()],
+        Err(RequestError::EmptyPrompt) if single => vec![Vec::new()],
         prompts => prompts?,
     };
     if prompts.len() != 1 {

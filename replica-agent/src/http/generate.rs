@@ -28,7 +28,7 @@
 
 use hyper::header::{self, HeaderValue};
 use hyper::{Response, StatusCode};
-use kvroute_proto::openai::request::{MAX_N, parse_object};
+use kvroute_proto::openai::request::{MAX_N, lax_boolean_value, parse_object};
 use kvroute_proto::openai::{Endpoint, ParsedRequest};
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -379,10 +379,10 @@ fn include_usage(options: Option<&RawValue>, stream: bool) -> Result<bool, ApiEr
     match options.get("include_usage") {
         None => Ok(true),
         Some(serde_json::Value::Null) => Ok(false),
-        Some(serde_json::Value::Bool(b)) => Ok(*b),
-        Some(_) => {
-            Err(ApiError::invalid_field("stream_options", "'stream_options.include_usage' must be a boolean"))
-        }
+        // Read as pydantic's lax mode reads a boolean (`1`, `"yes"`).
+        Some(value) => lax_boolean_value(value).ok_or_else(|| {
+            ApiError::invalid_field("stream_options", "'stream_options.include_usage' must be a boolean")
+        }),
     }
 }
 

@@ -213,7 +213,10 @@ async fn streaming_responses_have_openai_shape_and_match_non_streaming() {
 
     // As in vLLM, a `stream_options` object asks for usage unless it says otherwise, and an
     // empty one may come without `stream`.
-    for (options, usage) in [(json!({}), true), (json!({ "include_usage": null }), false)] {
+    let lax = [(json!({ "include_usage": "yes" }), true), (json!({ "include_usage": 0 }), false)];
+    for (options, usage) in
+        [(json!({}), true), (json!({ "include_usage": null }), false)].into_iter().chain(lax)
+    {
         let body = json!({ "model": MODEL, "messages": messages, "max_tokens": 6, "stream": true, "stream_options": options });
         let events = stream(c, "/v1/chat/completions", &body).await;
         assert_eq!(shape::chat_stream(&events, usage).1.is_some(), usage, "{options}");
@@ -475,7 +478,7 @@ async fn malformed_requests_get_openai_errors() {
         bad(
             post.clone(),
             cmpl,
-            json_bytes(json!({ "model": MODEL, "prompt": "hi", "stream": true, "stream_options": { "include_usage": 1 } })),
+            json_bytes(json!({ "model": MODEL, "prompt": "hi", "stream": true, "stream_options": { "include_usage": 2 } })),
             400,
         )
         .param("stream_options"),
@@ -503,6 +506,8 @@ async fn malformed_requests_get_openai_errors() {
         bad(post.clone(), "/tokenize", json_bytes(json!({ "model": "nope", "prompt": "x" })), 404)
             .code("model_not_found"),
         bad(post.clone(), "/tokenize", json_bytes(json!({ "prompt": 5 })), 400).param("prompt"),
+        // Only a lone empty prompt has no ids; a batch is refused, empty members or not.
+        bad(post.clone(), "/tokenize", json_bytes(json!({ "prompt": [[1], []] })), 400),
         bad(post.clone(), "/tokenize", "nope", 400),
     ];
     for case in cases {

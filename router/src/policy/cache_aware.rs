@@ -36,7 +36,8 @@
 //! block_size` for vLLM and SGLang, which compute a prompt's last token even when it is
 //! cached. A replica whose stream is `FALLBACK` reports no overlap: what it caches is unknown,
 //! so it is scored with the least overlap of the eligible replicas that have a stream (what
-//! every one of them holds, a shared system prompt say; 0 if none has a stream). Its cache
+//! every one of them holds, a shared system prompt say; 0 with fewer than two, whose least
+//! would be one replica's whole hold). Its cache
 //! neither helps nor hurts it, and it competes on load with the replicas that do not hold
 //! the prefix. Scored as a full miss instead, it would lose every request to replicas that
 //! merely hold the fleet's common prefix and sit idle while they queue.
@@ -159,14 +160,14 @@ fn mean_recent(replicas: &[ReplicaView]) -> f64 {
     if n == 0 { 0.0 } else { sum / f64::from(n) }
 }
 
-/// The least overlap of the eligible replicas that have a stream (0 when none has).
+/// The least overlap of the eligible replicas that have a stream (0 with fewer than two).
 fn common_overlap(replicas: &[ReplicaView]) -> usize {
-    replicas
-        .iter()
-        .filter(|r| r.eligible && r.stream != StreamState::Fallback)
-        .map(|r| r.overlap_blocks)
-        .min()
-        .unwrap_or(0)
+    let mut streams =
+        replicas.iter().filter(|r| r.eligible && r.stream != StreamState::Fallback).map(|r| r.overlap_blocks);
+    match (streams.next(), streams.next()) {
+        (Some(a), Some(b)) => streams.fold(a.min(b), usize::min),
+        _ => 0,
+    }
 }
 
 impl Policy for CacheAware {

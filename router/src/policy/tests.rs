@@ -145,10 +145,14 @@ fn cache_aware_gives_a_fallback_stream_the_fleets_common_prefix() {
     replicas[0].load.in_flight = 0;
     assert_eq!(p.choose(&REQ, &replicas).chosen, Some(0));
     // An ineligible replica's overlap is not the fleet's.
-    let mut replicas = vec![view(0, 0, 8, 0), view(1, 50, 8, 0), view(2, 0, 0, 0)];
+    let mut replicas = vec![view(0, 0, 8, 0), view(1, 50, 8, 0), view(2, 50, 8, 0), view(3, 0, 0, 0)];
     replicas[0].eligible = false;
-    replicas[2].stream = StreamState::Fallback;
-    assert_eq!(p.choose(&REQ, &replicas).chosen, Some(2));
+    replicas[3].stream = StreamState::Fallback;
+    assert_eq!(p.choose(&REQ, &replicas).chosen, Some(3));
+    // One replica with a stream is no fleet: what it holds is its own.
+    let mut replicas = vec![view(0, 62, 8, 0), view(1, 0, 0, 0)];
+    replicas[1].stream = StreamState::Fallback;
+    assert_eq!(p.choose(&REQ, &replicas).chosen, Some(0));
 }
 
 #[test]

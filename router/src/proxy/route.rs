@@ -285,10 +285,11 @@ impl Decider {
         }
         // What the request is, for ties: its tokens' chained hash, the partial last block
         // included (prompts that differ only there, short questions after one long shared
-        // prefix, spread over an idle fleet too), or its body when no tokens are known.
+        // prefix, spread over an idle fleet too), or its body when no tokens are known; a
+        // batch's later prompts and tokens past the known ones are in the body.
         let parent = blocks.last().copied().unwrap_or(root);
         let key = match first.get(blocks.len() * self.block_size..).unwrap_or_default() {
-            _ if first.is_empty() => xxh3_64(body),
+            _ if first.is_empty() || info.tokens.len() > 1 || unhashed > 0 => xxh3_64(body),
             [] => parent.0,
             tail => block_hash(parent, tail).0,
         };
