@@ -6,7 +6,7 @@ use kvroute_loadgen::workload::synth::{ChatParams, Workload};
 use kvroute_replica_agent::cache::PolicyKind as Eviction;
 use kvroute_router::policy::PolicyKind;
 
-use crate::support::{read, shared_trace};
+use crate::support::read_shared_trace;
 
 fn fleet(replicas: usize, capacity_blocks: usize, routing: PolicyKind) -> SimConfig {
     SimConfig { replicas, capacity_blocks, routing, eviction: Eviction::Lru, ..SimConfig::default() }
@@ -43,11 +43,7 @@ fn every_router_policy_runs_and_cache_aware_beats_round_robin_on_chat() {
 /// robin. (The simulation is deterministic: this checks its output, not a timing.)
 #[test]
 fn shared_trace_on_eight_replicas() {
-    let Some(path) = shared_trace() else {
-        eprintln!("note: ../shared/traces/mooncake_synthetic_trace.jsonl is absent; skipping");
-        return;
-    };
-    let trace = read(&path);
+    let Some(trace) = read_shared_trace() else { return };
     let rr = simulate(&trace, &fleet(8, 2048, PolicyKind::RoundRobin)).unwrap();
     let ca = simulate(&trace, &fleet(8, 2048, PolicyKind::CacheAware)).unwrap();
     for report in [&rr, &ca] {

@@ -5,7 +5,7 @@
 use kvroute_loadgen::SimReport;
 use kvroute_replica_agent::cache::PolicyKind as Eviction;
 
-use crate::support::{data, read, replay, shared_trace};
+use crate::support::{data, read, read_shared_trace, replay};
 
 struct Expected {
     eviction: Eviction,
@@ -144,11 +144,7 @@ fn a_trace_is_replayed_in_its_files_order() {
 /// `python3 tests/data/seed000_reference.py TRACE --policy P --capacity C`.
 #[test]
 fn shared_trace_matches_the_reference() {
-    let Some(path) = shared_trace() else {
-        eprintln!("note: ../shared/traces/mooncake_synthetic_trace.jsonl is absent; skipping");
-        return;
-    };
-    let trace = read(&path);
+    let Some(trace) = read_shared_trace() else { return };
     assert_eq!(trace.len(), 3993);
     const PROMPT: u64 = 61_194_628;
     let cases = [
@@ -193,11 +189,7 @@ fn s3fifo_with_pins_one_request_at_a_time_is_seed_000() {
     use kvroute_proto::BlockHash;
     use kvroute_replica_agent::cache::{BlockCache, CacheConfig};
 
-    let Some(path) = shared_trace() else {
-        eprintln!("note: ../shared/traces/mooncake_synthetic_trace.jsonl is absent; skipping");
-        return;
-    };
-    let trace = read(&path);
+    let Some(trace) = read_shared_trace() else { return };
     assert_eq!(trace.requests.iter().map(|r| r.hash_ids.len()).max(), Some(374));
     for capacity in [4096, 16384] {
         let report = replay(&trace, Eviction::S3fifo, capacity);

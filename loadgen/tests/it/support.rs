@@ -26,6 +26,15 @@ pub fn data(name: &str) -> PathBuf {
 }
 
 /// The shared Mooncake trace, beside the repository (as in CI), if present.
+/// The shared trace, read; `None` (with a note) where `../shared` is absent.
+pub fn read_shared_trace() -> Option<Trace> {
+    let Some(path) = shared_trace() else {
+        eprintln!("note: ../shared/traces/mooncake_synthetic_trace.jsonl is absent; skipping");
+        return None;
+    };
+    Some(read(&path))
+}
+
 pub fn shared_trace() -> Option<PathBuf> {
     let path =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces/mooncake_synthetic_trace.jsonl");

@@ -109,6 +109,11 @@ async fn list_explain_drain_remove_and_add() {
     assert!(fleet.router.fleet().member("newer").is_none());
 }
 
+/// `n` agents behind a router routing with `policy`.
+async fn fleet_with_policy(n: usize, policy: kvroute_router::policy::PolicyKind) -> Fleet {
+    Fleet::with(n, agent_config, |c| kvroute_router::Config { policy, ..c }).await
+}
+
 /// Two replicas, agent-0 drained through the admin service: the fleet, an admin client, the
 /// router's fleet and agent-0's spec.
 async fn agent_0_drained() -> (
@@ -202,11 +207,7 @@ async fn a_replica_added_later_does_not_unready_the_router() {
 /// requests actually sent, however many explanations come in between.
 #[tokio::test]
 async fn explaining_does_not_move_round_robin_on() {
-    let fleet = Fleet::with(2, agent_config, |c| kvroute_router::Config {
-        policy: kvroute_router::policy::PolicyKind::RoundRobin,
-        ..c
-    })
-    .await;
+    let fleet = fleet_with_policy(2, kvroute_router::policy::PolicyKind::RoundRobin).await;
     let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
     let mut homes = Vec::new();
     for _ in 0..4 {
@@ -230,11 +231,7 @@ async fn explaining_does_not_move_round_robin_on() {
 /// an idle fleet too: the tie key covers the whole prompt.
 #[tokio::test]
 async fn prompts_differing_in_their_last_partial_block_spread() {
-    let fleet = Fleet::with(4, agent_config, |c| kvroute_router::Config {
-        policy: kvroute_router::policy::PolicyKind::LeastLoaded,
-        ..c
-    })
-    .await;
+    let fleet = fleet_with_policy(4, kvroute_router::policy::PolicyKind::LeastLoaded).await;
     let decider = &fleet.router.state.decider;
     let mut chosen = std::collections::HashSet::new();
     for k in 0..40u32 {
@@ -252,11 +249,7 @@ async fn prompts_differing_in_their_last_partial_block_spread() {
 /// pile a failed replica's traffic onto one other.
 #[tokio::test]
 async fn tied_retries_spread_over_the_fleet() {
-    let fleet = Fleet::with(4, agent_config, |c| kvroute_router::Config {
-        policy: kvroute_router::policy::PolicyKind::Random,
-        ..c
-    })
-    .await;
+    let fleet = fleet_with_policy(4, kvroute_router::policy::PolicyKind::Random).await;
     let decider = &fleet.router.state.decider;
     let mut seconds = std::collections::HashSet::new();
     for i in 0..64 {
