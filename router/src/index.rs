@@ -94,8 +94,9 @@ mod table;
 #[cfg(test)]
 mod tests;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, TryLockError};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use kvroute_proto::{BlockHash, ReplicaId};
@@ -103,6 +104,14 @@ use kvroute_proto::{BlockHash, ReplicaId};
 pub use credits::{CreditHold, Credits, Stamp};
 pub(crate) use hasher::FoldState;
 pub use table::PrefixIndex;
+
+/// Who waits for which (block, replica) to be stored.
+type Waiters = HashMap<(BlockHash, ReplicaId), Vec<Arc<dyn OnStored>>>;
+
+/// Told once the replica's events store a block ([`SharedIndex::wait_stored`]).
+pub trait OnStored: Send + Sync + std::fmt::Debug {
+    fn stored(&self);
+}
 
 /// Hashes applied per write-lock hold by [`SharedIndex`], bounding how long a lookup waits.
 const WRITE_CHUNK: usize = 32;
@@ -182,6 +191,10 @@ struct Shared {
     index: RwLock<PrefixIndex>,
     /// Pending routing decisions; events for a (block, replica) end its credit.
     credits: Credits,
+    /// Requests waiting for a block to be stored on a replica ([`SharedIndex::wait_stored`]),
+    /// and how many there are (read without the lock by every store).
+    waiters: Mutex<Waiters>,
+    waiting: AtomicUsize,
     /// Lookups blocked on the lock. The std lock lets a writer that unlocks and relocks at
     /// once barge past readers it just woke, so a writer streaming chunks back to back
     /// (a snapshot replay) could starve lookups for milliseconds; writers wait for this to
@@ -207,6 +220,8 @@ impl SharedIndex {
             inner: Arc::new(Shared {
                 index: RwLock::default(),
                 credits: Credits::new(ttl),
+                waiters: Mutex::default(),
+                waiting: AtomicUsize::new(0),
                 queued_readers: AtomicUsize::new(0),
             }),
         }
@@ -224,7 +239,46 @@ impl SharedIndex {
         let stored =
             hashes.chunks(WRITE_CHUNK).map(|chunk| self.write(|index| index.store(replica, chunk))).sum();
         self.inner.credits.confirm(replica, hashes);
+        if self.inner.waiting.load(Ordering::Acquire) > 0 {
+            self.notify_stored(replica, hashes);
+        }
         stored
+    }
+
+    /// Calls `waiter` once the replica's events store `block` on `replica` (unless
+    /// [`Self::unwait_stored`] comes first).
+    pub fn wait_stored(&self, replica: ReplicaId, block: BlockHash, waiter: Arc<dyn OnStored>) {
+        let mut waiters = self.inner.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+        waiters.entry((block, replica)).or_default().push(waiter);
+        self.inner.waiting.fetch_add(1, Ordering::Release);
+    }
+
+    /// Takes back a [`Self::wait_stored`] that has not been called.
+    pub fn unwait_stored(&self, replica: ReplicaId, block: BlockHash, waiter: &Arc<dyn OnStored>) {
+        let mut waiters = self.inner.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(list) = waiters.get_mut(&(block, replica)) else { return };
+        let before = list.len();
+        list.retain(|w| !std::ptr::addr_eq(Arc::as_ptr(w), Arc::as_ptr(waiter)));
+        self.inner.waiting.fetch_sub(before - list.len(), Ordering::Release);
+        if list.is_empty() {
+            waiters.remove(&(block, replica));
+        }
+    }
+
+    fn notify_stored(&self, replica: ReplicaId, hashes: &[BlockHash]) {
+        let mut called = Vec::new();
+        {
+            let mut waiters = self.inner.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+            for &hash in hashes {
+                if let Some(list) = waiters.remove(&(hash, replica)) {
+                    called.extend(list);
+                }
+            }
+            self.inner.waiting.fetch_sub(called.len(), Ordering::Release);
+        }
+        for waiter in called {
+            waiter.stored();
+        }
     }
 
     /// See [`PrefixIndex::remove`]; also ends the replica's credits for these blocks.

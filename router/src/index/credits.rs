@@ -29,7 +29,7 @@
 //! first request's release leaves the later one's pin alone.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvroute_proto::{BlockHash, ReplicaId};
@@ -212,19 +212,39 @@ pub struct CreditHold {
     replica: ReplicaId,
     blocks: Vec<BlockHash>,
     stamp: Stamp,
+    /// Told when the replica stores the last of `blocks` ([`CreditHold::tell_when_stored`]).
+    waiter: Option<Arc<dyn super::OnStored>>,
 }
 
 impl CreditHold {
     /// Pins `blocks` on `replica`.
     pub fn pin(index: &super::SharedIndex, replica: ReplicaId, blocks: Vec<BlockHash>) -> Self {
         let stamp = index.credits().pin(replica, &blocks);
-        Self { index: index.clone(), replica, blocks, stamp }
+        Self { index: index.clone(), replica, blocks, stamp, waiter: None }
+    }
+
+    /// Tells `waiter` when the replica's events store the last block pinned here (its
+    /// prefill reached the prompt's end), unless the hold moves or ends first. Nothing is
+    /// pinned when the replica already held the whole prompt, and then nothing is told.
+    pub fn tell_when_stored(&mut self, waiter: Arc<dyn super::OnStored>) {
+        self.stop_waiting();
+        if let Some(&last) = self.blocks.last() {
+            self.index.wait_stored(self.replica, last, waiter.clone());
+            self.waiter = Some(waiter);
+        }
+    }
+
+    fn stop_waiting(&mut self) {
+        if let (Some(waiter), Some(&last)) = (self.waiter.take(), self.blocks.last()) {
+            self.index.unwait_stored(self.replica, last, &waiter);
+        }
     }
 
     /// The request goes to `replica` instead, whose credits it pins for `blocks`: the pins on
     /// the replica before come off, and its credits of `added` (the blocks only this
     /// decision credited there) end ([`Credits::withdraw`]).
     pub fn move_to(&mut self, added: &[BlockHash], replica: ReplicaId, blocks: Vec<BlockHash>) {
+        self.stop_waiting();
         let credits = self.index.credits();
         credits.withdraw(self.replica, &self.blocks, self.stamp, added);
         self.stamp = credits.pin(replica, &blocks);
@@ -234,6 +254,7 @@ impl CreditHold {
     /// The request failed on the replica without starting: the pins come off, and the
     /// credits of `added` end ([`Credits::withdraw`]).
     pub fn withdraw(mut self, added: &[BlockHash]) {
+        self.stop_waiting();
         self.index.credits().withdraw(self.replica, &self.blocks, self.stamp, added);
         self.blocks.clear();
     }
@@ -241,6 +262,7 @@ impl CreditHold {
 
 impl Drop for CreditHold {
     fn drop(&mut self) {
+        self.stop_waiting();
         self.index.credits().unpin(self.replica, &self.blocks, self.stamp);
     }
 }

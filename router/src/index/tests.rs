@@ -447,3 +447,39 @@ fn a_store_waits_for_a_lookup_with_its_credits() {
     stored_rx.recv().unwrap();
     assert_eq!(index.lookup(&blocks).get(r(0)), 4);
 }
+
+#[derive(Debug, Default)]
+struct Told(std::sync::atomic::AtomicU32);
+
+impl OnStored for Told {
+    fn stored(&self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// A hold tells its waiter once when its last pinned block is stored on its replica, and
+/// not at all once it moved on or ended.
+#[test]
+fn a_hold_tells_when_its_last_block_is_stored() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let index = SharedIndex::with_credit_ttl(Duration::from_secs(60));
+    let told = Arc::new(Told::default());
+    let mut hold = CreditHold::pin(&index, r(0), hs(0..4));
+    hold.tell_when_stored(told.clone());
+    index.store(r(1), &hs(0..4));
+    index.store(r(0), &hs(0..3));
+    assert_eq!(told.0.load(Relaxed), 0, "another replica, or not the last block");
+    index.store(r(0), &hs(3..4));
+    index.store(r(0), &hs(3..4));
+    assert_eq!(told.0.load(Relaxed), 1, "once");
+
+    let later = Arc::new(Told::default());
+    let mut hold = CreditHold::pin(&index, r(0), hs(10..12));
+    hold.tell_when_stored(later.clone());
+    hold.move_to(&[], r(1), hs(10..12));
+    index.store(r(0), &hs(10..12));
+    drop(hold);
+    index.store(r(1), &hs(10..12));
+    assert_eq!(later.0.load(Relaxed), 0, "moved on, then ended");
+    assert_eq!(Arc::strong_count(&later), 1, "nothing kept");
+}

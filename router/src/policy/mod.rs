@@ -67,7 +67,8 @@ pub struct Load {
     /// reports.
     pub in_flight: u32,
     /// Prompt tokens the router has sent to it that are not yet prefilled (uncached part of
-    /// every in-flight request whose first byte has not come back).
+    /// every in-flight request whose first byte has not come back, or, for an answer that is
+    /// not streamed, whose prompt's last block the replica's events have not yet stored).
     pub pending_prefill_tokens: u64,
     /// Queue length the replica itself last reported (e.g. `num_requests_waiting`), if known.
     pub reported_waiting: u32,

@@ -142,6 +142,11 @@ pub async fn routed(
         let member = &scored.member.clone();
         let upstream = &member.upstream;
         let guard = upstream.begin(plan.sequences, plan.prefill_tokens(attempt), plan.prompt_tokens);
+        // A whole answer comes at its end: the prefill is over when the replica stores the
+        // prompt's last block.
+        if let Some(hold) = plan.hold.as_mut().filter(|_| !plan.streams) {
+            hold.tell_when_stored(guard.pending_prefill());
+        }
         let uri = replica_uri(&member.replica.spec.http_url, &client.uri)?;
         let sent = Instant::now();
         match first_byte(

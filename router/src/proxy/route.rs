@@ -125,6 +125,9 @@ pub struct Plan {
     /// A Responses request whose response the replica may keep (`store`): the response's id
     /// is learned from its answer ([`super::responses::Owners`]).
     pub keeps_response: bool,
+    /// The answer streams: its first data comes right after the prefill. (A whole answer
+    /// comes only at the end, so the prefill's end is read off the replica's events.)
+    pub streams: bool,
 }
 
 impl Plan {
@@ -305,6 +308,7 @@ impl Decider {
         let mut plan = self.score(members, blocks, all_blocks, &view, (first_prompt_tokens, adapter), send);
         plan.max_tokens = request.max_tokens();
         plan.unhashed_tokens = info.unhashed_tokens;
+        plan.streams = request.stream();
         // Counted up to vLLM's bound on `n`, so that a replica's count cannot wrap.
         let prompts = u32::try_from(info.tokens.len().max(1)).unwrap_or(u32::MAX);
         plan.sequences = prompts.saturating_mul(request.n()).min(MAX_N);
@@ -391,6 +395,7 @@ impl Decider {
             hold: None,
             keeps_response: false,
             sequences: 1,
+            streams: false,
         }
     }
 }

@@ -28,7 +28,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -200,7 +200,9 @@ impl Upstream {
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.pending_prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
         self.recent().add(self.epoch.elapsed(), prompt_tokens);
-        LoadGuard { upstream: self.clone(), sequences, prefill_tokens }
+        let prefill =
+            Arc::new(PendingPrefill { upstream: self.clone(), tokens: AtomicU64::new(prefill_tokens) });
+        LoadGuard { upstream: self.clone(), sequences, prefill }
     }
 
     pub fn record_success(&self) {
@@ -348,9 +350,9 @@ pub fn verdicts_for<'a>(
 /// A request's share of a replica's load; dropping it releases everything still held.
 #[derive(Debug)]
 pub struct LoadGuard {
-    upstream: std::sync::Arc<Upstream>,
+    upstream: Arc<Upstream>,
     sequences: u32,
-    prefill_tokens: u64,
+    prefill: Arc<PendingPrefill>,
 }
 
 impl LoadGuard {
@@ -361,8 +363,35 @@ impl LoadGuard {
 
     /// The first response byte arrived: the prefill is done.
     pub fn prefill_done(&mut self) {
-        let n = std::mem::take(&mut self.prefill_tokens);
+        self.prefill.release();
+    }
+
+    /// The request's pending prefill, to be released when the replica's events show its
+    /// prompt stored (an answer that is not streamed has its first byte only at its end).
+    pub fn pending_prefill(&self) -> Arc<PendingPrefill> {
+        self.prefill.clone()
+    }
+}
+
+/// A request's prefill tokens in its replica's pending count, taken out once: at the
+/// answer's first data, when the replica's events store the prompt's last block
+/// ([`crate::index::OnStored`]), or when the request ends, whichever comes first.
+#[derive(Debug)]
+pub struct PendingPrefill {
+    upstream: Arc<Upstream>,
+    tokens: AtomicU64,
+}
+
+impl PendingPrefill {
+    fn release(&self) {
+        let n = self.tokens.swap(0, Ordering::AcqRel);
         self.upstream.pending_prefill.fetch_sub(n, Ordering::Relaxed);
+    }
+}
+
+impl crate::index::OnStored for PendingPrefill {
+    fn stored(&self) {
+        self.release();
     }
 }
 

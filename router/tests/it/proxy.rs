@@ -627,6 +627,29 @@ async fn other_v1_requests_stream_through_and_oversized_uploads_do_not_eject_rep
     assert!(metrics.contains("kvroute_router_ejections_total 0"), "{metrics}");
 }
 
+/// An answer that is not streamed has its first byte only at its end: the request's prefill
+/// leaves the replica's pending count when the replica's events store its prompt, while the
+/// answer is still being generated (before, only at the end, so a replica busy decoding
+/// looked as if it had all those prompts still to prefill).
+#[tokio::test]
+async fn a_whole_answers_prefill_ends_with_the_replicas_events() {
+    // Real time: 4000 tokens take the agent tens of seconds.
+    let slow = |name: &str| kvroute_replica_agent::Config { time_scale: 1.0, ..agent_config(name) };
+    let fleet = Fleet::with(1, slow, |c| c).await;
+    let member = fleet.router.fleet().member("agent-0").unwrap();
+    let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
+    let answer = tokio::spawn(async move { http.post(&url, &completion(&text("whole", 40), 4000)).await });
+    // (Its prefill is counted at the decision, and may be gone before a poll sees it.)
+    wait_until("the request is in flight", || member.upstream.load().in_flight == 1).await;
+    wait_until("its prefill leaves the pending count while it is generated", || {
+        member.upstream.load().pending_prefill_tokens == 0
+    })
+    .await;
+    assert_eq!(member.upstream.load().in_flight, 1);
+    assert!(!answer.is_finished());
+    answer.abort();
+}
+
 /// Requests that pass through to an idle fleet spread over it (ties by request id): before,
 /// every lone `/tokenize` or `/v1/embeddings` went to the first replica.
 #[tokio::test]
