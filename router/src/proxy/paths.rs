@@ -50,14 +50,19 @@ pub fn allowed(path: &str) -> Option<&'static str> {
 }
 
 /// Refuses a path that passes through but that the replica would read as one of the router's
-/// own, or with dot segments.
+/// own (or a stored response's, which goes to the replica keeping it), with dot segments, or
+/// with control characters: Starlette's route patterns end in `$`, which matches before a
+/// final newline, so `/v1/completions%0A` reached a replica as its completions route.
 pub fn check_passthrough(path: &str) -> Result<(), ProxyError> {
     let decoded = percent_decode_str(path).decode_utf8_lossy();
     if decoded.split('/').any(|segment| segment == "." || segment == "..") {
         return Err(ProxyError::BadPath(format!("the path {path} has dot segments")));
     }
+    if decoded.chars().any(char::is_control) {
+        return Err(ProxyError::BadPath(format!("the path {path} has control characters")));
+    }
     let plain = decoded.trim_end_matches('/');
-    if plain != path && allowed(plain).is_some() {
+    if plain != path && (allowed(plain).is_some() || super::responses::target(plain).is_some()) {
         return Err(ProxyError::BadPath(format!(
             "the path {path} is {plain} spelled otherwise; send {plain}"
         )));
@@ -80,6 +85,12 @@ mod tests {
             "/v1/./completions",
             "/v1/x/../completions",
             "/v1/x/%2E%2E/completions",
+            "/v1/completions%0A",
+            "/v1/chat/completions%0a",
+            "/v1/load_lora_adapter%0A",
+            "/v1/embeddings%09",
+            "/v1/responses%2Fresp_1",
+            "/v1/%72esponses/resp_1/cancel",
         ] {
             assert!(matches!(check_passthrough(path), Err(ProxyError::BadPath(_))), "{path}");
         }
