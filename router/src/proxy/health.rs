@@ -59,10 +59,20 @@ pub async fn run(
 }
 
 /// Takes the adapters that every replica in `listed` has, and forgets those it `learned`
-/// that none has any more (see the module docs).
+/// that none has any more (see the module docs); takes an adapter loaded through the router
+/// once every replica has it (a replica that missed the load was given it since).
 fn learn_adapters(state: &ProxyState, listed: &[HashSet<String>], learned: &mut HashSet<String>) {
-    let Some((first, others)) = listed.split_first() else { return };
     let tokenization = state.decider.prompts.tokenization();
+    let members = state.fleet().members();
+    for adapter in state.fleet().adapters().all() {
+        if !members.is_empty()
+            && members.iter().all(|m| m.upstream.has_adapter(&adapter.name))
+            && tokenization.add_lora_adapter(&adapter.name)
+        {
+            tracing::info!(lora_name = adapter.name, "LoRA adapter every replica now has: hashed in its namespace");
+        }
+    }
+    let Some((first, others)) = listed.split_first() else { return };
     for name in first.iter().filter(|name| others.iter().all(|l| l.contains(*name))) {
         if tokenization.add_lora_adapter(name) {
             tracing::info!(lora_name = name, "LoRA adapter every replica lists: hashed in its namespace");

@@ -212,16 +212,20 @@ async fn apply(
             Change::Unload => registry.remove(&name),
         }
     }
-    if done + there == outcomes.len() {
-        let tokenization = state.decider.prompts.tokenization();
-        match change {
-            Change::Load => {
-                tokenization.add_lora_adapter(&name);
-            }
-            Change::Unload => {
-                tokenization.remove_lora_adapter(&name);
-            }
+    // Requests are hashed in the adapter's namespace while every replica has it: from a load
+    // every replica took (or, later, the health checks' once the ones that missed it have
+    // it), until an unload any replica took.
+    let tokenization = state.decider.prompts.tokenization();
+    match change {
+        Change::Load if done + there == outcomes.len() => {
+            tokenization.add_lora_adapter(&name);
         }
+        Change::Unload if done + there > 0 => {
+            tokenization.remove_lora_adapter(&name);
+        }
+        _ => {}
+    }
+    if done + there == outcomes.len() {
         tracing::info!(lora_name = name, ?change, done, there, "LoRA adapter change reached every replica");
     }
     if done == outcomes.len() || done + there == outcomes.len() && done > 0 {
