@@ -434,11 +434,11 @@ where
     runtime.block_on(async move {
         let shutdown = CancellationToken::new();
         let on_signal = shutdown.clone();
+        // SIGTERM too: a soak's processes are stopped (dropped) on the way out.
         let signals = tokio::spawn(async move {
-            if tokio::signal::ctrl_c().await.is_ok() {
-                eprintln!("interrupted: stopping the run");
-                on_signal.cancel();
-            }
+            kvroute_proto::process::next_signal().await;
+            eprintln!("interrupted: stopping the run");
+            on_signal.cancel();
         });
         let result = work(shutdown).await;
         signals.abort();

@@ -22,8 +22,19 @@ pub fn init_tracing() {
     }
 }
 
-/// Cancels `token` on the first SIGTERM or SIGINT (Ctrl-C), so every task drains.
+/// Cancels `token` on the first SIGTERM or SIGINT (Ctrl-C), so every task drains; a second
+/// one exits at once (a drain a peer holds up is not waited for twice).
 pub async fn cancel_on_signal(token: CancellationToken) {
+    next_signal().await;
+    tracing::info!("shutdown requested");
+    token.cancel();
+    next_signal().await;
+    tracing::warn!("second signal: exiting without waiting for the drain");
+    std::process::exit(130);
+}
+
+/// The next SIGTERM or SIGINT (Ctrl-C).
+pub async fn next_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
@@ -32,7 +43,6 @@ pub async fn cancel_on_signal(token: CancellationToken) {
             Err(e) => {
                 tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the process");
                 let _ = ctrl_c.await;
-                token.cancel();
                 return;
             }
         };
@@ -43,8 +53,6 @@ pub async fn cancel_on_signal(token: CancellationToken) {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
-    tracing::info!("shutdown requested");
-    token.cancel();
 }
 
 /// The whole `main` of a kvroute server binary: parse flags, environment and `--config`

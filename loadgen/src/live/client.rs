@@ -441,40 +441,49 @@ impl SseState {
         while let Some(end) = find_event_end(&self.buf) {
             let event = self.buf.split_to(end.0);
             self.buf.advance(end.1);
+            // An event's data is its `data:` lines joined by newlines (the SSE spec).
+            let mut joined = Vec::new();
             for line in event[..].split(|&b| b == b'\n') {
                 let Some(payload) = line.strip_prefix(b"data:") else { continue };
-                let payload = payload.trim_ascii();
-                if payload == b"[DONE]" {
-                    self.done = true;
-                    continue;
+                if !joined.is_empty() {
+                    joined.push(b'\n');
                 }
-                let chunk: Chunk = serde_json::from_slice(payload).map_err(|_| ErrorKind::Malformed)?;
-                if chunk.error.is_some() {
-                    return Err(ErrorKind::Stream);
-                }
-                let kind = chunk.kind.as_deref();
-                // The Responses API's failures are events of their own.
-                if matches!(kind, Some("error" | "response.failed")) {
-                    return Err(ErrorKind::Stream);
-                }
-                let token = !chunk.choices.is_empty()
-                    || matches!(kind, Some("content_block_delta" | "response.output_text.delta"));
-                if token && success.ttft.is_none() {
-                    success.ttft = Some(sent.elapsed());
-                }
-                if matches!(kind, Some("message_stop" | "response.completed" | "response.incomplete")) {
-                    self.done = true;
-                }
-                let usage = chunk
-                    .usage
-                    .or(chunk.message.and_then(|m| match m {
-                        Started::Message(m) => m.usage,
-                        Started::Other(_) => None,
-                    }))
-                    .or(chunk.response.and_then(|r| r.usage));
-                if let Some(usage) = usage {
-                    self.usage = Some(self.usage.unwrap_or_default().updated(usage));
-                }
+                joined.extend_from_slice(payload.strip_prefix(b" ").unwrap_or(payload));
+            }
+            let payload = joined.trim_ascii();
+            if payload.is_empty() {
+                continue;
+            }
+            if payload == b"[DONE]" {
+                self.done = true;
+                continue;
+            }
+            let chunk: Chunk = serde_json::from_slice(payload).map_err(|_| ErrorKind::Malformed)?;
+            if chunk.error.is_some() {
+                return Err(ErrorKind::Stream);
+            }
+            let kind = chunk.kind.as_deref();
+            // The Responses API's failures are events of their own.
+            if matches!(kind, Some("error" | "response.failed")) {
+                return Err(ErrorKind::Stream);
+            }
+            let token = !chunk.choices.is_empty()
+                || matches!(kind, Some("content_block_delta" | "response.output_text.delta"));
+            if token && success.ttft.is_none() {
+                success.ttft = Some(sent.elapsed());
+            }
+            if matches!(kind, Some("message_stop" | "response.completed" | "response.incomplete")) {
+                self.done = true;
+            }
+            let usage = chunk
+                .usage
+                .or(chunk.message.and_then(|m| match m {
+                    Started::Message(m) => m.usage,
+                    Started::Other(_) => None,
+                }))
+                .or(chunk.response.and_then(|r| r.usage));
+            if let Some(usage) = usage {
+                self.usage = Some(self.usage.unwrap_or_default().updated(usage));
             }
         }
         Ok(())
@@ -546,6 +555,16 @@ mod tests {
         let error =
             Bytes::from_static(b"event: error\ndata: {\"type\":\"error\",\"error\":{\"message\":\"x\"}}\n\n");
         assert_eq!(sse.feed(error, Instant::now(), &mut Success::default()), Err(ErrorKind::Stream));
+    }
+
+    /// An event's data may span several `data:` lines, joined by newlines (the SSE spec).
+    #[test]
+    fn an_events_data_lines_are_joined() {
+        let text = "data: {\"choices\":[{\"text\":\"a\"}],\ndata: \"usage\":null}\n\ndata: [DONE]\n\n";
+        let mut sse = SseState::default();
+        let mut success = Success::default();
+        sse.feed(Bytes::from_static(text.as_bytes()), Instant::now(), &mut success).unwrap();
+        assert!(sse.done && success.ttft.is_some());
     }
 
     #[test]

@@ -250,9 +250,17 @@ async fn open_loop(
         if deadline.is_some_and(|d| when >= d) {
             break;
         }
+        // The wait for a free slot ends at the run's deadline too: with every slot held by
+        // a stalled fleet, the requests due before it would go out long after.
+        let due = async {
+            tokio::time::sleep_until(when.into()).await;
+            slots.clone().acquire_owned().await
+        };
         let permit = tokio::select! {
+            biased;
             () = sender.shutdown.cancelled() => break,
-            () = tokio::time::sleep_until(when.into()) => match slots.clone().acquire_owned().await {
+            () = until(deadline) => break,
+            permit = due => match permit {
                 Ok(permit) => permit,
                 Err(_) => break,
             },
@@ -262,6 +270,14 @@ async fn open_loop(
             sender.send(i, Some(at), &request).await;
             drop(permit);
         });
+    }
+}
+
+/// Sleeps until `deadline`, or for ever without one.
+pub(crate) async fn until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -345,5 +361,39 @@ mod tests {
         let got = schedule(&requests, Arrivals::Trace { speedup: 2.0 }).unwrap();
         assert_eq!(got, [ms(0), ms(1000), ms(1000), ms(2000)]);
         assert!(schedule(&requests, Arrivals::Trace { speedup: 1e-300 }).is_err());
+    }
+
+    /// `max_duration` ends the sending even while every slot is held (a fleet that accepts
+    /// and never answers): requests due before it are not sent after it as slots free up.
+    #[tokio::test]
+    async fn nothing_is_sent_past_the_runs_length_while_slots_are_full() {
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target = format!("http://{}", silent.local_addr().unwrap());
+        // Completions are held unanswered; the run's scrapes of the target get a 404.
+        let held = tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut conns = Vec::new();
+            while let Ok((mut conn, _)) = silent.accept().await {
+                let mut head = [0u8; 4];
+                if conn.read_exact(&mut head).await.is_ok() && &head == b"GET " {
+                    let _ = conn.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n").await;
+                }
+                conns.push(conn);
+            }
+        });
+        let config = LiveConfig {
+            max_in_flight: 1,
+            request_timeout: Duration::from_millis(300),
+            max_duration: Some(Duration::from_millis(100)),
+            arrivals: Arrivals::Trace { speedup: 1.0 },
+            ..LiveConfig::new(target, "m")
+        };
+        let trace = Trace::new((0..10).map(|_| at(0)).collect());
+        let report = run(&trace, &config, CancellationToken::new()).await.unwrap();
+        held.abort();
+        assert!(!report.records.is_empty());
+        for r in &report.records {
+            assert!(r.sent < Duration::from_millis(100), "request {} sent at {:?}", r.index, r.sent);
+        }
     }
 }

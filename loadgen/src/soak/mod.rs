@@ -88,6 +88,10 @@ pub async fn run(
 ) -> anyhow::Result<SoakReport> {
     anyhow::ensure!(config.rate.is_finite() && config.rate > 0.0, "the rate must be positive");
     anyhow::ensure!(config.replicas > 0 && config.max_in_flight > 0, "need a replica and an in-flight slot");
+    anyhow::ensure!(
+        !config.sample_interval.is_zero() && config.churn_interval.is_none_or(|d| !d.is_zero()),
+        "the sample and churn intervals must be longer than zero"
+    );
     let logs = config.out_dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let client = Client::new(Duration::from_secs(2));
@@ -330,9 +334,17 @@ async fn send_load(trace: Trace, load: Load, start: Instant, stop: CancellationT
             end = LoadEnd::Duration;
             break;
         }
+        // The wait for a free slot ends at the deadline too (a stalled fleet holding every
+        // slot would otherwise stretch the run).
+        let due = async {
+            tokio::time::sleep_until(at.into()).await;
+            slots.clone().acquire_owned().await
+        };
         let permit = tokio::select! {
+            biased;
             () = stop.cancelled() => { end = LoadEnd::Cancelled; break }
-            () = tokio::time::sleep_until(at.into()) => match slots.clone().acquire_owned().await {
+            () = crate::live::until(Some(deadline)) => { end = LoadEnd::Duration; break }
+            permit = due => match permit {
                 Ok(permit) => permit,
                 Err(_) => break,
             },

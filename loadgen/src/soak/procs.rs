@@ -5,8 +5,8 @@
 //! Ports are reserved by binding `127.0.0.1:0` and releasing the socket just before the
 //! child binds it (a small race with other processes on the machine; a child that cannot
 //! bind exits, and is started again). Every child's stdout and stderr go to
-//! `<log_dir>/<name>.log`; a child is killed when its handle drops, so an error or a panic in
-//! loadgen leaves nothing running.
+//! `<log_dir>/<name>.log`; a child is killed when its handle drops, so an error, a panic, Ctrl-C or
+//! SIGTERM in loadgen leaves nothing running (SIGKILL, which runs no destructor, does).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};

@@ -31,6 +31,8 @@ pub struct Totals {
     pub succeeded: u64,
     /// Failures attributed to a killed replica.
     pub lost_to_churn: u64,
+    /// Requests the run's end (Ctrl-C) cut off: neither churn nor a fault.
+    pub cancelled: u64,
     /// Every other failure, by kind (`http_502`, `stream`, `timeout`, ...).
     pub unexpected: BTreeMap<String, u64>,
     /// Prompt tokens of successful requests that reported `cached_tokens`.
@@ -101,6 +103,7 @@ impl Tally {
                         t.predicted_tokens += predicted;
                     }
                 }
+                Err(ErrorKind::Cancelled) => t.cancelled += 1,
                 Err(kind) if lost_to_churn(&s.kills, sent, now, replica) => {
                     tracing::debug!(error = kind.label(), ?replica, "request lost to churn");
                     t.lost_to_churn += 1;
@@ -164,9 +167,12 @@ mod tests {
         tally.killing("a");
         tally.finished(sent, Some("a"), &Err(ErrorKind::Stream));
         tally.finished(sent, Some("b"), &Err(ErrorKind::Stream));
+        // Cut off by the run's end, across a kill: not lost to churn, and no fault either.
+        tally.finished(sent, None, &Err(ErrorKind::Cancelled));
         let totals = tally.totals();
-        assert_eq!((totals.sent, totals.done, totals.in_flight()), (4, 3, 1));
+        assert_eq!((totals.sent, totals.done, totals.in_flight()), (4, 4, 0));
         assert_eq!((totals.succeeded, totals.lost_to_churn, totals.unexpected_errors()), (1, 1, 1));
+        assert_eq!(totals.cancelled, 1);
         assert_eq!(totals.unexpected.get("stream"), Some(&1));
         assert_eq!((totals.prompt_tokens, totals.cached_tokens), (100, 40));
         assert_eq!(tally.kills(), 1);

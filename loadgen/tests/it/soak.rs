@@ -53,14 +53,10 @@ impl Drop for TempDir {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn soak_samples_memory_restarts_replicas_and_keeps_serving() {
-    let out = TempDir(std::env::temp_dir().join(format!("kvroute-soak-test-{}", std::process::id())));
-    let (rate, duration) = (6.0, Duration::from_secs(20));
-    let workload = soak_workload(rate, duration, 7);
-    let trace = workload.generate().unwrap();
-    let config = SoakConfig {
-        binaries: server_binaries(),
+/// The soak this suite runs: four agents, churn every 5 s, samples every second.
+fn config(binaries: Binaries, rate: f64, duration: Duration, out_dir: PathBuf) -> SoakConfig {
+    SoakConfig {
+        binaries,
         replicas: 4,
         rate,
         duration,
@@ -76,10 +72,36 @@ async fn soak_samples_memory_restarts_replicas_and_keeps_serving() {
         // covered elsewhere).
         prompt: PromptFormat::Text,
         router_args: Vec::new(),
-        out_dir: out.0.clone(),
+        out_dir,
         workload: "chat".into(),
         progress: false,
-    };
+    }
+}
+
+/// An interval of zero is refused before anything starts (tokio's timers panic on one, and
+/// a panicking churn task took the fleet down with it).
+#[tokio::test]
+async fn zero_intervals_are_refused() {
+    // Nothing runs: no binaries needed.
+    let none = Binaries { router: PathBuf::new(), agent: PathBuf::new() };
+    let base =
+        config(none, 1.0, Duration::from_secs(1), std::env::temp_dir().join("kvroute-soak-never-written"));
+    for (churn_interval, sample_interval) in
+        [(Some(Duration::ZERO), Duration::from_secs(1)), (None, Duration::ZERO)]
+    {
+        let config = SoakConfig { churn_interval, sample_interval, ..base.clone() };
+        let err = soak::run(&Default::default(), &config, CancellationToken::new()).await.unwrap_err();
+        assert!(err.to_string().contains("intervals"), "{err:#}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soak_samples_memory_restarts_replicas_and_keeps_serving() {
+    let out = TempDir(std::env::temp_dir().join(format!("kvroute-soak-test-{}", std::process::id())));
+    let (rate, duration) = (6.0, Duration::from_secs(20));
+    let workload = soak_workload(rate, duration, 7);
+    let trace = workload.generate().unwrap();
+    let config = config(server_binaries(), rate, duration, out.0.clone());
     let report = tokio::time::timeout(LIMIT, soak::run(&trace, &config, CancellationToken::new()))
         .await
         .expect("the soak finishes")
@@ -99,7 +121,7 @@ async fn soak_samples_memory_restarts_replicas_and_keeps_serving() {
 
     let t = &report.totals;
     assert_eq!(t.sent, t.done, "every request finished");
-    assert_eq!(t.done, t.succeeded + t.lost_to_churn + t.unexpected_errors());
+    assert_eq!(t.done, t.succeeded + t.lost_to_churn + t.cancelled + t.unexpected_errors());
     assert_eq!(t.unexpected_errors(), 0, "unexpected errors: {:?}", t.unexpected);
     assert!(t.succeeded > 50, "{t:?}");
     assert!(report.hit_rate.is_some_and(|h| h > 0.0), "shared prefixes never hit");

@@ -69,7 +69,10 @@ fn learn_adapters(state: &ProxyState, listed: &[HashSet<String>], learned: &mut 
             && members.iter().all(|m| m.upstream.has_adapter(&adapter.name))
             && tokenization.add_lora_adapter(&adapter.name)
         {
-            tracing::info!(lora_name = adapter.name, "LoRA adapter every replica now has: hashed in its namespace");
+            tracing::info!(
+                lora_name = adapter.name,
+                "LoRA adapter every replica now has: hashed in its namespace"
+            );
         }
     }
     let Some((first, others)) = listed.split_first() else { return };

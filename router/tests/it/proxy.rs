@@ -1104,7 +1104,8 @@ async fn a_lora_adapter_reaches_a_replica_that_restarted_without_it() {
     // The second, loaded at first on agent-0 only, is hashed in its namespace once agent-1
     // has it too (agents with a key list nothing to a health check: the catch-up tells).
     let tokenization = fleet.router.state.decider.prompts.tokenization();
-    wait_until("sql2 is hashed in its namespace", || tokenization.lora_adapters().contains(&"sql2".into())).await;
+    wait_until("sql2 is hashed in its namespace", || tokenization.lora_adapters().contains(&"sql2".into()))
+        .await;
 }
 
 /// A decision's credits hold while its request waits in the replica's queue, however long
