@@ -327,7 +327,16 @@ async fn accept_loop<H, F, B>(
     if limits.max_headers != HYPER_MAX_HEADERS {
         builder.http1().max_headers(limits.max_headers);
     }
-    builder.http2().max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
+    // An HTTP/2 peer that stops answering PINGs within the header-read timeout is closed:
+    // hyper reaps idle HTTP/1 connections with that timer, but nothing else would close a
+    // silent or half-open HTTP/2 one (nor let a graceful shutdown, which waits for the
+    // peer's PING acknowledgement, end).
+    builder
+        .http2()
+        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(limits.header_read_timeout))
+        .keep_alive_timeout(limits.header_read_timeout);
     loop {
         let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -377,16 +386,17 @@ async fn accept_loop<H, F, B>(
             // would hold its slot for good. Its first request is due within the same time.
             // (The timer goes with the first request.)
             let mut first_request = Some(Box::pin(tokio::time::sleep(first_request_timeout)));
-            let mut closing = false;
+            let (mut closing, mut shutting_down) = (false, false);
             let result = loop {
                 let waiting = first_request.is_some();
                 tokio::select! {
                     // The connection first: a request that came as the timer fired is seen.
                     biased;
                     result = conn.as_mut() => break result,
-                    _ = shutdown.cancelled() => {
+                    // The first-request timer still runs while the connection drains.
+                    _ = shutdown.cancelled(), if !shutting_down => {
                         conn.as_mut().graceful_shutdown();
-                        break conn.await;
+                        shutting_down = true;
                     }
                     () = greeted.wait(), if waiting => first_request = None,
                     () = elapsed(&mut first_request), if waiting => {
@@ -659,6 +669,49 @@ mod tests {
         drop(client);
         shutdown.cancel();
         server.await.unwrap();
+    }
+
+    /// A shutdown does not wait for ever on an HTTP/2 peer that went silent after its preface
+    /// (hyper's graceful close waits for the peer to acknowledge a PING), nor on one that sent a
+    /// request and then went silent (its slot was held until the process was killed).
+    #[tokio::test]
+    async fn a_silent_http2_peer_neither_holds_a_slot_nor_the_shutdown() {
+        const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+        // HEADERS, stream 1, END_STREAM | END_HEADERS: GET / over http, :authority x.
+        const GET: &[u8] = b"\0\0\x06\x01\x05\0\0\0\x01\x82\x86\x84\x41\x01\x78";
+        for (request, shut_down) in [(false, true), (true, false)] {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let shutdown = CancellationToken::new();
+            let handler =
+                |_: Request<Incoming>| async { Response::new(Full::new(Bytes::from_static(b"fine"))) };
+            let limits = Limits {
+                max_connections: 1,
+                header_read_timeout: Duration::from_millis(300),
+                ..Limits::default()
+            };
+            let server = tokio::spawn(serve_with(listener, handler, limits, shutdown.clone()));
+            let mut peer = tokio::net::TcpStream::connect(addr).await.unwrap();
+            peer.write_all(PREFACE).await.unwrap();
+            if request {
+                peer.write_all(GET).await.unwrap();
+            }
+            if shut_down {
+                shutdown.cancel();
+                tokio::time::timeout(Duration::from_secs(10), server)
+                    .await
+                    .expect("the shutdown was not held up")
+                    .unwrap();
+            } else {
+                let answer = tokio::time::timeout(Duration::from_secs(10), get(addr))
+                    .await
+                    .expect("the silent peer's slot came free");
+                assert!(answer.ends_with("fine"), "{answer}");
+                shutdown.cancel();
+                server.await.unwrap();
+            }
+            drop(peer);
+        }
     }
 
     /// A connection that sends no request (nothing at all, or part of HTTP/2's preface, which
