@@ -17,7 +17,12 @@ pub enum DecodeError {
     Payload(#[source] prost::DecodeError),
     #[error("frame seq {frame} does not match batch seq {batch}")]
     SeqMismatch { frame: u64, batch: u64 },
+    #[error("more than {} events in a batch", crate::vllm::MAX_EVENTS)]
+    TooManyEvents,
 }
+
+/// `EventBatch.events`'s field number.
+const EVENTS_FIELD: u64 = 7;
 
 /// The live frames for `batch` (its `seq` goes in frame 1).
 pub fn encode(topic: Bytes, batch: &EventBatch) -> Vec<Bytes> {
@@ -38,11 +43,39 @@ pub fn decode(frames: &[Bytes]) -> Result<(Bytes, EventBatch), DecodeError> {
 
 /// Decodes a payload that arrived with frame seq `seq` (live or replayed).
 pub fn decode_payload(seq: Seq, payload: &[u8]) -> Result<EventBatch, DecodeError> {
+    // Counted before decoding: an empty event takes two bytes on the wire and a hundred
+    // decoded ([`crate::vllm::MAX_EVENTS`]).
+    if events_in(payload).is_some_and(|n| n > crate::vllm::MAX_EVENTS) {
+        return Err(DecodeError::TooManyEvents);
+    }
     let batch = EventBatch::decode(payload).map_err(DecodeError::Payload)?;
     if batch.seq != seq.0 {
         return Err(DecodeError::SeqMismatch { frame: seq.0, batch: batch.seq });
     }
     Ok(batch)
+}
+
+/// How many `events` fields the top level of `payload` holds; `None` if it does not parse
+/// (the decoder then says why).
+fn events_in(mut payload: &[u8]) -> Option<usize> {
+    use prost::encoding::decode_varint;
+    let mut events = 0;
+    while !payload.is_empty() {
+        let key = decode_varint(&mut payload).ok()?;
+        events += usize::from(key >> 3 == EVENTS_FIELD);
+        let skip = match key & 7 {
+            0 => {
+                decode_varint(&mut payload).ok()?;
+                0
+            }
+            1 => 8,
+            2 => usize::try_from(decode_varint(&mut payload).ok()?).ok()?,
+            5 => 4,
+            _ => return None,
+        };
+        payload = payload.get(skip..)?;
+    }
+    Some(events)
 }
 
 #[cfg(test)]
@@ -87,6 +120,19 @@ mod tests {
     fn undecodable_payload_is_an_error() {
         let frames = framing::encode_live(Bytes::new(), Seq(0), Bytes::from_static(&[0xff, 0xff, 0xff]));
         assert!(matches!(decode(&frames), Err(DecodeError::Payload(_))));
+    }
+
+    /// A batch of more events than a step makes is refused before it is decoded: a million
+    /// empty events are two megabytes on the wire and a hundred decoded.
+    #[test]
+    fn too_many_events_are_refused_before_decoding() {
+        let mut batch = sample();
+        batch.events = vec![Event::default(); crate::vllm::MAX_EVENTS];
+        let payload = encode_payload(&batch);
+        assert_eq!(decode_payload(Seq(batch.seq), &payload).unwrap().events.len(), crate::vllm::MAX_EVENTS);
+        batch.events.push(Event::default());
+        let payload = encode_payload(&batch);
+        assert!(matches!(decode_payload(Seq(batch.seq), &payload), Err(DecodeError::TooManyEvents)));
     }
 
     #[test]

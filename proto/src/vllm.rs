@@ -25,8 +25,9 @@
 //!
 //! Robustness: every input gives `Ok` or `Err`, never a panic. Payloads are read from the
 //! slice (no allocation by declared string/bin length), nesting is limited to
-//! [`MAX_DEPTH`], and the hand-written visitors cap pre-allocation at [`MAX_PREALLOC`]
-//! elements whatever length a header declares (serde's own `Vec` impl caps at 1 MiB).
+//! [`MAX_DEPTH`], the hand-written visitors cap pre-allocation at [`MAX_PREALLOC`]
+//! elements whatever length a header declares (serde's own `Vec` impl caps at 1 MiB), and a
+//! batch holds at most [`MAX_EVENTS`] events (the native decoder's bound too).
 //!
 //! The encoder writes what vLLM 0.33 sends: an array batch `[ts, events, dp_rank]`, events
 //! as maps with vLLM's keys (default-valued optional keys omitted), hashes as msgpack uint.
@@ -48,6 +49,11 @@ pub const MAX_DEPTH: usize = 32;
 
 /// Most elements the decoder reserves room for up front, whatever an array header claims.
 pub const MAX_PREALLOC: usize = 1024;
+
+/// Most events one batch may hold. A decoded event takes hundreds of bytes where a nil one
+/// takes one on the wire, so without a bound a message the ZMTP guard lets through (64 MiB)
+/// would ask for tens of gigabytes; an engine step produces a few thousand at most.
+pub const MAX_EVENTS: usize = 1 << 18;
 
 /// One decoded `KVEventBatch`: the events of one engine scheduler step.
 #[derive(Clone, Debug, Default, PartialEq)]

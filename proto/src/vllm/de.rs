@@ -7,7 +7,7 @@ use std::fmt;
 use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-use super::{BlockRemoved, BlockStored, ExtraKey, MAX_PREALLOC, VllmBatch, VllmEvent};
+use super::{BlockRemoved, BlockStored, ExtraKey, MAX_EVENTS, MAX_PREALLOC, VllmBatch, VllmEvent};
 use crate::BlockHash;
 
 /// A vector with room for the declared length, but never more than [`MAX_PREALLOC`].
@@ -153,6 +153,9 @@ impl<'de> Deserialize<'de> for Events {
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Events, A::Error> {
                 let mut out = capped(seq.size_hint());
                 while let Some(event) = seq.next_element()? {
+                    if out.len() == MAX_EVENTS {
+                        return Err(de::Error::custom(format!("more than {MAX_EVENTS} events in a batch")));
+                    }
                     out.push(event);
                 }
                 Ok(Events(out))

@@ -56,6 +56,9 @@ pub(super) fn decode(payload: &[u8]) -> Option<VllmBatch> {
 /// The events array at the front of `rd`, each event decoded on its own.
 fn events_of(rd: &mut &[u8]) -> Option<Vec<VllmEvent>> {
     let n = rmp::decode::read_array_len(rd).ok()?;
+    if n as usize > super::MAX_EVENTS {
+        return None;
+    }
     // Every event takes a byte at least: no more room than the bytes left can hold.
     let mut events = Vec::with_capacity((n as usize).min(rd.len()).min(super::MAX_PREALLOC));
     for _ in 0..n {

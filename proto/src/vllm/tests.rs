@@ -112,6 +112,21 @@ fn huge_declared_lengths_fail_without_allocating() {
     }
 }
 
+/// A batch of more than [`MAX_EVENTS`] events is refused: a one-byte nil event decodes to
+/// hundreds of bytes (a malformed event), so a message the guard lets through would ask for
+/// gigabytes. As many as allowed still decode.
+#[test]
+fn too_many_events_are_an_error() {
+    let batch = |n: usize| {
+        let mut p = vec![0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd];
+        p.extend(u32::try_from(n).unwrap().to_be_bytes());
+        p.extend(std::iter::repeat_n(0xc0u8, n));
+        p
+    };
+    assert_eq!(decode_payload(&batch(MAX_EVENTS)).unwrap().events.len(), MAX_EVENTS);
+    assert!(matches!(decode_payload(&batch(MAX_EVENTS + 1)), Err(DecodeError::Payload(_))));
+}
+
 /// An event nested deeper than [`MAX_DEPTH`] is malformed, not a stack overflow; the batch
 /// around it stands. Where the batch's own parts should be, it is an error.
 #[test]
