@@ -671,6 +671,20 @@ mod tests {
         server.await.unwrap();
     }
 
+    /// A server of one connection slot and a 300 ms header-read timeout, answering "fine".
+    async fn one_slot_server() -> (std::net::SocketAddr, CancellationToken, tokio::task::JoinHandle<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let handler = |_: Request<Incoming>| async { Response::new(Full::new(Bytes::from_static(b"fine"))) };
+        let limits = Limits {
+            max_connections: 1,
+            header_read_timeout: Duration::from_millis(300),
+            ..Limits::default()
+        };
+        (addr, shutdown.clone(), tokio::spawn(serve_with(listener, handler, limits, shutdown)))
+    }
+
     /// A shutdown does not wait for ever on an HTTP/2 peer that went silent after its preface
     /// (hyper's graceful close waits for the peer to acknowledge a PING), nor on one that sent a
     /// request and then went silent (its slot was held until the process was killed).
@@ -680,17 +694,7 @@ mod tests {
         // HEADERS, stream 1, END_STREAM | END_HEADERS: GET / over http, :authority x.
         const GET: &[u8] = b"\0\0\x06\x01\x05\0\0\0\x01\x82\x86\x84\x41\x01\x78";
         for (request, shut_down) in [(false, true), (true, false)] {
-            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = listener.local_addr().unwrap();
-            let shutdown = CancellationToken::new();
-            let handler =
-                |_: Request<Incoming>| async { Response::new(Full::new(Bytes::from_static(b"fine"))) };
-            let limits = Limits {
-                max_connections: 1,
-                header_read_timeout: Duration::from_millis(300),
-                ..Limits::default()
-            };
-            let server = tokio::spawn(serve_with(listener, handler, limits, shutdown.clone()));
+            let (addr, shutdown, server) = one_slot_server().await;
             let mut peer = tokio::net::TcpStream::connect(addr).await.unwrap();
             peer.write_all(PREFACE).await.unwrap();
             if request {
@@ -720,17 +724,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_that_sends_no_request_is_closed() {
         for opening in [&b""[..], b"PRI * HTTP/2.0\r\n"] {
-            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = listener.local_addr().unwrap();
-            let shutdown = CancellationToken::new();
-            let handler =
-                |_: Request<Incoming>| async { Response::new(Full::new(Bytes::from_static(b"fine"))) };
-            let limits = Limits {
-                max_connections: 1,
-                header_read_timeout: Duration::from_millis(300),
-                ..Limits::default()
-            };
-            let server = tokio::spawn(serve_with(listener, handler, limits, shutdown.clone()));
+            let (addr, shutdown, server) = one_slot_server().await;
             let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
             silent.write_all(opening).await.unwrap();
             let answer = tokio::time::timeout(Duration::from_secs(10), get(addr))
