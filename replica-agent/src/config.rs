@@ -139,6 +139,10 @@ pub struct Config {
     /// Largest accepted request body, bytes.
     #[arg(long, env = "KVROUTE_AGENT_MAX_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Longest a request's body may take to arrive, milliseconds; past it, 408. (A client
+    /// that stops mid-body would otherwise hold its connection, and a shutdown, for good.)
+    #[arg(long, env = "KVROUTE_AGENT_BODY_TIMEOUT_MS", default_value_t = 30_000)]
+    pub body_timeout_ms: u64,
     /// HTTP connections open at once; more wait in the listen backlog.
     #[arg(long, env = "KVROUTE_AGENT_MAX_CONNECTIONS", default_value_t = Limits::default().max_connections)]
     pub max_connections: usize,
@@ -204,6 +208,7 @@ impl Config {
         );
         check(self.max_waiting > 0, "--max-waiting must be at least 1".into());
         check(self.max_connections > 0, "--max-connections must be at least 1".into());
+        check(self.body_timeout_ms > 0, "--body-timeout-ms must be at least 1".into());
         check(
             self.max_header_bytes >= MIN_HEADER_BYTES,
             format!("--max-header-bytes must be at least {MIN_HEADER_BYTES}"),

@@ -141,6 +141,17 @@ impl ApiError {
         )
     }
 
+    /// The request's body did not all arrive within `limit`.
+    pub fn body_timeout(limit: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            INVALID_REQUEST,
+            format!("The request body did not arrive within {} ms", limit.as_millis()),
+            None,
+            Some("request_timeout"),
+        )
+    }
+
     pub fn cache_busy(message: impl Into<String>) -> Self {
         Self::new(StatusCode::CONFLICT, INVALID_REQUEST, message, None, Some("cache_busy"))
     }

@@ -41,7 +41,7 @@ use error::ApiError;
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http_body_util::combinators::UnsyncBoxBody;
@@ -297,7 +297,9 @@ async fn read_body(state: &AppState, req: Request<Incoming>) -> Result<Bytes, Ap
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(ApiError::too_large(limit));
     }
-    match Limited::new(req.into_body(), limit).collect().await {
+    let deadline = Duration::from_millis(state.config().body_timeout_ms);
+    let read = tokio::time::timeout(deadline, Limited::new(req.into_body(), limit).collect());
+    match read.await.map_err(|_| ApiError::body_timeout(deadline))? {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::too_large(limit)),
         Err(e) => Err(ApiError::bad_request(format!("could not read the request body: {e}"))),

@@ -743,3 +743,24 @@ async fn a_request_without_a_model_is_the_base_models() {
     let reply = c.post("/v1/completions", &json!({ "model": "other", "prompt": "x", "max_tokens": 1 })).await;
     assert_eq!(reply.status, StatusCode::NOT_FOUND);
 }
+
+/// A client that stops sending its body mid-way gets a 408 after `--body-timeout-ms`: its
+/// request no longer holds the connection, nor the server's drain at shutdown.
+#[tokio::test]
+async fn a_body_that_stops_arriving_gets_408() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let agent = Agent::with(kvroute_replica_agent::Config { body_timeout_ms: 300, ..config() }).await;
+    let mut conn = tokio::net::TcpStream::connect(agent.addr).await.unwrap();
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: a\r\ncontent-type: application/json\r\n\
+                content-length: 100\r\n\r\n{";
+    conn.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(std::time::Duration::from_secs(10), conn.read(&mut answer))
+        .await
+        .expect("answered")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("request_timeout"), "{answer}");
+    tokio::time::timeout(std::time::Duration::from_secs(10), agent.stop()).await.expect("the drain ended");
+}
