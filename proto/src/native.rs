@@ -55,27 +55,34 @@ pub fn decode_payload(seq: Seq, payload: &[u8]) -> Result<EventBatch, DecodeErro
     Ok(batch)
 }
 
-/// How many `events` fields the top level of `payload` holds; `None` if it does not parse
-/// (the decoder then says why).
+/// How many `events` fields the top level of `payload` holds (unknown groups, which the
+/// decoder skips, are walked through); `None` if it does not parse (the decoder then says
+/// why).
 fn events_in(mut payload: &[u8]) -> Option<usize> {
     use prost::encoding::decode_varint;
-    let mut events = 0;
+    let (mut events, mut groups) = (0, Vec::new());
     while !payload.is_empty() {
         let key = decode_varint(&mut payload).ok()?;
-        events += usize::from(key >> 3 == EVENTS_FIELD);
-        let skip = match key & 7 {
+        let (field, wire) = (key >> 3, key & 7);
+        let skip = match wire {
             0 => {
                 decode_varint(&mut payload).ok()?;
                 0
             }
             1 => 8,
             2 => usize::try_from(decode_varint(&mut payload).ok()?).ok()?,
+            3 => {
+                groups.push(field);
+                continue;
+            }
+            4 if groups.pop() == Some(field) => continue,
             5 => 4,
             _ => return None,
         };
+        events += usize::from(groups.is_empty() && field == EVENTS_FIELD && wire == 2);
         payload = payload.get(skip..)?;
     }
-    Some(events)
+    groups.is_empty().then_some(events)
 }
 
 #[cfg(test)]
@@ -133,6 +140,9 @@ mod tests {
         batch.events.push(Event::default());
         let payload = encode_payload(&batch);
         assert!(matches!(decode_payload(Seq(batch.seq), &payload), Err(DecodeError::TooManyEvents)));
+        // Behind an unknown group, which the decoder skips, the events are still counted.
+        let grouped = [&[(9 << 3) | 3, (9 << 3) | 4][..], &payload].concat();
+        assert!(matches!(decode_payload(Seq(batch.seq), &grouped), Err(DecodeError::TooManyEvents)));
     }
 
     #[test]

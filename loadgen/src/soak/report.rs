@@ -285,11 +285,12 @@ impl SoakReport {
         let t = &self.totals;
         let _ = writeln!(
             out,
-            "\n{} requests in {:.0} s: {} succeeded, {} lost to churn, {} unexpected errors {:?}; {} replica restarts; hit rate {}",
+            "\n{} requests in {:.0} s: {} succeeded, {} lost to churn, {} cut off by the run's end, {} unexpected errors {:?}; {} replica restarts; hit rate {}",
             t.done,
             self.duration_s,
             t.succeeded,
             t.lost_to_churn,
+            t.cancelled,
             t.unexpected_errors(),
             t.unexpected,
             self.replica_restarts,

@@ -143,8 +143,10 @@ pub async fn routed(
         let upstream = &member.upstream;
         let guard = upstream.begin(plan.sequences, plan.prefill_tokens(attempt), plan.prompt_tokens);
         // A whole answer comes at its end: the prefill is over when the replica stores the
-        // prompt's last block.
-        if let Some(hold) = plan.hold.as_mut().filter(|_| !plan.streams) {
+        // prompt's last block. (Not for a batch: a later prompt's last block may lie inside
+        // an earlier one.)
+        let single = plan.all_blocks.len() == plan.blocks.len();
+        if let Some(hold) = plan.hold.as_mut().filter(|_| !plan.streams && single) {
             hold.tell_when_stored(guard.pending_prefill());
         }
         let uri = replica_uri(&member.replica.spec.http_url, &client.uri)?;

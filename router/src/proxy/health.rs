@@ -64,15 +64,20 @@ pub async fn run(
 fn learn_adapters(state: &ProxyState, listed: &[HashSet<String>], learned: &mut HashSet<String>) {
     let tokenization = state.decider.prompts.tokenization();
     let members = state.fleet().members();
-    for adapter in state.fleet().adapters().all() {
-        if !members.is_empty()
-            && members.iter().all(|m| m.upstream.has_adapter(&adapter.name))
-            && tokenization.add_lora_adapter(&adapter.name)
-        {
-            tracing::info!(
-                lora_name = adapter.name,
-                "LoRA adapter every replica now has: hashed in its namespace"
-            );
+    let registry = state.fleet().adapters();
+    // Not while a change runs: an unload could end the namespace between the checks and the
+    // add (the next tick sees to it).
+    if let Some(_turn) = registry.between_changes() {
+        for adapter in registry.all() {
+            if !members.is_empty()
+                && members.iter().all(|m| m.upstream.has_adapter(&adapter.name))
+                && tokenization.add_lora_adapter(&adapter.name)
+            {
+                tracing::info!(
+                    lora_name = adapter.name,
+                    "LoRA adapter every replica now has: hashed in its namespace"
+                );
+            }
         }
     }
     let Some((first, others)) = listed.split_first() else { return };

@@ -62,7 +62,8 @@ pub fn check_passthrough(path: &str) -> Result<(), ProxyError> {
         return Err(ProxyError::BadPath(format!("the path {path} has control characters")));
     }
     let plain = decoded.trim_end_matches('/');
-    if plain != path && (allowed(plain).is_some() || super::responses::target(plain).is_some()) {
+    let stored = |p: &str| super::responses::target(p).is_some();
+    if plain != path && (allowed(plain).is_some() || stored(plain) && !stored(path)) {
         return Err(ProxyError::BadPath(format!(
             "the path {path} is {plain} spelled otherwise; send {plain}"
         )));
@@ -98,7 +99,13 @@ mod tests {
 
     #[test]
     fn other_paths_pass() {
-        for path in ["/v1/embeddings", "/v1/files/file-abc%20", "/v1/models/org%2Fname", "/v1/score/"] {
+        for path in [
+            "/v1/embeddings",
+            "/v1/files/file-abc%20",
+            "/v1/models/org%2Fname",
+            "/v1/score/",
+            "/v1/responses/resp%5F1",
+        ] {
             assert!(check_passthrough(path).is_ok(), "{path}");
         }
     }

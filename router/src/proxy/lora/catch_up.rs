@@ -105,6 +105,12 @@ impl Registry {
         self.adapters.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
+    /// A turn between changes, if none is running or waiting: no change starts while it is
+    /// held.
+    pub fn between_changes(&self) -> Option<tokio::sync::RwLockReadGuard<'_, ()>> {
+        self.turn.try_read().ok()
+    }
+
     /// The turn of a change through the router: once running catch-ups are done, and none
     /// starts until it is dropped.
     pub async fn change(&self) -> tokio::sync::RwLockWriteGuard<'_, ()> {
