@@ -4,10 +4,11 @@
 //! It follows the replica agent's scheduler (`replica-agent/src/engine`) step for step, in
 //! simulated time with no clock:
 //! 1. a step starts when the previous one ends, or when a request arrives at an idle engine
-//!    (with every request arriving at that instant); it first admits waiting requests in arrival order while fewer than `max_num_seqs` run;
+//!    (with every request arriving at that instant);
 //! 2. the step's token budget `max_num_batched_tokens` pays one decode token per running
 //!    sequence whose prefill is done, then prefill chunks of the uncached prompt tokens, oldest
-//!    request first;
+//!    request first; waiting requests join in arrival order while the budget has tokens left
+//!    and fewer than `max_num_seqs` run, each taking a chunk of what is left;
 //! 3. the step lasts [`TimingModel::step`]`(prefill tokens, decoding sequences)`; when it ends,
 //!    a request whose prefill completed emits its first token (its TTFT), decoding ones their
 //!    next, and requests with all `output_len` tokens leave.
@@ -160,29 +161,34 @@ impl ReplicaEngine {
         }
     }
 
-    /// Admits, plans and times the step starting at `at`, if there is work.
+    /// Plans and times the step starting at `at`, if there is work: the running sequences'
+    /// decode tokens and prefill chunks first, then waiting requests admitted while the budget
+    /// has tokens left, each with a chunk of what is left.
     fn start(&mut self, at: Duration) {
-        while self.running.len() < self.model.max_num_seqs {
-            let Some(seq) = self.waiting.pop_front() else { break };
-            self.running.push(seq);
-        }
-        if self.running.is_empty() {
-            return;
-        }
-        let decoding: Vec<bool> = self.running.iter().map(|s| s.prefill_left == 0).collect();
+        let mut decoding: Vec<bool> = self.running.iter().map(|s| s.prefill_left == 0).collect();
         let n_decoding = decoding.iter().filter(|d| **d).count();
         let mut budget = (self.model.max_num_batched_tokens.saturating_sub(n_decoding)) as u64;
-        let mut prefill = 0;
-        let chunks = self
+        let mut chunks: Vec<u64> = self
             .running
             .iter()
             .map(|s| {
                 let chunk = s.prefill_left.min(budget);
                 budget -= chunk;
-                prefill += chunk;
                 chunk
             })
             .collect();
+        while budget > 0 && self.running.len() < self.model.max_num_seqs {
+            let Some(seq) = self.waiting.pop_front() else { break };
+            let chunk = seq.prefill_left.min(budget);
+            budget -= chunk;
+            chunks.push(chunk);
+            self.running.push(seq);
+        }
+        if self.running.is_empty() {
+            return;
+        }
+        decoding.resize(self.running.len(), false);
+        let prefill = chunks.iter().sum();
         let end = at + self.model.timing.step(prefill, n_decoding as u64);
         self.step = Some(Step { end, chunks, decoding });
     }
@@ -275,6 +281,23 @@ mod tests {
         // Step 1: 1000 tokens of r0 (76 ms). Step 2: 500 of r0 + 400 of r1 (6 + 63 = 69 ms).
         assert_eq!(done[0].unwrap().ttft, us(76_000 + 69_000));
         assert_eq!(done[1].unwrap().ttft, us(76_000 + 69_000 - 1_000));
+    }
+
+    /// A request joins the batch only when a step has tokens left for it, and is reported
+    /// waiting until then (as the agent and vLLM report it).
+    #[test]
+    fn requests_wait_until_a_step_has_tokens_left() {
+        let m = EngineModel { max_num_batched_tokens: 1000, ..model() };
+        let mut e = ReplicaEngine::new(m);
+        let mut done = vec![None, None];
+        e.submit(Duration::ZERO, 0, 1500, 1);
+        e.submit(Duration::ZERO, 1, 400, 1);
+        e.advance_to(us(1_000), &mut done);
+        assert_eq!(e.load().reported_waiting, 1, "the first prompt takes the first step's budget");
+        e.advance_to(us(77_000), &mut done);
+        assert_eq!(e.load().reported_waiting, 0, "the second step has 500 tokens left for it");
+        e.drain(&mut done);
+        assert_eq!(done[1].unwrap().ttft, us(76_000 + 69_000));
     }
 
     #[test]

@@ -1,14 +1,15 @@
 //! The simulated inference engine: continuous batching over an exact block cache.
 //!
 //! One scheduler task owns the waiting queue and the running batch. Every step it
-//! 1. admits waiting requests in arrival order while fewer than `max_num_seqs` run: each
-//!    admission is a [`BlockCache::start_request`] (seed-000 prefix hit, every block accessed,
-//!    all of the request's blocks pinned until it finishes); a request whose blocks cannot be
-//!    pinned yet waits at the head of the queue, as vLLM's scheduler does when KV blocks run
-//!    out;
-//! 2. spends the step's token budget (`max_num_batched_tokens`) on one decode token per
+//! 1. spends the step's token budget (`max_num_batched_tokens`) on one decode token per
 //!    running sequence, then on prefill chunks of the uncached prompt tokens (chunked
 //!    prefill, oldest request first);
+//! 2. admits waiting requests in arrival order while the budget has tokens left and fewer
+//!    than `max_num_seqs` run, as vLLM's scheduler does: each admission is a
+//!    [`BlockCache::start_request`] (seed-000 prefix hit, every block accessed, all of the
+//!    request's blocks pinned until it finishes) and takes its first prefill chunk from what
+//!    is left; a request whose blocks cannot be pinned yet waits at the head of the queue, as
+//!    vLLM's does when KV blocks run out;
 //! 3. publishes the step's cache changes as one `EventBatch` (its seq taken with the first
 //!    change, under the cache lock, so a snapshot knows which seq it is consistent with; a
 //!    snapshot in the middle of a step splits the step's batch in two, see [`outbox`]);

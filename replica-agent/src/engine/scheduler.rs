@@ -20,6 +20,16 @@ struct Pending {
     out: mpsc::Sender<Output>,
 }
 
+/// What one step does, planned before it starts ([`Scheduler::plan`]).
+struct Plan {
+    /// Whether `running[i]` was decoding when the step was planned.
+    decoding: Vec<bool>,
+    /// Prefill tokens granted to `running[i]` (0 for decoding or starved sequences).
+    chunks: Vec<usize>,
+    prefill_tokens: usize,
+    n_decoding: usize,
+}
+
 struct Running {
     job: Job,
     out: mpsc::Sender<Output>,
@@ -104,12 +114,12 @@ impl Scheduler {
                 self.flush_events().await;
                 break;
             }
-            self.admit();
+            let plan = self.plan();
             self.flush_events().await;
             if self.running.is_empty() {
                 continue;
             }
-            self.step().await;
+            self.step(plan).await;
         }
         self.flush_events().await;
     }
@@ -137,16 +147,47 @@ impl Scheduler {
         }
     }
 
-    /// Moves waiting requests into the batch while there is room and their blocks can be
-    /// pinned.
-    fn admit(&mut self) {
+    /// Plans the next step as vLLM's scheduler does: the running requests first (one decode
+    /// token each, then prefill chunks, oldest first), then waiting requests with what is left
+    /// of the token budget ([`Self::admit`]).
+    fn plan(&mut self) -> Plan {
+        // A request whose client left stops here, mid-prefill included, and gives back its
+        // share of the budget and its pins.
+        for r in &mut self.running {
+            r.gone |= r.out.is_closed();
+        }
+        self.release_finished();
+        let mut decoding: Vec<bool> = self.running.iter().map(|r| r.prefill_left == 0).collect();
+        let n_decoding = decoding.iter().filter(|d| **d).count();
+        let mut budget = self.config.max_num_batched_tokens.saturating_sub(n_decoding);
+        let mut chunks: Vec<usize> = self
+            .running
+            .iter()
+            .map(|r| {
+                let chunk = r.prefill_left.min(budget);
+                budget -= chunk;
+                chunk
+            })
+            .collect();
+        self.admit(&mut budget, &mut chunks);
+        decoding.resize(self.running.len(), false);
+        let prefill_tokens = chunks.iter().sum();
+        Plan { decoding, chunks, prefill_tokens, n_decoding }
+    }
+
+    /// Moves waiting requests into the batch, in arrival order, while the step has tokens
+    /// left (`budget`), fewer than `max_num_seqs` run and their blocks can be pinned: vLLM
+    /// leaves a request waiting, its blocks neither looked up nor held, until a step has room
+    /// for its first chunk. An admitted request's first chunk is taken from `budget` and
+    /// pushed on `chunks`.
+    fn admit(&mut self, budget: &mut usize, chunks: &mut Vec<usize>) {
         let block_size = self.config.cache.block_size;
         // Requests whose clients left, wherever they wait: they would hold a place in the
         // queue and count in the waiting gauge routers read as load.
         let queued = self.waiting.len();
         self.waiting.retain(|p| !p.out.is_closed());
         self.metrics.waiting.fetch_sub((queued - self.waiting.len()) as u64, Ordering::Relaxed);
-        while self.running.len() < self.config.max_num_seqs {
+        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(pending) = self.waiting.front() else { break };
             let job = &pending.job;
             self.scratch.clear();
@@ -169,8 +210,13 @@ impl Scheduler {
                     self.metrics.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
                     let cached_tokens = outcome.hit_tokens as u32;
                     let gone = out.try_send(Output::Started { cached_tokens }).is_err();
+                    let uncached = (job.prompt.len() - outcome.hit_tokens).max(1);
+                    // One whose client already left finishes at the end of the step, free.
+                    let chunk = if gone { 0 } else { uncached.min(*budget) };
+                    *budget -= chunk;
+                    chunks.push(chunk);
                     self.running.push(Running {
-                        prefill_left: (job.prompt.len() - outcome.hit_tokens).max(1),
+                        prefill_left: uncached,
                         text: TextGen::new(&job.prompt, self.config.seed, job.sample),
                         job,
                         out,
@@ -192,30 +238,9 @@ impl Scheduler {
         self.update_pending();
     }
 
-    /// Runs one step: plans the token budget, waits the step's duration, emits tokens.
-    async fn step(&mut self) {
-        // A request whose client left stops here, mid-prefill included, and gives back its
-        // share of the budget and its pins.
-        for r in &mut self.running {
-            r.gone |= r.out.is_closed();
-        }
-        self.release_finished();
-        if self.running.is_empty() {
-            return;
-        }
-        let mut budget = self.config.max_num_batched_tokens;
-        let decoding: Vec<bool> = self.running.iter().map(|r| r.prefill_left == 0).collect();
-        let n_decoding = decoding.iter().filter(|d| **d).count();
-        budget = budget.saturating_sub(n_decoding);
-        let mut chunks = vec![0usize; self.running.len()];
-        let mut prefill_tokens = 0usize;
-        for (r, chunk) in self.running.iter().zip(chunks.iter_mut()) {
-            if r.prefill_left > 0 && budget > 0 {
-                *chunk = r.prefill_left.min(budget);
-                budget -= *chunk;
-                prefill_tokens += *chunk;
-            }
-        }
+    /// Runs one planned step: waits its duration, emits tokens.
+    async fn step(&mut self, plan: Plan) {
+        let Plan { decoding, chunks, prefill_tokens, n_decoding } = plan;
         let simulated = self.config.timing.step(prefill_tokens as u64, n_decoding as u64);
         let wall = self.config.timing.wall(simulated);
         // Never more than one step behind: after idling, the next step takes its full time.

@@ -15,13 +15,11 @@ async fn engine_waiting(
     max_num_seqs: usize,
     max_waiting: usize,
 ) -> (Engine, CancellationToken) {
-    let shutdown = CancellationToken::new();
-    let tracker = TaskTracker::new();
-    let (publisher, _) =
-        Publisher::bind(PublisherConfig::default(), "tcp://127.0.0.1:0", None, &tracker, shutdown.clone())
-            .await
-            .unwrap();
-    let config = EngineConfig {
+    start(config(capacity, max_num_seqs, max_waiting)).await
+}
+
+fn config(capacity: usize, max_num_seqs: usize, max_waiting: usize) -> EngineConfig {
+    EngineConfig {
         replica: "r".into(),
         epoch: Epoch(1),
         cache: CacheConfig {
@@ -36,7 +34,16 @@ async fn engine_waiting(
         timing: TimingModel { time_scale: 1000.0, ..TimingModel::default() },
         seed: 0,
         shutdown_grace: Duration::from_secs(5),
-    };
+    }
+}
+
+async fn start(config: EngineConfig) -> (Engine, CancellationToken) {
+    let shutdown = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let (publisher, _) =
+        Publisher::bind(PublisherConfig::default(), "tcp://127.0.0.1:0", None, &tracker, shutdown.clone())
+            .await
+            .unwrap();
     (Engine::start(config, publisher, &tracker, shutdown.clone()).unwrap(), shutdown)
 }
 
@@ -119,6 +126,22 @@ async fn a_request_waits_while_blocks_are_pinned() {
     let (_, b) = run(&engine, job((100..112).collect(), 1)).await;
     assert_eq!(b.prompt_tokens, 12);
     drop(a);
+}
+
+/// A request waits, its blocks neither looked up nor pinned, until a step has tokens left for
+/// it, as vLLM admits only within the step's token budget: behind a 200-token prompt and a
+/// 64-token budget, a second request starts in the fourth step, beside the first's last chunk.
+#[tokio::test]
+async fn a_request_is_admitted_only_when_a_step_has_tokens_left() {
+    let mut config = config(64, 8, 100);
+    // Steps of about 10 ms of wall time: both jobs are queued long before the first ends.
+    config.timing.time_scale = 1.0;
+    let (engine, _shutdown) = start(config).await;
+    let _first = engine.submit(job((0..200).collect(), 1)).unwrap();
+    let mut second = engine.submit(job((1000..1008).collect(), 1)).unwrap();
+    assert!(matches!(second.recv().await, Some(Output::Started { .. })));
+    let steps = engine.metrics().steps.load(Ordering::Relaxed);
+    assert!(steps >= 3, "admitted after {steps} steps, while the first prompt took the whole budget");
 }
 
 /// `max_waiting` bounds every job not yet admitted, not only those the scheduler has yet to
