@@ -312,8 +312,9 @@ impl Tokenization {
                     let part_type = part_type.to_owned();
                     return Err(RequestError::UnsupportedContentPart { index, part_type });
                 }
+                // Untruncated: vLLM's Harmony path never applies `truncate_prompt_tokens`.
                 if let Some(ids) = self.harmony_ids(r)? {
-                    return Ok(vec![self.truncated(ids, r.truncation, false)]);
+                    return Ok(vec![ids]);
                 }
                 let ids = self.encode(&self.render_chat(r)?, r.add_special_tokens)?;
                 Ok(vec![self.truncated(ids, r.truncation, r.add_special_tokens)])
@@ -442,8 +443,9 @@ impl Tokenization {
     /// The token ids of a chat that vLLM renders with Harmony rather than its template
     /// (gpt-oss, [`ChatTemplate::is_harmony`]; [`harmony`]), `None` for any other chat, and
     /// for one whose tools vLLM refuses (the replica answers it with a 400), which is
-    /// rendered with the template.
-    fn harmony_ids(&self, request: &ChatRequest<'_>) -> Result<Option<Vec<u32>>, RequestError> {
+    /// rendered with the template. vLLM's `/tokenize` renders every chat with the template, so
+    /// remote tokenization asks this first.
+    pub fn harmony_ids(&self, request: &ChatRequest<'_>) -> Result<Option<Vec<u32>>, RequestError> {
         let Some(template) = self.chat_template.as_ref().filter(|_| self.is_harmony()) else {
             return Ok(None);
         };

@@ -812,30 +812,12 @@ fn tool_choice_none_carries_through_messages_and_responses() {
 /// Harmony lacks is a 400.
 #[test]
 fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
-    let dir = std::env::temp_dir().join(format!("kvroute-harmony-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut tokenizer: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(data("tiny-tokenizer.json")).unwrap()).unwrap();
-    let added = tokenizer["added_tokens"].as_array_mut().unwrap();
-    let specials = ["<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|call|>", "<|constrain|>"];
-    for (i, special) in specials.iter().enumerate() {
-        added.push(serde_json::json!({"id": 400 + i, "content": special, "single_word": false,
-            "lstrip": false, "rstrip": false, "normalized": false, "special": true}));
-    }
-    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
-    let template = "{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}<|end|>{% endfor %}";
-    std::fs::write(
-        dir.join("tokenizer_config.json"),
-        serde_json::json!({ "chat_template": template }).to_string(),
-    )
-    .unwrap();
     let config = TokenizationConfig {
-        tokenizer: TokenizerSpec::HuggingFace { path: dir.join("tokenizer.json") },
-        tokenizer_config: Some(dir.join("tokenizer_config.json")),
+        tokenizer: TokenizerSpec::HuggingFace { path: data("tiny-harmony-tokenizer.json") },
+        tokenizer_config: Some(data("tiny-harmony-tokenizer_config.json")),
         ..hf_config()
     };
     let mut t = Tokenization::new(&config).unwrap();
-    std::fs::remove_dir_all(&dir).ok();
     assert!(t.chat_template().unwrap().is_harmony());
 
     let body = r#"{"model":"tiny","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hello"}],
@@ -893,6 +875,9 @@ fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
         .concat()
     };
     assert_eq!(ids, hello(&system, "# Instructions\n\nBe brief."));
+    // vLLM's Harmony path never truncates.
+    let truncated = body.replace(r#""reasoning_effort""#, r#""truncate_prompt_tokens":3,"reasoning_effort""#);
+    assert_eq!(tokens(&t, Endpoint::ChatCompletions, &truncated).unwrap(), [ids]);
 
     // Tools: a TypeScript namespace in the developer message, and a line in the system
     // message on where calls to them go.

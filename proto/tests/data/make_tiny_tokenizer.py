@@ -6,6 +6,10 @@ Writes, next to this script:
                                a post-processor that prepends <|begin_of_text|>)
   tiny-tokenizer_config.json   the matching tokenizer_config.json: bos/eos tokens and the
                                chat template read from llama3-style.jinja
+  tiny-harmony-tokenizer.json  the same BPE with gpt-oss's Harmony special tokens added
+                               (ids 400-405)
+  tiny-harmony-tokenizer_config.json   a template in Harmony's format (what makes a model
+                               gpt-oss to kvroute), for the Harmony tests
 
 and prints the reference vectors that proto/tests/openai.rs records as literals:
 token ids from Python `tokenizers` (the same library vLLM uses) and the chat rendering
@@ -93,6 +97,23 @@ def render(template: str, messages, add_generation_prompt=True, **kwargs) -> str
     )
 
 
+HARMONY_SPECIAL = ["<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|call|>", "<|constrain|>"]
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>"
+                    "{{ m.content }}<|end|>{% endfor %}")
+
+
+def write_harmony(tok: Tokenizer) -> None:
+    data = json.loads(tok.to_str())
+    for i, special in enumerate(HARMONY_SPECIAL):
+        data["added_tokens"].append({"id": 400 + i, "content": special, "single_word": False,
+                                     "lstrip": False, "rstrip": False, "normalized": False,
+                                     "special": True})
+    with open(os.path.join(HERE, "tiny-harmony-tokenizer.json"), "w") as f:
+        json.dump(data, f)
+    with open(os.path.join(HERE, "tiny-harmony-tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": HARMONY_TEMPLATE}, f)
+
+
 def main() -> None:
     tok = build()
     tok.save(os.path.join(HERE, "tiny-tokenizer.json"))
@@ -108,6 +129,8 @@ def main() -> None:
     with open(os.path.join(HERE, "tiny-tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
+
+    write_harmony(tok)
 
     # Reload from disk, as the Rust side does.
     tok = Tokenizer.from_file(os.path.join(HERE, "tiny-tokenizer.json"))

@@ -305,6 +305,7 @@ impl RemoteTokenizer {
                 }
                 out
             }
+            ParsedRequest::Chat(chat) if let Some(ids) = self.local.harmony_ids(chat)? => vec![ids],
             ParsedRequest::Chat(chat) => {
                 // Send the chat body as the replica would receive it: /tokenize accepts the
                 // same `messages` and every option of how they are rendered (vLLM's

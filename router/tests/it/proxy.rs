@@ -841,6 +841,31 @@ async fn remote_tokenization_sends_what_decides_the_ids() {
     shutdown.cancel();
 }
 
+/// With `--remote-tokenize` on a gpt-oss model (configured locally), chats are rendered with
+/// Harmony by the router: vLLM's `/tokenize` renders them with the template, its chat endpoint
+/// with Harmony. Completions still ask the replica.
+#[tokio::test]
+async fn remote_tokenization_renders_harmony_chats_itself() {
+    let (replica, asked) = tokenize_recording_replica().await;
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+        remote_tokenize: true,
+        tokenizer: Some(fixture("tiny-harmony-tokenizer.json")),
+        tokenizer_config: Some(fixture("tiny-harmony-tokenizer_config.json")),
+        ..c
+    })
+    .await;
+    let http = crate::fleet::Http::new();
+    let chat =
+        json!({"model": FLEET_MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]});
+    assert_eq!(http.post(&format!("{}/v1/chat/completions", router.url()), &chat).await.status, 200);
+    let completion = json!({"model": FLEET_MODEL, "max_tokens": 1, "prompt": "some text"});
+    assert_eq!(http.post(&format!("{}/v1/completions", router.url()), &completion).await.status, 200);
+    let asked = asked.lock().unwrap().clone();
+    assert!(asked.iter().all(|a| a.get("messages").is_none()), "a chat was sent to /tokenize: {asked:?}");
+    assert!(asked.iter().any(|a| a["prompt"] == "some text"), "{asked:?}");
+    shutdown.cancel();
+}
+
 /// With `--lora-updates`, a LoRA adapter loaded through the router reaches every replica,
 /// hashes in its own namespace from then on (as the replicas hash it), and is listed;
 /// unloading takes it back, replicas without it counting as done; a change a replica cannot
