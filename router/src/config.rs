@@ -208,6 +208,16 @@ pub struct Config {
     /// Interval of active health checks (`GET /health`), milliseconds.
     #[arg(long, env = "KVROUTE_HEALTH_INTERVAL_MS", default_value_t = 2_000)]
     pub health_interval_ms: u64,
+    /// Time allowed for a health check's answer (and for each read of the replica's
+    /// `/metrics` and `/v1/models` that follows it), milliseconds. SGLang's `/health` runs a
+    /// one-token generation and takes a second or more.
+    #[arg(long, env = "KVROUTE_HEALTH_TIMEOUT_MS", default_value_t = 5_000)]
+    pub health_timeout_ms: u64,
+    /// Consecutive failed health checks (no 2xx within --health-timeout-ms) that make a
+    /// replica unhealthy; one check passed makes it healthy again. One slow answer under load
+    /// takes no replica out, nor a fleet slow all at once.
+    #[arg(long, env = "KVROUTE_UNHEALTHY_AFTER", default_value_t = 3)]
+    pub unhealthy_after: u32,
     /// Consecutive failures that eject a replica: connection refused or reset before an
     /// answer, the first-byte timeout, a 5xx other than 503, a response body broken off or
     /// silent past --idle-timeout-ms.
@@ -287,6 +297,8 @@ impl Config {
         check(self.max_completion_tokens > 0, "--max-completion-tokens must be at least 1".into());
         check(self.max_in_flight_per_replica > 0, "--max-in-flight-per-replica must be at least 1".into());
         check(self.health_interval_ms > 0, "--health-interval-ms must be at least 1".into());
+        check(self.health_timeout_ms > 0, "--health-timeout-ms must be at least 1".into());
+        check(self.unhealthy_after > 0, "--unhealthy-after must be at least 1".into());
         check(self.eject_after > 0, "--eject-after must be at least 1".into());
         check(
             self.admin_listen.ip().is_loopback()

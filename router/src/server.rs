@@ -241,13 +241,13 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         config.serve_limits(),
         shutdown.clone(),
     ));
-    tracker.spawn(proxy::health::run(
-        state.clone(),
-        client,
-        config.health_interval(),
-        (config.health_interval().min(config.connect_timeout() * 2), config.first_byte_timeout()),
-        shutdown.clone(),
-    ));
+    let checks = proxy::health::Settings {
+        interval: config.health_interval(),
+        timeout: Duration::from_millis(config.health_timeout_ms),
+        load_timeout: config.first_byte_timeout(),
+        unhealthy_after: config.unhealthy_after,
+    };
+    tracker.spawn(proxy::health::run(state.clone(), client, checks, shutdown.clone()));
     // An empty token is no token (allowed on loopback only, see `Config::validate`).
     let admin_token = config.admin_token.as_ref().map(|t| t.expose().to_owned()).filter(|t| !t.is_empty());
     let admin_auth = admin_token.is_some();

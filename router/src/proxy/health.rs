@@ -1,5 +1,6 @@
 //! Active health checks: every `--health-interval-ms`, `GET /health` on each replica (a
-//! replica that fails it is unhealthy until it passes again), then `GET /metrics` to read the
+//! replica that fails `--unhealthy-after` in a row, no 2xx within `--health-timeout-ms`, is
+//! unhealthy until one passes), then `GET /metrics` to read the
 //! requests the replica reports waiting and running (`vllm:num_requests_waiting` and
 //! `_running`, which both vLLM and the kvroute agent export; SGLang's `sglang:num_queue_reqs`
 //! and `num_running_reqs`): what is beyond this router's own in-flight requests then is
@@ -33,25 +34,29 @@ use super::prompts::Client;
 use crate::fleet::{Fleet, Member};
 use crate::replicas::EngineKind;
 
-/// Checks every replica of the proxy's fleet each `interval` until `shutdown` fires.
-pub async fn run(
-    state: Arc<ProxyState>,
-    client: Client,
-    interval: Duration,
-    (timeout, load_timeout): (Duration, Duration),
-    shutdown: CancellationToken,
-) {
+/// How the checks run.
+#[derive(Clone, Copy, Debug)]
+pub struct Settings {
+    pub interval: Duration,
+    /// For each of `/health`, `/metrics` and `/v1/models`.
+    pub timeout: Duration,
+    /// For giving a replica an adapter it lacks ([`catch_up`]).
+    pub load_timeout: Duration,
+    pub unhealthy_after: u32,
+}
+
+/// Checks every replica of the proxy's fleet each `settings.interval` until `shutdown` fires.
+pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shutdown: CancellationToken) {
     let fleet = state.fleet();
     let mut learned = HashSet::new();
-    let mut tick = tokio::time::interval(interval);
+    let mut tick = tokio::time::interval(settings.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             () = shutdown.cancelled() => return,
         }
-        let timeouts = (timeout, load_timeout);
-        let checks = fleet.members().into_iter().map(|m| check(m, fleet, &client, timeouts));
+        let checks = fleet.members().into_iter().map(|m| check(m, fleet, &client, settings));
         let listed: Vec<HashSet<String>> =
             futures::future::join_all(checks).await.into_iter().flatten().collect();
         learn_adapters(&state, &listed, &mut learned);
@@ -102,15 +107,17 @@ async fn check(
     member: Member,
     fleet: &Fleet,
     client: &Client,
-    (timeout, load_timeout): (Duration, Duration),
+    settings: Settings,
 ) -> Option<HashSet<String>> {
+    let Settings { timeout, load_timeout, unhealthy_after, .. } = settings;
     let base = &member.replica.spec.http_url;
-    let healthy =
+    let passed =
         matches!(get(client, &format!("{base}/health"), timeout).await, Some((s, _)) if s.is_success());
-    if healthy != member.upstream.is_healthy() {
+    let was = member.upstream.is_healthy();
+    let healthy = member.upstream.record_check(passed, unhealthy_after);
+    if healthy != was {
         tracing::info!(replica = %member.replica.spec.name, healthy, "replica health changed");
     }
-    member.upstream.set_healthy(healthy);
     // This router's own requests during the scrape: those in flight as it begins and those
     // sent meanwhile are the most the report can hold of them.
     let mark = member.upstream.report_mark();

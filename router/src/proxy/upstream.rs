@@ -78,7 +78,10 @@ pub struct Upstream {
     /// See [`Load::others`].
     others: AtomicU32,
     consecutive_failures: AtomicU32,
-    /// Passed its last active health check (true until the first check says otherwise).
+    /// Active health checks failed since the last one passed.
+    failed_checks: AtomicU32,
+    /// Not yet failed as many health checks in a row as make it unhealthy (true until they
+    /// say otherwise; [`Upstream::record_check`]).
     healthy: AtomicBool,
     draining: AtomicBool,
     serving: AtomicBool,
@@ -106,6 +109,7 @@ impl Default for Upstream {
             reported_waiting: AtomicU32::new(0),
             others: AtomicU32::new(0),
             consecutive_failures: AtomicU32::new(0),
+            failed_checks: AtomicU32::new(0),
             healthy: AtomicBool::new(true),
             draining: AtomicBool::new(false),
             serving: AtomicBool::new(true),
@@ -250,6 +254,23 @@ impl Upstream {
 
     pub fn set_healthy(&self, healthy: bool) {
         self.healthy.store(healthy, Ordering::Relaxed);
+    }
+
+    /// Records an active health check: `unhealthy_after` failed in a row make the replica
+    /// unhealthy, one passed makes it healthy. Returns whether it is healthy now.
+    pub fn record_check(&self, passed: bool, unhealthy_after: u32) -> bool {
+        let healthy = match passed {
+            true => {
+                self.failed_checks.store(0, Ordering::Relaxed);
+                true
+            }
+            false => {
+                let failed = self.failed_checks.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+                failed < unhealthy_after
+            }
+        };
+        self.set_healthy(healthy);
+        healthy
     }
 
     pub fn is_healthy(&self) -> bool {
@@ -407,6 +428,18 @@ impl Drop for LoadGuard {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn a_replica_is_unhealthy_after_failed_checks_in_a_row_and_healthy_after_one_passed() {
+        let u = Upstream::default();
+        assert!(u.record_check(false, 3) && u.record_check(false, 3), "two failed checks");
+        assert!(u.record_check(true, 3));
+        assert!(u.record_check(false, 3) && u.record_check(false, 3), "counted from the pass");
+        assert!(!u.record_check(false, 3));
+        assert!(!u.is_healthy());
+        assert!(u.record_check(true, 3) && u.is_healthy());
+        assert!(!u.record_check(false, 1), "--unhealthy-after 1: one is enough");
+    }
 
     #[test]
     fn guard_releases_load_once() {

@@ -757,6 +757,36 @@ pub(crate) async fn router_in_front_of(
     (kvroute_router::start(config, shutdown.clone()).await.unwrap(), shutdown)
 }
 
+/// A replica whose `/health` answers slowly (SGLang's runs a generation, a second or more)
+/// stays in: the check's timeout is its own, not the check interval, and one failed check
+/// does not make a replica unhealthy. Before, every check of such a fleet timed out and
+/// every request got 503.
+#[tokio::test]
+async fn a_slow_health_answer_does_not_take_a_replica_out() {
+    let checks = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = checks.clone();
+    let replica = hand_made_replica(move |path, _| {
+        let seen = seen.clone();
+        async move {
+            if path == "/health" {
+                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                // The replica's own slowness, not a wait of the test's.
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            }
+            (200, "{}")
+        }
+    })
+    .await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { health_interval_ms: 100, ..c }).await;
+    // The third check has begun: two rounds have ended, their verdicts applied.
+    wait_until("three health checks", || checks.load(std::sync::atomic::Ordering::SeqCst) >= 3).await;
+    let http = crate::fleet::Http::new();
+    let reply = http.send(http::Method::POST, &format!("{}/v1/embeddings", router.url()), "{}").await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    shutdown.cancel();
+}
+
 /// An upload the client stops sending is the client's error (408), not the replica's: it
 /// used to run into the first-byte timeout, answered 504 and counted toward the replica's
 /// ejection, so a few stalled uploads took healthy replicas out.
