@@ -355,6 +355,16 @@ pub fn run_demo(args: &DemoArgs) -> anyhow::Result<()> {
         config.trace.len(),
         config.policies.iter().map(|p| p.as_str()).collect::<Vec<_>>().join(", ")
     );
+    // An agent refuses a prompt its cache cannot hold whole while it runs (400).
+    let longest =
+        kvroute_replica_agent::cache::BlockCache::new(&config.fleet.agent(0).cache())?.longest_prompt();
+    let too_long = config.trace.requests.iter().filter(|r| r.input_len > longest).count();
+    if too_long > 0 {
+        eprintln!(
+            "demo: {too_long} requests have prompts longer than an agent's cache holds ({longest} tokens): \
+             they will be refused and left out of the comparison; raise --capacity-blocks to serve them"
+        );
+    }
     let started = Instant::now();
     let report = block_on(|shutdown| async move { demo::run(&config, shutdown).await })?;
     print_compare(&report, &args.out, started);

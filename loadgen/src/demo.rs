@@ -36,7 +36,9 @@ pub struct FleetConfig {
 }
 
 /// Longest prompt plus completion the embedded fleet accepts (agents and routers), so
-/// long-context traces are served (the shared Mooncake trace reaches 191k tokens).
+/// long-context traces are served (the shared Mooncake trace reaches 191k tokens) as far as
+/// an agent's cache holds a prompt whole (`--capacity-blocks` times the block size): a
+/// longer one is refused with a 400 and left out of the comparison.
 pub const DEMO_MAX_MODEL_LEN: u32 = 262_144;
 
 /// N replica agents on loopback; stopped by [`EmbeddedFleet::stop`] (or their token).
@@ -46,21 +48,27 @@ pub struct EmbeddedFleet {
     shutdown: CancellationToken,
 }
 
+impl FleetConfig {
+    /// Agent `i`'s configuration.
+    pub fn agent(&self, i: usize) -> kvroute_replica_agent::Config {
+        kvroute_replica_agent::Config {
+            model: DEMO_MODEL.into(),
+            block_size: self.block_size,
+            capacity_blocks: self.capacity_blocks,
+            policy: self.eviction,
+            time_scale: self.time_scale,
+            max_model_len: DEMO_MAX_MODEL_LEN,
+            ..kvroute_replica_agent::Config::loopback(format!("agent-{i}"))
+        }
+    }
+}
+
 impl EmbeddedFleet {
     /// Starts the agents (every socket on 127.0.0.1 port 0).
     pub async fn start(config: FleetConfig, shutdown: CancellationToken) -> anyhow::Result<Self> {
         let mut agents = Vec::with_capacity(config.replicas);
         for i in 0..config.replicas {
-            let agent = kvroute_replica_agent::Config {
-                model: DEMO_MODEL.into(),
-                block_size: config.block_size,
-                capacity_blocks: config.capacity_blocks,
-                policy: config.eviction,
-                time_scale: config.time_scale,
-                max_model_len: DEMO_MAX_MODEL_LEN,
-                ..kvroute_replica_agent::Config::loopback(format!("agent-{i}"))
-            };
-            let started = kvroute_replica_agent::start(agent, shutdown.child_token())
+            let started = kvroute_replica_agent::start(config.agent(i), shutdown.child_token())
                 .await
                 .with_context(|| format!("starting agent-{i}"))?;
             agents.push(started);

@@ -11,7 +11,7 @@ use clap::Parser;
 use kvroute_proto::serve::{Limits, MIN_HEADER_BYTES};
 use serde::{Deserialize, Serialize};
 
-use crate::cache::PolicyKind;
+use crate::cache::{CacheConfig, PolicyKind, S3FifoParams};
 use crate::engine::TimingModel;
 use crate::publisher::EventFormat;
 
@@ -164,6 +164,16 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The block cache these settings describe.
+    pub fn cache(&self) -> CacheConfig {
+        CacheConfig {
+            capacity_blocks: self.capacity_blocks,
+            block_size: self.block_size as usize,
+            policy: self.policy,
+            s3fifo: S3FifoParams { small_ratio: self.s3fifo_small_ratio, max_freq: self.s3fifo_max_freq },
+        }
+    }
+
     /// A config for tests and embedded fleets: every socket on 127.0.0.1 port 0.
     pub fn loopback(name: impl Into<String>) -> Self {
         let any: SocketAddr = "127.0.0.1:0".parse().expect("valid address");

@@ -12,7 +12,6 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::cache::{CacheConfig, S3FifoParams};
 use crate::config::Config;
 use crate::engine::{Engine, EngineConfig};
 use crate::grpc::AgentService;
@@ -99,15 +98,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         EngineConfig {
             replica: config.name.clone(),
             epoch,
-            cache: CacheConfig {
-                capacity_blocks: config.capacity_blocks,
-                block_size: config.block_size as usize,
-                policy: config.policy,
-                s3fifo: S3FifoParams {
-                    small_ratio: config.s3fifo_small_ratio,
-                    max_freq: config.s3fifo_max_freq,
-                },
-            },
+            cache: config.cache(),
             max_num_seqs: config.max_num_seqs as usize,
             max_num_batched_tokens: config.max_num_batched_tokens as usize,
             max_waiting: config.max_waiting,

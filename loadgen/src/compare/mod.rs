@@ -175,15 +175,22 @@ pub async fn compare(
 
 /// The requests of `trace` that `run` served, if not all of them: a run stopped early sent
 /// only some, and those it cancelled in flight (Ctrl-C) are left out too, since no answer
-/// came back for them, as are those that found no connection (the router down or
-/// restarting): no cache saw them. Requests that failed otherwise (a 503, a timeout) count
-/// as served: the fleet had them. A replica may still have prefilled a cancelled request, so a hit rate
-/// from the replicas' counters can include its lookups while these figures leave it out.
+/// came back for them, as are those no cache saw: those that found no connection (the router
+/// down or restarting) and those refused before they ran (a 4xx, from the router or a
+/// replica, such as a prompt longer than a replica's cache holds; a 503: no replica could
+/// take it, or the replica's queue was full). Requests that failed otherwise (a timeout, a
+/// 502, a stream cut off) count as served: a replica may have run them. A replica may still
+/// have prefilled a cancelled request, so a hit rate from the replicas' counters can include
+/// its lookups while these figures leave it out.
 fn requests_served(trace: &Trace, run: &live::LiveReport) -> Option<Trace> {
     let mut served: Vec<usize> = run
         .records
         .iter()
-        .filter(|r| !matches!(r.outcome, Err(live::ErrorKind::Cancelled | live::ErrorKind::Connect)))
+        .filter(|r| match r.outcome {
+            Err(live::ErrorKind::Cancelled | live::ErrorKind::Connect) => false,
+            Err(live::ErrorKind::Status(status)) => !(400..500).contains(&status) && status != 503,
+            _ => true,
+        })
         .map(|r| r.index)
         .collect();
     if served.len() == trace.len() {
@@ -410,11 +417,12 @@ mod tests {
     }
 
     /// Regression: a run stopped by Ctrl-C had the requests it cancelled in flight replayed
-    /// by its pooled reference and offline simulation, though the fleet never served them.
+    /// by its pooled reference and offline simulation, though the fleet never served them;
+    /// so had requests refused before they ran (a prompt longer than an agent's cache, 400).
     #[test]
-    fn requests_cancelled_in_flight_or_never_connected_are_not_compared() {
+    fn requests_cancelled_refused_or_never_connected_are_not_compared() {
         let trace = Trace::new(
-            (0..4)
+            (0..6)
                 .map(|i| Request {
                     arrival: Duration::from_secs(i),
                     input_len: 10 + i as usize,
@@ -430,15 +438,17 @@ mod tests {
         };
         let all_sent = report(vec![
             record(0, Ok(Success::default())),
-            record(1, Err(ErrorKind::Status(503))),
+            record(1, Err(ErrorKind::Status(504))),
             record(2, Err(ErrorKind::Cancelled)),
             record(3, Err(ErrorKind::Connect)),
+            record(4, Err(ErrorKind::Status(400))),
+            record(5, Err(ErrorKind::Status(503))),
         ]);
         let served = requests_served(&trace, &all_sent).expect("a request was cancelled");
         let expected: Vec<Request> = [0, 1].map(|i| trace.requests[i].clone()).into();
         assert_eq!(served.requests, expected);
         // A run that served every request is compared on the whole workload.
-        let whole = report((0..4).map(|i| record(i, Err(ErrorKind::Status(503)))).collect());
+        let whole = report((0..6).map(|i| record(i, Err(ErrorKind::Timeout))).collect());
         assert_eq!(requests_served(&trace, &whole), None);
     }
 }

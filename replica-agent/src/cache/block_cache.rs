@@ -256,6 +256,12 @@ impl BlockCache {
         self.policy.pin_limit()
     }
 
+    /// The longest prompt the cache can ever hold whole while it runs (its full blocks all
+    /// pinned at once): `pin_limit` full blocks and a partial one.
+    pub fn longest_prompt(&self) -> usize {
+        (self.pin_limit() + 1) * self.block_size - 1
+    }
+
     /// How many distinct blocks are pinned.
     pub fn pinned_len(&self) -> usize {
         self.pins.len()

@@ -196,8 +196,7 @@ impl Engine {
         shutdown: CancellationToken,
     ) -> Result<Engine, crate::cache::ConfigError> {
         let cache = BlockCache::new(&config.cache)?;
-        // A prompt of `pin_limit` full blocks and a partial one is the longest that fits.
-        let max_prompt_tokens = (cache.pin_limit() + 1) * config.cache.block_size - 1;
+        let max_prompt_tokens = cache.longest_prompt();
         let state =
             Arc::new(Mutex::new(CacheState { cache, blocks: HashMap::new(), outbox: Default::default() }));
         let metrics =
