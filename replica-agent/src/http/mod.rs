@@ -16,6 +16,7 @@
 //! | `GET /metrics` | `metrics.rs`: Prometheus text with vLLM's metric names |
 //!
 //! With `--api-key`, every `/v1/*` route needs `Authorization: Bearer <key>`, as in vLLM.
+//! Browsers may call it from any origin, as vLLM's defaults allow (`cors.rs`).
 //!
 //! Streams follow vLLM: `usage` (with `prompt_tokens_details.cached_tokens`) comes only in
 //! a final chunk, when the request sets `stream_options` with an `include_usage` that is
@@ -30,6 +31,7 @@
 mod admin;
 mod chat;
 mod completions;
+mod cors;
 mod error;
 mod generate;
 mod messages;
@@ -151,7 +153,9 @@ async fn handle(state: AppState, req: Request<Incoming>) -> Response<Body> {
     let error = |e: &ApiError| {
         if anthropic { json_response(e.status, e.error.to_anthropic_json()) } else { error_response(e) }
     };
+    let cross_origin = req.headers().contains_key(header::ORIGIN);
     let mut response = match route(path) {
+        _ if let Some(preflight) = cors::preflight(req.method(), req.headers()) => preflight,
         _ if !authorized(state.config(), path, &req) => {
             json_response(StatusCode::UNAUTHORIZED, br#"{"error":"Unauthorized"}"#.to_vec())
         }
@@ -168,6 +172,9 @@ async fn handle(state: AppState, req: Request<Incoming>) -> Response<Body> {
         },
         None => error_response(&ApiError::not_found(path)),
     };
+    if cross_origin {
+        cors::allow(&mut response);
+    }
     if let Ok(value) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert(X_REQUEST_ID, value);
     }

@@ -138,6 +138,36 @@ async fn an_api_key_guards_the_v1_paths() {
     assert_eq!(c.post("/tokenize", &json!({ "prompt": "hi" })).await.status, StatusCode::OK);
 }
 
+/// CORS as vLLM's defaults have it: a browser's preflight is answered (before the API key
+/// is asked for), and an answer to another origin says any origin may read it.
+#[tokio::test]
+async fn browsers_may_call_from_any_origin() {
+    let agent = Agent::with(kvroute_replica_agent::Config { api_key: Some("k3y".into()), ..config() }).await;
+    let c = &agent.client;
+    let preflight = [
+        ("origin", "https://app.example"),
+        ("access-control-request-method", "POST"),
+        ("access-control-request-headers", "authorization,content-type"),
+    ];
+    let reply = collect(c.send(Method::OPTIONS, "/v1/chat/completions", Vec::new(), &preflight).await).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let header = |reply: &Reply, name: &str| reply.headers.get(name).map(|v| v.to_str().unwrap().to_owned());
+    assert_eq!(header(&reply, "access-control-allow-origin").as_deref(), Some("*"));
+    assert_eq!(header(&reply, "access-control-allow-headers").as_deref(), Some("authorization,content-type"));
+    assert!(header(&reply, "access-control-allow-methods").unwrap().contains("POST"));
+    // Not a preflight without the method asked for: the route's own answer.
+    let plain =
+        collect(c.send(Method::OPTIONS, "/v1/chat/completions", Vec::new(), &preflight[..1]).await).await;
+    assert_ne!(plain.status, StatusCode::OK);
+    let body = serde_json::to_vec(&json!({ "model": MODEL, "prompt": "hi", "max_tokens": 1 })).unwrap();
+    let headers = [("authorization", "Bearer k3y"), ("origin", "https://app.example")];
+    let reply = collect(c.send(Method::POST, "/v1/completions", body.clone(), &headers).await).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(header(&reply, "access-control-allow-origin").as_deref(), Some("*"));
+    let same_origin = collect(c.send(Method::POST, "/v1/completions", body, &headers[..1]).await).await;
+    assert_eq!(header(&same_origin, "access-control-allow-origin"), None);
+}
+
 #[tokio::test]
 async fn lora_adapter_prompts_live_in_their_own_namespace() {
     let agent = Agent::start().await;

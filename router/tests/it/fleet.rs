@@ -232,8 +232,22 @@ impl Http {
     }
 
     pub async fn send(&self, method: http::Method, url: &str, body: impl Into<Bytes>) -> Reply {
+        self.send_with(method, url, body, &[]).await
+    }
+
+    /// [`Http::send`] with `headers` too.
+    pub async fn send_with(
+        &self,
+        method: http::Method,
+        url: &str,
+        body: impl Into<Bytes>,
+        headers: &[(&str, &str)],
+    ) -> Reply {
         let mut request =
             Request::builder().method(method).uri(url).header("content-type", "application/json");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
         if let Some(key) = &self.bearer {
             request = request.header("authorization", format!("Bearer {key}"));
         }

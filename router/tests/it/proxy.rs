@@ -757,6 +757,29 @@ pub(crate) async fn router_in_front_of(
     (kvroute_router::start(config, shutdown.clone()).await.unwrap(), shutdown)
 }
 
+/// A browser's CORS preflight of an API path is the fleet's to answer (vLLM allows every
+/// origin by default, as the agent does): it was a 405 from the router, and browsers blocked
+/// every call. The replica's `access-control-allow-origin` on an answer comes through once.
+#[tokio::test]
+async fn a_browsers_preflight_is_answered_by_the_fleet() {
+    let fleet = Fleet::with(1, agent_config, |c| c).await;
+    let preflight = [
+        ("origin", "https://app.example"),
+        ("access-control-request-method", "POST"),
+        ("access-control-request-headers", "authorization,content-type"),
+    ];
+    for path in ["/v1/chat/completions", "/v1/completions", "/v1/models"] {
+        let reply = fleet.http.send_with(http::Method::OPTIONS, &fleet.url(path), "", &preflight).await;
+        assert_eq!(reply.status, 200, "{path}: {:?}", reply.body);
+        assert_eq!(reply.header("access-control-allow-origin"), Some("*"), "{path}");
+    }
+    let body = completion("from a browser", 1).to_string();
+    let origin = [("origin", "https://app.example")];
+    let reply = fleet.http.send_with(http::Method::POST, &fleet.url("/v1/completions"), body, &origin).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.headers.get_all("access-control-allow-origin").iter().count(), 1);
+}
+
 /// A replica whose `/health` answers slowly (SGLang's runs a generation, a second or more)
 /// stays in: the check's timeout is its own, not the check interval, and one failed check
 /// does not make a replica unhealthy. Before, every check of such a fleet timed out and
