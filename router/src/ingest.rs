@@ -177,7 +177,7 @@ struct Inner {
     shutdown: CancellationToken,
     running: Mutex<HashMap<ReplicaId, Running>>,
     /// `config.replay_max_bytes`, shared by every replay.
-    replay_budget: Arc<tokio::sync::Semaphore>,
+    replay_budget: Arc<replay::Budget>,
 }
 
 /// A replica's tasks.
@@ -198,7 +198,7 @@ impl Ingest {
         shutdown: CancellationToken,
     ) -> Self {
         let metrics = IngestMetrics::register(registry, index.clone());
-        let budget = config.replay_max_bytes.min(tokio::sync::Semaphore::MAX_PERMITS);
+        let replay_budget = Arc::new(replay::Budget::new(config.replay_max_bytes));
         Self {
             inner: Arc::new(Inner {
                 config: Arc::new(config),
@@ -208,7 +208,7 @@ impl Ingest {
                 tracker,
                 shutdown,
                 running: Mutex::new(HashMap::new()),
-                replay_budget: Arc::new(tokio::sync::Semaphore::new(budget)),
+                replay_budget,
             }),
         }
     }

@@ -51,15 +51,56 @@ pub(crate) enum ReplayError {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Bounds<'a> {
     pub batches: usize,
-    pub budget: &'a Arc<Semaphore>,
+    pub budget: &'a Budget,
+}
+
+/// Payload bytes every replay of a router shares, and a turn for those that ran out.
+///
+/// Replays that would fit one after the other can each hold part of the budget while they
+/// wait for more, none able to finish and give some back. One that ran out gives back all it
+/// held and tries again once, in turn with the others that ran out, so the rest finish and it
+/// then gets its budget; a replay larger than the budget fails either way.
+#[derive(Debug)]
+pub(crate) struct Budget {
+    bytes: Arc<Semaphore>,
+    turn: tokio::sync::Mutex<()>,
+}
+
+impl Budget {
+    pub(crate) fn new(bytes: usize) -> Self {
+        let bytes = bytes.min(Semaphore::MAX_PERMITS);
+        Self { bytes: Arc::new(Semaphore::new(bytes)), turn: tokio::sync::Mutex::new(()) }
+    }
+
+    #[cfg(test)]
+    fn available(&self) -> usize {
+        self.bytes.available_permits()
+    }
 }
 
 /// Budget bytes a replay's batches hold until they are applied.
 pub(crate) type Held = Option<OwnedSemaphorePermit>;
 
 /// Every buffered batch with seq >= `start`, in the order the publisher sent them (through
-/// a ZMTP guard, which calls `on_refused` for a message over its limits).
+/// a ZMTP guard, which calls `on_refused` for a message over its limits). A replay that ran
+/// out of budget tries once more in turn ([`Budget`]).
 pub(crate) async fn fetch(
+    endpoint: &str,
+    start: Seq,
+    timeout: Duration,
+    bounds: Bounds<'_>,
+    on_refused: OnRefused,
+) -> Result<(Vec<LiveMessage>, Held), ReplayError> {
+    match fetch_once(endpoint, start, timeout, bounds, on_refused.clone()).await {
+        Err(ReplayError::OverBudget) => {
+            let _turn = bounds.budget.turn.lock().await;
+            fetch_once(endpoint, start, timeout, bounds, on_refused).await
+        }
+        done => done,
+    }
+}
+
+async fn fetch_once(
     endpoint: &str,
     start: Seq,
     timeout: Duration,
@@ -98,7 +139,7 @@ pub(crate) async fn fetch(
                 }
                 ReplayReply::Batch(batch) => {
                     let bytes = u32::try_from(batch.payload.len()).map_err(|_| ReplayError::OverBudget)?;
-                    let wanted = bounds.budget.clone().acquire_many_owned(bytes);
+                    let wanted = bounds.budget.bytes.clone().acquire_many_owned(bytes);
                     let permit = tokio::time::timeout_at(reply_by, wanted)
                         .await
                         .map_err(|_| ReplayError::OverBudget)?
@@ -127,32 +168,34 @@ mod tests {
 
     use super::*;
 
-    fn unbounded(budget: &Arc<Semaphore>) -> Bounds<'_> {
+    fn unbounded(budget: &Budget) -> Bounds<'_> {
         Bounds { batches: usize::MAX, budget }
     }
 
-    fn budget(bytes: usize) -> Arc<Semaphore> {
-        Arc::new(Semaphore::new(bytes))
+    fn budget(bytes: usize) -> Budget {
+        Budget::new(bytes)
     }
 
-    /// A peer that answers a replay with a one-byte batch every `every`: `n` of them and the
-    /// replay's end, or batches without end.
+    /// A peer that answers each replay request, one after the other, with a one-byte batch
+    /// every `every`: `n` of them and the replay's end, or batches without end (until the
+    /// requester is gone).
     async fn peer(every: Duration, n: Option<u64>) -> String {
         let mut router = RouterSocket::new();
         let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
         tokio::spawn(async move {
-            let request = router.recv().await.unwrap().into_vec();
-            let peer = request[0].clone();
-            let batches = (0..n.unwrap_or(u64::MAX))
-                .map(|seq| framing::encode_replay_batch(Bytes::new(), Seq(seq), Bytes::from_static(b"x")));
-            for frames in batches.chain(n.map(|_| framing::encode_replay_end())) {
-                tokio::time::sleep(every).await;
-                let frames: Vec<Bytes> = std::iter::once(peer.clone()).chain(frames).collect();
-                if router.send(ZmqMessage::try_from(frames).unwrap()).await.is_err() {
-                    return;
+            while let Ok(request) = router.recv().await {
+                let peer = request.into_vec()[0].clone();
+                let batches = (0..n.unwrap_or(u64::MAX)).map(|seq| {
+                    framing::encode_replay_batch(Bytes::new(), Seq(seq), Bytes::from_static(b"x"))
+                });
+                for frames in batches.chain(n.map(|_| framing::encode_replay_end())) {
+                    tokio::time::sleep(every).await;
+                    let frames: Vec<Bytes> = std::iter::once(peer.clone()).chain(frames).collect();
+                    if router.send(ZmqMessage::try_from(frames).unwrap()).await.is_err() {
+                        break;
+                    }
                 }
             }
-            std::future::pending::<()>().await;
         });
         endpoint
     }
@@ -202,12 +245,12 @@ mod tests {
     #[tokio::test]
     async fn a_replay_past_its_bounds_fails() {
         let shared = budget(5);
-        let other_replay = shared.clone().try_acquire_many_owned(2).unwrap();
+        let other_replay = shared.bytes.clone().try_acquire_many_owned(2).unwrap();
         let endpoint = dripping_peer(Duration::from_millis(1)).await;
         let result =
             fetch(&endpoint, Seq(0), Duration::from_millis(300), unbounded(&shared), Arc::new(|| {})).await;
         assert!(matches!(result, Err(ReplayError::OverBudget)), "4 one-byte batches, 3 left: {result:?}");
-        assert_eq!(shared.available_permits(), 3, "a failed replay gives its bytes back");
+        assert_eq!(shared.available(), 3, "a failed replay gives its bytes back");
         drop(other_replay);
         let endpoint = dripping_peer(Duration::from_millis(1)).await;
         let batches = Bounds { batches: 3, budget: &shared };
@@ -220,7 +263,7 @@ mod tests {
     #[tokio::test]
     async fn a_replay_waits_for_budget_another_replay_gives_back() {
         let shared = budget(4);
-        let other_replay = shared.clone().try_acquire_many_owned(3).unwrap();
+        let other_replay = shared.bytes.clone().try_acquire_many_owned(3).unwrap();
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(100)).await;
             drop(other_replay);
@@ -230,5 +273,25 @@ mod tests {
             fetch(&endpoint, Seq(0), Duration::from_secs(5), unbounded(&shared), Arc::new(|| {})).await;
         let (batches, held) = result.expect("the budget came back in time");
         assert_eq!((batches.len(), held.map(|h| h.num_permits())), (3, Some(3)));
+    }
+
+    /// Two replays that would fit one after the other, run at once, each hold part of the
+    /// budget and wait for more: the first to run out gives its part back and tries again in
+    /// turn, so both succeed (one used to fail, and its rank lost its index).
+    #[tokio::test]
+    async fn replays_that_fit_one_after_the_other_both_succeed_at_once() {
+        let shared = budget(10);
+        let (a, b) =
+            (peer(Duration::from_millis(1), Some(8)).await, peer(Duration::from_millis(1), Some(8)).await);
+        let timeout = Duration::from_millis(300);
+        // Each applied, and its budget given back, as soon as it is complete.
+        let replay = async |endpoint| {
+            let (batches, _held) =
+                fetch(endpoint, Seq(0), timeout, unbounded(&shared), Arc::new(|| {})).await?;
+            Ok::<_, ReplayError>(batches.len())
+        };
+        let (a, b) = tokio::join!(replay(&a), replay(&b));
+        assert_eq!((a.expect("each fits alone"), b.expect("each fits alone")), (8, 8));
+        assert_eq!(shared.available(), 10);
     }
 }

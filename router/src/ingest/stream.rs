@@ -41,7 +41,7 @@ pub(crate) struct ReplicaCtx {
     pub metrics: ReplicaMetrics,
     pub config: Arc<IngestConfig>,
     /// Payload bytes every replay of the router draws from while it is held.
-    pub replay_budget: Arc<tokio::sync::Semaphore>,
+    pub replay_budget: Arc<replay::Budget>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -594,7 +594,7 @@ mod tests {
             index: SharedIndex::new(),
             metrics: IngestMetrics::default().replica("r"),
             config: Arc::default(),
-            replay_budget: Arc::new(tokio::sync::Semaphore::new(1 << 20)),
+            replay_budget: Arc::new(replay::Budget::new(1 << 20)),
         };
         RankStream::new(Arc::new(ctx), 0, None)
     }
