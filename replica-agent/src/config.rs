@@ -216,8 +216,16 @@ impl Config {
                 self.max_num_batched_tokens, self.block_size
             ),
         );
-        check(self.max_waiting > 0, "--max-waiting must be at least 1".into());
-        check(self.max_connections > 0, "--max-connections must be at least 1".into());
+        // Beyond what a tokio semaphore or channel holds: refused here, not a panic at start.
+        let most = tokio::sync::Semaphore::MAX_PERMITS;
+        check(
+            self.max_waiting > 0 && self.max_waiting <= most,
+            format!("--max-waiting must be between 1 and {most}"),
+        );
+        check(
+            self.max_connections > 0 && self.max_connections <= most,
+            format!("--max-connections must be between 1 and {most}"),
+        );
         check(self.body_timeout_ms > 0, "--body-timeout-ms must be at least 1".into());
         check(
             self.max_header_bytes >= MIN_HEADER_BYTES,
@@ -245,6 +253,10 @@ impl Config {
         if let Some(path) = &self.chat_template {
             check(path.is_file(), format!("--chat-template {} is not a readable file", path.display()));
         }
+        check(
+            !self.lora_adapters.iter().any(|a| a.trim().is_empty()),
+            "--lora-adapters must not name an empty adapter".into(),
+        );
         check(
             !self.lora_adapters.contains(&self.model),
             "--lora-adapters must not name the base model".into(),
@@ -300,6 +312,19 @@ mod tests {
         };
         let errors = c.validate().unwrap_err();
         assert_eq!(errors.len(), 6, "{errors:#?}");
+    }
+
+    /// Values that parse but that a semaphore, a channel or a model list cannot take are
+    /// refused here, not a panic (or a model named "") once running.
+    #[test]
+    fn limits_past_what_the_server_holds_and_empty_adapters_are_refused() {
+        let c = Config {
+            max_waiting: usize::MAX,
+            max_connections: usize::MAX,
+            lora_adapters: vec!["sql".into(), String::new()],
+            ..Config::default()
+        };
+        assert_eq!(c.validate().unwrap_err().len(), 3);
     }
 
     #[test]

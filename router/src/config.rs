@@ -328,11 +328,9 @@ impl Config {
         let mut names = std::collections::HashSet::new();
         for r in &self.replicas {
             check(names.insert(r.name.as_str()), format!("replica {:?} is listed twice", r.name));
-            let spec = r.to_spec(&self.model, self.block_size).validate();
-            check(
-                spec.is_ok(),
-                format!("replica {:?}: {}", r.name, spec.err().map(|e| e.to_string()).unwrap_or_default()),
-            );
+            for problem in r.to_spec(&self.model, self.block_size).problems() {
+                check(false, format!("replica {:?}: {problem}", r.name));
+            }
             let http = base_url(&r.http);
             check(
                 http.is_ok(),
@@ -720,6 +718,19 @@ mod tests {
         // Beyond what a semaphore holds: refused here, not a panic at start.
         let huge = Config { max_in_flight: usize::MAX, max_connections: usize::MAX, ..Config::default() };
         assert_eq!(huge.validate().unwrap_err().len(), 2);
+    }
+
+    /// Every problem of a replica at once, a bind address for its events among them.
+    #[test]
+    fn a_replicas_problems_are_all_reported() {
+        let replica = "name=r0,http=http://h:1,events=tcp://*:5557,replay=nowhere,grpc=h:50051,dp-size=2";
+        let c = Config { replicas: vec![replica.parse().unwrap()], ..Config::default() };
+        let errors = c.validate().unwrap_err();
+        assert_eq!(errors.len(), 3, "{errors:?}");
+        assert!(
+            errors.iter().any(|e| e.contains("tcp://*:5557") && e.contains("bind address")),
+            "{errors:?}"
+        );
     }
 
     #[test]

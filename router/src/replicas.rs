@@ -191,25 +191,35 @@ impl ReplicaSpec {
 
     /// Checks the endpoints parse and the rank count is sane.
     pub fn validate(&self) -> Result<(), SpecError> {
+        match self.problems().into_iter().next() {
+            Some(problem) => Err(problem),
+            None => Ok(()),
+        }
+    }
+
+    /// Every problem [`Self::validate`] finds, not just the first.
+    pub fn problems(&self) -> Vec<SpecError> {
+        let mut problems = Vec::new();
         if self.name.is_empty() {
-            return Err(SpecError::EmptyName);
+            problems.push(SpecError::EmptyName);
         }
         if self.dp_size == 0 {
-            return Err(SpecError::NoRanks);
+            problems.push(SpecError::NoRanks);
         }
         if self.dp_size > MAX_DP_SIZE {
-            return Err(SpecError::TooManyRanks(self.dp_size));
+            problems.push(SpecError::TooManyRanks(self.dp_size));
         }
-        if let Some(grpc) = &self.grpc_endpoint {
-            base_url(grpc)?;
+        if let Some(Err(e)) = self.grpc_endpoint.as_deref().map(base_url) {
+            problems.push(e);
         }
-        for rank in 0..self.dp_size {
-            rank_endpoint(&self.event_endpoint, rank)?;
-            if let Some(replay) = &self.replay_endpoint {
-                rank_endpoint(replay, rank)?;
+        // The last rank's port is the highest; within the ranks allowed.
+        let last = self.dp_size.clamp(1, MAX_DP_SIZE) - 1;
+        for endpoint in std::iter::once(&self.event_endpoint).chain(&self.replay_endpoint) {
+            if let Err(e) = rank_endpoint(endpoint, 0).and_then(|_| rank_endpoint(endpoint, last)) {
+                problems.push(e);
             }
         }
-        Ok(())
+        problems
     }
 }
 
@@ -220,6 +230,9 @@ pub fn rank_endpoint(endpoint: &str, rank: u32) -> Result<String, SpecError> {
     if let Some(rest) = endpoint.strip_prefix("tcp://") {
         let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
         let port: u16 = port.parse().map_err(|_| bad())?;
+        if host.is_empty() || host == "*" {
+            return Err(SpecError::BindAddress(endpoint.to_owned()));
+        }
         if rank == 0 || port == 0 {
             return Ok(endpoint.to_owned());
         }
@@ -273,6 +286,8 @@ pub enum SpecError {
     EngineUnspecified,
     #[error("unsupported ZeroMQ endpoint {0:?} (expected tcp://host:port or ipc://path)")]
     Endpoint(String),
+    #[error("ZeroMQ endpoint {0:?} is a publisher's bind address; give the replica's host to connect to")]
+    BindAddress(String),
     #[error("URL {0:?}: {1}")]
     Url(String, String),
     #[error("replica {0:?} is already registered")]
@@ -521,6 +536,9 @@ mod tests {
         assert_eq!(rank_endpoint("tcp://h:0", 2).unwrap(), "tcp://h:0");
         assert_eq!(rank_endpoint("ipc:///tmp/kv", 1).unwrap(), "ipc:///tmp/kv_dp1");
         assert!(rank_endpoint("tcp://h:65535", 1).is_err());
+        // vLLM's bind address, which no one can connect to.
+        assert_eq!(rank_endpoint("tcp://*:5557", 0), Err(SpecError::BindAddress("tcp://*:5557".into())));
+        assert!(rank_endpoint("tcp://:5557", 0).is_err());
         assert!(rank_endpoint("tcp://h", 0).is_err());
         assert!(rank_endpoint("http://h:1", 0).is_err());
     }

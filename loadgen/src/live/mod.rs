@@ -105,7 +105,10 @@ pub enum LiveError {
     Speedup(f64),
     #[error("the Poisson rate must be a positive, finite number, got {0}")]
     Rate(f64),
-    #[error("the concurrency and the in-flight limit must be at least 1")]
+    #[error(
+        "the concurrency and the in-flight limit must be at least 1 (the limit at most {})",
+        Semaphore::MAX_PERMITS
+    )]
     Concurrency,
     #[error("the target {0:?} is not an http:// URL")]
     Target(String),
@@ -185,7 +188,7 @@ pub fn validate(config: &LiveConfig) -> Result<(), LiveError> {
     if !config.target.starts_with("http://") {
         return Err(LiveError::Target(config.target.clone()));
     }
-    if config.max_in_flight == 0 {
+    if config.max_in_flight == 0 || config.max_in_flight > Semaphore::MAX_PERMITS {
         return Err(LiveError::Concurrency);
     }
     match config.arrivals {
@@ -361,6 +364,15 @@ mod tests {
         let got = schedule(&requests, Arrivals::Trace { speedup: 2.0 }).unwrap();
         assert_eq!(got, [ms(0), ms(1000), ms(1000), ms(2000)]);
         assert!(schedule(&requests, Arrivals::Trace { speedup: 1e-300 }).is_err());
+    }
+
+    /// An in-flight limit past what a semaphore holds ("unlimited") is refused, not a panic.
+    #[test]
+    fn an_in_flight_limit_past_a_semaphores_is_refused() {
+        let mut config = LiveConfig::new("http://127.0.0.1:1".to_owned(), "m");
+        assert!(validate(&config).is_ok());
+        config.max_in_flight = usize::MAX;
+        assert!(matches!(validate(&config), Err(LiveError::Concurrency)));
     }
 
     /// `max_duration` ends the sending even while every slot is held (a fleet that accepts

@@ -89,6 +89,11 @@ pub async fn run(
     anyhow::ensure!(config.rate.is_finite() && config.rate > 0.0, "the rate must be positive");
     anyhow::ensure!(config.replicas > 0 && config.max_in_flight > 0, "need a replica and an in-flight slot");
     anyhow::ensure!(
+        config.max_in_flight <= tokio::sync::Semaphore::MAX_PERMITS,
+        "--max-in-flight must be at most {}",
+        tokio::sync::Semaphore::MAX_PERMITS
+    );
+    anyhow::ensure!(
         !config.sample_interval.is_zero() && config.churn_interval.is_none_or(|d| !d.is_zero()),
         "the sample and churn intervals must be longer than zero"
     );

@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use kvroute_proto::BlockHash;
 use kvroute_proto::pb::{self, event};
@@ -82,7 +82,9 @@ impl Scheduler {
         let mut grace_deadline = None;
         loop {
             if grace_deadline.is_none() && shutdown.is_cancelled() {
-                grace_deadline = Some(Instant::now() + self.config.shutdown_grace);
+                // A grace too long for the clock is a century (no deadline, in effect).
+                let grace = self.config.shutdown_grace.min(Duration::from_secs(100 * 365 * 86_400));
+                grace_deadline = Some(Instant::now() + grace);
                 self.rx.close();
                 while let Ok(control) = self.rx.try_recv() {
                     self.intake(control);

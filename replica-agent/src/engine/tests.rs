@@ -144,6 +144,22 @@ async fn a_request_is_admitted_only_when_a_step_has_tokens_left() {
     assert!(steps >= 3, "admitted after {steps} steps, while the first prompt took the whole budget");
 }
 
+/// A shutdown grace too long for the clock ("wait for ever") lets running requests finish:
+/// the deadline's sum overflowed and the scheduler panicked, failing them all.
+#[tokio::test]
+async fn a_grace_too_long_for_the_clock_lets_requests_finish() {
+    let (engine, shutdown) =
+        start(EngineConfig { shutdown_grace: Duration::MAX, ..config(64, 8, 100) }).await;
+    let mut rx = engine.submit(job((0..8).collect(), 20)).unwrap();
+    assert!(matches!(rx.recv().await, Some(Output::Started { .. })));
+    shutdown.cancel();
+    let mut last = None;
+    while let Some(output) = rx.recv().await {
+        last = Some(output);
+    }
+    assert!(matches!(last, Some(Output::Done(_))), "{last:?}");
+}
+
 /// `max_waiting` bounds every job not yet admitted, not only those the scheduler has yet to
 /// take off its channel: with the batch full, the third job to wait is refused (a 503 the
 /// router can route around), even after the scheduler has queued the first two.

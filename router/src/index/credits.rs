@@ -95,7 +95,7 @@ impl Credits {
         }
         let mut inner = self.lock();
         let now = inner.now(self.ttl);
-        let expiry = now + self.ttl.as_micros() as u64;
+        let expiry = now.saturating_add(u64::try_from(self.ttl.as_micros()).unwrap_or(u64::MAX));
         inner.current.extend(blocks.iter().map(|&b| ((b, replica), expiry)));
         if !pin {
             return Stamp(0);
@@ -116,7 +116,7 @@ impl Credits {
         }
         let mut inner = self.lock();
         let now = inner.now(self.ttl);
-        let expiry = now + self.ttl.as_micros() as u64;
+        let expiry = now.saturating_add(u64::try_from(self.ttl.as_micros()).unwrap_or(u64::MAX));
         for &b in blocks {
             if inner.take_pin((b, replica), stamp) {
                 inner.current.insert((b, replica), expiry);
@@ -333,6 +333,16 @@ mod tests {
         assert_eq!(c.len(), 1);
         tokio::time::advance(Duration::from_secs(1)).await;
         assert!(c.is_empty());
+    }
+
+    /// A TTL past what microseconds hold (`--credit-ttl-ms` at its largest, "never") keeps
+    /// credits: the expiry saturates instead of wrapping to the past (or overflowing).
+    #[tokio::test(start_paused = true)]
+    async fn a_ttl_too_long_to_count_keeps_credits() {
+        let c = Credits::new(Duration::from_millis(u64::MAX));
+        tokio::time::advance(Duration::from_millis(2)).await;
+        c.credit(ReplicaId(0), &[h(1), h(2)]);
+        assert_eq!(c.extend(ReplicaId(0), &[h(1), h(2)], 0), 2);
     }
 
     #[tokio::test(start_paused = true)]
