@@ -168,13 +168,11 @@ impl Tokenization {
     /// the template is chosen).
     pub fn new(config: &TokenizationConfig) -> Result<Self, LoadError> {
         let files = config.tokenizer.model_files();
-        let (tokenizer, builtin): (Box<dyn Tokenizer>, bool) = match &files {
-            None => (Box::new(Builtin), true),
-            Some(files) => (Box::new(HuggingFace::from_file(&files.tokenizer)?), false),
-        };
+        let builtin = files.is_none();
         // The model's own tokenizer_config.json, found beside its tokenizer.json, unless one is
         // configured.
-        let tokenizer_config = config.tokenizer_config.clone().or(files.and_then(|f| f.tokenizer_config));
+        let tokenizer_config =
+            config.tokenizer_config.clone().or(files.as_ref().and_then(|f| f.tokenizer_config.clone()));
         // One found rather than given that cannot be read (or whose template does not
         // compile) stops nothing: chats are refused as without a template, completions served,
         // and the problem is told ([`Tokenization::template_problem`]).
@@ -201,6 +199,26 @@ impl Tokenization {
             },
             None if builtin => SpecialTokens::builtin(),
             None => SpecialTokens::default(),
+        };
+        let tokenizer: Box<dyn Tokenizer> = match &files {
+            None => Box::new(Builtin),
+            Some(files) => {
+                let tokenizer = HuggingFace::from_file(&files.tokenizer)?;
+                // A config that cannot be read was dealt with above.
+                match tokenizer_config.as_ref().map(chat_template::bos_eos_flags) {
+                    Some(Ok(Some((add_bos, add_eos)))) => {
+                        let bos = special.get("bos_token").filter(|_| add_bos);
+                        let eos = special.get("eos_token").filter(|_| add_eos);
+                        let path = tokenizer_config.clone().unwrap_or_default();
+                        Box::new(
+                            tokenizer
+                                .with_bos_eos(bos, eos)
+                                .map_err(|why| LoadError::Tokenizer { path, source: why.into() })?,
+                        )
+                    }
+                    _ => Box::new(tokenizer),
+                }
+            }
         };
         let chat_template = match (&config.chat_template, &tokenizer_config) {
             (Some(path), _) => Some(ChatTemplate::from_file(path, special)?.as_chat_template_flag()),

@@ -717,6 +717,38 @@ fn chat_options_in_the_config_change_the_prompt() {
     assert_ne!(as_parts, tokens(&plain, Endpoint::ChatCompletions, &chat("")).unwrap());
 }
 
+/// `add_bos_token` / `add_eos_token` in the tokenizer config decide the special tokens
+/// around a text, over `tokenizer.json`'s post-processor, as transformers 5 builds them (an
+/// absent flag is false); without either, the post-processor stays.
+#[test]
+fn the_configs_bos_and_eos_flags_replace_the_post_processor() {
+    let hello = |t: &Tokenization| {
+        tokens(t, Endpoint::Completions, r#"{"model":"tiny","prompt":"Hello, world!"}"#).unwrap().remove(0)
+    };
+    let with_flags = |name: &str, flags: serde_json::Value| {
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(data("tiny-tokenizer_config.json")).unwrap()).unwrap();
+        config.as_object_mut().unwrap().extend(flags.as_object().unwrap().clone());
+        let path = std::env::temp_dir().join(format!("kvroute-{name}-{}.json", std::process::id()));
+        std::fs::write(&path, config.to_string()).unwrap();
+        let t =
+            Tokenization::new(&TokenizationConfig { tokenizer_config: Some(path.clone()), ..hf_config() });
+        std::fs::remove_file(&path).ok();
+        hello(&t.unwrap())
+    };
+    let file_default = hello(&Tokenization::new(&hf_config()).unwrap());
+    let plain = with_flags("no-bos", serde_json::json!({"add_bos_token": false}));
+    assert_eq!(
+        file_default[1..],
+        plain[..],
+        "the fixture's post-processor adds a BOS; the flag takes it off"
+    );
+    let both = with_flags("bos-eos", serde_json::json!({"add_bos_token": true, "add_eos_token": true}));
+    assert_eq!(both.len(), plain.len() + 2);
+    assert_eq!(both[..both.len() - 1], file_default[..]);
+    assert_ne!(both.last(), file_default.last(), "an EOS after the text");
+}
+
 /// `truncate_prompt_tokens` keeps what vLLM keeps: with a tokenizer that adds a BOS, by
 /// default (the tokenizer's left truncation) the BOS and the text's last tokens; with
 /// `truncation_side` the last or first of the whole encoding; token ids and chats their last.

@@ -131,6 +131,19 @@ impl SpecialTokens {
     }
 }
 
+/// Whether a Hugging Face `tokenizer_config.json` says to put its BOS in front of a text and
+/// its EOS after it (`add_bos_token`, `add_eos_token`), when it says either: transformers 5
+/// then builds the post-processor from these (an absent one is false) in place of
+/// `tokenizer.json`'s.
+pub fn bos_eos_flags(path: impl AsRef<Path>) -> Result<Option<(bool, bool)>, LoadError> {
+    let file = TokenizerConfigFile::load(path.as_ref())?;
+    let flag = |key| file.rest.get(key).map(|v| v.as_bool() == Some(true));
+    Ok(match (flag("add_bos_token"), flag("add_eos_token")) {
+        (None, None) => None,
+        (bos, eos) => Some((bos.unwrap_or(false), eos.unwrap_or(false))),
+    })
+}
+
 /// A compiled chat template plus the special tokens it is rendered with.
 #[derive(Debug)]
 pub struct ChatTemplate {

@@ -62,6 +62,34 @@ impl HuggingFace {
         &self.inner
     }
 
+    /// Puts `bos` in front of every text encoded with special tokens and `eos` after it, and
+    /// nothing else, as transformers 5 rebuilds the post-processor when the tokenizer config
+    /// sets `add_bos_token` or `add_eos_token` ([`crate::openai::chat_template::bos_eos_flags`]).
+    /// A token the vocabulary lacks is not added.
+    pub fn with_bos_eos(mut self, bos: Option<&str>, eos: Option<&str>) -> Result<Self, String> {
+        let known =
+            |token: Option<&str>| token.and_then(|t| self.inner.token_to_id(t).map(|id| (t.to_owned(), id)));
+        let (bos, eos) = (known(bos), known(eos));
+        let around = |seq: &str, type_id: u32| {
+            let mut pieces = Vec::new();
+            pieces.extend(bos.as_ref().map(|(t, _)| format!("{t}:{type_id}")));
+            pieces.push(format!("{seq}:{type_id}"));
+            pieces.extend(eos.as_ref().map(|(t, _)| format!("{t}:{type_id}")));
+            pieces
+        };
+        let mut pair = around("$A", 0);
+        pair.extend(around("$B", 1));
+        let template = tokenizers::processors::template::TemplateProcessing::builder()
+            .try_single(around("$A", 0))?
+            .try_pair(pair)?
+            .special_tokens(bos.iter().chain(&eos).cloned().collect::<Vec<_>>())
+            .build()
+            .map_err(|e| e.to_string())?;
+        self.inner.with_post_processor(Some(template));
+        self.resume = AddedTokens::check(&self.inner, self.vocab_size);
+        Ok(self)
+    }
+
     fn encode_ids(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, RequestError> {
         let encoding = self.inner.encode_fast(text, add_special_tokens).map_err(RequestError::Tokenizer)?;
         Ok(encoding.get_ids().to_vec())
