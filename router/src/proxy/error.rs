@@ -50,6 +50,9 @@ pub enum ProxyError {
     BadRequest(#[from] RequestError),
     #[error("the request body could not be read: {0}")]
     BodyRead(String),
+    /// The client left while its request body came (no answer can reach it).
+    #[error("the client left before its request body ended")]
+    ClientLeft,
     #[error("{0}")]
     Refused(String),
     #[error("the request body exceeds the limit of {limit} bytes")]
@@ -94,6 +97,8 @@ impl ProxyError {
             ProxyError::BadRequest(e) => {
                 StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::BAD_REQUEST)
             }
+            // nginx's status for a client that closed first.
+            ProxyError::ClientLeft => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
             ProxyError::BodyRead(_)
             | ProxyError::Refused(_)
             | ProxyError::PromptTooLong { .. }
@@ -126,6 +131,7 @@ impl ProxyError {
             | ProxyError::BodyRead(_)
             | ProxyError::Refused(_)
             | ProxyError::BadPath(_) => "bad_request",
+            ProxyError::ClientLeft => "client_left",
             ProxyError::BodyTooLarge { .. } => "too_large",
             ProxyError::BodyTimeout { .. } => "body_timeout",
             ProxyError::PromptTooLong { .. } | ProxyError::TooManyTokens { .. } => "over_limit",
@@ -144,6 +150,7 @@ impl ProxyError {
         match self {
             ProxyError::BadRequest(e) => e.to_openai(),
             ProxyError::BodyRead(_)
+            | ProxyError::ClientLeft
             | ProxyError::Refused(_)
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::BodyTimeout { .. }

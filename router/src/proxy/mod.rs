@@ -195,6 +195,12 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
     let counted = (!own_probe).then_some(&state.decider.metrics);
     let mut unanswered = access::Unanswered::new(&request_id, asked.as_ref(), received, counted);
     let answered = dispatch(&state, &pool, req, &request_id, received).await;
+    if let Err(ProxyError::ClientLeft) = answered {
+        // Counted and logged as abandoned, as if this future had been dropped: no error of
+        // the router's or the request's, and no answer can reach the client.
+        drop(unanswered);
+        return ProxyError::ClientLeft.into_response_for(&request_id, client);
+    }
     unanswered.answered();
     let response = match answered {
         Ok(response) => response,

@@ -98,16 +98,37 @@ impl Progress {
     }
 }
 
-/// What a failed client body means for the client: too large (413), stalled (408) or
-/// unreadable (400).
+/// What a failed client body means for the client: too large (413), stalled (408), cut off
+/// by the client's leaving (its connection closed or reset mid-body: 499, as a client that
+/// left) or unreadable (400).
 pub fn client_error(e: &BoxError, limit: usize) -> ProxyError {
     if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
         ProxyError::BodyTooLarge { limit }
     } else if let Some(Stalled(idle)) = e.downcast_ref::<Stalled>() {
         ProxyError::BodyTimeout { timeout_ms: idle.as_millis() as u64 }
+    } else if e.downcast_ref::<hyper::Error>().is_some_and(client_left) {
+        ProxyError::ClientLeft
     } else {
         ProxyError::BodyRead(e.to_string())
     }
+}
+
+/// Whether `e`, reading a request body, is its client's leaving: the connection ended or was
+/// reset before the body did.
+fn client_left(e: &hyper::Error) -> bool {
+    let io = std::error::Error::source(e).and_then(|s| s.downcast_ref::<std::io::Error>());
+    e.is_incomplete_message()
+        || e.is_canceled()
+        || e.is_closed()
+        || io.is_some_and(|io| {
+            matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::UnexpectedEof
+            )
+        })
 }
 
 impl<B> Body for Upload<B>

@@ -515,6 +515,30 @@ async fn a_client_that_leaves_before_its_answer_is_counted() {
     shutdown.cancel();
 }
 
+/// A client that leaves in the middle of its request body is a client that left (499), not
+/// a malformed request: it was counted as a 400 and a `bad_request` error.
+#[tokio::test]
+async fn a_client_that_leaves_mid_body_is_counted_as_one_that_left() {
+    use tokio::io::AsyncWriteExt;
+    let replica = hand_made_replica(|_, _| async { (200, "{}") }).await;
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let http = crate::fleet::Http::new();
+    for path in ["/v1/completions", "/v1/embeddings"] {
+        let mut stream = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+        let head = format!("POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\n{{\"model\":");
+        stream.write_all(head.as_bytes()).await.unwrap();
+        drop(stream);
+    }
+    let series = "kvroute_router_requests_total{code=\"499\"}";
+    crate::support::wait_until_async("both counted as 499", async || {
+        sample(&scrape(&http, &router.url()).await, series) == Some(2)
+    })
+    .await;
+    let metrics = scrape(&http, &router.url()).await;
+    assert_eq!(sample(&metrics, "kvroute_router_requests_total{code=\"400\"}"), None, "{metrics}");
+    shutdown.cancel();
+}
+
 /// A replica whose `POST /tokenize` reports on `tokenizing` and then waits for a permit of
 /// `gate` before it answers three tokens; anything else gets an empty 200 at once.
 async fn gated_tokenize_replica(
