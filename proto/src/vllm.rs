@@ -26,8 +26,10 @@
 //! Robustness: every input gives `Ok` or `Err`, never a panic. Payloads are read from the
 //! slice (no allocation by declared string/bin length), nesting is limited to
 //! [`MAX_DEPTH`], the hand-written visitors cap pre-allocation at [`MAX_PREALLOC`]
-//! elements whatever length a header declares (serde's own `Vec` impl caps at 1 MiB), and a
-//! batch holds at most [`MAX_EVENTS`] events (the native decoder's bound too).
+//! elements whatever length a header declares (serde's own `Vec` impl caps at 1 MiB), a
+//! batch holds at most [`MAX_EVENTS`] events (the native decoder's bound too), and its lists
+//! (hashes, token ids, extra keys) at most eight times the payload's bytes and a mebibyte of
+//! memory: a one-byte nil or fixint decodes to up to 32 bytes.
 //!
 //! The encoder writes what vLLM 0.33 sends: an array batch `[ts, events, dp_rank]`, events
 //! as maps with vLLM's keys (default-valued optional keys omitted), hashes as msgpack uint.
@@ -205,7 +207,11 @@ pub fn block_hash_from_digest(digest: &[u8]) -> BlockHash {
 /// only some of its events are at fault, they come back as [`VllmEvent::Malformed`] and the
 /// rest as usual.
 pub fn decode_payload(payload: &[u8]) -> Result<VllmBatch, DecodeError> {
-    decode_whole::<VllmBatch>(payload).or_else(|strict| lenient::decode(payload).ok_or(strict))
+    // Lists may take eight times the payload and a mebibyte (real batches take about as much
+    // as their bytes on the wire); each reading gets the whole allowance.
+    let budget = payload.len().saturating_mul(8).saturating_add(1 << 20);
+    de::with_budget(budget, || decode_whole::<VllmBatch>(payload))
+        .or_else(|strict| de::with_budget(budget, || lenient::decode(payload)).ok_or(strict))
 }
 
 /// One `T` that is the whole of `payload`.

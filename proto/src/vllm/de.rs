@@ -15,6 +15,43 @@ fn capped<T>(size_hint: Option<usize>) -> Vec<T> {
     Vec::with_capacity(size_hint.unwrap_or(0).min(MAX_PREALLOC))
 }
 
+thread_local! {
+    /// Bytes the lists of the payload being decoded may still take ([`with_budget`]).
+    static BUDGET: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+}
+
+/// Runs `decode` allowing its lists `bytes` of memory in all: a one-byte nil or fixint on the
+/// wire takes up to 32 bytes decoded, so a message the ZMTP guard lets through (64 MiB) could
+/// otherwise ask for gigabytes.
+pub(super) fn with_budget<T>(bytes: usize, decode: impl FnOnce() -> T) -> T {
+    let before = BUDGET.replace(bytes);
+    let out = decode();
+    BUDGET.set(before);
+    out
+}
+
+/// Takes the room of one more `T` (an element, or a list's own header) from the budget.
+fn charge<T, E: de::Error>() -> Result<(), E> {
+    BUDGET.with(|left| match left.get().checked_sub(std::mem::size_of::<T>()) {
+        Some(rest) => {
+            left.set(rest);
+            Ok(())
+        }
+        None => Err(E::custom("the batch decodes to far more memory than its size")),
+    })
+}
+
+/// The elements of `seq`, each charged to the budget, as is the list itself.
+fn list<'de, A: SeqAccess<'de>, T: Deserialize<'de>>(mut seq: A) -> Result<Vec<T>, A::Error> {
+    charge::<Vec<T>, A::Error>()?;
+    let mut out = capped(seq.size_hint());
+    while let Some(item) = seq.next_element()? {
+        charge::<T, A::Error>()?;
+        out.push(item);
+    }
+    Ok(out)
+}
+
 fn drain_seq<'de, A: SeqAccess<'de>>(seq: &mut A) -> Result<(), A::Error> {
     while seq.next_element::<IgnoredAny>()?.is_some() {}
     Ok(())
@@ -77,12 +114,9 @@ impl<'de> Deserialize<'de> for Hashes {
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("an array of block hashes")
             }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Hashes, A::Error> {
-                let mut out = capped(seq.size_hint());
-                while let Some(WireHash(h)) = seq.next_element()? {
-                    out.push(h);
-                }
-                Ok(Hashes(out))
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Hashes, A::Error> {
+                let hashes: Vec<WireHash> = list(seq)?;
+                Ok(Hashes(hashes.into_iter().map(|h| h.0).collect()))
             }
         }
         d.deserialize_any(V)
@@ -100,12 +134,8 @@ impl<'de> Deserialize<'de> for Tokens {
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("an array of token ids")
             }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Tokens, A::Error> {
-                let mut out = capped(seq.size_hint());
-                while let Some(t) = seq.next_element()? {
-                    out.push(t);
-                }
-                Ok(Tokens(out))
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Tokens, A::Error> {
+                Ok(Tokens(list(seq)?))
             }
         }
         d.deserialize_any(V)
@@ -473,12 +503,8 @@ impl<'de> Visitor<'de> for ExtraKeyVisitor {
     fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<ExtraKey, E> {
         Ok(ExtraKey::Bytes(v.to_vec()))
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ExtraKey, A::Error> {
-        let mut out = capped(seq.size_hint());
-        while let Some(k) = seq.next_element()? {
-            out.push(k);
-        }
-        Ok(ExtraKey::Tuple(out))
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<ExtraKey, A::Error> {
+        Ok(ExtraKey::Tuple(list(seq)?))
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ExtraKey, A::Error> {
         drain_map(&mut map)?;

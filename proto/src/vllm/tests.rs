@@ -127,6 +127,31 @@ fn too_many_events_are_an_error() {
     assert!(matches!(decode_payload(&batch(MAX_EVENTS + 1)), Err(DecodeError::Payload(_))));
 }
 
+/// An event whose lists decode to far more memory than the batch's bytes (a one-byte nil
+/// extra key takes 32 bytes decoded) is not decoded: 4 MB on the wire would have taken 128 MiB.
+#[test]
+fn lists_that_decode_to_far_more_than_their_bytes_are_refused() {
+    let stored = |n: u32| {
+        // [ts, [["BlockStored", [1], nil, [1], 1, nil, nil, nil, [nil x n]]], 0]
+        let mut p = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0x99, 0xab];
+        p.extend(b"BlockStored");
+        p.extend([0x91, 0x01, 0xc0, 0x91, 0x01, 0x01, 0xc0, 0xc0, 0xc0, 0xdd]);
+        p.extend(n.to_be_bytes());
+        p.extend(std::iter::repeat_n(0xc0u8, n as usize));
+        p.push(0x00);
+        p
+    };
+    let keys = |payload: &[u8]| match decode_payload(payload).map(|b| b.events) {
+        Ok(events) => match &events[..] {
+            [VllmEvent::BlockStored(s)] => s.extra_keys.as_ref().map(Vec::len),
+            _ => None,
+        },
+        Err(_) => None,
+    };
+    assert_eq!(keys(&stored(1)), Some(1));
+    assert_eq!(keys(&stored(4 << 20)), None, "decoded whole");
+}
+
 /// An event nested deeper than [`MAX_DEPTH`] is malformed, not a stack overflow; the batch
 /// around it stands. Where the batch's own parts should be, it is an error.
 #[test]
