@@ -119,11 +119,14 @@ pub struct IngestConfig {
     pub replay_max_batches: usize,
     /// Payload bytes all replays in progress may hold together (they run at once when the
     /// router starts or its fleet reconnects); a replay that would go past it waits for
-    /// others to give some back, up to its reply timeout, then fails.
+    /// others to give some back, up to its reply timeout, then gives back what it held and
+    /// tries once more, in turn with the others that ran out.
     pub replay_max_bytes: usize,
     /// Timeout of a whole snapshot.
     pub snapshot_timeout: Duration,
-    /// Largest snapshot accepted, in blocks (bounds memory; a larger one counts as failed).
+    /// Largest snapshot accepted, in blocks (bounds memory; a larger one counts as failed),
+    /// and the most blocks one rank may hold: a store past it is skipped (`over_capacity`),
+    /// so a publisher that never removes what it stores cannot grow the index without end.
     pub snapshot_max_blocks: usize,
     /// Malformed messages in a row that make a rank FALLBACK.
     pub malformed_fallback: u32,

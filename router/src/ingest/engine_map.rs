@@ -230,7 +230,6 @@ impl EngineMap {
     }
 
     /// Engine blocks held.
-    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.map.len()
     }

@@ -43,10 +43,13 @@ pub enum SkipReason {
     /// An event that did not decode (a field of the wrong type or shape, say EAGLE's bigram
     /// `token_ids`); the rest of its batch is applied.
     MalformedEvent,
+    /// A store that would take the rank past the most blocks it may hold
+    /// (`snapshot_max_blocks`).
+    OverCapacity,
 }
 
 impl SkipReason {
-    pub const ALL: [SkipReason; 10] = [
+    pub const ALL: [SkipReason; 11] = [
         SkipReason::TokensMismatch,
         SkipReason::AttentionKind,
         SkipReason::Remote,
@@ -57,6 +60,7 @@ impl SkipReason {
         SkipReason::UnknownBlock,
         SkipReason::UnknownEvent,
         SkipReason::MalformedEvent,
+        SkipReason::OverCapacity,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -71,6 +75,7 @@ impl SkipReason {
             SkipReason::UnknownBlock => "unknown_block",
             SkipReason::UnknownEvent => "unknown_event",
             SkipReason::MalformedEvent => "malformed_event",
+            SkipReason::OverCapacity => "over_capacity",
         }
     }
 }

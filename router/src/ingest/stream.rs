@@ -526,6 +526,10 @@ impl RankStream {
             self.ctx.metrics.skipped(SkipReason::BlockSize).inc();
             return;
         }
+        if self.blocks.len().saturating_add(stored.engine.len()) > self.ctx.config.snapshot_max_blocks {
+            self.ctx.metrics.skipped(SkipReason::OverCapacity).inc();
+            return;
+        }
         match self.blocks.store(stored, spec.engine.hashes(), &spec.model, &mut self.scratch) {
             Ok(()) => {
                 self.ctx.index.store(self.ctx.replica.id, &self.scratch);
@@ -588,15 +592,30 @@ mod tests {
     use crate::replicas::{EngineKind, ReplicaSpec, Replicas};
 
     fn rank() -> RankStream {
+        rank_with(IngestConfig::default())
+    }
+
+    fn rank_with(config: IngestConfig) -> RankStream {
         let spec = ReplicaSpec::new("r", "tcp://127.0.0.1:9", EngineKind::Vllm, "m");
         let ctx = ReplicaCtx {
             replica: Replicas::new().insert(spec).unwrap(),
             index: SharedIndex::new(),
             metrics: IngestMetrics::default().replica("r"),
-            config: Arc::default(),
+            config: Arc::new(config),
             replay_budget: Arc::new(replay::Budget::new(1 << 20)),
         };
         RankStream::new(Arc::new(ctx), 0, None)
+    }
+
+    /// A rank holds at most `snapshot_max_blocks`: stores past it are skipped and counted, so
+    /// a publisher that never removes what it stores cannot grow the index without end.
+    #[tokio::test]
+    async fn a_rank_holds_at_most_its_cap_of_blocks() {
+        let mut rank = rank_with(IngestConfig { snapshot_max_blocks: 3, ..IngestConfig::default() });
+        rank.apply_replayed(&[batch(0), batch(1), batch(2), batch(3), batch(4)]);
+        let id = rank.ctx.replica.id;
+        assert_eq!(rank.ctx.index.blocks(id), 3);
+        assert_eq!(rank.ctx.metrics.skipped(SkipReason::OverCapacity).get(), 2);
     }
 
     /// Batch `seq`: one stored block of two tokens, parent `seq - 1`.
