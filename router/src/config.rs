@@ -209,9 +209,10 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_HEALTH_INTERVAL_MS", default_value_t = 2_000)]
     pub health_interval_ms: u64,
     /// Time allowed for a health check's answer (and for each read of the replica's
-    /// `/metrics` and `/v1/models` that follows it), milliseconds. SGLang's `/health` runs a
-    /// one-token generation and takes a second or more.
-    #[arg(long, env = "KVROUTE_HEALTH_TIMEOUT_MS", default_value_t = 5_000)]
+    /// `/metrics` and `/v1/models` that follows a check passed), milliseconds. SGLang's
+    /// `/health` runs a one-token generation and takes about a second. A round of checks
+    /// lasts as long as its slowest replica's.
+    #[arg(long, env = "KVROUTE_HEALTH_TIMEOUT_MS", default_value_t = 2_000)]
     pub health_timeout_ms: u64,
     /// Consecutive failed health checks (no 2xx within --health-timeout-ms) that make a
     /// replica unhealthy; one check passed makes it healthy again. One slow answer under load

@@ -1,7 +1,8 @@
 //! The replay client: asks a publisher's ROUTER socket for every buffered batch from a seq
 //! on, over a fresh DEALER per request (a `zeromq` 0.7 DEALER never reconnects, and a
 //! request sent to a dead peer vanishes without an error), with a timeout on the connect
-//! and on every reply, and [`WHOLE_REPLAY`] of them for the whole replay. Both reply
+//! and on every reply, and [`WHOLE_REPLAY`] of them for a whole attempt (a second attempt
+//! follows one that ran out of budget: [`Budget`]). Both reply
 //! layouts are accepted (`framing::decode_replay_reply`).
 
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use zeromq::prelude::*;
 use zeromq::{DealerSocket, SocketOptions, ZmqMessage};
 
-/// How many reply timeouts a whole replay may take: a peer that drips batches just inside
+/// How many reply timeouts a whole attempt at a replay may take: a peer that drips batches just inside
 /// the reply timeout must not keep a rank in repair (its stale entries still routed to) for
 /// as long as its buffer lasts. A replay of 100 000 batches on a LAN takes seconds.
 const WHOLE_REPLAY: u32 = 12;
@@ -93,7 +94,9 @@ pub(crate) async fn fetch(
 ) -> Result<(Vec<LiveMessage>, Held), ReplayError> {
     match fetch_once(endpoint, start, timeout, bounds, on_refused.clone()).await {
         Err(ReplayError::OverBudget) => {
-            let _turn = bounds.budget.turn.lock().await;
+            // Waited for no longer than a whole replay: others' turns can be as long.
+            let turn = tokio::time::timeout(timeout * WHOLE_REPLAY, bounds.budget.turn.lock());
+            let Ok(_turn) = turn.await else { return Err(ReplayError::OverBudget) };
             fetch_once(endpoint, start, timeout, bounds, on_refused).await
         }
         done => done,

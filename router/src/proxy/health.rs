@@ -113,11 +113,14 @@ async fn check(
     let base = &member.replica.spec.http_url;
     let passed =
         matches!(get(client, &format!("{base}/health"), timeout).await, Some((s, _)) if s.is_success());
-    let was = member.upstream.is_healthy();
+    let was = member.upstream.passes_checks();
     let healthy = member.upstream.record_check(passed, unhealthy_after);
     if healthy != was {
         tracing::info!(replica = %member.replica.spec.name, healthy, "replica health changed");
     }
+    // A check that failed asks nothing more (a replica that does not answer would hold the
+    // round for every read's timeout).
+    let healthy = healthy && passed;
     // This router's own requests during the scrape: those in flight as it begins and those
     // sent meanwhile are the most the report can hold of them.
     let mark = member.upstream.report_mark();

@@ -6,7 +6,7 @@
 //! | `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` | streamed to the replica that stored the response ([`responses`]) |
 //! | other `/v1/*`, and the engines' own paths outside `/v1` that do not generate (`/tokenize`, `/rerank`, ...: [`paths`]) | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused) |
 //! | `GET /v1/models` | the fleet's model and LoRA adapters |
-//! | `OPTIONS` on the paths above (a browser's CORS preflight) | streamed to the least-loaded eligible replica: the fleet's CORS policy answers it (the router's own answers carry no CORS headers) |
+//! | `OPTIONS` on the paths above (a browser's CORS preflight) | streamed to the least-loaded eligible replica (a stored response's path: to its replica), so the fleet's CORS policy answers it; the router's own answers (its errors, `/v1/models`) carry no CORS headers |
 //! | `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter` (and SGLang's spellings) | sent to every replica, with `--lora-updates` ([`lora`]) |
 //! | `GET /health` | 200 while every HTTP thread runs its tick ([`ProxyState::stalled_threads`]), else 503 |
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |

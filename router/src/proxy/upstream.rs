@@ -273,6 +273,12 @@ impl Upstream {
         healthy
     }
 
+    /// Whether its health checks have not failed enough in a row to make it unhealthy
+    /// (whatever its ejection).
+    pub fn passes_checks(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed) && !self.is_ejected()
     }

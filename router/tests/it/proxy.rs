@@ -834,6 +834,37 @@ async fn a_slow_health_answer_does_not_take_a_replica_out() {
     shutdown.cancel();
 }
 
+/// A failed health check asks nothing more of the replica (its metrics, its models): a
+/// replica that does not answer would hold every round of checks for each read's timeout.
+#[tokio::test]
+async fn a_failed_health_check_reads_nothing_more() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    let (checks, reads) =
+        (std::sync::Arc::new(AtomicUsize::new(0)), std::sync::Arc::new(AtomicUsize::new(0)));
+    let (seen, read) = (checks.clone(), reads.clone());
+    let replica = hand_made_replica(move |path, _| {
+        let (seen, read) = (seen.clone(), read.clone());
+        async move {
+            match path.as_str() {
+                "/health" => {
+                    seen.fetch_add(1, SeqCst);
+                    (500, "{}")
+                }
+                _ => {
+                    read.fetch_add(1, SeqCst);
+                    (200, "{}")
+                }
+            }
+        }
+    })
+    .await;
+    let (_router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { health_interval_ms: 50, ..c }).await;
+    wait_until("four health checks", || checks.load(SeqCst) >= 4).await;
+    assert_eq!(reads.load(SeqCst), 0, "metrics or models read after a failed check");
+    shutdown.cancel();
+}
+
 /// An upload the client stops sending is the client's error (408), not the replica's: it
 /// used to run into the first-byte timeout, answered 504 and counted toward the replica's
 /// ejection, so a few stalled uploads took healthy replicas out.
