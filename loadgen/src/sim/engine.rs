@@ -16,7 +16,7 @@
 //! A request's prefill work is its uncached prompt tokens, at least one (the last prompt token
 //! always runs to produce the first output token). Unlike the agent, pins are not modelled:
 //! the simulator's cache is accessed when a request is routed, and a request never waits for
-//! KV blocks, only for a batch slot.
+//! KV blocks, only for a batch slot and a step with tokens left.
 
 use std::collections::VecDeque;
 use std::time::Duration;

@@ -3,7 +3,8 @@
 //! One scheduler task owns the waiting queue and the running batch. Every step it
 //! 1. spends the step's token budget (`max_num_batched_tokens`) on one decode token per
 //!    running sequence, then on prefill chunks of the uncached prompt tokens (chunked
-//!    prefill, oldest request first);
+//!    prefill, oldest request first; vLLM walks its running requests in order, decoding or
+//!    not, so there an older prefill can take a decode's turn);
 //! 2. admits waiting requests in arrival order while the budget has tokens left and fewer
 //!    than `max_num_seqs` run, as vLLM's scheduler does: each admission is a
 //!    [`BlockCache::start_request`] (seed-000 prefix hit, every block accessed, all of the
@@ -188,7 +189,8 @@ pub struct Engine {
 
 impl Engine {
     /// Starts the scheduler on `tracker`. After `shutdown` fires it accepts nothing new,
-    /// finishes what runs within the grace period and fails the rest.
+    /// finishes what it accepted (running or waiting) within the grace period and fails the
+    /// rest.
     pub fn start(
         config: EngineConfig,
         publisher: Publisher,

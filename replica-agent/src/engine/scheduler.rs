@@ -85,14 +85,11 @@ impl Scheduler {
                 // A grace too long for the clock is a century (no deadline, in effect).
                 let grace = self.config.shutdown_grace.min(Duration::from_secs(100 * 365 * 86_400));
                 grace_deadline = Some(Instant::now() + grace);
+                // What was accepted still runs within the grace, waiting requests included
+                // (with admission bound to the step's tokens, a burst is mostly waiting).
                 self.rx.close();
                 while let Ok(control) = self.rx.try_recv() {
                     self.intake(control);
-                }
-                for p in self.waiting.drain(..) {
-                    self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
-                    self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
-                    let _ = p.out.try_send(Output::Failed("the replica is shutting down".into()));
                 }
             }
             if self.running.is_empty() && self.waiting.is_empty() {
@@ -112,6 +109,11 @@ impl Scheduler {
                 self.intake(control);
             }
             if grace_deadline.is_some_and(|d| Instant::now() >= d) {
+                for p in self.waiting.drain(..) {
+                    self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
+                    self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+                    let _ = p.out.try_send(Output::Failed("the replica is shutting down".into()));
+                }
                 self.fail_running("the replica shut down before the request finished");
                 self.flush_events().await;
                 break;
@@ -149,8 +151,9 @@ impl Scheduler {
         }
     }
 
-    /// Plans the next step as vLLM's scheduler does: the running requests first (one decode
-    /// token each, then prefill chunks, oldest first), then waiting requests with what is left
+    /// Plans the next step: the running requests first (one decode token each, then prefill
+    /// chunks, oldest first; vLLM walks them in order, so an older prefill can take a
+    /// decode's turn there), then, as vLLM's scheduler does, waiting requests with what is left
     /// of the token budget ([`Self::admit`]).
     fn plan(&mut self) -> Plan {
         // A request whose client left stops here, mid-prefill included, and gives back its

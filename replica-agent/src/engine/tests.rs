@@ -160,6 +160,24 @@ async fn a_grace_too_long_for_the_clock_lets_requests_finish() {
     assert!(matches!(last, Some(Output::Done(_))), "{last:?}");
 }
 
+/// A shutdown lets what was accepted finish within the grace, requests still waiting for a
+/// step's tokens too (they were failed at once, and most of a burst waits).
+#[tokio::test]
+async fn a_shutdown_finishes_waiting_requests_too() {
+    let (engine, shutdown) = start(config(64, 8, 100)).await;
+    let mut first = engine.submit(job((0..200).collect(), 2)).unwrap();
+    let mut second = engine.submit(job((1000..1200).collect(), 2)).unwrap();
+    assert!(matches!(first.recv().await, Some(Output::Started { .. })));
+    shutdown.cancel();
+    for rx in [&mut first, &mut second] {
+        let mut last = None;
+        while let Some(output) = rx.recv().await {
+            last = Some(output);
+        }
+        assert!(matches!(last, Some(Output::Done(_))), "{last:?}");
+    }
+}
+
 /// `max_waiting` bounds every job not yet admitted, not only those the scheduler has yet to
 /// take off its channel: with the batch full, the third job to wait is refused (a 503 the
 /// router can route around), even after the scheduler has queued the first two.

@@ -20,7 +20,7 @@
 //! | `kvroute_agent_events_published_total` | counter | KV event batches published |
 //! | `kvroute_agent_zmtp_refused_total` | counter | event and replay connections cut for going over the ZMTP guard's limits |
 //! | `kvroute_agent_steps_total` | counter | scheduler steps run |
-//! | `kvroute_agent_pending_prefill_tokens` | gauge | uncached prompt tokens still to prefill |
+//! | `kvroute_agent_pending_prefill_tokens` | gauge | prompt tokens still to prefill: the uncached ones of running requests, the whole prompts of waiting ones (not looked up yet) |
 //! | `kvroute_agent_resident_blocks` | gauge | blocks in the prefix cache |
 //! | `kvroute_agent_capacity_blocks` | gauge | prefix-cache capacity in blocks |
 
