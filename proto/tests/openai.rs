@@ -907,6 +907,14 @@ fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
         .concat()
     };
     assert_eq!(ids, hello(&system, "# Instructions\n\nBe brief."));
+    // Nor does it look at `continue_final_message` (a template refuses it with the default
+    // generation prompt).
+    let continued =
+        body.replace(r#""reasoning_effort""#, r#""continue_final_message":true,"reasoning_effort""#);
+    assert_eq!(tokens(&t, Endpoint::ChatCompletions, &continued).unwrap(), std::slice::from_ref(&ids));
+    let template = Tokenization::new(&hf_config()).unwrap();
+    let refused = tokens(&template, Endpoint::ChatCompletions, &continued).unwrap_err();
+    assert!(matches!(refused, RequestError::CannotContinue(_)), "{refused}");
     // vLLM's Harmony path never truncates.
     let truncated = body.replace(r#""reasoning_effort""#, r#""truncate_prompt_tokens":3,"reasoning_effort""#);
     assert_eq!(tokens(&t, Endpoint::ChatCompletions, &truncated).unwrap(), [ids]);

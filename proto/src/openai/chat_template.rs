@@ -467,6 +467,12 @@ impl ChatTemplate {
         mut vars: Variables<'_>,
         media_parts: bool,
     ) -> Result<String, RequestError> {
+        if vars.continue_final_message && vars.add_generation_prompt {
+            return Err(RequestError::CannotContinue(
+                "continue_final_message and add_generation_prompt are not compatible \
+                 (`add_generation_prompt` is true unless set to false)",
+            ));
+        }
         // vLLM drops the tools before it picks a template and reads its content format.
         vars.tools = self.options.tools(&vars);
         // vLLM reads the content format of the request's own template, and "auto" read as a

@@ -433,16 +433,17 @@ impl<'a> ChatRequest<'a> {
         if documents.is_some_and(|d| !d.get().starts_with('[')) {
             return Err(RequestError::InvalidField { param: "documents", expected: "an array" });
         }
-        let add_generation_prompt = boolean(add_generation_prompt, "add_generation_prompt")?.unwrap_or(true);
+        let add_generation_prompt = boolean(add_generation_prompt, "add_generation_prompt")?;
         let continue_final_message =
             boolean(continue_final_message, "continue_final_message")?.unwrap_or(false);
-        // vLLM refuses both (its default generation prompt included: transformers does).
-        if continue_final_message && add_generation_prompt {
+        // vLLM's request check refuses both when both are sent; with the default generation
+        // prompt, rendering a template refuses it (transformers does), a Harmony chat not.
+        if continue_final_message && add_generation_prompt == Some(true) {
             return Err(RequestError::CannotContinue(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True \
-                 (`add_generation_prompt` is true unless set to false)",
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
             ));
         }
+        let add_generation_prompt = add_generation_prompt.unwrap_or(true);
         Ok(ChatRequest {
             model: model(model_)?,
             messages,

@@ -260,12 +260,16 @@ impl RemoteTokenizer {
             });
         }
         // The endpoint is part of what a body means (the same bytes can carry both a
-        // `prompt` and `messages`).
+        // `prompt` and `messages`), and so is the day: a chat template may print the date
+        // (`strftime_now`), as Harmony's system message does.
         let endpoint_seed = match request {
             ParsedRequest::Completion(_) => 1,
             ParsedRequest::Chat(_) => 2,
         };
-        let key = xxh3_64_with_seed(body, endpoint_seed);
+        let day =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+                / 86_400;
+        let key = xxh3_64_with_seed(body, endpoint_seed ^ (day << 2));
         if let Some(hit) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).map.get(&key).cloned() {
             return Ok(PromptInfo { namespace, tokens: hit.as_ref().clone(), unhashed_tokens: None });
         }
