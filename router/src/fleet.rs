@@ -202,7 +202,13 @@ impl ReplicaSink for Fleet {
     }
 
     async fn remove(&self, name: &str) {
-        Fleet::remove(self, name).await;
+        // A replica named by its address (DNS discovery, an endpoint with no pod) is gone for
+        // good: the address may be handed to an unrelated pod later, which must not come up
+        // drained. A pod's name keeps its drain across the pod's restarts.
+        match name.parse::<std::net::IpAddr>() {
+            Ok(_) => Fleet::remove_for_good(self, name).await,
+            Err(_) => Fleet::remove(self, name).await,
+        };
         // Gone from the platform: a replica added under the name later serves.
         Fleet::set_serving(self, name, true);
     }

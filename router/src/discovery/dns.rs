@@ -49,6 +49,16 @@ fn addresses(found: Result<Vec<io::Result<AddrInfo>>, LookupError>) -> io::Resul
     }
 }
 
+/// The answer's IPv4 addresses if it has any, else all of it: a dual-stack Service answers
+/// for each pod twice (A and AAAA), and two replicas for one pod would halve its load as the
+/// router sees it and split its cache's credit.
+fn one_family(mut answer: Vec<IpAddr>) -> Vec<IpAddr> {
+    if answer.iter().any(IpAddr::is_ipv4) {
+        answer.retain(IpAddr::is_ipv4);
+    }
+    answer
+}
+
 impl DnsSource {
     /// Resolves every `interval` until `shutdown`; a failed resolution keeps the current set,
     /// an address joins as soon as it is answered, and leaves once [`MISSING_ANSWERS`] answers
@@ -72,6 +82,7 @@ impl DnsSource {
             };
             match resolved {
                 Ok(answer) => {
+                    let answer = one_family(answer);
                     listed.retain(|ip, missing| {
                         *missing = if answer.contains(ip) { 0 } else { *missing + 1 };
                         *missing < MISSING_ANSWERS
@@ -223,5 +234,15 @@ mod tests {
         assert_eq!(sets[3], both, "a failed lookup keeps the set");
         assert_eq!(sets[4], both, "{} empty answers keep it", n - 1);
         assert_eq!(sets[5], names(&["10.0.0.3"]), "{n} in a row drop them; a new address joins at once");
+    }
+
+    /// A dual-stack Service answers for each pod with an IPv4 and an IPv6 address: one
+    /// replica each, not two (IPv4 when there is any); an IPv6-only answer is kept whole.
+    #[tokio::test(start_paused = true)]
+    async fn a_dual_stack_answer_gives_one_replica_a_pod() {
+        let script = vec![Ok(vec!["10.0.0.5", "fd00::5"]), Ok(vec!["fd00::6"])];
+        let sets = sets_after(script, &[0, 1]).await;
+        assert_eq!(sets[0], ["10.0.0.5".to_string()]);
+        assert!(sets[1].contains(&"fd00::6".to_string()), "{:?}", sets[1]);
     }
 }

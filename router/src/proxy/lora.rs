@@ -208,7 +208,12 @@ async fn apply(
     // or not: one that was down gets it when it is back.
     if done + there > 0 {
         match change {
-            Change::Load => registry.insert(Adapter::new(name.clone(), body, &headers)),
+            // The load a replica took is the one to repeat; one that every replica refused as
+            // there already (another path, say) replaces nothing.
+            Change::Load if done > 0 || !registry.contains(&name) => {
+                registry.insert(Adapter::new(name.clone(), body, &headers))
+            }
+            Change::Load => {}
             Change::Unload => registry.remove(&name),
         }
     }

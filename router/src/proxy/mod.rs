@@ -6,7 +6,7 @@
 //! | `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` | streamed to the replica that stored the response ([`responses`]) |
 //! | other `/v1/*`, and the engines' own paths outside `/v1` that do not generate (`/tokenize`, `/rerank`, ...: [`paths`]) | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused) |
 //! | `GET /v1/models` | the fleet's model and LoRA adapters |
-//! | `OPTIONS` on the paths above (a browser's CORS preflight) | streamed to the least-loaded eligible replica (a stored response's path: to its replica), so the fleet's CORS policy answers it; the router's own answers (its errors, `/v1/models`) carry no CORS headers |
+//! | `OPTIONS` on the paths above (a browser's CORS preflight) | streamed to the least-loaded eligible replica, so the fleet's CORS policy answers it; the router's own answers (its errors, `/v1/models`) carry no CORS headers |
 //! | `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter` (and SGLang's spellings) | sent to every replica, with `--lora-updates` ([`lora`]) |
 //! | `GET /health` | 200 while every HTTP thread runs its tick ([`ProxyState::stalled_threads`]), else 503 |
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
@@ -248,6 +248,14 @@ async fn dispatch(
         (Method::POST, responses::RESPONSES_PATH) => {
             Box::pin(routed(state, pool, req, Endpoint::Responses, (request_id, received))).await
         }
+        // A browser's preflight of an API path goes to a replica: the fleet's CORS policy
+        // answers it (vLLM's allows every origin by default), whoever stored a response.
+        (Method::OPTIONS, p)
+            if p.starts_with("/v1/") && (paths::allowed(p).is_some() || responses::target(p).is_some()) =>
+        {
+            paths::check_passthrough(p)?;
+            Box::pin(passthrough(state, pool, req, (request_id, received))).await
+        }
         (_, p) if let Some(responses::Target::Stored(id)) = responses::target(p) => {
             paths::check_passthrough(p)?;
             // The replica's server would answer it with a redirect to its own address.
@@ -266,11 +274,6 @@ async fn dispatch(
         }
         (Method::GET | Method::HEAD, "/health" | "/ready") => Ok(probe(state, &path)),
         (Method::GET | Method::HEAD, "/metrics") => Ok(metrics(state)),
-        // A browser's preflight of an API path goes to a replica: the fleet's CORS policy
-        // answers it (vLLM's allows every origin by default).
-        (Method::OPTIONS, p) if p.starts_with("/v1/") && paths::allowed(p).is_some() => {
-            Box::pin(passthrough(state, pool, req, (request_id, received))).await
-        }
         (method, p) => match paths::allowed(p) {
             Some(allow) => Err(ProxyError::MethodNotAllowed { method: method.to_string(), allow }),
             None if paths::passes_through(p) => {

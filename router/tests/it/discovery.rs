@@ -44,6 +44,26 @@ async fn dns_discovery_registers_localhost_with_the_configured_ports() {
     }
 }
 
+/// Discovery's removal of a replica named by its address forgets its drain: the address
+/// may come back as an unrelated pod, which must not start drained. A pod's name keeps it.
+#[tokio::test]
+async fn a_drain_ends_with_an_address_discovery_removed() {
+    use kvroute_router::discovery::ReplicaSink;
+    use kvroute_router::fleet::Fleet;
+    use kvroute_router::replicas::ReplicaSpec;
+    let h = Harness::start();
+    let fleet = Fleet::new(h.ingest.clone());
+    for name in ["10.0.0.5", "vllm-0"] {
+        let spec = ReplicaSpec::new(name, "tcp://127.0.0.1:9", EngineKind::Vllm, MODEL);
+        fleet.upsert(spec.clone()).await.unwrap();
+        fleet.set_draining(name, true).unwrap();
+        ReplicaSink::remove(&fleet, name).await;
+        fleet.upsert(spec).await.unwrap();
+        let draining = fleet.member(name).unwrap().upstream.is_draining();
+        assert_eq!(draining, name == "vllm-0", "{name}");
+    }
+}
+
 #[tokio::test]
 async fn k8s_mode_without_a_service_is_refused() {
     let h = Harness::start();

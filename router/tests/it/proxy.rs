@@ -792,7 +792,8 @@ async fn a_browsers_preflight_is_answered_by_the_fleet() {
         ("access-control-request-method", "POST"),
         ("access-control-request-headers", "authorization,content-type"),
     ];
-    for path in ["/v1/chat/completions", "/v1/completions", "/v1/models"] {
+    // A stored response's path too: the fleet's policy does not depend on who stored it.
+    for path in ["/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses/resp_unseen"] {
         let reply = fleet.http.send_with(http::Method::OPTIONS, &fleet.url(path), "", &preflight).await;
         assert_eq!(reply.status, 200, "{path}: {:?}", reply.body);
         assert_eq!(reply.header("access-control-allow-origin"), Some("*"), "{path}");
@@ -1011,8 +1012,14 @@ async fn lora_adapters_loaded_through_the_router_reach_every_replica() {
         "the base model's namespace is another"
     );
 
-    // Loaded already everywhere: the replicas' own answer.
+    // Loaded already everywhere: the replicas' own answer. A load every replica refused so
+    // replaces nothing: the first is the one repeated to a replica that lacks it.
     assert_eq!(http.post(&fleet.url("/v1/load_lora_adapter"), &load).await.status, 400);
+    let elsewhere = json!({"lora_name": "sql", "lora_path": "/adapters/elsewhere"});
+    assert_eq!(http.post(&fleet.url("/v1/load_lora_adapter"), &elsewhere).await.status, 400);
+    let kept = fleet.router.fleet().adapters().all();
+    let body = |name: &str| kept.iter().find(|a| a.name == name).map(|a| a.body().clone());
+    assert_eq!(body("sql").as_deref(), Some(load.to_string().as_bytes()), "{kept:?}");
 
     // One replica lost it already: the others unload it, and the fleet is without it.
     let unload = json!({"lora_name": "sql"});

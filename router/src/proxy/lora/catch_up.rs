@@ -47,6 +47,11 @@ pub struct Adapter {
 }
 
 impl Adapter {
+    /// The load request's body, as repeated to a replica that lacks the adapter.
+    pub fn body(&self) -> &Bytes {
+        &self.body
+    }
+
     /// The adapter `name`, loaded with `body` and the request's `headers`.
     pub fn new(name: String, body: Bytes, headers: &HeaderMap) -> Self {
         let mut kept = HeaderMap::new();
