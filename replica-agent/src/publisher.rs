@@ -120,6 +120,16 @@ async fn bind_guarded(
 type RingBuffer = Arc<Mutex<VecDeque<(Seq, Bytes)>>>;
 
 impl Publisher {
+    /// A publisher on a loopback port of its own, without replay, with the default settings:
+    /// for an engine run on its own (tests, the load generator's checks of its model).
+    pub async fn on_loopback(
+        tracker: &TaskTracker,
+        shutdown: CancellationToken,
+    ) -> Result<Publisher, PublisherError> {
+        let bound = Self::bind(PublisherConfig::default(), "tcp://127.0.0.1:0", None, tracker, shutdown);
+        Ok(bound.await?.0)
+    }
+
     /// Binds the PUB socket (and the replay ROUTER if `replay_endpoint` is given), spawns the
     /// publishing and replay tasks on `tracker`, and stops them when `shutdown` fires.
     pub async fn bind(

@@ -21,7 +21,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use kvroute_replica_agent::engine::TimingModel;
+use kvroute_replica_agent::engine::{StepBudget, TimingModel};
 use kvroute_router::policy::Load;
 use serde::Serialize;
 
@@ -167,21 +167,11 @@ impl ReplicaEngine {
     fn start(&mut self, at: Duration) {
         let mut decoding: Vec<bool> = self.running.iter().map(|s| s.prefill_left == 0).collect();
         let n_decoding = decoding.iter().filter(|d| **d).count();
-        let mut budget = (self.model.max_num_batched_tokens.saturating_sub(n_decoding)) as u64;
-        let mut chunks: Vec<u64> = self
-            .running
-            .iter()
-            .map(|s| {
-                let chunk = s.prefill_left.min(budget);
-                budget -= chunk;
-                chunk
-            })
-            .collect();
-        while budget > 0 && self.running.len() < self.model.max_num_seqs {
+        let mut budget = StepBudget::new(self.model.max_num_batched_tokens, n_decoding);
+        let mut chunks: Vec<u64> = self.running.iter().map(|s| budget.take(s.prefill_left)).collect();
+        while budget.has_tokens() && self.running.len() < self.model.max_num_seqs {
             let Some(seq) = self.waiting.pop_front() else { break };
-            let chunk = seq.prefill_left.min(budget);
-            budget -= chunk;
-            chunks.push(chunk);
+            chunks.push(budget.take(seq.prefill_left));
             self.running.push(seq);
         }
         if self.running.is_empty() {

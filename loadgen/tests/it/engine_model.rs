@@ -11,7 +11,7 @@ use kvroute_loadgen::workload::synth::{ChatParams, Workload};
 use kvroute_proto::{CacheNamespace, Epoch};
 use kvroute_replica_agent::cache::{CacheConfig, PolicyKind as Eviction};
 use kvroute_replica_agent::engine::{Engine, EngineConfig, Job, Output, TimingModel};
-use kvroute_replica_agent::publisher::{Publisher, PublisherConfig};
+use kvroute_replica_agent::publisher::Publisher;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -53,10 +53,7 @@ async fn simulated_latencies_match_the_agent_engine() {
 
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
-    let (publisher, _) =
-        Publisher::bind(PublisherConfig::default(), "tcp://127.0.0.1:0", None, &tracker, shutdown.clone())
-            .await
-            .unwrap();
+    let publisher = Publisher::on_loopback(&tracker, shutdown.clone()).await.unwrap();
     let engine = Engine::start(
         EngineConfig {
             replica: "r0".into(),

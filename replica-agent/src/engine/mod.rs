@@ -46,6 +46,31 @@ use tokio_util::task::TaskTracker;
 use crate::cache::{BlockCache, CacheConfig, ClearError};
 use crate::publisher::Publisher;
 
+/// A step's token budget (`max_num_batched_tokens`) as it is handed out: a token to each
+/// decoding sequence first, then prefill chunks in order, each as much of what is left as its
+/// sequence has to prefill. The simulator's engine model plans its steps with it too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepBudget(u64);
+
+impl StepBudget {
+    /// The budget of a step in which `decoding` sequences decode.
+    pub fn new(max_num_batched_tokens: usize, decoding: usize) -> Self {
+        Self(max_num_batched_tokens.saturating_sub(decoding) as u64)
+    }
+
+    /// A chunk for a sequence with `prefill_left` tokens to prefill (0 once none is left).
+    pub fn take(&mut self, prefill_left: u64) -> u64 {
+        let chunk = prefill_left.min(self.0);
+        self.0 -= chunk;
+        chunk
+    }
+
+    /// Whether tokens are left (a waiting request is admitted only then).
+    pub fn has_tokens(&self) -> bool {
+        self.0 > 0
+    }
+}
+
 /// Settings of the scheduler.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {

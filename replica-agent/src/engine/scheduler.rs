@@ -11,7 +11,9 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{BlockMeta, CacheState, Control, EngineConfig, EngineMetrics, Job, Output, TextGen, Usage};
+use super::{
+    BlockMeta, CacheState, Control, EngineConfig, EngineMetrics, Job, Output, StepBudget, TextGen, Usage,
+};
 use crate::cache::{AdmitError, CacheEvent};
 use crate::publisher::Publisher;
 
@@ -164,16 +166,9 @@ impl Scheduler {
         self.release_finished();
         let mut decoding: Vec<bool> = self.running.iter().map(|r| r.prefill_left == 0).collect();
         let n_decoding = decoding.iter().filter(|d| **d).count();
-        let mut budget = self.config.max_num_batched_tokens.saturating_sub(n_decoding);
-        let mut chunks: Vec<usize> = self
-            .running
-            .iter()
-            .map(|r| {
-                let chunk = r.prefill_left.min(budget);
-                budget -= chunk;
-                chunk
-            })
-            .collect();
+        let mut budget = StepBudget::new(self.config.max_num_batched_tokens, n_decoding);
+        let mut chunks: Vec<usize> =
+            self.running.iter().map(|r| budget.take(r.prefill_left as u64) as usize).collect();
         self.admit(&mut budget, &mut chunks);
         decoding.resize(self.running.len(), false);
         let prefill_tokens = chunks.iter().sum();
@@ -185,14 +180,14 @@ impl Scheduler {
     /// leaves a request waiting, its blocks neither looked up nor held, until a step has room
     /// for its first chunk. An admitted request's first chunk is taken from `budget` and
     /// pushed on `chunks`.
-    fn admit(&mut self, budget: &mut usize, chunks: &mut Vec<usize>) {
+    fn admit(&mut self, budget: &mut StepBudget, chunks: &mut Vec<usize>) {
         let block_size = self.config.cache.block_size;
         // Requests whose clients left, wherever they wait: they would hold a place in the
         // queue and count in the waiting gauge routers read as load.
         let queued = self.waiting.len();
         self.waiting.retain(|p| !p.out.is_closed());
         self.metrics.waiting.fetch_sub((queued - self.waiting.len()) as u64, Ordering::Relaxed);
-        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
+        while budget.has_tokens() && self.running.len() < self.config.max_num_seqs {
             let Some(pending) = self.waiting.front() else { break };
             let job = &pending.job;
             self.scratch.clear();
@@ -217,8 +212,7 @@ impl Scheduler {
                     let gone = out.try_send(Output::Started { cached_tokens }).is_err();
                     let uncached = (job.prompt.len() - outcome.hit_tokens).max(1);
                     // One whose client already left finishes at the end of the step, free.
-                    let chunk = if gone { 0 } else { uncached.min(*budget) };
-                    *budget -= chunk;
+                    let chunk = if gone { 0 } else { budget.take(uncached as u64) as usize };
                     chunks.push(chunk);
                     self.running.push(Running {
                         prefill_left: uncached,

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::cache::PolicyKind;
-use crate::publisher::{Publisher, PublisherConfig};
+use crate::publisher::Publisher;
 use kvroute_proto::CacheNamespace;
 use std::time::Duration;
 
@@ -40,10 +40,7 @@ fn config(capacity: usize, max_num_seqs: usize, max_waiting: usize) -> EngineCon
 async fn start(config: EngineConfig) -> (Engine, CancellationToken) {
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
-    let (publisher, _) =
-        Publisher::bind(PublisherConfig::default(), "tcp://127.0.0.1:0", None, &tracker, shutdown.clone())
-            .await
-            .unwrap();
+    let publisher = Publisher::on_loopback(&tracker, shutdown.clone()).await.unwrap();
     (Engine::start(config, publisher, &tracker, shutdown.clone()).unwrap(), shutdown)
 }
 
@@ -153,11 +150,17 @@ async fn a_grace_too_long_for_the_clock_lets_requests_finish() {
     let mut rx = engine.submit(job((0..8).collect(), 20)).unwrap();
     assert!(matches!(rx.recv().await, Some(Output::Started { .. })));
     shutdown.cancel();
+    let last = last_output(&mut rx).await;
+    assert!(matches!(last, Some(Output::Done(_))), "{last:?}");
+}
+
+/// The last output of a job, once its channel closed.
+async fn last_output(rx: &mut mpsc::Receiver<Output>) -> Option<Output> {
     let mut last = None;
     while let Some(output) = rx.recv().await {
         last = Some(output);
     }
-    assert!(matches!(last, Some(Output::Done(_))), "{last:?}");
+    last
 }
 
 /// A shutdown lets what was accepted finish within the grace, requests still waiting for a
@@ -170,10 +173,7 @@ async fn a_shutdown_finishes_waiting_requests_too() {
     assert!(matches!(first.recv().await, Some(Output::Started { .. })));
     shutdown.cancel();
     for rx in [&mut first, &mut second] {
-        let mut last = None;
-        while let Some(output) = rx.recv().await {
-            last = Some(output);
-        }
+        let last = last_output(rx).await;
         assert!(matches!(last, Some(Output::Done(_))), "{last:?}");
     }
 }
