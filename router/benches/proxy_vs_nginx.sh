@@ -74,6 +74,10 @@
 #   2026-11-27, later (requests' sequences counted): nginx 52.8 k requests/s (19.2 µs of CPU a
 #   request), floor 0.91x (22.3 µs), kvroute cache-aware 0.66x (31.8 µs, rounds 0.58-0.77),
 #   round-robin 0.58x (34.1 µs); added latency p50 nginx +28 µs, floor +28, kvroute +37/+38.
+#   2026-11-27, a later session (health checks with their own timeout and threshold, a
+#   client that leaves mid-body counted as such): nginx 63.7 k requests/s (15.9 µs of CPU a
+#   request), floor 0.89x (18.8 µs), kvroute cache-aware 0.60x (30.0 µs, rounds 0.59-0.65),
+#   round-robin 0.61x (30.0 µs); added latency p50 nginx +26 µs, floor +28, kvroute +37.
 # Where the difference is: kernel time is about the same for both (loopback sends and the
 # wake-ups they cause, ~12-13 µs); user time is ~3 µs for nginx and ~9 µs for kvroute. An
 # early bare forwarder on the same accept loop (hyper server, hyper-util client, no decision,
