@@ -111,9 +111,10 @@ impl Default for ProxyMetrics {
             ejections: Counter::default(),
             client_stalls: Counter::default(),
             in_flight: Gauge::default(),
-            // 1 µs .. ~1 s: with remote tokenization a decision includes a `/tokenize` call.
-            decision_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 21)),
-            // 1 ms .. ~65 s
+            // 1 µs .. ~17 s: with remote tokenization a decision includes a `/tokenize` call
+            // (10 s at most by default).
+            decision_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 25)),
+            // 1 ms .. ~131 s
             upstream_ttfb_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, TTFB_BUCKETS)),
             usual: Arc::default(),
         }
@@ -136,7 +137,12 @@ impl ProxyMetrics {
             "Prompt tokens the replicas reported as cached (usage.prompt_tokens_details)",
             m.reported.realized_cached_tokens.clone(),
         );
-        r.register("prompt_tokens", "Prompt tokens of routed requests", m.prompt_tokens.clone());
+        r.register(
+            "prompt_tokens",
+            "Prompt tokens of routed requests (not of a batch of prompts, nor of a chat with media: \
+             the hit rates' denominator)",
+            m.prompt_tokens.clone(),
+        );
         r.register(
             "reported_prompt_tokens",
             "Prompt tokens of routed requests whose answer reported its cached tokens \
@@ -162,7 +168,11 @@ impl ProxyMetrics {
             m.requests.clone(),
         );
         r.register("errors", "Errors the router answered itself, by kind", m.errors.clone());
-        r.register("retries", "Requests retried on another replica", m.retries.clone());
+        r.register(
+            "retries",
+            "Attempts on another replica after a request's first failed",
+            m.retries.clone(),
+        );
         r.register(
             "response_lookups",
             "Requests about a stored Responses API response, by how its replica was found: known (remembered), found (by asking every replica), missing (no replica has it: 404), known_missing (404 without asking: again within 2 s, or an empty id), refused (every replica refused alike, a wrong API key say: their status), unanswered (a replica that may have it did not answer: 503)",
@@ -403,19 +413,32 @@ mod tests {
 
     /// Time to first byte is bucketed up to the default first-byte timeout and beyond: the
     /// answers it cuts are told apart from those it lets through.
-    #[test]
-    fn time_to_first_byte_buckets_reach_the_first_byte_timeout() {
+    /// The largest finite bucket of the histogram `name`.
+    fn largest_bucket(name: &str, observe: impl Fn(&ProxyMetrics)) -> f64 {
         let mut registry = Registry::default();
         let metrics = ProxyMetrics::register(&mut registry);
-        metrics.upstream_ttfb_seconds.observe(0.5);
+        observe(&metrics);
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
-        let largest = text
-            .lines()
-            .filter_map(|l| l.strip_prefix("kvroute_router_upstream_ttfb_seconds_bucket{le=\""))
+        let prefix = format!("kvroute_router_{name}_bucket{{le=\"");
+        text.lines()
+            .filter_map(|l| l.strip_prefix(prefix.as_str()))
             .filter_map(|l| l.split('"').next()?.parse::<f64>().ok())
-            .fold(0.0, f64::max);
+            .fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn time_to_first_byte_buckets_reach_the_first_byte_timeout() {
+        let largest = largest_bucket("upstream_ttfb_seconds", |m| m.upstream_ttfb_seconds.observe(0.5));
         let timeout = crate::config::Config::loopback(Vec::new()).first_byte_timeout_ms as f64 / 1e3;
         assert!(largest >= timeout, "largest bucket {largest} s, first-byte timeout {timeout} s");
+    }
+
+    /// With remote tokenization a decision waits for `/tokenize`, up to its timeout.
+    #[test]
+    fn decision_buckets_reach_the_tokenize_timeout() {
+        let largest = largest_bucket("decision_seconds", |m| m.decision_seconds.observe(0.5));
+        let timeout = crate::config::Config::loopback(Vec::new()).tokenize_timeout_ms as f64 / 1e3;
+        assert!(largest >= timeout, "largest bucket {largest} s, tokenize timeout {timeout} s");
     }
 }

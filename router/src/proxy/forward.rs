@@ -190,8 +190,11 @@ pub async fn routed(
                 });
                 let predicted = plan.predicted_cached_tokens(attempt);
                 // A chat with media counts in neither hit rate: its media's tokens are in
-                // the replica's cached tokens, and in no prompt count of the router's.
-                let counted = plan.unhashed_tokens.is_none();
+                // the replica's cached tokens, and in no prompt count of the router's. Nor does
+                // a batch of prompts: its prediction is its first prompt's, the replica's usage
+                // every prompt's.
+                let batch = plan.prompt_tokens != plan.first_prompt_tokens as u64;
+                let counted = plan.unhashed_tokens.is_none() && !batch;
                 let sent = Attempt {
                     replica: &member.replica.spec.name,
                     guard,

@@ -466,6 +466,32 @@ async fn only_answers_with_usage_count_toward_the_realized_hit_rate() {
     shutdown.cancel();
 }
 
+/// A batch of prompts counts in none of the hit rates' counters: the router predicts its first
+/// prompt's hit, the replica reports every prompt's, and counted they made the realized rate
+/// look up to the batch's size times the predicted one.
+#[tokio::test]
+async fn a_batch_of_prompts_counts_in_no_hit_rate() {
+    let replica = hand_made_replica(|path, _| async move {
+        match path.as_str() {
+            "/v1/completions" => {
+                (200, r#"{"usage":{"prompt_tokens":60,"prompt_tokens_details":{"cached_tokens":40}}}"#)
+            }
+            _ => (200, ""),
+        }
+    })
+    .await;
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let http = crate::fleet::Http::new();
+    let batch = json!({"model": FLEET_MODEL, "max_tokens": 1, "prompt": [text("one", 30), text("two", 30)]});
+    assert_eq!(http.post(&format!("{}/v1/completions", router.url()), &batch).await.status, 200);
+    let metrics = scrape(&http, &router.url()).await;
+    for counter in ["prompt_tokens", "realized_cached_tokens", "reported_prompt_tokens"] {
+        let series = format!("kvroute_router_{counter}_total");
+        assert_eq!(sample(&metrics, &series).unwrap_or(0), 0, "{counter}: {metrics}");
+    }
+    shutdown.cancel();
+}
+
 /// The router's own probes and scrapes are not counted as requests (a readiness probe's 503s
 /// before the first sync looked like failed requests); `HEAD` is answered like `GET` there.
 #[tokio::test]
