@@ -114,21 +114,31 @@ pub fn client_error(e: &BoxError, limit: usize) -> ProxyError {
 }
 
 /// Whether `e`, reading a request body, is its client's leaving: the connection ended or was
-/// reset before the body did.
+/// reset before the body did, or (HTTP/2) the client reset its stream.
 fn client_left(e: &hyper::Error) -> bool {
-    let io = std::error::Error::source(e).and_then(|s| s.downcast_ref::<std::io::Error>());
-    e.is_incomplete_message()
-        || e.is_canceled()
-        || e.is_closed()
-        || io.is_some_and(|io| {
-            matches!(
-                io.kind(),
-                std::io::ErrorKind::ConnectionReset
-                    | std::io::ErrorKind::ConnectionAborted
-                    | std::io::ErrorKind::BrokenPipe
-                    | std::io::ErrorKind::UnexpectedEof
-            )
-        })
+    let lost = |io: &std::io::Error| {
+        matches!(
+            io.kind(),
+            std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::ConnectionAborted
+                | std::io::ErrorKind::BrokenPipe
+                | std::io::ErrorKind::UnexpectedEof
+        )
+    };
+    if e.is_incomplete_message() || e.is_canceled() || e.is_closed() {
+        return true;
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(h2) = s.downcast_ref::<h2::Error>() {
+            return (h2.is_reset() && h2.is_remote()) || h2.is_io() || h2.is_go_away();
+        }
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            return lost(io);
+        }
+        source = s.source();
+    }
+    false
 }
 
 impl<B> Body for Upload<B>

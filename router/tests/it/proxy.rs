@@ -560,6 +560,33 @@ async fn a_client_that_leaves_mid_body_is_counted_as_one_that_left() {
         sample(&scrape(&http, &router.url()).await, series) == Some(2)
     })
     .await;
+    // HTTP/2: the client resets its stream mid-body (drops the request it was sending).
+    let io = hyper_util::rt::TokioIo::new(tokio::net::TcpStream::connect(router.addr).await.unwrap());
+    type Chunks = http_body_util::StreamBody<
+        tokio_stream::wrappers::ReceiverStream<
+            Result<hyper::body::Frame<bytes::Bytes>, std::convert::Infallible>,
+        >,
+    >;
+    let (mut h2, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+        .handshake::<_, Chunks>(io)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let (chunks, rx) = tokio::sync::mpsc::channel(4);
+    let body = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    let request = http::Request::post(format!("http://{}/v1/completions", router.addr)).body(body).unwrap();
+    chunks.send(Ok(hyper::body::Frame::data(bytes::Bytes::from_static(b"{\"model\":")))).await.unwrap();
+    let sending = tokio::spawn(h2.send_request(request));
+    crate::support::wait_until_async("the HTTP/2 request in flight", async || {
+        sample(&scrape(&http, &router.url()).await, "kvroute_router_in_flight") == Some(1)
+    })
+    .await;
+    sending.abort();
+    crate::support::wait_until_async("all three counted as 499", async || {
+        sample(&scrape(&http, &router.url()).await, series) == Some(3)
+    })
+    .await;
+    drop(chunks);
     let metrics = scrape(&http, &router.url()).await;
     assert_eq!(sample(&metrics, "kvroute_router_requests_total{code=\"400\"}"), None, "{metrics}");
     shutdown.cancel();
