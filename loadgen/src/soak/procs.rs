@@ -43,7 +43,12 @@ pub enum ProcessError {
     },
     #[error("{name} was not ready within {timeout:?} (see {log})")]
     NotReady { name: String, timeout: Duration, log: String },
+    #[error("{name} refused its flags (see {log})")]
+    BadFlags { name: String, log: String },
 }
+
+/// The exit code of the servers' bad flags and configuration (clap's too).
+const BAD_FLAGS: i32 = 2;
 
 /// Where the two server binaries are.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -183,6 +188,10 @@ pub async fn start_ready(
         if child.wait_ready(client, ready_url).await? {
             return Ok(child);
         }
+        // Flags it refuses, it refuses again: no second try.
+        if child.inner.try_wait().ok().flatten().and_then(|status| status.code()) == Some(BAD_FLAGS) {
+            return Err(ProcessError::BadFlags { name: name.into(), log: child.log.display().to_string() });
+        }
         if Instant::now() >= deadline {
             return Err(ProcessError::NotReady {
                 name: name.into(),
@@ -283,6 +292,20 @@ impl Memory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A child that refuses its flags (exit code 2) is not started again and again until the
+    /// ready timeout: the soak fails at once, naming it.
+    #[tokio::test]
+    async fn a_child_that_refuses_its_flags_is_not_restarted() {
+        let logs = std::env::temp_dir().join(format!("kvroute-procs-{}", std::process::id()));
+        std::fs::create_dir_all(&logs).unwrap();
+        let refuse = ["-c".to_owned(), "exit 2".to_owned()];
+        let client = Client::new(Duration::from_secs(1));
+        let started =
+            start_ready(Path::new("/bin/sh"), &refuse, "sh", &logs, &client, "http://127.0.0.1:9/").await;
+        std::fs::remove_dir_all(&logs).ok();
+        assert!(matches!(started, Err(ProcessError::BadFlags { .. })), "{started:?}");
+    }
 
     #[test]
     fn reads_resident_memory_from_a_status_page() {

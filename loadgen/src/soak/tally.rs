@@ -3,8 +3,11 @@
 //!
 //! A failed request is **lost to churn** when a replica was killed while it was in flight
 //! (sent before the kill, failed after it) and the router either named that replica in its
-//! `x-kvroute-replica` header or sent no header at all (it failed before answering). Every
-//! other failure is **unexpected** and counted by kind.
+//! `x-kvroute-replica` header or sent no header at all (it failed before answering), unless
+//! it timed out with no header: a killed replica's requests fail at once (their connection is
+//! closed, and the router retries what had no answer yet), so a timeout before any answer is
+//! a replica or router that stalled, whatever was killed meanwhile. Every other failure is
+//! **unexpected** and counted by kind.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -104,7 +107,10 @@ impl Tally {
                     }
                 }
                 Err(ErrorKind::Cancelled) => t.cancelled += 1,
-                Err(kind) if lost_to_churn(&s.kills, sent, now, replica) => {
+                Err(kind)
+                    if !(*kind == ErrorKind::Timeout && replica.is_none())
+                        && lost_to_churn(&s.kills, sent, now, replica) =>
+                {
                     tracing::debug!(error = kind.label(), ?replica, "request lost to churn");
                     t.lost_to_churn += 1;
                 }
@@ -169,11 +175,15 @@ mod tests {
         tally.finished(sent, Some("b"), &Err(ErrorKind::Stream));
         // Cut off by the run's end, across a kill: not lost to churn, and no fault either.
         tally.finished(sent, None, &Err(ErrorKind::Cancelled));
+        // Timed out before any answer: a stall, whatever was killed meanwhile.
+        tally.sent();
+        tally.finished(sent, None, &Err(ErrorKind::Timeout));
         let totals = tally.totals();
-        assert_eq!((totals.sent, totals.done, totals.in_flight()), (4, 4, 0));
-        assert_eq!((totals.succeeded, totals.lost_to_churn, totals.unexpected_errors()), (1, 1, 1));
+        assert_eq!((totals.sent, totals.done, totals.in_flight()), (5, 5, 0));
+        assert_eq!((totals.succeeded, totals.lost_to_churn, totals.unexpected_errors()), (1, 1, 2));
         assert_eq!(totals.cancelled, 1);
         assert_eq!(totals.unexpected.get("stream"), Some(&1));
+        assert_eq!(totals.unexpected.get("timeout"), Some(&1));
         assert_eq!((totals.prompt_tokens, totals.cached_tokens), (100, 40));
         assert_eq!(tally.kills(), 1);
     }

@@ -51,6 +51,16 @@ pub enum SynthError {
         "the arrivals run past the longest time a trace can hold: raise the rates or shorten the think time"
     )]
     TooLong,
+    #[error("{low} ({low_value}) must be at most {high} ({high_value})")]
+    Order { low: &'static str, low_value: usize, high: &'static str, high_value: usize },
+}
+
+/// `low <= high`, or which flags contradict each other.
+fn check_order(low: (&'static str, usize), high: (&'static str, usize)) -> Result<(), SynthError> {
+    match low.1 <= high.1 {
+        true => Ok(()),
+        false => Err(SynthError::Order { low: low.0, low_value: low.1, high: high.0, high_value: high.1 }),
+    }
 }
 
 /// `value` if it can pace a Poisson process: positive, infinite for all at once (zero, a
@@ -327,6 +337,16 @@ mod tests {
         let chat =
             ChatParams { conversations: 5, min_turns: 3, think_time: Duration::MAX, ..ChatParams::default() };
         assert_eq!(chat.generate(), Err(SynthError::TooLong));
+    }
+
+    /// Contradictory bounds are refused, not quietly bent (five turns every time for
+    /// `--min-turns 5 --max-turns 3`).
+    #[test]
+    fn contradictory_bounds_are_refused() {
+        let chat = ChatParams { min_turns: 5, max_turns: 3, ..ChatParams::default() };
+        assert!(matches!(chat.generate(), Err(SynthError::Order { low: "--min-turns", .. })));
+        let rag = RagParams { docs_per_query: 10, documents: 3, ..RagParams::default() };
+        assert!(matches!(rag.generate(), Err(SynthError::Order { low: "--docs-per-query", .. })));
     }
 
     #[test]

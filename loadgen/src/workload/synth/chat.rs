@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use rand::RngExt;
 
-use super::{Gen, SynthError, check_rate, clap_defaults};
+use super::{Gen, SynthError, check_order, check_rate, clap_defaults};
 use crate::units::parse_duration;
 use crate::workload::Trace;
 
@@ -56,6 +56,7 @@ impl ChatParams {
     /// Generates the trace.
     pub fn generate(&self) -> Result<Trace, SynthError> {
         let rate = check_rate("--conversation-rate", self.conversation_rate)?;
+        check_order(("--min-turns", self.min_turns), ("--max-turns", self.max_turns))?;
         let mut g = Gen::new(self.seed);
         let systems: Vec<_> = (0..self.system_prompts.max(1))
             .map(|_| {
