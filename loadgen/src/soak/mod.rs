@@ -292,10 +292,13 @@ async fn churn(
         match start_agent(&config, &spec, &logs, &client).await {
             Ok(child) => {
                 tracing::info!(replica = %spec.name, pid = child.pid(), "replica restarted");
+                tally.restarted();
                 agents.insert(next, (spec, child));
+                next += 1;
             }
             Err(e) => {
-                // The fleet is one replica short from here on; the samples show it.
+                // The fleet is one replica short from here on; the samples show it. The next
+                // replica has moved into its place: it goes next.
                 tracing::error!(replica = %spec.name, error = %format!("{e:#}"), "restarting a replica failed");
                 if agents.is_empty() {
                     stop.cancelled().await;
@@ -303,7 +306,7 @@ async fn churn(
                 }
             }
         }
-        next = (next + 1) % agents.len().max(1);
+        next %= agents.len().max(1);
     }
 }
 
@@ -409,7 +412,7 @@ async fn sample(
         router_in_flight: metric("kvroute_router_in_flight"),
         router_seen_restarts: metric("kvroute_ingest_restarts_total"),
         router_index_clears: metric("kvroute_ingest_clears_total"),
-        replica_restarts: tally.kills() as u64,
+        replica_restarts: tally.restarts() as u64,
         totals,
         window_hit_rate,
         window_predicted_hit_rate,

@@ -71,6 +71,8 @@ pub struct Tally {
 struct State {
     totals: Totals,
     kills: Vec<Kill>,
+    /// Kills whose replica came back.
+    restarts: usize,
 }
 
 impl Tally {
@@ -125,6 +127,16 @@ impl Tally {
 
     pub fn kills(&self) -> usize {
         self.with(|s| s.kills.len())
+    }
+
+    /// A killed replica is back.
+    pub fn restarted(&self) {
+        self.with(|s| s.restarts += 1);
+    }
+
+    /// Kills whose replica came back ([`Tally::restarted`]).
+    pub fn restarts(&self) -> usize {
+        self.with(|s| s.restarts)
     }
 }
 
@@ -186,6 +198,10 @@ mod tests {
         assert_eq!(totals.unexpected.get("timeout"), Some(&1));
         assert_eq!((totals.prompt_tokens, totals.cached_tokens), (100, 40));
         assert_eq!(tally.kills(), 1);
+        // A kill is a restart once its replica is back (a restart can fail).
+        assert_eq!(tally.restarts(), 0);
+        tally.restarted();
+        assert_eq!(tally.restarts(), 1);
     }
 
     /// Regression: a response without the router's prediction header counted as predicting
