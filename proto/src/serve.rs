@@ -8,7 +8,10 @@
 //! wait in the kernel's listen backlog until a connection closes), the
 //! size and number of request header fields (hyper answers `431` and closes), and the time
 //! allowed to send a request head (slowloris), and the time a write to a client that stopped
-//! reading may wait ([`send_timeout`]).
+//! reading may wait ([`send_timeout`]). A connection with no request open for that same
+//! header-read timeout is closed gracefully: hyper does so for HTTP/1, and nothing would for
+//! an HTTP/2 peer that answers PINGs (a client's pool keeping it), which held its slot for
+//! good.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -88,7 +91,7 @@ pub async fn serve<H, F, B>(listener: TcpListener, handler: H, shutdown: Cancell
 where
     H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<B>> + Send + 'static,
-    B: Body + Send + 'static,
+    B: Body + Send + Unpin + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
@@ -104,7 +107,7 @@ pub async fn serve_with<H, F, B>(
 ) where
     H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<B>> + Send + 'static,
-    B: Body + Send + 'static,
+    B: Body + Send + Unpin + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
@@ -146,7 +149,7 @@ where
     M: Fn() -> H,
     H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<B>> + Send + 'static,
-    B: Body + Send + 'static,
+    B: Body + Send + Unpin + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
@@ -311,7 +314,7 @@ async fn accept_loop<H, F, B>(
 ) where
     H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<B>> + Send + 'static,
-    B: Body + Send + 'static,
+    B: Body + Send + Unpin + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
@@ -372,10 +375,10 @@ async fn accept_loop<H, F, B>(
             let service = hyper::service::service_fn({
                 let greeted = greeted.clone();
                 move |mut req: Request<Incoming>| {
-                    greeted.request();
+                    let open = Open::new(&greeted);
                     req.extensions_mut().insert(background.clone());
                     let response = handler(req);
-                    async move { Ok::<_, Infallible>(response.await) }
+                    async move { Ok::<_, Infallible>(response.await.map(|body| Tracked { body, _open: open })) }
                 }
             });
             let conn =
@@ -385,31 +388,34 @@ async fn accept_loop<H, F, B>(
             // the first bytes: a connection that sends none (or a part of HTTP/2's preface)
             // would hold its slot for good. Its first request is due within the same time.
             // (The timer goes with the first request.)
-            let mut first_request = Some(Box::pin(tokio::time::sleep(first_request_timeout)));
+            // The same timer runs whenever no request is open: a connection left idle for that
+            // long (an HTTP/2 one especially: hyper closes idle HTTP/1 ones alike) is closed.
+            let mut idle = Some(Box::pin(tokio::time::sleep(first_request_timeout)));
             let (mut closing, mut shutting_down) = (false, false);
             let result = loop {
-                let waiting = first_request.is_some();
                 tokio::select! {
                     // The connection first: a request that came as the timer fired is seen.
                     biased;
                     result = conn.as_mut() => break result,
-                    // The first-request timer still runs while the connection drains.
+                    // The idle timer still runs while the connection drains.
                     _ = shutdown.cancelled(), if !shutting_down => {
                         conn.as_mut().graceful_shutdown();
                         shutting_down = true;
                     }
-                    () = greeted.wait(), if waiting => first_request = None,
-                    () = elapsed(&mut first_request), if waiting => {
+                    () = greeted.wait(), if !closing => {
+                        idle = (!greeted.busy()).then(|| Box::pin(tokio::time::sleep(first_request_timeout)));
+                    }
+                    () = elapsed(&mut idle) => {
                         if closing {
                             return;
                         }
                         // An HTTP/2 client is told (GOAWAY), and has as long again to go; a
                         // request that still comes is served to its end. A connection still
                         // being read for its protocol ends at once.
-                        tracing::debug!(%peer, "no request within the header-read timeout: closing");
+                        tracing::debug!(%peer, "no request open for the header-read timeout: closing");
                         conn.as_mut().graceful_shutdown();
                         closing = true;
-                        first_request = Some(Box::pin(tokio::time::sleep(first_request_timeout)));
+                        idle = Some(Box::pin(tokio::time::sleep(first_request_timeout)));
                     }
                 }
             };
@@ -429,28 +435,67 @@ async fn elapsed(timer: &mut Option<std::pin::Pin<Box<tokio::time::Sleep>>>) {
     }
 }
 
-/// Whether a connection has had its first request, and a wake-up when it does.
+/// How many requests of a connection are open (from their head to their response's end),
+/// and a wake-up when none or the first is.
 #[derive(Default)]
 struct Greeted {
-    seen: std::sync::atomic::AtomicBool,
+    open: std::sync::atomic::AtomicUsize,
     notify: tokio::sync::Notify,
 }
 
 impl Greeted {
-    /// Called for every request: only the first one stores anything.
-    fn request(&self) {
-        if !self.seen() {
-            self.seen.store(true, std::sync::atomic::Ordering::Relaxed);
-            self.notify.notify_one();
-        }
-    }
-
-    fn seen(&self) -> bool {
-        self.seen.load(std::sync::atomic::Ordering::Relaxed)
+    fn busy(&self) -> bool {
+        self.open.load(std::sync::atomic::Ordering::Acquire) > 0
     }
 
     async fn wait(&self) {
         self.notify.notified().await;
+    }
+}
+
+/// One open request of a connection, until its response's body is done with.
+struct Open(Arc<Greeted>);
+
+impl Open {
+    fn new(greeted: &Arc<Greeted>) -> Self {
+        if greeted.open.fetch_add(1, std::sync::atomic::Ordering::AcqRel) == 0 {
+            greeted.notify.notify_one();
+        }
+        Self(greeted.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        if self.0.open.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            self.0.notify.notify_one();
+        }
+    }
+}
+
+/// A response body that holds its request open until hyper is done with it.
+struct Tracked<B> {
+    body: B,
+    _open: Open,
+}
+
+impl<B: Body + Unpin> Body for Tracked<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<B::Data>, B::Error>>> {
+        std::pin::Pin::new(&mut self.get_mut().body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -683,6 +728,32 @@ mod tests {
             ..Limits::default()
         };
         (addr, shutdown.clone(), tokio::spawn(serve_with(listener, handler, limits, shutdown)))
+    }
+
+    /// An HTTP/2 client that keeps an idle connection (it answers PINGs, as a pool does) gives
+    /// its slot back after the header-read timeout: nothing closed it, and it held the slot for
+    /// good.
+    #[tokio::test]
+    async fn an_idle_http2_connection_gives_its_slot_back() {
+        let (addr, shutdown, server) = one_slot_server().await;
+        let io = TokioIo::new(tokio::net::TcpStream::connect(addr).await.unwrap());
+        let (mut h2, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .handshake::<_, http_body_util::Empty<Bytes>>(io)
+            .await
+            .unwrap();
+        let kept = tokio::spawn(conn);
+        let response =
+            h2.send_request(Request::get(format!("http://{addr}/")).body(Default::default()).unwrap());
+        let body = response.await.unwrap().into_body();
+        http_body_util::BodyExt::collect(body).await.unwrap();
+        // The client keeps the connection, idle; another one is served once it is closed.
+        let other = tokio::time::timeout(Duration::from_secs(10), get(addr)).await;
+        assert!(other.expect("the idle connection gave its slot back").contains("fine"));
+        kept.await.unwrap().ok();
+        drop(h2);
+        shutdown.cancel();
+        server.await.unwrap();
     }
 
     /// A shutdown does not wait for ever on an HTTP/2 peer that went silent after its preface
