@@ -31,7 +31,7 @@ use super::ProxyState;
 use super::body::full;
 use super::lora::catch_up;
 use super::prompts::Client;
-use crate::fleet::Member;
+use crate::fleet::{Fleet, Member};
 use crate::replicas::EngineKind;
 
 /// How the checks run.
@@ -56,33 +56,10 @@ pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shu
             _ = tick.tick() => {}
             () = shutdown.cancelled() => return,
         }
-        let changes = fleet.adapters().changes();
-        let checks = fleet.members().into_iter().map(|m| check(m, &client, settings));
-        let checked: Vec<Checked> = futures::future::join_all(checks).await.into_iter().flatten().collect();
-        let adapters: Vec<HashSet<String>> = checked.iter().filter_map(|c| c.adapters.clone()).collect();
-        learn_adapters(&state, &adapters, &mut learned);
-        // Adapters loaded through the router that no replica lists any more were unloaded
-        // elsewhere: not loaded again (before the catch-ups below would).
-        let lists: Vec<&HashSet<String>> = checked.iter().filter_map(|c| c.listed.as_ref()).collect();
-        for name in fleet.adapters().forget_unloaded(&lists, changes) {
-            state.decider.prompts.tokenization().remove_lora_adapter(&name);
-            for member in fleet.members() {
-                member.upstream.mark_adapter(&name, false);
-            }
-            tracing::info!(
-                lora_name = name,
-                "LoRA adapter no replica lists any more: unloaded elsewhere, not loaded again"
-            );
-        }
-        // A round that a change began or ended in read lists that may be from before it: it
-        // neither forgets nor catches up (the next one will).
-        if changes.is_none() || fleet.adapters().changes() != changes {
-            continue;
-        }
-        let timeouts = catch_up::Timeouts { list: settings.timeout, load: settings.load_timeout };
-        for Checked { member, listed, .. } in checked {
-            catch_up::spawn(fleet, member, &client, timeouts, listed);
-        }
+        let checks = fleet.members().into_iter().map(|m| check(m, fleet, &client, settings));
+        let listed: Vec<HashSet<String>> =
+            futures::future::join_all(checks).await.into_iter().flatten().collect();
+        learn_adapters(&state, &listed, &mut learned);
     }
 }
 
@@ -125,19 +102,14 @@ fn learn_adapters(state: &ProxyState, listed: &[HashSet<String>], learned: &mut 
     });
 }
 
-/// A replica that passed its health check, and what it listed to it.
-struct Checked {
+/// Checks `member`; returns the adapters it lists, if it is healthy and said.
+async fn check(
     member: Member,
-    /// Every model id it listed in `/v1/models`, if it answered (vLLM and kvroute replicas,
-    /// without credentials).
-    listed: Option<HashSet<String>>,
-    /// Of those, its adapters (the cards with a parent model).
-    adapters: Option<HashSet<String>>,
-}
-
-/// Checks `member`; what it listed, if it is healthy.
-async fn check(member: Member, client: &Client, settings: Settings) -> Option<Checked> {
-    let Settings { timeout, unhealthy_after, .. } = settings;
+    fleet: &Fleet,
+    client: &Client,
+    settings: Settings,
+) -> Option<HashSet<String>> {
+    let Settings { timeout, load_timeout, unhealthy_after, .. } = settings;
     let base = &member.replica.spec.http_url;
     let passed =
         matches!(get(client, &format!("{base}/health"), timeout).await, Some((s, _)) if s.is_success());
@@ -181,8 +153,10 @@ async fn check(member: Member, client: &Client, settings: Settings) -> Option<Ch
     let adapters = cards
         .as_ref()
         .map(|cards| cards.iter().filter(|card| card.parent.is_some()).map(|card| card.id.clone()).collect());
+    let timeouts = catch_up::Timeouts { list: timeout, load: load_timeout };
     let listed = cards.map(|cards| cards.into_iter().map(|card| card.id).collect());
-    Some(Checked { member, listed, adapters })
+    catch_up::spawn(fleet, member, client, timeouts, listed);
+    adapters
 }
 
 async fn get(client: &Client, url: &str, timeout: Duration) -> Option<(http::StatusCode, Bytes)> {

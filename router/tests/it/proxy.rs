@@ -1028,51 +1028,6 @@ async fn remote_tokenization_renders_harmony_chats_itself() {
     shutdown.cancel();
 }
 
-/// An adapter loaded through the router that no replica lists any more was unloaded
-/// elsewhere (another router in front of the fleet, an operator): the router forgets it
-/// instead of loading it again on every replica at its next health check.
-#[tokio::test]
-async fn an_adapter_unloaded_elsewhere_is_not_loaded_again() {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
-    let (has, loads) =
-        (std::sync::Arc::new(AtomicBool::new(false)), std::sync::Arc::new(AtomicUsize::new(0)));
-    let (held, counted) = (has.clone(), loads.clone());
-    let replica = hand_made_replica(move |path, _| {
-        let (held, counted) = (held.clone(), counted.clone());
-        async move {
-            match path.as_str() {
-                "/v1/load_lora_adapter" => {
-                    counted.fetch_add(1, SeqCst);
-                    held.store(true, SeqCst);
-                    (200, "")
-                }
-                "/v1/models" if held.load(SeqCst) => (
-                    200,
-                    r#"{"data":[{"id":"kvroute-sim","parent":null},{"id":"sql","parent":"kvroute-sim"}]}"#,
-                ),
-                "/v1/models" => (200, r#"{"data":[{"id":"kvroute-sim","parent":null}]}"#),
-                _ => (200, "{}"),
-            }
-        }
-    })
-    .await;
-    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
-        lora_updates: true,
-        health_interval_ms: 50,
-        ..c
-    })
-    .await;
-    let http = crate::fleet::Http::new();
-    let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
-    assert_eq!(http.post(&format!("{}/v1/load_lora_adapter", router.url()), &load).await.status, 200);
-    assert_eq!(loads.load(SeqCst), 1);
-    // Unloaded on the replica, not through this router.
-    has.store(false, SeqCst);
-    wait_until("the router forgot the adapter", || !router.fleet().adapters().contains("sql")).await;
-    assert_eq!(loads.load(SeqCst), 1, "loaded again");
-    shutdown.cancel();
-}
-
 /// With `--lora-updates`, a LoRA adapter loaded through the router reaches every replica,
 /// hashes in its own namespace from then on (as the replicas hash it), and is listed;
 /// unloading takes it back, replicas without it counting as done; a change a replica cannot

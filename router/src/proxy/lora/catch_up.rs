@@ -8,11 +8,6 @@
 //! replica is known to have an adapter, that adapter's requests go to the replicas that have
 //! it ([`crate::proxy::upstream::Ineligible::NoAdapter`]).
 //!
-//! An adapter that no replica lists any more, when one check of the fleet reads them all
-//! ([`Registry::forget_unloaded`]), was unloaded elsewhere (another router, an operator):
-//! the router forgets it rather than load it again. So does it one that every replica lost
-//! to a restart at once (nothing tells the two apart).
-//!
 //! A catch-up and a change through the router never overlap: a change waits for running
 //! catch-ups, and a catch-up does not start while a change runs (it would load an adapter
 //! being unloaded, or the one a new load replaces).
@@ -86,8 +81,6 @@ pub struct Registry {
     any: AtomicBool,
     /// Changes through the router take it whole, one at a time; catch-ups share it.
     turn: tokio::sync::RwLock<()>,
-    /// Changes through the router begun so far ([`Registry::changes`]).
-    begun: std::sync::atomic::AtomicU64,
     /// Replicas whose catch-up is running.
     busy: Mutex<HashSet<ReplicaId>>,
 }
@@ -126,40 +119,7 @@ impl Registry {
     /// The turn of a change through the router: once running catch-ups are done, and none
     /// starts until it is dropped.
     pub async fn change(&self) -> tokio::sync::RwLockWriteGuard<'_, ()> {
-        let turn = self.turn.write().await;
-        self.begun.fetch_add(1, Ordering::Relaxed);
-        turn
-    }
-
-    /// Changes through the router begun so far, if none is running or waiting now: what the
-    /// replicas listed after this was read is not from the middle of a change when it
-    /// equals what this reads then.
-    pub fn changes(&self) -> Option<u64> {
-        let _quiet = self.between_changes()?;
-        Some(self.begun.load(Ordering::Relaxed))
-    }
-
-    /// Forgets the adapters that none of `listed` (what replicas answered to `/v1/models`)
-    /// has, when no change began since `changes` ([`Registry::changes`], read before the
-    /// lists): they were unloaded elsewhere (through another router, or on the replicas),
-    /// and loading them again on replicas that lack them would undo that. (An adapter every
-    /// replica lost to a restart at once is forgotten too: nothing tells the two apart.)
-    /// Returns the names forgotten.
-    pub fn forget_unloaded(&self, listed: &[&HashSet<String>], changes: Option<u64>) -> Vec<String> {
-        let Some(_quiet) = self.between_changes() else { return Vec::new() };
-        if listed.is_empty() || changes != Some(self.begun.load(Ordering::Relaxed)) {
-            return Vec::new();
-        }
-        let gone: Vec<String> = self
-            .all()
-            .into_iter()
-            .map(|adapter| adapter.name)
-            .filter(|name| listed.iter().all(|l| !l.contains(name)))
-            .collect();
-        for name in &gone {
-            self.remove(name);
-        }
-        gone
+        self.turn.write().await
     }
 }
 
