@@ -41,8 +41,9 @@ pub struct Limits {
     pub max_header_bytes: usize,
     /// Most header fields in one HTTP/1 request.
     pub max_headers: usize,
-    /// Time allowed for a client to send a whole HTTP/1 request head, and for a new
-    /// connection (HTTP/1 or HTTP/2) to send its first request's.
+    /// Time allowed for a client to send a whole HTTP/1 request head, for a new connection
+    /// (HTTP/1 or HTTP/2) to send its first request's, and for a connection to stay with no
+    /// request open before it is closed.
     pub header_read_timeout: Duration,
     /// Longest a write to a client may wait (it is not reading); then the connection
     /// closes ([`send_timeout`]).
@@ -387,7 +388,6 @@ async fn accept_loop<H, F, B>(
             // hyper's header-read timer starts once it knows the protocol, which it learns from
             // the first bytes: a connection that sends none (or a part of HTTP/2's preface)
             // would hold its slot for good. Its first request is due within the same time.
-            // (The timer goes with the first request.)
             // The same timer runs whenever no request is open: a connection left idle for that
             // long (an HTTP/2 one especially: hyper closes idle HTTP/1 ones alike) is closed.
             let mut idle = Some(Box::pin(tokio::time::sleep(first_request_timeout)));
@@ -402,7 +402,9 @@ async fn accept_loop<H, F, B>(
                         conn.as_mut().graceful_shutdown();
                         shutting_down = true;
                     }
-                    () = greeted.wait(), if !closing => {
+                    // While it closes too: a stream the client opened before it saw the GOAWAY
+                    // is served to its end.
+                    () = greeted.wait() => {
                         idle = (!greeted.busy()).then(|| Box::pin(tokio::time::sleep(first_request_timeout)));
                     }
                     () = elapsed(&mut idle) => {

@@ -29,7 +29,9 @@ pub struct Fleet {
     upstreams: Arc<RwLock<HashMap<ReplicaId, Arc<Upstream>>>>,
     /// Names drained by an operator: the drain outlasts the replica's entry, so a replica
     /// that discovery replaces (a pod back under a new address) or removes and adds again
-    /// stays drained until it is undrained or removed through the admin service.
+    /// stays drained until it is undrained or removed through the admin service; except a
+    /// replica named by its address, whose drain ends when discovery removes it (the address
+    /// may come back as another pod; a pod out of DNS answers for 30 s counts as removed).
     drained: Arc<RwLock<HashSet<String>>>,
     /// Names discovery says are not serving (endpoints that are not Ready): kept by name, so a
     /// replica added or replaced under it (discovery, or an admin `AddReplica`) is never

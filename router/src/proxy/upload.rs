@@ -131,7 +131,9 @@ fn client_left(e: &hyper::Error) -> bool {
     let mut source = std::error::Error::source(e);
     while let Some(s) = source {
         if let Some(h2) = s.downcast_ref::<h2::Error>() {
-            return (h2.is_reset() && h2.is_remote()) || h2.is_io() || h2.is_go_away();
+            // A reset or a GOAWAY the client sent, or its connection lost (not a GOAWAY the
+            // server sent over the client's protocol error).
+            return ((h2.is_reset() || h2.is_go_away()) && h2.is_remote()) || h2.is_io();
         }
         if let Some(io) = s.downcast_ref::<std::io::Error>() {
             return lost(io);
