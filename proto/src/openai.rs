@@ -359,6 +359,10 @@ impl Tokenization {
             let tokens = self.truncated(tokens, request.truncation, request.add_special_tokens);
             return Ok(PartialPrompt { text_tokens: tokens.len(), tokens });
         };
+        // Refused as the whole rendering would be (the estimates below do not render it).
+        if request.continue_final_message && request.add_generation_prompt && !self.is_harmony() {
+            return Err(RequestError::CannotContinue(chat_template::CONTINUE_WITH_GENERATION_PROMPT));
+        }
         // vLLM truncates once the media's tokens are in: which tokens stay is not known here.
         if request.truncation.is_some() {
             return Ok(PartialPrompt::estimated(request));

@@ -458,6 +458,17 @@ fn chats_with_media_are_known_up_to_their_first_media() {
     };
     let partial = t.partial_chat_tokens(&request).unwrap();
     assert!(partial.tokens.is_empty() && partial.text_tokens > 0);
+
+    // Continuing the final message with the default generation prompt is refused as a chat
+    // without media is (transformers refuses it): the estimate does not render it whole.
+    let continued = with_media.replacen('{', r#"{"continue_final_message":true,"#, 1);
+    let ParsedRequest::Chat(request) =
+        ParsedRequest::parse(Endpoint::ChatCompletions, continued.as_bytes()).unwrap()
+    else {
+        unreachable!()
+    };
+    let refused = t.partial_chat_tokens(&request);
+    assert!(matches!(refused, Err(RequestError::CannotContinue(_))), "{refused:?}");
 }
 
 /// A template that leaves out its default system prompt when the conversation has images, as

@@ -144,6 +144,11 @@ pub fn bos_eos_flags(path: impl AsRef<Path>) -> Result<Option<(bool, bool)>, Loa
     })
 }
 
+/// Why a template does not render a continued final message with a generation prompt (as
+/// transformers refuses it).
+pub(crate) const CONTINUE_WITH_GENERATION_PROMPT: &str = "continue_final_message and add_generation_prompt are \
+     not compatible (`add_generation_prompt` is true unless set to false)";
+
 /// A compiled chat template plus the special tokens it is rendered with.
 #[derive(Debug)]
 pub struct ChatTemplate {
@@ -468,10 +473,7 @@ impl ChatTemplate {
         media_parts: bool,
     ) -> Result<String, RequestError> {
         if vars.continue_final_message && vars.add_generation_prompt {
-            return Err(RequestError::CannotContinue(
-                "continue_final_message and add_generation_prompt are not compatible \
-                 (`add_generation_prompt` is true unless set to false)",
-            ));
+            return Err(RequestError::CannotContinue(CONTINUE_WITH_GENERATION_PROMPT));
         }
         // vLLM drops the tools before it picks a template and reads its content format.
         vars.tools = self.options.tools(&vars);
