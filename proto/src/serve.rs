@@ -372,11 +372,11 @@ async fn accept_loop<H, F, B>(
         let first_request_timeout = limits.header_read_timeout;
         connections.spawn(async move {
             let _slot = slot;
-            let greeted = Arc::new(Greeted::default());
+            let activity = Arc::new(Activity::default());
             let service = hyper::service::service_fn({
-                let greeted = greeted.clone();
+                let activity = activity.clone();
                 move |mut req: Request<Incoming>| {
-                    let open = Open::new(&greeted);
+                    let open = Open::new(&activity);
                     req.extensions_mut().insert(background.clone());
                     let response = handler(req);
                     async move { Ok::<_, Infallible>(response.await.map(|body| Tracked { body, _open: open })) }
@@ -404,8 +404,8 @@ async fn accept_loop<H, F, B>(
                     }
                     // While it closes too: a stream the client opened before it saw the GOAWAY
                     // is served to its end.
-                    () = greeted.wait() => {
-                        idle = (!greeted.busy()).then(|| Box::pin(tokio::time::sleep(first_request_timeout)));
+                    () = activity.wait() => {
+                        idle = (!activity.busy()).then(|| Box::pin(tokio::time::sleep(first_request_timeout)));
                     }
                     () = elapsed(&mut idle) => {
                         if closing {
@@ -440,12 +440,12 @@ async fn elapsed(timer: &mut Option<std::pin::Pin<Box<tokio::time::Sleep>>>) {
 /// How many requests of a connection are open (from their head to their response's end),
 /// and a wake-up when none or the first is.
 #[derive(Default)]
-struct Greeted {
+struct Activity {
     open: std::sync::atomic::AtomicUsize,
     notify: tokio::sync::Notify,
 }
 
-impl Greeted {
+impl Activity {
     fn busy(&self) -> bool {
         self.open.load(std::sync::atomic::Ordering::Acquire) > 0
     }
@@ -456,14 +456,14 @@ impl Greeted {
 }
 
 /// One open request of a connection, until its response's body is done with.
-struct Open(Arc<Greeted>);
+struct Open(Arc<Activity>);
 
 impl Open {
-    fn new(greeted: &Arc<Greeted>) -> Self {
-        if greeted.open.fetch_add(1, std::sync::atomic::Ordering::AcqRel) == 0 {
-            greeted.notify.notify_one();
+    fn new(activity: &Arc<Activity>) -> Self {
+        if activity.open.fetch_add(1, std::sync::atomic::Ordering::AcqRel) == 0 {
+            activity.notify.notify_one();
         }
-        Self(greeted.clone())
+        Self(activity.clone())
     }
 }
 
