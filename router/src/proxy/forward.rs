@@ -145,8 +145,8 @@ pub async fn routed(
         // A whole answer comes at its end: the prefill is over when the replica stores the
         // prompt's last block. (Not for a batch: a later prompt's last block may lie inside
         // an earlier one.)
-        let single = plan.all_blocks.len() == plan.blocks.len();
-        if let Some(hold) = plan.hold.as_mut().filter(|_| !plan.streams && single) {
+        let batch = plan.is_batch();
+        if let Some(hold) = plan.hold.as_mut().filter(|_| !plan.streams && !batch) {
             hold.tell_when_stored(guard.pending_prefill());
         }
         let uri = replica_uri(&member.replica.spec.http_url, &client.uri)?;
@@ -193,8 +193,7 @@ pub async fn routed(
                 // the replica's cached tokens, and in no prompt count of the router's. Nor does
                 // a batch of prompts: its prediction is its first prompt's, the replica's usage
                 // every prompt's.
-                let batch = plan.prompt_tokens != plan.first_prompt_tokens as u64;
-                let counted = plan.unhashed_tokens.is_none() && !batch;
+                let counted = plan.unhashed_tokens.is_none() && !plan.is_batch();
                 let sent = Attempt {
                     replica: &member.replica.spec.name,
                     guard,

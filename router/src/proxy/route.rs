@@ -136,6 +136,12 @@ impl Plan {
         self.order.iter().map(|&i| &self.candidates[i])
     }
 
+    /// Whether the request has several prompts (a completion's batch): its prediction is
+    /// its first prompt's, and one prompt's last block tells nothing of the others' prefill.
+    pub fn is_batch(&self) -> bool {
+        self.prompt_tokens != self.first_prompt_tokens as u64
+    }
+
     /// The replica the request goes to first, if any is eligible.
     pub fn chosen(&self) -> Option<&Scored> {
         self.order().next()
