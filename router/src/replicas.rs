@@ -421,6 +421,9 @@ pub struct Replica {
     pub id: ReplicaId,
     pub spec: ReplicaSpec,
     pub status: ReplicaStatus,
+    /// The authority of `spec.http_url` when that URL has no path: a request's URL on the
+    /// replica is then this and the client's path, put together without parsing.
+    pub authority: Option<http::uri::Authority>,
 }
 
 /// The registry: a cheap, cloneable handle.
@@ -451,7 +454,13 @@ impl Replicas {
         if inner.live.contains_key(&id) {
             return Err(SpecError::Duplicate(spec.name));
         }
-        let replica = Arc::new(Replica { id, status: ReplicaStatus::new(spec.dp_size), spec });
+        let authority = spec
+            .http_url
+            .parse::<http::Uri>()
+            .ok()
+            .filter(|url| url.path_and_query().is_none_or(|pq| matches!(pq.as_str(), "" | "/")))
+            .and_then(|url| url.into_parts().authority);
+        let replica = Arc::new(Replica { id, status: ReplicaStatus::new(spec.dp_size), spec, authority });
         inner.live.insert(id, replica.clone());
         Ok(replica)
     }

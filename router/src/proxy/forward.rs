@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Method, Response, Uri};
+use http::{Method, Response, Uri, uri};
 use http_body_util::BodyExt;
 use tokio::time::Instant;
 
@@ -33,6 +33,7 @@ use super::upload::{self, Progress};
 use super::upstream::{LoadGuard, Upstream};
 use crate::index::CreditHold;
 use crate::metrics::ProxyMetrics;
+use crate::replicas::Replica;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -149,7 +150,7 @@ pub async fn routed(
         if let Some(hold) = plan.hold.as_mut().filter(|_| !plan.streams && !batch) {
             hold.tell_when_stored(guard.pending_prefill());
         }
-        let uri = replica_uri(&member.replica.spec.http_url, &client.uri)?;
+        let uri = replica_uri(&member.replica, &client.uri)?;
         let sent = Instant::now();
         match first_byte(
             config,
@@ -290,7 +291,7 @@ pub async fn to_replica(
     // sequence.
     let guard = upstream.begin(1, prefill_tokens, prompt_tokens);
     let (client, headers) = upstream_head(parts, admitted.request_id);
-    let uri = replica_uri(&member.replica.spec.http_url, &client.uri)?;
+    let uri = replica_uri(&member.replica, &client.uri)?;
     let sent = Instant::now();
     let head = (&client.method, &uri, &headers);
     match first_byte(config, sent, pool, head, (body, uploaded.as_ref())).await {
@@ -407,12 +408,21 @@ pub(super) struct ClientHead {
     version: http::Version,
 }
 
-/// The replica's URI for the client's: its `base` URL followed by the client's path and query.
-fn replica_uri(base: &str, client: &Uri) -> Result<Uri, ProxyError> {
-    let path = client.path_and_query().map_or("/", |p| p.as_str());
-    format!("{base}{path}")
-        .parse()
-        .map_err(|e| ProxyError::Unavailable(format!("bad replica URL {base:?}: {e}")))
+/// The replica's URI for the client's: its base URL followed by the client's path and query.
+fn replica_uri(replica: &Replica, client: &Uri) -> Result<Uri, ProxyError> {
+    let path = client.path_and_query();
+    if let Some(authority) = &replica.authority {
+        let mut parts = uri::Parts::default();
+        parts.scheme = Some(uri::Scheme::HTTP);
+        parts.authority = Some(authority.clone());
+        parts.path_and_query = Some(path.cloned().unwrap_or_else(|| uri::PathAndQuery::from_static("/")));
+        return Uri::from_parts(parts).map_err(|e| ProxyError::Unavailable(format!("bad replica URL: {e}")));
+    }
+    let (base, path) = (&replica.spec.http_url, path.map_or("/", |p| p.as_str()));
+    let mut url = String::with_capacity(base.len() + path.len());
+    url.push_str(base);
+    url.push_str(path);
+    Uri::try_from(url).map_err(|e| ProxyError::Unavailable(format!("bad replica URL {base:?}: {e}")))
 }
 
 /// What a response takes over from the attempt that got it: the replica's load, when the
@@ -622,6 +632,30 @@ impl Judge {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::replicas::{EngineKind, ReplicaSpec, Replicas};
+
+    /// The client's path and query follow the replica's URL, with or without a path of its own.
+    #[test]
+    fn a_replica_uri_is_its_url_and_the_client_path() {
+        let replicas = Replicas::new();
+        for (name, url, client, expected) in [
+            (
+                "plain",
+                "http://10.0.0.7:8000",
+                "/v1/completions?x=%20y",
+                "http://10.0.0.7:8000/v1/completions?x=%20y",
+            ),
+            ("prefix", "http://gw:80/replica-0", "/v1/models", "http://gw:80/replica-0/v1/models"),
+            ("ipv6", "http://[fd00::7]:8000/", "/health", "http://[fd00::7]:8000/health"),
+        ] {
+            let mut spec = ReplicaSpec::new(name, "tcp://h:1", EngineKind::Vllm, "m");
+            spec.http_url = url.into();
+            let replica = replicas.insert(spec).unwrap();
+            assert_eq!(replica.authority.is_some(), name != "prefix", "{name}");
+            let client = client.parse::<Uri>().unwrap();
+            assert_eq!(replica_uri(&replica, &client).unwrap().to_string(), expected, "{name}");
+        }
+    }
 
     #[test]
     fn hop_by_hop_headers_are_dropped() {

@@ -302,7 +302,9 @@ async fn write_body<W: AsyncWrite + Unpin>(
     let mut body = match body {
         Outgoing::Full(body) => {
             if !body.is_empty() || method_has_body(method) {
-                head.extend_from_slice(format!("content-length: {}\r\n", body.len()).as_bytes());
+                head.extend_from_slice(b"content-length: ");
+                head.extend_from_slice(itoa::Buffer::new().format(body.len()).as_bytes());
+                head.extend_from_slice(b"\r\n");
             }
             head.extend_from_slice(b"\r\n");
             let mut all = Bytes::from(head).chain(body);

@@ -470,7 +470,15 @@ fn request_id(req: &Request<Incoming>) -> String {
         .get(forward::X_REQUEST_ID)
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
-        .map_or_else(|| format!("kvr-{:016x}", fresh_id()), str::to_owned)
+        .map_or_else(fresh_request_id, str::to_owned)
+}
+
+/// `kvr-` and a [`fresh_id`] in 16 hex digits.
+fn fresh_request_id() -> String {
+    let mut id = *b"kvr-0123456789abcdef";
+    // Cannot fail: 8 bytes take 16 hex digits.
+    let _ = hex::encode_to_slice(fresh_id().to_be_bytes(), &mut id[4..]);
+    String::from_utf8_lossy(&id).into_owned()
 }
 
 /// A request id nobody will guess or repeat: splitmix64 over a counter from a random start,
