@@ -83,6 +83,10 @@ pub(crate) struct RankStream {
     scratch: Vec<BlockHash>,
 }
 
+/// Most KV-cache groups of another kind a rank remembers: engines have a handful, and a
+/// publisher numbering a group per event would make each lookup a long search.
+const MAX_OTHER_KINDS: usize = 64;
+
 impl RankStream {
     pub(crate) fn new(ctx: Arc<ReplicaCtx>, rank: u32, replay_endpoint: Option<String>) -> Self {
         Self {
@@ -483,8 +487,13 @@ impl RankStream {
             self.ctx.replica.status.set_epoch(epoch);
         }
         let events = batch.events.len() as u64;
-        for event in batch.events {
+        // The batch's last clear undoes every store, removal and clear before it, and each
+        // clear sweeps the index: a batch of clears costs one sweep, not one each.
+        let last_clear = batch.events.iter().rposition(|e| matches!(e, Event::Cleared));
+        for (i, event) in batch.events.into_iter().enumerate() {
+            let undone = last_clear.is_some_and(|last| i < last);
             match event {
+                Event::Stored(_) | Event::Removed(_) | Event::Cleared if undone => {}
                 Event::Stored(stored) => self.store(&stored),
                 Event::Removed(removed) => {
                     self.scratch.clear();
@@ -504,7 +513,7 @@ impl RankStream {
                     self.ctx.metrics.skipped(reason).inc();
                 }
                 Event::OtherKind { group } => {
-                    if !self.other_kinds.contains(&group) {
+                    if !self.other_kinds.contains(&group) && self.other_kinds.len() < MAX_OTHER_KINDS {
                         self.other_kinds.push(group);
                     }
                     self.ctx.metrics.skipped(SkipReason::AttentionKind).inc();
@@ -714,5 +723,31 @@ mod tests {
         assert_eq!(metrics.skipped(SkipReason::AttentionKind).get(), 2, "the store and its removal");
         assert_eq!(metrics.skipped(SkipReason::UnknownBlock).get(), 1, "hash 3 only");
         assert_eq!(rank.ctx.index.blocks(rank.ctx.replica.id), 0);
+    }
+
+    /// A batch's last `AllBlocksCleared` is applied once, after which its later events are:
+    /// what came before it is undone without a sweep of the index each.
+    #[tokio::test]
+    async fn a_batch_of_clears_clears_once_and_keeps_what_follows_the_last() {
+        let mut rank = rank();
+        let stored = |hash: u64| {
+            VllmEvent::BlockStored(vllm::BlockStored {
+                block_hashes: vec![BlockHash(hash)],
+                token_ids: vec![1, 2],
+                block_size: 2,
+                ..Default::default()
+            })
+        };
+        let mut events = Vec::new();
+        for hash in 1..=100 {
+            events.extend([stored(hash), VllmEvent::AllBlocksCleared]);
+        }
+        events.push(stored(1000));
+        let payload = vllm::encode_payload(&VllmBatch { ts: 0.0, events, dp_rank: None });
+        let batch = rank.decode(&LiveMessage { topic: bytes::Bytes::new(), seq: Seq(0), payload }).unwrap();
+        rank.process(batch).await;
+        let id = rank.ctx.replica.id;
+        assert_eq!(rank.ctx.index.blocks(id), 1, "the store after the last clear");
+        assert_eq!(rank.ctx.metrics.clears.get(), 1);
     }
 }
