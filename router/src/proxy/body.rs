@@ -133,6 +133,13 @@ impl<B> Tracked<B> {
         Self { held: Held::Own(state), timer: IdleTimer::new(idle), watch: None }
     }
 
+    /// Lets the wait for the body's first frame last until `deadline` if that is later than
+    /// the idle timeout ([`IdleTimer::first_by`]).
+    pub fn first_by(mut self, deadline: Instant) -> Self {
+        self.timer = self.timer.first_by(deadline);
+        self
+    }
+
     /// Marks a body that has nothing to send (its end is complete, read or not).
     pub fn empty(mut self, empty: bool) -> Self {
         match &mut self.held {
@@ -350,7 +357,7 @@ where
             // The replica's silence counts from here, not from the last frame: hyper may have
             // taken its time to pass that one on.
             ready!(timer.poll_expired(cx));
-            state.fail(Box::new(IdleTimeout(timer.idle())))
+            state.fail(Box::new(IdleTimeout(timer.limit())))
         }
     }
 }

@@ -500,7 +500,12 @@ fn wrap(
     });
     // A stream that fails ends with an error event in the envelope its client reads.
     let sse = sse.then(|| (Client::of_path(client.uri.path()), admitted.request_id));
-    let body = Tracked::new(body, config.idle_timeout, hooks).sse(sse).empty(empty);
+    // The first event of a stream comes after the request's queueing and prefill: the
+    // first-byte timeout's to bound, not the idle timeout's.
+    let body = Tracked::new(body, config.idle_timeout, hooks)
+        .first_by(sent + config.first_byte_timeout)
+        .sse(sse)
+        .empty(empty);
     // An HTTP/1 client that stops reading is the server's send timeout's (its connection's
     // writes wait); an HTTP/2 stream without window is the stall watch's.
     let body =

@@ -12,27 +12,42 @@ use std::time::Duration;
 
 use tokio::time::{Instant, Sleep};
 
-/// An idle deadline that counts from the start of each wait.
+/// An idle deadline that counts from the start of each wait; the wait for the first frame
+/// may have a later deadline of its own ([`Self::first_by`]).
 #[derive(Debug)]
 pub struct IdleTimer {
     idle: Duration,
     sleep: Option<Pin<Box<Sleep>>>,
     /// The body is waiting and `sleep` holds this wait's deadline.
     waiting: bool,
+    /// Until the first frame, a wait lasts at least until then.
+    first_by: Option<Instant>,
+    /// How long the current wait may last.
+    limit: Duration,
 }
 
 impl IdleTimer {
     pub fn new(idle: Duration) -> Self {
-        Self { idle, sleep: None, waiting: false }
+        Self { idle, sleep: None, waiting: false, first_by: None, limit: idle }
     }
 
-    pub fn idle(&self) -> Duration {
-        self.idle
+    /// Lets the wait for the first frame last until `deadline` if that is later than the
+    /// idle time: a streamed answer's head comes at once, its first event after the
+    /// request's queueing and prefill, which the first-byte timeout bounds.
+    pub fn first_by(mut self, deadline: Instant) -> Self {
+        self.first_by = Some(deadline);
+        self
+    }
+
+    /// How long the current (or next) wait may last.
+    pub fn limit(&self) -> Duration {
+        self.limit
     }
 
     /// The body produced something: the next wait starts a new count.
     pub fn progress(&mut self) {
         self.waiting = false;
+        self.first_by = None;
     }
 
     /// The body has nothing yet: ready once it has had nothing for the whole idle time,
@@ -40,7 +55,9 @@ impl IdleTimer {
     pub fn poll_expired(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         if !self.waiting {
             self.waiting = true;
-            let deadline = Instant::now() + self.idle;
+            let now = Instant::now();
+            let deadline = (now + self.idle).max(self.first_by.unwrap_or(now));
+            self.limit = deadline - now;
             match &mut self.sleep {
                 Some(sleep) => sleep.as_mut().reset(deadline),
                 None => self.sleep = Some(Box::pin(tokio::time::sleep_until(deadline))),
@@ -71,5 +88,26 @@ mod tests {
         let started = Instant::now();
         poll_fn(|cx| timer.poll_expired(cx)).await;
         assert_eq!(started.elapsed(), Duration::from_secs(1));
+    }
+
+    /// The wait for the first frame lasts until the first deadline (if later); the waits
+    /// after a frame, the idle time.
+    #[tokio::test(start_paused = true)]
+    async fn the_first_wait_lasts_until_the_first_deadline() {
+        let started = Instant::now();
+        let mut timer = IdleTimer::new(Duration::from_secs(1)).first_by(started + Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        poll_fn(|cx| timer.poll_expired(cx)).await;
+        assert_eq!(started.elapsed(), Duration::from_secs(10));
+        assert_eq!(timer.limit(), Duration::from_secs(8));
+        timer.progress();
+        let waited = Instant::now();
+        poll_fn(|cx| timer.poll_expired(cx)).await;
+        assert_eq!(waited.elapsed(), Duration::from_secs(1));
+        // A first deadline already past leaves the idle time.
+        let mut late = IdleTimer::new(Duration::from_secs(1)).first_by(started);
+        let waited = Instant::now();
+        poll_fn(|cx| late.poll_expired(cx)).await;
+        assert_eq!(waited.elapsed(), Duration::from_secs(1));
     }
 }

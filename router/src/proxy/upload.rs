@@ -176,7 +176,7 @@ where
                     progress.0.waiting.store(true, Ordering::Relaxed);
                 }
                 match this.timer.poll_expired(cx) {
-                    Poll::Ready(()) => Poll::Ready(Some(Err(Stalled(this.timer.idle()).into()))),
+                    Poll::Ready(()) => Poll::Ready(Some(Err(Stalled(this.timer.limit()).into()))),
                     Poll::Pending => Poll::Pending,
                 }
             }

@@ -406,8 +406,8 @@ async fn slow_replica_times_out_and_is_ejected() {
     }
 }
 
-/// A replica that answers streams with their head and then nothing (a wedged engine) is
-/// ejected by the streams' idle timeouts alone: a head is no success until its body ends.
+/// A replica whose streams go silent after their first event (a wedged engine) is ejected
+/// by the streams' idle timeouts alone: a head is no success until its body ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_whose_streams_go_silent_is_ejected() {
     let fleet = Fleet::with(2, slow_agent_1, |c| kvroute_router::Config {
@@ -435,6 +435,45 @@ async fn a_replica_whose_streams_go_silent_is_ejected() {
         silent += usize::from(agent_1);
     }
     assert_eq!(silent, 2, "--eject-after silent streams eject it");
+}
+
+/// A stream's first event comes after its request's queueing and prefill, which the
+/// first-byte timeout bounds, not the idle timeout: `agent-1` takes a second to prefill,
+/// then its tokens come fast, and its streams end whole with an idle timeout of 300 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streams_first_event_may_take_up_to_the_first_byte_timeout() {
+    let slow_prefill = |name: &str| match name {
+        "agent-1" => kvroute_replica_agent::Config {
+            time_scale: 1.0,
+            step_base_us: 1_000,
+            decode_us_per_seq: 0,
+            prefill_us_per_token: 100_000,
+            ..fault_agent(name)
+        },
+        _ => fault_agent(name),
+    };
+    let fleet = Fleet::with(2, slow_prefill, |c| kvroute_router::Config {
+        first_byte_timeout_ms: 30_000,
+        idle_timeout_ms: 300,
+        policy: kvroute_router::policy::PolicyKind::RoundRobin,
+        ..c
+    })
+    .await;
+    let mut slow_streams = 0;
+    for i in 0..4 {
+        let body = completion(&words(&format!("prefill{i}"), 8), 4, true);
+        let sent = Instant::now();
+        let response = fleet.http.stream(&fleet.url("/v1/completions"), &body).await;
+        assert_eq!(response.status(), 200);
+        let agent_1 = response.headers().get("x-kvroute-replica").is_some_and(|v| v == "agent-1");
+        let text = drain(response).await;
+        assert!(text.contains("data: [DONE]") && !text.contains("\"error\""), "{text}");
+        if agent_1 {
+            assert!(sent.elapsed() > Duration::from_millis(300), "the prefill outlasted the idle timeout");
+            slow_streams += 1;
+        }
+    }
+    assert_eq!(slow_streams, 2, "round robin sent half the streams to agent-1");
 }
 
 /// Ejection never leaves the router with nothing to try: with every replica ejected, the
