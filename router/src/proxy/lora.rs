@@ -112,6 +112,16 @@ struct Answer {
     content_type: Option<http::HeaderValue>,
 }
 
+/// Refuses adapter changes unless the router was started with `--lora-updates`.
+pub fn check_enabled(state: &ProxyState) -> Result<(), ProxyError> {
+    match state.lora.enabled {
+        true => Ok(()),
+        false => Err(ProxyError::Forbidden(
+            "LoRA adapter changes through the router are off (start it with --lora-updates)".into(),
+        )),
+    }
+}
+
 /// Sends the client's request (`parts`, `body`) to every replica and answers as the module
 /// says.
 pub async fn fan_out(
@@ -121,11 +131,7 @@ pub async fn fan_out(
     (parts, body): (http::request::Parts, Bytes),
     request_id: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    if !state.lora.enabled {
-        return Err(ProxyError::Forbidden(
-            "LoRA adapter changes through the router are off (start it with --lora-updates)".into(),
-        ));
-    }
+    check_enabled(state)?;
     #[derive(serde::Deserialize)]
     struct Named {
         lora_name: String,

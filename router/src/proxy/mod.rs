@@ -267,6 +267,9 @@ async fn dispatch(
         }
         (Method::GET | Method::HEAD, "/v1/models") => Ok(json(StatusCode::OK, models(state))),
         (Method::POST, p) if let Some(change) = lora::route(p) => {
+            // Refused or over the limit before its body is read (and `100 Continue` sent).
+            lora::check_enabled(state)?;
+            let _admitted = admit(state, (request_id, received))?;
             let (parts, body) = req.into_parts();
             let body =
                 read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;

@@ -163,6 +163,18 @@ async fn a_stalled_request_body_gets_408_and_gives_back_its_slot() {
     assert_eq!(fine.status, 200, "the slot was given back");
 }
 
+/// A LoRA change to a router without `--lora-updates` is refused before its body is read:
+/// no `100 Continue` for a body nobody will take.
+#[tokio::test]
+async fn a_refused_lora_change_is_refused_before_its_body() {
+    let fleet = Fleet::start(1).await;
+    let mut stream = TcpStream::connect(fleet.router.addr).await.unwrap();
+    let head = "POST /v1/load_lora_adapter HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n\
+                content-length: 100000\r\nexpect: 100-continue\r\n\r\n";
+    let answer = raw_request(&mut stream, head).await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+}
+
 fn predicted(reply: &Reply) -> u64 {
     reply.header("x-kvroute-predicted-cached-tokens").and_then(|v| v.parse().ok()).expect("prediction")
 }
