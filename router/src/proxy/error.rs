@@ -82,6 +82,9 @@ pub enum ProxyError {
     /// Something the router is not set up to let clients do.
     #[error("{0}")]
     Forbidden(String),
+    /// Something the router cannot do at all.
+    #[error("{0}")]
+    NotImplemented(String),
     /// A Responses API id that no replica has (vLLM's own answer for one it has not).
     #[error("Response with id '{0}' not found.")]
     UnknownResponse(String),
@@ -108,6 +111,7 @@ impl ProxyError {
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NotFound(_) | ProxyError::UnknownResponse(_) => StatusCode::NOT_FOUND,
             ProxyError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ProxyError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } | ProxyError::FanOut(_) => StatusCode::BAD_GATEWAY,
@@ -142,6 +146,7 @@ impl ProxyError {
             ProxyError::Timeout { .. } => "upstream_timeout",
             ProxyError::FanOut(_) => "fan_out",
             ProxyError::Forbidden(_) => "forbidden",
+            ProxyError::NotImplemented(_) => "not_implemented",
             ProxyError::RefusedEverywhere { .. } => "refused_everywhere",
         }
     }
@@ -156,6 +161,7 @@ impl ProxyError {
             | ProxyError::BodyTimeout { .. }
             | ProxyError::BadPath(_)
             | ProxyError::Forbidden(_)
+            | ProxyError::NotImplemented(_)
             | ProxyError::MethodNotAllowed { .. }
             | ProxyError::RefusedEverywhere { .. } => {
                 OpenAiError::new("invalid_request_error", self.to_string())

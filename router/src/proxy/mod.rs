@@ -11,6 +11,7 @@
 //! | `GET /health` | 200 while every HTTP thread runs its tick ([`ProxyState::stalled_threads`]), else 503 |
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
+//! | any path with `Upgrade: websocket` | 501: the router does not tunnel WebSockets (vLLM's `/v1/realtime`) |
 //!
 //! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
 //! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`responses`] (which replica stored each Responses API response), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`upload`] (clients' request
@@ -232,6 +233,13 @@ async fn dispatch(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let path = req.uri().path().to_owned();
     let method = req.method().clone();
+    if asks_websocket(req.headers()) {
+        // Passed on without its `Upgrade` (hop-by-hop), it would reach the replica as a plain
+        // request and be refused there as an unknown path.
+        return Err(ProxyError::NotImplemented(
+            "the router does not pass on WebSocket upgrades; connect to a replica directly".into(),
+        ));
+    }
     // The forwarding futures are boxed: hyper keeps each request's future in place, moving
     // it in whole, and every byte of them would be copied for every request (they are
     // kilobytes), whichever path the request takes.
@@ -465,6 +473,17 @@ fn json(status: StatusCode, value: serde_json::Value) -> Response<ProxyBody> {
     *r.status_mut() = status;
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     r
+}
+
+/// Whether an HTTP/1.1 request asks to become a WebSocket (RFC 6455 §4.1); other upgrades
+/// (curl's `h2c`) are optional for a server, which answers over HTTP/1.1 instead.
+fn asks_websocket(headers: &http::HeaderMap) -> bool {
+    headers
+        .get_all(header::UPGRADE)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .filter_map(|protocol| protocol.trim_ascii().split(|&b| b == b'/').next())
+        .any(|name| name.eq_ignore_ascii_case(b"websocket"))
 }
 
 /// The client's `x-request-id` if it sent a sane one, else a fresh one.

@@ -144,6 +144,26 @@ async fn end_to_end_fields_reach_the_replica_and_hop_by_hop_ones_do_not() {
     shutdown.cancel();
 }
 
+/// A WebSocket upgrade is refused with a 501 the client can read; an `h2c` upgrade (curl's
+/// `--http2` over plain HTTP) is optional for a server, so the request is served over HTTP/1.1.
+#[tokio::test]
+async fn a_websocket_upgrade_is_refused_and_an_h2c_upgrade_ignored() {
+    let (replica, mut seen) = recording_replica(ANSWER).await;
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let head = "GET /v1/realtime HTTP/1.1\r\nhost: r\r\nconnection: Upgrade\r\nupgrade: WebSocket/13\r\n\
+                sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n";
+    let answer = exchange(&router.url(), head, "").await;
+    assert!(answer.starts_with("http/1.1 501"), "{answer}");
+    let head = "POST /v1/embeddings HTTP/1.1\r\nhost: r\r\nconnection: Upgrade, HTTP2-Settings\r\n\
+                upgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\ncontent-type: application/json\r\n";
+    let answer = exchange(&router.url(), head, "{\"input\":\"x\"}").await;
+    assert!(answer.starts_with("http/1.1 200"), "{answer}");
+    let got = tokio::time::timeout(WAIT, seen.recv()).await.expect("in time").expect("the replica saw it");
+    assert_eq!(got.line, "POST /v1/embeddings HTTP/1.1", "only the h2c request reached the replica");
+    assert!(got.values("upgrade").is_empty(), "{got:?}");
+    shutdown.cancel();
+}
+
 /// A request a replica refuses with 503 is tried on another with the same fields (only
 /// `host` differs) and the same body.
 #[tokio::test]
