@@ -83,7 +83,8 @@ pub struct Config {
     /// Token budget of one step: decode tokens plus prefill chunks.
     #[arg(long, env = "KVROUTE_AGENT_MAX_NUM_BATCHED_TOKENS", default_value_t = 8192)]
     pub max_num_batched_tokens: u32,
-    /// Completion length when a request sets no max_tokens.
+    /// Completion length when a request sets no max_tokens (a completion request's is
+    /// checked against the context as if asked, as vLLM's default of 16 is).
     #[arg(long, env = "KVROUTE_AGENT_DEFAULT_MAX_TOKENS", default_value_t = 16)]
     pub default_max_tokens: u32,
     /// Most requests waiting for admission before new ones get 503.

@@ -135,11 +135,12 @@ impl<'a> ParsedRequest<'a> {
         }
     }
 
-    /// The output-length limit (`max_completion_tokens` wins over `max_tokens` for chat).
+    /// The output-length limit: for chat, `max_completion_tokens or max_tokens` as vLLM
+    /// reads them (Python's `or`: a `max_completion_tokens` of 0 counts as unset).
     pub fn max_tokens(&self) -> Option<u64> {
         match self {
             ParsedRequest::Completion(r) => r.max_tokens,
-            ParsedRequest::Chat(r) => r.max_completion_tokens.or(r.max_tokens),
+            ParsedRequest::Chat(r) => r.max_completion_tokens.filter(|&m| m != 0).or(r.max_tokens),
         }
     }
 

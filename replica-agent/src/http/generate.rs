@@ -3,12 +3,13 @@
 //!
 //! 1. Parse with [`ParsedRequest`] (the same parser and [`Tokenization`] the router uses; a
 //!    Messages body as the chat request vLLM makes of it),
-//!    plus the fields only the replica cares about: `n` (with `temperature`, which must not
-//!    be greedy for `n` > 1, as in vLLM) and `stream_options.include_usage`.
+//!    plus the fields only the replica cares about: the sampling parameters, checked as vLLM
+//!    checks them ([`sampling`]), and `stream_options.include_usage`.
 //! 2. Check the model (404 unless it is the base model or a LoRA adapter), tokenize, hash
 //!    the prompt blocks in the request's cache namespace and check every prompt against
 //!    `max_model_len` (400, worded as vLLM words it). Without `max_tokens` a request gets
-//!    `default_max_tokens`, cut to what the context leaves.
+//!    `default_max_tokens`: a completion as if it had asked for them (vLLM's protocol
+//!    default), a chat cut to what the context leaves.
 //! 3. Submit one engine job per choice (`n` a prompt; a batch completion prompt is several),
 //!    as vLLM runs one engine request per choice, and wait for
 //!    each to be admitted, so a request the engine refuses still gets a proper status
@@ -16,8 +17,8 @@
 //! 4. Without `stream`, collect the text and answer one JSON object; with `stream`, answer
 //!    an SSE body that forwards each token as the engine emits it ([`sse`]).
 //!
-//! Sampling parameters (`temperature`, `stop`, `seed`, `logprobs`, `echo`, ...) are accepted
-//! and ignored: the simulated text depends only on the prompt and the agent's `--seed`.
+//! Sampling parameters (`temperature`, `stop`, `seed`, `logprobs`, `echo`, ...), once
+//! checked, are ignored: the simulated text depends only on the prompt and the agent's `--seed`.
 //! The simulated engine always generates exactly `max_tokens` tokens, so `finish_reason` is
 //! always `"length"`. `usage.prompt_tokens_details.cached_tokens` is the engine's realized
 //! prefix-cache hit of one prompt, as vLLM reports it for a request of several prompts or
@@ -25,16 +26,18 @@
 //!
 //! [`Tokenization`]: kvroute_proto::openai::Tokenization
 //! [`sse`]: super::sse
+//! [`sampling`]: super::sampling
 
 use hyper::header::{self, HeaderValue};
 use hyper::{Response, StatusCode};
-use kvroute_proto::openai::request::{MAX_N, lax_boolean_value, parse_object};
+use kvroute_proto::openai::request::{lax_boolean_value, parse_object};
 use kvroute_proto::openai::{Endpoint, ParsedRequest};
 use serde::Serialize;
 use serde_json::value::RawValue;
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
+use super::sampling::{self, Sampling};
 use super::{AppState, Body, chat, completions, json_response, messages, responses, sse, unix_now};
 use crate::engine::{Job, Output, SubmitError, Usage};
 
@@ -132,14 +135,10 @@ pub(super) struct Admitted {
 /// What the server reads of a request itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct ServerFields {
-    /// Choices a prompt.
-    n: u32,
+    sampling: Sampling,
     /// `stream_options.include_usage`.
     include_usage: bool,
 }
-
-/// Below this temperature vLLM samples greedily, where `n` must be 1.
-const GREEDY_TEMPERATURE: f64 = 1e-5;
 
 /// Serves one completion or chat completion request.
 pub(super) async fn generate(
@@ -164,11 +163,17 @@ pub(super) async fn generate(
     if !state.serves(request.model()) {
         return Err(ApiError::model_not_found(request.model()));
     }
-    let ServerFields { n, include_usage } = match endpoint {
-        Endpoint::Messages | Endpoint::Responses => ServerFields { n: 1, include_usage: true },
+    let ServerFields { sampling, include_usage } = match endpoint {
+        Endpoint::Messages | Endpoint::Responses => {
+            ServerFields { sampling: Sampling { n: 1, min_tokens: 0 }, include_usage: true }
+        }
         _ => parse_extras(body, request.stream())?,
     };
     let jobs = jobs(state, &request)?;
+    for job in &jobs {
+        sampling.check_max_tokens(job.max_tokens)?;
+    }
+    let n = sampling.n;
     // Every choice of every prompt is an engine request, all queued at once: a request that
     // needs more than the queue holds could never be admitted (a 503 would send it on to the
     // next replica, to the same end).
@@ -306,56 +311,14 @@ pub(super) fn failure(state: &AppState, why: String) -> ApiError {
     if state.shutting_down() { ApiError::shutting_down() } else { ApiError::engine_failed(why) }
 }
 
-/// Validates `n` (with `temperature`, as vLLM does) and `stream_options`.
+/// Validates the sampling parameters ([`sampling`]) and `stream_options`.
 fn parse_extras(body: &[u8], stream: bool) -> Result<ServerFields, ApiError> {
     // The fields of a generation request that [`ParsedRequest`] leaves to the server, a
     // repeated key's last value counting, as in vLLM.
-    let [n, temperature_field, stream_options] = parse_object(body, &["n", "temperature", "stream_options"])?;
-    let n = choices(n)?;
-    if n > 1 && temperature(temperature_field)? < GREEDY_TEMPERATURE {
-        return Err(ApiError::invalid_field(
-            "n",
-            format!("n must be 1 when using greedy sampling, got {n}."),
-        ));
-    }
+    let sampling = Sampling::parse(parse_object(body, &sampling::FIELDS)?)?;
+    let [stream_options] = parse_object(body, &["stream_options"])?;
     let include_usage = include_usage(stream_options, stream)?;
-    Ok(ServerFields { n, include_usage })
-}
-
-/// `n`, checked as vLLM 0.33 checks it (null is 1, where vLLM refuses it for completions).
-fn choices(raw: Option<&RawValue>) -> Result<u32, ApiError> {
-    let not_integer = || ApiError::invalid_field("n", "'n' must be an integer");
-    let n = match raw.map(|r| serde_json::from_str::<serde_json::Value>(r.get())) {
-        None | Some(Ok(serde_json::Value::Null)) => return Ok(1),
-        Some(Ok(serde_json::Value::Number(n))) => n
-            .as_i64()
-            .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 1e15).map(|f| f as i64))
-            .ok_or_else(not_integer)?,
-        Some(_) => return Err(not_integer()),
-    };
-    if n < 1 {
-        return Err(ApiError::bad_request(format!("n must be at least 1, got {n}.")));
-    }
-    if n > i64::from(MAX_N) {
-        return Err(ApiError::bad_request(format!(
-            "n must be at most {MAX_N}, got {n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES \
-             environment variable."
-        )));
-    }
-    Ok(n as u32)
-}
-
-/// `temperature`; absent or null is vLLM's default of 1.
-fn temperature(raw: Option<&RawValue>) -> Result<f64, ApiError> {
-    match raw.map(|r| serde_json::from_str::<serde_json::Value>(r.get())) {
-        None | Some(Ok(serde_json::Value::Null)) => Ok(1.0),
-        Some(Ok(serde_json::Value::Number(t))) => t.as_f64().ok_or_else(|| unreadable("temperature")),
-        Some(_) => Err(unreadable("temperature")),
-    }
-}
-
-fn unreadable(param: &str) -> ApiError {
-    ApiError::invalid_field(param, format!("'{param}' must be a number"))
+    Ok(ServerFields { sampling, include_usage })
 }
 
 /// `stream_options.include_usage` as vLLM reads it: a `stream_options` object asks for usage
@@ -400,6 +363,13 @@ fn jobs(state: &AppState, request: &ParsedRequest<'_>) -> Result<Vec<Job>, ApiEr
         ParsedRequest::Chat(_) => "messages",
     };
     let max_model_len = u64::from(config.max_model_len);
+    // A completion without `max_tokens` asks vLLM's protocol default (16; here
+    // `--default-max-tokens`), checked against the context as one given is; a chat's is cut
+    // to what the context leaves.
+    let asked = match request {
+        ParsedRequest::Completion(_) => request.max_tokens().or(Some(u64::from(config.default_max_tokens))),
+        ParsedRequest::Chat(_) => request.max_tokens(),
+    };
     if request.max_tokens() == Some(0) {
         return Err(ApiError::invalid_field("max_tokens", "max_tokens must be at least 1, got 0"));
     }
@@ -410,7 +380,7 @@ fn jobs(state: &AppState, request: &ParsedRequest<'_>) -> Result<Vec<Job>, ApiEr
                 return Err(ApiError::prompt_exceeds_cache(max_prompt_tokens, prompt.len(), param));
             }
             let len = prompt.len() as u64;
-            let max_tokens = match request.max_tokens() {
+            let max_tokens = match asked {
                 // Saturating: `max_tokens` comes from the request and may be near u64::MAX.
                 Some(m) if len.saturating_add(m) > max_model_len => {
                     return Err(ApiError::context_length(config.max_model_len, prompt.len(), m, param));

@@ -37,6 +37,7 @@ mod generate;
 mod messages;
 mod metrics;
 mod responses;
+mod sampling;
 mod sse;
 
 use error::ApiError;

@@ -522,6 +522,17 @@ async fn malformed_requests_get_openai_errors() {
         bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi there", "max_tokens": 511 })), 400)
             .param("prompt")
             .code("context_length_exceeded"),
+        // vLLM's default `max_tokens` of 16 for a completion is checked against the context.
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": words(505, 15) })), 400)
+            .param("prompt")
+            .code("context_length_exceeded"),
+        // Sampling parameters, as vLLM's `SamplingParams` checks them.
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 5 })), 400),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "top_p": 0 })), 400).param("top_p"),
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "temperature": -0.5 })), 400)
+            .param("temperature"),
+        bad(post.clone(), chat, json_bytes(json!({ "model": MODEL, "messages": [{ "role": "user", "content": "hi" }], "stop": [""] })), 400),
+        bad(post.clone(), chat, json_bytes(json!({ "model": MODEL, "messages": [{ "role": "user", "content": "hi" }], "presence_penalty": 3 })), 400),
         bad(post.clone(), chat, json_bytes(json!({ "model": MODEL })), 400).param("messages"),
         bad(post.clone(), chat, json_bytes(json!({ "model": MODEL, "messages": [] })), 400).param("messages"),
         bad(post.clone(), chat, json_bytes(json!({ "model": MODEL, "messages": [{ "role": "user", "content": 5 }] })), 400)

@@ -225,6 +225,16 @@ fn chat_messages_and_fields() {
 
     let parsed = ParsedRequest::parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap();
     assert_eq!(parsed.max_tokens(), Some(9), "max_completion_tokens wins");
+    // vLLM takes `max_completion_tokens or max_tokens`: a 0 is passed over, as Python's `or` does.
+    for (limits, expected) in [
+        (r#""max_completion_tokens":0,"max_tokens":32"#, Some(32)),
+        (r#""max_completion_tokens":0"#, None),
+        (r#""max_completion_tokens":5,"max_tokens":32"#, Some(5)),
+    ] {
+        let body = format!(r#"{{"messages":[{{"role":"user","content":"x"}}],{limits}}}"#);
+        let parsed = ParsedRequest::parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap();
+        assert_eq!(parsed.max_tokens(), expected, "{limits}");
+    }
     assert_eq!(parsed.cache_salt(), Some("s"));
     assert_eq!(parsed.model(), "m");
 
