@@ -82,6 +82,17 @@ impl Budget {
 /// Budget bytes a replay's batches hold until they are applied.
 pub(crate) type Held = Option<OwnedSemaphorePermit>;
 
+/// What a replay brought: its batches, the budget they hold, and whether the publisher's end
+/// marker came. A replay whose replies stopped before the end marker came (a vLLM before
+/// 0.33 drops what its send buffer cannot hold, the marker among it) keeps what it got:
+/// those batches are as good as any, and the rest is a gap repaired from there.
+#[derive(Debug)]
+pub(crate) struct Replayed {
+    pub batches: Vec<LiveMessage>,
+    pub held: Held,
+    pub ended: bool,
+}
+
 /// Every buffered batch with seq >= `start`, in the order the publisher sent them (through
 /// a ZMTP guard, which calls `on_refused` for a message over its limits). A replay that ran
 /// out of budget tries once more in turn ([`Budget`]).
@@ -91,7 +102,7 @@ pub(crate) async fn fetch(
     timeout: Duration,
     bounds: Bounds<'_>,
     on_refused: OnRefused,
-) -> Result<(Vec<LiveMessage>, Held), ReplayError> {
+) -> Result<Replayed, ReplayError> {
     match fetch_once(endpoint, start, timeout, bounds, on_refused.clone()).await {
         Err(ReplayError::OverBudget) => {
             // Waited for no longer than a whole replay: others' turns can be as long.
@@ -109,7 +120,7 @@ async fn fetch_once(
     timeout: Duration,
     bounds: Bounds<'_>,
     on_refused: OnRefused,
-) -> Result<(Vec<LiveMessage>, Held), ReplayError> {
+) -> Result<Replayed, ReplayError> {
     let guard = ZmtpGuard::connecting(endpoint, on_refused)
         .await
         .map_err(|source| ReplayError::Guard { endpoint: endpoint.to_owned(), source })?;
@@ -130,13 +141,18 @@ async fn fetch_once(
         let mut batches = Vec::new();
         let mut held: Held = None;
         loop {
-            let reply_by = (tokio::time::Instant::now() + timeout).min(deadline);
-            let msg = tokio::time::timeout_at(reply_by, dealer.recv())
-                .await
-                .map_err(|_| timed_out())?
-                .map_err(socket_err)?;
+            let now = tokio::time::Instant::now();
+            let reply_by = (now + timeout).min(deadline);
+            let msg = match tokio::time::timeout_at(reply_by, dealer.recv()).await {
+                Ok(msg) => msg.map_err(socket_err)?,
+                // Replies that stopped (not a whole replay too slow) end what came.
+                Err(_) if !batches.is_empty() && now + timeout <= deadline => {
+                    return Ok(Replayed { batches, held, ended: false });
+                }
+                Err(_) => return Err(timed_out()),
+            };
             match framing::decode_replay_reply(&msg.into_vec())? {
-                ReplayReply::End => return Ok((batches, held)),
+                ReplayReply::End => return Ok(Replayed { batches, held, ended: true }),
                 ReplayReply::Batch(_) if batches.len() >= bounds.batches => {
                     return Err(ReplayError::TooLong(bounds.batches));
                 }
@@ -183,6 +199,11 @@ mod tests {
     /// every `every`: `n` of them and the replay's end, or batches without end (until the
     /// requester is gone).
     async fn peer(every: Duration, n: Option<u64>) -> String {
+        peer_ending(every, n, true).await
+    }
+
+    /// [`peer`], whose `n` batches are followed by the end marker only if `end`.
+    async fn peer_ending(every: Duration, n: Option<u64>, end: bool) -> String {
         let mut router = RouterSocket::new();
         let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
         tokio::spawn(async move {
@@ -191,7 +212,8 @@ mod tests {
                 let batches = (0..n.unwrap_or(u64::MAX)).map(|seq| {
                     framing::encode_replay_batch(Bytes::new(), Seq(seq), Bytes::from_static(b"x"))
                 });
-                for frames in batches.chain(n.map(|_| framing::encode_replay_end())) {
+                let marker = n.filter(|_| end).map(|_| framing::encode_replay_end());
+                for frames in batches.chain(marker) {
                     tokio::time::sleep(every).await;
                     let frames: Vec<Bytes> = std::iter::once(peer.clone()).chain(frames).collect();
                     if router.send(ZmqMessage::try_from(frames).unwrap()).await.is_err() {
@@ -243,6 +265,21 @@ mod tests {
         assert!(matches!(result, Err(ReplayError::Timeout { .. })), "{result:?}");
     }
 
+    /// A replay whose replies stop before the end marker (dropped by a publisher's full send
+    /// buffer) keeps the batches that came; one that brought nothing fails.
+    #[tokio::test]
+    async fn a_replay_without_its_end_marker_keeps_what_came() {
+        let budget = budget(1 << 20);
+        let endpoint = peer_ending(Duration::ZERO, Some(3), false).await;
+        let timeout = Duration::from_millis(200);
+        let replayed = fetch(&endpoint, Seq(0), timeout, unbounded(&budget), Arc::new(|| {})).await.unwrap();
+        let seqs: Vec<u64> = replayed.batches.iter().map(|b| b.seq.0).collect();
+        assert_eq!((seqs, replayed.ended), (vec![0, 1, 2], false));
+        let endpoint = peer_ending(Duration::ZERO, Some(0), false).await;
+        let result = fetch(&endpoint, Seq(0), timeout, unbounded(&budget), Arc::new(|| {})).await;
+        assert!(matches!(result, Err(ReplayError::Timeout { .. })), "{result:?}");
+    }
+
     /// A replay is held whole before it is applied: one past its bounds, in batches or in
     /// the bytes left of the shared budget, fails instead of growing.
     #[tokio::test]
@@ -274,8 +311,8 @@ mod tests {
         let endpoint = peer(Duration::ZERO, Some(3)).await;
         let result =
             fetch(&endpoint, Seq(0), Duration::from_secs(5), unbounded(&shared), Arc::new(|| {})).await;
-        let (batches, held) = result.expect("the budget came back in time");
-        assert_eq!((batches.len(), held.map(|h| h.num_permits())), (3, Some(3)));
+        let Replayed { batches, held, ended } = result.expect("the budget came back in time");
+        assert_eq!((batches.len(), held.map(|h| h.num_permits()), ended), (3, Some(3), true));
     }
 
     /// Two replays that would fit one after the other, run at once, each hold part of the
@@ -289,9 +326,8 @@ mod tests {
         let timeout = Duration::from_millis(300);
         // Each applied, and its budget given back, as soon as it is complete.
         let replay = async |endpoint| {
-            let (batches, _held) =
-                fetch(endpoint, Seq(0), timeout, unbounded(&shared), Arc::new(|| {})).await?;
-            Ok::<_, ReplayError>(batches.len())
+            let replayed = fetch(endpoint, Seq(0), timeout, unbounded(&shared), Arc::new(|| {})).await?;
+            Ok::<_, ReplayError>(replayed.batches.len())
         };
         let (a, b) = tokio::join!(replay(&a), replay(&b));
         assert_eq!((a.expect("each fits alone"), b.expect("each fits alone")), (8, 8));

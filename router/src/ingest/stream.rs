@@ -337,13 +337,19 @@ impl RankStream {
             let bounds =
                 replay::Bounds { batches: config.replay_max_batches, budget: &self.ctx.replay_budget };
             match replay::fetch(&endpoint, from, config.replay_timeout, bounds, oversized).await {
-                Ok((batches, held)) => {
+                Ok(replay::Replayed { batches, held, ended }) => {
                     let complete = match batches.first() {
                         None => newer.is_none(),
                         Some(first) => first.seq == from,
                     };
                     if complete {
-                        self.ctx.metrics.replays(Outcome::Ok).inc();
+                        // Without its end marker, it is complete as far as it goes: the next
+                        // live batch past it is a gap, repaired from there.
+                        let outcome = if ended { Outcome::Ok } else { Outcome::Incomplete };
+                        if !ended {
+                            tracing::info!(replica = %self.ctx.replica.spec.name, rank = self.rank, last = batches.last().map(|b| b.seq.0), "replay without its end marker; applied what came");
+                        }
+                        self.ctx.metrics.replays(outcome).inc();
                         if batches.is_empty() && self.expected.is_none() {
                             // Nothing from `from` on exists yet, so the next batch is `from`;
                             // a later one means the first ones were published before our
