@@ -514,7 +514,13 @@ impl RankStream {
                         self.ctx.metrics.skipped(reason).inc_by(unknown as u64);
                     }
                 }
-                Event::Cleared => self.clear(),
+                // Seqs go on after a clear: live copies of what a replay covered before it
+                // are still duplicates, not a restart.
+                Event::Cleared => {
+                    let window = self.dup;
+                    self.clear();
+                    self.dup = window;
+                }
                 Event::Skipped(reason) => {
                     self.ctx.metrics.skipped(reason).inc();
                 }
@@ -690,6 +696,22 @@ mod tests {
         rank.process(late).await;
         assert_eq!(rank.ctx.index.blocks(id), 4, "not cleared as a restart");
         assert_eq!(rank.ctx.metrics.restarts.get(), 0);
+    }
+
+    /// A catch-up replay holding an `AllBlocksCleared` keeps the earlier replay's window: a
+    /// queued live copy of a batch that one covered is a duplicate, not a restart.
+    #[tokio::test]
+    async fn a_clear_inside_a_replay_keeps_the_duplicate_window() {
+        let mut rank = rank();
+        rank.apply_replayed(&[batch(0), batch(1)]);
+        let mut cleared = batch(2);
+        let events = vec![VllmEvent::AllBlocksCleared];
+        cleared.payload = vllm::encode_payload(&VllmBatch { ts: 0.0, events, dp_rank: None });
+        rank.apply_replayed(&[cleared, batch(3)]);
+        let late = rank.decode(&batch(1)).unwrap();
+        rank.process(late).await;
+        assert_eq!(rank.ctx.metrics.restarts.get(), 0);
+        assert_eq!(rank.ctx.metrics.clears.get(), 1, "only the replayed clear");
     }
 
     /// A hybrid model's removals from a sliding-window group (whose stores are not indexed)
