@@ -45,6 +45,12 @@ pub struct Config {
     /// at INFO under the target `kvroute_router::access`.
     #[arg(long, env = "KVROUTE_ACCESS_LOG", default_value_t = false)]
     pub access_log: bool,
+    /// Origins whose pages may read the router's own answers (its errors, `/v1/models`),
+    /// comma-separated, as vLLM's `--allowed-origins`: `*` (the default) is any origin, an
+    /// empty value none. The replicas' answers carry the replicas' own CORS fields.
+    #[arg(long, env = "KVROUTE_ALLOWED_ORIGINS", value_delimiter = ',', default_value = "*")]
+    #[serde(default = "any_origin")]
+    pub allowed_origins: Vec<String>,
     /// Address of a listener of its own for `GET /health` and `/ready`, outside the proxy's
     /// connection limit, so that a liveness probe is answered while the proxy is full.
     #[arg(long, env = "KVROUTE_HEALTH_LISTEN")]
@@ -241,6 +247,10 @@ impl kvroute_proto::cli::Layered for Config {
     fn config_file(&self) -> Option<&Path> {
         self.config.as_deref()
     }
+}
+
+fn any_origin() -> Vec<String> {
+    vec!["*".into()]
 }
 
 impl Default for Config {

@@ -215,6 +215,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         discovery,
         synced_once: AtomicBool::new(false),
         heartbeats: Heartbeats::new(http_threads),
+        allowed_origins: proxy::cors::AllowedOrigins::new(&config.allowed_origins),
     });
 
     let listener =

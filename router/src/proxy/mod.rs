@@ -6,19 +6,20 @@
 //! | `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` | streamed to the replica that stored the response ([`responses`]) |
 //! | other `/v1/*`, and the engines' own paths outside `/v1` that do not generate (`/tokenize`, `/rerank`, ...: [`paths`]) | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused) |
 //! | `GET /v1/models` | the fleet's model and LoRA adapters |
-//! | `OPTIONS` on the paths above (a browser's CORS preflight) | streamed to the least-loaded eligible replica, so the fleet's CORS policy answers it; the router's own answers (its errors, `/v1/models`) carry no CORS headers |
+//! | `OPTIONS` on the paths above (a browser's CORS preflight) | streamed to the least-loaded eligible replica, so the fleet's CORS policy answers it; the router's own answers (its errors, `/v1/models`) carry `--allowed-origins`' ([`cors`]) |
 //! | `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter` (and SGLang's spellings) | sent to every replica, with `--lora-updates` ([`lora`]) |
 //! | `GET /health` | 200 while every HTTP thread runs its tick ([`ProxyState::stalled_threads`]), else 503 |
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //! | any path with `Upgrade: websocket` | 501: the router does not tunnel WebSockets (vLLM's `/v1/realtime`) |
 //!
-//! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
+//! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`cors`] (the router's own answers' CORS fields), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
 //! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`responses`] (which replica stored each Responses API response), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`upload`] (clients' request
 //! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health).
 
 pub mod access;
 pub mod body;
+pub mod cors;
 pub mod error;
 pub mod forward;
 pub mod health;
@@ -83,6 +84,8 @@ pub struct ProxyState {
     pub(crate) synced_once: AtomicBool,
     /// The proxy's HTTP threads' ticks.
     pub heartbeats: Heartbeats,
+    /// Who may read the router's own answers ([`cors`]).
+    pub allowed_origins: cors::AllowedOrigins,
 }
 
 /// An HTTP thread that has not ticked for this long is stuck: `/health` fails.
@@ -195,6 +198,8 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
     let own_probe = matches!(req.uri().path(), "/health" | "/ready" | "/metrics");
     let counted = (!own_probe).then_some(&state.decider.metrics);
     let mut unanswered = access::Unanswered::new(&request_id, asked.as_ref(), received, counted);
+    // A browser's request: whether the router answers its path itself.
+    let origin = req.headers().get(header::ORIGIN).map(|o| (o.clone(), answers_itself(req.uri().path())));
     let answered = dispatch(&state, &pool, req, &request_id, received).await;
     if let Err(ProxyError::ClientLeft) = answered {
         // Counted and logged as abandoned, as if this future had been dropped: no error of
@@ -203,7 +208,8 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
         return ProxyError::ClientLeft.into_response_for(&request_id, client);
     }
     unanswered.answered();
-    let response = match answered {
+    let own = answered.is_err() || origin.as_ref().is_some_and(|(_, own)| *own);
+    let mut response = match answered {
         Ok(response) => response,
         Err(e) => {
             state.decider.metrics.errors.get_or_create(&ErrorLabel { kind: e.label() }).inc();
@@ -216,6 +222,9 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
             e.into_response_for(&request_id, client)
         }
     };
+    if let Some((origin, _)) = origin.as_ref().filter(|_| own) {
+        state.allowed_origins.apply(Some(origin), response.headers_mut());
+    }
     // The router's own probes and scrapes are not requests to the fleet: a readiness
     // probe's 503s before the first sync would count as failed requests.
     if !own_probe {
@@ -473,6 +482,11 @@ fn json(status: StatusCode, value: serde_json::Value) -> Response<ProxyBody> {
     *r.status_mut() = status;
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     r
+}
+
+/// Whether the router answers a path itself, whatever the answer ([`cors`]).
+fn answers_itself(path: &str) -> bool {
+    matches!(path, "/v1/models" | "/health" | "/ready" | "/metrics") || lora::route(path).is_some()
 }
 
 /// Whether an HTTP/1.1 request asks to become a WebSocket (RFC 6455 §4.1); other upgrades

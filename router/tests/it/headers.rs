@@ -144,6 +144,51 @@ async fn end_to_end_fields_reach_the_replica_and_hop_by_hop_ones_do_not() {
     shutdown.cancel();
 }
 
+/// The router's own answers (its errors, `/v1/models`) let a browser page read them as
+/// `--allowed-origins` says; a replica's answer carries the replica's CORS fields only.
+#[tokio::test]
+async fn the_routers_own_answers_carry_its_cors_fields() {
+    let (replica, _seen) = recording_replica(ANSWER).await;
+    let from = |origin: &str, method: &str, path: &str| {
+        format!(
+            "{method} {path} HTTP/1.1\r\nhost: r\r\norigin: {origin}\r\ncontent-type: application/json\r\n"
+        )
+    };
+    let completion =
+        serde_json::json!({"model": FLEET_MODEL, "prompt": "a few words", "max_tokens": 1}).to_string();
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let url = router.url();
+    let models = exchange(&url, &from("https://app.example", "GET", "/v1/models"), "").await;
+    assert!(
+        models.starts_with("http/1.1 200") && models.contains("\r\naccess-control-allow-origin: *\r\n"),
+        "{models}"
+    );
+    let error = exchange(&url, &from("https://app.example", "POST", "/v1/completions"), "{not json").await;
+    assert!(
+        error.starts_with("http/1.1 400") && error.contains("\r\naccess-control-allow-origin: *\r\n"),
+        "{error}"
+    );
+    let forwarded =
+        exchange(&url, &from("https://app.example", "POST", "/v1/completions"), &completion).await;
+    assert!(forwarded.starts_with("http/1.1 200") && !forwarded.contains("access-control"), "{forwarded}");
+    let no_origin = exchange(&url, "GET /v1/models HTTP/1.1\r\nhost: r\r\n", "").await;
+    assert!(!no_origin.contains("access-control"), "{no_origin}");
+    shutdown.cancel();
+
+    let listed = vec!["https://app.example".to_owned()];
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { allowed_origins: listed, ..c }).await;
+    let url = router.url();
+    let allowed = exchange(&url, &from("https://app.example", "GET", "/v1/models"), "").await;
+    assert!(allowed.contains("\r\naccess-control-allow-origin: https://app.example\r\n"), "{allowed}");
+    let other = exchange(&url, &from("https://other.example", "GET", "/v1/models"), "").await;
+    assert!(
+        !other.contains("access-control-allow-origin") && other.contains("\r\nvary: origin\r\n"),
+        "{other}"
+    );
+    shutdown.cancel();
+}
+
 /// A WebSocket upgrade is refused with a 501 the client can read; an `h2c` upgrade (curl's
 /// `--http2` over plain HTTP) is optional for a server, so the request is served over HTTP/1.1.
 #[tokio::test]
