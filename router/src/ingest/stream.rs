@@ -77,11 +77,18 @@ pub(crate) struct RankStream {
     /// The SUB lost its connection and the rank was cleared: live frames are ignored until
     /// the next `Connected`, whose repair from seq 0 covers them.
     disconnected: bool,
+    /// A repair applied replays without their end marker and could not get the rest: the
+    /// rank is DEGRADED until a live batch follows on from them (or a gap is repaired).
+    tail_unknown: bool,
     /// KV-cache groups whose stores were of a kind the router does not index: their
     /// removals are expected misses, not unknown blocks.
     other_kinds: Vec<u32>,
     scratch: Vec<BlockHash>,
 }
+
+/// Replays a repair asks for after one that came without its end marker (each from where
+/// the last stopped), before it leaves the rank DEGRADED with what they brought.
+const MAX_TAIL_REPLAYS: u32 = 8;
 
 /// Most KV-cache groups of another kind a rank remembers: engines have a handful, and a
 /// publisher numbering a group per event would make each lookup a long search.
@@ -102,6 +109,7 @@ impl RankStream {
             lost: false,
             resynced_in_run: false,
             disconnected: false,
+            tail_unknown: false,
             other_kinds: Vec::new(),
             scratch: Vec::new(),
         }
@@ -305,6 +313,10 @@ impl RankStream {
         }
         if action == Action::Apply {
             self.apply(batch);
+            // In step again: nothing was missing between the replays and this batch.
+            if std::mem::take(&mut self.tail_unknown) {
+                self.synced_exact();
+            }
         }
     }
 
@@ -331,46 +343,62 @@ impl RankStream {
     /// empty replay is incomplete.
     async fn repair(&mut self, from: Seq, newer: Option<Seq>) {
         let mut partial: (Vec<LiveMessage>, replay::Held) = (Vec::new(), None);
+        let mut from = from;
         if let Some(endpoint) = self.replay_endpoint.clone() {
-            let config = &self.ctx.config;
-            let oversized = self.ctx.metrics.on_oversized();
-            let bounds =
-                replay::Bounds { batches: config.replay_max_batches, budget: &self.ctx.replay_budget };
-            match replay::fetch(&endpoint, from, config.replay_timeout, bounds, oversized).await {
-                Ok(replay::Replayed { batches, held, ended }) => {
-                    let complete = match batches.first() {
-                        None => newer.is_none(),
-                        Some(first) => first.seq == from,
-                    };
-                    if complete {
-                        // Without its end marker, it is complete as far as it goes: the next
-                        // live batch past it is a gap, repaired from there.
-                        let outcome = if ended { Outcome::Ok } else { Outcome::Incomplete };
-                        if !ended {
-                            tracing::info!(replica = %self.ctx.replica.spec.name, rank = self.rank, last = batches.last().map(|b| b.seq.0), "replay without its end marker; applied what came");
+            for round in 0..=MAX_TAIL_REPLAYS {
+                let config = &self.ctx.config;
+                let oversized = self.ctx.metrics.on_oversized();
+                let bounds =
+                    replay::Bounds { batches: config.replay_max_batches, budget: &self.ctx.replay_budget };
+                let fetched = replay::fetch(&endpoint, from, config.replay_timeout, bounds, oversized).await;
+                let (batches, held, ended) = match fetched {
+                    Ok(replay::Replayed { batches, held, ended }) => (batches, held, ended),
+                    Err(e) => {
+                        tracing::warn!(error = %e, replica = %self.ctx.replica.spec.name, "replay failed");
+                        self.ctx.metrics.replays(Outcome::Failed).inc();
+                        if round > 0 {
+                            return self.tail_unknown().await;
                         }
-                        self.ctx.metrics.replays(outcome).inc();
-                        if batches.is_empty() && self.expected.is_none() {
-                            // Nothing from `from` on exists yet, so the next batch is `from`;
-                            // a later one means the first ones were published before our
-                            // subscription took effect (slow joiner) and must be replayed.
-                            self.expected = Some(from);
-                        }
-                        self.apply_replayed(&batches);
-                        drop((batches, held));
+                        break;
+                    }
+                };
+                let complete = match batches.first() {
+                    None => newer.is_none_or(|n| n < from),
+                    Some(first) => first.seq == from,
+                };
+                if !complete {
+                    tracing::info!(replica = %self.ctx.replica.spec.name, from = from.0, first = ?batches.first().map(|b| b.seq.0), "incomplete replay");
+                    self.ctx.metrics.replays(Outcome::Incomplete).inc();
+                    if round > 0 {
+                        return self.tail_unknown().await;
+                    }
+                    partial = (batches, held);
+                    break;
+                }
+                // Without its end marker, it is complete as far as it goes.
+                let outcome = if ended { Outcome::Ok } else { Outcome::Incomplete };
+                if !ended {
+                    tracing::info!(replica = %self.ctx.replica.spec.name, rank = self.rank, last = batches.last().map(|b| b.seq.0), "replay without its end marker; applied what came");
+                }
+                self.ctx.metrics.replays(outcome).inc();
+                if batches.is_empty() && self.expected.is_none() {
+                    // Nothing from `from` on exists yet, so the next batch is `from`;
+                    // a later one means the first ones were published before our
+                    // subscription took effect (slow joiner) and must be replayed.
+                    self.expected = Some(from);
+                }
+                self.apply_replayed(&batches);
+                drop((batches, held));
+                // The publisher may hold more than it got through: ask again from there.
+                match self.expected.filter(|&next| !ended && next > from) {
+                    Some(next) if round < MAX_TAIL_REPLAYS => from = next,
+                    Some(_) => return self.tail_unknown().await,
+                    None => {
                         if std::mem::take(&mut self.lost) {
                             self.resync_without_replay().await;
                         }
-                        self.synced_exact();
-                        return;
+                        return self.synced_exact();
                     }
-                    tracing::info!(replica = %self.ctx.replica.spec.name, from = from.0, first = ?batches.first().map(|b| b.seq.0), "incomplete replay");
-                    self.ctx.metrics.replays(Outcome::Incomplete).inc();
-                    partial = (batches, held);
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, replica = %self.ctx.replica.spec.name, "replay failed");
-                    self.ctx.metrics.replays(Outcome::Failed).inc();
                 }
             }
         }
@@ -387,6 +415,19 @@ impl RankStream {
             self.expected = None;
         }
         self.synced_exact();
+    }
+
+    /// A repair applied replays that came without their end marker and could not get the
+    /// rest: what they brought stands, and the rank is DEGRADED until a batch past them
+    /// (a gap, repaired again) or a lost one brings it back in step.
+    async fn tail_unknown(&mut self) {
+        if std::mem::take(&mut self.lost) {
+            return self.resync_without_replay().await;
+        }
+        self.tail_unknown = true;
+        self.set_state(StreamState::Degraded);
+        // Synced as far as the publisher lets it be: readiness does not wait on it.
+        self.ctx.replica.status.mark_rank_synced(self.rank);
     }
 
     /// After decode errors: the lost batches cannot be replayed, so resync from a snapshot
@@ -588,6 +629,7 @@ impl RankStream {
     /// lost batch is no good message).
     fn synced_exact(&mut self) {
         self.broken = false;
+        self.tail_unknown = false;
         self.set_state(StreamState::Exact);
         self.ctx.replica.status.mark_rank_synced(self.rank);
     }
@@ -606,7 +648,11 @@ impl RankStream {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use bytes::Bytes;
     use kvroute_proto::vllm::{self, VllmBatch, VllmEvent};
+    use zeromq::prelude::*;
 
     use super::*;
     use crate::ingest::IngestMetrics;
@@ -654,6 +700,48 @@ mod tests {
             dp_rank: None,
         });
         LiveMessage { topic: bytes::Bytes::new(), seq: Seq(seq), payload }
+    }
+
+    /// A publisher whose replay replies stop before the end marker (an older vLLM's full send
+    /// buffer drops it): batches 0..=2 of what it published, then nothing.
+    async fn truncating_publisher() -> String {
+        let mut router = zeromq::RouterSocket::new();
+        let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        tokio::spawn(async move {
+            while let Ok(request) = router.recv().await {
+                let frames = request.into_vec();
+                let start = framing::decode_replay_request(&frames[1..]).unwrap();
+                for seq in start.0..3 {
+                    let reply = framing::encode_replay_batch(Bytes::new(), Seq(seq), batch(seq).payload);
+                    let frames: Vec<Bytes> = std::iter::once(frames[0].clone()).chain(reply).collect();
+                    if router.send(zeromq::ZmqMessage::try_from(frames).unwrap()).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        endpoint
+    }
+
+    /// A repair whose replays come without their end marker keeps what they brought, asks
+    /// again from where each stopped, and is DEGRADED when the rest does not come; the next
+    /// live batch in order puts it back in step.
+    #[tokio::test]
+    async fn replays_without_their_end_marker_keep_what_came_and_ask_for_the_rest() {
+        let endpoint = truncating_publisher().await;
+        let config = IngestConfig { replay_timeout: Duration::from_millis(200), ..IngestConfig::default() };
+        let mut rank = rank_with(config);
+        rank.replay_endpoint = Some(endpoint);
+        rank.repair(Seq(0), None).await;
+        let (id, metrics, status) = (rank.ctx.replica.id, &rank.ctx.metrics, &rank.ctx.replica.status);
+        assert_eq!(rank.ctx.index.blocks(id), 3, "what the first replay brought");
+        assert_eq!(metrics.replays(Outcome::Incomplete).get(), 1, "from 0: 0..=2 without the end");
+        assert_eq!(metrics.replays(Outcome::Failed).get(), 1, "from 3: nothing");
+        assert_eq!((status.state(), status.is_synced()), (StreamState::Degraded, true));
+        let next = rank.decode(&batch(3)).unwrap();
+        rank.process(next).await;
+        assert_eq!(rank.ctx.index.blocks(id), 4);
+        assert_eq!(rank.ctx.replica.status.state(), StreamState::Exact, "in step again");
     }
 
     /// A catch-up replay that finds nothing new keeps the window of the replay before it: a
