@@ -133,7 +133,7 @@ pub(super) struct Admitted {
 }
 
 /// What the server reads of a request itself.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 struct ServerFields {
     sampling: Sampling,
     /// `stream_options.include_usage`.
@@ -165,15 +165,12 @@ pub(super) async fn generate(
     }
     let ServerFields { sampling, include_usage } = match endpoint {
         Endpoint::Messages | Endpoint::Responses => {
-            ServerFields { sampling: Sampling { n: 1, min_tokens: 0 }, include_usage: true }
+            ServerFields { sampling: Sampling::default(), include_usage: true }
         }
         _ => parse_extras(body, request.stream())?,
     };
-    let jobs = jobs(state, &request)?;
-    for job in &jobs {
-        sampling.check_max_tokens(job.max_tokens)?;
-    }
-    let n = sampling.n;
+    let jobs = jobs(state, &request, &sampling, null_max_tokens(&readable))?;
+    let n = sampling.choices();
     // Every choice of every prompt is an engine request, all queued at once: a request that
     // needs more than the queue holds could never be admitted (a 503 would send it on to the
     // next replica, to the same end).
@@ -311,6 +308,20 @@ pub(super) fn failure(state: &AppState, why: String) -> ApiError {
     if state.shutting_down() { ApiError::shutting_down() } else { ApiError::engine_failed(why) }
 }
 
+/// Whether a request says `"max_tokens": null`, which drops a completion's default of 16
+/// in vLLM (the default is the field's). (The shared parser reads null as absent.)
+fn null_max_tokens(body: &[u8]) -> bool {
+    fn null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+        Ok(<Option<serde::de::IgnoredAny> as serde::Deserialize>::deserialize(d)?.is_none())
+    }
+    #[derive(serde::Deserialize)]
+    struct MaxTokens {
+        #[serde(default, deserialize_with = "null")]
+        max_tokens: bool,
+    }
+    serde_json::from_slice::<MaxTokens>(body).is_ok_and(|m| m.max_tokens)
+}
+
 /// Validates the sampling parameters ([`sampling`]) and `stream_options`.
 fn parse_extras(body: &[u8], stream: bool) -> Result<ServerFields, ApiError> {
     // The fields of a generation request that [`ParsedRequest`] leaves to the server, a
@@ -351,7 +362,15 @@ fn include_usage(options: Option<&RawValue>, stream: bool) -> Result<bool, ApiEr
 
 /// One engine job per prompt: tokens, block hashes in the request's namespace, and a
 /// `max_tokens` that fits the context.
-fn jobs(state: &AppState, request: &ParsedRequest<'_>) -> Result<Vec<Job>, ApiError> {
+///
+/// Every prompt is checked against the context first, then the sampling parameters against
+/// each prompt's `max_tokens`, in vLLM's order.
+fn jobs(
+    state: &AppState,
+    request: &ParsedRequest<'_>,
+    sampling: &Sampling,
+    null_max_tokens: bool,
+) -> Result<Vec<Job>, ApiError> {
     let tokenization = state.tokenization();
     let config = state.config();
     let prompts = tokenization.prompt_tokens(request)?;
@@ -364,37 +383,47 @@ fn jobs(state: &AppState, request: &ParsedRequest<'_>) -> Result<Vec<Job>, ApiEr
     };
     let max_model_len = u64::from(config.max_model_len);
     // A completion without `max_tokens` asks vLLM's protocol default (16; here
-    // `--default-max-tokens`), checked against the context as one given is; a chat's is cut
-    // to what the context leaves.
+    // `--default-max-tokens`), checked against the context as one given is; a chat's (or a
+    // completion's explicit null) is cut to what the context leaves.
     let asked = match request {
-        ParsedRequest::Completion(_) => request.max_tokens().or(Some(u64::from(config.default_max_tokens))),
-        ParsedRequest::Chat(_) => request.max_tokens(),
+        ParsedRequest::Completion(_) if !null_max_tokens => {
+            request.max_tokens().or(Some(u64::from(config.default_max_tokens)))
+        }
+        _ => request.max_tokens(),
     };
-    if request.max_tokens() == Some(0) {
-        return Err(ApiError::invalid_field("max_tokens", "max_tokens must be at least 1, got 0"));
-    }
-    prompts
-        .into_iter()
-        .map(|prompt| {
-            if prompt.len() > max_prompt_tokens {
-                return Err(ApiError::prompt_exceeds_cache(max_prompt_tokens, prompt.len(), param));
+    // Each prompt, its room in the context, and the job's `max_tokens`.
+    let mut checked = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        if prompt.len() > max_prompt_tokens {
+            return Err(ApiError::prompt_exceeds_cache(max_prompt_tokens, prompt.len(), param));
+        }
+        let len = prompt.len() as u64;
+        let (limit, max_tokens) = match asked {
+            // Saturating: `max_tokens` comes from the request and may be near u64::MAX.
+            Some(m) if len.saturating_add(m) > max_model_len => {
+                return Err(ApiError::context_length(config.max_model_len, prompt.len(), m, param));
             }
-            let len = prompt.len() as u64;
-            let max_tokens = match asked {
-                // Saturating: `max_tokens` comes from the request and may be near u64::MAX.
-                Some(m) if len.saturating_add(m) > max_model_len => {
-                    return Err(ApiError::context_length(config.max_model_len, prompt.len(), m, param));
-                }
-                Some(m) => m,
-                None if len >= max_model_len => {
-                    return Err(ApiError::context_length(config.max_model_len, prompt.len(), 1, param));
-                }
-                None => u64::from(config.default_max_tokens).min(max_model_len - len).max(1),
-            };
+            Some(m) => (m, m),
+            None if len >= max_model_len => {
+                return Err(ApiError::context_length(config.max_model_len, prompt.len(), 1, param));
+            }
+            // vLLM gives what the context leaves; the agent generates its default of that.
+            None => {
+                (max_model_len - len, u64::from(config.default_max_tokens).min(max_model_len - len).max(1))
+            }
+        };
+        checked.push((prompt, limit, max_tokens));
+    }
+    for (_, limit, _) in &checked {
+        sampling.check(*limit)?;
+    }
+    Ok(checked
+        .into_iter()
+        .map(|(prompt, _, max_tokens)| {
             let max_tokens = u32::try_from(max_tokens).unwrap_or(u32::MAX);
-            Ok(Job::new(namespace.clone(), prompt, block_size, max_tokens))
+            Job::new(namespace.clone(), prompt, block_size, max_tokens)
         })
-        .collect()
+        .collect())
 }
 
 /// The `usage` key of a response or chunk: absent (streams without `include_usage`), `null`

@@ -196,6 +196,16 @@ async fn non_streaming_responses_have_openai_shape() {
     // Without max_tokens: the configured default.
     let (_, usage) = completion(c, &json!({ "model": MODEL, "prompt": "hello there" })).await;
     assert_eq!(usage.completion_tokens, u64::from(agent.config.default_max_tokens));
+    // An explicit null drops a completion's default: what the context leaves (505 + 7 of 512
+    // here), generated up to the agent's default.
+    let body = json!({ "model": MODEL, "prompt": words(505, 15), "max_tokens": null });
+    let (_, usage) = completion(c, &body).await;
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (505, 7));
+    // A chat without a limit may ask `min_tokens` up to what the context leaves, as in vLLM.
+    let body =
+        json!({ "model": MODEL, "messages": [{ "role": "user", "content": "hi" }], "min_tokens": 100 });
+    let (_, usage) = chat(c, &body).await;
+    assert_eq!(usage.completion_tokens, u64::from(agent.config.default_max_tokens));
 
     let body = json!({
         "model": MODEL,
