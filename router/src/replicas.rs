@@ -458,6 +458,7 @@ impl Replicas {
             .http_url
             .parse::<http::Uri>()
             .ok()
+            .filter(|url| url.scheme_str() == Some("http"))
             .filter(|url| url.path_and_query().is_none_or(|pq| matches!(pq.as_str(), "" | "/")))
             .and_then(|url| url.into_parts().authority);
         let replica = Arc::new(Replica { id, status: ReplicaStatus::new(spec.dp_size), spec, authority });

@@ -9,6 +9,7 @@
 //! | 404 / 405 | unknown path / wrong method (with `Allow`) |
 //! | 408 | the client sent nothing of its request body for `--idle-timeout-ms` (routed, or streamed to a replica) |
 //! | 413 | body larger than `--max-body-bytes` |
+//! | 501 | a WebSocket upgrade (the router does not tunnel them) |
 //! | 502 | the replica failed before answering, and so did every retry; a LoRA adapter change some replicas took and some did not (`partial_fan_out`) |
 //! | 503 | no healthy replica, every replica saturated, the router at its in-flight limit, or (`--remote-tokenize`) no replica asked could tokenize the prompt |
 //! | 504 | the replica did not start answering within `--first-byte-timeout-ms` (for a streamed upload: from its end, or from when the replica last took some of it) |

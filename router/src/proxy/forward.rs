@@ -652,11 +652,13 @@ mod tests {
             ),
             ("prefix", "http://gw:80/replica-0", "/v1/models", "http://gw:80/replica-0/v1/models"),
             ("ipv6", "http://[fd00::7]:8000/", "/health", "http://[fd00::7]:8000/health"),
+            // Not a base URL the router takes (config refuses it): put together as before.
+            ("https", "https://h:1", "/v1/models", "https://h:1/v1/models"),
         ] {
             let mut spec = ReplicaSpec::new(name, "tcp://h:1", EngineKind::Vllm, "m");
             spec.http_url = url.into();
             let replica = replicas.insert(spec).unwrap();
-            assert_eq!(replica.authority.is_some(), name != "prefix", "{name}");
+            assert_eq!(replica.authority.is_some(), !["prefix", "https"].contains(&name), "{name}");
             let client = client.parse::<Uri>().unwrap();
             assert_eq!(replica_uri(&replica, &client).unwrap().to_string(), expected, "{name}");
         }

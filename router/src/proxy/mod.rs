@@ -242,7 +242,7 @@ async fn dispatch(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let path = req.uri().path().to_owned();
     let method = req.method().clone();
-    if asks_websocket(req.headers()) {
+    if req.version() == http::Version::HTTP_11 && asks_websocket(req.headers()) {
         // Passed on without its `Upgrade` (hop-by-hop), it would reach the replica as a plain
         // request and be refused there as an unknown path.
         return Err(ProxyError::NotImplemented(
@@ -489,15 +489,19 @@ fn answers_itself(path: &str) -> bool {
     matches!(path, "/v1/models" | "/health" | "/ready" | "/metrics") || lora::route(path).is_some()
 }
 
-/// Whether an HTTP/1.1 request asks to become a WebSocket (RFC 6455 §4.1); other upgrades
-/// (curl's `h2c`) are optional for a server, which answers over HTTP/1.1 instead.
+/// Whether an HTTP/1.1 request asks to become a WebSocket (RFC 6455 §4.1: `Upgrade:
+/// websocket`, named in `Connection`); other upgrades (curl's `h2c`) are optional for a
+/// server, which answers over HTTP/1.1 instead.
 fn asks_websocket(headers: &http::HeaderMap) -> bool {
-    headers
-        .get_all(header::UPGRADE)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-        .filter_map(|protocol| protocol.trim_ascii().split(|&b| b == b'/').next())
-        .any(|name| name.eq_ignore_ascii_case(b"websocket"))
+    let connection_upgrade =
+        http1::connection_options(headers).any(|option| option.eq_ignore_ascii_case(b"upgrade"));
+    connection_upgrade
+        && headers
+            .get_all(header::UPGRADE)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+            .filter_map(|protocol| protocol.trim_ascii().split(|&b| b == b'/').next())
+            .any(|name| name.eq_ignore_ascii_case(b"websocket"))
 }
 
 /// The client's `x-request-id` if it sent a sane one, else a fresh one.
