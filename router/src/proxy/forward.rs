@@ -199,6 +199,7 @@ pub async fn routed(
                     replica: &member.replica.spec.name,
                     guard,
                     sent,
+                    whole: sent,
                     hold: plan.hold.take(),
                     counted: counted
                         .then_some(Predicted { prompt_tokens: plan.prompt_tokens, cached_tokens: predicted }),
@@ -311,6 +312,8 @@ pub async fn to_replica(
                     replica: &member.replica.spec.name,
                     guard,
                     sent,
+                    // An upload the replica answered before its end is still going on.
+                    whole: uploaded.as_ref().map_or(sent, |u| u.finished_at().unwrap_or_else(Instant::now)),
                     hold: None,
                     counted: None,
                     keeps_response,
@@ -433,6 +436,9 @@ struct Attempt<'a> {
     replica: &'a str,
     guard: LoadGuard,
     sent: Instant,
+    /// When the replica had the whole request: `sent`, or a streamed upload's end (what the
+    /// first-byte timeout counts from).
+    whole: Instant,
     hold: Option<CreditHold>,
     /// What the router predicted of a routed request whose tokens it knew.
     counted: Option<Predicted>,
@@ -451,7 +457,7 @@ struct Predicted {
 fn wrap(
     response: Response<UpstreamBody>,
     client: &ClientHead,
-    Attempt { replica, guard, sent, hold, counted, keeps_response }: Attempt<'_>,
+    Attempt { replica, guard, sent, whole, hold, counted, keeps_response }: Attempt<'_>,
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
     admitted: Admitted<'_>,
@@ -503,7 +509,7 @@ fn wrap(
     // The first event of a stream comes after the request's queueing and prefill: the
     // first-byte timeout's to bound, not the idle timeout's.
     let body = Tracked::new(body, config.idle_timeout, hooks)
-        .first_by(sent + config.first_byte_timeout)
+        .first_by(whole + config.first_byte_timeout)
         .sse(sse)
         .empty(empty);
     // An HTTP/1 client that stops reading is the server's send timeout's (its connection's

@@ -755,6 +755,16 @@ async fn slow_body_reading_replica(
     answer: &'static [u8],
     delay: std::time::Duration,
 ) -> (std::net::SocketAddr, std::sync::Arc<tokio::sync::Notify>) {
+    pausing_replica(vec![answer], delay, std::time::Duration::ZERO).await
+}
+
+/// [`slow_body_reading_replica`] answering in `parts`, `pause` apart (a stream's head, then
+/// its events).
+async fn pausing_replica(
+    parts: Vec<&'static [u8]>,
+    delay: std::time::Duration,
+    pause: std::time::Duration,
+) -> (std::net::SocketAddr, std::sync::Arc<tokio::sync::Notify>) {
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -762,7 +772,7 @@ async fn slow_body_reading_replica(
     let told = read.clone();
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
-            let told = told.clone();
+            let (told, parts) = (told.clone(), parts.clone());
             tokio::spawn(async move {
                 let mut stream = BufReader::new(stream);
                 loop {
@@ -802,13 +812,21 @@ async fn slow_body_reading_replica(
                         }
                     }
                     let ok: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                    if get != Some(true) {
-                        told.notify_one();
-                        tokio::time::sleep(delay).await;
+                    if get == Some(true) {
+                        if stream.get_mut().write_all(ok).await.is_err() {
+                            return;
+                        }
+                        continue;
                     }
-                    if stream.get_mut().write_all(if get == Some(true) { ok } else { answer }).await.is_err()
-                    {
-                        return;
+                    told.notify_one();
+                    tokio::time::sleep(delay).await;
+                    for (i, part) in parts.iter().enumerate() {
+                        if i > 0 {
+                            tokio::time::sleep(pause).await;
+                        }
+                        if stream.get_mut().write_all(part).await.is_err() {
+                            return;
+                        }
                     }
                 }
             });
@@ -947,6 +965,46 @@ async fn a_stalled_upload_is_the_clients_408_and_does_not_eject_the_replica() {
     let http = crate::fleet::Http::new();
     let fine = http.send(http::Method::POST, &format!("{}/v1/embeddings", router.url()), "{}").await;
     assert_eq!(fine.status, 200, "the replica was not ejected");
+    shutdown.cancel();
+}
+
+/// A streamed answer to a streamed upload may take until the first-byte timeout after the
+/// upload's end for its first event (the replica had the request only then): an upload of
+/// about 0.8 s, the head at once, the first event 0.5 s later, with a first-byte timeout of
+/// 1 s and an idle timeout of 0.3 s (it counted from the upload's start, and cut the stream).
+#[tokio::test]
+async fn a_streamed_uploads_first_event_is_timed_from_the_uploads_end() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let parts: Vec<&'static [u8]> = vec![
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+        b"a\r\ndata: ok\n\n\r\n0\r\n\r\n",
+    ];
+    let (replica, _) =
+        pausing_replica(parts, std::time::Duration::ZERO, std::time::Duration::from_millis(500)).await;
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+        idle_timeout_ms: 300,
+        first_byte_timeout_ms: 1_000,
+        ..c
+    })
+    .await;
+    let address = router.url().trim_start_matches("http://").to_owned();
+    let mut client = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let head = "POST /v1/audio/transcriptions HTTP/1.1\r\nhost: t\r\nconnection: close\r\ntransfer-encoding: chunked\r\n\r\n";
+    client.write_all(head.as_bytes()).await.unwrap();
+    // The client's own pace: a chunk every 0.1 s, well inside the idle timeout.
+    for _ in 0..8 {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        client.write_all(b"5\r\nhello\r\n").await.unwrap();
+    }
+    client.write_all(b"0\r\n\r\n").await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(std::time::Duration::from_secs(10), client.read_to_end(&mut answer))
+        .await
+        .expect("the answer ends")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200") && answer.contains("data: ok"), "{answer}");
+    assert!(!answer.contains("error"), "{answer}");
     shutdown.cancel();
 }
 
