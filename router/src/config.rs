@@ -318,6 +318,11 @@ impl Config {
                 || self.admin_token.as_ref().is_some_and(|t| !t.expose().is_empty()),
             format!("--admin-token is required when the admin service listens on {}", self.admin_listen),
         );
+        check(
+            !self.admin_token.as_ref().is_some_and(|t| t.expose().chars().any(char::is_whitespace)),
+            "--admin-token must not hold whitespace (a newline at the end of its file?): no client could send it"
+                .into(),
+        );
         if let Some(problem) = self
             .tokenizer
             .as_ref()
@@ -711,6 +716,8 @@ mod tests {
         let debug = format!("{c:?} {c:#?}");
         assert!(!debug.contains("hunter2"), "{debug}");
         assert!(debug.contains("redacted"));
+        let c: Config = kvroute_proto::cli::parse_from(["r", "--admin-token", "hunter2\n"]).unwrap();
+        assert!(c.validate().unwrap_err()[0].contains("whitespace"));
     }
 
     #[test]

@@ -143,6 +143,19 @@ impl DiscoveryConfig {
         if self.discovery_http_port == 0 || self.discovery_events_port == 0 {
             errors.push("--discovery-http-port and --discovery-events-port must not be 0".to_owned());
         }
+        for (flag, port) in [
+            ("--discovery-replay-port", self.discovery_replay_port),
+            ("--discovery-grpc-port", self.discovery_grpc_port),
+        ] {
+            if port == Some(0) {
+                errors.push(format!("{flag} must not be 0 (leave it out for none)"));
+            }
+        }
+        if self.discovery_namespace.as_deref().is_some_and(|n| n.trim().is_empty()) {
+            errors.push(
+                "--discovery-namespace must not be empty (leave it out for the router's own)".to_owned(),
+            );
+        }
         // Rank r listens on the port + r (vLLM's layout).
         let last_rank = self.discovery_dp_size.saturating_sub(1);
         for (flag, port) in [
@@ -246,6 +259,14 @@ mod tests {
         // More ranks than a replica may have would have every discovered replica refused.
         assert_eq!(ranks(1024, 5557, None).validate(), Ok(()));
         assert_eq!(ranks(1025, 5557, None).validate().unwrap_err().len(), 1);
+        // Ports that can never connect, and a namespace that names none (a blank template value).
+        let unusable = DiscoveryConfig {
+            discovery_replay_port: Some(0),
+            discovery_grpc_port: Some(0),
+            discovery_namespace: Some(" ".into()),
+            ..d.clone()
+        };
+        assert_eq!(unusable.validate().unwrap_err().len(), 3);
     }
 
     /// How the router's `Config` embeds it: flattened into the layered flags > env > file

@@ -77,26 +77,34 @@ impl SliceSource {
                 event = events.next() => event,
             };
             let Some(event) = event else { return };
-            match event {
-                Ok(watcher::Event::Init) => listing = Some(Slices::new()),
-                Ok(watcher::Event::InitApply(slice)) => {
-                    let replicas = self.resolve(&slice, &mut annotations, &reconciler).await;
-                    listing.get_or_insert_default().insert(slice_name(&slice), replicas);
+            // A pod lookup (`--discovery-pod-annotations`) may wait on the API server: a
+            // shutdown does not wait for it.
+            let handled = async {
+                match event {
+                    Ok(watcher::Event::Init) => listing = Some(Slices::new()),
+                    Ok(watcher::Event::InitApply(slice)) => {
+                        let replicas = self.resolve(&slice, &mut annotations, &reconciler).await;
+                        listing.get_or_insert_default().insert(slice_key(&slice), replicas);
+                    }
+                    Ok(watcher::Event::InitDone) => {
+                        slices = listing.take().unwrap_or_default();
+                        apply(&slices, &mut annotations, &mut reconciler).await;
+                    }
+                    Ok(watcher::Event::Apply(slice)) => {
+                        let replicas = self.resolve(&slice, &mut annotations, &reconciler).await;
+                        slices.insert(slice_key(&slice), replicas);
+                        apply(&slices, &mut annotations, &mut reconciler).await;
+                    }
+                    Ok(watcher::Event::Delete(slice)) => {
+                        slices.remove(&slice_key(&slice));
+                        apply(&slices, &mut annotations, &mut reconciler).await;
+                    }
+                    Err(e) => reconciler.error(&e),
                 }
-                Ok(watcher::Event::InitDone) => {
-                    slices = listing.take().unwrap_or_default();
-                    apply(&slices, &mut annotations, &mut reconciler).await;
-                }
-                Ok(watcher::Event::Apply(slice)) => {
-                    let replicas = self.resolve(&slice, &mut annotations, &reconciler).await;
-                    slices.insert(slice_name(&slice), replicas);
-                    apply(&slices, &mut annotations, &mut reconciler).await;
-                }
-                Ok(watcher::Event::Delete(slice)) => {
-                    slices.remove(&slice_name(&slice));
-                    apply(&slices, &mut annotations, &mut reconciler).await;
-                }
-                Err(e) => reconciler.error(&e),
+            };
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = handled => {}
             }
         }
     }
@@ -272,7 +280,13 @@ impl Annotations {
         {
             return Some(overrides.clone());
         }
-        match self.api.get_opt(&ep.name).await {
+        // The client sets no read timeout: an API server that stops answering would hold
+        // every later change.
+        let Ok(looked_up) = tokio::time::timeout(POD_LOOKUP_TIMEOUT, self.api.get_opt(&ep.name)).await else {
+            tracing::warn!(pod = %ep.name, timeout = ?POD_LOOKUP_TIMEOUT, "discovery: pod lookup timed out; its slice's ports apply");
+            return None;
+        };
+        match looked_up {
             Ok(pod) => {
                 let annotations = pod.and_then(|p| p.metadata.annotations).unwrap_or_default();
                 let (overrides, bad) = PodOverrides::from_annotations(&annotations);
@@ -292,10 +306,19 @@ impl Annotations {
     }
 }
 
-fn slice_name(slice: &EndpointSlice) -> String {
-    slice.metadata.name.clone().unwrap_or_default()
+/// How long a pod's annotations may take to come (`--discovery-pod-annotations`).
+const POD_LOOKUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A slice's key in [`Slices`]: its name, after its address family's rank, so that IPv4
+/// slices come first. A dual-stack Service has an IPv4 and an IPv6 slice of the same pods,
+/// and engines listen on IPv4 (vLLM's `tcp://*:5557`, uvicorn's `0.0.0.0`), as DNS
+/// discovery prefers it too.
+fn slice_key(slice: &EndpointSlice) -> String {
+    let rank = if slice.address_type == "IPv4" { '0' } else { '1' };
+    format!("{rank}{}", slice.metadata.name.as_deref().unwrap_or_default())
 }
 
+/// Every slice's replicas, one per pod: the first slice's (by [`slice_key`]) that lists it.
 fn union(slices: &Slices) -> BTreeMap<String, (ReplicaSpec, bool)> {
     let mut all = BTreeMap::new();
     for (spec, serving) in slices.values().flatten() {
@@ -402,5 +425,39 @@ mod tests {
         assert_eq!(r.http_url, "http://10.0.0.1:8000");
         assert_eq!(r.event_endpoint, "tcp://10.0.0.1:5557");
         assert_eq!(r.replay_endpoint.as_deref(), Some("tcp://10.0.0.1:5558"));
+    }
+
+    /// A dual-stack Service lists each pod in an IPv4 and an IPv6 slice: the replica is the
+    /// IPv4 one, whichever slice's name sorts first; an IPv6-only pod stays.
+    #[test]
+    fn a_dual_stack_service_gives_each_pod_its_ipv4_address() {
+        let config = DiscoveryConfig::default();
+        let source = SliceSource {
+            service: "agents".into(),
+            template: config.template("m", Some(16)),
+            port_names: config.port_names(),
+        };
+        let of = |name: &str, family: &str, pods: &[(&str, &str)]| {
+            let endpoints: Vec<_> = pods
+                .iter()
+                .map(|(pod, address)| serde_json::json!({"addresses": [address], "targetRef": {"kind": "Pod", "name": pod}}))
+                .collect();
+            slice(
+                serde_json::json!({"metadata": {"name": name}, "addressType": family, "endpoints": endpoints}),
+            )
+        };
+        let mut slices = Slices::new();
+        for s in [
+            of("agents-a", "IPv6", &[("agent-0", "fd00::1"), ("agent-1", "fd00::2")]),
+            of("agents-z", "IPv4", &[("agent-0", "10.0.0.1")]),
+        ] {
+            slices.insert(slice_key(&s), source.replicas(&s));
+        }
+        let all = union(&slices);
+        assert_eq!(
+            all["agent-0"].0.http_url,
+            format!("http://10.0.0.1:{}", config.template("m", None).ports.http)
+        );
+        assert!(all["agent-1"].0.http_url.starts_with("http://[fd00::2]:"), "{:?}", all["agent-1"]);
     }
 }
