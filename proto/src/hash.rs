@@ -100,6 +100,18 @@ fn le_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
     std::borrow::Cow::Owned(tokens.iter().flat_map(|t| t.to_le_bytes()).collect())
 }
 
+/// What tells a request from others for ties among replicas: the chained hash of all its
+/// `tokens`, the partial last block included, so that prompts differing only there (short
+/// questions after one long shared prefix) spread. `blocks` are the full blocks' hashes from
+/// `root`. The router's decision and the load generator's simulator both use it.
+pub fn tie_key(root: BlockHash, blocks: &[BlockHash], tokens: &[u32], block_size: usize) -> u64 {
+    let parent = blocks.last().copied().unwrap_or(root);
+    match tokens.get(blocks.len() * block_size..).unwrap_or_default() {
+        [] => parent.0,
+        tail => block_hash(parent, tail).0,
+    }
+}
+
 /// The chained hashes of every full block of `tokens`, starting from `parent`.
 ///
 /// A trailing partial block is ignored. `block_size == 0` yields no blocks.
@@ -137,6 +149,19 @@ pub fn hit_tokens(hit_blocks: usize, block_size: usize, prompt_len: usize) -> us
 
 #[cfg(test)]
 mod tests {
+
+    /// The tie key is the whole prompt's chain: prompts that differ only in their partial
+    /// last block get different keys; without one, it is the last full block's hash.
+    #[test]
+    fn tie_keys_follow_the_partial_last_block() {
+        let ns = CacheNamespace::new("m");
+        let key = |tokens: &[u32]| tie_key(ns.root(), &ns.chain(tokens, 4), tokens, 4);
+        let shared = [1, 2, 3, 4, 5, 6, 7, 8];
+        assert_ne!(key(&[&shared[..], &[9]].concat()), key(&[&shared[..], &[10]].concat()));
+        assert_eq!(key(&shared), ns.chain(&shared, 4)[1].0);
+        assert_eq!(key(&[]), ns.root().0);
+        assert_eq!(key(&[7]), block_hash(ns.root(), &[7]).0);
+    }
     use super::*;
 
     #[test]

@@ -37,6 +37,7 @@
 mod engine;
 mod report;
 
+use kvroute_proto::hash::tie_key;
 use kvroute_proto::pb::StreamState;
 use kvroute_proto::{BlockHash, CacheNamespace, ReplicaId};
 use kvroute_replica_agent::cache::{self, AdmitError, BlockCache, CacheConfig, ConfigError, S3FifoParams};
@@ -239,9 +240,20 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
     let mut views = Vec::with_capacity(n);
     let arrivals = trace.arrivals_at(config.speedup).ok_or(SimError::Speedup(config.speedup))?;
     for (index, (request, &now)) in trace.requests.iter().zip(&arrivals).enumerate() {
-        let blocks: Vec<BlockHash> = match identity {
-            BlockIdentity::Tokens => request.chained_blocks(&namespace, config.block_size),
-            _ => request.hash_ids.iter().map(|&h| BlockHash(h)).collect(),
+        // The tie key as the router computes it: the tokens' whole chain, partial last block
+        // included; in hash-id mode the last id, the partial block's when there is one.
+        let (blocks, key) = match identity {
+            BlockIdentity::Tokens => {
+                let prompt = request.prompt();
+                let blocks = namespace.chain(&prompt, config.block_size);
+                let key = tie_key(namespace.root(), &blocks, &prompt, config.block_size);
+                (blocks, key)
+            }
+            _ => {
+                let blocks: Vec<BlockHash> = request.hash_ids.iter().map(|&h| BlockHash(h)).collect();
+                let key = blocks.last().map_or(0, |b| b.0);
+                (blocks, key)
+            }
         };
         views.clear();
         for (i, cache) in caches.iter().enumerate() {
@@ -263,7 +275,7 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
             prompt_tokens: request.input_len,
             blocks: blocks.len(),
             block_size: config.block_size,
-            key: request_key(&blocks, request.input_len, config.block_size),
+            key,
         };
         let chosen =
             policy.choose(&view, &views).chosen.ok_or(SimError::NoChoice { policy: kind, request: index })?;
@@ -296,13 +308,6 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
     let steps = engines.iter().map(|e| e.steps()).sum();
     let setup = report::setup(config, identity, policy.kind());
     Ok(SimReport::new(setup, results, &caches, &pooled, steps))
-}
-
-/// The request's tie-break key, as the router computes it: its last full block's hash (the
-/// last block when none is full, 0 for no blocks).
-fn request_key(blocks: &[BlockHash], prompt_tokens: usize, block_size: usize) -> u64 {
-    let full = (prompt_tokens / block_size).min(blocks.len());
-    full.checked_sub(1).or(blocks.len().checked_sub(1)).map_or(0, |i| blocks[i].0)
 }
 
 #[cfg(test)]

@@ -142,7 +142,8 @@ fn views_carry_each_replicas_resident_prefix_and_engine_load() {
     let overlaps: Vec<Vec<usize>> =
         seen.iter().map(|(_, views)| views.iter().map(|v| v.overlap_blocks).collect()).collect();
     assert_eq!(overlaps, [vec![0, 0], vec![2, 0], vec![1, 0], vec![0, 0]]);
-    assert_eq!(seen[0].0, RequestView { prompt_tokens: 1500, blocks: 3, block_size: 512, key: 2 });
+    // The key is the last id, the partial block's (as the router's takes in the tail).
+    assert_eq!(seen[0].0, RequestView { prompt_tokens: 1500, blocks: 3, block_size: 512, key: 3 });
     // The second request arrives with the first queued on replica 0, nothing prefilled yet.
     let load = seen[1].1[0].load;
     assert_eq!((load.in_flight, load.pending_prefill_tokens, load.recent_prompt_tokens), (1, 1500, 1500));

@@ -10,11 +10,11 @@
 
 use std::time::Instant;
 
-use kvroute_proto::hash::extend_chain;
+use kvroute_proto::hash::{extend_chain, tie_key};
 use kvroute_proto::openai::request::{MAX_N, anthropic};
 use kvroute_proto::openai::{Endpoint, InlineSystem, ParsedRequest, Tokenization};
 use kvroute_proto::pb::StreamState as PbState;
-use kvroute_proto::{BlockHash, ReplicaId, block_hash, chain, hit_tokens};
+use kvroute_proto::{BlockHash, ReplicaId, chain, hit_tokens};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::error::ProxyError;
@@ -296,11 +296,9 @@ impl Decider {
         // included (prompts that differ only there, short questions after one long shared
         // prefix, spread over an idle fleet too), or its body when no tokens are known; a
         // batch's later prompts and tokens past the known ones are in the body.
-        let parent = blocks.last().copied().unwrap_or(root);
-        let key = match first.get(blocks.len() * self.block_size..).unwrap_or_default() {
-            _ if first.is_empty() || info.tokens.len() > 1 || unhashed > 0 => xxh3_64(body),
-            [] => parent.0,
-            tail => block_hash(parent, tail).0,
+        let key = match first.is_empty() || info.tokens.len() > 1 || unhashed > 0 {
+            true => xxh3_64(body),
+            false => tie_key(root, &blocks, first, self.block_size),
         };
         let view = RequestView {
             prompt_tokens: prompt_tokens as usize,
