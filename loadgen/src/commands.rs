@@ -310,6 +310,7 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<()> {
         block_size: args.block_size,
         total_capacity_blocks: args.capacity_blocks,
         eviction: args.eviction,
+        time_scale: args.agent_time_scale,
         out_dir: Some(args.out.clone()),
         workload: name,
         offline_speedup: (args.send.mode == Mode::Trace && !args.no_offline)

@@ -150,6 +150,7 @@ pub async fn run(config: &DemoConfig, shutdown: CancellationToken) -> anyhow::Re
         block_size: config.fleet.block_size as usize,
         total_capacity_blocks: Some(config.fleet.replicas * config.fleet.capacity_blocks),
         eviction: config.fleet.eviction,
+        time_scale: config.fleet.time_scale,
         out_dir: config.out_dir.clone(),
         workload: config.workload.clone(),
         // Arrivals and agents are scaled alike: the unscaled trace, offline.

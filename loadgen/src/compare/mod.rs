@@ -75,6 +75,8 @@ pub struct CompareConfig {
     pub total_capacity_blocks: Option<usize>,
     /// The replicas' eviction policy, for the pooled reference.
     pub eviction: cache::PolicyKind,
+    /// The agents' `--time-scale`, for the report (1 for real engines).
+    pub time_scale: f64,
     /// Where the report (JSON and SVGs) goes; nothing is written if `None`.
     pub out_dir: Option<PathBuf>,
     /// What the workload is, for the report.
@@ -163,6 +165,8 @@ pub async fn compare(
             replicas: config.replicas.len(),
             total_capacity_blocks: total_capacity,
             block_size: config.block_size,
+            eviction: config.eviction,
+            time_scale: config.time_scale,
         },
         pooled_hit_rate: pooled.overall_hit_rate,
         runs,

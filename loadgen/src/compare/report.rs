@@ -5,6 +5,7 @@
 
 use std::fmt::Write as _;
 
+use kvroute_replica_agent::cache;
 use kvroute_router::policy::PolicyKind;
 use serde::Serialize;
 
@@ -54,6 +55,11 @@ pub struct FleetSummary {
     pub replicas: usize,
     pub total_capacity_blocks: usize,
     pub block_size: usize,
+    /// The eviction policy the pooled reference and the offline runs used.
+    pub eviction: cache::PolicyKind,
+    /// The agents' `--time-scale`: every latency they simulate is divided by it, so the live
+    /// TTFT and requests/s are in that sped-up time (1 for real engines).
+    pub time_scale: f64,
 }
 
 /// One policy's run.
@@ -139,13 +145,23 @@ impl CompareReport {
         );
         let _ = writeln!(
             out,
-            "fleet: {} replicas, {} blocks in total, block size {}; pooled reference (one cache of {} blocks; separate caches can beat it): {:.1}% hit rate",
+            "fleet: {} replicas, {} blocks in total, block size {}; pooled reference (one {} cache of {} blocks; separate caches can beat it): {:.1}% hit rate",
             f.replicas,
             f.total_capacity_blocks,
             f.block_size,
+            clap::ValueEnum::to_possible_value(&f.eviction)
+                .map_or_else(String::new, |v| v.get_name().to_owned()),
             f.total_capacity_blocks,
             100.0 * self.pooled_hit_rate
         );
+        if f.time_scale != 1.0 {
+            let _ = writeln!(
+                out,
+                "time scale {}: the agents run that much faster than the engine they model, and TTFT and req/s are \
+                 as measured, in that sped-up time",
+                f.time_scale
+            );
+        }
         let _ = writeln!(out);
         let _ = writeln!(
             out,
@@ -288,7 +304,13 @@ mod tests {
 
     fn report(runs: Vec<PolicyRun>) -> CompareReport {
         let workload = WorkloadSummary::of("w", &Trace::default(), PromptFormat::Ids);
-        let fleet = FleetSummary { replicas: 2, total_capacity_blocks: 8, block_size: 16 };
+        let fleet = FleetSummary {
+            replicas: 2,
+            total_capacity_blocks: 8,
+            block_size: 16,
+            eviction: cache::PolicyKind::Lru,
+            time_scale: 6.0,
+        };
         CompareReport { workload, fleet, pooled_hit_rate: 0.5, runs }
     }
 
@@ -317,6 +339,13 @@ mod tests {
         assert!(row("cache-aware").contains("50.0% ") && !row("cache-aware").contains('*'));
         assert!(row("round-robin").contains("40.0%*"), "{table}");
         assert!(table.contains("round-robin (1 of 2 replicas' counters unread)"), "{table}");
+        // What the reference used, and in which time the latencies are.
+        assert!(table.contains("one lru cache of 8 blocks"), "{table}");
+        assert!(table.contains("time scale 6:"), "{table}");
+        assert_eq!(
+            (json["fleet"]["eviction"].as_str(), json["fleet"]["time_scale"].as_f64()),
+            (Some("lru"), Some(6.0))
+        );
     }
 
     /// Regression: the TTFT columns (and the CDF) are from the actual send, while an

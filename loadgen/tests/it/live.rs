@@ -79,6 +79,7 @@ fn compare_config(fleet: &EmbeddedFleet, policies: Vec<PolicyKind>, live: LiveCo
         block_size: 16,
         total_capacity_blocks: None,
         eviction: Eviction::Lru,
+        time_scale: 1.0,
         out_dir: None,
         workload: "small chat".into(),
         offline_speedup: Some(1.0),
@@ -197,6 +198,7 @@ async fn an_offline_simulation_that_cannot_run_is_refused_before_any_live_run() 
         // The pooled reference's one cache of 10 has a small queue of 1; each replica's 5, none.
         total_capacity_blocks: Some(10),
         eviction: Eviction::S3fifo,
+        time_scale: 1.0,
         ..compare_config(&fleet, vec![PolicyKind::RoundRobin], live)
     };
     let run = tokio::time::timeout(LIMIT, compare::compare(&small_chat(), &config, shutdown.clone()))
