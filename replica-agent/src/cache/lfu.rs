@@ -20,7 +20,7 @@
 
 use kvroute_proto::BlockHash;
 
-use super::slab::{BlockMap, Link, Linked, List, NIL, Slab};
+use super::slab::{BlockMap, Link, Linked, List, NIL, Slab, UP_FRONT};
 use super::{Access, Full, Policy};
 
 #[derive(Clone, Copy, Debug)]
@@ -82,7 +82,7 @@ impl Lfu {
     /// An empty LFU cache of `capacity` blocks.
     pub fn new(capacity: usize) -> Self {
         let mut map = BlockMap::default();
-        map.reserve(capacity);
+        map.reserve(capacity.min(UP_FRONT));
         Self {
             capacity,
             map,

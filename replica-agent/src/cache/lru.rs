@@ -10,7 +10,7 @@
 
 use kvroute_proto::BlockHash;
 
-use super::slab::{BlockMap, Link, Linked, List, Slab};
+use super::slab::{BlockMap, Link, Linked, List, Slab, UP_FRONT};
 use super::{Access, Full, Policy};
 
 #[derive(Clone, Copy, Debug)]
@@ -43,7 +43,7 @@ impl Lru {
     /// An empty LRU cache of `capacity` blocks.
     pub fn new(capacity: usize) -> Self {
         let mut map = BlockMap::default();
-        map.reserve(capacity);
+        map.reserve(capacity.min(UP_FRONT));
         Self { capacity, map, nodes: Slab::with_capacity(capacity), order: List::default() }
     }
 }

@@ -35,7 +35,7 @@
 
 use kvroute_proto::BlockHash;
 
-use super::slab::{BlockMap, Link, Linked, List, Slab};
+use super::slab::{BlockMap, Link, Linked, List, Slab, UP_FRONT};
 use super::{Access, ConfigError, Full, Policy, S3FifoParams};
 
 /// `round_half_to_even(capacity * small_ratio)`, the small queue's size.
@@ -104,7 +104,7 @@ impl S3Fifo {
         }
         let ghost_cap = main_cap;
         let mut map = BlockMap::default();
-        map.reserve(capacity + ghost_cap);
+        map.reserve((capacity + ghost_cap).min(UP_FRONT));
         Ok(Self {
             small_cap,
             main_cap,

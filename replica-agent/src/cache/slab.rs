@@ -84,9 +84,14 @@ pub(super) struct Slab<T> {
     free: Vec<u32>,
 }
 
+/// Most room for blocks a cache reserves up front (its map and slab): a larger cache grows
+/// as it fills. Without a bound, a huge capacity took its memory at start, or failed there.
+pub(super) const UP_FRONT: usize = 1 << 20;
+
 impl<T> Slab<T> {
+    /// A slab with room for `n` items, at most [`UP_FRONT`] of them reserved now.
     pub(super) fn with_capacity(n: usize) -> Self {
-        Self { items: Vec::with_capacity(n), free: Vec::new() }
+        Self { items: Vec::with_capacity(n.min(UP_FRONT)), free: Vec::new() }
     }
 
     /// Stores `item` in a free slot and returns its index.

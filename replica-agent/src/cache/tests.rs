@@ -45,6 +45,18 @@ fn small_cap_rounds_half_to_even() {
     assert_eq!(s.caps(), (2, 23, 23));
 }
 
+/// The largest cache allowed starts with little memory and works: its room is reserved as it
+/// fills (it reserved the whole capacity at start: some 70 GB for a fleet of them, an abort).
+#[test]
+fn the_largest_cache_starts_small_and_works() {
+    for policy in [PolicyKind::Lru, PolicyKind::Lfu, PolicyKind::S3fifo] {
+        let mut c = cache(policy, (u32::MAX / 2) as usize);
+        let blocks = hs(&[1, 2, 3]);
+        assert_eq!(c.access_request(&blocks, 12).unwrap().hit_tokens, 0, "{policy:?}");
+        assert_eq!(c.access_request(&blocks, 12).unwrap().hit_tokens, 12, "{policy:?}");
+    }
+}
+
 #[test]
 fn config_errors() {
     let bad = |c: CacheConfig| BlockCache::new(&c).unwrap_err();
