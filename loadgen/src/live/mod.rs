@@ -110,6 +110,8 @@ pub enum LiveError {
         Semaphore::MAX_PERMITS
     )]
     Concurrency,
+    #[error("--concurrency {concurrency} is more than --max-in-flight {limit}; raise that too")]
+    ConcurrencyOverLimit { concurrency: usize, limit: usize },
     #[error("the target {0:?} is not an http:// URL")]
     Target(String),
     #[error("at {0} the requests would be sent past the longest wait a run can hold")]
@@ -149,7 +151,7 @@ pub async fn run(
         Arrivals::Closed { concurrency } => {
             let next = Arc::new(AtomicUsize::new(0));
             let requests: Arc<[Request]> = requests.into();
-            for _ in 0..concurrency.min(config.max_in_flight) {
+            for _ in 0..concurrency {
                 let (sender, next, requests) = (sender.clone(), next.clone(), requests.clone());
                 tracker.spawn(async move {
                     loop {
@@ -197,6 +199,10 @@ pub fn validate(config: &LiveConfig) -> Result<(), LiveError> {
         }
         Arrivals::Poisson { rate, .. } if !(rate.is_finite() && rate > 0.0) => Err(LiveError::Rate(rate)),
         Arrivals::Closed { concurrency: 0 } => Err(LiveError::Concurrency),
+        // Past the limit, the run would quietly be a smaller one.
+        Arrivals::Closed { concurrency } if concurrency > config.max_in_flight => {
+            Err(LiveError::ConcurrencyOverLimit { concurrency, limit: config.max_in_flight })
+        }
         _ => Ok(()),
     }
 }
@@ -373,6 +379,15 @@ mod tests {
         assert!(validate(&config).is_ok());
         config.max_in_flight = usize::MAX;
         assert!(matches!(validate(&config), Err(LiveError::Concurrency)));
+        // A closed loop wider than the limit would quietly run narrower.
+        config.max_in_flight = 256;
+        config.arrivals = Arrivals::Closed { concurrency: 512 };
+        assert!(matches!(
+            validate(&config),
+            Err(LiveError::ConcurrencyOverLimit { concurrency: 512, limit: 256 })
+        ));
+        config.arrivals = Arrivals::Closed { concurrency: 256 };
+        assert!(validate(&config).is_ok());
     }
 
     /// `max_duration` ends the sending even while every slot is held (a fleet that accepts

@@ -72,6 +72,9 @@ pub struct SoakArgs {
     pub workload: Option<Workload>,
 }
 
+/// The highest `--rate` a soak takes: far past what a router on one machine serves.
+const MAX_RATE: f64 = 100_000.0;
+
 /// The default soak workload: the demo's chat shape (eight 1k-token system prompts, 2-8
 /// turns), with conversations arriving so that the trace's own request rate is `rate` and
 /// 30% more requests than `rate x duration`, so the run ends by its duration.
@@ -95,6 +98,13 @@ pub fn soak_workload(rate: f64, duration: Duration, seed: u64) -> Workload {
 
 /// Runs `soak` and prints the summary.
 pub fn run(args: &SoakArgs) -> anyhow::Result<()> {
+    // Before the workload is sized by it: an infinite rate overflowed, a huge one asked for
+    // billions of conversations.
+    anyhow::ensure!(
+        args.rate.is_finite() && args.rate > 0.0 && args.rate <= MAX_RATE,
+        "--rate must be above 0 and at most {MAX_RATE} requests/s, got {}",
+        args.rate
+    );
     let exe = std::env::current_exe().context("locating this executable")?;
     let dir = match &args.bin_dir {
         Some(dir) => dir.clone(),

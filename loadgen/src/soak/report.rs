@@ -165,6 +165,7 @@ pub struct MinuteRow {
     pub lost_to_churn: u64,
     /// Realized hit rate of the minute's requests.
     pub hit_rate: Option<f64>,
+    /// Replicas restarted during the minute.
     pub replica_restarts: u64,
 }
 
@@ -344,7 +345,7 @@ impl SoakReport {
 /// The last sample of every minute, with the minute's deltas.
 fn minutes(samples: &[Sample]) -> Vec<MinuteRow> {
     let mut rows = Vec::new();
-    let mut previous = Totals::default();
+    let (mut previous, mut restarts_before) = (Totals::default(), 0);
     let mut i = 0;
     while i < samples.len() {
         let minute = (samples[i].t_s / 60.0).floor() as u64;
@@ -365,9 +366,10 @@ fn minutes(samples: &[Sample]) -> Vec<MinuteRow> {
             errors: t.unexpected_errors() - previous.unexpected_errors(),
             lost_to_churn: t.lost_to_churn - previous.lost_to_churn,
             hit_rate: window_rates(&previous, t).0,
-            replica_restarts: s.replica_restarts,
+            replica_restarts: s.replica_restarts.saturating_sub(restarts_before),
         });
         previous = t.clone();
+        restarts_before = s.replica_restarts;
         i = last + 1;
     }
     rows
@@ -479,5 +481,23 @@ mod tests {
         assert_eq!(report.hit_rate, Some(0.75));
         assert_eq!(report.csv().lines().count(), 5);
         assert_eq!(report.flatness, None);
+    }
+
+    /// A minute's restarts are that minute's, as its other counts are (the samples' are
+    /// the run's so far).
+    #[test]
+    fn a_minutes_restarts_are_its_own() {
+        let mut samples = vec![
+            sample(10.0, 10.0, 5, 100, 10),
+            sample(70.0, 12.0, 20, 400, 250),
+            sample(130.0, 13.0, 30, 600, 450),
+        ];
+        for (s, restarts) in samples.iter_mut().zip([1, 3, 3]) {
+            s.replica_restarts = restarts;
+        }
+        let report = SoakReport::new(BTreeMap::new(), samples, 130.0, None);
+        let per_minute: Vec<u64> = report.minutes.iter().map(|m| m.replica_restarts).collect();
+        assert_eq!(per_minute, [1, 2, 0]);
+        assert_eq!(report.replica_restarts, 3);
     }
 }
