@@ -101,6 +101,12 @@ impl ReplicaEngine {
     /// The load the router would see now: every request sent and not finished, the uncached
     /// prompt tokens not yet prefilled (a step under way has not produced anything yet), and
     /// the waiting queue.
+    ///
+    /// One difference: the router holds a request's whole prefill until its first token (or,
+    /// not streamed, its prompt's last block stored), where this releases it a chunk a step.
+    /// Modelled the router's way, the shared Mooncake trace's 8 x 2048 cache-aware run has a
+    /// load skew of 1.105 instead of 1.061 (released in eighths as blocks are stored: 1.132).
+    /// The skew of that run moves by a few hundredths with a token's difference here.
     pub(super) fn load(&self) -> Load {
         Load {
             in_flight: u32::try_from(self.running.len() + self.waiting.len()).unwrap_or(u32::MAX),
