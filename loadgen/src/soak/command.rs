@@ -74,6 +74,9 @@ pub struct SoakArgs {
 
 /// The highest `--rate` a soak takes: far past what a router on one machine serves.
 const MAX_RATE: f64 = 100_000.0;
+/// The most requests a default soak workload is generated for (held in memory, a few
+/// hundred bytes each): a day at more than 100 requests/s.
+const MAX_REQUESTS: f64 = 10_000_000.0;
 
 /// The default soak workload: the demo's chat shape (eight 1k-token system prompts, 2-8
 /// turns), with conversations arriving so that the trace's own request rate is `rate` and
@@ -104,6 +107,14 @@ pub fn run(args: &SoakArgs) -> anyhow::Result<()> {
         args.rate.is_finite() && args.rate > 0.0 && args.rate <= MAX_RATE,
         "--rate must be above 0 and at most {MAX_RATE} requests/s, got {}",
         args.rate
+    );
+    let requests = args.rate * args.duration.as_secs_f64();
+    anyhow::ensure!(
+        args.workload.is_some() || requests <= MAX_REQUESTS,
+        "--rate {} for --duration {:?} is {requests:.0} requests, more than the {MAX_REQUESTS} a soak's \
+         workload is generated for; shorten the run or lower the rate",
+        args.rate,
+        args.duration
     );
     let exe = std::env::current_exe().context("locating this executable")?;
     let dir = match &args.bin_dir {

@@ -169,7 +169,7 @@ pub(super) async fn generate(
         }
         _ => parse_extras(body, request.stream())?,
     };
-    let jobs = jobs(state, &request, &sampling, null_max_tokens(&readable))?;
+    let jobs = jobs(state, &request, &sampling, null_max_tokens(&request, &readable))?;
     let n = sampling.choices();
     // Every choice of every prompt is an engine request, all queued at once: a request that
     // needs more than the queue holds could never be admitted (a 503 would send it on to the
@@ -308,18 +308,15 @@ pub(super) fn failure(state: &AppState, why: String) -> ApiError {
     if state.shutting_down() { ApiError::shutting_down() } else { ApiError::engine_failed(why) }
 }
 
-/// Whether a request says `"max_tokens": null`, which drops a completion's default of 16
-/// in vLLM (the default is the field's). (The shared parser reads null as absent.)
-fn null_max_tokens(body: &[u8]) -> bool {
-    fn null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
-        Ok(<Option<serde::de::IgnoredAny> as serde::Deserialize>::deserialize(d)?.is_none())
-    }
-    #[derive(serde::Deserialize)]
-    struct MaxTokens {
-        #[serde(default, deserialize_with = "null")]
-        max_tokens: bool,
-    }
-    serde_json::from_slice::<MaxTokens>(body).is_ok_and(|m| m.max_tokens)
+/// Whether a completion says `"max_tokens": null` (the last of its `max_tokens` keys, as
+/// Python reads JSON), which drops the default of 16 in vLLM (the default is the field's).
+/// The shared parser reads null as absent; the body is read again only for a completion
+/// without a limit.
+fn null_max_tokens(request: &ParsedRequest<'_>, body: &[u8]) -> bool {
+    matches!(request, ParsedRequest::Completion(_))
+        && request.max_tokens().is_none()
+        && serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(body)
+            .is_ok_and(|fields| fields.get("max_tokens") == Some(&serde_json::Value::Null))
 }
 
 /// Validates the sampling parameters ([`sampling`]) and `stream_options`.
@@ -407,9 +404,11 @@ fn jobs(
             None if len >= max_model_len => {
                 return Err(ApiError::context_length(config.max_model_len, prompt.len(), 1, param));
             }
-            // vLLM gives what the context leaves; the agent generates its default of that.
+            // vLLM gives what the context leaves; the agent generates its default of that
+            // (at least `min_tokens` of it: vLLM stops no sooner).
             None => {
-                (max_model_len - len, u64::from(config.default_max_tokens).min(max_model_len - len).max(1))
+                let wanted = u64::from(config.default_max_tokens).max(sampling.min_tokens());
+                (max_model_len - len, wanted.min(max_model_len - len).max(1))
             }
         };
         checked.push((prompt, limit, max_tokens));

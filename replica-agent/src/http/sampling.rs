@@ -152,6 +152,12 @@ impl Sampling {
         Ok(())
     }
 
+    /// Tokens each choice must have before it may stop (0 if the request's is negative,
+    /// which [`Self::check`] refuses).
+    pub fn min_tokens(&self) -> u64 {
+        u64::try_from(self.min_tokens).unwrap_or(0)
+    }
+
     /// Choices a prompt, once [`Self::check`]ed.
     pub fn choices(&self) -> u32 {
         u32::try_from(self.n).unwrap_or(1)
@@ -166,8 +172,9 @@ fn number(param: &str, raw: Field, default: f64) -> Result<f64, ApiError> {
     match raw {
         None | Some(Ok(Value::Null)) => Ok(default),
         Some(Ok(Value::Number(x))) => x.as_f64().ok_or_else(unreadable),
-        // pydantic's lax mode reads a number written as a string.
+        // pydantic's lax mode reads a number written as a string, and a boolean as 0 or 1.
         Some(Ok(Value::String(x))) => x.trim().parse::<f64>().map_err(|_| unreadable()),
+        Some(Ok(Value::Bool(b))) => Ok(f64::from(u8::from(b))),
         Some(_) => Err(unreadable()),
     }
 }
@@ -182,7 +189,16 @@ fn integer(param: &str, raw: Field, default: i64) -> Result<i64, ApiError> {
             .as_i64()
             .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 1e15).map(|f| f as i64))
             .ok_or_else(not_integer),
-        Some(Ok(Value::String(n))) => n.trim().parse::<i64>().map_err(|_| not_integer()),
+        // As the shared parser's counts: a whole number written as a string ("2", "2.0"),
+        // a boolean as 0 or 1.
+        Some(Ok(Value::String(n))) => n
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|f| f.fract() == 0.0 && f.abs() < 1e15)
+            .map(|f| f as i64)
+            .ok_or_else(not_integer),
+        Some(Ok(Value::Bool(b))) => Ok(i64::from(b)),
         Some(_) => Err(not_integer()),
     }
 }
@@ -261,6 +277,7 @@ mod tests {
             r#"{"presence_penalty": -2, "frequency_penalty": 2, "top_p": 1, "top_k": -1, "min_p": 0}"#,
             r#"{"stop": ["a", "b"], "temperature": 0, "min_tokens": 16.0}"#,
             r#"{"n": "2", "temperature": "0.7", "top_p": " 0.9 "}"#,
+            r#"{"n": "2.0", "top_k": true, "min_tokens": "3.", "temperature": true}"#,
         ] {
             assert_eq!(refusal(body), None, "{body}");
         }

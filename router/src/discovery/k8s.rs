@@ -282,9 +282,14 @@ impl Annotations {
         }
         // The client sets no read timeout: an API server that stops answering would hold
         // every later change.
-        let Ok(looked_up) = tokio::time::timeout(POD_LOOKUP_TIMEOUT, self.api.get_opt(&ep.name)).await else {
-            tracing::warn!(pod = %ep.name, timeout = ?POD_LOOKUP_TIMEOUT, "discovery: pod lookup timed out; its slice's ports apply");
-            return None;
+        let looked_up = match tokio::time::timeout(POD_LOOKUP_TIMEOUT, self.api.get_opt(&ep.name)).await {
+            Ok(looked_up) => looked_up,
+            Err(elapsed) => {
+                // Not cached either: the next event for this pod's slice tries again.
+                tracing::warn!(pod = %ep.name, timeout = ?POD_LOOKUP_TIMEOUT, "discovery: pod lookup timed out; its slice's ports apply");
+                reconciler.error(&elapsed);
+                return None;
+            }
         };
         match looked_up {
             Ok(pod) => {
