@@ -3,11 +3,12 @@
 //! rules).
 //!
 //! The watcher lists, then watches from the list's resourceVersion. Its events are folded
-//! into a map slice name → replicas: `Init` … `InitApply` … `InitDone` (a first list, or a
+//! into a map slice (family, name) → replicas: `Init` … `InitApply` … `InitDone` (a first list, or a
 //! re-list after `410 Gone`) replace the whole map at `InitDone`, so slices deleted while
 //! the watch was down disappear too; `Apply` / `Delete` replace or drop one slice. After
-//! every change the union over slices (first slice by name wins if a pod is in two, as
-//! happens briefly while the controller moves it) goes to the [`Reconciler`]. Watch errors
+//! every change the union over slices (if a pod is in two, as happens briefly while the
+//! controller moves it and always in a dual-stack Service, an IPv4 slice wins, then the
+//! first by name) goes to the [`Reconciler`]. Watch errors
 //! are counted and retried with kube's default backoff (0.8 s doubling to 30 s).
 //!
 //! With `--discovery-pod-annotations`, every listed pod is read once (`GET pod`, cached by
