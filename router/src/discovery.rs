@@ -356,7 +356,8 @@ impl Discovery {
         let source = k8s::SliceSource { service, template, port_names: config.port_names() };
         let pods =
             config.discovery_pod_annotations.then(|| kube::Api::namespaced(client.clone(), &namespace));
-        tracker.spawn(source.run(kube::Api::namespaced(client, &namespace), pods, reconciler, shutdown));
+        let (slices, retry) = (kube::Api::namespaced(client, &namespace), config.interval());
+        tracker.spawn(source.run(slices, pods, reconciler, retry, shutdown));
         Ok(Self { listed })
     }
 

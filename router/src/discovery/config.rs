@@ -53,7 +53,8 @@ pub struct DiscoveryConfig {
     #[arg(long, env = "KVROUTE_DISCOVERY_TOPIC", default_value = "")]
     #[serde(default)]
     pub discovery_topic: String,
-    /// DNS re-resolution interval, milliseconds.
+    /// DNS re-resolution interval, milliseconds; in k8s mode, how often the slices are
+    /// applied again (a replica refused while its old entry was being removed is retried).
     #[arg(long, env = "KVROUTE_DISCOVERY_INTERVAL_MS", default_value_t = 5_000)]
     pub discovery_interval_ms: u64,
 

@@ -58,12 +58,15 @@ struct ListedEndpoint {
 
 impl SliceSource {
     /// Follows the slices until `shutdown`. With `pods`, Ready pods' `kvroute.io/*`
-    /// annotations override what the slice says ([`PodOverrides`]).
+    /// annotations override what the slice says ([`PodOverrides`]). Every `retry` the slices
+    /// are applied again: a replica the sink refused (its old entry still being removed) is
+    /// tried again without waiting for its slice to change.
     pub async fn run<S: ReplicaSink>(
         self,
         api: Api<EndpointSlice>,
         pods: Option<Api<Pod>>,
         mut reconciler: Reconciler<S>,
+        retry: std::time::Duration,
         shutdown: CancellationToken,
     ) {
         let config = watcher::Config::default().labels(&format!("{SERVICE_NAME_LABEL}={}", self.service));
@@ -72,10 +75,18 @@ impl SliceSource {
         let mut slices = Slices::new();
         // Slices of a listing in progress (between `Init` and `InitDone`).
         let mut listing: Option<Slices> = None;
+        let mut again = tokio::time::interval_at(tokio::time::Instant::now() + retry, retry);
+        again.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let event = tokio::select! {
                 () = shutdown.cancelled() => return,
                 event = events.next() => event,
+                _ = again.tick(), if listing.is_none() => {
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = apply(&slices, &mut annotations, &mut reconciler) => continue,
+                    }
+                }
             };
             let Some(event) = event else { return };
             // A pod lookup (`--discovery-pod-annotations`) may wait on the API server: a

@@ -210,6 +210,51 @@ mod k8s {
         }
     }
 
+    /// A sink that refuses the first add of each name in its list (as the fleet refuses a
+    /// replica whose old entry is still being removed).
+    #[derive(Clone)]
+    struct RefusesOnce(Set, Arc<Mutex<BTreeSet<String>>>);
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("still removing {0}")]
+    struct Busy(String);
+
+    impl ReplicaSink for RefusesOnce {
+        type Error = Busy;
+        async fn upsert(&self, spec: ReplicaSpec) -> Result<(), Busy> {
+            if self.1.lock().unwrap().remove(&spec.name) {
+                return Err(Busy(spec.name));
+            }
+            Ok(self.0.upsert(spec).await.unwrap_or_else(|never| match never {}))
+        }
+        async fn remove(&self, name: &str) {
+            self.0.remove(name).await;
+        }
+        fn set_serving(&self, name: &str, serving: bool) {
+            self.0.set_serving(name, serving);
+        }
+    }
+
+    /// A replica the sink refused is added on a later pass over the slices, though its slice
+    /// does not change again (it waited for the next event of the Service's slices).
+    #[tokio::test]
+    async fn a_refused_replica_is_tried_again_without_a_new_event() {
+        let api = FakeApi::start().await;
+        api.apply(slice("agents-a", "agents", &[("agent-0", "10.0.0.1", true)], ports(5557, 5558)));
+        let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())), Arc::default());
+        let sink = RefusesOnce(set.clone(), Arc::new(Mutex::new(BTreeSet::from(["agent-0".to_owned()]))));
+        let (tracker, shutdown) = (TaskTracker::new(), CancellationToken::new());
+        let config = DiscoveryConfig { discovery_interval_ms: 100, ..config("agents") };
+        let template = config.template(MODEL, Some(BLOCK));
+        let metrics = DiscoveryMetrics::default();
+        Discovery::start_k8s(client(&api), &config, template, sink, metrics, &tracker, shutdown.clone())
+            .unwrap();
+        set.names(&["agent-0"], &["agent-0"]).await;
+        shutdown.cancel();
+        tracker.close();
+        tracker.wait().await;
+    }
+
     #[tokio::test]
     async fn endpointslice_watch_follows_readiness_drops_and_410_gone() {
         let api = FakeApi::start().await;
