@@ -225,7 +225,7 @@ mod k8s {
             if self.1.lock().unwrap().remove(&spec.name) {
                 return Err(Busy(spec.name));
             }
-            Ok(self.0.upsert(spec).await.unwrap_or_else(|never| match never {}))
+            self.0.upsert(spec).await.map_err(|never| match never {})
         }
         async fn remove(&self, name: &str) {
             self.0.remove(name).await;
