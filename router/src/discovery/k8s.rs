@@ -353,17 +353,22 @@ mod tests {
         serde_json::from_value(json).unwrap()
     }
 
+    /// The slices of Service `service`, as `config` and a block size make replicas of them.
+    fn source(service: &str, config: &DiscoveryConfig, block_size: Option<u32>) -> SliceSource {
+        SliceSource {
+            service: service.into(),
+            template: config.template("m", block_size),
+            port_names: config.port_names(),
+        }
+    }
+
     /// Terminating endpoints leave; endpoints that are not Ready (or, with
     /// `publishNotReadyAddresses`, not serving) stay, not serving; a missing condition reads as
     /// ready.
     #[test]
     fn endpoints_not_terminating_become_replicas_serving_while_ready() {
         let config = DiscoveryConfig::default();
-        let source = SliceSource {
-            service: "agents".into(),
-            template: config.template("m", Some(16)),
-            port_names: config.port_names(),
-        };
+        let source = source("agents", &config, Some(16));
         let s = slice(serde_json::json!({
             "metadata": {"name": "agents-x"},
             "addressType": "IPv4",
@@ -427,11 +432,7 @@ mod tests {
     #[test]
     fn unnamed_ports_fall_back_to_the_configured_numbers() {
         let config = DiscoveryConfig { discovery_replay_port: Some(5558), ..DiscoveryConfig::default() };
-        let source = SliceSource {
-            service: "vllm".into(),
-            template: config.template("m", None),
-            port_names: config.port_names(),
-        };
+        let source = source("vllm", &config, None);
         let s = slice(serde_json::json!({
             "metadata": {"name": "vllm-x"},
             "addressType": "IPv4",
@@ -449,11 +450,7 @@ mod tests {
     #[test]
     fn a_dual_stack_service_gives_each_pod_its_ipv4_address() {
         let config = DiscoveryConfig::default();
-        let source = SliceSource {
-            service: "agents".into(),
-            template: config.template("m", Some(16)),
-            port_names: config.port_names(),
-        };
+        let source = source("agents", &config, Some(16));
         let of = |name: &str, family: &str, pods: &[(&str, &str)]| {
             let endpoints: Vec<_> = pods
                 .iter()
