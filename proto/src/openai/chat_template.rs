@@ -1747,13 +1747,14 @@ y|"#
 
     /// Floats a template writes are spelled as Jinja2 spells them (Python's `repr`), written
     /// out, through `string` (Qwen3-Coder's tool-call arguments) and through `tojson`. The
-    /// expected line is Jinja2 3.1's rendering of the same template and arguments.
+    /// expected line is Jinja2 3.1's rendering of the same template and arguments. A float of
+    /// 17 digits is read as Python's `json.loads` reads it, correctly rounded.
     #[test]
     fn floats_are_written_as_python_writes_them() {
         let source = "{% for m in messages %}{% for tc in m.tool_calls %}{% for k, v in tc.function.arguments|items %}\
                       {{ k }}={{ v }}|{{ v|string }}|{{ v|tojson }};{% endfor %}{% endfor %}{% endfor %}";
         let template = ChatTemplate::new(source, SpecialTokens::default()).unwrap();
-        let args = r#"{\"lr\": 1e-5, \"n\": 3, \"big\": 1e16, \"t\": 0.7, \"w\": 2.0, \"ok\": true, \"none\": null}"#;
+        let args = r#"{\"lr\": 1e-5, \"n\": 3, \"big\": 1e16, \"t\": 0.7, \"w\": 2.0, \"ok\": true, \"none\": null, \"x\": 442.96881516653684}"#;
         let body = format!(
             r#"{{"messages":[{{"role":"assistant","tool_calls":[{{"function":{{"name":"f","arguments":"{args}"}}}}]}}]}}"#
         );
@@ -1761,7 +1762,8 @@ y|"#
         assert_eq!(
             template.render(&chat.messages, chat.variables()).unwrap(),
             "lr=1e-05|1e-05|1e-05;n=3|3|3;big=1e+16|1e+16|1e+16;t=0.7|0.7|0.7;w=2.0|2.0|2.0;\
-             ok=True|True|true;none=None|None|null;"
+             ok=True|True|true;none=None|None|null;\
+             x=442.96881516653684|442.96881516653684|442.96881516653684;"
         );
     }
 
