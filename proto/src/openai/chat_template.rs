@@ -4,7 +4,7 @@
 //! The Jinja environment copies transformers' settings: `trim_blocks` and `lstrip_blocks`
 //! on, loop controls (`{% break %}`) available, Python string methods (`.strip()`,
 //! `.startswith()`, ... via minijinja-contrib's pycompat), `raise_exception(msg)`,
-//! `strftime_now(fmt)` (UTC), and a `tojson` filter that writes what Python's `json.dumps`
+//! `strftime_now(fmt)` (local time), and a `tojson` filter that writes what Python's `json.dumps`
 //! writes with transformers' arguments (`ensure_ascii`, `indent`, `separators`, `sort_keys`;
 //! by default `", "`/`": "` separators, non-ASCII kept, key order kept).
 //!
@@ -1159,16 +1159,23 @@ fn raise_exception(message: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
 }
 
-/// `strftime_now(format)`: the current UTC time; supports `%Y %m %d %e %b %B %a %A %H %M
-/// %S %y %j %%` (and `%-d`, `%-m`), other directives are copied as they are.
-/// Today's date, `YYYY-MM-DD`, in UTC.
-pub(crate) fn today() -> String {
+/// Today's date, `YYYY-MM-DD`, in local time ([`strftime_now`]).
+pub fn today() -> String {
     strftime_now("%Y-%m-%d".into())
 }
 
+/// `strftime_now(format)`: the current local time, as transformers' `datetime.now()` gives
+/// it (the `TZ` variable, else the system's zone; UTC when neither can be read): the router
+/// must run in the replicas' time zone. Supports `%Y %m %d %e %b %B %a %A %H %M %S %y %j %%`
+/// (and `%-d`, `%-m`); other directives are copied as they are.
 fn strftime_now(format: String) -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    strftime(&format, secs)
+    strftime(&format, local_secs(jiff::Timestamp::now(), &jiff::tz::TimeZone::system()))
+}
+
+/// The wall-clock time in `zone` at `at`, as seconds since 1970-01-01 00:00 of that clock.
+fn local_secs(at: jiff::Timestamp, zone: &jiff::tz::TimeZone) -> u64 {
+    let offset = i64::from(zone.to_offset(at).seconds());
+    u64::try_from(at.as_second().saturating_add(offset)).unwrap_or(0)
 }
 
 fn strftime(format: &str, unix_secs: u64) -> String {
@@ -1484,6 +1491,16 @@ mod tests {
         );
         assert_eq!(strftime("%Y-%m-%d %a", 0), "1970-01-01 Thu");
         assert_eq!(strftime("%Y-%m-%d", 1_798_675_200), "2026-12-31");
+    }
+
+    /// The date a template prints is the local one, as transformers' `datetime.now()`: five
+    /// hours west of UTC, 2024-02-29T03:00Z is still the 28th.
+    #[test]
+    fn strftime_now_is_in_local_time() {
+        let at = jiff::Timestamp::from_second(1_709_175_600).unwrap();
+        let new_york = jiff::tz::TimeZone::posix("EST5").unwrap();
+        assert_eq!(strftime("%Y-%m-%d %H:%M", local_secs(at, &new_york)), "2024-02-28 22:00");
+        assert_eq!(strftime("%Y-%m-%d %H:%M", local_secs(at, &jiff::tz::TimeZone::UTC)), "2024-02-29 03:00");
     }
 
     /// A template with transformers' `{% generation %}` blocks (LFM2's, TRL's assistant-only

@@ -8,7 +8,7 @@
 //!
 //! 1. The system message: the model identity, knowledge cutoff, `Current date:` (vLLM's
 //!    `VLLM_SYSTEM_START_DATE` if set, else today; the replicas' clock, the router's here,
-//!    in UTC), `Reasoning:` the request's effort through the fleet's effort map (medium by
+//!    in local time), `Reasoning:` the request's effort through the fleet's effort map (medium by
 //!    default; only low, medium and high, as vLLM checks), and the required channels.
 //! 2. A developer message: `# Instructions` with the text of a first system or developer
 //!    message (its text parts joined), then the `# Tools`; there is none when that text is

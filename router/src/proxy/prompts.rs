@@ -29,7 +29,7 @@ use kvroute_proto::openai::{
     ChatOptions, ChatRequest, Endpoint, InlineSystem, ParsedRequest, PartialPrompt, RequestError,
     Tokenization, Truncation,
 };
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use super::body::{ProxyBody, full};
 use super::upstream::verdicts;
@@ -266,9 +266,8 @@ impl RemoteTokenizer {
             ParsedRequest::Completion(_) => 1,
             ParsedRequest::Chat(_) => 2,
         };
-        let day =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
-                / 86_400;
+        // The local day, as templates print it.
+        let day = xxh3_64(kvroute_proto::openai::chat_template::today().as_bytes());
         let key = xxh3_64_with_seed(body, endpoint_seed ^ (day << 2));
         if let Some(hit) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).map.get(&key).cloned() {
             return Ok(PromptInfo { namespace, tokens: hit.as_ref().clone(), unhashed_tokens: None });
