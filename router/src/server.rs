@@ -140,10 +140,14 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     if config.sglang_fleet() {
         tokenization.render_harmony_with_template();
     }
+    // Templates that print the date print the local one, as the replicas' do.
+    let zone = kvroute_proto::openai::chat_template::local_zone();
+    let zone = zone.iana_name().unwrap_or("UTC (no TZ, and no system zone could be read)");
+    tracing::info!(zone, "chat templates date in this time zone: run the router in the replicas'");
     if tokenization.is_harmony() {
         tracing::info!(
             "the chat template is in OpenAI's Harmony format (gpt-oss): chats are rendered with \
-             Harmony as vLLM renders them, dated {} (VLLM_SYSTEM_START_DATE, else today in UTC)",
+             Harmony as vLLM renders them, dated {} (VLLM_SYSTEM_START_DATE, else today in {zone})",
             std::env::var("VLLM_SYSTEM_START_DATE").as_deref().unwrap_or("today")
         );
     }

@@ -1169,7 +1169,14 @@ pub fn today() -> String {
 /// must run in the replicas' time zone. Supports `%Y %m %d %e %b %B %a %A %H %M %S %y %j %%`
 /// (and `%-d`, `%-m`); other directives are copied as they are.
 fn strftime_now(format: String) -> String {
-    strftime(&format, local_secs(jiff::Timestamp::now(), &jiff::tz::TimeZone::system()))
+    strftime(&format, local_secs(jiff::Timestamp::now(), local_zone()))
+}
+
+/// The process's time zone, read once (`TZ`, else the system's; UTC when neither can be
+/// read): a lookup that fails is not cached by jiff, and would be tried at every render.
+pub fn local_zone() -> &'static jiff::tz::TimeZone {
+    static ZONE: std::sync::OnceLock<jiff::tz::TimeZone> = std::sync::OnceLock::new();
+    ZONE.get_or_init(jiff::tz::TimeZone::system)
 }
 
 /// The wall-clock time in `zone` at `at`, as seconds since 1970-01-01 00:00 of that clock.
