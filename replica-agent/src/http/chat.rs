@@ -4,9 +4,10 @@
 //! ```text
 //! {"id","object":"chat.completion","created","model",
 //!  "choices":[{"index","message":{"role":"assistant","content","refusal":null},
-//!              "logprobs":null,"finish_reason"}],"usage"}
+//!              "logprobs":null,"finish_reason","stop_reason":null}],"usage"}
 //! {"id","object":"chat.completion.chunk","created","model",
-//!  "choices":[{"index","delta":{"role"?,"content"?},"logprobs":null,"finish_reason"}]}
+//!  "choices":[{"index","delta":{"role"?,"content"?},"logprobs":null,"finish_reason",
+//!              "stop_reason":null (the finishing chunk only)}]}
 //! ```
 //!
 //! A stream opens with one chunk per choice whose delta is `{"role":"assistant",
@@ -27,6 +28,8 @@ struct Choice<'a> {
     message: Message<'a>,
     logprobs: Option<()>,
     finish_reason: &'static str,
+    /// What stopped it, when a stop string or token did (never here: it stops at its length).
+    stop_reason: Option<()>,
 }
 
 #[derive(Serialize)]
@@ -42,6 +45,10 @@ struct ChunkChoice<'a> {
     delta: Delta<'a>,
     logprobs: Option<()>,
     finish_reason: Option<&'static str>,
+    /// `null` on the finishing chunk, absent before: vLLM sets it there only, and writes chat
+    /// chunks without the fields it did not set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stop_reason: Option<Option<()>>,
 }
 
 #[derive(Serialize)]
@@ -62,6 +69,7 @@ pub(super) fn response(meta: &Meta, texts: &[String], usage: &UsageJson) -> Vec<
             message: Message { role: ROLE, content, refusal: None },
             logprobs: None,
             finish_reason: FINISH_REASON,
+            stop_reason: None,
         })
         .collect();
     Envelope::new(meta, OBJECT, choices, UsageField::Present(usage)).to_json()
@@ -70,7 +78,7 @@ pub(super) fn response(meta: &Meta, texts: &[String], usage: &UsageJson) -> Vec<
 /// The first chunk of choice `index`: the assistant role and empty content.
 pub(super) fn role_chunk(meta: &Meta, index: usize, usage: UsageField<'_>) -> Vec<u8> {
     let delta = Delta { role: Some(ROLE), content: Some("") };
-    let choice = ChunkChoice { index, delta, logprobs: None, finish_reason: None };
+    let choice = ChunkChoice { index, delta, logprobs: None, finish_reason: None, stop_reason: None };
     Envelope::new(meta, CHUNK_OBJECT, [choice], usage).to_json()
 }
 
@@ -84,6 +92,12 @@ pub(super) fn chunk(
     usage: UsageField<'_>,
 ) -> Vec<u8> {
     let delta = Delta { role: None, content };
-    let choice = ChunkChoice { index, delta, logprobs: None, finish_reason: finish.then_some(FINISH_REASON) };
+    let choice = ChunkChoice {
+        index,
+        delta,
+        logprobs: None,
+        finish_reason: finish.then_some(FINISH_REASON),
+        stop_reason: finish.then_some(None),
+    };
     Envelope::new(meta, CHUNK_OBJECT, [choice], usage).to_json()
 }

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! {"id","object":"text_completion","created","model",
-//!  "choices":[{"index","text","logprobs":null,"finish_reason"}],"usage"}
+//!  "choices":[{"index","text","logprobs":null,"finish_reason","stop_reason":null}],"usage"}
 //! ```
 //!
 //! A stream chunk has the same keys, one choice with one token's text, `finish_reason`
@@ -23,6 +23,8 @@ struct Choice<'a> {
     text: &'a str,
     logprobs: Option<()>,
     finish_reason: Option<&'static str>,
+    /// What stopped it, when a stop string or token did (never here: it stops at its length).
+    stop_reason: Option<()>,
 }
 
 /// The non-streaming response: one choice per prompt.
@@ -30,13 +32,25 @@ pub(super) fn response(meta: &Meta, texts: &[String], usage: &UsageJson) -> Vec<
     let choices: Vec<Choice<'_>> = texts
         .iter()
         .enumerate()
-        .map(|(index, text)| Choice { index, text, logprobs: None, finish_reason: Some(FINISH_REASON) })
+        .map(|(index, text)| Choice {
+            index,
+            text,
+            logprobs: None,
+            finish_reason: Some(FINISH_REASON),
+            stop_reason: None,
+        })
         .collect();
     Envelope::new(meta, OBJECT, choices, UsageField::Present(usage)).to_json()
 }
 
 /// One stream chunk carrying `text` for choice `index`.
 pub(super) fn chunk(meta: &Meta, index: usize, text: &str, finish: bool, usage: UsageField<'_>) -> Vec<u8> {
-    let choice = Choice { index, text, logprobs: None, finish_reason: finish.then_some(FINISH_REASON) };
+    let choice = Choice {
+        index,
+        text,
+        logprobs: None,
+        finish_reason: finish.then_some(FINISH_REASON),
+        stop_reason: None,
+    };
     Envelope::new(meta, OBJECT, [choice], usage).to_json()
 }

@@ -110,7 +110,8 @@ fn choices<T>(
     envelope(v, object, id_prefix);
     let choices = v["choices"].as_array().expect("choices is an array");
     assert_eq!(choices.len(), n, "{v}");
-    let keys: Vec<&str> = ["index", "logprobs", "finish_reason"].iter().chain(own).copied().collect();
+    let keys: Vec<&str> =
+        ["index", "logprobs", "finish_reason", "stop_reason"].iter().chain(own).copied().collect();
     choices
         .iter()
         .enumerate()
@@ -118,6 +119,7 @@ fn choices<T>(
             assert_keys(c, &keys, &format!("{what} choice"));
             assert_eq!(uint(&c["index"], "index"), i as u64);
             null(&c["logprobs"], "logprobs");
+            null(&c["stop_reason"], "stop_reason");
             assert!(
                 finish_reason(&c["finish_reason"]).is_some(),
                 "a finished choice has a finish_reason: {c}"
@@ -185,7 +187,12 @@ pub fn completion_stream(events: &[String], n: usize, include_usage: bool) -> (V
     let mut finished = BTreeMap::new();
     for c in &chunks {
         let choice = &c["choices"][0];
-        assert_keys(choice, &["index", "text", "logprobs", "finish_reason"], "completion chunk choice");
+        assert_keys(
+            choice,
+            &["index", "text", "logprobs", "finish_reason", "stop_reason"],
+            "completion chunk choice",
+        );
+        null(&choice["stop_reason"], "stop_reason");
         let index = uint(&choice["index"], "index");
         assert!((index as usize) < n, "choice index {index} out of range: {c}");
         null(&choice["logprobs"], "logprobs");
@@ -211,11 +218,17 @@ pub fn chat_stream_n(events: &[String], n: usize, include_usage: bool) -> (Vec<S
     let mut finished = BTreeMap::new();
     for (i, c) in chunks.iter().enumerate() {
         let choice = &c["choices"][0];
-        assert_keys(choice, &["index", "delta", "logprobs", "finish_reason"], "chat chunk choice");
+        let finish = finish_reason(&choice["finish_reason"]);
+        // vLLM writes chat chunks without the fields it did not set: `stop_reason` is set on
+        // the finishing chunk only.
+        let keys: &[&str] = match finish {
+            Some(_) => &["index", "delta", "logprobs", "finish_reason", "stop_reason"],
+            None => &["index", "delta", "logprobs", "finish_reason"],
+        };
+        assert_keys(choice, keys, "chat chunk choice");
         let index = uint(&choice["index"], "index");
         assert!((index as usize) < n, "choice index {index} out of range: {c}");
         null(&choice["logprobs"], "logprobs");
-        let finish = finish_reason(&choice["finish_reason"]);
         let delta = &choice["delta"];
         if i < n {
             assert_eq!(index, i as u64, "the role chunks come first, in order: {c}");
