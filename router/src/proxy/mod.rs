@@ -195,7 +195,7 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
     let received = state.forward.access_log.then(tokio::time::Instant::now);
     let asked = state.forward.access_log.then(|| (req.method().clone(), req.uri().path().to_owned()));
     // Logs the request if the client leaves before it has an answer (this future dropped).
-    let own_probe = matches!(req.uri().path(), "/health" | "/ready" | "/metrics");
+    let own_probe = is_probe(req.uri().path());
     let counted = (!own_probe).then_some(&state.decider.metrics);
     let mut unanswered = access::Unanswered::new(&request_id, asked.as_ref(), received, counted);
     // A browser's request: whether the router answers its path itself.
@@ -486,7 +486,12 @@ fn json(status: StatusCode, value: serde_json::Value) -> Response<ProxyBody> {
 
 /// Whether the router answers a path itself, whatever the answer ([`cors`]).
 fn answers_itself(path: &str) -> bool {
-    matches!(path, "/v1/models" | "/health" | "/ready" | "/metrics") || lora::route(path).is_some()
+    path == "/v1/models" || is_probe(path) || lora::route(path).is_some()
+}
+
+/// The router's own probes and scrapes.
+fn is_probe(path: &str) -> bool {
+    matches!(path, "/health" | "/ready" | "/metrics")
 }
 
 /// Whether an HTTP/1.1 request asks to become a WebSocket (RFC 6455 §4.1: `Upgrade:
