@@ -382,8 +382,10 @@ async fn accept_loop<H, F, B>(
                     async move { Ok::<_, Infallible>(response.await.map(|body| Tracked { body, _open: open })) }
                 }
             });
-            let conn =
-                builder.serve_connection(TokioIo::new(SendTimeout::new(stream, send_timeout)), service);
+            // With upgrades: a handler that answers `101` (the router tunnelling a WebSocket)
+            // is handed the connection's socket through `hyper::upgrade::on`.
+            let conn = builder
+                .serve_connection_with_upgrades(TokioIo::new(SendTimeout::new(stream, send_timeout)), service);
             tokio::pin!(conn);
             // hyper's header-read timer starts once it knows the protocol, which it learns from
             // the first bytes: a connection that sends none (or a part of HTTP/2's preface)

@@ -178,7 +178,8 @@ pub struct Config {
     /// Longest silence allowed inside a streaming response, and inside a request's body
     /// (then 408), milliseconds. A stream's first event may take until the first-byte
     /// timeout (counted from the request's sending) if that is longer: vLLM sends a stream's
-    /// headers at once, its first event after the request's queueing and prefill.
+    /// headers at once, its first event after the request's queueing and prefill. A
+    /// WebSocket tunnel is closed after this long with nothing sent either way.
     #[arg(long, env = "KVROUTE_IDLE_TIMEOUT_MS", default_value_t = 60_000)]
     pub idle_timeout_ms: u64,
     /// Longest a client may take nothing of its response, milliseconds: an HTTP/1 connection

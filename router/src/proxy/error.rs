@@ -9,7 +9,6 @@
 //! | 404 / 405 | unknown path / wrong method (with `Allow`) |
 //! | 408 | the client sent nothing of its request body for `--idle-timeout-ms` (routed, or streamed to a replica) |
 //! | 413 | body larger than `--max-body-bytes` |
-//! | 501 | a WebSocket upgrade (the router does not tunnel them) |
 //! | 502 | the replica failed before answering, and so did every retry; a LoRA adapter change some replicas took and some did not (`partial_fan_out`) |
 //! | 503 | no healthy replica, every replica saturated, the router at its in-flight limit, or (`--remote-tokenize`) no replica asked could tokenize the prompt |
 //! | 504 | the replica did not start answering within `--first-byte-timeout-ms` (for a streamed upload: from its end, or from when the replica last took some of it) |
@@ -83,9 +82,6 @@ pub enum ProxyError {
     /// Something the router is not set up to let clients do.
     #[error("{0}")]
     Forbidden(String),
-    /// Something the router cannot do at all.
-    #[error("{0}")]
-    NotImplemented(String),
     /// A Responses API id that no replica has (vLLM's own answer for one it has not).
     #[error("Response with id '{0}' not found.")]
     UnknownResponse(String),
@@ -112,7 +108,6 @@ impl ProxyError {
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NotFound(_) | ProxyError::UnknownResponse(_) => StatusCode::NOT_FOUND,
             ProxyError::Forbidden(_) => StatusCode::FORBIDDEN,
-            ProxyError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } | ProxyError::FanOut(_) => StatusCode::BAD_GATEWAY,
@@ -147,7 +142,6 @@ impl ProxyError {
             ProxyError::Timeout { .. } => "upstream_timeout",
             ProxyError::FanOut(_) => "fan_out",
             ProxyError::Forbidden(_) => "forbidden",
-            ProxyError::NotImplemented(_) => "not_implemented",
             ProxyError::RefusedEverywhere { .. } => "refused_everywhere",
         }
     }
@@ -162,7 +156,6 @@ impl ProxyError {
             | ProxyError::BodyTimeout { .. }
             | ProxyError::BadPath(_)
             | ProxyError::Forbidden(_)
-            | ProxyError::NotImplemented(_)
             | ProxyError::MethodNotAllowed { .. }
             | ProxyError::RefusedEverywhere { .. } => {
                 OpenAiError::new("invalid_request_error", self.to_string())

@@ -297,36 +297,10 @@ pub async fn to_replica(
     let head = (&client.method, &uri, &headers);
     match first_byte(config, sent, pool, head, (body, uploaded.as_ref())).await {
         Ok(Ok(response)) => {
-            let line = config.access_log.then(|| {
-                Box::new(access::Line {
-                    replica: member.replica.spec.name.clone(),
-                    prompt_tokens: (prompt_tokens > 0).then_some(prompt_tokens),
-                    ..access::Line::new(&admitted, &client.method, &client.uri)
-                })
-            });
-            // Not routed on a prompt: its usage counts in neither hit rate.
-            let mut response = wrap(
-                response,
-                &client,
-                Attempt {
-                    replica: &member.replica.spec.name,
-                    guard,
-                    sent,
-                    // An upload the replica answered before its end is still going on.
-                    whole: uploaded.as_ref().map_or(sent, |u| u.finished_at().unwrap_or_else(Instant::now)),
-                    hold: None,
-                    counted: None,
-                    keeps_response,
-                },
-                config,
-                metrics,
-                admitted,
-                line,
-            );
-            if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
-                response.headers_mut().insert(X_KVROUTE_REPLICA, v);
-            }
-            Ok(response)
+            // An upload the replica answered before its end is still going on.
+            let whole = uploaded.as_ref().map_or(sent, |u| u.finished_at().unwrap_or_else(Instant::now));
+            let load = (guard, prompt_tokens, keeps_response);
+            Ok(passed_on(response, &client, member, (sent, whole), load, (config, metrics), admitted))
         }
         // The client's body failed (too large, or the client went away): not the replica's fault.
         Ok(Err(SendError::Wire(WireError::RequestBody(e)))) => {
@@ -344,6 +318,35 @@ pub async fn to_replica(
             })
         }
     }
+}
+
+/// The answer to a request sent to `member` once, not routed on a prompt (its usage counts in
+/// neither hit rate), passed on: `sent` when it went out and `whole` when the replica had
+/// all of it; the replica's load for it, its prompt tokens (0: not known) and whether the
+/// replica may keep its response.
+pub(super) fn passed_on(
+    response: Response<UpstreamBody>,
+    client: &ClientHead,
+    member: &crate::fleet::Member,
+    (sent, whole): (Instant, Instant),
+    (guard, prompt_tokens, keeps_response): (LoadGuard, u64, bool),
+    (config, metrics): (&ForwardConfig, &ProxyMetrics),
+    admitted: Admitted<'_>,
+) -> Response<ProxyBody> {
+    let line = config.access_log.then(|| {
+        Box::new(access::Line {
+            replica: member.replica.spec.name.clone(),
+            prompt_tokens: (prompt_tokens > 0).then_some(prompt_tokens),
+            ..access::Line::new(&admitted, &client.method, &client.uri)
+        })
+    });
+    let replica = &member.replica.spec.name;
+    let attempt = Attempt { replica, guard, sent, whole, hold: None, counted: None, keeps_response };
+    let mut response = wrap(response, client, attempt, config, metrics, admitted, line);
+    if let Ok(v) = HeaderValue::from_str(replica) {
+        response.headers_mut().insert(X_KVROUTE_REPLICA, v);
+    }
+    response
 }
 
 /// Sends a request (method, absolute URI, headers) with `body` and waits for its response
@@ -389,7 +392,7 @@ async fn first_byte(
     }
 }
 
-fn record_failure(upstream: &Upstream, config: &ForwardConfig, metrics: &ProxyMetrics) {
+pub(super) fn record_failure(upstream: &Upstream, config: &ForwardConfig, metrics: &ProxyMetrics) {
     Judge::new(config, metrics).failure(upstream);
 }
 
@@ -406,13 +409,13 @@ pub(super) fn upstream_head(parts: http::request::Parts, request_id: &str) -> (C
 
 /// What a forwarded request keeps of the client's request line.
 pub(super) struct ClientHead {
-    method: Method,
-    uri: Uri,
+    pub(super) method: Method,
+    pub(super) uri: Uri,
     version: http::Version,
 }
 
 /// The replica's URI for the client's: its base URL followed by the client's path and query.
-fn replica_uri(replica: &Replica, client: &Uri) -> Result<Uri, ProxyError> {
+pub(super) fn replica_uri(replica: &Replica, client: &Uri) -> Result<Uri, ProxyError> {
     let path = client.path_and_query();
     if let Some(authority) = &replica.authority {
         let mut parts = uri::Parts::default();

@@ -34,7 +34,7 @@ use super::body::{BoxError, ProxyBody};
 mod head;
 mod response;
 
-pub use head::{Framing, Head, MAX_HEAD_BYTES, connection_options, parse_head};
+pub use head::{Framing, Head, MAX_HEAD_BYTES, connection_options, parse_head, parse_upgrade_head};
 pub use response::{BodyError, UpstreamBody, response};
 
 /// Read buffer of a connection; grows for larger heads.
@@ -42,6 +42,9 @@ const READ_BUFFER: usize = 16 * 1024;
 /// Request bodies in hand up to this size are written without watching for an early answer
 /// (they fit the socket's buffers).
 const WATCH_BEYOND: usize = 16 * 1024;
+
+/// [`parse_head`] or [`parse_upgrade_head`].
+type ParseHead = fn(&[u8], &Method) -> Result<Option<(usize, Head)>, WireError>;
 
 /// Why an exchange on a connection failed.
 #[derive(Debug, thiserror::Error)]
@@ -152,6 +155,29 @@ impl Conn {
         }
     }
 
+    /// Sends a request without a body that asks to switch protocols (`headers` carry its
+    /// `Upgrade` and `Connection: upgrade`) and reads the head of its answer: a `101`, after
+    /// which the connection is the new protocol's ([`Self::into_upgraded`]), or an ordinary
+    /// response.
+    pub async fn exchange_upgrade(
+        &mut self,
+        method: &Method,
+        target: &str,
+        host: &str,
+        headers: &HeaderMap,
+    ) -> Result<Head, WireError> {
+        let mut head = request_head(method, target, host, headers);
+        head.extend_from_slice(b"\r\n");
+        self.stream.write_all(&head).await.map_err(WireError::Write)?;
+        self.read_head_with(method, parse_upgrade_head).await
+    }
+
+    /// The connection after a `101`: its socket, and what the replica sent after the head
+    /// (the new protocol's first bytes).
+    pub fn into_upgraded(self) -> (TcpStream, BytesMut) {
+        (self.stream, self.buf)
+    }
+
     /// Writes a request: its `head` (the fields of [`request_head`]), then the body.
     async fn write_request(
         &mut self,
@@ -191,13 +217,19 @@ impl Conn {
 
     /// Reads the final response head to a request with `method`, skipping interim ones.
     async fn read_head(&mut self, method: &Method) -> Result<Head, WireError> {
+        self.read_head_with(method, parse_head).await
+    }
+
+    /// [`Self::read_head`] with `parse`: a `101` it accepts is final.
+    async fn read_head_with(&mut self, method: &Method, parse: ParseHead) -> Result<Head, WireError> {
         let mut read_any = !self.buf.is_empty();
         loop {
             if !self.buf.is_empty() {
-                match parse_head(&self.buf, method)? {
+                match parse(&self.buf, method)? {
                     Some((length, head)) => {
                         self.buf.advance(length);
-                        if head.parts.status.is_informational() {
+                        let status = head.parts.status;
+                        if status.is_informational() && status != http::StatusCode::SWITCHING_PROTOCOLS {
                             continue;
                         }
                         self.last_read = Some(Instant::now());

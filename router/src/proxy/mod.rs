@@ -11,10 +11,10 @@
 //! | `GET /health` | 200 while every HTTP thread runs its tick ([`ProxyState::stalled_threads`]), else 503 |
 //! | `GET /ready` | 200 once discovery listed the replicas and each completed its first event sync ([`ProxyState::ready`]) |
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
-//! | an HTTP/1.1 request for a WebSocket (`Upgrade: websocket`, `Connection: upgrade`), any path | 501: the router does not tunnel WebSockets (vLLM's `/v1/realtime`) |
+//! | an HTTP/1.1 `GET` for a WebSocket (`Upgrade: websocket`, `Connection: upgrade`; vLLM's `/v1/realtime`) on a path that passes through | tunnelled to the least-loaded eligible replica ([`tunnel`]) |
 //!
 //! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`cors`] (the router's own answers' CORS fields), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
-//! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`responses`] (which replica stored each Responses API response), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`upload`] (clients' request
+//! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`responses`] (which replica stored each Responses API response), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`tunnel`] (WebSockets), [`upload`] (clients' request
 //! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health).
 
 pub mod access;
@@ -32,6 +32,7 @@ pub mod prompts;
 pub mod responses;
 pub mod route;
 pub mod stalls;
+pub mod tunnel;
 pub mod upload;
 pub mod upstream;
 
@@ -242,12 +243,18 @@ async fn dispatch(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let path = req.uri().path().to_owned();
     let method = req.method().clone();
-    if req.version() == http::Version::HTTP_11 && asks_websocket(req.headers()) {
-        // Passed on without its `Upgrade` (hop-by-hop), it would reach the replica as a plain
-        // request and be refused there as an unknown path.
-        return Err(ProxyError::NotImplemented(
-            "the router does not pass on WebSocket upgrades; connect to a replica directly".into(),
-        ));
+    if method == Method::GET
+        && req.version() == http::Version::HTTP_11
+        && asks_websocket(req.headers())
+        && paths::allowed(&path).is_none()
+        && paths::passes_through(&path)
+    {
+        // Passed on as other requests are, without its `Upgrade` (hop-by-hop), it would
+        // reach the replica as a plain request and be refused there as an unknown path.
+        paths::check_passthrough(&path)?;
+        let admitted = admit(state, (request_id, received))?;
+        let members = by_load(state, request_id);
+        return Box::pin(tunnel::open(state, pool, req, members, admitted)).await;
     }
     // The forwarding futures are boxed: hyper keeps each request's future in place, moving
     // it in whole, and every byte of them would be copied for every request (they are
@@ -390,22 +397,32 @@ async fn passthrough(
     arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let admitted = admit(state, arrived)?;
+    let member = by_load(state, arrived.0)
+        .into_iter()
+        .next()
+        .ok_or_else(|| ProxyError::Unavailable("no healthy replica".into()))?;
+    streamed_to(state, pool, member, req, admitted).await
+}
+
+/// The eligible replicas, the least loaded first: the fewest requests (this router's and
+/// others'), ties spread by the request's id (the first of equals would send every lone
+/// request to the lowest id).
+fn by_load(state: &ProxyState, request_id: &str) -> Vec<Member> {
     let members = state.fleet().members();
     let verdicts =
         upstream::verdicts(members.iter().map(|m| &*m.upstream), state.decider.max_in_flight_per_replica);
-    let member = members
+    let mut eligible: Vec<_> = members
         .into_iter()
         .zip(verdicts)
         .filter_map(|(m, verdict)| verdict.is_none().then_some(m))
-        // The fewest requests (this router's and others'), ties spread by the request's id:
-        // the first of equals would send every lone request to the lowest id.
-        .min_by_key(|m| {
+        .map(|m| {
             let load = m.upstream.load();
-            let tie = crate::policy::rendezvous(xxh3_64(arrived.0.as_bytes()), m.replica.id);
-            (load.in_flight.saturating_add(load.others), std::cmp::Reverse(tie))
+            let tie = crate::policy::rendezvous(xxh3_64(request_id.as_bytes()), m.replica.id);
+            ((load.in_flight.saturating_add(load.others), std::cmp::Reverse(tie)), m)
         })
-        .ok_or_else(|| ProxyError::Unavailable("no healthy replica".into()))?;
-    streamed_to(state, pool, member, req, admitted).await
+        .collect();
+    eligible.sort_unstable_by_key(|(key, _)| *key);
+    eligible.into_iter().map(|(_, m)| m).collect()
 }
 
 /// Sends `req` to `member`, its body streamed through.

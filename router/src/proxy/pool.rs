@@ -25,6 +25,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::BytesMut;
 use http::uri::{Authority, Scheme};
 use http::{HeaderMap, Method, Request, Response, Uri};
 use tokio::net::TcpStream;
@@ -44,6 +45,26 @@ pub enum SendError {
     ConnectTimeout(Duration),
     #[error(transparent)]
     Wire(#[from] WireError),
+}
+
+/// A replica's answer to a request that asked to switch protocols.
+pub enum Upgrade {
+    /// `101 Switching Protocols`: the socket is the new protocol's, and `early` what the
+    /// replica already sent of it.
+    Switched { head: http::response::Parts, stream: TcpStream, early: BytesMut },
+    /// An ordinary response: the replica stays with HTTP.
+    Answered(Response<UpstreamBody>),
+}
+
+/// An absolute `http://` URI's authority, its target in origin form, and the `Host` it
+/// names (the authority without any `user:password@`).
+fn destination(uri: &Uri) -> Result<(Authority, &str, &str), SendError> {
+    let (Some(authority), true) = (uri.authority(), uri.scheme() == Some(&Scheme::HTTP)) else {
+        return Err(SendError::BadUrl(uri.to_string()));
+    };
+    let target = uri.path_and_query().map_or("/", |pq| pq.as_str());
+    let host = authority.as_str().rsplit('@').next().unwrap_or_default();
+    Ok((authority.clone(), target, host))
 }
 
 /// Idle connections of one thread.
@@ -135,12 +156,7 @@ impl Pool {
         body: Outgoing,
     ) -> Result<Response<UpstreamBody>, SendError> {
         let mut body = body.in_hand_if_empty();
-        let (Some(authority), true) = (uri.authority().cloned(), uri.scheme() == Some(&Scheme::HTTP)) else {
-            return Err(SendError::BadUrl(uri.to_string()));
-        };
-        let target = uri.path_and_query().map_or("/", |pq| pq.as_str());
-        // `Host` is the authority without any `user:password@`.
-        let host = authority.as_str().rsplit('@').next().unwrap_or_default();
+        let (authority, target, host) = destination(uri)?;
         let pooled = match &body {
             Outgoing::Full(bytes) => self.checkout(&authority).map(|conn| (conn, bytes.clone())),
             Outgoing::Stream(_) => None,
@@ -158,6 +174,25 @@ impl Pool {
         let mut conn = self.connect(&authority).await?;
         let head = conn.exchange(method, target, host, headers, body).await?;
         Ok(http1::response(conn, head, self.checkin(authority)))
+    }
+
+    /// Sends a request without a body that asks to switch protocols (its `headers` carry
+    /// `Upgrade` and `Connection: upgrade`), on a new connection: the connection is the new
+    /// protocol's if the replica agrees, and is never pooled then.
+    pub async fn upgrade(
+        self: &Arc<Self>,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+    ) -> Result<Upgrade, SendError> {
+        let (authority, target, host) = destination(uri)?;
+        let mut conn = self.connect(&authority).await?;
+        let head = conn.exchange_upgrade(method, target, host, headers).await?;
+        if head.parts.status == http::StatusCode::SWITCHING_PROTOCOLS {
+            let (stream, early) = conn.into_upgraded();
+            return Ok(Upgrade::Switched { head: head.parts, stream, early });
+        }
+        Ok(Upgrade::Answered(http1::response(conn, head, self.checkin(authority))))
     }
 
     fn checkin(self: &Arc<Self>, authority: Authority) -> Checkin {

@@ -189,16 +189,13 @@ async fn the_routers_own_answers_carry_its_cors_fields() {
     shutdown.cancel();
 }
 
-/// A WebSocket upgrade is refused with a 501 the client can read; an `h2c` upgrade (curl's
-/// `--http2` over plain HTTP) is optional for a server, so the request is served over HTTP/1.1.
+/// Upgrades other than a WebSocket's (those are tunnelled: `websocket.rs`): an `h2c` upgrade
+/// (curl's `--http2` over plain HTTP) is optional for a server, so the request is served over
+/// HTTP/1.1, and so is a request whose `Connection` does not name `upgrade`.
 #[tokio::test]
-async fn a_websocket_upgrade_is_refused_and_an_h2c_upgrade_ignored() {
+async fn an_upgrade_other_than_a_websockets_is_ignored() {
     let (replica, mut seen) = recording_replica(ANSWER).await;
     let (router, shutdown) = router_in_front_of(replica, |c| c).await;
-    let head = "GET /v1/realtime HTTP/1.1\r\nhost: r\r\nconnection: Upgrade\r\nupgrade: WebSocket/13\r\n\
-                sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n";
-    let answer = exchange(&router.url(), head, "").await;
-    assert!(answer.starts_with("http/1.1 501"), "{answer}");
     // Without `Connection: upgrade` the field asks nothing (RFC 9110 §7.8): served.
     let head =
         "POST /v1/embeddings HTTP/1.1\r\nhost: r\r\nupgrade: websocket\r\ncontent-type: application/json\r\n";

@@ -14,3 +14,4 @@ mod messages;
 mod proxy;
 mod responses;
 mod support;
+mod websocket;

@@ -31,8 +31,18 @@ pub struct Head {
 }
 
 /// Parses a response head at the start of `buf`: its length and the head, or `None` if it
-/// is not complete yet.
+/// is not complete yet. A `101 Switching Protocols` is malformed: the proxy's requests do not
+/// ask for an upgrade (`Upgrade` is hop-by-hop), except [`parse_upgrade_head`]'s.
 pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, WireError> {
+    parse(buf, method, false)
+}
+
+/// [`parse_head`] of the answer to a request that asked for an upgrade: a 101 is its answer.
+pub fn parse_upgrade_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, WireError> {
+    parse(buf, method, true)
+}
+
+fn parse(buf: &[u8], method: &Method, upgrading: bool) -> Result<Option<(usize, Head)>, WireError> {
     // Left uninitialized: zeroing 100 fields for every response showed in profiles.
     let mut headers = [const { MaybeUninit::uninit() }; MAX_HEADERS];
     let mut parsed = httparse::Response::new(&mut []);
@@ -47,8 +57,7 @@ pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, 
     };
     let code = parsed.code.unwrap_or_default();
     let status = StatusCode::from_u16(code).map_err(|_| WireError::Malformed(format!("status {code}")))?;
-    if status == StatusCode::SWITCHING_PROTOCOLS {
-        // The proxy never asks for an upgrade (`Upgrade` is hop-by-hop).
+    if status == StatusCode::SWITCHING_PROTOCOLS && !upgrading {
         return Err(WireError::Malformed("101 Switching Protocols, unasked".into()));
     }
     let version = if parsed.version == Some(1) { Version::HTTP_11 } else { Version::HTTP_10 };

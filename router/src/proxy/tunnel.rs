@@ -1,0 +1,254 @@
+//! WebSocket upgrades (vLLM's `/v1/realtime`), tunnelled to a replica.
+//!
+//! The handshake (an HTTP/1.1 `GET` whose `Connection` names `upgrade`) goes to the
+//! least-loaded eligible replica on a connection of its own, with its `Upgrade` field (a
+//! hop-by-hop field, which this hop asks for too). When the replica answers `101`, the client
+//! gets that answer and the two connections are spliced byte for byte until both ends have
+//! closed (a close is passed on as a half-close), either fails, or no byte moves either way
+//! for `--idle-timeout-ms` (as nginx's `proxy_read_timeout` bounds a WebSocket's silence).
+//! Any other answer (a replica without realtime answers 404) is passed on as an ordinary
+//! response.
+//!
+//! A session holds its place under `--max-in-flight`, and counts as a request in flight on its
+//! replica, for as long as it lasts; the server drains sessions at shutdown as it drains
+//! streams. A replica that refuses the connection or fails before answering is counted
+//! against it and the next one is tried, as for other requests.
+//!
+//! Only HTTP/1.1 upgrades: the router does not offer HTTP/2's extended `CONNECT` (RFC 8441),
+//! so browsers open their WebSockets to it over HTTP/1.1.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderValue};
+use http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::body::{ProxyBody, full};
+use super::error::ProxyError;
+use super::forward::{self, Admitted, MAX_ATTEMPTS, X_KVROUTE_REPLICA, X_REQUEST_ID};
+use super::http1::WireError;
+use super::pool::{Pool, SendError, Upgrade};
+use super::upstream::LoadGuard;
+use super::{ProxyState, access};
+use crate::fleet::Member;
+
+/// Sends the handshake `req` to the first of `members` (least loaded first) that answers it.
+pub(super) async fn open(
+    state: &Arc<ProxyState>,
+    pool: &Arc<Pool>,
+    mut req: Request<Incoming>,
+    members: Vec<Member>,
+    admitted: Admitted<'_>,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let (config, metrics) = (&state.forward, &state.decider.metrics);
+    let client_side = hyper::upgrade::on(&mut req);
+    let background = req.extensions().get::<kvroute_proto::serve::Background>().cloned();
+    let (parts, _) = req.into_parts();
+    let upgrade: Vec<HeaderValue> = parts.headers.get_all(header::UPGRADE).iter().cloned().collect();
+    let (client, mut headers) = forward::upstream_head(parts, admitted.request_id);
+    headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    for protocol in upgrade {
+        headers.append(header::UPGRADE, protocol);
+    }
+    let mut last_error = None;
+    for (attempt, member) in members.iter().take(MAX_ATTEMPTS).enumerate() {
+        if attempt > 0 {
+            metrics.retries.inc();
+        }
+        let upstream = &member.upstream;
+        let guard = upstream.begin(1, 0, 0);
+        let uri = forward::replica_uri(&member.replica, &client.uri)?;
+        let sent = Instant::now();
+        let handshake = pool.upgrade(&client.method, &uri, &headers);
+        let name = &member.replica.spec.name;
+        match tokio::time::timeout_at(sent + config.first_byte_timeout, handshake).await {
+            Ok(Ok(Upgrade::Switched { head, stream, early })) => {
+                upstream.record_success();
+                let mut response = Response::new(full(Bytes::new()));
+                *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+                let mut replica_headers = head.headers;
+                let switched_to: Vec<HeaderValue> =
+                    replica_headers.get_all(header::UPGRADE).iter().cloned().collect();
+                forward::strip_hop_by_hop(&mut replica_headers);
+                let headers = response.headers_mut();
+                *headers = replica_headers;
+                headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+                for protocol in switched_to {
+                    headers.append(header::UPGRADE, protocol);
+                }
+                if let Ok(id) = HeaderValue::from_str(admitted.request_id) {
+                    headers.insert(X_REQUEST_ID, id);
+                }
+                if let Ok(v) = HeaderValue::from_str(name) {
+                    headers.insert(X_KVROUTE_REPLICA, v);
+                }
+                let line = config.access_log.then(|| access::Line {
+                    replica: name.clone(),
+                    status: StatusCode::SWITCHING_PROTOCOLS.as_u16(),
+                    attempt,
+                    first_data: Some(Instant::now()),
+                    ..access::Line::new(&admitted, &client.method, &client.uri)
+                });
+                let session = Session { guard, _slot: admitted.slot, line, idle: config.idle_timeout };
+                let run = session.run(client_side, stream, early);
+                match background {
+                    Some(background) => drop(background.spawn(run)),
+                    None => drop(tokio::spawn(run)),
+                }
+                return Ok(response);
+            }
+            Ok(Ok(Upgrade::Answered(response))) => {
+                let load = (guard, 0, false);
+                return Ok(forward::passed_on(
+                    response,
+                    &client,
+                    member,
+                    (sent, sent),
+                    load,
+                    (config, metrics),
+                    admitted,
+                ));
+            }
+            // The replica answered, malformed: it is not tried again elsewhere.
+            Ok(Err(e @ SendError::Wire(WireError::Malformed(_)))) => {
+                forward::record_failure(upstream, config, metrics);
+                return Err(ProxyError::Upstream { replica: name.clone(), reason: e.to_string() });
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(replica = %name, error = %e, request_id = admitted.request_id, "replica failed a WebSocket handshake");
+                forward::record_failure(upstream, config, metrics);
+                last_error = Some(ProxyError::Upstream { replica: name.clone(), reason: e.to_string() });
+            }
+            Err(_) => {
+                forward::record_failure(upstream, config, metrics);
+                return Err(ProxyError::Timeout {
+                    replica: name.clone(),
+                    timeout_ms: config.first_byte_timeout.as_millis() as u64,
+                });
+            }
+        }
+    }
+    Err(last_error.unwrap_or_else(|| ProxyError::Unavailable("no healthy replica".into())))
+}
+
+/// An open tunnel's hold on the fleet: its replica's load, its in-flight place, its access
+/// log line.
+struct Session {
+    guard: LoadGuard,
+    _slot: forward::Slot,
+    line: Option<access::Line>,
+    idle: Duration,
+}
+
+impl Session {
+    /// Waits for the client's connection to be handed over, then splices it with the
+    /// replica's, `early` (what the replica sent after its `101`) first.
+    async fn run(self, client_side: hyper::upgrade::OnUpgrade, replica: TcpStream, early: BytesMut) {
+        let mut client = match client_side.await {
+            Ok(upgraded) => TokioIo::new(upgraded),
+            Err(e) => {
+                // The client went away before its connection was handed over.
+                tracing::debug!(error = %e, "a WebSocket client left before its tunnel opened");
+                self.finish(super::body::End::Abandoned);
+                return;
+            }
+        };
+        let idle = self.idle;
+        let spliced = async {
+            client.write_all(&early).await?;
+            splice(&mut client, replica, idle).await
+        };
+        let end = match spliced.await {
+            Ok(()) => super::body::End::Complete,
+            Err(e) => {
+                tracing::debug!(error = %e, "a WebSocket tunnel ended with an error");
+                super::body::End::Failed
+            }
+        };
+        self.finish(end);
+    }
+
+    fn finish(self, end: super::body::End) {
+        if let Some(line) = self.line {
+            line.finish(end, None);
+        }
+        drop(self.guard);
+    }
+}
+
+/// Copies both ways between `client` and `replica` until both have closed, one fails, or no
+/// byte moved either way for `idle` (an error of kind `TimedOut`).
+async fn splice<C>(client: &mut C, replica: TcpStream, idle: Duration) -> std::io::Result<()>
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+{
+    let epoch = Instant::now();
+    let moved = Arc::new(AtomicU64::new(0));
+    let mut client = Watched { inner: client, moved: moved.clone(), epoch };
+    let mut replica = Watched { inner: replica, moved: moved.clone(), epoch };
+    let copy = tokio::io::copy_bidirectional(&mut client, &mut replica);
+    tokio::pin!(copy);
+    loop {
+        let last = epoch + Duration::from_millis(moved.load(Ordering::Relaxed));
+        tokio::select! {
+            copied = &mut copy => return copied.map(drop),
+            () = tokio::time::sleep_until(last + idle) => {
+                if epoch + Duration::from_millis(moved.load(Ordering::Relaxed)) == last {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("no data either way for {idle:?}"),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// A stream that notes when it last read a byte (milliseconds since `epoch`).
+struct Watched<S> {
+    inner: S,
+    moved: Arc<AtomicU64>,
+    epoch: Instant,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            let millis = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+            self.moved.store(millis, Ordering::Relaxed);
+        }
+        polled
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, data)
+    }
+
+    fn poll_flush(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}

@@ -1,0 +1,230 @@
+//! WebSocket upgrades (vLLM's `/v1/realtime`) through the router: the handshake reaches a
+//! replica with its `Upgrade` field, the replica's `101` comes back, and bytes then flow both
+//! ways until each end closes.
+//!
+//! The replica here is a raw socket: the replica agent does not serve the realtime API (it
+//! stands in for vLLM's text endpoints), and the router does not read what the tunnel carries.
+
+use std::net::SocketAddr;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+use crate::proxy::router_in_front_of;
+
+const WAIT: std::time::Duration = std::time::Duration::from_secs(20);
+
+const HANDSHAKE: &str = "GET /v1/realtime?model=m HTTP/1.1\r\nhost: router.example\r\nconnection: Upgrade, x-hop\r\n\
+    x-hop: 1\r\nupgrade: websocket\r\nsec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+    authorization: Bearer k\r\n\r\n";
+
+/// A replica that answers a handshake for `/v1/realtime` with `101`, sends `hello` at once,
+/// then echoes what it reads in upper case and, once the client has closed its side, sends
+/// `bye` and closes. Any other request gets a 404 (a handshake) or an empty 200 (health
+/// checks). Each handshake's head goes to the receiver.
+async fn realtime_replica() -> (SocketAddr, mpsc::UnboundedReceiver<String>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                loop {
+                    let Some(head) = read_head(&mut stream).await else { return };
+                    if !head.contains("\r\nupgrade: websocket\r\n") {
+                        let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
+                        continue;
+                    }
+                    let realtime = head.starts_with("get /v1/realtime");
+                    let _ = tx.send(head);
+                    if !realtime {
+                        let refusal = "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\n\
+                                       content-length: 22\r\n\r\n{\"detail\":\"Not Found\"}";
+                        let _ = stream.write_all(refusal.as_bytes()).await;
+                        continue;
+                    }
+                    let switched = "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n\
+                                    sec-websocket-accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\nhello";
+                    if stream.write_all(switched.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    let mut buf = [0u8; 1024];
+                    while let Ok(n @ 1..) = stream.read(&mut buf).await {
+                        if stream.write_all(&buf[..n].to_ascii_uppercase()).await.is_err() {
+                            return;
+                        }
+                    }
+                    let _ = stream.write_all(b"bye").await;
+                    return;
+                }
+            });
+        }
+    });
+    (addr, rx)
+}
+
+/// Reads a request or response head, lowercased, leaving what follows it unread; `None` at
+/// the end of the stream.
+async fn read_head(stream: &mut TcpStream) -> Option<String> {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte).await {
+            Ok(1) => head.push(byte[0]),
+            _ => return None,
+        }
+    }
+    Some(String::from_utf8_lossy(&head).to_ascii_lowercase())
+}
+
+/// Opens a handshake `head` on the router: the client's stream and the answer's head.
+async fn handshake(router: &str, head: &str) -> (TcpStream, String) {
+    let mut stream = TcpStream::connect(router.trim_start_matches("http://")).await.unwrap();
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let answer =
+        tokio::time::timeout(WAIT, read_head(&mut stream)).await.expect("in time").expect("an answer");
+    (stream, answer)
+}
+
+async fn read_exactly(stream: &mut TcpStream, n: usize) -> String {
+    let mut buf = vec![0; n];
+    tokio::time::timeout(WAIT, stream.read_exact(&mut buf)).await.expect("in time").expect("the bytes");
+    String::from_utf8(buf).unwrap()
+}
+
+#[tokio::test]
+async fn a_websocket_is_tunnelled_to_a_replica_both_ways() {
+    let (replica, mut handshakes) = realtime_replica().await;
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let (mut client, answer) = handshake(&router.url(), HANDSHAKE).await;
+    assert!(answer.starts_with("http/1.1 101"), "{answer}");
+    for field in
+        ["upgrade: websocket", "connection: upgrade", "sec-websocket-accept: s3pplmbitxaq9kygzzhzrbk+xoo="]
+    {
+        assert!(answer.contains(&format!("\r\n{field}\r\n")), "{field}: {answer}");
+    }
+    assert!(answer.contains("\r\nx-kvroute-replica: r0\r\n"), "{answer}");
+    // What the replica sent with its answer comes first.
+    assert_eq!(read_exactly(&mut client, 5).await, "hello");
+    let seen = handshakes.recv().await.expect("the replica saw the handshake");
+    assert!(seen.starts_with("get /v1/realtime?model=m http/1.1\r\n"), "{seen}");
+    for field in [
+        "upgrade: websocket",
+        "connection: upgrade",
+        "sec-websocket-key: dghlihnhbxbszsbub25jzq==",
+        "authorization: bearer k",
+    ] {
+        assert!(seen.contains(&format!("\r\n{field}\r\n")), "{field}: {seen}");
+    }
+    assert!(!seen.contains("x-hop"), "a hop-by-hop field went on: {seen}");
+    client.write_all(b"ping").await.unwrap();
+    assert_eq!(read_exactly(&mut client, 4).await, "PING");
+    client.write_all(b"again").await.unwrap();
+    assert_eq!(read_exactly(&mut client, 5).await, "AGAIN");
+    // The client's close reaches the replica as the end of its stream; the replica's last
+    // bytes and close come back.
+    client.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(WAIT, client.read_to_end(&mut rest)).await.expect("in time").unwrap();
+    assert_eq!(rest, b"bye");
+    shutdown.cancel();
+}
+
+/// A replica that does not take the handshake answers as for any request, and that answer
+/// comes back as it is.
+#[tokio::test]
+async fn a_refused_handshake_comes_back_as_the_replica_answered() {
+    let (replica, mut handshakes) = realtime_replica().await;
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let head = HANDSHAKE.replace("/v1/realtime?model=m", "/v1/elsewhere");
+    let (mut client, answer) = handshake(&router.url(), &head).await;
+    assert!(answer.starts_with("http/1.1 404"), "{answer}");
+    assert!(answer.contains("\r\nx-kvroute-replica: r0\r\n"), "{answer}");
+    assert_eq!(read_exactly(&mut client, 22).await, "{\"detail\":\"Not Found\"}");
+    let seen = handshakes.recv().await.expect("the replica saw the handshake");
+    assert!(seen.starts_with("get /v1/elsewhere http/1.1\r\n"), "{seen}");
+    shutdown.cancel();
+}
+
+/// A tunnel in which nothing moves for the idle timeout is closed; while it is open it holds
+/// its place under `--max-in-flight`, and gives it back when it closes.
+#[tokio::test]
+async fn a_silent_tunnel_is_closed_and_holds_an_in_flight_place_till_then() {
+    let (replica, _handshakes) = realtime_replica().await;
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+        idle_timeout_ms: 1000,
+        max_in_flight: 1,
+        ..c
+    })
+    .await;
+    let (mut client, answer) = handshake(&router.url(), HANDSHAKE).await;
+    assert!(answer.starts_with("http/1.1 101"), "{answer}");
+    let (_, busy) = handshake(&router.url(), HANDSHAKE).await;
+    assert!(busy.starts_with("http/1.1 503"), "a second session while the first holds the place: {busy}");
+    // The replica's greeting, then silence both ways: the router closes the tunnel.
+    let mut rest = Vec::new();
+    tokio::time::timeout(WAIT, client.read_to_end(&mut rest)).await.expect("closed in time").unwrap();
+    assert_eq!(rest, b"hello");
+    let reopened = async {
+        loop {
+            let (_, answer) = handshake(&router.url(), HANDSHAKE).await;
+            if answer.starts_with("http/1.1 101") {
+                return;
+            }
+            assert!(answer.starts_with("http/1.1 503"), "{answer}");
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(WAIT, reopened).await.expect("the place is given back");
+    shutdown.cancel();
+}
+
+/// A replica that refuses the connection is counted against it and the handshake goes on to
+/// the next one.
+#[tokio::test]
+async fn a_handshake_goes_on_past_a_replica_that_refuses_the_connection() {
+    let (replica, _handshakes) = realtime_replica().await;
+    let closed = kvroute_proto::loopback_port::unused().unwrap();
+    let events = kvroute_proto::loopback_port::unused().unwrap();
+    let spec = |name: &str, at: String| {
+        format!("name={name},http=http://{at},events=tcp://127.0.0.1:{events},engine=kvroute")
+            .parse()
+            .unwrap()
+    };
+    let config = kvroute_router::Config {
+        model: crate::fleet::FLEET_MODEL.into(),
+        replicas: vec![spec("gone", format!("127.0.0.1:{closed}")), spec("live", replica.to_string())],
+        // Health checks would find the closed port first and leave nothing to retry.
+        health_interval_ms: 3_600_000,
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    // Ties between equally loaded replicas go by the request id: some ids try `gone` first.
+    let mut retried = false;
+    for i in 0..64 {
+        let head = HANDSHAKE.replace("authorization", &format!("x-request-id: ws-{i}\r\nauthorization"));
+        let (_, answer) = handshake(&router.url(), &head).await;
+        assert!(answer.starts_with("http/1.1 101"), "{answer}");
+        assert!(answer.contains("\r\nx-kvroute-replica: live\r\n"), "{answer}");
+        let metrics = get_body(&router.url(), "/metrics").await;
+        if metrics.lines().any(|l| l.starts_with("kvroute_router_retries_total ") && !l.ends_with(" 0")) {
+            retried = true;
+            break;
+        }
+    }
+    assert!(retried, "no handshake was tried on the closed replica first");
+    shutdown.cancel();
+}
+
+/// The body of a GET on the router (read to the connection's close).
+async fn get_body(router: &str, path: &str) -> String {
+    let mut stream = TcpStream::connect(router.trim_start_matches("http://")).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nhost: r\r\nconnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut all = Vec::new();
+    tokio::time::timeout(WAIT, stream.read_to_end(&mut all)).await.expect("in time").unwrap();
+    String::from_utf8_lossy(&all).into_owned()
+}
