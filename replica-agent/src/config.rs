@@ -128,7 +128,8 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_AGENT_SHUTDOWN_GRACE_SECS", default_value_t = 30)]
     pub shutdown_grace_secs: u64,
     /// Requests to `/v1/*` must carry `Authorization: Bearer <key>`, as with vLLM's
-    /// `--api-key`; others get vLLM's 401. `/health`, `/metrics` and `/tokenize` stay open.
+    /// `--api-key`; others get vLLM's 401. Every path outside `/v1` stays open, as with vLLM:
+    /// `/health`, `/metrics`, `/tokenize`, and `/reset_prefix_cache` too (keep it off the network).
     #[arg(long, env = "KVROUTE_AGENT_API_KEY")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub api_key: Option<String>,

@@ -56,8 +56,9 @@ pub struct SoakArgs {
     /// Seed of the arrivals and of the default workload.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// How prompts are written: `ids` (token ids) or `text` (a word a token with the
-    /// built-in tokenizer; the router tokenizes them, and its tokenizer cache fills).
+    /// How prompts are written: `ids` (token ids), `text` (a word a token with the
+    /// built-in tokenizer; the router tokenizes them, and its tokenizer cache fills),
+    /// `messages` (chats) or `responses` (the Responses API).
     #[arg(long, value_enum, default_value_t = PromptFormat::Ids)]
     pub prompt_format: PromptFormat,
     /// A flag for the router, after the soak's own (repeat it; e.g.

@@ -43,7 +43,7 @@ fn every_router_policy_runs_and_cache_aware_beats_round_robin_on_chat() {
 /// robin. (The simulation is deterministic: this checks its output, not a timing.)
 #[test]
 fn shared_trace_on_eight_replicas() {
-    let Some(trace) = read_shared_trace() else { return };
+    let trace = read_shared_trace();
     let rr = simulate(&trace, &fleet(8, 2048, PolicyKind::RoundRobin)).unwrap();
     let ca = simulate(&trace, &fleet(8, 2048, PolicyKind::CacheAware)).unwrap();
     for report in [&rr, &ca] {

@@ -144,7 +144,7 @@ fn a_trace_is_replayed_in_its_files_order() {
 /// `python3 tests/data/seed000_reference.py TRACE --policy P --capacity C`.
 #[test]
 fn shared_trace_matches_the_reference() {
-    let Some(trace) = read_shared_trace() else { return };
+    let trace = read_shared_trace();
     assert_eq!(trace.len(), 3993);
     const PROMPT: u64 = 61_194_628;
     let cases = [
@@ -189,7 +189,7 @@ fn s3fifo_with_pins_one_request_at_a_time_is_seed_000() {
     use kvroute_proto::BlockHash;
     use kvroute_replica_agent::cache::{BlockCache, CacheConfig};
 
-    let Some(trace) = read_shared_trace() else { return };
+    let trace = read_shared_trace();
     assert_eq!(trace.requests.iter().map(|r| r.hash_ids.len()).max(), Some(374));
     for capacity in [4096, 16384] {
         let report = replay(&trace, Eviction::S3fifo, capacity);

@@ -19,7 +19,8 @@ pub enum DiscoveryMode {
     #[default]
     Static,
     /// Resolve `--discovery-service` (a headless Service's DNS name) every
-    /// `--discovery-interval-ms`; every address is a replica, named by its IP.
+    /// `--discovery-interval-ms`; every address is a replica, named by its IP (a
+    /// dual-stack answer's IPv4 addresses only, if it has any).
     Dns,
     /// Watch the EndpointSlices of Service `--discovery-service` (needs the `k8s` feature);
     /// every endpoint that is not terminating is a replica, named after its pod, routed to

@@ -1,5 +1,6 @@
 //! DNS discovery: resolve a headless Service's name periodically; every address is a
-//! replica named by its IP, with the configured ports.
+//! replica named by its IP, with the configured ports (a dual-stack answer's IPv4 addresses
+//! only, if it has any: vLLM listens on IPv4).
 
 use std::collections::BTreeMap;
 use std::future::Future;
