@@ -29,6 +29,7 @@ pub mod serve;
 #[cfg(feature = "server")]
 pub mod zmtp_guard;
 
+pub mod exits;
 pub mod framing;
 pub mod hash;
 pub mod ids;

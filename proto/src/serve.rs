@@ -510,12 +510,20 @@ mod tests {
     use http_body_util::Full;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+    /// How long a test waits for what must come.
+    const WAIT: Duration = Duration::from_secs(30);
+
+    /// `future`'s output, or a failure if it takes longer than [`WAIT`].
+    async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
+        tokio::time::timeout(WAIT, future).await.unwrap_or_else(|_| panic!("{what}: nothing within {WAIT:?}"))
+    }
+
     /// Sends one HTTP/1.1 request and reads the response until the connection closes.
     async fn get(addr: std::net::SocketAddr) -> String {
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
         stream.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();
         let mut response = String::new();
-        stream.read_to_string(&mut response).await.unwrap();
+        within("a response", stream.read_to_string(&mut response)).await.unwrap();
         response
     }
 
@@ -565,13 +573,13 @@ mod tests {
         // A request in flight when shutdown fires still gets its answer; then serve returns.
         let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
         slow.write_all(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
-        entered.notified().await;
+        within("the slow request's handler", entered.notified()).await;
         shutdown.cancel();
         release.notify_one();
         let mut response = String::new();
-        slow.read_to_string(&mut response).await.unwrap();
+        within("the slow request's answer", slow.read_to_string(&mut response)).await.unwrap();
         assert!(response.starts_with("HTTP/1.1 200"), "{response}");
-        server.await.unwrap().unwrap();
+        within("the server's drain", server).await.unwrap().unwrap();
         assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "the listener is closed");
     }
 
@@ -604,7 +612,7 @@ mod tests {
             let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
             stream.write_all(b"GET /block HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();
             let mut response = String::new();
-            stream.read_to_string(&mut response).await.unwrap();
+            within("a response", stream.read_to_string(&mut response)).await.unwrap();
             response
         });
         let stalled = loop {
@@ -614,11 +622,11 @@ mod tests {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
-        let response = blocked.await.unwrap();
+        let response = within("the blocked request's answer", blocked).await.unwrap();
         assert_eq!(stalled.len(), 1, "{stalled:?}");
         assert!(response.ends_with(&format!("http-{}", stalled[0])), "{stalled:?}: {response}");
         shutdown.cancel();
-        server.await.unwrap().unwrap();
+        within("the server's drain", server).await.unwrap().unwrap();
     }
 
     /// A client that opens its connections in a burst gets them served by every thread
@@ -650,7 +658,7 @@ mod tests {
         for mut stream in streams {
             stream.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();
             let mut response = String::new();
-            stream.read_to_string(&mut response).await.unwrap();
+            within("a response", stream.read_to_string(&mut response)).await.unwrap();
             let thread = response.rsplit("\r\n").next().unwrap().to_owned();
             *served.entry(thread).or_default() += 1;
         }
@@ -659,7 +667,7 @@ mod tests {
         assert_eq!(served.len(), 2, "{served:?}");
         assert!(served.values().all(|&n| n >= 12), "{served:?}");
         shutdown.cancel();
-        server.await.unwrap().unwrap();
+        within("the server's drain", server).await.unwrap().unwrap();
     }
 
     /// An endless response body that tells when it is dropped.
@@ -717,7 +725,7 @@ mod tests {
         assert!(send_timeout::send_timeouts() > before, "counted");
         drop(client);
         shutdown.cancel();
-        server.await.unwrap();
+        within("the server's drain", server).await.unwrap();
     }
 
     /// A server of one connection slot and a 300 ms header-read timeout, answering "fine".
@@ -757,7 +765,7 @@ mod tests {
         kept.await.unwrap().ok();
         drop(h2);
         shutdown.cancel();
-        server.await.unwrap();
+        within("the server's drain", server).await.unwrap();
     }
 
     /// A shutdown does not wait for ever on an HTTP/2 peer that went silent after its preface
@@ -787,7 +795,7 @@ mod tests {
                     .expect("the silent peer's slot came free");
                 assert!(answer.ends_with("fine"), "{answer}");
                 shutdown.cancel();
-                server.await.unwrap();
+                within("the server's drain", server).await.unwrap();
             }
             drop(peer);
         }
@@ -810,7 +818,7 @@ mod tests {
             let read = tokio::time::timeout(Duration::from_secs(10), silent.read_to_end(&mut rest)).await;
             assert!(read.is_ok_and(|read| read.is_ok_and(|n| n == 0)), "closed without an answer: {rest:?}");
             shutdown.cancel();
-            server.await.unwrap();
+            within("the server's drain", server).await.unwrap();
         }
     }
 }

@@ -38,6 +38,30 @@ async fn start(format: EventFormat) -> (Publisher, PublisherEndpoints, Cancellat
     (publisher, endpoints, shutdown)
 }
 
+/// How long a test waits for what must come.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// `what`, or a failure if it has not finished within [`WAIT`].
+async fn within<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(WAIT, future).await.unwrap_or_else(|_| panic!("{what}: nothing within {WAIT:?}"))
+}
+
+/// Publishes batches from `seq` on until `sub` receives one (the subscription has reached
+/// the publisher: a slow joiner misses what came before), and returns that frame and the
+/// next seq to publish.
+async fn joined(publisher: &Publisher, sub: &mut SubSocket, mut seq: u64) -> (ZmqMessage, u64) {
+    within("a subscription reaching the publisher", async {
+        loop {
+            assert!(publisher.publish(batch(seq)).await);
+            seq += 1;
+            if let Ok(Ok(msg)) = tokio::time::timeout(Duration::from_millis(50), sub.recv()).await {
+                return (msg, seq);
+            }
+        }
+    })
+    .await
+}
+
 async fn subscribe(endpoint: &str) -> SubSocket {
     let mut sub = SubSocket::new();
     sub.connect(endpoint).await.unwrap();
@@ -66,15 +90,7 @@ async fn replay(endpoint: &str, start: u64) -> Vec<ReplayReply> {
 async fn live_batches_reach_a_subscriber_and_replay_returns_the_rest() {
     let (publisher, endpoints, shutdown) = start(EventFormat::Kvroute).await;
     let mut sub = subscribe(&endpoints.events).await;
-    // Slow joiner: publish until the subscription has reached the publisher, then go on.
-    let mut seq = 0;
-    let first = loop {
-        assert!(publisher.publish(batch(seq)).await);
-        seq += 1;
-        if let Ok(Ok(msg)) = tokio::time::timeout(Duration::from_millis(50), sub.recv()).await {
-            break msg;
-        }
-    };
+    let (first, seq) = joined(&publisher, &mut sub, 0).await;
     let (topic, got) = native::decode(&first.into_vec()).unwrap();
     assert_eq!(&topic[..], b"kv-events");
     assert_eq!(got, batch(got.seq));
@@ -83,7 +99,7 @@ async fn live_batches_reach_a_subscriber_and_replay_returns_the_rest() {
     }
     let mut last = got.seq;
     while last + 1 < seq + 3 {
-        let (_, b) = native::decode(&sub.recv().await.unwrap().into_vec()).unwrap();
+        let (_, b) = native::decode(&within("a live batch", sub.recv()).await.unwrap().into_vec()).unwrap();
         assert_eq!(b.seq, last + 1, "live stream is contiguous");
         last = b.seq;
     }
@@ -107,7 +123,18 @@ async fn live_batches_reach_a_subscriber_and_replay_returns_the_rest() {
 #[tokio::test]
 async fn batches_handed_over_before_shutdown_are_sent() {
     let mut socket = PubSocket::new();
-    socket.bind("tcp://127.0.0.1:0").await.unwrap();
+    let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let mut sub = subscribe(&endpoint).await;
+    // Probes on the socket itself until one arrives: the subscription has reached it.
+    within("a subscription reaching the socket", async {
+        loop {
+            socket.send(ZmqMessage::from("probe")).await.unwrap();
+            if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(50), sub.recv()).await {
+                return;
+            }
+        }
+    })
+    .await;
     let config = PublisherConfig::default();
     let (tx, rx) = mpsc::channel(config.queue);
     for seq in 0..200 {
@@ -119,6 +146,16 @@ async fn batches_handed_over_before_shutdown_are_sent() {
     publish_loop(socket, rx, config, Bytes::from_static(b"kv-events"), buffer.clone(), shutdown).await;
     let kept: Vec<u64> = buffer.lock().unwrap().iter().map(|(seq, _)| seq.0).collect();
     assert_eq!(kept, (0..200).collect::<Vec<u64>>());
+    let mut sent = Vec::new();
+    while sent.len() < 200 {
+        let msg = within("the batches on the socket", sub.recv()).await.unwrap();
+        if msg.get(0).is_some_and(|frame| &frame[..] == b"probe") {
+            continue;
+        }
+        let (_, batch) = native::decode(&msg.into_vec()).unwrap();
+        sent.push(batch.seq);
+    }
+    assert_eq!(sent, (0..200).collect::<Vec<u64>>());
 }
 
 #[tokio::test]
@@ -135,9 +172,12 @@ async fn replay_buffer_is_bounded() {
     }
     // Wait until the last batch is buffered: replay from 9 returns it.
     let ep = endpoints.replay.clone().unwrap();
-    while replay(&ep, 9).await.len() != 2 {
-        tokio::task::yield_now().await;
-    }
+    within("the last batch in the buffer", async {
+        while replay(&ep, 9).await.len() != 2 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
     let seqs: Vec<u64> = replay(&ep, 0)
         .await
         .into_iter()
@@ -155,13 +195,16 @@ async fn vllm_format_decodes_with_the_vllm_decoder() {
     let (publisher, endpoints, shutdown) = start(EventFormat::Vllm).await;
     publisher.publish(batch(0)).await;
     let ep = endpoints.replay.clone().unwrap();
-    let replies = loop {
-        let r = replay(&ep, 0).await;
-        if r.len() == 2 {
-            break r;
+    let replies = within("the batch in the buffer", async {
+        loop {
+            let r = replay(&ep, 0).await;
+            if r.len() == 2 {
+                return r;
+            }
+            tokio::task::yield_now().await;
         }
-        tokio::task::yield_now().await;
-    };
+    })
+    .await;
     let ReplayReply::Batch(m) = &replies[0] else { panic!("batch expected") };
     let decoded = vllm::decode_payload(&m.payload).unwrap();
     let vllm::VllmEvent::BlockStored(stored) = &decoded.events[0] else { panic!("BlockStored expected") };
@@ -236,14 +279,7 @@ async fn a_peer_announcing_a_huge_frame_is_cut_off_and_the_others_served() {
     }
     assert_eq!(publisher.refused().load(std::sync::atomic::Ordering::Relaxed), 2);
     let mut sub = subscribe(&endpoints.events).await;
-    let mut seq = 0;
-    loop {
-        assert!(publisher.publish(batch(seq)).await);
-        seq += 1;
-        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(50), sub.recv()).await {
-            break;
-        }
-    }
+    joined(&publisher, &mut sub, 0).await;
     assert!(matches!(replay(endpoints.replay.as_ref().unwrap(), 0).await.last(), Some(ReplayReply::End)));
     shutdown.cancel();
 }

@@ -1,28 +1,42 @@
 //! The `kvroute-agent` binary refuses bad flags and invalid settings with a message and a
 //! non-zero exit, before binding anything.
 
-fn agent_binary(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_kvroute-agent"))
-        .args(args)
-        .env_remove("KVROUTE_AGENT_CONFIG")
-        .output()
-        .expect("run kvroute-agent")
+use std::time::Duration;
+
+/// Runs the agent binary with `args` (its sockets on port 0 unless `args` set them) and
+/// returns its exit code and what it printed; fails if it did not exit (it took the flags).
+fn refused_by_agent(args: &[&str]) -> (Option<i32>, String) {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute-agent"));
+    command.args(args).env_remove("KVROUTE_AGENT_CONFIG");
+    for (flag, any) in [
+        ("--http-addr", "127.0.0.1:0"),
+        ("--grpc-addr", "127.0.0.1:0"),
+        ("--events-endpoint", "tcp://127.0.0.1:0"),
+        ("--replay-endpoint", "tcp://127.0.0.1:0"),
+    ] {
+        if !args.contains(&flag) {
+            command.args([flag, any]);
+        }
+    }
+    let out = kvroute_proto::exits::output_within(command, Duration::from_secs(30))
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 #[test]
 fn bad_flags_make_the_binary_exit_with_a_message() {
-    for args in [
-        &["--bogus-flag"][..],
-        &["--block-size", "sixteen"],
-        &["--policy", "fifo"],
-        &["--http-addr", "nowhere"],
-        &["--block-size", "0"],
-        &["--max-header-bytes", "100"],
-        &["--max-connections", "0"],
-        &["--config", "/nonexistent/agent.toml"],
+    for (args, fragment) in [
+        (&["--bogus-flag"][..], "'--bogus-flag'"),
+        (&["--block-size", "sixteen"], "'sixteen' for '--block-size"),
+        (&["--policy", "fifo"], "'fifo' for '--policy"),
+        (&["--http-addr", "nowhere"], "'nowhere' for '--http-addr"),
+        (&["--block-size", "0"], "--block-size must be at least 1"),
+        (&["--max-header-bytes", "100"], "--max-header-bytes must be at least 8192"),
+        (&["--max-connections", "0"], "--max-connections must be between 1 and"),
+        (&["--config", "/nonexistent/agent.toml"], "/nonexistent/agent.toml"),
     ] {
-        let out = agent_binary(args);
-        assert!(!out.status.success(), "{args:?} was accepted");
-        assert!(!out.stderr.is_empty(), "{args:?}: no message");
+        let (code, stderr) = refused_by_agent(args);
+        assert_eq!(code, Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(fragment), "{args:?}: {fragment:?} not in {stderr}");
     }
 }

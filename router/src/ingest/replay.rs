@@ -271,7 +271,8 @@ mod tests {
     async fn a_replay_without_its_end_marker_keeps_what_came() {
         let budget = budget(1 << 20);
         let endpoint = peer_ending(Duration::ZERO, Some(3), false).await;
-        let timeout = Duration::from_millis(200);
+        // The timeout ends each replay here: long enough for a loaded machine's batches.
+        let timeout = Duration::from_secs(1);
         let replayed = fetch(&endpoint, Seq(0), timeout, unbounded(&budget), Arc::new(|| {})).await.unwrap();
         let seqs: Vec<u64> = replayed.batches.iter().map(|b| b.seq.0).collect();
         assert_eq!((seqs, replayed.ended), (vec![0, 1, 2], false));
@@ -323,7 +324,9 @@ mod tests {
         let shared = budget(10);
         let (a, b) =
             (peer(Duration::from_millis(1), Some(8)).await, peer(Duration::from_millis(1), Some(8)).await);
-        let timeout = Duration::from_millis(300);
+        // The first to wait this long for budget gives its part back: short enough for a test,
+        // long enough for a loaded machine's batches.
+        let timeout = Duration::from_secs(1);
         // Each applied, and its budget given back, as soon as it is complete.
         let replay = async |endpoint| {
             let replayed = fetch(endpoint, Seq(0), timeout, unbounded(&shared), Arc::new(|| {})).await?;

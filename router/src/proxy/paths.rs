@@ -29,11 +29,20 @@ const OWN: [(&str, &str); 12] = [
 ];
 
 /// The engines' own paths outside `/v1/` that pass through like `/v1/*` ones: vLLM's tokenizer,
-/// pooling, scoring and reranking endpoints, and SGLang's `/encode`. Not the ones that
+/// pooling, scoring and reranking endpoints and its `/version`, and SGLang's `/encode`. Not the ones that
 /// generate text some other way (vLLM's `/invocations`, SGLang's `/generate`): through them a
 /// generation would skip the router's placement and its prompt and completion limits.
-const ENGINE: [&str; 8] =
-    ["/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/encode", "/v2/rerank"];
+const ENGINE: [&str; 9] = [
+    "/tokenize",
+    "/detokenize",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/rerank",
+    "/encode",
+    "/v2/rerank",
+    "/version",
+];
 
 /// Whether a path the router does not answer itself goes to a replica: `/v1/*`, and the
 /// engines' other paths in [`ENGINE`] (each with what follows a `/`).
@@ -112,9 +121,20 @@ mod tests {
 
     #[test]
     fn engine_paths_pass_through_and_others_do_not() {
-        for path in
-            ["/v1/embeddings", "/v2/rerank", "/tokenize", "/detokenize", "/rerank", "/encode", "/v1/x/y"]
-        {
+        let engine = [
+            "/v1/embeddings",
+            "/v2/rerank",
+            "/tokenize",
+            "/detokenize",
+            "/pooling",
+            "/classify",
+            "/score",
+            "/rerank",
+            "/encode",
+            "/version",
+            "/v1/x/y",
+        ];
+        for path in engine {
             assert!(passes_through(path), "{path}");
         }
         let others = [
@@ -122,7 +142,7 @@ mod tests {
             "/v1",
             "/v2/models/m/load",
             "/tokenizer",
-            "/version",
+            "/versions",
             "/v10/x",
             "/generate",
             "/invocations",

@@ -390,4 +390,15 @@ mod tests {
         assert!(owners.missing.get("resp_late").is_none());
         assert_eq!(owners.owner("resp_late").as_deref(), Some("replica-1"));
     }
+
+    /// `--response-owners` bounds what is remembered: past it, older ids give way.
+    #[test]
+    fn the_owners_remembered_are_bounded() {
+        let owners = Owners::new(4);
+        for i in 0..100 {
+            owners.learn(&format!("resp_{i}"), &"replica-1".into());
+        }
+        assert!((1..=4).contains(&owners.len()), "{} remembered", owners.len());
+        assert_eq!(owners.owner("resp_99").as_deref(), Some("replica-1"), "the newest is kept");
+    }
 }

@@ -192,8 +192,8 @@ async fn a_replica_added_later_does_not_unready_the_router() {
     let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
     let silent = pb::ReplicaSpec {
         id: "silent".into(),
-        http_url: "http://127.0.0.1:9".into(),
-        event_endpoint: "tcp://127.0.0.1:9".into(),
+        http_url: format!("http://127.0.0.1:{}", kvroute_proto::loopback_port::unused().unwrap()),
+        event_endpoint: crate::support::nowhere(),
         engine: pb::EngineKind::Kvroute as i32,
         dp_size: 1,
         ..Default::default()

@@ -54,7 +54,7 @@ async fn a_drain_ends_with_an_address_discovery_removed() {
     let h = Harness::start();
     let fleet = Fleet::new(h.ingest.clone());
     for name in ["10.0.0.5", "vllm-0"] {
-        let spec = ReplicaSpec::new(name, "tcp://127.0.0.1:9", EngineKind::Vllm, MODEL);
+        let spec = ReplicaSpec::new(name, crate::support::nowhere(), EngineKind::Vllm, MODEL);
         fleet.upsert(spec.clone()).await.unwrap();
         fleet.set_draining(name, true).unwrap();
         ReplicaSink::remove(&fleet, name).await;

@@ -438,8 +438,9 @@ async fn a_replica_whose_streams_go_silent_is_ejected() {
 }
 
 /// A stream's first event comes after its request's queueing and prefill, which the
-/// first-byte timeout bounds, not the idle timeout: `agent-1` takes a second to prefill,
-/// then its tokens come fast, and its streams end whole with an idle timeout of 300 ms.
+/// first-byte timeout bounds, not the idle timeout: `agent-1` takes over two seconds to
+/// prefill, then its tokens come fast, and its streams end whole with an idle timeout of 1 s
+/// (long enough that a loaded machine's pauses between tokens do not reach it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streams_first_event_may_take_up_to_the_first_byte_timeout() {
     let slow_prefill = |name: &str| match name {
@@ -447,14 +448,14 @@ async fn a_streams_first_event_may_take_up_to_the_first_byte_timeout() {
             time_scale: 1.0,
             step_base_us: 1_000,
             decode_us_per_seq: 0,
-            prefill_us_per_token: 100_000,
+            prefill_us_per_token: 300_000,
             ..fault_agent(name)
         },
         _ => fault_agent(name),
     };
     let fleet = Fleet::with(2, slow_prefill, |c| kvroute_router::Config {
         first_byte_timeout_ms: 30_000,
-        idle_timeout_ms: 300,
+        idle_timeout_ms: 1_000,
         policy: kvroute_router::policy::PolicyKind::RoundRobin,
         ..c
     })
@@ -469,7 +470,7 @@ async fn a_streams_first_event_may_take_up_to_the_first_byte_timeout() {
         let text = drain(response).await;
         assert!(text.contains("data: [DONE]") && !text.contains("\"error\""), "{text}");
         if agent_1 {
-            assert!(sent.elapsed() > Duration::from_millis(300), "the prefill outlasted the idle timeout");
+            assert!(sent.elapsed() > Duration::from_millis(1_000), "the prefill outlasted the idle timeout");
             slow_streams += 1;
         }
     }

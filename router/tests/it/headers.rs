@@ -221,7 +221,9 @@ async fn a_retried_request_carries_the_same_fields_to_the_next_replica() {
         recording_replica(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n").await;
     let (answering, mut answered) = recording_replica(ANSWER).await;
     let replica = |name: &str, at: std::net::SocketAddr| {
-        format!("name={name},http=http://{at},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap()
+        format!("name={name},http=http://{at},events={},engine=kvroute", crate::support::nowhere())
+            .parse()
+            .unwrap()
     };
     let config = kvroute_router::Config {
         model: FLEET_MODEL.into(),
@@ -270,7 +272,9 @@ async fn refusals_do_not_eject_a_replica() {
         recording_replica(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n").await;
     let (answering, _answered) = recording_replica(ANSWER).await;
     let replica = |name: &str, at: std::net::SocketAddr| {
-        format!("name={name},http=http://{at},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap()
+        format!("name={name},http=http://{at},events={},engine=kvroute", crate::support::nowhere())
+            .parse()
+            .unwrap()
     };
     let config = kvroute_router::Config {
         model: FLEET_MODEL.into(),

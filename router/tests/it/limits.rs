@@ -22,15 +22,18 @@ use crate::fleet::{FLEET_BLOCK, FLEET_MODEL, Fleet, Reply, agent_config, index_m
 
 /// Sends one raw HTTP/1.1 request on `stream` and returns the response head.
 async fn raw_request(stream: &mut TcpStream, head: &str) -> String {
-    stream.write_all(head.as_bytes()).await.unwrap();
-    let mut buf = vec![0u8; 4096];
-    let mut got = Vec::new();
-    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = stream.read(&mut buf).await.unwrap();
-        assert!(n > 0, "connection closed before a response: {}", String::from_utf8_lossy(&got));
-        got.extend_from_slice(&buf[..n]);
-    }
-    String::from_utf8_lossy(&got).into_owned()
+    let exchange = async {
+        stream.write_all(head.as_bytes()).await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let mut got = Vec::new();
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = stream.read(&mut buf).await.unwrap();
+            assert!(n > 0, "connection closed before a response: {}", String::from_utf8_lossy(&got));
+            got.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    };
+    tokio::time::timeout(crate::support::WAIT, exchange).await.expect("a response head in time")
 }
 
 fn get_health(extra: &str) -> String {
@@ -396,20 +399,46 @@ async fn secrets_never_appear_in_logs_inner() {
     let request = http::Request::post(format!("{}/v1/completions", router.url()))
         .header("x-request-id", "logged-empty")
         .header("content-type", "application/json")
-        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .body(http_body_util::Full::new(bytes::Bytes::from(body.clone())))
         .unwrap();
     let response = client.request(request).await.unwrap();
     assert_eq!(response.status(), 200);
     http_body_util::BodyExt::collect(response.into_body()).await.unwrap();
     stop.cancel();
-    // A request whose client left before its answer began.
-    let asked = (http::Method::POST, "/v1/completions".to_owned());
-    drop(kvroute_router::proxy::access::Unanswered::new(
-        "logged-gone",
-        Some(&asked),
-        Some(tokio::time::Instant::now()),
-        None,
-    ));
+    // A request whose client left before its answer began: the replica holds it unanswered.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    let (got, mut arrived) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        let mut held = Vec::new();
+        while let Ok((mut stream, _)) = silent.accept().await {
+            let mut request = [0u8; 4096];
+            if let Ok(n @ 1..) = stream.read(&mut request).await
+                && request[..n].starts_with(b"POST ")
+            {
+                got.send(()).ok();
+            }
+            held.push(stream);
+        }
+    });
+    let (router, stop) =
+        crate::proxy::router_in_front_of(addr, |c| kvroute_router::Config { access_log: true, ..c }).await;
+    let mut leaving = TcpStream::connect(router.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: r\r\nx-request-id: logged-gone\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    leaving.write_all(head.as_bytes()).await.unwrap();
+    tokio::time::timeout(crate::support::WAIT, arrived.recv())
+        .await
+        .expect("in time")
+        .expect("at the replica");
+    drop(leaving);
+    let logged = || String::from_utf8_lossy(&captured.0.lock().unwrap()).contains("logged-gone");
+    crate::support::wait_until("the abandoned request's line", logged).await;
+    stop.cancel();
 
     let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
     assert!(logs.contains("router started"), "the capture works: {logs}");
@@ -444,37 +473,42 @@ async fn secrets_never_appear_in_logs_inner() {
     }
 }
 
-fn router_binary(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
-        .args(args)
-        .env_remove("KVROUTE_ADMIN_TOKEN")
-        .env_remove("KVROUTE_CONFIG")
-        .output()
-        .expect("run kvroute-router")
+/// Runs the router binary with `args` (its listeners on port 0 unless `args` set them) and
+/// returns its exit code and what it printed; fails if it did not exit (it took the flags).
+fn refused_by_router(args: &[&str]) -> (Option<i32>, String) {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute-router"));
+    command.args(args).env_remove("KVROUTE_ADMIN_TOKEN").env_remove("KVROUTE_CONFIG");
+    for listener in ["--listen", "--admin-listen"] {
+        if !args.contains(&listener) {
+            command.args([listener, "127.0.0.1:0"]);
+        }
+    }
+    let out = kvroute_proto::exits::output_within(command, crate::support::WAIT)
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 #[test]
 fn the_binary_refuses_an_admin_service_beyond_loopback_without_a_token() {
-    let out = router_binary(&["--listen", "127.0.0.1:0", "--admin-listen", "0.0.0.0:0"]);
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let (code, stderr) = refused_by_router(&["--admin-listen", "0.0.0.0:0"]);
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("--admin-token"), "{stderr}");
 }
 
 #[test]
 fn bad_flags_make_the_binary_exit_with_a_message() {
-    for args in [
-        &["--bogus-flag"][..],
-        &["--max-in-flight", "many"],
-        &["--policy", "fastest"],
-        &["--listen", "not-an-address"],
-        &["--replica", "name=r0"],
-        &["--max-header-bytes", "100"],
-        &["--config", "/nonexistent/router.toml"],
+    for (args, fragment) in [
+        (&["--bogus-flag"][..], "'--bogus-flag'"),
+        (&["--max-in-flight", "many"], "'many' for '--max-in-flight"),
+        (&["--policy", "fastest"], "'fastest' for '--policy"),
+        (&["--listen", "not-an-address"], "'not-an-address' for '--listen"),
+        (&["--replica", "name=r0"], "missing field `http`"),
+        (&["--max-header-bytes", "100"], "--max-header-bytes must be at least 8192"),
+        (&["--config", "/nonexistent/router.toml"], "/nonexistent/router.toml"),
     ] {
-        let out = router_binary(args);
-        assert!(!out.status.success(), "{args:?} was accepted");
-        assert!(!out.stderr.is_empty(), "{args:?}: no message");
+        let (code, stderr) = refused_by_router(args);
+        assert_eq!(code, Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(fragment), "{args:?}: {fragment:?} not in {stderr}");
     }
 }
 

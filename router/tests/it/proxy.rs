@@ -8,7 +8,7 @@ use kvroute_proto::openai::Endpoint;
 use serde_json::{Value, json};
 
 use crate::fleet::{FLEET_BLOCK, FLEET_MODEL, Fleet, agent_config};
-use crate::support::wait_until;
+use crate::support::{WAIT, wait_until};
 
 fn completion(prompt: &str, max_tokens: u32) -> Value {
     json!({"model": FLEET_MODEL, "prompt": prompt, "max_tokens": max_tokens})
@@ -137,7 +137,11 @@ async fn streaming_passes_chunks_through_before_the_response_ends() {
     let mut body = response.into_body();
     let first = crate::fleet::first_data(&mut body).await;
     assert!(std::str::from_utf8(&first).unwrap().starts_with("data: "));
-    // 200 tokens at 6 ms per step take over a second: the first chunk came well before the end.
+    // 200 tokens at 6 ms per step take over a second: the first chunk came while the replica
+    // was still generating (a router that gathered the response first would pass it on only
+    // after the replica finished).
+    let running: u32 = (0..2).map(|i| fleet.agent(i).engine.stats().running).sum();
+    assert_eq!(running, 1, "the first chunk came before the replica finished");
     let first = String::from_utf8_lossy(&first);
     assert!(!first.contains("[DONE]"), "the first chunk came before the end: {first}");
     let rest = body.collect().await.unwrap().to_bytes();
@@ -235,7 +239,12 @@ async fn router_hashes_equal_the_blocks_the_replica_stores() {
     let ids: Vec<u32> = (100..140).collect();
     let body = json!({"model": FLEET_MODEL, "prompt": ids, "max_tokens": 1});
     let plan = decider.explain(Endpoint::Completions, body.to_string().as_bytes()).await.unwrap();
-    assert_eq!(plan.blocks, CacheNamespace::new(FLEET_MODEL).chain(&ids, FLEET_BLOCK as usize));
+    assert_eq!(plan.blocks.len(), ids.len() / FLEET_BLOCK as usize);
+    assert_eq!(fleet.http.post(&fleet.url("/v1/completions"), &body).await.status, 200);
+    let resident: std::collections::HashSet<_> = fleet.agent(0).engine.resident().into_iter().collect();
+    for b in &plan.blocks {
+        assert!(resident.contains(b), "token ids: router block {b} is what the replica stored");
+    }
 }
 
 /// The prefix cache (on by default) gives every turn of a growing conversation the block
@@ -381,7 +390,9 @@ async fn remote_tokenization_asks_the_next_replica_when_one_fails() {
     let fleet = Fleet::with(1, agent_config, |c| kvroute_router::Config { remote_tokenize: true, ..c }).await;
     // Added once the router is ready: its events never come.
     let broken: kvroute_router::config::ReplicaConfig =
-        format!("name=broken,http=http://{failing},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap();
+        format!("name=broken,http=http://{failing},events={},engine=kvroute", crate::support::nowhere())
+            .parse()
+            .unwrap();
     fleet.router.fleet().add(broken.to_spec(FLEET_MODEL, FLEET_BLOCK)).unwrap();
     for i in 0..8 {
         let body = completion(&text(&format!("failover{i}"), 30), 1).to_string();
@@ -410,9 +421,14 @@ async fn a_replica_removed_during_a_remote_tokenization_is_not_chosen() {
     let sent = tokio::spawn(async move {
         crate::fleet::Http::new().post(&url, &completion(&text("leaving", 30), 1)).await
     });
-    tokenizing.recv().await.expect("the prompt is sent to /tokenize");
+    tokio::time::timeout(WAIT, tokenizing.recv())
+        .await
+        .expect("in time")
+        .expect("the prompt is sent to /tokenize");
     let joining: kvroute_router::config::ReplicaConfig =
-        format!("name=r1,http=http://{joining},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap();
+        format!("name=r1,http=http://{joining},events={},engine=kvroute", crate::support::nowhere())
+            .parse()
+            .unwrap();
     router.fleet().add(joining.to_spec(FLEET_MODEL, FLEET_BLOCK)).unwrap();
     router.fleet().remove("r0").await.expect("r0 was a member");
     gate.add_permits(1);
@@ -656,7 +672,10 @@ async fn raw_exchange(fleet: &Fleet, request: &[u8]) -> String {
     let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
     stream.write_all(request).await.unwrap();
     let mut response = Vec::new();
-    stream.read_to_end(&mut response).await.unwrap();
+    tokio::time::timeout(WAIT, stream.read_to_end(&mut response))
+        .await
+        .expect("the response's end in time")
+        .unwrap();
     String::from_utf8_lossy(&response).into_owned()
 }
 
@@ -844,7 +863,9 @@ pub(crate) async fn router_in_front_of(
     let config = tweak(kvroute_router::Config {
         model: FLEET_MODEL.into(),
         replicas: vec![
-            format!("name=r0,http=http://{replica},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap(),
+            format!("name=r0,http=http://{replica},events={},engine=kvroute", crate::support::nowhere())
+                .parse()
+                .unwrap(),
         ],
         ..kvroute_router::Config::loopback(Vec::new())
     });
@@ -1166,7 +1187,7 @@ async fn a_lora_refusal_beside_an_adapter_there_already_is_a_fan_out_failure() {
     assert_eq!(http.post(&format!("{agent}/v1/load_lora_adapter"), &load).await.status, 200);
     let (refusing, _asked) = crate::headers::recording_replica(REFUSAL).await;
     let refusing: kvroute_router::config::ReplicaConfig =
-        format!("name=refusing,http=http://{refusing},events=tcp://127.0.0.1:9,engine=kvroute")
+        format!("name=refusing,http=http://{refusing},events={},engine=kvroute", crate::support::nowhere())
             .parse()
             .unwrap();
     fleet.router.fleet().add(refusing.to_spec(FLEET_MODEL, FLEET_BLOCK)).unwrap();
@@ -1580,7 +1601,7 @@ async fn a_malformed_answer_is_not_sent_to_another_replica() {
         replicas: [("r0", bad), ("r1", good)]
             .iter()
             .map(|(name, addr)| {
-                format!("name={name},http=http://{addr},events=tcp://127.0.0.1:9,engine=kvroute")
+                format!("name={name},http=http://{addr},events={},engine=kvroute", crate::support::nowhere())
                     .parse()
                     .unwrap()
             })
@@ -1716,7 +1737,9 @@ async fn refuser_and_server() -> (kvroute_router::RunningRouter, tokio_util::syn
     )
     .await;
     let replica = |name: &str, addr: std::net::SocketAddr| {
-        format!("name={name},http=http://{addr},events=tcp://127.0.0.1:9,engine=kvroute").parse().unwrap()
+        format!("name={name},http=http://{addr},events={},engine=kvroute", crate::support::nowhere())
+            .parse()
+            .unwrap()
     };
     let config = kvroute_router::Config {
         model: FLEET_MODEL.into(),

@@ -29,6 +29,12 @@ pub const BLOCK: u32 = 4;
 /// Upper bound of every wait; generous because four engineers share two cores.
 pub const WAIT: Duration = Duration::from_secs(30);
 
+/// An event endpoint on loopback that nothing listens on (a publisher that never comes):
+/// outside the ephemeral range, unlike a fixed low port a CI host may serve.
+pub fn nowhere() -> String {
+    format!("tcp://127.0.0.1:{}", kvroute_proto::loopback_port::unused().expect("a free port"))
+}
+
 /// Polls `cond` until it holds; panics with `what` after [`WAIT`].
 pub async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     wait_until_async(what, async || cond()).await;
