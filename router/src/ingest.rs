@@ -64,7 +64,7 @@
 //! kvroute's replica agent has one.
 //!
 //! # Parameters ([`IngestConfig`])
-//! channel 4096 live messages per rank (overflow → counted, becomes a gap), fallback after
+//! channel 4096 live messages and 64 MiB of them per rank (overflow → counted, becomes a gap), fallback after
 //! 10 s without a connection, reconnect backoff 1 s, replay timeout 5 s, replay cap 100 000
 //! batches (256 MiB of payload for all replays together), snapshot timeout 30 s and cap 4 Mi blocks, FALLBACK after 16 malformed
 //! messages in a row, catch-up replay 1 s after each connect.
@@ -108,6 +108,8 @@ use subscriber::SubscriberConfig;
 pub struct IngestConfig {
     /// Live messages buffered per rank between the socket and the stream task.
     pub channel_capacity: usize,
+    /// Frame bytes those messages may hold together, per rank.
+    pub channel_max_bytes: usize,
     /// A rank without a connection this long is FALLBACK (also the SUB connect timeout).
     pub fallback_after: Duration,
     /// Pause between failed connection attempts.
@@ -138,6 +140,7 @@ impl Default for IngestConfig {
     fn default() -> Self {
         Self {
             channel_capacity: 4096,
+            channel_max_bytes: 64 << 20,
             fallback_after: Duration::from_secs(10),
             reconnect_backoff: Duration::from_secs(1),
             replay_timeout: Duration::from_secs(5),
@@ -266,6 +269,7 @@ impl Ingest {
                 topic: spec.topic.clone(),
                 fallback_after: inner.config.fallback_after,
                 reconnect_backoff: inner.config.reconnect_backoff,
+                max_queued_bytes: inner.config.channel_max_bytes,
             };
             let stream = RankStream::new(ctx.clone(), rank, replay);
             inner.tracker.spawn(running.tasks.track_future(subscriber::run(

@@ -203,8 +203,8 @@ impl RankStream {
             Input::Unreachable => self.set_state(StreamState::Fallback),
             // Late frames of the lost connection (or early ones of the next): the repair
             // after `Connected` replays them.
-            Input::Frames(_) if self.disconnected => {}
-            Input::Frames(frames) => self.on_frames(&frames).await,
+            Input::Frames(..) if self.disconnected => {}
+            Input::Frames(frames, _queued) => self.on_frames(&frames).await,
         }
     }
 

@@ -14,12 +14,16 @@
 //! resolve, no route) reach the SUB as a failed handshake, and the guard's log line names
 //! the cause.
 //!
-//! Live messages go through `try_send`: a full channel drops the message and counts it
-//! (`overflow`) instead of stalling the socket (the publisher's queue is unbounded). As soon
+//! Live messages go through `try_send`: a full channel, or one holding `max_queued_bytes` of
+//! frames already (a message can be up to the ZMTP guard's 64 MiB, so a count alone bounds
+//! nothing), drops the message and counts it (`overflow`) instead of stalling the socket (the
+//! publisher's queue is unbounded). As soon
 //! as the channel has room again, [`Input::Overflowed`] tells the stream to replay what it
 //! missed (even if no later message would reveal the gap). Control inputs use `send` (they
 //! are rare and must not be lost).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -43,8 +47,33 @@ pub(crate) enum Input {
     Unreachable,
     /// Live messages were dropped because the channel was full (sent once there is room).
     Overflowed,
-    /// One live message's frames.
-    Frames(Vec<Bytes>),
+    /// One live message's frames, counted in the channel's bytes until dropped.
+    Frames(Vec<Bytes>, Queued),
+}
+
+/// A live message's share of its channel's bytes, given back when the message is dropped.
+#[derive(Debug)]
+pub(crate) struct Queued {
+    bytes: usize,
+    queued: Arc<AtomicUsize>,
+}
+
+impl Queued {
+    /// Counts `bytes` in `queued`, unless that would take it past `limit`.
+    fn take(queued: &Arc<AtomicUsize>, bytes: usize, limit: usize) -> Option<Queued> {
+        queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(bytes).filter(|&total| total <= limit)
+            })
+            .ok()
+            .map(|_| Queued { bytes, queued: queued.clone() })
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.queued.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
 }
 
 /// Socket parameters of one subscriber.
@@ -54,6 +83,8 @@ pub(crate) struct SubscriberConfig {
     pub topic: String,
     pub fallback_after: Duration,
     pub reconnect_backoff: Duration,
+    /// Frame bytes the channel may hold.
+    pub max_queued_bytes: usize,
 }
 
 /// Runs until `cancel` fires or the stream task goes away.
@@ -73,6 +104,7 @@ pub(crate) async fn run(
         }
         let mut outage: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
         let mut overflowed = false;
+        let queued = Arc::new(AtomicUsize::new(0));
         loop {
             let outage_over = async {
                 match outage.as_mut() {
@@ -83,14 +115,22 @@ pub(crate) async fn run(
             tokio::select! {
                 () = cancel.cancelled() => return,
                 msg = socket.recv() => match msg {
-                    Ok(msg) => match tx.try_send(Input::Frames(msg.into_vec())) {
-                        Ok(()) => {}
-                        Err(mpsc::error::TrySendError::Full(_)) => {
-                            metrics.overflow.inc();
-                            overflowed = true;
+                    Ok(msg) => {
+                        let frames = msg.into_vec();
+                        let bytes = frames.iter().map(Bytes::len).sum();
+                        let sent = match Queued::take(&queued, bytes, config.max_queued_bytes) {
+                            Some(share) => tx.try_send(Input::Frames(frames, share)),
+                            None => Err(mpsc::error::TrySendError::Full(Input::Overflowed)),
+                        };
+                        match sent {
+                            Ok(()) => {}
+                            Err(mpsc::error::TrySendError::Full(_)) => {
+                                metrics.overflow.inc();
+                                overflowed = true;
+                            }
+                            Err(mpsc::error::TrySendError::Closed(_)) => return,
                         }
-                        Err(mpsc::error::TrySendError::Closed(_)) => return,
-                    },
+                    }
                     Err(e) => {
                         // The peer stream failed; the SUB reconnects in the background.
                         tracing::debug!(error = %e, endpoint = %config.endpoint, "SUB receive failed");

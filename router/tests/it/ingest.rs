@@ -299,8 +299,27 @@ async fn batch_lost_to_the_slow_joiner_is_caught_up() {
 /// like any gap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_overflow_is_counted_and_repaired() {
-    let h =
-        Harness::with_config(kvroute_router::ingest::IngestConfig { channel_capacity: 2, ..test_config() });
+    overflow_is_counted_and_repaired(kvroute_router::ingest::IngestConfig {
+        channel_capacity: 2,
+        ..test_config()
+    })
+    .await;
+}
+
+/// The same with a queue bounded by the bytes it holds (a few of these messages' worth), not
+/// by their number.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_full_of_bytes_overflows_like_a_full_one() {
+    overflow_is_counted_and_repaired(kvroute_router::ingest::IngestConfig {
+        channel_capacity: 1024,
+        channel_max_bytes: 512,
+        ..test_config()
+    })
+    .await;
+}
+
+async fn overflow_is_counted_and_repaired(config: kvroute_router::ingest::IngestConfig) {
+    let h = Harness::with_config(config);
     let mut fake = FakePublisher::start(Some(ReplayLayout::New)).await;
     let (r, m) = h.add(spec("flooded", EngineKind::Vllm, &fake.events, fake.replay.as_deref()));
     h.synced(&r).await;

@@ -115,6 +115,7 @@ impl Drop for Harness {
 pub fn test_config() -> IngestConfig {
     IngestConfig {
         channel_capacity: 1024,
+        channel_max_bytes: 64 << 20,
         fallback_after: Duration::from_secs(2),
         reconnect_backoff: Duration::from_millis(100),
         replay_timeout: Duration::from_secs(5),
