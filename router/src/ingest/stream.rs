@@ -294,12 +294,14 @@ impl RankStream {
             self.ctx.replica.status.add_gap();
             self.set_state(StreamState::Degraded);
             let mut from = from;
-            loop {
+            for round in 0.. {
                 self.repair(from, Some(batch.seq)).await;
                 action = self.classify(&batch);
-                // A replay that stopped at a hole moved `expected` on: ask again from there.
+                // A replay that stopped at a hole moved `expected` on: ask again from there, a
+                // bounded number of times (a publisher answering one batch a replay would
+                // have it asked once for every seq of the gap).
                 match action {
-                    Action::Gap(next) if next > from => from = next,
+                    Action::Gap(next) if next > from && round < MAX_TAIL_REPLAYS => from = next,
                     _ => break,
                 }
             }

@@ -306,6 +306,31 @@ async fn queue_overflow_is_counted_and_repaired() {
     .await;
 }
 
+/// A publisher whose replay answers one batch at a time (and says that is all) is asked a
+/// bounded number of times: the gap is not repaired a seq a replay. The rank starts over from
+/// the live batch, and is in step again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_is_not_repaired_one_seq_a_replay() {
+    let h = Harness::start();
+    let mut fake = FakePublisher::start(Some(ReplayLayout::New)).await;
+    let (r, m) = h.add(spec("dripping", EngineKind::Vllm, &fake.events, fake.replay.as_deref()));
+    h.synced(&r).await;
+    settled(&m).await;
+    let seq = warm_up(&mut fake, &r, 0, 0).await;
+    let replays = m.replays(Outcome::Ok).get();
+    fake.limit_replay(1);
+    for missed in seq..seq + 40 {
+        fake.keep(missed, vllm(batch(0, missed, vec![])));
+    }
+    let tokens = Rng::new(41).tokens(2);
+    fake.send(seq + 40, vllm(batch(0, seq + 40, vec![store_chain(&tokens, 0)]))).await;
+    applied(&r, seq + 40).await;
+    assert_eq!(h.overlap(&r, &tokens), 2);
+    assert_eq!(r.status.state(), StreamState::Exact);
+    let asked = m.replays(Outcome::Ok).get() - replays;
+    assert!(asked <= 10, "{asked} replays for one gap");
+}
+
 /// The same with a queue bounded by the bytes it holds (a few of these messages' worth), not
 /// by their number.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -282,6 +282,8 @@ pub struct FakePublisher {
     topic: Bytes,
     /// While true, replay answers are computed but held back.
     paused: tokio::sync::watch::Sender<bool>,
+    /// Most batches one replay answer carries.
+    per_answer: Arc<std::sync::atomic::AtomicUsize>,
     shutdown: CancellationToken,
 }
 
@@ -298,6 +300,7 @@ impl FakePublisher {
         let topic = Bytes::from_static(b"kv-events");
         let shutdown = CancellationToken::new();
         let paused = tokio::sync::watch::Sender::new(false);
+        let per_answer = Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
         let replay = match replay {
             None => None,
             Some((endpoint, layout)) => {
@@ -308,12 +311,18 @@ impl FakePublisher {
                     topic: topic.clone(),
                     history: history.clone(),
                     paused: paused.subscribe(),
+                    per_answer: per_answer.clone(),
                 };
                 tokio::spawn(server.run(router, shutdown.clone()));
                 Some(bound)
             }
         };
-        Self { socket, events, replay, history, topic, paused, shutdown }
+        Self { socket, events, replay, history, topic, paused, per_answer, shutdown }
+    }
+
+    /// Replay answers carry at most `n` batches each (then the end marker).
+    pub fn limit_replay(&self, n: usize) {
+        self.per_answer.store(n, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Holds back (or releases) replay answers; what they contain is fixed when the request
@@ -333,6 +342,7 @@ impl FakePublisher {
             history: Arc::default(),
             topic: Bytes::from_static(b"kv-events"),
             paused: tokio::sync::watch::Sender::new(false),
+            per_answer: Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX)),
             shutdown: CancellationToken::new(),
         })
     }
@@ -384,6 +394,7 @@ struct ReplayServer {
     topic: Bytes,
     history: History,
     paused: tokio::sync::watch::Receiver<bool>,
+    per_answer: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl ReplayServer {
@@ -397,8 +408,16 @@ impl ReplayServer {
             let mut frames = msg.into_vec();
             let identity = frames.remove(0);
             let start = framing::decode_replay_request(&frames).expect("well-formed replay request");
-            let batches: Vec<_> =
-                self.history.lock().unwrap().iter().filter(|(s, _)| *s >= start).cloned().collect();
+            let most = self.per_answer.load(std::sync::atomic::Ordering::Relaxed);
+            let batches: Vec<_> = self
+                .history
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(s, _)| *s >= start)
+                .take(most)
+                .cloned()
+                .collect();
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 released = self.paused.wait_for(|p| !*p) => if released.is_err() { break },
