@@ -35,6 +35,8 @@ pub(crate) enum SnapshotError {
     Inconsistent,
     #[error("snapshot holds more than {limit} blocks")]
     TooLarge { limit: usize },
+    #[error("a snapshot block has {tokens} tokens, not the block size of {block_size}")]
+    BadBlock { tokens: usize, block_size: u32 },
 }
 
 /// Fetches a whole snapshot of at most `max_blocks` blocks; `include_tokens` when the router
@@ -61,7 +63,7 @@ async fn fetch_inner(
     let mut stream = client.snapshot(SnapshotRequest { include_tokens, chunk_blocks: 0 }).await?.into_inner();
     let mut snapshot: Option<Snapshot> = None;
     let mut next_chunk = 0u32;
-    while let Some(chunk) = stream.message().await? {
+    while let Some(mut chunk) = stream.message().await? {
         if chunk.chunk != next_chunk {
             return Err(SnapshotError::Inconsistent);
         }
@@ -73,8 +75,20 @@ async fn fetch_inner(
             block_size: chunk.block_size,
             blocks: Vec::new(),
         });
-        if snap.epoch != Epoch(chunk.epoch) || snap.seq != seq {
+        if snap.epoch != Epoch(chunk.epoch) || snap.seq != seq || snap.block_size != chunk.block_size {
             return Err(SnapshotError::Inconsistent);
+        }
+        // A block's tokens are kept only when asked for, and only a block's worth: the count
+        // of blocks bounds what is kept only if each is a block.
+        for block in &mut chunk.blocks {
+            if !include_tokens {
+                block.token_ids = Vec::new();
+            } else if block.token_ids.len() != chunk.block_size as usize {
+                return Err(SnapshotError::BadBlock {
+                    tokens: block.token_ids.len(),
+                    block_size: chunk.block_size,
+                });
+            }
         }
         // The agent decides how many chunks it sends: bound what is kept, not only how long
         // it takes.

@@ -895,6 +895,27 @@ async fn dp_ranks_are_followed_and_cleared_separately() {
     assert_eq!(h.overlap(&r, &a), 2, "rank 0 keeps its blocks");
 }
 
+/// A snapshot block with more tokens than a block (whose count would then bound nothing the
+/// router keeps) fails the snapshot, and the rank rebuilds from the live stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_block_of_the_wrong_size_is_refused() {
+    let h = Harness::start();
+    let shutdown = CancellationToken::new();
+    let agent = FakeAgent::default();
+    let mut blocks = snapshot_blocks(&Rng::new(22).tokens(2));
+    blocks[1].token_ids = vec![7; 4096];
+    *agent.state.lock().unwrap() = SnapshotState { epoch: 4, seq: Some(0), blocks };
+    let grpc = agent.serve(shutdown.clone()).await;
+    let fake = FakePublisher::start(None).await;
+    let spec = ReplicaSpec { grpc_endpoint: Some(grpc), ..spec("odd", EngineKind::Vllm, &fake.events, None) };
+    let (r, m) = h.add(spec);
+    h.synced(&r).await;
+    assert!(m.snapshots(Outcome::Failed).get() >= 1, "a 4096-token block of a 4-token block size");
+    assert_eq!(m.snapshots(Outcome::Ok).get(), 0);
+    assert_eq!(h.index.blocks(r.id), 0, "nothing of it was stored");
+    shutdown.cancel();
+}
+
 /// An agent's snapshot stream decides how many chunks it sends: without a cap on the blocks
 /// kept, one that never ends (or is simply huge) grew the router's memory until the
 /// snapshot timeout. Beyond `snapshot_max_blocks` it counts as failed, and the rank falls
