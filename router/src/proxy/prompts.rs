@@ -35,8 +35,11 @@ use super::body::{ProxyBody, full};
 use super::upstream::verdicts;
 use crate::fleet::Member;
 
-/// Answers kept by the remote tokenizer's cache.
+/// Answers kept by the remote tokenizer's cache, and the token bytes they may hold together
+/// (a replica's `/tokenize` takes prompts past any context length: without a byte bound,
+/// 4096 long ones held gigabytes).
 const REMOTE_CACHE_ENTRIES: usize = 4096;
+const REMOTE_CACHE_BYTES: usize = 64 << 20;
 /// Replicas asked for one prompt's tokens before the request fails.
 pub const TOKENIZE_ATTEMPTS: usize = 3;
 
@@ -227,6 +230,30 @@ pub struct RemoteTokenizer {
 struct Cache {
     map: HashMap<u64, Arc<Vec<Vec<u32>>>>,
     order: VecDeque<u64>,
+    /// Token bytes held.
+    bytes: usize,
+}
+
+impl Cache {
+    /// Keeps `tokens` under `key`, the oldest answers giving way to stay within
+    /// [`REMOTE_CACHE_ENTRIES`] and [`REMOTE_CACHE_BYTES`]; an answer over a sixteenth of the
+    /// bytes is not kept.
+    fn keep(&mut self, key: u64, tokens: &[Vec<u32>]) {
+        let cost = |tokens: &[Vec<u32>]| tokens.iter().map(|t| t.len() * 4).sum::<usize>();
+        let bytes = cost(tokens);
+        if bytes > REMOTE_CACHE_BYTES / 16 || self.map.contains_key(&key) {
+            return;
+        }
+        while self.order.len() >= REMOTE_CACHE_ENTRIES || self.bytes + bytes > REMOTE_CACHE_BYTES {
+            let Some(old) = self.order.pop_front() else { break };
+            if let Some(gone) = self.map.remove(&old) {
+                self.bytes -= cost(&gone);
+            }
+        }
+        self.map.insert(key, Arc::new(tokens.to_vec()));
+        self.order.push_back(key);
+        self.bytes += bytes;
+    }
 }
 
 impl RemoteTokenizer {
@@ -337,15 +364,7 @@ impl RemoteTokenizer {
                 vec![self.truncated(replica_urls, ids, chat.truncation, chat.add_special_tokens).await?]
             }
         };
-        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if cache.order.len() >= REMOTE_CACHE_ENTRIES
-            && let Some(old) = cache.order.pop_front()
-        {
-            cache.map.remove(&old);
-        }
-        if cache.map.insert(key, Arc::new(tokens.clone())).is_none() {
-            cache.order.push_back(key);
-        }
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).keep(key, &tokens);
         Ok(PromptInfo { namespace, tokens, unhashed_tokens: None })
     }
 
@@ -433,6 +452,23 @@ mod tests {
     use kvroute_proto::openai::TokenizationConfig;
 
     use super::*;
+
+    /// The remote tokenizer's cache holds at most its bytes' worth of tokens, the oldest
+    /// answers giving way, and does not keep one answer over a sixteenth of them.
+    #[test]
+    fn the_remote_cache_is_bounded_by_its_bytes() {
+        let mut cache = Cache::default();
+        let answer = vec![vec![7u32; REMOTE_CACHE_BYTES / 64 / 4]];
+        for key in 0..100 {
+            cache.keep(key, &answer);
+        }
+        assert!(cache.bytes <= REMOTE_CACHE_BYTES, "{} bytes", cache.bytes);
+        assert_eq!(cache.map.len(), 64);
+        assert!(cache.map.contains_key(&99) && !cache.map.contains_key(&35), "the oldest gave way");
+        cache.keep(1000, &[vec![7u32; REMOTE_CACHE_BYTES / 4]]);
+        assert!(!cache.map.contains_key(&1000), "too large to keep");
+        assert_eq!(cache.map.len(), 64);
+    }
 
     /// A long text is tokenized off this thread, and to the same ids as in place, for
     /// completions (a batch, or one text) and chats.
