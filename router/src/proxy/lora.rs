@@ -129,7 +129,7 @@ pub async fn fan_out(
     pool: &Arc<Pool>,
     change: Change,
     (parts, body): (http::request::Parts, Bytes),
-    request_id: &str,
+    (request_id, slot): (&str, super::forward::Slot),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     check_enabled(state)?;
     #[derive(serde::Deserialize)]
@@ -139,8 +139,7 @@ pub async fn fan_out(
     let name = serde_json::from_slice::<Named>(&body)
         .map_err(|e| ProxyError::Refused(format!("'lora_name' must be given as a string: {e}")))?
         .lora_name;
-    let members = state.fleet().members();
-    if members.is_empty() {
+    if state.fleet().members().is_empty() {
         return Err(ProxyError::Unavailable("no replicas are configured".into()));
     }
     // Run to its end whether or not the client waits for it (a client that times out drops
@@ -149,7 +148,13 @@ pub async fn fan_out(
     // the task at shutdown, as it drains connections.
     let background = parts.extensions.get::<kvroute_proto::serve::Background>().cloned();
     let (_, headers) = super::forward::upstream_head(parts, request_id);
-    let apply = apply(state.clone(), pool.clone(), change, name, members, (headers, body));
+    let apply = apply(state.clone(), pool.clone(), change, name, (headers, body));
+    // The change holds its place under `--max-in-flight` until it is done, whether or not
+    // its client waits: clients that left at once queued changes without bound.
+    let apply = async move {
+        let _slot = slot;
+        apply.await
+    };
     let task = match background {
         Some(background) => background.spawn(apply),
         None => tokio::spawn(apply),
@@ -168,11 +173,13 @@ async fn apply(
     pool: Arc<Pool>,
     change: Change,
     name: String,
-    members: Vec<Member>,
     (headers, body): (http::HeaderMap, Bytes),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let registry = state.fleet().adapters();
     let _turn = registry.change().await;
+    // The members when its turn comes: one that joined while it waited (behind catch-ups of
+    // their own) is sent the change too, and counts toward "every replica has it".
+    let members: Vec<Member> = state.fleet().members();
     let timeout = state.forward.first_byte_timeout;
     let pool = &pool;
     let asks = members.iter().map(|member| {

@@ -293,11 +293,11 @@ async fn dispatch(
         (Method::POST, p) if let Some(change) = lora::route(p) => {
             // Refused or over the limit before its body is read (and `100 Continue` sent).
             lora::check_enabled(state)?;
-            let _admitted = admit(state, (request_id, received))?;
+            let admitted = admit(state, (request_id, received))?;
             let (parts, body) = req.into_parts();
             let body =
                 read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
-            Box::pin(lora::fan_out(state, pool, change, (parts, body), request_id)).await
+            Box::pin(lora::fan_out(state, pool, change, (parts, body), (request_id, admitted.slot))).await
         }
         (Method::GET | Method::HEAD, "/health" | "/ready") => Ok(probe(state, &path)),
         (Method::GET | Method::HEAD, "/metrics") => Ok(metrics(state)),

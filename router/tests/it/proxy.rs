@@ -1256,6 +1256,84 @@ async fn a_lora_change_whose_client_left_still_completes() {
     shutdown.cancel();
 }
 
+/// A LoRA change whose client left holds its place under `--max-in-flight` until it is done:
+/// clients that leave at once cannot queue changes without bound. The replica holds the load
+/// until the test opens its gate; any other POST it answers at once.
+#[tokio::test]
+async fn a_lora_change_whose_client_left_holds_its_in_flight_place() {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let replica = listener.local_addr().unwrap();
+    let (gate, read) = (
+        std::sync::Arc::new(tokio::sync::Semaphore::new(0)),
+        std::sync::Arc::new(tokio::sync::Notify::new()),
+    );
+    let (opened, told) = (gate.clone(), read.clone());
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (opened, told) = (opened.clone(), told.clone());
+            tokio::spawn(async move {
+                let mut stream = BufReader::new(stream);
+                loop {
+                    let (mut first, mut length, mut line) = (String::new(), 0usize, String::new());
+                    loop {
+                        line.clear();
+                        if stream.read_line(&mut line).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if first.is_empty() {
+                            first = line.clone();
+                        }
+                        if let Some(n) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                            length = n.trim().parse().unwrap_or(0);
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    if stream.read_exact(&mut body).await.is_err() {
+                        return;
+                    }
+                    let answer: &[u8] = if first.starts_with("POST /v1/load_lora_adapter") {
+                        told.notify_one();
+                        drop(opened.acquire().await);
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 8\r\n\r\nSuccess."
+                    } else {
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+                    };
+                    if stream.get_mut().write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { lora_updates: true, max_in_flight: 1, ..c })
+            .await;
+    let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
+    drop(post_once_the_replica_has_it(&router, "/v1/load_lora_adapter", &load, &read).await);
+    let http = crate::fleet::Http::new();
+    // Once the router has seen the client leave...
+    let left = async || {
+        let metrics = http.get(&format!("{}/metrics", router.url())).await;
+        sample(&String::from_utf8_lossy(&metrics.body), "kvroute_router_requests_total{code=\"499\"}")
+            == Some(1)
+    };
+    crate::support::wait_until_async("the client left", left).await;
+    // ...the change still holds the one place.
+    let embeddings = format!("{}/v1/embeddings", router.url());
+    let busy = http.post(&embeddings, &json!({"input": "x"})).await;
+    assert_eq!(busy.status, 503, "{:?}", busy.body);
+    gate.add_permits(1);
+    let fleet = router.fleet().clone();
+    wait_until("the change is recorded", || fleet.adapters().contains("sql")).await;
+    let served = async || http.post(&embeddings, &json!({"input": "x"})).await.status == 200;
+    crate::support::wait_until_async("the place is given back", served).await;
+    shutdown.cancel();
+}
+
 /// A LoRA change whose client left runs to its end through a shutdown too: the server
 /// drains it as it drains its connections.
 #[tokio::test]
