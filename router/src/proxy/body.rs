@@ -46,6 +46,20 @@ pub fn full(bytes: Bytes) -> ProxyBody {
     http_body_util::Full::new(bytes).map_err(|never| match never {}).boxed_unsync()
 }
 
+/// Most bytes of a replica's answer the router reads for itself (its `/metrics`, its model
+/// list, a LoRA change's answer), not one it passes on.
+pub const REPLICA_ANSWER_BYTES: usize = 16 << 20;
+
+/// Reads a replica's answer the router reads for itself whole, refusing one over `limit`
+/// bytes: a replica (or whatever answers at its address) is not to grow the router's memory.
+pub async fn read_at_most<B>(body: B, limit: usize) -> Result<Bytes, BoxError>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    Ok(http_body_util::Limited::new(body, limit).collect().await?.to_bytes())
+}
+
 /// Hooks of a tracked body.
 pub trait Hooks: Send + 'static {
     /// The first data frame is passing through (the replica produced its first output).
@@ -680,5 +694,13 @@ mod tests {
         assert!(failed.is::<IdleTimeout>(), "{failed}");
         assert_eq!(*ended.lock().unwrap(), Some(None));
         drop(tx);
+    }
+
+    /// An answer the router reads for itself is refused past its limit, not read whole.
+    #[tokio::test]
+    async fn an_answer_past_its_limit_is_refused() {
+        let body = |n: usize| http_body_util::Full::new(Bytes::from(vec![b'x'; n]));
+        assert_eq!(read_at_most(body(100), 100).await.unwrap().len(), 100);
+        assert!(read_at_most(body(101), 100).await.is_err());
     }
 }

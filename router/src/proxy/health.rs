@@ -24,7 +24,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::BodyExt;
 use tokio_util::sync::CancellationToken;
 
 use super::ProxyState;
@@ -163,7 +162,8 @@ async fn get(client: &Client, url: &str, timeout: Duration) -> Option<(http::Sta
     let request = http::Request::get(url).body(full(Bytes::new())).ok()?;
     let response = tokio::time::timeout(timeout, client.request(request)).await.ok()?.ok()?;
     let status = response.status();
-    let body = tokio::time::timeout(timeout, response.into_body().collect()).await.ok()?.ok()?.to_bytes();
+    let body = super::body::read_at_most(response.into_body(), super::body::REPLICA_ANSWER_BYTES);
+    let body = tokio::time::timeout(timeout, body).await.ok()?.ok()?;
     Some((status, body))
 }
 

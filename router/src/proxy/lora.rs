@@ -30,7 +30,6 @@
 use bytes::Bytes;
 use futures::future::join_all;
 use http::{Method, Response, StatusCode};
-use http_body_util::BodyExt;
 
 pub mod catch_up;
 
@@ -195,7 +194,10 @@ async fn apply(
                         .map_err(|e| e.to_string())?;
                     let status = response.status();
                     let content_type = response.headers().get(http::header::CONTENT_TYPE).cloned();
-                    let body = response.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+                    let body =
+                        super::body::read_at_most(response.into_body(), super::body::REPLICA_ANSWER_BYTES)
+                            .await
+                            .map_err(|e| e.to_string())?;
                     Ok(Answer { status, body, content_type })
                 };
                 tokio::time::timeout(timeout, exchange)

@@ -23,7 +23,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::BodyExt;
 use kvroute_proto::CacheNamespace;
 use kvroute_proto::openai::{
     ChatOptions, ChatRequest, Endpoint, InlineSystem, ParsedRequest, PartialPrompt, RequestError,
@@ -423,11 +422,12 @@ impl RemoteTokenizer {
             .map_err(|_| PromptError::Remote(format!("{base}/tokenize timed out")))?
             .map_err(|e| PromptError::Remote(format!("{base}/tokenize: {e}")))?;
         let status = response.status();
-        let bytes = tokio::time::timeout_at(deadline, response.into_body().collect())
+        // A million tokens are about 8 MB of JSON.
+        let body = super::body::read_at_most(response.into_body(), 4 * super::body::REPLICA_ANSWER_BYTES);
+        let bytes = tokio::time::timeout_at(deadline, body)
             .await
             .map_err(|_| PromptError::Remote(format!("{base}/tokenize timed out")))?
-            .map_err(|e| PromptError::Remote(e.to_string()))?
-            .to_bytes();
+            .map_err(|e| PromptError::Remote(format!("{base}/tokenize: {e}")))?;
         if status == http::StatusCode::BAD_REQUEST || status == http::StatusCode::UNPROCESSABLE_ENTITY {
             return Err(PromptError::Refused(String::from_utf8_lossy(&bytes).into_owned()));
         }

@@ -207,9 +207,14 @@ impl Owners {
                     let empty = super::http1::Outgoing::Full(bytes::Bytes::new());
                     let response = pool.send_head(&Method::GET, &uri, headers, empty).await.ok()?;
                     let status = response.status();
-                    // Read to its end, so the connection goes back to the pool.
-                    let body = http_body_util::BodyExt::collect(response.into_body()).await.ok()?;
-                    Some((status, body.to_bytes()))
+                    // The replica that has it: its status says so, and its body (the whole
+                    // response, maybe long) is dropped, with its connection. Another answer is
+                    // read to its end (a short error), so the connection goes back to the pool.
+                    if status == StatusCode::OK {
+                        return Some((status, bytes::Bytes::new()));
+                    }
+                    let body = super::body::read_at_most(response.into_body(), 64 << 10).await.ok()?;
+                    Some((status, body))
                 };
                 tokio::time::timeout(timeout, ask).await.ok()?
             }
@@ -227,7 +232,10 @@ impl Owners {
             }
             None if !answers.is_empty() && answers.iter().all(|a| *a == Some(StatusCode::NOT_FOUND)) => {
                 count("missing");
-                self.missing.insert(id.into(), Instant::now());
+                // A client's id of any length would be kept: only one an engine could have made.
+                if id.len() <= 256 {
+                    self.missing.insert(id.into(), Instant::now());
+                }
                 Err(not_found(id))
             }
             // Refused alike everywhere, for another reason (a wrong API key, say): the client's

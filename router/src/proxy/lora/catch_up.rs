@@ -28,7 +28,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{self, HeaderMap};
 use http::{Method, StatusCode};
-use http_body_util::BodyExt;
 use kvroute_proto::ReplicaId;
 
 use super::Change;
@@ -273,7 +272,9 @@ async fn send(
     let exchange = async {
         let response = client.request(request).await.ok()?;
         let status = response.status();
-        Some((status, response.into_body().collect().await.ok()?.to_bytes()))
+        let body =
+            super::super::body::read_at_most(response.into_body(), super::super::body::REPLICA_ANSWER_BYTES);
+        Some((status, body.await.ok()?))
     };
     tokio::time::timeout(timeout, exchange).await.ok()?
 }
