@@ -134,13 +134,19 @@ pub async fn routed(
     let (client, headers) = upstream_head(parts, request_id);
     let mut last_error = None;
     let attempts = plan.order().len().min(MAX_ATTEMPTS);
+    // Where the decision's credit is: the replica last tried.
+    let mut credited = 0;
     for attempt in 0..attempts {
-        if attempt > 0 {
-            metrics.retries.inc();
-            decider.move_credit(plan, attempt - 1, attempt);
-        }
         let Some(scored) = plan.order().nth(attempt) else { break };
         let member = &scored.member.clone();
+        if attempt > 0 {
+            if !still_takes(decider, member) {
+                continue;
+            }
+            metrics.retries.inc();
+            decider.move_credit(plan, credited, attempt);
+            credited = attempt;
+        }
         let upstream = &member.upstream;
         let guard = upstream.begin(plan.sequences, plan.prefill_tokens(attempt), plan.prompt_tokens);
         // A whole answer comes at its end: the prefill is over when the replica stores the
@@ -246,9 +252,20 @@ pub async fn routed(
     // Failed everywhere it was tried, without starting: the last replica holds no credit for
     // it. (After a first-byte timeout the replica may still run it: its credit stands.)
     if attempts > 0 {
-        decider.withdraw_credit(plan, attempts - 1);
+        decider.withdraw_credit(plan, credited);
     }
     Err(last_error.unwrap_or_else(|| ProxyError::Unavailable("no eligible replica".into())))
+}
+
+/// Whether `member`, a candidate when the request was decided, may take its retry: the fleet
+/// still has it (not removed, nor replaced by a replica of the same name at another address,
+/// whose id it shares), and it is not draining or out of service since. (Ejection is not
+/// checked: with every replica ejected, the ejected ones are tried.)
+fn still_takes(decider: &Decider, member: &crate::fleet::Member) -> bool {
+    let upstream = &member.upstream;
+    decider.fleet.member(&member.replica.spec.name).is_some_and(|now| Arc::ptr_eq(&now.upstream, upstream))
+        && !upstream.is_draining()
+        && upstream.is_serving()
 }
 
 /// A request's body for [`to_replica`], and the load it brings the replica.

@@ -264,6 +264,70 @@ async fn a_retried_request_carries_the_same_fields_to_the_next_replica() {
     shutdown.cancel();
 }
 
+/// A retry goes only to a replica that can still take it: one drained while the request was
+/// on its first replica is passed over (it was chosen before the drain).
+#[tokio::test]
+async fn a_retry_passes_over_a_replica_drained_since_the_decision() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let refusing = listener.local_addr().unwrap();
+    let (gate, arrived) = (
+        std::sync::Arc::new(tokio::sync::Semaphore::new(0)),
+        std::sync::Arc::new(tokio::sync::Notify::new()),
+    );
+    let (opened, told) = (gate.clone(), arrived.clone());
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let (opened, told) = (opened.clone(), told.clone());
+            tokio::spawn(async move {
+                let mut request = vec![0u8; 8192];
+                while let Ok(n @ 1..) = stream.read(&mut request).await {
+                    let answer: &[u8] = if request[..n].starts_with(b"POST ") {
+                        told.notify_one();
+                        drop(opened.acquire().await);
+                        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n"
+                    } else {
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+                    };
+                    if stream.write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let (answering, _answered) = recording_replica(ANSWER).await;
+    let replica = |name: &str, at: std::net::SocketAddr| {
+        format!("name={name},http=http://{at},events={},engine=kvroute", crate::support::nowhere())
+            .parse()
+            .unwrap()
+    };
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        policy: kvroute_router::policy::PolicyKind::RoundRobin,
+        replicas: vec![replica("refusing", refusing), replica("answering", answering)],
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let body = serde_json::json!({"model": FLEET_MODEL, "prompt": "drained", "max_tokens": 1}).to_string();
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n";
+    // Round-robin: one of the first two requests goes to the refusing replica first.
+    let held = loop {
+        let (url, body) = (router.url(), body.clone());
+        let mut sent = tokio::spawn(async move { exchange(&url, head, &body).await });
+        tokio::select! {
+            () = arrived.notified() => break sent,
+            answer = &mut sent => assert!(answer.unwrap().starts_with("http/1.1 200")),
+        }
+    };
+    router.fleet().set_draining("answering", true).unwrap();
+    gate.add_permits(1);
+    let answer = tokio::time::timeout(WAIT, held).await.expect("in time").unwrap();
+    assert!(!answer.contains("x-kvroute-replica: answering"), "retried on a drained replica: {answer}");
+    assert!(answer.starts_with("http/1.1 5"), "{answer}");
+    shutdown.cancel();
+}
+
 /// A replica that refuses with 503 (overloaded) is not an outlier: its refusals go to the
 /// next replica and never eject it.
 #[tokio::test]
