@@ -404,6 +404,12 @@ impl RankStream {
                 }
             }
         }
+        // A snapshot replaces what a replay that missed its start brought: that is given back
+        // to the shared replay budget before the snapshot, which may take its whole timeout,
+        // rather than held through it while other ranks' replays wait for the budget.
+        if self.rank == 0 && self.ctx.replica.spec.grpc_endpoint.is_some() {
+            partial = (Vec::new(), None);
+        }
         if self.snapshot().await {
             return;
         }
