@@ -287,9 +287,16 @@ impl SharedIndex {
         hashes.chunks(WRITE_CHUNK).map(|chunk| self.write(|index| index.remove(replica, chunk))).sum()
     }
 
-    /// See [`PrefixIndex::clear_replica`]; releases the lock between table shards.
+    /// See [`PrefixIndex::clear_replica`], and forgets the replica's credits (it was removed);
+    /// releases the lock between table shards.
     pub fn clear_replica(&self, replica: ReplicaId) -> usize {
         self.inner.credits.forget(replica);
+        self.sweep_replica(replica)
+    }
+
+    /// [`Self::clear_replica`] keeping the replica's credits: the requests sent to it still
+    /// store their prompts (its cache was reset, or its view is rebuilt).
+    pub fn sweep_replica(&self, replica: ReplicaId) -> usize {
         let freed =
             (0..table::SHARDS).map(|shard| self.write(|index| index.clear_shard(replica, shard))).sum();
         self.write(|index| index.release(replica));

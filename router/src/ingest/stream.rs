@@ -284,6 +284,8 @@ impl RankStream {
             tracing::info!(replica = %self.ctx.replica.spec.name, rank = self.rank, seq = batch.seq.0, "publisher restarted");
             self.ctx.metrics.restarts.inc();
             self.clear();
+            // Its requests in flight went down with it: nothing of theirs will be stored.
+            self.ctx.index.credits().forget(self.ctx.replica.id);
             self.expected = Some(Seq(0));
             self.epoch = batch.epoch;
             action = self.classify(&batch);
@@ -611,11 +613,12 @@ impl RankStream {
         }
     }
 
-    /// Drops everything this rank contributed to the index.
+    /// Drops everything this rank contributed to the index. The replica's credits stay: the
+    /// requests sent to it still store their prompts (a cache reset, a view rebuilt).
     fn clear(&mut self) {
         let id = self.ctx.replica.id;
         if self.ctx.replica.spec.dp_size <= 1 {
-            self.ctx.index.clear_replica(id);
+            self.ctx.index.sweep_replica(id);
             self.blocks.reset();
         } else {
             self.scratch.clear();

@@ -756,6 +756,25 @@ async fn a_replica_added_again_starts_without_credits() {
     assert_eq!(h.index.credits().extend(again.id, &late, 0), 0, "no credit from before");
 }
 
+/// A replica's cache reset (`AllBlocksCleared`) empties its view but keeps the credits of
+/// decisions in flight: the requests sent to it still store their prompts, and a burst of
+/// their followers must not scatter meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleared_replica_keeps_its_credits() {
+    let index = kvroute_router::index::SharedIndex::with_credit_ttl(Duration::from_secs(60));
+    let h = Harness::with_index(test_config(), index);
+    let (mut fake, r, _m, seq) = vllm_without_replay(&h, "reset").await;
+    let stored = Rng::new(35).tokens(2);
+    fake.send(seq, vllm(batch(0, seq, vec![store_chain(&stored, 0)]))).await;
+    applied(&r, seq).await;
+    let pending = chain(&Rng::new(36).tokens(2));
+    h.index.credits().credit(r.id, &pending);
+    fake.send(seq + 1, vllm(batch(0, seq + 1, vec![cleared_event()]))).await;
+    applied(&r, seq + 1).await;
+    assert_eq!(h.overlap(&r, &stored), 0, "the view is cleared");
+    assert_eq!(h.index.credits().extend(r.id, &pending, 0), 2, "the credits stay");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_publisher_is_fallback_until_it_appears() {
     let h = Harness::with_config(kvroute_router::ingest::IngestConfig {
