@@ -90,6 +90,9 @@ pub(crate) struct RankStream {
 /// the last stopped), before it leaves the rank DEGRADED with what they brought.
 const MAX_TAIL_REPLAYS: u32 = 8;
 
+/// Snapshot blocks stored between two yields to the runtime.
+const YIELD_EVERY: usize = 4096;
+
 /// Most KV-cache groups of another kind a rank remembers: engines have a handful, and a
 /// publisher numbering a group per event would make each lookup a long search.
 const MAX_OTHER_KINDS: usize = 64;
@@ -518,7 +521,12 @@ impl RankStream {
             self.epoch = Some(snap.epoch);
             self.ctx.replica.status.set_epoch(snap.epoch);
         }
-        for block in snap.blocks {
+        for (i, block) in snap.blocks.into_iter().enumerate() {
+            // Millions of blocks take seconds: the runtime's other tasks (health checks, the
+            // admin service) and a cancellation get their turns.
+            if i % YIELD_EVERY == YIELD_EVERY - 1 {
+                tokio::task::yield_now().await;
+            }
             let stored = Stored {
                 engine: vec![BlockHash(block.hash)],
                 parent: block.parent.map(BlockHash),
