@@ -74,6 +74,14 @@ pub trait ReplicaSink: Send + Sync + 'static {
     fn set_serving(&self, name: &str, serving: bool) {
         let _ = (name, serving);
     }
+
+    /// Whether the replica registered under `name` is the one `spec` describes: after an
+    /// update it refused, discovery removes what it had added, but not a replica an admin
+    /// added under the name meanwhile (between the update's removal and its add).
+    fn holds(&self, name: &str, spec: &ReplicaSpec) -> bool {
+        let _ = (name, spec);
+        true
+    }
 }
 
 /// Ingestion alone as a sink (the fleet wraps it to also update the proxy's upstreams).
@@ -94,6 +102,10 @@ impl ReplicaSink for Ingest {
         if let Some(existing) = self.replicas().by_name(name) {
             self.remove_replica(existing.id).await;
         }
+    }
+
+    fn holds(&self, name: &str, spec: &ReplicaSpec) -> bool {
+        self.replicas().by_name(name).is_some_and(|r| r.spec == *spec)
     }
 }
 
@@ -253,7 +265,9 @@ impl<S: ReplicaSink> Reconciler<S> {
                     // Not recorded as applied: the next listing tries again.
                     tracing::warn!(replica = %name, error = %e, "discovery: replica refused");
                     self.metrics.errors.inc();
-                    if self.applied.remove(&name).is_some() {
+                    if let Some(old) = self.applied.remove(&name)
+                        && self.sink.holds(&name, &old)
+                    {
                         self.sink.remove(&name).await;
                     }
                     // Nothing of the name is left, not even its serving (said again next time):
@@ -382,9 +396,10 @@ mod tests {
 
     use super::*;
 
-    /// Records every call; refuses names starting with `bad`.
+    /// Records every call; refuses names starting with `bad` and the address 10.0.0.66; holds
+    /// someone else's replica under the names in its second list.
     #[derive(Clone, Default)]
-    struct Log(Arc<Mutex<Vec<String>>>);
+    struct Log(Arc<Mutex<Vec<String>>>, Arc<Mutex<Vec<String>>>);
 
     #[derive(Debug, thiserror::Error)]
     #[error("refused")]
@@ -394,7 +409,14 @@ mod tests {
         type Error = Refused;
         async fn upsert(&self, spec: ReplicaSpec) -> Result<(), Refused> {
             self.0.lock().unwrap().push(format!("+{}@{}", spec.name, spec.http_url));
-            if spec.name.starts_with("bad") { Err(Refused) } else { Ok(()) }
+            if spec.name.starts_with("bad") || spec.http_url.contains("10.0.0.66") {
+                Err(Refused)
+            } else {
+                Ok(())
+            }
+        }
+        fn holds(&self, name: &str, _: &ReplicaSpec) -> bool {
+            !self.1.lock().unwrap().iter().any(|n| n == name)
         }
         async fn remove(&self, name: &str) {
             self.0.lock().unwrap().push(format!("-{name}"));
@@ -471,6 +493,24 @@ mod tests {
         assert_eq!(r.names().count(), 0);
         assert_eq!(r.metrics.errors.get(), 2);
         assert_eq!(*log.0.lock().unwrap(), ["+bad@http://10.0.0.1:8000", "+bad@http://10.0.0.1:8000"]);
+    }
+
+    /// An update the sink refuses removes the replica discovery had added, but not one that
+    /// another (an admin) added under the name meanwhile.
+    #[tokio::test]
+    async fn a_refused_update_removes_only_discoverys_own_replica() {
+        for foreign in [false, true] {
+            let log = Log::default();
+            let mut r = Reconciler::new(log.clone(), DiscoveryMetrics::default());
+            r.apply(set(&[("a", "10.0.0.1")])).await;
+            if foreign {
+                log.1.lock().unwrap().push("a".into());
+            }
+            r.apply(set(&[("a", "10.0.0.66")])).await;
+            let removed = log.0.lock().unwrap().iter().any(|call| call == "-a");
+            assert_eq!(removed, !foreign, "foreign: {foreign}: {:?}", log.0.lock().unwrap());
+            assert_eq!(r.names().count(), 0, "not applied either way: tried again next time");
+        }
     }
 
     /// A replica that stops serving is kept (its index survives) and told so; it is told

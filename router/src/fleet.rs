@@ -218,4 +218,8 @@ impl ReplicaSink for Fleet {
     fn set_serving(&self, name: &str, serving: bool) {
         Fleet::set_serving(self, name, serving);
     }
+
+    fn holds(&self, name: &str, spec: &ReplicaSpec) -> bool {
+        ReplicaSink::holds(&self.ingest, name, spec)
+    }
 }
