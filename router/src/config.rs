@@ -170,10 +170,11 @@ pub struct Config {
     /// Time allowed until an upstream's response headers arrive, milliseconds. A replica that
     /// times out is tried no further for the request (504) and counts toward its ejection.
     /// vLLM and SGLang answer a non-streamed request only once it is generated: set this above
-    /// the longest generation a non-streamed request may ask for. For a streamed upload it
-    /// counts from the upload's end (meanwhile, from when the replica last took some of it,
-    /// and not while the upload waits for the client).
-    #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_MS", default_value_t = 120_000)]
+    /// the longest generation a non-streamed request may ask for (10 minutes by default, the
+    /// OpenAI SDK's own timeout: the router does not give up on a long answer before its
+    /// client would). For a streamed upload it counts from the upload's end (meanwhile, from
+    /// when the replica last took some of it, and not while the upload waits for the client).
+    #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_MS", default_value_t = 600_000)]
     pub first_byte_timeout_ms: u64,
     /// Longest silence allowed inside a streaming response, and inside a request's body
     /// (then 408), milliseconds. A stream's first event may take until the first-byte
@@ -188,8 +189,9 @@ pub struct Config {
     /// released.
     #[arg(long, env = "KVROUTE_SEND_TIMEOUT_MS", default_value_t = 60_000)]
     pub send_timeout_ms: u64,
-    /// Largest accepted request body, bytes.
-    #[arg(long, env = "KVROUTE_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
+    /// Largest accepted request body, bytes (32 MiB: a chat with several base64 images, an
+    /// audio file at vLLM's 25 MB limit).
+    #[arg(long, env = "KVROUTE_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
     pub max_body_bytes: usize,
     /// Requests in flight through the router before new ones get 503 (a request counts until
     /// its response ends, streams included).
@@ -205,11 +207,13 @@ pub struct Config {
     /// Largest request head (request line and headers), bytes; larger ones get 431.
     #[arg(long, env = "KVROUTE_MAX_HEADER_BYTES", default_value_t = Limits::default().max_header_bytes)]
     pub max_header_bytes: usize,
-    /// Most prompt tokens (all prompts of a request together) routed; more get 400.
-    #[arg(long, env = "KVROUTE_MAX_PROMPT_TOKENS", default_value_t = 131_072)]
+    /// Most prompt tokens (all prompts of a request together) routed; more get 400. The
+    /// default leaves room for million-token contexts (the replicas refuse what is past
+    /// theirs): set the model's context length to refuse longer prompts before they are sent.
+    #[arg(long, env = "KVROUTE_MAX_PROMPT_TOKENS", default_value_t = 1 << 20)]
     pub max_prompt_tokens: u64,
     /// Largest `max_tokens` / `max_completion_tokens` a request may ask for; more get 400.
-    #[arg(long, env = "KVROUTE_MAX_COMPLETION_TOKENS", default_value_t = 131_072)]
+    #[arg(long, env = "KVROUTE_MAX_COMPLETION_TOKENS", default_value_t = 1 << 20)]
     pub max_completion_tokens: u64,
     /// Requests in flight on one replica before it counts as saturated.
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT_PER_REPLICA", default_value_t = 512)]

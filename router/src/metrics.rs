@@ -41,9 +41,9 @@ pub struct OutcomeLabel {
     pub outcome: &'static str,
 }
 
-/// Buckets of `upstream_ttfb_seconds`: 1 ms doubling to 131 s, past the default first-byte
-/// timeout (120 s; a non-streamed answer's first byte comes when it is all generated).
-const TTFB_BUCKETS: u16 = 18;
+/// Buckets of `upstream_ttfb_seconds`: 1 ms doubling to 1049 s, past the default first-byte
+/// timeout (600 s; a non-streamed answer's first byte comes when it is all generated).
+const TTFB_BUCKETS: u16 = 21;
 
 /// The counters of the routed requests whose answers reported their cached tokens: the
 /// realized hit rate, and the predicted one of the same requests beside it.
@@ -114,7 +114,7 @@ impl Default for ProxyMetrics {
             // 1 µs .. ~17 s: with remote tokenization a decision includes a `/tokenize` call
             // (10 s at most by default).
             decision_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 25)),
-            // 1 ms .. ~131 s
+            // 1 ms .. ~1049 s
             upstream_ttfb_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, TTFB_BUCKETS)),
             usual: Arc::default(),
         }
