@@ -148,6 +148,12 @@ async fn check(
             }
         }
     };
+    // The served model's card, for the fleet's `/v1/models` (its context length, say).
+    if let Some(card) = cards.as_ref().and_then(|cards| {
+        cards.iter().find(|card| card.parent.is_none() && card.id == member.replica.spec.model)
+    }) {
+        member.upstream.set_card(card.rest.clone());
+    }
     // The adapters: the cards with a parent model.
     let adapters = cards
         .as_ref()

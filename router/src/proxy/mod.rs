@@ -5,7 +5,7 @@
 //! | `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages` (Anthropic's API) and `POST /v1/responses` (OpenAI's Responses API), the last two decided as the chat request vLLM makes of them | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]); a Responses request that continues a stored response goes to the replica that stored it ([`responses`]) |
 //! | `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` | streamed to the replica that stored the response ([`responses`]) |
 //! | other `/v1/*`, and the engines' own paths outside `/v1` that do not generate (`/tokenize`, `/rerank`, ...: [`paths`]) | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused) |
-//! | `GET /v1/models` | the fleet's model and LoRA adapters |
+//! | `GET /v1/models` | the fleet's model (with the fields a healthy replica lists for it: `max_model_len`, `root`, `owned_by`) and LoRA adapters |
 //! | `OPTIONS` on the paths above (a browser's CORS preflight) | streamed to the least-loaded eligible replica, so the fleet's CORS policy answers it; the router's own answers (its errors, `/v1/models`) carry `--allowed-origins`' ([`cors`]) |
 //! | `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter` (and SGLang's spellings) | sent to every replica, with `--lora-updates` ([`lora`]) |
 //! | `GET /health` | 200 while every HTTP thread runs its tick ([`ProxyState::stalled_threads`]), else 503 |
@@ -467,17 +467,35 @@ async fn read_body(
     }
 }
 
+/// The fleet's models: the served model, with the fields a healthy replica lists for it
+/// (vLLM's `max_model_len`, `root`, `owned_by`: clients size their context by the first),
+/// and the LoRA adapters every replica has.
 fn models(state: &ProxyState) -> serde_json::Value {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let base = state.base_model.as_str();
+    let listed = state
+        .fleet()
+        .members()
+        .into_iter()
+        .filter(|m| m.upstream.is_healthy())
+        .find_map(|m| m.upstream.card());
+    let owned_by =
+        listed.as_ref().and_then(|card| card.get("owned_by").cloned()).unwrap_or_else(|| "kvroute".into());
     let card = |id: &str, parent: Option<&str>| {
         serde_json::json!({
-            "id": id, "object": "model", "created": created, "owned_by": "kvroute", "root": base, "parent": parent,
+            "id": id, "object": "model", "created": created, "owned_by": owned_by, "root": base, "parent": parent,
         })
     };
+    let mut served = card(base, None);
+    if let (Some(listed), Some(fields)) = (&listed, served.as_object_mut()) {
+        for (name, value) in listed.iter().filter(|(name, _)| !["object", "created"].contains(&name.as_str()))
+        {
+            fields.insert(name.clone(), value.clone());
+        }
+    }
     let adapters = state.decider.prompts.tokenization().lora_adapters();
     let data: Vec<serde_json::Value> =
-        std::iter::once(card(base, None)).chain(adapters.iter().map(|a| card(a, Some(base)))).collect();
+        std::iter::once(served).chain(adapters.iter().map(|a| card(a, Some(base)))).collect();
     serde_json::json!({"object": "list", "data": data})
 }
 

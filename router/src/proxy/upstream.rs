@@ -96,6 +96,9 @@ pub struct Upstream {
     begun: AtomicU64,
     /// The LoRA adapters loaded through the router that the replica is known to have.
     adapters: Mutex<HashSet<String>>,
+    /// The fields of the served model's card in the replica's `/v1/models` (besides its id
+    /// and parent), as last listed.
+    card: Mutex<Option<Arc<serde_json::Map<String, serde_json::Value>>>>,
 }
 
 impl Default for Upstream {
@@ -119,6 +122,7 @@ impl Default for Upstream {
             requests: AtomicU64::new(0),
             begun: AtomicU64::new(0),
             adapters: Mutex::default(),
+            card: Mutex::default(),
         }
     }
 }
@@ -250,6 +254,16 @@ impl Upstream {
             true => adapters.insert(adapter.to_owned()),
             false => adapters.remove(adapter),
         };
+    }
+
+    /// The served model's card as the replica last listed it (its fields besides id and
+    /// parent).
+    pub fn card(&self) -> Option<Arc<serde_json::Map<String, serde_json::Value>>> {
+        self.card.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    pub fn set_card(&self, card: serde_json::Map<String, serde_json::Value>) {
+        *self.card.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(card));
     }
 
     pub fn set_healthy(&self, healthy: bool) {

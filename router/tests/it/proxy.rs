@@ -150,6 +150,25 @@ async fn streaming_passes_chunks_through_before_the_response_ends() {
     assert!(text.contains("\"cached_tokens\""));
 }
 
+/// The fleet's model list carries the served model's card as the replicas list it: its
+/// context length (which clients size their prompts by), its owner.
+#[tokio::test]
+async fn the_model_list_carries_the_replicas_card() {
+    let fleet =
+        Fleet::with(2, |n| kvroute_replica_agent::Config { max_model_len: 3_000, ..agent_config(n) }, |c| c)
+            .await;
+    let listed = async || {
+        let models = fleet.http.get(&fleet.url("/v1/models")).await.json();
+        models["data"][0]["max_model_len"] == json!(3_000)
+    };
+    crate::support::wait_until_async("the replicas' card", listed).await;
+    let models = fleet.http.get(&fleet.url("/v1/models")).await.json();
+    let agent = fleet.http.get(&format!("{}/v1/models", fleet.agent(0).http_url())).await.json();
+    for field in ["id", "object", "owned_by", "root", "parent", "max_model_len"] {
+        assert_eq!(models["data"][0][field], agent["data"][0][field], "{field}");
+    }
+}
+
 #[tokio::test]
 async fn a_killed_replica_loses_no_request_that_had_not_started() {
     let mut fleet = Fleet::start(3).await;

@@ -247,6 +247,9 @@ pub struct ModelCard {
     pub id: String,
     #[serde(default)]
     pub parent: Option<String>,
+    /// Its other fields (vLLM's `root`, `owned_by`, `max_model_len`, ...).
+    #[serde(flatten)]
+    pub rest: serde_json::Map<String, serde_json::Value>,
 }
 
 /// The models of a `GET /v1/models` answer (OpenAI's `{"data": [...]}`).
