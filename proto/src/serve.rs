@@ -86,6 +86,10 @@ impl Background {
     }
 }
 
+/// The address of the client a request came from, in every request's extensions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peer(pub std::net::SocketAddr);
+
 /// Serves `handler` on `listener` with the default [`Limits`] until `shutdown` fires, then
 /// drains.
 pub async fn serve<H, F, B>(listener: TcpListener, handler: H, shutdown: CancellationToken)
@@ -378,6 +382,7 @@ async fn accept_loop<H, F, B>(
                 move |mut req: Request<Incoming>| {
                     let open = Open::new(&activity);
                     req.extensions_mut().insert(background.clone());
+                    req.extensions_mut().insert(Peer(peer));
                     let response = handler(req);
                     async move { Ok::<_, Infallible>(response.await.map(|body| Tracked { body, _open: open })) }
                 }

@@ -209,6 +209,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             eject_after: config.eject_after,
             ejection: config.ejection(),
             access_log: config.access_log,
+            forwarded_for: config.forwarded_for,
             owners: Arc::new(proxy::responses::Owners::new(config.response_owners)),
         },
         registry: Arc::new(registry),

@@ -81,6 +81,8 @@ pub struct ForwardConfig {
     pub ejection: Duration,
     /// Log each request when its response ends ([`super::access`]).
     pub access_log: bool,
+    /// Add the client to `X-Forwarded-For` (`--forwarded-for`).
+    pub forwarded_for: bool,
     /// Which replica stored each Responses API response ([`super::responses`]).
     pub owners: Arc<Owners>,
 }
@@ -131,7 +133,7 @@ pub async fn routed(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let request_id = admitted.request_id;
     let metrics = &decider.metrics;
-    let (client, headers) = upstream_head(parts, request_id);
+    let (client, headers) = upstream_head(parts, request_id, config.forwarded_for);
     let mut last_error = None;
     let attempts = plan.order().len().min(MAX_ATTEMPTS);
     // Where the decision's credit is: the replica last tried.
@@ -308,7 +310,7 @@ pub async fn to_replica(
     // A request sent this way (a Responses continuation, a body streamed through) is one
     // sequence.
     let guard = upstream.begin(1, prefill_tokens, prompt_tokens);
-    let (client, headers) = upstream_head(parts, admitted.request_id);
+    let (client, headers) = upstream_head(parts, admitted.request_id, config.forwarded_for);
     let uri = replica_uri(&member.replica, &client.uri)?;
     let sent = Instant::now();
     let head = (&client.method, &uri, &headers);
@@ -414,14 +416,47 @@ pub(super) fn record_failure(upstream: &Upstream, config: &ForwardConfig, metric
 }
 
 /// The client's request line and version, and the headers every attempt sends: the client's
-/// without hop-by-hop ones, and the request id. Taken once per request, not per attempt.
-pub(super) fn upstream_head(parts: http::request::Parts, request_id: &str) -> (ClientHead, HeaderMap) {
-    let http::request::Parts { method, uri, version, mut headers, .. } = parts;
+/// without hop-by-hop ones, the request id, and with `forwarded_for` the client's address
+/// ([`forwarded`]). Taken once per request, not per attempt.
+pub(super) fn upstream_head(
+    parts: http::request::Parts,
+    request_id: &str,
+    forwarded_for: bool,
+) -> (ClientHead, HeaderMap) {
+    let http::request::Parts { method, uri, version, mut headers, extensions, .. } = parts;
     strip_hop_by_hop(&mut headers);
     if let Ok(id) = HeaderValue::from_str(request_id) {
         headers.insert(X_REQUEST_ID, id);
     }
+    if forwarded_for && let Some(peer) = extensions.get::<kvroute_proto::serve::Peer>() {
+        forwarded(&mut headers, peer.0.ip());
+    }
     (ClientHead { method, uri, version }, headers)
+}
+
+/// Appends `client` to `X-Forwarded-For` (one field, the client's own list first, as nginx's
+/// `$proxy_add_x_forwarded_for`), and sets `X-Forwarded-Proto: http` unless the client sent
+/// one (a load balancer in front of the router knows the scheme the client used).
+fn forwarded(headers: &mut HeaderMap, client: std::net::IpAddr) {
+    const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+    const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+    let mut list = Vec::new();
+    for (i, value) in headers.get_all(&X_FORWARDED_FOR).iter().enumerate() {
+        if i > 0 {
+            list.extend_from_slice(b", ");
+        }
+        list.extend_from_slice(value.as_bytes());
+    }
+    if !list.is_empty() {
+        list.extend_from_slice(b", ");
+    }
+    list.extend_from_slice(client.to_string().as_bytes());
+    if let Ok(value) = HeaderValue::from_bytes(&list) {
+        headers.insert(X_FORWARDED_FOR, value);
+    }
+    if !headers.contains_key(&X_FORWARDED_PROTO) {
+        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    }
 }
 
 /// What a forwarded request keeps of the client's request line.

@@ -53,7 +53,7 @@ pub(super) async fn open(
     let background = req.extensions().get::<kvroute_proto::serve::Background>().cloned();
     let (parts, _) = req.into_parts();
     let upgrade: Vec<HeaderValue> = parts.headers.get_all(header::UPGRADE).iter().cloned().collect();
-    let (client, mut headers) = forward::upstream_head(parts, admitted.request_id);
+    let (client, mut headers) = forward::upstream_head(parts, admitted.request_id, config.forwarded_for);
     headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     for protocol in upgrade {
         headers.append(header::UPGRADE, protocol);

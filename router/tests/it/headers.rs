@@ -189,6 +189,47 @@ async fn the_routers_own_answers_carry_its_cors_fields() {
     shutdown.cancel();
 }
 
+/// With `--forwarded-for` the replica learns the client: its address is appended to the
+/// client's own `X-Forwarded-For`, and `X-Forwarded-Proto` is `http` unless a load balancer
+/// in front said otherwise. Without it, the client's fields go through as they are.
+#[tokio::test]
+async fn forwarded_for_tells_the_replica_the_client() {
+    let (replica, mut seen) = recording_replica(ANSWER).await;
+    let head = |extra: &str| {
+        format!("POST /v1/embeddings HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n{extra}")
+    };
+    for forwarded_for in [true, false] {
+        let (router, shutdown) =
+            router_in_front_of(replica, |c| kvroute_router::Config { forwarded_for, ..c }).await;
+        for (extra, want_for, want_proto) in [
+            ("", "127.0.0.1", "http"),
+            (
+                "x-forwarded-for: 203.0.113.7\r\nx-forwarded-for: 10.1.1.1\r\nx-forwarded-proto: https\r\n",
+                "203.0.113.7, 10.1.1.1, 127.0.0.1",
+                "https",
+            ),
+        ] {
+            let answer = exchange(&router.url(), &head(extra), "{\"input\":\"x\"}").await;
+            assert!(answer.starts_with("http/1.1 200"), "{answer}");
+            let got =
+                tokio::time::timeout(WAIT, seen.recv()).await.expect("in time").expect("the replica saw it");
+            let sent: Vec<&str> = got.values("x-forwarded-for");
+            if forwarded_for {
+                assert_eq!(
+                    (sent, got.values("x-forwarded-proto")),
+                    (vec![want_for], vec![want_proto]),
+                    "{extra:?}"
+                );
+            } else {
+                let clients: Vec<&str> =
+                    extra.lines().filter_map(|l| l.strip_prefix("x-forwarded-for: ")).collect();
+                assert_eq!(sent, clients, "passed through as sent");
+            }
+        }
+        shutdown.cancel();
+    }
+}
+
 /// Upgrades other than a WebSocket's (those are tunnelled: `websocket.rs`): an `h2c` upgrade
 /// (curl's `--http2` over plain HTTP) is optional for a server, so the request is served over
 /// HTTP/1.1, and so is a request whose `Connection` does not name `upgrade`.
