@@ -17,10 +17,20 @@ pub fn output_within(mut command: Command, wait: Duration) -> Result<Output, Str
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("cannot run it: {e}"))?;
+    // Read as it comes: a full pipe would stop the binary before its exit.
+    let mut stderr = child.stderr.take().ok_or("no standard error")?;
+    let reader = std::thread::spawn(move || {
+        let mut text = Vec::new();
+        std::io::Read::read_to_end(&mut stderr, &mut text).map(|_| text)
+    });
     let deadline = Instant::now() + wait;
     loop {
         match child.try_wait() {
-            Ok(Some(_)) => return child.wait_with_output().map_err(|e| format!("reading its output: {e}")),
+            Ok(Some(status)) => {
+                let stderr = reader.join().map_err(|_| "reading its output panicked")?;
+                let stderr = stderr.map_err(|e| format!("reading its output: {e}"))?;
+                return Ok(Output { status, stdout: Vec::new(), stderr });
+            }
             Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL),
             Ok(None) => {
                 let _ = child.kill();

@@ -157,18 +157,18 @@ async fn fetch_once(
                     return Err(ReplayError::TooLong(bounds.batches));
                 }
                 ReplayReply::Batch(mut batch) => {
-                    // Kept as its payload alone, in a copy of its own: the socket cuts every
-                    // frame out of one shared read buffer, which a kept slice holds whole, so
-                    // the budget would count a fraction of what a replay held (and the topic,
-                    // not read again, is dropped).
-                    batch.payload = Bytes::copy_from_slice(&batch.payload);
-                    batch.topic = Bytes::new();
                     let bytes = u32::try_from(batch.payload.len()).map_err(|_| ReplayError::OverBudget)?;
                     let wanted = bounds.budget.bytes.clone().acquire_many_owned(bytes);
                     let permit = tokio::time::timeout_at(reply_by, wanted)
                         .await
                         .map_err(|_| ReplayError::OverBudget)?
                         .map_err(|_| ReplayError::OverBudget)?;
+                    // Kept as its payload alone, in a copy of its own: the socket cuts every
+                    // frame out of one shared read buffer, which a kept slice holds whole, so
+                    // the budget would count a fraction of what a replay held (and the topic,
+                    // not read again, is dropped).
+                    batch.payload = Bytes::copy_from_slice(&batch.payload);
+                    batch.topic = Bytes::new();
                     match &mut held {
                         Some(held) => held.merge(permit),
                         None => held = Some(permit),

@@ -182,8 +182,9 @@ impl RankStream {
             }
             // The connection is gone: the repair after the next one covers what was dropped
             // (a repair now would mark the rank synced while its events cannot arrive).
-            Input::Overflowed if self.disconnected => {}
-            Input::Overflowed => {
+            Input::Overflowed(pending) if self.disconnected => pending.take(),
+            Input::Overflowed(pending) => {
+                pending.take();
                 // Everything queued before the drop has been applied: what is missing starts
                 // at `expected`.
                 self.ctx.metrics.gaps.inc();
@@ -197,9 +198,11 @@ impl RankStream {
                 // restarted. Its blocks leave the index at once (a dead replica must not
                 // attract requests, and a restarted one has an empty cache); a replica that
                 // was only cut off briefly is rebuilt by the repair from seq 0 that its
-                // reconnection triggers (replay, else snapshot).
+                // reconnection triggers (replay, else snapshot). Its credits go too, as at a
+                // restart: its requests in flight went down with it.
                 self.set_state(StreamState::Degraded);
                 self.clear();
+                self.restarted();
                 self.expected = None;
                 self.disconnected = true;
             }
@@ -287,8 +290,7 @@ impl RankStream {
             tracing::info!(replica = %self.ctx.replica.spec.name, rank = self.rank, seq = batch.seq.0, "publisher restarted");
             self.ctx.metrics.restarts.inc();
             self.clear();
-            // Its requests in flight went down with it: nothing of theirs will be stored.
-            self.ctx.index.credits().forget(self.ctx.replica.id);
+            self.restarted();
             self.expected = Some(Seq(0));
             self.epoch = batch.epoch;
             action = self.classify(&batch);
@@ -299,14 +301,15 @@ impl RankStream {
             self.ctx.replica.status.add_gap();
             self.set_state(StreamState::Degraded);
             let mut from = from;
-            for round in 0.. {
-                self.repair(from, Some(batch.seq)).await;
+            // Every replay of this gap's repairs counts: a publisher answering one batch a
+            // replay would have it asked once for every seq of the gap.
+            let mut replays = MAX_TAIL_REPLAYS + 1;
+            loop {
+                self.repair_within(from, Some(batch.seq), &mut replays).await;
                 action = self.classify(&batch);
-                // A replay that stopped at a hole moved `expected` on: ask again from there, a
-                // bounded number of times (a publisher answering one batch a replay would
-                // have it asked once for every seq of the gap).
+                // A replay that stopped at a hole moved `expected` on: ask again from there.
                 match action {
-                    Action::Gap(next) if next > from && round < MAX_TAIL_REPLAYS => from = next,
+                    Action::Gap(next) if next > from && replays > 0 => from = next,
                     _ => break,
                 }
             }
@@ -349,10 +352,21 @@ impl RankStream {
     /// anything) and the live stream. `newer`: a live seq already seen past `from`, so an
     /// empty replay is incomplete.
     async fn repair(&mut self, from: Seq, newer: Option<Seq>) {
+        self.repair_within(from, newer, &mut (MAX_TAIL_REPLAYS + 1)).await;
+    }
+
+    /// [`Self::repair`] with at most `replays` replays (taken off it), from one repair or
+    /// several of one gap.
+    async fn repair_within(&mut self, from: Seq, newer: Option<Seq>, replays: &mut u32) {
         let mut partial: (Vec<LiveMessage>, replay::Held) = (Vec::new(), None);
         let mut from = from;
         if let Some(endpoint) = self.replay_endpoint.clone() {
             for round in 0..=MAX_TAIL_REPLAYS {
+                if *replays == 0 {
+                    // The gap's replays are spent; what the last ones brought stands.
+                    return self.tail_unknown().await;
+                }
+                *replays -= 1;
                 let config = &self.ctx.config;
                 let oversized = self.ctx.metrics.on_oversized();
                 let bounds =
@@ -409,18 +423,25 @@ impl RankStream {
                 }
             }
         }
-        // A snapshot replaces what a replay that missed its start brought: that is given back
-        // to the shared replay budget before the snapshot, which may take its whole timeout,
-        // rather than held through it while other ranks' replays wait for the budget.
-        if self.rank == 0 && self.ctx.replica.spec.grpc_endpoint.is_some() {
+        // What a replay that missed its start brought stands unless a snapshot replaces it. With
+        // a snapshot to come it is applied first and its share of the shared replay budget
+        // given back: the snapshot may take its whole timeout, and other ranks' replays would
+        // wait for the budget meanwhile.
+        let applied = self.rank == 0 && self.ctx.replica.spec.grpc_endpoint.is_some();
+        if applied {
+            self.clear();
+            self.expected = None;
+            self.apply_replayed(&partial.0);
             partial = (Vec::new(), None);
         }
         if self.snapshot().await {
             return;
         }
-        self.clear();
-        self.expected = None;
-        self.apply_replayed(&partial.0);
+        if !applied {
+            self.clear();
+            self.expected = None;
+            self.apply_replayed(&partial.0);
+        }
         drop(partial);
         if std::mem::take(&mut self.lost) {
             // A batch of it was lost: what came after cannot be trusted either.
@@ -472,6 +493,7 @@ impl RankStream {
             {
                 self.ctx.metrics.restarts.inc();
                 self.clear();
+                self.restarted();
                 self.expected = None;
             }
             if self.expected.is_some_and(|e| batch.seq < e) {
@@ -518,6 +540,9 @@ impl RankStream {
         self.lost = false;
         self.clear();
         if native {
+            if self.epoch.is_some_and(|mine| mine != snap.epoch) {
+                self.restarted();
+            }
             self.epoch = Some(snap.epoch);
             self.ctx.replica.status.set_epoch(snap.epoch);
         }
@@ -618,6 +643,16 @@ impl RankStream {
             Err(reason) => {
                 self.ctx.metrics.skipped(reason).inc();
             }
+        }
+    }
+
+    /// The publisher restarted (a new epoch) or closed its connection (stopped, killed,
+    /// restarting): the requests in flight on it went down with it,
+    /// and nothing of theirs will be stored, so its credits end. (Credits are the replica's:
+    /// one rank of several restarting alone leaves them to the others' requests.)
+    fn restarted(&mut self) {
+        if self.ctx.replica.spec.dp_size <= 1 {
+            self.ctx.index.credits().forget(self.ctx.replica.id);
         }
     }
 
@@ -785,7 +820,7 @@ mod tests {
     async fn an_overflow_after_a_disconnect_waits_for_the_next_connection() {
         let mut rank = rank();
         rank.handle(Input::Disconnected).await;
-        rank.handle(Input::Overflowed).await;
+        rank.handle(Input::Overflowed(Default::default())).await;
         assert_eq!(rank.ctx.replica.status.state(), StreamState::Degraded);
         assert_eq!(rank.ctx.metrics.gaps.get(), 0);
     }

@@ -23,7 +23,7 @@
 //! are rare and must not be lost).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -45,10 +45,33 @@ pub(crate) enum Input {
     Disconnected,
     /// No connection for `fallback_after`.
     Unreachable,
-    /// Live messages were dropped because the channel was full (sent once there is room).
-    Overflowed,
+    /// Live messages were dropped because the channel was full (sent once there is room, and
+    /// not again until the stream takes this one: [`Pending`]).
+    Overflowed(Pending),
     /// One live message's frames, counted in the channel's bytes until dropped.
     Frames(Vec<Bytes>, Queued),
+}
+
+/// Whether an [`Input::Overflowed`] waits for the stream: the stream takes it ([`Pending::take`])
+/// before its repair, so drops during the repair are reported once more, and a channel whose
+/// bytes are full (its slots free) does not fill with reports, each a repair.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Pending(Arc<AtomicBool>);
+
+impl Pending {
+    /// The stream has the report: a later drop is reported again.
+    pub(crate) fn take(&self) {
+        self.0.store(false, Ordering::Release);
+    }
+
+    fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+
+    fn set(&self) -> Pending {
+        self.0.store(true, Ordering::Release);
+        self.clone()
+    }
 }
 
 /// A live message's share of its channel's bytes, given back when the message is dropped.
@@ -95,6 +118,9 @@ pub(crate) async fn run(
     cancel: CancellationToken,
 ) {
     let Some(guard) = guard(&config, &metrics, &tx, &cancel).await else { return };
+    // Across sockets: messages of an earlier one may still be queued.
+    let queued = Arc::new(AtomicUsize::new(0));
+    let pending = Pending::default();
     loop {
         let Some(mut socket) = connect(&config, guard.endpoint(), &tx, &cancel).await else { return };
         // Installed after the first connect, whose `Connected` the explicit send replaces.
@@ -104,7 +130,6 @@ pub(crate) async fn run(
         }
         let mut outage: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
         let mut overflowed = false;
-        let queued = Arc::new(AtomicUsize::new(0));
         loop {
             let outage_over = async {
                 match outage.as_mut() {
@@ -116,19 +141,27 @@ pub(crate) async fn run(
                 () = cancel.cancelled() => return,
                 msg = socket.recv() => match msg {
                     Ok(msg) => {
-                        let frames = msg.into_vec();
+                        // Queued as copies: the socket cuts every frame out of one shared
+                        // read buffer (as large as the largest message lately), which a
+                        // queued slice would hold whole, uncounted.
+                        let frames: Vec<Bytes> =
+                            msg.into_vec().iter().map(|frame| Bytes::copy_from_slice(frame)).collect();
                         let bytes = frames.iter().map(Bytes::len).sum();
                         let sent = match Queued::take(&queued, bytes, config.max_queued_bytes) {
-                            Some(share) => tx.try_send(Input::Frames(frames, share)),
-                            None => Err(mpsc::error::TrySendError::Full(Input::Overflowed)),
+                            Some(share) => match tx.try_send(Input::Frames(frames, share)) {
+                                Ok(()) => Ok(()),
+                                Err(mpsc::error::TrySendError::Full(_)) => Err(true),
+                                Err(mpsc::error::TrySendError::Closed(_)) => Err(false),
+                            },
+                            None => Err(true),
                         };
                         match sent {
                             Ok(()) => {}
-                            Err(mpsc::error::TrySendError::Full(_)) => {
+                            Err(true) => {
                                 metrics.overflow.inc();
                                 overflowed = true;
                             }
-                            Err(mpsc::error::TrySendError::Closed(_)) => return,
+                            Err(false) => return,
                         }
                     }
                     Err(e) => {
@@ -156,9 +189,9 @@ pub(crate) async fn run(
                     Some(_) => {}
                     None => break, // The socket is gone: start over with a new one.
                 },
-                permit = tx.reserve(), if overflowed => match permit {
+                permit = tx.reserve(), if overflowed && !pending.is_set() => match permit {
                     Ok(permit) => {
-                        permit.send(Input::Overflowed);
+                        permit.send(Input::Overflowed(pending.set()));
                         overflowed = false;
                     }
                     Err(_) => return,

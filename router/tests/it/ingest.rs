@@ -402,6 +402,10 @@ async fn gap_resyncs_from_snapshot(with_replay: bool) {
         SnapshotState { epoch: 9, seq: Some(seq + 2), blocks: snapshot_blocks(&c) };
     fake.send(seq + 3, native(batch(9, seq + 3, vec![store_chain(&d, 0)]))).await;
     applied(&r, seq + 3).await;
+    // (What an incomplete replay brought is applied before the snapshot replaces it: its
+    // last seq may be seen first.)
+    wait_until("the snapshot and the batch after it", || h.overlap(&r, &c) == 4 && h.overlap(&r, &d) == 2)
+        .await;
     assert_eq!(h.overlap(&r, &a), 0);
     assert_eq!(h.overlap(&r, &c), 4);
     assert_eq!(h.overlap(&r, &d), 2);
