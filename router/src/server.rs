@@ -221,6 +221,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         synced_once: AtomicBool::new(false),
         heartbeats: Heartbeats::new(http_threads),
         allowed_origins: proxy::cors::AllowedOrigins::new(&config.allowed_origins),
+        shutdown: shutdown.clone(),
     });
 
     let listener =
@@ -250,7 +251,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let checks = proxy::health::Settings {
         interval: config.health_interval(),
         timeout: Duration::from_millis(config.health_timeout_ms),
-        load_timeout: config.first_byte_timeout(),
+        load_timeout: config.first_byte_timeout().min(proxy::forward::CONTROL_TIMEOUT),
         unhealthy_after: config.unhealthy_after,
     };
     tracker.spawn(proxy::health::run(state.clone(), client, checks, shutdown.clone()));

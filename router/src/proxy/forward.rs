@@ -87,6 +87,19 @@ pub struct ForwardConfig {
     pub owners: Arc<Owners>,
 }
 
+/// Longest wait for a replica's answer that is not a generation's (a LoRA change, a lookup of
+/// a stored response, a WebSocket handshake), when the first-byte timeout is longer: a
+/// replica that hangs holds these (the LoRA change lock among them) no longer.
+pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(120);
+
+impl ForwardConfig {
+    /// The wait for an answer that is not a generation's: the first-byte timeout, at most
+    /// [`CONTROL_TIMEOUT`].
+    pub fn control_timeout(&self) -> Duration {
+        self.first_byte_timeout.min(CONTROL_TIMEOUT)
+    }
+}
+
 /// Removes hop-by-hop headers, including any present that `Connection` names: one pass over
 /// the names present, then a removal for each one found. `host` (every request) and
 /// `connection` (most responses) are removed without collecting their names first.
@@ -171,7 +184,11 @@ pub async fn routed(
         {
             Ok(Ok(response))
                 if response.status() == http::StatusCode::SERVICE_UNAVAILABLE
-                    && attempt + 1 < plan.order().len().min(MAX_ATTEMPTS) =>
+                    && plan
+                        .order()
+                        .take(attempts)
+                        .skip(attempt + 1)
+                        .any(|s| still_takes(decider, &s.member)) =>
             {
                 // A 503 means the replica refused the request without starting it (shutting
                 // down, queue full): another replica can take it. Overload is not an outlier:
@@ -435,8 +452,9 @@ pub(super) fn upstream_head(
 }
 
 /// Appends `client` to `X-Forwarded-For` (one field, the client's own list first, as nginx's
-/// `$proxy_add_x_forwarded_for`), and sets `X-Forwarded-Proto: http` unless the client sent
-/// one (a load balancer in front of the router knows the scheme the client used).
+/// `$proxy_add_x_forwarded_for`; an IPv4 client of a dual-stack listener as IPv4), and sets
+/// `X-Forwarded-Proto` to the router's scheme, `http`, as nginx's `$scheme` (a client's own
+/// would be believed by a replica that trusts the router).
 fn forwarded(headers: &mut HeaderMap, client: std::net::IpAddr) {
     const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
     const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -450,13 +468,11 @@ fn forwarded(headers: &mut HeaderMap, client: std::net::IpAddr) {
     if !list.is_empty() {
         list.extend_from_slice(b", ");
     }
-    list.extend_from_slice(client.to_string().as_bytes());
+    list.extend_from_slice(client.to_canonical().to_string().as_bytes());
     if let Ok(value) = HeaderValue::from_bytes(&list) {
         headers.insert(X_FORWARDED_FOR, value);
     }
-    if !headers.contains_key(&X_FORWARDED_PROTO) {
-        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
-    }
+    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
 }
 
 /// What a forwarded request keeps of the client's request line.

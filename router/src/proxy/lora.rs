@@ -179,7 +179,10 @@ async fn apply(
     // The members when its turn comes: one that joined while it waited (behind catch-ups of
     // their own) is sent the change too, and counts toward "every replica has it".
     let members: Vec<Member> = state.fleet().members();
-    let timeout = state.forward.first_byte_timeout;
+    if members.is_empty() {
+        return Err(ProxyError::Unavailable("no replicas are configured".into()));
+    }
+    let timeout = state.forward.control_timeout();
     let pool = &pool;
     let asks = members.iter().map(|member| {
         let (body, headers) = (body.clone(), &headers);

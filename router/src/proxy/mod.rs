@@ -87,6 +87,8 @@ pub struct ProxyState {
     pub heartbeats: Heartbeats,
     /// Who may read the router's own answers ([`cors`]).
     pub allowed_origins: cors::AllowedOrigins,
+    /// The router's shutdown: open WebSocket tunnels end with it ([`tunnel`]).
+    pub shutdown: CancellationToken,
 }
 
 /// An HTTP thread that has not ticked for this long is stuck: `/health` fails.
@@ -248,6 +250,7 @@ async fn dispatch(
         && asks_websocket(req.headers())
         && paths::allowed(&path).is_none()
         && paths::passes_through(&path)
+        && responses::target(&path).is_none()
     {
         // Passed on as other requests are, without its `Upgrade` (hop-by-hop), it would
         // reach the replica as a plain request and be refused there as an unknown path.
@@ -373,7 +376,7 @@ async fn find_owner(
     if let Some(auth) = client.get(header::AUTHORIZATION) {
         headers.insert(header::AUTHORIZATION, auth.clone());
     }
-    let (fleet, timeout) = (state.fleet(), state.forward.first_byte_timeout);
+    let (fleet, timeout) = (state.fleet(), state.forward.control_timeout());
     state.forward.owners.find(fleet, pool, id, &headers, (timeout, &state.decider.metrics)).await
 }
 
@@ -535,13 +538,7 @@ fn is_probe(path: &str) -> bool {
 fn asks_websocket(headers: &http::HeaderMap) -> bool {
     let connection_upgrade =
         http1::connection_options(headers).any(|option| option.eq_ignore_ascii_case(b"upgrade"));
-    connection_upgrade
-        && headers
-            .get_all(header::UPGRADE)
-            .iter()
-            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-            .filter_map(|protocol| protocol.trim_ascii().split(|&b| b == b'/').next())
-            .any(|name| name.eq_ignore_ascii_case(b"websocket"))
+    connection_upgrade && tunnel::names_websocket(headers)
 }
 
 /// The client's `x-request-id` if it sent a sane one, else a fresh one.

@@ -10,9 +10,14 @@
 //! response.
 //!
 //! A session holds its place under `--max-in-flight`, and counts as a request in flight on its
-//! replica, for as long as it lasts; the server drains sessions at shutdown as it drains
-//! streams. A replica that refuses the connection or fails before answering is counted
-//! against it and the next one is tried, as for other requests.
+//! replica, for as long as it lasts. It ends when the router shuts down (both connections
+//! are closed; its client reconnects, to another router): a session may last for hours,
+//! where a stream ends with its generation, and the shutdown would wait for it. (Each holds
+//! two sockets outside `--max-connections`, which counts the connections the server reads
+//! requests from.) A replica that refuses the connection or fails before answering is counted
+//! against it and the next one is tried, as for other requests; a `101` without an `Upgrade`
+//! to `websocket` is a malformed answer. A handshake with a body is refused (400): its bytes
+//! would reach the replica as the new protocol's.
 //!
 //! Only HTTP/1.1 upgrades: the router does not offer HTTP/2's extended `CONNECT` (RFC 8441),
 //! so browsers open their WebSockets to it over HTTP/1.1.
@@ -49,6 +54,12 @@ pub(super) async fn open(
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let (config, metrics) = (&state.forward, &state.decider.metrics);
+    let headers = req.headers();
+    if headers.contains_key(header::TRANSFER_ENCODING)
+        || headers.get(header::CONTENT_LENGTH).is_some_and(|n| n.as_bytes() != b"0")
+    {
+        return Err(ProxyError::Refused("a WebSocket handshake has no body".into()));
+    }
     let client_side = hyper::upgrade::on(&mut req);
     let background = req.extensions().get::<kvroute_proto::serve::Background>().cloned();
     let (parts, _) = req.into_parts();
@@ -69,7 +80,12 @@ pub(super) async fn open(
         let sent = Instant::now();
         let handshake = pool.upgrade(&client.method, &uri, &headers);
         let name = &member.replica.spec.name;
-        match tokio::time::timeout_at(sent + config.first_byte_timeout, handshake).await {
+        match tokio::time::timeout_at(sent + config.control_timeout(), handshake).await {
+            Ok(Ok(Upgrade::Switched { head, .. })) if !names_websocket(&head.headers) => {
+                forward::record_failure(upstream, config, metrics);
+                let reason = "101 Switching Protocols without Upgrade: websocket".to_owned();
+                return Err(ProxyError::Upstream { replica: name.clone(), reason });
+            }
             Ok(Ok(Upgrade::Switched { head, stream, early })) => {
                 upstream.record_success();
                 let mut response = Response::new(full(Bytes::new()));
@@ -97,7 +113,13 @@ pub(super) async fn open(
                     first_data: Some(Instant::now()),
                     ..access::Line::new(&admitted, &client.method, &client.uri)
                 });
-                let session = Session { guard, _slot: admitted.slot, line, idle: config.idle_timeout };
+                let session = Session {
+                    guard,
+                    _slot: admitted.slot,
+                    line,
+                    idle: config.idle_timeout,
+                    shutdown: state.shutdown.clone(),
+                };
                 let run = session.run(client_side, stream, early);
                 match background {
                     Some(background) => drop(background.spawn(run)),
@@ -131,12 +153,22 @@ pub(super) async fn open(
                 forward::record_failure(upstream, config, metrics);
                 return Err(ProxyError::Timeout {
                     replica: name.clone(),
-                    timeout_ms: config.first_byte_timeout.as_millis() as u64,
+                    timeout_ms: config.control_timeout().as_millis() as u64,
                 });
             }
         }
     }
     Err(last_error.unwrap_or_else(|| ProxyError::Unavailable("no healthy replica".into())))
+}
+
+/// Whether `headers`' `Upgrade` names `websocket` (a handshake's, or a `101`'s).
+pub(super) fn names_websocket(headers: &http::HeaderMap) -> bool {
+    headers
+        .get_all(header::UPGRADE)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .filter_map(|protocol| protocol.trim_ascii().split(|&b| b == b'/').next())
+        .any(|name| name.eq_ignore_ascii_case(b"websocket"))
 }
 
 /// An open tunnel's hold on the fleet: its replica's load, its in-flight place, its access
@@ -146,6 +178,7 @@ struct Session {
     _slot: forward::Slot,
     line: Option<access::Line>,
     idle: Duration,
+    shutdown: tokio_util::sync::CancellationToken,
 }
 
 impl Session {
@@ -166,12 +199,16 @@ impl Session {
             client.write_all(&early).await?;
             splice(&mut client, replica, idle).await
         };
-        let end = match spliced.await {
-            Ok(()) => super::body::End::Complete,
-            Err(e) => {
-                tracing::debug!(error = %e, "a WebSocket tunnel ended with an error");
-                super::body::End::Failed
-            }
+        let end = tokio::select! {
+            spliced = spliced => match spliced {
+                Ok(()) => super::body::End::Complete,
+                Err(e) => {
+                    tracing::debug!(error = %e, "a WebSocket tunnel ended with an error");
+                    super::body::End::Failed
+                }
+            },
+            // Both connections close as the splice is dropped.
+            () = self.shutdown.cancelled() => super::body::End::Abandoned,
         };
         self.finish(end);
     }

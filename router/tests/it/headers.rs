@@ -190,8 +190,8 @@ async fn the_routers_own_answers_carry_its_cors_fields() {
 }
 
 /// With `--forwarded-for` the replica learns the client: its address is appended to the
-/// client's own `X-Forwarded-For`, and `X-Forwarded-Proto` is `http` unless a load balancer
-/// in front said otherwise. Without it, the client's fields go through as they are.
+/// client's own `X-Forwarded-For`, and `X-Forwarded-Proto` is the router's scheme, whatever
+/// the client said. Without it, the client's fields go through as they are.
 #[tokio::test]
 async fn forwarded_for_tells_the_replica_the_client() {
     let (replica, mut seen) = recording_replica(ANSWER).await;
@@ -206,7 +206,7 @@ async fn forwarded_for_tells_the_replica_the_client() {
             (
                 "x-forwarded-for: 203.0.113.7\r\nx-forwarded-for: 10.1.1.1\r\nx-forwarded-proto: https\r\n",
                 "203.0.113.7, 10.1.1.1, 127.0.0.1",
-                "https",
+                "http",
             ),
         ] {
             let answer = exchange(&router.url(), &head(extra), "{\"input\":\"x\"}").await;
@@ -365,7 +365,9 @@ async fn a_retry_passes_over_a_replica_drained_since_the_decision() {
     gate.add_permits(1);
     let answer = tokio::time::timeout(WAIT, held).await.expect("in time").unwrap();
     assert!(!answer.contains("x-kvroute-replica: answering"), "retried on a drained replica: {answer}");
-    assert!(answer.starts_with("http/1.1 5"), "{answer}");
+    // Nowhere left to go: the replica's own refusal is the answer.
+    assert!(answer.starts_with("http/1.1 503"), "{answer}");
+    assert!(answer.contains("x-kvroute-replica: refusing"), "{answer}");
     shutdown.cancel();
 }
 

@@ -38,7 +38,14 @@ async fn realtime_replica() -> (SocketAddr, mpsc::UnboundedReceiver<String>) {
                         continue;
                     }
                     let realtime = head.starts_with("get /v1/realtime");
+                    let odd = head.starts_with("get /v1/odd-switch");
                     let _ = tx.send(head);
+                    if odd {
+                        let _ = stream
+                            .write_all(b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\n\r\n")
+                            .await;
+                        return;
+                    }
                     if !realtime {
                         let refusal = "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\n\
                                        content-length: 22\r\n\r\n{\"detail\":\"Not Found\"}";
@@ -146,6 +153,36 @@ async fn a_refused_handshake_comes_back_as_the_replica_answered() {
     let seen = handshakes.recv().await.expect("the replica saw the handshake");
     assert!(seen.starts_with("get /v1/elsewhere http/1.1\r\n"), "{seen}");
     shutdown.cancel();
+}
+
+/// A `101` that does not switch to a WebSocket is a malformed answer (502); a handshake with a
+/// body is refused (its bytes would reach the replica as WebSocket data).
+#[tokio::test]
+async fn a_switch_to_something_else_and_a_handshake_with_a_body_are_refused() {
+    let (replica, _handshakes) = realtime_replica().await;
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let (_, answer) =
+        handshake(&router.url(), &HANDSHAKE.replace("/v1/realtime?model=m", "/v1/odd-switch")).await;
+    assert!(answer.starts_with("http/1.1 502"), "{answer}");
+    let with_body = HANDSHAKE.replace("authorization: Bearer k\r\n\r\n", "content-length: 5\r\n\r\nhello");
+    let (_, answer) = handshake(&router.url(), &with_body).await;
+    assert!(answer.starts_with("http/1.1 400"), "{answer}");
+    shutdown.cancel();
+}
+
+/// An open tunnel ends when the router shuts down: its client sees the connection close, and
+/// the shutdown does not wait for the session.
+#[tokio::test]
+async fn a_tunnel_ends_with_the_router() {
+    let (replica, _handshakes) = realtime_replica().await;
+    let (router, _shutdown) = router_in_front_of(replica, |c| c).await;
+    let (mut client, answer) = handshake(&router.url(), HANDSHAKE).await;
+    assert!(answer.starts_with("http/1.1 101"), "{answer}");
+    assert_eq!(read_exactly(&mut client, 5).await, "hello");
+    tokio::time::timeout(WAIT, router.stop()).await.expect("the router stopped");
+    let mut rest = Vec::new();
+    tokio::time::timeout(WAIT, client.read_to_end(&mut rest)).await.expect("closed").unwrap();
+    assert!(rest.is_empty(), "{rest:?}");
 }
 
 /// A tunnel in which nothing moves for the idle timeout is closed; while it is open it holds
