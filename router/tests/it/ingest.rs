@@ -331,6 +331,34 @@ async fn a_gap_is_not_repaired_one_seq_a_replay() {
     assert!(asked <= 10, "{asked} replays for one gap");
 }
 
+/// The same without end markers: each replay then ends at its reply timeout, and the tail
+/// replays a repair asks for count in the gap's budget too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_is_not_repaired_one_seq_a_replay_without_end_markers() {
+    let h = Harness::with_config(kvroute_router::ingest::IngestConfig {
+        replay_timeout: Duration::from_millis(300),
+        ..test_config()
+    });
+    let mut fake = FakePublisher::start(Some(ReplayLayout::New)).await;
+    let (r, m) = h.add(spec("dripping", EngineKind::Vllm, &fake.events, fake.replay.as_deref()));
+    h.synced(&r).await;
+    settled(&m).await;
+    let seq = warm_up(&mut fake, &r, 0, 0).await;
+    let replays = || m.replays(Outcome::Ok).get() + m.replays(Outcome::Incomplete).get();
+    let before = replays();
+    fake.limit_replay(1);
+    fake.drop_end_markers();
+    for missed in seq..seq + 40 {
+        fake.keep(missed, vllm(batch(0, missed, vec![])));
+    }
+    let tokens = Rng::new(42).tokens(2);
+    fake.send(seq + 40, vllm(batch(0, seq + 40, vec![store_chain(&tokens, 0)]))).await;
+    applied(&r, seq + 40).await;
+    assert_eq!(h.overlap(&r, &tokens), 2);
+    let asked = replays() - before;
+    assert!(asked <= 10, "{asked} replays for one gap");
+}
+
 /// The same with a queue bounded by the bytes it holds (a few of these messages' worth), not
 /// by their number.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -352,23 +380,27 @@ async fn overflow_is_counted_and_repaired(config: kvroute_router::ingest::Ingest
     let seq = warm_up(&mut fake, &r, 0, 0).await;
     let gaps = m.gaps.get();
     let mut rng = Rng::new(4);
-    let prompts: Vec<Vec<u32>> = (0..12).map(|_| rng.tokens(2)).collect();
+    let prompts: Vec<Vec<u32>> = (0..42).map(|_| rng.tokens(2)).collect();
     let store = |i: usize| vllm(batch(0, seq + i as u64, vec![store_chain(&prompts[i], 0)]));
     fake.pause_replay(true);
     fake.keep(seq, store(0)); // lost: the next batch triggers a replay, which stalls
     fake.send(seq + 1, store(1)).await;
     wait_until("replay requested", || m.gaps.get() == gaps + 1).await;
-    for i in 2..11 {
+    for i in 2..41 {
         fake.send(seq + i as u64, store(i)).await;
     }
-    wait_until("queue overflowed", || m.overflow.get() > 0).await;
+    // Most of the 39 are dropped (the queue holds a few) before the replay goes on.
+    wait_until("queue overflowed", || m.overflow.get() >= 30).await;
     fake.pause_replay(false);
-    fake.send(seq + 11, store(11)).await;
-    applied(&r, seq + 11).await;
+    fake.send(seq + 41, store(41)).await;
+    applied(&r, seq + 41).await;
     for (i, p) in prompts.iter().enumerate() {
         assert_eq!(h.overlap(&r, p), 2, "prompt {i}");
     }
     assert!(m.gaps.get() >= gaps + 2, "the overflow hole is a second gap");
+    // One report of the drops waits for the stream at a time: not a repair per dropped
+    // message (a queue full of bytes has free slots for reports).
+    assert!(m.gaps.get() <= gaps + 3, "{} gaps for one stall", m.gaps.get() - gaps);
     assert_eq!(r.status.state(), StreamState::Exact);
 }
 
@@ -762,7 +794,8 @@ async fn a_replica_added_again_starts_without_credits() {
 
 /// A replica's cache reset (`AllBlocksCleared`) empties its view but keeps the credits of
 /// decisions in flight: the requests sent to it still store their prompts, and a burst of
-/// their followers must not scatter meanwhile.
+/// their followers must not scatter meanwhile. A publisher that goes away (stopped, killed,
+/// restarting) takes its requests and their credits with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cleared_replica_keeps_its_credits() {
     let index = kvroute_router::index::SharedIndex::with_credit_ttl(Duration::from_secs(60));
@@ -777,6 +810,9 @@ async fn a_cleared_replica_keeps_its_credits() {
     applied(&r, seq + 1).await;
     assert_eq!(h.overlap(&r, &stored), 0, "the view is cleared");
     assert_eq!(h.index.credits().extend(r.id, &pending, 0), 2, "the credits stay");
+    fake.close().await;
+    wait_until("the credits end with the connection", || h.index.credits().extend(r.id, &pending, 0) == 0)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -284,6 +284,8 @@ pub struct FakePublisher {
     paused: tokio::sync::watch::Sender<bool>,
     /// Most batches one replay answer carries.
     per_answer: Arc<std::sync::atomic::AtomicUsize>,
+    /// Whether replay answers end with the end marker.
+    ends: Arc<std::sync::atomic::AtomicBool>,
     shutdown: CancellationToken,
 }
 
@@ -301,6 +303,7 @@ impl FakePublisher {
         let shutdown = CancellationToken::new();
         let paused = tokio::sync::watch::Sender::new(false);
         let per_answer = Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
+        let ends = Arc::new(std::sync::atomic::AtomicBool::new(true));
         let replay = match replay {
             None => None,
             Some((endpoint, layout)) => {
@@ -312,12 +315,18 @@ impl FakePublisher {
                     history: history.clone(),
                     paused: paused.subscribe(),
                     per_answer: per_answer.clone(),
+                    ends: ends.clone(),
                 };
                 tokio::spawn(server.run(router, shutdown.clone()));
                 Some(bound)
             }
         };
-        Self { socket, events, replay, history, topic, paused, per_answer, shutdown }
+        Self { socket, events, replay, history, topic, paused, per_answer, ends, shutdown }
+    }
+
+    /// Replay answers end without the end marker (a publisher whose send buffer dropped it).
+    pub fn drop_end_markers(&self) {
+        self.ends.store(false, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Replay answers carry at most `n` batches each (then the end marker).
@@ -343,6 +352,7 @@ impl FakePublisher {
             topic: Bytes::from_static(b"kv-events"),
             paused: tokio::sync::watch::Sender::new(false),
             per_answer: Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX)),
+            ends: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             shutdown: CancellationToken::new(),
         })
     }
@@ -395,6 +405,7 @@ struct ReplayServer {
     history: History,
     paused: tokio::sync::watch::Receiver<bool>,
     per_answer: Arc<std::sync::atomic::AtomicUsize>,
+    ends: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl ReplayServer {
@@ -437,7 +448,7 @@ impl ReplayServer {
                         vec![Bytes::new(), Bytes::copy_from_slice(&seq.0.to_be_bytes()), payload]
                     }
                 })
-                .chain(std::iter::once(end));
+                .chain(self.ends.load(std::sync::atomic::Ordering::Relaxed).then_some(end));
             for mut reply in replies {
                 reply.insert(0, identity.clone());
                 if router.send(ZmqMessage::try_from(reply).expect("frames")).await.is_err() {
