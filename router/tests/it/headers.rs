@@ -254,6 +254,28 @@ async fn an_upgrade_other_than_a_websockets_is_ignored() {
     shutdown.cancel();
 }
 
+/// A round-robin router in front of the replicas `refusing` and `answering` (so named), as
+/// `tweak` makes it.
+async fn refusing_then_answering(
+    refusing: std::net::SocketAddr,
+    answering: std::net::SocketAddr,
+    tweak: impl FnOnce(kvroute_router::Config) -> kvroute_router::Config,
+) -> (kvroute_router::RunningRouter, tokio_util::sync::CancellationToken) {
+    let replica = |name: &str, at: std::net::SocketAddr| {
+        format!("name={name},http=http://{at},events={},engine=kvroute", crate::support::nowhere())
+            .parse()
+            .unwrap()
+    };
+    let config = tweak(kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        policy: kvroute_router::policy::PolicyKind::RoundRobin,
+        replicas: vec![replica("refusing", refusing), replica("answering", answering)],
+        ..kvroute_router::Config::loopback(Vec::new())
+    });
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    (kvroute_router::start(config, shutdown.clone()).await.unwrap(), shutdown)
+}
+
 /// A request a replica refuses with 503 is tried on another with the same fields (only
 /// `host` differs) and the same body.
 #[tokio::test]
@@ -261,19 +283,7 @@ async fn a_retried_request_carries_the_same_fields_to_the_next_replica() {
     let (refusing, mut refused) =
         recording_replica(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n").await;
     let (answering, mut answered) = recording_replica(ANSWER).await;
-    let replica = |name: &str, at: std::net::SocketAddr| {
-        format!("name={name},http=http://{at},events={},engine=kvroute", crate::support::nowhere())
-            .parse()
-            .unwrap()
-    };
-    let config = kvroute_router::Config {
-        model: FLEET_MODEL.into(),
-        policy: kvroute_router::policy::PolicyKind::RoundRobin,
-        replicas: vec![replica("refusing", refusing), replica("answering", answering)],
-        ..kvroute_router::Config::loopback(Vec::new())
-    };
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let (router, shutdown) = refusing_then_answering(refusing, answering, |c| c).await;
     let body = serde_json::json!({"model": FLEET_MODEL, "prompt": "retry me", "max_tokens": 1}).to_string();
     let head = "POST /v1/completions HTTP/1.1\r\nhost: router.example\r\nconnection: x-hop\r\nx-hop: 1\r\n\
                 x-custom: kept\r\ncontent-type: application/json\r\n";
@@ -337,19 +347,7 @@ async fn a_retry_passes_over_a_replica_drained_since_the_decision() {
         }
     });
     let (answering, _answered) = recording_replica(ANSWER).await;
-    let replica = |name: &str, at: std::net::SocketAddr| {
-        format!("name={name},http=http://{at},events={},engine=kvroute", crate::support::nowhere())
-            .parse()
-            .unwrap()
-    };
-    let config = kvroute_router::Config {
-        model: FLEET_MODEL.into(),
-        policy: kvroute_router::policy::PolicyKind::RoundRobin,
-        replicas: vec![replica("refusing", refusing), replica("answering", answering)],
-        ..kvroute_router::Config::loopback(Vec::new())
-    };
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let (router, shutdown) = refusing_then_answering(refusing, answering, |c| c).await;
     let body = serde_json::json!({"model": FLEET_MODEL, "prompt": "drained", "max_tokens": 1}).to_string();
     let head = "POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n";
     // Round-robin: one of the first two requests goes to the refusing replica first.
@@ -378,20 +376,9 @@ async fn refusals_do_not_eject_a_replica() {
     let (refusing, _refused) =
         recording_replica(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n").await;
     let (answering, _answered) = recording_replica(ANSWER).await;
-    let replica = |name: &str, at: std::net::SocketAddr| {
-        format!("name={name},http=http://{at},events={},engine=kvroute", crate::support::nowhere())
-            .parse()
-            .unwrap()
-    };
-    let config = kvroute_router::Config {
-        model: FLEET_MODEL.into(),
-        policy: kvroute_router::policy::PolicyKind::RoundRobin,
-        eject_after: 2,
-        replicas: vec![replica("refusing", refusing), replica("answering", answering)],
-        ..kvroute_router::Config::loopback(Vec::new())
-    };
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let (router, shutdown) =
+        refusing_then_answering(refusing, answering, |c| kvroute_router::Config { eject_after: 2, ..c })
+            .await;
     let body = serde_json::json!({"model": FLEET_MODEL, "prompt": "busy", "max_tokens": 1}).to_string();
     let head = "POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n";
     for _ in 0..8 {
