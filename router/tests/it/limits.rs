@@ -540,3 +540,63 @@ async fn an_open_stream_holds_its_in_flight_slot() {
     let after = fleet.http.post(&url, &json!({"model": FLEET_MODEL, "prompt": "hi", "max_tokens": 1})).await;
     assert_eq!(after.status, 200, "the slot was given back when the stream ended");
 }
+
+/// `KVROUTE_LOG_FORMAT=json` makes the binary's every log line a JSON object, the access log's
+/// included, with its fields (a log pipeline reads them without parsing text).
+#[tokio::test]
+async fn json_logs_are_one_object_a_line() {
+    let (replica, _seen) = crate::headers::recording_replica(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+    )
+    .await;
+    let port = kvroute_proto::loopback_port::unused().unwrap();
+    let spec = format!("name=r0,http=http://{replica},events={},engine=kvroute", crate::support::nowhere());
+    let mut router = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
+        .args(["--listen", &format!("127.0.0.1:{port}"), "--admin-listen", "127.0.0.1:0", "--access-log"])
+        .args(["--model", FLEET_MODEL, "--replica", &spec])
+        .env("KVROUTE_LOG_FORMAT", "json")
+        .env("RUST_LOG", "info")
+        .env_remove("KVROUTE_CONFIG")
+        .env_remove("KVROUTE_ADMIN_TOKEN")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("run kvroute-router");
+    let mut stderr = router.stderr.take().unwrap();
+    let logs = Arc::new(Mutex::new(Vec::new()));
+    let kept = logs.clone();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = stderr.read(&mut buf).await {
+            kept.lock().unwrap().extend_from_slice(&buf[..n]);
+        }
+    });
+    let http = crate::fleet::Http::new();
+    let url = format!("http://127.0.0.1:{port}");
+    crate::support::wait_until_async("the router serves", async || {
+        TcpStream::connect(("127.0.0.1", port)).await.is_ok()
+    })
+    .await;
+    let headers = [("x-request-id", "json-1")];
+    let reply = http
+        .send_with(http::Method::POST, &format!("{url}/v1/embeddings"), "{\"input\":\"x\"}", &headers)
+        .await;
+    assert_eq!(reply.status, 200);
+    let logged = || String::from_utf8_lossy(&logs.lock().unwrap()).contains("json-1");
+    crate::support::wait_until("the access log line", logged).await;
+    router.kill().await.unwrap();
+    let text = String::from_utf8(logs.lock().unwrap().clone()).unwrap();
+    let lines: Vec<Value> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let access = lines
+        .iter()
+        .find(|l| l["fields"]["request_id"] == "json-1")
+        .unwrap_or_else(|| panic!("no access line: {text}"));
+    assert_eq!(access["target"], "kvroute_router::access");
+    assert_eq!(access["fields"]["status"], 200);
+    assert_eq!(access["fields"]["replica"], "r0");
+    assert_eq!(access["fields"]["path"], "/v1/embeddings");
+}
