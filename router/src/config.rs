@@ -182,6 +182,13 @@ pub struct Config {
     /// when the replica last took some of it, and not while the upload waits for the client).
     #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_MS", default_value_t = 600_000)]
     pub first_byte_timeout_ms: u64,
+    /// Time allowed for a replica's answer that is not a generation's, milliseconds: a LoRA
+    /// adapter change (a load may download the adapter; SGLang's unload waits for the
+    /// adapter's requests), a catch-up load, a lookup of a stored response, a WebSocket
+    /// handshake. A replica that hangs holds these (the LoRA changes' turn among them) no
+    /// longer.
+    #[arg(long, env = "KVROUTE_CONTROL_TIMEOUT_MS", default_value_t = 120_000)]
+    pub control_timeout_ms: u64,
     /// Longest silence allowed inside a streaming response, and inside a request's body
     /// (then 408), milliseconds. A stream's first event may take until the first-byte
     /// timeout (counted from the request's sending) if that is longer: vLLM sends a stream's
@@ -302,6 +309,7 @@ impl Config {
         check(self.replay_timeout_ms > 0, "--replay-timeout-ms must be at least 1".into());
         check(self.snapshot_timeout_ms > 0, "--snapshot-timeout-ms must be at least 1".into());
         check(self.first_byte_timeout_ms > 0, "--first-byte-timeout-ms must be at least 1".into());
+        check(self.control_timeout_ms > 0, "--control-timeout-ms must be at least 1".into());
         check(self.tokenize_timeout_ms > 0, "--tokenize-timeout-ms must be at least 1".into());
         check(self.idle_timeout_ms > 0, "--idle-timeout-ms must be at least 1".into());
         check(self.send_timeout_ms > 0, "--send-timeout-ms must be at least 1".into());
@@ -381,6 +389,9 @@ impl Config {
     }
     pub fn first_byte_timeout(&self) -> Duration {
         Duration::from_millis(self.first_byte_timeout_ms)
+    }
+    pub fn control_timeout(&self) -> Duration {
+        Duration::from_millis(self.control_timeout_ms)
     }
     pub fn idle_timeout(&self) -> Duration {
         Duration::from_millis(self.idle_timeout_ms)

@@ -204,6 +204,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         forward: ForwardConfig {
             max_body_bytes: config.max_body_bytes,
             first_byte_timeout: config.first_byte_timeout(),
+            control_timeout: config.control_timeout(),
             idle_timeout: config.idle_timeout(),
             stalls,
             eject_after: config.eject_after,
@@ -251,7 +252,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let checks = proxy::health::Settings {
         interval: config.health_interval(),
         timeout: Duration::from_millis(config.health_timeout_ms),
-        load_timeout: config.first_byte_timeout().min(proxy::forward::CONTROL_TIMEOUT),
+        load_timeout: config.control_timeout(),
         unhealthy_after: config.unhealthy_after,
     };
     tracker.spawn(proxy::health::run(state.clone(), client, checks, shutdown.clone()));

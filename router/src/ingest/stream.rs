@@ -90,6 +90,10 @@ pub(crate) struct RankStream {
 /// the last stopped), before it leaves the rank DEGRADED with what they brought.
 const MAX_TAIL_REPLAYS: u32 = 8;
 
+/// A replay that moves a repair on by fewer batches than this counts in its gap's budget of
+/// replays ([`RankStream::repair_within`]).
+const CRAWLING: u64 = 64;
+
 /// Snapshot blocks stored between two yields to the runtime.
 const YIELD_EVERY: usize = 4096;
 
@@ -198,15 +202,17 @@ impl RankStream {
                 // restarted. Its blocks leave the index at once (a dead replica must not
                 // attract requests, and a restarted one has an empty cache); a replica that
                 // was only cut off briefly is rebuilt by the repair from seq 0 that its
-                // reconnection triggers (replay, else snapshot). Its credits go too, as at a
-                // restart: its requests in flight went down with it.
+                // reconnection triggers (replay, else snapshot). Its credits stay until it is
+                // seen restarted or unreachable: its requests may still be running.
                 self.set_state(StreamState::Degraded);
                 self.clear();
-                self.restarted();
                 self.expected = None;
                 self.disconnected = true;
             }
-            Input::Unreachable => self.set_state(StreamState::Fallback),
+            Input::Unreachable => {
+                self.set_state(StreamState::Fallback);
+                self.restarted();
+            }
             // Late frames of the lost connection (or early ones of the next): the repair
             // after `Connected` replays them.
             Input::Frames(..) if self.disconnected => {}
@@ -355,8 +361,8 @@ impl RankStream {
         self.repair_within(from, newer, &mut (MAX_TAIL_REPLAYS + 1)).await;
     }
 
-    /// [`Self::repair`] with at most `replays` replays (taken off it), from one repair or
-    /// several of one gap.
+    /// [`Self::repair`] with at most `replays` replays that crawl ([`CRAWLING`]; taken off
+    /// it), from one repair or several of one gap.
     async fn repair_within(&mut self, from: Seq, newer: Option<Seq>, replays: &mut u32) {
         let mut partial: (Vec<LiveMessage>, replay::Held) = (Vec::new(), None);
         let mut from = from;
@@ -366,7 +372,6 @@ impl RankStream {
                     // The gap's replays are spent; what the last ones brought stands.
                     return self.tail_unknown().await;
                 }
-                *replays -= 1;
                 let config = &self.ctx.config;
                 let oversized = self.ctx.metrics.on_oversized();
                 let bounds =
@@ -410,6 +415,11 @@ impl RankStream {
                 }
                 self.apply_replayed(&batches);
                 drop((batches, held));
+                // Only a replay that brought little of what is missing counts: a long gap
+                // repaired in large parts (a send buffer that drops some) goes on to its end.
+                if self.expected.map_or(0, |next| next.0.saturating_sub(from.0)) < CRAWLING {
+                    *replays = replays.saturating_sub(1);
+                }
                 // The publisher may hold more than it got through: ask again from there.
                 match self.expected.filter(|&next| !ended && next > from) {
                     Some(next) if round < MAX_TAIL_REPLAYS => from = next,
@@ -427,7 +437,8 @@ impl RankStream {
         // a snapshot to come it is applied first and its share of the shared replay budget
         // given back: the snapshot may take its whole timeout, and other ranks' replays would
         // wait for the budget meanwhile.
-        let applied = self.rank == 0 && self.ctx.replica.spec.grpc_endpoint.is_some();
+        let applied =
+            !partial.0.is_empty() && self.rank == 0 && self.ctx.replica.spec.grpc_endpoint.is_some();
         if applied {
             self.clear();
             self.expected = None;
@@ -646,14 +657,14 @@ impl RankStream {
         }
     }
 
-    /// The publisher restarted (a new epoch) or closed its connection (stopped, killed,
-    /// restarting): the requests in flight on it went down with it,
-    /// and nothing of theirs will be stored, so its credits end. (Credits are the replica's:
-    /// one rank of several restarting alone leaves them to the others' requests.)
+    /// The publisher restarted (a new epoch) or has been unreachable for `fallback_after`: the
+    /// requests in flight on it went down with it, and nothing of theirs will be stored, so
+    /// the replica's credits end. (A connection that only dropped keeps them: a blip, or a
+    /// guard cutting a slow subscriber, leaves the replica running its requests. Credits are
+    /// the replica's: a rank of several restarting alone ends them for all, as its engines
+    /// restart together.)
     fn restarted(&mut self) {
-        if self.ctx.replica.spec.dp_size <= 1 {
-            self.ctx.index.credits().forget(self.ctx.replica.id);
-        }
+        self.ctx.index.credits().forget(self.ctx.replica.id);
     }
 
     /// Drops everything this rank contributed to the index. The replica's credits stay: the

@@ -74,6 +74,11 @@ impl Pending {
     }
 }
 
+/// `frames` in buffers of their own.
+fn copied(frames: &[Bytes]) -> Vec<Bytes> {
+    frames.iter().map(|frame| Bytes::copy_from_slice(frame)).collect()
+}
+
 /// A live message's share of its channel's bytes, given back when the message is dropped.
 #[derive(Debug)]
 pub(crate) struct Queued {
@@ -144,11 +149,10 @@ pub(crate) async fn run(
                         // Queued as copies: the socket cuts every frame out of one shared
                         // read buffer (as large as the largest message lately), which a
                         // queued slice would hold whole, uncounted.
-                        let frames: Vec<Bytes> =
-                            msg.into_vec().iter().map(|frame| Bytes::copy_from_slice(frame)).collect();
+                        let frames = msg.into_vec();
                         let bytes = frames.iter().map(Bytes::len).sum();
                         let sent = match Queued::take(&queued, bytes, config.max_queued_bytes) {
-                            Some(share) => match tx.try_send(Input::Frames(frames, share)) {
+                            Some(share) => match tx.try_send(Input::Frames(copied(&frames), share)) {
                                 Ok(()) => Ok(()),
                                 Err(mpsc::error::TrySendError::Full(_)) => Err(true),
                                 Err(mpsc::error::TrySendError::Closed(_)) => Err(false),

@@ -74,6 +74,8 @@ pub struct ForwardConfig {
     /// Largest request body, bytes.
     pub max_body_bytes: usize,
     pub first_byte_timeout: Duration,
+    /// The wait for an answer that is not a generation's (`--control-timeout-ms`).
+    pub control_timeout: Duration,
     pub idle_timeout: Duration,
     /// Cuts HTTP/2 responses whose stream had no window for the send timeout.
     pub stalls: Arc<StallWatch>,
@@ -85,19 +87,6 @@ pub struct ForwardConfig {
     pub forwarded_for: bool,
     /// Which replica stored each Responses API response ([`super::responses`]).
     pub owners: Arc<Owners>,
-}
-
-/// Longest wait for a replica's answer that is not a generation's (a LoRA change, a lookup of
-/// a stored response, a WebSocket handshake), when the first-byte timeout is longer: a
-/// replica that hangs holds these (the LoRA change lock among them) no longer.
-pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(120);
-
-impl ForwardConfig {
-    /// The wait for an answer that is not a generation's: the first-byte timeout, at most
-    /// [`CONTROL_TIMEOUT`].
-    pub fn control_timeout(&self) -> Duration {
-        self.first_byte_timeout.min(CONTROL_TIMEOUT)
-    }
 }
 
 /// Removes hop-by-hop headers, including any present that `Connection` names: one pass over

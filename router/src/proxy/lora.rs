@@ -182,7 +182,7 @@ async fn apply(
     if members.is_empty() {
         return Err(ProxyError::Unavailable("no replicas are configured".into()));
     }
-    let timeout = state.forward.control_timeout();
+    let timeout = state.forward.control_timeout;
     let pool = &pool;
     let asks = members.iter().map(|member| {
         let (body, headers) = (body.clone(), &headers);

@@ -376,7 +376,7 @@ async fn find_owner(
     if let Some(auth) = client.get(header::AUTHORIZATION) {
         headers.insert(header::AUTHORIZATION, auth.clone());
     }
-    let (fleet, timeout) = (state.fleet(), state.forward.control_timeout());
+    let (fleet, timeout) = (state.fleet(), state.forward.control_timeout);
     state.forward.owners.find(fleet, pool, id, &headers, (timeout, &state.decider.metrics)).await
 }
 

@@ -80,7 +80,7 @@ pub(super) async fn open(
         let sent = Instant::now();
         let handshake = pool.upgrade(&client.method, &uri, &headers);
         let name = &member.replica.spec.name;
-        match tokio::time::timeout_at(sent + config.control_timeout(), handshake).await {
+        match tokio::time::timeout_at(sent + config.control_timeout, handshake).await {
             Ok(Ok(Upgrade::Switched { head, .. })) if !names_websocket(&head.headers) => {
                 forward::record_failure(upstream, config, metrics);
                 let reason = "101 Switching Protocols without Upgrade: websocket".to_owned();
@@ -153,7 +153,7 @@ pub(super) async fn open(
                 forward::record_failure(upstream, config, metrics);
                 return Err(ProxyError::Timeout {
                     replica: name.clone(),
-                    timeout_ms: config.control_timeout().as_millis() as u64,
+                    timeout_ms: config.control_timeout.as_millis() as u64,
                 });
             }
         }

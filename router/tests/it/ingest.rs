@@ -331,6 +331,33 @@ async fn a_gap_is_not_repaired_one_seq_a_replay() {
     assert!(asked <= 10, "{asked} replays for one gap");
 }
 
+/// A long gap that replays bring back in large parts (a publisher whose answers stop early)
+/// is repaired to its end, however many replays it takes: the budget is for replays that
+/// crawl. (Spent, the rank would start over and lose what it had.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_gap_replayed_in_large_parts_is_repaired_whole() {
+    let h = Harness::start();
+    let mut fake = FakePublisher::start(Some(ReplayLayout::New)).await;
+    let (r, m) = h.add(spec("chunked", EngineKind::Vllm, &fake.events, fake.replay.as_deref()));
+    h.synced(&r).await;
+    settled(&m).await;
+    let mut seq = warm_up(&mut fake, &r, 0, 0).await;
+    let kept = Rng::new(43).tokens(2);
+    fake.send(seq, vllm(batch(0, seq, vec![store_chain(&kept, 0)]))).await;
+    applied(&r, seq).await;
+    seq += 1;
+    fake.limit_replay(100);
+    for missed in seq..seq + 1500 {
+        fake.keep(missed, vllm(batch(0, missed, vec![])));
+    }
+    let tokens = Rng::new(44).tokens(2);
+    fake.send(seq + 1500, vllm(batch(0, seq + 1500, vec![store_chain(&tokens, 0)]))).await;
+    applied(&r, seq + 1500).await;
+    assert_eq!(h.overlap(&r, &tokens), 2);
+    assert_eq!(h.overlap(&r, &kept), 2, "repaired, not started over");
+    assert_eq!(r.status.state(), StreamState::Exact);
+}
+
 /// The same without end markers: each replay then ends at its reply timeout, and the tail
 /// replays a repair asks for count in the gap's budget too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -400,7 +427,7 @@ async fn overflow_is_counted_and_repaired(config: kvroute_router::ingest::Ingest
     assert!(m.gaps.get() >= gaps + 2, "the overflow hole is a second gap");
     // One report of the drops waits for the stream at a time: not a repair per dropped
     // message (a queue full of bytes has free slots for reports).
-    assert!(m.gaps.get() <= gaps + 3, "{} gaps for one stall", m.gaps.get() - gaps);
+    assert!(m.gaps.get() <= gaps + 6, "{} gaps for one stall", m.gaps.get() - gaps);
     assert_eq!(r.status.state(), StreamState::Exact);
 }
 
@@ -794,8 +821,8 @@ async fn a_replica_added_again_starts_without_credits() {
 
 /// A replica's cache reset (`AllBlocksCleared`) empties its view but keeps the credits of
 /// decisions in flight: the requests sent to it still store their prompts, and a burst of
-/// their followers must not scatter meanwhile. A publisher that goes away (stopped, killed,
-/// restarting) takes its requests and their credits with it.
+/// their followers must not scatter meanwhile. A publisher that stays away (stopped, killed)
+/// took its requests with it, and their credits end once it is unreachable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cleared_replica_keeps_its_credits() {
     let index = kvroute_router::index::SharedIndex::with_credit_ttl(Duration::from_secs(60));

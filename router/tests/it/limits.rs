@@ -504,6 +504,7 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
         (&["--listen", "not-an-address"], "'not-an-address' for '--listen"),
         (&["--replica", "name=r0"], "missing field `http`"),
         (&["--max-header-bytes", "100"], "--max-header-bytes must be at least 8192"),
+        (&["--control-timeout-ms", "0"], "--control-timeout-ms must be at least 1"),
         (&["--config", "/nonexistent/router.toml"], "/nonexistent/router.toml"),
     ] {
         let (code, stderr) = refused_by_router(args);
