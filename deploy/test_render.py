@@ -88,9 +88,10 @@ class Manifests(unittest.TestCase):
                 policy = one(res, "NetworkPolicy", "kvroute-router")
                 open_ports = [p["port"] for rule in policy["spec"]["ingress"] if "from" not in rule for p in rule["ports"]]
                 self.assertEqual(open_ports, ["http"], "only the API is open to every pod")
-                # In-flight streams get longer than the preStop sleep to finish.
+                # In-flight requests get the first-byte timeout's default (10 min) after the
+                # preStop sleep to finish.
                 pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
-                self.assertGreaterEqual(pod["spec"]["terminationGracePeriodSeconds"] - pre_stop, 300)
+                self.assertGreaterEqual(pod["spec"]["terminationGracePeriodSeconds"] - pre_stop, 600)
                 role = one(res, "Role", "kvroute-router-discovery")
                 self.assertEqual(
                     role["rules"],

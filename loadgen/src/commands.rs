@@ -65,8 +65,9 @@ pub struct SendArgs {
     /// Most requests in flight at once.
     #[arg(long, default_value_t = 256)]
     pub max_in_flight: usize,
-    /// Longest a request may take (e.g. `60s`).
-    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    /// Longest a request may take (e.g. `60s`); as long as the router's own first-byte
+    /// timeout by default.
+    #[arg(long, default_value = "600s", value_parser = parse_duration)]
     pub timeout: Duration,
     /// Send nothing after this long (e.g. `5m`); `compare` then sets each run beside the
     /// pooled reference and offline simulation of the requests it did send.

@@ -87,7 +87,8 @@ pub struct Config {
     pub balance_weight: f64,
     /// How long a routing decision credits the chosen replica with the request's blocks
     /// after the replica's first output for it (before that, however long the request
-    /// queues, they hold), unless its events confirm them first, milliseconds.
+    /// queues, they hold), unless its events confirm them first, milliseconds. A replica
+    /// seen restarted, or unreachable for the fallback time, loses its credits at once.
     #[arg(long, env = "KVROUTE_CREDIT_TTL_MS", default_value_t = 2_000)]
     pub credit_ttl_ms: u64,
     /// Seed of the random and power-of-two policies; drawn at start (and logged) when not
@@ -207,7 +208,7 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
     pub max_body_bytes: usize,
     /// Requests in flight through the router before new ones get 503 (a request counts until
-    /// its response ends, streams included).
+    /// its response ends, streams included, and a WebSocket tunnel until it closes).
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT", default_value_t = 4_096)]
     pub max_in_flight: usize,
     /// Threads serving the proxy's HTTP connections, each with its own accept loop and

@@ -7,12 +7,16 @@
 //!            start ──► DEGRADED (not synced) ──connected──► repair(from 0) ──► EXACT
 //! EXACT ── seq gap / queue overflow ──► DEGRADED ── repair(from first missing) ──► EXACT
 //!          (an overflow is reported once the queue has room, so a lost last batch is
-//!          repaired too)
+//!          repaired too; a repair asks again from where a replay stopped, and after 9
+//!          replays that each brought fewer than 64 batches it clears the rank and starts
+//!          over from the live batch)
 //! EXACT ── SUB disconnected ──► clear the rank, DEGRADED (live frames ignored)
 //!          ── reconnected: repair(from 0) ──► EXACT
 //!          (a publisher closes its connection when its replica stops, dies or restarts:
-//!          its blocks must leave the index at once, not after `fallback_after`)
-//! any ── no connection for `fallback_after` ──► FALLBACK ── connected: repair ──► EXACT
+//!          its blocks must leave the index at once, not after `fallback_after`; the
+//!          replica's credits stay, its requests may still run)
+//! any ── no connection for `fallback_after` ──► FALLBACK (the replica's credits end)
+//!                          ── connected: repair ──► EXACT
 //! any ── `malformed_fallback` malformed messages in a row ──► FALLBACK
 //!                          ── next good batch: snapshot, else clear and rebuild ──► EXACT
 //! EXACT ── a batch that cannot be decoded (its seq is consumed: a replay would give the
@@ -20,9 +24,10 @@
 //!          already FALLBACK, DEGRADED until the next good batch): snapshot, else clear and
 //!          rebuild ──► EXACT
 //!          (what the lost batch removed is unknown, and the index must stay a subset)
-//! seq backwards (vLLM) or new epoch (kvroute) ──► restart: clear the rank at once, then
-//!                          apply from seq 0 (a gap from 0 is repaired like any gap)
-//! AllBlocksCleared ──► clear the rank (state unchanged)
+//! seq backwards (vLLM) or new epoch (kvroute) ──► restart: clear the rank at once (and end
+//!                          the replica's credits), then apply from seq 0 (a gap from 0 is
+//!                          repaired like any gap)
+//! AllBlocksCleared ──► clear the rank (state unchanged; credits stay)
 //! ```
 //!
 //! After every (re)connect, a second `repair(from next expected)` runs `catch_up_after`

@@ -10,7 +10,8 @@
 //! credit ends when the replica's events confirm it: a `BlockStored` (the index now holds
 //! the block, so the credit is redundant) or a `BlockRemoved` (the replica no longer holds
 //! it) for that (block, replica) drops the credit at once, pinned or not, so a block that
-//! was cached and later evicted is never predicted from a stale credit. Lookups extend each
+//! was cached and later evicted is never predicted from a stale credit. A replica removed,
+//! restarted or unreachable loses all its credits ([`Credits::forget`]). Lookups extend each
 //! replica's index overlap through credited blocks: overlap = longest prefix of blocks that
 //! are in the index or credited, for that replica.
 //!
@@ -186,7 +187,7 @@ impl Credits {
         self.len() == 0
     }
 
-    /// Drops every credit of a replica (it was removed or restarted).
+    /// Drops every credit of a replica (it was removed, restarted, or is unreachable).
     pub fn forget(&self, replica: ReplicaId) {
         let mut inner = self.lock();
         inner.current.retain(|(_, r), _| *r != replica);

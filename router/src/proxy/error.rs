@@ -4,14 +4,14 @@
 //!
 //! | status | when |
 //! |---|---|
-//! | 400 | a path passed through that is one of the router's own paths spelled otherwise (percent-encoded, a trailing slash) or has dot segments; malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens`, a prompt the replica's `/tokenize` refused (`--remote-tokenize`) |
+//! | 400 | a path passed through that is one of the router's own paths spelled otherwise (percent-encoded, a trailing slash) or has dot segments; malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens`, a prompt the replica's `/tokenize` refused (`--remote-tokenize`); a WebSocket handshake with a body |
 //! | 403 | a LoRA adapter change while `--lora-updates` is off |
 //! | 404 / 405 | unknown path / wrong method (with `Allow`) |
 //! | 408 | the client sent nothing of its request body for `--idle-timeout-ms` (routed, or streamed to a replica) |
 //! | 413 | body larger than `--max-body-bytes` |
-//! | 502 | the replica failed before answering, and so did every retry; a LoRA adapter change some replicas took and some did not (`partial_fan_out`) |
+//! | 502 | the replica failed before answering, and so did every retry; a LoRA adapter change some replicas took and some did not (`partial_fan_out`), or none answered within `--control-timeout-ms`; a `101` that does not switch to `websocket` |
 //! | 503 | no healthy replica, every replica saturated, the router at its in-flight limit, or (`--remote-tokenize`) no replica asked could tokenize the prompt |
-//! | 504 | the replica did not start answering within `--first-byte-timeout-ms` (for a streamed upload: from its end, or from when the replica last took some of it) |
+//! | 504 | the replica did not start answering within `--first-byte-timeout-ms` (for a streamed upload: from its end, or from when the replica last took some of it), or a WebSocket handshake within `--control-timeout-ms` |
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode};
