@@ -65,10 +65,7 @@ pub(super) async fn open(
     let (parts, _) = req.into_parts();
     let upgrade: Vec<HeaderValue> = parts.headers.get_all(header::UPGRADE).iter().cloned().collect();
     let (client, mut headers) = forward::upstream_head(parts, admitted.request_id, config.forwarded_for);
-    headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-    for protocol in upgrade {
-        headers.append(header::UPGRADE, protocol);
-    }
+    asking_for(&mut headers, upgrade);
     let mut last_error = None;
     for (attempt, member) in members.iter().take(MAX_ATTEMPTS).enumerate() {
         if attempt > 0 {
@@ -94,12 +91,9 @@ pub(super) async fn open(
                 let switched_to: Vec<HeaderValue> =
                     replica_headers.get_all(header::UPGRADE).iter().cloned().collect();
                 forward::strip_hop_by_hop(&mut replica_headers);
+                asking_for(&mut replica_headers, switched_to);
                 let headers = response.headers_mut();
                 *headers = replica_headers;
-                headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-                for protocol in switched_to {
-                    headers.append(header::UPGRADE, protocol);
-                }
                 if let Ok(id) = HeaderValue::from_str(admitted.request_id) {
                     headers.insert(X_REQUEST_ID, id);
                 }
@@ -159,6 +153,15 @@ pub(super) async fn open(
         }
     }
     Err(last_error.unwrap_or_else(|| ProxyError::Unavailable("no healthy replica".into())))
+}
+
+/// Puts back the hop-by-hop fields of this hop's switch (taken off with the others):
+/// `Connection: upgrade` and `Upgrade: protocols`.
+fn asking_for(headers: &mut http::HeaderMap, protocols: Vec<HeaderValue>) {
+    headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    for protocol in protocols {
+        headers.append(header::UPGRADE, protocol);
+    }
 }
 
 /// Whether `headers`' `Upgrade` names `websocket` (a handshake's, or a `101`'s).
