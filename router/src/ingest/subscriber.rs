@@ -151,21 +151,17 @@ pub(crate) async fn run(
                         // queued slice would hold whole, uncounted.
                         let frames = msg.into_vec();
                         let bytes = frames.iter().map(Bytes::len).sum();
-                        let sent = match Queued::take(&queued, bytes, config.max_queued_bytes) {
+                        let dropped = match Queued::take(&queued, bytes, config.max_queued_bytes) {
                             Some(share) => match tx.try_send(Input::Frames(copied(&frames), share)) {
-                                Ok(()) => Ok(()),
-                                Err(mpsc::error::TrySendError::Full(_)) => Err(true),
-                                Err(mpsc::error::TrySendError::Closed(_)) => Err(false),
+                                Ok(()) => false,
+                                Err(mpsc::error::TrySendError::Full(_)) => true,
+                                Err(mpsc::error::TrySendError::Closed(_)) => return,
                             },
-                            None => Err(true),
+                            None => true,
                         };
-                        match sent {
-                            Ok(()) => {}
-                            Err(true) => {
-                                metrics.overflow.inc();
-                                overflowed = true;
-                            }
-                            Err(false) => return,
+                        if dropped {
+                            metrics.overflow.inc();
+                            overflowed = true;
                         }
                     }
                     Err(e) => {
