@@ -211,7 +211,7 @@ impl RankStream {
             }
             Input::Unreachable => {
                 self.set_state(StreamState::Fallback);
-                self.restarted();
+                self.end_credits();
             }
             // Late frames of the lost connection (or early ones of the next): the repair
             // after `Connected` replays them.
@@ -296,7 +296,7 @@ impl RankStream {
             tracing::info!(replica = %self.ctx.replica.spec.name, rank = self.rank, seq = batch.seq.0, "publisher restarted");
             self.ctx.metrics.restarts.inc();
             self.clear();
-            self.restarted();
+            self.end_credits();
             self.expected = Some(Seq(0));
             self.epoch = batch.epoch;
             action = self.classify(&batch);
@@ -307,8 +307,8 @@ impl RankStream {
             self.ctx.replica.status.add_gap();
             self.set_state(StreamState::Degraded);
             let mut from = from;
-            // Every replay of this gap's repairs counts: a publisher answering one batch a
-            // replay would have it asked once for every seq of the gap.
+            // The gap's repairs share one budget of replays that crawl: a publisher answering
+            // one batch a replay would have it asked once for every seq of the gap.
             let mut replays = MAX_TAIL_REPLAYS + 1;
             loop {
                 self.repair_within(from, Some(batch.seq), &mut replays).await;
@@ -504,7 +504,7 @@ impl RankStream {
             {
                 self.ctx.metrics.restarts.inc();
                 self.clear();
-                self.restarted();
+                self.end_credits();
                 self.expected = None;
             }
             if self.expected.is_some_and(|e| batch.seq < e) {
@@ -552,7 +552,7 @@ impl RankStream {
         self.clear();
         if native {
             if self.epoch.is_some_and(|mine| mine != snap.epoch) {
-                self.restarted();
+                self.end_credits();
             }
             self.epoch = Some(snap.epoch);
             self.ctx.replica.status.set_epoch(snap.epoch);
@@ -663,7 +663,7 @@ impl RankStream {
     /// guard cutting a slow subscriber, leaves the replica running its requests. Credits are
     /// the replica's: a rank of several restarting alone ends them for all, as its engines
     /// restart together.)
-    fn restarted(&mut self) {
+    fn end_credits(&mut self) {
         self.ctx.index.credits().forget(self.ctx.replica.id);
     }
 
