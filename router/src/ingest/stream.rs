@@ -361,8 +361,8 @@ impl RankStream {
         self.repair_within(from, newer, &mut (MAX_TAIL_REPLAYS + 1)).await;
     }
 
-    /// [`Self::repair`] with at most `replays` replays that crawl ([`CRAWLING`]; taken off
-    /// it), from one repair or several of one gap.
+    /// [`Self::repair`] with at most `replays` replays that crawl ([`CRAWLING`]) or end
+    /// without their end marker (taken off it), from one repair or several of one gap.
     async fn repair_within(&mut self, from: Seq, newer: Option<Seq>, replays: &mut u32) {
         let mut partial: (Vec<LiveMessage>, replay::Held) = (Vec::new(), None);
         let mut from = from;
@@ -415,9 +415,10 @@ impl RankStream {
                 }
                 self.apply_replayed(&batches);
                 drop((batches, held));
-                // Only a replay that brought little of what is missing counts: a long gap
-                // repaired in large parts (a send buffer that drops some) goes on to its end.
-                if self.expected.map_or(0, |next| next.0.saturating_sub(from.0)) < CRAWLING {
+                // A replay that brought little of what is missing counts, and so does one
+                // without its end marker (it waited out its reply timeout): a long gap replayed
+                // in large parts goes on to its end, and no gap takes more than 9 timeouts.
+                if !ended || self.expected.map_or(0, |next| next.0.saturating_sub(from.0)) < CRAWLING {
                     *replays = replays.saturating_sub(1);
                 }
                 // The publisher may hold more than it got through: ask again from there.

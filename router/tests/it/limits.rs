@@ -566,7 +566,7 @@ async fn json_logs_are_one_object_a_line() {
     let mut stderr = router.stderr.take().unwrap();
     let logs = Arc::new(Mutex::new(Vec::new()));
     let kept = logs.clone();
-    tokio::spawn(async move {
+    let reader = tokio::spawn(async move {
         let mut buf = [0u8; 4096];
         while let Ok(n @ 1..) = stderr.read(&mut buf).await {
             kept.lock().unwrap().extend_from_slice(&buf[..n]);
@@ -586,6 +586,8 @@ async fn json_logs_are_one_object_a_line() {
     let logged = || String::from_utf8_lossy(&logs.lock().unwrap()).contains("json-1");
     crate::support::wait_until("the access log line", logged).await;
     router.kill().await.unwrap();
+    // Everything written, to the pipe's end: a line is not read half.
+    tokio::time::timeout(crate::support::WAIT, reader).await.expect("the pipe closed").unwrap();
     let text = String::from_utf8(logs.lock().unwrap().clone()).unwrap();
     let lines: Vec<Value> = text
         .lines()

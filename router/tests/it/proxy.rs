@@ -473,8 +473,13 @@ async fn only_answers_with_usage_count_toward_the_realized_hit_rate() {
         }
     })
     .await;
-    let (router, shutdown) =
-        router_in_front_of(replica, |c| kvroute_router::Config { credit_ttl_ms: 600_000, ..c }).await;
+    // No events ever come (`nowhere`): an unreachable stream would end the credits.
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+        credit_ttl_ms: 600_000,
+        events_fallback_ms: 3_600_000,
+        ..c
+    })
+    .await;
     let http = crate::fleet::Http::new();
     let counter = async |name: &str| -> u64 {
         let metrics = http.get(&format!("{}/metrics", router.url())).await;
@@ -1757,8 +1762,13 @@ async fn a_request_that_failed_everywhere_leaves_no_credit() {
 /// Sends a request of 4 blocks to a router (credits lasting an hour) in front of the one
 /// replica at `replica`: its answer, and the blocks of it the replica is credited with after.
 async fn credited_after_one_request(replica: std::net::SocketAddr) -> (crate::fleet::Reply, usize) {
-    let (router, shutdown) =
-        router_in_front_of(replica, |c| kvroute_router::Config { credit_ttl_ms: 3_600_000, ..c }).await;
+    // No events ever come (`nowhere`): an unreachable stream would end the credits.
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+        credit_ttl_ms: 3_600_000,
+        events_fallback_ms: 3_600_000,
+        ..c
+    })
+    .await;
     let block = router.state.decider.block_size;
     let ids: Vec<u32> = (0..4 * block as u32).map(|t| 100 + t).collect();
     let blocks = CacheNamespace::new(FLEET_MODEL).chain(&ids, block);
@@ -1841,6 +1851,8 @@ async fn refuser_and_server() -> (kvroute_router::RunningRouter, tokio_util::syn
     let config = kvroute_router::Config {
         model: FLEET_MODEL.into(),
         replicas: vec![replica("refuser", refuser), replica("server", server)],
+        // No events ever come (`nowhere`): an unreachable stream would end the credits.
+        events_fallback_ms: 3_600_000,
         ..kvroute_router::Config::loopback(Vec::new())
     };
     let shutdown = tokio_util::sync::CancellationToken::new();
