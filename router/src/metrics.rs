@@ -193,7 +193,7 @@ impl ProxyMetrics {
         );
         r.register(
             "upstream_ttfb_seconds",
-            "Time from sending a request to a replica to the first data of its response (a streamed upload's time included)",
+            "Time from sending a request to a replica to the first data of its response, past a Responses stream's opening events (a streamed upload's time included)",
             m.upstream_ttfb_seconds.clone(),
         );
         m

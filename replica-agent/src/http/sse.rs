@@ -7,7 +7,9 @@
 //! abort the requests and unpin their blocks.
 //!
 //! Frame order, as OpenAI and vLLM send it:
-//! 1. chat only: one `delta: {"role":"assistant","content":""}` chunk per choice;
+//! 1. chat only: one `delta: {"role":"assistant","content":""}` chunk per choice, with the
+//!    first token (vLLM sends it when the engine's first output comes, after the prefill:
+//!    a stream's first event tells its time to first token);
 //! 2. one chunk per token, the last token of a choice with `finish_reason: "length"` (if the
 //!    engine finishes a choice short of `max_tokens`, an empty chunk carries the reason);
 //! 3. with `stream_options.include_usage`, a chunk with `choices: []` and the `usage`
@@ -47,11 +49,11 @@ pub(super) fn body(
     mut responses: Option<responses::Streaming>,
 ) -> Body {
     let chunk_usage = UsageField::for_chunks(include_usage);
-    let mut opening = Vec::new();
+    let (mut opening, mut first) = (Vec::new(), Vec::new());
     match api {
         Api::Chat => {
             for index in 0..admitted.len() {
-                event(&mut opening, &chat::role_chunk(&meta, index, chunk_usage));
+                event(&mut first, &chat::role_chunk(&meta, index, chunk_usage));
             }
         }
         Api::Messages => {
@@ -60,11 +62,11 @@ pub(super) fn body(
                 usage.prompt_tokens += u64::from(a.prompt_tokens);
                 usage.prompt_tokens_details.cached_tokens += u64::from(a.cached_tokens);
             }
-            opening = messages::opening(&meta, &usage);
+            first = messages::opening(&meta, &usage);
         }
         Api::Responses => {
             if let Some(r) = &mut responses {
-                opening = responses::opening(&meta, r.previous.as_deref(), &mut r.sequence);
+                (opening, first) = responses::opening(&meta, r.previous.as_deref(), &mut r.sequence);
             }
         }
         Api::Completions => {}
@@ -73,6 +75,7 @@ pub(super) fn body(
         api,
         include_usage,
         opening: (!opening.is_empty()).then(|| Bytes::from(opening)),
+        first: (!first.is_empty()).then_some(first),
         generated: vec![0; admitted.len()],
         max_tokens: admitted.iter().map(|a| a.max_tokens).collect(),
         finished: vec![false; admitted.len()],
@@ -92,8 +95,12 @@ struct State {
     api: Api,
     meta: Meta,
     include_usage: bool,
-    /// Frames to send before any token (the chat role chunks).
+    /// Frames to send at once, before the engine's first output (a Responses stream's
+    /// `response.created` and `response.in_progress`).
     opening: Option<Bytes>,
+    /// Frames to send with the engine's first token, as vLLM sends them once its engine has
+    /// produced one (the chat role chunks, Anthropic's `message_start`, a Responses item).
+    first: Option<Vec<u8>>,
     /// Every prompt's engine outputs, tagged with the prompt's index.
     outputs: SelectAll<Tagged>,
     generated: Vec<u32>,
@@ -119,6 +126,7 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
         let chunk_usage = UsageField::for_chunks(s.include_usage);
         match s.outputs.next().await {
             Some((i, Output::Token(text))) => {
+                buf.extend(s.first.take().unwrap_or_default());
                 s.tally.output(i, s.prompt[i].0, s.prompt[i].1);
                 s.generated[i] += 1;
                 let last = s.generated[i] >= s.max_tokens[i] && !s.finished[i];
@@ -133,6 +141,7 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
                 }
             }
             Some((i, Output::Done(usage))) => {
+                buf.extend(s.first.take().unwrap_or_default());
                 s.tally.done(i, &usage);
                 s.remaining = s.remaining.saturating_sub(1);
                 let named = matches!(s.api, Api::Messages | Api::Responses);

@@ -399,6 +399,50 @@ async fn stream_chunks_arrive_while_the_engine_is_generating() {
     assert_eq!(shape::error(&reply.json()).2.as_deref(), Some("cache_busy"));
 }
 
+/// A streamed answer's first two data frames, as text.
+async fn first_two_frames(c: &Client, path: &str, body: Value) -> (String, String) {
+    let response = c.send(Method::POST, path, serde_json::to_vec(&body).unwrap(), &[]).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let mut frame = async || String::from_utf8(next_data(&mut body).await.to_vec()).unwrap();
+    (frame().await, frame().await)
+}
+
+/// The `event:` names in `frame`, in order.
+fn event_names(frame: &str) -> Vec<&str> {
+    frame.lines().filter_map(|line| line.strip_prefix("event: ")).collect()
+}
+
+/// A stream's events come with the engine's first token, as vLLM sends them, so that a
+/// proxy timing a stream's first event times its queueing and prefill: the chat role chunk
+/// comes with the first token, as Anthropic's `message_start` does; a Responses stream's
+/// `response.created` and `response.in_progress` come at once (vLLM sends them before it
+/// reads the engine), its message item with the first token.
+#[tokio::test]
+async fn a_streams_opening_comes_with_its_first_token() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    let messages = json!([{"role": "user", "content": "hello there"}]);
+
+    let chat = json!({ "model": MODEL, "messages": messages, "max_tokens": 3, "stream": true });
+    let (first, _) = first_two_frames(c, "/v1/chat/completions", chat).await;
+    let chunks: Vec<Value> =
+        sse_events(first.as_bytes()).iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks.len(), 2, "{first}");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks[1]["choices"][0]["delta"]["content"].as_str().is_some_and(|t| !t.is_empty()), "{first}");
+
+    let anthropic = json!({ "model": MODEL, "messages": messages, "max_tokens": 3, "stream": true });
+    let (first, _) = first_two_frames(c, "/v1/messages", anthropic).await;
+    assert_eq!(event_names(&first), ["message_start", "content_block_start", "content_block_delta"]);
+
+    let responses = json!({ "model": MODEL, "input": "hello there", "max_output_tokens": 3, "stream": true });
+    let (first, second) = first_two_frames(c, "/v1/responses", responses).await;
+    assert_eq!(event_names(&first), ["response.created", "response.in_progress"]);
+    let output = ["response.output_item.added", "response.content_part.added", "response.output_text.delta"];
+    assert_eq!(event_names(&second), output);
+}
+
 #[tokio::test]
 async fn metrics_parse_and_prefix_cache_counters_move() {
     let agent = Agent::start().await;

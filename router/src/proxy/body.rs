@@ -4,7 +4,8 @@
 //! [`Tracked`] wraps an upstream body and, as frames pass: enforces the idle timeout
 //! between frames, picks `"cached_tokens": N` out of the bytes (the realized prefix hit from
 //! `usage`, whether it arrives in a JSON body or in the last SSE chunk, even split across
-//! frames), tells its [`Hooks`] when the first data passes (the prefill is over) and, on end,
+//! frames), tells its [`Hooks`] when the first data passes (the prefill is over; in a Responses
+//! stream, the first event after its opening ones, [`Opening`]) and, on end,
 //! error or client disconnect, releases the request's load accounting exactly once. Given a
 //! [`StallWatch`], it is also cut when its client stops taking data ([`super::stalls`]).
 //!
@@ -34,6 +35,7 @@ use tokio::time::Instant;
 
 use super::error::{Client, with_request_id};
 use super::idle::IdleTimer;
+use super::opening::Opening;
 use super::stalls::{StallWatch, Watch, Watched};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -108,7 +110,11 @@ struct State<B> {
     inner: Option<B>,
     scanner: UsageScanner,
     hooks: Option<Box<dyn Hooks>>,
+    /// The replica's output has begun (its first data, or past a Responses stream's
+    /// opening events).
     seen_data: bool,
+    /// A Responses stream's opening events, until its output begins ([`Opening`]).
+    opening: Option<Opening>,
     /// The hooks want to see the frames ([`Hooks::watch`]).
     watching: bool,
     /// The body is a server-sent-event stream (failures end it with an error event in the
@@ -136,6 +142,7 @@ impl<B> Tracked<B> {
             scanner: UsageScanner::default(),
             hooks: Some(hooks),
             seen_data: false,
+            opening: None,
             watching: true,
             sse: None,
             tail: None,
@@ -170,6 +177,17 @@ impl<B> Tracked<B> {
         match &mut self.held {
             Held::Own(state) => state.sse = sse,
             Held::Shared(shared) => lock(shared).sse = sse,
+        }
+        self
+    }
+
+    /// Marks the body as a Responses API stream, whose output begins after its opening
+    /// events ([`Opening`]).
+    pub fn opening(mut self, opening: bool) -> Self {
+        let opening = opening.then(Opening::default);
+        match &mut self.held {
+            Held::Own(state) => state.opening = opening,
+            Held::Shared(shared) => lock(shared).opening = opening,
         }
         self
     }
@@ -332,8 +350,9 @@ where
     match Pin::new(&mut *inner).poll_frame(cx) {
         Poll::Ready(Some(Ok(frame))) => {
             if let Some(data) = frame.data_ref() {
-                if !state.seen_data {
+                if !state.seen_data && state.opening.as_mut().is_none_or(|o| o.output_begins(data)) {
                     state.seen_data = true;
+                    state.opening = None;
                     if let Some(hooks) = state.hooks.as_mut() {
                         hooks.first_data();
                     }
@@ -348,7 +367,11 @@ where
                     state.tail = Some(last.iter().fold(tail, |t, &b| (t << 8) | u32::from(b)));
                 }
             }
-            timer.progress();
+            if state.seen_data {
+                timer.progress();
+            } else {
+                timer.opening();
+            }
             if inner.is_end_stream() {
                 // The last frame: hyper will not poll again (the length is known), so the
                 // body ends here, its connection clean.

@@ -568,9 +568,12 @@ fn wrap(
     let sse = sse.then(|| (Client::of_path(client.uri.path()), admitted.request_id));
     // The first event of a stream comes after the request's queueing and prefill: the
     // first-byte timeout's to bound, not the idle timeout's.
+    // A Responses stream opens with events sent before the engine's first output.
+    let opening = sse.is_some() && client.uri.path() == super::responses::RESPONSES_PATH;
     let body = Tracked::new(body, config.idle_timeout, hooks)
         .first_by(whole + config.first_byte_timeout)
         .sse(sse)
+        .opening(opening)
         .empty(empty);
     // An HTTP/1 client that stops reading is the server's send timeout's (its connection's
     // writes wait); an HTTP/2 stream without window is the stall watch's.

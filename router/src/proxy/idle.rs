@@ -50,6 +50,12 @@ impl IdleTimer {
         self.first_by = None;
     }
 
+    /// The body produced something that is not yet its output (a Responses stream's opening
+    /// events): the next wait starts a new count, and still lasts until the first deadline.
+    pub fn opening(&mut self) {
+        self.waiting = false;
+    }
+
     /// The body has nothing yet: ready once it has had nothing for the whole idle time,
     /// counted from the first of these calls since the last [`Self::progress`].
     pub fn poll_expired(&mut self, cx: &mut Context<'_>) -> Poll<()> {

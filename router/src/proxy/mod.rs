@@ -26,6 +26,7 @@ pub mod health;
 pub mod http1;
 pub mod idle;
 pub mod lora;
+pub mod opening;
 pub mod paths;
 pub mod pool;
 pub mod prompts;

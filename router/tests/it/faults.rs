@@ -440,7 +440,9 @@ async fn a_replica_whose_streams_go_silent_is_ejected() {
 /// A stream's first event comes after its request's queueing and prefill, which the
 /// first-byte timeout bounds, not the idle timeout: `agent-1` takes over two seconds to
 /// prefill, then its tokens come fast, and its streams end whole with an idle timeout of 1 s
-/// (long enough that a loaded machine's pauses between tokens do not reach it).
+/// (long enough that a loaded machine's pauses between tokens do not reach it). A Responses
+/// stream's first events (`response.created`, `response.in_progress`) come before the
+/// prefill: its output is what the first-byte timeout bounds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streams_first_event_may_take_up_to_the_first_byte_timeout() {
     let slow_prefill = |name: &str| match name {
@@ -460,21 +462,39 @@ async fn a_streams_first_event_may_take_up_to_the_first_byte_timeout() {
         ..c
     })
     .await;
-    let mut slow_streams = 0;
-    for i in 0..4 {
-        let body = completion(&words(&format!("prefill{i}"), 8), 4, true);
-        let sent = Instant::now();
-        let response = fleet.http.stream(&fleet.url("/v1/completions"), &body).await;
-        assert_eq!(response.status(), 200);
-        let agent_1 = response.headers().get("x-kvroute-replica").is_some_and(|v| v == "agent-1");
-        let text = drain(response).await;
-        assert!(text.contains("data: [DONE]") && !text.contains("\"error\""), "{text}");
-        if agent_1 {
-            assert!(sent.elapsed() > Duration::from_millis(1_000), "the prefill outlasted the idle timeout");
-            slow_streams += 1;
+    // A Responses stream's opening events come at once, before the prefill (as vLLM sends
+    // them): its output is still the first-byte timeout's to wait for.
+    let responses = |i: usize| {
+        let body = serde_json::json!({"model": crate::fleet::FLEET_MODEL, "input": format!("opening{i}"),
+            "max_output_tokens": 4, "stream": true});
+        ("/v1/responses", body, ["event: response.completed", "event: response.incomplete"])
+    };
+    let completions = |i: usize| {
+        ("/v1/completions", completion(&words(&format!("prefill{i}"), 8), 4, true), ["data: [DONE]"; 2])
+    };
+    for (endpoint, request) in
+        [("completions", &completions as &dyn Fn(usize) -> _), ("responses", &responses)]
+    {
+        let mut slow_streams = 0;
+        for i in 0..2 {
+            let (path, body, ends) = request(i);
+            let sent = Instant::now();
+            let response = fleet.http.stream(&fleet.url(path), &body).await;
+            assert_eq!(response.status(), 200);
+            let agent_1 = response.headers().get("x-kvroute-replica").is_some_and(|v| v == "agent-1");
+            let text = drain(response).await;
+            let ended = ends.iter().any(|end| text.contains(end));
+            assert!(ended && !text.contains("\"error\""), "{endpoint}: {text}");
+            if agent_1 {
+                assert!(
+                    sent.elapsed() > Duration::from_millis(1_000),
+                    "{endpoint}: the prefill outlasted the idle timeout"
+                );
+                slow_streams += 1;
+            }
         }
+        assert_eq!(slow_streams, 1, "{endpoint}: round robin sent one of two streams to agent-1");
     }
-    assert_eq!(slow_streams, 2, "round robin sent half the streams to agent-1");
 }
 
 /// Ejection never leaves the router with nothing to try: with every replica ejected, the
