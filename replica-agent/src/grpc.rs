@@ -50,12 +50,11 @@ impl ReplicaAgent for AgentService {
         let config = self.engine.config();
         let (epoch, block_size) = (config.epoch.0, config.cache.block_size as u32);
         let (seq, has_seq) = (snapshot.seq.unwrap_or(0), snapshot.seq.is_some());
-        let mut blocks = snapshot.blocks;
-        let n_chunks = blocks.len().div_ceil(chunk_blocks).max(1);
+        let n_chunks = snapshot.blocks.len().div_ceil(chunk_blocks).max(1);
+        let mut blocks = snapshot.blocks.into_iter();
         let mut chunks = Vec::with_capacity(n_chunks);
         for chunk in 0..n_chunks {
-            let rest = blocks.split_off(blocks.len().min(chunk_blocks));
-            let these = std::mem::replace(&mut blocks, rest);
+            let these = blocks.by_ref().take(chunk_blocks).collect();
             chunks.push(Ok(pb::SnapshotChunk {
                 epoch,
                 seq,

@@ -272,24 +272,30 @@ impl Engine {
     }
 
     /// Every resident block, parents first, and the seq the copy is consistent with.
+    /// The cache is locked only while the blocks are copied (the scheduler waits meanwhile);
+    /// they are put in order after.
     pub fn snapshot(&self, include_tokens: bool) -> Snapshot {
-        let mut state = self.lock();
-        let seq = state.outbox.seal();
-        let mut blocks: Vec<(&BlockHash, &BlockMeta)> = state.blocks.iter().collect();
-        blocks.sort_unstable_by_key(|(hash, meta)| (meta.depth, **hash));
-        Snapshot {
-            seq,
-            blocks: blocks
-                .into_iter()
-                .map(|(hash, meta)| SnapshotBlock {
-                    hash: hash.0,
-                    parent: meta.parent.map(|p| p.0),
-                    token_ids: if include_tokens { meta.tokens.to_vec() } else { Vec::new() },
-                    lora_name: meta.namespace.as_ref().and_then(|ns| ns.lora.clone()),
-                    cache_salt: meta.namespace.as_ref().and_then(|ns| ns.cache_salt.clone()),
+        let (seq, mut blocks) = {
+            let mut state = self.lock();
+            let seq = state.outbox.seal();
+            let blocks: Vec<(u32, SnapshotBlock)> = state
+                .blocks
+                .iter()
+                .map(|(hash, meta)| {
+                    let block = SnapshotBlock {
+                        hash: hash.0,
+                        parent: meta.parent.map(|p| p.0),
+                        token_ids: if include_tokens { meta.tokens.to_vec() } else { Vec::new() },
+                        lora_name: meta.namespace.as_ref().and_then(|ns| ns.lora.clone()),
+                        cache_salt: meta.namespace.as_ref().and_then(|ns| ns.cache_salt.clone()),
+                    };
+                    (meta.depth, block)
                 })
-                .collect(),
-        }
+                .collect();
+            (seq, blocks)
+        };
+        blocks.sort_unstable_by_key(|(depth, block)| (*depth, block.hash));
+        Snapshot { seq, blocks: blocks.into_iter().map(|(_, block)| block).collect() }
     }
 
     /// Resident block hashes (for tests and stats).

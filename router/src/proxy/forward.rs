@@ -267,13 +267,16 @@ pub async fn routed(
 
 /// Whether `member`, a candidate when the request was decided, may take its retry: the fleet
 /// still has it (not removed, nor replaced by a replica of the same name at another address,
-/// whose id it shares), and it is not draining or out of service since. (Ejection is not
-/// checked: with every replica ejected, the ejected ones are tried.)
+/// whose id it shares), and it is not draining, out of service or at
+/// `--max-in-flight-per-replica` since (when a whole fleet refuses at once, overloaded, the
+/// retries would go on past the limit). Ejection is not checked: with every replica ejected,
+/// the ejected ones are tried.
 fn still_takes(decider: &Decider, member: &crate::fleet::Member) -> bool {
     let upstream = &member.upstream;
     decider.fleet.member(&member.replica.spec.name).is_some_and(|now| Arc::ptr_eq(&now.upstream, upstream))
         && !upstream.is_draining()
         && upstream.is_serving()
+        && upstream.requests_in_flight() < decider.max_in_flight_per_replica
 }
 
 /// A request's body for [`to_replica`], and the load it brings the replica.

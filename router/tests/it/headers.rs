@@ -319,6 +319,44 @@ async fn a_retried_request_carries_the_same_fields_to_the_next_replica() {
 /// on its first replica is passed over (it was chosen before the drain).
 #[tokio::test]
 async fn a_retry_passes_over_a_replica_drained_since_the_decision() {
+    let answer = retried_after(
+        |c| c,
+        |router| {
+            router.fleet().set_draining("answering", true).unwrap();
+        },
+    )
+    .await;
+    assert!(!answer.contains("x-kvroute-replica: answering"), "retried on a drained replica: {answer}");
+    // Nowhere left to go: the replica's own refusal is the answer.
+    assert!(answer.starts_with("http/1.1 503"), "{answer}");
+    assert!(answer.contains("x-kvroute-replica: refusing"), "{answer}");
+}
+
+/// Nor one that reached `--max-in-flight-per-replica` meanwhile: when every replica refuses
+/// at once (an overloaded fleet), the retries would go on past the limit.
+#[tokio::test]
+async fn a_retry_passes_over_a_replica_saturated_since_the_decision() {
+    let mut running = None;
+    let answer = retried_after(
+        |c| kvroute_router::Config { max_in_flight_per_replica: 1, ..c },
+        |router| {
+            // A request in flight on `answering`: at its limit of one.
+            let upstream = router.fleet().member("answering").unwrap().upstream;
+            running = Some(upstream.begin(1, 0, 0));
+        },
+    )
+    .await;
+    assert!(!answer.contains("x-kvroute-replica: answering"), "retried on a saturated replica: {answer}");
+    assert!(answer.starts_with("http/1.1 503"), "{answer}");
+    drop(running);
+}
+
+/// A request held on the refusing replica (which answers its POSTs 503 once let go), `meanwhile`
+/// done to the router while it is held: the answer the client gets.
+async fn retried_after(
+    tweak: impl FnOnce(kvroute_router::Config) -> kvroute_router::Config,
+    meanwhile: impl FnOnce(&kvroute_router::RunningRouter),
+) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let refusing = listener.local_addr().unwrap();
     let (gate, arrived) = (
@@ -347,8 +385,8 @@ async fn a_retry_passes_over_a_replica_drained_since_the_decision() {
         }
     });
     let (answering, _answered) = recording_replica(ANSWER).await;
-    let (router, shutdown) = refusing_then_answering(refusing, answering, |c| c).await;
-    let body = serde_json::json!({"model": FLEET_MODEL, "prompt": "drained", "max_tokens": 1}).to_string();
+    let (router, shutdown) = refusing_then_answering(refusing, answering, tweak).await;
+    let body = serde_json::json!({"model": FLEET_MODEL, "prompt": "held", "max_tokens": 1}).to_string();
     let head = "POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n";
     // Round-robin: one of the first two requests goes to the refusing replica first.
     let held = loop {
@@ -359,14 +397,11 @@ async fn a_retry_passes_over_a_replica_drained_since_the_decision() {
             answer = &mut sent => assert!(answer.unwrap().starts_with("http/1.1 200")),
         }
     };
-    router.fleet().set_draining("answering", true).unwrap();
+    meanwhile(&router);
     gate.add_permits(1);
     let answer = tokio::time::timeout(WAIT, held).await.expect("in time").unwrap();
-    assert!(!answer.contains("x-kvroute-replica: answering"), "retried on a drained replica: {answer}");
-    // Nowhere left to go: the replica's own refusal is the answer.
-    assert!(answer.starts_with("http/1.1 503"), "{answer}");
-    assert!(answer.contains("x-kvroute-replica: refusing"), "{answer}");
     shutdown.cancel();
+    answer
 }
 
 /// A replica that refuses with 503 (overloaded) is not an outlier: its refusals go to the
