@@ -90,6 +90,21 @@ impl Background {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Peer(pub std::net::SocketAddr);
 
+/// How long a gRPC server waits for a PING's acknowledgement, and how long a connection may
+/// be silent before it sends one.
+const GRPC_KEEPALIVE: Duration = Duration::from_secs(20);
+
+/// A gRPC server as the router's admin service and the agent's service run: a connection
+/// whose peer stops answering HTTP/2 PINGs (a client gone with its network, a half-open
+/// connection) is closed within a minute. Without that, a graceful shutdown waited for it
+/// until TCP gave up on its retransmissions, about 15 minutes.
+pub fn grpc_server() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(GRPC_KEEPALIVE))
+        .http2_keepalive_timeout(Some(GRPC_KEEPALIVE))
+        .tcp_keepalive(Some(GRPC_KEEPALIVE))
+}
+
 /// Serves `handler` on `listener` with the default [`Limits`] until `shutdown` fires, then
 /// drains.
 pub async fn serve<H, F, B>(listener: TcpListener, handler: H, shutdown: CancellationToken)

@@ -3,8 +3,8 @@
 //! stopped by one `CancellationToken`.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -39,6 +39,8 @@ pub struct RunningRouter {
     pub state: Arc<ProxyState>,
     pub tracker: TaskTracker,
     pub shutdown: CancellationToken,
+    /// Why a part the router cannot run without stopped (it then stops the router).
+    failure: Arc<OnceLock<String>>,
 }
 
 impl RunningRouter {
@@ -60,6 +62,32 @@ impl RunningRouter {
         self.tracker.close();
         self.tracker.wait().await;
     }
+
+    /// Why the router stopped of itself, if it did: its proxy or its admin server failed.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.get().map(String::as_str)
+    }
+}
+
+/// Runs `part` as one of the router's tasks: if it fails, the router stops, and
+/// [`RunningRouter::failure`] says why.
+fn vital<F>(
+    tracker: &TaskTracker,
+    failure: &Arc<OnceLock<String>>,
+    shutdown: &CancellationToken,
+    what: &'static str,
+    part: F,
+) where
+    F: Future<Output = Result<(), String>> + Send + 'static,
+{
+    let (failure, shutdown) = (failure.clone(), shutdown.clone());
+    tracker.spawn(async move {
+        if let Err(e) = part.await {
+            tracing::error!(error = %e, "{what} failed; the router stops");
+            let _ = failure.set(format!("{what}: {e}"));
+            shutdown.cancel();
+        }
+    });
 }
 
 /// How long an idle upstream connection is kept for reuse: less than the replicas' servers
@@ -242,13 +270,12 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         None => None,
     };
 
-    tracker.spawn(proxy::serve(
-        listener,
-        http_threads,
-        state.clone(),
-        config.serve_limits(),
-        shutdown.clone(),
-    ));
+    let failure = Arc::new(OnceLock::new());
+    let serving =
+        proxy::serve(listener, http_threads, state.clone(), config.serve_limits(), shutdown.clone());
+    vital(&tracker, &failure, &shutdown, "the proxy's HTTP server", async move {
+        serving.await.map_err(|e| e.to_string())
+    });
     let checks = proxy::health::Settings {
         interval: config.health_interval(),
         timeout: Duration::from_millis(config.health_timeout_ms),
@@ -262,27 +289,29 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let admin =
         AdminService::new(state.clone(), config.model.clone(), config.block_size).into_server(admin_token);
     let admin_shutdown = shutdown.clone();
-    tracker.spawn(async move {
+    vital(&tracker, &failure, &shutdown, "the admin gRPC server", async move {
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(admin_listener);
-        let served = tonic::transport::Server::builder()
+        kvroute_proto::serve::grpc_server()
             .add_service(admin)
             .serve_with_incoming_shutdown(incoming, admin_shutdown.cancelled_owned())
-            .await;
-        if let Err(e) = served {
-            tracing::error!(error = %e, "admin gRPC server failed");
-        }
+            .await
+            .map_err(|e| e.to_string())
     });
     tracing::info!(
         listen = %addr, admin = %admin_addr, health = ?health_addr, policy = config.policy.as_str(),
         replicas = config.replicas.len(), admin_auth, "router started"
     );
-    Ok(RunningRouter { addr, admin_addr, health_addr, state, tracker, shutdown })
+    Ok(RunningRouter { addr, admin_addr, health_addr, state, tracker, shutdown, failure })
 }
 
 /// Runs a router until `shutdown` fires, then waits for its tasks.
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
     let router = start(config, shutdown.clone()).await?;
     shutdown.cancelled().await;
+    let failure = router.failure.clone();
     router.stop().await;
-    Ok(())
+    match failure.get() {
+        Some(why) => anyhow::bail!("{why}"),
+        None => Ok(()),
+    }
 }

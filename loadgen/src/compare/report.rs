@@ -240,7 +240,7 @@ impl CompareReport {
         for run in self.runs.iter().filter(|r| r.compared_requests < w.requests) {
             let _ = writeln!(
                 out,
-                "\n{} stopped early: served {} of {} requests (sent, not cancelled); its % pooled ({:.1}% pooled hit rate) and offline figures are on those",
+                "\n{}: {} of {} requests reached a cache (the rest were refused before they ran, found no connection, or were never sent: a run stopped early); its % pooled ({:.1}% pooled hit rate) and offline figures are on those",
                 run.policy.as_str(),
                 run.compared_requests,
                 w.requests,

@@ -66,9 +66,10 @@ pub struct Load {
     /// request's prompts times its `n` (one for most), which is what the replica runs and
     /// reports.
     pub in_flight: u32,
-    /// Prompt tokens the router has sent to it that are not yet prefilled (uncached part of
-    /// every in-flight request whose first byte has not come back, or, for an answer that is
-    /// not streamed, whose prompt's last block the replica's events have not yet stored).
+    /// Prompt tokens the router has sent to it that are not known to be prefilled: the
+    /// uncached part of every in-flight request whose first output has not come back, or, for
+    /// a whole answer (not streamed), whose prompt's last block the replica's events have not
+    /// yet stored ([`crate::proxy::upstream::PendingPrefill`] says which wait for that).
     pub pending_prefill_tokens: u64,
     /// Queue length the replica itself last reported (e.g. `num_requests_waiting`), if known.
     pub reported_waiting: u32,

@@ -170,7 +170,7 @@ pub async fn serve_probes(listener: TcpListener, state: Arc<ProxyState>, shutdow
 }
 
 /// Serves the proxy on `listener` with `threads` threads within `limits` until `shutdown`
-/// fires, then drains open requests. Each thread forwards through an upstream connection
+/// fires, then drains open requests; fails if its threads cannot start. Each thread forwards through an upstream connection
 /// pool of its own ([`kvroute_proto::serve::serve_on_threads`]).
 pub async fn serve(
     listener: TcpListener,
@@ -178,18 +178,15 @@ pub async fn serve(
     state: Arc<ProxyState>,
     limits: Limits,
     shutdown: CancellationToken,
-) {
+) -> std::io::Result<()> {
     let make_handler = || {
         let state = state.clone();
         let pool = Arc::new((state.new_pool)());
         move |req| handle(state.clone(), pool.clone(), req)
     };
     let heartbeats = state.heartbeats.clone();
-    let served =
-        kvroute_proto::serve::serve_on_threads(listener, threads, make_handler, limits, heartbeats, shutdown);
-    if let Err(e) = served.await {
-        tracing::error!(error = %e, "cannot start the proxy's HTTP threads");
-    }
+    kvroute_proto::serve::serve_on_threads(listener, threads, make_handler, limits, heartbeats, shutdown)
+        .await
 }
 
 async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>) -> Response<ProxyBody> {

@@ -5,8 +5,10 @@
 //! Load is counted at decision time: `in_flight` rises when a request is sent and falls when
 //! its response ends (or the client goes away), and `sequences` with it by the request's
 //! sequences (its prompts times its `n`: what the replica runs and reports); `pending_prefill` holds the uncached prompt
-//! tokens of requests that have not produced their first response byte yet, which is the work
-//! standing between a new request and its first token; `recent_prompt_tokens` is a decayed
+//! tokens of requests whose prefill is not known to be over, which is the work standing
+//! between a new request and its first token ([`PendingPrefill`] says when each is let go:
+//! at the first output of a stream, when the replica's events store a whole answer's prompt,
+//! else at the answer's end); `recent_prompt_tokens` is a decayed
 //! sum of the prompt tokens sent to it ([`RecentTokens`]), the longer-run share of the work it
 //! has been given.
 //!
@@ -415,8 +417,12 @@ impl LoadGuard {
 }
 
 /// A request's prefill tokens in its replica's pending count, taken out once: at the
-/// answer's first data, when the replica's events store the prompt's last block
-/// ([`crate::index::OnStored`]), or when the request ends, whichever comes first.
+/// answer's first data (a Responses stream's first output), when the replica's events store
+/// the prompt's last block ([`crate::index::OnStored`]), or when the request ends, whichever
+/// comes first. The stored block is not waited for in a batch (a later prompt's last block
+/// may lie inside an earlier one), a stream, a request with no prediction to credit (a stored
+/// response's continuation, other paths), nor is it ever seen from a replica without events
+/// (`FALLBACK`): a whole answer of those holds its prefill until its end.
 #[derive(Debug)]
 pub struct PendingPrefill {
     upstream: Arc<Upstream>,
