@@ -48,6 +48,9 @@ pub struct Limits {
     /// Longest a write to a client may wait (it is not reading); then the connection
     /// closes ([`send_timeout`]).
     pub send_timeout: Duration,
+    /// After shutdown, how long open connections may go on before they are closed where they
+    /// stand; `None`: as long as they take.
+    pub drain_timeout: Option<Duration>,
 }
 
 /// hyper's limit on HTTP/1 request header fields when none is set.
@@ -64,6 +67,7 @@ impl Default for Limits {
             max_headers: 100,
             header_read_timeout: Duration::from_secs(30),
             send_timeout: Duration::from_secs(60),
+            drain_timeout: None,
         }
     }
 }
@@ -134,8 +138,21 @@ pub async fn serve_with<H, F, B>(
     let connections = TaskTracker::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     accept_loop(listener, handler, &limits, &slots, &connections, &shutdown).await;
+    drain(&connections, limits.drain_timeout).await;
+}
+
+/// Waits for `connections` to end, at most `timeout`; past it, says how many are left (their
+/// tasks end with their runtime).
+async fn drain(connections: &TaskTracker, timeout: Option<Duration>) {
     connections.close();
-    connections.wait().await;
+    let Some(timeout) = timeout else { return connections.wait().await };
+    if tokio::time::timeout(timeout, connections.wait()).await.is_err() {
+        tracing::warn!(
+            open = connections.len(),
+            ?timeout,
+            "drain timeout: closing the connections still open"
+        );
+    }
 }
 
 /// [`serve_with`] on `threads` threads of their own, each a single-threaded runtime with its
@@ -199,9 +216,9 @@ where
                             stop.cancel();
                         }
                     }
-                    // Connections accepted here run on this runtime: keep it until they end.
-                    connections.close();
-                    connections.wait().await;
+                    // Connections accepted here run on this runtime: keep it until they end
+                    // (or the drain timeout closes them, dropping the runtime).
+                    drain(&connections, limits.drain_timeout).await;
                 });
                 let _ = finished.send(());
             })?;

@@ -25,6 +25,10 @@ use crate::replicas::{EngineKind, ReplicaSpec, base_url};
 /// Most proxy threads `--http-threads` accepts.
 pub const MAX_HTTP_THREADS: usize = 1024;
 
+/// Past `--drain-timeout-ms`, how long the streams it ended have to send their error events
+/// before the connections still open are closed.
+pub const DRAIN_END: Duration = Duration::from_secs(1);
+
 /// kvroute: a cache-aware reverse proxy for OpenAI-compatible inference fleets.
 #[derive(Parser, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[command(name = "kvroute-router", version, about, long_about = None)]
@@ -183,6 +187,12 @@ pub struct Config {
     /// when the replica last took some of it, and not while the upload waits for the client).
     #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_MS", default_value_t = 600_000)]
     pub first_byte_timeout_ms: u64,
+    /// After SIGTERM, how long open requests may go on, milliseconds: then open streams end
+    /// with an error event and, a second later, the connections still open are closed and
+    /// the router exits. Under a Kubernetes grace period (the manifests' allow for its
+    /// default), so that a stream still running gets its error event rather than a SIGKILL.
+    #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT_MS", default_value_t = 590_000)]
+    pub drain_timeout_ms: u64,
     /// Time allowed for a replica's answer that is not a generation's, milliseconds: a LoRA
     /// adapter change (a load may download the adapter; SGLang's unload waits for the
     /// adapter's requests), a catch-up load, a lookup of a stored response, a WebSocket
@@ -391,6 +401,9 @@ impl Config {
     pub fn first_byte_timeout(&self) -> Duration {
         Duration::from_millis(self.first_byte_timeout_ms)
     }
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_millis(self.drain_timeout_ms)
+    }
     pub fn control_timeout(&self) -> Duration {
         Duration::from_millis(self.control_timeout_ms)
     }
@@ -444,6 +457,8 @@ impl Config {
             max_connections: self.max_connections,
             max_header_bytes: self.max_header_bytes,
             send_timeout: self.send_timeout(),
+            // Past the drain timeout, the streams' error events have this long to go out.
+            drain_timeout: Some(self.drain_timeout() + DRAIN_END),
             ..Limits::default()
         }
     }
@@ -746,7 +761,8 @@ mod tests {
     #[test]
     fn limits_have_safe_defaults_and_are_checked() {
         let c = Config::default();
-        assert_eq!(c.serve_limits(), Limits::default());
+        let drain = Some(c.drain_timeout() + DRAIN_END);
+        assert_eq!(c.serve_limits(), Limits { drain_timeout: drain, ..Limits::default() });
         assert!(c.max_connections > 0 && c.max_header_bytes >= MIN_HEADER_BYTES);
         let bad = Config {
             max_connections: 0,

@@ -69,6 +69,19 @@ impl RunningRouter {
     }
 }
 
+/// A token that fires `drain` after `shutdown` does. (Not one of the router's tasks: those
+/// are waited for, and a drain that ends sooner should not wait for this.)
+fn ending(shutdown: &CancellationToken, drain: Duration) -> CancellationToken {
+    let (ending, shutdown) = (CancellationToken::new(), shutdown.clone());
+    let fire = ending.clone();
+    tokio::spawn(async move {
+        shutdown.cancelled().await;
+        tokio::time::sleep(drain).await;
+        fire.cancel();
+    });
+    ending
+}
+
 /// Runs `part` as one of the router's tasks: if it fails, the router stops, and
 /// [`RunningRouter::failure`] says why.
 fn vital<F>(
@@ -240,6 +253,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             access_log: config.access_log,
             forwarded_for: config.forwarded_for,
             owners: Arc::new(proxy::responses::Owners::new(config.response_owners)),
+            ending: ending(&shutdown, config.drain_timeout()),
         },
         registry: Arc::new(registry),
         limits: config.request_limits(),

@@ -32,6 +32,7 @@ use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use kvroute_proto::openai::OpenAiError;
 use tokio::time::Instant;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use super::error::{Client, with_request_id};
 use super::idle::IdleTimer;
@@ -115,6 +116,8 @@ struct State<B> {
     seen_data: bool,
     /// A Responses stream's opening events, until its output begins ([`Opening`]).
     opening: Option<Opening>,
+    /// A stream's end at the router's drain timeout.
+    ending: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
     /// The hooks want to see the frames ([`Hooks::watch`]).
     watching: bool,
     /// The body is a server-sent-event stream (failures end it with an error event in the
@@ -143,6 +146,7 @@ impl<B> Tracked<B> {
             hooks: Some(hooks),
             seen_data: false,
             opening: None,
+            ending: None,
             watching: true,
             sse: None,
             tail: None,
@@ -177,6 +181,17 @@ impl<B> Tracked<B> {
         match &mut self.held {
             Held::Own(state) => state.sse = sse,
             Held::Shared(shared) => lock(shared).sse = sse,
+        }
+        self
+    }
+
+    /// Ends the body with an error event when `ending` fires (the router's drain timeout),
+    /// as when its replica fails, but counted against nobody.
+    pub fn ending(mut self, ending: Option<&CancellationToken>) -> Self {
+        let ending = ending.map(|token| Box::pin(token.clone().cancelled_owned()));
+        match &mut self.held {
+            Held::Own(state) => state.ending = ending,
+            Held::Shared(shared) => lock(shared).ending = ending,
         }
         self
     }
@@ -219,7 +234,12 @@ impl<B> State<B> {
     /// The upstream failed with `error`: an error event if the stream allows one, else the
     /// error itself (which aborts the client's response).
     fn fail(&mut self, error: BoxError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.end(End::Failed);
+        self.fail_as(End::Failed, error)
+    }
+
+    /// [`Self::fail`], the body's end counted as `end`.
+    fn fail_as(&mut self, end: End, error: BoxError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.end(end);
         let Some((client, request_id)) = self.sse.as_ref().filter(|_| at_boundary(self.tail)) else {
             return Poll::Ready(Some(Err(error)));
         };
@@ -277,6 +297,11 @@ impl<B: Send> Watched for Mutex<State<B>> {
 #[derive(Debug, thiserror::Error)]
 #[error("the replica sent nothing for {0:?}")]
 pub struct IdleTimeout(Duration);
+
+/// The router's drain timeout ended a stream.
+#[derive(Debug, thiserror::Error)]
+#[error("the router is shutting down (its drain timeout passed)")]
+pub struct Drained;
 
 /// The stall watch cut a response its client stopped taking.
 #[derive(Debug, thiserror::Error)]
@@ -391,6 +416,13 @@ where
             Poll::Ready(None)
         }
         Poll::Pending => {
+            if let Some(ending) = state.ending.as_mut()
+                && ending.as_mut().poll(cx).is_ready()
+            {
+                // The replica did nothing wrong: the router is going away.
+                state.inner = None;
+                return state.fail_as(End::Abandoned, Box::new(Drained));
+            }
             // The replica's silence counts from here, not from the last frame: hyper may have
             // taken its time to pass that one on.
             ready!(timer.poll_expired(cx));

@@ -20,6 +20,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response, Uri, uri};
 use http_body_util::BodyExt;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::access;
 use super::body::{BoxError, End, Hooks, ProxyBody, Tracked};
@@ -87,6 +88,8 @@ pub struct ForwardConfig {
     pub forwarded_for: bool,
     /// Which replica stored each Responses API response ([`super::responses`]).
     pub owners: Arc<Owners>,
+    /// Fires at the drain timeout after a shutdown: open streams end with an error event.
+    pub ending: CancellationToken,
 }
 
 /// Removes hop-by-hop headers, including any present that `Connection` names: one pass over
@@ -576,6 +579,7 @@ fn wrap(
     let body = Tracked::new(body, config.idle_timeout, hooks)
         .first_by(whole + config.first_byte_timeout)
         .sse(sse)
+        .ending(sse.map(|_| &config.ending))
         .opening(opening)
         .empty(empty);
     // An HTTP/1 client that stops reading is the server's send timeout's (its connection's

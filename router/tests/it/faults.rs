@@ -340,6 +340,35 @@ async fn stream_cut_mid_way_ends_with_an_error_event() {
     assert_eq!(next.header("x-kvroute-replica"), Some("agent-1"));
 }
 
+/// A shutdown lets open streams go on for `--drain-timeout-ms`, then ends them with an error
+/// event that says why, and the router stops: a stream far longer than that (1000 tokens at
+/// 20 ms) does not hold it up until its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_ends_open_streams_at_its_timeout() {
+    let slow = |name: &str| kvroute_replica_agent::Config {
+        time_scale: 1.0,
+        step_base_us: 20_000,
+        ..fault_agent(name)
+    };
+    let fleet = Fleet::with(1, slow, |c| kvroute_router::Config { drain_timeout_ms: 300, ..c }).await;
+    let body = completion(&words("drainme", 8), 1000, true);
+    let mut response = fleet.http.stream(&fleet.url("/v1/completions"), &body).await;
+    assert_eq!(response.status(), 200);
+    let first = tokio::time::timeout(Duration::from_secs(30), response.body_mut().frame()).await;
+    assert!(first.expect("a first chunk").expect("a frame").expect("no error").data_ref().is_some());
+    // `RunningRouter::stop`, the router kept (the fleet stops it again when dropped).
+    fleet.router.shutdown.cancel();
+    fleet.router.tracker.close();
+    let tracker = fleet.router.tracker.clone();
+    let stopping = tokio::spawn(async move { tracker.wait().await });
+    let text = drain(response).await;
+    assert!(!text.contains("[DONE]"), "ended before its end");
+    let last = text.trim_end().rsplit("\n\n").next().unwrap();
+    assert!(last.starts_with("data: {\"error\"") && last.contains("shutting down"), "{last}");
+    load::assert_openai_error(last.trim_start_matches("data: ").as_bytes());
+    tokio::time::timeout(Duration::from_secs(10), stopping).await.expect("the router stops").unwrap();
+}
+
 /// A replica whose first token takes far longer than `--first-byte-timeout-ms`: 504s, then
 /// ejection; a stream to it that goes silent past `--idle-timeout-ms` ends with an error
 /// event; after `--ejection-ms` it is tried again (and, still slow, ejected again at once).
