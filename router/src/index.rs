@@ -126,6 +126,7 @@ const MAX_WAIT: Duration = Duration::from_micros(20);
 /// whose overlap is at least one block. Reuse one value across lookups to avoid allocating.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Overlaps {
+    /// In replica order.
     hits: Vec<(ReplicaId, usize)>,
 }
 
@@ -137,10 +138,10 @@ impl Overlaps {
 
     /// Leading blocks `replica` holds (0 if it holds none of them).
     pub fn get(&self, replica: ReplicaId) -> usize {
-        self.hits.iter().find(|(id, _)| *id == replica).map_or(0, |&(_, blocks)| blocks)
+        self.hits.binary_search_by_key(&replica, |&(id, _)| id).map_or(0, |i| self.hits[i].1)
     }
 
-    /// Every replica with a non-zero overlap, in no particular order.
+    /// Every replica with a non-zero overlap, in replica order.
     pub fn iter(&self) -> impl ExactSizeIterator<Item = (ReplicaId, usize)> + '_ {
         self.hits.iter().copied()
     }

@@ -161,12 +161,26 @@ impl Credits {
 
     /// Extends `overlap` (the replica's index overlap of `blocks`) through credited blocks.
     pub fn extend(&self, replica: ReplicaId, blocks: &[BlockHash], overlap: usize) -> usize {
+        self.extend_each(blocks, std::iter::once(Some((replica, overlap))))[0]
+    }
+
+    /// [`Self::extend`] for each replica of `overlaps` (a replica and its index overlap of
+    /// `blocks`, or `None` for one whose credits do not count, which gets 0), under one hold
+    /// of the lock: a decision reads every member's.
+    pub fn extend_each(
+        &self,
+        blocks: &[BlockHash],
+        overlaps: impl Iterator<Item = Option<(ReplicaId, usize)>>,
+    ) -> Vec<usize> {
         let mut inner = self.lock();
         if inner.is_empty() {
-            return overlap;
+            return overlaps.map(|o| o.map_or(0, |(_, overlap)| overlap)).collect();
         }
         let now = inner.now(self.ttl);
-        overlap + blocks[overlap..].iter().take_while(|&&b| inner.live((b, replica), now)).count()
+        let extended = |(replica, overlap): (ReplicaId, usize)| {
+            overlap + blocks[overlap..].iter().take_while(|&&b| inner.live((b, replica), now)).count()
+        };
+        overlaps.map(|o| o.map_or(0, extended)).collect()
     }
 
     /// Live credited (block, replica) pairs (for metrics and tests).

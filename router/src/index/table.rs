@@ -243,6 +243,8 @@ impl PrefixIndex {
                 self.push_hits(g, alive, depth, out);
             }
         }
+        // By replica, for `Overlaps::get`'s binary search: a decision reads every member's.
+        out.hits.sort_unstable_by_key(|&(id, _)| id);
     }
 
     fn push_hits(&self, group: usize, mut bits: u64, depth: usize, out: &mut Overlaps) {

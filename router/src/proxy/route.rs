@@ -332,11 +332,11 @@ impl Decider {
     ) -> Plan {
         let states: Vec<StreamState> = members.iter().map(|m| m.replica.status.state()).collect();
         let (overlaps, credited) = self.index.lookup_with_credits(&blocks, |overlaps, credits| {
-            let credited = |(m, state): (&Member, &StreamState)| match state {
-                StreamState::Fallback => 0,
-                _ => credits.extend(m.replica.id, &blocks, overlaps.get(m.replica.id)),
+            let counted = |(m, state): (&Member, &StreamState)| match state {
+                StreamState::Fallback => None,
+                _ => Some((m.replica.id, overlaps.get(m.replica.id))),
             };
-            members.iter().zip(&states).map(credited).collect::<Vec<usize>>()
+            credits.extend_each(&blocks, members.iter().zip(&states).map(counted))
         });
         let now = tokio::time::Instant::now();
         let verdicts =
