@@ -124,7 +124,8 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_AGENT_SEED", default_value_t = 0)]
     pub seed: u64,
 
-    /// Seconds the requests accepted (running or waiting) get to finish after SIGTERM.
+    /// Seconds the requests accepted (running or waiting) get to finish after SIGTERM; their
+    /// KV events are published (and kept for replay) until the engine stops.
     #[arg(long, env = "KVROUTE_AGENT_SHUTDOWN_GRACE_SECS", default_value_t = 30)]
     pub shutdown_grace_secs: u64,
     /// Requests to `/v1/*` must carry `Authorization: Bearer <key>`, as with vLLM's

@@ -122,23 +122,23 @@ type RingBuffer = Arc<Mutex<VecDeque<(Seq, Bytes)>>>;
 impl Publisher {
     /// A publisher on a loopback port of its own, without replay, with the default settings:
     /// for an engine run on its own (tests, the load generator's checks of its model).
-    pub async fn on_loopback(
-        tracker: &TaskTracker,
-        shutdown: CancellationToken,
-    ) -> Result<Publisher, PublisherError> {
-        let bound = Self::bind(PublisherConfig::default(), "tcp://127.0.0.1:0", None, tracker, shutdown);
+    pub async fn on_loopback(tracker: &TaskTracker) -> Result<Publisher, PublisherError> {
+        let bound = Self::bind(PublisherConfig::default(), "tcp://127.0.0.1:0", None, tracker);
         Ok(bound.await?.0)
     }
 
-    /// Binds the PUB socket (and the replay ROUTER if `replay_endpoint` is given), spawns the
-    /// publishing and replay tasks on `tracker`, and stops them when `shutdown` fires.
+    /// Binds the PUB socket (and the replay ROUTER if `replay_endpoint` is given) and spawns
+    /// the publishing and replay tasks on `tracker`. They run until the publisher is dropped
+    /// (the engine's scheduler drops it when it ends, after its shutdown grace): the events of
+    /// what the engine still runs in the grace go out, and can be replayed.
     pub async fn bind(
         config: PublisherConfig,
         events_endpoint: &str,
         replay_endpoint: Option<&str>,
         tracker: &TaskTracker,
-        shutdown: CancellationToken,
     ) -> Result<(Publisher, PublisherEndpoints), PublisherError> {
+        // Fires when the publishing task ends: the replay socket closes with it.
+        let published = CancellationToken::new();
         let refused = Arc::new(AtomicU64::new(0));
         let on_refused: OnRefused = {
             let refused = refused.clone();
@@ -156,15 +156,16 @@ impl Publisher {
             let mut router = RouterSocket::new();
             let (bound, guard) = bind_guarded(&mut router, endpoint, "ROUTER", &on_refused).await?;
             replay = Some(bound);
-            let (topic, buffer, shutdown) = (topic.clone(), buffer.clone(), shutdown.clone());
+            let (topic, buffer, published) = (topic.clone(), buffer.clone(), published.clone());
             tracker.spawn(async move {
-                serve_replay(router, topic, buffer, shutdown).await;
+                serve_replay(router, topic, buffer, published).await;
                 close(guard).await;
             });
         }
         let (tx, rx) = mpsc::channel(config.queue.max(1));
         tracker.spawn(async move {
-            publish_loop(pub_socket, rx, config, topic, buffer, shutdown).await;
+            publish_loop(pub_socket, rx, config, topic, buffer).await;
+            published.cancel();
             close(events_guard).await;
         });
         Ok((Publisher { tx, refused }, PublisherEndpoints { events, replay }))
@@ -189,23 +190,9 @@ async fn publish_loop(
     config: PublisherConfig,
     topic: Bytes,
     buffer: RingBuffer,
-    shutdown: CancellationToken,
 ) {
-    let mut closed = false;
-    loop {
-        // On shutdown the queue closes (a later `publish` returns false), and the batches
-        // already handed over still go out: they are seq'd, and a snapshot may cover them.
-        let batch = tokio::select! {
-            batch = rx.recv() => match batch {
-                Some(batch) => batch,
-                None => break,
-            },
-            () = shutdown.cancelled(), if !closed => {
-                rx.close();
-                closed = true;
-                continue;
-            }
-        };
+    // Until the publisher is dropped, and every batch handed over has gone out.
+    while let Some(batch) = rx.recv().await {
         let seq = Seq(batch.seq);
         let payload = config.format.encode_payload(&batch);
         {
@@ -230,12 +217,12 @@ async fn serve_replay(
     mut router: RouterSocket,
     topic: Bytes,
     buffer: RingBuffer,
-    shutdown: CancellationToken,
+    published: CancellationToken,
 ) {
     loop {
         let msg = tokio::select! {
             msg = router.recv() => msg,
-            () = shutdown.cancelled() => break,
+            () = published.cancelled() => break,
         };
         let mut frames = match msg {
             Ok(msg) => msg.into_vec(),

@@ -84,15 +84,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         buffer_steps: config.buffer_steps,
         ..PublisherConfig::default()
     };
-    let (publisher, endpoints) = Publisher::bind(
-        publisher_config,
-        &config.events_endpoint,
-        config.replay(),
-        &tracker,
-        shutdown.clone(),
-    )
-    .await
-    .context("binding the event sockets")?;
+    let (publisher, endpoints) =
+        Publisher::bind(publisher_config, &config.events_endpoint, config.replay(), &tracker)
+            .await
+            .context("binding the event sockets")?;
 
     let engine = Engine::start(
         EngineConfig {

@@ -53,7 +53,7 @@ async fn simulated_latencies_match_the_agent_engine() {
 
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
-    let publisher = Publisher::on_loopback(&tracker, shutdown.clone()).await.unwrap();
+    let publisher = Publisher::on_loopback(&tracker).await.unwrap();
     let engine = Engine::start(
         EngineConfig {
             replica: "r0".into(),

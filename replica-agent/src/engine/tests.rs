@@ -40,7 +40,7 @@ fn config(capacity: usize, max_num_seqs: usize, max_waiting: usize) -> EngineCon
 async fn start(config: EngineConfig) -> (Engine, CancellationToken) {
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
-    let publisher = Publisher::on_loopback(&tracker, shutdown.clone()).await.unwrap();
+    let publisher = Publisher::on_loopback(&tracker).await.unwrap();
     (Engine::start(config, publisher, &tracker, shutdown.clone()).unwrap(), shutdown)
 }
 

@@ -27,15 +27,12 @@ fn batch(seq: u64) -> EventBatch {
     }
 }
 
-async fn start(format: EventFormat) -> (Publisher, PublisherEndpoints, CancellationToken) {
-    let shutdown = CancellationToken::new();
+async fn start(format: EventFormat) -> (Publisher, PublisherEndpoints) {
     let tracker = TaskTracker::new();
     let config = PublisherConfig { format, ..Default::default() };
     let (publisher, endpoints) =
-        Publisher::bind(config, "tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), &tracker, shutdown.clone())
-            .await
-            .unwrap();
-    (publisher, endpoints, shutdown)
+        Publisher::bind(config, "tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), &tracker).await.unwrap();
+    (publisher, endpoints)
 }
 
 /// How long a test waits for what must come.
@@ -88,7 +85,7 @@ async fn replay(endpoint: &str, start: u64) -> Vec<ReplayReply> {
 
 #[tokio::test]
 async fn live_batches_reach_a_subscriber_and_replay_returns_the_rest() {
-    let (publisher, endpoints, shutdown) = start(EventFormat::Kvroute).await;
+    let (publisher, endpoints) = start(EventFormat::Kvroute).await;
     let mut sub = subscribe(&endpoints.events).await;
     let (first, seq) = joined(&publisher, &mut sub, 0).await;
     let (topic, got) = native::decode(&first.into_vec()).unwrap();
@@ -115,13 +112,13 @@ async fn live_batches_reach_a_subscriber_and_replay_returns_the_rest() {
     }
     // A start beyond the newest seq gets only the end marker.
     assert_eq!(replay(endpoints.replay.as_deref().unwrap(), 1_000).await, vec![ReplayReply::End]);
-    shutdown.cancel();
 }
 
-/// Batches handed to the publisher before a shutdown are still sent (and kept for replay):
-/// they are seq'd, and a snapshot may cover them. Here the shutdown comes first.
+/// Batches handed to the publisher before it is dropped (the engine's scheduler ending) are
+/// still sent (and kept for replay): they are seq'd, and a snapshot may cover them. Here the
+/// drop comes first.
 #[tokio::test]
-async fn batches_handed_over_before_shutdown_are_sent() {
+async fn batches_handed_over_before_the_publisher_is_dropped_are_sent() {
     let mut socket = PubSocket::new();
     let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
     let mut sub = subscribe(&endpoint).await;
@@ -141,9 +138,8 @@ async fn batches_handed_over_before_shutdown_are_sent() {
         tx.send(batch(seq)).await.unwrap();
     }
     let buffer: RingBuffer = Arc::default();
-    let shutdown = CancellationToken::new();
-    shutdown.cancel();
-    publish_loop(socket, rx, config, Bytes::from_static(b"kv-events"), buffer.clone(), shutdown).await;
+    drop(tx);
+    publish_loop(socket, rx, config, Bytes::from_static(b"kv-events"), buffer.clone()).await;
     let kept: Vec<u64> = buffer.lock().unwrap().iter().map(|(seq, _)| seq.0).collect();
     assert_eq!(kept, (0..200).collect::<Vec<u64>>());
     let mut sent = Vec::new();
@@ -160,13 +156,10 @@ async fn batches_handed_over_before_shutdown_are_sent() {
 
 #[tokio::test]
 async fn replay_buffer_is_bounded() {
-    let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
     let config = PublisherConfig { buffer_steps: 3, ..Default::default() };
     let (publisher, endpoints) =
-        Publisher::bind(config, "tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), &tracker, shutdown.clone())
-            .await
-            .unwrap();
+        Publisher::bind(config, "tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), &tracker).await.unwrap();
     for s in 0..10 {
         publisher.publish(batch(s)).await;
     }
@@ -187,12 +180,11 @@ async fn replay_buffer_is_bounded() {
         })
         .collect();
     assert_eq!(seqs, vec![7, 8, 9]);
-    shutdown.cancel();
 }
 
 #[tokio::test]
 async fn vllm_format_decodes_with_the_vllm_decoder() {
-    let (publisher, endpoints, shutdown) = start(EventFormat::Vllm).await;
+    let (publisher, endpoints) = start(EventFormat::Vllm).await;
     publisher.publish(batch(0)).await;
     let ep = endpoints.replay.clone().unwrap();
     let replies = within("the batch in the buffer", async {
@@ -211,7 +203,6 @@ async fn vllm_format_decodes_with_the_vllm_decoder() {
     assert_eq!(stored.block_hashes, vec![kvroute_proto::BlockHash(1)]);
     assert_eq!(stored.token_ids, vec![1, 2]);
     assert_eq!(stored.block_size, 2);
-    shutdown.cancel();
 }
 
 /// vLLM's namespace fields: `lora_name` on every run of an adapter's request, and per block
@@ -264,7 +255,7 @@ fn vllm_format_names_the_adapter_and_the_salt_per_block() {
 #[tokio::test]
 async fn a_peer_announcing_a_huge_frame_is_cut_off_and_the_others_served() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (publisher, endpoints, shutdown) = start(EventFormat::Kvroute).await;
+    let (publisher, endpoints) = start(EventFormat::Kvroute).await;
     let huge = kvroute_proto::zmtp_guard::huge_frame();
     for endpoint in [&endpoints.events, endpoints.replay.as_ref().unwrap()] {
         let mut peer =
@@ -281,5 +272,4 @@ async fn a_peer_announcing_a_huge_frame_is_cut_off_and_the_others_served() {
     let mut sub = subscribe(&endpoints.events).await;
     joined(&publisher, &mut sub, 0).await;
     assert!(matches!(replay(endpoints.replay.as_ref().unwrap(), 0).await.last(), Some(ReplayReply::End)));
-    shutdown.cancel();
 }

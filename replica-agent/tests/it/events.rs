@@ -109,6 +109,64 @@ async fn a_subscriber_sees_stored_blocks_with_parent_links_then_removals() {
     assert_eq!(seqs, (0..seqs.len() as u64).collect::<Vec<_>>(), "replay returns every batch in order");
 }
 
+/// What the agent still runs after a shutdown (its grace) publishes its events: a request
+/// waiting when the shutdown came is prefilled in the grace, and a router still following the
+/// agent sees its blocks stored.
+#[tokio::test]
+async fn the_shutdown_graces_events_are_published() {
+    let agent = Agent::with(crate::support::Config { time_scale: 1.0, max_num_seqs: 1, ..config() }).await;
+    let mut sub = SubSocket::new();
+    sub.connect(&agent.events_endpoint).await.unwrap();
+    sub.subscribe("").await.unwrap();
+    // Past the slow joiner: a batch reaches the subscriber.
+    for i in 0.. {
+        assert!(i < 100, "no batch reached the subscriber");
+        let p = format!("joining {i} with enough words to fill a block or two of tokens here");
+        agent.client.post("/v1/completions", &json!({"model": MODEL, "prompt": p, "max_tokens": 1})).await;
+        if tokio::time::timeout(Duration::from_millis(50), sub.recv()).await.is_ok() {
+            break;
+        }
+    }
+    let waiting = "the request that waits while another runs and is prefilled after the shutdown came";
+    let tokens = agent.client.tokenize(&json!({"model": MODEL, "prompt": waiting})).await;
+    let first_block = CacheNamespace::new(MODEL).chain(&tokens, agent.config.block_size as usize)[0].0;
+    let m = agent.engine.metrics();
+    let gauge = |g: &std::sync::atomic::AtomicU64| g.load(std::sync::atomic::Ordering::Relaxed);
+    let running = json!({"model": MODEL, "prompt": "a long one", "max_tokens": 100});
+    let stored_after_shutdown = async {
+        // Current-thread runtime: yield until the second request waits behind the first.
+        while (gauge(&m.running), gauge(&m.waiting)) != (1, 1) {
+            tokio::task::yield_now().await;
+        }
+        let seen = async {
+            loop {
+                let msg = sub.recv().await.expect("the stream goes on");
+                let (_, batch) = native::decode(&msg.into_vec()).unwrap();
+                if stored(std::slice::from_ref(&batch)).iter().any(|s| s.block_hashes.contains(&first_block))
+                {
+                    return;
+                }
+            }
+        };
+        let (seen, ()) = tokio::join!(tokio::time::timeout(Duration::from_secs(30), seen), agent.stop());
+        seen.expect("the waiting request's blocks were published");
+    };
+    let (first, second, ()) = tokio::join!(
+        agent.client.post("/v1/completions", &running),
+        async {
+            while gauge(&m.running) == 0 {
+                tokio::task::yield_now().await;
+            }
+            agent
+                .client
+                .post("/v1/completions", &json!({"model": MODEL, "prompt": waiting, "max_tokens": 1}))
+                .await
+        },
+        stored_after_shutdown,
+    );
+    assert_eq!((first.status.as_u16(), second.status.as_u16()), (200, 200), "both ran in the grace");
+}
+
 #[tokio::test]
 async fn grpc_snapshot_equals_the_resident_blocks_and_info_describes_the_agent() {
     let agent = Agent::with(crate::support::Config { capacity_blocks: 16, ..config() }).await;

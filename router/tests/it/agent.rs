@@ -30,15 +30,10 @@ impl RealAgent {
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
         let publisher_config = PublisherConfig { format, buffer_steps: 4, ..PublisherConfig::default() };
-        let (publisher, endpoints) = Publisher::bind(
-            publisher_config,
-            "tcp://127.0.0.1:0",
-            Some("tcp://127.0.0.1:0"),
-            &tracker,
-            shutdown.clone(),
-        )
-        .await
-        .expect("bind publisher");
+        let (publisher, endpoints) =
+            Publisher::bind(publisher_config, "tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), &tracker)
+                .await
+                .expect("bind publisher");
         let config = Config { time_scale: 1000.0, ..Config::loopback("real-agent") };
         let engine = Engine::start(
             EngineConfig {

@@ -242,9 +242,7 @@ impl AgentPublisher {
         let config = PublisherConfig { format, topic: "kv-events".into(), ..Default::default() };
         let replay = with_replay.then_some("tcp://127.0.0.1:0");
         let (publisher, endpoints) =
-            Publisher::bind(config, "tcp://127.0.0.1:0", replay, &tracker, shutdown.clone())
-                .await
-                .expect("bind publisher");
+            Publisher::bind(config, "tcp://127.0.0.1:0", replay, &tracker).await.expect("bind publisher");
         Self { publisher, events: endpoints.events, replay: endpoints.replay, shutdown }
     }
 
