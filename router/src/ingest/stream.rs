@@ -97,6 +97,10 @@ const CRAWLING: u64 = 64;
 /// Snapshot blocks stored between two yields to the runtime.
 const YIELD_EVERY: usize = 4096;
 
+/// Replayed batches applied between two yields to the runtime (a batch holds a step's
+/// events: a few blocks to a few hundred).
+const BATCHES_PER_YIELD: usize = 256;
+
 /// Most KV-cache groups of another kind a rank remembers: engines have a handful, and a
 /// publisher numbering a group per event would make each lookup a long search.
 const MAX_OTHER_KINDS: usize = 64;
@@ -413,7 +417,7 @@ impl RankStream {
                     // subscription took effect (slow joiner) and must be replayed.
                     self.expected = Some(from);
                 }
-                self.apply_replayed(&batches);
+                self.apply_replayed(&batches).await;
                 drop((batches, held));
                 // A replay that brought little of what is missing counts, and so does one
                 // without its end marker (it waited out its reply timeout): a long gap replayed
@@ -443,7 +447,7 @@ impl RankStream {
         if applied {
             self.clear();
             self.expected = None;
-            self.apply_replayed(&partial.0);
+            self.apply_replayed(&partial.0).await;
             partial = (Vec::new(), None);
         }
         if self.snapshot().await {
@@ -452,7 +456,7 @@ impl RankStream {
         if !applied {
             self.clear();
             self.expected = None;
-            self.apply_replayed(&partial.0);
+            self.apply_replayed(&partial.0).await;
         }
         drop(partial);
         if std::mem::take(&mut self.lost) {
@@ -490,7 +494,11 @@ impl RankStream {
     /// come back with batches missing (the publisher's send buffer overflowed, and ZeroMQ
     /// drops silently). Past a hole, `expected` is the missing seq, so the next batch is a
     /// gap and repaired again.
-    fn apply_replayed(&mut self, batches: &[LiveMessage]) {
+    ///
+    /// A replay may bring 100 000 batches: the task yields every [`BATCHES_PER_YIELD`] of them, so
+    /// that the other ranks' tasks on its thread (their subscribers' queues filling
+    /// meanwhile) get their turn.
+    async fn apply_replayed(&mut self, batches: &[LiveMessage]) {
         // An empty replay (a catch-up with nothing new) keeps the last one's window: live
         // copies of what that one covered may still be queued, and are not a restart.
         let Some(first) = batches.first() else { return };
@@ -498,7 +506,10 @@ impl RankStream {
             batches.windows(2).position(|w| w[1].seq != w[0].seq.next()).map_or(batches.len(), |i| i + 1);
         let (batches, rest) = batches.split_at(contiguous);
         let last = &batches[batches.len() - 1];
-        for msg in batches {
+        for (i, msg) in batches.iter().enumerate() {
+            if i % BATCHES_PER_YIELD == BATCHES_PER_YIELD - 1 {
+                tokio::task::yield_now().await;
+            }
             let Some(batch) = self.decode(msg) else { continue };
             if let (Some(mine), Some(theirs)) = (self.epoch, batch.epoch)
                 && mine != theirs
@@ -745,7 +756,7 @@ mod tests {
     #[tokio::test]
     async fn a_rank_holds_at_most_its_cap_of_blocks() {
         let mut rank = rank_with(IngestConfig { snapshot_max_blocks: 3, ..IngestConfig::default() });
-        rank.apply_replayed(&[batch(0), batch(1), batch(2), batch(3), batch(4)]);
+        rank.apply_replayed(&[batch(0), batch(1), batch(2), batch(3), batch(4)]).await;
         let id = rank.ctx.replica.id;
         assert_eq!(rank.ctx.index.blocks(id), 3);
         assert_eq!(rank.ctx.metrics.skipped(SkipReason::OverCapacity).get(), 2);
@@ -816,10 +827,10 @@ mod tests {
     #[tokio::test]
     async fn an_empty_replay_keeps_the_last_ones_duplicate_window() {
         let mut rank = rank();
-        rank.apply_replayed(&[batch(0), batch(1)]);
+        rank.apply_replayed(&[batch(0), batch(1)]).await;
         let id = rank.ctx.replica.id;
         assert_eq!(rank.ctx.index.blocks(id), 2);
-        rank.apply_replayed(&[]);
+        rank.apply_replayed(&[]).await;
         let late = rank.decode(&batch(1)).unwrap();
         rank.process(late).await;
         assert_eq!(rank.ctx.index.blocks(id), 2, "not cleared as a restart");
@@ -842,8 +853,8 @@ mod tests {
     #[tokio::test]
     async fn a_replay_after_a_replay_keeps_both_windows() {
         let mut rank = rank();
-        rank.apply_replayed(&[batch(0), batch(1)]);
-        rank.apply_replayed(&[batch(2), batch(3)]);
+        rank.apply_replayed(&[batch(0), batch(1)]).await;
+        rank.apply_replayed(&[batch(2), batch(3)]).await;
         let id = rank.ctx.replica.id;
         assert_eq!(rank.ctx.index.blocks(id), 4);
         let late = rank.decode(&batch(1)).unwrap();
@@ -857,11 +868,11 @@ mod tests {
     #[tokio::test]
     async fn a_clear_inside_a_replay_keeps_the_duplicate_window() {
         let mut rank = rank();
-        rank.apply_replayed(&[batch(0), batch(1)]);
+        rank.apply_replayed(&[batch(0), batch(1)]).await;
         let mut cleared = batch(2);
         let events = vec![VllmEvent::AllBlocksCleared];
         cleared.payload = vllm::encode_payload(&VllmBatch { ts: 0.0, events, dp_rank: None });
-        rank.apply_replayed(&[cleared, batch(3)]);
+        rank.apply_replayed(&[cleared, batch(3)]).await;
         let late = rank.decode(&batch(1)).unwrap();
         rank.process(late).await;
         assert_eq!(rank.ctx.metrics.restarts.get(), 0);
