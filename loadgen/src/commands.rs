@@ -446,11 +446,16 @@ where
     runtime.block_on(async move {
         let shutdown = CancellationToken::new();
         let on_signal = shutdown.clone();
-        // SIGTERM too: a soak's processes are stopped (dropped) on the way out.
+        // SIGTERM too: a soak's processes are stopped (dropped) on the way out. A second
+        // signal exits at once (tokio keeps its handler installed: without this, every later
+        // one would be ignored).
         let signals = tokio::spawn(async move {
             kvroute_proto::process::next_signal().await;
-            eprintln!("interrupted: stopping the run");
+            eprintln!("interrupted: stopping the run (again to exit at once)");
             on_signal.cancel();
+            kvroute_proto::process::next_signal().await;
+            eprintln!("interrupted again: exiting without waiting");
+            std::process::exit(130);
         });
         let result = work(shutdown).await;
         signals.abort();

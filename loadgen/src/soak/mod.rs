@@ -101,42 +101,50 @@ pub async fn run(
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let client = Client::new(Duration::from_secs(2));
 
-    let mut agents = Vec::with_capacity(config.replicas);
-    for i in 0..config.replicas {
-        let spec = AgentSpec::reserve(format!("agent-{i}"))?;
-        let child = start_agent(config, &spec, &logs, &client).await?;
-        agents.push((spec, child));
-    }
-    let router_port = procs::free_port()?;
-    let router_url = format!("http://127.0.0.1:{router_port}");
-    let mut args = vec![
-        "--listen".to_owned(),
-        format!("127.0.0.1:{router_port}"),
-        "--admin-listen".into(),
-        format!("127.0.0.1:{}", procs::free_port()?),
-        "--model".into(),
-        DEMO_MODEL.into(),
-        "--block-size".into(),
-        config.block_size.to_string(),
-        "--health-interval-ms".into(),
-        "500".into(),
-        "--max-prompt-tokens".into(),
-        MAX_MODEL_LEN.to_string(),
-    ];
-    for (spec, _) in &agents {
-        args.extend(["--replica".into(), spec.replica_flag()]);
-    }
-    args.extend(config.router_args.iter().cloned());
-    let router = procs::start_ready(
-        &config.binaries.router,
-        &args,
-        "router",
-        &logs,
-        &client,
-        &format!("{router_url}/ready"),
-    )
-    .await?;
-    tracing::info!(pid = router.pid(), url = %router_url, "router ready");
+    // Until every process is ready, an interruption drops (kills) those started so far.
+    let starting = async {
+        let mut agents = Vec::with_capacity(config.replicas);
+        for i in 0..config.replicas {
+            let spec = AgentSpec::reserve(format!("agent-{i}"))?;
+            let child = start_agent(config, &spec, &logs, &client).await?;
+            agents.push((spec, child));
+        }
+        let router_port = procs::free_port()?;
+        let router_url = format!("http://127.0.0.1:{router_port}");
+        let mut args = vec![
+            "--listen".to_owned(),
+            format!("127.0.0.1:{router_port}"),
+            "--admin-listen".into(),
+            format!("127.0.0.1:{}", procs::free_port()?),
+            "--model".into(),
+            DEMO_MODEL.into(),
+            "--block-size".into(),
+            config.block_size.to_string(),
+            "--health-interval-ms".into(),
+            "500".into(),
+            "--max-prompt-tokens".into(),
+            MAX_MODEL_LEN.to_string(),
+        ];
+        for (spec, _) in &agents {
+            args.extend(["--replica".into(), spec.replica_flag()]);
+        }
+        args.extend(config.router_args.iter().cloned());
+        let router = procs::start_ready(
+            &config.binaries.router,
+            &args,
+            "router",
+            &logs,
+            &client,
+            &format!("{router_url}/ready"),
+        )
+        .await?;
+        tracing::info!(pid = router.pid(), url = %router_url, "router ready");
+        anyhow::Ok((agents, router, router_url))
+    };
+    let (agents, router, router_url) = tokio::select! {
+        started = starting => started?,
+        () = shutdown.cancelled() => anyhow::bail!("interrupted while starting the processes"),
+    };
 
     let tally = Tally::default();
     let stop = shutdown.child_token();
@@ -289,7 +297,12 @@ async fn churn(
         let (spec, child) = agents.remove(next);
         tally.killing(&spec.name);
         child.kill();
-        match start_agent(&config, &spec, &logs, &client).await {
+        let restarted = tokio::select! {
+            restarted = start_agent(&config, &spec, &logs, &client) => restarted,
+            // The run is over: the replica it was restarting stays down.
+            () = stop.cancelled() => return agents,
+        };
+        match restarted {
             Ok(child) => {
                 tracing::info!(replica = %spec.name, pid = child.pid(), "replica restarted");
                 tally.restarted();
