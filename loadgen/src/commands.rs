@@ -455,6 +455,7 @@ where
             on_signal.cancel();
             kvroute_proto::process::next_signal().await;
             eprintln!("interrupted again: exiting without waiting");
+            crate::soak::procs::kill_all();
             std::process::exit(130);
         });
         let result = work(shutdown).await;

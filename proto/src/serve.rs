@@ -48,8 +48,10 @@ pub struct Limits {
     /// Longest a write to a client may wait (it is not reading); then the connection
     /// closes ([`send_timeout`]).
     pub send_timeout: Duration,
-    /// After shutdown, how long open connections may go on before they are closed where they
-    /// stand; `None`: as long as they take.
+    /// After shutdown, how long open connections may go on before the server stops waiting
+    /// for them: on [`serve_on_threads`]' threads they are then closed where they stand (their
+    /// runtime goes); [`serve_with`]'s are left to its caller's runtime. `None`: as long as
+    /// they take.
     pub drain_timeout: Option<Duration>,
 }
 
@@ -106,7 +108,6 @@ pub fn grpc_server() -> tonic::transport::Server {
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(GRPC_KEEPALIVE))
         .http2_keepalive_timeout(Some(GRPC_KEEPALIVE))
-        .tcp_keepalive(Some(GRPC_KEEPALIVE))
 }
 
 /// Serves `handler` on `listener` with the default [`Limits`] until `shutdown` fires, then
@@ -234,7 +235,10 @@ where
         }
     }
     for d in done {
-        let _ = d.await;
+        // A thread that panicked dropped its end of the channel unsent.
+        if d.await.is_err() && failed.is_none() {
+            failed = Some(std::io::Error::other("a proxy thread panicked"));
+        }
     }
     failed.map_or(Ok(()), Err)
 }

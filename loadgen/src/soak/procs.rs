@@ -6,7 +6,8 @@
 //! child binds it (a small race with other processes on the machine; a child that cannot
 //! bind exits, and is started again). Every child's stdout and stderr go to
 //! `<log_dir>/<name>.log`; a child is killed when its handle drops, so an error, a panic, Ctrl-C or
-//! SIGTERM in loadgen leaves nothing running (SIGKILL, which runs no destructor, does).
+//! SIGTERM in loadgen leaves nothing running, nor does a second signal's exit at once
+//! ([`kill_all`]); SIGKILL, which runs no code of loadgen's, does.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -88,6 +89,31 @@ pub fn free_port() -> Result<u16, ProcessError> {
     kvroute_proto::loopback_port::unused().map_err(ProcessError::Port)
 }
 
+/// The children started and not yet reaped, by pid: [`kill_all`] kills them when loadgen
+/// exits at once (a second signal), which runs no destructor.
+static ALIVE: std::sync::Mutex<std::collections::BTreeSet<u32>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+fn alive() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<u32>> {
+    ALIVE.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// SIGKILLs every child still running (before an exit that skips their handles' drop).
+pub fn kill_all() {
+    let pids: Vec<u32> = alive().iter().copied().collect();
+    kill(pids);
+}
+
+/// SIGKILLs the processes `pids` (children not reaped yet, so the pids are still theirs).
+fn kill(pids: impl IntoIterator<Item = u32>) {
+    #[cfg(unix)]
+    for pid in pids {
+        if let Some(pid) = i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
+    }
+}
+
 /// A child process, killed (SIGKILL) and reaped when dropped.
 #[derive(Debug)]
 pub struct Child {
@@ -115,6 +141,7 @@ impl Child {
             command.env("RUST_LOG", "warn");
         }
         let inner = command.spawn().map_err(|source| ProcessError::Spawn { name: name.into(), source })?;
+        alive().insert(inner.id());
         Ok(Self { name: name.into(), inner, log })
     }
 
@@ -124,7 +151,12 @@ impl Child {
 
     /// Whether it has exited (and is reaped).
     pub fn exited(&mut self) -> bool {
-        !matches!(self.inner.try_wait(), Ok(None))
+        let exited = !matches!(self.inner.try_wait(), Ok(None));
+        if exited {
+            // Reaped: its pid may be another process's from now on.
+            alive().remove(&self.inner.id());
+        }
+        exited
     }
 
     /// SIGKILL, then reap.
@@ -140,6 +172,7 @@ impl Child {
         if let Err(e) = self.inner.wait() {
             tracing::warn!(child = %self.name, error = %e, "reaping a child failed");
         }
+        alive().remove(&self.inner.id());
     }
 
     /// Polls `{url}` until it answers 2xx; `Ok(false)` if the child exited first.
@@ -305,6 +338,27 @@ mod tests {
             start_ready(Path::new("/bin/sh"), &refuse, "sh", &logs, &client, "http://127.0.0.1:9/").await;
         std::fs::remove_dir_all(&logs).ok();
         assert!(matches!(started, Err(ProcessError::BadFlags { .. })), "{started:?}");
+    }
+
+    /// A child is known until it is reaped, and what [`kill_all`] does to the children it
+    /// knows kills them.
+    #[test]
+    fn children_are_known_until_reaped_and_can_be_killed_without_their_handles() {
+        let logs = std::env::temp_dir().join(format!("kvroute-procs-kill-{}", std::process::id()));
+        std::fs::create_dir_all(&logs).unwrap();
+        let mut child =
+            Child::spawn(Path::new("/bin/sh"), &["-c".into(), "exec sleep 30".into()], "sleeper", &logs)
+                .expect("a child");
+        let pid = child.pid();
+        assert!(alive().contains(&pid));
+        kill([pid]);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !child.exited() {
+            assert!(Instant::now() < deadline, "the child is still running");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!alive().contains(&pid), "reaped: its pid may be another process's now");
+        std::fs::remove_dir_all(&logs).ok();
     }
 
     #[test]

@@ -314,10 +314,19 @@ struct At {
     content_index: u32,
 }
 
-/// A stream's events before the first token: those sent at once (`response.created`,
-/// `response.in_progress`, which vLLM sends before it reads the engine's output), and those
-/// sent with the first token (the message item and its text part).
-pub(super) fn opening(meta: &Meta, previous: Option<&str>, sequence: &mut u64) -> (Vec<u8>, Vec<u8>) {
+/// A stream's events sent at once, before the engine's first output, as vLLM sends them
+/// before it reads the engine: `response.created` and `response.in_progress`.
+pub(super) fn opening(meta: &Meta, previous: Option<&str>, sequence: &mut u64) -> Vec<u8> {
+    let mut buf = Vec::new();
+    for kind in ["response.created", "response.in_progress"] {
+        event(&mut buf, sequence, kind, &WithResponse { response: object(meta, None, None, previous) });
+    }
+    buf
+}
+
+/// The events that open the output, sent with the first token: the message item and its
+/// text part.
+pub(super) fn output_opened(buf: &mut Vec<u8>, meta: &Meta, sequence: &mut u64) {
     #[derive(Serialize)]
     struct ItemAdded<'a> {
         item: Item<'a>,
@@ -329,16 +338,10 @@ pub(super) fn opening(meta: &Meta, previous: Option<&str>, sequence: &mut u64) -
         at: At,
         part: Part<'a>,
     }
-    let mut head = Vec::new();
-    for kind in ["response.created", "response.in_progress"] {
-        event(&mut head, sequence, kind, &WithResponse { response: object(meta, None, None, previous) });
-    }
-    let mut buf = Vec::new();
     let added = ItemAdded { item: item(meta, None, "in_progress"), output_index: 0 };
-    event(&mut buf, sequence, "response.output_item.added", &added);
+    event(buf, sequence, "response.output_item.added", &added);
     let part = PartAdded { at: at(meta), part: Part { annotations: [], text: "", kind: "output_text" } };
-    event(&mut buf, sequence, "response.content_part.added", &part);
-    (head, buf)
+    event(buf, sequence, "response.content_part.added", &part);
 }
 
 fn at(meta: &Meta) -> At {

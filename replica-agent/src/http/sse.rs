@@ -66,7 +66,7 @@ pub(super) fn body(
         }
         Api::Responses => {
             if let Some(r) = &mut responses {
-                (opening, first) = responses::opening(&meta, r.previous.as_deref(), &mut r.sequence);
+                opening = responses::opening(&meta, r.previous.as_deref(), &mut r.sequence);
             }
         }
         Api::Completions => {}
@@ -76,6 +76,7 @@ pub(super) fn body(
         include_usage,
         opening: (!opening.is_empty()).then(|| Bytes::from(opening)),
         first: (!first.is_empty()).then_some(first),
+        begun: false,
         generated: vec![0; admitted.len()],
         max_tokens: admitted.iter().map(|a| a.max_tokens).collect(),
         finished: vec![false; admitted.len()],
@@ -99,8 +100,11 @@ struct State {
     /// `response.created` and `response.in_progress`).
     opening: Option<Bytes>,
     /// Frames to send with the engine's first token, as vLLM sends them once its engine has
-    /// produced one (the chat role chunks, Anthropic's `message_start`, a Responses item).
+    /// produced one (the chat role chunks, Anthropic's `message_start`; a Responses stream's
+    /// item is numbered then, [`output_begins`]).
     first: Option<Vec<u8>>,
+    /// The engine's first output has come.
+    begun: bool,
     /// Every prompt's engine outputs, tagged with the prompt's index.
     outputs: SelectAll<Tagged>,
     generated: Vec<u32>,
@@ -126,7 +130,7 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
         let chunk_usage = UsageField::for_chunks(s.include_usage);
         match s.outputs.next().await {
             Some((i, Output::Token(text))) => {
-                buf.extend(s.first.take().unwrap_or_default());
+                output_begins(&mut buf, &mut s);
                 s.tally.output(i, s.prompt[i].0, s.prompt[i].1);
                 s.generated[i] += 1;
                 let last = s.generated[i] >= s.max_tokens[i] && !s.finished[i];
@@ -141,7 +145,7 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
                 }
             }
             Some((i, Output::Done(usage))) => {
-                buf.extend(s.first.take().unwrap_or_default());
+                output_begins(&mut buf, &mut s);
                 s.tally.done(i, &usage);
                 s.remaining = s.remaining.saturating_sub(1);
                 let named = matches!(s.api, Api::Messages | Api::Responses);
@@ -186,6 +190,19 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
         return None;
     }
     Some((Ok(Frame::data(Bytes::from(buf))), s))
+}
+
+/// The engine's first output (a token, or a choice's end) is here: the frames that open the
+/// output go first, once. (A stream failed before it sends none of them, as vLLM's: a
+/// Responses stream's numbers go on from its opening events.)
+fn output_begins(buf: &mut Vec<u8>, s: &mut State) {
+    if std::mem::replace(&mut s.begun, true) {
+        return;
+    }
+    buf.extend(s.first.take().unwrap_or_default());
+    if let Some(r) = s.responses.as_mut() {
+        responses::output_opened(buf, &s.meta, &mut r.sequence);
+    }
 }
 
 /// The events that end a failed stream.

@@ -810,6 +810,38 @@ async fn a_stream_failed_mid_generation_ends_with_an_error_event_then_done() {
     assert_eq!(chunk["object"], "text_completion");
 }
 
+/// A Responses stream that fails before the engine's first output (its prefill runs a few
+/// tokens a step when a shutdown without grace comes) sends its opening events and the
+/// error, numbered in order: the message item it never opened takes no numbers.
+#[tokio::test]
+async fn a_responses_stream_failed_before_its_output_numbers_its_events_in_order() {
+    let config = kvroute_replica_agent::Config {
+        time_scale: 1.0,
+        shutdown_grace_secs: 0,
+        max_num_batched_tokens: 8,
+        step_base_us: 20_000,
+        ..config()
+    };
+    let agent = Agent::with(config).await;
+    let body = json!({ "model": MODEL, "input": words(100, 23), "max_output_tokens": 3, "stream": true });
+    let response =
+        agent.client.send(Method::POST, "/v1/responses", serde_json::to_vec(&body).unwrap(), &[]).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let mut received = next_data(&mut body).await.to_vec();
+    let ((), rest) = tokio::join!(agent.stop(), body.collect());
+    received.extend_from_slice(&rest.expect("the stream ends cleanly").to_bytes());
+    let text = String::from_utf8(received).unwrap();
+    let names: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
+    assert_eq!(names, ["response.created", "response.in_progress", "error"], "{text}");
+    let numbers: Vec<u64> = text
+        .split("\"sequence_number\":")
+        .skip(1)
+        .map(|rest| rest.split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(numbers, [0, 1, 2], "{text}");
+}
+
 #[tokio::test]
 async fn a_request_failed_by_shutdown_gets_503_not_500() {
     // No grace: shutdown fails the running request; the client should retry elsewhere.

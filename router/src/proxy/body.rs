@@ -32,7 +32,7 @@ use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use kvroute_proto::openai::OpenAiError;
 use tokio::time::Instant;
-use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+use tokio_util::sync::CancellationToken;
 
 use super::error::{Client, with_request_id};
 use super::idle::IdleTimer;
@@ -116,8 +116,11 @@ struct State<B> {
     seen_data: bool,
     /// A Responses stream's opening events, until its output begins ([`Opening`]).
     opening: Option<Opening>,
-    /// A stream's end at the router's drain timeout.
-    ending: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
+    /// Fires at the router's drain timeout: the stream ends at its next frame or wait (read
+    /// without registering a wake-up, which would lock the token's one list of waiters, shared
+    /// by every thread, at each wait of every stream; a silent stream is closed with its
+    /// connection a second later).
+    ending: Option<CancellationToken>,
     /// The hooks want to see the frames ([`Hooks::watch`]).
     watching: bool,
     /// The body is a server-sent-event stream (failures end it with an error event in the
@@ -188,7 +191,7 @@ impl<B> Tracked<B> {
     /// Ends the body with an error event when `ending` fires (the router's drain timeout),
     /// as when its replica fails, but counted against nobody.
     pub fn ending(mut self, ending: Option<&CancellationToken>) -> Self {
-        let ending = ending.map(|token| Box::pin(token.clone().cancelled_owned()));
+        let ending = ending.cloned();
         match &mut self.held {
             Held::Own(state) => state.ending = ending,
             Held::Shared(shared) => lock(shared).ending = ending,
@@ -237,14 +240,19 @@ impl<B> State<B> {
         self.fail_as(End::Failed, error)
     }
 
-    /// [`Self::fail`], the body's end counted as `end`.
+    /// [`Self::fail`], the body's end counted as `end`: the replica's failure if
+    /// [`End::Failed`], else the router's own doing (its drain timeout).
     fn fail_as(&mut self, end: End, error: BoxError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.end(end);
         let Some((client, request_id)) = self.sse.as_ref().filter(|_| at_boundary(self.tail)) else {
             return Poll::Ready(Some(Err(error)));
         };
         self.done = true;
-        let message = with_request_id(&format!("the replica's stream failed: {error}"), request_id);
+        let message = match end {
+            End::Failed => format!("the replica's stream failed: {error}"),
+            _ => error.to_string(),
+        };
+        let message = with_request_id(&message, request_id);
         let error = OpenAiError::new("server_error", message);
         let event = match client {
             Client::OpenAi => [b"data: ".as_slice(), &error.to_json(), b"\n\n"].concat(),
@@ -367,6 +375,12 @@ where
     if state.done {
         return Poll::Ready(None);
     }
+    if state.ending.as_ref().is_some_and(CancellationToken::is_cancelled) {
+        // The replica did nothing wrong: the router is going away.
+        state.ending = None;
+        state.inner = None;
+        return state.fail_as(End::Abandoned, Box::new(Drained));
+    }
     let Some(inner) = state.inner.as_mut() else {
         // Cut by the stall watch: the error aborts the client's response.
         state.done = true;
@@ -416,13 +430,6 @@ where
             Poll::Ready(None)
         }
         Poll::Pending => {
-            if let Some(ending) = state.ending.as_mut()
-                && ending.as_mut().poll(cx).is_ready()
-            {
-                // The replica did nothing wrong: the router is going away.
-                state.inner = None;
-                return state.fail_as(End::Abandoned, Box::new(Drained));
-            }
             // The replica's silence counts from here, not from the last frame: hyper may have
             // taken its time to pass that one on.
             ready!(timer.poll_expired(cx));
@@ -524,6 +531,41 @@ mod tests {
         fn first_data(&mut self) {}
         fn finish(self: Box<Self>, _: End, cached_tokens: Option<u64>) {
             *self.0.lock().unwrap() = Some(cached_tokens);
+        }
+    }
+
+    /// Counts `first_data` calls.
+    struct FirstData(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+    impl Hooks for FirstData {
+        fn first_data(&mut self) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        fn finish(self: Box<Self>, _: End, _: Option<u64>) {}
+    }
+
+    /// A Responses stream's output (its first data, which releases the request's pending
+    /// prefill and credits) begins after its opening events; any other stream's with its
+    /// first frame.
+    #[tokio::test]
+    async fn a_responses_streams_output_begins_after_its_opening_events() {
+        let frames: [&'static [u8]; 4] = [
+            b"event: response.created\ndata: {}\n\n",
+            b"event: response.in_progress\ndata: {}\n\n",
+            b"event: response.output_item.added\ndata: {}\n\n",
+            b"event: response.output_text.delta\ndata: {}\n\n",
+        ];
+        for (opening, firsts) in [(true, [0, 0, 1, 1]), (false, [1, 1, 1, 1])] {
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(8);
+            let inner = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+            let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let hooks = Box::new(FirstData(seen.clone()));
+            let mut body = Tracked::new(inner, Duration::from_secs(5), hooks).opening(opening);
+            for (frame, first) in frames.iter().zip(firsts) {
+                tx.send(Ok(Frame::data(Bytes::from_static(frame)))).await.unwrap();
+                body.frame().await.unwrap().unwrap();
+                assert_eq!(seen.load(std::sync::atomic::Ordering::Relaxed), first, "opening {opening}");
+            }
         }
     }
 

@@ -57,7 +57,8 @@ impl IdleTimer {
     }
 
     /// The body has nothing yet: ready once it has had nothing for the whole idle time,
-    /// counted from the first of these calls since the last [`Self::progress`].
+    /// counted from the first of these calls since the last [`Self::progress`] or
+    /// [`Self::opening`] (and, before the first output, not before the first deadline).
     pub fn poll_expired(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         if !self.waiting {
             self.waiting = true;

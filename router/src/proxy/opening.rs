@@ -57,8 +57,12 @@ impl Opening {
                 if self.line.len() > LONGEST {
                     return true;
                 }
-            } else if !(b"data:".starts_with(&self.line) || b"event:".starts_with(&self.line)) {
-                // `id:`, `retry:`, a `:` comment: nothing to tell.
+            } else if !(b"data:".starts_with(&self.line)
+                || b"event:".starts_with(&self.line)
+                || self.line == b"\r")
+            {
+                // `id:`, `retry:`, a `:` comment: nothing to tell. (A lone `\r` may be a CRLF
+                // blank line, which ends the event.)
                 self.skip_line();
             }
         }
@@ -145,6 +149,9 @@ mod tests {
         // Nothing to tell its type by before its data: it counts, as any stream's first byte.
         let unnamed = "data: {\"type\":\"response.created\"}\n\n";
         assert_eq!(begins_at(&[unnamed.as_bytes()]), Some(0));
+        // After a named event too, whose end is a CRLF blank line.
+        let named = "event: response.created\r\ndata: {}\r\n\r\n";
+        assert_eq!(begins_at(&[named.as_bytes(), b"data: {}\r\n\r\n"]), Some(1));
     }
 
     #[test]

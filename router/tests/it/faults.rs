@@ -365,6 +365,7 @@ async fn a_drain_ends_open_streams_at_its_timeout() {
     assert!(!text.contains("[DONE]"), "ended before its end");
     let last = text.trim_end().rsplit("\n\n").next().unwrap();
     assert!(last.starts_with("data: {\"error\"") && last.contains("shutting down"), "{last}");
+    assert!(!last.contains("replica"), "the router's doing, not the replica's: {last}");
     load::assert_openai_error(last.trim_start_matches("data: ").as_bytes());
     tokio::time::timeout(Duration::from_secs(10), stopping).await.expect("the router stops").unwrap();
 }
