@@ -309,6 +309,7 @@ impl Bench {
                 max_in_flight_per_replica: 512,
                 eagle: false,
                 metrics: ProxyMetrics::register(registry),
+                ranks_by: Some(policy::CacheAware::new(CacheAwareParams::default())),
             }
         };
         let plain = decider(0, &mut registry);

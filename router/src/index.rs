@@ -90,6 +90,7 @@
 
 mod credits;
 pub(crate) mod hasher;
+mod ranks;
 mod table;
 #[cfg(test)]
 mod tests;
@@ -103,6 +104,7 @@ use kvroute_proto::{BlockHash, ReplicaId};
 
 pub use credits::{CreditHold, Credits, Stamp};
 pub(crate) use hasher::FoldState;
+pub use ranks::{RankGuard, RankView, Ranks};
 pub use table::PrefixIndex;
 
 /// Who waits for which (block, replica) to be stored.

@@ -252,6 +252,10 @@ impl Ingest {
         // A name keeps its id: a decision made as the previous replica of this name was
         // removed may have credited it after its credits were forgotten.
         inner.index.credits().forget(replica.id);
+        if replica.spec.dp_size > 1 {
+            let ranks = crate::index::Ranks::new(replica.spec.dp_size, inner.index.credits().ttl());
+            let _ = replica.ranks.set(Arc::new(ranks));
+        }
         let metrics = inner.metrics.replica(&replica.spec.name);
         metrics.set_state(StreamState::Degraded);
         let ctx = Arc::new(ReplicaCtx {

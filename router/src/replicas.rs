@@ -424,6 +424,9 @@ pub struct Replica {
     /// The authority of `spec.http_url` when that URL has no path: a request's URL on the
     /// replica is then this and the client's path, put together without parsing.
     pub authority: Option<http::uri::Authority>,
+    /// With several data-parallel ranks: which blocks each holds (set by the ingest, which
+    /// keeps it; [`crate::index::Ranks`]).
+    pub ranks: std::sync::OnceLock<Arc<crate::index::Ranks>>,
 }
 
 /// The registry: a cheap, cloneable handle.
@@ -461,7 +464,8 @@ impl Replicas {
             .filter(|url| url.scheme_str() == Some("http"))
             .filter(|url| url.path_and_query().is_none_or(|pq| matches!(pq.as_str(), "" | "/")))
             .and_then(|url| url.into_parts().authority);
-        let replica = Arc::new(Replica { id, status: ReplicaStatus::new(spec.dp_size), spec, authority });
+        let status = ReplicaStatus::new(spec.dp_size);
+        let replica = Arc::new(Replica { id, status, spec, authority, ranks: Default::default() });
         inner.live.insert(id, replica.clone());
         Ok(replica)
     }

@@ -82,8 +82,8 @@ fn ending(shutdown: &CancellationToken, drain: Duration) -> CancellationToken {
     ending
 }
 
-/// Runs `part` as one of the router's tasks: if it fails, the router stops, and
-/// [`RunningRouter::failure`] says why.
+/// Runs `part` as one of the router's tasks: if it fails, or ends before the router's
+/// shutdown, the router stops, and [`RunningRouter::failure`] says why.
 fn vital<F>(
     tracker: &TaskTracker,
     failure: &Arc<OnceLock<String>>,
@@ -95,11 +95,15 @@ fn vital<F>(
 {
     let (failure, shutdown) = (failure.clone(), shutdown.clone());
     tracker.spawn(async move {
-        if let Err(e) = part.await {
-            tracing::error!(error = %e, "{what} failed; the router stops");
-            let _ = failure.set(format!("{what}: {e}"));
-            shutdown.cancel();
-        }
+        let failed = match part.await {
+            Err(e) => e,
+            // Stopped of itself (a thread that could not take its listener stops them all).
+            Ok(()) if !shutdown.is_cancelled() => "stopped before the router did".into(),
+            Ok(()) => return,
+        };
+        tracing::error!(error = %failed, "{what} failed; the router stops");
+        let _ = failure.set(format!("{what}: {failed}"));
+        shutdown.cancel();
     });
 }
 
@@ -233,6 +237,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         max_in_flight_per_replica: config.max_in_flight_per_replica,
         eagle: config.eagle,
         metrics,
+        ranks_by: (config.policy == policy::PolicyKind::CacheAware).then(|| policy::CacheAware::new(params)),
     };
     // Resolved once: the heartbeats need one slot for each thread that will tick.
     let http_threads = config.http_threads();

@@ -79,6 +79,11 @@ impl Credits {
     }
 
     /// Credits `replica` with `blocks` for the TTL.
+    /// How long a credit lasts once unpinned.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
     pub fn credit(&self, replica: ReplicaId, blocks: &[BlockHash]) {
         self.add(replica, blocks, false);
     }

@@ -20,7 +20,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use kvroute_proto::framing::{self, LiveMessage};
-use kvroute_proto::{BlockHash, Epoch, Seq};
+use kvroute_proto::{BlockHash, Epoch, ReplicaId, Seq};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -612,6 +612,9 @@ impl RankStream {
                     self.scratch.clear();
                     let unknown = self.blocks.remove(&removed, &mut self.scratch);
                     self.ctx.index.remove(self.ctx.replica.id, &self.scratch);
+                    if let Some(ranks) = self.ctx.replica.ranks.get() {
+                        ranks.index.remove(ReplicaId(self.rank), &self.scratch);
+                    }
                     self.ctx.metrics.blocks_removed.inc_by(self.scratch.len() as u64);
                     if unknown > 0 {
                         let reason = match self.other_kinds.contains(&removed.group) {
@@ -661,6 +664,9 @@ impl RankStream {
         match self.blocks.store(stored, spec.engine.hashes(), &spec.model, &mut self.scratch) {
             Ok(()) => {
                 self.ctx.index.store(self.ctx.replica.id, &self.scratch);
+                if let Some(ranks) = self.ctx.replica.ranks.get() {
+                    ranks.index.store(ReplicaId(self.rank), &self.scratch);
+                }
                 self.ctx.metrics.blocks_stored.inc_by(self.scratch.len() as u64);
             }
             Err(reason) => {
@@ -677,6 +683,9 @@ impl RankStream {
     /// restart together.)
     fn end_credits(&mut self) {
         self.ctx.index.credits().forget(self.ctx.replica.id);
+        if let Some(ranks) = self.ctx.replica.ranks.get() {
+            ranks.forget();
+        }
     }
 
     /// Drops everything this rank contributed to the index. The replica's credits stay: the
@@ -690,6 +699,9 @@ impl RankStream {
             self.scratch.clear();
             self.blocks.drain_into(&mut self.scratch);
             self.ctx.index.remove(id, &self.scratch);
+            if let Some(ranks) = self.ctx.replica.ranks.get() {
+                ranks.index.sweep_replica(ReplicaId(self.rank));
+            }
             self.scratch = Vec::new();
         }
         self.dup = None;

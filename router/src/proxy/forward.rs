@@ -145,7 +145,7 @@ pub async fn routed(
     let mut credited = 0;
     for attempt in 0..attempts {
         let Some(scored) = plan.order().nth(attempt) else { break };
-        let member = &scored.member.clone();
+        let (member, rank) = (&scored.member.clone(), scored.rank);
         if attempt > 0 {
             if !still_takes(decider, member) {
                 continue;
@@ -155,7 +155,12 @@ pub async fn routed(
             credited = attempt;
         }
         let upstream = &member.upstream;
-        let guard = upstream.begin(plan.sequences, plan.prefill_tokens(attempt), plan.prompt_tokens);
+        let mut guard = upstream.begin(plan.sequences, plan.prefill_tokens(attempt), plan.prompt_tokens);
+        // A data-parallel replica's rank that holds the prefix is named, and credited.
+        let ranked = rank.zip(member.replica.ranks.get()).map(|(rank, ranks)| {
+            guard.hold_rank(ranks.begin(rank, plan.sequences, &plan.all_blocks));
+            with_rank(&headers, rank)
+        });
         // A whole answer comes at its end: the prefill is over when the replica stores the
         // prompt's last block. (Not for a batch: a later prompt's last block may lie inside
         // an earlier one.)
@@ -169,7 +174,7 @@ pub async fn routed(
             config,
             sent,
             pool,
-            (&client.method, &uri, &headers),
+            (&client.method, &uri, ranked.as_ref().unwrap_or(&headers)),
             (Outgoing::Full(body.clone()), None),
         )
         .await
@@ -266,6 +271,16 @@ pub async fn routed(
         decider.withdraw_credit(plan, credited);
     }
     Err(last_error.unwrap_or_else(|| ProxyError::Unavailable("no eligible replica".into())))
+}
+
+/// Names the data-parallel rank a request goes to, as vLLM and SGLang read it.
+pub const X_DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
+
+/// `headers` naming data-parallel rank `rank` ([`crate::index::Ranks`]).
+fn with_rank(headers: &HeaderMap, rank: u32) -> HeaderMap {
+    let mut named = headers.clone();
+    named.insert(X_DATA_PARALLEL_RANK, HeaderValue::from(rank));
+    named
 }
 
 /// Whether `member`, a candidate when the request was decided, may take its retry: the fleet

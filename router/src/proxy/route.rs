@@ -37,6 +37,9 @@ pub struct Decider {
     /// The vLLM replicas run EAGLE or MTP speculative decoding ([`crate::Config::eagle`]).
     pub eagle: bool,
     pub metrics: ProxyMetrics,
+    /// How a data-parallel replica's rank is named ([`crate::index::Ranks`]): by the
+    /// cache-aware cost. `None` with the other policies, which leave it to the replica.
+    pub ranks_by: Option<policy::CacheAware>,
 }
 
 /// Per-request bounds checked after tokenization, before anything is credited or forwarded.
@@ -93,6 +96,10 @@ pub struct Scored {
     pub cost: f64,
     /// Why it was not eligible, if it was not.
     pub ineligible: Option<Ineligible>,
+    /// The data-parallel rank the request is sent to (`X-data-parallel-rank`), chosen as
+    /// replicas are ([`crate::index::Ranks`]); `None` for a replica of one rank, or with a
+    /// policy other than cache-aware.
+    pub rank: Option<u32>,
 }
 
 /// The outcome of a decision.
@@ -352,12 +359,23 @@ impl Decider {
                 };
                 // What the engine will reuse of it (vLLM recomputes an all-cached last block,
                 // and with EAGLE a hit's last block).
-                let overlap = member.replica.spec.engine.reused_blocks(
-                    credited_blocks,
-                    first_prompt_tokens,
-                    self.block_size,
-                    self.eagle,
-                );
+                let reused = |blocks| {
+                    member.replica.spec.engine.reused_blocks(
+                        blocks,
+                        first_prompt_tokens,
+                        self.block_size,
+                        self.eagle,
+                    )
+                };
+                // A data-parallel replica offers what the rank the request is sent to holds.
+                let (rank, offered) = match (&self.ranks_by, member.replica.ranks.get(), state) {
+                    (Some(costs), Some(ranks), StreamState::Exact | StreamState::Degraded) => {
+                        best_rank(costs, request, &ranks.views(&blocks), reused)
+                            .map_or((None, 0), |(rank, blocks)| (Some(rank), blocks))
+                    }
+                    _ => (None, credited_blocks),
+                };
+                let overlap = reused(offered);
                 let view = ReplicaView {
                     id: member.replica.id,
                     overlap_blocks: overlap,
@@ -365,7 +383,15 @@ impl Decider {
                     stream: PbState::from(state),
                     eligible: ineligible.is_none(),
                 };
-                Scored { member, view, indexed_blocks, credited_blocks, cost: f64::INFINITY, ineligible }
+                Scored {
+                    member,
+                    view,
+                    indexed_blocks,
+                    credited_blocks,
+                    cost: f64::INFINITY,
+                    ineligible,
+                    rank,
+                }
             })
             .collect();
         let views: Vec<ReplicaView> = candidates.iter().map(|c| c.view).collect();
@@ -402,6 +428,30 @@ impl Decider {
             streams: false,
         }
     }
+}
+
+/// The rank of `ranks` to send `request` to, with the blocks it holds of it (index and
+/// credits): the least cache-aware cost over the ranks' overlaps (as the engine reuses them)
+/// and this router's sequences in flight on each; between equals, the request's rendezvous
+/// hash (so that routers in front of the same replica agree on a new prefix's rank).
+fn best_rank(
+    costs: &policy::CacheAware,
+    request: &RequestView,
+    ranks: &[crate::index::RankView],
+    reused: impl Fn(usize) -> usize,
+) -> Option<(u32, usize)> {
+    let views: Vec<ReplicaView> = ranks
+        .iter()
+        .map(|r| ReplicaView {
+            id: ReplicaId(r.rank),
+            overlap_blocks: reused(r.overlap_blocks),
+            load: policy::Load { in_flight: r.in_flight, ..policy::Load::default() },
+            stream: PbState::Exact,
+            eligible: true,
+        })
+        .collect();
+    let best = &ranks[costs.choose(request, &views).chosen?];
+    Some((best.rank, best.overlap_blocks))
 }
 
 fn unavailable_reason(plan: &Plan) -> String {

@@ -212,7 +212,7 @@ impl Upstream {
         self.recent().add(self.epoch.elapsed(), prompt_tokens);
         let prefill =
             Arc::new(PendingPrefill { upstream: self.clone(), tokens: AtomicU64::new(prefill_tokens) });
-        LoadGuard { upstream: self.clone(), sequences, prefill }
+        LoadGuard { upstream: self.clone(), sequences, prefill, rank: None }
     }
 
     pub fn record_success(&self) {
@@ -396,12 +396,19 @@ pub struct LoadGuard {
     upstream: Arc<Upstream>,
     sequences: u32,
     prefill: Arc<PendingPrefill>,
+    /// The load on the data-parallel rank the request was sent to, if one was named.
+    rank: Option<crate::index::RankGuard>,
 }
 
 impl LoadGuard {
     /// The replica the load is on.
     pub fn upstream(&self) -> &Upstream {
         &self.upstream
+    }
+
+    /// The request was sent to a data-parallel rank: its load there ends with this guard.
+    pub fn hold_rank(&mut self, rank: crate::index::RankGuard) {
+        self.rank = Some(rank);
     }
 
     /// The first response byte arrived: the prefill is done.

@@ -24,7 +24,7 @@ pub(crate) struct Seen {
 }
 
 impl Seen {
-    fn values(&self, name: &str) -> Vec<&str> {
+    pub(crate) fn values(&self, name: &str) -> Vec<&str> {
         self.fields.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_str()).collect()
     }
 }

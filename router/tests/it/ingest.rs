@@ -943,22 +943,7 @@ async fn real_vllm_capture_is_ingested() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dp_ranks_are_followed_and_cleared_separately() {
     let h = Harness::start();
-    // Two publishers on adjacent ports (vLLM's rank offset); retry if the second is taken.
-    let (mut rank0, mut rank1) = {
-        let mut attempt = 0;
-        loop {
-            let rank0 = FakePublisher::start(None).await;
-            let port: u16 = rank0.events.rsplit(':').next().unwrap().parse().unwrap();
-            if let Some(next) = port.checked_add(1)
-                && let Some(rank1) = FakePublisher::try_bind(&format!("tcp://127.0.0.1:{next}")).await
-            {
-                break (rank0, rank1);
-            }
-            rank0.close().await;
-            attempt += 1;
-            assert!(attempt < 50, "no two adjacent free ports");
-        }
-    };
+    let (mut rank0, mut rank1) = crate::support::rank_publishers().await;
     let spec = ReplicaSpec { dp_size: 2, ..spec("dp", EngineKind::Vllm, &rank0.events, None) };
     let (r, _) = h.add(spec);
     h.synced(&r).await;

@@ -12,6 +12,7 @@ mod ingest;
 mod limits;
 mod messages;
 mod proxy;
+mod ranks;
 mod responses;
 mod support;
 mod websocket;

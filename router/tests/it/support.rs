@@ -228,22 +228,21 @@ pub fn opaque(mut batch: EventBatch, salt: u64) -> EventBatch {
 // ---------------------------------------------------------------------------------------
 // The replica agent's publisher
 
+/// The agent's publisher on loopback; it stops when dropped.
 pub struct AgentPublisher {
     pub publisher: Publisher,
     pub events: String,
     pub replay: Option<String>,
-    shutdown: CancellationToken,
 }
 
 impl AgentPublisher {
     pub async fn start(format: EventFormat, with_replay: bool) -> Self {
-        let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
         let config = PublisherConfig { format, topic: "kv-events".into(), ..Default::default() };
         let replay = with_replay.then_some("tcp://127.0.0.1:0");
         let (publisher, endpoints) =
             Publisher::bind(config, "tcp://127.0.0.1:0", replay, &tracker).await.expect("bind publisher");
-        Self { publisher, events: endpoints.events, replay: endpoints.replay, shutdown }
+        Self { publisher, events: endpoints.events, replay: endpoints.replay }
     }
 
     pub async fn publish(&self, batch: EventBatch) {
@@ -251,14 +250,24 @@ impl AgentPublisher {
     }
 }
 
-impl Drop for AgentPublisher {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
-}
-
 // ---------------------------------------------------------------------------------------
 // A hand-written publisher that can misbehave
+
+/// Publishers of a replica's first two data-parallel ranks, on adjacent ports (rank r
+/// publishes on port + r, as vLLM offsets them); tried again until two are free.
+pub async fn rank_publishers() -> (FakePublisher, FakePublisher) {
+    for _ in 0..50 {
+        let rank0 = FakePublisher::start(None).await;
+        let port: u16 = rank0.events.rsplit(':').next().unwrap().parse().unwrap();
+        if let Some(next) = port.checked_add(1)
+            && let Some(rank1) = FakePublisher::try_bind(&format!("tcp://127.0.0.1:{next}")).await
+        {
+            return (rank0, rank1);
+        }
+        rank0.close().await;
+    }
+    panic!("no two adjacent free ports");
+}
 
 /// How the fake publisher answers replay requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

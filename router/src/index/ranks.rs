@@ -1,0 +1,149 @@
+//! [`Ranks`]: which data-parallel rank of one replica holds which blocks, so that a request
+//! can be sent to the rank that holds its prefix.
+//!
+//! A replica of `dp_size` > 1 (vLLM's `--data-parallel-size` behind one API server, SGLang's
+//! DP attention) runs one engine per rank, each with a KV cache and an event stream of its
+//! own; its API server picks a rank for each request by load, unless the request names one
+//! (`X-data-parallel-rank`, which vLLM and SGLang both honour). The main index keeps the
+//! union of the ranks (a block is the replica's while any rank holds it), which is what a
+//! replica can offer only if the request reaches the rank that holds it. So the ingest keeps,
+//! per such replica, an index of its own keyed by rank (`ReplicaId(rank)`), with credits of
+//! its own; the cache-aware policy scores the replica on its best rank and names that rank.
+//!
+//! Ranks are chosen with the cache-aware cost ([`crate::policy::CacheAware::cost`]) over each
+//! rank's overlap (index and credits) and the sequences this router has in flight on it: a
+//! prefix every rank holds (a system prompt) is spread over the ranks by load, as the
+//! replicas are, and a new prefix goes to the least loaded rank (between equals, by the
+//! request's rendezvous hash, so that routers in front of one replica agree), credited there
+//! so that the requests right behind it follow. The rank's load is this router's alone: the
+//! replica's own balancing, which sees every client's, is not asked.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use kvroute_proto::{BlockHash, ReplicaId};
+
+use super::SharedIndex;
+
+/// The rank index of one data-parallel replica and the load this router put on each rank.
+#[derive(Debug)]
+pub struct Ranks {
+    /// Blocks by rank (`ReplicaId(rank)`), with credits of the requests sent to a rank.
+    pub index: SharedIndex,
+    /// Sequences in flight on each rank, as named by this router.
+    in_flight: Box<[AtomicU32]>,
+}
+
+/// A rank's hold of a request's prefix, and its load.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankView {
+    pub rank: u32,
+    /// Leading blocks held (index, then credits).
+    pub overlap_blocks: usize,
+    /// Sequences this router has in flight on it.
+    pub in_flight: u32,
+}
+
+impl Ranks {
+    pub fn new(dp_size: u32, credit_ttl: Duration) -> Self {
+        Self {
+            index: SharedIndex::with_credit_ttl(credit_ttl),
+            in_flight: (0..dp_size.max(1)).map(|_| AtomicU32::new(0)).collect(),
+        }
+    }
+
+    pub fn len(&self) -> u32 {
+        self.in_flight.len() as u32
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.in_flight.is_empty()
+    }
+
+    /// Every rank's overlap of `blocks` (its index overlap extended through its credits)
+    /// and load.
+    pub fn views(&self, blocks: &[BlockHash]) -> Vec<RankView> {
+        let ranks = 0..self.len();
+        let (_, overlaps) = self.index.lookup_with_credits(blocks, |overlaps, credits| {
+            credits
+                .extend_each(blocks, ranks.clone().map(|r| Some((ReplicaId(r), overlaps.get(ReplicaId(r))))))
+        });
+        ranks
+            .zip(overlaps)
+            .map(|(rank, overlap_blocks)| RankView { rank, overlap_blocks, in_flight: self.in_flight(rank) })
+            .collect()
+    }
+
+    fn in_flight(&self, rank: u32) -> u32 {
+        self.in_flight.get(rank as usize).map_or(0, |n| n.load(Ordering::Relaxed))
+    }
+
+    /// A request of `sequences` is sent to `rank`: counted in its load until the guard drops,
+    /// and its blocks credited to the rank until the rank's events store them.
+    pub fn begin(self: &std::sync::Arc<Self>, rank: u32, sequences: u32, blocks: &[BlockHash]) -> RankGuard {
+        if let Some(n) = self.in_flight.get(rank as usize) {
+            n.fetch_add(sequences, Ordering::Relaxed);
+        }
+        self.index.credits().credit(ReplicaId(rank), blocks);
+        RankGuard { ranks: self.clone(), rank, sequences }
+    }
+
+    /// The rank's credits end (it restarted, or is unreachable).
+    pub fn forget(&self) {
+        for rank in 0..self.len() {
+            self.index.credits().forget(ReplicaId(rank));
+        }
+    }
+}
+
+/// A request's load on a rank, released when dropped.
+#[derive(Debug)]
+pub struct RankGuard {
+    ranks: std::sync::Arc<Ranks>,
+    rank: u32,
+    sequences: u32,
+}
+
+impl RankGuard {
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+}
+
+impl Drop for RankGuard {
+    fn drop(&mut self) {
+        if let Some(n) = self.ranks.in_flight.get(self.rank as usize) {
+            n.fetch_sub(self.sequences, Ordering::Relaxed);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    fn hashes(n: u64) -> Vec<BlockHash> {
+        (1..=n).map(BlockHash).collect()
+    }
+
+    #[test]
+    fn each_rank_has_its_own_overlap_and_credits() {
+        let ranks = Arc::new(Ranks::new(3, Duration::from_secs(60)));
+        let blocks = hashes(4);
+        ranks.index.store(ReplicaId(1), &blocks[..3]);
+        ranks.index.store(ReplicaId(2), &blocks[..1]);
+        let overlaps = |r: &Ranks| r.views(&blocks).iter().map(|v| v.overlap_blocks).collect::<Vec<_>>();
+        assert_eq!(overlaps(&ranks), [0, 3, 1]);
+        // A request sent to rank 2 credits its blocks there until the rank stores them.
+        let guard = ranks.begin(2, 2, &blocks);
+        assert_eq!(overlaps(&ranks), [0, 3, 4]);
+        assert_eq!(ranks.views(&blocks)[2].in_flight, 2);
+        drop(guard);
+        assert_eq!(ranks.views(&blocks)[2].in_flight, 0, "released");
+        assert_eq!(overlaps(&ranks), [0, 3, 4], "the credit outlives the request, until its TTL");
+        ranks.forget();
+        assert_eq!(overlaps(&ranks), [0, 3, 1]);
+    }
+}

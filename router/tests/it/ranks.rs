@@ -1,0 +1,82 @@
+//! A data-parallel replica (one API server, an engine and an event stream per rank): the
+//! router sends a request to the rank that holds its prefix, named in `X-data-parallel-rank`
+//! as vLLM and SGLang read it, and predicts what that rank holds. Real ZeroMQ streams (one
+//! per rank, on adjacent ports) and a real HTTP replica that records what it is sent.
+
+use std::time::Duration;
+
+use kvroute_proto::BlockHash;
+use serde_json::json;
+
+use crate::fleet::Http;
+use crate::headers::recording_replica;
+use crate::support::{BLOCK, MODEL, WAIT, batch, chain, rank_publishers, store_chain, wait_until};
+
+const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+
+/// `blocks` blocks of token ids of their own (within the builtin vocabulary).
+fn tokens(seed: u32, blocks: usize) -> Vec<u32> {
+    (0..blocks as u32 * BLOCK).map(|i| 100 + seed * 1000 + i).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_goes_to_the_rank_that_holds_its_prefix() {
+    let (mut rank0, mut rank1) = rank_publishers().await;
+    let (replica, mut seen) = recording_replica(ANSWER).await;
+    let spec = format!("name=dp,http=http://{replica},events={},engine=kvroute,dp-size=2", rank0.events);
+    let config = kvroute_router::Config {
+        model: MODEL.into(),
+        block_size: BLOCK,
+        replicas: vec![spec.parse().unwrap()],
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let ranks = router.fleet().member("dp").unwrap().replica.ranks.get().cloned().expect("a rank index");
+
+    // Rank 1 holds `a` (3 blocks), rank 0 holds `b` (2 blocks).
+    let (a, b) = (tokens(1, 3), tokens(2, 2));
+    let held =
+        |blocks: &[BlockHash]| ranks.views(blocks).iter().map(|v| v.overlap_blocks).collect::<Vec<_>>();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut seq = 0;
+    // Publishing again covers a batch lost to the subscription race.
+    while held(&chain(&a)) != [0, 3] || held(&chain(&b)) != [2, 0] {
+        assert!(tokio::time::Instant::now() < deadline, "both ranks' blocks indexed");
+        let stored = |tokens: &[u32]| {
+            kvroute_replica_agent::publisher::EventFormat::Kvroute.encode_payload(&batch(
+                0,
+                seq,
+                vec![store_chain(tokens, 0)],
+            ))
+        };
+        rank0.send(seq, stored(&b)).await;
+        rank1.send(seq, stored(&a)).await;
+        seq += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_until("the replica synced", || router.fleet().ready()).await;
+
+    let http = Http::new();
+    let mut send = async |prompt: Vec<u32>| {
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
+        let reply = http.post(&format!("{}/v1/completions", router.url()), &body).await;
+        assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+        let predicted: u64 = reply.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
+        let request = tokio::time::timeout(WAIT, seen.recv()).await.expect("in time").expect("the request");
+        let rank = request.values("x-data-parallel-rank").first().map(|r| r.to_string());
+        (rank, predicted)
+    };
+    let with_tail = |mut prompt: Vec<u32>| {
+        prompt.extend([7, 8, 9]);
+        prompt
+    };
+    assert_eq!(send(with_tail(a.clone())).await, (Some("1".into()), 3 * u64::from(BLOCK)));
+    assert_eq!(send(with_tail(b.clone())).await, (Some("0".into()), 2 * u64::from(BLOCK)));
+    // A new prefix goes to a rank too, credited there: the same prompt right behind it
+    // follows it, and is predicted to hit (the rank's events have not stored it yet).
+    let (rank, predicted) = send(tokens(3, 2)).await;
+    assert!(rank.is_some() && predicted == 0, "{rank:?} {predicted}");
+    assert_eq!(send(tokens(3, 2)).await, (rank, 2 * u64::from(BLOCK)));
+    shutdown.cancel();
+}
