@@ -96,6 +96,7 @@ fn candidate(c: &Scored, block_size: usize, prompt_tokens: usize) -> pb::Candida
         eligible: c.view.eligible,
         reason: c.ineligible.map_or("", Ineligible::as_str).to_owned(),
         state: c.view.stream as i32,
+        dp_rank: c.rank,
     }
 }
 

@@ -46,6 +46,9 @@
 //! hash of its tokens, the partial last block included), so distinct prompts reaching an
 //! idle fleet spread evenly over it.
 //!
+//! A replica of several data-parallel ranks is scored on the rank the request would be sent
+//! to, chosen by this same cost over the ranks ([`crate::index::Ranks`]).
+//!
 //! # Parameters
 //! - `in_flight_tokens` (default 64): what one in-flight sequence costs, in prefill tokens
 //!   (`in_flight(r)` counts a request's prompts times its `n`, as the replica runs them).

@@ -232,6 +232,9 @@ pub async fn routed(
                 if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                     headers.insert(X_KVROUTE_REPLICA, v);
                 }
+                if let Some(rank) = rank.filter(|_| ranked.is_some()) {
+                    headers.insert(X_KVROUTE_RANK, HeaderValue::from(rank));
+                }
                 headers.insert(X_KVROUTE_PREDICTED, HeaderValue::from(predicted));
                 if counted {
                     metrics.predicted_cached_tokens.inc_by(predicted);
@@ -272,6 +275,9 @@ pub async fn routed(
     }
     Err(last_error.unwrap_or_else(|| ProxyError::Unavailable("no eligible replica".into())))
 }
+
+/// The data-parallel rank of the replica that served the request, when the router named one.
+pub const X_KVROUTE_RANK: HeaderName = HeaderName::from_static("x-kvroute-rank");
 
 /// Names the data-parallel rank a request goes to, as vLLM and SGLang read it.
 pub const X_DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");

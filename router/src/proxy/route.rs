@@ -471,3 +471,46 @@ fn unavailable_reason(plan: &Plan) -> String {
         .collect();
     reasons.join(", ")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::RankView;
+
+    /// Ranks holding `overlaps` blocks with `in_flight` sequences each: the rank chosen for a
+    /// 512-token request (block size 16, so 32 blocks) and its overlap.
+    fn chosen(overlaps: &[usize], in_flight: &[u32], key: u64) -> Option<(u32, usize)> {
+        let request = RequestView { prompt_tokens: 512, blocks: 32, block_size: 16, key };
+        let ranks: Vec<RankView> = (0..overlaps.len())
+            .map(|r| RankView { rank: r as u32, overlap_blocks: overlaps[r], in_flight: in_flight[r] })
+            .collect();
+        best_rank(&policy::CacheAware::default(), &request, &ranks, |blocks| blocks)
+    }
+
+    #[test]
+    fn the_rank_holding_more_of_the_prefix_takes_it() {
+        assert_eq!(chosen(&[1, 8], &[0, 0], 7), Some((1, 8)));
+        assert_eq!(chosen(&[8, 1], &[0, 0], 7), Some((0, 8)));
+    }
+
+    #[test]
+    fn a_prefix_every_rank_holds_goes_by_load() {
+        // A system prompt on both ranks: the one with less in flight.
+        assert_eq!(chosen(&[2, 2], &[3, 0], 7), Some((1, 2)));
+        assert_eq!(chosen(&[2, 2], &[0, 3], 7), Some((0, 2)));
+        // Two blocks more (128 tokens' cost at miss weight 4) do not outweigh three
+        // sequences more (64 each).
+        assert_eq!(chosen(&[2, 4], &[0, 3], 7), Some((0, 2)));
+    }
+
+    #[test]
+    fn a_new_prefix_goes_by_load_then_by_its_key() {
+        assert_eq!(chosen(&[0, 0, 0], &[1, 0, 1], 7), Some((1, 0)));
+        // Equal loads: the request's rendezvous hash, the same each time, and not always the
+        // same rank for every request.
+        let ranks: std::collections::HashSet<u32> =
+            (0..32).map(|key| chosen(&[0, 0, 0], &[0, 0, 0], key).unwrap().0).collect();
+        assert_eq!(chosen(&[0, 0, 0], &[0, 0, 0], 5), chosen(&[0, 0, 0], &[0, 0, 0], 5));
+        assert_eq!(ranks.len(), 3, "new prefixes spread over the ranks");
+    }
+}

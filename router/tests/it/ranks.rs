@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use kvroute_proto::BlockHash;
+use kvroute_proto::pb::{self, router_admin_client::RouterAdminClient};
 use serde_json::json;
 
 use crate::fleet::Http;
@@ -57,14 +58,28 @@ async fn a_request_goes_to_the_rank_that_holds_its_prefix() {
     }
     wait_until("the replica synced", || router.fleet().ready()).await;
 
+    // `Explain` shows the rank a request would go to, and that rank's overlap.
+    let mut admin = RouterAdminClient::connect(router.admin_url()).await.unwrap();
+    let body = |prompt: &[u32]| json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
+    let explained = admin
+        .explain(pb::ExplainRequest {
+            path: "/v1/completions".into(),
+            body: body(&a).to_string().into_bytes(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let candidate = &explained.candidates[0];
+    assert_eq!((candidate.dp_rank, candidate.overlap_blocks), (Some(1), 3));
+
     let http = Http::new();
     let mut send = async |prompt: Vec<u32>| {
-        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
-        let reply = http.post(&format!("{}/v1/completions", router.url()), &body).await;
+        let reply = http.post(&format!("{}/v1/completions", router.url()), &body(&prompt)).await;
         assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
         let predicted: u64 = reply.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
         let request = tokio::time::timeout(WAIT, seen.recv()).await.expect("in time").expect("the request");
         let rank = request.values("x-data-parallel-rank").first().map(|r| r.to_string());
+        assert_eq!(reply.header("x-kvroute-rank").map(str::to_owned), rank, "the client sees the rank");
         (rank, predicted)
     };
     let with_tail = |mut prompt: Vec<u32>| {
