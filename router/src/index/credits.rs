@@ -78,12 +78,12 @@ impl Credits {
         Self { ttl, inner: Mutex::new(inner) }
     }
 
-    /// Credits `replica` with `blocks` for the TTL.
     /// How long a credit lasts once unpinned.
     pub fn ttl(&self) -> Duration {
         self.ttl
     }
 
+    /// Credits `replica` with `blocks` for the TTL.
     pub fn credit(&self, replica: ReplicaId, blocks: &[BlockHash]) {
         self.add(replica, blocks, false);
     }

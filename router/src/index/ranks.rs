@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use kvroute_proto::{BlockHash, ReplicaId};
 
-use super::SharedIndex;
+use super::{CreditHold, SharedIndex};
 
 /// The rank index of one data-parallel replica and the load this router put on each rank.
 #[derive(Debug)]
@@ -78,14 +78,27 @@ impl Ranks {
         self.in_flight.get(rank as usize).map_or(0, |n| n.load(Ordering::Relaxed))
     }
 
-    /// A request of `sequences` is sent to `rank`: counted in its load until the guard drops,
-    /// and its blocks credited to the rank until the rank's events store them.
-    pub fn begin(self: &std::sync::Arc<Self>, rank: u32, sequences: u32, blocks: &[BlockHash]) -> RankGuard {
+    /// A request of `sequences` is sent to `rank`, which held `held` of its `blocks` (index
+    /// and credits): counted in the rank's load until the guard drops, and its blocks
+    /// credited to the rank, pinned as the replica's are ([`super::Credits::pin`]) until the
+    /// guard drops; then, if it was [kept](RankGuard::keep), they last the TTL, else the
+    /// credits only this request made end (it failed, or went elsewhere).
+    pub fn begin(
+        self: &std::sync::Arc<Self>,
+        rank: u32,
+        sequences: u32,
+        blocks: &[BlockHash],
+        held: usize,
+    ) -> RankGuard {
         if let Some(n) = self.in_flight.get(rank as usize) {
             n.fetch_add(sequences, Ordering::Relaxed);
         }
-        self.index.credits().credit(ReplicaId(rank), blocks);
-        RankGuard { ranks: self.clone(), rank, sequences }
+        let (before, after) = blocks.split_at(held.min(blocks.len()));
+        // A batch's later prompts repeat its first one's leading blocks: those are not new.
+        let before: std::collections::HashSet<&BlockHash> = before.iter().collect();
+        let added = after.iter().filter(|b| !before.contains(b)).copied().collect();
+        let hold = CreditHold::pin(&self.index, ReplicaId(rank), blocks.to_vec());
+        RankGuard { ranks: self.clone(), rank, sequences, hold: Some((hold, added)), kept: false }
     }
 
     /// The rank's credits end (it restarted, or is unreachable).
@@ -96,17 +109,42 @@ impl Ranks {
     }
 }
 
-/// A request's load on a rank, released when dropped.
+/// A request's load and pinned credits on a rank, released when dropped.
 #[derive(Debug)]
 pub struct RankGuard {
     ranks: std::sync::Arc<Ranks>,
     rank: u32,
     sequences: u32,
+    /// The pins, and the blocks only this request credited on the rank.
+    hold: Option<(CreditHold, Vec<BlockHash>)>,
+    /// The replica took the request (a success answer): its credits stand.
+    kept: bool,
 }
 
 impl RankGuard {
     pub fn rank(&self) -> u32 {
         self.rank
+    }
+
+    /// The replica took the request: its credits stand once the guard drops.
+    pub fn keep(&mut self) {
+        self.kept = true;
+    }
+
+    /// The request's prefill is done: the pins come off (its credits last the TTL) if the
+    /// replica took it.
+    pub fn prefill_done(&mut self) {
+        if self.kept {
+            self.hold = None;
+        }
+    }
+
+    /// Tells `waiter` when the rank's events store the request's last block (its prefill
+    /// reached the prompt's end): [`CreditHold::tell_when_stored`].
+    pub fn tell_when_stored(&mut self, waiter: std::sync::Arc<dyn super::OnStored>) {
+        if let Some((hold, _)) = self.hold.as_mut() {
+            hold.tell_when_stored(waiter);
+        }
     }
 }
 
@@ -114,6 +152,11 @@ impl Drop for RankGuard {
     fn drop(&mut self) {
         if let Some(n) = self.ranks.in_flight.get(self.rank as usize) {
             n.fetch_sub(self.sequences, Ordering::Relaxed);
+        }
+        if let Some((hold, added)) = self.hold.take()
+            && !self.kept
+        {
+            hold.withdraw(&added);
         }
     }
 }
@@ -137,13 +180,19 @@ mod tests {
         let overlaps = |r: &Ranks| r.views(&blocks).iter().map(|v| v.overlap_blocks).collect::<Vec<_>>();
         assert_eq!(overlaps(&ranks), [0, 3, 1]);
         // A request sent to rank 2 credits its blocks there until the rank stores them.
-        let guard = ranks.begin(2, 2, &blocks);
+        let mut guard = ranks.begin(2, 2, &blocks, 1);
         assert_eq!(overlaps(&ranks), [0, 3, 4]);
         assert_eq!(ranks.views(&blocks)[2].in_flight, 2);
+        guard.keep();
         drop(guard);
         assert_eq!(ranks.views(&blocks)[2].in_flight, 0, "released");
-        assert_eq!(overlaps(&ranks), [0, 3, 4], "the credit outlives the request, until its TTL");
+        assert_eq!(overlaps(&ranks), [0, 3, 4], "the credit of a request taken outlives it, until its TTL");
         ranks.forget();
+        assert_eq!(overlaps(&ranks), [0, 3, 1]);
+        // One that failed there takes back what only it credited.
+        let guard = ranks.begin(0, 1, &blocks, 0);
+        assert_eq!(overlaps(&ranks), [4, 3, 1]);
+        drop(guard);
         assert_eq!(overlaps(&ranks), [0, 3, 1]);
     }
 }

@@ -145,7 +145,7 @@ pub async fn routed(
     let mut credited = 0;
     for attempt in 0..attempts {
         let Some(scored) = plan.order().nth(attempt) else { break };
-        let (member, rank) = (&scored.member.clone(), scored.rank);
+        let (member, rank) = (&scored.member.clone(), scored.rank.map(|rank| (rank, scored.rank_blocks)));
         if attempt > 0 {
             if !still_takes(decider, member) {
                 continue;
@@ -156,18 +156,25 @@ pub async fn routed(
         }
         let upstream = &member.upstream;
         let mut guard = upstream.begin(plan.sequences, plan.prefill_tokens(attempt), plan.prompt_tokens);
-        // A data-parallel replica's rank that holds the prefix is named, and credited.
-        let ranked = rank.zip(member.replica.ranks.get()).map(|(rank, ranks)| {
-            guard.hold_rank(ranks.begin(rank, plan.sequences, &plan.all_blocks));
-            with_rank(&headers, rank)
-        });
-        // A whole answer comes at its end: the prefill is over when the replica stores the
-        // prompt's last block. (Not for a batch: a later prompt's last block may lie inside
-        // an earlier one.)
-        let batch = plan.is_batch();
-        if let Some(hold) = plan.hold.as_mut().filter(|_| !plan.streams && !batch) {
-            hold.tell_when_stored(guard.pending_prefill());
+        // A data-parallel replica's rank is named, and credited.
+        let mut on_rank = rank
+            .zip(member.replica.ranks.get())
+            .map(|((rank, held), ranks)| ranks.begin(rank, plan.sequences, &plan.all_blocks, held));
+        // A whole answer comes at its end: the prefill is over when the replica (its rank)
+        // stores the prompt's last block. (Not for a batch: a later prompt's last block may
+        // lie inside an earlier one.)
+        if !plan.streams && !plan.is_batch() {
+            match (on_rank.as_mut(), plan.hold.as_mut()) {
+                (Some(on_rank), _) => on_rank.tell_when_stored(guard.pending_prefill()),
+                (None, Some(hold)) => hold.tell_when_stored(guard.pending_prefill()),
+                (None, None) => {}
+            }
         }
+        let ranked = on_rank.map(|on_rank| {
+            let headers = with_rank(&headers, on_rank.rank());
+            guard.hold_rank(on_rank);
+            headers
+        });
         let uri = replica_uri(&member.replica, &client.uri)?;
         let sent = Instant::now();
         match first_byte(
@@ -199,7 +206,9 @@ pub async fn routed(
             Ok(Ok(response)) => {
                 // An error answer (a request the replica refused, or failed) cached nothing to
                 // credit it with: its credit ends now, not after the TTL.
-                if !response.status().is_success() {
+                if response.status().is_success() {
+                    guard.keep_rank();
+                } else {
                     decider.withdraw_credit(plan, attempt);
                 }
                 let line = config.access_log.then(|| {
@@ -232,7 +241,7 @@ pub async fn routed(
                 if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                     headers.insert(X_KVROUTE_REPLICA, v);
                 }
-                if let Some(rank) = rank.filter(|_| ranked.is_some()) {
+                if let Some((rank, _)) = rank.filter(|_| ranked.is_some()) {
                     headers.insert(X_KVROUTE_RANK, HeaderValue::from(rank));
                 }
                 headers.insert(X_KVROUTE_PREDICTED, HeaderValue::from(predicted));

@@ -100,6 +100,8 @@ pub struct Scored {
     /// replicas are ([`crate::index::Ranks`]); `None` for a replica of one rank, or with a
     /// policy other than cache-aware.
     pub rank: Option<u32>,
+    /// Leading blocks of the request that rank holds (index and credits).
+    pub rank_blocks: usize,
 }
 
 /// The outcome of a decision.
@@ -370,7 +372,10 @@ impl Decider {
                 // A data-parallel replica offers what the rank the request is sent to holds.
                 let (rank, offered) = match (&self.ranks_by, member.replica.ranks.get(), state) {
                     (Some(costs), Some(ranks), StreamState::Exact | StreamState::Degraded) => {
-                        best_rank(costs, request, &ranks.views(&blocks), reused)
+                        // Ties between ranks by the request and the replica: the request's
+                        // key alone would repeat the replicas' tie, rank for replica id.
+                        let key = policy::rendezvous(request.key, member.replica.id);
+                        best_rank(costs, &RequestView { key, ..*request }, &ranks.views(&blocks), reused)
                             .map_or((None, 0), |(rank, blocks)| (Some(rank), blocks))
                     }
                     _ => (None, credited_blocks),
@@ -383,6 +388,7 @@ impl Decider {
                     stream: PbState::from(state),
                     eligible: ineligible.is_none(),
                 };
+                let rank_blocks = if rank.is_some() { offered } else { 0 };
                 Scored {
                     member,
                     view,
@@ -391,6 +397,7 @@ impl Decider {
                     cost: f64::INFINITY,
                     ineligible,
                     rank,
+                    rank_blocks,
                 }
             })
             .collect();

@@ -411,9 +411,19 @@ impl LoadGuard {
         self.rank = Some(rank);
     }
 
+    /// The replica took the request (a success answer): its credits on the rank stand.
+    pub fn keep_rank(&mut self) {
+        if let Some(rank) = self.rank.as_mut() {
+            rank.keep();
+        }
+    }
+
     /// The first response byte arrived: the prefill is done.
     pub fn prefill_done(&mut self) {
         self.prefill.release();
+        if let Some(rank) = self.rank.as_mut() {
+            rank.prefill_done();
+        }
     }
 
     /// The request's pending prefill, to be released when the replica's events show its

@@ -11,7 +11,10 @@ use serde_json::json;
 
 use crate::fleet::Http;
 use crate::headers::recording_replica;
-use crate::support::{BLOCK, MODEL, WAIT, batch, chain, rank_publishers, store_chain, wait_until};
+use crate::support::{
+    BLOCK, MODEL, WAIT, batch, chain, cleared_event, rank_publishers, removed_event, store_chain, wait_until,
+};
+use kvroute_replica_agent::publisher::EventFormat;
 
 const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
 
@@ -41,19 +44,17 @@ async fn a_request_goes_to_the_rank_that_holds_its_prefix() {
         |blocks: &[BlockHash]| ranks.views(blocks).iter().map(|v| v.overlap_blocks).collect::<Vec<_>>();
     let deadline = tokio::time::Instant::now() + WAIT;
     let mut seq = 0;
+    // One batch on each rank's stream, with the same seq (each stream's seqs follow on).
+    let mut publish = async |on_rank0: Vec<pb::Event>, on_rank1: Vec<pb::Event>| {
+        let payload = |events| EventFormat::Kvroute.encode_payload(&batch(0, seq, events));
+        rank0.send(seq, payload(on_rank0)).await;
+        rank1.send(seq, payload(on_rank1)).await;
+        seq += 1;
+    };
     // Publishing again covers a batch lost to the subscription race.
     while held(&chain(&a)) != [0, 3] || held(&chain(&b)) != [2, 0] {
         assert!(tokio::time::Instant::now() < deadline, "both ranks' blocks indexed");
-        let stored = |tokens: &[u32]| {
-            kvroute_replica_agent::publisher::EventFormat::Kvroute.encode_payload(&batch(
-                0,
-                seq,
-                vec![store_chain(tokens, 0)],
-            ))
-        };
-        rank0.send(seq, stored(&b)).await;
-        rank1.send(seq, stored(&a)).await;
-        seq += 1;
+        publish(vec![store_chain(&b, 0)], vec![store_chain(&a, 0)]).await;
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     wait_until("the replica synced", || router.fleet().ready()).await;
@@ -93,5 +94,20 @@ async fn a_request_goes_to_the_rank_that_holds_its_prefix() {
     let (rank, predicted) = send(tokens(3, 2)).await;
     assert!(rank.is_some() && predicted == 0, "{rank:?} {predicted}");
     assert_eq!(send(tokens(3, 2)).await, (rank, 2 * u64::from(BLOCK)));
+
+    // A prefix split between the ranks: their union holds 4 blocks, rank 0 the first 2, rank
+    // 1 the last 2 (whose first block it lacks). Only rank 0's 2 can be hit.
+    let c = tokens(4, 4);
+    publish(vec![store_chain(&c[..2 * BLOCK as usize], 0)], vec![store_chain(&c, 2)]).await;
+    wait_until("the split prefix indexed", || held(&chain(&c)) == [2, 0]).await;
+    let id = router.fleet().member("dp").unwrap().replica.id;
+    assert_eq!(router.state.decider.index.lookup(&chain(&c)).get(id), 4, "the union's overlap");
+    assert_eq!(send(with_tail(c)).await, (Some("0".into()), 2 * u64::from(BLOCK)));
+
+    // Removals and clears reach the rank index: rank 1 evicts `a`'s last block, rank 0 drops
+    // everything (its credits of `b` run out with their TTL).
+    publish(vec![cleared_event()], vec![removed_event(&chain(&a)[2..])]).await;
+    wait_until("the removal applied", || held(&chain(&a)) == [0, 2]).await;
+    wait_until("the clear applied", || held(&chain(&b)) == [0, 0]).await;
     shutdown.cancel();
 }
