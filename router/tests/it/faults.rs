@@ -85,6 +85,11 @@ async fn drain(response: http::Response<hyper::body::Incoming>) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
+/// A fault agent in real time, one decode step (a token per stream) every 20 ms.
+fn token_every_20_ms(name: &str) -> kvroute_replica_agent::Config {
+    kvroute_replica_agent::Config { time_scale: 1.0, step_base_us: 20_000, ..fault_agent(name) }
+}
+
 /// Kill: requests that had not started on the dead replica are retried elsewhere, streams
 /// running on it end with an error event, nothing hangs, and its index entries are gone
 /// within a second.
@@ -301,13 +306,8 @@ async fn silent_replica_times_out_is_ejected_and_comes_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_cut_mid_way_ends_with_an_error_event() {
     // One token every 20 ms: the cut falls between two events.
-    let slow = |name: &str| kvroute_replica_agent::Config {
-        time_scale: 1.0,
-        step_base_us: 20_000,
-        ..fault_agent(name)
-    };
     let shutdown = CancellationToken::new();
-    let agents = Fleet::start_agents(2, slow, &shutdown).await;
+    let agents = Fleet::start_agents(2, token_every_20_ms, &shutdown).await;
     let switch = Switch::start(agents[0].http_addr).await;
     let mut config = kvroute_router::Config {
         policy: kvroute_router::policy::PolicyKind::RoundRobin,
@@ -345,12 +345,8 @@ async fn stream_cut_mid_way_ends_with_an_error_event() {
 /// 20 ms) does not hold it up until its end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_ends_open_streams_at_its_timeout() {
-    let slow = |name: &str| kvroute_replica_agent::Config {
-        time_scale: 1.0,
-        step_base_us: 20_000,
-        ..fault_agent(name)
-    };
-    let fleet = Fleet::with(1, slow, |c| kvroute_router::Config { drain_timeout_ms: 300, ..c }).await;
+    let fleet =
+        Fleet::with(1, token_every_20_ms, |c| kvroute_router::Config { drain_timeout_ms: 300, ..c }).await;
     let body = completion(&words("drainme", 8), 1000, true);
     let mut response = fleet.http.stream(&fleet.url("/v1/completions"), &body).await;
     assert_eq!(response.status(), 200);
