@@ -13,8 +13,9 @@
 //! Ranks are chosen with the cache-aware cost ([`crate::policy::CacheAware::cost`]) over each
 //! rank's overlap (index and credits) and the sequences this router has in flight on it: a
 //! prefix every rank holds (a system prompt) is spread over the ranks by load, as the
-//! replicas are, and a new prefix goes to the least loaded rank (between equals, by the
-//! request's rendezvous hash, so that routers in front of one replica agree), credited there
+//! replicas are, and a new prefix goes to the least loaded rank (between equals, by a
+//! rendezvous hash of the request and the replica's name, so that routers in front of one
+//! replica agree), credited there
 //! so that the requests right behind it follow. The rank's load is this router's alone: the
 //! replica's own balancing, which sees every client's, is not asked.
 
@@ -80,9 +81,10 @@ impl Ranks {
 
     /// A request of `sequences` is sent to `rank`, which held `held` of its `blocks` (index
     /// and credits): counted in the rank's load until the guard drops, and its blocks
-    /// credited to the rank, pinned as the replica's are ([`super::Credits::pin`]) until the
-    /// guard drops; then, if it was [kept](RankGuard::keep), they last the TTL, else the
-    /// credits only this request made end (it failed, or went elsewhere).
+    /// credited to the rank, pinned as the replica's are ([`super::Credits::pin`]). If the
+    /// replica [took](RankGuard::keep) the request, the pins come off when its prefill is
+    /// done (or the guard drops) and the credits last the TTL; else the credits only this
+    /// request made end when the guard drops ([`RankGuard::withdraw`]).
     pub fn begin(
         self: &std::sync::Arc<Self>,
         rank: u32,
@@ -131,6 +133,13 @@ impl RankGuard {
         self.kept = true;
     }
 
+    /// The replica refused the request: the credits only it made end now.
+    pub fn withdraw(&mut self) {
+        if let Some((hold, added)) = self.hold.take() {
+            hold.withdraw(&added);
+        }
+    }
+
     /// The request's prefill is done: the pins come off (its credits last the TTL) if the
     /// replica took it.
     pub fn prefill_done(&mut self) {
@@ -140,9 +149,12 @@ impl RankGuard {
     }
 
     /// Tells `waiter` when the rank's events store the request's last block (its prefill
-    /// reached the prompt's end): [`CreditHold::tell_when_stored`].
+    /// reached the prompt's end): [`CreditHold::tell_when_stored`]. Nothing is told when the
+    /// rank held the whole prompt already (no store is to come).
     pub fn tell_when_stored(&mut self, waiter: std::sync::Arc<dyn super::OnStored>) {
-        if let Some((hold, _)) = self.hold.as_mut() {
+        if let Some((hold, added)) = self.hold.as_mut()
+            && !added.is_empty()
+        {
             hold.tell_when_stored(waiter);
         }
     }
@@ -153,10 +165,8 @@ impl Drop for RankGuard {
         if let Some(n) = self.ranks.in_flight.get(self.rank as usize) {
             n.fetch_sub(self.sequences, Ordering::Relaxed);
         }
-        if let Some((hold, added)) = self.hold.take()
-            && !self.kept
-        {
-            hold.withdraw(&added);
+        if !self.kept {
+            self.withdraw();
         }
     }
 }

@@ -210,6 +210,7 @@ pub async fn routed(
                     guard.keep_rank();
                 } else {
                     decider.withdraw_credit(plan, attempt);
+                    guard.withdraw_rank();
                 }
                 let line = config.access_log.then(|| {
                     Box::new(access::Line {
@@ -254,6 +255,8 @@ pub async fn routed(
             // The replica answered, malformed: it ran the request, which goes nowhere else.
             Ok(Err(e @ SendError::Wire(WireError::Malformed(_)))) => {
                 tracing::warn!(replica = %member.replica.spec.name, error = %e, request_id, "replica answered with a malformed head");
+                // It ran the request: its credits stand, on its rank as on it.
+                guard.keep_rank();
                 record_failure(upstream, config, metrics);
                 return Err(ProxyError::Upstream {
                     replica: member.replica.spec.name.clone(),
@@ -269,6 +272,8 @@ pub async fn routed(
                 });
             }
             Err(_) => {
+                // It may still run the request: its credits stand, on its rank as on it.
+                guard.keep_rank();
                 record_failure(upstream, config, metrics);
                 return Err(ProxyError::Timeout {
                     replica: member.replica.spec.name.clone(),

@@ -372,9 +372,11 @@ impl Decider {
                 // A data-parallel replica offers what the rank the request is sent to holds.
                 let (rank, offered) = match (&self.ranks_by, member.replica.ranks.get(), state) {
                     (Some(costs), Some(ranks), StreamState::Exact | StreamState::Degraded) => {
-                        // Ties between ranks by the request and the replica: the request's
-                        // key alone would repeat the replicas' tie, rank for replica id.
-                        let key = policy::rendezvous(request.key, member.replica.id);
+                        // Ties between ranks by the request and the replica's name (the
+                        // request's key alone would repeat the replicas' tie, rank for replica
+                        // id; ids are each router's own, names are every router's).
+                        let name = member.replica.spec.name.as_bytes();
+                        let key = xxhash_rust::xxh3::xxh3_64_with_seed(name, request.key);
                         best_rank(costs, &RequestView { key, ..*request }, &ranks.views(&blocks), reused)
                             .map_or((None, 0), |(rank, blocks)| (Some(rank), blocks))
                     }
@@ -439,8 +441,9 @@ impl Decider {
 
 /// The rank of `ranks` to send `request` to, with the blocks it holds of it (index and
 /// credits): the least cache-aware cost over the ranks' overlaps (as the engine reuses them)
-/// and this router's sequences in flight on each; between equals, the request's rendezvous
-/// hash (so that routers in front of the same replica agree on a new prefix's rank).
+/// and this router's sequences in flight on each; between equals, `request.key`'s rendezvous
+/// hash (the caller's key names the replica too, as every router names it, so that routers in
+/// front of the same replica agree on a new prefix's rank).
 fn best_rank(
     costs: &policy::CacheAware,
     request: &RequestView,

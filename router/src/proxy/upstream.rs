@@ -418,6 +418,14 @@ impl LoadGuard {
         }
     }
 
+    /// The replica refused the request (an error answer): the credits only it made on the
+    /// rank end now.
+    pub fn withdraw_rank(&mut self) {
+        if let Some(rank) = self.rank.as_mut() {
+            rank.withdraw();
+        }
+    }
+
     /// The first response byte arrived: the prefill is done.
     pub fn prefill_done(&mut self) {
         self.prefill.release();
