@@ -188,7 +188,7 @@ impl ProxyMetrics {
         r.register("in_flight", "Requests in flight through the router", m.in_flight.clone());
         r.register(
             "decision_seconds",
-            "Time to choose a replica: parse, tokenize, hash, lookup, score",
+            "Time to decide where a request goes (parse, tokenize, hash, lookup, score), whether or not a replica could be chosen",
             m.decision_seconds.clone(),
         );
         r.register(

@@ -207,10 +207,11 @@ impl Decider {
         limits: &RequestLimits,
     ) -> Result<Plan, ProxyError> {
         let started = Instant::now();
-        let plan = self.plan(endpoint, body, true).await?;
-        limits.check(&plan, endpoint)?;
+        let planned = self.plan(endpoint, body, true).await;
+        // Every decision's time, those that fail included (a `/tokenize` that timed out).
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
-        let mut plan = plan;
+        let mut plan = planned?;
+        limits.check(&plan, endpoint)?;
         let chosen = plan.chosen().ok_or_else(|| ProxyError::Unavailable(unavailable_reason(&plan)))?;
         plan.hold =
             Some(CreditHold::pin(&self.index, chosen.member.replica.id, plan.uncredited(chosen).to_vec()));

@@ -457,6 +457,29 @@ async fn a_replica_removed_during_a_remote_tokenization_is_not_chosen() {
     shutdown.cancel();
 }
 
+/// A decision that fails (here its remote tokenization: the replica's `/tokenize` answers
+/// 500) still counts in the decision-time histogram: slow failures are where it matters.
+#[tokio::test]
+async fn a_failed_decision_is_timed() {
+    let replica = hand_made_replica(|path, _| async move {
+        match path.as_str() {
+            "/tokenize" => (500, r#"{"error":{"message":"broken"}}"#),
+            _ => (200, ""),
+        }
+    })
+    .await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { remote_tokenize: true, ..c }).await;
+    let http = crate::fleet::Http::new();
+    let reply = http.post(&format!("{}/v1/completions", router.url()), &completion("tokenize me", 1)).await;
+    assert!(reply.status.as_u16() >= 400, "the decision failed: {}", reply.status);
+    let metrics = http.get(&format!("{}/metrics", router.url())).await;
+    let text = String::from_utf8_lossy(&metrics.body).into_owned();
+    let count = text.lines().find_map(|l| l.strip_prefix("kvroute_router_decision_seconds_count ")).unwrap();
+    assert_eq!(count.trim(), "1", "{text}");
+    shutdown.cancel();
+}
+
 /// The realized hit rate's denominator counts only requests whose answer reported its cached
 /// tokens: an error answer, or a stream without `include_usage`, reports none, and counted
 /// there it made the realized rate look lower than the predicted one for the same hits.
