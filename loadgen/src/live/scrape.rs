@@ -154,6 +154,11 @@ pub struct RouterCounters {
     pub predicted_cached_tokens: f64,
     pub realized_cached_tokens: f64,
     pub prompt_tokens: f64,
+    /// Prompt tokens, and predicted cached tokens, of the requests whose answer reported its
+    /// cached tokens: `realized_cached_tokens`' own denominator and the prediction to set
+    /// beside it (an error, or a stream without `include_usage`, reports none).
+    pub reported_prompt_tokens: f64,
+    pub reported_predicted_cached_tokens: f64,
     /// Prompt text bytes whose token ids came from the router's prefix cache.
     pub tokenize_reused_bytes: f64,
     /// Prompt text bytes the router tokenized.
@@ -167,6 +172,12 @@ impl RouterCounters {
             predicted_cached_tokens: sum(page, "kvroute_router_predicted_cached_tokens_total")?,
             realized_cached_tokens: sum(page, "kvroute_router_realized_cached_tokens_total").unwrap_or(0.0),
             prompt_tokens: sum(page, "kvroute_router_prompt_tokens_total").unwrap_or(0.0),
+            reported_prompt_tokens: sum(page, "kvroute_router_reported_prompt_tokens_total").unwrap_or(0.0),
+            reported_predicted_cached_tokens: sum(
+                page,
+                "kvroute_router_reported_predicted_cached_tokens_total",
+            )
+            .unwrap_or(0.0),
             tokenize_reused_bytes: sum(page, "kvroute_router_tokenize_reused_bytes_total").unwrap_or(0.0),
             tokenize_tokenized_bytes: sum(page, "kvroute_router_tokenize_tokenized_bytes_total")
                 .unwrap_or(0.0),
@@ -180,6 +191,11 @@ impl RouterCounters {
             predicted_cached_tokens: delta(self.predicted_cached_tokens, before.predicted_cached_tokens)?,
             realized_cached_tokens: delta(self.realized_cached_tokens, before.realized_cached_tokens)?,
             prompt_tokens: delta(self.prompt_tokens, before.prompt_tokens)?,
+            reported_prompt_tokens: delta(self.reported_prompt_tokens, before.reported_prompt_tokens)?,
+            reported_predicted_cached_tokens: delta(
+                self.reported_predicted_cached_tokens,
+                before.reported_predicted_cached_tokens,
+            )?,
             tokenize_reused_bytes: delta(self.tokenize_reused_bytes, before.tokenize_reused_bytes)?,
             tokenize_tokenized_bytes: delta(self.tokenize_tokenized_bytes, before.tokenize_tokenized_bytes)?,
         })
@@ -284,9 +300,13 @@ mod tests {
         assert_eq!(sum(page, "vllm:prompt_tokens_total"), None);
         assert_eq!(RouterCounters::parse(page), None);
         let router = "kvroute_router_predicted_cached_tokens_total 7\n\
+                      kvroute_router_reported_prompt_tokens_total 40\n\
+                      kvroute_router_reported_predicted_cached_tokens_total 6\n\
                       kvroute_router_tokenize_reused_bytes_total 300\n\
                       kvroute_router_tokenize_tokenized_bytes_total 100\n";
         let router = RouterCounters::parse(router).unwrap();
+        // The realized rate's own denominator and prediction, beside the routed ones.
+        assert_eq!((router.reported_prompt_tokens, router.reported_predicted_cached_tokens), (40.0, 6.0));
         assert_eq!(router.tokenize_reuse(), Some(0.75));
         assert_eq!(router.since(&router).unwrap().tokenize_reuse(), None);
         let with_prompts = format!("{page}vllm:prompt_tokens_total 0\n");
