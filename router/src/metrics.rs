@@ -139,8 +139,8 @@ impl ProxyMetrics {
         );
         r.register(
             "prompt_tokens",
-            "Prompt tokens of routed requests (not of a batch of prompts, nor of a chat with media: \
-             the hit rates' denominator)",
+            "Prompt tokens of routed requests (not of a batch of prompts or of choices, nor of a chat \
+             with media: the hit rates' denominator)",
             m.prompt_tokens.clone(),
         );
         r.register(

@@ -225,8 +225,9 @@ pub async fn routed(
                 // A chat with media counts in neither hit rate: its media's tokens are in
                 // the replica's cached tokens, and in no prompt count of the router's. Nor does
                 // a batch of prompts: its prediction is its first prompt's, the replica's usage
-                // every prompt's.
-                let counted = plan.unhashed_tokens.is_none() && !plan.is_batch();
+                // every prompt's. Nor do several choices (`n`): the prediction is the first's,
+                // and the replica reports one whose prompt the first had just cached.
+                let counted = plan.unhashed_tokens.is_none() && plan.sequences <= 1;
                 let sent = Attempt {
                     replica: &member.replica.spec.name,
                     guard,

@@ -531,9 +531,10 @@ async fn only_answers_with_usage_count_toward_the_realized_hit_rate() {
 
 /// A batch of prompts counts in none of the hit rates' counters: the router predicts its first
 /// prompt's hit, the replica reports every prompt's, and counted they made the realized rate
-/// look up to the batch's size times the predicted one.
+/// look up to the batch's size times the predicted one. Nor do several choices of one prompt
+/// (`n`): the replica reports a choice that found the prompt the first one cached.
 #[tokio::test]
-async fn a_batch_of_prompts_counts_in_no_hit_rate() {
+async fn a_batch_of_prompts_or_of_choices_counts_in_no_hit_rate() {
     let replica = hand_made_replica(|path, _| async move {
         match path.as_str() {
             "/v1/completions" => {
@@ -547,6 +548,8 @@ async fn a_batch_of_prompts_counts_in_no_hit_rate() {
     let http = crate::fleet::Http::new();
     let batch = json!({"model": FLEET_MODEL, "max_tokens": 1, "prompt": [text("one", 30), text("two", 30)]});
     assert_eq!(http.post(&format!("{}/v1/completions", router.url()), &batch).await.status, 200);
+    let choices = json!({"model": FLEET_MODEL, "max_tokens": 1, "n": 2, "prompt": text("three", 30)});
+    assert_eq!(http.post(&format!("{}/v1/completions", router.url()), &choices).await.status, 200);
     let metrics = scrape(&http, &router.url()).await;
     for counter in ["prompt_tokens", "realized_cached_tokens", "reported_prompt_tokens"] {
         let series = format!("kvroute_router_{counter}_total");
