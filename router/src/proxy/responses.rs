@@ -125,6 +125,26 @@ pub struct Owners {
     map: quick_cache::sync::Cache<Box<str>, Arc<str>>,
     /// Ids every replica said it lacks, and when ([`MISSING_FOR`]).
     missing: quick_cache::sync::Cache<Box<str>, Instant>,
+    /// Ids the replicas are being asked for: a lookup of one waits for the one under way
+    /// (whose answer it then reads), rather than asking every replica again.
+    asking: std::sync::Mutex<std::collections::HashMap<Box<str>, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// A lookup's turn to ask the replicas for an id; the id is forgotten with the last turn.
+struct Turn<'a> {
+    owners: &'a Owners,
+    id: &'a str,
+    gate: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        let mut asking = self.owners.asking.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // The map's and this turn's: nobody else waits.
+        if Arc::strong_count(&self.gate) <= 2 {
+            asking.remove(self.id);
+        }
+    }
 }
 
 impl Owners {
@@ -147,7 +167,7 @@ impl Owners {
             ),
             Err(_) => quick_cache::sync::Cache::new(capacity),
         };
-        Owners { map, missing: quick_cache::sync::Cache::new(MISSING_IDS) }
+        Owners { map, missing: quick_cache::sync::Cache::new(MISSING_IDS), asking: Default::default() }
     }
 
     pub fn learn(&self, id: &str, replica: &Arc<str>) {
@@ -188,15 +208,37 @@ impl Owners {
         (timeout, metrics): (Duration, &ProxyMetrics),
     ) -> Result<Member, ProxyError> {
         let count = |outcome| metrics.response_lookups.get_or_create(&OutcomeLabel { outcome }).inc();
-        if let Some(member) = self.owner(id).and_then(|name| fleet.member(&name)) {
-            count("known");
-            return Ok(member);
+        let known = || {
+            if let Some(member) = self.owner(id).and_then(|name| fleet.member(&name)) {
+                count("known");
+                return Some(Ok(member));
+            }
+            // An empty id names nothing (a replica would redirect `/v1/responses/` instead).
+            if id.is_empty() || self.known_missing(id, Instant::now()) {
+                count("known_missing");
+                return Some(Err(not_found(id)));
+            }
+            None
+        };
+        if let Some(known) = known() {
+            return known;
         }
-        // An empty id names nothing (a replica would redirect `/v1/responses/` instead).
-        if id.is_empty() || self.known_missing(id, Instant::now()) {
-            count("known_missing");
-            return Err(not_found(id));
-        }
+        // One lookup of an id at a time: the next reads what this one learns.
+        let turn = {
+            let mut asking = self.asking.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            Turn { owners: self, id, gate: asking.entry(id.into()).or_default().clone() }
+        };
+        let _held = match turn.gate.try_lock() {
+            Ok(held) => held,
+            Err(_) => {
+                count("waited");
+                let held = turn.gate.lock().await;
+                if let Some(known) = known() {
+                    return known;
+                }
+                held
+            }
+        };
         let members = fleet.members();
         let segment = utf8_percent_encode(id, SEGMENT).to_string();
         let asks = members.iter().map(|member| {

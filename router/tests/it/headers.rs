@@ -404,6 +404,75 @@ async fn retried_after(
     answer
 }
 
+/// A replica on loopback that answers `GET /v1/responses/…` with `answer` (once `gate` lets
+/// it, when given one) and anything else with an empty 200; it tells `asked` of each such GET.
+async fn responses_replica(
+    answer: &'static [u8],
+    gate: Option<std::sync::Arc<tokio::sync::Semaphore>>,
+    asked: mpsc::UnboundedSender<()>,
+) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let (gate, asked) = (gate.clone(), asked.clone());
+            tokio::spawn(async move {
+                let mut request = vec![0u8; 8192];
+                while let Ok(n @ 1..) = stream.read(&mut request).await {
+                    let reply: &[u8] = if request[..n].starts_with(b"GET /v1/responses/") {
+                        let _ = asked.send(());
+                        if let Some(gate) = &gate {
+                            drop(gate.acquire().await);
+                        }
+                        answer
+                    } else {
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+                    };
+                    if stream.write_all(reply).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Two requests about a stored response the router does not know: the second waits for the
+/// first one's asking of the replicas and reads its answer, rather than asking every replica
+/// again (each router in front of a fleet knows only the responses it served).
+#[tokio::test]
+async fn lookups_of_one_unknown_response_ask_the_replicas_once() {
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let (has, mut asked_has) = mpsc::unbounded_channel();
+    let (lacks, mut asked_lacks) = mpsc::unbounded_channel();
+    let found = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+    let missing = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n";
+    let having = responses_replica(found, Some(gate.clone()), has).await;
+    let lacking = responses_replica(missing, None, lacks).await;
+    let (router, shutdown) = refusing_then_answering(lacking, having, |c| c).await;
+    let url = format!("{}/v1/responses/resp_unknown", router.url());
+    let get = |url: String| tokio::spawn(async move { crate::fleet::Http::new().get(&url).await });
+    let first = get(url.clone());
+    tokio::time::timeout(WAIT, asked_has.recv()).await.expect("in time").expect("the first lookup");
+    let second = get(url);
+    let waited = async || {
+        let metrics = crate::fleet::Http::new().get(&format!("{}/metrics", router.url())).await;
+        String::from_utf8_lossy(&metrics.body)
+            .contains("kvroute_router_response_lookups_total{outcome=\"waited\"} 1")
+    };
+    crate::support::wait_until_async("the second lookup waits for the first", waited).await;
+    gate.add_permits(16);
+    for reply in [first, second] {
+        let reply = tokio::time::timeout(WAIT, reply).await.expect("in time").unwrap();
+        assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+        assert_eq!(reply.header("x-kvroute-replica"), Some("answering"));
+    }
+    assert!(asked_lacks.try_recv().is_ok(), "the lacking replica was asked once");
+    assert!(asked_lacks.try_recv().is_err(), "and only once");
+    shutdown.cancel();
+}
+
 /// A replica that refuses with 503 (overloaded) is not an outlier: its refusals go to the
 /// next replica and never eject it.
 #[tokio::test]
