@@ -125,8 +125,8 @@ pub struct Owners {
     map: quick_cache::sync::Cache<Box<str>, Arc<str>>,
     /// Ids every replica said it lacks, and when ([`MISSING_FOR`]).
     missing: quick_cache::sync::Cache<Box<str>, Instant>,
-    /// Ids the replicas are being asked for: a lookup of one waits for the one under way
-    /// (whose answer it then reads), rather than asking every replica again.
+    /// Ids the replicas are being asked for: a lookup of one waits for the one under way and
+    /// reads its answer, rather than asking every replica again.
     asking: std::sync::Mutex<std::collections::HashMap<Box<str>, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -232,11 +232,16 @@ impl Owners {
             Ok(held) => held,
             Err(_) => {
                 count("waited");
-                let held = turn.gate.lock().await;
-                if let Some(known) = known() {
-                    return known;
-                }
-                held
+                drop(turn.gate.lock().await);
+                // Found or missing: read here. Anything else (a replica that did not answer
+                // in time, every one refusing) would cost this request as long again, after
+                // the wait: it gets the 503 a retry can act on.
+                return known().unwrap_or_else(|| {
+                    Err(ProxyError::Unavailable(format!(
+                        "response '{id}' was just sought on every replica for another request, \
+                         and none said it has it"
+                    )))
+                });
             }
         };
         let members = fleet.members();

@@ -473,6 +473,44 @@ async fn lookups_of_one_unknown_response_ask_the_replicas_once() {
     shutdown.cancel();
 }
 
+/// When the lookup under way ends without an answer (a replica that may have the response
+/// did not answer in time), the lookup that waited for it gets the same 503 at once, rather
+/// than asking every replica again for as long.
+#[tokio::test]
+async fn a_lookup_that_waited_for_an_unanswered_one_is_not_made_again() {
+    let silent = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let (has, mut asked_has) = mpsc::unbounded_channel();
+    let (lacks, mut asked_lacks) = mpsc::unbounded_channel();
+    let found = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}";
+    let missing = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n";
+    let never = responses_replica(found, Some(silent), has).await;
+    let lacking = responses_replica(missing, None, lacks).await;
+    let (router, shutdown) = refusing_then_answering(lacking, never, |c| kvroute_router::Config {
+        control_timeout_ms: 1_000,
+        ..c
+    })
+    .await;
+    let url = format!("{}/v1/responses/resp_unanswered", router.url());
+    let get = |url: String| tokio::spawn(async move { crate::fleet::Http::new().get(&url).await });
+    let first = get(url.clone());
+    tokio::time::timeout(WAIT, asked_has.recv()).await.expect("in time").expect("the first lookup");
+    let second = get(url);
+    let waited = async || {
+        let metrics = crate::fleet::Http::new().get(&format!("{}/metrics", router.url())).await;
+        String::from_utf8_lossy(&metrics.body)
+            .contains("kvroute_router_response_lookups_total{outcome=\"waited\"} 1")
+    };
+    crate::support::wait_until_async("the second lookup waits for the first", waited).await;
+    for reply in [first, second] {
+        let reply = tokio::time::timeout(WAIT, reply).await.expect("in time").unwrap();
+        assert_eq!(reply.status, 503, "{}", String::from_utf8_lossy(&reply.body));
+    }
+    assert!(asked_lacks.try_recv().is_ok(), "the lacking replica was asked once");
+    assert!(asked_lacks.try_recv().is_err(), "and only once");
+    assert!(asked_has.try_recv().is_err(), "nor the silent one again");
+    shutdown.cancel();
+}
+
 /// A replica that refuses with 503 (overloaded) is not an outlier: its refusals go to the
 /// next replica and never eject it.
 #[tokio::test]
