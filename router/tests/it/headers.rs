@@ -438,11 +438,14 @@ async fn responses_replica(
     addr
 }
 
-/// Two requests about a stored response the router does not know: the second waits for the
-/// first one's asking of the replicas and reads its answer, rather than asking every replica
-/// again (each router in front of a fleet knows only the responses it served).
-#[tokio::test]
-async fn lookups_of_one_unknown_response_ask_the_replicas_once() {
+/// Two lookups of one response id the router does not know, the second made while the first
+/// asks the replicas: "answering" has it but answers only once `gate` lets it, "refusing"
+/// answers 404 at once. `release` is done once the second lookup waits for the first; then
+/// the two replies, and how many times each replica was asked.
+async fn two_lookups(
+    tweak: impl FnOnce(kvroute_router::Config) -> kvroute_router::Config,
+    release: impl FnOnce(&tokio::sync::Semaphore),
+) -> (Vec<crate::fleet::Reply>, usize, usize) {
     let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
     let (has, mut asked_has) = mpsc::unbounded_channel();
     let (lacks, mut asked_lacks) = mpsc::unbounded_channel();
@@ -450,7 +453,7 @@ async fn lookups_of_one_unknown_response_ask_the_replicas_once() {
     let missing = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n";
     let having = responses_replica(found, Some(gate.clone()), has).await;
     let lacking = responses_replica(missing, None, lacks).await;
-    let (router, shutdown) = refusing_then_answering(lacking, having, |c| c).await;
+    let (router, shutdown) = refusing_then_answering(lacking, having, tweak).await;
     let url = format!("{}/v1/responses/resp_unknown", router.url());
     let get = |url: String| tokio::spawn(async move { crate::fleet::Http::new().get(&url).await });
     let first = get(url.clone());
@@ -462,15 +465,29 @@ async fn lookups_of_one_unknown_response_ask_the_replicas_once() {
             .contains("kvroute_router_response_lookups_total{outcome=\"waited\"} 1")
     };
     crate::support::wait_until_async("the second lookup waits for the first", waited).await;
-    gate.add_permits(16);
+    release(&gate);
+    let mut replies = Vec::new();
     for reply in [first, second] {
-        let reply = tokio::time::timeout(WAIT, reply).await.expect("in time").unwrap();
+        replies.push(tokio::time::timeout(WAIT, reply).await.expect("in time").unwrap());
+    }
+    shutdown.cancel();
+    let count =
+        |asked: &mut mpsc::UnboundedReceiver<()>| std::iter::from_fn(|| asked.try_recv().ok()).count();
+    (replies, 1 + count(&mut asked_has), count(&mut asked_lacks))
+}
+
+/// Two requests about a stored response the router does not know: the second waits for the
+/// first one's asking of the replicas and reads its answer, rather than asking every replica
+/// again (each router in front of a fleet knows only the responses it served).
+#[tokio::test]
+async fn lookups_of_one_unknown_response_ask_the_replicas_once() {
+    let (replies, asked_has, asked_lacks) = two_lookups(|c| c, |gate| gate.add_permits(16)).await;
+    for reply in replies {
         assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
         assert_eq!(reply.header("x-kvroute-replica"), Some("answering"));
     }
-    assert!(asked_lacks.try_recv().is_ok(), "the lacking replica was asked once");
-    assert!(asked_lacks.try_recv().is_err(), "and only once");
-    shutdown.cancel();
+    // The owner is asked once, then sent both requests.
+    assert_eq!((asked_has, asked_lacks), (3, 1));
 }
 
 /// When the lookup under way ends without an answer (a replica that may have the response
@@ -478,37 +495,12 @@ async fn lookups_of_one_unknown_response_ask_the_replicas_once() {
 /// than asking every replica again for as long.
 #[tokio::test]
 async fn a_lookup_that_waited_for_an_unanswered_one_is_not_made_again() {
-    let silent = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
-    let (has, mut asked_has) = mpsc::unbounded_channel();
-    let (lacks, mut asked_lacks) = mpsc::unbounded_channel();
-    let found = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}";
-    let missing = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n";
-    let never = responses_replica(found, Some(silent), has).await;
-    let lacking = responses_replica(missing, None, lacks).await;
-    let (router, shutdown) = refusing_then_answering(lacking, never, |c| kvroute_router::Config {
-        control_timeout_ms: 1_000,
-        ..c
-    })
-    .await;
-    let url = format!("{}/v1/responses/resp_unanswered", router.url());
-    let get = |url: String| tokio::spawn(async move { crate::fleet::Http::new().get(&url).await });
-    let first = get(url.clone());
-    tokio::time::timeout(WAIT, asked_has.recv()).await.expect("in time").expect("the first lookup");
-    let second = get(url);
-    let waited = async || {
-        let metrics = crate::fleet::Http::new().get(&format!("{}/metrics", router.url())).await;
-        String::from_utf8_lossy(&metrics.body)
-            .contains("kvroute_router_response_lookups_total{outcome=\"waited\"} 1")
-    };
-    crate::support::wait_until_async("the second lookup waits for the first", waited).await;
-    for reply in [first, second] {
-        let reply = tokio::time::timeout(WAIT, reply).await.expect("in time").unwrap();
+    let quick = |c| kvroute_router::Config { control_timeout_ms: 1_000, ..c };
+    let (replies, asked_has, asked_lacks) = two_lookups(quick, |_| {}).await;
+    for reply in replies {
         assert_eq!(reply.status, 503, "{}", String::from_utf8_lossy(&reply.body));
     }
-    assert!(asked_lacks.try_recv().is_ok(), "the lacking replica was asked once");
-    assert!(asked_lacks.try_recv().is_err(), "and only once");
-    assert!(asked_has.try_recv().is_err(), "nor the silent one again");
-    shutdown.cancel();
+    assert_eq!((asked_has, asked_lacks), (1, 1));
 }
 
 /// A replica that refuses with 503 (overloaded) is not an outlier: its refusals go to the
