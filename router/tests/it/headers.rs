@@ -357,33 +357,10 @@ async fn retried_after(
     tweak: impl FnOnce(kvroute_router::Config) -> kvroute_router::Config,
     meanwhile: impl FnOnce(&kvroute_router::RunningRouter),
 ) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let refusing = listener.local_addr().unwrap();
-    let (gate, arrived) = (
-        std::sync::Arc::new(tokio::sync::Semaphore::new(0)),
-        std::sync::Arc::new(tokio::sync::Notify::new()),
-    );
-    let (opened, told) = (gate.clone(), arrived.clone());
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            let (opened, told) = (opened.clone(), told.clone());
-            tokio::spawn(async move {
-                let mut request = vec![0u8; 8192];
-                while let Ok(n @ 1..) = stream.read(&mut request).await {
-                    let answer: &[u8] = if request[..n].starts_with(b"POST ") {
-                        told.notify_one();
-                        drop(opened.acquire().await);
-                        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n"
-                    } else {
-                        b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
-                    };
-                    if stream.write_all(answer).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let (told, mut arrived) = mpsc::unbounded_channel();
+    let refused = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n";
+    let refusing = gated_replica(b"POST ", refused, Some(gate.clone()), told).await;
     let (answering, _answered) = recording_replica(ANSWER).await;
     let (router, shutdown) = refusing_then_answering(refusing, answering, tweak).await;
     let body = serde_json::json!({"model": FLEET_MODEL, "prompt": "held", "max_tokens": 1}).to_string();
@@ -393,7 +370,7 @@ async fn retried_after(
         let (url, body) = (router.url(), body.clone());
         let mut sent = tokio::spawn(async move { exchange(&url, head, &body).await });
         tokio::select! {
-            () = arrived.notified() => break sent,
+            _ = arrived.recv() => break sent,
             answer = &mut sent => assert!(answer.unwrap().starts_with("http/1.1 200")),
         }
     };
@@ -404,9 +381,11 @@ async fn retried_after(
     answer
 }
 
-/// A replica on loopback that answers `GET /v1/responses/…` with `answer` (once `gate` lets
-/// it, when given one) and anything else with an empty 200; it tells `asked` of each such GET.
-async fn responses_replica(
+/// A replica on loopback that answers the requests that start with `matching` with `answer`
+/// (once `gate` lets it, when given one) and anything else with an empty 200; it tells
+/// `asked` of each such request.
+async fn gated_replica(
+    matching: &'static [u8],
     answer: &'static [u8],
     gate: Option<std::sync::Arc<tokio::sync::Semaphore>>,
     asked: mpsc::UnboundedSender<()>,
@@ -419,7 +398,7 @@ async fn responses_replica(
             tokio::spawn(async move {
                 let mut request = vec![0u8; 8192];
                 while let Ok(n @ 1..) = stream.read(&mut request).await {
-                    let reply: &[u8] = if request[..n].starts_with(b"GET /v1/responses/") {
+                    let reply: &[u8] = if request[..n].starts_with(matching) {
                         let _ = asked.send(());
                         if let Some(gate) = &gate {
                             drop(gate.acquire().await);
@@ -451,8 +430,8 @@ async fn two_lookups(
     let (lacks, mut asked_lacks) = mpsc::unbounded_channel();
     let found = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
     let missing = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n";
-    let having = responses_replica(found, Some(gate.clone()), has).await;
-    let lacking = responses_replica(missing, None, lacks).await;
+    let having = gated_replica(b"GET /v1/responses/", found, Some(gate.clone()), has).await;
+    let lacking = gated_replica(b"GET /v1/responses/", missing, None, lacks).await;
     let (router, shutdown) = refusing_then_answering(lacking, having, tweak).await;
     let url = format!("{}/v1/responses/resp_unknown", router.url());
     let get = |url: String| tokio::spawn(async move { crate::fleet::Http::new().get(&url).await });
