@@ -219,6 +219,15 @@ impl Credits {
     }
 }
 
+/// The blocks of `blocks` past its first `held` that a decision credits anew: not those
+/// repeated from the held ones (a batch's later prompts repeat its first one's leading
+/// blocks), which are earlier requests' credits to keep.
+pub fn added_past(blocks: &[BlockHash], held: usize) -> Vec<BlockHash> {
+    let (held, past) = blocks.split_at(held.min(blocks.len()));
+    let held: std::collections::HashSet<&BlockHash> = held.iter().collect();
+    past.iter().filter(|b| !held.contains(b)).copied().collect()
+}
+
 /// Which pin a release takes off ([`Credits::pin`]): pins are numbered in the order taken.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Stamp(u64);

@@ -95,10 +95,7 @@ impl Ranks {
         if let Some(n) = self.in_flight.get(rank as usize) {
             n.fetch_add(sequences, Ordering::Relaxed);
         }
-        let (before, after) = blocks.split_at(held.min(blocks.len()));
-        // A batch's later prompts repeat its first one's leading blocks: those are not new.
-        let before: std::collections::HashSet<&BlockHash> = before.iter().collect();
-        let added = after.iter().filter(|b| !before.contains(b)).copied().collect();
+        let added = super::added_past(blocks, held);
         let hold = CreditHold::pin(&self.index, ReplicaId(rank), blocks.to_vec());
         RankGuard { ranks: self.clone(), rank, sequences, hold: Some((hold, added)), kept: false }
     }

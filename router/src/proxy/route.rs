@@ -167,9 +167,7 @@ impl Plan {
     /// repeats the first's leading blocks).
     fn added(&self, i: usize) -> Vec<BlockHash> {
         let Some(scored) = self.order().nth(i) else { return Vec::new() };
-        let (held, added) = self.all_blocks.split_at(scored.credited_blocks.min(self.all_blocks.len()));
-        let held: std::collections::HashSet<&BlockHash> = held.iter().collect();
-        added.iter().filter(|b| !held.contains(b)).copied().collect()
+        crate::index::added_past(&self.all_blocks, scored.credited_blocks)
     }
 
     /// Tokens the `i`th replica of [`Plan::order`] is predicted to have cached.
