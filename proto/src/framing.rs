@@ -119,6 +119,25 @@ fn parse_seq(frame: &[u8]) -> Result<Seq, FrameError> {
     Ok(Seq(u64::from_be_bytes(bytes)))
 }
 
+/// The endpoint data-parallel rank `rank` publishes on, vLLM's way: `tcp://h:P` →
+/// `tcp://h:P+rank`, `ipc://x` / `inproc://x` → `…x_dp{rank}`; rank 0 and port 0 are
+/// unchanged. `None` for another transport, a bad port, or a port past 65535.
+pub fn rank_endpoint(endpoint: &str, rank: u32) -> Option<String> {
+    if let Some(rest) = endpoint.strip_prefix("tcp://") {
+        let (host, port) = rest.rsplit_once(':')?;
+        let port: u16 = port.parse().ok()?;
+        if rank == 0 || port == 0 {
+            return Some(endpoint.to_owned());
+        }
+        let port = u16::try_from(u32::from(port).checked_add(rank)?).ok()?;
+        return Some(format!("tcp://{host}:{port}"));
+    }
+    if endpoint.starts_with("ipc://") || endpoint.starts_with("inproc://") {
+        return Some(if rank == 0 { endpoint.to_owned() } else { format!("{endpoint}_dp{rank}") });
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -48,6 +48,12 @@ pub struct Config {
     /// ZeroMQ ROUTER endpoint answering replay requests; empty disables replay.
     #[arg(long, env = "KVROUTE_AGENT_REPLAY_ENDPOINT", default_value = "tcp://127.0.0.1:5558")]
     pub replay_endpoint: String,
+    /// Data-parallel ranks, as vLLM's `--data-parallel-size`: an engine a rank, each with its
+    /// own prefix cache of `--capacity-blocks` and its own event stream, rank r on the events
+    /// and replay endpoints' port + r. A request goes to the rank its `X-data-parallel-rank`
+    /// header names, else to the least loaded.
+    #[arg(long, env = "KVROUTE_AGENT_DATA_PARALLEL_SIZE", default_value_t = 1)]
+    pub data_parallel_size: u32,
     /// Frame 0 of every event message.
     #[arg(long, env = "KVROUTE_AGENT_TOPIC", default_value = "kv-events")]
     pub topic: String,
@@ -154,6 +160,9 @@ pub struct Config {
     pub max_header_bytes: usize,
 }
 
+/// Most data-parallel ranks one agent runs.
+pub const MAX_DATA_PARALLEL_SIZE: u32 = 64;
+
 impl kvroute_proto::cli::Layered for Config {
     fn config_file(&self) -> Option<&Path> {
         self.config.as_deref()
@@ -202,6 +211,23 @@ impl Config {
         check(!self.model.is_empty(), "--model must not be empty".into());
         for problem in self.chat.problems() {
             check(false, problem);
+        }
+        check(
+            (1..=MAX_DATA_PARALLEL_SIZE).contains(&self.data_parallel_size),
+            format!("--data-parallel-size must be between 1 and {MAX_DATA_PARALLEL_SIZE}"),
+        );
+        for (flag, endpoint) in
+            [("--events-endpoint", &self.events_endpoint), ("--replay-endpoint", &self.replay_endpoint)]
+        {
+            let last = self.data_parallel_size.saturating_sub(1);
+            check(
+                endpoint.is_empty()
+                    || !endpoint.contains("://")
+                    || kvroute_proto::framing::rank_endpoint(endpoint, last).is_some(),
+                format!(
+                    "{flag} {endpoint:?} has no port for data-parallel rank {last} (port + rank past 65535, or not tcp:// or ipc://)"
+                ),
+            );
         }
         check(self.block_size > 0, "--block-size must be at least 1".into());
         check(self.capacity_blocks > 0, "--capacity-blocks must be at least 1".into());
@@ -328,6 +354,27 @@ mod tests {
             ..Config::default()
         };
         assert_eq!(c.validate().unwrap_err().len(), 3);
+    }
+
+    #[test]
+    fn data_parallel_ranks_need_a_port_each() {
+        let ranks = |n: u32, events: &str| Config {
+            data_parallel_size: n,
+            events_endpoint: events.into(),
+            replay_endpoint: String::new(),
+            ..Config::default()
+        };
+        assert_eq!(ranks(4, "tcp://127.0.0.1:5557").validate(), Ok(()));
+        assert_eq!(ranks(4, "ipc:///tmp/kv").validate(), Ok(()));
+        assert_eq!(ranks(2, "tcp://127.0.0.1:0").validate(), Ok(()));
+        assert_eq!(ranks(1, "tcp://127.0.0.1:65535").validate(), Ok(()));
+        let past = ranks(2, "tcp://127.0.0.1:65535").validate().unwrap_err();
+        assert!(past[0].contains("--events-endpoint") && past[0].contains("rank 1"), "{past:?}");
+        assert_eq!(ranks(0, "tcp://127.0.0.1:5557").validate().unwrap_err().len(), 1);
+        assert_eq!(
+            ranks(MAX_DATA_PARALLEL_SIZE + 1, "tcp://127.0.0.1:5557").validate().unwrap_err().len(),
+            1
+        );
     }
 
     #[test]

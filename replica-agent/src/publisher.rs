@@ -73,6 +73,8 @@ pub enum PublisherError {
         #[source]
         source: zeromq::ZmqError,
     },
+    #[error("data-parallel rank {rank} has no endpoint after {endpoint} (port + rank past 65535)")]
+    Rank { rank: u32, endpoint: String },
     #[error("cannot listen for {what} peers on {endpoint}")]
     Guard {
         what: &'static str,
@@ -81,6 +83,9 @@ pub enum PublisherError {
         source: std::io::Error,
     },
 }
+
+/// How many times [`Publisher::bind_ranks`] picks rank 0's port again.
+const RANK_PORT_ATTEMPTS: u32 = 20;
 
 /// Closes a socket's guard, so that its port is free once the publisher's tasks are done.
 async fn close(guard: Option<ZmtpGuard>) {
@@ -169,6 +174,40 @@ impl Publisher {
             close(events_guard).await;
         });
         Ok((Publisher { tx, refused }, PublisherEndpoints { events, replay }))
+    }
+
+    /// A publisher for each of `ranks` data-parallel ranks, rank r on the endpoints' port + r
+    /// (`ipc://x_dp{r}`), as vLLM lays them out. With port 0 the system picks rank 0's port
+    /// and the others follow it; when one of those is taken, it starts over (a few times).
+    pub async fn bind_ranks(
+        config: &PublisherConfig,
+        events_endpoint: &str,
+        replay_endpoint: Option<&str>,
+        ranks: u32,
+        tracker: &TaskTracker,
+    ) -> Result<Vec<(Publisher, PublisherEndpoints)>, PublisherError> {
+        let picked = |endpoint: &str| endpoint.starts_with("tcp://") && endpoint.ends_with(":0");
+        let may_retry = picked(events_endpoint) || replay_endpoint.is_some_and(picked);
+        let mut attempt = 0;
+        'again: loop {
+            attempt += 1;
+            let first = Self::bind(config.clone(), events_endpoint, replay_endpoint, tracker).await?;
+            let base = first.1.clone();
+            let mut bound = vec![first];
+            for rank in 1..ranks {
+                let unplaced = |endpoint: &str| PublisherError::Rank { rank, endpoint: endpoint.to_owned() };
+                let at =
+                    |endpoint: &str| framing::rank_endpoint(endpoint, rank).ok_or_else(|| unplaced(endpoint));
+                let events = at(&base.events)?;
+                let replay = base.replay.as_deref().map(at).transpose()?;
+                match Self::bind(config.clone(), &events, replay.as_deref(), tracker).await {
+                    Ok(publisher) => bound.push(publisher),
+                    Err(_) if may_retry && attempt < RANK_PORT_ATTEMPTS => continue 'again,
+                    Err(e) => return Err(e),
+                }
+            }
+            return Ok(bound);
+        }
     }
 
     /// Connections the ZMTP guards cut for going over their limits, so far (shared: it

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::engine::{Engine, EngineConfig};
+use crate::engine::{Engine, EngineConfig, Ranks};
 use crate::grpc::AgentService;
 use crate::http;
 use crate::publisher::{Publisher, PublisherConfig};
@@ -26,7 +26,10 @@ pub struct RunningAgent {
     pub grpc_addr: SocketAddr,
     pub events_endpoint: String,
     pub replay_endpoint: Option<String>,
+    /// Rank 0's engine (the only one, unless `--data-parallel-size` says otherwise).
     pub engine: Engine,
+    /// Every data-parallel rank's engine; rank r publishes on the endpoints' port + r.
+    pub ranks: Ranks,
     pub tracker: TaskTracker,
     pub shutdown: CancellationToken,
 }
@@ -84,28 +87,41 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         buffer_steps: config.buffer_steps,
         ..PublisherConfig::default()
     };
-    let (publisher, endpoints) =
-        Publisher::bind(publisher_config, &config.events_endpoint, config.replay(), &tracker)
-            .await
-            .context("binding the event sockets")?;
-
-    let engine = Engine::start(
-        EngineConfig {
-            replica: config.name.clone(),
-            epoch,
-            cache: config.cache(),
-            max_num_seqs: config.max_num_seqs as usize,
-            max_num_batched_tokens: config.max_num_batched_tokens as usize,
-            max_waiting: config.max_waiting,
-            timing: config.timing(),
-            seed: config.seed,
-            shutdown_grace: Duration::from_secs(config.shutdown_grace_secs),
-        },
-        publisher,
+    let publishers = Publisher::bind_ranks(
+        &publisher_config,
+        &config.events_endpoint,
+        config.replay(),
+        config.data_parallel_size,
         &tracker,
-        shutdown.clone(),
     )
-    .context("starting the engine")?;
+    .await
+    .context("binding the event sockets")?;
+    let endpoints = publishers[0].1.clone();
+
+    let mut engines = Vec::with_capacity(publishers.len());
+    for (rank, (publisher, _)) in (0..).zip(publishers) {
+        let engine = Engine::start(
+            EngineConfig {
+                replica: config.name.clone(),
+                epoch,
+                dp_rank: rank,
+                cache: config.cache(),
+                max_num_seqs: config.max_num_seqs as usize,
+                max_num_batched_tokens: config.max_num_batched_tokens as usize,
+                max_waiting: config.max_waiting,
+                timing: config.timing(),
+                seed: config.seed,
+                shutdown_grace: Duration::from_secs(config.shutdown_grace_secs),
+            },
+            publisher,
+            &tracker,
+            shutdown.clone(),
+        )
+        .context("starting the engine")?;
+        engines.push(engine);
+    }
+    let ranks = Ranks::new(engines);
+    let engine = ranks.first().clone();
 
     let http_listener = TcpListener::bind(config.http_addr)
         .await
@@ -134,6 +150,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         event_format: config.event_format.as_str().into(),
         tokenizer: config.tokenizer.as_ref().map_or_else(|| "builtin".into(), |p| p.display().to_string()),
     };
+    // Snapshots and stats are rank 0's: a router resyncs the other ranks by replay.
     let grpc = AgentService::new(engine.clone(), info).into_server();
     let grpc_shutdown = shutdown.clone();
     tracker.spawn(async move {
@@ -147,12 +164,12 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         }
     });
 
-    let state = http::AppState::new(engine.clone(), tokenization, config.clone());
+    let state = http::AppState::new(ranks.clone(), tokenization, config.clone());
     tracker.spawn(http::serve(http_listener, state, shutdown.clone()));
 
     tracing::info!(
         name = %config.name, %epoch, http = %http_addr, grpc = %grpc_addr,
-        events = %endpoints.events, replay = ?endpoints.replay, "replica agent started"
+        events = %endpoints.events, replay = ?endpoints.replay, ranks = ranks.len(), "replica agent started"
     );
     Ok(RunningAgent {
         name: config.name.clone(),
@@ -162,6 +179,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         events_endpoint: endpoints.events,
         replay_endpoint: endpoints.replay,
         engine,
+        ranks,
         tracker,
         shutdown,
     })

@@ -223,26 +223,16 @@ impl ReplicaSpec {
     }
 }
 
-/// The endpoint data-parallel rank `rank` uses, vLLM's way: `tcp://h:P` → `tcp://h:P+rank`,
-/// `ipc://x` / `inproc://x` → `…x_dp{rank}`; rank 0 and port 0 are unchanged.
+/// The endpoint data-parallel rank `rank` uses ([`kvroute_proto::framing::rank_endpoint`]),
+/// to connect to: a `tcp://` endpoint must name a host.
 pub fn rank_endpoint(endpoint: &str, rank: u32) -> Result<String, SpecError> {
-    let bad = || SpecError::Endpoint(endpoint.to_owned());
-    if let Some(rest) = endpoint.strip_prefix("tcp://") {
-        let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
-        let port: u16 = port.parse().map_err(|_| bad())?;
-        if host.is_empty() || host == "*" {
-            return Err(SpecError::BindAddress(endpoint.to_owned()));
-        }
-        if rank == 0 || port == 0 {
-            return Ok(endpoint.to_owned());
-        }
-        let port = u32::from(port).checked_add(rank).filter(|p| *p <= u32::from(u16::MAX)).ok_or_else(bad)?;
-        return Ok(format!("tcp://{host}:{port}"));
+    if let Some((host, _)) = endpoint.strip_prefix("tcp://").and_then(|rest| rest.rsplit_once(':'))
+        && (host.is_empty() || host == "*")
+    {
+        return Err(SpecError::BindAddress(endpoint.to_owned()));
     }
-    if endpoint.starts_with("ipc://") || endpoint.starts_with("inproc://") {
-        return Ok(if rank == 0 { endpoint.to_owned() } else { format!("{endpoint}_dp{rank}") });
-    }
-    Err(bad())
+    kvroute_proto::framing::rank_endpoint(endpoint, rank)
+        .ok_or_else(|| SpecError::Endpoint(endpoint.to_owned()))
 }
 
 /// Checks a replica's base URL (its OpenAI API, or its gRPC service) and returns it without a

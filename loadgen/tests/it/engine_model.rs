@@ -58,6 +58,7 @@ async fn simulated_latencies_match_the_agent_engine() {
         EngineConfig {
             replica: "r0".into(),
             epoch: Epoch(1),
+            dp_rank: 0,
             cache: CacheConfig {
                 capacity_blocks: CAPACITY,
                 block_size: BLOCK_SIZE,

@@ -26,10 +26,12 @@
 //! is the reference the offline simulator reproduces.
 
 mod outbox;
+mod ranks;
 mod scheduler;
 mod textgen;
 mod timing;
 
+pub use ranks::Ranks;
 pub use textgen::TextGen;
 pub use timing::TimingModel;
 
@@ -76,6 +78,8 @@ impl StepBudget {
 pub struct EngineConfig {
     pub replica: String,
     pub epoch: Epoch,
+    /// The data-parallel rank this engine is (0 for a replica of one), in its event batches.
+    pub dp_rank: u32,
     pub cache: CacheConfig,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,

@@ -330,7 +330,7 @@ impl Scheduler {
                 seq,
                 ts_unix_nanos,
                 block_size: self.config.cache.block_size as u32,
-                dp_rank: 0,
+                dp_rank: self.config.dp_rank,
                 events,
             };
             if self.publisher.publish(batch).await {

@@ -22,6 +22,7 @@ fn config(capacity: usize, max_num_seqs: usize, max_waiting: usize) -> EngineCon
     EngineConfig {
         replica: "r".into(),
         epoch: Epoch(1),
+        dp_rank: 0,
         cache: CacheConfig {
             capacity_blocks: capacity,
             block_size: 4,

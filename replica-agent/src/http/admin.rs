@@ -115,10 +115,10 @@ fn with_max_tokens(body: &[u8]) -> Vec<u8> {
     }
 }
 
-/// `POST /reset_prefix_cache`: 200 once the cache is empty; 409 while running requests hold
-/// blocks (vLLM refuses then too).
+/// `POST /reset_prefix_cache`: 200 once every rank's cache is empty; 409 while running
+/// requests hold blocks (vLLM refuses then too).
 pub(super) async fn reset_prefix_cache(state: &AppState) -> Result<Response<Body>, ApiError> {
-    match state.engine().reset_prefix_cache().await {
+    match state.ranks().reset_prefix_cache().await {
         Ok(blocks) => {
             tracing::info!(blocks, "prefix cache reset");
             Ok(empty(StatusCode::OK))

@@ -140,12 +140,14 @@ struct ServerFields {
     include_usage: bool,
 }
 
-/// Serves one completion or chat completion request.
+/// Serves one completion or chat completion request, on data-parallel rank `rank` if the
+/// client named one.
 pub(super) async fn generate(
     state: &AppState,
     endpoint: Endpoint,
     body: &[u8],
     request_id: &str,
+    rank: Option<u32>,
 ) -> Result<Response<Body>, ApiError> {
     let (chat, keep, previous) = match endpoint {
         Endpoint::Responses => {
@@ -212,7 +214,9 @@ pub(super) async fn generate(
     let mut admitted = Vec::with_capacity(jobs.len());
     for job in jobs {
         let (max_tokens, prompt_tokens) = (job.max_tokens, job.prompt.len() as u32);
-        let rx = state.engine().submit(job).map_err(|e| match e {
+        // Each choice is an engine request of its own, placed on its own (as vLLM places them).
+        let engine = state.ranks().pick(rank).unwrap_or_else(|| state.engine());
+        let rx = engine.submit(job).map_err(|e| match e {
             SubmitError::Overloaded(_) => ApiError::overloaded(e.to_string()),
             SubmitError::ShuttingDown => ApiError::shutting_down(),
         })?;

@@ -2,7 +2,8 @@
 //! vLLM uses, so dashboards and the router's scrapers work unchanged against a simulated
 //! replica; kvroute's own extras are prefixed `kvroute_agent_`.
 //!
-//! Every sample has vLLM's `model_name` label. Counters end in `_total` (the `# TYPE` line
+//! Every sample has vLLM's `model_name` and `engine` labels: one sample a data-parallel rank
+//! (`engine="0"` alone for a replica of one). Counters end in `_total` (the `# TYPE` line
 //! names the sample, as Python's `prometheus_client` writes it). Values are read from the
 //! engine's atomics at scrape time, so the text is a cheap, lock-free read.
 //!
@@ -31,72 +32,92 @@ use hyper::header::{self, HeaderValue};
 use hyper::{Response, StatusCode};
 
 use super::{AppState, Body, full};
+use crate::engine::EngineMetrics;
 
 /// Prometheus' text exposition content type.
 const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Renders the metrics page.
 pub(super) fn render(state: &AppState) -> Response<Body> {
-    let engine = state.engine();
-    let m = engine.metrics();
-    let capacity = engine.config().cache.capacity_blocks as u64;
+    let engines = state.ranks().all();
     let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-    let used = load(&m.used_blocks);
-    let usage = if capacity == 0 { 0.0 } else { used as f64 / capacity as f64 };
+    // Each metric's value in every engine, rank 0 first.
+    let each = |value: &dyn Fn(&EngineMetrics) -> u64| -> Vec<u64> {
+        engines.iter().map(|engine| value(engine.metrics())).collect()
+    };
+    let capacity = engines.first().map_or(0, |engine| engine.config().cache.capacity_blocks as u64);
+    let usage: Vec<f64> = each(&|m| load(&m.used_blocks))
+        .into_iter()
+        .map(|used| if capacity == 0 { 0.0 } else { used as f64 / capacity as f64 })
+        .collect();
 
     let mut out = Exposition::new(&state.config().model);
     out.gauge(
         "vllm:num_requests_running",
         "Number of requests in model execution batches.",
-        load(&m.running),
+        each(&|m| load(&m.running)),
     );
-    out.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", load(&m.waiting));
+    out.gauge(
+        "vllm:num_requests_waiting",
+        "Number of requests waiting to be processed.",
+        each(&|m| load(&m.waiting)),
+    );
     out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage);
     out.counter(
         "vllm:prefix_cache_queries_total",
         "Prefix cache queries, in terms of number of queried tokens.",
-        load(&m.prefix_cache_queries),
+        each(&|m| load(&m.prefix_cache_queries)),
     );
     out.counter(
         "vllm:prefix_cache_hits_total",
         "Prefix cache hits, in terms of number of cached tokens.",
-        load(&m.prefix_cache_hits),
+        each(&|m| load(&m.prefix_cache_hits)),
     );
-    out.counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.", load(&m.prompt_tokens));
+    out.counter(
+        "vllm:prompt_tokens_total",
+        "Number of prefill tokens processed.",
+        each(&|m| load(&m.prompt_tokens)),
+    );
     out.counter(
         "vllm:generation_tokens_total",
         "Number of generation tokens processed.",
-        load(&m.generation_tokens),
+        each(&|m| load(&m.generation_tokens)),
     );
     out.family("vllm:request_success_total", "counter", "Count of successfully processed requests.");
-    out.sample("vllm:request_success_total", &[("finished_reason", "length")], load(&m.requests_served));
+    for (rank, served) in each(&|m| load(&m.requests_served)).into_iter().enumerate() {
+        out.sample("vllm:request_success_total", rank, &[("finished_reason", "length")], served);
+    }
     out.counter(
         "kvroute_agent_requests_failed_total",
         "Requests the engine failed.",
-        load(&m.requests_failed),
+        each(&|m| load(&m.requests_failed)),
     );
     out.counter(
         "kvroute_agent_events_published_total",
         "KV event batches published.",
-        load(&m.events_published),
+        each(&|m| load(&m.events_published)),
     );
     out.counter(
         "kvroute_agent_zmtp_refused_total",
         "Event and replay connections cut for going over the ZMTP guard's limits.",
-        load(&m.zmtp_refused),
+        each(&|m| load(&m.zmtp_refused)),
     );
-    out.counter("kvroute_agent_steps_total", "Scheduler steps run.", load(&m.steps));
+    out.counter("kvroute_agent_steps_total", "Scheduler steps run.", each(&|m| load(&m.steps)));
     out.gauge(
         "kvroute_agent_pending_prefill_tokens",
         "Uncached prompt tokens of admitted requests still to prefill.",
-        load(&m.pending_prefill_tokens),
+        each(&|m| load(&m.pending_prefill_tokens)),
     );
     out.gauge(
         "kvroute_agent_resident_blocks",
         "Blocks resident in the prefix cache.",
-        load(&m.resident_blocks),
+        each(&|m| load(&m.resident_blocks)),
     );
-    out.gauge("kvroute_agent_capacity_blocks", "Prefix-cache capacity in blocks.", capacity);
+    out.gauge(
+        "kvroute_agent_capacity_blocks",
+        "Prefix-cache capacity in blocks.",
+        vec![capacity; engines.len()],
+    );
 
     let mut response = Response::new(full(out.text));
     *response.status_mut() = StatusCode::OK;
@@ -104,7 +125,8 @@ pub(super) fn render(state: &AppState) -> Response<Body> {
     response
 }
 
-/// A Prometheus text page being written; every sample gets the `model_name` label.
+/// A Prometheus text page being written; every sample gets the `model_name` label and its
+/// engine's (`engine`, the data-parallel rank), as vLLM labels them.
 struct Exposition {
     text: String,
     model_label: String,
@@ -120,23 +142,28 @@ impl Exposition {
         let _ = writeln!(self.text, "# HELP {name} {help}\n# TYPE {name} {kind}");
     }
 
-    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: impl std::fmt::Display) {
-        let _ = write!(self.text, "{name}{{model_name=\"{}\"", self.model_label);
+    fn sample(&mut self, name: &str, engine: usize, labels: &[(&str, &str)], value: impl std::fmt::Display) {
+        let _ = write!(self.text, "{name}{{model_name=\"{}\",engine=\"{engine}\"", self.model_label);
         for (k, v) in labels {
             let _ = write!(self.text, ",{k}=\"{}\"", escape(v));
         }
         let _ = writeln!(self.text, "}} {value}");
     }
 
-    fn gauge(&mut self, name: &str, help: &str, value: impl std::fmt::Display) {
+    /// A gauge's family and a sample of each engine's value, rank 0 first.
+    fn gauge<T: std::fmt::Display>(&mut self, name: &str, help: &str, values: Vec<T>) {
         self.family(name, "gauge", help);
-        self.sample(name, &[], value);
+        for (engine, value) in values.into_iter().enumerate() {
+            self.sample(name, engine, &[], value);
+        }
     }
 
-    fn counter(&mut self, name: &str, help: &str, value: u64) {
+    fn counter(&mut self, name: &str, help: &str, values: Vec<u64>) {
         debug_assert!(name.ends_with("_total"));
         self.family(name, "counter", help);
-        self.sample(name, &[], value);
+        for (engine, value) in values.into_iter().enumerate() {
+            self.sample(name, engine, &[], value);
+        }
     }
 }
 
@@ -152,12 +179,13 @@ mod tests {
     #[test]
     fn samples_carry_the_escaped_model_label() {
         let mut out = Exposition::new("a\"b");
-        out.counter("x_total", "help", 3);
-        out.sample("y", &[("k", "v")], 1.5);
+        out.counter("x_total", "help", vec![3, 4]);
+        out.sample("y", 0, &[("k", "v")], 1.5);
         assert_eq!(
             out.text,
-            "# HELP x_total help\n# TYPE x_total counter\nx_total{model_name=\"a\\\"b\"} 3\n\
-             y{model_name=\"a\\\"b\",k=\"v\"} 1.5\n"
+            "# HELP x_total help\n# TYPE x_total counter\nx_total{model_name=\"a\\\"b\",engine=\"0\"} 3\n\
+             x_total{model_name=\"a\\\"b\",engine=\"1\"} 4\n\
+             y{model_name=\"a\\\"b\",engine=\"0\",k=\"v\"} 1.5\n"
         );
     }
 }

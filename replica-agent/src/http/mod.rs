@@ -57,7 +57,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::engine::Engine;
+use crate::engine::{Engine, Ranks};
 
 /// Response body of every route: a full buffer, or a stream of SSE frames.
 pub(crate) type Body = UnsyncBoxBody<Bytes, Infallible>;
@@ -69,7 +69,7 @@ pub struct AppState {
 }
 
 struct Inner {
-    engine: Engine,
+    ranks: Ranks,
     tokenization: Arc<Tokenization>,
     config: Arc<Config>,
     /// Unix seconds at startup, the `created` of `/v1/models` entries.
@@ -83,11 +83,11 @@ struct Inner {
 impl AppState {
     /// The state the API serves from. `tokenization` must be the one the router uses, so
     /// that `/tokenize`, generation and the router agree on token ids.
-    pub fn new(engine: Engine, tokenization: Arc<Tokenization>, config: Arc<Config>) -> Self {
+    pub fn new(ranks: Ranks, tokenization: Arc<Tokenization>, config: Arc<Config>) -> Self {
         let store = config.responses_store;
         AppState {
             inner: Arc::new(Inner {
-                engine,
+                ranks,
                 tokenization,
                 config,
                 started: unix_now(),
@@ -97,8 +97,13 @@ impl AppState {
         }
     }
 
+    /// Rank 0's engine, whose settings are every rank's.
     pub(crate) fn engine(&self) -> &Engine {
-        &self.inner.engine
+        self.inner.ranks.first()
+    }
+
+    pub(crate) fn ranks(&self) -> &Ranks {
+        &self.inner.ranks
     }
 
     pub(crate) fn tokenization(&self) -> &Tokenization {
@@ -259,20 +264,24 @@ async fn dispatch(
     use kvroute_proto::openai::Endpoint;
     match route {
         Route::Completions => {
+            let rank = data_parallel_rank(state, &req)?;
             let body = read_body(state, req).await?;
-            generate::generate(state, Endpoint::Completions, &body, request_id).await
+            generate::generate(state, Endpoint::Completions, &body, request_id, rank).await
         }
         Route::ChatCompletions => {
+            let rank = data_parallel_rank(state, &req)?;
             let body = read_body(state, req).await?;
-            generate::generate(state, Endpoint::ChatCompletions, &body, request_id).await
+            generate::generate(state, Endpoint::ChatCompletions, &body, request_id, rank).await
         }
         Route::Messages => {
+            let rank = data_parallel_rank(state, &req)?;
             let body = read_body(state, req).await?;
-            generate::generate(state, Endpoint::Messages, &body, request_id).await
+            generate::generate(state, Endpoint::Messages, &body, request_id, rank).await
         }
         Route::Responses => {
+            let rank = data_parallel_rank(state, &req)?;
             let body = read_body(state, req).await?;
-            generate::generate(state, Endpoint::Responses, &body, request_id).await
+            generate::generate(state, Endpoint::Responses, &body, request_id, rank).await
         }
         Route::Retrieve | Route::Cancel => {
             let (id, _) = stored_response(req.uri().path()).unwrap_or_default();
@@ -293,6 +302,23 @@ async fn dispatch(
         Route::Metrics => Ok(metrics::render(state)),
     }
 }
+
+/// The rank `X-data-parallel-rank` sends a request to, if it names one; a value that is no
+/// rank of this replica is refused, as vLLM refuses it.
+fn data_parallel_rank(state: &AppState, req: &Request<Incoming>) -> Result<Option<u32>, ApiError> {
+    let Some(value) = req.headers().get(X_DATA_PARALLEL_RANK) else { return Ok(None) };
+    let ranks = state.ranks().len();
+    let rank = value.to_str().ok().and_then(|v| v.trim().parse::<u32>().ok());
+    match rank {
+        Some(rank) if (rank as usize) < ranks => Ok(Some(rank)),
+        _ => Err(ApiError::bad_request(format!(
+            "{X_DATA_PARALLEL_RANK} {value:?} is not a data-parallel rank of this replica (0 to {})",
+            ranks - 1
+        ))),
+    }
+}
+
+const X_DATA_PARALLEL_RANK: &str = "x-data-parallel-rank";
 
 /// The whole request body, refused with 413 past `max_body_bytes`.
 async fn read_body(state: &AppState, req: Request<Incoming>) -> Result<Bytes, ApiError> {

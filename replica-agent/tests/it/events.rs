@@ -14,7 +14,7 @@ use zeromq::{DealerSocket, SubSocket, ZmqMessage};
 use crate::support::{Agent, MODEL, config};
 
 /// Every batch the agent published so far, from its replay socket.
-async fn replay_all(endpoint: &str) -> Vec<pb::EventBatch> {
+pub(crate) async fn replay_all(endpoint: &str) -> Vec<pb::EventBatch> {
     let mut dealer = DealerSocket::new();
     dealer.connect(endpoint).await.unwrap();
     let req = ZmqMessage::try_from(framing::encode_replay_request(Seq(0))).unwrap();
@@ -29,7 +29,7 @@ async fn replay_all(endpoint: &str) -> Vec<pb::EventBatch> {
     }
 }
 
-fn stored(batches: &[pb::EventBatch]) -> Vec<&pb::BlockStored> {
+pub(crate) fn stored(batches: &[pb::EventBatch]) -> Vec<&pb::BlockStored> {
     batches
         .iter()
         .flat_map(|b| &b.events)

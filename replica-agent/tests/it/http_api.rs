@@ -337,7 +337,8 @@ async fn next_data(body: &mut hyper::body::Incoming) -> bytes::Bytes {
 }
 
 /// A Prometheus text page as `name{labels}` → value, checking the format on the way:
-/// every sample has a `# TYPE`, counters end in `_total`, every sample names the model.
+/// every sample has a `# TYPE`, counters end in `_total`, every sample names the model and
+/// the engine (the only one: `engine="0"`), as vLLM labels them.
 fn parse_metrics(text: &str) -> BTreeMap<String, f64> {
     let mut types = BTreeMap::new();
     let mut samples = BTreeMap::new();
@@ -352,7 +353,7 @@ fn parse_metrics(text: &str) -> BTreeMap<String, f64> {
             let name = series.split('{').next().expect("name");
             let kind = types.get(name).unwrap_or_else(|| panic!("{name} has no # TYPE"));
             assert_eq!(kind == "counter", name.ends_with("_total"), "{line}");
-            assert!(series.contains(&format!("model_name=\"{MODEL}\"")), "{line}");
+            assert!(series.contains(&format!("{{model_name=\"{MODEL}\",engine=\"0\"")), "{line}");
             let value: f64 = value.parse().unwrap_or_else(|_| panic!("bad value in {line:?}"));
             samples.insert(name.to_owned(), value);
         }

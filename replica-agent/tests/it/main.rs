@@ -4,6 +4,8 @@
 //! - `http_api`: the OpenAI-compatible API: shapes, streaming, cached tokens, errors,
 //!   `/tokenize`, `/metrics`, `/reset_prefix_cache`, shutdown.
 //! - `events`: KV events over a real ZMQ SUB and DEALER, and the gRPC `ReplicaAgent` service.
+//! - `ranks`: data-parallel ranks: a cache and an event stream each, the rank header, the
+//!   balancer, per-engine metrics.
 //! - `cli`: the binary's refusals of bad flags and settings.
 //! - `limits`: request fields that must not overflow the agent's checks.
 
@@ -11,4 +13,5 @@ mod cli;
 mod events;
 mod http_api;
 mod limits;
+mod ranks;
 mod support;

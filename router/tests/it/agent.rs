@@ -39,6 +39,7 @@ impl RealAgent {
             EngineConfig {
                 replica: "real-agent".into(),
                 epoch: Epoch(0x0123_4567),
+                dp_rank: 0,
                 cache: CacheConfig {
                     capacity_blocks: 48,
                     block_size: BLOCK as usize,

@@ -1,7 +1,8 @@
 //! A data-parallel replica (one API server, an engine and an event stream per rank): the
 //! router sends a request to the rank that holds its prefix, named in `X-data-parallel-rank`
 //! as vLLM and SGLang read it, and predicts what that rank holds. Real ZeroMQ streams (one
-//! per rank, on adjacent ports) and a real HTTP replica that records what it is sent.
+//! per rank, on adjacent ports) and a real HTTP replica that records what it is sent; then a
+//! real agent with two ranks.
 
 use std::time::Duration;
 
@@ -9,7 +10,7 @@ use kvroute_proto::BlockHash;
 use kvroute_proto::pb::{self, router_admin_client::RouterAdminClient};
 use serde_json::json;
 
-use crate::fleet::Http;
+use crate::fleet::{FLEET_MODEL, Fleet, Http, agent_config};
 use crate::headers::recording_replica;
 use crate::support::{
     BLOCK, MODEL, WAIT, batch, chain, cleared_event, rank_publishers, removed_event, store_chain, wait_until,
@@ -111,4 +112,32 @@ async fn a_request_goes_to_the_rank_that_holds_its_prefix() {
     wait_until("the removal applied", || held(&chain(&a)) == [0, 2]).await;
     wait_until("the clear applied", || held(&chain(&b)) == [0, 0]).await;
     shutdown.cancel();
+}
+
+/// A real agent with two ranks behind the router: each prompt is served by one rank, and
+/// its repeat by the same rank, which finds it cached as the router predicted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_data_parallel_agent_hits_where_the_router_predicts() {
+    let ranks = |name: &str| kvroute_replica_agent::Config { data_parallel_size: 2, ..agent_config(name) };
+    let fleet = Fleet::with(1, ranks, |c| c).await;
+    let send = async |prompt: &str| {
+        let body = json!({"model": FLEET_MODEL, "prompt": prompt, "max_tokens": 1});
+        let reply = fleet.http.post(&fleet.url("/v1/completions"), &body).await;
+        assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+        let predicted: u64 = reply.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
+        let rank = reply.header("x-kvroute-rank").expect("a rank").to_owned();
+        (rank, predicted, reply.cached_tokens())
+    };
+    let mut used = std::collections::BTreeSet::new();
+    for i in 0..8 {
+        let prompt = format!("prompt {i} of a conversation with some words in it to fill blocks");
+        let (rank, predicted, cached) = send(&prompt).await;
+        assert_eq!((predicted, cached), (0, 0), "a new prompt");
+        let (again, predicted, cached) = send(&prompt).await;
+        assert_eq!(again, rank, "the repeat goes to the rank that holds it");
+        assert!(cached > 0 && predicted == cached, "prompt {i}: predicted {predicted}, cached {cached}");
+        used.insert(rank);
+    }
+    assert_eq!(used.len(), 2, "new prompts are spread over the ranks: {used:?}");
+    fleet.shutdown.cancel();
 }

@@ -41,6 +41,7 @@ pub struct Agent {
     pub replay_endpoint: Option<String>,
     pub grpc_url: String,
     pub engine: kvroute_replica_agent::engine::Engine,
+    pub ranks: kvroute_replica_agent::engine::Ranks,
     shutdown: CancellationToken,
     tracker: TaskTracker,
 }
@@ -65,6 +66,7 @@ impl Agent {
             replay_endpoint: running.replay_endpoint.clone(),
             grpc_url: running.grpc_url(),
             engine: running.engine.clone(),
+            ranks: running.ranks.clone(),
             shutdown,
             tracker: running.tracker.clone(),
         }
