@@ -16,23 +16,37 @@
 //! replicas are, and a new prefix goes to the least loaded rank (between equals, by a
 //! rendezvous hash of the request and the replica's name, so that routers in front of one
 //! replica agree), credited there
-//! so that the requests right behind it follow. The rank's load is this router's alone: the
-//! replica's own balancing, which sees every client's, is not asked.
+//! so that the requests right behind it follow. A rank's load is the sequences this router
+//! has in flight there, and the others' work the replica reports on it: vLLM labels its
+//! `num_requests_running` and `_waiting` by engine (`engine="r"`), read with each health check
+//! as the replica's totals are ([`Ranks::set_reported`]).
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use kvroute_proto::{BlockHash, ReplicaId};
 
 use super::{CreditHold, SharedIndex};
+use crate::policy::ReportMark;
 
-/// The rank index of one data-parallel replica and the load this router put on each rank.
+/// The rank index of one data-parallel replica and the load on each rank.
 #[derive(Debug)]
 pub struct Ranks {
     /// Blocks by rank (`ReplicaId(rank)`), with credits of the requests sent to a rank.
     pub index: SharedIndex,
-    /// Sequences in flight on each rank, as named by this router.
-    in_flight: Box<[AtomicU32]>,
+    load: Box<[RankLoad]>,
+}
+
+/// One rank's load.
+#[derive(Debug, Default)]
+struct RankLoad {
+    /// Sequences in flight on the rank, as named by this router.
+    in_flight: AtomicU32,
+    /// Sequences ever sent to it (for [`ReportMark`]).
+    begun: AtomicU64,
+    /// Requests the replica reported on the rank at its last health check beyond this
+    /// router's own.
+    others: AtomicU32,
 }
 
 /// A rank's hold of a request's prefix, and its load.
@@ -43,22 +57,24 @@ pub struct RankView {
     pub overlap_blocks: usize,
     /// Sequences this router has in flight on it.
     pub in_flight: u32,
+    /// Others' requests the replica last reported on it.
+    pub others: u32,
 }
 
 impl Ranks {
     pub fn new(dp_size: u32, credit_ttl: Duration) -> Self {
         Self {
             index: SharedIndex::with_credit_ttl(credit_ttl),
-            in_flight: (0..dp_size.max(1)).map(|_| AtomicU32::new(0)).collect(),
+            load: (0..dp_size.max(1)).map(|_| RankLoad::default()).collect(),
         }
     }
 
     pub fn len(&self) -> u32 {
-        self.in_flight.len() as u32
+        self.load.len() as u32
     }
 
     pub fn is_empty(&self) -> bool {
-        self.in_flight.is_empty()
+        self.load.is_empty()
     }
 
     /// Every rank's overlap of `blocks` (its index overlap extended through its credits)
@@ -69,14 +85,34 @@ impl Ranks {
             credits
                 .extend_each(blocks, ranks.clone().map(|r| Some((ReplicaId(r), overlaps.get(ReplicaId(r))))))
         });
-        ranks
+        (self.load.iter().zip(0..))
             .zip(overlaps)
-            .map(|(rank, overlap_blocks)| RankView { rank, overlap_blocks, in_flight: self.in_flight(rank) })
+            .map(|((load, rank), overlap_blocks)| RankView {
+                rank,
+                overlap_blocks,
+                in_flight: load.in_flight.load(Ordering::Relaxed),
+                others: load.others.load(Ordering::Relaxed),
+            })
             .collect()
     }
 
-    fn in_flight(&self, rank: u32) -> u32 {
-        self.in_flight.get(rank as usize).map_or(0, |n| n.load(Ordering::Relaxed))
+    /// Every rank's [`ReportMark`] as a health check begins.
+    pub fn report_marks(&self) -> Vec<ReportMark> {
+        let mark = |load: &RankLoad| ReportMark {
+            in_flight: load.in_flight.load(Ordering::Relaxed),
+            begun: load.begun.load(Ordering::Relaxed),
+        };
+        self.load.iter().map(mark).collect()
+    }
+
+    /// What the replica reports running and waiting on each rank (`reported(rank)`; `None`:
+    /// nothing for it), the health check having begun at `marks`: the excess over this
+    /// router's own is the rank's others.
+    pub fn set_reported(&self, marks: &[ReportMark], reported: impl Fn(u32) -> Option<u32>) {
+        for ((load, mark), rank) in self.load.iter().zip(marks).zip(0..) {
+            let others = reported(rank).map_or(0, |n| mark.others(n, load.begun.load(Ordering::Relaxed)));
+            load.others.store(others, Ordering::Relaxed);
+        }
     }
 
     /// A request of `sequences` is sent to `rank`, which held `held` of its `blocks` (index
@@ -92,8 +128,9 @@ impl Ranks {
         blocks: &[BlockHash],
         held: usize,
     ) -> RankGuard {
-        if let Some(n) = self.in_flight.get(rank as usize) {
-            n.fetch_add(sequences, Ordering::Relaxed);
+        if let Some(load) = self.load.get(rank as usize) {
+            load.in_flight.fetch_add(sequences, Ordering::Relaxed);
+            load.begun.fetch_add(u64::from(sequences), Ordering::Relaxed);
         }
         let added = super::added_past(blocks, held);
         let hold = CreditHold::pin(&self.index, ReplicaId(rank), blocks.to_vec());
@@ -159,8 +196,8 @@ impl RankGuard {
 
 impl Drop for RankGuard {
     fn drop(&mut self) {
-        if let Some(n) = self.ranks.in_flight.get(self.rank as usize) {
-            n.fetch_sub(self.sequences, Ordering::Relaxed);
+        if let Some(load) = self.ranks.load.get(self.rank as usize) {
+            load.in_flight.fetch_sub(self.sequences, Ordering::Relaxed);
         }
         if !self.kept {
             self.withdraw();

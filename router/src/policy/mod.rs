@@ -83,6 +83,24 @@ pub struct Load {
     pub others: u32,
 }
 
+/// This router's sequences on a replica (or a rank) as a health check begins: in flight,
+/// and ever sent. A report read after it holds at most those and the ones sent since of this
+/// router's own; the rest is others' work ([`Load::others`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReportMark {
+    pub in_flight: u32,
+    pub begun: u64,
+}
+
+impl ReportMark {
+    /// Of `reported` requests (running and waiting), those beyond this router's own, when it
+    /// has begun `begun_now` sequences in all by the time the report is read.
+    pub fn others(&self, reported: u32, begun_now: u64) -> u32 {
+        let ours = u64::from(self.in_flight).saturating_add(begun_now.saturating_sub(self.begun));
+        u64::from(reported).saturating_sub(ours) as u32
+    }
+}
+
 /// One candidate replica for a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReplicaView {

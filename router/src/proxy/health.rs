@@ -123,19 +123,31 @@ async fn check(
     // This router's own requests during the scrape: those in flight as it begins and those
     // sent meanwhile are the most the report can hold of them.
     let mark = member.upstream.report_mark();
-    let report = match healthy {
+    let ranks = member.replica.ranks.get();
+    let rank_marks = ranks.map(|ranks| ranks.report_marks());
+    let page = match healthy {
         true => match get(client, &format!("{base}/metrics"), timeout).await {
-            Some((status, body)) if status.is_success() => {
-                match (gauge_sum(&body, &WAITING_GAUGES), gauge_sum(&body, &RUNNING_GAUGES)) {
-                    (None, None) => None,
-                    (waiting, running) => Some((waiting.unwrap_or(0), running.unwrap_or(0))),
-                }
-            }
+            Some((status, body)) if status.is_success() => Some(body),
             _ => None,
         },
         false => None,
     };
+    let page = page.as_deref().unwrap_or_default();
+    let report = match (gauge_sum(page, &WAITING_GAUGES), gauge_sum(page, &RUNNING_GAUGES)) {
+        (None, None) => None,
+        (waiting, running) => Some((waiting.unwrap_or(0), running.unwrap_or(0))),
+    };
     member.upstream.set_reported(report, mark);
+    // Each rank's, where the replica labels them by engine (vLLM).
+    if let (Some(ranks), Some(marks)) = (ranks, rank_marks) {
+        ranks.set_reported(&marks, |rank| {
+            let (waiting, running) = (
+                engine_gauge_sum(page, &WAITING_GAUGES, rank),
+                engine_gauge_sum(page, &RUNNING_GAUGES, rank),
+            );
+            waiting.or(running).map(|_| waiting.unwrap_or(0).saturating_add(running.unwrap_or(0)))
+        });
+    }
     if !healthy {
         return None;
     }
@@ -181,21 +193,58 @@ const RUNNING_GAUGES: [&str; 2] = ["vllm:num_requests_running", "sglang:num_runn
 /// `vllm:num_requests_waiting{...} 3` → 3 for `gauges` naming it (summed over label sets, e.g.
 /// per engine); `None` when no gauge is there.
 fn gauge_sum(metrics: &[u8], gauges: &[&str]) -> Option<u32> {
-    let text = std::str::from_utf8(metrics).ok()?;
-    let mut total = None;
-    for line in text.lines() {
-        let Some(rest) = gauges.iter().find_map(|gauge| line.strip_prefix(gauge)) else { continue };
-        // The value is the first field after the labels; a timestamp may follow it.
-        let after_labels = match rest.strip_prefix('{') {
-            Some(labels) => &labels[labels.rfind('}')? + 1..],
-            None if rest.starts_with(' ') => rest,
-            None => continue,
+    samples(metrics, gauges).map(|(_, value)| value).reduce(u32::saturating_add)
+}
+
+/// [`gauge_sum`] of the samples labelled `engine="rank"` (vLLM's data-parallel ranks).
+fn engine_gauge_sum(metrics: &[u8], gauges: &[&str], rank: u32) -> Option<u32> {
+    let rank = rank.to_string();
+    samples(metrics, gauges)
+        .filter(|(labels, _)| labels.iter().any(|&(key, value)| key == "engine" && value == rank))
+        .map(|(_, value)| value)
+        .reduce(u32::saturating_add)
+}
+
+/// The samples of `gauges` in a Prometheus text page: their labels (values as written) and
+/// values. A sample that does not parse is passed over.
+fn samples<'a>(
+    metrics: &'a [u8],
+    gauges: &'a [&str],
+) -> impl Iterator<Item = (Vec<(&'a str, &'a str)>, u32)> + 'a {
+    let text = std::str::from_utf8(metrics).unwrap_or_default();
+    text.lines().filter_map(move |line| {
+        let rest = gauges.iter().find_map(|gauge| line.strip_prefix(gauge))?;
+        let (labels, rest) = match rest.strip_prefix('{') {
+            Some(labels) => split_labels(labels)?,
+            None if rest.starts_with(' ') => (Vec::new(), rest),
+            None => return None,
         };
-        let value = after_labels.split_whitespace().next()?.parse::<f64>().ok()?;
-        let total = total.get_or_insert(0u32);
-        *total = total.saturating_add(value as u32);
+        // The value is the first field after the labels; a timestamp may follow it.
+        let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
+        Some((labels, value as u32))
+    })
+}
+
+/// `k="v",k2="v2"}rest` (a label set after its `{`) as its pairs and the rest; `None` if it
+/// is not one. Values are as written (escapes kept), a `"` escaped within them skipped.
+fn split_labels(mut text: &str) -> Option<(Vec<(&str, &str)>, &str)> {
+    let mut labels = Vec::new();
+    loop {
+        text = text.trim_start();
+        if let Some(rest) = text.strip_prefix('}') {
+            return Some((labels, rest));
+        }
+        let (key, rest) = text.split_once('=')?;
+        let value = rest.trim_start().strip_prefix('"')?;
+        let mut end = 0;
+        let bytes = value.as_bytes();
+        while *bytes.get(end)? != b'"' {
+            end += if bytes[end] == b'\\' { 2 } else { 1 };
+        }
+        labels.push((key.trim(), &value[..end]));
+        text = value[end + 1..].trim_start();
+        text = text.strip_prefix(',').unwrap_or(text);
     }
-    total
 }
 
 #[cfg(test)]
@@ -205,6 +254,22 @@ mod tests {
         let page =
             "vllm:num_requests_waiting{engine=\"0\"} 4e9\nvllm:num_requests_waiting{engine=\"1\"} 4e9\n";
         assert_eq!(super::gauge_sum(page.as_bytes(), &super::WAITING_GAUGES), Some(u32::MAX));
+    }
+
+    #[test]
+    fn reads_each_engines_requests() {
+        let page = br#"vllm:num_requests_running{model_name="a \"engine=\"1\" b",engine="0"} 2
+vllm:num_requests_running{model_name="m",engine="1"} 5 1700000000000
+vllm:num_requests_waiting{engine="1",model_name="m"} 1
+vllm:num_requests_waiting{model_name="m"} 9
+vllm:num_requests_running{engine="2" 7
+"#;
+        let by = |gauges: &[&str], rank| super::engine_gauge_sum(page, gauges, rank);
+        assert_eq!((by(&super::RUNNING_GAUGES, 0), by(&super::WAITING_GAUGES, 0)), (Some(2), None));
+        assert_eq!((by(&super::RUNNING_GAUGES, 1), by(&super::WAITING_GAUGES, 1)), (Some(5), Some(1)));
+        assert_eq!(by(&super::RUNNING_GAUGES, 2), None, "a label set that does not end is passed over");
+        assert_eq!(super::gauge_sum(page, &super::RUNNING_GAUGES), Some(7));
+        assert_eq!(super::gauge_sum(page, &super::WAITING_GAUGES), Some(10));
     }
 
     #[test]

@@ -454,7 +454,7 @@ fn best_rank(
         .map(|r| ReplicaView {
             id: ReplicaId(r.rank),
             overlap_blocks: reused(r.overlap_blocks),
-            load: policy::Load { in_flight: r.in_flight, ..policy::Load::default() },
+            load: policy::Load { in_flight: r.in_flight, others: r.others, ..policy::Load::default() },
             stream: PbState::Exact,
             eligible: true,
         })
@@ -491,7 +491,12 @@ mod tests {
     fn chosen(overlaps: &[usize], in_flight: &[u32], key: u64) -> Option<(u32, usize)> {
         let request = RequestView { prompt_tokens: 512, blocks: 32, block_size: 16, key };
         let ranks: Vec<RankView> = (0..overlaps.len())
-            .map(|r| RankView { rank: r as u32, overlap_blocks: overlaps[r], in_flight: in_flight[r] })
+            .map(|r| RankView {
+                rank: r as u32,
+                overlap_blocks: overlaps[r],
+                in_flight: in_flight[r],
+                others: 0,
+            })
             .collect();
         best_rank(&policy::CacheAware::default(), &request, &ranks, |blocks| blocks)
     }

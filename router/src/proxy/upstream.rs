@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::policy::{Load, RecentTokens};
+use crate::policy::{Load, RecentTokens, ReportMark};
 
 /// Why a replica is not eligible right now, if it is not.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -331,18 +331,9 @@ impl Upstream {
     pub fn set_reported(&self, report: Option<(u32, u32)>, mark: ReportMark) {
         let (waiting, running) = report.unwrap_or_default();
         self.reported_waiting.store(waiting, Ordering::Relaxed);
-        let since = self.begun.load(Ordering::Relaxed).saturating_sub(mark.begun);
-        let ours = u64::from(mark.in_flight).saturating_add(since);
-        let others = u64::from(waiting.saturating_add(running)).saturating_sub(ours);
-        self.others.store(others as u32, Ordering::Relaxed);
+        let others = mark.others(waiting.saturating_add(running), self.begun.load(Ordering::Relaxed));
+        self.others.store(others, Ordering::Relaxed);
     }
-}
-
-/// [`Upstream::report_mark`]: this router's sequences as a health check begins.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ReportMark {
-    in_flight: u32,
-    begun: u64,
 }
 
 /// Why each of `upstreams` may not take a new request now (`None`: it may).

@@ -272,11 +272,21 @@ impl Http {
 
     /// Sends a request and returns the response with its body still streaming.
     pub async fn stream(&self, url: &str, json: &Value) -> http::Response<hyper::body::Incoming> {
-        let request = Request::post(url)
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(json.to_string())))
-            .unwrap();
-        self.client.request(request).await.unwrap()
+        self.stream_with(url, json, &[]).await
+    }
+
+    /// [`Self::stream`] with `headers`.
+    pub async fn stream_with(
+        &self,
+        url: &str,
+        json: &Value,
+        headers: &[(&str, &str)],
+    ) -> http::Response<hyper::body::Incoming> {
+        let mut request = Request::post(url).header("content-type", "application/json");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        self.client.request(request.body(Full::new(Bytes::from(json.to_string()))).unwrap()).await.unwrap()
     }
 }
 

@@ -10,7 +10,7 @@ use kvroute_proto::BlockHash;
 use kvroute_proto::pb::{self, router_admin_client::RouterAdminClient};
 use serde_json::json;
 
-use crate::fleet::{FLEET_MODEL, Fleet, Http, agent_config};
+use crate::fleet::{FLEET_MODEL, Fleet, Http, agent_config, first_data};
 use crate::headers::recording_replica;
 use crate::support::{
     BLOCK, MODEL, WAIT, batch, chain, cleared_event, rank_publishers, removed_event, store_chain, wait_until,
@@ -139,5 +139,44 @@ async fn a_real_data_parallel_agent_hits_where_the_router_predicts() {
         used.insert(rank);
     }
     assert_eq!(used.len(), 2, "new prompts are spread over the ranks: {used:?}");
+    fleet.shutdown.cancel();
+}
+
+/// Work other clients put on a rank (vLLM reports it by engine) steers new prefixes to the
+/// other rank: the rank's load is not this router's alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn others_work_on_a_rank_sends_new_prefixes_to_the_other() {
+    // Real time: the other client's streams run 2000 steps of at least 6 ms.
+    let ranks = |name: &str| kvroute_replica_agent::Config {
+        data_parallel_size: 2,
+        time_scale: 1.0,
+        ..agent_config(name)
+    };
+    let fleet = Fleet::with(1, ranks, |c| c).await;
+    let agent = fleet.agent(0).http_url();
+    let long =
+        json!({"model": FLEET_MODEL, "prompt": "another client's", "max_tokens": 2000, "stream": true});
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let response = fleet
+            .http
+            .stream_with(&format!("{agent}/v1/completions"), &long, &[("x-data-parallel-rank", "0")])
+            .await;
+        assert_eq!(response.status(), 200);
+        let mut body = response.into_body();
+        first_data(&mut body).await;
+        streams.push(body);
+    }
+    let ranks = fleet.router.fleet().member("agent-0").unwrap().replica.ranks.get().cloned().expect("ranks");
+    let others = || ranks.views(&[]).iter().map(|v| v.others).collect::<Vec<_>>();
+    wait_until("a health check saw rank 0's work", || others() == [2, 0]).await;
+
+    for i in 0..6 {
+        let body = json!({"model": FLEET_MODEL, "prompt": format!("new prompt {i}"), "max_tokens": 1});
+        let reply = fleet.http.post(&fleet.url("/v1/completions"), &body).await;
+        assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+        assert_eq!(reply.header("x-kvroute-rank"), Some("1"), "prompt {i} goes to the idle rank");
+    }
+    drop(streams);
     fleet.shutdown.cancel();
 }
