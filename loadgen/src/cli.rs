@@ -1,5 +1,5 @@
-//! The `kvroute-loadgen` command line: `simulate` (the offline simulator) and `generate`
-//! (write a synthetic workload as a Mooncake trace).
+//! The `kvroute-loadgen` command line: `simulate` (the offline simulator), `generate` (write a
+//! synthetic workload as a Mooncake trace), `live`, `compare`, `demo` and `soak`.
 
 use std::fs::File;
 use std::io::{self, BufWriter, Write};

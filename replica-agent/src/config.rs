@@ -238,6 +238,8 @@ impl Config {
         check(self.s3fifo_max_freq > 0, "--s3fifo-max-freq must be at least 1".into());
         check(self.max_model_len > 0, "--max-model-len must be at least 1".into());
         check(self.max_num_seqs > 0, "--max-num-seqs must be at least 1".into());
+        check(self.default_max_tokens > 0, "--default-max-tokens must be at least 1".into());
+        check(self.max_body_bytes > 0, "--max-body-bytes must be at least 1".into());
         check(
             self.max_num_batched_tokens >= self.block_size.max(1),
             format!(
@@ -341,6 +343,10 @@ mod tests {
         };
         let errors = c.validate().unwrap_err();
         assert_eq!(errors.len(), 6, "{errors:#?}");
+        // Values that would refuse every request (413 for every body; max_tokens 0 for every
+        // completion that sets none) are refused here instead.
+        let c = Config { max_body_bytes: 0, default_max_tokens: 0, ..Config::default() };
+        assert_eq!(c.validate().unwrap_err().len(), 2);
     }
 
     /// Values that parse but that a semaphore, a channel or a model list cannot take are

@@ -163,8 +163,9 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_RESPONSE_OWNERS", default_value_t = 100_000)]
     pub response_owners: usize,
 
-    /// A replica's event stream without a connection this long is FALLBACK (routed on load
-    /// alone), milliseconds; also the event socket's connect timeout.
+    /// A replica's event stream without a connection this long is FALLBACK (scored as holding
+    /// what every replica with a stream holds, and on its load), milliseconds; also the event
+    /// socket's connect timeout.
     #[arg(long, env = "KVROUTE_EVENTS_FALLBACK_MS", default_value_t = 10_000)]
     pub events_fallback_ms: u64,
     /// Timeout of a replay's connect and of each of its replies, milliseconds (a large cache

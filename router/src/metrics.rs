@@ -1,6 +1,7 @@
 //! The proxy's Prometheus metrics, all prefixed `kvroute_router_`: decisions per policy,
 //! predicted and realized cached tokens (realized = `usage.prompt_tokens_details.cached_tokens`
-//! read from the responses), requests by status code, retries, ejections, and latency
+//! read from the responses; Responses' `input_tokens_details`, Anthropic's
+//! `cache_read_input_tokens`), requests by status code, retries, ejections, and latency
 //! histograms of the decision path and of the upstream time to first byte; the tokenizer's
 //! prefix cache; and each replica's load and state as the proxy sees them
 //! ([`register_replica_load`]).
@@ -134,7 +135,7 @@ impl ProxyMetrics {
         );
         r.register(
             "realized_cached_tokens",
-            "Prompt tokens the replicas reported as cached (usage.prompt_tokens_details)",
+            "Prompt tokens the replicas reported as cached (usage.prompt_tokens_details, or its Responses and Messages spellings)",
             m.reported.realized_cached_tokens.clone(),
         );
         r.register(
@@ -278,7 +279,8 @@ impl Collector for TokenizeCache {
 
 /// Registers each replica's load and state as the proxy sees them, read at scrape time, all
 /// labelled `replica` (its name): requests sent to it, requests in flight, uncached prompt
-/// tokens waiting for their first byte, the queue it last reported, its ejections, and its
+/// tokens not known to be prefilled (until the first byte, or for a whole answer the
+/// replica's store of the prompt's last block), the queue it last reported, its ejections, and its
 /// routing state (`eligible`, or why not: `unhealthy`, `ejected`, `draining`, `not_serving`,
 /// `saturated` at `max_in_flight` requests). A removed replica's series end with it.
 pub fn register_replica_load(registry: &mut Registry, fleet: Fleet, max_in_flight: u32) {
@@ -348,7 +350,7 @@ impl Collector for ReplicaLoad {
             ),
             (
                 "replica_pending_prefill_tokens",
-                "Uncached prompt tokens sent to the replica whose first byte has not come back",
+                "Uncached prompt tokens sent to the replica not known to be prefilled yet (no first byte, or no stored last block)",
                 |l| l.pending_prefill_tokens,
             ),
             (

@@ -1,12 +1,13 @@
-//! Live runs: a workload sent as real HTTP completions to a router (or a single replica),
+//! Live runs: a workload sent as real HTTP requests to a router (or a single replica),
 //! measured per request and fleet-wide.
 //!
 //! Requests go out at the trace's timestamps (divided by a speed-up), at a seeded Poisson
 //! rate, or closed-loop at a fixed concurrency ([`Arrivals`]); in-flight requests are bounded
 //! by a semaphore, and so is the run's length ([`LiveConfig::max_duration`]). An open-loop
 //! request that waits for a slot is late: its intended send is kept, so the report has
-//! latencies from it beside those from the actual send. Every prompt is the workload's
-//! token ids (no tokenizer involved), `max_tokens` its output length.
+//! latencies from it beside those from the actual send. A prompt goes as the workload's
+//! token ids (no tokenizer involved), or as text to the completions, chat, Messages or
+//! Responses API ([`PromptFormat`]), with its output length as the most tokens to generate.
 //! Before and after the run the replicas' and the target's `/metrics` are read, so the
 //! [`LiveReport`] has the fleet's realized hit rate and per-replica prompt tokens as counter
 //! deltas beside what the responses said.

@@ -133,6 +133,8 @@ pub enum SimError {
     HashIdsBlockSize(usize),
     #[error("{0}")]
     Engine(String),
+    #[error("the trace's arrivals (at this speed-up) run past {0} s, more than a simulation runs")]
+    TooLate(u64),
     #[error("the cache-aware weights must be finite and at least 0, got {0:?}")]
     Weights(CacheAwareParams),
     #[error("the pooled capacity {replicas} x {capacity} blocks overflows")]
@@ -151,6 +153,11 @@ pub enum SimError {
         source: AdmitError,
     },
 }
+
+/// The latest arrival a simulation takes (about 100 years): its clock must run on past it.
+const MAX_ARRIVAL: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 24 * 3600);
+/// The most output tokens a request may ask of the engine model (one step each).
+const MAX_OUTPUT_TOKENS: u32 = 1 << 20;
 
 /// Namespace of the chained block hashes in [`BlockIdentity::Tokens`] mode.
 const SIM_MODEL: &str = "kvroute-sim";
@@ -172,7 +179,21 @@ pub fn check(trace: &Trace, config: &SimConfig) -> Result<(), SimError> {
     if !(config.speedup.is_finite() && config.speedup > 0.0) {
         return Err(SimError::Speedup(config.speedup));
     }
-    trace.arrivals_at(config.speedup).ok_or(SimError::Speedup(config.speedup))?;
+    let arrivals = trace.arrivals_at(config.speedup).ok_or(SimError::Speedup(config.speedup))?;
+    // The engine model's clock runs on from the last arrival, a step per output token.
+    if arrivals.last().is_some_and(|last| *last > MAX_ARRIVAL) {
+        return Err(SimError::TooLate(MAX_ARRIVAL.as_secs()));
+    }
+    if config.engine.is_some()
+        && let Some((request, r)) =
+            trace.requests.iter().enumerate().find(|(_, r)| r.output_len > MAX_OUTPUT_TOKENS)
+    {
+        return Err(SimError::Engine(format!(
+            "request {request} asks for {} output tokens, more than the engine model runs ({MAX_OUTPUT_TOKENS}) \
+             (--no-engine replays the caches alone)",
+            r.output_len
+        )));
+    }
     // A hash id stands for 512 tokens; at another block size each would count as one block
     // of that size, in the cache's capacity and in every hit.
     if config.blocks.resolve(config.block_size) == BlockIdentity::HashIds

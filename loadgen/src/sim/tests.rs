@@ -262,6 +262,18 @@ fn bad_configurations_are_errors() {
     let late = Trace::new(vec![req(1_000_000, 10, vec![1])]);
     let glacial = SimConfig { speedup: 1e-20, ..config(1, 8, cache::PolicyKind::Lru) };
     assert!(matches!(simulate_with(&late, &glacial, &rr), Err(SimError::Speedup(_))));
+    // Arrivals that fit a Duration but leave the engine model's clock little room to run on
+    // (near Duration::MAX it panicked adding a step); an output of billions of steps.
+    let ages = Trace::new(vec![req(1 << 62, 10, vec![1])]);
+    assert!(matches!(
+        simulate_with(&ages, &config(1, 8, cache::PolicyKind::Lru), &rr),
+        Err(SimError::TooLate(_))
+    ));
+    let endless = Trace::new(vec![Request { output_len: u32::MAX, ..req(0, 10, vec![1]) }]);
+    let refused = simulate_with(&endless, &config(1, 8, cache::PolicyKind::Lru), &rr).unwrap_err();
+    assert!(refused.to_string().contains("4294967295 output tokens"), "{refused}");
+    let cache_only = SimConfig { engine: None, ..config(1, 8, cache::PolicyKind::Lru) };
+    assert!(simulate_with(&endless, &cache_only, &rr).is_ok(), "without the engine model no step is run");
     assert!(matches!(
         simulate_with(&trace, &config(1, 0, cache::PolicyKind::Lru), &rr),
         Err(SimError::Cache(_))

@@ -51,8 +51,22 @@ pub enum SynthError {
         "the arrivals run past the longest time a trace can hold: raise the rates or shorten the think time"
     )]
     TooLong,
+    #[error("{name} must be at most {MAX_MEAN_TOKENS} tokens, got {value}")]
+    Tokens { name: &'static str, value: usize },
     #[error("{low} ({low_value}) must be at most {high} ({high_value})")]
     Order { low: &'static str, low_value: usize, high: &'static str, high_value: usize },
+}
+
+/// The longest mean length of a generated part (a system prompt, a message, a document, an
+/// output), in tokens: past it, lengths overflow and prompts take terabytes.
+pub const MAX_MEAN_TOKENS: usize = 1 << 24;
+
+/// Every mean length in `flags` within [`MAX_MEAN_TOKENS`], or the first that is not.
+fn check_tokens(flags: &[(&'static str, usize)]) -> Result<(), SynthError> {
+    match flags.iter().find(|(_, value)| *value > MAX_MEAN_TOKENS) {
+        Some(&(name, value)) => Err(SynthError::Tokens { name, value }),
+        None => Ok(()),
+    }
 }
 
 /// `low <= high`, or which flags contradict each other.
@@ -347,6 +361,18 @@ mod tests {
         assert!(matches!(chat.generate(), Err(SynthError::Order { low: "--min-turns", .. })));
         let rag = RagParams { docs_per_query: 10, documents: 3, ..RagParams::default() };
         assert!(matches!(rag.generate(), Err(SynthError::Order { low: "--docs-per-query", .. })));
+    }
+
+    /// Lengths past what a prompt can be are refused (`mean + mean / 2` overflowed, and a
+    /// trillion-token mean asked for terabytes).
+    #[test]
+    fn lengths_past_a_prompts_are_refused() {
+        let chat = ChatParams { user_tokens: usize::MAX, ..ChatParams::default() };
+        assert_eq!(chat.generate(), Err(SynthError::Tokens { name: "--user-tokens", value: usize::MAX }));
+        let rag = RagParams { doc_tokens: MAX_MEAN_TOKENS + 1, ..RagParams::default() };
+        assert!(matches!(rag.generate(), Err(SynthError::Tokens { name: "--doc-tokens", .. })));
+        let batch = BatchParams { output_tokens: 1 << 40, ..BatchParams::default() };
+        assert!(matches!(batch.generate(), Err(SynthError::Tokens { name: "--output-tokens", .. })));
     }
 
     #[test]

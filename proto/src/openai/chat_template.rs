@@ -1288,6 +1288,9 @@ fn f64_of(value: &Value) -> Option<f64> {
     f64::try_from(value.clone()).ok()
 }
 
+/// The widest `tojson` indent, in spaces or bytes of the string given.
+const MAX_TOJSON_INDENT: usize = 64;
+
 /// `tojson(ensure_ascii=False, indent=None, separators=None, sort_keys=False)`: Python's
 /// `json.dumps` with those arguments, as transformers defines the filter (Kimi's templates
 /// write their tools with `separators=(',', ':')`).
@@ -1300,8 +1303,15 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     let indent = match indent.filter(|i| !i.is_none()) {
         None => None,
         Some(i) => match (i.as_str(), i.as_usize()) {
-            (Some(text), _) => Some(text.as_bytes().to_vec()),
-            (None, Some(n)) => Some(vec![b' '; n]),
+            (Some(text), _) if text.len() <= MAX_TOJSON_INDENT => Some(text.as_bytes().to_vec()),
+            (None, Some(n)) if n <= MAX_TOJSON_INDENT => Some(vec![b' '; n]),
+            (Some(_), _) | (None, Some(_)) => {
+                // Written at every level of the value: a huge one is memory, not layout.
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("tojson: an indent over {MAX_TOJSON_INDENT} is not supported"),
+                ));
+            }
             _ => {
                 return Err(Error::new(
                     ErrorKind::InvalidOperation,
@@ -1912,6 +1922,13 @@ y|"#
             "{\n \"b\":[\n  1,\n  \"ü😀\",\n  {}\n ],\n \"a\":{\n  \"y\":[],\n  \"x\":true\n }\n}"
         );
         assert!(tojson(&v, Kwargs::from_iter([("sort", Value::from(true))])).is_err(), "an unknown argument");
+        // An indent written at every level is bounded: a request's template could ask for
+        // petabytes of spaces.
+        for indent in [Value::from(1_000_000_000_000_000u64), Value::from("x".repeat(65))] {
+            let refused = tojson(&v, Kwargs::from_iter([("indent", indent)])).unwrap_err();
+            assert!(refused.to_string().contains("indent over 64"), "{refused}");
+        }
+        assert!(tojson(&v, Kwargs::from_iter([("indent", Value::from(64))])).is_ok());
     }
 
     /// `continue_final_message` cuts the prompt where the last text ends, as transformers

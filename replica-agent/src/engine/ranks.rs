@@ -2,10 +2,11 @@
 //! engine a rank, each with its own scheduler, prefix cache and KV event stream.
 //!
 //! A request goes to the rank its `X-data-parallel-rank` header names. Without one, each of
-//! its engine requests (one a choice) goes where vLLM's balancer would send it: the rank with
-//! the fewest `waiting * 4 + running`, the lowest between equals. vLLM reads those counts
-//! from its coordinator (refreshed every 100 ms, plus what the API server itself has added
-//! since); here they are the engines' own gauges, read at once.
+//! its engine requests (one a choice) goes where vLLM's balancer (0.14 to 0.20) would send it:
+//! the rank with the fewest `waiting * 4 + running`, the lowest between equals. vLLM reads
+//! those counts from its coordinator (refreshed every 100 ms, plus what the API server itself
+//! has added since); here they are the engines' own gauges, read at once. (vLLM 0.33 weighs
+//! its own in-flight requests and KV usage too.)
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -105,7 +105,7 @@ pub(super) fn render(state: &AppState) -> Response<Body> {
     out.counter("kvroute_agent_steps_total", "Scheduler steps run.", each(&|m| load(&m.steps)));
     out.gauge(
         "kvroute_agent_pending_prefill_tokens",
-        "Uncached prompt tokens of admitted requests still to prefill.",
+        "Prompt tokens still to prefill: running requests' uncached ones, waiting requests' whole prompts.",
         each(&|m| load(&m.pending_prefill_tokens)),
     );
     out.gauge(

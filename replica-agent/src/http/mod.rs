@@ -303,18 +303,16 @@ async fn dispatch(
     }
 }
 
-/// The rank `X-data-parallel-rank` sends a request to, if it names one; a value that is no
-/// rank of this replica is refused, as vLLM refuses it.
+/// The rank `X-data-parallel-rank` sends a request to, as vLLM (0.14 and later) reads it: a
+/// value that is no integer is ignored (the balancer picks), an integer that is no rank of
+/// this replica is refused.
 fn data_parallel_rank(state: &AppState, req: &Request<Incoming>) -> Result<Option<u32>, ApiError> {
-    let Some(value) = req.headers().get(X_DATA_PARALLEL_RANK) else { return Ok(None) };
+    let value = req.headers().get(X_DATA_PARALLEL_RANK).and_then(|v| v.to_str().ok());
+    let Some(rank) = value.and_then(|v| v.trim().parse::<i64>().ok()) else { return Ok(None) };
     let ranks = state.ranks().len();
-    let rank = value.to_str().ok().and_then(|v| v.trim().parse::<u32>().ok());
-    match rank {
-        Some(rank) if (rank as usize) < ranks => Ok(Some(rank)),
-        _ => Err(ApiError::bad_request(format!(
-            "{X_DATA_PARALLEL_RANK} {value:?} is not a data-parallel rank of this replica (0 to {})",
-            ranks - 1
-        ))),
+    match u32::try_from(rank) {
+        Ok(rank) if (rank as usize) < ranks => Ok(Some(rank)),
+        _ => Err(ApiError::bad_request(format!("data_parallel_rank {rank} is out of range [0, {ranks})."))),
     }
 }
 

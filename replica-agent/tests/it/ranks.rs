@@ -66,19 +66,25 @@ async fn each_rank_has_its_own_cache_and_event_stream_and_the_header_picks_it() 
     assert_eq!(sample(&page, "kvroute_agent_capacity_blocks", 1), agent.config.capacity_blocks as f64);
 }
 
+/// As vLLM reads the header: an integer that is no rank is refused, anything else ignored.
 #[tokio::test]
-async fn a_header_that_names_no_rank_is_refused() {
+async fn a_rank_out_of_range_is_refused_and_a_header_that_is_no_number_ignored() {
     let agent = agent(2, 1000.0).await;
-    for rank in ["2", "-1", "one", ""] {
-        let body = json!({ "model": MODEL, "prompt": "hello", "max_tokens": 1 }).to_string();
-        let reply =
-            collect(agent.client.send(Method::POST, "/v1/completions", body, &[(RANK, rank)]).await).await;
+    let send = async |rank: &str| {
+        let body = json!({ "model": MODEL, "prompt": "hello there", "max_tokens": 1 }).to_string();
+        collect(agent.client.send(Method::POST, "/v1/completions", body, &[(RANK, rank)]).await).await
+    };
+    for rank in ["2", "-1", "99999999999"] {
+        let reply = send(rank).await;
         assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{rank:?}: {}", reply.text());
         let error: Value = reply.json();
         assert_eq!(error["error"]["type"], "invalid_request_error", "{error}");
-        assert!(error["error"]["message"].as_str().unwrap().contains("data-parallel rank"), "{error}");
+        assert!(error["error"]["message"].as_str().unwrap().contains("out of range [0, 2)"), "{error}");
     }
     assert!(agent.ranks.all().iter().all(|e| e.resident().is_empty()), "nothing ran");
+    for rank in ["one", ""] {
+        assert_eq!(send(rank).await.status, StatusCode::OK, "{rank:?} is no rank: the balancer picks");
+    }
 }
 
 /// Without the header a request goes to the rank vLLM's balancer picks: the fewest

@@ -69,7 +69,8 @@
 //! # Measured (`loadgen simulate`, shared Mooncake trace, N = 8 x 2048 blocks, block 512)
 //!
 //! Defaults, speed-up 1 (about half the fleet's prefill capacity); TTFT from the engine model.
-//! Reproduce with `cargo run --release -p kvroute-loadgen --example cache_aware_sweep`.
+//! Reproduce with `cargo run --release -p kvroute-loadgen --example cache_aware_sweep -- TRACE`
+//! (the Mooncake trace's path).
 //!
 //! ```text
 //! eviction  pooled ref.     round-robin                        cache-aware

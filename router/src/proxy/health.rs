@@ -4,7 +4,9 @@
 //! requests the replica reports waiting and running (`vllm:num_requests_waiting` and
 //! `_running`, which both vLLM and the kvroute agent export; SGLang's `sglang:num_queue_reqs`
 //! and `num_running_reqs`): what is beyond this router's own in-flight requests then is
-//! [`crate::policy::Load::others`]. A check that reads no report clears it. A healthy replica
+//! [`crate::policy::Load::others`]. A check that reads no report clears it. A data-parallel
+//! replica's ranks get theirs from the samples labelled by engine (`engine="r"`, as vLLM
+//! labels them; [`crate::index::Ranks::set_reported`]). A healthy replica
 //! is then given the LoRA adapters loaded through the router that it lacks
 //! ([`super::lora::catch_up`]).
 //!

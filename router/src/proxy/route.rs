@@ -440,7 +440,8 @@ impl Decider {
 
 /// The rank of `ranks` to send `request` to, with the blocks it holds of it (index and
 /// credits): the least cache-aware cost over the ranks' overlaps (as the engine reuses them)
-/// and this router's sequences in flight on each; between equals, `request.key`'s rendezvous
+/// and the load on each (this router's sequences in flight there, and the others' work the
+/// replica reports on it); between equals, `request.key`'s rendezvous
 /// hash (the caller's key names the replica too, as every router names it, so that routers in
 /// front of the same replica agree on a new prefix's rank).
 fn best_rank(

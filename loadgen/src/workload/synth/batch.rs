@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use super::{Gen, SynthError, check_rate, clap_defaults};
+use super::{Gen, SynthError, check_rate, check_tokens, clap_defaults};
 use crate::workload::Trace;
 
 /// Parameters of the batch workload.
@@ -48,6 +48,11 @@ impl BatchParams {
     pub fn generate(&self) -> Result<Trace, SynthError> {
         let job_rate = check_rate("--job-rate", self.job_rate)?;
         let item_rate = check_rate("--item-rate", self.item_rate)?;
+        check_tokens(&[
+            ("--instruction-tokens", self.instruction_tokens),
+            ("--item-tokens", self.item_tokens),
+            ("--output-tokens", self.output_tokens),
+        ])?;
         let mut g = Gen::new(self.seed);
         let mut start = Duration::ZERO;
         for _ in 0..self.jobs {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use rand::RngExt;
 
-use super::{Gen, SynthError, check_order, check_rate, clap_defaults};
+use super::{Gen, SynthError, check_order, check_rate, check_tokens, clap_defaults};
 use crate::units::parse_duration;
 use crate::workload::Trace;
 
@@ -57,6 +57,11 @@ impl ChatParams {
     pub fn generate(&self) -> Result<Trace, SynthError> {
         let rate = check_rate("--conversation-rate", self.conversation_rate)?;
         check_order(("--min-turns", self.min_turns), ("--max-turns", self.max_turns))?;
+        check_tokens(&[
+            ("--system-prompt-tokens", self.system_prompt_tokens),
+            ("--user-tokens", self.user_tokens),
+            ("--output-tokens", self.output_tokens),
+        ])?;
         let mut g = Gen::new(self.seed);
         let systems: Vec<_> = (0..self.system_prompts.max(1))
             .map(|_| {

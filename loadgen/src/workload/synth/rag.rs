@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use super::{Gen, SynthError, Zipf, check_order, check_rate, clap_defaults};
+use super::{Gen, SynthError, Zipf, check_order, check_rate, check_tokens, clap_defaults};
 use crate::workload::Trace;
 
 /// Parameters of the RAG workload.
@@ -55,6 +55,12 @@ impl RagParams {
     pub fn generate(&self) -> Result<Trace, SynthError> {
         let rate = check_rate("--rate", self.rate)?;
         check_order(("--docs-per-query", self.docs_per_query), ("--documents", self.documents.max(1)))?;
+        check_tokens(&[
+            ("--doc-tokens", self.doc_tokens),
+            ("--system-prompt-tokens", self.system_prompt_tokens),
+            ("--query-tokens", self.query_tokens),
+            ("--output-tokens", self.output_tokens),
+        ])?;
         let mut g = Gen::new(self.seed);
         let system = g.segment(self.system_prompt_tokens.max(1));
         let docs: Vec<_> = (0..self.documents.max(1))
