@@ -27,7 +27,7 @@ use super::body::{BoxError, End, Hooks, ProxyBody, Tracked};
 use super::error::{Client, ProxyError};
 use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::pool::{Pool, SendError};
-use super::responses::{Learner, Owners};
+use super::responses::{Learner, Owner, Owners};
 use super::route::{Decider, Plan};
 use super::stalls::StallWatch;
 use super::upload::{self, Progress};
@@ -329,6 +329,8 @@ pub struct Sending {
     pub prefill_tokens: u64,
     /// A Responses request whose response the replica may keep: its id is learned.
     pub keeps_response: bool,
+    /// The data-parallel rank to send it to (a continuation's, which holds its conversation).
+    pub rank: Option<u32>,
 }
 
 impl Sending {
@@ -340,6 +342,7 @@ impl Sending {
             prompt_tokens: 0,
             prefill_tokens: 0,
             keeps_response: false,
+            rank: None,
         }
     }
 }
@@ -351,14 +354,20 @@ pub async fn to_replica(
     metrics: &ProxyMetrics,
     member: &crate::fleet::Member,
     parts: http::request::Parts,
-    Sending { body, uploaded, prompt_tokens, prefill_tokens, keeps_response }: Sending,
+    Sending { body, uploaded, prompt_tokens, prefill_tokens, keeps_response, rank }: Sending,
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let upstream = &member.upstream;
     // A request sent this way (a Responses continuation, a body streamed through) is one
     // sequence.
-    let guard = upstream.begin(1, prefill_tokens, prompt_tokens);
-    let (client, headers) = upstream_head(parts, admitted.request_id, config.forwarded_for);
+    let mut guard = upstream.begin(1, prefill_tokens, prompt_tokens);
+    let (client, mut headers) = upstream_head(parts, admitted.request_id, config.forwarded_for);
+    // A rank named is counted in its load (the blocks are the stored conversation's, which
+    // the router never saw).
+    if let Some((rank, ranks)) = rank.zip(member.replica.ranks.get()) {
+        headers = with_rank(&headers, rank);
+        guard.hold_rank(ranks.begin(rank, 1, &[], 0));
+    }
     let uri = replica_uri(&member.replica, &client.uri)?;
     let sent = Instant::now();
     let head = (&client.method, &uri, &headers);
@@ -366,8 +375,14 @@ pub async fn to_replica(
         Ok(Ok(response)) => {
             // An upload the replica answered before its end is still going on.
             let whole = uploaded.as_ref().map_or(sent, |u| u.finished_at().unwrap_or_else(Instant::now));
+            let ranked = guard.rank();
             let load = (guard, prompt_tokens, keeps_response);
-            Ok(passed_on(response, &client, member, (sent, whole), load, (config, metrics), admitted))
+            let mut response =
+                passed_on(response, &client, member, (sent, whole), load, (config, metrics), admitted);
+            if let Some(rank) = ranked {
+                response.headers_mut().insert(X_KVROUTE_RANK, HeaderValue::from(rank));
+            }
+            Ok(response)
         }
         // The client's body failed (too large, or the client went away): not the replica's fault.
         Ok(Err(SendError::Wire(WireError::RequestBody(e)))) => {
@@ -569,6 +584,7 @@ fn wrap(
     if let Some(line) = &mut access {
         line.status = status.as_u16();
     }
+    let ranked = guard.rank();
     let empty = http_body::Body::is_end_stream(response.body());
     // A 5xx head is a failure at once; a 503 (a refusal: overload) is nothing either way;
     // any other answer is judged by how its body ends.
@@ -604,7 +620,7 @@ fn wrap(
         access,
         hold,
         learner: (status.is_success() && keeps_response)
-            .then(|| Learner::new(config.owners.clone(), replica.into())),
+            .then(|| Learner::new(config.owners.clone(), Owner::new(replica, ranked))),
     });
     // A stream that fails ends with an error event in the envelope its client reads.
     let sse = sse.then(|| (Client::of_path(client.uri.path()), admitted.request_id));

@@ -334,7 +334,7 @@ async fn routed(
         }
         Err(ProxyError::BadRequest(RequestError::StoredConversation)) => {
             let continuation = Continuation::read(&state.decider, &body, &state.limits).await?;
-            let member = find_owner(state, pool, &parts.headers, &continuation.id).await?;
+            let (member, rank) = find_owner(state, pool, &parts.headers, &continuation.id).await?;
             let (prompt_tokens, prefill_tokens) = continuation.load_on(&member);
             let sending = Sending {
                 body: Outgoing::Full(body),
@@ -342,6 +342,7 @@ async fn routed(
                 prompt_tokens,
                 prefill_tokens,
                 keeps_response: continuation.store,
+                rank,
             };
             let metrics = &state.decider.metrics;
             forward::to_replica(pool, &state.forward, metrics, &member, parts, sending, admitted).await
@@ -359,17 +360,19 @@ async fn stored_response(
     arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let admitted = admit(state, arrived)?;
-    let member = find_owner(state, pool, req.headers(), id).await?;
+    // The store is the API server's: any rank's, so none is named.
+    let (member, _) = find_owner(state, pool, req.headers(), id).await?;
     streamed_to(state, pool, member, req, admitted).await
 }
 
-/// The replica that stored response `id`, asked for with the client's credentials.
+/// The replica that stored response `id`, asked for with the client's credentials, and the
+/// rank this router sent its request to, if it named one.
 async fn find_owner(
     state: &ProxyState,
     pool: &Arc<Pool>,
     client: &http::HeaderMap,
     id: &str,
-) -> Result<Member, ProxyError> {
+) -> Result<(Member, Option<u32>), ProxyError> {
     let mut headers = http::HeaderMap::new();
     if let Some(auth) = client.get(header::AUTHORIZATION) {
         headers.insert(header::AUTHORIZATION, auth.clone());

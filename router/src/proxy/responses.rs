@@ -7,7 +7,8 @@
 //!   its prompt like a chat: the router reads it as the chat request vLLM makes of it
 //!   (`kvroute_proto::openai::request::responses`).
 //! - A request about a stored response goes to the replica that made it, whatever its load
-//!   (only it can answer), with no retry elsewhere. Its prompt starts with a conversation only
+//!   (only it can answer), with no retry elsewhere; a continuation, to the data-parallel rank
+//!   this router sent the response's request to (its conversation's blocks are there). Its prompt starts with a conversation only
 //!   that replica has, so it counts in neither hit rate.
 //! - The router learns which replica made a response (one that asked to be kept: `store`
 //!   true or absent) from the response itself: the first
@@ -122,12 +123,26 @@ const MISSING_IDS: usize = 4096;
 /// Which replica made each response the router has seen (by replica name), bounded.
 #[derive(Debug)]
 pub struct Owners {
-    map: quick_cache::sync::Cache<Box<str>, Arc<str>>,
+    map: quick_cache::sync::Cache<Box<str>, Owner>,
     /// Ids every replica said it lacks, and when ([`MISSING_FOR`]).
     missing: quick_cache::sync::Cache<Box<str>, Instant>,
     /// Ids the replicas are being asked for: a lookup of one waits for the one under way and
     /// reads its answer, rather than asking every replica again.
     asking: std::sync::Mutex<std::collections::HashMap<Box<str>, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// The replica that made a response, and the data-parallel rank the router sent its request
+/// to (which holds the conversation's prefix), if it named one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Owner {
+    pub replica: Arc<str>,
+    pub rank: Option<u32>,
+}
+
+impl Owner {
+    pub fn new(replica: impl Into<Arc<str>>, rank: Option<u32>) -> Self {
+        Owner { replica: replica.into(), rank }
+    }
 }
 
 /// A lookup's turn to ask the replicas for an id; the id is forgotten with the last turn.
@@ -170,8 +185,8 @@ impl Owners {
         Owners { map, missing: quick_cache::sync::Cache::new(MISSING_IDS), asking: Default::default() }
     }
 
-    pub fn learn(&self, id: &str, replica: &Arc<str>) {
-        self.map.insert(id.into(), replica.clone());
+    pub fn learn(&self, id: &str, owner: &Owner) {
+        self.map.insert(id.into(), owner.clone());
         if !self.missing.is_empty() {
             self.missing.remove(id);
         }
@@ -182,7 +197,7 @@ impl Owners {
         self.missing.get(id).is_some_and(|since| now.saturating_duration_since(since) < MISSING_FOR)
     }
 
-    pub fn owner(&self, id: &str) -> Option<Arc<str>> {
+    pub fn owner(&self, id: &str) -> Option<Owner> {
         self.map.get(id)
     }
 
@@ -195,8 +210,10 @@ impl Owners {
     }
 
     /// The replica that made response `id` (as the replicas read it: percent-decoded): the
-    /// one the router knows, else the one that answers for it when every replica is asked
-    /// (`headers` are the client's, so a replica's API key is given). A 404 when every
+    /// one the router knows, with the rank it sent the request to if that rank is still the
+    /// replica's, else the one that answers for it when every replica is asked (with no
+    /// rank: the store is the API server's, whichever rank ran it), `headers` being the
+    /// client's, so a replica's API key is given. A 404 when every
     /// replica answered that it does not have it; a 503 when one did not answer, which may
     /// be the one that has it.
     pub async fn find(
@@ -206,12 +223,16 @@ impl Owners {
         id: &str,
         headers: &http::HeaderMap,
         (timeout, metrics): (Duration, &ProxyMetrics),
-    ) -> Result<Member, ProxyError> {
+    ) -> Result<(Member, Option<u32>), ProxyError> {
         let count = |outcome| metrics.response_lookups.get_or_create(&OutcomeLabel { outcome }).inc();
         let known = || {
-            if let Some(member) = self.owner(id).and_then(|name| fleet.member(&name)) {
+            if let Some((owner, member)) =
+                self.owner(id).and_then(|owner| fleet.member(&owner.replica).map(|member| (owner, member)))
+            {
                 count("known");
-                return Some(Ok(member));
+                let ranks = member.replica.ranks.get().map_or(0, |ranks| ranks.len());
+                let rank = owner.rank.filter(|rank| *rank < ranks);
+                return Some(Ok((member, rank)));
             }
             // An empty id names nothing (a replica would redirect `/v1/responses/` instead).
             if id.is_empty() || self.known_missing(id, Instant::now()) {
@@ -273,9 +294,9 @@ impl Owners {
         match found {
             Some(at) => {
                 let member = members.into_iter().nth(at).ok_or_else(|| not_found(id))?;
-                self.learn(id, &member.replica.spec.name.as_str().into());
+                self.learn(id, &Owner::new(member.replica.spec.name.as_str(), None));
                 count("found");
-                Ok(member)
+                Ok((member, None))
             }
             None if !answers.is_empty() && answers.iter().all(|a| *a == Some(StatusCode::NOT_FOUND)) => {
                 count("missing");
@@ -324,13 +345,13 @@ pub fn decoded(segment: &str) -> String {
 /// Finds the id at the beginning of a response body, frame by frame, and tells [`Owners`].
 pub struct Learner {
     owners: Arc<Owners>,
-    replica: Arc<str>,
+    owner: Owner,
     seen: Vec<u8>,
 }
 
 impl Learner {
-    pub fn new(owners: Arc<Owners>, replica: Arc<str>) -> Self {
-        Learner { owners, replica, seen: Vec::new() }
+    pub fn new(owners: Arc<Owners>, owner: Owner) -> Self {
+        Learner { owners, owner, seen: Vec::new() }
     }
 
     /// Takes the next data frame; whether it wants more.
@@ -344,7 +365,7 @@ impl Learner {
         match found {
             Some(Ok(id)) => {
                 if let Ok(id) = std::str::from_utf8(id) {
-                    self.owners.learn(id, &self.replica);
+                    self.owners.learn(id, &self.owner);
                 }
                 false
             }
@@ -420,12 +441,12 @@ mod tests {
     #[test]
     fn an_id_split_across_frames_is_learned() {
         let owners = Arc::new(Owners::new(16));
-        let mut learner = Learner::new(owners.clone(), "replica-1".into());
+        let mut learner = Learner::new(owners.clone(), Owner::new("replica-1", Some(1)));
         assert!(learner.feed(b"event: response.created\ndata: {\"response\":{\"i"));
         assert!(learner.feed(b"d\":\"resp_"));
         assert!(!learner.feed(b"77\",\"status\":\"in_progress\"}}\n\n"));
-        assert_eq!(owners.owner("resp_77").as_deref(), Some("replica-1"));
-        let mut no_id = Learner::new(owners.clone(), "replica-2".into());
+        assert_eq!(owners.owner("resp_77"), Some(Owner::new("replica-1", Some(1))));
+        let mut no_id = Learner::new(owners.clone(), Owner::new("replica-2", None));
         let error = br#"{"error":{"message":"bad","type":"invalid_request_error","param":null,"code":400}}"#;
         assert!(no_id.feed(error), "it cannot know yet that no id follows");
         assert!(!no_id.feed(&[b' '; ID_WITHIN]), "but it gives up past the bound");
@@ -440,10 +461,10 @@ mod tests {
         assert!(owners.known_missing("resp_late", then + MISSING_FOR / 2));
         assert!(!owners.known_missing("resp_late", then + MISSING_FOR), "only for a while");
         assert!(!owners.known_missing("resp_other", then));
-        owners.learn("resp_late", &"replica-1".into());
+        owners.learn("resp_late", &Owner::new("replica-1", None));
         assert!(!owners.known_missing("resp_late", then));
         assert!(owners.missing.get("resp_late").is_none());
-        assert_eq!(owners.owner("resp_late").as_deref(), Some("replica-1"));
+        assert_eq!(owners.owner("resp_late"), Some(Owner::new("replica-1", None)));
     }
 
     /// `--response-owners` bounds what is remembered: past it, older ids give way.
@@ -451,9 +472,9 @@ mod tests {
     fn the_owners_remembered_are_bounded() {
         let owners = Owners::new(4);
         for i in 0..100 {
-            owners.learn(&format!("resp_{i}"), &"replica-1".into());
+            owners.learn(&format!("resp_{i}"), &Owner::new("replica-1", None));
         }
         assert!((1..=4).contains(&owners.len()), "{} remembered", owners.len());
-        assert_eq!(owners.owner("resp_99").as_deref(), Some("replica-1"), "the newest is kept");
+        assert_eq!(owners.owner("resp_99"), Some(Owner::new("replica-1", None)), "the newest is kept");
     }
 }

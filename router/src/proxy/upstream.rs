@@ -397,6 +397,11 @@ impl LoadGuard {
         &self.upstream
     }
 
+    /// The data-parallel rank the request was sent to, if one was named.
+    pub fn rank(&self) -> Option<u32> {
+        self.rank.as_ref().map(crate::index::RankGuard::rank)
+    }
+
     /// The request was sent to a data-parallel rank: its load there ends with this guard.
     pub fn hold_rank(&mut self, rank: crate::index::RankGuard) {
         self.rank = Some(rank);

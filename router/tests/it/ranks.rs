@@ -180,3 +180,41 @@ async fn others_work_on_a_rank_sends_new_prefixes_to_the_other() {
     drop(streams);
     fleet.shutdown.cancel();
 }
+
+/// A stored Responses answer's continuation goes to the rank that made it (the store is the
+/// API server's, every rank's; the conversation's blocks are that rank's), and finds its
+/// conversation cached there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_continuation_goes_to_the_rank_that_made_its_response() {
+    let ranks = |name: &str| kvroute_replica_agent::Config {
+        data_parallel_size: 2,
+        responses_store: true,
+        ..agent_config(name)
+    };
+    let fleet = Fleet::with(1, ranks, |c| c).await;
+    let url = fleet.url("/v1/responses");
+    let mut homes = std::collections::BTreeSet::new();
+    for c in 0..6 {
+        let instructions = (0..30).map(|i| format!("sys{c}w{i}")).collect::<Vec<_>>().join(" ");
+        let body = json!({"model": FLEET_MODEL, "instructions": instructions, "input": "start",
+            "max_output_tokens": 3});
+        let first = fleet.http.post(&url, &body).await;
+        assert_eq!(first.status, 200, "{}", String::from_utf8_lossy(&first.body));
+        let id = first.json()["id"].as_str().unwrap().to_owned();
+        let rank = first.header("x-kvroute-rank").expect("a rank").to_owned();
+        let next = json!({"model": FLEET_MODEL, "previous_response_id": id, "input": "go on",
+            "instructions": instructions, "max_output_tokens": 2});
+        let next = fleet.http.post(&url, &next).await;
+        assert_eq!(next.status, 200, "{}", String::from_utf8_lossy(&next.body));
+        assert_eq!(
+            next.header("x-kvroute-rank"),
+            Some(rank.as_str()),
+            "conversation {c} goes on on its rank"
+        );
+        let cached = next.json()["usage"]["input_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        assert!(cached > 30, "conversation {c}: the conversation so far is cached there ({cached})");
+        homes.insert(rank);
+    }
+    assert_eq!(homes.len(), 2, "conversations on both ranks: {homes:?}");
+    fleet.shutdown.cancel();
+}
