@@ -208,13 +208,14 @@ impl Ingest {
         tracker: TaskTracker,
         shutdown: CancellationToken,
     ) -> Self {
-        let metrics = IngestMetrics::register(registry, index.clone());
+        let replicas = Replicas::new();
+        let metrics = IngestMetrics::register(registry, index.clone(), replicas.clone());
         let replay_budget = Arc::new(replay::Budget::new(config.replay_max_bytes));
         Self {
             inner: Arc::new(Inner {
                 config: Arc::new(config),
                 index,
-                replicas: Replicas::new(),
+                replicas,
                 metrics,
                 tracker,
                 shutdown,

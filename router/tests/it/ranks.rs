@@ -139,6 +139,15 @@ async fn a_real_data_parallel_agent_hits_where_the_router_predicts() {
         used.insert(rank);
     }
     assert_eq!(used.len(), 2, "new prompts are spread over the ranks: {used:?}");
+    // The rank indexes are in the index's memory figures.
+    let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+    let text = String::from_utf8_lossy(&metrics.body).into_owned();
+    let gauge = |name: &str| -> u64 {
+        let line = text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' '));
+        line.unwrap_or_else(|| panic!("no {name}")).trim().parse().unwrap()
+    };
+    assert!(gauge("kvroute_ingest_rank_index_entries") >= 8, "each prompt's blocks on its rank");
+    assert!(gauge("kvroute_ingest_rank_index_memory_bytes") > 0);
     fleet.shutdown.cancel();
 }
 
