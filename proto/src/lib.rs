@@ -39,6 +39,7 @@ pub mod native;
 #[cfg(feature = "openai")]
 pub mod openai;
 pub mod pb;
+pub mod prometheus;
 pub mod vllm;
 
 pub use hash::{CacheNamespace, block_hash, chain, hit_tokens};

@@ -50,8 +50,9 @@ pub struct Config {
     pub replay_endpoint: String,
     /// Data-parallel ranks, as vLLM's `--data-parallel-size`: an engine a rank, each with its
     /// own prefix cache of `--capacity-blocks` and its own event stream, rank r on the events
-    /// and replay endpoints' port + r. A request goes to the rank its `X-data-parallel-rank`
-    /// header names, else to the least loaded.
+    /// and replay endpoints' port + r (so the two need that many ports between them: move
+    /// the replay endpoint off its default, to 5600 say). A request goes to the rank its
+    /// `X-data-parallel-rank` header names, else to the least loaded.
     #[arg(long, env = "KVROUTE_AGENT_DATA_PARALLEL_SIZE", default_value_t = 1)]
     pub data_parallel_size: u32,
     /// Frame 0 of every event message.
@@ -160,6 +161,11 @@ pub struct Config {
     pub max_header_bytes: usize,
 }
 
+/// The port of a `tcp://host:port` endpoint.
+fn tcp_port(endpoint: &str) -> Option<u16> {
+    endpoint.strip_prefix("tcp://")?.rsplit_once(':')?.1.parse().ok()
+}
+
 /// Most data-parallel ranks one agent runs.
 pub const MAX_DATA_PARALLEL_SIZE: u32 = 64;
 
@@ -226,6 +232,23 @@ impl Config {
                     || kvroute_proto::framing::rank_endpoint(endpoint, last).is_some(),
                 format!(
                     "{flag} {endpoint:?} has no port for data-parallel rank {last} (port + rank past 65535, or not tcp:// or ipc://)"
+                ),
+            );
+        }
+        let n = u32::from(u16::try_from(self.data_parallel_size).unwrap_or(u16::MAX));
+        if let (Some(events), Some(replay)) =
+            (tcp_port(&self.events_endpoint), tcp_port(&self.replay_endpoint))
+            && events != 0
+            && replay != 0
+        {
+            let (e, r) = (u32::from(events), u32::from(replay));
+            check(
+                e + n <= r || r + n <= e,
+                format!(
+                    "--events-endpoint's ports {e}..={} and --replay-endpoint's {r}..={} overlap (rank r uses \
+                     each one's port + r): put the replay endpoint {n} or more ports away",
+                    e + n - 1,
+                    r + n - 1
                 ),
             );
         }
@@ -377,6 +400,12 @@ mod tests {
         let past = ranks(2, "tcp://127.0.0.1:65535").validate().unwrap_err();
         assert!(past[0].contains("--events-endpoint") && past[0].contains("rank 1"), "{past:?}");
         assert_eq!(ranks(0, "tcp://127.0.0.1:5557").validate().unwrap_err().len(), 1);
+        // The default endpoints (events 5557, replay 5558) leave room for one rank only.
+        let defaults = Config { data_parallel_size: 2, ..Config::default() };
+        let overlap = defaults.validate().unwrap_err();
+        assert!(overlap[0].contains("5557..=5558") && overlap[0].contains("5558..=5559"), "{overlap:?}");
+        let apart = Config { replay_endpoint: "tcp://127.0.0.1:5600".into(), ..defaults };
+        assert_eq!(apart.validate(), Ok(()));
         assert_eq!(
             ranks(MAX_DATA_PARALLEL_SIZE + 1, "tcp://127.0.0.1:5557").validate().unwrap_err().len(),
             1

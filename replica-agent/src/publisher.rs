@@ -177,8 +177,9 @@ impl Publisher {
     }
 
     /// A publisher for each of `ranks` data-parallel ranks, rank r on the endpoints' port + r
-    /// (`ipc://x_dp{r}`), as vLLM lays them out. With port 0 the system picks rank 0's port
-    /// and the others follow it; when one of those is taken, it starts over (a few times).
+    /// (`ipc://x_dp{r}`), as vLLM lays them out. With port 0 (both endpoints') the system picks
+    /// rank 0's ports and the others follow them; when one of those is taken, it starts over
+    /// with others (a few times).
     pub async fn bind_ranks(
         config: &PublisherConfig,
         events_endpoint: &str,
@@ -186,8 +187,10 @@ impl Publisher {
         ranks: u32,
         tracker: &TaskTracker,
     ) -> Result<Vec<(Publisher, PublisherEndpoints)>, PublisherError> {
+        // Only when no port is fixed: a fixed one bound again at once could still be the last
+        // attempt's, closing.
         let picked = |endpoint: &str| endpoint.starts_with("tcp://") && endpoint.ends_with(":0");
-        let may_retry = picked(events_endpoint) || replay_endpoint.is_some_and(picked);
+        let may_retry = picked(events_endpoint) && replay_endpoint.is_none_or(picked);
         let mut attempt = 0;
         'again: loop {
             attempt += 1;
@@ -198,9 +201,12 @@ impl Publisher {
                 let unplaced = |endpoint: &str| PublisherError::Rank { rank, endpoint: endpoint.to_owned() };
                 let at =
                     |endpoint: &str| framing::rank_endpoint(endpoint, rank).ok_or_else(|| unplaced(endpoint));
-                let events = at(&base.events)?;
-                let replay = base.replay.as_deref().map(at).transpose()?;
-                match Self::bind(config.clone(), &events, replay.as_deref(), tracker).await {
+                let bound_rank = async {
+                    let events = at(&base.events)?;
+                    let replay = base.replay.as_deref().map(at).transpose()?;
+                    Self::bind(config.clone(), &events, replay.as_deref(), tracker).await
+                };
+                match bound_rank.await {
                     Ok(publisher) => bound.push(publisher),
                     Err(_) if may_retry && attempt < RANK_PORT_ATTEMPTS => continue 'again,
                     Err(e) => return Err(e),

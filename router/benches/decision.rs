@@ -12,6 +12,10 @@
 //! stream state stays `DEGRADED` (the overlap still counts), which is what a replica looks
 //! like while its events are being repaired.
 //!
+//! `dp4 *`: the 8 k cases again in a fleet of the same replicas with 4 data-parallel ranks
+//! each (the background chains spread over the ranks, the benchmarked prefixes on rank
+//! `r % 4` of replica `r`): what a rank index walk and the rank choice add.
+//!
 //! Requests: text prompts of about 1 k and 8 k tokens (one token per word) and the same
 //! token counts as token-id prompts (`text/*`, `ids/*`; tokenized from scratch each time, as
 //! with `--tokenize-cache-bytes 0`), each case taking turns with [`ROTATION`] distinct
@@ -258,6 +262,8 @@ fn now<F: Future>(f: F) -> F::Output {
 }
 
 struct Bench {
+    /// Data-parallel ranks of every replica (1: none).
+    dp_size: u32,
     /// Tokenizing every text from scratch (no prefix cache).
     decider: Decider,
     /// The router's default: the same fleet and index, tokenizing through a prefix cache.
@@ -267,8 +273,9 @@ struct Bench {
 
 impl Bench {
     /// 16 replicas whose event sockets never connect, a populated index and a cache-aware
-    /// decider with the built-in tokenizer.
-    fn build(runtime: &tokio::runtime::Runtime) -> Self {
+    /// decider with the built-in tokenizer. With `dp_size` > 1 every replica has that many
+    /// data-parallel ranks, each background chain on one of them.
+    fn build(runtime: &tokio::runtime::Runtime, dp_size: u32) -> Self {
         let _guard = runtime.enter();
         let shutdown = CancellationToken::new();
         let mut registry = Registry::default();
@@ -287,10 +294,14 @@ impl Bench {
                 ReplicaSpec::new(format!("replica-{r}"), "tcp://127.0.0.1:1", EngineKind::Kvroute, MODEL);
             spec.http_url = format!("http://127.0.0.1:{}", 20_000 + r);
             spec.block_size = Some(BLOCK as u32);
+            spec.dp_size = dp_size;
             let member = fleet.add(spec).expect("replica added");
-            for _ in 0..BACKGROUND_CHAINS {
+            for c in 0..BACKGROUND_CHAINS {
                 let chain: Vec<BlockHash> = (0..CHAIN_LEN).map(|_| BlockHash(rng.next())).collect();
                 index.store(member.replica.id, &chain);
+                if let Some(ranks) = member.replica.ranks.get() {
+                    ranks.index.store(ReplicaId(c as u32 % dp_size), &chain);
+                }
             }
         }
         let decider = |cache_bytes: u64, registry: &mut Registry| {
@@ -314,15 +325,20 @@ impl Bench {
         };
         let plain = decider(0, &mut registry);
         let cached = decider(ROUTER_CACHE_BYTES, &mut registry);
-        Self { decider: plain, cached, _shutdown: shutdown }
+        Self { dp_size, decider: plain, cached, _shutdown: shutdown }
     }
 
-    /// Puts `body`'s whole prefix on replicas 0-3 and its first half on replicas 4-7.
+    /// Puts `body`'s whole prefix on replicas 0-3 and its first half on replicas 4-7 (on
+    /// rank `r % dp_size` of replica `r`).
     fn seed_request(&self, body: &[u8]) {
         let plan = now(self.decider.explain(Endpoint::Completions, body)).expect("valid request");
         for r in 0..8 {
             let blocks = if r < 4 { &plan.blocks[..] } else { &plan.blocks[..plan.blocks.len() / 2] };
             self.decider.index.store(ReplicaId(r), blocks);
+            let member = self.decider.fleet.members().into_iter().find(|m| m.replica.id == ReplicaId(r));
+            if let Some(ranks) = member.as_ref().and_then(|m| m.replica.ranks.get()) {
+                ranks.index.store(ReplicaId(r % self.dp_size), blocks);
+            }
         }
     }
 
@@ -438,7 +454,7 @@ fn cases() -> Vec<Case> {
     cases
 }
 
-fn percentiles(bench: &Bench, cases: &[Case]) {
+fn percentiles(bench: &Bench, dp: &Bench, cases: &[Case]) {
     println!("decision path, single decisions timed with Instant (16 replicas, cache-aware):");
     println!(
         "{:<10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>14}",
@@ -464,6 +480,14 @@ fn percentiles(bench: &Bench, cases: &[Case]) {
             |case| black_box(bench.decide_cached(black_box(case.body()))),
         );
         print_row(case.name, blocks, &decisions, "-");
+    }
+    // The same 8 k prompts, every replica of 4 data-parallel ranks: a rank index walked, and
+    // the ranks scored, for each replica that holds the prefix.
+    for case in cases.iter().filter(|case| case.name.ends_with("/8192")) {
+        let blocks =
+            now(dp.decider.explain(Endpoint::Completions, &case.bodies[0])).expect("valid").blocks.len();
+        let decisions = case.time(|body| black_box(dp.decide(black_box(body))));
+        print_row(&format!("dp4 {}", case.name), blocks, &decisions, "-");
     }
     println!(
         "(loop: arithmetic alone, as long as the decision's median: the tail this machine adds to any \
@@ -594,13 +618,17 @@ fn stages(bench: &Bench, cases: &[Case]) {
 
 fn main() {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-    let bench = Bench::build(&runtime);
+    let bench = Bench::build(&runtime, 1);
     let cases = cases();
     for body in cases.iter().flat_map(|case| &case.bodies) {
         bench.seed_request(body);
     }
     if std::env::args().any(|a| a == "--bench") {
-        percentiles(&bench, &cases);
+        let dp = Bench::build(&runtime, 4);
+        for body in cases.iter().flat_map(|case| &case.bodies) {
+            dp.seed_request(body);
+        }
+        percentiles(&bench, &dp, &cases);
         stages(&bench, &cases);
     }
     let mut c = Criterion::default().configure_from_args();

@@ -103,18 +103,19 @@ pub async fn compare(
         .live
         .max_requests
         .map_or(trace.clone(), |n| Trace::in_order(trace.requests[..n.min(trace.len())].to_vec()));
-    let total_capacity = match config.total_capacity_blocks {
-        Some(c) => c,
+    let caches = match config.total_capacity_blocks {
+        Some(c) => Caches { total_blocks: c, count: config.replicas.len() },
         None => fleet_capacity(&client, &config.replicas)
             .await
             .context("reading the fleet's capacity (give it with --capacity-blocks)")?,
     };
+    let total_capacity = caches.total_blocks;
     let pooled = pooled_bound(&sent, config.block_size, total_capacity, config.eviction)?;
     // An offline simulation that cannot run would fail after its live run, losing every run
     // done by then: check them all first.
     if let Some(speedup) = config.offline_speedup {
         for policy in config.routers.policies() {
-            sim::check(&sent, &offline_config(config, total_capacity, policy, speedup))
+            sim::check(&sent, &offline_config(caches, config, policy, speedup))
                 .with_context(|| format!("the offline simulation of {} cannot run", policy.as_str()))?;
         }
     }
@@ -154,7 +155,7 @@ pub async fn compare(
             None => (&sent, pooled.overall_hit_rate),
         };
         let offline = match config.offline_speedup {
-            Some(speedup) => Some(offline(ran, config, total_capacity, policy, speedup)?),
+            Some(speedup) => Some(offline(ran, config, caches, policy, speedup)?),
             None => None,
         };
         runs.push(PolicyRun::new(policy, report, ran.len(), pooled_hit_rate, offline));
@@ -236,16 +237,16 @@ pub fn pooled_bound(
     Ok(sim::simulate(trace, &config).context("simulating the pooled reference")?.pooled)
 }
 
-/// The offline simulator's view of the same run: `policy` over N caches of the fleet's
-/// capacity each, with the agents' default engine model for load.
+/// The offline simulator's view of the same run: `policy` over the fleet's caches, with the
+/// agents' default engine model for load.
 fn offline(
     trace: &Trace,
     config: &CompareConfig,
-    total_capacity: usize,
+    caches: Caches,
     policy: PolicyKind,
     speedup: f64,
 ) -> anyhow::Result<OfflineRun> {
-    let sim = offline_config(config, total_capacity, policy, speedup);
+    let sim = offline_config(caches, config, policy, speedup);
     let report =
         sim::simulate(trace, &sim).with_context(|| format!("simulating {} offline", policy.as_str()))?;
     Ok(OfflineRun {
@@ -257,17 +258,22 @@ fn offline(
     })
 }
 
-/// The offline simulator's setup for `policy`: the fleet's capacity split evenly.
-fn offline_config(
-    config: &CompareConfig,
-    total_capacity: usize,
-    policy: PolicyKind,
-    speedup: f64,
-) -> SimConfig {
-    let replicas = config.replicas.len().max(1);
+/// The fleet's prefix caches: their blocks together, and how many there are (an agent's
+/// data-parallel ranks have one each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Caches {
+    total_blocks: usize,
+    count: usize,
+}
+
+/// The offline simulator's setup for `policy`: a replica a cache (a data-parallel rank is
+/// simulated as a replica of its own, the router choosing ranks as it does replicas), the
+/// fleet's capacity split evenly.
+fn offline_config(caches: Caches, config: &CompareConfig, policy: PolicyKind, speedup: f64) -> SimConfig {
+    let replicas = caches.count.max(1);
     SimConfig {
         replicas,
-        capacity_blocks: total_capacity / replicas,
+        capacity_blocks: caches.total_blocks / replicas,
         block_size: config.block_size,
         eviction: config.eviction,
         routing: policy,
@@ -278,19 +284,30 @@ fn offline_config(
     }
 }
 
-/// Sum of the replicas' `kvroute_agent_capacity_blocks`.
-async fn fleet_capacity(client: &Client, replicas: &[String]) -> anyhow::Result<usize> {
-    let mut total = 0.0;
+/// The replicas' `kvroute_agent_capacity_blocks`: their sum, and how many engines report one.
+async fn fleet_capacity(client: &Client, replicas: &[String]) -> anyhow::Result<Caches> {
+    let mut caches = Caches { total_blocks: 0, count: 0 };
     for url in replicas {
         let (_, body) = client
             .get(&format!("{url}/metrics"), RESET_TIMEOUT)
             .await
             .map_err(|e| anyhow::anyhow!("GET {url}/metrics: {}", e.label()))?;
         let page = String::from_utf8_lossy(&body);
-        total += scrape::sum(&page, "kvroute_agent_capacity_blocks")
-            .with_context(|| format!("{url} exports no kvroute_agent_capacity_blocks"))?;
+        let agent =
+            page_caches(&page).with_context(|| format!("{url} exports no kvroute_agent_capacity_blocks"))?;
+        caches.total_blocks += agent.total_blocks;
+        caches.count += agent.count;
     }
-    Ok(total as usize)
+    Ok(caches)
+}
+
+/// One agent's caches on its metrics page: one `kvroute_agent_capacity_blocks` sample an
+/// engine (`engine="r"`).
+fn page_caches(page: &str) -> Option<Caches> {
+    let engines: Vec<f64> =
+        kvroute_proto::prometheus::samples(page, "kvroute_agent_capacity_blocks").map(|s| s.value).collect();
+    (!engines.is_empty())
+        .then(|| Caches { total_blocks: engines.iter().sum::<f64>() as usize, count: engines.len() })
 }
 
 /// `POST /reset_prefix_cache` on every replica, retrying while one answers 409 (requests
@@ -381,6 +398,17 @@ mod tests {
 
     fn record(index: usize, outcome: Result<Success, ErrorKind>) -> RequestRecord {
         RequestRecord { index, intended: None, sent: Duration::ZERO, outcome }
+    }
+
+    /// An agent of two data-parallel ranks is two caches, simulated offline as two replicas
+    /// (one cache of both ranks' capacity hit more than the live fleet could).
+    #[test]
+    fn each_engine_of_an_agent_is_a_cache() {
+        let page = "# TYPE kvroute_agent_capacity_blocks gauge\n\
+                    kvroute_agent_capacity_blocks{model_name=\"m\",engine=\"0\"} 512\n\
+                    kvroute_agent_capacity_blocks{model_name=\"m\",engine=\"1\"} 512\n";
+        assert_eq!(page_caches(page), Some(Caches { total_blocks: 1024, count: 2 }));
+        assert_eq!(page_caches("vllm:num_requests_running 1\n"), None);
     }
 
     /// A router whose `/ready` gives `answers`, then 503s; the request lines seen go on `asked`.

@@ -308,7 +308,7 @@ async fn dispatch(
 /// this replica is refused.
 fn data_parallel_rank(state: &AppState, req: &Request<Incoming>) -> Result<Option<u32>, ApiError> {
     let value = req.headers().get(X_DATA_PARALLEL_RANK).and_then(|v| v.to_str().ok());
-    let Some(rank) = value.and_then(|v| v.trim().parse::<i64>().ok()) else { return Ok(None) };
+    let Some(rank) = value.and_then(python_int) else { return Ok(None) };
     let ranks = state.ranks().len();
     match u32::try_from(rank) {
         Ok(rank) if (rank as usize) < ranks => Ok(Some(rank)),
@@ -317,6 +317,23 @@ fn data_parallel_rank(state: &AppState, req: &Request<Incoming>) -> Result<Optio
 }
 
 const X_DATA_PARALLEL_RANK: &str = "x-data-parallel-rank";
+
+/// `text` as Python's `int()` reads it (spaces around, a sign, ASCII digits with single
+/// underscores between them), saturated to `i64`; `None` if it is no integer.
+fn python_int(text: &str) -> Option<i64> {
+    let text = text.trim();
+    let (negative, digits) = match text.strip_prefix('-') {
+        Some(digits) => (true, digits),
+        None => (false, text.strip_prefix('+').unwrap_or(text)),
+    };
+    let well_formed = digits.split('_').all(|run| !run.is_empty() && run.bytes().all(|b| b.is_ascii_digit()));
+    if !well_formed {
+        return None;
+    }
+    let value = (digits.bytes().filter(u8::is_ascii_digit))
+        .fold(0i64, |value, d| value.saturating_mul(10).saturating_add(i64::from(d - b'0')));
+    Some(if negative { -value } else { value })
+}
 
 /// The whole request body, refused with 413 past `max_body_bytes`.
 async fn read_body(state: &AppState, req: Request<Incoming>) -> Result<Bytes, ApiError> {

@@ -11,8 +11,7 @@
 //! its own; the cache-aware policy scores the replica on its best rank and names that rank.
 //!
 //! Ranks are chosen with the cache-aware cost ([`crate::policy::CacheAware::cost`]) over each
-//! rank's overlap (index and credits) and the sequences this router has in flight on it: a
-//! prefix every rank holds (a system prompt) is spread over the ranks by load, as the
+//! rank's overlap (index and credits) and its load (below): a prefix every rank holds (a system prompt) is spread over the ranks by load, as the
 //! replicas are, and a new prefix goes to the least loaded rank (between equals, by a
 //! rendezvous hash of the request and the replica's name, so that routers in front of one
 //! replica agree), credited there
@@ -98,9 +97,11 @@ impl Ranks {
 
     /// Every rank's [`ReportMark`] as a health check begins.
     pub fn report_marks(&self) -> Vec<ReportMark> {
-        let mark = |load: &RankLoad| ReportMark {
-            in_flight: load.in_flight.load(Ordering::Relaxed),
-            begun: load.begun.load(Ordering::Relaxed),
+        // `begun` first: a request begun between the two reads then counts twice as this
+        // router's (its others one short till the next check), never as nobody's.
+        let mark = |load: &RankLoad| {
+            let begun = load.begun.load(Ordering::Relaxed);
+            ReportMark { in_flight: load.in_flight.load(Ordering::Relaxed), begun }
         };
         self.load.iter().map(mark).collect()
     }

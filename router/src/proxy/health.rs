@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvroute_proto::prometheus;
 use tokio_util::sync::CancellationToken;
 
 use super::ProxyState;
@@ -195,58 +196,20 @@ const RUNNING_GAUGES: [&str; 2] = ["vllm:num_requests_running", "sglang:num_runn
 /// `vllm:num_requests_waiting{...} 3` → 3 for `gauges` naming it (summed over label sets, e.g.
 /// per engine); `None` when no gauge is there.
 fn gauge_sum(metrics: &[u8], gauges: &[&str]) -> Option<u32> {
-    samples(metrics, gauges).map(|(_, value)| value).reduce(u32::saturating_add)
+    gauge_sum_of(metrics, gauges, |_| true)
 }
 
 /// [`gauge_sum`] of the samples labelled `engine="rank"` (vLLM's data-parallel ranks).
 fn engine_gauge_sum(metrics: &[u8], gauges: &[&str], rank: u32) -> Option<u32> {
     let rank = rank.to_string();
-    samples(metrics, gauges)
-        .filter(|(labels, _)| labels.iter().any(|&(key, value)| key == "engine" && value == rank))
-        .map(|(_, value)| value)
-        .reduce(u32::saturating_add)
+    gauge_sum_of(metrics, gauges, |sample| sample.label("engine") == Some(rank.as_str()))
 }
 
-/// The samples of `gauges` in a Prometheus text page: their labels (values as written) and
-/// values. A sample that does not parse is passed over.
-fn samples<'a>(
-    metrics: &'a [u8],
-    gauges: &'a [&str],
-) -> impl Iterator<Item = (Vec<(&'a str, &'a str)>, u32)> + 'a {
-    let text = std::str::from_utf8(metrics).unwrap_or_default();
-    text.lines().filter_map(move |line| {
-        let rest = gauges.iter().find_map(|gauge| line.strip_prefix(gauge))?;
-        let (labels, rest) = match rest.strip_prefix('{') {
-            Some(labels) => split_labels(labels)?,
-            None if rest.starts_with(' ') => (Vec::new(), rest),
-            None => return None,
-        };
-        // The value is the first field after the labels; a timestamp may follow it.
-        let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
-        Some((labels, value as u32))
-    })
-}
-
-/// `k="v",k2="v2"}rest` (a label set after its `{`) as its pairs and the rest; `None` if it
-/// is not one. Values are as written (escapes kept), a `"` escaped within them skipped.
-fn split_labels(mut text: &str) -> Option<(Vec<(&str, &str)>, &str)> {
-    let mut labels = Vec::new();
-    loop {
-        text = text.trim_start();
-        if let Some(rest) = text.strip_prefix('}') {
-            return Some((labels, rest));
-        }
-        let (key, rest) = text.split_once('=')?;
-        let value = rest.trim_start().strip_prefix('"')?;
-        let mut end = 0;
-        let bytes = value.as_bytes();
-        while *bytes.get(end)? != b'"' {
-            end += if bytes[end] == b'\\' { 2 } else { 1 };
-        }
-        labels.push((key.trim(), &value[..end]));
-        text = value[end + 1..].trim_start();
-        text = text.strip_prefix(',').unwrap_or(text);
-    }
+/// The sum of the samples of `gauges` that pass `keep`, as a count.
+fn gauge_sum_of(metrics: &[u8], gauges: &[&str], keep: impl Fn(&prometheus::Sample) -> bool) -> Option<u32> {
+    let page = std::str::from_utf8(metrics).ok()?;
+    let values = gauges.iter().flat_map(|gauge| prometheus::samples(page, gauge).filter(&keep));
+    values.map(|sample| sample.value as u32).reduce(u32::saturating_add)
 }
 
 #[cfg(test)]

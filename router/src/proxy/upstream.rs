@@ -318,10 +318,10 @@ impl Upstream {
     /// This router's sequences in flight, and ever sent, as a health check begins: what a
     /// report read after it can hold of this router's own ([`Upstream::set_reported`]).
     pub fn report_mark(&self) -> ReportMark {
-        ReportMark {
-            in_flight: self.sequences.load(Ordering::Relaxed),
-            begun: self.begun.load(Ordering::Relaxed),
-        }
+        // `begun` first: a request begun between the two reads then counts twice as this
+        // router's (others one short till the next check), never as nobody's.
+        let begun = self.begun.load(Ordering::Relaxed);
+        ReportMark { in_flight: self.sequences.load(Ordering::Relaxed), begun }
     }
 
     /// What the replica reports at a health check: requests waiting and running (`None`: it
