@@ -169,7 +169,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
 
     tracing::info!(
         name = %config.name, %epoch, http = %http_addr, grpc = %grpc_addr,
-        events = %endpoints.events, replay = ?endpoints.replay, ranks = ranks.len(), "replica agent started"
+        events = %endpoints.events, replay = ?endpoints.replay, ranks = ranks.count(), "replica agent started"
     );
     Ok(RunningAgent {
         name: config.name.clone(),

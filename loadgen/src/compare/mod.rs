@@ -36,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use report::{CompareReport, FleetSummary, OfflineRun, PolicyRun, WorkloadSummary};
 
-use crate::live::{self, Client, LiveConfig, scrape};
+use crate::live::{self, Client, LiveConfig};
 use crate::sim::{self, BlockIdentity, EngineModel, SimConfig};
 use crate::workload::Trace;
 

@@ -33,7 +33,8 @@ impl Ranks {
         &self.0
     }
 
-    pub fn len(&self) -> usize {
+    /// How many ranks there are (at least one).
+    pub fn count(&self) -> usize {
         self.0.len()
     }
 

@@ -309,7 +309,7 @@ async fn dispatch(
 fn data_parallel_rank(state: &AppState, req: &Request<Incoming>) -> Result<Option<u32>, ApiError> {
     let value = req.headers().get(X_DATA_PARALLEL_RANK).and_then(|v| v.to_str().ok());
     let Some(rank) = value.and_then(python_int) else { return Ok(None) };
-    let ranks = state.ranks().len();
+    let ranks = state.ranks().count();
     match u32::try_from(rank) {
         Ok(rank) if (rank as usize) < ranks => Ok(Some(rank)),
         _ => Err(ApiError::bad_request(format!("data_parallel_rank {rank} is out of range [0, {ranks})."))),

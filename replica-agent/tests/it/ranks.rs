@@ -52,7 +52,7 @@ async fn each_rank_has_its_own_cache_and_event_stream_and_the_header_picks_it() 
         assert!(!stored(&batches).is_empty(), "rank {rank} stored the prompt once");
         assert!(batches.iter().all(|b| b.dp_rank == rank), "rank {rank}: {batches:?}");
     }
-    assert_eq!(agent.ranks.len(), 2);
+    assert_eq!(agent.ranks.count(), 2);
     let resident = |rank: usize| {
         agent.ranks.all()[rank].resident().into_iter().collect::<std::collections::HashSet<_>>()
     };

@@ -40,7 +40,7 @@ pub fn replica_config(agent: &RunningAgent) -> ReplicaConfig {
         replay: agent.replay_endpoint.clone(),
         grpc: Some(agent.grpc_url()),
         engine: EngineKind::Kvroute,
-        dp_size: agent.ranks.len() as u32,
+        dp_size: agent.ranks.count() as u32,
         topic: String::new(),
     }
 }
