@@ -300,7 +300,7 @@ impl Bench {
                 let chain: Vec<BlockHash> = (0..CHAIN_LEN).map(|_| BlockHash(rng.next())).collect();
                 index.store(member.replica.id, &chain);
                 if let Some(ranks) = member.replica.ranks.get() {
-                    ranks.index.store(ReplicaId(c as u32 % dp_size), &chain);
+                    ranks.index.store(ranks.id(c as u32 % dp_size), &chain);
                 }
             }
         }
@@ -337,7 +337,7 @@ impl Bench {
             self.decider.index.store(ReplicaId(r), blocks);
             let member = self.decider.fleet.members().into_iter().find(|m| m.replica.id == ReplicaId(r));
             if let Some(ranks) = member.as_ref().and_then(|m| m.replica.ranks.get()) {
-                ranks.index.store(ReplicaId(r % self.dp_size), blocks);
+                ranks.index.store(ranks.id(r % self.dp_size), blocks);
             }
         }
     }

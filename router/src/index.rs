@@ -104,7 +104,7 @@ use kvroute_proto::{BlockHash, ReplicaId};
 
 pub use credits::{CreditHold, Credits, Stamp, added_past};
 pub(crate) use hasher::FoldState;
-pub use ranks::{RankGuard, RankView, Ranks};
+pub use ranks::{RankGuard, RankView, Ranks, views as rank_views};
 pub use table::PrefixIndex;
 
 /// Who waits for which (block, replica) to be stored.

@@ -182,6 +182,8 @@ pub struct Ingest {
 struct Inner {
     config: Arc<IngestConfig>,
     index: SharedIndex,
+    /// The data-parallel replicas' ranks ([`crate::index::Ranks`]), all in one.
+    rank_index: SharedIndex,
     replicas: Replicas,
     metrics: IngestMetrics,
     tracker: TaskTracker,
@@ -208,14 +210,15 @@ impl Ingest {
         tracker: TaskTracker,
         shutdown: CancellationToken,
     ) -> Self {
-        let replicas = Replicas::new();
-        let metrics = IngestMetrics::register(registry, index.clone(), replicas.clone());
+        let rank_index = SharedIndex::with_credit_ttl(index.credits().ttl());
+        let metrics = IngestMetrics::register(registry, index.clone(), rank_index.clone());
         let replay_budget = Arc::new(replay::Budget::new(config.replay_max_bytes));
         Self {
             inner: Arc::new(Inner {
                 config: Arc::new(config),
                 index,
-                replicas,
+                rank_index,
+                replicas: Replicas::new(),
                 metrics,
                 tracker,
                 shutdown,
@@ -254,8 +257,16 @@ impl Ingest {
         // removed may have credited it after its credits were forgotten.
         inner.index.credits().forget(replica.id);
         if replica.spec.dp_size > 1 {
-            let ranks = crate::index::Ranks::new(replica.spec.dp_size, inner.index.credits().ttl());
-            let _ = replica.ranks.set(Arc::new(ranks));
+            match crate::index::Ranks::new(replica.spec.dp_size, inner.rank_index.clone(), replica.id) {
+                Some(ranks) => {
+                    ranks.forget();
+                    let _ = replica.ranks.set(Arc::new(ranks));
+                }
+                None => tracing::warn!(
+                    replica = %replica.spec.name,
+                    "too many replica names seen to index this one's data-parallel ranks: routed as one"
+                ),
+            }
         }
         let metrics = inner.metrics.replica(&replica.spec.name);
         metrics.set_state(StreamState::Degraded);
@@ -311,6 +322,9 @@ impl Ingest {
             // (same id) must find no blocks or label sets of this one's to lose.
             let replica = inner.replicas.get(id)?;
             let freed = inner.index.clear_replica(id);
+            if let Some(ranks) = replica.ranks.get() {
+                ranks.clear();
+            }
             inner.metrics.forget(&replica.spec.name);
             inner.replicas.remove(id)?;
             Some(freed)

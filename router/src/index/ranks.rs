@@ -6,9 +6,11 @@
 //! own; its API server picks a rank for each request by load, unless the request names one
 //! (`X-data-parallel-rank`, which vLLM and SGLang both honour). The main index keeps the
 //! union of the ranks (a block is the replica's while any rank holds it), which is what a
-//! replica can offer only if the request reaches the rank that holds it. So the ingest keeps,
-//! per such replica, an index of its own keyed by rank (`ReplicaId(rank)`), with credits of
-//! its own; the cache-aware policy scores the replica on its best rank and names that rank.
+//! replica can offer only if the request reaches the rank that holds it. So the ingest keeps
+//! an index of ranks beside the main one, with credits of its own: one for every such
+//! replica, each rank under an id of its own ([`Ranks::id`]), so that a decision walks it once
+//! for every data-parallel replica ([`views`]). The cache-aware policy scores the replica on
+//! its best rank and names that rank.
 //!
 //! Ranks are chosen with the cache-aware cost ([`crate::policy::CacheAware::cost`]) over each
 //! rank's overlap (index and credits) and its load (below): a prefix every rank holds (a system prompt) is spread over the ranks by load, as the
@@ -21,18 +23,20 @@
 //! as the replica's totals are ([`Ranks::set_reported`]).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::Duration;
 
 use kvroute_proto::{BlockHash, ReplicaId};
 
 use super::{CreditHold, SharedIndex};
 use crate::policy::ReportMark;
 
-/// The rank index of one data-parallel replica and the load on each rank.
+/// One data-parallel replica's ranks: where their blocks are indexed, and the load on each.
 #[derive(Debug)]
 pub struct Ranks {
-    /// Blocks by rank (`ReplicaId(rank)`), with credits of the requests sent to a rank.
+    /// Blocks by rank (under [`Self::id`]), with credits of the requests sent to a rank:
+    /// shared by every data-parallel replica.
     pub index: SharedIndex,
+    /// The id of rank 0 in `index`.
+    first: u32,
     load: Box<[RankLoad]>,
 }
 
@@ -61,11 +65,17 @@ pub struct RankView {
 }
 
 impl Ranks {
-    pub fn new(dp_size: u32, credit_ttl: Duration) -> Self {
-        Self {
-            index: SharedIndex::with_credit_ttl(credit_ttl),
-            load: (0..dp_size.max(1)).map(|_| RankLoad::default()).collect(),
-        }
+    /// The ranks of replica `replica` in the fleet's rank `index`, or `None` when its ids
+    /// would not fit (past 4 M replica ids).
+    pub fn new(dp_size: u32, index: SharedIndex, replica: ReplicaId) -> Option<Self> {
+        let first = replica.0.checked_mul(crate::replicas::MAX_DP_SIZE)?;
+        let load = (0..dp_size.clamp(1, crate::replicas::MAX_DP_SIZE)).map(|_| RankLoad::default()).collect();
+        Some(Self { index, first, load })
+    }
+
+    /// Rank `rank`'s id in the rank index.
+    pub fn id(&self, rank: u32) -> ReplicaId {
+        ReplicaId(self.first + rank)
     }
 
     pub fn len(&self) -> u32 {
@@ -77,13 +87,13 @@ impl Ranks {
     }
 
     /// Every rank's overlap of `blocks` (its index overlap extended through its credits)
-    /// and load.
+    /// and load ([`views`] of this replica alone).
     pub fn views(&self, blocks: &[BlockHash]) -> Vec<RankView> {
-        let ranks = 0..self.len();
-        let (_, overlaps) = self.index.lookup_with_credits(blocks, |overlaps, credits| {
-            credits
-                .extend_each(blocks, ranks.clone().map(|r| Some((ReplicaId(r), overlaps.get(ReplicaId(r))))))
-        });
+        views(&[self], blocks).pop().unwrap_or_default()
+    }
+
+    /// Each rank's view, its overlap taken from `overlaps` (one a rank, in order).
+    fn views_with(&self, overlaps: impl Iterator<Item = usize>) -> Vec<RankView> {
         (self.load.iter().zip(0..))
             .zip(overlaps)
             .map(|((load, rank), overlap_blocks)| RankView {
@@ -134,16 +144,36 @@ impl Ranks {
             load.begun.fetch_add(u64::from(sequences), Ordering::Relaxed);
         }
         let added = super::added_past(blocks, held);
-        let hold = CreditHold::pin(&self.index, ReplicaId(rank), blocks.to_vec());
+        let hold = CreditHold::pin(&self.index, self.id(rank), blocks.to_vec());
         RankGuard { ranks: self.clone(), rank, sequences, hold: Some((hold, added)), kept: false }
     }
 
-    /// The rank's credits end (it restarted, or is unreachable).
+    /// The ranks' credits end (they restarted, or are unreachable).
     pub fn forget(&self) {
         for rank in 0..self.len() {
-            self.index.credits().forget(ReplicaId(rank));
+            self.index.credits().forget(self.id(rank));
         }
     }
+
+    /// Everything the ranks hold goes from the index, and their credits (the replica left).
+    pub fn clear(&self) {
+        for rank in 0..self.len() {
+            self.index.clear_replica(self.id(rank));
+        }
+        self.forget();
+    }
+}
+
+/// Every rank's view of `blocks`, for each of `replicas` (in order), whose ranks share one
+/// index: it is walked once for all of them.
+pub fn views(replicas: &[&Ranks], blocks: &[BlockHash]) -> Vec<Vec<RankView>> {
+    let Some(first) = replicas.first() else { return Vec::new() };
+    let ids = replicas.iter().flat_map(|ranks| (0..ranks.len()).map(|rank| ranks.id(rank)));
+    let (_, overlaps) = first.index.lookup_with_credits(blocks, |overlaps, credits| {
+        credits.extend_each(blocks, ids.map(|id| Some((id, overlaps.get(id)))))
+    });
+    let mut overlaps = overlaps.into_iter();
+    replicas.iter().map(|ranks| ranks.views_with(overlaps.by_ref().take(ranks.len() as usize))).collect()
 }
 
 /// A request's load and pinned credits on a rank, released when dropped.
@@ -209,6 +239,7 @@ impl Drop for RankGuard {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+    use std::time::Duration;
 
     use super::*;
 
@@ -218,10 +249,11 @@ mod tests {
 
     #[test]
     fn each_rank_has_its_own_overlap_and_credits() {
-        let ranks = Arc::new(Ranks::new(3, Duration::from_secs(60)));
+        let index = SharedIndex::with_credit_ttl(Duration::from_secs(60));
+        let ranks = Arc::new(Ranks::new(3, index.clone(), ReplicaId(5)).unwrap());
         let blocks = hashes(4);
-        ranks.index.store(ReplicaId(1), &blocks[..3]);
-        ranks.index.store(ReplicaId(2), &blocks[..1]);
+        ranks.index.store(ranks.id(1), &blocks[..3]);
+        ranks.index.store(ranks.id(2), &blocks[..1]);
         let overlaps = |r: &Ranks| r.views(&blocks).iter().map(|v| v.overlap_blocks).collect::<Vec<_>>();
         assert_eq!(overlaps(&ranks), [0, 3, 1]);
         // A request sent to rank 2 credits its blocks there until the rank stores them.
@@ -239,5 +271,25 @@ mod tests {
         assert_eq!(overlaps(&ranks), [4, 3, 1]);
         drop(guard);
         assert_eq!(overlaps(&ranks), [0, 3, 1]);
+    }
+
+    /// Several replicas' ranks share one index, walked once for all; each replica reads its
+    /// own ranks, and leaving takes only its own.
+    #[test]
+    fn replicas_share_the_rank_index_and_keep_to_their_ranks() {
+        let index = SharedIndex::with_credit_ttl(Duration::from_secs(60));
+        let a = Ranks::new(2, index.clone(), ReplicaId(0)).unwrap();
+        let b = Ranks::new(3, index.clone(), ReplicaId(1)).unwrap();
+        let blocks = hashes(4);
+        a.index.store(a.id(1), &blocks);
+        b.index.store(b.id(0), &blocks[..2]);
+        b.index.store(b.id(2), &blocks[..1]);
+        let overlaps = |views: &[RankView]| views.iter().map(|v| v.overlap_blocks).collect::<Vec<_>>();
+        let both = views(&[&a, &b], &blocks);
+        assert_eq!((overlaps(&both[0]), overlaps(&both[1])), (vec![0, 4], vec![2, 0, 1]));
+        a.clear();
+        let both = views(&[&a, &b], &blocks);
+        assert_eq!((overlaps(&both[0]), overlaps(&both[1])), (vec![0, 0], vec![2, 0, 1]));
+        assert!(Ranks::new(2, index, ReplicaId(u32::MAX / 2)).is_none(), "ids past u32 are refused");
     }
 }

@@ -13,8 +13,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::registry::Registry;
 
-use crate::index::{IndexStats, SharedIndex};
-use crate::replicas::{Replicas, StreamState};
+use crate::index::SharedIndex;
+use crate::replicas::StreamState;
 
 /// Why an event (or part of one) was not applied to the index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -157,9 +157,9 @@ pub struct IngestMetrics {
 
 impl IngestMetrics {
     /// Fresh metrics, registered into `registry` under the `kvroute_ingest` prefix, plus a
-    /// collector reporting `index`'s size, and the rank indexes' of `replicas`, at every
-    /// scrape.
-    pub fn register(registry: &mut Registry, index: SharedIndex, replicas: Replicas) -> Self {
+    /// collector reporting `index`'s size, and the data-parallel ranks' `rank_index`'s, at
+    /// every scrape.
+    pub fn register(registry: &mut Registry, index: SharedIndex, rank_index: SharedIndex) -> Self {
         let m = Self::default();
         let r = registry.sub_registry_with_prefix("kvroute_ingest");
         r.register("events_applied", "Events applied to the index", m.events_applied.clone());
@@ -183,7 +183,7 @@ impl IngestMetrics {
         r.register("snapshots", "gRPC snapshot resyncs, by outcome", m.snapshots.clone());
         r.register("replica_blocks", "Distinct blocks the index holds for a replica", m.blocks.clone());
         r.register("stream_state", "1 for the replica's current stream state", m.stream_state.clone());
-        r.register_collector(Box::new(IndexCollector { index, replicas }));
+        r.register_collector(Box::new(IndexCollector { index, rank_index }));
         m
     }
 
@@ -310,25 +310,17 @@ impl ReplicaMetrics {
 }
 
 /// Reports the index's size at scrape time (computing it per update would cost a walk over
-/// the table shards for every batch), and the data-parallel replicas' rank indexes' together.
+/// the table shards for every batch), and the data-parallel replicas' rank index's.
 #[derive(Debug)]
 struct IndexCollector {
     index: SharedIndex,
-    replicas: Replicas,
+    rank_index: SharedIndex,
 }
 
 impl Collector for IndexCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let stats = self.index.stats();
-        let ranks =
-            self.replicas.list().iter().filter_map(|r| r.ranks.get().map(|ranks| ranks.index.stats())).fold(
-                IndexStats::default(),
-                |all, one| IndexStats {
-                    replicas: all.replicas + one.replicas,
-                    entries: all.entries + one.entries,
-                    memory_bytes: all.memory_bytes + one.memory_bytes,
-                },
-            );
+        let ranks = self.rank_index.stats();
         let as_i64 = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
         for (name, help, value) in [
             ("index_memory_bytes", "Estimated heap bytes of the prefix index", stats.memory_bytes),
@@ -336,12 +328,12 @@ impl Collector for IndexCollector {
             ("index_replicas", "Replicas holding at least one block", stats.replicas),
             (
                 "rank_index_memory_bytes",
-                "Estimated heap bytes of the data-parallel replicas' rank indexes",
+                "Estimated heap bytes of the data-parallel replicas' rank index",
                 ranks.memory_bytes,
             ),
             (
                 "rank_index_entries",
-                "(block, rank) pairs in the data-parallel replicas' rank indexes",
+                "(block, rank) pairs in the data-parallel replicas' rank index",
                 ranks.entries,
             ),
         ] {

@@ -20,7 +20,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use kvroute_proto::framing::{self, LiveMessage};
-use kvroute_proto::{BlockHash, Epoch, ReplicaId, Seq};
+use kvroute_proto::{BlockHash, Epoch, Seq};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -613,7 +613,7 @@ impl RankStream {
                     let unknown = self.blocks.remove(&removed, &mut self.scratch);
                     self.ctx.index.remove(self.ctx.replica.id, &self.scratch);
                     if let Some(ranks) = self.ctx.replica.ranks.get() {
-                        ranks.index.remove(ReplicaId(self.rank), &self.scratch);
+                        ranks.index.remove(ranks.id(self.rank), &self.scratch);
                     }
                     self.ctx.metrics.blocks_removed.inc_by(self.scratch.len() as u64);
                     if unknown > 0 {
@@ -665,7 +665,7 @@ impl RankStream {
             Ok(()) => {
                 self.ctx.index.store(self.ctx.replica.id, &self.scratch);
                 if let Some(ranks) = self.ctx.replica.ranks.get() {
-                    ranks.index.store(ReplicaId(self.rank), &self.scratch);
+                    ranks.index.store(ranks.id(self.rank), &self.scratch);
                 }
                 self.ctx.metrics.blocks_stored.inc_by(self.scratch.len() as u64);
             }
@@ -700,7 +700,7 @@ impl RankStream {
             self.blocks.drain_into(&mut self.scratch);
             self.ctx.index.remove(id, &self.scratch);
             if let Some(ranks) = self.ctx.replica.ranks.get() {
-                ranks.index.sweep_replica(ReplicaId(self.rank));
+                ranks.index.sweep_replica(ranks.id(self.rank));
             }
             self.scratch = Vec::new();
         }

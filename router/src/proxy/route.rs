@@ -327,6 +327,36 @@ impl Decider {
         Ok(plan)
     }
 
+    /// The rank views of each of `members` that is a data-parallel replica with a stream
+    /// (`None` for the others), when ranks are chosen: the rank index walked once for all.
+    /// Empty when there are none.
+    fn rank_views(
+        &self,
+        members: &[Member],
+        states: &[StreamState],
+        blocks: &[BlockHash],
+    ) -> Vec<Option<Vec<crate::index::RankView>>> {
+        if self.ranks_by.is_none() {
+            return Vec::new();
+        }
+        let ranks: Vec<Option<&crate::index::Ranks>> = members
+            .iter()
+            .zip(states)
+            .map(|(member, state)| match state {
+                StreamState::Exact | StreamState::Degraded => {
+                    member.replica.ranks.get().map(|ranks| &**ranks)
+                }
+                StreamState::Fallback => None,
+            })
+            .collect();
+        let walked: Vec<&crate::index::Ranks> = ranks.iter().flatten().copied().collect();
+        if walked.is_empty() {
+            return Vec::new();
+        }
+        let mut views = crate::index::rank_views(&walked, blocks).into_iter();
+        ranks.iter().map(|ranks| ranks.and_then(|_| views.next())).collect()
+    }
+
     /// Scores every member for a request with the given blocks; only a request to be sent
     /// (`send`) moves the policy on.
     fn score(
@@ -346,6 +376,7 @@ impl Decider {
             };
             credits.extend_each(&blocks, members.iter().zip(&states).map(counted))
         });
+        let rank_views = self.rank_views(&members, &states, &blocks);
         let now = tokio::time::Instant::now();
         let verdicts =
             verdicts_for(members.iter().map(|m| &*m.upstream), self.max_in_flight_per_replica, adapter);
@@ -353,7 +384,8 @@ impl Decider {
             .into_iter()
             .zip(verdicts)
             .zip(states.into_iter().zip(credited))
-            .map(|((member, ineligible), (state, credited_blocks))| {
+            .zip(rank_views.into_iter().chain(std::iter::repeat_with(|| None)))
+            .map(|(((member, ineligible), (state, credited_blocks)), rank_views)| {
                 let indexed_blocks = match state {
                     StreamState::Fallback => 0,
                     _ => overlaps.get(member.replica.id),
@@ -369,14 +401,14 @@ impl Decider {
                     )
                 };
                 // A data-parallel replica offers what the rank the request is sent to holds.
-                let (rank, offered) = match (&self.ranks_by, member.replica.ranks.get(), state) {
-                    (Some(costs), Some(ranks), StreamState::Exact | StreamState::Degraded) => {
+                let (rank, offered) = match (&self.ranks_by, rank_views) {
+                    (Some(costs), Some(ranks)) => {
                         // Ties between ranks by the request and the replica's name (the
                         // request's key alone would repeat the replicas' tie, rank for replica
                         // id; ids are each router's own, names are every router's).
                         let name = member.replica.spec.name.as_bytes();
                         let key = xxhash_rust::xxh3::xxh3_64_with_seed(name, request.key);
-                        best_rank(costs, &RequestView { key, ..*request }, &ranks.views(&blocks), reused)
+                        best_rank(costs, &RequestView { key, ..*request }, &ranks, reused)
                             .map_or((None, 0), |(rank, blocks)| (Some(rank), blocks))
                     }
                     _ => (None, credited_blocks),

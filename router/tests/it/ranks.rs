@@ -148,6 +148,10 @@ async fn a_real_data_parallel_agent_hits_where_the_router_predicts() {
     };
     assert!(gauge("kvroute_ingest_rank_index_entries") >= 8, "each prompt's blocks on its rank");
     assert!(gauge("kvroute_ingest_rank_index_memory_bytes") > 0);
+    // The replica's ranks leave the rank index (shared by every data-parallel replica) with it.
+    let ranks = fleet.router.fleet().member("agent-0").unwrap().replica.ranks.get().cloned().expect("ranks");
+    fleet.router.fleet().remove("agent-0").await.expect("removed");
+    assert_eq!(ranks.index.stats().entries, 0, "nothing of its ranks is left");
     fleet.shutdown.cancel();
 }
 
