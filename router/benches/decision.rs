@@ -31,6 +31,13 @@
 //! computation that long), then the median of each stage alone (parse, tokenize, hash,
 //! index lookup; parse and tokenize together through the cache).
 //!
+//! 2026-11-27, the twenty-ninth session (data-parallel rows added; nothing else on the
+//! decision path changed), loop p99 106.4 µs at text/8192's median: text/8192 80.4 / 233.0,
+//! ids/8192 38.1 / 144.9, text/1024 10.4 / 18.7, ids/1024 5.1 / 12.4, turn/8192 28.9 / 157.4,
+//! new/8192 100.9 / 274.8; dp4 text/8192 96.4 / 255.4, dp4 ids/8192 54.0 / 196.2 (a rank index
+//! a replica made them 164.7 / 435.1 and 123.8 / 438.0: one walk for all replicas' ranks);
+//! stage medians at 8 k: parse 4.4 (ids 18.4), tokenize 57.9, hash 3.0, lookup 6.5.
+//!
 //! 2026-11-27, a later session (nothing on the decision path changed), loop p99 139.0 µs at
 //! text/8192's median: text/8192 132.3 / 154.2, ids/8192 52.7 / 67.1, text/1024 19.0 / 26.3,
 //! ids/1024 9.2 / 14.4, turn/8192 39.2 / 51.6, new/8192 172.6 / 204.5; stage medians at 8 k:

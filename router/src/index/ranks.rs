@@ -19,8 +19,9 @@
 //! replica agree), credited there
 //! so that the requests right behind it follow. A rank's load is the sequences this router
 //! has in flight there, and the others' work the replica reports on it: vLLM labels its
-//! `num_requests_running` and `_waiting` by engine (`engine="r"`), read with each health check
-//! as the replica's totals are ([`Ranks::set_reported`]).
+//! `num_requests_running` and `_waiting` by engine (`engine="r"`), SGLang its running and
+//! queued requests by `dp_rank`, read with each health check as the replica's totals are
+//! ([`Ranks::set_reported`]).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 

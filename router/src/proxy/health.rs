@@ -5,8 +5,8 @@
 //! `_running`, which both vLLM and the kvroute agent export; SGLang's `sglang:num_queue_reqs`
 //! and `num_running_reqs`): what is beyond this router's own in-flight requests then is
 //! [`crate::policy::Load::others`]. A check that reads no report clears it. A data-parallel
-//! replica's ranks get theirs from the samples labelled by engine (`engine="r"`, as vLLM
-//! labels them; [`crate::index::Ranks::set_reported`]). A healthy replica
+//! replica's ranks get theirs from the samples labelled by rank (vLLM's `engine="r"`,
+//! SGLang's `dp_rank="r"`; [`crate::index::Ranks::set_reported`]). A healthy replica
 //! is then given the LoRA adapters loaded through the router that it lacks
 //! ([`super::lora::catch_up`]).
 //!
@@ -141,12 +141,13 @@ async fn check(
         (waiting, running) => Some((waiting.unwrap_or(0), running.unwrap_or(0))),
     };
     member.upstream.set_reported(report, mark);
-    // Each rank's, where the replica labels them by engine (vLLM).
+    // Each rank's, where the replica labels them by rank.
     if let (Some(ranks), Some(marks)) = (ranks, rank_marks) {
+        let label = rank_label(member.replica.spec.engine);
         ranks.set_reported(&marks, |rank| {
             let (waiting, running) = (
-                engine_gauge_sum(page, &WAITING_GAUGES, rank),
-                engine_gauge_sum(page, &RUNNING_GAUGES, rank),
+                rank_gauge_sum(page, &WAITING_GAUGES, (label, rank)),
+                rank_gauge_sum(page, &RUNNING_GAUGES, (label, rank)),
             );
             waiting.or(running).map(|_| waiting.unwrap_or(0).saturating_add(running.unwrap_or(0)))
         });
@@ -199,10 +200,19 @@ fn gauge_sum(metrics: &[u8], gauges: &[&str]) -> Option<u32> {
     gauge_sum_of(metrics, gauges, |_| true)
 }
 
-/// [`gauge_sum`] of the samples labelled `engine="rank"` (vLLM's data-parallel ranks).
-fn engine_gauge_sum(metrics: &[u8], gauges: &[&str], rank: u32) -> Option<u32> {
+/// The label an engine names a data-parallel rank's series by: vLLM's engine index (the
+/// agent's too), SGLang's `dp_rank` (0.4.10 on; its lead scheduler of each rank reports).
+fn rank_label(engine: EngineKind) -> &'static str {
+    match engine {
+        EngineKind::Sglang => "dp_rank",
+        EngineKind::Vllm | EngineKind::Kvroute => "engine",
+    }
+}
+
+/// [`gauge_sum`] of the samples labelled `label="rank"`.
+fn rank_gauge_sum(metrics: &[u8], gauges: &[&str], (label, rank): (&str, u32)) -> Option<u32> {
     let rank = rank.to_string();
-    gauge_sum_of(metrics, gauges, |sample| sample.label("engine") == Some(rank.as_str()))
+    gauge_sum_of(metrics, gauges, |sample| sample.label(label) == Some(rank.as_str()))
 }
 
 /// The sum of the samples of `gauges` that pass `keep`, as a count.
@@ -229,12 +239,21 @@ vllm:num_requests_waiting{engine="1",model_name="m"} 1
 vllm:num_requests_waiting{model_name="m"} 9
 vllm:num_requests_running{engine="2" 7
 "#;
-        let by = |gauges: &[&str], rank| super::engine_gauge_sum(page, gauges, rank);
+        let by = |gauges: &[&str], rank| super::rank_gauge_sum(page, gauges, ("engine", rank));
         assert_eq!((by(&super::RUNNING_GAUGES, 0), by(&super::WAITING_GAUGES, 0)), (Some(2), None));
         assert_eq!((by(&super::RUNNING_GAUGES, 1), by(&super::WAITING_GAUGES, 1)), (Some(5), Some(1)));
         assert_eq!(by(&super::RUNNING_GAUGES, 2), None, "a label set that does not end is passed over");
         assert_eq!(super::gauge_sum(page, &super::RUNNING_GAUGES), Some(7));
         assert_eq!(super::gauge_sum(page, &super::WAITING_GAUGES), Some(10));
+        // SGLang's, by `dp_rank`, as its schedulers label them.
+        let sglang = br#"sglang:num_running_reqs{model_name="m",engine_type="unified",tp_rank="0",pp_rank="0",dp_rank="1"} 3
+sglang:num_queue_reqs{model_name="m",engine_type="unified",tp_rank="0",pp_rank="0",dp_rank="1"} 2
+sglang:num_running_reqs{model_name="m",engine_type="unified",tp_rank="0",pp_rank="0",dp_rank="0"} 1
+"#;
+        let label = super::rank_label(super::EngineKind::Sglang);
+        let by = |gauges: &[&str], rank| super::rank_gauge_sum(sglang, gauges, (label, rank));
+        assert_eq!((by(&super::RUNNING_GAUGES, 1), by(&super::WAITING_GAUGES, 1)), (Some(3), Some(2)));
+        assert_eq!(by(&super::RUNNING_GAUGES, 0), Some(1));
     }
 
     #[test]
