@@ -23,12 +23,14 @@
 //! queued requests by `dp_rank`, read with each health check as the replica's totals are
 //! ([`Ranks::set_reported`]).
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use kvroute_proto::{BlockHash, ReplicaId};
+use tokio::time::Instant;
 
 use super::{CreditHold, SharedIndex};
-use crate::policy::ReportMark;
+use crate::policy::{RecentTokens, ReportMark};
 
 /// One data-parallel replica's ranks: where their blocks are indexed, and the load on each.
 #[derive(Debug)]
@@ -39,6 +41,8 @@ pub struct Ranks {
     /// The id of rank 0 in `index`.
     first: u32,
     load: Box<[RankLoad]>,
+    /// What the ranks' recent prompt tokens are timed from.
+    epoch: Instant,
 }
 
 /// One rank's load.
@@ -51,6 +55,11 @@ struct RankLoad {
     /// Requests the replica reported on the rank at its last health check beyond this
     /// router's own.
     others: AtomicU32,
+    /// Uncached prompt tokens sent to the rank not known to be prefilled (the replica's
+    /// [`crate::proxy::upstream::PendingPrefill`], attached to the rank).
+    pending_prefill: AtomicU64,
+    /// Prompt tokens sent to the rank lately, as the replica's are counted.
+    recent: Mutex<RecentTokens>,
 }
 
 /// A rank's hold of a request's prefix, and its load.
@@ -63,6 +72,10 @@ pub struct RankView {
     pub in_flight: u32,
     /// Others' requests the replica last reported on it.
     pub others: u32,
+    /// Uncached prompt tokens sent to it not known to be prefilled.
+    pub pending_prefill_tokens: u64,
+    /// Prompt tokens sent to it lately ([`RecentTokens`]).
+    pub recent_prompt_tokens: u64,
 }
 
 impl Ranks {
@@ -71,7 +84,7 @@ impl Ranks {
     pub fn new(dp_size: u32, index: SharedIndex, replica: ReplicaId) -> Option<Self> {
         let first = replica.0.checked_mul(crate::replicas::MAX_DP_SIZE)?;
         let load = (0..dp_size.clamp(1, crate::replicas::MAX_DP_SIZE)).map(|_| RankLoad::default()).collect();
-        Some(Self { index, first, load })
+        Some(Self { index, first, load, epoch: Instant::now() })
     }
 
     /// Rank `rank`'s id in the rank index.
@@ -90,11 +103,12 @@ impl Ranks {
     /// Every rank's overlap of `blocks` (its index overlap extended through its credits)
     /// and load ([`views`] of this replica alone).
     pub fn views(&self, blocks: &[BlockHash]) -> Vec<RankView> {
-        views(&[self], blocks).pop().unwrap_or_default()
+        views(&[self], blocks, Instant::now()).pop().unwrap_or_default()
     }
 
     /// Each rank's view, its overlap taken from `overlaps` (one a rank, in order).
-    fn views_with(&self, overlaps: impl Iterator<Item = usize>) -> Vec<RankView> {
+    fn views_with(&self, overlaps: impl Iterator<Item = usize>, now: Instant) -> Vec<RankView> {
+        let since = now.saturating_duration_since(self.epoch);
         (self.load.iter().zip(0..))
             .zip(overlaps)
             .map(|((load, rank), overlap_blocks)| RankView {
@@ -102,8 +116,26 @@ impl Ranks {
                 overlap_blocks,
                 in_flight: load.in_flight.load(Ordering::Relaxed),
                 others: load.others.load(Ordering::Relaxed),
+                pending_prefill_tokens: load.pending_prefill.load(Ordering::Relaxed),
+                recent_prompt_tokens: load.recent.lock().unwrap_or_else(|e| e.into_inner()).tokens(since),
             })
             .collect()
+    }
+
+    /// `tokens` of a request's prefill on `rank` are pending.
+    pub fn add_prefill(&self, rank: u32, tokens: u64) {
+        if let Some(load) = self.load.get(rank as usize) {
+            load.pending_prefill.fetch_add(tokens, Ordering::Relaxed);
+        }
+    }
+
+    /// `tokens` of a request's prefill on `rank` are done (never below none pending).
+    pub fn sub_prefill(&self, rank: u32, tokens: u64) {
+        if let Some(load) = self.load.get(rank as usize) {
+            let _ = load
+                .pending_prefill
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n.saturating_sub(tokens)));
+        }
     }
 
     /// Every rank's [`ReportMark`] as a health check begins.
@@ -128,7 +160,8 @@ impl Ranks {
     }
 
     /// A request of `sequences` is sent to `rank`, which held `held` of its `blocks` (index
-    /// and credits): counted in the rank's load until the guard drops, and its blocks
+    /// and credits): counted in the rank's load until the guard drops (its `prompt_tokens` in
+    /// the rank's recent tokens, which only decay), and its blocks
     /// credited to the rank, pinned as the replica's are ([`super::Credits::pin`]). If the
     /// replica [took](RankGuard::keep) the request, the pins come off when its prefill is
     /// done (or the guard drops) and the credits last the TTL; else the credits only this
@@ -137,12 +170,14 @@ impl Ranks {
         self: &std::sync::Arc<Self>,
         rank: u32,
         sequences: u32,
-        blocks: &[BlockHash],
-        held: usize,
+        (blocks, held): (&[BlockHash], usize),
+        prompt_tokens: u64,
     ) -> RankGuard {
         if let Some(load) = self.load.get(rank as usize) {
             load.in_flight.fetch_add(sequences, Ordering::Relaxed);
             load.begun.fetch_add(u64::from(sequences), Ordering::Relaxed);
+            let since = Instant::now().saturating_duration_since(self.epoch);
+            load.recent.lock().unwrap_or_else(|e| e.into_inner()).add(since, prompt_tokens);
         }
         let added = super::added_past(blocks, held);
         let hold = CreditHold::pin(&self.index, self.id(rank), blocks.to_vec());
@@ -165,16 +200,16 @@ impl Ranks {
     }
 }
 
-/// Every rank's view of `blocks`, for each of `replicas` (in order), whose ranks share one
-/// index: it is walked once for all of them.
-pub fn views(replicas: &[&Ranks], blocks: &[BlockHash]) -> Vec<Vec<RankView>> {
+/// Every rank's view of `blocks` at `now`, for each of `replicas` (in order), whose ranks
+/// share one index: it is walked once for all of them.
+pub fn views(replicas: &[&Ranks], blocks: &[BlockHash], now: Instant) -> Vec<Vec<RankView>> {
     let Some(first) = replicas.first() else { return Vec::new() };
     let ids = replicas.iter().flat_map(|ranks| (0..ranks.len()).map(|rank| ranks.id(rank)));
     let (_, overlaps) = first.index.lookup_with_credits(blocks, |overlaps, credits| {
         credits.extend_each(blocks, ids.map(|id| Some((id, overlaps.get(id)))))
     });
     let mut overlaps = overlaps.into_iter();
-    replicas.iter().map(|ranks| ranks.views_with(overlaps.by_ref().take(ranks.len() as usize))).collect()
+    replicas.iter().map(|ranks| ranks.views_with(overlaps.by_ref().take(ranks.len() as usize), now)).collect()
 }
 
 /// A request's load and pinned credits on a rank, released when dropped.
@@ -192,6 +227,11 @@ pub struct RankGuard {
 impl RankGuard {
     pub fn rank(&self) -> u32 {
         self.rank
+    }
+
+    /// The replica's ranks.
+    pub fn ranks(&self) -> &std::sync::Arc<Ranks> {
+        &self.ranks
     }
 
     /// The replica took the request: its credits stand once the guard drops.
@@ -258,9 +298,13 @@ mod tests {
         let overlaps = |r: &Ranks| r.views(&blocks).iter().map(|v| v.overlap_blocks).collect::<Vec<_>>();
         assert_eq!(overlaps(&ranks), [0, 3, 1]);
         // A request sent to rank 2 credits its blocks there until the rank stores them.
-        let mut guard = ranks.begin(2, 2, &blocks, 1);
+        let mut guard = ranks.begin(2, 2, (&blocks, 1), 64);
         assert_eq!(overlaps(&ranks), [0, 3, 4]);
         assert_eq!(ranks.views(&blocks)[2].in_flight, 2);
+        assert_eq!(ranks.views(&blocks)[2].recent_prompt_tokens, 64, "its prompt, decaying from now");
+        ranks.add_prefill(2, 100);
+        ranks.sub_prefill(2, 150);
+        assert_eq!(ranks.views(&blocks)[2].pending_prefill_tokens, 0, "never below none");
         guard.keep();
         drop(guard);
         assert_eq!(ranks.views(&blocks)[2].in_flight, 0, "released");
@@ -268,7 +312,7 @@ mod tests {
         ranks.forget();
         assert_eq!(overlaps(&ranks), [0, 3, 1]);
         // One that failed there takes back what only it credited.
-        let guard = ranks.begin(0, 1, &blocks, 0);
+        let guard = ranks.begin(0, 1, (&blocks, 0), 64);
         assert_eq!(overlaps(&ranks), [4, 3, 1]);
         drop(guard);
         assert_eq!(overlaps(&ranks), [0, 3, 1]);
@@ -286,10 +330,10 @@ mod tests {
         b.index.store(b.id(0), &blocks[..2]);
         b.index.store(b.id(2), &blocks[..1]);
         let overlaps = |views: &[RankView]| views.iter().map(|v| v.overlap_blocks).collect::<Vec<_>>();
-        let both = views(&[&a, &b], &blocks);
+        let both = views(&[&a, &b], &blocks, Instant::now());
         assert_eq!((overlaps(&both[0]), overlaps(&both[1])), (vec![0, 4], vec![2, 0, 1]));
         a.clear();
-        let both = views(&[&a, &b], &blocks);
+        let both = views(&[&a, &b], &blocks, Instant::now());
         assert_eq!((overlaps(&both[0]), overlaps(&both[1])), (vec![0, 0], vec![2, 0, 1]));
         assert!(Ranks::new(2, index, ReplicaId(u32::MAX / 2)).is_none(), "ids past u32 are refused");
     }

@@ -157,9 +157,9 @@ pub async fn routed(
         let upstream = &member.upstream;
         let mut guard = upstream.begin(plan.sequences, plan.prefill_tokens(attempt), plan.prompt_tokens);
         // A data-parallel replica's rank is named, and credited.
-        let mut on_rank = rank
-            .zip(member.replica.ranks.get())
-            .map(|((rank, held), ranks)| ranks.begin(rank, plan.sequences, &plan.all_blocks, held));
+        let mut on_rank = rank.zip(member.replica.ranks.get()).map(|((rank, held), ranks)| {
+            ranks.begin(rank, plan.sequences, (&plan.all_blocks, held), plan.prompt_tokens)
+        });
         // A whole answer comes at its end: the prefill is over when the replica (its rank)
         // stores the prompt's last block. (Not for a batch: a later prompt's last block may
         // lie inside an earlier one.)
@@ -366,7 +366,7 @@ pub async fn to_replica(
     // the router never saw).
     if let Some((rank, ranks)) = rank.zip(member.replica.ranks.get()) {
         headers = with_rank(&headers, rank);
-        guard.hold_rank(ranks.begin(rank, 1, &[], 0));
+        guard.hold_rank(ranks.begin(rank, 1, (&[], 0), prompt_tokens));
     }
     let uri = replica_uri(&member.replica, &client.uri)?;
     let sent = Instant::now();

@@ -335,6 +335,7 @@ impl Decider {
         members: &[Member],
         states: &[StreamState],
         blocks: &[BlockHash],
+        now: tokio::time::Instant,
     ) -> Vec<Option<Vec<crate::index::RankView>>> {
         if self.ranks_by.is_none() {
             return Vec::new();
@@ -353,7 +354,7 @@ impl Decider {
         if walked.is_empty() {
             return Vec::new();
         }
-        let mut views = crate::index::rank_views(&walked, blocks).into_iter();
+        let mut views = crate::index::rank_views(&walked, blocks, now).into_iter();
         ranks.iter().map(|ranks| ranks.and_then(|_| views.next())).collect()
     }
 
@@ -376,8 +377,8 @@ impl Decider {
             };
             credits.extend_each(&blocks, members.iter().zip(&states).map(counted))
         });
-        let rank_views = self.rank_views(&members, &states, &blocks);
         let now = tokio::time::Instant::now();
+        let rank_views = self.rank_views(&members, &states, &blocks, now);
         let verdicts =
             verdicts_for(members.iter().map(|m| &*m.upstream), self.max_in_flight_per_replica, adapter);
         let mut candidates: Vec<Scored> = members
@@ -487,7 +488,13 @@ fn best_rank(
         .map(|r| ReplicaView {
             id: ReplicaId(r.rank),
             overlap_blocks: reused(r.overlap_blocks),
-            load: policy::Load { in_flight: r.in_flight, others: r.others, ..policy::Load::default() },
+            load: policy::Load {
+                in_flight: r.in_flight,
+                others: r.others,
+                pending_prefill_tokens: r.pending_prefill_tokens,
+                recent_prompt_tokens: r.recent_prompt_tokens,
+                ..policy::Load::default()
+            },
             stream: PbState::Exact,
             eligible: true,
         })
@@ -528,10 +535,33 @@ mod tests {
                 rank: r as u32,
                 overlap_blocks: overlaps[r],
                 in_flight: in_flight[r],
-                others: 0,
+                ..RankView::default()
             })
             .collect();
         best_rank(&policy::CacheAware::default(), &request, &ranks, |blocks| blocks)
+    }
+
+    /// Between ranks holding as much, the one with less prefill queued, or fewer tokens sent
+    /// lately, takes the request.
+    #[test]
+    fn ranks_are_weighed_on_pending_prefill_and_recent_tokens() {
+        let request = RequestView { prompt_tokens: 512, blocks: 32, block_size: 16, key: 7 };
+        let ranks = |pending: [u64; 2], recent: [u64; 2]| -> Vec<RankView> {
+            (0..2)
+                .map(|r| RankView {
+                    rank: r as u32,
+                    overlap_blocks: 8,
+                    pending_prefill_tokens: pending[r],
+                    recent_prompt_tokens: recent[r],
+                    ..RankView::default()
+                })
+                .collect()
+        };
+        let best = |views: &[RankView]| best_rank(&policy::CacheAware::default(), &request, views, |b| b);
+        assert_eq!(best(&ranks([4096, 0], [0, 0])), Some((1, 8)));
+        assert_eq!(best(&ranks([0, 4096], [0, 0])), Some((0, 8)));
+        assert_eq!(best(&ranks([0, 0], [30_000, 10_000])), Some((1, 8)));
+        assert_eq!(best(&ranks([0, 0], [10_000, 30_000])), Some((0, 8)));
     }
 
     #[test]

@@ -210,8 +210,11 @@ impl Upstream {
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.pending_prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
         self.recent().add(self.epoch.elapsed(), prompt_tokens);
-        let prefill =
-            Arc::new(PendingPrefill { upstream: self.clone(), tokens: AtomicU64::new(prefill_tokens) });
+        let prefill = Arc::new(PendingPrefill {
+            upstream: self.clone(),
+            tokens: AtomicU64::new(prefill_tokens),
+            rank: std::sync::OnceLock::new(),
+        });
         LoadGuard { upstream: self.clone(), sequences, prefill, rank: None }
     }
 
@@ -404,6 +407,7 @@ impl LoadGuard {
 
     /// The request was sent to a data-parallel rank: its load there ends with this guard.
     pub fn hold_rank(&mut self, rank: crate::index::RankGuard) {
+        self.prefill.on_rank(rank.ranks().clone(), rank.rank());
         self.rank = Some(rank);
     }
 
@@ -448,12 +452,28 @@ impl LoadGuard {
 pub struct PendingPrefill {
     upstream: Arc<Upstream>,
     tokens: AtomicU64,
+    /// The data-parallel rank the request was sent to, whose pending prefill it is too.
+    rank: std::sync::OnceLock<(Arc<crate::index::Ranks>, u32)>,
 }
 
 impl PendingPrefill {
+    /// The prefill is `rank`'s of `ranks` too, until released.
+    fn on_rank(&self, ranks: Arc<crate::index::Ranks>, rank: u32) {
+        // Attached before it is counted: a release in between takes from the rank what it
+        // had not added yet (never below zero), rather than leave it counted for good.
+        if self.rank.set((ranks, rank)).is_ok()
+            && let Some((ranks, rank)) = self.rank.get()
+        {
+            ranks.add_prefill(*rank, self.tokens.load(Ordering::Acquire));
+        }
+    }
+
     fn release(&self) {
         let n = self.tokens.swap(0, Ordering::AcqRel);
         self.upstream.pending_prefill.fetch_sub(n, Ordering::Relaxed);
+        if let Some((ranks, rank)) = self.rank.get() {
+            ranks.sub_prefill(*rank, n);
+        }
     }
 }
 
@@ -497,6 +517,28 @@ mod tests {
         assert_eq!(u.load().pending_prefill_tokens, 0);
         drop(g);
         assert_eq!(u.load(), Load::default());
+    }
+
+    /// A request sent to a data-parallel rank holds its pending prefill on the rank too,
+    /// released with the replica's (at its first data, its stored prompt, or its end).
+    #[test]
+    fn a_ranks_pending_prefill_goes_with_the_replicas() {
+        let u = Arc::new(Upstream::default());
+        let index = crate::index::SharedIndex::with_credit_ttl(Duration::from_secs(60));
+        let ranks = Arc::new(crate::index::Ranks::new(2, index, kvroute_proto::ReplicaId(0)).unwrap());
+        let pending = |ranks: &crate::index::Ranks| {
+            ranks.views(&[]).iter().map(|v| v.pending_prefill_tokens).collect::<Vec<_>>()
+        };
+        let mut g = u.begin(1, 100, 300);
+        g.hold_rank(ranks.begin(1, 1, (&[], 0), 300));
+        assert_eq!(pending(&ranks), [0, 100]);
+        crate::index::OnStored::stored(&*g.pending_prefill());
+        assert_eq!((u.load().pending_prefill_tokens, pending(&ranks)), (0, vec![0, 0]));
+        let mut g = u.begin(1, 50, 300);
+        g.hold_rank(ranks.begin(0, 1, (&[], 0), 300));
+        assert_eq!(pending(&ranks), [50, 0]);
+        drop(g);
+        assert_eq!(pending(&ranks), [0, 0], "released at the end");
     }
 
     /// A request of several sequences (prompts times `n`) weighs as many in the load the

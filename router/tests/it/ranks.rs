@@ -231,3 +231,33 @@ async fn a_continuation_goes_to_the_rank_that_made_its_response() {
     assert_eq!(homes.len(), 2, "conversations on both ranks: {homes:?}");
     fleet.shutdown.cancel();
 }
+
+/// A prefix every request shares (a system prompt) does not draw a burst of them all to the
+/// rank that cached it first: ranks are weighed on their load (in flight, pending prefill,
+/// recent tokens) as replicas are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_prefix_does_not_send_a_burst_to_one_rank() {
+    let ranks = |name: &str| kvroute_replica_agent::Config {
+        data_parallel_size: 2,
+        time_scale: 20.0,
+        ..agent_config(name)
+    };
+    let fleet = Fleet::with(1, ranks, |c| c).await;
+    let system = (0..24).map(|i| format!("system{i}")).collect::<Vec<_>>().join(" ");
+    let mut tasks = Vec::new();
+    for i in 0..48 {
+        let words = (0..10).map(|w| format!("q{i}w{w}")).collect::<Vec<_>>().join(" ");
+        let body = json!({"model": FLEET_MODEL, "prompt": format!("{system} question {i} {words}"), "max_tokens": 16});
+        let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
+        tasks.push(tokio::spawn(async move { http.post(&url, &body).await }));
+    }
+    let mut per_rank = std::collections::BTreeMap::<String, u32>::new();
+    for task in tasks {
+        let reply = task.await.unwrap();
+        assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+        *per_rank.entry(reply.header("x-kvroute-rank").expect("a rank").to_owned()).or_default() += 1;
+    }
+    assert_eq!(per_rank.len(), 2, "both ranks served: {per_rank:?}");
+    assert!(per_rank.values().all(|n| *n <= 36), "skewed: {per_rank:?}");
+    fleet.shutdown.cancel();
+}
