@@ -76,6 +76,8 @@ pub struct RankView {
     pub pending_prefill_tokens: u64,
     /// Prompt tokens sent to it lately ([`RecentTokens`]).
     pub recent_prompt_tokens: u64,
+    /// Its stream is FALLBACK (what it holds is unknown): it is not named.
+    pub fallback: bool,
 }
 
 impl Ranks {
@@ -118,6 +120,7 @@ impl Ranks {
                 others: load.others.load(Ordering::Relaxed),
                 pending_prefill_tokens: load.pending_prefill.load(Ordering::Relaxed),
                 recent_prompt_tokens: load.recent.lock().unwrap_or_else(|e| e.into_inner()).tokens(since),
+                fallback: false,
             })
             .collect()
     }

@@ -479,7 +479,7 @@ pub(super) fn record_failure(upstream: &Upstream, config: &ForwardConfig, metric
 }
 
 /// The client's request line and version, and the headers every attempt sends: the client's
-/// without hop-by-hop ones, the request id, and with `forwarded_for` the client's address
+/// without hop-by-hop ones (nor a data-parallel rank), the request id, and with `forwarded_for` the client's address
 /// ([`forwarded`]). Taken once per request, not per attempt.
 pub(super) fn upstream_head(
     parts: http::request::Parts,
@@ -488,6 +488,9 @@ pub(super) fn upstream_head(
 ) -> (ClientHead, HeaderMap) {
     let http::request::Parts { method, uri, version, mut headers, extensions, .. } = parts;
     strip_hop_by_hop(&mut headers);
+    // The rank is the router's to name, on the replica it chose: a client's would name a
+    // rank of whichever replica the request reaches (a 400 where it has fewer).
+    headers.remove(X_DATA_PARALLEL_RANK);
     if let Ok(id) = HeaderValue::from_str(request_id) {
         headers.insert(X_REQUEST_ID, id);
     }

@@ -327,35 +327,35 @@ impl Decider {
         Ok(plan)
     }
 
-    /// The rank views of each of `members` that is a data-parallel replica with a stream
-    /// (`None` for the others), when ranks are chosen: the rank index walked once for all.
-    /// Empty when there are none.
+    /// The rank views of each of `members` that is a data-parallel replica (`None` for the
+    /// others), when ranks are chosen: the rank index walked once for all. Empty when there
+    /// are none. A replica whose ranks are not all followed is FALLBACK (scored on what the
+    /// fleet holds), and its ranks still chosen among those that are.
     fn rank_views(
         &self,
         members: &[Member],
-        states: &[StreamState],
         blocks: &[BlockHash],
         now: tokio::time::Instant,
     ) -> Vec<Option<Vec<crate::index::RankView>>> {
         if self.ranks_by.is_none() {
             return Vec::new();
         }
-        let ranks: Vec<Option<&crate::index::Ranks>> = members
-            .iter()
-            .zip(states)
-            .map(|(member, state)| match state {
-                StreamState::Exact | StreamState::Degraded => {
-                    member.replica.ranks.get().map(|ranks| &**ranks)
-                }
-                StreamState::Fallback => None,
-            })
-            .collect();
+        let ranks: Vec<Option<&crate::index::Ranks>> =
+            members.iter().map(|member| member.replica.ranks.get().map(|ranks| &**ranks)).collect();
         let walked: Vec<&crate::index::Ranks> = ranks.iter().flatten().copied().collect();
         if walked.is_empty() {
             return Vec::new();
         }
         let mut views = crate::index::rank_views(&walked, blocks, now).into_iter();
-        ranks.iter().map(|ranks| ranks.and_then(|_| views.next())).collect()
+        let status = |member: &Member, mut views: Vec<crate::index::RankView>| {
+            for view in &mut views {
+                view.fallback = member.replica.status.rank_state(view.rank) == Some(StreamState::Fallback);
+            }
+            views
+        };
+        (ranks.iter().zip(members))
+            .map(|(ranks, member)| ranks.and_then(|_| views.next()).map(|views| status(member, views)))
+            .collect()
     }
 
     /// Scores every member for a request with the given blocks; only a request to be sent
@@ -378,7 +378,7 @@ impl Decider {
             credits.extend_each(&blocks, members.iter().zip(&states).map(counted))
         });
         let now = tokio::time::Instant::now();
-        let rank_views = self.rank_views(&members, &states, &blocks, now);
+        let rank_views = self.rank_views(&members, &blocks, now);
         let verdicts =
             verdicts_for(members.iter().map(|m| &*m.upstream), self.max_in_flight_per_replica, adapter);
         let mut candidates: Vec<Scored> = members
@@ -496,7 +496,7 @@ fn best_rank(
                 ..policy::Load::default()
             },
             stream: PbState::Exact,
-            eligible: true,
+            eligible: !r.fallback,
         })
         .collect();
     let best = &ranks[costs.choose(request, &views).chosen?];
@@ -562,6 +562,22 @@ mod tests {
         assert_eq!(best(&ranks([0, 4096], [0, 0])), Some((0, 8)));
         assert_eq!(best(&ranks([0, 0], [30_000, 10_000])), Some((1, 8)));
         assert_eq!(best(&ranks([0, 0], [10_000, 30_000])), Some((0, 8)));
+    }
+
+    /// A rank whose stream is FALLBACK is not named, whatever it seemed to hold; with none
+    /// followed, none is.
+    #[test]
+    fn a_fallback_rank_is_not_named() {
+        let request = RequestView { prompt_tokens: 512, blocks: 32, block_size: 16, key: 7 };
+        let view = |rank: u32, overlap_blocks, fallback| RankView {
+            rank,
+            overlap_blocks,
+            fallback,
+            ..RankView::default()
+        };
+        let best = |views: &[RankView]| best_rank(&policy::CacheAware::default(), &request, views, |b| b);
+        assert_eq!(best(&[view(0, 2, false), view(1, 8, true)]), Some((0, 2)));
+        assert_eq!(best(&[view(0, 2, true), view(1, 8, true)]), None);
     }
 
     #[test]

@@ -261,3 +261,44 @@ async fn a_shared_prefix_does_not_send_a_burst_to_one_rank() {
     assert!(per_rank.values().all(|n| *n <= 36), "skewed: {per_rank:?}");
     fleet.shutdown.cancel();
 }
+
+/// A replica one of whose ranks has no stream is FALLBACK, but its other ranks are still
+/// chosen by what they hold, and the rank without a stream is not named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_without_a_stream_is_passed_over_and_the_others_still_chosen() {
+    let (mut rank0, rank1) = rank_publishers().await;
+    let (replica, mut seen) = recording_replica(ANSWER).await;
+    let spec = format!("name=dp,http=http://{replica},events={},engine=kvroute,dp-size=2", rank0.events);
+    let config = kvroute_router::Config {
+        model: MODEL.into(),
+        block_size: BLOCK,
+        replicas: vec![spec.parse().unwrap()],
+        events_fallback_ms: 300,
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let member = router.fleet().member("dp").unwrap();
+    let ranks = member.replica.ranks.get().cloned().expect("a rank index");
+    rank1.close().await;
+    let a = tokens(5, 3);
+    let mut seq = 0;
+    while ranks.views(&chain(&a))[0].overlap_blocks != 3 {
+        rank0.send(seq, EventFormat::Kvroute.encode_payload(&batch(0, seq, vec![store_chain(&a, 0)]))).await;
+        seq += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_until("rank 1 is FALLBACK", || {
+        member.replica.status.rank_state(1) == Some(kvroute_router::replicas::StreamState::Fallback)
+    })
+    .await;
+    let http = Http::new();
+    for prompt in [a.clone(), tokens(6, 2), tokens(7, 2)] {
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
+        let reply = http.post(&format!("{}/v1/completions", router.url()), &body).await;
+        assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+        let request = tokio::time::timeout(WAIT, seen.recv()).await.expect("in time").expect("the request");
+        assert_eq!(request.values("x-data-parallel-rank"), ["0"], "the followed rank is named");
+    }
+    shutdown.cancel();
+}
