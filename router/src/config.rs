@@ -121,6 +121,13 @@ pub struct Config {
     /// fewer than it holds.
     #[arg(long, env = "KVROUTE_EAGLE", default_value_t = false)]
     pub eagle: bool,
+    /// Leave a data-parallel replica's rank to the replica's own balancing, and score the
+    /// replica on the union of its ranks: for engines that ignore `X-data-parallel-rank`
+    /// (vLLM before 0.14, SGLang before 0.5.10). By default the cache-aware policy names the
+    /// rank that holds the prefix.
+    #[arg(long, env = "KVROUTE_NO_RANK_ROUTING", default_value_t = false)]
+    #[serde(default)]
+    pub no_rank_routing: bool,
     /// HuggingFace tokenizer.json of the model, or the model's directory holding it; the
     /// built-in tokenizer when absent. A tokenizer_config.json beside it is read unless
     /// --tokenizer-config names one, as vLLM reads the model's directory.

@@ -237,7 +237,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         max_in_flight_per_replica: config.max_in_flight_per_replica,
         eagle: config.eagle,
         metrics,
-        ranks_by: (config.policy == policy::PolicyKind::CacheAware).then(|| policy::CacheAware::new(params)),
+        ranks_by: (config.policy == policy::PolicyKind::CacheAware && !config.no_rank_routing)
+            .then(|| policy::CacheAware::new(params)),
     };
     // Resolved once: the heartbeats need one slot for each thread that will tick.
     let http_threads = config.http_threads();

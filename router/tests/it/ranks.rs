@@ -302,3 +302,16 @@ async fn a_rank_without_a_stream_is_passed_over_and_the_others_still_chosen() {
     }
     shutdown.cancel();
 }
+
+/// With `--no-rank-routing` (engines that ignore the header) no rank is named: the replica's
+/// own balancing places each request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_rank_routing_no_rank_is_named() {
+    let ranks = |name: &str| kvroute_replica_agent::Config { data_parallel_size: 2, ..agent_config(name) };
+    let fleet = Fleet::with(1, ranks, |c| kvroute_router::Config { no_rank_routing: true, ..c }).await;
+    let body = json!({"model": FLEET_MODEL, "prompt": "one prompt of a few words", "max_tokens": 1});
+    let reply = fleet.http.post(&fleet.url("/v1/completions"), &body).await;
+    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(reply.header("x-kvroute-rank"), None);
+    fleet.shutdown.cancel();
+}
