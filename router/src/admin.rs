@@ -80,8 +80,26 @@ impl AdminService {
             events_applied: s.events_applied(),
             events_malformed: s.events_malformed(),
             gaps: s.gaps(),
+            ranks: m.replica.ranks.get().map(|ranks| rank_statuses(m, ranks)).unwrap_or_default(),
         }
     }
+}
+
+/// Each rank of a data-parallel replica, as `ListReplicas` shows it.
+fn rank_statuses(m: &Member, ranks: &crate::index::Ranks) -> Vec<pb::RankStatus> {
+    let state = |rank| m.replica.status.rank_state(rank).unwrap_or(crate::replicas::StreamState::Degraded);
+    ranks
+        .views(&[])
+        .into_iter()
+        .map(|view| pb::RankStatus {
+            rank: view.rank,
+            state: pb::StreamState::from(state(view.rank)) as i32,
+            blocks: ranks.index.blocks(ranks.id(view.rank)) as u64,
+            in_flight: view.in_flight,
+            pending_prefill_tokens: view.pending_prefill_tokens,
+            others: view.others,
+        })
+        .collect()
 }
 
 fn candidate(c: &Scored, block_size: usize, prompt_tokens: usize) -> pb::Candidate {

@@ -73,6 +73,11 @@ async fn a_request_goes_to_the_rank_that_holds_its_prefix() {
         .into_inner();
     let candidate = &explained.candidates[0];
     assert_eq!((candidate.dp_rank, candidate.overlap_blocks), (Some(1), 3));
+    // `ListReplicas` shows each rank: its stream, its blocks.
+    let listed = admin.list_replicas(pb::ListReplicasRequest {}).await.unwrap().into_inner();
+    let ranks_listed: Vec<(u32, u64)> = listed.replicas[0].ranks.iter().map(|r| (r.rank, r.blocks)).collect();
+    assert_eq!(ranks_listed, [(0, 2), (1, 3)]);
+    assert!(listed.replicas[0].ranks.iter().all(|r| r.state == pb::StreamState::Exact as i32), "{listed:?}");
 
     let http = Http::new();
     let mut send = async |prompt: Vec<u32>| {
