@@ -256,12 +256,14 @@ impl AgentPublisher {
 /// Publishers of a replica's first two data-parallel ranks, on adjacent ports (rank r
 /// publishes on port + r, as vLLM offsets them); tried again until two are free.
 pub async fn rank_publishers() -> (FakePublisher, FakePublisher) {
+    // Ports outside the kernel's ephemeral range, never handed out twice in this process: a
+    // released ephemeral port could be bound by another test while a router still reconnects
+    // to it (a closed rank's stream then never falls back; another's takes its batches).
     for _ in 0..50 {
-        let rank0 = FakePublisher::start(None).await;
-        let port: u16 = rank0.events.rsplit(':').next().unwrap().parse().unwrap();
-        if let Some(next) = port.checked_add(1)
-            && let Some(rank1) = FakePublisher::try_bind(&format!("tcp://127.0.0.1:{next}")).await
-        {
+        let port = kvroute_proto::loopback_port::unused().expect("a free port");
+        let Some(next) = port.checked_add(1) else { continue };
+        let Some(rank0) = FakePublisher::try_bind(&format!("tcp://127.0.0.1:{port}")).await else { continue };
+        if let Some(rank1) = FakePublisher::try_bind(&format!("tcp://127.0.0.1:{next}")).await {
             return (rank0, rank1);
         }
         rank0.close().await;
