@@ -36,6 +36,9 @@ pub(crate) struct Batch {
     pub seq: Seq,
     /// kvroute batches only: the publisher's process lifetime.
     pub epoch: Option<Epoch>,
+    /// The data-parallel rank the batch says it is from (vLLM's `data_parallel_rank`,
+    /// SGLang's `attn_dp_rank`, the agent's `dp_rank`), if it says.
+    pub dp_rank: Option<u32>,
     pub events: Vec<Event>,
 }
 
@@ -105,7 +108,7 @@ pub(crate) fn decode(
                 return Err(DecodeError::Event(bad.reason.clone()));
             }
             let events = batch.events.into_iter().map(|e| from_vllm(e, block_size)).collect();
-            Ok(Batch { seq, epoch: None, events })
+            Ok(Batch { seq, epoch: None, dp_rank: batch.dp_rank, events })
         }
     }
 }
@@ -134,7 +137,7 @@ fn from_native(batch: pb::EventBatch) -> Batch {
             None => Event::Skipped(SkipReason::UnknownEvent),
         })
         .collect();
-    Batch { seq: Seq(batch.seq), epoch: Some(Epoch(batch.epoch)), events }
+    Batch { seq: Seq(batch.seq), epoch: Some(Epoch(batch.epoch)), dp_rank: Some(batch.dp_rank), events }
 }
 
 fn from_vllm(event: VllmEvent, block_size: Option<u32>) -> Event {

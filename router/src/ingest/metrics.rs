@@ -147,6 +147,7 @@ pub struct IngestMetrics {
     skipped: Family<ReasonLabels, Counter>,
     overflow: Family<ReplicaLabel, Counter>,
     gaps: Family<ReplicaLabel, Counter>,
+    rank_mismatches: Family<ReplicaLabel, Counter>,
     restarts: Family<ReplicaLabel, Counter>,
     clears: Family<ReplicaLabel, Counter>,
     replays: Family<OutcomeLabels, Counter>,
@@ -173,6 +174,11 @@ impl IngestMetrics {
         r.register("skipped", "Events or blocks not applied, by reason", m.skipped.clone());
         r.register("overflow", "Live messages dropped because the ingest queue was full", m.overflow.clone());
         r.register("gaps", "Sequence gaps detected", m.gaps.clone());
+        r.register(
+            "rank_mismatches",
+            "Batches on a data-parallel rank's stream that name another rank (a dp-size or port layout that is not the replica's)",
+            m.rank_mismatches.clone(),
+        );
         r.register(
             "restarts",
             "Publisher restarts detected (seq backwards or new epoch)",
@@ -205,6 +211,7 @@ impl IngestMetrics {
             skipped: SkipReason::ALL.map(|r| self.skipped.get_or_create_owned(&reason(r))),
             overflow: self.overflow.get_or_create_owned(&replica),
             gaps: self.gaps.get_or_create_owned(&replica),
+            rank_mismatches: self.rank_mismatches.get_or_create_owned(&replica),
             restarts: self.restarts.get_or_create_owned(&replica),
             clears: self.clears.get_or_create_owned(&replica),
             replays: [Outcome::Ok, Outcome::Incomplete, Outcome::Failed]
@@ -224,6 +231,7 @@ impl IngestMetrics {
             &self.blocks_removed,
             &self.overflow,
             &self.gaps,
+            &self.rank_mismatches,
             &self.restarts,
             &self.clears,
         ] {
@@ -263,6 +271,7 @@ pub struct ReplicaMetrics {
     skipped: [Counter; SkipReason::ALL.len()],
     pub overflow: Counter,
     pub gaps: Counter,
+    pub rank_mismatches: Counter,
     pub restarts: Counter,
     pub clears: Counter,
     replays: [Counter; 3],

@@ -64,6 +64,8 @@ pub(crate) struct RankStream {
     /// Seqs (inclusive) the last replay or snapshot covered: live copies are duplicates.
     dup: Option<(Seq, Seq)>,
     malformed_run: u32,
+    /// A batch naming another rank was warned of.
+    told_rank: bool,
     /// In FALLBACK because of decode errors: resync on the next good batch.
     broken: bool,
     /// A batch could not be decoded: what it removed is unknown, so the rank resyncs (the
@@ -116,6 +118,7 @@ impl RankStream {
             epoch: None,
             dup: None,
             malformed_run: 0,
+            told_rank: false,
             broken: false,
             lost: false,
             resynced_in_run: false,
@@ -595,6 +598,22 @@ impl RankStream {
     }
 
     fn apply(&mut self, batch: Batch) {
+        // A rank's stream with another rank's batches: the replica's ranks are not where the
+        // router looks for them (dp-size, or the ports). Applied as they come; said once.
+        if let Some(said) = batch.dp_rank
+            && said != self.rank
+            && self.ctx.replica.spec.dp_size > 1
+        {
+            self.ctx.metrics.rank_mismatches.inc();
+            if !self.told_rank {
+                self.told_rank = true;
+                tracing::warn!(
+                    replica = %self.ctx.replica.spec.name, rank = self.rank, says = said,
+                    "a data-parallel rank's stream carries another rank's batches: check the \
+                     replica's dp-size and event ports (rank r publishes on port + r)"
+                );
+            }
+        }
         if let Some(epoch) = batch.epoch {
             self.epoch = Some(epoch);
             self.ctx.replica.status.set_epoch(epoch);

@@ -319,6 +319,18 @@ async fn a_rank_without_a_stream_is_passed_over_and_the_others_still_chosen() {
         let request = tokio::time::timeout(WAIT, seen.recv()).await.expect("in time").expect("the request");
         assert_eq!(request.values("x-data-parallel-rank"), ["0"], "the followed rank is named");
     }
+    // A batch on rank 0's stream that says it is rank 1's (a dp-size or port layout that is
+    // not the replica's) is counted.
+    let mismatches = async || {
+        let page = http.get(&format!("{}/metrics", router.url())).await;
+        let text = String::from_utf8_lossy(&page.body).into_owned();
+        let series = "kvroute_ingest_rank_mismatches_total{replica=\"dp\"} ";
+        text.lines().find_map(|l| l.strip_prefix(series)?.trim().parse::<u64>().ok()).unwrap_or(0)
+    };
+    assert_eq!(mismatches().await, 0, "rank 0's own batches");
+    let misplaced = pb::EventBatch { dp_rank: 1, ..batch(0, seq, vec![]) };
+    rank0.send(seq, EventFormat::Kvroute.encode_payload(&misplaced)).await;
+    crate::support::wait_until_async("the mismatch counted", async || mismatches().await == 1).await;
     shutdown.cancel();
 }
 
