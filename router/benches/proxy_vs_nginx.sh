@@ -95,6 +95,11 @@
 #   added latency p50 nginx +14 µs, floor +18, kvroute +20/+22. Callgrind, the same script
 #   for both builds (not the one above): 56.3 k instructions a request for the session's
 #   first build, 56.4 k for its last.
+#   2026-11-27, the twenty-ninth session (data-parallel ranks; a client's rank header taken
+#   off): nginx 99.9 k requests/s (9.8 µs of CPU a request), floor 0.76x (13.4 µs), kvroute
+#   cache-aware 0.57x (19.8 µs, rounds 0.56-0.57), round-robin 0.57x (19.6 µs); added latency
+#   p50 nginx +21 µs, floor +21, kvroute +28. Earlier the same session (before the rank load
+#   terms): nginx 88.8 k, floor 0.67x, cache-aware 0.55x, round-robin 0.57x.
 # Where the difference is: kernel time is about the same for both (loopback sends and the
 # wake-ups they cause, ~12-13 µs); user time is ~3 µs for nginx and ~9 µs for kvroute. An
 # early bare forwarder on the same accept loop (hyper server, hyper-util client, no decision,
