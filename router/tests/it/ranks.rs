@@ -38,19 +38,33 @@ async fn two_ranks(
     Fleet::with(1, config, router).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_goes_to_the_rank_that_holds_its_prefix() {
-    let (mut rank0, mut rank1) = rank_publishers().await;
-    let (replica, mut seen) = recording_replica(ANSWER).await;
-    let spec = format!("name=dp,http=http://{replica},events={},engine=kvroute,dp-size=2", rank0.events);
-    let config = kvroute_router::Config {
+/// A router (as `config` sets it) in front of `dp`, a replica of two data-parallel ranks whose
+/// rank 0 publishes on `events`, and whose HTTP API records what it is sent.
+async fn recorded_ranks(
+    events: &str,
+    config: impl FnOnce(kvroute_router::Config) -> kvroute_router::Config,
+) -> (
+    kvroute_router::RunningRouter,
+    tokio::sync::mpsc::UnboundedReceiver<crate::headers::Seen>,
+    tokio_util::sync::CancellationToken,
+) {
+    let (replica, seen) = recording_replica(ANSWER).await;
+    let spec = format!("name=dp,http=http://{replica},events={events},engine=kvroute,dp-size=2");
+    let config = config(kvroute_router::Config {
         model: MODEL.into(),
         block_size: BLOCK,
         replicas: vec![spec.parse().unwrap()],
         ..kvroute_router::Config::loopback(Vec::new())
-    };
+    });
     let shutdown = tokio_util::sync::CancellationToken::new();
     let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    (router, seen, shutdown)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_goes_to_the_rank_that_holds_its_prefix() {
+    let (mut rank0, mut rank1) = rank_publishers().await;
+    let (router, mut seen, shutdown) = recorded_ranks(&rank0.events, |c| c).await;
     let ranks = router.fleet().member("dp").unwrap().replica.ranks.get().cloned().expect("a rank index");
 
     // Rank 1 holds `a` (3 blocks), rank 0 holds `b` (2 blocks).
@@ -287,17 +301,8 @@ async fn a_rank_without_a_stream_is_passed_over_and_the_others_still_chosen() {
             break rank0;
         }
     };
-    let (replica, mut seen) = recording_replica(ANSWER).await;
-    let spec = format!("name=dp,http=http://{replica},events={},engine=kvroute,dp-size=2", rank0.events);
-    let config = kvroute_router::Config {
-        model: MODEL.into(),
-        block_size: BLOCK,
-        replicas: vec![spec.parse().unwrap()],
-        events_fallback_ms: 300,
-        ..kvroute_router::Config::loopback(Vec::new())
-    };
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let (router, mut seen, shutdown) =
+        recorded_ranks(&rank0.events, |c| kvroute_router::Config { events_fallback_ms: 300, ..c }).await;
     let member = router.fleet().member("dp").unwrap();
     let ranks = member.replica.ranks.get().cloned().expect("a rank index");
     let a = tokens(5, 3);
