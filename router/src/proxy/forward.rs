@@ -157,24 +157,24 @@ pub async fn routed(
         let upstream = &member.upstream;
         let mut guard = upstream.begin(plan.sequences, plan.prefill_tokens(attempt), plan.prompt_tokens);
         // A data-parallel replica's rank is named, and credited.
-        let mut on_rank = rank.zip(member.replica.ranks.get()).map(|((rank, held), ranks)| {
+        let on_rank = rank.zip(member.replica.ranks.get()).map(|((rank, held), ranks)| {
             ranks.begin(rank, plan.sequences, (&plan.all_blocks, held), plan.prompt_tokens)
         });
-        // A whole answer comes at its end: the prefill is over when the replica (its rank)
-        // stores the prompt's last block. (Not for a batch: a later prompt's last block may
-        // lie inside an earlier one.)
-        if !plan.streams && !plan.is_batch() {
-            match (on_rank.as_mut(), plan.hold.as_mut()) {
-                (Some(on_rank), _) => on_rank.tell_when_stored(guard.pending_prefill()),
-                (None, Some(hold)) => hold.tell_when_stored(guard.pending_prefill()),
-                (None, None) => {}
-            }
-        }
+        // The rank holds the request's pending prefill from here, before anything can tell
+        // that it is done.
         let ranked = on_rank.map(|on_rank| {
             let headers = with_rank(&headers, on_rank.rank());
             guard.hold_rank(on_rank);
             headers
         });
+        // A whole answer comes at its end: the prefill is over when the replica (its rank)
+        // stores the prompt's last block. (Not for a batch: a later prompt's last block may
+        // lie inside an earlier one.)
+        if !plan.streams && !plan.is_batch() && !guard.tell_when_rank_stored() {
+            if let Some(hold) = plan.hold.as_mut() {
+                hold.tell_when_stored(guard.pending_prefill());
+            }
+        }
         let uri = replica_uri(&member.replica, &client.uri)?;
         let sent = Instant::now();
         match first_byte(

@@ -337,7 +337,7 @@ impl Decider {
         blocks: &[BlockHash],
         now: tokio::time::Instant,
     ) -> Vec<Option<Vec<crate::index::RankView>>> {
-        if self.ranks_by.is_none() {
+        if self.ranks_by.is_none() || !members.iter().any(|member| member.replica.ranks.get().is_some()) {
             return Vec::new();
         }
         let ranks: Vec<Option<&crate::index::Ranks>> =

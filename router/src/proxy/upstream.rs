@@ -434,6 +434,19 @@ impl LoadGuard {
         }
     }
 
+    /// Tells the request's pending prefill to the rank it was sent to, to be released when
+    /// the rank's events store its prompt ([`crate::index::RankGuard::tell_when_stored`]);
+    /// false when it was sent to no rank.
+    pub fn tell_when_rank_stored(&mut self) -> bool {
+        match self.rank.as_mut() {
+            Some(rank) => {
+                rank.tell_when_stored(self.prefill.clone());
+                true
+            }
+            None => false,
+        }
+    }
+
     /// The request's pending prefill, to be released when the replica's events show its
     /// prompt stored (an answer that is not streamed has its first byte only at its end).
     pub fn pending_prefill(&self) -> Arc<PendingPrefill> {
@@ -459,8 +472,9 @@ pub struct PendingPrefill {
 impl PendingPrefill {
     /// The prefill is `rank`'s of `ranks` too, until released.
     fn on_rank(&self, ranks: Arc<crate::index::Ranks>, rank: u32) {
-        // Attached before it is counted: a release in between takes from the rank what it
-        // had not added yet (never below zero), rather than leave it counted for good.
+        // Attached before anything is told to release it (so nothing does meanwhile); were
+        // it released between the two steps, it would take from the rank what it had not
+        // added yet (never below zero) rather than leave it counted for good.
         if self.rank.set((ranks, rank)).is_ok()
             && let Some((ranks, rank)) = self.rank.get()
         {
