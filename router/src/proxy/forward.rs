@@ -170,10 +170,12 @@ pub async fn routed(
         // A whole answer comes at its end: the prefill is over when the replica (its rank)
         // stores the prompt's last block. (Not for a batch: a later prompt's last block may
         // lie inside an earlier one.)
-        if !plan.streams && !plan.is_batch() && !guard.tell_when_rank_stored() {
-            if let Some(hold) = plan.hold.as_mut() {
-                hold.tell_when_stored(guard.pending_prefill());
-            }
+        if !plan.streams
+            && !plan.is_batch()
+            && !guard.tell_when_rank_stored()
+            && let Some(hold) = plan.hold.as_mut()
+        {
+            hold.tell_when_stored(guard.pending_prefill());
         }
         let uri = replica_uri(&member.replica, &client.uri)?;
         let sent = Instant::now();
