@@ -25,6 +25,12 @@ use crate::replicas::{EngineKind, ReplicaSpec, base_url};
 /// Most proxy threads `--http-threads` accepts.
 pub const MAX_HTTP_THREADS: usize = 1024;
 
+/// Most requests `--max-queued` lets wait at once.
+pub const MAX_QUEUED: usize = 1 << 20;
+
+/// Longest wait `--queue-timeout-ms` allows: an hour.
+pub const MAX_QUEUE_TIMEOUT_MS: u64 = 3_600_000;
+
 /// Past `--drain-timeout-ms`, how long the streams it ended have to send their error events
 /// before the connections still open are closed.
 pub const DRAIN_END: Duration = Duration::from_secs(1);
@@ -250,6 +256,16 @@ pub struct Config {
     /// Requests in flight on one replica before it counts as saturated.
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT_PER_REPLICA", default_value_t = 512)]
     pub max_in_flight_per_replica: u32,
+    /// Requests that may wait for room at once ([`crate::proxy::queue`]): at
+    /// `--max-in-flight`, or with every replica it could go to at
+    /// `--max-in-flight-per-replica`, a request waits up to `--queue-timeout-ms` instead of
+    /// getting 503 at once; past this many waiting, it gets 503 at once.
+    #[arg(long, env = "KVROUTE_MAX_QUEUED", default_value_t = 1_024)]
+    pub max_queued: usize,
+    /// Longest a request waits for room before it gets 503, milliseconds; 0 turns waiting
+    /// off (503 at once, as with `--max-queued 0`).
+    #[arg(long, env = "KVROUTE_QUEUE_TIMEOUT_MS", default_value_t = 5_000)]
+    pub queue_timeout_ms: u64,
     /// Interval of active health checks (`GET /health`), milliseconds.
     #[arg(long, env = "KVROUTE_HEALTH_INTERVAL_MS", default_value_t = 2_000)]
     pub health_interval_ms: u64,
@@ -347,6 +363,16 @@ impl Config {
         check(self.max_prompt_tokens > 0, "--max-prompt-tokens must be at least 1".into());
         check(self.max_completion_tokens > 0, "--max-completion-tokens must be at least 1".into());
         check(self.max_in_flight_per_replica > 0, "--max-in-flight-per-replica must be at least 1".into());
+        check(
+            self.max_queued <= MAX_QUEUED,
+            format!("--max-queued must be at most {MAX_QUEUED} (0: no request waits)"),
+        );
+        check(
+            self.queue_timeout_ms <= MAX_QUEUE_TIMEOUT_MS,
+            format!(
+                "--queue-timeout-ms must be at most {MAX_QUEUE_TIMEOUT_MS} (an hour; 0: no request waits)"
+            ),
+        );
         check(self.health_interval_ms > 0, "--health-interval-ms must be at least 1".into());
         check(self.health_timeout_ms > 0, "--health-timeout-ms must be at least 1".into());
         check(self.unhealthy_after > 0, "--unhealthy-after must be at least 1".into());
@@ -414,6 +440,11 @@ impl Config {
     }
     pub fn control_timeout(&self) -> Duration {
         Duration::from_millis(self.control_timeout_ms)
+    }
+    /// How long a request may wait for room, if requests wait at all.
+    pub fn queue_timeout(&self) -> Option<Duration> {
+        (self.max_queued > 0 && self.queue_timeout_ms > 0)
+            .then(|| Duration::from_millis(self.queue_timeout_ms))
     }
     pub fn idle_timeout(&self) -> Duration {
         Duration::from_millis(self.idle_timeout_ms)

@@ -81,6 +81,12 @@ pub struct ProxyMetrics {
     /// closed so are counted in `kvroute_router_client_send_timeouts`).
     pub client_stalls: Counter,
     pub in_flight: Gauge,
+    /// Requests waiting for room ([`crate::proxy::queue`]).
+    pub queued: Gauge,
+    /// How long requests waited in line, whatever came of it.
+    pub queue_wait_seconds: Histogram,
+    /// What came of requests' waits, by outcome.
+    pub queue_outcomes: Family<OutcomeLabel, Counter>,
     pub decision_seconds: Histogram,
     pub upstream_ttfb_seconds: Histogram,
     /// The usual labels' counters, kept at hand once first used ([`Self::count_decision`],
@@ -112,6 +118,10 @@ impl Default for ProxyMetrics {
             ejections: Counter::default(),
             client_stalls: Counter::default(),
             in_flight: Gauge::default(),
+            queued: Gauge::default(),
+            // 1 ms .. ~70 min, past the longest `--queue-timeout-ms`.
+            queue_wait_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 23)),
+            queue_outcomes: Family::default(),
             // 1 µs .. ~17 s: with remote tokenization a decision includes a `/tokenize` call
             // (10 s at most by default).
             decision_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 25)),
@@ -187,6 +197,21 @@ impl ProxyMetrics {
         );
         r.register_collector(Box::new(SendTimeouts));
         r.register("in_flight", "Requests in flight through the router", m.in_flight.clone());
+        r.register(
+            "queued",
+            "Requests waiting for room (the router at --max-in-flight, or every replica they could go to at --max-in-flight-per-replica)",
+            m.queued.clone(),
+        );
+        r.register(
+            "queue_wait_seconds",
+            "Time requests waited for room, whatever came of it",
+            m.queue_wait_seconds.clone(),
+        );
+        r.register(
+            "queue_outcomes",
+            "Requests that waited for room or found the line full, by outcome: placed (got room), refused (another error ended the wait: no healthy replica left, say), timed_out (503 after --queue-timeout-ms), full (503 at once: --max-queued waiting already), left (the client left while it waited)",
+            m.queue_outcomes.clone(),
+        );
         r.register(
             "decision_seconds",
             "Time to decide where a request goes (parse, tokenize, hash, lookup, score), whether or not a replica could be chosen",

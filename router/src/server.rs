@@ -264,6 +264,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         registry: Arc::new(registry),
         limits: config.request_limits(),
         in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
+        queue: proxy::queue::Queue::new(config.max_queued, config.queue_timeout()),
         base_model: config.model.clone(),
         lora: proxy::lora::Updates::new(config.lora_updates),
         discovery,

@@ -10,7 +10,7 @@
 //! | 408 | the client sent nothing of its request body for `--idle-timeout-ms` (routed, or streamed to a replica) |
 //! | 413 | body larger than `--max-body-bytes` |
 //! | 502 | the replica failed before answering, and so did every retry; a LoRA adapter change some replicas took and some did not (`partial_fan_out`), or none answered within `--control-timeout-ms`; a `101` that does not switch to `websocket` |
-//! | 503 | no healthy replica, every replica saturated, the router at its in-flight limit, or (`--remote-tokenize`) no replica asked could tokenize the prompt |
+//! | 503 | no healthy replica; every replica saturated or the router at its in-flight limit, past `--queue-timeout-ms` in line or with `--max-queued` waiting already ([`super::queue`]); (`--remote-tokenize`) no replica asked could tokenize the prompt |
 //! | 504 | the replica did not start answering within `--first-byte-timeout-ms` (for a streamed upload: from its end, or from when the replica last took some of it), or a WebSocket handshake within `--control-timeout-ms` |
 
 use bytes::Bytes;
@@ -72,6 +72,11 @@ pub enum ProxyError {
     BadPath(String),
     #[error("no replica can take the request: {0}")]
     Unavailable(String),
+    /// No room: the router at `--max-in-flight`, or every replica the request could go to at
+    /// `--max-in-flight-per-replica`, and the request could not wait or waited in vain
+    /// ([`super::queue`]).
+    #[error("no replica can take the request: {0}")]
+    Saturated(String),
     #[error("replica {replica} failed before answering: {reason}")]
     Upstream { replica: String, reason: String },
     #[error("replica {replica} did not start answering within {timeout_ms} ms")]
@@ -109,7 +114,7 @@ impl ProxyError {
             ProxyError::NotFound(_) | ProxyError::UnknownResponse(_) => StatusCode::NOT_FOUND,
             ProxyError::Forbidden(_) => StatusCode::FORBIDDEN,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
-            ProxyError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Unavailable(_) | ProxyError::Saturated(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } | ProxyError::FanOut(_) => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::RefusedEverywhere { status, .. } => *status,
@@ -138,6 +143,7 @@ impl ProxyError {
             ProxyError::NotFound(_) | ProxyError::UnknownResponse(_) => "not_found",
             ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
             ProxyError::Unavailable(_) => "unavailable",
+            ProxyError::Saturated(_) => "saturated",
             ProxyError::Upstream { .. } => "upstream_failed",
             ProxyError::Timeout { .. } => "upstream_timeout",
             ProxyError::FanOut(_) => "fan_out",
@@ -181,9 +187,10 @@ impl ProxyError {
                 e.code = Some("404".into());
                 e
             }
-            ProxyError::Unavailable(_) | ProxyError::Upstream { .. } | ProxyError::Timeout { .. } => {
-                OpenAiError::new("server_error", self.to_string())
-            }
+            ProxyError::Unavailable(_)
+            | ProxyError::Saturated(_)
+            | ProxyError::Upstream { .. }
+            | ProxyError::Timeout { .. } => OpenAiError::new("server_error", self.to_string()),
             ProxyError::FanOut(_) => {
                 let mut e = OpenAiError::new("server_error", self.to_string());
                 e.code = Some("partial_fan_out".into());
@@ -213,7 +220,7 @@ impl ProxyError {
             headers.insert(super::forward::X_REQUEST_ID, id);
         }
         match self {
-            ProxyError::Unavailable(_) => {
+            ProxyError::Unavailable(_) | ProxyError::Saturated(_) => {
                 headers.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
             }
             ProxyError::MethodNotAllowed { allow, .. } => {

@@ -723,6 +723,7 @@ pub struct Admitted<'a> {
 }
 
 /// A place under the router's in-flight limit, counted by its gauge while held.
+#[derive(Debug)]
 pub struct Slot {
     _permit: OwnedSemaphorePermit,
     gauge: Gauge,
@@ -732,8 +733,13 @@ impl Slot {
     /// A place under `limit`, if one is free.
     pub fn try_take(limit: &Arc<Semaphore>, gauge: &Gauge) -> Option<Slot> {
         let permit = limit.clone().try_acquire_owned().ok()?;
+        Some(Slot::with(permit, gauge))
+    }
+
+    /// The place `permit` holds, counted in `gauge`.
+    pub fn with(permit: OwnedSemaphorePermit, gauge: &Gauge) -> Slot {
         gauge.inc();
-        Some(Slot { _permit: permit, gauge: gauge.clone() })
+        Slot { _permit: permit, gauge: gauge.clone() }
     }
 }
 

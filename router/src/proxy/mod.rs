@@ -14,7 +14,7 @@
 //! | an HTTP/1.1 `GET` for a WebSocket (`Upgrade: websocket`, `Connection: upgrade`; vLLM's `/v1/realtime`) on a path that passes through | tunnelled to the least-loaded eligible replica ([`tunnel`]) |
 //!
 //! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`cors`] (the router's own answers' CORS fields), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
-//! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`responses`] (which replica stored each Responses API response), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`tunnel`] (WebSockets), [`upload`] (clients' request
+//! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`queue`] (requests waiting for room), [`responses`] (which replica stored each Responses API response), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`tunnel`] (WebSockets), [`upload`] (clients' request
 //! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health).
 
 pub mod access;
@@ -30,6 +30,7 @@ pub mod opening;
 pub mod paths;
 pub mod pool;
 pub mod prompts;
+pub mod queue;
 pub mod responses;
 pub mod route;
 pub mod stalls;
@@ -59,7 +60,7 @@ use crate::fleet::{Fleet, Member};
 use crate::metrics::ErrorLabel;
 use body::{ProxyBody, full};
 use error::ProxyError;
-use forward::{Admitted, ForwardConfig, Sending, Slot};
+use forward::{Admitted, ForwardConfig, Sending};
 use http1::Outgoing;
 use pool::Pool;
 use responses::Continuation;
@@ -74,8 +75,10 @@ pub struct ProxyState {
     pub registry: Arc<Registry>,
     /// Prompt and completion bounds of routed requests.
     pub limits: RequestLimits,
-    /// Global in-flight limit: a request that cannot get a permit gets 503 at once.
+    /// Global in-flight limit: a request that cannot get a permit waits in `queue`.
     pub in_flight: Arc<Semaphore>,
+    /// Requests waiting for room ([`queue`]).
+    pub queue: queue::Queue,
     /// The served base model (its LoRA adapters are the tokenization's).
     pub base_model: String,
     /// LoRA adapter changes through the router ([`lora`]).
@@ -253,8 +256,9 @@ async fn dispatch(
         // Passed on as other requests are, without its `Upgrade` (hop-by-hop), it would
         // reach the replica as a plain request and be refused there as an unknown path.
         paths::check_passthrough(&path)?;
-        let admitted = admit(state, (request_id, received))?;
-        let members = by_load(state, request_id);
+        let mut line = queue::Line::default();
+        let admitted = admit(state, (request_id, received), &mut line).await?;
+        let members = with_room(state, &mut line, || by_load(state, request_id)).await?;
         return Box::pin(tunnel::open(state, pool, req, members, admitted)).await;
     }
     // The forwarding futures are boxed: hyper keeps each request's future in place, moving
@@ -294,7 +298,7 @@ async fn dispatch(
         (Method::POST, p) if let Some(change) = lora::route(p) => {
             // Refused or over the limit before its body is read (and `100 Continue` sent).
             lora::check_enabled(state)?;
-            let admitted = admit(state, (request_id, received))?;
+            let admitted = admit(state, (request_id, received), &mut queue::Line::default()).await?;
             let (parts, body) = req.into_parts();
             let body =
                 read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
@@ -323,10 +327,13 @@ async fn routed(
     endpoint: Endpoint,
     arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let admitted = admit(state, arrived)?;
+    let mut line = queue::Line::default();
+    let admitted = admit(state, arrived, &mut line).await?;
     let (parts, body) = req.into_parts();
     let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
-    match state.decider.decide_within(endpoint, &body, &state.limits).await {
+    let (freed, metrics) = (state.fleet().freed(), &state.decider.metrics);
+    let decide = || state.decider.decide_within(endpoint, &body, &state.limits);
+    match state.queue.until_room(freed, &mut line, metrics, decide).await {
         Ok(mut plan) => {
             // A malformed `store` is the replica's to refuse; until then, its id is worth keeping.
             plan.keeps_response = endpoint == Endpoint::Responses && asks_to_store(&body).unwrap_or(true);
@@ -359,7 +366,7 @@ async fn stored_response(
     id: &str,
     arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let admitted = admit(state, arrived)?;
+    let admitted = admit(state, arrived, &mut queue::Line::default()).await?;
     // The store is the API server's: any rank's, so none is named.
     let (member, _) = find_owner(state, pool, req.headers(), id).await?;
     streamed_to(state, pool, member, req, admitted).await
@@ -382,14 +389,25 @@ async fn find_owner(
 }
 
 /// A place under `--max-in-flight` for the request (its id, and when it arrived), held
-/// until its response ends.
-fn admit<'a>(
+/// until its response ends; waiting in `line` for one if none is free ([`queue`]).
+async fn admit<'a>(
     state: &ProxyState,
     (request_id, received): (&'a str, Option<tokio::time::Instant>),
+    line: &mut queue::Line,
 ) -> Result<Admitted<'a>, ProxyError> {
-    let slot = Slot::try_take(&state.in_flight, &state.decider.metrics.in_flight)
-        .ok_or_else(|| ProxyError::Unavailable("the router is at its in-flight limit".into()))?;
+    let slot = state.queue.admit(&state.in_flight, line, &state.decider.metrics).await?;
     Ok(Admitted { request_id, slot, received })
+}
+
+/// What `attempt` comes to once a replica has room for it, waiting in `line` while every
+/// replica it could go to is saturated ([`queue`]).
+async fn with_room<T>(
+    state: &ProxyState,
+    line: &mut queue::Line,
+    mut attempt: impl FnMut() -> Result<T, ProxyError>,
+) -> Result<T, ProxyError> {
+    let (freed, metrics) = (state.fleet().freed(), &state.decider.metrics);
+    state.queue.until_room(freed, line, metrics, || std::future::ready(attempt())).await
 }
 
 /// Any other request that passes through ([`paths::passes_through`]): streamed to the
@@ -400,21 +418,28 @@ async fn passthrough(
     req: Request<Incoming>,
     arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let admitted = admit(state, arrived)?;
-    let member = by_load(state, arrived.0)
-        .into_iter()
-        .next()
-        .ok_or_else(|| ProxyError::Unavailable("no healthy replica".into()))?;
+    let mut line = queue::Line::default();
+    let admitted = admit(state, arrived, &mut line).await?;
+    let members = with_room(state, &mut line, || by_load(state, arrived.0)).await?;
+    let member =
+        members.into_iter().next().ok_or_else(|| ProxyError::Unavailable("no healthy replica".into()))?;
     streamed_to(state, pool, member, req, admitted).await
 }
 
 /// The eligible replicas, the least loaded first: the fewest requests (this router's and
 /// others'), ties spread by the request's id (the first of equals would send every lone
-/// request to the lowest id).
-fn by_load(state: &ProxyState, request_id: &str) -> Vec<Member> {
+/// request to the lowest id). None is a 503: [`ProxyError::Saturated`] if one of them could
+/// take the request once it has room.
+fn by_load(state: &ProxyState, request_id: &str) -> Result<Vec<Member>, ProxyError> {
     let members = state.fleet().members();
     let verdicts =
         upstream::verdicts(members.iter().map(|m| &*m.upstream), state.decider.max_in_flight_per_replica);
+    if verdicts.iter().all(Option::is_some) {
+        return Err(match verdicts.contains(&Some(upstream::Ineligible::Saturated)) {
+            true => ProxyError::Saturated("every replica is saturated".into()),
+            false => ProxyError::Unavailable("no healthy replica".into()),
+        });
+    }
     let mut eligible: Vec<_> = members
         .into_iter()
         .zip(verdicts)
@@ -426,7 +451,7 @@ fn by_load(state: &ProxyState, request_id: &str) -> Vec<Member> {
         })
         .collect();
     eligible.sort_unstable_by_key(|(key, _)| *key);
-    eligible.into_iter().map(|(_, m)| m).collect()
+    Ok(eligible.into_iter().map(|(_, m)| m).collect())
 }
 
 /// Sends `req` to `member`, its body streamed through.

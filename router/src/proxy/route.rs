@@ -210,7 +210,7 @@ impl Decider {
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         let mut plan = planned?;
         limits.check(&plan, endpoint)?;
-        let chosen = plan.chosen().ok_or_else(|| ProxyError::Unavailable(unavailable_reason(&plan)))?;
+        let chosen = plan.chosen().ok_or_else(|| unavailable(&plan))?;
         plan.hold =
             Some(CreditHold::pin(&self.index, chosen.member.replica.id, plan.uncredited(chosen).to_vec()));
         self.metrics.count_decision(self.policy.kind().as_str());
@@ -503,9 +503,11 @@ fn best_rank(
     Some((best.rank, best.overlap_blocks))
 }
 
-fn unavailable_reason(plan: &Plan) -> String {
+/// The 503 of a request no replica could take: [`ProxyError::Saturated`] when one of them
+/// could once it has room (the request may wait for it: [`super::queue`]).
+fn unavailable(plan: &Plan) -> ProxyError {
     if plan.candidates.is_empty() {
-        return "no replicas are configured".into();
+        return ProxyError::Unavailable("no replicas are configured".into());
     }
     let reasons: Vec<String> = plan
         .candidates
@@ -518,7 +520,11 @@ fn unavailable_reason(plan: &Plan) -> String {
             )
         })
         .collect();
-    reasons.join(", ")
+    let reasons = reasons.join(", ");
+    match plan.candidates.iter().any(|c| c.ineligible == Some(Ineligible::Saturated)) {
+        true => ProxyError::Saturated(reasons),
+        false => ProxyError::Unavailable(reasons),
+    }
 }
 
 #[cfg(test)]

@@ -33,6 +33,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::policy::{Load, RecentTokens, ReportMark};
@@ -101,6 +102,8 @@ pub struct Upstream {
     /// The fields of the served model's card in the replica's `/v1/models` (besides its id
     /// and parent), as last listed.
     card: Mutex<Option<Arc<serde_json::Map<String, serde_json::Value>>>>,
+    /// Told when a request here ends ([`crate::fleet::Fleet::freed`]).
+    freed: Arc<Notify>,
 }
 
 impl Default for Upstream {
@@ -125,11 +128,17 @@ impl Default for Upstream {
             begun: AtomicU64::new(0),
             adapters: Mutex::default(),
             card: Mutex::default(),
+            freed: Arc::default(),
         }
     }
 }
 
 impl Upstream {
+    /// A replica's state whose ended requests tell `freed`.
+    pub fn freeing(freed: Arc<Notify>) -> Self {
+        Self { freed, ..Self::default() }
+    }
+
     pub fn load(&self) -> Load {
         self.load_at(Instant::now())
     }
@@ -502,6 +511,7 @@ impl Drop for LoadGuard {
         self.prefill_done();
         self.upstream.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.upstream.sequences.fetch_sub(self.sequences, Ordering::Relaxed);
+        self.upstream.freed.notify_one();
     }
 }
 

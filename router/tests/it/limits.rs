@@ -505,6 +505,8 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
         (&["--replica", "name=r0"], "missing field `http`"),
         (&["--max-header-bytes", "100"], "--max-header-bytes must be at least 8192"),
         (&["--control-timeout-ms", "0"], "--control-timeout-ms must be at least 1"),
+        (&["--queue-timeout-ms", "3600001"], "--queue-timeout-ms must be at most 3600000"),
+        (&["--max-queued", "2000000"], "--max-queued must be at most 1048576"),
         (&["--config", "/nonexistent/router.toml"], "/nonexistent/router.toml"),
     ] {
         let (code, stderr) = refused_by_router(args);
@@ -522,7 +524,9 @@ async fn an_open_stream_holds_its_in_flight_slot() {
         step_base_us: 200_000,
         ..agent_config(name)
     };
-    let fleet = Fleet::with(1, slow, |c| kvroute_router::Config { max_in_flight: 1, ..c }).await;
+    // Without a line to wait in (`--queue-timeout-ms 0`): the waits are `queue`'s tests.
+    let fleet =
+        Fleet::with(1, slow, |c| kvroute_router::Config { max_in_flight: 1, queue_timeout_ms: 0, ..c }).await;
     let url = fleet.url("/v1/completions");
     let streaming = json!({"model": FLEET_MODEL, "prompt": "hold it", "max_tokens": 8, "stream": true});
     let open = fleet.http.stream(&url, &streaming).await;

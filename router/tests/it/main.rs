@@ -12,6 +12,7 @@ mod ingest;
 mod limits;
 mod messages;
 mod proxy;
+mod queue;
 mod ranks;
 mod responses;
 mod support;

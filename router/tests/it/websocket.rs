@@ -193,6 +193,8 @@ async fn a_silent_tunnel_is_closed_and_holds_an_in_flight_place_till_then() {
     let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
         idle_timeout_ms: 1000,
         max_in_flight: 1,
+        // A second handshake would wait for the place (`queue`'s tests), not be refused.
+        queue_timeout_ms: 0,
         ..c
     })
     .await;

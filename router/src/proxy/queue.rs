@@ -1,0 +1,295 @@
+//! Waiting for room. A request that finds the router at `--max-in-flight`, or every replica
+//! it could go to at `--max-in-flight-per-replica`, waits in line for room instead of getting
+//! 503 at once: a burst past the fleet's capacity is served a little later rather than
+//! refused (and retried by every client at once).
+//!
+//! - A request waits up to `--queue-timeout-ms` in all, from when it first had to wait; then
+//!   it gets 503. At most `--max-queued` requests wait at once: one more gets 503 at once.
+//!   With either set to 0, nothing waits.
+//! - Places under `--max-in-flight` go first come, first served (its semaphore is fair).
+//! - A request waiting for a replica is woken, the longest waiting first, one for each request
+//!   to a replica that ends (and for each replica that joins), and decides again from the
+//!   start: the index, credits and load as they are then. A request that arrives just as a
+//!   place frees may take it first; the woken one waits again, its time in line running on.
+//! - Only want of room waits: a fleet with no healthy replica answers 503 at once.
+//! - A request whose client leaves while it waits leaves the line.
+//!
+//! The line shows in `kvroute_router_queued` (waiting now), `kvroute_router_queue_wait_seconds`
+//! and `kvroute_router_queue_outcomes_total`.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{Notify, Semaphore};
+use tokio::time::Instant;
+
+use super::error::ProxyError;
+use super::forward::Slot;
+use crate::metrics::{OutcomeLabel, ProxyMetrics};
+
+/// Why a request at `--max-in-flight` waits (and what its 503 says).
+const AT_LIMIT: &str = "the router is at its in-flight limit";
+
+/// The line of requests waiting for room.
+#[derive(Debug)]
+pub struct Queue {
+    /// How long a request may wait in all; `None`: none waits.
+    timeout: Option<Duration>,
+    max: usize,
+    waiting: AtomicUsize,
+}
+
+/// A request's time in line: when it is up, once the request has had to wait.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Line {
+    deadline: Option<Instant>,
+}
+
+impl Queue {
+    /// A line of at most `max` requests, each waiting at most `timeout` (`None`: none waits).
+    pub fn new(max: usize, timeout: Option<Duration>) -> Self {
+        Self { timeout: timeout.filter(|_| max > 0), max, waiting: AtomicUsize::new(0) }
+    }
+
+    /// A place under `limit` (`--max-in-flight`), waiting in `line` for one if none is free.
+    pub async fn admit(
+        &self,
+        limit: &Arc<Semaphore>,
+        line: &mut Line,
+        metrics: &ProxyMetrics,
+    ) -> Result<Slot, ProxyError> {
+        if let Some(slot) = Slot::try_take(limit, &metrics.in_flight) {
+            return Ok(slot);
+        }
+        let waiting = self.join(line, AT_LIMIT, metrics)?;
+        // The semaphore is never closed.
+        match tokio::time::timeout_at(waiting.deadline, limit.clone().acquire_owned()).await {
+            Ok(Ok(permit)) => Ok(waiting.end("placed", Slot::with(permit, &metrics.in_flight))),
+            _ => Err(waiting.timed_out(AT_LIMIT)),
+        }
+    }
+
+    /// What `attempt` comes to, tried again whenever `freed` says a replica may have room for
+    /// as long as it is refused for want of room ([`ProxyError::Saturated`]) and `line`'s time
+    /// is not up.
+    pub async fn until_room<T, F, Fut>(
+        &self,
+        freed: &Notify,
+        line: &mut Line,
+        metrics: &ProxyMetrics,
+        mut attempt: F,
+    ) -> Result<T, ProxyError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, ProxyError>>,
+    {
+        let mut waiting = None;
+        loop {
+            match attempt().await {
+                Err(ProxyError::Saturated(why)) => {
+                    let at = match &mut waiting {
+                        Some(at) => at,
+                        None => waiting.insert(self.join(line, &why, metrics)?),
+                    };
+                    if tokio::time::timeout_at(at.deadline, freed.notified()).await.is_err() {
+                        let at = waiting.take().expect("in line");
+                        return Err(at.timed_out(&why));
+                    }
+                }
+                done => {
+                    return match (waiting, &done) {
+                        (Some(at), Ok(_)) => at.end("placed", done),
+                        (Some(at), Err(_)) => at.end("refused", done),
+                        (None, _) => done,
+                    };
+                }
+            }
+        }
+    }
+
+    /// A place in line for a request refused for want of room (`why`), or its 503.
+    fn join<'a>(
+        &'a self,
+        line: &mut Line,
+        why: &str,
+        metrics: &'a ProxyMetrics,
+    ) -> Result<Waiting<'a>, ProxyError> {
+        let Some(timeout) = self.timeout else { return Err(ProxyError::Saturated(why.to_owned())) };
+        let taken = self
+            .waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.max).then_some(n + 1));
+        if taken.is_err() {
+            count(metrics, "full");
+            return Err(ProxyError::Saturated(format!("{why}, and {} requests wait already", self.max)));
+        }
+        metrics.queued.inc();
+        let now = Instant::now();
+        let deadline = *line.deadline.get_or_insert(now + timeout);
+        Ok(Waiting { queue: self, metrics, since: now, deadline, outcome: "left" })
+    }
+}
+
+fn count(metrics: &ProxyMetrics, outcome: &'static str) {
+    metrics.queue_outcomes.get_or_create(&OutcomeLabel { outcome }).inc();
+}
+
+/// A request in line; leaving it (dropped) counts its wait, with its outcome.
+struct Waiting<'a> {
+    queue: &'a Queue,
+    metrics: &'a ProxyMetrics,
+    since: Instant,
+    deadline: Instant,
+    /// Until the wait ends otherwise: the client left (this future was dropped).
+    outcome: &'static str,
+}
+
+impl Waiting<'_> {
+    /// The wait ended with `outcome`, coming to `value`.
+    fn end<T>(mut self, outcome: &'static str, value: T) -> T {
+        self.outcome = outcome;
+        value
+    }
+
+    /// The 503 of a request whose time in line is up.
+    fn timed_out(mut self, why: &str) -> ProxyError {
+        self.outcome = "timed_out";
+        let waited = self.queue.timeout.unwrap_or_default().as_millis();
+        ProxyError::Saturated(format!("{why}; waited {waited} ms in line for room"))
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.queue.waiting.fetch_sub(1, Ordering::AcqRel);
+        self.metrics.queued.dec();
+        self.metrics.queue_wait_seconds.observe(self.since.elapsed().as_secs_f64());
+        count(self.metrics, self.outcome);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metrics() -> ProxyMetrics {
+        ProxyMetrics::default()
+    }
+
+    fn outcome(metrics: &ProxyMetrics, outcome: &'static str) -> u64 {
+        metrics.queue_outcomes.get_or_create(&OutcomeLabel { outcome }).get()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_at_the_limit_gets_the_first_place_freed() {
+        let (queue, metrics, limit) =
+            (Queue::new(4, Some(Duration::from_secs(5))), metrics(), Arc::new(Semaphore::new(1)));
+        let held = queue.admit(&limit, &mut Line::default(), &metrics).await.unwrap();
+        let mut line = Line::default();
+        let waiting = queue.admit(&limit, &mut line, &metrics);
+        tokio::pin!(waiting);
+        assert!(futures::poll!(&mut waiting).is_pending(), "no place free");
+        assert_eq!(metrics.queued.get(), 1);
+        drop(held);
+        let _slot = waiting.await.expect("the freed place");
+        assert_eq!((metrics.queued.get(), outcome(&metrics, "placed")), (0, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_waits_no_longer_than_its_time_in_line() {
+        let (queue, metrics, limit) =
+            (Queue::new(4, Some(Duration::from_secs(5))), metrics(), Arc::new(Semaphore::new(1)));
+        let _held = queue.admit(&limit, &mut Line::default(), &metrics).await.unwrap();
+        let started = Instant::now();
+        let refused = queue.admit(&limit, &mut Line::default(), &metrics).await.unwrap_err();
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
+        assert!(
+            matches!(&refused, ProxyError::Saturated(why) if why.contains("waited 5000 ms")),
+            "{refused}"
+        );
+        assert_eq!((metrics.queued.get(), outcome(&metrics, "timed_out")), (0, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_line_or_no_line_refuses_at_once() {
+        let limit = Arc::new(Semaphore::new(0));
+        for queue in [Queue::new(0, Some(Duration::from_secs(5))), Queue::new(4, None)] {
+            let started = Instant::now();
+            let refused = queue.admit(&limit, &mut Line::default(), &metrics()).await.unwrap_err();
+            assert!(matches!(refused, ProxyError::Saturated(_)));
+            assert_eq!(started.elapsed(), Duration::ZERO);
+        }
+        let (queue, metrics) = (Queue::new(1, Some(Duration::from_secs(5))), metrics());
+        let mut line = Line::default();
+        let first = queue.admit(&limit, &mut line, &metrics);
+        tokio::pin!(first);
+        assert!(futures::poll!(&mut first).is_pending());
+        let refused = queue.admit(&limit, &mut Line::default(), &metrics).await.unwrap_err();
+        assert!(refused.to_string().contains("1 requests wait already"), "{refused}");
+        assert_eq!(outcome(&metrics, "full"), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_waiting_for_a_replica_tries_again_when_one_has_room() {
+        let (queue, metrics, freed) = (Queue::new(4, Some(Duration::from_secs(5))), metrics(), Notify::new());
+        let room = std::sync::atomic::AtomicBool::new(false);
+        let mut tries = 0;
+        let attempt = || {
+            tries += 1;
+            let answer = match room.load(Ordering::Relaxed) {
+                true => Ok(tries),
+                false => Err(ProxyError::Saturated("every replica is saturated".into())),
+            };
+            std::future::ready(answer)
+        };
+        let mut line = Line::default();
+        let waiting = queue.until_room(&freed, &mut line, &metrics, attempt);
+        tokio::pin!(waiting);
+        assert!(futures::poll!(&mut waiting).is_pending());
+        tokio::time::advance(Duration::from_secs(4)).await;
+        assert!(futures::poll!(&mut waiting).is_pending(), "nothing freed: no second try");
+        room.store(true, Ordering::Relaxed);
+        freed.notify_one();
+        assert_eq!(waiting.await.unwrap(), 2, "tried again once, when told");
+        assert_eq!(outcome(&metrics, "placed"), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn time_in_line_counts_from_the_first_wait() {
+        let (queue, metrics, freed) = (Queue::new(4, Some(Duration::from_secs(5))), metrics(), Notify::new());
+        let limit = Arc::new(Semaphore::new(0));
+        let mut line = Line::default();
+        let _slot = {
+            let at_limit = queue.admit(&limit, &mut line, &metrics);
+            tokio::pin!(at_limit);
+            assert!(futures::poll!(&mut at_limit).is_pending());
+            tokio::time::advance(Duration::from_secs(3)).await;
+            limit.add_permits(1);
+            at_limit.await.unwrap()
+        };
+        let started = Instant::now();
+        let saturated = || std::future::ready(Err::<(), _>(ProxyError::Saturated("saturated".into())));
+        let refused = queue.until_room(&freed, &mut line, &metrics, saturated).await.unwrap_err();
+        assert_eq!(started.elapsed(), Duration::from_secs(2), "what was left of its 5 s");
+        assert!(matches!(refused, ProxyError::Saturated(_)));
+        assert_eq!((outcome(&metrics, "placed"), outcome(&metrics, "timed_out")), (1, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_whose_client_left_leaves_the_line() {
+        let (queue, metrics, limit) =
+            (Queue::new(1, Some(Duration::from_secs(5))), metrics(), Arc::new(Semaphore::new(0)));
+        {
+            let mut line = Line::default();
+            let left = queue.admit(&limit, &mut line, &metrics);
+            tokio::pin!(left);
+            assert!(futures::poll!(&mut left).is_pending());
+        }
+        assert_eq!((metrics.queued.get(), outcome(&metrics, "left")), (0, 1));
+        let mut line = Line::default();
+        let next = queue.admit(&limit, &mut line, &metrics);
+        tokio::pin!(next);
+        assert!(futures::poll!(&mut next).is_pending(), "its place in line is free again");
+    }
+}

@@ -1,0 +1,124 @@
+//! Waiting for room (`--max-queued`, `--queue-timeout-ms`): requests past the router's
+//! in-flight limit, or past every replica's, wait in line and are served when room frees,
+//! against a real replica agent whose streams hold their places.
+
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+
+use crate::fleet::{FLEET_MODEL, Fleet, agent_config};
+use crate::support::WAIT;
+
+/// One replica that takes 200 ms a step, so that a stream of 8 tokens holds its place for
+/// more than a second, behind a router set up by `router`.
+async fn slow_fleet(router: impl FnOnce(kvroute_router::Config) -> kvroute_router::Config) -> Fleet {
+    let slow = |name: &str| kvroute_replica_agent::Config {
+        time_scale: 1.0,
+        step_base_us: 200_000,
+        ..agent_config(name)
+    };
+    Fleet::with(1, slow, router).await
+}
+
+fn completion(prompt: &str) -> Value {
+    json!({"model": FLEET_MODEL, "prompt": prompt, "max_tokens": 1})
+}
+
+/// Waits (bounded) until `n` requests wait in line.
+async fn queued(fleet: &Fleet, n: i64) {
+    let queued = &fleet.router.state.decider.metrics.queued;
+    let reached = async {
+        while queued.get() != n {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(WAIT, reached).await.unwrap_or_else(|_| panic!("{} waiting, not {n}", queued.get()));
+}
+
+/// The count of waits that ended with `outcome`.
+fn outcomes(fleet: &Fleet, outcome: &'static str) -> u64 {
+    let label = kvroute_router::metrics::OutcomeLabel { outcome };
+    fleet.router.state.decider.metrics.queue_outcomes.get_or_create(&label).get()
+}
+
+/// Opens a stream of 8 tokens (holding its place until it ends); returns it to be read.
+async fn open_stream(fleet: &Fleet) -> http::Response<hyper::body::Incoming> {
+    let streaming = json!({"model": FLEET_MODEL, "prompt": "hold it", "max_tokens": 8, "stream": true});
+    let open = fleet.http.stream(&fleet.url("/v1/completions"), &streaming).await;
+    assert_eq!(open.status(), 200);
+    open
+}
+
+async fn read_to_end(open: http::Response<hyper::body::Incoming>) -> String {
+    let body = tokio::time::timeout(WAIT, open.into_body().collect()).await.expect("in time").unwrap();
+    String::from_utf8(body.to_bytes().to_vec()).unwrap()
+}
+
+/// At `--max-in-flight 1`, a request made while a stream is open waits for its place, and is
+/// served when the stream ends.
+#[tokio::test]
+async fn a_request_at_the_in_flight_limit_is_served_when_a_place_frees() {
+    let fleet = slow_fleet(|c| kvroute_router::Config { max_in_flight: 1, ..c }).await;
+    let open = open_stream(&fleet).await;
+    let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
+    let waiting = tokio::spawn(async move { http.post(&url, &completion("hi")).await });
+    queued(&fleet, 1).await;
+    assert!(!waiting.is_finished(), "answered while the stream holds the only place");
+    assert!(read_to_end(open).await.contains("[DONE]"));
+    let answer = tokio::time::timeout(WAIT, waiting).await.expect("served in time").unwrap();
+    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    assert_eq!((outcomes(&fleet, "placed"), fleet.router.state.decider.metrics.queued.get()), (1, 0));
+}
+
+/// With every replica at `--max-in-flight-per-replica`, routed requests and requests that pass
+/// through wait for a replica's room, each is served as a request to it ends.
+#[tokio::test]
+async fn requests_wait_for_a_saturated_replica_and_are_served_when_it_has_room() {
+    let fleet = slow_fleet(|c| kvroute_router::Config { max_in_flight_per_replica: 1, ..c }).await;
+    let open = open_stream(&fleet).await;
+    let (http, routed) = (fleet.http.clone(), fleet.url("/v1/completions"));
+    let completion = tokio::spawn(async move { http.post(&routed, &completion("hi")).await });
+    let (http, passing) = (fleet.http.clone(), fleet.url("/tokenize"));
+    let tokenize =
+        tokio::spawn(
+            async move { http.post(&passing, &json!({"model": FLEET_MODEL, "prompt": "hi"})).await },
+        );
+    queued(&fleet, 2).await;
+    assert!(read_to_end(open).await.contains("[DONE]"));
+    for waiting in [completion, tokenize] {
+        let answer = tokio::time::timeout(WAIT, waiting).await.expect("served in time").unwrap();
+        assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    }
+    assert_eq!(outcomes(&fleet, "placed"), 2);
+}
+
+/// A request whose time in line runs out gets 503 saying why and how long it waited, with
+/// `Retry-After`; with the line off, it gets 503 at once.
+#[tokio::test]
+async fn a_request_that_waited_its_time_in_vain_gets_503() {
+    let fleet =
+        slow_fleet(|c| kvroute_router::Config { max_in_flight_per_replica: 1, queue_timeout_ms: 200, ..c })
+            .await;
+    let open = open_stream(&fleet).await;
+    let refused = fleet.http.post(&fleet.url("/v1/completions"), &completion("hi")).await;
+    assert_eq!(refused.status, 503, "{}", String::from_utf8_lossy(&refused.body));
+    let message = refused.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(message.contains("saturated") && message.contains("waited 200 ms in line"), "{message}");
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(outcomes(&fleet, "timed_out"), 1);
+    let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(text.contains("kvroute_router_errors_total{kind=\"saturated\"} 1"), "{text}");
+    drop(open);
+}
+
+/// `--max-queued 0` turns the line off: 503 at once.
+#[tokio::test]
+async fn with_no_line_a_request_past_the_limit_gets_503_at_once() {
+    let fleet = slow_fleet(|c| kvroute_router::Config { max_in_flight: 1, max_queued: 0, ..c }).await;
+    let open = open_stream(&fleet).await;
+    // Had it waited, it would have been served once the stream ended.
+    let refused = fleet.http.post(&fleet.url("/v1/completions"), &completion("hi")).await;
+    assert_eq!(refused.status, 503, "{}", String::from_utf8_lossy(&refused.body));
+    assert!(refused.json()["error"]["message"].as_str().unwrap().contains("in-flight limit"));
+    drop(open);
+}
