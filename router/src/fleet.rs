@@ -8,12 +8,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use kvroute_proto::ReplicaId;
-use tokio::sync::Notify;
 
 use crate::discovery::ReplicaSink;
 use crate::index::Credits;
 use crate::ingest::{Ingest, IngestError};
 use crate::proxy::upstream::Upstream;
+use crate::proxy::waiters::Waiters;
 use crate::replicas::{Replica, ReplicaSpec, StreamState};
 
 /// One routable replica: its registry entry and its proxy-side state.
@@ -42,8 +42,8 @@ pub struct Fleet {
     adapters: Arc<crate::proxy::lora::Registry>,
     /// Bumped after every change of membership ([`Fleet::changes`]).
     changes: Arc<AtomicU64>,
-    /// Told when a replica may have room for one more request ([`Fleet::freed`]).
-    freed: Arc<Notify>,
+    /// Requests waiting for a replica's room ([`Fleet::waiters`]).
+    waiters: Arc<Waiters>,
 }
 
 impl Fleet {
@@ -55,15 +55,14 @@ impl Fleet {
             not_serving: Arc::default(),
             adapters: Arc::default(),
             changes: Arc::default(),
-            freed: Arc::default(),
+            waiters: Arc::default(),
         }
     }
 
-    /// Notified (one waiter at a time, the longest waiting first) when a request to a
-    /// replica ends or a replica joins: room for a request waiting in
-    /// [`crate::proxy::queue`].
-    pub fn freed(&self) -> &Notify {
-        &self.freed
+    /// Requests waiting for a replica's room ([`crate::proxy::queue`]): woken as requests
+    /// to the replicas end, and as replicas join or come back.
+    pub fn waiters(&self) -> &Waiters {
+        &self.waiters
     }
 
     /// How many times replicas joined or left so far: a caller that read [`Fleet::members`]
@@ -93,13 +92,13 @@ impl Fleet {
         let drained = self.drained.read().unwrap_or_else(PoisonError::into_inner);
         let not_serving = self.not_serving.read().unwrap_or_else(PoisonError::into_inner);
         let replica = self.ingest.add_replica(spec)?;
-        let upstream = Arc::new(Upstream::freeing(self.freed.clone()));
+        let upstream = Arc::new(Upstream::waking(self.waiters.clone(), replica.id));
         upstream.set_draining(drained.contains(&replica.spec.name));
         upstream.set_serving(!not_serving.contains(&replica.spec.name));
         self.upstreams.write().unwrap_or_else(PoisonError::into_inner).insert(replica.id, upstream.clone());
         self.changes.fetch_add(1, Ordering::Release);
         tracing::info!(replica = %replica.spec.name, id = %replica.id, http = %replica.spec.http_url, "replica added");
-        self.freed.notify_one();
+        self.waiters.wake_all();
         Ok(Member { replica, upstream })
     }
 

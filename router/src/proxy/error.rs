@@ -75,8 +75,9 @@ pub enum ProxyError {
     /// No room: the router at `--max-in-flight`, or every replica the request could go to at
     /// `--max-in-flight-per-replica`, and the request could not wait or waited in vain
     /// ([`super::queue`]).
-    #[error("no replica can take the request: {0}")]
-    Saturated(String),
+    /// `replicas`: those that could take it once they have room.
+    #[error("no replica can take the request: {reason}")]
+    Saturated { reason: String, replicas: Vec<kvroute_proto::ReplicaId> },
     #[error("replica {replica} failed before answering: {reason}")]
     Upstream { replica: String, reason: String },
     #[error("replica {replica} did not start answering within {timeout_ms} ms")]
@@ -114,7 +115,7 @@ impl ProxyError {
             ProxyError::NotFound(_) | ProxyError::UnknownResponse(_) => StatusCode::NOT_FOUND,
             ProxyError::Forbidden(_) => StatusCode::FORBIDDEN,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
-            ProxyError::Unavailable(_) | ProxyError::Saturated(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Unavailable(_) | ProxyError::Saturated { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } | ProxyError::FanOut(_) => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::RefusedEverywhere { status, .. } => *status,
@@ -143,7 +144,7 @@ impl ProxyError {
             ProxyError::NotFound(_) | ProxyError::UnknownResponse(_) => "not_found",
             ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
             ProxyError::Unavailable(_) => "unavailable",
-            ProxyError::Saturated(_) => "saturated",
+            ProxyError::Saturated { .. } => "saturated",
             ProxyError::Upstream { .. } => "upstream_failed",
             ProxyError::Timeout { .. } => "upstream_timeout",
             ProxyError::FanOut(_) => "fan_out",
@@ -188,7 +189,7 @@ impl ProxyError {
                 e
             }
             ProxyError::Unavailable(_)
-            | ProxyError::Saturated(_)
+            | ProxyError::Saturated { .. }
             | ProxyError::Upstream { .. }
             | ProxyError::Timeout { .. } => OpenAiError::new("server_error", self.to_string()),
             ProxyError::FanOut(_) => {
@@ -220,7 +221,7 @@ impl ProxyError {
             headers.insert(super::forward::X_REQUEST_ID, id);
         }
         match self {
-            ProxyError::Unavailable(_) | ProxyError::Saturated(_) => {
+            ProxyError::Unavailable(_) | ProxyError::Saturated { .. } => {
                 headers.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
             }
             ProxyError::MethodNotAllowed { allow, .. } => {

@@ -15,7 +15,7 @@
 //!
 //! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`cors`] (the router's own answers' CORS fields), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
 //! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`queue`] (requests waiting for room), [`responses`] (which replica stored each Responses API response), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`tunnel`] (WebSockets), [`upload`] (clients' request
-//! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health).
+//! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health), [`waiters`] (requests waiting for a replica's room).
 
 pub mod access;
 pub mod body;
@@ -37,6 +37,7 @@ pub mod stalls;
 pub mod tunnel;
 pub mod upload;
 pub mod upstream;
+pub mod waiters;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -331,9 +332,9 @@ async fn routed(
     let admitted = admit(state, arrived, &mut line).await?;
     let (parts, body) = req.into_parts();
     let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
-    let (freed, metrics) = (state.fleet().freed(), &state.decider.metrics);
+    let (waiters, metrics) = (state.fleet().waiters(), &state.decider.metrics);
     let decide = || state.decider.decide_within(endpoint, &body, &state.limits);
-    match state.queue.until_room(freed, &mut line, metrics, decide).await {
+    match state.queue.until_room(waiters, &mut line, metrics, decide).await {
         Ok(mut plan) => {
             // A malformed `store` is the replica's to refuse; until then, its id is worth keeping.
             plan.keeps_response = endpoint == Endpoint::Responses && asks_to_store(&body).unwrap_or(true);
@@ -406,8 +407,8 @@ async fn with_room<T>(
     line: &mut queue::Line,
     mut attempt: impl FnMut() -> Result<T, ProxyError>,
 ) -> Result<T, ProxyError> {
-    let (freed, metrics) = (state.fleet().freed(), &state.decider.metrics);
-    state.queue.until_room(freed, line, metrics, || std::future::ready(attempt())).await
+    let (waiters, metrics) = (state.fleet().waiters(), &state.decider.metrics);
+    state.queue.until_room(waiters, line, metrics, || std::future::ready(attempt())).await
 }
 
 /// Any other request that passes through ([`paths::passes_through`]): streamed to the
@@ -435,9 +436,12 @@ fn by_load(state: &ProxyState, request_id: &str) -> Result<Vec<Member>, ProxyErr
     let verdicts =
         upstream::verdicts(members.iter().map(|m| &*m.upstream), state.decider.max_in_flight_per_replica);
     if verdicts.iter().all(Option::is_some) {
-        return Err(match verdicts.contains(&Some(upstream::Ineligible::Saturated)) {
-            true => ProxyError::Saturated("every replica is saturated".into()),
-            false => ProxyError::Unavailable("no healthy replica".into()),
+        let saturated =
+            members.iter().zip(&verdicts).filter(|(_, v)| **v == Some(upstream::Ineligible::Saturated));
+        let replicas: Vec<_> = saturated.map(|(m, _)| m.replica.id).collect();
+        return Err(match replicas.is_empty() {
+            true => ProxyError::Unavailable("no healthy replica".into()),
+            false => ProxyError::Saturated { reason: "every replica is saturated".into(), replicas },
         });
     }
     let mut eligible: Vec<_> = members

@@ -6,27 +6,32 @@
 //! - A request waits up to `--queue-timeout-ms` in all, from when it first had to wait; then
 //!   it gets 503. At most `--max-queued` requests wait at once: one more gets 503 at once.
 //!   With either set to 0, nothing waits.
-//! - Places under `--max-in-flight` go first come, first served (its semaphore is fair).
-//! - A request waiting for a replica is woken, the longest waiting first, one for each request
-//!   to a replica that ends (and for each replica that joins), and decides again from the
-//!   start: the index, credits and load as they are then. A request that arrives just as a
-//!   place frees may take it first; the woken one waits again, its time in line running on.
-//! - Only want of room waits: a fleet with no healthy replica answers 503 at once.
+//! - Places under `--max-in-flight` go first come, first served (its semaphore is fair). A
+//!   request keeps its place while it waits for a replica.
+//! - A request waiting for a replica is woken as [`Waiters`] says (the longest waiting for a
+//!   replica first, when a request to it ends) and decides again from the start: the index,
+//!   credits and load as they are then (its tokenization too: each decision shows in
+//!   `decision_seconds`). A request that arrives just as room frees may take it first; the
+//!   woken one keeps its place in line.
+//! - Only want of room waits: a fleet with no healthy replica answers 503 at once, as does a
+//!   retry on the next replica ([`super::forward`]).
 //! - A request whose client leaves while it waits leaves the line.
 //!
 //! The line shows in `kvroute_router_queued` (waiting now), `kvroute_router_queue_wait_seconds`
-//! and `kvroute_router_queue_outcomes_total`.
+//! and `kvroute_router_queue_outcomes_total` (a wait each: a request that waited for a place
+//! under `--max-in-flight` and then for a replica counts twice).
 
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use super::error::ProxyError;
 use super::forward::Slot;
+use super::waiters::{Ticket, Waiters};
 use crate::metrics::{OutcomeLabel, ProxyMetrics};
 
 /// Why a request at `--max-in-flight` waits (and what its 503 says).
@@ -71,12 +76,12 @@ impl Queue {
         }
     }
 
-    /// What `attempt` comes to, tried again whenever `freed` says a replica may have room for
-    /// as long as it is refused for want of room ([`ProxyError::Saturated`]) and `line`'s time
-    /// is not up.
+    /// What `attempt` comes to, tried again whenever one of the replicas that refused it for
+    /// want of room ([`ProxyError::Saturated`]) may have room ([`Waiters`]), for as long as
+    /// `line`'s time is not up.
     pub async fn until_room<T, F, Fut>(
         &self,
-        freed: &Notify,
+        waiters: &Waiters,
         line: &mut Line,
         metrics: &ProxyMetrics,
         mut attempt: F,
@@ -85,24 +90,28 @@ impl Queue {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, ProxyError>>,
     {
-        let mut waiting = None;
+        let mut waiting: Option<(Waiting<'_>, Ticket<'_>)> = None;
         loop {
+            let seen = waiters.frees();
             match attempt().await {
-                Err(ProxyError::Saturated(why)) => {
-                    let at = match &mut waiting {
-                        Some(at) => at,
-                        None => waiting.insert(self.join(line, &why, metrics)?),
+                Err(ProxyError::Saturated { reason, replicas }) => {
+                    let (at, ticket) = match &mut waiting {
+                        Some(waiting) => waiting,
+                        None => waiting.insert((self.join(line, &reason, metrics)?, waiters.ticket())),
                     };
-                    if tokio::time::timeout_at(at.deadline, freed.notified()).await.is_err() {
-                        let at = waiting.take().expect("in line");
-                        return Err(at.timed_out(&why));
+                    if tokio::time::timeout_at(at.deadline, ticket.wait(&replicas, seen)).await.is_err() {
+                        let (at, _) = waiting.take().expect("in line");
+                        return Err(at.timed_out(&reason));
                     }
                 }
                 done => {
-                    return match (waiting, &done) {
-                        (Some(at), Ok(_)) => at.end("placed", done),
-                        (Some(at), Err(_)) => at.end("refused", done),
-                        (None, _) => done,
+                    let Some((at, ticket)) = waiting else { return done };
+                    return match done {
+                        Ok(placed) => {
+                            ticket.placed();
+                            Ok(at.end("placed", placed))
+                        }
+                        Err(e) => Err(at.end("refused", e)),
                     };
                 }
             }
@@ -116,13 +125,14 @@ impl Queue {
         why: &str,
         metrics: &'a ProxyMetrics,
     ) -> Result<Waiting<'a>, ProxyError> {
-        let Some(timeout) = self.timeout else { return Err(ProxyError::Saturated(why.to_owned())) };
+        let saturated = |reason: String| ProxyError::Saturated { reason, replicas: Vec::new() };
+        let Some(timeout) = self.timeout else { return Err(saturated(why.to_owned())) };
         let taken = self
             .waiting
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.max).then_some(n + 1));
         if taken.is_err() {
             count(metrics, "full");
-            return Err(ProxyError::Saturated(format!("{why}, and {} requests wait already", self.max)));
+            return Err(saturated(format!("{why}, and {} requests wait already", self.max)));
         }
         metrics.queued.inc();
         let now = Instant::now();
@@ -156,7 +166,8 @@ impl Waiting<'_> {
     fn timed_out(mut self, why: &str) -> ProxyError {
         self.outcome = "timed_out";
         let waited = self.queue.timeout.unwrap_or_default().as_millis();
-        ProxyError::Saturated(format!("{why}; waited {waited} ms in line for room"))
+        let reason = format!("{why}; waited {waited} ms in line for room");
+        ProxyError::Saturated { reason, replicas: Vec::new() }
     }
 }
 
@@ -172,6 +183,7 @@ impl Drop for Waiting<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvroute_proto::ReplicaId;
 
     fn metrics() -> ProxyMetrics {
         ProxyMetrics::default()
@@ -205,7 +217,7 @@ mod tests {
         let refused = queue.admit(&limit, &mut Line::default(), &metrics).await.unwrap_err();
         assert_eq!(started.elapsed(), Duration::from_secs(5));
         assert!(
-            matches!(&refused, ProxyError::Saturated(why) if why.contains("waited 5000 ms")),
+            matches!(&refused, ProxyError::Saturated { reason, .. } if reason.contains("waited 5000 ms")),
             "{refused}"
         );
         assert_eq!((metrics.queued.get(), outcome(&metrics, "timed_out")), (0, 1));
@@ -217,7 +229,7 @@ mod tests {
         for queue in [Queue::new(0, Some(Duration::from_secs(5))), Queue::new(4, None)] {
             let started = Instant::now();
             let refused = queue.admit(&limit, &mut Line::default(), &metrics()).await.unwrap_err();
-            assert!(matches!(refused, ProxyError::Saturated(_)));
+            assert!(matches!(refused, ProxyError::Saturated { .. }));
             assert_eq!(started.elapsed(), Duration::ZERO);
         }
         let (queue, metrics) = (Queue::new(1, Some(Duration::from_secs(5))), metrics());
@@ -230,34 +242,42 @@ mod tests {
         assert_eq!(outcome(&metrics, "full"), 1);
     }
 
+    fn saturated() -> ProxyError {
+        ProxyError::Saturated { reason: "every replica is saturated".into(), replicas: vec![ReplicaId(0)] }
+    }
+
     #[tokio::test(start_paused = true)]
-    async fn a_request_waiting_for_a_replica_tries_again_when_one_has_room() {
-        let (queue, metrics, freed) = (Queue::new(4, Some(Duration::from_secs(5))), metrics(), Notify::new());
+    async fn a_request_waiting_for_a_replica_tries_again_when_it_has_room() {
+        let (queue, metrics, waiters) =
+            (Queue::new(4, Some(Duration::from_secs(5))), metrics(), Waiters::default());
         let room = std::sync::atomic::AtomicBool::new(false);
         let mut tries = 0;
         let attempt = || {
             tries += 1;
             let answer = match room.load(Ordering::Relaxed) {
                 true => Ok(tries),
-                false => Err(ProxyError::Saturated("every replica is saturated".into())),
+                false => Err(saturated()),
             };
             std::future::ready(answer)
         };
         let mut line = Line::default();
-        let waiting = queue.until_room(&freed, &mut line, &metrics, attempt);
+        let waiting = queue.until_room(&waiters, &mut line, &metrics, attempt);
         tokio::pin!(waiting);
         assert!(futures::poll!(&mut waiting).is_pending());
         tokio::time::advance(Duration::from_secs(4)).await;
         assert!(futures::poll!(&mut waiting).is_pending(), "nothing freed: no second try");
+        waiters.freed(ReplicaId(1));
+        assert!(futures::poll!(&mut waiting).is_pending(), "another replica's room");
         room.store(true, Ordering::Relaxed);
-        freed.notify_one();
-        assert_eq!(waiting.await.unwrap(), 2, "tried again once, when told");
+        waiters.freed(ReplicaId(0));
+        assert_eq!(waiting.await.unwrap(), 2, "tried again once, when its replica had room");
         assert_eq!(outcome(&metrics, "placed"), 1);
     }
 
     #[tokio::test(start_paused = true)]
     async fn time_in_line_counts_from_the_first_wait() {
-        let (queue, metrics, freed) = (Queue::new(4, Some(Duration::from_secs(5))), metrics(), Notify::new());
+        let (queue, metrics, waiters) =
+            (Queue::new(4, Some(Duration::from_secs(5))), metrics(), Waiters::default());
         let limit = Arc::new(Semaphore::new(0));
         let mut line = Line::default();
         let _slot = {
@@ -269,10 +289,10 @@ mod tests {
             at_limit.await.unwrap()
         };
         let started = Instant::now();
-        let saturated = || std::future::ready(Err::<(), _>(ProxyError::Saturated("saturated".into())));
-        let refused = queue.until_room(&freed, &mut line, &metrics, saturated).await.unwrap_err();
+        let saturated = || std::future::ready(Err::<(), _>(saturated()));
+        let refused = queue.until_room(&waiters, &mut line, &metrics, saturated).await.unwrap_err();
         assert_eq!(started.elapsed(), Duration::from_secs(2), "what was left of its 5 s");
-        assert!(matches!(refused, ProxyError::Saturated(_)));
+        assert!(matches!(refused, ProxyError::Saturated { .. }));
         assert_eq!((outcome(&metrics, "placed"), outcome(&metrics, "timed_out")), (1, 1));
     }
 

@@ -520,10 +520,12 @@ fn unavailable(plan: &Plan) -> ProxyError {
             )
         })
         .collect();
-    let reasons = reasons.join(", ");
-    match plan.candidates.iter().any(|c| c.ineligible == Some(Ineligible::Saturated)) {
-        true => ProxyError::Saturated(reasons),
-        false => ProxyError::Unavailable(reasons),
+    let reason = reasons.join(", ");
+    let saturated = plan.candidates.iter().filter(|c| c.ineligible == Some(Ineligible::Saturated));
+    let replicas: Vec<ReplicaId> = saturated.map(|c| c.member.replica.id).collect();
+    match replicas.is_empty() {
+        true => ProxyError::Unavailable(reason),
+        false => ProxyError::Saturated { reason, replicas },
     }
 }
 

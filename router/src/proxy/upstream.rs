@@ -33,8 +33,10 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tokio::sync::Notify;
+use kvroute_proto::ReplicaId;
 use tokio::time::Instant;
+
+use super::waiters::Waiters;
 
 use crate::policy::{Load, RecentTokens, ReportMark};
 
@@ -102,8 +104,9 @@ pub struct Upstream {
     /// The fields of the served model's card in the replica's `/v1/models` (besides its id
     /// and parent), as last listed.
     card: Mutex<Option<Arc<serde_json::Map<String, serde_json::Value>>>>,
-    /// Told when a request here ends ([`crate::fleet::Fleet::freed`]).
-    freed: Arc<Notify>,
+    /// Told when a request here ends or the replica comes back ([`Waiters`]), as `id`.
+    waiters: Arc<Waiters>,
+    id: ReplicaId,
 }
 
 impl Default for Upstream {
@@ -128,15 +131,16 @@ impl Default for Upstream {
             begun: AtomicU64::new(0),
             adapters: Mutex::default(),
             card: Mutex::default(),
-            freed: Arc::default(),
+            waiters: Arc::default(),
+            id: ReplicaId::default(),
         }
     }
 }
 
 impl Upstream {
-    /// A replica's state whose ended requests tell `freed`.
-    pub fn freeing(freed: Arc<Notify>) -> Self {
-        Self { freed, ..Self::default() }
+    /// Replica `id`'s state, whose ended requests (and return) wake `waiters`.
+    pub fn waking(waiters: Arc<Waiters>, id: ReplicaId) -> Self {
+        Self { waiters, id, ..Self::default() }
     }
 
     pub fn load(&self) -> Load {
@@ -281,7 +285,9 @@ impl Upstream {
     }
 
     pub fn set_healthy(&self, healthy: bool) {
-        self.healthy.store(healthy, Ordering::Relaxed);
+        if !self.healthy.swap(healthy, Ordering::Relaxed) && healthy {
+            self.waiters.wake_all();
+        }
     }
 
     /// Records an active health check: `unhealthy_after` failed in a row make the replica
@@ -312,7 +318,9 @@ impl Upstream {
     }
 
     pub fn set_draining(&self, draining: bool) {
-        self.draining.store(draining, Ordering::Relaxed);
+        if self.draining.swap(draining, Ordering::Relaxed) && !draining {
+            self.waiters.wake_all();
+        }
     }
 
     pub fn is_draining(&self) -> bool {
@@ -320,7 +328,9 @@ impl Upstream {
     }
 
     pub fn set_serving(&self, serving: bool) {
-        self.serving.store(serving, Ordering::Relaxed);
+        if !self.serving.swap(serving, Ordering::Relaxed) && serving {
+            self.waiters.wake_all();
+        }
     }
 
     pub fn is_serving(&self) -> bool {
@@ -369,8 +379,14 @@ pub fn verdicts_for<'a>(
     adapter: Option<&str>,
 ) -> Vec<Option<Ineligible>> {
     let lacks = |u: &Upstream| adapter.is_some_and(|a| !u.has_adapter(a)).then_some(Ineligible::NoAdapter);
-    let mut verdicts: Vec<Option<Ineligible>> =
-        upstreams.clone().map(|u| u.eligibility(max_in_flight).err().or_else(|| lacks(u))).collect();
+    // A replica without the adapter is out whatever its load: saturated means one that could
+    // take the request once it has room ([`super::queue`]).
+    let judge = |u: &Upstream, ejection: bool| match u.eligibility_with(max_in_flight, ejection) {
+        Ok(()) => lacks(u),
+        Err(Ineligible::Saturated) => lacks(u).or(Some(Ineligible::Saturated)),
+        Err(other) => Some(other),
+    };
+    let mut verdicts: Vec<Option<Ineligible>> = upstreams.clone().map(|u| judge(u, true)).collect();
     let only_ejected_are_up = verdicts.iter().all(|v| {
         matches!(
             v,
@@ -386,7 +402,7 @@ pub fn verdicts_for<'a>(
     if only_ejected_are_up {
         for (verdict, upstream) in verdicts.iter_mut().zip(upstreams) {
             if *verdict == Some(Ineligible::Ejected) {
-                *verdict = upstream.eligibility_with(max_in_flight, false).err().or_else(|| lacks(upstream));
+                *verdict = judge(upstream, false);
             }
         }
     }
@@ -511,7 +527,7 @@ impl Drop for LoadGuard {
         self.prefill_done();
         self.upstream.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.upstream.sequences.fetch_sub(self.sequences, Ordering::Relaxed);
-        self.upstream.freed.notify_one();
+        self.upstream.waiters.freed(self.upstream.id);
     }
 }
 
@@ -676,6 +692,43 @@ mod tests {
         assert_eq!(of(&[&with, &without], None), [Some(Ineligible::Ejected), None]);
         with.mark_adapter("sql", false);
         assert_eq!(of(&[&with], Some("sql")), [Some(Ineligible::NoAdapter)]);
+    }
+
+    /// Saturated means a replica that could take the request once it has room: one without
+    /// the adapter is out whatever its load (a request would wait in line for it in vain).
+    #[test]
+    fn a_saturated_replica_without_the_adapter_is_out_for_the_adapter() {
+        let (with, without) = (Arc::new(Upstream::default()), Arc::new(Upstream::default()));
+        with.mark_adapter("sql", true);
+        let _busy = [with.begin(1, 0, 0), without.begin(1, 0, 0)];
+        let of = |adapter| verdicts_for([&*with, &*without].into_iter(), 1, adapter);
+        let saturated = Some(Ineligible::Saturated);
+        assert_eq!(of(Some("sql")), [saturated, Some(Ineligible::NoAdapter)]);
+        assert_eq!(of(None), [saturated, saturated]);
+    }
+
+    /// A replica that comes back (healthy, no longer drained, serving) wakes the requests
+    /// waiting for room; a change that is no return wakes none.
+    #[tokio::test]
+    async fn a_replica_that_comes_back_wakes_the_waiting_requests() {
+        let waiters = Arc::new(Waiters::default());
+        let u = Arc::new(Upstream::waking(waiters.clone(), ReplicaId(3)));
+        for (change, back) in [
+            (&(|| u.set_healthy(false)) as &dyn Fn(), false),
+            (&|| u.set_healthy(true), true),
+            (&|| u.set_healthy(true), false),
+            (&|| u.set_draining(true), false),
+            (&|| u.set_draining(false), true),
+            (&|| u.set_serving(false), false),
+            (&|| u.set_serving(true), true),
+        ] {
+            let seen = waiters.frees();
+            change();
+            assert_eq!(waiters.frees() != seen, back);
+        }
+        let seen = waiters.frees();
+        drop(u.begin(1, 0, 0));
+        assert_ne!(waiters.frees(), seen, "a request's end frees room");
     }
 
     #[tokio::test(start_paused = true)]
