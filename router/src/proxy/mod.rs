@@ -334,7 +334,8 @@ async fn routed(
     let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
     let (waiters, metrics) = (state.fleet().waiters(), &state.decider.metrics);
     let decide = || state.decider.decide_within(endpoint, &body, &state.limits);
-    match state.queue.until_room(waiters, &mut line, metrics, decide).await {
+    let goes_to = |plan: &route::Plan| plan.chosen().map(|chosen| chosen.member.replica.id);
+    match state.queue.until_room(waiters, (&mut line, metrics), decide, goes_to).await {
         Ok(mut plan) => {
             // A malformed `store` is the replica's to refuse; until then, its id is worth keeping.
             plan.keeps_response = endpoint == Endpoint::Responses && asks_to_store(&body).unwrap_or(true);
@@ -402,13 +403,14 @@ async fn admit<'a>(
 
 /// What `attempt` comes to once a replica has room for it, waiting in `line` while every
 /// replica it could go to is saturated ([`queue`]).
-async fn with_room<T>(
+async fn with_room(
     state: &ProxyState,
     line: &mut queue::Line,
-    mut attempt: impl FnMut() -> Result<T, ProxyError>,
-) -> Result<T, ProxyError> {
+    mut attempt: impl FnMut() -> Result<Vec<Member>, ProxyError>,
+) -> Result<Vec<Member>, ProxyError> {
     let (waiters, metrics) = (state.fleet().waiters(), &state.decider.metrics);
-    state.queue.until_room(waiters, line, metrics, || std::future::ready(attempt())).await
+    let goes_to = |members: &Vec<Member>| members.first().map(|member| member.replica.id);
+    state.queue.until_room(waiters, (line, metrics), || std::future::ready(attempt()), goes_to).await
 }
 
 /// Any other request that passes through ([`paths::passes_through`]): streamed to the

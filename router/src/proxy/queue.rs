@@ -33,6 +33,7 @@ use super::error::ProxyError;
 use super::forward::Slot;
 use super::waiters::{Ticket, Waiters};
 use crate::metrics::{OutcomeLabel, ProxyMetrics};
+use kvroute_proto::ReplicaId;
 
 /// Why a request at `--max-in-flight` waits (and what its 503 says).
 const AT_LIMIT: &str = "the router is at its in-flight limit";
@@ -78,13 +79,13 @@ impl Queue {
 
     /// What `attempt` comes to, tried again whenever one of the replicas that refused it for
     /// want of room ([`ProxyError::Saturated`]) may have room ([`Waiters`]), for as long as
-    /// `line`'s time is not up.
+    /// `line`'s time is not up; `goes_to` tells which replica an outcome takes room on.
     pub async fn until_room<T, F, Fut>(
         &self,
         waiters: &Waiters,
-        line: &mut Line,
-        metrics: &ProxyMetrics,
+        (line, metrics): (&mut Line, &ProxyMetrics),
         mut attempt: F,
+        goes_to: impl Fn(&T) -> Option<ReplicaId>,
     ) -> Result<T, ProxyError>
     where
         F: FnMut() -> Fut,
@@ -108,7 +109,7 @@ impl Queue {
                     let Some((at, ticket)) = waiting else { return done };
                     return match done {
                         Ok(placed) => {
-                            ticket.placed();
+                            ticket.placed(goes_to(&placed));
                             Ok(at.end("placed", placed))
                         }
                         Err(e) => Err(at.end("refused", e)),
@@ -183,7 +184,6 @@ impl Drop for Waiting<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvroute_proto::ReplicaId;
 
     fn metrics() -> ProxyMetrics {
         ProxyMetrics::default()
@@ -261,7 +261,7 @@ mod tests {
             std::future::ready(answer)
         };
         let mut line = Line::default();
-        let waiting = queue.until_room(&waiters, &mut line, &metrics, attempt);
+        let waiting = queue.until_room(&waiters, (&mut line, &metrics), attempt, |_| Some(ReplicaId(0)));
         tokio::pin!(waiting);
         assert!(futures::poll!(&mut waiting).is_pending());
         tokio::time::advance(Duration::from_secs(4)).await;
@@ -290,7 +290,8 @@ mod tests {
         };
         let started = Instant::now();
         let saturated = || std::future::ready(Err::<(), _>(saturated()));
-        let refused = queue.until_room(&waiters, &mut line, &metrics, saturated).await.unwrap_err();
+        let refused =
+            queue.until_room(&waiters, (&mut line, &metrics), saturated, |_| None).await.unwrap_err();
         assert_eq!(started.elapsed(), Duration::from_secs(2), "what was left of its 5 s");
         assert!(matches!(refused, ProxyError::Saturated { .. }));
         assert_eq!((outcome(&metrics, "placed"), outcome(&metrics, "timed_out")), (1, 1));

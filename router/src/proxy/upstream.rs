@@ -268,10 +268,15 @@ impl Upstream {
     /// Marks the replica as having `adapter`, or not.
     pub fn mark_adapter(&self, adapter: &str, has: bool) {
         let mut adapters = self.adapters.lock().unwrap_or_else(PoisonError::into_inner);
-        match has {
+        let gained = match has {
             true => adapters.insert(adapter.to_owned()),
-            false => adapters.remove(adapter),
+            false => !adapters.remove(adapter),
         };
+        drop(adapters);
+        // Requests for the adapter that waited for room elsewhere may go here now.
+        if has && gained {
+            self.waiters.wake_all();
+        }
     }
 
     /// The served model's card as the replica last listed it (its fields besides id and

@@ -5,10 +5,13 @@
 //! - A replica that joins the fleet or comes back (healthy again, no longer drained, serving
 //!   again) wakes every waiting request: it may take any of them.
 //! - A woken request decides again. Refused again (a request that arrived meanwhile took the
-//!   room), it keeps its place in line; leaving instead (its client gone, its time up), it
-//!   passes the wake on to the next request waiting for one of its replicas.
+//!   room), it keeps its place in line. Sent to another replica than the one whose room woke
+//!   it, or leaving (its client gone, its time up), it passes the wake on to the next request
+//!   waiting for that replica.
 //! - A request that was deciding while a replica freed room decides again at once, so no
 //!   wake falls between a decision and the wait that follows it.
+//! - A replica whose ejection ends wakes nobody: its requests wait for another's room, or
+//!   their time.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::SeqCst};
@@ -33,7 +36,25 @@ pub struct Waiters {
 #[derive(Debug)]
 struct Waiter {
     replicas: Arc<[ReplicaId]>,
-    wake: Arc<Notify>,
+    wake: Arc<Wake>,
+}
+
+/// How a ticket is woken: told, with the replica whose room woke it.
+#[derive(Debug, Default)]
+struct Wake {
+    notify: Notify,
+    /// The replica's id, or [`ALL`] (a replica joined or came back).
+    room: AtomicU64,
+}
+
+/// [`Wake::room`] of a wake for every waiting request.
+const ALL: u64 = u64::MAX;
+
+impl Wake {
+    fn wake(&self, room: u64) {
+        self.room.store(room, SeqCst);
+        self.notify.notify_one();
+    }
 }
 
 impl Waiters {
@@ -47,7 +68,7 @@ impl Waiters {
     pub fn freed(&self, replica: ReplicaId) {
         self.frees.fetch_add(1, SeqCst);
         if self.count.load(SeqCst) > 0 {
-            self.wake_first(|replicas| replicas.contains(&replica));
+            self.wake_first(replica);
         }
     }
 
@@ -60,7 +81,7 @@ impl Waiters {
         let woken = std::mem::take(&mut *self.line());
         self.count.fetch_sub(woken.len(), SeqCst);
         for waiter in woken.into_values() {
-            waiter.wake.notify_one();
+            waiter.wake.wake(ALL);
         }
     }
 
@@ -70,7 +91,6 @@ impl Waiters {
             waiters: self,
             id: self.tickets.fetch_add(1, SeqCst),
             wake: Arc::default(),
-            replicas: Arc::new([]),
             state: State::Out,
         }
     }
@@ -79,17 +99,24 @@ impl Waiters {
         self.line.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Wakes the first waiting request whose replicas `wanted` takes.
-    fn wake_first(&self, wanted: impl Fn(&[ReplicaId]) -> bool) {
+    /// Wakes the request waiting longest for `replica`'s room.
+    fn wake_first(&self, replica: ReplicaId) {
         let mut line = self.line();
-        let Some(ticket) = line.iter().find(|(_, waiter)| wanted(&waiter.replicas)).map(|(t, _)| *t) else {
-            return;
-        };
+        let first = line.iter().find(|(_, waiter)| waiter.replicas.contains(&replica));
+        let Some(ticket) = first.map(|(ticket, _)| *ticket) else { return };
         let waiter = line.remove(&ticket).expect("found");
         self.count.fetch_sub(1, SeqCst);
         drop(line);
-        waiter.wake.notify_one();
+        waiter.wake.wake(replica.0.into());
     }
+}
+
+/// What [`Ticket::join`] did.
+enum Joined {
+    /// In line (or woken already).
+    Waiting,
+    /// Not in line: room was freed while the request decided.
+    Freed,
 }
 
 /// Where a request stands in line.
@@ -100,7 +127,7 @@ enum State {
     Out,
     /// In line (unless a wake took it out since).
     InLine,
-    /// Woken, deciding again: a wake it passes on if it leaves.
+    /// Woken, deciding again: a wake it passes on unless it takes the room.
     Woken,
 }
 
@@ -109,8 +136,7 @@ enum State {
 pub struct Ticket<'a> {
     waiters: &'a Waiters,
     id: u64,
-    wake: Arc<Notify>,
-    replicas: Arc<[ReplicaId]>,
+    wake: Arc<Wake>,
     state: State,
 }
 
@@ -118,31 +144,53 @@ impl Ticket<'_> {
     /// Waits for one of `replicas` to have room, unless one was freed since [`Waiters::frees`]
     /// read `seen` (then it returns at once: the request decides again).
     pub async fn wait(&mut self, replicas: &[ReplicaId], seen: u64) {
-        {
-            let mut line = self.waiters.line();
-            // Still in line from a wait given up on (its future dropped): taken out first.
-            if self.state == State::InLine && line.remove(&self.id).is_some() {
-                self.waiters.count.fetch_sub(1, SeqCst);
+        match self.join(replicas, seen) {
+            Joined::Waiting => {
+                self.wake.notify.notified().await;
+                self.state = State::Woken;
             }
-            // Counted before `frees` is read: a request's end that did not see it waiting
-            // (and so took no lock) counted its room first, and is seen here.
-            self.waiters.count.fetch_add(1, SeqCst);
-            if self.waiters.frees.load(SeqCst) != seen {
-                self.waiters.count.fetch_sub(1, SeqCst);
-                self.state = State::Out;
-                return;
-            }
-            self.replicas = replicas.into();
-            line.insert(self.id, Waiter { replicas: self.replicas.clone(), wake: self.wake.clone() });
-            self.state = State::InLine;
+            // Let the runtime run between decisions that follow one another at once.
+            Joined::Freed => tokio::task::yield_now().await,
         }
-        self.wake.notified().await;
-        self.state = State::Woken;
     }
 
-    /// The request got its room: nothing to pass on.
-    pub fn placed(mut self) {
-        self.state = State::Out;
+    /// Puts the request in line for `replicas`, unless one was freed since `seen`.
+    fn join(&mut self, replicas: &[ReplicaId], seen: u64) -> Joined {
+        let mut line = self.waiters.line();
+        // Still in line from a wait given up on (its future dropped): taken out first, or,
+        // if a wake took it out since, woken (its stored permit ends the wait at once).
+        if self.state == State::InLine {
+            match line.remove(&self.id) {
+                Some(_) => _ = self.waiters.count.fetch_sub(1, SeqCst),
+                None => return Joined::Waiting,
+            }
+        }
+        // Counted before `frees` is read: a request's end that did not see it waiting (and
+        // so took no lock) counted its room first, and is seen here.
+        self.waiters.count.fetch_add(1, SeqCst);
+        if self.waiters.frees.load(SeqCst) != seen {
+            self.waiters.count.fetch_sub(1, SeqCst);
+            // A wake it held (woken, then refused again) is not passed on: it decides again.
+            self.state = State::Out;
+            return Joined::Freed;
+        }
+        line.insert(self.id, Waiter { replicas: replicas.into(), wake: self.wake.clone() });
+        self.state = State::InLine;
+        Joined::Waiting
+    }
+
+    /// The request got its room on `replica`: the wake it holds, if it was for another
+    /// replica's room, goes on to the next request waiting for that one.
+    pub fn placed(mut self, replica: Option<ReplicaId>) {
+        if self.state == State::Woken && self.woken_for() == replica {
+            self.state = State::Out;
+        }
+    }
+
+    /// The replica whose room woke it (`None` for a wake of every request).
+    fn woken_for(&self) -> Option<ReplicaId> {
+        // [`ALL`] is no replica's id.
+        u32::try_from(self.wake.room.load(SeqCst)).ok().map(ReplicaId)
     }
 }
 
@@ -160,9 +208,8 @@ impl Drop for Ticket<'_> {
                 !left
             }
         };
-        if woken {
-            let replicas = self.replicas.clone();
-            self.waiters.wake_first(|theirs| theirs.iter().any(|r| replicas.contains(r)));
+        if let Some(replica) = self.woken_for().filter(|_| woken) {
+            self.waiters.wake_first(replica);
         }
     }
 }
@@ -200,46 +247,52 @@ mod tests {
         assert!(!done(&mut other_wait).await, "R0 is not its replica");
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_room_freed_while_the_request_decided_is_not_waited_for() {
         let waiters = Waiters::default();
         let seen = waiters.frees();
         waiters.freed(R0);
         let mut ticket = waiters.ticket();
         let wait = ticket.wait(&[R0], seen);
-        tokio::pin!(wait);
-        assert!(done(&mut wait).await, "freed since it read `frees`");
+        let ended = tokio::time::timeout(std::time::Duration::from_secs(1), wait).await;
+        assert!(ended.is_ok(), "freed since it read `frees`");
+        assert_eq!(waiters.count.load(SeqCst), 0);
     }
 
+    /// A woken request that leaves, or takes room elsewhere, passes the wake on to the next
+    /// waiting for the replica whose room woke it (not for another of its replicas).
     #[tokio::test]
-    async fn a_woken_request_that_leaves_passes_the_wake_on() {
-        let waiters = Waiters::default();
-        let seen = waiters.frees();
-        let (mut leaving, mut next) = (waiters.ticket(), waiters.ticket());
-        {
-            let wait = leaving.wait(&[R0], seen);
-            tokio::pin!(wait);
-            assert!(!done(&mut wait).await);
-            let next_wait = next.wait(&[R0], seen);
-            tokio::pin!(next_wait);
-            assert!(!done(&mut next_wait).await);
-            waiters.freed(R0);
-            assert!(done(&mut wait).await);
-            assert!(!done(&mut next_wait).await);
+    async fn a_wake_not_taken_goes_to_the_next_waiting_for_that_replica() {
+        for placed_elsewhere in [false, true] {
+            let waiters = Waiters::default();
+            let seen = waiters.frees();
+            let (mut woken, mut for_r1, mut for_r0) = (waiters.ticket(), waiters.ticket(), waiters.ticket());
+            {
+                let wait = woken.wait(&[R0, R1], seen);
+                tokio::pin!(wait);
+                assert!(!done(&mut wait).await);
+                waiters.freed(R0);
+                assert!(done(&mut wait).await);
+            }
+            let seen = waiters.frees();
+            let r1_wait = for_r1.wait(&[R1], seen);
+            let r0_wait = for_r0.wait(&[R0], seen);
+            tokio::pin!(r1_wait, r0_wait);
+            assert!(!done(&mut r1_wait).await && !done(&mut r0_wait).await);
+            match placed_elsewhere {
+                true => woken.placed(Some(R1)),
+                false => drop(woken),
+            }
+            assert!(done(&mut r0_wait).await, "R0's room passed on");
+            assert!(!done(&mut r1_wait).await, "R1 freed nothing");
         }
-        // `leaving` was woken and goes without deciding; `next` waits on with a new wait.
-        let next_wait = next.wait(&[R0], waiters.frees());
-        tokio::pin!(next_wait);
-        assert!(!done(&mut next_wait).await);
-        drop(leaving);
-        assert!(done(&mut next_wait).await, "the wake passed on");
     }
 
     #[tokio::test]
-    async fn a_placed_request_passes_nothing_on_and_a_replica_back_wakes_everyone() {
+    async fn a_request_placed_where_it_was_woken_for_passes_nothing_on() {
         let waiters = Waiters::default();
         let seen = waiters.frees();
-        let (mut placed, mut a, mut b) = (waiters.ticket(), waiters.ticket(), waiters.ticket());
+        let (mut placed, mut next) = (waiters.ticket(), waiters.ticket());
         {
             let wait = placed.wait(&[R0], seen);
             tokio::pin!(wait);
@@ -247,15 +300,48 @@ mod tests {
             waiters.freed(R0);
             assert!(done(&mut wait).await);
         }
+        let next_wait = next.wait(&[R0], waiters.frees());
+        tokio::pin!(next_wait);
+        assert!(!done(&mut next_wait).await);
+        placed.placed(Some(R0));
+        assert!(!done(&mut next_wait).await, "nothing passed on");
+    }
+
+    #[tokio::test]
+    async fn a_replica_back_wakes_everyone() {
+        let waiters = Waiters::default();
         let seen = waiters.frees();
+        let (mut a, mut b) = (waiters.ticket(), waiters.ticket());
         let a_wait = a.wait(&[R0], seen);
         let b_wait = b.wait(&[R1], seen);
         tokio::pin!(a_wait, b_wait);
         assert!(!done(&mut a_wait).await && !done(&mut b_wait).await);
-        placed.placed();
-        assert!(!done(&mut a_wait).await, "nothing passed on");
         waiters.wake_all();
         assert!(done(&mut a_wait).await && done(&mut b_wait).await);
         assert_eq!(waiters.count.load(SeqCst), 0);
+    }
+
+    /// A wait given up on (its future dropped) and taken again: in line once, and a wake
+    /// that came between ends the new wait at once.
+    #[tokio::test]
+    async fn a_wait_taken_again_is_in_line_once() {
+        let waiters = Waiters::default();
+        let seen = waiters.frees();
+        let mut ticket = waiters.ticket();
+        for woken_between in [false, true] {
+            {
+                let wait = ticket.wait(&[R0], seen);
+                tokio::pin!(wait);
+                assert!(!done(&mut wait).await);
+            }
+            if woken_between {
+                waiters.freed(R0);
+            }
+            let wait = ticket.wait(&[R0], waiters.frees());
+            tokio::pin!(wait);
+            assert_eq!(done(&mut wait).await, woken_between);
+            assert_eq!(waiters.count.load(SeqCst), usize::from(!woken_between));
+            assert_eq!(waiters.line().len(), usize::from(!woken_between));
+        }
     }
 }

@@ -8,8 +8,8 @@ use serde_json::{Value, json};
 use crate::fleet::{FLEET_MODEL, Fleet, agent_config};
 use crate::support::WAIT;
 
-/// One replica that takes 200 ms a step, so that a stream of 8 tokens holds its place for
-/// more than a second, behind a router set up by `router`.
+/// One replica that takes 200 ms a step, so that a stream of 16 tokens holds its place for
+/// three seconds, behind a router set up by `router`.
 async fn slow_fleet(router: impl FnOnce(kvroute_router::Config) -> kvroute_router::Config) -> Fleet {
     let slow = |name: &str| kvroute_replica_agent::Config {
         time_scale: 1.0,
@@ -18,6 +18,10 @@ async fn slow_fleet(router: impl FnOnce(kvroute_router::Config) -> kvroute_route
     };
     Fleet::with(1, slow, router).await
 }
+
+/// `--queue-timeout-ms` of the tests whose requests are served after waiting: long enough
+/// for a slow machine.
+const LONG: u64 = WAIT.as_millis() as u64;
 
 fn completion(prompt: &str) -> Value {
     json!({"model": FLEET_MODEL, "prompt": prompt, "max_tokens": 1})
@@ -40,9 +44,9 @@ fn outcomes(fleet: &Fleet, outcome: &'static str) -> u64 {
     fleet.router.state.decider.metrics.queue_outcomes.get_or_create(&label).get()
 }
 
-/// Opens a stream of 8 tokens (holding its place until it ends); returns it to be read.
+/// Opens a stream of 16 tokens (holding its place until it ends); returns it to be read.
 async fn open_stream(fleet: &Fleet) -> http::Response<hyper::body::Incoming> {
-    let streaming = json!({"model": FLEET_MODEL, "prompt": "hold it", "max_tokens": 8, "stream": true});
+    let streaming = json!({"model": FLEET_MODEL, "prompt": "hold it", "max_tokens": 16, "stream": true});
     let open = fleet.http.stream(&fleet.url("/v1/completions"), &streaming).await;
     assert_eq!(open.status(), 200);
     open
@@ -57,7 +61,8 @@ async fn read_to_end(open: http::Response<hyper::body::Incoming>) -> String {
 /// served when the stream ends.
 #[tokio::test]
 async fn a_request_at_the_in_flight_limit_is_served_when_a_place_frees() {
-    let fleet = slow_fleet(|c| kvroute_router::Config { max_in_flight: 1, ..c }).await;
+    let fleet =
+        slow_fleet(|c| kvroute_router::Config { max_in_flight: 1, queue_timeout_ms: LONG, ..c }).await;
     let open = open_stream(&fleet).await;
     let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
     let waiting = tokio::spawn(async move { http.post(&url, &completion("hi")).await });
@@ -73,7 +78,9 @@ async fn a_request_at_the_in_flight_limit_is_served_when_a_place_frees() {
 /// through wait for a replica's room, each is served as a request to it ends.
 #[tokio::test]
 async fn requests_wait_for_a_saturated_replica_and_are_served_when_it_has_room() {
-    let fleet = slow_fleet(|c| kvroute_router::Config { max_in_flight_per_replica: 1, ..c }).await;
+    let fleet =
+        slow_fleet(|c| kvroute_router::Config { max_in_flight_per_replica: 1, queue_timeout_ms: LONG, ..c })
+            .await;
     let open = open_stream(&fleet).await;
     let (http, routed) = (fleet.http.clone(), fleet.url("/v1/completions"));
     let completion = tokio::spawn(async move { http.post(&routed, &completion("hi")).await });
