@@ -115,6 +115,14 @@ fn candidate(c: &Scored, block_size: usize, prompt_tokens: usize) -> pb::Candida
         reason: c.ineligible.map_or("", Ineligible::as_str).to_owned(),
         state: c.view.stream as i32,
         dp_rank: c.rank,
+        others: c.view.load.others,
+        recent_prompt_tokens: c.view.load.recent_prompt_tokens,
+        dp_rank_load: c.rank_load.map(|load| pb::Load {
+            in_flight: load.in_flight,
+            pending_prefill_tokens: load.pending_prefill_tokens,
+            others: load.others,
+            recent_prompt_tokens: load.recent_prompt_tokens,
+        }),
     }
 }
 

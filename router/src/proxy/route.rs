@@ -102,6 +102,8 @@ pub struct Scored {
     pub rank: Option<u32>,
     /// Leading blocks of the request that rank holds (index and credits).
     pub rank_blocks: usize,
+    /// That rank's load, which chose it among the replica's ranks.
+    pub rank_load: Option<policy::Load>,
 }
 
 /// The outcome of a decision.
@@ -402,7 +404,7 @@ impl Decider {
                     )
                 };
                 // A data-parallel replica offers what the rank the request is sent to holds.
-                let (rank, offered) = match (&self.ranks_by, rank_views) {
+                let (rank, offered, rank_load) = match (&self.ranks_by, rank_views) {
                     (Some(costs), Some(ranks)) => {
                         // Ties between ranks by the request and the replica's name (the
                         // request's key alone would repeat the replicas' tie, rank for replica
@@ -410,9 +412,9 @@ impl Decider {
                         let name = member.replica.spec.name.as_bytes();
                         let key = xxhash_rust::xxh3::xxh3_64_with_seed(name, request.key);
                         best_rank(costs, &RequestView { key, ..*request }, &ranks, reused)
-                            .map_or((None, 0), |(rank, blocks)| (Some(rank), blocks))
+                            .map_or((None, 0, None), |(rank, blocks, load)| (Some(rank), blocks, Some(load)))
                     }
-                    _ => (None, credited_blocks),
+                    _ => (None, credited_blocks, None),
                 };
                 let overlap = reused(offered);
                 let view = ReplicaView {
@@ -432,6 +434,7 @@ impl Decider {
                     ineligible,
                     rank,
                     rank_blocks,
+                    rank_load,
                 }
             })
             .collect();
@@ -482,7 +485,7 @@ fn best_rank(
     request: &RequestView,
     ranks: &[crate::index::RankView],
     reused: impl Fn(usize) -> usize,
-) -> Option<(u32, usize)> {
+) -> Option<(u32, usize, policy::Load)> {
     let views: Vec<ReplicaView> = ranks
         .iter()
         .map(|r| ReplicaView {
@@ -499,8 +502,8 @@ fn best_rank(
             eligible: !r.fallback,
         })
         .collect();
-    let best = &ranks[costs.choose(request, &views).chosen?];
-    Some((best.rank, best.overlap_blocks))
+    let chosen = costs.choose(request, &views).chosen?;
+    Some((ranks[chosen].rank, ranks[chosen].overlap_blocks, views[chosen].load))
 }
 
 /// The 503 of a request no replica could take: [`ProxyError::Saturated`] when one of them
@@ -547,6 +550,7 @@ mod tests {
             })
             .collect();
         best_rank(&policy::CacheAware::default(), &request, &ranks, |blocks| blocks)
+            .map(|(rank, blocks, _)| (rank, blocks))
     }
 
     /// Between ranks holding as much, the one with less prefill queued, or fewer tokens sent
@@ -565,7 +569,10 @@ mod tests {
                 })
                 .collect()
         };
-        let best = |views: &[RankView]| best_rank(&policy::CacheAware::default(), &request, views, |b| b);
+        let best = |views: &[RankView]| {
+            best_rank(&policy::CacheAware::default(), &request, views, |b| b)
+                .map(|(rank, blocks, _)| (rank, blocks))
+        };
         assert_eq!(best(&ranks([4096, 0], [0, 0])), Some((1, 8)));
         assert_eq!(best(&ranks([0, 4096], [0, 0])), Some((0, 8)));
         assert_eq!(best(&ranks([0, 0], [30_000, 10_000])), Some((1, 8)));
@@ -583,7 +590,10 @@ mod tests {
             fallback,
             ..RankView::default()
         };
-        let best = |views: &[RankView]| best_rank(&policy::CacheAware::default(), &request, views, |b| b);
+        let best = |views: &[RankView]| {
+            best_rank(&policy::CacheAware::default(), &request, views, |b| b)
+                .map(|(rank, blocks, _)| (rank, blocks))
+        };
         assert_eq!(best(&[view(0, 2, false), view(1, 8, true)]), Some((0, 2)));
         assert_eq!(best(&[view(0, 2, true), view(1, 8, true)]), None);
     }

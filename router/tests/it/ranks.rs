@@ -88,7 +88,8 @@ async fn a_request_goes_to_the_rank_that_holds_its_prefix() {
     }
     wait_until("the replica synced", || router.fleet().ready()).await;
 
-    // `Explain` shows the rank a request would go to, and that rank's overlap.
+    // `Explain` shows the rank a request would go to, and that rank's overlap and load.
+    ranks.add_prefill(1, 7);
     let mut admin = RouterAdminClient::connect(router.admin_url()).await.unwrap();
     let body = |prompt: &[u32]| json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
     let explained = admin
@@ -101,6 +102,9 @@ async fn a_request_goes_to_the_rank_that_holds_its_prefix() {
         .into_inner();
     let candidate = &explained.candidates[0];
     assert_eq!((candidate.dp_rank, candidate.overlap_blocks), (Some(1), 3));
+    let rank_load = candidate.dp_rank_load.expect("the rank's load");
+    assert_eq!((rank_load.pending_prefill_tokens, candidate.pending_prefill_tokens), (7, 0), "{candidate:?}");
+    ranks.sub_prefill(1, 7);
     // `ListReplicas` shows each rank: its stream, its blocks.
     let listed = admin.list_replicas(pb::ListReplicasRequest {}).await.unwrap().into_inner();
     let ranks_listed: Vec<(u32, u64)> = listed.replicas[0].ranks.iter().map(|r| (r.rank, r.blocks)).collect();
