@@ -20,6 +20,8 @@
 //!   socket's peers send (the crate has no such bound).
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "server")]
+pub mod api_key;
 #[cfg(feature = "cli")]
 pub mod cli;
 #[cfg(feature = "cli")]

@@ -231,22 +231,11 @@ pub struct BearerAuth {
 impl tonic::service::Interceptor for BearerAuth {
     fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
         let Some(token) = &self.token else { return Ok(request) };
-        let given = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.split_once(' '))
-            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-            .map_or("", |(_, token)| token.trim_start());
-        if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+        let given = request.metadata().get("authorization").map(|v| v.as_bytes());
+        if kvroute_proto::api_key::bearer_matches(given, &[token]) {
             Ok(request)
         } else {
             Err(Status::unauthenticated("a valid bearer token is required"))
         }
     }
-}
-
-/// Equality whose time depends only on the lengths, not on where the bytes differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

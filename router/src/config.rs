@@ -72,6 +72,13 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_HEALTH_LISTEN")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health_listen: Option<SocketAddr>,
+    /// Keys a request to a path under `/v1` must carry one of (`Authorization: Bearer <key>`),
+    /// comma-separated, as with vLLM's `--api-key`: others get 401. Paths outside `/v1` stay
+    /// open, as with vLLM (`/health`, `/ready`, `/metrics`, and the engines' own paths passed
+    /// through, such as `/tokenize`). The header goes on to the replica as it came.
+    #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true, value_delimiter = ',')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub api_key: Vec<Secret>,
     /// Bearer token the admin service requires; mandatory when it listens beyond loopback.
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -378,6 +385,10 @@ impl Config {
         check(self.unhealthy_after > 0, "--unhealthy-after must be at least 1".into());
         check(self.eject_after > 0, "--eject-after must be at least 1".into());
         check(
+            self.api_key.iter().all(|key| !key.expose().trim().is_empty()),
+            "--api-key must not be empty".into(),
+        );
+        check(
             self.admin_listen.ip().is_loopback()
                 || self.admin_token.as_ref().is_some_and(|t| !t.expose().is_empty()),
             format!("--admin-token is required when the admin service listens on {}", self.admin_listen),
@@ -511,7 +522,7 @@ impl Config {
     }
 }
 
-/// A secret setting (the admin token): its `Debug` never shows the value, so logging a
+/// A secret setting (the admin token, the API keys): its `Debug` never shows the value, so logging a
 /// `Config` cannot leak it; [`Secret::expose`] is the one way to read it.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
@@ -795,6 +806,17 @@ mod tests {
         assert!(debug.contains("redacted"));
         let c: Config = kvroute_proto::cli::parse_from(["r", "--admin-token", "hunter2\n"]).unwrap();
         assert!(c.validate().unwrap_err()[0].contains("whitespace"));
+    }
+
+    #[test]
+    fn api_keys_are_a_list_redacted_in_debug_output_and_never_empty() {
+        let c: Config = kvroute_proto::cli::parse_from(["r", "--api-key", "sk-first,sk-second"]).unwrap();
+        let keys: Vec<&str> = c.api_key.iter().map(Secret::expose).collect();
+        assert_eq!(keys, ["sk-first", "sk-second"]);
+        let debug = format!("{c:?} {c:#?}");
+        assert!(!debug.contains("sk-"), "{debug}");
+        let c: Config = kvroute_proto::cli::parse_from(["r", "--api-key", "sk-first,"]).unwrap();
+        assert!(c.validate().unwrap_err()[0].contains("--api-key must not be empty"));
     }
 
     #[test]

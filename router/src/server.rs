@@ -271,6 +271,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         synced_once: AtomicBool::new(false),
         heartbeats: Heartbeats::new(http_threads),
         allowed_origins: proxy::cors::AllowedOrigins::new(&config.allowed_origins),
+        api_keys: config.api_key.iter().map(|key| key.expose().to_owned()).collect(),
         shutdown: shutdown.clone(),
     });
 

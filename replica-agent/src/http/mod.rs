@@ -52,6 +52,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::header::{self, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
+use kvroute_proto::api_key;
 use kvroute_proto::openai::Tokenization;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -193,14 +194,8 @@ const X_REQUEST_ID: &str = "x-request-id";
 /// need `Authorization: Bearer <key>` (preflight `OPTIONS` excepted); the rest are open.
 fn authorized(config: &Config, path: &str, req: &Request<Incoming>) -> bool {
     let Some(key) = &config.api_key else { return true };
-    if !path.starts_with("/v1") || req.method() == Method::OPTIONS {
-        return true;
-    }
-    let given = req.headers().get(header::AUTHORIZATION).map_or(&b""[..], HeaderValue::as_bytes);
-    let expected = format!("Bearer {key}");
-    // Every byte compared, so the time taken does not tell how much of a guess was right.
-    given.len() == expected.len()
-        && given.iter().zip(expected.as_bytes()).fold(0, |d, (a, b)| d | (a ^ b)) == 0
+    let given = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
+    !api_key::needs_key(req.method(), path) || api_key::bearer_matches(given, &[key])
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -5,6 +5,7 @@
 //! | status | when |
 //! |---|---|
 //! | 400 | a path passed through that is one of the router's own paths spelled otherwise (percent-encoded, a trailing slash) or has dot segments; malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens`, a prompt the replica's `/tokenize` refused (`--remote-tokenize`); a WebSocket handshake with a body |
+//! | 401 | a request to `/v1/*` without one of `--api-key`'s keys |
 //! | 403 | a LoRA adapter change while `--lora-updates` is off |
 //! | 404 / 405 | unknown path / wrong method (with `Allow`) |
 //! | 408 | the client sent nothing of its request body for `--idle-timeout-ms` (routed, or streamed to a replica) |
@@ -66,6 +67,9 @@ pub enum ProxyError {
     TooManyTokens { param: &'static str, asked: u64, limit: u64 },
     #[error("unknown path {0}")]
     NotFound(String),
+    /// A request to `/v1/*` without one of `--api-key`'s keys.
+    #[error("a valid API key is required (Authorization: Bearer <key>)")]
+    Unauthorized,
     #[error("method {method} is not allowed here; use {allow}")]
     MethodNotAllowed { method: String, allow: &'static str },
     #[error("{0}")]
@@ -114,6 +118,7 @@ impl ProxyError {
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NotFound(_) | ProxyError::UnknownResponse(_) => StatusCode::NOT_FOUND,
             ProxyError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Unavailable(_) | ProxyError::Saturated { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } | ProxyError::FanOut(_) => StatusCode::BAD_GATEWAY,
@@ -149,6 +154,7 @@ impl ProxyError {
             ProxyError::Timeout { .. } => "upstream_timeout",
             ProxyError::FanOut(_) => "fan_out",
             ProxyError::Forbidden(_) => "forbidden",
+            ProxyError::Unauthorized => "unauthorized",
             ProxyError::RefusedEverywhere { .. } => "refused_everywhere",
         }
     }
@@ -180,6 +186,12 @@ impl ProxyError {
             ProxyError::NotFound(_) => {
                 let mut e = OpenAiError::new("invalid_request_error", self.to_string());
                 e.code = Some("not_found".into());
+                e
+            }
+            // OpenAI's type and code for a wrong key.
+            ProxyError::Unauthorized => {
+                let mut e = OpenAiError::new("invalid_request_error", self.to_string());
+                e.code = Some("invalid_api_key".into());
                 e
             }
             ProxyError::UnknownResponse(_) => {

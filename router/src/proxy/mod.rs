@@ -48,6 +48,7 @@ use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
+use kvroute_proto::api_key;
 use kvroute_proto::openai::request::responses::asks_to_store;
 use kvroute_proto::openai::{Endpoint, RequestError};
 use kvroute_proto::serve::{Heartbeats, Limits};
@@ -92,6 +93,8 @@ pub struct ProxyState {
     pub heartbeats: Heartbeats,
     /// Who may read the router's own answers ([`cors`]).
     pub allowed_origins: cors::AllowedOrigins,
+    /// `--api-key`'s keys (none: every request may pass).
+    pub api_keys: Vec<String>,
     /// The router's shutdown: open WebSocket tunnels end with it ([`tunnel`]).
     pub shutdown: CancellationToken,
 }
@@ -247,6 +250,12 @@ async fn dispatch(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let path = req.uri().path().to_owned();
     let method = req.method().clone();
+    if !state.api_keys.is_empty() && api_key::needs_key(&method, &path) {
+        let given = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
+        if !api_key::bearer_matches(given, &state.api_keys) {
+            return Err(ProxyError::Unauthorized);
+        }
+    }
     if method == Method::GET
         && req.version() == http::Version::HTTP_11
         && asks_websocket(req.headers())

@@ -607,3 +607,48 @@ async fn json_logs_are_one_object_a_line() {
     assert_eq!(access["fields"]["replica"], "r0");
     assert_eq!(access["fields"]["path"], "/v1/embeddings");
 }
+
+/// With `--api-key`, a request to `/v1/*` needs `Authorization: Bearer` with one of the keys
+/// (401 in OpenAI's error shape, or Anthropic's for `/v1/messages`, without); the paths outside
+/// `/v1` and a browser's preflight stay open, as with vLLM. The key goes on to the replica.
+#[tokio::test]
+async fn api_keys_guard_the_v1_paths() {
+    let keys = vec!["sk-one".into(), "sk-two".into()];
+    // The replica checks one of the keys itself: a request it serves had the key passed on.
+    let checking =
+        |name: &str| kvroute_replica_agent::Config { api_key: Some("sk-two".into()), ..agent_config(name) };
+    let fleet = Fleet::with(1, checking, |c| kvroute_router::Config { api_key: keys, ..c }).await;
+    let completion = json!({"model": FLEET_MODEL, "prompt": "hi", "max_tokens": 1}).to_string();
+    let post = |path: &'static str, headers: &'static [(&'static str, &'static str)]| {
+        let (http, url, body) = (fleet.http.clone(), fleet.url(path), completion.clone());
+        async move { http.send_with(http::Method::POST, &url, body, headers).await }
+    };
+    for wrong in [&[][..], &[("authorization", "Bearer sk-three")], &[("authorization", "sk-one")]] {
+        let refused = post("/v1/completions", wrong).await;
+        assert_eq!(refused.status, 401, "{wrong:?}");
+        let error = &refused.json()["error"];
+        assert_eq!(
+            (error["type"].as_str(), error["code"].as_str()),
+            (Some("invalid_request_error"), Some("invalid_api_key"))
+        );
+        assert!(refused.header("x-request-id").is_some());
+    }
+    let served = post("/v1/completions", &[("authorization", "Bearer sk-two")]).await;
+    assert_eq!(served.status, 200, "{}", String::from_utf8_lossy(&served.body));
+    let anthropic = post("/v1/messages", &[]).await;
+    assert_eq!((anthropic.status.as_u16(), anthropic.json()["type"].as_str()), (401, Some("error")));
+    assert_eq!(fleet.http.get(&fleet.url("/v1/models")).await.status, 401, "the router's own /v1 answer too");
+    for open in ["/health", "/metrics"] {
+        assert_eq!(fleet.http.get(&fleet.url(open)).await.status, 200, "{open}");
+    }
+    let preflight = fleet
+        .http
+        .send_with(
+            http::Method::OPTIONS,
+            &fleet.url("/v1/completions"),
+            "",
+            &[("origin", "https://app.example"), ("access-control-request-method", "POST")],
+        )
+        .await;
+    assert_ne!(preflight.status, 401, "a preflight carries no credentials");
+}

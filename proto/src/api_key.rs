@@ -1,0 +1,56 @@
+//! API keys checked as vLLM checks its `--api-key`: a request to a path under `/v1` (a
+//! browser's `OPTIONS` preflight excepted) must carry `Authorization: Bearer <key>` with one
+//! of the keys; every other path stays open (`/health`, `/metrics`, ...).
+
+/// Whether a request of `method` to `path` needs a key.
+pub fn needs_key(method: &http::Method, path: &str) -> bool {
+    path.starts_with("/v1") && method != http::Method::OPTIONS
+}
+
+/// Whether `authorization` (the header's value, if any) is `Bearer <key>` (the scheme in any
+/// case) for one of `keys`. Every key is compared in full, whichever matches: the time taken
+/// tells nothing of how much of a guess was right, nor which key it was near.
+pub fn bearer_matches<K: AsRef<str>>(authorization: Option<&[u8]>, keys: &[K]) -> bool {
+    let Some((scheme, given)) = authorization.and_then(|value| split_once(value, b' ')) else {
+        return false;
+    };
+    scheme.eq_ignore_ascii_case(b"bearer")
+        && keys.iter().fold(false, |matched, key| matched | constant_time_eq(given, key.as_ref().as_bytes()))
+}
+
+/// Equality whose time depends only on the lengths, not on where the bytes differ.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn split_once(value: &[u8], at: u8) -> Option<(&[u8], &[u8])> {
+    let i = value.iter().position(|&b| b == at)?;
+    Some((&value[..i], &value[i + 1..]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bearer_of_one_of_the_keys_passes() {
+        let keys = ["first", "second"];
+        let check = |value: &str| bearer_matches(Some(value.as_bytes()), &keys);
+        assert!(check("Bearer first") && check("Bearer second") && check("bearer second"));
+        for refused in ["Bearer third", "Bearer firs", "Bearer first ", "Basic first", "first", "Bearer", ""]
+        {
+            assert!(!check(refused), "{refused:?}");
+        }
+        assert!(!bearer_matches(None, &keys));
+        assert!(!bearer_matches(Some(b"Bearer first"), &[] as &[&str]));
+    }
+
+    #[test]
+    fn only_paths_under_v1_need_a_key_and_not_a_preflight() {
+        assert!(needs_key(&http::Method::POST, "/v1/completions"));
+        assert!(needs_key(&http::Method::GET, "/v1/models"));
+        assert!(!needs_key(&http::Method::OPTIONS, "/v1/completions"));
+        assert!(!needs_key(&http::Method::GET, "/health"));
+        assert!(!needs_key(&http::Method::POST, "/tokenize"));
+    }
+}
