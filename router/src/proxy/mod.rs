@@ -353,6 +353,10 @@ async fn routed(
         Err(ProxyError::BadRequest(RequestError::StoredConversation)) => {
             let continuation = Continuation::read(&state.decider, &body, &state.limits).await?;
             let (member, rank) = find_owner(state, pool, &parts.headers, &continuation.id).await?;
+            // Only the replica that stored the response can continue it: it waits for room there.
+            let owner = member.replica.id;
+            let room = || owner_has_room(state, &member);
+            state.queue.until_room(waiters, (&mut line, metrics), room, |_| Some(owner)).await?;
             let (prompt_tokens, prefill_tokens) = continuation.load_on(&member);
             let sending = Sending {
                 body: Outgoing::Full(body),
@@ -367,6 +371,19 @@ async fn routed(
         }
         Err(e) => Err(e),
     }
+}
+
+/// Whether `member` (the one replica a request can go to) has room for it: a saturated one
+/// is waited for ([`queue`]); one that is down for another reason is tried all the same (no
+/// other has what the request needs).
+fn owner_has_room(state: &ProxyState, member: &Member) -> std::future::Ready<Result<(), ProxyError>> {
+    std::future::ready(match member.upstream.eligibility(state.decider.max_in_flight_per_replica) {
+        Err(upstream::Ineligible::Saturated) => Err(ProxyError::Saturated {
+            reason: format!("{}: saturated (it stored the response continued)", member.replica.spec.name),
+            replicas: vec![member.replica.id],
+        }),
+        _ => Ok(()),
+    })
 }
 
 /// `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`: to the replica that stored it.

@@ -13,6 +13,8 @@
 //!   credits and load as they are then (its tokenization too: each decision shows in
 //!   `decision_seconds`). A request that arrives just as room frees may take it first; the
 //!   woken one keeps its place in line.
+//! - A Responses continuation, which only the replica that stored its response can serve,
+//!   waits for room there.
 //! - Only want of room waits: a fleet with no healthy replica answers 503 at once, as does a
 //!   retry on the next replica ([`super::forward`]).
 //! - A request whose client leaves while it waits leaves the line.

@@ -14,6 +14,7 @@ async fn slow_fleet(router: impl FnOnce(kvroute_router::Config) -> kvroute_route
     let slow = |name: &str| kvroute_replica_agent::Config {
         time_scale: 1.0,
         step_base_us: 200_000,
+        responses_store: true,
         ..agent_config(name)
     };
     Fleet::with(1, slow, router).await
@@ -128,4 +129,29 @@ async fn with_no_line_a_request_past_the_limit_gets_503_at_once() {
     assert_eq!(refused.status, 503, "{}", String::from_utf8_lossy(&refused.body));
     assert!(refused.json()["error"]["message"].as_str().unwrap().contains("in-flight limit"));
     drop(open);
+}
+
+/// A Responses continuation can go only to the replica that stored its response: with that
+/// replica at `--max-in-flight-per-replica`, it waits for room there, and is served when a
+/// request to it ends.
+#[tokio::test]
+async fn a_continuation_waits_for_room_on_the_replica_that_stored_its_response() {
+    let fleet =
+        slow_fleet(|c| kvroute_router::Config { max_in_flight_per_replica: 1, queue_timeout_ms: LONG, ..c })
+            .await;
+    let url = fleet.url("/v1/responses");
+    let first = json!({"model": FLEET_MODEL, "input": "hello", "max_output_tokens": 1, "store": true});
+    let first = fleet.http.post(&url, &first).await;
+    assert_eq!(first.status, 200, "{}", String::from_utf8_lossy(&first.body));
+    let id = first.json()["id"].as_str().unwrap().to_owned();
+    let open = open_stream(&fleet).await;
+    let next =
+        json!({"model": FLEET_MODEL, "previous_response_id": id, "input": "more", "max_output_tokens": 1});
+    let http = fleet.http.clone();
+    let waiting = tokio::spawn(async move { http.post(&url, &next).await });
+    queued(&fleet, 1).await;
+    assert!(read_to_end(open).await.contains("[DONE]"));
+    let answer = tokio::time::timeout(WAIT, waiting).await.expect("served in time").unwrap();
+    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    assert_eq!(outcomes(&fleet, "placed"), 1);
 }
