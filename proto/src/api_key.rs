@@ -8,14 +8,24 @@ pub fn needs_key(method: &http::Method, path: &str) -> bool {
 }
 
 /// Whether `authorization` (the header's value, if any) is `Bearer <key>` (the scheme in any
-/// case) for one of `keys`. Every key is compared in full, whichever matches: the time taken
-/// tells nothing of how much of a guess was right, nor which key it was near.
+/// case) for one of `keys`. Digests of the same length are compared, each in full, for every
+/// key: the time taken tells nothing of a key's length, of how much of a guess was right, nor
+/// of which key it was near.
 pub fn bearer_matches<K: AsRef<str>>(authorization: Option<&[u8]>, keys: &[K]) -> bool {
     let Some((scheme, given)) = authorization.and_then(|value| split_once(value, b' ')) else {
         return false;
     };
+    let given = digest(given);
     scheme.eq_ignore_ascii_case(b"bearer")
-        && keys.iter().fold(false, |matched, key| matched | constant_time_eq(given, key.as_ref().as_bytes()))
+        && keys
+            .iter()
+            .fold(false, |matched, key| matched | constant_time_eq(&given, &digest(key.as_ref().as_bytes())))
+}
+
+/// 128 bits of `value`: equal for equal values, and for different ones all but never (a
+/// guess cannot be made to collide with a key it does not know).
+fn digest(value: &[u8]) -> [u8; 16] {
+    xxhash_rust::xxh3::xxh3_128(value).to_le_bytes()
 }
 
 /// Equality whose time depends only on the lengths, not on where the bytes differ.

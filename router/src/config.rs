@@ -73,11 +73,12 @@ pub struct Config {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health_listen: Option<SocketAddr>,
     /// Keys a request to a path under `/v1` must carry one of (`Authorization: Bearer <key>`),
-    /// comma-separated, as with vLLM's `--api-key`: others get 401. Paths outside `/v1` stay
-    /// open, as with vLLM (`/health`, `/ready`, `/metrics`, and the engines' own paths passed
-    /// through, such as `/tokenize`). The header goes on to the replica as it came.
+    /// comma-separated, as with vLLM's `--api-key`: others get 401 (the router's LoRA fan-out
+    /// too, SGLang's spellings outside `/v1` included). Other paths outside `/v1` stay open, as
+    /// with vLLM (`/health`, `/ready`, `/metrics`, and the engines' own paths passed through,
+    /// such as `/tokenize`). The header goes on to the replica as it came.
     #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true, value_delimiter = ',')]
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "comma_separated")]
     pub api_key: Vec<Secret>,
     /// Bearer token the admin service requires; mandatory when it listens beyond loopback.
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
@@ -385,8 +386,11 @@ impl Config {
         check(self.unhealthy_after > 0, "--unhealthy-after must be at least 1".into());
         check(self.eject_after > 0, "--eject-after must be at least 1".into());
         check(
-            self.api_key.iter().all(|key| !key.expose().trim().is_empty()),
-            "--api-key must not be empty".into(),
+            self.api_key
+                .iter()
+                .all(|key| !key.expose().is_empty() && !key.expose().contains(char::is_whitespace)),
+            "--api-key must not be empty or hold whitespace (keys are comma-separated, without spaces)"
+                .into(),
         );
         check(
             self.admin_listen.ip().is_loopback()
@@ -519,6 +523,22 @@ impl Config {
             max_prompt_tokens: self.max_prompt_tokens,
             max_completion_tokens: self.max_completion_tokens,
         }
+    }
+}
+
+/// Secrets from a config file, as a list or a comma-separated string (as on the command
+/// line); a value of another type is refused without repeating it.
+fn comma_separated<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Vec<Secret>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Given {
+        One(String),
+        Many(Vec<String>),
+    }
+    match Given::deserialize(deserializer) {
+        Ok(Given::One(keys)) => Ok(keys.split(',').map(Secret::new).collect()),
+        Ok(Given::Many(keys)) => Ok(keys.into_iter().map(Secret::new).collect()),
+        Err(_) => Err(serde::de::Error::custom("expected a string or a list of strings")),
     }
 }
 
@@ -815,8 +835,34 @@ mod tests {
         assert_eq!(keys, ["sk-first", "sk-second"]);
         let debug = format!("{c:?} {c:#?}");
         assert!(!debug.contains("sk-"), "{debug}");
-        let c: Config = kvroute_proto::cli::parse_from(["r", "--api-key", "sk-first,"]).unwrap();
-        assert!(c.validate().unwrap_err()[0].contains("--api-key must not be empty"));
+        for bad in ["sk-first,", "sk-first, sk-second", "sk-first\n"] {
+            let c: Config = kvroute_proto::cli::parse_from(["r", "--api-key", bad]).unwrap();
+            assert!(
+                c.validate().unwrap_err()[0].contains("--api-key must not be empty or hold whitespace"),
+                "{bad:?}"
+            );
+        }
+    }
+
+    /// In a config file the keys are a list or a comma-separated string; a value of another
+    /// type is refused without being repeated in the error.
+    #[test]
+    fn api_keys_in_a_file_are_a_list_or_a_string() {
+        let parsed = |tag: &str, text: &str| {
+            let (dir, path) = config_file(tag, text);
+            let parsed =
+                kvroute_proto::cli::parse_from::<Config, _, _>(["r", "--config", path.to_str().unwrap()]);
+            std::fs::remove_dir_all(dir).ok();
+            parsed
+        };
+        for (tag, text) in
+            [("keys-list", r#"api-key = ["sk-a", "sk-b"]"#), ("keys-string", r#"api-key = "sk-a,sk-b""#)]
+        {
+            let c = parsed(tag, text).unwrap();
+            assert_eq!(c.api_key.iter().map(Secret::expose).collect::<Vec<_>>(), ["sk-a", "sk-b"], "{tag}");
+        }
+        let refused = parsed("keys-number", "api-key = 41414141").unwrap_err().to_string();
+        assert!(refused.contains("api-key") && !refused.contains("41414141"), "{refused}");
     }
 
     #[test]

@@ -638,6 +638,8 @@ async fn api_keys_guard_the_v1_paths() {
     let anthropic = post("/v1/messages", &[]).await;
     assert_eq!((anthropic.status.as_u16(), anthropic.json()["type"].as_str()), (401, Some("error")));
     assert_eq!(fleet.http.get(&fleet.url("/v1/models")).await.status, 401, "the router's own /v1 answer too");
+    // The router's LoRA paths reach every replica: SGLang's spelling outside `/v1` is guarded.
+    assert_eq!(post("/load_lora_adapter", &[]).await.status, 401);
     for open in ["/health", "/metrics"] {
         assert_eq!(fleet.http.get(&fleet.url(open)).await.status, 200, "{open}");
     }
