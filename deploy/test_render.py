@@ -72,6 +72,9 @@ class Manifests(unittest.TestCase):
                 self.assertEqual(c["livenessProbe"]["httpGet"]["path"], "/health")
                 self.assertIn("requests", c["resources"])
                 env = {e["name"]: e for e in c["env"]}
+                # Client API keys come from a Secret only if one was made: the API is open without.
+                keys = env["KVROUTE_API_KEY"]["valueFrom"]["secretKeyRef"]
+                self.assertEqual((keys["name"], keys.get("optional")), ("kvroute-api-keys", True))
                 for threads in ["KVROUTE_HTTP_THREADS", "TOKIO_WORKER_THREADS"]:
                     field = env[threads]["valueFrom"]["resourceFieldRef"]
                     self.assertEqual((field["containerName"], field["resource"]), (c["name"], "requests.cpu"), threads)
