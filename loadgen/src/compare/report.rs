@@ -262,6 +262,16 @@ impl CompareReport {
                 reuse.join(", ")
             );
         }
+        // Time in the router's line is in the TTFT: said, when there was any.
+        let waits: Vec<String> = self
+            .runs
+            .iter()
+            .filter_map(|run| {
+                let (waits, mean) = run.live.router.as_ref()?.queue_waits()?;
+                Some(format!("{} {waits:.0} (mean {:.0} ms)", run.policy.as_str(), 1e3 * mean))
+            })
+            .collect();
+        footnote(&mut out, "waits for room in the router's line (in the TTFT above)", &waits, ", ");
         out
     }
 }

@@ -85,6 +85,10 @@ pub struct RouterCounters {
     pub tokenize_reused_bytes: f64,
     /// Prompt text bytes the router tokenized.
     pub tokenize_tokenized_bytes: f64,
+    /// Waits for room in the router's line (`--max-queued`; a request may wait twice: for a
+    /// place under `--max-in-flight`, then for a replica), and their time in all, seconds.
+    pub queue_waits: f64,
+    pub queue_wait_seconds: f64,
 }
 
 impl RouterCounters {
@@ -103,6 +107,8 @@ impl RouterCounters {
             tokenize_reused_bytes: sum(page, "kvroute_router_tokenize_reused_bytes_total").unwrap_or(0.0),
             tokenize_tokenized_bytes: sum(page, "kvroute_router_tokenize_tokenized_bytes_total")
                 .unwrap_or(0.0),
+            queue_waits: sum(page, "kvroute_router_queue_wait_seconds_count").unwrap_or(0.0),
+            queue_wait_seconds: sum(page, "kvroute_router_queue_wait_seconds_sum").unwrap_or(0.0),
         })
     }
 
@@ -120,7 +126,14 @@ impl RouterCounters {
             )?,
             tokenize_reused_bytes: delta(self.tokenize_reused_bytes, before.tokenize_reused_bytes)?,
             tokenize_tokenized_bytes: delta(self.tokenize_tokenized_bytes, before.tokenize_tokenized_bytes)?,
+            queue_waits: delta(self.queue_waits, before.queue_waits)?,
+            queue_wait_seconds: delta(self.queue_wait_seconds, before.queue_wait_seconds)?,
         })
+    }
+
+    /// Waits for room at the router, and their mean, seconds (none if nothing waited).
+    pub fn queue_waits(&self) -> Option<(f64, f64)> {
+        (self.queue_waits > 0.0).then(|| (self.queue_waits, self.queue_wait_seconds / self.queue_waits))
     }
 
     /// The share of prompt text the router's tokenizer cache saved it tokenizing.
@@ -225,12 +238,17 @@ mod tests {
                       kvroute_router_reported_prompt_tokens_total 40\n\
                       kvroute_router_reported_predicted_cached_tokens_total 6\n\
                       kvroute_router_tokenize_reused_bytes_total 300\n\
-                      kvroute_router_tokenize_tokenized_bytes_total 100\n";
+                      kvroute_router_tokenize_tokenized_bytes_total 100\n\
+                      kvroute_router_queue_wait_seconds_sum 1.5\n\
+                      kvroute_router_queue_wait_seconds_count 3\n\
+                      kvroute_router_queue_wait_seconds_bucket{le=\"+Inf\"} 3\n";
         let router = RouterCounters::parse(router).unwrap();
         // The realized rate's own denominator and prediction, beside the routed ones.
         assert_eq!((router.reported_prompt_tokens, router.reported_predicted_cached_tokens), (40.0, 6.0));
         assert_eq!(router.tokenize_reuse(), Some(0.75));
-        assert_eq!(router.since(&router).unwrap().tokenize_reuse(), None);
+        assert_eq!(router.queue_waits(), Some((3.0, 0.5)), "three waits of half a second on average");
+        let since = router.since(&router).unwrap();
+        assert_eq!((since.tokenize_reuse(), since.queue_waits()), (None, None));
         let with_prompts = format!("{page}vllm:prompt_tokens_total 0\n");
         let before = ReplicaCounters::parse(&with_prompts).unwrap();
         let after =
