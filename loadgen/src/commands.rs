@@ -210,9 +210,14 @@ pub struct DemoArgs {
     /// Replica agents in the fleet.
     #[arg(long, default_value_t = 4)]
     pub replicas: usize,
-    /// Prefix-cache capacity of each agent, in blocks.
+    /// Prefix-cache capacity of each agent (of each of its ranks), in blocks.
     #[arg(long, default_value_t = 2048)]
     pub capacity_blocks: usize,
+    /// Data-parallel ranks of each agent, as vLLM's `--data-parallel-size`: an engine each,
+    /// with its own cache and event stream, behind one API server; the cache-aware router
+    /// names the rank a request goes to.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub data_parallel_size: u32,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: u32,
@@ -339,6 +344,7 @@ pub fn run_demo(args: &DemoArgs) -> anyhow::Result<()> {
             block_size: args.block_size,
             eviction: args.eviction,
             time_scale: args.time_scale,
+            data_parallel_size: args.data_parallel_size,
         },
         policies: args.policies.clone(),
         trace,
@@ -348,8 +354,12 @@ pub fn run_demo(args: &DemoArgs) -> anyhow::Result<()> {
         out_dir: Some(args.out.clone()),
         progress: !args.no_progress,
     };
+    let ranks = match config.fleet.data_parallel_size {
+        1 => String::new(),
+        n => format!(" x {n} data-parallel ranks"),
+    };
     eprintln!(
-        "demo: {} agents x {} blocks of {} tokens, time scale {}, {} requests, policies {}",
+        "demo: {} agents{ranks} x {} blocks of {} tokens, time scale {}, {} requests, policies {}",
         config.fleet.replicas,
         config.fleet.capacity_blocks,
         config.fleet.block_size,

@@ -33,6 +33,9 @@ pub struct FleetConfig {
     pub eviction: cache::PolicyKind,
     /// Simulated seconds per wall-clock second on every agent.
     pub time_scale: f64,
+    /// Data-parallel ranks of each agent: an engine each, with its own cache of
+    /// `capacity_blocks` and its own event stream (the router names the rank).
+    pub data_parallel_size: u32,
 }
 
 /// Longest prompt plus completion the embedded fleet accepts (agents and routers), so
@@ -58,6 +61,7 @@ impl FleetConfig {
             policy: self.eviction,
             time_scale: self.time_scale,
             max_model_len: DEMO_MAX_MODEL_LEN,
+            data_parallel_size: self.data_parallel_size,
             ..kvroute_replica_agent::Config::loopback(format!("agent-{i}"))
         }
     }
@@ -93,7 +97,7 @@ impl EmbeddedFleet {
                 replay: a.replay_endpoint.clone(),
                 grpc: Some(a.grpc_url()),
                 engine: EngineKind::Kvroute,
-                dp_size: 1,
+                dp_size: self.config.data_parallel_size,
                 topic: String::new(),
             })
             .collect();

@@ -30,6 +30,7 @@ fn fleet_config(replicas: usize) -> FleetConfig {
         block_size: 16,
         eviction: Eviction::Lru,
         time_scale: 1000.0,
+        data_parallel_size: 1,
     }
 }
 
@@ -141,6 +142,35 @@ async fn compare_on_a_small_fleet_writes_a_sane_report() {
         assert!(text.starts_with("<svg") && text.contains("round-robin"), "{svg}");
     }
     assert!(report.table().contains("cache-aware"));
+    fleet.stop().await;
+}
+
+/// A fleet of one agent with two data-parallel ranks: its two engines' caches are read from
+/// its metrics (one `engine` series each), every request is served with the hits the
+/// responses and the counters agree on, and the offline simulation runs an engine a rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_on_a_data_parallel_agent_reads_each_rank() {
+    let shutdown = CancellationToken::new();
+    let config = FleetConfig { data_parallel_size: 2, ..fleet_config(1) };
+    let fleet = EmbeddedFleet::start(config, shutdown.child_token()).await.unwrap();
+    let trace = small_chat();
+    let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
+    live.replicas = fleet.urls();
+    live.arrivals = Arrivals::Trace { speedup: 1.0 };
+    let config = compare_config(&fleet, vec![PolicyKind::CacheAware], live);
+    let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
+        .await
+        .expect("compare finishes")
+        .expect("compare runs");
+    assert_eq!(report.fleet.total_capacity_blocks, 1024, "two ranks of 512 blocks");
+    let run = &report.runs[0];
+    let l = &run.live;
+    assert_eq!((l.succeeded, l.failed()), (trace.len(), 0), "{:?}", l.errors);
+    let hit = l.hit_rate.expect("responses report cached_tokens");
+    assert!(hit > 0.0, "{}", report.table());
+    assert_eq!(l.fleet_hit_rate, Some(hit), "both ranks' counters summed");
+    assert_eq!(l.predicted_hit_rate, Some(hit), "the rank named is the rank that hit");
+    assert!(run.offline.is_some());
     fleet.stop().await;
 }
 
