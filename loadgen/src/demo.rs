@@ -152,7 +152,8 @@ pub async fn run(config: &DemoConfig, shutdown: CancellationToken) -> anyhow::Re
         replicas: fleet.urls(),
         live,
         block_size: config.fleet.block_size as usize,
-        total_capacity_blocks: Some(config.fleet.replicas * config.fleet.capacity_blocks),
+        // Read from the agents (an engine's cache a rank).
+        total_capacity_blocks: None,
         eviction: config.fleet.eviction,
         time_scale: config.fleet.time_scale,
         out_dir: config.out_dir.clone(),

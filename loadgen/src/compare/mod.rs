@@ -164,6 +164,7 @@ pub async fn compare(
         workload: WorkloadSummary::of(&config.workload, &sent, config.live.prompt),
         fleet: FleetSummary {
             replicas: config.replicas.len(),
+            engines: caches.count,
             total_capacity_blocks: total_capacity,
             block_size: config.block_size,
             eviction: config.eviction,

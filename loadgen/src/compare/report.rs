@@ -53,6 +53,8 @@ impl WorkloadSummary {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct FleetSummary {
     pub replicas: usize,
+    /// Engines behind them, a cache each (more than the replicas when they are data-parallel).
+    pub engines: usize,
     pub total_capacity_blocks: usize,
     pub block_size: usize,
     /// The eviction policy the pooled reference and the offline runs used.
@@ -143,9 +145,13 @@ impl CompareReport {
             w.output_tokens,
             w.trace_duration_s
         );
+        let engines = match f.engines == f.replicas {
+            true => String::new(),
+            false => format!(" ({} engines)", f.engines),
+        };
         let _ = writeln!(
             out,
-            "fleet: {} replicas, {} blocks in total, block size {}; pooled reference (one {} cache of {} blocks; separate caches can beat it): {:.1}% hit rate",
+            "fleet: {} replicas{engines}, {} blocks in total, block size {}; pooled reference (one {} cache of {} blocks; separate caches can beat it): {:.1}% hit rate",
             f.replicas,
             f.total_capacity_blocks,
             f.block_size,
@@ -316,6 +322,7 @@ mod tests {
         let workload = WorkloadSummary::of("w", &Trace::default(), PromptFormat::Ids);
         let fleet = FleetSummary {
             replicas: 2,
+            engines: 2,
             total_capacity_blocks: 8,
             block_size: 16,
             eviction: cache::PolicyKind::Lru,

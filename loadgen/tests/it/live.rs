@@ -162,7 +162,12 @@ async fn compare_on_a_data_parallel_agent_reads_each_rank() {
         .await
         .expect("compare finishes")
         .expect("compare runs");
-    assert_eq!(report.fleet.total_capacity_blocks, 1024, "two ranks of 512 blocks");
+    assert_eq!(
+        (report.fleet.total_capacity_blocks, report.fleet.engines),
+        (1024, 2),
+        "two ranks of 512 blocks"
+    );
+    assert!(report.table().contains("1 replicas (2 engines)"), "{}", report.table());
     let run = &report.runs[0];
     let l = &run.live;
     assert_eq!((l.succeeded, l.failed()), (trace.len(), 0), "{:?}", l.errors);
