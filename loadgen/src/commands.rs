@@ -174,7 +174,9 @@ pub struct CompareArgs {
     /// Tokens per KV block on the replicas.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// The fleet's total cache capacity in blocks (default: the agents' own figures).
+    /// The fleet's total cache capacity in blocks (default: the agents' own figures, an
+    /// engine's cache a data-parallel rank). Given, it is taken as one cache a replica: the
+    /// offline simulation of data-parallel replicas has fewer, larger caches than theirs.
     #[arg(long)]
     pub capacity_blocks: Option<usize>,
     /// The replicas' eviction policy (for the pooled reference).

@@ -239,8 +239,9 @@ pub struct Config {
     /// audio file at vLLM's 25 MB limit).
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
     pub max_body_bytes: usize,
-    /// Requests in flight through the router before new ones get 503 (a request counts until
-    /// its response ends, streams included, and a WebSocket tunnel until it closes).
+    /// Requests in flight through the router before new ones wait in line for a place
+    /// (`--queue-timeout-ms`), then get 503 (a request counts until its response ends, streams
+    /// included, and a WebSocket tunnel until it closes).
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT", default_value_t = 4_096)]
     pub max_in_flight: usize,
     /// Threads serving the proxy's HTTP connections, each with its own accept loop and
@@ -264,10 +265,10 @@ pub struct Config {
     /// Requests in flight on one replica before it counts as saturated.
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT_PER_REPLICA", default_value_t = 512)]
     pub max_in_flight_per_replica: u32,
-    /// Requests that may wait for room at once ([`crate::proxy::queue`]): at
-    /// `--max-in-flight`, or with every replica it could go to at
-    /// `--max-in-flight-per-replica`, a request waits up to `--queue-timeout-ms` instead of
-    /// getting 503 at once; past this many waiting, it gets 503 at once.
+    /// Requests that may wait for room at once: at `--max-in-flight`, or with every replica
+    /// it could go to at `--max-in-flight-per-replica`, a request waits up to
+    /// `--queue-timeout-ms` instead of getting 503 at once; past this many waiting, it gets
+    /// 503 at once.
     #[arg(long, env = "KVROUTE_MAX_QUEUED", default_value_t = 1_024)]
     pub max_queued: usize,
     /// Longest a request waits for room before it gets 503, milliseconds; 0 turns waiting

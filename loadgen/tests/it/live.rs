@@ -147,7 +147,8 @@ async fn compare_on_a_small_fleet_writes_a_sane_report() {
 
 /// A fleet of one agent with two data-parallel ranks: its two engines' caches are read from
 /// its metrics (one `engine` series each), every request is served with the hits the
-/// responses and the counters agree on, and the offline simulation runs an engine a rank.
+/// responses and the counters agree on, predicted to the token, and the offline simulation
+/// runs on the engines counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_on_a_data_parallel_agent_reads_each_rank() {
     let shutdown = CancellationToken::new();

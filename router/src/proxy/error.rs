@@ -5,7 +5,7 @@
 //! | status | when |
 //! |---|---|
 //! | 400 | a path passed through that is one of the router's own paths spelled otherwise (percent-encoded, a trailing slash) or has dot segments; malformed body (not JSON, wrong types, empty prompt, bad token ids), prompt longer than `--max-prompt-tokens`, `max_tokens` above `--max-completion-tokens`, a prompt the replica's `/tokenize` refused (`--remote-tokenize`); a WebSocket handshake with a body |
-//! | 401 | a request to `/v1/*` without one of `--api-key`'s keys |
+//! | 401 | a request to `/v1/*`, or to the router's LoRA fan-out (SGLang's spellings outside `/v1` too), without one of `--api-key`'s keys |
 //! | 403 | a LoRA adapter change while `--lora-updates` is off |
 //! | 404 / 405 | unknown path / wrong method (with `Allow`) |
 //! | 408 | the client sent nothing of its request body for `--idle-timeout-ms` (routed, or streamed to a replica) |

@@ -268,9 +268,9 @@ async fn dispatch(
         // Passed on as other requests are, without its `Upgrade` (hop-by-hop), it would
         // reach the replica as a plain request and be refused there as an unknown path.
         paths::check_passthrough(&path)?;
-        let mut line = queue::Line::default();
-        let admitted = admit(state, (request_id, received), &mut line).await?;
-        let members = with_room(state, &mut line, || by_load(state, request_id)).await?;
+        let line = queue::Line::default();
+        let admitted = admit(state, (request_id, received), &line).await?;
+        let members = with_room(state, &line, || by_load(state, request_id)).await?;
         return Box::pin(tunnel::open(state, pool, req, members, admitted)).await;
     }
     // The forwarding futures are boxed: hyper keeps each request's future in place, moving
@@ -310,7 +310,7 @@ async fn dispatch(
         (Method::POST, p) if let Some(change) = lora::route(p) => {
             // Refused or over the limit before its body is read (and `100 Continue` sent).
             lora::check_enabled(state)?;
-            let admitted = admit(state, (request_id, received), &mut queue::Line::default()).await?;
+            let admitted = admit(state, (request_id, received), &queue::Line::default()).await?;
             let (parts, body) = req.into_parts();
             let body =
                 read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
@@ -339,14 +339,14 @@ async fn routed(
     endpoint: Endpoint,
     arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let mut line = queue::Line::default();
-    let admitted = admit(state, arrived, &mut line).await?;
+    let line = queue::Line::default();
+    let admitted = admit(state, arrived, &line).await?;
     let (parts, body) = req.into_parts();
     let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
     let (waiters, metrics) = (state.fleet().waiters(), &state.decider.metrics);
     let decide = || state.decider.decide_within(endpoint, &body, &state.limits);
     let goes_to = |plan: &route::Plan| plan.chosen().map(|chosen| chosen.member.replica.id);
-    match state.queue.until_room(waiters, (&mut line, metrics), decide, goes_to).await {
+    match state.queue.until_room(waiters, (&line, metrics), decide, goes_to).await {
         Ok(mut plan) => {
             // A malformed `store` is the replica's to refuse; until then, its id is worth keeping.
             plan.keeps_response = endpoint == Endpoint::Responses && asks_to_store(&body).unwrap_or(true);
@@ -358,7 +358,7 @@ async fn routed(
             // Only the replica that stored the response can continue it: it waits for room there.
             let owner = member.replica.id;
             let room = || owner_has_room(state, &member);
-            state.queue.until_room(waiters, (&mut line, metrics), room, |_| Some(owner)).await?;
+            state.queue.until_room(waiters, (&line, metrics), room, |_| Some(owner)).await?;
             let (prompt_tokens, prefill_tokens) = continuation.load_on(&member);
             let sending = Sending {
                 body: Outgoing::Full(body),
@@ -396,7 +396,7 @@ async fn stored_response(
     id: &str,
     arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let admitted = admit(state, arrived, &mut queue::Line::default()).await?;
+    let admitted = admit(state, arrived, &queue::Line::default()).await?;
     // The store is the API server's: any rank's, so none is named.
     let (member, _) = find_owner(state, pool, req.headers(), id).await?;
     streamed_to(state, pool, member, req, admitted).await
@@ -423,7 +423,7 @@ async fn find_owner(
 async fn admit<'a>(
     state: &ProxyState,
     (request_id, received): (&'a str, Option<tokio::time::Instant>),
-    line: &mut queue::Line,
+    line: &queue::Line,
 ) -> Result<Admitted<'a>, ProxyError> {
     let slot = state.queue.admit(&state.in_flight, line, &state.decider.metrics).await?;
     Ok(Admitted { request_id, slot, received })
@@ -433,7 +433,7 @@ async fn admit<'a>(
 /// replica it could go to is saturated ([`queue`]).
 async fn with_room(
     state: &ProxyState,
-    line: &mut queue::Line,
+    line: &queue::Line,
     mut attempt: impl FnMut() -> Result<Vec<Member>, ProxyError>,
 ) -> Result<Vec<Member>, ProxyError> {
     let (waiters, metrics) = (state.fleet().waiters(), &state.decider.metrics);
@@ -449,9 +449,9 @@ async fn passthrough(
     req: Request<Incoming>,
     arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let mut line = queue::Line::default();
-    let admitted = admit(state, arrived, &mut line).await?;
-    let members = with_room(state, &mut line, || by_load(state, arrived.0)).await?;
+    let line = queue::Line::default();
+    let admitted = admit(state, arrived, &line).await?;
+    let members = with_room(state, &line, || by_load(state, arrived.0)).await?;
     let member =
         members.into_iter().next().ok_or_else(|| ProxyError::Unavailable("no healthy replica".into()))?;
     streamed_to(state, pool, member, req, admitted).await

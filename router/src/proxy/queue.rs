@@ -3,8 +3,8 @@
 //! 503 at once: a burst past the fleet's capacity is served a little later rather than
 //! refused (and retried by every client at once).
 //!
-//! - A request waits up to `--queue-timeout-ms` in all, from when it first had to wait; then
-//!   it gets 503. At most `--max-queued` requests wait at once: one more gets 503 at once.
+//! - A request waits up to `--queue-timeout-ms` in all (its waits for a place and for a
+//!   replica together; reading its body between them does not count); then it gets 503. At most `--max-queued` requests wait at once: one more gets 503 at once.
 //!   With either set to 0, nothing waits.
 //! - Places under `--max-in-flight` go first come, first served (its semaphore is fair). A
 //!   request keeps its place while it waits for a replica.
@@ -25,7 +25,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::sync::Semaphore;
@@ -49,10 +49,18 @@ pub struct Queue {
     waiting: AtomicUsize,
 }
 
-/// A request's time in line: when it is up, once the request has had to wait.
-#[derive(Clone, Copy, Debug, Default)]
+/// A request's time in line so far: its waits together are bounded by the timeout (reading
+/// its body, or finding a response's owner, between them does not count).
+#[derive(Debug, Default)]
 pub struct Line {
-    deadline: Option<Instant>,
+    /// Nanoseconds.
+    waited: AtomicU64,
+}
+
+impl Line {
+    fn waited(&self) -> Duration {
+        Duration::from_nanos(self.waited.load(Ordering::Relaxed))
+    }
 }
 
 impl Queue {
@@ -65,7 +73,7 @@ impl Queue {
     pub async fn admit(
         &self,
         limit: &Arc<Semaphore>,
-        line: &mut Line,
+        line: &Line,
         metrics: &ProxyMetrics,
     ) -> Result<Slot, ProxyError> {
         if let Some(slot) = Slot::try_take(limit, &metrics.in_flight) {
@@ -85,7 +93,7 @@ impl Queue {
     pub async fn until_room<T, F, Fut>(
         &self,
         waiters: &Waiters,
-        (line, metrics): (&mut Line, &ProxyMetrics),
+        (line, metrics): (&Line, &ProxyMetrics),
         mut attempt: F,
         goes_to: impl Fn(&T) -> Option<ReplicaId>,
     ) -> Result<T, ProxyError>
@@ -124,7 +132,7 @@ impl Queue {
     /// A place in line for a request refused for want of room (`why`), or its 503.
     fn join<'a>(
         &'a self,
-        line: &mut Line,
+        line: &'a Line,
         why: &str,
         metrics: &'a ProxyMetrics,
     ) -> Result<Waiting<'a>, ProxyError> {
@@ -139,8 +147,8 @@ impl Queue {
         }
         metrics.queued.inc();
         let now = Instant::now();
-        let deadline = *line.deadline.get_or_insert(now + timeout);
-        Ok(Waiting { queue: self, metrics, since: now, deadline, outcome: "left" })
+        let deadline = now + timeout.saturating_sub(line.waited());
+        Ok(Waiting { queue: self, line, metrics, since: now, deadline, outcome: "left" })
     }
 }
 
@@ -151,6 +159,7 @@ fn count(metrics: &ProxyMetrics, outcome: &'static str) {
 /// A request in line; leaving it (dropped) counts its wait, with its outcome.
 struct Waiting<'a> {
     queue: &'a Queue,
+    line: &'a Line,
     metrics: &'a ProxyMetrics,
     since: Instant,
     deadline: Instant,
@@ -168,7 +177,7 @@ impl Waiting<'_> {
     /// The 503 of a request whose time in line is up.
     fn timed_out(mut self, why: &str) -> ProxyError {
         self.outcome = "timed_out";
-        let waited = self.queue.timeout.unwrap_or_default().as_millis();
+        let waited = (self.line.waited() + self.since.elapsed()).as_millis();
         let reason = format!("{why}; waited {waited} ms in line for room");
         ProxyError::Saturated { reason, replicas: Vec::new() }
     }
@@ -178,7 +187,10 @@ impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.queue.waiting.fetch_sub(1, Ordering::AcqRel);
         self.metrics.queued.dec();
-        self.metrics.queue_wait_seconds.observe(self.since.elapsed().as_secs_f64());
+        let waited = self.since.elapsed();
+        let nanos = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
+        self.line.waited.fetch_add(nanos, Ordering::Relaxed);
+        self.metrics.queue_wait_seconds.observe(waited.as_secs_f64());
         count(self.metrics, self.outcome);
     }
 }
@@ -199,9 +211,9 @@ mod tests {
     async fn a_request_at_the_limit_gets_the_first_place_freed() {
         let (queue, metrics, limit) =
             (Queue::new(4, Some(Duration::from_secs(5))), metrics(), Arc::new(Semaphore::new(1)));
-        let held = queue.admit(&limit, &mut Line::default(), &metrics).await.unwrap();
-        let mut line = Line::default();
-        let waiting = queue.admit(&limit, &mut line, &metrics);
+        let held = queue.admit(&limit, &Line::default(), &metrics).await.unwrap();
+        let line = Line::default();
+        let waiting = queue.admit(&limit, &line, &metrics);
         tokio::pin!(waiting);
         assert!(futures::poll!(&mut waiting).is_pending(), "no place free");
         assert_eq!(metrics.queued.get(), 1);
@@ -214,9 +226,9 @@ mod tests {
     async fn a_request_waits_no_longer_than_its_time_in_line() {
         let (queue, metrics, limit) =
             (Queue::new(4, Some(Duration::from_secs(5))), metrics(), Arc::new(Semaphore::new(1)));
-        let _held = queue.admit(&limit, &mut Line::default(), &metrics).await.unwrap();
+        let _held = queue.admit(&limit, &Line::default(), &metrics).await.unwrap();
         let started = Instant::now();
-        let refused = queue.admit(&limit, &mut Line::default(), &metrics).await.unwrap_err();
+        let refused = queue.admit(&limit, &Line::default(), &metrics).await.unwrap_err();
         assert_eq!(started.elapsed(), Duration::from_secs(5));
         assert!(
             matches!(&refused, ProxyError::Saturated { reason, .. } if reason.contains("waited 5000 ms")),
@@ -230,16 +242,16 @@ mod tests {
         let limit = Arc::new(Semaphore::new(0));
         for queue in [Queue::new(0, Some(Duration::from_secs(5))), Queue::new(4, None)] {
             let started = Instant::now();
-            let refused = queue.admit(&limit, &mut Line::default(), &metrics()).await.unwrap_err();
+            let refused = queue.admit(&limit, &Line::default(), &metrics()).await.unwrap_err();
             assert!(matches!(refused, ProxyError::Saturated { .. }));
             assert_eq!(started.elapsed(), Duration::ZERO);
         }
         let (queue, metrics) = (Queue::new(1, Some(Duration::from_secs(5))), metrics());
-        let mut line = Line::default();
-        let first = queue.admit(&limit, &mut line, &metrics);
+        let line = Line::default();
+        let first = queue.admit(&limit, &line, &metrics);
         tokio::pin!(first);
         assert!(futures::poll!(&mut first).is_pending());
-        let refused = queue.admit(&limit, &mut Line::default(), &metrics).await.unwrap_err();
+        let refused = queue.admit(&limit, &Line::default(), &metrics).await.unwrap_err();
         assert!(refused.to_string().contains("1 requests wait already"), "{refused}");
         assert_eq!(outcome(&metrics, "full"), 1);
     }
@@ -262,8 +274,8 @@ mod tests {
             };
             std::future::ready(answer)
         };
-        let mut line = Line::default();
-        let waiting = queue.until_room(&waiters, (&mut line, &metrics), attempt, |_| Some(ReplicaId(0)));
+        let line = Line::default();
+        let waiting = queue.until_room(&waiters, (&line, &metrics), attempt, |_| Some(ReplicaId(0)));
         tokio::pin!(waiting);
         assert!(futures::poll!(&mut waiting).is_pending());
         tokio::time::advance(Duration::from_secs(4)).await;
@@ -276,26 +288,29 @@ mod tests {
         assert_eq!(outcome(&metrics, "placed"), 1);
     }
 
+    /// A request's waits together last `--queue-timeout-ms` at most, the time between them
+    /// (its body read) not counted.
     #[tokio::test(start_paused = true)]
-    async fn time_in_line_counts_from_the_first_wait() {
+    async fn a_request_waits_its_time_in_line_in_all() {
         let (queue, metrics, waiters) =
             (Queue::new(4, Some(Duration::from_secs(5))), metrics(), Waiters::default());
         let limit = Arc::new(Semaphore::new(0));
-        let mut line = Line::default();
+        let line = Line::default();
         let _slot = {
-            let at_limit = queue.admit(&limit, &mut line, &metrics);
+            let at_limit = queue.admit(&limit, &line, &metrics);
             tokio::pin!(at_limit);
             assert!(futures::poll!(&mut at_limit).is_pending());
             tokio::time::advance(Duration::from_secs(3)).await;
             limit.add_permits(1);
             at_limit.await.unwrap()
         };
+        // Its body takes long to come: not time in line.
+        tokio::time::advance(Duration::from_secs(10)).await;
         let started = Instant::now();
         let saturated = || std::future::ready(Err::<(), _>(saturated()));
-        let refused =
-            queue.until_room(&waiters, (&mut line, &metrics), saturated, |_| None).await.unwrap_err();
+        let refused = queue.until_room(&waiters, (&line, &metrics), saturated, |_| None).await.unwrap_err();
         assert_eq!(started.elapsed(), Duration::from_secs(2), "what was left of its 5 s");
-        assert!(matches!(refused, ProxyError::Saturated { .. }));
+        assert!(refused.to_string().contains("waited 5000 ms in line"), "{refused}");
         assert_eq!((outcome(&metrics, "placed"), outcome(&metrics, "timed_out")), (1, 1));
     }
 
@@ -304,14 +319,14 @@ mod tests {
         let (queue, metrics, limit) =
             (Queue::new(1, Some(Duration::from_secs(5))), metrics(), Arc::new(Semaphore::new(0)));
         {
-            let mut line = Line::default();
-            let left = queue.admit(&limit, &mut line, &metrics);
+            let line = Line::default();
+            let left = queue.admit(&limit, &line, &metrics);
             tokio::pin!(left);
             assert!(futures::poll!(&mut left).is_pending());
         }
         assert_eq!((metrics.queued.get(), outcome(&metrics, "left")), (0, 1));
-        let mut line = Line::default();
-        let next = queue.admit(&limit, &mut line, &metrics);
+        let line = Line::default();
+        let next = queue.admit(&limit, &line, &metrics);
         tokio::pin!(next);
         assert!(futures::poll!(&mut next).is_pending(), "its place in line is free again");
     }

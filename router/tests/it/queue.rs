@@ -110,7 +110,7 @@ async fn a_request_that_waited_its_time_in_vain_gets_503() {
     let refused = fleet.http.post(&fleet.url("/v1/completions"), &completion("hi")).await;
     assert_eq!(refused.status, 503, "{}", String::from_utf8_lossy(&refused.body));
     let message = refused.json()["error"]["message"].as_str().unwrap().to_owned();
-    assert!(message.contains("saturated") && message.contains("waited 200 ms in line"), "{message}");
+    assert!(message.contains("saturated") && message.contains(" ms in line for room"), "{message}");
     assert_eq!(refused.header("retry-after"), Some("1"));
     assert_eq!(outcomes(&fleet, "timed_out"), 1);
     let metrics = fleet.http.get(&fleet.url("/metrics")).await;
