@@ -251,8 +251,7 @@ async fn dispatch(
     let path = req.uri().path().to_owned();
     let method = req.method().clone();
     // The router's own LoRA paths reach every replica, SGLang's spellings outside `/v1` too.
-    let guarded = api_key::needs_key(&method, &path) || lora::route(&path).is_some();
-    if !state.api_keys.is_empty() && guarded {
+    if !state.api_keys.is_empty() && (api_key::needs_key(&method, &path) || lora::route(&path).is_some()) {
         let given = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
         if !api_key::bearer_matches(given, &state.api_keys) {
             return Err(ProxyError::Unauthorized);
