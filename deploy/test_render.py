@@ -104,6 +104,12 @@ class Manifests(unittest.TestCase):
                     "least privilege: read EndpointSlices only",
                 )
 
+    def test_the_load_test_sends_the_optional_loadgen_key(self):
+        job = one(rendered("loadgen"), "Job", "kvroute-loadgen-compare")
+        env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+        key = env["KVROUTE_LOADGEN_API_KEY"]["valueFrom"]["secretKeyRef"]
+        self.assertEqual((key["name"], key["key"], key.get("optional")), ("kvroute-api-keys", "loadgen", True))
+
     def test_baseline_router_is_sized_like_the_router(self):
         """`compare`'s round-robin baseline gets the threads and health port the cache-aware
         router has, so the two differ only in their policy."""

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use http::HeaderValue;
 use kvroute_replica_agent::cache;
 use kvroute_router::config::{Config as RouterConfig, ReplicaConfig};
 use kvroute_router::policy::PolicyKind;
@@ -79,6 +80,20 @@ pub struct SendArgs {
     /// Hide the progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// API key sent with every completion (`Authorization: Bearer <key>`), for a router or
+    /// replica run with `--api-key`.
+    #[arg(long, env = "KVROUTE_LOADGEN_API_KEY", hide_env_values = true, value_parser = bearer)]
+    pub api_key: Option<HeaderValue>,
+}
+
+/// `Authorization: Bearer <key>`, marked sensitive (its `Debug` does not show it).
+fn bearer(key: &str) -> Result<HeaderValue, String> {
+    let mut value = HeaderValue::from_str(&format!("Bearer {key}"))
+        .ok()
+        .filter(|_| !key.is_empty() && !key.contains(char::is_whitespace))
+        .ok_or("an API key is visible ASCII, without spaces")?;
+    value.set_sensitive(true);
+    Ok(value)
 }
 
 impl SendArgs {
@@ -96,6 +111,7 @@ impl SendArgs {
         config.max_duration = self.duration;
         config.max_requests = self.requests;
         config.progress = !self.no_progress;
+        config.authorization = self.api_key.clone();
         config
     }
 }
@@ -474,4 +490,21 @@ where
         signals.abort();
         result
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An API key becomes a sensitive `Bearer` value that no `Debug` output shows; one that
+    /// cannot be sent (empty, spaces, control characters) is refused with a message.
+    #[test]
+    fn an_api_key_is_sent_as_a_hidden_bearer() {
+        let value = bearer("sk-secret").unwrap();
+        assert_eq!(value.to_str().unwrap(), "Bearer sk-secret");
+        assert!(!format!("{value:?}").contains("sk-secret"));
+        for bad in ["", "sk secret", "sk-\n"] {
+            assert!(bearer(bad).unwrap_err().contains("API key"), "{bad:?}");
+        }
+    }
 }

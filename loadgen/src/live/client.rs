@@ -92,6 +92,8 @@ impl Success {
 #[derive(Clone)]
 pub struct Client {
     http: HyperClient<HttpConnector, Full<Bytes>>,
+    /// `Authorization` of every completion, if any.
+    authorization: Option<HeaderValue>,
 }
 
 impl Client {
@@ -104,7 +106,12 @@ impl Client {
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_max_idle_per_host(1024)
             .build(connector);
-        Self { http }
+        Self { http, authorization: None }
+    }
+
+    /// The client, sending `authorization` with every completion.
+    pub fn authorized(self, authorization: Option<HeaderValue>) -> Self {
+        Self { authorization, ..self }
     }
 
     /// `GET url`, the whole body, within `timeout`.
@@ -176,10 +183,12 @@ impl Client {
         timeout: Duration,
         named: &mut Option<String>,
     ) -> Result<Success, ErrorKind> {
-        let request = Request::post(format!("{base}{}", body.path))
-            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
-            .body(Full::new(body.bytes))
-            .map_err(|_| ErrorKind::Malformed)?;
+        let mut request = Request::post(format!("{base}{}", body.path))
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Some(authorization) = &self.authorization {
+            request = request.header(http::header::AUTHORIZATION, authorization.clone());
+        }
+        let request = request.body(Full::new(body.bytes)).map_err(|_| ErrorKind::Malformed)?;
         let sent = Instant::now();
         let exchange = async {
             let response = self.http.request(request).await.map_err(classify)?;

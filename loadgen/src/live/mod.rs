@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use http::HeaderValue;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -76,6 +77,9 @@ pub struct LiveConfig {
     pub progress: bool,
     /// The report's label, shown on the progress bar too.
     pub label: String,
+    /// `Authorization` of every completion (a router's or replica's `--api-key`), marked
+    /// sensitive: its `Debug` does not show it.
+    pub authorization: Option<HeaderValue>,
 }
 
 impl LiveConfig {
@@ -95,6 +99,7 @@ impl LiveConfig {
             max_requests: None,
             progress: true,
             label: "live".into(),
+            authorization: None,
         }
     }
 }
@@ -129,7 +134,7 @@ pub async fn run(
     validate(config)?;
     let requests = &trace.requests[..config.max_requests.unwrap_or(usize::MAX).min(trace.len())];
     let schedule = schedule(requests, config.arrivals)?;
-    let client = Client::new(config.connect_timeout);
+    let client = Client::new(config.connect_timeout).authorized(config.authorization.clone());
     let before = scrape::snapshot(&client, &config.target, &config.replicas).await;
 
     let bar = progress_bar(config, requests.len());

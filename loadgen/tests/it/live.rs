@@ -487,3 +487,30 @@ fn compare_from_the_command_line_reads_the_replicas_counters() {
     assert_eq!(named, fleet.urls(), "per-replica shares not from the replicas' counters");
     runtime.block_on(fleet.stop());
 }
+
+/// A live run against a router with `--api-key` sends the key it is given with every
+/// completion: served with it, every request refused (401, counted) without.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_run_sends_the_api_key_a_router_asks_for() {
+    let shutdown = CancellationToken::new();
+    let fleet = EmbeddedFleet::start(fleet_config(1), shutdown.child_token()).await.unwrap();
+    let config = kvroute_router::Config { api_key: vec!["sk-load".into()], ..fleet.router_config() };
+    let router = kvroute_router::start(config, shutdown.child_token()).await.unwrap();
+    let trace = small_chat();
+    for (authorization, served) in [(None, false), (Some("Bearer sk-load"), true)] {
+        let mut live = quiet(LiveConfig::new(router.url(), DEMO_MODEL));
+        live.authorization = authorization.map(http::HeaderValue::from_static);
+        let report = tokio::time::timeout(LIMIT, live::run(&trace, &live, shutdown.clone()))
+            .await
+            .expect("the run finishes")
+            .expect("the run starts");
+        match served {
+            true => assert_eq!((report.succeeded, report.failed()), (trace.len(), 0), "{:?}", report.errors),
+            false => {
+                assert_eq!(report.errors.get("http_401"), Some(&(trace.len() as u64)), "{:?}", report.errors)
+            }
+        }
+    }
+    shutdown.cancel();
+    fleet.stop().await;
+}
