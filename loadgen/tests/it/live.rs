@@ -147,7 +147,7 @@ async fn compare_on_a_small_fleet_writes_a_sane_report() {
 
 /// A fleet of one agent with two data-parallel ranks: its two engines' caches are read from
 /// its metrics (one `engine` series each), every request is served with the hits the
-/// responses and the counters agree on, predicted to the token, and the offline simulation
+/// responses and the counters agree on, predicted as the ranks hit, and the offline simulation
 /// runs on the engines counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_on_a_data_parallel_agent_reads_each_rank() {
@@ -175,7 +175,11 @@ async fn compare_on_a_data_parallel_agent_reads_each_rank() {
     let hit = l.hit_rate.expect("responses report cached_tokens");
     assert!(hit > 0.0, "{}", report.table());
     assert_eq!(l.fleet_hit_rate, Some(hit), "both ranks' counters summed");
-    assert_eq!(l.predicted_hit_rate, Some(hit), "the rank named is the rank that hit");
+    // The rank named is the rank that hit: predicted within a block or two (an event still on
+    // its way when a request was decided can make the prediction short; a rank left to the
+    // agent's balancer would miss by far more).
+    let predicted = l.predicted_hit_rate.expect("the router's headers");
+    assert!((predicted - hit).abs() < 0.02, "predicted {predicted}, hit {hit}");
     assert!(run.offline.is_some());
     fleet.stop().await;
 }
