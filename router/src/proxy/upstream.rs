@@ -246,6 +246,14 @@ impl Upstream {
                 self.ejections.fetch_add(1, Ordering::Relaxed);
                 // After the ejection one more failure ejects again; one success clears it.
                 self.consecutive_failures.store(eject_after.saturating_sub(1), Ordering::Relaxed);
+                // Requests waiting for room elsewhere may take it once it is back.
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    let waiters = self.waiters.clone();
+                    runtime.spawn(async move {
+                        tokio::time::sleep(ejection).await;
+                        waiters.wake_all();
+                    });
+                }
                 return true;
             }
         }
@@ -734,6 +742,21 @@ mod tests {
         let seen = waiters.frees();
         drop(u.begin(1, 0, 0));
         assert_ne!(waiters.frees(), seen, "a request's end frees room");
+    }
+
+    /// Requests waiting for room elsewhere are woken when an ejection ends (the replica may
+    /// take them), not before.
+    #[tokio::test(start_paused = true)]
+    async fn an_ejections_end_wakes_the_waiting_requests() {
+        let waiters = Arc::new(Waiters::default());
+        let u = Upstream::waking(waiters.clone(), ReplicaId(3));
+        assert!(u.record_failure(1, Duration::from_secs(10)));
+        let (mut ticket, seen) = (waiters.ticket(), waiters.frees());
+        let during = tokio::time::timeout(Duration::from_secs(9), ticket.wait(&[ReplicaId(4)], seen)).await;
+        assert!(during.is_err(), "woken while it is ejected");
+        let after = tokio::time::timeout(Duration::from_secs(2), ticket.wait(&[ReplicaId(4)], seen)).await;
+        assert!(after.is_ok(), "not woken when its ejection ended");
+        assert_eq!(u.eligibility(10), Ok(()));
     }
 
     #[tokio::test(start_paused = true)]

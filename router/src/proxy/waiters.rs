@@ -3,15 +3,13 @@
 //!
 //! - A request to one of them that ends wakes the request that has waited longest for it.
 //! - A replica that joins the fleet or comes back (healthy again, no longer drained, serving
-//!   again) wakes every waiting request: it may take any of them.
+//!   again, its ejection over) wakes every waiting request: it may take any of them.
 //! - A woken request decides again. Refused again (a request that arrived meanwhile took the
 //!   room), it keeps its place in line. Sent to another replica than the one whose room woke
 //!   it, or leaving (its client gone, its time up), it passes the wake on to the next request
 //!   waiting for that replica.
 //! - A request that was deciding while a replica freed room decides again at once, so no
 //!   wake falls between a decision and the wait that follows it.
-//! - A replica whose ejection ends wakes nobody: its requests wait for another's room, or
-//!   their time.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::SeqCst};
