@@ -7,7 +7,9 @@
 //! request goes to the next replica of the plan (at most [`MAX_ATTEMPTS`] in all) — never
 //! after a response has started, and never after a first-byte timeout (the replica may still
 //! be working on it). Each failure counts toward the replica's outlier ejection; 5xx answers
-//! are passed to the client and counted too (503 excepted: see [`super::upstream`]).
+//! are passed to the client and counted too (503 excepted: see [`super::upstream`]). When the
+//! replicas left to retry on are all at `--max-in-flight-per-replica`, a retry after a failure
+//! waits in line for room on one of them ([`super::queue`]).
 //!
 //! A request holds its [`Slot`] under `--max-in-flight` until its response body ends, streams
 //! included.
@@ -27,6 +29,7 @@ use super::body::{BoxError, End, Hooks, ProxyBody, Tracked};
 use super::error::{Client, ProxyError};
 use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::pool::{Pool, SendError};
+use super::queue::{Line, Queue};
 use super::responses::{Learner, Owner, Owners};
 use super::route::{Decider, Plan};
 use super::stalls::StallWatch;
@@ -126,15 +129,16 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// Sends a routed request (buffered body, so it can be retried) along `plan.order`; a retry
-/// takes the decision's credit along to the replica it goes to.
+/// takes the decision's credit along to the replica it goes to. When the replicas left to
+/// retry on are all saturated, the retry waits in `line` for room on one of them.
 pub async fn routed(
     pool: &Arc<Pool>,
     config: &ForwardConfig,
     decider: &Decider,
     plan: &mut Plan,
-    parts: http::request::Parts,
-    body: Bytes,
+    (parts, body): (http::request::Parts, Bytes),
     admitted: Admitted<'_>,
+    line: (&Queue, &Line),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let request_id = admitted.request_id;
     let metrics = &decider.metrics;
@@ -143,13 +147,11 @@ pub async fn routed(
     let attempts = plan.order().len().min(MAX_ATTEMPTS);
     // Where the decision's credit is: the replica last tried.
     let mut credited = 0;
-    for attempt in 0..attempts {
+    let mut attempt = 0;
+    while attempt < attempts {
         let Some(scored) = plan.order().nth(attempt) else { break };
         let (member, rank) = (&scored.member.clone(), scored.rank.map(|rank| (rank, scored.rank_blocks)));
         if attempt > 0 {
-            if !still_takes(decider, member) {
-                continue;
-            }
             metrics.retries.inc();
             decider.move_credit(plan, credited, attempt);
             credited = attempt;
@@ -284,6 +286,16 @@ pub async fn routed(
                 });
             }
         }
+        // Its place here is free before the retry waits for room (it may be that room).
+        drop(guard);
+        match next_attempt(decider, plan, (attempt, attempts), line).await {
+            Ok(next) => attempt = next,
+            Err(Some(waited)) => {
+                last_error = Some(waited);
+                break;
+            }
+            Err(None) => break,
+        }
     }
     // Failed everywhere it was tried, without starting: the last replica holds no credit for
     // it. (After a first-byte timeout the replica may still run it: its credit stands.)
@@ -313,11 +325,67 @@ fn with_rank(headers: &HeaderMap, rank: u32) -> HeaderMap {
 /// retries would go on past the limit). Ejection is not checked: with every replica ejected,
 /// the ejected ones are tried.
 fn still_takes(decider: &Decider, member: &crate::fleet::Member) -> bool {
+    retry_on(decider, member) == Retry::Takes
+}
+
+/// Whether a candidate may take a retry ([`still_takes`]).
+#[derive(Debug, PartialEq, Eq)]
+enum Retry {
+    Takes,
+    /// It would, but it is at `--max-in-flight-per-replica`.
+    Saturated,
+    Not,
+}
+
+fn retry_on(decider: &Decider, member: &crate::fleet::Member) -> Retry {
     let upstream = &member.upstream;
-    decider.fleet.member(&member.replica.spec.name).is_some_and(|now| Arc::ptr_eq(&now.upstream, upstream))
-        && !upstream.is_draining()
-        && upstream.is_serving()
-        && upstream.requests_in_flight() < decider.max_in_flight_per_replica
+    let still_there = decider
+        .fleet
+        .member(&member.replica.spec.name)
+        .is_some_and(|now| Arc::ptr_eq(&now.upstream, upstream));
+    if !still_there || upstream.is_draining() || !upstream.is_serving() {
+        Retry::Not
+    } else if upstream.requests_in_flight() >= decider.max_in_flight_per_replica {
+        Retry::Saturated
+    } else {
+        Retry::Takes
+    }
+}
+
+/// The candidate of `plan` to retry on after the `tried`th failed: the next of the first
+/// `attempts` that may take it ([`still_takes`]), waiting in `line` for room on those left
+/// when they are all saturated ([`super::queue`]). `Err(None)`: none is left; `Err(Some)`:
+/// the wait's 503 (its time is up, or the line is full or off).
+async fn next_attempt(
+    decider: &Decider,
+    plan: &Plan,
+    (tried, attempts): (usize, usize),
+    (queue, line): (&Queue, &Line),
+) -> Result<usize, Option<ProxyError>> {
+    let next = || {
+        let mut saturated = Vec::new();
+        for (i, scored) in plan.order().enumerate().take(attempts).skip(tried + 1) {
+            match retry_on(decider, &scored.member) {
+                Retry::Takes => return Ok(i),
+                Retry::Saturated => saturated.push(scored.member.replica.id),
+                Retry::Not => {}
+            }
+        }
+        match saturated.is_empty() {
+            true => Err(ProxyError::Unavailable("no replica left to retry on".into())),
+            false => Err(ProxyError::Saturated {
+                reason: "every replica left to retry on is saturated".into(),
+                replicas: saturated,
+            }),
+        }
+    };
+    let goes_to = |&i: &usize| plan.order().nth(i).map(|scored| scored.member.replica.id);
+    let waiters = decider.fleet.waiters();
+    match queue.until_room(waiters, (line, &decider.metrics), || std::future::ready(next()), goes_to).await {
+        Ok(next) => Ok(next),
+        Err(ProxyError::Unavailable(_)) => Err(None),
+        Err(waited) => Err(Some(waited)),
+    }
 }
 
 /// A request's body for [`to_replica`], and the load it brings the replica.

@@ -349,7 +349,9 @@ async fn routed(
         Ok(mut plan) => {
             // A malformed `store` is the replica's to refuse; until then, its id is worth keeping.
             plan.keeps_response = endpoint == Endpoint::Responses && asks_to_store(&body).unwrap_or(true);
-            forward::routed(pool, &state.forward, &state.decider, &mut plan, parts, body, admitted).await
+            let (forward, decider) = (&state.forward, &state.decider);
+            forward::routed(pool, forward, decider, &mut plan, (parts, body), admitted, (&state.queue, &line))
+                .await
         }
         Err(ProxyError::BadRequest(RequestError::StoredConversation)) => {
             let continuation = Continuation::read(&state.decider, &body, &state.limits).await?;

@@ -109,7 +109,8 @@ pub struct Scored {
 /// The outcome of a decision.
 #[derive(Debug)]
 pub struct Plan {
-    /// Eligible candidates to try, best first (the chosen one, then by cost): indices into
+    /// Candidates to try, best first (the chosen one, the other eligible ones by cost, then
+    /// those at `--max-in-flight-per-replica`, whose room a retry may wait for): indices into
     /// `candidates` ([`Plan::order`]).
     order: Vec<usize>,
     /// Every replica, scored, in fleet order.
@@ -142,7 +143,8 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Eligible replicas to try, best first (the chosen one, then by cost).
+    /// Replicas to try, best first: the chosen one, the other eligible ones by cost, then
+    /// those that were saturated (a retry takes them only once they have room).
     pub fn order(&self) -> impl ExactSizeIterator<Item = &Scored> {
         self.order.iter().map(|&i| &self.candidates[i])
     }
@@ -452,9 +454,15 @@ impl Decider {
             // rendezvous order, as the policies break ties: fleet order would send every
             // retry of a failed replica's traffic to the lowest id.
             let tie = |i: usize| std::cmp::Reverse(policy::rendezvous(request.key, candidates[i].view.id));
-            order[1..].sort_by(|&a, &b| {
+            let by_cost = |&a: &usize, &b: &usize| {
                 candidates[a].cost.total_cmp(&candidates[b].cost).then(tie(a).cmp(&tie(b)))
-            });
+            };
+            order[1..].sort_by(by_cost);
+            // Then those without room now: a retry waits for theirs when no other is left.
+            let eligible = order.len();
+            let saturated = |j: &usize| candidates[*j].ineligible == Some(Ineligible::Saturated);
+            order.extend((0..candidates.len()).filter(saturated));
+            order[eligible..].sort_by(by_cost);
         }
         Plan {
             order,

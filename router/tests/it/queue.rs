@@ -155,3 +155,33 @@ async fn a_continuation_waits_for_room_on_the_replica_that_stored_its_response()
     assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
     assert_eq!(outcomes(&fleet, "placed"), 1);
 }
+
+/// A replica that refuses connections (it died, and no health check has noticed yet) while
+/// the rest of the fleet is saturated: a request sent there is retried on the rest once it
+/// has room, not answered 502.
+#[tokio::test]
+async fn a_retry_off_a_dead_replica_waits_for_room_on_the_saturated_rest() {
+    let slow = |name: &str| kvroute_replica_agent::Config {
+        time_scale: 1.0,
+        step_base_us: 200_000,
+        ..agent_config(name)
+    };
+    let mut fleet = Fleet::with(2, slow, |c| kvroute_router::Config {
+        max_in_flight_per_replica: 1,
+        queue_timeout_ms: LONG,
+        health_interval_ms: 3_600_000,
+        ..c
+    })
+    .await;
+    let open = open_stream(&fleet).await;
+    let busy = open.headers()["x-kvroute-replica"].to_str().unwrap().to_owned();
+    fleet.kill(usize::from(busy == "agent-0")).await;
+    let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
+    let retried = tokio::spawn(async move { http.post(&url, &completion("hi")).await });
+    queued(&fleet, 1).await;
+    assert!(read_to_end(open).await.contains("[DONE]"));
+    let answer = tokio::time::timeout(WAIT, retried).await.expect("served in time").unwrap();
+    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    assert_eq!(answer.header("x-kvroute-replica"), Some(busy.as_str()));
+    assert_eq!((fleet.router.state.decider.metrics.retries.get(), outcomes(&fleet, "placed")), (1, 1));
+}
