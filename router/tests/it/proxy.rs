@@ -8,7 +8,7 @@ use kvroute_proto::openai::Endpoint;
 use serde_json::{Value, json};
 
 use crate::fleet::{FLEET_BLOCK, FLEET_MODEL, Fleet, agent_config};
-use crate::support::{WAIT, wait_until};
+use crate::support::{WAIT, sample, wait_until};
 
 fn completion(prompt: &str, max_tokens: u32) -> Value {
     json!({"model": FLEET_MODEL, "prompt": prompt, "max_tokens": max_tokens})
@@ -1164,8 +1164,15 @@ async fn remote_tokenization_renders_harmony_chats_itself() {
 /// take is a 502 that says which. Without the flag, a 403.
 #[tokio::test]
 async fn lora_adapters_loaded_through_the_router_reach_every_replica() {
-    let mut fleet =
-        Fleet::with(3, agent_config, |c| kvroute_router::Config { lora_updates: true, ..c }).await;
+    // No health check after the first: one between the kill and the last load would learn the
+    // adapter from the two replicas that answer it (every replica that answers lists it).
+    let long = 3_600_000;
+    let mut fleet = Fleet::with(3, agent_config, |c| kvroute_router::Config {
+        lora_updates: true,
+        health_interval_ms: long,
+        ..c
+    })
+    .await;
     let http = crate::fleet::Http::new();
     let listed = async |url: String| -> Vec<String> {
         let models = http.get(&url).await.json();
@@ -2036,9 +2043,4 @@ async fn client_stalls(router: &kvroute_router::RunningRouter) -> u64 {
 /// The `/metrics` text of the router at `base`.
 async fn scrape(http: &crate::fleet::Http, base: &str) -> String {
     String::from_utf8_lossy(&http.get(&format!("{base}/metrics")).await.body).into_owned()
-}
-
-/// The value of `series` (a metric's name and labels, as the text format prints them).
-fn sample(metrics: &str, series: &str) -> Option<u64> {
-    metrics.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
 }

@@ -50,6 +50,11 @@ pub async fn wait_until_async(what: &str, mut cond: impl AsyncFnMut() -> bool) {
     }
 }
 
+/// The value of `series` (a metric's name and labels, as the text format prints them).
+pub fn sample(metrics: &str, series: &str) -> Option<u64> {
+    metrics.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
 /// Ingestion with short timeouts, torn down on drop.
 pub struct Harness {
     pub ingest: Ingest,
