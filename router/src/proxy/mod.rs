@@ -343,9 +343,16 @@ async fn routed(
     let (parts, body) = req.into_parts();
     let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
     let (waiters, metrics) = (state.fleet().waiters(), &state.decider.metrics);
-    let decide = || state.decider.decide_within(endpoint, &body, &state.limits);
     let goes_to = |plan: &route::Plan| plan.chosen().map(|chosen| chosen.member.replica.id);
-    match state.queue.until_room(waiters, (&line, metrics), decide, goes_to).await {
+    // Tokenized once, decided again each time it is woken to find room.
+    let decided = match state.decider.prepare(endpoint, &body).await {
+        Ok(prepared) => {
+            let decide = || std::future::ready(state.decider.decide_prepared(&prepared, &state.limits));
+            state.queue.until_room(waiters, (&line, metrics), decide, goes_to).await
+        }
+        Err(e) => Err(e),
+    };
+    match decided {
         Ok(mut plan) => {
             // A malformed `store` is the replica's to refuse; until then, its id is worth keeping.
             plan.keeps_response = endpoint == Endpoint::Responses && asks_to_store(&body).unwrap_or(true);

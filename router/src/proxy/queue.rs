@@ -9,10 +9,10 @@
 //! - Places under `--max-in-flight` go first come, first served (its semaphore is fair). A
 //!   request keeps its place while it waits for a replica.
 //! - A request waiting for a replica is woken as [`Waiters`] says (the longest waiting for a
-//!   replica first, when a request to it ends) and decides again from the start: the index,
-//!   credits and load as they are then (its tokenization too: each decision shows in
-//!   `decision_seconds`). A request that arrives just as room frees may take it first; the
-//!   woken one keeps its place in line.
+//!   replica first, when a request to it ends) and decides again on the fleet, index,
+//!   credits and load as they are then (tokenized once: [`super::route::Prepared`]; each
+//!   decision shows in `decision_seconds`). A request that arrives just as room frees may
+//!   take it first; the woken one keeps its place in line.
 //! - A Responses continuation, which only the replica that stored its response can serve,
 //!   waits for room there.
 //! - Only want of room waits: a fleet with no healthy replica answers 503 at once.

@@ -8,6 +8,7 @@
 //! Eligibility comes from [`verdicts`]: when every replica that is up is ejected, the ejected
 //! ones are eligible after all, so passive ejection never leaves the router nothing to try.
 
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use kvroute_proto::hash::{extend_chain, tie_key};
@@ -104,6 +105,30 @@ pub struct Scored {
     pub rank_blocks: usize,
     /// That rank's load, which chose it among the replica's ranks.
     pub rank_load: Option<policy::Load>,
+}
+
+/// A request read, tokenized and hashed, to be decided on the fleet as it is when it is
+/// ([`Decider::prepare`]).
+#[derive(Debug)]
+pub struct Prepared {
+    /// The endpoint it was sent to (a Messages request is decided as a chat).
+    asked: Endpoint,
+    /// The fleet when it was read, and the fleet's change count then.
+    members: Vec<Member>,
+    changes: u64,
+    blocks: Vec<BlockHash>,
+    all_blocks: Vec<BlockHash>,
+    view: RequestView,
+    first_prompt_tokens: usize,
+    /// The model it asks for (a LoRA adapter loaded through the router goes only where it is).
+    model: Box<str>,
+    max_tokens: Option<u64>,
+    unhashed_tokens: Option<usize>,
+    streams: bool,
+    sequences: u32,
+    /// When its first decision started, and whether it was made ([`Decider::decide_prepared`]).
+    started: Instant,
+    decided: AtomicBool,
 }
 
 /// The outcome of a decision.
@@ -208,12 +233,31 @@ impl Decider {
         body: &[u8],
         limits: &RequestLimits,
     ) -> Result<Plan, ProxyError> {
+        let prepared = self.prepare(endpoint, body).await?;
+        self.decide_prepared(&prepared, limits)
+    }
+
+    /// The request read, tokenized and hashed, to be decided ([`Decider::decide_prepared`]) as
+    /// often as it has to wait for room ([`super::queue`]): what it is does not change while it
+    /// waits.
+    pub async fn prepare(&self, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ProxyError> {
         let started = Instant::now();
-        let planned = self.plan(endpoint, body, true).await;
-        // Every decision's time, those that fail included (a `/tokenize` that timed out).
+        let prepared = self.read(endpoint, body, started).await;
+        if prepared.is_err() {
+            // Every decision's time, those that fail included (a `/tokenize` that timed out).
+            self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
+        }
+        prepared
+    }
+
+    /// [`Decider::decide_within`] for a prepared request: the index, credits and load as they
+    /// are now. (Its first decision's time includes its preparation; a later one's is its own.)
+    pub fn decide_prepared(&self, prepared: &Prepared, limits: &RequestLimits) -> Result<Plan, ProxyError> {
+        let first = !prepared.decided.swap(true, std::sync::atomic::Ordering::Relaxed);
+        let started = if first { prepared.started } else { Instant::now() };
+        let mut plan = self.plan_prepared(prepared, true);
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
-        let mut plan = planned?;
-        limits.check(&plan, endpoint)?;
+        limits.check(&plan, prepared.asked)?;
         let chosen = plan.chosen().ok_or_else(|| unavailable(&plan))?;
         plan.hold =
             Some(CreditHold::pin(&self.index, chosen.member.replica.id, plan.uncredited(chosen).to_vec()));
@@ -254,6 +298,13 @@ impl Decider {
 
     /// The decision for a request; `send` when it will be sent (the policy moves on).
     async fn plan(&self, endpoint: Endpoint, body: &[u8], send: bool) -> Result<Plan, ProxyError> {
+        let prepared = self.read(endpoint, body, Instant::now()).await?;
+        Ok(self.plan_prepared(&prepared, send))
+    }
+
+    /// The request to `endpoint` in `body` read, tokenized and hashed; `started` when its
+    /// decision did.
+    async fn read(&self, endpoint: Endpoint, body: &[u8], started: Instant) -> Result<Prepared, ProxyError> {
         // A Messages body is decided as the chat request vLLM makes of it (and sent as it is).
         let (asked, sent, inline) = (endpoint, body, self.prompts.inline_system());
         let harmony = self.prompts.tokenization().is_harmony();
@@ -292,9 +343,6 @@ impl Decider {
             failed @ PromptError::Tokenizing(_) => ProxyError::Unavailable(failed.to_string()),
             refused @ PromptError::Refused(_) => ProxyError::Refused(refused.to_string()),
         })?;
-        // A replica that left while the prompt was tokenized (remotely, or on the blocking
-        // pool) is not chosen, nor credited; one that joined is a candidate.
-        let members = if self.fleet.changes() == changes { members } else { self.fleet.members() };
         let first = info.tokens.first().map(Vec::as_slice).unwrap_or_default();
         let unhashed = info.unhashed_tokens.unwrap_or(0);
         let root = info.namespace.root();
@@ -318,17 +366,47 @@ impl Decider {
             block_size: self.block_size,
             key,
         };
-        let first_prompt_tokens = first.len() + unhashed;
-        // An adapter loaded through the router goes only where it is known to be.
-        let adapter = Some(request.model()).filter(|model| self.fleet.adapters().contains(model));
-        let mut plan = self.score(members, blocks, all_blocks, &view, (first_prompt_tokens, adapter), send);
-        plan.max_tokens = request.max_tokens();
-        plan.unhashed_tokens = info.unhashed_tokens;
-        plan.streams = request.stream();
         // Counted up to vLLM's bound on `n`, so that a replica's count cannot wrap.
         let prompts = u32::try_from(info.tokens.len().max(1)).unwrap_or(u32::MAX);
-        plan.sequences = prompts.saturating_mul(request.n()).min(MAX_N);
-        Ok(plan)
+        Ok(Prepared {
+            asked,
+            members,
+            changes,
+            blocks,
+            all_blocks,
+            view,
+            first_prompt_tokens: first.len() + unhashed,
+            model: request.model().into(),
+            max_tokens: request.max_tokens(),
+            unhashed_tokens: info.unhashed_tokens,
+            streams: request.stream(),
+            sequences: prompts.saturating_mul(request.n()).min(MAX_N),
+            started,
+            decided: AtomicBool::new(false),
+        })
+    }
+
+    /// The decision for a prepared request, on the fleet, index, credits and load as they are
+    /// now; `send` when it will be sent (the policy moves on).
+    fn plan_prepared(&self, prepared: &Prepared, send: bool) -> Plan {
+        // A replica that left since the members were read (while the prompt was tokenized,
+        // remotely or on the blocking pool, or the request waited for room) is not chosen,
+        // nor credited; one that joined is a candidate.
+        let members = match self.fleet.changes() == prepared.changes {
+            true => prepared.members.clone(),
+            false => self.fleet.members(),
+        };
+        // An adapter loaded through the router goes only where it is known to be.
+        let model = &*prepared.model;
+        let adapter = Some(model).filter(|model| self.fleet.adapters().contains(model));
+        let (blocks, all_blocks) = (prepared.blocks.clone(), prepared.all_blocks.clone());
+        let tokens = (prepared.first_prompt_tokens, adapter);
+        let mut plan = self.score(members, blocks, all_blocks, &prepared.view, tokens, send);
+        plan.max_tokens = prepared.max_tokens;
+        plan.unhashed_tokens = prepared.unhashed_tokens;
+        plan.streams = prepared.streams;
+        plan.sequences = prepared.sequences;
+        plan
     }
 
     /// The rank views of each of `members` that is a data-parallel replica (`None` for the

@@ -6,7 +6,7 @@ use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
 use crate::fleet::{FLEET_MODEL, Fleet, agent_config};
-use crate::support::WAIT;
+use crate::support::{WAIT, sample, wait_until};
 
 /// One replica that takes 200 ms a step, so that a stream of 16 tokens holds its place for
 /// three seconds, behind a router set up by `router`.
@@ -97,6 +97,40 @@ async fn requests_wait_for_a_saturated_replica_and_are_served_when_it_has_room()
         assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
     }
     assert_eq!(outcomes(&fleet, "placed"), 2);
+}
+
+/// A request woken while there is still no room decides again on the fleet as it is, without
+/// tokenizing its prompt again.
+#[tokio::test]
+async fn a_woken_request_decides_again_without_tokenizing_again() {
+    let fleet =
+        slow_fleet(|c| kvroute_router::Config { max_in_flight_per_replica: 1, queue_timeout_ms: LONG, ..c })
+            .await;
+    let state = &fleet.router.state;
+    let tokenized = || {
+        let stats = state.decider.prompts.tokenization().prefix_cache_stats().expect("the cache is on");
+        stats.tokenized_bytes + stats.reused_bytes
+    };
+    let decisions = || {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &state.registry).unwrap();
+        sample(&text, "kvroute_router_decision_seconds_count").unwrap()
+    };
+    let open = open_stream(&fleet).await;
+    let before = tokenized();
+    let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
+    let waiting =
+        tokio::spawn(async move { http.post(&url, &completion(&"a long prompt ".repeat(50))).await });
+    queued(&fleet, 1).await;
+    let (once, decided) = (tokenized(), decisions());
+    assert!(once > before, "the request was tokenized");
+    fleet.router.fleet().waiters().wake_all();
+    wait_until("decided again", || decisions() > decided).await;
+    assert_eq!(tokenized(), once, "tokenized again");
+    assert!(read_to_end(open).await.contains("[DONE]"));
+    let answer = tokio::time::timeout(WAIT, waiting).await.expect("served in time").unwrap();
+    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    assert_eq!(tokenized(), once);
 }
 
 /// A request whose time in line runs out gets 503 saying why and how long it waited, with
