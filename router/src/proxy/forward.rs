@@ -8,8 +8,8 @@
 //! after a response has started, and never after a first-byte timeout (the replica may still
 //! be working on it). Each failure counts toward the replica's outlier ejection; 5xx answers
 //! are passed to the client and counted too (503 excepted: see [`super::upstream`]). When the
-//! replicas left to retry on are all at `--max-in-flight-per-replica`, a retry after a failure
-//! waits in line for room on one of them ([`super::queue`]).
+//! replicas left to retry on are all at `--max-in-flight-per-replica`, a retry (after a failure
+//! or a 503) waits in line for room on one of them ([`super::queue`]).
 //!
 //! A request holds its [`Slot`] under `--max-in-flight` until its response body ends, streams
 //! included.
@@ -196,11 +196,12 @@ pub async fn routed(
                         .order()
                         .take(attempts)
                         .skip(attempt + 1)
-                        .any(|s| still_takes(decider, &s.member)) =>
+                        .any(|s| retry_on(decider, &s.member) != Retry::Not) =>
             {
                 // A 503 means the replica refused the request without starting it (shutting
-                // down, queue full): another replica can take it. Overload is not an outlier:
-                // counted as a failure, a load spike would eject the fleet replica by replica.
+                // down, queue full): another replica can take it, now or once it has room.
+                // Overload is not an outlier: counted as a failure, a load spike would eject
+                // the fleet replica by replica.
                 tracing::info!(replica = %member.replica.spec.name, request_id, "replica refused with 503; retrying elsewhere");
                 last_error = Some(ProxyError::Upstream {
                     replica: member.replica.spec.name.clone(),
@@ -318,17 +319,7 @@ fn with_rank(headers: &HeaderMap, rank: u32) -> HeaderMap {
     named
 }
 
-/// Whether `member`, a candidate when the request was decided, may take its retry: the fleet
-/// still has it (not removed, nor replaced by a replica of the same name at another address,
-/// whose id it shares), and it is not draining, out of service or at
-/// `--max-in-flight-per-replica` since (when a whole fleet refuses at once, overloaded, the
-/// retries would go on past the limit). Ejection is not checked: with every replica ejected,
-/// the ejected ones are tried.
-fn still_takes(decider: &Decider, member: &crate::fleet::Member) -> bool {
-    retry_on(decider, member) == Retry::Takes
-}
-
-/// Whether a candidate may take a retry ([`still_takes`]).
+/// Whether a candidate may take a retry ([`retry_on`]).
 #[derive(Debug, PartialEq, Eq)]
 enum Retry {
     Takes,
@@ -337,6 +328,12 @@ enum Retry {
     Not,
 }
 
+/// Whether `member`, a candidate when the request was decided, may take its retry: the fleet
+/// still has it (not removed, nor replaced by a replica of the same name at another address,
+/// whose id it shares), and it is not draining, out of service or at
+/// `--max-in-flight-per-replica` since (when a whole fleet refuses at once, overloaded, the
+/// retries would go on past the limit: it may take the retry once it has room). Ejection is
+/// not checked: with every replica ejected, the ejected ones are tried.
 fn retry_on(decider: &Decider, member: &crate::fleet::Member) -> Retry {
     let upstream = &member.upstream;
     let still_there = decider
@@ -353,7 +350,7 @@ fn retry_on(decider: &Decider, member: &crate::fleet::Member) -> Retry {
 }
 
 /// The candidate of `plan` to retry on after the `tried`th failed: the next of the first
-/// `attempts` that may take it ([`still_takes`]), waiting in `line` for room on those left
+/// `attempts` that may take it ([`retry_on`]), waiting in `line` for room on those left
 /// when they are all saturated ([`super::queue`]). `Err(None)`: none is left; `Err(Some)`:
 /// the wait's 503 (its time is up, or the line is full or off).
 async fn next_attempt(

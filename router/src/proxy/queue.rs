@@ -18,7 +18,8 @@
 //! - Only want of room waits: a fleet with no healthy replica answers 503 at once.
 //! - A retry whose replicas left to try are all saturated waits for room on one of them
 //!   ([`super::forward`]): a replica that refuses connections (it died, and no health check
-//!   has noticed yet) while the rest of the fleet is busy costs its requests a wait, not a 502.
+//!   has noticed yet) or answers 503 (its own queue is full) while the rest of the fleet is
+//!   busy costs its requests a wait, not a 502 or a 503.
 //! - A request whose client leaves while it waits leaves the line.
 //!
 //! The line shows in `kvroute_router_queued` (waiting now), `kvroute_router_queue_wait_seconds`

@@ -219,3 +219,41 @@ async fn a_retry_off_a_dead_replica_waits_for_room_on_the_saturated_rest() {
     assert_eq!(answer.header("x-kvroute-replica"), Some(busy.as_str()));
     assert_eq!((fleet.router.state.decider.metrics.retries.get(), outcomes(&fleet, "placed")), (1, 1));
 }
+
+/// A replica that refuses a request with 503 (its own queue full) while the rest of the fleet
+/// is saturated: the request waits for room on the rest and is served there, not answered 503.
+#[tokio::test]
+async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_rest() {
+    let refusal = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n";
+    let (refusing, _refused) = crate::headers::recording_replica(refusal).await;
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let slow = |name: &str| kvroute_replica_agent::Config {
+        time_scale: 1.0,
+        step_base_us: 200_000,
+        ..agent_config(name)
+    };
+    let agents = Fleet::start_agents(1, slow, &shutdown).await;
+    let mut config = crate::fleet::router_config(&agents);
+    let events = crate::support::nowhere();
+    config.replicas.push(
+        format!("name=refusing,http=http://{refusing},events={events},engine=kvroute").parse().unwrap(),
+    );
+    // The refusing replica has no event stream: FALLBACK soon, so that the router is ready.
+    let config = kvroute_router::Config {
+        max_in_flight_per_replica: 1,
+        queue_timeout_ms: LONG,
+        events_fallback_ms: 300,
+        ..config
+    };
+    let fleet = Fleet::around(agents, config, shutdown).await;
+    // Wherever it is sent first, the stream ends up on the agent.
+    let open = open_stream(&fleet).await;
+    assert_eq!(open.headers()["x-kvroute-replica"], "agent-0");
+    let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
+    let refused = tokio::spawn(async move { http.post(&url, &completion("hi")).await });
+    queued(&fleet, 1).await;
+    assert!(read_to_end(open).await.contains("[DONE]"));
+    let answer = tokio::time::timeout(WAIT, refused).await.expect("served in time").unwrap();
+    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    assert_eq!(answer.header("x-kvroute-replica"), Some("agent-0"));
+}
