@@ -269,17 +269,6 @@ impl CreditHold {
         }
     }
 
-    /// The request goes to `replica` instead, whose credits it pins for `blocks`: the pins on
-    /// the replica before come off, and its credits of `added` (the blocks only this
-    /// decision credited there) end ([`Credits::withdraw`]).
-    pub fn move_to(&mut self, added: &[BlockHash], replica: ReplicaId, blocks: Vec<BlockHash>) {
-        self.stop_waiting();
-        let credits = self.index.credits();
-        credits.withdraw(self.replica, &self.blocks, self.stamp, added);
-        self.stamp = credits.pin(replica, &blocks);
-        (self.replica, self.blocks) = (replica, blocks);
-    }
-
     /// The request failed on the replica without starting: the pins come off, and the
     /// credits of `added` end ([`Credits::withdraw`]).
     pub fn withdraw(mut self, added: &[BlockHash]) {

@@ -458,7 +458,7 @@ impl OnStored for Told {
 }
 
 /// A hold tells its waiter once when its last pinned block is stored on its replica, and
-/// not at all once it moved on or ended.
+/// not at all once it was withdrawn or ended.
 #[test]
 fn a_hold_tells_when_its_last_block_is_stored() {
     use std::sync::atomic::Ordering::Relaxed;
@@ -473,13 +473,17 @@ fn a_hold_tells_when_its_last_block_is_stored() {
     index.store(r(0), &hs(3..4));
     assert_eq!(told.0.load(Relaxed), 1, "once");
 
-    let later = Arc::new(Told::default());
-    let mut hold = CreditHold::pin(&index, r(0), hs(10..12));
-    hold.tell_when_stored(later.clone());
-    hold.move_to(&[], r(1), hs(10..12));
-    index.store(r(0), &hs(10..12));
-    drop(hold);
-    index.store(r(1), &hs(10..12));
-    assert_eq!(later.0.load(Relaxed), 0, "moved on, then ended");
-    assert_eq!(Arc::strong_count(&later), 1, "nothing kept");
+    for withdrawn in [true, false] {
+        let later = Arc::new(Told::default());
+        let mut hold = CreditHold::pin(&index, r(0), hs(10..12));
+        hold.tell_when_stored(later.clone());
+        match withdrawn {
+            true => hold.withdraw(&[]),
+            false => drop(hold),
+        }
+        index.store(r(0), &hs(10..12));
+        assert_eq!(later.0.load(Relaxed), 0, "withdrawn: {withdrawn}");
+        assert_eq!(Arc::strong_count(&later), 1, "nothing kept");
+        index.clear_replica(r(0));
+    }
 }

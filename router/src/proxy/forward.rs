@@ -130,7 +130,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 
 /// Sends a routed request (buffered body, so it can be retried) along `plan.order`; a retry
 /// takes the decision's credit along to the replica it goes to. When the replicas left to
-/// retry on are all saturated, the retry waits in `line` for room on one of them.
+/// retry on are all saturated, the retry waits in `line` for room on one of them (crediting
+/// none while it waits).
 pub async fn routed(
     pool: &Arc<Pool>,
     config: &ForwardConfig,
@@ -144,18 +145,18 @@ pub async fn routed(
     let metrics = &decider.metrics;
     let (client, headers) = upstream_head(parts, request_id, config.forwarded_for);
     let mut last_error = None;
-    let attempts = plan.order().len().min(MAX_ATTEMPTS);
-    // Where the decision's credit is: the replica last tried.
-    let mut credited = 0;
-    let mut attempt = 0;
-    while attempt < attempts {
+    // The replica of `plan.order` tried now, and how many have been tried.
+    let (mut attempt, mut tried) = (0, 0);
+    loop {
         let Some(scored) = plan.order().nth(attempt) else { break };
         let (member, rank) = (&scored.member.clone(), scored.rank.map(|rank| (rank, scored.rank_blocks)));
-        if attempt > 0 {
+        if tried > 0 {
             metrics.retries.inc();
-            decider.move_credit(plan, credited, attempt);
-            credited = attempt;
+            // The decision's credit goes with it: the prefix's next requests follow it to the
+            // replica that will cache it.
+            decider.credit(plan, attempt);
         }
+        tried += 1;
         let upstream = &member.upstream;
         let mut guard = upstream.begin(plan.sequences, plan.prefill_tokens(attempt), plan.prompt_tokens);
         // A data-parallel replica's rank is named, and credited.
@@ -192,11 +193,8 @@ pub async fn routed(
         {
             Ok(Ok(response))
                 if response.status() == http::StatusCode::SERVICE_UNAVAILABLE
-                    && plan
-                        .order()
-                        .take(attempts)
-                        .skip(attempt + 1)
-                        .any(|s| retry_on(decider, &s.member) != Retry::Not) =>
+                    && tried < MAX_ATTEMPTS
+                    && plan.order().skip(attempt + 1).any(|s| retry_on(decider, &s.member).may(line.0)) =>
             {
                 // A 503 means the replica refused the request without starting it (shutting
                 // down, queue full): another replica can take it, now or once it has room.
@@ -287,9 +285,16 @@ pub async fn routed(
                 });
             }
         }
-        // Its place here is free before the retry waits for room (it may be that room).
+        // Failed here without starting: the replica holds no credit for it (nor while the
+        // retry waits for room elsewhere, which would draw the prefix's next requests here),
+        // nor its place. (After a first-byte timeout the replica may still run it: its credit
+        // stands.)
         drop(guard);
-        match next_attempt(decider, plan, (attempt, attempts), line).await {
+        decider.withdraw_credit(plan, attempt);
+        if tried == MAX_ATTEMPTS {
+            break;
+        }
+        match next_attempt(decider, plan, attempt, line).await {
             Ok(next) => attempt = next,
             Err(Some(waited)) => {
                 last_error = Some(waited);
@@ -297,11 +302,6 @@ pub async fn routed(
             }
             Err(None) => break,
         }
-    }
-    // Failed everywhere it was tried, without starting: the last replica holds no credit for
-    // it. (After a first-byte timeout the replica may still run it: its credit stands.)
-    if attempts > 0 {
-        decider.withdraw_credit(plan, credited);
     }
     Err(last_error.unwrap_or_else(|| ProxyError::Unavailable("no eligible replica".into())))
 }
@@ -328,6 +328,18 @@ enum Retry {
     Not,
 }
 
+impl Retry {
+    /// Whether the retry may go to it, now or (when `queue` lets requests wait) once it has
+    /// room.
+    fn may(&self, queue: &Queue) -> bool {
+        match self {
+            Retry::Takes => true,
+            Retry::Saturated => queue.waits(),
+            Retry::Not => false,
+        }
+    }
+}
+
 /// Whether `member`, a candidate when the request was decided, may take its retry: the fleet
 /// still has it (not removed, nor replaced by a replica of the same name at another address,
 /// whose id it shares), and it is not draining, out of service or at
@@ -349,19 +361,19 @@ fn retry_on(decider: &Decider, member: &crate::fleet::Member) -> Retry {
     }
 }
 
-/// The candidate of `plan` to retry on after the `tried`th failed: the next of the first
-/// `attempts` that may take it ([`retry_on`]), waiting in `line` for room on those left
-/// when they are all saturated ([`super::queue`]). `Err(None)`: none is left; `Err(Some)`:
-/// the wait's 503 (its time is up, or the line is full or off).
+/// The candidate of `plan` to retry on after the `failed`th of its order: the next that may
+/// take it ([`retry_on`]), waiting in `line` for room on those left when they are all
+/// saturated ([`super::queue`]). `Err(None)`: none is left, or the line is off (the last
+/// error stands); `Err(Some)`: the wait's 503 (its time is up, or the line is full).
 async fn next_attempt(
     decider: &Decider,
     plan: &Plan,
-    (tried, attempts): (usize, usize),
+    failed: usize,
     (queue, line): (&Queue, &Line),
 ) -> Result<usize, Option<ProxyError>> {
     let next = || {
         let mut saturated = Vec::new();
-        for (i, scored) in plan.order().enumerate().take(attempts).skip(tried + 1) {
+        for (i, scored) in plan.order().enumerate().skip(failed + 1) {
             match retry_on(decider, &scored.member) {
                 Retry::Takes => return Ok(i),
                 Retry::Saturated => saturated.push(scored.member.replica.id),
@@ -376,6 +388,9 @@ async fn next_attempt(
             }),
         }
     };
+    if !queue.waits() {
+        return next().map_err(|_| None);
+    }
     let goes_to = |&i: &usize| plan.order().nth(i).map(|scored| scored.member.replica.id);
     let waiters = decider.fleet.waiters();
     match queue.until_room(waiters, (line, &decider.metrics), || std::future::ready(next()), goes_to).await {

@@ -24,7 +24,7 @@
 //!
 //! The line shows in `kvroute_router_queued` (waiting now), `kvroute_router_queue_wait_seconds`
 //! and `kvroute_router_queue_outcomes_total` (a wait each: a request that waited for a place
-//! under `--max-in-flight` and then for a replica counts twice).
+//! under `--max-in-flight`, then for a replica, then for a retry's counts three times).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -70,6 +70,11 @@ impl Queue {
     /// A line of at most `max` requests, each waiting at most `timeout` (`None`: none waits).
     pub fn new(max: usize, timeout: Option<Duration>) -> Self {
         Self { timeout: timeout.filter(|_| max > 0), max, waiting: AtomicUsize::new(0) }
+    }
+
+    /// Whether requests wait in line at all (`--max-queued` and `--queue-timeout-ms` above 0).
+    pub fn waits(&self) -> bool {
+        self.timeout.is_some()
     }
 
     /// A place under `limit` (`--max-in-flight`), waiting in `line` for one if none is free.

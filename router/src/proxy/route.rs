@@ -8,6 +8,7 @@
 //! Eligibility comes from [`verdicts`]: when every replica that is up is ejected, the ejected
 //! ones are eligible after all, so passive ejection never leaves the router nothing to try.
 
+use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
@@ -116,8 +117,8 @@ pub struct Prepared {
     /// The fleet when it was read, and the fleet's change count then.
     members: Vec<Member>,
     changes: u64,
-    blocks: Vec<BlockHash>,
-    all_blocks: Vec<BlockHash>,
+    blocks: Arc<[BlockHash]>,
+    all_blocks: Arc<[BlockHash]>,
     view: RequestView,
     first_prompt_tokens: usize,
     /// The model it asks for (a LoRA adapter loaded through the router goes only where it is).
@@ -135,16 +136,16 @@ pub struct Prepared {
 #[derive(Debug)]
 pub struct Plan {
     /// Candidates to try, best first (the chosen one, the other eligible ones by cost, then
-    /// those at `--max-in-flight-per-replica`, whose room a retry may wait for): indices into
-    /// `candidates` ([`Plan::order`]).
+    /// those at `--max-in-flight-per-replica`, whose room a retry may wait for, by cached
+    /// prefix): indices into `candidates` ([`Plan::order`]).
     order: Vec<usize>,
     /// Every replica, scored, in fleet order.
     pub candidates: Vec<Scored>,
     pub prompt_tokens: u64,
     /// Full blocks of the routed prompt.
-    pub blocks: Vec<BlockHash>,
+    pub blocks: Arc<[BlockHash]>,
     /// Blocks of every prompt, credited to the chosen replica.
-    pub all_blocks: Vec<BlockHash>,
+    pub all_blocks: Arc<[BlockHash]>,
     /// Tokens of the routed (first) prompt.
     pub first_prompt_tokens: usize,
     /// For a chat with media, how many of those are past what could be hashed; `None` when
@@ -258,9 +259,10 @@ impl Decider {
         let mut plan = self.plan_prepared(prepared, true);
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         limits.check(&plan, prepared.asked)?;
-        let chosen = plan.chosen().ok_or_else(|| unavailable(&plan))?;
-        plan.hold =
-            Some(CreditHold::pin(&self.index, chosen.member.replica.id, plan.uncredited(chosen).to_vec()));
+        if plan.chosen().is_none() {
+            return Err(unavailable(&plan));
+        }
+        self.credit(&mut plan, 0);
         self.metrics.count_decision(self.policy.kind().as_str());
         if plan.unhashed_tokens.is_some() {
             self.metrics.partial_prompts.inc();
@@ -268,20 +270,16 @@ impl Decider {
         Ok(plan)
     }
 
-    /// The request goes to the `to`th replica of `plan`'s order instead of the `from`th (which
-    /// refused it, or failed before answering): the decision's credit moves with it, so the
-    /// prefix's next requests follow it to the replica that will cache it.
-    pub fn move_credit(&self, plan: &mut Plan, from: usize, to: usize) {
-        let Some(next) = plan.order().nth(to) else { return };
-        let (replica, blocks) = (next.member.replica.id, plan.uncredited(next).to_vec());
-        let added = plan.added(from);
-        if let Some(hold) = &mut plan.hold {
-            hold.move_to(&added, replica, blocks);
-        }
+    /// The request goes to the `at`th replica of `plan`'s order: credits it with the request's
+    /// blocks (those past what the index shows it holding), pinned while the request is there.
+    pub fn credit(&self, plan: &mut Plan, at: usize) {
+        let Some(replica) = plan.order().nth(at) else { return };
+        let (id, blocks) = (replica.member.replica.id, plan.uncredited(replica).to_vec());
+        plan.hold = Some(CreditHold::pin(&self.index, id, blocks));
     }
 
-    /// The request failed on the `at`th replica of `plan`'s order without starting there, and
-    /// goes nowhere else: the decision's credit there ends.
+    /// The request failed on the `at`th replica of `plan`'s order without starting there: the
+    /// decision's credit there ends (a retry elsewhere is credited there: [`Decider::credit`]).
     pub fn withdraw_credit(&self, plan: &mut Plan, at: usize) {
         let added = plan.added(at);
         if let Some(hold) = plan.hold.take() {
@@ -346,12 +344,18 @@ impl Decider {
         let first = info.tokens.first().map(Vec::as_slice).unwrap_or_default();
         let unhashed = info.unhashed_tokens.unwrap_or(0);
         let root = info.namespace.root();
-        let blocks = chain(root, first, self.block_size);
+        let blocks: Arc<[BlockHash]> = chain(root, first, self.block_size).into();
         let prompt_tokens: u64 = info.tokens.iter().map(|t| t.len() as u64).sum::<u64>() + unhashed as u64;
-        let mut all_blocks = blocks.clone();
-        for t in info.tokens.iter().skip(1) {
-            extend_chain(root, t, self.block_size, &mut all_blocks);
-        }
+        let all_blocks: Arc<[BlockHash]> = match info.tokens.len() > 1 {
+            true => {
+                let mut all = blocks.to_vec();
+                for t in &info.tokens[1..] {
+                    extend_chain(root, t, self.block_size, &mut all);
+                }
+                all.into()
+            }
+            false => Arc::clone(&blocks),
+        };
         // What the request is, for ties: its tokens' chained hash, the partial last block
         // included (prompts that differ only there, short questions after one long shared
         // prefix, spread over an idle fleet too), or its body when no tokens are known; a
@@ -399,7 +403,7 @@ impl Decider {
         // An adapter loaded through the router goes only where it is known to be.
         let model = &*prepared.model;
         let adapter = Some(model).filter(|model| self.fleet.adapters().contains(model));
-        let (blocks, all_blocks) = (prepared.blocks.clone(), prepared.all_blocks.clone());
+        let (blocks, all_blocks) = (Arc::clone(&prepared.blocks), Arc::clone(&prepared.all_blocks));
         let tokens = (prepared.first_prompt_tokens, adapter);
         let mut plan = self.score(members, blocks, all_blocks, &prepared.view, tokens, send);
         plan.max_tokens = prepared.max_tokens;
@@ -445,8 +449,8 @@ impl Decider {
     fn score(
         &self,
         members: Vec<Member>,
-        blocks: Vec<BlockHash>,
-        all_blocks: Vec<BlockHash>,
+        blocks: Arc<[BlockHash]>,
+        all_blocks: Arc<[BlockHash]>,
         request: &RequestView,
         (first_prompt_tokens, adapter): (usize, Option<&str>),
         send: bool,
@@ -536,11 +540,13 @@ impl Decider {
                 candidates[a].cost.total_cmp(&candidates[b].cost).then(tie(a).cmp(&tie(b)))
             };
             order[1..].sort_by(by_cost);
-            // Then those without room now: a retry waits for theirs when no other is left.
+            // Then those without room now, the most of the prefix first (the policies cost
+            // no ineligible replica): a retry waits for theirs when no other is left.
             let eligible = order.len();
             let saturated = |j: &usize| candidates[*j].ineligible == Some(Ineligible::Saturated);
             order.extend((0..candidates.len()).filter(saturated));
-            order[eligible..].sort_by(by_cost);
+            let overlap = |i: usize| std::cmp::Reverse(candidates[i].view.overlap_blocks);
+            order[eligible..].sort_by_key(|&i| (overlap(i), tie(i)));
         }
         Plan {
             order,

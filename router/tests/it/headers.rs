@@ -335,12 +335,13 @@ async fn a_retry_passes_over_a_replica_drained_since_the_decision() {
 }
 
 /// Nor one that reached `--max-in-flight-per-replica` meanwhile: when every replica refuses
-/// at once (an overloaded fleet), the retries would go on past the limit.
+/// at once (an overloaded fleet), the retries would go on past the limit. (With no line, the
+/// refusal is the answer; with one, the retry waits for the replica's room: `queue.rs`.)
 #[tokio::test]
 async fn a_retry_passes_over_a_replica_saturated_since_the_decision() {
     let mut running = None;
     let answer = retried_after(
-        |c| kvroute_router::Config { max_in_flight_per_replica: 1, ..c },
+        |c| kvroute_router::Config { max_in_flight_per_replica: 1, max_queued: 0, ..c },
         |router| {
             // A request in flight on `answering`: at its limit of one.
             let upstream = router.fleet().member("answering").unwrap().upstream;
@@ -350,6 +351,7 @@ async fn a_retry_passes_over_a_replica_saturated_since_the_decision() {
     .await;
     assert!(!answer.contains("x-kvroute-replica: answering"), "retried on a saturated replica: {answer}");
     assert!(answer.starts_with("http/1.1 503"), "{answer}");
+    assert!(answer.contains("x-kvroute-replica: refusing"), "the replica's refusal: {answer}");
     drop(running);
 }
 

@@ -248,7 +248,7 @@ async fn router_hashes_equal_the_blocks_the_replica_stores() {
         let reply = fleet.http.post(&fleet.url(path), body).await;
         assert_eq!(reply.status, 200);
         let resident: std::collections::HashSet<_> = fleet.agent(0).engine.resident().into_iter().collect();
-        for b in &plan.blocks {
+        for b in plan.blocks.iter() {
             assert!(resident.contains(b), "{path}: router block {b} is what the replica stored");
         }
         let prompt_tokens = reply.json()["usage"]["prompt_tokens"].as_u64().unwrap();
@@ -261,7 +261,7 @@ async fn router_hashes_equal_the_blocks_the_replica_stores() {
     assert_eq!(plan.blocks.len(), ids.len() / FLEET_BLOCK as usize);
     assert_eq!(fleet.http.post(&fleet.url("/v1/completions"), &body).await.status, 200);
     let resident: std::collections::HashSet<_> = fleet.agent(0).engine.resident().into_iter().collect();
-    for b in &plan.blocks {
+    for b in plan.blocks.iter() {
         assert!(resident.contains(b), "token ids: router block {b} is what the replica stored");
     }
 }

@@ -209,10 +209,22 @@ async fn a_retry_off_a_dead_replica_waits_for_room_on_the_saturated_rest() {
     .await;
     let open = open_stream(&fleet).await;
     let busy = open.headers()["x-kvroute-replica"].to_str().unwrap().to_owned();
+    let dead = if busy == "agent-0" { "agent-1" } else { "agent-0" };
     fleet.kill(usize::from(busy == "agent-0")).await;
     let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
-    let retried = tokio::spawn(async move { http.post(&url, &completion("hi")).await });
+    let prompt = completion("one two three four five six seven eight nine ten");
+    let body = prompt.to_string();
+    let retried = tokio::spawn(async move { http.post(&url, &prompt).await });
     queued(&fleet, 1).await;
+    // While it waits, the dead replica holds no credit for its prefix (which would draw the
+    // prefix's next requests there).
+    let decider = &fleet.router.state.decider;
+    let plan = decider.explain(kvroute_proto::openai::Endpoint::Completions, body.as_bytes()).await.unwrap();
+    assert!(plan.blocks.len() >= 2, "a prefix of blocks");
+    let credited = |name: &str| {
+        plan.candidates.iter().find(|c| c.member.replica.spec.name == name).unwrap().credited_blocks
+    };
+    assert_eq!(credited(dead), 0);
     assert!(read_to_end(open).await.contains("[DONE]"));
     let answer = tokio::time::timeout(WAIT, retried).await.expect("served in time").unwrap();
     assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
