@@ -13,6 +13,7 @@
 //! | `messages` | non-empty array of `{role: string, content: string \| null \| [{type: "text", text}]}`; other message keys are kept for templates |
 //! | `stream`, `add_generation_prompt` (default true), `add_special_tokens` | bool |
 //! | `max_tokens`, `max_completion_tokens` | non-negative integer |
+//! | `priority` | integer |
 //! | `cache_salt` | non-empty string |
 //! | `chat_template_kwargs` | object |
 //! | `tools` | array (kept raw for the template) |
@@ -152,6 +153,15 @@ impl<'a> ParsedRequest<'a> {
             ParsedRequest::Chat(r) => r.n,
         }
     }
+
+    /// `priority`: the order of requests under vLLM's priority scheduling, and of requests
+    /// waiting in the router's line (lower first).
+    pub fn priority(&self) -> i64 {
+        match self {
+            ParsedRequest::Completion(r) => r.priority,
+            ParsedRequest::Chat(r) => r.priority,
+        }
+    }
 }
 
 /// A `/v1/completions` body.
@@ -167,6 +177,8 @@ pub struct CompletionRequest<'a> {
     pub max_tokens: Option<u64>,
     /// Choices for each prompt (`n`; 1 when absent, null or 0).
     pub n: u32,
+    /// vLLM's priority scheduling order (lower first; 0 when absent).
+    pub priority: i64,
     /// Tenant isolation salt for the prefix cache.
     pub cache_salt: Option<Cow<'a, str>>,
     /// Whether text prompts get the tokenizer's special tokens (BOS); default true.
@@ -238,6 +250,8 @@ pub struct ChatRequest<'a> {
     pub max_completion_tokens: Option<u64>,
     /// Choices (`n`; 1 when absent, null or 0).
     pub n: u32,
+    /// vLLM's priority scheduling order (lower first; 0 when absent).
+    pub priority: i64,
     /// Tenant isolation salt for the prefix cache.
     pub cache_salt: Option<Cow<'a, str>>,
     /// End the prompt with the assistant turn's header; default true.
@@ -311,7 +325,7 @@ impl Part<'_> {
 
 impl<'a> CompletionRequest<'a> {
     /// The fields read, in the order [`scan::fields`] returns them.
-    const FIELDS: [&'static str; 9] = [
+    const FIELDS: [&'static str; 10] = [
         "model",
         "prompt",
         "stream",
@@ -321,6 +335,7 @@ impl<'a> CompletionRequest<'a> {
         "truncate_prompt_tokens",
         "truncation_side",
         "n",
+        "priority",
     ];
 
     /// Parses and validates a `/v1/completions` body.
@@ -334,7 +349,8 @@ impl<'a> CompletionRequest<'a> {
             Some(fields) => fields,
             None => parse_object(body, &Self::FIELDS)?.map(|f| f.map(Field::Raw)),
         };
-        let [model_, prompt, stream, max_tokens, salt, add_special_tokens, truncate, side, n] = fields;
+        let [model_, prompt, stream, max_tokens, salt, add_special_tokens, truncate, side, n, priority_] =
+            fields;
         let prompt = match prompt.ok_or(RequestError::MissingField { param: "prompt" })? {
             Field::Ids(ids) => Prompt::Tokens(ids),
             Field::Text(text) => Prompt::Text(text),
@@ -346,6 +362,7 @@ impl<'a> CompletionRequest<'a> {
             stream: boolean(Field::raw(stream), "stream")?.unwrap_or(false),
             max_tokens: count(Field::raw(max_tokens), "max_tokens")?,
             n: choices(Field::raw(n))?,
+            priority: priority(Field::raw(priority_))?,
             cache_salt: cache_salt(Field::raw(salt))?,
             add_special_tokens: boolean(Field::raw(add_special_tokens), "add_special_tokens")?
                 .unwrap_or(true),
@@ -356,7 +373,7 @@ impl<'a> CompletionRequest<'a> {
 
 impl<'a> ChatRequest<'a> {
     /// The fields read, in the order [`scan::fields`] returns them.
-    const FIELDS: [&'static str; 18] = [
+    const FIELDS: [&'static str; 19] = [
         "model",
         "messages",
         "stream",
@@ -375,6 +392,7 @@ impl<'a> ChatRequest<'a> {
         "truncate_prompt_tokens",
         "truncation_side",
         "n",
+        "priority",
     ];
 
     /// Parses and validates a `/v1/chat/completions` body.
@@ -417,6 +435,7 @@ impl<'a> ChatRequest<'a> {
             truncate,
             side,
             n,
+            priority_,
         ] = fields;
         let messages = messages.ok_or(RequestError::MissingField { param: "messages" })?;
         let messages = parse_messages(messages)?;
@@ -452,6 +471,7 @@ impl<'a> ChatRequest<'a> {
             max_tokens: count(max_tokens, "max_tokens")?,
             max_completion_tokens: count(max_completion_tokens, "max_completion_tokens")?,
             n: choices(n)?,
+            priority: priority(priority_)?,
             cache_salt: cache_salt(salt)?,
             add_generation_prompt,
             continue_final_message,
@@ -553,23 +573,41 @@ pub fn lax_boolean_value(value: &Value) -> Option<bool> {
     }
 }
 
-/// An optional non-negative integer as pydantic's lax mode reads one: an integer, a number
-/// with no fractional part (`256.0`, as Python's `json.dumps` writes a float), a string of
-/// digits (a decimal part of zeros allowed), or a boolean; `null` is absent, anything else [`RequestError::InvalidField`].
+/// An optional non-negative integer as pydantic's lax mode reads one ([`lax_integer`]);
+/// `null` is absent, anything else [`RequestError::InvalidField`].
 fn count(raw: Option<&RawValue>, param: &'static str) -> Result<Option<u64>, RequestError> {
     let Some(raw) = raw else { return Ok(None) };
-    let value = match serde_json::from_str(raw.get()) {
-        Ok(Value::Number(n)) => n.as_u64().or_else(|| n.as_f64().and_then(whole_u64)),
+    let value = lax_integer(raw).and_then(|v| u64::try_from(v).ok());
+    value.map(Some).ok_or(RequestError::InvalidField { param, expected: NON_NEGATIVE })
+}
+
+/// `priority`, vLLM's order of requests under its priority scheduling (lower first): an
+/// integer as pydantic's lax mode reads one ([`lax_integer`]), 0 when absent or `null`.
+fn priority(raw: Option<&RawValue>) -> Result<i64, RequestError> {
+    let Some(raw) = raw else { return Ok(0) };
+    let value = lax_integer(raw).and_then(|v| i64::try_from(v).ok());
+    value.ok_or(RequestError::InvalidField { param: "priority", expected: "an integer" })
+}
+
+/// An integer as pydantic's lax mode reads one: an integer, a number with no fractional part
+/// (`256.0`, as Python's `json.dumps` writes a float), a string of digits (a sign, and a
+/// decimal part of zeros, allowed), or a boolean.
+fn lax_integer(raw: &RawValue) -> Option<i128> {
+    match serde_json::from_str(raw.get()).ok()? {
+        Value::Number(n) => n
+            .as_i64()
+            .map(i128::from)
+            .or_else(|| n.as_u64().map(i128::from))
+            .or_else(|| n.as_f64().filter(|v| v.fract() == 0.0 && v.abs() < 1e30).map(|v| v as i128)),
         // pydantic takes "256.0" and "256." too: a decimal part of zeros.
-        Ok(Value::String(s)) => {
+        Value::String(s) => {
             let s = s.trim();
             let whole = s.split_once('.').filter(|(_, zeros)| zeros.bytes().all(|b| b == b'0'));
             whole.map_or(s, |(whole, _)| whole).parse().ok()
         }
-        Ok(Value::Bool(b)) => Some(u64::from(b)),
+        Value::Bool(b) => Some(i128::from(b)),
         _ => None,
-    };
-    value.map(Some).ok_or(RequestError::InvalidField { param, expected: NON_NEGATIVE })
+    }
 }
 
 /// vLLM's bound on `n` (`VLLM_MAX_N_SEQUENCES`' default); the replica refuses more.

@@ -347,6 +347,7 @@ async fn routed(
     // Tokenized once, decided again each time it is woken to find room.
     let decided = match state.decider.prepare(endpoint, &body).await {
         Ok(prepared) => {
+            line.set_priority(prepared.priority);
             let decide = || std::future::ready(state.decider.decide_prepared(&prepared, &state.limits));
             state.queue.until_room(waiters, (&line, metrics), decide, goes_to).await
         }

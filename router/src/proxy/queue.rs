@@ -6,10 +6,12 @@
 //! - A request waits up to `--queue-timeout-ms` in all (its waits for a place and for a
 //!   replica together; reading its body between them does not count); then it gets 503. At most `--max-queued` requests wait at once: one more gets 503 at once.
 //!   With either set to 0, nothing waits.
-//! - Places under `--max-in-flight` go first come, first served (its semaphore is fair). A
-//!   request keeps its place while it waits for a replica.
-//! - A request waiting for a replica is woken as [`Waiters`] says (the longest waiting for a
-//!   replica first, when a request to it ends) and decides again on the fleet, index,
+//! - Places under `--max-in-flight` go first come, first served (its semaphore is fair),
+//!   whatever their priority (taken before the body, which says it, is read). A request
+//!   keeps its place while it waits for a replica.
+//! - A request waiting for a replica is woken as [`Waiters`] says (by its `priority`, vLLM's
+//!   request field, lower first; then the longest waiting for the replica, when a request to
+//!   it ends) and decides again on the fleet, index,
 //!   credits and load as they are then (tokenized once: [`super::route::Prepared`]; each
 //!   decision shows in `decision_seconds`). A request that arrives just as room frees may
 //!   take it first; the woken one keeps its place in line.
@@ -28,7 +30,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::sync::Semaphore;
@@ -53,16 +55,23 @@ pub struct Queue {
 }
 
 /// A request's time in line so far: its waits together are bounded by the timeout (reading
-/// its body, or finding a response's owner, between them does not count).
+/// its body, or finding a response's owner, between them does not count). And its priority
+/// among those waiting for a replica's room, once its body is read.
 #[derive(Debug, Default)]
 pub struct Line {
     /// Nanoseconds.
     waited: AtomicU64,
+    priority: AtomicI64,
 }
 
 impl Line {
     fn waited(&self) -> Duration {
         Duration::from_nanos(self.waited.load(Ordering::Relaxed))
+    }
+
+    /// The request's `priority` (lower waits less; 0 unless set).
+    pub fn set_priority(&self, priority: i64) {
+        self.priority.store(priority, Ordering::Relaxed);
     }
 }
 
@@ -116,7 +125,10 @@ impl Queue {
                 Err(ProxyError::Saturated { reason, replicas }) => {
                     let (at, ticket) = match &mut waiting {
                         Some(waiting) => waiting,
-                        None => waiting.insert((self.join(line, &reason, metrics)?, waiters.ticket())),
+                        None => {
+                            let ticket = waiters.ticket(line.priority.load(Ordering::Relaxed));
+                            waiting.insert((self.join(line, &reason, metrics)?, ticket))
+                        }
                     };
                     if tokio::time::timeout_at(at.deadline, ticket.wait(&replicas, seen)).await.is_err() {
                         let (at, _) = waiting.take().expect("in line");

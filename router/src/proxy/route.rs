@@ -127,6 +127,8 @@ pub struct Prepared {
     unhashed_tokens: Option<usize>,
     streams: bool,
     sequences: u32,
+    /// Its place among requests waiting for room ([`ParsedRequest::priority`]).
+    pub priority: i64,
     /// When its first decision started, and whether it was made ([`Decider::decide_prepared`]).
     started: Instant,
     decided: AtomicBool,
@@ -385,6 +387,7 @@ impl Decider {
             unhashed_tokens: info.unhashed_tokens,
             streams: request.stream(),
             sequences: prompts.saturating_mul(request.n()).min(MAX_N),
+            priority: request.priority(),
             started,
             decided: AtomicBool::new(false),
         })

@@ -751,7 +751,7 @@ mod tests {
         let waiters = Arc::new(Waiters::default());
         let u = Upstream::waking(waiters.clone(), ReplicaId(3));
         assert!(u.record_failure(1, Duration::from_secs(10)));
-        let (mut ticket, seen) = (waiters.ticket(), waiters.frees());
+        let (mut ticket, seen) = (waiters.ticket(0), waiters.frees());
         let during = tokio::time::timeout(Duration::from_secs(9), ticket.wait(&[ReplicaId(4)], seen)).await;
         assert!(during.is_err(), "woken while it is ejected");
         let after = tokio::time::timeout(Duration::from_secs(2), ticket.wait(&[ReplicaId(4)], seen)).await;

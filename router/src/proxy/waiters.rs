@@ -1,7 +1,8 @@
 //! Requests waiting for a replica's room ([`super::queue`]), each for the replicas that
 //! refused it for want of room (at `--max-in-flight-per-replica`).
 //!
-//! - A request to one of them that ends wakes the request that has waited longest for it.
+//! - A request to one of them that ends wakes the request that has waited longest for it
+//!   among those of the lowest `priority` (vLLM's field: lower is served first).
 //! - A replica that joins the fleet or comes back (healthy again, no longer drained, serving
 //!   again, its ejection over) wakes every waiting request: it may take any of them.
 //! - A woken request decides again. Refused again (a request that arrived meanwhile took the
@@ -21,8 +22,8 @@ use tokio::sync::Notify;
 /// The line of requests waiting for a replica's room, shared by the fleet's replicas.
 #[derive(Debug, Default)]
 pub struct Waiters {
-    /// By ticket: the order they first waited in.
-    line: Mutex<BTreeMap<u64, Waiter>>,
+    /// By place: their priority (lower first), then the order they first waited in.
+    line: Mutex<BTreeMap<Place, Waiter>>,
     /// Entries of `line`, read without its lock (a request's end with nobody waiting takes
     /// no lock).
     count: AtomicUsize,
@@ -84,16 +85,16 @@ impl Waiters {
     }
 
     /// A place in line, taken when the request first waits.
-    pub fn ticket(&self) -> Ticket<'_> {
+    pub fn ticket(&self, priority: i64) -> Ticket<'_> {
         Ticket {
             waiters: self,
-            id: self.tickets.fetch_add(1, SeqCst),
+            id: (priority, self.tickets.fetch_add(1, SeqCst)),
             wake: Arc::default(),
             state: State::Out,
         }
     }
 
-    fn line(&self) -> MutexGuard<'_, BTreeMap<u64, Waiter>> {
+    fn line(&self) -> MutexGuard<'_, BTreeMap<Place, Waiter>> {
         self.line.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -108,6 +109,10 @@ impl Waiters {
         waiter.wake.wake(replica.0.into());
     }
 }
+
+/// A request's place in line: its priority (lower first; vLLM's `priority`), then its
+/// ticket's number (first come, first served).
+type Place = (i64, u64);
 
 /// What [`Ticket::join`] did.
 enum Joined {
@@ -133,7 +138,7 @@ enum State {
 #[derive(Debug)]
 pub struct Ticket<'a> {
     waiters: &'a Waiters,
-    id: u64,
+    id: Place,
     wake: Arc<Wake>,
     state: State,
 }
@@ -228,7 +233,7 @@ mod tests {
     async fn a_freed_replica_wakes_the_request_waiting_longest_for_it() {
         let waiters = Waiters::default();
         let seen = waiters.frees();
-        let (mut first, mut second, mut other) = (waiters.ticket(), waiters.ticket(), waiters.ticket());
+        let (mut first, mut second, mut other) = (waiters.ticket(0), waiters.ticket(0), waiters.ticket(0));
         let first_wait = first.wait(&[R0], seen);
         let second_wait = second.wait(&[R0, R1], seen);
         let other_wait = other.wait(&[R1], seen);
@@ -245,12 +250,34 @@ mod tests {
         assert!(!done(&mut other_wait).await, "R0 is not its replica");
     }
 
+    /// A room goes to the waiting request of the lowest priority first, whenever it came.
+    #[tokio::test]
+    async fn a_freed_replica_wakes_the_lowest_priority_first() {
+        let waiters = Waiters::default();
+        let seen = waiters.frees();
+        let (mut early, mut urgent, mut urgent_later) =
+            (waiters.ticket(0), waiters.ticket(-5), waiters.ticket(-5));
+        let early_wait = early.wait(&[R0], seen);
+        let urgent_wait = urgent.wait(&[R0], seen);
+        let later_wait = urgent_later.wait(&[R0], seen);
+        tokio::pin!(early_wait, urgent_wait, later_wait);
+        assert!(
+            !done(&mut early_wait).await && !done(&mut urgent_wait).await && !done(&mut later_wait).await
+        );
+        waiters.freed(R0);
+        assert!(done(&mut urgent_wait).await, "the lowest priority first");
+        assert!(!done(&mut later_wait).await && !done(&mut early_wait).await);
+        waiters.freed(R0);
+        assert!(done(&mut later_wait).await, "then first come, first served");
+        assert!(!done(&mut early_wait).await);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_room_freed_while_the_request_decided_is_not_waited_for() {
         let waiters = Waiters::default();
         let seen = waiters.frees();
         waiters.freed(R0);
-        let mut ticket = waiters.ticket();
+        let mut ticket = waiters.ticket(0);
         let wait = ticket.wait(&[R0], seen);
         let ended = tokio::time::timeout(std::time::Duration::from_secs(1), wait).await;
         assert!(ended.is_ok(), "freed since it read `frees`");
@@ -264,7 +291,8 @@ mod tests {
         for placed_elsewhere in [false, true] {
             let waiters = Waiters::default();
             let seen = waiters.frees();
-            let (mut woken, mut for_r1, mut for_r0) = (waiters.ticket(), waiters.ticket(), waiters.ticket());
+            let (mut woken, mut for_r1, mut for_r0) =
+                (waiters.ticket(0), waiters.ticket(0), waiters.ticket(0));
             {
                 let wait = woken.wait(&[R0, R1], seen);
                 tokio::pin!(wait);
@@ -290,7 +318,7 @@ mod tests {
     async fn a_request_placed_where_it_was_woken_for_passes_nothing_on() {
         let waiters = Waiters::default();
         let seen = waiters.frees();
-        let (mut placed, mut next) = (waiters.ticket(), waiters.ticket());
+        let (mut placed, mut next) = (waiters.ticket(0), waiters.ticket(0));
         {
             let wait = placed.wait(&[R0], seen);
             tokio::pin!(wait);
@@ -309,7 +337,7 @@ mod tests {
     async fn a_replica_back_wakes_everyone() {
         let waiters = Waiters::default();
         let seen = waiters.frees();
-        let (mut a, mut b) = (waiters.ticket(), waiters.ticket());
+        let (mut a, mut b) = (waiters.ticket(0), waiters.ticket(0));
         let a_wait = a.wait(&[R0], seen);
         let b_wait = b.wait(&[R1], seen);
         tokio::pin!(a_wait, b_wait);
@@ -325,7 +353,7 @@ mod tests {
     async fn a_wait_taken_again_is_in_line_once() {
         let waiters = Waiters::default();
         let seen = waiters.frees();
-        let mut ticket = waiters.ticket();
+        let mut ticket = waiters.ticket(0);
         for woken_between in [false, true] {
             {
                 let wait = ticket.wait(&[R0], seen);

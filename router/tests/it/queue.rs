@@ -99,6 +99,33 @@ async fn requests_wait_for_a_saturated_replica_and_are_served_when_it_has_room()
     assert_eq!(outcomes(&fleet, "placed"), 2);
 }
 
+/// Requests waiting for a replica's room are served by their `priority` (vLLM's field: lower
+/// first), whenever they came.
+#[tokio::test]
+async fn requests_waiting_for_room_are_served_by_priority() {
+    let fleet =
+        slow_fleet(|c| kvroute_router::Config { max_in_flight_per_replica: 1, queue_timeout_ms: LONG, ..c })
+            .await;
+    let open = open_stream(&fleet).await;
+    let (served, mut order) = tokio::sync::mpsc::unbounded_channel();
+    for (n, priority) in [(1, 0), (2, -1)] {
+        let (http, url, served) = (fleet.http.clone(), fleet.url("/v1/completions"), served.clone());
+        let mut body = completion("hi");
+        body["priority"] = priority.into();
+        tokio::spawn(async move {
+            let answer = http.post(&url, &body).await;
+            served.send((priority, answer.status.as_u16())).unwrap();
+        });
+        queued(&fleet, n).await;
+    }
+    assert!(read_to_end(open).await.contains("[DONE]"));
+    let mut got = Vec::new();
+    for _ in 0..2 {
+        got.push(tokio::time::timeout(WAIT, order.recv()).await.expect("served in time").unwrap());
+    }
+    assert_eq!(got, [(-1, 200), (0, 200)], "the lower priority first");
+}
+
 /// A request woken while there is still no room decides again on the fleet as it is, without
 /// tokenizing its prompt again.
 #[tokio::test]

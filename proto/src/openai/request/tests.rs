@@ -109,6 +109,15 @@ fn numbers_and_booleans_are_read_as_vllm_reads_them() {
     assert_eq!(completion(r#"{"prompt":"p","max_tokens":"8."}"#).unwrap().max_tokens, Some(8));
     let r = chat(r#"{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":1e2,"add_generation_prompt":"n"}"#).unwrap();
     assert_eq!((r.max_completion_tokens, r.add_generation_prompt), (Some(100), false));
+    // `priority` is any integer, 0 when absent or null.
+    let priority = |body: &str| completion(body).unwrap().priority;
+    assert_eq!(priority(r#"{"prompt":"p"}"#), 0);
+    assert_eq!(priority(r#"{"prompt":"p","priority":null}"#), 0);
+    assert_eq!(priority(r#"{"prompt":"p","priority":-3}"#), -3);
+    assert_eq!(priority(r#"{"prompt":"p","priority":" -7.0 "}"#), -7);
+    assert_eq!(priority(r#"{"prompt":"p","priority":2e0}"#), 2);
+    let r = chat(r#"{"messages":[{"role":"user","content":"x"}],"priority":9}"#).unwrap();
+    assert_eq!(r.priority, 9);
     for (body, param) in [
         (r#"{"prompt":"p","max_tokens":1.5}"#, "max_tokens"),
         (r#"{"prompt":"p","max_tokens":"ten"}"#, "max_tokens"),
@@ -117,6 +126,9 @@ fn numbers_and_booleans_are_read_as_vllm_reads_them() {
         (r#"{"prompt":"p","stream":"maybe"}"#, "stream"),
         (r#"{"prompt":"p","stream":2}"#, "stream"),
         (r#"{"prompt":"p","add_special_tokens":[]}"#, "add_special_tokens"),
+        (r#"{"prompt":"p","priority":0.5}"#, "priority"),
+        (r#"{"prompt":"p","priority":"high"}"#, "priority"),
+        (r#"{"prompt":"p","priority":9223372036854775808}"#, "priority"),
     ] {
         match completion(body) {
             Err(RequestError::InvalidField { param: p, .. }) => assert_eq!(p, param, "{body}"),
@@ -370,6 +382,7 @@ mod fast_path {
             "add_generation_prompt",
             "chat_template_kwargs",
             "tools",
+            "priority",
             "temperature",
             "x\u{e9}",
             "",
