@@ -97,6 +97,10 @@ pub struct Config {
     /// Most requests waiting for admission before new ones get 503.
     #[arg(long, env = "KVROUTE_AGENT_MAX_WAITING", default_value_t = 4096)]
     pub max_waiting: usize,
+    /// The order of waiting requests, as vLLM's flag: `fcfs` (a request with a `priority`
+    /// other than 0 gets 400, as vLLM answers it) or `priority` (lower first, then arrival).
+    #[arg(long, env = "KVROUTE_AGENT_SCHEDULING_POLICY", value_enum, default_value_t = SchedulingPolicy::Fcfs)]
+    pub scheduling_policy: SchedulingPolicy,
 
     /// HuggingFace tokenizer.json, or the model's directory holding it; the built-in
     /// tokenizer when absent. The tokenizer_config.json beside it (special tokens, the chat
@@ -179,6 +183,17 @@ impl Default for Config {
     fn default() -> Self {
         Config::parse_from(["kvroute-agent"])
     }
+}
+
+/// The order of waiting requests (vLLM's `--scheduling-policy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SchedulingPolicy {
+    /// First come, first served; requests may not set a `priority`.
+    #[default]
+    Fcfs,
+    /// By the requests' `priority` (lower first), then first come, first served.
+    Priority,
 }
 
 impl Config {

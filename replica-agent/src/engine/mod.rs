@@ -5,7 +5,9 @@
 //!    running sequence, then on prefill chunks of the uncached prompt tokens (chunked
 //!    prefill, oldest request first; vLLM walks its running requests in order, decoding or
 //!    not, so there an older prefill can take a decode's turn);
-//! 2. admits waiting requests in arrival order while the budget has tokens left and fewer
+//! 2. admits waiting requests in arrival order (by `priority` first, lower first, as vLLM's
+//!    `--scheduling-policy priority` does; a running request is not preempted for a waiting
+//!    one of lower priority, as vLLM's would be) while the budget has tokens left and fewer
 //!    than `max_num_seqs` run, as vLLM's scheduler does: each admission is a
 //!    [`BlockCache::start_request`] (seed-000 prefix hit, every block accessed, all of the
 //!    request's blocks pinned until it finishes) and takes its first prefill chunk from what
@@ -103,13 +105,16 @@ pub struct Job {
     pub max_tokens: u32,
     /// Which of the prompt's `n` choices this is (0 for the first): each has its own text.
     pub sample: u32,
+    /// Its place among waiting requests: lower is admitted first (vLLM's `priority`), then
+    /// first come, first served.
+    pub priority: i64,
 }
 
 impl Job {
     /// A job for `prompt`, its full blocks of `block_size` tokens hashed in `namespace`.
     pub fn new(namespace: CacheNamespace, prompt: Vec<u32>, block_size: usize, max_tokens: u32) -> Job {
         let hashes = namespace.chain(&prompt, block_size).into();
-        Job { hashes, prompt: prompt.into(), namespace, max_tokens, sample: 0 }
+        Job { hashes, prompt: prompt.into(), namespace, max_tokens, sample: 0, priority: 0 }
     }
 
     /// The same prompt again, as choice `sample` of its request.

@@ -132,7 +132,11 @@ impl Scheduler {
 
     fn intake(&mut self, control: Control) {
         match control {
-            Control::Run(job, out) => self.waiting.push_back(Pending { job, out }),
+            Control::Run(job, out) => {
+                // Behind those of its priority or lower (all of them, with every priority 0).
+                let at = self.waiting.partition_point(|p| p.job.priority <= job.priority);
+                self.waiting.insert(at, Pending { job, out });
+            }
             Control::Reset(reply) => {
                 let result = {
                     let mut state = lock(&self.state);

@@ -142,6 +142,23 @@ async fn a_request_is_admitted_only_when_a_step_has_tokens_left() {
     assert!(steps >= 3, "admitted after {steps} steps, while the first prompt took the whole budget");
 }
 
+/// Waiting requests are admitted by priority (lower first), whenever they came: with one
+/// sequence at a time, the later request of lower priority runs before the earlier one.
+#[tokio::test]
+async fn waiting_requests_are_admitted_by_priority() {
+    let mut config = config(64, 1, 100);
+    config.timing.time_scale = 1.0;
+    let (engine, _shutdown) = start(config).await;
+    let mut running = engine.submit(job((0..8).collect(), 20)).unwrap();
+    assert!(matches!(running.recv().await, Some(Output::Started { .. })));
+    let mut early = engine.submit(job((100..108).collect(), 1)).unwrap();
+    let urgent = Job { priority: -1, ..job((200..208).collect(), 1) };
+    let mut urgent = engine.submit(urgent).unwrap();
+    assert!(matches!(urgent.recv().await, Some(Output::Started { .. })));
+    assert!(early.try_recv().is_err(), "the earlier request of higher priority started first");
+    assert!(matches!(last_output(&mut early).await, Some(Output::Done(_))));
+}
+
 /// A shutdown grace too long for the clock ("wait for ever") lets running requests finish:
 /// the deadline's sum overflowed and the scheduler panicked, failing them all.
 #[tokio::test]

@@ -39,6 +39,7 @@ use tokio::sync::mpsc;
 use super::error::ApiError;
 use super::sampling::{self, Sampling};
 use super::{AppState, Body, chat, completions, json_response, messages, responses, sse, unix_now};
+use crate::config::SchedulingPolicy;
 use crate::engine::{Job, Output, SubmitError, Usage};
 
 /// `finish_reason` of every choice: the simulated engine stops only at `max_tokens`.
@@ -171,7 +172,16 @@ pub(super) async fn generate(
         }
         _ => parse_extras(body, request.stream())?,
     };
-    let jobs = jobs(state, &request, &sampling, null_max_tokens(&request, &readable))?;
+    let mut jobs = jobs(state, &request, &sampling, null_max_tokens(&request, &readable))?;
+    let priority = request.priority();
+    if priority != 0 && state.config().scheduling_policy == SchedulingPolicy::Fcfs {
+        return Err(ApiError::bad_request(format!(
+            "Got priority {priority} but Priority scheduling is not enabled."
+        )));
+    }
+    for job in &mut jobs {
+        job.priority = priority;
+    }
     let n = sampling.choices();
     // Every choice of every prompt is an engine request, all queued at once: a request that
     // needs more than the queue holds could never be admitted (a 503 would send it on to the

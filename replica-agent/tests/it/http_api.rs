@@ -557,6 +557,10 @@ async fn malformed_requests_get_openai_errors() {
         bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": 16385 })), 400),
         bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": ["a", "b"], "n": 5000 })), 400),
         bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": "two" })), 400).param("n"),
+        // A priority under first-come-first-served scheduling (the default), as vLLM refuses it.
+        bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "priority": 1 })), 400),
+        bad(post.clone(), chat, json_bytes(json!({ "model": MODEL, "messages": [{ "role": "user", "content": "hi" }], "priority": "x" })), 400)
+            .param("priority"),
         bad(post.clone(), cmpl, json_bytes(json!({ "model": MODEL, "prompt": "hi", "n": 2, "temperature": 0 })), 400),
         bad(post.clone(), cmpl, json_bytes(json!({ "model": "nope", "prompt": "hi", "n": 0 })), 404)
             .param("model")

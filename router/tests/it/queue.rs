@@ -103,9 +103,19 @@ async fn requests_wait_for_a_saturated_replica_and_are_served_when_it_has_room()
 /// first), whenever they came.
 #[tokio::test]
 async fn requests_waiting_for_room_are_served_by_priority() {
-    let fleet =
-        slow_fleet(|c| kvroute_router::Config { max_in_flight_per_replica: 1, queue_timeout_ms: LONG, ..c })
-            .await;
+    // A replica that takes priorities (vLLM's `--scheduling-policy priority`).
+    let slow = |name: &str| kvroute_replica_agent::Config {
+        time_scale: 1.0,
+        step_base_us: 200_000,
+        scheduling_policy: kvroute_replica_agent::config::SchedulingPolicy::Priority,
+        ..agent_config(name)
+    };
+    let fleet = Fleet::with(1, slow, |c| kvroute_router::Config {
+        max_in_flight_per_replica: 1,
+        queue_timeout_ms: LONG,
+        ..c
+    })
+    .await;
     let open = open_stream(&fleet).await;
     let (served, mut order) = tokio::sync::mpsc::unbounded_channel();
     for (n, priority) in [(1, 0), (2, -1)] {
