@@ -233,8 +233,8 @@ pub fn added_past(blocks: &[BlockHash], held: usize) -> Vec<BlockHash> {
 pub struct Stamp(u64);
 
 /// A decision's pins on the credits of the replica its request goes to ([`Credits::pin`]):
-/// taken off when the hold is dropped (the request's prefill is done, or it ended), or moved
-/// with the request to another replica ([`CreditHold::move_to`]).
+/// taken off when the hold is dropped (the request's prefill is done, or it ended), or
+/// withdrawn when the request fails there without starting ([`CreditHold::withdraw`]).
 #[derive(Debug)]
 pub struct CreditHold {
     index: super::SharedIndex,
@@ -253,7 +253,7 @@ impl CreditHold {
     }
 
     /// Tells `waiter` when the replica's events store the last block pinned here (its
-    /// prefill reached the prompt's end), unless the hold moves or ends first. Nothing is
+    /// prefill reached the prompt's end), unless the hold is withdrawn or ends first. Nothing is
     /// pinned when the replica already held the whole prompt, and then nothing is told.
     pub fn tell_when_stored(&mut self, waiter: Arc<dyn super::OnStored>) {
         self.stop_waiting();

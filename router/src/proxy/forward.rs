@@ -218,7 +218,7 @@ pub async fn routed(
                 let line = config.access_log.then(|| {
                     Box::new(access::Line {
                         replica: member.replica.spec.name.clone(),
-                        attempt,
+                        attempt: tried - 1,
                         prompt_tokens: Some(plan.prompt_tokens),
                         predicted_cached_tokens: Some(plan.predicted_cached_tokens(attempt)),
                         ..access::Line::new(&admitted, &client.method, &client.uri)

@@ -102,6 +102,8 @@ struct Rest<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     cache_salt: Option<&'a RawValue>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    priority: Option<&'a RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     chat_template_kwargs: Option<&'a RawValue>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning_effort: Option<&'a RawValue>,
@@ -268,6 +270,7 @@ impl<'a> Responses<'a> {
             reasoning,
             tools,
             tool_choice,
+            priority,
         ] = parse_object(
             body,
             &[
@@ -282,6 +285,7 @@ impl<'a> Responses<'a> {
                 "reasoning",
                 "tools",
                 "tool_choice",
+                "priority",
             ],
         )?;
         let model = field::<Str>(model, "model", "a string")?.map(|s| s.0).unwrap_or_default();
@@ -310,6 +314,7 @@ impl<'a> Responses<'a> {
             stream,
             max_tokens: max_output_tokens,
             cache_salt,
+            priority,
             chat_template_kwargs: kwargs,
             reasoning_effort,
             tools,

@@ -19,11 +19,11 @@ fn tokenization() -> Tokenization {
 fn instructions_lead_and_a_string_input_is_a_user_message() {
     let out = chat(json!({"model": "m", "instructions": "Be brief.", "input": "Hi\n\"there\"",
         "max_output_tokens": 7, "stream": true, "cache_salt": "s", "reasoning": {"effort": "low"},
-        "temperature": 0.2}));
+        "temperature": 0.2, "priority": -2}));
     assert_eq!(
         out,
         json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\n\"there\""}],
-            "model": "m", "stream": true, "max_tokens": 7, "cache_salt": "s", "reasoning_effort": "low",
+            "model": "m", "stream": true, "max_tokens": 7, "cache_salt": "s", "priority": -2, "reasoning_effort": "low",
             "add_special_tokens": true})
     );
     let empty = chat(json!({"model": "m", "instructions": "", "input": "x"}));
