@@ -114,8 +114,9 @@ pub struct Scored {
 pub struct Prepared {
     /// The endpoint it was sent to (a Messages request is decided as a chat).
     asked: Endpoint,
-    /// The fleet when it was read, and the fleet's change count then.
-    members: Vec<Member>,
+    /// The fleet when it was read, for its first decision (a later one reads it again), and
+    /// the fleet's change count then.
+    members: std::sync::Mutex<Option<Vec<Member>>>,
     changes: u64,
     blocks: Arc<[BlockHash]>,
     all_blocks: Arc<[BlockHash]>,
@@ -376,7 +377,7 @@ impl Decider {
         let prompts = u32::try_from(info.tokens.len().max(1)).unwrap_or(u32::MAX);
         Ok(Prepared {
             asked,
-            members,
+            members: std::sync::Mutex::new(Some(members)),
             changes,
             blocks,
             all_blocks,
@@ -399,9 +400,10 @@ impl Decider {
         // A replica that left since the members were read (while the prompt was tokenized,
         // remotely or on the blocking pool, or the request waited for room) is not chosen,
         // nor credited; one that joined is a candidate.
-        let members = match self.fleet.changes() == prepared.changes {
-            true => prepared.members.clone(),
-            false => self.fleet.members(),
+        let first = prepared.members.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        let members = match first {
+            Some(members) if self.fleet.changes() == prepared.changes => members,
+            _ => self.fleet.members(),
         };
         // An adapter loaded through the router goes only where it is known to be.
         let model = &*prepared.model;
