@@ -11,13 +11,13 @@ use crate::support::{WAIT, sample, wait_until};
 /// One replica that takes 200 ms a step, so that a stream of 16 tokens holds its place for
 /// three seconds, behind a router set up by `router`.
 async fn slow_fleet(router: impl FnOnce(kvroute_router::Config) -> kvroute_router::Config) -> Fleet {
-    let slow = |name: &str| kvroute_replica_agent::Config {
-        time_scale: 1.0,
-        step_base_us: 200_000,
-        responses_store: true,
-        ..agent_config(name)
-    };
+    let slow = |name: &str| kvroute_replica_agent::Config { responses_store: true, ..slow_agent(name) };
     Fleet::with(1, slow, router).await
+}
+
+/// An agent that takes 200 ms a step.
+fn slow_agent(name: &str) -> kvroute_replica_agent::Config {
+    kvroute_replica_agent::Config { time_scale: 1.0, step_base_us: 200_000, ..agent_config(name) }
 }
 
 /// `--queue-timeout-ms` of the tests whose requests are served after waiting: long enough
@@ -105,10 +105,8 @@ async fn requests_wait_for_a_saturated_replica_and_are_served_when_it_has_room()
 async fn requests_waiting_for_room_are_served_by_priority() {
     // A replica that takes priorities (vLLM's `--scheduling-policy priority`).
     let slow = |name: &str| kvroute_replica_agent::Config {
-        time_scale: 1.0,
-        step_base_us: 200_000,
         scheduling_policy: kvroute_replica_agent::config::SchedulingPolicy::Priority,
-        ..agent_config(name)
+        ..slow_agent(name)
     };
     let fleet = Fleet::with(1, slow, |c| kvroute_router::Config {
         max_in_flight_per_replica: 1,
@@ -232,12 +230,7 @@ async fn a_continuation_waits_for_room_on_the_replica_that_stored_its_response()
 /// has room, not answered 502.
 #[tokio::test]
 async fn a_retry_off_a_dead_replica_waits_for_room_on_the_saturated_rest() {
-    let slow = |name: &str| kvroute_replica_agent::Config {
-        time_scale: 1.0,
-        step_base_us: 200_000,
-        ..agent_config(name)
-    };
-    let mut fleet = Fleet::with(2, slow, |c| kvroute_router::Config {
+    let mut fleet = Fleet::with(2, slow_agent, |c| kvroute_router::Config {
         max_in_flight_per_replica: 1,
         queue_timeout_ms: LONG,
         health_interval_ms: 3_600_000,
@@ -276,12 +269,7 @@ async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_re
     let refusal = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n";
     let (refusing, _refused) = crate::headers::recording_replica(refusal).await;
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let slow = |name: &str| kvroute_replica_agent::Config {
-        time_scale: 1.0,
-        step_base_us: 200_000,
-        ..agent_config(name)
-    };
-    let agents = Fleet::start_agents(1, slow, &shutdown).await;
+    let agents = Fleet::start_agents(1, slow_agent, &shutdown).await;
     let mut config = crate::fleet::router_config(&agents);
     let events = crate::support::nowhere();
     config.replicas.push(
