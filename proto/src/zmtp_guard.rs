@@ -436,13 +436,15 @@ mod tests {
         let guard = ZmtpGuard::connecting(&format!("tcp://127.0.0.1:{port}"), Arc::new(|| {})).await.unwrap();
         let _socket = TcpStream::connect(guard.endpoint().trim_start_matches("tcp://")).await.unwrap();
         let (_peer, _) = publisher.accept().await.unwrap();
-        // The dialed side's row: remote address the publisher's port; its timer column.
+        // The dialed side's row: remote address the publisher's port, established (`st` 01:
+        // an earlier connection to a port of that number may linger in TIME_WAIT, timer 3);
+        // its timer column.
         let timer = || {
             let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
             let remote = format!("0100007F:{port:04X}");
             table.lines().find_map(|row| {
                 let cols: Vec<&str> = row.split_whitespace().collect();
-                (cols.get(2) == Some(&remote.as_str()))
+                (cols.get(2) == Some(&remote.as_str()) && cols.get(3) == Some(&"01"))
                     .then(|| cols[5].split(':').next().unwrap_or("").to_owned())
             })
         };
