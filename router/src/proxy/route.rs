@@ -9,7 +9,6 @@
 //! ones are eligible after all, so passive ejection never leaves the router nothing to try.
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use kvroute_proto::hash::{extend_chain, tie_key};
@@ -130,9 +129,15 @@ pub struct Prepared {
     sequences: u32,
     /// Its place among requests waiting for room ([`ParsedRequest::priority`]).
     pub priority: i64,
-    /// When its first decision started, and whether it was made ([`Decider::decide_prepared`]).
+    /// When its first decision started ([`Decider::decide_prepared`]).
     started: Instant,
-    decided: AtomicBool,
+}
+
+impl Prepared {
+    /// The fleet it read, for its first decision only (`None` after).
+    fn first_members(&self) -> Option<Vec<Member>> {
+        self.members.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()
+    }
 }
 
 /// The outcome of a decision.
@@ -257,9 +262,9 @@ impl Decider {
     /// [`Decider::decide_within`] for a prepared request: the index, credits and load as they
     /// are now. (Its first decision's time includes its preparation; a later one's is its own.)
     pub fn decide_prepared(&self, prepared: &Prepared, limits: &RequestLimits) -> Result<Plan, ProxyError> {
-        let first = !prepared.decided.swap(true, std::sync::atomic::Ordering::Relaxed);
-        let started = if first { prepared.started } else { Instant::now() };
-        let mut plan = self.plan_prepared(prepared, true);
+        let members = prepared.first_members();
+        let started = if members.is_some() { prepared.started } else { Instant::now() };
+        let mut plan = self.plan_prepared(prepared, members, true);
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         limits.check(&plan, prepared.asked)?;
         if plan.chosen().is_none() {
@@ -300,7 +305,7 @@ impl Decider {
     /// The decision for a request; `send` when it will be sent (the policy moves on).
     async fn plan(&self, endpoint: Endpoint, body: &[u8], send: bool) -> Result<Plan, ProxyError> {
         let prepared = self.read(endpoint, body, Instant::now()).await?;
-        Ok(self.plan_prepared(&prepared, send))
+        Ok(self.plan_prepared(&prepared, prepared.first_members(), send))
     }
 
     /// The request to `endpoint` in `body` read, tokenized and hashed; `started` when its
@@ -390,17 +395,16 @@ impl Decider {
             sequences: prompts.saturating_mul(request.n()).min(MAX_N),
             priority: request.priority(),
             started,
-            decided: AtomicBool::new(false),
         })
     }
 
     /// The decision for a prepared request, on the fleet, index, credits and load as they are
-    /// now; `send` when it will be sent (the policy moves on).
-    fn plan_prepared(&self, prepared: &Prepared, send: bool) -> Plan {
+    /// now (`first`: the fleet it read, for its first decision); `send` when it will be sent
+    /// (the policy moves on).
+    fn plan_prepared(&self, prepared: &Prepared, first: Option<Vec<Member>>, send: bool) -> Plan {
         // A replica that left since the members were read (while the prompt was tokenized,
         // remotely or on the blocking pool, or the request waited for room) is not chosen,
         // nor credited; one that joined is a candidate.
-        let first = prepared.members.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
         let members = match first {
             Some(members) if self.fleet.changes() == prepared.changes => members,
             _ => self.fleet.members(),
