@@ -4,12 +4,14 @@
 //!
 //! Retries: when a replica refuses the connection, fails before any response byte (a
 //! malformed response head counts as an answer: never retried), or answers 503 (it refused to start the request: shutting down or its queue is full), the
-//! request goes to the next replica of the plan (at most [`MAX_ATTEMPTS`] in all) — never
+//! request goes to the best replica of the plan not yet tried that has room (at most
+//! [`MAX_ATTEMPTS`] in all; one passed over for want of room may have it now) — never
 //! after a response has started, and never after a first-byte timeout (the replica may still
 //! be working on it). Each failure counts toward the replica's outlier ejection; 5xx answers
 //! are passed to the client and counted too (503 excepted: see [`super::upstream`]). When the
 //! replicas left to retry on are all at `--max-in-flight-per-replica`, a retry (after a failure
-//! or a 503) waits in line for room on one of them ([`super::queue`]).
+//! or a 503) waits in line for room on one of them ([`super::queue`]). A retry is scored on
+//! the index, credits and load as they are when it is sent ([`Decider::rescore`]).
 //!
 //! A request holds its [`Slot`] under `--max-in-flight` until its response body ends, streams
 //! included.
@@ -31,13 +33,14 @@ use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::pool::{Pool, SendError};
 use super::queue::{Line, Queue};
 use super::responses::{Learner, Owner, Owners};
-use super::route::{Decider, Plan};
+use super::route::{Decider, Plan, Scored};
 use super::stalls::StallWatch;
 use super::upload::{self, Progress};
 use super::upstream::{LoadGuard, Upstream};
 use crate::index::CreditHold;
 use crate::metrics::ProxyMetrics;
 use crate::replicas::Replica;
+use kvroute_proto::ReplicaId;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -129,7 +132,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// Sends a routed request (buffered body, so it can be retried) along `plan.order`; a retry
-/// takes the decision's credit along to the replica it goes to. When the replicas left to
+/// is scored again and takes the decision's credit along to the replica it goes to. When the replicas left to
 /// retry on are all saturated, the retry waits in `line` for room on one of them (crediting
 /// none while it waits).
 pub async fn routed(
@@ -145,18 +148,21 @@ pub async fn routed(
     let metrics = &decider.metrics;
     let (client, headers) = upstream_head(parts, request_id, config.forwarded_for);
     let mut last_error = None;
-    // The replica of `plan.order` tried now, and how many have been tried.
-    let (mut attempt, mut tried) = (0, 0);
+    // The replica of `plan.order` tried now, and those sent to so far (in `plan.order`).
+    let (mut attempt, mut sent_to) = (0, Vec::with_capacity(MAX_ATTEMPTS));
     loop {
-        let Some(scored) = plan.order().nth(attempt) else { break };
-        let (member, rank) = (&scored.member.clone(), scored.rank.map(|rank| (rank, scored.rank_blocks)));
-        if tried > 0 {
+        if !sent_to.is_empty() {
             metrics.retries.inc();
-            // The decision's credit goes with it: the prefix's next requests follow it to the
+            // Scored as the replica is now (the retry may have waited for its room), and the
+            // decision's credit goes with it: the prefix's next requests follow it to the
             // replica that will cache it.
+            decider.rescore(plan, attempt);
             decider.credit(plan, attempt);
         }
-        tried += 1;
+        let Some(scored) = plan.order().nth(attempt) else { break };
+        let (member, rank) = (&scored.member.clone(), scored.rank.map(|rank| (rank, scored.rank_blocks)));
+        sent_to.push(attempt);
+        let tried = sent_to.len();
         let upstream = &member.upstream;
         let mut guard = upstream.begin(plan.sequences, plan.prefill_tokens(attempt), plan.prompt_tokens);
         // A data-parallel replica's rank is named, and credited.
@@ -194,7 +200,7 @@ pub async fn routed(
             Ok(Ok(response))
                 if response.status() == http::StatusCode::SERVICE_UNAVAILABLE
                     && tried < MAX_ATTEMPTS
-                    && plan.order().skip(attempt + 1).any(|s| retry_on(decider, &s.member).may(line.0)) =>
+                    && untried(plan, &sent_to).any(|(_, s)| retry_on(decider, &s.member).may(line.0)) =>
             {
                 // A 503 means the replica refused the request without starting it (shutting
                 // down, queue full): another replica can take it, now or once it has room.
@@ -294,7 +300,7 @@ pub async fn routed(
         if tried == MAX_ATTEMPTS {
             break;
         }
-        match next_attempt(decider, plan, attempt, line).await {
+        match next_attempt(decider, plan, &sent_to, line).await {
             Ok(next) => attempt = next,
             Err(Some(waited)) => {
                 last_error = Some(waited);
@@ -361,32 +367,48 @@ fn retry_on(decider: &Decider, member: &crate::fleet::Member) -> Retry {
     }
 }
 
-/// The candidate of `plan` to retry on after the `failed`th of its order: the next that may
-/// take it ([`retry_on`]), waiting in `line` for room on those left when they are all
-/// saturated ([`super::queue`]). `Err(None)`: none is left, or the line is off (the last
-/// error stands); `Err(Some)`: the wait's 503 (its time is up, or the line is full).
+/// The candidates of `plan`'s order not yet sent to (`sent_to`), as their places in it.
+fn untried<'a>(plan: &'a Plan, sent_to: &'a [usize]) -> impl Iterator<Item = (usize, &'a Scored)> {
+    plan.order().enumerate().filter(|(i, _)| !sent_to.contains(i))
+}
+
+/// The first of `candidates` (their places in a plan's order, whether they take a retry, and
+/// their ids) that takes a retry; else those of them that would once they have room.
+fn first_to_take(
+    candidates: impl Iterator<Item = (usize, Retry, ReplicaId)>,
+) -> Result<usize, Vec<ReplicaId>> {
+    let mut saturated = Vec::new();
+    for (i, retry, id) in candidates {
+        match retry {
+            Retry::Takes => return Ok(i),
+            Retry::Saturated => saturated.push(id),
+            Retry::Not => {}
+        }
+    }
+    Err(saturated)
+}
+
+/// The candidate of `plan` to retry on, none of `sent_to`: the best of the rest that may take
+/// it ([`retry_on`]; one passed over for want of room may have it now), waiting in `line` for
+/// room on them when they are all saturated ([`super::queue`]). `Err(None)`: none is left, or
+/// the line is off (the last error stands); `Err(Some)`: the wait's 503 (its time is up, or
+/// the line is full).
 async fn next_attempt(
     decider: &Decider,
     plan: &Plan,
-    failed: usize,
+    sent_to: &[usize],
     (queue, line): (&Queue, &Line),
 ) -> Result<usize, Option<ProxyError>> {
     let next = || {
-        let mut saturated = Vec::new();
-        for (i, scored) in plan.order().enumerate().skip(failed + 1) {
-            match retry_on(decider, &scored.member) {
-                Retry::Takes => return Ok(i),
-                Retry::Saturated => saturated.push(scored.member.replica.id),
-                Retry::Not => {}
-            }
-        }
-        match saturated.is_empty() {
-            true => Err(ProxyError::Unavailable("no replica left to retry on".into())),
-            false => Err(ProxyError::Saturated {
+        let candidates = untried(plan, sent_to)
+            .map(|(i, scored)| (i, retry_on(decider, &scored.member), scored.member.replica.id));
+        first_to_take(candidates).map_err(|saturated| match saturated.is_empty() {
+            true => ProxyError::Unavailable("no replica left to retry on".into()),
+            false => ProxyError::Saturated {
                 reason: "every replica left to retry on is saturated".into(),
                 replicas: saturated,
-            }),
-        }
+            },
+        })
     };
     if !queue.waits() {
         return next().map_err(|_| None);
@@ -881,6 +903,24 @@ mod tests {
             let client = client.parse::<Uri>().unwrap();
             assert_eq!(replica_uri(&replica, &client).unwrap().to_string(), expected, "{name}");
         }
+    }
+
+    /// A retry goes to the best candidate not yet sent to, one passed over for want of room
+    /// included (it may have room now), and waits for the saturated ones when none takes it.
+    #[test]
+    fn a_retry_goes_to_the_best_candidate_left_wherever_it_stands() {
+        let ids = [ReplicaId(7), ReplicaId(8), ReplicaId(9)];
+        let left = |retries: [Retry; 3], sent_to: &[usize]| {
+            let candidates = retries.into_iter().zip(ids).enumerate();
+            first_to_take(candidates.filter(|(i, _)| !sent_to.contains(i)).map(|(i, (r, id))| (i, r, id)))
+        };
+        // Sent to the first and the third: the second, saturated when the first failed, is
+        // waited for, or taken once it has room.
+        assert_eq!(left([Retry::Takes, Retry::Saturated, Retry::Takes], &[0, 2]), Err(vec![ids[1]]));
+        assert_eq!(left([Retry::Takes, Retry::Takes, Retry::Takes], &[0, 2]), Ok(1));
+        assert_eq!(left([Retry::Takes, Retry::Saturated, Retry::Takes], &[0]), Ok(2));
+        assert_eq!(left([Retry::Takes, Retry::Not, Retry::Saturated], &[0]), Err(vec![ids[2]]));
+        assert_eq!(left([Retry::Takes, Retry::Not, Retry::Takes], &[0, 2]), Err(vec![]));
     }
 
     #[test]

@@ -174,6 +174,8 @@ pub struct Plan {
     /// The answer streams: its first data comes right after the prefill. (A whole answer
     /// comes only at the end, so the prefill's end is read off the replica's events.)
     pub streams: bool,
+    /// The request as the policy sees it (for a retry's scoring: [`Decider::rescore`]).
+    request: RequestView,
 }
 
 impl Plan {
@@ -284,6 +286,24 @@ impl Decider {
         let Some(replica) = plan.order().nth(at) else { return };
         let (id, blocks) = (replica.member.replica.id, plan.uncredited(replica).to_vec());
         plan.hold = Some(CreditHold::pin(&self.index, id, blocks));
+    }
+
+    /// The `at`th replica of `plan`'s order scored again on the index, credits and load as they
+    /// are now, for a retry sent there: it may have waited for room there while the replica
+    /// cached more of the prefix (its prediction, pending prefill, pins and rank would be
+    /// the decision's). Its cost, and whether it was eligible, stay the decision's.
+    pub fn rescore(&self, plan: &mut Plan, at: usize) {
+        let Some(&i) = plan.order.get(at) else { return };
+        let scored = &plan.candidates[i];
+        let member = vec![scored.member.clone()];
+        let (blocks, all_blocks) = (Arc::clone(&plan.blocks), Arc::clone(&plan.all_blocks));
+        let tokens = (plan.first_prompt_tokens, None);
+        let fresh = self.score(member, blocks, all_blocks, &plan.request, tokens, false).candidates.pop();
+        if let Some(fresh) = fresh {
+            let (cost, ineligible, eligible) = (scored.cost, scored.ineligible, scored.view.eligible);
+            let view = ReplicaView { eligible, ..fresh.view };
+            plan.candidates[i] = Scored { cost, ineligible, view, ..fresh };
+        }
     }
 
     /// The request failed on the `at`th replica of `plan`'s order without starting there: the
@@ -571,6 +591,7 @@ impl Decider {
             keeps_response: false,
             sequences: 1,
             streams: false,
+            request: *request,
         }
     }
 }

@@ -230,17 +230,9 @@ async fn a_continuation_waits_for_room_on_the_replica_that_stored_its_response()
 /// has room, not answered 502.
 #[tokio::test]
 async fn a_retry_off_a_dead_replica_waits_for_room_on_the_saturated_rest() {
-    let mut fleet = Fleet::with(2, slow_agent, |c| kvroute_router::Config {
-        max_in_flight_per_replica: 1,
-        queue_timeout_ms: LONG,
-        health_interval_ms: 3_600_000,
-        ..c
-    })
-    .await;
-    let open = open_stream(&fleet).await;
-    let busy = open.headers()["x-kvroute-replica"].to_str().unwrap().to_owned();
-    let dead = if busy == "agent-0" { "agent-1" } else { "agent-0" };
-    fleet.kill(usize::from(busy == "agent-0")).await;
+    let (fleet, open, busy) = dead_beside_busy().await;
+    let dead = if busy == 0 { "agent-1" } else { "agent-0" };
+    let busy = format!("agent-{busy}");
     let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
     let prompt = completion("one two three four five six seven eight nine ten");
     let body = prompt.to_string();
@@ -260,6 +252,47 @@ async fn a_retry_off_a_dead_replica_waits_for_room_on_the_saturated_rest() {
     assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
     assert_eq!(answer.header("x-kvroute-replica"), Some(busy.as_str()));
     assert_eq!((fleet.router.state.decider.metrics.retries.get(), outcomes(&fleet, "placed")), (1, 1));
+}
+
+/// A retry that waited for room is scored as the replica is when it is sent: one that cached
+/// the prompt while the retry waited is predicted to hit it (its pins and pending prefill
+/// follow), not as it was when the request was decided.
+#[tokio::test]
+async fn a_retry_that_waited_is_scored_as_its_replica_is_when_it_is_sent() {
+    let (fleet, open, busy) = dead_beside_busy().await;
+    let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
+    let prompt = completion("one two three four five six seven eight nine ten eleven twelve");
+    let sent = prompt.clone();
+    let retried = tokio::spawn(async move { http.post(&url, &sent).await });
+    queued(&fleet, 1).await;
+    // While it waits, the busy replica runs the same prompt for another client of its own.
+    let direct = fleet.http.post(&format!("{}/v1/completions", fleet.agent(busy).http_url()), &prompt).await;
+    assert_eq!(direct.status, 200, "{}", String::from_utf8_lossy(&direct.body));
+    fleet.index_matches(busy).await;
+    assert!(read_to_end(open).await.contains("[DONE]"));
+    let answer = tokio::time::timeout(WAIT, retried).await.expect("served in time").unwrap();
+    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    assert_eq!(answer.header("x-kvroute-replica"), Some(format!("agent-{busy}").as_str()));
+    let predicted: u64 = answer.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
+    assert!(predicted > 0, "the prompt is cached where the retry goes");
+    assert_eq!(predicted, answer.cached_tokens());
+}
+
+/// Two slow agents, at most one request each: one of them busy with an open stream (returned
+/// with its index), the other dead, unbeknown to the router (no health check after the
+/// first).
+async fn dead_beside_busy() -> (Fleet, http::Response<hyper::body::Incoming>, usize) {
+    let mut fleet = Fleet::with(2, slow_agent, |c| kvroute_router::Config {
+        max_in_flight_per_replica: 1,
+        queue_timeout_ms: LONG,
+        health_interval_ms: 3_600_000,
+        ..c
+    })
+    .await;
+    let open = open_stream(&fleet).await;
+    let busy = usize::from(open.headers()["x-kvroute-replica"] == "agent-1");
+    fleet.kill(1 - busy).await;
+    (fleet, open, busy)
 }
 
 /// A replica that refuses a request with 503 (its own queue full) while the rest of the fleet
