@@ -77,9 +77,11 @@ impl Waiters {
         if self.count.load(SeqCst) == 0 {
             return;
         }
-        let woken = std::mem::take(&mut *self.line());
-        self.count.fetch_sub(woken.len(), SeqCst);
-        for waiter in woken.into_values() {
+        let mut line = self.line();
+        self.count.fetch_sub(line.len(), SeqCst);
+        // Told under the line's lock: a ticket dropped on another thread that finds itself
+        // out of line reads the room it was woken for (see [`Waiters::wake_first`]).
+        for waiter in std::mem::take(&mut *line).into_values() {
             waiter.wake.wake(ALL);
         }
     }
@@ -105,7 +107,9 @@ impl Waiters {
         let Some(ticket) = first.map(|(ticket, _)| *ticket) else { return };
         let waiter = line.remove(&ticket).expect("found");
         self.count.fetch_sub(1, SeqCst);
-        drop(line);
+        // Told before the lock is let go: a ticket dropped on another thread just now finds
+        // itself out of line only once it is told which room woke it, and passes that on
+        // (told after, it could read an earlier room, or none, and wake the wrong request).
         waiter.wake.wake(replica.0.into());
     }
 }
@@ -345,6 +349,32 @@ mod tests {
         waiters.wake_all();
         assert!(done(&mut a_wait).await && done(&mut b_wait).await);
         assert_eq!(waiters.count.load(SeqCst), 0);
+    }
+
+    /// A request woken on one thread just as its client leaves on another passes the wake on
+    /// to the next request waiting for that room, whichever comes first. (A race: run many
+    /// times, on two threads released together.)
+    #[test]
+    fn a_wake_that_meets_its_request_leaving_is_passed_on() {
+        for _ in 0..5_000 {
+            let waiters = Waiters::default();
+            let seen = waiters.frees();
+            let (mut leaving, mut next) = (waiters.ticket(0), waiters.ticket(0));
+            assert!(matches!(leaving.join(&[R1], seen), Joined::Waiting));
+            assert!(matches!(next.join(&[R1], seen), Joined::Waiting));
+            let start = std::sync::Barrier::new(2);
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    start.wait();
+                    waiters.freed(R1);
+                });
+                s.spawn(|| {
+                    start.wait();
+                    drop(leaving);
+                });
+            });
+            assert!(!waiters.line().contains_key(&next.id), "the next request was not woken");
+        }
     }
 
     /// A wait given up on (its future dropped) and taken again: in line once, and a wake
