@@ -130,13 +130,10 @@ impl Prompts {
                     ParsedRequest::Completion(_) => Endpoint::Completions,
                     ParsedRequest::Chat(_) => Endpoint::ChatCompletions,
                 };
-                // At most a core's worth of them at once, whatever the HTTP threads' pools allow.
-                let _turn =
-                    BLOCKING_TURNS.acquire().await.map_err(|e| PromptError::Tokenizing(e.to_string()))?;
-                let tokenized = tokio::task::spawn_blocking(move || {
+                let tokenized = off_the_thread(&BLOCKING_TURNS, move || {
                     PromptInfo::local(&t, &mut ParsedRequest::parse(endpoint, &body)?)
                 });
-                Ok(tokenized.await.map_err(|e| PromptError::Tokenizing(e.to_string()))??)
+                Ok(tokenized.await??)
             }
             Prompts::Local(t) => Ok(PromptInfo::local(t, request)?),
             // Boxed: the remote exchange's future would otherwise make every request's
@@ -175,6 +172,21 @@ const BLOCKING_TEXT_BYTES: usize = 256 << 10;
 static BLOCKING_TURNS: std::sync::LazyLock<tokio::sync::Semaphore> = std::sync::LazyLock::new(|| {
     tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(1, usize::from))
 });
+
+/// `work` done on the blocking pool in one of `turns` (at most a core's worth at once,
+/// whatever the HTTP threads' pools allow), held until the work is done: a client that
+/// leaves (this future dropped) does not stop it.
+async fn off_the_thread<T: Send + 'static>(
+    turns: &'static tokio::sync::Semaphore,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, PromptError> {
+    let turn = turns.acquire().await.map_err(|e| PromptError::Tokenizing(e.to_string()))?;
+    let done = tokio::task::spawn_blocking(move || {
+        let _turn = turn;
+        work()
+    });
+    done.await.map_err(|e| PromptError::Tokenizing(e.to_string()))
+}
 
 /// Bytes of text `request` has to tokenize (token-id prompts need none; a chat's media are
 /// not text).
@@ -468,6 +480,24 @@ mod tests {
         cache.keep(1000, &[vec![7u32; REMOTE_CACHE_BYTES / 4]]);
         assert!(!cache.map.contains_key(&1000), "too large to keep");
         assert_eq!(cache.map.len(), 64);
+    }
+
+    /// Work on the blocking pool keeps its turn until it is done, though the request that
+    /// started it left: clients that send long prompts and leave at once cannot pile up more
+    /// of them than there are turns.
+    #[tokio::test]
+    async fn blocking_work_keeps_its_turn_after_its_request_left() {
+        static TURNS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+        let (finish, finished) = std::sync::mpsc::channel::<()>();
+        {
+            let work = off_the_thread(&TURNS, move || finished.recv().ok());
+            tokio::pin!(work);
+            assert!(futures::poll!(work.as_mut()).is_pending(), "working");
+        }
+        assert_eq!(TURNS.available_permits(), 0, "the work holds its turn");
+        finish.send(()).unwrap();
+        let freed = tokio::time::timeout(std::time::Duration::from_secs(10), TURNS.acquire()).await;
+        assert!(freed.is_ok(), "the turn is given back when the work is done");
     }
 
     /// A long text is tokenized off this thread, and to the same ids as in place, for
