@@ -127,8 +127,9 @@ pub struct Owners {
     /// Ids every replica said it lacks, and when ([`MISSING_FOR`]).
     missing: quick_cache::sync::Cache<Box<str>, Instant>,
     /// Ids the replicas are being asked for: a lookup of one waits for the one under way and
-    /// reads its answer, rather than asking every replica again.
-    asking: std::sync::Mutex<std::collections::HashMap<Box<str>, Arc<tokio::sync::Mutex<()>>>>,
+    /// reads its answer, rather than asking every replica again. (The gate holds whether a
+    /// lookup got every replica's answer: one whose client left before did not.)
+    asking: std::sync::Mutex<std::collections::HashMap<Box<str>, Gate>>,
 }
 
 /// The replica that made a response, and the data-parallel rank the router sent its request
@@ -145,11 +146,14 @@ impl Owner {
     }
 }
 
+/// Held by the lookup of an id asking the replicas; it says whether one got their answers.
+type Gate = Arc<tokio::sync::Mutex<bool>>;
+
 /// A lookup's turn to ask the replicas for an id; the id is forgotten with the last turn.
 struct Turn<'a> {
     owners: &'a Owners,
     id: &'a str,
-    gate: Arc<tokio::sync::Mutex<()>>,
+    gate: Gate,
 }
 
 impl Drop for Turn<'_> {
@@ -249,20 +253,26 @@ impl Owners {
             let mut asking = self.asking.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             Turn { owners: self, id, gate: asking.entry(id.into()).or_default().clone() }
         };
-        let _held = match turn.gate.try_lock() {
+        let mut asked = match turn.gate.try_lock() {
             Ok(held) => held,
             Err(_) => {
                 count("waited");
-                drop(turn.gate.lock().await);
-                // Found or missing: read here. Anything else (a replica that did not answer
-                // in time, every one refusing) would cost this request as long again, after
-                // the wait: it gets the 503 a retry can act on.
-                return known().unwrap_or_else(|| {
-                    Err(ProxyError::Unavailable(format!(
-                        "response '{id}' was just sought on every replica for another request, \
-                         and none said it has it"
-                    )))
-                });
+                let held = turn.gate.lock().await;
+                match known() {
+                    Some(known) => return known,
+                    // Anything else (a replica that did not answer in time, every one
+                    // refusing) would cost this request as long again, after the wait: it gets
+                    // the 503 a retry can act on.
+                    None if *held => {
+                        return Err(ProxyError::Unavailable(format!(
+                            "response '{id}' was just sought on every replica for another request, \
+                             and none said it has it"
+                        )));
+                    }
+                    // The lookup it waited for was given up before the replicas answered (its
+                    // client left): this one asks them.
+                    None => held,
+                }
             }
         };
         let members = fleet.members();
@@ -288,6 +298,7 @@ impl Owners {
             }
         });
         let answers = join_all(asks).await;
+        *asked = true;
         let first = answers.first().and_then(|a| a.as_ref());
         let answers: Vec<Option<StatusCode>> = answers.iter().map(|a| a.as_ref().map(|(s, _)| *s)).collect();
         let found = answers.iter().position(|a| *a == Some(StatusCode::OK));

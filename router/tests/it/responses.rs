@@ -292,3 +292,89 @@ async fn malformed_responses_requests_are_refused_with_the_field() {
     assert_eq!(reply.status, 400);
     assert_eq!(reply.json()["error"]["type"], "invalid_request_error");
 }
+
+/// A lookup of an id that waited for another lookup of it, whose client left before the
+/// replicas answered, asks the replicas itself: it finds the response, not a 503 saying it
+/// was just sought.
+#[tokio::test]
+async fn a_lookup_whose_forerunner_left_asks_the_replicas_itself() {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    // A replica that answers a lookup (404) only once released; anything else at once.
+    let held = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let held_at = held.local_addr().unwrap();
+    let (release, asked) =
+        (tokio_util::sync::CancellationToken::new(), tokio::sync::mpsc::unbounded_channel());
+    let (released, asked_tx) = (release.clone(), asked.0);
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = held.accept().await {
+            let (released, asked) = (released.clone(), asked_tx.clone());
+            tokio::spawn(async move {
+                let mut stream = tokio::io::BufReader::new(stream);
+                loop {
+                    let mut head = String::new();
+                    while !head.ends_with("\r\n\r\n") {
+                        if stream.read_line(&mut head).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                    }
+                    let answer: &[u8] = if head.starts_with("GET /v1/responses/") {
+                        asked.send(()).ok();
+                        released.cancelled().await;
+                        b"HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\n\r\n{}"
+                    } else {
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+                    };
+                    if stream.get_mut().write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let mut asked = asked.1;
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let agents = Fleet::start_agents(1, storing, &shutdown).await;
+    let mut config = router_config(&agents);
+    let events = crate::support::nowhere();
+    config
+        .replicas
+        .push(format!("name=held,http=http://{held_at},events={events},engine=kvroute").parse().unwrap());
+    // The held replica has no event stream: FALLBACK soon, so that the router is ready.
+    let fleet =
+        Fleet::around(agents, kvroute_router::Config { events_fallback_ms: 300, ..config }, shutdown).await;
+    // Made on the agent without the router, which does not know where it is.
+    let first = json!({"model": FLEET_MODEL, "input": "start", "max_output_tokens": 2});
+    let made = fleet.http.post(&format!("{}/v1/responses", fleet.agent(0).http_url()), &first).await;
+    assert_eq!(made.status, 200, "{}", String::from_utf8_lossy(&made.body));
+    let id = made.json()["id"].as_str().unwrap().to_owned();
+    let next =
+        json!({"model": FLEET_MODEL, "previous_response_id": id, "input": "go on", "max_output_tokens": 2});
+    // The first lookup asks every replica, and waits for the held one...
+    let body = next.to_string();
+    let mut leaving = tokio::net::TcpStream::connect(fleet.router.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/responses HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    leaving.write_all(head.as_bytes()).await.unwrap();
+    tokio::time::timeout(crate::support::WAIT, asked.recv()).await.expect("asked in time").unwrap();
+    // ...while a second waits for it; then the first one's client leaves.
+    let (http, url) = (fleet.http.clone(), fleet.url("/v1/responses"));
+    let waiting = tokio::spawn(async move { http.post(&url, &next).await });
+    crate::support::wait_until_async("the second lookup waits", async || {
+        lookups(&fleet, &fleet.router.url(), "waited").await == 1
+    })
+    .await;
+    drop(leaving);
+    crate::support::wait_until_async("the first client left", async || {
+        let metrics = fleet.http.get(&format!("{}/metrics", fleet.router.url())).await;
+        let metrics = String::from_utf8_lossy(&metrics.body).into_owned();
+        crate::support::sample(&metrics, "kvroute_router_requests_total{code=\"499\"}") == Some(1)
+    })
+    .await;
+    release.cancel();
+    let answer = tokio::time::timeout(crate::support::WAIT, waiting).await.expect("in time").unwrap();
+    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    assert_eq!(replica(&answer), "agent-0");
+    assert_eq!(lookups(&fleet, &fleet.router.url(), "found").await, 1);
+}
