@@ -267,6 +267,7 @@ async fn dispatch(
         // Passed on as other requests are, without its `Upgrade` (hop-by-hop), it would
         // reach the replica as a plain request and be refused there as an unknown path.
         paths::check_passthrough(&path)?;
+        tunnel::check_handshake(req.headers())?;
         let line = queue::Line::default();
         let admitted = admit(state, (request_id, received), &line).await?;
         let members = with_room(state, &line, || by_load(state, request_id)).await?;
@@ -309,10 +310,10 @@ async fn dispatch(
         (Method::POST, p) if let Some(change) = lora::route(p) => {
             // Refused or over the limit before its body is read (and `100 Continue` sent).
             lora::check_enabled(state)?;
+            check_length(state, req.headers())?;
             let admitted = admit(state, (request_id, received), &queue::Line::default()).await?;
             let (parts, body) = req.into_parts();
-            let body =
-                read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
+            let body = read_body(body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
             Box::pin(lora::fan_out(state, pool, change, (parts, body), (request_id, admitted.slot))).await
         }
         (Method::GET | Method::HEAD, "/health" | "/ready") => Ok(probe(state, &path)),
@@ -338,10 +339,11 @@ async fn routed(
     endpoint: Endpoint,
     arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
+    check_length(state, req.headers())?;
     let line = queue::Line::default();
     let admitted = admit(state, arrived, &line).await?;
     let (parts, body) = req.into_parts();
-    let body = read_body(&parts, body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
+    let body = read_body(body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
     let (waiters, metrics) = (state.fleet().waiters(), &state.decider.metrics);
     let goes_to = |plan: &route::Plan| plan.chosen().map(|chosen| chosen.member.replica.id);
     // Tokenized once, decided again each time it is woken to find room.
@@ -405,6 +407,7 @@ async fn stored_response(
     id: &str,
     arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
+    check_length(state, req.headers())?;
     let admitted = admit(state, arrived, &queue::Line::default()).await?;
     // The store is the API server's: any rank's, so none is named.
     let (member, _) = find_owner(state, pool, req.headers(), id).await?;
@@ -458,6 +461,8 @@ async fn passthrough(
     req: Request<Incoming>,
     arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
+    // Refused before it waits for room: the room it took would go unused.
+    check_length(state, req.headers())?;
     let line = queue::Line::default();
     let admitted = admit(state, arrived, &line).await?;
     let members = with_room(state, &line, || by_load(state, arrived.0)).await?;
@@ -497,7 +502,18 @@ fn by_load(state: &ProxyState, request_id: &str) -> Result<Vec<Member>, ProxyErr
     Ok(eligible.into_iter().map(|(_, m)| m).collect())
 }
 
-/// Sends `req` to `member`, its body streamed through.
+/// A body whose `Content-Length` is past `--max-body-bytes` is refused before the request
+/// takes a place or room (a body that says nothing of its length is cut off at the limit as
+/// it is read or streamed: [`read_body`], [`streamed_to`]).
+fn check_length(state: &ProxyState, headers: &http::HeaderMap) -> Result<(), ProxyError> {
+    match content_length(headers).is_some_and(|n| n > state.forward.max_body_bytes) {
+        true => Err(ProxyError::BodyTooLarge { limit: state.forward.max_body_bytes }),
+        false => Ok(()),
+    }
+}
+
+/// Sends `req` to `member`, its body streamed through (its stated length checked already:
+/// [`check_length`]).
 async fn streamed_to(
     state: &Arc<ProxyState>,
     pool: &Arc<Pool>,
@@ -506,9 +522,6 @@ async fn streamed_to(
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let (parts, body) = req.into_parts();
-    if content_length(&parts).is_some_and(|n| n > state.forward.max_body_bytes) {
-        return Err(ProxyError::BodyTooLarge { limit: state.forward.max_body_bytes });
-    }
     let uploaded = upload::Progress::default();
     let body =
         upload::Upload::new(Limited::new(body, state.forward.max_body_bytes), state.forward.idle_timeout)
@@ -518,21 +531,14 @@ async fn streamed_to(
     forward::to_replica(pool, &state.forward, &state.decider.metrics, &member, parts, sending, admitted).await
 }
 
-fn content_length(parts: &http::request::Parts) -> Option<usize> {
-    parts.headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+fn content_length(headers: &http::HeaderMap) -> Option<usize> {
+    headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
 /// Reads a whole request body, refusing more than `limit` bytes and a body that stalls for
-/// `idle` (it holds an in-flight slot while it is read).
-async fn read_body(
-    parts: &http::request::Parts,
-    body: Incoming,
-    limit: usize,
-    idle: Duration,
-) -> Result<Bytes, ProxyError> {
-    if content_length(parts).is_some_and(|n| n > limit) {
-        return Err(ProxyError::BodyTooLarge { limit });
-    }
+/// `idle` (it holds an in-flight slot while it is read; its stated length is checked before
+/// it takes that: [`check_length`]).
+async fn read_body(body: Incoming, limit: usize, idle: Duration) -> Result<Bytes, ProxyError> {
     match upload::Upload::new(Limited::new(body, limit), idle).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) => Err(upload::client_error(&e, limit)),

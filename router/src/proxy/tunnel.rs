@@ -45,7 +45,18 @@ use super::upstream::LoadGuard;
 use super::{ProxyState, access};
 use crate::fleet::Member;
 
-/// Sends the handshake `req` to the first of `members` (least loaded first) that answers it.
+/// A handshake with a body is refused, before it takes a place or room.
+pub(super) fn check_handshake(headers: &http::HeaderMap) -> Result<(), ProxyError> {
+    match headers.contains_key(header::TRANSFER_ENCODING)
+        || headers.get(header::CONTENT_LENGTH).is_some_and(|n| n.as_bytes() != b"0")
+    {
+        true => Err(ProxyError::Refused("a WebSocket handshake has no body".into())),
+        false => Ok(()),
+    }
+}
+
+/// Sends the handshake `req` (checked: [`check_handshake`]) to the first of `members` (least
+/// loaded first) that answers it.
 pub(super) async fn open(
     state: &Arc<ProxyState>,
     pool: &Arc<Pool>,
@@ -54,12 +65,6 @@ pub(super) async fn open(
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let (config, metrics) = (&state.forward, &state.decider.metrics);
-    let headers = req.headers();
-    if headers.contains_key(header::TRANSFER_ENCODING)
-        || headers.get(header::CONTENT_LENGTH).is_some_and(|n| n.as_bytes() != b"0")
-    {
-        return Err(ProxyError::Refused("a WebSocket handshake has no body".into()));
-    }
     let client_side = hyper::upgrade::on(&mut req);
     let background = req.extensions().get::<kvroute_proto::serve::Background>().cloned();
     let (parts, _) = req.into_parts();

@@ -327,3 +327,39 @@ async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_re
     assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
     assert_eq!(answer.header("x-kvroute-replica"), Some("agent-0"));
 }
+
+/// A request refused for what its head says (a passed-through body past the limit, a
+/// WebSocket handshake with a body) is refused at once, not after waiting for room it would
+/// not use (taking it when it freed, it left the next request in line asleep).
+#[tokio::test]
+async fn a_request_its_head_refuses_does_not_wait_for_room() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fleet = Fleet::with(1, slow_agent, |c| kvroute_router::Config {
+        max_in_flight_per_replica: 1,
+        queue_timeout_ms: LONG,
+        max_body_bytes: 1024,
+        ..c
+    })
+    .await;
+    let open = open_stream(&fleet).await;
+    let heads = [
+        (
+            "POST /v1/embeddings HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\ncontent-length: 1025\r\n\r\n",
+            "413",
+        ),
+        (
+            "GET /v1/realtime HTTP/1.1\r\nhost: r\r\nconnection: upgrade\r\nupgrade: websocket\r\n\
+             sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\ncontent-length: 2\r\n\r\n{}",
+            "400",
+        ),
+    ];
+    for (head, status) in heads {
+        let mut client = tokio::net::TcpStream::connect(fleet.router.addr).await.unwrap();
+        client.write_all(head.as_bytes()).await.unwrap();
+        let mut answer = [0u8; 12];
+        tokio::time::timeout(WAIT, client.read_exact(&mut answer)).await.expect("in time").unwrap();
+        assert_eq!(&answer[9..], status.as_bytes(), "{head}");
+        assert_eq!(outcomes(&fleet, "placed") + outcomes(&fleet, "left"), 0, "{head}: it did not wait");
+    }
+    assert!(read_to_end(open).await.contains("[DONE]"));
+}
