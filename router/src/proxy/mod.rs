@@ -368,6 +368,7 @@ async fn routed(
             let (member, rank) = find_owner(state, pool, &parts.headers, &continuation.id).await?;
             // Only the replica that stored the response can continue it: it waits for room there.
             let owner = member.replica.id;
+            line.set_priority(continuation.priority);
             let room = || owner_has_room(state, &member);
             state.queue.until_room(waiters, (&line, metrics), room, |_| Some(owner)).await?;
             let (prompt_tokens, prefill_tokens) = continuation.load_on(&member);

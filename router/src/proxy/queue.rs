@@ -16,8 +16,8 @@
 //!   decision shows in `decision_seconds`). A request that arrives just as room frees may
 //!   take it first; the woken one keeps its place in line. `priority` is the client's to
 //!   set (as vLLM's is): a steady stream of lower values keeps higher ones waiting until
-//!   their time is up. It is read from completion, chat and Responses bodies (a Responses
-//!   continuation waits at 0, as do Messages requests, which have none); a replica without
+//!   their time is up. It is read from completion, chat and Responses bodies, continuations
+//!   included (Messages requests, which have none, wait at 0); a replica without
 //!   priority scheduling answers any but 0 with 400, as vLLM does.
 //! - A Responses continuation, which only the replica that stored its response can serve,
 //!   waits for room there.

@@ -72,6 +72,8 @@ pub struct Continuation {
     pub id: String,
     /// Whether it asks for its own response to be kept ([`asks_to_store`]).
     pub store: bool,
+    /// Its place among requests waiting for room (vLLM's `priority`).
+    pub priority: i64,
     /// What the request adds to the stored conversation, decided as a chat of its own with
     /// nothing credited or counted; `None` when that chat cannot be rendered or tokenized:
     /// the request goes without an estimate of its load.
@@ -88,6 +90,7 @@ impl Continuation {
     pub async fn read(decider: &Decider, body: &[u8], limits: &RequestLimits) -> Result<Self, ProxyError> {
         let request = Responses::read_as(body, decider.prompts.tokenization().is_harmony())?;
         limits.check_completion(request.max_output_tokens()?, Endpoint::Responses)?;
+        let priority = request.priority()?;
         let id = request.previous_response_id.as_deref().unwrap_or_default().to_owned();
         let added = match decider.explain(Endpoint::ChatCompletions, &request.chat_body(&[])).await {
             Ok(plan) => {
@@ -99,7 +102,7 @@ impl Continuation {
                 None
             }
         };
-        Ok(Continuation { id, store: asks_to_store(body).unwrap_or(true), added })
+        Ok(Continuation { id, store: asks_to_store(body).unwrap_or(true), priority, added })
     }
 
     /// Its load on `owner`: prompt tokens (at least: the new ones), and those of them `owner`

@@ -100,12 +100,13 @@ async fn requests_wait_for_a_saturated_replica_and_are_served_when_it_has_room()
 }
 
 /// Requests waiting for a replica's room are served by their `priority` (vLLM's field: lower
-/// first), whenever they came.
+/// first), whenever they came; a Responses continuation's too.
 #[tokio::test]
 async fn requests_waiting_for_room_are_served_by_priority() {
     // A replica that takes priorities (vLLM's `--scheduling-policy priority`).
     let slow = |name: &str| kvroute_replica_agent::Config {
         scheduling_policy: kvroute_replica_agent::config::SchedulingPolicy::Priority,
+        responses_store: true,
         ..slow_agent(name)
     };
     let fleet = Fleet::with(1, slow, |c| kvroute_router::Config {
@@ -114,24 +115,33 @@ async fn requests_waiting_for_room_are_served_by_priority() {
         ..c
     })
     .await;
+    let first = json!({"model": FLEET_MODEL, "input": "hello", "max_output_tokens": 1, "store": true});
+    let first = fleet.http.post(&fleet.url("/v1/responses"), &first).await;
+    assert_eq!(first.status, 200, "{}", String::from_utf8_lossy(&first.body));
+    let next = json!({"model": FLEET_MODEL, "previous_response_id": first.json()["id"], "input": "more",
+        "max_output_tokens": 1});
     let open = open_stream(&fleet).await;
     let (served, mut order) = tokio::sync::mpsc::unbounded_channel();
-    for (n, priority) in [(1, 0), (2, -1)] {
-        let (http, url, served) = (fleet.http.clone(), fleet.url("/v1/completions"), served.clone());
-        let mut body = completion("hi");
+    let bodies = [
+        ("/v1/completions", completion("hi")),
+        ("/v1/completions", completion("hi")),
+        ("/v1/responses", next),
+    ];
+    for (n, (priority, (path, mut body))) in [0, -1, -2].into_iter().zip(bodies).enumerate() {
+        let (http, url, served) = (fleet.http.clone(), fleet.url(path), served.clone());
         body["priority"] = priority.into();
         tokio::spawn(async move {
             let answer = http.post(&url, &body).await;
             served.send((priority, answer.status.as_u16())).unwrap();
         });
-        queued(&fleet, n).await;
+        queued(&fleet, n as i64 + 1).await;
     }
     assert!(read_to_end(open).await.contains("[DONE]"));
     let mut got = Vec::new();
-    for _ in 0..2 {
+    for _ in 0..3 {
         got.push(tokio::time::timeout(WAIT, order.recv()).await.expect("served in time").unwrap());
     }
-    assert_eq!(got, [(-1, 200), (0, 200)], "the lower priority first");
+    assert_eq!(got, [(-2, 200), (-1, 200), (0, 200)], "the lower priority first");
 }
 
 /// A request woken while there is still no room decides again on the fleet as it is, without

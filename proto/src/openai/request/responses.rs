@@ -338,6 +338,11 @@ impl<'a> Responses<'a> {
         super::count(self.rest.max_tokens, "max_output_tokens")
     }
 
+    /// `priority` (vLLM's: lower is served first; 0 unless set).
+    pub fn priority(&self) -> Result<i64, RequestError> {
+        super::priority(self.rest.priority)
+    }
+
     /// The chat completion request vLLM renders, as JSON: the instructions, then `history`
     /// (the stored conversation a `previous_response_id` names, already without its system
     /// messages), then the input.
