@@ -40,7 +40,8 @@
 //! would be one replica's whole hold). Its cache
 //! neither helps nor hurts it, and it competes on load with the replicas that do not hold
 //! the prefix. Scored as a full miss instead, it would lose every request to replicas that
-//! merely hold the fleet's common prefix and sit idle while they queue.
+//! merely hold the fleet's common prefix and sit idle while they queue. (The router charges
+//! a request sent there with the prefill past that overlap, and predicts that hit.)
 //!
 //! Ties go to the replica with the highest rendezvous hash of the request's key (the chained
 //! hash of its tokens, the partial last block included), so distinct prompts reaching an
@@ -164,10 +165,13 @@ fn mean_recent(replicas: &[ReplicaView]) -> f64 {
     if n == 0 { 0.0 } else { sum / f64::from(n) }
 }
 
-/// The least overlap of the eligible replicas that have a stream (0 with fewer than two).
-fn common_overlap(replicas: &[ReplicaView]) -> usize {
-    let mut streams =
-        replicas.iter().filter(|r| r.eligible && r.stream != StreamState::Fallback).map(|r| r.overlap_blocks);
+/// The least overlap of the eligible replicas that have a stream (0 with fewer than two): what
+/// a replica whose stream is `FALLBACK` is taken to hold.
+pub fn common_overlap<'a>(replicas: impl IntoIterator<Item = &'a ReplicaView>) -> usize {
+    let mut streams = replicas
+        .into_iter()
+        .filter(|r| r.eligible && r.stream != StreamState::Fallback)
+        .map(|r| r.overlap_blocks);
     match (streams.next(), streams.next()) {
         (Some(a), Some(b)) => streams.fold(a.min(b), usize::min),
         _ => 0,

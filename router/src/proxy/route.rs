@@ -551,6 +551,15 @@ impl Decider {
                 }
             })
             .collect();
+        // A replica whose stream is FALLBACK is taken to hold what every one with a stream
+        // holds, as the cache-aware cost takes it: its predicted hit, and the prefill it is
+        // charged with, follow (charged the whole prompt, it would look queued and starve).
+        if candidates.iter().any(|c| c.view.stream == PbState::Fallback) {
+            let common = policy::common_overlap(candidates.iter().map(|c| &c.view));
+            for c in candidates.iter_mut().filter(|c| c.view.stream == PbState::Fallback) {
+                c.view.overlap_blocks = common;
+            }
+        }
         let views: Vec<ReplicaView> = candidates.iter().map(|c| c.view).collect();
         let decision =
             if send { self.policy.choose(request, &views) } else { self.policy.peek(request, &views) };

@@ -1698,6 +1698,50 @@ async fn the_events_fallback_flag_sets_when_a_silent_replica_is_routed_on_load()
     shutdown.cancel();
 }
 
+/// A replica whose stream is FALLBACK is taken to hold the prefix every replica with a stream
+/// holds (as the cache-aware cost scores it): a request sent there is charged the prefill
+/// past it, and predicted to hit it, not charged the whole prompt (which would make it look
+/// queued and starve it).
+#[tokio::test]
+async fn a_fallback_replica_is_charged_the_prefill_past_the_fleets_common_prefix() {
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let agents = Fleet::start_agents(2, agent_config, &shutdown).await;
+    let mut config = crate::fleet::router_config(&agents);
+    let (silent, _) =
+        crate::headers::recording_replica(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
+    let events = crate::support::nowhere();
+    config
+        .replicas
+        .push(format!("name=silent,http=http://{silent},events={events},engine=kvroute").parse().unwrap());
+    let fleet =
+        Fleet::around(agents, kvroute_router::Config { events_fallback_ms: 300, ..config }, shutdown).await;
+    // Both agents hold a system prompt, run on each of them directly.
+    let system = "you are a terse assistant that answers in one short line of plain words";
+    for i in 0..2 {
+        let url = format!("{}/v1/completions", fleet.agent(i).http_url());
+        let warm =
+            fleet.http.post(&url, &json!({"model": FLEET_MODEL, "prompt": system, "max_tokens": 1})).await;
+        assert_eq!(warm.status, 200);
+        fleet.index_matches(i).await;
+    }
+    let silent = fleet.router.fleet().member("silent").unwrap();
+    wait_until("the silent replica is FALLBACK", || {
+        silent.replica.status.state() == kvroute_router::replicas::StreamState::Fallback
+    })
+    .await;
+    let body = json!({"model": FLEET_MODEL, "prompt": format!("{system} and then a question of its own")});
+    let plan =
+        fleet.router.state.decider.explain(Endpoint::Completions, body.to_string().as_bytes()).await.unwrap();
+    let on = |name: &str| {
+        let member = fleet.router.fleet().member(name).unwrap();
+        (plan.prefill_tokens_on(member.replica.id), plan.prompt_tokens)
+    };
+    let (held, prompt) = on("agent-0");
+    assert!(held < prompt, "the agents hold the system prompt");
+    assert_eq!(on("agent-1"), (held, prompt));
+    assert_eq!(on("silent"), (held, prompt), "charged as the agents are");
+}
+
 /// A replica whose answer to a completion has a malformed head ran the request: the router
 /// answers 502 and sends it to no other replica.
 #[tokio::test]
