@@ -240,7 +240,8 @@ impl Upstream {
         let failures = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
         if failures >= eject_after {
             let mut until = self.ejected_until.lock().unwrap_or_else(|e| e.into_inner());
-            if until.is_none() {
+            // An ejection whose time is up (not yet seen by a decision) is over.
+            if until.is_none_or(|t| Instant::now() >= t) {
                 *until = Some(Instant::now() + ejection);
                 self.ejected.store(true, Ordering::Release);
                 self.ejections.fetch_add(1, Ordering::Relaxed);
@@ -774,6 +775,13 @@ mod tests {
         tokio::time::advance(Duration::from_secs(11)).await;
         u.record_success();
         assert!(!u.record_failure(3, ejection), "a success resets the count");
+        // A failure just after an ejection's time is up, before any decision looked at the
+        // replica, ejects it again too.
+        assert!(!u.record_failure(3, ejection));
+        assert!(u.record_failure(3, ejection));
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert!(u.record_failure(3, ejection), "ejected again");
+        assert_eq!(u.eligibility(10), Err(Ineligible::Ejected));
     }
 
     #[test]
