@@ -9,8 +9,8 @@
 //! replica can offer only if the request reaches the rank that holds it. So the ingest keeps
 //! an index of ranks beside the main one, with credits of its own: one for every such
 //! replica, each rank under an id of its own ([`Ranks::id`]), so that a decision walks it once
-//! for every data-parallel replica ([`views`]). The cache-aware policy scores the replica on
-//! its best rank and names that rank.
+//! for every data-parallel replica ([`views`]). The cache-aware policy scores the replica with
+//! its best rank's overlap (and the whole replica's load) and names that rank.
 //!
 //! Ranks are chosen with the cache-aware cost ([`crate::policy::CacheAware::cost`]) over each
 //! rank's overlap (index and credits) and its load (below): a prefix every rank holds (a system prompt) is spread over the ranks by load, as the

@@ -47,8 +47,11 @@
 //! hash of its tokens, the partial last block included), so distinct prompts reaching an
 //! idle fleet spread evenly over it.
 //!
-//! A replica of several data-parallel ranks is scored on the rank the request would be sent
-//! to, chosen by this same cost over the ranks ([`crate::index::Ranks`]).
+//! A replica of several data-parallel ranks is scored with the overlap of the rank the request
+//! would be sent to, chosen by this same cost over the ranks ([`crate::index::Ranks`]), and
+//! with the whole replica's load (all its ranks' in-flight sequences, queued prefill, reported
+//! work and recent tokens): replicas are weighed against each other as wholes, their ranks
+//! against each other within.
 //!
 //! # Parameters
 //! - `in_flight_tokens` (default 64): what one in-flight sequence costs, in prefill tokens
