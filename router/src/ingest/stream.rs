@@ -420,7 +420,7 @@ impl RankStream {
                     // subscription took effect (slow joiner) and must be replayed.
                     self.expected = Some(from);
                 }
-                self.apply_replayed(&batches).await;
+                let holey = self.apply_replayed(&batches).await;
                 drop((batches, held));
                 // A replay that brought little of what is missing counts, and so does one
                 // without its end marker (it waited out its reply timeout): a long gap replayed
@@ -428,8 +428,9 @@ impl RankStream {
                 if !ended || self.expected.map_or(0, |next| next.0.saturating_sub(from.0)) < CRAWLING {
                     *replays = replays.saturating_sub(1);
                 }
-                // The publisher may hold more than it got through: ask again from there.
-                match self.expected.filter(|&next| !ended && next > from) {
+                // The publisher may hold more than it got through (no end marker, or a hole
+                // before it): ask again from there.
+                match self.expected.filter(|&next| (!ended || holey) && next > from) {
                     Some(next) if round < MAX_TAIL_REPLAYS => from = next,
                     Some(_) => return self.tail_unknown().await,
                     None => {
@@ -501,10 +502,12 @@ impl RankStream {
     /// A replay may bring 100 000 batches: the task yields every [`BATCHES_PER_YIELD`] of them, so
     /// that the other ranks' tasks on its thread (their subscribers' queues filling
     /// meanwhile) get their turn.
-    async fn apply_replayed(&mut self, batches: &[LiveMessage]) {
+    ///
+    /// Returns whether it stopped at a hole.
+    async fn apply_replayed(&mut self, batches: &[LiveMessage]) -> bool {
         // An empty replay (a catch-up with nothing new) keeps the last one's window: live
         // copies of what that one covered may still be queued, and are not a restart.
-        let Some(first) = batches.first() else { return };
+        let Some(first) = batches.first() else { return false };
         let contiguous =
             batches.windows(2).position(|w| w[1].seq != w[0].seq.next()).map_or(batches.len(), |i| i + 1);
         let (batches, rest) = batches.split_at(contiguous);
@@ -541,6 +544,7 @@ impl RankStream {
                 self.expected = Some(last.seq.next());
             }
         }
+        !rest.is_empty()
     }
 
     /// Resyncs from the agent's snapshot (rank 0 only: the agent is one engine core).
@@ -850,6 +854,55 @@ mod tests {
         rank.process(next).await;
         assert_eq!(rank.ctx.index.blocks(id), 4);
         assert_eq!(rank.ctx.replica.status.state(), StreamState::Exact, "in step again");
+    }
+
+    /// A publisher holding batches `0..held` whose `n`th replay reply loses batch `seq` when
+    /// `lost(n, seq)` (a full send buffer drops it; the end marker comes through).
+    async fn replaying_publisher(held: u64, lost: fn(usize, u64) -> bool) -> String {
+        let mut router = zeromq::RouterSocket::new();
+        let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        tokio::spawn(async move {
+            let mut replies = 0;
+            while let Ok(request) = router.recv().await {
+                let frames = request.into_vec();
+                let start = framing::decode_replay_request(&frames[1..]).unwrap();
+                let reply = replies;
+                replies += 1;
+                let batches = (start.0..held).filter(|&seq| !lost(reply, seq));
+                let replies = batches
+                    .map(|seq| framing::encode_replay_batch(Bytes::new(), Seq(seq), batch(seq).payload))
+                    .chain(std::iter::once(framing::encode_replay_end()));
+                for reply in replies {
+                    let frames: Vec<Bytes> = std::iter::once(frames[0].clone()).chain(reply).collect();
+                    if router.send(zeromq::ZmqMessage::try_from(frames).unwrap()).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        endpoint
+    }
+
+    /// A replay with a hole, though it ends with its end marker, is not the whole story: the
+    /// repair asks again from the hole, and is EXACT only once it has it (a publisher that
+    /// goes quiet after it would otherwise leave the hole's removals unapplied under EXACT);
+    /// DEGRADED when the hole stays.
+    #[tokio::test]
+    async fn a_replay_with_a_hole_is_asked_again_from_the_hole() {
+        let lost: [fn(usize, u64) -> bool; 2] = [|reply, seq| reply == 0 && seq == 2, |_, seq| seq == 2];
+        for (every_time, lost) in [false, true].into_iter().zip(lost) {
+            let mut rank = rank();
+            rank.replay_endpoint = Some(replaying_publisher(4, lost).await);
+            rank.repair(Seq(0), None).await;
+            let (id, status) = (rank.ctx.replica.id, &rank.ctx.replica.status);
+            if every_time {
+                assert_eq!(rank.ctx.index.blocks(id), 2, "up to the hole");
+                assert_eq!(status.state(), StreamState::Degraded, "the hole stays");
+            } else {
+                assert_eq!(rank.ctx.index.blocks(id), 4, "the hole filled");
+                assert_eq!(status.state(), StreamState::Exact);
+            }
+        }
     }
 
     /// A catch-up replay that finds nothing new keeps the window of the replay before it: a
