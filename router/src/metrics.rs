@@ -1,7 +1,8 @@
 //! The proxy's Prometheus metrics, all prefixed `kvroute_router_`: decisions per policy,
 //! predicted and realized cached tokens (realized = `usage.prompt_tokens_details.cached_tokens`
 //! read from the responses; Responses' `input_tokens_details`, Anthropic's
-//! `cache_read_input_tokens`), requests by status code, retries, ejections, and latency
+//! `cache_read_input_tokens`; a usage without them, from a replica that has said them before,
+//! is a miss: vLLM leaves them out when there are none), requests by status code, retries, ejections, and latency
 //! histograms of the decision path and of the upstream time to first byte; the tokenizer's
 //! prefix cache; and each replica's load and state as the proxy sees them
 //! ([`register_replica_load`]).

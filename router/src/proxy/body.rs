@@ -72,9 +72,9 @@ pub trait Hooks: Send + 'static {
     fn watch(&mut self, _data: &[u8]) -> bool {
         false
     }
-    /// Called exactly once, when the body ends, fails or is dropped: how it ended, and
-    /// `cached_tokens` as found in the body (if any).
-    fn finish(self: Box<Self>, end: End, cached_tokens: Option<u64>);
+    /// Called exactly once, when the body ends, fails or is dropped: how it ended, and what
+    /// its `usage` showed.
+    fn finish(self: Box<Self>, end: End, usage: Usage);
 }
 
 /// How a tracked body ended.
@@ -265,7 +265,7 @@ impl<B> State<B> {
 
     fn end(&mut self, end: End) {
         if let Some(hooks) = self.hooks.take() {
-            hooks.finish(end, self.scanner.cached_tokens);
+            hooks.finish(end, self.scanner.usage);
         }
     }
 }
@@ -438,19 +438,31 @@ where
     }
 }
 
-/// Finds the last realized prefix hit in a byte stream, across frame boundaries: OpenAI's
-/// `"cached_tokens": N`, or Anthropic's `"cache_read_input_tokens": N` (`/v1/messages`).
+/// What a response's `usage` showed of its prompt.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// The realized prefix hit, if it said: the last `"cached_tokens": N` (OpenAI's), or
+    /// `"cache_read_input_tokens": N` (Anthropic's, `/v1/messages`).
+    pub cached_tokens: Option<u64>,
+    /// A usage's prompt count passed (`"prompt_tokens"`, or `"input_tokens"` of the Responses
+    /// and Messages APIs): a usage that says no cached tokens is there. (vLLM leaves them
+    /// out when there are none.)
+    pub counted: bool,
+}
+
+/// Finds a response's [`Usage`] in its byte stream, across frame boundaries.
 #[derive(Default, Debug)]
 pub struct UsageScanner {
     /// The tail of the previous frame, in case the pattern straddles two frames.
     carry: Vec<u8>,
-    pub cached_tokens: Option<u64>,
+    pub usage: Usage,
 }
 
-/// What both keys begin with; [`KEYS`] are the rest of each.
-const STEM: &[u8] = b"\"cache";
-const KEYS: [&[u8]; 2] = [b"d_tokens\"", b"_read_input_tokens\""];
-/// Longest carry needed: the longer key, a colon, whitespace and a 20-digit number.
+/// What every key looked for ends with; [`CACHED`] and [`COUNTED`] are what comes before it.
+const STEM: &[u8] = b"tokens\"";
+const CACHED: [&[u8]; 2] = [b"\"cached_", b"\"cache_read_input_"];
+const COUNTED: [&[u8]; 2] = [b"\"prompt_", b"\"input_"];
+/// Longest carry needed: the longest key, a colon, whitespace and a 20-digit number.
 const CARRY: usize = 64;
 
 impl UsageScanner {
@@ -464,14 +476,16 @@ impl UsageScanner {
         };
         let mut pos = 0;
         while let Some(off) = memchr::memmem::find(&hay[pos..], STEM) {
-            let after = pos + off + STEM.len();
+            let (before, after) = (&hay[..pos + off], pos + off + STEM.len());
             pos = after;
-            let Some(key) = KEYS.iter().find(|key| hay[after..].starts_with(key)) else { continue };
-            let start = after + key.len();
-            if let Some(n) = parse_value(&hay[start..]) {
-                self.cached_tokens = Some(n);
+            if CACHED.iter().any(|key| before.ends_with(key)) {
+                if let Some(n) = parse_value(&hay[after..]) {
+                    self.usage.cached_tokens = Some(n);
+                }
+            } else if COUNTED.iter().any(|key| before.ends_with(key)) && parse_value(&hay[after..]).is_some()
+            {
+                self.usage.counted = true;
             }
-            pos = start;
         }
         let keep = hay.len().min(CARRY);
         // `hay` is `data` or a copy: the carry's buffer is free to reuse.
@@ -503,13 +517,13 @@ mod tests {
             let mut s = UsageScanner::default();
             s.feed(&body[..split]);
             s.feed(&body[split..]);
-            assert_eq!(s.cached_tokens, Some(32), "split at {split}");
+            assert_eq!(s.usage.cached_tokens, Some(32), "split at {split}");
         }
         let mut s = UsageScanner::default();
         s.feed(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n");
-        assert_eq!(s.cached_tokens, None);
+        assert_eq!(s.usage.cached_tokens, None);
         s.feed(b"{\"cached_tokens\" : 7}{\"cached_tokens\":9}");
-        assert_eq!(s.cached_tokens, Some(9), "the last one wins");
+        assert_eq!(s.usage.cached_tokens, Some(9), "the last one wins");
         // Anthropic's usage, split anywhere, among keys that begin alike.
         let body =
             br#"{"usage":{"cache_creation_input_tokens":3,"input_tokens":8,"cache_read_input_tokens":32}}"#;
@@ -517,7 +531,37 @@ mod tests {
             let mut s = UsageScanner::default();
             s.feed(&body[..split]);
             s.feed(&body[split..]);
-            assert_eq!(s.cached_tokens, Some(32), "split at {split}");
+            assert_eq!(s.usage.cached_tokens, Some(32), "split at {split}");
+        }
+    }
+
+    /// A usage's prompt count is seen, split anywhere, whether or not it says cached tokens
+    /// (vLLM leaves them out when there are none); other counts, and text that only names
+    /// the keys, are not a usage.
+    #[test]
+    fn a_usage_is_seen_with_or_without_its_cached_tokens() {
+        let usage = |body: &[u8], split: usize| {
+            let mut s = UsageScanner::default();
+            s.feed(&body[..split]);
+            s.feed(&body[split..]);
+            s.usage
+        };
+        let counted = Usage { cached_tokens: None, counted: true };
+        for body in [
+            &br#"{"usage":{"prompt_tokens":40,"completion_tokens":1,"total_tokens":41}}"#[..],
+            br#"data: {"type":"response.completed","response":{"usage":{"input_tokens":40,"output_tokens":1}}}"#,
+        ] {
+            for split in 0..body.len() {
+                assert_eq!(usage(body, split), counted, "{} at {split}", String::from_utf8_lossy(body));
+            }
+        }
+        let with = br#"{"usage":{"prompt_tokens":40,"prompt_tokens_details":{"cached_tokens":32}}}"#;
+        assert_eq!(usage(with, 20), Usage { cached_tokens: Some(32), counted: true });
+        for body in [
+            &br#"{"usage":{"completion_tokens":1,"prompt_tokens_details":null}}"#[..],
+            br#"{"choices":[{"text":"say \"prompt_tokens\": 4"}],"usage":null}"#,
+        ] {
+            assert_eq!(usage(body, 0), Usage::default(), "{}", String::from_utf8_lossy(body));
         }
     }
 
@@ -529,8 +573,8 @@ mod tests {
 
     impl Hooks for Ended {
         fn first_data(&mut self) {}
-        fn finish(self: Box<Self>, _: End, cached_tokens: Option<u64>) {
-            *self.0.lock().unwrap() = Some(cached_tokens);
+        fn finish(self: Box<Self>, _: End, usage: Usage) {
+            *self.0.lock().unwrap() = Some(usage.cached_tokens);
         }
     }
 
@@ -541,7 +585,7 @@ mod tests {
         fn first_data(&mut self) {
             self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        fn finish(self: Box<Self>, _: End, _: Option<u64>) {}
+        fn finish(self: Box<Self>, _: End, _: Usage) {}
     }
 
     /// A Responses stream's output (its first data, which releases the request's pending
@@ -656,7 +700,7 @@ mod tests {
 
     impl Hooks for Outcome {
         fn first_data(&mut self) {}
-        fn finish(self: Box<Self>, end: End, _: Option<u64>) {
+        fn finish(self: Box<Self>, end: End, _: Usage) {
             *self.0.lock().unwrap() = Some(end);
         }
     }

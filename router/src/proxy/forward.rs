@@ -27,7 +27,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::access;
-use super::body::{BoxError, End, Hooks, ProxyBody, Tracked};
+use super::body::{BoxError, End, Hooks, ProxyBody, Tracked, Usage};
 use super::error::{Client, ProxyError};
 use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::pool::{Pool, SendError};
@@ -789,7 +789,8 @@ impl Hooks for ResponseHooks {
         }
     }
 
-    fn finish(mut self: Box<Self>, end: End, cached_tokens: Option<u64>) {
+    fn finish(mut self: Box<Self>, end: End, usage: Usage) {
+        let cached_tokens = self.guard.upstream().cached_tokens(usage);
         if let Some(line) = self.access.take() {
             line.finish(end, cached_tokens);
         }

@@ -99,6 +99,8 @@ pub struct Upstream {
     pub requests: AtomicU64,
     /// Sequences ever sent to the replica ([`Upstream::report_mark`]).
     begun: AtomicU64,
+    /// An answer of the replica's has said its cached tokens ([`Upstream::cached_tokens`]).
+    reports_cached: AtomicBool,
     /// The LoRA adapters loaded through the router that the replica is known to have.
     adapters: Mutex<HashSet<String>>,
     /// The fields of the served model's card in the replica's `/v1/models` (besides its id
@@ -128,6 +130,7 @@ impl Default for Upstream {
             ejected_until: Mutex::new(None),
             ejections: AtomicU64::new(0),
             requests: AtomicU64::new(0),
+            reports_cached: AtomicBool::new(false),
             begun: AtomicU64::new(0),
             adapters: Mutex::default(),
             card: Mutex::default(),
@@ -229,6 +232,21 @@ impl Upstream {
             rank: std::sync::OnceLock::new(),
         });
         LoadGuard { upstream: self.clone(), sequences, prefill, rank: None }
+    }
+
+    /// The cached tokens an answer's `usage` shows: those it says, or none (0) when it counts
+    /// the prompt without them and the replica has said them before (vLLM, with
+    /// `--enable-prompt-tokens-details`, leaves them out when there are none; a replica that
+    /// never says them, such a vLLM without the flag, tells nothing). A replica's misses are
+    /// known from its first answer that says its cached tokens.
+    pub fn cached_tokens(&self, usage: super::body::Usage) -> Option<u64> {
+        if usage.cached_tokens.is_some() {
+            if !self.reports_cached.load(Ordering::Relaxed) {
+                self.reports_cached.store(true, Ordering::Relaxed);
+            }
+            return usage.cached_tokens;
+        }
+        (usage.counted && self.reports_cached.load(Ordering::Relaxed)).then_some(0)
     }
 
     pub fn record_success(&self) {
@@ -782,6 +800,17 @@ mod tests {
         tokio::time::advance(Duration::from_secs(11)).await;
         assert!(u.record_failure(3, ejection), "ejected again");
         assert_eq!(u.eligibility(10), Err(Ineligible::Ejected));
+    }
+
+    #[test]
+    fn a_usage_without_cached_tokens_is_a_miss_once_the_replica_has_said_them() {
+        use super::super::body::Usage;
+        let u = Upstream::default();
+        let counted = Usage { cached_tokens: None, counted: true };
+        assert_eq!(u.cached_tokens(counted), None, "not known to say them yet");
+        assert_eq!(u.cached_tokens(Usage { cached_tokens: Some(32), counted: true }), Some(32));
+        assert_eq!(u.cached_tokens(counted), Some(0));
+        assert_eq!(u.cached_tokens(Usage::default()), None, "no usage");
     }
 
     #[test]

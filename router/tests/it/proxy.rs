@@ -923,6 +923,75 @@ pub(crate) async fn router_in_front_of(
     (kvroute_router::start(config, shutdown.clone()).await.unwrap(), shutdown)
 }
 
+/// vLLM (with `--enable-prompt-tokens-details`) leaves `prompt_tokens_details` out of a usage
+/// when nothing was cached: once the replica has said its cached tokens, such an answer is a
+/// miss on the realized side (left out, the realized hit rate would count only hits); an
+/// answer with no usage is not counted.
+#[tokio::test]
+async fn a_usage_without_cached_tokens_is_a_miss_once_the_replica_has_said_them() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    const ANSWERS: [&str; 3] = [
+        r#"{"usage":{"prompt_tokens":9,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":8}}}"#,
+        r#"{"usage":{"prompt_tokens":9,"completion_tokens":1}}"#,
+        r#"{"choices":[]}"#,
+    ];
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let replica = listener.local_addr().unwrap();
+    let posts = std::sync::Arc::new(AtomicUsize::new(0));
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let posts = posts.clone();
+            tokio::spawn(async move {
+                let mut stream = BufReader::new(stream);
+                loop {
+                    let mut head = String::new();
+                    while !head.ends_with("\r\n\r\n") {
+                        if stream.read_line(&mut head).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                    }
+                    let length = head.lines().find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse::<usize>().unwrap())
+                    });
+                    let mut body = vec![0; length.unwrap_or(0)];
+                    stream.read_exact(&mut body).await.unwrap();
+                    let answer = match head.starts_with("POST ") {
+                        true => ANSWERS[posts.fetch_add(1, SeqCst).min(2)],
+                        false => "",
+                    };
+                    let reply = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
+                        answer.len()
+                    );
+                    if stream.get_mut().write_all(reply.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let http = crate::fleet::Http::new();
+    let url = format!("{}/v1/completions", router.url());
+    for _ in ANSWERS {
+        let reply = http
+            .post(&url, &json!({"model": FLEET_MODEL, "prompt": "one two three four five", "max_tokens": 1}))
+            .await;
+        assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    }
+    let metrics = http.get(&format!("{}/metrics", router.url())).await;
+    let metrics = String::from_utf8_lossy(&metrics.body).into_owned();
+    let counted = |name: &str| sample(&metrics, &format!("kvroute_router_{name}_total")).unwrap();
+    let prompt = counted("prompt_tokens") / 3;
+    assert!(prompt > 0);
+    assert_eq!(counted("realized_cached_tokens"), 8);
+    assert_eq!(counted("reported_prompt_tokens"), 2 * prompt, "the hit and the miss");
+    shutdown.cancel();
+}
+
 /// A browser's CORS preflight of an API path is the fleet's to answer (vLLM allows every
 /// origin by default, as the agent does): it was a 405 from the router, and browsers blocked
 /// every call. The replica's `access-control-allow-origin` on an answer comes through once.
