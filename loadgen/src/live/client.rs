@@ -73,6 +73,8 @@ pub struct Success {
     pub completion_tokens: u64,
     /// `usage.prompt_tokens_details.cached_tokens`, when reported.
     pub cached_tokens: Option<u64>,
+    /// The response had a usage counting its prompt (with or without its cached tokens).
+    pub usage: bool,
     /// The router's `x-kvroute-replica` header.
     pub replica: Option<String>,
     /// The router's `x-kvroute-predicted-cached-tokens` header.
@@ -85,6 +87,13 @@ impl Success {
         let ttft = self.ttft?;
         let more = self.completion_tokens.checked_sub(1).filter(|&n| n > 0)?;
         Some(self.e2e.saturating_sub(ttft) / u32::try_from(more).unwrap_or(u32::MAX))
+    }
+
+    /// Its cached tokens; none (0) when its usage counts the prompt without them and the
+    /// server is known to report them (`reports`: vLLM, with `--enable-prompt-tokens-details`,
+    /// leaves them out of a miss's usage).
+    pub fn cached_tokens_given(&self, reports: bool) -> Option<u64> {
+        self.cached_tokens.or((self.usage && reports).then_some(0))
     }
 }
 
@@ -232,6 +241,7 @@ impl Client {
                 success.prompt_tokens = usage.prompt_tokens().unwrap_or(fallback_prompt_tokens);
                 success.completion_tokens = usage.completion_tokens();
                 success.cached_tokens = usage.cached_tokens();
+                success.usage = usage.prompt_tokens().is_some();
             }
             Ok(success)
         };

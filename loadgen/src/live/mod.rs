@@ -342,7 +342,18 @@ async fn collect(mut rx: mpsc::Receiver<RequestRecord>, bar: ProgressBar) -> Vec
         let per_s = records.len() as f64 / start.elapsed().as_secs_f64().max(1e-3);
         bar.set_message(format!("{per_s:.1} req/s  hit {rate:.1}%  errors {failed}"));
     }
+    misses_as_zero(&mut records);
     records
+}
+
+/// Once any response of the run said its cached tokens, one whose usage does not is a miss
+/// (vLLM leaves them out when there are none), not left out of the hit rate (which would
+/// count only hits).
+fn misses_as_zero(records: &mut [RequestRecord]) {
+    let reports = records.iter().any(|r| r.outcome.as_ref().is_ok_and(|s| s.cached_tokens.is_some()));
+    for s in records.iter_mut().filter_map(|r| r.outcome.as_mut().ok()) {
+        s.cached_tokens = s.cached_tokens_given(reports);
+    }
 }
 
 fn progress_bar(config: &LiveConfig, len: usize) -> ProgressBar {
@@ -365,6 +376,29 @@ mod tests {
     fn at(millis: u64) -> Request {
         let arrival = Duration::from_millis(millis);
         Request { arrival, input_len: 1, output_len: 1, hash_ids: vec![1], segments: Vec::new() }
+    }
+
+    /// vLLM leaves a miss's cached tokens out of its usage: once any response of the run said
+    /// them, a usage without them is a miss (0), not left out of the hit rate; a response with
+    /// no usage, or a run where none said them, stays unknown.
+    #[test]
+    fn a_usage_without_cached_tokens_is_a_miss_once_any_reported_them() {
+        let record = |cached_tokens, usage| RequestRecord {
+            index: 0,
+            intended: None,
+            sent: Duration::ZERO,
+            outcome: Ok(Success { prompt_tokens: 1000, cached_tokens, usage, ..Success::default() }),
+        };
+        let cached = |records: &[RequestRecord]| -> Vec<Option<u64>> {
+            records.iter().map(|r| r.outcome.as_ref().unwrap().cached_tokens).collect()
+        };
+        let mut run =
+            vec![record(None, true), record(Some(900), true), record(None, true), record(None, false)];
+        misses_as_zero(&mut run);
+        assert_eq!(cached(&run), [Some(0), Some(900), Some(0), None]);
+        let mut silent = vec![record(None, true), record(None, false)];
+        misses_as_zero(&mut silent);
+        assert_eq!(cached(&silent), [None, None]);
     }
 
     /// A trace's requests go out from its first arrival (one cut from the middle of a longer

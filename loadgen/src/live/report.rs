@@ -389,6 +389,7 @@ mod tests {
                 prompt_tokens: prompt,
                 completion_tokens: 11,
                 cached_tokens: Some(cached),
+                usage: true,
                 replica: Some(replica.into()),
                 predicted_cached_tokens: Some(cached / 2),
             }),

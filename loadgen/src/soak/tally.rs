@@ -38,7 +38,11 @@ pub struct Totals {
     pub cancelled: u64,
     /// Every other failure, by kind (`http_502`, `stream`, `timeout`, ...).
     pub unexpected: BTreeMap<String, u64>,
-    /// Prompt tokens of successful requests that reported `cached_tokens`.
+    /// A response has said its `cached_tokens`: from then on, a usage without them is a miss
+    /// ([`Success::cached_tokens_given`]).
+    #[serde(skip)]
+    pub reports_cached: bool,
+    /// Prompt tokens of successful requests that reported `cached_tokens` (or a miss).
     pub prompt_tokens: u64,
     /// Their `cached_tokens`.
     pub cached_tokens: u64,
@@ -99,7 +103,8 @@ impl Tally {
             match outcome {
                 Ok(ok) => {
                     t.succeeded += 1;
-                    if let Some(cached) = ok.cached_tokens {
+                    t.reports_cached |= ok.cached_tokens.is_some();
+                    if let Some(cached) = ok.cached_tokens_given(t.reports_cached) {
                         t.prompt_tokens += ok.prompt_tokens;
                         t.cached_tokens += cached;
                     }
@@ -202,6 +207,22 @@ mod tests {
         assert_eq!(tally.restarts(), 0);
         tally.restarted();
         assert_eq!(tally.restarts(), 1);
+    }
+
+    /// vLLM leaves a miss's cached tokens out of its usage: once a response has said them, a
+    /// usage without them counts as a miss; before, and without a usage, it counts nowhere.
+    #[test]
+    fn a_usage_without_cached_tokens_is_a_miss_once_they_were_reported() {
+        let tally = Tally::default();
+        let sent = Instant::now();
+        let miss = Success { prompt_tokens: 100, usage: true, ..Success::default() };
+        let hit = Success { prompt_tokens: 100, cached_tokens: Some(90), usage: true, ..Success::default() };
+        let no_usage = Success { prompt_tokens: 100, ..Success::default() };
+        for ok in [miss.clone(), hit, miss, no_usage] {
+            tally.finished(sent, Some("a"), &Ok(ok));
+        }
+        let totals = tally.totals();
+        assert_eq!((totals.prompt_tokens, totals.cached_tokens), (200, 90));
     }
 
     /// Regression: a response without the router's prediction header counted as predicting
