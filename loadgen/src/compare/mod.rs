@@ -193,7 +193,7 @@ fn requests_served(trace: &Trace, run: &live::LiveReport) -> Option<Trace> {
         .records
         .iter()
         .filter(|r| match r.outcome {
-            Err(live::ErrorKind::Cancelled | live::ErrorKind::Connect) => false,
+            Err(live::ErrorKind::Cancelled | live::ErrorKind::Connect | live::ErrorKind::Unsent) => false,
             Err(live::ErrorKind::Status(status)) => !(400..500).contains(&status) && status != 503,
             _ => true,
         })

@@ -45,6 +45,9 @@ pub enum ErrorKind {
     Malformed,
     /// The run was stopped while the request was in flight.
     Cancelled,
+    /// Due before the run's end (`--duration`), never sent: every slot (`--max-in-flight`)
+    /// was held until then.
+    Unsent,
 }
 
 impl ErrorKind {
@@ -57,6 +60,7 @@ impl ErrorKind {
             ErrorKind::Stream => "stream".into(),
             ErrorKind::Malformed => "malformed".into(),
             ErrorKind::Cancelled => "cancelled".into(),
+            ErrorKind::Unsent => "unsent".into(),
         }
     }
 }
