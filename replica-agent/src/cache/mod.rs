@@ -33,7 +33,9 @@
 //! | S3FIFO, in main | stays in place (second chance as usual); if it reaches the head with freq 0, it leaves the main FIFO but still counts in `\|M\|` | a block that left rejoins at the tail with its freq |
 //!
 //! With no pins, every rule reduces to seed 000. S3FIFO's pins change nothing until a block in
-//! use would be a victim, so one request at a time the engine's path gives seed 000's hits;
+//! use would be a victim, so one request at a time the engine's path gives seed 000's hits as
+//! long as no request admits more new blocks than small holds (one that does promotes its own
+//! first blocks to main when they reach small's head, where seed 000 sends them to ghost);
 //! LRU and LFU follow vLLM's free-block queue instead (finishing is a use). `finish_request` unpins in reverse request
 //! order, so (as in vLLM's free-block queue) a request's tail blocks become victims before its
 //! shared prefix.
