@@ -214,8 +214,14 @@ impl RouterAdmin for AdminService {
     async fn drain(&self, request: Request<pb::DrainRequest>) -> Result<Response<pb::ReplicaStatus>, Status> {
         let request = request.into_inner();
         let member = self.fleet().set_draining(&request.id, request.drain).ok_or_else(|| {
-            let lifted = if request.drain { "" } else { " (a drain kept for the name is lifted)" };
-            Status::not_found(format!("no replica named {:?}{lifted}", request.id))
+            let kept = match request.drain {
+                true if self.fleet().knows(&request.id) => {
+                    " now (the drain is kept for the name: a replica added under it comes up drained)"
+                }
+                true => "",
+                false => " (a drain kept for the name is lifted)",
+            };
+            Status::not_found(format!("no replica named {:?}{kept}", request.id))
         })?;
         tracing::info!(replica = %request.id, drain = request.drain, "drain changed");
         Ok(Response::new(self.status(&member)))

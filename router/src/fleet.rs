@@ -87,12 +87,20 @@ impl Fleet {
 
     /// Starts routing to `spec` (and following its events).
     pub fn add(&self, spec: ReplicaSpec) -> Result<Member, IngestError> {
+        self.add_keeping(spec, None)
+    }
+
+    /// [`Fleet::add`], going on with `kept`, the upstream of the replica `spec` replaces at the
+    /// same address (its load, requests in flight, health and ejection are the server's).
+    fn add_keeping(&self, spec: ReplicaSpec, kept: Option<Arc<Upstream>>) -> Result<Member, IngestError> {
         // Held until the upstream is in place, so that a drain (or a change of serving) cannot
         // fall between the two.
         let drained = self.drained.read().unwrap_or_else(PoisonError::into_inner);
         let not_serving = self.not_serving.read().unwrap_or_else(PoisonError::into_inner);
         let replica = self.ingest.add_replica(spec)?;
-        let upstream = Arc::new(Upstream::waking(self.waiters.clone(), replica.id));
+        let upstream = kept
+            .filter(|kept| kept.id() == replica.id)
+            .unwrap_or_else(|| Arc::new(Upstream::waking(self.waiters.clone(), replica.id)));
         upstream.set_draining(drained.contains(&replica.spec.name));
         upstream.set_serving(!not_serving.contains(&replica.spec.name));
         self.upstreams.write().unwrap_or_else(PoisonError::into_inner).insert(replica.id, upstream.clone());
@@ -144,19 +152,18 @@ impl Fleet {
     }
 
     /// Drains the replica named `name` (no new requests; those in flight finish), or undrains
-    /// it; `None` if no such replica is registered. Undraining a name that left the fleet
-    /// still lifts its drain, so that it does not come back drained.
+    /// it; `None` if no such replica is registered. A name that left the fleet (a pod being
+    /// rescheduled, a replica being replaced) keeps the change, so that it comes back drained
+    /// or not as asked: undrained, any name; drained, one that has been in the fleet (a typo
+    /// is not kept).
     pub fn set_draining(&self, name: &str, drain: bool) -> Option<Member> {
         let mut drained = self.drained.write().unwrap_or_else(PoisonError::into_inner);
-        if !drain {
-            drained.remove(name);
-        }
+        match drain {
+            true if self.knows(name) => drained.insert(name.to_owned()),
+            true => false,
+            false => drained.remove(name),
+        };
         let member = self.member(name)?;
-        if drain {
-            drained.insert(name.to_owned());
-        } else {
-            drained.remove(name);
-        }
         member.upstream.set_draining(drain);
         Some(member)
     }
@@ -175,6 +182,11 @@ impl Fleet {
         }
     }
 
+    /// Whether a replica called `name` has ever been in the fleet.
+    pub fn knows(&self, name: &str) -> bool {
+        self.ingest.replicas().knows(name)
+    }
+
     pub fn member(&self, name: &str) -> Option<Member> {
         let replica = self.ingest.replicas().by_name(name)?;
         let upstream =
@@ -182,15 +194,21 @@ impl Fleet {
         Some(Member { replica, upstream })
     }
 
-    /// Adds `spec`, or replaces the registered replica of that name if its spec changed.
+    /// Adds `spec`, or replaces the registered replica of that name if its spec changed (at the
+    /// same HTTP address, the server's load, requests in flight, health and ejection go on;
+    /// its index starts again from its events).
     pub async fn upsert(&self, spec: ReplicaSpec) -> Result<(), IngestError> {
+        let mut kept = None;
         if let Some(existing) = self.ingest.replicas().by_name(&spec.name) {
             if existing.spec == spec {
                 return Ok(());
             }
+            if existing.spec.http_url == spec.http_url {
+                kept = self.member(&spec.name).map(|member| member.upstream);
+            }
             self.remove(&spec.name).await;
         }
-        self.add(spec).map(drop)
+        self.add_keeping(spec, kept).map(drop)
     }
 
     /// True once there is a serving replica and every serving replica completed its first

@@ -469,6 +469,11 @@ impl Replicas {
         self.inner.read().unwrap_or_else(PoisonError::into_inner).live.get(&id).cloned()
     }
 
+    /// Whether a replica called `name` has ever been registered.
+    pub fn knows(&self, name: &str) -> bool {
+        self.inner.read().unwrap_or_else(PoisonError::into_inner).ids.contains_key(name)
+    }
+
     /// The registered replica called `name`, if any.
     pub fn by_name(&self, name: &str) -> Option<Arc<Replica>> {
         let inner = self.inner.read().unwrap_or_else(PoisonError::into_inner);

@@ -162,6 +162,11 @@ impl Upstream {
     }
 
     /// Requests in flight (each counts once, whatever its sequences).
+    /// The replica it is the upstream of.
+    pub fn id(&self) -> ReplicaId {
+        self.id
+    }
+
     pub fn requests_in_flight(&self) -> u32 {
         self.in_flight.load(Ordering::Relaxed)
     }

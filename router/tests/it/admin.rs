@@ -292,6 +292,18 @@ async fn a_drain_outlasts_the_replicas_entry() {
     router_fleet.add(spec.clone()).unwrap();
     assert!(!router_fleet.member("agent-0").unwrap().upstream.is_draining(), "the drain was lifted");
 
+    // Drained while it is out of the fleet, it comes back drained; a name never in the fleet
+    // (a typo) keeps no drain.
+    router_fleet.remove("agent-0").await.unwrap();
+    let kept = admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: true }).await.unwrap_err();
+    assert_eq!(kept.code(), tonic::Code::NotFound);
+    assert!(kept.message().contains("kept for the name"), "{}", kept.message());
+    router_fleet.add(spec.clone()).unwrap();
+    assert!(router_fleet.member("agent-0").unwrap().upstream.is_draining(), "drained while it was out");
+    let typo = admin.drain(pb::DrainRequest { id: "agent-O".into(), drain: true }).await.unwrap_err();
+    assert!(!typo.message().contains("kept"), "{}", typo.message());
+    assert!(!router_fleet.knows("agent-O"));
+
     // Removed through the admin service, a replica is gone for good, drain and all.
     admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: true }).await.unwrap();
     admin.remove_replica(pb::RemoveReplicaRequest { id: "agent-0".into() }).await.unwrap();

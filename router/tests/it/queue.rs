@@ -338,6 +338,29 @@ async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_re
     assert_eq!(answer.header("x-kvroute-replica"), Some("agent-0"));
 }
 
+/// A replica whose spec changes at the same address (discovery found its replay port, say) is
+/// the same server: its requests in flight still count, against its limit too; at another
+/// address it is another server.
+#[tokio::test]
+async fn a_replica_replaced_at_its_address_keeps_its_requests_in_flight() {
+    let fleet =
+        Fleet::with(1, slow_agent, |c| kvroute_router::Config { max_in_flight_per_replica: 1, ..c }).await;
+    let open = open_stream(&fleet).await;
+    let router_fleet = fleet.router.fleet().clone();
+    let in_flight = || router_fleet.member("agent-0").unwrap().upstream.requests_in_flight();
+    assert_eq!(in_flight(), 1);
+    let mut changed = router_fleet.member("agent-0").unwrap().replica.spec.clone();
+    changed.topic = "changed".into();
+    router_fleet.upsert(changed.clone()).await.unwrap();
+    assert_eq!(router_fleet.member("agent-0").unwrap().replica.spec.topic, "changed", "replaced");
+    assert_eq!(in_flight(), 1, "the same server's request in flight");
+    let mut moved = changed;
+    moved.http_url = "http://127.0.0.1:9".into();
+    router_fleet.upsert(moved).await.unwrap();
+    assert_eq!(in_flight(), 0, "another server");
+    assert!(read_to_end(open).await.contains("[DONE]"));
+}
+
 /// A request refused for what its head says (a passed-through body past the limit, a
 /// WebSocket handshake with a body) is refused at once, not after waiting for room it would
 /// not use (taking it when it freed, it left the next request in line asleep).
