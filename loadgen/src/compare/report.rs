@@ -243,6 +243,14 @@ impl CompareReport {
             &from_responses,
             ", ",
         );
+        if f.engines != f.replicas {
+            // The simulator routes over the engines as over replicas: its skew is theirs.
+            let _ = writeln!(
+                out,
+                "\nskew: live over the {} replicas, offline over the {} engines (each data-parallel rank a replica of its own)",
+                f.replicas, f.engines
+            );
+        }
         for run in self.runs.iter().filter(|r| r.compared_requests < w.requests) {
             let _ = writeln!(
                 out,
@@ -402,5 +410,18 @@ mod tests {
             .find(|l| l.starts_with("TTFT from the intended send"))
             .unwrap_or_else(|| panic!("no TTFT from the intended send: {table}"));
         assert!(intended.contains("cache-aware p50 60 ms, p99 60 ms") && !intended.contains("round-robin"));
+    }
+
+    /// With data-parallel replicas the simulator's skew is over engines, the live one over
+    /// replicas: the table says so (and says nothing when they are the same).
+    #[test]
+    fn the_table_says_what_each_skew_is_over() {
+        let none = Snapshot::default();
+        let live = LiveReport::new("x".into(), "t".into(), Vec::new(), &[], &none, &none);
+        let mut dp = report(vec![PolicyRun::new(PolicyKind::CacheAware, live, 0, 0.5, None)]);
+        assert!(!dp.table().contains("offline over"));
+        dp.fleet.engines = 4;
+        let table = dp.table();
+        assert!(table.contains("skew: live over the 2 replicas, offline over the 4 engines"), "{table}");
     }
 }
