@@ -360,7 +360,7 @@ fn retry_on(decider: &Decider, member: &crate::fleet::Member) -> Retry {
         .is_some_and(|now| Arc::ptr_eq(&now.upstream, upstream));
     if !still_there || upstream.is_draining() || !upstream.is_serving() {
         Retry::Not
-    } else if upstream.requests_in_flight() >= decider.max_in_flight_per_replica {
+    } else if !upstream.has_room(decider.max_in_flight_per_replica) {
         Retry::Saturated
     } else {
         Retry::Takes

@@ -13,8 +13,8 @@
 //!   request field, lower first; then the longest waiting for the replica, when a request to
 //!   it ends) and decides again on the fleet, index,
 //!   credits and load as they are then (tokenized once: [`super::route::Prepared`]; each
-//!   decision shows in `decision_seconds`). A request that arrives just as room frees may
-//!   take it first; the woken one keeps its place in line. `priority` is the client's to
+//!   decision shows in `decision_seconds`). The room that woke it is held for it meanwhile:
+//!   a request that arrives then waits behind it ([`Waiters`]). `priority` is the client's to
 //!   set (as vLLM's is): a steady stream of lower values keeps higher ones waiting until
 //!   their time is up. It is read from completion, chat and Responses bodies, continuations
 //!   included (Messages requests, which have none, wait at 0); a replica without
@@ -125,7 +125,10 @@ impl Queue {
         let mut waiting: Option<(Waiting<'_>, Ticket<'_>)> = None;
         loop {
             let seen = waiters.frees();
-            match attempt().await {
+            // A woken request decides with the room that woke it held for it.
+            let holding = waiting.as_ref().and_then(|(_, ticket)| ticket.holding());
+            // (Called inside the scope: a decision may be made when `attempt` is called.)
+            match super::waiters::holding(holding, async { attempt().await }).await {
                 Err(ProxyError::Saturated { reason, replicas }) => {
                     let (at, ticket) = match &mut waiting {
                         Some(waiting) => waiting,

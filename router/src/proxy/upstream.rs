@@ -161,14 +161,23 @@ impl Upstream {
         }
     }
 
-    /// Requests in flight (each counts once, whatever its sequences).
     /// The replica it is the upstream of.
     pub fn id(&self) -> ReplicaId {
         self.id
     }
 
+    /// Requests in flight (each counts once, whatever its sequences).
     pub fn requests_in_flight(&self) -> u32 {
         self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Whether a request may take a place under `max_in_flight` (`--max-in-flight-per-replica`):
+    /// the requests in flight, and the rooms held for woken requests other than the deciding
+    /// one ([`Waiters::held_for_others`]), leave one.
+    pub fn has_room(&self, max_in_flight: u32) -> bool {
+        let taken =
+            self.in_flight.load(Ordering::Relaxed).saturating_add(self.waiters.held_for_others(self.id));
+        taken < max_in_flight
     }
 
     fn recent(&self) -> std::sync::MutexGuard<'_, RecentTokens> {
@@ -194,7 +203,7 @@ impl Upstream {
         if !self.healthy.load(Ordering::Relaxed) {
             return Err(Ineligible::Unhealthy);
         }
-        if self.in_flight.load(Ordering::Relaxed) >= max_in_flight {
+        if !self.has_room(max_in_flight) {
             return Err(Ineligible::Saturated);
         }
         Ok(())
@@ -816,6 +825,29 @@ mod tests {
         assert_eq!(u.cached_tokens(Usage { cached_tokens: Some(32), counted: true }), Some(32));
         assert_eq!(u.cached_tokens(counted), Some(0));
         assert_eq!(u.cached_tokens(Usage::default()), None, "no usage");
+    }
+
+    /// A room held for a woken request is taken for every other decision, and free for its
+    /// own.
+    #[tokio::test]
+    async fn a_room_held_for_a_woken_request_is_its_own() {
+        let waiters = Arc::new(Waiters::default());
+        let u = Arc::new(Upstream::waking(waiters.clone(), ReplicaId(3)));
+        let busy = u.begin(1, 0, 0);
+        assert_eq!(u.eligibility(1), Err(Ineligible::Saturated));
+        let mut ticket = waiters.ticket(0);
+        {
+            let wait = ticket.wait(&[ReplicaId(3)], waiters.frees());
+            tokio::pin!(wait);
+            assert!(futures::poll!(wait.as_mut()).is_pending());
+            drop(busy);
+            assert!(futures::poll!(wait.as_mut()).is_ready(), "woken");
+        }
+        assert_eq!(u.eligibility(1), Err(Ineligible::Saturated), "held for the woken request");
+        let own = super::super::waiters::holding(ticket.holding(), async { u.eligibility(1) }).await;
+        assert_eq!(own, Ok(()));
+        ticket.placed(Some(ReplicaId(3)));
+        assert_eq!(u.eligibility(1), Ok(()));
     }
 
     #[test]

@@ -5,14 +5,19 @@
 //!   among those of the lowest `priority` (vLLM's field: lower is served first).
 //! - A replica that joins the fleet or comes back (healthy again, no longer drained, serving
 //!   again, its ejection over) wakes every waiting request: it may take any of them.
-//! - A woken request decides again. Refused again (a request that arrived meanwhile took the
-//!   room), it keeps its place in line. Sent to another replica than the one whose room woke
-//!   it, or leaving (its client gone, its time up), it passes the wake on to the next request
-//!   waiting for that replica.
+//! - The room that woke a request is held for it until it decides ([`Waiters::held_for_others`]):
+//!   a request that arrives meanwhile, or another's retry, finds the replica saturated and
+//!   waits behind it, so that the line is served in its order. (Only the moment between a
+//!   request's end and the wake it gives is open, and two threads deciding at once may pass the
+//!   limit by one each, as anywhere.)
+//! - A woken request decides again. Refused again (another took the room after all), it keeps
+//!   its place in line. Sent to another replica than the one whose room woke it, or leaving
+//!   (its client gone, its time up), it passes the room on to the next request waiting for
+//!   that replica, or frees it.
 //! - A request that was deciding while a replica freed room decides again at once, so no
 //!   wake falls between a decision and the wait that follows it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -30,6 +35,21 @@ pub struct Waiters {
     /// Rooms freed so far ([`Waiters::frees`]).
     frees: AtomicU64,
     tickets: AtomicU64,
+    /// Rooms held for woken requests, by replica.
+    held: Mutex<HashMap<ReplicaId, u32>>,
+    /// Rooms in `held`, read without its lock (a decision with none held takes no lock).
+    holds: AtomicUsize,
+}
+
+tokio::task_local! {
+    /// The replica whose room the deciding request holds ([`Waiters::held_for_others`]).
+    static HOLDING: Option<ReplicaId>;
+}
+
+/// `decision` made by a request that holds `room` ([`Ticket::holding`]): that room counts
+/// as its own.
+pub async fn holding<F: std::future::Future>(room: Option<ReplicaId>, decision: F) -> F::Output {
+    HOLDING.scope(room, decision).await
 }
 
 #[derive(Debug)]
@@ -39,11 +59,19 @@ struct Waiter {
 }
 
 /// How a ticket is woken: told, with the replica whose room woke it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Wake {
     notify: Notify,
-    /// The replica's id, or [`ALL`] (a replica joined or came back).
+    /// The replica's id, its room held for the request until it lets it go
+    /// ([`Ticket::let_go`]); or [`ALL`] (not woken, or woken because a replica joined or came
+    /// back: no room held).
     room: AtomicU64,
+}
+
+impl Default for Wake {
+    fn default() -> Self {
+        Self { notify: Notify::new(), room: AtomicU64::new(ALL) }
+    }
 }
 
 /// [`Wake::room`] of a wake for every waiting request.
@@ -100,6 +128,37 @@ impl Waiters {
         self.line.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn held(&self) -> MutexGuard<'_, HashMap<ReplicaId, u32>> {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Rooms on `replica` held for woken requests other than the deciding one: they count as
+    /// taken ([`super::upstream::Upstream::has_room`]).
+    pub fn held_for_others(&self, replica: ReplicaId) -> u32 {
+        if self.holds.load(SeqCst) == 0 {
+            return 0;
+        }
+        let held = self.held().get(&replica).copied().unwrap_or(0);
+        let own = HOLDING.try_with(|room| *room == Some(replica)).unwrap_or(false);
+        held.saturating_sub(u32::from(own))
+    }
+
+    fn hold(&self, replica: ReplicaId) {
+        *self.held().entry(replica).or_default() += 1;
+        self.holds.fetch_add(1, SeqCst);
+    }
+
+    fn unhold(&self, replica: ReplicaId) {
+        let mut held = self.held();
+        if let Some(n) = held.get_mut(&replica) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&replica);
+            }
+            self.holds.fetch_sub(1, SeqCst);
+        }
+    }
+
     /// Wakes the request waiting longest for `replica`'s room.
     fn wake_first(&self, replica: ReplicaId) {
         let mut line = self.line();
@@ -107,9 +166,10 @@ impl Waiters {
         let Some(ticket) = first.map(|(ticket, _)| *ticket) else { return };
         let waiter = line.remove(&ticket).expect("found");
         self.count.fetch_sub(1, SeqCst);
-        // Told before the lock is let go: a ticket dropped on another thread just now finds
-        // itself out of line only once it is told which room woke it, and passes that on
-        // (told after, it could read an earlier room, or none, and wake the wrong request).
+        // Held, and told, before the lock is let go: a ticket dropped on another thread just
+        // now finds itself out of line only once it is told which room woke it, and passes
+        // that on (told after, it could read none, and leave the next request asleep).
+        self.hold(replica);
         waiter.wake.wake(replica.0.into());
     }
 }
@@ -163,6 +223,11 @@ impl Ticket<'_> {
 
     /// Puts the request in line for `replicas`, unless one was freed since `seen`.
     fn join(&mut self, replicas: &[ReplicaId], seen: u64) -> Joined {
+        // Woken, and refused again (another took the room after all): the room it held goes
+        // on, and it waits again in its place.
+        if self.state == State::Woken {
+            self.let_go(None);
+        }
         let mut line = self.waiters.line();
         // Still in line from a wait given up on (its future dropped): taken out first, or,
         // if a wake took it out since, woken (its stored permit ends the wait at once).
@@ -177,7 +242,6 @@ impl Ticket<'_> {
         self.waiters.count.fetch_add(1, SeqCst);
         if self.waiters.frees.load(SeqCst) != seen {
             self.waiters.count.fetch_sub(1, SeqCst);
-            // A wake it held (woken, then refused again) is not passed on: it decides again.
             self.state = State::Out;
             return Joined::Freed;
         }
@@ -186,38 +250,39 @@ impl Ticket<'_> {
         Joined::Waiting
     }
 
-    /// The request got its room on `replica`: the wake it holds, if it was for another
-    /// replica's room, goes on to the next request waiting for that one.
+    /// The request got its room on `replica`: the room it holds, if it was another
+    /// replica's, goes on to the next request waiting for that one.
     pub fn placed(mut self, replica: Option<ReplicaId>) {
-        if self.state == State::Woken && self.woken_for() == replica {
-            self.state = State::Out;
-        }
+        self.let_go(replica);
+        self.state = State::Out;
     }
 
-    /// The replica whose room woke it (`None` for a wake of every request).
-    fn woken_for(&self) -> Option<ReplicaId> {
+    /// The replica whose room it holds, woken by its freeing (`None`: not woken, or woken by
+    /// a replica's return, which holds nothing).
+    pub fn holding(&self) -> Option<ReplicaId> {
         // [`ALL`] is no replica's id.
         u32::try_from(self.wake.room.load(SeqCst)).ok().map(ReplicaId)
+    }
+
+    /// Lets the room it holds go: taken (the request goes to that replica, `took`), or passed
+    /// on to the next request waiting for it, or else freed.
+    fn let_go(&mut self, took: Option<ReplicaId>) {
+        let Ok(room) = u32::try_from(self.wake.room.swap(ALL, SeqCst)).map(ReplicaId) else { return };
+        self.waiters.unhold(room);
+        if took != Some(room) {
+            self.waiters.freed(room);
+        }
     }
 }
 
 impl Drop for Ticket<'_> {
     fn drop(&mut self) {
-        let woken = match self.state {
-            State::Out => false,
-            State::Woken => true,
-            State::InLine => {
-                let left = self.waiters.line().remove(&self.id).is_some();
-                if left {
-                    self.waiters.count.fetch_sub(1, SeqCst);
-                }
-                // Not in line any more: a wake took it out just as it left.
-                !left
-            }
-        };
-        if let Some(replica) = self.woken_for().filter(|_| woken) {
-            self.waiters.wake_first(replica);
+        // Out of line (unless a wake took it out just as it left: the room is told first, and
+        // held for it), it lets go of any room it holds.
+        if self.state == State::InLine && self.waiters.line().remove(&self.id).is_some() {
+            self.waiters.count.fetch_sub(1, SeqCst);
         }
+        self.let_go(None);
     }
 }
 
@@ -335,6 +400,42 @@ mod tests {
         assert!(!done(&mut next_wait).await);
         placed.placed(Some(R0));
         assert!(!done(&mut next_wait).await, "nothing passed on");
+    }
+
+    /// The room that woke a request is held for it: taken by others' decisions, not by its
+    /// own; let go when it is placed there, passed on when it leaves, freed when nobody
+    /// waits for it.
+    #[tokio::test]
+    async fn the_room_that_woke_a_request_is_held_for_it() {
+        let waiters = Waiters::default();
+        let seen = waiters.frees();
+        let (mut woken, mut next) = (waiters.ticket(0), waiters.ticket(0));
+        for ticket in [&mut woken, &mut next] {
+            assert!(matches!(ticket.join(&[R0], seen), Joined::Waiting));
+        }
+        assert_eq!(waiters.held_for_others(R0), 0);
+        waiters.freed(R0);
+        assert_eq!(woken.holding(), Some(R0));
+        assert_eq!(waiters.held_for_others(R0), 1, "held for the woken request");
+        assert_eq!(holding(Some(R0), async { waiters.held_for_others(R0) }).await, 0, "its own");
+        assert_eq!(waiters.held_for_others(R1), 0);
+        // It leaves: the room goes to the next, still held.
+        drop(woken);
+        assert_eq!(next.holding(), Some(R0));
+        assert_eq!(waiters.held_for_others(R0), 1);
+        // The next takes it: nothing held, nothing freed.
+        let frees = waiters.frees();
+        next.placed(Some(R0));
+        assert_eq!((waiters.held_for_others(R0), waiters.frees()), (0, frees));
+        // Woken, then placed elsewhere with nobody else waiting: the room is freed.
+        let mut elsewhere = waiters.ticket(0);
+        assert!(matches!(elsewhere.join(&[R0, R1], waiters.frees()), Joined::Waiting));
+        waiters.freed(R0);
+        let frees = waiters.frees();
+        elsewhere.placed(Some(R1));
+        assert_eq!(waiters.held_for_others(R0), 0);
+        assert_ne!(waiters.frees(), frees, "freed");
+        assert_eq!(waiters.holds.load(SeqCst), 0);
     }
 
     #[tokio::test]
