@@ -230,6 +230,9 @@ impl Conn {
                         self.buf.advance(length);
                         let status = head.parts.status;
                         if status.is_informational() && status != http::StatusCode::SWITCHING_PROTOCOLS {
+                            // Only bytes of the final head make a close there malformed: a
+                            // replica that answered `100 Continue` and closed answered nothing.
+                            read_any = !self.buf.is_empty();
                             continue;
                         }
                         self.last_read = Some(Instant::now());

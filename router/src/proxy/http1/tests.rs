@@ -330,6 +330,16 @@ mod on_a_socket {
         assert_eq!(seen.lock().unwrap().len(), 1);
     }
 
+    /// A replica that sends an interim answer (`100 Continue`) and closes has answered
+    /// nothing: the request is one that may go elsewhere, not a malformed answer (which it
+    /// would have run).
+    #[tokio::test]
+    async fn an_interim_answer_then_a_close_is_no_answer() {
+        let (url, _, _) = raw_replica(|_| AnswerAndClose(b"HTTP/1.1 100 Continue\r\n\r\n")).await;
+        let failed = pool().send(post(&url, Outgoing::Full(Bytes::from_static(b"{}")))).await;
+        assert!(matches!(failed, Err(SendError::Wire(WireError::ClosedBeforeAnswer))), "{:?}", failed.err());
+    }
+
     /// A pooled connection the replica closed while it sat idle is not used again.
     #[tokio::test]
     async fn a_connection_closed_while_idle_is_left_out() {
