@@ -7,13 +7,13 @@
 //!   again, its ejection over) wakes every waiting request: it may take any of them.
 //! - The room that woke a request is held for it until it decides ([`Waiters::held_for_others`]):
 //!   a request that arrives meanwhile, or another's retry, finds the replica saturated and
-//!   waits behind it, so that the line is served in its order. (Only the moment between a
-//!   request's end and the wake it gives is open, and two threads deciding at once may pass the
-//!   limit by one each, as anywhere.)
-//! - A woken request decides again. Refused again (another took the room after all), it keeps
-//!   its place in line. Sent to another replica than the one whose room woke it, or leaving
-//!   (its client gone, its time up), it passes the room on to the next request waiting for
-//!   that replica, or frees it.
+//!   waits behind it, so that the line is served in its order. (Only moments are open: between
+//!   a request's end and the wake it gives, and between the woken request's decision and its
+//!   send; and two threads deciding at once may pass the limit by one each, as anywhere.)
+//! - A woken request decides again. Refused again (another took the room after all), it lets
+//!   the hold go and keeps its place in line. Sent to another replica than the one whose room
+//!   woke it, or leaving (its client gone, its time up), it passes the room on to the next
+//!   request waiting for that replica, or frees it.
 //! - A request that was deciding while a replica freed room decides again at once, so no
 //!   wake falls between a decision and the wait that follows it.
 
@@ -223,10 +223,14 @@ impl Ticket<'_> {
 
     /// Puts the request in line for `replicas`, unless one was freed since `seen`.
     fn join(&mut self, replicas: &[ReplicaId], seen: u64) -> Joined {
-        // Woken, and refused again (another took the room after all): the room it held goes
-        // on, and it waits again in its place.
-        if self.state == State::Woken {
-            self.let_go(None);
+        // Woken, and refused again: another took the room after all (the replica is over its
+        // limit), so the room it held is not there to pass on. It lets the hold go, and waits
+        // again in its place. (Passed on, the hold would send the next request to be refused
+        // in turn, and holds for rooms that do not exist would keep the replica saturated.)
+        if self.state == State::Woken
+            && let Ok(room) = u32::try_from(self.wake.room.swap(ALL, SeqCst)).map(ReplicaId)
+        {
+            self.waiters.unhold(room);
         }
         let mut line = self.waiters.line();
         // Still in line from a wait given up on (its future dropped): taken out first, or,
@@ -436,6 +440,37 @@ mod tests {
         assert_eq!(waiters.held_for_others(R0), 0);
         assert_ne!(waiters.frees(), frees, "freed");
         assert_eq!(waiters.holds.load(SeqCst), 0);
+    }
+
+    /// A woken request refused again because another took its room (the replica is over its
+    /// limit) lets its hold go without passing it on: passed on, holds for rooms that do not
+    /// exist would keep the replica saturated for the waiting requests, which would pass them
+    /// to one another for ever.
+    #[tokio::test]
+    async fn a_hold_whose_room_was_taken_is_not_passed_on() {
+        use super::super::upstream::{Ineligible, Upstream};
+        let waiters = Arc::new(Waiters::default());
+        let u = Arc::new(Upstream::waking(waiters.clone(), R0));
+        let running = u.begin(1, 0, 0);
+        let (mut first, mut second) = (waiters.ticket(0), waiters.ticket(0));
+        let seen = waiters.frees();
+        for ticket in [&mut first, &mut second] {
+            assert!(matches!(ticket.join(&[R0], seen), Joined::Waiting));
+        }
+        drop(running);
+        assert_eq!(first.holding(), Some(R0), "woken, its room held");
+        first.state = State::Woken;
+        // Another thread's request took the room just before the hold (over the limit).
+        let newcomer = u.begin(1, 0, 0);
+        let refused = holding(first.holding(), async { u.eligibility(1) }).await;
+        assert_eq!(refused, Err(Ineligible::Saturated));
+        assert!(matches!(first.join(&[R0], waiters.frees()), Joined::Waiting), "back in line");
+        assert!(waiters.line().contains_key(&second.id), "no room to pass on");
+        assert_eq!(waiters.held_for_others(R0), 0);
+        // The room comes back when the newcomer ends, to the first in line.
+        drop(newcomer);
+        assert_eq!(first.holding(), Some(R0));
+        assert!(waiters.line().contains_key(&second.id));
     }
 
     #[tokio::test]
