@@ -301,7 +301,13 @@ impl Decider {
         let fresh = self.score(member, blocks, all_blocks, &plan.request, tokens, false).candidates.pop();
         if let Some(fresh) = fresh {
             let (cost, ineligible, eligible) = (scored.cost, scored.ineligible, scored.view.eligible);
-            let view = ReplicaView { eligible, ..fresh.view };
+            // A FALLBACK replica's overlap is the fleet's common one, which a score of it alone
+            // cannot tell: the decision's stands.
+            let overlap_blocks = match fresh.view.stream {
+                PbState::Fallback => scored.view.overlap_blocks,
+                _ => fresh.view.overlap_blocks,
+            };
+            let view = ReplicaView { eligible, overlap_blocks, ..fresh.view };
             plan.candidates[i] = Scored { cost, ineligible, view, ..fresh };
         }
     }
