@@ -790,6 +790,10 @@ impl Hooks for ResponseHooks {
     }
 
     fn finish(mut self: Box<Self>, end: End, usage: Usage) {
+        // A usage without cached tokens is a miss only in a whole answer: a stream cut off may
+        // have shown its prompt's count (Anthropic's `message_start`, vLLM's continuous usage)
+        // and not yet its cached tokens.
+        let usage = Usage { counted: usage.counted && end == End::Complete, ..usage };
         let cached_tokens = self.guard.upstream().cached_tokens(usage);
         if let Some(line) = self.access.take() {
             line.finish(end, cached_tokens);
