@@ -926,7 +926,7 @@ pub(crate) async fn router_in_front_of(
 /// vLLM (with `--enable-prompt-tokens-details`) leaves `prompt_tokens_details` out of a usage
 /// when nothing was cached: once the replica has said its cached tokens, such an answer is a
 /// miss on the realized side (left out, the realized hit rate would count only hits); an
-/// answer with no usage is not counted.
+/// answer with no usage is not counted, nor one cut off after its prompt's count.
 #[tokio::test]
 async fn a_usage_without_cached_tokens_is_a_miss_once_the_replica_has_said_them() {
     use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
@@ -959,7 +959,14 @@ async fn a_usage_without_cached_tokens_is_a_miss_once_the_replica_has_said_them(
                     let mut body = vec![0; length.unwrap_or(0)];
                     stream.read_exact(&mut body).await.unwrap();
                     let answer = match head.starts_with("POST ") {
-                        true => ANSWERS[posts.fetch_add(1, SeqCst).min(2)],
+                        true => match ANSWERS.get(posts.fetch_add(1, SeqCst)) {
+                            Some(answer) => answer,
+                            None => {
+                                let cut = "HTTP/1.1 200 OK\r\ncontent-length: 200\r\n\r\n{\"usage\":{\"prompt_tokens\":9,";
+                                stream.get_mut().write_all(cut.as_bytes()).await.ok();
+                                return;
+                            }
+                        },
                         false => "",
                     };
                     let reply = format!(
@@ -982,10 +989,22 @@ async fn a_usage_without_cached_tokens_is_a_miss_once_the_replica_has_said_them(
             .await;
         assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
     }
+    // Cut off after its prompt's count: the router closes the connection (before or after
+    // the head, as the abort finds it).
+    let body =
+        json!({"model": FLEET_MODEL, "prompt": "one two three four five", "max_tokens": 1}).to_string();
+    let mut cut = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    cut.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(WAIT, cut.read_to_end(&mut answer)).await.expect("closed in time");
     let metrics = http.get(&format!("{}/metrics", router.url())).await;
     let metrics = String::from_utf8_lossy(&metrics.body).into_owned();
     let counted = |name: &str| sample(&metrics, &format!("kvroute_router_{name}_total")).unwrap();
-    let prompt = counted("prompt_tokens") / 3;
+    let prompt = counted("prompt_tokens") / 4;
     assert!(prompt > 0);
     assert_eq!(counted("realized_cached_tokens"), 8);
     assert_eq!(counted("reported_prompt_tokens"), 2 * prompt, "the hit and the miss");
@@ -1799,16 +1818,21 @@ async fn a_fallback_replica_is_charged_the_prefill_past_the_fleets_common_prefix
     })
     .await;
     let body = json!({"model": FLEET_MODEL, "prompt": format!("{system} and then a question of its own")});
-    let plan =
-        fleet.router.state.decider.explain(Endpoint::Completions, body.to_string().as_bytes()).await.unwrap();
-    let on = |name: &str| {
+    let decider = &fleet.router.state.decider;
+    let mut plan = decider.explain(Endpoint::Completions, body.to_string().as_bytes()).await.unwrap();
+    let on = |plan: &kvroute_router::proxy::route::Plan, name: &str| {
         let member = fleet.router.fleet().member(name).unwrap();
         (plan.prefill_tokens_on(member.replica.id), plan.prompt_tokens)
     };
-    let (held, prompt) = on("agent-0");
+    let (held, prompt) = on(&plan, "agent-0");
     assert!(held < prompt, "the agents hold the system prompt");
-    assert_eq!(on("agent-1"), (held, prompt));
-    assert_eq!(on("silent"), (held, prompt), "charged as the agents are");
+    assert_eq!(on(&plan, "agent-1"), (held, prompt));
+    assert_eq!(on(&plan, "silent"), (held, prompt), "charged as the agents are");
+    // A retry sent there is charged so too (scored again on its own, it cannot tell the
+    // fleet's common prefix).
+    let at = plan.order().position(|s| s.member.replica.spec.name == "silent").unwrap();
+    decider.rescore(&mut plan, at);
+    assert_eq!(on(&plan, "silent"), (held, prompt), "a retry there");
 }
 
 /// A replica whose answer to a completion has a malformed head ran the request: the router
