@@ -486,5 +486,12 @@ mod tests {
         // counted as never sent, not left out.
         assert_eq!(report.requests, 10);
         assert_eq!(report.errors.get("unsent"), Some(&9));
+        assert!(
+            report
+                .records
+                .iter()
+                .filter(|r| r.outcome == Err(ErrorKind::Unsent))
+                .all(|r| r.lateness().is_none())
+        );
     }
 }

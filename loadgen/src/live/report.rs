@@ -31,8 +31,11 @@ impl RequestRecord {
         self.outcome.as_ref().ok().map(|s| self.sent + s.e2e)
     }
 
-    /// How much later than intended it was sent (open loop only).
+    /// How much later than intended it was sent (open loop only; not one never sent).
     pub fn lateness(&self) -> Option<Duration> {
+        if self.outcome == Err(ErrorKind::Unsent) {
+            return None;
+        }
         Some(self.sent.saturating_sub(self.intended?))
     }
 
