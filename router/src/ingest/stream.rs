@@ -817,22 +817,7 @@ mod tests {
     /// A publisher whose replay replies stop before the end marker (an older vLLM's full send
     /// buffer drops it): batches 0..=2 of what it published, then nothing.
     async fn truncating_publisher() -> String {
-        let mut router = zeromq::RouterSocket::new();
-        let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
-        tokio::spawn(async move {
-            while let Ok(request) = router.recv().await {
-                let frames = request.into_vec();
-                let start = framing::decode_replay_request(&frames[1..]).unwrap();
-                for seq in start.0..3 {
-                    let reply = framing::encode_replay_batch(Bytes::new(), Seq(seq), batch(seq).payload);
-                    let frames: Vec<Bytes> = std::iter::once(frames[0].clone()).chain(reply).collect();
-                    if router.send(zeromq::ZmqMessage::try_from(frames).unwrap()).await.is_err() {
-                        return;
-                    }
-                }
-            }
-        });
-        endpoint
+        replaying_publisher(3, |_, _| false, false).await
     }
 
     /// A repair whose replays come without their end marker keeps what they brought, asks
@@ -857,8 +842,8 @@ mod tests {
     }
 
     /// A publisher holding batches `0..held` whose `n`th replay reply loses batch `seq` when
-    /// `lost(n, seq)` (a full send buffer drops it; the end marker comes through).
-    async fn replaying_publisher(held: u64, lost: fn(usize, u64) -> bool) -> String {
+    /// `lost(n, seq)` (a full send buffer drops it), and ends with the end marker if `ends`.
+    async fn replaying_publisher(held: u64, lost: fn(usize, u64) -> bool, ends: bool) -> String {
         let mut router = zeromq::RouterSocket::new();
         let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
         tokio::spawn(async move {
@@ -871,7 +856,7 @@ mod tests {
                 let batches = (start.0..held).filter(|&seq| !lost(reply, seq));
                 let replies = batches
                     .map(|seq| framing::encode_replay_batch(Bytes::new(), Seq(seq), batch(seq).payload))
-                    .chain(std::iter::once(framing::encode_replay_end()));
+                    .chain(ends.then(framing::encode_replay_end));
                 for reply in replies {
                     let frames: Vec<Bytes> = std::iter::once(frames[0].clone()).chain(reply).collect();
                     if router.send(zeromq::ZmqMessage::try_from(frames).unwrap()).await.is_err() {
@@ -892,7 +877,7 @@ mod tests {
         let lost: [fn(usize, u64) -> bool; 2] = [|reply, seq| reply == 0 && seq == 2, |_, seq| seq == 2];
         for (every_time, lost) in [false, true].into_iter().zip(lost) {
             let mut rank = rank();
-            rank.replay_endpoint = Some(replaying_publisher(4, lost).await);
+            rank.replay_endpoint = Some(replaying_publisher(4, lost, true).await);
             rank.repair(Seq(0), None).await;
             let (id, status) = (rank.ctx.replica.id, &rank.ctx.replica.status);
             if every_time {

@@ -55,6 +55,21 @@ pub fn router_config(agents: &[RunningAgent]) -> RouterConfig {
     }
 }
 
+/// [`router_config`] with one more replica, `name` at `http`, that has no event stream: it is
+/// FALLBACK soon, so that the router is ready.
+pub fn router_config_and_streamless(
+    agents: &[RunningAgent],
+    name: &str,
+    http: std::net::SocketAddr,
+) -> RouterConfig {
+    let mut config = router_config(agents);
+    let events = crate::support::nowhere();
+    config
+        .replicas
+        .push(format!("name={name},http=http://{http},events={events},engine=kvroute").parse().unwrap());
+    RouterConfig { events_fallback_ms: 300, ..config }
+}
+
 /// Agents and a router; everything stops when dropped.
 pub struct Fleet {
     pub agents: Vec<Option<RunningAgent>>,

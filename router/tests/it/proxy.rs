@@ -1794,15 +1794,10 @@ async fn the_events_fallback_flag_sets_when_a_silent_replica_is_routed_on_load()
 async fn a_fallback_replica_is_charged_the_prefill_past_the_fleets_common_prefix() {
     let shutdown = tokio_util::sync::CancellationToken::new();
     let agents = Fleet::start_agents(2, agent_config, &shutdown).await;
-    let mut config = crate::fleet::router_config(&agents);
     let (silent, _) =
         crate::headers::recording_replica(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
-    let events = crate::support::nowhere();
-    config
-        .replicas
-        .push(format!("name=silent,http=http://{silent},events={events},engine=kvroute").parse().unwrap());
-    let fleet =
-        Fleet::around(agents, kvroute_router::Config { events_fallback_ms: 300, ..config }, shutdown).await;
+    let config = crate::fleet::router_config_and_streamless(&agents, "silent", silent);
+    let fleet = Fleet::around(agents, config, shutdown).await;
     // Both agents hold a system prompt, run on each of them directly.
     let system = "you are a terse assistant that answers in one short line of plain words";
     for i in 0..2 {

@@ -313,18 +313,8 @@ async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_re
     let (refusing, _refused) = crate::headers::recording_replica(refusal).await;
     let shutdown = tokio_util::sync::CancellationToken::new();
     let agents = Fleet::start_agents(1, slow_agent, &shutdown).await;
-    let mut config = crate::fleet::router_config(&agents);
-    let events = crate::support::nowhere();
-    config.replicas.push(
-        format!("name=refusing,http=http://{refusing},events={events},engine=kvroute").parse().unwrap(),
-    );
-    // The refusing replica has no event stream: FALLBACK soon, so that the router is ready.
-    let config = kvroute_router::Config {
-        max_in_flight_per_replica: 1,
-        queue_timeout_ms: LONG,
-        events_fallback_ms: 300,
-        ..config
-    };
+    let config = crate::fleet::router_config_and_streamless(&agents, "refusing", refusing);
+    let config = kvroute_router::Config { max_in_flight_per_replica: 1, queue_timeout_ms: LONG, ..config };
     let fleet = Fleet::around(agents, config, shutdown).await;
     // Wherever it is sent first, the stream ends up on the agent.
     let open = open_stream(&fleet).await;

@@ -334,14 +334,8 @@ async fn a_lookup_whose_forerunner_left_asks_the_replicas_itself() {
     let mut asked = asked.1;
     let shutdown = tokio_util::sync::CancellationToken::new();
     let agents = Fleet::start_agents(1, storing, &shutdown).await;
-    let mut config = router_config(&agents);
-    let events = crate::support::nowhere();
-    config
-        .replicas
-        .push(format!("name=held,http=http://{held_at},events={events},engine=kvroute").parse().unwrap());
-    // The held replica has no event stream: FALLBACK soon, so that the router is ready.
-    let fleet =
-        Fleet::around(agents, kvroute_router::Config { events_fallback_ms: 300, ..config }, shutdown).await;
+    let config = crate::fleet::router_config_and_streamless(&agents, "held", held_at);
+    let fleet = Fleet::around(agents, config, shutdown).await;
     // Made on the agent without the router, which does not know where it is.
     let first = json!({"model": FLEET_MODEL, "input": "start", "max_output_tokens": 2});
     let made = fleet.http.post(&format!("{}/v1/responses", fleet.agent(0).http_url()), &first).await;
