@@ -227,10 +227,8 @@ impl Ticket<'_> {
         // limit), so the room it held is not there to pass on. It lets the hold go, and waits
         // again in its place. (Passed on, the hold would send the next request to be refused
         // in turn, and holds for rooms that do not exist would keep the replica saturated.)
-        if self.state == State::Woken
-            && let Ok(room) = u32::try_from(self.wake.room.swap(ALL, SeqCst)).map(ReplicaId)
-        {
-            self.waiters.unhold(room);
+        if self.state == State::Woken {
+            self.take_hold();
         }
         let mut line = self.waiters.line();
         // Still in line from a wait given up on (its future dropped): taken out first, or,
@@ -271,11 +269,17 @@ impl Ticket<'_> {
     /// Lets the room it holds go: taken (the request goes to that replica, `took`), or passed
     /// on to the next request waiting for it, or else freed.
     fn let_go(&mut self, took: Option<ReplicaId>) {
-        let Ok(room) = u32::try_from(self.wake.room.swap(ALL, SeqCst)).map(ReplicaId) else { return };
-        self.waiters.unhold(room);
-        if took != Some(room) {
+        if let Some(room) = self.take_hold().filter(|&room| took != Some(room)) {
             self.waiters.freed(room);
         }
+    }
+
+    /// The room it holds, no longer held (it holds none after).
+    fn take_hold(&mut self) -> Option<ReplicaId> {
+        // [`ALL`] is no replica's id.
+        let room = u32::try_from(self.wake.room.swap(ALL, SeqCst)).ok().map(ReplicaId)?;
+        self.waiters.unhold(room);
+        Some(room)
     }
 }
 
