@@ -142,7 +142,7 @@ pub struct Config {
     /// Requests to `/v1/*` must carry `Authorization: Bearer <key>`, as with vLLM's
     /// `--api-key`; others get vLLM's 401. Every path outside `/v1` stays open, as with vLLM:
     /// `/health`, `/metrics`, `/tokenize`, and `/reset_prefix_cache` too (keep it off the network).
-    #[arg(long, env = "KVROUTE_AGENT_API_KEY")]
+    #[arg(long, env = "KVROUTE_AGENT_API_KEY", hide_env_values = true)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub api_key: Option<String>,
     /// Keep every Responses API response in this process, so a later request can continue it
@@ -229,6 +229,11 @@ impl Config {
             }
         };
         check(!self.name.is_empty(), "--name must not be empty".into());
+        check(
+            !self.api_key.as_ref().is_some_and(|key| key.is_empty() || key.contains(char::is_whitespace)),
+            "--api-key must not be empty or hold whitespace (a newline at the end of its file?): no client could send it"
+                .into(),
+        );
         check(!self.model.is_empty(), "--model must not be empty".into());
         for problem in self.chat.problems() {
             check(false, problem);
@@ -274,6 +279,10 @@ impl Config {
             format!("--s3fifo-small-ratio must be in (0, 1), got {}", self.s3fifo_small_ratio),
         );
         check(self.s3fifo_max_freq > 0, "--s3fifo-max-freq must be at least 1".into());
+        if let Some(problem) = self.cache().capacity_problem() {
+            let capacity = self.capacity_blocks;
+            check(false, format!("--capacity-blocks {capacity} (--policy, --s3fifo-small-ratio): {problem}"));
+        }
         check(self.max_model_len > 0, "--max-model-len must be at least 1".into());
         check(self.max_num_seqs > 0, "--max-num-seqs must be at least 1".into());
         check(self.default_max_tokens > 0, "--default-max-tokens must be at least 1".into());
@@ -398,6 +407,28 @@ mod tests {
             ..Config::default()
         };
         assert_eq!(c.validate().unwrap_err().len(), 3);
+    }
+
+    /// A cache its policy cannot run with, and an API key no client can send, are refused up
+    /// front with the flags named (not when the engine starts, or as a 401 to every request).
+    #[test]
+    fn a_cache_that_cannot_run_and_an_unsendable_key_are_refused() {
+        use crate::cache::PolicyKind;
+        let cases = [
+            (
+                Config { policy: PolicyKind::S3fifo, capacity_blocks: 5, ..Config::default() },
+                "--capacity-blocks 5",
+            ),
+            (Config { capacity_blocks: 3_000_000_000, ..Config::default() }, "--capacity-blocks 3000000000"),
+            (Config { api_key: Some("k\n".into()), ..Config::default() }, "--api-key"),
+            (Config { api_key: Some(String::new()), ..Config::default() }, "--api-key"),
+        ];
+        for (config, flag) in cases {
+            let errors = config.validate().unwrap_err();
+            assert!(errors.len() == 1 && errors[0].contains(flag), "{flag}: {errors:?}");
+        }
+        let fits = Config { policy: PolicyKind::S3fifo, capacity_blocks: 20, ..Config::default() };
+        assert_eq!(fits.validate(), Ok(()));
     }
 
     #[test]

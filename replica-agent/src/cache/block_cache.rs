@@ -57,8 +57,7 @@ impl BlockCache {
         if cap == 0 {
             return Err(ConfigError::ZeroCapacity);
         }
-        // Slab indices are u32; S3FIFO also keeps up to `capacity` ghost nodes.
-        if cap > (u32::MAX / 2) as usize {
+        if cap > super::config::MAX_CAPACITY {
             return Err(ConfigError::TooLarge(cap));
         }
         let policy: Box<dyn Policy + Send + Sync> = match config.policy {

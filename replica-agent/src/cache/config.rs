@@ -47,6 +47,29 @@ pub struct CacheConfig {
     pub s3fifo: S3FifoParams,
 }
 
+impl CacheConfig {
+    /// The capacity the cache's policy cannot run with, if so, found without building it:
+    /// more blocks than it can index, or an S3FIFO queue left empty.
+    pub fn capacity_problem(&self) -> Option<ConfigError> {
+        let cap = self.capacity_blocks;
+        if cap > MAX_CAPACITY {
+            return Some(ConfigError::TooLarge(cap));
+        }
+        if self.policy == PolicyKind::S3fifo {
+            let small_cap = super::small_cap(cap, self.s3fifo.small_ratio);
+            let main_cap = cap.saturating_sub(small_cap);
+            if small_cap == 0 || main_cap == 0 {
+                return Some(ConfigError::EmptyQueue { small_cap, main_cap });
+            }
+        }
+        None
+    }
+}
+
+/// Most blocks a cache holds: slab indices are `u32`, and S3FIFO also keeps up to `capacity`
+/// ghost nodes.
+pub const MAX_CAPACITY: usize = (u32::MAX / 2) as usize;
+
 /// A configuration the cache cannot run with.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ConfigError {
