@@ -19,8 +19,16 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "h" => value * 3600.0,
         other => return Err(format!("unknown duration unit {other:?} in {s:?}; use us, ms, s, m or h")),
     };
-    Duration::try_from_secs_f64(seconds).map_err(|e| format!("duration {s:?}: {e}"))
+    let duration = Duration::try_from_secs_f64(seconds).map_err(|e| format!("duration {s:?}: {e}"))?;
+    // Past this, a deadline or a timer's next tick would not fit an `Instant`.
+    if duration > MAX_DURATION {
+        return Err(format!("duration {s:?} is longer than 100 years"));
+    }
+    Ok(duration)
 }
+
+/// The longest duration taken: 100 years.
+const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 #[cfg(test)]
 mod tests {
@@ -33,7 +41,7 @@ mod tests {
         assert_eq!(parse_duration("1.5m"), Ok(Duration::from_secs(90)));
         assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
         assert_eq!(parse_duration("10us"), Ok(Duration::from_micros(10)));
-        for bad in ["", "20", "s", "20 parsecs", "1.2.3s"] {
+        for bad in ["", "20", "s", "20 parsecs", "1.2.3s", "10000000000000000000s", "876601h"] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }
     }

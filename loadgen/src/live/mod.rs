@@ -120,6 +120,8 @@ pub enum LiveError {
     ConcurrencyOverLimit { concurrency: usize, limit: usize },
     #[error("the target {0:?} is not an http:// URL")]
     Target(String),
+    #[error("the request timeout must be longer than zero (every request would time out)")]
+    Timeout,
     #[error("at {0} the requests would be sent past the longest wait a run can hold")]
     Schedule(String),
 }
@@ -198,6 +200,9 @@ pub fn validate(config: &LiveConfig) -> Result<(), LiveError> {
     }
     if config.max_in_flight == 0 || config.max_in_flight > Semaphore::MAX_PERMITS {
         return Err(LiveError::Concurrency);
+    }
+    if config.request_timeout.is_zero() {
+        return Err(LiveError::Timeout);
     }
     match config.arrivals {
         Arrivals::Trace { speedup } if !(speedup.is_finite() && speedup > 0.0) => {
@@ -448,6 +453,9 @@ mod tests {
         ));
         config.arrivals = Arrivals::Closed { concurrency: 256 };
         assert!(validate(&config).is_ok());
+        // A zero timeout would fail every request and still write a report.
+        config.request_timeout = Duration::ZERO;
+        assert!(matches!(validate(&config), Err(LiveError::Timeout)));
     }
 
     /// `max_duration` ends the sending even while every slot is held (a fleet that accepts

@@ -97,6 +97,7 @@ pub async fn run(
         !config.sample_interval.is_zero() && config.churn_interval.is_none_or(|d| !d.is_zero()),
         "the sample and churn intervals must be longer than zero"
     );
+    anyhow::ensure!(!config.request_timeout.is_zero(), "--timeout must be longer than zero");
     let logs = config.out_dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let client = Client::new(Duration::from_secs(2));
