@@ -328,6 +328,47 @@ async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_re
     assert_eq!(answer.header("x-kvroute-replica"), Some("agent-0"));
 }
 
+/// Many requests at once, far past two replicas' room, on two HTTP threads: every one is
+/// served, and when they are done nobody waits and no room is held (the holds for woken
+/// requests are let go on every path).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_past_the_fleets_room_is_served_and_leaves_nothing_held() {
+    let agent = |name: &str| kvroute_replica_agent::Config {
+        scheduling_policy: kvroute_replica_agent::config::SchedulingPolicy::Priority,
+        ..agent_config(name)
+    };
+    let fleet = Fleet::with(2, agent, |c| kvroute_router::Config {
+        max_in_flight_per_replica: 2,
+        queue_timeout_ms: LONG,
+        http_threads: 2,
+        ..c
+    })
+    .await;
+    let requests = (0..48).map(|i| {
+        let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
+        let mut body = completion(&format!("burst {i} of many words"));
+        body["max_tokens"] = 8.into();
+        body["priority"] = (i % 3).into();
+        tokio::spawn(async move { http.post(&url, &body).await })
+    });
+    for request in futures::future::join_all(requests.collect::<Vec<_>>()).await {
+        let answer = request.unwrap();
+        assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    }
+    assert!(outcomes(&fleet, "placed") > 0, "requests waited for room");
+    queued(&fleet, 0).await;
+    let router_fleet = fleet.router.fleet();
+    for member in router_fleet.members() {
+        assert_eq!(
+            router_fleet.waiters().held_for_others(member.replica.id),
+            0,
+            "{}",
+            member.replica.spec.name
+        );
+        assert_eq!(member.upstream.requests_in_flight(), 0);
+    }
+}
+
 /// A replica whose spec changes at the same address (discovery found its replay port, say) is
 /// the same server: its requests in flight still count, against its limit too; at another
 /// address it is another server.
