@@ -4,7 +4,7 @@
 //! - [`cache`]: the block-level KV prefix cache (capacity in blocks, LRU/LFU/S3FIFO eviction,
 //!   refcounted pins for running requests, seed-000 hit accounting).
 //! - [`http`]: the OpenAI-compatible HTTP API (completions, chat, SSE streaming, `/tokenize`,
-//!   `/reset_prefix_cache`, `/metrics` with vLLM's names, `/v1/models`, `/health`).
+//!   `/reset_prefix_cache`, `/metrics` with vLLM's names, `/v1/models`, `/health`, `/version`).
 //! - [`publisher`]: the KV event publisher (ZMQ PUB live stream + ROUTER replay).
 //! - [`config`], [`engine`], [`grpc`]: settings, the continuous-batching engine, the
 //!   `ReplicaAgent` gRPC service; [`server`] assembles them ([`start`], [`run`]).

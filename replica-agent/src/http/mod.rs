@@ -216,6 +216,7 @@ enum Route {
     LoadLora,
     UnloadLora,
     Metrics,
+    Version,
 }
 
 /// The route at `path` and the one method it accepts.
@@ -232,6 +233,7 @@ fn route(path: &str) -> Option<(Method, Route)> {
         "/v1/load_lora_adapter" => (Method::POST, Route::LoadLora),
         "/v1/unload_lora_adapter" => (Method::POST, Route::UnloadLora),
         "/metrics" => (Method::GET, Route::Metrics),
+        "/version" => (Method::GET, Route::Version),
         "/v1/responses" => (Method::POST, Route::Responses),
         _ => match stored_response(path)? {
             (_, false) => (Method::GET, Route::Retrieve),
@@ -287,6 +289,11 @@ async fn dispatch(
         Route::CountTokens => admin::count_tokens(state, &read_body(state, req).await?),
         Route::Models => Ok(admin::models(state)),
         Route::Health => Ok(empty(StatusCode::OK)),
+        // vLLM's `{"version": ...}`, with the agent's own version (it is no vLLM).
+        Route::Version => {
+            let version = serde_json::json!({"version": env!("CARGO_PKG_VERSION")});
+            Ok(json_response(StatusCode::OK, version.to_string().into_bytes()))
+        }
         Route::Tokenize => {
             let body = read_body(state, req).await?;
             admin::tokenize(state, &body)

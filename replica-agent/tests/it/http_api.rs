@@ -666,6 +666,10 @@ async fn models_and_health() {
     let health = c.get("/health").await;
     assert_eq!(health.status, StatusCode::OK);
     assert!(health.body.is_empty());
+    // vLLM's `/version` (which the router passes through), with the agent's own version.
+    let version = c.get("/version").await;
+    assert_eq!(version.status, StatusCode::OK);
+    assert_eq!(version.json()["version"], env!("CARGO_PKG_VERSION"));
 
     let models = c.get("/v1/models").await.json();
     shape::assert_keys(&models, &["object", "data"], "model list");
