@@ -10,8 +10,9 @@
 //!   waits behind it, so that the line is served in its order. (Only moments are open: between
 //!   a request's end and the wake it gives, and between the woken request's decision and its
 //!   send; and two threads deciding at once may pass the limit by one each, as anywhere.)
-//! - A woken request decides again. Refused again (another took the room after all), it lets
-//!   the hold go and keeps its place in line. Sent to another replica than the one whose room
+//! - A woken request decides again. Refused again for want of room there (another took it
+//!   after all), it lets the hold go, and it and those the hold refused decide again; refused
+//!   for another reason, it passes the room on. Either way it keeps its place in line. Sent to another replica than the one whose room
 //!   woke it, or leaving (its client gone, its time up), it passes the room on to the next
 //!   request waiting for that replica, or frees it.
 //! - A request that was deciding while a replica freed room decides again at once, so no
@@ -223,12 +224,21 @@ impl Ticket<'_> {
 
     /// Puts the request in line for `replicas`, unless one was freed since `seen`.
     fn join(&mut self, replicas: &[ReplicaId], seen: u64) -> Joined {
-        // Woken, and refused again: another took the room after all (the replica is over its
-        // limit), so the room it held is not there to pass on. It lets the hold go, and waits
-        // again in its place. (Passed on, the hold would send the next request to be refused
-        // in turn, and holds for rooms that do not exist would keep the replica saturated.)
-        if self.state == State::Woken {
-            self.take_hold();
+        // Woken, and refused again. (Before the line's lock: `freed` takes it.)
+        if self.state == State::Woken
+            && let Some(room) = self.take_hold()
+        {
+            if replicas.contains(&room) {
+                // For want of room there: another took it after all (the replica is over its
+                // limit), so there is no room to pass on (passed on, holds for rooms that do
+                // not exist would keep the replica saturated). Those refused because of the
+                // hold decide again, this request among them.
+                self.waiters.frees.fetch_add(1, SeqCst);
+            } else {
+                // For another reason (the replica is draining, say): the room is there, for
+                // the next request waiting for it.
+                self.waiters.freed(room);
+            }
         }
         let mut line = self.waiters.line();
         // Still in line from a wait given up on (its future dropped): taken out first, or,
@@ -468,13 +478,37 @@ mod tests {
         let newcomer = u.begin(1, 0, 0);
         let refused = holding(first.holding(), async { u.eligibility(1) }).await;
         assert_eq!(refused, Err(Ineligible::Saturated));
+        // It lets the hold go, and decides again (refused again: there is no room), then waits.
+        assert!(matches!(first.join(&[R0], waiters.frees()), Joined::Freed), "decides again");
+        assert_eq!(waiters.held_for_others(R0), 0);
+        assert_eq!(u.eligibility(1), Err(Ineligible::Saturated));
         assert!(matches!(first.join(&[R0], waiters.frees()), Joined::Waiting), "back in line");
         assert!(waiters.line().contains_key(&second.id), "no room to pass on");
-        assert_eq!(waiters.held_for_others(R0), 0);
         // The room comes back when the newcomer ends, to the first in line.
         drop(newcomer);
         assert_eq!(first.holding(), Some(R0));
         assert!(waiters.line().contains_key(&second.id));
+    }
+
+    /// A woken request refused again for another reason than room on the replica that woke
+    /// it (that replica is draining, say, and it waits for others now) passes the room on to
+    /// the next request waiting for it (a continuation whose owner it is takes it all the
+    /// same).
+    #[tokio::test]
+    async fn a_hold_refused_for_another_reason_is_passed_on() {
+        let waiters = Waiters::default();
+        let seen = waiters.frees();
+        let (mut woken, mut next) = (waiters.ticket(0), waiters.ticket(0));
+        assert!(matches!(woken.join(&[R0, R1], seen), Joined::Waiting));
+        assert!(matches!(next.join(&[R0], seen), Joined::Waiting));
+        waiters.freed(R0);
+        assert_eq!(woken.holding(), Some(R0));
+        woken.state = State::Woken;
+        // Refused with only R1 saturated: it waits for R1 alone.
+        let _ = woken.join(&[R1], waiters.frees());
+        assert_eq!(next.holding(), Some(R0), "the room passed on");
+        assert!(!waiters.line().contains_key(&next.id));
+        assert_eq!(waiters.held_for_others(R0), 1);
     }
 
     #[tokio::test]
