@@ -40,13 +40,45 @@ pub enum ConfigError {
     File { path: PathBuf, message: String },
 }
 
+/// A configuration refused, with what could still be read of it.
+#[derive(Debug)]
+pub struct Refused<C> {
+    pub error: ConfigError,
+    /// The flags and every key of the file that is fine alone, when the file is what was
+    /// wrong: a binary checks it too, so that one run reports every problem, not the file's
+    /// alone (after it is fixed, its semantic checks could still fail on another setting).
+    pub rest: Option<C>,
+}
+
+impl<C> From<ConfigError> for Refused<C> {
+    fn from(error: ConfigError) -> Self {
+        Refused { error, rest: None }
+    }
+}
+
+impl<C> From<clap::Error> for Refused<C> {
+    fn from(error: clap::Error) -> Self {
+        ConfigError::from(error).into()
+    }
+}
+
 /// Parses the process's arguments and environment, then the `--config` file.
-pub fn parse<C: Layered>() -> Result<C, ConfigError> {
-    parse_from::<C, _, _>(std::env::args_os())
+pub fn parse<C: Layered>() -> Result<C, Refused<C>> {
+    parse_keeping_rest::<C, _, _>(std::env::args_os())
 }
 
 /// [`parse`] with explicit arguments (the first is the program name).
 pub fn parse_from<C, I, T>(args: I) -> Result<C, ConfigError>
+where
+    C: Layered,
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    parse_keeping_rest(args).map_err(|refused| refused.error)
+}
+
+/// [`parse_from`], keeping what could be read of a config refused for its file's keys.
+pub fn parse_keeping_rest<C, I, T>(args: I) -> Result<C, Refused<C>>
 where
     C: Layered,
     I: IntoIterator<Item = T>,
@@ -119,9 +151,9 @@ where
     }
     problems.extend(bad);
     if !problems.is_empty() {
-        return Err(file_error(problems.join("; ")));
+        return Err(Refused { error: file_error(problems.join("; ")), rest: C::deserialize(merged).ok() });
     }
-    C::deserialize(merged).map_err(|e| file_error(e.to_string()))
+    Ok(C::deserialize(merged).map_err(|e| file_error(e.to_string()))?)
 }
 
 #[cfg(test)]
@@ -217,6 +249,23 @@ mod tests {
         let f = file("block-size = \"big\"\n");
         let err = parse_from::<Demo, _, _>(["x", "--config", f.0.to_str().unwrap(), "--block-size", "8"]);
         assert!(matches!(err, Err(ConfigError::File { ref message, .. }) if message.contains("block-size")));
+    }
+
+    /// A file refused for some keys keeps the flags and its other keys, for the binary's
+    /// checks; a flag still wins over the file.
+    #[test]
+    fn a_refused_file_keeps_its_good_keys() {
+        let f = file("bogus = 1\nblock-size = 64\nseed = \"x\"\nsalt = \"s\"\nmodel = \"file\"\n");
+        let refused =
+            parse_keeping_rest::<Demo, _, _>(["x", "--config", f.0.to_str().unwrap(), "--model", "flag"])
+                .unwrap_err();
+        assert!(matches!(refused.error, ConfigError::File { .. }), "{:?}", refused.error);
+        let rest = refused.rest.expect("the rest is read");
+        assert_eq!((rest.block_size, rest.salt.as_deref(), rest.seed), (64, Some("s"), None));
+        assert_eq!(rest.model, "flag");
+        // Flags clap refuses leave nothing to check.
+        let refused = parse_keeping_rest::<Demo, _, _>(["x", "--block-size", "-3"]).unwrap_err();
+        assert!(matches!(refused.error, ConfigError::Cli(_)) && refused.rest.is_none());
     }
 
     #[test]

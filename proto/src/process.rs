@@ -22,6 +22,14 @@ pub fn init_tracing() {
     }
 }
 
+/// Prints what `validate` found wrong, one problem a line.
+fn report_invalid(lead: &str, errors: Vec<String>) {
+    eprintln!("{lead} invalid configuration:");
+    for e in errors {
+        eprintln!("  - {e}");
+    }
+}
+
 /// Cancels `token` on the first SIGTERM or SIGINT (Ctrl-C), so every task drains; a second
 /// one exits at once (a drain a peer holds up is not waited for twice).
 pub async fn cancel_on_signal(token: CancellationToken) {
@@ -56,7 +64,8 @@ pub async fn next_signal() {
 }
 
 /// The whole `main` of a kvroute server binary: parse flags, environment and `--config`
-/// (bad input exits non-zero with clap's message or every configuration problem at once),
+/// (bad input exits non-zero with clap's message or every configuration problem at once:
+/// a file's bad keys, and what `validate` finds in the rest),
 /// set up logging, then run until SIGTERM/SIGINT and map the outcome to an exit code.
 pub async fn main<C, V, R, F, E>(name: &str, validate: V, run: R) -> std::process::ExitCode
 where
@@ -68,17 +77,17 @@ where
 {
     let config: C = match crate::cli::parse() {
         Ok(config) => config,
-        Err(crate::cli::ConfigError::Cli(e)) => e.exit(),
-        Err(e) => {
-            eprintln!("{name}: {e}");
+        Err(crate::cli::Refused { error: crate::cli::ConfigError::Cli(e), .. }) => e.exit(),
+        Err(refused) => {
+            eprintln!("{name}: {}", refused.error);
+            if let Some(Err(errors)) = refused.rest.as_ref().map(validate) {
+                report_invalid(&format!("{name}: and, without those keys,"), errors);
+            }
             return std::process::ExitCode::from(2);
         }
     };
     if let Err(errors) = validate(&config) {
-        eprintln!("{name}: invalid configuration:");
-        for e in errors {
-            eprintln!("  - {e}");
-        }
+        report_invalid(&format!("{name}:"), errors);
         return std::process::ExitCode::from(2);
     }
     init_tracing();

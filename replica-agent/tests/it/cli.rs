@@ -23,6 +23,20 @@ fn refused_by_agent(args: &[&str]) -> (Option<i32>, String) {
     (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
+/// A config file with a bad key is reported together with what the checks find in the
+/// rest, so one run names every problem.
+#[test]
+fn a_bad_config_file_is_reported_with_the_rests_problems() {
+    let path = std::env::temp_dir().join(format!("kvroute-agent-bad-file-{}.toml", std::process::id()));
+    std::fs::write(&path, "block-size = 0\nbogus-key = 1\n").unwrap();
+    let (code, stderr) = refused_by_agent(&["--config", path.to_str().unwrap()]);
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(code, Some(2), "{stderr}");
+    for fragment in ["unknown keys: bogus-key", "--block-size must be at least 1"] {
+        assert!(stderr.contains(fragment), "{fragment:?} not in {stderr}");
+    }
+}
+
 #[test]
 fn bad_flags_make_the_binary_exit_with_a_message() {
     for (args, fragment) in [

@@ -515,6 +515,26 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
     }
 }
 
+/// A config file with a bad key is reported together with what the checks find in the
+/// rest, so one run names every problem.
+#[test]
+fn a_bad_config_file_is_reported_with_the_rests_problems() {
+    let path = std::env::temp_dir().join(format!("kvroute-router-bad-file-{}.toml", std::process::id()));
+    std::fs::write(&path, "max-header-bytes = 100\nbogus-key = 1\nmax-queued = \"many\"\n").unwrap();
+    let (code, stderr) =
+        refused_by_router(&["--config", path.to_str().unwrap(), "--control-timeout-ms", "0"]);
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(code, Some(2), "{stderr}");
+    for fragment in [
+        "unknown keys: bogus-key",
+        "max-queued:",
+        "--max-header-bytes must be at least 8192",
+        "--control-timeout-ms must be at least 1",
+    ] {
+        assert!(stderr.contains(fragment), "{fragment:?} not in {stderr}");
+    }
+}
+
 /// A stream holds its in-flight slot until it ends: with one slot, a request made while a
 /// stream is open gets 503, and one made after it ended is served.
 #[tokio::test]
