@@ -188,8 +188,8 @@ pub struct CompareArgs {
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [PolicyKind::CacheAware, PolicyKind::RoundRobin, PolicyKind::LeastLoaded])]
     pub policies: Vec<PolicyKind>,
     /// Tokens per KV block on the replicas.
-    #[arg(long, default_value_t = 16)]
-    pub block_size: usize,
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub block_size: u32,
     /// The fleet's total cache capacity in blocks (default: the agents' own figures, an
     /// engine's cache a data-parallel rank). Given, it is taken as one cache a replica: the
     /// offline simulation of data-parallel replicas has fewer, larger caches than theirs.
@@ -237,7 +237,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub data_parallel_size: u32,
     /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub block_size: u32,
     /// Eviction policy of every agent.
     #[arg(long, value_enum, default_value_t = cache::PolicyKind::Lru)]
@@ -313,7 +313,7 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<()> {
     let (routers, replicas) = match (args.replicas.is_empty(), args.routers.is_empty()) {
         (false, true) => {
             let router = RouterConfig {
-                block_size: args.block_size as u32,
+                block_size: args.block_size,
                 model: args.send.model.clone(),
                 ..RouterConfig::loopback(args.replicas.clone())
             };
@@ -331,7 +331,7 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<()> {
         routers,
         replicas,
         live: args.send.live_config(String::new()),
-        block_size: args.block_size,
+        block_size: args.block_size as usize,
         total_capacity_blocks: args.capacity_blocks,
         eviction: args.eviction,
         time_scale: args.agent_time_scale,

@@ -360,6 +360,7 @@ impl Config {
         check(self.idle_timeout_ms > 0, "--idle-timeout-ms must be at least 1".into());
         check(self.send_timeout_ms > 0, "--send-timeout-ms must be at least 1".into());
         check(self.max_body_bytes > 0, "--max-body-bytes must be at least 1".into());
+        check(self.response_owners > 0, "--response-owners must be at least 1".into());
         let most = tokio::sync::Semaphore::MAX_PERMITS;
         check((1..=most).contains(&self.max_in_flight), format!("--max-in-flight must be 1 to {most}"));
         check((1..=most).contains(&self.max_connections), format!("--max-connections must be 1 to {most}"));

@@ -15,7 +15,7 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
     let trace = trace.to_str().unwrap();
     // Each case's exit code and a fragment of its message: a case meant to reach the program
     // must not pass on a usage error from a misspelt flag, nor a usage case on another one.
-    let cases: [(&[&str], i32, &str); 15] = [
+    let cases: [(&[&str], i32, &str); 17] = [
         (&["--bogus-flag"], USAGE, "'--bogus-flag'"),
         (&[], USAGE, "Usage:"),
         (&["simulate", "--policy", "nope"], USAGE, "'nope'"),
@@ -42,6 +42,9 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
             1,
             "cache-aware weights",
         ),
+        // A block size the routers' `u32` cannot hold, or none at all.
+        (&["compare", "--block-size", "4294967312"], USAGE, "'4294967312'"),
+        (&["demo", "--block-size", "0"], USAGE, "'0'"),
         (&["generate", "--bogus-flag"], USAGE, "'--bogus-flag'"),
         (&["generate", "rag", "--zipf", "nan"], 1, "Zipf exponent"),
         (&["generate", "rag", "--zipf=-1"], 1, "Zipf exponent"),

@@ -507,6 +507,7 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
         (&["--control-timeout-ms", "0"], "--control-timeout-ms must be at least 1"),
         (&["--queue-timeout-ms", "3600001"], "--queue-timeout-ms must be at most 3600000"),
         (&["--max-queued", "2000000"], "--max-queued must be at most 1048576"),
+        (&["--response-owners", "0"], "--response-owners must be at least 1"),
         (&["--config", "/nonexistent/router.toml"], "/nonexistent/router.toml"),
     ] {
         let (code, stderr) = refused_by_router(args);
