@@ -86,18 +86,31 @@ pub struct SimulateArgs {
     /// Tokens per engine step.
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: usize,
-    /// S3FIFO: share of the capacity given to the small queue.
-    #[arg(long, default_value_t = 0.1)]
-    pub s3fifo_small_ratio: f64,
-    /// S3FIFO: saturation of the access counter.
-    #[arg(long, default_value_t = 3)]
-    pub s3fifo_max_freq: u8,
+    #[command(flatten)]
+    pub s3fifo: S3FifoArgs,
     /// Write the report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Write per-request `{hit_tokens, prompt_tokens}` as a JSON array here.
     #[arg(long)]
     pub per_request: Option<PathBuf>,
+}
+
+/// S3FIFO's knobs, as the agents' flags of the same names set them.
+#[derive(Debug, Args)]
+pub struct S3FifoArgs {
+    /// S3FIFO: share of the capacity given to the small queue.
+    #[arg(long, default_value_t = S3FifoParams::default().small_ratio)]
+    pub s3fifo_small_ratio: f64,
+    /// S3FIFO: saturation of the access counter.
+    #[arg(long, default_value_t = S3FifoParams::default().max_freq)]
+    pub s3fifo_max_freq: u8,
+}
+
+impl S3FifoArgs {
+    pub fn params(&self) -> S3FifoParams {
+        S3FifoParams { small_ratio: self.s3fifo_small_ratio, max_freq: self.s3fifo_max_freq }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -117,7 +130,7 @@ impl SimulateArgs {
             capacity_blocks: self.capacity,
             block_size: self.block_size,
             eviction: self.policy,
-            s3fifo: S3FifoParams { small_ratio: self.s3fifo_small_ratio, max_freq: self.s3fifo_max_freq },
+            s3fifo: self.s3fifo.params(),
             routing: self.routing,
             cache_aware: CacheAwareParams {
                 in_flight_tokens: self.in_flight_tokens,

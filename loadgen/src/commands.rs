@@ -195,9 +195,12 @@ pub struct CompareArgs {
     /// offline simulation of data-parallel replicas has fewer, larger caches than theirs.
     #[arg(long)]
     pub capacity_blocks: Option<usize>,
-    /// The replicas' eviction policy (for the pooled reference).
+    /// The replicas' eviction policy (for the pooled reference and the offline runs).
     #[arg(long, value_enum, default_value_t = cache::PolicyKind::Lru)]
     pub eviction: cache::PolicyKind,
+    /// With `--eviction s3fifo`: the agents' S3FIFO settings.
+    #[command(flatten)]
+    pub s3fifo: crate::cli::S3FifoArgs,
     /// The agents' `--time-scale`, so the offline simulation replays at the live load
     /// (`--speedup` over it).
     #[arg(long, default_value_t = 1.0)]
@@ -334,6 +337,7 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<()> {
         block_size: args.block_size as usize,
         total_capacity_blocks: args.capacity_blocks,
         eviction: args.eviction,
+        s3fifo: args.s3fifo.params(),
         time_scale: args.agent_time_scale,
         out_dir: Some(args.out.clone()),
         workload: name,

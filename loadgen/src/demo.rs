@@ -155,6 +155,8 @@ pub async fn run(config: &DemoConfig, shutdown: CancellationToken) -> anyhow::Re
         // Read from the agents (an engine's cache a rank).
         total_capacity_blocks: None,
         eviction: config.fleet.eviction,
+        // The embedded agents' own.
+        s3fifo: Default::default(),
         time_scale: config.fleet.time_scale,
         out_dir: config.out_dir.clone(),
         workload: config.workload.clone(),

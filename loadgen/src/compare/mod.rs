@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use kvroute_replica_agent::cache;
+use kvroute_replica_agent::cache::{self, S3FifoParams};
 use kvroute_router::config::Config as RouterConfig;
 use kvroute_router::policy::PolicyKind;
 use tokio_util::sync::CancellationToken;
@@ -73,8 +73,10 @@ pub struct CompareConfig {
     pub block_size: usize,
     /// The fleet's total cache capacity in blocks; read from the agents' metrics if `None`.
     pub total_capacity_blocks: Option<usize>,
-    /// The replicas' eviction policy, for the pooled reference.
+    /// The replicas' eviction policy, for the pooled reference and the offline runs.
     pub eviction: cache::PolicyKind,
+    /// The replicas' S3FIFO settings, with [`cache::PolicyKind::S3fifo`].
+    pub s3fifo: S3FifoParams,
     /// The agents' `--time-scale`, for the report (1 for real engines).
     pub time_scale: f64,
     /// Where the report (JSON and SVGs) goes; nothing is written if `None`.
@@ -84,6 +86,13 @@ pub struct CompareConfig {
     /// Also simulate each policy offline, arrivals divided by this (trace speed-up over the
     /// agents' time scale); `None` skips it.
     pub offline_speedup: Option<f64>,
+}
+
+impl CompareConfig {
+    /// The replicas' cache, as the pooled reference replays it.
+    fn cache(&self) -> (cache::PolicyKind, S3FifoParams) {
+        (self.eviction, self.s3fifo)
+    }
 }
 
 /// How long the replicas get to answer a cache reset, and a router to become ready.
@@ -110,7 +119,7 @@ pub async fn compare(
             .context("reading the fleet's capacity (give it with --capacity-blocks)")?,
     };
     let total_capacity = caches.total_blocks;
-    let pooled = pooled_bound(&sent, config.block_size, total_capacity, config.eviction)?;
+    let pooled = pooled_bound(&sent, config.block_size, total_capacity, config.cache())?;
     // An offline simulation that cannot run would fail after its live run, losing every run
     // done by then: check them all first.
     if let Some(speedup) = config.offline_speedup {
@@ -150,7 +159,7 @@ pub async fn compare(
         let ran = requests_served(&sent, &report);
         let (ran, pooled_hit_rate) = match &ran {
             Some(ran) => {
-                (ran, pooled_bound(ran, config.block_size, total_capacity, config.eviction)?.overall_hit_rate)
+                (ran, pooled_bound(ran, config.block_size, total_capacity, config.cache())?.overall_hit_rate)
             }
             None => (&sent, pooled.overall_hit_rate),
         };
@@ -168,6 +177,7 @@ pub async fn compare(
             total_capacity_blocks: total_capacity,
             block_size: config.block_size,
             eviction: config.eviction,
+            s3fifo: (config.eviction == cache::PolicyKind::S3fifo).then_some(config.s3fifo),
             time_scale: config.time_scale,
         },
         pooled_hit_rate: pooled.overall_hit_rate,
@@ -224,13 +234,14 @@ pub fn pooled_bound(
     trace: &Trace,
     block_size: usize,
     capacity: usize,
-    eviction: cache::PolicyKind,
+    (eviction, s3fifo): (cache::PolicyKind, S3FifoParams),
 ) -> anyhow::Result<sim::PooledBound> {
     let config = SimConfig {
         replicas: 1,
         capacity_blocks: capacity,
         block_size,
         eviction,
+        s3fifo,
         blocks: BlockIdentity::Tokens,
         engine: None,
         ..SimConfig::default()
@@ -277,6 +288,7 @@ fn offline_config(caches: Caches, config: &CompareConfig, policy: PolicyKind, sp
         capacity_blocks: caches.total_blocks / replicas,
         block_size: config.block_size,
         eviction: config.eviction,
+        s3fifo: config.s3fifo,
         routing: policy,
         blocks: BlockIdentity::Tokens,
         speedup,
@@ -410,6 +422,29 @@ mod tests {
                     kvroute_agent_capacity_blocks{model_name=\"m\",engine=\"1\"} 512\n";
         assert_eq!(page_caches(page), Some(Caches { total_blocks: 1024, count: 2 }));
         assert_eq!(page_caches("vllm:num_requests_running 1\n"), None);
+    }
+
+    /// The pooled reference replays the agents' S3FIFO as configured, not seed 000's
+    /// defaults.
+    #[test]
+    fn the_pooled_reference_uses_the_agents_s3fifo_settings() {
+        let chat = crate::workload::synth::ChatParams { conversations: 40, ..Default::default() };
+        let trace = crate::workload::synth::Workload::Chat(chat).generate().unwrap();
+        let p = |small_ratio, max_freq| cache::S3FifoParams { small_ratio, max_freq };
+        let pooled = |params| pooled_bound(&trace, 16, 400, (cache::PolicyKind::S3fifo, params)).unwrap();
+        let (wide, default) = (pooled(p(0.5, 1)), pooled(S3FifoParams::default()));
+        let direct = SimConfig {
+            replicas: 1,
+            capacity_blocks: 400,
+            block_size: 16,
+            eviction: cache::PolicyKind::S3fifo,
+            s3fifo: p(0.5, 1),
+            engine: None,
+            blocks: BlockIdentity::Tokens,
+            ..SimConfig::default()
+        };
+        assert_eq!(wide, sim::simulate(&trace, &direct).unwrap().pooled);
+        assert_ne!(wide.total_hit_tokens, default.total_hit_tokens, "the settings matter on this trace");
     }
 
     /// A router whose `/ready` gives `answers`, then 503s; the request lines seen go on `asked`.

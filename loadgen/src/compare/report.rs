@@ -59,6 +59,9 @@ pub struct FleetSummary {
     pub block_size: usize,
     /// The eviction policy the pooled reference and the offline runs used.
     pub eviction: cache::PolicyKind,
+    /// Its settings, with S3FIFO.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub s3fifo: Option<cache::S3FifoParams>,
     /// The agents' `--time-scale`: every latency they simulate is divided by it, so the live
     /// TTFT and requests/s are in that sped-up time (1 for real engines).
     pub time_scale: f64,
@@ -149,14 +152,17 @@ impl CompareReport {
             true => String::new(),
             false => format!(" ({} engines)", f.engines),
         };
+        let mut eviction = clap::ValueEnum::to_possible_value(&f.eviction)
+            .map_or_else(String::new, |v| v.get_name().to_owned());
+        if let Some(p) = f.s3fifo {
+            let _ = write!(eviction, " (small queue {}, max freq {})", p.small_ratio, p.max_freq);
+        }
         let _ = writeln!(
             out,
-            "fleet: {} replicas{engines}, {} blocks in total, block size {}; pooled reference (one {} cache of {} blocks; separate caches can beat it): {:.1}% hit rate",
+            "fleet: {} replicas{engines}, {} blocks in total, block size {}; pooled reference (one {eviction} cache of {} blocks; separate caches can beat it): {:.1}% hit rate",
             f.replicas,
             f.total_capacity_blocks,
             f.block_size,
-            clap::ValueEnum::to_possible_value(&f.eviction)
-                .map_or_else(String::new, |v| v.get_name().to_owned()),
             f.total_capacity_blocks,
             100.0 * self.pooled_hit_rate
         );
@@ -334,6 +340,7 @@ mod tests {
             total_capacity_blocks: 8,
             block_size: 16,
             eviction: cache::PolicyKind::Lru,
+            s3fifo: None,
             time_scale: 6.0,
         };
         CompareReport { workload, fleet, pooled_hit_rate: 0.5, runs }
@@ -371,6 +378,18 @@ mod tests {
             (json["fleet"]["eviction"].as_str(), json["fleet"]["time_scale"].as_f64()),
             (Some("lru"), Some(6.0))
         );
+    }
+
+    /// An S3FIFO reference names its settings, in the table and the JSON.
+    #[test]
+    fn an_s3fifo_reference_names_its_settings() {
+        let mut report = report(Vec::new());
+        report.fleet.eviction = cache::PolicyKind::S3fifo;
+        report.fleet.s3fifo = Some(cache::S3FifoParams { small_ratio: 0.25, max_freq: 2 });
+        let table = report.table();
+        assert!(table.contains("one s3fifo (small queue 0.25, max freq 2) cache of 8 blocks"), "{table}");
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["fleet"]["s3fifo"]["small_ratio"], 0.25);
     }
 
     /// Regression: the TTFT columns (and the CDF) are from the actual send, while an

@@ -45,6 +45,9 @@ pub struct SimSetup {
     pub capacity_blocks: usize,
     pub block_size: usize,
     pub eviction: cache::PolicyKind,
+    /// Its settings, with S3FIFO.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub s3fifo: Option<cache::S3FifoParams>,
     pub routing: policy::PolicyKind,
     pub blocks: BlockIdentity,
     pub speedup: f64,
@@ -279,6 +282,7 @@ pub(super) fn setup(config: &SimConfig, blocks: BlockIdentity, routing: policy::
         capacity_blocks: config.capacity_blocks,
         block_size: config.block_size,
         eviction: config.eviction,
+        s3fifo: (config.eviction == cache::PolicyKind::S3fifo).then_some(config.s3fifo),
         routing,
         blocks,
         speedup: config.speedup,

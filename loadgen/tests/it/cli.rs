@@ -97,6 +97,10 @@ fn generated_traces_replay_on_a_fleet() {
         "4",
         "--routing",
         "round-robin",
+        "--policy",
+        "s3fifo",
+        "--s3fifo-small-ratio",
+        "0.25",
         "--json",
         &json,
     ]);
@@ -105,6 +109,8 @@ fn generated_traces_replay_on_a_fleet() {
     assert_eq!(report["per_replica"].as_array().unwrap().len(), 4);
     assert_eq!(report["pooled"]["capacity_blocks"], 256);
     assert!(report["latency"]["ttft_p50_ms"].as_f64().unwrap() > 0.0);
+    // The report says which S3FIFO it replayed.
+    assert_eq!(report["setup"]["s3fifo"], serde_json::json!({"small_ratio": 0.25, "max_freq": 3}));
 }
 
 #[test]

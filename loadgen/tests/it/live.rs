@@ -80,6 +80,7 @@ fn compare_config(fleet: &EmbeddedFleet, policies: Vec<PolicyKind>, live: LiveCo
         block_size: 16,
         total_capacity_blocks: None,
         eviction: Eviction::Lru,
+        s3fifo: Default::default(),
         time_scale: 1.0,
         out_dir: None,
         workload: "small chat".into(),
@@ -289,7 +290,9 @@ async fn a_run_stopped_early_is_compared_on_the_requests_it_sent() {
     let run = &report.runs[0];
     assert_eq!(run.live.requests, early.len());
     assert_eq!(run.compared_requests, early.len(), "compared on what it served");
-    let pooled = |t: &Trace| compare::pooled_bound(t, 16, 1024, Eviction::Lru).unwrap().overall_hit_rate;
+    let pooled = |t: &Trace| {
+        compare::pooled_bound(t, 16, 1024, (Eviction::Lru, Default::default())).unwrap().overall_hit_rate
+    };
     assert_eq!(report.pooled_hit_rate, pooled(&trace));
     assert_eq!(run.pooled_hit_rate, pooled(&early));
     assert!(run.pooled_hit_rate < report.pooled_hit_rate, "the repeats would have hit");

@@ -68,7 +68,10 @@ fn config_errors() {
     c.s3fifo.small_ratio = 1.0;
     assert_eq!(bad(c.clone()), ConfigError::EmptyQueue { small_cap: 10, main_cap: 0 });
     c.s3fifo.small_ratio = 1.5;
-    assert_eq!(bad(c), ConfigError::SmallRatio(1.5));
+    assert_eq!(bad(c.clone()), ConfigError::SmallRatio(1.5));
+    // A counter that saturates at 0 never promotes a block from the small queue.
+    c.s3fifo = S3FifoParams { max_freq: 0, ..S3FifoParams::default() };
+    assert_eq!(bad(c), ConfigError::ZeroMaxFreq);
 }
 
 #[test]
