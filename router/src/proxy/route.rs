@@ -282,8 +282,14 @@ impl Decider {
 
     /// The request goes to the `at`th replica of `plan`'s order: credits it with the request's
     /// blocks (those past what the index shows it holding), pinned while the request is there.
+    /// A replica whose stream is FALLBACK gets none: no event would confirm them, and no
+    /// decision reads them there.
     pub fn credit(&self, plan: &mut Plan, at: usize) {
         let Some(replica) = plan.order().nth(at) else { return };
+        if replica.view.stream == PbState::Fallback {
+            plan.hold = None;
+            return;
+        }
         let (id, blocks) = (replica.member.replica.id, plan.uncredited(replica).to_vec());
         plan.hold = Some(CreditHold::pin(&self.index, id, blocks));
     }

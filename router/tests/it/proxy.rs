@@ -1920,21 +1920,33 @@ async fn a_request_that_failed_everywhere_leaves_no_credit() {
             });
         }
     });
-    let (reply, credited) = credited_after_one_request(addr).await;
+    let (reply, credited) = credited_after_one_request(addr, false).await;
     assert_eq!(reply.status, 502, "{:?}", reply.body);
     assert_eq!(credited, 0, "a credit was left");
 }
 
 /// Sends a request of 4 blocks to a router (credits lasting an hour) in front of the one
 /// replica at `replica`: its answer, and the blocks of it the replica is credited with after.
-async fn credited_after_one_request(replica: std::net::SocketAddr) -> (crate::fleet::Reply, usize) {
-    // No events ever come (`nowhere`): an unreachable stream would end the credits.
+/// The replica's stream is FALLBACK first if `fallback`.
+async fn credited_after_one_request(
+    replica: std::net::SocketAddr,
+    fallback: bool,
+) -> (crate::fleet::Reply, usize) {
+    // No events ever come (`nowhere`): an unreachable stream would end the credits, unless
+    // it is given up on (FALLBACK).
     let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
         credit_ttl_ms: 3_600_000,
-        events_fallback_ms: 3_600_000,
+        events_fallback_ms: if fallback { 50 } else { 3_600_000 },
         ..c
     })
     .await;
+    if fallback {
+        let r0 = router.fleet().member("r0").unwrap();
+        wait_until("r0 is FALLBACK", || {
+            r0.replica.status.state() == kvroute_router::replicas::StreamState::Fallback
+        })
+        .await;
+    }
     let block = router.state.decider.block_size;
     let ids: Vec<u32> = (0..4 * block as u32).map(|t| 100 + t).collect();
     let blocks = CacheNamespace::new(FLEET_MODEL).chain(&ids, block);
@@ -1957,8 +1969,19 @@ async fn credited_after_one_request(replica: std::net::SocketAddr) -> (crate::fl
 async fn an_error_answer_withdraws_the_credit() {
     let refusal =
         b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
-    let (reply, credited) = credited_after_one_request(body_reading_replica(refusal).await).await;
+    let (reply, credited) = credited_after_one_request(body_reading_replica(refusal).await, false).await;
     assert_eq!(reply.status, 400, "the replica's answer: {:?}", reply.body);
+    assert_eq!(credited, 0, "a credit was left");
+}
+
+/// A replica whose stream is FALLBACK is credited with nothing: no event would ever confirm
+/// a credit, a decision scores none there, and with long credits every request's blocks
+/// piled up for the TTL.
+#[tokio::test]
+async fn a_fallback_replica_is_not_credited() {
+    let ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+    let (reply, credited) = credited_after_one_request(body_reading_replica(ok).await, true).await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
     assert_eq!(credited, 0, "a credit was left");
 }
 
