@@ -67,7 +67,7 @@ pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shu
 
 /// Takes the adapters that every replica in `listed` has, and forgets those it `learned`
 /// that none has any more (see the module docs); takes an adapter loaded through the router
-/// once every replica has it (a replica that missed the load was given it since).
+/// that a replica has (its requests go only there).
 fn learn_adapters(state: &ProxyState, listed: &[HashSet<String>], learned: &mut HashSet<String>) {
     let tokenization = state.decider.prompts.tokenization();
     let members = state.fleet().members();
@@ -76,13 +76,12 @@ fn learn_adapters(state: &ProxyState, listed: &[HashSet<String>], learned: &mut 
     // add (the next tick sees to it).
     if let Some(_turn) = registry.between_changes() {
         for adapter in registry.all() {
-            if !members.is_empty()
-                && members.iter().all(|m| m.upstream.has_adapter(&adapter.name))
+            if members.iter().any(|m| m.upstream.has_adapter(&adapter.name))
                 && tokenization.add_lora_adapter(&adapter.name)
             {
                 tracing::info!(
                     lora_name = adapter.name,
-                    "LoRA adapter every replica now has: hashed in its namespace"
+                    "LoRA adapter a replica now has: hashed in its namespace"
                 );
             }
         }

@@ -17,8 +17,9 @@
 //! or none: one "already loaded" among other refusals would hide them), that answer; anything
 //! else is a 502 that names each replica's outcome. The change runs to its end whether or not
 //! its client waits, a shutdown included (in a task the server drains as it drains its
-//! connections). The router names the adapter's namespace from when every replica has it,
-//! and stops when none has it.
+//! connections). The router names the adapter's namespace from when a replica has it (its
+//! requests go only to replicas that have it, below), and stops with an unload any replica
+//! took.
 //!
 //! A replica that joins later, restarts and loses the adapter, or was down when it was loaded,
 //! is given it again ([`catch_up`]); until then the adapter's requests go to the replicas that
@@ -235,12 +236,12 @@ async fn apply(
             Change::Unload => registry.remove(&name),
         }
     }
-    // Requests are hashed in the adapter's namespace while every replica has it: from a load
-    // every replica took (or, later, the health checks' once the ones that missed it have
-    // it), until an unload any replica took.
+    // Requests are hashed in the adapter's namespace while the router keeps it: they go only
+    // to replicas that have it, which key its blocks apart from the base model's. From a load
+    // any replica took until an unload any replica took.
     let tokenization = state.decider.prompts.tokenization();
     match change {
-        Change::Load if done + there == outcomes.len() => {
+        Change::Load if done + there > 0 => {
             tokenization.add_lora_adapter(&name);
         }
         Change::Unload if done + there > 0 => {

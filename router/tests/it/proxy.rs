@@ -1309,13 +1309,17 @@ async fn lora_adapters_loaded_through_the_router_reach_every_replica() {
     }
     assert_eq!(http.post(&fleet.url("/v1/completions"), &ask("sql", "four")).await.status, 404);
 
-    // A replica that is down: a 502 naming it, and the router does not take the adapter.
+    // A replica that is down: a 502 naming it; the others have the adapter, and its requests
+    // go to them.
     fleet.kill(2).await;
     let reply = http.post(&fleet.url("/v1/load_lora_adapter"), &load).await;
     assert_eq!(reply.status, 502, "{:?}", reply.body);
     assert_eq!(reply.json()["error"]["code"], "partial_fan_out");
     assert!(reply.json()["error"]["message"].as_str().unwrap().contains("agent-2"), "{:?}", reply.body);
-    assert_eq!(listed(fleet.url("/v1/models")).await, [FLEET_MODEL]);
+    assert_eq!(listed(fleet.url("/v1/models")).await, [FLEET_MODEL, "sql"]);
+    let served = http.post(&fleet.url("/v1/completions"), &ask("sql", "five")).await;
+    assert_eq!(served.status, 200, "{:?}", served.body);
+    assert_ne!(served.header("x-kvroute-replica"), Some("agent-2"));
 
     let without = Fleet::start(1).await;
     assert_eq!(http.post(&without.url("/v1/load_lora_adapter"), &load).await.status, 403);
@@ -1578,6 +1582,19 @@ async fn a_lora_adapter_reaches_a_replica_that_restarted_without_it() {
     // later too.
     let load_too = json!({"lora_name": "sql2", "lora_path": "/adapters/sql2"});
     assert_eq!(http.post(&fleet.url("/v1/load_lora_adapter"), &load_too).await.status, 502);
+    // Its requests, which go to agent-0 only, are hashed in its namespace there: a prompt
+    // agent-0 cached for the base model is no hit for it.
+    let base = json!({"model": FLEET_MODEL, "prompt": text("sharedw", 40), "max_tokens": 1});
+    let agent0 = format!("{}/v1/completions", fleet.agent(0).http_url());
+    assert_eq!(http.post(&agent0, &base).await.status, 200);
+    fleet.index_matches(0).await;
+    let as_sql2 = json!({"model": "sql2", "prompt": text("sharedw", 40), "max_tokens": 1});
+    for _ in 0..2 {
+        let reply = http.post(&fleet.url("/v1/completions"), &as_sql2).await;
+        assert_eq!((reply.status.as_u16(), reply.header("x-kvroute-replica")), (200, Some("agent-0")));
+        let predicted: u64 = reply.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
+        assert_eq!(predicted, reply.cached_tokens(), "predicted as agent-0 hashes it");
+    }
 
     // Back under the fleet's key: the router loads both there, and routes their requests there again.
     fleet.restart(1, keyed("sekret")("agent-1")).await;
