@@ -163,8 +163,8 @@ pub async fn serve_probes(listener: TcpListener, state: Arc<ProxyState>, shutdow
         let state = state.clone();
         async move {
             match *req.method() {
-                // hyper sends no body in answer to a HEAD.
-                Method::GET | Method::HEAD => probe(&state, req.uri().path()),
+                Method::GET => probe(&state, req.uri().path()),
+                Method::HEAD => headers_only(probe(&state, req.uri().path())),
                 _ => {
                     let mut response = Response::new(full(Bytes::new()));
                     *response.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
@@ -208,6 +208,9 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
     let mut unanswered = access::Unanswered::new(&request_id, asked.as_ref(), received, counted);
     // A browser's request: whether the router answers its path itself.
     let origin = req.headers().get(header::ORIGIN).map(|o| (o.clone(), answers_itself(req.uri().path())));
+    // A HEAD the router answers itself, or refuses (a forwarded one's answer has no body).
+    let head = req.method() == Method::HEAD;
+    let own_head = head && answers_itself(req.uri().path());
     let answered = dispatch(&state, &pool, req, &request_id, received).await;
     if let Err(ProxyError::ClientLeft) = answered {
         // Counted and logged as abandoned, as if this future had been dropped: no error of
@@ -217,6 +220,7 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
     }
     unanswered.answered();
     let own = answered.is_err() || origin.as_ref().is_some_and(|(_, own)| *own);
+    let own_head = own_head || head && answered.is_err();
     let mut response = match answered {
         Ok(response) => response,
         Err(e) => {
@@ -238,7 +242,24 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
     if !own_probe {
         state.decider.metrics.count_response(response.status().as_u16());
     }
-    response
+    match own_head {
+        true => headers_only(response),
+        false => response,
+    }
+}
+
+/// The answer to a HEAD: the headers, with the length the body would have had, and no body.
+/// (hyper leaves a HEAD's body out over HTTP/1 only; over HTTP/2 it sends it, and clients
+/// reset the stream.)
+fn headers_only(response: Response<ProxyBody>) -> Response<ProxyBody> {
+    use hyper::body::Body;
+    let (mut parts, body) = response.into_parts();
+    if let Some(len) = body.size_hint().exact()
+        && !parts.headers.contains_key(header::CONTENT_LENGTH)
+    {
+        parts.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    }
+    Response::from_parts(parts, full(Bytes::new()))
 }
 
 async fn dispatch(

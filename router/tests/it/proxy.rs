@@ -588,6 +588,44 @@ async fn probes_and_scrapes_are_not_counted_as_requests() {
     shutdown.cancel();
 }
 
+/// Over HTTP/2 a HEAD the router answers itself, or refuses, gets its status and headers
+/// and no body: hyper leaves the body out over HTTP/1 only, and an HTTP/2 client resets a
+/// HEAD's stream that carries DATA.
+#[tokio::test]
+async fn an_http2_head_gets_no_body() {
+    let (replica, _seen) =
+        crate::headers::recording_replica(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}").await;
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+        health_listen: Some("127.0.0.1:0".parse().unwrap()),
+        ..c
+    })
+    .await;
+    let (proxy, probes) = (router.addr, router.health_addr.unwrap());
+    for (addr, path, status) in [
+        (proxy, "/v1/models", 200),
+        (proxy, "/health", 200),
+        (proxy, "/metrics", 200),
+        (proxy, "/ready", 503),
+        (proxy, "/no/such/path", 404),
+        (proxy, "/v1/completions", 405),
+        (probes, "/health", 200),
+        (probes, "/ready", 503),
+    ] {
+        let io = hyper_util::rt::TokioIo::new(tokio::net::TcpStream::connect(addr).await.unwrap());
+        let (mut h2, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .handshake::<_, http_body_util::Empty<bytes::Bytes>>(io)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let request = http::Request::head(format!("http://{addr}{path}")).body(Default::default()).unwrap();
+        let response = h2.send_request(request).await.unwrap();
+        assert_eq!(response.status(), status, "HEAD {path}");
+        let body = http_body_util::BodyExt::collect(response.into_body()).await;
+        assert!(body.is_ok_and(|b| b.to_bytes().is_empty()), "HEAD {path}: the stream was reset");
+    }
+    shutdown.cancel();
+}
+
 /// A client that leaves before its answer is counted as a 499 in `requests_total` (it was in
 /// the access log only).
 #[tokio::test]
