@@ -12,6 +12,9 @@
 //! replicas left to retry on are all at `--max-in-flight-per-replica`, a retry (after a failure
 //! or a 503) waits in line for room on one of them ([`super::queue`]). A retry is scored on
 //! the index, credits and load as they are when it is sent ([`Decider::rescore`]).
+//! A request sent on its own ([`to_replica`]: passed through, its body streamed) goes on to
+//! the next replica only when no connection to one can be made: past that, its body may be
+//! partly read.
 //!
 //! A request holds its [`Slot`] under `--max-in-flight` until its response body ends, streams
 //! included.
@@ -30,7 +33,7 @@ use super::access;
 use super::body::{BoxError, End, Hooks, ProxyBody, Tracked, Usage};
 use super::error::{Client, ProxyError};
 use super::http1::{Outgoing, UpstreamBody, WireError};
-use super::pool::{Pool, SendError};
+use super::pool::{Pool, SendError, Unsent};
 use super::queue::{Line, Queue};
 use super::responses::{Learner, Owner, Owners};
 use super::route::{Decider, Plan, Scored};
@@ -188,12 +191,12 @@ pub async fn routed(
         }
         let uri = replica_uri(&member.replica, &client.uri)?;
         let sent = Instant::now();
+        let head = ranked.as_ref().unwrap_or(&headers);
         match first_byte(
             config,
             sent,
-            pool,
-            (&client.method, &uri, ranked.as_ref().unwrap_or(&headers)),
-            (Outgoing::Full(body.clone()), None),
+            pool.send_head(&client.method, &uri, head, Outgoing::Full(body.clone())),
+            None,
         )
         .await
         {
@@ -451,38 +454,78 @@ impl Sending {
     }
 }
 
-/// Sends a request to one replica, once.
+/// Sends a request to the first of `members` (at most [`MAX_ATTEMPTS`] of them), and to
+/// the next while no connection to one can be made (none has read any of the request).
 pub async fn to_replica(
     pool: &Arc<Pool>,
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
-    member: &crate::fleet::Member,
+    members: &[crate::fleet::Member],
     parts: http::request::Parts,
-    Sending { body, uploaded, prompt_tokens, prefill_tokens, keeps_response, rank }: Sending,
+    Sending { mut body, uploaded, prompt_tokens, prefill_tokens, keeps_response, rank }: Sending,
+    admitted: Admitted<'_>,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let (client, headers) = upstream_head(parts, admitted.request_id, config.forwarded_for);
+    let members = &members[..members.len().min(MAX_ATTEMPTS)];
+    for (attempt, member) in members.iter().enumerate() {
+        let more = attempt + 1 < members.len();
+        if attempt > 0 {
+            metrics.retries.inc();
+        }
+        let upstream = &member.upstream;
+        // A request sent this way (a Responses continuation, a body streamed through) is one
+        // sequence.
+        let mut guard = upstream.begin(1, prefill_tokens, prompt_tokens);
+        // A rank named is counted in its load (the blocks are the stored conversation's, which
+        // the router never saw).
+        let ranked = rank.zip(member.replica.ranks.get()).map(|(rank, ranks)| {
+            guard.hold_rank(ranks.begin(rank, 1, (&[], 0), prompt_tokens));
+            with_rank(&headers, rank)
+        });
+        let uri = replica_uri(&member.replica, &client.uri)?;
+        let sent = Instant::now();
+        let exchange =
+            pool.send_or_give_back(&client.method, &uri, ranked.as_ref().unwrap_or(&headers), body);
+        let answer = match first_byte(config, sent, exchange, uploaded.as_ref()).await {
+            Ok(Err(Unsent::NotConnected(e, back))) if more => {
+                tracing::info!(replica = %member.replica.spec.name, error = %e, request_id = admitted.request_id, "no connection to the replica; trying the next");
+                record_failure(upstream, config, metrics);
+                body = back;
+                continue;
+            }
+            answer => answer.map(|sent| sent.map_err(Unsent::into_error)),
+        };
+        let sending = (guard, &client, (sent, uploaded.as_ref()));
+        return answered(
+            answer,
+            member,
+            sending,
+            (prompt_tokens, keeps_response),
+            (config, metrics),
+            admitted,
+        );
+    }
+    Err(ProxyError::Unavailable("no healthy replica".into()))
+}
+
+/// [`to_replica`]'s outcome on `member`.
+fn answered(
+    answer: Result<Result<Response<UpstreamBody>, SendError>, tokio::time::error::Elapsed>,
+    member: &crate::fleet::Member,
+    (guard, client, (sent, uploaded)): (LoadGuard, &ClientHead, (Instant, Option<&Progress>)),
+    (prompt_tokens, keeps_response): (u64, bool),
+    (config, metrics): (&ForwardConfig, &ProxyMetrics),
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let upstream = &member.upstream;
-    // A request sent this way (a Responses continuation, a body streamed through) is one
-    // sequence.
-    let mut guard = upstream.begin(1, prefill_tokens, prompt_tokens);
-    let (client, mut headers) = upstream_head(parts, admitted.request_id, config.forwarded_for);
-    // A rank named is counted in its load (the blocks are the stored conversation's, which
-    // the router never saw).
-    if let Some((rank, ranks)) = rank.zip(member.replica.ranks.get()) {
-        headers = with_rank(&headers, rank);
-        guard.hold_rank(ranks.begin(rank, 1, (&[], 0), prompt_tokens));
-    }
-    let uri = replica_uri(&member.replica, &client.uri)?;
-    let sent = Instant::now();
-    let head = (&client.method, &uri, &headers);
-    match first_byte(config, sent, pool, head, (body, uploaded.as_ref())).await {
+    match answer {
         Ok(Ok(response)) => {
             // An upload the replica answered before its end is still going on.
             let whole = uploaded.as_ref().map_or(sent, |u| u.finished_at().unwrap_or_else(Instant::now));
             let ranked = guard.rank();
             let load = (guard, prompt_tokens, keeps_response);
             let mut response =
-                passed_on(response, &client, member, (sent, whole), load, (config, metrics), admitted);
+                passed_on(response, client, member, (sent, whole), load, (config, metrics), admitted);
             if let Some(rank) = ranked {
                 response.headers_mut().insert(X_KVROUTE_RANK, HeaderValue::from(rank));
             }
@@ -547,14 +590,13 @@ pub(super) fn passed_on(
 /// while the upload waits for the client (the client's silence is the upload's idle
 /// timeout's: 408). So a slow upload waits, and a replica that stops reading one times out
 /// like one that does not answer.
-async fn first_byte(
+async fn first_byte<T>(
     config: &ForwardConfig,
     sent: Instant,
-    pool: &Arc<Pool>,
-    (method, uri, headers): (&Method, &Uri, &HeaderMap),
-    (body, uploaded): (Outgoing, Option<&Progress>),
-) -> Result<Result<Response<UpstreamBody>, SendError>, tokio::time::error::Elapsed> {
-    let mut exchange = Box::pin(pool.send_head(method, uri, headers, body));
+    exchange: impl Future<Output = T>,
+    uploaded: Option<&Progress>,
+) -> Result<T, tokio::time::error::Elapsed> {
+    let mut exchange = std::pin::pin!(exchange);
     let mut deadline = sent + config.first_byte_timeout;
     loop {
         let elapsed = match tokio::time::timeout_at(deadline, &mut exchange).await {

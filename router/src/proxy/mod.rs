@@ -402,7 +402,8 @@ async fn routed(
                 rank,
             };
             let metrics = &state.decider.metrics;
-            forward::to_replica(pool, &state.forward, metrics, &member, parts, sending, admitted).await
+            let owner = std::slice::from_ref(&member);
+            forward::to_replica(pool, &state.forward, metrics, owner, parts, sending, admitted).await
         }
         Err(e) => Err(e),
     }
@@ -433,7 +434,7 @@ async fn stored_response(
     let admitted = admit(state, arrived, &queue::Line::default()).await?;
     // The store is the API server's: any rank's, so none is named.
     let (member, _) = find_owner(state, pool, req.headers(), id).await?;
-    streamed_to(state, pool, member, req, admitted).await
+    streamed_to(state, pool, &[member], req, admitted).await
 }
 
 /// The replica that stored response `id`, asked for with the client's credentials, and the
@@ -487,10 +488,9 @@ async fn passthrough(
     check_length(state, req.headers())?;
     let line = queue::Line::default();
     let admitted = admit(state, arrived, &line).await?;
+    // The next ones are tried while no connection to one can be made.
     let members = with_room(state, &line, || by_load(state, arrived.0)).await?;
-    let member =
-        members.into_iter().next().ok_or_else(|| ProxyError::Unavailable("no healthy replica".into()))?;
-    streamed_to(state, pool, member, req, admitted).await
+    streamed_to(state, pool, &members, req, admitted).await
 }
 
 /// The eligible replicas, the least loaded first: the fewest requests (this router's and
@@ -534,12 +534,12 @@ fn check_length(state: &ProxyState, headers: &http::HeaderMap) -> Result<(), Pro
     }
 }
 
-/// Sends `req` to `member`, its body streamed through (its stated length checked already:
-/// [`check_length`]).
+/// Sends `req` to the first of `members` that takes a connection, its body streamed through
+/// (its stated length checked already: [`check_length`]).
 async fn streamed_to(
     state: &Arc<ProxyState>,
     pool: &Arc<Pool>,
-    member: Member,
+    members: &[Member],
     req: Request<Incoming>,
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
@@ -550,7 +550,7 @@ async fn streamed_to(
             .tracking(uploaded.clone())
             .boxed_unsync();
     let sending = Sending::streamed(body, uploaded);
-    forward::to_replica(pool, &state.forward, &state.decider.metrics, &member, parts, sending, admitted).await
+    forward::to_replica(pool, &state.forward, &state.decider.metrics, members, parts, sending, admitted).await
 }
 
 fn content_length(headers: &http::HeaderMap) -> Option<usize> {

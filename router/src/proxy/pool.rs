@@ -155,6 +155,18 @@ impl Pool {
         headers: &HeaderMap,
         body: Outgoing,
     ) -> Result<Response<UpstreamBody>, SendError> {
+        self.send_or_give_back(method, uri, headers, body).await.map_err(Unsent::into_error)
+    }
+
+    /// [`Self::send_head`], giving the body back whole when no connection to the replica
+    /// could be made (nothing of it was read: it can go to another replica).
+    pub async fn send_or_give_back(
+        self: &Arc<Self>,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        body: Outgoing,
+    ) -> Result<Response<UpstreamBody>, Unsent> {
         let mut body = body.in_hand_if_empty();
         let (authority, target, host) = destination(uri)?;
         let pooled = match &body {
@@ -168,11 +180,15 @@ impl Pool {
                     tracing::debug!(error = %e, "pooled upstream connection failed; sending again on a new one");
                     body = Outgoing::Full(again);
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(Unsent::Failed(e.into())),
             }
         }
-        let mut conn = self.connect(&authority).await?;
-        let head = conn.exchange(method, target, host, headers, body).await?;
+        let mut conn = match self.connect(&authority).await {
+            Ok(conn) => conn,
+            Err(e) => return Err(Unsent::NotConnected(e, body)),
+        };
+        let head =
+            conn.exchange(method, target, host, headers, body).await.map_err(|e| Unsent::Failed(e.into()))?;
         Ok(http1::response(conn, head, self.checkin(authority)))
     }
 
@@ -228,6 +244,27 @@ impl Pool {
     /// Idle connections held (for tests).
     pub fn idle_count(&self) -> usize {
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).by_replica.values().map(Vec::len).sum()
+    }
+}
+
+/// Why a request got no answer ([`Pool::send_or_give_back`]).
+pub enum Unsent {
+    /// No connection to the replica: the body, untouched.
+    NotConnected(SendError, Outgoing),
+    Failed(SendError),
+}
+
+impl Unsent {
+    pub fn into_error(self) -> SendError {
+        match self {
+            Unsent::NotConnected(e, _) | Unsent::Failed(e) => e,
+        }
+    }
+}
+
+impl From<SendError> for Unsent {
+    fn from(e: SendError) -> Self {
+        Unsent::Failed(e)
     }
 }
 

@@ -626,6 +626,61 @@ async fn an_http2_head_gets_no_body() {
     shutdown.cancel();
 }
 
+/// A request passed through (here `/v1/embeddings`, its body streamed) goes on to the next
+/// replica when the first refuses the connection: none of its body was read, and the
+/// replica is counted as failing. It was a 502.
+#[tokio::test]
+async fn a_passed_through_request_goes_on_past_a_replica_that_refuses_the_connection() {
+    const BODY: &str = r#"{"model":"m","input":"the whole body arrives"}"#;
+    let live = hand_made_replica(|_, body| async move {
+        match body == BODY.as_bytes() {
+            true => (200, "{}"),
+            false => (400, "{\"error\":\"the body was not whole\"}"),
+        }
+    })
+    .await;
+    let closed = kvroute_proto::loopback_port::unused().unwrap();
+    let spec = |name: &str, at: String| {
+        format!("name={name},http=http://{at},events={},engine=kvroute", crate::support::nowhere())
+            .parse()
+            .unwrap()
+    };
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas: vec![spec("gone", format!("127.0.0.1:{closed}")), spec("live", live.to_string())],
+        // Health checks would find the closed port first and leave nothing to retry.
+        health_interval_ms: 3_600_000,
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let http = crate::fleet::Http::new();
+    // Ties between equally loaded replicas go by the request id: some ids try `gone` first.
+    let mut retried = false;
+    for i in 0..64 {
+        let reply = http
+            .send_with(
+                http::Method::POST,
+                &format!("{}/v1/embeddings", router.url()),
+                BODY,
+                &[("x-request-id", &format!("p-{i}"))],
+            )
+            .await;
+        assert_eq!(
+            (reply.status.as_u16(), reply.header("x-kvroute-replica")),
+            (200, Some("live")),
+            "{:?}",
+            reply.body
+        );
+        if sample(&scrape(&http, &router.url()).await, "kvroute_router_retries_total").unwrap_or(0) > 0 {
+            retried = true;
+            break;
+        }
+    }
+    assert!(retried, "no request was tried on the closed replica first");
+    shutdown.cancel();
+}
+
 /// A client that leaves before its answer is counted as a 499 in `requests_total` (it was in
 /// the access log only).
 #[tokio::test]
