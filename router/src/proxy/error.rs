@@ -67,6 +67,10 @@ pub enum ProxyError {
     TooManyTokens { param: &'static str, asked: u64, limit: u64 },
     #[error("unknown path {0}")]
     NotFound(String),
+    /// A request the router cannot pass on as it came (RFC 9112 §6.1's answer to a transfer
+    /// coding it does not know).
+    #[error("{0}")]
+    NotImplemented(String),
     /// A request to `/v1/*` without one of `--api-key`'s keys.
     #[error("a valid API key is required (Authorization: Bearer <key>)")]
     Unauthorized,
@@ -117,6 +121,7 @@ impl ProxyError {
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NotFound(_) | ProxyError::UnknownResponse(_) => StatusCode::NOT_FOUND,
+            ProxyError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             ProxyError::Forbidden(_) => StatusCode::FORBIDDEN,
             ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
@@ -147,6 +152,7 @@ impl ProxyError {
             ProxyError::BodyTimeout { .. } => "body_timeout",
             ProxyError::PromptTooLong { .. } | ProxyError::TooManyTokens { .. } => "over_limit",
             ProxyError::NotFound(_) | ProxyError::UnknownResponse(_) => "not_found",
+            ProxyError::NotImplemented(_) => "not_implemented",
             ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
             ProxyError::Unavailable(_) => "unavailable",
             ProxyError::Saturated { .. } => "saturated",
@@ -170,6 +176,7 @@ impl ProxyError {
             | ProxyError::BadPath(_)
             | ProxyError::Forbidden(_)
             | ProxyError::MethodNotAllowed { .. }
+            | ProxyError::NotImplemented(_)
             | ProxyError::RefusedEverywhere { .. } => {
                 OpenAiError::new("invalid_request_error", self.to_string())
             }

@@ -271,6 +271,13 @@ async fn dispatch(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let path = req.uri().path().to_owned();
     let method = req.method().clone();
+    // hyper takes off the chunking and leaves the body in any coding before it (`gzip,
+    // chunked`): passed on, the replica would take the compressed bytes for the body.
+    if let Some(coding) = foreign_transfer_coding(req.headers()) {
+        return Err(ProxyError::NotImplemented(format!(
+            "transfer coding {coding:?} is not supported; send the body as it is, chunked or with a Content-Length"
+        )));
+    }
     // The router's own LoRA paths reach every replica, SGLang's spellings outside `/v1` too.
     if !state.api_keys.is_empty() && (api_key::needs_key(&method, &path) || lora::route(&path).is_some()) {
         let given = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
@@ -622,6 +629,18 @@ fn json(status: StatusCode, value: serde_json::Value) -> Response<ProxyBody> {
 /// Whether the router answers a path itself, whatever the answer ([`cors`]).
 fn answers_itself(path: &str) -> bool {
     path == "/v1/models" || is_probe(path) || lora::route(path).is_some()
+}
+
+/// A transfer coding other than `chunked` in the request's `Transfer-Encoding`, if any.
+fn foreign_transfer_coding(headers: &http::HeaderMap) -> Option<String> {
+    let codings = headers
+        .get_all(header::TRANSFER_ENCODING)
+        .into_iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','));
+    codings
+        .map(|c| c.trim_ascii())
+        .find(|c| !c.eq_ignore_ascii_case(b"chunked"))
+        .map(|c| String::from_utf8_lossy(c).into_owned())
 }
 
 /// The router's own probes and scrapes.

@@ -681,6 +681,31 @@ async fn a_passed_through_request_goes_on_past_a_replica_that_refuses_the_connec
     shutdown.cancel();
 }
 
+/// A body in a transfer coding besides `chunked` (`gzip, chunked`) is refused with 501 (RFC
+/// 9112 §6.1): hyper takes off the chunking only, and the replica got the compressed bytes
+/// as the body, with nothing to say so.
+#[tokio::test]
+async fn a_body_in_a_foreign_transfer_coding_is_refused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (replica, mut seen) =
+        crate::headers::recording_replica(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}").await;
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    for path in ["/v1/embeddings", "/v1/completions"] {
+        let mut stream = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ntransfer-encoding: gzip, chunked\r\n\r\n4\r\n\x1f\x7f\x08\x00\r\n0\r\n\r\n"
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(crate::support::WAIT, stream.read_to_end(&mut answer)).await.unwrap().unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 501"), "{path}: {answer}");
+        assert!(answer.contains("transfer coding \\\"gzip\\\""), "{path}: {answer}");
+    }
+    assert!(seen.try_recv().is_err(), "nothing reached the replica");
+    shutdown.cancel();
+}
+
 /// A client that leaves before its answer is counted as a 499 in `requests_total` (it was in
 /// the access log only).
 #[tokio::test]
