@@ -351,7 +351,14 @@ impl<'a> CompletionRequest<'a> {
         };
         let [model_, prompt, stream, max_tokens, salt, add_special_tokens, truncate, side, n, priority_] =
             fields;
-        let prompt = match prompt.ok_or(RequestError::MissingField { param: "prompt" })? {
+        let Some(prompt) = prompt else {
+            // Looked for only when there is no prompt: a prompt's requests pay nothing for it.
+            return Err(match parse_object(body, &["prompt_embeds"]) {
+                Ok([Some(embeds)]) if embeds.get() != "null" => RequestError::PromptEmbeds,
+                _ => RequestError::MissingField { param: "prompt" },
+            });
+        };
+        let prompt = match prompt {
             Field::Ids(ids) => Prompt::Tokens(ids),
             Field::Text(text) => Prompt::Text(text),
             Field::Raw(raw) => parse_prompt(raw)?,

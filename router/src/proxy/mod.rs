@@ -391,6 +391,20 @@ async fn routed(
             forward::routed(pool, forward, decider, &mut plan, (parts, body), admitted, (&state.queue, &line))
                 .await
         }
+        // A prompt given as embeddings (vLLM's `prompt_embeds`): no token ids to route on, so
+        // to the least-loaded replica, as a request passed through.
+        Err(ProxyError::BadRequest(RequestError::PromptEmbeds)) => {
+            let members = with_room(state, &line, || by_load(state, admitted.request_id)).await?;
+            let sending = Sending {
+                body: Outgoing::Full(body),
+                uploaded: None,
+                prompt_tokens: 0,
+                prefill_tokens: 0,
+                keeps_response: false,
+                rank: None,
+            };
+            forward::to_replica(pool, &state.forward, metrics, &members, parts, sending, admitted).await
+        }
         Err(ProxyError::BadRequest(RequestError::StoredConversation)) => {
             let continuation = Continuation::read(&state.decider, &body, &state.limits).await?;
             let (member, rank) = find_owner(state, pool, &parts.headers, &continuation.id).await?;

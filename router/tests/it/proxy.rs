@@ -706,6 +706,33 @@ async fn a_body_in_a_foreign_transfer_coding_is_refused() {
     shutdown.cancel();
 }
 
+/// A completion whose prompt comes as embeddings (vLLM's `prompt_embeds`, with
+/// `--enable-prompt-embeds`) has no token ids to route on: it goes to a replica by load, and
+/// counts in neither hit rate. It was refused with a 400 for its missing `prompt`.
+#[tokio::test]
+async fn a_completion_of_prompt_embeddings_goes_by_load() {
+    const BODY: &str = r#"{"model":"m","prompt_embeds":"AAAAAAAAAAA=","max_tokens":1}"#;
+    let replica = hand_made_replica(|path, body| async move {
+        match (path.as_str(), body == BODY.as_bytes()) {
+            ("/v1/completions", true) => (200, r#"{"usage":{"prompt_tokens":4}}"#),
+            _ => (400, "{}"),
+        }
+    })
+    .await;
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let http = crate::fleet::Http::new();
+    let reply = http.send(http::Method::POST, &format!("{}/v1/completions", router.url()), BODY).await;
+    assert_eq!(
+        (reply.status.as_u16(), reply.header("x-kvroute-replica")),
+        (200, Some("r0")),
+        "{:?}",
+        reply.body
+    );
+    let metrics = scrape(&http, &router.url()).await;
+    assert_eq!(sample(&metrics, "kvroute_router_prompt_tokens_total"), Some(0), "{metrics}");
+    shutdown.cancel();
+}
+
 /// A client that leaves before its answer is counted as a 499 in `requests_total` (it was in
 /// the access log only).
 #[tokio::test]

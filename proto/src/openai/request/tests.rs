@@ -175,6 +175,9 @@ fn malformed_completions() {
         (r#"{"model":3,"prompt":"p"}"#, |e| matches!(e, E::InvalidField { param: "model", .. })),
         (r#"{"model":"m"}"#, |e| matches!(e, E::MissingField { param: "prompt" })),
         (r#"{"model":"m","prompt":null}"#, |e| matches!(e, E::MissingField { param: "prompt" })),
+        // Embeddings instead of a prompt (vLLM with `--enable-prompt-embeds`).
+        (r#"{"model":"m","prompt_embeds":"AAAA"}"#, |e| matches!(e, E::PromptEmbeds)),
+        (r#"{"model":"m","prompt_embeds":null}"#, |e| matches!(e, E::MissingField { param: "prompt" })),
         (r#"{"model":"m","prompt":[]}"#, |e| matches!(e, E::EmptyPrompt)),
         (r#"{"model":"m","prompt":[[1],[]]}"#, |e| matches!(e, E::EmptyPrompt)),
         (r#"{"model":"m","prompt":7}"#, |e| matches!(e, E::BadPromptType)),
