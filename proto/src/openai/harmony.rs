@@ -318,9 +318,10 @@ fn contents<'r>(m: &'r Message<'_>) -> Vec<Cow<'r, str>> {
     }
 }
 
-/// A string key of the message besides `role` and `content`; null is none.
+/// A string key of the message besides `role` and `content`; null is none. (A key given
+/// twice is its last value, as Python's `json` reads it.)
 fn extra_str<'r>(m: &'r Message<'_>, key: &str) -> Result<Option<Cow<'r, str>>, RequestError> {
-    let Some((_, raw)) = m.extra.iter().find(|(k, _)| k == key) else { return Ok(None) };
+    let Some((_, raw)) = m.extra.iter().rev().find(|(k, _)| k == key) else { return Ok(None) };
     let value: Option<Cow<'r, str>> = serde_json::from_str(raw.get())
         .map_err(|_| unsupported(format!("'{key}' of a message must be a string")))?;
     Ok(value)
@@ -352,7 +353,7 @@ struct RawFunction<'a> {
 /// The message's `tool_calls`, as vLLM reads them (a missing name or arguments is empty;
 /// arguments that are not a string are their JSON text).
 fn tool_calls(m: &Message<'_>) -> Result<Vec<Call>, RequestError> {
-    let Some((_, raw)) = m.extra.iter().find(|(k, _)| k == "tool_calls") else { return Ok(Vec::new()) };
+    let Some((_, raw)) = m.extra.iter().rev().find(|(k, _)| k == "tool_calls") else { return Ok(Vec::new()) };
     let bad = || unsupported("'tool_calls' must be a list of tool calls".into());
     let calls: Option<Vec<RawCall<'_>>> = serde_json::from_str(raw.get()).map_err(|_| bad())?;
     calls
@@ -452,6 +453,19 @@ mod tests {
             system("low")
         );
         assert_eq!(rendered(body, Some("low")).unwrap(), expected);
+    }
+
+    /// A key given twice is its last value, as vLLM (Python's `json`) reads the message.
+    #[test]
+    fn a_repeated_key_is_its_last_value() {
+        let body = r#"{"messages":[
+            {"role":"user","content":"q"},
+            {"role":"assistant","content":null,"reasoning":"first","reasoning":"second",
+             "tool_calls":[{"id":"a","function":{"name":"one","arguments":"{}"}}],
+             "tool_calls":[{"id":"b","function":{"name":"two","arguments":"{}"}}]}]}"#;
+        let text = rendered(body, None).unwrap();
+        assert!(text.contains("[second]") && !text.contains("[first]"), "{text}");
+        assert!(text.contains("functions.two") && !text.contains("functions.one"), "{text}");
     }
 
     #[test]
