@@ -189,6 +189,7 @@ pub async fn serve(
     let make_handler = || {
         let state = state.clone();
         let pool = Arc::new((state.new_pool)());
+        tokio::spawn(pool::sweep_while_held(Arc::downgrade(&pool)));
         move |req| handle(state.clone(), pool.clone(), req)
     };
     let heartbeats = state.heartbeats.clone();

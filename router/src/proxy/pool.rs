@@ -12,7 +12,8 @@
 //!
 //! A connection whose response did not end cleanly (client gone, upstream error, idle
 //! timeout) is closed, not pooled: its state is unknown. A pooled connection the replica has
-//! closed meanwhile is found out at checkout ([`Conn::is_usable`]). Idle connections are kept
+//! closed meanwhile is found out at checkout ([`Conn::is_usable`]); expired ones are closed
+//! every second ([`sweep_while_held`]), whether or not the thread is busy. Idle connections are kept
 //! for less time than the replicas' servers keep them (uvicorn, under vLLM and SGLang: 5 s),
 //! counted from the response's last byte read off the socket (where the server's keep-alive
 //! timer starts too), not from when a slow client let it end, so that the replica closing
@@ -22,7 +23,7 @@
 //! could not be sent again.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -241,9 +242,32 @@ impl Pool {
         Ok(Conn::new(stream))
     }
 
+    /// Closes the expired idle connections (as a check-in does, every [`SWEEP_EVERY`]).
+    fn sweep(&self) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        idle.sweep(Instant::now(), self.idle_timeout);
+    }
+
     /// Idle connections held (for tests).
     pub fn idle_count(&self) -> usize {
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).by_replica.values().map(Vec::len).sum()
+    }
+}
+
+/// Closes `pool`'s expired idle connections every [`SWEEP_EVERY`] (at most its idle timeout)
+/// until it is dropped: a check-in sweeps too, but a thread that goes quiet checks nothing
+/// in, and its connections would stay open, in CLOSE_WAIT once the replicas closed theirs.
+pub async fn sweep_while_held(pool: Weak<Pool>) {
+    let every = match pool.upgrade() {
+        Some(pool) => SWEEP_EVERY.min(pool.idle_timeout).max(Duration::from_millis(1)),
+        None => return,
+    };
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let Some(pool) = pool.upgrade() else { return };
+        pool.sweep();
     }
 }
 
@@ -393,6 +417,24 @@ mod tests {
         let idle = pool.idle.lock().unwrap();
         let left: Vec<_> = idle.by_replica.keys().map(|k| format!("http://{k}")).collect();
         assert_eq!(left, [b], "the first replica's connection closed and the replica forgotten");
+    }
+
+    /// A thread that goes quiet checks nothing in: its expired connections are closed all
+    /// the same, and the sweeper stops with the pool.
+    #[tokio::test]
+    async fn a_quiet_pools_expired_connections_are_closed() {
+        let (a, _) = backend(true).await;
+        let pool = Arc::new(Pool::new(Duration::from_secs(2), Duration::from_millis(50), 8));
+        let sweeper = tokio::spawn(sweep_while_held(Arc::downgrade(&pool)));
+        get(&pool, &a, true).await;
+        assert_eq!(pool.idle_count(), 1);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pool.idle_count() > 0 {
+            assert!(Instant::now() < deadline, "the idle connection was never closed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        drop(pool);
+        tokio::time::timeout(Duration::from_secs(10), sweeper).await.expect("the sweeper stops").unwrap();
     }
 
     /// A connection is idle at the replica's end from its response's last byte: a client
