@@ -48,11 +48,14 @@ pub struct Refused<C> {
     /// wrong: a binary checks it too, so that one run reports every problem, not the file's
     /// alone (after it is fixed, its semantic checks could still fail on another setting).
     pub rest: Option<C>,
+    /// The file's keys that were refused (unknown, or with a bad value): the rest's checks
+    /// about them are beside the point (they were read at their defaults).
+    pub keys: Vec<String>,
 }
 
 impl<C> From<ConfigError> for Refused<C> {
     fn from(error: ConfigError) -> Self {
-        Refused { error, rest: None }
+        Refused { error, rest: None, keys: Vec::new() }
     }
 }
 
@@ -107,7 +110,7 @@ where
     // The flags alone read back (else every file key would be blamed for them).
     let flags = merged.clone();
     C::deserialize(flags.clone()).map_err(|e| file_error(format!("the flags and environment: {e}")))?;
-    let (mut unknown, mut bad) = (Vec::new(), Vec::new());
+    let (mut unknown, mut bad, mut refused) = (Vec::new(), Vec::new(), Vec::new());
     for (key, value) in file {
         // A key is its flag's long name exactly: serde reads no other spelling, so a
         // `block_size` accepted here would be dropped without a word. `config`, `help` and
@@ -122,6 +125,7 @@ where
             command.get_arguments().find(|a| a.get_long() == Some(name) && name != "config" && setting(a))
         };
         let Some(arg) = flag(&key) else {
+            refused.push(key.clone());
             let kebab = key.replace('_', "-");
             unknown.push(match flag(&kebab) {
                 Some(_) => format!("{key} (spelled {kebab})"),
@@ -142,7 +146,10 @@ where
                 merged.insert(key, value);
             }
             Ok(_) => {}
-            Err(e) => bad.push(format!("{key}: {}", e.message().trim_end())),
+            Err(e) => {
+                bad.push(format!("{key}: {}", e.message().trim_end()));
+                refused.push(key);
+            }
         }
     }
     let mut problems = Vec::new();
@@ -151,7 +158,8 @@ where
     }
     problems.extend(bad);
     if !problems.is_empty() {
-        return Err(Refused { error: file_error(problems.join("; ")), rest: C::deserialize(merged).ok() });
+        let rest = C::deserialize(merged).ok();
+        return Err(Refused { error: file_error(problems.join("; ")), rest, keys: refused });
     }
     Ok(C::deserialize(merged).map_err(|e| file_error(e.to_string()))?)
 }

@@ -22,6 +22,24 @@ pub fn init_tracing() {
     }
 }
 
+/// Whether `problem` names the flag `--key` (not one it begins, as `--key-file`).
+fn names_flag(problem: &str, key: &str) -> bool {
+    let flag = format!("--{key}");
+    problem.match_indices(&flag).any(|(at, _)| {
+        let next = problem[at + flag.len()..].chars().next();
+        !next.is_some_and(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    })
+}
+
+#[cfg(test)]
+#[test]
+fn a_problem_names_a_flag_whole() {
+    assert!(names_flag("--admin-token is required", "admin-token"));
+    assert!(names_flag("needs --admin-token", "admin-token"));
+    assert!(!names_flag("--admin-token-file is unreadable", "admin-token"));
+    assert!(!names_flag("--max-queued must be at most 5", "max-queue"));
+}
+
 /// Prints what `validate` found wrong, one problem a line.
 fn report_invalid(lead: &str, errors: Vec<String>) {
     eprintln!("{lead} invalid configuration:");
@@ -80,8 +98,12 @@ where
         Err(crate::cli::Refused { error: crate::cli::ConfigError::Cli(e), .. }) => e.exit(),
         Err(refused) => {
             eprintln!("{name}: {}", refused.error);
-            if let Some(Err(errors)) = refused.rest.as_ref().map(validate) {
-                report_invalid(&format!("{name}: and, without those keys,"), errors);
+            if let Some(Err(mut errors)) = refused.rest.as_ref().map(validate) {
+                // A check of a refused key's setting saw its default, not what the file meant.
+                errors.retain(|e| !refused.keys.iter().any(|key| names_flag(e, key)));
+                if !errors.is_empty() {
+                    report_invalid(&format!("{name}: and, without those keys,"), errors);
+                }
             }
             return std::process::ExitCode::from(2);
         }

@@ -524,7 +524,6 @@ fn a_bad_config_file_is_reported_with_the_rests_problems() {
     std::fs::write(&path, "max-header-bytes = 100\nbogus-key = 1\nmax-queued = \"many\"\n").unwrap();
     let (code, stderr) =
         refused_by_router(&["--config", path.to_str().unwrap(), "--control-timeout-ms", "0"]);
-    let _ = std::fs::remove_file(&path);
     assert_eq!(code, Some(2), "{stderr}");
     for fragment in [
         "unknown keys: bogus-key",
@@ -534,6 +533,14 @@ fn a_bad_config_file_is_reported_with_the_rests_problems() {
     ] {
         assert!(stderr.contains(fragment), "{fragment:?} not in {stderr}");
     }
+    // A check of a key the file got wrong is left out: it saw the default, not the file's.
+    std::fs::write(&path, "admin-token = 123\n").unwrap();
+    let (code, stderr) =
+        refused_by_router(&["--config", path.to_str().unwrap(), "--admin-listen", "0.0.0.0:0"]);
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("admin-token:"), "{stderr}");
+    assert!(!stderr.contains("--admin-token is required"), "{stderr}");
 }
 
 /// A stream holds its in-flight slot until it ends: with one slot, a request made while a
