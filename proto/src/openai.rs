@@ -56,7 +56,8 @@ pub use error::{LoadError, MessageProblem, OpenAiError, RequestError};
 pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 pub use request::anthropic::{InlineSystem, inline_system_mode};
 pub use request::{
-    ChatRequest, CompletionRequest, Endpoint, Message, ParsedRequest, Prompt, PromptInput, Side, Truncation,
+    ChatRequest, CompletionRequest, EmbedsRequest, Endpoint, Message, ParsedRequest, Prompt, PromptInput,
+    Side, Truncation,
 };
 pub use tokenizer::{Builtin, HuggingFace, Tokenizer};
 

@@ -93,10 +93,10 @@ pub enum RequestError {
     /// prompt starts with a conversation only the replica that stored it has.
     #[error("the prompt continues a stored response, which only the replica that stored it has")]
     StoredConversation,
-    /// A completion given as `prompt_embeds` and no `prompt` (vLLM with
-    /// `--enable-prompt-embeds`): it has no token ids to read. vLLM's words without the flag.
+    /// A completion given as `prompt_embeds` (vLLM with `--enable-prompt-embeds`): it has no
+    /// token ids to read. vLLM's words without the flag.
     #[error("You must set `--enable-prompt-embeds` to input `prompt_embeds`.")]
-    PromptEmbeds,
+    PromptEmbeds(Box<super::request::EmbedsRequest>),
     /// `continue_final_message` asked for what cannot be done: with a generation prompt, or
     /// with a last message whose text the template does not render as it is (transformers'
     /// checks, which vLLM answers with a 400).
@@ -182,7 +182,7 @@ impl RequestError {
             }
             E::NoChatTemplate | E::Template(_) => (INVALID_REQUEST, Some("messages".into()), None),
             E::StoredConversation => (INVALID_REQUEST, Some("previous_response_id".into()), None),
-            E::PromptEmbeds => (INVALID_REQUEST, Some("prompt_embeds".into()), None),
+            E::PromptEmbeds(_) => (INVALID_REQUEST, Some("prompt_embeds".into()), None),
             E::CannotContinue(_) => (INVALID_REQUEST, Some("continue_final_message".into()), None),
             E::UntrustedChatTemplate => (INVALID_REQUEST, Some("chat_template".into()), None),
             E::Harmony(_) => (INVALID_REQUEST, Some("messages".into()), None),

@@ -323,9 +323,19 @@ impl Part<'_> {
     }
 }
 
+/// What is read of a completion whose prompt comes as embeddings (`prompt_embeds`, vLLM with
+/// `--enable-prompt-embeds`, a `prompt` beside them or not): no token ids can be known.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EmbedsRequest {
+    pub model: String,
+    pub max_tokens: Option<u64>,
+    pub n: u32,
+    pub priority: i64,
+}
+
 impl<'a> CompletionRequest<'a> {
     /// The fields read, in the order [`scan::fields`] returns them.
-    const FIELDS: [&'static str; 10] = [
+    const FIELDS: [&'static str; 11] = [
         "model",
         "prompt",
         "stream",
@@ -336,6 +346,7 @@ impl<'a> CompletionRequest<'a> {
         "truncation_side",
         "n",
         "priority",
+        "prompt_embeds",
     ];
 
     /// Parses and validates a `/v1/completions` body.
@@ -349,16 +360,29 @@ impl<'a> CompletionRequest<'a> {
             Some(fields) => fields,
             None => parse_object(body, &Self::FIELDS)?.map(|f| f.map(Field::Raw)),
         };
-        let [model_, prompt, stream, max_tokens, salt, add_special_tokens, truncate, side, n, priority_] =
-            fields;
-        let Some(prompt) = prompt else {
-            // Looked for only when there is no prompt: a prompt's requests pay nothing for it.
-            return Err(match parse_object(body, &["prompt_embeds"]) {
-                Ok([Some(embeds)]) if embeds.get() != "null" => RequestError::PromptEmbeds,
-                _ => RequestError::MissingField { param: "prompt" },
-            });
-        };
-        let prompt = match prompt {
+        let [
+            model_,
+            prompt,
+            stream,
+            max_tokens,
+            salt,
+            add_special_tokens,
+            truncate,
+            side,
+            n,
+            priority_,
+            embeds,
+        ] = fields;
+        if Field::raw(embeds).is_some_and(|embeds| embeds.get() != "null") {
+            let asked = EmbedsRequest {
+                model: model(Field::raw(model_))?.into_owned(),
+                max_tokens: count(Field::raw(max_tokens), "max_tokens")?,
+                n: choices(Field::raw(n))?,
+                priority: priority(Field::raw(priority_))?,
+            };
+            return Err(RequestError::PromptEmbeds(Box::new(asked)));
+        }
+        let prompt = match prompt.ok_or(RequestError::MissingField { param: "prompt" })? {
             Field::Ids(ids) => Prompt::Tokens(ids),
             Field::Text(text) => Prompt::Text(text),
             Field::Raw(raw) => parse_prompt(raw)?,

@@ -431,6 +431,8 @@ pub struct Sending {
     pub body: Outgoing,
     /// A streamed body's progress (the first-byte timeout waits for the upload).
     pub uploaded: Option<Progress>,
+    /// The sequences it runs (its `n`).
+    pub sequences: u32,
     /// Prompt tokens, and those of them the replica is to prefill (0 when not known).
     pub prompt_tokens: u64,
     pub prefill_tokens: u64,
@@ -446,6 +448,7 @@ impl Sending {
         Sending {
             body: Outgoing::Stream(body),
             uploaded: Some(uploaded),
+            sequences: 1,
             prompt_tokens: 0,
             prefill_tokens: 0,
             keeps_response: false,
@@ -462,7 +465,7 @@ pub async fn to_replica(
     metrics: &ProxyMetrics,
     members: &[crate::fleet::Member],
     parts: http::request::Parts,
-    Sending { mut body, uploaded, prompt_tokens, prefill_tokens, keeps_response, rank }: Sending,
+    Sending { mut body, uploaded, sequences, prompt_tokens, prefill_tokens, keeps_response, rank }: Sending,
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let (client, headers) = upstream_head(parts, admitted.request_id, config.forwarded_for);
@@ -473,13 +476,16 @@ pub async fn to_replica(
             metrics.retries.inc();
         }
         let upstream = &member.upstream;
-        // A request sent this way (a Responses continuation, a body streamed through) is one
-        // sequence.
-        let mut guard = upstream.begin(1, prefill_tokens, prompt_tokens);
+        // One ejected, unhealthy or draining since the replicas were chosen is passed over
+        // (one that has since reached its in-flight limit is not: that limit is soft).
+        if attempt > 0 && upstream.eligibility(u32::MAX).is_err() {
+            continue;
+        }
+        let mut guard = upstream.begin(sequences, prefill_tokens, prompt_tokens);
         // A rank named is counted in its load (the blocks are the stored conversation's, which
         // the router never saw).
         let ranked = rank.zip(member.replica.ranks.get()).map(|(rank, ranks)| {
-            guard.hold_rank(ranks.begin(rank, 1, (&[], 0), prompt_tokens));
+            guard.hold_rank(ranks.begin(rank, sequences, (&[], 0), prompt_tokens));
             with_rank(&headers, rank)
         });
         let uri = replica_uri(&member.replica, &client.uri)?;
@@ -498,7 +504,7 @@ pub async fn to_replica(
         let sending = (guard, &client, (sent, uploaded.as_ref()));
         return answered(
             answer,
-            member,
+            (member, attempt),
             sending,
             (prompt_tokens, keeps_response),
             (config, metrics),
@@ -511,7 +517,7 @@ pub async fn to_replica(
 /// [`to_replica`]'s outcome on `member`.
 fn answered(
     answer: Result<Result<Response<UpstreamBody>, SendError>, tokio::time::error::Elapsed>,
-    member: &crate::fleet::Member,
+    (member, attempt): (&crate::fleet::Member, usize),
     (guard, client, (sent, uploaded)): (LoadGuard, &ClientHead, (Instant, Option<&Progress>)),
     (prompt_tokens, keeps_response): (u64, bool),
     (config, metrics): (&ForwardConfig, &ProxyMetrics),
@@ -524,8 +530,15 @@ fn answered(
             let whole = uploaded.as_ref().map_or(sent, |u| u.finished_at().unwrap_or_else(Instant::now));
             let ranked = guard.rank();
             let load = (guard, prompt_tokens, keeps_response);
-            let mut response =
-                passed_on(response, client, member, (sent, whole), load, (config, metrics), admitted);
+            let mut response = passed_on(
+                response,
+                client,
+                (member, attempt),
+                (sent, whole),
+                load,
+                (config, metrics),
+                admitted,
+            );
             if let Some(rank) = ranked {
                 response.headers_mut().insert(X_KVROUTE_RANK, HeaderValue::from(rank));
             }
@@ -549,14 +562,14 @@ fn answered(
     }
 }
 
-/// The answer to a request sent to `member` once, not routed on a prompt (its usage counts in
-/// neither hit rate), passed on: `sent` when it went out and `whole` when the replica had
-/// all of it; the replica's load for it, its prompt tokens (0: not known) and whether the
-/// replica may keep its response.
+/// The answer to a request sent to `member` (its `attempt`th, from 0), not routed on a prompt
+/// (its usage counts in neither hit rate), passed on: `sent` when it went out and `whole`
+/// when the replica had all of it; the replica's load for it, its prompt tokens (0: not
+/// known) and whether the replica may keep its response.
 pub(super) fn passed_on(
     response: Response<UpstreamBody>,
     client: &ClientHead,
-    member: &crate::fleet::Member,
+    (member, attempt): (&crate::fleet::Member, usize),
     (sent, whole): (Instant, Instant),
     (guard, prompt_tokens, keeps_response): (LoadGuard, u64, bool),
     (config, metrics): (&ForwardConfig, &ProxyMetrics),
@@ -565,6 +578,7 @@ pub(super) fn passed_on(
     let line = config.access_log.then(|| {
         Box::new(access::Line {
             replica: member.replica.spec.name.clone(),
+            attempt,
             prompt_tokens: (prompt_tokens > 0).then_some(prompt_tokens),
             ..access::Line::new(&admitted, &client.method, &client.uri)
         })
@@ -596,7 +610,7 @@ async fn first_byte<T>(
     exchange: impl Future<Output = T>,
     uploaded: Option<&Progress>,
 ) -> Result<T, tokio::time::error::Elapsed> {
-    let mut exchange = std::pin::pin!(exchange);
+    let mut exchange = Box::pin(exchange);
     let mut deadline = sent + config.first_byte_timeout;
     loop {
         let elapsed = match tokio::time::timeout_at(deadline, &mut exchange).await {

@@ -178,7 +178,8 @@ async fn apply(
     let registry = state.fleet().adapters();
     let _turn = registry.change().await;
     // The members when its turn comes: one that joined while it waited (behind catch-ups of
-    // their own) is sent the change too, and counts toward "every replica has it".
+    // their own) is sent the change too, and counts toward whether the change reached every
+    // replica (a 200).
     let members: Vec<Member> = state.fleet().members();
     if members.is_empty() {
         return Err(ProxyError::Unavailable("no replicas are configured".into()));

@@ -226,7 +226,7 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
         Ok(response) => response,
         Err(e) => {
             state.decider.metrics.errors.get_or_create(&ErrorLabel { kind: e.label() }).inc();
-            if e.status().is_server_error() {
+            if e.status().is_server_error() && !matches!(e, ProxyError::NotImplemented(_)) {
                 tracing::warn!(error = %e, request_id, "request failed");
             }
             if let (Some((method, path)), Some(received)) = (&asked, received) {
@@ -299,7 +299,7 @@ async fn dispatch(
         tunnel::check_handshake(req.headers())?;
         let line = queue::Line::default();
         let admitted = admit(state, (request_id, received), &line).await?;
-        let members = with_room(state, &line, || by_load(state, request_id)).await?;
+        let members = with_room(state, &line, || by_load(state, request_id, None)).await?;
         return Box::pin(tunnel::open(state, pool, req, members, admitted)).await;
     }
     // The forwarding futures are boxed: hyper keeps each request's future in place, moving
@@ -393,12 +393,16 @@ async fn routed(
                 .await
         }
         // A prompt given as embeddings (vLLM's `prompt_embeds`): no token ids to route on, so
-        // to the least-loaded replica, as a request passed through.
-        Err(ProxyError::BadRequest(RequestError::PromptEmbeds)) => {
-            let members = with_room(state, &line, || by_load(state, admitted.request_id)).await?;
+        // to the least-loaded replica (one with its LoRA adapter), within the router's limits.
+        Err(ProxyError::BadRequest(RequestError::PromptEmbeds(asked))) => {
+            state.limits.check_completion(asked.max_tokens, endpoint)?;
+            line.set_priority(asked.priority);
+            let adapter = Some(asked.model.as_str()).filter(|model| state.fleet().adapters().contains(model));
+            let members = with_room(state, &line, || by_load(state, admitted.request_id, adapter)).await?;
             let sending = Sending {
                 body: Outgoing::Full(body),
                 uploaded: None,
+                sequences: asked.n,
                 prompt_tokens: 0,
                 prefill_tokens: 0,
                 keeps_response: false,
@@ -418,6 +422,7 @@ async fn routed(
             let sending = Sending {
                 body: Outgoing::Full(body),
                 uploaded: None,
+                sequences: 1,
                 prompt_tokens,
                 prefill_tokens,
                 keeps_response: continuation.store,
@@ -511,7 +516,7 @@ async fn passthrough(
     let line = queue::Line::default();
     let admitted = admit(state, arrived, &line).await?;
     // The next ones are tried while no connection to one can be made.
-    let members = with_room(state, &line, || by_load(state, arrived.0)).await?;
+    let members = with_room(state, &line, || by_load(state, arrived.0, None)).await?;
     streamed_to(state, pool, &members, req, admitted).await
 }
 
@@ -519,10 +524,10 @@ async fn passthrough(
 /// others'), ties spread by the request's id (the first of equals would send every lone
 /// request to the lowest id). None is a 503: [`ProxyError::Saturated`] if one of them could
 /// take the request once it has room.
-fn by_load(state: &ProxyState, request_id: &str) -> Result<Vec<Member>, ProxyError> {
+fn by_load(state: &ProxyState, request_id: &str, adapter: Option<&str>) -> Result<Vec<Member>, ProxyError> {
     let members = state.fleet().members();
-    let verdicts =
-        upstream::verdicts(members.iter().map(|m| &*m.upstream), state.decider.max_in_flight_per_replica);
+    let max = state.decider.max_in_flight_per_replica;
+    let verdicts = upstream::verdicts_for(members.iter().map(|m| &*m.upstream), max, adapter);
     if verdicts.iter().all(Option::is_some) {
         let saturated =
             members.iter().zip(&verdicts).filter(|(_, v)| **v == Some(upstream::Ineligible::Saturated));
@@ -654,7 +659,7 @@ fn foreign_transfer_coding(headers: &http::HeaderMap) -> Option<String> {
         .flat_map(|v| v.as_bytes().split(|&b| b == b','));
     codings
         .map(|c| c.trim_ascii())
-        .find(|c| !c.eq_ignore_ascii_case(b"chunked"))
+        .find(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"chunked"))
         .map(|c| String::from_utf8_lossy(c).into_owned())
 }
 

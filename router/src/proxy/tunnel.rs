@@ -131,7 +131,7 @@ pub(super) async fn open(
                 return Ok(forward::passed_on(
                     response,
                     &client,
-                    member,
+                    (member, attempt),
                     (sent, sent),
                     load,
                     (config, metrics),

@@ -719,9 +719,11 @@ async fn a_completion_of_prompt_embeddings_goes_by_load() {
         }
     })
     .await;
-    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { max_completion_tokens: 100, ..c }).await;
     let http = crate::fleet::Http::new();
-    let reply = http.send(http::Method::POST, &format!("{}/v1/completions", router.url()), BODY).await;
+    let url = format!("{}/v1/completions", router.url());
+    let reply = http.send(http::Method::POST, &url, BODY).await;
     assert_eq!(
         (reply.status.as_u16(), reply.header("x-kvroute-replica")),
         (200, Some("r0")),
@@ -730,6 +732,11 @@ async fn a_completion_of_prompt_embeddings_goes_by_load() {
     );
     let metrics = scrape(&http, &router.url()).await;
     assert_eq!(sample(&metrics, "kvroute_router_prompt_tokens_total"), Some(0), "{metrics}");
+    // Within the router's limits all the same.
+    let over = r#"{"model":"m","prompt_embeds":"AAAAAAAAAAA=","max_tokens":101}"#;
+    let reply = http.send(http::Method::POST, &url, over).await;
+    assert_eq!(reply.status, 400, "{:?}", reply.body);
+    assert_eq!(reply.json()["error"]["param"], "max_tokens");
     shutdown.cancel();
 }
 

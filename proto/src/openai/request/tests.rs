@@ -176,7 +176,12 @@ fn malformed_completions() {
         (r#"{"model":"m"}"#, |e| matches!(e, E::MissingField { param: "prompt" })),
         (r#"{"model":"m","prompt":null}"#, |e| matches!(e, E::MissingField { param: "prompt" })),
         // Embeddings instead of a prompt (vLLM with `--enable-prompt-embeds`).
-        (r#"{"model":"m","prompt_embeds":"AAAA"}"#, |e| matches!(e, E::PromptEmbeds)),
+        (r#"{"model":"m","prompt_embeds":"AAAA"}"#, |e| matches!(e, E::PromptEmbeds(_))),
+        // Both: vLLM takes them as a batch, the embeddings first.
+        (r#"{"model":"m","prompt":"p","prompt_embeds":["AAAA"]}"#, |e| matches!(e, E::PromptEmbeds(_))),
+        (r#"{"model":"m","prompt_embeds":"AAAA","max_tokens":"many"}"#, |e| {
+            matches!(e, E::InvalidField { param: "max_tokens", .. })
+        }),
         (r#"{"model":"m","prompt_embeds":null}"#, |e| matches!(e, E::MissingField { param: "prompt" })),
         (r#"{"model":"m","prompt":[]}"#, |e| matches!(e, E::EmptyPrompt)),
         (r#"{"model":"m","prompt":[[1],[]]}"#, |e| matches!(e, E::EmptyPrompt)),
