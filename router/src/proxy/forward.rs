@@ -469,18 +469,19 @@ pub async fn to_replica(
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let (client, headers) = upstream_head(parts, admitted.request_id, config.forwarded_for);
-    let members = &members[..members.len().min(MAX_ATTEMPTS)];
-    for (attempt, member) in members.iter().enumerate() {
-        let more = attempt + 1 < members.len();
+    let (mut attempt, mut last_error) = (0, None);
+    for (i, member) in members.iter().enumerate() {
+        let upstream = &member.upstream;
+        // A later one draining or out of service since the replicas were chosen is passed
+        // over, as a routed retry's is (not one ejected since: with every replica ejected,
+        // the ejected are tried; nor one at its in-flight limit, which is soft).
+        if attempt > 0 && (upstream.is_draining() || !upstream.is_serving()) {
+            continue;
+        }
         if attempt > 0 {
             metrics.retries.inc();
         }
-        let upstream = &member.upstream;
-        // One ejected, unhealthy or draining since the replicas were chosen is passed over
-        // (one that has since reached its in-flight limit is not: that limit is soft).
-        if attempt > 0 && upstream.eligibility(u32::MAX).is_err() {
-            continue;
-        }
+        let more = attempt + 1 < MAX_ATTEMPTS && i + 1 < members.len();
         let mut guard = upstream.begin(sequences, prefill_tokens, prompt_tokens);
         // A rank named is counted in its load (the blocks are the stored conversation's, which
         // the router never saw).
@@ -496,7 +497,9 @@ pub async fn to_replica(
             Ok(Err(Unsent::NotConnected(e, back))) if more => {
                 tracing::info!(replica = %member.replica.spec.name, error = %e, request_id = admitted.request_id, "no connection to the replica; trying the next");
                 record_failure(upstream, config, metrics);
-                body = back;
+                let replica = member.replica.spec.name.clone();
+                last_error = Some(ProxyError::Upstream { replica, reason: e.to_string() });
+                (body, attempt) = (back, attempt + 1);
                 continue;
             }
             answer => answer.map(|sent| sent.map_err(Unsent::into_error)),
@@ -511,7 +514,7 @@ pub async fn to_replica(
             admitted,
         );
     }
-    Err(ProxyError::Unavailable("no healthy replica".into()))
+    Err(last_error.unwrap_or_else(|| ProxyError::Unavailable("no healthy replica".into())))
 }
 
 /// [`to_replica`]'s outcome on `member`.

@@ -652,33 +652,40 @@ async fn a_passed_through_request_goes_on_past_a_replica_that_refuses_the_connec
         health_interval_ms: 3_600_000,
         ..kvroute_router::Config::loopback(Vec::new())
     };
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
-    let http = crate::fleet::Http::new();
-    // Ties between equally loaded replicas go by the request id: some ids try `gone` first.
-    let mut retried = false;
-    for i in 0..64 {
-        let reply = http
-            .send_with(
-                http::Method::POST,
-                &format!("{}/v1/embeddings", router.url()),
-                BODY,
-                &[("x-request-id", &format!("p-{i}"))],
-            )
-            .await;
-        assert_eq!(
-            (reply.status.as_u16(), reply.header("x-kvroute-replica")),
-            (200, Some("live")),
-            "{:?}",
-            reply.body
-        );
-        if sample(&scrape(&http, &router.url()).await, "kvroute_router_retries_total").unwrap_or(0) > 0 {
-            retried = true;
-            break;
+    // With both ejected too: then the ejected are tried, and so is the next of them.
+    for ejected in [false, true] {
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let router = kvroute_router::start(config.clone(), shutdown.clone()).await.unwrap();
+        let http = crate::fleet::Http::new();
+        for name in ["gone", "live"].into_iter().filter(|_| ejected) {
+            let upstream = &router.fleet().member(name).unwrap().upstream;
+            assert!(upstream.record_failure(1, std::time::Duration::from_secs(3600)));
         }
+        // Ties between equally loaded replicas go by the request id: some ids try `gone` first.
+        let mut retried = false;
+        for i in 0..64 {
+            let reply = http
+                .send_with(
+                    http::Method::POST,
+                    &format!("{}/v1/embeddings", router.url()),
+                    BODY,
+                    &[("x-request-id", &format!("p-{i}"))],
+                )
+                .await;
+            assert_eq!(
+                (reply.status.as_u16(), reply.header("x-kvroute-replica")),
+                (200, Some("live")),
+                "{:?}",
+                reply.body
+            );
+            if sample(&scrape(&http, &router.url()).await, "kvroute_router_retries_total").unwrap_or(0) > 0 {
+                retried = true;
+                break;
+            }
+        }
+        assert!(retried, "no request was tried on the closed replica first (ejected: {ejected})");
+        shutdown.cancel();
     }
-    assert!(retried, "no request was tried on the closed replica first");
-    shutdown.cancel();
 }
 
 /// A body in a transfer coding besides `chunked` (`gzip, chunked`) is refused with 501 (RFC
