@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use kvroute_proto::openai::Endpoint;
+use kvroute_proto::openai::{Endpoint, RequestError};
 use kvroute_proto::pb::{self, router_admin_server::RouterAdmin};
 use tonic::{Request, Response, Status};
 
@@ -152,6 +152,13 @@ impl RouterAdmin for AdminService {
             Ok(plan)
         };
         let plan = plan.await.map_err(|e| match e {
+            // Requests the proxy takes, but not on a prefix.
+            ProxyError::BadRequest(RequestError::PromptEmbeds(_)) => Status::failed_precondition(
+                "not decided on a prefix: a completion of prompt_embeds goes to the least-loaded replica",
+            ),
+            ProxyError::BadRequest(RequestError::StoredConversation) => Status::failed_precondition(
+                "not decided on a prefix: a continuation of a stored response goes to the replica that stored it",
+            ),
             ProxyError::BadRequest(e) => Status::invalid_argument(e.to_string()),
             e if e.status().is_client_error() => Status::invalid_argument(e.to_string()),
             e => Status::unavailable(e.to_string()),

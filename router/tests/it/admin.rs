@@ -54,6 +54,13 @@ async fn list_explain_drain_remove_and_add() {
     assert!(explain.candidates.iter().all(|c| c.cost >= chosen.cost));
     let bad = admin.explain(pb::ExplainRequest { path: "/v1/completions".into(), body: b"{".to_vec() }).await;
     assert_eq!(bad.unwrap_err().code(), tonic::Code::InvalidArgument);
+    // One the proxy takes, not on a prefix: said so, not refused as malformed.
+    let embeds = br#"{"model":"m","prompt_embeds":"AAAAAAAAAAA="}"#.to_vec();
+    let not_on_a_prefix =
+        admin.explain(pb::ExplainRequest { path: "/v1/completions".into(), body: embeds }).await;
+    let status = not_on_a_prefix.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains("least-loaded"), "{status:?}");
 
     // Draining the home replica sends the same prompt elsewhere.
     let drained = admin.drain(pb::DrainRequest { id: home.clone(), drain: true }).await.unwrap().into_inner();
