@@ -399,9 +399,12 @@ impl Collector for ReplicaLoad {
             None,
             MetricType::Gauge,
         )?;
-        for m in &members {
-            let state =
-                m.upstream.eligibility(self.max_in_flight).map_or_else(|why| why.as_str(), |()| "eligible");
+        // As a decision judges them: with every replica that is up ejected, the ejected are
+        // routed to, and eligible.
+        let verdicts =
+            crate::proxy::upstream::verdicts(members.iter().map(|m| &*m.upstream), self.max_in_flight);
+        for (m, verdict) in members.iter().zip(verdicts) {
+            let state = verdict.map_or("eligible", |why| why.as_str());
             let labels = ReplicaStateLabels { replica: m.replica.spec.name.clone(), state };
             ConstGauge::new(1).encode(family.encode_family(&labels)?)?;
         }

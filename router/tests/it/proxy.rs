@@ -106,6 +106,31 @@ async fn a_fleet_wide_shared_first_block_does_not_send_everything_to_one_replica
     assert_eq!(sent, 48 + retries, "every attempt counted once");
 }
 
+/// `kvroute_router_replica_state` says what a decision would: one ejected replica is
+/// "ejected", but with every replica ejected the ejected are routed to, and are "eligible".
+#[tokio::test]
+async fn the_replica_state_gauge_judges_as_a_decision_does() {
+    let fleet = Fleet::start(2).await;
+    let state = |metrics: &str, replica: &str, state: &str| {
+        sample(metrics, &format!("kvroute_router_replica_state{{replica=\"{replica}\",state=\"{state}\"}}"))
+    };
+    let eject = |name: &str| {
+        let upstream = &fleet.router.fleet().member(name).unwrap().upstream;
+        assert!(upstream.record_failure(1, std::time::Duration::from_secs(3600)));
+    };
+    eject("agent-0");
+    let metrics = scrape(&fleet.http, &fleet.url("")).await;
+    assert_eq!(state(&metrics, "agent-0", "ejected"), Some(1), "{metrics}");
+    assert_eq!(state(&metrics, "agent-1", "eligible"), Some(1), "{metrics}");
+    eject("agent-1");
+    let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion("still served", 1)).await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    let metrics = scrape(&fleet.http, &fleet.url("")).await;
+    for replica in ["agent-0", "agent-1"] {
+        assert_eq!(state(&metrics, replica, "eligible"), Some(1), "{metrics}");
+    }
+}
+
 /// Prompts shorter than a block, one at a time at an idle fleet: ties between equally idle
 /// replicas are broken by the prompt, so they spread instead of all going to one replica.
 #[tokio::test]
