@@ -18,9 +18,10 @@
 //!   handshake while the relay retries, so it learns of the peer's return through the relay.
 //! - [`ZmtpGuard::binding`] (the replica agent's PUB and ROUTER): the socket binds a loopback
 //!   port, and the guard listens on the public address and relays each peer to it. A peer
-//!   there only subscribes or asks, so it may send 64 KiB over its connection in all,
-//!   commands included, each frame charged 32 bytes more (`zeromq`'s PUB keeps every
-//!   subscription it is sent); it must finish its handshake (greeting and READY) within 10 s
+//!   there only subscribes or asks, so a subscriber may send 64 KiB over its connection in
+//!   all, commands included, each frame charged 32 bytes more (`zeromq`'s PUB keeps every
+//!   subscription it is sent; a replay client's requests, which keep nothing, are not
+//!   counted: it may ask again and again on one connection, as vLLM's clients do); it must finish its handshake (greeting and READY) within 10 s
 //!   of connecting (`zeromq`'s own handshake has no deadline); once behind what the socket
 //!   sends it, it must take 64 KiB in every 30 s until it catches up (`zeromq`'s PUB queues
 //!   without bound for a subscriber that stops reading, or reads a trickle: cut, the peer
@@ -57,10 +58,10 @@ const MAX_CONNECTING_PIPES: usize = 8;
 /// Most peers relayed at once by a binding guard.
 const MAX_BOUND_PIPES: usize = 256;
 
-/// What a peer of a bound socket may send over its connection ([`Frames::with_budget`]): a
-/// subscriber sends its handshake and subscriptions, a replay client its handshake and one
-/// request, a few hundred bytes.
-const BOUND_PEER_BUDGET: u64 = 64 << 10;
+/// What a peer of a bound socket may send over its connection ([`Frames::with_budget`]) by
+/// default: a subscriber sends its handshake and subscriptions, a few hundred bytes (a PUB
+/// keeps every subscription it is sent). [`ZmtpGuard::binding_with_budget`] sets another.
+pub const BOUND_PEER_BUDGET: u64 = 64 << 10;
 
 /// Time a peer of a bound socket has from connecting to the end of its handshake, so that
 /// connections that never finish one cannot hold the guard's places.
@@ -88,7 +89,7 @@ impl ZmtpGuard {
         };
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let local = format!("tcp://{}", listener.local_addr()?);
-        let relay = Relay { target: target.to_owned(), watch: Side::Dialed, on_refused };
+        let relay = Relay { target: target.to_owned(), watch: Side::Dialed, budget: u64::MAX, on_refused };
         Ok(relay.start(listener, local, MAX_CONNECTING_PIPES))
     }
 
@@ -96,6 +97,17 @@ impl ZmtpGuard {
     /// (`tcp://host:port`, `*` for every interface, port 0 for any) and relays each peer to
     /// `internal`. Its [`Self::endpoint`] is `public` with the port resolved.
     pub async fn binding(public: &str, internal: &str, on_refused: OnRefused) -> io::Result<Self> {
+        Self::binding_with_budget(public, internal, BOUND_PEER_BUDGET, on_refused).await
+    }
+
+    /// [`Self::binding`], each peer allowed `budget` bytes over its connection in all (a
+    /// replay ROUTER's peers send requests, which the socket keeps nothing of: any number).
+    pub async fn binding_with_budget(
+        public: &str,
+        internal: &str,
+        budget: u64,
+        on_refused: OnRefused,
+    ) -> io::Result<Self> {
         let invalid = |what: &str| io::Error::new(io::ErrorKind::InvalidInput, format!("{what}: {public:?}"));
         let address = public.strip_prefix("tcp://").ok_or_else(|| invalid("not a tcp:// endpoint"))?;
         let (host, port) = address.rsplit_once(':').ok_or_else(|| invalid("no port"))?;
@@ -106,7 +118,7 @@ impl ZmtpGuard {
         let bound = format!("tcp://{}", listener.local_addr()?);
         let target =
             internal.strip_prefix("tcp://").ok_or_else(|| invalid("internal endpoint not tcp://"))?;
-        let relay = Relay { target: target.to_owned(), watch: Side::Accepted, on_refused };
+        let relay = Relay { target: target.to_owned(), watch: Side::Accepted, budget, on_refused };
         Ok(relay.start(listener, bound, MAX_BOUND_PIPES))
     }
 
@@ -163,6 +175,8 @@ enum Side {
 struct Relay {
     target: String,
     watch: Side,
+    /// What the watched side may send in all, when it is the accepted one.
+    budget: u64,
     on_refused: OnRefused,
 }
 
@@ -210,7 +224,7 @@ impl Relay {
         // (when it is the watched side) followed as it comes.
         let mut frames = match self.watch {
             Side::Dialed => Frames::default(),
-            Side::Accepted => Frames::with_budget(BOUND_PEER_BUDGET),
+            Side::Accepted => Frames::with_budget(self.budget),
         };
         let mut early = Vec::new();
         let dial = dial(&self.target);

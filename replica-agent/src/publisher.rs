@@ -24,7 +24,7 @@ use bytes::Bytes;
 use kvroute_proto::Seq;
 use kvroute_proto::framing;
 use kvroute_proto::pb::EventBatch;
-use kvroute_proto::zmtp_guard::{OnRefused, ZmtpGuard};
+use kvroute_proto::zmtp_guard::{BOUND_PEER_BUDGET, OnRefused, ZmtpGuard};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -101,7 +101,7 @@ async fn close(guard: Option<ZmtpGuard>) {
 async fn bind_guarded(
     socket: &mut impl Socket,
     endpoint: &str,
-    what: &'static str,
+    (what, budget): (&'static str, u64),
     on_refused: &OnRefused,
 ) -> Result<(String, Option<ZmtpGuard>), PublisherError> {
     let bind = async |socket: &mut _, at: &str| {
@@ -115,7 +115,7 @@ async fn bind_guarded(
         return Ok((bind(socket, endpoint).await?, None));
     }
     let internal = bind(socket, "tcp://127.0.0.1:0").await?;
-    let guard = ZmtpGuard::binding(endpoint, &internal, on_refused.clone())
+    let guard = ZmtpGuard::binding_with_budget(endpoint, &internal, budget, on_refused.clone())
         .await
         .map_err(|source| PublisherError::Guard { what, endpoint: endpoint.to_owned(), source })?;
     Ok((guard.endpoint().to_owned(), Some(guard)))
@@ -153,13 +153,16 @@ impl Publisher {
         };
         let mut pub_socket = PubSocket::new();
         let (events, events_guard) =
-            bind_guarded(&mut pub_socket, events_endpoint, "PUB", &on_refused).await?;
+            bind_guarded(&mut pub_socket, events_endpoint, ("PUB", BOUND_PEER_BUDGET), &on_refused).await?;
         let buffer: RingBuffer = Arc::new(Mutex::new(VecDeque::with_capacity(config.buffer_steps.min(4096))));
         let topic = Bytes::from(config.topic.clone().into_bytes());
         let mut replay = None;
         if let Some(endpoint) = replay_endpoint {
             let mut router = RouterSocket::new();
-            let (bound, guard) = bind_guarded(&mut router, endpoint, "ROUTER", &on_refused).await?;
+            // A replay client may ask again and again on one connection (the socket keeps
+            // nothing of its requests).
+            let (bound, guard) =
+                bind_guarded(&mut router, endpoint, ("ROUTER", u64::MAX), &on_refused).await?;
             replay = Some(bound);
             let (topic, buffer, published) = (topic.clone(), buffer.clone(), published.clone());
             tracker.spawn(async move {

@@ -154,6 +154,22 @@ async fn batches_handed_over_before_the_publisher_is_dropped_are_sent() {
     assert_eq!(sent, (0..200).collect::<Vec<u64>>());
 }
 
+/// A replay client may ask again and again on one connection, as vLLM's own clients do:
+/// the guard charged its requests to the 64 KiB a subscriber may send, and cut it after
+/// about 900 of them.
+#[tokio::test]
+async fn one_replay_connection_serves_request_after_request() {
+    let (_publisher, endpoints) = start(EventFormat::Kvroute).await;
+    let mut dealer = DealerSocket::new();
+    dealer.connect(&endpoints.replay.unwrap()).await.unwrap();
+    for i in 0..1_500 {
+        let req = ZmqMessage::try_from(framing::encode_replay_request(Seq(u64::MAX))).unwrap();
+        dealer.send(req).await.unwrap();
+        let msg = within(&format!("the end marker of request {i}"), dealer.recv()).await.unwrap();
+        assert_eq!(framing::decode_replay_reply(&msg.into_vec()).unwrap(), ReplayReply::End);
+    }
+}
+
 #[tokio::test]
 async fn replay_buffer_is_bounded() {
     let tracker = TaskTracker::new();
