@@ -58,15 +58,18 @@ pub fn encode_replay_request(start: Seq) -> Vec<Bytes> {
     vec![Bytes::new(), seq_frame(start)]
 }
 
-/// Parses a replay request as a ROUTER receives it, identity frame already removed.
+/// Parses a replay request as a ROUTER receives it, identity frame already removed, as
+/// vLLM reads one: the middle frame is not looked at, and the seq is a big-endian integer of
+/// any length (`int.from_bytes`: empty is 0; one past `u64` asks for nothing buffered).
 pub fn decode_replay_request(frames: &[Bytes]) -> Result<Seq, FrameError> {
-    let [delim, seq] = frames else {
+    let [_, seq] = frames else {
         return Err(FrameError::FrameCount { expected: "2", got: frames.len() });
     };
-    if !delim.is_empty() {
-        return Err(FrameError::MissingDelimiter(delim.len()));
+    let significant = &seq[seq.iter().position(|&b| b != 0).unwrap_or(seq.len())..];
+    if significant.len() > 8 {
+        return Ok(Seq(u64::MAX));
     }
-    parse_seq(seq)
+    Ok(Seq(significant.iter().fold(0, |n, &b| n << 8 | u64::from(b))))
 }
 
 /// One message of a replay answer.
@@ -173,19 +176,21 @@ mod tests {
         }
     }
 
+    /// Read as vLLM reads one (`client_id, _, start_seq_bytes = frame`, `int.from_bytes`).
     #[test]
-    fn replay_request_round_trips_and_rejects_malformed() {
+    fn replay_request_round_trips_and_reads_as_vllm_does() {
         let frames = encode_replay_request(Seq(42));
         assert_eq!(decode_replay_request(&frames), Ok(Seq(42)));
-        assert_eq!(
-            decode_replay_request(&[b(b"x"), frames[1].clone()]),
-            Err(FrameError::MissingDelimiter(1))
-        );
+        assert_eq!(decode_replay_request(&[b(b"x"), frames[1].clone()]), Ok(Seq(42)), "any middle frame");
         assert_eq!(
             decode_replay_request(&frames[1..]),
             Err(FrameError::FrameCount { expected: "2", got: 1 })
         );
-        assert_eq!(decode_replay_request(&[Bytes::new(), b(b"123")]), Err(FrameError::SeqLength(3)));
+        assert_eq!(decode_replay_request(&[Bytes::new(), b(&[1, 0])]), Ok(Seq(256)));
+        assert_eq!(decode_replay_request(&[Bytes::new(), Bytes::new()]), Ok(Seq(0)));
+        let wide = [[0u8; 4].as_slice(), &42u64.to_be_bytes()].concat();
+        assert_eq!(decode_replay_request(&[Bytes::new(), Bytes::from(wide)]), Ok(Seq(42)));
+        assert_eq!(decode_replay_request(&[Bytes::new(), b(&[1; 9])]), Ok(Seq(u64::MAX)));
     }
 
     #[test]
