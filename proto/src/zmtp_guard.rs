@@ -23,9 +23,9 @@
 //!   subscription it is sent; a replay client's requests, which keep nothing, are not
 //!   counted: it may ask again and again on one connection, as vLLM's clients do); it must finish its handshake (greeting and READY) within 10 s
 //!   of connecting (`zeromq`'s own handshake has no deadline); once behind what the socket
-//!   sends it, it must take 64 KiB in every 30 s until it catches up (`zeromq`'s PUB queues
-//!   without bound for a subscriber that stops reading, or reads a trickle: cut, the peer
-//!   reconnects and resyncs); and at most 256 peers are relayed at once. Its refusals are logged at debug level (any client could fill the log
+//!   sends it, it must take 64 KiB in every 30 s until it catches up, and catch up within
+//!   10 min (`zeromq`'s PUB queues without bound for a subscriber that stops reading, reads
+//!   a trickle, or reads slower than it sends: cut, the peer reconnects and resyncs); and at most 256 peers are relayed at once. Its refusals are logged at debug level (any client could fill the log
 //!   otherwise), the publisher's at warn.
 //!
 //! Endpoints other than `tcp://` (`ipc://`, `inproc://`) are on this host and are not
@@ -73,6 +73,12 @@ const PEER_STALL: Duration = Duration::from_secs(30);
 
 /// See [`PEER_STALL`]: 64 KiB in 30 s, far below what a subscriber that reads takes.
 const PEER_MIN_TAKE: usize = 64 << 10;
+
+/// Longest a peer of a bound socket may stay behind without catching up once, whatever it
+/// takes: one that reads steadily but slower than the socket sends falls further behind for
+/// ever, and the socket queues for it without bound (`zeromq` 0.7's PUB has no high-water
+/// mark). Cut, it reconnects and resyncs, as after vLLM's PUB drops past its HWM.
+const PEER_MAX_BEHIND: Duration = Duration::from_secs(600);
 
 /// A relay for one socket, serving while this lives.
 pub struct ZmtpGuard {
@@ -323,16 +329,18 @@ async fn plain(mut from: OwnedReadHalf, mut to: OwnedWriteHalf) -> io::Result<()
 
 /// Copies what a bound socket sends to its peer. A peer that has fallen behind (a write to it
 /// has to wait) must take [`PEER_MIN_TAKE`] bytes in every [`PEER_STALL`] until it has caught
-/// up (a write goes through at once), or it is cut: one that takes a trickle would let the
-/// socket queue for it without bound as surely as one that takes nothing.
+/// up (a write goes through at once), and catch up within [`PEER_MAX_BEHIND`], or it is cut:
+/// one that takes a trickle, or less than the socket sends, would let the socket queue for it
+/// without bound as surely as one that takes nothing.
 async fn to_peer(
     mut from: impl AsyncRead + Unpin,
     mut to: impl AsyncWrite + Unpin,
     target: &str,
 ) -> io::Result<()> {
     let mut buf = vec![0u8; 64 << 10];
-    // Since when the peer has been behind, and what it has taken since.
-    let mut behind: Option<(tokio::time::Instant, usize)> = None;
+    // Since when the peer has been behind, since when it is counted taking (the start of its
+    // last window), and what it has taken in it.
+    let mut behind: Option<(tokio::time::Instant, tokio::time::Instant, usize)> = None;
     loop {
         let n = from.read(&mut buf).await?;
         if n == 0 {
@@ -348,9 +356,15 @@ async fn to_peer(
                     written?
                 }
                 Poll::Pending => {
-                    let (since, _) = *behind.get_or_insert((tokio::time::Instant::now(), 0));
-                    match tokio::time::timeout_at(since + PEER_STALL, to.write(rest)).await {
+                    let now = tokio::time::Instant::now();
+                    let (first, since, _) = *behind.get_or_insert((now, now, 0));
+                    let deadline = (since + PEER_STALL).min(first + PEER_MAX_BEHIND);
+                    match tokio::time::timeout_at(deadline, to.write(rest)).await {
                         Ok(written) => written?,
+                        Err(_) if deadline == first + PEER_MAX_BEHIND => {
+                            tracing::info!(%target, "ZMTP peer stayed behind for {PEER_MAX_BEHIND:?}; connection closed");
+                            return Err(io::ErrorKind::TimedOut.into());
+                        }
                         Err(_) => {
                             tracing::info!(%target, "ZMTP peer took under {PEER_MIN_TAKE} bytes in {PEER_STALL:?}; connection closed");
                             return Err(io::ErrorKind::TimedOut.into());
@@ -362,7 +376,7 @@ async fn to_peer(
                 return Err(io::ErrorKind::WriteZero.into());
             }
             rest = &rest[written..];
-            if let Some((since, taken)) = &mut behind {
+            if let Some((_, since, taken)) = &mut behind {
                 *taken += written;
                 if *taken >= PEER_MIN_TAKE {
                     (*since, *taken) = (tokio::time::Instant::now(), 0);
@@ -597,5 +611,25 @@ mod tests {
                 assert_eq!(ended.unwrap_err().kind(), io::ErrorKind::TimedOut);
             }
         }
+    }
+
+    /// A peer that takes its minimum in every window but never catches up (it reads slower
+    /// than the socket sends) is cut once it has been behind for [`PEER_MAX_BEHIND`].
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_never_catches_up_is_cut() {
+        let (guard_side, mut peer) = tokio::io::duplex(4096);
+        let endless = tokio::io::repeat(7);
+        let started = tokio::time::Instant::now();
+        let relay = tokio::spawn(async move { to_peer(endless, guard_side, "test").await });
+        let mut taken = vec![0u8; PEER_MIN_TAKE];
+        while !relay.is_finished() {
+            assert!(started.elapsed() < PEER_MAX_BEHIND * 2, "still relayed");
+            tokio::time::sleep(PEER_STALL * 2 / 3).await;
+            if peer.read_exact(&mut taken).await.is_err() {
+                break;
+            }
+        }
+        assert!(started.elapsed() >= PEER_MAX_BEHIND, "cut after {:?}", started.elapsed());
+        assert_eq!(relay.await.unwrap().unwrap_err().kind(), io::ErrorKind::TimedOut);
     }
 }
