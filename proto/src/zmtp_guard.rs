@@ -20,7 +20,7 @@
 //!   port, and the guard listens on the public address and relays each peer to it. A peer
 //!   there only subscribes or asks, so a subscriber may send 64 KiB over its connection in
 //!   all, commands included, each frame charged 32 bytes more (`zeromq`'s PUB keeps every
-//!   subscription it is sent; a replay client's requests, which keep nothing, are not
+//!   subscription it is sent; a replay client's requests, which leave no state, are not
 //!   counted: it may ask again and again on one connection, as vLLM's clients do); it must finish its handshake (greeting and READY) within 10 s
 //!   of connecting (`zeromq`'s own handshake has no deadline); once behind what the socket
 //!   sends it, it must take 64 KiB in every 30 s until it catches up, and catch up within
@@ -107,7 +107,7 @@ impl ZmtpGuard {
     }
 
     /// [`Self::binding`], each peer allowed `budget` bytes over its connection in all (a
-    /// replay ROUTER's peers send requests, which the socket keeps nothing of: any number).
+    /// replay ROUTER's peers send requests, which leave no state in the socket: any number).
     pub async fn binding_with_budget(
         public: &str,
         internal: &str,

@@ -159,8 +159,8 @@ impl Publisher {
         let mut replay = None;
         if let Some(endpoint) = replay_endpoint {
             let mut router = RouterSocket::new();
-            // A replay client may ask again and again on one connection (the socket keeps
-            // nothing of its requests).
+            // A replay client may ask again and again on one connection (the socket keeps no
+            // state of its requests; the answers queued for it are bounded, 100 000 messages).
             let (bound, guard) =
                 bind_guarded(&mut router, endpoint, ("ROUTER", u64::MAX), &on_refused).await?;
             replay = Some(bound);

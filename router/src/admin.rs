@@ -152,10 +152,15 @@ impl RouterAdmin for AdminService {
             Ok(plan)
         };
         let plan = plan.await.map_err(|e| match e {
-            // Requests the proxy takes, but not on a prefix.
-            ProxyError::BadRequest(RequestError::PromptEmbeds(_)) => Status::failed_precondition(
-                "not decided on a prefix: a completion of prompt_embeds goes to the least-loaded replica",
-            ),
+            // Requests the proxy takes (within its limits), but not on a prefix.
+            ProxyError::BadRequest(RequestError::PromptEmbeds(asked)) => {
+                match self.state.limits.check_completion(asked.max_tokens, endpoint) {
+                    Err(refused) => Status::invalid_argument(refused.to_string()),
+                    Ok(()) => Status::failed_precondition(
+                        "not decided on a prefix: a completion of prompt_embeds goes to the least-loaded replica",
+                    ),
+                }
+            }
             ProxyError::BadRequest(RequestError::StoredConversation) => Status::failed_precondition(
                 "not decided on a prefix: a continuation of a stored response goes to the replica that stored it",
             ),

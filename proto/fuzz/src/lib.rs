@@ -90,6 +90,9 @@ pub fn framing(data: &[u8]) {
     // Read leniently, as vLLM reads one: what it reads is what its canonical form reads.
     if let Ok(seq) = framing::decode_replay_request(&frames) {
         assert_eq!(framing::decode_replay_request(&framing::encode_replay_request(seq)), Ok(seq));
+        // Python's `int.from_bytes(b, "big")`, past `u64` read as its largest.
+        let read = frames[1].iter().try_fold(0u64, |n, &b| n.checked_mul(256).map(|n| n | u64::from(b)));
+        assert_eq!(seq.0, read.unwrap_or(u64::MAX));
     }
     match framing::decode_replay_reply(&frames) {
         Ok(ReplayReply::Batch(m)) => {

@@ -323,13 +323,16 @@ impl Part<'_> {
     }
 }
 
-/// What is read of a completion whose prompt comes as embeddings (`prompt_embeds`, vLLM with
-/// `--enable-prompt-embeds`, a `prompt` beside them or not): no token ids can be known.
+/// What is read of a completion whose prompt comes as embeddings alone (`prompt_embeds`,
+/// vLLM with `--enable-prompt-embeds`, and no `prompt`): no token ids can be known. (Beside a
+/// `prompt`, which vLLM runs after them in one batch, the prompt is read, limited and routed
+/// on as ever.)
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EmbedsRequest {
     pub model: String,
     pub max_tokens: Option<u64>,
-    pub n: u32,
+    /// Sequences it runs: its embeddings (one, or a list) times `n`, at most [`MAX_N`].
+    pub sequences: u32,
     pub priority: i64,
 }
 
@@ -373,11 +376,18 @@ impl<'a> CompletionRequest<'a> {
             priority_,
             embeds,
         ] = fields;
-        if Field::raw(embeds).is_some_and(|embeds| embeds.get() != "null") {
+        if let (None, Some(embeds)) = (&prompt, Field::raw(embeds).filter(|e| e.get() != "null")) {
+            let prompts = match embeds.get().starts_with('[') {
+                true => {
+                    serde_json::from_str::<Vec<&RawValue>>(embeds.get()).map_or(1, |list| list.len().max(1))
+                }
+                false => 1,
+            };
+            let prompts = u32::try_from(prompts).unwrap_or(u32::MAX);
             let asked = EmbedsRequest {
                 model: model(Field::raw(model_))?.into_owned(),
                 max_tokens: count(Field::raw(max_tokens), "max_tokens")?,
-                n: choices(Field::raw(n))?,
+                sequences: prompts.saturating_mul(choices(Field::raw(n))?).min(MAX_N),
                 priority: priority(Field::raw(priority_))?,
             };
             return Err(RequestError::PromptEmbeds(Box::new(asked)));

@@ -402,7 +402,7 @@ async fn routed(
             let sending = Sending {
                 body: Outgoing::Full(body),
                 uploaded: None,
-                sequences: asked.n,
+                sequences: asked.sequences,
                 prompt_tokens: 0,
                 prefill_tokens: 0,
                 keeps_response: false,

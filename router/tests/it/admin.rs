@@ -61,6 +61,11 @@ async fn list_explain_drain_remove_and_add() {
     let status = not_on_a_prefix.unwrap_err();
     assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
     assert!(status.message().contains("least-loaded"), "{status:?}");
+    // Past the router's --max-completion-tokens (2^20 here), it is refused, as the proxy
+    // refuses it.
+    let over = br#"{"model":"m","prompt_embeds":"AAAAAAAAAAA=","max_tokens":2000000}"#.to_vec();
+    let refused = admin.explain(pb::ExplainRequest { path: "/v1/completions".into(), body: over }).await;
+    assert_eq!(refused.unwrap_err().code(), tonic::Code::InvalidArgument);
 
     // Draining the home replica sends the same prompt elsewhere.
     let drained = admin.drain(pb::DrainRequest { id: home.clone(), drain: true }).await.unwrap().into_inner();

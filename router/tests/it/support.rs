@@ -432,6 +432,9 @@ impl ReplayServer {
             let Ok(msg) = msg else { continue };
             let mut frames = msg.into_vec();
             let identity = frames.remove(0);
+            // The router asks in the canonical form (an empty frame, an 8-byte seq), which any
+            // vLLM reads; the agent reads more leniently.
+            assert!(frames.len() == 2 && frames[0].is_empty() && frames[1].len() == 8, "{frames:?}");
             let start = framing::decode_replay_request(&frames).expect("well-formed replay request");
             let most = self.per_answer.load(std::sync::atomic::Ordering::Relaxed);
             let batches: Vec<_> = self

@@ -163,6 +163,22 @@ fn repeated_keys_take_their_last_value() {
 /// Whether an error is the expected one.
 type Check = fn(&RequestError) -> bool;
 
+/// A completion of embeddings alone has no token ids: what is read of it, its sequences
+/// counted over a list of them. Beside a prompt (one batch in vLLM), the prompt is read.
+#[test]
+fn prompt_embeddings_are_read_for_routing_by_load() {
+    let body = br#"{"model":"m","prompt_embeds":["AAAA","BBBB"],"n":3,"max_tokens":5,"priority":-2}"#;
+    let Err(RequestError::PromptEmbeds(asked)) = CompletionRequest::parse(body) else {
+        panic!("embeddings alone")
+    };
+    assert_eq!(
+        (asked.model.as_str(), asked.max_tokens, asked.sequences, asked.priority),
+        ("m", Some(5), 6, -2)
+    );
+    let both = CompletionRequest::parse(br#"{"model":"m","prompt":"p","prompt_embeds":"AAAA"}"#).unwrap();
+    assert_eq!(both.prompt, Prompt::Text("p".into()));
+}
+
 #[test]
 fn malformed_completions() {
     use RequestError as E;
@@ -177,8 +193,6 @@ fn malformed_completions() {
         (r#"{"model":"m","prompt":null}"#, |e| matches!(e, E::MissingField { param: "prompt" })),
         // Embeddings instead of a prompt (vLLM with `--enable-prompt-embeds`).
         (r#"{"model":"m","prompt_embeds":"AAAA"}"#, |e| matches!(e, E::PromptEmbeds(_))),
-        // Both: vLLM takes them as a batch, the embeddings first.
-        (r#"{"model":"m","prompt":"p","prompt_embeds":["AAAA"]}"#, |e| matches!(e, E::PromptEmbeds(_))),
         (r#"{"model":"m","prompt_embeds":"AAAA","max_tokens":"many"}"#, |e| {
             matches!(e, E::InvalidField { param: "max_tokens", .. })
         }),
