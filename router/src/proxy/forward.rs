@@ -349,19 +349,24 @@ impl Retry {
     }
 }
 
-/// Whether `member`, a candidate when the request was decided, may take its retry: the fleet
-/// still has it (not removed, nor replaced by a replica of the same name at another address,
-/// whose id it shares), and it is not draining, out of service or at
-/// `--max-in-flight-per-replica` since (when a whole fleet refuses at once, overloaded, the
-/// retries would go on past the limit: it may take the retry once it has room). Ejection is
-/// not checked: with every replica ejected, the ejected ones are tried.
+/// Whether `member`, a candidate when its request was decided, is out of the running for a
+/// later attempt: the fleet no longer has it (removed, or replaced by a replica of the same
+/// name at another address, whose id it shares), or it is draining or out of service since.
+/// Ejection is not checked: with every replica ejected, the ejected ones are tried.
+pub(super) fn gone_since(fleet: &crate::fleet::Fleet, member: &crate::fleet::Member) -> bool {
+    let upstream = &member.upstream;
+    let still_there =
+        fleet.member(&member.replica.spec.name).is_some_and(|now| Arc::ptr_eq(&now.upstream, upstream));
+    !still_there || upstream.is_draining() || !upstream.is_serving()
+}
+
+/// Whether `member`, a candidate when the request was decided, may take its retry: it is not
+/// [`gone_since`], nor at `--max-in-flight-per-replica` since (when a whole fleet refuses at
+/// once, overloaded, the retries would go on past the limit: it may take the retry once it
+/// has room).
 fn retry_on(decider: &Decider, member: &crate::fleet::Member) -> Retry {
     let upstream = &member.upstream;
-    let still_there = decider
-        .fleet
-        .member(&member.replica.spec.name)
-        .is_some_and(|now| Arc::ptr_eq(&now.upstream, upstream));
-    if !still_there || upstream.is_draining() || !upstream.is_serving() {
+    if gone_since(&decider.fleet, member) {
         Retry::Not
     } else if !upstream.has_room(decider.max_in_flight_per_replica) {
         Retry::Saturated
@@ -462,20 +467,20 @@ impl Sending {
 pub async fn to_replica(
     pool: &Arc<Pool>,
     config: &ForwardConfig,
-    metrics: &ProxyMetrics,
+    decider: &Decider,
     members: &[crate::fleet::Member],
     parts: http::request::Parts,
     Sending { mut body, uploaded, sequences, prompt_tokens, prefill_tokens, keeps_response, rank }: Sending,
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let (client, headers) = upstream_head(parts, admitted.request_id, config.forwarded_for);
+    let metrics = &decider.metrics;
     let (mut attempt, mut last_error) = (0, None);
     for (i, member) in members.iter().enumerate() {
         let upstream = &member.upstream;
-        // A later one draining or out of service since the replicas were chosen is passed
-        // over, as a routed retry's is (not one ejected since: with every replica ejected,
-        // the ejected are tried; nor one at its in-flight limit, which is soft).
-        if attempt > 0 && (upstream.is_draining() || !upstream.is_serving()) {
+        // A later one gone since the replicas were chosen is passed over, as a routed
+        // retry's is (not one at its in-flight limit, which is soft).
+        if attempt > 0 && gone_since(&decider.fleet, member) {
             continue;
         }
         if attempt > 0 {

@@ -408,7 +408,8 @@ async fn routed(
                 keeps_response: false,
                 rank: None,
             };
-            forward::to_replica(pool, &state.forward, metrics, &members, parts, sending, admitted).await
+            forward::to_replica(pool, &state.forward, &state.decider, &members, parts, sending, admitted)
+                .await
         }
         Err(ProxyError::BadRequest(RequestError::StoredConversation)) => {
             let continuation = Continuation::read(&state.decider, &body, &state.limits).await?;
@@ -428,9 +429,8 @@ async fn routed(
                 keeps_response: continuation.store,
                 rank,
             };
-            let metrics = &state.decider.metrics;
             let owner = std::slice::from_ref(&member);
-            forward::to_replica(pool, &state.forward, metrics, owner, parts, sending, admitted).await
+            forward::to_replica(pool, &state.forward, &state.decider, owner, parts, sending, admitted).await
         }
         Err(e) => Err(e),
     }
@@ -577,7 +577,7 @@ async fn streamed_to(
             .tracking(uploaded.clone())
             .boxed_unsync();
     let sending = Sending::streamed(body, uploaded);
-    forward::to_replica(pool, &state.forward, &state.decider.metrics, members, parts, sending, admitted).await
+    forward::to_replica(pool, &state.forward, &state.decider, members, parts, sending, admitted).await
 }
 
 fn content_length(headers: &http::HeaderMap) -> Option<usize> {

@@ -72,7 +72,10 @@ pub(super) async fn open(
     let (client, mut headers) = forward::upstream_head(parts, admitted.request_id, config.forwarded_for);
     asking_for(&mut headers, upgrade);
     let mut last_error = None;
-    for (attempt, member) in members.iter().take(MAX_ATTEMPTS).enumerate() {
+    // A later one gone since the replicas were chosen is passed over, as a retry's is (read
+    // when its turn comes).
+    let later = members.iter().skip(1).filter(|member| !forward::gone_since(state.fleet(), member));
+    for (attempt, member) in members.iter().take(1).chain(later).take(MAX_ATTEMPTS).enumerate() {
         if attempt > 0 {
             metrics.retries.inc();
         }

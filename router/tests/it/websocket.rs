@@ -258,6 +258,64 @@ async fn a_handshake_goes_on_past_a_replica_that_refuses_the_connection() {
     shutdown.cancel();
 }
 
+/// A handshake whose first replica closes the connection without answering is not retried
+/// on a replica drained meanwhile (it was chosen before the drain): the first one's failure
+/// is the answer.
+#[tokio::test]
+async fn a_handshake_passes_over_a_replica_drained_since_it_was_chosen() {
+    let (live, _handshakes) = realtime_replica().await;
+    // Reads a handshake, tells of it, and closes the connection once `gate` lets it.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let closing = listener.local_addr().unwrap();
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let (told, mut arrived) = mpsc::unbounded_channel();
+    let let_go = gate.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let (gate, told) = (gate.clone(), told.clone());
+            tokio::spawn(async move {
+                if read_head(&mut stream).await.is_some() {
+                    let _ = told.send(());
+                    drop(gate.acquire().await);
+                }
+            });
+        }
+    });
+    let events = kvroute_proto::loopback_port::unused().unwrap();
+    let spec = |name: &str, at: SocketAddr| {
+        format!("name={name},http=http://{at},events=tcp://127.0.0.1:{events},engine=kvroute")
+            .parse()
+            .unwrap()
+    };
+    let config = kvroute_router::Config {
+        model: crate::fleet::FLEET_MODEL.into(),
+        replicas: vec![spec("closing", closing), spec("live", live)],
+        health_interval_ms: 3_600_000,
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    // Ties between equally loaded replicas go by the request id: some ids try `closing` first.
+    let held = 'held: {
+        for i in 0..64 {
+            let head = HANDSHAKE.replace("authorization", &format!("x-request-id: ws-{i}\r\nauthorization"));
+            let url = router.url();
+            let mut sent = tokio::spawn(async move { handshake(&url, &head).await.1 });
+            tokio::select! {
+                _ = arrived.recv() => break 'held sent,
+                answer = &mut sent => assert!(answer.unwrap().starts_with("http/1.1 101")),
+            }
+        }
+        panic!("no handshake was tried on the closing replica first");
+    };
+    router.fleet().set_draining("live", true).unwrap();
+    let_go.add_permits(1);
+    let answer = tokio::time::timeout(WAIT, held).await.expect("in time").unwrap();
+    assert!(!answer.contains("x-kvroute-replica: live"), "retried on a drained replica: {answer}");
+    assert!(answer.starts_with("http/1.1 502"), "{answer}");
+    shutdown.cancel();
+}
+
 /// The body of a GET on the router (read to the connection's close).
 async fn get_body(router: &str, path: &str) -> String {
     let mut stream = TcpStream::connect(router.trim_start_matches("http://")).await.unwrap();
