@@ -10,7 +10,10 @@
 //! consumer sees the first replayed seq is past what it asked for and resyncs.
 //!
 //! `zeromq` 0.7's PUB keeps an unbounded queue per subscriber (shared/reference/crates.md
-//! §1.4): the bounded channel in front of it is this process's only backpressure.
+//! §1.4): the bounded channel in front of it is this process's only backpressure. Its ROUTER
+//! queues up to 100 000 messages a peer and then waits for room; a replay peer whose queue
+//! stays full (it asks and does not read) has the rest of its answer dropped, as libzmq's
+//! ROUTER drops past its high-water mark, so that it does not hold up the answers to others.
 
 mod format;
 
@@ -261,12 +264,20 @@ async fn publish_loop(
     drop(socket.close().await);
 }
 
+/// How long a replay answer waits for room in its peer's queue before the rest of it is
+/// dropped. A peer dropped from once is not waited for again until an answer reaches it
+/// whole.
+const REPLAY_SEND_STALL: std::time::Duration = std::time::Duration::from_secs(1);
+/// Most peers remembered as not reading (beyond, the memory starts over).
+const STALLED_PEERS: usize = 1024;
+
 async fn serve_replay(
     mut router: RouterSocket,
     topic: Bytes,
     buffer: RingBuffer,
     published: CancellationToken,
 ) {
+    let mut stalled = std::collections::HashSet::new();
     loop {
         let msg = tokio::select! {
             msg = router.recv() => msg,
@@ -296,13 +307,36 @@ async fn serve_replay(
             .into_iter()
             .map(|(seq, payload)| framing::encode_replay_batch(topic.clone(), seq, payload))
             .chain(std::iter::once(framing::encode_replay_end()));
+        let wait = if stalled.contains(&identity) { std::time::Duration::ZERO } else { REPLAY_SEND_STALL };
+        let mut whole = true;
         for mut reply in replies {
             reply.insert(0, identity.clone());
             let msg = ZmqMessage::try_from(reply).expect("non-empty frames");
-            if let Err(e) = router.send(msg).await {
-                tracing::debug!(error = %e, "replay peer went away");
-                break;
+            // (The send is polled once before the deadline is: with no wait, it goes when
+            // there is room.)
+            match tokio::time::timeout(wait, router.send(msg)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "replay peer went away");
+                    whole = false;
+                    break;
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        start = start.0,
+                        "a replay peer is not reading its answers; the rest of this one is dropped"
+                    );
+                    if stalled.len() == STALLED_PEERS {
+                        stalled.clear();
+                    }
+                    stalled.insert(identity.clone());
+                    whole = false;
+                    break;
+                }
             }
+        }
+        if whole {
+            stalled.remove(&identity);
         }
     }
     drop(router.close().await);
