@@ -153,8 +153,7 @@ pub async fn serve(listener: TcpListener, state: AppState, shutdown: Cancellatio
 /// Routes one request and stamps `x-request-id` on the answer.
 async fn handle(state: AppState, req: Request<Incoming>) -> Response<Body> {
     let request_id = request_id(&req);
-    let path = req.uri().path();
-    let path = if path.len() > 1 { path.trim_end_matches('/') } else { path };
+    let path = routed_path(&req);
     // Errors on Anthropic's paths in Anthropic's envelope.
     let anthropic = matches!(route(path), Some((_, Route::Messages | Route::CountTokens)));
     let error = |e: &ApiError| {
@@ -242,6 +241,12 @@ fn route(path: &str) -> Option<(Method, Route)> {
     })
 }
 
+/// The request's path as routed: without trailing slashes.
+fn routed_path(req: &Request<Incoming>) -> &str {
+    let path = req.uri().path();
+    if path.len() > 1 { path.trim_end_matches('/') } else { path }
+}
+
 /// The id of `/v1/responses/{id}` or `/v1/responses/{id}/cancel`, and whether it is the latter.
 fn stored_response(path: &str) -> Option<(&str, bool)> {
     let rest = path.strip_prefix("/v1/responses/")?;
@@ -281,7 +286,7 @@ async fn dispatch(
             generate::generate(state, Endpoint::Responses, &body, request_id, rank).await
         }
         Route::Retrieve | Route::Cancel => {
-            let (id, _) = stored_response(req.uri().path()).unwrap_or_default();
+            let (id, _) = stored_response(routed_path(&req)).unwrap_or_default();
             let store = state.responses();
             let json = if route == Route::Cancel { store.cancel(id)? } else { store.retrieve(id)? };
             Ok(json_response(StatusCode::OK, json))

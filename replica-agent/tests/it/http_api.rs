@@ -822,6 +822,24 @@ async fn a_stream_failed_mid_generation_ends_with_an_error_event_then_done() {
 /// A Responses stream that fails before the engine's first output (its prefill runs a few
 /// tokens a step when a shutdown without grace comes) sends its opening events and the
 /// error, numbered in order: the message item it never opened takes no numbers.
+/// A stored response is found with a trailing slash on its path too, as every other path
+/// is: the id was read with the slash, and the answer was a 404 for the id ''.
+#[tokio::test]
+async fn a_stored_response_is_found_with_a_trailing_slash() {
+    let agent = Agent::with(kvroute_replica_agent::Config { responses_store: true, ..config() }).await;
+    let body = json!({ "model": MODEL, "input": words(10, 31), "max_output_tokens": 2 });
+    let created = agent.client.post("/v1/responses", &body).await;
+    assert_eq!(created.status, StatusCode::OK, "{}", created.text());
+    let id = created.json()["id"].as_str().unwrap().to_owned();
+    for path in [format!("/v1/responses/{id}"), format!("/v1/responses/{id}/")] {
+        let got = agent.client.send(Method::GET, &path, Vec::new(), &[]).await;
+        assert_eq!(got.status(), StatusCode::OK, "{path}");
+    }
+    let cancel =
+        agent.client.send(Method::POST, &format!("/v1/responses/{id}/cancel/"), Vec::new(), &[]).await;
+    assert_ne!(cancel.status(), StatusCode::NOT_FOUND);
+}
+
 #[tokio::test]
 async fn a_responses_stream_failed_before_its_output_numbers_its_events_in_order() {
     let config = kvroute_replica_agent::Config {
