@@ -341,17 +341,21 @@ enum LoadEnd {
 }
 
 /// Sends `trace`'s requests in order at Poisson arrivals until the duration is over, then
-/// waits for the ones in flight.
+/// waits for the ones in flight. Arrivals due before the end that found every slot taken
+/// until then are counted as unexpected errors, `unsent` (a stalled fleet held the slots).
 async fn send_load(trace: Trace, load: Load, start: Instant, stop: CancellationToken) -> LoadEnd {
     let mut rng = StdRng::seed_from_u64(load.config.seed);
+    let mut next_gap = || {
+        let u: f64 = rng.random();
+        Duration::try_from_secs_f64(-(1.0 - u).ln() / load.config.rate).unwrap_or(Duration::ZERO)
+    };
     let slots = Arc::new(Semaphore::new(load.config.max_in_flight));
     let tracker = TaskTracker::new();
     let deadline = start + load.config.duration;
     let mut at = start;
     let mut end = LoadEnd::Exhausted;
-    for request in &trace.requests {
-        let u: f64 = rng.random();
-        at += Duration::try_from_secs_f64(-(1.0 - u).ln() / load.config.rate).unwrap_or(Duration::ZERO);
+    for (i, request) in trace.requests.iter().enumerate() {
+        at += next_gap();
         if at >= deadline {
             end = LoadEnd::Duration;
             break;
@@ -365,7 +369,19 @@ async fn send_load(trace: Trace, load: Load, start: Instant, stop: CancellationT
         let permit = tokio::select! {
             biased;
             () = stop.cancelled() => { end = LoadEnd::Cancelled; break }
-            () = crate::live::until(Some(deadline)) => { end = LoadEnd::Duration; break }
+            () = crate::live::until(Some(deadline)) => {
+                let mut unsent = 1;
+                for _ in &trace.requests[i + 1..] {
+                    at += next_gap();
+                    if at >= deadline {
+                        break;
+                    }
+                    unsent += 1;
+                }
+                load.tally.unsent(unsent);
+                end = LoadEnd::Duration;
+                break
+            }
             permit = due => match permit {
                 Ok(permit) => permit,
                 Err(_) => break,
@@ -430,5 +446,63 @@ async fn sample(
         totals,
         window_hit_rate,
         window_predicted_hit_rate,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::Request;
+
+    /// Arrivals due while a stalled fleet holds every slot, up to the run's end, are counted
+    /// as `unsent` errors: they were left out of every count, and the run read as clean.
+    #[tokio::test]
+    async fn arrivals_that_find_no_slot_by_the_end_are_counted() {
+        // A target that takes requests and never answers.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                held.push(stream);
+            }
+        });
+        let config = SoakConfig {
+            binaries: Binaries { router: PathBuf::new(), agent: PathBuf::new() },
+            replicas: 1,
+            rate: 200.0,
+            duration: Duration::from_millis(300),
+            churn_interval: None,
+            sample_interval: Duration::from_secs(1),
+            capacity_blocks: 16,
+            block_size: 16,
+            time_scale: 1.0,
+            max_in_flight: 1,
+            request_timeout: Duration::from_millis(500),
+            seed: 7,
+            prompt: client::PromptFormat::Ids,
+            router_args: Vec::new(),
+            out_dir: PathBuf::new(),
+            workload: String::new(),
+            progress: false,
+        };
+        let request = Request {
+            arrival: Duration::ZERO,
+            input_len: 1,
+            output_len: 1,
+            hash_ids: vec![1],
+            segments: Vec::new(),
+        };
+        let trace = Trace::in_order(vec![request; 1000]);
+        let tally = Tally::default();
+        let load = Load { client: Client::new(Duration::from_secs(1)), target, config, tally: tally.clone() };
+        let end = send_load(trace, load, Instant::now(), CancellationToken::new()).await;
+        assert!(matches!(end, LoadEnd::Duration));
+        let totals = tally.totals();
+        let unsent = totals.unexpected.get("unsent").copied().unwrap_or(0);
+        // At 200 a second for 0.3 s, about 60 due: one sent (it timed out), the rest not.
+        assert!(unsent >= 20, "{totals:?}");
+        assert_eq!(totals.unexpected.get("timeout"), Some(&1), "{totals:?}");
+        assert_eq!((totals.sent, totals.done), (unsent + 1, unsent + 1), "{totals:?}");
     }
 }

@@ -89,6 +89,16 @@ impl Tally {
         self.with(|s| s.totals.sent += 1);
     }
 
+    /// Records `n` requests due that were never sent: sent and done, as unexpected errors
+    /// (`unsent`).
+    pub fn unsent(&self, n: u64) {
+        self.with(|s| {
+            s.totals.sent += n;
+            s.totals.done += n;
+            *s.totals.unexpected.entry("unsent".into()).or_insert(0) += n;
+        });
+    }
+
     /// Records a kill (call it before killing, so no failure it causes can precede it).
     pub fn killing(&self, replica: &str) {
         self.with(|s| s.kills.push(Kill { at: Instant::now(), replica: replica.into() }));
