@@ -168,7 +168,7 @@ pub(super) async fn generate(
     }
     let ServerFields { sampling, include_usage } = match endpoint {
         Endpoint::Messages | Endpoint::Responses => {
-            ServerFields { sampling: Sampling::default(), include_usage: true }
+            ServerFields { sampling: converted_sampling(body, endpoint)?, include_usage: true }
         }
         _ => parse_extras(body, request.stream())?,
     };
@@ -341,6 +341,16 @@ fn parse_extras(body: &[u8], stream: bool) -> Result<ServerFields, ApiError> {
     let [stream_options] = parse_object(body, &["stream_options"])?;
     let include_usage = include_usage(stream_options, stream)?;
     Ok(ServerFields { sampling, include_usage })
+}
+
+/// The sampling fields of a Messages or Responses request, which vLLM carries over to the
+/// chat request it makes of it (`temperature`, `top_p`, `top_k`, and a Messages request's
+/// `stop_sequences` as `stop`) and so checks as a chat request's.
+fn converted_sampling(body: &[u8], endpoint: Endpoint) -> Result<Sampling, ApiError> {
+    let stop = if endpoint == Endpoint::Messages { "stop_sequences" } else { "stop" };
+    let [temperature, top_p, top_k, stop] = parse_object(body, &["temperature", "top_p", "top_k", stop])?;
+    let stop = stop.filter(|_| endpoint == Endpoint::Messages);
+    Sampling::parse([None, temperature, None, None, None, top_p, top_k, None, None, stop])
 }
 
 /// `stream_options.include_usage` as vLLM reads it: a `stream_options` object asks for usage

@@ -642,6 +642,49 @@ async fn malformed_requests_get_openai_errors() {
     }
 }
 
+/// A Messages or Responses request's sampling fields are checked as the chat request's vLLM
+/// makes of it: they were not read, and a negative temperature got a 200.
+#[tokio::test]
+async fn messages_and_responses_sampling_fields_are_checked() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    let messages = |extra: serde_json::Value| {
+        let mut body =
+            json!({ "model": MODEL, "max_tokens": 2, "messages": [{ "role": "user", "content": "hi" }] });
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        json_bytes(body)
+    };
+    let responses = |extra: serde_json::Value| {
+        let mut body = json!({ "model": MODEL, "max_output_tokens": 2, "input": "hi" });
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        json_bytes(body)
+    };
+    let cases = [
+        ("/v1/messages", messages(json!({ "temperature": -1 })), "temperature must be non-negative"),
+        ("/v1/messages", messages(json!({ "top_p": 0 })), "top_p must be in (0, 1]"),
+        ("/v1/messages", messages(json!({ "top_k": -2 })), "top_k must be 0"),
+        ("/v1/messages", messages(json!({ "stop_sequences": [""] })), "stop"),
+        ("/v1/responses", responses(json!({ "temperature": -0.5 })), "temperature must be non-negative"),
+        ("/v1/responses", responses(json!({ "top_p": 1.5 })), "top_p must be in (0, 1]"),
+    ];
+    for (path, body, says) in cases {
+        let what = String::from_utf8_lossy(&body).into_owned();
+        let reply = c.request(Method::POST, path, body).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{path} {what}: {}", reply.text());
+        assert!(reply.text().contains(says), "{path} {what}: {}", reply.text());
+    }
+    for (path, body) in [
+        (
+            "/v1/messages",
+            messages(json!({ "temperature": 0.5, "top_p": 0.9, "top_k": 5, "stop_sequences": ["x"] })),
+        ),
+        ("/v1/responses", responses(json!({ "temperature": 0.5, "top_p": 0.9 }))),
+    ] {
+        let reply = c.request(Method::POST, path, body).await;
+        assert_eq!(reply.status, StatusCode::OK, "{path}: {}", reply.text());
+    }
+}
+
 #[tokio::test]
 async fn request_ids_are_echoed_or_generated() {
     let agent = Agent::start().await;
