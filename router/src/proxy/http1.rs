@@ -232,7 +232,9 @@ impl Conn {
                         if status.is_informational() && status != http::StatusCode::SWITCHING_PROTOCOLS {
                             // Only bytes of the final head make a close there malformed: a
                             // replica that answered `100 Continue` and closed answered nothing.
-                            read_any = !self.buf.is_empty();
+                            // Another interim answer (`103 Early Hints`) says the request is
+                            // under way: it may have run, so it must not go out again.
+                            read_any = !self.buf.is_empty() || status != http::StatusCode::CONTINUE;
                             continue;
                         }
                         self.last_read = Some(Instant::now());

@@ -77,6 +77,10 @@ fn parse(buf: &[u8], method: &Method, upgrading: bool) -> Result<Option<(usize, 
         .map_err(|_| WireError::Malformed(format!("value of header {name}")))?;
         map.append(name, value);
     }
+    // An HTTP/1.0 message's Transfer-Encoding is faulty framing (RFC 9112 §6.1).
+    if version == Version::HTTP_10 && map.contains_key(header::TRANSFER_ENCODING) {
+        return Err(WireError::Malformed("Transfer-Encoding in an HTTP/1.0 response".into()));
+    }
     let framing = framing(&map, status, method)?;
     // Transfer-Encoding overrides Content-Length, which a proxy must not pass on; a reply
     // with both is suspect, so its connection is not reused (RFC 9112 §6.3).

@@ -142,6 +142,14 @@ impl Body for UpstreamBody {
                 State::ChunkSize if first.is_some_and(|b| !b.is_ascii_hexdigit()) => {
                     return Poll::Ready(Some(Err(BodyError::Chunked("bad chunk size line").into())));
                 }
+                // Leading zeros are digits too (`1*HEXDIG`, RFC 9112 §7.1), where httparse
+                // reads 16 digits at most: all but the last before another digit go.
+                State::ChunkSize if this.conn.as_ref().is_some_and(|c| c.buf.starts_with(b"00")) => {
+                    let zeros = this.buf().iter().take_while(|&&b| b == b'0').count();
+                    let keep = usize::from(this.buf().get(zeros).is_none_or(|b| !b.is_ascii_hexdigit()));
+                    this.buf().advance(zeros - keep);
+                    continue;
+                }
                 State::ChunkSize if buffered > 0 => match httparse::parse_chunk_size(this.buf()) {
                     Ok(httparse::Status::Complete((used, size))) => {
                         this.buf().advance(used);

@@ -87,6 +87,8 @@ fn malformed_heads_are_errors() {
         "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
         "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
         "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n",
+        // Faulty framing (RFC 9112 §6.1).
+        "HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
     ] {
         assert!(
             matches!(parse_head(text.as_bytes(), &Method::POST), Err(WireError::Malformed(_))),
@@ -253,6 +255,24 @@ mod on_a_socket {
         assert!(first.contains("x-kept: 1\r\n") && first.ends_with("content-length: 2\r\n\r\n{}"), "{first}");
     }
 
+    /// A chunk size may have any number of leading zeros (`1*HEXDIG`); httparse reads 16
+    /// digits at most, and the body was cut off as malformed.
+    #[tokio::test]
+    async fn chunk_sizes_with_leading_zeros_are_read() {
+        let (url, _, _) = raw_replica(|_| {
+            Answer(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\
+                00000000000000000006\r\nhello \r\n0a\r\n0123456789\r\n00000000000000000000\r\n\r\n",
+            )
+        })
+        .await;
+        let pool = pool();
+        let (status, body) =
+            exchange(&pool, post(&url, Outgoing::Full(Bytes::from_static(b"{}")))).await.unwrap();
+        assert_eq!((status, body.as_slice()), (StatusCode::OK, b"hello 0123456789".as_slice()));
+        assert_eq!(pool.idle_count(), 1, "back in the pool after its last chunk");
+    }
+
     #[tokio::test]
     async fn interim_responses_are_skipped_and_lengths_followed() {
         let (url, _, _) = raw_replica(|_| {
@@ -338,6 +358,16 @@ mod on_a_socket {
         let (url, _, _) = raw_replica(|_| AnswerAndClose(b"HTTP/1.1 100 Continue\r\n\r\n")).await;
         let failed = pool().send(post(&url, Outgoing::Full(Bytes::from_static(b"{}")))).await;
         assert!(matches!(failed, Err(SendError::Wire(WireError::ClosedBeforeAnswer))), "{:?}", failed.err());
+    }
+
+    /// Other interim answers (`103 Early Hints`) say the replica has the request under way:
+    /// a close after one may have run it, so the request is not one to send again.
+    #[tokio::test]
+    async fn an_early_hint_then_a_close_is_not_sent_again() {
+        let (url, _, _) =
+            raw_replica(|_| AnswerAndClose(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n")).await;
+        let failed = pool().send(post(&url, Outgoing::Full(Bytes::from_static(b"{}")))).await;
+        assert!(matches!(&failed, Err(SendError::Wire(e)) if !e.may_resend()), "{:?}", failed.err());
     }
 
     /// A pooled connection the replica closed while it sat idle is not used again.
