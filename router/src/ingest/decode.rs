@@ -212,6 +212,12 @@ fn check_stored(s: &vllm::BlockStored, block_size: Option<u32>) -> Result<Option
 
 /// The salt string of block 0's extra keys, if any; an error for keys the router cannot
 /// reproduce.
+///
+/// vLLM before 0.20 publishes no extra keys: a block hashed with a `cache_salt` or with an
+/// image's features cannot be told from one of plain tokens, and is indexed as one (under
+/// the model's namespace). A request with the same tokens and no salt is then predicted to
+/// hit it and does not (the replica's own hash differs); salted or multimodal requests are
+/// never predicted to hit. Routing on `cache_salt` and images needs vLLM 0.20 or later.
 fn extra_salt(s: &vllm::BlockStored) -> Result<Option<String>, SkipReason> {
     let Some(keys) = &s.extra_keys else { return Ok(None) };
     let mut salt = None;
