@@ -117,6 +117,9 @@ pub trait OnStored: Send + Sync + std::fmt::Debug {
 
 /// Hashes applied per write-lock hold by [`SharedIndex`], bounding how long a lookup waits.
 const WRITE_CHUNK: usize = 32;
+/// See [`SharedIndex::clears_by_reference`]: removing one reference costs about what a sweep
+/// costs an entry several times over (a hash lookup against a pass over a table).
+const SWEEP_SHARE: usize = 8;
 
 /// How long a lock waiter busy-spins: longer than a write chunk's lock hold (about 1 µs).
 const SPIN: Duration = Duration::from_micros(3);
@@ -304,6 +307,33 @@ impl SharedIndex {
             (0..table::SHARDS).map(|shard| self.write(|index| index.clear_shard(replica, shard))).sum();
         self.write(|index| index.release(replica));
         freed
+    }
+
+    /// Whether clearing a replica that holds `references` is quicker reference by reference
+    /// ([`Self::clear_held`]) than by a sweep, which visits the whole table of the replica's
+    /// group (up to 64 replicas' blocks, 256 times under the write lock): when they are under
+    /// a [`SWEEP_SHARE`]th of the table's entries.
+    pub fn clears_by_reference(&self, references: usize) -> bool {
+        references.saturating_mul(SWEEP_SHARE) < self.read().entries()
+    }
+
+    /// [`Self::sweep_replica`] of a replica whose every reference is in `held` (repeats
+    /// included): the ingest's engine map, which mirrors what the replica's events put in
+    /// the index. They are removed one by one; whatever of the replica's is left then (the
+    /// map and the index disagreed) is swept. Credits stay, as with the sweep.
+    pub fn clear_held(&self, replica: ReplicaId, held: &[BlockHash]) {
+        for chunk in held.chunks(WRITE_CHUNK) {
+            self.write(|index| index.remove(replica, chunk));
+        }
+        if self.blocks(replica) == 0 {
+            self.write(|index| index.release(replica));
+        } else {
+            tracing::warn!(
+                replica = replica.0,
+                "the index held blocks its events did not account for; swept"
+            );
+            self.sweep_replica(replica);
+        }
     }
 
     /// Every replica's overlap with `hashes` (see [`PrefixIndex::lookup_into`]).

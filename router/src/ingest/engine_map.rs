@@ -72,6 +72,8 @@ pub(crate) struct EngineMap {
     /// For [`Hashes::Blind`] engines: the namespace roots each engine hash is held under
     /// (the map's keys are the hash mixed with one of them, [`under`]).
     roots: HashMap<(u32, BlockHash), Roots>,
+    /// References held, over every entry (what [`Self::drain_into`] reports).
+    references: usize,
 }
 
 /// The namespaces a namespace-blind hash is held under: almost always one; a set when many
@@ -164,7 +166,10 @@ impl EngineMap {
 
     fn add(&mut self, group: u32, engine: BlockHash, router: BlockHash) -> BlockHash {
         let entry = self.map.entry((group, engine)).or_insert(Entry { router, refs: 0 });
-        entry.refs = entry.refs.saturating_add(1);
+        if let Some(refs) = entry.refs.checked_add(1) {
+            entry.refs = refs;
+            self.references += 1;
+        }
         entry.router
     }
 
@@ -210,6 +215,7 @@ impl EngineMap {
         let Some(entry) = self.map.get_mut(&key) else { return 0 };
         out.push(entry.router);
         entry.refs -= 1;
+        self.references -= 1;
         let left = entry.refs;
         if left == 0 {
             self.map.remove(&key);
@@ -220,16 +226,24 @@ impl EngineMap {
     /// Empties the map, appending every reference's router hash (with repeats) to `out`, and
     /// releases its memory.
     pub(crate) fn drain_into(&mut self, out: &mut Vec<BlockHash>) {
+        out.reserve(self.references);
         for entry in std::mem::take(&mut self.map).into_values() {
             out.extend(std::iter::repeat_n(entry.router, entry.refs as usize));
         }
         self.roots = HashMap::new();
+        self.references = 0;
     }
 
     /// Forgets everything without reporting it (the caller cleared the whole replica).
     pub(crate) fn reset(&mut self) {
         self.map = HashMap::new();
         self.roots = HashMap::new();
+        self.references = 0;
+    }
+
+    /// References held (a block stored twice and not yet removed is held twice).
+    pub(crate) fn references(&self) -> usize {
+        self.references
     }
 
     /// Engine blocks held.

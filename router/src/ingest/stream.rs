@@ -715,10 +715,8 @@ impl RankStream {
     /// requests sent to it still store their prompts (a cache reset, a view rebuilt).
     fn clear(&mut self) {
         let id = self.ctx.replica.id;
-        if self.ctx.replica.spec.dp_size <= 1 {
-            self.ctx.index.sweep_replica(id);
-            self.blocks.reset();
-        } else {
+        if self.ctx.replica.spec.dp_size > 1 {
+            // Only this rank's references: the replica's other ranks keep theirs.
             self.scratch.clear();
             self.blocks.drain_into(&mut self.scratch);
             self.ctx.index.remove(id, &self.scratch);
@@ -726,6 +724,14 @@ impl RankStream {
                 ranks.index.sweep_replica(ranks.id(self.rank));
             }
             self.scratch = Vec::new();
+        } else if self.ctx.index.clears_by_reference(self.blocks.references()) {
+            self.scratch.clear();
+            self.blocks.drain_into(&mut self.scratch);
+            self.ctx.index.clear_held(id, &self.scratch);
+            self.scratch = Vec::new();
+        } else {
+            self.ctx.index.sweep_replica(id);
+            self.blocks.reset();
         }
         self.dup = None;
         self.ctx.metrics.clears.inc();
@@ -778,7 +784,7 @@ mod tests {
         let spec = ReplicaSpec::new("r", "tcp://127.0.0.1:9", EngineKind::Vllm, "m");
         let ctx = ReplicaCtx {
             replica: Replicas::new().insert(spec).unwrap(),
-            index: SharedIndex::new(),
+            index: SharedIndex::with_credit_ttl(Duration::from_secs(60)),
             metrics: IngestMetrics::default().replica("r"),
             config: Arc::new(config),
             replay_budget: Arc::new(replay::Budget::new(1 << 20)),
@@ -985,6 +991,38 @@ mod tests {
         assert_eq!(metrics.skipped(SkipReason::AttentionKind).get(), 2, "the store and its removal");
         assert_eq!(metrics.skipped(SkipReason::UnknownBlock).get(), 1, "hash 3 only");
         assert_eq!(rank.ctx.index.blocks(rank.ctx.replica.id), 0);
+    }
+
+    /// A rank with few blocks in a large table is cleared reference by reference (a sweep
+    /// would visit every other replica's blocks): every reference goes, duplicates
+    /// included, the others' blocks and the replica's credits stay; and what the index holds
+    /// of it beyond its events' account is swept all the same.
+    #[tokio::test]
+    async fn a_small_rank_in_a_large_table_is_cleared_by_its_references() {
+        for unaccounted in [false, true] {
+            let mut rank = rank();
+            let (id, other) = (rank.ctx.replica.id, kvroute_proto::ReplicaId(999));
+            let index = rank.ctx.index.clone();
+            let background: Vec<BlockHash> = (0..1000).map(|h| BlockHash(1_000_000 + h)).collect();
+            index.store(other, &background);
+            // Block 101 stored again (vLLM may hold it twice): a second reference.
+            let again = LiveMessage { seq: Seq(3), ..batch(1) };
+            rank.apply_replayed(&[batch(0), batch(1), batch(2), again]).await;
+            assert_eq!(rank.blocks.references(), 4);
+            assert!(index.clears_by_reference(rank.blocks.references()));
+            if unaccounted {
+                index.store(id, &[BlockHash(7)]);
+            }
+            let held = index.blocks(id);
+            assert!(held >= 3, "{held}");
+            index.credits().credit(id, &[BlockHash(5)]);
+            rank.clear();
+            assert_eq!(index.blocks(id), 0, "unaccounted: {unaccounted}");
+            assert_eq!(index.blocks(other), 1000);
+            assert_eq!(index.lookup(&background).get(other), 1000);
+            assert_eq!(index.credits().extend(id, &[BlockHash(5)], 0), 1, "credits stay");
+            assert_eq!(rank.blocks.references(), 0);
+        }
     }
 
     /// A batch's last `AllBlocksCleared` is applied once, after which its later events are:
