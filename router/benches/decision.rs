@@ -28,7 +28,9 @@
 //! there). Criterion reports means; in `--bench` mode this binary first prints
 //! p50/p90/p99/p99.9 from timing single decisions with `Instant`, beside the p99 of plain
 //! arithmetic as long as the decision's median ("loop p99": what this machine adds to any
-//! computation that long), then the median of each stage alone (parse, tokenize, hash,
+//! computation that long) and the p99 of random reads from a table as large as the index, as
+//! long ("reads p99": what it adds to a computation whose data is out of the nearer caches,
+//! as a decision's index walk is), then the median of each stage alone (parse, tokenize, hash,
 //! index lookup; parse and tokenize together through the cache).
 //!
 //! 2026-11-27, the twenty-ninth session (data-parallel rows added; nothing else on the
@@ -464,9 +466,11 @@ fn cases() -> Vec<Case> {
 fn percentiles(bench: &Bench, dp: &Bench, cases: &[Case]) {
     println!("decision path, single decisions timed with Instant (16 replicas, cache-aware):");
     println!(
-        "{:<10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>14}",
-        "prompt", "blocks", "p50 µs", "p90 µs", "p99 µs", "p99.9 µs", "loop p99 µs"
+        "{:<10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>14} {:>14}",
+        "prompt", "blocks", "p50 µs", "p90 µs", "p99 µs", "p99.9 µs", "loop p99 µs", "reads p99 µs"
     );
+    // As large as the index the decisions walk: its memory is out of the nearer caches too.
+    let table = Table::new(bench.decider.index.stats().memory_bytes);
     for case in cases {
         let blocks =
             now(bench.decider.explain(Endpoint::Completions, &case.bodies[0])).expect("valid").blocks.len();
@@ -475,7 +479,12 @@ fn percentiles(bench: &Bench, dp: &Bench, cases: &[Case]) {
         let spin = Quantiles::time(|| {
             black_box(spin(black_box(rounds)));
         });
-        print_row(&case.name, blocks, &decisions, &format!("{:.1}", spin.at(0.99)));
+        let reads = table.rounds_for(decisions.at(0.5));
+        let read = Quantiles::time(|| {
+            black_box(table.read(black_box(reads)));
+        });
+        let tails = [spin.at(0.99), read.at(0.99)].map(|us| format!("{us:.1}"));
+        print_row(&case.name, blocks, &decisions, &tails);
     }
     let mut rng = Rng(99);
     for mut case in Changing::cases(bench) {
@@ -486,7 +495,7 @@ fn percentiles(bench: &Bench, dp: &Bench, cases: &[Case]) {
             |case| case.refresh(&mut rng),
             |case| black_box(bench.decide_cached(black_box(case.body()))),
         );
-        print_row(case.name, blocks, &decisions, "-");
+        print_row(case.name, blocks, &decisions, &untimed());
     }
     // The same 8 k prompts, every replica of 4 data-parallel ranks: a rank index walked, and
     // the ranks scored, for each replica that holds the prefix.
@@ -494,18 +503,19 @@ fn percentiles(bench: &Bench, dp: &Bench, cases: &[Case]) {
         let blocks =
             now(dp.decider.explain(Endpoint::Completions, &case.bodies[0])).expect("valid").blocks.len();
         let decisions = case.time(|body| black_box(dp.decide(black_box(body))));
-        print_row(&format!("dp4 {}", case.name), blocks, &decisions, "-");
+        print_row(&format!("dp4 {}", case.name), blocks, &decisions, &untimed());
     }
     println!(
         "(loop: arithmetic alone, as long as the decision's median: the tail this machine adds to any \
-         computation that long, timer interrupts and the hypervisor)"
+         computation that long, timer interrupts and the hypervisor; reads: random reads from a table \
+         the index's size, as long: what it adds to one whose data is out of the caches)"
     );
 }
 
 /// One row of the percentile table.
-fn print_row(name: &str, blocks: usize, decisions: &Quantiles, loop_p99: &str) {
+fn print_row(name: &str, blocks: usize, decisions: &Quantiles, [loop_p99, reads_p99]: &[String; 2]) {
     println!(
-        "{:<10} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>14}",
+        "{:<10} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>14} {:>14}",
         name,
         blocks,
         decisions.at(0.5),
@@ -513,7 +523,13 @@ fn print_row(name: &str, blocks: usize, decisions: &Quantiles, loop_p99: &str) {
         decisions.at(0.99),
         decisions.at(0.999),
         loop_p99,
+        reads_p99,
     );
+}
+
+/// The tail columns of a row without them.
+fn untimed() -> [String; 2] {
+    ["-".into(), "-".into()]
 }
 
 /// 20 000 timings of `f`, sorted.
@@ -551,6 +567,35 @@ impl Quantiles {
 /// A dependent chain of multiply-adds: compute and nothing else.
 fn spin(rounds: u64) -> u64 {
     (0..rounds).fold(1u64, |x, i| black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(i)))
+}
+
+/// Words to read at random, as many as the index has bytes.
+struct Table(Vec<u64>);
+
+impl Table {
+    fn new(bytes: usize) -> Self {
+        Table((0..(bytes / 8).max(1) as u64).map(kvroute_proto::mix::mix64).collect())
+    }
+
+    /// The sum of `rounds` words read at random (each address depending on the last word).
+    fn read(&self, rounds: u64) -> u64 {
+        let (mut x, mut sum) = (1u64, 0u64);
+        for _ in 0..rounds {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(sum | 1);
+            let word = self.0[(x >> 24) as usize % self.0.len()];
+            sum = sum.wrapping_add(word);
+        }
+        sum
+    }
+
+    /// Rounds of [`Self::read`] that take about `us` µs (median of 200 runs).
+    fn rounds_for(&self, us: f64) -> u64 {
+        let probe = 10_000;
+        let per_round = median_us(200, || {
+            black_box(self.read(black_box(probe)));
+        }) / probe as f64;
+        (us / per_round) as u64
+    }
 }
 
 /// Rounds of [`spin`] that take about `us` µs (median of 200 runs).
