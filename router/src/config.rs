@@ -288,7 +288,9 @@ pub struct Config {
     pub health_timeout_ms: u64,
     /// Consecutive failed health checks (no 2xx within --health-timeout-ms) that make a
     /// replica unhealthy; one check passed makes it healthy again. One slow answer under load
-    /// takes no replica out, nor a fleet slow all at once.
+    /// takes no replica out; and while no replica is up, those whose checks only went
+    /// unanswered in time (busy, not refusing) are still tried, so a fleet slow all at once
+    /// keeps serving.
     #[arg(long, env = "KVROUTE_UNHEALTHY_AFTER", default_value_t = 3)]
     pub unhealthy_after: u32,
     /// Consecutive failures that eject a replica: connection refused or reset before an

@@ -33,6 +33,7 @@ use super::ProxyState;
 use super::body::full;
 use super::lora::catch_up;
 use super::prompts::Client;
+use super::upstream::Check;
 use crate::fleet::{Fleet, Member};
 use crate::replicas::EngineKind;
 
@@ -112,10 +113,14 @@ async fn check(
 ) -> Option<HashSet<String>> {
     let Settings { timeout, load_timeout, unhealthy_after, .. } = settings;
     let base = &member.replica.spec.http_url;
-    let passed =
-        matches!(get(client, &format!("{base}/health"), timeout).await, Some((s, _)) if s.is_success());
+    let check = match fetch(client, &format!("{base}/health"), timeout).await {
+        Ok((status, _)) if status.is_success() => Check::Passed,
+        Ok(_) => Check::Failed,
+        Err(check) => check,
+    };
+    let passed = check == Check::Passed;
     let was = member.upstream.passes_checks();
-    let healthy = member.upstream.record_check(passed, unhealthy_after);
+    let healthy = member.upstream.record_check(check, unhealthy_after);
     if healthy != was {
         tracing::info!(replica = %member.replica.spec.name, healthy, "replica health changed");
     }
@@ -180,12 +185,21 @@ async fn check(
 }
 
 async fn get(client: &Client, url: &str, timeout: Duration) -> Option<(http::StatusCode, Bytes)> {
-    let request = http::Request::get(url).body(full(Bytes::new())).ok()?;
-    let response = tokio::time::timeout(timeout, client.request(request)).await.ok()?.ok()?;
+    fetch(client, url, timeout).await.ok()
+}
+
+/// [`get`], or why there is no answer: [`Check::Late`] when none came in time.
+async fn fetch(client: &Client, url: &str, timeout: Duration) -> Result<(http::StatusCode, Bytes), Check> {
+    let request = http::Request::get(url).body(full(Bytes::new())).map_err(|_| Check::Failed)?;
+    let response = tokio::time::timeout(timeout, client.request(request))
+        .await
+        .map_err(|_| Check::Late)?
+        .map_err(|_| Check::Failed)?;
     let status = response.status();
     let body = super::body::read_at_most(response.into_body(), super::body::REPLICA_ANSWER_BYTES);
-    let body = tokio::time::timeout(timeout, body).await.ok()?.ok()?;
-    Some((status, body))
+    let body =
+        tokio::time::timeout(timeout, body).await.map_err(|_| Check::Late)?.map_err(|_| Check::Failed)?;
+    Ok((status, body))
 }
 
 /// The gauges engines report their waiting requests in: vLLM's (and the agent's), SGLang's.

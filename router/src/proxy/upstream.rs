@@ -88,6 +88,8 @@ pub struct Upstream {
     /// Not yet failed as many health checks in a row as make it unhealthy (true until they
     /// say otherwise; [`Upstream::record_check`]).
     healthy: AtomicBool,
+    /// Its last failed check was not answered in time: slow, not known to be down.
+    late: AtomicBool,
     draining: AtomicBool,
     serving: AtomicBool,
     /// Set while `ejected_until` holds a time, so a decision checks a flag, not a lock and
@@ -124,6 +126,7 @@ impl Default for Upstream {
             consecutive_failures: AtomicU32::new(0),
             failed_checks: AtomicU32::new(0),
             healthy: AtomicBool::new(true),
+            late: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             serving: AtomicBool::new(true),
             ejected: AtomicBool::new(false),
@@ -186,21 +189,24 @@ impl Upstream {
 
     /// Whether the replica may receive a new request now.
     pub fn eligibility(&self, max_in_flight: u32) -> Result<(), Ineligible> {
-        self.eligibility_with(max_in_flight, true)
+        self.eligibility_with(max_in_flight, false)
     }
 
     /// [`Self::eligibility`], setting passive ejection aside unless `ejection`.
-    fn eligibility_with(&self, max_in_flight: u32, ejection: bool) -> Result<(), Ineligible> {
+    /// [`Self::eligibility`]; `lenient` (nothing else is up: [`verdicts_for`]) sets aside
+    /// its ejection, and its health when its checks only went unanswered in time.
+    fn eligibility_with(&self, max_in_flight: u32, lenient: bool) -> Result<(), Ineligible> {
         if self.draining.load(Ordering::Relaxed) {
             return Err(Ineligible::Draining);
         }
         if !self.serving.load(Ordering::Relaxed) {
             return Err(Ineligible::NotServing);
         }
-        if ejection && self.is_ejected() {
+        if !lenient && self.is_ejected() {
             return Err(Ineligible::Ejected);
         }
-        if !self.healthy.load(Ordering::Relaxed) {
+        let passes = self.healthy.load(Ordering::Relaxed) || (lenient && self.late.load(Ordering::Relaxed));
+        if !passes {
             return Err(Ineligible::Unhealthy);
         }
         if !self.has_room(max_in_flight) {
@@ -338,13 +344,14 @@ impl Upstream {
 
     /// Records an active health check: `unhealthy_after` failed in a row make the replica
     /// unhealthy, one passed makes it healthy. Returns whether it is healthy now.
-    pub fn record_check(&self, passed: bool, unhealthy_after: u32) -> bool {
-        let healthy = match passed {
-            true => {
+    pub fn record_check(&self, check: Check, unhealthy_after: u32) -> bool {
+        let healthy = match check {
+            Check::Passed => {
                 self.failed_checks.store(0, Ordering::Relaxed);
                 true
             }
-            false => {
+            Check::Late | Check::Failed => {
+                self.late.store(check == Check::Late, Ordering::Relaxed);
                 let failed = self.failed_checks.fetch_add(1, Ordering::Relaxed).saturating_add(1);
                 failed < unhealthy_after
             }
@@ -404,12 +411,25 @@ impl Upstream {
     }
 }
 
+/// An active health check's outcome.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Check {
+    /// A 2xx in time.
+    Passed,
+    /// No answer in time: the replica may be busy, not down.
+    Late,
+    /// Refused, broken off, or answered otherwise.
+    Failed,
+}
+
 /// Why each of `upstreams` may not take a new request now (`None`: it may).
 ///
-/// Passive ejection is set aside when every replica that is up (healthy by its active check,
-/// not draining, serving, not saturated) is ejected: ejection steers traffic away from
-/// outliers, it must not leave nothing to try (as Envoy's panic threshold does). Replicas
-/// that are down, draining, not serving or saturated stay out either way.
+/// When no replica is up (healthy by its active checks, not ejected, not draining, serving,
+/// not saturated), passive ejection is set aside, and so are failed health checks that only
+/// went unanswered in time: ejection steers traffic away from outliers, and a fleet whose
+/// `/health` answers late under load (vLLM's, at its peak) is busy, not down; neither must
+/// leave nothing to try (as Envoy's panic threshold does). Replicas that are draining, not
+/// serving, saturated, or whose checks were refused or failed stay out either way.
 pub fn verdicts<'a>(
     upstreams: impl ExactSizeIterator<Item = &'a Upstream> + Clone,
     max_in_flight: u32,
@@ -427,13 +447,13 @@ pub fn verdicts_for<'a>(
     let lacks = |u: &Upstream| adapter.is_some_and(|a| !u.has_adapter(a)).then_some(Ineligible::NoAdapter);
     // A replica without the adapter is out whatever its load: saturated means one that could
     // take the request once it has room ([`super::queue`]).
-    let judge = |u: &Upstream, ejection: bool| match u.eligibility_with(max_in_flight, ejection) {
+    let judge = |u: &Upstream, lenient: bool| match u.eligibility_with(max_in_flight, lenient) {
         Ok(()) => lacks(u),
         Err(Ineligible::Saturated) => lacks(u).or(Some(Ineligible::Saturated)),
         Err(other) => Some(other),
     };
-    let mut verdicts: Vec<Option<Ineligible>> = upstreams.clone().map(|u| judge(u, true)).collect();
-    let only_ejected_are_up = verdicts.iter().all(|v| {
+    let mut verdicts: Vec<Option<Ineligible>> = upstreams.clone().map(|u| judge(u, false)).collect();
+    let none_up = verdicts.iter().all(|v| {
         matches!(
             v,
             Some(
@@ -445,10 +465,10 @@ pub fn verdicts_for<'a>(
             )
         )
     });
-    if only_ejected_are_up {
+    if none_up {
         for (verdict, upstream) in verdicts.iter_mut().zip(upstreams) {
-            if *verdict == Some(Ineligible::Ejected) {
-                *verdict = judge(upstream, false);
+            if matches!(verdict, Some(Ineligible::Ejected | Ineligible::Unhealthy)) {
+                *verdict = judge(upstream, true);
             }
         }
     }
@@ -585,13 +605,16 @@ mod tests {
     #[test]
     fn a_replica_is_unhealthy_after_failed_checks_in_a_row_and_healthy_after_one_passed() {
         let u = Upstream::default();
-        assert!(u.record_check(false, 3) && u.record_check(false, 3), "two failed checks");
-        assert!(u.record_check(true, 3));
-        assert!(u.record_check(false, 3) && u.record_check(false, 3), "counted from the pass");
-        assert!(!u.record_check(false, 3));
+        assert!(u.record_check(Check::Failed, 3) && u.record_check(Check::Failed, 3), "two failed checks");
+        assert!(u.record_check(Check::Passed, 3));
+        assert!(
+            u.record_check(Check::Failed, 3) && u.record_check(Check::Failed, 3),
+            "counted from the pass"
+        );
+        assert!(!u.record_check(Check::Failed, 3));
         assert!(!u.is_healthy());
-        assert!(u.record_check(true, 3) && u.is_healthy());
-        assert!(!u.record_check(false, 1), "--unhealthy-after 1: one is enough");
+        assert!(u.record_check(Check::Passed, 3) && u.is_healthy());
+        assert!(!u.record_check(Check::Failed, 1), "--unhealthy-after 1: one is enough");
     }
 
     #[test]
@@ -678,6 +701,27 @@ mod tests {
         drop(first);
         u.set_reported(Some((0, 20)), mark);
         assert_eq!(u.load().others, 0, "all 20 were this router's");
+    }
+
+    /// A fleet whose checks all go unanswered in time (busy, at its peak) is not taken out
+    /// whole: with no replica up, those late are tried; those whose checks were refused or
+    /// failed are not, nor are the late ones while another replica is up. Every replica was
+    /// out, and every request got 503.
+    #[test]
+    fn a_fleet_late_to_its_checks_is_still_tried() {
+        let checked = |check| {
+            let u = Arc::new(Upstream::default());
+            assert!(!u.record_check(check, 1));
+            u
+        };
+        let of = |us: &[&Arc<Upstream>]| verdicts(us.iter().map(|u| &***u), 8);
+        let (late, down) = (checked(Check::Late), checked(Check::Failed));
+        assert_eq!(of(&[&late, &down]), [None, Some(Ineligible::Unhealthy)]);
+        let up = Arc::new(Upstream::default());
+        assert_eq!(of(&[&late, &up]), [Some(Ineligible::Unhealthy), None], "another is up");
+        // Late, then refused: down.
+        assert!(!late.record_check(Check::Failed, 1));
+        assert_eq!(of(&[&late, &down]), [Some(Ineligible::Unhealthy); 2]);
     }
 
     /// Ejection is set aside only when every replica that is up is ejected; replicas that

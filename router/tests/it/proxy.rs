@@ -713,6 +713,43 @@ async fn a_passed_through_request_goes_on_past_a_replica_that_refuses_the_connec
     }
 }
 
+/// A fleet whose `/health` answers late under load (vLLM's, at its peak) stays in service:
+/// with no replica up, those whose checks only went unanswered in time are still tried. Every
+/// request got 503 "no healthy replica".
+#[tokio::test]
+async fn a_fleet_late_to_its_health_checks_still_serves() {
+    let late = hand_made_replica(|path, _| async move {
+        if path == "/health" {
+            std::future::pending::<()>().await;
+        }
+        (200, "{}")
+    })
+    .await;
+    let spec = format!("name=late,http=http://{late},events={},engine=kvroute", crate::support::nowhere());
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas: vec![spec.parse().unwrap()],
+        health_interval_ms: 20,
+        health_timeout_ms: 50,
+        unhealthy_after: 1,
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let upstream = router.fleet().member("late").unwrap().upstream;
+    crate::support::wait_until("the replica's checks failing", || !upstream.passes_checks()).await;
+    let reply = crate::fleet::Http::new()
+        .send_with(http::Method::POST, &format!("{}/v1/embeddings", router.url()), r#"{"input":"x"}"#, &[])
+        .await;
+    assert_eq!(
+        (reply.status.as_u16(), reply.header("x-kvroute-replica")),
+        (200, Some("late")),
+        "{:?}",
+        reply.body
+    );
+    shutdown.cancel();
+}
+
 /// A body in a transfer coding besides `chunked` (`gzip, chunked`) is refused with 501 (RFC
 /// 9112 §6.1): hyper takes off the chunking only, and the replica got the compressed bytes
 /// as the body, with nothing to say so.
