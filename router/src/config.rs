@@ -429,8 +429,16 @@ impl Config {
             check(false, problem);
         }
         let mut names = std::collections::HashSet::new();
+        let mut servers = std::collections::HashMap::new();
         for r in &self.replicas {
-            check(names.insert(r.name.as_str()), format!("replica {:?} is listed twice", r.name));
+            let named_once = names.insert(r.name.as_str());
+            check(named_once, format!("replica {:?} is listed twice", r.name));
+            if named_once && let Some(other) = servers.insert(r.http.trim_end_matches('/'), r.name.as_str()) {
+                check(
+                    false,
+                    format!("replicas {other:?} and {:?} have one HTTP address, {}", r.name, r.http),
+                );
+            }
             for problem in r.to_spec(&self.model, self.block_size).problems() {
                 check(false, format!("replica {:?}: {problem}", r.name));
             }
@@ -901,6 +909,27 @@ mod tests {
         assert_eq!(errors.len(), 3, "{errors:?}");
         assert!(
             errors.iter().any(|e| e.contains("tcp://*:5557") && e.contains("bind address")),
+            "{errors:?}"
+        );
+    }
+
+    /// Two names for one server would split its load and its cache's credit: refused, as
+    /// the fleet refuses it now (both were started, and each got half its load).
+    #[test]
+    fn one_server_is_listed_once() {
+        let replica =
+            |name: &str, http: &str| format!("name={name},http={http},events=tcp://h:5557").parse().unwrap();
+        let c = Config {
+            replicas: vec![
+                replica("a", "http://h:8000"),
+                replica("b", "http://h:8000/"),
+                replica("c", "http://h:8001"),
+            ],
+            ..Config::default()
+        };
+        let errors = c.validate().unwrap_err();
+        assert!(
+            errors.len() == 1 && errors[0].contains("\"a\" and \"b\" have one HTTP address"),
             "{errors:?}"
         );
     }

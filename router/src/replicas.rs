@@ -282,6 +282,10 @@ pub enum SpecError {
     Url(String, String),
     #[error("replica {0:?} is already registered")]
     Duplicate(String),
+    /// Two names for one server would split its load (each limit doubled) and its cache's
+    /// credit between them.
+    #[error("replica {name:?} has the HTTP address of replica {other:?} ({url}): one server is one replica")]
+    SameServer { name: String, other: String, url: String },
 }
 
 const NO_SEQ: u64 = u64::MAX;
@@ -447,6 +451,14 @@ impl Replicas {
         if inner.live.contains_key(&id) {
             return Err(SpecError::Duplicate(spec.name));
         }
+        let url = spec.http_url.trim_end_matches('/');
+        // (A replica without an HTTP address is followed for its events alone.)
+        if !url.is_empty()
+            && let Some(other) = inner.live.values().find(|r| r.spec.http_url.trim_end_matches('/') == url)
+        {
+            let (other, url) = (other.spec.name.clone(), url.to_owned());
+            return Err(SpecError::SameServer { name: spec.name, other, url });
+        }
         let authority = spec
             .http_url
             .parse::<http::Uri>()
@@ -592,6 +604,18 @@ mod tests {
         let again = replicas.insert(ReplicaSpec::new("a", "tcp://h:1", EngineKind::Vllm, "m")).unwrap();
         assert_eq!(again.id, a.id);
         assert_eq!(replicas.list().len(), 2);
+        // One server, two names: refused while the first is there.
+        let at = |name: &str, url: &str| ReplicaSpec {
+            http_url: url.into(),
+            ..ReplicaSpec::new(name, "tcp://h:3", EngineKind::Vllm, "m")
+        };
+        let c = replicas.insert(at("c", "http://h:8000")).unwrap();
+        assert_eq!(
+            replicas.insert(at("d", "http://h:8000/")).unwrap_err(),
+            SpecError::SameServer { name: "d".into(), other: "c".into(), url: "http://h:8000".into() }
+        );
+        replicas.remove(c.id).unwrap();
+        replicas.insert(at("d", "http://h:8000")).unwrap();
     }
 
     #[test]
