@@ -33,6 +33,17 @@
 //! as a decision's index walk is), then the median of each stage alone (parse, tokenize, hash,
 //! index lookup; parse and tokenize together through the cache).
 //!
+//! 2026-11-28, the thirty-fourth session (the reads column added; the decision path as
+//! below), loop p99 97.7 and reads p99 98.5 µs at text/8192's median: text/8192 72.1 / 139.1,
+//! ids/8192 31.9 / 88.7 (loop 50.8, reads 37.4), text/1024 10.1 / 15.6, ids/1024 4.9 / 9.9,
+//! turn/8192 25.9 / 83.4, new/8192 87.7 / 168.0; dp4 text/8192 87.7 / 164.2, dp4 ids/8192
+//! 47.1 / 111.7; stage medians at 8 k: parse 3.9 (ids 17.0), tokenize 51.5, hash 2.7, lookup
+//! 5.1. In a slower spell the same day, reads p99 216.8 µs at text/8192's median of 81.9 (its
+//! p99 236.8), and in a scratch harness random reads with a median of 38 µs had a p99 of 129
+//! µs from a 128 MiB table and 87 µs from 8 MiB, against 8 µs from 256 KiB: on this machine
+//! the tail is memory's, beyond the nearer caches (transparent huge pages for the table took
+//! the medians down by a quarter and left the p99/p50 ratio where it was).
+//!
 //! 2026-11-27, the twenty-ninth session (data-parallel rows added; nothing else on the
 //! decision path changed), loop p99 106.4 µs at text/8192's median: text/8192 80.4 / 233.0,
 //! ids/8192 38.1 / 144.9, text/1024 10.4 / 18.7, ids/1024 5.1 / 12.4, turn/8192 28.9 / 157.4,

@@ -100,6 +100,10 @@
 #   cache-aware 0.57x (19.8 µs, rounds 0.56-0.57), round-robin 0.57x (19.6 µs); added latency
 #   p50 nginx +21 µs, floor +21, kvroute +28. Earlier the same session (before the rank load
 #   terms): nginx 88.8 k, floor 0.67x, cache-aware 0.55x, round-robin 0.57x.
+#   2026-11-28, the thirty-fourth session (at 24522c2): nginx 87.5 k requests/s (11.0 µs of
+#   CPU a request), floor 0.78x (15.4 µs), kvroute cache-aware 0.58x (22.6 µs, rounds
+#   0.53-0.59), round-robin 0.56x (23.1 µs); added latency p50 nginx +19 µs, floor +21,
+#   kvroute +30/+33.
 # Where the difference is: kernel time is about the same for both (loopback sends and the
 # wake-ups they cause, ~12-13 µs); user time is ~3 µs for nginx and ~9 µs for kvroute. An
 # early bare forwarder on the same accept loop (hyper server, hyper-util client, no decision,
