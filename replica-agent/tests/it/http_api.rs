@@ -862,9 +862,6 @@ async fn a_stream_failed_mid_generation_ends_with_an_error_event_then_done() {
     assert_eq!(chunk["object"], "text_completion");
 }
 
-/// A Responses stream that fails before the engine's first output (its prefill runs a few
-/// tokens a step when a shutdown without grace comes) sends its opening events and the
-/// error, numbered in order: the message item it never opened takes no numbers.
 /// A stored response is found with a trailing slash on its path too, as every other path
 /// is: the id was read with the slash, and the answer was a 404 for the id ''.
 #[tokio::test]
@@ -883,6 +880,9 @@ async fn a_stored_response_is_found_with_a_trailing_slash() {
     assert_ne!(cancel.status(), StatusCode::NOT_FOUND);
 }
 
+/// A Responses stream that fails before the engine's first output (its prefill runs a few
+/// tokens a step when a shutdown without grace comes) sends its opening events and the
+/// error, numbered in order: the message item it never opened takes no numbers.
 #[tokio::test]
 async fn a_responses_stream_failed_before_its_output_numbers_its_events_in_order() {
     let config = kvroute_replica_agent::Config {

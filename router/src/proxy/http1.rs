@@ -223,6 +223,8 @@ impl Conn {
     /// [`Self::read_head`] with `parse`: a `101` it accepts is final.
     async fn read_head_with(&mut self, method: &Method, parse: ParseHead) -> Result<Head, WireError> {
         let mut read_any = !self.buf.is_empty();
+        // An interim answer other than `100 Continue` came: the request is under way.
+        let mut under_way = false;
         loop {
             if !self.buf.is_empty() {
                 match parse(&self.buf, method)? {
@@ -234,7 +236,8 @@ impl Conn {
                             // replica that answered `100 Continue` and closed answered nothing.
                             // Another interim answer (`103 Early Hints`) says the request is
                             // under way: it may have run, so it must not go out again.
-                            read_any = !self.buf.is_empty() || status != http::StatusCode::CONTINUE;
+                            under_way |= status != http::StatusCode::CONTINUE;
+                            read_any = !self.buf.is_empty() || under_way;
                             continue;
                         }
                         self.last_read = Some(Instant::now());

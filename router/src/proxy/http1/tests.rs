@@ -368,6 +368,13 @@ mod on_a_socket {
             raw_replica(|_| AnswerAndClose(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n")).await;
         let failed = pool().send(post(&url, Outgoing::Full(Bytes::from_static(b"{}")))).await;
         assert!(matches!(&failed, Err(SendError::Wire(e)) if !e.may_resend()), "{:?}", failed.err());
+        // Nor when a `100 Continue` follows it.
+        let (url, _, _) = raw_replica(|_| {
+            AnswerAndClose(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\nHTTP/1.1 100 Continue\r\n\r\n")
+        })
+        .await;
+        let failed = pool().send(post(&url, Outgoing::Full(Bytes::from_static(b"{}")))).await;
+        assert!(matches!(&failed, Err(SendError::Wire(e)) if !e.may_resend()), "{:?}", failed.err());
     }
 
     /// A pooled connection the replica closed while it sat idle is not used again.
