@@ -399,8 +399,8 @@ impl Collector for ReplicaLoad {
             None,
             MetricType::Gauge,
         )?;
-        // As a decision judges them: with every replica that is up ejected, the ejected are
-        // routed to, and eligible.
+        // As a decision judges them: with no replica up, the ejected, and those whose health
+        // checks only went unanswered in time, are routed to, and eligible.
         let verdicts =
             crate::proxy::upstream::verdicts(members.iter().map(|m| &*m.upstream), self.max_in_flight);
         for (m, verdict) in members.iter().zip(verdicts) {

@@ -624,7 +624,8 @@ impl RankStream {
         }
         let events = batch.events.len() as u64;
         // The batch's last clear undoes every store, removal and clear before it, and each
-        // clear sweeps the index: a batch of clears costs one sweep, not one each.
+        // clear takes the rank's entries out of the index: a batch of clears costs one, not
+        // one each.
         let last_clear = batch.events.iter().rposition(|e| matches!(e, Event::Cleared));
         for (i, event) in batch.events.into_iter().enumerate() {
             let undone = last_clear.is_some_and(|last| i < last);

@@ -1,6 +1,7 @@
 //! Active health checks: every `--health-interval-ms`, `GET /health` on each replica (a
 //! replica that fails `--unhealthy-after` in a row, no 2xx within `--health-timeout-ms`, is
-//! unhealthy until one passes), then `GET /metrics` to read the
+//! unhealthy until one passes; while no replica is up, one whose checks only went unanswered
+//! in time is still tried: [`super::upstream::verdicts`]), then `GET /metrics` to read the
 //! requests the replica reports waiting and running (`vllm:num_requests_waiting` and
 //! `_running`, which both vLLM and the kvroute agent export; SGLang's `sglang:num_queue_reqs`
 //! and `num_running_reqs`): what is beyond this router's own in-flight requests then is

@@ -192,7 +192,6 @@ impl Upstream {
         self.eligibility_with(max_in_flight, false)
     }
 
-    /// [`Self::eligibility`], setting passive ejection aside unless `ejection`.
     /// [`Self::eligibility`]; `lenient` (nothing else is up: [`verdicts_for`]) sets aside
     /// its ejection, and its health when its checks only went unanswered in time.
     fn eligibility_with(&self, max_in_flight: u32, lenient: bool) -> Result<(), Ineligible> {
