@@ -433,7 +433,9 @@ impl Config {
         for r in &self.replicas {
             let named_once = names.insert(r.name.as_str());
             check(named_once, format!("replica {:?} is listed twice", r.name));
-            if named_once && let Some(other) = servers.insert(r.http.trim_end_matches('/'), r.name.as_str()) {
+            if named_once
+                && let Some(other) = servers.insert(crate::replicas::server_of(&r.http), r.name.as_str())
+            {
                 check(
                     false,
                     format!("replicas {other:?} and {:?} have one HTTP address, {}", r.name, r.http),
@@ -922,7 +924,7 @@ mod tests {
         let c = Config {
             replicas: vec![
                 replica("a", "http://h:8000"),
-                replica("b", "http://h:8000/"),
+                replica("b", "http://H:8000/"),
                 replica("c", "http://h:8001"),
             ],
             ..Config::default()

@@ -233,53 +233,76 @@ impl<S: ReplicaSink> Reconciler<S> {
             self.not_serving.remove(&name);
             self.metrics.change("removed");
         }
+        // A spec refused is tried once more after the rest of the listing: the address it
+        // wants may be freed by a replica later in it (a pod IP handed to another pod while
+        // the first one moved).
+        let mut refused = Vec::new();
         for (name, (spec, serving)) in desired {
-            let op = match self.applied.get(&name) {
-                Some(old) if *old == spec => None,
-                Some(_) => Some("updated"),
-                None => Some("added"),
-            };
-            let changes_serving = serving == self.not_serving.contains(&name);
-            let Some(op) = op else {
-                if changes_serving {
-                    self.set_serving(&name, serving);
-                }
-                continue;
-            };
-            // "Not serving" before the spec and "serving" after it: the sink keeps it by name
-            // and applies it to a replica it adds, so neither the new replica nor the old one
-            // it replaces is routable while its pod is not Ready, not even between the calls.
-            if changes_serving && !serving {
-                self.set_serving(&name, false);
+            if let Some(again) = self.apply_one(name, spec, serving, false).await {
+                refused.push(again);
             }
-            tracing::info!(replica = %name, http = %spec.http_url, events = %spec.event_endpoint, "discovery: replica {op}");
-            match self.sink.upsert(spec.clone()).await {
-                Ok(()) => {
-                    self.metrics.change(op);
-                    if changes_serving && serving {
-                        self.set_serving(&name, true);
-                    }
-                    self.applied.insert(name, spec);
-                }
-                Err(e) => {
-                    // Not recorded as applied: the next listing tries again.
-                    tracing::warn!(replica = %name, error = %e, "discovery: replica refused");
-                    self.metrics.errors.inc();
-                    if let Some(old) = self.applied.remove(&name)
-                        && self.sink.holds(&name, &old)
-                    {
-                        self.sink.remove(&name).await;
-                    }
-                    // Nothing of the name is left, not even its serving (said again next time):
-                    // forgotten quietly, it was never a change of the replica's.
-                    if self.not_serving.remove(&name) {
-                        self.sink.set_serving(&name, true);
-                    }
-                }
-            }
+        }
+        for (name, spec, serving) in refused {
+            self.apply_one(name, spec, serving, true).await;
         }
         self.metrics.replicas.set(i64::try_from(self.applied.len()).unwrap_or(i64::MAX));
         self.listed.send_if_modified(|l| !std::mem::replace(l, true));
+    }
+
+    /// Makes the sink hold `spec` under `name`. A refused spec is handed back, unless this
+    /// is its `last` try, which logs, counts and clears what the name held.
+    async fn apply_one(
+        &mut self,
+        name: String,
+        spec: ReplicaSpec,
+        serving: bool,
+        last: bool,
+    ) -> Option<(String, ReplicaSpec, bool)> {
+        let op = match self.applied.get(&name) {
+            Some(old) if *old == spec => None,
+            Some(_) => Some("updated"),
+            None => Some("added"),
+        };
+        let changes_serving = serving == self.not_serving.contains(&name);
+        let Some(op) = op else {
+            if changes_serving {
+                self.set_serving(&name, serving);
+            }
+            return None;
+        };
+        // "Not serving" before the spec and "serving" after it: the sink keeps it by name
+        // and applies it to a replica it adds, so neither the new replica nor the old one
+        // it replaces is routable while its pod is not Ready, not even between the calls.
+        if changes_serving && !serving {
+            self.set_serving(&name, false);
+        }
+        tracing::info!(replica = %name, http = %spec.http_url, events = %spec.event_endpoint, "discovery: replica {op}");
+        match self.sink.upsert(spec.clone()).await {
+            Ok(()) => {
+                self.metrics.change(op);
+                if changes_serving && serving {
+                    self.set_serving(&name, true);
+                }
+                self.applied.insert(name, spec);
+            }
+            Err(_) if !last => return Some((name, spec, serving)),
+            Err(e) => {
+                // Not recorded as applied: the next listing tries again.
+                tracing::warn!(replica = %name, error = %e, "discovery: replica refused");
+                self.metrics.errors.inc();
+                if let Some(old) = self.applied.remove(&name)
+                    && self.sink.holds(&name, &old)
+                {
+                    self.sink.remove(&name).await;
+                }
+                // Nothing of the name is left, not even its serving (said again next time):
+                // forgotten quietly, it was never a change of the replica's.
+                if self.not_serving.remove(&name) {
+                    self.sink.set_serving(&name, true);
+                }
+            }
+        }
+        None
     }
 
     /// Tells the sink whether `name` serves, and remembers it.
@@ -491,8 +514,32 @@ mod tests {
         r.apply(set(&[("bad", "10.0.0.1")])).await;
         r.apply(set(&[("bad", "10.0.0.1")])).await;
         assert_eq!(r.names().count(), 0);
-        assert_eq!(r.metrics.errors.get(), 2);
-        assert_eq!(*log.0.lock().unwrap(), ["+bad@http://10.0.0.1:8000", "+bad@http://10.0.0.1:8000"]);
+        assert_eq!(r.metrics.errors.get(), 2, "a refusal counts once, after its second try");
+        assert_eq!(*log.0.lock().unwrap(), ["+bad@http://10.0.0.1:8000"; 4]);
+    }
+
+    /// A pod's address handed to another pod while the first moved, within one listing: the
+    /// one listed first is refused until the other has moved, and is added then (before, it
+    /// waited for the next listing, counted as an error).
+    #[tokio::test]
+    async fn an_address_freed_later_in_a_listing_is_taken_in_it() {
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let ingest = crate::ingest::Ingest::start(
+            Default::default(),
+            crate::index::SharedIndex::new(),
+            &mut Default::default(),
+            tokio_util::task::TaskTracker::new(),
+            shutdown.clone(),
+        );
+        let mut r = Reconciler::new(ingest.clone(), DiscoveryMetrics::default());
+        r.apply(set(&[("b", "127.0.0.2")])).await;
+        r.apply(set(&[("a", "127.0.0.2"), ("b", "127.0.0.3")])).await;
+        assert_eq!(r.metrics.errors.get(), 0);
+        assert_eq!(r.names().collect::<Vec<_>>(), ["a", "b"]);
+        let url = |name| ingest.replicas().by_name(name).map(|r| r.spec.http_url.clone());
+        assert_eq!(url("a").as_deref(), Some("http://127.0.0.2:8000"));
+        assert_eq!(url("b").as_deref(), Some("http://127.0.0.3:8000"));
+        shutdown.cancel();
     }
 
     /// An update the sink refuses removes the replica discovery had added, but not one that
@@ -568,6 +615,7 @@ mod tests {
                 "serving a",
                 "-a",
                 "not serving bad",
+                "+bad@http://10.0.0.2:8000",
                 "+bad@http://10.0.0.2:8000",
                 "serving bad",
             ]

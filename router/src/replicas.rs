@@ -288,6 +288,23 @@ pub enum SpecError {
     SameServer { name: String, other: String, url: String },
 }
 
+/// The server an HTTP address names, spelled one way: `http://H:80/` and `http://h` are one
+/// server (scheme and host are case-insensitive, a default port may be left out, and a
+/// trailing slash says nothing). An address that does not parse is taken as written.
+pub(crate) fn server_of(url: &str) -> String {
+    let trimmed = url.trim_end_matches('/');
+    let Ok(uri) = trimmed.parse::<http::Uri>() else { return trimmed.to_owned() };
+    let (Some(scheme), Some(authority)) = (uri.scheme_str(), uri.authority()) else {
+        return trimmed.to_owned();
+    };
+    let scheme = scheme.to_ascii_lowercase();
+    let default = if scheme == "https" { 443 } else { 80 };
+    let port = authority.port_u16().unwrap_or(default);
+    let host = authority.host().to_ascii_lowercase();
+    let path = uri.path_and_query().map_or("", |pq| pq.as_str()).trim_end_matches('/');
+    format!("{scheme}://{host}:{port}{path}")
+}
+
 const NO_SEQ: u64 = u64::MAX;
 
 /// Live per-replica status, written by the ingest tasks.
@@ -451,12 +468,12 @@ impl Replicas {
         if inner.live.contains_key(&id) {
             return Err(SpecError::Duplicate(spec.name));
         }
-        let url = spec.http_url.trim_end_matches('/');
         // (A replica without an HTTP address is followed for its events alone.)
-        if !url.is_empty()
-            && let Some(other) = inner.live.values().find(|r| r.spec.http_url.trim_end_matches('/') == url)
+        let server = server_of(&spec.http_url);
+        if !server.is_empty()
+            && let Some(other) = inner.live.values().find(|r| server_of(&r.spec.http_url) == server)
         {
-            let (other, url) = (other.spec.name.clone(), url.to_owned());
+            let (other, url) = (other.spec.name.clone(), other.spec.http_url.clone());
             return Err(SpecError::SameServer { name: spec.name, other, url });
         }
         let authority = spec
@@ -614,6 +631,11 @@ mod tests {
             replicas.insert(at("d", "http://h:8000/")).unwrap_err(),
             SpecError::SameServer { name: "d".into(), other: "c".into(), url: "http://h:8000".into() }
         );
+        // Spelled another way, it is still the one server; another port is another server.
+        assert!(matches!(replicas.insert(at("d", "HTTP://H:8000")), Err(SpecError::SameServer { .. })));
+        let e = replicas.insert(at("e", "http://h")).unwrap();
+        assert!(matches!(replicas.insert(at("d", "http://h:80/")), Err(SpecError::SameServer { .. })));
+        replicas.remove(e.id).unwrap();
         replicas.remove(c.id).unwrap();
         replicas.insert(at("d", "http://h:8000")).unwrap();
     }
