@@ -72,6 +72,7 @@ impl AdminService {
             in_flight: load.in_flight,
             pending_prefill_tokens: load.pending_prefill_tokens,
             healthy: m.upstream.is_healthy(),
+            health_late: m.upstream.is_late(),
             draining: m.upstream.is_draining(),
             not_serving: !m.upstream.is_serving(),
             lora_adapters: m.upstream.adapters(),

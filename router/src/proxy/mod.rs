@@ -600,12 +600,11 @@ async fn read_body(body: Incoming, limit: usize, idle: Duration) -> Result<Bytes
 fn models(state: &ProxyState) -> serde_json::Value {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let base = state.base_model.as_str();
-    let listed = state
-        .fleet()
-        .members()
-        .into_iter()
-        .filter(|m| m.upstream.is_healthy())
-        .find_map(|m| m.upstream.card());
+    // A healthy replica's card first; with none healthy (a fleet late to its checks is still
+    // served), any replica's.
+    let members = state.fleet().members();
+    let listed =
+        members.iter().filter(|m| m.upstream.is_healthy()).chain(&members).find_map(|m| m.upstream.card());
     let owned_by =
         listed.as_ref().and_then(|card| card.get("owned_by").cloned()).unwrap_or_else(|| "kvroute".into());
     let card = |id: &str, parent: Option<&str>| {

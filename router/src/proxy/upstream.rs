@@ -365,6 +365,12 @@ impl Upstream {
         self.healthy.load(Ordering::Relaxed)
     }
 
+    /// Out of health only because its checks went unanswered in time: routed to while no
+    /// replica is healthy ([`verdicts_for`]).
+    pub fn is_late(&self) -> bool {
+        !self.healthy.load(Ordering::Relaxed) && self.late.load(Ordering::Relaxed)
+    }
+
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed) && !self.is_ejected()
     }

@@ -747,6 +747,11 @@ async fn a_fleet_late_to_its_health_checks_still_serves() {
         "{:?}",
         reply.body
     );
+    // The admin service says why a replica that is not healthy is still served.
+    let mut admin =
+        kvroute_proto::pb::router_admin_client::RouterAdminClient::connect(router.admin_url()).await.unwrap();
+    let list = admin.list_replicas(kvroute_proto::pb::ListReplicasRequest {}).await.unwrap().into_inner();
+    assert_eq!(list.replicas.iter().map(|r| (r.healthy, r.health_late)).collect::<Vec<_>>(), [(false, true)]);
     shutdown.cancel();
 }
 
