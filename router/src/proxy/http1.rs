@@ -84,6 +84,9 @@ pub struct Conn {
     /// The replica answered before the whole request went out: the connection is not
     /// reused.
     cut_short: bool,
+    /// An interim answer other than `100 Continue` came while the request went out: the
+    /// replica has it under way ([`Self::read_head_with`]).
+    under_way: bool,
     /// When the replica's last bytes were read: its server's keep-alive timer started no
     /// later (the pool counts a connection's idle time from here, not from when a slow
     /// client let the response end).
@@ -111,7 +114,13 @@ impl Outgoing {
 
 impl Conn {
     pub fn new(stream: TcpStream) -> Self {
-        Self { stream, buf: BytesMut::with_capacity(READ_BUFFER), cut_short: false, last_read: None }
+        Self {
+            stream,
+            buf: BytesMut::with_capacity(READ_BUFFER),
+            cut_short: false,
+            under_way: false,
+            last_read: None,
+        }
     }
 
     /// Whether an idle connection can carry a request: the replica has not closed it and
@@ -185,6 +194,7 @@ impl Conn {
         head: Vec<u8>,
         body: Outgoing,
     ) -> Result<(), WireError> {
+        self.under_way = false;
         let body = body.in_hand_if_empty();
         if let Outgoing::Full(bytes) = &body
             && bytes.len() <= WATCH_BEYOND
@@ -195,7 +205,7 @@ impl Conn {
         // without reading it all, writing would wait for ever or fail, so the answer is
         // watched for meanwhile and, if it comes first, read without sending the rest. An
         // interim answer (100, 103) is read and dropped, and the body goes on.
-        let Conn { stream, buf, cut_short, .. } = self;
+        let Conn { stream, buf, cut_short, under_way, .. } = self;
         let (mut reader, mut writer) = stream.split();
         let write = write_body(&mut writer, method, head, body);
         tokio::pin!(write);
@@ -204,7 +214,7 @@ impl Conn {
             tokio::select! {
                 biased;
                 peeked = reader.peek(&mut probe) => {
-                    if matches!(peeked, Ok(n) if n > 0) && skip_interim(&mut reader, buf, method).await? {
+                    if matches!(peeked, Ok(n) if n > 0) && skip_interim(&mut reader, buf, method, under_way).await? {
                         continue;
                     }
                     *cut_short = true;
@@ -222,9 +232,9 @@ impl Conn {
 
     /// [`Self::read_head`] with `parse`: a `101` it accepts is final.
     async fn read_head_with(&mut self, method: &Method, parse: ParseHead) -> Result<Head, WireError> {
-        let mut read_any = !self.buf.is_empty();
         // An interim answer other than `100 Continue` came: the request is under way.
-        let mut under_way = false;
+        let mut under_way = std::mem::take(&mut self.under_way);
+        let mut read_any = !self.buf.is_empty() || under_way;
         loop {
             if !self.buf.is_empty() {
                 match parse(&self.buf, method)? {
@@ -307,11 +317,13 @@ fn request_head(method: &Method, target: &str, host: &str, headers: &HeaderMap) 
 }
 
 /// Reads what the replica sent while the request was going out into `buf`: true if that was
-/// only interim answers (or the start of one), so the request can go on.
+/// only interim answers (or the start of one), so the request can go on. Sets `under_way`
+/// if one of them was other than `100 Continue`.
 async fn skip_interim(
     reader: &mut tokio::net::tcp::ReadHalf<'_>,
     buf: &mut BytesMut,
     method: &Method,
+    under_way: &mut bool,
 ) -> Result<bool, WireError> {
     buf.reserve(READ_BUFFER);
     match reader.read_buf(buf).await {
@@ -320,7 +332,10 @@ async fn skip_interim(
     }
     while !buf.is_empty() {
         match parse_head(buf, method)? {
-            Some((length, head)) if head.parts.status.is_informational() => buf.advance(length),
+            Some((length, head)) if head.parts.status.is_informational() => {
+                *under_way |= head.parts.status != http::StatusCode::CONTINUE;
+                buf.advance(length);
+            }
             Some(_) => return Ok(false),
             None if buf.len() >= MAX_HEAD_BYTES => {
                 return Err(WireError::Malformed(format!("head longer than {MAX_HEAD_BYTES} bytes")));

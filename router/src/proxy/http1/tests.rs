@@ -605,6 +605,34 @@ mod on_a_socket {
         assert_eq!(pool.idle_count(), 1, "the whole request went out: the connection is reusable");
     }
 
+    /// A `103 Early Hints` read while a long body goes out says the request is under way, as
+    /// one read after it does: a close once the body is in is not a request to send again.
+    /// It was forgotten, and the request went out twice.
+    #[tokio::test]
+    async fn an_early_hint_during_a_long_body_then_a_close_is_not_sent_again() {
+        let long = 4 << 20;
+        let url = by_hand(move |listener| async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            read_head_only(&mut stream).await;
+            stream.write_all(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n").await.unwrap();
+            read_body_of(&mut stream, long).await;
+            drop(stream);
+            // A second try is answered (this task ends with the test).
+            if let Ok((mut again, _)) = listener.accept().await {
+                read_head_only(&mut again).await;
+                read_body_of(&mut again, long).await;
+                again.write_all(OK).await.unwrap();
+            }
+        })
+        .await;
+        let sent = send_long(&pool(), &url, long).await;
+        let error = sent.expect_err("the request was sent again");
+        assert!(
+            matches!(error.downcast_ref::<SendError>(), Some(SendError::Wire(e)) if !e.may_resend()),
+            "{error}"
+        );
+    }
+
     #[tokio::test]
     async fn an_endless_head_while_the_body_goes_out_is_malformed() {
         // The replica reads nothing of a long body and sends a head that never ends: the
