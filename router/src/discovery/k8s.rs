@@ -13,7 +13,9 @@
 //!
 //! With `--discovery-pod-annotations`, every listed pod is read once (`GET pod`, cached by
 //! name until its UID changes or it leaves the listing) and its `kvroute.io/*` annotations
-//! ([`PodOverrides`]) win over the slice's named ports and the configured defaults.
+//! ([`PodOverrides`]) win over the slice's named ports and the configured defaults. A read
+//! that failed is tried again every `--discovery-interval-ms`; meanwhile the slice's ports
+//! apply.
 
 use std::collections::{BTreeMap, HashMap};
 use std::pin::pin;
@@ -42,6 +44,10 @@ pub struct SliceSource {
 /// Slice name → its replicas and whether each is serving.
 type Slices = BTreeMap<String, Vec<(ReplicaSpec, bool)>>;
 
+/// Slice name → the slice, for slices a pod of which could not be looked up: read again
+/// every retry until every pod's annotations are in.
+type Unread = BTreeMap<String, EndpointSlice>;
+
 /// An endpoint of a slice that is not terminating, before pod annotations.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct ListedEndpoint {
@@ -60,7 +66,8 @@ impl SliceSource {
     /// Follows the slices until `shutdown`. With `pods`, Ready pods' `kvroute.io/*`
     /// annotations override what the slice says ([`PodOverrides`]). Every `retry` the slices
     /// are applied again: a replica the sink refused (its old entry still being removed) is
-    /// tried again without waiting for its slice to change.
+    /// tried again without waiting for its slice to change, and so is a pod lookup that
+    /// failed (meanwhile the slice's ports apply).
     pub async fn run<S: ReplicaSink>(
         self,
         api: Api<EndpointSlice>,
@@ -73,8 +80,10 @@ impl SliceSource {
         let mut events = pin!(watcher(api, config).default_backoff());
         let mut annotations = pods.map(|api| Annotations { api, cache: HashMap::new() });
         let mut slices = Slices::new();
-        // Slices of a listing in progress (between `Init` and `InitDone`).
-        let mut listing: Option<Slices> = None;
+        let mut unread = Unread::new();
+        // Slices of a listing in progress (between `Init` and `InitDone`), and those of them
+        // with a pod not looked up.
+        let mut listing: Option<(Slices, Unread)> = None;
         let mut again = tokio::time::interval_at(tokio::time::Instant::now() + retry, retry);
         again.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -84,7 +93,13 @@ impl SliceSource {
                 _ = again.tick(), if listing.is_none() => {
                     tokio::select! {
                         () = shutdown.cancelled() => return,
-                        () = apply(&slices, &mut annotations, &mut reconciler) => continue,
+                        () = async {
+                            for (key, slice) in std::mem::take(&mut unread) {
+                                let replicas = self.resolve(&slice, &mut annotations, &reconciler).await;
+                                keep(&mut slices, &mut unread, key, slice, replicas);
+                            }
+                            apply(&slices, &mut annotations, &mut reconciler).await;
+                        } => continue,
                     }
                 }
             };
@@ -93,22 +108,25 @@ impl SliceSource {
             // shutdown does not wait for it.
             let handled = async {
                 match event {
-                    Ok(watcher::Event::Init) => listing = Some(Slices::new()),
+                    Ok(watcher::Event::Init) => listing = Some(Default::default()),
                     Ok(watcher::Event::InitApply(slice)) => {
                         let replicas = self.resolve(&slice, &mut annotations, &reconciler).await;
-                        listing.get_or_insert_default().insert(slice_key(&slice), replicas);
+                        let (listed, listed_unread) = listing.get_or_insert_default();
+                        keep(listed, listed_unread, slice_key(&slice), slice, replicas);
                     }
                     Ok(watcher::Event::InitDone) => {
-                        slices = listing.take().unwrap_or_default();
+                        (slices, unread) = listing.take().unwrap_or_default();
                         apply(&slices, &mut annotations, &mut reconciler).await;
                     }
                     Ok(watcher::Event::Apply(slice)) => {
                         let replicas = self.resolve(&slice, &mut annotations, &reconciler).await;
-                        slices.insert(slice_key(&slice), replicas);
+                        keep(&mut slices, &mut unread, slice_key(&slice), slice, replicas);
                         apply(&slices, &mut annotations, &mut reconciler).await;
                     }
                     Ok(watcher::Event::Delete(slice)) => {
-                        slices.remove(&slice_key(&slice));
+                        let key = slice_key(&slice);
+                        slices.remove(&key);
+                        unread.remove(&key);
                         apply(&slices, &mut annotations, &mut reconciler).await;
                     }
                     Err(e) => reconciler.error(&e),
@@ -127,21 +145,28 @@ impl SliceSource {
         self.listed_endpoints(slice).into_iter().map(|ep| (self.spec(&ep, None), ep.serving)).collect()
     }
 
+    /// The slice's replicas, with each pod's annotations; and whether every pod's
+    /// annotations are in (a lookup that failed leaves its pod on the slice's ports).
     async fn resolve<S: ReplicaSink>(
         &self,
         slice: &EndpointSlice,
         annotations: &mut Option<Annotations>,
         reconciler: &Reconciler<S>,
-    ) -> Vec<(ReplicaSpec, bool)> {
+    ) -> (Vec<(ReplicaSpec, bool)>, bool) {
         let mut replicas = Vec::new();
+        let mut whole = true;
         for ep in self.listed_endpoints(slice) {
             let overrides = match annotations {
-                Some(a) if ep.is_pod => a.overrides(&ep, reconciler).await,
+                Some(a) if ep.is_pod => {
+                    let read = a.overrides(&ep, reconciler).await;
+                    whole &= read.is_some();
+                    read
+                }
                 _ => None,
             };
             replicas.push((self.spec(&ep, overrides.as_ref()), ep.serving));
         }
-        replicas
+        (replicas, whole)
     }
 
     fn listed_endpoints(&self, slice: &EndpointSlice) -> Vec<ListedEndpoint> {
@@ -208,6 +233,23 @@ impl SliceSource {
             spec.topic.clone_from(topic);
         }
         spec
+    }
+}
+
+/// Records a slice's resolved replicas under `key`, and the slice in `unread` if one
+/// of its pods was not looked up.
+fn keep(
+    slices: &mut Slices,
+    unread: &mut Unread,
+    key: String,
+    slice: EndpointSlice,
+    (replicas, whole): (Vec<(ReplicaSpec, bool)>, bool),
+) {
+    slices.insert(key.clone(), replicas);
+    if whole {
+        unread.remove(&key);
+    } else {
+        unread.insert(key, slice);
     }
 }
 
@@ -297,7 +339,7 @@ impl Annotations {
         let looked_up = match tokio::time::timeout(POD_LOOKUP_TIMEOUT, self.api.get_opt(&ep.name)).await {
             Ok(looked_up) => looked_up,
             Err(elapsed) => {
-                // Not cached either: the next event for this pod's slice tries again.
+                // Not cached either: tried again at the next retry or event of its slice.
                 tracing::warn!(pod = %ep.name, timeout = ?POD_LOOKUP_TIMEOUT, "discovery: pod lookup timed out; its slice's ports apply");
                 reconciler.error(&elapsed);
                 return None;
@@ -314,8 +356,8 @@ impl Annotations {
                 Some(overrides)
             }
             Err(e) => {
-                // Not cached: the next event for this pod's slice tries again; meanwhile the
-                // slice's ports apply.
+                // Not cached: tried again at the next retry or event of its slice; meanwhile
+                // the slice's ports apply.
                 reconciler.error(&e);
                 None
             }

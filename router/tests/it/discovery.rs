@@ -210,19 +210,20 @@ mod k8s {
         }
     }
 
-    /// A sink that refuses the first add of each name in its list (as the fleet refuses a
-    /// replica whose old entry is still being removed).
+    /// A sink that refuses the first adds of each name in its list, as many as the list says
+    /// (as the fleet refuses a replica whose old entry is still being removed).
     #[derive(Clone)]
-    struct RefusesOnce(Set, Arc<Mutex<BTreeSet<String>>>);
+    struct Refuses(Set, Arc<Mutex<BTreeMap<String, usize>>>);
 
     #[derive(Debug, thiserror::Error)]
     #[error("still removing {0}")]
     struct Busy(String);
 
-    impl ReplicaSink for RefusesOnce {
+    impl ReplicaSink for Refuses {
         type Error = Busy;
         async fn upsert(&self, spec: ReplicaSpec) -> Result<(), Busy> {
-            if self.1.lock().unwrap().remove(&spec.name) {
+            if let Some(left) = self.1.lock().unwrap().get_mut(&spec.name).filter(|left| **left > 0) {
+                *left -= 1;
                 return Err(Busy(spec.name));
             }
             self.0.upsert(spec).await.map_err(|never| match never {})
@@ -235,14 +236,15 @@ mod k8s {
         }
     }
 
-    /// A replica the sink refused is added on a later pass over the slices, though its slice
-    /// does not change again (it waited for the next event of the Service's slices).
+    /// A replica the sink refused (at both tries of a listing) is added on a later pass over
+    /// the slices, though its slice does not change again (it waited for the next event of
+    /// the Service's slices).
     #[tokio::test]
     async fn a_refused_replica_is_tried_again_without_a_new_event() {
         let api = FakeApi::start().await;
         api.apply(slice("agents-a", "agents", &[("agent-0", "10.0.0.1", true)], ports(5557, 5558)));
         let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())), Arc::default());
-        let sink = RefusesOnce(set.clone(), Arc::new(Mutex::new(BTreeSet::from(["agent-0".to_owned()]))));
+        let sink = Refuses(set.clone(), Arc::new(Mutex::new(BTreeMap::from([("agent-0".to_owned(), 2)]))));
         let (tracker, shutdown) = (TaskTracker::new(), CancellationToken::new());
         let config = DiscoveryConfig { discovery_interval_ms: 100, ..config("agents") };
         let template = config.template(MODEL, Some(BLOCK));
@@ -420,6 +422,47 @@ mod k8s {
         .await;
         assert_eq!(set.0.borrow()["vllm-0"].0.dp_size, 1, "the old pod's annotations are gone");
         assert_eq!(api.pod_gets(), 3, "only the recreated pod was read again");
+
+        shutdown.cancel();
+        tracker.close();
+        tracker.wait().await;
+    }
+
+    /// A pod whose lookup failed (the API server erred) is read again at the next retry, its
+    /// slice unchanged: until then its slice's ports apply. It kept them until the slice
+    /// changed, which may be never.
+    #[tokio::test]
+    async fn a_pod_lookup_that_failed_is_tried_again() {
+        let api = FakeApi::start().await;
+        api.atomically(|s| {
+            s.pod_failures = 1;
+            s.put_pod(pod("vllm-0", "uid-a", json!({"kvroute.io/kv-events-port": "6000"})));
+            s.apply(slice_with_uids("vllm-a", &[("vllm-0", "10.0.0.1", "uid-a")]));
+        });
+        let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())), Arc::default());
+        let (tracker, shutdown) = (TaskTracker::new(), CancellationToken::new());
+        let config =
+            DiscoveryConfig { discovery_pod_annotations: true, discovery_interval_ms: 100, ..config("vllm") };
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = DiscoveryMetrics::register(&mut registry);
+        Discovery::start_k8s(
+            client(&api),
+            &config,
+            config.template(MODEL, Some(BLOCK)),
+            set.clone(),
+            metrics,
+            &tracker,
+            shutdown.clone(),
+        )
+        .unwrap();
+        wait_until("the annotation read on a retry", || {
+            set.0.borrow().get("vllm-0").is_some_and(|(s, _)| s.event_endpoint == "tcp://10.0.0.1:6000")
+        })
+        .await;
+        assert_eq!(api.pod_gets(), 2, "read once more, then cached");
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(text.contains("kvroute_discovery_errors_total 1\n"), "the failed read counted: {text}");
 
         shutdown.cancel();
         tracker.close();

@@ -6,7 +6,8 @@
 //! - the same with `watch=true&resourceVersion=N`: every recorded change after `N`, then live
 //!   changes, as chunked JSON lines; `ERROR 410 Gone` if `N` is older than the retained
 //!   history ([`FakeApi::expire_history`]);
-//! - `GET /api/v1/namespaces/{ns}/pods/{name}`: a pod put with [`State::put_pod`], else 404.
+//! - `GET /api/v1/namespaces/{ns}/pods/{name}`: a pod put with [`State::put_pod`], else 404;
+//!   `500` while [`State::pod_failures`] lasts.
 //!
 //! The test drives it: [`FakeApi::apply`] / [`FakeApi::delete`] record a change (and push it
 //! to open watches), [`FakeApi::drop_watches`] ends every open watch cleanly, and
@@ -43,6 +44,8 @@ pub struct State {
     pub lists: usize,
     pub watches: Vec<u64>,
     pub pod_gets: usize,
+    /// Pod reads still to answer `500 Internal Server Error`.
+    pub pod_failures: usize,
 }
 
 impl State {
@@ -186,7 +189,17 @@ async fn serve(mut stream: TcpStream, state: Arc<Mutex<State>>, stop: Cancellati
         let pod = {
             let mut s = state.lock().unwrap();
             s.pod_gets += 1;
-            s.pods.get(name).cloned()
+            if s.pod_failures > 0 {
+                s.pod_failures -= 1;
+                None
+            } else {
+                Some(s.pods.get(name).cloned())
+            }
+        };
+        let failed = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500, "reason": "InternalError"});
+        let Some(pod) = pod else {
+            respond(&mut stream, "500 Internal Server Error", &failed.to_string()).await;
+            return;
         };
         match pod {
             Some(pod) => respond(&mut stream, "200 OK", &pod.to_string()).await,
