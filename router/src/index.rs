@@ -322,9 +322,7 @@ impl SharedIndex {
     /// the index. They are removed one by one; whatever of the replica's is left then (the
     /// map and the index disagreed) is swept. Credits stay, as with the sweep.
     pub fn clear_held(&self, replica: ReplicaId, held: &[BlockHash]) {
-        for chunk in held.chunks(WRITE_CHUNK) {
-            self.write(|index| index.remove(replica, chunk));
-        }
+        self.drop_held(replica, held);
         if self.blocks(replica) == 0 {
             self.write(|index| index.release(replica));
         } else {
@@ -333,6 +331,15 @@ impl SharedIndex {
                 "the index held blocks its events did not account for; swept"
             );
             self.sweep_replica(replica);
+        }
+    }
+
+    /// Takes the references `held` (repeats included) off the replica, keeping its credits
+    /// ([`Self::remove`] ends them): one data-parallel rank's share of a replica, cleared
+    /// while the requests sent to the replica still store their prompts.
+    pub fn drop_held(&self, replica: ReplicaId, held: &[BlockHash]) {
+        for chunk in held.chunks(WRITE_CHUNK) {
+            self.write(|index| index.remove(replica, chunk));
         }
     }
 

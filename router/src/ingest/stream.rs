@@ -720,7 +720,7 @@ impl RankStream {
             // Only this rank's references: the replica's other ranks keep theirs.
             self.scratch.clear();
             self.blocks.drain_into(&mut self.scratch);
-            self.ctx.index.remove(id, &self.scratch);
+            self.ctx.index.drop_held(id, &self.scratch);
             if let Some(ranks) = self.ctx.replica.ranks.get() {
                 ranks.index.sweep_replica(ranks.id(self.rank));
             }
@@ -782,7 +782,11 @@ mod tests {
     }
 
     fn rank_with(config: IngestConfig) -> RankStream {
-        let spec = ReplicaSpec::new("r", "tcp://127.0.0.1:9", EngineKind::Vllm, "m");
+        rank_of(ReplicaSpec::new("r", "tcp://127.0.0.1:9", EngineKind::Vllm, "m"), config)
+    }
+
+    /// Rank 0 of a replica `spec`.
+    fn rank_of(spec: ReplicaSpec, config: IngestConfig) -> RankStream {
         let ctx = ReplicaCtx {
             replica: Replicas::new().insert(spec).unwrap(),
             index: SharedIndex::with_credit_ttl(Duration::from_secs(60)),
@@ -1024,6 +1028,29 @@ mod tests {
             assert_eq!(index.credits().extend(id, &[BlockHash(5)], 0), 1, "credits stay");
             assert_eq!(rank.blocks.references(), 0);
         }
+    }
+
+    /// A rank of several that clears takes its references off the replica and keeps the
+    /// replica's credits, as a replica of one rank does: the requests sent to it (on any
+    /// rank) still store their prompts. They ended for every block the rank held.
+    #[tokio::test]
+    async fn a_cleared_rank_keeps_its_replicas_credits() {
+        let spec =
+            ReplicaSpec { dp_size: 2, ..ReplicaSpec::new("r", "tcp://127.0.0.1:9", EngineKind::Vllm, "m") };
+        let mut rank = rank_of(spec, IngestConfig::default());
+        let (id, index) = (rank.ctx.replica.id, rank.ctx.index.clone());
+        // The router's hashes of the two blocks (what the index and credits hold).
+        let mut held = Vec::new();
+        let mut probe = self::rank();
+        probe.apply_replayed(&[batch(0), batch(1)]).await;
+        probe.blocks.drain_into(&mut held);
+        assert_eq!(held.len(), 2);
+        rank.apply_replayed(&[batch(0), batch(1)]).await;
+        index.store(id, &held[..1]); // rank 1's reference
+        index.credits().credit(id, &held);
+        rank.clear();
+        assert_eq!(index.blocks(id), 1, "rank 0's references gone, rank 1's kept");
+        assert_eq!(index.credits().extend(id, &held, 0), 2, "credits stay");
     }
 
     /// A batch's last `AllBlocksCleared` is applied once, after which its later events are:
