@@ -217,6 +217,9 @@ pub struct Engine {
     metrics: Arc<EngineMetrics>,
     config: Arc<EngineConfig>,
     accepting: CancellationToken,
+    /// One reset at a time on its way to the scheduler: the channel's one slot beyond
+    /// `max_waiting` jobs is its, so a reset never makes a job's submit find it full.
+    resetting: Arc<tokio::sync::Mutex<()>>,
     /// See [`Engine::max_prompt_tokens`].
     max_prompt_tokens: usize,
 }
@@ -238,13 +241,14 @@ impl Engine {
         let metrics =
             Arc::new(EngineMetrics { zmtp_refused: publisher.refused(), ..EngineMetrics::default() });
         let config = Arc::new(config);
-        let (tx, rx) = mpsc::channel(config.max_waiting.max(1));
+        let (tx, rx) = mpsc::channel(config.max_waiting.max(1) + 1);
         let accepting = shutdown.child_token();
         tracker.spawn(
             scheduler::Scheduler::new(config.clone(), state.clone(), metrics.clone(), publisher, rx)
                 .run(shutdown),
         );
-        Ok(Engine { tx, state, metrics, config, accepting, max_prompt_tokens })
+        let resetting = Arc::default();
+        Ok(Engine { tx, state, metrics, config, accepting, resetting, max_prompt_tokens })
     }
 
     /// Queues a job; its outputs arrive on the returned channel.
@@ -275,6 +279,7 @@ impl Engine {
     /// Drops the whole prefix cache and publishes `AllBlocksCleared`; refused while running
     /// requests hold blocks (as vLLM refuses). Returns how many blocks were dropped.
     pub async fn reset_prefix_cache(&self) -> Result<usize, ResetError> {
+        let _one = self.resetting.lock().await;
         let (tx, rx) = oneshot::channel();
         self.tx.send(Control::Reset(tx)).await.map_err(|_| ResetError::ShuttingDown)?;
         rx.await.map_err(|_| ResetError::ShuttingDown)?.map_err(ResetError::Busy)

@@ -216,6 +216,23 @@ async fn jobs_waiting_beyond_max_waiting_are_refused() {
     drop((running, waiting));
 }
 
+/// A prefix-cache reset on its way to the scheduler takes no job's room: `max_waiting` jobs
+/// still go in beside it. It took a slot of the channel, and the last of them got a 503.
+#[tokio::test]
+async fn a_reset_on_its_way_leaves_room_for_every_waiting_job() {
+    let (engine, _shutdown) = engine_waiting(64, 1, 2).await;
+    let mut reset = std::pin::pin!(engine.reset_prefix_cache());
+    // Polled once (the scheduler cannot run meanwhile): the reset is in the channel.
+    assert!(futures::poll!(&mut reset).is_pending());
+    let jobs: Vec<_> = (0..2u32).map(|i| engine.submit(job(vec![100 + i; 8], 1))).collect();
+    assert!(
+        jobs.iter().all(Result::is_ok),
+        "{:?}",
+        jobs.iter().map(|j| j.as_ref().err()).collect::<Vec<_>>()
+    );
+    assert_eq!(reset.await, Ok(0), "the reset came first, to an empty cache");
+}
+
 /// A request whose client left stops counting as waiting at once, even behind one that
 /// cannot be admitted yet (the gauge routers read as the replica's queue).
 #[tokio::test]
