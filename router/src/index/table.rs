@@ -108,7 +108,10 @@ impl PrefixIndex {
                 if self.extra.is_empty() {
                     self.extra = (0..SHARDS).map(|_| Map::with_hasher(self.hasher)).collect();
                 }
-                *self.extra[shard_of(hash)].entry((hash, slot)).or_insert(0) += 1;
+                // (Saturating: a publisher storing one block without end, under ever new
+                // engine hashes, must not wrap the count to nothing.)
+                let more = self.extra[shard_of(hash)].entry((hash, slot)).or_insert(0);
+                *more = more.saturating_add(1);
             }
         }
         self.slot_mut(slot).blocks += added;
