@@ -265,9 +265,12 @@ async fn publish_loop(
 }
 
 /// How long a replay answer waits for room in its peer's queue before the rest of it is
-/// dropped. A peer dropped from once is not waited for again until an answer reaches it
-/// whole.
+/// dropped. A peer dropped from once is waited for [`STALLED_GRACE`] at most, for the whole
+/// of each answer, until an answer reaches it whole.
 const REPLAY_SEND_STALL: std::time::Duration = std::time::Duration::from_secs(1);
+/// The whole wait an answer to a peer known not to read gets: a moment's lack of room does
+/// not cost it its answer, and a peer that never reads holds up the others no longer.
+const STALLED_GRACE: std::time::Duration = std::time::Duration::from_millis(20);
 /// Most peers remembered as not reading (beyond, the memory starts over).
 const STALLED_PEERS: usize = 1024;
 
@@ -307,14 +310,15 @@ async fn serve_replay(
             .into_iter()
             .map(|(seq, payload)| framing::encode_replay_batch(topic.clone(), seq, payload))
             .chain(std::iter::once(framing::encode_replay_end()));
-        let wait = if stalled.contains(&identity) { std::time::Duration::ZERO } else { REPLAY_SEND_STALL };
+        let graced = stalled.contains(&identity).then(|| tokio::time::Instant::now() + STALLED_GRACE);
         let mut whole = true;
         for mut reply in replies {
             reply.insert(0, identity.clone());
             let msg = ZmqMessage::try_from(reply).expect("non-empty frames");
-            // (The send is polled once before the deadline is: with no wait, it goes when
-            // there is room.)
-            match tokio::time::timeout(wait, router.send(msg)).await {
+            // (The send is polled once before the deadline is: past it, it goes when there
+            // is room.)
+            let deadline = graced.unwrap_or_else(|| tokio::time::Instant::now() + REPLAY_SEND_STALL);
+            match tokio::time::timeout_at(deadline, router.send(msg)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
                     tracing::debug!(error = %e, "replay peer went away");
