@@ -1,19 +1,50 @@
 //! The baselines cache-aware routing is measured against: they ignore the cache entirely.
-//! - `round-robin`: the next eligible replica in turn.
+//! - `round-robin`: the next eligible replica in turn: the one that took a request longest
+//!   ago.
 //! - `random`: a uniformly random eligible replica (seeded).
 //! - `least-loaded`: fewest requests (this router's in flight, and others' it was told of:
 //!   [`super::Load::others`]), then fewest pending prefill tokens, then the request's key.
 //! - `power-of-two`: two distinct random eligible replicas, the less loaded one wins.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 
+use kvroute_proto::ReplicaId;
 use kvroute_proto::mix::{GOLDEN, mix64};
 
 use super::{Decision, Policy, PolicyKind, ReplicaView, RequestView, argmin, load_cost};
 
 #[derive(Debug, Default)]
 pub struct RoundRobin {
-    next: AtomicU64,
+    turns: Mutex<Turns>,
+}
+
+/// When each replica last took a request, in turns.
+#[derive(Clone, Debug, Default)]
+struct Turns {
+    now: u64,
+    last: HashMap<ReplicaId, u64>,
+}
+
+impl Turns {
+    /// The eligible replica whose turn is longest past (never taken first), ties in fleet
+    /// order; and every eligible replica's place in that order, as its cost.
+    fn next(&mut self, replicas: &[ReplicaView]) -> Decision {
+        let last = |r: &ReplicaView| self.last.get(&r.id).copied().unwrap_or(0);
+        let mut order: Vec<usize> = (0..replicas.len()).filter(|&i| replicas[i].eligible).collect();
+        order.sort_by_key(|&i| (last(&replicas[i]), i));
+        let mut costs = vec![f64::INFINITY; replicas.len()];
+        for (place, &i) in order.iter().enumerate() {
+            costs[i] = place as f64;
+        }
+        let chosen = order.first().copied();
+        if let Some(i) = chosen {
+            self.now += 1;
+            self.last.insert(replicas[i].id, self.now);
+        }
+        Decision { chosen, costs }
+    }
 }
 
 impl Policy for RoundRobin {
@@ -21,21 +52,16 @@ impl Policy for RoundRobin {
         PolicyKind::RoundRobin
     }
 
+    /// Each request goes to the eligible replica that took one longest ago. (A turn counted
+    /// over each request's eligible replicas tied its place to the other requests': with
+    /// base requests and an adapter's, on half the fleet, coming in turn, every adapter
+    /// request went to one replica.)
     fn choose(&self, _: &RequestView, replicas: &[ReplicaView]) -> Decision {
-        let eligible: Vec<usize> = (0..replicas.len()).filter(|&i| replicas[i].eligible).collect();
-        let mut costs = vec![f64::INFINITY; replicas.len()];
-        if eligible.is_empty() {
-            return Decision { chosen: None, costs };
-        }
-        let turn = self.next.fetch_add(1, Ordering::Relaxed) as usize % eligible.len();
-        for (rank, &i) in eligible.iter().enumerate() {
-            costs[i] = ((rank + eligible.len() - turn) % eligible.len()) as f64;
-        }
-        Decision { chosen: Some(eligible[turn]), costs }
+        self.turns.lock().unwrap_or_else(PoisonError::into_inner).next(replicas)
     }
 
-    fn peek(&self, request: &RequestView, replicas: &[ReplicaView]) -> Decision {
-        RoundRobin { next: AtomicU64::new(self.next.load(Ordering::Relaxed)) }.choose(request, replicas)
+    fn peek(&self, _: &RequestView, replicas: &[ReplicaView]) -> Decision {
+        self.turns.lock().unwrap_or_else(PoisonError::into_inner).clone().next(replicas)
     }
 }
 

@@ -43,6 +43,27 @@ fn round_robin_cycles_through_eligible_replicas() {
     assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
 }
 
+/// Requests whose eligible replicas differ (an adapter on half the fleet) each take the
+/// next of theirs in turn, and the fleet's load stays even. The turn was counted among each request's eligible replicas: with
+/// base and adapter requests alternating on four replicas, every adapter request went to
+/// replica 1 and the base ones to 0 and 2.
+#[test]
+fn round_robin_takes_turns_across_requests_with_other_eligible_replicas() {
+    let p = RoundRobin::default();
+    let base: Vec<ReplicaView> = (0..4).map(|i| view(i, 0, 0, 0)).collect();
+    let mut adapter = base.clone();
+    adapter[2].eligible = false;
+    adapter[3].eligible = false;
+    let mut counts = [[0; 4]; 2];
+    for _ in 0..40 {
+        counts[0][p.choose(&REQ, &base).chosen.unwrap()] += 1;
+        counts[1][p.choose(&REQ, &adapter).chosen.unwrap()] += 1;
+    }
+    let each: Vec<i32> = (0..4).map(|i| counts[0][i] + counts[1][i]).collect();
+    assert!(each.iter().all(|n| (19..=21).contains(n)), "every replica takes its share: {counts:?}");
+    assert!(counts[1][0] >= 10 && counts[1][1] >= 10, "adapter requests on both of theirs: {counts:?}");
+}
+
 #[test]
 fn peeking_answers_the_next_choice_and_leaves_the_policy_where_it_was() {
     let replicas: Vec<ReplicaView> = (0..4).map(|i| view(i, 0, i, 0)).collect();
