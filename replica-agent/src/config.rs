@@ -294,6 +294,15 @@ impl Config {
                 self.max_num_batched_tokens, self.block_size
             ),
         );
+        // As vLLM refuses it: a step whose decodes take the whole budget prefills nothing,
+        // and new requests wait until enough sequences finish.
+        check(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            format!(
+                "--max-num-batched-tokens ({}) must be at least --max-num-seqs ({})",
+                self.max_num_batched_tokens, self.max_num_seqs
+            ),
+        );
         // Beyond what a tokio semaphore or channel holds: refused here, not a panic at start.
         let most = tokio::sync::Semaphore::MAX_PERMITS;
         check(
@@ -409,8 +418,8 @@ mod tests {
         assert_eq!(c.validate().unwrap_err().len(), 3);
     }
 
-    /// A cache its policy cannot run with, and an API key no client can send, are refused up
-    /// front with the flags named (not when the engine starts, or as a 401 to every request).
+    /// A cache its policy cannot run with, an API key no client can send, and a step budget
+    /// the running sequences' decodes can take whole are refused up front with the flags named (not when the engine starts, or as a 401 to every request).
     #[test]
     fn a_cache_that_cannot_run_and_an_unsendable_key_are_refused() {
         use crate::cache::PolicyKind;
@@ -422,6 +431,10 @@ mod tests {
             (Config { capacity_blocks: 3_000_000_000, ..Config::default() }, "--capacity-blocks 3000000000"),
             (Config { api_key: Some("k\n".into()), ..Config::default() }, "--api-key"),
             (Config { api_key: Some(String::new()), ..Config::default() }, "--api-key"),
+            (
+                Config { max_num_seqs: 256, max_num_batched_tokens: 64, block_size: 16, ..Config::default() },
+                "--max-num-seqs (256)",
+            ),
         ];
         for (config, flag) in cases {
             let errors = config.validate().unwrap_err();

@@ -207,6 +207,12 @@ pub fn check(trace: &Trace, config: &SimConfig) -> Result<(), SimError> {
         if engine.max_num_seqs == 0 {
             return Err(SimError::Engine("--max-num-seqs must be at least 1".into()));
         }
+        if engine.max_num_batched_tokens < engine.max_num_seqs {
+            return Err(SimError::Engine(format!(
+                "--max-num-batched-tokens ({}) must be at least --max-num-seqs ({})",
+                engine.max_num_batched_tokens, engine.max_num_seqs
+            )));
+        }
         if engine.max_num_batched_tokens < config.block_size.max(1) {
             return Err(SimError::Engine(format!(
                 "--max-num-batched-tokens ({}) must be at least the block size ({})",

@@ -15,7 +15,7 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
     let trace = trace.to_str().unwrap();
     // Each case's exit code and a fragment of its message: a case meant to reach the program
     // must not pass on a usage error from a misspelt flag, nor a usage case on another one.
-    let cases: [(&[&str], i32, &str); 18] = [
+    let cases: [(&[&str], i32, &str); 19] = [
         (&["--bogus-flag"], USAGE, "'--bogus-flag'"),
         (&[], USAGE, "Usage:"),
         (&["simulate", "--policy", "nope"], USAGE, "'nope'"),
@@ -37,6 +37,21 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
             "--max-num-batched-tokens (0)",
         ),
         (&["simulate", "--trace", trace, "--capacity", "8", "--max-num-seqs", "0"], 1, "--max-num-seqs"),
+        (
+            &[
+                "simulate",
+                "--trace",
+                trace,
+                "--capacity",
+                "8",
+                "--max-num-seqs",
+                "600",
+                "--max-num-batched-tokens",
+                "512",
+            ],
+            1,
+            "must be at least --max-num-seqs (600)",
+        ),
         // As the agent refuses it.
         (
             &[

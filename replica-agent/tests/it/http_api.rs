@@ -889,6 +889,7 @@ async fn a_responses_stream_failed_before_its_output_numbers_its_events_in_order
         time_scale: 1.0,
         shutdown_grace_secs: 0,
         max_num_batched_tokens: 8,
+        max_num_seqs: 8,
         step_base_us: 20_000,
         ..config()
     };
