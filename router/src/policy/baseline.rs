@@ -2,8 +2,9 @@
 //! - `round-robin`: the next eligible replica in turn: the one that took a request longest
 //!   ago.
 //! - `random`: a uniformly random eligible replica (seeded).
-//! - `least-loaded`: fewest requests (this router's in flight, and others' it was told of:
-//!   [`super::Load::others`]), then fewest pending prefill tokens, then the request's key.
+//! - `least-loaded`: fewest sequences (this router's in flight, each request's prompts times
+//!   its `n`, and others' it was told of: [`super::Load::others`]), then fewest pending
+//!   prefill tokens, then the request's key.
 //! - `power-of-two`: two distinct random eligible replicas, the less loaded one wins.
 
 use std::collections::HashMap;

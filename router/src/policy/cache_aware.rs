@@ -9,8 +9,9 @@
 //!         + in_flight_tokens * (in_flight(r) + others(r))        sequences slowing every step
 //!         + balance_weight * prompt_tokens * excess(r)          r's share of recent work
 //! cached_tokens(r)  = min(overlap_blocks(r) * block_size, prompt_tokens)
-//! others(r)         = max(reported running + waiting(r) - in_flight(r) then, 0), at the last
-//!                     health check
+//! others(r)         = max(reported running + waiting(r) - ours(r), 0), at the last health
+//!                     check, where ours(r) is this router's sequences in flight on r as the
+//!                     check began plus those it sent r while the check ran
 //! excess(r)         = clamp(recent_prompt_tokens(r) / mean over eligible replicas - 1, 0, 0.5)
 //! ```
 //!

@@ -19,7 +19,8 @@ pub enum PolicyKind {
     CacheAware,
     RoundRobin,
     Random,
-    /// Fewest requests (in flight, and others' reported), then fewest pending prefill tokens.
+    /// Fewest sequences (in flight, a request's prompts times its `n`, and others' reported),
+    /// then fewest pending prefill tokens.
     LeastLoaded,
     /// Two random replicas, the less loaded one wins.
     PowerOfTwo,
@@ -105,7 +106,9 @@ impl ReportMark {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReplicaView {
     pub id: ReplicaId,
-    /// Leading blocks of the request the replica holds (0 for a `FALLBACK` stream).
+    /// Leading blocks of the request the replica holds (for a `FALLBACK` stream, which tells
+    /// nothing, the least of the eligible replicas with a stream:
+    /// [`cache_aware::common_overlap`]).
     pub overlap_blocks: usize,
     pub load: Load,
     pub stream: StreamState,

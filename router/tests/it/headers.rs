@@ -334,6 +334,22 @@ async fn a_retry_passes_over_a_replica_drained_since_the_decision() {
     assert!(answer.contains("x-kvroute-replica: refusing"), "{answer}");
 }
 
+/// Nor one ejected meanwhile (its other requests failed) while another replica is up.
+#[tokio::test]
+async fn a_retry_passes_over_a_replica_ejected_since_the_decision() {
+    let answer = retried_after(
+        |c| c,
+        |router| {
+            let upstream = router.fleet().member("answering").unwrap().upstream;
+            assert!(upstream.record_failure(1, std::time::Duration::from_secs(600)), "ejected");
+        },
+    )
+    .await;
+    assert!(!answer.contains("x-kvroute-replica: answering"), "retried on an ejected replica: {answer}");
+    assert!(answer.starts_with("http/1.1 503"), "{answer}");
+    assert!(answer.contains("x-kvroute-replica: refusing"), "{answer}");
+}
+
 /// Nor one that reached `--max-in-flight-per-replica` meanwhile: when every replica refuses
 /// at once (an overloaded fleet), the retries would go on past the limit. (With no line, the
 /// refusal is the answer; with one, the retry waits for the replica's room: `queue.rs`.)
