@@ -22,12 +22,13 @@
 //! replicas, and replicas that refuse an unauthenticated list (vLLM's `--api-key`), tell
 //! nothing here.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvroute_proto::prometheus;
+use futures::StreamExt;
+use kvroute_proto::{ReplicaId, prometheus};
 use tokio_util::sync::CancellationToken;
 
 use super::ProxyState;
@@ -50,19 +51,49 @@ pub struct Settings {
 }
 
 /// Checks every replica of the proxy's fleet each `settings.interval` until `shutdown` fires.
+/// Each replica's check runs on its own: one whose check is still under way at a tick (a
+/// replica slow to answer, up to each read's timeout) is not checked again then, and holds
+/// up no other's. (A round waited for all: one slow replica left every other's load report
+/// that much older, at the fleet's peak.) The adapters are learned from every replica's last
+/// listing once the checks begun at a tick are over, and at each tick.
 pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shutdown: CancellationToken) {
     let fleet = state.fleet();
     let mut learned = HashSet::new();
     let mut tick = tokio::time::interval(settings.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The checks under way, each with the replica it checks; every replica's last listing.
+    let mut under_way = futures::stream::FuturesUnordered::new();
+    let mut checking = HashSet::new();
+    let mut listings: HashMap<ReplicaId, HashSet<String>> = HashMap::new();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
+            Some((id, listed)) = under_way.next(), if !under_way.is_empty() => {
+                checking.remove(&id);
+                match listed {
+                    Some(listed) => listings.insert(id, listed),
+                    None => listings.remove(&id),
+                };
+                // The round's last: learned from at once, as the tick would a round later.
+                if checking.is_empty() {
+                    let listed: Vec<&HashSet<String>> = listings.values().collect();
+                    learn_adapters(&state, &listed, &mut learned);
+                }
+                continue;
+            }
             () = shutdown.cancelled() => return,
         }
-        let checks = fleet.members().into_iter().map(|m| check(m, fleet, &client, settings));
-        let listed: Vec<HashSet<String>> =
-            futures::future::join_all(checks).await.into_iter().flatten().collect();
+        let members = fleet.members();
+        listings.retain(|id, _| members.iter().any(|m| m.replica.id == *id));
+        for member in members {
+            let id = member.replica.id;
+            if checking.insert(id) {
+                let client = &client;
+                under_way.push(async move { (id, check(member, fleet, client, settings).await) });
+            }
+        }
+        // (Those of a replica still under way from an earlier tick: its last listing stands.)
+        let listed: Vec<&HashSet<String>> = listings.values().collect();
         learn_adapters(&state, &listed, &mut learned);
     }
 }
@@ -70,7 +101,7 @@ pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shu
 /// Takes the adapters that every replica in `listed` has, and forgets those it `learned`
 /// that none has any more (see the module docs); takes an adapter loaded through the router
 /// that a replica has (its requests go only there).
-fn learn_adapters(state: &ProxyState, listed: &[HashSet<String>], learned: &mut HashSet<String>) {
+fn learn_adapters(state: &ProxyState, listed: &[&HashSet<String>], learned: &mut HashSet<String>) {
     let tokenization = state.decider.prompts.tokenization();
     let members = state.fleet().members();
     let registry = state.fleet().adapters();

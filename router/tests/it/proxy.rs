@@ -1291,6 +1291,49 @@ async fn a_slow_health_answer_does_not_take_a_replica_out() {
     shutdown.cancel();
 }
 
+/// A replica slow to answer its checks holds up no other's: the others are checked every
+/// interval while its check waits out its timeout. A round of checks waited for the
+/// slowest, and the others' load reports aged that long.
+#[tokio::test]
+async fn a_slow_health_check_holds_up_no_other() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    let checks = std::sync::Arc::new(AtomicUsize::new(0));
+    let seen = checks.clone();
+    let slow = hand_made_replica(|path, _| async move {
+        if path == "/health" {
+            std::future::pending::<()>().await;
+        }
+        (200, "{}")
+    })
+    .await;
+    let fast = hand_made_replica(move |path, _| {
+        let seen = seen.clone();
+        async move {
+            if path == "/health" {
+                seen.fetch_add(1, SeqCst);
+            }
+            (200, "{}")
+        }
+    })
+    .await;
+    let spec = |name: &str, at: std::net::SocketAddr| {
+        format!("name={name},http=http://{at},events={},engine=kvroute", crate::support::nowhere())
+            .parse()
+            .unwrap()
+    };
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas: vec![spec("slow", slow), spec("fast", fast)],
+        health_interval_ms: 20,
+        health_timeout_ms: 600_000,
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let _router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    wait_until("five checks of the fast replica", || checks.load(SeqCst) >= 5).await;
+    shutdown.cancel();
+}
+
 /// A failed health check asks nothing more of the replica (its metrics, its models): a
 /// replica that does not answer would hold every round of checks for each read's timeout.
 #[tokio::test]
