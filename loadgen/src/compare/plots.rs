@@ -10,6 +10,7 @@ use anyhow::Context;
 use plotters::prelude::*;
 
 use super::CompareReport;
+use crate::live::report::ReplicaShare;
 use crate::plot::{self, color, err, finish, frame, line};
 
 /// Writes every plot into `dir`.
@@ -84,7 +85,8 @@ fn ttft_cdf(report: &CompareReport, path: &Path) -> anyhow::Result<()> {
 }
 
 fn tokens_per_replica(report: &CompareReport, path: &Path) -> anyhow::Result<()> {
-    let replicas = report.runs.iter().map(|r| r.live.per_replica.len()).max().unwrap_or(0).max(1);
+    let (names, columns) = replica_columns(report.runs.iter().map(|run| run.live.per_replica.as_slice()));
+    let replicas = names.len().max(1);
     let y_max = report
         .runs
         .iter()
@@ -99,14 +101,17 @@ fn tokens_per_replica(report: &CompareReport, path: &Path) -> anyhow::Result<()>
         .y_desc("prompt tokens")
         .y_label_formatter(&|v| format!("{:.0}k", v / 1e3))
         .x_labels(replicas)
-        .x_label_formatter(&|x| format!("{}", x.round() as i64))
+        .x_label_formatter(&|x| {
+            let column = usize::try_from(x.round() as i64).ok();
+            column.and_then(|c| names.get(c)).cloned().unwrap_or_default()
+        })
         .disable_x_mesh()
         .draw()
         .map_err(err)?;
     let width = 0.8 / report.runs.len().max(1) as f64;
-    for (i, run) in report.runs.iter().enumerate() {
+    for (i, (run, columns)) in report.runs.iter().zip(&columns).enumerate() {
         let c = color(i);
-        let bars = run.live.per_replica.iter().enumerate().map(move |(r, share)| {
+        let bars = run.live.per_replica.iter().zip(columns).map(move |(share, &r)| {
             let x0 = r as f64 - 0.4 + i as f64 * width;
             Rectangle::new([(x0, 0.0), (x0 + width * 0.9, share.prompt_tokens as f64)], c.filled())
         });
@@ -117,4 +122,49 @@ fn tokens_per_replica(report: &CompareReport, path: &Path) -> anyhow::Result<()>
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], c.filled()));
     }
     finish(chart, &root, SeriesLabelPosition::UpperRight)
+}
+
+/// Every replica the runs name, in the order first named, and each run's replicas' places
+/// among them: a replica's bars stand together by its name, not by its place in each run's
+/// list (a run read from counters lists replicas by URL, one read from the router's headers
+/// by the router's names, in another order).
+fn replica_columns<'a>(runs: impl Iterator<Item = &'a [ReplicaShare]>) -> (Vec<String>, Vec<Vec<usize>>) {
+    let mut names: Vec<String> = Vec::new();
+    let columns = runs
+        .map(|shares| {
+            shares
+                .iter()
+                .map(|share| match names.iter().position(|n| *n == share.replica) {
+                    Some(at) => at,
+                    None => {
+                        names.push(share.replica.clone());
+                        names.len() - 1
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    (names, columns)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A replica's bars stand together whatever its place in each run's list; replicas named
+    /// otherwise (a URL against a router name) get columns of their own. Bars went by place:
+    /// one run's `b` stood over another's `a`.
+    #[test]
+    fn a_replicas_bars_stand_together_by_its_name() {
+        let shares = |names: &[&str]| -> Vec<ReplicaShare> {
+            names
+                .iter()
+                .map(|n| ReplicaShare { replica: (*n).into(), prompt_tokens: 1, hit_rate: None })
+                .collect()
+        };
+        let runs = [shares(&["a", "b"]), shares(&["b", "a"]), shares(&["http://r0", "a"])];
+        let (names, columns) = replica_columns(runs.iter().map(Vec::as_slice));
+        assert_eq!(names, ["a", "b", "http://r0"]);
+        assert_eq!(columns, [vec![0, 1], vec![1, 0], vec![2, 0]]);
+    }
 }
