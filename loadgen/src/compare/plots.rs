@@ -28,7 +28,10 @@ fn hit_rate_over_time(report: &CompareReport, path: &Path) -> anyhow::Result<()>
         .iter()
         .flat_map(|r| r.live.hit_rate_over_time.iter().map(|p| p.0))
         .fold(1.0_f64, f64::max);
-    let mut chart = frame(&root, "Realized prefix-cache hit rate (cumulative)", 0.0..x_max, 0.0..100.0, 55)?;
+    // From each response's usage, whichever source the report's table took (the replicas'
+    // counters are read only before and after a run).
+    let title = "Realized prefix-cache hit rate (cumulative, responses' usage)";
+    let mut chart = frame(&root, title, 0.0..x_max, 0.0..100.0, 55)?;
     chart
         .configure_mesh()
         .x_desc("time since start (s)")
@@ -36,12 +39,25 @@ fn hit_rate_over_time(report: &CompareReport, path: &Path) -> anyhow::Result<()>
         .y_label_formatter(&|v| format!("{v:.0}"))
         .draw()
         .map_err(err)?;
-    let pooled = 100.0 * report.pooled_hit_rate;
-    chart
-        .draw_series(LineSeries::new([(0.0, pooled), (x_max, pooled)], BLACK.stroke_width(1)))
-        .map_err(err)?
-        .label("pooled reference")
-        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK));
+    // The pooled reference of the whole workload; a run that stopped early has its own, on
+    // the requests it served, drawn in its colour.
+    let whole = report.workload.requests;
+    let references: Vec<(f64, RGBColor, String)> = if report.runs.iter().all(|r| r.compared_requests == whole)
+    {
+        vec![(report.pooled_hit_rate, BLACK, "pooled reference".into())]
+    } else {
+        let each = report.runs.iter().enumerate();
+        each.map(|(i, r)| (r.pooled_hit_rate, color(i), format!("pooled, {}'s requests", r.policy.as_str())))
+            .collect()
+    };
+    for (rate, c, label) in references {
+        let pooled = 100.0 * rate;
+        chart
+            .draw_series(LineSeries::new([(0.0, pooled), (x_max, pooled)], c.stroke_width(1)))
+            .map_err(err)?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], c));
+    }
     for (i, run) in report.runs.iter().enumerate() {
         let c = color(i);
         let points = run.live.hit_rate_over_time.iter().map(|&(t, r)| (t, 100.0 * r));
