@@ -1476,11 +1476,13 @@ impl serde_json::ser::Formatter for PythonFormatter {
         w: &mut W,
         fragment: &str,
     ) -> std::io::Result<()> {
-        if !self.ensure_ascii || fragment.is_ascii() {
+        // Python writes DEL escaped too: only ' ' to '~' go as they are (control characters
+        // below ' ' never reach a fragment).
+        if !self.ensure_ascii || (fragment.is_ascii() && !fragment.contains('\x7f')) {
             return w.write_all(fragment.as_bytes());
         }
         for c in fragment.chars() {
-            if c.is_ascii() {
+            if c.is_ascii() && c != '\x7f' {
                 w.write_all(&[c as u8])?;
             } else {
                 let mut units = [0u16; 2];
@@ -1922,6 +1924,11 @@ y|"#
             "{\n \"b\":[\n  1,\n  \"ü😀\",\n  {}\n ],\n \"a\":{\n  \"y\":[],\n  \"x\":true\n }\n}"
         );
         assert!(tojson(&v, Kwargs::from_iter([("sort", Value::from(true))])).is_err(), "an unknown argument");
+        // DEL is ASCII, and Python escapes it all the same (it was written raw).
+        let del: Value = serde_json::from_str(r#"{"q": "a\u007fb", "r": "a\u007fü"}"#).unwrap();
+        let ascii = tojson(&del, Kwargs::from_iter([("ensure_ascii", Value::from(true))])).unwrap();
+        assert_eq!(ascii.to_string(), r#"{"q": "a\u007fb", "r": "a\u007f\u00fc"}"#);
+        assert_eq!(python_json_dumps(&serde_json::json!({"q": "a\u{7f}b"})), r#"{"q": "a\u007fb"}"#);
         // An indent written at every level is bounded: a request's template could ask for
         // petabytes of spaces.
         for indent in [Value::from(1_000_000_000_000_000u64), Value::from("x".repeat(65))] {

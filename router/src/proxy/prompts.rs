@@ -18,6 +18,7 @@
 //! `Tokenization`, so hashes match the replica's.
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -28,7 +29,7 @@ use kvroute_proto::openai::{
     ChatOptions, ChatRequest, Endpoint, InlineSystem, ParsedRequest, PartialPrompt, RequestError,
     Tokenization, Truncation,
 };
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_128_with_seed};
 
 use super::body::{ProxyBody, full};
 use super::upstream::verdicts;
@@ -230,6 +231,9 @@ pub struct RemoteTokenizer {
     client: Client,
     timeout: Duration,
     cache: Mutex<Cache>,
+    /// The cache keys' seed, random per process: a client cannot make its body's key another
+    /// body's (and take over that body's answer) without knowing it.
+    seed: u64,
     /// The replicas were seen to refuse a Messages conversation with its inline system
     /// messages in place and take it with them folded: later ones are folded from the start.
     folds_inline_system: AtomicBool,
@@ -239,8 +243,8 @@ pub struct RemoteTokenizer {
 
 #[derive(Default)]
 struct Cache {
-    map: HashMap<u64, Arc<Vec<Vec<u32>>>>,
-    order: VecDeque<u64>,
+    map: HashMap<u128, Arc<Vec<Vec<u32>>>>,
+    order: VecDeque<u128>,
     /// Token bytes held.
     bytes: usize,
 }
@@ -249,7 +253,7 @@ impl Cache {
     /// Keeps `tokens` under `key`, the oldest answers giving way to stay within
     /// [`REMOTE_CACHE_ENTRIES`] and [`REMOTE_CACHE_BYTES`]; an answer over a sixteenth of the
     /// bytes is not kept.
-    fn keep(&mut self, key: u64, tokens: &[Vec<u32>]) {
+    fn keep(&mut self, key: u128, tokens: &[Vec<u32>]) {
         let cost = |tokens: &[Vec<u32>]| tokens.iter().map(|t| t.len() * 4).sum::<usize>();
         let bytes = cost(tokens);
         if bytes > REMOTE_CACHE_BYTES / 16 || self.map.contains_key(&key) {
@@ -274,6 +278,7 @@ impl RemoteTokenizer {
             client,
             timeout,
             cache: Mutex::default(),
+            seed: RandomState::new().hash_one(0u64),
             folds_inline_system: AtomicBool::new(false),
             specials: tokio::sync::OnceCell::new(),
         }
@@ -306,7 +311,7 @@ impl RemoteTokenizer {
         };
         // The local day, as templates print it.
         let day = xxh3_64(kvroute_proto::openai::chat_template::today().as_bytes());
-        let key = xxh3_64_with_seed(body, endpoint_seed ^ (day << 2));
+        let key = xxh3_128_with_seed(body, self.seed ^ endpoint_seed ^ (day << 2));
         if let Some(hit) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).map.get(&key).cloned() {
             return Ok(PromptInfo { namespace, tokens: hit.as_ref().clone(), unhashed_tokens: None });
         }
@@ -318,7 +323,7 @@ impl RemoteTokenizer {
             .filter_map(|(m, verdict)| verdict.is_none().then_some(m.replica.spec.http_url.as_str()))
             .collect();
         if !askable.is_empty() {
-            let turn = (key % askable.len() as u64) as usize;
+            let turn = (key % askable.len() as u128) as usize;
             askable.rotate_left(turn);
         }
         let replica_urls = askable.as_slice();
