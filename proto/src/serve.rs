@@ -397,10 +397,14 @@ async fn accept_loop<H, F, B>(
         // At the connection limit, this connection waits for one to close and the loop
         // accepts no other. (Waiting before `accept` instead would strand a connection the
         // kernel queued on this thread's socket while another thread's loop took the slot.)
+        // A shutdown meanwhile serves it all the same, without a slot: it was accepted, and
+        // its request is likely in (dropped, it was reset, the client answered nothing). It
+        // is read first, then closed gracefully like every other, and it is the loop's last.
         let slot = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
+            _ = shutdown.cancelled() => None,
+            slot = slots.clone().acquire_owned() => Some(slot.expect("the semaphore is never closed")),
         };
+        let last = slot.is_none();
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(error = %e, %peer, "cannot set TCP_NODELAY");
         }
@@ -468,6 +472,9 @@ async fn accept_loop<H, F, B>(
                 tracing::debug!(error = %e, %peer, "connection ended with an error");
             }
         });
+        if last {
+            break;
+        }
     }
     drop(listener);
 }
@@ -781,6 +788,55 @@ mod tests {
             ..Limits::default()
         };
         (addr, shutdown.clone(), tokio::spawn(serve_with(listener, handler, limits, shutdown)))
+    }
+
+    /// Connections queued on the listening socket at `port` of 127.0.0.1, not yet accepted
+    /// (Linux: a listening socket's `rx_queue` in `/proc/net/tcp`).
+    fn queued_at(port: u16) -> Option<u32> {
+        let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+        let local = format!("0100007F:{port:04X}");
+        table.lines().skip(1).find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let listening = fields.get(1) == Some(&local.as_str()) && fields.get(3) == Some(&"0A");
+            let rx = fields.get(4)?.split_once(':')?.1;
+            listening.then(|| u32::from_str_radix(rx, 16).ok()).flatten()
+        })
+    }
+
+    /// A connection accepted while every slot is taken, its request in, is answered when a
+    /// shutdown comes before a slot does. It was dropped unread, and the client got a reset.
+    #[tokio::test]
+    async fn a_connection_waiting_for_a_slot_at_shutdown_is_answered() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let handler = |_: Request<Incoming>| async { Response::new(Full::new(Bytes::from_static(b"fine"))) };
+        let limits = Limits { max_connections: 1, ..Limits::default() };
+        let server = tokio::spawn(serve_with(listener, handler, limits, shutdown.clone()));
+        // The one slot, held by an idle keep-alive connection.
+        let mut holder = tokio::net::TcpStream::connect(addr).await.unwrap();
+        holder.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        let mut answer = [0u8; 256];
+        let n = within("the holder's answer", holder.read(&mut answer)).await.unwrap();
+        assert!(answer[..n].starts_with(b"HTTP/1.1 200"));
+        let mut waiting = tokio::net::TcpStream::connect(addr).await.unwrap();
+        waiting.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();
+        if queued_at(addr.port()).is_none() {
+            eprintln!("no /proc/net/tcp to see the accept queue in: not checked");
+            return;
+        }
+        within("the waiting connection accepted", async {
+            while queued_at(addr.port()) != Some(0) {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await;
+        shutdown.cancel();
+        let mut response = String::new();
+        let read = within("the waiting connection's answer", waiting.read_to_string(&mut response)).await;
+        assert!(read.is_ok() && response.starts_with("HTTP/1.1 200"), "{read:?} {response:?}");
+        drop(holder);
+        within("the server's drain", server).await.unwrap();
     }
 
     /// An HTTP/2 client that keeps an idle connection (it answers PINGs, as a pool does) gives
