@@ -787,7 +787,8 @@ fn wrap(
         .headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
+        .and_then(|v| v.get(.."text/event-stream".len()))
+        .is_some_and(|v| v.eq_ignore_ascii_case("text/event-stream"));
     let hooks = Box::new(ResponseHooks {
         guard,
         _slot: admitted.slot,

@@ -278,6 +278,10 @@ impl Owners {
                 }
             }
         };
+        // Not asked until this lookup has its answers: a lookup after this one, given up
+        // before them, must not leave the one waiting behind it a 503 (the gate said "asked"
+        // from a lookup done before either took it).
+        *asked = false;
         let members = fleet.members();
         let segment = utf8_percent_encode(id, SEGMENT).to_string();
         let asks = members.iter().map(|member| {
