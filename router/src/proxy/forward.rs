@@ -39,7 +39,7 @@ use super::responses::{Learner, Owner, Owners};
 use super::route::{Decider, Plan, Scored};
 use super::stalls::StallWatch;
 use super::upload::{self, Progress};
-use super::upstream::{Ineligible, LoadGuard, Upstream};
+use super::upstream::{LoadGuard, Upstream};
 use crate::index::CreditHold;
 use crate::metrics::ProxyMetrics;
 use crate::replicas::Replica;
@@ -351,31 +351,33 @@ impl Retry {
 
 /// Whether `member`, a candidate when its request was decided, is out of the running for a
 /// later attempt: the fleet no longer has it (removed, or replaced by a replica of the same
-/// name at another address, whose id it shares), or it is draining or out of service since.
-/// Health and ejection are not checked here: with none up, those are tried ([`retry_on`]).
+/// name at another address, whose id it shares), it is draining or out of service since, or
+/// it is unhealthy or ejected since while another replica is up (with none up, those are
+/// tried, as a decision tries them).
 pub(super) fn gone_since(fleet: &crate::fleet::Fleet, member: &crate::fleet::Member) -> bool {
     let upstream = &member.upstream;
     let still_there =
         fleet.member(&member.replica.spec.name).is_some_and(|now| Arc::ptr_eq(&now.upstream, upstream));
-    !still_there || upstream.is_draining() || !upstream.is_serving()
+    let others_up = || {
+        fleet
+            .members()
+            .iter()
+            .any(|m| !Arc::ptr_eq(&m.upstream, upstream) && m.upstream.eligibility(u32::MAX).is_ok())
+    };
+    !still_there
+        || upstream.is_draining()
+        || !upstream.is_serving()
+        || (!upstream.is_healthy() && others_up())
 }
 
 /// Whether `member`, a candidate when the request was decided, may take its retry: it is not
-/// [`gone_since`], nor unhealthy or ejected since while another replica is up, nor at
-/// `--max-in-flight-per-replica` since (when a whole fleet refuses at once, overloaded, the
-/// retries would go on past the limit: it may take the retry once it has room).
+/// [`gone_since`], nor at `--max-in-flight-per-replica` since (when a whole fleet refuses at
+/// once, overloaded, the retries would go on past the limit: it may take the retry once it
+/// has room).
 fn retry_on(decider: &Decider, member: &crate::fleet::Member) -> Retry {
-    let upstream = &member.upstream;
-    let max = decider.max_in_flight_per_replica;
-    let others_up = || {
-        decider.fleet.members().iter().any(|m| {
-            !Arc::ptr_eq(&m.upstream, upstream)
-                && matches!(m.upstream.eligibility(max), Ok(()) | Err(Ineligible::Saturated))
-        })
-    };
-    if gone_since(&decider.fleet, member) || (!upstream.is_healthy() && others_up()) {
+    if gone_since(&decider.fleet, member) {
         Retry::Not
-    } else if !upstream.has_room(max) {
+    } else if !member.upstream.has_room(decider.max_in_flight_per_replica) {
         Retry::Saturated
     } else {
         Retry::Takes
