@@ -341,6 +341,7 @@ impl Bench {
                 eagle: false,
                 metrics: ProxyMetrics::register(registry),
                 ranks_by: Some(policy::CacheAware::new(CacheAwareParams::default())),
+                deciding: Default::default(),
             }
         };
         let plain = decider(0, &mut registry);

@@ -239,6 +239,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         metrics,
         ranks_by: (config.policy == policy::PolicyKind::CacheAware && !config.no_rank_routing)
             .then(|| policy::CacheAware::new(params)),
+        deciding: Default::default(),
     };
     // Resolved once: the heartbeats need one slot for each thread that will tick.
     let http_threads = config.http_threads();

@@ -41,6 +41,11 @@ pub struct Decider {
     /// How a data-parallel replica's rank is named ([`crate::index::Ranks`]): by the
     /// cache-aware cost. `None` with the other policies, which leave it to the replica.
     pub ranks_by: Option<policy::CacheAware>,
+    /// Held while a decision scores and credits its choice: the next sees its credits. (Two
+    /// deciding at once each saw none of the other's, and a burst of requests on a new
+    /// shared prefix went to as many replicas as threads decided it.) Tokenizing and
+    /// hashing are done before it.
+    pub deciding: std::sync::Mutex<()>,
 }
 
 /// Per-request bounds checked after tokenization, before anything is credited or forwarded.
@@ -266,13 +271,17 @@ impl Decider {
     pub fn decide_prepared(&self, prepared: &Prepared, limits: &RequestLimits) -> Result<Plan, ProxyError> {
         let members = prepared.first_members();
         let started = if members.is_some() { prepared.started } else { Instant::now() };
-        let mut plan = self.plan_prepared(prepared, members, true);
-        self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
-        limits.check(&plan, prepared.asked)?;
-        if plan.chosen().is_none() {
-            return Err(unavailable(&plan));
-        }
-        self.credit(&mut plan, 0);
+        let plan = {
+            let _one = self.deciding.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut plan = self.plan_prepared(prepared, members, true);
+            self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
+            limits.check(&plan, prepared.asked)?;
+            if plan.chosen().is_none() {
+                return Err(unavailable(&plan));
+            }
+            self.credit(&mut plan, 0);
+            plan
+        };
         self.metrics.count_decision(self.policy.kind().as_str());
         if plan.unhashed_tokens.is_some() {
             self.metrics.partial_prompts.inc();

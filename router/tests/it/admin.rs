@@ -256,6 +256,31 @@ async fn prompts_differing_in_their_last_partial_block_spread() {
     assert_eq!(chosen.len(), 4, "{chosen:?}");
 }
 
+/// Requests deciding at once that share a new prefix (a system prompt not yet cached) go
+/// where the first of them went: each decision sees the credits of the one before it. Two
+/// threads deciding together both saw none, and their requests went to different replicas,
+/// each to prefill the prefix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_deciding_at_once_on_a_new_prefix_go_together() {
+    let fleet = Fleet::start(4).await;
+    let shared: String = (0..400).map(|w| format!("system{w} ")).collect();
+    for round in 0..4 {
+        let decisions: Vec<_> = (0..32)
+            .map(|i| {
+                let (state, body) =
+                    (fleet.router.state.clone(), body(&format!("{round}{shared} user question {i}")));
+                tokio::spawn(async move {
+                    let plan = state.decider.decide(kvroute_proto::openai::Endpoint::Completions, &body);
+                    plan.await.unwrap().chosen().unwrap().member.replica.spec.name.clone()
+                })
+            })
+            .collect();
+        let chosen: std::collections::HashSet<String> =
+            futures::future::join_all(decisions).await.into_iter().map(Result::unwrap).collect();
+        assert_eq!(chosen.len(), 1, "round {round}: {chosen:?}");
+    }
+}
+
 /// A request's retries go to the replicas it did not choose in its own rendezvous order when
 /// their costs tie (the random policy's others): not to the lowest id every time, which would
 /// pile a failed replica's traffic onto one other.
