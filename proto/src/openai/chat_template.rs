@@ -1259,24 +1259,94 @@ fn strftime(format: &str, unix_secs: u64) -> String {
     out
 }
 
-/// Writes `{{ value }}` as Jinja2 does: minijinja's way, but floats as Python spells them.
+/// Writes `{{ value }}` as Jinja2 does: minijinja's way, but floats as Python spells them,
+/// in a list or a dict too.
 fn write_value(
     out: &mut minijinja::Output,
     state: &mut minijinja::State,
     value: &Value,
 ) -> Result<(), Error> {
-    match f64_of(value) {
-        Some(x) => out.write_str(&python_float::python_float(x)).map_err(Error::from),
+    match python_str(value) {
+        Some(text) => out.write_str(&text).map_err(Error::from),
         None => minijinja::escape_formatter(out, state, value),
     }
 }
 
 /// The `string` filter as Jinja2's (`str(value)`): minijinja's, but floats as Python spells
-/// them (Qwen3-Coder writes a tool call's scalar arguments with it).
+/// them (Qwen3-Coder writes a tool call's scalar arguments with it), in a list or a dict too.
 fn string(state: &minijinja::State, value: &Value) -> Result<Value, Error> {
-    match f64_of(value) {
-        Some(x) => Ok(Value::from(python_float::python_float(x))),
+    match python_str(value) {
+        Some(text) => Ok(Value::from(text)),
         None => minijinja::filters::string(state, value),
+    }
+}
+
+/// `str(value)` as Python writes it where minijinja writes it otherwise: a float, and a list
+/// or dict that holds one (minijinja writes a float in one as Rust does: `1e-5` for
+/// Python's `1e-05`; vLLM hands templates a tool call's arguments as a dict). `None` where
+/// minijinja's is Python's.
+fn python_str(value: &Value) -> Option<String> {
+    if let Some(x) = f64_of(value) {
+        return Some(python_float::python_float(x));
+    }
+    holds_float(value, 0).then(|| {
+        let mut out = String::new();
+        python_repr(value, &mut out);
+        out
+    })
+}
+
+/// How deep [`holds_float`] looks (a template's values come from JSON, nested not much).
+const REPR_DEPTH: usize = 32;
+
+/// Whether `value` is a plain list or dict with a float in it, at any depth.
+fn holds_float(value: &Value, depth: usize) -> bool {
+    if depth > REPR_DEPTH {
+        return false;
+    }
+    match value.kind() {
+        ValueKind::Number => f64_of(value).is_some(),
+        ValueKind::Seq => value.try_iter().is_ok_and(|mut items| items.any(|v| holds_float(&v, depth + 1))),
+        ValueKind::Map if value.as_object().is_none_or(|o| o.repr() == minijinja::value::ObjectRepr::Map) => {
+            value.try_iter().is_ok_and(|mut keys| {
+                keys.any(|k| value.get_item(&k).is_ok_and(|v| holds_float(&v, depth + 1)))
+            })
+        }
+        _ => false,
+    }
+}
+
+/// Python's `repr` of a list, a dict or a scalar in one (minijinja's, whose strings are
+/// Python's, but for floats).
+fn python_repr(value: &Value, out: &mut String) {
+    use std::fmt::Write as _;
+    match (value.kind(), f64_of(value)) {
+        (_, Some(x)) => out.push_str(&python_float::python_float(x)),
+        (ValueKind::Seq, _) => {
+            out.push('[');
+            for (i, item) in value.try_iter().into_iter().flatten().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(&item, out);
+            }
+            out.push(']');
+        }
+        (ValueKind::Map, _) => {
+            out.push('{');
+            for (i, key) in value.try_iter().into_iter().flatten().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(&key, out);
+                out.push_str(": ");
+                python_repr(&value.get_item(&key).unwrap_or_default(), out);
+            }
+            out.push('}');
+        }
+        _ => {
+            let _ = write!(out, "{value:?}");
+        }
     }
 }
 
@@ -1800,6 +1870,18 @@ y|"#
             "lr=1e-05|1e-05|1e-05;n=3|3|3;big=1e+16|1e+16|1e+16;t=0.7|0.7|0.7;w=2.0|2.0|2.0;\
              ok=True|True|true;none=None|None|null;\
              x=442.96881516653684|442.96881516653684|442.96881516653684;"
+        );
+        // The arguments whole, a dict printed (and through `string`): Python's repr, its
+        // floats too. They were written as Rust writes them (`1e-5`, `1e16`).
+        let source = "{% for m in messages %}{% for tc in m.tool_calls %}{{ tc.function.arguments }}\n\
+                      {{ tc.function.arguments|string }}\n{{ [tc.function.arguments.t, 'a'] }}\n{{ ['b', 1] }}\
+                      {% endfor %}{% endfor %}";
+        let template = ChatTemplate::new(source, SpecialTokens::default()).unwrap();
+        let whole = "{'lr': 1e-05, 'n': 3, 'big': 1e+16, 't': 0.7, 'w': 2.0, 'ok': True, 'none': None, \
+                     'x': 442.96881516653684}";
+        assert_eq!(
+            template.render(&chat.messages, chat.variables()).unwrap(),
+            format!("{whole}\n{whole}\n[0.7, 'a']\n['b', 1]")
         );
     }
 
