@@ -26,7 +26,9 @@
 //! serving) is diffed against what was last applied, and only the differences reach the
 //! [`ReplicaSink`] (removals first, then name by name a change of serving before an addition
 //! or a changed spec), one at a time and awaited, so a sink never sees two operations on one
-//! name at once. Removing a replica frees everything it held in the
+//! name at once. A spec the sink refuses is tried once more after the rest of the listing
+//! (an address it wants may be freed later in it), then left to the next listing. Removing
+//! a replica frees everything it held in the
 //! index (the sink calls [`Ingest::remove_replica`]).
 //!
 //! [`Discovery::is_listed`] turns true after the first complete listing, for `/ready`.
@@ -320,6 +322,13 @@ impl<S: ReplicaSink> Reconciler<S> {
     /// Counts a source error (a failed resolution or watch step).
     pub fn error(&self, error: &dyn std::error::Error) {
         tracing::warn!(error = %error, "discovery error; retrying");
+        self.metrics.errors.inc();
+    }
+
+    /// [`Self::error`] of one said already (the same step failing again): counted, logged
+    /// at debug level only.
+    pub fn error_again(&self, error: &dyn std::error::Error) {
+        tracing::debug!(error = %error, "discovery error again; retrying");
         self.metrics.errors.inc();
     }
 

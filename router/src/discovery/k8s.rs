@@ -14,8 +14,9 @@
 //! With `--discovery-pod-annotations`, every listed pod is read once (`GET pod`, cached by
 //! name until its UID changes or it leaves the listing) and its `kvroute.io/*` annotations
 //! ([`PodOverrides`]) win over the slice's named ports and the configured defaults. A read
-//! that failed is tried again every `--discovery-interval-ms`; meanwhile the slice's ports
-//! apply.
+//! that failed is tried again at a retry (every `--discovery-interval-ms`) once its wait is
+//! over (the interval, doubling to 5 min), one failing read a retry at most; meanwhile the slice's
+//! ports apply.
 
 use std::collections::{BTreeMap, HashMap};
 use std::pin::pin;
@@ -78,7 +79,7 @@ impl SliceSource {
     ) {
         let config = watcher::Config::default().labels(&format!("{SERVICE_NAME_LABEL}={}", self.service));
         let mut events = pin!(watcher(api, config).default_backoff());
-        let mut annotations = pods.map(|api| Annotations { api, cache: HashMap::new() });
+        let mut annotations = pods.map(|api| Annotations::new(api, retry));
         let mut slices = Slices::new();
         let mut unread = Unread::new();
         // Slices of a listing in progress (between `Init` and `InitDone`), and those of them
@@ -94,7 +95,14 @@ impl SliceSource {
                     tokio::select! {
                         () = shutdown.cancelled() => return,
                         () = async {
+                            // Not past a lookup that fails (the API server is in trouble: the
+                            // rest wait for the next retry, and the watch is not held up).
+                            let failures = annotations.as_ref().map_or(0, |a| a.failures);
                             for (key, slice) in std::mem::take(&mut unread) {
+                                if annotations.as_ref().is_some_and(|a| a.failures > failures) {
+                                    unread.insert(key, slice);
+                                    continue;
+                                }
                                 let replicas = self.resolve(&slice, &mut annotations, &reconciler).await;
                                 keep(&mut slices, &mut unread, key, slice, replicas);
                             }
@@ -262,6 +270,7 @@ async fn apply<S: ReplicaSink>(
     if let Some(a) = annotations {
         // Forget pods that left: their annotations are read again if they come back.
         a.cache.retain(|name, _| all.contains_key(name));
+        a.failed.retain(|name, _| all.contains_key(name));
     }
     reconciler.apply_serving(all).await;
 }
@@ -321,9 +330,47 @@ impl PodOverrides {
 struct Annotations {
     api: Api<Pod>,
     cache: HashMap<String, (Option<String>, PodOverrides)>,
+    /// Pods whose lookup failed: when to try again, and the wait after that.
+    failed: HashMap<String, (tokio::time::Instant, std::time::Duration)>,
+    /// Lookups that failed, ever.
+    failures: u64,
+    /// The first wait before a failed lookup is tried again (the retry interval); it doubles
+    /// with each failure, to [`POD_RETRY_MOST`].
+    first_wait: std::time::Duration,
 }
 
+/// The longest wait between tries of a pod's lookup.
+const POD_RETRY_MOST: std::time::Duration = std::time::Duration::from_secs(300);
+
 impl Annotations {
+    fn new(api: Api<Pod>, first_wait: std::time::Duration) -> Self {
+        Self { api, cache: HashMap::new(), failed: HashMap::new(), failures: 0, first_wait }
+    }
+
+    /// Records a failed lookup of `pod`; says it at the first failure of a run, counts the
+    /// others quietly.
+    fn failed<S: ReplicaSink>(
+        &mut self,
+        pod: &str,
+        error: &dyn std::error::Error,
+        reconciler: &Reconciler<S>,
+    ) {
+        self.failures += 1;
+        let now = tokio::time::Instant::now();
+        match self.failed.get_mut(pod) {
+            Some((next, wait)) => {
+                *wait = (*wait * 2).min(POD_RETRY_MOST);
+                *next = now + *wait;
+                reconciler.error_again(error);
+            }
+            None => {
+                tracing::warn!(%pod, "discovery: pod lookup failed; its slice's ports apply until it is read");
+                self.failed.insert(pod.to_owned(), (now + self.first_wait, self.first_wait));
+                reconciler.error(error);
+            }
+        }
+    }
+
     async fn overrides<S: ReplicaSink>(
         &mut self,
         ep: &ListedEndpoint,
@@ -334,14 +381,18 @@ impl Annotations {
         {
             return Some(overrides.clone());
         }
+        // Failed lately: not asked again before its wait is over.
+        if self.failed.get(&ep.name).is_some_and(|(next, _)| tokio::time::Instant::now() < *next) {
+            return None;
+        }
         // The client sets no read timeout: an API server that stops answering would hold
         // every later change.
         let looked_up = match tokio::time::timeout(POD_LOOKUP_TIMEOUT, self.api.get_opt(&ep.name)).await {
             Ok(looked_up) => looked_up,
             Err(elapsed) => {
-                // Not cached either: tried again at the next retry or event of its slice.
-                tracing::warn!(pod = %ep.name, timeout = ?POD_LOOKUP_TIMEOUT, "discovery: pod lookup timed out; its slice's ports apply");
-                reconciler.error(&elapsed);
+                // Not cached either: tried again once its wait is over.
+                tracing::debug!(pod = %ep.name, timeout = ?POD_LOOKUP_TIMEOUT, "discovery: pod lookup timed out");
+                self.failed(&ep.name, &elapsed, reconciler);
                 return None;
             }
         };
@@ -353,12 +404,13 @@ impl Annotations {
                     tracing::warn!(pod = %ep.name, annotations = ?bad, "discovery: ignoring unparsable annotations");
                 }
                 self.cache.insert(ep.name.clone(), (ep.pod_uid.clone(), overrides.clone()));
+                self.failed.remove(&ep.name);
                 Some(overrides)
             }
             Err(e) => {
-                // Not cached: tried again at the next retry or event of its slice; meanwhile
-                // the slice's ports apply.
-                reconciler.error(&e);
+                // Not cached: tried again once its wait is over; meanwhile the slice's ports
+                // apply.
+                self.failed(&ep.name, &e, reconciler);
                 None
             }
         }
