@@ -41,11 +41,28 @@ pub struct Decider {
     /// How a data-parallel replica's rank is named ([`crate::index::Ranks`]): by the
     /// cache-aware cost. `None` with the other policies, which leave it to the replica.
     pub ranks_by: Option<policy::CacheAware>,
-    /// Held while a decision scores and credits its choice: the next sees its credits. (Two
-    /// deciding at once each saw none of the other's, and a burst of requests on a new
-    /// shared prefix went to as many replicas as threads decided it.) Tokenizing and
-    /// hashing are done before it.
-    pub deciding: std::sync::Mutex<()>,
+    /// One is held while a cache-aware decision scores and credits its choice, chosen by the
+    /// request's first block: the next decision of a request that begins alike sees its
+    /// credits. (Two deciding at once each saw none of the other's, and a
+    /// burst of requests on a new shared prefix went to as many replicas as threads decided
+    /// it.) Requests that begin otherwise decide in parallel, and tokenizing and hashing are
+    /// done before.
+    pub deciding: Deciding,
+}
+
+/// The locks of [`Decider::deciding`].
+#[derive(Debug, Default)]
+pub struct Deciding([std::sync::Mutex<()>; DECIDING_SHARDS]);
+
+/// How many [`Deciding`] locks there are.
+const DECIDING_SHARDS: usize = 32;
+
+impl Deciding {
+    /// The lock of requests whose first block is `first`.
+    fn lock(&self, first: &BlockHash) -> std::sync::MutexGuard<'_, ()> {
+        let shard = (first.0 % DECIDING_SHARDS as u64) as usize;
+        self.0[shard].lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 /// Per-request bounds checked after tokenization, before anything is credited or forwarded.
@@ -272,7 +289,11 @@ impl Decider {
         let members = prepared.first_members();
         let started = if members.is_some() { prepared.started } else { Instant::now() };
         let plan = {
-            let _one = self.deciding.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            // Only where credits steer the choice, and there are blocks to credit.
+            let credits_steer =
+                self.policy.kind() == policy::PolicyKind::CacheAware || self.ranks_by.is_some();
+            let _one =
+                prepared.all_blocks.first().filter(|_| credits_steer).map(|first| self.deciding.lock(first));
             let mut plan = self.plan_prepared(prepared, members, true);
             self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
             limits.check(&plan, prepared.asked)?;
