@@ -203,7 +203,8 @@ pub async fn routed(
             Ok(Ok(response))
                 if response.status() == http::StatusCode::SERVICE_UNAVAILABLE
                     && tried < MAX_ATTEMPTS
-                    && untried(plan, &sent_to).any(|(_, s)| retry_on(decider, &s.member).may(line.0)) =>
+                    && untried(plan, &sent_to)
+                        .any(|(_, s)| retry_on(decider, plan, &s.member).may(line.0)) =>
             {
                 // A 503 means the replica refused the request without starting it (shutting
                 // down, queue full): another replica can take it, now or once it has room.
@@ -352,16 +353,20 @@ impl Retry {
 /// Whether `member`, a candidate when its request was decided, is out of the running for a
 /// later attempt: the fleet no longer has it (removed, or replaced by a replica of the same
 /// name at another address, whose id it shares), it is draining or out of service since, or
-/// it is unhealthy or ejected since while another replica is up (with none up, those are
-/// tried, as a decision tries them).
-pub(super) fn gone_since(fleet: &crate::fleet::Fleet, member: &crate::fleet::Member) -> bool {
+/// it is unhealthy or ejected since while another of `peers` (the request's other
+/// candidates: those with its adapter) is up (with none up, those are tried, as a decision
+/// tries them).
+pub(super) fn gone_since<'a>(
+    fleet: &crate::fleet::Fleet,
+    member: &crate::fleet::Member,
+    peers: impl IntoIterator<Item = &'a crate::fleet::Member>,
+) -> bool {
     let upstream = &member.upstream;
     let still_there =
         fleet.member(&member.replica.spec.name).is_some_and(|now| Arc::ptr_eq(&now.upstream, upstream));
     let others_up = || {
-        fleet
-            .members()
-            .iter()
+        peers
+            .into_iter()
             .any(|m| !Arc::ptr_eq(&m.upstream, upstream) && m.upstream.eligibility(u32::MAX).is_ok())
     };
     !still_there
@@ -374,8 +379,8 @@ pub(super) fn gone_since(fleet: &crate::fleet::Fleet, member: &crate::fleet::Mem
 /// [`gone_since`], nor at `--max-in-flight-per-replica` since (when a whole fleet refuses at
 /// once, overloaded, the retries would go on past the limit: it may take the retry once it
 /// has room).
-fn retry_on(decider: &Decider, member: &crate::fleet::Member) -> Retry {
-    if gone_since(&decider.fleet, member) {
+fn retry_on(decider: &Decider, plan: &Plan, member: &crate::fleet::Member) -> Retry {
+    if gone_since(&decider.fleet, member, plan.order().map(|s| &s.member)) {
         Retry::Not
     } else if !member.upstream.has_room(decider.max_in_flight_per_replica) {
         Retry::Saturated
@@ -418,7 +423,7 @@ async fn next_attempt(
 ) -> Result<usize, Option<ProxyError>> {
     let next = || {
         let candidates = untried(plan, sent_to)
-            .map(|(i, scored)| (i, retry_on(decider, &scored.member), scored.member.replica.id));
+            .map(|(i, scored)| (i, retry_on(decider, plan, &scored.member), scored.member.replica.id));
         first_to_take(candidates).map_err(|saturated| match saturated.is_empty() {
             true => ProxyError::Unavailable("no replica left to retry on".into()),
             false => ProxyError::Saturated {
@@ -489,7 +494,7 @@ pub async fn to_replica(
         let upstream = &member.upstream;
         // A later one gone since the replicas were chosen is passed over, as a routed
         // retry's is (not one at its in-flight limit, which is soft).
-        if attempt > 0 && gone_since(&decider.fleet, member) {
+        if attempt > 0 && gone_since(&decider.fleet, member, members) {
             continue;
         }
         if attempt > 0 {

@@ -74,7 +74,7 @@ pub(super) async fn open(
     let mut last_error = None;
     // A later one gone since the replicas were chosen is passed over, as a retry's is (read
     // when its turn comes).
-    let later = members.iter().skip(1).filter(|member| !forward::gone_since(state.fleet(), member));
+    let later = members.iter().skip(1).filter(|member| !forward::gone_since(state.fleet(), member, &members));
     for (attempt, member) in members.iter().take(1).chain(later).take(MAX_ATTEMPTS).enumerate() {
         if attempt > 0 {
             metrics.retries.inc();
