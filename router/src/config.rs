@@ -282,8 +282,9 @@ pub struct Config {
     pub health_interval_ms: u64,
     /// Time allowed for a health check's answer (and for each read of the replica's
     /// `/metrics` and `/v1/models` that follows a check passed), milliseconds. SGLang's
-    /// `/health` runs a one-token generation and takes about a second. A round of checks
-    /// lasts as long as its slowest replica's.
+    /// `/health` runs a one-token generation and takes about a second. Each replica's check
+    /// runs on its own: a slow one holds up no other's, and is not checked again until it
+    /// is over.
     #[arg(long, env = "KVROUTE_HEALTH_TIMEOUT_MS", default_value_t = 2_000)]
     pub health_timeout_ms: u64,
     /// Consecutive failed health checks (no 2xx within --health-timeout-ms) that make a

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
-use kvroute_proto::{ReplicaId, prometheus};
+use kvroute_proto::prometheus;
 use tokio_util::sync::CancellationToken;
 
 use super::ProxyState;
@@ -62,17 +62,21 @@ pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shu
     let mut tick = tokio::time::interval(settings.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The checks under way, each with the replica it checks; every replica's last listing.
+    // A replica is its upstream: one replaced under the same name (a pod at a new address)
+    // is checked at once, and what a check of the old one says is dropped.
     let mut under_way = futures::stream::FuturesUnordered::new();
     let mut checking = HashSet::new();
-    let mut listings: HashMap<ReplicaId, HashSet<String>> = HashMap::new();
+    let mut listings: HashMap<usize, HashSet<String>> = HashMap::new();
+    let key = |member: &Member| Arc::as_ptr(&member.upstream) as usize;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            Some((id, listed)) = under_way.next(), if !under_way.is_empty() => {
-                checking.remove(&id);
+            Some((checked, listed)) = under_way.next(), if !under_way.is_empty() => {
+                checking.remove(&checked);
+                let current = fleet.members().iter().any(|m| key(m) == checked);
                 match listed {
-                    Some(listed) => listings.insert(id, listed),
-                    None => listings.remove(&id),
+                    Some(listed) if current => listings.insert(checked, listed),
+                    _ => listings.remove(&checked),
                 };
                 // The round's last: learned from at once, as the tick would a round later.
                 if checking.is_empty() {
@@ -84,12 +88,12 @@ pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shu
             () = shutdown.cancelled() => return,
         }
         let members = fleet.members();
-        listings.retain(|id, _| members.iter().any(|m| m.replica.id == *id));
+        listings.retain(|checked, _| members.iter().any(|m| key(m) == *checked));
         for member in members {
-            let id = member.replica.id;
-            if checking.insert(id) {
+            let checked = key(&member);
+            if checking.insert(checked) {
                 let client = &client;
-                under_way.push(async move { (id, check(member, fleet, client, settings).await) });
+                under_way.push(async move { (checked, check(member, fleet, client, settings).await) });
             }
         }
         // (Those of a replica still under way from an earlier tick: its last listing stands.)
@@ -156,8 +160,8 @@ async fn check(
     if healthy != was {
         tracing::info!(replica = %member.replica.spec.name, healthy, "replica health changed");
     }
-    // A check that failed asks nothing more (a replica that does not answer would hold the
-    // round for every read's timeout).
+    // A check that failed asks nothing more (a replica that does not answer would go
+    // unchecked for every read's timeout).
     let healthy = healthy && passed;
     // This router's own requests during the scrape: those in flight as it begins and those
     // sent meanwhile are the most the report can hold of them.

@@ -1335,7 +1335,7 @@ async fn a_slow_health_check_holds_up_no_other() {
 }
 
 /// A failed health check asks nothing more of the replica (its metrics, its models): a
-/// replica that does not answer would hold every round of checks for each read's timeout.
+/// replica that does not answer would go unchecked for each read's timeout.
 #[tokio::test]
 async fn a_failed_health_check_reads_nothing_more() {
     use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
