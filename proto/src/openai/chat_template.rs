@@ -1438,7 +1438,7 @@ fn sorted_keys(value: &Value) -> Value {
 }
 
 /// `json.dumps(value)` with Python's defaults: `", "` and `": "` between items and after keys,
-/// every non-ASCII character as `\uXXXX`.
+/// every non-ASCII character (and DEL) as `\uXXXX`.
 pub(crate) fn python_json_dumps(value: &serde_json::Value) -> String {
     let formatter = PythonFormatter {
         item: b", ".to_vec(),
@@ -1457,7 +1457,7 @@ pub(crate) fn python_json_dumps(value: &serde_json::Value) -> String {
 
 /// serde_json output as Python's `json.dumps` writes it: its item and key separators, its
 /// indentation (a newline and the indent for each level after `[`, `{` and each item
-/// separator), and with `ensure_ascii` every non-ASCII character as `\uXXXX`.
+/// separator), and with `ensure_ascii` every non-ASCII character (and DEL) as `\uXXXX`.
 struct PythonFormatter {
     item: Vec<u8>,
     key: Vec<u8>,

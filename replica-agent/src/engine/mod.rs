@@ -241,7 +241,9 @@ impl Engine {
         let metrics =
             Arc::new(EngineMetrics { zmtp_refused: publisher.refused(), ..EngineMetrics::default() });
         let config = Arc::new(config);
-        let (tx, rx) = mpsc::channel(config.max_waiting.max(1) + 1);
+        // (At most a semaphore's permits: the configuration takes `max_waiting` up to that.)
+        let slots = (config.max_waiting.max(1) + 1).min(tokio::sync::Semaphore::MAX_PERMITS);
+        let (tx, rx) = mpsc::channel(slots);
         let accepting = shutdown.child_token();
         tracker.spawn(
             scheduler::Scheduler::new(config.clone(), state.clone(), metrics.clone(), publisher, rx)

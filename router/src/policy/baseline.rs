@@ -43,6 +43,10 @@ impl Turns {
         if let Some(i) = chosen {
             self.now += 1;
             self.last.insert(replicas[i].id, self.now);
+            // Replicas gone for good (ids are not used again) leave it now and then.
+            if self.last.len() > 2 * replicas.len() + 16 {
+                self.last.retain(|id, _| replicas.iter().any(|r| r.id == *id));
+            }
         }
         Decision { chosen, costs }
     }

@@ -29,7 +29,7 @@ use kvroute_proto::openai::{
     ChatOptions, ChatRequest, Endpoint, InlineSystem, ParsedRequest, PartialPrompt, RequestError,
     Tokenization, Truncation,
 };
-use xxhash_rust::xxh3::{xxh3_64, xxh3_128_with_seed};
+use xxhash_rust::xxh3::xxh3_64;
 
 use super::body::{ProxyBody, full};
 use super::upstream::verdicts;
@@ -231,9 +231,9 @@ pub struct RemoteTokenizer {
     client: Client,
     timeout: Duration,
     cache: Mutex<Cache>,
-    /// The cache keys' seed, random per process: a client cannot make its body's key another
-    /// body's (and take over that body's answer) without knowing it.
-    seed: u64,
+    /// The cache keys' hash, keyed at random per process (SipHash, twice for 128 bits): a
+    /// client cannot make its body's key another body's, and take over that body's answer.
+    keys: (RandomState, RandomState),
     /// The replicas were seen to refuse a Messages conversation with its inline system
     /// messages in place and take it with them folded: later ones are folded from the start.
     folds_inline_system: AtomicBool,
@@ -278,7 +278,7 @@ impl RemoteTokenizer {
             client,
             timeout,
             cache: Mutex::default(),
-            seed: RandomState::new().hash_one(0u64),
+            keys: (RandomState::new(), RandomState::new()),
             folds_inline_system: AtomicBool::new(false),
             specials: tokio::sync::OnceCell::new(),
         }
@@ -311,7 +311,8 @@ impl RemoteTokenizer {
         };
         // The local day, as templates print it.
         let day = xxh3_64(kvroute_proto::openai::chat_template::today().as_bytes());
-        let key = xxh3_128_with_seed(body, self.seed ^ endpoint_seed ^ (day << 2));
+        let what = (endpoint_seed, day, body);
+        let key = (u128::from(self.keys.0.hash_one(what)) << 64) | u128::from(self.keys.1.hash_one(what));
         if let Some(hit) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).map.get(&key).cloned() {
             return Ok(PromptInfo { namespace, tokens: hit.as_ref().clone(), unhashed_tokens: None });
         }
