@@ -15,8 +15,8 @@
 //! name until its UID changes or it leaves the listing) and its `kvroute.io/*` annotations
 //! ([`PodOverrides`]) win over the slice's named ports and the configured defaults. A read
 //! that failed is tried again at a retry (every `--discovery-interval-ms`) once its wait is
-//! over (the interval, doubling to 5 min), one failing read a retry at most; meanwhile the slice's
-//! ports apply.
+//! over (the interval, doubling to 5 min; every one is due again once a read succeeds), and
+//! a retry makes no read past one that fails; meanwhile the slice's ports apply.
 
 use std::collections::{BTreeMap, HashMap};
 use std::pin::pin;
@@ -95,16 +95,17 @@ impl SliceSource {
                     tokio::select! {
                         () = shutdown.cancelled() => return,
                         () = async {
-                            // Not past a lookup that fails (the API server is in trouble: the
+                            // No lookup past one that fails (the API server is in trouble: the
                             // rest wait for the next retry, and the watch is not held up).
-                            let failures = annotations.as_ref().map_or(0, |a| a.failures);
+                            if let Some(a) = annotations.as_mut() {
+                                a.stop_after = Some(a.failures);
+                            }
                             for (key, slice) in std::mem::take(&mut unread) {
-                                if annotations.as_ref().is_some_and(|a| a.failures > failures) {
-                                    unread.insert(key, slice);
-                                    continue;
-                                }
                                 let replicas = self.resolve(&slice, &mut annotations, &reconciler).await;
                                 keep(&mut slices, &mut unread, key, slice, replicas);
+                            }
+                            if let Some(a) = annotations.as_mut() {
+                                a.stop_after = None;
                             }
                             apply(&slices, &mut annotations, &mut reconciler).await;
                         } => continue,
@@ -334,6 +335,8 @@ struct Annotations {
     failed: HashMap<String, (tokio::time::Instant, std::time::Duration)>,
     /// Lookups that failed, ever.
     failures: u64,
+    /// During a retry pass, `failures` as it began: past it, no lookup is made.
+    stop_after: Option<u64>,
     /// The first wait before a failed lookup is tried again (the retry interval); it doubles
     /// with each failure, to [`POD_RETRY_MOST`].
     first_wait: std::time::Duration,
@@ -344,7 +347,7 @@ const POD_RETRY_MOST: std::time::Duration = std::time::Duration::from_secs(300);
 
 impl Annotations {
     fn new(api: Api<Pod>, first_wait: std::time::Duration) -> Self {
-        Self { api, cache: HashMap::new(), failed: HashMap::new(), failures: 0, first_wait }
+        Self { api, cache: HashMap::new(), failed: HashMap::new(), failures: 0, stop_after: None, first_wait }
     }
 
     /// Records a failed lookup of `pod`; says it at the first failure of a run, counts the
@@ -381,8 +384,12 @@ impl Annotations {
         {
             return Some(overrides.clone());
         }
-        // Failed lately: not asked again before its wait is over.
-        if self.failed.get(&ep.name).is_some_and(|(next, _)| tokio::time::Instant::now() < *next) {
+        // Failed lately: not asked again before its wait is over (due at the retry that
+        // comes about then). Nor past a failure of this retry pass.
+        let now = tokio::time::Instant::now();
+        if self.failed.get(&ep.name).is_some_and(|(next, _)| now + self.first_wait / 2 < *next)
+            || self.stop_after.is_some_and(|at| self.failures > at)
+        {
             return None;
         }
         // The client sets no read timeout: an API server that stops answering would hold
@@ -404,7 +411,12 @@ impl Annotations {
                     tracing::warn!(pod = %ep.name, annotations = ?bad, "discovery: ignoring unparsable annotations");
                 }
                 self.cache.insert(ep.name.clone(), (ep.pod_uid.clone(), overrides.clone()));
+                // The API answers again: every pod that failed is due now (a new failure
+                // goes on doubling its wait).
                 self.failed.remove(&ep.name);
+                for (next, _) in self.failed.values_mut() {
+                    *next = now;
+                }
                 Some(overrides)
             }
             Err(e) => {
