@@ -43,7 +43,8 @@ impl Turns {
         if let Some(i) = chosen {
             self.now += 1;
             self.last.insert(replicas[i].id, self.now);
-            // Replicas gone for good (ids are not used again) leave it now and then.
+            // Replicas that left the fleet leave it now and then (one that comes back under
+            // its name, and id, counts as never chosen: it goes first, as its old turn would).
             if self.last.len() > 2 * replicas.len() + 16 {
                 self.last.retain(|id, _| replicas.iter().any(|r| r.id == *id));
             }

@@ -216,7 +216,13 @@ async fn check(
         .map(|cards| cards.iter().filter(|card| card.parent.is_some()).map(|card| card.id.clone()).collect());
     let timeouts = catch_up::Timeouts { list: timeout, load: load_timeout };
     let listed = cards.map(|cards| cards.into_iter().map(|card| card.id).collect());
-    catch_up::spawn(fleet, member, client, timeouts, listed);
+    // Not for a replica replaced meanwhile under its name (its id): the new one's catch-up
+    // is the one to run.
+    let current =
+        fleet.member(&member.replica.spec.name).is_some_and(|m| Arc::ptr_eq(&m.upstream, &member.upstream));
+    if current {
+        catch_up::spawn(fleet, member, client, timeouts, listed);
+    }
     adapters
 }
 
