@@ -1296,6 +1296,24 @@ fn python_str(value: &Value) -> Option<String> {
     })
 }
 
+/// `value`'s items (a map's keys), each written by `each`, between `brackets` and apart by
+/// `", "`.
+fn bracketed(
+    value: &Value,
+    brackets: (char, char),
+    out: &mut String,
+    mut each: impl FnMut(&Value, &mut String),
+) {
+    out.push(brackets.0);
+    for (i, item) in value.try_iter().into_iter().flatten().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        each(&item, out);
+    }
+    out.push(brackets.1);
+}
+
 /// How deep [`holds_float`] looks (a template's values come from JSON, nested not much).
 const REPR_DEPTH: usize = 32;
 
@@ -1322,28 +1340,12 @@ fn python_repr(value: &Value, out: &mut String) {
     use std::fmt::Write as _;
     match (value.kind(), f64_of(value)) {
         (_, Some(x)) => out.push_str(&python_float::python_float(x)),
-        (ValueKind::Seq, _) => {
-            out.push('[');
-            for (i, item) in value.try_iter().into_iter().flatten().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                python_repr(&item, out);
-            }
-            out.push(']');
-        }
-        (ValueKind::Map, _) => {
-            out.push('{');
-            for (i, key) in value.try_iter().into_iter().flatten().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                python_repr(&key, out);
-                out.push_str(": ");
-                python_repr(&value.get_item(&key).unwrap_or_default(), out);
-            }
-            out.push('}');
-        }
+        (ValueKind::Seq, _) => bracketed(value, ('[', ']'), out, |item, out| python_repr(item, out)),
+        (ValueKind::Map, _) => bracketed(value, ('{', '}'), out, |key, out| {
+            python_repr(key, out);
+            out.push_str(": ");
+            python_repr(&value.get_item(key).unwrap_or_default(), out);
+        }),
         _ => {
             let _ = write!(out, "{value:?}");
         }
