@@ -1340,7 +1340,7 @@ fn python_repr(value: &Value, out: &mut String) {
     use std::fmt::Write as _;
     match (value.kind(), f64_of(value)) {
         (_, Some(x)) => out.push_str(&python_float::python_float(x)),
-        (ValueKind::Seq, _) => bracketed(value, ('[', ']'), out, |item, out| python_repr(item, out)),
+        (ValueKind::Seq, _) => bracketed(value, ('[', ']'), out, python_repr),
         (ValueKind::Map, _) => bracketed(value, ('{', '}'), out, |key, out| {
             python_repr(key, out);
             out.push_str(": ");
