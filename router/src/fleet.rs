@@ -187,6 +187,12 @@ impl Fleet {
         self.ingest.replicas().knows(name)
     }
 
+    /// Whether `member` is still the fleet's replica of its name (not removed, nor replaced
+    /// by one at another address, whose id it shares).
+    pub fn still_has(&self, member: &Member) -> bool {
+        self.member(&member.replica.spec.name).is_some_and(|now| Arc::ptr_eq(&now.upstream, &member.upstream))
+    }
+
     pub fn member(&self, name: &str) -> Option<Member> {
         let replica = self.ingest.replicas().by_name(name)?;
         let upstream =

@@ -362,14 +362,12 @@ pub(super) fn gone_since<'a>(
     peers: impl IntoIterator<Item = &'a crate::fleet::Member>,
 ) -> bool {
     let upstream = &member.upstream;
-    let still_there =
-        fleet.member(&member.replica.spec.name).is_some_and(|now| Arc::ptr_eq(&now.upstream, upstream));
     let others_up = || {
         peers
             .into_iter()
             .any(|m| !Arc::ptr_eq(&m.upstream, upstream) && m.upstream.eligibility(u32::MAX).is_ok())
     };
-    !still_there
+    !fleet.still_has(member)
         || upstream.is_draining()
         || !upstream.is_serving()
         || (!upstream.is_healthy() && others_up())

@@ -80,8 +80,7 @@ pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shu
                 };
                 // The round's last: learned from at once, as the tick would a round later.
                 if checking.is_empty() {
-                    let listed: Vec<&HashSet<String>> = listings.values().collect();
-                    learn_adapters(&state, &listed, &mut learned);
+                    learn_adapters(&state, &listings, &mut learned);
                 }
                 continue;
             }
@@ -97,15 +96,19 @@ pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shu
             }
         }
         // (Those of a replica still under way from an earlier tick: its last listing stands.)
-        let listed: Vec<&HashSet<String>> = listings.values().collect();
-        learn_adapters(&state, &listed, &mut learned);
+        learn_adapters(&state, &listings, &mut learned);
     }
 }
 
-/// Takes the adapters that every replica in `listed` has, and forgets those it `learned`
-/// that none has any more (see the module docs); takes an adapter loaded through the router
-/// that a replica has (its requests go only there).
-fn learn_adapters(state: &ProxyState, listed: &[&HashSet<String>], learned: &mut HashSet<String>) {
+/// Takes the adapters that every replica in `listings` (each one's last) has, and forgets
+/// those it `learned` that none has any more (see the module docs); takes an adapter loaded
+/// through the router that a replica has (its requests go only there).
+fn learn_adapters(
+    state: &ProxyState,
+    listings: &HashMap<usize, HashSet<String>>,
+    learned: &mut HashSet<String>,
+) {
+    let listed: Vec<&HashSet<String>> = listings.values().collect();
     let tokenization = state.decider.prompts.tokenization();
     let members = state.fleet().members();
     let registry = state.fleet().adapters();
@@ -218,9 +221,7 @@ async fn check(
     let listed = cards.map(|cards| cards.into_iter().map(|card| card.id).collect());
     // Not for a replica replaced meanwhile under its name (its id): the new one's catch-up
     // is the one to run.
-    let current =
-        fleet.member(&member.replica.spec.name).is_some_and(|m| Arc::ptr_eq(&m.upstream, &member.upstream));
-    if current {
+    if fleet.still_has(&member) {
         catch_up::spawn(fleet, member, client, timeouts, listed);
     }
     adapters

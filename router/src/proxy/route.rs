@@ -290,8 +290,7 @@ impl Decider {
         let started = if members.is_some() { prepared.started } else { Instant::now() };
         let plan = {
             // Only where credits steer the choice, and there are blocks to credit.
-            let credits_steer =
-                self.policy.kind() == policy::PolicyKind::CacheAware || self.ranks_by.is_some();
+            let credits_steer = self.policy.kind() == policy::PolicyKind::CacheAware;
             let _one =
                 prepared.all_blocks.first().filter(|_| credits_steer).map(|first| self.deciding.lock(first));
             let mut plan = self.plan_prepared(prepared, members, true);
