@@ -154,41 +154,34 @@ pub async fn routed(
     // The replica of `plan.order` tried now, and those sent to so far (in `plan.order`).
     let (mut attempt, mut sent_to) = (0, Vec::with_capacity(MAX_ATTEMPTS));
     loop {
+        let Some(member) = plan.order().nth(attempt).map(|scored| scored.member.clone()) else { break };
+        // The decision counted the request's load on its choice; a retry's is counted here.
+        // (Scored as the replica is now: the retry may have waited for its room.)
+        let load = match plan.load.take() {
+            Some(load) if sent_to.is_empty() => Some(load),
+            _ => decider.retry(plan, attempt),
+        };
+        let Some(mut guard) = load else {
+            // Another request took its last room since it was picked: the next pick waits
+            // for room, or goes elsewhere.
+            match next_attempt(decider, plan, &sent_to, line).await {
+                Ok(next) => attempt = next,
+                Err(waited) => {
+                    last_error = waited.or(last_error);
+                    break;
+                }
+            }
+            continue;
+        };
         if !sent_to.is_empty() {
             metrics.retries.inc();
-            // Scored as the replica is now (the retry may have waited for its room), and the
-            // decision's credit goes with it: the prefix's next requests follow it to the
-            // replica that will cache it.
-            decider.rescore(plan, attempt);
-            decider.credit(plan, attempt);
         }
-        let Some(scored) = plan.order().nth(attempt) else { break };
-        let (member, rank) = (&scored.member.clone(), scored.rank.map(|rank| (rank, scored.rank_blocks)));
         sent_to.push(attempt);
         let tried = sent_to.len();
         let upstream = &member.upstream;
-        let mut guard = upstream.begin(plan.sequences, plan.prefill_tokens(attempt), plan.prompt_tokens);
-        // A data-parallel replica's rank is named, and credited.
-        let on_rank = rank.zip(member.replica.ranks.get()).map(|((rank, held), ranks)| {
-            ranks.begin(rank, plan.sequences, (&plan.all_blocks, held), plan.prompt_tokens)
-        });
-        // The rank holds the request's pending prefill from here, before anything can tell
-        // that it is done.
-        let ranked = on_rank.map(|on_rank| {
-            let headers = with_rank(&headers, on_rank.rank());
-            guard.hold_rank(on_rank);
-            headers
-        });
-        // A whole answer comes at its end: the prefill is over when the replica (its rank)
-        // stores the prompt's last block. (Not for a batch: a later prompt's last block may
-        // lie inside an earlier one.)
-        if !plan.streams
-            && !plan.is_batch()
-            && !guard.tell_when_rank_stored()
-            && let Some(hold) = plan.hold.as_mut()
-        {
-            hold.tell_when_stored(guard.pending_prefill());
-        }
+        // A data-parallel replica's rank is named (and was credited).
+        let rank = guard.rank();
+        let ranked = rank.map(|rank| with_rank(&headers, rank));
         let uri = replica_uri(&member.replica, &client.uri)?;
         let sent = Instant::now();
         let head = ranked.as_ref().unwrap_or(&headers);
@@ -256,7 +249,7 @@ pub async fn routed(
                 if let Ok(v) = HeaderValue::from_str(&member.replica.spec.name) {
                     headers.insert(X_KVROUTE_REPLICA, v);
                 }
-                if let Some((rank, _)) = rank.filter(|_| ranked.is_some()) {
+                if let Some(rank) = rank {
                     headers.insert(X_KVROUTE_RANK, HeaderValue::from(rank));
                 }
                 headers.insert(X_KVROUTE_PREDICTED, HeaderValue::from(predicted));
@@ -306,11 +299,10 @@ pub async fn routed(
         }
         match next_attempt(decider, plan, &sent_to, line).await {
             Ok(next) => attempt = next,
-            Err(Some(waited)) => {
-                last_error = Some(waited);
+            Err(waited) => {
+                last_error = waited.or(last_error);
                 break;
             }
-            Err(None) => break,
         }
     }
     Err(last_error.unwrap_or_else(|| ProxyError::Unavailable("no eligible replica".into())))
@@ -491,7 +483,8 @@ pub async fn to_replica(
     for (i, member) in members.iter().enumerate() {
         let upstream = &member.upstream;
         // A later one gone since the replicas were chosen is passed over, as a routed
-        // retry's is (not one at its in-flight limit, which is soft).
+        // retry's is. (Not one at its in-flight limit: these requests' limit is soft. Their
+        // replicas were chosen with room, and a request deciding meanwhile may take it.)
         if attempt > 0 && gone_since(&decider.fleet, member, members) {
             continue;
         }

@@ -20,7 +20,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::error::ProxyError;
 use super::prompts::{PromptError, Prompts};
-use super::upstream::{Ineligible, verdicts_for};
+use super::upstream::{Ineligible, LoadGuard, verdicts_for};
 use crate::fleet::{Fleet, Member};
 use crate::index::{CreditHold, SharedIndex};
 use crate::metrics::ProxyMetrics;
@@ -41,9 +41,9 @@ pub struct Decider {
     /// How a data-parallel replica's rank is named ([`crate::index::Ranks`]): by the
     /// cache-aware cost. `None` with the other policies, which leave it to the replica.
     pub ranks_by: Option<policy::CacheAware>,
-    /// One is held while a cache-aware decision scores and credits its choice, chosen by the
-    /// request's first block: the next decision of a request that begins alike sees its
-    /// credits. (Two deciding at once each saw none of the other's, and a
+    /// One is held while a cache-aware decision (or a retry) scores, credits its choice and
+    /// counts its load there, chosen by the request's first block: the next decision of a
+    /// request that begins alike sees its credits and its load. (Two deciding at once each saw none of the other's, and a
     /// burst of requests on a new shared prefix went to as many replicas as threads decided
     /// it.) Requests that begin otherwise decide in parallel, and tokenizing and hashing are
     /// done before.
@@ -53,6 +53,10 @@ pub struct Decider {
 /// The locks of [`Decider::deciding`].
 #[derive(Debug, Default)]
 pub struct Deciding([std::sync::Mutex<()>; DECIDING_SHARDS]);
+
+/// How many times in a row a decision may find that a request deciding at the same time took
+/// its choice's last room before the request waits for room ([`Decider::decide_prepared`]).
+const MAX_RACES: usize = 3;
 
 /// How many [`Deciding`] locks there are.
 const DECIDING_SHARDS: usize = 32;
@@ -190,6 +194,9 @@ pub struct Plan {
     /// `Explain`): the forwarder hands them to the response, which lets them go when the
     /// replica's first output arrives.
     pub hold: Option<CreditHold>,
+    /// The request's load on the replica it goes to first, counted when it was decided
+    /// ([`Decider::begin`]; none for `Explain`): the forwarder sends it there with it.
+    pub load: Option<LoadGuard>,
     /// A Responses request whose response the replica may keep (`store`): the response's id
     /// is learned from its answer ([`super::responses::Owners`]).
     pub keeps_response: bool,
@@ -289,18 +296,30 @@ impl Decider {
         let members = prepared.first_members();
         let started = if members.is_some() { prepared.started } else { Instant::now() };
         let plan = {
-            // Only where credits steer the choice, and there are blocks to credit.
-            let credits_steer = self.policy.kind() == policy::PolicyKind::CacheAware;
-            let _one =
-                prepared.all_blocks.first().filter(|_| credits_steer).map(|first| self.deciding.lock(first));
-            let mut plan = self.plan_prepared(prepared, members, true);
-            self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
-            limits.check(&plan, prepared.asked)?;
-            if plan.chosen().is_none() {
-                return Err(unavailable(&plan));
+            let _one = self.deciding(&prepared.all_blocks);
+            let (mut members, mut raced) = (members, Vec::new());
+            loop {
+                let mut plan = self.plan_prepared(prepared, members.take(), true);
+                self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
+                limits.check(&plan, prepared.asked)?;
+                let Some(chosen) = plan.chosen().map(|chosen| chosen.member.replica.id) else {
+                    return Err(unavailable(&plan));
+                };
+                self.credit(&mut plan, 0);
+                if let Some(load) = self.begin(&mut plan, 0) {
+                    plan.load = Some(load);
+                    break plan;
+                }
+                // Another request took the chosen replica's last room since it was scored:
+                // decided again, it is saturated now. (Bounded: after a few such races in a
+                // row, the request waits for room there.)
+                self.withdraw_credit(&mut plan, 0);
+                raced.push(chosen);
+                if raced.len() == MAX_RACES {
+                    let reason = "the replicas chosen were saturated by requests deciding at once".into();
+                    return Err(ProxyError::Saturated { reason, replicas: raced });
+                }
             }
-            self.credit(&mut plan, 0);
-            plan
         };
         self.metrics.count_decision(self.policy.kind().as_str());
         if plan.unhashed_tokens.is_some() {
@@ -321,6 +340,58 @@ impl Decider {
         }
         let (id, blocks) = (replica.member.replica.id, plan.uncredited(replica).to_vec());
         plan.hold = Some(CreditHold::pin(&self.index, id, blocks));
+    }
+
+    /// The [`Decider::deciding`] lock of a request with `blocks`, where credits steer the
+    /// choice (cache-aware) and there are blocks to credit.
+    fn deciding(&self, blocks: &[BlockHash]) -> Option<std::sync::MutexGuard<'_, ()>> {
+        let credits_steer = self.policy.kind() == policy::PolicyKind::CacheAware;
+        blocks.first().filter(|_| credits_steer).map(|first| self.deciding.lock(first))
+    }
+
+    /// The request retried on the `at`th replica of `plan`'s order, under the lock its
+    /// decision took: scored again there ([`Decider::rescore`]), the decision's credit moved
+    /// there (the prefix's next requests follow it to the replica that will cache it) and its
+    /// load counted ([`Decider::begin`]). `None`, its credit there withdrawn: another request
+    /// took the replica's last room since it was picked.
+    pub fn retry(&self, plan: &mut Plan, at: usize) -> Option<LoadGuard> {
+        let _one = self.deciding(&plan.all_blocks);
+        self.rescore(plan, at);
+        self.credit(plan, at);
+        let load = self.begin(plan, at);
+        if load.is_none() {
+            self.withdraw_credit(plan, at);
+        }
+        load
+    }
+
+    /// Counts the request's load on the `at`th replica of `plan`'s order (and on the
+    /// data-parallel rank it names there, which it credits with the request's blocks), if the
+    /// replica has room for it under `--max-in-flight-per-replica` (`None`: another request
+    /// took the last room since the replica was scored). Call after [`Decider::credit`]: a
+    /// whole answer's pending prefill ends when its prompt's last block is stored.
+    pub fn begin(&self, plan: &mut Plan, at: usize) -> Option<LoadGuard> {
+        let scored = plan.order().nth(at)?;
+        let (member, rank) = (&scored.member, scored.rank.map(|rank| (rank, scored.rank_blocks)));
+        let (sequences, prompt_tokens) = (plan.sequences, plan.prompt_tokens);
+        let max = self.max_in_flight_per_replica;
+        let mut load = member.upstream.try_begin(max, sequences, plan.prefill_tokens(at), prompt_tokens)?;
+        if let Some(((rank, held), ranks)) = rank.zip(member.replica.ranks.get()) {
+            // The rank holds the request's pending prefill from here, before anything can
+            // tell that it is done.
+            load.hold_rank(ranks.begin(rank, sequences, (&plan.all_blocks, held), prompt_tokens));
+        }
+        // A whole answer comes at its end: the prefill is over when the replica (its rank)
+        // stores the prompt's last block. (Not for a batch: a later prompt's last block may
+        // lie inside an earlier one.)
+        if !plan.streams
+            && !plan.is_batch()
+            && !load.tell_when_rank_stored()
+            && let Some(hold) = plan.hold.as_mut()
+        {
+            hold.tell_when_stored(load.pending_prefill());
+        }
+        Some(load)
     }
 
     /// The `at`th replica of `plan`'s order scored again on the index, credits and load as they
@@ -638,6 +709,7 @@ impl Decider {
             max_tokens: None,
             unhashed_tokens: None,
             hold: None,
+            load: None,
             keeps_response: false,
             sequences: 1,
             streams: false,

@@ -2,8 +2,9 @@
 //! health, whether it is draining (an operator's word) and whether it is serving (the
 //! platform's: Kubernetes readiness, from discovery).
 //!
-//! Load is counted at decision time: `in_flight` rises when a request is sent and falls when
-//! its response ends (or the client goes away), and `sequences` with it by the request's
+//! Load is counted at decision time: `in_flight` rises when a request is decided (or a retry
+//! sent elsewhere), in one step with the check that the replica has room
+//! ([`Upstream::try_begin`]), and falls when its response ends (or the client goes away), and `sequences` with it by the request's
 //! sequences (its prompts times its `n`: what the replica runs and reports); `pending_prefill` holds the uncached prompt
 //! tokens of requests whose prefill is not known to be over, which is the work standing
 //! between a new request and its first token ([`PendingPrefill`] says when each is let go:
@@ -240,6 +241,32 @@ impl Upstream {
         prompt_tokens: u64,
     ) -> LoadGuard {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.counted(sequences, prefill_tokens, prompt_tokens)
+    }
+
+    /// [`Self::begin`], only while the replica [has room](Self::has_room) under
+    /// `max_in_flight`: the room is taken in one step with the check, so two requests deciding
+    /// at once cannot both take the last one. `None`: there is none.
+    pub fn try_begin(
+        self: &std::sync::Arc<Self>,
+        max_in_flight: u32,
+        sequences: u32,
+        prefill_tokens: u64,
+        prompt_tokens: u64,
+    ) -> Option<LoadGuard> {
+        let held = self.waiters.held_for_others(self.id);
+        let room = |n: u32| (n.saturating_add(held) < max_in_flight).then_some(n + 1);
+        self.in_flight.fetch_update(Ordering::Relaxed, Ordering::Relaxed, room).ok()?;
+        Some(self.counted(sequences, prefill_tokens, prompt_tokens))
+    }
+
+    /// The rest of [`Self::begin`], its request counted in `in_flight`.
+    fn counted(
+        self: &std::sync::Arc<Self>,
+        sequences: u32,
+        prefill_tokens: u64,
+        prompt_tokens: u64,
+    ) -> LoadGuard {
         self.sequences.fetch_add(sequences, Ordering::Relaxed);
         self.begun.fetch_add(u64::from(sequences), Ordering::Relaxed);
         self.requests.fetch_add(1, Ordering::Relaxed);
@@ -670,6 +697,34 @@ mod tests {
         assert_eq!((u.load().in_flight, u.eligibility(2)), (1, Ok(())));
         drop(one);
         assert_eq!(u.load(), Load::default());
+    }
+
+    /// Threads taking a replica's last room at once: one takes it, the rest find none. (A
+    /// check followed by a count let two pass the check before either counted.)
+    #[test]
+    fn the_last_room_is_taken_once() {
+        let u = Arc::new(Upstream::default());
+        let over = AtomicU32::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..20_000 {
+                        if let Some(taken) = u.try_begin(1, 1, 0, 0) {
+                            if u.requests_in_flight() > 1 {
+                                over.fetch_add(1, Ordering::Relaxed);
+                            }
+                            drop(taken);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(over.load(Ordering::Relaxed), 0, "times a room was taken twice");
+        assert_eq!(u.load(), Load::default());
+        let held = u.try_begin(2, 3, 0, 0).expect("room for two");
+        assert!(u.try_begin(2, 1, 0, 0).is_some_and(|_| u.try_begin(2, 1, 0, 0).is_none()), "one more");
+        assert_eq!(u.load().in_flight, 3, "its sequences");
+        drop(held);
     }
 
     #[tokio::test(start_paused = true)]

@@ -7,9 +7,11 @@
 //!   again, its ejection over) wakes every waiting request: it may take any of them.
 //! - The room that woke a request is held for it until it decides ([`Waiters::held_for_others`]):
 //!   a request that arrives meanwhile, or another's retry, finds the replica saturated and
-//!   waits behind it, so that the line is served in its order. (Only moments are open: between
-//!   a request's end and the wake it gives, and between the woken request's decision and its
-//!   send; and two threads deciding at once may pass the limit by one each, as anywhere.)
+//!   waits behind it, so that the line is served in its order. (Only a moment is open: between
+//!   a request's end and the wake it gives. A decision takes its room in one step with the
+//!   check that there is one ([`super::upstream::Upstream::try_begin`]), so two threads
+//!   deciding at once never pass the limit; for the moment between that and letting go of
+//!   the hold, the room counts twice, and a request deciding then may find it taken.)
 //! - A woken request decides again. Refused again for want of room there (another took it
 //!   after all), it lets the hold go, and it and those the hold refused decide again; refused
 //!   for another reason, it passes the room on. Either way it keeps its place in line. Sent to another replica than the one whose room

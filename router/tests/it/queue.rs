@@ -427,3 +427,41 @@ async fn a_request_its_head_refuses_does_not_wait_for_room() {
     }
     assert!(read_to_end(open).await.contains("[DONE]"));
 }
+
+/// A decision counts its request on the replica it chose, in one step with the check that the
+/// replica has room: with one place on each of two replicas, two decisions held take both
+/// and a third finds the fleet saturated, and 32 decisions at once on two threads take two
+/// places in all, one on each. (Counted only when a request was sent, the load of requests
+/// just decided was seen by none, and they all went, past the limit.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_take_their_replicas_room_as_they_decide() {
+    use kvroute_proto::openai::Endpoint;
+    let fleet =
+        Fleet::with(2, agent_config, |c| kvroute_router::Config { max_in_flight_per_replica: 1, ..c }).await;
+    let state = fleet.router.state.clone();
+    let decide = |i: usize| {
+        let (state, body) =
+            (state.clone(), serde_json::to_vec(&completion(&format!("decided {i} apart"))).unwrap());
+        async move { state.decider.decide(Endpoint::Completions, &body).await }
+    };
+    let in_flight = || -> Vec<u32> {
+        fleet.router.fleet().members().iter().map(|m| m.upstream.requests_in_flight()).collect()
+    };
+
+    let (first, second) = (decide(0).await.unwrap(), decide(1).await.unwrap());
+    let chosen = |plan: &kvroute_router::proxy::route::Plan| plan.chosen().unwrap().member.replica.id;
+    assert_ne!(chosen(&first), chosen(&second), "the second saw the first's place taken");
+    assert_eq!(in_flight(), [1, 1]);
+    match decide(2).await {
+        Err(kvroute_router::proxy::error::ProxyError::Saturated { .. }) => {}
+        other => panic!("a third decision past both replicas' room: {other:?}"),
+    }
+    drop((first, second));
+    assert_eq!(in_flight(), [0, 0], "a plan dropped unsent gives its place back");
+
+    let at_once = (0..32).map(|i| tokio::spawn(decide(i)));
+    let plans: Vec<_> = futures::future::join_all(at_once).await.into_iter().map(Result::unwrap).collect();
+    let taken: Vec<_> = plans.iter().filter_map(|plan| plan.as_ref().ok()).map(chosen).collect();
+    assert_eq!(taken.len(), 2, "two places in all: {taken:?}");
+    assert_eq!(in_flight(), [1, 1]);
+}
