@@ -19,7 +19,8 @@
 //! timer starts too), not from when a slow client let it end, so that the replica closing
 //! one just as a request goes out on it is rare; when it happens,
 //! the request goes out once more, on a new connection to the same replica
-//! ([`WireError::may_resend`]). A request whose body streams takes a new connection: its body
+//! ([`WireError::may_resend`]; and after a `408` with `close`, a server's word that it timed
+//! the connection out). A request whose body streams takes a new connection: its body
 //! could not be sent again.
 
 use std::collections::HashMap;
@@ -176,6 +177,16 @@ impl Pool {
         };
         if let Some((mut conn, again)) = pooled {
             match conn.exchange(method, target, host, headers, body).await {
+                // A server that times out an idle connection may say so before it closes it
+                // (`408` and `close`, as Go's and Apache's do): said as the request went out,
+                // it answers no request of the proxy's, which goes out again as after a
+                // close (browsers do the same).
+                Ok(head) if head.parts.status == http::StatusCode::REQUEST_TIMEOUT && !head.keep_alive => {
+                    tracing::debug!(
+                        "pooled upstream connection timed out by the replica; sending again on a new one"
+                    );
+                    body = Outgoing::Full(again);
+                }
                 Ok(head) => return Ok(http1::response(conn, head, self.checkin(authority))),
                 Err(e) if e.may_resend() => {
                     tracing::debug!(error = %e, "pooled upstream connection failed; sending again on a new one");
@@ -461,6 +472,62 @@ mod tests {
         // A client that takes its response at once leaves the connection for the next request.
         assert_eq!(get(&pool, &url, true).await.body().as_ref(), b"ok");
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    /// A replica that times out an idle connection with `408` and `close` as a request goes out
+    /// on it: the request goes out again on a new connection (it was not the request's
+    /// answer). On a new connection, a 408 is the request's.
+    #[tokio::test]
+    async fn a_408_closing_a_pooled_connection_sends_the_request_again() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let nth = count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    // Each connection's first request is answered (the third connection's
+                    // with a 408 of its own), its second with a 408 and a close.
+                    let answers: [&[u8]; 2] = match nth {
+                        2 => [
+                            b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-length: 0\r\n\r\n",
+                            b"",
+                        ],
+                        _ => [
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+                            b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-length: 0\r\n\r\n",
+                        ],
+                    };
+                    let mut buf = Vec::new();
+                    for answer in answers.into_iter().filter(|a| !a.is_empty()) {
+                        while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                            let mut chunk = [0u8; 1024];
+                            match stream.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        }
+                        buf.clear();
+                        if stream.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let pool = pool();
+        assert_eq!(get(&pool, &url, true).await.body().as_ref(), b"ok");
+        assert_eq!(pool.idle_count(), 1);
+        let again = get(&pool, &url, true).await;
+        assert_eq!((again.status(), again.body().as_ref()), (http::StatusCode::OK, &b"ok"[..]));
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "sent again on a new connection");
+        // The second connection is pooled; its next request gets the 408 and goes out on a
+        // third connection, whose own 408 is the answer.
+        let timed_out = get(&pool, &url, true).await;
+        assert_eq!(timed_out.status(), http::StatusCode::REQUEST_TIMEOUT);
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
     }
 
     #[tokio::test]
