@@ -176,10 +176,11 @@ async fn streaming_passes_chunks_through_before_the_response_ends() {
 }
 
 /// The fleet's model list carries the served model's card as the replicas list it: its
-/// context length (which clients size their prompts by), its owner.
+/// context length (which clients size their prompts by), its owner. With no replica healthy
+/// (the router still serves a fleet whose checks fail), the card they listed last stands.
 #[tokio::test]
 async fn the_model_list_carries_the_replicas_card() {
-    let fleet =
+    let mut fleet =
         Fleet::with(2, |n| kvroute_replica_agent::Config { max_model_len: 3_000, ..agent_config(n) }, |c| c)
             .await;
     let listed = async || {
@@ -192,6 +193,14 @@ async fn the_model_list_carries_the_replicas_card() {
     for field in ["id", "object", "owned_by", "root", "parent", "max_model_len"] {
         assert_eq!(models["data"][0][field], agent["data"][0][field], "{field}");
     }
+
+    fleet.kill(0).await;
+    fleet.kill(1).await;
+    let members = fleet.router.fleet().members();
+    crate::support::wait_until("no replica healthy", || members.iter().all(|m| !m.upstream.is_healthy()))
+        .await;
+    let models = fleet.http.get(&fleet.url("/v1/models")).await.json();
+    assert_eq!(models["data"][0]["max_model_len"], json!(3_000), "{models}");
 }
 
 #[tokio::test]
