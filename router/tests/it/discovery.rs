@@ -439,22 +439,7 @@ mod k8s {
             s.put_pod(pod("vllm-0", "uid-a", json!({"kvroute.io/kv-events-port": "6000"})));
             s.apply(slice_with_uids("vllm-a", &[("vllm-0", "10.0.0.1", "uid-a")]));
         });
-        let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())), Arc::default());
-        let (tracker, shutdown) = (TaskTracker::new(), CancellationToken::new());
-        let config =
-            DiscoveryConfig { discovery_pod_annotations: true, discovery_interval_ms: 100, ..config("vllm") };
-        let mut registry = prometheus_client::registry::Registry::default();
-        let metrics = DiscoveryMetrics::register(&mut registry);
-        Discovery::start_k8s(
-            client(&api),
-            &config,
-            config.template(MODEL, Some(BLOCK)),
-            set.clone(),
-            metrics,
-            &tracker,
-            shutdown.clone(),
-        )
-        .unwrap();
+        let (set, registry, tracker, shutdown) = with_annotations_every_100_ms(&api);
         wait_until("the annotation read on a retry", || {
             set.0.borrow().get("vllm-0").is_some_and(|(s, _)| s.event_endpoint == "tcp://10.0.0.1:6000")
         })
@@ -463,6 +448,54 @@ mod k8s {
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         assert!(text.contains("kvroute_discovery_errors_total 1\n"), "the failed read counted: {text}");
+
+        shutdown.cancel();
+        tracker.close();
+        tracker.wait().await;
+    }
+
+    /// k8s discovery of `api`'s `vllm` slices, with pods' annotations, retrying every 100 ms;
+    /// its replicas, metrics, tasks and shutdown.
+    fn with_annotations_every_100_ms(
+        api: &FakeApi,
+    ) -> (Set, prometheus_client::registry::Registry, TaskTracker, CancellationToken) {
+        let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())), Arc::default());
+        let (tracker, shutdown) = (TaskTracker::new(), CancellationToken::new());
+        let config =
+            DiscoveryConfig { discovery_pod_annotations: true, discovery_interval_ms: 100, ..config("vllm") };
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = DiscoveryMetrics::register(&mut registry);
+        Discovery::start_k8s(
+            client(api),
+            &config,
+            config.template(MODEL, Some(BLOCK)),
+            set.clone(),
+            metrics,
+            &tracker,
+            shutdown.clone(),
+        )
+        .unwrap();
+        (set, registry, tracker, shutdown)
+    }
+
+    /// A pod whose lookups keep failing is tried again after a wait that doubles from the
+    /// retry interval (100, 200, 400, 800 ms), not at every retry: its fifth lookup comes a
+    /// second and a half after its first, less a retry's slack at each (at every retry, it
+    /// came after 400 ms). Meanwhile its slice's ports apply.
+    #[tokio::test]
+    async fn a_pod_lookup_that_keeps_failing_is_tried_less_and_less_often() {
+        let api = FakeApi::start().await;
+        api.atomically(|s| {
+            s.pod_failures = usize::MAX;
+            s.apply(slice_with_uids("vllm-a", &[("vllm-0", "10.0.0.1", "uid-a")]));
+        });
+        let (set, _registry, tracker, shutdown) = with_annotations_every_100_ms(&api);
+        wait_until("the first lookup", || api.pod_gets() >= 1).await;
+        let first = std::time::Instant::now();
+        wait_until("the fifth lookup", || api.pod_gets() >= 5).await;
+        let waited = first.elapsed();
+        assert!(waited >= std::time::Duration::from_millis(1_000), "five lookups in {waited:?}");
+        assert_eq!(set.0.borrow()["vllm-0"].0.event_endpoint, "tcp://10.0.0.1:5557", "the slice's port");
 
         shutdown.cancel();
         tracker.close();
