@@ -35,6 +35,12 @@
 //! time after the connection, and a batch published in between is lost without anything
 //! revealing it when no batch follows (the slow-joiner problem, wire doc §3).
 //!
+//! A repair whose replays came without their end marker, and could not get the rest, leaves
+//! the rank DEGRADED with what they brought: the rest may remove blocks the index shows. A
+//! live batch that follows on puts it back in step; failing that, the repair runs again
+//! `catch_up_after` later, the wait doubling to a minute, until one gets the rest (or, the
+//! publisher no longer holding it, starts over as in 2 and 3 below).
+//!
 //! `repair(from)`:
 //! 1. Replay: a fresh DEALER asks the replica's ROUTER for every batch `>= from`
 //!    (`replay_timeout` on connect and on every reply, 12 of them for the whole replay, at

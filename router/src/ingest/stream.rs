@@ -18,6 +18,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvroute_proto::framing::{self, LiveMessage};
 use kvroute_proto::{BlockHash, Epoch, Seq};
@@ -80,8 +81,12 @@ pub(crate) struct RankStream {
     /// the next `Connected`, whose repair from seq 0 covers them.
     disconnected: bool,
     /// A repair applied replays without their end marker and could not get the rest: the
-    /// rank is DEGRADED until a live batch follows on from them (or a gap is repaired).
+    /// rank is DEGRADED until a live batch follows on from them (or a gap is repaired), or a
+    /// later repair gets the rest ([`RankStream::run`] tries again after `tail_wait`).
     tail_unknown: bool,
+    /// How long until the next repair of an unknown tail; doubles with each, to
+    /// [`MOST_TAIL_WAIT`].
+    tail_wait: Duration,
     /// KV-cache groups whose stores were of a kind the router does not index: their
     /// removals are expected misses, not unknown blocks.
     other_kinds: Vec<u32>,
@@ -95,6 +100,9 @@ const MAX_TAIL_REPLAYS: u32 = 8;
 /// A replay that moves a repair on by fewer batches than this counts in its gap's budget of
 /// replays ([`RankStream::repair_within`]).
 const CRAWLING: u64 = 64;
+
+/// The longest wait between repairs of an unknown tail ([`RankStream::run`]).
+const MOST_TAIL_WAIT: Duration = Duration::from_secs(60);
 
 /// Snapshot blocks stored between two yields to the runtime.
 const YIELD_EVERY: usize = 4096;
@@ -124,6 +132,7 @@ impl RankStream {
             resynced_in_run: false,
             disconnected: false,
             tail_unknown: false,
+            tail_wait: Duration::ZERO,
             other_kinds: Vec::new(),
             scratch: Vec::new(),
         }
@@ -178,6 +187,14 @@ impl RankStream {
             tokio::select! {
                 () = cancel.cancelled() => return,
                 () = work => {}
+            }
+            // An unknown tail may hold removals of blocks the index shows: repaired again
+            // later (a publisher that goes quiet would otherwise leave them there for good),
+            // the waits doubling from `catch_up_after`.
+            if catch_up.is_none() && self.tail_to_repair() {
+                self.tail_wait = self.tail_wait.max(self.ctx.config.catch_up_after);
+                catch_up = Some(Box::pin(tokio::time::sleep(self.tail_wait)));
+                self.tail_wait = (self.tail_wait * 2).min(MOST_TAIL_WAIT);
             }
         }
     }
@@ -402,6 +419,8 @@ impl RankStream {
                 if !complete {
                     tracing::info!(replica = %self.ctx.replica.spec.name, from = from.0, first = ?batches.first().map(|b| b.seq.0), "incomplete replay");
                     self.ctx.metrics.replays(Outcome::Incomplete).inc();
+                    // (A later round's: its start may only have been dropped on the way. The
+                    // tail is repaired again later, from round 0: [`Self::run`].)
                     if round > 0 {
                         return self.tail_unknown().await;
                     }
@@ -746,9 +765,19 @@ impl RankStream {
 
     /// The rank is in step (its malformed run is the decoder's to reset: a resync after a
     /// lost batch is no good message).
+    /// Whether the rank is DEGRADED with an unknown tail, and connected: a repair may get the
+    /// rest. (Disconnected, it waits for its connection's repair; unreachable, it is
+    /// FALLBACK, its index unread.)
+    fn tail_to_repair(&self) -> bool {
+        self.tail_unknown
+            && !self.disconnected
+            && self.ctx.replica.status.rank_state(self.rank) == Some(StreamState::Degraded)
+    }
+
     fn synced_exact(&mut self) {
         self.broken = false;
         self.tail_unknown = false;
+        self.tail_wait = Duration::ZERO;
         self.set_state(StreamState::Exact);
         self.ctx.replica.status.mark_rank_synced(self.rank);
     }
@@ -852,9 +881,66 @@ mod tests {
         assert_eq!(rank.ctx.replica.status.state(), StreamState::Exact, "in step again");
     }
 
+    /// A repair left DEGRADED with an unknown tail is tried again while nothing else comes:
+    /// the tail may hold removals of blocks the index shows, and a publisher that goes quiet
+    /// would leave them there for good. Here the replays after the connection and its
+    /// catch-up each bring one batch without the end marker and nothing more; the next one
+    /// brings the rest, and the rank is EXACT.
+    #[tokio::test]
+    async fn an_unknown_tail_is_repaired_again_later() {
+        // Replies 0 and 2 (the connection's repair, from 0, and the catch-up's, from 3) bring
+        // batches up to 2 and 3 without the end marker, 1 and 3 (asking for the rest) nothing,
+        // and any later one batches up to 4 and the end marker.
+        let endpoint = scripted_publisher(|reply, _| match reply {
+            0 => (3, false),
+            2 => (4, false),
+            1 | 3 => (0, false),
+            _ => (5, true),
+        })
+        .await;
+        let config = IngestConfig {
+            replay_timeout: Duration::from_millis(200),
+            catch_up_after: Duration::from_millis(50),
+            ..IngestConfig::default()
+        };
+        let mut rank = rank_with(config);
+        rank.replay_endpoint = Some(endpoint);
+        let ctx = rank.ctx.clone();
+        let (inputs, rx) = mpsc::channel(4);
+        let cancel = CancellationToken::new();
+        let running = tokio::spawn(rank.run(rx, cancel.clone()));
+        inputs.send(Input::Connected).await.unwrap();
+        let repaired = async {
+            while ctx.replica.status.state() != StreamState::Exact {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), repaired).await.expect("EXACT again");
+        assert_eq!(ctx.index.blocks(ctx.replica.id), 5);
+        cancel.cancel();
+        running.await.unwrap();
+    }
+
     /// A publisher holding batches `0..held` whose `n`th replay reply loses batch `seq` when
     /// `lost(n, seq)` (a full send buffer drops it), and ends with the end marker if `ends`.
     async fn replaying_publisher(held: u64, lost: fn(usize, u64) -> bool, ends: bool) -> String {
+        let batches = move |reply, start: u64| (start..held).filter(|&seq| !lost(reply, seq)).collect();
+        serve_replays(move |reply, start| (batches(reply, start), ends)).await
+    }
+
+    /// A publisher whose `n`th replay reply, from `start`, brings batches `start..until` and
+    /// the end marker if `ends`, where `(until, ends) = script(n, start)`.
+    async fn scripted_publisher(script: fn(usize, u64) -> (u64, bool)) -> String {
+        serve_replays(move |reply, start| {
+            let (until, ends) = script(reply, start);
+            ((start..until).collect(), ends)
+        })
+        .await
+    }
+
+    /// A replay publisher whose `n`th reply, from `start`, brings the batches and the end
+    /// marker `reply(n, start)` says.
+    async fn serve_replays(reply: impl Fn(usize, u64) -> (Vec<u64>, bool) + Send + 'static) -> String {
         let mut router = zeromq::RouterSocket::new();
         let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
         tokio::spawn(async move {
@@ -862,10 +948,10 @@ mod tests {
             while let Ok(request) = router.recv().await {
                 let frames = request.into_vec();
                 let start = framing::decode_replay_request(&frames[1..]).unwrap();
-                let reply = replies;
+                let (batches, ends) = reply(replies, start.0);
                 replies += 1;
-                let batches = (start.0..held).filter(|&seq| !lost(reply, seq));
                 let replies = batches
+                    .into_iter()
                     .map(|seq| framing::encode_replay_batch(Bytes::new(), Seq(seq), batch(seq).payload))
                     .chain(ends.then(framing::encode_replay_end));
                 for reply in replies {
