@@ -200,7 +200,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use criterion::{BenchmarkId, Criterion};
+use criterion::{BatchSize, BenchmarkId, Criterion};
 use kvroute_proto::openai::{Endpoint, ParsedRequest, Tokenization, TokenizationConfig};
 use kvroute_proto::{BlockHash, ReplicaId};
 use kvroute_router::fleet::Fleet;
@@ -699,11 +699,14 @@ fn main() {
     let mut group = c.benchmark_group("decide");
     for case in &cases {
         let mut k = 0;
+        // Each plan is dropped (untimed) before the next decision: a plan holds its request's
+        // load on the replica it chose, and a batch of them kept would fill the fleet.
         group.bench_function(BenchmarkId::from_parameter(&case.name), |b| {
-            b.iter_with_large_drop(|| {
+            let next = || {
                 k = (k + 1) % ROTATION;
-                bench.decide(black_box(&case.bodies[k]))
-            })
+                k
+            };
+            b.iter_batched(next, |k| bench.decide(black_box(&case.bodies[k])), BatchSize::PerIteration)
         });
     }
     group.finish();

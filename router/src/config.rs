@@ -262,9 +262,11 @@ pub struct Config {
     /// Largest `max_tokens` / `max_completion_tokens` a request may ask for; more get 400.
     #[arg(long, env = "KVROUTE_MAX_COMPLETION_TOKENS", default_value_t = 1 << 20)]
     pub max_completion_tokens: u64,
-    /// Requests in flight on one replica before it counts as saturated. (Requests decided at
-    /// the same moment on different HTTP threads may each take its last place: it can be
-    /// passed by up to `--http-threads` - 1.)
+    /// Requests in flight on one replica before it counts as saturated. Requests routed on
+    /// their prompt take a place as they are decided, never past it; others (a stored
+    /// response's continuation, a prompt of embeddings, requests that pass through, WebSocket
+    /// sessions) may pass it by up to `--http-threads` - 1, decided at the same moment on
+    /// different threads.
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT_PER_REPLICA", default_value_t = 512)]
     pub max_in_flight_per_replica: u32,
     /// Requests that may wait for room at once: at `--max-in-flight`, or with every replica

@@ -153,26 +153,12 @@ pub async fn routed(
     let mut last_error = None;
     // The replica of `plan.order` tried now, and those sent to so far (in `plan.order`).
     let (mut attempt, mut sent_to) = (0, Vec::with_capacity(MAX_ATTEMPTS));
+    // Its load there: the decision counted it on its choice, and a retry's is counted as the
+    // retry's replica is picked ([`next_attempt`]).
+    let mut load = plan.load.take();
     loop {
-        let Some(member) = plan.order().nth(attempt).map(|scored| scored.member.clone()) else { break };
-        // The decision counted the request's load on its choice; a retry's is counted here.
-        // (Scored as the replica is now: the retry may have waited for its room.)
-        let load = match plan.load.take() {
-            Some(load) if sent_to.is_empty() => Some(load),
-            _ => decider.retry(plan, attempt),
-        };
-        let Some(mut guard) = load else {
-            // Another request took its last room since it was picked: the next pick waits
-            // for room, or goes elsewhere.
-            match next_attempt(decider, plan, &sent_to, line).await {
-                Ok(next) => attempt = next,
-                Err(waited) => {
-                    last_error = waited.or(last_error);
-                    break;
-                }
-            }
-            continue;
-        };
+        let member = plan.order().nth(attempt).map(|scored| scored.member.clone());
+        let (Some(member), Some(mut guard)) = (member, load.take()) else { break };
         if !sent_to.is_empty() {
             metrics.retries.inc();
         }
@@ -298,7 +284,7 @@ pub async fn routed(
             break;
         }
         match next_attempt(decider, plan, &sent_to, line).await {
-            Ok(next) => attempt = next,
+            Ok((next, next_load)) => (attempt, load) = (next, Some(next_load)),
             Err(waited) => {
                 last_error = waited.or(last_error);
                 break;
@@ -385,14 +371,20 @@ fn untried<'a>(plan: &'a Plan, sent_to: &'a [usize]) -> impl Iterator<Item = (us
 }
 
 /// The first of `candidates` (their places in a plan's order, whether they take a retry, and
-/// their ids) that takes a retry; else those of them that would once they have room.
-fn first_to_take(
+/// their ids) that takes a retry, and what `take` makes of it (its load there; `None` when
+/// another request took its last room since, and it counts as saturated); else those of them
+/// that would once they have room.
+fn first_to_take<T>(
     candidates: impl Iterator<Item = (usize, Retry, ReplicaId)>,
-) -> Result<usize, Vec<ReplicaId>> {
+    mut take: impl FnMut(usize) -> Option<T>,
+) -> Result<(usize, T), Vec<ReplicaId>> {
     let mut saturated = Vec::new();
     for (i, retry, id) in candidates {
         match retry {
-            Retry::Takes => return Ok(i),
+            Retry::Takes => match take(i) {
+                Some(taken) => return Ok((i, taken)),
+                None => saturated.push(id),
+            },
             Retry::Saturated => saturated.push(id),
             Retry::Not => {}
         }
@@ -400,21 +392,24 @@ fn first_to_take(
     Err(saturated)
 }
 
-/// The candidate of `plan` to retry on, none of `sent_to`: the best of the rest that may take
-/// it ([`retry_on`]; one passed over for want of room may have it now), waiting in `line` for
-/// room on them when they are all saturated ([`super::queue`]). `Err(None)`: none is left, or
-/// the line is off (the last error stands); `Err(Some)`: the wait's 503 (its time is up, or
-/// the line is full).
+/// The candidate of `plan` to retry on, none of `sent_to`, and the retry's load there
+/// ([`Decider::retry`]: taken as it is picked, so that a woken retry takes the room that woke
+/// it): the best of the rest that may take it ([`retry_on`]; one passed over for want of
+/// room may have it now), waiting in `line` for room on them when they are all saturated
+/// ([`super::queue`]). `Err(None)`: none is left, or the line is off (the last error stands);
+/// `Err(Some)`: the wait's 503 (its time is up, or the line is full).
 async fn next_attempt(
     decider: &Decider,
-    plan: &Plan,
+    plan: &mut Plan,
     sent_to: &[usize],
     (queue, line): (&Queue, &Line),
-) -> Result<usize, Option<ProxyError>> {
-    let next = || {
-        let candidates = untried(plan, sent_to)
-            .map(|(i, scored)| (i, retry_on(decider, plan, &scored.member), scored.member.replica.id));
-        first_to_take(candidates).map_err(|saturated| match saturated.is_empty() {
+) -> Result<(usize, LoadGuard), Option<ProxyError>> {
+    let mut next = || {
+        let candidates: Vec<_> = untried(plan, sent_to)
+            .map(|(i, scored)| (i, retry_on(decider, plan, &scored.member), scored.member.replica.id))
+            .collect();
+        let taken = first_to_take(candidates.into_iter(), |i| decider.retry(plan, i));
+        taken.map_err(|saturated| match saturated.is_empty() {
             true => ProxyError::Unavailable("no replica left to retry on".into()),
             false => ProxyError::Saturated {
                 reason: "every replica left to retry on is saturated".into(),
@@ -425,7 +420,7 @@ async fn next_attempt(
     if !queue.waits() {
         return next().map_err(|_| None);
     }
-    let goes_to = |&i: &usize| plan.order().nth(i).map(|scored| scored.member.replica.id);
+    let goes_to = |(_, load): &(usize, LoadGuard)| Some(load.upstream().id());
     let waiters = decider.fleet.waiters();
     match queue.until_room(waiters, (line, &decider.metrics), || std::future::ready(next()), goes_to).await {
         Ok(next) => Ok(next),
@@ -987,7 +982,8 @@ mod tests {
         let ids = [ReplicaId(7), ReplicaId(8), ReplicaId(9)];
         let left = |retries: [Retry; 3], sent_to: &[usize]| {
             let candidates = retries.into_iter().zip(ids).enumerate();
-            first_to_take(candidates.filter(|(i, _)| !sent_to.contains(i)).map(|(i, (r, id))| (i, r, id)))
+            let left = candidates.filter(|(i, _)| !sent_to.contains(i)).map(|(i, (r, id))| (i, r, id));
+            first_to_take(left, Some).map(|(i, _)| i)
         };
         // Sent to the first and the third: the second, saturated when the first failed, is
         // waited for, or taken once it has room.
@@ -996,6 +992,11 @@ mod tests {
         assert_eq!(left([Retry::Takes, Retry::Saturated, Retry::Takes], &[0]), Ok(2));
         assert_eq!(left([Retry::Takes, Retry::Not, Retry::Saturated], &[0]), Err(vec![ids[2]]));
         assert_eq!(left([Retry::Takes, Retry::Not, Retry::Takes], &[0, 2]), Err(vec![]));
+        // One whose last room another request took since counts as saturated.
+        let retries =
+            || [(0, Retry::Takes, ids[0]), (1, Retry::Saturated, ids[1]), (2, Retry::Takes, ids[2])];
+        assert_eq!(first_to_take(retries().into_iter(), |i| (i == 2).then_some("taken")), Ok((2, "taken")));
+        assert_eq!(first_to_take(retries().into_iter(), |_| None::<()>), Err(ids.to_vec()));
     }
 
     #[test]

@@ -126,7 +126,7 @@ impl Queue {
         loop {
             let seen = waiters.frees();
             // A woken request decides with the room that woke it held for it.
-            let holding = waiting.as_ref().and_then(|(_, ticket)| ticket.holding());
+            let holding = waiting.as_ref().and_then(|(_, ticket)| ticket.hold());
             // (Called inside the scope: a decision may be made when `attempt` is called.)
             match super::waiters::holding(holding, async { attempt().await }).await {
                 Err(ProxyError::Saturated { reason, replicas }) => {

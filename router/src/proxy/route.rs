@@ -295,37 +295,53 @@ impl Decider {
     pub fn decide_prepared(&self, prepared: &Prepared, limits: &RequestLimits) -> Result<Plan, ProxyError> {
         let members = prepared.first_members();
         let started = if members.is_some() { prepared.started } else { Instant::now() };
-        let plan = {
-            let _one = self.deciding(&prepared.all_blocks);
-            let (mut members, mut raced) = (members, Vec::new());
-            loop {
-                let mut plan = self.plan_prepared(prepared, members.take(), true);
-                self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
-                limits.check(&plan, prepared.asked)?;
-                let Some(chosen) = plan.chosen().map(|chosen| chosen.member.replica.id) else {
-                    return Err(unavailable(&plan));
-                };
-                self.credit(&mut plan, 0);
-                if let Some(load) = self.begin(&mut plan, 0) {
-                    plan.load = Some(load);
-                    break plan;
-                }
-                // Another request took the chosen replica's last room since it was scored:
-                // decided again, it is saturated now. (Bounded: after a few such races in a
-                // row, the request waits for room there.)
-                self.withdraw_credit(&mut plan, 0);
-                raced.push(chosen);
-                if raced.len() == MAX_RACES {
-                    let reason = "the replicas chosen were saturated by requests deciding at once".into();
-                    return Err(ProxyError::Saturated { reason, replicas: raced });
-                }
-            }
-        };
+        let decided = self.decide_locked(prepared, members, limits);
+        self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
+        let plan = decided?;
         self.metrics.count_decision(self.policy.kind().as_str());
         if plan.unhashed_tokens.is_some() {
             self.metrics.partial_prompts.inc();
         }
         Ok(plan)
+    }
+
+    /// [`Decider::decide_prepared`]'s decision, made under its lock ([`Decider::deciding`]),
+    /// on the fleet `members` if given: the plan, its choice credited and its load counted
+    /// there. Made again when another request took the chosen replica's last room since it
+    /// was scored (saturated now), up to [`MAX_RACES`] times in a row; then the request waits
+    /// for room on those replicas, and on the others saturated.
+    fn decide_locked(
+        &self,
+        prepared: &Prepared,
+        mut members: Option<Vec<Member>>,
+        limits: &RequestLimits,
+    ) -> Result<Plan, ProxyError> {
+        let _one = self.deciding(&prepared.all_blocks);
+        let mut raced = Vec::new();
+        loop {
+            let mut plan = self.plan_prepared(prepared, members.take(), true);
+            limits.check(&plan, prepared.asked)?;
+            let Some(chosen) = plan.chosen().map(|chosen| chosen.member.replica.id) else {
+                return Err(unavailable(&plan));
+            };
+            self.credit(&mut plan, 0);
+            if let Some(load) = self.begin(&mut plan, 0) {
+                plan.load = Some(load);
+                return Ok(plan);
+            }
+            self.withdraw_credit(&mut plan, 0);
+            raced.push(chosen);
+            if raced.len() == MAX_RACES {
+                let mut replicas = saturated(&plan);
+                for id in raced {
+                    if !replicas.contains(&id) {
+                        replicas.push(id);
+                    }
+                }
+                let reason = "the replicas chosen were saturated by requests deciding at once".into();
+                return Err(ProxyError::Saturated { reason, replicas });
+            }
+        }
     }
 
     /// The request goes to the `at`th replica of `plan`'s order: credits it with the request's
@@ -752,6 +768,12 @@ fn best_rank(
 
 /// The 503 of a request no replica could take: [`ProxyError::Saturated`] when one of them
 /// could once it has room (the request may wait for it: [`super::queue`]).
+/// The candidates of `plan` at `--max-in-flight-per-replica`.
+fn saturated(plan: &Plan) -> Vec<ReplicaId> {
+    let saturated = plan.candidates.iter().filter(|c| c.ineligible == Some(Ineligible::Saturated));
+    saturated.map(|c| c.member.replica.id).collect()
+}
+
 fn unavailable(plan: &Plan) -> ProxyError {
     if plan.candidates.is_empty() {
         return ProxyError::Unavailable("no replicas are configured".into());
@@ -768,8 +790,7 @@ fn unavailable(plan: &Plan) -> ProxyError {
         })
         .collect();
     let reason = reasons.join(", ");
-    let saturated = plan.candidates.iter().filter(|c| c.ineligible == Some(Ineligible::Saturated));
-    let replicas: Vec<ReplicaId> = saturated.map(|c| c.member.replica.id).collect();
+    let replicas = saturated(plan);
     match replicas.is_empty() {
         true => ProxyError::Unavailable(reason),
         false => ProxyError::Saturated { reason, replicas },

@@ -98,7 +98,8 @@ pub struct Upstream {
     ejected: AtomicBool,
     ejected_until: Mutex<Option<Instant>>,
     pub ejections: AtomicU64,
-    /// Requests sent to the replica (each attempt of a retried request counts).
+    /// Requests sent to the replica (each attempt of a retried request counts), counted as
+    /// each is decided.
     pub requests: AtomicU64,
     /// Sequences ever sent to the replica ([`Upstream::report_mark`]).
     begun: AtomicU64,
@@ -257,6 +258,7 @@ impl Upstream {
         let held = self.waiters.held_for_others(self.id);
         let room = |n: u32| (n.saturating_add(held) < max_in_flight).then_some(n + 1);
         self.in_flight.fetch_update(Ordering::Relaxed, Ordering::Relaxed, room).ok()?;
+        self.waiters.took(self.id);
         Some(self.counted(sequences, prefill_tokens, prompt_tokens))
     }
 
@@ -948,10 +950,40 @@ mod tests {
             assert!(futures::poll!(wait.as_mut()).is_ready(), "woken");
         }
         assert_eq!(u.eligibility(1), Err(Ineligible::Saturated), "held for the woken request");
-        let own = super::super::waiters::holding(ticket.holding(), async { u.eligibility(1) }).await;
+        let own = super::super::waiters::holding(ticket.hold(), async { u.eligibility(1) }).await;
         assert_eq!(own, Ok(()));
         ticket.placed(Some(ReplicaId(3)));
         assert_eq!(u.eligibility(1), Ok(()));
+    }
+
+    /// A woken request's decision that takes the room that woke it ends its hold as it does:
+    /// the room counts once, and a request deciding before the woken one is placed finds the
+    /// room left beside it. (Held until it was placed, the room counted twice meanwhile, and
+    /// that request waited with nothing to wake it.)
+    #[tokio::test]
+    async fn a_woken_request_taking_its_room_ends_its_hold() {
+        let waiters = Arc::new(Waiters::default());
+        let u = Arc::new(Upstream::waking(waiters.clone(), ReplicaId(3)));
+        let (first, second) = (u.begin(1, 0, 0), u.begin(1, 0, 0));
+        let mut ticket = waiters.ticket(0);
+        {
+            let wait = ticket.wait(&[ReplicaId(3)], waiters.frees());
+            tokio::pin!(wait);
+            assert!(futures::poll!(wait.as_mut()).is_pending());
+            drop(first);
+            assert!(futures::poll!(wait.as_mut()).is_ready(), "woken");
+        }
+        drop(second);
+        assert!(u.has_room(2), "one room held, one free");
+        let taken = super::super::waiters::holding(ticket.hold(), async { u.try_begin(2, 1, 0, 0) }).await;
+        assert!(taken.is_some(), "the held room, its own");
+        assert_eq!(ticket.holding(), None, "held no more");
+        assert!(u.has_room(2), "the free room, for the next request");
+        let frees = waiters.frees();
+        ticket.placed(Some(ReplicaId(3)));
+        assert_eq!(waiters.frees(), frees, "nothing to pass on");
+        let free = u.try_begin(2, 1, 0, 0);
+        assert!(free.is_some() && !u.has_room(2), "the free room taken, and no more");
     }
 
     #[test]

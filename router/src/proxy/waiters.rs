@@ -10,8 +10,7 @@
 //!   waits behind it, so that the line is served in its order. (Only a moment is open: between
 //!   a request's end and the wake it gives. A decision takes its room in one step with the
 //!   check that there is one ([`super::upstream::Upstream::try_begin`]), so two threads
-//!   deciding at once never pass the limit; for the moment between that and letting go of
-//!   the hold, the room counts twice, and a request deciding then may find it taken.)
+//!   deciding at once never pass the limit, and the hold ends as it does ([`Waiters::took`]).)
 //! - A woken request decides again. Refused again for want of room there (another took it
 //!   after all), it lets the hold go, and it and those the hold refused decide again; refused
 //!   for another reason, it passes the room on. Either way it keeps its place in line. Sent to another replica than the one whose room
@@ -45,14 +44,28 @@ pub struct Waiters {
 }
 
 tokio::task_local! {
-    /// The replica whose room the deciding request holds ([`Waiters::held_for_others`]).
-    static HOLDING: Option<ReplicaId>;
+    /// The room the deciding request holds ([`Waiters::held_for_others`], [`Waiters::took`]).
+    static HOLDING: Option<Hold>;
 }
 
-/// `decision` made by a request that holds `room` ([`Ticket::holding`]): that room counts
-/// as its own.
-pub async fn holding<F: std::future::Future>(room: Option<ReplicaId>, decision: F) -> F::Output {
+/// `decision` made by a request that holds `room` ([`Ticket::hold`]): that room counts as
+/// its own.
+pub async fn holding<F: std::future::Future>(room: Option<Hold>, decision: F) -> F::Output {
     HOLDING.scope(room, decision).await
+}
+
+/// A woken request's hold on a replica's room, as its decision sees it.
+#[derive(Clone, Debug)]
+pub struct Hold {
+    replica: ReplicaId,
+    wake: Arc<Wake>,
+}
+
+impl Hold {
+    /// Whether it is `replica`'s room, still held (not yet [taken](Waiters::took)).
+    fn holds(&self, replica: ReplicaId) -> bool {
+        self.replica == replica && self.wake.room.load(SeqCst) == u64::from(replica.0)
+    }
 }
 
 #[derive(Debug)]
@@ -142,8 +155,25 @@ impl Waiters {
             return 0;
         }
         let held = self.held().get(&replica).copied().unwrap_or(0);
-        let own = HOLDING.try_with(|room| *room == Some(replica)).unwrap_or(false);
+        let own = HOLDING.try_with(|hold| hold.as_ref().is_some_and(|h| h.holds(replica))).unwrap_or(false);
         held.saturating_sub(u32::from(own))
+    }
+
+    /// The deciding request took a room on `replica` ([`super::upstream::Upstream::try_begin`]):
+    /// the room it holds there, if it does, is held no more. (Still held until the request
+    /// was placed, the room counted twice meanwhile, and a request deciding then found the
+    /// replica saturated and waited, with nothing to wake it.)
+    pub fn took(&self, replica: ReplicaId) {
+        if self.holds.load(SeqCst) == 0 {
+            return;
+        }
+        let own = HOLDING.try_with(|hold| hold.clone().filter(|h| h.replica == replica)).ok().flatten();
+        let room = u64::from(replica.0);
+        if let Some(hold) = own
+            && hold.wake.room.compare_exchange(room, ALL, SeqCst, SeqCst).is_ok()
+        {
+            self.unhold(replica);
+        }
     }
 
     fn hold(&self, replica: ReplicaId) {
@@ -276,6 +306,11 @@ impl Ticket<'_> {
     pub fn holding(&self) -> Option<ReplicaId> {
         // [`ALL`] is no replica's id.
         u32::try_from(self.wake.room.load(SeqCst)).ok().map(ReplicaId)
+    }
+
+    /// The room it holds, for its decision ([`holding`]).
+    pub fn hold(&self) -> Option<Hold> {
+        self.holding().map(|replica| Hold { replica, wake: self.wake.clone() })
     }
 
     /// Lets the room it holds go: taken (the request goes to that replica, `took`), or passed
@@ -437,7 +472,7 @@ mod tests {
         waiters.freed(R0);
         assert_eq!(woken.holding(), Some(R0));
         assert_eq!(waiters.held_for_others(R0), 1, "held for the woken request");
-        assert_eq!(holding(Some(R0), async { waiters.held_for_others(R0) }).await, 0, "its own");
+        assert_eq!(holding(woken.hold(), async { waiters.held_for_others(R0) }).await, 0, "its own");
         assert_eq!(waiters.held_for_others(R1), 0);
         // It leaves: the room goes to the next, still held.
         drop(woken);
@@ -478,7 +513,7 @@ mod tests {
         first.state = State::Woken;
         // Another thread's request took the room just before the hold (over the limit).
         let newcomer = u.begin(1, 0, 0);
-        let refused = holding(first.holding(), async { u.eligibility(1) }).await;
+        let refused = holding(first.hold(), async { u.eligibility(1) }).await;
         assert_eq!(refused, Err(Ineligible::Saturated));
         // It lets the hold go, and decides again (refused again: there is no room), then waits.
         assert!(matches!(first.join(&[R0], waiters.frees()), Joined::Freed), "decides again");
