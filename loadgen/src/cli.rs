@@ -77,7 +77,8 @@ pub struct SimulateArgs {
     /// 512.
     #[arg(long, value_enum, default_value_t = BlockIdentity::Auto)]
     pub blocks: BlockIdentity,
-    /// Skip the engine model: every replica reports zero load, and no latencies.
+    /// Skip the engine model: no latencies, and no load but the router's own count of the
+    /// prompt tokens it sent each replica lately (cache-aware weighs it, by arrival time).
     #[arg(long)]
     pub no_engine: bool,
     /// Sequences a replica runs at once.

@@ -129,45 +129,20 @@ pub async fn compare(
         }
     }
 
-    let mut runs = Vec::new();
+    // A run that fails (its router not ready, a replica refusing the cache reset) ends the
+    // comparison; the report holds the runs done before it.
+    let (mut runs, mut failed) = (Vec::new(), None);
     for policy in config.routers.policies() {
         if shutdown.is_cancelled() {
             break;
         }
-        reset_caches(&client, &config.replicas).await?;
-        let mut live = config.live.clone();
-        live.label = policy.as_str().into();
-        live.replicas.clone_from(&config.replicas);
-        let report = match &config.routers {
-            Routers::Embedded { config: router, .. } => {
-                let router_shutdown = shutdown.child_token();
-                let router = start_router(router, policy, router_shutdown).await?;
-                live.target = router.url();
-                let report = live::run(&sent, &live, shutdown.clone()).await;
-                router.stop().await;
-                report?
+        match run_policy(policy, config, &client, (caches, &pooled, &sent), &shutdown).await {
+            Ok(run) => runs.push(run),
+            Err(e) => {
+                failed = Some(e.context(format!("the {} run", policy.as_str())));
+                break;
             }
-            Routers::External(list) => {
-                live.target =
-                    list.iter().find(|(p, _)| *p == policy).map(|(_, u)| u.clone()).unwrap_or_default();
-                live::validate(&live)?;
-                wait_ready(&client, &live.target, EXTERNAL_READY_TIMEOUT, &shutdown).await?;
-                live::run(&sent, &live, shutdown.clone()).await?
-            }
-        };
-        // A run cut short (--duration, Ctrl-C) is compared on the requests it served.
-        let ran = requests_served(&sent, &report);
-        let (ran, pooled_hit_rate) = match &ran {
-            Some(ran) => {
-                (ran, pooled_bound(ran, config.block_size, total_capacity, config.cache())?.overall_hit_rate)
-            }
-            None => (&sent, pooled.overall_hit_rate),
-        };
-        let offline = match config.offline_speedup {
-            Some(speedup) => Some(offline(ran, config, caches, policy, speedup)?),
-            None => None,
-        };
-        runs.push(PolicyRun::new(policy, report, ran.len(), pooled_hit_rate, offline));
+        }
     }
     let report = CompareReport {
         workload: WorkloadSummary::of(&config.workload, &sent, config.live.prompt),
@@ -186,7 +161,59 @@ pub async fn compare(
     if let Some(dir) = &config.out_dir {
         write(&report, dir)?;
     }
-    Ok(report)
+    match failed {
+        Some(e) if !report.runs.is_empty() => {
+            Err(e
+                .context(format!("compare stopped after {} runs, which the report holds", report.runs.len())))
+        }
+        Some(e) => Err(e),
+        None => Ok(report),
+    }
+}
+
+/// `compare`'s run of `sent` behind `policy`, on `caches` reset first, beside its pooled
+/// reference (`pooled`, of all of `sent`).
+async fn run_policy(
+    policy: PolicyKind,
+    config: &CompareConfig,
+    client: &Client,
+    (caches, pooled, sent): (Caches, &sim::PooledBound, &Trace),
+    shutdown: &CancellationToken,
+) -> anyhow::Result<PolicyRun> {
+    let total_capacity = caches.total_blocks;
+    reset_caches(client, &config.replicas).await?;
+    let mut live = config.live.clone();
+    live.label = policy.as_str().into();
+    live.replicas.clone_from(&config.replicas);
+    let report = match &config.routers {
+        Routers::Embedded { config: router, .. } => {
+            let router_shutdown = shutdown.child_token();
+            let router = start_router(router, policy, router_shutdown).await?;
+            live.target = router.url();
+            let report = live::run(sent, &live, shutdown.clone()).await;
+            router.stop().await;
+            report?
+        }
+        Routers::External(list) => {
+            live.target = list.iter().find(|(p, _)| *p == policy).map(|(_, u)| u.clone()).unwrap_or_default();
+            live::validate(&live)?;
+            wait_ready(client, &live.target, EXTERNAL_READY_TIMEOUT, shutdown).await?;
+            live::run(sent, &live, shutdown.clone()).await?
+        }
+    };
+    // A run cut short (--duration, Ctrl-C) is compared on the requests it served.
+    let ran = requests_served(sent, &report);
+    let (ran, pooled_hit_rate) = match &ran {
+        Some(ran) => {
+            (ran, pooled_bound(ran, config.block_size, total_capacity, config.cache())?.overall_hit_rate)
+        }
+        None => (sent, pooled.overall_hit_rate),
+    };
+    let offline = match config.offline_speedup {
+        Some(speedup) => Some(offline(ran, config, caches, policy, speedup)?),
+        None => None,
+    };
+    Ok(PolicyRun::new(policy, report, ran.len(), pooled_hit_rate, offline))
 }
 
 /// The requests of `trace` that `run` served, if not all of them: a run stopped early sent

@@ -97,7 +97,9 @@ pub struct SimConfig {
     /// Arrivals happen at `timestamp / speedup` (the engine model's times are not scaled):
     /// 2 replays the trace twice as fast, doubling the load.
     pub speedup: f64,
-    /// The replicas' engine model; `None` skips it (every load is zero, no latencies).
+    /// The replicas' engine model; `None` skips it: no latencies, and no load but the
+    /// router's own decayed count of the prompt tokens it sent each replica (which
+    /// cache-aware weighs, on the arrivals' times: the speed-up still changes choices).
     pub engine: Option<EngineModel>,
 }
 

@@ -146,6 +146,42 @@ async fn compare_on_a_small_fleet_writes_a_sane_report() {
     fleet.stop().await;
 }
 
+/// A run that fails before it starts (here its router's address is no HTTP URL) ends the
+/// comparison with its error, and the report written holds the runs done before it. (The
+/// error returned before the report was written, losing every run done.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_run_keeps_the_runs_before_it_in_the_report() {
+    let shutdown = CancellationToken::new();
+    let fleet = EmbeddedFleet::start(fleet_config(2), shutdown.child_token()).await.unwrap();
+    let router =
+        compare::start_router(&fleet.router_config(), PolicyKind::CacheAware, shutdown.child_token())
+            .await
+            .unwrap();
+    let out = TempDir::new("compare-failed");
+    let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
+    live.replicas = fleet.urls();
+    live.arrivals = Arrivals::Trace { speedup: 1.0 };
+    let routers =
+        vec![(PolicyKind::CacheAware, router.url()), (PolicyKind::RoundRobin, "ftp://nowhere".into())];
+    let config = CompareConfig {
+        routers: Routers::External(routers),
+        out_dir: Some(out.0.clone()),
+        offline_speedup: None,
+        ..compare_config(&fleet, vec![], live)
+    };
+    let run = tokio::time::timeout(LIMIT, compare::compare(&small_chat(), &config, shutdown.clone()))
+        .await
+        .expect("compare finishes");
+    let err = format!("{:#}", run.expect_err("the round-robin run cannot start"));
+    assert!(err.contains("the round-robin run") && err.contains("after 1 runs"), "{err}");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.0.join("report.json")).unwrap())
+        .expect("report.json parses");
+    assert_eq!(json["runs"].as_array().map(Vec::len), Some(1), "{json}");
+    assert_eq!(json["runs"][0]["policy"], "cache-aware");
+    router.stop().await;
+    fleet.stop().await;
+}
+
 /// A fleet of one agent with two data-parallel ranks: its two engines' caches are read from
 /// its metrics (one `engine` series each), every request is served with the hits the
 /// responses and the counters agree on, predicted as the ranks hit, and the offline simulation
