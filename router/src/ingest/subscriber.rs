@@ -187,7 +187,16 @@ pub(crate) async fn run(
                         }
                     }
                     Some(_) => {}
-                    None => break, // The socket is gone: start over with a new one.
+                    // The socket is gone: start over with a new one. Its connection went with
+                    // it, as a disconnection does (the rank cleared, and replayed from seq 0
+                    // once the new one connects: a publisher that restarted meanwhile, its seqs
+                    // past the old ones already, would not be seen to have restarted).
+                    None => {
+                        if send(&tx, Input::Disconnected, &cancel).await.is_err() {
+                            return;
+                        }
+                        break;
+                    }
                 },
                 permit = tx.reserve(), if overflowed && !pending.is_set() => match permit {
                     Ok(permit) => {
