@@ -343,6 +343,15 @@ impl RankStream {
                     _ => break,
                 }
             }
+            // The repair went past this batch (the publisher no longer held it, and its replay
+            // started later): older than what the index holds now, it is dropped. (Taken for a
+            // restart, it cleared what the replay brought, and what it stored may have been
+            // removed since.) A restart the epochs tell is one.
+            let restarted = self.epoch.zip(batch.epoch).is_some_and(|(mine, theirs)| mine != theirs);
+            if action == Action::Restart && !restarted {
+                tracing::info!(replica = %self.ctx.replica.spec.name, rank = self.rank, seq = batch.seq.0, "batch older than its repair's replay; dropped");
+                return;
+            }
             if matches!(action, Action::Gap(_) | Action::Restart) {
                 // The repair could not reach this batch: start over from it.
                 self.clear();
@@ -919,6 +928,20 @@ mod tests {
         assert_eq!(ctx.index.blocks(ctx.replica.id), 5);
         cancel.cancel();
         running.await.unwrap();
+    }
+
+    /// A live batch whose gap's repair went past it (the publisher's buffer had moved on, its
+    /// replay starting later) is older than what the index holds then: dropped, not taken for
+    /// a restart that clears what the replay brought.
+    #[tokio::test]
+    async fn a_batch_its_repair_went_past_is_dropped() {
+        let mut rank = rank();
+        rank.replay_endpoint = Some(serve_replays(|_, _| ((10..12).collect(), true)).await);
+        rank.expected = Some(Seq(2));
+        let late = rank.decode(&batch(5)).unwrap();
+        rank.process(late).await;
+        assert_eq!(rank.expected, Some(Seq(12)), "in step with the replay, not with the late batch");
+        assert_eq!(rank.ctx.replica.status.state(), StreamState::Exact);
     }
 
     /// A publisher holding batches `0..held` whose `n`th replay reply loses batch `seq` when
