@@ -42,6 +42,11 @@ pub struct Totals {
     /// ([`Success::cached_tokens_given`]).
     #[serde(skip)]
     pub reports_cached: bool,
+    /// Prompt tokens of successful requests with a usage but no `cached_tokens` before any
+    /// response said them: misses, once one does (added to `prompt_tokens` then; vLLM leaves
+    /// a miss's out, and a soak that starts cold would leave out its first misses).
+    #[serde(skip)]
+    pub unreported_prompt_tokens: u64,
     /// Prompt tokens of successful requests that reported `cached_tokens` (or a miss).
     pub prompt_tokens: u64,
     /// Their `cached_tokens`.
@@ -113,10 +118,17 @@ impl Tally {
             match outcome {
                 Ok(ok) => {
                     t.succeeded += 1;
-                    t.reports_cached |= ok.cached_tokens.is_some();
-                    if let Some(cached) = ok.cached_tokens_given(t.reports_cached) {
-                        t.prompt_tokens += ok.prompt_tokens;
-                        t.cached_tokens += cached;
+                    if !t.reports_cached && ok.cached_tokens.is_some() {
+                        t.reports_cached = true;
+                        t.prompt_tokens += std::mem::take(&mut t.unreported_prompt_tokens);
+                    }
+                    match ok.cached_tokens_given(t.reports_cached) {
+                        Some(cached) => {
+                            t.prompt_tokens += ok.prompt_tokens;
+                            t.cached_tokens += cached;
+                        }
+                        None if ok.usage => t.unreported_prompt_tokens += ok.prompt_tokens,
+                        None => {}
                     }
                     if let Some(predicted) = ok.predicted_cached_tokens {
                         t.predicted_prompt_tokens += ok.prompt_tokens;
@@ -220,7 +232,9 @@ mod tests {
     }
 
     /// vLLM leaves a miss's cached tokens out of its usage: once a response has said them, a
-    /// usage without them counts as a miss; before, and without a usage, it counts nowhere.
+    /// usage without them counts as a miss, those before it too (they were held back until
+    /// then: a cold start's misses counted nowhere); a response without a usage counts
+    /// nowhere.
     #[test]
     fn a_usage_without_cached_tokens_is_a_miss_once_they_were_reported() {
         let tally = Tally::default();
@@ -232,7 +246,15 @@ mod tests {
             tally.finished(sent, Some("a"), &Ok(ok));
         }
         let totals = tally.totals();
-        assert_eq!((totals.prompt_tokens, totals.cached_tokens), (200, 90));
+        assert_eq!((totals.prompt_tokens, totals.cached_tokens), (300, 90));
+        // A replica that never says them tells nothing of its misses.
+        let silent = Tally::default();
+        silent.finished(
+            sent,
+            Some("a"),
+            &Ok(Success { prompt_tokens: 100, usage: true, ..Success::default() }),
+        );
+        assert_eq!((silent.totals().prompt_tokens, silent.totals().unreported_prompt_tokens), (0, 100));
     }
 
     /// Regression: a response without the router's prediction header counted as predicting
