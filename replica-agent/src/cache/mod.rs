@@ -155,8 +155,8 @@ pub enum AdmitError {
     TooLarge { needed: usize, limit: usize },
 }
 
-/// Returned by [`BlockCache::clear`] while requests still hold pins (as vLLM refuses to reset
-/// its prefix cache with blocks in use).
+/// Returned by [`BlockCache::clear`] while requests still hold pins (vLLM does not reset its
+/// prefix cache with blocks in use either).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("cannot clear the cache while {pinned} blocks are pinned")]
 pub struct ClearError {

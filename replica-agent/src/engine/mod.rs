@@ -279,7 +279,7 @@ impl Engine {
     }
 
     /// Drops the whole prefix cache and publishes `AllBlocksCleared`; refused while running
-    /// requests hold blocks (as vLLM refuses). Returns how many blocks were dropped.
+    /// requests hold blocks (as vLLM does not reset then). Returns how many blocks were dropped.
     pub async fn reset_prefix_cache(&self) -> Result<usize, ResetError> {
         let _one = self.resetting.lock().await;
         let (tx, rx) = oneshot::channel();

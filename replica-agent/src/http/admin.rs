@@ -116,7 +116,8 @@ fn with_max_tokens(body: &[u8]) -> Vec<u8> {
 }
 
 /// `POST /reset_prefix_cache`: 200 once every rank's cache is empty; 409 while running
-/// requests hold blocks (vLLM refuses then too).
+/// requests hold blocks. (vLLM does not reset then either, but answers 200 all the same and
+/// only logs it: the 409 tells a caller, such as `loadgen compare`, to try again.)
 pub(super) async fn reset_prefix_cache(state: &AppState) -> Result<Response<Body>, ApiError> {
     match state.ranks().reset_prefix_cache().await {
         Ok(blocks) => {

@@ -17,8 +17,10 @@
 //! 4. Without `stream`, collect the text and answer one JSON object; with `stream`, answer
 //!    an SSE body that forwards each token as the engine emits it ([`sse`]).
 //!
-//! Sampling parameters (`temperature`, `stop`, `seed`, `logprobs`, `echo`, ...), once
-//! checked, are ignored: the simulated text depends only on the prompt and the agent's `--seed`.
+//! Sampling parameters are ignored once those the agent checks (`temperature`, `top_p`,
+//! `stop`, ... as vLLM does) pass; `seed`, `logprobs`, `top_logprobs` and `echo` are not
+//! checked, and choices carry no logprobs and no echoed prompt. The simulated text depends
+//! only on the prompt and the agent's `--seed`.
 //! The simulated engine always generates exactly `max_tokens` tokens, so `finish_reason` is
 //! always `"length"`. `usage.prompt_tokens_details.cached_tokens` is the engine's realized
 //! prefix-cache hit of one prompt, as vLLM reports it for a request of several prompts or
