@@ -39,7 +39,8 @@
 //! the rank DEGRADED with what they brought: the rest may remove blocks the index shows. A
 //! live batch that follows on puts it back in step; failing that, the repair runs again
 //! `catch_up_after` later, the wait doubling to a minute, until one gets the rest (or, the
-//! publisher no longer holding it, starts over as in 2 and 3 below).
+//! publisher no longer holding it, starts over as in 2 and 3 below). A replay of such a
+//! repair that fails keeps what the rank holds, which is most of the truth.
 //!
 //! `repair(from)`:
 //! 1. Replay: a fresh DEALER asks the replica's ROUTER for every batch `>= from`

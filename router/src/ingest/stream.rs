@@ -12,7 +12,9 @@
 //!                                              on); no progress -> clear and start from
 //!                                              this batch
 //! seq <  expected, kvroute (same epoch)     -> duplicate (already applied)
-//! seq <  expected, inside the last replay   -> duplicate (the channel still held it)
+//! seq <  expected, inside the last replay   -> duplicate (the channel still held it; a
+//!                                              replay that began past where it was asked
+//!                                              covers from there)
 //! seq <  expected, otherwise                -> restart (vLLM has no epoch)
 //! ```
 
@@ -87,6 +89,8 @@ pub(crate) struct RankStream {
     /// How long until the next repair of an unknown tail; doubles with each, to
     /// [`MOST_TAIL_WAIT`].
     tail_wait: Duration,
+    /// A repair of an unknown tail is under way ([`RankStream::repair_tail`]).
+    repairing_tail: bool,
     /// KV-cache groups whose stores were of a kind the router does not index: their
     /// removals are expected misses, not unknown blocks.
     other_kinds: Vec<u32>,
@@ -101,8 +105,9 @@ const MAX_TAIL_REPLAYS: u32 = 8;
 /// replays ([`RankStream::repair_within`]).
 const CRAWLING: u64 = 64;
 
-/// The longest wait between repairs of an unknown tail ([`RankStream::run`]).
+/// The longest and the shortest wait between repairs of an unknown tail ([`RankStream::run`]).
 const MOST_TAIL_WAIT: Duration = Duration::from_secs(60);
+const LEAST_TAIL_WAIT: Duration = Duration::from_millis(10);
 
 /// Snapshot blocks stored between two yields to the runtime.
 const YIELD_EVERY: usize = 4096;
@@ -133,6 +138,7 @@ impl RankStream {
             disconnected: false,
             tail_unknown: false,
             tail_wait: Duration::ZERO,
+            repairing_tail: false,
             other_kinds: Vec::new(),
             scratch: Vec::new(),
         }
@@ -144,11 +150,12 @@ impl RankStream {
         // A second replay shortly after every (re)connect: batches published between the
         // first replay and the subscription reaching the publisher are otherwise lost, and
         // nothing would reveal it if no batch follows them.
-        let mut catch_up: Option<Pin<Box<tokio::time::Sleep>>> = None;
+        // And a repair of an unknown tail, again and again while it stays unknown (`tail`).
+        let mut catch_up: Option<(Pin<Box<tokio::time::Sleep>>, bool)> = None;
         loop {
             let due = async {
                 match catch_up.as_mut() {
-                    Some(sleep) => sleep.as_mut().await,
+                    Some((sleep, _)) => sleep.as_mut().await,
                     None => std::future::pending().await,
                 }
             };
@@ -166,7 +173,8 @@ impl RankStream {
                         match input {
                             Input::Connected if self.replay_endpoint.is_some() => {
                                 let delay = self.ctx.config.catch_up_after;
-                                catch_up = Some(Box::pin(tokio::time::sleep(delay)));
+                                catch_up = Some((Box::pin(tokio::time::sleep(delay)), false));
+                                self.tail_wait = Duration::ZERO;
                             }
                             // Only a connected stream can be caught up.
                             Input::Disconnected | Input::Unreachable => catch_up = None,
@@ -175,9 +183,11 @@ impl RankStream {
                         self.handle(input).await;
                     }
                     None => {
-                        catch_up = None;
-                        if !self.broken {
-                            let from = self.expected.unwrap_or(Seq(0));
+                        let tail = catch_up.take().is_some_and(|(_, tail)| tail);
+                        let from = self.expected.unwrap_or(Seq(0));
+                        if tail && self.tail_to_repair() {
+                            self.repair_tail(from).await;
+                        } else if !tail && !self.broken {
                             self.repair(from, None).await;
                         }
                     }
@@ -192,8 +202,8 @@ impl RankStream {
             // later (a publisher that goes quiet would otherwise leave them there for good),
             // the waits doubling from `catch_up_after`.
             if catch_up.is_none() && self.tail_to_repair() {
-                self.tail_wait = self.tail_wait.max(self.ctx.config.catch_up_after);
-                catch_up = Some(Box::pin(tokio::time::sleep(self.tail_wait)));
+                self.tail_wait = self.tail_wait.max(self.ctx.config.catch_up_after).max(LEAST_TAIL_WAIT);
+                catch_up = Some((Box::pin(tokio::time::sleep(self.tail_wait)), true));
                 self.tail_wait = (self.tail_wait * 2).min(MOST_TAIL_WAIT);
             }
         }
@@ -343,15 +353,6 @@ impl RankStream {
                     _ => break,
                 }
             }
-            // The repair went past this batch (the publisher no longer held it, and its replay
-            // started later): older than what the index holds now, it is dropped. (Taken for a
-            // restart, it cleared what the replay brought, and what it stored may have been
-            // removed since.) A restart the epochs tell is one.
-            let restarted = self.epoch.zip(batch.epoch).is_some_and(|(mine, theirs)| mine != theirs);
-            if action == Action::Restart && !restarted {
-                tracing::info!(replica = %self.ctx.replica.spec.name, rank = self.rank, seq = batch.seq.0, "batch older than its repair's replay; dropped");
-                return;
-            }
             if matches!(action, Action::Gap(_) | Action::Restart) {
                 // The repair could not reach this batch: start over from it.
                 self.clear();
@@ -394,6 +395,15 @@ impl RankStream {
         self.repair_within(from, newer, &mut (MAX_TAIL_REPLAYS + 1)).await;
     }
 
+    /// [`Self::repair`] of an unknown tail from `from`: a replay that fails leaves the rank
+    /// as it is (DEGRADED, its tail still unknown), where a repair's would clear it: what the
+    /// rank holds is most of the truth, and the tail is asked for again later.
+    async fn repair_tail(&mut self, from: Seq) {
+        self.repairing_tail = true;
+        self.repair(from, None).await;
+        self.repairing_tail = false;
+    }
+
     /// [`Self::repair`] with at most `replays` replays that crawl ([`CRAWLING`]) or end
     /// without their end marker (taken off it), from one repair or several of one gap.
     async fn repair_within(&mut self, from: Seq, newer: Option<Seq>, replays: &mut u32) {
@@ -415,7 +425,7 @@ impl RankStream {
                     Err(e) => {
                         tracing::warn!(error = %e, replica = %self.ctx.replica.spec.name, "replay failed");
                         self.ctx.metrics.replays(Outcome::Failed).inc();
-                        if round > 0 {
+                        if round > 0 || self.repairing_tail {
                             return self.tail_unknown().await;
                         }
                         break;
@@ -489,6 +499,12 @@ impl RankStream {
             self.clear();
             self.expected = None;
             self.apply_replayed(&partial.0).await;
+        }
+        // The replay began past `from`: live copies of the batches it skipped, still queued,
+        // are older than what it brought, and dropped as duplicates. (Taken for a restart,
+        // each cleared the rank.)
+        if !partial.0.is_empty() {
+            self.dup = self.dup.map(|(first, last)| (first.min(from), last));
         }
         drop(partial);
         if std::mem::take(&mut self.lost) {
@@ -772,8 +788,6 @@ impl RankStream {
         self.ctx.metrics.blocks.set(i64::try_from(blocks).unwrap_or(i64::MAX));
     }
 
-    /// The rank is in step (its malformed run is the decoder's to reset: a resync after a
-    /// lost batch is no good message).
     /// Whether the rank is DEGRADED with an unknown tail, and connected: a repair may get the
     /// rest. (Disconnected, it waits for its connection's repair; unreachable, it is
     /// FALLBACK, its index unread.)
@@ -783,6 +797,8 @@ impl RankStream {
             && self.ctx.replica.status.rank_state(self.rank) == Some(StreamState::Degraded)
     }
 
+    /// The rank is in step (its malformed run is the decoder's to reset: a resync after a
+    /// lost batch is no good message).
     fn synced_exact(&mut self) {
         self.broken = false;
         self.tail_unknown = false;
@@ -893,17 +909,19 @@ mod tests {
     /// A repair left DEGRADED with an unknown tail is tried again while nothing else comes:
     /// the tail may hold removals of blocks the index shows, and a publisher that goes quiet
     /// would leave them there for good. Here the replays after the connection and its
-    /// catch-up each bring one batch without the end marker and nothing more; the next one
-    /// brings the rest, and the rank is EXACT.
+    /// catch-up each bring batches without the end marker and nothing more; the tail's first
+    /// repair gets nothing either, which keeps what the rank holds (a repair's failed replay
+    /// would clear it); the next brings the rest, and the rank is EXACT.
     #[tokio::test]
     async fn an_unknown_tail_is_repaired_again_later() {
         // Replies 0 and 2 (the connection's repair, from 0, and the catch-up's, from 3) bring
-        // batches up to 2 and 3 without the end marker, 1 and 3 (asking for the rest) nothing,
-        // and any later one batches up to 4 and the end marker.
+        // batches up to 2 and 3 without the end marker, 1 and 3 (asking for the rest) and 4
+        // (the tail's first repair) nothing, and any later one batches up to 4 and the end
+        // marker.
         let endpoint = scripted_publisher(|reply, _| match reply {
             0 => (3, false),
             2 => (4, false),
-            1 | 3 => (0, false),
+            1 | 3 | 4 => (0, false),
             _ => (5, true),
         })
         .await;
@@ -931,17 +949,20 @@ mod tests {
     }
 
     /// A live batch whose gap's repair went past it (the publisher's buffer had moved on, its
-    /// replay starting later) is older than what the index holds then: dropped, not taken for
-    /// a restart that clears what the replay brought.
+    /// replay starting later) is older than what the index holds then: dropped, and so are
+    /// those queued behind it, not taken for restarts that clear what the replay brought.
     #[tokio::test]
     async fn a_batch_its_repair_went_past_is_dropped() {
         let mut rank = rank();
         rank.replay_endpoint = Some(serve_replays(|_, _| ((10..12).collect(), true)).await);
         rank.expected = Some(Seq(2));
-        let late = rank.decode(&batch(5)).unwrap();
-        rank.process(late).await;
-        assert_eq!(rank.expected, Some(Seq(12)), "in step with the replay, not with the late batch");
+        for seq in [5, 6, 9] {
+            let late = rank.decode(&batch(seq)).unwrap();
+            rank.process(late).await;
+            assert_eq!(rank.expected, Some(Seq(12)), "in step with the replay, not with batch {seq}");
+        }
         assert_eq!(rank.ctx.replica.status.state(), StreamState::Exact);
+        assert_eq!(rank.ctx.metrics.restarts.get(), 0, "no restart");
     }
 
     /// A publisher holding batches `0..held` whose `n`th replay reply loses batch `seq` when
