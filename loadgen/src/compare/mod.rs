@@ -163,8 +163,9 @@ pub async fn compare(
     }
     match failed {
         Some(e) if !report.runs.is_empty() => {
-            Err(e
-                .context(format!("compare stopped after {} runs, which the report holds", report.runs.len())))
+            let written = config.out_dir.as_ref().map(|dir| format!(", reported in {}", dir.display()));
+            let ran = report.runs.len();
+            Err(e.context(format!("compare stopped after {ran} runs{}", written.unwrap_or_default())))
         }
         Some(e) => Err(e),
         None => Ok(report),

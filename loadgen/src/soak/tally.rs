@@ -43,8 +43,9 @@ pub struct Totals {
     #[serde(skip)]
     pub reports_cached: bool,
     /// Prompt tokens of successful requests with a usage but no `cached_tokens` before any
-    /// response said them: misses, once one does (added to `prompt_tokens` then; vLLM leaves
-    /// a miss's out, and a soak that starts cold would leave out its first misses).
+    /// response said them: misses, once one does (added to `prompt_tokens` then, so the
+    /// window it comes in takes them all; vLLM leaves a miss's out, and a soak that starts
+    /// cold would leave out its first misses).
     #[serde(skip)]
     pub unreported_prompt_tokens: u64,
     /// Prompt tokens of successful requests that reported `cached_tokens` (or a miss).

@@ -173,7 +173,7 @@ async fn a_failed_run_keeps_the_runs_before_it_in_the_report() {
         .await
         .expect("compare finishes");
     let err = format!("{:#}", run.expect_err("the round-robin run cannot start"));
-    assert!(err.contains("the round-robin run") && err.contains("after 1 runs"), "{err}");
+    assert!(err.contains("the round-robin run") && err.contains("after 1 runs, reported in"), "{err}");
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.0.join("report.json")).unwrap())
         .expect("report.json parses");
     assert_eq!(json["runs"].as_array().map(Vec::len), Some(1), "{json}");

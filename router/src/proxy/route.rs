@@ -54,8 +54,9 @@ pub struct Decider {
 #[derive(Debug, Default)]
 pub struct Deciding([std::sync::Mutex<()>; DECIDING_SHARDS]);
 
-/// How many times in a row a decision may find that a request deciding at the same time took
-/// its choice's last room before the request waits for room ([`Decider::decide_prepared`]).
+/// How many times more than there are replicas a decision may find, in a row, that a request
+/// deciding at the same time took its choice's last room, before the request waits for room
+/// ([`Decider::decide_prepared`]).
 const MAX_RACES: usize = 3;
 
 /// How many [`Deciding`] locks there are.
@@ -308,8 +309,8 @@ impl Decider {
     /// [`Decider::decide_prepared`]'s decision, made under its lock ([`Decider::deciding`]),
     /// on the fleet `members` if given: the plan, its choice credited and its load counted
     /// there. Made again when another request took the chosen replica's last room since it
-    /// was scored (saturated now), up to [`MAX_RACES`] times in a row; then the request waits
-    /// for room on those replicas, and on the others saturated.
+    /// was scored (saturated now), as long as a replica is left with room (up to
+    /// [`MAX_RACES`] times more than there are replicas; then the request waits for room).
     fn decide_locked(
         &self,
         prepared: &Prepared,
@@ -331,14 +332,12 @@ impl Decider {
             }
             self.withdraw_credit(&mut plan, 0);
             raced.push(chosen);
-            if raced.len() == MAX_RACES {
-                let mut replicas = saturated(&plan);
-                for id in raced {
-                    if !replicas.contains(&id) {
-                        replicas.push(id);
-                    }
-                }
+            // Each race is a room another request took: while the plan has a choice, the
+            // fleet has room. (Bounded all the same: past it, the request waits for room on
+            // any candidate.)
+            if raced.len() >= plan.candidates.len() + MAX_RACES {
                 let reason = "the replicas chosen were saturated by requests deciding at once".into();
+                let replicas = plan.candidates.iter().map(|c| c.member.replica.id).collect();
                 return Err(ProxyError::Saturated { reason, replicas });
             }
         }
@@ -766,14 +765,14 @@ fn best_rank(
     Some((ranks[chosen].rank, ranks[chosen].overlap_blocks, views[chosen].load))
 }
 
-/// The 503 of a request no replica could take: [`ProxyError::Saturated`] when one of them
-/// could once it has room (the request may wait for it: [`super::queue`]).
 /// The candidates of `plan` at `--max-in-flight-per-replica`.
 fn saturated(plan: &Plan) -> Vec<ReplicaId> {
     let saturated = plan.candidates.iter().filter(|c| c.ineligible == Some(Ineligible::Saturated));
     saturated.map(|c| c.member.replica.id).collect()
 }
 
+/// The 503 of a request no replica could take: [`ProxyError::Saturated`] when one of them
+/// could once it has room (the request may wait for it: [`super::queue`]).
 fn unavailable(plan: &Plan) -> ProxyError {
     if plan.candidates.is_empty() {
         return ProxyError::Unavailable("no replicas are configured".into());

@@ -2,9 +2,11 @@
 //! health, whether it is draining (an operator's word) and whether it is serving (the
 //! platform's: Kubernetes readiness, from discovery).
 //!
-//! Load is counted at decision time: `in_flight` rises when a request is decided (or a retry
-//! sent elsewhere), in one step with the check that the replica has room
-//! ([`Upstream::try_begin`]), and falls when its response ends (or the client goes away), and `sequences` with it by the request's
+//! Load is counted at decision time: `in_flight` rises when a request routed on its prompt is
+//! decided (or its retry's replica picked), in one step with the check that the replica has
+//! room ([`Upstream::try_begin`]; other requests are counted as they are sent, the check
+//! made when their replica was chosen), and falls when its response ends (or the client
+//! goes away), and `sequences` with it by the request's
 //! sequences (its prompts times its `n`: what the replica runs and reports); `pending_prefill` holds the uncached prompt
 //! tokens of requests whose prefill is not known to be over, which is the work standing
 //! between a new request and its first token ([`PendingPrefill`] says when each is let go:
@@ -258,7 +260,12 @@ impl Upstream {
         let held = self.waiters.held_for_others(self.id);
         let room = |n: u32| (n.saturating_add(held) < max_in_flight).then_some(n + 1);
         self.in_flight.fetch_update(Ordering::Relaxed, Ordering::Relaxed, room).ok()?;
-        self.waiters.took(self.id);
+        // The room its hold kept is taken: for the moment between the two, it counted twice,
+        // and a request deciding then may have found no room that is there (told, it decides
+        // again).
+        if self.waiters.took(self.id) && self.has_room(max_in_flight) {
+            self.waiters.freed(self.id);
+        }
         Some(self.counted(sequences, prefill_tokens, prompt_tokens))
     }
 

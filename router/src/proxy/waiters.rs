@@ -7,10 +7,12 @@
 //!   again, its ejection over) wakes every waiting request: it may take any of them.
 //! - The room that woke a request is held for it until it decides ([`Waiters::held_for_others`]):
 //!   a request that arrives meanwhile, or another's retry, finds the replica saturated and
-//!   waits behind it, so that the line is served in its order. (Only a moment is open: between
-//!   a request's end and the wake it gives. A decision takes its room in one step with the
-//!   check that there is one ([`super::upstream::Upstream::try_begin`]), so two threads
-//!   deciding at once never pass the limit, and the hold ends as it does ([`Waiters::took`]).)
+//!   waits behind it, so that the line is served in its order. (Only moments are open: between
+//!   a request's end and the wake it gives; and for requests not routed on their prompt,
+//!   between the decision and the send. A routed request's decision, or its retry's, takes its
+//!   room in one step with the check that there is one
+//!   ([`super::upstream::Upstream::try_begin`]), so two of them deciding at once never pass
+//!   the limit, and the hold ends as it does ([`Waiters::took`]).)
 //! - A woken request decides again. Refused again for want of room there (another took it
 //!   after all), it lets the hold go, and it and those the hold refused decide again; refused
 //!   for another reason, it passes the room on. Either way it keeps its place in line. Sent to another replica than the one whose room
@@ -160,20 +162,20 @@ impl Waiters {
     }
 
     /// The deciding request took a room on `replica` ([`super::upstream::Upstream::try_begin`]):
-    /// the room it holds there, if it does, is held no more. (Still held until the request
-    /// was placed, the room counted twice meanwhile, and a request deciding then found the
-    /// replica saturated and waited, with nothing to wake it.)
-    pub fn took(&self, replica: ReplicaId) {
+    /// the room it holds there, if it does, is held no more; true if it was. (Still held until
+    /// the request was placed, the room counted twice meanwhile, and a request deciding then
+    /// found the replica saturated and waited, with nothing to wake it.)
+    pub fn took(&self, replica: ReplicaId) -> bool {
         if self.holds.load(SeqCst) == 0 {
-            return;
+            return false;
         }
         let own = HOLDING.try_with(|hold| hold.clone().filter(|h| h.replica == replica)).ok().flatten();
         let room = u64::from(replica.0);
-        if let Some(hold) = own
-            && hold.wake.room.compare_exchange(room, ALL, SeqCst, SeqCst).is_ok()
-        {
+        let took = own.is_some_and(|hold| hold.wake.room.compare_exchange(room, ALL, SeqCst, SeqCst).is_ok());
+        if took {
             self.unhold(replica);
         }
+        took
     }
 
     fn hold(&self, replica: ReplicaId) {
