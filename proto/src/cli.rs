@@ -96,7 +96,7 @@ where
     let text =
         std::fs::read_to_string(&path).map_err(|source| ConfigError::Read { path: path.clone(), source })?;
     let file_error = |message: String| ConfigError::File { path: path.clone(), message };
-    let file: toml::Table = text.parse().map_err(|e: toml::de::Error| file_error(e.to_string()))?;
+    let file: toml::Table = text.parse().map_err(|e: toml::de::Error| file_error(syntax_error(&text, &e)))?;
     // The flags are merged as TOML, which cannot hold every value a flag can: a number above
     // TOML's signed 64-bit integers, or a null inside a JSON object.
     let mut merged = toml::Table::try_from(&cli).map_err(|e| {
@@ -146,6 +146,10 @@ where
                 merged.insert(key, value);
             }
             Ok(_) => {}
+            Err(_) if is_secret(&key) => {
+                bad.push(format!("{key}: not a value it takes (a secret's value is not shown)"));
+                refused.push(key);
+            }
             Err(e) => {
                 bad.push(format!("{key}: {}", e.message().trim_end()));
                 refused.push(key);
@@ -162,6 +166,22 @@ where
         return Err(Refused { error: file_error(problems.join("; ")), rest, keys: refused });
     }
     Ok(C::deserialize(merged).map_err(|e| file_error(e.to_string()))?)
+}
+
+/// Whether the file key `key` holds a secret (`admin-token`, `api-key`): an error about its
+/// value does not quote it.
+fn is_secret(key: &str) -> bool {
+    ["token", "key", "secret", "password"].iter().any(|word| key.contains(word))
+}
+
+/// `e`, a syntax error in the config file `text`, by its line and column and without the
+/// line itself (toml's own text quotes it, and it may hold a secret: a token left unquoted).
+fn syntax_error(text: &str, e: &toml::de::Error) -> String {
+    let message = e.message().trim_end();
+    let Some(before) = e.span().and_then(|span| text.get(..span.start)) else { return message.to_owned() };
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |start| start.chars().count()) + 1;
+    format!("line {line}, column {column}: {message}")
 }
 
 #[cfg(test)]
@@ -185,6 +205,9 @@ mod tests {
         #[arg(long)]
         #[serde(skip_serializing_if = "Option::is_none")]
         seed: Option<u64>,
+        #[arg(long)]
+        #[serde(skip_serializing_if = "Option::is_none")]
+        admin_token: Option<String>,
     }
 
     impl Layered for Demo {
@@ -218,6 +241,25 @@ mod tests {
             std::fs::write(&path, text).unwrap();
             TempPath(path)
         }
+    }
+
+    /// A config file's errors never quote a secret's value: neither a syntax error (a token
+    /// pasted unquoted, whose line toml's own message quotes) nor a value of the wrong type.
+    #[test]
+    fn file_errors_do_not_show_secrets() {
+        for (text, expected) in [
+            ("block-size = 8\nadmin-token = 3f9ahunter2\n", "line 2, column"),
+            ("admin-token = 31415926\n", "admin-token: not a value it takes"),
+        ] {
+            let f = file(text);
+            let e =
+                parse_from::<Demo, _, _>(["x", "--config", f.0.to_str().unwrap()]).unwrap_err().to_string();
+            assert!(e.contains(expected) && !e.contains("hunter2") && !e.contains("31415926"), "{e}");
+        }
+        // Other values are quoted, to point at the mistake.
+        let f = file("seed = \"many\"\n");
+        let e = parse_from::<Demo, _, _>(["x", "--config", f.0.to_str().unwrap()]).unwrap_err().to_string();
+        assert!(e.contains("many"), "{e}");
     }
 
     #[test]
