@@ -80,6 +80,16 @@ where
     parse_keeping_rest(args).map_err(|refused| refused.error)
 }
 
+/// `C` with every setting at its default: no flags, and no environment read (a config built
+/// by a program, such as an embedded fleet's, is not the operator's shell's: a
+/// `KVROUTE_API_KEY` exported for the real router would lock the load generator's routers).
+pub fn defaults<C: clap::Parser>() -> C {
+    let command = C::command().no_binary_name(true).mut_args(|arg| arg.env(None::<&'static str>));
+    let matches = command.get_matches_from(std::iter::empty::<OsString>());
+    C::from_arg_matches(&matches)
+        .unwrap_or_else(|e| panic!("the defaults of {}: {e}", C::command().get_name()))
+}
+
 /// [`parse_from`], keeping what could be read of a config refused for its file's keys.
 pub fn parse_keeping_rest<C, I, T>(args: I) -> Result<C, Refused<C>>
 where
@@ -241,6 +251,23 @@ mod tests {
             std::fs::write(&path, text).unwrap();
             TempPath(path)
         }
+    }
+
+    /// A config's defaults read no environment, where a parse of the command line does. (Run
+    /// again in a child process with the variable set: the environment is the process's.)
+    #[test]
+    fn defaults_read_no_environment() {
+        if std::env::var_os("KVROUTE_TEST_CLI_MODEL").is_some() {
+            assert_eq!(parse_from::<Demo, _, _>(["x"]).unwrap().model, "from-env", "the variable is read");
+            assert_eq!(defaults::<Demo>().model, "m");
+            return;
+        }
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "cli::tests::defaults_read_no_environment", "--quiet"])
+            .env("KVROUTE_TEST_CLI_MODEL", "from-env")
+            .output()
+            .unwrap();
+        assert!(child.status.success(), "{}", String::from_utf8_lossy(&child.stdout));
     }
 
     /// A config file's errors never quote a secret's value: neither a syntax error (a token

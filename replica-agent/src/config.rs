@@ -181,7 +181,7 @@ impl kvroute_proto::cli::Layered for Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config::parse_from(["kvroute-agent"])
+        kvroute_proto::cli::defaults()
     }
 }
 

@@ -324,7 +324,7 @@ fn any_origin() -> Vec<String> {
 
 impl Default for Config {
     fn default() -> Self {
-        Config::parse_from(["kvroute-router"])
+        kvroute_proto::cli::defaults()
     }
 }
 
