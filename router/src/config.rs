@@ -433,7 +433,24 @@ impl Config {
         }
         let mut names = std::collections::HashSet::new();
         let mut servers = std::collections::HashMap::new();
+        // Each rank's event stream (endpoint and topic) is one replica's: two replicas on
+        // one (a copy-paste slip) would each be credited with the other's cache.
+        let mut streams = std::collections::HashMap::new();
         for r in &self.replicas {
+            for rank in 0..r.dp_size.min(crate::replicas::MAX_DP_SIZE) {
+                let Ok(endpoint) = crate::replicas::rank_endpoint(&r.events, rank) else { break };
+                if endpoint.ends_with(":0") {
+                    continue;
+                }
+                if let Some(other) = streams.insert((endpoint.clone(), r.topic.as_str()), r.name.as_str())
+                    && other != r.name
+                {
+                    check(
+                        false,
+                        format!("replicas {other:?} and {:?} follow one event stream, {endpoint}", r.name),
+                    );
+                }
+            }
             let named_once = names.insert(r.name.as_str());
             check(named_once, format!("replica {:?} is listed twice", r.name));
             if named_once
@@ -922,8 +939,9 @@ mod tests {
     /// the fleet refuses it now (both were started, and each got half its load).
     #[test]
     fn one_server_is_listed_once() {
-        let replica =
-            |name: &str, http: &str| format!("name={name},http={http},events=tcp://h:5557").parse().unwrap();
+        let replica = |name: &str, http: &str| {
+            format!("name={name},http={http},events=tcp://{name}:5557").parse().unwrap()
+        };
         let c = Config {
             replicas: vec![
                 replica("a", "http://h:8000"),
@@ -937,6 +955,36 @@ mod tests {
             errors.len() == 1 && errors[0].contains("\"a\" and \"b\" have one HTTP address"),
             "{errors:?}"
         );
+    }
+
+    /// Each rank's event stream is one replica's: two replicas following one (a copy-paste
+    /// slip) would each be credited with the other's cache. Another topic is another stream.
+    #[test]
+    fn one_event_stream_is_one_replicas() {
+        let config = |replicas: &[&str]| Config {
+            replicas: replicas.iter().map(|r| r.parse().unwrap()).collect(),
+            ..Config::default()
+        };
+        let errors = config(&[
+            "name=a,http=http://a:8000,events=tcp://h:5557",
+            "name=b,http=http://b:8000,events=tcp://h:5557",
+        ])
+        .validate()
+        .unwrap_err();
+        assert!(
+            errors.len() == 1 && errors[0].contains("\"a\" and \"b\" follow one event stream"),
+            "{errors:?}"
+        );
+        let ranks = config(&[
+            "name=a,http=http://a:8000,events=tcp://h:5557,dp-size=2",
+            "name=b,http=http://b:8000,events=tcp://h:5558",
+        ]);
+        assert!(ranks.validate().is_err(), "a's second rank publishes on 5558");
+        let topics = config(&[
+            "name=a,http=http://a:8000,events=tcp://h:5557,topic=a",
+            "name=b,http=http://b:8000,events=tcp://h:5557,topic=b",
+        ]);
+        assert_eq!(topics.validate(), Ok(()));
     }
 
     #[test]

@@ -463,9 +463,7 @@ impl Replicas {
     pub fn insert(&self, spec: ReplicaSpec) -> Result<Arc<Replica>, SpecError> {
         spec.validate()?;
         let mut inner = self.inner.write().unwrap_or_else(PoisonError::into_inner);
-        let next = ReplicaId(u32::try_from(inner.ids.len()).expect("fewer than 2^32 replica names"));
-        let id = *inner.ids.entry(spec.name.clone()).or_insert(next);
-        if inner.live.contains_key(&id) {
+        if inner.ids.get(&spec.name).is_some_and(|id| inner.live.contains_key(id)) {
             return Err(SpecError::Duplicate(spec.name));
         }
         // (A replica without an HTTP address is followed for its events alone.)
@@ -476,6 +474,10 @@ impl Replicas {
             let (other, url) = (other.spec.name.clone(), other.spec.http_url.clone());
             return Err(SpecError::SameServer { name: spec.name, other, url });
         }
+        // Named only once it is in: a name refused is none the fleet knows (a drain kept for
+        // it would wait for a replica never added).
+        let next = ReplicaId(u32::try_from(inner.ids.len()).expect("fewer than 2^32 replica names"));
+        let id = *inner.ids.entry(spec.name.clone()).or_insert(next);
         let authority = spec
             .http_url
             .parse::<http::Uri>()
@@ -631,6 +633,7 @@ mod tests {
             replicas.insert(at("d", "http://h:8000/")).unwrap_err(),
             SpecError::SameServer { name: "d".into(), other: "c".into(), url: "http://h:8000".into() }
         );
+        assert!(!replicas.knows("d"), "a name refused is not one the fleet knows");
         // Spelled another way, it is still the one server; another port is another server.
         assert!(matches!(replicas.insert(at("d", "HTTP://H:8000")), Err(SpecError::SameServer { .. })));
         let e = replicas.insert(at("e", "http://h")).unwrap();

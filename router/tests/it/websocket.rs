@@ -228,7 +228,7 @@ async fn a_handshake_goes_on_past_a_replica_that_refuses_the_connection() {
     let closed = kvroute_proto::loopback_port::unused().unwrap();
     let events = kvroute_proto::loopback_port::unused().unwrap();
     let spec = |name: &str, at: String| {
-        format!("name={name},http=http://{at},events=tcp://127.0.0.1:{events},engine=kvroute")
+        format!("name={name},http=http://{at},events=tcp://127.0.0.1:{events},topic={name},engine=kvroute")
             .parse()
             .unwrap()
     };
@@ -283,7 +283,7 @@ async fn a_handshake_passes_over_a_replica_drained_since_it_was_chosen() {
     });
     let events = kvroute_proto::loopback_port::unused().unwrap();
     let spec = |name: &str, at: SocketAddr| {
-        format!("name={name},http=http://{at},events=tcp://127.0.0.1:{events},engine=kvroute")
+        format!("name={name},http=http://{at},events=tcp://127.0.0.1:{events},topic={name},engine=kvroute")
             .parse()
             .unwrap()
     };
