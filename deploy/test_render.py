@@ -70,6 +70,9 @@ class Manifests(unittest.TestCase):
                 c = pod["spec"]["containers"][0]
                 self.assertEqual(c["readinessProbe"]["httpGet"]["path"], "/ready")
                 self.assertEqual(c["livenessProbe"]["httpGet"]["path"], "/health")
+                # Both on the health port: the proxy port's connections may all be taken.
+                for probe in ["readinessProbe", "livenessProbe"]:
+                    self.assertEqual(c[probe]["httpGet"]["port"], "health", probe)
                 self.assertIn("requests", c["resources"])
                 env = {e["name"]: e for e in c["env"]}
                 # Client API keys come from a Secret only if one was made: the API is open without.
