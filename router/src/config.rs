@@ -213,6 +213,7 @@ pub struct Config {
     /// with an error event and, a second later, the connections still open are closed and
     /// the router exits. Under a Kubernetes grace period (the manifests' allow for its
     /// default), so that a stream still running gets its error event rather than a SIGKILL.
+    /// 0 ends them at once.
     #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT_MS", default_value_t = 590_000)]
     pub drain_timeout_ms: u64,
     /// Time allowed for a replica's answer that is not a generation's, milliseconds: a LoRA
@@ -430,6 +431,18 @@ impl Config {
         }
         for problem in self.chat.problems() {
             check(false, problem);
+        }
+        // The listeners, which would fail to bind at start, after the rest is under way.
+        let mut listeners = vec![("--listen", self.listen), ("--admin-listen", self.admin_listen)];
+        listeners.extend(self.health_listen.map(|at| ("--health-listen", at)));
+        for (i, (flag, at)) in listeners.iter().enumerate() {
+            for (other, then) in &listeners[..i] {
+                let overlap = at.ip() == then.ip() || at.ip().is_unspecified() || then.ip().is_unspecified();
+                check(
+                    at.port() == 0 || at.port() != then.port() || !overlap,
+                    format!("{flag} {at} and {other} {then} would take one port"),
+                );
+            }
         }
         let mut names = std::collections::HashSet::new();
         let mut servers = std::collections::HashMap::new();
@@ -955,6 +968,23 @@ mod tests {
             errors.len() == 1 && errors[0].contains("\"a\" and \"b\" have one HTTP address"),
             "{errors:?}"
         );
+    }
+
+    /// Two listeners on one port would fail to bind at start, after the rest is under way:
+    /// refused up front, with the other problems.
+    #[test]
+    fn listeners_take_ports_of_their_own() {
+        let at = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let c = Config { health_listen: Some(at("127.0.0.1:8080")), ..Config::default() };
+        let errors = c.validate().unwrap_err();
+        assert!(
+            errors.iter().any(|e| e.contains("--health-listen 127.0.0.1:8080 and --listen")),
+            "{errors:?}"
+        );
+        let apart = Config { health_listen: Some(at("0.0.0.0:8081")), ..Config::default() };
+        assert_eq!(apart.validate(), Ok(()));
+        let loopback = Config { health_listen: Some(at("127.0.0.1:0")), ..Config::loopback(Vec::new()) };
+        assert_eq!(loopback.validate(), Ok(()), "port 0 takes a port of its own");
     }
 
     /// Each rank's event stream is one replica's: two replicas following one (a copy-paste
