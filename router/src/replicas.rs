@@ -209,8 +209,14 @@ impl ReplicaSpec {
         if self.dp_size > MAX_DP_SIZE {
             problems.push(SpecError::TooManyRanks(self.dp_size));
         }
-        if let Some(Err(e)) = self.grpc_endpoint.as_deref().map(base_url) {
-            problems.push(e);
+        // The gRPC client keeps only the endpoint's scheme and authority: a path prefix
+        // (a gateway's route) would be dropped without a word, and every snapshot fail.
+        match self.grpc_endpoint.as_deref().map(|url| (url, base_url(url))) {
+            Some((_, Err(e))) => problems.push(e),
+            Some((url, Ok(base))) if base.parse::<http::Uri>().is_ok_and(|u| u.path() != "/") => {
+                problems.push(SpecError::Url(url.to_owned(), "a gRPC endpoint takes no path".into()));
+            }
+            _ => {}
         }
         // The last rank's port is the highest; within the ranks allowed.
         let last = self.dp_size.clamp(1, MAX_DP_SIZE) - 1;
@@ -606,6 +612,12 @@ mod tests {
         let mut spec = ReplicaSpec::new("a", "tcp://h:1", EngineKind::Kvroute, "m");
         spec.grpc_endpoint = Some("h:50051".into());
         assert!(matches!(spec.validate(), Err(SpecError::Url(..))));
+        spec.grpc_endpoint = Some("http://gw:80/agent-0".into());
+        assert!(matches!(spec.validate(), Err(SpecError::Url(..))), "a path, which tonic drops");
+        for fine in ["http://h:50051", "http://h:50051/"] {
+            spec.grpc_endpoint = Some(fine.into());
+            assert_eq!(spec.validate(), Ok(()), "{fine}");
+        }
     }
 
     #[test]
