@@ -146,17 +146,23 @@ async fn compare_on_a_small_fleet_writes_a_sane_report() {
     fleet.stop().await;
 }
 
+/// A fleet of two agents, and a `policy` router in front of it, stopped by `shutdown`.
+async fn fleet_and_router(
+    policy: PolicyKind,
+    shutdown: &CancellationToken,
+) -> (EmbeddedFleet, kvroute_router::RunningRouter) {
+    let fleet = EmbeddedFleet::start(fleet_config(2), shutdown.child_token()).await.unwrap();
+    let router = compare::start_router(&fleet.router_config(), policy, shutdown.child_token()).await.unwrap();
+    (fleet, router)
+}
+
 /// A run that fails before it starts (here its router's address is no HTTP URL) ends the
 /// comparison with its error, and the report written holds the runs done before it. (The
 /// error returned before the report was written, losing every run done.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_run_keeps_the_runs_before_it_in_the_report() {
     let shutdown = CancellationToken::new();
-    let fleet = EmbeddedFleet::start(fleet_config(2), shutdown.child_token()).await.unwrap();
-    let router =
-        compare::start_router(&fleet.router_config(), PolicyKind::CacheAware, shutdown.child_token())
-            .await
-            .unwrap();
+    let (fleet, router) = fleet_and_router(PolicyKind::CacheAware, &shutdown).await;
     let out = TempDir::new("compare-failed");
     let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
     live.replicas = fleet.urls();
@@ -348,11 +354,7 @@ async fn a_run_stopped_early_is_compared_on_the_requests_it_sent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_s_metrics_name_every_replica_behind_it() {
     let shutdown = CancellationToken::new();
-    let fleet = EmbeddedFleet::start(fleet_config(2), shutdown.child_token()).await.unwrap();
-    let router =
-        compare::start_router(&fleet.router_config(), PolicyKind::RoundRobin, shutdown.child_token())
-            .await
-            .unwrap();
+    let (fleet, router) = fleet_and_router(PolicyKind::RoundRobin, &shutdown).await;
     // No request yet: the names come from the router's own list, not from any response.
     let snapshot = live::scrape::snapshot(&live::Client::new(LIMIT), &router.url(), &[]).await;
     assert_eq!(snapshot.router_replicas, ["agent-0", "agent-1"]);

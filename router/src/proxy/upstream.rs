@@ -949,18 +949,21 @@ mod tests {
         let busy = u.begin(1, 0, 0);
         assert_eq!(u.eligibility(1), Err(Ineligible::Saturated));
         let mut ticket = waiters.ticket(0);
-        {
-            let wait = ticket.wait(&[ReplicaId(3)], waiters.frees());
-            tokio::pin!(wait);
-            assert!(futures::poll!(wait.as_mut()).is_pending());
-            drop(busy);
-            assert!(futures::poll!(wait.as_mut()).is_ready(), "woken");
-        }
+        woken_by(&waiters, &mut ticket, busy).await;
         assert_eq!(u.eligibility(1), Err(Ineligible::Saturated), "held for the woken request");
         let own = super::super::waiters::holding(ticket.hold(), async { u.eligibility(1) }).await;
         assert_eq!(own, Ok(()));
         ticket.placed(Some(ReplicaId(3)));
         assert_eq!(u.eligibility(1), Ok(()));
+    }
+
+    /// `ticket` waits for replica 3's room, and is woken as `ending`, a request there, ends.
+    async fn woken_by(waiters: &Waiters, ticket: &mut super::super::waiters::Ticket<'_>, ending: LoadGuard) {
+        let wait = ticket.wait(&[ReplicaId(3)], waiters.frees());
+        tokio::pin!(wait);
+        assert!(futures::poll!(wait.as_mut()).is_pending());
+        drop(ending);
+        assert!(futures::poll!(wait.as_mut()).is_ready(), "woken");
     }
 
     /// A woken request's decision that takes the room that woke it ends its hold as it does:
@@ -973,13 +976,7 @@ mod tests {
         let u = Arc::new(Upstream::waking(waiters.clone(), ReplicaId(3)));
         let (first, second) = (u.begin(1, 0, 0), u.begin(1, 0, 0));
         let mut ticket = waiters.ticket(0);
-        {
-            let wait = ticket.wait(&[ReplicaId(3)], waiters.frees());
-            tokio::pin!(wait);
-            assert!(futures::poll!(wait.as_mut()).is_pending());
-            drop(first);
-            assert!(futures::poll!(wait.as_mut()).is_ready(), "woken");
-        }
+        woken_by(&waiters, &mut ticket, first).await;
         drop(second);
         assert!(u.has_room(2), "one room held, one free");
         let taken = super::super::waiters::holding(ticket.hold(), async { u.try_begin(2, 1, 0, 0) }).await;
