@@ -937,9 +937,10 @@ mod tests {
         let cancel = CancellationToken::new();
         let running = tokio::spawn(rank.run(rx, cancel.clone()));
         inputs.send(Input::Connected).await.unwrap();
+        // (The state has no watch: polled, between the rank's own steps.)
         let repaired = async {
             while ctx.replica.status.state() != StreamState::Exact {
-                tokio::time::sleep(Duration::from_millis(10)).await;
+                tokio::task::yield_now().await;
             }
         };
         tokio::time::timeout(Duration::from_secs(30), repaired).await.expect("EXACT again");
