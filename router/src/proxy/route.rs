@@ -43,10 +43,10 @@ pub struct Decider {
     pub ranks_by: Option<policy::CacheAware>,
     /// One is held while a cache-aware decision (or a retry) scores, credits its choice and
     /// counts its load there, chosen by the request's first block: the next decision of a
-    /// request that begins alike sees its credits and its load. (Two deciding at once each saw none of the other's, and a
-    /// burst of requests on a new shared prefix went to as many replicas as threads decided
-    /// it.) Requests that begin otherwise decide in parallel, and tokenizing and hashing are
-    /// done before.
+    /// request that begins alike sees its credits and its load. (Two deciding at once each
+    /// saw none of the other's, and a burst of requests on a new shared prefix went to as
+    /// many replicas as threads decided it.) Requests that begin otherwise decide in
+    /// parallel, and tokenizing and hashing are done before.
     pub deciding: Deciding,
 }
 
@@ -318,24 +318,24 @@ impl Decider {
         limits: &RequestLimits,
     ) -> Result<Plan, ProxyError> {
         let _one = self.deciding(&prepared.all_blocks);
-        let mut raced = Vec::new();
+        let mut raced = 0;
         loop {
             let mut plan = self.plan_prepared(prepared, members.take(), true);
             limits.check(&plan, prepared.asked)?;
-            let Some(chosen) = plan.chosen().map(|chosen| chosen.member.replica.id) else {
+            if plan.chosen().is_none() {
                 return Err(unavailable(&plan));
-            };
+            }
             self.credit(&mut plan, 0);
             if let Some(load) = self.begin(&mut plan, 0) {
                 plan.load = Some(load);
                 return Ok(plan);
             }
             self.withdraw_credit(&mut plan, 0);
-            raced.push(chosen);
+            raced += 1;
             // Each race is a room another request took: while the plan has a choice, the
             // fleet has room. (Bounded all the same: past it, the request waits for room on
             // any candidate.)
-            if raced.len() >= plan.candidates.len() + MAX_RACES {
+            if raced >= plan.candidates.len() + MAX_RACES {
                 let reason = "the replicas chosen were saturated by requests deciding at once".into();
                 let replicas = plan.candidates.iter().map(|c| c.member.replica.id).collect();
                 return Err(ProxyError::Saturated { reason, replicas });
@@ -765,12 +765,6 @@ fn best_rank(
     Some((ranks[chosen].rank, ranks[chosen].overlap_blocks, views[chosen].load))
 }
 
-/// The candidates of `plan` at `--max-in-flight-per-replica`.
-fn saturated(plan: &Plan) -> Vec<ReplicaId> {
-    let saturated = plan.candidates.iter().filter(|c| c.ineligible == Some(Ineligible::Saturated));
-    saturated.map(|c| c.member.replica.id).collect()
-}
-
 /// The 503 of a request no replica could take: [`ProxyError::Saturated`] when one of them
 /// could once it has room (the request may wait for it: [`super::queue`]).
 fn unavailable(plan: &Plan) -> ProxyError {
@@ -789,7 +783,8 @@ fn unavailable(plan: &Plan) -> ProxyError {
         })
         .collect();
     let reason = reasons.join(", ");
-    let replicas = saturated(plan);
+    let saturated = plan.candidates.iter().filter(|c| c.ineligible == Some(Ineligible::Saturated));
+    let replicas: Vec<ReplicaId> = saturated.map(|c| c.member.replica.id).collect();
     match replicas.is_empty() {
         true => ProxyError::Unavailable(reason),
         false => ProxyError::Saturated { reason, replicas },
