@@ -110,6 +110,28 @@ pub fn grpc_server() -> tonic::transport::Server {
         .http2_keepalive_timeout(Some(GRPC_KEEPALIVE))
 }
 
+/// The connections `listener` accepts, for a [`grpc_server`]: after a failed accept (out of
+/// file descriptors, say) it waits [`ACCEPT_BACKOFF`] before the next, as the HTTP servers'
+/// loop does, where tonic's own would try again at once and spin a core meanwhile.
+pub fn grpc_incoming(
+    listener: TcpListener,
+) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static {
+    futures::stream::unfold(listener, |listener| async move {
+        loop {
+            match listener.accept().await {
+                Ok((stream, _)) => return Some((Ok(stream), listener)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "gRPC accept failed");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                }
+            }
+        }
+    })
+}
+
+/// How long an accept loop waits after a failed accept before the next.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+
 /// Serves `handler` on `listener` with the default [`Limits`] until `shutdown` fires, then
 /// drains.
 pub async fn serve<H, F, B>(listener: TcpListener, handler: H, shutdown: CancellationToken)
@@ -389,7 +411,7 @@ async fn accept_loop<H, F, B>(
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
                     tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
                     continue;
                 }
             },

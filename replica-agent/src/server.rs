@@ -154,7 +154,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let grpc = AgentService::new(engine.clone(), info).into_server();
     let grpc_shutdown = shutdown.clone();
     tracker.spawn(async move {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
+        let incoming = kvroute_proto::serve::grpc_incoming(grpc_listener);
         let served = kvroute_proto::serve::grpc_server()
             .add_service(grpc)
             .serve_with_incoming_shutdown(incoming, grpc_shutdown.cancelled_owned())

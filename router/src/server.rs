@@ -313,7 +313,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         AdminService::new(state.clone(), config.model.clone(), config.block_size).into_server(admin_token);
     let admin_shutdown = shutdown.clone();
     vital(&tracker, &failure, &shutdown, "the admin gRPC server", async move {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(admin_listener);
+        let incoming = kvroute_proto::serve::grpc_incoming(admin_listener);
         kvroute_proto::serve::grpc_server()
             .add_service(admin)
             .serve_with_incoming_shutdown(incoming, admin_shutdown.cancelled_owned())
