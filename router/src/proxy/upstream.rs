@@ -990,6 +990,26 @@ mod tests {
         assert!(free.is_some() && !u.has_room(2), "the free room taken, and no more");
     }
 
+    /// A request that went into line in the moment a woken request's room counted twice (its
+    /// count and its hold, between the two) is woken as the hold ends with room left. (Nothing
+    /// woke it: it waited until a request there ended, or its time was up.)
+    #[tokio::test]
+    async fn a_hold_ending_with_room_left_wakes_the_line() {
+        let waiters = Arc::new(Waiters::default());
+        let u = Arc::new(Upstream::waking(waiters.clone(), ReplicaId(3)));
+        let (first, second) = (u.begin(1, 0, 0), u.begin(1, 0, 0));
+        let mut ticket = waiters.ticket(0);
+        woken_by(&waiters, &mut ticket, first).await;
+        drop(second);
+        let mut late = waiters.ticket(0);
+        let wait = late.wait(&[ReplicaId(3)], waiters.frees());
+        tokio::pin!(wait);
+        assert!(futures::poll!(wait.as_mut()).is_pending(), "in line");
+        let taken = super::super::waiters::holding(ticket.hold(), async { u.try_begin(2, 1, 0, 0) }).await;
+        assert!(taken.is_some());
+        assert!(futures::poll!(wait.as_mut()).is_ready(), "woken: a room is left");
+    }
+
     #[test]
     fn saturation_draining_and_health() {
         let u = Arc::new(Upstream::default());
