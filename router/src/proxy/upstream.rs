@@ -966,6 +966,18 @@ mod tests {
         assert!(futures::poll!(wait.as_mut()).is_ready(), "woken");
     }
 
+    /// `ticket` woken as one of two requests on replica 3 ends; the other ends too: one room
+    /// is held for it, and one is free.
+    async fn woken_beside_a_free_room(
+        waiters: &Waiters,
+        u: &Arc<Upstream>,
+        ticket: &mut super::super::waiters::Ticket<'_>,
+    ) {
+        let (first, second) = (u.begin(1, 0, 0), u.begin(1, 0, 0));
+        woken_by(waiters, ticket, first).await;
+        drop(second);
+    }
+
     /// A woken request's decision that takes the room that woke it ends its hold as it does:
     /// the room counts once, and a request deciding before the woken one is placed finds the
     /// room left beside it. (Held until it was placed, the room counted twice meanwhile, and
@@ -974,10 +986,8 @@ mod tests {
     async fn a_woken_request_taking_its_room_ends_its_hold() {
         let waiters = Arc::new(Waiters::default());
         let u = Arc::new(Upstream::waking(waiters.clone(), ReplicaId(3)));
-        let (first, second) = (u.begin(1, 0, 0), u.begin(1, 0, 0));
         let mut ticket = waiters.ticket(0);
-        woken_by(&waiters, &mut ticket, first).await;
-        drop(second);
+        woken_beside_a_free_room(&waiters, &u, &mut ticket).await;
         assert!(u.has_room(2), "one room held, one free");
         let taken = super::super::waiters::holding(ticket.hold(), async { u.try_begin(2, 1, 0, 0) }).await;
         assert!(taken.is_some(), "the held room, its own");
@@ -997,10 +1007,8 @@ mod tests {
     async fn a_hold_ending_with_room_left_wakes_the_line() {
         let waiters = Arc::new(Waiters::default());
         let u = Arc::new(Upstream::waking(waiters.clone(), ReplicaId(3)));
-        let (first, second) = (u.begin(1, 0, 0), u.begin(1, 0, 0));
         let mut ticket = waiters.ticket(0);
-        woken_by(&waiters, &mut ticket, first).await;
-        drop(second);
+        woken_beside_a_free_room(&waiters, &u, &mut ticket).await;
         let mut late = waiters.ticket(0);
         let wait = late.wait(&[ReplicaId(3)], waiters.frees());
         tokio::pin!(wait);
