@@ -204,9 +204,9 @@ impl RouterAdmin for AdminService {
         replica.block_size = Some(self.block_size);
         let member = self.fleet().add(replica).map_err(|e| match e {
             IngestError::Removing(_) | IngestError::ShutDown => Status::unavailable(e.to_string()),
-            IngestError::Spec(SpecError::Duplicate(_) | SpecError::SameServer { .. }) => {
-                Status::already_exists(e.to_string())
-            }
+            IngestError::Spec(
+                SpecError::Duplicate(_) | SpecError::SameServer { .. } | SpecError::SameStream { .. },
+            ) => Status::already_exists(e.to_string()),
             IngestError::Spec(_) => Status::invalid_argument(e.to_string()),
         })?;
         Ok(Response::new(self.status(&member)))

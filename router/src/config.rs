@@ -450,12 +450,8 @@ impl Config {
         // one (a copy-paste slip) would each be credited with the other's cache.
         let mut streams = std::collections::HashMap::new();
         for r in &self.replicas {
-            for rank in 0..r.dp_size.min(crate::replicas::MAX_DP_SIZE) {
-                let Ok(endpoint) = crate::replicas::rank_endpoint(&r.events, rank) else { break };
-                if endpoint.ends_with(":0") {
-                    continue;
-                }
-                if let Some(other) = streams.insert((endpoint.clone(), r.topic.as_str()), r.name.as_str())
+            for (endpoint, topic) in crate::replicas::event_streams(&r.events, r.dp_size, &r.topic) {
+                if let Some(other) = streams.insert((endpoint.clone(), topic), r.name.as_str())
                     && other != r.name
                 {
                     check(

@@ -292,6 +292,24 @@ pub enum SpecError {
     /// credit between them.
     #[error("replica {name:?} has the HTTP address of replica {other:?} ({url}): one server is one replica")]
     SameServer { name: String, other: String, url: String },
+    /// Two replicas on one event stream would each be credited with the other's cache.
+    #[error(
+        "replica {name:?} follows the event stream of replica {other:?} ({endpoint}): one stream is one replica's"
+    )]
+    SameStream { name: String, other: String, endpoint: String },
+}
+
+/// The event streams (each rank's endpoint, with the topic) a replica follows. Endpoints on
+/// port 0 (never connected to) and ranks past the first bad endpoint are left out.
+pub(crate) fn event_streams<'a>(
+    events: &'a str,
+    dp_size: u32,
+    topic: &'a str,
+) -> impl Iterator<Item = (String, &'a str)> + 'a {
+    (0..dp_size.min(MAX_DP_SIZE))
+        .map_while(move |rank| rank_endpoint(events, rank).ok())
+        .filter(|endpoint| !endpoint.ends_with(":0"))
+        .map(move |endpoint| (endpoint, topic))
 }
 
 /// The server an HTTP address names, spelled one way: `http://H:80/` and `http://h` are one
@@ -480,6 +498,16 @@ impl Replicas {
             let (other, url) = (other.spec.name.clone(), other.spec.http_url.clone());
             return Err(SpecError::SameServer { name: spec.name, other, url });
         }
+        let ours: Vec<_> = event_streams(&spec.event_endpoint, spec.dp_size, &spec.topic).collect();
+        for other in inner.live.values() {
+            let theirs = &other.spec;
+            if let Some((endpoint, _)) = event_streams(&theirs.event_endpoint, theirs.dp_size, &theirs.topic)
+                .find(|s| ours.contains(s))
+            {
+                let other = other.spec.name.clone();
+                return Err(SpecError::SameStream { name: spec.name, other, endpoint });
+            }
+        }
         // Named only once it is in: a name refused is none the fleet knows (a drain kept for
         // it would wait for a replica never added).
         let next = ReplicaId(u32::try_from(inner.ids.len()).expect("fewer than 2^32 replica names"));
@@ -638,7 +666,7 @@ mod tests {
         // One server, two names: refused while the first is there.
         let at = |name: &str, url: &str| ReplicaSpec {
             http_url: url.into(),
-            ..ReplicaSpec::new(name, "tcp://h:3", EngineKind::Vllm, "m")
+            ..ReplicaSpec::new(name, "tcp://h:0", EngineKind::Vllm, "m")
         };
         let c = replicas.insert(at("c", "http://h:8000")).unwrap();
         assert_eq!(
@@ -653,6 +681,32 @@ mod tests {
         replicas.remove(e.id).unwrap();
         replicas.remove(c.id).unwrap();
         replicas.insert(at("d", "http://h:8000")).unwrap();
+    }
+
+    /// An event stream (a rank's endpoint and topic) is one replica's, however it is reached:
+    /// the first rank of one, or a later rank of another; another topic is another stream.
+    #[test]
+    fn one_event_stream_is_one_replicas() {
+        let replicas = Replicas::new();
+        let on = |name: &str, events: &str, dp_size: u32, topic: &str| ReplicaSpec {
+            dp_size,
+            topic: topic.into(),
+            ..ReplicaSpec::new(name, events, EngineKind::Vllm, "m")
+        };
+        let a = replicas.insert(on("a", "tcp://h:5557", 2, "")).unwrap();
+        assert_eq!(
+            replicas.insert(on("b", "tcp://h:5558", 1, "")).unwrap_err(),
+            SpecError::SameStream { name: "b".into(), other: "a".into(), endpoint: "tcp://h:5558".into() }
+        );
+        assert!(matches!(replicas.insert(on("b", "tcp://h:5556", 2, "")), Err(SpecError::SameStream { .. })));
+        assert!(!replicas.knows("b"), "a name refused is not one the fleet knows");
+        replicas.insert(on("b", "tcp://h:5558", 1, "kv@b")).unwrap();
+        replicas.insert(on("c", "tcp://h:5559", 1, "")).unwrap();
+        // Port 0 is never connected to, so it is no one's stream.
+        replicas.insert(on("d", "tcp://h:0", 1, "")).unwrap();
+        replicas.insert(on("e", "tcp://h:0", 1, "")).unwrap();
+        replicas.remove(a.id).unwrap();
+        replicas.insert(on("f", "tcp://h:5557", 1, "")).unwrap();
     }
 
     #[test]

@@ -966,7 +966,7 @@ mod tests {
             // Not a base URL the router takes (config refuses it): put together as before.
             ("https", "https://h:1", "/v1/models", "https://h:1/v1/models"),
         ] {
-            let mut spec = ReplicaSpec::new(name, "tcp://h:1", EngineKind::Vllm, "m");
+            let mut spec = ReplicaSpec::new(name, "tcp://h:0", EngineKind::Vllm, "m");
             spec.http_url = url.into();
             let replica = replicas.insert(spec).unwrap();
             assert_eq!(replica.authority.is_some(), !["prefix", "https"].contains(&name), "{name}");

@@ -106,6 +106,16 @@ async fn list_explain_drain_remove_and_add() {
     assert!(index.blocks(home_id) > 0, "the snapshot restored its blocks");
     let dup = admin.add_replica(pb::AddReplicaRequest { spec: Some(spec.clone()) }).await;
     assert_eq!(dup.unwrap_err().code(), tonic::Code::AlreadyExists);
+    // Another name and server on the same event stream would be credited with its cache.
+    let copy = pb::ReplicaSpec {
+        id: "copy".into(),
+        http_url: crate::support::nowhere().replace("tcp", "http"),
+        ..spec.clone()
+    };
+    let refused = admin.add_replica(pb::AddReplicaRequest { spec: Some(copy) }).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::AlreadyExists, "{refused:?}");
+    assert!(refused.message().contains("event stream"), "{refused:?}");
+    assert!(fleet.router.fleet().member("copy").is_none());
     // A URL the proxy could not use is refused up front, not found out by clients' 503s.
     for http_url in ["http://", "http://127.0.0.1:8000 ", "http://127.0.0.1:99999"] {
         let bad = pb::ReplicaSpec { id: "bad-url".into(), http_url: http_url.into(), ..spec.clone() };
