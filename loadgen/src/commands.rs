@@ -195,10 +195,12 @@ pub struct CompareArgs {
     /// offline simulation of data-parallel replicas has fewer, larger caches than theirs.
     #[arg(long)]
     pub capacity_blocks: Option<usize>,
-    /// The replicas' eviction policy (for the pooled reference and the offline runs).
+    /// The replicas' eviction policy (for the pooled reference and the offline runs; vLLM's
+    /// is LRU). Agents state theirs on their metrics page, read unless `--capacity-blocks` is
+    /// given: one that runs another is refused before any run.
     #[arg(long, value_enum, default_value_t = cache::PolicyKind::Lru)]
     pub eviction: cache::PolicyKind,
-    /// With `--eviction s3fifo`: the agents' S3FIFO settings.
+    /// With `--eviction s3fifo`: the agents' S3FIFO settings (checked as the policy is).
     #[command(flatten)]
     pub s3fifo: crate::cli::S3FifoArgs,
     /// The agents' `--time-scale`, so the offline simulation replays at the live load

@@ -9,7 +9,9 @@
 //!
 //! The pooled reference is the offline simulator's ([`crate::sim`]): one cache of the
 //! fleet's total capacity (given, or summed from the agents' `kvroute_agent_capacity_blocks`)
-//! replaying the same requests, blocks named by the fleet's hash chain at its block size.
+//! replaying the same requests, blocks named by the fleet's hash chain at its block size, and
+//! evicting as the agents say they do (`kvroute_agent_cache_policy`, checked against the
+//! policy the comparison is given).
 //!
 //! Each policy can also be simulated offline on the same requests ([`OfflineRun`]), so the
 //! report shows live beside offline.
@@ -114,9 +116,9 @@ pub async fn compare(
         .map_or(trace.clone(), |n| Trace::in_order(trace.requests[..n.min(trace.len())].to_vec()));
     let caches = match config.total_capacity_blocks {
         Some(c) => Caches { total_blocks: c, count: config.replicas.len() },
-        None => fleet_capacity(&client, &config.replicas)
+        None => fleet_capacity(&client, &config.replicas, config.cache())
             .await
-            .context("reading the fleet's capacity (give it with --capacity-blocks)")?,
+            .context("reading the fleet's caches (give the capacity with --capacity-blocks)")?,
     };
     let total_capacity = caches.total_blocks;
     let pooled = pooled_bound(&sent, config.block_size, total_capacity, config.cache())?;
@@ -326,7 +328,13 @@ fn offline_config(caches: Caches, config: &CompareConfig, policy: PolicyKind, sp
 }
 
 /// The replicas' `kvroute_agent_capacity_blocks`: their sum, and how many engines report one.
-async fn fleet_capacity(client: &Client, replicas: &[String]) -> anyhow::Result<Caches> {
+/// Each agent's eviction policy must be `cache`, the one the pooled reference and the offline
+/// runs replay (an agent that does not say is taken at its word).
+async fn fleet_capacity(
+    client: &Client,
+    replicas: &[String],
+    cache: (cache::PolicyKind, S3FifoParams),
+) -> anyhow::Result<Caches> {
     let mut caches = Caches { total_blocks: 0, count: 0 };
     for url in replicas {
         let (_, body) = client
@@ -338,8 +346,84 @@ async fn fleet_capacity(client: &Client, replicas: &[String]) -> anyhow::Result<
             page_caches(&page).with_context(|| format!("{url} exports no kvroute_agent_capacity_blocks"))?;
         caches.total_blocks += agent.total_blocks;
         caches.count += agent.count;
+        for evicts in page_policies(&page) {
+            let evicts = evicts.map_err(|e| anyhow::anyhow!("{url}: {e}"))?;
+            anyhow::ensure!(
+                evicts.same(cache),
+                "{url} evicts with {evicts}, not the {} the comparison was given: give --eviction {}",
+                Eviction::from(cache),
+                evicts.flags(),
+            );
+        }
     }
     Ok(caches)
+}
+
+/// An eviction policy as an agent states it, with its settings where they matter.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Eviction {
+    policy: cache::PolicyKind,
+    s3fifo: Option<S3FifoParams>,
+}
+
+impl From<(cache::PolicyKind, S3FifoParams)> for Eviction {
+    fn from((policy, params): (cache::PolicyKind, S3FifoParams)) -> Self {
+        Eviction { policy, s3fifo: (policy == cache::PolicyKind::S3fifo).then_some(params) }
+    }
+}
+
+impl Eviction {
+    fn name(&self) -> String {
+        clap::ValueEnum::to_possible_value(&self.policy).map(|v| v.get_name().to_owned()).unwrap_or_default()
+    }
+
+    fn same(&self, cache: (cache::PolicyKind, S3FifoParams)) -> bool {
+        *self == Eviction::from(cache)
+    }
+
+    /// The `compare` flags that name it.
+    fn flags(&self) -> String {
+        match self.s3fifo {
+            Some(p) => format!(
+                "{} --s3fifo-small-ratio {} --s3fifo-max-freq {}",
+                self.name(),
+                p.small_ratio,
+                p.max_freq
+            ),
+            None => self.name(),
+        }
+    }
+}
+
+impl std::fmt::Display for Eviction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.s3fifo {
+            Some(p) => write!(f, "{} (small ratio {}, max freq {})", self.name(), p.small_ratio, p.max_freq),
+            None => f.write_str(&self.name()),
+        }
+    }
+}
+
+/// Each engine's eviction policy on an agent's metrics page (`kvroute_agent_cache_policy`),
+/// or what is wrong with its sample.
+fn page_policies(page: &str) -> Vec<Result<Eviction, String>> {
+    kvroute_proto::prometheus::samples(page, "kvroute_agent_cache_policy")
+        .map(|sample| {
+            let name = sample.label("policy").unwrap_or_default();
+            let policy = <cache::PolicyKind as clap::ValueEnum>::from_str(name, false).map_err(|_| {
+                format!("an eviction policy it names {name:?}, which this load generator does not know")
+            })?;
+            let defaults = S3FifoParams::default();
+            let small_ratio = sample.label("small_ratio").map_or(Ok(defaults.small_ratio), str::parse::<f64>);
+            let max_freq = sample.label("max_freq").map_or(Ok(defaults.max_freq), str::parse::<u8>);
+            match (small_ratio, max_freq) {
+                (Ok(small_ratio), Ok(max_freq)) => {
+                    Ok(Eviction::from((policy, S3FifoParams { small_ratio, max_freq })))
+                }
+                _ => Err(format!("S3FIFO settings that do not read as numbers: {:?}", sample.labels)),
+            }
+        })
+        .collect()
 }
 
 /// One agent's caches on its metrics page: one `kvroute_agent_capacity_blocks` sample an
@@ -450,6 +534,24 @@ mod tests {
                     kvroute_agent_capacity_blocks{model_name=\"m\",engine=\"1\"} 512\n";
         assert_eq!(page_caches(page), Some(Caches { total_blocks: 1024, count: 2 }));
         assert_eq!(page_caches("vllm:num_requests_running 1\n"), None);
+    }
+
+    /// An agent's eviction policy is read from its metrics page, S3FIFO's settings with it.
+    #[test]
+    fn agents_state_their_eviction_policy() {
+        let page = "kvroute_agent_cache_policy{model_name=\"m\",engine=\"0\",policy=\"lru\"} 1\n\
+                    kvroute_agent_cache_policy{model_name=\"m\",engine=\"1\",policy=\"s3fifo\",small_ratio=\"0.25\",max_freq=\"2\"} 1\n\
+                    kvroute_agent_cache_policy{model_name=\"m\",engine=\"2\",policy=\"arc\"} 1\n";
+        let [lru, s3fifo, unknown] = page_policies(page).try_into().unwrap();
+        let lru = lru.unwrap();
+        assert!(lru.same((cache::PolicyKind::Lru, S3FifoParams { small_ratio: 0.5, max_freq: 1 })));
+        assert!(!lru.same((cache::PolicyKind::Lfu, S3FifoParams::default())));
+        let s3fifo = s3fifo.unwrap();
+        assert!(s3fifo.same((cache::PolicyKind::S3fifo, S3FifoParams { small_ratio: 0.25, max_freq: 2 })));
+        assert!(!s3fifo.same((cache::PolicyKind::S3fifo, S3FifoParams::default())));
+        assert_eq!(s3fifo.flags(), "s3fifo --s3fifo-small-ratio 0.25 --s3fifo-max-freq 2");
+        assert!(unknown.unwrap_err().contains("\"arc\""));
+        assert!(page_policies("vllm:num_requests_running 1\n").is_empty());
     }
 
     /// The pooled reference replays the agents' S3FIFO as configured, not seed 000's

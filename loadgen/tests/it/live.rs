@@ -188,6 +188,26 @@ async fn a_failed_run_keeps_the_runs_before_it_in_the_report() {
     fleet.stop().await;
 }
 
+/// A comparison told another eviction policy than the agents run is refused before any run:
+/// its pooled reference and offline runs would model other caches than the fleet's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_refuses_an_eviction_policy_the_agents_do_not_run() {
+    let shutdown = CancellationToken::new();
+    let config = FleetConfig { eviction: Eviction::Lfu, ..fleet_config(1) };
+    let fleet = EmbeddedFleet::start(config, shutdown.child_token()).await.unwrap();
+    let live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
+    let config = compare_config(&fleet, vec![PolicyKind::CacheAware], live);
+    let run = tokio::time::timeout(LIMIT, compare::compare(&small_chat(), &config, shutdown.clone()))
+        .await
+        .expect("compare finishes");
+    let err = format!("{:#}", run.expect_err("lru is not what the agent runs"));
+    assert!(err.contains("evicts with lfu, not the lru") && err.contains("give --eviction lfu"), "{err}");
+    let s3fifo = CompareConfig { eviction: Eviction::S3fifo, ..config };
+    let err = compare::compare(&small_chat(), &s3fifo, shutdown.clone()).await.expect_err("nor is s3fifo");
+    assert!(format!("{err:#}").contains("not the s3fifo (small ratio 0.1, max freq 3)"), "{err:#}");
+    fleet.stop().await;
+}
+
 /// A fleet of one agent with two data-parallel ranks: its two engines' caches are read from
 /// its metrics (one `engine` series each), every request is served with the hits the
 /// responses and the counters agree on, predicted as the ranks hit, and the offline simulation

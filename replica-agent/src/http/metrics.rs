@@ -24,6 +24,7 @@
 //! | `kvroute_agent_pending_prefill_tokens` | gauge | prompt tokens still to prefill: the uncached ones of running requests, the whole prompts of waiting ones (not looked up yet) |
 //! | `kvroute_agent_resident_blocks` | gauge | blocks in the prefix cache |
 //! | `kvroute_agent_capacity_blocks` | gauge | prefix-cache capacity in blocks |
+//! | `kvroute_agent_cache_policy` | gauge | 1, labelled with the eviction `policy` (`lru`, `lfu`, `s3fifo`) and, for S3FIFO, its `small_ratio` and `max_freq` |
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,6 +33,7 @@ use hyper::header::{self, HeaderValue};
 use hyper::{Response, StatusCode};
 
 use super::{AppState, Body, full};
+use crate::cache::PolicyKind;
 use crate::engine::EngineMetrics;
 
 /// Prometheus' text exposition content type.
@@ -118,6 +120,22 @@ pub(super) fn render(state: &AppState) -> Response<Body> {
         "Prefix-cache capacity in blocks.",
         vec![capacity; engines.len()],
     );
+    out.family(
+        "kvroute_agent_cache_policy",
+        "gauge",
+        "Eviction policy of the prefix cache (labels), always 1.",
+    );
+    for (rank, engine) in engines.iter().enumerate() {
+        let cache = &engine.config().cache;
+        let policy = clap::ValueEnum::to_possible_value(&cache.policy).map(|v| v.get_name().to_owned());
+        let (small_ratio, max_freq) =
+            (cache.s3fifo.small_ratio.to_string(), cache.s3fifo.max_freq.to_string());
+        let mut labels = vec![("policy", policy.as_deref().unwrap_or_default())];
+        if cache.policy == PolicyKind::S3fifo {
+            labels.extend([("small_ratio", small_ratio.as_str()), ("max_freq", max_freq.as_str())]);
+        }
+        out.sample("kvroute_agent_cache_policy", rank, &labels, 1);
+    }
 
     let mut response = Response::new(full(out.text));
     *response.status_mut() = StatusCode::OK;
