@@ -256,10 +256,13 @@ where
             }
         }
     }
-    for d in done {
-        // A thread that panicked dropped its end of the channel unsent.
-        if d.await.is_err() && failed.is_none() {
-            failed = Some(std::io::Error::other("a proxy thread panicked"));
+    // Taken as they end: a thread that panicked (it dropped its end of the channel unsent)
+    // stops the others at once, as one that could not start does.
+    let mut done: futures::stream::FuturesUnordered<_> = done.into_iter().collect();
+    while let Some(ended) = futures::StreamExt::next(&mut done).await {
+        if ended.is_err() {
+            stop.cancel();
+            failed.get_or_insert_with(|| std::io::Error::other("a proxy thread panicked"));
         }
     }
     failed.map_or(Ok(()), Err)

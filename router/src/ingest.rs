@@ -259,6 +259,15 @@ impl Ingest {
         {
             return Err(IngestError::Removing(spec.name));
         }
+        // Every rank's endpoints, had before the replica is registered (a name registered and
+        // not followed would be taken for one being removed, for good).
+        spec.validate()?;
+        let endpoints = (0..spec.dp_size)
+            .map(|rank| {
+                let replay = spec.replay_endpoint.as_deref().map(|e| replicas::rank_endpoint(e, rank));
+                Ok((replicas::rank_endpoint(&spec.event_endpoint, rank)?, replay.transpose()?))
+            })
+            .collect::<Result<Vec<_>, SpecError>>()?;
         let replica = inner.replicas.insert(spec)?;
         // A name keeps its id: a decision made as the previous replica of this name was
         // removed may have credited it after its credits were forgotten.
@@ -286,11 +295,7 @@ impl Ingest {
         });
         let running = Running { cancel: inner.shutdown.child_token(), tasks: TaskTracker::new() };
         let spec = &replica.spec;
-        for rank in 0..spec.dp_size {
-            // `insert` validated every rank's endpoints.
-            let endpoint = replicas::rank_endpoint(&spec.event_endpoint, rank)?;
-            let replay =
-                spec.replay_endpoint.as_deref().map(|e| replicas::rank_endpoint(e, rank)).transpose()?;
+        for (rank, (endpoint, replay)) in (0..).zip(endpoints) {
             let (tx, rx) = mpsc::channel(inner.config.channel_capacity.max(1));
             let sub = SubscriberConfig {
                 endpoint,

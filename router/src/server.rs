@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
+use futures::FutureExt;
 use kvroute_proto::openai::{Tokenization, TokenizationConfig, TokenizerSpec};
 use kvroute_proto::serve::Heartbeats;
 use prometheus_client::registry::Registry;
@@ -82,24 +83,40 @@ fn ending(shutdown: &CancellationToken, drain: Duration) -> CancellationToken {
     ending
 }
 
-/// Runs `part` as one of the router's tasks: if it fails, or ends before the router's
+/// The tokens a router's tasks go by: they stop on `parts`, a child of the caller's
+/// `shutdown`, which a part that fails cancels (stopping the router, and telling the caller).
+/// A start that fails cancels `parts` alone: what it started stops, the caller's token is
+/// left as it was.
+struct Tokens {
+    shutdown: CancellationToken,
+    parts: CancellationToken,
+}
+
+/// Runs `part` as one of the router's tasks: if it fails, panics, or ends before the router's
 /// shutdown, the router stops, and [`RunningRouter::failure`] says why.
 fn vital<F>(
     tracker: &TaskTracker,
     failure: &Arc<OnceLock<String>>,
-    shutdown: &CancellationToken,
+    tokens: &Tokens,
     what: &'static str,
     part: F,
 ) where
     F: Future<Output = Result<(), String>> + Send + 'static,
 {
-    let (failure, shutdown) = (failure.clone(), shutdown.clone());
+    let (failure, parts, shutdown) = (failure.clone(), tokens.parts.clone(), tokens.shutdown.clone());
     tracker.spawn(async move {
-        let failed = match part.await {
-            Err(e) => e,
+        let failed = match std::panic::AssertUnwindSafe(part).catch_unwind().await {
+            Ok(Err(e)) => e,
             // Stopped of itself (a thread that could not take its listener stops them all).
-            Ok(()) if !shutdown.is_cancelled() => "stopped before the router did".into(),
-            Ok(()) => return,
+            Ok(Ok(())) if !parts.is_cancelled() => "stopped before the router did".into(),
+            Ok(Ok(())) => return,
+            Err(panic) => {
+                let why = panic
+                    .downcast_ref::<&str>()
+                    .copied()
+                    .or(panic.downcast_ref::<String>().map(String::as_str));
+                format!("panicked: {}", why.unwrap_or("(no message)"))
+            }
         };
         tracing::error!(error = %failed, "{what} failed; the router stops");
         let _ = failure.set(format!("{what}: {failed}"));
@@ -127,11 +144,30 @@ pub fn client(connect_timeout: Duration) -> Client {
 }
 
 /// Binds the proxy and admin listeners (port 0 allowed), starts every task and returns.
+///
+/// The router stops when `shutdown` is cancelled, and cancels it itself when a part it cannot
+/// run without fails, and in [`RunningRouter::stop`]: give it a child token to keep those to
+/// the router. Dropping the returned handle stops nothing. If the start fails, what it had
+/// started is stopped (and waited for) before the error returns, and `shutdown` is left as it
+/// was.
 pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Result<RunningRouter> {
     if let Err(errors) = config.validate() {
         anyhow::bail!("invalid configuration:\n  - {}", errors.join("\n  - "));
     }
     let tracker = TaskTracker::new();
+    let tokens = Tokens { parts: shutdown.child_token(), shutdown };
+    let started = assemble(config, &tokens, &tracker).await;
+    if started.is_err() {
+        tokens.parts.cancel();
+        tracker.close();
+        tracker.wait().await;
+    }
+    started
+}
+
+/// [`start`]'s work, past the config's validation: its tasks go on `tracker`.
+async fn assemble(config: Config, tokens: &Tokens, tracker: &TaskTracker) -> anyhow::Result<RunningRouter> {
+    let shutdown = &tokens.parts;
     let mut registry = Registry::default();
     let index = SharedIndex::with_credit_ttl(config.credit_ttl());
     let ingest =
@@ -147,7 +183,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         config.discovery.template(&config.model, Some(config.block_size)),
         fleet.clone(),
         DiscoveryMetrics::register(&mut registry),
-        &tracker,
+        tracker,
         shutdown.clone(),
     )
     .await
@@ -260,7 +296,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             access_log: config.access_log,
             forwarded_for: config.forwarded_for,
             owners: Arc::new(proxy::responses::Owners::new(config.response_owners)),
-            ending: ending(&shutdown, config.drain_timeout()),
+            ending: ending(shutdown, config.drain_timeout()),
         },
         registry: Arc::new(registry),
         limits: config.request_limits(),
@@ -296,7 +332,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let failure = Arc::new(OnceLock::new());
     let serving =
         proxy::serve(listener, http_threads, state.clone(), config.serve_limits(), shutdown.clone());
-    vital(&tracker, &failure, &shutdown, "the proxy's HTTP server", async move {
+    vital(tracker, &failure, tokens, "the proxy's HTTP server", async move {
         serving.await.map_err(|e| e.to_string())
     });
     let checks = proxy::health::Settings {
@@ -312,7 +348,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let admin =
         AdminService::new(state.clone(), config.model.clone(), config.block_size).into_server(admin_token);
     let admin_shutdown = shutdown.clone();
-    vital(&tracker, &failure, &shutdown, "the admin gRPC server", async move {
+    vital(tracker, &failure, tokens, "the admin gRPC server", async move {
         let incoming = kvroute_proto::serve::grpc_incoming(admin_listener);
         kvroute_proto::serve::grpc_server()
             .add_service(admin)
@@ -324,6 +360,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         listen = %addr, admin = %admin_addr, health = ?health_addr, policy = config.policy.as_str(),
         replicas = config.replicas.len(), admin_auth, "router started"
     );
+    let (tracker, shutdown) = (tracker.clone(), tokens.shutdown.clone());
     Ok(RunningRouter { addr, admin_addr, health_addr, state, tracker, shutdown, failure })
 }
 
@@ -336,5 +373,23 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
     match failure.get() {
         Some(why) => anyhow::bail!("{why}"),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A part that panics stops the router as one that fails does, and says so.
+    #[tokio::test]
+    async fn a_vital_part_that_panics_stops_the_router() {
+        let shutdown = CancellationToken::new();
+        let tokens = Tokens { parts: shutdown.child_token(), shutdown: shutdown.clone() };
+        let (tracker, failure) = (TaskTracker::new(), Arc::new(OnceLock::new()));
+        vital(&tracker, &failure, &tokens, "a part", async { panic!("at the disco") });
+        tracker.close();
+        tracker.wait().await;
+        assert!(shutdown.is_cancelled());
+        assert_eq!(failure.get().map(String::as_str), Some("a part: panicked: at the disco"));
     }
 }

@@ -15,5 +15,6 @@ mod proxy;
 mod queue;
 mod ranks;
 mod responses;
+mod start;
 mod support;
 mod websocket;
