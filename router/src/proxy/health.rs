@@ -35,7 +35,7 @@ use super::ProxyState;
 use super::body::full;
 use super::lora::catch_up;
 use super::prompts::Client;
-use super::upstream::Check;
+use super::upstream::{Check, Upstream};
 use crate::fleet::{Fleet, Member};
 use crate::replicas::EngineKind;
 
@@ -63,19 +63,20 @@ pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shu
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The checks under way, each with the replica it checks; every replica's last listing.
     // A replica is its upstream: one replaced under the same name (a pod at a new address)
-    // is checked at once, and what a check of the old one says is dropped.
+    // is checked at once, and what a check of the old one says is dropped. (A listing holds
+    // its upstream, so that no other can take its address while the listing is kept.)
     let mut under_way = futures::stream::FuturesUnordered::new();
     let mut checking = HashSet::new();
-    let mut listings: HashMap<usize, HashSet<String>> = HashMap::new();
+    let mut listings: HashMap<usize, (Arc<Upstream>, HashSet<String>)> = HashMap::new();
     let key = |member: &Member| Arc::as_ptr(&member.upstream) as usize;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            Some((checked, listed)) = under_way.next(), if !under_way.is_empty() => {
+            Some((checked, upstream, listed)) = under_way.next(), if !under_way.is_empty() => {
                 checking.remove(&checked);
                 let current = fleet.members().iter().any(|m| key(m) == checked);
                 match listed {
-                    Some(listed) if current => listings.insert(checked, listed),
+                    Some(listed) if current => listings.insert(checked, (upstream, listed)),
                     _ => listings.remove(&checked),
                 };
                 // The round's last: learned from at once, as the tick would a round later.
@@ -92,7 +93,9 @@ pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shu
             let checked = key(&member);
             if checking.insert(checked) {
                 let client = &client;
-                under_way.push(async move { (checked, check(member, fleet, client, settings).await) });
+                let upstream = member.upstream.clone();
+                under_way
+                    .push(async move { (checked, upstream, check(member, fleet, client, settings).await) });
             }
         }
         // (Those of a replica still under way from an earlier tick: its last listing stands.)
@@ -105,10 +108,10 @@ pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shu
 /// through the router that a replica has (its requests go only there).
 fn learn_adapters(
     state: &ProxyState,
-    listings: &HashMap<usize, HashSet<String>>,
+    listings: &HashMap<usize, (Arc<Upstream>, HashSet<String>)>,
     learned: &mut HashSet<String>,
 ) {
-    let listed: Vec<&HashSet<String>> = listings.values().collect();
+    let listed: Vec<&HashSet<String>> = listings.values().map(|(_, listed)| listed).collect();
     let tokenization = state.decider.prompts.tokenization();
     let members = state.fleet().members();
     let registry = state.fleet().adapters();
