@@ -26,8 +26,10 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+mod parts;
 pub mod send_timeout;
 
+pub use parts::Parts;
 use send_timeout::SendTimeout;
 
 /// Limits of one HTTP server.

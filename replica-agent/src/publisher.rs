@@ -230,6 +230,13 @@ impl Publisher {
 
     /// Hands a batch to the publisher; waits while its queue is full. Returns false if the
     /// publisher has stopped.
+    /// A publisher whose task has ended (as one that failed has).
+    #[cfg(test)]
+    pub(crate) fn stopped() -> Publisher {
+        let (tx, _) = mpsc::channel(1);
+        Publisher { tx, refused: Arc::default() }
+    }
+
     pub async fn publish(&self, batch: EventBatch) -> bool {
         self.tx.send(batch).await.is_ok()
     }

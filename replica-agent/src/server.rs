@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use kvroute_proto::openai::{Tokenization, TokenizationConfig, TokenizerSpec};
+use kvroute_proto::serve::Parts;
 use kvroute_proto::{Epoch, pb};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::engine::{Engine, EngineConfig, Ranks};
@@ -30,8 +30,8 @@ pub struct RunningAgent {
     pub engine: Engine,
     /// Every data-parallel rank's engine; rank r publishes on the endpoints' port + r.
     pub ranks: Ranks,
-    pub tracker: TaskTracker,
-    pub shutdown: CancellationToken,
+    /// Its tasks, and the token that stops them.
+    pub parts: Parts,
 }
 
 impl RunningAgent {
@@ -47,20 +47,33 @@ impl RunningAgent {
 
     /// Stops every task and waits for them (in-flight requests get the configured grace).
     pub async fn stop(self) {
-        self.shutdown.cancel();
-        self.tracker.close();
-        self.tracker.wait().await;
+        self.parts.stop().await;
+    }
+
+    /// Why the agent stopped of itself, if it did: a server, an engine's scheduler or its
+    /// event publisher failed.
+    pub fn failure(&self) -> Option<&str> {
+        self.parts.failure()
     }
 }
 
 /// Binds every socket the config names (port 0 allowed), starts all tasks and returns.
-/// The agent runs until `shutdown` fires.
+///
+/// The agent runs until `shutdown` fires, and fires it itself when a part it cannot run
+/// without (its HTTP or gRPC server, an engine's scheduler, which fails when its event
+/// publisher stops) fails, and in [`RunningAgent::stop`]. Dropping the returned handle stops
+/// nothing. If the start fails, what it had started is stopped (and waited for) before the
+/// error returns, and `shutdown` is left as it was.
 pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Result<RunningAgent> {
     if let Err(errors) = config.validate() {
         anyhow::bail!("invalid configuration:\n  - {}", errors.join("\n  - "));
     }
-    let config = Arc::new(config);
-    let tracker = TaskTracker::new();
+    Parts::start(shutdown, async |parts: &Parts| assemble(Arc::new(config), parts).await).await
+}
+
+/// [`start`]'s work, past the config's validation: its tasks are `parts`.
+async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningAgent> {
+    let (tracker, shutdown) = (&parts.tracker, parts.token());
     let epoch = Epoch(rand::random());
 
     let tokenization = Arc::new(
@@ -92,7 +105,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         &config.events_endpoint,
         config.replay(),
         config.data_parallel_size,
-        &tracker,
+        tracker,
     )
     .await
     .context("binding the event sockets")?;
@@ -100,7 +113,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
 
     let mut engines = Vec::with_capacity(publishers.len());
     for (rank, (publisher, _)) in (0..).zip(publishers) {
-        let engine = Engine::start(
+        let (engine, scheduler) = Engine::new(
             EngineConfig {
                 replica: config.name.clone(),
                 epoch,
@@ -114,10 +127,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
                 shutdown_grace: Duration::from_secs(config.shutdown_grace_secs),
             },
             publisher,
-            &tracker,
             shutdown.clone(),
         )
         .context("starting the engine")?;
+        parts.vital(format!("rank {rank}'s engine"), scheduler);
         engines.push(engine);
     }
     let ranks = Ranks::new(engines);
@@ -153,19 +166,21 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     // Snapshots and stats are rank 0's: a router resyncs the other ranks by replay.
     let grpc = AgentService::new(engine.clone(), info).into_server();
     let grpc_shutdown = shutdown.clone();
-    tracker.spawn(async move {
+    parts.vital("the gRPC server", async move {
         let incoming = kvroute_proto::serve::grpc_incoming(grpc_listener);
-        let served = kvroute_proto::serve::grpc_server()
+        kvroute_proto::serve::grpc_server()
             .add_service(grpc)
             .serve_with_incoming_shutdown(incoming, grpc_shutdown.cancelled_owned())
-            .await;
-        if let Err(e) = served {
-            tracing::error!(error = %e, "gRPC server failed");
-        }
+            .await
+            .map_err(|e| e.to_string())
     });
 
     let state = http::AppState::new(ranks.clone(), tokenization, config.clone());
-    tracker.spawn(http::serve(http_listener, state, shutdown.clone()));
+    let serving = http::serve(http_listener, state, shutdown.clone());
+    parts.vital("the HTTP server", async move {
+        serving.await;
+        Ok(())
+    });
 
     tracing::info!(
         name = %config.name, %epoch, http = %http_addr, grpc = %grpc_addr,
@@ -180,8 +195,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         replay_endpoint: endpoints.replay,
         engine,
         ranks,
-        tracker,
-        shutdown,
+        parts: parts.clone(),
     })
 }
 
@@ -189,6 +203,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
     let agent = start(config, shutdown.clone()).await?;
     shutdown.cancelled().await;
+    let parts = agent.parts.clone();
     agent.stop().await;
-    Ok(())
+    match parts.failure() {
+        Some(why) => anyhow::bail!("{why}"),
+        None => Ok(()),
+    }
 }

@@ -3,19 +3,17 @@
 //! stopped by one `CancellationToken`.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
-use futures::FutureExt;
 use kvroute_proto::openai::{Tokenization, TokenizationConfig, TokenizerSpec};
-use kvroute_proto::serve::Heartbeats;
+use kvroute_proto::serve::{Heartbeats, Parts};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::admin::AdminService;
 use crate::config::Config;
@@ -38,10 +36,8 @@ pub struct RunningRouter {
     /// Where `/health` and `/ready` are served apart from the proxy, if anywhere.
     pub health_addr: Option<SocketAddr>,
     pub state: Arc<ProxyState>,
-    pub tracker: TaskTracker,
-    pub shutdown: CancellationToken,
-    /// Why a part the router cannot run without stopped (it then stops the router).
-    failure: Arc<OnceLock<String>>,
+    /// Its tasks, and the token that stops them.
+    pub parts: Parts,
 }
 
 impl RunningRouter {
@@ -59,14 +55,12 @@ impl RunningRouter {
 
     /// Stops every task and waits for them (open requests finish first).
     pub async fn stop(self) {
-        self.shutdown.cancel();
-        self.tracker.close();
-        self.tracker.wait().await;
+        self.parts.stop().await;
     }
 
     /// Why the router stopped of itself, if it did: its proxy or its admin server failed.
     pub fn failure(&self) -> Option<&str> {
-        self.failure.get().map(String::as_str)
+        self.parts.failure()
     }
 }
 
@@ -81,47 +75,6 @@ fn ending(shutdown: &CancellationToken, drain: Duration) -> CancellationToken {
         fire.cancel();
     });
     ending
-}
-
-/// The tokens a router's tasks go by: they stop on `parts`, a child of the caller's
-/// `shutdown`, which a part that fails cancels (stopping the router, and telling the caller).
-/// A start that fails cancels `parts` alone: what it started stops, the caller's token is
-/// left as it was.
-struct Tokens {
-    shutdown: CancellationToken,
-    parts: CancellationToken,
-}
-
-/// Runs `part` as one of the router's tasks: if it fails, panics, or ends before the router's
-/// shutdown, the router stops, and [`RunningRouter::failure`] says why.
-fn vital<F>(
-    tracker: &TaskTracker,
-    failure: &Arc<OnceLock<String>>,
-    tokens: &Tokens,
-    what: &'static str,
-    part: F,
-) where
-    F: Future<Output = Result<(), String>> + Send + 'static,
-{
-    let (failure, parts, shutdown) = (failure.clone(), tokens.parts.clone(), tokens.shutdown.clone());
-    tracker.spawn(async move {
-        let failed = match std::panic::AssertUnwindSafe(part).catch_unwind().await {
-            Ok(Err(e)) => e,
-            // Stopped of itself (a thread that could not take its listener stops them all).
-            Ok(Ok(())) if !parts.is_cancelled() => "stopped before the router did".into(),
-            Ok(Ok(())) => return,
-            Err(panic) => {
-                let why = panic
-                    .downcast_ref::<&str>()
-                    .copied()
-                    .or(panic.downcast_ref::<String>().map(String::as_str));
-                format!("panicked: {}", why.unwrap_or("(no message)"))
-            }
-        };
-        tracing::error!(error = %failed, "{what} failed; the router stops");
-        let _ = failure.set(format!("{what}: {failed}"));
-        shutdown.cancel();
-    });
 }
 
 /// How long an idle upstream connection is kept for reuse: less than the replicas' servers
@@ -154,20 +107,12 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     if let Err(errors) = config.validate() {
         anyhow::bail!("invalid configuration:\n  - {}", errors.join("\n  - "));
     }
-    let tracker = TaskTracker::new();
-    let tokens = Tokens { parts: shutdown.child_token(), shutdown };
-    let started = assemble(config, &tokens, &tracker).await;
-    if started.is_err() {
-        tokens.parts.cancel();
-        tracker.close();
-        tracker.wait().await;
-    }
-    started
+    Parts::start(shutdown, async |parts: &Parts| assemble(config, parts).await).await
 }
 
-/// [`start`]'s work, past the config's validation: its tasks go on `tracker`.
-async fn assemble(config: Config, tokens: &Tokens, tracker: &TaskTracker) -> anyhow::Result<RunningRouter> {
-    let shutdown = &tokens.parts;
+/// [`start`]'s work, past the config's validation: its tasks are `parts`.
+async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter> {
+    let (shutdown, tracker) = (parts.token(), &parts.tracker);
     let mut registry = Registry::default();
     let index = SharedIndex::with_credit_ttl(config.credit_ttl());
     let ingest =
@@ -329,12 +274,9 @@ async fn assemble(config: Config, tokens: &Tokens, tracker: &TaskTracker) -> any
         None => None,
     };
 
-    let failure = Arc::new(OnceLock::new());
     let serving =
         proxy::serve(listener, http_threads, state.clone(), config.serve_limits(), shutdown.clone());
-    vital(tracker, &failure, tokens, "the proxy's HTTP server", async move {
-        serving.await.map_err(|e| e.to_string())
-    });
+    parts.vital("the proxy's HTTP server", async move { serving.await.map_err(|e| e.to_string()) });
     let checks = proxy::health::Settings {
         interval: config.health_interval(),
         timeout: Duration::from_millis(config.health_timeout_ms),
@@ -348,7 +290,7 @@ async fn assemble(config: Config, tokens: &Tokens, tracker: &TaskTracker) -> any
     let admin =
         AdminService::new(state.clone(), config.model.clone(), config.block_size).into_server(admin_token);
     let admin_shutdown = shutdown.clone();
-    vital(tracker, &failure, tokens, "the admin gRPC server", async move {
+    parts.vital("the admin gRPC server", async move {
         let incoming = kvroute_proto::serve::grpc_incoming(admin_listener);
         kvroute_proto::serve::grpc_server()
             .add_service(admin)
@@ -360,36 +302,17 @@ async fn assemble(config: Config, tokens: &Tokens, tracker: &TaskTracker) -> any
         listen = %addr, admin = %admin_addr, health = ?health_addr, policy = config.policy.as_str(),
         replicas = config.replicas.len(), admin_auth, "router started"
     );
-    let (tracker, shutdown) = (tracker.clone(), tokens.shutdown.clone());
-    Ok(RunningRouter { addr, admin_addr, health_addr, state, tracker, shutdown, failure })
+    Ok(RunningRouter { addr, admin_addr, health_addr, state, parts: parts.clone() })
 }
 
 /// Runs a router until `shutdown` fires, then waits for its tasks.
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
     let router = start(config, shutdown.clone()).await?;
     shutdown.cancelled().await;
-    let failure = router.failure.clone();
+    let parts = router.parts.clone();
     router.stop().await;
-    match failure.get() {
+    match parts.failure() {
         Some(why) => anyhow::bail!("{why}"),
         None => Ok(()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A part that panics stops the router as one that fails does, and says so.
-    #[tokio::test]
-    async fn a_vital_part_that_panics_stops_the_router() {
-        let shutdown = CancellationToken::new();
-        let tokens = Tokens { parts: shutdown.child_token(), shutdown: shutdown.clone() };
-        let (tracker, failure) = (TaskTracker::new(), Arc::new(OnceLock::new()));
-        vital(&tracker, &failure, &tokens, "a part", async { panic!("at the disco") });
-        tracker.close();
-        tracker.wait().await;
-        assert!(shutdown.is_cancelled());
-        assert_eq!(failure.get().map(String::as_str), Some("a part: panicked: at the disco"));
     }
 }

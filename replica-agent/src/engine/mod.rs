@@ -225,15 +225,32 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Starts the scheduler on `tracker`. After `shutdown` fires it accepts nothing new,
-    /// finishes what it accepted (running or waiting) within the grace period and fails the
-    /// rest.
+    /// Starts the scheduler on `tracker` ([`Engine::new`]).
     pub fn start(
         config: EngineConfig,
         publisher: Publisher,
         tracker: &TaskTracker,
         shutdown: CancellationToken,
     ) -> Result<Engine, crate::cache::ConfigError> {
+        let (engine, scheduler) = Engine::new(config, publisher, shutdown)?;
+        tracker.spawn(async move {
+            if let Err(e) = scheduler.await {
+                tracing::error!(error = %e, "the engine's scheduler stopped");
+            }
+        });
+        Ok(engine)
+    }
+
+    /// An engine and its scheduler, for the caller to run. After `shutdown` fires it accepts
+    /// nothing new, finishes what it accepted (running or waiting) within the grace period and
+    /// fails the rest. It fails (failing every request it holds) if its publisher stops
+    /// before it does.
+    pub fn new(
+        config: EngineConfig,
+        publisher: Publisher,
+        shutdown: CancellationToken,
+    ) -> Result<(Engine, impl Future<Output = Result<(), String>> + Send + 'static), crate::cache::ConfigError>
+    {
         let cache = BlockCache::new(&config.cache)?;
         let max_prompt_tokens = cache.longest_prompt();
         let state =
@@ -245,12 +262,11 @@ impl Engine {
         let slots = (config.max_waiting.max(1) + 1).min(tokio::sync::Semaphore::MAX_PERMITS);
         let (tx, rx) = mpsc::channel(slots);
         let accepting = shutdown.child_token();
-        tracker.spawn(
+        let scheduler =
             scheduler::Scheduler::new(config.clone(), state.clone(), metrics.clone(), publisher, rx)
-                .run(shutdown),
-        );
+                .run(shutdown);
         let resetting = Arc::default();
-        Ok(Engine { tx, state, metrics, config, accepting, resetting, max_prompt_tokens })
+        Ok((Engine { tx, state, metrics, config, accepting, resetting, max_prompt_tokens }, scheduler))
     }
 
     /// Queues a job; its outputs arrive on the returned channel.

@@ -57,6 +57,9 @@ pub(super) struct Scheduler {
     /// When the current step ends on the wall clock; steps are laid end to end so that short
     /// steps under a large time scale keep their average length despite timer granularity.
     clock: Instant,
+    /// The publisher stopped taking batches before the scheduler ended (its task failed):
+    /// the scheduler stops too, since what it caches would reach no router.
+    publisher_lost: bool,
 }
 
 impl Scheduler {
@@ -77,12 +80,20 @@ impl Scheduler {
             running: Vec::new(),
             scratch: Vec::new(),
             clock: Instant::now(),
+            publisher_lost: false,
         }
     }
 
-    pub(super) async fn run(mut self, shutdown: CancellationToken) {
+    /// Runs until `shutdown` (and its grace) is over, or every handle is dropped; fails if
+    /// its publisher stops first.
+    pub(super) async fn run(mut self, shutdown: CancellationToken) -> Result<(), String> {
         let mut grace_deadline = None;
         loop {
+            if self.publisher_lost {
+                self.fail_waiting("the replica's event publisher stopped");
+                self.fail_running("the replica's event publisher stopped");
+                return Err("its event publisher stopped".into());
+            }
             if grace_deadline.is_none() && shutdown.is_cancelled() {
                 // A grace too long for the clock is a century (no deadline, in effect).
                 let grace = self.config.shutdown_grace.min(Duration::from_secs(100 * 365 * 86_400));
@@ -111,11 +122,7 @@ impl Scheduler {
                 self.intake(control);
             }
             if grace_deadline.is_some_and(|d| Instant::now() >= d) {
-                for p in self.waiting.drain(..) {
-                    self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
-                    self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
-                    let _ = p.out.try_send(Output::Failed("the replica is shutting down".into()));
-                }
+                self.fail_waiting("the replica is shutting down");
                 self.fail_running("the replica shut down before the request finished");
                 self.flush_events().await;
                 break;
@@ -128,6 +135,15 @@ impl Scheduler {
             self.step(plan).await;
         }
         self.flush_events().await;
+        Ok(())
+    }
+
+    fn fail_waiting(&mut self, why: &str) {
+        for p in self.waiting.drain(..) {
+            self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
+            self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+            let _ = p.out.try_send(Output::Failed(why.into()));
+        }
     }
 
     fn intake(&mut self, control: Control) {
@@ -340,7 +356,8 @@ impl Scheduler {
             if self.publisher.publish(batch).await {
                 self.metrics.events_published.fetch_add(1, Ordering::Relaxed);
             } else {
-                tracing::warn!(seq, "event publisher has stopped; batch dropped");
+                tracing::error!(seq, "event publisher has stopped; batch dropped");
+                self.publisher_lost = true;
             }
         }
     }

@@ -63,6 +63,23 @@ async fn run(engine: &Engine, job: Job) -> (Vec<Output>, Usage) {
     (outputs, usage)
 }
 
+/// A scheduler whose event publisher stopped (its task failed) fails the requests it holds
+/// and ends with an error (which stops the agent): what it caches would reach no router.
+/// Before, it went on serving with a warning for each batch dropped.
+#[tokio::test]
+async fn a_scheduler_whose_publisher_stopped_fails() {
+    let (engine, scheduler) =
+        Engine::new(config(64, 8, 100), Publisher::stopped(), CancellationToken::new()).unwrap();
+    let scheduler = tokio::spawn(scheduler);
+    let mut rx = engine.submit(job((0..18).collect(), 50)).unwrap();
+    let mut last = None;
+    while let Some(output) = rx.recv().await {
+        last = Some(output);
+    }
+    assert!(matches!(&last, Some(Output::Failed(why)) if why.contains("publisher")), "{last:?}");
+    assert_eq!(scheduler.await.unwrap(), Err("its event publisher stopped".to_owned()));
+}
+
 #[tokio::test]
 async fn repeated_prompt_hits_its_full_blocks() {
     let (engine, _shutdown) = engine(64, 8).await;

@@ -8,10 +8,12 @@
 //!   balancer, per-engine metrics.
 //! - `cli`: the binary's refusals of bad flags and settings.
 //! - `limits`: request fields that must not overflow the agent's checks.
+//! - `start`: a start that fails part-way.
 
 mod cli;
 mod events;
 mod http_api;
 mod limits;
 mod ranks;
+mod start;
 mod support;

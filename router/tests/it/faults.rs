@@ -353,9 +353,9 @@ async fn a_drain_ends_open_streams_at_its_timeout() {
     let first = tokio::time::timeout(Duration::from_secs(30), response.body_mut().frame()).await;
     assert!(first.expect("a first chunk").expect("a frame").expect("no error").data_ref().is_some());
     // `RunningRouter::stop`, the router kept (the fleet stops it again when dropped).
-    fleet.router.shutdown.cancel();
-    fleet.router.tracker.close();
-    let tracker = fleet.router.tracker.clone();
+    fleet.router.parts.shutdown.cancel();
+    fleet.router.parts.tracker.close();
+    let tracker = fleet.router.parts.tracker.clone();
     let stopping = tokio::spawn(async move { tracker.wait().await });
     let text = drain(response).await;
     assert!(!text.contains("[DONE]"), "ended before its end");

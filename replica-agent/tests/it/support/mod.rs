@@ -68,7 +68,7 @@ impl Agent {
             engine: running.engine.clone(),
             ranks: running.ranks.clone(),
             shutdown,
-            tracker: running.tracker.clone(),
+            tracker: running.parts.tracker.clone(),
         }
     }
 
