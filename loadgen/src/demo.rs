@@ -8,7 +8,6 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use kvroute_replica_agent::RunningAgent;
 use kvroute_replica_agent::cache;
 use kvroute_router::config::{Config as RouterConfig, ReplicaConfig};
@@ -68,16 +67,22 @@ impl FleetConfig {
 }
 
 impl EmbeddedFleet {
-    /// Starts the agents (every socket on 127.0.0.1 port 0).
+    /// Starts the agents (every socket on 127.0.0.1 port 0). If one cannot start, those
+    /// started before it are stopped before the error returns.
     pub async fn start(config: FleetConfig, shutdown: CancellationToken) -> anyhow::Result<Self> {
-        let mut agents = Vec::with_capacity(config.replicas);
-        for i in 0..config.replicas {
-            let started = kvroute_replica_agent::start(config.agent(i), shutdown.child_token())
-                .await
-                .with_context(|| format!("starting agent-{i}"))?;
-            agents.push(started);
+        let mut fleet = Self { agents: Vec::with_capacity(config.replicas), config, shutdown };
+        for i in 0..fleet.config.replicas {
+            match kvroute_replica_agent::start(fleet.config.agent(i), fleet.shutdown.child_token()).await {
+                Ok(agent) => fleet.agents.push(agent),
+                Err(e) => {
+                    for agent in fleet.agents {
+                        agent.stop().await;
+                    }
+                    return Err(e.context(format!("starting agent-{i}")));
+                }
+            }
         }
-        Ok(Self { agents, config, shutdown })
+        Ok(fleet)
     }
 
     /// The agents' HTTP base URLs.

@@ -190,11 +190,17 @@ async fn run_policy(
     live.replicas.clone_from(&config.replicas);
     let report = match &config.routers {
         Routers::Embedded { config: router, .. } => {
+            // The run ends with the router: a router that fails (its proxy, its admin server)
+            // cancels its token, and the run is that policy's failure, not a run cut short.
             let router_shutdown = shutdown.child_token();
-            let router = start_router(router, policy, router_shutdown).await?;
+            let router = start_router(router, policy, router_shutdown.clone()).await?;
             live.target = router.url();
-            let report = live::run(sent, &live, shutdown.clone()).await;
+            let report = live::run(sent, &live, router_shutdown).await;
+            let failure = router.failure().map(str::to_owned);
             router.stop().await;
+            if let Some(why) = failure {
+                anyhow::bail!("the router failed: {why}");
+            }
             report?
         }
         Routers::External(list) => {
