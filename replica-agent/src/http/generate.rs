@@ -139,8 +139,16 @@ pub(super) struct Admitted {
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct ServerFields {
     sampling: Sampling,
-    /// `stream_options.include_usage`.
-    include_usage: bool,
+    /// What a stream's chunks say of the usage.
+    usage: StreamUsage,
+}
+
+/// `stream_options` as vLLM reads it: `include_usage`, and `continuous_usage_stats` (with
+/// `include_usage`, every chunk carries the usage so far of its choice).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct StreamUsage {
+    pub include: bool,
+    pub continuous: bool,
 }
 
 /// Serves one completion or chat completion request, on data-parallel rank `rank` if the
@@ -168,10 +176,11 @@ pub(super) async fn generate(
     if !state.serves(request.model()) {
         return Err(ApiError::model_not_found(request.model()));
     }
-    let ServerFields { sampling, include_usage } = match endpoint {
-        Endpoint::Messages | Endpoint::Responses => {
-            ServerFields { sampling: converted_sampling(body, endpoint)?, include_usage: true }
-        }
+    let ServerFields { sampling, usage } = match endpoint {
+        Endpoint::Messages | Endpoint::Responses => ServerFields {
+            sampling: converted_sampling(body, endpoint)?,
+            usage: StreamUsage { include: true, continuous: false },
+        },
         _ => parse_extras(body, request.stream())?,
     };
     let mut jobs = jobs(state, &request, &sampling, null_max_tokens(&request, &readable))?;
@@ -257,7 +266,7 @@ pub(super) async fn generate(
             sequence: 0,
         });
         let tally = Tally::new(admitted.len(), n as usize, true);
-        let mut response = Response::new(sse::body(api, meta, admitted, (include_usage, tally), streaming));
+        let mut response = Response::new(sse::body(api, meta, admitted, (usage, tally), streaming));
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
@@ -341,8 +350,7 @@ fn parse_extras(body: &[u8], stream: bool) -> Result<ServerFields, ApiError> {
     // repeated key's last value counting, as in vLLM.
     let sampling = Sampling::parse(parse_object(body, &sampling::FIELDS)?)?;
     let [stream_options] = parse_object(body, &["stream_options"])?;
-    let include_usage = include_usage(stream_options, stream)?;
-    Ok(ServerFields { sampling, include_usage })
+    Ok(ServerFields { sampling, usage: stream_usage(stream_options, stream)? })
 }
 
 /// The sampling fields of a Messages or Responses request, which vLLM carries over to the
@@ -355,32 +363,34 @@ fn converted_sampling(body: &[u8], endpoint: Endpoint) -> Result<Sampling, ApiEr
     Sampling::parse([None, temperature, None, None, None, top_p, top_k, None, None, stop])
 }
 
-/// `stream_options.include_usage` as vLLM reads it: a `stream_options` object asks for usage
-/// unless its `include_usage` is false or null, and only an empty one may come without
-/// `stream`. (`continuous_usage_stats` is not served: usage comes once, at the end.)
-fn include_usage(options: Option<&RawValue>, stream: bool) -> Result<bool, ApiError> {
-    let Some(options) = options.filter(|o| o.get() != "null") else { return Ok(false) };
+/// `stream_options` as vLLM reads it: an object asks for usage unless its `include_usage` is
+/// false or null, and for it on every chunk if `continuous_usage_stats` is also true; only an
+/// empty one may come without `stream`.
+fn stream_usage(options: Option<&RawValue>, stream: bool) -> Result<StreamUsage, ApiError> {
+    let Some(options) = options.filter(|o| o.get() != "null") else { return Ok(StreamUsage::default()) };
     let bad = || ApiError::invalid_field("stream_options", "'stream_options' must be an object");
     // A map: a repeated key's last value counts, as in Python's `json.loads`.
     let options: serde_json::Map<String, serde_json::Value> =
         serde_json::from_str(options.get()).map_err(|_| bad())?;
     if !stream {
         if options.is_empty() {
-            return Ok(false);
+            return Ok(StreamUsage::default());
         }
         return Err(ApiError::invalid_field(
             "stream_options",
             "stream_options can only be set when stream is true",
         ));
     }
-    match options.get("include_usage") {
-        None => Ok(true),
+    let flag = |key: &str, absent: bool| match options.get(key) {
+        None => Ok(absent),
         Some(serde_json::Value::Null) => Ok(false),
         // Read as pydantic's lax mode reads a boolean (`1`, `"yes"`).
         Some(value) => lax_boolean_value(value).ok_or_else(|| {
-            ApiError::invalid_field("stream_options", "'stream_options.include_usage' must be a boolean")
+            ApiError::invalid_field("stream_options", format!("'stream_options.{key}' must be a boolean"))
         }),
-    }
+    };
+    let include = flag("include_usage", true)?;
+    Ok(StreamUsage { include, continuous: include && flag("continuous_usage_stats", false)? })
 }
 
 /// One engine job per prompt: tokens, block hashes in the request's namespace, and a

@@ -13,8 +13,10 @@
 //! 2. one chunk per token, the last token of a choice with `finish_reason: "length"` (if the
 //!    engine finishes a choice short of `max_tokens`, an empty chunk carries the reason);
 //! 3. with `stream_options.include_usage`, a chunk with `choices: []` and the `usage`
-//!    (every earlier chunk then has `"usage": null`); clients that need `cached_tokens` from
-//!    a stream, like kvroute's router and load generator, must set it;
+//!    (every earlier chunk then has `"usage": null`, or with `continuous_usage_stats` its
+//!    choice's usage so far: its prompt's tokens and cached tokens, its tokens generated);
+//!    clients that need `cached_tokens` from a stream, like kvroute's router and load
+//!    generator, must set it;
 //! 4. `data: [DONE]`.
 //!
 //! A `/v1/messages` stream is Anthropic's named events instead (`messages.rs`).
@@ -35,25 +37,27 @@ use tokio::sync::mpsc;
 
 use super::Body;
 use super::error::ApiError;
-use super::generate::{Admitted, Api, Envelope, Meta, Tally, UsageField, UsageJson};
+use super::generate::{
+    Admitted, Api, Envelope, Meta, PromptTokensDetails, StreamUsage, Tally, UsageField, UsageJson,
+};
 use super::{chat, completions, messages, responses};
 use crate::engine::Output;
 
-/// The SSE body of a streamed generation whose choices have all been admitted, with
-/// `stream_options.include_usage` and how the usage is counted.
+/// The SSE body of a streamed generation whose choices have all been admitted, with what
+/// its chunks say of the usage and how the usage is counted.
 pub(super) fn body(
     api: Api,
     meta: Meta,
     admitted: Vec<Admitted>,
-    (include_usage, tally): (bool, Tally),
+    (usage, tally): (StreamUsage, Tally),
     mut responses: Option<responses::Streaming>,
 ) -> Body {
-    let chunk_usage = UsageField::for_chunks(include_usage);
     let (mut opening, mut first) = (Vec::new(), Vec::new());
     match api {
         Api::Chat => {
-            for index in 0..admitted.len() {
-                event(&mut first, &chat::role_chunk(&meta, index, chunk_usage));
+            for (index, a) in admitted.iter().enumerate() {
+                let so_far = usage.continuous.then(|| usage_so_far((a.prompt_tokens, a.cached_tokens), 0));
+                event(&mut first, &chat::role_chunk(&meta, index, chunk_usage(usage, so_far.as_ref())));
             }
         }
         Api::Messages => {
@@ -73,7 +77,7 @@ pub(super) fn body(
     }
     let state = State {
         api,
-        include_usage,
+        usage,
         opening: (!opening.is_empty()).then(|| Bytes::from(opening)),
         first: (!first.is_empty()).then_some(first),
         begun: false,
@@ -95,7 +99,7 @@ pub(super) fn body(
 struct State {
     api: Api,
     meta: Meta,
-    include_usage: bool,
+    usage: StreamUsage,
     /// Frames to send at once, before the engine's first output (a Responses stream's
     /// `response.created` and `response.in_progress`).
     opening: Option<Bytes>,
@@ -127,7 +131,6 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
     }
     let mut buf = Vec::new();
     while buf.is_empty() && !s.done {
-        let chunk_usage = UsageField::for_chunks(s.include_usage);
         match s.outputs.next().await {
             Some((i, Output::Token(text))) => {
                 output_begins(&mut buf, &mut s);
@@ -135,6 +138,8 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
                 s.generated[i] += 1;
                 let last = s.generated[i] >= s.max_tokens[i] && !s.finished[i];
                 s.finished[i] |= last;
+                let so_far = s.usage.continuous.then(|| usage_so_far(s.prompt[i], s.generated[i]));
+                let chunk_usage = chunk_usage(s.usage, so_far.as_ref());
                 match (s.api, &mut s.responses) {
                     (Api::Messages, _) => messages::delta(&mut buf, text),
                     (Api::Responses, Some(r)) => {
@@ -151,6 +156,8 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
                 let named = matches!(s.api, Api::Messages | Api::Responses);
                 if !s.finished[i] && !named {
                     s.finished[i] = true;
+                    let so_far = s.usage.continuous.then(|| usage_so_far(s.prompt[i], s.generated[i]));
+                    let chunk_usage = chunk_usage(s.usage, so_far.as_ref());
                     event(&mut buf, &token_chunk(s.api, &s.meta, i, None, true, chunk_usage));
                 }
                 if s.remaining == 0 && s.api == Api::Messages {
@@ -167,7 +174,7 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
                     }
                     s.done = true;
                 } else if s.remaining == 0 {
-                    if s.include_usage {
+                    if s.usage.include {
                         event(&mut buf, &usage_chunk(s.api, &s.meta, &s.tally.usage()));
                     }
                     buf.extend_from_slice(b"data: [DONE]\n\n");
@@ -238,6 +245,27 @@ fn token_chunk(
     match api {
         Api::Completions => completions::chunk(meta, index, text.unwrap_or(""), finish, usage),
         Api::Chat | Api::Messages | Api::Responses => chat::chunk(meta, index, text, finish, usage),
+    }
+}
+
+/// The `usage` of a chunk: its choice's usage so far (`so_far`) with `continuous_usage_stats`,
+/// else `null` with `include_usage`, else none.
+fn chunk_usage(usage: StreamUsage, so_far: Option<&UsageJson>) -> UsageField<'_> {
+    match so_far {
+        Some(so_far) => UsageField::Present(so_far),
+        None => UsageField::for_chunks(usage.include),
+    }
+}
+
+/// A choice's usage so far, as `continuous_usage_stats` reports it: its prompt's tokens (and
+/// those cached) and the tokens it has generated.
+fn usage_so_far((prompt_tokens, cached_tokens): (u32, u32), generated: u32) -> UsageJson {
+    let (prompt_tokens, completion_tokens) = (u64::from(prompt_tokens), u64::from(generated));
+    UsageJson {
+        prompt_tokens,
+        completion_tokens,
+        total_tokens: prompt_tokens + completion_tokens,
+        prompt_tokens_details: PromptTokensDetails { cached_tokens: u64::from(cached_tokens) },
     }
 }
 

@@ -273,6 +273,61 @@ async fn streaming_responses_have_openai_shape_and_match_non_streaming() {
     assert_eq!(chat(c, &body).await.0, content);
 }
 
+/// `stream_options.continuous_usage_stats` (with `include_usage`), as vLLM serves it: every
+/// chunk carries its choice's usage so far, its prompt's tokens and the tokens it has
+/// generated (a chat's role chunk none yet); the last chunk has the whole request's.
+#[tokio::test]
+async fn continuous_usage_stats_put_each_choices_usage_on_every_chunk() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    let prompts = [words(11, 8), words(6, 9)];
+    let mut lens = Vec::new();
+    for p in &prompts {
+        lens.push(c.tokenize(&json!({ "prompt": p })).await.len() as u64);
+    }
+    let continuous = json!({ "include_usage": true, "continuous_usage_stats": true });
+    let body = json!({ "model": MODEL, "prompt": prompts, "max_tokens": 5, "stream": true, "stream_options": continuous });
+    let events = stream(c, "/v1/completions", &body).await;
+    let chunks: Vec<Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let (last, chunks) = chunks.split_last().unwrap();
+    let mut generated = [0, 0];
+    for chunk in chunks {
+        let i = chunk["choices"][0]["index"].as_u64().unwrap() as usize;
+        generated[i] += 1;
+        let usage = &chunk["usage"];
+        assert_eq!(usage["prompt_tokens"], lens[i], "{chunk}");
+        assert_eq!(usage["completion_tokens"], generated[i], "{chunk}");
+        assert_eq!(usage["total_tokens"], lens[i] + generated[i], "{chunk}");
+    }
+    assert_eq!(generated, [5, 5]);
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"]["completion_tokens"], 10);
+
+    let messages = json!([{ "role": "user", "content": words(7, 10) }]);
+    let body = json!({ "model": MODEL, "messages": messages, "max_tokens": 6, "stream": true, "stream_options": continuous });
+    let events = stream(c, "/v1/chat/completions", &body).await;
+    let completion_tokens: Vec<Value> = events[..events.len() - 2]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap()["usage"]["completion_tokens"].clone())
+        .collect();
+    assert_eq!(
+        completion_tokens,
+        (0..=6).map(Value::from).collect::<Vec<_>>(),
+        "the role chunk, then a token each"
+    );
+
+    // Without `include_usage` there is no usage to report, however often.
+    let options = json!({ "include_usage": false, "continuous_usage_stats": true });
+    let body = json!({ "model": MODEL, "messages": messages, "max_tokens": 6, "stream": true, "stream_options": options });
+    assert_eq!(shape::chat_stream(&stream(c, "/v1/chat/completions", &body).await, false).1, None);
+    let options = json!({ "continuous_usage_stats": [] });
+    let body = json!({ "model": MODEL, "messages": messages, "max_tokens": 6, "stream": true, "stream_options": options });
+    let reply = c.post("/v1/chat/completions", &body).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert!(reply.text().contains("continuous_usage_stats"), "{}", reply.text());
+}
+
 /// `n` choices a prompt, as vLLM runs them: one engine request each, numbered
 /// `prompt * n + choice`, each with its own text; the prompt counted once, and one choice's
 /// cached tokens: the later choices find the prompt's blocks cached by the first.
