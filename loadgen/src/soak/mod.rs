@@ -161,7 +161,7 @@ pub async fn run(
         start,
         stop.clone(),
     ));
-    let churn = tokio::spawn(churn(
+    let mut churn = tokio::spawn(churn(
         config.clone(),
         agents,
         logs.clone(),
@@ -175,6 +175,9 @@ pub async fn run(
     let mut ticks = tokio::time::interval(config.sample_interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut load = load;
+    // The churn's end, if it came first: it runs until `stop`, and one that fails (a panic
+    // drops, and so kills, every agent) ends the run, not the rest of it on an empty fleet.
+    let mut churned = None;
     let stopped_early = loop {
         tokio::select! {
             _ = ticks.tick() => {
@@ -194,10 +197,28 @@ pub async fn run(
                     Err(e) => Some(format!("the load task failed: {e}")),
                 };
             }
+            ended = &mut churn => {
+                let why = match &ended {
+                    Ok(_) => "the churn task ended before the run".to_owned(),
+                    Err(e) => format!("the churn task failed: {e}"),
+                };
+                churned = Some(ended);
+                break Some(why);
+            }
         }
     };
     stop.cancel();
-    let agents = churn.await.unwrap_or_else(|e| {
+    let churned = match churned {
+        Some(ended) => {
+            // The load stops on `stop`: its last requests are counted before the last sample.
+            if let Err(e) = load.await {
+                tracing::error!(error = %e, "the load task failed");
+            }
+            ended
+        }
+        None => churn.await,
+    };
+    let agents = churned.unwrap_or_else(|e| {
         tracing::error!(error = %e, "the churn task failed");
         Vec::new()
     });
