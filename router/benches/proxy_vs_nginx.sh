@@ -326,8 +326,10 @@ range() { tr ' ' '\n' | grep . | sort -g | awk 'NR == 1 { lo = $1 } { hi = $1 } 
 
 router() {
     local policy=$1 port=$2 name=${3:-kvroute-$1} binary=${4:-$ROUTER} replicas=()
+    # No backend publishes events: port 0 is never connected to (nor one replica's stream, which
+    # two replicas may not share), and the replicas are routed on load alone (FALLBACK).
     for i in $(seq 1 "$BACKENDS"); do
-        replicas+=(--replica "name=b$i,http=http://127.0.0.1:$(port_of_backend "$i"),events=tcp://127.0.0.1:9,engine=kvroute")
+        replicas+=(--replica "name=b$i,http=http://127.0.0.1:$(port_of_backend "$i"),events=tcp://127.0.0.1:0,engine=kvroute")
     done
     RUST_LOG=warn "$binary" --listen "127.0.0.1:$port" --admin-listen 127.0.0.1:0 \
         --policy "$policy" "${replicas[@]}" >"$WORK/router-$name.log" 2>&1 &
