@@ -94,6 +94,16 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
         tracing::warn!(problem, "the tokenizer_config.json beside the tokenizer is unusable: not used");
     }
 
+    // The listeners first, so that a start that cannot bind them has begun nothing.
+    let http_listener = TcpListener::bind(config.http_addr)
+        .await
+        .with_context(|| format!("binding HTTP on {}", config.http_addr))?;
+    let grpc_listener = TcpListener::bind(config.grpc_addr)
+        .await
+        .with_context(|| format!("binding gRPC on {}", config.grpc_addr))?;
+    let http_addr = http_listener.local_addr()?;
+    let grpc_addr = grpc_listener.local_addr()?;
+
     let publisher_config = PublisherConfig {
         topic: config.topic.clone(),
         format: config.event_format,
@@ -130,20 +140,19 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
             shutdown.clone(),
         )
         .context("starting the engine")?;
-        parts.vital(format!("rank {rank}'s engine"), scheduler);
-        engines.push(engine);
+        engines.push((engine, scheduler));
     }
+    // Vital once every engine is there (a scheduler whose engines were dropped by a start
+    // failing after it ends of itself, before the start's abandoning could tell it apart).
+    let engines = (0..)
+        .zip(engines)
+        .map(|(rank, (engine, scheduler))| {
+            parts.vital(format!("rank {rank}'s engine"), scheduler);
+            engine
+        })
+        .collect();
     let ranks = Ranks::new(engines);
     let engine = ranks.first().clone();
-
-    let http_listener = TcpListener::bind(config.http_addr)
-        .await
-        .with_context(|| format!("binding HTTP on {}", config.http_addr))?;
-    let grpc_listener = TcpListener::bind(config.grpc_addr)
-        .await
-        .with_context(|| format!("binding gRPC on {}", config.grpc_addr))?;
-    let http_addr = http_listener.local_addr()?;
-    let grpc_addr = grpc_listener.local_addr()?;
 
     let info = pb::InfoResponse {
         replica: config.name.clone(),
