@@ -448,17 +448,19 @@ impl Config {
         let mut servers = std::collections::HashMap::new();
         // Each rank's event stream (endpoint and topic) is one replica's: two replicas on
         // one (a copy-paste slip) would each be credited with the other's cache.
-        let mut streams = std::collections::HashMap::new();
+        let mut streams: Vec<((String, &str), &str)> = Vec::new();
         for r in &self.replicas {
-            for (endpoint, topic) in crate::replicas::event_streams(&r.events, r.dp_size, &r.topic) {
-                if let Some(other) = streams.insert((endpoint.clone(), topic), r.name.as_str())
-                    && other != r.name
-                {
+            for stream in crate::replicas::event_streams(&r.events, r.dp_size, &r.topic) {
+                let taken = streams
+                    .iter()
+                    .find(|(s, other)| *other != r.name && crate::replicas::one_stream(s, &stream));
+                if let Some((_, other)) = taken {
                     check(
                         false,
-                        format!("replicas {other:?} and {:?} follow one event stream, {endpoint}", r.name),
+                        format!("replicas {other:?} and {:?} follow one event stream, {}", r.name, stream.0),
                     );
                 }
+                streams.push((stream, r.name.as_str()));
             }
             let named_once = names.insert(r.name.as_str());
             check(named_once, format!("replica {:?} is listed twice", r.name));
@@ -984,7 +986,8 @@ mod tests {
     }
 
     /// Each rank's event stream is one replica's: two replicas following one (a copy-paste
-    /// slip) would each be credited with the other's cache. Another topic is another stream.
+    /// slip) would each be credited with the other's cache. Another topic is another stream,
+    /// unless one begins the other (a subscription is to a topic prefix).
     #[test]
     fn one_event_stream_is_one_replicas() {
         let config = |replicas: &[&str]| Config {
@@ -1011,6 +1014,11 @@ mod tests {
             "name=b,http=http://b:8000,events=tcp://h:5557,topic=b",
         ]);
         assert_eq!(topics.validate(), Ok(()));
+        let prefix = config(&[
+            "name=a,http=http://a:8000,events=tcp://h:5557,topic=kv",
+            "name=b,http=http://b:8000,events=tcp://h:5557,topic=kv@b",
+        ]);
+        assert!(prefix.validate().is_err(), "a's subscription to kv takes b's kv@b too");
     }
 
     #[test]

@@ -312,6 +312,12 @@ pub(crate) fn event_streams<'a>(
         .map(move |endpoint| (endpoint, topic))
 }
 
+/// Whether two of [`event_streams`] overlap: one endpoint, and a topic that begins the other
+/// (a subscription takes every topic its own begins, the empty one all of them).
+pub(crate) fn one_stream((a, a_topic): &(String, &str), (b, b_topic): &(String, &str)) -> bool {
+    a == b && (a_topic.starts_with(b_topic) || b_topic.starts_with(a_topic))
+}
+
 /// The server an HTTP address names, spelled one way: `http://H:80/` and `http://h` are one
 /// server (scheme and host are case-insensitive, a default port may be left out, and a
 /// trailing slash says nothing). An address that does not parse is taken as written.
@@ -502,7 +508,7 @@ impl Replicas {
         for other in inner.live.values() {
             let theirs = &other.spec;
             if let Some((endpoint, _)) = event_streams(&theirs.event_endpoint, theirs.dp_size, &theirs.topic)
-                .find(|s| ours.contains(s))
+                .find(|theirs| ours.iter().any(|ours| one_stream(ours, theirs)))
             {
                 let other = other.spec.name.clone();
                 return Err(SpecError::SameStream { name: spec.name, other, endpoint });
@@ -684,7 +690,8 @@ mod tests {
     }
 
     /// An event stream (a rank's endpoint and topic) is one replica's, however it is reached:
-    /// the first rank of one, or a later rank of another; another topic is another stream.
+    /// the first rank of one, or a later rank of another; a topic that neither begins nor is
+    /// begun by another's is another stream.
     #[test]
     fn one_event_stream_is_one_replicas() {
         let replicas = Replicas::new();
@@ -700,8 +707,18 @@ mod tests {
         );
         assert!(matches!(replicas.insert(on("b", "tcp://h:5556", 2, "")), Err(SpecError::SameStream { .. })));
         assert!(!replicas.knows("b"), "a name refused is not one the fleet knows");
-        replicas.insert(on("b", "tcp://h:5558", 1, "kv@b")).unwrap();
-        replicas.insert(on("c", "tcp://h:5559", 1, "")).unwrap();
+        // The empty topic takes every topic, and a topic every topic it begins.
+        assert!(matches!(
+            replicas.insert(on("b", "tcp://h:5558", 1, "kv@b")),
+            Err(SpecError::SameStream { .. })
+        ));
+        replicas.insert(on("b", "tcp://h:5560", 1, "kv@b")).unwrap();
+        assert!(matches!(
+            replicas.insert(on("c", "tcp://h:5560", 1, "kv")),
+            Err(SpecError::SameStream { .. })
+        ));
+        replicas.insert(on("c", "tcp://h:5560", 1, "kv@c")).unwrap();
+        replicas.insert(on("g", "tcp://h:5559", 1, "")).unwrap();
         // Port 0 is never connected to, so it is no one's stream.
         replicas.insert(on("d", "tcp://h:0", 1, "")).unwrap();
         replicas.insert(on("e", "tcp://h:0", 1, "")).unwrap();
