@@ -509,6 +509,10 @@ pub async fn start_router(
     let router = kvroute_router::start(config, shutdown).await.context("starting a router")?;
     let deadline = Instant::now() + READY_TIMEOUT;
     while !router.fleet().ready() {
+        if let Some(why) = router.failure().map(str::to_owned) {
+            router.stop().await;
+            anyhow::bail!("the {} router failed: {why}", policy.as_str());
+        }
         if Instant::now() >= deadline {
             router.stop().await;
             anyhow::bail!(
