@@ -311,7 +311,7 @@ impl Bench {
         let mut rng = Rng(7);
         for r in 0..REPLICAS {
             let mut spec =
-                ReplicaSpec::new(format!("replica-{r}"), "tcp://127.0.0.1:1", EngineKind::Kvroute, MODEL);
+                ReplicaSpec::new(format!("replica-{r}"), "tcp://127.0.0.1:0", EngineKind::Kvroute, MODEL);
             spec.http_url = format!("http://127.0.0.1:{}", 20_000 + r);
             spec.block_size = Some(BLOCK as u32);
             spec.dp_size = dp_size;
