@@ -197,7 +197,8 @@ pub async fn run(
                     Err(e) => Some(format!("the load task failed: {e}")),
                 };
             }
-            ended = &mut churn => {
+            // (At a Ctrl-C the churn ends first: the load's end says it was interrupted.)
+            ended = &mut churn, if !stop.is_cancelled() => {
                 let why = match &ended {
                     Ok(_) => "the churn task ended before the run".to_owned(),
                     Err(e) => format!("the churn task failed: {e}"),

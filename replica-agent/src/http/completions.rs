@@ -8,7 +8,8 @@
 //!
 //! A stream chunk has the same keys, one choice with one token's text, `finish_reason`
 //! `null` until the choice's last token, and `usage` only when the client asked for it with
-//! `stream_options.include_usage` (`null` on every chunk but the final usage chunk).
+//! `stream_options.include_usage` (`null` on every chunk but the final usage chunk, or with
+//! `continuous_usage_stats` the choice's counts so far).
 
 use serde::Serialize;
 

@@ -389,8 +389,9 @@ fn stream_usage(options: Option<&RawValue>, stream: bool) -> Result<StreamUsage,
             ApiError::invalid_field("stream_options", format!("'stream_options.{key}' must be a boolean"))
         }),
     };
-    let include = flag("include_usage", true)?;
-    Ok(StreamUsage { include, continuous: include && flag("continuous_usage_stats", false)? })
+    // Both are checked, as pydantic checks every field.
+    let (include, continuous) = (flag("include_usage", true)?, flag("continuous_usage_stats", false)?);
+    Ok(StreamUsage { include, continuous: include && continuous })
 }
 
 /// One engine job per prompt: tokens, block hashes in the request's namespace, and a
@@ -468,6 +469,9 @@ pub(super) enum UsageField<'a> {
     Absent,
     Null,
     Present(&'a UsageJson),
+    /// A choice's counts so far (`continuous_usage_stats`): written without
+    /// `prompt_tokens_details`, which vLLM leaves unset on these.
+    SoFar(&'a UsageJson),
 }
 
 impl UsageField<'_> {
@@ -486,6 +490,14 @@ impl Serialize for UsageField<'_> {
         match self {
             UsageField::Absent | UsageField::Null => s.serialize_none(),
             UsageField::Present(u) => u.serialize(s),
+            UsageField::SoFar(u) => {
+                use serde::ser::SerializeStruct;
+                let mut so_far = s.serialize_struct("UsageInfo", 3)?;
+                so_far.serialize_field("prompt_tokens", &u.prompt_tokens)?;
+                so_far.serialize_field("completion_tokens", &u.completion_tokens)?;
+                so_far.serialize_field("total_tokens", &u.total_tokens)?;
+                so_far.end()
+            }
         }
     }
 }

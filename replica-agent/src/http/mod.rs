@@ -18,10 +18,12 @@
 //! With `--api-key`, every `/v1/*` route needs `Authorization: Bearer <key>`, as in vLLM.
 //! Browsers may call it from any origin, as vLLM's defaults allow (`cors.rs`).
 //!
-//! Streams follow vLLM: `usage` (with `prompt_tokens_details.cached_tokens`) comes only in
-//! a final chunk, when the request sets `stream_options` with an `include_usage` that is
-//! not false or null (`{}` is enough); clients that need the realized cache hit of a stream
-//! (kvroute's router and load generator) must set it. See `sse.rs` for the frame order.
+//! Streams follow vLLM: `usage` (with `prompt_tokens_details.cached_tokens`) comes in a
+//! final chunk, when the request sets `stream_options` with an `include_usage` that is not
+//! false or null (`{}` is enough); clients that need the realized cache hit of a stream
+//! (kvroute's router and load generator) must set it. With `continuous_usage_stats` too,
+//! every chunk carries its choice's counts so far (without the cached tokens, as vLLM's).
+//! See `sse.rs` for the frame order.
 //!
 //! Every response carries `x-request-id` (the client's, or a generated one) and every error
 //! is OpenAI's error JSON, built in `error.rs` (under `/v1/messages`, inside Anthropic's

@@ -14,7 +14,8 @@
 //!    engine finishes a choice short of `max_tokens`, an empty chunk carries the reason);
 //! 3. with `stream_options.include_usage`, a chunk with `choices: []` and the `usage`
 //!    (every earlier chunk then has `"usage": null`, or with `continuous_usage_stats` its
-//!    choice's usage so far: its prompt's tokens and cached tokens, its tokens generated);
+//!    choice's usage so far: its prompt's tokens and the tokens it has generated, without
+//!    `prompt_tokens_details`, as vLLM writes it);
 //!    clients that need `cached_tokens` from a stream, like kvroute's router and load
 //!    generator, must set it;
 //! 4. `data: [DONE]`.
@@ -37,9 +38,7 @@ use tokio::sync::mpsc;
 
 use super::Body;
 use super::error::ApiError;
-use super::generate::{
-    Admitted, Api, Envelope, Meta, PromptTokensDetails, StreamUsage, Tally, UsageField, UsageJson,
-};
+use super::generate::{Admitted, Api, Envelope, Meta, StreamUsage, Tally, UsageField, UsageJson};
 use super::{chat, completions, messages, responses};
 use crate::engine::Output;
 
@@ -252,20 +251,20 @@ fn token_chunk(
 /// else `null` with `include_usage`, else none.
 fn chunk_usage(usage: StreamUsage, so_far: Option<&UsageJson>) -> UsageField<'_> {
     match so_far {
-        Some(so_far) => UsageField::Present(so_far),
+        Some(so_far) => UsageField::SoFar(so_far),
         None => UsageField::for_chunks(usage.include),
     }
 }
 
-/// A choice's usage so far, as `continuous_usage_stats` reports it: its prompt's tokens (and
-/// those cached) and the tokens it has generated.
-fn usage_so_far((prompt_tokens, cached_tokens): (u32, u32), generated: u32) -> UsageJson {
+/// A choice's usage so far, as `continuous_usage_stats` reports it: its prompt's tokens and
+/// the tokens it has generated (written without the cached tokens: [`UsageField::SoFar`]).
+fn usage_so_far((prompt_tokens, _): (u32, u32), generated: u32) -> UsageJson {
     let (prompt_tokens, completion_tokens) = (u64::from(prompt_tokens), u64::from(generated));
     UsageJson {
         prompt_tokens,
         completion_tokens,
         total_tokens: prompt_tokens + completion_tokens,
-        prompt_tokens_details: PromptTokensDetails { cached_tokens: u64::from(cached_tokens) },
+        ..Default::default()
     }
 }
 

@@ -299,6 +299,7 @@ async fn continuous_usage_stats_put_each_choices_usage_on_every_chunk() {
         assert_eq!(usage["prompt_tokens"], lens[i], "{chunk}");
         assert_eq!(usage["completion_tokens"], generated[i], "{chunk}");
         assert_eq!(usage["total_tokens"], lens[i] + generated[i], "{chunk}");
+        assert!(usage.get("prompt_tokens_details").is_none(), "as vLLM leaves it unset: {chunk}");
     }
     assert_eq!(generated, [5, 5]);
     assert_eq!(last["choices"], json!([]));
@@ -321,11 +322,15 @@ async fn continuous_usage_stats_put_each_choices_usage_on_every_chunk() {
     let options = json!({ "include_usage": false, "continuous_usage_stats": true });
     let body = json!({ "model": MODEL, "messages": messages, "max_tokens": 6, "stream": true, "stream_options": options });
     assert_eq!(shape::chat_stream(&stream(c, "/v1/chat/completions", &body).await, false).1, None);
-    let options = json!({ "continuous_usage_stats": [] });
-    let body = json!({ "model": MODEL, "messages": messages, "max_tokens": 6, "stream": true, "stream_options": options });
-    let reply = c.post("/v1/chat/completions", &body).await;
-    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
-    assert!(reply.text().contains("continuous_usage_stats"), "{}", reply.text());
+    for options in [
+        json!({ "continuous_usage_stats": [] }),
+        json!({ "include_usage": false, "continuous_usage_stats": [] }),
+    ] {
+        let body = json!({ "model": MODEL, "messages": messages, "max_tokens": 6, "stream": true, "stream_options": options });
+        let reply = c.post("/v1/chat/completions", &body).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{options}: {}", reply.text());
+        assert!(reply.text().contains("continuous_usage_stats"), "{}", reply.text());
+    }
 }
 
 /// `n` choices a prompt, as vLLM runs them: one engine request each, numbered
