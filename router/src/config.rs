@@ -454,10 +454,12 @@ impl Config {
                 let taken = streams
                     .iter()
                     .find(|(s, other)| *other != r.name && crate::replicas::one_stream(s, &stream));
-                if let Some((_, other)) = taken {
+                if let Some(((_, topic), other)) = taken {
+                    let topics = (topic.to_string(), r.topic.clone());
+                    let named = crate::replicas::stream_named(&stream.0, &topics);
                     check(
                         false,
-                        format!("replicas {other:?} and {:?} follow one event stream, {}", r.name, stream.0),
+                        format!("replicas {other:?} and {:?} follow one event stream, {named}", r.name),
                     );
                 }
                 streams.push((stream, r.name.as_str()));

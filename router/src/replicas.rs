@@ -294,9 +294,10 @@ pub enum SpecError {
     SameServer { name: String, other: String, url: String },
     /// Two replicas on one event stream would each be credited with the other's cache.
     #[error(
-        "replica {name:?} follows the event stream of replica {other:?} ({endpoint}): one stream is one replica's"
+        "replica {name:?} follows the event stream of replica {other:?} ({}): one stream is one replica's",
+        stream_named(endpoint, topics)
     )]
-    SameStream { name: String, other: String, endpoint: String },
+    SameStream { name: String, other: String, endpoint: String, topics: (String, String) },
 }
 
 /// The event streams (each rank's endpoint, with the topic) a replica follows. Endpoints on
@@ -310,6 +311,17 @@ pub(crate) fn event_streams<'a>(
         .map_while(move |rank| rank_endpoint(events, rank).ok())
         .filter(|endpoint| !endpoint.ends_with(":0"))
         .map(move |endpoint| (endpoint, topic))
+}
+
+/// An overlap of two replicas' streams, for an error: the endpoint, and the topics when they
+/// differ (one begins the other).
+pub(crate) fn stream_named(endpoint: &str, (ours, theirs): &(String, String)) -> String {
+    match ours == theirs {
+        true => endpoint.to_owned(),
+        false => format!(
+            "{endpoint}, topics {ours:?} and {theirs:?}: a subscription takes every topic its own begins"
+        ),
+    }
 }
 
 /// Whether two of [`event_streams`] overlap: one endpoint, and a topic that begins the other
@@ -510,8 +522,8 @@ impl Replicas {
             if let Some((endpoint, _)) = event_streams(&theirs.event_endpoint, theirs.dp_size, &theirs.topic)
                 .find(|theirs| ours.iter().any(|ours| one_stream(ours, theirs)))
             {
-                let other = other.spec.name.clone();
-                return Err(SpecError::SameStream { name: spec.name, other, endpoint });
+                let (other, topics) = (theirs.name.clone(), (spec.topic.clone(), theirs.topic.clone()));
+                return Err(SpecError::SameStream { name: spec.name, other, endpoint, topics });
             }
         }
         // Named only once it is in: a name refused is none the fleet knows (a drain kept for
@@ -703,7 +715,12 @@ mod tests {
         let a = replicas.insert(on("a", "tcp://h:5557", 2, "")).unwrap();
         assert_eq!(
             replicas.insert(on("b", "tcp://h:5558", 1, "")).unwrap_err(),
-            SpecError::SameStream { name: "b".into(), other: "a".into(), endpoint: "tcp://h:5558".into() }
+            SpecError::SameStream {
+                name: "b".into(),
+                other: "a".into(),
+                endpoint: "tcp://h:5558".into(),
+                topics: Default::default()
+            }
         );
         assert!(matches!(replicas.insert(on("b", "tcp://h:5556", 2, "")), Err(SpecError::SameStream { .. })));
         assert!(!replicas.knows("b"), "a name refused is not one the fleet knows");
@@ -713,10 +730,8 @@ mod tests {
             Err(SpecError::SameStream { .. })
         ));
         replicas.insert(on("b", "tcp://h:5560", 1, "kv@b")).unwrap();
-        assert!(matches!(
-            replicas.insert(on("c", "tcp://h:5560", 1, "kv")),
-            Err(SpecError::SameStream { .. })
-        ));
+        let prefix = replicas.insert(on("c", "tcp://h:5560", 1, "kv")).unwrap_err().to_string();
+        assert!(prefix.contains(r#"tcp://h:5560, topics "kv" and "kv@b""#), "{prefix}");
         replicas.insert(on("c", "tcp://h:5560", 1, "kv@c")).unwrap();
         replicas.insert(on("g", "tcp://h:5559", 1, "")).unwrap();
         // Port 0 is never connected to, so it is no one's stream.
