@@ -12,8 +12,15 @@ use tokio_util::sync::CancellationToken;
 async fn a_start_that_fails_stops_what_it_started() {
     let runtime = tokio::runtime::Handle::current().metrics();
     let before = runtime.num_alive_tasks();
-    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let rank_0 = taken.local_addr().unwrap().port() - 1;
+    // A free port whose next one is taken here: rank 0 binds, rank 1 cannot.
+    let (rank_0, _taken) = (0..100)
+        .find_map(|_| {
+            let free = std::net::TcpListener::bind("127.0.0.1:0").ok()?;
+            let port = free.local_addr().ok()?.port();
+            let next = std::net::TcpListener::bind(("127.0.0.1", port.checked_add(1)?)).ok()?;
+            Some((port, next))
+        })
+        .expect("a free port with a free port after it");
     let config = Config {
         data_parallel_size: 2,
         events_endpoint: format!("tcp://127.0.0.1:{rank_0}"),
@@ -24,7 +31,9 @@ async fn a_start_that_fails_stops_what_it_started() {
         .await
         .map(drop)
         .expect_err("the port is taken");
-    assert!(format!("{failed:#}").contains("binding the event sockets"), "{failed:#}");
+    let failed = format!("{failed:#}");
+    assert!(failed.contains("binding the event sockets"), "{failed}");
+    assert!(failed.contains(&format!("127.0.0.1:{}", rank_0 + 1)), "rank 1's port: {failed}");
     assert!(!shutdown.is_cancelled(), "the caller's token is the caller's");
     let ended = async {
         while runtime.num_alive_tasks() > before {
