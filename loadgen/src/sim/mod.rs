@@ -143,6 +143,9 @@ pub enum SimError {
     PooledCapacity { replicas: usize, capacity: usize },
     #[error("invalid cache configuration")]
     Cache(#[from] ConfigError),
+    /// More than one of the above, each found by [`check`].
+    #[error("{} problems:\n  - {}", .0.len(), several(.0))]
+    Several(Vec<SimError>),
     #[error("the {policy} policy chose no replica for request {request} though all were eligible")]
     NoChoice { policy: &'static str, request: usize },
     #[error("the {policy} policy chose replica index {chosen} of {replicas}")]
@@ -154,6 +157,20 @@ pub enum SimError {
         #[source]
         source: AdmitError,
     },
+}
+
+/// Each of `errors` on its line, with its causes (a cache error's reason is its source).
+fn several(errors: &[SimError]) -> String {
+    let line = |e: &SimError| {
+        let mut line = e.to_string();
+        let mut source = std::error::Error::source(e);
+        while let Some(cause) = source {
+            line.push_str(&format!(": {cause}"));
+            source = cause.source();
+        }
+        line
+    };
+    errors.iter().map(line).collect::<Vec<_>>().join("\n  - ")
 }
 
 /// The latest arrival a simulation takes (about 100 years): its clock must run on past it.
@@ -174,64 +191,89 @@ pub fn simulate(trace: &Trace, config: &SimConfig) -> Result<SimReport, SimError
 /// policy's own misbehaviour, found without replaying anything (so a caller can check
 /// before work it would otherwise lose, as `compare` does before its live runs).
 pub fn check(trace: &Trace, config: &SimConfig) -> Result<(), SimError> {
+    let mut problems = problems(trace, config);
+    match problems.len() {
+        0 => Ok(()),
+        1 => Err(problems.remove(0)),
+        _ => Err(SimError::Several(problems)),
+    }
+}
+
+/// Every reason [`check`] finds not to run, so that one attempt shows them all.
+fn problems(trace: &Trace, config: &SimConfig) -> Vec<SimError> {
+    let mut problems = Vec::new();
     let n = config.replicas;
     if n == 0 {
-        return Err(SimError::NoReplicas);
+        problems.push(SimError::NoReplicas);
     }
-    if !(config.speedup.is_finite() && config.speedup > 0.0) {
-        return Err(SimError::Speedup(config.speedup));
-    }
-    let arrivals = trace.arrivals_at(config.speedup).ok_or(SimError::Speedup(config.speedup))?;
-    // The engine model's clock runs on from the last arrival, a step per output token.
-    if arrivals.last().is_some_and(|last| *last > MAX_ARRIVAL) {
-        return Err(SimError::TooLate(MAX_ARRIVAL.as_secs()));
-    }
-    if config.engine.is_some()
-        && let Some((request, r)) =
-            trace.requests.iter().enumerate().find(|(_, r)| r.output_len > MAX_OUTPUT_TOKENS)
-    {
-        return Err(SimError::Engine(format!(
-            "request {request} asks for {} output tokens, more than the engine model runs ({MAX_OUTPUT_TOKENS}) \
-             (--no-engine replays the caches alone)",
-            r.output_len
-        )));
+    let speedup = config.speedup;
+    let arrivals = (speedup.is_finite() && speedup > 0.0).then(|| trace.arrivals_at(speedup)).flatten();
+    match arrivals {
+        None => problems.push(SimError::Speedup(speedup)),
+        // The engine model's clock runs on from the last arrival, a step per output token.
+        Some(arrivals) if arrivals.last().is_some_and(|last| *last > MAX_ARRIVAL) => {
+            problems.push(SimError::TooLate(MAX_ARRIVAL.as_secs()));
+        }
+        Some(_) => {}
     }
     // A hash id stands for 512 tokens; at another block size each would count as one block
     // of that size, in the cache's capacity and in every hit.
     if config.blocks.resolve(config.block_size) == BlockIdentity::HashIds
         && config.block_size != TRACE_BLOCK_SIZE
     {
-        return Err(SimError::HashIdsBlockSize(config.block_size));
+        problems.push(SimError::HashIdsBlockSize(config.block_size));
     }
-    // As the agent and the router refuse them: an engine that admits nothing, or whose steps
-    // prefill nothing, would never finish.
     if let Some(engine) = &config.engine {
-        if engine.max_num_seqs == 0 {
-            return Err(SimError::Engine("--max-num-seqs must be at least 1".into()));
-        }
-        if engine.max_num_batched_tokens < engine.max_num_seqs {
-            return Err(SimError::Engine(format!(
-                "--max-num-batched-tokens ({}) must be at least --max-num-seqs ({})",
-                engine.max_num_batched_tokens, engine.max_num_seqs
-            )));
-        }
-        if engine.max_num_batched_tokens < config.block_size.max(1) {
-            return Err(SimError::Engine(format!(
-                "--max-num-batched-tokens ({}) must be at least the block size ({})",
-                engine.max_num_batched_tokens, config.block_size
-            )));
-        }
+        problems.extend(engine_problems(trace, engine, config.block_size).into_iter().map(SimError::Engine));
     }
     let p = config.cache_aware;
     if ![p.in_flight_tokens, p.miss_weight, p.balance_weight].iter().all(|w| w.is_finite() && *w >= 0.0) {
-        return Err(SimError::Weights(p));
+        problems.push(SimError::Weights(p));
     }
-    let pooled = n
-        .checked_mul(config.capacity_blocks)
-        .ok_or(SimError::PooledCapacity { replicas: n, capacity: config.capacity_blocks })?;
-    BlockCache::new(&cache_config(config, config.capacity_blocks))?;
-    BlockCache::new(&cache_config(config, pooled))?;
-    Ok(())
+    match BlockCache::new(&cache_config(config, config.capacity_blocks)) {
+        Err(e) => problems.push(e.into()),
+        // The pooled cache's only other problem is its size (with no replica, none is made).
+        Ok(_) if n > 0 => match n.checked_mul(config.capacity_blocks) {
+            None => problems.push(SimError::PooledCapacity { replicas: n, capacity: config.capacity_blocks }),
+            Some(pooled) => {
+                problems.extend(BlockCache::new(&cache_config(config, pooled)).err().map(SimError::from))
+            }
+        },
+        Ok(_) => {}
+    }
+    problems
+}
+
+/// Why the engine model cannot run `trace` with these settings.
+fn engine_problems(trace: &Trace, engine: &EngineModel, block_size: usize) -> Vec<String> {
+    let mut problems = Vec::new();
+    if let Some((request, r)) =
+        trace.requests.iter().enumerate().find(|(_, r)| r.output_len > MAX_OUTPUT_TOKENS)
+    {
+        problems.push(format!(
+            "request {request} asks for {} output tokens, more than the engine model runs ({MAX_OUTPUT_TOKENS}) \
+             (--no-engine replays the caches alone)",
+            r.output_len
+        ));
+    }
+    // As the agent and the router refuse them: an engine that admits nothing, or whose steps
+    // prefill nothing, would never finish.
+    if engine.max_num_seqs == 0 {
+        problems.push("--max-num-seqs must be at least 1".into());
+    }
+    if engine.max_num_batched_tokens < engine.max_num_seqs {
+        problems.push(format!(
+            "--max-num-batched-tokens ({}) must be at least --max-num-seqs ({})",
+            engine.max_num_batched_tokens, engine.max_num_seqs
+        ));
+    }
+    if engine.max_num_batched_tokens < block_size.max(1) {
+        problems.push(format!(
+            "--max-num-batched-tokens ({}) must be at least the block size ({block_size})",
+            engine.max_num_batched_tokens
+        ));
+    }
+    problems
 }
 
 /// A cache of `capacity_blocks` as `config` describes every cache.

@@ -290,6 +290,36 @@ fn bad_configurations_are_errors() {
 }
 
 #[test]
+fn every_problem_is_reported_at_once() {
+    let trace = Trace::new(vec![Request { output_len: u32::MAX, ..req(0, 10, vec![1]) }]);
+    let engine = EngineModel { max_num_seqs: 0, max_num_batched_tokens: 8, ..EngineModel::default() };
+    let bad = SimConfig {
+        speedup: f64::NAN,
+        block_size: 16,
+        blocks: BlockIdentity::HashIds,
+        engine: Some(engine),
+        ..config(0, 0, cache::PolicyKind::Lru)
+    };
+    let Err(SimError::Several(problems)) = check(&trace, &bad) else { panic!("several problems expected") };
+    let shown = SimError::Several(problems).to_string();
+    for expected in [
+        "7 problems",
+        "at least one replica",
+        "speed-up NaN",
+        "block size 16",
+        "4294967295 output tokens",
+        "--max-num-seqs must be at least 1",
+        "--max-num-batched-tokens (8) must be at least the block size (16)",
+        "invalid cache configuration: ",
+    ] {
+        assert!(shown.contains(expected), "{expected:?} missing from {shown}");
+    }
+    // One problem alone is itself, as before.
+    let plain = Trace::new(vec![req(0, 10, vec![1])]);
+    assert!(matches!(check(&plain, &config(0, 8, cache::PolicyKind::Lru)), Err(SimError::NoReplicas)));
+}
+
+#[test]
 fn empty_trace_reports_zeros() {
     let report =
         simulate_with(&Trace::default(), &config(2, 8, cache::PolicyKind::Lru), &RoundRobin::default())
