@@ -247,6 +247,7 @@ impl EngineMap {
     }
 
     /// Engine blocks held.
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.map.len()
     }

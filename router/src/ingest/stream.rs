@@ -725,7 +725,9 @@ impl RankStream {
             self.ctx.metrics.skipped(SkipReason::BlockSize).inc();
             return;
         }
-        if self.blocks.len().saturating_add(stored.engine.len()) > self.ctx.config.snapshot_max_blocks {
+        // Copies count: each is a reference here and in the index, and a clear lists them all.
+        if self.blocks.references().saturating_add(stored.engine.len()) > self.ctx.config.snapshot_max_blocks
+        {
             self.ctx.metrics.skipped(SkipReason::OverCapacity).inc();
             return;
         }
@@ -862,12 +864,29 @@ mod tests {
         assert_eq!(rank.ctx.metrics.skipped(SkipReason::OverCapacity).get(), 2);
     }
 
+    /// Copies of a block count toward the cap: a publisher storing one block again and
+    /// again (each store of a known parent's child is a copy) held a reference for each,
+    /// without end, and a data-parallel rank's clear listed every one of them.
+    #[tokio::test]
+    async fn copies_of_a_block_count_toward_the_cap() {
+        let mut rank = rank_with(IngestConfig { snapshot_max_blocks: 3, ..IngestConfig::default() });
+        let copy = |seq: u64| stored_batch(seq, BlockHash(101), Some(BlockHash(100)), 1);
+        rank.apply_replayed(&[batch(0), copy(1), copy(2), copy(3), copy(4)]).await;
+        assert_eq!((rank.blocks.len(), rank.blocks.references()), (2, 3));
+        assert_eq!(rank.ctx.metrics.skipped(SkipReason::OverCapacity).get(), 2);
+    }
+
     /// Batch `seq`: one stored block of two tokens, parent `seq - 1`.
     fn batch(seq: u64) -> LiveMessage {
+        stored_batch(seq, BlockHash(100 + seq), seq.checked_sub(1).map(|p| BlockHash(100 + p)), seq as u32)
+    }
+
+    /// Batch `seq`: the block `hash` of two tokens `token`, after `parent`.
+    fn stored_batch(seq: u64, hash: BlockHash, parent: Option<BlockHash>, token: u32) -> LiveMessage {
         let stored = vllm::BlockStored {
-            block_hashes: vec![BlockHash(100 + seq)],
-            parent_block_hash: seq.checked_sub(1).map(|p| BlockHash(100 + p)),
-            token_ids: vec![seq as u32, seq as u32],
+            block_hashes: vec![hash],
+            parent_block_hash: parent,
+            token_ids: vec![token, token],
             block_size: 2,
             ..Default::default()
         };
