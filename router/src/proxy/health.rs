@@ -201,20 +201,18 @@ async fn check(
     if !healthy {
         return None;
     }
-    let cards = match member.replica.spec.engine {
+    let listing = match member.replica.spec.engine {
         EngineKind::Sglang => None,
         EngineKind::Vllm | EngineKind::Kvroute => {
-            match get(client, &format!("{base}/v1/models"), timeout).await {
-                Some((status, body)) if status.is_success() => catch_up::model_cards(&body),
-                _ => None,
-            }
+            get(client, &format!("{base}/v1/models"), timeout).await.filter(|(status, _)| status.is_success())
         }
     };
+    let cards = listing.as_ref().and_then(|(_, body)| catch_up::model_cards(body));
     // The served model's card, for the fleet's `/v1/models` (its context length, say).
     if let Some(card) = cards.as_ref().and_then(|cards| {
         cards.iter().find(|card| card.parent.is_none() && card.id == member.replica.spec.model)
     }) {
-        member.upstream.set_card(card.rest.clone());
+        member.upstream.set_card(card.fields());
     }
     // The adapters: the cards with a parent model.
     let adapters = cards

@@ -19,7 +19,7 @@
 //! What is kept of the load request: its body, and of its headers only `Authorization`
 //! (replicas started with `--api-key`; marked sensitive, never printed) and `Content-Type`.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError, RwLock};
@@ -29,6 +29,7 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap};
 use http::{Method, StatusCode};
 use kvroute_proto::ReplicaId;
+use serde_json::value::RawValue;
 
 use super::Change;
 use crate::fleet::{Fleet, Member};
@@ -242,23 +243,64 @@ async fn listed_models(client: &Client, base: &str, credentials: &HeaderMap, tim
 }
 
 /// One model of a `GET /v1/models` answer; an adapter has the model it adapts as `parent`.
-#[derive(serde::Deserialize)]
-pub struct ModelCard {
+pub struct ModelCard<'a> {
     pub id: String,
-    #[serde(default)]
     pub parent: Option<String>,
-    /// Its other fields (vLLM's `root`, `owned_by`, `max_model_len`, ...).
-    #[serde(flatten)]
-    pub rest: serde_json::Map<String, serde_json::Value>,
+    /// The card as listed, read further only for the fields the router keeps ([`Self::fields`]).
+    raw: &'a RawValue,
 }
 
-/// The models of a `GET /v1/models` answer (OpenAI's `{"data": [...]}`).
-pub fn model_cards(body: &[u8]) -> Option<Vec<ModelCard>> {
-    #[derive(serde::Deserialize)]
-    struct Models {
-        data: Vec<ModelCard>,
+/// The most of a card's other fields the router keeps, in bytes as listed: a replica's card is
+/// copied into every answer to `GET /v1/models`, and the listing may be up to
+/// [`REPLICA_ANSWER_BYTES`](super::super::body::REPLICA_ANSWER_BYTES) long.
+pub const CARD_BYTES: usize = 16 << 10;
+
+impl ModelCard<'_> {
+    /// Its other fields (vLLM's `root`, `owned_by`, `max_model_len`, `permission`, ...), by
+    /// name, as many as fit in [`CARD_BYTES`]; a longer one is left out, and the rest kept.
+    pub fn fields(&self) -> serde_json::Map<String, serde_json::Value> {
+        let mut kept = serde_json::Map::new();
+        let Ok(fields) = serde_json::from_str::<BTreeMap<String, &RawValue>>(self.raw.get()) else {
+            return kept;
+        };
+        let mut left = CARD_BYTES;
+        for (name, value) in fields {
+            let size = name.len() + value.get().len();
+            if name == "id" || name == "parent" || size > left {
+                continue;
+            }
+            if let Ok(value) = serde_json::from_str(value.get()) {
+                left -= size;
+                kept.insert(name, value);
+            }
+        }
+        kept
     }
-    serde_json::from_slice::<Models>(body).ok().map(|models| models.data)
+}
+
+/// The models of a `GET /v1/models` answer (OpenAI's `{"data": [...]}`), each read no further
+/// than its id and parent.
+pub fn model_cards(body: &[u8]) -> Option<Vec<ModelCard<'_>>> {
+    #[derive(serde::Deserialize)]
+    struct Models<'a> {
+        #[serde(borrow)]
+        data: Vec<&'a RawValue>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Names {
+        id: String,
+        #[serde(default)]
+        parent: Option<String>,
+    }
+    let models: Models = serde_json::from_slice(body).ok()?;
+    models
+        .data
+        .into_iter()
+        .map(|raw| {
+            let Names { id, parent } = serde_json::from_str(raw.get()).ok()?;
+            Some(ModelCard { id, parent, raw })
+        })
+        .collect()
 }
 
 /// Sends a request and reads its whole answer within `timeout`.
@@ -280,4 +322,34 @@ async fn send(
         Some((status, body.await.ok()?))
     };
     tokio::time::timeout(timeout, exchange).await.ok()?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A card's fields are kept up to [`CARD_BYTES`]: a replica listing a huge field had it
+    /// kept, and copied into every answer to the fleet's `GET /v1/models`.
+    #[test]
+    fn a_card_keeps_its_fields_up_to_a_bound() {
+        let junk = "x".repeat(1 << 20);
+        let body = serde_json::json!({"object": "list", "data": [
+            {"id": "m", "object": "model", "owned_by": "vllm", "max_model_len": 4096, "junk": junk,
+             "permission": [{"id": "modelperm-1", "allow_sampling": true}]},
+            {"id": "a", "parent": "m", "root": "/adapters/a"},
+        ]})
+        .to_string();
+        let cards = model_cards(body.as_bytes()).unwrap();
+        let names: Vec<_> = cards.iter().map(|c| (c.id.as_str(), c.parent.as_deref())).collect();
+        assert_eq!(names, [("m", None), ("a", Some("m"))]);
+        let fields = cards[0].fields();
+        let kept: Vec<_> = fields.keys().map(String::as_str).collect();
+        assert_eq!(kept, ["max_model_len", "object", "owned_by", "permission"]);
+        assert_eq!(fields["max_model_len"], 4096);
+        assert!(serde_json::to_string(&fields).unwrap().len() <= CARD_BYTES);
+        assert_eq!(cards[1].fields().keys().collect::<Vec<_>>(), ["root"]);
+        // Not a listing: no cards.
+        assert!(model_cards(br#"{"data": [{"id": 1}]}"#).is_none());
+        assert!(model_cards(br#"{"data": [7]}"#).is_none());
+    }
 }
