@@ -138,7 +138,8 @@ pub struct IngestConfig {
     pub replay_max_bytes: usize,
     /// Timeout of a whole snapshot.
     pub snapshot_timeout: Duration,
-    /// Largest snapshot accepted, in blocks (bounds memory; a larger one counts as failed),
+    /// Largest snapshot accepted, in blocks (bounds memory, with 256 bytes a block on average
+    /// for their tokens and names; a larger one counts as failed),
     /// and the most blocks one rank may hold, copies of a block counted: a store past it is
     /// skipped (`over_capacity`), so a publisher that never removes what it stores cannot
     /// grow the index without end.

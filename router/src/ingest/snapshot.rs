@@ -35,28 +35,54 @@ pub(crate) enum SnapshotError {
     Inconsistent,
     #[error("snapshot holds more than {limit} blocks")]
     TooLarge { limit: usize },
+    #[error("snapshot blocks take more than {limit} bytes (their tokens, adapter names and salts)")]
+    TooManyBytes { limit: usize },
+    #[error("snapshot of block size {got}, where the replica's is {want}")]
+    BlockSize { got: u32, want: u32 },
     #[error("a snapshot block has {tokens} tokens, not the block size of {block_size}")]
     BadBlock { tokens: usize, block_size: u32 },
 }
 
-/// Fetches a whole snapshot of at most `max_blocks` blocks; `include_tokens` when the router
-/// must hash blocks itself.
+/// What a snapshot may keep, a block on average: the block and 256 bytes of tokens, adapter
+/// name and salt (a 64-token block's tokens; a prompt's first block names its namespace).
+/// Without it, the count of blocks bounded nothing of a block's strings.
+const BYTES_A_BLOCK: usize = size_of::<SnapshotBlock>() + 256;
+
+/// What a snapshot may be: at most `max_blocks` blocks (and [`BYTES_A_BLOCK`] bytes a block
+/// in all), of the replica's block size when it is known.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    pub max_blocks: usize,
+    pub block_size: Option<u32>,
+}
+
+/// Fetches a whole snapshot within `limits`; `include_tokens` when the router must hash
+/// blocks itself.
 pub(crate) async fn fetch(
     endpoint: &str,
     include_tokens: bool,
     timeout: Duration,
-    max_blocks: usize,
+    limits: Limits,
 ) -> Result<Snapshot, SnapshotError> {
-    tokio::time::timeout(timeout, fetch_inner(endpoint, include_tokens, max_blocks))
+    tokio::time::timeout(timeout, fetch_inner(endpoint, include_tokens, limits))
         .await
         .map_err(|_| SnapshotError::Timeout)?
+}
+
+/// The bytes `block` keeps on the heap.
+fn held_bytes(block: &SnapshotBlock) -> usize {
+    let text = |s: &Option<String>| s.as_ref().map_or(0, String::len);
+    block.token_ids.len() * size_of::<u32>() + text(&block.lora_name) + text(&block.cache_salt)
 }
 
 async fn fetch_inner(
     endpoint: &str,
     include_tokens: bool,
-    max_blocks: usize,
+    limits: Limits,
 ) -> Result<Snapshot, SnapshotError> {
+    let Limits { max_blocks, block_size } = limits;
+    let max_bytes = max_blocks.saturating_mul(BYTES_A_BLOCK);
+    let mut bytes = 0usize;
     let mut client = ReplicaAgentClient::connect(endpoint.to_owned())
         .await
         .map_err(|source| SnapshotError::Connect { endpoint: endpoint.to_owned(), source })?;
@@ -78,6 +104,11 @@ async fn fetch_inner(
         if snap.epoch != Epoch(chunk.epoch) || snap.seq != seq || snap.block_size != chunk.block_size {
             return Err(SnapshotError::Inconsistent);
         }
+        // Blocks of another size would be skipped one by one when stored: refused whole, the
+        // rank rebuilds from its live stream instead.
+        if let Some(want) = block_size.filter(|want| *want != chunk.block_size) {
+            return Err(SnapshotError::BlockSize { got: chunk.block_size, want });
+        }
         // A block's tokens are kept only when asked for, and only a block's worth: the count
         // of blocks bounds what is kept only if each is a block.
         for block in &mut chunk.blocks {
@@ -94,6 +125,11 @@ async fn fetch_inner(
         // it takes.
         if snap.blocks.len().saturating_add(chunk.blocks.len()) > max_blocks {
             return Err(SnapshotError::TooLarge { limit: max_blocks });
+        }
+        let held = |sum: usize, block| sum.saturating_add(size_of::<SnapshotBlock>() + held_bytes(block));
+        bytes = chunk.blocks.iter().fold(bytes, held);
+        if bytes > max_bytes {
+            return Err(SnapshotError::TooManyBytes { limit: max_bytes });
         }
         snap.blocks.extend(chunk.blocks);
         if chunk.last {

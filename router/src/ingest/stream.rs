@@ -599,8 +599,11 @@ impl RankStream {
         }
         let native = self.ctx.replica.spec.engine.native_hashes();
         let config = &self.ctx.config;
-        let fetched =
-            snapshot::fetch(&endpoint, !native, config.snapshot_timeout, config.snapshot_max_blocks);
+        let limits = snapshot::Limits {
+            max_blocks: config.snapshot_max_blocks,
+            block_size: self.ctx.replica.spec.block_size,
+        };
+        let fetched = snapshot::fetch(&endpoint, !native, config.snapshot_timeout, limits);
         let snap = match fetched.await {
             Ok(snap) => snap,
             Err(e) => {

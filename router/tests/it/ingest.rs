@@ -1013,3 +1013,59 @@ async fn oversized_snapshot_is_refused() {
     assert_eq!(r.status.state(), StreamState::Exact, "rebuilt from the live stream instead");
     shutdown.cancel();
 }
+
+/// The count of blocks bounded nothing of a block's strings: an agent naming a long salt on
+/// every block grew the router's memory without limit while the count stayed under the cap.
+/// Their tokens and names may take 256 bytes a block on average.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_of_long_names_is_refused() {
+    let h = Harness::with_config(kvroute_router::ingest::IngestConfig {
+        snapshot_max_blocks: 8,
+        ..test_config()
+    });
+    let shutdown = CancellationToken::new();
+    let agent = FakeAgent::default();
+    let mut blocks = snapshot_blocks(&Rng::new(23).tokens(4));
+    for block in &mut blocks {
+        block.cache_salt = Some("s".repeat(4096));
+    }
+    *agent.state.lock().unwrap() = SnapshotState { epoch: 4, seq: Some(0), blocks };
+    let grpc = agent.serve(shutdown.clone()).await;
+    let fake = FakePublisher::start(None).await;
+    let spec =
+        ReplicaSpec { grpc_endpoint: Some(grpc), ..spec("salty", EngineKind::Kvroute, &fake.events, None) };
+    let (r, m) = h.add(spec);
+    h.synced(&r).await;
+    assert!(m.snapshots(Outcome::Failed).get() >= 1, "16 KiB of salts in 4 blocks, under a cap of 8 blocks");
+    assert_eq!(m.snapshots(Outcome::Ok).get(), 0);
+    assert_eq!(h.index.blocks(r.id), 0, "nothing of it was stored");
+    shutdown.cancel();
+}
+
+/// A snapshot of another block size than the replica's is refused whole, and the rank rebuilds
+/// from its live stream; it was taken, its blocks each skipped, and the rank counted in sync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_of_another_block_size_is_refused() {
+    let h = Harness::start();
+    let shutdown = CancellationToken::new();
+    let agent = FakeAgent::default();
+    *agent.state.lock().unwrap() =
+        SnapshotState { epoch: 4, seq: Some(0), blocks: snapshot_blocks(&Rng::new(24).tokens(2)) };
+    let grpc = agent.serve(shutdown.clone()).await;
+    let fake = FakePublisher::start(None).await;
+    let spec = ReplicaSpec {
+        grpc_endpoint: Some(grpc),
+        block_size: Some(BLOCK * 2),
+        ..spec("wide", EngineKind::Kvroute, &fake.events, None)
+    };
+    let (r, m) = h.add(spec);
+    h.synced(&r).await;
+    assert!(
+        m.snapshots(Outcome::Failed).get() >= 1,
+        "blocks of {BLOCK} tokens for a replica of {}",
+        BLOCK * 2
+    );
+    assert_eq!(m.snapshots(Outcome::Ok).get(), 0);
+    assert_eq!(h.index.blocks(r.id), 0);
+    shutdown.cancel();
+}
