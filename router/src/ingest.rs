@@ -120,7 +120,8 @@ use subscriber::SubscriberConfig;
 pub struct IngestConfig {
     /// Live messages buffered per rank between the socket and the stream task.
     pub channel_capacity: usize,
-    /// Frame bytes those messages may hold together, per rank.
+    /// Frame bytes those messages may hold together, per rank, 32 bytes a frame counted
+    /// besides its contents.
     pub channel_max_bytes: usize,
     /// A rank without a connection this long is FALLBACK (also the SUB connect timeout).
     pub fallback_after: Duration,

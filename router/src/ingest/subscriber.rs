@@ -15,8 +15,8 @@
 //! the cause.
 //!
 //! Live messages go through `try_send`: a full channel, or one holding `max_queued_bytes` of
-//! frames already (a message can be up to the ZMTP guard's 64 MiB, so a count alone bounds
-//! nothing), drops the message and counts it (`overflow`) instead of stalling the socket (the
+//! frames already, each frame's own cost counted (a message can be up to the ZMTP guard's
+//! 64 MiB and 1024 frames, so a count alone bounds nothing), drops the message and counts it (`overflow`) instead of stalling the socket (the
 //! publisher's queue is unbounded). As soon
 //! as the channel has room again, [`Input::Overflowed`] tells the stream to replay what it
 //! missed (even if no later message would reveal the gap). Control inputs use `send` (they
@@ -29,6 +29,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::StreamExt;
 use kvroute_proto::zmtp_guard::ZmtpGuard;
+use kvroute_proto::zmtp_guard::frames::FRAME_CHARGE;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use zeromq::prelude::*;
@@ -150,7 +151,9 @@ pub(crate) async fn run(
                         // read buffer (as large as the largest message lately), which a
                         // queued slice would hold whole, uncounted.
                         let frames = msg.into_vec();
-                        let bytes = frames.iter().map(Bytes::len).sum();
+                        // Each frame is a `Bytes` of its own besides its contents: a message of
+                        // a thousand empty frames is not nothing.
+                        let bytes = frames.iter().map(|f| f.len() + FRAME_CHARGE as usize).sum();
                         let dropped = match Queued::take(&queued, bytes, config.max_queued_bytes) {
                             Some(share) => match tx.try_send(Input::Frames(copied(&frames), share)) {
                                 Ok(()) => false,

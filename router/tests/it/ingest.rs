@@ -398,6 +398,33 @@ async fn a_queue_full_of_bytes_overflows_like_a_full_one() {
     .await;
 }
 
+/// A queue bounded by bytes counts each frame's own cost too: messages of a thousand empty
+/// frames each were counted as nothing, and queued without bound while the stream was busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_counts_the_frames_of_a_message() {
+    let h = Harness::with_config(kvroute_router::ingest::IngestConfig {
+        channel_capacity: 1024,
+        channel_max_bytes: 64 << 10,
+        ..test_config()
+    });
+    let mut fake = FakePublisher::start(Some(ReplayLayout::New)).await;
+    let (r, m) = h.add(spec("frames", EngineKind::Vllm, &fake.events, fake.replay.as_deref()));
+    h.synced(&r).await;
+    settled(&m).await;
+    let seq = warm_up(&mut fake, &r, 0, 0).await;
+    let gaps = m.gaps.get();
+    fake.pause_replay(true);
+    fake.keep(seq, vllm(batch(0, seq, vec![]))); // lost: the next batch's replay stalls the stream
+    fake.send(seq + 1, vllm(batch(0, seq + 1, vec![]))).await;
+    wait_until("replay requested", || m.gaps.get() == gaps + 1).await;
+    for _ in 0..100 {
+        fake.send_frames(vec![Bytes::new(); 1024]).await;
+    }
+    // 32 KiB of frames each: two fit in 64 KiB.
+    wait_until("queue overflowed", || m.overflow.get() >= 90).await;
+    fake.pause_replay(false);
+}
+
 async fn overflow_is_counted_and_repaired(config: kvroute_router::ingest::IngestConfig) {
     let h = Harness::with_config(config);
     let mut fake = FakePublisher::start(Some(ReplayLayout::New)).await;
