@@ -180,7 +180,8 @@ pub struct Config {
 
     /// Responses API ids whose replica the router remembers (about 100 bytes each): a later
     /// request about one (`previous_response_id`, `GET /v1/responses/{id}`) goes to the replica
-    /// that stored it. An id it has let go is asked of every replica again.
+    /// that stored it. An id it has let go, or one over 256 bytes (no engine makes those), is
+    /// asked of every replica again.
     #[arg(long, env = "KVROUTE_RESPONSE_OWNERS", default_value_t = 100_000)]
     pub response_owners: usize,
 

@@ -123,6 +123,11 @@ pub const MISSING_FOR: Duration = Duration::from_secs(2);
 /// Most ids remembered as missing.
 const MISSING_IDS: usize = 4096;
 
+/// The longest id remembered, owned or missing: one an engine could have made (vLLM's are
+/// `resp_` and 32 hex digits). A replica's answer may hold an id up to [`ID_WITHIN`] long,
+/// and `--response-owners` bounds the ids remembered, not their bytes.
+const MAX_ID_BYTES: usize = 256;
+
 /// Which replica made each response the router has seen (by replica name), bounded.
 #[derive(Debug)]
 pub struct Owners {
@@ -193,6 +198,9 @@ impl Owners {
     }
 
     pub fn learn(&self, id: &str, owner: &Owner) {
+        if id.len() > MAX_ID_BYTES {
+            return;
+        }
         self.map.insert(id.into(), owner.clone());
         if !self.missing.is_empty() {
             self.missing.remove(id);
@@ -319,7 +327,7 @@ impl Owners {
             None if !answers.is_empty() && answers.iter().all(|a| *a == Some(StatusCode::NOT_FOUND)) => {
                 count("missing");
                 // A client's id of any length would be kept: only one an engine could have made.
-                if id.len() <= 256 {
+                if id.len() <= MAX_ID_BYTES {
                     self.missing.insert(id.into(), Instant::now());
                 }
                 Err(not_found(id))
@@ -494,5 +502,9 @@ mod tests {
         }
         assert!((1..=4).contains(&owners.len()), "{} remembered", owners.len());
         assert_eq!(owners.owner("resp_99"), Some(Owner::new("replica-1", None)), "the newest is kept");
+        // Nor are ids no engine makes: each could be 4 KiB, and the bound is of ids.
+        let long = format!("resp_{}", "0".repeat(MAX_ID_BYTES));
+        owners.learn(&long, &Owner::new("replica-1", None));
+        assert_eq!(owners.owner(&long), None);
     }
 }
