@@ -90,6 +90,7 @@ pub struct ProxyMetrics {
     pub queue_outcomes: Family<OutcomeLabel, Counter>,
     pub decision_seconds: Histogram,
     pub upstream_ttfb_seconds: Histogram,
+    pub upstream_duration_seconds: Histogram,
     /// The usual labels' counters, kept at hand once first used ([`Self::count_decision`],
     /// [`Self::count_response`]): a family's lookup takes a lock and hashes the label, which
     /// showed in the proxy's profiles.
@@ -128,6 +129,8 @@ impl Default for ProxyMetrics {
             decision_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 25)),
             // 1 ms .. ~1049 s
             upstream_ttfb_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, TTFB_BUCKETS)),
+            // As long, and one more doubling: a stream goes on after its first byte.
+            upstream_duration_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, TTFB_BUCKETS + 1)),
             usual: Arc::default(),
         }
     }
@@ -222,6 +225,11 @@ impl ProxyMetrics {
             "upstream_ttfb_seconds",
             "Time from sending a request to a replica to the first data of its response, past a Responses stream's opening events (a streamed upload's time included)",
             m.upstream_ttfb_seconds.clone(),
+        );
+        r.register(
+            "upstream_duration_seconds",
+            "Time from sending a request to a replica to the end of its response, however it ended (whole, broken off, or the client gone): a request's latency in all, but for its decision and any wait for room",
+            m.upstream_duration_seconds.clone(),
         );
         m
     }

@@ -788,6 +788,7 @@ fn wrap(
         judge,
         reported: counted.map(|predicted| (predicted, metrics.reported.clone())),
         upstream_ttfb_seconds: metrics.upstream_ttfb_seconds.clone(),
+        upstream_duration_seconds: metrics.upstream_duration_seconds.clone(),
         sent,
         access,
         hold,
@@ -825,6 +826,7 @@ struct ResponseHooks {
     /// same request (not for a chat with media).
     reported: Option<(Predicted, Arc<crate::metrics::Reported>)>,
     upstream_ttfb_seconds: Histogram,
+    upstream_duration_seconds: Histogram,
     sent: Instant,
     /// The access log's line, when it is on.
     access: Option<Box<access::Line>>,
@@ -860,6 +862,7 @@ impl Hooks for ResponseHooks {
         // and not yet its cached tokens.
         let usage = Usage { counted: usage.counted && end == End::Complete, ..usage };
         let cached_tokens = self.guard.upstream().cached_tokens(usage);
+        self.upstream_duration_seconds.observe(self.sent.elapsed().as_secs_f64());
         if let Some(line) = self.access.take() {
             line.finish(end, cached_tokens);
         }

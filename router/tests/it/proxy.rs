@@ -514,6 +514,36 @@ async fn a_failed_decision_is_timed() {
     shutdown.cancel();
 }
 
+/// Every forwarded response's time to its end is counted, however it ended (here one answer
+/// and one error answer), beside its time to the first byte.
+#[tokio::test]
+async fn each_response_is_timed_to_its_end() {
+    let replica = hand_made_replica(|path, body| async move {
+        match (path == "/v1/completions", String::from_utf8_lossy(&body).contains("refused")) {
+            (false, _) => (200, ""),
+            (true, false) => (200, r#"{"choices":[{"text":"ok"}]}"#),
+            (true, true) => (400, r#"{"error":{"message":"no","type":"BadRequestError","code":400}}"#),
+        }
+    })
+    .await;
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let http = crate::fleet::Http::new();
+    let url = format!("{}/v1/completions", router.url());
+    assert_eq!(http.post(&url, &completion("fine", 1)).await.status, 200);
+    assert_eq!(http.post(&url, &completion("refused", 1)).await.status, 400);
+    let metrics = http.get(&format!("{}/metrics", router.url())).await;
+    let text = String::from_utf8_lossy(&metrics.body).into_owned();
+    assert_eq!(sample(&text, "kvroute_router_upstream_duration_seconds_count"), Some(2), "{text}");
+    let sum = |name: &str| -> f64 {
+        text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok()).unwrap()
+    };
+    assert!(
+        sum("kvroute_router_upstream_duration_seconds_sum")
+            >= sum("kvroute_router_upstream_ttfb_seconds_sum")
+    );
+    shutdown.cancel();
+}
+
 /// The realized hit rate's denominator counts only requests whose answer reported its cached
 /// tokens: an error answer, or a stream without `include_usage`, reports none, and counted
 /// there it made the realized rate look lower than the predicted one for the same hits.
