@@ -103,6 +103,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use kvroute_proto::ReplicaId;
+use kvroute_proto::zmtp_guard::frames::FRAME_CHARGE;
+use kvroute_proto::zmtp_guard::{MAX_MESSAGE_BYTES, MAX_MESSAGE_FRAMES};
 use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -155,7 +157,8 @@ impl Default for IngestConfig {
     fn default() -> Self {
         Self {
             channel_capacity: 4096,
-            channel_max_bytes: 64 << 20,
+            // The largest message the ZMTP guard lets through, its frames' cost counted.
+            channel_max_bytes: (MAX_MESSAGE_BYTES + u64::from(MAX_MESSAGE_FRAMES) * FRAME_CHARGE) as usize,
             fallback_after: Duration::from_secs(10),
             reconnect_backoff: Duration::from_secs(1),
             replay_timeout: Duration::from_secs(5),

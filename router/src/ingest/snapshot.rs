@@ -35,7 +35,7 @@ pub(crate) enum SnapshotError {
     Inconsistent,
     #[error("snapshot holds more than {limit} blocks")]
     TooLarge { limit: usize },
-    #[error("snapshot blocks take more than {limit} bytes (their tokens, adapter names and salts)")]
+    #[error("snapshot blocks take more than {limit} bytes (with their tokens, adapter names and salts)")]
     TooManyBytes { limit: usize },
     #[error("snapshot of block size {got}, where the replica's is {want}")]
     BlockSize { got: u32, want: u32 },

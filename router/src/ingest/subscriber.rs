@@ -16,8 +16,8 @@
 //!
 //! Live messages go through `try_send`: a full channel, or one holding `max_queued_bytes` of
 //! frames already, each frame's own cost counted (a message can be up to the ZMTP guard's
-//! 64 MiB and 1024 frames, so a count alone bounds nothing), drops the message and counts it (`overflow`) instead of stalling the socket (the
-//! publisher's queue is unbounded). As soon
+//! 64 MiB and 1024 frames, so a count alone bounds nothing), drops the message and counts it
+//! (`overflow`) instead of stalling the socket (the publisher's queue is unbounded). As soon
 //! as the channel has room again, [`Input::Overflowed`] tells the stream to replay what it
 //! missed (even if no later message would reveal the gap). Control inputs use `send` (they
 //! are rare and must not be lost).

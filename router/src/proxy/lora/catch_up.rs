@@ -256,18 +256,25 @@ pub struct ModelCard<'a> {
 pub const CARD_BYTES: usize = 16 << 10;
 
 impl ModelCard<'_> {
-    /// Its other fields (vLLM's `root`, `owned_by`, `max_model_len`, `permission`, ...), by
-    /// name, as many as fit in [`CARD_BYTES`]; a longer one is left out, and the rest kept.
+    /// Its other fields (vLLM's `root`, `owned_by`, `max_model_len`, `permission`, ...), the
+    /// shortest first, as many as fit in [`CARD_BYTES`] as listed: a long one is left out, not
+    /// the short ones clients read (`max_model_len`).
     pub fn fields(&self) -> serde_json::Map<String, serde_json::Value> {
         let mut kept = serde_json::Map::new();
         let Ok(fields) = serde_json::from_str::<BTreeMap<String, &RawValue>>(self.raw.get()) else {
             return kept;
         };
+        // `"name":value,`
+        let size = |(name, value): &(String, &RawValue)| name.len() + value.get().len() + 4;
+        let mut fields: Vec<_> =
+            fields.into_iter().filter(|(name, _)| name != "id" && name != "parent").collect();
+        fields.sort_by_key(size);
         let mut left = CARD_BYTES;
-        for (name, value) in fields {
-            let size = name.len() + value.get().len();
-            if name == "id" || name == "parent" || size > left {
-                continue;
+        for field in fields {
+            let size = size(&field);
+            let (name, value) = field;
+            if size > left {
+                break;
             }
             if let Ok(value) = serde_json::from_str(value.get()) {
                 left -= size;
@@ -333,8 +340,10 @@ mod tests {
     #[test]
     fn a_card_keeps_its_fields_up_to_a_bound() {
         let junk = "x".repeat(1 << 20);
+        // Not so long as to be left out alone, and listed (by name) before `max_model_len`.
+        let about = "y".repeat(CARD_BYTES - 20);
         let body = serde_json::json!({"object": "list", "data": [
-            {"id": "m", "object": "model", "owned_by": "vllm", "max_model_len": 4096, "junk": junk,
+            {"id": "m", "object": "model", "owned_by": "vllm", "max_model_len": 4096, "junk": junk, "about": about,
              "permission": [{"id": "modelperm-1", "allow_sampling": true}]},
             {"id": "a", "parent": "m", "root": "/adapters/a"},
         ]})
@@ -343,8 +352,9 @@ mod tests {
         let names: Vec<_> = cards.iter().map(|c| (c.id.as_str(), c.parent.as_deref())).collect();
         assert_eq!(names, [("m", None), ("a", Some("m"))]);
         let fields = cards[0].fields();
-        let kept: Vec<_> = fields.keys().map(String::as_str).collect();
-        assert_eq!(kept, ["max_model_len", "object", "owned_by", "permission"]);
+        let mut kept: Vec<_> = fields.keys().map(String::as_str).collect();
+        kept.sort_unstable();
+        assert_eq!(kept, ["max_model_len", "object", "owned_by", "permission"], "the long ones left out");
         assert_eq!(fields["max_model_len"], 4096);
         assert!(serde_json::to_string(&fields).unwrap().len() <= CARD_BYTES);
         assert_eq!(cards[1].fields().keys().collect::<Vec<_>>(), ["root"]);
