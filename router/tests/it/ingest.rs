@@ -997,21 +997,10 @@ async fn dp_ranks_are_followed_and_cleared_separately() {
 /// router keeps) fails the snapshot, and the rank rebuilds from the live stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_block_of_the_wrong_size_is_refused() {
-    let h = Harness::start();
-    let shutdown = CancellationToken::new();
-    let agent = FakeAgent::default();
     let mut blocks = snapshot_blocks(&Rng::new(22).tokens(2));
     blocks[1].token_ids = vec![7; 4096];
-    *agent.state.lock().unwrap() = SnapshotState { epoch: 4, seq: Some(0), blocks };
-    let grpc = agent.serve(shutdown.clone()).await;
-    let fake = FakePublisher::start(None).await;
-    let spec = ReplicaSpec { grpc_endpoint: Some(grpc), ..spec("odd", EngineKind::Vllm, &fake.events, None) };
-    let (r, m) = h.add(spec);
-    h.synced(&r).await;
-    assert!(m.snapshots(Outcome::Failed).get() >= 1, "a 4096-token block of a 4-token block size");
-    assert_eq!(m.snapshots(Outcome::Ok).get(), 0);
-    assert_eq!(h.index.blocks(r.id), 0, "nothing of it was stored");
-    shutdown.cancel();
+    let why = "a 4096-token block of a 4-token block size";
+    snapshot_is_refused(test_config(), EngineKind::Vllm, blocks, |spec| spec, why).await;
 }
 
 /// An agent's snapshot stream decides how many chunks it sends: without a cap on the blocks
@@ -1020,25 +1009,11 @@ async fn a_snapshot_block_of_the_wrong_size_is_refused() {
 /// back to clear-and-rebuild from the live stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_snapshot_is_refused() {
-    let h = Harness::with_config(kvroute_router::ingest::IngestConfig {
-        snapshot_max_blocks: 3,
-        ..test_config()
-    });
-    let shutdown = CancellationToken::new();
-    let agent = FakeAgent::default();
-    *agent.state.lock().unwrap() =
-        SnapshotState { epoch: 4, seq: Some(0), blocks: snapshot_blocks(&Rng::new(21).tokens(4)) };
-    let grpc = agent.serve(shutdown.clone()).await;
-    let fake = FakePublisher::start(None).await;
-    let spec =
-        ReplicaSpec { grpc_endpoint: Some(grpc), ..spec("huge", EngineKind::Kvroute, &fake.events, None) };
-    let (r, m) = h.add(spec);
-    h.synced(&r).await;
-    assert!(m.snapshots(Outcome::Failed).get() >= 1, "a 4-block snapshot is over the cap of 3");
-    assert_eq!(m.snapshots(Outcome::Ok).get(), 0);
-    assert_eq!(h.index.blocks(r.id), 0, "nothing of it was stored");
+    let config = kvroute_router::ingest::IngestConfig { snapshot_max_blocks: 3, ..test_config() };
+    let blocks = snapshot_blocks(&Rng::new(21).tokens(4));
+    let why = "a 4-block snapshot is over the cap of 3";
+    let (_h, r) = snapshot_is_refused(config, EngineKind::Kvroute, blocks, |spec| spec, why).await;
     assert_eq!(r.status.state(), StreamState::Exact, "rebuilt from the live stream instead");
-    shutdown.cancel();
 }
 
 /// The count of blocks bounded nothing of a block's strings: an agent naming a long salt on
@@ -1046,53 +1021,49 @@ async fn oversized_snapshot_is_refused() {
 /// Their tokens and names may take 256 bytes a block on average.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_of_long_names_is_refused() {
-    let h = Harness::with_config(kvroute_router::ingest::IngestConfig {
-        snapshot_max_blocks: 8,
-        ..test_config()
-    });
-    let shutdown = CancellationToken::new();
-    let agent = FakeAgent::default();
+    let config = kvroute_router::ingest::IngestConfig { snapshot_max_blocks: 8, ..test_config() };
     let mut blocks = snapshot_blocks(&Rng::new(23).tokens(4));
     for block in &mut blocks {
         block.cache_salt = Some("s".repeat(4096));
     }
-    *agent.state.lock().unwrap() = SnapshotState { epoch: 4, seq: Some(0), blocks };
-    let grpc = agent.serve(shutdown.clone()).await;
-    let fake = FakePublisher::start(None).await;
-    let spec =
-        ReplicaSpec { grpc_endpoint: Some(grpc), ..spec("salty", EngineKind::Kvroute, &fake.events, None) };
-    let (r, m) = h.add(spec);
-    h.synced(&r).await;
-    assert!(m.snapshots(Outcome::Failed).get() >= 1, "16 KiB of salts in 4 blocks, under a cap of 8 blocks");
-    assert_eq!(m.snapshots(Outcome::Ok).get(), 0);
-    assert_eq!(h.index.blocks(r.id), 0, "nothing of it was stored");
-    shutdown.cancel();
+    let why = "16 KiB of salts in 4 blocks, under a cap of 8 blocks";
+    snapshot_is_refused(config, EngineKind::Kvroute, blocks, |spec| spec, why).await;
 }
 
 /// A snapshot of another block size than the replica's is refused whole, and the rank rebuilds
 /// from its live stream; it was taken, its blocks each skipped, and the rank counted in sync.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_of_another_block_size_is_refused() {
-    let h = Harness::start();
+    let blocks = snapshot_blocks(&Rng::new(24).tokens(2));
+    let wide = |spec| ReplicaSpec { block_size: Some(BLOCK * 2), ..spec };
+    let why = format!("blocks of {BLOCK} tokens for a replica of {}", BLOCK * 2);
+    snapshot_is_refused(test_config(), EngineKind::Kvroute, blocks, wide, &why).await;
+}
+
+/// Adds an `engine` replica (its spec as `adjust` makes it) whose agent's snapshot is `blocks`,
+/// under `config`, and checks that the snapshot was refused (`why`) and nothing of it stored;
+/// the harness goes on, for further checks.
+async fn snapshot_is_refused(
+    config: kvroute_router::ingest::IngestConfig,
+    engine: EngineKind,
+    blocks: Vec<kvroute_proto::pb::SnapshotBlock>,
+    adjust: impl FnOnce(ReplicaSpec) -> ReplicaSpec,
+    why: &str,
+) -> (Harness, Arc<Replica>) {
+    let h = Harness::with_config(config);
     let shutdown = CancellationToken::new();
     let agent = FakeAgent::default();
-    *agent.state.lock().unwrap() =
-        SnapshotState { epoch: 4, seq: Some(0), blocks: snapshot_blocks(&Rng::new(24).tokens(2)) };
+    *agent.state.lock().unwrap() = SnapshotState { epoch: 4, seq: Some(0), blocks };
     let grpc = agent.serve(shutdown.clone()).await;
     let fake = FakePublisher::start(None).await;
-    let spec = ReplicaSpec {
+    let (r, m) = h.add(adjust(ReplicaSpec {
         grpc_endpoint: Some(grpc),
-        block_size: Some(BLOCK * 2),
-        ..spec("wide", EngineKind::Kvroute, &fake.events, None)
-    };
-    let (r, m) = h.add(spec);
+        ..spec("refused", engine, &fake.events, None)
+    }));
     h.synced(&r).await;
-    assert!(
-        m.snapshots(Outcome::Failed).get() >= 1,
-        "blocks of {BLOCK} tokens for a replica of {}",
-        BLOCK * 2
-    );
-    assert_eq!(m.snapshots(Outcome::Ok).get(), 0);
-    assert_eq!(h.index.blocks(r.id), 0);
+    assert!(m.snapshots(Outcome::Failed).get() >= 1, "{why}");
+    assert_eq!(m.snapshots(Outcome::Ok).get(), 0, "{why}");
+    assert_eq!(h.index.blocks(r.id), 0, "nothing of it was stored");
     shutdown.cancel();
+    (h, r)
 }
