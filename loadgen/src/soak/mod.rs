@@ -197,9 +197,11 @@ pub async fn run(
                     Err(e) => Some(format!("the load task failed: {e}")),
                 };
             }
-            // (At a Ctrl-C the churn ends first: the load's end says it was interrupted.)
-            ended = &mut churn, if !stop.is_cancelled() => {
+            ended = &mut churn => {
                 let why = match &ended {
+                    // At a Ctrl-C the churn ends at once, the load once its requests have:
+                    // this arm's guard, read as the select began, would not have known.
+                    Ok(_) if stop.is_cancelled() => "interrupted".to_owned(),
                     Ok(_) => "the churn task ended before the run".to_owned(),
                     Err(e) => format!("the churn task failed: {e}"),
                 };
