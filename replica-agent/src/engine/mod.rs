@@ -262,11 +262,23 @@ impl Engine {
         let slots = (config.max_waiting.max(1) + 1).min(tokio::sync::Semaphore::MAX_PERMITS);
         let (tx, rx) = mpsc::channel(slots);
         let accepting = shutdown.child_token();
-        let scheduler =
-            scheduler::Scheduler::new(config.clone(), state.clone(), metrics.clone(), publisher, rx)
-                .run(shutdown);
+        let scheduler = scheduler::Scheduler::new(
+            config.clone(),
+            state.clone(),
+            metrics.clone(),
+            publisher,
+            rx,
+            accepting.clone(),
+        )
+        .run(shutdown);
         let resetting = Arc::default();
         Ok((Engine { tx, state, metrics, config, accepting, resetting, max_prompt_tokens }, scheduler))
+    }
+
+    /// Whether it takes no more jobs: the agent is shutting down, or its scheduler stopped
+    /// (its event publisher was lost).
+    pub fn is_stopping(&self) -> bool {
+        self.accepting.is_cancelled()
     }
 
     /// Queues a job; its outputs arrive on the returned channel.

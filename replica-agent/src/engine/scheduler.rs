@@ -60,6 +60,9 @@ pub(super) struct Scheduler {
     /// The publisher stopped taking batches before the scheduler ended (its task failed):
     /// the scheduler stops too, since what it caches would reach no router.
     publisher_lost: bool,
+    /// The engine's admissions: ended when the publisher is lost, so that requests failed
+    /// then are answered 503 (retry elsewhere), as in a shutdown.
+    accepting: CancellationToken,
 }
 
 impl Scheduler {
@@ -69,6 +72,7 @@ impl Scheduler {
         metrics: Arc<EngineMetrics>,
         publisher: Publisher,
         rx: mpsc::Receiver<Control>,
+        accepting: CancellationToken,
     ) -> Self {
         Self {
             config,
@@ -81,6 +85,7 @@ impl Scheduler {
             scratch: Vec::new(),
             clock: Instant::now(),
             publisher_lost: false,
+            accepting,
         }
     }
 
@@ -90,6 +95,12 @@ impl Scheduler {
         let mut grace_deadline = None;
         loop {
             if self.publisher_lost {
+                // The engine stops: nothing more is taken, and what was sent is failed too.
+                self.accepting.cancel();
+                self.rx.close();
+                while let Ok(control) = self.rx.try_recv() {
+                    self.intake(control);
+                }
                 self.fail_waiting("the replica's event publisher stopped");
                 self.fail_running("the replica's event publisher stopped");
                 return Err("its event publisher stopped".into());

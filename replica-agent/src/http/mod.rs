@@ -126,7 +126,7 @@ impl AppState {
     }
 
     pub(crate) fn shutting_down(&self) -> bool {
-        self.inner.shutdown.is_cancelled()
+        self.inner.shutdown.is_cancelled() || self.ranks().all().iter().any(Engine::is_stopping)
     }
 
     /// Whether `model` is the base model (or none: `""`, as in vLLM) or one of its LoRA
