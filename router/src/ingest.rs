@@ -142,10 +142,9 @@ pub struct IngestConfig {
     /// Timeout of a whole snapshot.
     pub snapshot_timeout: Duration,
     /// Largest snapshot accepted, in blocks (bounds memory, with 256 bytes a block on average
-    /// for their tokens and names; a larger one counts as failed),
-    /// and the most blocks one rank may hold, copies of a block counted: a store past it is
-    /// skipped (`over_capacity`), so a publisher that never removes what it stores cannot
-    /// grow the index without end.
+    /// for their tokens and names; a larger one counts as failed), and the most blocks one
+    /// rank may hold, copies of a block counted: a store past it is skipped (`over_capacity`),
+    /// so a publisher that never removes what it stores cannot grow the index without end.
     pub snapshot_max_blocks: usize,
     /// Malformed messages in a row that make a rank FALLBACK.
     pub malformed_fallback: u32,

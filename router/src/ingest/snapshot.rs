@@ -69,10 +69,13 @@ pub(crate) async fn fetch(
         .map_err(|_| SnapshotError::Timeout)?
 }
 
-/// The bytes `block` keeps on the heap.
-fn held_bytes(block: &SnapshotBlock) -> usize {
+/// The bytes `block` keeps: itself, its tokens and its names.
+fn kept_bytes(block: &SnapshotBlock) -> usize {
     let text = |s: &Option<String>| s.as_ref().map_or(0, String::len);
-    block.token_ids.len() * size_of::<u32>() + text(&block.lora_name) + text(&block.cache_salt)
+    size_of::<SnapshotBlock>()
+        + block.token_ids.len() * size_of::<u32>()
+        + text(&block.lora_name)
+        + text(&block.cache_salt)
 }
 
 async fn fetch_inner(
@@ -126,8 +129,7 @@ async fn fetch_inner(
         if snap.blocks.len().saturating_add(chunk.blocks.len()) > max_blocks {
             return Err(SnapshotError::TooLarge { limit: max_blocks });
         }
-        let held = |sum: usize, block| sum.saturating_add(size_of::<SnapshotBlock>() + held_bytes(block));
-        bytes = chunk.blocks.iter().fold(bytes, held);
+        bytes = chunk.blocks.iter().map(kept_bytes).fold(bytes, usize::saturating_add);
         if bytes > max_bytes {
             return Err(SnapshotError::TooManyBytes { limit: max_bytes });
         }
