@@ -327,7 +327,16 @@ pub(crate) fn stream_named(endpoint: &str, (ours, theirs): &(String, String)) ->
 /// Whether two of [`event_streams`] overlap: one endpoint, and a topic that begins the other
 /// (a subscription takes every topic its own begins, the empty one all of them).
 pub(crate) fn one_stream((a, a_topic): &(String, &str), (b, b_topic): &(String, &str)) -> bool {
-    a == b && (a_topic.starts_with(b_topic) || b_topic.starts_with(a_topic))
+    one_endpoint(a, b) && (a_topic.starts_with(b_topic) || b_topic.starts_with(a_topic))
+}
+
+/// Whether two event endpoints name one socket: a TCP host is case-insensitive
+/// (`tcp://H:1` is `tcp://h:1`); an `ipc://` path is not.
+fn one_endpoint(a: &str, b: &str) -> bool {
+    match (a.strip_prefix("tcp://"), b.strip_prefix("tcp://")) {
+        (Some(a), Some(b)) => a.eq_ignore_ascii_case(b),
+        _ => a == b,
+    }
 }
 
 /// The server an HTTP address names, spelled one way: `http://H:80/` and `http://h` are one
@@ -734,6 +743,10 @@ mod tests {
         assert!(prefix.contains(r#"tcp://h:5560, topics "kv" and "kv@b""#), "{prefix}");
         replicas.insert(on("c", "tcp://h:5560", 1, "kv@c")).unwrap();
         replicas.insert(on("g", "tcp://h:5559", 1, "")).unwrap();
+        // A host is one whatever its case.
+        assert!(matches!(replicas.insert(on("j", "tcp://H:5559", 1, "")), Err(SpecError::SameStream { .. })));
+        replicas.insert(on("j", "ipc:///tmp/K", 1, "")).unwrap();
+        replicas.insert(on("k", "ipc:///tmp/k", 1, "")).unwrap();
         // Port 0 is never connected to, so it is no one's stream.
         replicas.insert(on("d", "tcp://h:0", 1, "")).unwrap();
         replicas.insert(on("e", "tcp://h:0", 1, "")).unwrap();
