@@ -140,6 +140,8 @@ pub async fn compare(
         }
         match run_policy(policy, config, &client, (caches, &pooled, &sent), &shutdown).await {
             Ok(run) => runs.push(run),
+            // Interrupted (a Ctrl-C) before its live run: the runs done are the comparison.
+            Err(_) if shutdown.is_cancelled() => break,
             Err(e) => {
                 failed = Some(e.context(format!("the {} run", policy.as_str())));
                 break;
@@ -160,16 +162,22 @@ pub async fn compare(
         pooled_hit_rate: pooled.overall_hit_rate,
         runs,
     };
+    // With no run done there is nothing to report: a report written earlier in the directory
+    // is left as it was.
+    if report.runs.is_empty() {
+        return Err(
+            failed.unwrap_or_else(|| anyhow::anyhow!("interrupted before any run: nothing to report"))
+        );
+    }
     if let Some(dir) = &config.out_dir {
         write(&report, dir)?;
     }
     match failed {
-        Some(e) if !report.runs.is_empty() => {
+        Some(e) => {
             let written = config.out_dir.as_ref().map(|dir| format!(", reported in {}", dir.display()));
             let ran = report.runs.len();
             Err(e.context(format!("compare stopped after {ran} runs{}", written.unwrap_or_default())))
         }
-        Some(e) => Err(e),
         None => Ok(report),
     }
 }
@@ -512,6 +520,11 @@ pub async fn start_router(
         if let Some(why) = router.failure().map(str::to_owned) {
             router.stop().await;
             anyhow::bail!("the {} router failed: {why}", policy.as_str());
+        }
+        // (A Ctrl-C stops the router: it would never sync.)
+        if router.parts.token().is_cancelled() {
+            router.stop().await;
+            anyhow::bail!("interrupted while the {} router synced", policy.as_str());
         }
         if Instant::now() >= deadline {
             router.stop().await;

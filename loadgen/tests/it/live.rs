@@ -158,7 +158,8 @@ async fn fleet_and_router(
 
 /// A run that fails before it starts (here its router's address is no HTTP URL) ends the
 /// comparison with its error, and the report written holds the runs done before it. (The
-/// error returned before the report was written, losing every run done.)
+/// error returned before the report was written, losing every run done.) When no run was
+/// done, no report is written (an empty one replaced the last good report in the directory).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_run_keeps_the_runs_before_it_in_the_report() {
     let shutdown = CancellationToken::new();
@@ -184,8 +185,45 @@ async fn a_failed_run_keeps_the_runs_before_it_in_the_report() {
         .expect("report.json parses");
     assert_eq!(json["runs"].as_array().map(Vec::len), Some(1), "{json}");
     assert_eq!(json["runs"][0]["policy"], "cache-aware");
+
+    // A comparison whose first run fails has nothing to report: the report there stays.
+    let written = std::fs::read(out.0.join("report.json")).unwrap();
+    let config = CompareConfig {
+        routers: Routers::External(vec![(PolicyKind::RoundRobin, "ftp://nowhere".into())]),
+        ..config
+    };
+    let run = tokio::time::timeout(LIMIT, compare::compare(&small_chat(), &config, shutdown.clone()))
+        .await
+        .expect("compare finishes");
+    let err = format!("{:#}", run.expect_err("the round-robin run cannot start"));
+    assert!(err.contains("the round-robin run") && !err.contains("reported in"), "{err}");
+    assert_eq!(std::fs::read(out.0.join("report.json")).unwrap(), written, "the last report is kept");
     router.stop().await;
     fleet.stop().await;
+}
+
+/// A Ctrl-C while a router syncs its replicas ends the wait for it at once, and says so. (It
+/// stopped the router, which then never synced: the wait ran out its 15 s and said the
+/// router did not sync.) The replica here publishes nothing, so the router is not ready
+/// for minutes.
+#[tokio::test]
+async fn an_interrupted_router_sync_says_so() {
+    let events = format!("tcp://127.0.0.1:{}", kvroute_proto::loopback_port::unused().unwrap());
+    let replica = format!("name=r0,http=http://127.0.0.1:9,events={events},engine=kvroute").parse().unwrap();
+    let config = kvroute_router::Config {
+        model: DEMO_MODEL.into(),
+        events_fallback_ms: 600_000,
+        ..kvroute_router::Config::loopback(vec![replica])
+    };
+    let shutdown = CancellationToken::new();
+    let interrupt = shutdown.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        interrupt.cancel();
+    });
+    let started = compare::start_router(&config, PolicyKind::CacheAware, shutdown).await;
+    let err = format!("{:#}", started.err().expect("interrupted"));
+    assert!(err.contains("interrupted while the cache-aware router synced"), "{err}");
 }
 
 /// A comparison told another eviction policy than the agents run is refused before any run:
