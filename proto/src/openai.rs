@@ -539,6 +539,11 @@ impl Tokenization {
         template.render(&request.messages, request.variables())
     }
 
+    /// The model every request's blocks are hashed under.
+    pub fn base_model(&self) -> &str {
+        &self.base_model
+    }
+
     /// Whether requests for `model` are for a LoRA adapter of the base model.
     pub fn is_lora_adapter(&self, model: &str) -> bool {
         self.adapters().contains(model)

@@ -76,6 +76,7 @@ impl AdminService {
             draining: m.upstream.is_draining(),
             not_serving: !m.upstream.is_serving(),
             lora_adapters: m.upstream.adapters(),
+            listed_adapters: m.upstream.listed_adapters(),
             epoch: s.epoch().0,
             last_seq: s.last_seq().map_or(0, |q| q.0),
             events_applied: s.events_applied(),

@@ -118,7 +118,9 @@ pub struct Config {
     /// Served model name: the cache namespace's model (must match the replicas').
     #[arg(long, env = "KVROUTE_MODEL", default_value = "kvroute-sim")]
     pub model: String,
-    /// LoRA adapter names the fleet serves (comma-separated).
+    /// LoRA adapter names the fleet serves (comma-separated). The router also learns those the
+    /// vLLM and kvroute replicas list, and sends an adapter's requests only to the replicas
+    /// whose list has it (a replica that lists nothing, SGLang's say, may be sent any).
     #[arg(long, env = "KVROUTE_LORA_ADAPTERS", value_delimiter = ',')]
     #[serde(default)]
     pub lora_adapters: Vec<String>,

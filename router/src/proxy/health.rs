@@ -14,13 +14,16 @@
 //! Adapters loaded by anyone else (another router in front of the same fleet, an operator
 //! on a replica itself) are learned from the replicas: each check also reads a healthy vLLM
 //! or kvroute replica's `GET /v1/models` (the cards with a `parent` are adapters). An
-//! adapter every replica that answered lists is hashed in its own namespace from then on,
-//! as the replicas hash it, and listed in the router's `/v1/models`; one that no replica
-//! lists any more is forgotten (unless this router's configuration or its own load named
-//! it). Without this, another router's adapter was hashed in the base model's namespace,
-//! where the base model's cached prefixes gave it predicted hits it never had. SGLang
-//! replicas, and replicas that refuse an unauthenticated list (vLLM's `--api-key`), tell
-//! nothing here.
+//! adapter any replica lists is hashed in its own namespace from then on, as the replicas
+//! hash it, and listed in the router's `/v1/models` (up to [`MAX_LEARNED_ADAPTERS`]); one
+//! that no replica lists any more is forgotten (unless this router's configuration or its
+//! own load named it). Without this, another router's adapter was hashed in the base model's
+//! namespace, where the base model's cached prefixes gave it predicted hits it never had.
+//! An adapter's requests go only to replicas whose last list has it
+//! ([`super::upstream::Adapter::Listed`]): a fleet may serve different adapters on different
+//! replicas, and a replica without one answers its requests 404. SGLang replicas, and
+//! replicas that refuse an unauthenticated list (vLLM's `--api-key`), tell nothing here, and
+//! may be sent any adapter's requests.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -28,6 +31,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
+use kvroute_proto::openai::Tokenization;
 use kvroute_proto::prometheus;
 use tokio_util::sync::CancellationToken;
 
@@ -58,7 +62,7 @@ pub struct Settings {
 /// listing once the checks begun at a tick are over, and at each tick.
 pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shutdown: CancellationToken) {
     let fleet = state.fleet();
-    let mut learned = HashSet::new();
+    let mut learned = Learned::default();
     let mut tick = tokio::time::interval(settings.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The checks under way, each with the replica it checks; every replica's last listing.
@@ -103,13 +107,26 @@ pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shu
     }
 }
 
-/// Takes the adapters that every replica in `listings` (each one's last) has, and forgets
+/// The most LoRA adapters learned from the replicas' lists: a replica could list any number
+/// (vLLM keeps `--max-cpu-loras` of them, its default `--max-loras`, 1), and each is a cache
+/// namespace and an entry in the router's `/v1/models`.
+const MAX_LEARNED_ADAPTERS: usize = 1024;
+
+/// The adapters learned from the replicas' lists.
+#[derive(Debug, Default)]
+struct Learned {
+    names: HashSet<String>,
+    /// That the lists name more than [`MAX_LEARNED_ADAPTERS`] has been said (once).
+    warned: bool,
+}
+
+/// Takes the adapters that any replica in `listings` (each one's last) has, and forgets
 /// those it `learned` that none has any more (see the module docs); takes an adapter loaded
 /// through the router that a replica has (its requests go only there).
 fn learn_adapters(
     state: &ProxyState,
     listings: &HashMap<usize, (Arc<Upstream>, HashSet<String>)>,
-    learned: &mut HashSet<String>,
+    learned: &mut Learned,
 ) {
     let listed: Vec<&HashSet<String>> = listings.values().map(|(_, listed)| listed).collect();
     let tokenization = state.decider.prompts.tokenization();
@@ -129,21 +146,52 @@ fn learn_adapters(
             }
         }
     }
-    let Some((first, others)) = listed.split_first() else { return };
-    for name in first.iter().filter(|name| others.iter().all(|l| l.contains(*name))) {
-        if tokenization.add_lora_adapter(name) {
-            tracing::info!(lora_name = name, "LoRA adapter every replica lists: hashed in its namespace");
-            learned.insert(name.clone());
+    learned.update(tokenization, &listed, |name| state.fleet().adapters().contains(name));
+}
+
+impl Learned {
+    /// Learns the adapters of `listed` (the replicas' last lists) that `tokenization` does not
+    /// know, up to [`MAX_LEARNED_ADAPTERS`]; forgets those learned that no list has any more
+    /// and `keep` does not keep (loaded through the router). Nothing when nothing is listed.
+    fn update(
+        &mut self,
+        tokenization: &Tokenization,
+        listed: &[&HashSet<String>],
+        keep: impl Fn(&str) -> bool,
+    ) {
+        if listed.is_empty() {
+            return;
         }
+        let mut capped = false;
+        for name in listed.iter().flat_map(|listed| listed.iter()) {
+            if tokenization.is_lora_adapter(name) {
+                continue;
+            }
+            if self.names.len() >= MAX_LEARNED_ADAPTERS {
+                capped = true;
+                continue;
+            }
+            tokenization.add_lora_adapter(name);
+            tracing::info!(lora_name = name, "LoRA adapter a replica lists: hashed in its namespace");
+            self.names.insert(name.clone());
+        }
+        if capped && !self.warned {
+            self.warned = true;
+            tracing::warn!(
+                max = MAX_LEARNED_ADAPTERS,
+                "the replicas list more LoRA adapters than the router learns: the others' requests \
+                 are hashed in the base model's namespace and sent to any replica"
+            );
+        }
+        self.names.retain(|name| {
+            let kept = listed.iter().any(|l| l.contains(name)) || keep(name);
+            if !kept {
+                tokenization.remove_lora_adapter(name);
+                tracing::info!(lora_name = name, "LoRA adapter no replica lists any more: forgotten");
+            }
+            kept
+        });
     }
-    learned.retain(|name| {
-        let kept = listed.iter().any(|l| l.contains(name)) || state.fleet().adapters().contains(name);
-        if !kept {
-            tokenization.remove_lora_adapter(name);
-            tracing::info!(lora_name = name, "LoRA adapter no replica lists any more: forgotten");
-        }
-        kept
-    });
 }
 
 /// Checks `member`; returns the adapters it lists, if it is healthy and said.
@@ -215,9 +263,12 @@ async fn check(
         member.upstream.set_card(card.fields());
     }
     // The adapters: the cards with a parent model.
-    let adapters = cards
+    let adapters: Option<HashSet<String>> = cards
         .as_ref()
         .map(|cards| cards.iter().filter(|card| card.parent.is_some()).map(|card| card.id.clone()).collect());
+    if let Some(adapters) = &adapters {
+        member.upstream.set_listed_adapters(adapters.clone());
+    }
     let timeouts = catch_up::Timeouts { list: timeout, load: load_timeout };
     let listed = cards.map(|cards| cards.into_iter().map(|card| card.id).collect());
     // Not for a replica replaced meanwhile under its name (its id): the new one's catch-up
@@ -281,6 +332,43 @@ fn gauge_sum_of(metrics: &[u8], gauges: &[&str], keep: impl Fn(&prometheus::Samp
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
+
+    use kvroute_proto::openai::{Tokenization, TokenizationConfig};
+
+    /// An adapter any replica lists is learned, up to the most the router learns; one no
+    /// list has any more is forgotten, unless kept; one the router knew already is not its
+    /// to forget.
+    #[test]
+    fn learns_what_any_replica_lists_up_to_a_bound() {
+        let config = TokenizationConfig {
+            base_model: "m".into(),
+            lora_adapters: vec!["configured".into()],
+            ..TokenizationConfig::default()
+        };
+        let tokenization = Tokenization::new(&config).unwrap();
+        let mut learned = super::Learned::default();
+        let names = |names: &[&str]| names.iter().map(|name| (*name).to_owned()).collect::<HashSet<_>>();
+        let (one, other) = (names(&["sql", "configured"]), names(&["chat"]));
+        learned.update(&tokenization, &[&one, &other], |_| false);
+        assert_eq!(tokenization.lora_adapters(), ["chat", "configured", "sql"]);
+        learned.update(&tokenization, &[], |_| false);
+        assert_eq!(tokenization.lora_adapters(), ["chat", "configured", "sql"], "no list: nothing forgotten");
+        learned.update(&tokenization, &[&other], |name| name == "sql");
+        assert_eq!(tokenization.lora_adapters(), ["chat", "configured", "sql"], "kept");
+        learned.update(&tokenization, &[&other], |_| false);
+        assert_eq!(tokenization.lora_adapters(), ["chat", "configured"]);
+
+        let many: HashSet<String> = (0..super::MAX_LEARNED_ADAPTERS + 10).map(|i| format!("a{i}")).collect();
+        learned.update(&tokenization, &[&many, &other], |_| false);
+        assert_eq!(learned.names.len(), super::MAX_LEARNED_ADAPTERS);
+        assert_eq!(
+            tokenization.lora_adapters().len(),
+            super::MAX_LEARNED_ADAPTERS + 1,
+            "and the configured one"
+        );
+    }
+
     #[test]
     fn reported_waiting_saturates() {
         let page =

@@ -397,7 +397,7 @@ async fn routed(
         Err(ProxyError::BadRequest(RequestError::PromptEmbeds(asked))) => {
             state.limits.check_completion(asked.max_tokens, endpoint)?;
             line.set_priority(asked.priority);
-            let adapter = Some(asked.model.as_str()).filter(|model| state.fleet().adapters().contains(model));
+            let adapter = state.decider.adapter(&asked.model);
             let members = with_room(state, &line, || by_load(state, admitted.request_id, adapter)).await?;
             let sending = Sending {
                 body: Outgoing::Full(body),
@@ -524,7 +524,11 @@ async fn passthrough(
 /// others'), ties spread by the request's id (the first of equals would send every lone
 /// request to the lowest id). None is a 503: [`ProxyError::Saturated`] if one of them could
 /// take the request once it has room.
-fn by_load(state: &ProxyState, request_id: &str, adapter: Option<&str>) -> Result<Vec<Member>, ProxyError> {
+fn by_load(
+    state: &ProxyState,
+    request_id: &str,
+    adapter: Option<upstream::Adapter<'_>>,
+) -> Result<Vec<Member>, ProxyError> {
     let members = state.fleet().members();
     let max = state.decider.max_in_flight_per_replica;
     let verdicts = upstream::verdicts_for(members.iter().map(|m| &*m.upstream), max, adapter);

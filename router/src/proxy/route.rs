@@ -20,7 +20,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::error::ProxyError;
 use super::prompts::{PromptError, Prompts};
-use super::upstream::{Ineligible, LoadGuard, verdicts_for};
+use super::upstream::{Adapter, Ineligible, LoadGuard, verdicts_for};
 use crate::fleet::{Fleet, Member};
 use crate::index::{CreditHold, SharedIndex};
 use crate::metrics::ProxyMetrics;
@@ -262,6 +262,17 @@ impl Plan {
 }
 
 impl Decider {
+    /// The LoRA adapter a request for `model` is for, if it names one: one loaded through the
+    /// router, else one the tokenization knows (configured or learned).
+    pub fn adapter<'m>(&self, model: &'m str) -> Option<Adapter<'m>> {
+        if self.fleet.adapters().contains(model) {
+            return Some(Adapter::Loaded(model));
+        }
+        let tokenization = self.prompts.tokenization();
+        (model != tokenization.base_model() && tokenization.is_lora_adapter(model))
+            .then_some(Adapter::Listed(model))
+    }
+
     /// Chooses a replica for a request; also credits the chosen one with its blocks.
     pub async fn decide(&self, endpoint: Endpoint, body: &[u8]) -> Result<Plan, ProxyError> {
         self.decide_within(endpoint, body, &RequestLimits::NONE).await
@@ -556,9 +567,8 @@ impl Decider {
             Some(members) if self.fleet.changes() == prepared.changes => members,
             _ => self.fleet.members(),
         };
-        // An adapter loaded through the router goes only where it is known to be.
-        let model = &*prepared.model;
-        let adapter = Some(model).filter(|model| self.fleet.adapters().contains(model));
+        // An adapter's request goes only where it may be.
+        let adapter = self.adapter(&prepared.model);
         let (blocks, all_blocks) = (Arc::clone(&prepared.blocks), Arc::clone(&prepared.all_blocks));
         let tokens = (prepared.first_prompt_tokens, adapter);
         let mut plan = self.score(members, blocks, all_blocks, &prepared.view, tokens, send);
@@ -608,7 +618,7 @@ impl Decider {
         blocks: Arc<[BlockHash]>,
         all_blocks: Arc<[BlockHash]>,
         request: &RequestView,
-        (first_prompt_tokens, adapter): (usize, Option<&str>),
+        (first_prompt_tokens, adapter): (usize, Option<Adapter<'_>>),
         send: bool,
     ) -> Plan {
         let states: Vec<StreamState> = members.iter().map(|m| m.replica.status.state()).collect();

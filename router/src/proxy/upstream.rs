@@ -52,9 +52,22 @@ pub enum Ineligible {
     /// Discovery says the replica is not serving (its endpoint is not Ready).
     NotServing,
     Saturated,
-    /// The request names a LoRA adapter loaded through the router that the replica is not
-    /// known to have ([`crate::proxy::lora::catch_up`]).
+    /// The request names a LoRA adapter the replica lacks: one loaded through the router
+    /// that it is not known to have ([`crate::proxy::lora::catch_up`]), or another that its
+    /// last list of models left out ([`Upstream::set_listed_adapters`]).
     NoAdapter,
+}
+
+/// The LoRA adapter a request is for, and how a replica is known to have it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Adapter<'a> {
+    /// Loaded through the router (`--lora-updates`): on the replicas it was given to or
+    /// that list it ([`Upstream::has_adapter`]).
+    Loaded(&'a str),
+    /// Any other (in `--lora-adapters`, or learned from the replicas' lists): on every
+    /// replica but those whose last list of models leaves it out. A replica that lists
+    /// nothing (SGLang's, one that wants an API key, one not yet checked) may have it.
+    Listed(&'a str),
 }
 
 impl Ineligible {
@@ -109,6 +122,9 @@ pub struct Upstream {
     reports_cached: AtomicBool,
     /// The LoRA adapters loaded through the router that the replica is known to have.
     adapters: Mutex<HashSet<String>>,
+    /// The LoRA adapters the replica listed in `/v1/models` at the last health check that
+    /// read its list; `None` until one did.
+    listed_adapters: Mutex<Option<HashSet<String>>>,
     /// The fields of the served model's card in the replica's `/v1/models` (besides its id
     /// and parent), as last listed.
     card: Mutex<Option<Arc<serde_json::Map<String, serde_json::Value>>>>,
@@ -141,6 +157,7 @@ impl Default for Upstream {
             begun: AtomicU64::new(0),
             adapters: Mutex::default(),
             card: Mutex::default(),
+            listed_adapters: Mutex::default(),
             waiters: Arc::default(),
             id: ReplicaId::default(),
         }
@@ -339,6 +356,37 @@ impl Upstream {
         self.adapters.lock().unwrap_or_else(PoisonError::into_inner).contains(adapter)
     }
 
+    /// Whether the replica is known to lack `adapter`.
+    pub fn lacks(&self, adapter: Adapter<'_>) -> bool {
+        match adapter {
+            Adapter::Loaded(name) => !self.has_adapter(name),
+            Adapter::Listed(name) => {
+                let listed = self.listed_adapters.lock().unwrap_or_else(PoisonError::into_inner);
+                listed.as_ref().is_some_and(|listed| !listed.contains(name))
+            }
+        }
+    }
+
+    /// The LoRA adapters the replica listed last, sorted (none until it listed any).
+    pub fn listed_adapters(&self) -> Vec<String> {
+        let listed = self.listed_adapters.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut listed: Vec<String> = listed.iter().flatten().cloned().collect();
+        listed.sort_unstable();
+        listed
+    }
+
+    /// The LoRA adapters the replica lists now (the cards of its `/v1/models` with a parent).
+    pub fn set_listed_adapters(&self, listed: HashSet<String>) {
+        let mut was = self.listed_adapters.lock().unwrap_or_else(PoisonError::into_inner);
+        let gained = was.as_ref().is_some_and(|was| listed.iter().any(|name| !was.contains(name)));
+        *was = Some(listed);
+        drop(was);
+        // Requests for an adapter it gained that waited for room elsewhere may go here now.
+        if gained {
+            self.waiters.wake_all();
+        }
+    }
+
     /// The adapters (loaded through the router) the replica is known to have, sorted.
     pub fn adapters(&self) -> Vec<String> {
         let mut adapters: Vec<String> =
@@ -478,14 +526,14 @@ pub fn verdicts<'a>(
     verdicts_for(upstreams, max_in_flight, None)
 }
 
-/// [`verdicts`] for a request to `adapter`, a LoRA adapter loaded through the router: a
-/// replica not known to have it is out, and counts as down when ejection is set aside.
+/// [`verdicts`] for a request to `adapter`, a LoRA adapter: a replica that lacks it is out
+/// ([`Upstream::lacks`]), and counts as down when ejection is set aside.
 pub fn verdicts_for<'a>(
     upstreams: impl ExactSizeIterator<Item = &'a Upstream> + Clone,
     max_in_flight: u32,
-    adapter: Option<&str>,
+    adapter: Option<Adapter<'_>>,
 ) -> Vec<Option<Ineligible>> {
-    let lacks = |u: &Upstream| adapter.is_some_and(|a| !u.has_adapter(a)).then_some(Ineligible::NoAdapter);
+    let lacks = |u: &Upstream| adapter.is_some_and(|a| u.lacks(a)).then_some(Ineligible::NoAdapter);
     // A replica without the adapter is out whatever its load: saturated means one that could
     // take the request once it has room ([`super::queue`]).
     let judge = |u: &Upstream, lenient: bool| match u.eligibility_with(max_in_flight, lenient) {
@@ -840,17 +888,55 @@ mod tests {
         with.mark_adapter("sql", true);
         let without = Arc::new(Upstream::default());
         let of = |us: &[&Arc<Upstream>], adapter| verdicts_for(us.iter().map(|u| &***u), 8, adapter);
-        assert_eq!(of(&[&with, &without], Some("sql")), [None, Some(Ineligible::NoAdapter)]);
+        assert_eq!(of(&[&with, &without], Some(Adapter::Loaded("sql"))), [None, Some(Ineligible::NoAdapter)]);
         assert_eq!(of(&[&with, &without], None), [None, None], "the base model: both");
         assert!(with.record_failure(1, Duration::from_secs(60)));
         assert_eq!(
-            of(&[&with, &without], Some("sql")),
+            of(&[&with, &without], Some(Adapter::Loaded("sql"))),
             [None, Some(Ineligible::NoAdapter)],
             "the only replica with the adapter is ejected: tried after all"
         );
         assert_eq!(of(&[&with, &without], None), [Some(Ineligible::Ejected), None]);
         with.mark_adapter("sql", false);
-        assert_eq!(of(&[&with], Some("sql")), [Some(Ineligible::NoAdapter)]);
+        assert_eq!(of(&[&with], Some(Adapter::Loaded("sql"))), [Some(Ineligible::NoAdapter)]);
+    }
+
+    /// For a request to any other adapter, a replica is out when its last list leaves it out,
+    /// and in until it has listed its adapters (it may have it).
+    #[test]
+    fn a_replica_whose_list_leaves_the_adapter_out_is_out() {
+        let (listing, other, unlisted) =
+            (Arc::new(Upstream::default()), Arc::new(Upstream::default()), Arc::new(Upstream::default()));
+        listing.set_listed_adapters(HashSet::from(["sql".to_owned()]));
+        other.set_listed_adapters(HashSet::from(["chat".to_owned()]));
+        let of = |adapter| verdicts_for([&*listing, &*other, &*unlisted].into_iter(), 8, adapter);
+        let lacks = Some(Ineligible::NoAdapter);
+        assert_eq!(of(Some(Adapter::Listed("sql"))), [None, lacks, None]);
+        assert_eq!(of(Some(Adapter::Listed("chat"))), [lacks, None, None]);
+        assert_eq!(of(None), [None, None, None], "the base model: all");
+        other.set_listed_adapters(HashSet::new());
+        assert_eq!(of(Some(Adapter::Listed("chat"))), [lacks, lacks, None], "unloaded");
+        assert_eq!(
+            of(Some(Adapter::Loaded("sql"))),
+            [lacks, lacks, lacks],
+            "one loaded through the router goes by what the router knows it was given"
+        );
+    }
+
+    /// A replica that lists an adapter it did not before wakes the requests waiting for room.
+    #[test]
+    fn a_replica_that_lists_a_new_adapter_wakes_the_waiting_requests() {
+        let waiters = Arc::new(Waiters::default());
+        let u = Upstream::waking(waiters.clone(), ReplicaId(1));
+        let listing = |names: &[&str]| {
+            let seen = waiters.frees();
+            u.set_listed_adapters(names.iter().map(|name| (*name).to_owned()).collect());
+            waiters.frees() != seen
+        };
+        assert!(!listing(&["sql"]), "a first list only narrows what the replica may have");
+        assert!(!listing(&["sql"]));
+        assert!(!listing(&[]));
+        assert!(listing(&["chat"]));
     }
 
     /// Saturated means a replica that could take the request once it has room: one without
@@ -862,7 +948,7 @@ mod tests {
         let _busy = [with.begin(1, 0, 0), without.begin(1, 0, 0)];
         let of = |adapter| verdicts_for([&*with, &*without].into_iter(), 1, adapter);
         let saturated = Some(Ineligible::Saturated);
-        assert_eq!(of(Some("sql")), [saturated, Some(Ineligible::NoAdapter)]);
+        assert_eq!(of(Some(Adapter::Loaded("sql"))), [saturated, Some(Ineligible::NoAdapter)]);
         assert_eq!(of(None), [saturated, saturated]);
     }
 

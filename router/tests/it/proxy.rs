@@ -1841,6 +1841,62 @@ async fn a_lora_adapter_loaded_elsewhere_is_learned_from_the_replicas() {
     wait_until("the router forgot the adapter", || !knows()).await;
 }
 
+/// A fleet may serve an adapter on some replicas only (loaded on them by hand, or with
+/// `--lora-modules` on some): the router learns it from the one that lists it and sends its
+/// requests only there (another answers them 404), hashed in the adapter's namespace; the
+/// base model's requests still go to every replica. Once that replica unloads it, it is
+/// forgotten.
+#[tokio::test]
+async fn a_lora_adapter_on_some_replicas_only_gets_requests_there_only() {
+    let fleet = Fleet::start(2).await;
+    let http = crate::fleet::Http::new();
+    let agent = fleet.agents[0].as_ref().unwrap();
+    let (name, url) = (agent.name.clone(), agent.http_url());
+    let state = fleet.router.state.clone();
+    let knows = move || state.decider.prompts.tokenization().lora_adapters().contains(&"sql".to_owned());
+    let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
+    assert_eq!(http.post(&format!("{url}/v1/load_lora_adapter"), &load).await.status, 200);
+    wait_until("the router learned the adapter", &knows).await;
+    let ask = |model: &str, i: usize| json!({"model": model, "prompt": text(&format!("somew{i}x"), 40), "max_tokens": 2});
+    // The admin service says which replica lists it.
+    let mut admin =
+        kvroute_proto::pb::router_admin_client::RouterAdminClient::connect(fleet.router.admin_url())
+            .await
+            .unwrap();
+    let list = admin.list_replicas(kvroute_proto::pb::ListReplicasRequest {}).await.unwrap().into_inner();
+    let listed: Vec<(String, Vec<String>)> =
+        list.replicas.into_iter().map(|r| (r.spec.unwrap().id, r.listed_adapters)).collect();
+    let other = fleet.agents[1].as_ref().unwrap().name.clone();
+    assert!(listed.contains(&(name.clone(), vec!["sql".to_owned()])), "{listed:?}");
+    assert!(listed.contains(&(other.clone(), Vec::new())), "{listed:?}");
+    for i in 0..8 {
+        let reply = http.post(&fleet.url("/v1/completions"), &ask("sql", i)).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        assert_eq!(reply.header("x-kvroute-replica"), Some(name.as_str()), "request {i}");
+    }
+    let again = http.post(&fleet.url("/v1/completions"), &ask("sql", 0)).await;
+    let predicted: u64 = again.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
+    assert!(predicted > 0);
+    assert_eq!(again.cached_tokens(), predicted, "its own prefix, predicted to the token");
+    // (The adapter's requests made the first replica the busier: the others go mostly to the
+    // second.)
+    let mut replicas = std::collections::HashSet::new();
+    for i in 0..4 {
+        let reply = http.post(&fleet.url("/v1/completions"), &ask(FLEET_MODEL, i)).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        replicas.insert(reply.header("x-kvroute-replica").unwrap().to_owned());
+    }
+    assert!(replicas.contains(&other), "the base model's requests go to the replica without it too");
+
+    let unload = json!({"lora_name": "sql"});
+    assert_eq!(http.post(&format!("{url}/v1/unload_lora_adapter"), &unload).await.status, 200);
+    let state = fleet.router.state.clone();
+    wait_until("the router forgot the adapter", || {
+        !state.decider.prompts.tokenization().lora_adapters().contains(&"sql".to_owned())
+    })
+    .await;
+}
+
 /// Replicas started with an API key (vLLM's `--api-key`): a LoRA load through the router
 /// carries the client's key to each of them. A replica that restarts without the adapter
 /// gets none of its requests until the router has given it the adapter again, with the key
