@@ -22,6 +22,7 @@ pub mod ingest;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;
+pub mod reload;
 pub mod replicas;
 pub mod server;
 

@@ -306,8 +306,18 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
 }
 
 /// Runs a router until `shutdown` fires, then waits for its tasks.
+/// The replica list is reloaded at each `SIGHUP` ([`crate::reload`]).
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let reloader = crate::reload::Reloader::new(&config);
     let router = start(config, shutdown.clone()).await?;
+    #[cfg(unix)]
+    router.parts.tracker.spawn(crate::reload::on_hangup(
+        router.fleet().clone(),
+        reloader,
+        router.parts.token().clone(),
+    ));
+    #[cfg(not(unix))]
+    drop(reloader);
     shutdown.cancelled().await;
     let parts = router.parts.clone();
     router.stop().await;

@@ -14,6 +14,7 @@ mod messages;
 mod proxy;
 mod queue;
 mod ranks;
+mod reload;
 mod responses;
 mod start;
 mod support;

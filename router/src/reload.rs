@@ -1,0 +1,177 @@
+//! Reloading the replica list without a restart: on `SIGHUP` the router reads its
+//! configuration again, as at its start (flags, environment, the `--config` file), and makes
+//! the fleet hold the replicas it lists now ([`Reloader::apply`]).
+//!
+//! - A replica the list no longer names is removed (for good: its drain is forgotten, as an
+//!   operator's `RemoveReplica` does); one it names anew is added; one whose entry changed is
+//!   replaced (at the same HTTP address its load, health and requests in flight go on; its
+//!   index starts again from its events). A replica whose entry is unchanged is left alone,
+//!   index and all.
+//! - Only the replicas the configuration listed are the reload's to change: those discovery
+//!   or the admin service added stay (a listed name they hold is taken over by the list).
+//! - A configuration that does not read or validate changes nothing; its errors are logged.
+//!   A replica the fleet refuses (another's HTTP address or event stream) is logged and left
+//!   out; it is tried once more after the others, as an address the list frees later may be
+//!   the one it wants.
+//! - Other settings take effect at the next start: a reload names those that changed. The
+//!   replicas keep the running router's model and block size.
+
+use std::collections::BTreeMap;
+
+use crate::config::Config;
+use crate::discovery::ReplicaSink;
+use crate::fleet::Fleet;
+use crate::replicas::ReplicaSpec;
+
+/// The configuration's replicas as last applied, and the settings the router runs with.
+#[derive(Debug)]
+pub struct Reloader {
+    applied: BTreeMap<String, ReplicaSpec>,
+    running: Config,
+}
+
+/// What a reload changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Reloaded {
+    pub added: Vec<String>,
+    pub replaced: Vec<String>,
+    pub removed: Vec<String>,
+    /// Replicas the fleet refused, each with why.
+    pub refused: Vec<(String, String)>,
+    /// Settings besides the replicas that differ from the running router's (not applied).
+    pub not_applied: Vec<String>,
+}
+
+impl Reloader {
+    /// For a router started with `config`, whose replicas the fleet holds.
+    pub fn new(config: &Config) -> Self {
+        let running = config.clone();
+        Self { applied: specs(&running, &running), running }
+    }
+
+    /// Makes `fleet` hold the replicas of `config` in place of those of the last one applied.
+    pub async fn apply(&mut self, fleet: &Fleet, config: &Config) -> Reloaded {
+        let mut reloaded =
+            Reloaded { not_applied: changed_settings(&self.running, config), ..Reloaded::default() };
+        let desired = specs(&self.running, config);
+        let gone: Vec<String> =
+            self.applied.keys().filter(|name| !desired.contains_key(*name)).cloned().collect();
+        for name in gone {
+            self.applied.remove(&name);
+            if fleet.remove_for_good(&name).await.is_some() {
+                reloaded.removed.push(name);
+            }
+        }
+        let mut refused = Vec::new();
+        for (name, spec) in desired {
+            if ReplicaSink::holds(fleet, &name, &spec) {
+                self.applied.insert(name, spec);
+                continue;
+            }
+            if self.upsert(fleet, spec.clone(), &mut reloaded).await.is_err() {
+                refused.push(spec);
+            }
+        }
+        for spec in refused {
+            let name = spec.name.clone();
+            if let Err(why) = self.upsert(fleet, spec, &mut reloaded).await {
+                tracing::warn!(replica = %name, error = %why, "reload: replica refused");
+                reloaded.refused.push((name, why));
+            }
+        }
+        reloaded
+    }
+
+    /// Adds or replaces `spec`, and records what it did.
+    async fn upsert(
+        &mut self,
+        fleet: &Fleet,
+        spec: ReplicaSpec,
+        reloaded: &mut Reloaded,
+    ) -> Result<(), String> {
+        let name = spec.name.clone();
+        let known = fleet.knows(&name);
+        match fleet.upsert(spec.clone()).await {
+            Ok(()) => {
+                match known {
+                    true => reloaded.replaced.push(name.clone()),
+                    false => reloaded.added.push(name.clone()),
+                }
+                self.applied.insert(name, spec);
+                Ok(())
+            }
+            Err(e) => {
+                // (A replaced replica whose new entry is refused is gone: no longer the list's.)
+                self.applied.remove(&name);
+                Err(e.to_string())
+            }
+        }
+    }
+}
+
+/// The replicas `config` lists, with the model and block size the router runs with.
+fn specs(running: &Config, config: &Config) -> BTreeMap<String, ReplicaSpec> {
+    (config.replicas.iter())
+        .map(|r| (r.name.clone(), r.to_spec(&running.model, running.block_size)))
+        .collect()
+}
+
+/// The settings of `new` besides the replicas that differ from `running`'s, by name.
+fn changed_settings(running: &Config, new: &Config) -> Vec<String> {
+    let settings = |config: &Config| match serde_json::to_value(config) {
+        Ok(serde_json::Value::Object(mut settings)) => {
+            settings.remove("replica");
+            settings
+        }
+        _ => serde_json::Map::new(),
+    };
+    let (running, new) = (settings(running), settings(new));
+    let mut changed: Vec<String> = (running.keys().chain(new.keys()))
+        .filter(|key| running.get(*key) != new.get(*key))
+        .cloned()
+        .collect();
+    changed.sort_unstable();
+    changed.dedup();
+    changed
+}
+
+/// Reloads the replica list at each `SIGHUP` until `shutdown` fires (see the module docs).
+#[cfg(unix)]
+pub async fn on_hangup(fleet: Fleet, mut reloader: Reloader, shutdown: tokio_util::sync::CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hangups = match signal(SignalKind::hangup()) {
+        Ok(hangups) => hangups,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot listen for SIGHUP: the replica list is not reloaded");
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            Some(()) = hangups.recv() => {}
+            () = shutdown.cancelled() => return,
+        }
+        let config = match kvroute_proto::cli::parse::<Config>() {
+            Ok(config) => config,
+            Err(refused) => {
+                tracing::error!(error = %refused.error, "reload: the configuration cannot be read; nothing changed");
+                continue;
+            }
+        };
+        if let Err(errors) = config.validate() {
+            tracing::error!(errors = %errors.join("; "), "reload: the configuration is invalid; nothing changed");
+            continue;
+        }
+        let reloaded = reloader.apply(&fleet, &config).await;
+        tracing::info!(
+            added = ?reloaded.added, replaced = ?reloaded.replaced, removed = ?reloaded.removed,
+            refused = reloaded.refused.len(), "reload: replica list applied"
+        );
+        if !reloaded.not_applied.is_empty() {
+            tracing::warn!(
+                settings = %reloaded.not_applied.join(", "),
+                "reload: settings other than the replicas take effect at the next start"
+            );
+        }
+    }
+}

@@ -1,0 +1,127 @@
+//! Reloading the replica list: a new list's replicas join, those it drops leave, those it
+//! keeps are left alone; a replica the fleet refuses is said; and the binary reloads at a
+//! `SIGHUP`.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use kvroute_router::config::Config as RouterConfig;
+use kvroute_router::reload::Reloader;
+use serde_json::json;
+use tokio::io::AsyncReadExt;
+
+use crate::fleet::{FLEET_MODEL, Fleet, replica_config, router_config};
+use crate::support::{wait_until, wait_until_async};
+
+fn names(router: &kvroute_router::RunningRouter) -> BTreeSet<String> {
+    router.fleet().members().iter().map(|m| m.replica.spec.name.clone()).collect()
+}
+
+#[tokio::test]
+async fn a_reload_makes_the_fleet_hold_the_new_list() {
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let agents = Fleet::start_agents(3, crate::fleet::agent_config, &shutdown).await;
+    let first = router_config(&agents[..2]);
+    let mut reloader = Reloader::new(&first);
+    let second = RouterConfig { replicas: agents[1..].iter().map(replica_config).collect(), ..first.clone() };
+    let fleet = Fleet::around(agents, first, shutdown).await;
+    let kept = fleet.router.fleet().member("agent-1").unwrap().upstream;
+
+    let reloaded = reloader.apply(fleet.router.fleet(), &second).await;
+    assert_eq!((reloaded.added, reloaded.removed), (vec!["agent-2".to_owned()], vec!["agent-0".to_owned()]));
+    assert!(reloaded.replaced.is_empty() && reloaded.refused.is_empty() && reloaded.not_applied.is_empty());
+    assert_eq!(names(&fleet.router), BTreeSet::from(["agent-1".to_owned(), "agent-2".to_owned()]));
+    let still = fleet.router.fleet().member("agent-1").unwrap().upstream;
+    assert!(Arc::ptr_eq(&kept, &still), "a replica the list keeps is left alone");
+    let router = fleet.router.fleet().clone();
+    wait_until("the new replica syncs", || router.ready()).await;
+    for i in 0..6 {
+        let ask = json!({"model": FLEET_MODEL, "prompt": format!("reload {i} words"), "max_tokens": 1});
+        let reply = fleet.http.post(&fleet.url("/v1/completions"), &ask).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        assert_ne!(reply.header("x-kvroute-replica"), Some("agent-0"), "a removed replica gets nothing");
+    }
+
+    // Nothing changed: nothing done. A replica at another's HTTP address is refused and said;
+    // a setting besides the replicas is named, not applied.
+    assert_eq!(reloader.apply(fleet.router.fleet(), &second).await, Default::default());
+    let mut dup = second.replicas[0].clone();
+    dup.name = "dup".into();
+    dup.events = crate::support::nowhere();
+    let third = RouterConfig {
+        replicas: second.replicas.iter().cloned().chain([dup]).collect(),
+        policy: kvroute_router::policy::PolicyKind::RoundRobin,
+        ..second.clone()
+    };
+    let reloaded = reloader.apply(fleet.router.fleet(), &third).await;
+    assert_eq!(reloaded.refused.len(), 1, "{reloaded:?}");
+    assert_eq!(reloaded.refused[0].0, "dup");
+    assert!(reloaded.refused[0].1.contains("HTTP address"), "{}", reloaded.refused[0].1);
+    assert_eq!(reloaded.not_applied, ["policy"]);
+    assert_eq!(names(&fleet.router), BTreeSet::from(["agent-1".to_owned(), "agent-2".to_owned()]));
+}
+
+/// The binary reloads its `--config` file at a `SIGHUP`: the replica the file names now
+/// answers; a file that does not parse changes nothing and leaves the router running.
+#[tokio::test]
+async fn the_router_reloads_its_file_at_a_hangup() {
+    const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+    let (one, _) = crate::headers::recording_replica(ANSWER).await;
+    let (two, _) = crate::headers::recording_replica(ANSWER).await;
+    let entry = |name: &str, http: std::net::SocketAddr| {
+        format!(
+            "[[replica]]\nname = \"{name}\"\nhttp = \"http://{http}\"\nevents = \"{}\"\nengine = \"kvroute\"\n",
+            crate::support::nowhere()
+        )
+    };
+    let file = std::env::temp_dir().join(format!("kvroute-reload-{}.toml", std::process::id()));
+    let write = |text: String| std::fs::write(&file, format!("model = \"{FLEET_MODEL}\"\n{text}")).unwrap();
+    write(entry("one", one));
+    let port = kvroute_proto::loopback_port::unused().unwrap();
+    let mut router = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
+        .args(["--listen", &format!("127.0.0.1:{port}"), "--admin-listen", "127.0.0.1:0"])
+        .arg("--config")
+        .arg(&file)
+        .env_remove("KVROUTE_CONFIG")
+        .env_remove("KVROUTE_REPLICAS")
+        .env_remove("KVROUTE_ADMIN_TOKEN")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("run kvroute-router");
+    let mut stderr = router.stderr.take().unwrap();
+    let logs = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = logs.clone();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = stderr.read(&mut buf).await {
+            kept.lock().unwrap().extend_from_slice(&buf[..n]);
+        }
+    });
+    let http = crate::fleet::Http::new();
+    let url = format!("http://127.0.0.1:{port}/v1/embeddings");
+    let answered_by = async || {
+        let reply = http.send_with(http::Method::POST, &url, r#"{"input":"x"}"#, &[]).await;
+        reply.header("x-kvroute-replica").map(str::to_owned)
+    };
+    let served = async || tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok();
+    wait_until_async("the router serves", served).await;
+    assert_eq!(answered_by().await.as_deref(), Some("one"));
+    let hangup = || {
+        let pid = router.id().unwrap().to_string();
+        assert!(std::process::Command::new("kill").args(["-HUP", &pid]).status().unwrap().success());
+    };
+
+    write("[[replica]\nname = ".into());
+    hangup();
+    let said = || String::from_utf8_lossy(&logs.lock().unwrap()).contains("cannot be read");
+    wait_until("the broken file is reported", said).await;
+    assert_eq!(answered_by().await.as_deref(), Some("one"), "a broken file changes nothing");
+
+    write(entry("two", two));
+    hangup();
+    wait_until_async("the new list is applied", async || answered_by().await.as_deref() == Some("two")).await;
+    assert!(router.try_wait().unwrap().is_none(), "still running");
+    router.kill().await.unwrap();
+    let _ = std::fs::remove_file(&file);
+}
