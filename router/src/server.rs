@@ -14,6 +14,7 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::admin::AdminService;
 use crate::config::Config;
@@ -64,15 +65,18 @@ impl RunningRouter {
     }
 }
 
-/// A token that fires `drain` after `shutdown` does. (Not one of the router's tasks: those
-/// are waited for, and a drain that ends sooner should not wait for this.)
-fn ending(shutdown: &CancellationToken, drain: Duration) -> CancellationToken {
-    let (ending, shutdown) = (CancellationToken::new(), shutdown.clone());
+/// A token that fires `drain` after `shutdown` does, unless `tracker`'s tasks have all ended
+/// by then. (Not one of those tasks: they are waited for, and a drain that ends sooner should
+/// not wait for this; nor should this outlive them.)
+fn ending(shutdown: &CancellationToken, drain: Duration, tracker: &TaskTracker) -> CancellationToken {
+    let (ending, shutdown, tracker) = (CancellationToken::new(), shutdown.clone(), tracker.clone());
     let fire = ending.clone();
     tokio::spawn(async move {
         shutdown.cancelled().await;
-        tokio::time::sleep(drain).await;
-        fire.cancel();
+        tokio::select! {
+            () = tokio::time::sleep(drain) => fire.cancel(),
+            () = tracker.wait() => {}
+        }
     });
     ending
 }
@@ -241,7 +245,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
             access_log: config.access_log,
             forwarded_for: config.forwarded_for,
             owners: Arc::new(proxy::responses::Owners::new(config.response_owners)),
-            ending: ending(shutdown, config.drain_timeout()),
+            ending: ending(shutdown, config.drain_timeout(), tracker),
         },
         registry: Arc::new(registry),
         limits: config.request_limits(),
