@@ -584,26 +584,9 @@ async fn json_logs_are_one_object_a_line() {
     .await;
     let port = kvroute_proto::loopback_port::unused().unwrap();
     let spec = format!("name=r0,http=http://{replica},events={},engine=kvroute", crate::support::nowhere());
-    let mut router = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
-        .args(["--listen", &format!("127.0.0.1:{port}"), "--admin-listen", "127.0.0.1:0", "--access-log"])
-        .args(["--model", FLEET_MODEL, "--replica", &spec])
-        .env("KVROUTE_LOG_FORMAT", "json")
-        .env("RUST_LOG", "info")
-        .env_remove("KVROUTE_CONFIG")
-        .env_remove("KVROUTE_ADMIN_TOKEN")
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("run kvroute-router");
-    let mut stderr = router.stderr.take().unwrap();
-    let logs = Arc::new(Mutex::new(Vec::new()));
-    let kept = logs.clone();
-    let reader = tokio::spawn(async move {
-        let mut buf = [0u8; 4096];
-        while let Ok(n @ 1..) = stderr.read(&mut buf).await {
-            kept.lock().unwrap().extend_from_slice(&buf[..n]);
-        }
-    });
+    let args = ["--access-log", "--model", FLEET_MODEL, "--replica", &spec].map(std::ffi::OsStr::new);
+    let env = [("KVROUTE_LOG_FORMAT", "json"), ("RUST_LOG", "info")];
+    let (mut router, logs, reader) = crate::support::router_process(port, &args, &env);
     let http = crate::fleet::Http::new();
     let url = format!("http://127.0.0.1:{port}");
     crate::support::wait_until_async("the router serves", async || {

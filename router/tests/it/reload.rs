@@ -8,7 +8,6 @@ use std::sync::Arc;
 use kvroute_router::config::Config as RouterConfig;
 use kvroute_router::reload::Reloader;
 use serde_json::json;
-use tokio::io::AsyncReadExt;
 
 use crate::fleet::{FLEET_MODEL, Fleet, replica_config, router_config};
 use crate::support::{wait_until, wait_until_async};
@@ -78,26 +77,8 @@ async fn the_router_reloads_its_file_at_a_hangup() {
     let write = |text: String| std::fs::write(&file, format!("model = \"{FLEET_MODEL}\"\n{text}")).unwrap();
     write(entry("one", one));
     let port = kvroute_proto::loopback_port::unused().unwrap();
-    let mut router = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
-        .args(["--listen", &format!("127.0.0.1:{port}"), "--admin-listen", "127.0.0.1:0"])
-        .arg("--config")
-        .arg(&file)
-        .env_remove("KVROUTE_CONFIG")
-        .env_remove("KVROUTE_REPLICAS")
-        .env_remove("KVROUTE_ADMIN_TOKEN")
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("run kvroute-router");
-    let mut stderr = router.stderr.take().unwrap();
-    let logs = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let kept = logs.clone();
-    tokio::spawn(async move {
-        let mut buf = [0u8; 4096];
-        while let Ok(n @ 1..) = stderr.read(&mut buf).await {
-            kept.lock().unwrap().extend_from_slice(&buf[..n]);
-        }
-    });
+    let (mut router, logs, _) =
+        crate::support::router_process(port, &["--config".as_ref(), file.as_ref()], &[]);
     let http = crate::fleet::Http::new();
     let url = format!("http://127.0.0.1:{port}/v1/embeddings");
     let answered_by = async || {

@@ -29,6 +29,39 @@ pub const BLOCK: u32 = 4;
 /// Upper bound of every wait; generous because four engineers share two cores.
 pub const WAIT: Duration = Duration::from_secs(30);
 
+/// The `kvroute-router` binary, listening on 127.0.0.1:`port` (its admin service on a port
+/// of its own), with `args` and `env` and none of the operator's settings from the
+/// environment; killed when dropped. Its stderr is gathered as it comes into the returned
+/// buffer, by the returned task, which ends at the pipe's end.
+pub fn router_process(
+    port: u16,
+    args: &[&std::ffi::OsStr],
+    env: &[(&str, &str)],
+) -> (tokio::process::Child, Arc<Mutex<Vec<u8>>>, tokio::task::JoinHandle<()>) {
+    use tokio::io::AsyncReadExt;
+    let mut router = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
+        .args(["--listen", &format!("127.0.0.1:{port}"), "--admin-listen", "127.0.0.1:0"])
+        .args(args)
+        .envs(env.iter().copied())
+        .env_remove("KVROUTE_CONFIG")
+        .env_remove("KVROUTE_REPLICAS")
+        .env_remove("KVROUTE_ADMIN_TOKEN")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("run kvroute-router");
+    let mut stderr = router.stderr.take().expect("stderr is piped");
+    let logs = Arc::new(Mutex::new(Vec::new()));
+    let kept = logs.clone();
+    let reader = tokio::spawn(async move {
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = stderr.read(&mut buf).await {
+            kept.lock().unwrap().extend_from_slice(&buf[..n]);
+        }
+    });
+    (router, logs, reader)
+}
+
 /// An event endpoint on loopback that nothing listens on (a publisher that never comes):
 /// outside the ephemeral range, unlike a fixed low port a CI host may serve.
 pub fn nowhere() -> String {
