@@ -205,20 +205,23 @@ async fn a_failed_run_keeps_the_runs_before_it_in_the_report() {
 /// A Ctrl-C while a router syncs its replicas ends the wait for it at once, and says so. (It
 /// stopped the router, which then never synced: the wait ran out its 15 s and said the
 /// router did not sync.) The replica here publishes nothing, so the router is not ready
-/// for minutes.
+/// for minutes; the Ctrl-C comes with its first health check.
 #[tokio::test]
 async fn an_interrupted_router_sync_says_so() {
     let events = format!("tcp://127.0.0.1:{}", kvroute_proto::loopback_port::unused().unwrap());
-    let replica = format!("name=r0,http=http://127.0.0.1:9,events={events},engine=kvroute").parse().unwrap();
+    let replica = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = replica.local_addr().unwrap();
+    let spec = format!("name=r0,http=http://{http},events={events},engine=kvroute").parse().unwrap();
     let config = kvroute_router::Config {
         model: DEMO_MODEL.into(),
         events_fallback_ms: 600_000,
-        ..kvroute_router::Config::loopback(vec![replica])
+        ..kvroute_router::Config::loopback(vec![spec])
     };
+    // Interrupted once the router has started: at its first health check of the replica.
     let shutdown = CancellationToken::new();
     let interrupt = shutdown.clone();
     tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let _checked = replica.accept().await;
         interrupt.cancel();
     });
     let started = compare::start_router(&config, PolicyKind::CacheAware, shutdown).await;
