@@ -66,7 +66,9 @@ pub enum Adapter<'a> {
     Loaded(&'a str),
     /// Any other (in `--lora-adapters`, or learned from the replicas' lists): on every
     /// replica but those whose last list of models leaves it out. A replica that lists
-    /// nothing (SGLang's, one that wants an API key, one not yet checked) may have it.
+    /// nothing (SGLang's, one that wants an API key, one not yet checked) may have it; and
+    /// when no replica lists it, any may (vLLM's LoRA resolvers load an adapter at its first
+    /// request).
     Listed(&'a str),
 }
 
@@ -533,6 +535,10 @@ pub fn verdicts_for<'a>(
     max_in_flight: u32,
     adapter: Option<Adapter<'_>>,
 ) -> Vec<Option<Ineligible>> {
+    // An adapter no replica lists is any replica's to take or refuse: one that vLLM's LoRA
+    // resolvers load at its first request, say.
+    let adapter =
+        adapter.filter(|a| matches!(a, Adapter::Loaded(_)) || upstreams.clone().any(|u| !u.lacks(*a)));
     let lacks = |u: &Upstream| adapter.is_some_and(|a| u.lacks(a)).then_some(Ineligible::NoAdapter);
     // A replica without the adapter is out whatever its load: saturated means one that could
     // take the request once it has room ([`super::queue`]).
@@ -916,6 +922,12 @@ mod tests {
         assert_eq!(of(None), [None, None, None], "the base model: all");
         other.set_listed_adapters(HashSet::new());
         assert_eq!(of(Some(Adapter::Listed("chat"))), [lacks, lacks, None], "unloaded");
+        unlisted.set_listed_adapters(HashSet::new());
+        assert_eq!(
+            of(Some(Adapter::Listed("chat"))),
+            [None, None, None],
+            "listed nowhere: any replica's to take or refuse"
+        );
         assert_eq!(
             of(Some(Adapter::Loaded("sql"))),
             [lacks, lacks, lacks],
