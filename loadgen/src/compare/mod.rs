@@ -140,8 +140,11 @@ pub async fn compare(
         }
         match run_policy(policy, config, &client, (caches, &pooled, &sent), &shutdown).await {
             Ok(run) => runs.push(run),
-            // Interrupted (a Ctrl-C) before its live run: the runs done are the comparison.
-            Err(_) if shutdown.is_cancelled() => break,
+            // Interrupted (a Ctrl-C): the runs done are the comparison.
+            Err(e) if shutdown.is_cancelled() => {
+                eprintln!("compare: interrupted: {e:#}");
+                break;
+            }
             Err(e) => {
                 failed = Some(e.context(format!("the {} run", policy.as_str())));
                 break;
@@ -202,6 +205,10 @@ async fn run_policy(
             // cancels its token, and the run is that policy's failure, not a run cut short.
             let router_shutdown = shutdown.child_token();
             let router = start_router(router, policy, router_shutdown.clone()).await?;
+            if shutdown.is_cancelled() {
+                router.stop().await;
+                anyhow::bail!("interrupted before the {} run", policy.as_str());
+            }
             live.target = router.url();
             let report = live::run(sent, &live, router_shutdown).await;
             let failure = router.failure().map(str::to_owned);
@@ -215,6 +222,9 @@ async fn run_policy(
             live.target = list.iter().find(|(p, _)| *p == policy).map(|(_, u)| u.clone()).unwrap_or_default();
             live::validate(&live)?;
             wait_ready(client, &live.target, EXTERNAL_READY_TIMEOUT, shutdown).await?;
+            if shutdown.is_cancelled() {
+                anyhow::bail!("interrupted before the {} run", policy.as_str());
+            }
             live::run(sent, &live, shutdown.clone()).await?
         }
     };
@@ -523,7 +533,12 @@ pub async fn start_router(
         }
         // (A Ctrl-C stops the router: it would never sync.)
         if router.parts.token().is_cancelled() {
+            // (A part that failed cancels the token too, after it says why.)
+            let failure = router.failure().map(str::to_owned);
             router.stop().await;
+            if let Some(why) = failure {
+                anyhow::bail!("the {} router failed: {why}", policy.as_str());
+            }
             anyhow::bail!("interrupted while the {} router synced", policy.as_str());
         }
         if Instant::now() >= deadline {
