@@ -164,7 +164,7 @@ impl Learned {
         }
         let mut capped = false;
         for name in listed.iter().flat_map(|listed| listed.iter()) {
-            if tokenization.is_lora_adapter(name) {
+            if tokenization.is_lora_adapter(name) || name == tokenization.base_model() {
                 continue;
             }
             if self.names.len() >= MAX_LEARNED_ADAPTERS {
@@ -266,9 +266,9 @@ async fn check(
     let adapters: Option<HashSet<String>> = cards
         .as_ref()
         .map(|cards| cards.iter().filter(|card| card.parent.is_some()).map(|card| card.id.clone()).collect());
-    if let Some(adapters) = &adapters {
-        member.upstream.set_listed_adapters(adapters.clone());
-    }
+    // (None when this healthy replica's list could not be read: one restarted with an API
+    // key, or as another engine, lists nothing now, and may have any adapter.)
+    member.upstream.set_listed_adapters(adapters.clone());
     let timeouts = catch_up::Timeouts { list: timeout, load: load_timeout };
     let listed = cards.map(|cards| cards.into_iter().map(|card| card.id).collect());
     // Not for a replica replaced meanwhile under its name (its id): the new one's catch-up
@@ -352,6 +352,8 @@ mod tests {
         let (one, other) = (names(&["sql", "configured"]), names(&["chat"]));
         learned.update(&tokenization, &[&one, &other], |_| false);
         assert_eq!(tokenization.lora_adapters(), ["chat", "configured", "sql"]);
+        learned.update(&tokenization, &[&one, &other, &names(&["m"])], |_| false);
+        assert_eq!(tokenization.lora_adapters(), ["chat", "configured", "sql"], "never the base model");
         learned.update(&tokenization, &[], |_| false);
         assert_eq!(tokenization.lora_adapters(), ["chat", "configured", "sql"], "no list: nothing forgotten");
         learned.update(&tokenization, &[&other], |name| name == "sql");

@@ -600,7 +600,8 @@ async fn read_body(body: Incoming, limit: usize, idle: Duration) -> Result<Bytes
 
 /// The fleet's models: the served model, with the fields a healthy replica lists for it
 /// (vLLM's `max_model_len`, `root`, `owned_by`: clients size their context by the first),
-/// and the LoRA adapters every replica has.
+/// and the LoRA adapters the router knows (configured, loaded through it, or listed by a
+/// replica).
 fn models(state: &ProxyState) -> serde_json::Value {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let base = state.base_model.as_str();

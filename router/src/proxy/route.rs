@@ -148,7 +148,8 @@ pub struct Prepared {
     all_blocks: Arc<[BlockHash]>,
     view: RequestView,
     first_prompt_tokens: usize,
-    /// The model it asks for (a LoRA adapter loaded through the router goes only where it is).
+    /// The model it asks for (a LoRA adapter's request goes only where it may be:
+    /// [`Decider::adapter`]).
     model: Box<str>,
     max_tokens: Option<u64>,
     unhashed_tokens: Option<usize>,

@@ -67,8 +67,8 @@ pub enum Adapter<'a> {
     /// Any other (in `--lora-adapters`, or learned from the replicas' lists): on every
     /// replica but those whose last list of models leaves it out. A replica that lists
     /// nothing (SGLang's, one that wants an API key, one not yet checked) may have it; and
-    /// when no replica lists it, any may (vLLM's LoRA resolvers load an adapter at its first
-    /// request).
+    /// while no replica that lists it is up, any may (vLLM's LoRA resolvers load an adapter
+    /// at its first request).
     Listed(&'a str),
 }
 
@@ -369,6 +369,12 @@ impl Upstream {
         }
     }
 
+    /// Whether the replica's last list names `adapter`.
+    fn lists(&self, adapter: &str) -> bool {
+        let listed = self.listed_adapters.lock().unwrap_or_else(PoisonError::into_inner);
+        listed.as_ref().is_some_and(|listed| listed.contains(adapter))
+    }
+
     /// The LoRA adapters the replica listed last, sorted (none until it listed any).
     pub fn listed_adapters(&self) -> Vec<String> {
         let listed = self.listed_adapters.lock().unwrap_or_else(PoisonError::into_inner);
@@ -377,11 +383,16 @@ impl Upstream {
         listed
     }
 
-    /// The LoRA adapters the replica lists now (the cards of its `/v1/models` with a parent).
-    pub fn set_listed_adapters(&self, listed: HashSet<String>) {
+    /// The LoRA adapters the replica lists now (the cards of its `/v1/models` with a parent),
+    /// or `None` when a check of it read no list (it may have any).
+    pub fn set_listed_adapters(&self, listed: Option<HashSet<String>>) {
         let mut was = self.listed_adapters.lock().unwrap_or_else(PoisonError::into_inner);
-        let gained = was.as_ref().is_some_and(|was| listed.iter().any(|name| !was.contains(name)));
-        *was = Some(listed);
+        let gained = match (was.as_ref(), listed.as_ref()) {
+            (Some(was), Some(listed)) => listed.iter().any(|name| !was.contains(name)),
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        *was = listed;
         drop(was);
         // Requests for an adapter it gained that waited for room elsewhere may go here now.
         if gained {
@@ -535,10 +546,16 @@ pub fn verdicts_for<'a>(
     max_in_flight: u32,
     adapter: Option<Adapter<'_>>,
 ) -> Vec<Option<Ineligible>> {
-    // An adapter no replica lists is any replica's to take or refuse: one that vLLM's LoRA
-    // resolvers load at its first request, say.
-    let adapter =
-        adapter.filter(|a| matches!(a, Adapter::Loaded(_)) || upstreams.clone().any(|u| !u.lacks(*a)));
+    // An adapter that no replica up lists is any replica's to take or refuse: one that vLLM's
+    // LoRA resolvers load at its first request, say, while the one that loaded it first is
+    // draining or down (kept to it, its requests would be refused where another could load it).
+    let adapter = adapter.filter(|a| match a {
+        Adapter::Loaded(_) => true,
+        Adapter::Listed(name) => upstreams.clone().any(|u| {
+            u.lists(name)
+                && matches!(u.eligibility_with(max_in_flight, false), Ok(()) | Err(Ineligible::Saturated))
+        }),
+    });
     let lacks = |u: &Upstream| adapter.is_some_and(|a| u.lacks(a)).then_some(Ineligible::NoAdapter);
     // A replica without the adapter is out whatever its load: saturated means one that could
     // take the request once it has room ([`super::queue`]).
@@ -913,20 +930,31 @@ mod tests {
     fn a_replica_whose_list_leaves_the_adapter_out_is_out() {
         let (listing, other, unlisted) =
             (Arc::new(Upstream::default()), Arc::new(Upstream::default()), Arc::new(Upstream::default()));
-        listing.set_listed_adapters(HashSet::from(["sql".to_owned()]));
-        other.set_listed_adapters(HashSet::from(["chat".to_owned()]));
+        listing.set_listed_adapters(Some(HashSet::from(["sql".to_owned()])));
+        other.set_listed_adapters(Some(HashSet::from(["chat".to_owned()])));
         let of = |adapter| verdicts_for([&*listing, &*other, &*unlisted].into_iter(), 8, adapter);
         let lacks = Some(Ineligible::NoAdapter);
         assert_eq!(of(Some(Adapter::Listed("sql"))), [None, lacks, None]);
         assert_eq!(of(Some(Adapter::Listed("chat"))), [lacks, None, None]);
         assert_eq!(of(None), [None, None, None], "the base model: all");
-        other.set_listed_adapters(HashSet::new());
-        assert_eq!(of(Some(Adapter::Listed("chat"))), [lacks, lacks, None], "unloaded");
-        unlisted.set_listed_adapters(HashSet::new());
+        other.set_draining(true);
+        assert_eq!(
+            of(Some(Adapter::Listed("chat"))),
+            [None, Some(Ineligible::Draining), None],
+            "the one that lists it is draining: any other's to take or refuse"
+        );
+        other.set_draining(false);
+        other.set_listed_adapters(Some(HashSet::new()));
         assert_eq!(
             of(Some(Adapter::Listed("chat"))),
             [None, None, None],
-            "listed nowhere: any replica's to take or refuse"
+            "listed nowhere: any replica's to take or refuse (one that lists nothing is no lister)"
+        );
+        other.set_listed_adapters(None);
+        assert_eq!(
+            of(Some(Adapter::Listed("sql"))),
+            [None, None, None],
+            "a check read no list: it may have it"
         );
         assert_eq!(
             of(Some(Adapter::Loaded("sql"))),
@@ -942,13 +970,16 @@ mod tests {
         let u = Upstream::waking(waiters.clone(), ReplicaId(1));
         let listing = |names: &[&str]| {
             let seen = waiters.frees();
-            u.set_listed_adapters(names.iter().map(|name| (*name).to_owned()).collect());
+            u.set_listed_adapters(Some(names.iter().map(|name| (*name).to_owned()).collect()));
             waiters.frees() != seen
         };
         assert!(!listing(&["sql"]), "a first list only narrows what the replica may have");
         assert!(!listing(&["sql"]));
         assert!(!listing(&[]));
         assert!(listing(&["chat"]));
+        let seen = waiters.frees();
+        u.set_listed_adapters(None);
+        assert_ne!(waiters.frees(), seen, "a list no longer read widens what it may have");
     }
 
     /// Saturated means a replica that could take the request once it has room: one without

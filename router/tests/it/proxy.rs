@@ -1803,7 +1803,7 @@ async fn a_lora_change_whose_client_left_outlasts_a_shutdown() {
 }
 
 /// A LoRA adapter loaded without this router (by another router in front of the same
-/// replicas, or on each replica by hand) is learned from what every replica lists: its
+/// replicas, or on each replica by hand) is learned from what the replicas list: its
 /// requests hash in its own namespace, so a prompt the base model cached predicts nothing
 /// for the adapter (it had predicted the base model's hits, which the adapter never gets).
 /// Once no replica lists it, it is forgotten.
