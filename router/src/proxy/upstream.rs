@@ -362,17 +362,14 @@ impl Upstream {
     pub fn lacks(&self, adapter: Adapter<'_>) -> bool {
         match adapter {
             Adapter::Loaded(name) => !self.has_adapter(name),
-            Adapter::Listed(name) => {
-                let listed = self.listed_adapters.lock().unwrap_or_else(PoisonError::into_inner);
-                listed.as_ref().is_some_and(|listed| !listed.contains(name))
-            }
+            Adapter::Listed(name) => self.lists(name) == Some(false),
         }
     }
 
-    /// Whether the replica's last list names `adapter`.
-    fn lists(&self, adapter: &str) -> bool {
+    /// Whether the replica's last list names `adapter`; `None` when it has given none.
+    fn lists(&self, adapter: &str) -> Option<bool> {
         let listed = self.listed_adapters.lock().unwrap_or_else(PoisonError::into_inner);
-        listed.as_ref().is_some_and(|listed| listed.contains(adapter))
+        listed.as_ref().map(|listed| listed.contains(adapter))
     }
 
     /// The LoRA adapters the replica listed last, sorted (none until it listed any).
@@ -552,7 +549,7 @@ pub fn verdicts_for<'a>(
     let adapter = adapter.filter(|a| match a {
         Adapter::Loaded(_) => true,
         Adapter::Listed(name) => upstreams.clone().any(|u| {
-            u.lists(name)
+            u.lists(name) == Some(true)
                 && matches!(u.eligibility_with(max_in_flight, false), Ok(()) | Err(Ineligible::Saturated))
         }),
     });
