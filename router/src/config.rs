@@ -85,7 +85,9 @@ pub struct Config {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_token: Option<Secret>,
 
-    /// A replica: `name=..,http=..,events=..[,replay=..][,grpc=..][,engine=kvroute|vllm|sglang][,dp-size=N][,topic=..]`
+    /// A replica: `name=..,http=..[,events=..][,replay=..][,grpc=..][,engine=kvroute|vllm|sglang][,dp-size=N][,topic=..]`.
+    /// Without `events`, its cache is predicted from this router's requests to it
+    /// (`--predicted-ttl-ms`, `--predicted-cache-tokens`).
     #[arg(id = "replica", long = "replica", env = "KVROUTE_REPLICAS", value_delimiter = ';')]
     #[serde(default, rename = "replica")]
     pub replicas: Vec<ReplicaConfig>,
@@ -199,6 +201,17 @@ pub struct Config {
     /// Timeout of a whole snapshot of a replica's cache over gRPC, milliseconds.
     #[arg(long, env = "KVROUTE_SNAPSHOT_TIMEOUT_MS", default_value_t = 30_000)]
     pub snapshot_timeout_ms: u64,
+    /// A replica without events (no `events=`) is predicted to hold the prompts this router
+    /// sent it: each block at most this long after the last request that used it,
+    /// milliseconds (it stands for what the router does not see evict it: other clients'
+    /// requests, generated tokens).
+    #[arg(long, env = "KVROUTE_PREDICTED_TTL_MS", default_value_t = 120_000)]
+    pub predicted_ttl_ms: u64,
+    /// A replica without events is predicted to hold at most this many tokens, the least
+    /// recently sent leaving first: its KV cache size (vLLM logs it at start as "GPU KV
+    /// cache size: N tokens").
+    #[arg(long, env = "KVROUTE_PREDICTED_CACHE_TOKENS", default_value_t = 1 << 20)]
+    pub predicted_cache_tokens: usize,
 
     /// Upstream connect timeout, milliseconds.
     #[arg(long, env = "KVROUTE_CONNECT_TIMEOUT_MS", default_value_t = 1_000)]
@@ -363,6 +376,11 @@ impl Config {
         check(self.events_fallback_ms > 0, "--events-fallback-ms must be at least 1".into());
         check(self.replay_timeout_ms > 0, "--replay-timeout-ms must be at least 1".into());
         check(self.snapshot_timeout_ms > 0, "--snapshot-timeout-ms must be at least 1".into());
+        check(self.predicted_ttl_ms > 0, "--predicted-ttl-ms must be at least 1".into());
+        check(
+            self.predicted_cache_tokens >= self.block_size as usize,
+            "--predicted-cache-tokens must be at least one block".into(),
+        );
         check(self.first_byte_timeout_ms > 0, "--first-byte-timeout-ms must be at least 1".into());
         check(self.control_timeout_ms > 0, "--control-timeout-ms must be at least 1".into());
         check(self.tokenize_timeout_ms > 0, "--tokenize-timeout-ms must be at least 1".into());
@@ -535,6 +553,8 @@ impl Config {
             fallback_after: Duration::from_millis(self.events_fallback_ms),
             replay_timeout: Duration::from_millis(self.replay_timeout_ms),
             snapshot_timeout: Duration::from_millis(self.snapshot_timeout_ms),
+            predicted_ttl: Duration::from_millis(self.predicted_ttl_ms),
+            predicted_cache_tokens: self.predicted_cache_tokens,
             ..crate::ingest::IngestConfig::default()
         }
     }
@@ -638,7 +658,9 @@ pub struct ReplicaConfig {
     pub name: String,
     /// Base URL of its OpenAI API, e.g. `http://10.0.0.7:8000`.
     pub http: String,
-    /// ZeroMQ PUB endpoint of its KV events (rank 0).
+    /// ZeroMQ PUB endpoint of its KV events (rank 0); none (empty) for a replica without
+    /// events, whose cache is predicted.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub events: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay: Option<String>,
@@ -677,7 +699,7 @@ impl ReplicaConfig {
 impl FromStr for ReplicaConfig {
     type Err = String;
 
-    /// `name=..,http=..,events=..[,replay=..][,grpc=..][,engine=..][,dp-size=..][,topic=..]`
+    /// `name=..,http=..[,events=..][,replay=..][,grpc=..][,engine=..][,dp-size=..][,topic=..]`
     fn from_str(s: &str) -> Result<Self, String> {
         let mut table = toml::Table::new();
         for part in s.split(',').filter(|p| !p.is_empty()) {
@@ -696,7 +718,10 @@ impl FromStr for ReplicaConfig {
 
 impl fmt::Display for ReplicaConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "name={},http={},events={}", self.name, self.http, self.events)?;
+        write!(f, "name={},http={}", self.name, self.http)?;
+        if !self.events.is_empty() {
+            write!(f, ",events={}", self.events)?;
+        }
         if let Some(r) = &self.replay {
             write!(f, ",replay={r}")?;
         }
@@ -743,7 +768,9 @@ mod tests {
         assert_eq!(r.dp_size, 2);
         assert_eq!(r.replay, None);
         assert_eq!(r.to_string().parse::<ReplicaConfig>().unwrap(), r);
-        assert!("name=r0,http=x".parse::<ReplicaConfig>().is_err(), "events is required");
+        let predicted = "name=r0,http=http://127.0.0.1:8000".parse::<ReplicaConfig>().unwrap();
+        assert_eq!(predicted.events, "", "a replica without events");
+        assert_eq!(predicted.to_string().parse::<ReplicaConfig>(), Ok(predicted));
         assert!("name=r0,http=x,events=y,bogus=1".parse::<ReplicaConfig>().is_err());
         assert!("name=r0,http=x,events=y,engine=tgi".parse::<ReplicaConfig>().is_err());
     }
@@ -949,6 +976,22 @@ mod tests {
             errors.iter().any(|e| e.contains("tcp://*:5557") && e.contains("bind address")),
             "{errors:?}"
         );
+    }
+
+    /// A replica without events is one rank with nothing to repair from: what only a stream
+    /// serves is refused, and a replica with neither events nor an HTTP address is nothing.
+    #[test]
+    fn a_replica_without_events_takes_no_stream_settings() {
+        let problems = |replica: &str| {
+            let c = Config { replicas: vec![replica.parse().unwrap()], ..Config::default() };
+            c.validate().err().unwrap_or_default()
+        };
+        assert_eq!(problems("name=r0,http=http://h:1"), Vec::<String>::new());
+        let errors = problems("name=r0,http=http://h:1,dp-size=2,replay=tcp://h:5558");
+        assert_eq!(errors.len(), 2, "{errors:?}");
+        assert!(errors.iter().all(|e| e.contains("needs an event endpoint")), "{errors:?}");
+        let spec = ReplicaSpec::new("r0", "", EngineKind::Vllm, "m");
+        assert_eq!(spec.validate(), Err(crate::replicas::SpecError::Nothing));
     }
 
     /// Two names for one server would split its load and its cache's credit: refused, as

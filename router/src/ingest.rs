@@ -75,6 +75,9 @@
 //! and gets past our next expected seq before we notice looks continuous: vLLM has no epoch;
 //! kvroute's replica agent has one.
 //!
+//! A replica with no event endpoint has no stream: it is `PREDICTED` from its start to its
+//! removal, its index entries being this router's requests to it ([`Prediction`]).
+//!
 //! # Parameters ([`IngestConfig`])
 //! channel 4096 live messages and 64 MiB of them per rank (overflow → counted, becomes a gap), fallback after
 //! 10 s without a connection, reconnect backoff 1 s, replay timeout 5 s, replay cap 100 000
@@ -87,12 +90,14 @@
 //! - `decode`: payload → engine-neutral batch, and the vLLM event filters.
 //! - `engine_map`: engine hash → router hash (refcounted) per rank.
 //! - `replay` / `snapshot`: the DEALER and gRPC repair clients.
+//! - `predicted`: the caches of replicas without events, predicted from their requests.
 //! - [`metrics`]: Prometheus metrics.
 
 pub mod metrics;
 
 mod decode;
 pub(crate) mod engine_map;
+mod predicted;
 mod replay;
 mod snapshot;
 mod stream;
@@ -111,6 +116,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use metrics::{IngestMetrics, Malformed, Outcome, ReplicaMetrics, SkipReason};
+pub use predicted::Prediction;
 
 use crate::index::SharedIndex;
 use crate::replicas::{self, Replica, ReplicaSpec, Replicas, SpecError, StreamState};
@@ -150,6 +156,12 @@ pub struct IngestConfig {
     pub malformed_fallback: u32,
     /// Delay of the second replay after every (re)connect (slow-joiner catch-up).
     pub catch_up_after: Duration,
+    /// Of a replica without events ([`Prediction`]): how long a predicted block is kept after
+    /// the last request that used it, at most.
+    pub predicted_ttl: Duration,
+    /// Of a replica without events: its KV cache, in tokens (vLLM logs it at start as
+    /// "GPU KV cache size"); more blocks than this are not predicted.
+    pub predicted_cache_tokens: usize,
 }
 
 impl Default for IngestConfig {
@@ -167,6 +179,8 @@ impl Default for IngestConfig {
             snapshot_max_blocks: 1 << 22,
             malformed_fallback: 16,
             catch_up_after: Duration::from_secs(1),
+            predicted_ttl: Duration::from_secs(120),
+            predicted_cache_tokens: 1 << 20,
         }
     }
 }
@@ -267,7 +281,9 @@ impl Ingest {
         // Every rank's endpoints, had before the replica is registered (a name registered and
         // not followed would be taken for one being removed, for good).
         spec.validate()?;
+        // (None without events: the spec has one rank then.)
         let endpoints = (0..spec.dp_size)
+            .filter(|_| spec.has_events())
             .map(|rank| {
                 let replay = spec.replay_endpoint.as_deref().map(|e| replicas::rank_endpoint(e, rank));
                 Ok((replicas::rank_endpoint(&spec.event_endpoint, rank)?, replay.transpose()?))
@@ -277,6 +293,10 @@ impl Ingest {
         // A name keeps its id: a decision made as the previous replica of this name was
         // removed may have credited it after its credits were forgotten.
         inner.index.credits().forget(replica.id);
+        if !replica.spec.has_events() {
+            followed.insert(replica.id, self.predict(&replica));
+            return Ok(replica);
+        }
         if replica.spec.dp_size > 1 {
             match crate::index::Ranks::new(replica.spec.dp_size, inner.rank_index.clone(), replica.id) {
                 Some(ranks) => {
@@ -323,6 +343,35 @@ impl Ingest {
         Ok(replica)
     }
 
+    /// Follows a replica without events by predicting its cache ([`Prediction`]): one task
+    /// takes out of the index what has not been used for the TTL.
+    fn predict(&self, replica: &Arc<Replica>) -> Running {
+        let inner = &self.inner;
+        // (The router gives every replica its block size.)
+        let block_size = replica.spec.block_size.map_or(1, |size| size.max(1) as usize);
+        let capacity = inner.config.predicted_cache_tokens / block_size;
+        let prediction =
+            Arc::new(Prediction::new(replica.id, inner.index.clone(), inner.config.predicted_ttl, capacity));
+        let _ = replica.prediction.set(prediction.clone());
+        inner.metrics.replica(&replica.spec.name).set_state(StreamState::Predicted);
+        replica.status.set_rank_state(0, StreamState::Predicted);
+        replica.status.mark_rank_synced(0);
+        let running = Running { cancel: inner.shutdown.child_token(), tasks: TaskTracker::new() };
+        let cancel = running.cancel.clone();
+        inner.tracker.spawn(running.tasks.track_future(async move {
+            let mut tick = tokio::time::interval(prediction.generation().max(Duration::from_millis(1)));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    _ = tick.tick() => prediction.expire(),
+                }
+            }
+        }));
+        running.tasks.close();
+        running
+    }
+
     /// Stops a replica's tasks, then frees everything it held (index entries, engine maps,
     /// metric label sets). Returns the distinct blocks freed, or `None` if it was unknown.
     ///
@@ -338,6 +387,9 @@ impl Ingest {
             // The name stays registered until all is freed: a replica added again under it
             // (same id) must find no blocks or label sets of this one's to lose.
             let replica = inner.replicas.get(id)?;
+            if let Some(prediction) = replica.prediction.get() {
+                prediction.close();
+            }
             let freed = inner.index.clear_replica(id);
             if let Some(ranks) = replica.ranks.get() {
                 ranks.clear();

@@ -105,6 +105,9 @@ pub enum StreamState {
     /// No usable stream: the replica is routed without its own cache (as holding what every
     /// replica with a stream holds; see the cache-aware policy).
     Fallback = 2,
+    /// The replica has no event stream: its cache is predicted from this router's own
+    /// requests to it (`ingest::predicted`). It has one rank.
+    Predicted = 3,
 }
 
 impl StreamState {
@@ -114,15 +117,18 @@ impl StreamState {
             StreamState::Exact => "exact",
             StreamState::Degraded => "degraded",
             StreamState::Fallback => "fallback",
+            StreamState::Predicted => "predicted",
         }
     }
 
-    pub const ALL: [StreamState; 3] = [StreamState::Exact, StreamState::Degraded, StreamState::Fallback];
+    pub const ALL: [StreamState; 4] =
+        [StreamState::Exact, StreamState::Degraded, StreamState::Fallback, StreamState::Predicted];
 
     fn from_u8(v: u8) -> StreamState {
         match v {
             0 => StreamState::Exact,
             1 => StreamState::Degraded,
+            3 => StreamState::Predicted,
             _ => StreamState::Fallback,
         }
     }
@@ -134,6 +140,7 @@ impl From<StreamState> for pb::StreamState {
             StreamState::Exact => pb::StreamState::Exact,
             StreamState::Degraded => pb::StreamState::Degraded,
             StreamState::Fallback => pb::StreamState::Fallback,
+            StreamState::Predicted => pb::StreamState::Predicted,
         }
     }
 }
@@ -144,7 +151,8 @@ pub struct ReplicaSpec {
     /// Stable name (e.g. the pod name); interned to a [`ReplicaId`].
     pub name: String,
     pub http_url: String,
-    /// ZeroMQ PUB endpoint of DP rank 0, e.g. `tcp://10.0.0.7:5557` (rank r uses port + r).
+    /// ZeroMQ PUB endpoint of DP rank 0, e.g. `tcp://10.0.0.7:5557` (rank r uses port + r);
+    /// empty for a replica without events, whose cache is predicted ([`Self::has_events`]).
     pub event_endpoint: String,
     /// ZeroMQ ROUTER replay endpoint of rank 0, if the engine has one.
     pub replay_endpoint: Option<String>,
@@ -189,6 +197,12 @@ impl ReplicaSpec {
         CacheNamespace::new(self.model.clone())
     }
 
+    /// Whether the replica publishes KV events. One that does not is routed on a prediction
+    /// of its cache from this router's requests (`ingest::predicted`).
+    pub fn has_events(&self) -> bool {
+        !self.event_endpoint.is_empty()
+    }
+
     /// Checks the endpoints parse and the rank count is sane.
     pub fn validate(&self) -> Result<(), SpecError> {
         match self.problems().into_iter().next() {
@@ -217,6 +231,19 @@ impl ReplicaSpec {
                 problems.push(SpecError::Url(url.to_owned(), "a gRPC endpoint takes no path".into()));
             }
             _ => {}
+        }
+        if !self.has_events() {
+            // Ranks are told apart, and repaired, by their streams alone.
+            if self.http_url.is_empty() {
+                problems.push(SpecError::Nothing);
+            }
+            if self.dp_size > 1 {
+                problems.push(SpecError::NoEvents("dp-size above 1"));
+            }
+            if self.replay_endpoint.is_some() || self.grpc_endpoint.is_some() {
+                problems.push(SpecError::NoEvents("a replay or gRPC endpoint"));
+            }
+            return problems;
         }
         // The last rank's port is the highest; within the ranks allowed.
         let last = self.dp_size.clamp(1, MAX_DP_SIZE) - 1;
@@ -280,6 +307,11 @@ pub enum SpecError {
     TooManyRanks(u32),
     #[error("engine kind is unspecified")]
     EngineUnspecified,
+    #[error("a replica needs an HTTP address or an event endpoint")]
+    Nothing,
+    /// What only an event stream serves, on a replica without one.
+    #[error("{0} needs an event endpoint (a replica without events is one rank, predicted)")]
+    NoEvents(&'static str),
     #[error("unsupported ZeroMQ endpoint {0:?} (expected tcp://host:port or ipc://path)")]
     Endpoint(String),
     #[error("ZeroMQ endpoint {0:?} is a publisher's bind address; give the replica's host to connect to")]
@@ -489,6 +521,9 @@ pub struct Replica {
     /// With several data-parallel ranks: which blocks each holds (set by the ingest, which
     /// keeps it; [`crate::index::Ranks`]).
     pub ranks: std::sync::OnceLock<Arc<crate::index::Ranks>>,
+    /// Without events: the prediction of its cache that its requests feed (set by the
+    /// ingest).
+    pub prediction: std::sync::OnceLock<Arc<crate::ingest::Prediction>>,
 }
 
 /// The registry: a cheap, cloneable handle.
@@ -547,7 +582,14 @@ impl Replicas {
             .filter(|url| url.path_and_query().is_none_or(|pq| matches!(pq.as_str(), "" | "/")))
             .and_then(|url| url.into_parts().authority);
         let status = ReplicaStatus::new(spec.dp_size);
-        let replica = Arc::new(Replica { id, status, spec, authority, ranks: Default::default() });
+        let replica = Arc::new(Replica {
+            id,
+            status,
+            spec,
+            authority,
+            ranks: Default::default(),
+            prediction: Default::default(),
+        });
         inner.live.insert(id, replica.clone());
         Ok(replica)
     }

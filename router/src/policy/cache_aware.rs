@@ -42,7 +42,9 @@
 //! neither helps nor hurts it, and it competes on load with the replicas that do not hold
 //! the prefix. Scored as a full miss instead, it would lose every request to replicas that
 //! merely hold the fleet's common prefix and sit idle while they queue. (The router charges
-//! a request sent there with the prefill past that overlap, and predicts that hit.)
+//! a request sent there with the prefill past that overlap, and predicts that hit.) A
+//! replica without events (`PREDICTED`) is scored like one with a stream, on the blocks its
+//! predicted cache holds (`ingest::predicted`).
 //!
 //! Ties go to the replica with the highest rendezvous hash of the request's key (the chained
 //! hash of its tokens, the partial last block included), so distinct prompts reaching an

@@ -226,6 +226,9 @@ pub async fn routed(
                     sent,
                     whole: sent,
                     hold: plan.hold.take(),
+                    predict: (member.replica.prediction.get())
+                        .filter(|_| response.status().is_success())
+                        .map(|prediction| (prediction.clone(), plan.all_blocks.clone())),
                     counted: counted
                         .then_some(Predicted { prompt_tokens: plan.prompt_tokens, cached_tokens: predicted }),
                     keeps_response: plan.keeps_response,
@@ -592,7 +595,8 @@ pub(super) fn passed_on(
         })
     });
     let replica = &member.replica.spec.name;
-    let attempt = Attempt { replica, guard, sent, whole, hold: None, counted: None, keeps_response };
+    let attempt =
+        Attempt { replica, guard, sent, whole, hold: None, predict: None, counted: None, keeps_response };
     let mut response = wrap(response, client, attempt, config, metrics, admitted, line);
     if let Ok(v) = HeaderValue::from_str(replica) {
         response.headers_mut().insert(X_KVROUTE_REPLICA, v);
@@ -728,11 +732,17 @@ struct Attempt<'a> {
     /// first-byte timeout counts from).
     whole: Instant,
     hold: Option<CreditHold>,
+    /// Of a replica without events answering with success: its predicted cache, which holds
+    /// the request's blocks from the answer's first data on.
+    predict: Option<Predict>,
     /// What the router predicted of a routed request whose tokens it knew.
     counted: Option<Predicted>,
     /// Whether the answer's id names a response the replica keeps.
     keeps_response: bool,
 }
+
+/// A replica's predicted cache, and the blocks of the prompts it was sent.
+type Predict = (Arc<crate::ingest::Prediction>, Arc<[kvroute_proto::BlockHash]>);
 
 /// A routed request's prompt tokens and the cached tokens the router predicted for it.
 #[derive(Clone, Copy, Debug)]
@@ -745,7 +755,7 @@ struct Predicted {
 fn wrap(
     response: Response<UpstreamBody>,
     client: &ClientHead,
-    Attempt { replica, guard, sent, whole, hold, counted, keeps_response }: Attempt<'_>,
+    Attempt { replica, guard, sent, whole, hold, predict, counted, keeps_response }: Attempt<'_>,
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
     admitted: Admitted<'_>,
@@ -792,6 +802,7 @@ fn wrap(
         sent,
         access,
         hold,
+        predict,
         learner: (status.is_success() && keeps_response)
             .then(|| Learner::new(config.owners.clone(), Owner::new(replica, ranked))),
     });
@@ -833,6 +844,8 @@ struct ResponseHooks {
     /// The decision's pinned credits: let go at the first data (the prefill is done, the
     /// replica's events follow), or when the body ends without any.
     hold: Option<CreditHold>,
+    /// Recorded at the first data: the replica has the prompt's blocks then.
+    predict: Option<Predict>,
     /// For a Responses API answer: learns which replica stored it.
     learner: Option<Learner>,
 }
@@ -848,6 +861,9 @@ impl Hooks for ResponseHooks {
 
     fn first_data(&mut self) {
         self.guard.prefill_done();
+        if let Some((prediction, blocks)) = self.predict.take() {
+            prediction.record(&blocks);
+        }
         drop(self.hold.take());
         let now = Instant::now();
         self.upstream_ttfb_seconds.observe(now.duration_since(self.sent).as_secs_f64());

@@ -163,6 +163,7 @@ pub fn test_config() -> IngestConfig {
         snapshot_max_blocks: 1 << 20,
         malformed_fallback: 4,
         catch_up_after: Duration::from_millis(200),
+        ..IngestConfig::default()
     }
 }
 

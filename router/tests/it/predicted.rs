@@ -1,0 +1,108 @@
+//! Replicas configured without an event stream: their caches are predicted from the router's
+//! own requests (real agents, whose events nobody follows).
+
+use std::collections::HashMap;
+
+use kvroute_router::Config as RouterConfig;
+use kvroute_router::replicas::StreamState;
+use serde_json::{Value, json};
+
+use crate::fleet::{FLEET_MODEL, Fleet, agent_config};
+
+fn completion(prompt: &str) -> Value {
+    json!({"model": FLEET_MODEL, "prompt": prompt, "max_tokens": 2})
+}
+
+/// A prompt of `words` distinct words starting with `tag`.
+fn text(tag: &str, words: usize) -> String {
+    (0..words).map(|i| format!("{tag}{i}")).collect::<Vec<_>>().join(" ")
+}
+
+/// Every replica of the config without its event stream (nor replay, nor snapshots).
+fn without_events(config: RouterConfig) -> RouterConfig {
+    let replicas = (config.replicas.into_iter())
+        .map(|r| kvroute_router::config::ReplicaConfig {
+            events: String::new(),
+            replay: None,
+            grpc: None,
+            ..r
+        })
+        .collect();
+    RouterConfig { replicas, ..config }
+}
+
+#[tokio::test]
+async fn replicas_without_events_are_routed_on_what_the_router_sent_them() {
+    // Credits end at once: what follows a first request is the prediction alone.
+    let config = |c| RouterConfig { credit_ttl_ms: 1, ..without_events(c) };
+    let fleet = Fleet::with(3, agent_config, config).await;
+    let members = fleet.router.fleet().members();
+    assert!(members.iter().all(|m| m.replica.status.state() == StreamState::Predicted));
+    let mut home = HashMap::new();
+    for doc in 0..6 {
+        let first = fleet
+            .http
+            .post(&fleet.url("/v1/completions"), &completion(&text(&format!("doc{doc}w"), 40)))
+            .await;
+        assert_eq!(first.status, 200, "{:?}", first.body);
+        assert_eq!(first.cached_tokens(), 0);
+        home.insert(doc, first.header("x-kvroute-replica").unwrap().to_owned());
+    }
+    for doc in 0..6 {
+        let follow_up = format!("{} and then a question {doc}", text(&format!("doc{doc}w"), 40));
+        let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion(&follow_up)).await;
+        assert_eq!(reply.status, 200);
+        assert_eq!(
+            reply.header("x-kvroute-replica"),
+            Some(home[&doc].as_str()),
+            "doc {doc} follows its prefix"
+        );
+        let predicted: u64 = reply.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
+        assert!(predicted > 0);
+        // Nothing evicted: the replica caches what it was sent, as predicted.
+        assert_eq!(reply.cached_tokens(), predicted, "doc {doc}");
+    }
+    let used: std::collections::HashSet<&String> = home.values().collect();
+    assert!(used.len() > 1, "new prefixes spread over the fleet: {home:?}");
+
+    let metrics = String::from_utf8_lossy(&fleet.http.get(&fleet.url("/metrics")).await.body).into_owned();
+    let state = format!(r#"kvroute_ingest_stream_state{{replica="{}",state="predicted"}} 1"#, home[&0]);
+    assert!(metrics.contains(&state), "{metrics}");
+
+    // A replica removed takes its prediction with it, and records nothing after.
+    let router = fleet.router.fleet();
+    let gone = router.member(&home[&0]).unwrap();
+    let index = router.ingest().index();
+    assert!(index.blocks(gone.replica.id) > 0);
+    router.remove_for_good(&home[&0]).await.unwrap();
+    assert_eq!(index.blocks(gone.replica.id), 0);
+    gone.replica.prediction.get().unwrap().record(&[kvroute_proto::BlockHash(7)]);
+    assert_eq!(index.blocks(gone.replica.id), 0);
+}
+
+/// Predicted caches share a system prompt like exact ones: load still decides.
+#[tokio::test]
+async fn a_shared_first_block_does_not_send_a_predicted_fleet_to_one_replica() {
+    let agent = |n: &str| kvroute_replica_agent::Config { time_scale: 20.0, ..agent_config(n) };
+    let fleet = Fleet::with(4, agent, without_events).await;
+    let system = text("system", 24);
+    let url = fleet.url("/v1/completions");
+    let mut tasks = Vec::new();
+    for i in 0..48 {
+        let (http, url) = (fleet.http.clone(), url.clone());
+        let body = completion(&format!("{system} user question {i} {}", text(&format!("q{i}w"), 10)));
+        tasks.push(tokio::spawn(async move { http.post(&url, &body).await }));
+    }
+    let mut per_replica: HashMap<String, u32> = HashMap::new();
+    let mut hits = 0;
+    for t in tasks {
+        let reply = t.await.unwrap();
+        assert_eq!(reply.status, 200);
+        hits += u32::from(reply.cached_tokens() > 0);
+        *per_replica.entry(reply.header("x-kvroute-replica").unwrap().to_owned()).or_default() += 1;
+    }
+    assert_eq!(per_replica.len(), 4, "every replica served some: {per_replica:?}");
+    let max = f64::from(*per_replica.values().max().unwrap());
+    assert!(max / 12.0 <= 2.0, "load skew {} too high: {per_replica:?}", max / 12.0);
+    assert!(hits > 0, "the system prompt was cached and reused somewhere");
+}
