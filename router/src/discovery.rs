@@ -16,7 +16,8 @@
 //!   re-lists). Every endpoint that is not terminating is a replica named after its pod
 //!   (`targetRef`, else its address); its ports come from the pod's `kvroute.io/*`
 //!   annotations (opt-in, `k8s::PodOverrides`), else the slice's named ports (`http`,
-//!   `kv-events`, `kv-replay`, `grpc` by default), else the configured numbers. An endpoint
+//!   `kv-events`, `kv-replay`, `grpc` by default), else the configured numbers (an events
+//!   port of 0: the replica publishes none, and its cache is predicted). An endpoint
 //!   that is not Ready (or not serving) is followed but not routed to: a readiness probe
 //!   that times out under load must not throw away what the index knows of the replica's
 //!   cache (vLLM has no snapshot, and its replay buffer holds only recent batches). An
@@ -137,8 +138,12 @@ impl ReplicaTemplate {
     /// The spec of replica `name` at `host` (an IP address or a DNS name).
     pub fn spec(&self, name: String, host: &str, ports: Ports) -> ReplicaSpec {
         let host = if host.contains(':') { format!("[{host}]") } else { host.to_owned() };
-        let mut spec =
-            ReplicaSpec::new(name, format!("tcp://{host}:{}", ports.events), self.engine, self.model.clone());
+        // Events on port 0: none, the replica's cache is predicted.
+        let events = match ports.events {
+            0 => String::new(),
+            port => format!("tcp://{host}:{port}"),
+        };
+        let mut spec = ReplicaSpec::new(name, events, self.engine, self.model.clone());
         spec.http_url = format!("http://{host}:{}", ports.http);
         spec.replay_endpoint = ports.replay.map(|p| format!("tcp://{host}:{p}"));
         spec.grpc_endpoint = ports.grpc.map(|p| format!("http://{host}:{p}"));
@@ -491,6 +496,10 @@ mod tests {
         assert_eq!(v6.event_endpoint, "tcp://[fd00::7]:5557");
         assert_eq!(v6.grpc_endpoint.as_deref(), Some("http://[fd00::7]:50051"));
         v6.validate().unwrap();
+        let t = ReplicaTemplate { dp_size: 1, ..t };
+        let predicted = t.spec("r".into(), "10.0.0.7", Ports { events: 0, replay: None, ..t.ports });
+        assert!(!predicted.has_events(), "{predicted:?}");
+        predicted.validate().unwrap();
     }
 
     #[tokio::test]

@@ -62,7 +62,9 @@ pub struct DiscoveryConfig {
     /// OpenAI HTTP port (k8s: used when the slice has no port named `--discovery-http-port-name`).
     #[arg(long, env = "KVROUTE_DISCOVERY_HTTP_PORT", default_value_t = 8000)]
     pub discovery_http_port: u16,
-    /// ZeroMQ KV-event PUB port of rank 0 (k8s: fallback for the named port).
+    /// ZeroMQ KV-event PUB port of rank 0 (k8s: fallback for the named port). 0: the replicas
+    /// publish no KV events, and their caches are predicted from this router's requests
+    /// (`--predicted-ttl-ms`; they take no replay or gRPC port, and one rank).
     #[arg(long, env = "KVROUTE_DISCOVERY_EVENTS_PORT", default_value_t = 5557)]
     pub discovery_events_port: u16,
     /// ZeroMQ replay (ROUTER) port of rank 0, if the replicas have one (k8s: fallback).
@@ -142,8 +144,19 @@ impl DiscoveryConfig {
         if self.discovery_interval_ms == 0 {
             errors.push("--discovery-interval-ms must be at least 1".to_owned());
         }
-        if self.discovery_http_port == 0 || self.discovery_events_port == 0 {
-            errors.push("--discovery-http-port and --discovery-events-port must not be 0".to_owned());
+        if self.discovery_http_port == 0 {
+            errors.push("--discovery-http-port must not be 0".to_owned());
+        }
+        if self.discovery_events_port == 0
+            && (self.discovery_replay_port.is_some()
+                || self.discovery_grpc_port.is_some()
+                || self.discovery_dp_size > 1)
+        {
+            errors.push(
+                "--discovery-events-port 0 (replicas without events) takes no --discovery-replay-port, \
+                 --discovery-grpc-port, nor --discovery-dp-size above 1"
+                    .to_owned(),
+            );
         }
         for (flag, port) in [
             ("--discovery-replay-port", self.discovery_replay_port),
@@ -269,6 +282,12 @@ mod tests {
             ..d.clone()
         };
         assert_eq!(unusable.validate().unwrap_err().len(), 3);
+        // Replicas without events: one rank, nothing to repair from.
+        let predicted =
+            DiscoveryConfig { discovery_events_port: 0, discovery_replay_port: None, ..d.clone() };
+        assert_eq!(predicted.validate(), Ok(()));
+        assert_eq!(ranks(2, 0, None).validate().unwrap_err().len(), 1);
+        assert_eq!(ranks(1, 0, Some(5558)).validate().unwrap_err().len(), 1);
     }
 
     /// How the router's `Config` embeds it: flattened into the layered flags > env > file
