@@ -241,6 +241,10 @@ pub struct DemoArgs {
     /// names the rank a request goes to.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub data_parallel_size: u32,
+    /// The routers follow no KV events: each predicts the agents' caches from its own
+    /// requests, as in front of engines that publish none (one rank an agent).
+    #[arg(long, conflicts_with = "data_parallel_size")]
+    pub without_events: bool,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub block_size: u32,
@@ -369,6 +373,7 @@ pub fn run_demo(args: &DemoArgs) -> anyhow::Result<()> {
             eviction: args.eviction,
             time_scale: args.time_scale,
             data_parallel_size: args.data_parallel_size,
+            events: !args.without_events,
         },
         policies: args.policies.clone(),
         trace,
@@ -382,6 +387,7 @@ pub fn run_demo(args: &DemoArgs) -> anyhow::Result<()> {
         1 => String::new(),
         n => format!(" x {n} data-parallel ranks"),
     };
+    let ranks = if args.without_events { format!("{ranks} (routers without KV events)") } else { ranks };
     eprintln!(
         "demo: {} agents{ranks} x {} blocks of {} tokens, time scale {}, {} requests, policies {}",
         config.fleet.replicas,

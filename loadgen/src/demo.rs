@@ -35,6 +35,9 @@ pub struct FleetConfig {
     /// Data-parallel ranks of each agent: an engine each, with its own cache of
     /// `capacity_blocks` and its own event stream (the router names the rank).
     pub data_parallel_size: u32,
+    /// Whether the routers follow the agents' KV events; without, each predicts the agents'
+    /// caches from its own requests (as in front of engines that publish no events).
+    pub events: bool,
 }
 
 /// Longest prompt plus completion the embedded fleet accepts (agents and routers), so
@@ -92,15 +95,16 @@ impl EmbeddedFleet {
 
     /// A router config (any policy) in front of every agent, on loopback.
     pub fn router_config(&self) -> RouterConfig {
+        let events = self.config.events;
         let replicas = self
             .agents
             .iter()
             .map(|a| ReplicaConfig {
                 name: a.name.clone(),
                 http: a.http_url(),
-                events: a.events_endpoint.clone(),
-                replay: a.replay_endpoint.clone(),
-                grpc: Some(a.grpc_url()),
+                events: if events { a.events_endpoint.clone() } else { String::new() },
+                replay: a.replay_endpoint.clone().filter(|_| events),
+                grpc: Some(a.grpc_url()).filter(|_| events),
                 engine: EngineKind::Kvroute,
                 dp_size: self.config.data_parallel_size,
                 topic: String::new(),
@@ -111,6 +115,8 @@ impl EmbeddedFleet {
             block_size: self.config.block_size,
             health_interval_ms: 500,
             max_prompt_tokens: u64::from(DEMO_MAX_MODEL_LEN),
+            // Without events, a predicted cache is the agent's size.
+            predicted_cache_tokens: self.config.capacity_blocks * self.config.block_size as usize,
             ..RouterConfig::loopback(replicas)
         }
     }

@@ -31,6 +31,7 @@ fn fleet_config(replicas: usize) -> FleetConfig {
         eviction: Eviction::Lru,
         time_scale: 1000.0,
         data_parallel_size: 1,
+        events: true,
     }
 }
 
@@ -285,6 +286,39 @@ async fn compare_on_a_data_parallel_agent_reads_each_rank() {
     let predicted = l.predicted_hit_rate.expect("the router's headers");
     assert!((predicted - hit).abs() < 0.02, "predicted {predicted}, hit {hit}");
     assert!(run.offline.is_some());
+    fleet.stop().await;
+}
+
+/// Routers without the agents' KV events (`demo --without-events`): the cache-aware router
+/// predicts the caches from its own requests, and its predictions are the hits the agents
+/// report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_without_events_routes_on_predicted_caches() {
+    let shutdown = CancellationToken::new();
+    let config = FleetConfig { events: false, ..fleet_config(2) };
+    let fleet = EmbeddedFleet::start(config, shutdown.child_token()).await.unwrap();
+    let router = fleet.router_config();
+    assert!(router.replicas.iter().all(|r| r.events.is_empty() && r.replay.is_none()), "{router:?}");
+    assert_eq!(router.predicted_cache_tokens, 512 * 16, "an agent's cache");
+    let trace = small_chat();
+    let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
+    live.replicas = fleet.urls();
+    live.arrivals = Arrivals::Trace { speedup: 1.0 };
+    let mut config = compare_config(&fleet, vec![PolicyKind::CacheAware], live);
+    // Credits end at once: the predictions alone steer (the trace is shorter than a credit).
+    if let Routers::Embedded { config, .. } = &mut config.routers {
+        config.credit_ttl_ms = 1;
+    }
+    let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
+        .await
+        .expect("compare finishes")
+        .expect("compare runs");
+    let l = &report.runs[0].live;
+    assert_eq!((l.succeeded, l.failed()), (trace.len(), 0), "{:?}", l.errors);
+    let hit = l.hit_rate.expect("responses report cached_tokens");
+    assert!(hit > 0.0, "{}", report.table());
+    let predicted = l.predicted_hit_rate.expect("the router's headers");
+    assert!((predicted - hit).abs() < 0.05, "predicted {predicted}, hit {hit}");
     fleet.stop().await;
 }
 
