@@ -202,7 +202,7 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_SNAPSHOT_TIMEOUT_MS", default_value_t = 30_000)]
     pub snapshot_timeout_ms: u64,
     /// A replica without events (no `events=`) is predicted to hold the prompts this router
-    /// sent it: each block at most this long after the last request that used it,
+    /// sent it: each block until this long after the last request that used it,
     /// milliseconds (it stands for what the router does not see evict it: other clients'
     /// requests, generated tokens).
     #[arg(long, env = "KVROUTE_PREDICTED_TTL_MS", default_value_t = 120_000)]

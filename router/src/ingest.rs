@@ -157,7 +157,7 @@ pub struct IngestConfig {
     /// Delay of the second replay after every (re)connect (slow-joiner catch-up).
     pub catch_up_after: Duration,
     /// Of a replica without events ([`Prediction`]): how long a predicted block is kept after
-    /// the last request that used it, at most.
+    /// the last request that used it.
     pub predicted_ttl: Duration,
     /// Of a replica without events: its KV cache, in tokens (vLLM logs it at start as
     /// "GPU KV cache size"); more blocks than this are not predicted.
@@ -359,7 +359,7 @@ impl Ingest {
         let running = Running { cancel: inner.shutdown.child_token(), tasks: TaskTracker::new() };
         let cancel = running.cancel.clone();
         inner.tracker.spawn(running.tasks.track_future(async move {
-            let mut tick = tokio::time::interval(prediction.generation().max(Duration::from_millis(1)));
+            let mut tick = tokio::time::interval(prediction.check_every());
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {

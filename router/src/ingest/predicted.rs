@@ -7,25 +7,25 @@
 //! done, so the replica holds them). Those entries are what the replica's events would have
 //! said, as far as this router can see; they leave the index by age and by size:
 //!
-//! - **Age.** Blocks are kept in two generations of `ttl / 2` each: a block used again moves
-//!   to the current one; when the current one is `ttl / 2` old it becomes the previous one,
-//!   and what the previous one held that was not used since leaves the index. So a block
-//!   leaves between `ttl / 2` and `ttl` after the last request that used it
-//!   (`--predicted-ttl-ms`). The age bound stands for what the router cannot see: other
-//!   routers' and clients' requests to the replica, and its generated tokens, which evict
-//!   blocks too.
-//! - **Size.** When the current generation holds half the replica's capacity
-//!   (`--predicted-cache-tokens` in blocks), the generations turn before the next request's
-//!   blocks go in. So the replica is never predicted to hold more than its capacity and one
-//!   request's blocks, and what it holds is what it was
-//!   sent last: the least recently used blocks leave first, as from vLLM's and SGLang's
-//!   caches.
+//! - **Age.** A block leaves the index `ttl` after the last request that used it
+//!   (`--predicted-ttl-ms`; checked every `ttl / 4`, and before each record). The age bound
+//!   stands for what the router cannot see: other routers' and clients' requests to the
+//!   replica, and its generated tokens, which evict blocks too.
+//! - **Size.** The replica is predicted to hold at most its capacity
+//!   (`--predicted-cache-tokens` in blocks): past it, the least recently used blocks leave
+//!   first, as from vLLM's and SGLang's caches (a prefix shared by later requests stays, the
+//!   rest of an old request goes).
+//!
+//! Layout: each block's last use (a stamp: microseconds since the prediction began, made
+//! strictly increasing), and the uses in order, oldest first; a use whose stamp is not its
+//! block's last is stale and skipped when it comes to the front (the queue is compacted
+//! when over half of it is stale). So a record costs O(1) a block, amortised.
 //!
 //! The replica's stream state is `PREDICTED`. Each router predicts from its own requests
 //! only: with several routers in front of one such fleet, each sees part of every replica's
 //! cache (the replicas' reported load is still shared).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -34,7 +34,8 @@ use tokio::time::Instant;
 
 use crate::index::{FoldState, SharedIndex};
 
-type Blocks = HashSet<BlockHash, FoldState>;
+/// Stale uses the queue may hold beyond its live ones before it is compacted.
+const SLACK: usize = 64;
 
 /// The predicted cache of one replica without events: what it puts in the index, and when
 /// it takes it out.
@@ -42,111 +43,134 @@ type Blocks = HashSet<BlockHash, FoldState>;
 pub struct Prediction {
     replica: ReplicaId,
     index: SharedIndex,
-    /// How long a generation lasts: half the TTL.
-    generation: Duration,
-    /// Blocks the current generation may reach before the generations turn.
-    half_capacity: usize,
-    inner: Mutex<Generations>,
+    ttl: Duration,
+    capacity: usize,
+    epoch: Instant,
+    inner: Mutex<Lru>,
 }
 
 #[derive(Debug)]
-struct Generations {
-    /// Blocks used since `since`.
-    current: Blocks,
-    /// Blocks used in the generation before, and not since.
-    previous: Blocks,
-    since: Instant,
+struct Lru {
+    /// Each block predicted, with the stamp of its last use.
+    last: HashMap<BlockHash, u64, FoldState>,
+    /// Uses, oldest first: `(block, stamp)`.
+    uses: VecDeque<(BlockHash, u64)>,
+    /// The last stamp given.
+    stamp: u64,
     /// The replica left: nothing more goes into the index.
     closed: bool,
 }
 
 impl Prediction {
     /// The prediction of `replica`'s cache of at most `capacity_blocks`, each block kept for
-    /// at most `ttl` after its last use.
+    /// `ttl` after its last use.
     pub fn new(replica: ReplicaId, index: SharedIndex, ttl: Duration, capacity_blocks: usize) -> Self {
-        let hasher = FoldState::random();
-        let inner = Generations {
-            current: HashSet::with_hasher(hasher),
-            previous: HashSet::with_hasher(hasher),
-            since: Instant::now(),
+        let inner = Lru {
+            last: HashMap::with_hasher(FoldState::random()),
+            uses: VecDeque::new(),
+            stamp: 0,
             closed: false,
         };
         Self {
             replica,
             index,
-            generation: ttl / 2,
-            half_capacity: (capacity_blocks / 2).max(1),
+            ttl,
+            capacity: capacity_blocks.max(1),
+            epoch: Instant::now(),
             inner: Mutex::new(inner),
         }
     }
 
     /// How often [`Self::expire`] is to run.
-    pub fn generation(&self) -> Duration {
-        self.generation
+    pub fn check_every(&self) -> Duration {
+        (self.ttl / 4).max(Duration::from_millis(1))
     }
 
-    /// The replica was sent `blocks` and began answering: it holds them now.
+    /// The replica was sent `blocks` and began answering: it holds them now, the most
+    /// recently used.
     pub fn record(&self, blocks: &[BlockHash]) {
+        let now = self.now();
         let mut inner = self.lock();
         if inner.closed {
             return;
         }
-        self.turn_if_due(&mut inner);
-        if inner.current.len() >= self.half_capacity {
-            self.turn(&mut inner);
+        let mut gone = self.expired(&mut inner, now);
+        let mut new = Vec::new();
+        for &block in blocks {
+            inner.stamp = inner.stamp.saturating_add(1).max(now);
+            let stamp = inner.stamp;
+            if inner.last.insert(block, stamp).is_none() {
+                new.push(block);
+            }
+            inner.uses.push_back((block, stamp));
         }
-        let Generations { current, previous, .. } = &mut *inner;
-        let new: Vec<BlockHash> =
-            blocks.iter().copied().filter(|&b| current.insert(b) && !previous.remove(&b)).collect();
-        // (Written under the lock: the index takes one replica's writes in order.)
+        while inner.last.len() > self.capacity {
+            match inner.uses.pop_front() {
+                Some((block, stamp)) => {
+                    if inner.last.get(&block) == Some(&stamp) {
+                        inner.last.remove(&block);
+                        gone.push(block);
+                    }
+                }
+                None => break,
+            }
+        }
+        let Lru { last, uses, .. } = &mut *inner;
+        if uses.len() > 2 * last.len() + SLACK {
+            uses.retain(|(block, stamp)| last.get(block) == Some(stamp));
+        }
+        // (Written under the lock, stores before removals: the index takes one replica's
+        // writes in order, and a block both new and evicted here is stored once, removed once.)
         self.index.store(self.replica, &new);
+        self.index.remove(self.replica, &gone);
     }
 
     /// Takes out of the index what has not been used for the TTL.
     pub fn expire(&self) {
+        let now = self.now();
         let mut inner = self.lock();
         if !inner.closed {
-            self.turn_if_due(&mut inner);
+            let gone = self.expired(&mut inner, now);
+            self.index.remove(self.replica, &gone);
         }
     }
 
     /// The replica left (its index entries are cleared next): nothing more is recorded.
     pub fn close(&self) {
         let mut inner = self.lock();
-        let Generations { current, previous, closed, .. } = &mut *inner;
-        *closed = true;
-        for blocks in [current, previous] {
-            blocks.clear();
-            blocks.shrink_to_fit();
-        }
+        inner.closed = true;
+        inner.last = HashMap::with_hasher(FoldState::random());
+        inner.uses = VecDeque::new();
     }
 
     /// Distinct blocks predicted.
     pub fn blocks(&self) -> usize {
-        let inner = self.lock();
-        inner.current.len() + inner.previous.len()
+        self.lock().last.len()
     }
 
-    fn turn_if_due(&self, inner: &mut Generations) {
-        let age = inner.since.elapsed();
-        if age >= self.generation {
-            self.turn(inner);
-            // Nothing was used for a whole generation more: what was current goes too.
-            if age >= 2 * self.generation {
-                self.turn(inner);
+    /// Takes the blocks last used `ttl` or longer before `now` out of `inner`; returns them.
+    fn expired(&self, inner: &mut Lru, now: u64) -> Vec<BlockHash> {
+        let ttl = u64::try_from(self.ttl.as_micros()).unwrap_or(u64::MAX);
+        let mut gone = Vec::new();
+        while let Some(&(block, stamp)) = inner.uses.front() {
+            if stamp.saturating_add(ttl) > now {
+                break;
+            }
+            inner.uses.pop_front();
+            if inner.last.get(&block) == Some(&stamp) {
+                inner.last.remove(&block);
+                gone.push(block);
             }
         }
+        gone
     }
 
-    /// The current generation becomes the previous one; the previous one leaves the index.
-    fn turn(&self, inner: &mut Generations) {
-        let gone: Vec<BlockHash> = inner.previous.drain().collect();
-        self.index.remove(self.replica, &gone);
-        std::mem::swap(&mut inner.previous, &mut inner.current);
-        inner.since = Instant::now();
+    /// Microseconds since the prediction began.
+    fn now(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Generations> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Lru> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -177,29 +201,28 @@ mod tests {
         assert_eq!(p.blocks(), 6);
     }
 
-    /// A block leaves between half the TTL and the TTL after its last use; one used again
-    /// stays.
+    /// A block leaves the TTL after its last use; one used again stays.
     #[tokio::test(start_paused = true)]
-    async fn blocks_leave_within_the_ttl_of_their_last_use() {
+    async fn blocks_leave_the_ttl_after_their_last_use() {
         let index = SharedIndex::new();
         let p = Prediction::new(R, index.clone(), Duration::from_secs(10), 1000);
         p.record(&hs(0..4));
-        tokio::time::advance(Duration::from_secs(5)).await;
+        tokio::time::advance(Duration::from_secs(6)).await;
         p.expire();
-        assert_eq!(index.blocks(R), 4, "half the TTL: still held");
+        assert_eq!(index.blocks(R), 4, "within the TTL: still held");
         p.record(&hs(0..2));
         tokio::time::advance(Duration::from_secs(5)).await;
         p.expire();
         assert_eq!(index.lookup(&hs(0..4)).get(R), 2, "the two used again stay");
         assert_eq!(index.blocks(R), 2);
-        tokio::time::advance(Duration::from_secs(10)).await;
+        tokio::time::advance(Duration::from_secs(6)).await;
         p.expire();
         assert_eq!(index.blocks(R), 0, "a whole TTL unused: gone");
         assert_eq!(p.blocks(), 0);
     }
 
-    /// Past half the capacity the generations turn: the most recently sent blocks stay, the
-    /// oldest leave, and the prediction stays about the capacity.
+    /// Past the capacity the least recently used blocks leave: a prefix used again stays,
+    /// older requests' blocks go.
     #[tokio::test(start_paused = true)]
     async fn the_least_recently_used_blocks_leave_past_the_capacity() {
         let index = SharedIndex::new();
@@ -207,10 +230,29 @@ mod tests {
         p.record(&hs(0..4));
         p.record(&hs(10..14));
         p.record(&hs(20..24));
-        assert!(index.blocks(R) <= 8, "{} blocks over a capacity of 8", index.blocks(R));
-        assert_eq!(index.lookup(&hs(20..24)).get(R), 4, "the last sent is held");
-        assert_eq!(index.lookup(&hs(10..14)).get(R), 4);
+        assert_eq!(index.blocks(R), 8);
         assert_eq!(index.lookup(&hs(0..4)).get(R), 0, "the first sent is gone");
+        p.record(&hs(10..14));
+        p.record(&hs(30..34));
+        assert_eq!(index.blocks(R), 8);
+        assert_eq!(index.lookup(&hs(10..14)).get(R), 4, "used again: kept");
+        assert_eq!(index.lookup(&hs(20..24)).get(R), 0, "least recently used: gone");
+        // A request larger than the whole cache keeps its last blocks.
+        p.record(&hs(100..120));
+        assert_eq!(index.blocks(R), 8);
+        assert_eq!(index.lookup(&hs(112..120)).get(R), 8);
+    }
+
+    /// Uses of blocks already held do not pile up: the queue stays within twice the blocks.
+    #[tokio::test(start_paused = true)]
+    async fn uses_of_held_blocks_do_not_pile_up() {
+        let index = SharedIndex::new();
+        let p = Prediction::new(R, index.clone(), Duration::from_secs(3600), 100);
+        for _ in 0..1000 {
+            p.record(&hs(0..4));
+        }
+        assert_eq!(index.blocks(R), 4);
+        assert!(p.lock().uses.len() <= 2 * 4 + SLACK, "{} uses", p.lock().uses.len());
     }
 
     /// A closed prediction records nothing more (its replica's entries were cleared).

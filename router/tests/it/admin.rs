@@ -123,6 +123,26 @@ async fn list_explain_drain_remove_and_add() {
         assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{http_url:?}: {refused:?}");
     }
     assert!(fleet.router.fleet().member("bad-url").is_none());
+    // One without events is added predicted; a replay endpoint without events is refused.
+    let predicted = pb::ReplicaSpec {
+        id: "predicted".into(),
+        http_url: crate::support::nowhere().replace("tcp", "http"),
+        event_endpoint: String::new(),
+        replay_endpoint: String::new(),
+        grpc_endpoint: String::new(),
+        ..spec.clone()
+    };
+    let replay = pb::ReplicaSpec {
+        id: "replay".into(),
+        replay_endpoint: spec.replay_endpoint.clone(),
+        ..predicted.clone()
+    };
+    let added =
+        admin.add_replica(pb::AddReplicaRequest { spec: Some(predicted) }).await.unwrap().into_inner();
+    assert_eq!(added.state, pb::StreamState::Predicted as i32, "{added:?}");
+    let refused = admin.add_replica(pb::AddReplicaRequest { spec: Some(replay) }).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    assert!(refused.message().contains("needs an event endpoint"), "{refused:?}");
     // An engine kind this router does not know (a newer client's) is refused, not taken for
     // the default.
     let newer = pb::ReplicaSpec { id: "newer".into(), engine: 7, ..spec };
