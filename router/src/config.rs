@@ -987,8 +987,8 @@ mod tests {
             c.validate().err().unwrap_or_default()
         };
         assert_eq!(problems("name=r0,http=http://h:1"), Vec::<String>::new());
-        let errors = problems("name=r0,http=http://h:1,dp-size=2,replay=tcp://h:5558");
-        assert_eq!(errors.len(), 2, "{errors:?}");
+        let errors = problems("name=r0,http=http://h:1,dp-size=2,replay=tcp://h:5558,topic=kv");
+        assert_eq!(errors.len(), 3, "{errors:?}");
         assert!(errors.iter().all(|e| e.contains("needs an event endpoint")), "{errors:?}");
         let spec = ReplicaSpec::new("r0", "", EngineKind::Vllm, "m");
         assert_eq!(spec.validate(), Err(crate::replicas::SpecError::Nothing));

@@ -496,7 +496,7 @@ mod tests {
         assert_eq!(v6.event_endpoint, "tcp://[fd00::7]:5557");
         assert_eq!(v6.grpc_endpoint.as_deref(), Some("http://[fd00::7]:50051"));
         v6.validate().unwrap();
-        let t = ReplicaTemplate { dp_size: 1, ..t };
+        let t = ReplicaTemplate { dp_size: 1, topic: String::new(), ..t };
         let predicted = t.spec("r".into(), "10.0.0.7", Ports { events: 0, replay: None, ..t.ports });
         assert!(!predicted.has_events(), "{predicted:?}");
         predicted.validate().unwrap();

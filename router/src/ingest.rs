@@ -350,10 +350,11 @@ impl Ingest {
         // (The router gives every replica its block size.)
         let block_size = replica.spec.block_size.map_or(1, |size| size.max(1) as usize);
         let capacity = inner.config.predicted_cache_tokens / block_size;
-        let prediction =
-            Arc::new(Prediction::new(replica.id, inner.index.clone(), inner.config.predicted_ttl, capacity));
+        let metrics = inner.metrics.replica(&replica.spec.name);
+        metrics.set_state(StreamState::Predicted);
+        let settings = (inner.config.predicted_ttl, capacity);
+        let prediction = Arc::new(Prediction::new(replica.id, inner.index.clone(), settings, metrics));
         let _ = replica.prediction.set(prediction.clone());
-        inner.metrics.replica(&replica.spec.name).set_state(StreamState::Predicted);
         replica.status.set_rank_state(0, StreamState::Predicted);
         replica.status.mark_rank_synced(0);
         let running = Running { cancel: inner.shutdown.child_token(), tasks: TaskTracker::new() };

@@ -243,6 +243,9 @@ impl ReplicaSpec {
             if self.replay_endpoint.is_some() || self.grpc_endpoint.is_some() {
                 problems.push(SpecError::NoEvents("a replay or gRPC endpoint"));
             }
+            if !self.topic.is_empty() {
+                problems.push(SpecError::NoEvents("a topic"));
+            }
             return problems;
         }
         // The last rank's port is the highest; within the ranks allowed.

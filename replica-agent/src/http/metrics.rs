@@ -25,6 +25,7 @@
 //! | `kvroute_agent_resident_blocks` | gauge | blocks in the prefix cache |
 //! | `kvroute_agent_capacity_blocks` | gauge | prefix-cache capacity in blocks |
 //! | `kvroute_agent_cache_policy` | gauge | 1, labelled with the eviction `policy` (`lru`, `lfu`, `s3fifo`) and, for S3FIFO, its `small_ratio` and `max_freq` |
+//! | `process_start_time_seconds` | gauge | when the server started, Unix seconds (no labels, as Prometheus' Python client exports it for vLLM's process): a router predicting the cache of a replica whose events it does not follow tells a restart by it |
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -136,6 +137,12 @@ pub(super) fn render(state: &AppState) -> Response<Body> {
         }
         out.sample("kvroute_agent_cache_policy", rank, &labels, 1);
     }
+    out.family(
+        "process_start_time_seconds",
+        "gauge",
+        "Start time of the process since unix epoch in seconds.",
+    );
+    let _ = writeln!(out.text, "process_start_time_seconds {}", state.start_time());
 
     let mut response = Response::new(full(out.text));
     *response.status_mut() = StatusCode::OK;

@@ -75,8 +75,9 @@ struct Inner {
     ranks: Ranks,
     tokenization: Arc<Tokenization>,
     config: Arc<Config>,
-    /// Unix seconds at startup, the `created` of `/v1/models` entries.
-    started: u64,
+    /// Time since the Unix epoch at startup: the `created` of `/v1/models` entries (in whole
+    /// seconds), and `process_start_time_seconds` on the metrics page.
+    started: Duration,
     /// Cancelled when the server shuts down; tells a shutdown failure from an engine fault.
     shutdown: CancellationToken,
     /// Responses API responses kept for later requests.
@@ -93,7 +94,7 @@ impl AppState {
                 ranks,
                 tokenization,
                 config,
-                started: unix_now(),
+                started: SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default(),
                 shutdown: CancellationToken::new(),
                 responses: Arc::new(responses::Store::new(store)),
             }),
@@ -122,7 +123,13 @@ impl AppState {
     }
 
     pub(crate) fn started(&self) -> u64 {
-        self.inner.started
+        self.inner.started.as_secs()
+    }
+
+    /// Unix seconds at startup, to the microsecond: a restart, even within a second, reports
+    /// another.
+    pub(crate) fn start_time(&self) -> f64 {
+        self.inner.started.as_secs_f64()
     }
 
     pub(crate) fn shutting_down(&self) -> bool {

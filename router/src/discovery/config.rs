@@ -150,11 +150,12 @@ impl DiscoveryConfig {
         if self.discovery_events_port == 0
             && (self.discovery_replay_port.is_some()
                 || self.discovery_grpc_port.is_some()
-                || self.discovery_dp_size > 1)
+                || self.discovery_dp_size > 1
+                || !self.discovery_topic.is_empty())
         {
             errors.push(
                 "--discovery-events-port 0 (replicas without events) takes no --discovery-replay-port, \
-                 --discovery-grpc-port, nor --discovery-dp-size above 1"
+                 --discovery-grpc-port, --discovery-topic, nor --discovery-dp-size above 1"
                     .to_owned(),
             );
         }
@@ -288,6 +289,8 @@ mod tests {
         assert_eq!(predicted.validate(), Ok(()));
         assert_eq!(ranks(2, 0, None).validate().unwrap_err().len(), 1);
         assert_eq!(ranks(1, 0, Some(5558)).validate().unwrap_err().len(), 1);
+        let topic = DiscoveryConfig { discovery_topic: "kv".into(), ..predicted };
+        assert_eq!(topic.validate().unwrap_err().len(), 1);
     }
 
     /// How the router's `Config` embeds it: flattened into the layered flags > env > file

@@ -21,6 +21,11 @@
 //! block's last is stale and skipped when it comes to the front (the queue is compacted
 //! when over half of it is stale). So a record costs O(1) a block, amortised.
 //!
+//! A replica that restarted has lost its cache, and its prediction is dropped: when its
+//! health checks find it down (a check that failed, not one answered late), and when the
+//! start time its metrics page reports (`process_start_time_seconds`, which vLLM's and
+//! SGLang's Prometheus clients export, and the replica agent) changes.
+//!
 //! The replica's stream state is `PREDICTED`. Each router predicts from its own requests
 //! only: with several routers in front of one such fleet, each sees part of every replica's
 //! cache (the replicas' reported load is still shared).
@@ -32,6 +37,7 @@ use std::time::Duration;
 use kvroute_proto::{BlockHash, ReplicaId};
 use tokio::time::Instant;
 
+use super::ReplicaMetrics;
 use crate::index::{FoldState, SharedIndex};
 
 /// Stale uses the queue may hold beyond its live ones before it is compacted.
@@ -46,6 +52,8 @@ pub struct Prediction {
     ttl: Duration,
     capacity: usize,
     epoch: Instant,
+    /// Its blocks gauge and stored and removed counters.
+    metrics: ReplicaMetrics,
     inner: Mutex<Lru>,
 }
 
@@ -59,26 +67,28 @@ struct Lru {
     stamp: u64,
     /// The replica left: nothing more goes into the index.
     closed: bool,
+    /// The start time the replica last reported.
+    started: Option<f64>,
 }
 
 impl Prediction {
     /// The prediction of `replica`'s cache of at most `capacity_blocks`, each block kept for
     /// `ttl` after its last use.
-    pub fn new(replica: ReplicaId, index: SharedIndex, ttl: Duration, capacity_blocks: usize) -> Self {
+    pub fn new(
+        replica: ReplicaId,
+        index: SharedIndex,
+        (ttl, capacity_blocks): (Duration, usize),
+        metrics: ReplicaMetrics,
+    ) -> Self {
         let inner = Lru {
             last: HashMap::with_hasher(FoldState::random()),
             uses: VecDeque::new(),
             stamp: 0,
             closed: false,
+            started: None,
         };
-        Self {
-            replica,
-            index,
-            ttl,
-            capacity: capacity_blocks.max(1),
-            epoch: Instant::now(),
-            inner: Mutex::new(inner),
-        }
+        let capacity = capacity_blocks.max(1);
+        Self { replica, index, ttl, capacity, epoch: Instant::now(), metrics, inner: Mutex::new(inner) }
     }
 
     /// How often [`Self::expire`] is to run.
@@ -122,7 +132,8 @@ impl Prediction {
         // (Written under the lock, stores before removals: the index takes one replica's
         // writes in order, and a block both new and evicted here is stored once, removed once.)
         self.index.store(self.replica, &new);
-        self.index.remove(self.replica, &gone);
+        self.metrics.blocks_stored.inc_by(new.len() as u64);
+        self.take_out(&inner, &gone);
     }
 
     /// Takes out of the index what has not been used for the TTL.
@@ -131,7 +142,31 @@ impl Prediction {
         let mut inner = self.lock();
         if !inner.closed {
             let gone = self.expired(&mut inner, now);
-            self.index.remove(self.replica, &gone);
+            self.take_out(&inner, &gone);
+        }
+    }
+
+    /// The replica lost its cache (it went down, or restarted): nothing of it is predicted.
+    pub fn forget(&self) {
+        let mut inner = self.lock();
+        if inner.closed || inner.last.is_empty() {
+            return;
+        }
+        let gone: Vec<BlockHash> = inner.last.drain().map(|(block, _)| block).collect();
+        inner.uses = VecDeque::new();
+        self.take_out(&inner, &gone);
+    }
+
+    /// The replica reports it started at `started` (unix seconds): a start time other than the
+    /// last one reported means it restarted, with an empty cache.
+    pub fn started(&self, started: f64) {
+        let before = self.lock().started.replace(started);
+        if before.is_some_and(|before| before.to_bits() != started.to_bits()) {
+            tracing::info!(
+                replica = self.replica.0,
+                "replica without events restarted: its prediction is dropped"
+            );
+            self.forget();
         }
     }
 
@@ -146,6 +181,13 @@ impl Prediction {
     /// Distinct blocks predicted.
     pub fn blocks(&self) -> usize {
         self.lock().last.len()
+    }
+
+    /// Takes `gone` (out of `inner` already) out of the index; counts it.
+    fn take_out(&self, inner: &Lru, gone: &[BlockHash]) {
+        self.index.remove(self.replica, gone);
+        self.metrics.blocks_removed.inc_by(gone.len() as u64);
+        self.metrics.blocks.set(i64::try_from(inner.last.len()).unwrap_or(i64::MAX));
     }
 
     /// Takes the blocks last used `ttl` or longer before `now` out of `inner`; returns them.
@@ -189,11 +231,18 @@ mod tests {
 
     const R: ReplicaId = ReplicaId(3);
 
+    /// `R`'s prediction, in `index`.
+    fn predict(index: &SharedIndex, ttl_secs: u64, capacity: usize) -> Prediction {
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = super::super::IngestMetrics::register(&mut registry, index.clone(), SharedIndex::new());
+        Prediction::new(R, index.clone(), (Duration::from_secs(ttl_secs), capacity), metrics.replica("r"))
+    }
+
     /// Recorded blocks are the replica's overlap at once; a block used twice is one entry.
     #[tokio::test(start_paused = true)]
     async fn recorded_blocks_are_held_once() {
         let index = SharedIndex::new();
-        let p = Prediction::new(R, index.clone(), Duration::from_secs(10), 1000);
+        let p = predict(&index, 10, 1000);
         p.record(&hs(0..4));
         p.record(&hs(0..6));
         assert_eq!(index.lookup(&hs(0..8)).get(R), 6);
@@ -205,7 +254,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn blocks_leave_the_ttl_after_their_last_use() {
         let index = SharedIndex::new();
-        let p = Prediction::new(R, index.clone(), Duration::from_secs(10), 1000);
+        let p = predict(&index, 10, 1000);
         p.record(&hs(0..4));
         tokio::time::advance(Duration::from_secs(6)).await;
         p.expire();
@@ -226,7 +275,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn the_least_recently_used_blocks_leave_past_the_capacity() {
         let index = SharedIndex::new();
-        let p = Prediction::new(R, index.clone(), Duration::from_secs(3600), 8);
+        let p = predict(&index, 3600, 8);
         p.record(&hs(0..4));
         p.record(&hs(10..14));
         p.record(&hs(20..24));
@@ -247,7 +296,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn uses_of_held_blocks_do_not_pile_up() {
         let index = SharedIndex::new();
-        let p = Prediction::new(R, index.clone(), Duration::from_secs(3600), 100);
+        let p = predict(&index, 3600, 100);
         for _ in 0..1000 {
             p.record(&hs(0..4));
         }
@@ -255,11 +304,29 @@ mod tests {
         assert!(p.lock().uses.len() <= 2 * 4 + SLACK, "{} uses", p.lock().uses.len());
     }
 
+    /// A replica that reports another start time than before restarted: its prediction goes;
+    /// the gauge follows what is predicted.
+    #[tokio::test(start_paused = true)]
+    async fn a_new_start_time_drops_the_prediction() {
+        let index = SharedIndex::new();
+        let p = predict(&index, 10, 100);
+        p.started(1.5);
+        p.record(&hs(0..4));
+        assert_eq!(p.metrics.blocks.get(), 4);
+        p.started(1.5);
+        assert_eq!(index.blocks(R), 4, "the same start: the same cache");
+        p.started(2.5);
+        assert_eq!((index.blocks(R), p.blocks(), p.metrics.blocks.get()), (0, 0, 0));
+        p.record(&hs(0..2));
+        assert_eq!(index.lookup(&hs(0..4)).get(R), 2, "predicted again from what it is sent");
+        assert_eq!(p.metrics.blocks_removed.get(), 4);
+    }
+
     /// A closed prediction records nothing more (its replica's entries were cleared).
     #[tokio::test(start_paused = true)]
     async fn a_closed_prediction_records_nothing() {
         let index = SharedIndex::new();
-        let p = Prediction::new(R, index.clone(), Duration::from_secs(10), 100);
+        let p = predict(&index, 10, 100);
         p.record(&hs(0..2));
         p.close();
         index.clear_replica(R);

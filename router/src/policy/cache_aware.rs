@@ -171,8 +171,9 @@ fn mean_recent(replicas: &[ReplicaView]) -> f64 {
     if n == 0 { 0.0 } else { sum / f64::from(n) }
 }
 
-/// The least overlap of the eligible replicas that have a stream (0 with fewer than two): what
-/// a replica whose stream is `FALLBACK` is taken to hold.
+/// The least overlap of the eligible replicas whose cache the router follows, by a stream or
+/// a prediction (0 with fewer than two): what a replica whose stream is `FALLBACK` is taken
+/// to hold.
 pub fn common_overlap<'a>(replicas: impl IntoIterator<Item = &'a ReplicaView>) -> usize {
     let mut streams = replicas
         .into_iter()

@@ -214,6 +214,12 @@ async fn check(
     if healthy != was {
         tracing::info!(replica = %member.replica.spec.name, healthy, "replica health changed");
     }
+    // A replica without events found down (not late: busy) will come back with an empty
+    // cache.
+    let prediction = member.replica.prediction.get();
+    if let Some(prediction) = prediction.filter(|_| was && !healthy && check == Check::Failed) {
+        prediction.forget();
+    }
     // A check that failed asks nothing more (a replica that does not answer would go
     // unchecked for every read's timeout).
     let healthy = healthy && passed;
@@ -230,6 +236,10 @@ async fn check(
         false => None,
     };
     let page = page.as_deref().unwrap_or_default();
+    // One that restarted between two checks reports a new start time.
+    if let Some((prediction, started)) = prediction.zip(start_time(page)) {
+        prediction.started(started);
+    }
     let report = match (gauge_sum(page, &WAITING_GAUGES), gauge_sum(page, &RUNNING_GAUGES)) {
         (None, None) => None,
         (waiting, running) => Some((waiting.unwrap_or(0), running.unwrap_or(0))),
@@ -306,6 +316,13 @@ const RUNNING_GAUGES: [&str; 2] = ["vllm:num_requests_running", "sglang:num_runn
 /// per engine); `None` when no gauge is there.
 fn gauge_sum(metrics: &[u8], gauges: &[&str]) -> Option<u32> {
     gauge_sum_of(metrics, gauges, |_| true)
+}
+
+/// The replica's start time (unix seconds), as Prometheus' Python client reports its
+/// process's (vLLM, SGLang) and the replica agent its own.
+fn start_time(metrics: &[u8]) -> Option<f64> {
+    let page = std::str::from_utf8(metrics).ok()?;
+    prometheus::samples(page, "process_start_time_seconds").next().map(|sample| sample.value)
 }
 
 /// The label an engine names a data-parallel rank's series by: vLLM's engine index (the

@@ -659,8 +659,9 @@ impl LoadGuard {
 /// the prompt's last block ([`crate::index::OnStored`]), or when the request ends, whichever
 /// comes first. The stored block is not waited for in a batch (a later prompt's last block
 /// may lie inside an earlier one), a stream, a request with no prediction to credit (a stored
-/// response's continuation, other paths), nor is it ever seen from a replica without events
-/// (`FALLBACK`): a whole answer of those holds its prefill until its end.
+/// response's continuation, other paths), nor is it ever seen from a replica whose stream is
+/// `FALLBACK`, nor before the answer's first data from one without events (`PREDICTED`: its
+/// blocks are stored then): a whole answer of those holds its prefill until its end.
 #[derive(Debug)]
 pub struct PendingPrefill {
     upstream: Arc<Upstream>,

@@ -106,3 +106,39 @@ async fn a_shared_first_block_does_not_send_a_predicted_fleet_to_one_replica() {
     assert!(max / 12.0 <= 2.0, "load skew {} too high: {per_replica:?}", max / 12.0);
     assert!(hits > 0, "the system prompt was cached and reused somewhere");
 }
+
+/// The index of the replica `reply` came from, and its blocks there, once predicted.
+fn home_blocks(fleet: &Fleet, reply: &crate::fleet::Reply) -> (kvroute_proto::ReplicaId, usize) {
+    let name = reply.header("x-kvroute-replica").unwrap();
+    let id = fleet.router.fleet().member(name).unwrap().replica.id;
+    (id, fleet.router.fleet().ingest().index().blocks(id))
+}
+
+/// A replica that restarts (a new start time on its metrics page) lost its cache: its
+/// prediction goes, even when no health check saw it down.
+#[tokio::test]
+async fn a_restarted_replica_is_predicted_empty() {
+    let config = |c| RouterConfig { unhealthy_after: 1_000, ..without_events(c) };
+    let mut fleet = Fleet::with(1, agent_config, config).await;
+    let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion(&text("restartw", 40))).await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    let (id, blocks) = home_blocks(&fleet, &reply);
+    assert!(blocks > 0);
+    fleet.restart(0, agent_config("agent-0")).await;
+    let index = fleet.router.fleet().ingest().index().clone();
+    crate::support::wait_until("the restart drops the prediction", || index.blocks(id) == 0).await;
+}
+
+/// A replica found down (its checks fail) will come back with an empty cache.
+#[tokio::test]
+async fn a_replica_found_down_is_predicted_empty() {
+    let config = |c| RouterConfig { unhealthy_after: 1, ..without_events(c) };
+    let mut fleet = Fleet::with(1, agent_config, config).await;
+    let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion(&text("downw", 40))).await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    let (id, blocks) = home_blocks(&fleet, &reply);
+    assert!(blocks > 0);
+    fleet.kill(0).await;
+    let index = fleet.router.fleet().ingest().index().clone();
+    crate::support::wait_until("the failed checks drop the prediction", || index.blocks(id) == 0).await;
+}
