@@ -56,6 +56,7 @@ impl AdminService {
         let spec = &m.replica.spec;
         let s = &m.replica.status;
         let load = m.upstream.load();
+        let listed = m.upstream.listed_adapters();
         pb::ReplicaStatus {
             spec: Some(pb::ReplicaSpec {
                 id: spec.name.clone(),
@@ -76,7 +77,8 @@ impl AdminService {
             draining: m.upstream.is_draining(),
             not_serving: !m.upstream.is_serving(),
             lora_adapters: m.upstream.adapters(),
-            listed_adapters: m.upstream.listed_adapters(),
+            lists_adapters: listed.is_some(),
+            listed_adapters: listed.unwrap_or_default(),
             epoch: s.epoch().0,
             last_seq: s.last_seq().map_or(0, |q| q.0),
             events_applied: s.events_applied(),

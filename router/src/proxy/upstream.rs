@@ -372,27 +372,30 @@ impl Upstream {
         listed.as_ref().map(|listed| listed.contains(adapter))
     }
 
-    /// The LoRA adapters the replica listed last, sorted (none until it listed any).
-    pub fn listed_adapters(&self) -> Vec<String> {
+    /// The LoRA adapters the replica listed last, sorted; `None` when its last healthy check
+    /// read no list (it may have any), or before its first.
+    pub fn listed_adapters(&self) -> Option<Vec<String>> {
         let listed = self.listed_adapters.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut listed: Vec<String> = listed.iter().flatten().cloned().collect();
+        let mut listed: Vec<String> = listed.as_ref()?.iter().cloned().collect();
         listed.sort_unstable();
-        listed
+        Some(listed)
     }
 
     /// The LoRA adapters the replica lists now (the cards of its `/v1/models` with a parent),
     /// or `None` when a check of it read no list (it may have any).
     pub fn set_listed_adapters(&self, listed: Option<HashSet<String>>) {
         let mut was = self.listed_adapters.lock().unwrap_or_else(PoisonError::into_inner);
-        let gained = match (was.as_ref(), listed.as_ref()) {
-            (Some(was), Some(listed)) => listed.iter().any(|name| !was.contains(name)),
+        // (A first list only narrows what the replica may have.)
+        let changed = match (was.as_ref(), listed.as_ref()) {
+            (Some(was), Some(listed)) => was != listed,
             (Some(_), None) => true,
             (None, _) => false,
         };
         *was = listed;
         drop(was);
-        // Requests for an adapter it gained that waited for room elsewhere may go here now.
-        if gained {
+        // Requests for an adapter it gained that waited for room elsewhere may go here now;
+        // those for one it dropped, if it was the adapter's last lister, anywhere.
+        if changed {
             self.waiters.wake_all();
         }
     }
@@ -961,9 +964,23 @@ mod tests {
         );
     }
 
-    /// A replica that lists an adapter it did not before wakes the requests waiting for room.
+    /// What a replica listed is told from its having listed nothing readable.
     #[test]
-    fn a_replica_that_lists_a_new_adapter_wakes_the_waiting_requests() {
+    fn a_list_of_no_adapters_is_not_a_list_unread() {
+        let u = Upstream::default();
+        assert_eq!(u.listed_adapters(), None, "never checked");
+        u.set_listed_adapters(Some(HashSet::new()));
+        assert_eq!(u.listed_adapters(), Some(Vec::new()));
+        u.set_listed_adapters(Some(HashSet::from(["b".to_owned(), "a".to_owned()])));
+        assert_eq!(u.listed_adapters(), Some(vec!["a".to_owned(), "b".to_owned()]));
+        u.set_listed_adapters(None);
+        assert_eq!(u.listed_adapters(), None, "a list no longer read");
+    }
+
+    /// A replica whose list of adapters changes wakes the requests waiting for room: one
+    /// gained may take its requests here, one dropped by its last lister anywhere.
+    #[test]
+    fn a_replica_whose_adapters_change_wakes_the_waiting_requests() {
         let waiters = Arc::new(Waiters::default());
         let u = Upstream::waking(waiters.clone(), ReplicaId(1));
         let listing = |names: &[&str]| {
@@ -973,7 +990,8 @@ mod tests {
         };
         assert!(!listing(&["sql"]), "a first list only narrows what the replica may have");
         assert!(!listing(&["sql"]));
-        assert!(!listing(&[]));
+        // The adapter's last lister no longer lists it: its requests may go anywhere now.
+        assert!(listing(&[]));
         assert!(listing(&["chat"]));
         let seen = waiters.frees();
         u.set_listed_adapters(None);

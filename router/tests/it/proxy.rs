@@ -1864,11 +1864,12 @@ async fn a_lora_adapter_on_some_replicas_only_gets_requests_there_only() {
             .await
             .unwrap();
     let list = admin.list_replicas(kvroute_proto::pb::ListReplicasRequest {}).await.unwrap().into_inner();
-    let listed: Vec<(String, Vec<String>)> =
-        list.replicas.into_iter().map(|r| (r.spec.unwrap().id, r.listed_adapters)).collect();
+    let listed: Vec<(String, Vec<String>, bool)> = (list.replicas.into_iter())
+        .map(|r| (r.spec.unwrap().id, r.listed_adapters, r.lists_adapters))
+        .collect();
     let other = fleet.agents[1].as_ref().unwrap().name.clone();
-    assert!(listed.contains(&(name.clone(), vec!["sql".to_owned()])), "{listed:?}");
-    assert!(listed.contains(&(other.clone(), Vec::new())), "{listed:?}");
+    assert!(listed.contains(&(name.clone(), vec!["sql".to_owned()], true)), "{listed:?}");
+    assert!(listed.contains(&(other.clone(), Vec::new(), true)), "a list read, of none: {listed:?}");
     for i in 0..8 {
         let reply = http.post(&fleet.url("/v1/completions"), &ask("sql", i)).await;
         assert_eq!(reply.status, 200, "{:?}", reply.body);
