@@ -429,6 +429,7 @@ impl RemoteTokenizer {
     }
 
     async fn ask_one(&self, base: &str, body: Bytes) -> Result<Vec<u32>, PromptError> {
+        let body_len = body.len();
         let request = http::Request::post(format!("{base}/tokenize"))
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(full(body))
@@ -440,8 +441,8 @@ impl RemoteTokenizer {
             .map_err(|_| PromptError::Remote(format!("{base}/tokenize timed out")))?
             .map_err(|e| PromptError::Remote(format!("{base}/tokenize: {e}")))?;
         let status = response.status();
-        // A million tokens are about 8 MB of JSON.
-        let body = super::body::read_at_most(response.into_body(), 4 * super::body::REPLICA_ANSWER_BYTES);
+        let limit = tokenize_answer_limit(body_len);
+        let body = super::body::read_at_most(response.into_body(), limit);
         let bytes = tokio::time::timeout_at(deadline, body)
             .await
             .map_err(|_| PromptError::Remote(format!("{base}/tokenize timed out")))?
@@ -463,6 +464,15 @@ impl RemoteTokenizer {
             .map_err(|e| PromptError::Remote(format!("{base}/tokenize: unexpected answer: {e}")))?;
         Ok(parsed.tokens)
     }
+}
+
+/// The most bytes of a `/tokenize` answer read for a request of `asked` bytes: a token is at
+/// least a byte of the text asked (byte fallback included), and at most 11 bytes of JSON
+/// (`4294967295,`); a chat template's own text, special tokens and the answer's other fields
+/// fit in the 1 MiB beside. So a replica (or whatever answers at its address) cannot make a
+/// short prompt cost the router megabytes; the whole is capped at 64 MiB, about 6 M tokens.
+fn tokenize_answer_limit(asked: usize) -> usize {
+    asked.saturating_mul(11).saturating_add(1 << 20).min(4 * super::body::REPLICA_ANSWER_BYTES)
 }
 
 #[cfg(test)]

@@ -461,6 +461,46 @@ async fn remote_tokenization_asks_the_next_replica_when_one_fails() {
     assert!((1..8).contains(&failed), "the broken replica had its turns, not all: {failed}");
 }
 
+/// With `--remote-tokenize`, an answer far larger than the prompt asked could tokenize to is
+/// not read: the next replica is asked (a short prompt cannot cost the router megabytes).
+#[tokio::test]
+async fn a_tokenize_answer_larger_than_its_prompt_is_not_read() {
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let bloated: &'static str =
+        Box::leak(format!("{{\"tokens\":[{}1]}}", "1,".repeat(1 << 20)).into_boxed_str());
+    let bloated_addr = {
+        let asked = asked.clone();
+        hand_made_replica(move |path, _| {
+            let asked = asked.clone();
+            async move {
+                match path.as_str() {
+                    "/tokenize" => {
+                        asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        (200, bloated)
+                    }
+                    _ => (404, ""),
+                }
+            }
+        })
+        .await
+    };
+    let fleet = Fleet::with(1, agent_config, |c| kvroute_router::Config { remote_tokenize: true, ..c }).await;
+    let bloated: kvroute_router::config::ReplicaConfig = format!(
+        "name=bloated,http=http://{bloated_addr},events={},engine=kvroute",
+        crate::support::nowhere()
+    )
+    .parse()
+    .unwrap();
+    fleet.router.fleet().add(bloated.to_spec(FLEET_MODEL, FLEET_BLOCK)).unwrap();
+    for i in 0..8 {
+        let body = completion(&text(&format!("bloat{i}"), 30), 1).to_string();
+        let plan = fleet.router.state.decider.explain(Endpoint::Completions, body.as_bytes()).await;
+        let plan = plan.unwrap_or_else(|e| panic!("prompt {i}: {e}"));
+        assert!((3..40).contains(&plan.blocks.len()), "prompt {i}: {} blocks", plan.blocks.len());
+    }
+    assert!(asked.load(std::sync::atomic::Ordering::Relaxed) > 0, "the bloated replica had its turns");
+}
+
 /// With `--remote-tokenize`, a replica that leaves the fleet while a request's prompt is
 /// being tokenized is not chosen for it; one that joined meanwhile is.
 #[tokio::test]
