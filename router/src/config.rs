@@ -208,8 +208,8 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_PREDICTED_TTL_MS", default_value_t = 120_000)]
     pub predicted_ttl_ms: u64,
     /// A replica without events is predicted to hold at most this many tokens, the least
-    /// recently sent leaving first: its KV cache size (vLLM logs it at start as "GPU KV
-    /// cache size: N tokens").
+    /// recently sent leaving first, unless its metrics page says its KV cache's size (vLLM's
+    /// `vllm:cache_config_info`, SGLang's `sglang:max_total_num_tokens`), which wins.
     #[arg(long, env = "KVROUTE_PREDICTED_CACHE_TOKENS", default_value_t = 1 << 20)]
     pub predicted_cache_tokens: usize,
 

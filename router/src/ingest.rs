@@ -159,8 +159,8 @@ pub struct IngestConfig {
     /// Of a replica without events ([`Prediction`]): how long a predicted block is kept after
     /// the last request that used it.
     pub predicted_ttl: Duration,
-    /// Of a replica without events: its KV cache, in tokens (vLLM logs it at start as
-    /// "GPU KV cache size"); more blocks than this are not predicted.
+    /// Of a replica without events: its KV cache, in tokens, until its metrics page says
+    /// (`crate::proxy::health`); more blocks than this are not predicted.
     pub predicted_cache_tokens: usize,
 }
 

@@ -11,8 +11,11 @@
 //!   (`--predicted-ttl-ms`; checked every `ttl / 4`, and before each record). The age bound
 //!   stands for what the router cannot see: other routers' and clients' requests to the
 //!   replica, and its generated tokens, which evict blocks too.
-//! - **Size.** The replica is predicted to hold at most its capacity
-//!   (`--predicted-cache-tokens` in blocks): past it, the least recently used blocks leave
+//! - **Size.** The replica is predicted to hold at most its capacity: what its metrics
+//!   page says its KV cache holds (vLLM's `vllm:cache_config_info` `num_gpu_blocks` times
+//!   its `block_size`, SGLang's `sglang:max_total_num_tokens`, the agent's
+//!   `kvroute_agent_capacity_blocks`), else `--predicted-cache-tokens`, in blocks of the
+//!   router's size. Past it, the least recently used blocks leave
 //!   first, as from vLLM's and SGLang's caches (a prefix shared by later requests stays, the
 //!   rest of an old request goes).
 //!
@@ -50,7 +53,6 @@ pub struct Prediction {
     replica: ReplicaId,
     index: SharedIndex,
     ttl: Duration,
-    capacity: usize,
     epoch: Instant,
     /// Its blocks gauge and stored and removed counters.
     metrics: ReplicaMetrics,
@@ -69,6 +71,8 @@ struct Lru {
     closed: bool,
     /// The start time the replica last reported.
     started: Option<f64>,
+    /// The most blocks predicted.
+    capacity: usize,
 }
 
 impl Prediction {
@@ -86,9 +90,9 @@ impl Prediction {
             stamp: 0,
             closed: false,
             started: None,
+            capacity: capacity_blocks.max(1),
         };
-        let capacity = capacity_blocks.max(1);
-        Self { replica, index, ttl, capacity, epoch: Instant::now(), metrics, inner: Mutex::new(inner) }
+        Self { replica, index, ttl, epoch: Instant::now(), metrics, inner: Mutex::new(inner) }
     }
 
     /// How often [`Self::expire`] is to run.
@@ -114,17 +118,7 @@ impl Prediction {
             }
             inner.uses.push_back((block, stamp));
         }
-        while inner.last.len() > self.capacity {
-            match inner.uses.pop_front() {
-                Some((block, stamp)) => {
-                    if inner.last.get(&block) == Some(&stamp) {
-                        inner.last.remove(&block);
-                        gone.push(block);
-                    }
-                }
-                None => break,
-            }
-        }
+        gone.extend(inner.over_capacity());
         let Lru { last, uses, .. } = &mut *inner;
         if uses.len() > 2 * last.len() + SLACK {
             uses.retain(|(block, stamp)| last.get(block) == Some(stamp));
@@ -154,6 +148,19 @@ impl Prediction {
         }
         let gone: Vec<BlockHash> = inner.last.drain().map(|(block, _)| block).collect();
         inner.uses = VecDeque::new();
+        self.take_out(&inner, &gone);
+    }
+
+    /// The replica reports a cache of `blocks` (of the router's size): the least recently used
+    /// past it leave.
+    pub fn set_capacity(&self, blocks: usize) {
+        let mut inner = self.lock();
+        let blocks = blocks.max(1);
+        if inner.closed || inner.capacity == blocks {
+            return;
+        }
+        inner.capacity = blocks;
+        let gone = inner.over_capacity();
         self.take_out(&inner, &gone);
     }
 
@@ -214,6 +221,21 @@ impl Prediction {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Lru> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Lru {
+    /// Takes the least recently used blocks past the capacity out; returns them.
+    fn over_capacity(&mut self) -> Vec<BlockHash> {
+        let mut gone = Vec::new();
+        while self.last.len() > self.capacity {
+            let Some((block, stamp)) = self.uses.pop_front() else { break };
+            if self.last.get(&block) == Some(&stamp) {
+                self.last.remove(&block);
+                gone.push(block);
+            }
+        }
+        gone
     }
 }
 
@@ -290,6 +312,13 @@ mod tests {
         p.record(&hs(100..120));
         assert_eq!(index.blocks(R), 8);
         assert_eq!(index.lookup(&hs(112..120)).get(R), 8);
+        // A replica that reports a smaller cache keeps the most recent of it.
+        p.set_capacity(3);
+        assert_eq!((index.blocks(R), p.metrics.blocks.get()), (3, 3));
+        assert_eq!(index.lookup(&hs(117..120)).get(R), 3);
+        p.set_capacity(100);
+        p.record(&hs(0..10));
+        assert_eq!(index.blocks(R), 13, "a larger one holds more");
     }
 
     /// Uses of blocks already held do not pile up: the queue stays within twice the blocks.

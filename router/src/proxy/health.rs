@@ -236,9 +236,16 @@ async fn check(
         false => None,
     };
     let page = page.as_deref().unwrap_or_default();
-    // One that restarted between two checks reports a new start time.
-    if let Some((prediction, started)) = prediction.zip(start_time(page)) {
-        prediction.started(started);
+    // One that restarted between two checks reports a new start time; its cache's size
+    // bounds what is predicted of it.
+    if let Some(prediction) = prediction {
+        if let Some(started) = start_time(page) {
+            prediction.started(started);
+        }
+        let block_size = member.replica.spec.block_size.unwrap_or(1);
+        if let Some(blocks) = cache_blocks(page, block_size) {
+            prediction.set_capacity(blocks);
+        }
     }
     let report = match (gauge_sum(page, &WAITING_GAUGES), gauge_sum(page, &RUNNING_GAUGES)) {
         (None, None) => None,
@@ -323,6 +330,25 @@ fn gauge_sum(metrics: &[u8], gauges: &[&str]) -> Option<u32> {
 fn start_time(metrics: &[u8]) -> Option<f64> {
     let page = std::str::from_utf8(metrics).ok()?;
     prometheus::samples(page, "process_start_time_seconds").next().map(|sample| sample.value)
+}
+
+/// The replica's KV cache, in blocks of `block_size` tokens, as its metrics page says it:
+/// vLLM's `vllm:cache_config_info` (its labels `num_gpu_blocks` and `block_size`; summed
+/// over engines), SGLang's `sglang:max_total_num_tokens`, the agent's
+/// `kvroute_agent_capacity_blocks` (its blocks are the router's size).
+fn cache_blocks(metrics: &[u8], block_size: u32) -> Option<usize> {
+    let page = std::str::from_utf8(metrics).ok()?;
+    let label = |sample: &prometheus::Sample, name| sample.label(name)?.parse::<u64>().ok();
+    let vllm = prometheus::samples(page, "vllm:cache_config_info")
+        .map(|sample| Some(label(&sample, "num_gpu_blocks")? * label(&sample, "block_size")?))
+        .try_fold(0u64, |sum, tokens| Some(sum.saturating_add(tokens?)));
+    let tokens = vllm.filter(|&tokens| tokens > 0).or_else(|| {
+        let sum = |name| prometheus::samples(page, name).map(|sample| sample.value).reduce(|a, b| a + b);
+        (sum("sglang:max_total_num_tokens"))
+            .or_else(|| sum("kvroute_agent_capacity_blocks").map(|blocks| blocks * f64::from(block_size)))
+            .map(|tokens| tokens as u64)
+    })?;
+    usize::try_from(tokens / u64::from(block_size.max(1))).ok().filter(|&blocks| blocks > 0)
 }
 
 /// The label an engine names a data-parallel rank's series by: vLLM's engine index (the
@@ -432,5 +458,22 @@ sglang:num_running_reqs{model_name="m",engine_type="unified",tp_rank="0",pp_rank
         let text = b"sglang:num_queue_reqs{model_name=\"a b} c\",engine_type=\"unified\"} 5 1700000000000\n\
                      sglang:num_queue_reqs_total 7\nsglang:num_running_reqs 9\n";
         assert_eq!(super::gauge_sum(text, &super::WAITING_GAUGES), Some(5));
+    }
+
+    /// A replica's cache size and start time, as vLLM, SGLang and the agent report them.
+    #[test]
+    fn reads_the_cache_size_and_the_start_time() {
+        let vllm = br#"vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="3000",prefix_caching_hash_algo="sha256"} 1.0
+process_start_time_seconds 1.73e+09
+"#;
+        assert_eq!(super::cache_blocks(vllm, 16), Some(3000));
+        assert_eq!(super::cache_blocks(vllm, 32), Some(1500), "in the router's blocks");
+        assert_eq!(super::start_time(vllm), Some(1.73e9));
+        let sglang = b"sglang:max_total_num_tokens{model_name=\"m\"} 640000\n";
+        assert_eq!(super::cache_blocks(sglang, 64), Some(10_000));
+        let agent = b"kvroute_agent_capacity_blocks{model_name=\"m\",engine=\"0\"} 4096\n";
+        assert_eq!(super::cache_blocks(agent, 4), Some(4096));
+        assert_eq!(super::cache_blocks(b"vllm:num_requests_waiting 1\n", 16), None);
+        assert_eq!(super::start_time(agent), None);
     }
 }

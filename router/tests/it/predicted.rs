@@ -142,3 +142,23 @@ async fn a_replica_found_down_is_predicted_empty() {
     let index = fleet.router.fleet().ingest().index().clone();
     crate::support::wait_until("the failed checks drop the prediction", || index.blocks(id) == 0).await;
 }
+
+/// The cache size a replica reports bounds its prediction (here the agent's, far below
+/// `--predicted-cache-tokens`).
+#[tokio::test]
+async fn a_prediction_holds_no_more_than_the_replica_reports_it_can() {
+    let agent = |n: &str| kvroute_replica_agent::Config { capacity_blocks: 16, ..agent_config(n) };
+    let fleet = Fleet::with(1, agent, without_events).await;
+    let mut id = None;
+    for doc in 0..4 {
+        let reply = fleet
+            .http
+            .post(&fleet.url("/v1/completions"), &completion(&text(&format!("cap{doc}w"), 40)))
+            .await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        id = Some(home_blocks(&fleet, &reply).0);
+    }
+    let index = fleet.router.fleet().ingest().index().clone();
+    let id = id.unwrap();
+    crate::support::wait_until("a health check reads the agent's 16 blocks", || index.blocks(id) == 16).await;
+}
