@@ -81,6 +81,10 @@ pub struct SimulateArgs {
     /// prompt tokens it sent each replica lately (cache-aware weighs it, by arrival time).
     #[arg(long)]
     pub no_engine: bool,
+    /// The router follows no KV events: it routes on a prediction of each replica's cache
+    /// (an LRU of the requests it sent there), while hits are the true caches'.
+    #[arg(long)]
+    pub without_events: bool,
     /// Sequences a replica runs at once.
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
@@ -145,6 +149,7 @@ impl SimulateArgs {
                 max_num_seqs: self.max_num_seqs,
                 max_num_batched_tokens: self.max_num_batched_tokens,
             }),
+            predicted: self.without_events,
         }
     }
 }

@@ -24,6 +24,13 @@
 //!
 //! With N = 1 the result is seed 000's replay exactly (and equals the pooled reference).
 //!
+//! With `predicted` (`simulate --without-events`) the router follows no KV events: step 2's
+//! overlaps are read from a prediction of each replica's cache, an LRU cache of its capacity
+//! replaying only the requests routed there (the router's `ingest::predicted`, without its
+//! TTL), while the hits of step 3 are still the true caches'. Under LRU eviction the two are
+//! the same cache; under LFU or S3FIFO the prediction is wrong where their eviction differs
+//! from LRU's, and the run shows what that costs.
+//!
 //! # Block identities
 //! [`BlockIdentity::HashIds`] uses the trace's `hash_ids` as the blocks (the partial last one
 //! included), as seed 000 does; [`BlockIdentity::Tokens`] materialises every prompt's tokens
@@ -101,6 +108,9 @@ pub struct SimConfig {
     /// router's own decayed count of the prompt tokens it sent each replica (which
     /// cache-aware weighs, on the arrivals' times: the speed-up still changes choices).
     pub engine: Option<EngineModel>,
+    /// The router follows no KV events: it routes on an LRU prediction of each replica's cache
+    /// from the requests it sent there.
+    pub predicted: bool,
 }
 
 impl Default for SimConfig {
@@ -117,6 +127,7 @@ impl Default for SimConfig {
             blocks: BlockIdentity::Auto,
             speedup: 1.0,
             engine: Some(EngineModel::default()),
+            predicted: false,
         }
     }
 }
@@ -298,6 +309,10 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
         .map(|_| BlockCache::new(&cache_config(config.capacity_blocks)))
         .collect::<Result<Vec<_>, _>>()?;
     let mut pooled = BlockCache::new(&cache_config(pooled_capacity))?;
+    // What a router without events predicts of each cache: an LRU of the requests it sent.
+    let lru = CacheConfig { policy: cache::PolicyKind::Lru, ..cache_config(config.capacity_blocks) };
+    let mut predictions =
+        (0..n).filter(|_| config.predicted).map(|_| BlockCache::new(&lru)).collect::<Result<Vec<_>, _>>()?;
     let mut engines: Vec<_> = config
         .engine
         .map(|model| (0..n).map(|_| engine::ReplicaEngine::new(model)).collect())
@@ -333,9 +348,10 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
                 e.load()
             });
             load.recent_prompt_tokens = recent[i].tokens(now);
+            let seen = predictions.get(i).unwrap_or(cache);
             views.push(ReplicaView {
                 id: ReplicaId(i as u32),
-                overlap_blocks: blocks.iter().take_while(|b| cache.contains(**b)).count(),
+                overlap_blocks: blocks.iter().take_while(|b| seen.contains(**b)).count(),
                 load,
                 stream: StreamState::Exact,
                 eligible: true,
@@ -356,6 +372,9 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
         let admit = |source| SimError::Admit { request: index, source };
         let outcome = caches[chosen].access_request(&blocks, request.input_len).map_err(admit)?;
         pooled.access_request(&blocks, request.input_len).map_err(admit)?;
+        if let Some(prediction) = predictions.get_mut(chosen) {
+            prediction.access_request(&blocks, request.input_len).map_err(admit)?;
+        }
         recent[chosen].add(now, request.input_len as u64);
         if let Some(engine) = engines.get_mut(chosen) {
             let uncached = (request.input_len - outcome.hit_tokens) as u64;

@@ -52,6 +52,9 @@ pub struct SimSetup {
     pub blocks: BlockIdentity,
     pub speedup: f64,
     pub engine_model: bool,
+    /// The router routed on predicted caches (no KV events).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub predicted: bool,
 }
 
 /// One cache of the fleet's total capacity replaying the same trace: the pooled reference
@@ -192,7 +195,11 @@ impl SimReport {
         let _ = writeln!(
             out,
             "{:<22} {:>8.2}% {:>15} {:>10} {:>10.3} {:>10} {:>10}",
-            if s.replicas > 1 { s.routing.as_str() } else { "single replica" },
+            match (s.replicas > 1, s.predicted) {
+                (true, false) => s.routing.as_str().to_owned(),
+                (true, true) => format!("{}, predicted", s.routing.as_str()),
+                (false, _) => "single replica".to_owned(),
+            },
             100.0 * self.overall_hit_rate,
             self.total_hit_tokens,
             pct,
@@ -287,5 +294,6 @@ pub(super) fn setup(config: &SimConfig, blocks: BlockIdentity, routing: policy::
         blocks,
         speedup: config.speedup,
         engine_model: config.engine.is_some(),
+        predicted: config.predicted,
     }
 }

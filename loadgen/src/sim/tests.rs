@@ -329,3 +329,34 @@ fn empty_trace_reports_zeros() {
     assert_eq!(report.pct_of_pooled, None);
     assert_eq!(report.latency, None);
 }
+
+/// Without events the router sees its LRU prediction, the hits are the true cache's: under
+/// LFU, a block the prediction holds can be gone (a block used twice outlives a newer one).
+#[test]
+fn without_events_the_router_routes_on_its_lru_prediction() {
+    let trace = Trace::new(vec![
+        req(0, 512, vec![1]),
+        req(1, 512, vec![1]),
+        req(2, 512, vec![2]),
+        req(3, 512, vec![3]),
+        req(4, 512, vec![2]),
+    ]);
+    let run = |predicted| {
+        let cfg = SimConfig { predicted, ..config(1, 2, cache::PolicyKind::Lfu) };
+        simulate_with(&trace, &cfg, &Recorder::default()).unwrap()
+    };
+    let (exact, predicted) = (run(false), run(true));
+    let last = |report: &SimReport| {
+        let r = report.per_request.last().unwrap();
+        (r.overlap_blocks, r.hit_tokens)
+    };
+    assert_eq!(last(&exact), (0, 0), "LFU evicted block 2 (used once) for block 3");
+    assert_eq!(last(&predicted), (1, 0), "an LRU still holds it: predicted, not hit");
+    assert_eq!(exact.overall_hit_rate, predicted.overall_hit_rate, "one replica: the same caches");
+    // Under LRU the prediction is the cache.
+    let lru = |predicted| {
+        let cfg = SimConfig { predicted, ..config(1, 2, cache::PolicyKind::Lru) };
+        simulate_with(&trace, &cfg, &Recorder::default()).unwrap()
+    };
+    assert_eq!(lru(true).per_request, lru(false).per_request);
+}
