@@ -316,3 +316,30 @@ pub async fn first_data(body: &mut hyper::body::Incoming) -> Bytes {
         }
     }
 }
+
+/// Sends `docs` documents of 40 words each, then a follow-up that extends each: every
+/// follow-up must land on its document's replica, with a hit predicted, and reported, to the
+/// token (nothing is evicted). Returns each document's replica, checked to be spread.
+pub async fn prefixes_come_home(fleet: &Fleet, docs: usize) -> std::collections::HashMap<usize, String> {
+    let ask = |prompt: String| serde_json::json!({"model": FLEET_MODEL, "prompt": prompt, "max_tokens": 2});
+    let doc = |doc: usize| (0..40).map(|i| format!("doc{doc}w{i}")).collect::<Vec<_>>().join(" ");
+    let mut home = std::collections::HashMap::new();
+    for d in 0..docs {
+        let first = fleet.http.post(&fleet.url("/v1/completions"), &ask(doc(d))).await;
+        assert_eq!(first.status, 200, "{:?}", first.body);
+        assert_eq!(first.cached_tokens(), 0);
+        home.insert(d, first.header("x-kvroute-replica").unwrap().to_owned());
+    }
+    for d in 0..docs {
+        let follow_up = format!("{} and then a question {d}", doc(d));
+        let reply = fleet.http.post(&fleet.url("/v1/completions"), &ask(follow_up)).await;
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.header("x-kvroute-replica"), Some(home[&d].as_str()), "doc {d} follows its prefix");
+        let predicted: u64 = reply.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
+        assert!(predicted > 0);
+        assert_eq!(reply.cached_tokens(), predicted, "doc {d}: the replica reports the hit predicted");
+    }
+    let used: std::collections::HashSet<&String> = home.values().collect();
+    assert!(used.len() > 1, "new prefixes spread over the fleet: {home:?}");
+    home
+}

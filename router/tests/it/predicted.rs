@@ -38,32 +38,8 @@ async fn replicas_without_events_are_routed_on_what_the_router_sent_them() {
     let fleet = Fleet::with(3, agent_config, config).await;
     let members = fleet.router.fleet().members();
     assert!(members.iter().all(|m| m.replica.status.state() == StreamState::Predicted));
-    let mut home = HashMap::new();
-    for doc in 0..6 {
-        let first = fleet
-            .http
-            .post(&fleet.url("/v1/completions"), &completion(&text(&format!("doc{doc}w"), 40)))
-            .await;
-        assert_eq!(first.status, 200, "{:?}", first.body);
-        assert_eq!(first.cached_tokens(), 0);
-        home.insert(doc, first.header("x-kvroute-replica").unwrap().to_owned());
-    }
-    for doc in 0..6 {
-        let follow_up = format!("{} and then a question {doc}", text(&format!("doc{doc}w"), 40));
-        let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion(&follow_up)).await;
-        assert_eq!(reply.status, 200);
-        assert_eq!(
-            reply.header("x-kvroute-replica"),
-            Some(home[&doc].as_str()),
-            "doc {doc} follows its prefix"
-        );
-        let predicted: u64 = reply.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
-        assert!(predicted > 0);
-        // Nothing evicted: the replica caches what it was sent, as predicted.
-        assert_eq!(reply.cached_tokens(), predicted, "doc {doc}");
-    }
-    let used: std::collections::HashSet<&String> = home.values().collect();
-    assert!(used.len() > 1, "new prefixes spread over the fleet: {home:?}");
+    // Nothing evicted: each replica caches what it was sent, as predicted.
+    let home = crate::fleet::prefixes_come_home(&fleet, 6).await;
 
     let metrics = String::from_utf8_lossy(&fleet.http.get(&fleet.url("/metrics")).await.body).into_owned();
     let state = format!(r#"kvroute_ingest_stream_state{{replica="{}",state="predicted"}} 1"#, home[&0]);
@@ -114,16 +90,24 @@ fn home_blocks(fleet: &Fleet, reply: &crate::fleet::Reply) -> (kvroute_proto::Re
     (id, fleet.router.fleet().ingest().index().blocks(id))
 }
 
+/// A fleet of one agent with a predicted cache (`config` on top of [`without_events`]), sent
+/// one prompt: the replica's id, which the index holds blocks of.
+async fn one_predicted(
+    config: impl FnOnce(RouterConfig) -> RouterConfig,
+) -> (Fleet, kvroute_proto::ReplicaId) {
+    let fleet = Fleet::with(1, agent_config, |c| config(without_events(c))).await;
+    let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion(&text("onew", 40))).await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    let (id, blocks) = home_blocks(&fleet, &reply);
+    assert!(blocks > 0);
+    (fleet, id)
+}
+
 /// A replica that restarts (a new start time on its metrics page) lost its cache: its
 /// prediction goes, even when no health check saw it down.
 #[tokio::test]
 async fn a_restarted_replica_is_predicted_empty() {
-    let config = |c| RouterConfig { unhealthy_after: 1_000, ..without_events(c) };
-    let mut fleet = Fleet::with(1, agent_config, config).await;
-    let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion(&text("restartw", 40))).await;
-    assert_eq!(reply.status, 200, "{:?}", reply.body);
-    let (id, blocks) = home_blocks(&fleet, &reply);
-    assert!(blocks > 0);
+    let (mut fleet, id) = one_predicted(|c| RouterConfig { unhealthy_after: 1_000, ..c }).await;
     fleet.restart(0, agent_config("agent-0")).await;
     let index = fleet.router.fleet().ingest().index().clone();
     crate::support::wait_until("the restart drops the prediction", || index.blocks(id) == 0).await;
@@ -132,12 +116,7 @@ async fn a_restarted_replica_is_predicted_empty() {
 /// A replica found down (its checks fail) will come back with an empty cache.
 #[tokio::test]
 async fn a_replica_found_down_is_predicted_empty() {
-    let config = |c| RouterConfig { unhealthy_after: 1, ..without_events(c) };
-    let mut fleet = Fleet::with(1, agent_config, config).await;
-    let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion(&text("downw", 40))).await;
-    assert_eq!(reply.status, 200, "{:?}", reply.body);
-    let (id, blocks) = home_blocks(&fleet, &reply);
-    assert!(blocks > 0);
+    let (mut fleet, id) = one_predicted(|c| RouterConfig { unhealthy_after: 1, ..c }).await;
     fleet.kill(0).await;
     let index = fleet.router.fleet().ingest().index().clone();
     crate::support::wait_until("the failed checks drop the prediction", || index.blocks(id) == 0).await;

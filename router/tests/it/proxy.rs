@@ -22,30 +22,7 @@ fn text(tag: &str, words: usize) -> String {
 #[tokio::test]
 async fn same_prefix_requests_land_on_the_replica_that_cached_them() {
     let fleet = Fleet::start(3).await;
-    let mut home = HashMap::new();
-    for doc in 0..6 {
-        let prefix = text(&format!("doc{doc}w"), 40);
-        let first = fleet.http.post(&fleet.url("/v1/completions"), &completion(&prefix, 2)).await;
-        assert_eq!(first.status, 200, "{:?}", first.body);
-        assert_eq!(first.cached_tokens(), 0);
-        home.insert(doc, first.header("x-kvroute-replica").unwrap().to_owned());
-    }
-    for doc in 0..6 {
-        let follow_up = format!("{} and then a question {doc}", text(&format!("doc{doc}w"), 40));
-        let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion(&follow_up, 2)).await;
-        assert_eq!(reply.status, 200);
-        assert_eq!(
-            reply.header("x-kvroute-replica"),
-            Some(home[&doc].as_str()),
-            "doc {doc} follows its prefix"
-        );
-        let predicted: u64 = reply.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
-        assert!(predicted > 0);
-        assert!(reply.cached_tokens() > 0, "the replica reports a real hit");
-        assert_eq!(reply.cached_tokens(), predicted, "prediction is exact with an exact index");
-    }
-    let used: std::collections::HashSet<&String> = home.values().collect();
-    assert!(used.len() > 1, "new prefixes spread over the fleet: {home:?}");
+    crate::fleet::prefixes_come_home(&fleet, 6).await;
 }
 
 /// Credits are predictions of blocks a replica is about to store; the blocks the index
