@@ -8,7 +8,8 @@
 //! said, as far as this router can see; they leave the index by age and by size:
 //!
 //! - **Age.** A block leaves the index `ttl` after the last request that used it
-//!   (`--predicted-ttl-ms`; checked every `ttl / 4`, and before each record). The age bound
+//!   (`--predicted-ttl-ms`; checked every `ttl / 4` and before each record, so up to a
+//!   quarter TTL later when nothing is recorded meanwhile). The age bound
 //!   stands for what the router cannot see: other routers' and clients' requests to the
 //!   replica, and its generated tokens, which evict blocks too.
 //! - **Size.** The replica is predicted to hold at most its capacity: what its metrics
@@ -25,9 +26,10 @@
 //! when over half of it is stale). So a record costs O(1) a block, amortised.
 //!
 //! A replica that restarted has lost its cache, and its prediction is dropped: when its
-//! health checks find it down (a check that failed, not one answered late), and when the
-//! start time its metrics page reports (`process_start_time_seconds`, which vLLM's and
-//! SGLang's Prometheus clients export, and the replica agent) changes.
+//! health checks find it unhealthy on a check that failed (not one answered late: busy),
+//! and when the start time its metrics page reports changes (`process_start_time_seconds`,
+//! which vLLM's Prometheus client exports with one API server, and the replica agent;
+//! SGLang's multiprocess page has none, so its restarts are seen by the health checks only).
 //!
 //! # Measured
 //! `loadgen simulate --without-events` routes on such a prediction offline (an LRU of the
@@ -128,7 +130,10 @@ impl Prediction {
         }
         let mut gone = self.expired(&mut inner, now);
         let mut new = Vec::new();
-        for &block in blocks {
+        // Last block first: of one request, the tail is the least recently used, and leaves
+        // first, as vLLM frees a request's blocks (a head without its tail still matches; a
+        // tail without its head never does).
+        for &block in blocks.iter().rev() {
             inner.stamp = inner.stamp.saturating_add(1).max(now);
             let stamp = inner.stamp;
             if inner.last.insert(block, stamp).is_none() {
@@ -326,14 +331,15 @@ mod tests {
         assert_eq!(index.blocks(R), 8);
         assert_eq!(index.lookup(&hs(10..14)).get(R), 4, "used again: kept");
         assert_eq!(index.lookup(&hs(20..24)).get(R), 0, "least recently used: gone");
-        // A request larger than the whole cache keeps its last blocks.
+        // A request larger than the whole cache keeps its first blocks, as vLLM frees a
+        // request's tail first.
         p.record(&hs(100..120));
         assert_eq!(index.blocks(R), 8);
-        assert_eq!(index.lookup(&hs(112..120)).get(R), 8);
-        // A replica that reports a smaller cache keeps the most recent of it.
+        assert_eq!(index.lookup(&hs(100..120)).get(R), 8);
+        // A replica that reports a smaller cache keeps the most recent of it, head first.
         p.set_capacity(3);
         assert_eq!((index.blocks(R), p.metrics.blocks.get()), (3, 3));
-        assert_eq!(index.lookup(&hs(117..120)).get(R), 3);
+        assert_eq!(index.lookup(&hs(100..120)).get(R), 3);
         p.set_capacity(100);
         p.record(&hs(0..10));
         assert_eq!(index.blocks(R), 13, "a larger one holds more");

@@ -214,10 +214,11 @@ async fn check(
     if healthy != was {
         tracing::info!(replica = %member.replica.spec.name, healthy, "replica health changed");
     }
-    // A replica without events found down (not late: busy) will come back with an empty
-    // cache.
+    // A replica without events unhealthy and failing its checks (not late: busy) will come
+    // back with an empty cache (each such check: it may have turned unhealthy on late ones,
+    // then crashed).
     let prediction = member.replica.prediction.get();
-    if let Some(prediction) = prediction.filter(|_| was && !healthy && check == Check::Failed) {
+    if let Some(prediction) = prediction.filter(|_| !healthy && check == Check::Failed) {
         prediction.forget();
     }
     // A check that failed asks nothing more (a replica that does not answer would go
@@ -333,15 +334,15 @@ fn start_time(metrics: &[u8]) -> Option<f64> {
 }
 
 /// The replica's KV cache, in blocks of `block_size` tokens, as its metrics page says it:
-/// vLLM's `vllm:cache_config_info` (its labels `num_gpu_blocks` and `block_size`; summed
-/// over engines), SGLang's `sglang:max_total_num_tokens`, the agent's
+/// vLLM's `vllm:cache_config_info` (its labels `num_gpu_blocks` and `block_size`; the
+/// largest sample: vLLM writes its engines' total once per engine), SGLang's `sglang:max_total_num_tokens`, the agent's
 /// `kvroute_agent_capacity_blocks` (its blocks are the router's size).
 fn cache_blocks(metrics: &[u8], block_size: u32) -> Option<usize> {
     let page = std::str::from_utf8(metrics).ok()?;
     let label = |sample: &prometheus::Sample, name| sample.label(name)?.parse::<u64>().ok();
     let vllm = prometheus::samples(page, "vllm:cache_config_info")
-        .map(|sample| Some(label(&sample, "num_gpu_blocks")? * label(&sample, "block_size")?))
-        .try_fold(0u64, |sum, tokens| Some(sum.saturating_add(tokens?)));
+        .map(|sample| label(&sample, "num_gpu_blocks")?.checked_mul(label(&sample, "block_size")?))
+        .try_fold(0u64, |most, tokens| Some(most.max(tokens?)));
     let tokens = vllm.filter(|&tokens| tokens > 0).or_else(|| {
         let sum = |name| prometheus::samples(page, name).map(|sample| sample.value).reduce(|a, b| a + b);
         (sum("sglang:max_total_num_tokens"))
@@ -468,6 +469,14 @@ process_start_time_seconds 1.73e+09
 "#;
         assert_eq!(super::cache_blocks(vllm, 16), Some(3000));
         assert_eq!(super::cache_blocks(vllm, 32), Some(1500), "in the router's blocks");
+        // Data-parallel: every engine's sample carries the engines' total.
+        let dp = br#"vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="6000"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="6000"} 1.0
+"#;
+        assert_eq!(super::cache_blocks(dp, 16), Some(6000));
+        let huge = br#"vllm:cache_config_info{block_size="18446744073709551615",num_gpu_blocks="2"} 1.0
+"#;
+        assert_eq!(super::cache_blocks(huge, 16), None, "an overflow is no size");
         assert_eq!(super::start_time(vllm), Some(1.73e9));
         let sglang = b"sglang:max_total_num_tokens{model_name=\"m\"} 640000\n";
         assert_eq!(super::cache_blocks(sglang, 64), Some(10_000));
