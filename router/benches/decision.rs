@@ -307,6 +307,7 @@ impl Bench {
         };
         let ingest =
             Ingest::start(config, index.clone(), &mut registry, TaskTracker::new(), shutdown.clone());
+        let host_index = ingest.host_index().clone();
         let fleet = Fleet::new(ingest);
         let mut rng = Rng(7);
         for r in 0..REPLICAS {
@@ -334,6 +335,7 @@ impl Bench {
             Decider {
                 fleet: fleet.clone(),
                 index: index.clone(),
+                host_index: host_index.clone(),
                 policy: policy::build(PolicyKind::CacheAware, CacheAwareParams::default(), 0),
                 prompts: Prompts::Local(Arc::new(tokenization)),
                 block_size: BLOCK,

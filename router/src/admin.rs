@@ -121,6 +121,7 @@ fn candidate(c: &Scored, block_size: usize, prompt_tokens: usize) -> pb::Candida
         dp_rank: c.rank,
         others: c.view.load.others,
         recent_prompt_tokens: c.view.load.recent_prompt_tokens,
+        offloaded_blocks: c.view.offloaded_blocks as u32,
         dp_rank_load: c.rank_load.map(|load| pb::Load {
             in_flight: load.in_flight,
             pending_prefill_tokens: load.pending_prefill_tokens,

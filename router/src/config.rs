@@ -105,6 +105,10 @@ pub struct Config {
     /// fleet's mean recent prompt tokens that a replica has above that mean (0 turns it off).
     #[arg(long, env = "KVROUTE_BALANCE_WEIGHT", default_value_t = CacheAwareParams::default().balance_weight)]
     pub balance_weight: f64,
+    /// Cache-aware cost: weight of a prompt token a replica loads from host memory (a vLLM
+    /// or SGLang cache offloaded to CPU) relative to an uncached one.
+    #[arg(long, env = "KVROUTE_OFFLOAD_WEIGHT", default_value_t = CacheAwareParams::default().offload_weight)]
+    pub offload_weight: f64,
     /// How long a routing decision credits the chosen replica with the request's blocks
     /// after the replica's first output for it (before that, however long the request
     /// queues, they hold), unless its events confirm them first, milliseconds. A replica
@@ -371,6 +375,10 @@ impl Config {
         check(
             self.balance_weight.is_finite() && self.balance_weight >= 0.0,
             "--balance-weight must be >= 0".into(),
+        );
+        check(
+            self.offload_weight.is_finite() && self.offload_weight >= 0.0,
+            "--offload-weight must be >= 0".into(),
         );
         check(self.connect_timeout_ms > 0, "--connect-timeout-ms must be at least 1".into());
         check(self.events_fallback_ms > 0, "--events-fallback-ms must be at least 1".into());

@@ -366,6 +366,22 @@ impl SharedIndex {
         (out, credited)
     }
 
+    /// Where each listed replica's run of `hashes` held here, begun at its start, ends (see
+    /// [`PrefixIndex::continue_into`]); nothing for an empty index, without a walk.
+    pub fn continue_from(&self, hashes: &[BlockHash], from: &[(ReplicaId, usize)]) -> Overlaps {
+        let mut out = Overlaps::new();
+        let index = self.read();
+        if index.entries() > 0 {
+            index.continue_into(hashes, from, &mut out);
+        }
+        out
+    }
+
+    /// Whether no replica holds a block here.
+    pub fn is_empty(&self) -> bool {
+        self.read().entries() == 0
+    }
+
     /// Like [`Self::lookup_into`] with a fresh result.
     pub fn lookup(&self, hashes: &[BlockHash]) -> Overlaps {
         let mut out = Overlaps::new();

@@ -30,6 +30,9 @@
 //! AllBlocksCleared ──► clear the rank (state unchanged; credits stay)
 //! ```
 //!
+//! A rank's blocks offloaded to host memory (`decode::Tier::Host`) are kept in an index of
+//! their own ([`Ingest::host_index`]); every clear of the rank clears them too.
+//!
 //! After every (re)connect, a second `repair(from next expected)` runs `catch_up_after`
 //! later (if the replica has a replay endpoint): the subscription reaches the publisher some
 //! time after the connection, and a batch published in between is lost without anything
@@ -210,6 +213,8 @@ struct Inner {
     index: SharedIndex,
     /// The data-parallel replicas' ranks ([`crate::index::Ranks`]), all in one.
     rank_index: SharedIndex,
+    /// The blocks replicas offloaded to host memory (`decode::Tier::Host`).
+    host_index: SharedIndex,
     replicas: Replicas,
     metrics: IngestMetrics,
     tracker: TaskTracker,
@@ -237,13 +242,16 @@ impl Ingest {
         shutdown: CancellationToken,
     ) -> Self {
         let rank_index = SharedIndex::with_credit_ttl(index.credits().ttl());
-        let metrics = IngestMetrics::register(registry, index.clone(), rank_index.clone());
+        let host_index = SharedIndex::with_credit_ttl(index.credits().ttl());
+        let metrics =
+            IngestMetrics::register(registry, index.clone(), rank_index.clone(), host_index.clone());
         let replay_budget = Arc::new(replay::Budget::new(config.replay_max_bytes));
         Self {
             inner: Arc::new(Inner {
                 config: Arc::new(config),
                 index,
                 rank_index,
+                host_index,
                 replicas: Replicas::new(),
                 metrics,
                 tracker,
@@ -262,6 +270,12 @@ impl Ingest {
     /// The index ingestion writes to.
     pub fn index(&self) -> &SharedIndex {
         &self.inner.index
+    }
+
+    /// The blocks replicas offloaded to host memory: a request's run there, after what the
+    /// index shows on the replica, is loaded rather than computed.
+    pub fn host_index(&self) -> &SharedIndex {
+        &self.inner.host_index
     }
 
     /// Registers a replica and starts following its event stream (one SUB per rank).
@@ -314,6 +328,7 @@ impl Ingest {
         let ctx = Arc::new(ReplicaCtx {
             replica: replica.clone(),
             index: inner.index.clone(),
+            host_index: inner.host_index.clone(),
             metrics: metrics.clone(),
             config: inner.config.clone(),
             replay_budget: inner.replay_budget.clone(),
@@ -392,6 +407,7 @@ impl Ingest {
                 prediction.close();
             }
             let freed = inner.index.clear_replica(id);
+            inner.host_index.clear_replica(id);
             if let Some(ranks) = replica.ranks.get() {
                 ranks.clear();
             }

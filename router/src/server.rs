@@ -121,6 +121,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     let index = SharedIndex::with_credit_ttl(config.credit_ttl());
     let ingest =
         Ingest::start(config.ingest(), index.clone(), &mut registry, tracker.clone(), shutdown.clone());
+    let host_index = ingest.host_index().clone();
     let fleet = Fleet::new(ingest);
     for r in &config.replicas {
         fleet
@@ -206,6 +207,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         in_flight_tokens: config.load_weight,
         miss_weight: config.miss_weight,
         balance_weight: config.balance_weight,
+        offload_weight: config.offload_weight,
     };
     let seed = config.seed.unwrap_or_else(|| {
         use std::hash::{BuildHasher, Hasher};
@@ -216,6 +218,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     let decider = Decider {
         fleet: fleet.clone(),
         index,
+        host_index,
         policy: policy::build(config.policy, params, seed),
         prompts,
         block_size: config.block_size as usize,

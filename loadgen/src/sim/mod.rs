@@ -238,7 +238,10 @@ fn problems(trace: &Trace, config: &SimConfig) -> Vec<SimError> {
         problems.extend(engine_problems(trace, engine, config.block_size).into_iter().map(SimError::Engine));
     }
     let p = config.cache_aware;
-    if ![p.in_flight_tokens, p.miss_weight, p.balance_weight].iter().all(|w| w.is_finite() && *w >= 0.0) {
+    if ![p.in_flight_tokens, p.miss_weight, p.balance_weight, p.offload_weight]
+        .iter()
+        .all(|w| w.is_finite() && *w >= 0.0)
+    {
         problems.push(SimError::Weights(p));
     }
     match BlockCache::new(&cache_config(config, config.capacity_blocks)) {
@@ -352,6 +355,7 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
             views.push(ReplicaView {
                 id: ReplicaId(i as u32),
                 overlap_blocks: blocks.iter().take_while(|b| seen.contains(**b)).count(),
+                offloaded_blocks: 0,
                 load,
                 stream: StreamState::Exact,
                 eligible: true,

@@ -250,6 +250,57 @@ impl PrefixIndex {
         out.hits.sort_unstable_by_key(|&(id, _)| id);
     }
 
+    /// For every replica listed in `from` with `(replica, start)`, where its run of blocks of
+    /// `hashes` held here, begun at block `start`, ends: the first block at or past `start`
+    /// that it does not hold. A replica whose run is empty, or not listed, is left out. One
+    /// walk for all, from the least start: a replica joins it at its own start.
+    pub fn continue_into(&self, hashes: &[BlockHash], from: &[(ReplicaId, usize)], out: &mut Overlaps) {
+        out.hits.clear();
+        for (g, group) in self.groups.iter().enumerate() {
+            // (start, bit) of the group's slots that are listed, by start.
+            let mut joins: Vec<(usize, u64)> = from
+                .iter()
+                .filter(|&&(_, start)| start < hashes.len())
+                .filter_map(|&(id, start)| {
+                    let (slot_group, bit) = split(*self.by_id.get(&id)?);
+                    (slot_group == g && group.live & bit != 0).then_some((start, bit))
+                })
+                .collect();
+            if joins.is_empty() {
+                continue;
+            }
+            joins.sort_unstable_by_key(|&(start, _)| start);
+            let (mut alive, mut started, mut next) = (0u64, 0u64, 0);
+            let mut depth = joins[0].0;
+            while depth < hashes.len() {
+                while let Some(&(start, bit)) = joins.get(next).filter(|&&(start, _)| start <= depth) {
+                    debug_assert_eq!(start, depth);
+                    alive |= bit;
+                    next += 1;
+                }
+                if alive == 0 {
+                    match joins.get(next) {
+                        Some(&(start, _)) => depth = start,
+                        None => break,
+                    }
+                    continue;
+                }
+                let hash = hashes[depth];
+                let present = group.shards[shard_of(hash)].get(&hash).copied().unwrap_or(0);
+                let dropped = alive & !present;
+                if dropped != 0 {
+                    // Those that held some of it end here (those that held none are no run).
+                    self.push_hits(g, dropped & started, depth, out);
+                    alive &= present;
+                }
+                started |= alive;
+                depth += 1;
+            }
+            self.push_hits(g, alive & started, depth, out);
+        }
+        out.hits.sort_unstable_by_key(|&(id, _)| id);
+    }
+
     fn push_hits(&self, group: usize, mut bits: u64, depth: usize, out: &mut Overlaps) {
         while bits != 0 {
             let slot = group * GROUP_SLOTS + bits.trailing_zeros() as usize;

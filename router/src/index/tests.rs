@@ -44,6 +44,21 @@ fn empty_index_has_no_overlap() {
 }
 
 #[test]
+fn runs_continue_from_each_replicas_own_start() {
+    let index = SharedIndex::new();
+    index.store(r(1), &hs(2..6));
+    index.store(r(2), &hs(0..8));
+    index.store(r(3), &hs(4..8));
+    let from = [(r(1), 2), (r(2), 5), (r(3), 2), (r(4), 0)];
+    // 1 holds 2..6 from 2; 2 from 5 to the end; 3 nothing at 2 (a run must begin at its
+    // start); 4 holds nothing.
+    assert_eq!(sorted(&index.continue_from(&hs(0..7), &from)), vec![(r(1), 6), (r(2), 7)]);
+    assert_eq!(sorted(&index.continue_from(&hs(0..7), &[(r(3), 4)])), vec![(r(3), 7)]);
+    assert!(index.continue_from(&hs(0..7), &[(r(2), 7)]).is_empty(), "a start at the end is no run");
+    assert!(SharedIndex::new().continue_from(&hs(0..7), &from).is_empty());
+}
+
+#[test]
 fn overlap_is_the_contiguous_prefix_per_replica() {
     let index = SharedIndex::new();
     index.store(r(1), &hs(0..8));
@@ -301,6 +316,20 @@ impl Model {
         hits
     }
 
+    /// Where each listed replica's run from its start ends, for those with a run.
+    fn continue_from(&self, hashes: &[BlockHash], from: &[(ReplicaId, usize)]) -> Vec<(ReplicaId, usize)> {
+        let mut hits: Vec<_> = from
+            .iter()
+            .filter_map(|&(replica, start)| {
+                let held = self.refs.get(&replica)?;
+                let run = hashes.iter().skip(start).take_while(|hash| held.contains_key(hash)).count();
+                (run > 0).then_some((replica, start + run))
+            })
+            .collect();
+        hits.sort();
+        hits
+    }
+
     fn blocks(&self, replica: ReplicaId) -> usize {
         self.refs.get(&replica).map_or(0, HashMap::len)
     }
@@ -344,6 +373,11 @@ proptest! {
                 Op::Lookup(hashes) => {
                     index.lookup_into(&hashes, &mut out);
                     prop_assert_eq!(sorted(&out), model.lookup(&hashes));
+                    // Runs from a start of each replica's own (some past the end, some not
+                    // listed), as the offloaded tier continues the device tier's prefixes.
+                    let from: Vec<(ReplicaId, usize)> =
+                        (0..100).filter(|id| id % 7 != 3).map(|id| (r(id), (id as usize * 5) % (hashes.len() + 2))).collect();
+                    prop_assert_eq!(sorted(&index.continue_from(&hashes, &from)), model.continue_from(&hashes, &from));
                 }
             }
             let stats = index.stats();

@@ -2,13 +2,20 @@
 //! decides here which vLLM / SGLang events the router can index.
 //!
 //! Filters (vLLM / SGLang; each skipped event counts once under its [`SkipReason`]):
-//! - `medium` other than absent or `GPU` (case-insensitive) → `medium`: offloaded tiers are
-//!   not a prefill skip the policy can count on;
+//! - `medium` other than absent, `GPU` (case-insensitive) or a host tier → `medium`: disk and
+//!   remote stores load too slowly to count on, and the lowercase `cpu` of the LMCache and
+//!   Mooncake connectors comes from stores that never announce a removal. The host tier is
+//!   `CPU` (vLLM's offloading connector), `CPU_PINNED` (SGLang's HiCache) and `CPU_TIER1`
+//!   (SGLang before 0.5.11), spelled exactly so, as Dynamo reads them; its events are indexed
+//!   apart ([`Tier::Host`]);
 //! - `locality == "REMOTE"` → `remote`;
 //! - `kv_cache_spec_kind` other than `full_attention` / `mla_attention` → `attention_kind`;
 //!   without a kind (vLLM < 0.23) a `group_idx > 0` is treated the same way;
 //! - `block_size == 0` or `len(token_ids) != len(block_hashes) * block_size` →
-//!   `tokens_mismatch` (connector placeholders, sliding-window / Mamba masked blocks);
+//!   `tokens_mismatch` (sliding-window / Mamba masked blocks), except a host-tier store
+//!   without tokens: vLLM's offloading connector names only the hashes of what it stored
+//!   (unless `self_describing_kv_events` is on, vLLM 0.24 and later), and the stream finds
+//!   them among the blocks the device tier announced;
 //! - a block size other than the replica's configured one → `block_size`;
 //! - `extra_keys` holding anything but the LoRA name or a salt string → `extra_keys`
 //!   (multimodal / prompt-embedding hashes the router cannot reproduce);
@@ -44,8 +51,8 @@ pub(crate) struct Batch {
 
 #[derive(Debug)]
 pub(crate) enum Event {
-    Stored(Stored),
-    Removed(Removed),
+    Stored(Stored, Tier),
+    Removed(Removed, Tier),
     Cleared,
     Skipped(SkipReason),
     /// A store in a KV-cache group of a kind the router does not index (sliding window,
@@ -55,7 +62,17 @@ pub(crate) enum Event {
     },
 }
 
-/// A stored run of blocks.
+/// Where an event's blocks are held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Tier {
+    /// The engine's KV cache (GPU memory): a hit skips the prefill.
+    Device,
+    /// Host memory the engine offloads to and loads back from, faster than a prefill.
+    Host,
+}
+
+/// A stored run of blocks (for a host-tier run without tokens, `tokens` is empty and
+/// `block_size` 0: only the hashes are known).
 #[derive(Debug)]
 pub(crate) struct Stored {
     /// The engine's hashes (for kvroute engines, the router's hashes themselves).
@@ -119,20 +136,23 @@ fn from_native(batch: pb::EventBatch) -> Batch {
         .events
         .into_iter()
         .map(|e| match e.kind {
-            Some(Kind::Stored(s)) => Event::Stored(Stored {
-                engine: s.block_hashes.into_iter().map(BlockHash).collect(),
-                parent: s.parent_block_hash.map(BlockHash),
-                tokens: s.token_ids,
-                block_size: batch.block_size,
-                lora: None,
-                salt: None,
-                group: 0,
-                reused: Some(false),
-            }),
-            Some(Kind::Removed(r)) => Event::Removed(Removed {
-                engine: r.block_hashes.into_iter().map(BlockHash).collect(),
-                group: 0,
-            }),
+            Some(Kind::Stored(s)) => Event::Stored(
+                Stored {
+                    engine: s.block_hashes.into_iter().map(BlockHash).collect(),
+                    parent: s.parent_block_hash.map(BlockHash),
+                    tokens: s.token_ids,
+                    block_size: batch.block_size,
+                    lora: None,
+                    salt: None,
+                    group: 0,
+                    reused: Some(false),
+                },
+                Tier::Device,
+            ),
+            Some(Kind::Removed(r)) => Event::Removed(
+                Removed { engine: r.block_hashes.into_iter().map(BlockHash).collect(), group: 0 },
+                Tier::Device,
+            ),
             Some(Kind::Cleared(_)) => Event::Cleared,
             None => Event::Skipped(SkipReason::UnknownEvent),
         })
@@ -145,33 +165,34 @@ fn from_vllm(event: VllmEvent, block_size: Option<u32>) -> Event {
         VllmEvent::BlockStored(s) => match check_stored(&s, block_size) {
             Err(SkipReason::AttentionKind) => Event::OtherKind { group: s.group_idx.unwrap_or(0) },
             Err(reason) => Event::Skipped(reason),
-            Ok(salt) => Event::Stored(Stored {
-                salt: s.cache_salt.or(salt),
-                engine: s.block_hashes,
-                parent: s.parent_block_hash,
-                tokens: s.token_ids,
-                block_size: s.block_size,
-                lora: s.lora_name,
-                group: s.group_idx.unwrap_or(0),
-                reused: match s.origin.as_deref() {
-                    Some(o) if o.eq_ignore_ascii_case("reused") => Some(true),
-                    Some(o) if o.eq_ignore_ascii_case("new") => Some(false),
-                    _ => None,
+            Ok((salt, tier)) => Event::Stored(
+                Stored {
+                    salt: s.cache_salt.or(salt),
+                    engine: s.block_hashes,
+                    parent: s.parent_block_hash,
+                    block_size: if s.token_ids.is_empty() { 0 } else { s.block_size },
+                    tokens: s.token_ids,
+                    lora: s.lora_name,
+                    group: s.group_idx.unwrap_or(0),
+                    reused: match s.origin.as_deref() {
+                        Some(o) if o.eq_ignore_ascii_case("reused") => Some(true),
+                        Some(o) if o.eq_ignore_ascii_case("new") => Some(false),
+                        _ => None,
+                    },
                 },
-            }),
+                tier,
+            ),
         },
-        VllmEvent::BlockRemoved(r) => {
-            if !gpu(r.medium.as_deref()) {
-                Event::Skipped(SkipReason::Medium)
-            } else if remote(r.locality.as_deref()) {
-                Event::Skipped(SkipReason::Remote)
-            } else {
-                // No kind on removals: the engine map is keyed by (group, hash); a group whose
-                // stores were of another kind is known by them (`attention_kind`), any other
-                // hash not held is an `unknown_block`.
-                Event::Removed(Removed { engine: r.block_hashes, group: r.group_idx.unwrap_or(0) })
+        VllmEvent::BlockRemoved(r) => match tier(r.medium.as_deref()) {
+            None => Event::Skipped(SkipReason::Medium),
+            Some(_) if remote(r.locality.as_deref()) => Event::Skipped(SkipReason::Remote),
+            // No kind on removals: the engine map is keyed by (group, hash); a group whose
+            // stores were of another kind is known by them (`attention_kind`), any other
+            // hash not held is an `unknown_block`.
+            Some(tier) => {
+                Event::Removed(Removed { engine: r.block_hashes, group: r.group_idx.unwrap_or(0) }, tier)
             }
-        }
+        },
         VllmEvent::AllBlocksCleared => Event::Cleared,
         VllmEvent::Unknown(_) => Event::Skipped(SkipReason::UnknownEvent),
         VllmEvent::Malformed(bad) => {
@@ -181,11 +202,13 @@ fn from_vllm(event: VllmEvent, block_size: Option<u32>) -> Event {
     }
 }
 
-/// Whether a stored event can be indexed; on success, the vLLM salt found in `extra_keys`.
-fn check_stored(s: &vllm::BlockStored, block_size: Option<u32>) -> Result<Option<String>, SkipReason> {
-    if !gpu(s.medium.as_deref()) {
-        return Err(SkipReason::Medium);
-    }
+/// Whether a stored event can be indexed; on success, the vLLM salt found in `extra_keys`,
+/// and the tier.
+fn check_stored(
+    s: &vllm::BlockStored,
+    block_size: Option<u32>,
+) -> Result<(Option<String>, Tier), SkipReason> {
+    let Some(tier) = tier(s.medium.as_deref()) else { return Err(SkipReason::Medium) };
     if remote(s.locality.as_deref()) {
         return Err(SkipReason::Remote);
     }
@@ -196,6 +219,10 @@ fn check_stored(s: &vllm::BlockStored, block_size: Option<u32>) -> Result<Option
         None => {}
     }
     let blocks = s.block_hashes.len();
+    if tier == Tier::Host && blocks > 0 && s.token_ids.is_empty() {
+        // Known by its hashes alone: its namespace is the device tier's blocks'.
+        return Ok((None, tier));
+    }
     if s.block_size == 0 || blocks == 0 || s.token_ids.len() != blocks.saturating_mul(s.block_size as usize) {
         return Err(SkipReason::TokensMismatch);
     }
@@ -207,7 +234,7 @@ fn check_stored(s: &vllm::BlockStored, block_size: Option<u32>) -> Result<Option
         // reproduced, and indexed under the base model they would be false hits.
         return Err(SkipReason::ExtraKeys);
     }
-    extra_salt(s)
+    Ok((extra_salt(s)?, tier))
 }
 
 /// The salt string of block 0's extra keys, if any; an error for keys the router cannot
@@ -244,8 +271,14 @@ fn extra_salt(s: &vllm::BlockStored) -> Result<Option<String>, SkipReason> {
     Ok(salt)
 }
 
-fn gpu(medium: Option<&str>) -> bool {
-    medium.is_none_or(|m| m.eq_ignore_ascii_case("gpu"))
+/// The tier a `medium` names, if the router indexes it (see the module docs).
+fn tier(medium: Option<&str>) -> Option<Tier> {
+    match medium {
+        None => Some(Tier::Device),
+        Some(m) if m.eq_ignore_ascii_case("gpu") => Some(Tier::Device),
+        Some("CPU" | "CPU_PINNED" | "CPU_TIER1") => Some(Tier::Host),
+        Some(_) => None,
+    }
 }
 
 fn remote(locality: Option<&str>) -> bool {
@@ -319,6 +352,49 @@ mod tests {
     }
 
     #[test]
+    fn host_tiers_are_indexed_apart_and_others_skipped() {
+        let tier_of = |s: vllm::BlockStored| match from_vllm(VllmEvent::BlockStored(s), Some(2)) {
+            Event::Stored(st, tier) => Ok((tier, st.tokens.len(), st.block_size)),
+            Event::Skipped(reason) => Err(reason),
+            other => panic!("{other:?}"),
+        };
+        let medium = |m: &str| vllm::BlockStored { medium: Some(m.into()), ..stored() };
+        assert_eq!(tier_of(medium("gpu")), Ok((Tier::Device, 4, 2)));
+        assert_eq!(tier_of(medium("CPU")), Ok((Tier::Host, 4, 2)), "vLLM, self-describing");
+        assert_eq!(tier_of(medium("CPU_PINNED")), Ok((Tier::Host, 4, 2)), "SGLang's HiCache");
+        assert_eq!(tier_of(medium("CPU_TIER1")), Ok((Tier::Host, 4, 2)));
+        for skipped in ["cpu", "STORAGE", "DISK", "CPU_TIER2", "EXTERNAL", "FS"] {
+            assert_eq!(tier_of(medium(skipped)), Err(SkipReason::Medium), "{skipped}");
+        }
+        // vLLM's offloading placeholders: hashes only, whatever block size they say (0.11
+        // says the offloaded block's, 0.20 and later 0).
+        for block_size in [0, 32] {
+            let placeholder = vllm::BlockStored { token_ids: vec![], block_size, ..medium("CPU") };
+            assert_eq!(tier_of(placeholder), Ok((Tier::Host, 0, 0)));
+        }
+        let empty = vllm::BlockStored { block_hashes: vec![], token_ids: vec![], ..medium("CPU") };
+        assert_eq!(tier_of(empty), Err(SkipReason::TokensMismatch));
+        let masked = vllm::BlockStored { token_ids: vec![1, 2, 3], ..medium("CPU") };
+        assert_eq!(tier_of(masked), Err(SkipReason::TokensMismatch));
+        let remote = vllm::BlockStored { locality: Some("REMOTE".into()), ..medium("CPU") };
+        assert_eq!(tier_of(remote), Err(SkipReason::Remote));
+        let removed = |m: &str| {
+            let r = vllm::BlockRemoved {
+                block_hashes: vec![BlockHash(1)],
+                medium: Some(m.into()),
+                ..Default::default()
+            };
+            match from_vllm(VllmEvent::BlockRemoved(r), None) {
+                Event::Removed(_, tier) => Some(tier),
+                _ => None,
+            }
+        };
+        assert_eq!(removed("GPU"), Some(Tier::Device));
+        assert_eq!(removed("CPU"), Some(Tier::Host));
+        assert_eq!(removed("DISK"), None);
+    }
+
+    #[test]
     fn namespace_comes_from_lora_name_and_salt() {
         let s = vllm::BlockStored {
             lora_name: Some("ad".into()),
@@ -328,7 +404,7 @@ mod tests {
             ]),
             ..stored()
         };
-        let Event::Stored(st) = from_vllm(VllmEvent::BlockStored(s), None) else { panic!("skipped") };
+        let Event::Stored(st, _) = from_vllm(VllmEvent::BlockStored(s), None) else { panic!("skipped") };
         assert_eq!(st.lora.as_deref(), Some("ad"));
         assert_eq!(st.salt.as_deref(), Some("tenant"));
         let same = vllm::BlockStored {
@@ -339,14 +415,14 @@ mod tests {
             ])]),
             ..stored()
         };
-        let Event::Stored(st) = from_vllm(VllmEvent::BlockStored(same), None) else { panic!("skipped") };
+        let Event::Stored(st, _) = from_vllm(VllmEvent::BlockStored(same), None) else { panic!("skipped") };
         assert_eq!(
             (st.lora.as_deref(), st.salt.as_deref()),
             (Some("ad"), Some("ad")),
             "a salt spelled like the adapter"
         );
         let sglang = vllm::BlockStored { cache_salt: Some("t2".into()), ..stored() };
-        let Event::Stored(st) = from_vllm(VllmEvent::BlockStored(sglang), None) else { panic!("skipped") };
+        let Event::Stored(st, _) = from_vllm(VllmEvent::BlockStored(sglang), None) else { panic!("skipped") };
         assert_eq!(st.salt.as_deref(), Some("t2"));
     }
 
@@ -354,7 +430,7 @@ mod tests {
     fn origin_says_whether_blocks_are_reused() {
         let reused = |origin: Option<&str>| {
             let s = vllm::BlockStored { origin: origin.map(Into::into), ..stored() };
-            let Event::Stored(st) = from_vllm(VllmEvent::BlockStored(s), None) else { panic!("skipped") };
+            let Event::Stored(st, _) = from_vllm(VllmEvent::BlockStored(s), None) else { panic!("skipped") };
             st.reused
         };
         assert_eq!(reused(Some("REUSED")), Some(true));

@@ -28,6 +28,16 @@
 //! is its later removal known (`unknown_block`). (SGLang's `format: "dynamo"` hashes the
 //! namespace too; the router has not been tried with it.)
 //!
+//! A rank's host tier (blocks offloaded to CPU memory) has a map of its own, filled by
+//! [`EngineMap::store_offloaded`]. An offloaded block is the device block of the same engine
+//! hash copied out (vLLM's offloading connector and SGLang's HiCache keep the engine's
+//! hashes), so it takes the router hash that block has in either tier; a block neither tier
+//! knows is chained from its parent as above when the event has tokens, and skipped
+//! (`unknown_parent`) when it has none (vLLM's default placeholders name only hashes). A vLLM
+//! offloaded run from token 0 is chained only from a block the tiers know: vLLM's offload
+//! events carry no `extra_keys`, so its salt is unknown, and under the bare model's namespace
+//! its blocks would be false hits for unsalted requests.
+//!
 //! Re-announcements add no reference. Under `kv_cache_report_mode="full"` vLLM announces a
 //! request's prefix-cache hits again as a `BlockStored` from token 0 (no parent), for blocks
 //! it already holds once: counted as copies, they would outlive their one removal and stay
@@ -96,6 +106,12 @@ impl Roots {
     }
 }
 
+/// The root of a stored run's cache namespace.
+fn namespace_root(stored: &Stored, model: &str) -> BlockHash {
+    CacheNamespace { model: model.to_owned(), lora: stored.lora.clone(), cache_salt: stored.salt.clone() }
+        .root()
+}
+
 /// The map's key of a namespace-blind engine hash held under the namespace `root`.
 fn under(engine: BlockHash, root: BlockHash) -> BlockHash {
     BlockHash(engine.0 ^ kvroute_proto::mix::mix64(root.0))
@@ -124,14 +140,7 @@ impl EngineMap {
             return Err(SkipReason::TokensMismatch);
         }
         // The namespace's root, made only where it is needed (an allocation and a hash).
-        let namespace_root = || {
-            CacheNamespace {
-                model: model.to_owned(),
-                lora: stored.lora.clone(),
-                cache_salt: stored.salt.clone(),
-            }
-            .root()
-        };
+        let namespace_root = || namespace_root(stored, model);
         let root = (hashes == Hashes::Blind).then(namespace_root);
         let key = |engine: BlockHash| match root {
             Some(root) => under(engine, root),
@@ -151,17 +160,73 @@ impl EngineMap {
             if reannounced && self.map.contains_key(&(group, key(engine))) {
                 continue;
             }
-            if let Some(root) = root {
-                match self.roots.get_mut(&(group, engine)) {
-                    Some(roots) => roots.add(root),
-                    None => {
-                        self.roots.insert((group, engine), Roots::One(root));
-                    }
-                }
-            }
-            out.push(self.add(group, key(engine), prev));
+            out.push(self.hold(group, engine, root, prev));
         }
         Ok(())
+    }
+
+    /// Adds a reference to `engine` (held under the namespace `root` for a namespace-blind
+    /// engine) as `router`; returns the router hash it is held as.
+    fn hold(
+        &mut self,
+        group: u32,
+        engine: BlockHash,
+        root: Option<BlockHash>,
+        router: BlockHash,
+    ) -> BlockHash {
+        let Some(root) = root else { return self.add(group, engine, router) };
+        match self.roots.get_mut(&(group, engine)) {
+            Some(roots) => roots.add(root),
+            None => {
+                self.roots.insert((group, engine), Roots::One(root));
+            }
+        }
+        self.add(group, under(engine, root), router)
+    }
+
+    /// Records a run stored on the host tier (this map is that tier's; `device` is the same
+    /// rank's device tier) and appends the router hashes to add to the host tier's index;
+    /// returns how many blocks could not be named (see the module docs).
+    pub(crate) fn store_offloaded(
+        &mut self,
+        stored: &Stored,
+        hashes: Hashes,
+        model: &str,
+        device: &EngineMap,
+        out: &mut Vec<BlockHash>,
+    ) -> usize {
+        let group = stored.group;
+        if hashes == Hashes::Router {
+            // The router's own chain names itself (no engine of this kind offloads today).
+            return self.store(stored, hashes, model, out).map_or(stored.engine.len(), |()| 0);
+        }
+        let bs = stored.block_size as usize;
+        let tokens = (bs > 0 && stored.tokens.len() == stored.engine.len().saturating_mul(bs))
+            .then(|| stored.tokens.chunks_exact(bs));
+        let root = (hashes == Hashes::Blind).then(|| namespace_root(stored, model));
+        let key = |engine: BlockHash| root.map_or(engine, |root| under(engine, root));
+        let named = |map: &EngineMap, engine: BlockHash| map.map.get(&(group, key(engine))).map(|e| e.router);
+        let mut prev = match stored.parent {
+            Some(parent) => named(self, parent).or_else(|| named(device, parent)),
+            // SGLang's events name their namespace; vLLM's offloaded ones do not.
+            None => root,
+        };
+        let reannounced = stored.reused.unwrap_or(stored.parent.is_none());
+        let mut unnamed = 0;
+        let mut tokens = tokens.into_iter().flatten();
+        for &engine in &stored.engine {
+            let chained = prev.zip(tokens.next()).map(|(prev, tokens)| block_hash(prev, tokens));
+            prev = named(self, engine).or_else(|| named(device, engine)).or(chained);
+            let Some(router) = prev else {
+                unnamed += 1;
+                continue;
+            };
+            if reannounced && self.map.contains_key(&(group, key(engine))) {
+                continue;
+            }
+            out.push(self.hold(group, engine, root, router));
+        }
+        unnamed
     }
 
     fn add(&mut self, group: u32, engine: BlockHash, router: BlockHash) -> BlockHash {
@@ -393,6 +458,45 @@ mod tests {
         map.store(&salted("B", stored(&[11], Some(10), vec![3, 4])), Hashes::Namespaced, "m", &mut out)
             .unwrap();
         assert_eq!(out[1], a.chain(&[1, 2, 3, 4], 2)[1], "vLLM's parent hash names its namespace");
+    }
+
+    /// The host tier names a block as the device tier does: a placeholder by its hash alone,
+    /// a run with tokens from its parent in either tier; vLLM's run from token 0 only by a
+    /// block the tiers know (its salt is not said), SGLang's from the namespace it names.
+    #[test]
+    fn offloaded_blocks_take_the_device_tiers_names() {
+        let ns = CacheNamespace::new("m");
+        let whole = ns.chain(&[1, 2, 3, 4, 5, 6], 2);
+        let (mut device, mut host) = (EngineMap::default(), EngineMap::default());
+        let mut out = Vec::new();
+        device.store(&stored(&[10, 11], None, vec![1, 2, 3, 4]), Hashes::Namespaced, "m", &mut out).unwrap();
+        let placeholder = Stored { block_size: 0, ..stored(&[11, 10, 99], None, vec![]) };
+        out.clear();
+        assert_eq!(host.store_offloaded(&placeholder, Hashes::Namespaced, "m", &device, &mut out), 1, "99");
+        assert_eq!(out, [whole[1], whole[0]]);
+        // The device tier evicts its blocks: the host tier's stay, and chain what follows.
+        let mut gone = Vec::new();
+        device.remove(&Removed { engine: vec![BlockHash(10), BlockHash(11)], group: 0 }, &mut gone);
+        out.clear();
+        let next = stored(&[12], Some(11), vec![5, 6]);
+        assert_eq!(host.store_offloaded(&next, Hashes::Namespaced, "m", &device, &mut out), 0);
+        assert_eq!(out, [whole[2]]);
+        // From token 0, unknown to both tiers: vLLM's namespace is unsaid.
+        out.clear();
+        let fresh = stored(&[20, 21], None, vec![7, 8, 9, 9]);
+        assert_eq!(host.store_offloaded(&fresh, Hashes::Namespaced, "m", &device, &mut out), 2);
+        assert!(out.is_empty());
+        // SGLang says its namespace: chained from its root.
+        let salted = Stored { salt: Some("A".into()), ..fresh };
+        let mut sglang = EngineMap::default();
+        assert_eq!(sglang.store_offloaded(&salted, Hashes::Blind, "m", &EngineMap::default(), &mut out), 0);
+        assert_eq!(out, ns.clone().with_salt("A").chain(&[7, 8, 9, 9], 2));
+        // A removal from the host tier is the host tier's.
+        gone.clear();
+        let removed = Removed { engine: vec![BlockHash(12), BlockHash(10)], group: 0 };
+        assert_eq!(host.remove(&removed, &mut gone), 0);
+        assert_eq!(gone, [whole[2], whole[0]]);
+        assert_eq!(host.len(), 1);
     }
 
     /// A namespace-blind hash held under three namespaces (one of them twice): each removal

@@ -27,14 +27,16 @@ pub enum SkipReason {
     AttentionKind,
     /// `locality == "REMOTE"`: blocks held by another node.
     Remote,
-    /// A tier other than GPU (CPU offload, disk, ...).
+    /// A tier the router does not index (disk, remote stores, the lowercase `cpu` of
+    /// connectors that never announce a removal), or a data-parallel replica's host tier.
     Medium,
     /// The event's block size differs from the replica's configured one.
     BlockSize,
     /// Extra hash keys the router cannot reproduce (multimodal, prompt embeddings, a LoRA
     /// adapter known only by its id).
     ExtraKeys,
-    /// `parent_block_hash` names a block this rank never stored (or lost in a resync).
+    /// `parent_block_hash` names a block this rank never stored (or lost in a resync); or an
+    /// offloaded block neither of the rank's tiers knows and none could chain (blocks).
     UnknownParent,
     /// A removed engine hash that this rank does not hold (in a group it indexes).
     UnknownBlock,
@@ -153,14 +155,20 @@ pub struct IngestMetrics {
     replays: Family<OutcomeLabels, Counter>,
     snapshots: Family<OutcomeLabels, Counter>,
     blocks: Family<ReplicaLabel, Gauge>,
+    offloaded_blocks: Family<ReplicaLabel, Gauge>,
     stream_state: Family<StateLabels, Gauge>,
 }
 
 impl IngestMetrics {
     /// Fresh metrics, registered into `registry` under the `kvroute_ingest` prefix, plus a
-    /// collector reporting `index`'s size, and the data-parallel ranks' `rank_index`'s, at
-    /// every scrape.
-    pub fn register(registry: &mut Registry, index: SharedIndex, rank_index: SharedIndex) -> Self {
+    /// collector reporting `index`'s size, the data-parallel ranks' `rank_index`'s and the
+    /// offloaded blocks' `host_index`'s, at every scrape.
+    pub fn register(
+        registry: &mut Registry,
+        index: SharedIndex,
+        rank_index: SharedIndex,
+        host_index: SharedIndex,
+    ) -> Self {
         let m = Self::default();
         let r = registry.sub_registry_with_prefix("kvroute_ingest");
         r.register("events_applied", "Events applied to the index", m.events_applied.clone());
@@ -188,8 +196,13 @@ impl IngestMetrics {
         r.register("replays", "Replay requests, by outcome", m.replays.clone());
         r.register("snapshots", "gRPC snapshot resyncs, by outcome", m.snapshots.clone());
         r.register("replica_blocks", "Distinct blocks the index holds for a replica", m.blocks.clone());
+        r.register(
+            "replica_offloaded_blocks",
+            "Distinct blocks the index holds for a replica in host memory (its offloaded tier)",
+            m.offloaded_blocks.clone(),
+        );
         r.register("stream_state", "1 for the replica's current stream state", m.stream_state.clone());
-        r.register_collector(Box::new(IndexCollector { index, rank_index }));
+        r.register_collector(Box::new(IndexCollector { index, rank_index, host_index }));
         m
     }
 
@@ -219,6 +232,7 @@ impl IngestMetrics {
             snapshots: [Outcome::Ok, Outcome::Failed]
                 .map(|o| self.snapshots.get_or_create_owned(&outcome(o))),
             blocks: self.blocks.get_or_create_owned(&replica),
+            offloaded_blocks: self.offloaded_blocks.get_or_create_owned(&replica),
         }
     }
 
@@ -238,6 +252,7 @@ impl IngestMetrics {
             family.remove(&replica);
         }
         self.blocks.remove(&replica);
+        self.offloaded_blocks.remove(&replica);
         for k in ["frame", "payload", "oversized_message"] {
             self.malformed.remove(&KindLabels { replica: name.to_owned(), kind: k.to_owned() });
         }
@@ -277,6 +292,7 @@ pub struct ReplicaMetrics {
     replays: [Counter; 3],
     snapshots: [Counter; 2],
     pub blocks: Gauge,
+    pub offloaded_blocks: Gauge,
 }
 
 impl ReplicaMetrics {
@@ -324,12 +340,14 @@ impl ReplicaMetrics {
 struct IndexCollector {
     index: SharedIndex,
     rank_index: SharedIndex,
+    host_index: SharedIndex,
 }
 
 impl Collector for IndexCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let stats = self.index.stats();
         let ranks = self.rank_index.stats();
+        let host = self.host_index.stats();
         let as_i64 = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
         for (name, help, value) in [
             ("index_memory_bytes", "Estimated heap bytes of the prefix index", stats.memory_bytes),
@@ -344,6 +362,16 @@ impl Collector for IndexCollector {
                 "rank_index_entries",
                 "(block, rank) pairs in the data-parallel replicas' rank index",
                 ranks.entries,
+            ),
+            (
+                "offloaded_index_memory_bytes",
+                "Estimated heap bytes of the index of blocks offloaded to host memory",
+                host.memory_bytes,
+            ),
+            (
+                "offloaded_index_entries",
+                "(block, replica) pairs in the index of blocks offloaded to host memory",
+                host.entries,
             ),
         ] {
             let gauge = ConstGauge::new(as_i64(value));

@@ -279,7 +279,12 @@ mod tests {
     /// `R`'s prediction, in `index`.
     fn predict(index: &SharedIndex, ttl_secs: u64, capacity: usize) -> Prediction {
         let mut registry = prometheus_client::registry::Registry::default();
-        let metrics = super::super::IngestMetrics::register(&mut registry, index.clone(), SharedIndex::new());
+        let metrics = super::super::IngestMetrics::register(
+            &mut registry,
+            index.clone(),
+            SharedIndex::new(),
+            SharedIndex::new(),
+        );
         Prediction::new(R, index.clone(), (Duration::from_secs(ttl_secs), capacity), metrics.replica("r"))
     }
 

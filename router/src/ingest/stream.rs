@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::IngestConfig;
-use super::decode::{self, Batch, Event, Stored};
+use super::decode::{self, Batch, Event, Removed, Stored, Tier};
 use super::engine_map::EngineMap;
 use super::metrics::{Malformed, Outcome, ReplicaMetrics, SkipReason};
 use super::subscriber::Input;
@@ -41,6 +41,8 @@ use crate::replicas::{Replica, StreamState};
 pub(crate) struct ReplicaCtx {
     pub replica: Arc<Replica>,
     pub index: SharedIndex,
+    /// The blocks replicas offloaded to host memory ([`Tier::Host`]).
+    pub host_index: SharedIndex,
     pub metrics: ReplicaMetrics,
     pub config: Arc<IngestConfig>,
     /// Payload bytes every replay of the router draws from while it is held.
@@ -61,6 +63,8 @@ pub(crate) struct RankStream {
     rank: u32,
     replay_endpoint: Option<String>,
     blocks: EngineMap,
+    /// The host tier's blocks ([`EngineMap::store_offloaded`]).
+    host: EngineMap,
     /// The next seq to apply; `None` accepts any seq (fresh start or after a clear).
     expected: Option<Seq>,
     epoch: Option<Epoch>,
@@ -127,6 +131,7 @@ impl RankStream {
             rank,
             replay_endpoint,
             blocks: EngineMap::default(),
+            host: EngineMap::default(),
             expected: None,
             epoch: None,
             dup: None,
@@ -677,9 +682,10 @@ impl RankStream {
         for (i, event) in batch.events.into_iter().enumerate() {
             let undone = last_clear.is_some_and(|last| i < last);
             match event {
-                Event::Stored(_) | Event::Removed(_) | Event::Cleared if undone => {}
-                Event::Stored(stored) => self.store(&stored),
-                Event::Removed(removed) => {
+                Event::Stored(..) | Event::Removed(..) | Event::Cleared if undone => {}
+                Event::Stored(stored, Tier::Device) => self.store(&stored),
+                Event::Stored(stored, Tier::Host) => self.store_offloaded(&stored),
+                Event::Removed(removed, Tier::Device) => {
                     self.scratch.clear();
                     let unknown = self.blocks.remove(&removed, &mut self.scratch);
                     self.ctx.index.remove(self.ctx.replica.id, &self.scratch);
@@ -687,12 +693,15 @@ impl RankStream {
                         ranks.index.remove(ranks.id(self.rank), &self.scratch);
                     }
                     self.ctx.metrics.blocks_removed.inc_by(self.scratch.len() as u64);
-                    if unknown > 0 {
-                        let reason = match self.other_kinds.contains(&removed.group) {
-                            true => SkipReason::AttentionKind,
-                            false => SkipReason::UnknownBlock,
-                        };
-                        self.ctx.metrics.skipped(reason).inc_by(unknown as u64);
+                    self.count_unknown(&removed, unknown);
+                }
+                Event::Removed(removed, Tier::Host) => {
+                    self.scratch.clear();
+                    let unknown = self.host.remove(&removed, &mut self.scratch);
+                    self.ctx.host_index.remove(self.ctx.replica.id, &self.scratch);
+                    // (A data-parallel replica's offloaded blocks are not followed.)
+                    if self.ctx.replica.spec.dp_size == 1 {
+                        self.count_unknown(&removed, unknown);
                     }
                 }
                 // Seqs go on after a clear: live copies of what a replay covered before it
@@ -748,6 +757,43 @@ impl RankStream {
         }
     }
 
+    fn count_unknown(&self, removed: &Removed, unknown: usize) {
+        if unknown > 0 {
+            let reason = match self.other_kinds.contains(&removed.group) {
+                true => SkipReason::AttentionKind,
+                false => SkipReason::UnknownBlock,
+            };
+            self.ctx.metrics.skipped(reason).inc_by(unknown as u64);
+        }
+    }
+
+    /// A run the replica offloaded to host memory. A data-parallel replica's is skipped
+    /// (`medium`): its ranks are scored on their own device tiers, and one replica-wide
+    /// host tier would credit a rank with another's blocks.
+    fn store_offloaded(&mut self, stored: &Stored) {
+        let spec = &self.ctx.replica.spec;
+        if spec.dp_size > 1 {
+            self.ctx.metrics.skipped(SkipReason::Medium).inc();
+            return;
+        }
+        if self.host.references().saturating_add(stored.engine.len()) > self.ctx.config.snapshot_max_blocks {
+            self.ctx.metrics.skipped(SkipReason::OverCapacity).inc();
+            return;
+        }
+        self.scratch.clear();
+        let unnamed = self.host.store_offloaded(
+            stored,
+            spec.engine.hashes(),
+            &spec.model,
+            &self.blocks,
+            &mut self.scratch,
+        );
+        self.ctx.host_index.store(self.ctx.replica.id, &self.scratch);
+        if unnamed > 0 {
+            self.ctx.metrics.skipped(SkipReason::UnknownParent).inc_by(unnamed as u64);
+        }
+    }
+
     /// The publisher restarted (a new epoch) or has been unreachable for `fallback_after`: the
     /// requests in flight on it went down with it, and nothing of theirs will be stored, so
     /// the replica's credits end. (A connection that only dropped keeps them: a blip, or a
@@ -783,6 +829,14 @@ impl RankStream {
             self.ctx.index.sweep_replica(id);
             self.blocks.reset();
         }
+        // The host tier goes with it: a reset of the offloaded cache is not announced, and an
+        // `AllBlocksCleared` names no tier.
+        if self.host.references() > 0 {
+            self.scratch.clear();
+            self.host.drain_into(&mut self.scratch);
+            self.ctx.host_index.clear_held(id, &self.scratch);
+            self.scratch = Vec::new();
+        }
         self.dup = None;
         self.ctx.metrics.clears.inc();
         self.update_blocks_gauge();
@@ -791,6 +845,8 @@ impl RankStream {
     fn update_blocks_gauge(&self) {
         let blocks = self.ctx.index.blocks(self.ctx.replica.id);
         self.ctx.metrics.blocks.set(i64::try_from(blocks).unwrap_or(i64::MAX));
+        let offloaded = self.ctx.host_index.blocks(self.ctx.replica.id);
+        self.ctx.metrics.offloaded_blocks.set(i64::try_from(offloaded).unwrap_or(i64::MAX));
     }
 
     /// Whether the rank is DEGRADED with an unknown tail, and connected: a repair may get the
@@ -849,6 +905,7 @@ mod tests {
         let ctx = ReplicaCtx {
             replica: Replicas::new().insert(spec).unwrap(),
             index: SharedIndex::with_credit_ttl(Duration::from_secs(60)),
+            host_index: SharedIndex::new(),
             metrics: IngestMetrics::default().replica("r"),
             config: Arc::new(config),
             replay_budget: Arc::new(replay::Budget::new(1 << 20)),
@@ -877,6 +934,37 @@ mod tests {
         rank.apply_replayed(&[batch(0), copy(1), copy(2), copy(3), copy(4)]).await;
         assert_eq!((rank.blocks.len(), rank.blocks.references()), (2, 3));
         assert_eq!(rank.ctx.metrics.skipped(SkipReason::OverCapacity).get(), 2);
+    }
+
+    /// A replica's offloaded blocks go to the host tier's index, within the cap of a rank's
+    /// blocks; a data-parallel replica's are skipped (`medium`).
+    #[tokio::test]
+    async fn offloaded_blocks_are_indexed_apart_unless_ranks_are() {
+        let offloaded = |seq: u64, hashes: &[u64]| {
+            let stored = vllm::BlockStored {
+                block_hashes: hashes.iter().copied().map(BlockHash).collect(),
+                medium: Some("CPU".into()),
+                ..Default::default()
+            };
+            let events = vec![VllmEvent::BlockStored(stored)];
+            let payload = vllm::encode_payload(&VllmBatch { ts: 0.0, events, dp_rank: None });
+            LiveMessage { topic: Bytes::new(), seq: Seq(seq), payload }
+        };
+        let mut rank = rank_with(IngestConfig { snapshot_max_blocks: 3, ..IngestConfig::default() });
+        rank.apply_replayed(&[batch(0), batch(1), offloaded(2, &[100, 101]), offloaded(3, &[101, 100])])
+            .await;
+        let id = rank.ctx.replica.id;
+        assert_eq!(rank.ctx.host_index.blocks(id), 2);
+        assert_eq!(rank.ctx.index.blocks(id), 2, "the cache's own are where they were");
+        assert_eq!(rank.ctx.metrics.offloaded_blocks.get(), 2);
+        assert_eq!(rank.ctx.metrics.skipped(SkipReason::OverCapacity).get(), 1);
+
+        let spec =
+            ReplicaSpec { dp_size: 2, ..ReplicaSpec::new("r", "tcp://127.0.0.1:9", EngineKind::Vllm, "m") };
+        let mut ranked = rank_of(spec, IngestConfig::default());
+        ranked.apply_replayed(&[batch(0), offloaded(1, &[100])]).await;
+        assert_eq!(ranked.ctx.host_index.blocks(ranked.ctx.replica.id), 0);
+        assert_eq!(ranked.ctx.metrics.skipped(SkipReason::Medium).get(), 1);
     }
 
     /// Batch `seq`: one stored block of two tokens, parent `seq - 1`.

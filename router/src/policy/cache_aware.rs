@@ -5,10 +5,12 @@
 //!
 //! ```text
 //! cost(r) = miss_weight * (prompt_tokens - cached_tokens(r))    work this request adds on r
+//!         + miss_weight * offload_weight * offloaded_tokens(r)  and its loads from host memory
 //!         + pending_prefill_tokens(r)                           work already queued ahead of it
 //!         + in_flight_tokens * (in_flight(r) + others(r))        sequences slowing every step
 //!         + balance_weight * prompt_tokens * excess(r)          r's share of recent work
 //! cached_tokens(r)  = min(overlap_blocks(r) * block_size, prompt_tokens)
+//! offloaded_tokens(r) = cached_tokens(r) - the same of overlap_blocks(r) - offloaded_blocks(r)
 //! others(r)         = max(reported running + waiting(r) - ours(r), 0), at the last health
 //!                     check, where ours(r) is this router's sequences in flight on r as the
 //!                     check began plus those it sent r while the check ran
@@ -46,6 +48,13 @@
 //! replica without events (`PREDICTED`) is scored like one with a stream, on the blocks its
 //! predicted cache holds (`ingest::predicted`).
 //!
+//! `overlap_blocks(r)` continues past what r's KV cache holds with what it holds in host
+//! memory, from the next block on (vLLM's offloading connector, SGLang's HiCache): those
+//! `offloaded_blocks(r)` are loaded, not computed, and count as cached (the engines report
+//! them in `cached_tokens`), but their load is charged at `offload_weight` of a miss. A block
+//! in both tiers counts as held; a run in host memory that does not follow on from the
+//! cache's counts for nothing, as the engines would not load it.
+//!
 //! Ties go to the replica with the highest rendezvous hash of the request's key (the chained
 //! hash of its tokens, the partial last block included), so distinct prompts reaching an
 //! idle fleet spread evenly over it.
@@ -70,8 +79,15 @@
 //! - `miss_weight` (default 4): cost of an uncached prompt token relative to a queued one.
 //! - `balance_weight` (default 4): cost, in request sizes, per unit of `excess`: a replica 10%
 //!   above the mean is charged 0.4 of the request's prompt tokens, one 50% or more above, 2.
+//! - `offload_weight` (default 0.25): cost of a prompt token loaded from host memory relative
+//!   to an uncached one. Dynamo credits a host hit 0.75 of a device hit (0.25 charged), and
+//!   llm-d scores a CPU block 0.8 of a GPU one. A load over PCIe takes a few percent of a
+//!   prefill's time for the same tokens; the rest of the charge stands for the GPU blocks it
+//!   evicts to make room, and for a host tier's shorter reach (it may have let the block go
+//!   before the request arrives, as vLLM does not announce a load).
 //!
-//! The router takes them from `--load-weight`, `--miss-weight` and `--balance-weight`.
+//! The router takes them from `--load-weight`, `--miss-weight`, `--balance-weight` and
+//! `--offload-weight`.
 //!
 //! # Measured (`loadgen simulate`, shared Mooncake trace, N = 8 x 2048 blocks, block 512)
 //!
@@ -126,11 +142,13 @@ pub struct CacheAwareParams {
     /// Cost, in units of the request's prompt tokens, of each multiple of the fleet's mean
     /// recent prompt tokens that a replica has above that mean.
     pub balance_weight: f64,
+    /// Cost of a prompt token loaded from host memory relative to an uncached one.
+    pub offload_weight: f64,
 }
 
 impl Default for CacheAwareParams {
     fn default() -> Self {
-        Self { in_flight_tokens: 64.0, miss_weight: 4.0, balance_weight: 4.0 }
+        Self { in_flight_tokens: 64.0, miss_weight: 4.0, balance_weight: 4.0, offload_weight: 0.25 }
     }
 }
 
@@ -148,8 +166,11 @@ impl CacheAware {
     /// eligible replicas.
     pub fn cost(&self, request: &RequestView, r: &ReplicaView, mean_recent: f64) -> f64 {
         let p = &self.params;
-        let cached = hit_tokens(r.overlap_blocks, request.block_size, request.prompt_tokens);
-        let new_work = request.prompt_tokens.saturating_sub(cached) as f64;
+        let hit = |blocks| hit_tokens(blocks, request.block_size, request.prompt_tokens);
+        let cached = hit(r.overlap_blocks);
+        let offloaded = cached - hit(r.overlap_blocks.saturating_sub(r.offloaded_blocks));
+        let new_work =
+            request.prompt_tokens.saturating_sub(cached) as f64 + p.offload_weight * offloaded as f64;
         let excess = if mean_recent > 0.0 {
             (r.load.recent_prompt_tokens as f64 / mean_recent - 1.0).clamp(0.0, MAX_EXCESS)
         } else {

@@ -110,6 +110,9 @@ pub struct ReplicaView {
     /// nothing, the least of the eligible replicas with a stream:
     /// [`cache_aware::common_overlap`]).
     pub overlap_blocks: usize,
+    /// Of those, the last ones the replica holds only in host memory (offloaded): it loads
+    /// them rather than computes them. Part of `overlap_blocks`, never more.
+    pub offloaded_blocks: usize,
     pub load: Load,
     pub stream: StreamState,
     /// False when unhealthy, ejected, draining, not serving or saturated: never chosen.

@@ -8,6 +8,7 @@ fn view(id: u32, overlap: usize, in_flight: u32, pending: u64) -> ReplicaView {
     ReplicaView {
         id: ReplicaId(id),
         overlap_blocks: overlap,
+        offloaded_blocks: 0,
         load: Load { in_flight, pending_prefill_tokens: pending, ..Load::default() },
         stream: StreamState::Exact,
         eligible: true,
@@ -228,6 +229,7 @@ mod properties {
                     .map(|(i, (overlap, in_flight, pending, waiting, eligible))| ReplicaView {
                         id: ReplicaId(i as u32 * 7 + 3),
                         overlap_blocks: overlap,
+                        offloaded_blocks: 0,
                         load: Load {
                             in_flight,
                             pending_prefill_tokens: pending,
@@ -314,6 +316,27 @@ fn a_cached_prefix_outweighs_a_short_queue_elsewhere() {
     assert_eq!(CacheAware::default().choose(&REQ, &replicas).chosen, Some(0));
     let prefill_only = CacheAware::new(CacheAwareParams { miss_weight: 1.0, ..CacheAwareParams::default() });
     assert_eq!(prefill_only.choose(&REQ, &replicas).chosen, Some(1));
+}
+
+/// Blocks a replica loads from host memory cost `offload_weight` of a miss: more than the
+/// same blocks in its cache, less than computing them.
+#[test]
+fn offloaded_blocks_cost_a_share_of_a_miss() {
+    let offloaded = |id, gpu, host| ReplicaView { offloaded_blocks: host, ..view(id, gpu + host, 0, 0) };
+    let p = CacheAware::default();
+    // 40 blocks in the cache and 20 in host memory, against 50 in the cache; then 40.
+    let (loads, cached, fewer) = (offloaded(0, 40, 20), view(1, 50, 0, 0), view(2, 40, 0, 0));
+    let costs = p.choose(&REQ, &[loads, cached, fewer]).costs;
+    let miss = CacheAwareParams::default().miss_weight;
+    // Replica 0 loads 20 blocks (320 tokens) and computes the prompt's 40 tokens past them.
+    assert_eq!(costs[0], miss * (40.0 + 0.25 * 320.0));
+    assert_eq!(costs[1], miss * (1000.0 - 800.0));
+    assert_eq!(costs[2], miss * (1000.0 - 640.0));
+    assert!(costs[0] < costs[1] && costs[1] < costs[2]);
+    // Counted as a miss, the load is no better than computing it.
+    let as_miss = CacheAware::new(CacheAwareParams { offload_weight: 1.0, ..CacheAwareParams::default() });
+    let costs = as_miss.choose(&REQ, &[loads, fewer]).costs;
+    assert_eq!(costs[0], costs[1]);
 }
 
 #[test]

@@ -22,7 +22,7 @@ use super::error::ProxyError;
 use super::prompts::{PromptError, Prompts};
 use super::upstream::{Adapter, Ineligible, LoadGuard, verdicts_for};
 use crate::fleet::{Fleet, Member};
-use crate::index::{CreditHold, SharedIndex};
+use crate::index::{CreditHold, Overlaps, SharedIndex};
 use crate::metrics::ProxyMetrics;
 use crate::policy::{self, Policy, ReplicaView, RequestView};
 use crate::replicas::StreamState;
@@ -31,6 +31,8 @@ use crate::replicas::StreamState;
 pub struct Decider {
     pub fleet: Fleet,
     pub index: SharedIndex,
+    /// The blocks replicas offloaded to host memory ([`crate::Ingest::host_index`]).
+    pub host_index: SharedIndex,
     pub policy: Box<dyn Policy>,
     pub prompts: Prompts,
     pub block_size: usize,
@@ -630,6 +632,18 @@ impl Decider {
             };
             credits.extend_each(&blocks, members.iter().zip(&states).map(counted))
         });
+        // Each replica's run in host memory from where its cache (and credits) end: loaded
+        // rather than computed. (None for a data-parallel replica: `ingest::stream`.)
+        let offloaded = match self.host_index.is_empty() {
+            true => Overlaps::new(),
+            false => {
+                let from: Vec<(ReplicaId, usize)> = (members.iter().zip(&states).zip(&credited))
+                    .filter(|((_, state), _)| **state != StreamState::Fallback)
+                    .map(|((m, _), &credited)| (m.replica.id, credited))
+                    .collect();
+                self.host_index.continue_from(&blocks, &from)
+            }
+        };
         let now = tokio::time::Instant::now();
         let rank_views = self.rank_views(&members, &blocks, now);
         let verdicts =
@@ -667,10 +681,15 @@ impl Decider {
                     }
                     _ => (None, credited_blocks, None),
                 };
-                let overlap = reused(offered);
+                let held = match rank {
+                    None => offered.max(offloaded.get(member.replica.id)),
+                    Some(_) => offered,
+                };
+                let overlap = reused(held);
                 let view = ReplicaView {
                     id: member.replica.id,
                     overlap_blocks: overlap,
+                    offloaded_blocks: overlap - reused(offered),
                     load: member.upstream.load_at(now),
                     stream: PbState::from(state),
                     eligible: ineligible.is_none(),
@@ -761,6 +780,7 @@ fn best_rank(
         .map(|r| ReplicaView {
             id: ReplicaId(r.rank),
             overlap_blocks: reused(r.overlap_blocks),
+            offloaded_blocks: 0,
             load: policy::Load {
                 in_flight: r.in_flight,
                 others: r.others,

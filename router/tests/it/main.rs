@@ -11,6 +11,7 @@ mod headers;
 mod ingest;
 mod limits;
 mod messages;
+mod offload;
 mod predicted;
 mod proxy;
 mod queue;
