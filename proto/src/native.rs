@@ -106,9 +106,12 @@ mod tests {
                         token_ids: vec![1, 2, 3, 4],
                         lora_name: Some("adapter".into()),
                         cache_salt: Some("tenant".into()),
+                        medium: None,
                     })),
                 },
-                Event { kind: Some(event::Kind::Removed(BlockRemoved { block_hashes: vec![2] })) },
+                Event {
+                    kind: Some(event::Kind::Removed(BlockRemoved { block_hashes: vec![2], medium: None })),
+                },
                 Event { kind: Some(event::Kind::Cleared(AllBlocksCleared {})) },
             ],
         }

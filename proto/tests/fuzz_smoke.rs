@@ -140,7 +140,9 @@ fn native_batches() -> Vec<EventBatch> {
             7,
             vec![
                 stored(vec![3], Some(2), vec![5, 6]),
-                Event { kind: Some(event::Kind::Removed(BlockRemoved { block_hashes: vec![2, 3] })) },
+                Event {
+                    kind: Some(event::Kind::Removed(BlockRemoved { block_hashes: vec![2, 3], medium: None })),
+                },
                 Event { kind: Some(event::Kind::Cleared(AllBlocksCleared {})) },
             ],
         ),

@@ -71,6 +71,11 @@ pub struct Config {
     /// Prefix-cache capacity in blocks.
     #[arg(long, env = "KVROUTE_AGENT_CAPACITY_BLOCKS", default_value_t = 8192)]
     pub capacity_blocks: usize,
+    /// Blocks of host memory the engine offloads its KV blocks to, and loads a prefix's
+    /// next blocks from rather than computing them (vLLM's `OffloadingConnector`); 0: none.
+    /// They are published as events of `medium` "CPU".
+    #[arg(long, env = "KVROUTE_AGENT_OFFLOAD_BLOCKS", default_value_t = 0)]
+    pub offload_blocks: usize,
     /// Eviction policy.
     #[arg(long, env = "KVROUTE_AGENT_POLICY", value_enum, default_value_t = PolicyKind::Lru)]
     pub policy: PolicyKind,

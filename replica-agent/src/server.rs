@@ -129,6 +129,7 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
                 epoch,
                 dp_rank: rank,
                 cache: config.cache(),
+                offload_blocks: config.offload_blocks,
                 max_num_seqs: config.max_num_seqs as usize,
                 max_num_batched_tokens: config.max_num_batched_tokens as usize,
                 max_waiting: config.max_waiting,

@@ -65,6 +65,7 @@ async fn simulated_latencies_match_the_agent_engine() {
                 policy: Eviction::Lru,
                 s3fifo: Default::default(),
             },
+            offload_blocks: 0,
             max_num_seqs: model.max_num_seqs,
             max_num_batched_tokens: model.max_num_batched_tokens,
             max_waiting: trace.len(),

@@ -50,11 +50,12 @@
 //! limit is conservative: some pinned blocks may still sit in small.)
 //!
 //! Layout: `config.rs` (configuration and its validation), `block_cache.rs` (the
-//! request-level rules above), `lru.rs`, `lfu.rs`, `s3fifo.rs` (one policy each), and
+//! request-level rules above), `host.rs` (the host memory blocks are offloaded to), `lru.rs`, `lfu.rs`, `s3fifo.rs` (one policy each), and
 //! `slab.rs` (the index-linked lists and hash map the policies share).
 
 mod block_cache;
 mod config;
+mod host;
 mod lfu;
 mod lru;
 mod s3fifo;
@@ -67,6 +68,7 @@ use kvroute_proto::BlockHash;
 
 pub use block_cache::{BlockCache, CacheStats};
 pub use config::{CacheConfig, ConfigError, PolicyKind, S3FifoParams};
+pub use host::HostTier;
 pub use lfu::Lfu;
 pub use lru::Lru;
 pub use s3fifo::{S3Fifo, small_cap};

@@ -5,14 +5,15 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use kvroute_proto::BlockHash;
 use kvroute_proto::pb::{self, event};
+use kvroute_proto::{BlockHash, hit_tokens};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    BlockMeta, CacheState, Control, EngineConfig, EngineMetrics, Job, Output, StepBudget, TextGen, Usage,
+    BlockMeta, CacheState, Control, EngineConfig, EngineMetrics, Job, LOAD_SHARE, Output, StepBudget,
+    TextGen, Usage,
 };
 use crate::cache::{AdmitError, CacheEvent};
 use crate::publisher::Publisher;
@@ -170,6 +171,11 @@ impl Scheduler {
                     let result = state.cache.clear();
                     if result.is_ok() {
                         state.blocks.clear();
+                        // Host memory goes too: the router clears both on the one event.
+                        if let Some(host) = &mut state.host {
+                            host.clear();
+                            self.metrics.offloaded_blocks.store(0, Ordering::Relaxed);
+                        }
                         self.metrics.resident_blocks.store(0, Ordering::Relaxed);
                         self.metrics.used_blocks.store(0, Ordering::Relaxed);
                         state
@@ -225,23 +231,34 @@ impl Scheduler {
             let outcome = {
                 let mut state = lock(&self.state);
                 let outcome = state.cache.start_request(&job.hashes, job.prompt.len(), &mut self.scratch);
-                if outcome.is_ok() {
-                    record_events(&mut state, &self.scratch, job, block_size);
+                outcome.map(|outcome| {
+                    record_events(&mut state, &self.scratch, job, block_size, None);
                     self.metrics.resident_blocks.store(state.cache.len() as u64, Ordering::Relaxed);
                     self.metrics.used_blocks.store(state.cache.pinned_len() as u64, Ordering::Relaxed);
-                }
-                outcome
+                    let loaded = offload(&mut state, &mut self.scratch, job, outcome.hit_blocks, block_size);
+                    if let Some(host) = &state.host {
+                        self.metrics.offloaded_blocks.store(host.len() as u64, Ordering::Relaxed);
+                    }
+                    (outcome, loaded)
+                })
             };
             match outcome {
-                Ok(outcome) => {
+                Ok((outcome, loaded)) => {
                     let Pending { job, out } = self.waiting.pop_front().expect("front exists");
+                    let cached = hit_tokens(outcome.hit_blocks + loaded, block_size, job.prompt.len());
+                    let loaded_tokens = cached - outcome.hit_tokens;
                     self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
                     self.metrics.prefix_cache_queries.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
                     self.metrics.prefix_cache_hits.fetch_add(outcome.hit_tokens as u64, Ordering::Relaxed);
+                    self.metrics
+                        .external_prefix_cache_hits
+                        .fetch_add(loaded_tokens as u64, Ordering::Relaxed);
                     self.metrics.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
-                    let cached_tokens = outcome.hit_tokens as u32;
+                    let cached_tokens = cached as u32;
                     let gone = out.try_send(Output::Started { cached_tokens }).is_err();
-                    let uncached = (job.prompt.len() - outcome.hit_tokens).max(1);
+                    // The load from host memory takes its share of a prefill's time.
+                    let load = (loaded_tokens as f64 * LOAD_SHARE).ceil() as usize;
+                    let uncached = (job.prompt.len() - cached).max(1) + load;
                     // One whose client already left finishes at the end of the step, free.
                     let chunk = if gone { 0 } else { budget.take(uncached as u64) as usize };
                     chunks.push(chunk);
@@ -378,24 +395,59 @@ fn lock(state: &Mutex<CacheState>) -> std::sync::MutexGuard<'_, CacheState> {
     state.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Turns one admission's residency changes into protobuf events (runs of stored blocks of
-/// one chain become one `BlockStored`, runs of removals one `BlockRemoved`) and keeps the
-/// per-block metadata a snapshot needs.
-fn record_events(state: &mut CacheState, changes: &[CacheEvent], job: &Job, block_size: usize) {
+/// Loads the run of the request's blocks host memory holds from block `from` on (its prefix
+/// hit), then copies the request's blocks out, recording the changes; the blocks loaded.
+fn offload(
+    state: &mut CacheState,
+    changes: &mut Vec<CacheEvent>,
+    job: &Job,
+    from: usize,
+    block_size: usize,
+) -> usize {
+    let Some(host) = state.host.as_mut() else { return 0 };
+    let loaded = host.run_from(&job.hashes, from);
+    changes.clear();
+    host.offload(&job.hashes, changes);
+    record_events(state, changes, job, block_size, Some(HOST_MEDIUM));
+    loaded
+}
+
+/// The `medium` of host memory's events.
+const HOST_MEDIUM: &str = "CPU";
+
+/// Turns one admission's residency changes in the device cache (`medium` `None`) or host
+/// memory into protobuf events (runs of stored blocks of one chain become one `BlockStored`,
+/// runs of removals one `BlockRemoved`) and keeps the per-block metadata a snapshot needs
+/// (of the device cache's blocks).
+fn record_events(
+    state: &mut CacheState,
+    changes: &[CacheEvent],
+    job: &Job,
+    block_size: usize,
+    medium: Option<&str>,
+) {
     // A batch (and its seq) is taken with the first event, so never for nothing.
     let CacheState { blocks, outbox, .. } = state;
+    let device = medium.is_none();
+    let medium = medium.map(str::to_owned);
     let mut cursor = 0;
     for change in changes {
         match *change {
             CacheEvent::Removed(block) => {
-                blocks.remove(&block);
+                if device {
+                    blocks.remove(&block);
+                }
                 let events = outbox.events();
-                if let Some(pb::Event { kind: Some(event::Kind::Removed(r)) }) = events.last_mut() {
-                    r.block_hashes.push(block.0);
-                } else {
-                    events.push(pb::Event {
-                        kind: Some(event::Kind::Removed(pb::BlockRemoved { block_hashes: vec![block.0] })),
-                    });
+                match events.last_mut() {
+                    Some(pb::Event { kind: Some(event::Kind::Removed(r)) }) if r.medium == medium => {
+                        r.block_hashes.push(block.0);
+                    }
+                    _ => events.push(pb::Event {
+                        kind: Some(event::Kind::Removed(pb::BlockRemoved {
+                            block_hashes: vec![block.0],
+                            medium: medium.clone(),
+                        })),
+                    }),
                 }
             }
             CacheEvent::Stored { block, parent } => {
@@ -407,17 +459,19 @@ fn record_events(state: &mut CacheState, changes: &[CacheEvent], job: &Job, bloc
                 cursor = index + 1;
                 let events = outbox.events();
                 let tokens = &job.prompt[index * block_size..(index + 1) * block_size];
-                let namespace = (parent.is_none()
-                    && (job.namespace.lora.is_some() || job.namespace.cache_salt.is_some()))
-                .then(|| Box::new(job.namespace.clone()));
-                blocks.insert(
-                    block,
-                    BlockMeta { parent, tokens: tokens.into(), depth: index as u32, namespace },
-                );
+                if device {
+                    let namespace = (parent.is_none()
+                        && (job.namespace.lora.is_some() || job.namespace.cache_salt.is_some()))
+                    .then(|| Box::new(job.namespace.clone()));
+                    blocks.insert(
+                        block,
+                        BlockMeta { parent, tokens: tokens.into(), depth: index as u32, namespace },
+                    );
+                }
                 let extends_last = matches!(
                     events.last(),
                     Some(pb::Event { kind: Some(event::Kind::Stored(s)) })
-                        if s.block_hashes.last().copied() == parent.map(|p| p.0)
+                        if s.block_hashes.last().copied() == parent.map(|p| p.0) && s.medium == medium
                 );
                 if let (true, Some(pb::Event { kind: Some(event::Kind::Stored(s)) })) =
                     (extends_last, events.last_mut())
@@ -432,6 +486,7 @@ fn record_events(state: &mut CacheState, changes: &[CacheEvent], job: &Job, bloc
                             token_ids: tokens.to_vec(),
                             lora_name: job.namespace.lora.clone(),
                             cache_salt: job.namespace.cache_salt.clone(),
+                            medium: medium.clone(),
                         })),
                     });
                 }

@@ -29,6 +29,7 @@ fn config(capacity: usize, max_num_seqs: usize, max_waiting: usize) -> EngineCon
             policy: PolicyKind::Lru,
             s3fifo: Default::default(),
         },
+        offload_blocks: 0,
         max_num_seqs,
         max_num_batched_tokens: 64,
         max_waiting,
@@ -102,6 +103,30 @@ async fn repeated_prompt_hits_its_full_blocks() {
     let m = engine.metrics();
     assert_eq!(m.prefix_cache_queries.load(Ordering::Relaxed), 18 + 18 + 13);
     assert_eq!(m.prefix_cache_hits.load(Ordering::Relaxed), 16 + 8);
+}
+
+/// A prefix evicted from the cache but held in host memory is loaded, not computed: its
+/// tokens count as cached, and the external counter has them alone. A reset clears both.
+#[tokio::test]
+async fn a_prefix_in_host_memory_is_loaded() {
+    let (engine, _shutdown) = start(EngineConfig { offload_blocks: 16, ..config(6, 8, 100) }).await;
+    let prompt: Vec<u32> = (0..18).collect(); // 4 full blocks + 2 tokens
+    run(&engine, job(prompt.clone(), 1)).await;
+    // Two prompts of three blocks each push it out of the 6-block cache.
+    for p in 1..3u32 {
+        run(&engine, job((0..12).map(|t| t + p * 1000).collect(), 1)).await;
+    }
+    let first = CacheNamespace::new("m").chain(&prompt, 4)[0];
+    assert!(!engine.resident().contains(&first), "evicted from the cache");
+    let (_, again) = run(&engine, job(prompt.clone(), 1)).await;
+    assert_eq!(again.cached_tokens, 16, "all four blocks loaded");
+    let m = engine.metrics();
+    assert_eq!(m.prefix_cache_hits.load(Ordering::Relaxed), 0);
+    assert_eq!(m.external_prefix_cache_hits.load(Ordering::Relaxed), 16);
+    assert_eq!(m.offloaded_blocks.load(Ordering::Relaxed), 4 + 3 + 3);
+    assert!(engine.reset_prefix_cache().await.is_ok());
+    assert_eq!(m.offloaded_blocks.load(Ordering::Relaxed), 0);
+    assert_eq!(run(&engine, job(prompt, 1)).await.1.cached_tokens, 0, "host memory cleared too");
 }
 
 #[tokio::test]

@@ -14,6 +14,7 @@
 //! | `vllm:kv_cache_usage_perc` | gauge | blocks running requests hold / capacity, 0..1: as vLLM's, which counts cached blocks no request holds as free (evictable) |
 //! | `vllm:prefix_cache_queries_total` | counter | prompt tokens looked up in the prefix cache |
 //! | `vllm:prefix_cache_hits_total` | counter | of those, tokens served from the cache |
+//! | `vllm:external_prefix_cache_hits_total` | counter | prompt tokens loaded from host memory (`--offload-blocks`) |
 //! | `vllm:prompt_tokens_total` | counter | prompt tokens of admitted requests |
 //! | `vllm:generation_tokens_total` | counter | generated tokens |
 //! | `vllm:request_success_total` | counter | finished requests (`finished_reason="length"`) |
@@ -24,6 +25,7 @@
 //! | `kvroute_agent_pending_prefill_tokens` | gauge | prompt tokens still to prefill: the uncached ones of running requests, the whole prompts of waiting ones (not looked up yet) |
 //! | `kvroute_agent_resident_blocks` | gauge | blocks in the prefix cache |
 //! | `kvroute_agent_capacity_blocks` | gauge | prefix-cache capacity in blocks |
+//! | `kvroute_agent_offloaded_blocks` | gauge | blocks held in host memory (`--offload-blocks`) |
 //! | `kvroute_agent_cache_policy` | gauge | 1, labelled with the eviction `policy` (`lru`, `lfu`, `s3fifo`) and, for S3FIFO, its `small_ratio` and `max_freq` |
 //! | `process_start_time_seconds` | gauge | when the server started, Unix seconds (no labels, as Prometheus' Python client exports it for vLLM's process): a router predicting the cache of a replica whose events it does not follow tells a restart by it |
 
@@ -77,6 +79,11 @@ pub(super) fn render(state: &AppState) -> Response<Body> {
         each(&|m| load(&m.prefix_cache_hits)),
     );
     out.counter(
+        "vllm:external_prefix_cache_hits_total",
+        "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+        each(&|m| load(&m.external_prefix_cache_hits)),
+    );
+    out.counter(
         "vllm:prompt_tokens_total",
         "Number of prefill tokens processed.",
         each(&|m| load(&m.prompt_tokens)),
@@ -120,6 +127,11 @@ pub(super) fn render(state: &AppState) -> Response<Body> {
         "kvroute_agent_capacity_blocks",
         "Prefix-cache capacity in blocks.",
         vec![capacity; engines.len()],
+    );
+    out.gauge(
+        "kvroute_agent_offloaded_blocks",
+        "Blocks held in host memory, offloaded from the prefix cache.",
+        each(&|m| load(&m.offloaded_blocks)),
     );
     out.family(
         "kvroute_agent_cache_policy",

@@ -38,7 +38,8 @@ impl EventFormat {
 }
 
 /// The vLLM rendering of a native batch: same hashes (opaque ids to a vLLM consumer), same
-/// tokens, `medium = "GPU"`, full-attention group 0, and the namespace as vLLM (>= 0.20)
+/// tokens, `medium = "GPU"` (host memory's blocks as vLLM's offloading connector announces
+/// them by default: their medium and hashes, nothing else), full-attention group 0, and the namespace as vLLM (>= 0.20)
 /// publishes it: `lora_name`, and per block the untagged extra keys that went into its hash
 /// (the adapter's name on every block, the salt after it on a prompt's first block; `nil`
 /// for a block with neither).
@@ -48,6 +49,14 @@ fn to_vllm(batch: &EventBatch) -> VllmBatch {
         .iter()
         .filter_map(|e| e.kind.as_ref())
         .map(|kind| match kind {
+            // What vLLM's offloading connector says by default: the hashes alone.
+            event::Kind::Stored(s) if s.medium.is_some() => VllmEvent::BlockStored(vllm::BlockStored {
+                block_hashes: s.block_hashes.iter().copied().map(BlockHash).collect(),
+                medium: s.medium.clone(),
+                group_idx: Some(0),
+                kv_cache_spec_kind: Some("full_attention".into()),
+                ..Default::default()
+            }),
             event::Kind::Stored(s) => VllmEvent::BlockStored(vllm::BlockStored {
                 block_hashes: s.block_hashes.iter().copied().map(BlockHash).collect(),
                 parent_block_hash: s.parent_block_hash.map(BlockHash),
@@ -62,7 +71,7 @@ fn to_vllm(batch: &EventBatch) -> VllmBatch {
             }),
             event::Kind::Removed(r) => VllmEvent::BlockRemoved(vllm::BlockRemoved {
                 block_hashes: r.block_hashes.iter().copied().map(BlockHash).collect(),
-                medium: Some("GPU".into()),
+                medium: Some(r.medium.clone().unwrap_or_else(|| "GPU".into())),
                 group_idx: Some(0),
                 ..Default::default()
             }),

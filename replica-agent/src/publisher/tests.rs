@@ -276,6 +276,7 @@ fn vllm_format_names_the_adapter_and_the_salt_per_block() {
             parent_block_hash: parent,
             lora_name: lora.map(Into::into),
             cache_salt: salt.map(Into::into),
+            medium: None,
         })),
     };
     let mut native = batch(0);

@@ -136,23 +136,29 @@ fn from_native(batch: pb::EventBatch) -> Batch {
         .events
         .into_iter()
         .map(|e| match e.kind {
-            Some(Kind::Stored(s)) => Event::Stored(
-                Stored {
-                    engine: s.block_hashes.into_iter().map(BlockHash).collect(),
-                    parent: s.parent_block_hash.map(BlockHash),
-                    tokens: s.token_ids,
-                    block_size: batch.block_size,
-                    lora: None,
-                    salt: None,
-                    group: 0,
-                    reused: Some(false),
-                },
-                Tier::Device,
-            ),
-            Some(Kind::Removed(r)) => Event::Removed(
-                Removed { engine: r.block_hashes.into_iter().map(BlockHash).collect(), group: 0 },
-                Tier::Device,
-            ),
+            Some(Kind::Stored(s)) => match tier(s.medium.as_deref()) {
+                None => Event::Skipped(SkipReason::Medium),
+                Some(tier) => Event::Stored(
+                    Stored {
+                        engine: s.block_hashes.into_iter().map(BlockHash).collect(),
+                        parent: s.parent_block_hash.map(BlockHash),
+                        tokens: s.token_ids,
+                        block_size: batch.block_size,
+                        lora: None,
+                        salt: None,
+                        group: 0,
+                        reused: Some(false),
+                    },
+                    tier,
+                ),
+            },
+            Some(Kind::Removed(r)) => match tier(r.medium.as_deref()) {
+                None => Event::Skipped(SkipReason::Medium),
+                Some(tier) => Event::Removed(
+                    Removed { engine: r.block_hashes.into_iter().map(BlockHash).collect(), group: 0 },
+                    tier,
+                ),
+            },
             Some(Kind::Cleared(_)) => Event::Cleared,
             None => Event::Skipped(SkipReason::UnknownEvent),
         })

@@ -46,6 +46,7 @@ impl RealAgent {
                     policy: PolicyKind::Lru,
                     s3fifo: S3FifoParams::default(),
                 },
+                offload_blocks: 0,
                 max_num_seqs: 8,
                 max_num_batched_tokens: 2048,
                 max_waiting: 256,

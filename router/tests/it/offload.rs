@@ -1,6 +1,6 @@
 //! Offloaded tiers end to end: two vLLM replicas (hand-made: their HTTP APIs record what they
 //! are sent, their event streams are hand-written vLLM batches over real ZeroMQ) behind a
-//! router. A prefix a replica holds in host memory, following on from what its KV cache
+//! router, and a real agent with host memory. A prefix a replica holds in host memory, following on from what its KV cache
 //! holds, draws the request as a cached prefix would; one it no longer holds, or that does
 //! not follow on, does not.
 
@@ -11,7 +11,10 @@ use kvroute_proto::vllm::{self, VllmBatch, VllmEvent};
 use kvroute_proto::{BlockHash, Seq};
 use serde_json::json;
 
-use crate::fleet::Http;
+use kvroute_replica_agent::publisher::EventFormat;
+use kvroute_router::replicas::EngineKind;
+
+use crate::fleet::{FLEET_BLOCK, FLEET_MODEL, Fleet, Http, agent_config};
 use crate::headers::recording_replica;
 use crate::support::{BLOCK, FakePublisher, MODEL, WAIT, wait_until};
 
@@ -204,4 +207,62 @@ async fn a_prefix_in_host_memory_draws_its_requests() {
     let p_again = send(&p).await;
     assert_eq!(p_again, ("a".into(), block));
     shutdown.cancel();
+}
+
+/// A real agent with host memory (`--offload-blocks`), in both event formats (vLLM's names
+/// what it offloads by hash alone): a prompt pushed out of its cache and held in host memory
+/// is predicted cached, and the agent reports it cached.
+async fn a_real_agents_host_memory_is_followed(format: EventFormat, engine: EngineKind) {
+    let agent = |name: &str| kvroute_replica_agent::Config {
+        capacity_blocks: 8,
+        offload_blocks: 64,
+        event_format: format,
+        ..agent_config(name)
+    };
+    let fleet = Fleet::with(1, agent, |mut c| {
+        c.replicas.iter_mut().for_each(|r| r.engine = engine);
+        c
+    })
+    .await;
+    let block = FLEET_BLOCK as usize;
+    let prompt =
+        |seed: u32| -> Vec<u32> { (0..6 * block as u32 + 2).map(|i| 100 + seed * 1000 + i).collect() };
+    let complete = async |prompt: &[u32]| {
+        let body = json!({"model": FLEET_MODEL, "prompt": prompt, "max_tokens": 1});
+        let reply = fleet.http.post(&fleet.url("/v1/completions"), &body).await;
+        assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+        reply
+    };
+    let a = prompt(1);
+    assert_eq!(complete(&a).await.cached_tokens(), 0);
+    // Two more prompts of six blocks push `a` out of the 8-block cache.
+    complete(&prompt(2)).await;
+    complete(&prompt(3)).await;
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
+    let body = json!({"model": FLEET_MODEL, "prompt": a, "max_tokens": 1});
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let request =
+            pb::ExplainRequest { path: "/v1/completions".into(), body: body.to_string().into_bytes() };
+        let explained = admin.explain(request).await.unwrap().into_inner();
+        let c = &explained.candidates[0];
+        if (c.overlap_blocks, c.offloaded_blocks) == (6, 6) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never seen in host memory alone: {c:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let again = complete(&a).await;
+    let predicted: u64 = again.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
+    assert_eq!((predicted, again.cached_tokens()), (6 * block as u64, 6 * block as u64));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_kvroute_agents_host_memory_is_followed() {
+    a_real_agents_host_memory_is_followed(EventFormat::Kvroute, EngineKind::Kvroute).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_vllm_format_agents_host_memory_is_followed() {
+    a_real_agents_host_memory_is_followed(EventFormat::Vllm, EngineKind::Vllm).await;
 }

@@ -221,6 +221,7 @@ pub fn removed_event(hashes: &[BlockHash]) -> pb::Event {
     pb::Event {
         kind: Some(event::Kind::Removed(pb::BlockRemoved {
             block_hashes: hashes.iter().map(|h| h.0).collect(),
+            medium: None,
         })),
     }
 }
