@@ -245,6 +245,11 @@ pub struct DemoArgs {
     /// requests, as in front of engines that publish none (one rank an agent).
     #[arg(long, conflicts_with = "data_parallel_size")]
     pub without_events: bool,
+    /// Blocks of host memory each agent offloads its KV blocks to and loads prefixes back
+    /// from (vLLM's `OffloadingConnector`); 0: none. Hits then count the tokens loaded, and
+    /// no offline run is made (the simulator has no host memory).
+    #[arg(long, default_value_t = 0)]
+    pub offload_blocks: usize,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub block_size: u32,
@@ -374,6 +379,7 @@ pub fn run_demo(args: &DemoArgs) -> anyhow::Result<()> {
             time_scale: args.time_scale,
             data_parallel_size: args.data_parallel_size,
             events: !args.without_events,
+            offload_blocks: args.offload_blocks,
         },
         policies: args.policies.clone(),
         trace,
@@ -388,6 +394,10 @@ pub fn run_demo(args: &DemoArgs) -> anyhow::Result<()> {
         n => format!(" x {n} data-parallel ranks"),
     };
     let ranks = if args.without_events { format!("{ranks} (routers without KV events)") } else { ranks };
+    let ranks = match args.offload_blocks {
+        0 => ranks,
+        n => format!("{ranks} (and {n} blocks of host memory each)"),
+    };
     eprintln!(
         "demo: {} agents{ranks} x {} blocks of {} tokens, time scale {}, {} requests, policies {}",
         config.fleet.replicas,

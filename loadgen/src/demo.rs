@@ -38,6 +38,8 @@ pub struct FleetConfig {
     /// Whether the routers follow the agents' KV events; without, each predicts the agents'
     /// caches from its own requests (as in front of engines that publish no events).
     pub events: bool,
+    /// Blocks of host memory each agent (each rank) offloads to (0: none).
+    pub offload_blocks: usize,
 }
 
 /// Longest prompt plus completion the embedded fleet accepts (agents and routers), so
@@ -64,6 +66,7 @@ impl FleetConfig {
             time_scale: self.time_scale,
             max_model_len: DEMO_MAX_MODEL_LEN,
             data_parallel_size: self.data_parallel_size,
+            offload_blocks: self.offload_blocks,
             ..kvroute_replica_agent::Config::loopback(format!("agent-{i}"))
         }
     }
@@ -171,8 +174,9 @@ pub async fn run(config: &DemoConfig, shutdown: CancellationToken) -> anyhow::Re
         time_scale: config.fleet.time_scale,
         out_dir: config.out_dir.clone(),
         workload: config.workload.clone(),
-        // Arrivals and agents are scaled alike: the unscaled trace, offline.
-        offline_speedup: Some(1.0),
+        // Arrivals and agents are scaled alike: the unscaled trace, offline. (The simulator
+        // has no host memory: with it, there is no offline run to set beside the live one.)
+        offline_speedup: (config.fleet.offload_blocks == 0).then_some(1.0),
     };
     let report = compare::compare(&config.trace, &compare, shutdown).await;
     fleet.stop().await;

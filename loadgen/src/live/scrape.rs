@@ -40,9 +40,14 @@ impl ReplicaCounters {
     /// a wrong URL answering 200, a vLLM too old to count prefix-cache queries) says
     /// nothing about the replica's cache, and reading it as zeros would put a replica that
     /// did serve requests into the fleet's hit rate as one that served none.
+    ///
+    /// Hits count the tokens loaded from outside the cache (vLLM's
+    /// `external_prefix_cache_hits`: host memory it offloaded to, a KV connector), as the
+    /// responses' `cached_tokens` do; a page without that series had none.
     fn parse(page: &str) -> Option<Self> {
+        let external = sum(page, "vllm:external_prefix_cache_hits_total").unwrap_or(0.0);
         Some(Self {
-            prefix_cache_hits: sum(page, "vllm:prefix_cache_hits_total")?,
+            prefix_cache_hits: sum(page, "vllm:prefix_cache_hits_total")? + external,
             prefix_cache_queries: sum(page, "vllm:prefix_cache_queries_total")?,
             prompt_tokens: sum(page, "vllm:prompt_tokens_total")?,
         })
@@ -267,6 +272,23 @@ mod tests {
         assert_eq!(ReplicaCounters::parse("<html>not found</html>"), None);
         // A vLLM without the prefix-cache counters says nothing about its cache either.
         assert_eq!(ReplicaCounters::parse("vllm:prompt_tokens_total 100\n"), None);
+    }
+
+    /// Tokens an engine loaded from host memory (or another KV connector) are hits, as its
+    /// responses' `cached_tokens` count them.
+    #[test]
+    fn external_hits_count() {
+        let page = "vllm:prefix_cache_hits_total 10
+vllm:prefix_cache_queries_total 40
+                    vllm:prompt_tokens_total 40
+";
+        let local = ReplicaCounters::parse(page).expect("read");
+        assert_eq!(local.prefix_cache_hits, 10.0, "none said: none");
+        let page = format!(
+            "{page}vllm:external_prefix_cache_hits_total{{engine=\"0\"}} 12
+"
+        );
+        assert_eq!(ReplicaCounters::parse(&page).expect("read").prefix_cache_hits, 22.0);
     }
 
     /// Regression: each counter was checked for a reset on its own, so a restart that reset

@@ -5,6 +5,7 @@
 //! flags.
 
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use clap::Parser;
@@ -32,6 +33,7 @@ fn fleet_config(replicas: usize) -> FleetConfig {
         time_scale: 1000.0,
         data_parallel_size: 1,
         events: true,
+        offload_blocks: 0,
     }
 }
 
@@ -319,6 +321,43 @@ async fn compare_without_events_routes_on_predicted_caches() {
     assert!(hit > 0.0, "{}", report.table());
     let predicted = l.predicted_hit_rate.expect("the router's headers");
     assert!((predicted - hit).abs() < 0.05, "predicted {predicted}, hit {hit}");
+    fleet.stop().await;
+}
+
+/// Agents with host memory (`demo --offload-blocks`) and caches too small for the workload:
+/// prefixes they evicted come back from host memory, the router predicts those loads, and
+/// the hit rate counts them as the responses do. No offline run is made (the simulator has
+/// no host memory).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_with_host_memory_counts_and_predicts_its_loads() {
+    let shutdown = CancellationToken::new();
+    let config = FleetConfig { capacity_blocks: 100, offload_blocks: 4096, ..fleet_config(2) };
+    let fleet = EmbeddedFleet::start(config, shutdown.child_token()).await.unwrap();
+    let trace = small_chat();
+    let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
+    live.replicas = fleet.urls();
+    live.arrivals = Arrivals::Trace { speedup: 1.0 };
+    let config =
+        CompareConfig { offline_speedup: None, ..compare_config(&fleet, vec![PolicyKind::CacheAware], live) };
+    let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
+        .await
+        .expect("compare finishes")
+        .expect("compare runs");
+    let run = &report.runs[0];
+    let l = &run.live;
+    assert_eq!((l.succeeded, l.failed()), (trace.len(), 0), "{:?}", l.errors);
+    let loaded: u64 = fleet
+        .agents
+        .iter()
+        .map(|a| a.engine.metrics().external_prefix_cache_hits.load(Ordering::Relaxed))
+        .sum();
+    assert!(loaded > 0, "nothing came back from host memory: {}", report.table());
+    let hit = l.fleet_hit_rate.expect("the agents' counters");
+    let from_usage = l.hit_rate.expect("responses report cached_tokens");
+    assert!((hit - from_usage).abs() < 1e-9, "counters {hit}, responses {from_usage}");
+    let predicted = l.predicted_hit_rate.expect("the router's headers");
+    assert!((predicted - hit).abs() < 0.05, "predicted {predicted}, hit {hit}");
+    assert!(run.offline.is_none());
     fleet.stop().await;
 }
 
