@@ -226,7 +226,12 @@ fn check_stored(
     }
     let blocks = s.block_hashes.len();
     if tier == Tier::Host && blocks > 0 && s.token_ids.is_empty() {
-        // Known by its hashes alone: its namespace is the device tier's blocks'.
+        // Known by its hashes alone: its namespace is the device tier's blocks'. A block of
+        // another size (vLLM 0.11 says the offloaded block's) is several of the cache's, named
+        // by the last: it could never continue a request's run.
+        if s.block_size != 0 && block_size.is_some_and(|b| b != s.block_size) {
+            return Err(SkipReason::BlockSize);
+        }
         return Ok((None, tier));
     }
     if s.block_size == 0 || blocks == 0 || s.token_ids.len() != blocks.saturating_mul(s.block_size as usize) {
@@ -372,12 +377,14 @@ mod tests {
         for skipped in ["cpu", "STORAGE", "DISK", "CPU_TIER2", "EXTERNAL", "FS"] {
             assert_eq!(tier_of(medium(skipped)), Err(SkipReason::Medium), "{skipped}");
         }
-        // vLLM's offloading placeholders: hashes only, whatever block size they say (0.11
-        // says the offloaded block's, 0.20 and later 0).
-        for block_size in [0, 32] {
+        // vLLM's offloading placeholders: hashes only (0.11 says the offloaded block's size,
+        // 0.20 and later 0); an offloaded block of several of the cache's is skipped.
+        for block_size in [0, 2] {
             let placeholder = vllm::BlockStored { token_ids: vec![], block_size, ..medium("CPU") };
             assert_eq!(tier_of(placeholder), Ok((Tier::Host, 0, 0)));
         }
+        let larger = vllm::BlockStored { token_ids: vec![], block_size: 32, ..medium("CPU") };
+        assert_eq!(tier_of(larger), Err(SkipReason::BlockSize));
         let empty = vllm::BlockStored { block_hashes: vec![], token_ids: vec![], ..medium("CPU") };
         assert_eq!(tier_of(empty), Err(SkipReason::TokensMismatch));
         let masked = vllm::BlockStored { token_ids: vec![1, 2, 3], ..medium("CPU") };

@@ -31,12 +31,12 @@
 //! A rank's host tier (blocks offloaded to CPU memory) has a map of its own, filled by
 //! [`EngineMap::store_offloaded`]. An offloaded block is the device block of the same engine
 //! hash copied out (vLLM's offloading connector and SGLang's HiCache keep the engine's
-//! hashes), so it takes the router hash that block has in either tier; a block neither tier
-//! knows is chained from its parent as above when the event has tokens, and skipped
-//! (`unknown_parent`) when it has none (vLLM's default placeholders name only hashes). A vLLM
-//! offloaded run from token 0 is chained only from a block the tiers know: vLLM's offload
-//! events carry no `extra_keys`, so its salt is unknown, and under the bare model's namespace
-//! its blocks would be false hits for unsalted requests.
+//! hashes), so it takes the router hash that block has in either tier. A block neither tier
+//! knows is skipped (`unknown_parent`), unless the engine is SGLang: its events carry their
+//! tokens and name their namespace (`cache_salt`, `lora_name`), so the block is chained from
+//! its parent (in either tier) or its namespace's root as above. vLLM's offload events carry
+//! no `extra_keys` (placeholders carry not even tokens): chained, a salted or multimodal
+//! block would be named as plain tokens, a false hit for requests of those tokens.
 //!
 //! Re-announcements add no reference. Under `kv_cache_report_mode="full"` vLLM announces a
 //! request's prefix-cache hits again as a `BlockStored` from token 0 (no parent), for blocks
@@ -201,14 +201,18 @@ impl EngineMap {
             return self.store(stored, hashes, model, out).map_or(stored.engine.len(), |()| 0);
         }
         let bs = stored.block_size as usize;
-        let tokens = (bs > 0 && stored.tokens.len() == stored.engine.len().saturating_mul(bs))
-            .then(|| stored.tokens.chunks_exact(bs));
+        // Only an engine whose events say their namespace is chained (SGLang); vLLM's say
+        // neither salt nor multimodal keys, and every block it offloads is one its cache
+        // announced.
+        let tokens = (hashes == Hashes::Blind
+            && bs > 0
+            && stored.tokens.len() == stored.engine.len().saturating_mul(bs))
+        .then(|| stored.tokens.chunks_exact(bs));
         let root = (hashes == Hashes::Blind).then(|| namespace_root(stored, model));
         let key = |engine: BlockHash| root.map_or(engine, |root| under(engine, root));
         let named = |map: &EngineMap, engine: BlockHash| map.map.get(&(group, key(engine))).map(|e| e.router);
         let mut prev = match stored.parent {
             Some(parent) => named(self, parent).or_else(|| named(device, parent)),
-            // SGLang's events name their namespace; vLLM's offloaded ones do not.
             None => root,
         };
         let reannounced = stored.reused.unwrap_or(stored.parent.is_none());
@@ -460,9 +464,9 @@ mod tests {
         assert_eq!(out[1], a.chain(&[1, 2, 3, 4], 2)[1], "vLLM's parent hash names its namespace");
     }
 
-    /// The host tier names a block as the device tier does: a placeholder by its hash alone,
-    /// a run with tokens from its parent in either tier; vLLM's run from token 0 only by a
-    /// block the tiers know (its salt is not said), SGLang's from the namespace it names.
+    /// The host tier names a block as the device tier does, by its hash; a block neither tier
+    /// knows only for SGLang, whose events say their namespace, from its parent in either
+    /// tier or its namespace's root (vLLM's say no salt nor multimodal keys).
     #[test]
     fn offloaded_blocks_take_the_device_tiers_names() {
         let ns = CacheNamespace::new("m");
@@ -474,29 +478,32 @@ mod tests {
         out.clear();
         assert_eq!(host.store_offloaded(&placeholder, Hashes::Namespaced, "m", &device, &mut out), 1, "99");
         assert_eq!(out, [whole[1], whole[0]]);
-        // The device tier evicts its blocks: the host tier's stay, and chain what follows.
-        let mut gone = Vec::new();
-        device.remove(&Removed { engine: vec![BlockHash(10), BlockHash(11)], group: 0 }, &mut gone);
+        // vLLM's self-describing events: a block its cache announced, named by it; one it did
+        // not is unnamed, tokens or not (its parent's name does not say its keys).
+        device.store(&stored(&[12], Some(11), vec![5, 6]), Hashes::Namespaced, "m", &mut out).unwrap();
         out.clear();
-        let next = stored(&[12], Some(11), vec![5, 6]);
-        assert_eq!(host.store_offloaded(&next, Hashes::Namespaced, "m", &device, &mut out), 0);
+        let next = stored(&[12, 13], Some(11), vec![5, 6, 7, 7]);
+        assert_eq!(host.store_offloaded(&next, Hashes::Namespaced, "m", &device, &mut out), 1, "13");
         assert_eq!(out, [whole[2]]);
-        // From token 0, unknown to both tiers: vLLM's namespace is unsaid.
+        // SGLang says its namespace: chained from its root, then from its parent in host
+        // memory after the cache let it go.
+        let salted = |s: Stored| Stored { salt: Some("A".into()), ..s };
+        let tenant = ns.clone().with_salt("A").chain(&[7, 8, 9, 9, 3, 3], 2);
+        let (mut sglang, nothing) = (EngineMap::default(), EngineMap::default());
         out.clear();
-        let fresh = stored(&[20, 21], None, vec![7, 8, 9, 9]);
-        assert_eq!(host.store_offloaded(&fresh, Hashes::Namespaced, "m", &device, &mut out), 2);
-        assert!(out.is_empty());
-        // SGLang says its namespace: chained from its root.
-        let salted = Stored { salt: Some("A".into()), ..fresh };
-        let mut sglang = EngineMap::default();
-        assert_eq!(sglang.store_offloaded(&salted, Hashes::Blind, "m", &EngineMap::default(), &mut out), 0);
-        assert_eq!(out, ns.clone().with_salt("A").chain(&[7, 8, 9, 9], 2));
+        let fresh = salted(stored(&[20, 21], None, vec![7, 8, 9, 9]));
+        assert_eq!(sglang.store_offloaded(&fresh, Hashes::Blind, "m", &nothing, &mut out), 0);
+        let after = salted(stored(&[22], Some(21), vec![3, 3]));
+        assert_eq!(sglang.store_offloaded(&after, Hashes::Blind, "m", &nothing, &mut out), 0);
+        assert_eq!(out, tenant);
+        let mut gone = Vec::new();
         // A removal from the host tier is the host tier's.
         gone.clear();
         let removed = Removed { engine: vec![BlockHash(12), BlockHash(10)], group: 0 };
         assert_eq!(host.remove(&removed, &mut gone), 0);
         assert_eq!(gone, [whole[2], whole[0]]);
-        assert_eq!(host.len(), 1);
+        assert_eq!(host.len(), 1, "11");
+        assert_eq!(device.len(), 3, "the cache's own are its own");
     }
 
     /// A namespace-blind hash held under three namespaces (one of them twice): each removal

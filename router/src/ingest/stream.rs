@@ -831,11 +831,16 @@ impl RankStream {
         }
         // The host tier goes with it: a reset of the offloaded cache is not announced, and an
         // `AllBlocksCleared` names no tier.
-        if self.host.references() > 0 {
+        if self.host.references() == 0 && self.ctx.host_index.blocks(id) == 0 {
+            // Nothing held there (most replicas offload nothing).
+        } else if self.ctx.host_index.clears_by_reference(self.host.references()) {
             self.scratch.clear();
             self.host.drain_into(&mut self.scratch);
             self.ctx.host_index.clear_held(id, &self.scratch);
             self.scratch = Vec::new();
+        } else {
+            self.ctx.host_index.sweep_replica(id);
+            self.host.reset();
         }
         self.dup = None;
         self.ctx.metrics.clears.inc();
@@ -956,6 +961,7 @@ mod tests {
         let id = rank.ctx.replica.id;
         assert_eq!(rank.ctx.host_index.blocks(id), 2);
         assert_eq!(rank.ctx.index.blocks(id), 2, "the cache's own are where they were");
+        assert_eq!((rank.blocks.references(), rank.host.references()), (2, 2));
         assert_eq!(rank.ctx.metrics.offloaded_blocks.get(), 2);
         assert_eq!(rank.ctx.metrics.skipped(SkipReason::OverCapacity).get(), 1);
 

@@ -199,7 +199,8 @@ pub fn common_overlap<'a>(replicas: impl IntoIterator<Item = &'a ReplicaView>) -
     let mut streams = replicas
         .into_iter()
         .filter(|r| r.eligible && r.stream != StreamState::Fallback)
-        .map(|r| r.overlap_blocks);
+        // What their caches hold: a FALLBACK replica's host memory is unknown too.
+        .map(|r| r.overlap_blocks - r.offloaded_blocks);
     match (streams.next(), streams.next()) {
         (Some(a), Some(b)) => streams.fold(a.min(b), usize::min),
         _ => 0,

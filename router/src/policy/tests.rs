@@ -333,6 +333,9 @@ fn offloaded_blocks_cost_a_share_of_a_miss() {
     assert_eq!(costs[1], miss * (1000.0 - 800.0));
     assert_eq!(costs[2], miss * (1000.0 - 640.0));
     assert!(costs[0] < costs[1] && costs[1] < costs[2]);
+    // A FALLBACK replica is taken to hold what the others' caches hold: not their host
+    // memory (40 blocks, not 50).
+    assert_eq!(common_overlap(&[loads, cached]), 40);
     // Counted as a miss, the load is no better than computing it.
     let as_miss = CacheAware::new(CacheAwareParams { offload_weight: 1.0, ..CacheAwareParams::default() });
     let costs = as_miss.choose(&REQ, &[loads, fewer]).costs;

@@ -95,15 +95,17 @@ impl Stream {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_in_host_memory_draws_its_requests() {
+    // `c` is an SGLang replica: its events say their namespace.
+    let replicas = [("a", "vllm"), ("b", "vllm"), ("c", "sglang")];
     let mut specs = Vec::new();
     let mut publishers = Vec::new();
-    let mut seen = Vec::new();
-    for name in ["a", "b"] {
+    let mut seen = std::collections::HashMap::new();
+    for (name, engine) in replicas {
         let (addr, recorded) = recording_replica(ANSWER).await;
         let publisher = FakePublisher::start(None).await;
-        specs.push(format!("name={name},http=http://{addr},events={},engine=vllm", publisher.events));
+        specs.push(format!("name={name},http=http://{addr},events={},engine={engine}", publisher.events));
         publishers.push(publisher);
-        seen.push(recorded);
+        seen.insert(name.to_owned(), recorded);
     }
     let config = kvroute_router::Config {
         model: MODEL.into(),
@@ -118,16 +120,14 @@ async fn a_prefix_in_host_memory_draws_its_requests() {
     let shutdown = tokio_util::sync::CancellationToken::new();
     let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
     let mut streams = Vec::new();
-    for (name, publisher) in ["a", "b"].into_iter().zip(publishers) {
+    for ((name, _), publisher) in replicas.into_iter().zip(publishers) {
         let replica = router.fleet().member(name).unwrap().replica.clone();
         let mut stream = Stream { publisher, replica, seq: 0 };
         stream.warm_up().await;
         streams.push(stream);
     }
-    let [a, b] = &mut streams[..] else { unreachable!() };
+    let [a, b, c] = &mut streams[..] else { unreachable!() };
     let http = Http::new();
-    let mut seen_by = seen.into_iter();
-    let (mut seen_a, mut seen_b) = (seen_by.next().unwrap(), seen_by.next().unwrap());
     // Sends a prompt of `blocks` full blocks and a few tokens more; the replica it went to and
     // the tokens predicted cached there.
     let mut send = async |prompt: &[u32]| {
@@ -137,11 +137,7 @@ async fn a_prefix_in_host_memory_draws_its_requests() {
         assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
         let predicted: u64 = reply.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
         let to = reply.header("x-kvroute-replica").unwrap().to_owned();
-        let recorded = match to.as_str() {
-            "a" => seen_a.recv().await,
-            _ => seen_b.recv().await,
-        };
-        assert!(recorded.is_some(), "the replica named was sent it");
+        assert!(seen.get_mut(&to).unwrap().recv().await.is_some(), "the replica named was sent it");
         (to, predicted)
     };
     let block = u64::from(BLOCK);
@@ -155,11 +151,12 @@ async fn a_prefix_in_host_memory_draws_its_requests() {
     assert_eq!(send(&p).await, ("b".into(), 6 * block), "loaded from host memory, all of it");
 
     // q: `a` caches three blocks; `b` two, and the four after them in host memory, announced
-    // with their tokens (vLLM's self-describing events, SGLang's HiCache).
+    // with their tokens (vLLM's self-describing events) after its cache announced them.
     let q = tokens(2, 6);
+    let tail = &q[2 * BLOCK as usize..];
     a.send(vec![stored(&engine(110, 3), None, &q[..3 * BLOCK as usize], "GPU")]).await;
-    b.send(vec![stored(&engine(300, 2), None, &q[..2 * BLOCK as usize], "GPU")]).await;
-    b.send(vec![stored(&engine(302, 4), Some(301), &q[2 * BLOCK as usize..], "CPU_PINNED")]).await;
+    b.send(vec![stored(&engine(300, 6), None, &q, "GPU")]).await;
+    b.send(vec![stored(&engine(302, 4), Some(301), tail, "CPU"), removed(&engine(302, 4), "GPU")]).await;
     // `Explain` tells the two tiers apart.
     let mut admin = RouterAdminClient::connect(router.admin_url()).await.unwrap();
     let prompt = [&q[..], &[7, 7, 7]].concat();
@@ -169,8 +166,20 @@ async fn a_prefix_in_host_memory_draws_its_requests() {
     let tiers: Vec<(&str, u32, u32, u64)> = (explained.candidates.iter())
         .map(|c| (c.replica.as_str(), c.overlap_blocks, c.offloaded_blocks, c.predicted_cached_tokens))
         .collect();
-    assert_eq!(tiers, [("a", 3, 0, 3 * block), ("b", 6, 4, 6 * block)]);
+    assert_eq!(tiers, [("a", 3, 0, 3 * block), ("b", 6, 4, 6 * block), ("c", 0, 0, 0)]);
     assert_eq!(send(&q).await, ("b".into(), 6 * block), "its cache, then host memory");
+
+    // The same on SGLang (HiCache), for blocks its cache never announced: chained from their
+    // parent, in the namespace the event names. (vLLM's are not: its events do not say their
+    // salt or multimodal keys.)
+    let q2 = tokens(5, 6);
+    let tail = &q2[2 * BLOCK as usize..];
+    a.send(vec![stored(&engine(140, 3), None, &q2[..3 * BLOCK as usize], "GPU")]).await;
+    b.send(vec![stored(&engine(700, 2), None, &q2[..2 * BLOCK as usize], "GPU")]).await;
+    b.send(vec![stored(&engine(702, 4), Some(701), tail, "CPU")]).await;
+    c.send(vec![stored(&engine(600, 2), None, &q2[..2 * BLOCK as usize], "GPU")]).await;
+    c.send(vec![stored(&engine(602, 4), Some(601), tail, "CPU_PINNED")]).await;
+    assert_eq!(send(&q2).await, ("c".into(), 6 * block), "SGLang's host memory, chained");
 
     // r: offloaded, then evicted from host memory too: `a`'s one block wins.
     let r = tokens(3, 6);
