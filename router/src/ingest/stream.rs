@@ -820,27 +820,13 @@ impl RankStream {
                 ranks.index.sweep_replica(ranks.id(self.rank));
             }
             self.scratch = Vec::new();
-        } else if self.ctx.index.clears_by_reference(self.blocks.references()) {
-            self.scratch.clear();
-            self.blocks.drain_into(&mut self.scratch);
-            self.ctx.index.clear_held(id, &self.scratch);
-            self.scratch = Vec::new();
         } else {
-            self.ctx.index.sweep_replica(id);
-            self.blocks.reset();
+            clear_whole(&self.ctx.index, &mut self.blocks, id);
         }
         // The host tier goes with it: a reset of the offloaded cache is not announced, and an
-        // `AllBlocksCleared` names no tier.
-        if self.host.references() == 0 && self.ctx.host_index.blocks(id) == 0 {
-            // Nothing held there (most replicas offload nothing).
-        } else if self.ctx.host_index.clears_by_reference(self.host.references()) {
-            self.scratch.clear();
-            self.host.drain_into(&mut self.scratch);
-            self.ctx.host_index.clear_held(id, &self.scratch);
-            self.scratch = Vec::new();
-        } else {
-            self.ctx.host_index.sweep_replica(id);
-            self.host.reset();
+        // `AllBlocksCleared` names no tier. (Most replicas offload nothing.)
+        if self.host.references() > 0 || self.ctx.host_index.blocks(id) > 0 {
+            clear_whole(&self.ctx.host_index, &mut self.host, id);
         }
         self.dup = None;
         self.ctx.metrics.clears.inc();
@@ -882,6 +868,20 @@ impl RankStream {
             // change of either rank publishes the newer value).
             self.ctx.metrics.set_state(now);
         }
+    }
+}
+
+/// Takes everything replica `id` holds out of `index`, whose references `map` mirrors, and
+/// empties `map`: reference by reference when they are few against the index's size, else
+/// by a sweep of the index.
+fn clear_whole(index: &SharedIndex, map: &mut EngineMap, id: kvroute_proto::ReplicaId) {
+    if index.clears_by_reference(map.references()) {
+        let mut held = Vec::new();
+        map.drain_into(&mut held);
+        index.clear_held(id, &held);
+    } else {
+        index.sweep_replica(id);
+        map.reset();
     }
 }
 
