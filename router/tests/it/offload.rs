@@ -4,8 +4,6 @@
 //! holds, draws the request as a cached prefix would; one it no longer holds, or that does
 //! not follow on, does not.
 
-use std::time::Duration;
-
 use kvroute_proto::pb::{self, router_admin_client::RouterAdminClient};
 use kvroute_proto::vllm::{self, VllmBatch, VllmEvent};
 use kvroute_proto::{BlockHash, Seq};
@@ -16,7 +14,7 @@ use kvroute_router::replicas::EngineKind;
 
 use crate::fleet::{FLEET_BLOCK, FLEET_MODEL, Fleet, Http, agent_config};
 use crate::headers::recording_replica;
-use crate::support::{BLOCK, FakePublisher, MODEL, WAIT, wait_until};
+use crate::support::{BLOCK, FakePublisher, MODEL, sample, wait_until, wait_until_async};
 
 const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
 
@@ -77,19 +75,14 @@ impl Stream {
         wait_until("the batch applied", || self.replica.status.last_seq() == Some(seq)).await;
     }
 
-    /// Publishes empty batches until the router applies one: its subscription is in place.
+    /// Publishes empty batches until the router applies one: its subscription is in place
+    /// (batches published before it reached the publisher are lost).
     async fn warm_up(&mut self) {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            let seq = self.publish(Vec::new()).await;
-            for _ in 0..20 {
-                if self.replica.status.last_seq() == Some(seq) {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "publisher never reached the router");
-        }
+        wait_until_async("the publisher reached the router", async || {
+            self.publish(Vec::new()).await;
+            self.replica.status.last_seq().is_some()
+        })
+        .await;
     }
 }
 
@@ -201,13 +194,7 @@ async fn a_prefix_in_host_memory_draws_its_requests() {
         let reply = http.get(&format!("{}/metrics", router.url())).await;
         String::from_utf8_lossy(&reply.body).into_owned()
     };
-    let offloaded_of_b = |text: &str| {
-        text.lines()
-            .find(|l| {
-                l.starts_with("kvroute_ingest_replica_offloaded_blocks{") && l.contains("replica=\"b\"")
-            })
-            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-    };
+    let offloaded_of_b = |text: &str| sample(text, "kvroute_ingest_replica_offloaded_blocks{replica=\"b\"}");
     // p's 6 and q's 4 blocks; s's 5 (no names lost: the cache still held them).
     assert_eq!(offloaded_of_b(&metrics().await), Some(15));
     b.send(vec![VllmEvent::AllBlocksCleared]).await;
@@ -249,18 +236,14 @@ async fn a_real_agents_host_memory_is_followed(format: EventFormat, engine: Engi
     complete(&prompt(3)).await;
     let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
     let body = json!({"model": FLEET_MODEL, "prompt": a, "max_tokens": 1});
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
+    wait_until_async("`a` seen in host memory alone", async || {
         let request =
             pb::ExplainRequest { path: "/v1/completions".into(), body: body.to_string().into_bytes() };
         let explained = admin.explain(request).await.unwrap().into_inner();
         let c = &explained.candidates[0];
-        if (c.overlap_blocks, c.offloaded_blocks) == (6, 6) {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "never seen in host memory alone: {c:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        (c.overlap_blocks, c.offloaded_blocks) == (6, 6)
+    })
+    .await;
     let again = complete(&a).await;
     let predicted: u64 = again.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
     assert_eq!((predicted, again.cached_tokens()), (6 * block as u64, 6 * block as u64));
