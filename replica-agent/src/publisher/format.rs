@@ -39,10 +39,10 @@ impl EventFormat {
 
 /// The vLLM rendering of a native batch: same hashes (opaque ids to a vLLM consumer), same
 /// tokens, `medium = "GPU"` (host memory's blocks as vLLM's offloading connector announces
-/// them by default: their medium and hashes, nothing else), full-attention group 0, and the namespace as vLLM (>= 0.20)
-/// publishes it: `lora_name`, and per block the untagged extra keys that went into its hash
-/// (the adapter's name on every block, the salt after it on a prompt's first block; `nil`
-/// for a block with neither).
+/// them by default: their medium and hashes, nothing else), full-attention group 0, and the
+/// namespace as vLLM (>= 0.20) publishes it: `lora_name`, and per block the untagged extra
+/// keys that went into its hash (the adapter's name on every block, the salt after it on a
+/// prompt's first block; `nil` for a block with neither).
 fn to_vllm(batch: &EventBatch) -> VllmBatch {
     let events = batch
         .events

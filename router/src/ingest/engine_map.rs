@@ -197,7 +197,7 @@ impl EngineMap {
     ) -> usize {
         let group = stored.group;
         if hashes == Hashes::Router {
-            // The router's own chain names itself (no engine of this kind offloads today).
+            // The router's own chain names itself (the agent's `--offload-blocks`).
             return self.store(stored, hashes, model, out).map_or(stored.engine.len(), |()| 0);
         }
         let bs = stored.block_size as usize;
