@@ -6,10 +6,11 @@
 //! ```text
 //!            start ──► DEGRADED (not synced) ──connected──► repair(from 0) ──► EXACT
 //! EXACT ── seq gap / queue overflow ──► DEGRADED ── repair(from first missing) ──► EXACT
-//!          (an overflow is reported once the queue has room, so a lost last batch is
-//!          repaired too; a repair asks again from where a replay stopped, and after 9
-//!          replays that each brought fewer than 64 batches, or came without their end
-//!          marker, it clears the rank and starts over from the live batch)
+//!          (an overflow is reported once the queue has room, ahead of the batches
+//!          after it, so a lost last batch is repaired too; a repair asks again from
+//!          where a replay stopped, and after 9 replays that each brought fewer than 64
+//!          batches, or came without their end marker, it clears the rank and starts
+//!          over from the live batch)
 //! EXACT ── SUB disconnected ──► clear the rank, DEGRADED (live frames ignored)
 //!          ── reconnected: repair(from 0) ──► EXACT
 //!          (a publisher closes its connection when its replica stops, dies or restarts:
@@ -100,6 +101,7 @@ pub mod metrics;
 
 mod decode;
 pub(crate) mod engine_map;
+mod outbox;
 mod predicted;
 mod replay;
 mod snapshot;

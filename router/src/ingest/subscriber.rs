@@ -14,28 +14,23 @@
 //! resolve, no route) reach the SUB as a failed handshake, and the guard's log line names
 //! the cause.
 //!
-//! Live messages go through `try_send`: a full channel, or one holding `max_queued_bytes` of
-//! frames already, each frame's own cost counted (a message can be up to the ZMTP guard's
-//! 64 MiB and 1024 frames, so a count alone bounds nothing), drops the message and counts it
-//! (`overflow`) instead of stalling the socket (the publisher's queue is unbounded). As soon
-//! as the channel has room again, [`Input::Overflowed`] tells the stream to replay what it
-//! missed (even if no later message would reveal the gap). Control inputs use `send` (they
-//! are rare and must not be lost).
+//! Live messages go to the stream task through its [`Outbox`], which drops (and reports)
+//! what does not fit rather than stall the socket. Control inputs use `send` (they are rare
+//! and must not be lost).
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
 use kvroute_proto::zmtp_guard::ZmtpGuard;
-use kvroute_proto::zmtp_guard::frames::FRAME_CHARGE;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use zeromq::prelude::*;
 use zeromq::{SocketEvent, SocketOptions, SubSocket};
 
 use super::metrics::ReplicaMetrics;
+use super::outbox::Outbox;
+pub(crate) use super::outbox::{Pending, Queued};
 
 /// What the socket task tells the stream task.
 #[derive(Debug)]
@@ -46,63 +41,12 @@ pub(crate) enum Input {
     Disconnected,
     /// No connection for `fallback_after`.
     Unreachable,
-    /// Live messages were dropped because the channel was full (sent once there is room, and
-    /// not again until the stream takes this one: [`Pending`]).
+    /// Live messages were dropped because the channel was full: sent once there is room,
+    /// before any live message after them, and not again until the stream takes this one
+    /// ([`Pending`]).
     Overflowed(Pending),
     /// One live message's frames, counted in the channel's bytes until dropped.
     Frames(Vec<Bytes>, Queued),
-}
-
-/// Whether an [`Input::Overflowed`] waits for the stream: the stream takes it ([`Pending::take`])
-/// before its repair, so drops during the repair are reported once more, and a channel whose
-/// bytes are full (its slots free) does not fill with reports, each a repair.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Pending(Arc<AtomicBool>);
-
-impl Pending {
-    /// The stream has the report: a later drop is reported again.
-    pub(crate) fn take(&self) {
-        self.0.store(false, Ordering::Release);
-    }
-
-    fn is_set(&self) -> bool {
-        self.0.load(Ordering::Acquire)
-    }
-
-    fn set(&self) -> Pending {
-        self.0.store(true, Ordering::Release);
-        self.clone()
-    }
-}
-
-/// `frames` in buffers of their own.
-fn copied(frames: &[Bytes]) -> Vec<Bytes> {
-    frames.iter().map(|frame| Bytes::copy_from_slice(frame)).collect()
-}
-
-/// A live message's share of its channel's bytes, given back when the message is dropped.
-#[derive(Debug)]
-pub(crate) struct Queued {
-    bytes: usize,
-    queued: Arc<AtomicUsize>,
-}
-
-impl Queued {
-    /// Counts `bytes` in `queued`, unless that would take it past `limit`.
-    fn take(queued: &Arc<AtomicUsize>, bytes: usize, limit: usize) -> Option<Queued> {
-        queued
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                held.checked_add(bytes).filter(|&total| total <= limit)
-            })
-            .ok()
-            .map(|_| Queued { bytes, queued: queued.clone() })
-    }
-}
-
-impl Drop for Queued {
-    fn drop(&mut self) {
-        self.queued.fetch_sub(self.bytes, Ordering::AcqRel);
-    }
 }
 
 /// Socket parameters of one subscriber.
@@ -124,9 +68,7 @@ pub(crate) async fn run(
     cancel: CancellationToken,
 ) {
     let Some(guard) = guard(&config, &metrics, &tx, &cancel).await else { return };
-    // Across sockets: messages of an earlier one may still be queued.
-    let queued = Arc::new(AtomicUsize::new(0));
-    let pending = Pending::default();
+    let mut outbox = Outbox::new(tx.clone(), config.max_queued_bytes, metrics.overflow.clone());
     loop {
         let Some(mut socket) = connect(&config, guard.endpoint(), &tx, &cancel).await else { return };
         // Installed after the first connect, whose `Connected` the explicit send replaces.
@@ -135,7 +77,7 @@ pub(crate) async fn run(
             return;
         }
         let mut outage: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
-        let mut overflowed = false;
+        outbox.forgive();
         loop {
             let outage_over = async {
                 match outage.as_mut() {
@@ -147,24 +89,8 @@ pub(crate) async fn run(
                 () = cancel.cancelled() => return,
                 msg = socket.recv() => match msg {
                     Ok(msg) => {
-                        // Queued as copies: the socket cuts every frame out of one shared
-                        // read buffer (as large as the largest message lately), which a
-                        // queued slice would hold whole, uncounted.
-                        let frames = msg.into_vec();
-                        // Each frame is a `Bytes` of its own besides its contents: a message of
-                        // a thousand empty frames is not nothing.
-                        let bytes = frames.iter().map(|f| f.len() + FRAME_CHARGE as usize).sum();
-                        let dropped = match Queued::take(&queued, bytes, config.max_queued_bytes) {
-                            Some(share) => match tx.try_send(Input::Frames(copied(&frames), share)) {
-                                Ok(()) => false,
-                                Err(mpsc::error::TrySendError::Full(_)) => true,
-                                Err(mpsc::error::TrySendError::Closed(_)) => return,
-                            },
-                            None => true,
-                        };
-                        if dropped {
-                            metrics.overflow.inc();
-                            overflowed = true;
+                        if outbox.offer(&msg.into_vec()).is_err() {
+                            return;
                         }
                     }
                     Err(e) => {
@@ -201,11 +127,8 @@ pub(crate) async fn run(
                         break;
                     }
                 },
-                permit = tx.reserve(), if overflowed && !pending.is_set() => match permit {
-                    Ok(permit) => {
-                        permit.send(Input::Overflowed(pending.set()));
-                        overflowed = false;
-                    }
+                slot = tx.reserve(), if outbox.owes() => match slot {
+                    Ok(slot) => outbox.report(slot),
                     Err(_) => return,
                 },
                 () = outage_over => {

@@ -1,0 +1,231 @@
+//! The socket task's end of its channel to the stream task: live messages go in with
+//! `try_send`, so a stream busy with a repair never stalls the socket (the publisher's queue
+//! is unbounded); what does not fit is dropped, counted (`overflow`), and reported to the
+//! stream ([`Input::Overflowed`]), which replays it.
+//!
+//! The channel is bounded twice: by its slots, and by `max_queued_bytes` of frames, each
+//! frame's own cost counted (a message can be up to the ZMTP guard's 64 MiB and 1024 frames,
+//! so a count alone bounds nothing).
+//!
+//! A report owes its place in the order: it goes in before any live message after the drops
+//! (one that does not fit behind it is dropped too). Queued after one, the stream would see
+//! the hole itself first, repair it, and then repair it again for the report. And one report
+//! waits for the stream at a time ([`Pending`]): drops while it waits are covered by the
+//! repair it starts, which the stream begins only after taking it, so they owe nothing. A
+//! channel full of bytes, its slots free, does not fill with reports, each a repair.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use bytes::Bytes;
+use kvroute_proto::zmtp_guard::frames::FRAME_CHARGE;
+use prometheus_client::metrics::counter::Counter;
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
+
+use super::subscriber::Input;
+
+/// The stream task has gone away.
+#[derive(Debug)]
+pub(crate) struct Closed;
+
+/// Whether an [`Input::Overflowed`] waits for the stream: the stream takes it
+/// ([`Pending::take`]) before its repair, so only drops after that are reported again.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Pending(Arc<AtomicBool>);
+
+impl Pending {
+    /// The stream has the report: a later drop is reported again.
+    pub(crate) fn take(&self) {
+        self.0.store(false, Ordering::Release);
+    }
+
+    fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+
+    fn set(&self) -> Pending {
+        self.0.store(true, Ordering::Release);
+        self.clone()
+    }
+}
+
+/// A live message's share of its channel's bytes, given back when the message is dropped.
+#[derive(Debug)]
+pub(crate) struct Queued {
+    bytes: usize,
+    queued: Arc<AtomicUsize>,
+}
+
+impl Queued {
+    /// Counts `bytes` in `queued`, unless that would take it past `limit`.
+    fn take(queued: &Arc<AtomicUsize>, bytes: usize, limit: usize) -> Option<Queued> {
+        queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(bytes).filter(|&total| total <= limit)
+            })
+            .ok()
+            .map(|_| Queued { bytes, queued: queued.clone() })
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.queued.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+/// One subscriber's sending end. It outlives the subscriber's sockets: messages of an
+/// earlier one may still be queued, and its report may still wait.
+pub(crate) struct Outbox {
+    tx: mpsc::Sender<Input>,
+    queued: Arc<AtomicUsize>,
+    max_queued_bytes: usize,
+    pending: Pending,
+    /// Messages were dropped that no report covers yet.
+    owed: bool,
+    overflow: Counter,
+}
+
+impl Outbox {
+    pub(crate) fn new(tx: mpsc::Sender<Input>, max_queued_bytes: usize, overflow: Counter) -> Self {
+        let queued = Arc::new(AtomicUsize::new(0));
+        Self { tx, queued, max_queued_bytes, pending: Pending::default(), owed: false, overflow }
+    }
+
+    /// Queues one live message's frames (as copies: the socket cuts every frame out of one
+    /// shared read buffer, as large as the largest message lately, which a queued slice would
+    /// hold whole, uncounted), after the report owed; drops it if either does not fit.
+    pub(crate) fn offer(&mut self, frames: &[Bytes]) -> Result<(), Closed> {
+        if self.owed {
+            match self.tx.clone().try_reserve() {
+                Ok(permit) => self.report(permit),
+                Err(TrySendError::Full(())) => {}
+                Err(TrySendError::Closed(())) => return Err(Closed),
+            }
+        }
+        let bytes = frames.iter().map(|f| f.len() + FRAME_CHARGE as usize).sum();
+        let sent = !self.owed
+            && match Queued::take(&self.queued, bytes, self.max_queued_bytes) {
+                Some(share) => {
+                    let copies = frames.iter().map(|frame| Bytes::copy_from_slice(frame)).collect();
+                    match self.tx.try_send(Input::Frames(copies, share)) {
+                        Ok(()) => true,
+                        Err(TrySendError::Full(_)) => false,
+                        Err(TrySendError::Closed(_)) => return Err(Closed),
+                    }
+                }
+                None => false,
+            };
+        if !sent {
+            self.overflow.inc();
+            self.owed = !self.pending.is_set();
+        }
+        Ok(())
+    }
+
+    /// Whether a report is owed (sent through [`Self::report`] as soon as there is a slot,
+    /// even if no later message comes to reveal the drops).
+    pub(crate) fn owes(&self) -> bool {
+        self.owed
+    }
+
+    /// Sends the report owed ([`Self::owes`]) in `slot`, reserved on this outbox's channel.
+    pub(crate) fn report(&mut self, slot: mpsc::Permit<'_, Input>) {
+        slot.send(Input::Overflowed(self.pending.set()));
+        self.owed = false;
+    }
+
+    /// A new connection: the stream repairs from where it is after it, which covers every
+    /// drop before.
+    pub(crate) fn forgive(&mut self) {
+        self.owed = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(n: u8) -> Vec<Bytes> {
+        vec![Bytes::from_static(b"kv-events"), Bytes::from(vec![n])]
+    }
+
+    /// What the stream would take next: a message's number, `None` for a report (taken),
+    /// nothing when the channel is empty.
+    fn next(rx: &mut mpsc::Receiver<Input>) -> Option<Option<u8>> {
+        match rx.try_recv().ok()? {
+            Input::Frames(frames, _) => Some(Some(frames[1][0])),
+            Input::Overflowed(pending) => {
+                pending.take();
+                Some(None)
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    fn drain(rx: &mut mpsc::Receiver<Input>) -> Vec<Option<u8>> {
+        std::iter::from_fn(|| next(rx)).collect()
+    }
+
+    /// Regression: a message that arrived as the stream freed a slot could take it before the
+    /// report of the drops before it; the stream saw that hole, repaired it, and then repaired
+    /// it again for the report (a spurious DEGRADED).
+    #[test]
+    fn drops_are_reported_before_the_messages_after_them() {
+        let (tx, mut rx) = mpsc::channel(2);
+        let overflow = Counter::default();
+        let mut outbox = Outbox::new(tx, usize::MAX, overflow.clone());
+        for n in 1..=3 {
+            outbox.offer(&message(n)).unwrap();
+        }
+        assert!(outbox.owes());
+        assert_eq!(next(&mut rx), Some(Some(1)));
+        // One slot: the report takes it, and 4 (which would have come before it) is dropped.
+        outbox.offer(&message(4)).unwrap();
+        outbox.offer(&message(5)).unwrap();
+        assert_eq!(drain(&mut rx), [Some(2), None]);
+        assert_eq!(overflow.get(), 3);
+        outbox.offer(&message(6)).unwrap();
+        assert_eq!(drain(&mut rx), [Some(6)]);
+    }
+
+    /// Drops while a report waits are covered by the repair it starts (the stream takes it
+    /// first); drops after the stream took it are reported again.
+    #[test]
+    fn a_waiting_report_covers_the_drops_behind_it() {
+        let (tx, mut rx) = mpsc::channel(2);
+        let mut outbox = Outbox::new(tx.clone(), usize::MAX, Counter::default());
+        for n in 1..=3 {
+            outbox.offer(&message(n)).unwrap();
+        }
+        assert_eq!(next(&mut rx), Some(Some(1)));
+        outbox.report(tx.try_reserve().unwrap());
+        outbox.offer(&message(4)).unwrap();
+        assert!(!outbox.owes(), "4 was dropped behind a waiting report");
+        assert_eq!(drain(&mut rx), [Some(2), None]);
+        for n in 5..=7 {
+            outbox.offer(&message(n)).unwrap();
+        }
+        assert!(outbox.owes(), "7 was dropped after the report was taken");
+        assert_eq!(drain(&mut rx), [Some(5), Some(6)]);
+    }
+
+    /// A channel full of bytes has free slots: one report goes in, not one per drop.
+    #[test]
+    fn a_channel_full_of_bytes_holds_one_report() {
+        let (tx, mut rx) = mpsc::channel(1024);
+        let overflow = Counter::default();
+        let one: usize = message(0).iter().map(|f| f.len() + FRAME_CHARGE as usize).sum();
+        let mut outbox = Outbox::new(tx, 2 * one, overflow.clone());
+        for n in 1..=10 {
+            outbox.offer(&message(n)).unwrap();
+        }
+        assert_eq!(overflow.get(), 8);
+        assert_eq!(drain(&mut rx), [Some(1), Some(2), None]);
+        // The bytes are given back as the stream drops what it took; 3 to 10 were dropped
+        // before the report was taken.
+        outbox.offer(&message(11)).unwrap();
+        assert_eq!(drain(&mut rx), [Some(11)]);
+    }
+}
