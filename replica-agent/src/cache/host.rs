@@ -43,6 +43,11 @@ impl HostTier {
         }
     }
 
+    /// Every block held.
+    pub fn blocks(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        self.lru.resident()
+    }
+
     /// Blocks held.
     pub fn len(&self) -> usize {
         self.lru.len()

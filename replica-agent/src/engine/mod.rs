@@ -25,7 +25,8 @@
 //! holds right after the request's prefix hit is loaded rather than computed: those tokens
 //! count as cached (as vLLM counts them; `vllm:external_prefix_cache_hits_total` has them
 //! alone) and cost [`LOAD_SHARE`] of a prefill token each. Its changes are published with
-//! the step's, `medium` `"CPU"`. A snapshot lists the device cache's blocks only.
+//! the step's, `medium` `"CPU"`. A snapshot lists them after the device cache's blocks, by
+//! hash alone (host memory keeps nothing else of them).
 //!
 //! Only prompt blocks are cached (vLLM also caches full blocks of generated tokens; the
 //! simulated text is not meant to be re-sent verbatim, so those blocks would never hit).
@@ -205,6 +206,14 @@ pub(crate) struct CacheState {
     pub outbox: outbox::Outbox,
 }
 
+/// The `medium` of host memory's events and snapshot blocks.
+pub(crate) const HOST_MEDIUM: &str = "CPU";
+
+/// A snapshot's entry for a block held in host memory.
+fn offloaded(hash: BlockHash) -> SnapshotBlock {
+    SnapshotBlock { hash: hash.0, medium: Some(HOST_MEDIUM.into()), ..SnapshotBlock::default() }
+}
+
 /// What a snapshot needs to describe a resident block.
 pub(crate) struct BlockMeta {
     pub parent: Option<BlockHash>,
@@ -340,11 +349,11 @@ impl Engine {
         rx.await.map_err(|_| ResetError::ShuttingDown)?.map_err(ResetError::Busy)
     }
 
-    /// Every resident block, parents first, and the seq the copy is consistent with.
-    /// The cache is locked only while the blocks are copied (the scheduler waits meanwhile);
+    /// Every resident block, parents first, then every block held in host memory, and the seq
+    /// the copy is consistent with. The cache is locked only while the blocks are copied (the scheduler waits meanwhile);
     /// they are put in order after.
     pub fn snapshot(&self, include_tokens: bool) -> Snapshot {
-        let (seq, mut blocks) = {
+        let (seq, mut blocks, mut host) = {
             let mut state = self.lock();
             let seq = state.outbox.seal();
             let blocks: Vec<(u32, SnapshotBlock)> = state
@@ -357,14 +366,19 @@ impl Engine {
                         token_ids: if include_tokens { meta.tokens.to_vec() } else { Vec::new() },
                         lora_name: meta.namespace.as_ref().and_then(|ns| ns.lora.clone()),
                         cache_salt: meta.namespace.as_ref().and_then(|ns| ns.cache_salt.clone()),
+                        medium: None,
                     };
                     (meta.depth, block)
                 })
                 .collect();
-            (seq, blocks)
+            let host: Vec<SnapshotBlock> =
+                state.host.iter().flat_map(HostTier::blocks).map(offloaded).collect();
+            (seq, blocks, host)
         };
         blocks.sort_unstable_by_key(|(depth, block)| (*depth, block.hash));
-        Snapshot { seq, blocks: blocks.into_iter().map(|(_, block)| block).collect() }
+        host.sort_unstable_by_key(|block| block.hash);
+        let blocks = blocks.into_iter().map(|(_, block)| block).chain(host).collect();
+        Snapshot { seq, blocks }
     }
 
     /// Resident block hashes (for tests and stats).

@@ -12,8 +12,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    BlockMeta, CacheState, Control, EngineConfig, EngineMetrics, Job, LOAD_SHARE, Output, StepBudget,
-    TextGen, Usage,
+    BlockMeta, CacheState, Control, EngineConfig, EngineMetrics, HOST_MEDIUM, Job, LOAD_SHARE, Output,
+    StepBudget, TextGen, Usage,
 };
 use crate::cache::{AdmitError, CacheEvent};
 use crate::publisher::Publisher;
@@ -411,9 +411,6 @@ fn offload(
     record_events(state, changes, job, block_size, Some(HOST_MEDIUM));
     loaded
 }
-
-/// The `medium` of host memory's events.
-const HOST_MEDIUM: &str = "CPU";
 
 /// Turns one admission's residency changes in the device cache (`medium` `None`) or host
 /// memory into protobuf events (runs of stored blocks of one chain become one `BlockStored`,

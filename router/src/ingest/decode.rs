@@ -283,7 +283,7 @@ fn extra_salt(s: &vllm::BlockStored) -> Result<Option<String>, SkipReason> {
 }
 
 /// The tier a `medium` names, if the router indexes it (see the module docs).
-fn tier(medium: Option<&str>) -> Option<Tier> {
+pub(super) fn tier(medium: Option<&str>) -> Option<Tier> {
     match medium {
         None => Some(Tier::Device),
         Some(m) if m.eq_ignore_ascii_case("gpu") => Some(Tier::Device),

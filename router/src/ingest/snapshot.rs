@@ -1,5 +1,6 @@
 //! The snapshot client: reads a replica agent's `Snapshot` stream (every resident block,
-//! parent before child, and the seq it is consistent with) under one overall timeout.
+//! parent before child, then those it holds in host memory, and the seq it is consistent
+//! with) under one overall timeout.
 
 use std::time::Duration;
 
@@ -76,6 +77,7 @@ fn kept_bytes(block: &SnapshotBlock) -> usize {
         + block.token_ids.len() * size_of::<u32>()
         + text(&block.lora_name)
         + text(&block.cache_salt)
+        + text(&block.medium)
 }
 
 async fn fetch_inner(
@@ -113,9 +115,10 @@ async fn fetch_inner(
             return Err(SnapshotError::BlockSize { got: chunk.block_size, want });
         }
         // A block's tokens are kept only when asked for, and only a block's worth: the count
-        // of blocks bounds what is kept only if each is a block.
+        // of blocks bounds what is kept only if each is a block. (A block in host memory is
+        // named by its hash alone.)
         for block in &mut chunk.blocks {
-            if !include_tokens {
+            if !include_tokens || block.medium.is_some() {
                 block.token_ids = Vec::new();
             } else if block.token_ids.len() != chunk.block_size as usize {
                 return Err(SnapshotError::BadBlock {

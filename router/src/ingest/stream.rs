@@ -634,6 +634,7 @@ impl RankStream {
             if i % YIELD_EVERY == YIELD_EVERY - 1 {
                 tokio::task::yield_now().await;
             }
+            let tier = decode::tier(block.medium.as_deref());
             let stored = Stored {
                 engine: vec![BlockHash(block.hash)],
                 parent: block.parent.map(BlockHash),
@@ -644,7 +645,13 @@ impl RankStream {
                 group: 0,
                 reused: Some(false),
             };
-            self.store(&stored);
+            match tier {
+                Some(Tier::Device) => self.store(&stored),
+                Some(Tier::Host) => self.store_offloaded(&stored),
+                None => {
+                    self.ctx.metrics.skipped(SkipReason::Medium).inc();
+                }
+            }
         }
         self.expected = Some(snap.seq.map_or(Seq(0), Seq::next));
         self.dup = snap.seq.map(|seq| (Seq(0), seq));

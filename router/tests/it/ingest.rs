@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvroute_proto::pb::EventBatch;
+use kvroute_proto::pb::{self, EventBatch};
 use kvroute_proto::{CacheNamespace, Seq, framing};
 use kvroute_replica_agent::publisher::EventFormat;
 use kvroute_router::ingest::{Outcome, SkipReason};
@@ -502,6 +502,39 @@ async fn gap_resyncs_from_snapshot(with_replay: bool) {
         assert_eq!(m.replays(Outcome::Incomplete).get(), 1);
     }
     assert_eq!(r.status.state(), StreamState::Exact);
+    shutdown.cancel();
+}
+
+/// A snapshot's blocks in host memory (`medium` CPU, hashes alone) go to the host tier's
+/// index; a tier the router does not index is skipped and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_names_host_memory_apart() {
+    let h = Harness::start();
+    let shutdown = CancellationToken::new();
+    let agent = FakeAgent::default();
+    let grpc = agent.serve(shutdown.clone()).await;
+    let fake = FakePublisher::start(None).await;
+    let mut rng = Rng::new(6);
+    let (cached, offloaded) = (rng.tokens(2), rng.tokens(3));
+    let in_tier = |block: pb::SnapshotBlock, medium: &str| pb::SnapshotBlock {
+        parent: None,
+        token_ids: Vec::new(),
+        medium: Some(medium.into()),
+        ..block
+    };
+    let mut blocks = snapshot_blocks(&cached);
+    let tiers = ["CPU", "CPU", "DISK"];
+    blocks.extend(snapshot_blocks(&offloaded).into_iter().zip(tiers).map(|(b, tier)| in_tier(b, tier)));
+    *agent.state.lock().unwrap() = SnapshotState { epoch: 3, seq: None, blocks };
+    let spec =
+        ReplicaSpec { grpc_endpoint: Some(grpc), ..spec("tiers", EngineKind::Kvroute, &fake.events, None) };
+    let (r, m) = h.add(spec);
+    h.synced(&r).await;
+    let host = |tokens: &[u32]| h.ingest.host_index().lookup(&chain(tokens)).get(r.id);
+    assert_eq!((h.overlap(&r, &cached), host(&cached)), (2, 0));
+    assert_eq!((h.overlap(&r, &offloaded), host(&offloaded)), (0, 2));
+    assert_eq!(m.skipped(SkipReason::Medium).get(), 1);
+    assert_eq!(m.offloaded_blocks.get(), 2);
     shutdown.cancel();
 }
 

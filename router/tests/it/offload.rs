@@ -6,15 +6,17 @@
 
 use kvroute_proto::pb::{self, router_admin_client::RouterAdminClient};
 use kvroute_proto::vllm::{self, VllmBatch, VllmEvent};
-use kvroute_proto::{BlockHash, Seq};
+use kvroute_proto::{BlockHash, CacheNamespace, Seq};
 use serde_json::json;
 
 use kvroute_replica_agent::publisher::EventFormat;
-use kvroute_router::replicas::EngineKind;
+use kvroute_router::index::SharedIndex;
+use kvroute_router::ingest::Outcome;
+use kvroute_router::replicas::{EngineKind, ReplicaSpec};
 
 use crate::fleet::{FLEET_BLOCK, FLEET_MODEL, Fleet, Http, agent_config};
 use crate::headers::recording_replica;
-use crate::support::{BLOCK, FakePublisher, MODEL, sample, wait_until, wait_until_async};
+use crate::support::{BLOCK, FakePublisher, Harness, MODEL, sample, wait_until, wait_until_async};
 
 const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
 
@@ -247,6 +249,31 @@ async fn a_real_agents_host_memory_is_followed(format: EventFormat, engine: Engi
     let again = complete(&a).await;
     let predicted: u64 = again.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap();
     assert_eq!((predicted, again.cached_tokens()), (6 * block as u64, 6 * block as u64));
+    // Two more push `a` out again; prompt 2's blocks are in host memory alone.
+    complete(&prompt(4)).await;
+    complete(&prompt(5)).await;
+
+    // A router that joins now, without the replay, learns the agent's host memory from its
+    // snapshot. vLLM's hashes name only what the cache holds too (the connector's events
+    // say no more).
+    let h = Harness::start();
+    let agent = fleet.agent(0);
+    let spec = ReplicaSpec {
+        grpc_endpoint: Some(agent.grpc_url()),
+        block_size: Some(FLEET_BLOCK),
+        ..ReplicaSpec::new("late", &agent.events_endpoint, engine, FLEET_MODEL)
+    };
+    let (r, m) = h.add(spec);
+    h.synced(&r).await;
+    assert_eq!(m.snapshots(Outcome::Ok).get(), 1);
+    let held = |index: &SharedIndex, seed: u32| {
+        index.lookup(&CacheNamespace::new(FLEET_MODEL).chain(&prompt(seed), block)).get(r.id)
+    };
+    assert_eq!(held(&h.index, 5), 6);
+    assert_eq!(held(h.ingest.host_index(), 5), 6, "host memory holds what the cache holds too");
+    assert_eq!(held(&h.index, 2), 0);
+    let alone = if format == EventFormat::Kvroute { 6 } else { 0 };
+    assert_eq!(held(h.ingest.host_index(), 2), alone);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
