@@ -42,8 +42,8 @@ pub(crate) enum Input {
     /// No connection for `fallback_after`.
     Unreachable,
     /// Live messages were dropped because the channel was full: sent once there is room,
-    /// before any live message after them, and not again until the stream takes this one
-    /// ([`Pending`]).
+    /// before any live message after them; drops while it waits are reported once the
+    /// stream has taken it ([`Pending`]).
     Overflowed(Pending),
     /// One live message's frames, counted in the channel's bytes until dropped.
     Frames(Vec<Bytes>, Queued),
@@ -105,6 +105,7 @@ pub(crate) async fn run(
                 event = monitor.next() => match event {
                     Some(SocketEvent::Connected(..)) => {
                         outage = None;
+                        outbox.forgive();
                         if send(&tx, Input::Connected, &cancel).await.is_err() {
                             return;
                         }
