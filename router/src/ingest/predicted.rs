@@ -4,7 +4,8 @@
 //! `--kv-events-config`, or one that publishes none) is not routed on load alone: every
 //! request this router sends it that the replica answers with success stores the request's
 //! prompt blocks in the index under the replica, at the answer's first data (the prefill is
-//! done, so the replica holds them). Those entries are what the replica's events would have
+//! done, so the replica holds them; not when that data is an error the replica reports in
+//! its stream). Those entries are what the replica's events would have
 //! said, as far as this router can see; they leave the index by age and by size:
 //!
 //! - **Age.** A block leaves the index `ttl` after the last request that used it
@@ -18,7 +19,9 @@
 //!   `kvroute_agent_capacity_blocks`), else `--predicted-cache-tokens`, in blocks of the
 //!   router's size. Past it, the least recently used blocks leave
 //!   first, as from vLLM's and SGLang's caches (a prefix shared by later requests stays, the
-//!   rest of an old request goes).
+//!   rest of an old request goes). A vLLM without prefix caching holds nothing.
+//! - **Down or restarted.** See below: the prediction goes, and the credits of the requests
+//!   routed there end (as when an event stream is unreachable).
 //!
 //! Layout: each block's last use (a stamp: microseconds since the prediction began, made
 //! strictly increasing), and the uses in order, oldest first; a use whose stamp is not its
@@ -125,7 +128,7 @@ impl Prediction {
     pub fn record(&self, blocks: &[BlockHash]) {
         let now = self.now();
         let mut inner = self.lock();
-        if inner.closed {
+        if inner.closed || inner.capacity == 0 {
             return;
         }
         let mut gone = self.expired(&mut inner, now);
@@ -163,10 +166,15 @@ impl Prediction {
         }
     }
 
-    /// The replica lost its cache (it went down, or restarted): nothing of it is predicted.
+    /// The replica lost its cache (it went down, or restarted): nothing of it is predicted,
+    /// and the credits of the requests routed to it end (they went down with it).
     pub fn forget(&self) {
         let mut inner = self.lock();
-        if inner.closed || inner.last.is_empty() {
+        if inner.closed {
+            return;
+        }
+        self.index.credits().forget(self.replica);
+        if inner.last.is_empty() {
             return;
         }
         let gone: Vec<BlockHash> = inner.last.drain().map(|(block, _)| block).collect();
@@ -175,10 +183,9 @@ impl Prediction {
     }
 
     /// The replica reports a cache of `blocks` (of the router's size): the least recently used
-    /// past it leave.
+    /// past it leave. 0: it keeps nothing for later requests (vLLM without prefix caching).
     pub fn set_capacity(&self, blocks: usize) {
         let mut inner = self.lock();
-        let blocks = blocks.max(1);
         if inner.closed || inner.capacity == blocks {
             return;
         }
@@ -366,18 +373,37 @@ mod tests {
     /// the gauge follows what is predicted.
     #[tokio::test(start_paused = true)]
     async fn a_new_start_time_drops_the_prediction() {
-        let index = SharedIndex::new();
+        let index = SharedIndex::with_credit_ttl(Duration::from_secs(60));
         let p = predict(&index, 10, 100);
         p.started(1.5);
         p.record(&hs(0..4));
+        index.credits().credit(R, &hs(10..12));
         assert_eq!(p.metrics.blocks.get(), 4);
         p.started(1.5);
         assert_eq!(index.blocks(R), 4, "the same start: the same cache");
+        assert_eq!(index.credits().extend(R, &hs(10..12), 0), 2);
         p.started(2.5);
         assert_eq!((index.blocks(R), p.blocks(), p.metrics.blocks.get()), (0, 0, 0));
+        assert_eq!(index.credits().extend(R, &hs(10..12), 0), 0, "its routed requests' credits end");
         p.record(&hs(0..2));
         assert_eq!(index.lookup(&hs(0..4)).get(R), 2, "predicted again from what it is sent");
         assert_eq!(p.metrics.blocks_removed.get(), 4);
+    }
+
+    /// A replica that keeps nothing (a capacity of 0: vLLM without prefix caching) is predicted
+    /// to hold nothing.
+    #[tokio::test(start_paused = true)]
+    async fn a_replica_without_prefix_caching_is_predicted_empty() {
+        let index = SharedIndex::new();
+        let p = predict(&index, 10, 100);
+        p.record(&hs(0..4));
+        p.set_capacity(0);
+        assert_eq!((index.blocks(R), p.blocks()), (0, 0));
+        p.record(&hs(0..4));
+        assert_eq!((index.blocks(R), p.blocks()), (0, 0));
+        p.set_capacity(8);
+        p.record(&hs(0..4));
+        assert_eq!(index.blocks(R), 4);
     }
 
     /// A closed prediction records nothing more (its replica's entries were cleared).

@@ -65,8 +65,9 @@ where
 
 /// Hooks of a tracked body.
 pub trait Hooks: Send + 'static {
-    /// The first data frame is passing through (the replica produced its first output).
-    fn first_data(&mut self);
+    /// The first data frame is passing through (the replica produced its first output, here
+    /// in `data`).
+    fn first_data(&mut self, data: &[u8]);
     /// Each data frame from the first, for as long as it answers `true` (by default only the
     /// first is shown).
     fn watch(&mut self, _data: &[u8]) -> bool {
@@ -393,7 +394,7 @@ where
                     state.seen_data = true;
                     state.opening = None;
                     if let Some(hooks) = state.hooks.as_mut() {
-                        hooks.first_data();
+                        hooks.first_data(data);
                     }
                 }
                 if state.watching {
@@ -572,7 +573,7 @@ mod tests {
     struct Ended(Ending);
 
     impl Hooks for Ended {
-        fn first_data(&mut self) {}
+        fn first_data(&mut self, _: &[u8]) {}
         fn finish(self: Box<Self>, _: End, usage: Usage) {
             *self.0.lock().unwrap() = Some(usage.cached_tokens);
         }
@@ -582,7 +583,7 @@ mod tests {
     struct FirstData(std::sync::Arc<std::sync::atomic::AtomicUsize>);
 
     impl Hooks for FirstData {
-        fn first_data(&mut self) {
+        fn first_data(&mut self, _: &[u8]) {
             self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         fn finish(self: Box<Self>, _: End, _: Usage) {}
@@ -699,7 +700,7 @@ mod tests {
     struct Outcome(Arc<std::sync::Mutex<Option<End>>>);
 
     impl Hooks for Outcome {
-        fn first_data(&mut self) {}
+        fn first_data(&mut self, _: &[u8]) {}
         fn finish(self: Box<Self>, end: End, _: Usage) {
             *self.0.lock().unwrap() = Some(end);
         }

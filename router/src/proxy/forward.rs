@@ -859,9 +859,11 @@ impl Hooks for ResponseHooks {
         wants
     }
 
-    fn first_data(&mut self) {
+    fn first_data(&mut self, data: &[u8]) {
         self.guard.prefill_done();
-        if let Some((prediction, blocks)) = self.predict.take() {
+        if let Some((prediction, blocks)) = self.predict.take()
+            && !super::opening::fails_in_band(data)
+        {
             prediction.record(&blocks);
         }
         drop(self.hold.take());

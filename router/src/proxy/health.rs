@@ -336,9 +336,15 @@ fn start_time(metrics: &[u8]) -> Option<f64> {
 /// The replica's KV cache, in blocks of `block_size` tokens, as its metrics page says it:
 /// vLLM's `vllm:cache_config_info` (its labels `num_gpu_blocks` and `block_size`; the
 /// largest sample: vLLM writes its engines' total once per engine), SGLang's `sglang:max_total_num_tokens`, the agent's
-/// `kvroute_agent_capacity_blocks` (its blocks are the router's size).
+/// `kvroute_agent_capacity_blocks` (its blocks are the router's size). 0 for a vLLM without
+/// prefix caching (`enable_prefix_caching="False"`): it keeps nothing for later requests.
 fn cache_blocks(metrics: &[u8], block_size: u32) -> Option<usize> {
     let page = std::str::from_utf8(metrics).ok()?;
+    if prometheus::samples(page, "vllm:cache_config_info")
+        .any(|sample| sample.label("enable_prefix_caching") == Some("False"))
+    {
+        return Some(0);
+    }
     let label = |sample: &prometheus::Sample, name| sample.label(name)?.parse::<u64>().ok();
     let vllm = prometheus::samples(page, "vllm:cache_config_info")
         .map(|sample| label(&sample, "num_gpu_blocks")?.checked_mul(label(&sample, "block_size")?))
@@ -474,6 +480,12 @@ process_start_time_seconds 1.73e+09
 vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="6000"} 1.0
 "#;
         assert_eq!(super::cache_blocks(dp, 16), Some(6000));
+        let uncached = br#"vllm:cache_config_info{block_size="16",enable_prefix_caching="False",num_gpu_blocks="3000"} 1.0
+"#;
+        assert_eq!(super::cache_blocks(uncached, 16), Some(0), "no prefix caching: nothing kept");
+        let cached = br#"vllm:cache_config_info{block_size="16",enable_prefix_caching="True",num_gpu_blocks="3000"} 1.0
+"#;
+        assert_eq!(super::cache_blocks(cached, 16), Some(3000));
         let huge = br#"vllm:cache_config_info{block_size="18446744073709551615",num_gpu_blocks="2"} 1.0
 "#;
         assert_eq!(super::cache_blocks(huge, 16), None, "an overflow is no size");

@@ -90,9 +90,47 @@ impl Opening {
     }
 }
 
+/// Whether the frame a stream's output begins in reports an error, after a success status:
+/// vLLM's and SGLang's `data: {"error": ...}`, an `event: error` (Anthropic's Messages, the
+/// Responses API) or `event: response.failed`. Such a request stopped before its output, or
+/// never ran: its prompt is not known to be cached.
+pub fn fails_in_band(data: &[u8]) -> bool {
+    data.split(|&b| b == b'\n').any(|line| {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if let Some(name) = line.strip_prefix(b"event:") {
+            let name = name.trim_ascii();
+            return name == b"error" || name == b"response.failed";
+        }
+        line.strip_prefix(b"data:").is_some_and(|json| json.trim_ascii_start().starts_with(b"{\"error\""))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn errors_in_the_stream_are_told_from_output() {
+        let errors = [
+            "data: {\"error\": {\"message\": \"m\", \"type\": \"BadRequestError\", \"code\": 400}}\n\n",
+            "data:{\"error\":{\"message\":\"m\"}}\r\n\r\n",
+            "event: error\ndata: {\"type\": \"error\", \"error\": {}}\n\n",
+            ERROR,
+            "event: response.failed\r\ndata: {}\r\n\r\n",
+        ];
+        for error in errors {
+            assert!(fails_in_band(error.as_bytes()), "{error}");
+        }
+        let outputs = [
+            "data: {\"id\":\"c\",\"choices\":[{\"text\":\"error\"}]}\n\n",
+            "event: message_start\ndata: {\"type\":\"message_start\"}\n\n",
+            ADDED,
+            "{\"error\": \"a JSON answer, not a stream\"}",
+        ];
+        for output in outputs {
+            assert!(!fails_in_band(output.as_bytes()), "{output}");
+        }
+    }
 
     const CREATED: &str =
         "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{}}\n\n";

@@ -141,3 +141,41 @@ async fn a_prediction_holds_no_more_than_the_replica_reports_it_can() {
     let id = id.unwrap();
     crate::support::wait_until("a health check reads the agent's 16 blocks", || index.blocks(id) == 16).await;
 }
+
+/// A stream whose replica answers 200 and then reports an error in it (vLLM's `data:
+/// {"error": ...}`) did not prefill its prompt: nothing of it is predicted. The same answer
+/// with output is.
+#[tokio::test]
+async fn a_stream_that_fails_in_band_is_not_predicted_cached() {
+    const FAILED: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 93\r\n\r\n\
+        data: {\"error\": {\"message\": \"m\", \"type\": \"InternalServerError\", \"code\": 500}}\n\n\
+        data: [DONE]\n\n";
+    const ANSWERED: &[u8] =
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 61\r\n\r\n\
+        data: {\"id\": \"c\", \"choices\": [{\"text\": \"a\"}]}\n\n\
+        data: [DONE]\n\n";
+    assert_eq!(predicted_after(FAILED).await, 0);
+    assert!(predicted_after(ANSWERED).await > 0);
+}
+
+/// The blocks a router predicts a hand-made replica without events to hold, after one
+/// streamed completion it answers with `answer`.
+async fn predicted_after(answer: &'static [u8]) -> usize {
+    let (addr, _seen) = crate::headers::recording_replica(answer).await;
+    let config = RouterConfig {
+        model: FLEET_MODEL.into(),
+        replicas: vec![format!("name=r,http=http://{addr}").parse().unwrap()],
+        ..RouterConfig::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let mut body = completion(&text("inband", 40));
+    body["stream"] = json!(true);
+    let reply = crate::fleet::Http::new().post(&format!("{}/v1/completions", router.url()), &body).await;
+    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    assert!(reply.body.ends_with(b"data: [DONE]\n\n"));
+    let id = router.fleet().member("r").unwrap().replica.id;
+    let blocks = router.fleet().ingest().index().blocks(id);
+    shutdown.cancel();
+    blocks
+}
