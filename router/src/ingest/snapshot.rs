@@ -34,7 +34,7 @@ pub(crate) enum SnapshotError {
     Truncated,
     #[error("snapshot chunks disagree or are out of order")]
     Inconsistent,
-    #[error("snapshot holds more than {limit} blocks")]
+    #[error("snapshot holds more than {limit} blocks of one tier (the cache, or host memory)")]
     TooLarge { limit: usize },
     #[error("snapshot blocks take more than {limit} bytes (with their tokens, adapter names and salts)")]
     TooManyBytes { limit: usize },
@@ -50,7 +50,8 @@ pub(crate) enum SnapshotError {
 const BYTES_A_BLOCK: usize = size_of::<SnapshotBlock>() + 256;
 
 /// What a snapshot may be: at most `max_blocks` blocks (and [`BYTES_A_BLOCK`] bytes a block
-/// in all), of the replica's block size when it is known.
+/// in all) of the cache, and as many of host memory (each tier is held to that cap when
+/// its events are applied), of the replica's block size when it is known.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Limits {
     pub max_blocks: usize,
@@ -87,7 +88,8 @@ async fn fetch_inner(
 ) -> Result<Snapshot, SnapshotError> {
     let Limits { max_blocks, block_size } = limits;
     let max_bytes = max_blocks.saturating_mul(BYTES_A_BLOCK);
-    let mut bytes = 0usize;
+    // Blocks and bytes kept of each tier: the cache's, host memory's.
+    let mut kept = [(0usize, 0usize); 2];
     let mut client = ReplicaAgentClient::connect(endpoint.to_owned())
         .await
         .map_err(|source| SnapshotError::Connect { endpoint: endpoint.to_owned(), source })?;
@@ -129,12 +131,16 @@ async fn fetch_inner(
         }
         // The agent decides how many chunks it sends: bound what is kept, not only how long
         // it takes.
-        if snap.blocks.len().saturating_add(chunk.blocks.len()) > max_blocks {
-            return Err(SnapshotError::TooLarge { limit: max_blocks });
-        }
-        bytes = chunk.blocks.iter().map(kept_bytes).fold(bytes, usize::saturating_add);
-        if bytes > max_bytes {
-            return Err(SnapshotError::TooManyBytes { limit: max_bytes });
+        for block in &chunk.blocks {
+            let (blocks, bytes) = &mut kept[usize::from(block.medium.is_some())];
+            *blocks += 1;
+            if *blocks > max_blocks {
+                return Err(SnapshotError::TooLarge { limit: max_blocks });
+            }
+            *bytes = bytes.saturating_add(kept_bytes(block));
+            if *bytes > max_bytes {
+                return Err(SnapshotError::TooManyBytes { limit: max_bytes });
+            }
         }
         snap.blocks.extend(chunk.blocks);
         if chunk.last {

@@ -11,12 +11,14 @@ use serde_json::json;
 
 use kvroute_replica_agent::publisher::EventFormat;
 use kvroute_router::index::SharedIndex;
-use kvroute_router::ingest::Outcome;
+use kvroute_router::ingest::{IngestConfig, Outcome};
 use kvroute_router::replicas::{EngineKind, ReplicaSpec};
 
 use crate::fleet::{FLEET_BLOCK, FLEET_MODEL, Fleet, Http, agent_config};
 use crate::headers::recording_replica;
-use crate::support::{BLOCK, FakePublisher, Harness, MODEL, sample, wait_until, wait_until_async};
+use crate::support::{
+    BLOCK, FakePublisher, Harness, MODEL, sample, test_config, wait_until, wait_until_async,
+};
 
 const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
 
@@ -255,8 +257,9 @@ async fn a_real_agents_host_memory_is_followed(format: EventFormat, engine: Engi
 
     // A router that joins now, without the replay, learns the agent's host memory from its
     // snapshot. vLLM's hashes name only what the cache holds too (the connector's events
-    // say no more).
-    let h = Harness::start();
+    // say no more). Its cap holds each tier, as the live stream's does: 8 blocks of the
+    // cache and 30 of host memory are not 38 of one.
+    let h = Harness::with_config(IngestConfig { snapshot_max_blocks: 32, ..test_config() });
     let agent = fleet.agent(0);
     let spec = ReplicaSpec {
         grpc_endpoint: Some(agent.grpc_url()),
