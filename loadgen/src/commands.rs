@@ -247,7 +247,8 @@ pub struct DemoArgs {
     pub without_events: bool,
     /// Blocks of host memory each agent offloads its KV blocks to and loads prefixes back
     /// from (vLLM's `OffloadingConnector`); 0: none. Hits then count the tokens loaded, and
-    /// no offline run is made (the simulator has no host memory).
+    /// no offline run is made (the simulator has no host memory). Not with
+    /// `--without-events` or data-parallel ranks (the routers would not follow it).
     #[arg(long, default_value_t = 0)]
     pub offload_blocks: usize,
     /// Tokens per KV block.
@@ -363,6 +364,13 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<()> {
 
 /// Runs `demo`.
 pub fn run_demo(args: &DemoArgs) -> anyhow::Result<()> {
+    if args.offload_blocks > 0 && (args.without_events || args.data_parallel_size > 1) {
+        anyhow::bail!(
+            "--offload-blocks needs the routers to follow the agents' events, one rank an agent: \
+             they index no host memory without events, nor a data-parallel replica's, so its \
+             loads would be hits nobody predicted"
+        );
+    }
     let (mut trace, name) = load(&args.workload.trace, &args.synthetic, demo_workload)?;
     if args.workload.trace.is_some() && args.block_size as usize > TRACE_BLOCK_SIZE {
         anyhow::bail!("--block-size must be at most {TRACE_BLOCK_SIZE} for a Mooncake trace");

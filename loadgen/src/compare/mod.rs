@@ -115,13 +115,22 @@ pub async fn compare(
         .max_requests
         .map_or(trace.clone(), |n| Trace::in_order(trace.requests[..n.min(trace.len())].to_vec()));
     let caches = match config.total_capacity_blocks {
-        Some(c) => Caches { total_blocks: c, count: config.replicas.len() },
+        Some(c) => Caches { total_blocks: c, count: config.replicas.len(), host_blocks: 0 },
         None => fleet_capacity(&client, &config.replicas, config.cache())
             .await
             .context("reading the fleet's caches (give the capacity with --capacity-blocks)")?,
     };
+    // Host memory's loads are hits: the pooled cache holds its blocks too, and the offline
+    // simulator, which has none, is no reference.
+    let mut config = config.clone();
+    if caches.host_blocks > 0 && config.offline_speedup.take().is_some() {
+        eprintln!(
+            "compare: the replicas offload to host memory, which the offline simulator lacks: no offline runs"
+        );
+    }
+    let config = &config;
     let total_capacity = caches.total_blocks;
-    let pooled = pooled_bound(&sent, config.block_size, total_capacity, config.cache())?;
+    let pooled = pooled_bound(&sent, config.block_size, total_capacity + caches.host_blocks, config.cache())?;
     // An offline simulation that cannot run would fail after its live run, losing every run
     // done by then: check them all first.
     if let Some(speedup) = config.offline_speedup {
@@ -157,6 +166,7 @@ pub async fn compare(
             replicas: config.replicas.len(),
             engines: caches.count,
             total_capacity_blocks: total_capacity,
+            offload_capacity_blocks: caches.host_blocks,
             block_size: config.block_size,
             eviction: config.eviction,
             s3fifo: (config.eviction == cache::PolicyKind::S3fifo).then_some(config.s3fifo),
@@ -232,7 +242,8 @@ async fn run_policy(
     let ran = requests_served(sent, &report);
     let (ran, pooled_hit_rate) = match &ran {
         Some(ran) => {
-            (ran, pooled_bound(ran, config.block_size, total_capacity, config.cache())?.overall_hit_rate)
+            let pooled_capacity = total_capacity + caches.host_blocks;
+            (ran, pooled_bound(ran, config.block_size, pooled_capacity, config.cache())?.overall_hit_rate)
         }
         None => (sent, pooled.overall_hit_rate),
     };
@@ -330,6 +341,8 @@ fn offline(
 struct Caches {
     total_blocks: usize,
     count: usize,
+    /// Blocks of host memory the engines offload to, in all.
+    host_blocks: usize,
 }
 
 /// The offline simulator's setup for `policy`: a replica a cache (a data-parallel rank is
@@ -359,7 +372,7 @@ async fn fleet_capacity(
     replicas: &[String],
     cache: (cache::PolicyKind, S3FifoParams),
 ) -> anyhow::Result<Caches> {
-    let mut caches = Caches { total_blocks: 0, count: 0 };
+    let mut caches = Caches { total_blocks: 0, count: 0, host_blocks: 0 };
     for url in replicas {
         let (_, body) = client
             .get(&format!("{url}/metrics"), RESET_TIMEOUT)
@@ -370,6 +383,7 @@ async fn fleet_capacity(
             page_caches(&page).with_context(|| format!("{url} exports no kvroute_agent_capacity_blocks"))?;
         caches.total_blocks += agent.total_blocks;
         caches.count += agent.count;
+        caches.host_blocks += agent.host_blocks;
         for evicts in page_policies(&page) {
             let evicts = evicts.map_err(|e| anyhow::anyhow!("{url}: {e}"))?;
             anyhow::ensure!(
@@ -451,12 +465,18 @@ fn page_policies(page: &str) -> Vec<Result<Eviction, String>> {
 }
 
 /// One agent's caches on its metrics page: one `kvroute_agent_capacity_blocks` sample an
-/// engine (`engine="r"`).
+/// engine (`engine="r"`), and as many `kvroute_agent_offload_capacity_blocks` of its host
+/// memory.
 fn page_caches(page: &str) -> Option<Caches> {
-    let engines: Vec<f64> =
-        kvroute_proto::prometheus::samples(page, "kvroute_agent_capacity_blocks").map(|s| s.value).collect();
-    (!engines.is_empty())
-        .then(|| Caches { total_blocks: engines.iter().sum::<f64>() as usize, count: engines.len() })
+    let samples =
+        |name| kvroute_proto::prometheus::samples(page, name).map(|s| s.value).collect::<Vec<f64>>();
+    let engines = samples("kvroute_agent_capacity_blocks");
+    let host_blocks = samples("kvroute_agent_offload_capacity_blocks").iter().sum::<f64>() as usize;
+    (!engines.is_empty()).then(|| Caches {
+        total_blocks: engines.iter().sum::<f64>() as usize,
+        count: engines.len(),
+        host_blocks,
+    })
 }
 
 /// `POST /reset_prefix_cache` on every replica, retrying while one answers 409 (requests
@@ -569,8 +589,10 @@ mod tests {
     fn each_engine_of_an_agent_is_a_cache() {
         let page = "# TYPE kvroute_agent_capacity_blocks gauge\n\
                     kvroute_agent_capacity_blocks{model_name=\"m\",engine=\"0\"} 512\n\
-                    kvroute_agent_capacity_blocks{model_name=\"m\",engine=\"1\"} 512\n";
-        assert_eq!(page_caches(page), Some(Caches { total_blocks: 1024, count: 2 }));
+                    kvroute_agent_capacity_blocks{model_name=\"m\",engine=\"1\"} 512\n\
+                    kvroute_agent_offload_capacity_blocks{model_name=\"m\",engine=\"0\"} 4096\n\
+                    kvroute_agent_offload_capacity_blocks{model_name=\"m\",engine=\"1\"} 4096\n";
+        assert_eq!(page_caches(page), Some(Caches { total_blocks: 1024, count: 2, host_blocks: 8192 }));
         assert_eq!(page_caches("vllm:num_requests_running 1\n"), None);
     }
 

@@ -56,6 +56,9 @@ pub struct FleetSummary {
     /// Engines behind them, a cache each (more than the replicas when they are data-parallel).
     pub engines: usize,
     pub total_capacity_blocks: usize,
+    /// Blocks of host memory in all (the agents' `--offload-blocks`): a prefix loaded from
+    /// there is a hit, so the pooled reference's one cache holds these too.
+    pub offload_capacity_blocks: usize,
     pub block_size: usize,
     /// The eviction policy the pooled reference and the offline runs used.
     pub eviction: cache::PolicyKind,
@@ -157,13 +160,17 @@ impl CompareReport {
         if let Some(p) = f.s3fifo {
             let _ = write!(eviction, " (small queue {}, max freq {})", p.small_ratio, p.max_freq);
         }
+        let host = match f.offload_capacity_blocks {
+            0 => String::new(),
+            blocks => format!(" and {blocks} of host memory"),
+        };
         let _ = writeln!(
             out,
-            "fleet: {} replicas{engines}, {} blocks in total, block size {}; pooled reference (one {eviction} cache of {} blocks; separate caches can beat it): {:.1}% hit rate",
+            "fleet: {} replicas{engines}, {} blocks in total{host}, block size {}; pooled reference (one {eviction} cache of {} blocks; separate caches can beat it): {:.1}% hit rate",
             f.replicas,
             f.total_capacity_blocks,
             f.block_size,
-            f.total_capacity_blocks,
+            f.total_capacity_blocks + f.offload_capacity_blocks,
             100.0 * self.pooled_hit_rate
         );
         if f.time_scale != 1.0 {
@@ -338,6 +345,7 @@ mod tests {
             replicas: 2,
             engines: 2,
             total_capacity_blocks: 8,
+            offload_capacity_blocks: 0,
             block_size: 16,
             eviction: cache::PolicyKind::Lru,
             s3fifo: None,

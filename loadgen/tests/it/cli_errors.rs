@@ -15,7 +15,7 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
     let trace = trace.to_str().unwrap();
     // Each case's exit code and a fragment of its message: a case meant to reach the program
     // must not pass on a usage error from a misspelt flag, nor a usage case on another one.
-    let cases: [(&[&str], i32, &str); 19] = [
+    let cases: [(&[&str], i32, &str); 21] = [
         (&["--bogus-flag"], USAGE, "'--bogus-flag'"),
         (&[], USAGE, "Usage:"),
         (&["simulate", "--policy", "nope"], USAGE, "'nope'"),
@@ -76,6 +76,9 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
         // A block size the routers' `u32` cannot hold, or none at all.
         (&["compare", "--block-size", "4294967312"], USAGE, "'4294967312'"),
         (&["demo", "--block-size", "0"], USAGE, "'0'"),
+        // Host memory the routers would not follow: its loads unpredicted.
+        (&["demo", "--offload-blocks", "64", "--without-events"], 1, "--offload-blocks"),
+        (&["demo", "--offload-blocks", "64", "--data-parallel-size", "2"], 1, "--offload-blocks"),
         (&["generate", "--bogus-flag"], USAGE, "'--bogus-flag'"),
         (&["generate", "rag", "--zipf", "nan"], 1, "Zipf exponent"),
         (&["generate", "rag", "--zipf=-1"], 1, "Zipf exponent"),

@@ -39,6 +39,10 @@ fn fleet_config(replicas: usize) -> FleetConfig {
 
 /// About 30 chat turns behind one shared system prompt (over 512 tokens, a shared content block), arriving within a fraction of a second.
 fn small_chat() -> Trace {
+    small_chat_params().generate().unwrap()
+}
+
+fn small_chat_params() -> ChatParams {
     ChatParams {
         conversations: 8,
         system_prompts: 1,
@@ -51,8 +55,6 @@ fn small_chat() -> Trace {
         think_time: Duration::from_millis(20),
         seed: 7,
     }
-    .generate()
-    .unwrap()
 }
 
 /// A directory under the system temp dir, removed when dropped.
@@ -331,14 +333,15 @@ async fn compare_without_events_routes_on_predicted_caches() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_with_host_memory_counts_and_predicts_its_loads() {
     let shutdown = CancellationToken::new();
-    let config = FleetConfig { capacity_blocks: 100, offload_blocks: 4096, ..fleet_config(2) };
+    let config = FleetConfig { capacity_blocks: 128, offload_blocks: 4096, ..fleet_config(2) };
     let fleet = EmbeddedFleet::start(config, shutdown.child_token()).await.unwrap();
-    let trace = small_chat();
+    // Four system prompts: more than the two caches hold, not more than host memory does.
+    let trace = ChatParams { system_prompts: 4, seed: 8, ..small_chat_params() }.generate().unwrap();
     let mut live = quiet(LiveConfig::new(String::new(), DEMO_MODEL));
     live.replicas = fleet.urls();
     live.arrivals = Arrivals::Trace { speedup: 1.0 };
-    let config =
-        CompareConfig { offline_speedup: None, ..compare_config(&fleet, vec![PolicyKind::CacheAware], live) };
+    // (An offline run is asked for: compare drops it, the simulator has no host memory.)
+    let config = compare_config(&fleet, vec![PolicyKind::CacheAware], live);
     let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
         .await
         .expect("compare finishes")
@@ -358,6 +361,10 @@ async fn compare_with_host_memory_counts_and_predicts_its_loads() {
     let predicted = l.predicted_hit_rate.expect("the router's headers");
     assert!((predicted - hit).abs() < 0.05, "predicted {predicted}, hit {hit}");
     assert!(run.offline.is_none());
+    // The pooled reference's one cache holds host memory's blocks too: loads are hits.
+    assert_eq!(report.fleet.offload_capacity_blocks, 2 * 4096);
+    let pooled = run.pct_of_pooled.expect("a pooled reference");
+    assert!(pooled <= 100.0 + 1e-9, "{pooled}% of a pooled cache without host memory");
     fleet.stop().await;
 }
 

@@ -26,6 +26,7 @@
 //! | `kvroute_agent_resident_blocks` | gauge | blocks in the prefix cache |
 //! | `kvroute_agent_capacity_blocks` | gauge | prefix-cache capacity in blocks |
 //! | `kvroute_agent_offloaded_blocks` | gauge | blocks held in host memory (`--offload-blocks`) |
+//! | `kvroute_agent_offload_capacity_blocks` | gauge | host memory's capacity in blocks (0: none) |
 //! | `kvroute_agent_cache_policy` | gauge | 1, labelled with the eviction `policy` (`lru`, `lfu`, `s3fifo`) and, for S3FIFO, its `small_ratio` and `max_freq` |
 //! | `process_start_time_seconds` | gauge | when the server started, Unix seconds (no labels, as Prometheus' Python client exports it for vLLM's process): a router predicting the cache of a replica whose events it does not follow tells a restart by it |
 
@@ -51,6 +52,7 @@ pub(super) fn render(state: &AppState) -> Response<Body> {
         engines.iter().map(|engine| value(engine.metrics())).collect()
     };
     let capacity = engines.first().map_or(0, |engine| engine.config().cache.capacity_blocks as u64);
+    let host_capacity = engines.first().map_or(0, |engine| engine.config().offload_blocks as u64);
     let usage: Vec<f64> = each(&|m| load(&m.used_blocks))
         .into_iter()
         .map(|used| if capacity == 0 { 0.0 } else { used as f64 / capacity as f64 })
@@ -132,6 +134,11 @@ pub(super) fn render(state: &AppState) -> Response<Body> {
         "kvroute_agent_offloaded_blocks",
         "Blocks held in host memory, offloaded from the prefix cache.",
         each(&|m| load(&m.offloaded_blocks)),
+    );
+    out.gauge(
+        "kvroute_agent_offload_capacity_blocks",
+        "Host memory's capacity in blocks (0: none).",
+        vec![host_capacity; engines.len()],
     );
     out.family(
         "kvroute_agent_cache_policy",
