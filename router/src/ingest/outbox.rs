@@ -14,7 +14,9 @@
 //! waits for the stream at a time ([`Pending`]), so a channel full of bytes, its slots free,
 //! does not fill with reports, each a repair. Drops while it waits are reported once more
 //! after the stream takes it: its repair may not reach them (one that clears the rank and
-//! follows the live stream takes what is queued behind the report as it comes).
+//! follows the live stream takes what is queued behind the report as it comes). Meanwhile
+//! later messages still queue behind the waiting report: those the stream applies before
+//! the second report's repair are checked again by it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
