@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use kvroute_loadgen::cli::{self, Cli};
-use kvroute_loadgen::compare::{self, CompareConfig, Routers};
+use kvroute_loadgen::compare::{self, CompareConfig, CompareReport, Routers};
 use kvroute_loadgen::demo::{DEMO_MODEL, EmbeddedFleet, FleetConfig};
 use kvroute_loadgen::live::{self, Arrivals, LiveConfig, PromptFormat};
 use kvroute_loadgen::sim::{self, BlockIdentity, SimConfig};
@@ -93,6 +93,14 @@ fn compare_config(fleet: &EmbeddedFleet, policies: Vec<PolicyKind>, live: LiveCo
     }
 }
 
+/// `compare` of `trace` on `config`, which must finish within [`LIMIT`] and run.
+async fn compared(trace: &Trace, config: &CompareConfig, shutdown: &CancellationToken) -> CompareReport {
+    tokio::time::timeout(LIMIT, compare::compare(trace, config, shutdown.clone()))
+        .await
+        .expect("compare finishes")
+        .expect("compare runs")
+}
+
 fn quiet(mut config: LiveConfig) -> LiveConfig {
     config.progress = false;
     config.request_timeout = Duration::from_secs(10);
@@ -113,10 +121,7 @@ async fn compare_on_a_small_fleet_writes_a_sane_report() {
         out_dir: Some(out.0.clone()),
         ..compare_config(&fleet, vec![PolicyKind::CacheAware, PolicyKind::RoundRobin], live)
     };
-    let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
-        .await
-        .expect("compare finishes")
-        .expect("compare runs");
+    let report = compared(&trace, &config, &shutdown).await;
 
     assert_eq!(report.fleet.total_capacity_blocks, 1024, "read from the agents' metrics");
     assert!(report.pooled_hit_rate > 0.0, "{}", report.table());
@@ -268,10 +273,7 @@ async fn compare_on_a_data_parallel_agent_reads_each_rank() {
     live.replicas = fleet.urls();
     live.arrivals = Arrivals::Trace { speedup: 1.0 };
     let config = compare_config(&fleet, vec![PolicyKind::CacheAware], live);
-    let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
-        .await
-        .expect("compare finishes")
-        .expect("compare runs");
+    let report = compared(&trace, &config, &shutdown).await;
     assert_eq!(
         (report.fleet.total_capacity_blocks, report.fleet.engines),
         (1024, 2),
@@ -313,10 +315,7 @@ async fn compare_without_events_routes_on_predicted_caches() {
     if let Routers::Embedded { config, .. } = &mut config.routers {
         config.credit_ttl_ms = 1;
     }
-    let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
-        .await
-        .expect("compare finishes")
-        .expect("compare runs");
+    let report = compared(&trace, &config, &shutdown).await;
     let l = &report.runs[0].live;
     assert_eq!((l.succeeded, l.failed()), (trace.len(), 0), "{:?}", l.errors);
     let hit = l.hit_rate.expect("responses report cached_tokens");
@@ -342,10 +341,7 @@ async fn compare_with_host_memory_counts_and_predicts_its_loads() {
     live.arrivals = Arrivals::Trace { speedup: 1.0 };
     // (An offline run is asked for: compare drops it, the simulator has no host memory.)
     let config = compare_config(&fleet, vec![PolicyKind::CacheAware], live);
-    let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
-        .await
-        .expect("compare finishes")
-        .expect("compare runs");
+    let report = compared(&trace, &config, &shutdown).await;
     let run = &report.runs[0];
     let l = &run.live;
     assert_eq!((l.succeeded, l.failed()), (trace.len(), 0), "{:?}", l.errors);
@@ -392,10 +388,7 @@ async fn chat_workload_as(format: PromptFormat) {
     live.arrivals = Arrivals::Trace { speedup: 1.0 };
     live.prompt = format;
     let config = compare_config(&fleet, vec![PolicyKind::CacheAware], live);
-    let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
-        .await
-        .expect("compare finishes")
-        .expect("compare runs");
+    let report = compared(&trace, &config, &shutdown).await;
     let l = &report.runs[0].live;
     assert_eq!((l.requests, l.succeeded, l.failed()), (trace.len(), trace.len(), 0), "{:?}", l.errors);
     let hit = l.hit_rate.expect("responses report their cached tokens");
@@ -465,10 +458,7 @@ async fn a_run_stopped_early_is_compared_on_the_requests_it_sent() {
         workload: "small chat twice".into(),
         ..compare_config(&fleet, vec![PolicyKind::RoundRobin], live)
     };
-    let report = tokio::time::timeout(LIMIT, compare::compare(&trace, &config, shutdown.clone()))
-        .await
-        .expect("compare finishes")
-        .expect("compare runs");
+    let report = compared(&trace, &config, &shutdown).await;
 
     let run = &report.runs[0];
     assert_eq!(run.live.requests, early.len());

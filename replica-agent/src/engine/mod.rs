@@ -350,8 +350,8 @@ impl Engine {
     }
 
     /// Every resident block, parents first, then every block held in host memory, and the seq
-    /// the copy is consistent with. The cache is locked only while the blocks are copied (the scheduler waits meanwhile);
-    /// they are put in order after.
+    /// the copy is consistent with. The cache is locked only while the blocks are copied (the
+    /// scheduler waits meanwhile); they are put in order after.
     pub fn snapshot(&self, include_tokens: bool) -> Snapshot {
         let (seq, mut blocks, mut host) = {
             let mut state = self.lock();

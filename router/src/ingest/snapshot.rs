@@ -81,6 +81,12 @@ fn kept_bytes(block: &SnapshotBlock) -> usize {
         + text(&block.medium)
 }
 
+/// Whether `block` is in the cache (no `medium`, or the GPU), not in host memory (or a tier
+/// the router does not index, skipped when applied).
+fn on_device(block: &SnapshotBlock) -> bool {
+    super::decode::tier(block.medium.as_deref()) == Some(super::decode::Tier::Device)
+}
+
 async fn fetch_inner(
     endpoint: &str,
     include_tokens: bool,
@@ -120,7 +126,7 @@ async fn fetch_inner(
         // of blocks bounds what is kept only if each is a block. (A block in host memory is
         // named by its hash alone.)
         for block in &mut chunk.blocks {
-            if !include_tokens || block.medium.is_some() {
+            if !include_tokens || !on_device(block) {
                 block.token_ids = Vec::new();
             } else if block.token_ids.len() != chunk.block_size as usize {
                 return Err(SnapshotError::BadBlock {
@@ -132,7 +138,7 @@ async fn fetch_inner(
         // The agent decides how many chunks it sends: bound what is kept, not only how long
         // it takes.
         for block in &chunk.blocks {
-            let (blocks, bytes) = &mut kept[usize::from(block.medium.is_some())];
+            let (blocks, bytes) = &mut kept[usize::from(!on_device(block))];
             *blocks += 1;
             if *blocks > max_blocks {
                 return Err(SnapshotError::TooLarge { limit: max_blocks });
