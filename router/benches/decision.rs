@@ -207,6 +207,7 @@ use kvroute_router::fleet::Fleet;
 use kvroute_router::ingest::{Ingest, IngestConfig};
 use kvroute_router::metrics::ProxyMetrics;
 use kvroute_router::policy::{self, CacheAwareParams, PolicyKind};
+use kvroute_router::proxy::live::{Live, Routing};
 use kvroute_router::proxy::prompts::Prompts;
 use kvroute_router::proxy::route::{Decider, Plan};
 use kvroute_router::replicas::{EngineKind, ReplicaSpec};
@@ -336,13 +337,16 @@ impl Bench {
                 fleet: fleet.clone(),
                 index: index.clone(),
                 host_index: host_index.clone(),
-                policy: policy::build(PolicyKind::CacheAware, CacheAwareParams::default(), 0),
+                routing: Live::new(Routing {
+                    policy: policy::build(PolicyKind::CacheAware, CacheAwareParams::default(), 0).into(),
+                    ranks_by: Some(policy::CacheAware::new(CacheAwareParams::default())),
+                    max_in_flight_per_replica: 512,
+                    seed: 0,
+                }),
                 prompts: Prompts::Local(Arc::new(tokenization)),
                 block_size: BLOCK,
-                max_in_flight_per_replica: 512,
                 eagle: false,
                 metrics: ProxyMetrics::register(registry),
-                ranks_by: Some(policy::CacheAware::new(CacheAwareParams::default())),
                 deciding: Default::default(),
             }
         };

@@ -151,15 +151,16 @@ impl RouterAdmin for AdminService {
             .ok_or_else(|| Status::invalid_argument(format!("{path} is not a routed path")))?;
         // A request the proxy would refuse (malformed, or beyond --max-prompt-tokens or
         // --max-completion-tokens) is explained by that refusal.
+        let limits = self.state.admission.get().limits;
         let plan = async {
             let plan = self.state.decider.explain(endpoint, &request.body).await?;
-            self.state.limits.check(&plan, endpoint)?;
+            limits.check(&plan, endpoint)?;
             Ok(plan)
         };
         let plan = plan.await.map_err(|e| match e {
             // Requests the proxy takes (within its limits), but not on a prefix.
             ProxyError::BadRequest(RequestError::PromptEmbeds(asked)) => {
-                match self.state.limits.check_completion(asked.max_tokens, endpoint) {
+                match limits.check_completion(asked.max_tokens, endpoint) {
                     Err(refused) => Status::invalid_argument(refused.to_string()),
                     Ok(()) => Status::failed_precondition(
                         "not decided on a prefix: a completion of prompt_embeds goes to the least-loaded replica",
@@ -177,7 +178,7 @@ impl RouterAdmin for AdminService {
             plan.candidates.iter().map(|c| candidate(c, plan.block_size, plan.first_prompt_tokens)).collect();
         Ok(Response::new(pb::ExplainResponse {
             chosen: plan.chosen().map(|c| c.member.replica.spec.name.clone()).unwrap_or_default(),
-            policy: self.state.decider.policy.kind().as_str().into(),
+            policy: self.state.decider.routing.get().policy.kind().as_str().into(),
             prompt_tokens: plan.prompt_tokens as u32,
             request_blocks: plan.blocks.len() as u32,
             candidates,

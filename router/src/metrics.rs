@@ -22,6 +22,7 @@ use prometheus_client::registry::Registry;
 
 use crate::fleet::{Fleet, Member};
 use crate::policy::Load;
+use crate::proxy::live::{Live, Routing};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PolicyLabel {
@@ -316,11 +317,11 @@ impl Collector for TokenizeCache {
 /// tokens not known to be prefilled (until the first byte, or for a whole answer the
 /// replica's store of the prompt's last block), the queue it last reported, its ejections, and its
 /// routing state (`eligible`, or why not: `unhealthy`, `ejected`, `draining`, `not_serving`,
-/// `saturated` at `max_in_flight` requests). A removed replica's series end with it.
-pub fn register_replica_load(registry: &mut Registry, fleet: Fleet, max_in_flight: u32) {
+/// `saturated` at `--max-in-flight-per-replica` requests, as the routing is now). A removed replica's series end with it.
+pub fn register_replica_load(registry: &mut Registry, fleet: Fleet, routing: Live<Routing>) {
     registry
         .sub_registry_with_prefix("kvroute_router")
-        .register_collector(Box::new(ReplicaLoad { fleet, max_in_flight }));
+        .register_collector(Box::new(ReplicaLoad { fleet, routing }));
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -339,12 +340,12 @@ type Series<T> = (&'static str, &'static str, fn(&T) -> u64);
 
 struct ReplicaLoad {
     fleet: Fleet,
-    max_in_flight: u32,
+    routing: Live<Routing>,
 }
 
 impl std::fmt::Debug for ReplicaLoad {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReplicaLoad").field("max_in_flight", &self.max_in_flight).finish_non_exhaustive()
+        f.debug_struct("ReplicaLoad").field("routing", &self.routing).finish_non_exhaustive()
     }
 }
 
@@ -409,8 +410,8 @@ impl Collector for ReplicaLoad {
         )?;
         // As a decision judges them: with no replica up, the ejected, and those whose health
         // checks only went unanswered in time, are routed to, and eligible.
-        let verdicts =
-            crate::proxy::upstream::verdicts(members.iter().map(|m| &*m.upstream), self.max_in_flight);
+        let max_in_flight = self.routing.get().max_in_flight_per_replica;
+        let verdicts = crate::proxy::upstream::verdicts(members.iter().map(|m| &*m.upstream), max_in_flight);
         for (m, verdict) in members.iter().zip(verdicts) {
             let state = verdict.map_or("eligible", |why| why.as_str());
             let labels = ReplicaStateLabels { replica: m.replica.spec.name.clone(), state };

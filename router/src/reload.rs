@@ -1,6 +1,6 @@
-//! Reloading the replica list without a restart: on `SIGHUP` the router reads its
-//! configuration again, as at its start (flags, environment, the `--config` file), and makes
-//! the fleet hold the replicas it lists now ([`Reloader::apply`]).
+//! Reloading the configuration without a restart: on `SIGHUP` the router reads it again, as
+//! at its start (flags, environment, the `--config` file), makes the fleet hold the replicas
+//! it lists now, and routes by its live settings ([`Reloader::apply`]).
 //!
 //! - A replica the list no longer names is removed (for good: its drain is forgotten, as an
 //!   operator's `RemoveReplica` does); one it names anew is added; one whose entry changed is
@@ -13,6 +13,12 @@
 //!   A replica the fleet refuses (another's HTTP address or event stream) is logged and left
 //!   out; it is tried once more after the others, as an address the list frees later may be
 //!   the one it wants.
+//! - The routing policy and its weights, the per-replica concurrency, the per-request bounds
+//!   and the API keys ([`crate::proxy::live`]) change at once: decisions made from then on
+//!   route by the new ones, a request already admitted keeps the bounds it was admitted by, and
+//!   requests waiting for a replica's room look again when its limit rose. The random policies
+//!   keep their seed unless one is given; a policy whose own settings did not change keeps its
+//!   state (its turn, its random stream).
 //! - Other settings take effect at the next start: a reload names those that changed. The
 //!   replicas keep the running router's model and block size.
 
@@ -21,6 +27,8 @@ use std::collections::BTreeMap;
 use crate::config::Config;
 use crate::discovery::ReplicaSink;
 use crate::fleet::Fleet;
+use crate::proxy::ProxyState;
+use crate::proxy::live::{self, Admission};
 use crate::replicas::ReplicaSpec;
 
 /// The configuration's replicas as last applied, and the settings the router runs with.
@@ -38,6 +46,8 @@ pub struct Reloaded {
     pub removed: Vec<String>,
     /// Replicas the fleet refused, each with why.
     pub refused: Vec<(String, String)>,
+    /// Settings besides the replicas that changed and were applied ([`live::is_live`]).
+    pub applied: Vec<String>,
     /// Settings besides the replicas that differ from the running router's (not applied).
     pub not_applied: Vec<String>,
 }
@@ -49,10 +59,14 @@ impl Reloader {
         Self { applied: specs(&running, &running), running }
     }
 
-    /// Makes `fleet` hold the replicas of `config` in place of those of the last one applied.
-    pub async fn apply(&mut self, fleet: &Fleet, config: &Config) -> Reloaded {
-        let mut reloaded =
-            Reloaded { not_applied: changed_settings(&self.running, config), ..Reloaded::default() };
+    /// Makes the router of `state` hold the replicas of `config` in place of those of the last
+    /// one applied, and route and admit requests by its live settings ([`live::is_live`]).
+    pub async fn apply(&mut self, state: &ProxyState, config: &Config) -> Reloaded {
+        let fleet = state.fleet();
+        let (applied, not_applied) =
+            changed_settings(&self.running, config).into_iter().partition(|key| live::is_live(key));
+        let mut reloaded = Reloaded { applied, not_applied, ..Reloaded::default() };
+        self.apply_live(state, config, &reloaded.applied);
         let desired = specs(&self.running, config);
         let gone: Vec<String> =
             self.applied.keys().filter(|name| !desired.contains_key(*name)).cloned().collect();
@@ -80,6 +94,24 @@ impl Reloader {
             }
         }
         reloaded
+    }
+
+    /// Puts `config`'s routing and admission in place of the running ones, where any of
+    /// their settings (`changed`) did.
+    fn apply_live(&mut self, state: &ProxyState, config: &Config, changed: &[String]) {
+        let running = state.decider.routing.get();
+        if let Some(routing) = running.reloaded(config, changed) {
+            let raised = routing.max_in_flight_per_replica > running.max_in_flight_per_replica;
+            state.decider.routing.set(routing);
+            if raised {
+                // Requests waiting for a replica's room may have it now.
+                state.fleet().waiters().wake_all();
+            }
+        }
+        if let Some(admission) = Admission::reloaded(config, changed) {
+            state.admission.set(admission);
+        }
+        live::carry(&mut self.running, config);
     }
 
     /// Adds or replaces `spec`, and records what it did.
@@ -135,14 +167,18 @@ fn changed_settings(running: &Config, new: &Config) -> Vec<String> {
     changed
 }
 
-/// Reloads the replica list at each `SIGHUP` until `shutdown` fires (see the module docs).
+/// Reloads the configuration at each `SIGHUP` until `shutdown` fires (see the module docs).
 #[cfg(unix)]
-pub async fn on_hangup(fleet: Fleet, mut reloader: Reloader, shutdown: tokio_util::sync::CancellationToken) {
+pub async fn on_hangup(
+    state: std::sync::Arc<ProxyState>,
+    mut reloader: Reloader,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
     use tokio::signal::unix::{SignalKind, signal};
     let mut hangups = match signal(SignalKind::hangup()) {
         Ok(hangups) => hangups,
         Err(e) => {
-            tracing::warn!(error = %e, "cannot listen for SIGHUP: the replica list is not reloaded");
+            tracing::warn!(error = %e, "cannot listen for SIGHUP: the configuration is not reloaded");
             return;
         }
     };
@@ -162,10 +198,10 @@ pub async fn on_hangup(fleet: Fleet, mut reloader: Reloader, shutdown: tokio_uti
             tracing::error!(errors = %errors.join("; "), "reload: the configuration is invalid; nothing changed");
             continue;
         }
-        let reloaded = reloader.apply(&fleet, &config).await;
+        let reloaded = reloader.apply(&state, &config).await;
         tracing::info!(
             added = ?reloaded.added, replaced = ?reloaded.replaced, removed = ?reloaded.removed,
-            refused = reloaded.refused.len(), "reload: replica list applied"
+            refused = reloaded.refused.len(), settings = %reloaded.applied.join(", "), "reload: applied"
         );
         if !reloaded.not_applied.is_empty() {
             tracing::warn!(

@@ -23,8 +23,8 @@ use crate::fleet::Fleet;
 use crate::index::SharedIndex;
 use crate::ingest::Ingest;
 use crate::metrics::{ProxyMetrics, register_replica_load, register_tokenize_cache};
-use crate::policy::{self, CacheAwareParams};
 use crate::proxy::forward::ForwardConfig;
+use crate::proxy::live::{Admission, Live, Routing};
 use crate::proxy::pool::Pool;
 use crate::proxy::prompts::{Client, Prompts, RemoteTokenizer};
 use crate::proxy::route::Decider;
@@ -201,32 +201,24 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         Prompts::Local(tokenization)
     };
     let metrics = ProxyMetrics::register(&mut registry);
-    register_replica_load(&mut registry, fleet.clone(), config.max_in_flight_per_replica);
     let stalls = proxy::stalls::StallWatch::start(config.send_timeout(), metrics.client_stalls.clone());
-    let params = CacheAwareParams {
-        in_flight_tokens: config.load_weight,
-        miss_weight: config.miss_weight,
-        balance_weight: config.balance_weight,
-        offload_weight: config.offload_weight,
-    };
     let seed = config.seed.unwrap_or_else(|| {
         use std::hash::{BuildHasher, Hasher};
         // std's per-process random hasher keys: a seed from the OS without another crate.
         std::collections::hash_map::RandomState::new().build_hasher().finish()
     });
     tracing::info!(seed, "policy seed");
+    let routing = Live::new(Routing::new(&config, seed));
+    register_replica_load(&mut registry, fleet.clone(), routing.clone());
     let decider = Decider {
         fleet: fleet.clone(),
         index,
         host_index,
-        policy: policy::build(config.policy, params, seed),
+        routing,
         prompts,
         block_size: config.block_size as usize,
-        max_in_flight_per_replica: config.max_in_flight_per_replica,
         eagle: config.eagle,
         metrics,
-        ranks_by: (config.policy == policy::PolicyKind::CacheAware && !config.no_rank_routing)
-            .then(|| policy::CacheAware::new(params)),
         deciding: Default::default(),
     };
     // Resolved once: the heartbeats need one slot for each thread that will tick.
@@ -251,7 +243,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
             ending: ending(shutdown, config.drain_timeout(), tracker),
         },
         registry: Arc::new(registry),
-        limits: config.request_limits(),
+        admission: Live::new(Admission::new(&config)),
         in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
         queue: proxy::queue::Queue::new(config.max_queued, config.queue_timeout()),
         base_model: config.model.clone(),
@@ -260,7 +252,6 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         synced_once: AtomicBool::new(false),
         heartbeats: Heartbeats::new(http_threads),
         allowed_origins: proxy::cors::AllowedOrigins::new(&config.allowed_origins),
-        api_keys: config.api_key.iter().map(|key| key.expose().to_owned()).collect(),
         shutdown: shutdown.clone(),
     });
 
@@ -313,13 +304,13 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
 }
 
 /// Runs a router until `shutdown` fires, then waits for its tasks.
-/// The replica list is reloaded at each `SIGHUP` ([`crate::reload`]).
+/// The configuration is reloaded at each `SIGHUP` ([`crate::reload`]).
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
     let reloader = crate::reload::Reloader::new(&config);
     let router = start(config, shutdown.clone()).await?;
     #[cfg(unix)]
     router.parts.tracker.spawn(crate::reload::on_hangup(
-        router.fleet().clone(),
+        router.state.clone(),
         reloader,
         router.parts.token().clone(),
     ));

@@ -13,7 +13,7 @@
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //! | an HTTP/1.1 `GET` for a WebSocket (`Upgrade: websocket`, `Connection: upgrade`; vLLM's `/v1/realtime`) on a path that passes through | tunnelled to the least-loaded eligible replica ([`tunnel`]) |
 //!
-//! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`cors`] (the router's own answers' CORS fields), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
+//! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`cors`] (the router's own answers' CORS fields), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`live`] (the settings a reload changes), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
 //! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`queue`] (requests waiting for room), [`responses`] (which replica stored each Responses API response), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`tunnel`] (WebSockets), [`upload`] (clients' request
 //! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health), [`waiters`] (requests waiting for a replica's room).
 
@@ -25,6 +25,7 @@ pub mod forward;
 pub mod health;
 pub mod http1;
 pub mod idle;
+pub mod live;
 pub mod lora;
 pub mod opening;
 pub mod paths;
@@ -66,7 +67,7 @@ use forward::{Admitted, ForwardConfig, Sending};
 use http1::Outgoing;
 use pool::Pool;
 use responses::Continuation;
-use route::{Decider, RequestLimits};
+use route::Decider;
 
 /// Everything the request path shares.
 pub struct ProxyState {
@@ -75,8 +76,8 @@ pub struct ProxyState {
     pub new_pool: Box<dyn Fn() -> Pool + Send + Sync>,
     pub forward: ForwardConfig,
     pub registry: Arc<Registry>,
-    /// Prompt and completion bounds of routed requests.
-    pub limits: RequestLimits,
+    /// The bounds and keys requests are admitted by, as a reload leaves them.
+    pub admission: live::Live<live::Admission>,
     /// Global in-flight limit: a request that cannot get a permit waits in `queue`.
     pub in_flight: Arc<Semaphore>,
     /// Requests waiting for room ([`queue`]).
@@ -93,8 +94,6 @@ pub struct ProxyState {
     pub heartbeats: Heartbeats,
     /// Who may read the router's own answers ([`cors`]).
     pub allowed_origins: cors::AllowedOrigins,
-    /// `--api-key`'s keys (none: every request may pass).
-    pub api_keys: Vec<String>,
     /// The router's shutdown: open WebSocket tunnels end with it ([`tunnel`]).
     pub shutdown: CancellationToken,
 }
@@ -280,12 +279,15 @@ async fn dispatch(
         )));
     }
     // The router's own LoRA paths reach every replica, SGLang's spellings outside `/v1` too.
-    if !state.api_keys.is_empty() && (api_key::needs_key(&method, &path) || lora::route(&path).is_some()) {
+    let admission = state.admission.get();
+    if !admission.api_keys.is_empty() && (api_key::needs_key(&method, &path) || lora::route(&path).is_some())
+    {
         let given = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
-        if !api_key::bearer_matches(given, &state.api_keys) {
+        if !api_key::bearer_matches(given, &admission.api_keys) {
             return Err(ProxyError::Unauthorized);
         }
     }
+    drop(admission);
     if method == Method::GET
         && req.version() == http::Version::HTTP_11
         && asks_websocket(req.headers())
@@ -369,6 +371,7 @@ async fn routed(
     arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     check_length(state, req.headers())?;
+    let limits = state.admission.get().limits;
     let line = queue::Line::default();
     let admitted = admit(state, arrived, &line).await?;
     let (parts, body) = req.into_parts();
@@ -379,7 +382,7 @@ async fn routed(
     let decided = match state.decider.prepare(endpoint, &body).await {
         Ok(prepared) => {
             line.set_priority(prepared.priority);
-            let decide = || std::future::ready(state.decider.decide_prepared(&prepared, &state.limits));
+            let decide = || std::future::ready(state.decider.decide_prepared(&prepared, &limits));
             state.queue.until_room(waiters, (&line, metrics), decide, goes_to).await
         }
         Err(e) => Err(e),
@@ -395,7 +398,7 @@ async fn routed(
         // A prompt given as embeddings (vLLM's `prompt_embeds`): no token ids to route on, so
         // to the least-loaded replica (one with its LoRA adapter), within the router's limits.
         Err(ProxyError::BadRequest(RequestError::PromptEmbeds(asked))) => {
-            state.limits.check_completion(asked.max_tokens, endpoint)?;
+            limits.check_completion(asked.max_tokens, endpoint)?;
             line.set_priority(asked.priority);
             let adapter = state.decider.adapter(&asked.model);
             let members = with_room(state, &line, || by_load(state, admitted.request_id, adapter)).await?;
@@ -412,7 +415,7 @@ async fn routed(
                 .await
         }
         Err(ProxyError::BadRequest(RequestError::StoredConversation)) => {
-            let continuation = Continuation::read(&state.decider, &body, &state.limits).await?;
+            let continuation = Continuation::read(&state.decider, &body, &limits).await?;
             let (member, rank) = find_owner(state, pool, &parts.headers, &continuation.id).await?;
             // Only the replica that stored the response can continue it: it waits for room there.
             let owner = member.replica.id;
@@ -440,7 +443,7 @@ async fn routed(
 /// is waited for ([`queue`]); one that is down for another reason is tried all the same (no
 /// other has what the request needs).
 fn owner_has_room(state: &ProxyState, member: &Member) -> std::future::Ready<Result<(), ProxyError>> {
-    std::future::ready(match member.upstream.eligibility(state.decider.max_in_flight_per_replica) {
+    std::future::ready(match member.upstream.eligibility(state.decider.max_in_flight_per_replica()) {
         Err(upstream::Ineligible::Saturated) => Err(ProxyError::Saturated {
             reason: format!("{}: saturated (it stored the response continued)", member.replica.spec.name),
             replicas: vec![member.replica.id],
@@ -530,7 +533,7 @@ fn by_load(
     adapter: Option<upstream::Adapter<'_>>,
 ) -> Result<Vec<Member>, ProxyError> {
     let members = state.fleet().members();
-    let max = state.decider.max_in_flight_per_replica;
+    let max = state.decider.max_in_flight_per_replica();
     let verdicts = upstream::verdicts_for(members.iter().map(|m| &*m.upstream), max, adapter);
     if verdicts.iter().all(Option::is_some) {
         let saturated =

@@ -19,6 +19,7 @@ use kvroute_proto::{BlockHash, ReplicaId, chain, hit_tokens};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::error::ProxyError;
+use super::live::{Live, Routing};
 use super::prompts::{PromptError, Prompts};
 use super::upstream::{Adapter, Ineligible, LoadGuard, verdicts_for};
 use crate::fleet::{Fleet, Member};
@@ -33,16 +34,13 @@ pub struct Decider {
     pub index: SharedIndex,
     /// The blocks replicas offloaded to host memory ([`crate::Ingest::host_index`]).
     pub host_index: SharedIndex,
-    pub policy: Box<dyn Policy>,
+    /// The policy and what else decisions route by, as a reload leaves them.
+    pub routing: Live<Routing>,
     pub prompts: Prompts,
     pub block_size: usize,
-    pub max_in_flight_per_replica: u32,
     /// The vLLM replicas run EAGLE or MTP speculative decoding ([`crate::Config::eagle`]).
     pub eagle: bool,
     pub metrics: ProxyMetrics,
-    /// How a data-parallel replica's rank is named ([`crate::index::Ranks`]): by the
-    /// cache-aware cost. `None` with the other policies, which leave it to the replica.
-    pub ranks_by: Option<policy::CacheAware>,
     /// One is held while a cache-aware decision (or a retry) scores, credits its choice and
     /// counts its load there, chosen by the request's first block: the next decision of a
     /// request that begins alike sees its credits and its load. (Two deciding at once each
@@ -265,6 +263,11 @@ impl Plan {
 }
 
 impl Decider {
+    /// Requests in flight a replica may hold, as the routing is now.
+    pub fn max_in_flight_per_replica(&self) -> u32 {
+        self.routing.get().max_in_flight_per_replica
+    }
+
     /// The LoRA adapter a request for `model` is for, if it names one: one loaded through the
     /// router, else one the tokenization knows (configured or learned).
     pub fn adapter<'m>(&self, model: &'m str) -> Option<Adapter<'m>> {
@@ -313,7 +316,7 @@ impl Decider {
         let decided = self.decide_locked(prepared, members, limits);
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         let plan = decided?;
-        self.metrics.count_decision(self.policy.kind().as_str());
+        self.metrics.count_decision(self.routing.get().policy.kind().as_str());
         if plan.unhashed_tokens.is_some() {
             self.metrics.partial_prompts.inc();
         }
@@ -374,7 +377,7 @@ impl Decider {
     /// The [`Decider::deciding`] lock of a request with `blocks`, where credits steer the
     /// choice (cache-aware) and there are blocks to credit.
     fn deciding(&self, blocks: &[BlockHash]) -> Option<std::sync::MutexGuard<'_, ()>> {
-        let credits_steer = self.policy.kind() == policy::PolicyKind::CacheAware;
+        let credits_steer = self.routing.get().policy.kind() == policy::PolicyKind::CacheAware;
         blocks.first().filter(|_| credits_steer).map(|first| self.deciding.lock(first))
     }
 
@@ -403,7 +406,7 @@ impl Decider {
         let scored = plan.order().nth(at)?;
         let (member, rank) = (&scored.member, scored.rank.map(|rank| (rank, scored.rank_blocks)));
         let (sequences, prompt_tokens) = (plan.sequences, plan.prompt_tokens);
-        let max = self.max_in_flight_per_replica;
+        let max = self.max_in_flight_per_replica();
         let mut load = member.upstream.try_begin(max, sequences, plan.prefill_tokens(at), prompt_tokens)?;
         if let Some(((rank, held), ranks)) = rank.zip(member.replica.ranks.get()) {
             // The rank holds the request's pending prefill from here, before anything can
@@ -587,12 +590,12 @@ impl Decider {
     /// are none. A replica whose ranks are not all followed is FALLBACK (scored on what the
     /// fleet holds), and its ranks still chosen among those that are.
     fn rank_views(
-        &self,
+        routing: &Routing,
         members: &[Member],
         blocks: &[BlockHash],
         now: tokio::time::Instant,
     ) -> Vec<Option<Vec<crate::index::RankView>>> {
-        if self.ranks_by.is_none() || !members.iter().any(|member| member.replica.ranks.get().is_some()) {
+        if routing.ranks_by.is_none() || !members.iter().any(|member| member.replica.ranks.get().is_some()) {
             return Vec::new();
         }
         let ranks: Vec<Option<&crate::index::Ranks>> =
@@ -645,9 +648,10 @@ impl Decider {
             }
         };
         let now = tokio::time::Instant::now();
-        let rank_views = self.rank_views(&members, &blocks, now);
+        let routing = self.routing.get();
+        let rank_views = Self::rank_views(&routing, &members, &blocks, now);
         let verdicts =
-            verdicts_for(members.iter().map(|m| &*m.upstream), self.max_in_flight_per_replica, adapter);
+            verdicts_for(members.iter().map(|m| &*m.upstream), routing.max_in_flight_per_replica, adapter);
         let mut candidates: Vec<Scored> = members
             .into_iter()
             .zip(verdicts)
@@ -669,7 +673,7 @@ impl Decider {
                     )
                 };
                 // A data-parallel replica offers what the rank the request is sent to holds.
-                let (rank, offered, rank_load) = match (&self.ranks_by, rank_views) {
+                let (rank, offered, rank_load) = match (&routing.ranks_by, rank_views) {
                     (Some(costs), Some(ranks)) => {
                         // Ties between ranks by the request and the replica's name (the
                         // request's key alone would repeat the replicas' tie, rank for replica
@@ -719,7 +723,7 @@ impl Decider {
         }
         let views: Vec<ReplicaView> = candidates.iter().map(|c| c.view).collect();
         let decision =
-            if send { self.policy.choose(request, &views) } else { self.policy.peek(request, &views) };
+            if send { routing.policy.choose(request, &views) } else { routing.policy.peek(request, &views) };
         for (c, cost) in candidates.iter_mut().zip(decision.costs) {
             c.cost = cost;
         }

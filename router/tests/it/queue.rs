@@ -99,6 +99,39 @@ async fn requests_wait_for_a_saturated_replica_and_are_served_when_it_has_room()
     assert_eq!(outcomes(&fleet, "placed"), 2);
 }
 
+/// A reload that raises `--max-in-flight-per-replica` serves a request waiting for the
+/// replica's room at once, while the stream that filled it is still open (the stream takes
+/// 16 steps of a second).
+#[tokio::test]
+async fn a_reload_that_raises_the_replicas_limit_serves_the_request_waiting() {
+    let mut started = None;
+    let slower = |name: &str| kvroute_replica_agent::Config { step_base_us: 1_000_000, ..slow_agent(name) };
+    let fleet = Fleet::with(1, slower, |c| {
+        let c = kvroute_router::Config { max_in_flight_per_replica: 1, queue_timeout_ms: LONG, ..c };
+        started = Some(c.clone());
+        c
+    })
+    .await;
+    let started = started.unwrap();
+    let mut reloader = kvroute_router::reload::Reloader::new(&started);
+    let open = open_stream(&fleet).await;
+    let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
+    let waiting = tokio::spawn(async move { http.post(&url, &completion("hi")).await });
+    queued(&fleet, 1).await;
+    let raised = kvroute_router::Config { max_in_flight_per_replica: 2, ..started };
+    let reloaded = reloader.apply(&fleet.router.state, &raised).await;
+    assert_eq!(
+        (reloaded.applied, reloaded.not_applied),
+        (vec!["max-in-flight-per-replica".to_owned()], vec![])
+    );
+    let answer = tokio::time::timeout(WAIT, waiting).await.expect("served in time").unwrap();
+    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    let replica = &fleet.router.fleet().members()[0];
+    assert_eq!(replica.upstream.requests_in_flight(), 1, "served while the stream is open");
+    assert_eq!(outcomes(&fleet, "placed"), 1);
+    drop(open);
+}
+
 /// Requests waiting for a replica's room are served by their `priority` (vLLM's field: lower
 /// first), whenever they came; a Responses continuation's too.
 #[tokio::test]

@@ -26,7 +26,7 @@ async fn a_reload_makes_the_fleet_hold_the_new_list() {
     let fleet = Fleet::around(agents, first, shutdown).await;
     let kept = fleet.router.fleet().member("agent-1").unwrap().upstream;
 
-    let reloaded = reloader.apply(fleet.router.fleet(), &second).await;
+    let reloaded = reloader.apply(&fleet.router.state, &second).await;
     assert_eq!((reloaded.added, reloaded.removed), (vec!["agent-2".to_owned()], vec!["agent-0".to_owned()]));
     assert!(reloaded.replaced.is_empty() && reloaded.refused.is_empty() && reloaded.not_applied.is_empty());
     assert_eq!(names(&fleet.router), BTreeSet::from(["agent-1".to_owned(), "agent-2".to_owned()]));
@@ -42,21 +42,25 @@ async fn a_reload_makes_the_fleet_hold_the_new_list() {
     }
 
     // Nothing changed: nothing done. A replica at another's HTTP address is refused and said;
-    // a setting besides the replicas is named, not applied.
-    assert_eq!(reloader.apply(fleet.router.fleet(), &second).await, Default::default());
+    // a live setting is applied, another is named, not applied.
+    assert_eq!(reloader.apply(&fleet.router.state, &second).await, Default::default());
     let mut dup = second.replicas[0].clone();
     dup.name = "dup".into();
     dup.events = crate::support::nowhere();
     let third = RouterConfig {
         replicas: second.replicas.iter().cloned().chain([dup]).collect(),
         policy: kvroute_router::policy::PolicyKind::RoundRobin,
+        credit_ttl_ms: second.credit_ttl_ms + 1,
         ..second.clone()
     };
-    let reloaded = reloader.apply(fleet.router.fleet(), &third).await;
+    let reloaded = reloader.apply(&fleet.router.state, &third).await;
     assert_eq!(reloaded.refused.len(), 1, "{reloaded:?}");
     assert_eq!(reloaded.refused[0].0, "dup");
     assert!(reloaded.refused[0].1.contains("HTTP address"), "{}", reloaded.refused[0].1);
-    assert_eq!(reloaded.not_applied, ["policy"]);
+    assert_eq!(
+        (reloaded.applied, reloaded.not_applied),
+        (vec!["policy".to_owned()], vec!["credit-ttl-ms".to_owned()])
+    );
     assert_eq!(names(&fleet.router), BTreeSet::from(["agent-1".to_owned(), "agent-2".to_owned()]));
 }
 
@@ -105,4 +109,52 @@ async fn the_router_reloads_its_file_at_a_hangup() {
     assert!(router.try_wait().unwrap().is_none(), "still running");
     router.kill().await.unwrap();
     let _ = std::fs::remove_file(&file);
+}
+
+/// A reload applies the live settings at once: the policy (a prompt asked again goes where it
+/// is cached under cache-aware, and takes turns under round-robin), the API keys (the old key
+/// is refused, the new one served) and the prompt bound.
+#[tokio::test]
+async fn a_reload_retunes_the_policy_the_keys_and_the_bounds() {
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let agents = Fleet::start_agents(3, crate::fleet::agent_config, &shutdown).await;
+    let first = router_config(&agents);
+    let mut reloader = Reloader::new(&first);
+    let fleet = Fleet::around(agents, first.clone(), shutdown).await;
+    let words = (0..40).map(|i| format!("word{i}")).collect::<Vec<_>>().join(" ");
+    let ask = json!({"model": FLEET_MODEL, "prompt": words, "max_tokens": 1}).to_string();
+    let url = fleet.url("/v1/completions");
+    let send = async |key: &str| {
+        let auth = format!("Bearer {key}");
+        fleet.http.send_with(http::Method::POST, &url, ask.clone(), &[("authorization", &auth)]).await
+    };
+    let answered_by = async |n: usize| {
+        let mut replicas = BTreeSet::new();
+        for _ in 0..n {
+            let reply = send("none").await;
+            assert_eq!(reply.status, 200, "{:?}", reply.body);
+            replicas.insert(reply.header("x-kvroute-replica").unwrap().to_owned());
+        }
+        replicas
+    };
+    assert_eq!(answered_by(3).await.len(), 1, "cache-aware: to where it is cached");
+
+    let round_robin = RouterConfig { policy: kvroute_router::policy::PolicyKind::RoundRobin, ..first };
+    assert_eq!(reloader.apply(&fleet.router.state, &round_robin).await.applied, ["policy"]);
+    assert_eq!(answered_by(3).await.len(), 3, "round-robin: in turn");
+
+    let keyed = RouterConfig { api_key: vec!["sk-old".into()], ..round_robin };
+    assert_eq!(reloader.apply(&fleet.router.state, &keyed).await.applied, ["api-key"]);
+    assert_eq!(send("sk-other").await.status, 401);
+    assert_eq!(send("sk-old").await.status, 200);
+    let rotated = RouterConfig { api_key: vec!["sk-new".into()], ..keyed };
+    assert_eq!(reloader.apply(&fleet.router.state, &rotated).await.applied, ["api-key"]);
+    assert_eq!(send("sk-old").await.status, 401, "a rotated key is refused");
+    assert_eq!(send("sk-new").await.status, 200);
+
+    let bounded = RouterConfig { max_prompt_tokens: 8, ..rotated };
+    assert_eq!(reloader.apply(&fleet.router.state, &bounded).await.applied, ["max-prompt-tokens"]);
+    let refused = send("sk-new").await;
+    assert_eq!(refused.status, 400, "{:?}", refused.body);
+    assert!(refused.json()["error"]["message"].as_str().unwrap().contains("prompt"), "{:?}", refused.body);
 }

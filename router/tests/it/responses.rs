@@ -209,10 +209,13 @@ async fn a_continuation_is_bounded_and_weighs_on_its_owner() {
 
     let state = &fleet.router.state;
     let body = serde_json::to_vec(&next(8)).unwrap();
-    let continuation =
-        kvroute_router::proxy::responses::Continuation::read(&state.decider, &body, &state.limits)
-            .await
-            .unwrap();
+    let continuation = kvroute_router::proxy::responses::Continuation::read(
+        &state.decider,
+        &body,
+        &state.admission.get().limits,
+    )
+    .await
+    .unwrap();
     assert_eq!(continuation.id, id);
     let member = |name: &str| state.fleet().member(name).unwrap();
     let (prompt, prefill) = continuation.load_on(&member(&home));

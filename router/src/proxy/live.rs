@@ -1,0 +1,230 @@
+//! Settings a reload changes while the router runs ([`crate::reload`]): what decisions route
+//! by ([`Routing`]) and what a request must meet to be admitted ([`Admission`]). Each is
+//! replaced whole: a request holds the version it read while a reload puts in the next.
+//!
+//! These are the settings operators retune in place: the policy and its weights, the
+//! per-replica concurrency, the per-request bounds and the API keys (a key rotated in a
+//! mounted secret). The others (listeners, tokenization, timeouts, the index's bounds) shape
+//! state built at start, and take effect at the next one.
+
+use std::sync::{Arc, PoisonError, RwLock};
+
+use super::route::RequestLimits;
+use crate::config::Config;
+use crate::policy::{self, CacheAwareParams, Policy, PolicyKind};
+
+/// The settings of [`Routing`]'s policy, by their names in a configuration file: changing
+/// one makes the policy anew (its turn, or its random stream, starts over).
+const POLICY_SETTINGS: [&str; 6] =
+    ["balance-weight", "load-weight", "miss-weight", "offload-weight", "policy", "seed"];
+/// [`Routing`]'s other settings.
+const ROUTING_SETTINGS: [&str; 2] = ["max-in-flight-per-replica", "no-rank-routing"];
+/// [`Admission`]'s settings.
+const ADMISSION_SETTINGS: [&str; 3] = ["api-key", "max-completion-tokens", "max-prompt-tokens"];
+
+/// Whether a reload applies `setting` (named as in a configuration file) at once.
+pub fn is_live(setting: &str) -> bool {
+    [&POLICY_SETTINGS[..], &ROUTING_SETTINGS, &ADMISSION_SETTINGS].concat().contains(&setting)
+}
+
+/// Whether any of `changed` is one of `settings`.
+fn any_of(changed: &[String], settings: &[&str]) -> bool {
+    changed.iter().any(|key| settings.contains(&key.as_str()))
+}
+
+/// `from`'s live settings ([`is_live`]) copied into `into`.
+pub fn carry(into: &mut Config, from: &Config) {
+    into.policy = from.policy;
+    into.load_weight = from.load_weight;
+    into.miss_weight = from.miss_weight;
+    into.balance_weight = from.balance_weight;
+    into.offload_weight = from.offload_weight;
+    into.seed = from.seed;
+    into.max_in_flight_per_replica = from.max_in_flight_per_replica;
+    into.no_rank_routing = from.no_rank_routing;
+    into.api_key.clone_from(&from.api_key);
+    into.max_prompt_tokens = from.max_prompt_tokens;
+    into.max_completion_tokens = from.max_completion_tokens;
+}
+
+/// A value replaced whole; each reader keeps the version it took. Clones share it.
+#[derive(Debug, Default)]
+pub struct Live<T>(Arc<RwLock<Arc<T>>>);
+
+impl<T> Clone for Live<T> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
+impl<T> Live<T> {
+    pub fn new(value: T) -> Self {
+        Self(Arc::new(RwLock::new(Arc::new(value))))
+    }
+
+    /// The current version.
+    pub fn get(&self) -> Arc<T> {
+        Arc::clone(&self.0.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Replaces the value; readers holding the old version keep it until they let it go.
+    pub fn set(&self, value: T) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(value);
+    }
+}
+
+/// What decisions route by.
+pub struct Routing {
+    pub policy: Arc<dyn Policy>,
+    /// How a data-parallel replica's rank is named ([`crate::index::Ranks`]): by the
+    /// cache-aware cost. `None` with the other policies, which leave it to the replica.
+    pub ranks_by: Option<policy::CacheAware>,
+    /// Requests in flight a replica may hold (`--max-in-flight-per-replica`).
+    pub max_in_flight_per_replica: u32,
+    /// The seed the random policies drew from: a reload keeps it unless one is given.
+    pub seed: u64,
+}
+
+impl Routing {
+    /// `config`'s routing, the random policies seeded with `seed`.
+    pub fn new(config: &Config, seed: u64) -> Self {
+        let policy = policy::build(config.policy, params(config), seed).into();
+        Self::with_policy(config, policy, seed)
+    }
+
+    fn with_policy(config: &Config, policy: Arc<dyn Policy>, seed: u64) -> Self {
+        Self {
+            policy,
+            ranks_by: (config.policy == PolicyKind::CacheAware && !config.no_rank_routing)
+                .then(|| policy::CacheAware::new(params(config))),
+            max_in_flight_per_replica: config.max_in_flight_per_replica,
+            seed,
+        }
+    }
+
+    /// The routing of `config`, reloaded over this one with the settings `changed`; `None`
+    /// if none of them is the routing's. The policy is this one's unless one of its settings
+    /// changed; the seed is this one's unless `config` gives one.
+    pub fn reloaded(&self, config: &Config, changed: &[String]) -> Option<Self> {
+        let seed = config.seed.unwrap_or(self.seed);
+        match (any_of(changed, &POLICY_SETTINGS), any_of(changed, &ROUTING_SETTINGS)) {
+            (true, _) => Some(Self::new(config, seed)),
+            (false, true) => Some(Self::with_policy(config, Arc::clone(&self.policy), seed)),
+            (false, false) => None,
+        }
+    }
+}
+
+/// The cache-aware cost's weights in `config`.
+fn params(config: &Config) -> CacheAwareParams {
+    CacheAwareParams {
+        in_flight_tokens: config.load_weight,
+        miss_weight: config.miss_weight,
+        balance_weight: config.balance_weight,
+        offload_weight: config.offload_weight,
+    }
+}
+
+impl std::fmt::Debug for Routing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Routing")
+            .field("policy", &self.policy.kind())
+            .field("ranks_by", &self.ranks_by.is_some())
+            .field("max_in_flight_per_replica", &self.max_in_flight_per_replica)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a request must meet to be admitted.
+pub struct Admission {
+    /// Prompt and completion bounds of routed requests.
+    pub limits: RequestLimits,
+    /// `--api-key`'s keys (none: every request may pass).
+    pub api_keys: Vec<String>,
+}
+
+impl Admission {
+    pub fn new(config: &Config) -> Self {
+        Self {
+            limits: config.request_limits(),
+            api_keys: config.api_key.iter().map(|key| key.expose().to_owned()).collect(),
+        }
+    }
+
+    /// [`Admission::new`] of `config` if one of its settings is among `changed`.
+    pub fn reloaded(config: &Config, changed: &[String]) -> Option<Self> {
+        any_of(changed, &ADMISSION_SETTINGS).then(|| Self::new(config))
+    }
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The keys are secrets: how many there are, only.
+        f.debug_struct("Admission")
+            .field("limits", &self.limits)
+            .field("api_keys", &self.api_keys.len())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn changed(keys: &[&str]) -> Vec<String> {
+        keys.iter().map(|key| (*key).to_owned()).collect()
+    }
+
+    /// A policy whose own settings did not change is kept (its turn goes on); one whose did is
+    /// made anew; the seed stays unless given; admission alone leaves the routing be.
+    #[test]
+    fn a_reload_makes_the_policy_anew_only_when_its_settings_change() {
+        let config = Config { seed: Some(7), ..Config::loopback(Vec::new()) };
+        let running = Routing::new(&config, 7);
+        let wider = Config { max_in_flight_per_replica: 3, ..config.clone() };
+        let kept = running.reloaded(&wider, &changed(&["max-in-flight-per-replica"])).unwrap();
+        assert!(Arc::ptr_eq(&kept.policy, &running.policy));
+        assert_eq!((kept.max_in_flight_per_replica, kept.seed), (3, 7));
+        let weighed = Config { miss_weight: 2.0, seed: None, ..config.clone() };
+        let anew = running.reloaded(&weighed, &changed(&["miss-weight", "seed"])).unwrap();
+        assert!(!Arc::ptr_eq(&anew.policy, &running.policy));
+        assert_eq!(anew.seed, 7, "a seed no longer given stays the one drawn");
+        let round_robin = Config { policy: PolicyKind::RoundRobin, ..config.clone() };
+        let switched = running.reloaded(&round_robin, &changed(&["policy"])).unwrap();
+        assert_eq!((switched.policy.kind(), switched.ranks_by.is_some()), (PolicyKind::RoundRobin, false));
+        assert!(running.reloaded(&config, &changed(&["api-key", "max-prompt-tokens"])).is_none());
+        assert!(Admission::reloaded(&config, &changed(&["policy"])).is_none());
+        assert!(Admission::reloaded(&config, &changed(&["api-key"])).is_some());
+    }
+
+    /// Every live setting is a setting of the configuration, and is carried by [`carry`].
+    #[test]
+    fn live_settings_are_configuration_keys_and_carried() {
+        let running = Config::loopback(Vec::new());
+        let new = Config {
+            policy: PolicyKind::Random,
+            load_weight: 9.0,
+            miss_weight: 9.0,
+            balance_weight: 9.0,
+            offload_weight: 0.5,
+            seed: Some(1),
+            max_in_flight_per_replica: 9,
+            no_rank_routing: true,
+            api_key: vec!["sk".into()],
+            max_prompt_tokens: 9,
+            max_completion_tokens: 9,
+            ..running.clone()
+        };
+        let keys = |config: &Config| match serde_json::to_value(config) {
+            Ok(serde_json::Value::Object(map)) => map,
+            _ => unreachable!("a configuration is a map"),
+        };
+        let (before, after) = (keys(&running), keys(&new));
+        let live: Vec<&String> = after.keys().filter(|key| is_live(key)).collect();
+        assert_eq!(live.len(), POLICY_SETTINGS.len() + ROUTING_SETTINGS.len() + ADMISSION_SETTINGS.len());
+        assert!(live.iter().all(|key| before.get(*key) != after.get(*key)), "each was changed above");
+        let mut carried = running.clone();
+        carry(&mut carried, &new);
+        assert_eq!(carried, new, "every live setting carried, nothing else");
+    }
+}
