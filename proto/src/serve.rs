@@ -28,9 +28,11 @@ use tokio_util::task::TaskTracker;
 
 mod parts;
 pub mod send_timeout;
+mod tls;
 
 pub use parts::Parts;
 use send_timeout::SendTimeout;
+pub use tls::Tls;
 
 /// Limits of one HTTP server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -162,7 +164,7 @@ pub async fn serve_with<H, F, B>(
 {
     let connections = TaskTracker::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    accept_loop(listener, handler, &limits, &slots, &connections, &shutdown).await;
+    accept_loop(listener, handler, (&limits, None), &slots, &connections, &shutdown).await;
     drain(&connections, limits.drain_timeout).await;
 }
 
@@ -193,6 +195,9 @@ async fn drain(connections: &TaskTracker, timeout: Option<Duration>) {
 /// threads fall back to clones of `listener`. As with nginx's `reuseport`, another process of
 /// the same user could then bind the port too.
 ///
+/// With `tls`, every connection is a TLS one (HTTP/2 or HTTP/1.1 by ALPN); a handshake not
+/// done within the header-read timeout ends the connection.
+///
 /// A connection lives on the thread that accepted it, from its first byte to its last:
 /// nothing it does wakes another thread, which is what a reverse proxy's small requests
 /// spend most of their time on otherwise (the nginx worker model). The price: a request that
@@ -204,6 +209,7 @@ pub async fn serve_on_threads<M, H, F, B>(
     threads: usize,
     make_handler: M,
     limits: Limits,
+    tls: Option<Tls>,
     heartbeats: Heartbeats,
     shutdown: CancellationToken,
 ) -> std::io::Result<()>
@@ -226,15 +232,22 @@ where
     for (i, listener) in listeners.into_iter().enumerate() {
         let start = || -> std::io::Result<_> {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-            let (handler, connections, slots, stop, heartbeats) =
-                (make_handler(), connections.clone(), slots.clone(), stop.clone(), heartbeats.clone());
+            let (handler, connections, slots, stop, heartbeats, tls) = (
+                make_handler(),
+                connections.clone(),
+                slots.clone(),
+                stop.clone(),
+                heartbeats.clone(),
+                tls.clone(),
+            );
             let (finished, on_finish) = tokio::sync::oneshot::channel::<()>();
             std::thread::Builder::new().name(format!("http-{i}")).spawn(move || {
                 runtime.block_on(async move {
                     tokio::spawn(keep_timer_deadline_near(stop.clone(), move || heartbeats.beat(i)));
                     match TcpListener::from_std(listener) {
                         Ok(listener) => {
-                            accept_loop(listener, handler, &limits, &slots, &connections, &stop).await
+                            let tls = tls.as_ref();
+                            accept_loop(listener, handler, (&limits, tls), &slots, &connections, &stop).await
                         }
                         Err(e) => {
                             tracing::error!(error = %e, "cannot register the listener");
@@ -375,7 +388,7 @@ impl Heartbeats {
 async fn accept_loop<H, F, B>(
     listener: TcpListener,
     handler: H,
-    limits: &Limits,
+    (limits, tls): (&Limits, Option<&Tls>),
     slots: &Arc<Semaphore>,
     connections: &TaskTracker,
     shutdown: &CancellationToken,
@@ -435,68 +448,30 @@ async fn accept_loop<H, F, B>(
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(error = %e, %peer, "cannot set TCP_NODELAY");
         }
-        let builder = builder.clone();
-        let handler = handler.clone();
-        let send_timeout = limits.send_timeout;
-        let shutdown = shutdown.clone();
-        let background = Background(connections.clone());
-        let first_request_timeout = limits.header_read_timeout;
+        let connection = Connection {
+            builder: builder.clone(),
+            handler: handler.clone(),
+            peer,
+            send_timeout: limits.send_timeout,
+            first_request_timeout: limits.header_read_timeout,
+            background: Background(connections.clone()),
+            shutdown: shutdown.clone(),
+        };
+        let acceptor = tls.map(Tls::acceptor);
         connections.spawn(async move {
             let _slot = slot;
-            let activity = Arc::new(Activity::default());
-            let service = hyper::service::service_fn({
-                let activity = activity.clone();
-                move |mut req: Request<Incoming>| {
-                    let open = Open::new(&activity);
-                    req.extensions_mut().insert(background.clone());
-                    req.extensions_mut().insert(Peer(peer));
-                    let response = handler(req);
-                    async move { Ok::<_, Infallible>(response.await.map(|body| Tracked { body, _open: open })) }
-                }
-            });
-            // With upgrades: a handler that answers `101` (the router tunnelling a WebSocket)
-            // is handed the connection's socket through `hyper::upgrade::on`.
-            let conn = builder
-                .serve_connection_with_upgrades(TokioIo::new(SendTimeout::new(stream, send_timeout)), service);
-            tokio::pin!(conn);
-            // hyper's header-read timer starts once it knows the protocol, which it learns from
-            // the first bytes: a connection that sends none (or a part of HTTP/2's preface)
-            // would hold its slot for good. Its first request is due within the same time.
-            // The same timer runs whenever no request is open: a connection left idle for that
-            // long (an HTTP/2 one especially: hyper closes idle HTTP/1 ones alike) is closed.
-            let mut idle = Some(Box::pin(tokio::time::sleep(first_request_timeout)));
-            let (mut closing, mut shutting_down) = (false, false);
-            let result = loop {
-                tokio::select! {
-                    // The connection first: a request that came as the timer fired is seen.
-                    biased;
-                    result = conn.as_mut() => break result,
-                    // The idle timer still runs while the connection drains.
-                    _ = shutdown.cancelled(), if !shutting_down => {
-                        conn.as_mut().graceful_shutdown();
-                        shutting_down = true;
-                    }
-                    // While it closes too: a stream the client opened before it saw the GOAWAY
-                    // is served to its end.
-                    () = activity.wait() => {
-                        idle = (!activity.busy()).then(|| Box::pin(tokio::time::sleep(first_request_timeout)));
-                    }
-                    () = elapsed(&mut idle) => {
-                        if closing {
-                            return;
-                        }
-                        // An HTTP/2 client is told (GOAWAY), and has as long again to go; a
-                        // request that still comes is served to its end. A connection still
-                        // being read for its protocol ends at once.
-                        tracing::debug!(%peer, "no request open for the header-read timeout: closing");
-                        conn.as_mut().graceful_shutdown();
-                        closing = true;
-                        idle = Some(Box::pin(tokio::time::sleep(first_request_timeout)));
+            match acceptor {
+                None => connection.serve(stream).await,
+                Some(acceptor) => {
+                    // Bounded as a request head is: a peer that never finishes its handshake
+                    // would hold its slot for good.
+                    let handshake = acceptor.accept(stream);
+                    match tokio::time::timeout(connection.first_request_timeout, handshake).await {
+                        Ok(Ok(stream)) => connection.serve(stream).await,
+                        Ok(Err(e)) => tracing::debug!(error = %e, %peer, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "TLS handshake not done in time"),
                     }
                 }
-            };
-            if let Err(e) = result {
-                tracing::debug!(error = %e, %peer, "connection ended with an error");
             }
         });
         if last {
@@ -504,6 +479,88 @@ async fn accept_loop<H, F, B>(
         }
     }
     drop(listener);
+}
+
+/// What serving one accepted connection needs.
+struct Connection<H> {
+    builder: hyper_util::server::conn::auto::Builder<TokioExecutor>,
+    handler: H,
+    peer: std::net::SocketAddr,
+    send_timeout: Duration,
+    first_request_timeout: Duration,
+    background: Background,
+    shutdown: CancellationToken,
+}
+
+impl<H> Connection<H> {
+    /// Serves the connection's requests on `stream` (plain TCP, or TLS over it) until it ends.
+    async fn serve<S, F, B>(self, stream: S)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+        H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+        F: Future<Output = Response<B>> + Send + 'static,
+        B: Body + Send + Unpin + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let Connection { builder, handler, peer, send_timeout, first_request_timeout, background, shutdown } =
+            self;
+        let activity = Arc::new(Activity::default());
+        let service = hyper::service::service_fn({
+            let activity = activity.clone();
+            move |mut req: Request<Incoming>| {
+                let open = Open::new(&activity);
+                req.extensions_mut().insert(background.clone());
+                req.extensions_mut().insert(Peer(peer));
+                let response = handler(req);
+                async move { Ok::<_, Infallible>(response.await.map(|body| Tracked { body, _open: open })) }
+            }
+        });
+        // With upgrades: a handler that answers `101` (the router tunnelling a WebSocket)
+        // is handed the connection's socket through `hyper::upgrade::on`.
+        let conn = builder
+            .serve_connection_with_upgrades(TokioIo::new(SendTimeout::new(stream, send_timeout)), service);
+        tokio::pin!(conn);
+        // hyper's header-read timer starts once it knows the protocol, which it learns from
+        // the first bytes: a connection that sends none (or a part of HTTP/2's preface)
+        // would hold its slot for good. Its first request is due within the same time.
+        // The same timer runs whenever no request is open: a connection left idle for that
+        // long (an HTTP/2 one especially: hyper closes idle HTTP/1 ones alike) is closed.
+        let mut idle = Some(Box::pin(tokio::time::sleep(first_request_timeout)));
+        let (mut closing, mut shutting_down) = (false, false);
+        let result = loop {
+            tokio::select! {
+                // The connection first: a request that came as the timer fired is seen.
+                biased;
+                result = conn.as_mut() => break result,
+                // The idle timer still runs while the connection drains.
+                _ = shutdown.cancelled(), if !shutting_down => {
+                    conn.as_mut().graceful_shutdown();
+                    shutting_down = true;
+                }
+                // While it closes too: a stream the client opened before it saw the GOAWAY
+                // is served to its end.
+                () = activity.wait() => {
+                    idle = (!activity.busy()).then(|| Box::pin(tokio::time::sleep(first_request_timeout)));
+                }
+                () = elapsed(&mut idle) => {
+                    if closing {
+                        return;
+                    }
+                    // An HTTP/2 client is told (GOAWAY), and has as long again to go; a
+                    // request that still comes is served to its end. A connection still
+                    // being read for its protocol ends at once.
+                    tracing::debug!(%peer, "no request open for the header-read timeout: closing");
+                    conn.as_mut().graceful_shutdown();
+                    closing = true;
+                    idle = Some(Box::pin(tokio::time::sleep(first_request_timeout)));
+                }
+            }
+        };
+        if let Err(e) = result {
+            tracing::debug!(error = %e, %peer, "connection ended with an error");
+        }
+    }
 }
 
 /// Waits for `timer` (for ever without one).
@@ -632,6 +689,7 @@ mod tests {
             2,
             make_handler,
             Limits::default(),
+            None,
             Heartbeats::new(2),
             shutdown.clone(),
         ));
@@ -678,6 +736,7 @@ mod tests {
             2,
             make_handler,
             Limits::default(),
+            None,
             heartbeats.clone(),
             shutdown.clone(),
         ));
@@ -722,6 +781,7 @@ mod tests {
             2,
             make_handler,
             Limits::default(),
+            None,
             Heartbeats::new(2),
             shutdown.clone(),
         ));

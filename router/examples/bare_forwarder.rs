@@ -63,6 +63,7 @@ fn main() -> anyhow::Result<()> {
             threads,
             make_handler,
             Limits::default(),
+            None,
             Heartbeats::new(threads),
             shutdown,
         )

@@ -16,7 +16,7 @@ use clap::Parser;
 use serde::{Deserialize, Serialize};
 
 use crate::discovery::DiscoveryConfig;
-use kvroute_proto::serve::{Limits, MIN_HEADER_BYTES};
+use kvroute_proto::serve::{Limits, MIN_HEADER_BYTES, Tls};
 
 use crate::policy::{CacheAwareParams, PolicyKind};
 use crate::proxy::route::RequestLimits;
@@ -80,6 +80,18 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true, value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "comma_separated")]
     pub api_key: Vec<Secret>,
+    /// PEM certificate chain (the router's own first) the proxy's listener serves TLS with:
+    /// HTTPS, HTTP/2 or HTTP/1.1 by ALPN. With `--tls-key`. Both files are read again at each
+    /// `SIGHUP`, so a certificate rotated in place (cert-manager, a mounted Secret) is served to
+    /// the connections opened from then on. The health listener and the admin service stay
+    /// plain (the admin's on loopback, or behind its token).
+    #[arg(long, env = "KVROUTE_TLS_CERT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `--tls-cert`.
+    #[arg(long, env = "KVROUTE_TLS_KEY")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<PathBuf>,
     /// Bearer token the admin service requires; mandatory when it listens beyond loopback.
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -455,6 +467,9 @@ impl Config {
                 check(p.is_file(), format!("{flag} {} is not a readable file", p.display()));
             }
         }
+        if let Err(problem) = self.tls() {
+            check(false, problem);
+        }
         for problem in self.discovery.validate().err().unwrap_or_default() {
             check(false, problem);
         }
@@ -594,6 +609,17 @@ impl Config {
             // Past the drain timeout, the streams' error events have this long to go out.
             drain_timeout: Some(self.drain_timeout() + DRAIN_END),
             ..Limits::default()
+        }
+    }
+
+    /// The proxy listener's TLS (`--tls-cert`, `--tls-key`), its files read; `None` without.
+    pub fn tls(&self) -> Result<Option<Tls>, String> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => {
+                Tls::from_files(cert, key).map(Some).map_err(|e| format!("--tls-cert, --tls-key: {e}"))
+            }
+            (None, None) => Ok(None),
+            _ => Err("--tls-cert and --tls-key go together".into()),
         }
     }
 
@@ -1075,6 +1101,37 @@ mod tests {
             "name=b,http=http://b:8000,events=tcp://h:5557,topic=kv@b",
         ]);
         assert!(prefix.validate().is_err(), "a's subscription to kv takes b's kv@b too");
+    }
+
+    /// `--tls-cert` and `--tls-key` go together, and their files must hold a certificate and
+    /// its key: each problem is reported with the rest, before anything starts.
+    #[test]
+    fn tls_files_are_checked_up_front() {
+        let dir = std::env::temp_dir().join(format!("kvroute-config-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let made = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let (cert, key, empty) = (dir.join("c.pem"), dir.join("k.pem"), dir.join("e.pem"));
+        std::fs::write(&cert, made.cert.pem()).unwrap();
+        std::fs::write(&key, made.signing_key.serialize_pem()).unwrap();
+        std::fs::write(&empty, "").unwrap();
+        let with = |cert: Option<&PathBuf>, key: Option<&PathBuf>| Config {
+            tls_cert: cert.cloned(),
+            tls_key: key.cloned(),
+            ..Config::loopback(Vec::new())
+        };
+        assert_eq!(with(Some(&cert), Some(&key)).validate(), Ok(()));
+        assert!(with(Some(&cert), Some(&key)).tls().unwrap().is_some());
+        assert!(with(None, None).tls().unwrap().is_none());
+        for (config, says) in [
+            (with(Some(&cert), None), "go together"),
+            (with(None, Some(&key)), "go together"),
+            (with(Some(&empty), Some(&key)), "e.pem: no certificate"),
+            (with(Some(&cert), Some(&empty)), "e.pem"),
+        ] {
+            let errors = config.validate().unwrap_err();
+            assert!(errors.len() == 1 && errors[0].contains(says), "{errors:?}");
+        }
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]

@@ -19,6 +19,10 @@
 //!   requests waiting for a replica's room look again when its limit rose. The random policies
 //!   keep their seed unless one is given; a policy whose own settings did not change keeps its
 //!   state (its turn, its random stream).
+//! - With TLS on the proxy's listener (`--tls-cert`, `--tls-key`), the certificate and key
+//!   are read again, from the paths the configuration names now: a certificate rotated in
+//!   place is served to the connections opened from then on. (TLS itself is turned on or off
+//!   at a start.)
 //! - Other settings take effect at the next start: a reload names those that changed. The
 //!   replicas keep the running router's model and block size.
 
@@ -50,6 +54,9 @@ pub struct Reloaded {
     pub applied: Vec<String>,
     /// Settings besides the replicas that differ from the running router's (not applied).
     pub not_applied: Vec<String>,
+    /// Whether the proxy listener's certificate and key were read again, or why not; `None`
+    /// when it serves no TLS, or the configuration names none now.
+    pub tls: Option<Result<(), String>>,
 }
 
 impl Reloader {
@@ -67,6 +74,7 @@ impl Reloader {
             changed_settings(&self.running, config).into_iter().partition(|key| live::is_live(key));
         let mut reloaded = Reloaded { applied, not_applied, ..Reloaded::default() };
         self.apply_live(state, config, &reloaded.applied);
+        self.reload_tls(state, config, &mut reloaded);
         let desired = specs(&self.running, config);
         let gone: Vec<String> =
             self.applied.keys().filter(|name| !desired.contains_key(*name)).cloned().collect();
@@ -112,6 +120,26 @@ impl Reloader {
             state.admission.set(admission);
         }
         live::carry(&mut self.running, config);
+    }
+
+    /// Reads the proxy listener's certificate and key again, where it serves TLS and `config`
+    /// names them: from then on their paths count as applied.
+    fn reload_tls(&mut self, state: &ProxyState, config: &Config, reloaded: &mut Reloaded) {
+        let (Some(tls), Some(cert), Some(key)) = (&state.tls, &config.tls_cert, &config.tls_key) else {
+            return;
+        };
+        let loaded = tls.load(cert, key);
+        if loaded.is_ok() {
+            let (paths, others) = std::mem::take(&mut reloaded.not_applied)
+                .into_iter()
+                .partition(|setting| matches!(setting.as_str(), "tls-cert" | "tls-key"));
+            reloaded.not_applied = others;
+            reloaded.applied.extend::<Vec<String>>(paths);
+            reloaded.applied.sort_unstable();
+            self.running.tls_cert = config.tls_cert.clone();
+            self.running.tls_key = config.tls_key.clone();
+        }
+        reloaded.tls = Some(loaded);
     }
 
     /// Adds or replaces `spec`, and records what it did.
@@ -203,6 +231,11 @@ pub async fn on_hangup(
             added = ?reloaded.added, replaced = ?reloaded.replaced, removed = ?reloaded.removed,
             refused = reloaded.refused.len(), settings = %reloaded.applied.join(", "), "reload: applied"
         );
+        match &reloaded.tls {
+            Some(Ok(())) => tracing::info!("reload: the TLS certificate and key read again"),
+            Some(Err(why)) => tracing::error!(error = %why, "reload: the TLS certificate in use stays"),
+            None => {}
+        }
         if !reloaded.not_applied.is_empty() {
             tracing::warn!(
                 settings = %reloaded.not_applied.join(", "),

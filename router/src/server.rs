@@ -42,8 +42,10 @@ pub struct RunningRouter {
 }
 
 impl RunningRouter {
+    /// The proxy's base URL: `https` with `--tls-cert`.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.state.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
     }
 
     pub fn admin_url(&self) -> String {
@@ -252,6 +254,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         synced_once: AtomicBool::new(false),
         heartbeats: Heartbeats::new(http_threads),
         allowed_origins: proxy::cors::AllowedOrigins::new(&config.allowed_origins),
+        tls: config.tls().map_err(anyhow::Error::msg)?,
         shutdown: shutdown.clone(),
     });
 
@@ -298,7 +301,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     });
     tracing::info!(
         listen = %addr, admin = %admin_addr, health = ?health_addr, policy = config.policy.as_str(),
-        replicas = config.replicas.len(), admin_auth, "router started"
+        replicas = config.replicas.len(), admin_auth, tls = state.tls.is_some(), "router started"
     );
     Ok(RunningRouter { addr, admin_addr, health_addr, state, parts: parts.clone() })
 }

@@ -94,6 +94,8 @@ pub struct ProxyState {
     pub heartbeats: Heartbeats,
     /// Who may read the router's own answers ([`cors`]).
     pub allowed_origins: cors::AllowedOrigins,
+    /// The proxy listener's TLS, if it serves HTTPS (`--tls-cert`): reloaded in place.
+    pub tls: Option<kvroute_proto::serve::Tls>,
     /// The router's shutdown: open WebSocket tunnels end with it ([`tunnel`]).
     pub shutdown: CancellationToken,
 }
@@ -175,8 +177,9 @@ pub async fn serve_probes(listener: TcpListener, state: Arc<ProxyState>, shutdow
     kvroute_proto::serve::serve_with(listener, handler, limits, shutdown).await;
 }
 
-/// Serves the proxy on `listener` with `threads` threads within `limits` until `shutdown`
-/// fires, then drains open requests; fails if its threads cannot start. Each thread forwards through an upstream connection
+/// Serves the proxy on `listener` with `threads` threads within `limits` (over TLS with
+/// [`ProxyState::tls`]) until `shutdown` fires, then drains open requests; fails if its
+/// threads cannot start. Each thread forwards through an upstream connection
 /// pool of its own ([`kvroute_proto::serve::serve_on_threads`]).
 pub async fn serve(
     listener: TcpListener,
@@ -191,8 +194,8 @@ pub async fn serve(
         tokio::spawn(pool::sweep_while_held(Arc::downgrade(&pool)));
         move |req| handle(state.clone(), pool.clone(), req)
     };
-    let heartbeats = state.heartbeats.clone();
-    kvroute_proto::serve::serve_on_threads(listener, threads, make_handler, limits, heartbeats, shutdown)
+    let (heartbeats, tls) = (state.heartbeats.clone(), state.tls.clone());
+    kvroute_proto::serve::serve_on_threads(listener, threads, make_handler, limits, tls, heartbeats, shutdown)
         .await
 }
 

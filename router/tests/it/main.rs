@@ -20,4 +20,5 @@ mod reload;
 mod responses;
 mod start;
 mod support;
+mod tls;
 mod websocket;

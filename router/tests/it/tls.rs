@@ -1,0 +1,124 @@
+//! HTTPS on the proxy's listener (`--tls-cert`, `--tls-key`): HTTP/1.1 and HTTP/2 by ALPN,
+//! routed as ever; a certificate rotated in place is served after a reload.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use kvroute_router::config::Config as RouterConfig;
+use kvroute_router::reload::Reloader;
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_rustls::rustls::crypto::ring;
+use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
+use tokio_rustls::rustls::{ClientConfig, RootCertStore};
+
+use crate::fleet::{FLEET_MODEL, Fleet, agent_config, router_config};
+
+/// Writes a new self-signed certificate for `localhost` and its key to `cert` and `key`;
+/// returns the certificate, for a client to trust.
+fn new_certificate(cert: &Path, key: &Path) -> CertificateDer<'static> {
+    let made = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    std::fs::write(cert, made.cert.pem()).unwrap();
+    std::fs::write(key, made.signing_key.serialize_pem()).unwrap();
+    made.cert.der().clone()
+}
+
+/// What a completion over TLS to `addr` got: the protocol ALPN chose, the status and the
+/// replica that answered; or why the connection failed (a client that trusts only `trusted`).
+async fn complete(
+    addr: SocketAddr,
+    trusted: &CertificateDer<'static>,
+    alpn: &[u8],
+) -> Result<(Vec<u8>, http::StatusCode, String), String> {
+    let mut roots = RootCertStore::empty();
+    roots.add(trusted.clone()).unwrap();
+    let mut config = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![alpn.to_vec()];
+    let tcp = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let name = ServerName::try_from("localhost").unwrap();
+    let stream = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .map_err(|e| e.to_string())?;
+    let chosen = stream.get_ref().1.alpn_protocol().unwrap_or_default().to_vec();
+    let body = json!({"model": FLEET_MODEL, "prompt": "over tls", "max_tokens": 1}).to_string();
+    let request = http::Request::post(format!("https://localhost:{}/v1/completions", addr.port()))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let io = TokioIo::new(stream);
+    let response = if chosen == b"h2" {
+        let (mut sender, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        sender.send_request(request).await
+    } else {
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(io).await.map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        let (mut parts, body) = request.into_parts();
+        parts.uri = "/v1/completions".parse().unwrap();
+        parts.headers.insert(http::header::HOST, http::HeaderValue::from_static("localhost"));
+        sender.send_request(http::Request::from_parts(parts, body)).await
+    }
+    .map_err(|e| e.to_string())?;
+    let status = response.status();
+    let replica = response.headers().get("x-kvroute-replica").map(|v| v.to_str().unwrap().to_owned());
+    let body = response.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    assert!(status != 200 || body.starts_with(b"{"), "{}", String::from_utf8_lossy(&body));
+    Ok((chosen, status, replica.unwrap_or_default()))
+}
+
+/// A temporary directory of the test's own.
+fn directory(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The proxy serves HTTPS, HTTP/1.1 and HTTP/2 as the client's ALPN asks, routed as ever; a
+/// plain request on its port gets no HTTP answer. After a reload, new connections get the
+/// certificate rotated into the same files, and the old one is no longer served.
+#[tokio::test]
+async fn the_proxy_serves_https_and_a_certificate_rotated_in_place() {
+    let dir = directory("tls-proxy");
+    let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+    let first = new_certificate(&cert, &key);
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let agents = Fleet::start_agents(2, agent_config, &shutdown).await;
+    let config =
+        RouterConfig { tls_cert: Some(cert.clone()), tls_key: Some(key.clone()), ..router_config(&agents) };
+    let mut reloader = Reloader::new(&config);
+    let fleet = Fleet::around(agents, config.clone(), shutdown).await;
+    let addr = fleet.router.addr;
+    assert!(fleet.router.url().starts_with("https://"), "{}", fleet.router.url());
+    for alpn in [&b"http/1.1"[..], b"h2"] {
+        let (chosen, status, replica) = complete(addr, &first, alpn).await.unwrap();
+        assert_eq!((chosen.as_slice(), status.as_u16()), (alpn, 200));
+        assert!(replica.starts_with("agent-"), "{replica:?}");
+    }
+
+    let mut plain = tokio::net::TcpStream::connect(addr).await.unwrap();
+    plain.write_all(b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n").await.unwrap();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(crate::support::WAIT, plain.read_to_end(&mut answer)).await;
+    assert!(read.is_ok(), "a plain request's connection is closed");
+    assert!(!answer.starts_with(b"HTTP/"), "{}", String::from_utf8_lossy(&answer));
+
+    let second = new_certificate(&cert, &key);
+    let reloaded = reloader.apply(&fleet.router.state, &config).await;
+    assert_eq!(reloaded.tls, Some(Ok(())));
+    let refused = complete(addr, &first, b"http/1.1").await.expect_err("the old certificate is gone");
+    assert!(refused.to_lowercase().contains("certificate"), "{refused}");
+    assert_eq!(complete(addr, &second, b"h2").await.unwrap().1, 200);
+    let _ = std::fs::remove_dir_all(dir);
+}
