@@ -100,6 +100,10 @@ impl Background {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Peer(pub std::net::SocketAddr);
 
+/// In the extensions of every request that came over TLS ([`Tls`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Https;
+
 /// How long a gRPC server waits for a PING's acknowledgement, and how long a connection may
 /// be silent before it sends one.
 const GRPC_KEEPALIVE: Duration = Duration::from_secs(20);
@@ -461,13 +465,13 @@ async fn accept_loop<H, F, B>(
         connections.spawn(async move {
             let _slot = slot;
             match acceptor {
-                None => connection.serve(stream).await,
+                None => connection.serve(stream, false).await,
                 Some(acceptor) => {
                     // Bounded as a request head is: a peer that never finishes its handshake
                     // would hold its slot for good.
                     let handshake = acceptor.accept(stream);
                     match tokio::time::timeout(connection.first_request_timeout, handshake).await {
-                        Ok(Ok(stream)) => connection.serve(stream).await,
+                        Ok(Ok(stream)) => connection.serve(stream, true).await,
                         Ok(Err(e)) => tracing::debug!(error = %e, %peer, "TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "TLS handshake not done in time"),
                     }
@@ -493,8 +497,9 @@ struct Connection<H> {
 }
 
 impl<H> Connection<H> {
-    /// Serves the connection's requests on `stream` (plain TCP, or TLS over it) until it ends.
-    async fn serve<S, F, B>(self, stream: S)
+    /// Serves the connection's requests on `stream` (plain TCP, or TLS over it: `https`)
+    /// until it ends.
+    async fn serve<S, F, B>(self, stream: S, https: bool)
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
         H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
@@ -512,6 +517,9 @@ impl<H> Connection<H> {
                 let open = Open::new(&activity);
                 req.extensions_mut().insert(background.clone());
                 req.extensions_mut().insert(Peer(peer));
+                if https {
+                    req.extensions_mut().insert(Https);
+                }
                 let response = handler(req);
                 async move { Ok::<_, Infallible>(response.await.map(|body| Tracked { body, _open: open })) }
             }

@@ -57,7 +57,7 @@ pub struct Config {
     pub access_log: bool,
     /// Tell the replicas who the client is: the client's address is appended to
     /// `X-Forwarded-For` (as nginx's `$proxy_add_x_forwarded_for`), and `X-Forwarded-Proto`
-    /// is set to the router's scheme, `http`. For replicas' logs (uvicorn reads them from
+    /// to the scheme the client used (`http`, or `https` with `--tls-cert`). For replicas' logs (uvicorn reads them from
     /// proxies its `--forwarded-allow-ips` trusts).
     #[arg(long, env = "KVROUTE_FORWARDED_FOR", default_value_t = false)]
     pub forwarded_for: bool,

@@ -667,16 +667,17 @@ pub(super) fn upstream_head(
         headers.insert(X_REQUEST_ID, id);
     }
     if forwarded_for && let Some(peer) = extensions.get::<kvroute_proto::serve::Peer>() {
-        forwarded(&mut headers, peer.0.ip());
+        let https = extensions.get::<kvroute_proto::serve::Https>().is_some();
+        forwarded(&mut headers, peer.0.ip(), if https { "https" } else { "http" });
     }
     (ClientHead { method, uri, version }, headers)
 }
 
 /// Appends `client` to `X-Forwarded-For` (one field, the client's own list first, as nginx's
 /// `$proxy_add_x_forwarded_for`; an IPv4 client of a dual-stack listener as IPv4), and sets
-/// `X-Forwarded-Proto` to the router's scheme, `http`, as nginx's `$scheme` (a client's own
-/// would be believed by a replica that trusts the router).
-fn forwarded(headers: &mut HeaderMap, client: std::net::IpAddr) {
+/// `X-Forwarded-Proto` to the scheme the client used, `http` or `https` (`--tls-cert`), as
+/// nginx's `$scheme` (a client's own would be believed by a replica that trusts the router).
+fn forwarded(headers: &mut HeaderMap, client: std::net::IpAddr, scheme: &'static str) {
     const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
     const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
     let mut list = Vec::new();
@@ -693,7 +694,7 @@ fn forwarded(headers: &mut HeaderMap, client: std::net::IpAddr) {
     if let Ok(value) = HeaderValue::from_bytes(&list) {
         headers.insert(X_FORWARDED_FOR, value);
     }
-    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(scheme));
 }
 
 /// What a forwarded request keeps of the client's request line.

@@ -122,3 +122,30 @@ async fn the_proxy_serves_https_and_a_certificate_rotated_in_place() {
     assert_eq!(complete(addr, &second, b"h2").await.unwrap().1, 200);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// With `--forwarded-for`, a request that came over TLS tells the replica so:
+/// `X-Forwarded-Proto: https`.
+#[tokio::test]
+async fn a_request_over_tls_is_forwarded_as_https() {
+    const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+    let (replica, mut seen) = crate::headers::recording_replica(ANSWER).await;
+    let dir = directory("tls-forwarded");
+    let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+    let trusted = new_certificate(&cert, &key);
+    let config = RouterConfig {
+        model: FLEET_MODEL.into(),
+        replicas: vec![format!("name=r,http=http://{replica}").parse().unwrap()],
+        tls_cert: Some(cert),
+        tls_key: Some(key),
+        forwarded_for: true,
+        ..RouterConfig::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let (_, status, _) = complete(router.addr, &trusted, b"h2").await.unwrap();
+    assert_eq!(status, 200);
+    let got = tokio::time::timeout(crate::support::WAIT, seen.recv()).await.expect("in time").unwrap();
+    assert_eq!(got.values("x-forwarded-proto"), ["https"]);
+    shutdown.cancel();
+    let _ = std::fs::remove_dir_all(dir);
+}
