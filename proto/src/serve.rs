@@ -457,6 +457,7 @@ async fn accept_loop<H, F, B>(
             handler: handler.clone(),
             peer,
             send_timeout: limits.send_timeout,
+            first_request_by: tokio::time::Instant::now() + limits.header_read_timeout,
             first_request_timeout: limits.header_read_timeout,
             background: Background(connections.clone()),
             shutdown: shutdown.clone(),
@@ -465,13 +466,13 @@ async fn accept_loop<H, F, B>(
         connections.spawn(async move {
             let _slot = slot;
             match acceptor {
-                None => connection.serve(stream, false).await,
+                None => connection.serve(tls::Stream::Plain(stream)).await,
                 Some(acceptor) => {
-                    // Bounded as a request head is: a peer that never finishes its handshake
-                    // would hold its slot for good.
+                    // Within the time its first request is due in: a peer that never finishes
+                    // its handshake would hold its slot for good.
                     let handshake = acceptor.accept(stream);
-                    match tokio::time::timeout(connection.first_request_timeout, handshake).await {
-                        Ok(Ok(stream)) => connection.serve(stream, true).await,
+                    match tokio::time::timeout_at(connection.first_request_by, handshake).await {
+                        Ok(Ok(stream)) => connection.serve(tls::Stream::Tls(Box::new(stream))).await,
                         Ok(Err(e)) => tracing::debug!(error = %e, %peer, "TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "TLS handshake not done in time"),
                     }
@@ -491,25 +492,34 @@ struct Connection<H> {
     handler: H,
     peer: std::net::SocketAddr,
     send_timeout: Duration,
+    /// When its first request must have come (a TLS handshake included).
+    first_request_by: tokio::time::Instant,
     first_request_timeout: Duration,
     background: Background,
     shutdown: CancellationToken,
 }
 
 impl<H> Connection<H> {
-    /// Serves the connection's requests on `stream` (plain TCP, or TLS over it: `https`)
-    /// until it ends.
-    async fn serve<S, F, B>(self, stream: S, https: bool)
+    /// Serves the connection's requests on `stream` until it ends.
+    async fn serve<F, B>(self, stream: tls::Stream)
     where
-        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
         H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
         F: Future<Output = Response<B>> + Send + 'static,
         B: Body + Send + Unpin + 'static,
         B::Data: Send,
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        let Connection { builder, handler, peer, send_timeout, first_request_timeout, background, shutdown } =
-            self;
+        let Connection {
+            builder,
+            handler,
+            peer,
+            send_timeout,
+            first_request_by,
+            first_request_timeout,
+            background,
+            shutdown,
+        } = self;
+        let https = matches!(stream, tls::Stream::Tls(_));
         let activity = Arc::new(Activity::default());
         let service = hyper::service::service_fn({
             let activity = activity.clone();
@@ -534,7 +544,7 @@ impl<H> Connection<H> {
         // would hold its slot for good. Its first request is due within the same time.
         // The same timer runs whenever no request is open: a connection left idle for that
         // long (an HTTP/2 one especially: hyper closes idle HTTP/1 ones alike) is closed.
-        let mut idle = Some(Box::pin(tokio::time::sleep(first_request_timeout)));
+        let mut idle = Some(Box::pin(tokio::time::sleep_until(first_request_by)));
         let (mut closing, mut shutting_down) = (false, false);
         let result = loop {
             tokio::select! {
@@ -991,6 +1001,70 @@ mod tests {
             }
             drop(peer);
         }
+    }
+
+    /// Over TLS, a connection that does not finish its handshake (it sends nothing, or half a
+    /// ClientHello) is closed within the header-read timeout, and its slot serves the next; a
+    /// request over TLS is served.
+    #[tokio::test]
+    async fn an_unfinished_tls_handshake_gives_its_slot_back() {
+        use tokio_rustls::rustls::{ClientConfig, RootCertStore, crypto::ring, pki_types::ServerName};
+        let dir = std::env::temp_dir().join(format!("kvroute-serve-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let made = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+        std::fs::write(&cert, made.cert.pem()).unwrap();
+        std::fs::write(&key, made.signing_key.serialize_pem()).unwrap();
+        let tls = Tls::from_files(&cert, &key).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut roots = RootCertStore::empty();
+        roots.add(made.cert.der().clone()).unwrap();
+        let client = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
+
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let make_handler =
+            || |_: Request<Incoming>| async { Response::new(Full::new(Bytes::from_static(b"fine"))) };
+        let limits = Limits {
+            max_connections: 1,
+            header_read_timeout: Duration::from_millis(300),
+            ..Limits::default()
+        };
+        let server = tokio::spawn(serve_on_threads(
+            listener,
+            1,
+            make_handler,
+            limits,
+            Some(tls),
+            Heartbeats::new(1),
+            shutdown.clone(),
+        ));
+        for opening in [&b""[..], &[0x16, 0x03, 0x01, 0x02, 0x00, 0x01][..]] {
+            let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+            silent.write_all(opening).await.unwrap();
+            let served = async {
+                let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+                let name = ServerName::try_from("localhost").unwrap();
+                let mut stream = connector.connect(name, tcp).await.unwrap();
+                stream.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();
+                let mut response = Vec::new();
+                let _ = stream.read_to_end(&mut response).await;
+                String::from_utf8_lossy(&response).into_owned()
+            };
+            let answer = within("the slot coming free", served).await;
+            assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("fine"), "{answer}");
+            let mut rest = Vec::new();
+            let read = within("the unfinished handshake's close", silent.read_to_end(&mut rest)).await;
+            assert!(read.is_ok(), "closed: {rest:?}");
+        }
+        shutdown.cancel();
+        within("the server's drain", server).await.unwrap().unwrap();
     }
 
     /// A connection that sends no request (nothing at all, or part of HTTP/2's preface, which

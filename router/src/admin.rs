@@ -178,7 +178,7 @@ impl RouterAdmin for AdminService {
             plan.candidates.iter().map(|c| candidate(c, plan.block_size, plan.first_prompt_tokens)).collect();
         Ok(Response::new(pb::ExplainResponse {
             chosen: plan.chosen().map(|c| c.member.replica.spec.name.clone()).unwrap_or_default(),
-            policy: self.state.decider.routing.get().policy.kind().as_str().into(),
+            policy: plan.routing.policy.kind().as_str().into(),
             prompt_tokens: plan.prompt_tokens as u32,
             request_blocks: plan.blocks.len() as u32,
             candidates,

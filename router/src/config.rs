@@ -67,8 +67,9 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_ALLOWED_ORIGINS", value_delimiter = ',', default_value = "*")]
     #[serde(default = "any_origin")]
     pub allowed_origins: Vec<String>,
-    /// Address of a listener of its own for `GET /health` and `/ready`, outside the proxy's
-    /// connection limit, so that a liveness probe is answered while the proxy is full.
+    /// Address of a listener of its own for `GET /health`, `/ready` and `/metrics`, outside
+    /// the proxy's connection limit, so that a liveness probe is answered while the proxy is
+    /// full; plain HTTP when the proxy serves TLS.
     #[arg(long, env = "KVROUTE_HEALTH_LISTEN")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health_listen: Option<SocketAddr>,
@@ -370,6 +371,18 @@ impl Config {
 
     /// Every problem with the settings, or `Ok`.
     pub fn validate(&self) -> Result<(), Vec<String>> {
+        self.problems(true)
+    }
+
+    /// [`Config::validate`] of a configuration reloaded ([`crate::reload`]): the TLS files are
+    /// not read, only named together; a reload reads them apart, and one it cannot read
+    /// leaves the certificate in use without holding back the rest.
+    pub fn validate_for_reload(&self) -> Result<(), Vec<String>> {
+        self.problems(false)
+    }
+
+    /// Every problem of the configuration, with the TLS files read when `tls_files`.
+    fn problems(&self, tls_files: bool) -> Result<(), Vec<String>> {
         let mut errors = Vec::new();
         let mut check = |ok: bool, msg: String| {
             if !ok {
@@ -467,8 +480,13 @@ impl Config {
                 check(p.is_file(), format!("{flag} {} is not a readable file", p.display()));
             }
         }
-        if let Err(problem) = self.tls() {
-            check(false, problem);
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(_), Some(_)) if !tls_files => {}
+            _ => {
+                if let Err(problem) = self.tls() {
+                    check(false, problem);
+                }
+            }
         }
         for problem in self.discovery.validate().err().unwrap_or_default() {
             check(false, problem);
@@ -1120,6 +1138,9 @@ mod tests {
             ..Config::loopback(Vec::new())
         };
         assert_eq!(with(Some(&cert), Some(&key)).validate(), Ok(()));
+        let unreadable = with(Some(&empty), Some(&key));
+        assert_eq!(unreadable.validate_for_reload(), Ok(()), "a reload reads the files apart");
+        assert!(with(Some(&cert), None).validate_for_reload().is_err());
         assert!(with(Some(&cert), Some(&key)).tls().unwrap().is_some());
         assert!(with(None, None).tls().unwrap().is_none());
         for (config, says) in [

@@ -21,7 +21,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::fleet::{Fleet, Member};
-use crate::policy::Load;
+use crate::policy::{Load, PolicyKind};
 use crate::proxy::live::{Live, Routing};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -100,8 +100,8 @@ pub struct ProxyMetrics {
 
 #[derive(Debug, Default)]
 struct UsualCounters {
-    /// `decisions` of the first policy counted (a router has one).
-    decisions: OnceLock<(&'static str, Counter)>,
+    /// `decisions` of each policy, by [`PolicyKind`] (a reload may switch policies).
+    decisions: [OnceLock<Counter>; PolicyKind::ALL.len()],
     /// `requests{code="200"}`.
     ok: OnceLock<Counter>,
 }
@@ -235,17 +235,11 @@ impl ProxyMetrics {
         m
     }
 
-    /// Counts a decision of `policy`.
-    pub fn count_decision(&self, policy: &'static str) {
-        let (usual, counter) = self
-            .usual
-            .decisions
-            .get_or_init(|| (policy, self.decisions.get_or_create(&PolicyLabel { policy }).clone()));
-        if *usual == policy {
-            counter.inc();
-        } else {
-            self.decisions.get_or_create(&PolicyLabel { policy }).inc();
-        }
+    /// Counts a decision of the policy `kind`.
+    pub fn count_decision(&self, kind: PolicyKind) {
+        let policy = kind.as_str();
+        let counter = &self.usual.decisions[kind as usize];
+        counter.get_or_init(|| self.decisions.get_or_create(&PolicyLabel { policy }).clone()).inc();
     }
 
     /// Counts a response sent with status `code`.
@@ -426,6 +420,7 @@ mod tests {
     use prometheus_client::registry::Registry;
 
     use super::ProxyMetrics;
+    use crate::policy::PolicyKind;
 
     #[test]
     fn usual_and_other_labels_are_counted_in_their_own_series() {
@@ -433,11 +428,11 @@ mod tests {
         let metrics = ProxyMetrics::register(&mut registry);
         let clone = metrics.clone();
         for _ in 0..3 {
-            metrics.count_decision("cache-aware");
+            metrics.count_decision(PolicyKind::CacheAware);
             clone.count_response(200);
         }
-        clone.count_decision("cache-aware");
-        metrics.count_decision("random");
+        clone.count_decision(PolicyKind::CacheAware);
+        metrics.count_decision(PolicyKind::Random);
         metrics.count_response(404);
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();

@@ -222,7 +222,7 @@ pub async fn on_hangup(
                 continue;
             }
         };
-        if let Err(errors) = config.validate() {
+        if let Err(errors) = config.validate_for_reload() {
             tracing::error!(errors = %errors.join("; "), "reload: the configuration is invalid; nothing changed");
             continue;
         }

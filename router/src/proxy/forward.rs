@@ -361,7 +361,7 @@ pub(super) fn gone_since<'a>(
 fn retry_on(decider: &Decider, plan: &Plan, member: &crate::fleet::Member) -> Retry {
     if gone_since(&decider.fleet, member, plan.order().map(|s| &s.member)) {
         Retry::Not
-    } else if !member.upstream.has_room(decider.max_in_flight_per_replica()) {
+    } else if !member.upstream.has_room(plan.routing.max_in_flight_per_replica) {
         Retry::Saturated
     } else {
         Retry::Takes

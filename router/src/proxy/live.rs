@@ -3,8 +3,8 @@
 //! replaced whole: a request holds the version it read while a reload puts in the next.
 //!
 //! These are the settings operators retune in place: the policy and its weights, the
-//! per-replica concurrency, the per-request bounds and the API keys (a key rotated in a
-//! mounted secret). The others (listeners, tokenization, timeouts, the index's bounds) shape
+//! per-replica concurrency, the per-request bounds and the API keys (those of the `--config`
+//! file: flags and the environment are the process's, fixed at its start). The others (listeners, tokenization, timeouts, the index's bounds) shape
 //! state built at start, and take effect at the next one.
 
 use std::sync::{Arc, PoisonError, RwLock};
@@ -13,10 +13,11 @@ use super::route::RequestLimits;
 use crate::config::Config;
 use crate::policy::{self, CacheAwareParams, Policy, PolicyKind};
 
-/// The settings of [`Routing`]'s policy, by their names in a configuration file: changing
-/// one makes the policy anew (its turn, or its random stream, starts over).
+/// The settings of [`Routing`]'s policy, by their names in a configuration file.
 const POLICY_SETTINGS: [&str; 6] =
     ["balance-weight", "load-weight", "miss-weight", "offload-weight", "policy", "seed"];
+/// Those of them the cache-aware cost weighs with.
+const WEIGHTS: [&str; 4] = ["balance-weight", "load-weight", "miss-weight", "offload-weight"];
 /// [`Routing`]'s other settings.
 const ROUTING_SETTINGS: [&str; 2] = ["max-in-flight-per-replica", "no-rank-routing"];
 /// [`Admission`]'s settings.
@@ -103,15 +104,25 @@ impl Routing {
     }
 
     /// The routing of `config`, reloaded over this one with the settings `changed`; `None`
-    /// if none of them is the routing's. The policy is this one's unless one of its settings
-    /// changed; the seed is this one's unless `config` gives one.
+    /// if none of them is the routing's. The seed is this one's unless `config` gives one.
+    /// The policy is made anew (its turn, or its random stream, starts over) only when it is
+    /// another, or what it works with changed: the cache-aware cost's weights, the random
+    /// policies' seed; else this one goes on.
     pub fn reloaded(&self, config: &Config, changed: &[String]) -> Option<Self> {
-        let seed = config.seed.unwrap_or(self.seed);
-        match (any_of(changed, &POLICY_SETTINGS), any_of(changed, &ROUTING_SETTINGS)) {
-            (true, _) => Some(Self::new(config, seed)),
-            (false, true) => Some(Self::with_policy(config, Arc::clone(&self.policy), seed)),
-            (false, false) => None,
+        if !any_of(changed, &POLICY_SETTINGS) && !any_of(changed, &ROUTING_SETTINGS) {
+            return None;
         }
+        let seed = config.seed.unwrap_or(self.seed);
+        let anew = match config.policy {
+            kind if kind != self.policy.kind() => true,
+            PolicyKind::CacheAware => any_of(changed, &WEIGHTS),
+            PolicyKind::Random | PolicyKind::PowerOfTwo => seed != self.seed,
+            PolicyKind::RoundRobin | PolicyKind::LeastLoaded => false,
+        };
+        Some(match anew {
+            true => Self::new(config, seed),
+            false => Self::with_policy(config, Arc::clone(&self.policy), seed),
+        })
     }
 }
 
@@ -187,8 +198,22 @@ mod tests {
         assert_eq!((kept.max_in_flight_per_replica, kept.seed), (3, 7));
         let weighed = Config { miss_weight: 2.0, seed: None, ..config.clone() };
         let anew = running.reloaded(&weighed, &changed(&["miss-weight", "seed"])).unwrap();
-        assert!(!Arc::ptr_eq(&anew.policy, &running.policy));
+        assert!(!Arc::ptr_eq(&anew.policy, &running.policy), "the cost weighs otherwise");
         assert_eq!(anew.seed, 7, "a seed no longer given stays the one drawn");
+        let unseeded = Config { seed: None, ..config.clone() };
+        let same = running.reloaded(&unseeded, &changed(&["seed"])).unwrap();
+        assert!(Arc::ptr_eq(&same.policy, &running.policy), "the same seed: the same policy");
+        // The cache-aware weights are nothing to round-robin, and a seed nothing to it either;
+        // a seed is the random policy's stream.
+        let turns = Routing::new(&Config { policy: PolicyKind::RoundRobin, ..config.clone() }, 7);
+        let reweighed =
+            Config { policy: PolicyKind::RoundRobin, miss_weight: 2.0, seed: Some(8), ..config.clone() };
+        let kept = turns.reloaded(&reweighed, &changed(&["miss-weight", "seed"])).unwrap();
+        assert!(Arc::ptr_eq(&kept.policy, &turns.policy), "round-robin keeps its turn");
+        let random = Routing::new(&Config { policy: PolicyKind::Random, ..config.clone() }, 7);
+        let reseeded = Config { policy: PolicyKind::Random, seed: Some(8), ..config.clone() };
+        let drawn = random.reloaded(&reseeded, &changed(&["seed"])).unwrap();
+        assert!(!Arc::ptr_eq(&drawn.policy, &random.policy), "a new seed, a new stream");
         let round_robin = Config { policy: PolicyKind::RoundRobin, ..config.clone() };
         let switched = running.reloaded(&round_robin, &changed(&["policy"])).unwrap();
         assert_eq!((switched.policy.kind(), switched.ranks_by.is_some()), (PolicyKind::RoundRobin, false));

@@ -152,10 +152,11 @@ fn probe(state: &ProxyState, path: &str) -> Response<ProxyBody> {
     response
 }
 
-/// Serves `GET /health` and `GET /ready` on `listener` until `shutdown` fires: a listener of
-/// its own, outside the proxy's connection limit, so that liveness probes are answered while
-/// the proxy is full (a probe that waits behind the limit would have the router restarted
-/// under load, dropping every connection and the index with it).
+/// Serves `GET /health`, `GET /ready` and `GET /metrics` on `listener` until `shutdown` fires:
+/// a listener of its own, outside the proxy's connection limit, so that liveness probes are
+/// answered while the proxy is full (a probe that waits behind the limit would have the router
+/// restarted under load, dropping every connection and the index with it), and plain HTTP
+/// when the proxy serves TLS (the kubelet's probes and Prometheus' scrapes).
 pub async fn serve_probes(listener: TcpListener, state: Arc<ProxyState>, shutdown: CancellationToken) {
     // Probes only: a few connections at a time, none held long.
     let limits =
@@ -163,9 +164,11 @@ pub async fn serve_probes(listener: TcpListener, state: Arc<ProxyState>, shutdow
     let handler = move |req: Request<Incoming>| {
         let state = state.clone();
         async move {
-            match *req.method() {
-                Method::GET => probe(&state, req.uri().path()),
-                Method::HEAD => headers_only(probe(&state, req.uri().path())),
+            match (req.method(), req.uri().path()) {
+                (&Method::GET, "/metrics") => metrics(&state),
+                (&Method::HEAD, "/metrics") => headers_only(metrics(&state)),
+                (&Method::GET, path) => probe(&state, path),
+                (&Method::HEAD, path) => headers_only(probe(&state, path)),
                 _ => {
                     let mut response = Response::new(full(Bytes::new()));
                     *response.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
@@ -374,9 +377,10 @@ async fn routed(
     arrived: (&str, Option<tokio::time::Instant>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     check_length(state, req.headers())?;
-    let limits = state.admission.get().limits;
     let line = queue::Line::default();
     let admitted = admit(state, arrived, &line).await?;
+    // As they are once it is admitted (it may have waited through a reload).
+    let limits = state.admission.get().limits;
     let (parts, body) = req.into_parts();
     let body = read_body(body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
     let (waiters, metrics) = (state.fleet().waiters(), &state.decider.metrics);

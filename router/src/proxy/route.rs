@@ -171,6 +171,9 @@ impl Prepared {
 /// The outcome of a decision.
 #[derive(Debug)]
 pub struct Plan {
+    /// The routing it was decided by (a reload meanwhile changes the next decisions only):
+    /// its retries take the same lock and limit.
+    pub routing: Arc<Routing>,
     /// Candidates to try, best first (the chosen one, the other eligible ones by cost, then
     /// those at `--max-in-flight-per-replica`, whose room a retry may wait for, by cached
     /// prefix): indices into `candidates` ([`Plan::order`]).
@@ -313,10 +316,11 @@ impl Decider {
     pub fn decide_prepared(&self, prepared: &Prepared, limits: &RequestLimits) -> Result<Plan, ProxyError> {
         let members = prepared.first_members();
         let started = if members.is_some() { prepared.started } else { Instant::now() };
-        let decided = self.decide_locked(prepared, members, limits);
+        let routing = self.routing.get();
+        let decided = self.decide_locked(&routing, prepared, members, limits);
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         let plan = decided?;
-        self.metrics.count_decision(self.routing.get().policy.kind().as_str());
+        self.metrics.count_decision(routing.policy.kind());
         if plan.unhashed_tokens.is_some() {
             self.metrics.partial_prompts.inc();
         }
@@ -330,14 +334,15 @@ impl Decider {
     /// [`MAX_RACES`] times more than there are replicas; then the request waits for room).
     fn decide_locked(
         &self,
+        routing: &Arc<Routing>,
         prepared: &Prepared,
         mut members: Option<Vec<Member>>,
         limits: &RequestLimits,
     ) -> Result<Plan, ProxyError> {
-        let _one = self.deciding(&prepared.all_blocks);
+        let _one = self.deciding(routing, &prepared.all_blocks);
         let mut raced = 0;
         loop {
-            let mut plan = self.plan_prepared(prepared, members.take(), true);
+            let mut plan = self.plan_prepared(routing, prepared, members.take(), true);
             limits.check(&plan, prepared.asked)?;
             if plan.chosen().is_none() {
                 return Err(unavailable(&plan));
@@ -376,8 +381,8 @@ impl Decider {
 
     /// The [`Decider::deciding`] lock of a request with `blocks`, where credits steer the
     /// choice (cache-aware) and there are blocks to credit.
-    fn deciding(&self, blocks: &[BlockHash]) -> Option<std::sync::MutexGuard<'_, ()>> {
-        let credits_steer = self.routing.get().policy.kind() == policy::PolicyKind::CacheAware;
+    fn deciding(&self, routing: &Routing, blocks: &[BlockHash]) -> Option<std::sync::MutexGuard<'_, ()>> {
+        let credits_steer = routing.policy.kind() == policy::PolicyKind::CacheAware;
         blocks.first().filter(|_| credits_steer).map(|first| self.deciding.lock(first))
     }
 
@@ -387,7 +392,8 @@ impl Decider {
     /// load counted ([`Decider::begin`]). `None`, its credit there withdrawn: another request
     /// took the replica's last room since it was picked.
     pub fn retry(&self, plan: &mut Plan, at: usize) -> Option<LoadGuard> {
-        let _one = self.deciding(&plan.all_blocks);
+        let routing = Arc::clone(&plan.routing);
+        let _one = self.deciding(&routing, &plan.all_blocks);
         self.rescore(plan, at);
         self.credit(plan, at);
         let load = self.begin(plan, at);
@@ -406,7 +412,7 @@ impl Decider {
         let scored = plan.order().nth(at)?;
         let (member, rank) = (&scored.member, scored.rank.map(|rank| (rank, scored.rank_blocks)));
         let (sequences, prompt_tokens) = (plan.sequences, plan.prompt_tokens);
-        let max = self.max_in_flight_per_replica();
+        let max = plan.routing.max_in_flight_per_replica;
         let mut load = member.upstream.try_begin(max, sequences, plan.prefill_tokens(at), prompt_tokens)?;
         if let Some(((rank, held), ranks)) = rank.zip(member.replica.ranks.get()) {
             // The rank holds the request's pending prefill from here, before anything can
@@ -436,7 +442,9 @@ impl Decider {
         let member = vec![scored.member.clone()];
         let (blocks, all_blocks) = (Arc::clone(&plan.blocks), Arc::clone(&plan.all_blocks));
         let tokens = (plan.first_prompt_tokens, None);
-        let fresh = self.score(member, blocks, all_blocks, &plan.request, tokens, false).candidates.pop();
+        let routing = Arc::clone(&plan.routing);
+        let fresh =
+            self.score((&routing, false), member, blocks, all_blocks, &plan.request, tokens).candidates.pop();
         if let Some(fresh) = fresh {
             let (cost, ineligible, eligible) = (scored.cost, scored.ineligible, scored.view.eligible);
             // A FALLBACK replica's overlap is the fleet's common one, which a score of it alone
@@ -469,7 +477,7 @@ impl Decider {
     /// The decision for a request; `send` when it will be sent (the policy moves on).
     async fn plan(&self, endpoint: Endpoint, body: &[u8], send: bool) -> Result<Plan, ProxyError> {
         let prepared = self.read(endpoint, body, Instant::now()).await?;
-        Ok(self.plan_prepared(&prepared, prepared.first_members(), send))
+        Ok(self.plan_prepared(&self.routing.get(), &prepared, prepared.first_members(), send))
     }
 
     /// The request to `endpoint` in `body` read, tokenized and hashed; `started` when its
@@ -565,7 +573,13 @@ impl Decider {
     /// The decision for a prepared request, on the fleet, index, credits and load as they are
     /// now (`first`: the fleet it read, for its first decision); `send` when it will be sent
     /// (the policy moves on).
-    fn plan_prepared(&self, prepared: &Prepared, first: Option<Vec<Member>>, send: bool) -> Plan {
+    fn plan_prepared(
+        &self,
+        routing: &Arc<Routing>,
+        prepared: &Prepared,
+        first: Option<Vec<Member>>,
+        send: bool,
+    ) -> Plan {
         // A replica that left since the members were read (while the prompt was tokenized,
         // remotely or on the blocking pool, or the request waited for room) is not chosen,
         // nor credited; one that joined is a candidate.
@@ -577,7 +591,7 @@ impl Decider {
         let adapter = self.adapter(&prepared.model);
         let (blocks, all_blocks) = (Arc::clone(&prepared.blocks), Arc::clone(&prepared.all_blocks));
         let tokens = (prepared.first_prompt_tokens, adapter);
-        let mut plan = self.score(members, blocks, all_blocks, &prepared.view, tokens, send);
+        let mut plan = self.score((routing, send), members, blocks, all_blocks, &prepared.view, tokens);
         plan.max_tokens = prepared.max_tokens;
         plan.unhashed_tokens = prepared.unhashed_tokens;
         plan.streams = prepared.streams;
@@ -616,16 +630,16 @@ impl Decider {
             .collect()
     }
 
-    /// Scores every member for a request with the given blocks; only a request to be sent
-    /// (`send`) moves the policy on.
+    /// Scores every member for a request with the given blocks by `routing`; only a request
+    /// to be sent (`send`) moves its policy on.
     fn score(
         &self,
+        (routing, send): (&Arc<Routing>, bool),
         members: Vec<Member>,
         blocks: Arc<[BlockHash]>,
         all_blocks: Arc<[BlockHash]>,
         request: &RequestView,
         (first_prompt_tokens, adapter): (usize, Option<Adapter<'_>>),
-        send: bool,
     ) -> Plan {
         let states: Vec<StreamState> = members.iter().map(|m| m.replica.status.state()).collect();
         let (overlaps, credited) = self.index.lookup_with_credits(&blocks, |overlaps, credits| {
@@ -648,8 +662,7 @@ impl Decider {
             }
         };
         let now = tokio::time::Instant::now();
-        let routing = self.routing.get();
-        let rank_views = Self::rank_views(&routing, &members, &blocks, now);
+        let rank_views = Self::rank_views(routing, &members, &blocks, now);
         let verdicts =
             verdicts_for(members.iter().map(|m| &*m.upstream), routing.max_in_flight_per_replica, adapter);
         let mut candidates: Vec<Scored> = members
@@ -748,6 +761,7 @@ impl Decider {
             order[eligible..].sort_by_key(|&i| (overlap(i), tie(i)));
         }
         Plan {
+            routing: Arc::clone(routing),
             order,
             candidates,
             prompt_tokens: request.prompt_tokens as u64,

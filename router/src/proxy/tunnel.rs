@@ -208,6 +208,8 @@ impl Session {
         let idle = self.idle;
         let spliced = async {
             client.write_all(&early).await?;
+            // Out now: over TLS a write may sit in the session's buffer until a flush.
+            client.flush().await?;
             splice(&mut client, replica, idle).await
         };
         let end = tokio::select! {

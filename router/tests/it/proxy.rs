@@ -691,6 +691,7 @@ async fn an_http2_head_gets_no_body() {
         (proxy, "/v1/completions", 405),
         (probes, "/health", 200),
         (probes, "/ready", 503),
+        (probes, "/metrics", 200),
     ] {
         let io = hyper_util::rt::TokioIo::new(tokio::net::TcpStream::connect(addr).await.unwrap());
         let (mut h2, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())

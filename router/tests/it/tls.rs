@@ -86,8 +86,9 @@ fn directory(name: &str) -> PathBuf {
 }
 
 /// The proxy serves HTTPS, HTTP/1.1 and HTTP/2 as the client's ALPN asks, routed as ever; a
-/// plain request on its port gets no HTTP answer. After a reload, new connections get the
-/// certificate rotated into the same files, and the old one is no longer served.
+/// plain request on its port gets no HTTP answer, and the health port serves the metrics in
+/// plain HTTP. After a reload, new connections get the certificate rotated into the same
+/// files, and the old one is no longer served.
 #[tokio::test]
 async fn the_proxy_serves_https_and_a_certificate_rotated_in_place() {
     let dir = directory("tls-proxy");
@@ -95,8 +96,12 @@ async fn the_proxy_serves_https_and_a_certificate_rotated_in_place() {
     let first = new_certificate(&cert, &key);
     let shutdown = tokio_util::sync::CancellationToken::new();
     let agents = Fleet::start_agents(2, agent_config, &shutdown).await;
-    let config =
-        RouterConfig { tls_cert: Some(cert.clone()), tls_key: Some(key.clone()), ..router_config(&agents) };
+    let config = RouterConfig {
+        tls_cert: Some(cert.clone()),
+        tls_key: Some(key.clone()),
+        health_listen: Some("127.0.0.1:0".parse().unwrap()),
+        ..router_config(&agents)
+    };
     let mut reloader = Reloader::new(&config);
     let fleet = Fleet::around(agents, config.clone(), shutdown).await;
     let addr = fleet.router.addr;
@@ -113,6 +118,10 @@ async fn the_proxy_serves_https_and_a_certificate_rotated_in_place() {
     let read = tokio::time::timeout(crate::support::WAIT, plain.read_to_end(&mut answer)).await;
     assert!(read.is_ok(), "a plain request's connection is closed");
     assert!(!answer.starts_with(b"HTTP/"), "{}", String::from_utf8_lossy(&answer));
+    let probes = fleet.router.health_addr.unwrap();
+    let scraped = fleet.http.get(&format!("http://{probes}/metrics")).await;
+    assert_eq!(scraped.status, 200);
+    assert!(String::from_utf8_lossy(&scraped.body).contains("kvroute_router_decisions_total"));
 
     let second = new_certificate(&cert, &key);
     let reloaded = reloader.apply(&fleet.router.state, &config).await;
@@ -120,6 +129,16 @@ async fn the_proxy_serves_https_and_a_certificate_rotated_in_place() {
     let refused = complete(addr, &first, b"http/1.1").await.expect_err("the old certificate is gone");
     assert!(refused.to_lowercase().contains("certificate"), "{refused}");
     assert_eq!(complete(addr, &second, b"h2").await.unwrap().1, 200);
+
+    // A certificate caught half-written: the one in use stays, and the rest of the reload
+    // applies all the same.
+    std::fs::write(&cert, "-----BEGIN CERTIFICATE-----\n").unwrap();
+    let round_robin = RouterConfig { policy: kvroute_router::policy::PolicyKind::RoundRobin, ..config };
+    assert_eq!(round_robin.validate_for_reload(), Ok(()));
+    let reloaded = reloader.apply(&fleet.router.state, &round_robin).await;
+    assert!(reloaded.tls.as_ref().is_some_and(Result::is_err), "{reloaded:?}");
+    assert_eq!(reloaded.applied, ["policy"]);
+    assert_eq!(complete(addr, &second, b"http/1.1").await.unwrap().1, 200);
     let _ = std::fs::remove_dir_all(dir);
 }
 
