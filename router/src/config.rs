@@ -82,10 +82,11 @@ pub struct Config {
     #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "comma_separated")]
     pub api_key: Vec<Secret>,
     /// PEM certificate chain (the router's own first) the proxy's listener serves TLS with:
-    /// HTTPS, HTTP/2 or HTTP/1.1 by ALPN. With `--tls-key`. Both files are read again at each
-    /// `SIGHUP`, so a certificate rotated in place (cert-manager, a mounted Secret) is served to
-    /// the connections opened from then on. The health listener and the admin service stay
-    /// plain (the admin's on loopback, or behind its token).
+    /// HTTPS, HTTP/2 or HTTP/1.1 by ALPN. With `--tls-key`. Both files are read again when
+    /// they change (`--tls-check-ms`) and at each `SIGHUP`, so a certificate rotated in place
+    /// (cert-manager, a mounted Secret) is served to the connections opened from then on. The
+    /// health listener and the admin service stay plain (the admin's on loopback, or behind
+    /// its token).
     #[arg(long, env = "KVROUTE_TLS_CERT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_cert: Option<PathBuf>,
@@ -93,6 +94,11 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_TLS_KEY")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_key: Option<PathBuf>,
+    /// How often the `--tls-cert` and `--tls-key` files are checked for a change (a
+    /// certificate renewed in place, a Secret updated in its volume), milliseconds; a change
+    /// is served to new connections. 0: only at a `SIGHUP`.
+    #[arg(long, env = "KVROUTE_TLS_CHECK_MS", default_value_t = 10_000)]
+    pub tls_check_ms: u64,
     /// Bearer token the admin service requires; mandatory when it listens beyond loopback.
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
     #[serde(skip_serializing_if = "Option::is_none")]

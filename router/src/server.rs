@@ -285,6 +285,9 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         unhealthy_after: config.unhealthy_after,
     };
     tracker.spawn(proxy::health::run(state.clone(), client, checks, shutdown.clone()));
+    if let Some(tls) = state.tls.clone().filter(|_| config.tls_check_ms > 0) {
+        tracker.spawn(tls.watch(Duration::from_millis(config.tls_check_ms), shutdown.clone()));
+    }
     // An empty token is no token (allowed on loopback only, see `Config::validate`).
     let admin_token = config.admin_token.as_ref().map(|t| t.expose().to_owned()).filter(|t| !t.is_empty());
     let admin_auth = admin_token.is_some();

@@ -168,3 +168,29 @@ async fn a_request_over_tls_is_forwarded_as_https() {
     shutdown.cancel();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A certificate renewed in its files (cert-manager updating a mounted Secret) is served to
+/// new connections without a reload: the router checks the files every `--tls-check-ms`.
+#[tokio::test]
+async fn a_certificate_renewed_on_disk_is_served_without_a_reload() {
+    let dir = directory("tls-watch");
+    let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+    let first = new_certificate(&cert, &key);
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let agents = Fleet::start_agents(1, agent_config, &shutdown).await;
+    let config = RouterConfig {
+        tls_cert: Some(cert.clone()),
+        tls_key: Some(key.clone()),
+        tls_check_ms: 20,
+        ..router_config(&agents)
+    };
+    let fleet = Fleet::around(agents, config, shutdown).await;
+    let addr = fleet.router.addr;
+    assert_eq!(complete(addr, &first, b"h2").await.unwrap().1, 200);
+    let renewed = new_certificate(&cert, &key);
+    let served =
+        async || complete(addr, &renewed, b"http/1.1").await.is_ok_and(|(_, status, _)| status == 200);
+    crate::support::wait_until_async("the renewed certificate is served", served).await;
+    assert!(complete(addr, &first, b"h2").await.is_err(), "the old one is not");
+    let _ = std::fs::remove_dir_all(dir);
+}
