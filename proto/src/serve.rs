@@ -1009,14 +1009,9 @@ mod tests {
     #[tokio::test]
     async fn an_unfinished_tls_handshake_gives_its_slot_back() {
         use tokio_rustls::rustls::{ClientConfig, RootCertStore, crypto::ring, pki_types::ServerName};
-        let dir = std::env::temp_dir().join(format!("kvroute-serve-tls-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let made = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-        let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
-        std::fs::write(&cert, made.cert.pem()).unwrap();
-        std::fs::write(&key, made.signing_key.serialize_pem()).unwrap();
+        let (cert, key, made) = tls::test_files("serve");
         let tls = Tls::from_files(&cert, &key).unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(cert.parent().unwrap());
         let mut roots = RootCertStore::empty();
         roots.add(made.cert.der().clone()).unwrap();
         let client = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))

@@ -104,6 +104,13 @@
 #   CPU a request), floor 0.78x (15.4 µs), kvroute cache-aware 0.58x (22.6 µs, rounds
 #   0.53-0.59), round-robin 0.56x (23.1 µs); added latency p50 nginx +19 µs, floor +21,
 #   kvroute +30/+33.
+#   2026-11-29, the forty-third session (live reload, TLS on the listener, plaintext here), a
+#   slow spell (nginx 31.7 k requests/s at 32.6 µs of CPU a request): floor 0.70x (48.3 µs),
+#   kvroute cache-aware 0.57x (72.0 µs, rounds 0.50-0.67), round-robin 0.51x (79.1 µs); added
+#   latency p50 nginx +57 µs, floor +49, kvroute +56/+62. Instructions a proxied request under
+#   callgrind (one keep-alive connection, 3000 requests): cache-aware 64.7 k at the session's
+#   start, 66.1 k at its end, the floor 37.3 k and 38.7 k (same-build runs differ by up to
+#   0.8 k, in how often the runtime parks between requests).
 # Where the difference is: kernel time is about the same for both (loopback sends and the
 # wake-ups they cause, ~12-13 µs); user time is ~3 µs for nginx and ~9 µs for kvroute. An
 # early bare forwarder on the same accept loop (hyper server, hyper-util client, no decision,

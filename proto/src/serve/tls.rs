@@ -209,20 +209,24 @@ fn acceptor((cert, cert_pem): (&Path, &[u8]), (key, key_pem): (&Path, &[u8])) ->
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
+/// A certificate and its key for `localhost`, written to `cert.pem` and `key.pem` in a
+/// directory of their own, `name`'s (tests).
+#[cfg(test)]
+pub(super) fn test_files(name: &str) -> (PathBuf, PathBuf, rcgen::CertifiedKey<rcgen::KeyPair>) {
+    let dir = std::env::temp_dir().join(format!("kvroute-tls-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let made = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    std::fs::write(&cert, made.cert.pem()).unwrap();
+    std::fs::write(&key, made.signing_key.serialize_pem()).unwrap();
+    (cert, key, made)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A certificate and its key for `localhost`, written to files in a directory of their own.
-    fn files(name: &str) -> (std::path::PathBuf, std::path::PathBuf, rcgen::CertifiedKey<rcgen::KeyPair>) {
-        let dir = std::env::temp_dir().join(format!("kvroute-tls-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let made = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-        let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
-        std::fs::write(&cert, made.cert.pem()).unwrap();
-        std::fs::write(&key, made.signing_key.serialize_pem()).unwrap();
-        (cert, key, made)
-    }
+    use super::test_files as files;
 
     /// A change on disk is loaded once; one that cannot be loaded keeps the certificate in use
     /// and is not tried again until the files change again (a certificate written before its
