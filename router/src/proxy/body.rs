@@ -461,6 +461,10 @@ pub struct UsageScanner {
 
 /// What every key looked for ends with; [`CACHED`] and [`COUNTED`] are what comes before it.
 const STEM: &[u8] = b"tokens\"";
+/// A searcher for [`STEM`], built once: `memmem::find` builds one a call, which was most of
+/// the scan's cost on a small response (a few searches each).
+static STEM_FINDER: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(STEM));
 const CACHED: [&[u8]; 2] = [b"\"cached_", b"\"cache_read_input_"];
 const COUNTED: [&[u8]; 2] = [b"\"prompt_", b"\"input_"];
 /// Longest carry needed: the longest key, a colon, whitespace and a 20-digit number.
@@ -476,7 +480,7 @@ impl UsageScanner {
             &joined
         };
         let mut pos = 0;
-        while let Some(off) = memchr::memmem::find(&hay[pos..], STEM) {
+        while let Some(off) = STEM_FINDER.find(&hay[pos..]) {
             let (before, after) = (&hay[..pos + off], pos + off + STEM.len());
             pos = after;
             if CACHED.iter().any(|key| before.ends_with(key)) {
