@@ -345,13 +345,19 @@ fn shared_port(listener: &std::net::TcpListener, n: usize) -> std::io::Result<Ve
 /// With this tick pending they never do.
 ///
 /// Each tick also calls `beat`: a thread whose ticks stop is stuck ([`Heartbeats`]).
-async fn keep_timer_deadline_near(stop: CancellationToken, beat: impl Fn()) {
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
+async fn keep_timer_deadline_near(stop: CancellationToken, beat: impl FnMut()) {
+    every(Duration::from_millis(500), stop, beat).await;
+}
+
+/// Calls `f` every `period`, the first time a period from now, until `stop` fires. A call
+/// late (a busy thread) puts the next ones a period after it, rather than running them at once.
+pub async fn every(period: Duration, stop: CancellationToken, mut f: impl FnMut()) {
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => beat(),
+            () = stop.cancelled() => return,
+            _ = tick.tick() => f(),
         }
     }
 }

@@ -19,6 +19,7 @@ use crate::discovery::DiscoveryConfig;
 use kvroute_proto::serve::{Limits, MIN_HEADER_BYTES, Tls};
 
 use crate::policy::{CacheAwareParams, PolicyKind};
+use crate::proxy::key_file::KeyFile;
 use crate::proxy::route::RequestLimits;
 use crate::replicas::{EngineKind, ReplicaSpec, base_url};
 
@@ -81,6 +82,17 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true, value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "comma_separated")]
     pub api_key: Vec<Secret>,
+    /// A file of keys as `--api-key`'s (separated by commas, blanks or lines; `#` starts a
+    /// comment line), which pass with them: read again at each `SIGHUP` and whenever it changes
+    /// (`--api-key-check-ms`), so keys rotate without a restart (a Kubernetes Secret mounted as a
+    /// volume). A file that cannot be read or holds no key stops the start; later, it keeps the
+    /// keys in use (an emptied file never opens the API).
+    #[arg(long, env = "KVROUTE_API_KEY_FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_key_file: Option<PathBuf>,
+    /// How often `--api-key-file` is checked for a change, milliseconds. 0: only at a `SIGHUP`.
+    #[arg(long, env = "KVROUTE_API_KEY_CHECK_MS", default_value_t = 10_000)]
+    pub api_key_check_ms: u64,
     /// PEM certificate chain (the router's own first) the proxy's listener serves TLS with:
     /// HTTPS, HTTP/2 or HTTP/1.1 by ALPN. With `--tls-key`. Both files are read again when
     /// they change (`--tls-check-ms`) and at each `SIGHUP`, so a certificate rotated in place
@@ -380,15 +392,17 @@ impl Config {
         self.problems(true)
     }
 
-    /// [`Config::validate`] of a configuration reloaded ([`crate::reload`]): the TLS files are
-    /// not read, only named together; a reload reads them apart, and one it cannot read
-    /// leaves the certificate in use without holding back the rest.
+    /// [`Config::validate`] of a configuration reloaded ([`crate::reload`]): the TLS files and
+    /// `--api-key-file` are not read (the TLS files only named together); a reload reads them
+    /// apart, and one it cannot read leaves the certificate or keys in use without holding back
+    /// the rest.
     pub fn validate_for_reload(&self) -> Result<(), Vec<String>> {
         self.problems(false)
     }
 
-    /// Every problem of the configuration, with the TLS files read when `tls_files`.
-    fn problems(&self, tls_files: bool) -> Result<(), Vec<String>> {
+    /// Every problem of the configuration, with the TLS files and the key file read when
+    /// `read_files`.
+    fn problems(&self, read_files: bool) -> Result<(), Vec<String>> {
         let mut errors = Vec::new();
         let mut check = |ok: bool, msg: String| {
             if !ok {
@@ -487,12 +501,17 @@ impl Config {
             }
         }
         match (&self.tls_cert, &self.tls_key) {
-            (Some(_), Some(_)) if !tls_files => {}
+            (Some(_), Some(_)) if !read_files => {}
             _ => {
                 if let Err(problem) = self.tls() {
                     check(false, problem);
                 }
             }
+        }
+        if let (true, Some(path)) = (read_files, &self.api_key_file)
+            && let Err(problem) = KeyFile::open(Some(path))
+        {
+            check(false, format!("--api-key-file {problem}"));
         }
         for problem in self.discovery.validate().err().unwrap_or_default() {
             check(false, problem);
@@ -1157,6 +1176,29 @@ mod tests {
         ] {
             let errors = config.validate().unwrap_err();
             assert!(errors.len() == 1 && errors[0].contains(says), "{errors:?}");
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A key file that cannot be read or holds no key stops the start, with the other
+    /// errors; a reload reads it apart.
+    #[test]
+    fn the_key_file_is_checked_up_front() {
+        let dir = std::env::temp_dir().join(format!("kvroute-config-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (keys, empty, missing) = (dir.join("keys"), dir.join("empty"), dir.join("missing"));
+        std::fs::write(&keys, "sk-a\nsk-b\n").unwrap();
+        std::fs::write(&empty, "\n# none yet\n").unwrap();
+        let with =
+            |path: &PathBuf| Config { api_key_file: Some(path.clone()), ..Config::loopback(Vec::new()) };
+        assert_eq!(with(&keys).validate(), Ok(()));
+        for (path, says) in [(&empty, "empty: holds no key"), (&missing, "missing: ")] {
+            let errors = with(path).validate().unwrap_err();
+            assert!(
+                errors.len() == 1 && errors[0].starts_with("--api-key-file ") && errors[0].contains(says),
+                "{errors:?}"
+            );
+            assert_eq!(with(path).validate_for_reload(), Ok(()), "a reload reads the file apart");
         }
         let _ = std::fs::remove_dir_all(dir);
     }

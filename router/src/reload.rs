@@ -23,6 +23,8 @@
 //!   are read again, from the paths the configuration names now: a certificate rotated in
 //!   place is served to the connections opened from then on. (TLS itself is turned on or off
 //!   at a start.)
+//! - `--api-key-file` is read again, from the path the configuration names now (none: its
+//!   keys are dropped); one that cannot be loaded keeps the keys in use ([`crate::proxy::key_file`]).
 //! - Other settings take effect at the next start: a reload names those that changed. The
 //!   replicas keep the running router's model and block size.
 
@@ -57,6 +59,21 @@ pub struct Reloaded {
     /// Whether the proxy listener's certificate and key were read again, or why not; `None`
     /// when it serves no TLS, or the configuration names none now.
     pub tls: Option<Result<(), String>>,
+    /// How many keys `--api-key-file` holds now, or why the keys in use stay; `None` when the
+    /// configuration names no key file.
+    pub api_key_file: Option<Result<usize, String>>,
+}
+
+impl Reloaded {
+    /// `settings`, among those not applied, moved to the applied.
+    fn now_applied(&mut self, settings: &[&str]) {
+        let (now, others) = std::mem::take(&mut self.not_applied)
+            .into_iter()
+            .partition(|setting| settings.contains(&setting.as_str()));
+        self.not_applied = others;
+        self.applied.extend::<Vec<String>>(now);
+        self.applied.sort_unstable();
+    }
 }
 
 impl Reloader {
@@ -75,6 +92,7 @@ impl Reloader {
         let mut reloaded = Reloaded { applied, not_applied, ..Reloaded::default() };
         self.apply_live(state, config, &reloaded.applied);
         self.reload_tls(state, config, &mut reloaded);
+        self.reload_key_file(state, config, &mut reloaded);
         let desired = specs(&self.running, config);
         let gone: Vec<String> =
             self.applied.keys().filter(|name| !desired.contains_key(*name)).cloned().collect();
@@ -117,7 +135,7 @@ impl Reloader {
             }
         }
         if let Some(admission) = Admission::reloaded(config, changed) {
-            state.admission.set(admission);
+            state.key_file.admit(&state.admission, admission);
         }
         live::carry(&mut self.running, config);
     }
@@ -130,16 +148,23 @@ impl Reloader {
         };
         let loaded = tls.load(cert, key);
         if loaded.is_ok() {
-            let (paths, others) = std::mem::take(&mut reloaded.not_applied)
-                .into_iter()
-                .partition(|setting| matches!(setting.as_str(), "tls-cert" | "tls-key"));
-            reloaded.not_applied = others;
-            reloaded.applied.extend::<Vec<String>>(paths);
-            reloaded.applied.sort_unstable();
+            reloaded.now_applied(&["tls-cert", "tls-key"]);
             self.running.tls_cert = config.tls_cert.clone();
             self.running.tls_key = config.tls_key.clone();
         }
         reloaded.tls = Some(loaded);
+    }
+
+    /// Reads the `--api-key-file` `config` names (if any) again: its keys in place of the last
+    /// one's, and from then on its path counts as applied.
+    fn reload_key_file(&mut self, state: &ProxyState, config: &Config, reloaded: &mut Reloaded) {
+        let path = config.api_key_file.as_deref();
+        let loaded = state.key_file.load(path, &state.admission);
+        if loaded.is_ok() {
+            reloaded.now_applied(&["api-key-file"]);
+            self.running.api_key_file = config.api_key_file.clone();
+        }
+        reloaded.api_key_file = path.map(|_| loaded);
     }
 
     /// Adds or replaces `spec`, and records what it did.
@@ -234,6 +259,13 @@ pub async fn on_hangup(
         match &reloaded.tls {
             Some(Ok(())) => tracing::info!("reload: the TLS certificate and key read again"),
             Some(Err(why)) => tracing::error!(error = %why, "reload: the TLS certificate in use stays"),
+            None => {}
+        }
+        match &reloaded.api_key_file {
+            Some(Ok(keys)) => tracing::info!(keys, "reload: --api-key-file read again"),
+            Some(Err(why)) => {
+                tracing::error!(error = %why, "reload: --api-key-file cannot be loaded; the keys in use stay")
+            }
             None => {}
         }
         if !reloaded.not_applied.is_empty() {

@@ -24,6 +24,7 @@ use crate::index::SharedIndex;
 use crate::ingest::Ingest;
 use crate::metrics::{ProxyMetrics, register_replica_load, register_tokenize_cache};
 use crate::proxy::forward::ForwardConfig;
+use crate::proxy::key_file::KeyFile;
 use crate::proxy::live::{Admission, Live, Routing};
 use crate::proxy::pool::Pool;
 use crate::proxy::prompts::{Client, Prompts, RemoteTokenizer};
@@ -225,6 +226,9 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     };
     // Resolved once: the heartbeats need one slot for each thread that will tick.
     let http_threads = config.http_threads();
+    let key_file = Arc::new(
+        KeyFile::open(config.api_key_file.as_deref()).map_err(|e| anyhow::anyhow!("--api-key-file {e}"))?,
+    );
     let state = Arc::new(ProxyState {
         decider,
         new_pool: {
@@ -245,7 +249,8 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
             ending: ending(shutdown, config.drain_timeout(), tracker),
         },
         registry: Arc::new(registry),
-        admission: Live::new(Admission::new(&config)),
+        admission: Live::new(key_file.with_keys(&Admission::new(&config))),
+        key_file,
         in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
         queue: proxy::queue::Queue::new(config.max_queued, config.queue_timeout()),
         base_model: config.model.clone(),
@@ -287,6 +292,11 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     tracker.spawn(proxy::health::run(state.clone(), client, checks, shutdown.clone()));
     if let Some(tls) = state.tls.clone().filter(|_| config.tls_check_ms > 0) {
         tracker.spawn(tls.watch(Duration::from_millis(config.tls_check_ms), shutdown.clone()));
+    }
+    // Watched even without a file now: a reload may name one.
+    if config.api_key_check_ms > 0 {
+        let every = Duration::from_millis(config.api_key_check_ms);
+        tracker.spawn(state.key_file.clone().watch(state.admission.clone(), every, shutdown.clone()));
     }
     // An empty token is no token (allowed on loopback only, see `Config::validate`).
     let admin_token = config.admin_token.as_ref().map(|t| t.expose().to_owned()).filter(|t| !t.is_empty());

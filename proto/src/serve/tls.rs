@@ -81,25 +81,17 @@ impl Tls {
         Some(made)
     }
 
-    /// Checks the files every `every` until `shutdown` fires ([`Tls::reload_if_changed`]),
+    /// Checks the files every `period` until `shutdown` fires ([`Tls::reload_if_changed`]),
     /// logging each change loaded or refused.
-    pub async fn watch(self, every: Duration, shutdown: CancellationToken) {
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        loop {
-            tokio::select! {
-                () = shutdown.cancelled() => return,
-                _ = tick.tick() => {}
+    pub async fn watch(self, period: Duration, shutdown: CancellationToken) {
+        super::every(period, shutdown, || match self.reload_if_changed() {
+            None => {}
+            Some(Ok(())) => tracing::info!("TLS: the certificate and key changed on disk: loaded"),
+            Some(Err(why)) => {
+                tracing::warn!(error = %why, "TLS: the certificate or key changed on disk and cannot be loaded; the ones in use stay")
             }
-            match self.reload_if_changed() {
-                None => {}
-                Some(Ok(())) => tracing::info!("TLS: the certificate and key changed on disk: loaded"),
-                Some(Err(why)) => {
-                    tracing::warn!(error = %why, "TLS: the certificate or key changed on disk and cannot be loaded; the ones in use stay")
-                }
-            }
-        }
+        })
+        .await;
     }
 
     /// The acceptor of a new connection.

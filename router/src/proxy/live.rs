@@ -4,11 +4,19 @@
 //!
 //! These are the settings operators retune in place: the policy and its weights, the
 //! per-replica concurrency, the per-request bounds and the API keys (those of the `--config`
-//! file: flags and the environment are the process's, fixed at its start). The others (listeners, tokenization, timeouts, the index's bounds) shape
-//! state built at start, and take effect at the next one.
+//! file: flags and the environment are the process's, fixed at its start; and those of
+//! `--api-key-file`, [`super::key_file`], which also loads them when the file changes). The
+//! others (listeners, tokenization, timeouts, the index's bounds) shape state built at start,
+//! and take effect at the next one. A tunnel follows the admission's changes
+//! ([`Live::subscribe`]): one whose key is revoked ends.
 
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::Arc;
 
+use http::Method;
+use kvroute_proto::api_key;
+use tokio::sync::watch;
+
+use super::lora;
 use super::route::RequestLimits;
 use crate::config::Config;
 use crate::policy::{self, CacheAwareParams, Policy, PolicyKind};
@@ -49,28 +57,38 @@ pub fn carry(into: &mut Config, from: &Config) {
 }
 
 /// A value replaced whole; each reader keeps the version it took. Clones share it.
-#[derive(Debug, Default)]
-pub struct Live<T>(Arc<RwLock<Arc<T>>>);
+#[derive(Debug)]
+pub struct Live<T>(watch::Sender<Arc<T>>);
 
 impl<T> Clone for Live<T> {
     fn clone(&self) -> Self {
-        Self(Arc::clone(&self.0))
+        Self(self.0.clone())
     }
 }
 
 impl<T> Live<T> {
     pub fn new(value: T) -> Self {
-        Self(Arc::new(RwLock::new(Arc::new(value))))
+        Self(watch::Sender::new(Arc::new(value)))
     }
 
     /// The current version.
     pub fn get(&self) -> Arc<T> {
-        Arc::clone(&self.0.read().unwrap_or_else(PoisonError::into_inner))
+        Arc::clone(&self.0.borrow())
     }
 
     /// Replaces the value; readers holding the old version keep it until they let it go.
     pub fn set(&self, value: T) {
-        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(value);
+        self.0.send_replace(Arc::new(value));
+    }
+
+    /// Replaces the value with `f` of the current one, which no other change comes between.
+    pub fn update(&self, f: impl FnOnce(&T) -> T) {
+        self.0.send_modify(|value| *value = Arc::new(f(value)));
+    }
+
+    /// A receiver told of each version put in from now on.
+    pub fn subscribe(&self) -> watch::Receiver<Arc<T>> {
+        self.0.subscribe()
     }
 }
 
@@ -150,21 +168,39 @@ impl std::fmt::Debug for Routing {
 pub struct Admission {
     /// Prompt and completion bounds of routed requests.
     pub limits: RequestLimits,
-    /// `--api-key`'s keys (none: every request may pass).
-    pub api_keys: Vec<String>,
+    /// The keys a request may carry: `--api-key`'s, then `--api-key-file`'s (none: every
+    /// request may pass).
+    api_keys: Vec<String>,
+    /// How many of `api_keys` are `--api-key`'s.
+    given: usize,
 }
 
 impl Admission {
+    /// `config`'s bounds and `--api-key`'s keys (without `--api-key-file`'s:
+    /// [`Admission::with_file_keys`]).
     pub fn new(config: &Config) -> Self {
-        Self {
-            limits: config.request_limits(),
-            api_keys: config.api_key.iter().map(|key| key.expose().to_owned()).collect(),
-        }
+        let api_keys: Vec<String> = config.api_key.iter().map(|key| key.expose().to_owned()).collect();
+        Self { limits: config.request_limits(), given: api_keys.len(), api_keys }
     }
 
     /// [`Admission::new`] of `config` if one of its settings is among `changed`.
     pub fn reloaded(config: &Config, changed: &[String]) -> Option<Self> {
         any_of(changed, &ADMISSION_SETTINGS).then(|| Self::new(config))
+    }
+
+    /// This admission with `keys` in place of the key file's it held.
+    pub fn with_file_keys(&self, keys: &[String]) -> Self {
+        let api_keys = [&self.api_keys[..self.given], keys].concat();
+        Self { limits: self.limits, api_keys, given: self.given }
+    }
+
+    /// Whether a request of `method` to `path` with `authorization` (the header's value) may
+    /// pass: with keys, one to a path under `/v1` ([`api_key::needs_key`]) or to the router's
+    /// own LoRA paths (SGLang's spellings outside `/v1` too) must carry one of them.
+    pub fn allows(&self, method: &Method, path: &str, authorization: Option<&[u8]>) -> bool {
+        self.api_keys.is_empty()
+            || !(api_key::needs_key(method, path) || lora::route(path).is_some())
+            || api_key::bearer_matches(authorization, &self.api_keys)
     }
 }
 

@@ -13,7 +13,7 @@
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //! | an HTTP/1.1 `GET` for a WebSocket (`Upgrade: websocket`, `Connection: upgrade`; vLLM's `/v1/realtime`) on a path that passes through | tunnelled to the least-loaded eligible replica ([`tunnel`]) |
 //!
-//! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`cors`] (the router's own answers' CORS fields), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`live`] (the settings a reload changes), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
+//! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`cors`] (the router's own answers' CORS fields), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`key_file`] (`--api-key-file`), [`live`] (the settings a reload changes), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
 //! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`queue`] (requests waiting for room), [`responses`] (which replica stored each Responses API response), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`tunnel`] (WebSockets), [`upload`] (clients' request
 //! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health), [`waiters`] (requests waiting for a replica's room).
 
@@ -25,6 +25,7 @@ pub mod forward;
 pub mod health;
 pub mod http1;
 pub mod idle;
+pub mod key_file;
 pub mod live;
 pub mod lora;
 pub mod opening;
@@ -49,7 +50,6 @@ use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use kvroute_proto::api_key;
 use kvroute_proto::openai::request::responses::asks_to_store;
 use kvroute_proto::openai::{Endpoint, RequestError};
 use kvroute_proto::serve::{Heartbeats, Limits};
@@ -78,6 +78,8 @@ pub struct ProxyState {
     pub registry: Arc<Registry>,
     /// The bounds and keys requests are admitted by, as a reload leaves them.
     pub admission: live::Live<live::Admission>,
+    /// `--api-key-file`: every change to the admission's keys goes through it.
+    pub key_file: Arc<key_file::KeyFile>,
     /// Global in-flight limit: a request that cannot get a permit waits in `queue`.
     pub in_flight: Arc<Semaphore>,
     /// Requests waiting for room ([`queue`]).
@@ -285,15 +287,10 @@ async fn dispatch(
         )));
     }
     // The router's own LoRA paths reach every replica, SGLang's spellings outside `/v1` too.
-    let admission = state.admission.get();
-    if !admission.api_keys.is_empty() && (api_key::needs_key(&method, &path) || lora::route(&path).is_some())
-    {
-        let given = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
-        if !api_key::bearer_matches(given, &admission.api_keys) {
-            return Err(ProxyError::Unauthorized);
-        }
+    let authorization = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
+    if !state.admission.get().allows(&method, &path, authorization) {
+        return Err(ProxyError::Unauthorized);
     }
-    drop(admission);
     if method == Method::GET
         && req.version() == http::Version::HTTP_11
         && asks_websocket(req.headers())

@@ -14,7 +14,8 @@
 //! are closed; its client reconnects, to another router): a session may last for hours,
 //! where a stream ends with its generation, and the shutdown would wait for it. (Each holds
 //! two sockets outside `--max-connections`, which counts the connections the server reads
-//! requests from.) A replica that refuses the connection or fails before answering is counted
+//! requests from.) It ends too when its key is revoked (a reload, `--api-key-file` changed):
+//! a session is checked again whenever the keys change, as its handshake would be. A replica that refuses the connection or fails before answering is counted
 //! against it and the next one is tried, as for other requests; a `101` without an `Upgrade`
 //! to `websocket` is a malformed answer. A handshake with a body is refused (400): its bytes
 //! would reach the replica as the new protocol's.
@@ -34,12 +35,14 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::body::{ProxyBody, full};
 use super::error::ProxyError;
 use super::forward::{self, Admitted, MAX_ATTEMPTS, X_KVROUTE_REPLICA, X_REQUEST_ID};
 use super::http1::WireError;
+use super::live::Admission;
 use super::pool::{Pool, SendError, Upgrade};
 use super::upstream::LoadGuard;
 use super::{ProxyState, access};
@@ -68,6 +71,12 @@ pub(super) async fn open(
     let client_side = hyper::upgrade::on(&mut req);
     let background = req.extensions().get::<kvroute_proto::serve::Background>().cloned();
     let (parts, _) = req.into_parts();
+    // Subscribed before the keys are looked at again, so that no change falls between.
+    let key = Key {
+        admission: state.admission.subscribe(),
+        path: parts.uri.path().to_owned(),
+        authorization: parts.headers.get(header::AUTHORIZATION).cloned(),
+    };
     let upgrade: Vec<HeaderValue> = parts.headers.get_all(header::UPGRADE).iter().cloned().collect();
     let (client, mut headers) = forward::upstream_head(parts, admitted.request_id, config.forwarded_for);
     asking_for(&mut headers, upgrade);
@@ -121,6 +130,7 @@ pub(super) async fn open(
                     line,
                     idle: config.idle_timeout,
                     shutdown: state.shutdown.clone(),
+                    key,
                 };
                 let run = session.run(client_side, stream, early);
                 match background {
@@ -190,12 +200,42 @@ struct Session {
     line: Option<access::Line>,
     idle: Duration,
     shutdown: tokio_util::sync::CancellationToken,
+    key: Key,
+}
+
+/// What a tunnel was admitted with, checked again whenever the keys change: a session whose
+/// key is revoked (or that carries none, where keys are now required) ends, as a new request
+/// with it would be refused.
+struct Key {
+    admission: watch::Receiver<Arc<Admission>>,
+    path: String,
+    authorization: Option<HeaderValue>,
+}
+
+impl Key {
+    /// Returns once the admission in force refuses this key (at once if it does now).
+    async fn revoked(&mut self) {
+        loop {
+            let allowed = self.admission.borrow_and_update().allows(
+                &http::Method::GET,
+                &self.path,
+                self.authorization.as_ref().map(HeaderValue::as_bytes),
+            );
+            if !allowed {
+                return;
+            }
+            if self.admission.changed().await.is_err() {
+                // (The router is going away: its shutdown ends the tunnel.)
+                return std::future::pending().await;
+            }
+        }
+    }
 }
 
 impl Session {
     /// Waits for the client's connection to be handed over, then splices it with the
     /// replica's, `early` (what the replica sent after its `101`) first.
-    async fn run(self, client_side: hyper::upgrade::OnUpgrade, replica: TcpStream, early: BytesMut) {
+    async fn run(mut self, client_side: hyper::upgrade::OnUpgrade, replica: TcpStream, early: BytesMut) {
         let mut client = match client_side.await {
             Ok(upgraded) => TokioIo::new(upgraded),
             Err(e) => {
@@ -222,6 +262,10 @@ impl Session {
             },
             // Both connections close as the splice is dropped.
             () = self.shutdown.cancelled() => super::body::End::Abandoned,
+            () = self.key.revoked() => {
+                tracing::info!(path = %self.key.path, "a WebSocket tunnel's key was revoked: the tunnel is closed");
+                super::body::End::Abandoned
+            }
         };
         self.finish(end);
     }

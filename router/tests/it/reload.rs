@@ -158,3 +158,59 @@ async fn a_reload_retunes_the_policy_the_keys_and_the_bounds() {
     assert_eq!(refused.status, 400, "{:?}", refused.body);
     assert!(refused.json()["error"]["message"].as_str().unwrap().contains("prompt"), "{:?}", refused.body);
 }
+
+/// `--api-key-file` named by a reload is read, its keys pass with `--api-key`'s; each reload
+/// reads it again; one naming a file that cannot be read keeps the keys in use.
+#[tokio::test]
+async fn a_reload_reads_the_key_file_again() {
+    let dir = std::env::temp_dir().join(format!("kvroute-reload-keys-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("keys");
+    std::fs::write(&keys, "sk-file\n").unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let agents = Fleet::start_agents(1, crate::fleet::agent_config, &shutdown).await;
+    let first = RouterConfig { api_key_check_ms: 0, ..router_config(&agents) };
+    let mut reloader = Reloader::new(&first);
+    let fleet = Fleet::around(agents, first.clone(), shutdown).await;
+    let url = fleet.url("/v1/models");
+    let status = async |key: &str| {
+        let auth = format!("Bearer {key}");
+        fleet.http.send_with(http::Method::GET, &url, String::new(), &[("authorization", &auth)]).await.status
+    };
+    let statuses = async |keys: [&str; 3]| {
+        let mut statuses = Vec::new();
+        for key in keys {
+            statuses.push(status(key).await);
+        }
+        statuses
+    };
+
+    let keyed = RouterConfig { api_key: vec!["sk-flag".into()], api_key_file: Some(keys.clone()), ..first };
+    let reloaded = reloader.apply(&fleet.router.state, &keyed).await;
+    assert_eq!(
+        (reloaded.applied, reloaded.api_key_file),
+        (vec!["api-key".into(), "api-key-file".into()], Some(Ok(1)))
+    );
+    assert_eq!(statuses(["sk-file", "sk-flag", "sk-next"]).await, [200, 200, 401]);
+
+    std::fs::write(&keys, "sk-next, sk-after").unwrap();
+    let reloaded = reloader.apply(&fleet.router.state, &keyed).await;
+    assert_eq!(
+        (reloaded.applied.len(), reloaded.api_key_file),
+        (0, Some(Ok(2))),
+        "the same settings, the file read again"
+    );
+    assert_eq!(statuses(["sk-file", "sk-flag", "sk-next"]).await, [401, 200, 200]);
+
+    let elsewhere = RouterConfig { api_key_file: Some(dir.join("missing")), ..keyed.clone() };
+    let reloaded = reloader.apply(&fleet.router.state, &elsewhere).await;
+    assert!(reloaded.api_key_file.unwrap().unwrap_err().contains("missing"));
+    assert_eq!(reloaded.not_applied, ["api-key-file"]);
+    assert_eq!(statuses(["sk-file", "sk-flag", "sk-next"]).await, [401, 200, 200], "the keys in use stay");
+
+    let without = RouterConfig { api_key_file: None, ..keyed };
+    let reloaded = reloader.apply(&fleet.router.state, &without).await;
+    assert_eq!((reloaded.applied, reloaded.api_key_file), (vec!["api-key-file".into()], None));
+    assert_eq!(statuses(["sk-file", "sk-flag", "sk-next"]).await, [401, 200, 401], "the file's keys dropped");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -325,3 +325,41 @@ async fn get_body(router: &str, path: &str) -> String {
     tokio::time::timeout(WAIT, stream.read_to_end(&mut all)).await.expect("in time").unwrap();
     String::from_utf8_lossy(&all).into_owned()
 }
+
+/// A tunnel whose key is rotated out of `--api-key-file` is closed when the file changes, as a
+/// new handshake with that key is refused; one whose key stays goes on.
+#[tokio::test]
+async fn a_tunnel_whose_key_is_revoked_is_closed() {
+    let dir = std::env::temp_dir().join(format!("kvroute-ws-keys-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("keys");
+    std::fs::write(&keys, "k\nkept\n").unwrap();
+    let (replica, _handshakes) = realtime_replica().await;
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+        api_key_file: Some(keys.clone()),
+        api_key_check_ms: 20,
+        ..c
+    })
+    .await;
+    let (mut revoked, answer) = handshake(&router.url(), HANDSHAKE).await;
+    assert!(answer.starts_with("http/1.1 101"), "{answer}");
+    let (mut kept, answer) =
+        handshake(&router.url(), &HANDSHAKE.replace("Bearer k\r\n", "Bearer kept\r\n")).await;
+    assert!(answer.starts_with("http/1.1 101"), "{answer}");
+    for client in [&mut revoked, &mut kept] {
+        assert_eq!(read_exactly(client, 5).await, "hello");
+        client.write_all(b"ping").await.unwrap();
+        assert_eq!(read_exactly(client, 4).await, "PING");
+    }
+
+    std::fs::write(&keys, "kept\n").unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(WAIT, revoked.read_to_end(&mut rest)).await.expect("closed in time").unwrap();
+    assert!(rest.is_empty(), "{rest:?}");
+    let (_, refused) = handshake(&router.url(), HANDSHAKE).await;
+    assert!(refused.starts_with("http/1.1 401"), "{refused}");
+    kept.write_all(b"still").await.unwrap();
+    assert_eq!(read_exactly(&mut kept, 5).await, "STILL");
+    shutdown.cancel();
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -1,0 +1,207 @@
+//! API keys from a file (`--api-key-file`), for keys that rotate without a restart: a
+//! Kubernetes Secret mounted as a volume, which the kubelet updates in place, where one passed
+//! in the environment is fixed for the process's life.
+//!
+//! - The file holds keys separated by commas, blanks or lines; a line whose first character
+//!   (after blanks) is `#` is a comment.
+//! - It is read at the start (a file that cannot be read, or holds no key, stops the start
+//!   with the other configuration errors), at each `SIGHUP`, and whenever what it holds
+//!   changes ([`KeyFile::watch`]). Its keys pass as `--api-key`'s do; requests admitted from
+//!   then on are checked against the new ones, and open WebSocket tunnels whose key is gone end
+//!   ([`super::tunnel`]).
+//! - A file that can no longer be read, or holds no key (half-written, emptied), keeps the
+//!   keys in use: an emptied file never opens the API. The error is logged, once for the same
+//!   contents.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::live::{Admission, Live};
+
+/// The key file in use, if any. Every change to the admission's keys goes through it, so
+/// that a reload and a change on disk at once lose neither.
+#[derive(Debug, Default)]
+pub struct KeyFile(Mutex<Option<Loaded>>);
+
+/// A key file as last read.
+struct Loaded {
+    path: PathBuf,
+    /// What it held when last read, its keys or not: a change is loaded (or refused) once.
+    seen: Vec<u8>,
+    /// Its keys last loaded.
+    keys: Vec<String>,
+}
+
+impl std::fmt::Debug for Loaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The keys are secrets: how many there are, only.
+        f.debug_struct("Loaded").field("path", &self.path).field("keys", &self.keys.len()).finish()
+    }
+}
+
+impl KeyFile {
+    /// The keys in the file at `path` (none without one), or what is wrong with it.
+    pub fn open(path: Option<&Path>) -> Result<Self, String> {
+        let loaded = path.map(read).transpose()?;
+        Ok(Self(Mutex::new(loaded)))
+    }
+
+    /// `admission` with this file's keys.
+    pub fn with_keys(&self, admission: &Admission) -> Admission {
+        admission.with_file_keys(keys(&self.0.lock().unwrap_or_else(PoisonError::into_inner)))
+    }
+
+    /// Puts `admission` in `live`, with this file's keys.
+    pub fn admit(&self, live: &Live<Admission>, admission: Admission) {
+        let loaded = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        live.set(admission.with_file_keys(keys(&loaded)));
+    }
+
+    /// Reads the file at `path` now (`None`: no file), puts its keys in `live`'s admission in
+    /// place of the last file's, and watches it from then on; how many keys it holds, or what
+    /// is wrong with it (then the keys and the file in use stay).
+    pub fn load(&self, path: Option<&Path>, live: &Live<Admission>) -> Result<usize, String> {
+        let mut loaded = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        *loaded = path.map(read).transpose()?;
+        live.update(|admission| admission.with_file_keys(keys(&loaded)));
+        Ok(keys(&loaded).len())
+    }
+
+    /// Loads the file again if what it holds changed since it was last read: `None` if it did
+    /// not (or there is no file), else how many keys it holds now, or why they cannot be
+    /// loaded (then the ones in use stay, and the same contents are not tried again).
+    pub fn reload_if_changed(&self, live: &Live<Admission>) -> Option<Result<usize, String>> {
+        let mut guard = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let loaded = guard.as_mut()?;
+        let now = std::fs::read(&loaded.path).map_err(|e| format!("{}: {e}", loaded.path.display()));
+        let now = match now {
+            Ok(now) if now == loaded.seen => return None,
+            Ok(now) => now,
+            Err(why) => return Some(Err(why)),
+        };
+        let parsed = parse(&loaded.path, &now);
+        loaded.seen = now;
+        Some(parsed.map(|keys| {
+            live.update(|admission| admission.with_file_keys(&keys));
+            loaded.keys = keys;
+            loaded.keys.len()
+        }))
+    }
+
+    /// Checks the file every `period` until `shutdown` fires ([`KeyFile::reload_if_changed`]),
+    /// logging each change loaded or refused.
+    pub async fn watch(
+        self: std::sync::Arc<Self>,
+        live: Live<Admission>,
+        period: Duration,
+        shutdown: CancellationToken,
+    ) {
+        kvroute_proto::serve::every(period, shutdown, || match self.reload_if_changed(&live) {
+            None => {}
+            Some(Ok(keys)) => tracing::info!(keys, "--api-key-file changed: its keys loaded"),
+            Some(Err(why)) => {
+                tracing::warn!(error = %why, "--api-key-file changed and cannot be loaded; the keys in use stay")
+            }
+        })
+        .await;
+    }
+}
+
+/// The keys of `loaded`, none without a file.
+fn keys(loaded: &Option<Loaded>) -> &[String] {
+    loaded.as_ref().map_or(&[], |loaded| &loaded.keys)
+}
+
+/// The key file at `path`, read.
+fn read(path: &Path) -> Result<Loaded, String> {
+    let seen = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let keys = parse(path, &seen)?;
+    Ok(Loaded { path: path.to_owned(), seen, keys })
+}
+
+/// The keys in `contents`, the file at `path`'s.
+fn parse(path: &Path, contents: &[u8]) -> Result<Vec<String>, String> {
+    let text = std::str::from_utf8(contents).map_err(|_| format!("{}: not UTF-8 text", path.display()))?;
+    let keys: Vec<String> = (text.lines())
+        .filter(|line| !line.trim_start().starts_with('#'))
+        .flat_map(|line| line.split(|c: char| c == ',' || c.is_whitespace()))
+        .filter(|key| !key.is_empty())
+        .map(str::to_owned)
+        .collect();
+    match keys.is_empty() {
+        true => {
+            Err(format!("{}: holds no key (keys are separated by commas, blanks or lines)", path.display()))
+        }
+        false => Ok(keys),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::Method;
+
+    use super::*;
+    use crate::config::Config;
+
+    fn allows(live: &Live<Admission>, key: &str) -> bool {
+        let bearer = format!("Bearer {key}");
+        live.get().allows(&Method::POST, "/v1/completions", Some(bearer.as_bytes()))
+    }
+
+    /// Keys by commas, blanks and lines, comments left out; a file without any is refused.
+    #[test]
+    fn keys_are_split_by_commas_blanks_and_lines() {
+        let path = Path::new("keys");
+        let keys = parse(path, b"# team a\nsk-a, sk-b\n\n  sk-c\tsk-d\r\n  # sk-gone\n").unwrap();
+        assert_eq!(keys, ["sk-a", "sk-b", "sk-c", "sk-d"]);
+        for empty in [&b""[..], b"\n", b" , \n", b"# only a comment\n"] {
+            let refused = parse(path, empty).unwrap_err();
+            assert!(refused.starts_with("keys: holds no key"), "{refused}");
+        }
+        assert!(parse(path, b"sk-\xff").unwrap_err().contains("UTF-8"));
+    }
+
+    /// A change on disk replaces the file's keys, `--api-key`'s stay; an emptied or vanished
+    /// file keeps the keys in use; the same contents are loaded once.
+    #[test]
+    fn a_change_on_disk_replaces_the_files_keys_and_an_emptied_file_keeps_them() {
+        let dir = std::env::temp_dir().join(format!("kvroute-key-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("keys");
+        std::fs::write(&path, "sk-old\n").unwrap();
+        let config = Config { api_key: vec!["sk-flag".into()], ..Config::loopback(Vec::new()) };
+        let file = KeyFile::open(Some(&path)).unwrap();
+        let live = Live::new(Admission::new(&config));
+        file.admit(&live, Admission::new(&config));
+        assert!(allows(&live, "sk-old") && allows(&live, "sk-flag") && !allows(&live, "sk-new"));
+        assert_eq!(file.reload_if_changed(&live), None, "unchanged");
+
+        std::fs::write(&path, "sk-new,sk-newer").unwrap();
+        assert_eq!(file.reload_if_changed(&live), Some(Ok(2)));
+        assert!(allows(&live, "sk-new") && allows(&live, "sk-newer") && allows(&live, "sk-flag"));
+        assert!(!allows(&live, "sk-old"), "rotated out");
+
+        std::fs::write(&path, "").unwrap();
+        assert!(file.reload_if_changed(&live).unwrap().is_err());
+        assert_eq!(file.reload_if_changed(&live), None, "refused once");
+        assert!(allows(&live, "sk-new") && !allows(&live, "anything"), "an emptied file opens nothing");
+        std::fs::remove_file(&path).unwrap();
+        assert!(file.reload_if_changed(&live).unwrap().is_err());
+        assert!(allows(&live, "sk-new") && !allows(&live, "anything"));
+
+        // A reload's new admission keeps the file's keys; a reload without the file drops them.
+        file.admit(&live, Admission::new(&Config { api_key: Vec::new(), ..config.clone() }));
+        assert!(allows(&live, "sk-new") && !allows(&live, "sk-flag"));
+        assert_eq!(file.load(Some(&path), &live).map_err(|e| e.contains("keys")), Err(true));
+        assert!(
+            allows(&live, "sk-new") && !allows(&live, "anything"),
+            "a file that cannot be read keeps them"
+        );
+        assert_eq!(file.load(None, &live), Ok(0));
+        assert!(allows(&live, "anything"), "no keys left: the API is open, as the configuration says");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
