@@ -32,7 +32,7 @@ mod tls;
 
 pub use parts::Parts;
 use send_timeout::SendTimeout;
-pub use tls::Tls;
+pub use tls::{Tls, TlsFiles};
 
 /// Limits of one HTTP server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1016,7 +1016,7 @@ mod tests {
     async fn an_unfinished_tls_handshake_gives_its_slot_back() {
         use tokio_rustls::rustls::{ClientConfig, RootCertStore, crypto::ring, pki_types::ServerName};
         let (cert, key, made) = tls::test_files("serve");
-        let tls = Tls::from_files(&cert, &key).unwrap();
+        let tls = Tls::from_files(&TlsFiles { cert: cert.clone(), key, client_ca: None }).unwrap();
         let _ = std::fs::remove_dir_all(cert.parent().unwrap());
         let mut roots = RootCertStore::empty();
         roots.add(made.cert.der().clone()).unwrap();

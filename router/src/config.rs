@@ -16,7 +16,7 @@ use clap::Parser;
 use serde::{Deserialize, Serialize};
 
 use crate::discovery::DiscoveryConfig;
-use kvroute_proto::serve::{Limits, MIN_HEADER_BYTES, Tls};
+use kvroute_proto::serve::{Limits, MIN_HEADER_BYTES, Tls, TlsFiles};
 
 use crate::policy::{CacheAwareParams, PolicyKind};
 use crate::proxy::key_file::KeyFile;
@@ -106,6 +106,12 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_TLS_KEY")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_key: Option<PathBuf>,
+    /// PEM certificates of the authorities clients' certificates must chain to (mutual TLS,
+    /// with `--tls-cert`): a client without such a certificate does not get through the
+    /// handshake. Read again as `--tls-cert` is. The health listener stays plain.
+    #[arg(long, env = "KVROUTE_TLS_CLIENT_CA")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_client_ca: Option<PathBuf>,
     /// How often the `--tls-cert` and `--tls-key` files are checked for a change (a
     /// certificate renewed in place, a Secret updated in its volume), milliseconds; a change
     /// is served to new connections. 0: only at a `SIGHUP`.
@@ -500,13 +506,9 @@ impl Config {
                 check(p.is_file(), format!("{flag} {} is not a readable file", p.display()));
             }
         }
-        match (&self.tls_cert, &self.tls_key) {
-            (Some(_), Some(_)) if !read_files => {}
-            _ => {
-                if let Err(problem) = self.tls() {
-                    check(false, problem);
-                }
-            }
+        let tls = if read_files { self.tls().map(drop) } else { self.tls_files().map(drop) };
+        if let Err(problem) = tls {
+            check(false, problem);
         }
         if let (true, Some(path)) = (read_files, &self.api_key_file)
             && let Err(problem) = KeyFile::open(Some(path))
@@ -655,13 +657,25 @@ impl Config {
         }
     }
 
-    /// The proxy listener's TLS (`--tls-cert`, `--tls-key`), its files read; `None` without.
+    /// The proxy listener's TLS (`--tls-cert`, `--tls-key`, `--tls-client-ca`), its files
+    /// read; `None` without.
     pub fn tls(&self) -> Result<Option<Tls>, String> {
-        match (&self.tls_cert, &self.tls_key) {
-            (Some(cert), Some(key)) => {
-                Tls::from_files(cert, key).map(Some).map_err(|e| format!("--tls-cert, --tls-key: {e}"))
+        let Some(files) = self.tls_files()? else { return Ok(None) };
+        let flags = match files.client_ca {
+            Some(_) => "--tls-cert, --tls-key, --tls-client-ca",
+            None => "--tls-cert, --tls-key",
+        };
+        Tls::from_files(&files).map(Some).map_err(|e| format!("{flags}: {e}"))
+    }
+
+    /// The files of [`Config::tls`], named together as they must be.
+    pub fn tls_files(&self) -> Result<Option<TlsFiles>, String> {
+        match (&self.tls_cert, &self.tls_key, &self.tls_client_ca) {
+            (Some(cert), Some(key), client_ca) => {
+                Ok(Some(TlsFiles { cert: cert.clone(), key: key.clone(), client_ca: client_ca.clone() }))
             }
-            (None, None) => Ok(None),
+            (None, None, None) => Ok(None),
+            (None, None, Some(_)) => Err("--tls-client-ca needs --tls-cert and --tls-key".into()),
             _ => Err("--tls-cert and --tls-key go together".into()),
         }
     }
@@ -1177,6 +1191,22 @@ mod tests {
             let errors = config.validate().unwrap_err();
             assert!(errors.len() == 1 && errors[0].contains(says), "{errors:?}");
         }
+        // Client authorities (mutual TLS): with the server's pair only, and certificates.
+        let authorities =
+            |ca: &PathBuf| Config { tls_client_ca: Some(ca.clone()), ..with(Some(&cert), Some(&key)) };
+        assert_eq!(authorities(&cert).validate(), Ok(()));
+        for (config, says) in [
+            (
+                Config { tls_client_ca: Some(cert.clone()), ..with(None, None) },
+                "--tls-client-ca needs --tls-cert",
+            ),
+            (authorities(&empty), "--tls-client-ca: "),
+            (authorities(&key), "k.pem: no certificate"),
+        ] {
+            let errors = config.validate().unwrap_err();
+            assert!(errors.len() == 1 && errors[0].contains(says), "{says}: {errors:?}");
+        }
+        assert_eq!(authorities(&empty).validate_for_reload(), Ok(()), "a reload reads the files apart");
         let _ = std::fs::remove_dir_all(dir);
     }
 

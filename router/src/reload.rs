@@ -19,10 +19,10 @@
 //!   requests waiting for a replica's room look again when its limit rose. The random policies
 //!   keep their seed unless one is given; a policy whose own settings did not change keeps its
 //!   state (its turn, its random stream).
-//! - With TLS on the proxy's listener (`--tls-cert`, `--tls-key`), the certificate and key
-//!   are read again, from the paths the configuration names now: a certificate rotated in
-//!   place is served to the connections opened from then on. (TLS itself is turned on or off
-//!   at a start.)
+//! - With TLS on the proxy's listener (`--tls-cert`, `--tls-key`), the certificate, key and
+//!   client authorities (`--tls-client-ca`) are read again, from the paths the configuration
+//!   names now: a certificate rotated in place is served to the connections opened from then
+//!   on. (TLS itself is turned on or off at a start.)
 //! - `--api-key-file` is read again, from the path the configuration names now (none: its
 //!   keys are dropped); one that cannot be loaded keeps the keys in use ([`crate::proxy::key_file`]).
 //! - Other settings take effect at the next start: a reload names those that changed. The
@@ -143,14 +143,15 @@ impl Reloader {
     /// Reads the proxy listener's certificate and key again, where it serves TLS and `config`
     /// names them: from then on their paths count as applied.
     fn reload_tls(&mut self, state: &ProxyState, config: &Config, reloaded: &mut Reloaded) {
-        let (Some(tls), Some(cert), Some(key)) = (&state.tls, &config.tls_cert, &config.tls_key) else {
+        let (Some(tls), Ok(Some(files))) = (&state.tls, config.tls_files()) else {
             return;
         };
-        let loaded = tls.load(cert, key);
+        let loaded = tls.load(&files);
         if loaded.is_ok() {
-            reloaded.now_applied(&["tls-cert", "tls-key"]);
+            reloaded.now_applied(&["tls-cert", "tls-key", "tls-client-ca"]);
             self.running.tls_cert = config.tls_cert.clone();
             self.running.tls_key = config.tls_key.clone();
+            self.running.tls_client_ca = config.tls_client_ca.clone();
         }
         reloaded.tls = Some(loaded);
     }
@@ -257,7 +258,7 @@ pub async fn on_hangup(
             refused = reloaded.refused.len(), settings = %reloaded.applied.join(", "), "reload: applied"
         );
         match &reloaded.tls {
-            Some(Ok(())) => tracing::info!("reload: the TLS certificate and key read again"),
+            Some(Ok(())) => tracing::info!("reload: the TLS files read again"),
             Some(Err(why)) => tracing::error!(error = %why, "reload: the TLS certificate in use stays"),
             None => {}
         }

@@ -1,6 +1,7 @@
 //! TLS on a listener: a certificate chain and its private key from PEM files, HTTP/2 and
-//! HTTP/1.1 offered by ALPN, and the files read again in place for the connections accepted
-//! from then on (those already open keep theirs): when asked ([`Tls::load`], a reload), and
+//! HTTP/1.1 offered by ALPN, client certificates required if authorities to check them by are
+//! given (mutual TLS), and the files read again in place for the connections accepted from
+//! then on (those already open keep theirs): when asked ([`Tls::load`], a reload), and
 //! whenever they change on disk ([`Tls::watch`]: cert-manager renewing a mounted Secret, with
 //! nobody to send a signal).
 
@@ -17,9 +18,35 @@ use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::crypto::ring;
 use tokio_rustls::rustls::pki_types::pem::{self, PemObject};
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use tokio_rustls::rustls::{ServerConfig, version};
+use tokio_rustls::rustls::server::WebPkiClientVerifier;
+use tokio_rustls::rustls::{RootCertStore, ServerConfig, version};
 use tokio_rustls::server::TlsStream;
 use tokio_util::sync::CancellationToken;
+
+/// Where a listener's TLS comes from: PEM files.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The certificate chain, the listener's own first.
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
+    /// Certificates of the authorities a client's certificate must chain to (mutual TLS):
+    /// with them, a client without such a certificate does not get through the handshake.
+    /// `None`: no client certificate is asked for.
+    pub client_ca: Option<PathBuf>,
+}
+
+impl TlsFiles {
+    /// Each file's name and what it holds now.
+    fn read(&self) -> Result<Vec<Vec<u8>>, String> {
+        let read = |path: &Path| std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()));
+        [Some(&self.cert), Some(&self.key), self.client_ca.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(|p| read(p))
+            .collect()
+    }
+}
 
 /// A listener's certificate and key, as last loaded. Clones share them.
 #[derive(Clone)]
@@ -28,29 +55,26 @@ pub struct Tls(Arc<RwLock<Loaded>>);
 /// What [`Tls`] serves, and where it came from.
 struct Loaded {
     acceptor: TlsAcceptor,
-    cert: PathBuf,
-    key: PathBuf,
+    files: TlsFiles,
     /// The files' contents last read, loaded or not: a change is loaded (or refused) once.
-    seen: (Vec<u8>, Vec<u8>),
+    seen: Vec<Vec<u8>>,
 }
 
 impl Tls {
-    /// The certificate chain in `cert` (the server's first) and the private key in `key`,
-    /// both PEM; what is wrong with either, else.
-    pub fn from_files(cert: &Path, key: &Path) -> Result<Self, String> {
-        let seen = read(cert, key)?;
-        let acceptor = acceptor((cert, &seen.0), (key, &seen.1))?;
-        Ok(Self(Arc::new(RwLock::new(Loaded { acceptor, cert: cert.to_owned(), key: key.to_owned(), seen }))))
+    /// The listener's TLS from `files`; what is wrong with one of them, else.
+    pub fn from_files(files: &TlsFiles) -> Result<Self, String> {
+        let seen = files.read()?;
+        let acceptor = acceptor(files, &seen)?;
+        Ok(Self(Arc::new(RwLock::new(Loaded { acceptor, files: files.clone(), seen }))))
     }
 
-    /// Serves the connections accepted from now on with the certificate and key the files
-    /// `cert` and `key` hold now, and watches those files from then on. On an error the ones
-    /// in use stay.
-    pub fn load(&self, cert: &Path, key: &Path) -> Result<(), String> {
-        let seen = read(cert, key)?;
-        let acceptor = acceptor((cert, &seen.0), (key, &seen.1))?;
+    /// Serves the connections accepted from now on with what `files` hold now, and watches
+    /// those files from then on. On an error the ones in use stay.
+    pub fn load(&self, files: &TlsFiles) -> Result<(), String> {
+        let seen = files.read()?;
+        let acceptor = acceptor(files, &seen)?;
         *self.0.write().unwrap_or_else(PoisonError::into_inner) =
-            Loaded { acceptor, cert: cert.to_owned(), key: key.to_owned(), seen };
+            Loaded { acceptor, files: files.clone(), seen };
         Ok(())
     }
 
@@ -58,19 +82,19 @@ impl Tls {
     /// it did not, else whether it could be loaded (if not, the one in use stays, and the same
     /// contents are not tried again).
     pub fn reload_if_changed(&self) -> Option<Result<(), String>> {
-        let (cert, key, seen) = {
+        let (files, seen) = {
             let loaded = self.0.read().unwrap_or_else(PoisonError::into_inner);
-            (loaded.cert.clone(), loaded.key.clone(), loaded.seen.clone())
+            (loaded.files.clone(), loaded.seen.clone())
         };
-        let now = read(&cert, &key);
+        let now = files.read();
         if now.as_ref().is_ok_and(|now| *now == seen) {
             return None;
         }
         let made = now.and_then(|now| {
-            let made = acceptor((&cert, &now.0), (&key, &now.1));
+            let made = acceptor(&files, &now);
             let mut loaded = self.0.write().unwrap_or_else(PoisonError::into_inner);
             // (Unless a reload loaded other files meanwhile.)
-            if loaded.cert == cert && loaded.key == key {
+            if loaded.files == files {
                 if let Ok(acceptor) = &made {
                     loaded.acceptor = acceptor.clone();
                 }
@@ -86,9 +110,9 @@ impl Tls {
     pub async fn watch(self, period: Duration, shutdown: CancellationToken) {
         super::every(period, shutdown, || match self.reload_if_changed() {
             None => {}
-            Some(Ok(())) => tracing::info!("TLS: the certificate and key changed on disk: loaded"),
+            Some(Ok(())) => tracing::info!("TLS: the certificate, key or client CA changed on disk: loaded"),
             Some(Err(why)) => {
-                tracing::warn!(error = %why, "TLS: the certificate or key changed on disk and cannot be loaded; the ones in use stay")
+                tracing::warn!(error = %why, "TLS: the certificate, key or client CA changed on disk and cannot be loaded; the ones in use stay")
             }
         })
         .await;
@@ -103,14 +127,8 @@ impl Tls {
 impl std::fmt::Debug for Tls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let loaded = self.0.read().unwrap_or_else(PoisonError::into_inner);
-        f.debug_struct("Tls").field("cert", &loaded.cert).field("key", &loaded.key).finish_non_exhaustive()
+        f.debug_struct("Tls").field("files", &loaded.files).finish_non_exhaustive()
     }
-}
-
-/// The two files' contents.
-fn read(cert: &Path, key: &Path) -> Result<(Vec<u8>, Vec<u8>), String> {
-    let read = |path: &Path| std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()));
-    Ok((read(cert)?, read(key)?))
 }
 
 /// A client connection, plain or TLS: one type, so that the HTTP server is built once for
@@ -177,28 +195,49 @@ impl AsyncWrite for Stream {
     }
 }
 
-/// The acceptor of a certificate chain and its key, each a file's name and contents (PEM).
-fn acceptor((cert, cert_pem): (&Path, &[u8]), (key, key_pem): (&Path, &[u8])) -> Result<TlsAcceptor, String> {
-    let chain = CertificateDer::pem_slice_iter(cert_pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("{}: {e}", cert.display()))?;
-    if chain.is_empty() {
-        return Err(format!("{}: no certificate in it", cert.display()));
-    }
-    let private = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| match e {
+/// The acceptor of `files`, holding `pem` (each file's contents, in their order).
+fn acceptor(files: &TlsFiles, pem: &[Vec<u8>]) -> Result<TlsAcceptor, String> {
+    let (cert, key) = (&files.cert, &files.key);
+    let chain = certificates(cert, &pem[0])?;
+    let private = PrivateKeyDer::from_pem_slice(&pem[1]).map_err(|e| match e {
         pem::Error::NoItemsFound => {
             format!("{}: no private key in it (PKCS#8, PKCS#1 or SEC1 PEM)", key.display())
         }
         e => format!("{}: {e}", key.display()),
     })?;
-    let mut config = ServerConfig::builder_with_provider(Arc::new(ring::default_provider()))
+    let provider = Arc::new(ring::default_provider());
+    let versions = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&version::TLS13, &version::TLS12])
-        .map_err(|e| e.to_string())?
-        .with_no_client_auth()
+        .map_err(|e| e.to_string())?;
+    let clients = match &files.client_ca {
+        None => versions.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = RootCertStore::empty();
+            for authority in certificates(ca, &pem[2])? {
+                roots.add(authority).map_err(|e| format!("{}: {e}", ca.display()))?;
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .map_err(|e| format!("{}: {e}", ca.display()))?;
+            versions.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config = clients
         .with_single_cert(chain, private)
         .map_err(|e| format!("{} with {}: {e}", cert.display(), key.display()))?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// The certificates in `pem`, the file `path`'s: at least one.
+fn certificates(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certificates = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    match certificates.is_empty() {
+        true => Err(format!("{}: no certificate in it", path.display())),
+        false => Ok(certificates),
+    }
 }
 
 /// A certificate and its key for `localhost`, written to `cert.pem` and `key.pem` in a
@@ -220,13 +259,17 @@ mod tests {
 
     use super::test_files as files;
 
+    fn pair(cert: &Path, key: &Path) -> TlsFiles {
+        TlsFiles { cert: cert.to_owned(), key: key.to_owned(), client_ca: None }
+    }
+
     /// A change on disk is loaded once; one that cannot be loaded keeps the certificate in use
     /// and is not tried again until the files change again (a certificate written before its
     /// key is loaded once the key is there).
     #[test]
     fn a_change_on_disk_is_loaded_once() {
         let (cert, key, _) = files("change");
-        let tls = Tls::from_files(&cert, &key).unwrap();
+        let tls = Tls::from_files(&pair(&cert, &key)).unwrap();
         assert_eq!(tls.reload_if_changed(), None, "nothing changed");
         let first = tls.acceptor();
         let made = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
@@ -246,7 +289,7 @@ mod tests {
     #[test]
     fn wrong_files_are_refused_with_their_names() {
         let (cert, key, _) = files("wrong");
-        let tls = Tls::from_files(&cert, &key).expect("a certificate and its key");
+        let tls = Tls::from_files(&pair(&cert, &key)).expect("a certificate and its key");
         let dir = cert.parent().unwrap();
         let empty = dir.join("empty.pem");
         std::fs::write(&empty, "").unwrap();
@@ -259,13 +302,13 @@ mod tests {
             (&key, &key, "key.pem: no certificate"),
             (&cert, &other_key, "cert.pem with"),
         ] {
-            let why = Tls::from_files(c, k).expect_err(says);
+            let why = Tls::from_files(&pair(c, k)).expect_err(says);
             assert!(why.contains(says), "{why}");
-            assert!(tls.load(c, k).is_err());
+            assert!(tls.load(&pair(c, k)).is_err());
         }
         let before = tls.acceptor();
         assert!(Arc::ptr_eq(before.config(), tls.acceptor().config()), "the certificate in use stays");
-        tls.load(&cert, &key).unwrap();
+        tls.load(&pair(&cert, &key)).unwrap();
         assert!(!Arc::ptr_eq(before.config(), tls.acceptor().config()), "a good load replaces it");
         let _ = std::fs::remove_dir_all(dir);
         let _ = std::fs::remove_dir_all(other_key.parent().unwrap());

@@ -13,7 +13,7 @@ use kvroute_router::reload::Reloader;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::rustls::crypto::ring;
-use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio_rustls::rustls::{ClientConfig, RootCertStore};
 
 use crate::fleet::{FLEET_MODEL, Fleet, agent_config, router_config};
@@ -34,13 +34,29 @@ async fn complete(
     trusted: &CertificateDer<'static>,
     alpn: &[u8],
 ) -> Result<(Vec<u8>, http::StatusCode, String), String> {
+    complete_as(addr, trusted, alpn, None).await
+}
+
+/// [`complete`] by a client that shows `identity` (its certificate chain and key), if any.
+async fn complete_as(
+    addr: SocketAddr,
+    trusted: &CertificateDer<'static>,
+    alpn: &[u8],
+    identity: Option<&rcgen::CertifiedKey<rcgen::KeyPair>>,
+) -> Result<(Vec<u8>, http::StatusCode, String), String> {
     let mut roots = RootCertStore::empty();
     roots.add(trusted.clone()).unwrap();
-    let mut config = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+    let trusting = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
         .with_safe_default_protocol_versions()
         .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+        .with_root_certificates(roots);
+    let mut config = match identity {
+        None => trusting.with_no_client_auth(),
+        Some(made) => {
+            let key = PrivateKeyDer::try_from(made.signing_key.serialize_der()).unwrap();
+            trusting.with_client_auth_cert(vec![made.cert.der().clone()], key).unwrap()
+        }
+    };
     config.alpn_protocols = vec![alpn.to_vec()];
     let tcp = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
     let name = ServerName::try_from("localhost").unwrap();
@@ -192,5 +208,59 @@ async fn a_certificate_renewed_on_disk_is_served_without_a_reload() {
         async || complete(addr, &renewed, b"http/1.1").await.is_ok_and(|(_, status, _)| status == 200);
     crate::support::wait_until_async("the renewed certificate is served", served).await;
     assert!(complete(addr, &first, b"h2").await.is_err(), "the old one is not");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// An authority, and a client certificate it signed (for `client`).
+fn authority_and_client() -> (rcgen::Certificate, rcgen::CertifiedKey<rcgen::KeyPair>) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign];
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let mut client = rcgen::CertificateParams::new(vec!["client".to_owned()]).unwrap();
+    client.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    let client_key = rcgen::KeyPair::generate().unwrap();
+    let client_cert = client.signed_by(&client_key, &rcgen::Issuer::new(ca, ca_key)).unwrap();
+    (ca_cert, rcgen::CertifiedKey { cert: client_cert, signing_key: client_key })
+}
+
+/// With `--tls-client-ca` (mutual TLS), a client with a certificate of that authority is
+/// served; one without a certificate, or with one of another authority, is not. A reload that
+/// names another authority lets in its clients from then on, and no longer the first one's.
+#[tokio::test]
+async fn with_a_client_ca_only_its_clients_are_served() {
+    let dir = directory("tls-mutual");
+    let (cert, key, ca) = (dir.join("tls.crt"), dir.join("tls.key"), dir.join("ca.crt"));
+    let trusted = new_certificate(&cert, &key);
+    let (authority, client) = authority_and_client();
+    let (other_authority, stranger) = authority_and_client();
+    std::fs::write(&ca, authority.pem()).unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let agents = Fleet::start_agents(1, agent_config, &shutdown).await;
+    let config = RouterConfig {
+        tls_cert: Some(cert.clone()),
+        tls_key: Some(key.clone()),
+        tls_client_ca: Some(ca.clone()),
+        ..router_config(&agents)
+    };
+    let mut reloader = Reloader::new(&config);
+    let fleet = Fleet::around(agents, config.clone(), shutdown).await;
+    let addr = fleet.router.addr;
+    let status =
+        async |identity, alpn| complete_as(addr, &trusted, alpn, identity).await.map(|(_, status, _)| status);
+    for alpn in [&b"http/1.1"[..], b"h2"] {
+        assert_eq!(status(Some(&client), alpn).await, Ok(http::StatusCode::OK));
+        assert!(status(None, alpn).await.is_err(), "no client certificate");
+        assert!(status(Some(&stranger), alpn).await.is_err(), "another authority's client");
+    }
+
+    let other_ca = dir.join("other-ca.crt");
+    std::fs::write(&other_ca, other_authority.pem()).unwrap();
+    let reloaded =
+        reloader.apply(&fleet.router.state, &RouterConfig { tls_client_ca: Some(other_ca), ..config }).await;
+    assert_eq!((reloaded.tls, reloaded.applied), (Some(Ok(())), vec!["tls-client-ca".to_owned()]));
+    assert_eq!(status(Some(&stranger), b"h2").await, Ok(http::StatusCode::OK));
+    assert!(status(Some(&client), b"h2").await.is_err(), "the first authority's client");
     let _ = std::fs::remove_dir_all(dir);
 }
