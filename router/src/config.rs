@@ -13,6 +13,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use clap::Parser;
+use http::HeaderValue;
 use serde::{Deserialize, Serialize};
 
 use crate::discovery::DiscoveryConfig;
@@ -83,7 +84,7 @@ pub struct Config {
     #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "comma_separated")]
     pub api_key: Vec<Secret>,
     /// A file of keys as `--api-key`'s (separated by commas, blanks or lines; `#` starts a
-    /// comment line), which pass with them: read again at each `SIGHUP` and whenever it changes
+    /// comment, to the end of its line), which pass with them: read again at each `SIGHUP` and whenever it changes
     /// (`--api-key-check-ms`), so keys rotate without a restart (a Kubernetes Secret mounted as a
     /// volume). A file that cannot be read or holds no key stops the start; later, it keeps the
     /// keys in use (an emptied file never opens the API).
@@ -93,9 +94,19 @@ pub struct Config {
     /// How often `--api-key-file` is checked for a change, milliseconds. 0: only at a `SIGHUP`.
     #[arg(long, env = "KVROUTE_API_KEY_CHECK_MS", default_value_t = 10_000)]
     pub api_key_check_ms: u64,
+    /// The key of replicas started with their own `--api-key` (vLLM's, SGLang's): a request to
+    /// a path the router's keys guard (`/v1/*`, the LoRA paths) reaches them with it
+    /// (`Authorization: Bearer <key>`) in place of the client's, as do the router's own (health
+    /// checks' adapter listings, remote tokenization, the LoRA catch-up). Clients' keys
+    /// (`--api-key`) then stay the router's, and rotate without the replicas. The engines' own
+    /// paths outside `/v1` keep the client's `Authorization`, as does every request without
+    /// this key.
+    #[arg(long, env = "KVROUTE_REPLICA_API_KEY", hide_env_values = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica_api_key: Option<Secret>,
     /// PEM certificate chain (the router's own first) the proxy's listener serves TLS with:
-    /// HTTPS, HTTP/2 or HTTP/1.1 by ALPN. With `--tls-key`. Both files are read again when
-    /// they change (`--tls-check-ms`) and at each `SIGHUP`, so a certificate rotated in place
+    /// HTTPS, HTTP/2 or HTTP/1.1 by ALPN. With `--tls-key`. Both files (and `--tls-client-ca`'s)
+    /// are read again when they change (`--tls-check-ms`) and at each `SIGHUP`, so a certificate rotated in place
     /// (cert-manager, a mounted Secret) is served to the connections opened from then on. The
     /// health listener and the admin service stay plain (the admin's on loopback, or behind
     /// its token).
@@ -108,11 +119,13 @@ pub struct Config {
     pub tls_key: Option<PathBuf>,
     /// PEM certificates of the authorities clients' certificates must chain to (mutual TLS,
     /// with `--tls-cert`): a client without such a certificate does not get through the
-    /// handshake. Read again as `--tls-cert` is. The health listener stays plain.
+    /// handshake. Read again as `--tls-cert` is; a reload that no longer names it (while TLS
+    /// stays on) admits clients without a certificate from then on. The health listener stays
+    /// plain.
     #[arg(long, env = "KVROUTE_TLS_CLIENT_CA")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_client_ca: Option<PathBuf>,
-    /// How often the `--tls-cert` and `--tls-key` files are checked for a change (a
+    /// How often the `--tls-cert`, `--tls-key` and `--tls-client-ca` files are checked for a change (a
     /// certificate renewed in place, a Secret updated in its volume), milliseconds; a change
     /// is served to new connections. 0: only at a `SIGHUP`.
     #[arg(long, env = "KVROUTE_TLS_CHECK_MS", default_value_t = 10_000)]
@@ -483,6 +496,10 @@ impl Config {
                 .into(),
         );
         check(
+            self.replica_authorization().is_some() == self.replica_api_key.is_some(),
+            "--replica-api-key must not be empty or hold whitespace".into(),
+        );
+        check(
             self.admin_listen.ip().is_loopback()
                 || self.admin_token.as_ref().is_some_and(|t| !t.expose().is_empty()),
             format!("--admin-token is required when the admin service listens on {}", self.admin_listen),
@@ -678,6 +695,18 @@ impl Config {
             (None, None, Some(_)) => Err("--tls-client-ca needs --tls-cert and --tls-key".into()),
             _ => Err("--tls-cert and --tls-key go together".into()),
         }
+    }
+
+    /// The `Authorization` value of `--replica-api-key`, marked sensitive (kept out of logs and
+    /// of HTTP/2's header compression tables); `None` without one, or if it cannot be one.
+    pub fn replica_authorization(&self) -> Option<HeaderValue> {
+        let key = self.replica_api_key.as_ref().map(Secret::expose)?;
+        if key.is_empty() || key.contains(char::is_whitespace) {
+            return None;
+        }
+        let mut value = HeaderValue::from_str(&format!("Bearer {key}")).ok()?;
+        value.set_sensitive(true);
+        Some(value)
     }
 
     /// Limits checked on every routed request before it is forwarded.

@@ -22,7 +22,8 @@
 //! - With TLS on the proxy's listener (`--tls-cert`, `--tls-key`), the certificate, key and
 //!   client authorities (`--tls-client-ca`) are read again, from the paths the configuration
 //!   names now: a certificate rotated in place is served to the connections opened from then
-//!   on. (TLS itself is turned on or off at a start.)
+//!   on. (TLS itself is turned on or off at a start; client certificates are asked for or not
+//!   from a reload on.)
 //! - `--api-key-file` is read again, from the path the configuration names now (none: its
 //!   keys are dropped); one that cannot be loaded keeps the keys in use ([`crate::proxy::key_file`]).
 //! - Other settings take effect at the next start: a reload names those that changed. The
@@ -56,7 +57,7 @@ pub struct Reloaded {
     pub applied: Vec<String>,
     /// Settings besides the replicas that differ from the running router's (not applied).
     pub not_applied: Vec<String>,
-    /// Whether the proxy listener's certificate and key were read again, or why not; `None`
+    /// Whether the proxy listener's certificate, key and client CA were read again, or why not; `None`
     /// when it serves no TLS, or the configuration names none now.
     pub tls: Option<Result<(), String>>,
     /// How many keys `--api-key-file` holds now, or why the keys in use stay; `None` when the
@@ -91,8 +92,8 @@ impl Reloader {
             changed_settings(&self.running, config).into_iter().partition(|key| live::is_live(key));
         let mut reloaded = Reloaded { applied, not_applied, ..Reloaded::default() };
         self.apply_live(state, config, &reloaded.applied);
+        self.reload_admission(state, config, &mut reloaded);
         self.reload_tls(state, config, &mut reloaded);
-        self.reload_key_file(state, config, &mut reloaded);
         let desired = specs(&self.running, config);
         let gone: Vec<String> =
             self.applied.keys().filter(|name| !desired.contains_key(*name)).cloned().collect();
@@ -122,8 +123,9 @@ impl Reloader {
         reloaded
     }
 
-    /// Puts `config`'s routing and admission in place of the running ones, where any of
-    /// their settings (`changed`) did.
+    /// Puts `config`'s routing in place of the running one, where any of its settings
+    /// (`changed`) did, and carries the live settings (the admission's are put in by
+    /// [`Reloader::reload_admission`]).
     fn apply_live(&mut self, state: &ProxyState, config: &Config, changed: &[String]) {
         let running = state.decider.routing.get();
         if let Some(routing) = running.reloaded(config, changed) {
@@ -134,19 +136,21 @@ impl Reloader {
                 state.fleet().waiters().wake_all();
             }
         }
-        if let Some(admission) = Admission::reloaded(config, changed) {
-            state.key_file.admit(&state.admission, admission);
-        }
         live::carry(&mut self.running, config);
     }
 
-    /// Reads the proxy listener's certificate and key again, where it serves TLS and `config`
-    /// names them: from then on their paths count as applied.
+    /// Reads the proxy listener's certificate, key and client CA (if any) again, where it
+    /// serves TLS and `config` names them: from then on their paths count as applied.
     fn reload_tls(&mut self, state: &ProxyState, config: &Config, reloaded: &mut Reloaded) {
         let (Some(tls), Ok(Some(files))) = (&state.tls, config.tls_files()) else {
             return;
         };
         let loaded = tls.load(&files);
+        if loaded.is_ok() && self.running.tls_client_ca.is_some() && files.client_ca.is_none() {
+            tracing::warn!(
+                "reload: --tls-client-ca is no longer named: clients without a certificate are admitted"
+            );
+        }
         if loaded.is_ok() {
             reloaded.now_applied(&["tls-cert", "tls-key", "tls-client-ca"]);
             self.running.tls_cert = config.tls_cert.clone();
@@ -156,11 +160,13 @@ impl Reloader {
         reloaded.tls = Some(loaded);
     }
 
-    /// Reads the `--api-key-file` `config` names (if any) again: its keys in place of the last
-    /// one's, and from then on its path counts as applied.
-    fn reload_key_file(&mut self, state: &ProxyState, config: &Config, reloaded: &mut Reloaded) {
+    /// Puts `config`'s admission in place of the running one where any of its settings (among
+    /// those applied) did, with the keys of the `--api-key-file` it names (if any), read again:
+    /// in one change. From then on the file's path counts as applied.
+    fn reload_admission(&mut self, state: &ProxyState, config: &Config, reloaded: &mut Reloaded) {
         let path = config.api_key_file.as_deref();
-        let loaded = state.key_file.load(path, &state.admission);
+        let admission = Admission::reloaded(config, &reloaded.applied);
+        let loaded = state.key_file.load(path, admission, &state.admission);
         if loaded.is_ok() {
             reloaded.now_applied(&["api-key-file"]);
             self.running.api_key_file = config.api_key_file.clone();

@@ -23,11 +23,12 @@ use crate::fleet::Fleet;
 use crate::index::SharedIndex;
 use crate::ingest::Ingest;
 use crate::metrics::{ProxyMetrics, register_replica_load, register_tokenize_cache};
+use crate::proxy::control::{self, Client};
 use crate::proxy::forward::ForwardConfig;
 use crate::proxy::key_file::KeyFile;
 use crate::proxy::live::{Admission, Live, Routing};
 use crate::proxy::pool::Pool;
-use crate::proxy::prompts::{Client, Prompts, RemoteTokenizer};
+use crate::proxy::prompts::{Prompts, RemoteTokenizer};
 use crate::proxy::route::Decider;
 use crate::proxy::{self, ProxyState};
 
@@ -82,25 +83,6 @@ fn ending(shutdown: &CancellationToken, drain: Duration, tracker: &TaskTracker) 
         }
     });
     ending
-}
-
-/// How long an idle upstream connection is kept for reuse: less than the replicas' servers
-/// keep one (uvicorn, under vLLM and SGLang, closes it after 5 s), so that they rarely close
-/// one just as a request goes out on it.
-const UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
-/// Most idle connections one proxy thread keeps per replica.
-const UPSTREAM_MAX_IDLE: usize = 1024;
-
-/// The HTTP client of health checks and remote tokenization: pooled keep-alive connections,
-/// connect timeout. (Proxied requests go through each thread's [`Pool`].)
-pub fn client(connect_timeout: Duration) -> Client {
-    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
-    connector.set_connect_timeout(Some(connect_timeout));
-    connector.set_nodelay(true);
-    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .pool_idle_timeout(UPSTREAM_IDLE_TIMEOUT)
-        .pool_max_idle_per_host(UPSTREAM_MAX_IDLE)
-        .build(connector)
 }
 
 /// Binds the proxy and admin listeners (port 0 allowed), starts every task and returns.
@@ -193,7 +175,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     }
     let tokenization = Arc::new(tokenization);
     register_tokenize_cache(&mut registry, tokenization.clone());
-    let client = client(config.connect_timeout());
+    let client = Client::new(config.connect_timeout(), config.replica_authorization());
     let prompts = if config.remote_tokenize {
         Prompts::Remote(Box::new(RemoteTokenizer::new(
             tokenization,
@@ -233,7 +215,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         decider,
         new_pool: {
             let timeout = config.connect_timeout();
-            Box::new(move || Pool::new(timeout, UPSTREAM_IDLE_TIMEOUT, UPSTREAM_MAX_IDLE))
+            Box::new(move || Pool::new(timeout, control::IDLE_TIMEOUT, control::MAX_IDLE))
         },
         forward: ForwardConfig {
             max_body_bytes: config.max_body_bytes,
@@ -245,6 +227,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
             ejection: config.ejection(),
             access_log: config.access_log,
             forwarded_for: config.forwarded_for,
+            replica_authorization: config.replica_authorization(),
             owners: Arc::new(proxy::responses::Owners::new(config.response_owners)),
             ending: ending(shutdown, config.drain_timeout(), tracker),
         },

@@ -37,7 +37,8 @@ pub struct TlsFiles {
 }
 
 impl TlsFiles {
-    /// Each file's name and what it holds now.
+    /// What each file holds now, in the order of the fields (the client CA's last, if any);
+    /// else which one cannot be read, and why.
     fn read(&self) -> Result<Vec<Vec<u8>>, String> {
         let read = |path: &Path| std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()));
         [Some(&self.cert), Some(&self.key), self.client_ca.as_ref()]
@@ -93,8 +94,9 @@ impl Tls {
         let made = now.and_then(|now| {
             let made = acceptor(&files, &now);
             let mut loaded = self.0.write().unwrap_or_else(PoisonError::into_inner);
-            // (Unless a reload loaded other files meanwhile.)
-            if loaded.files == files {
+            // (Unless a reload loaded other files meanwhile, or the same ones anew: what it
+            // read may be newer than what this read.)
+            if loaded.files == files && loaded.seen == seen {
                 if let Ok(acceptor) = &made {
                     loaded.acceptor = acceptor.clone();
                 }

@@ -95,6 +95,8 @@ pub struct ForwardConfig {
     pub access_log: bool,
     /// Add the client to `X-Forwarded-For` (`--forwarded-for`).
     pub forwarded_for: bool,
+    /// `--replica-api-key`'s `Authorization`, sent in place of the client's.
+    pub replica_authorization: Option<HeaderValue>,
     /// Which replica stored each Responses API response ([`super::responses`]).
     pub owners: Arc<Owners>,
     /// Fires at the drain timeout after a shutdown: open streams end with an error event.
@@ -149,7 +151,7 @@ pub async fn routed(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let request_id = admitted.request_id;
     let metrics = &decider.metrics;
-    let (client, headers) = upstream_head(parts, request_id, config.forwarded_for);
+    let (client, headers) = upstream_head(parts, request_id, config);
     let mut last_error = None;
     // The replica of `plan.order` tried now, and those sent to so far (in `plan.order`).
     let (mut attempt, mut sent_to) = (0, Vec::with_capacity(MAX_ATTEMPTS));
@@ -475,7 +477,7 @@ pub async fn to_replica(
     Sending { mut body, uploaded, sequences, prompt_tokens, prefill_tokens, keeps_response, rank }: Sending,
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let (client, headers) = upstream_head(parts, admitted.request_id, config.forwarded_for);
+    let (client, headers) = upstream_head(parts, admitted.request_id, config);
     let metrics = &decider.metrics;
     let (mut attempt, mut last_error) = (0, None);
     for (i, member) in members.iter().enumerate() {
@@ -651,22 +653,33 @@ pub(super) fn record_failure(upstream: &Upstream, config: &ForwardConfig, metric
 }
 
 /// The client's request line and version, and the headers every attempt sends: the client's
-/// without hop-by-hop ones (nor a data-parallel rank), the request id, and with `forwarded_for` the client's address
-/// ([`forwarded`]). Taken once per request, not per attempt.
+/// without hop-by-hop ones (nor a data-parallel rank), the request id, `--replica-api-key` in
+/// place of the client's key on the paths the router guards ([`super::live::guarded`]), and
+/// with `--forwarded-for` the client's address ([`forwarded`]).
+/// Taken once per request, not per attempt.
 pub(super) fn upstream_head(
     parts: http::request::Parts,
     request_id: &str,
-    forwarded_for: bool,
+    config: &ForwardConfig,
 ) -> (ClientHead, HeaderMap) {
     let http::request::Parts { method, uri, version, mut headers, extensions, .. } = parts;
     strip_hop_by_hop(&mut headers);
+    // Only where the router's keys guard: an engine's own path outside `/v1` (SGLang's
+    // `/flush_cache`, say) is the engine's to guard, with the client's own credentials.
+    if let Some(authorization) = &config.replica_authorization
+        && super::live::guarded(&method, uri.path())
+    {
+        headers.insert(header::AUTHORIZATION, authorization.clone());
+    }
     // The rank is the router's to name, on the replica it chose: a client's would name a
     // rank of whichever replica the request reaches (a 400 where it has fewer).
     headers.remove(X_DATA_PARALLEL_RANK);
     if let Ok(id) = HeaderValue::from_str(request_id) {
         headers.insert(X_REQUEST_ID, id);
     }
-    if forwarded_for && let Some(peer) = extensions.get::<kvroute_proto::serve::Peer>() {
+    if config.forwarded_for
+        && let Some(peer) = extensions.get::<kvroute_proto::serve::Peer>()
+    {
         let https = extensions.get::<kvroute_proto::serve::Https>().is_some();
         forwarded(&mut headers, peer.0.ip(), if https { "https" } else { "http" });
     }

@@ -22,8 +22,8 @@
 //! An adapter's requests go only to replicas whose last list has it
 //! ([`super::upstream::Adapter::Listed`]): a fleet may serve different adapters on different
 //! replicas, and a replica without one answers its requests 404. SGLang replicas, and
-//! replicas that refuse an unauthenticated list (vLLM's `--api-key`), tell nothing here, and
-//! may be sent any adapter's requests.
+//! replicas that refuse the list (vLLM's `--api-key`, when the router has no
+//! `--replica-api-key` to show them), tell nothing here, and may be sent any adapter's requests.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -37,8 +37,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::ProxyState;
 use super::body::full;
+use super::control::Client;
 use super::lora::catch_up;
-use super::prompts::Client;
 use super::upstream::{Check, Upstream};
 use crate::fleet::{Fleet, Member};
 use crate::replicas::EngineKind;

@@ -2,16 +2,18 @@
 //! Kubernetes Secret mounted as a volume, which the kubelet updates in place, where one passed
 //! in the environment is fixed for the process's life.
 //!
-//! - The file holds keys separated by commas, blanks or lines; a line whose first character
-//!   (after blanks) is `#` is a comment.
+//! - The file holds keys separated by commas, blanks or lines; `#` starts a comment, to the
+//!   end of its line (so no key holds a `#`).
 //! - It is read at the start (a file that cannot be read, or holds no key, stops the start
 //!   with the other configuration errors), at each `SIGHUP`, and whenever what it holds
 //!   changes ([`KeyFile::watch`]). Its keys pass as `--api-key`'s do; requests admitted from
 //!   then on are checked against the new ones, and open WebSocket tunnels whose key is gone end
 //!   ([`super::tunnel`]).
-//! - A file that can no longer be read, or holds no key (half-written, emptied), keeps the
-//!   keys in use: an emptied file never opens the API. The error is logged, once for the same
-//!   contents.
+//! - A file that can no longer be read, or holds no key (emptied, or caught as its first key
+//!   is written), keeps the keys in use: an emptied file never opens the API. The error is
+//!   logged: once for the same contents, at each check while it cannot be read. Write the
+//!   file whole, by a rename into place (as the kubelet does with a Secret's volume): one
+//!   caught half-written with a key or more in it is loaded as it is, until the next check.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
@@ -54,20 +56,24 @@ impl KeyFile {
         admission.with_file_keys(keys(&self.0.lock().unwrap_or_else(PoisonError::into_inner)))
     }
 
-    /// Puts `admission` in `live`, with this file's keys.
-    pub fn admit(&self, live: &Live<Admission>, admission: Admission) {
-        let loaded = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        live.set(admission.with_file_keys(keys(&loaded)));
-    }
-
-    /// Reads the file at `path` now (`None`: no file), puts its keys in `live`'s admission in
-    /// place of the last file's, and watches it from then on; how many keys it holds, or what
-    /// is wrong with it (then the keys and the file in use stay).
-    pub fn load(&self, path: Option<&Path>, live: &Live<Admission>) -> Result<usize, String> {
+    /// Reads the file at `path` now (`None`: no file) and watches it from then on, and puts in
+    /// `live` `admission` (a reload's new one; `None`: the one in force) with its keys, in
+    /// place of the last file's: one change, so that no request or tunnel sees the new
+    /// admission with the old file's keys. How many keys the file holds, or what is wrong with
+    /// it (then the file and its keys in use stay, with `admission` all the same).
+    pub fn load(
+        &self,
+        path: Option<&Path>,
+        admission: Option<Admission>,
+        live: &Live<Admission>,
+    ) -> Result<usize, String> {
         let mut loaded = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        *loaded = path.map(read).transpose()?;
-        live.update(|admission| admission.with_file_keys(keys(&loaded)));
-        Ok(keys(&loaded).len())
+        let read = path.map(read).transpose().map(|now| *loaded = now);
+        match admission {
+            Some(admission) => live.set(admission.with_file_keys(keys(&loaded))),
+            None => live.update(|admission| admission.with_file_keys(keys(&loaded))),
+        }
+        read.map(|()| keys(&loaded).len())
     }
 
     /// Loads the file again if what it holds changed since it was last read: `None` if it did
@@ -125,8 +131,9 @@ fn read(path: &Path) -> Result<Loaded, String> {
 /// The keys in `contents`, the file at `path`'s.
 fn parse(path: &Path, contents: &[u8]) -> Result<Vec<String>, String> {
     let text = std::str::from_utf8(contents).map_err(|_| format!("{}: not UTF-8 text", path.display()))?;
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let keys: Vec<String> = (text.lines())
-        .filter(|line| !line.trim_start().starts_with('#'))
+        .filter_map(|line| line.split('#').next())
         .flat_map(|line| line.split(|c: char| c == ',' || c.is_whitespace()))
         .filter(|key| !key.is_empty())
         .map(str::to_owned)
@@ -155,8 +162,8 @@ mod tests {
     #[test]
     fn keys_are_split_by_commas_blanks_and_lines() {
         let path = Path::new("keys");
-        let keys = parse(path, b"# team a\nsk-a, sk-b\n\n  sk-c\tsk-d\r\n  # sk-gone\n").unwrap();
-        assert_eq!(keys, ["sk-a", "sk-b", "sk-c", "sk-d"]);
+        let keys = "\u{feff}# team a\nsk-a, sk-b\n\n  sk-c\tsk-d\r\n  # sk-gone\nsk-e  # team e\n";
+        assert_eq!(parse(path, keys.as_bytes()).unwrap(), ["sk-a", "sk-b", "sk-c", "sk-d", "sk-e"]);
         for empty in [&b""[..], b"\n", b" , \n", b"# only a comment\n"] {
             let refused = parse(path, empty).unwrap_err();
             assert!(refused.starts_with("keys: holds no key"), "{refused}");
@@ -174,8 +181,7 @@ mod tests {
         std::fs::write(&path, "sk-old\n").unwrap();
         let config = Config { api_key: vec!["sk-flag".into()], ..Config::loopback(Vec::new()) };
         let file = KeyFile::open(Some(&path)).unwrap();
-        let live = Live::new(Admission::new(&config));
-        file.admit(&live, Admission::new(&config));
+        let live = Live::new(file.with_keys(&Admission::new(&config)));
         assert!(allows(&live, "sk-old") && allows(&live, "sk-flag") && !allows(&live, "sk-new"));
         assert_eq!(file.reload_if_changed(&live), None, "unchanged");
 
@@ -192,15 +198,13 @@ mod tests {
         assert!(file.reload_if_changed(&live).unwrap().is_err());
         assert!(allows(&live, "sk-new") && !allows(&live, "anything"));
 
-        // A reload's new admission keeps the file's keys; a reload without the file drops them.
-        file.admit(&live, Admission::new(&Config { api_key: Vec::new(), ..config.clone() }));
-        assert!(allows(&live, "sk-new") && !allows(&live, "sk-flag"));
-        assert_eq!(file.load(Some(&path), &live).map_err(|e| e.contains("keys")), Err(true));
-        assert!(
-            allows(&live, "sk-new") && !allows(&live, "anything"),
-            "a file that cannot be read keeps them"
-        );
-        assert_eq!(file.load(None, &live), Ok(0));
+        // A reload's new admission keeps the file's keys where the file cannot be read; a
+        // reload without the file drops them.
+        let unflagged = Admission::new(&Config { api_key: Vec::new(), ..config.clone() });
+        assert_eq!(file.load(Some(&path), Some(unflagged), &live).map_err(|e| e.contains("keys")), Err(true));
+        assert!(allows(&live, "sk-new") && !allows(&live, "sk-flag"), "the new admission, the file's keys");
+        assert!(!allows(&live, "anything"), "a file that cannot be read keeps them");
+        assert_eq!(file.load(None, None, &live), Ok(0));
         assert!(allows(&live, "anything"), "no keys left: the API is open, as the configuration says");
         std::fs::remove_dir_all(&dir).unwrap();
     }

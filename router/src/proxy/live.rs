@@ -195,13 +195,19 @@ impl Admission {
     }
 
     /// Whether a request of `method` to `path` with `authorization` (the header's value) may
-    /// pass: with keys, one to a path under `/v1` ([`api_key::needs_key`]) or to the router's
-    /// own LoRA paths (SGLang's spellings outside `/v1` too) must carry one of them.
+    /// pass: with keys, one to a [`guarded`] path must carry one of them.
     pub fn allows(&self, method: &Method, path: &str, authorization: Option<&[u8]>) -> bool {
         self.api_keys.is_empty()
-            || !(api_key::needs_key(method, path) || lora::route(path).is_some())
+            || !guarded(method, path)
             || api_key::bearer_matches(authorization, &self.api_keys)
     }
+}
+
+/// Whether a request of `method` to `path` is one the router's keys guard: one to a path under
+/// `/v1` ([`api_key::needs_key`]) or to the router's own LoRA paths (SGLang's spellings outside
+/// `/v1` too). The engines' own paths outside `/v1` are theirs to guard.
+pub fn guarded(method: &Method, path: &str) -> bool {
+    api_key::needs_key(method, path) || lora::route(path).is_some()
 }
 
 impl std::fmt::Debug for Admission {

@@ -147,7 +147,7 @@ pub async fn fan_out(
     // and its catch-up would then undo an unload or never finish a load. The server drains
     // the task at shutdown, as it drains connections.
     let background = parts.extensions.get::<kvroute_proto::serve::Background>().cloned();
-    let (_, headers) = super::forward::upstream_head(parts, request_id, state.forward.forwarded_for);
+    let (_, headers) = super::forward::upstream_head(parts, request_id, &state.forward);
     let apply = apply(state.clone(), pool.clone(), change, name, (headers, body));
     // The change holds its place under `--max-in-flight` until it is done, whether or not
     // its client waits: clients that left at once queued changes without bound.

@@ -13,12 +13,13 @@
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //! | an HTTP/1.1 `GET` for a WebSocket (`Upgrade: websocket`, `Connection: upgrade`; vLLM's `/v1/realtime`) on a path that passes through | tunnelled to the least-loaded eligible replica ([`tunnel`]) |
 //!
-//! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`cors`] (the router's own answers' CORS fields), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`key_file`] (`--api-key-file`), [`live`] (the settings a reload changes), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
+//! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`control`] (the router's own requests to replicas), [`cors`] (the router's own answers' CORS fields), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`key_file`] (`--api-key-file`), [`live`] (the settings a reload changes), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
 //! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`queue`] (requests waiting for room), [`responses`] (which replica stored each Responses API response), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`tunnel`] (WebSockets), [`upload`] (clients' request
 //! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health), [`waiters`] (requests waiting for a replica's room).
 
 pub mod access;
 pub mod body;
+pub mod control;
 pub mod cors;
 pub mod error;
 pub mod forward;
@@ -471,7 +472,8 @@ async fn stored_response(
     streamed_to(state, pool, &[member], req, admitted).await
 }
 
-/// The replica that stored response `id`, asked for with the client's credentials, and the
+/// The replica that stored response `id`, asked for with the client's credentials (or
+/// `--replica-api-key`), and the
 /// rank this router sent its request to, if it named one.
 async fn find_owner(
     state: &ProxyState,
@@ -480,7 +482,8 @@ async fn find_owner(
     id: &str,
 ) -> Result<(Member, Option<u32>), ProxyError> {
     let mut headers = http::HeaderMap::new();
-    if let Some(auth) = client.get(header::AUTHORIZATION) {
+    let replicas = state.forward.replica_authorization.as_ref();
+    if let Some(auth) = replicas.or_else(|| client.get(header::AUTHORIZATION)) {
         headers.insert(header::AUTHORIZATION, auth.clone());
     }
     let (fleet, timeout) = (state.fleet(), state.forward.control_timeout);

@@ -31,7 +31,8 @@ use kvroute_proto::openai::{
 };
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::body::{ProxyBody, full};
+use super::body::full;
+use super::control::Client;
 use super::upstream::verdicts;
 use crate::fleet::Member;
 
@@ -79,9 +80,6 @@ fn media_chat<'r, 'a>(request: &'r ParsedRequest<'a>) -> Option<&'r ChatRequest<
         _ => None,
     }
 }
-
-pub type Client =
-    hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, ProxyBody>;
 
 impl Prompts {
     /// Whether the replicas tokenize (`--remote-tokenize`).

@@ -78,7 +78,7 @@ pub(super) async fn open(
         authorization: parts.headers.get(header::AUTHORIZATION).cloned(),
     };
     let upgrade: Vec<HeaderValue> = parts.headers.get_all(header::UPGRADE).iter().cloned().collect();
-    let (client, mut headers) = forward::upstream_head(parts, admitted.request_id, config.forwarded_for);
+    let (client, mut headers) = forward::upstream_head(parts, admitted.request_id, config);
     asking_for(&mut headers, upgrade);
     let mut last_error = None;
     // A later one gone since the replicas were chosen is passed over, as a retry's is (read

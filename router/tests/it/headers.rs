@@ -232,6 +232,31 @@ async fn forwarded_for_tells_the_replica_the_client() {
     }
 }
 
+/// With `--replica-api-key`, a request to a path the router's keys guard reaches the replica
+/// with that key in place of the client's; an engine's own path outside `/v1` keeps the
+/// client's, for the engine to check.
+#[tokio::test]
+async fn the_replicas_key_goes_only_where_the_router_guards() {
+    let (replica, mut seen) = recording_replica(ANSWER).await;
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+        api_key: vec!["sk-client".into()],
+        replica_api_key: Some(kvroute_router::config::Secret::new("sk-replica")),
+        ..c
+    })
+    .await;
+    for (path, sent) in [("/v1/embeddings", "Bearer sk-replica"), ("/tokenize", "Bearer sk-client")] {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\nauthorization: Bearer sk-client\r\n"
+        );
+        let answer = exchange(&router.url(), &head, "{\"input\":\"x\"}").await;
+        assert!(answer.starts_with("http/1.1 200"), "{path}: {answer}");
+        let got =
+            tokio::time::timeout(WAIT, seen.recv()).await.expect("in time").expect("the replica saw it");
+        assert_eq!(got.values("authorization"), [sent], "{path}");
+    }
+    shutdown.cancel();
+}
+
 /// Upgrades other than a WebSocket's (those are tunnelled: `websocket.rs`): an `h2c` upgrade
 /// (curl's `--http2` over plain HTTP) is optional for a server, so the request is served over
 /// HTTP/1.1, and so is a request whose `Connection` does not name `upgrade`.

@@ -665,3 +665,49 @@ async fn api_keys_guard_the_v1_paths() {
         .await;
     assert_ne!(preflight.status, 401, "a preflight carries no credentials");
 }
+
+/// With `--replica-api-key`, clients hold the router's keys and the replicas their own: a
+/// request reaches its replica with the replicas' key in place of the client's, the replicas'
+/// key is no client's, and the router's own requests carry it too (it learns an adapter from a
+/// keyed replica's list). Without it, the client's key goes on, and the replica refuses it.
+#[tokio::test]
+async fn the_replicas_key_replaces_the_clients() {
+    let keyed = |name: &str| kvroute_replica_agent::Config {
+        api_key: Some("sk-replica".into()),
+        ..agent_config(name)
+    };
+    let completion = json!({"model": FLEET_MODEL, "prompt": "hi", "max_tokens": 1}).to_string();
+    let status = async |fleet: &Fleet, key: &str| {
+        let auth = format!("Bearer {key}");
+        let url = fleet.url("/v1/completions");
+        fleet
+            .http
+            .send_with(http::Method::POST, &url, completion.clone(), &[("authorization", &auth)])
+            .await
+            .status
+    };
+    let fleet = Fleet::with(1, keyed, |c| kvroute_router::Config {
+        api_key: vec!["sk-client".into()],
+        replica_api_key: Some(kvroute_router::config::Secret::new("sk-replica")),
+        ..c
+    })
+    .await;
+    assert_eq!(status(&fleet, "sk-client").await, 200);
+    assert_eq!(status(&fleet, "sk-replica").await, 401, "the router's keys are its clients'");
+    let agent = fleet.agents[0].as_ref().unwrap().http_url();
+    let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
+    let loaded = crate::fleet::Http::new()
+        .bearer("sk-replica")
+        .post(&format!("{agent}/v1/load_lora_adapter"), &load)
+        .await;
+    assert_eq!(loaded.status, 200, "{:?}", loaded.body);
+    let state = fleet.router.state.clone();
+    crate::support::wait_until("the router learned the adapter from the keyed list", || {
+        state.decider.prompts.tokenization().lora_adapters().contains(&"sql".to_owned())
+    })
+    .await;
+
+    let passing =
+        Fleet::with(1, keyed, |c| kvroute_router::Config { api_key: vec!["sk-client".into()], ..c }).await;
+    assert_eq!(status(&passing, "sk-client").await, 401, "the replica's answer to the client's key");
+}

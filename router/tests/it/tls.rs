@@ -227,7 +227,8 @@ fn authority_and_client() -> (rcgen::Certificate, rcgen::CertifiedKey<rcgen::Key
 
 /// With `--tls-client-ca` (mutual TLS), a client with a certificate of that authority is
 /// served; one without a certificate, or with one of another authority, is not. A reload that
-/// names another authority lets in its clients from then on, and no longer the first one's.
+/// names another authority lets in its clients from then on, and no longer the first one's;
+/// one that names none asks no client for a certificate.
 #[tokio::test]
 async fn with_a_client_ca_only_its_clients_are_served() {
     let dir = directory("tls-mutual");
@@ -257,10 +258,14 @@ async fn with_a_client_ca_only_its_clients_are_served() {
 
     let other_ca = dir.join("other-ca.crt");
     std::fs::write(&other_ca, other_authority.pem()).unwrap();
-    let reloaded =
-        reloader.apply(&fleet.router.state, &RouterConfig { tls_client_ca: Some(other_ca), ..config }).await;
+    let other = RouterConfig { tls_client_ca: Some(other_ca), ..config.clone() };
+    let reloaded = reloader.apply(&fleet.router.state, &other).await;
     assert_eq!((reloaded.tls, reloaded.applied), (Some(Ok(())), vec!["tls-client-ca".to_owned()]));
     assert_eq!(status(Some(&stranger), b"h2").await, Ok(http::StatusCode::OK));
     assert!(status(Some(&client), b"h2").await.is_err(), "the first authority's client");
+    // A reload that names no authority any more: no certificate is asked for.
+    let reloaded = reloader.apply(&fleet.router.state, &RouterConfig { tls_client_ca: None, ..config }).await;
+    assert_eq!((reloaded.tls, reloaded.applied), (Some(Ok(())), vec!["tls-client-ca".to_owned()]));
+    assert_eq!(status(None, b"http/1.1").await, Ok(http::StatusCode::OK));
     let _ = std::fs::remove_dir_all(dir);
 }

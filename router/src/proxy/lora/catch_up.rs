@@ -18,6 +18,8 @@
 //!
 //! What is kept of the load request: its body, and of its headers only `Authorization`
 //! (replicas started with `--api-key`; marked sensitive, never printed) and `Content-Type`.
+//! With `--replica-api-key` the router's own key goes in its place ([`crate::proxy::control`]),
+//! so that a catch-up does not depend on a client key that may since have been rotated.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -34,7 +36,7 @@ use serde_json::value::RawValue;
 use super::Change;
 use crate::fleet::{Fleet, Member};
 use crate::proxy::body::full;
-use crate::proxy::prompts::Client;
+use crate::proxy::control::Client;
 use crate::replicas::EngineKind;
 
 /// A LoRA adapter loaded through the router: its name, and what is kept of the load request
