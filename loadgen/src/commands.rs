@@ -84,6 +84,17 @@ pub struct SendArgs {
     /// replica run with `--api-key`.
     #[arg(long, env = "KVROUTE_LOADGEN_API_KEY", hide_env_values = true, value_parser = bearer)]
     pub api_key: Option<HeaderValue>,
+    /// PEM certificates of the authorities an `https://` target's certificate is checked
+    /// against (a router's own `--tls-cert` authority); the system's without.
+    #[arg(long)]
+    pub ca_cert: Option<PathBuf>,
+    /// PEM certificate chain shown to a target that asks for one (a router's
+    /// `--tls-client-ca`, mutual TLS). With `--client-key`.
+    #[arg(long, requires = "client_key")]
+    pub client_cert: Option<PathBuf>,
+    /// PEM private key of `--client-cert`.
+    #[arg(long, requires = "client_cert")]
+    pub client_key: Option<PathBuf>,
 }
 
 /// `Authorization: Bearer <key>`, marked sensitive (its `Debug` does not show it).
@@ -97,7 +108,7 @@ fn bearer(key: &str) -> Result<HeaderValue, String> {
 }
 
 impl SendArgs {
-    fn live_config(&self, target: String) -> LiveConfig {
+    fn live_config(&self, target: String) -> anyhow::Result<LiveConfig> {
         let mut config = LiveConfig::new(target, self.model.clone());
         config.arrivals = match self.mode {
             Mode::Trace => Arrivals::Trace { speedup: self.speedup },
@@ -112,7 +123,13 @@ impl SendArgs {
         config.max_requests = self.requests;
         config.progress = !self.no_progress;
         config.authorization = self.api_key.clone();
-        config
+        let identity = self.client_cert.as_deref().zip(self.client_key.as_deref());
+        if self.ca_cert.is_some() || identity.is_some() {
+            let tls = live::tls::client_config(self.ca_cert.as_deref(), identity);
+            config.tls =
+                Some(tls.map_err(|e| anyhow::anyhow!("--ca-cert, --client-cert, --client-key: {e}"))?);
+        }
+        Ok(config)
     }
 }
 
@@ -310,7 +327,7 @@ pub fn demo_workload() -> Workload {
 /// Runs `live`.
 pub fn run_live(args: &LiveArgs) -> anyhow::Result<()> {
     let (trace, _) = load(&args.workload.trace, &args.synthetic, || Workload::Chat(ChatParams::default()))?;
-    let mut config = args.send.live_config(args.target.trim_end_matches('/').to_owned());
+    let mut config = args.send.live_config(args.target.trim_end_matches('/').to_owned())?;
     config.replicas = args.replica_urls.iter().map(|u| u.trim_end_matches('/').to_owned()).collect();
     let report = block_on(|shutdown| async move { Ok(live::run(&trace, &config, shutdown).await?) })?;
     print!("{}", live_summary(&report));
@@ -345,7 +362,7 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<()> {
     let config = CompareConfig {
         routers,
         replicas,
-        live: args.send.live_config(String::new()),
+        live: args.send.live_config(String::new())?,
         block_size: args.block_size as usize,
         total_capacity_blocks: args.capacity_blocks,
         eviction: args.eviction,

@@ -1043,6 +1043,21 @@ mod tests {
         }
     }
 
+    /// `--replica-api-key` is sent as a sensitive bearer, redacted in `Debug`; one no header
+    /// could carry as sent is refused up front.
+    #[test]
+    fn the_replicas_key_is_a_hidden_bearer() {
+        let c: Config = kvroute_proto::cli::parse_from(["r", "--replica-api-key", "sk-fleet"]).unwrap();
+        let value = c.replica_authorization().unwrap();
+        assert_eq!((value.to_str().unwrap(), value.is_sensitive()), ("Bearer sk-fleet", true));
+        assert!(!format!("{c:?}").contains("sk-fleet"));
+        for bad in ["", "sk fleet", "sk-fleet\n"] {
+            let c: Config = kvroute_proto::cli::parse_from(["r", "--replica-api-key", bad]).unwrap();
+            assert!(c.replica_authorization().is_none(), "{bad:?}");
+            assert!(c.validate().unwrap_err()[0].contains("--replica-api-key must not"), "{bad:?}");
+        }
+    }
+
     /// In a config file the keys are a list or a comma-separated string; a value of another
     /// type is refused without being repeated in the error.
     #[test]

@@ -109,7 +109,8 @@ pub async fn compare(
     config: &CompareConfig,
     shutdown: CancellationToken,
 ) -> anyhow::Result<CompareReport> {
-    let client = Client::new(Duration::from_secs(2));
+    let tls = config.live.tls.clone().unwrap_or_else(crate::live::tls::system);
+    let client = Client::with_tls(Duration::from_secs(2), tls);
     let sent = config
         .live
         .max_requests

@@ -10,16 +10,19 @@
 //! `x-kvroute-predicted-cached-tokens` and `x-kvroute-replica` headers.
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{CONTENT_TYPE, HeaderValue};
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
+use tokio_rustls::rustls::ClientConfig;
 
 use crate::workload::Request as WorkloadRequest;
 
@@ -101,20 +104,33 @@ impl Success {
     }
 }
 
-/// A keep-alive HTTP/1.1 client for completions against one base URL.
+/// A keep-alive HTTP/1.1 client for completions against one base URL, `http://` or
+/// `https://` ([`super::tls`]).
 #[derive(Clone)]
 pub struct Client {
-    http: HyperClient<HttpConnector, Full<Bytes>>,
+    http: HyperClient<HttpsConnector<HttpConnector>, Full<Bytes>>,
     /// `Authorization` of every completion, if any.
     authorization: Option<HeaderValue>,
 }
 
 impl Client {
-    /// A pooled client; `connect_timeout` bounds each connection attempt.
+    /// A pooled client; `connect_timeout` bounds each connection attempt. HTTPS trusts the
+    /// system's authorities.
     pub fn new(connect_timeout: Duration) -> Self {
+        Self::with_tls(connect_timeout, super::tls::system())
+    }
+
+    /// [`Client::new`], HTTPS as `tls` says.
+    pub fn with_tls(connect_timeout: Duration, tls: Arc<ClientConfig>) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(connect_timeout));
         connector.set_nodelay(true);
+        connector.enforce_http(false);
+        let connector = HttpsConnectorBuilder::new()
+            .with_tls_config(Arc::unwrap_or_clone(tls))
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
         let http = HyperClient::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_max_idle_per_host(1024)

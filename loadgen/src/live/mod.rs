@@ -15,10 +15,12 @@
 //! - [`client`]: one measured request (SSE parsing, TTFT, usage, router headers).
 //! - [`scrape`]: Prometheus counters before and after.
 //! - [`report`]: aggregation into a [`LiveReport`].
+//! - [`tls`]: HTTPS to the target (its authorities, a client certificate).
 
 pub mod client;
 pub mod report;
 pub mod scrape;
+pub mod tls;
 
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -80,6 +82,9 @@ pub struct LiveConfig {
     /// `Authorization` of every completion (a router's or replica's `--api-key`), marked
     /// sensitive: its `Debug` does not show it.
     pub authorization: Option<HeaderValue>,
+    /// HTTPS to an `https://` target ([`tls::client_config`]); `None`: the system's
+    /// authorities, no client certificate.
+    pub tls: Option<Arc<tokio_rustls::rustls::ClientConfig>>,
 }
 
 impl LiveConfig {
@@ -100,6 +105,7 @@ impl LiveConfig {
             progress: true,
             label: "live".into(),
             authorization: None,
+            tls: None,
         }
     }
 }
@@ -118,7 +124,7 @@ pub enum LiveError {
     Concurrency,
     #[error("--concurrency {concurrency} is more than --max-in-flight {limit}; raise that too")]
     ConcurrencyOverLimit { concurrency: usize, limit: usize },
-    #[error("the target {0:?} is not an http:// URL")]
+    #[error("the target {0:?} is not an http:// or https:// URL")]
     Target(String),
     #[error("the request timeout must be longer than zero (every request would time out)")]
     Timeout,
@@ -136,7 +142,8 @@ pub async fn run(
     validate(config)?;
     let requests = &trace.requests[..config.max_requests.unwrap_or(usize::MAX).min(trace.len())];
     let schedule = schedule(requests, config.arrivals)?;
-    let client = Client::new(config.connect_timeout).authorized(config.authorization.clone());
+    let tls = config.tls.clone().unwrap_or_else(tls::system);
+    let client = Client::with_tls(config.connect_timeout, tls).authorized(config.authorization.clone());
     let before = scrape::snapshot(&client, &config.target, &config.replicas).await;
 
     let bar = progress_bar(config, requests.len());
@@ -195,7 +202,7 @@ pub async fn run(
 
 /// Checks `config` before a run (also done by [`run`]).
 pub fn validate(config: &LiveConfig) -> Result<(), LiveError> {
-    if !config.target.starts_with("http://") {
+    if !(config.target.starts_with("http://") || config.target.starts_with("https://")) {
         return Err(LiveError::Target(config.target.clone()));
     }
     if config.max_in_flight == 0 || config.max_in_flight > Semaphore::MAX_PERMITS {

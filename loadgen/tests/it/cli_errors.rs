@@ -15,7 +15,7 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
     let trace = trace.to_str().unwrap();
     // Each case's exit code and a fragment of its message: a case meant to reach the program
     // must not pass on a usage error from a misspelt flag, nor a usage case on another one.
-    let cases: [(&[&str], i32, &str); 21] = [
+    let cases: [(&[&str], i32, &str); 23] = [
         (&["--bogus-flag"], USAGE, "'--bogus-flag'"),
         (&[], USAGE, "Usage:"),
         (&["simulate", "--policy", "nope"], USAGE, "'nope'"),
@@ -86,6 +86,13 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
         (&["soak", "--rate", "inf"], 1, "--rate must be above 0"),
         (&["soak", "--rate", "1e9"], 1, "at most 100000"),
         (&["soak", "--rate", "100000", "--duration", "10m"], 1, "60000000 requests"),
+        // A client certificate needs its key; a file that cannot be read is named.
+        (&["live", "--target", "https://127.0.0.1:1", "--client-cert", "c.pem"], USAGE, "--client-key"),
+        (
+            &["live", "--target", "https://127.0.0.1:1", "--ca-cert", "/nonexistent/ca.pem"],
+            1,
+            "/nonexistent/ca.pem",
+        ),
     ];
     for (args, code, fragment) in cases {
         let out = Command::new(env!("CARGO_BIN_EXE_kvroute-loadgen")).args(args).output().expect("runs");

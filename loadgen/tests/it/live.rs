@@ -690,3 +690,64 @@ async fn a_live_run_sends_the_api_key_a_router_asks_for() {
     shutdown.cancel();
     fleet.stop().await;
 }
+
+/// A live run reaches a router serving HTTPS that asks clients for a certificate (mutual
+/// TLS): with the authority trusted and a certificate it signed, every request is served;
+/// without the certificate, none is, and the run still ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_run_reaches_a_router_over_mutual_tls() {
+    let dir = TempDir::new("mutual-tls");
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign];
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let signed = |names: Vec<String>, usage: rcgen::ExtendedKeyUsagePurpose, name: &str| {
+        let mut params = rcgen::CertificateParams::new(names).unwrap();
+        params.extended_key_usages = vec![usage];
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &issuer).unwrap();
+        let (cert_path, key_path) = (dir.0.join(format!("{name}.crt")), dir.0.join(format!("{name}.key")));
+        std::fs::write(&cert_path, cert.pem()).unwrap();
+        std::fs::write(&key_path, key.serialize_pem()).unwrap();
+        (cert_path, key_path)
+    };
+    let server = signed(vec!["127.0.0.1".into()], rcgen::ExtendedKeyUsagePurpose::ServerAuth, "server");
+    let client = signed(vec!["loadgen".into()], rcgen::ExtendedKeyUsagePurpose::ClientAuth, "client");
+    let ca_path = dir.0.join("ca.crt");
+    std::fs::write(&ca_path, ca_cert.pem()).unwrap();
+
+    let shutdown = CancellationToken::new();
+    let fleet = EmbeddedFleet::start(fleet_config(1), shutdown.child_token()).await.unwrap();
+    let config = kvroute_router::Config {
+        tls_cert: Some(server.0.clone()),
+        tls_key: Some(server.1.clone()),
+        tls_client_ca: Some(ca_path.clone()),
+        ..fleet.router_config()
+    };
+    let router = kvroute_router::start(config, shutdown.child_token()).await.unwrap();
+    assert!(router.url().starts_with("https://"), "{}", router.url());
+    let trace = small_chat();
+    for (identity, served) in [(None, false), (Some((client.0.as_path(), client.1.as_path())), true)] {
+        let mut live = quiet(LiveConfig::new(router.url(), DEMO_MODEL));
+        live.tls = Some(live::tls::client_config(Some(&ca_path), identity).unwrap());
+        let report = tokio::time::timeout(LIMIT, live::run(&trace, &live, shutdown.clone()))
+            .await
+            .expect("the run finishes")
+            .expect("the run starts");
+        match served {
+            true => assert_eq!((report.succeeded, report.failed()), (trace.len(), 0), "{:?}", report.errors),
+            false => assert_eq!(
+                (report.succeeded, report.failed()),
+                (0, trace.len() as u64),
+                "{:?}",
+                report.errors
+            ),
+        }
+    }
+    let refused = live::tls::client_config(Some(&server.1), None).expect_err("a key is no authority");
+    assert!(refused.contains("server.key: no certificate"), "{refused}");
+    shutdown.cancel();
+    fleet.stop().await;
+}

@@ -201,12 +201,7 @@ impl AsyncWrite for Stream {
 fn acceptor(files: &TlsFiles, pem: &[Vec<u8>]) -> Result<TlsAcceptor, String> {
     let (cert, key) = (&files.cert, &files.key);
     let chain = certificates(cert, &pem[0])?;
-    let private = PrivateKeyDer::from_pem_slice(&pem[1]).map_err(|e| match e {
-        pem::Error::NoItemsFound => {
-            format!("{}: no private key in it (PKCS#8, PKCS#1 or SEC1 PEM)", key.display())
-        }
-        e => format!("{}: {e}", key.display()),
-    })?;
+    let private = private_key(key, &pem[1])?;
     let provider = Arc::new(ring::default_provider());
     let versions = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&version::TLS13, &version::TLS12])
@@ -231,8 +226,18 @@ fn acceptor(files: &TlsFiles, pem: &[Vec<u8>]) -> Result<TlsAcceptor, String> {
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
+/// The private key in `pem`, the file `path`'s.
+pub fn private_key(path: &Path, pem: &[u8]) -> Result<PrivateKeyDer<'static>, String> {
+    PrivateKeyDer::from_pem_slice(pem).map_err(|e| match e {
+        pem::Error::NoItemsFound => {
+            format!("{}: no private key in it (PKCS#8, PKCS#1 or SEC1 PEM)", path.display())
+        }
+        e => format!("{}: {e}", path.display()),
+    })
+}
+
 /// The certificates in `pem`, the file `path`'s: at least one.
-fn certificates(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
+pub fn certificates(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
     let certificates = CertificateDer::pem_slice_iter(pem)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| format!("{}: {e}", path.display()))?;
