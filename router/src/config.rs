@@ -83,8 +83,8 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true, value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "comma_separated")]
     pub api_key: Vec<Secret>,
-    /// A file of keys as `--api-key`'s (separated by commas, blanks or lines; `#` starts a
-    /// comment, to the end of its line), which pass with them: read again at each `SIGHUP` and whenever it changes
+    /// A file of keys as `--api-key`'s (separated by commas, blanks or lines; a word that
+    /// begins with `#` begins a comment, to the end of its line), which pass with them: read again at each `SIGHUP` and whenever it changes
     /// (`--api-key-check-ms`), so keys rotate without a restart (a Kubernetes Secret mounted as a
     /// volume). A file that cannot be read or holds no key stops the start; later, it keeps the
     /// keys in use (an emptied file never opens the API).

@@ -172,6 +172,7 @@ impl Reloader {
             self.running.api_key_file = config.api_key_file.clone();
         }
         reloaded.api_key_file = path.map(|_| loaded);
+        crate::server::warn_if_replicas_open(state, config);
     }
 
     /// Adds or replaces `spec`, and records what it did.

@@ -85,6 +85,16 @@ fn ending(shutdown: &CancellationToken, drain: Duration, tracker: &TaskTracker) 
     ending
 }
 
+/// Warns when `--replica-api-key` opens the replicas to every client: the router checks no
+/// key of its own, nor clients' certificates.
+pub(crate) fn warn_if_replicas_open(state: &ProxyState, config: &Config) {
+    if config.replica_api_key.is_some() && state.admission.get().is_open() && config.tls_client_ca.is_none() {
+        tracing::warn!(
+            "--replica-api-key without --api-key, --api-key-file or --tls-client-ca: every client reaches the replicas with their key"
+        );
+    }
+}
+
 /// Binds the proxy and admin listeners (port 0 allowed), starts every task and returns.
 ///
 /// The router stops when `shutdown` is cancelled, and cancels it itself when a part it cannot
@@ -175,7 +185,8 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     }
     let tokenization = Arc::new(tokenization);
     register_tokenize_cache(&mut registry, tokenization.clone());
-    let client = Client::new(config.connect_timeout(), config.replica_authorization());
+    let replica_authorization = config.replica_authorization();
+    let client = Client::new(config.connect_timeout(), replica_authorization.clone());
     let prompts = if config.remote_tokenize {
         Prompts::Remote(Box::new(RemoteTokenizer::new(
             tokenization,
@@ -227,7 +238,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
             ejection: config.ejection(),
             access_log: config.access_log,
             forwarded_for: config.forwarded_for,
-            replica_authorization: config.replica_authorization(),
+            replica_authorization,
             owners: Arc::new(proxy::responses::Owners::new(config.response_owners)),
             ending: ending(shutdown, config.drain_timeout(), tracker),
         },
@@ -295,6 +306,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
             .await
             .map_err(|e| e.to_string())
     });
+    warn_if_replicas_open(&state, &config);
     tracing::info!(
         listen = %addr, admin = %admin_addr, health = ?health_addr, policy = config.policy.as_str(),
         replicas = config.replicas.len(), admin_auth, tls = state.tls.is_some(), "router started"

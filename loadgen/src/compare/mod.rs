@@ -109,8 +109,7 @@ pub async fn compare(
     config: &CompareConfig,
     shutdown: CancellationToken,
 ) -> anyhow::Result<CompareReport> {
-    let tls = config.live.tls.clone().unwrap_or_else(crate::live::tls::system);
-    let client = Client::with_tls(Duration::from_secs(2), tls);
+    let client = Client::with_tls(Duration::from_secs(2), config.live.tls());
     let sent = config
         .live
         .max_requests

@@ -110,6 +110,13 @@ impl LiveConfig {
     }
 }
 
+impl LiveConfig {
+    /// The run's TLS: its own, or the system's authorities.
+    pub fn tls(&self) -> Arc<tokio_rustls::rustls::ClientConfig> {
+        self.tls.clone().unwrap_or_else(tls::system)
+    }
+}
+
 /// Why a live run could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum LiveError {
@@ -142,8 +149,8 @@ pub async fn run(
     validate(config)?;
     let requests = &trace.requests[..config.max_requests.unwrap_or(usize::MAX).min(trace.len())];
     let schedule = schedule(requests, config.arrivals)?;
-    let tls = config.tls.clone().unwrap_or_else(tls::system);
-    let client = Client::with_tls(config.connect_timeout, tls).authorized(config.authorization.clone());
+    let client =
+        Client::with_tls(config.connect_timeout, config.tls()).authorized(config.authorization.clone());
     let before = scrape::snapshot(&client, &config.target, &config.replicas).await;
 
     let bar = progress_bar(config, requests.len());

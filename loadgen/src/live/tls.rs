@@ -29,7 +29,8 @@ pub fn client_config(
             builder.with_root_certificates(roots)
         }
         // (None found, as in a bare container: no server is trusted, and says so at its handshake.)
-        None => builder.with_native_roots().unwrap_or_else(|_| {
+        None => builder.with_native_roots().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "no system certificate authority: https:// targets need --ca-cert");
             let builder = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()));
             let builder = builder.with_safe_default_protocol_versions().expect("ring's default versions");
             builder.with_root_certificates(RootCertStore::empty())

@@ -101,6 +101,14 @@ async fn compared(trace: &Trace, config: &CompareConfig, shutdown: &Cancellation
         .expect("compare runs")
 }
 
+/// A live run of `trace` on `config`, which must finish within [`LIMIT`] and start.
+async fn ran(trace: &Trace, config: &LiveConfig, shutdown: CancellationToken) -> live::LiveReport {
+    tokio::time::timeout(LIMIT, live::run(trace, config, shutdown))
+        .await
+        .expect("the run finishes")
+        .expect("the run starts")
+}
+
 fn quiet(mut config: LiveConfig) -> LiveConfig {
     config.progress = false;
     config.request_timeout = Duration::from_secs(10);
@@ -507,8 +515,7 @@ async fn a_live_run_against_one_replica_reads_its_counters_without_router_header
     config.arrivals = Arrivals::Closed { concurrency: 4 };
     config.max_requests = Some(12);
     config.stream = false;
-    let report =
-        tokio::time::timeout(LIMIT, live::run(&trace, &config, shutdown.clone())).await.unwrap().unwrap();
+    let report = ran(&trace, &config, shutdown.clone()).await;
     assert_eq!((report.requests, report.succeeded), (12, 12));
     assert!(report.ttft.is_none() && report.e2e.is_some(), "no TTFT without a stream");
     assert_eq!(report.predicted_hit_rate, None);
@@ -533,8 +540,7 @@ async fn an_open_loop_request_that_waited_for_a_slot_is_measured_from_its_intend
     config.arrivals = Arrivals::Trace { speedup: 1.0 };
     config.max_in_flight = 1;
     config.max_requests = Some(4);
-    let report =
-        tokio::time::timeout(LIMIT, live::run(&trace, &config, shutdown.clone())).await.unwrap().unwrap();
+    let report = ran(&trace, &config, shutdown.clone()).await;
     assert_eq!(report.succeeded, 4, "{:?}", report.errors);
 
     let mut records = report.records.clone();
@@ -562,10 +568,7 @@ async fn an_unreachable_target_counts_connect_errors_and_does_not_hang() {
         config.replicas = vec![format!("http://{addr}")];
         config.arrivals = arrivals;
         config.max_requests = Some(10);
-        let report = tokio::time::timeout(LIMIT, live::run(&trace, &config, CancellationToken::new()))
-            .await
-            .expect("no hang")
-            .unwrap();
+        let report = ran(&trace, &config, CancellationToken::new()).await;
         assert_eq!((report.requests, report.succeeded), (10, 0));
         assert_eq!(report.errors.get("connect"), Some(&10), "{:?}", report.errors);
         assert_eq!((report.hit_rate, report.fleet_hit_rate), (None, None));
@@ -676,10 +679,7 @@ async fn a_live_run_sends_the_api_key_a_router_asks_for() {
     for (authorization, served) in [(None, false), (Some("Bearer sk-load"), true)] {
         let mut live = quiet(LiveConfig::new(router.url(), DEMO_MODEL));
         live.authorization = authorization.map(http::HeaderValue::from_static);
-        let report = tokio::time::timeout(LIMIT, live::run(&trace, &live, shutdown.clone()))
-            .await
-            .expect("the run finishes")
-            .expect("the run starts");
+        let report = ran(&trace, &live, shutdown.clone()).await;
         match served {
             true => assert_eq!((report.succeeded, report.failed()), (trace.len(), 0), "{:?}", report.errors),
             false => {
@@ -732,10 +732,7 @@ async fn a_live_run_reaches_a_router_over_mutual_tls() {
     for (identity, served) in [(None, false), (Some((client.0.as_path(), client.1.as_path())), true)] {
         let mut live = quiet(LiveConfig::new(router.url(), DEMO_MODEL));
         live.tls = Some(live::tls::client_config(Some(&ca_path), identity).unwrap());
-        let report = tokio::time::timeout(LIMIT, live::run(&trace, &live, shutdown.clone()))
-            .await
-            .expect("the run finishes")
-            .expect("the run starts");
+        let report = ran(&trace, &live, shutdown.clone()).await;
         match served {
             true => assert_eq!((report.succeeded, report.failed()), (trace.len(), 0), "{:?}", report.errors),
             false => assert_eq!(

@@ -80,8 +80,8 @@ impl Tls {
     }
 
     /// Loads the files again if what they hold changed since they were last read: `None` if
-    /// it did not, else whether it could be loaded (if not, the one in use stays, and the same
-    /// contents are not tried again).
+    /// it did not (or a reload read them meanwhile), else whether it could be loaded (if not,
+    /// the one in use stays, and the same contents are not tried again).
     pub fn reload_if_changed(&self) -> Option<Result<(), String>> {
         let (files, seen) = {
             let loaded = self.0.read().unwrap_or_else(PoisonError::into_inner);
@@ -91,20 +91,22 @@ impl Tls {
         if now.as_ref().is_ok_and(|now| *now == seen) {
             return None;
         }
-        let made = now.and_then(|now| {
-            let made = acceptor(&files, &now);
-            let mut loaded = self.0.write().unwrap_or_else(PoisonError::into_inner);
-            // (Unless a reload loaded other files meanwhile, or the same ones anew: what it
-            // read may be newer than what this read.)
-            if loaded.files == files && loaded.seen == seen {
-                if let Ok(acceptor) = &made {
-                    loaded.acceptor = acceptor.clone();
-                }
-                loaded.seen = now;
-            }
-            made.map(|_| ())
-        });
-        Some(made)
+        let now = match now {
+            Ok(now) => now,
+            Err(why) => return Some(Err(why)),
+        };
+        let made = acceptor(&files, &now);
+        let mut loaded = self.0.write().unwrap_or_else(PoisonError::into_inner);
+        // Not if a reload loaded other files meanwhile, or the same ones anew: what it read
+        // may be newer than what this read.
+        if loaded.files != files || loaded.seen != seen {
+            return None;
+        }
+        if let Ok(acceptor) = &made {
+            loaded.acceptor = acceptor.clone();
+        }
+        loaded.seen = now;
+        Some(made.map(|_| ()))
     }
 
     /// Checks the files every `period` until `shutdown` fires ([`Tls::reload_if_changed`]),

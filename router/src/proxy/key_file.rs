@@ -2,8 +2,8 @@
 //! Kubernetes Secret mounted as a volume, which the kubelet updates in place, where one passed
 //! in the environment is fixed for the process's life.
 //!
-//! - The file holds keys separated by commas, blanks or lines; `#` starts a comment, to the
-//!   end of its line (so no key holds a `#`).
+//! - The file holds keys separated by commas, blanks or lines; a word that begins with `#`
+//!   begins a comment, to the end of its line (a `#` within a key is the key's).
 //! - It is read at the start (a file that cannot be read, or holds no key, stops the start
 //!   with the other configuration errors), at each `SIGHUP`, and whenever what it holds
 //!   changes ([`KeyFile::watch`]). Its keys pass as `--api-key`'s do; requests admitted from
@@ -132,10 +132,12 @@ fn read(path: &Path) -> Result<Loaded, String> {
 fn parse(path: &Path, contents: &[u8]) -> Result<Vec<String>, String> {
     let text = std::str::from_utf8(contents).map_err(|_| format!("{}: not UTF-8 text", path.display()))?;
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    // A word that begins with `#` begins a comment: a `#` within a key is the key's.
     let keys: Vec<String> = (text.lines())
-        .filter_map(|line| line.split('#').next())
-        .flat_map(|line| line.split(|c: char| c == ',' || c.is_whitespace()))
-        .filter(|key| !key.is_empty())
+        .flat_map(|line| {
+            let words = line.split(|c: char| c == ',' || c.is_whitespace()).filter(|word| !word.is_empty());
+            words.take_while(|word| !word.starts_with('#'))
+        })
         .map(str::to_owned)
         .collect();
     match keys.is_empty() {
@@ -162,8 +164,8 @@ mod tests {
     #[test]
     fn keys_are_split_by_commas_blanks_and_lines() {
         let path = Path::new("keys");
-        let keys = "\u{feff}# team a\nsk-a, sk-b\n\n  sk-c\tsk-d\r\n  # sk-gone\nsk-e  # team e\n";
-        assert_eq!(parse(path, keys.as_bytes()).unwrap(), ["sk-a", "sk-b", "sk-c", "sk-d", "sk-e"]);
+        let keys = "\u{feff}# team a\nsk-a, sk-b\n\n  sk-c\tsk-d\r\n  # sk-gone\nsk-e  # team e\nsk-#f,#g\n";
+        assert_eq!(parse(path, keys.as_bytes()).unwrap(), ["sk-a", "sk-b", "sk-c", "sk-d", "sk-e", "sk-#f"]);
         for empty in [&b""[..], b"\n", b" , \n", b"# only a comment\n"] {
             let refused = parse(path, empty).unwrap_err();
             assert!(refused.starts_with("keys: holds no key"), "{refused}");

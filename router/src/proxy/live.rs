@@ -188,6 +188,11 @@ impl Admission {
         any_of(changed, &ADMISSION_SETTINGS).then(|| Self::new(config))
     }
 
+    /// Whether every request may pass: there is no key to check.
+    pub fn is_open(&self) -> bool {
+        self.api_keys.is_empty()
+    }
+
     /// This admission with `keys` in place of the key file's it held.
     pub fn with_file_keys(&self, keys: &[String]) -> Self {
         let api_keys = [&self.api_keys[..self.given], keys].concat();
@@ -197,9 +202,7 @@ impl Admission {
     /// Whether a request of `method` to `path` with `authorization` (the header's value) may
     /// pass: with keys, one to a [`guarded`] path must carry one of them.
     pub fn allows(&self, method: &Method, path: &str, authorization: Option<&[u8]>) -> bool {
-        self.api_keys.is_empty()
-            || !guarded(method, path)
-            || api_key::bearer_matches(authorization, &self.api_keys)
+        self.is_open() || !guarded(method, path) || api_key::bearer_matches(authorization, &self.api_keys)
     }
 }
 

@@ -241,14 +241,21 @@ async fn the_replicas_key_goes_only_where_the_router_guards() {
     let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
         api_key: vec!["sk-client".into()],
         replica_api_key: Some(kvroute_router::config::Secret::new("sk-replica")),
+        lora_updates: true,
         ..c
     })
     .await;
-    for (path, sent) in [("/v1/embeddings", "Bearer sk-replica"), ("/tokenize", "Bearer sk-client")] {
+    let lora = "{\"lora_name\":\"sql\",\"lora_path\":\"/adapters/sql\"}";
+    for (path, body, sent) in [
+        ("/v1/embeddings", "{\"input\":\"x\"}", "Bearer sk-replica"),
+        // The router's LoRA fan-out, SGLang's spelling outside `/v1` too.
+        ("/load_lora_adapter", lora, "Bearer sk-replica"),
+        ("/tokenize", "{\"prompt\":\"x\"}", "Bearer sk-client"),
+    ] {
         let head = format!(
             "POST {path} HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\nauthorization: Bearer sk-client\r\n"
         );
-        let answer = exchange(&router.url(), &head, "{\"input\":\"x\"}").await;
+        let answer = exchange(&router.url(), &head, body).await;
         assert!(answer.starts_with("http/1.1 200"), "{path}: {answer}");
         let got =
             tokio::time::timeout(WAIT, seen.recv()).await.expect("in time").expect("the replica saw it");

@@ -574,6 +574,26 @@ async fn an_open_stream_holds_its_in_flight_slot() {
     assert_eq!(after.status, 200, "the slot was given back when the stream ended");
 }
 
+/// A router given `--replica-api-key` but no key of its own (nor clients' certificates to
+/// check) says that it opens the replicas to every client; the key itself is not in its logs.
+#[tokio::test]
+async fn a_replicas_key_without_client_keys_is_warned_of() {
+    let (replica, _seen) =
+        crate::headers::recording_replica(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
+    let port = kvroute_proto::loopback_port::unused().unwrap();
+    let spec = format!("name=r0,http=http://{replica},events={},engine=kvroute", crate::support::nowhere());
+    let args = ["--model", FLEET_MODEL, "--replica", &spec].map(std::ffi::OsStr::new);
+    let env = [("KVROUTE_REPLICA_API_KEY", "sk-fleet-secret"), ("RUST_LOG", "info")];
+    let (mut router, logs, reader) = crate::support::router_process(port, &args, &env);
+    let logged = || String::from_utf8_lossy(&logs.lock().unwrap()).contains("router started");
+    crate::support::wait_until("the router started", logged).await;
+    router.kill().await.unwrap();
+    tokio::time::timeout(crate::support::WAIT, reader).await.expect("the pipe closed").unwrap();
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    assert!(text.contains("every client reaches the replicas with their key"), "{text}");
+    assert!(!text.contains("sk-fleet-secret"), "{text}");
+}
+
 /// `KVROUTE_LOG_FORMAT=json` makes the binary's every log line a JSON object, the access log's
 /// included, with its fields (a log pipeline reads them without parsing text).
 #[tokio::test]

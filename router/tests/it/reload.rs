@@ -163,8 +163,7 @@ async fn a_reload_retunes_the_policy_the_keys_and_the_bounds() {
 /// reads it again; one naming a file that cannot be read keeps the keys in use.
 #[tokio::test]
 async fn a_reload_reads_the_key_file_again() {
-    let dir = std::env::temp_dir().join(format!("kvroute-reload-keys-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = crate::support::directory("reload-keys");
     let keys = dir.join("keys");
     std::fs::write(&keys, "sk-file\n").unwrap();
     let shutdown = tokio_util::sync::CancellationToken::new();

@@ -617,3 +617,10 @@ pub fn snapshot_blocks(tokens: &[u32]) -> Vec<pb::SnapshotBlock> {
         })
         .collect()
 }
+
+/// A temporary directory of the test's own, `name`'s (unique in the test binary).
+pub fn directory(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}

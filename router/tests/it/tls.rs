@@ -2,7 +2,7 @@
 //! routed as ever; a certificate rotated in place is served after a reload.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -94,20 +94,13 @@ async fn complete_as(
     Ok((chosen, status, replica.unwrap_or_default()))
 }
 
-/// A temporary directory of the test's own.
-fn directory(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvroute-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 /// The proxy serves HTTPS, HTTP/1.1 and HTTP/2 as the client's ALPN asks, routed as ever; a
 /// plain request on its port gets no HTTP answer, and the health port serves the metrics in
 /// plain HTTP. After a reload, new connections get the certificate rotated into the same
 /// files, and the old one is no longer served.
 #[tokio::test]
 async fn the_proxy_serves_https_and_a_certificate_rotated_in_place() {
-    let dir = directory("tls-proxy");
+    let dir = crate::support::directory("tls-proxy");
     let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
     let first = new_certificate(&cert, &key);
     let shutdown = tokio_util::sync::CancellationToken::new();
@@ -164,7 +157,7 @@ async fn the_proxy_serves_https_and_a_certificate_rotated_in_place() {
 async fn a_request_over_tls_is_forwarded_as_https() {
     const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
     let (replica, mut seen) = crate::headers::recording_replica(ANSWER).await;
-    let dir = directory("tls-forwarded");
+    let dir = crate::support::directory("tls-forwarded");
     let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
     let trusted = new_certificate(&cert, &key);
     let config = RouterConfig {
@@ -189,7 +182,7 @@ async fn a_request_over_tls_is_forwarded_as_https() {
 /// new connections without a reload: the router checks the files every `--tls-check-ms`.
 #[tokio::test]
 async fn a_certificate_renewed_on_disk_is_served_without_a_reload() {
-    let dir = directory("tls-watch");
+    let dir = crate::support::directory("tls-watch");
     let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
     let first = new_certificate(&cert, &key);
     let shutdown = tokio_util::sync::CancellationToken::new();
@@ -231,7 +224,7 @@ fn authority_and_client() -> (rcgen::Certificate, rcgen::CertifiedKey<rcgen::Key
 /// one that names none asks no client for a certificate.
 #[tokio::test]
 async fn with_a_client_ca_only_its_clients_are_served() {
-    let dir = directory("tls-mutual");
+    let dir = crate::support::directory("tls-mutual");
     let (cert, key, ca) = (dir.join("tls.crt"), dir.join("tls.key"), dir.join("ca.crt"));
     let trusted = new_certificate(&cert, &key);
     let (authority, client) = authority_and_client();

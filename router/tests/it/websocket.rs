@@ -330,8 +330,7 @@ async fn get_body(router: &str, path: &str) -> String {
 /// new handshake with that key is refused; one whose key stays goes on.
 #[tokio::test]
 async fn a_tunnel_whose_key_is_revoked_is_closed() {
-    let dir = std::env::temp_dir().join(format!("kvroute-ws-keys-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = crate::support::directory("ws-keys");
     let keys = dir.join("keys");
     std::fs::write(&keys, "k\nkept\n").unwrap();
     let (replica, _handshakes) = realtime_replica().await;

@@ -3,7 +3,7 @@
 //! adapter was loaded. The router keeps each adapter with the request that loaded it
 //! ([`Registry`]); after each active health check of a replica ([`crate::proxy::health`]) it
 //! reads what the replica lists in `/v1/models` (the check's own list, when the replica gave
-//! it without credentials) and sends the load request again for what is
+//! it to the check's credentials: none, or `--replica-api-key`) and sends the load request again for what is
 //! missing, in a task of its own (a load can take longer than a health check may). Until a
 //! replica is known to have an adapter, that adapter's requests go to the replicas that have
 //! it ([`crate::proxy::upstream::Ineligible::NoAdapter`]).
@@ -136,7 +136,7 @@ pub struct Timeouts {
 /// or its last one is still running.
 ///
 /// `listed`: the models the replica listed to the health check that calls this, if it
-/// answered without credentials (then it is not asked again).
+/// answered the check's credentials (then it is not asked again).
 pub fn spawn(
     fleet: &Fleet,
     member: Member,
