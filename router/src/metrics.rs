@@ -22,7 +22,9 @@ use prometheus_client::registry::Registry;
 
 use crate::fleet::{Fleet, Member};
 use crate::policy::{Load, PolicyKind};
+use crate::proxy::key_file::KeyFile;
 use crate::proxy::live::{Live, Routing};
+use kvroute_proto::serve::Tls;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PolicyLabel {
@@ -267,6 +269,55 @@ impl Collector for SendTimeouts {
             None,
             counter.metric_type(),
         )?)
+    }
+}
+
+/// Registers what the files the router watches hold, read at scrape time: the served TLS
+/// certificate's expiry (`kvroute_router_tls_certificate_expiry_timestamp_seconds`, for an
+/// alert well before it), and the loads of the TLS files and of `--api-key-file`, done and
+/// refused (`kvroute_router_tls_loads_total`, `kvroute_router_api_key_file_loads_total`): a
+/// renewed certificate or rotated key file that cannot be loaded leaves the old one in use,
+/// and says so only in the log otherwise. Each only while there is such a file.
+pub fn register_watched_files(registry: &mut Registry, tls: Option<Tls>, key_file: Arc<KeyFile>) {
+    registry
+        .sub_registry_with_prefix("kvroute_router")
+        .register_collector(Box::new(WatchedFiles { tls, key_file }));
+}
+
+#[derive(Debug)]
+struct WatchedFiles {
+    tls: Option<Tls>,
+    key_file: Arc<KeyFile>,
+}
+
+impl Collector for WatchedFiles {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        if let Some(not_after) = self.tls.as_ref().and_then(Tls::not_after) {
+            let gauge = ConstGauge::new(not_after);
+            let help = "When the TLS certificate served now expires (its notAfter), Unix seconds";
+            let name = "tls_certificate_expiry_timestamp_seconds";
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        let loads = [
+            (
+                "tls_loads",
+                "Loads of the TLS certificate, key and client CA files, at a reload or of a change on disk",
+                self.tls.as_ref().map(Tls::loads),
+            ),
+            (
+                "api_key_file_loads",
+                "Loads of --api-key-file, at a reload or of a change on disk",
+                self.key_file.loads(),
+            ),
+        ];
+        for (name, help, loads) in loads {
+            let Some((done, refused)) = loads else { continue };
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (outcome, n) in [("loaded", done), ("refused", refused)] {
+                ConstCounter::new(n).encode(family.encode_family(&OutcomeLabel { outcome })?)?;
+            }
+        }
+        Ok(())
     }
 }
 

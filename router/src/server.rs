@@ -22,7 +22,7 @@ use crate::discovery::{Discovery, DiscoveryMetrics};
 use crate::fleet::Fleet;
 use crate::index::SharedIndex;
 use crate::ingest::Ingest;
-use crate::metrics::{ProxyMetrics, register_replica_load, register_tokenize_cache};
+use crate::metrics::{ProxyMetrics, register_replica_load, register_tokenize_cache, register_watched_files};
 use crate::proxy::control::{self, Client};
 use crate::proxy::forward::ForwardConfig;
 use crate::proxy::key_file::KeyFile;
@@ -222,6 +222,8 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     let key_file = Arc::new(
         KeyFile::open(config.api_key_file.as_deref()).map_err(|e| anyhow::anyhow!("--api-key-file {e}"))?,
     );
+    let tls = config.tls().map_err(anyhow::Error::msg)?;
+    register_watched_files(&mut registry, tls.clone(), key_file.clone());
     let state = Arc::new(ProxyState {
         decider,
         new_pool: {
@@ -253,7 +255,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         synced_once: AtomicBool::new(false),
         heartbeats: Heartbeats::new(http_threads),
         allowed_origins: proxy::cors::AllowedOrigins::new(&config.allowed_origins),
-        tls: config.tls().map_err(anyhow::Error::msg)?,
+        tls,
         shutdown: shutdown.clone(),
     });
 

@@ -8,6 +8,7 @@
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -51,32 +52,65 @@ impl TlsFiles {
 
 /// A listener's certificate and key, as last loaded. Clones share them.
 #[derive(Clone)]
-pub struct Tls(Arc<RwLock<Loaded>>);
+pub struct Tls(Arc<Shared>);
+
+struct Shared {
+    loaded: RwLock<Loaded>,
+    /// Loads since the start (at a reload, or of a change on disk): done, and refused.
+    loads: [AtomicU64; 2],
+}
 
 /// What [`Tls`] serves, and where it came from.
 struct Loaded {
-    acceptor: TlsAcceptor,
+    served: Served,
     files: TlsFiles,
     /// The files' contents last read, loaded or not: a change is loaded (or refused) once.
     seen: Vec<Vec<u8>>,
+}
+
+/// An acceptor, and when its certificate expires.
+#[derive(Clone)]
+struct Served {
+    acceptor: TlsAcceptor,
+    /// The certificate's `notAfter`, Unix seconds (`None`: it does not parse as X.509, which
+    /// rustls leaves to clients to find).
+    not_after: Option<i64>,
 }
 
 impl Tls {
     /// The listener's TLS from `files`; what is wrong with one of them, else.
     pub fn from_files(files: &TlsFiles) -> Result<Self, String> {
         let seen = files.read()?;
-        let acceptor = acceptor(files, &seen)?;
-        Ok(Self(Arc::new(RwLock::new(Loaded { acceptor, files: files.clone(), seen }))))
+        let served = acceptor(files, &seen)?;
+        let loaded = RwLock::new(Loaded { served, files: files.clone(), seen });
+        Ok(Self(Arc::new(Shared { loaded, loads: Default::default() })))
     }
 
     /// Serves the connections accepted from now on with what `files` hold now, and watches
     /// those files from then on. On an error the ones in use stay.
     pub fn load(&self, files: &TlsFiles) -> Result<(), String> {
-        let seen = files.read()?;
-        let acceptor = acceptor(files, &seen)?;
-        *self.0.write().unwrap_or_else(PoisonError::into_inner) =
-            Loaded { acceptor, files: files.clone(), seen };
+        let made = files.read().and_then(|seen| Ok((acceptor(files, &seen)?, seen)));
+        self.count(&made);
+        let (served, seen) = made?;
+        *self.0.loaded.write().unwrap_or_else(PoisonError::into_inner) =
+            Loaded { served, files: files.clone(), seen };
         Ok(())
+    }
+
+    /// When the certificate served now expires (its `notAfter`, Unix seconds), if it says.
+    pub fn not_after(&self) -> Option<i64> {
+        self.0.loaded.read().unwrap_or_else(PoisonError::into_inner).served.not_after
+    }
+
+    /// Loads since the start, at a reload or of a change on disk: how many were done, and how
+    /// many refused (a file that could not be read or loaded; the one in use stayed).
+    pub fn loads(&self) -> (u64, u64) {
+        let [done, refused] = &self.0.loads;
+        (done.load(Ordering::Relaxed), refused.load(Ordering::Relaxed))
+    }
+
+    fn count<T>(&self, made: &Result<T, String>) {
+        self.0.loads[usize::from(made.is_err())].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Loads the files again if what they hold changed since they were last read: `None` if
@@ -84,7 +118,7 @@ impl Tls {
     /// the one in use stays, and the same contents are not tried again).
     pub fn reload_if_changed(&self) -> Option<Result<(), String>> {
         let (files, seen) = {
-            let loaded = self.0.read().unwrap_or_else(PoisonError::into_inner);
+            let loaded = self.0.loaded.read().unwrap_or_else(PoisonError::into_inner);
             (loaded.files.clone(), loaded.seen.clone())
         };
         let now = files.read();
@@ -93,19 +127,20 @@ impl Tls {
         }
         let now = match now {
             Ok(now) => now,
-            Err(why) => return Some(Err(why)),
+            Err(why) => return Some(Err(why)).inspect(|made| self.count(made)),
         };
         let made = acceptor(&files, &now);
-        let mut loaded = self.0.write().unwrap_or_else(PoisonError::into_inner);
+        let mut loaded = self.0.loaded.write().unwrap_or_else(PoisonError::into_inner);
         // Not if a reload loaded other files meanwhile, or the same ones anew: what it read
         // may be newer than what this read.
         if loaded.files != files || loaded.seen != seen {
             return None;
         }
-        if let Ok(acceptor) = &made {
-            loaded.acceptor = acceptor.clone();
+        if let Ok(served) = &made {
+            loaded.served = served.clone();
         }
         loaded.seen = now;
+        self.count(&made);
         Some(made.map(|_| ()))
     }
 
@@ -124,13 +159,13 @@ impl Tls {
 
     /// The acceptor of a new connection.
     pub(super) fn acceptor(&self) -> TlsAcceptor {
-        self.0.read().unwrap_or_else(PoisonError::into_inner).acceptor.clone()
+        self.0.loaded.read().unwrap_or_else(PoisonError::into_inner).served.acceptor.clone()
     }
 }
 
 impl std::fmt::Debug for Tls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let loaded = self.0.read().unwrap_or_else(PoisonError::into_inner);
+        let loaded = self.0.loaded.read().unwrap_or_else(PoisonError::into_inner);
         f.debug_struct("Tls").field("files", &loaded.files).finish_non_exhaustive()
     }
 }
@@ -200,9 +235,12 @@ impl AsyncWrite for Stream {
 }
 
 /// The acceptor of `files`, holding `pem` (each file's contents, in their order).
-fn acceptor(files: &TlsFiles, pem: &[Vec<u8>]) -> Result<TlsAcceptor, String> {
+fn acceptor(files: &TlsFiles, pem: &[Vec<u8>]) -> Result<Served, String> {
     let (cert, key) = (&files.cert, &files.key);
     let chain = certificates(cert, &pem[0])?;
+    let not_after = x509_parser::parse_x509_certificate(&chain[0])
+        .ok()
+        .map(|(_, certificate)| certificate.validity().not_after.timestamp());
     let private = private_key(key, &pem[1])?;
     let provider = Arc::new(ring::default_provider());
     let versions = ServerConfig::builder_with_provider(provider.clone())
@@ -225,7 +263,7 @@ fn acceptor(files: &TlsFiles, pem: &[Vec<u8>]) -> Result<TlsAcceptor, String> {
         .with_single_cert(chain, private)
         .map_err(|e| format!("{} with {}: {e}", cert.display(), key.display()))?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(TlsAcceptor::from(Arc::new(config)))
+    Ok(Served { acceptor: TlsAcceptor::from(Arc::new(config)), not_after })
 }
 
 /// The private key in `pem`, the file `path`'s.
@@ -290,6 +328,9 @@ mod tests {
         assert_eq!(tls.reload_if_changed(), Some(Ok(())));
         assert!(!Arc::ptr_eq(first.config(), tls.acceptor().config()), "the new pair is served");
         assert_eq!(tls.reload_if_changed(), None);
+        assert_eq!(tls.loads(), (1, 1), "one change refused, one loaded; the same contents not counted");
+        let expiry = rcgen::CertificateParams::default().not_after.unix_timestamp();
+        assert_eq!(tls.not_after(), Some(expiry));
         let _ = std::fs::remove_dir_all(cert.parent().unwrap());
     }
 

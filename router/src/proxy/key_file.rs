@@ -16,6 +16,7 @@
 //!   caught half-written with a key or more in it is loaded as it is, until the next check.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -26,7 +27,12 @@ use super::live::{Admission, Live};
 /// The key file in use, if any. Every change to the admission's keys goes through it, so
 /// that a reload and a change on disk at once lose neither.
 #[derive(Debug, Default)]
-pub struct KeyFile(Mutex<Option<Loaded>>);
+pub struct KeyFile {
+    loaded: Mutex<Option<Loaded>>,
+    /// Loads of a file since the start (at a reload, or of a change on disk): done, and
+    /// refused.
+    loads: [AtomicU64; 2],
+}
 
 /// A key file as last read.
 struct Loaded {
@@ -48,12 +54,28 @@ impl KeyFile {
     /// The keys in the file at `path` (none without one), or what is wrong with it.
     pub fn open(path: Option<&Path>) -> Result<Self, String> {
         let loaded = path.map(read).transpose()?;
-        Ok(Self(Mutex::new(loaded)))
+        Ok(Self { loaded: Mutex::new(loaded), loads: Default::default() })
+    }
+
+    /// Loads of a file since the start, at a reload or of a change on disk: how many were
+    /// done, and how many refused (the keys in use stayed); `None` while no file is named.
+    pub fn loads(&self) -> Option<(u64, u64)> {
+        self.lock().as_ref()?;
+        let [done, refused] = &self.loads;
+        Some((done.load(Ordering::Relaxed), refused.load(Ordering::Relaxed)))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Loaded>> {
+        self.loaded.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn count<T>(&self, made: &Result<T, String>) {
+        self.loads[usize::from(made.is_err())].fetch_add(1, Ordering::Relaxed);
     }
 
     /// `admission` with this file's keys.
     pub fn with_keys(&self, admission: &Admission) -> Admission {
-        admission.with_file_keys(keys(&self.0.lock().unwrap_or_else(PoisonError::into_inner)))
+        admission.with_file_keys(keys(&self.lock()))
     }
 
     /// Reads the file at `path` now (`None`: no file) and watches it from then on, and puts in
@@ -67,8 +89,11 @@ impl KeyFile {
         admission: Option<Admission>,
         live: &Live<Admission>,
     ) -> Result<usize, String> {
-        let mut loaded = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut loaded = self.lock();
         let read = path.map(read).transpose().map(|now| *loaded = now);
+        if path.is_some() {
+            self.count(&read);
+        }
         match admission {
             Some(admission) => live.set(admission.with_file_keys(keys(&loaded))),
             None => live.update(|admission| admission.with_file_keys(keys(&loaded))),
@@ -80,16 +105,19 @@ impl KeyFile {
     /// not (or there is no file), else how many keys it holds now, or why they cannot be
     /// loaded (then the ones in use stay, and the same contents are not tried again).
     pub fn reload_if_changed(&self, live: &Live<Admission>) -> Option<Result<usize, String>> {
-        let mut guard = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut guard = self.lock();
         let loaded = guard.as_mut()?;
         let now = std::fs::read(&loaded.path).map_err(|e| format!("{}: {e}", loaded.path.display()));
-        let now = match now {
+        let parsed = match now {
             Ok(now) if now == loaded.seen => return None,
-            Ok(now) => now,
-            Err(why) => return Some(Err(why)),
+            Ok(now) => {
+                let parsed = parse(&loaded.path, &now);
+                loaded.seen = now;
+                parsed
+            }
+            Err(why) => Err(why),
         };
-        let parsed = parse(&loaded.path, &now);
-        loaded.seen = now;
+        self.count(&parsed);
         Some(parsed.map(|keys| {
             live.update(|admission| admission.with_file_keys(&keys));
             loaded.keys = keys;

@@ -206,6 +206,13 @@ async fn a_reload_reads_the_key_file_again() {
     assert!(reloaded.api_key_file.unwrap().unwrap_err().contains("missing"));
     assert_eq!(reloaded.not_applied, ["api-key-file"]);
     assert_eq!(statuses(["sk-file", "sk-flag", "sk-next"]).await, [401, 200, 200], "the keys in use stay");
+    let metrics = String::from_utf8(fleet.http.get(&fleet.url("/metrics")).await.body.to_vec()).unwrap();
+    for line in [
+        "kvroute_router_api_key_file_loads_total{outcome=\"loaded\"} 2",
+        "kvroute_router_api_key_file_loads_total{outcome=\"refused\"} 1",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} not in\n{metrics}");
+    }
 
     let without = RouterConfig { api_key_file: None, ..keyed };
     let reloaded = reloader.apply(&fleet.router.state, &without).await;

@@ -128,9 +128,15 @@ async fn the_proxy_serves_https_and_a_certificate_rotated_in_place() {
     assert!(read.is_ok(), "a plain request's connection is closed");
     assert!(!answer.starts_with(b"HTTP/"), "{}", String::from_utf8_lossy(&answer));
     let probes = fleet.router.health_addr.unwrap();
-    let scraped = fleet.http.get(&format!("http://{probes}/metrics")).await;
-    assert_eq!(scraped.status, 200);
-    assert!(String::from_utf8_lossy(&scraped.body).contains("kvroute_router_decisions_total"));
+    let scrape = async || {
+        String::from_utf8(fleet.http.get(&format!("http://{probes}/metrics")).await.body.to_vec()).unwrap()
+    };
+    let scraped = scrape().await;
+    assert!(scraped.contains("kvroute_router_decisions_total"));
+    // rcgen's certificates are valid until its default `notAfter`.
+    let expiry = rcgen::CertificateParams::default().not_after.unix_timestamp();
+    let line = format!("kvroute_router_tls_certificate_expiry_timestamp_seconds {expiry}");
+    assert!(scraped.lines().any(|l| l == line), "{line} not in\n{scraped}");
 
     let second = new_certificate(&cert, &key);
     let reloaded = reloader.apply(&fleet.router.state, &config).await;
@@ -148,6 +154,13 @@ async fn the_proxy_serves_https_and_a_certificate_rotated_in_place() {
     assert!(reloaded.tls.as_ref().is_some_and(Result::is_err), "{reloaded:?}");
     assert_eq!(reloaded.applied, ["policy"]);
     assert_eq!(complete(addr, &second, b"http/1.1").await.unwrap().1, 200);
+    let scraped = scrape().await;
+    for line in [
+        "kvroute_router_tls_loads_total{outcome=\"loaded\"} 1",
+        "kvroute_router_tls_loads_total{outcome=\"refused\"} 1",
+    ] {
+        assert!(scraped.lines().any(|l| l == line), "{line} not in\n{scraped}");
+    }
     let _ = std::fs::remove_dir_all(dir);
 }
 
