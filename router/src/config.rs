@@ -100,7 +100,8 @@ pub struct Config {
     /// checks' adapter listings, remote tokenization, the LoRA catch-up). Clients' keys
     /// (`--api-key`) then stay the router's, and rotate without the replicas. The engines' own
     /// paths outside `/v1` keep the client's `Authorization`, as does every request without
-    /// this key.
+    /// this key. A reload changes it at once (replicas that take both keys for a while rotate
+    /// it without a restart of the router).
     #[arg(long, env = "KVROUTE_REPLICA_API_KEY", hide_env_values = true)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replica_api_key: Option<Secret>,

@@ -13,8 +13,8 @@
 //!   A replica the fleet refuses (another's HTTP address or event stream) is logged and left
 //!   out; it is tried once more after the others, as an address the list frees later may be
 //!   the one it wants.
-//! - The routing policy and its weights, the per-replica concurrency, the per-request bounds
-//!   and the API keys ([`crate::proxy::live`]) change at once: decisions made from then on
+//! - The routing policy and its weights, the per-replica concurrency, the per-request bounds,
+//!   the API keys and the replicas' key ([`crate::proxy::live`]) change at once: decisions made from then on
 //!   route by the new ones, a request already admitted keeps the bounds it was admitted by, and
 //!   requests waiting for a replica's room look again when its limit rose. The random policies
 //!   keep their seed unless one is given; a policy whose own settings did not change keeps its
@@ -123,8 +123,8 @@ impl Reloader {
         reloaded
     }
 
-    /// Puts `config`'s routing in place of the running one, where any of its settings
-    /// (`changed`) did, and carries the live settings (the admission's are put in by
+    /// Puts `config`'s routing and the replicas' key in place of the running ones, where any
+    /// of their settings (`changed`) did, and carries the live settings (the admission's are put in by
     /// [`Reloader::reload_admission`]).
     fn apply_live(&mut self, state: &ProxyState, config: &Config, changed: &[String]) {
         let running = state.decider.routing.get();
@@ -135,6 +135,9 @@ impl Reloader {
                 // Requests waiting for a replica's room may have it now.
                 state.fleet().waiters().wake_all();
             }
+        }
+        if changed.iter().any(|setting| setting == live::REPLICA_KEY) {
+            state.forward.replica_authorization.set(config.replica_authorization());
         }
         live::carry(&mut self.running, config);
     }

@@ -185,7 +185,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     }
     let tokenization = Arc::new(tokenization);
     register_tokenize_cache(&mut registry, tokenization.clone());
-    let replica_authorization = config.replica_authorization();
+    let replica_authorization = Live::new(config.replica_authorization());
     let client = Client::new(config.connect_timeout(), replica_authorization.clone());
     let prompts = if config.remote_tokenize {
         Prompts::Remote(Box::new(RemoteTokenizer::new(

@@ -13,6 +13,7 @@ use http::header::{self, HeaderValue};
 use hyper_util::client::legacy::{self, ResponseFuture, connect::HttpConnector};
 
 use super::body::ProxyBody;
+use super::live::Live;
 
 /// How long an idle connection to a replica is kept for reuse, here and in the proxy's pools:
 /// less than the replicas' servers keep one (uvicorn, under vLLM and SGLang, closes it after
@@ -26,13 +27,13 @@ pub const MAX_IDLE: usize = 1024;
 #[derive(Clone, Debug)]
 pub struct Client {
     inner: legacy::Client<HttpConnector, ProxyBody>,
-    authorization: Option<HeaderValue>,
+    authorization: Live<Option<HeaderValue>>,
 }
 
 impl Client {
     /// Connections made within `connect_timeout`; requests with `authorization` (the value of
-    /// their `Authorization` field) if any.
-    pub fn new(connect_timeout: Duration, authorization: Option<HeaderValue>) -> Self {
+    /// their `Authorization` field, as a reload leaves it) if any.
+    pub fn new(connect_timeout: Duration, authorization: Live<Option<HeaderValue>>) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(connect_timeout));
         connector.set_nodelay(true);
@@ -45,7 +46,7 @@ impl Client {
 
     /// Sends `request`, with the replicas' key in place of its own `Authorization`, if any.
     pub fn request(&self, mut request: http::Request<ProxyBody>) -> ResponseFuture {
-        if let Some(authorization) = &self.authorization {
+        if let Some(authorization) = &*self.authorization.get() {
             request.headers_mut().insert(header::AUTHORIZATION, authorization.clone());
         }
         self.inner.request(request)

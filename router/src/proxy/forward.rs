@@ -33,6 +33,7 @@ use super::access;
 use super::body::{BoxError, End, Hooks, ProxyBody, Tracked, Usage};
 use super::error::{Client, ProxyError};
 use super::http1::{Outgoing, UpstreamBody, WireError};
+use super::live::Live;
 use super::pool::{Pool, SendError, Unsent};
 use super::queue::{Line, Queue};
 use super::responses::{Learner, Owner, Owners};
@@ -95,8 +96,9 @@ pub struct ForwardConfig {
     pub access_log: bool,
     /// Add the client to `X-Forwarded-For` (`--forwarded-for`).
     pub forwarded_for: bool,
-    /// `--replica-api-key`'s `Authorization`, sent in place of the client's.
-    pub replica_authorization: Option<HeaderValue>,
+    /// `--replica-api-key`'s `Authorization`, sent in place of the client's (a reload changes
+    /// it).
+    pub replica_authorization: Live<Option<HeaderValue>>,
     /// Which replica stored each Responses API response ([`super::responses`]).
     pub owners: Arc<Owners>,
     /// Fires at the drain timeout after a shutdown: open streams end with an error event.
@@ -666,8 +668,8 @@ pub(super) fn upstream_head(
     strip_hop_by_hop(&mut headers);
     // Only where the router's keys guard: an engine's own path outside `/v1` (SGLang's
     // `/flush_cache`, say) is the engine's to guard, with the client's own credentials.
-    if let Some(authorization) = &config.replica_authorization
-        && super::live::guarded(&method, uri.path())
+    if super::live::guarded(&method, uri.path())
+        && let Some(authorization) = &*config.replica_authorization.get()
     {
         headers.insert(header::AUTHORIZATION, authorization.clone());
     }

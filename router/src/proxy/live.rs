@@ -3,7 +3,8 @@
 //! replaced whole: a request holds the version it read while a reload puts in the next.
 //!
 //! These are the settings operators retune in place: the policy and its weights, the
-//! per-replica concurrency, the per-request bounds and the API keys (those of the `--config`
+//! per-replica concurrency, the per-request bounds, the replicas' key (`--replica-api-key`,
+//! held by [`super::forward::ForwardConfig`]) and the API keys (those of the `--config`
 //! file: flags and the environment are the process's, fixed at its start; and those of
 //! `--api-key-file`, [`super::key_file`], which also loads them when the file changes). The
 //! others (listeners, tokenization, timeouts, the index's bounds) shape state built at start,
@@ -30,10 +31,12 @@ const WEIGHTS: [&str; 4] = ["balance-weight", "load-weight", "miss-weight", "off
 const ROUTING_SETTINGS: [&str; 2] = ["max-in-flight-per-replica", "no-rank-routing"];
 /// [`Admission`]'s settings.
 const ADMISSION_SETTINGS: [&str; 3] = ["api-key", "max-completion-tokens", "max-prompt-tokens"];
+/// The key requests to the replicas carry ([`super::forward::ForwardConfig`]).
+pub const REPLICA_KEY: &str = "replica-api-key";
 
 /// Whether a reload applies `setting` (named as in a configuration file) at once.
 pub fn is_live(setting: &str) -> bool {
-    [&POLICY_SETTINGS[..], &ROUTING_SETTINGS, &ADMISSION_SETTINGS].concat().contains(&setting)
+    [&POLICY_SETTINGS[..], &ROUTING_SETTINGS, &ADMISSION_SETTINGS, &[REPLICA_KEY]].concat().contains(&setting)
 }
 
 /// Whether any of `changed` is one of `settings`.
@@ -54,6 +57,7 @@ pub fn carry(into: &mut Config, from: &Config) {
     into.api_key.clone_from(&from.api_key);
     into.max_prompt_tokens = from.max_prompt_tokens;
     into.max_completion_tokens = from.max_completion_tokens;
+    into.replica_api_key.clone_from(&from.replica_api_key);
 }
 
 /// A value replaced whole; each reader keeps the version it took. Clones share it.
@@ -283,6 +287,7 @@ mod tests {
             api_key: vec!["sk".into()],
             max_prompt_tokens: 9,
             max_completion_tokens: 9,
+            replica_api_key: Some(crate::config::Secret::new("sk-fleet")),
             ..running.clone()
         };
         let keys = |config: &Config| match serde_json::to_value(config) {
@@ -291,7 +296,7 @@ mod tests {
         };
         let (before, after) = (keys(&running), keys(&new));
         let live: Vec<&String> = after.keys().filter(|key| is_live(key)).collect();
-        assert_eq!(live.len(), POLICY_SETTINGS.len() + ROUTING_SETTINGS.len() + ADMISSION_SETTINGS.len());
+        assert_eq!(live.len(), POLICY_SETTINGS.len() + ROUTING_SETTINGS.len() + ADMISSION_SETTINGS.len() + 1);
         assert!(live.iter().all(|key| before.get(*key) != after.get(*key)), "each was changed above");
         let mut carried = running.clone();
         carry(&mut carried, &new);

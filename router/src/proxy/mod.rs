@@ -482,8 +482,8 @@ async fn find_owner(
     id: &str,
 ) -> Result<(Member, Option<u32>), ProxyError> {
     let mut headers = http::HeaderMap::new();
-    let replicas = state.forward.replica_authorization.as_ref();
-    if let Some(auth) = replicas.or_else(|| client.get(header::AUTHORIZATION)) {
+    let replicas = state.forward.replica_authorization.get();
+    if let Some(auth) = replicas.as_ref().as_ref().or_else(|| client.get(header::AUTHORIZATION)) {
         headers.insert(header::AUTHORIZATION, auth.clone());
     }
     let (fleet, timeout) = (state.fleet(), state.forward.control_timeout);

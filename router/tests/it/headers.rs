@@ -234,24 +234,26 @@ async fn forwarded_for_tells_the_replica_the_client() {
 
 /// With `--replica-api-key`, a request to a path the router's keys guard reaches the replica
 /// with that key in place of the client's; an engine's own path outside `/v1` keeps the
-/// client's, for the engine to check.
+/// client's, for the engine to check. A reload changes the key at once.
 #[tokio::test]
 async fn the_replicas_key_goes_only_where_the_router_guards() {
     let (replica, mut seen) = recording_replica(ANSWER).await;
-    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+    let events = crate::support::nowhere();
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas: vec![
+            format!("name=r0,http=http://{replica},events={events},engine=kvroute").parse().unwrap(),
+        ],
         api_key: vec!["sk-client".into()],
         replica_api_key: Some(kvroute_router::config::Secret::new("sk-replica")),
         lora_updates: true,
-        ..c
-    })
-    .await;
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let mut reloader = kvroute_router::reload::Reloader::new(&config);
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config.clone(), shutdown.clone()).await.unwrap();
     let lora = "{\"lora_name\":\"sql\",\"lora_path\":\"/adapters/sql\"}";
-    for (path, body, sent) in [
-        ("/v1/embeddings", "{\"input\":\"x\"}", "Bearer sk-replica"),
-        // The router's LoRA fan-out, SGLang's spelling outside `/v1` too.
-        ("/load_lora_adapter", lora, "Bearer sk-replica"),
-        ("/tokenize", "{\"prompt\":\"x\"}", "Bearer sk-client"),
-    ] {
+    let mut sent_as = async |path: &str, body: &str| {
         let head = format!(
             "POST {path} HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\nauthorization: Bearer sk-client\r\n"
         );
@@ -259,8 +261,22 @@ async fn the_replicas_key_goes_only_where_the_router_guards() {
         assert!(answer.starts_with("http/1.1 200"), "{path}: {answer}");
         let got =
             tokio::time::timeout(WAIT, seen.recv()).await.expect("in time").expect("the replica saw it");
-        assert_eq!(got.values("authorization"), [sent], "{path}");
+        got.values("authorization").concat()
+    };
+    for (path, body, sent) in [
+        ("/v1/embeddings", "{\"input\":\"x\"}", "Bearer sk-replica"),
+        // The router's LoRA fan-out, SGLang's spelling outside `/v1` too.
+        ("/load_lora_adapter", lora, "Bearer sk-replica"),
+        ("/tokenize", "{\"prompt\":\"x\"}", "Bearer sk-client"),
+    ] {
+        assert_eq!(sent_as(path, body).await, sent, "{path}");
     }
+    let rotated = kvroute_router::Config {
+        replica_api_key: Some(kvroute_router::config::Secret::new("sk-rotated")),
+        ..config
+    };
+    assert_eq!(reloader.apply(&router.state, &rotated).await.applied, ["replica-api-key"]);
+    assert_eq!(sent_as("/v1/embeddings", "{\"input\":\"x\"}").await, "Bearer sk-rotated");
     shutdown.cancel();
 }
 
