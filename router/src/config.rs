@@ -84,10 +84,11 @@ pub struct Config {
     #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "comma_separated")]
     pub api_key: Vec<Secret>,
     /// A file of keys as `--api-key`'s (separated by commas, blanks or lines; a word that
-    /// begins with `#` begins a comment, to the end of its line), which pass with them: read again at each `SIGHUP` and whenever it changes
-    /// (`--api-key-check-ms`), so keys rotate without a restart (a Kubernetes Secret mounted as a
-    /// volume). A file that cannot be read or holds no key stops the start; later, it keeps the
-    /// keys in use (an emptied file never opens the API).
+    /// begins with `#` begins a comment, to the end of its line), which pass with them: read
+    /// again at each `SIGHUP` and whenever it changes (`--api-key-check-ms`), so keys rotate
+    /// without a restart (a Kubernetes Secret mounted as a volume). A file that cannot be read
+    /// or holds no key stops the start; later, it keeps the keys in use (an emptied file never
+    /// opens the API).
     #[arg(long, env = "KVROUTE_API_KEY_FILE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub api_key_file: Option<PathBuf>,
@@ -106,11 +107,11 @@ pub struct Config {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replica_api_key: Option<Secret>,
     /// PEM certificate chain (the router's own first) the proxy's listener serves TLS with:
-    /// HTTPS, HTTP/2 or HTTP/1.1 by ALPN. With `--tls-key`. Both files (and `--tls-client-ca`'s)
-    /// are read again when they change (`--tls-check-ms`) and at each `SIGHUP`, so a certificate rotated in place
-    /// (cert-manager, a mounted Secret) is served to the connections opened from then on. The
-    /// health listener and the admin service stay plain (the admin's on loopback, or behind
-    /// its token).
+    /// HTTPS, HTTP/2 or HTTP/1.1 by ALPN. With `--tls-key`. Both files (and
+    /// `--tls-client-ca`'s) are read again when they change (`--tls-check-ms`) and at each
+    /// `SIGHUP`, so a certificate rotated in place (cert-manager, a mounted Secret) is served
+    /// to the connections opened from then on. The health listener and the admin service stay
+    /// plain (the admin's on loopback, or behind its token).
     #[arg(long, env = "KVROUTE_TLS_CERT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_cert: Option<PathBuf>,

@@ -14,18 +14,19 @@
 //!   out; it is tried once more after the others, as an address the list frees later may be
 //!   the one it wants.
 //! - The routing policy and its weights, the per-replica concurrency, the per-request bounds,
-//!   the API keys and the replicas' key ([`crate::proxy::live`]) change at once: decisions made from then on
-//!   route by the new ones, a request already admitted keeps the bounds it was admitted by, and
-//!   requests waiting for a replica's room look again when its limit rose. The random policies
-//!   keep their seed unless one is given; a policy whose own settings did not change keeps its
-//!   state (its turn, its random stream).
+//!   the API keys and the replicas' key ([`crate::proxy::live`]) change at once: decisions made
+//!   from then on route by the new ones, a request already admitted keeps the bounds it was
+//!   admitted by, and requests waiting for a replica's room look again when its limit rose. The
+//!   random policies keep their seed unless one is given; a policy whose own settings did not
+//!   change keeps its state (its turn, its random stream).
 //! - With TLS on the proxy's listener (`--tls-cert`, `--tls-key`), the certificate, key and
 //!   client authorities (`--tls-client-ca`) are read again, from the paths the configuration
 //!   names now: a certificate rotated in place is served to the connections opened from then
 //!   on. (TLS itself is turned on or off at a start; client certificates are asked for or not
 //!   from a reload on.)
-//! - `--api-key-file` is read again, from the path the configuration names now (none: its
-//!   keys are dropped); one that cannot be loaded keeps the keys in use ([`crate::proxy::key_file`]).
+//! - `--api-key-file` is read again, from the path the configuration names now (none: its keys
+//!   are dropped); one that cannot be loaded keeps the keys in use
+//!   ([`crate::proxy::key_file`]).
 //! - Other settings take effect at the next start: a reload names those that changed. The
 //!   replicas keep the running router's model and block size.
 
@@ -57,8 +58,8 @@ pub struct Reloaded {
     pub applied: Vec<String>,
     /// Settings besides the replicas that differ from the running router's (not applied).
     pub not_applied: Vec<String>,
-    /// Whether the proxy listener's certificate, key and client CA were read again, or why not; `None`
-    /// when it serves no TLS, or the configuration names none now.
+    /// Whether the proxy listener's certificate, key and client CA were read again, or why not;
+    /// `None` when it serves no TLS, or the configuration names none now.
     pub tls: Option<Result<(), String>>,
     /// How many keys `--api-key-file` holds now, or why the keys in use stay; `None` when the
     /// configuration names no key file.
@@ -123,9 +124,9 @@ impl Reloader {
         reloaded
     }
 
-    /// Puts `config`'s routing and the replicas' key in place of the running ones, where any
-    /// of their settings (`changed`) did, and carries the live settings (the admission's are put in by
-    /// [`Reloader::reload_admission`]).
+    /// Puts `config`'s routing and the replicas' key in place of the running ones, where any of
+    /// their settings (`changed`) did, and carries the live settings (the admission's are put
+    /// in by [`Reloader::reload_admission`]).
     fn apply_live(&mut self, state: &ProxyState, config: &Config, changed: &[String]) {
         let running = state.decider.routing.get();
         if let Some(routing) = running.reloaded(config, changed) {

@@ -10,15 +10,16 @@
 //! response.
 //!
 //! A session holds its place under `--max-in-flight`, and counts as a request in flight on its
-//! replica, for as long as it lasts. It ends when the router shuts down (both connections
-//! are closed; its client reconnects, to another router): a session may last for hours,
-//! where a stream ends with its generation, and the shutdown would wait for it. (Each holds
-//! two sockets outside `--max-connections`, which counts the connections the server reads
-//! requests from.) It ends too when its key is revoked (a reload, `--api-key-file` changed):
-//! a session is checked again whenever the keys change, as its handshake would be. A replica that refuses the connection or fails before answering is counted
-//! against it and the next one is tried, as for other requests; a `101` without an `Upgrade`
-//! to `websocket` is a malformed answer. A handshake with a body is refused (400): its bytes
-//! would reach the replica as the new protocol's.
+//! replica, for as long as it lasts. It ends when the router shuts down (both connections are
+//! closed; its client reconnects, to another router): a session may last for hours, where a
+//! stream ends with its generation, and the shutdown would wait for it. (Each holds two sockets
+//! outside `--max-connections`, which counts the connections the server reads requests from.)
+//! It ends too when its key is revoked (a reload, `--api-key-file` changed): a session is
+//! checked again whenever the keys change, as its handshake would be. A replica that refuses
+//! the connection or fails before answering is counted against it and the next one is tried, as
+//! for other requests; a `101` without an `Upgrade` to `websocket` is a malformed answer. A
+//! handshake with a body is refused (400): its bytes would reach the replica as the new
+//! protocol's.
 //!
 //! Only HTTP/1.1 upgrades: the router does not offer HTTP/2's extended `CONNECT` (RFC 8441),
 //! so browsers open their WebSockets to it over HTTP/1.1.
