@@ -32,7 +32,7 @@ mod tls;
 
 pub use parts::Parts;
 use send_timeout::SendTimeout;
-pub use tls::{Tls, TlsFiles, certificates, private_key};
+pub use tls::{Tls, TlsFiles, certificates, private_key, read_file};
 
 /// Limits of one HTTP server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use hyper_rustls::ConfigBuilderExt;
+use kvroute_proto::serve::read_file;
 use tokio_rustls::rustls::crypto::ring;
 use tokio_rustls::rustls::{ClientConfig, RootCertStore};
 
@@ -16,14 +17,13 @@ pub fn client_config(
     ca: Option<&Path>,
     identity: Option<(&Path, &Path)>,
 ) -> Result<Arc<ClientConfig>, String> {
-    let read = |path: &Path| std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()));
     let builder = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?;
     let builder = match ca {
         Some(ca) => {
             let mut roots = RootCertStore::empty();
-            for authority in kvroute_proto::serve::certificates(ca, &read(ca)?)? {
+            for authority in kvroute_proto::serve::certificates(ca, &read_file(ca)?)? {
                 roots.add(authority).map_err(|e| format!("{}: {e}", ca.display()))?;
             }
             builder.with_root_certificates(roots)
@@ -39,8 +39,8 @@ pub fn client_config(
     let config = match identity {
         None => builder.with_no_client_auth(),
         Some((cert, key)) => {
-            let chain = kvroute_proto::serve::certificates(cert, &read(cert)?)?;
-            let key = kvroute_proto::serve::private_key(key, &read(key)?)?;
+            let chain = kvroute_proto::serve::certificates(cert, &read_file(cert)?)?;
+            let key = kvroute_proto::serve::private_key(key, &read_file(key)?)?;
             builder.with_client_auth_cert(chain, key).map_err(|e| format!("{}: {e}", cert.display()))?
         }
     };

@@ -41,11 +41,10 @@ impl TlsFiles {
     /// What each file holds now, in the order of the fields (the client CA's last, if any);
     /// else which one cannot be read, and why.
     fn read(&self) -> Result<Vec<Vec<u8>>, String> {
-        let read = |path: &Path| std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()));
         [Some(&self.cert), Some(&self.key), self.client_ca.as_ref()]
             .into_iter()
             .flatten()
-            .map(|p| read(p))
+            .map(|path| read_file(path))
             .collect()
     }
 }
@@ -264,6 +263,11 @@ fn acceptor(files: &TlsFiles, pem: &[Vec<u8>]) -> Result<Served, String> {
         .map_err(|e| format!("{} with {}: {e}", cert.display(), key.display()))?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Served { acceptor: TlsAcceptor::from(Arc::new(config)), not_after })
+}
+
+/// What the file at `path` holds, or why it cannot be read, naming it.
+pub fn read_file(path: &Path) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// The private key in `pem`, the file `path`'s.

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
+use kvroute_proto::serve::read_file;
 use tokio_util::sync::CancellationToken;
 
 use super::live::{Admission, Live};
@@ -107,7 +108,7 @@ impl KeyFile {
     pub fn reload_if_changed(&self, live: &Live<Admission>) -> Option<Result<usize, String>> {
         let mut guard = self.lock();
         let loaded = guard.as_mut()?;
-        let now = std::fs::read(&loaded.path).map_err(|e| format!("{}: {e}", loaded.path.display()));
+        let now = read_file(&loaded.path);
         let parsed = match now {
             Ok(now) if now == loaded.seen => return None,
             Ok(now) => {
@@ -151,7 +152,7 @@ fn keys(loaded: &Option<Loaded>) -> &[String] {
 
 /// The key file at `path`, read.
 fn read(path: &Path) -> Result<Loaded, String> {
-    let seen = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let seen = read_file(path)?;
     let keys = parse(path, &seen)?;
     Ok(Loaded { path: path.to_owned(), seen, keys })
 }
