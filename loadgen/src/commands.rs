@@ -125,7 +125,7 @@ impl SendArgs {
         config.authorization = self.api_key.clone();
         let identity = self.client_cert.as_deref().zip(self.client_key.as_deref());
         if self.ca_cert.is_some() || identity.is_some() {
-            let tls = live::tls::client_config(self.ca_cert.as_deref(), identity);
+            let tls = kvroute_proto::serve::client_config(self.ca_cert.as_deref(), identity);
             config.tls =
                 Some(tls.map_err(|e| anyhow::anyhow!("--ca-cert, --client-cert, --client-key: {e}"))?);
         }

@@ -29,10 +29,14 @@ use tokio_util::task::TaskTracker;
 mod parts;
 pub mod send_timeout;
 mod tls;
+mod tls_client;
+mod watched;
 
 pub use parts::Parts;
 use send_timeout::SendTimeout;
-pub use tls::{Tls, TlsFiles, certificates, private_key, read_file};
+pub use tls::{Tls, TlsFiles, certificates, not_after, private_key, read_file};
+pub use tls_client::{ClientFiles, ClientTls, client_config, system_client_config};
+pub use watched::{FromFiles, Watched};
 
 /// Limits of one HTTP server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,9 +170,26 @@ pub async fn serve_with<H, F, B>(
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    serve_tls_with(listener, handler, limits, None, shutdown).await;
+}
+
+/// [`serve_with`], every connection a TLS one with `tls` (as [`serve_on_threads`]'s).
+pub async fn serve_tls_with<H, F, B>(
+    listener: TcpListener,
+    handler: H,
+    limits: Limits,
+    tls: Option<&Tls>,
+    shutdown: CancellationToken,
+) where
+    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<B>> + Send + 'static,
+    B: Body + Send + Unpin + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let connections = TaskTracker::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    accept_loop(listener, handler, (&limits, None), &slots, &connections, &shutdown).await;
+    accept_loop(listener, handler, (&limits, tls), &slots, &connections, &shutdown).await;
     drain(&connections, limits.drain_timeout).await;
 }
 

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
-use kvroute_proto::serve::{Limits, MIN_HEADER_BYTES};
+use kvroute_proto::serve::{Limits, MIN_HEADER_BYTES, TlsFiles};
 use serde::{Deserialize, Serialize};
 
 use crate::cache::{CacheConfig, PolicyKind, S3FifoParams};
@@ -150,6 +150,21 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_AGENT_API_KEY", hide_env_values = true)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub api_key: Option<String>,
+    /// Serve the API over HTTPS with this certificate chain (PEM, the agent's own first), as
+    /// vLLM's `--ssl-certfile`. With `--ssl-keyfile`. The gRPC service stays plain.
+    #[arg(long, env = "KVROUTE_AGENT_SSL_CERTFILE", requires = "ssl_keyfile")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ssl_certfile: Option<PathBuf>,
+    /// The private key of `--ssl-certfile` (PEM), as vLLM's `--ssl-keyfile`.
+    #[arg(long, env = "KVROUTE_AGENT_SSL_KEYFILE", requires = "ssl_certfile")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ssl_keyfile: Option<PathBuf>,
+    /// With `--ssl-certfile`: clients must show a certificate signed by one of the authorities
+    /// in this PEM file (mutual TLS). vLLM's `--ssl-ca-certs` asks for that with
+    /// `--ssl-cert-reqs 2`.
+    #[arg(long, env = "KVROUTE_AGENT_SSL_CA_CERTS", requires = "ssl_certfile")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ssl_ca_certs: Option<PathBuf>,
     /// Keep every Responses API response in this process, so a later request can continue it
     /// (`previous_response_id`) or fetch it, as vLLM with `VLLM_ENABLE_RESPONSES_API_STORE=1`.
     #[arg(long, env = "KVROUTE_AGENT_RESPONSES_STORE")]
@@ -239,6 +254,16 @@ impl Config {
             "--api-key must not be empty or hold whitespace (a newline at the end of its file?): no client could send it"
                 .into(),
         );
+        check(
+            self.ssl_certfile.is_some() == self.ssl_keyfile.is_some()
+                && (self.ssl_ca_certs.is_none() || self.ssl_certfile.is_some()),
+            "--ssl-certfile and --ssl-keyfile go together (and --ssl-ca-certs with them)".into(),
+        );
+        if let Some(files) = self.tls_files()
+            && let Err(e) = kvroute_proto::serve::Tls::from_files(&files)
+        {
+            check(false, format!("--ssl-certfile, --ssl-keyfile, --ssl-ca-certs: {e}"));
+        }
         check(!self.model.is_empty(), "--model must not be empty".into());
         for problem in self.chat.problems() {
             check(false, problem);
@@ -375,6 +400,12 @@ impl Config {
         }
     }
 
+    /// The API's TLS files, if it serves HTTPS.
+    pub fn tls_files(&self) -> Option<TlsFiles> {
+        let (cert, key) = (self.ssl_certfile.clone()?, self.ssl_keyfile.clone()?);
+        Some(TlsFiles { cert, key, client_ca: self.ssl_ca_certs.clone() })
+    }
+
     /// The replay endpoint, if replay is enabled.
     pub fn replay(&self) -> Option<&str> {
         (!self.replay_endpoint.is_empty()).then_some(self.replay_endpoint.as_str())
@@ -423,7 +454,8 @@ mod tests {
         assert_eq!(c.validate().unwrap_err().len(), 3);
     }
 
-    /// A cache its policy cannot run with, an API key no client can send, and a step budget
+    /// A cache its policy cannot run with, an API key no client can send, TLS files that cannot
+    /// be served, and a step budget
     /// the running sequences' decodes can take whole are refused up front with the flags named (not when the engine starts, or as a 401 to every request).
     #[test]
     fn a_cache_that_cannot_run_and_an_unsendable_key_are_refused() {
@@ -436,6 +468,18 @@ mod tests {
             (Config { capacity_blocks: 3_000_000_000, ..Config::default() }, "--capacity-blocks 3000000000"),
             (Config { api_key: Some("k\n".into()), ..Config::default() }, "--api-key"),
             (Config { api_key: Some(String::new()), ..Config::default() }, "--api-key"),
+            (
+                Config {
+                    ssl_certfile: Some("/nonexistent/cert.pem".into()),
+                    ssl_keyfile: Some("/nonexistent/key.pem".into()),
+                    ..Config::default()
+                },
+                "/nonexistent/cert.pem",
+            ),
+            (
+                Config { ssl_certfile: Some("cert.pem".into()), ..Config::default() },
+                "--ssl-keyfile go together",
+            ),
             (
                 Config { max_num_seqs: 256, max_num_batched_tokens: 64, block_size: 16, ..Config::default() },
                 "--max-num-seqs (256)",

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use kvroute_proto::openai::{Tokenization, TokenizationConfig, TokenizerSpec};
-use kvroute_proto::serve::Parts;
+use kvroute_proto::serve::{Parts, Tls};
 use kvroute_proto::{Epoch, pb};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -23,6 +23,8 @@ pub struct RunningAgent {
     pub name: String,
     pub epoch: Epoch,
     pub http_addr: SocketAddr,
+    /// Whether the API is served over HTTPS (`--ssl-certfile`).
+    pub https: bool,
     pub grpc_addr: SocketAddr,
     pub events_endpoint: String,
     pub replay_endpoint: Option<String>,
@@ -35,9 +37,9 @@ pub struct RunningAgent {
 }
 
 impl RunningAgent {
-    /// `http://addr` of the OpenAI API.
+    /// `http://addr` (`https://` with TLS) of the OpenAI API.
     pub fn http_url(&self) -> String {
-        format!("http://{}", self.http_addr)
+        format!("{}://{}", if self.https { "https" } else { "http" }, self.http_addr)
     }
 
     /// `http://addr` of the gRPC service.
@@ -102,6 +104,13 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
         .await
         .with_context(|| format!("binding gRPC on {}", config.grpc_addr))?;
     let http_addr = http_listener.local_addr()?;
+    let tls = match config.tls_files() {
+        Some(files) => {
+            Some(Tls::from_files(&files).map_err(anyhow::Error::msg).context("loading the TLS files")?)
+        }
+        None => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let grpc_addr = grpc_listener.local_addr()?;
 
     let publisher_config = PublisherConfig {
@@ -164,7 +173,7 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
         model: config.model.clone(),
         max_model_len: config.max_model_len,
         endpoints: Some(pb::Endpoints {
-            http: format!("http://{http_addr}"),
+            http: format!("{scheme}://{http_addr}"),
             events: endpoints.events.clone(),
             replay: endpoints.replay.clone().unwrap_or_default(),
             grpc: format!("http://{grpc_addr}"),
@@ -186,7 +195,7 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
     });
 
     let state = http::AppState::new(ranks.clone(), tokenization, config.clone());
-    let serving = http::serve(http_listener, state, shutdown.clone());
+    let serving = http::serve(http_listener, state, tls, shutdown.clone());
     parts.vital("the HTTP server", async move {
         serving.await;
         Ok(())
@@ -200,6 +209,7 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
         name: config.name.clone(),
         epoch,
         http_addr,
+        https: scheme == "https",
         grpc_addr,
         events_endpoint: endpoints.events,
         replay_endpoint: endpoints.replay,

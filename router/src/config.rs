@@ -17,9 +17,10 @@ use http::HeaderValue;
 use serde::{Deserialize, Serialize};
 
 use crate::discovery::DiscoveryConfig;
-use kvroute_proto::serve::{Limits, MIN_HEADER_BYTES, Tls, TlsFiles};
+use kvroute_proto::serve::{ClientFiles, Limits, MIN_HEADER_BYTES, Tls, TlsFiles};
 
 use crate::policy::{CacheAwareParams, PolicyKind};
+use crate::proxy::connect::ReplicaTls;
 use crate::proxy::key_file::KeyFile;
 use crate::proxy::route::RequestLimits;
 use crate::replicas::{EngineKind, ReplicaSpec, base_url};
@@ -106,6 +107,22 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_REPLICA_API_KEY", hide_env_values = true)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replica_api_key: Option<Secret>,
+    /// PEM certificates of the authorities `https://` replicas' certificates must chain to (the
+    /// system's without it). A replica's certificate must also name the host of its URL. This
+    /// file and the client certificate's are read again at each `SIGHUP` and when they change
+    /// (`--tls-check-ms`), for the connections opened from then on.
+    #[arg(long, env = "KVROUTE_REPLICA_CA_CERT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica_ca_cert: Option<PathBuf>,
+    /// PEM certificate chain the router shows `https://` replicas that ask for one (mutual TLS:
+    /// vLLM's `--ssl-ca-certs` with `--ssl-cert-reqs 2`). With `--replica-client-key`.
+    #[arg(long, env = "KVROUTE_REPLICA_CLIENT_CERT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica_client_cert: Option<PathBuf>,
+    /// PEM private key of `--replica-client-cert`.
+    #[arg(long, env = "KVROUTE_REPLICA_CLIENT_KEY")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica_client_key: Option<PathBuf>,
     /// PEM certificate chain (the router's own first) the proxy's listener serves TLS with:
     /// HTTPS, HTTP/2 or HTTP/1.1 by ALPN. With `--tls-key`. Both files (and
     /// `--tls-client-ca`'s) are read again when they change (`--tls-check-ms`) and at each
@@ -127,9 +144,10 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_TLS_CLIENT_CA")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_client_ca: Option<PathBuf>,
-    /// How often the `--tls-cert`, `--tls-key` and `--tls-client-ca` files are checked for a change (a
-    /// certificate renewed in place, a Secret updated in its volume), milliseconds; a change
-    /// is served to new connections. 0: only at a `SIGHUP`.
+    /// How often the `--tls-cert`, `--tls-key` and `--tls-client-ca` files (and the
+    /// `--replica-*` TLS files) are checked for a change (a certificate renewed in place, a
+    /// Secret updated in its volume), milliseconds; a change is used by new connections. 0: only
+    /// at a `SIGHUP`.
     #[arg(long, env = "KVROUTE_TLS_CHECK_MS", default_value_t = 10_000)]
     pub tls_check_ms: u64,
     /// Bearer token the admin service requires; mandatory when it listens beyond loopback.
@@ -529,6 +547,11 @@ impl Config {
         if let Err(problem) = tls {
             check(false, problem);
         }
+        if let Err(problem) =
+            if read_files { self.replica_tls().map(drop) } else { self.replica_tls_files().map(drop) }
+        {
+            check(false, problem);
+        }
         if let (true, Some(path)) = (read_files, &self.api_key_file)
             && let Err(problem) = KeyFile::open(Some(path))
         {
@@ -697,6 +720,23 @@ impl Config {
             (None, None, Some(_)) => Err("--tls-client-ca needs --tls-cert and --tls-key".into()),
             _ => Err("--tls-cert and --tls-key go together".into()),
         }
+    }
+
+    /// The TLS of connections to `https://` replicas (`--replica-ca-cert`,
+    /// `--replica-client-cert`, `--replica-client-key`), its files read.
+    pub fn replica_tls(&self) -> Result<ReplicaTls, String> {
+        ReplicaTls::from_files(&self.replica_tls_files()?)
+            .map_err(|e| format!("--replica-ca-cert, --replica-client-cert, --replica-client-key: {e}"))
+    }
+
+    /// The files of [`Config::replica_tls`], named together as they must be.
+    pub fn replica_tls_files(&self) -> Result<ClientFiles, String> {
+        let identity = match (&self.replica_client_cert, &self.replica_client_key) {
+            (Some(cert), Some(key)) => Some((cert.clone(), key.clone())),
+            (None, None) => None,
+            _ => return Err("--replica-client-cert and --replica-client-key go together".into()),
+        };
+        Ok(ClientFiles { ca: self.replica_ca_cert.clone(), identity })
     }
 
     /// The `Authorization` value of `--replica-api-key`, marked sensitive (kept out of logs and
@@ -1280,13 +1320,14 @@ mod tests {
     }
 
     #[test]
-    fn replicas_are_plain_http() {
+    fn replicas_are_http_or_https() {
         let with = |http: &str| Config {
             replicas: vec![format!("name=r0,http={http},events=tcp://127.0.0.1:5557").parse().unwrap()],
             ..Config::default()
         };
         assert_eq!(with("http://10.0.0.1:8000").validate(), Ok(()));
-        let errors = with("https://10.0.0.1:8000").validate().unwrap_err();
-        assert!(errors.len() == 1 && errors[0].contains("plain HTTP/1.1"), "{errors:?}");
+        assert_eq!(with("https://replica-0.example").validate(), Ok(()));
+        let errors = with("ftp://10.0.0.1:8000").validate().unwrap_err();
+        assert!(errors.len() == 1 && errors[0].contains("not an http:// or https:// URL"), "{errors:?}");
     }
 }

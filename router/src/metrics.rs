@@ -22,6 +22,7 @@ use prometheus_client::registry::Registry;
 
 use crate::fleet::{Fleet, Member};
 use crate::policy::{Load, PolicyKind};
+use crate::proxy::connect::ReplicaTls;
 use crate::proxy::key_file::KeyFile;
 use crate::proxy::live::{Live, Routing};
 use kvroute_proto::serve::Tls;
@@ -274,28 +275,50 @@ impl Collector for SendTimeouts {
 
 /// Registers what the files the router watches hold, read at scrape time: the served TLS
 /// certificate's expiry (`kvroute_router_tls_certificate_expiry_timestamp_seconds`, for an
-/// alert well before it), and the loads of the TLS files and of `--api-key-file`, done and
-/// refused (`kvroute_router_tls_loads_total`, `kvroute_router_api_key_file_loads_total`): a
-/// renewed certificate or rotated key file that cannot be loaded leaves the old one in use,
-/// and says so only in the log otherwise. Each only while there is such a file.
-pub fn register_watched_files(registry: &mut Registry, tls: Option<Tls>, key_file: Arc<KeyFile>) {
-    registry
-        .sub_registry_with_prefix("kvroute_router")
-        .register_collector(Box::new(WatchedFiles { tls, key_file }));
+/// alert well before it) and that of the client certificate shown to replicas
+/// (`kvroute_router_replica_tls_client_certificate_expiry_timestamp_seconds`), and the loads
+/// of the TLS files, of `--api-key-file` and of the replicas' TLS files, done and refused
+/// (`kvroute_router_tls_loads_total`, `kvroute_router_api_key_file_loads_total`,
+/// `kvroute_router_replica_tls_loads_total`): a renewed certificate or rotated key file that
+/// cannot be loaded leaves the old one in use, and says so only in the log otherwise. Each
+/// only while there is such a file.
+pub fn register_watched_files(
+    registry: &mut Registry,
+    tls: Option<Tls>,
+    key_file: Arc<KeyFile>,
+    replica_tls: ReplicaTls,
+) {
+    registry.sub_registry_with_prefix("kvroute_router").register_collector(Box::new(WatchedFiles {
+        tls,
+        key_file,
+        replica_tls,
+    }));
 }
 
 #[derive(Debug)]
 struct WatchedFiles {
     tls: Option<Tls>,
     key_file: Arc<KeyFile>,
+    replica_tls: ReplicaTls,
 }
 
 impl Collector for WatchedFiles {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        if let Some(not_after) = self.tls.as_ref().and_then(Tls::not_after) {
+        let expiries = [
+            (
+                "tls_certificate_expiry_timestamp_seconds",
+                "When the TLS certificate served now expires (its notAfter), Unix seconds",
+                self.tls.as_ref().and_then(Tls::not_after),
+            ),
+            (
+                "replica_tls_client_certificate_expiry_timestamp_seconds",
+                "When the client certificate shown to https:// replicas now expires (its notAfter), Unix seconds",
+                self.replica_tls.not_after(),
+            ),
+        ];
+        for (name, help, not_after) in expiries {
+            let Some(not_after) = not_after else { continue };
             let gauge = ConstGauge::new(not_after);
-            let help = "When the TLS certificate served now expires (its notAfter), Unix seconds";
-            let name = "tls_certificate_expiry_timestamp_seconds";
             gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
         }
         let loads = [
@@ -308,6 +331,11 @@ impl Collector for WatchedFiles {
                 "api_key_file_loads",
                 "Loads of --api-key-file, at a reload or of a change on disk",
                 self.key_file.loads(),
+            ),
+            (
+                "replica_tls_loads",
+                "Loads of --replica-ca-cert, --replica-client-cert and --replica-client-key, at a reload or of a change on disk",
+                self.replica_tls.loads(),
             ),
         ];
         for (name, help, loads) in loads {

@@ -24,6 +24,9 @@
 //!   names now: a certificate rotated in place is served to the connections opened from then
 //!   on. (TLS itself is turned on or off at a start; client certificates are asked for or not
 //!   from a reload on.)
+//! - The replicas' TLS files (`--replica-ca-cert`, `--replica-client-cert`,
+//!   `--replica-client-key`) are read again, from the paths the configuration names now:
+//!   connections to replicas opened from then on use them ([`crate::proxy::connect`]).
 //! - `--api-key-file` is read again, from the path the configuration names now (none: its keys
 //!   are dropped); one that cannot be loaded keeps the keys in use
 //!   ([`crate::proxy::key_file`]).
@@ -64,6 +67,9 @@ pub struct Reloaded {
     /// How many keys `--api-key-file` holds now, or why the keys in use stay; `None` when the
     /// configuration names no key file.
     pub api_key_file: Option<Result<usize, String>>,
+    /// Whether the replicas' TLS files were read again, or why not; `None` when neither the
+    /// running configuration nor this one names any.
+    pub replica_tls: Option<Result<(), String>>,
 }
 
 impl Reloaded {
@@ -95,6 +101,7 @@ impl Reloader {
         self.apply_live(state, config, &reloaded.applied);
         self.reload_admission(state, config, &mut reloaded);
         self.reload_tls(state, config, &mut reloaded);
+        self.reload_replica_tls(state, config, &mut reloaded);
         let desired = specs(&self.running, config);
         let gone: Vec<String> =
             self.applied.keys().filter(|name| !desired.contains_key(*name)).cloned().collect();
@@ -162,6 +169,26 @@ impl Reloader {
             self.running.tls_client_ca = config.tls_client_ca.clone();
         }
         reloaded.tls = Some(loaded);
+    }
+
+    /// Reads the replicas' TLS files again, from the paths `config` names now (none: the
+    /// system's authorities, no client certificate): connections to replicas opened from then
+    /// on use them. From then on their paths count as applied.
+    fn reload_replica_tls(&mut self, state: &ProxyState, config: &Config, reloaded: &mut Reloaded) {
+        let (Ok(files), Ok(running)) = (config.replica_tls_files(), self.running.replica_tls_files()) else {
+            return;
+        };
+        if files.is_empty() && running.is_empty() {
+            return;
+        }
+        let loaded = state.replica_tls.load(&files);
+        if loaded.is_ok() {
+            reloaded.now_applied(&["replica-ca-cert", "replica-client-cert", "replica-client-key"]);
+            self.running.replica_ca_cert = config.replica_ca_cert.clone();
+            self.running.replica_client_cert = config.replica_client_cert.clone();
+            self.running.replica_client_key = config.replica_client_key.clone();
+        }
+        reloaded.replica_tls = Some(loaded);
     }
 
     /// Puts `config`'s admission in place of the running one where any of its settings (among
@@ -271,6 +298,11 @@ pub async fn on_hangup(
         match &reloaded.tls {
             Some(Ok(())) => tracing::info!("reload: the TLS files read again"),
             Some(Err(why)) => tracing::error!(error = %why, "reload: the TLS certificate in use stays"),
+            None => {}
+        }
+        match &reloaded.replica_tls {
+            Some(Ok(())) => tracing::info!("reload: the replicas' TLS files read again"),
+            Some(Err(why)) => tracing::error!(error = %why, "reload: the replicas' TLS settings in use stay"),
             None => {}
         }
         match &reloaded.api_key_file {

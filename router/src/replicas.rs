@@ -227,6 +227,12 @@ impl ReplicaSpec {
         // (a gateway's route) would be dropped without a word, and every snapshot fail.
         match self.grpc_endpoint.as_deref().map(|url| (url, base_url(url))) {
             Some((_, Err(e))) => problems.push(e),
+            Some((url, Ok(_))) if !url.starts_with("http://") => {
+                problems.push(SpecError::Url(
+                    url.to_owned(),
+                    "the router speaks plain gRPC to replicas: http://".into(),
+                ));
+            }
             Some((url, Ok(base))) if base.parse::<http::Uri>().is_ok_and(|u| u.path() != "/") => {
                 problems.push(SpecError::Url(url.to_owned(), "a gRPC endpoint takes no path".into()));
             }
@@ -272,13 +278,13 @@ pub fn rank_endpoint(endpoint: &str, rank: u32) -> Result<String, SpecError> {
 }
 
 /// Checks a replica's base URL (its OpenAI API, or its gRPC service) and returns it without a
-/// trailing `/`: `http://host[:port]`, optionally with a path prefix the client's path is
-/// appended to, and no query.
+/// trailing `/`: `http://host[:port]` or `https://`, optionally with a path prefix the client's
+/// path is appended to, and no query.
 pub fn base_url(url: &str) -> Result<String, SpecError> {
     let bad = |why: String| SpecError::Url(url.to_owned(), why);
     let uri: http::Uri = url.parse().map_err(|e: http::uri::InvalidUri| bad(e.to_string()))?;
-    if uri.scheme_str() != Some("http") {
-        return Err(bad("not an http:// URL (the router speaks plain HTTP/1.1 to replicas)".into()));
+    if !matches!(uri.scheme_str(), Some("http" | "https")) {
+        return Err(bad("not an http:// or https:// URL".into()));
     }
     // `port()` is `None` for a port that is no u16, so look at what follows the host.
     let port_ok = |a: &http::uri::Authority| {
@@ -518,9 +524,9 @@ pub struct Replica {
     pub id: ReplicaId,
     pub spec: ReplicaSpec,
     pub status: ReplicaStatus,
-    /// The authority of `spec.http_url` when that URL has no path: a request's URL on the
-    /// replica is then this and the client's path, put together without parsing.
-    pub authority: Option<http::uri::Authority>,
+    /// The scheme and authority of `spec.http_url` when that URL has no path: a request's URL
+    /// on the replica is then these and the client's path, put together without parsing.
+    pub origin: Option<(http::uri::Scheme, http::uri::Authority)>,
     /// With several data-parallel ranks: which blocks each holds (set by the ingest, which
     /// keeps it; [`crate::index::Ranks`]).
     pub ranks: std::sync::OnceLock<Arc<crate::index::Ranks>>,
@@ -577,19 +583,20 @@ impl Replicas {
         // it would wait for a replica never added).
         let next = ReplicaId(u32::try_from(inner.ids.len()).expect("fewer than 2^32 replica names"));
         let id = *inner.ids.entry(spec.name.clone()).or_insert(next);
-        let authority = spec
+        let origin = spec
             .http_url
             .parse::<http::Uri>()
             .ok()
-            .filter(|url| url.scheme_str() == Some("http"))
             .filter(|url| url.path_and_query().is_none_or(|pq| matches!(pq.as_str(), "" | "/")))
-            .and_then(|url| url.into_parts().authority);
+            .map(http::Uri::into_parts)
+            .and_then(|parts| Some((parts.scheme?, parts.authority?)))
+            .filter(|(scheme, _)| matches!(scheme.as_str(), "http" | "https"));
         let status = ReplicaStatus::new(spec.dp_size);
         let replica = Arc::new(Replica {
             id,
             status,
             spec,
-            authority,
+            origin,
             ranks: Default::default(),
             prediction: Default::default(),
         });
@@ -690,15 +697,16 @@ mod tests {
     }
 
     #[test]
-    fn base_urls_are_plain_http_with_a_host() {
+    fn base_urls_are_http_or_https_with_a_host() {
         assert_eq!(base_url("http://10.0.0.7:8000/").unwrap(), "http://10.0.0.7:8000");
+        assert_eq!(base_url("https://replica-0.example:8443/").unwrap(), "https://replica-0.example:8443");
         assert_eq!(base_url("http://[fd00::7]:8000").unwrap(), "http://[fd00::7]:8000");
         assert_eq!(base_url("http://gw:80/replica-0/").unwrap(), "http://gw:80/replica-0");
         assert_eq!(base_url("http://u@h:8000").unwrap(), "http://u@h:8000");
         for bad in [
             "",
             "http://",
-            "https://h:1",
+            "ftp://h:1",
             "h:8000",
             "http://h:8000 ",
             "http://h:99999",
@@ -714,6 +722,8 @@ mod tests {
         assert!(matches!(spec.validate(), Err(SpecError::Url(..))));
         spec.grpc_endpoint = Some("http://gw:80/agent-0".into());
         assert!(matches!(spec.validate(), Err(SpecError::Url(..))), "a path, which tonic drops");
+        spec.grpc_endpoint = Some("https://h:50051".into());
+        assert!(matches!(spec.validate(), Err(SpecError::Url(..))), "gRPC without TLS");
         for fine in ["http://h:50051", "http://h:50051/"] {
             spec.grpc_endpoint = Some(fine.into());
             assert_eq!(spec.validate(), Ok(()), "{fine}");

@@ -186,7 +186,8 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     let tokenization = Arc::new(tokenization);
     register_tokenize_cache(&mut registry, tokenization.clone());
     let replica_authorization = Live::new(config.replica_authorization());
-    let client = Client::new(config.connect_timeout(), replica_authorization.clone());
+    let replica_tls = config.replica_tls().map_err(anyhow::Error::msg)?;
+    let client = Client::new(config.connect_timeout(), replica_authorization.clone(), replica_tls.clone());
     let prompts = if config.remote_tokenize {
         Prompts::Remote(Box::new(RemoteTokenizer::new(
             tokenization,
@@ -223,12 +224,15 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         KeyFile::open(config.api_key_file.as_deref()).map_err(|e| anyhow::anyhow!("--api-key-file {e}"))?,
     );
     let tls = config.tls().map_err(anyhow::Error::msg)?;
-    register_watched_files(&mut registry, tls.clone(), key_file.clone());
+    register_watched_files(&mut registry, tls.clone(), key_file.clone(), replica_tls.clone());
     let state = Arc::new(ProxyState {
         decider,
         new_pool: {
             let timeout = config.connect_timeout();
-            Box::new(move || Pool::new(timeout, control::IDLE_TIMEOUT, control::MAX_IDLE))
+            let replica_tls = replica_tls.clone();
+            Box::new(move || {
+                Pool::new(timeout, control::IDLE_TIMEOUT, control::MAX_IDLE).with_tls(replica_tls.clone())
+            })
         },
         forward: ForwardConfig {
             max_body_bytes: config.max_body_bytes,
@@ -256,6 +260,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         heartbeats: Heartbeats::new(http_threads),
         allowed_origins: proxy::cors::AllowedOrigins::new(&config.allowed_origins),
         tls,
+        replica_tls,
         shutdown: shutdown.clone(),
     });
 
@@ -286,8 +291,13 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         unhealthy_after: config.unhealthy_after,
     };
     tracker.spawn(proxy::health::run(state.clone(), client, checks, shutdown.clone()));
-    if let Some(tls) = state.tls.clone().filter(|_| config.tls_check_ms > 0) {
-        tracker.spawn(tls.watch(Duration::from_millis(config.tls_check_ms), shutdown.clone()));
+    if config.tls_check_ms > 0 {
+        let every = Duration::from_millis(config.tls_check_ms);
+        if let Some(tls) = state.tls.clone() {
+            tracker.spawn(tls.watch(every, shutdown.clone()));
+        }
+        // Watched even without a file now: a reload may name one.
+        tracker.spawn(state.replica_tls.clone().watch(every, shutdown.clone()));
     }
     // Watched even without a file now: a reload may name one.
     if config.api_key_check_ms > 0 {

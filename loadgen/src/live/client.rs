@@ -105,7 +105,7 @@ impl Success {
 }
 
 /// A keep-alive HTTP/1.1 client for completions against one base URL, `http://` or
-/// `https://` ([`super::tls`]).
+/// `https://` ([`kvroute_proto::serve::client_config`]).
 #[derive(Clone)]
 pub struct Client {
     http: HyperClient<HttpsConnector<HttpConnector>, Full<Bytes>>,
@@ -117,7 +117,7 @@ impl Client {
     /// A pooled client; `connect_timeout` bounds each connection attempt. HTTPS trusts the
     /// system's authorities.
     pub fn new(connect_timeout: Duration) -> Self {
-        Self::with_tls(connect_timeout, super::tls::system())
+        Self::with_tls(connect_timeout, kvroute_proto::serve::system_client_config())
     }
 
     /// [`Client::new`], HTTPS as `tls` says.

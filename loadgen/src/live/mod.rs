@@ -15,12 +15,10 @@
 //! - [`client`]: one measured request (SSE parsing, TTFT, usage, router headers).
 //! - [`scrape`]: Prometheus counters before and after.
 //! - [`report`]: aggregation into a [`LiveReport`].
-//! - [`tls`]: HTTPS to the target (its authorities, a client certificate).
 
 pub mod client;
 pub mod report;
 pub mod scrape;
-pub mod tls;
 
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -82,7 +80,7 @@ pub struct LiveConfig {
     /// `Authorization` of every completion (a router's or replica's `--api-key`), marked
     /// sensitive: its `Debug` does not show it.
     pub authorization: Option<HeaderValue>,
-    /// HTTPS to an `https://` target ([`tls::client_config`]); `None`: the system's
+    /// HTTPS to an `https://` target ([`kvroute_proto::serve::client_config`]); `None`: the system's
     /// authorities, no client certificate.
     pub tls: Option<Arc<tokio_rustls::rustls::ClientConfig>>,
 }
@@ -113,7 +111,7 @@ impl LiveConfig {
 impl LiveConfig {
     /// The run's TLS: its own, or the system's authorities.
     pub fn tls(&self) -> Arc<tokio_rustls::rustls::ClientConfig> {
-        self.tls.clone().unwrap_or_else(tls::system)
+        self.tls.clone().unwrap_or_else(kvroute_proto::serve::system_client_config)
     }
 }
 

@@ -731,7 +731,7 @@ async fn a_live_run_reaches_a_router_over_mutual_tls() {
     let trace = small_chat();
     for (identity, served) in [(None, false), (Some((client.0.as_path(), client.1.as_path())), true)] {
         let mut live = quiet(LiveConfig::new(router.url(), DEMO_MODEL));
-        live.tls = Some(live::tls::client_config(Some(&ca_path), identity).unwrap());
+        live.tls = Some(kvroute_proto::serve::client_config(Some(&ca_path), identity).unwrap());
         let report = ran(&trace, &live, shutdown.clone()).await;
         match served {
             true => assert_eq!((report.succeeded, report.failed()), (trace.len(), 0), "{:?}", report.errors),
@@ -743,7 +743,7 @@ async fn a_live_run_reaches_a_router_over_mutual_tls() {
             ),
         }
     }
-    let refused = live::tls::client_config(Some(&server.1), None).expect_err("a key is no authority");
+    let refused = kvroute_proto::serve::client_config(Some(&server.1), None).expect_err("a key is no authority");
     assert!(refused.contains("server.key: no certificate"), "{refused}");
     shutdown.cancel();
     fleet.stop().await;

@@ -8,8 +8,7 @@
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -24,6 +23,8 @@ use tokio_rustls::rustls::{RootCertStore, ServerConfig, version};
 use tokio_rustls::server::TlsStream;
 use tokio_util::sync::CancellationToken;
 
+use super::watched::{FromFiles, Watched};
+
 /// Where a listener's TLS comes from: PEM files.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TlsFiles {
@@ -37,35 +38,9 @@ pub struct TlsFiles {
     pub client_ca: Option<PathBuf>,
 }
 
-impl TlsFiles {
-    /// What each file holds now, in the order of the fields (the client CA's last, if any);
-    /// else which one cannot be read, and why.
-    fn read(&self) -> Result<Vec<Vec<u8>>, String> {
-        [Some(&self.cert), Some(&self.key), self.client_ca.as_ref()]
-            .into_iter()
-            .flatten()
-            .map(|path| read_file(path))
-            .collect()
-    }
-}
-
 /// A listener's certificate and key, as last loaded. Clones share them.
-#[derive(Clone)]
-pub struct Tls(Arc<Shared>);
-
-struct Shared {
-    loaded: RwLock<Loaded>,
-    /// Loads since the start (at a reload, or of a change on disk): done, and refused.
-    loads: [AtomicU64; 2],
-}
-
-/// What [`Tls`] serves, and where it came from.
-struct Loaded {
-    served: Served,
-    files: TlsFiles,
-    /// The files' contents last read, loaded or not: a change is loaded (or refused) once.
-    seen: Vec<Vec<u8>>,
-}
+#[derive(Clone, Debug)]
+pub struct Tls(Watched<Served>);
 
 /// An acceptor, and when its certificate expires.
 #[derive(Clone)]
@@ -76,96 +51,61 @@ struct Served {
     not_after: Option<i64>,
 }
 
+impl FromFiles for Served {
+    type Files = TlsFiles;
+
+    /// The certificate, the key, the client CA's last if any.
+    fn paths(files: &TlsFiles) -> Vec<&Path> {
+        [Some(&files.cert), Some(&files.key), files.client_ca.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(PathBuf::as_path)
+            .collect()
+    }
+
+    fn make(files: &TlsFiles, contents: &[Vec<u8>]) -> Result<Self, String> {
+        acceptor(files, contents)
+    }
+}
+
 impl Tls {
     /// The listener's TLS from `files`; what is wrong with one of them, else.
     pub fn from_files(files: &TlsFiles) -> Result<Self, String> {
-        let seen = files.read()?;
-        let served = acceptor(files, &seen)?;
-        let loaded = RwLock::new(Loaded { served, files: files.clone(), seen });
-        Ok(Self(Arc::new(Shared { loaded, loads: Default::default() })))
+        Watched::from_files(files).map(Self)
     }
 
     /// Serves the connections accepted from now on with what `files` hold now, and watches
     /// those files from then on. On an error the ones in use stay.
     pub fn load(&self, files: &TlsFiles) -> Result<(), String> {
-        let made = files.read().and_then(|seen| Ok((acceptor(files, &seen)?, seen)));
-        self.count(&made);
-        let (served, seen) = made?;
-        *self.0.loaded.write().unwrap_or_else(PoisonError::into_inner) =
-            Loaded { served, files: files.clone(), seen };
-        Ok(())
+        self.0.load(files)
     }
 
     /// When the certificate served now expires (its `notAfter`, Unix seconds), if it says.
     pub fn not_after(&self) -> Option<i64> {
-        self.0.loaded.read().unwrap_or_else(PoisonError::into_inner).served.not_after
+        self.0.get().not_after
     }
 
     /// Loads since the start, at a reload or of a change on disk: how many were done, and how
     /// many refused (a file that could not be read or loaded; the one in use stayed).
     pub fn loads(&self) -> (u64, u64) {
-        let [done, refused] = &self.0.loads;
-        (done.load(Ordering::Relaxed), refused.load(Ordering::Relaxed))
+        self.0.loads()
     }
 
-    fn count<T>(&self, made: &Result<T, String>) {
-        self.0.loads[usize::from(made.is_err())].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Loads the files again if what they hold changed since they were last read: `None` if
-    /// it did not (or a reload read them meanwhile), else whether it could be loaded (if not,
-    /// the one in use stays, and the same contents are not tried again).
+    /// Loads the files again if what they hold changed since they were last read
+    /// ([`Watched::reload_if_changed`]).
     pub fn reload_if_changed(&self) -> Option<Result<(), String>> {
-        let (files, seen) = {
-            let loaded = self.0.loaded.read().unwrap_or_else(PoisonError::into_inner);
-            (loaded.files.clone(), loaded.seen.clone())
-        };
-        let now = files.read();
-        if now.as_ref().is_ok_and(|now| *now == seen) {
-            return None;
-        }
-        let now = match now {
-            Ok(now) => now,
-            Err(why) => return Some(Err(why)).inspect(|made| self.count(made)),
-        };
-        let made = acceptor(&files, &now);
-        let mut loaded = self.0.loaded.write().unwrap_or_else(PoisonError::into_inner);
-        // Not if a reload loaded other files meanwhile, or the same ones anew: what it read
-        // may be newer than what this read.
-        if loaded.files != files || loaded.seen != seen {
-            return None;
-        }
-        if let Ok(served) = &made {
-            loaded.served = served.clone();
-        }
-        loaded.seen = now;
-        self.count(&made);
-        Some(made.map(|_| ()))
+        self.0.reload_if_changed()
     }
 
     /// Checks the files every `period` until `shutdown` fires ([`Tls::reload_if_changed`]),
     /// logging each change loaded or refused.
     pub async fn watch(self, period: Duration, shutdown: CancellationToken) {
-        super::every(period, shutdown, || match self.reload_if_changed() {
-            None => {}
-            Some(Ok(())) => tracing::info!("TLS: the certificate, key or client CA changed on disk: loaded"),
-            Some(Err(why)) => {
-                tracing::warn!(error = %why, "TLS: the certificate, key or client CA changed on disk and cannot be loaded; the ones in use stay")
-            }
-        })
-        .await;
+        self.0.watch("TLS: the certificate, key or client CA", period, shutdown).await;
     }
 
     /// The acceptor of a new connection.
     pub(super) fn acceptor(&self) -> TlsAcceptor {
-        self.0.loaded.read().unwrap_or_else(PoisonError::into_inner).served.acceptor.clone()
-    }
-}
-
-impl std::fmt::Debug for Tls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let loaded = self.0.loaded.read().unwrap_or_else(PoisonError::into_inner);
-        f.debug_struct("Tls").field("files", &loaded.files).finish_non_exhaustive()
+        self.0.get().acceptor
     }
 }
 
@@ -237,9 +177,7 @@ impl AsyncWrite for Stream {
 fn acceptor(files: &TlsFiles, pem: &[Vec<u8>]) -> Result<Served, String> {
     let (cert, key) = (&files.cert, &files.key);
     let chain = certificates(cert, &pem[0])?;
-    let not_after = x509_parser::parse_x509_certificate(&chain[0])
-        .ok()
-        .map(|(_, certificate)| certificate.validity().not_after.timestamp());
+    let not_after = not_after(&chain[0]);
     let private = private_key(key, &pem[1])?;
     let provider = Arc::new(ring::default_provider());
     let versions = ServerConfig::builder_with_provider(provider.clone())
@@ -263,6 +201,14 @@ fn acceptor(files: &TlsFiles, pem: &[Vec<u8>]) -> Result<Served, String> {
         .map_err(|e| format!("{} with {}: {e}", cert.display(), key.display()))?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Served { acceptor: TlsAcceptor::from(Arc::new(config)), not_after })
+}
+
+/// When `certificate` expires (its `notAfter`, Unix seconds); `None` if it does not parse as
+/// X.509.
+pub fn not_after(certificate: &CertificateDer<'_>) -> Option<i64> {
+    x509_parser::parse_x509_certificate(certificate)
+        .ok()
+        .map(|(_, certificate)| certificate.validity().not_after.timestamp())
 }
 
 /// What the file at `path` holds, or why it cannot be read, naming it.

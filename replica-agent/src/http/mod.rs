@@ -56,6 +56,7 @@ use hyper::header::{self, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use kvroute_proto::api_key;
 use kvroute_proto::openai::Tokenization;
+use kvroute_proto::serve::Tls;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -143,9 +144,10 @@ impl AppState {
     }
 }
 
-/// Serves the API on `listener` until `shutdown` fires, then stops accepting and returns
-/// once every connection has finished the requests it was serving (streams included).
-pub async fn serve(listener: TcpListener, state: AppState, shutdown: CancellationToken) {
+/// Serves the API on `listener` (over TLS with `tls`) until `shutdown` fires, then stops
+/// accepting and returns once every connection has finished the requests it was serving
+/// (streams included).
+pub async fn serve(listener: TcpListener, state: AppState, tls: Option<Tls>, shutdown: CancellationToken) {
     // Handlers must know as soon as shutdown starts (not once the drain is over), so an
     // engine failure during the drain answers 503 (retry elsewhere) rather than 500.
     let shutting_down = state.inner.shutdown.clone();
@@ -156,7 +158,8 @@ pub async fn serve(listener: TcpListener, state: AppState, shutdown: Cancellatio
         watch.cancelled().await;
         shutting_down.cancel();
     };
-    tokio::join!(kvroute_proto::serve::serve_with(listener, handler, limits, shutdown), mark);
+    let serving = kvroute_proto::serve::serve_tls_with(listener, handler, limits, tls.as_ref(), shutdown);
+    tokio::join!(serving, mark);
 }
 
 /// Routes one request and stamps `x-request-id` on the answer.

@@ -722,9 +722,9 @@ pub(super) struct ClientHead {
 /// The replica's URI for the client's: its base URL followed by the client's path and query.
 pub(super) fn replica_uri(replica: &Replica, client: &Uri) -> Result<Uri, ProxyError> {
     let path = client.path_and_query();
-    if let Some(authority) = &replica.authority {
+    if let Some((scheme, authority)) = &replica.origin {
         let mut parts = uri::Parts::default();
-        parts.scheme = Some(uri::Scheme::HTTP);
+        parts.scheme = Some(scheme.clone());
         parts.authority = Some(authority.clone());
         parts.path_and_query = Some(path.cloned().unwrap_or_else(|| uri::PathAndQuery::from_static("/")));
         return Uri::from_parts(parts).map_err(|e| ProxyError::Unavailable(format!("bad replica URL: {e}")));
@@ -1000,13 +1000,17 @@ mod tests {
             ),
             ("prefix", "http://gw:80/replica-0", "/v1/models", "http://gw:80/replica-0/v1/models"),
             ("ipv6", "http://[fd00::7]:8000/", "/health", "http://[fd00::7]:8000/health"),
-            // Not a base URL the router takes (config refuses it): put together as before.
             ("https", "https://h:1", "/v1/models", "https://h:1/v1/models"),
+            ("https, a path", "https://gw/r-1", "/v1/models", "https://gw/r-1/v1/models"),
         ] {
             let mut spec = ReplicaSpec::new(name, "tcp://h:0", EngineKind::Vllm, "m");
             spec.http_url = url.into();
             let replica = replicas.insert(spec).unwrap();
-            assert_eq!(replica.authority.is_some(), !["prefix", "https"].contains(&name), "{name}");
+            assert_eq!(
+                replica.origin.is_some(),
+                !name.contains("prefix") && !name.contains("path"),
+                "{name}"
+            );
             let client = client.parse::<Uri>().unwrap();
             assert_eq!(replica_uri(&replica, &client).unwrap().to_string(), expected, "{name}");
         }

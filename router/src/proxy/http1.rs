@@ -26,10 +26,10 @@ use http::Method;
 use http::header::{self, HeaderMap};
 use http_body::Body;
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::body::{BoxError, ProxyBody};
+use super::connect::{self, Stream};
 
 mod head;
 mod response;
@@ -79,7 +79,7 @@ impl WireError {
 
 /// An open connection to a replica and the bytes read from it but not yet used.
 pub struct Conn {
-    stream: TcpStream,
+    stream: Stream,
     buf: BytesMut,
     /// The replica answered before the whole request went out: the connection is not
     /// reused.
@@ -113,7 +113,7 @@ impl Outgoing {
 }
 
 impl Conn {
-    pub fn new(stream: TcpStream) -> Self {
+    pub fn new(stream: Stream) -> Self {
         Self {
             stream,
             buf: BytesMut::with_capacity(READ_BUFFER),
@@ -124,9 +124,10 @@ impl Conn {
     }
 
     /// Whether an idle connection can carry a request: the replica has not closed it and
-    /// sent nothing unasked. Costs a system call only when the socket was seen readable.
+    /// sent nothing unasked. Costs a system call only when the socket was seen readable. (Over
+    /// TLS, the TCP connection under it is looked at: a close, or any record, makes it unusable.)
     pub fn is_usable(&self) -> bool {
-        match self.stream.try_read(&mut [0u8; 1]) {
+        match connect::tcp(&self.stream).try_read(&mut [0u8; 1]) {
             Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
             Ok(_) => false,
         }
@@ -178,12 +179,13 @@ impl Conn {
         let mut head = request_head(method, target, host, headers);
         head.extend_from_slice(b"\r\n");
         self.stream.write_all(&head).await.map_err(WireError::Write)?;
+        self.stream.flush().await.map_err(WireError::Write)?;
         self.read_head_with(method, parse_upgrade_head).await
     }
 
     /// The connection after a `101`: its socket, and what the replica sent after the head
     /// (the new protocol's first bytes).
-    pub fn into_upgraded(self) -> (TcpStream, BytesMut) {
+    pub fn into_upgraded(self) -> (Stream, BytesMut) {
         (self.stream, self.buf)
     }
 
@@ -206,15 +208,15 @@ impl Conn {
         // watched for meanwhile and, if it comes first, read without sending the rest. An
         // interim answer (100, 103) is read and dropped, and the body goes on.
         let Conn { stream, buf, cut_short, under_way, .. } = self;
-        let (mut reader, mut writer) = stream.split();
+        let (mut reader, mut writer) = tokio::io::split(stream);
         let write = write_body(&mut writer, method, head, body);
         tokio::pin!(write);
         loop {
-            let mut probe = [0u8; 1];
+            buf.reserve(READ_BUFFER);
             tokio::select! {
                 biased;
-                peeked = reader.peek(&mut probe) => {
-                    if matches!(peeked, Ok(n) if n > 0) && skip_interim(&mut reader, buf, method, under_way).await? {
+                read = reader.read_buf(buf) => {
+                    if matches!(read, Ok(n) if n > 0) && only_interim(buf, method, under_way)? {
                         continue;
                     }
                     *cut_short = true;
@@ -316,20 +318,10 @@ fn request_head(method: &Method, target: &str, host: &str, headers: &HeaderMap) 
     head
 }
 
-/// Reads what the replica sent while the request was going out into `buf`: true if that was
-/// only interim answers (or the start of one), so the request can go on. Sets `under_way`
-/// if one of them was other than `100 Continue`.
-async fn skip_interim(
-    reader: &mut tokio::net::tcp::ReadHalf<'_>,
-    buf: &mut BytesMut,
-    method: &Method,
-    under_way: &mut bool,
-) -> Result<bool, WireError> {
-    buf.reserve(READ_BUFFER);
-    match reader.read_buf(buf).await {
-        Ok(0) | Err(_) => return Ok(false),
-        Ok(_) => {}
-    }
+/// Whether what the replica sent while the request was going out (read into `buf`) was only
+/// interim answers (or the start of one), dropped from `buf`, so the request can go on. Sets
+/// `under_way` if one of them was other than `100 Continue`.
+fn only_interim(buf: &mut BytesMut, method: &Method, under_way: &mut bool) -> Result<bool, WireError> {
     while !buf.is_empty() {
         match parse_head(buf, method)? {
             Some((length, head)) if head.parts.status.is_informational() => {
@@ -363,7 +355,8 @@ async fn write_body<W: AsyncWrite + Unpin>(
             }
             head.extend_from_slice(b"\r\n");
             let mut all = Bytes::from(head).chain(body);
-            return out.write_all_buf(&mut all).await.map_err(WireError::Write);
+            out.write_all_buf(&mut all).await.map_err(WireError::Write)?;
+            return out.flush().await.map_err(WireError::Write);
         }
         Outgoing::Stream(body) => body,
     };
@@ -395,11 +388,13 @@ async fn write_body<W: AsyncWrite + Unpin>(
             let mut chunk = size.chain(data).chain(Bytes::from_static(b"\r\n"));
             out.write_all_buf(&mut chunk).await.map_err(WireError::Write)?;
         }
+        // Over TLS, each piece goes out as it comes, not when the next one does.
+        out.flush().await.map_err(WireError::Write)?;
     }
     if length.is_none() {
         out.write_all(b"0\r\n\r\n").await.map_err(WireError::Write)?;
     }
-    Ok(())
+    out.flush().await.map_err(WireError::Write)
 }
 
 fn method_has_body(method: &Method) -> bool {

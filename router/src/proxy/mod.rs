@@ -19,6 +19,7 @@
 
 pub mod access;
 pub mod body;
+pub mod connect;
 pub mod control;
 pub mod cors;
 pub mod error;
@@ -99,6 +100,8 @@ pub struct ProxyState {
     pub allowed_origins: cors::AllowedOrigins,
     /// The proxy listener's TLS, if it serves HTTPS (`--tls-cert`): reloaded in place.
     pub tls: Option<kvroute_proto::serve::Tls>,
+    /// The TLS of connections to `https://` replicas: reloaded in place.
+    pub replica_tls: connect::ReplicaTls,
     /// The router's shutdown: open WebSocket tunnels end with it ([`tunnel`]).
     pub shutdown: CancellationToken,
 }

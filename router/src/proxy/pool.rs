@@ -28,21 +28,23 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use http::uri::{Authority, Scheme};
+use http::uri::Scheme;
 use http::{HeaderMap, Method, Request, Response, Uri};
-use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use super::connect::{Origin, ReplicaTls, Stream};
 use super::http1::{self, Conn, Outgoing, UpstreamBody, WireError};
 use crate::index::hasher::FoldState;
 
 /// Why a request could not be sent.
 #[derive(Debug, thiserror::Error)]
 pub enum SendError {
-    #[error("replica URL {0:?} is not an http:// URL with a host")]
+    #[error("replica URL {0:?} is not an http:// or https:// URL with a host")]
     BadUrl(String),
     #[error("connecting: {0}")]
     Connect(std::io::Error),
+    #[error("TLS handshake: {0}")]
+    Tls(std::io::Error),
     #[error("connecting: no connection within {0:?}")]
     ConnectTimeout(Duration),
     #[error(transparent)]
@@ -53,26 +55,30 @@ pub enum SendError {
 pub enum Upgrade {
     /// `101 Switching Protocols`: the socket is the new protocol's, and `early` what the
     /// replica already sent of it.
-    Switched { head: http::response::Parts, stream: TcpStream, early: BytesMut },
+    Switched { head: http::response::Parts, stream: Stream, early: BytesMut },
     /// An ordinary response: the replica stays with HTTP.
     Answered(Response<UpstreamBody>),
 }
 
-/// An absolute `http://` URI's authority, its target in origin form, and the `Host` it
-/// names (the authority without any `user:password@`).
-fn destination(uri: &Uri) -> Result<(Authority, &str, &str), SendError> {
-    let (Some(authority), true) = (uri.authority(), uri.scheme() == Some(&Scheme::HTTP)) else {
-        return Err(SendError::BadUrl(uri.to_string()));
+/// An absolute `http://` or `https://` URI's origin, its target in origin form, and the
+/// `Host` it names (the authority without any `user:password@`).
+fn destination(uri: &Uri) -> Result<(Origin, &str, &str), SendError> {
+    let tls = match uri.scheme() {
+        Some(scheme) if *scheme == Scheme::HTTP => false,
+        Some(scheme) if *scheme == Scheme::HTTPS => true,
+        _ => return Err(SendError::BadUrl(uri.to_string())),
     };
+    let Some(authority) = uri.authority() else { return Err(SendError::BadUrl(uri.to_string())) };
     let target = uri.path_and_query().map_or("/", |pq| pq.as_str());
     let host = authority.as_str().rsplit('@').next().unwrap_or_default();
-    Ok((authority.clone(), target, host))
+    Ok((Origin { tls, authority: authority.clone() }, target, host))
 }
 
 /// Idle connections of one thread.
 pub struct Pool {
     idle: Mutex<IdleSet>,
     connect_timeout: Duration,
+    tls: ReplicaTls,
     /// Idle connections older than this are closed instead of reused.
     idle_timeout: Duration,
     /// Most idle connections kept per replica.
@@ -89,7 +95,7 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// Idle connections by replica, and when expired ones were last closed.
 struct IdleSet {
-    by_replica: HashMap<Authority, Vec<Idle>, FoldState>,
+    by_replica: HashMap<Origin, Vec<Idle>, FoldState>,
     swept: Instant,
 }
 
@@ -110,19 +116,19 @@ impl IdleSet {
 /// Where a connection goes back to when its response has ended cleanly.
 pub struct Checkin {
     pool: Arc<Pool>,
-    authority: Authority,
+    origin: Origin,
 }
 
 impl Checkin {
     /// The response ended cleanly: the connection can carry another request.
     pub fn checkin(self, conn: Conn) {
-        let Checkin { pool, authority } = self;
+        let Checkin { pool, origin } = self;
         let mut idle = pool.idle.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         if now.duration_since(idle.swept) >= SWEEP_EVERY.min(pool.idle_timeout) {
             idle.sweep(now, pool.idle_timeout);
         }
-        let list = idle.by_replica.entry(authority).or_default();
+        let list = idle.by_replica.entry(origin).or_default();
         if list.len() < pool.max_idle {
             // Idle since the replica's last bytes: a response the client took its time over
             // has been idle at the replica's end for that long already.
@@ -135,10 +141,15 @@ impl Checkin {
 impl Pool {
     pub fn new(connect_timeout: Duration, idle_timeout: Duration, max_idle: usize) -> Self {
         let idle = IdleSet { by_replica: HashMap::with_hasher(FoldState::random()), swept: Instant::now() };
-        Self { idle: Mutex::new(idle), connect_timeout, idle_timeout, max_idle }
+        Self { idle: Mutex::new(idle), connect_timeout, tls: ReplicaTls::default(), idle_timeout, max_idle }
     }
 
-    /// Sends `request` (its URI absolute: `http://host:port/path`) on a pooled or new
+    /// The pool, its connections to `https://` replicas made with `tls`.
+    pub fn with_tls(self, tls: ReplicaTls) -> Self {
+        Self { tls, ..self }
+    }
+
+    /// Sends `request` (its URI absolute: `http://host:port/path`, or `https://`) on a pooled or new
     /// connection; the URI goes out in origin form with `Host` set to its authority.
     pub async fn send(
         self: &Arc<Self>,
@@ -170,9 +181,9 @@ impl Pool {
         body: Outgoing,
     ) -> Result<Response<UpstreamBody>, Unsent> {
         let mut body = body.in_hand_if_empty();
-        let (authority, target, host) = destination(uri)?;
+        let (origin, target, host) = destination(uri)?;
         let pooled = match &body {
-            Outgoing::Full(bytes) => self.checkout(&authority).map(|conn| (conn, bytes.clone())),
+            Outgoing::Full(bytes) => self.checkout(&origin).map(|conn| (conn, bytes.clone())),
             Outgoing::Stream(_) => None,
         };
         if let Some((mut conn, again)) = pooled {
@@ -187,7 +198,7 @@ impl Pool {
                     );
                     body = Outgoing::Full(again);
                 }
-                Ok(head) => return Ok(http1::response(conn, head, self.checkin(authority))),
+                Ok(head) => return Ok(http1::response(conn, head, self.checkin(origin))),
                 Err(e) if e.may_resend() => {
                     tracing::debug!(error = %e, "pooled upstream connection failed; sending again on a new one");
                     body = Outgoing::Full(again);
@@ -195,13 +206,13 @@ impl Pool {
                 Err(e) => return Err(Unsent::Failed(e.into())),
             }
         }
-        let mut conn = match self.connect(&authority).await {
+        let mut conn = match self.connect(&origin).await {
             Ok(conn) => conn,
             Err(e) => return Err(Unsent::NotConnected(e, body)),
         };
         let head =
             conn.exchange(method, target, host, headers, body).await.map_err(|e| Unsent::Failed(e.into()))?;
-        Ok(http1::response(conn, head, self.checkin(authority)))
+        Ok(http1::response(conn, head, self.checkin(origin)))
     }
 
     /// Sends a request without a body that asks to switch protocols (its `headers` carry
@@ -213,25 +224,25 @@ impl Pool {
         uri: &Uri,
         headers: &HeaderMap,
     ) -> Result<Upgrade, SendError> {
-        let (authority, target, host) = destination(uri)?;
-        let mut conn = self.connect(&authority).await?;
+        let (origin, target, host) = destination(uri)?;
+        let mut conn = self.connect(&origin).await?;
         let head = conn.exchange_upgrade(method, target, host, headers).await?;
         if head.parts.status == http::StatusCode::SWITCHING_PROTOCOLS {
             let (stream, early) = conn.into_upgraded();
             return Ok(Upgrade::Switched { head: head.parts, stream, early });
         }
-        Ok(Upgrade::Answered(http1::response(conn, head, self.checkin(authority))))
+        Ok(Upgrade::Answered(http1::response(conn, head, self.checkin(origin))))
     }
 
-    fn checkin(self: &Arc<Self>, authority: Authority) -> Checkin {
-        Checkin { pool: self.clone(), authority }
+    fn checkin(self: &Arc<Self>, origin: Origin) -> Checkin {
+        Checkin { pool: self.clone(), origin }
     }
 
-    /// An idle connection to `authority` the replica has not closed, dropping closed and
+    /// An idle connection to `origin` the replica has not closed, dropping closed and
     /// expired ones on the way.
-    fn checkout(&self, authority: &Authority) -> Option<Conn> {
+    fn checkout(&self, origin: &Origin) -> Option<Conn> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        let list = idle.by_replica.get_mut(authority)?;
+        let list = idle.by_replica.get_mut(origin)?;
         let now = Instant::now();
         while let Some(Idle { conn, since }) = list.pop() {
             if now.duration_since(since) < self.idle_timeout && conn.is_usable() {
@@ -241,16 +252,8 @@ impl Pool {
         None
     }
 
-    async fn connect(&self, authority: &Authority) -> Result<Conn, SendError> {
-        let address = format!("{}:{}", authority.host(), authority.port_u16().unwrap_or(80));
-        let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(address))
-            .await
-            .map_err(|_| SendError::ConnectTimeout(self.connect_timeout))?
-            .map_err(SendError::Connect)?;
-        if let Err(e) = stream.set_nodelay(true) {
-            tracing::debug!(error = %e, "cannot set TCP_NODELAY upstream");
-        }
-        Ok(Conn::new(stream))
+    async fn connect(&self, origin: &Origin) -> Result<Conn, SendError> {
+        Ok(Conn::new(self.tls.connect(origin, self.connect_timeout).await?))
     }
 
     /// Closes the expired idle connections (as a check-in does, every [`SWEEP_EVERY`]).
@@ -313,6 +316,7 @@ mod tests {
     use http_body_util::BodyExt;
     use hyper::body::Incoming;
     use hyper_util::rt::TokioIo;
+    use tokio::io::AsyncWriteExt;
     use tokio::net::TcpListener;
 
     use super::*;
@@ -426,7 +430,7 @@ mod tests {
         assert_eq!(pool.idle_count(), 1);
         get(&pool, &b, true).await;
         let idle = pool.idle.lock().unwrap();
-        let left: Vec<_> = idle.by_replica.keys().map(|k| format!("http://{k}")).collect();
+        let left: Vec<_> = idle.by_replica.keys().map(|k| k.to_string()).collect();
         assert_eq!(left, [b], "the first replica's connection closed and the replica forgotten");
     }
 
@@ -538,7 +542,16 @@ mod tests {
             format!("http://{}", listener.local_addr().unwrap())
         };
         assert!(matches!(pool.send(request(&closed)).await, Err(SendError::Connect(_))));
-        assert!(matches!(pool.send(request("https://127.0.0.1:1")).await, Err(SendError::BadUrl(_))));
+        assert!(matches!(pool.send(request("ftp://127.0.0.1:1")).await, Err(SendError::BadUrl(_))));
+        // A plain HTTP server behind an https:// URL: its answer is no TLS.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let plain = format!("https://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let _ = stream.write_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n").await;
+        });
+        let sent = pool.send(request(&plain)).await;
+        assert!(matches!(&sent, Err(SendError::Tls(_))), "{:?}", sent.err());
         let relative = Request::get("/relative").body(Outgoing::Full(Bytes::new())).unwrap();
         assert!(matches!(pool.send(relative).await, Err(SendError::BadUrl(_))));
     }

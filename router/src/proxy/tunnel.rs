@@ -35,11 +35,11 @@ use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::body::{ProxyBody, full};
+use super::connect::Stream;
 use super::error::ProxyError;
 use super::forward::{self, Admitted, MAX_ATTEMPTS, X_KVROUTE_REPLICA, X_REQUEST_ID};
 use super::http1::WireError;
@@ -236,7 +236,7 @@ impl Key {
 impl Session {
     /// Waits for the client's connection to be handed over, then splices it with the
     /// replica's, `early` (what the replica sent after its `101`) first.
-    async fn run(mut self, client_side: hyper::upgrade::OnUpgrade, replica: TcpStream, early: BytesMut) {
+    async fn run(mut self, client_side: hyper::upgrade::OnUpgrade, replica: Stream, early: BytesMut) {
         let mut client = match client_side.await {
             Ok(upgraded) => TokioIo::new(upgraded),
             Err(e) => {
@@ -281,7 +281,7 @@ impl Session {
 
 /// Copies both ways between `client` and `replica` until both have closed, one fails, or no
 /// byte moved either way for `idle` (an error of kind `TimedOut`).
-async fn splice<C>(client: &mut C, replica: TcpStream, idle: Duration) -> std::io::Result<()>
+async fn splice<C>(client: &mut C, replica: Stream, idle: Duration) -> std::io::Result<()>
 where
     C: AsyncRead + AsyncWrite + Unpin,
 {

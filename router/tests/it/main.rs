@@ -17,6 +17,7 @@ mod proxy;
 mod queue;
 mod ranks;
 mod reload;
+mod replica_tls;
 mod responses;
 mod start;
 mod support;

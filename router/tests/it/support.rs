@@ -624,3 +624,57 @@ pub fn directory(name: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// A certificate authority of a test's own: its certificate, and the ones it signs.
+pub struct Authority {
+    pub cert: rcgen::Certificate,
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+}
+
+impl Authority {
+    pub fn new() -> Self {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign];
+        let cert = params.self_signed(&key).unwrap();
+        Self { cert, issuer: rcgen::Issuer::new(params, key) }
+    }
+
+    /// A client's certificate, for `name`.
+    pub fn client(&self, name: &str) -> rcgen::CertifiedKey<rcgen::KeyPair> {
+        self.sign(name, rcgen::ExtendedKeyUsagePurpose::ClientAuth)
+    }
+
+    /// A server's certificate, for `name` (a DNS name or an IP address).
+    pub fn server(&self, name: &str) -> rcgen::CertifiedKey<rcgen::KeyPair> {
+        self.sign(name, rcgen::ExtendedKeyUsagePurpose::ServerAuth)
+    }
+
+    fn sign(&self, name: &str, usage: rcgen::ExtendedKeyUsagePurpose) -> rcgen::CertifiedKey<rcgen::KeyPair> {
+        let mut params = rcgen::CertificateParams::new(vec![name.to_owned()]).unwrap();
+        params.extended_key_usages = vec![usage];
+        let key = rcgen::KeyPair::generate().unwrap();
+        rcgen::CertifiedKey { cert: params.signed_by(&key, &self.issuer).unwrap(), signing_key: key }
+    }
+
+    /// Writes this authority's certificate to `dir/{name}.crt`; returns its path.
+    pub fn write(&self, dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+        let path = dir.join(format!("{name}.crt"));
+        std::fs::write(&path, self.cert.pem()).unwrap();
+        path
+    }
+}
+
+/// Writes `made`'s certificate and key to `dir/{name}.crt` and `dir/{name}.key`; returns their
+/// paths.
+pub fn write_identity(
+    made: &rcgen::CertifiedKey<rcgen::KeyPair>,
+    dir: &std::path::Path,
+    name: &str,
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (cert, key) = (dir.join(format!("{name}.crt")), dir.join(format!("{name}.key")));
+    std::fs::write(&cert, made.cert.pem()).unwrap();
+    std::fs::write(&key, made.signing_key.serialize_pem()).unwrap();
+    (cert, key)
+}

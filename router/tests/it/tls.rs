@@ -17,6 +17,7 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName}
 use tokio_rustls::rustls::{ClientConfig, RootCertStore};
 
 use crate::fleet::{FLEET_MODEL, Fleet, agent_config, router_config};
+use crate::support::Authority;
 
 /// Writes a new self-signed certificate for `localhost` and its key to `cert` and `key`;
 /// returns the certificate, for a client to trust.
@@ -217,20 +218,6 @@ async fn a_certificate_renewed_on_disk_is_served_without_a_reload() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// An authority, and a client certificate it signed (for `client`).
-fn authority_and_client() -> (rcgen::Certificate, rcgen::CertifiedKey<rcgen::KeyPair>) {
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let mut ca = rcgen::CertificateParams::new(Vec::new()).unwrap();
-    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign];
-    let ca_cert = ca.self_signed(&ca_key).unwrap();
-    let mut client = rcgen::CertificateParams::new(vec!["client".to_owned()]).unwrap();
-    client.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
-    let client_key = rcgen::KeyPair::generate().unwrap();
-    let client_cert = client.signed_by(&client_key, &rcgen::Issuer::new(ca, ca_key)).unwrap();
-    (ca_cert, rcgen::CertifiedKey { cert: client_cert, signing_key: client_key })
-}
-
 /// With `--tls-client-ca` (mutual TLS), a client with a certificate of that authority is
 /// served; one without a certificate, or with one of another authority, is not. A reload that
 /// names another authority lets in its clients from then on, and no longer the first one's;
@@ -238,11 +225,11 @@ fn authority_and_client() -> (rcgen::Certificate, rcgen::CertifiedKey<rcgen::Key
 #[tokio::test]
 async fn with_a_client_ca_only_its_clients_are_served() {
     let dir = crate::support::directory("tls-mutual");
-    let (cert, key, ca) = (dir.join("tls.crt"), dir.join("tls.key"), dir.join("ca.crt"));
+    let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
     let trusted = new_certificate(&cert, &key);
-    let (authority, client) = authority_and_client();
-    let (other_authority, stranger) = authority_and_client();
-    std::fs::write(&ca, authority.pem()).unwrap();
+    let (authority, other_authority) = (Authority::new(), Authority::new());
+    let (client, stranger) = (authority.client("client"), other_authority.client("client"));
+    let ca = authority.write(&dir, "ca");
     let shutdown = tokio_util::sync::CancellationToken::new();
     let agents = Fleet::start_agents(1, agent_config, &shutdown).await;
     let config = RouterConfig {
@@ -262,8 +249,7 @@ async fn with_a_client_ca_only_its_clients_are_served() {
         assert!(status(Some(&stranger), alpn).await.is_err(), "another authority's client");
     }
 
-    let other_ca = dir.join("other-ca.crt");
-    std::fs::write(&other_ca, other_authority.pem()).unwrap();
+    let other_ca = other_authority.write(&dir, "other-ca");
     let other = RouterConfig { tls_client_ca: Some(other_ca), ..config.clone() };
     let reloaded = reloader.apply(&fleet.router.state, &other).await;
     assert_eq!((reloaded.tls, reloaded.applied), (Some(Ok(())), vec!["tls-client-ca".to_owned()]));

@@ -7,9 +7,10 @@
 
 use std::net::SocketAddr;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
+use tokio_rustls::TlsAcceptor;
 
 use crate::proxy::router_in_front_of;
 
@@ -24,47 +25,25 @@ const HANDSHAKE: &str = "GET /v1/realtime?model=m HTTP/1.1\r\nhost: router.examp
 /// `bye` and closes. Any other request gets a 404 (a handshake) or an empty 200 (health
 /// checks). Each handshake's head goes to the receiver.
 async fn realtime_replica() -> (SocketAddr, mpsc::UnboundedReceiver<String>) {
+    realtime_replica_over(None).await
+}
+
+/// [`realtime_replica`], over TLS with `tls` if given.
+async fn realtime_replica_over(tls: Option<TlsAcceptor>) -> (SocketAddr, mpsc::UnboundedReceiver<String>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            let tx = tx.clone();
+        while let Ok((stream, _)) = listener.accept().await {
+            let (tx, tls) = (tx.clone(), tls.clone());
             tokio::spawn(async move {
-                loop {
-                    let Some(head) = read_head(&mut stream).await else { return };
-                    if !head.contains("\r\nupgrade: websocket\r\n") {
-                        let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
-                        continue;
-                    }
-                    let realtime = head.starts_with("get /v1/realtime");
-                    let odd = head.starts_with("get /v1/odd-switch");
-                    let _ = tx.send(head);
-                    if odd {
-                        let _ = stream
-                            .write_all(b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\n\r\n")
-                            .await;
-                        return;
-                    }
-                    if !realtime {
-                        let refusal = "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\n\
-                                       content-length: 22\r\n\r\n{\"detail\":\"Not Found\"}";
-                        let _ = stream.write_all(refusal.as_bytes()).await;
-                        continue;
-                    }
-                    let switched = "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n\
-                                    sec-websocket-accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\nhello";
-                    if stream.write_all(switched.as_bytes()).await.is_err() {
-                        return;
-                    }
-                    let mut buf = [0u8; 1024];
-                    while let Ok(n @ 1..) = stream.read(&mut buf).await {
-                        if stream.write_all(&buf[..n].to_ascii_uppercase()).await.is_err() {
-                            return;
+                match tls {
+                    None => serve_realtime(stream, tx).await,
+                    Some(tls) => {
+                        if let Ok(stream) = tls.accept(stream).await {
+                            serve_realtime(stream, tx).await;
                         }
                     }
-                    let _ = stream.write_all(b"bye").await;
-                    return;
                 }
             });
         }
@@ -72,9 +51,47 @@ async fn realtime_replica() -> (SocketAddr, mpsc::UnboundedReceiver<String>) {
     (addr, rx)
 }
 
+/// Serves one connection of [`realtime_replica`].
+async fn serve_realtime<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, tx: mpsc::UnboundedSender<String>) {
+    loop {
+        let Some(head) = read_head(&mut stream).await else { return };
+        if !head.contains("\r\nupgrade: websocket\r\n") {
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
+            continue;
+        }
+        let realtime = head.starts_with("get /v1/realtime");
+        let odd = head.starts_with("get /v1/odd-switch");
+        let _ = tx.send(head);
+        if odd {
+            let _ =
+                stream.write_all(b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\n\r\n").await;
+            return;
+        }
+        if !realtime {
+            let refusal = "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\n\
+                                       content-length: 22\r\n\r\n{\"detail\":\"Not Found\"}";
+            let _ = stream.write_all(refusal.as_bytes()).await;
+            continue;
+        }
+        let switched = "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n\
+                                    sec-websocket-accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\nhello";
+        if stream.write_all(switched.as_bytes()).await.is_err() {
+            return;
+        }
+        let mut buf = [0u8; 1024];
+        while let Ok(n @ 1..) = stream.read(&mut buf).await {
+            if stream.write_all(&buf[..n].to_ascii_uppercase()).await.is_err() {
+                return;
+            }
+        }
+        let _ = stream.write_all(b"bye").await;
+        return;
+    }
+}
+
 /// Reads a request or response head, lowercased, leaving what follows it unread; `None` at
 /// the end of the stream.
-async fn read_head(stream: &mut TcpStream) -> Option<String> {
+async fn read_head<S: AsyncRead + Unpin>(stream: &mut S) -> Option<String> {
     let mut head = Vec::new();
     let mut byte = [0u8; 1];
     while !head.ends_with(b"\r\n\r\n") {
@@ -137,6 +154,48 @@ async fn a_websocket_is_tunnelled_to_a_replica_both_ways() {
     tokio::time::timeout(WAIT, client.read_to_end(&mut rest)).await.expect("in time").unwrap();
     assert_eq!(rest, b"bye");
     shutdown.cancel();
+}
+
+/// A tunnel to an `https://` replica: the handshake and the bytes both ways go over TLS.
+#[tokio::test]
+async fn a_websocket_is_tunnelled_to_an_https_replica() {
+    use tokio_rustls::rustls::{ServerConfig, crypto::ring, pki_types::PrivateKeyDer};
+    let dir = crate::support::directory("websocket-tls");
+    let authority = crate::support::Authority::new();
+    let made = authority.server("127.0.0.1");
+    let key = PrivateKeyDer::try_from(made.signing_key.serialize_der()).unwrap();
+    let served = ServerConfig::builder_with_provider(std::sync::Arc::new(ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![made.cert.der().clone()], key)
+        .unwrap();
+    let (replica, mut handshakes) =
+        realtime_replica_over(Some(TlsAcceptor::from(std::sync::Arc::new(served)))).await;
+    let ca = authority.write(&dir, "ca");
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+        replicas: vec![
+            format!("name=r0,http=https://{replica},events={},engine=kvroute", crate::support::nowhere())
+                .parse()
+                .unwrap(),
+        ],
+        replica_ca_cert: Some(ca),
+        ..c
+    })
+    .await;
+    let (mut client, answer) = handshake(&router.url(), HANDSHAKE).await;
+    assert!(answer.starts_with("http/1.1 101"), "{answer}");
+    assert_eq!(read_exactly(&mut client, 5).await, "hello");
+    let seen = handshakes.recv().await.expect("the replica saw the handshake");
+    assert!(seen.starts_with("get /v1/realtime?model=m http/1.1\r\n"), "{seen}");
+    client.write_all(b"ping").await.unwrap();
+    assert_eq!(read_exactly(&mut client, 4).await, "PING");
+    client.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(WAIT, client.read_to_end(&mut rest)).await.expect("in time").unwrap();
+    assert_eq!(rest, b"bye");
+    shutdown.cancel();
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// A replica that does not take the handshake answers as for any request, and that answer
