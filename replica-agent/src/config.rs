@@ -151,7 +151,8 @@ pub struct Config {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub api_key: Option<String>,
     /// Serve the API over HTTPS with this certificate chain (PEM, the agent's own first), as
-    /// vLLM's `--ssl-certfile`. With `--ssl-keyfile`. The gRPC service stays plain.
+    /// vLLM's `--ssl-certfile`. With `--ssl-keyfile`. The gRPC service stays plain. The files
+    /// are read at the start only.
     #[arg(long, env = "KVROUTE_AGENT_SSL_CERTFILE", requires = "ssl_keyfile")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ssl_certfile: Option<PathBuf>,

@@ -16,6 +16,7 @@ use kvroute_proto::{CacheNamespace, Epoch, ReplicaId, Seq};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tokio::sync::watch;
+use tokio_rustls::rustls::pki_types::ServerName;
 
 /// Which event format a replica publishes and whose hashes it uses (spelled `kvroute`,
 /// `vllm`, `sglang` in flags and files).
@@ -227,7 +228,9 @@ impl ReplicaSpec {
         // (a gateway's route) would be dropped without a word, and every snapshot fail.
         match self.grpc_endpoint.as_deref().map(|url| (url, base_url(url))) {
             Some((_, Err(e))) => problems.push(e),
-            Some((url, Ok(_))) if !url.starts_with("http://") => {
+            Some((url, Ok(base)))
+                if !base.parse::<http::Uri>().is_ok_and(|u| u.scheme_str() == Some("http")) =>
+            {
                 problems.push(SpecError::Url(
                     url.to_owned(),
                     "the router speaks plain gRPC to replicas: http://".into(),
@@ -285,6 +288,12 @@ pub fn base_url(url: &str) -> Result<String, SpecError> {
     let uri: http::Uri = url.parse().map_err(|e: http::uri::InvalidUri| bad(e.to_string()))?;
     if !matches!(uri.scheme_str(), Some("http" | "https")) {
         return Err(bad("not an http:// or https:// URL".into()));
+    }
+    if uri.scheme_str() == Some("https")
+        && let Some(host) = uri.host()
+        && let Err(e) = ServerName::try_from(host.trim_start_matches('[').trim_end_matches(']'))
+    {
+        return Err(bad(format!("its host is no name a TLS certificate can hold: {e}")));
     }
     // `port()` is `None` for a port that is no u16, so look at what follows the host.
     let port_ok = |a: &http::uri::Authority| {
@@ -700,6 +709,7 @@ mod tests {
     fn base_urls_are_http_or_https_with_a_host() {
         assert_eq!(base_url("http://10.0.0.7:8000/").unwrap(), "http://10.0.0.7:8000");
         assert_eq!(base_url("https://replica-0.example:8443/").unwrap(), "https://replica-0.example:8443");
+        assert_eq!(base_url("https://[fd00::7]:8443").unwrap(), "https://[fd00::7]:8443");
         assert_eq!(base_url("http://[fd00::7]:8000").unwrap(), "http://[fd00::7]:8000");
         assert_eq!(base_url("http://gw:80/replica-0/").unwrap(), "http://gw:80/replica-0");
         assert_eq!(base_url("http://u@h:8000").unwrap(), "http://u@h:8000");
@@ -707,6 +717,7 @@ mod tests {
             "",
             "http://",
             "ftp://h:1",
+            "https://label-.example:1",
             "h:8000",
             "http://h:8000 ",
             "http://h:99999",
@@ -724,6 +735,8 @@ mod tests {
         assert!(matches!(spec.validate(), Err(SpecError::Url(..))), "a path, which tonic drops");
         spec.grpc_endpoint = Some("https://h:50051".into());
         assert!(matches!(spec.validate(), Err(SpecError::Url(..))), "gRPC without TLS");
+        spec.grpc_endpoint = Some("HTTP://h:50051".into());
+        assert!(spec.validate().is_ok(), "the scheme in capitals");
         for fine in ["http://h:50051", "http://h:50051/"] {
             spec.grpc_endpoint = Some(fine.into());
             assert_eq!(spec.validate(), Ok(()), "{fine}");

@@ -187,6 +187,11 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     register_tokenize_cache(&mut registry, tokenization.clone());
     let replica_authorization = Live::new(config.replica_authorization());
     let replica_tls = config.replica_tls().map_err(anyhow::Error::msg)?;
+    if config.replicas.iter().any(|r| r.http.get(..8).is_some_and(|s| s.eq_ignore_ascii_case("https://"))) {
+        // The system's authorities (if no file names others) read now, not by a proxy thread
+        // at its first connection.
+        drop(replica_tls.config());
+    }
     let client = Client::new(config.connect_timeout(), replica_authorization.clone(), replica_tls.clone());
     let prompts = if config.remote_tokenize {
         Prompts::Remote(Box::new(RemoteTokenizer::new(

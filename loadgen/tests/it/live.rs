@@ -743,7 +743,8 @@ async fn a_live_run_reaches_a_router_over_mutual_tls() {
             ),
         }
     }
-    let refused = kvroute_proto::serve::client_config(Some(&server.1), None).expect_err("a key is no authority");
+    let refused =
+        kvroute_proto::serve::client_config(Some(&server.1), None).expect_err("a key is no authority");
     assert!(refused.contains("server.key: no certificate"), "{refused}");
     shutdown.cancel();
     fleet.stop().await;

@@ -37,6 +37,8 @@ struct Shared<T: FromFiles> {
     loaded: RwLock<Loaded<T>>,
     /// Loads since the start (at a reload, or of a change on disk): done, and refused.
     loads: [AtomicU64; 2],
+    /// Bumped at each value made after the first.
+    generation: AtomicU64,
 }
 
 struct Loaded<T: FromFiles> {
@@ -57,12 +59,17 @@ impl<T: FromFiles> Watched<T> {
         let seen = read::<T>(files)?;
         let value = T::make(files, &seen)?;
         let loaded = RwLock::new(Loaded { value, files: files.clone(), seen });
-        Ok(Self(Arc::new(Shared { loaded, loads: Default::default() })))
+        Ok(Self(Arc::new(Shared { loaded, loads: Default::default(), generation: AtomicU64::new(0) })))
     }
 
     /// The value in use.
     pub fn get(&self) -> T {
         self.0.loaded.read().unwrap_or_else(PoisonError::into_inner).value.clone()
+    }
+
+    /// How many values were made since the first: what was made with an older one is stale.
+    pub fn generation(&self) -> u64 {
+        self.0.generation.load(Ordering::Acquire)
     }
 
     /// The files in use.
@@ -71,13 +78,15 @@ impl<T: FromFiles> Watched<T> {
     }
 
     /// Makes the value of what `files` hold now, and watches those files from then on. On an
-    /// error the value in use stays.
+    /// error the value in use stays. (A check of the files under way meanwhile may have read
+    /// newer contents than this did: the next check loads them.)
     pub fn load(&self, files: &T::Files) -> Result<(), String> {
         let made = read::<T>(files).and_then(|seen| Ok((T::make(files, &seen)?, seen)));
         self.count(&made);
         let (value, seen) = made?;
         *self.0.loaded.write().unwrap_or_else(PoisonError::into_inner) =
             Loaded { value, files: files.clone(), seen };
+        self.0.generation.fetch_add(1, Ordering::Release);
         Ok(())
     }
 
@@ -116,7 +125,10 @@ impl<T: FromFiles> Watched<T> {
         if loaded.files != files || loaded.seen != seen {
             return None;
         }
-        let made = made.map(|value| loaded.value = value);
+        let made = made.map(|value| {
+            loaded.value = value;
+            self.0.generation.fetch_add(1, Ordering::Release);
+        });
         loaded.seen = now;
         self.count(&made);
         Some(made)

@@ -60,6 +60,7 @@ pub struct DiscoveryConfig {
     pub discovery_interval_ms: u64,
 
     /// OpenAI HTTP port (k8s: used when the slice has no port named `--discovery-http-port-name`).
+    /// Discovered replicas are reached over plain HTTP (`http://address:port`).
     #[arg(long, env = "KVROUTE_DISCOVERY_HTTP_PORT", default_value_t = 8000)]
     pub discovery_http_port: u16,
     /// ZeroMQ KV-event PUB port of rank 0 (k8s: fallback for the named port). 0: the replicas

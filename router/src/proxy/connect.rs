@@ -7,8 +7,10 @@
 //! address). With `--replica-client-cert`, the router shows its own certificate to replicas
 //! that ask for one (vLLM's `--ssl-ca-certs` with `--ssl-cert-reqs 2`). HTTP/1.1 is asked for
 //! by ALPN. The files are read again at a reload and whenever they change on disk
-//! ([`ReplicaTls::watch`]): connections opened from then on use them, those open (pooled
-//! ones too) keep theirs. The control client ([`super::control`]) uses the same settings.
+//! ([`ReplicaTls::watch`]): connections opened from then on use them; those made before are
+//! not taken from the pools again (one busy now keeps its settings to its response's end). The
+//! control client ([`super::control`]) uses the same settings (its idle connections are
+//! dropped at a change).
 
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
@@ -108,10 +110,18 @@ impl ReplicaTls {
         Watched::from_files(files).map(Self)
     }
 
-    /// Connections from now on as `files` say (the connections open keep theirs); on an error
-    /// the settings in use stay.
+    /// Connections from now on as `files` say; on an error the settings in use stay. The same
+    /// files, holding what they held, change nothing (pooled connections stay in use).
     pub fn load(&self, files: &ClientFiles) -> Result<(), String> {
+        if self.0.files() == *files {
+            return self.0.reload_if_changed().unwrap_or(Ok(()));
+        }
         self.0.load(files)
+    }
+
+    /// Bumped at each change of the settings: a connection made before is not reused.
+    pub fn generation(&self) -> u64 {
+        self.0.generation()
     }
 
     /// Loads since the start, done and refused; `None` while no file is named.
@@ -149,24 +159,31 @@ impl ReplicaTls {
     }
 
     /// A new connection to `origin`, its TLS handshake done, within `timeout`.
+    ///
+    /// A replica that refuses the router's client certificate (or its lack of one) says so,
+    /// under TLS 1.3, only after the client's side of the handshake is done: the request then
+    /// fails on its first read, as a replica's failure ("received fatal alert"), and is not sent
+    /// to the next replica (set up alike, it would refuse it too).
     pub async fn connect(&self, origin: &Origin, timeout: Duration) -> Result<Stream, SendError> {
-        let connecting = async {
-            let host = origin.authority.host();
-            let tcp = TcpStream::connect((host.trim_start_matches('[').trim_end_matches(']'), origin.port()))
-                .await
-                .map_err(SendError::Connect)?;
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "cannot set TCP_NODELAY upstream");
-            }
-            if !origin.tls {
-                return Ok(Either::Left(tcp));
-            }
-            let name = ServerName::try_from(host.trim_start_matches('[').trim_end_matches(']'))
-                .map_err(|e| SendError::Tls(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?
-                .to_owned();
-            let tls = self.connector().connect(name, tcp).await.map_err(SendError::Tls)?;
-            Ok(Either::Right(Box::new(tls)))
-        };
-        tokio::time::timeout(timeout, connecting).await.map_err(|_| SendError::ConnectTimeout(timeout))?
+        let deadline = tokio::time::Instant::now() + timeout;
+        let host = origin.authority.host().trim_start_matches('[').trim_end_matches(']');
+        let tcp = tokio::time::timeout_at(deadline, TcpStream::connect((host, origin.port())))
+            .await
+            .map_err(|_| SendError::ConnectTimeout(timeout))?
+            .map_err(SendError::Connect)?;
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY upstream");
+        }
+        if !origin.tls {
+            return Ok(Either::Left(tcp));
+        }
+        let name = ServerName::try_from(host)
+            .map_err(|e| SendError::Tls(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?
+            .to_owned();
+        let tls = tokio::time::timeout_at(deadline, self.connector().connect(name, tcp))
+            .await
+            .map_err(|_| SendError::HandshakeTimeout(timeout))?
+            .map_err(SendError::Tls)?;
+        Ok(Either::Right(Box::new(tls)))
     }
 }

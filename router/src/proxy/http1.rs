@@ -25,8 +25,9 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::Method;
 use http::header::{self, HeaderMap};
 use http_body::Body;
-use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
+use tokio_util::either::Either;
 
 use super::body::{BoxError, ProxyBody};
 use super::connect::{self, Stream};
@@ -91,6 +92,9 @@ pub struct Conn {
     /// later (the pool counts a connection's idle time from here, not from when a slow
     /// client let the response end).
     pub(super) last_read: Option<Instant>,
+    /// Over TLS, the [`connect::ReplicaTls::generation`] it was made with: one made with
+    /// settings changed since is not reused.
+    pub(super) tls_generation: u64,
 }
 
 /// A request's body on its way out.
@@ -120,13 +124,21 @@ impl Conn {
             cut_short: false,
             under_way: false,
             last_read: None,
+            tls_generation: 0,
         }
     }
 
     /// Whether an idle connection can carry a request: the replica has not closed it and
-    /// sent nothing unasked. Costs a system call only when the socket was seen readable. (Over
-    /// TLS, the TCP connection under it is looked at: a close, or any record, makes it unusable.)
-    pub fn is_usable(&self) -> bool {
+    /// sent nothing unasked. Costs a system call only when the socket was seen readable. Over
+    /// TLS, neither may what was read off the socket already (and decrypted, or not yet), nor
+    /// what is on the socket under it: any record (a `close_notify` too) makes it unusable.
+    pub fn is_usable(&mut self) -> bool {
+        if let Either::Right(tls) = &mut self.stream {
+            let pending = tls.get_mut().1.process_new_packets();
+            if !pending.is_ok_and(|state| state.plaintext_bytes_to_read() == 0 && !state.peer_has_closed()) {
+                return false;
+            }
+        }
         match connect::tcp(&self.stream).try_read(&mut [0u8; 1]) {
             Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
             Ok(_) => false,
@@ -205,26 +217,21 @@ impl Conn {
         }
         // A longer body may not fit the socket's buffers: if the replica answers (or closes)
         // without reading it all, writing would wait for ever or fail, so the answer is
-        // watched for meanwhile and, if it comes first, read without sending the rest. An
-        // interim answer (100, 103) is read and dropped, and the body goes on.
+        // watched for meanwhile and, if it comes first, read without sending the rest.
         let Conn { stream, buf, cut_short, under_way, .. } = self;
-        let (mut reader, mut writer) = tokio::io::split(stream);
-        let write = write_body(&mut writer, method, head, body);
-        tokio::pin!(write);
-        loop {
-            buf.reserve(READ_BUFFER);
-            tokio::select! {
-                biased;
-                read = reader.read_buf(buf) => {
-                    if matches!(read, Ok(n) if n > 0) && only_interim(buf, method, under_way)? {
-                        continue;
-                    }
-                    *cut_short = true;
-                    return Ok(());
-                }
-                written = &mut write => return written,
+        let watching = (buf, under_way);
+        let answered = match stream {
+            Either::Left(tcp) => {
+                let (reader, writer) = tcp.split();
+                write_watching(reader, writer, method, head, body, watching).await?
             }
-        }
+            Either::Right(tls) => {
+                let (reader, writer) = tokio::io::split(tls);
+                write_watching(reader, writer, method, head, body, watching).await?
+            }
+        };
+        *cut_short |= answered;
+        Ok(())
     }
 
     /// Reads the final response head to a request with `method`, skipping interim ones.
@@ -316,6 +323,35 @@ fn request_head(method: &Method, target: &str, host: &str, headers: &HeaderMap) 
         head.extend_from_slice(b"\r\n");
     }
     head
+}
+
+/// Writes the request `head` and `body` to `writer` while `reader` is read into `buf`: true if
+/// the replica answered (or closed) before the request went out whole. An interim answer
+/// (100, 103) is read and dropped, and the body goes on (`under_way` set for one other than
+/// 100).
+async fn write_watching<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+    mut reader: R,
+    mut writer: W,
+    method: &Method,
+    head: Vec<u8>,
+    body: Outgoing,
+    (buf, under_way): (&mut BytesMut, &mut bool),
+) -> Result<bool, WireError> {
+    let write = write_body(&mut writer, method, head, body);
+    tokio::pin!(write);
+    loop {
+        buf.reserve(READ_BUFFER);
+        tokio::select! {
+            biased;
+            read = reader.read_buf(buf) => {
+                if matches!(read, Ok(n) if n > 0) && only_interim(buf, method, under_way)? {
+                    continue;
+                }
+                return Ok(true);
+            }
+            written = &mut write => return written.map(|()| false),
+        }
+    }
 }
 
 /// Whether what the replica sent while the request was going out (read into `buf`) was only

@@ -45,6 +45,8 @@ pub enum SendError {
     Connect(std::io::Error),
     #[error("TLS handshake: {0}")]
     Tls(std::io::Error),
+    #[error("TLS handshake: not done within {0:?} of connecting")]
+    HandshakeTimeout(Duration),
     #[error("connecting: no connection within {0:?}")]
     ConnectTimeout(Duration),
     #[error(transparent)]
@@ -244,8 +246,12 @@ impl Pool {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let list = idle.by_replica.get_mut(origin)?;
         let now = Instant::now();
-        while let Some(Idle { conn, since }) = list.pop() {
-            if now.duration_since(since) < self.idle_timeout && conn.is_usable() {
+        let generation = if origin.tls { self.tls.generation() } else { 0 };
+        while let Some(Idle { mut conn, since }) = list.pop() {
+            if now.duration_since(since) < self.idle_timeout
+                && conn.tls_generation == generation
+                && conn.is_usable()
+            {
                 return Some(conn);
             }
         }
@@ -253,7 +259,12 @@ impl Pool {
     }
 
     async fn connect(&self, origin: &Origin) -> Result<Conn, SendError> {
-        Ok(Conn::new(self.tls.connect(origin, self.connect_timeout).await?))
+        // Read first: settings changed during the handshake make the connection stale, not
+        // the other way round.
+        let generation = if origin.tls { self.tls.generation() } else { 0 };
+        let mut conn = Conn::new(self.tls.connect(origin, self.connect_timeout).await?);
+        conn.tls_generation = generation;
+        Ok(conn)
     }
 
     /// Closes the expired idle connections (as a check-in does, every [`SWEEP_EVERY`]).
@@ -318,19 +329,36 @@ mod tests {
     use hyper_util::rt::TokioIo;
     use tokio::io::AsyncWriteExt;
     use tokio::net::TcpListener;
+    use tokio_util::either::Either;
 
     use super::*;
 
     /// An HTTP/1 server on 127.0.0.1 that answers `ok` and counts the connections it
     /// accepted; with `keep_alive` false it closes each connection after one response.
     async fn backend(keep_alive: bool) -> (String, Arc<AtomicUsize>) {
+        backend_over(keep_alive, None).await
+    }
+
+    /// [`backend`], serving HTTPS with `tls` if given (its URL `https://` then).
+    async fn backend_over(
+        keep_alive: bool,
+        tls: Option<tokio_rustls::TlsAcceptor>,
+    ) -> (String, Arc<AtomicUsize>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://{}", listener.local_addr().unwrap());
         let accepted = Arc::new(AtomicUsize::new(0));
         let count = accepted.clone();
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 count.fetch_add(1, Ordering::SeqCst);
+                let stream = match &tls {
+                    None => Either::Left(stream),
+                    Some(tls) => match tls.accept(stream).await {
+                        Ok(stream) => Either::Right(stream),
+                        Err(_) => continue,
+                    },
+                };
                 let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
                     let host = req.headers().get(header::HOST).cloned();
                     let mut response = Response::new(http_body_util::Full::new(Bytes::from_static(b"ok")));
@@ -554,5 +582,104 @@ mod tests {
         assert!(matches!(&sent, Err(SendError::Tls(_))), "{:?}", sent.err());
         let relative = Request::get("/relative").body(Outgoing::Full(Bytes::new())).unwrap();
         assert!(matches!(pool.send(relative).await, Err(SendError::BadUrl(_))));
+        // A server that takes the connection and says nothing: the handshake times out.
+        let silent = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}", silent.local_addr().unwrap());
+        let pool = Arc::new(Pool::new(Duration::from_millis(200), Duration::from_secs(60), 8));
+        let sent = pool.send(request(&url)).await;
+        assert!(matches!(&sent, Err(SendError::HandshakeTimeout(_))), "{:?}", sent.err());
+        drop(silent);
+    }
+
+    /// A certificate for 127.0.0.1: the server's acceptor, and its file (under a directory of
+    /// the test's own, `name`), for clients to trust.
+    fn certificate(name: &str) -> (tokio_rustls::TlsAcceptor, std::path::PathBuf) {
+        use tokio_rustls::rustls::{ServerConfig, crypto::ring, pki_types::PrivateKeyDer};
+        let made = rcgen::generate_simple_self_signed(vec!["127.0.0.1".into()]).unwrap();
+        let dir = std::env::temp_dir().join(format!("kvroute-pool-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca = dir.join("ca.crt");
+        std::fs::write(&ca, made.cert.pem()).unwrap();
+        let key = PrivateKeyDer::try_from(made.signing_key.serialize_der()).unwrap();
+        let config = ServerConfig::builder_with_provider(Arc::new(ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![made.cert.der().clone()], key)
+            .unwrap();
+        (tokio_rustls::TlsAcceptor::from(Arc::new(config)), ca)
+    }
+
+    /// A TLS replica that sends bytes past its response, in a record of their own: its
+    /// connection is not reused, whether those bytes still wait on the socket or were read (and
+    /// decrypted) with the response's last record.
+    #[tokio::test]
+    async fn a_tls_connection_with_bytes_past_the_response_is_not_reused() {
+        use tokio::io::AsyncReadExt;
+        let (acceptor, ca) = certificate("junk");
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}", listener.local_addr().unwrap());
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let (count, sent) = (accepted.clone(), Arc::new(tokio::sync::Notify::new()));
+        let junk_sent = sent.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                let (Ok(mut stream), sent) = (acceptor.accept(stream).await, sent.clone()) else { continue };
+                tokio::spawn(async move {
+                    let mut seen = Vec::new();
+                    while stream.read_buf(&mut seen).await.is_ok_and(|n| n > 0) {
+                        while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                            seen.drain(..end + 4);
+                            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
+                            let _ = stream.write_all(b"junk").await;
+                            let _ = stream.flush().await;
+                            sent.notify_one();
+                        }
+                    }
+                });
+            }
+        });
+        let files = kvroute_proto::serve::ClientFiles { ca: Some(ca.clone()), identity: None };
+        let tls = ReplicaTls::from_files(&files).unwrap();
+        let pool = Arc::new(Pool::new(Duration::from_secs(2), Duration::from_secs(60), 8).with_tls(tls));
+        for _ in 0..2 {
+            assert_eq!(get(&pool, &url, true).await.into_body(), "ok");
+            junk_sent.notified().await;
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "a new connection for the second request");
+        let _ = std::fs::remove_dir_all(ca.parent().unwrap());
+    }
+
+    /// TLS connections are pooled as plain ones, apart from them (an `http://` request to the
+    /// same address is not sent on a TLS connection); once the TLS settings change, a connection
+    /// made before is not reused, and a reload of unchanged files changes nothing.
+    #[tokio::test]
+    async fn tls_connections_are_pooled_apart_until_the_settings_change() {
+        let (acceptor, ca) = certificate("tls");
+        let files = |ca: &std::path::Path| kvroute_proto::serve::ClientFiles {
+            ca: Some(ca.to_owned()),
+            identity: None,
+        };
+        let tls = ReplicaTls::from_files(&files(&ca)).unwrap();
+        let pool =
+            Arc::new(Pool::new(Duration::from_secs(2), Duration::from_secs(60), 8).with_tls(tls.clone()));
+        let (url, accepted) = backend_over(true, Some(acceptor)).await;
+        for _ in 0..2 {
+            assert_eq!(get(&pool, &url, true).await.into_body(), "ok");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "the TLS connection was reused");
+        let plain = url.replace("https://", "http://");
+        assert!(pool.send(request(&plain)).await.is_err(), "not sent in the TLS connection");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        tls.load(&files(&ca)).unwrap();
+        assert_eq!(get(&pool, &url, true).await.into_body(), "ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "the same files: the connection stays");
+        let moved = ca.with_file_name("moved.crt");
+        std::fs::copy(&ca, &moved).unwrap();
+        tls.load(&files(&moved)).unwrap();
+        assert_eq!(get(&pool, &url, true).await.into_body(), "ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), 3, "new settings: a new connection");
+        let _ = std::fs::remove_dir_all(ca.parent().unwrap());
     }
 }

@@ -256,6 +256,9 @@ impl Session {
         let end = tokio::select! {
             spliced = spliced => match spliced {
                 Ok(()) => super::body::End::Complete,
+                // A TLS peer that closed its TCP connection without a `close_notify` (many
+                // servers do): closed all the same.
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => super::body::End::Complete,
                 Err(e) => {
                     tracing::debug!(error = %e, "a WebSocket tunnel ended with an error");
                     super::body::End::Failed
