@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::discovery::DiscoveryConfig;
 use kvroute_proto::serve::{ClientFiles, Limits, MIN_HEADER_BYTES, Tls, TlsFiles};
+use tokio_rustls::rustls::pki_types::ServerName;
 
 use crate::policy::{CacheAwareParams, PolicyKind};
 use crate::proxy::connect::ReplicaTls;
@@ -114,6 +115,12 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_REPLICA_CA_CERT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replica_ca_cert: Option<PathBuf>,
+    /// The name every `https://` replica's certificate must hold (and that is sent as SNI), in
+    /// place of the host of its URL: for replicas reached by IP address (as discovery finds
+    /// them) whose certificates name their service (`vllm.default.svc`, say).
+    #[arg(long, env = "KVROUTE_REPLICA_TLS_SERVER_NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica_tls_server_name: Option<String>,
     /// PEM certificate chain the router shows `https://` replicas that ask for one (mutual TLS:
     /// vLLM's `--ssl-ca-certs` with `--ssl-cert-reqs 2`). With `--replica-client-key`.
     #[arg(long, env = "KVROUTE_REPLICA_CLIENT_CERT")]
@@ -547,9 +554,14 @@ impl Config {
         if let Err(problem) = tls {
             check(false, problem);
         }
-        if let Err(problem) =
-            if read_files { self.replica_tls().map(drop) } else { self.replica_tls_files().map(drop) }
-        {
+        if let Err(problem) = if read_files {
+            self.replica_tls_files_read().map(drop)
+        } else {
+            self.replica_tls_files().map(drop)
+        } {
+            check(false, problem);
+        }
+        if let Err(problem) = self.replica_tls_server_name() {
             check(false, problem);
         }
         if let (true, Some(path)) = (read_files, &self.api_key_file)
@@ -725,8 +737,23 @@ impl Config {
     /// The TLS of connections to `https://` replicas (`--replica-ca-cert`,
     /// `--replica-client-cert`, `--replica-client-key`), its files read.
     pub fn replica_tls(&self) -> Result<ReplicaTls, String> {
+        let name = self.replica_tls_server_name()?;
+        Ok(self.replica_tls_files_read()?.with_server_name(name))
+    }
+
+    /// [`Config::replica_tls`] without its server name.
+    fn replica_tls_files_read(&self) -> Result<ReplicaTls, String> {
         ReplicaTls::from_files(&self.replica_tls_files()?)
             .map_err(|e| format!("--replica-ca-cert, --replica-client-cert, --replica-client-key: {e}"))
+    }
+
+    /// `--replica-tls-server-name`, if given and a name a certificate can hold.
+    fn replica_tls_server_name(&self) -> Result<Option<ServerName<'static>>, String> {
+        let Some(name) = &self.replica_tls_server_name else { return Ok(None) };
+        match ServerName::try_from(name.as_str()) {
+            Ok(parsed) => Ok(Some(parsed.to_owned())),
+            Err(e) => Err(format!("--replica-tls-server-name {name:?}: {e}")),
+        }
     }
 
     /// The files of [`Config::replica_tls`], named together as they must be.

@@ -132,6 +132,8 @@ pub struct ReplicaTemplate {
     pub block_size: Option<u32>,
     /// Default ports (DNS mode; fallbacks for ports a slice does not name).
     pub ports: Ports,
+    /// The OpenAI API is reached over HTTPS (`--discovery-https`).
+    pub https: bool,
 }
 
 impl ReplicaTemplate {
@@ -144,7 +146,8 @@ impl ReplicaTemplate {
             port => format!("tcp://{host}:{port}"),
         };
         let mut spec = ReplicaSpec::new(name, events, self.engine, self.model.clone());
-        spec.http_url = format!("http://{host}:{}", ports.http);
+        let scheme = if self.https { "https" } else { "http" };
+        spec.http_url = format!("{scheme}://{host}:{}", ports.http);
         spec.replay_endpoint = ports.replay.map(|p| format!("tcp://{host}:{p}"));
         spec.grpc_endpoint = ports.grpc.map(|p| format!("http://{host}:{p}"));
         spec.dp_size = self.dp_size;
@@ -474,6 +477,7 @@ mod tests {
             model: "m".into(),
             block_size: Some(16),
             ports: Ports { http: 8000, events: 5557, replay: Some(5558), grpc: None },
+            https: false,
         }
     }
 
@@ -500,6 +504,13 @@ mod tests {
         let predicted = t.spec("r".into(), "10.0.0.7", Ports { events: 0, replay: None, ..t.ports });
         assert!(!predicted.has_events(), "{predicted:?}");
         predicted.validate().unwrap();
+        let https = ReplicaTemplate { https: true, ..t };
+        let spec = https.spec("r".into(), "10.0.0.7", Ports { grpc: Some(50051), ..https.ports });
+        assert_eq!(
+            (spec.http_url.as_str(), spec.grpc_endpoint.as_deref()),
+            ("https://10.0.0.7:8000", Some("http://10.0.0.7:50051"))
+        );
+        spec.validate().unwrap();
     }
 
     #[tokio::test]

@@ -60,7 +60,6 @@ pub struct DiscoveryConfig {
     pub discovery_interval_ms: u64,
 
     /// OpenAI HTTP port (k8s: used when the slice has no port named `--discovery-http-port-name`).
-    /// Discovered replicas are reached over plain HTTP (`http://address:port`).
     #[arg(long, env = "KVROUTE_DISCOVERY_HTTP_PORT", default_value_t = 8000)]
     pub discovery_http_port: u16,
     /// ZeroMQ KV-event PUB port of rank 0 (k8s: fallback for the named port). 0: the replicas
@@ -94,6 +93,13 @@ pub struct DiscoveryConfig {
     #[arg(long, env = "KVROUTE_DISCOVERY_POD_ANNOTATIONS", default_value_t = false)]
     #[serde(default)]
     pub discovery_pod_annotations: bool,
+    /// Reach discovered replicas' OpenAI API over HTTPS (`https://address:port`): their
+    /// certificates are checked as static replicas' are (`--replica-ca-cert`), against
+    /// `--replica-tls-server-name`, as they are found by address. The gRPC service and the
+    /// event streams stay plain.
+    #[arg(long, env = "KVROUTE_DISCOVERY_HTTPS", default_value_t = false)]
+    #[serde(default)]
+    pub discovery_https: bool,
 }
 
 impl Default for DiscoveryConfig {
@@ -115,6 +121,7 @@ impl Default for DiscoveryConfig {
             discovery_replay_port_name: "kv-replay".into(),
             discovery_grpc_port_name: "grpc".into(),
             discovery_pod_annotations: false,
+            discovery_https: false,
         }
     }
 }
@@ -221,6 +228,7 @@ impl DiscoveryConfig {
             model: model.to_owned(),
             block_size,
             ports: self.ports(),
+            https: self.discovery_https,
         }
     }
 }

@@ -147,6 +147,7 @@ mod tests {
                 model: "m".into(),
                 block_size: None,
                 ports: Ports { http: 8000, events: 5557, replay: Some(5558), grpc: Some(50051) },
+                https: false,
             },
             interval: Duration::from_secs(5),
         }

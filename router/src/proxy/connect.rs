@@ -4,7 +4,8 @@
 //! A replica's certificate must chain to the authorities of `--replica-ca-cert`, or to the
 //! system's without it (read at the first `https://` connection, so a fleet of plain
 //! replicas never reads them), and name the host of the replica's URL (a DNS name or an IP
-//! address). With `--replica-client-cert`, the router shows its own certificate to replicas
+//! address), or `--replica-tls-server-name` if set (replicas found by address, whose
+//! certificates name their service). With `--replica-client-cert`, the router shows its own certificate to replicas
 //! that ask for one (vLLM's `--ssl-ca-certs` with `--ssl-cert-reqs 2`). HTTP/1.1 is asked for
 //! by ALPN. The files are read again at a reload and whenever they change on disk
 //! ([`ReplicaTls::watch`]): connections opened from then on use them; those made before are
@@ -61,7 +62,12 @@ impl std::fmt::Display for Origin {
 
 /// The TLS of connections to `https://` replicas, as last loaded. Clones share it.
 #[derive(Clone, Debug)]
-pub struct ReplicaTls(Watched<Made>);
+pub struct ReplicaTls {
+    made: Watched<Made>,
+    /// `--replica-tls-server-name`: what every replica's certificate must name, in place of
+    /// its URL's host.
+    server_name: Option<ServerName<'static>>,
+}
 
 /// What the files make: `None` when none is named (the system's authorities, read at the
 /// first use).
@@ -107,42 +113,53 @@ impl Default for ReplicaTls {
 impl ReplicaTls {
     /// TLS as `files` say; what is wrong with one of them, else.
     pub fn from_files(files: &ClientFiles) -> Result<Self, String> {
-        Watched::from_files(files).map(Self)
+        Ok(Self { made: Watched::from_files(files)?, server_name: None })
+    }
+
+    /// Every replica's certificate checked against `name` (and `name` sent as SNI), if given,
+    /// in place of the host of its URL.
+    pub fn with_server_name(self, name: Option<ServerName<'static>>) -> Self {
+        Self { server_name: name, ..self }
+    }
+
+    /// The name every replica's certificate must hold, if one is set.
+    pub fn server_name(&self) -> Option<&ServerName<'static>> {
+        self.server_name.as_ref()
     }
 
     /// Connections from now on as `files` say; on an error the settings in use stay. The same
     /// files, holding what they held, change nothing (pooled connections stay in use).
     pub fn load(&self, files: &ClientFiles) -> Result<(), String> {
-        if self.0.files() == *files {
-            return self.0.reload_if_changed().unwrap_or(Ok(()));
+        if self.made.files() == *files {
+            return self.made.reload_if_changed().unwrap_or(Ok(()));
         }
-        self.0.load(files)
+        self.made.load(files)
     }
 
     /// Bumped at each change of the settings: a connection made before is not reused.
     pub fn generation(&self) -> u64 {
-        self.0.generation()
+        self.made.generation()
     }
 
     /// Loads since the start, done and refused; `None` while no file is named.
     pub fn loads(&self) -> Option<(u64, u64)> {
-        (!self.0.files().is_empty()).then(|| self.0.loads())
+        (!self.made.files().is_empty()).then(|| self.made.loads())
     }
 
     /// When the client certificate expires (its `notAfter`, Unix seconds), if there is one.
     pub fn not_after(&self) -> Option<i64> {
-        self.0.get().0.and_then(|given| given.tls.not_after)
+        self.made.get().0.and_then(|given| given.tls.not_after)
     }
 
     /// Checks the files every `period` until `shutdown` fires, loading each change
     /// ([`Watched::watch`]).
     pub async fn watch(self, period: Duration, shutdown: CancellationToken) {
-        self.0.watch("replica TLS: the CA, client certificate or key", period, shutdown).await;
+        self.made.watch("replica TLS: the CA, client certificate or key", period, shutdown).await;
     }
 
     /// The client's settings, without ALPN (hyper-rustls sets its own).
     pub fn config(&self) -> Arc<ClientConfig> {
-        match self.0.get().0 {
+        match self.made.get().0 {
             Some(given) => given.tls.config,
             None => kvroute_proto::serve::system_client_config(),
         }
@@ -150,7 +167,7 @@ impl ReplicaTls {
 
     fn connector(&self) -> TlsConnector {
         static SYSTEM: OnceLock<TlsConnector> = OnceLock::new();
-        match self.0.get().0 {
+        match self.made.get().0 {
             Some(given) => given.connector,
             None => {
                 SYSTEM.get_or_init(|| http1_connector(&kvroute_proto::serve::system_client_config())).clone()
@@ -177,9 +194,12 @@ impl ReplicaTls {
         if !origin.tls {
             return Ok(Either::Left(tcp));
         }
-        let name = ServerName::try_from(host)
-            .map_err(|e| SendError::Tls(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?
-            .to_owned();
+        let name = match &self.server_name {
+            Some(name) => name.clone(),
+            None => ServerName::try_from(host)
+                .map_err(|e| SendError::Tls(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?
+                .to_owned(),
+        };
         let tls = tokio::time::timeout_at(deadline, self.connector().connect(name, tcp))
             .await
             .map_err(|_| SendError::HandshakeTimeout(timeout))?

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use http::header::{self, HeaderValue};
-use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
+use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::{self, ResponseFuture, connect::HttpConnector};
 use tokio_rustls::rustls::ClientConfig;
 
@@ -69,13 +69,15 @@ impl Client {
             _ => {
                 let mut connector = connector(self.connect_timeout);
                 connector.enforce_http(false);
-                let client = pooled(
-                    HttpsConnectorBuilder::new()
-                        .with_tls_config(ClientConfig::clone(&config))
-                        .https_only()
-                        .enable_http1()
-                        .wrap_connector(connector),
-                );
+                let builder =
+                    HttpsConnectorBuilder::new().with_tls_config(ClientConfig::clone(&config)).https_only();
+                let builder = match self.tls.server_name() {
+                    Some(name) => {
+                        builder.with_server_name_resolver(FixedServerNameResolver::new(name.clone()))
+                    }
+                    None => builder,
+                };
+                let client = pooled(builder.enable_http1().wrap_connector(connector));
                 *https = Some((config, client.clone()));
                 client
             }

@@ -176,6 +176,54 @@ async fn replicas_asking_for_a_certificate_get_the_routers_renewed_in_place() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Replicas found by discovery, reached over HTTPS by address (`--discovery-https`), their
+/// certificates naming a service (`--replica-tls-server-name`); checked against the address
+/// instead, the certificate is refused.
+#[tokio::test]
+async fn discovered_replicas_are_reached_over_https_by_their_service_name() {
+    use kvroute_router::discovery::{DiscoveryConfig, DiscoveryMode};
+    let dir = crate::support::directory("replica-tls-discovery");
+    let authority = Authority::new();
+    authority.write(&dir, "ca");
+    write_identity(&authority.server("replica.test"), &dir, "replica");
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let agents = Fleet::start_agents(1, https_agent(&dir, false), &shutdown).await;
+    let port = |endpoint: &str| endpoint.rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    let discovery = DiscoveryConfig {
+        discovery: DiscoveryMode::Dns,
+        discovery_service: Some("localhost".into()),
+        discovery_http_port: agents[0].http_addr.port(),
+        discovery_events_port: port(&agents[0].events_endpoint),
+        discovery_replay_port: agents[0].replay_endpoint.as_deref().map(port),
+        discovery_https: true,
+        ..DiscoveryConfig::default()
+    };
+    let config = RouterConfig {
+        discovery,
+        replicas: Vec::new(),
+        replica_ca_cert: Some(dir.join("ca.crt")),
+        replica_tls_server_name: Some("replica.test".into()),
+        ..router_config(&agents)
+    };
+    let fleet = Fleet::around(agents, config.clone(), shutdown.clone()).await;
+    let (status, message) = complete(&fleet.http, &fleet.router.url()).await;
+    assert_eq!(status, 200, "{message}");
+    let state = fleet.router.state.clone();
+    wait_until("the health checks read the adapter list by the service name too", || {
+        state.decider.prompts.tokenization().lora_adapters().contains(&"sql".to_owned())
+    })
+    .await;
+    let members = fleet.router.fleet().members();
+    assert_eq!(members[0].replica.spec.http_url, format!("https://{}", fleet.agent(0).http_addr));
+
+    let by_address = forgiving(RouterConfig { replica_tls_server_name: None, ..config });
+    let router = kvroute_router::start(by_address, shutdown.child_token()).await.unwrap();
+    wait_until("the second router is ready", || router.fleet().ready()).await;
+    let (status, message) = complete(&fleet.http, &router.url()).await;
+    assert!(status == 502 && message.contains("not valid for name \"127.0.0.1\""), "{status} {message}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// The router's replica TLS files are checked up front, every problem named.
 #[test]
 fn replica_tls_files_are_checked_at_start() {
@@ -195,6 +243,10 @@ fn replica_tls_files_are_checked_at_start() {
     );
     let errors = with(None, Some((key.clone(), key.clone()))).validate().unwrap_err();
     assert!(errors.len() == 1 && errors[0].contains("router.key"), "a key is no certificate: {errors:?}");
+    let unnamed =
+        RouterConfig { replica_tls_server_name: Some("label-.example".into()), ..RouterConfig::default() };
+    let errors = unnamed.validate().unwrap_err();
+    assert!(errors.len() == 1 && errors[0].contains("--replica-tls-server-name"), "{errors:?}");
     let half = RouterConfig { replica_client_cert: Some(cert), ..RouterConfig::default() };
     let errors = half.validate().unwrap_err();
     assert!(errors.iter().any(|e| e.contains("go together")), "{errors:?}");
