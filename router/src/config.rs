@@ -55,8 +55,8 @@ pub struct Config {
     /// Address of the gRPC admin service (loopback by default).
     #[arg(long, env = "KVROUTE_ADMIN_LISTEN", default_value = "127.0.0.1:50061")]
     pub admin_listen: SocketAddr,
-    /// Log every request (replica, predicted and reported cached tokens, status, timings)
-    /// at INFO under the target `kvroute_router::access`.
+    /// Log every request (client address, model, replica, predicted and reported cached
+    /// tokens, status, timings) at INFO under the target `kvroute_router::access`.
     #[arg(long, env = "KVROUTE_ACCESS_LOG", default_value_t = false)]
     pub access_log: bool,
     /// Tell the replicas who the client is: the client's address is appended to

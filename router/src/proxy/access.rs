@@ -7,15 +7,21 @@
 //! when its response had no `usage`) beside the router's prediction. A request the router
 //! answered itself with an error is logged with that error.
 //!
-//! Fields: `request_id`, `method`, `path` (no query), `status`, `replica`, `attempt` (1 for
-//! the first replica tried), `prompt_tokens` and `predicted_cached_tokens` (routed requests),
+//! Fields: `request_id`, `client` (the address the connection came from: a load balancer's,
+//! if one is in front; its `X-Forwarded-For` reaches the replicas), `method`, `path` (no
+//! query), `status`, `replica`, `attempt` (1 for the first replica tried), `model`,
+//! `prompt_tokens` and `predicted_cached_tokens` (routed requests),
 //! `cached_tokens`, `end` (`complete`, `failed`: the replica broke off, `abandoned`: the
 //! client left, before its answer began too: status 499), `ttfb_ms` (from the request's
 //! arrival to the response's first data), `duration_ms`; for an error the router answered,
 //! `error` and, when a replica failed, `replica`.
 
+use std::net::SocketAddr;
+use std::sync::Arc;
+
 use http::Method;
 use tokio::time::Instant;
+use tracing::field::{DisplayValue, display};
 
 use super::body::End;
 use super::error::ProxyError;
@@ -23,6 +29,21 @@ use crate::metrics::ProxyMetrics;
 
 /// Where the log lines go.
 pub const TARGET: &str = "kvroute_router::access";
+
+/// When a request arrived, and where from: what its line starts with (taken only while the
+/// log is on: a clock read is not free).
+#[derive(Clone, Copy, Debug)]
+pub struct Arrival {
+    pub at: Instant,
+    /// The connection's peer (`None` for a request that did not come over a socket).
+    pub client: Option<SocketAddr>,
+}
+
+impl Arrival {
+    fn client(&self) -> Option<DisplayValue<SocketAddr>> {
+        self.client.map(display)
+    }
+}
 
 /// What a forwarded request's line says, gathered on its way.
 pub struct Line {
@@ -34,9 +55,10 @@ pub struct Line {
     /// 0 for the first replica tried.
     pub attempt: usize,
     /// Known for a routed request only.
+    pub model: Option<Arc<str>>,
     pub prompt_tokens: Option<u64>,
     pub predicted_cached_tokens: Option<u64>,
-    pub received: Instant,
+    pub received: Arrival,
     pub first_data: Option<Instant>,
 }
 
@@ -51,9 +73,10 @@ impl Line {
             replica: String::new(),
             status: 0,
             attempt: 0,
+            model: None,
             prompt_tokens: None,
             predicted_cached_tokens: None,
-            received: admitted.received.unwrap_or_else(Instant::now),
+            received: admitted.received.unwrap_or_else(|| Arrival { at: Instant::now(), client: None }),
             first_data: None,
         }
     }
@@ -65,21 +88,23 @@ impl Line {
             End::Failed => "failed",
             End::Abandoned => "abandoned",
         };
-        let ttfb_ms = self.first_data.map(|at| millis(at.duration_since(self.received)));
+        let ttfb_ms = self.first_data.map(|at| millis(at.duration_since(self.received.at)));
         tracing::info!(
             target: TARGET,
             request_id = self.request_id,
+            client = self.received.client(),
             method = %self.method,
             path = self.path,
             status = self.status,
             replica = self.replica,
             attempt = self.attempt + 1,
+            model = self.model.as_deref(),
             prompt_tokens = self.prompt_tokens,
             predicted_cached_tokens = self.predicted_cached_tokens,
             cached_tokens,
             end,
             ttfb_ms,
-            duration_ms = millis(self.received.elapsed()),
+            duration_ms = millis(self.received.at.elapsed()),
             "request"
         );
     }
@@ -89,7 +114,7 @@ impl Line {
 /// client that closed first) if it is dropped before [`Unanswered::answered`], and counted
 /// so in `requests_total`.
 pub struct Unanswered<'a> {
-    line: Option<(&'a str, &'a (Method, String), Instant)>,
+    line: Option<(&'a str, &'a (Method, String), Arrival)>,
     counted: Option<&'a ProxyMetrics>,
 }
 
@@ -99,7 +124,7 @@ impl<'a> Unanswered<'a> {
     pub fn new(
         request_id: &'a str,
         asked: Option<&'a (Method, String)>,
-        received: Option<Instant>,
+        received: Option<Arrival>,
         metrics: Option<&'a ProxyMetrics>,
     ) -> Self {
         Self {
@@ -124,11 +149,12 @@ impl Drop for Unanswered<'_> {
             tracing::info!(
                 target: TARGET,
                 request_id,
+                client = received.client(),
                 method = %method,
                 path,
                 status = 499,
                 end = "abandoned",
-                duration_ms = millis(received.elapsed()),
+                duration_ms = millis(received.at.elapsed()),
                 "request"
             );
         }
@@ -136,16 +162,17 @@ impl Drop for Unanswered<'_> {
 }
 
 /// Logs a request the router answered itself with `error`.
-pub fn refused(request_id: &str, method: &Method, path: &str, received: Instant, error: &ProxyError) {
+pub fn refused(request_id: &str, method: &Method, path: &str, received: Arrival, error: &ProxyError) {
     tracing::info!(
         target: TARGET,
         request_id,
+        client = received.client(),
         method = %method,
         path,
         status = error.status().as_u16(),
         error = error.label(),
         replica = error.replica(),
-        duration_ms = millis(received.elapsed()),
+        duration_ms = millis(received.at.elapsed()),
         "request"
     );
 }

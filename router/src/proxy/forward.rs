@@ -212,6 +212,7 @@ pub async fn routed(
                     Box::new(access::Line {
                         replica: member.replica.spec.name.clone(),
                         attempt: tried - 1,
+                        model: plan.model.clone(),
                         prompt_tokens: Some(plan.prompt_tokens),
                         predicted_cached_tokens: Some(plan.predicted_cached_tokens(attempt)),
                         ..access::Line::new(&admitted, &client.method, &client.uri)
@@ -928,7 +929,7 @@ impl Hooks for ResponseHooks {
 pub struct Admitted<'a> {
     pub request_id: &'a str,
     pub slot: Slot,
-    pub received: Option<Instant>,
+    pub received: Option<super::access::Arrival>,
 }
 
 /// A place under the router's in-flight limit, counted by its gauge while held.

@@ -212,7 +212,10 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
     let request_id = request_id(&req);
     let client = error::Client::of_path(req.uri().path());
     // For the access log's lines, only when it is on (a clock read is not free).
-    let received = state.forward.access_log.then(tokio::time::Instant::now);
+    let received = state.forward.access_log.then(|| access::Arrival {
+        at: tokio::time::Instant::now(),
+        client: req.extensions().get::<kvroute_proto::serve::Peer>().map(|peer| peer.0),
+    });
     let asked = state.forward.access_log.then(|| (req.method().clone(), req.uri().path().to_owned()));
     // Logs the request if the client leaves before it has an answer (this future dropped).
     let own_probe = is_probe(req.uri().path());
@@ -279,7 +282,7 @@ async fn dispatch(
     pool: &Arc<Pool>,
     req: Request<Incoming>,
     request_id: &str,
-    received: Option<tokio::time::Instant>,
+    received: Option<access::Arrival>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let path = req.uri().path().to_owned();
     let method = req.method().clone();
@@ -375,7 +378,7 @@ async fn routed(
     pool: &Arc<Pool>,
     req: Request<Incoming>,
     endpoint: Endpoint,
-    arrived: (&str, Option<tokio::time::Instant>),
+    arrived: (&str, Option<access::Arrival>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     check_length(state, req.headers())?;
     let line = queue::Line::default();
@@ -466,7 +469,7 @@ async fn stored_response(
     pool: &Arc<Pool>,
     req: Request<Incoming>,
     id: &str,
-    arrived: (&str, Option<tokio::time::Instant>),
+    arrived: (&str, Option<access::Arrival>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     check_length(state, req.headers())?;
     let admitted = admit(state, arrived, &queue::Line::default()).await?;
@@ -497,7 +500,7 @@ async fn find_owner(
 /// until its response ends; waiting in `line` for one if none is free ([`queue`]).
 async fn admit<'a>(
     state: &ProxyState,
-    (request_id, received): (&'a str, Option<tokio::time::Instant>),
+    (request_id, received): (&'a str, Option<access::Arrival>),
     line: &queue::Line,
 ) -> Result<Admitted<'a>, ProxyError> {
     let slot = state.queue.admit(&state.in_flight, line, &state.decider.metrics).await?;
@@ -522,7 +525,7 @@ async fn passthrough(
     state: &Arc<ProxyState>,
     pool: &Arc<Pool>,
     req: Request<Incoming>,
-    arrived: (&str, Option<tokio::time::Instant>),
+    arrived: (&str, Option<access::Arrival>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     // Refused before it waits for room: the room it took would go unused.
     check_length(state, req.headers())?;

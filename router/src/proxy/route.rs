@@ -150,7 +150,7 @@ pub struct Prepared {
     first_prompt_tokens: usize,
     /// The model it asks for (a LoRA adapter's request goes only where it may be:
     /// [`Decider::adapter`]).
-    model: Box<str>,
+    model: Arc<str>,
     max_tokens: Option<u64>,
     unhashed_tokens: Option<usize>,
     streams: bool,
@@ -210,6 +210,8 @@ pub struct Plan {
     pub streams: bool,
     /// The request as the policy sees it (for a retry's scoring: [`Decider::rescore`]).
     request: RequestView,
+    /// The model the request asks for (for the access log; `None` for `Explain`'s).
+    pub model: Option<Arc<str>>,
 }
 
 impl Plan {
@@ -596,6 +598,7 @@ impl Decider {
         plan.unhashed_tokens = prepared.unhashed_tokens;
         plan.streams = prepared.streams;
         plan.sequences = prepared.sequences;
+        plan.model = Some(Arc::clone(&prepared.model));
         plan
     }
 
@@ -777,6 +780,7 @@ impl Decider {
             sequences: 1,
             streams: false,
             request: *request,
+            model: None,
         }
     }
 }

@@ -449,16 +449,18 @@ async fn secrets_never_appear_in_logs_inner() {
             "logged-1",
             &[
                 "status=200",
+                "client=127.0.0.1:",
                 "path=\"/v1/completions\"",
                 "attempt=1",
+                &format!("model=\"{FLEET_MODEL}\""),
                 "end=\"complete\"",
                 "cached_tokens=0",
                 "ttfb_ms=",
             ][..],
         ),
-        ("logged-2", &["status=400", "error=\"bad_request\""]),
+        ("logged-2", &["status=400", "error=\"bad_request\"", "client=127.0.0.1:"]),
         ("logged-3", &["status=404", "replica=", "end=\"complete\""]),
-        ("logged-gone", &["status=499", "end=\"abandoned\""]),
+        ("logged-gone", &["status=499", "end=\"abandoned\"", "client=127.0.0.1:"]),
         ("logged-empty", &["status=200", "replica=\"r0\"", "end=\"complete\""]),
     ] {
         let line =
