@@ -23,6 +23,7 @@ use tokio_rustls::rustls::pki_types::ServerName;
 use crate::policy::{CacheAwareParams, PolicyKind};
 use crate::proxy::connect::ReplicaTls;
 use crate::proxy::key_file::KeyFile;
+use crate::proxy::replica_key::ReplicaKeyFile;
 use crate::proxy::route::RequestLimits;
 use crate::replicas::{EngineKind, ReplicaSpec, base_url};
 
@@ -108,6 +109,12 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_REPLICA_API_KEY", hide_env_values = true)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replica_api_key: Option<Secret>,
+    /// `--replica-api-key` from a file that holds it (a mounted Secret): read again at each
+    /// `SIGHUP` and when it changes (checked every `--api-key-check-ms`), so the key rotates
+    /// without a restart of the router. One or the other.
+    #[arg(long, env = "KVROUTE_REPLICA_API_KEY_FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica_api_key_file: Option<PathBuf>,
     /// PEM certificates of the authorities `https://` replicas' certificates must chain to (the
     /// system's without it). A replica's certificate must also name the host of its URL. This
     /// file and the client certificate's are read again at each `SIGHUP` and when they change
@@ -426,6 +433,17 @@ impl Default for Config {
     }
 }
 
+/// `Authorization: Bearer <key>`, marked sensitive (kept out of logs and of HTTP/2's header
+/// compression tables); `None` if `key` is empty, holds whitespace or cannot be a header.
+pub fn bearer(key: &str) -> Option<HeaderValue> {
+    if key.is_empty() || key.contains(char::is_whitespace) {
+        return None;
+    }
+    let mut value = HeaderValue::from_str(&format!("Bearer {key}")).ok()?;
+    value.set_sensitive(true);
+    Some(value)
+}
+
 impl Config {
     /// A config for tests and embedded fleets: proxy and admin on 127.0.0.1 port 0.
     pub fn loopback(replicas: Vec<ReplicaConfig>) -> Self {
@@ -526,6 +544,15 @@ impl Config {
             self.replica_authorization().is_some() == self.replica_api_key.is_some(),
             "--replica-api-key must not be empty or hold whitespace".into(),
         );
+        check(
+            self.replica_api_key.is_none() || self.replica_api_key_file.is_none(),
+            "--replica-api-key and --replica-api-key-file: one or the other".into(),
+        );
+        if let (true, Some(path)) = (read_files, &self.replica_api_key_file)
+            && let Err(problem) = ReplicaKeyFile::open(Some(path))
+        {
+            check(false, format!("--replica-api-key-file {problem}"));
+        }
         check(
             self.admin_listen.ip().is_loopback()
                 || self.admin_token.as_ref().is_some_and(|t| !t.expose().is_empty()),
@@ -769,13 +796,7 @@ impl Config {
     /// The `Authorization` value of `--replica-api-key`, marked sensitive (kept out of logs and
     /// of HTTP/2's header compression tables); `None` without one, or if it cannot be one.
     pub fn replica_authorization(&self) -> Option<HeaderValue> {
-        let key = self.replica_api_key.as_ref().map(Secret::expose)?;
-        if key.is_empty() || key.contains(char::is_whitespace) {
-            return None;
-        }
-        let mut value = HeaderValue::from_str(&format!("Bearer {key}")).ok()?;
-        value.set_sensitive(true);
-        Some(value)
+        bearer(self.replica_api_key.as_ref().map(Secret::expose)?)
     }
 
     /// Limits checked on every routed request before it is forwarded.
@@ -1325,6 +1346,34 @@ mod tests {
 
     /// A key file that cannot be read or holds no key stops the start, with the other
     /// errors; a reload reads it apart.
+    /// `--replica-api-key-file` must hold one key, and goes without `--replica-api-key`.
+    #[test]
+    fn the_replicas_key_file_is_checked_up_front() {
+        let dir = std::env::temp_dir().join(format!("kvroute-config-replica-key-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (one, two) = (dir.join("one"), dir.join("two"));
+        std::fs::write(&one, "sk-replica\n").unwrap();
+        std::fs::write(&two, "sk-a,sk-b\n").unwrap();
+        let with = |path: &PathBuf| Config {
+            replica_api_key_file: Some(path.clone()),
+            ..Config::loopback(Vec::new())
+        };
+        assert_eq!(with(&one).validate(), Ok(()));
+        for (path, says) in [(&two, "two: holds 2 keys"), (&dir.join("missing"), "missing: ")] {
+            let errors = with(path).validate().unwrap_err();
+            assert!(
+                errors.len() == 1
+                    && errors[0].starts_with("--replica-api-key-file ")
+                    && errors[0].contains(says),
+                "{errors:?}"
+            );
+            assert_eq!(with(path).validate_for_reload(), Ok(()), "a reload reads the file apart");
+        }
+        let both = Config { replica_api_key: Some(Secret::new("sk-flag")), ..with(&one) };
+        assert!(both.validate().unwrap_err().iter().any(|e| e.contains("one or the other")));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     #[test]
     fn the_key_file_is_checked_up_front() {
         let dir = std::env::temp_dir().join(format!("kvroute-config-keys-{}", std::process::id()));

@@ -25,6 +25,7 @@ use crate::policy::{Load, PolicyKind};
 use crate::proxy::connect::ReplicaTls;
 use crate::proxy::key_file::KeyFile;
 use crate::proxy::live::{Live, Routing};
+use crate::proxy::replica_key::ReplicaKeyFile;
 use kvroute_proto::serve::Tls;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -277,29 +278,23 @@ impl Collector for SendTimeouts {
 /// certificate's expiry (`kvroute_router_tls_certificate_expiry_timestamp_seconds`, for an
 /// alert well before it) and that of the client certificate shown to replicas
 /// (`kvroute_router_replica_tls_client_certificate_expiry_timestamp_seconds`), and the loads
-/// of the TLS files, of `--api-key-file` and of the replicas' TLS files, done and refused
-/// (`kvroute_router_tls_loads_total`, `kvroute_router_api_key_file_loads_total`,
+/// of the TLS files, of `--api-key-file`, of `--replica-api-key-file` and of the replicas' TLS
+/// files, done and refused (`kvroute_router_tls_loads_total`,
+/// `kvroute_router_api_key_file_loads_total`, `kvroute_router_replica_api_key_file_loads_total`,
 /// `kvroute_router_replica_tls_loads_total`): a renewed certificate or rotated key file that
 /// cannot be loaded leaves the old one in use, and says so only in the log otherwise. Each
 /// only while there is such a file.
-pub fn register_watched_files(
-    registry: &mut Registry,
-    tls: Option<Tls>,
-    key_file: Arc<KeyFile>,
-    replica_tls: ReplicaTls,
-) {
-    registry.sub_registry_with_prefix("kvroute_router").register_collector(Box::new(WatchedFiles {
-        tls,
-        key_file,
-        replica_tls,
-    }));
+pub fn register_watched_files(registry: &mut Registry, files: WatchedFiles) {
+    registry.sub_registry_with_prefix("kvroute_router").register_collector(Box::new(files));
 }
 
+/// The files the router watches.
 #[derive(Debug)]
-struct WatchedFiles {
-    tls: Option<Tls>,
-    key_file: Arc<KeyFile>,
-    replica_tls: ReplicaTls,
+pub struct WatchedFiles {
+    pub tls: Option<Tls>,
+    pub key_file: Arc<KeyFile>,
+    pub replica_tls: ReplicaTls,
+    pub replica_key_file: ReplicaKeyFile,
 }
 
 impl Collector for WatchedFiles {
@@ -331,6 +326,11 @@ impl Collector for WatchedFiles {
                 "api_key_file_loads",
                 "Loads of --api-key-file, at a reload or of a change on disk",
                 self.key_file.loads(),
+            ),
+            (
+                "replica_api_key_file_loads",
+                "Loads of --replica-api-key-file, at a reload or of a change on disk",
+                self.replica_key_file.loads(),
             ),
             (
                 "replica_tls_loads",

@@ -27,6 +27,8 @@
 //! - The replicas' TLS files (`--replica-ca-cert`, `--replica-client-cert`,
 //!   `--replica-client-key`) are read again, from the paths the configuration names now:
 //!   connections to replicas opened from then on use them ([`crate::proxy::connect`]).
+//! - `--replica-api-key-file` is read again, from the path the configuration names now: its
+//!   key is sent from then on ([`crate::proxy::replica_key`]).
 //! - `--api-key-file` is read again, from the path the configuration names now (none: its keys
 //!   are dropped); one that cannot be loaded keeps the keys in use
 //!   ([`crate::proxy::key_file`]).
@@ -70,6 +72,9 @@ pub struct Reloaded {
     /// Whether the replicas' TLS files were read again, or why not; `None` when neither the
     /// running configuration nor this one names any.
     pub replica_tls: Option<Result<(), String>>,
+    /// Whether `--replica-api-key-file` was read again (its key sent from then on), or why the
+    /// key in use stays; `None` when the configuration names no such file.
+    pub replica_api_key_file: Option<Result<(), String>>,
 }
 
 impl Reloaded {
@@ -102,6 +107,7 @@ impl Reloader {
         self.reload_admission(state, config, &mut reloaded);
         self.reload_tls(state, config, &mut reloaded);
         self.reload_replica_tls(state, config, &mut reloaded);
+        self.reload_replica_key_file(state, config, &mut reloaded);
         let desired = specs(&self.running, config);
         let gone: Vec<String> =
             self.applied.keys().filter(|name| !desired.contains_key(*name)).cloned().collect();
@@ -189,6 +195,19 @@ impl Reloader {
             self.running.replica_client_key = config.replica_client_key.clone();
         }
         reloaded.replica_tls = Some(loaded);
+    }
+
+    /// Reads `--replica-api-key-file` again, from the path `config` names now: its key is sent
+    /// from then on (with none named, `--replica-api-key`'s is, put in by
+    /// [`Reloader::apply_live`]). From then on its path counts as applied.
+    fn reload_replica_key_file(&mut self, state: &ProxyState, config: &Config, reloaded: &mut Reloaded) {
+        let path = config.replica_api_key_file.as_deref();
+        let loaded = state.replica_key_file.load(path, &state.forward.replica_authorization);
+        if loaded.is_ok() {
+            reloaded.now_applied(&["replica-api-key-file"]);
+            self.running.replica_api_key_file = config.replica_api_key_file.clone();
+        }
+        reloaded.replica_api_key_file = path.map(|_| loaded);
     }
 
     /// Puts `config`'s admission in place of the running one where any of its settings (among
@@ -303,6 +322,13 @@ pub async fn on_hangup(
         match &reloaded.replica_tls {
             Some(Ok(())) => tracing::info!("reload: the replicas' TLS files read again"),
             Some(Err(why)) => tracing::error!(error = %why, "reload: the replicas' TLS settings in use stay"),
+            None => {}
+        }
+        match &reloaded.replica_api_key_file {
+            Some(Ok(())) => tracing::info!("reload: --replica-api-key-file read again"),
+            Some(Err(why)) => {
+                tracing::error!(error = %why, "reload: --replica-api-key-file cannot be loaded; the key in use stays")
+            }
             None => {}
         }
         match &reloaded.api_key_file {

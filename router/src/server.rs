@@ -22,13 +22,16 @@ use crate::discovery::{Discovery, DiscoveryMetrics};
 use crate::fleet::Fleet;
 use crate::index::SharedIndex;
 use crate::ingest::Ingest;
-use crate::metrics::{ProxyMetrics, register_replica_load, register_tokenize_cache, register_watched_files};
+use crate::metrics::{
+    ProxyMetrics, WatchedFiles, register_replica_load, register_tokenize_cache, register_watched_files,
+};
 use crate::proxy::control::{self, Client};
 use crate::proxy::forward::ForwardConfig;
 use crate::proxy::key_file::KeyFile;
 use crate::proxy::live::{Admission, Live, Routing};
 use crate::proxy::pool::Pool;
 use crate::proxy::prompts::{Prompts, RemoteTokenizer};
+use crate::proxy::replica_key::ReplicaKeyFile;
 use crate::proxy::route::Decider;
 use crate::proxy::{self, ProxyState};
 
@@ -88,9 +91,10 @@ fn ending(shutdown: &CancellationToken, drain: Duration, tracker: &TaskTracker) 
 /// Warns when `--replica-api-key` opens the replicas to every client: the router checks no
 /// key of its own, nor clients' certificates.
 pub(crate) fn warn_if_replicas_open(state: &ProxyState, config: &Config) {
-    if config.replica_api_key.is_some() && state.admission.get().is_open() && config.tls_client_ca.is_none() {
+    let replica_key = config.replica_api_key.is_some() || config.replica_api_key_file.is_some();
+    if replica_key && state.admission.get().is_open() && config.tls_client_ca.is_none() {
         tracing::warn!(
-            "--replica-api-key without --api-key, --api-key-file or --tls-client-ca: every client reaches the replicas with their key"
+            "--replica-api-key(-file) without --api-key, --api-key-file or --tls-client-ca: every client reaches the replicas with their key"
         );
     }
 }
@@ -185,7 +189,10 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     }
     let tokenization = Arc::new(tokenization);
     register_tokenize_cache(&mut registry, tokenization.clone());
-    let replica_authorization = Live::new(config.replica_authorization());
+    let replica_key_file = ReplicaKeyFile::open(config.replica_api_key_file.as_deref())
+        .map_err(|e| anyhow::anyhow!("--replica-api-key-file {e}"))?;
+    let replica_authorization =
+        Live::new(config.replica_authorization().or_else(|| replica_key_file.authorization()));
     let replica_tls = config.replica_tls().map_err(anyhow::Error::msg)?;
     if config.replicas.iter().any(|r| r.http.get(..8).is_some_and(|s| s.eq_ignore_ascii_case("https://"))) {
         // The system's authorities (if no file names others) read now, not by a proxy thread
@@ -229,7 +236,13 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         KeyFile::open(config.api_key_file.as_deref()).map_err(|e| anyhow::anyhow!("--api-key-file {e}"))?,
     );
     let tls = config.tls().map_err(anyhow::Error::msg)?;
-    register_watched_files(&mut registry, tls.clone(), key_file.clone(), replica_tls.clone());
+    let watched = WatchedFiles {
+        tls: tls.clone(),
+        key_file: key_file.clone(),
+        replica_tls: replica_tls.clone(),
+        replica_key_file: replica_key_file.clone(),
+    };
+    register_watched_files(&mut registry, watched);
     let state = Arc::new(ProxyState {
         decider,
         new_pool: {
@@ -266,6 +279,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         allowed_origins: proxy::cors::AllowedOrigins::new(&config.allowed_origins),
         tls,
         replica_tls,
+        replica_key_file,
         shutdown: shutdown.clone(),
     });
 
@@ -308,6 +322,8 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     if config.api_key_check_ms > 0 {
         let every = Duration::from_millis(config.api_key_check_ms);
         tracker.spawn(state.key_file.clone().watch(state.admission.clone(), every, shutdown.clone()));
+        let replicas = state.forward.replica_authorization.clone();
+        tracker.spawn(state.replica_key_file.clone().watch(replicas, every, shutdown.clone()));
     }
     // An empty token is no token (allowed on loopback only, see `Config::validate`).
     let admin_token = config.admin_token.as_ref().map(|t| t.expose().to_owned()).filter(|t| !t.is_empty());

@@ -158,7 +158,7 @@ fn read(path: &Path) -> Result<Loaded, String> {
 }
 
 /// The keys in `contents`, the file at `path`'s.
-fn parse(path: &Path, contents: &[u8]) -> Result<Vec<String>, String> {
+pub(super) fn parse(path: &Path, contents: &[u8]) -> Result<Vec<String>, String> {
     let text = std::str::from_utf8(contents).map_err(|_| format!("{}: not UTF-8 text", path.display()))?;
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     // A word that begins with `#` begins a comment: a `#` within a key is the key's.

@@ -35,6 +35,7 @@ pub mod paths;
 pub mod pool;
 pub mod prompts;
 pub mod queue;
+pub mod replica_key;
 pub mod responses;
 pub mod route;
 pub mod stalls;
@@ -102,6 +103,8 @@ pub struct ProxyState {
     pub tls: Option<kvroute_proto::serve::Tls>,
     /// The TLS of connections to `https://` replicas: reloaded in place.
     pub replica_tls: connect::ReplicaTls,
+    /// `--replica-api-key-file`, if named: its key is `forward.replica_authorization`.
+    pub replica_key_file: replica_key::ReplicaKeyFile,
     /// The router's shutdown: open WebSocket tunnels end with it ([`tunnel`]).
     pub shutdown: CancellationToken,
 }

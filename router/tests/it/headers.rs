@@ -280,6 +280,65 @@ async fn the_replicas_key_goes_only_where_the_router_guards() {
     shutdown.cancel();
 }
 
+/// With `--replica-api-key-file`, the replicas' key is the file's: one written in its place is
+/// sent from the next check on, one that does not hold one key leaves the key in use, and a
+/// reload to `--replica-api-key` sends that one.
+#[tokio::test]
+async fn the_replicas_key_file_rotates_in_place() {
+    let dir = crate::support::directory("replica-key-file");
+    let file = dir.join("replica-key");
+    std::fs::write(&file, "sk-file-1\n").unwrap();
+    let (replica, mut seen) = recording_replica(ANSWER).await;
+    let events = crate::support::nowhere();
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas: vec![
+            format!("name=r0,http=http://{replica},events={events},engine=kvroute").parse().unwrap(),
+        ],
+        api_key: vec!["sk-client".into()],
+        replica_api_key_file: Some(file.clone()),
+        api_key_check_ms: 20,
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let mut reloader = kvroute_router::reload::Reloader::new(&config);
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config.clone(), shutdown.clone()).await.unwrap();
+    let mut sent_as = async || {
+        let head = "POST /v1/embeddings HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\nauthorization: Bearer sk-client\r\n";
+        let answer = exchange(&router.url(), head, "{\"input\":\"x\"}").await;
+        assert!(answer.starts_with("http/1.1 200"), "{answer}");
+        let got =
+            tokio::time::timeout(WAIT, seen.recv()).await.expect("in time").expect("the replica saw it");
+        got.values("authorization").concat()
+    };
+    assert_eq!(sent_as().await, "Bearer sk-file-1");
+    std::fs::write(&file, "# rotated\nsk-file-2\n").unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while sent_as().await != "Bearer sk-file-2" {
+        assert!(tokio::time::Instant::now() < deadline, "the rotated key is never sent");
+    }
+    std::fs::write(&file, "sk-a sk-b").unwrap();
+    let metrics = format!("{}/metrics", router.url());
+    let refused = "kvroute_router_replica_api_key_file_loads_total{outcome=\"refused\"}";
+    crate::support::wait_until_async("the two keys are refused", async || {
+        let scraped = crate::fleet::Http::new().get(&metrics).await.body;
+        crate::support::sample(&String::from_utf8_lossy(&scraped), refused) == Some(1)
+    })
+    .await;
+    assert_eq!(sent_as().await, "Bearer sk-file-2", "the key in use stays");
+
+    let flag = kvroute_router::Config {
+        replica_api_key: Some(kvroute_router::config::Secret::new("sk-flag")),
+        replica_api_key_file: None,
+        ..config
+    };
+    let reloaded = reloader.apply(&router.state, &flag).await;
+    assert_eq!(reloaded.applied, ["replica-api-key", "replica-api-key-file"]);
+    assert_eq!(sent_as().await, "Bearer sk-flag");
+    shutdown.cancel();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Upgrades other than a WebSocket's (those are tunnelled: `websocket.rs`): an `h2c` upgrade
 /// (curl's `--http2` over plain HTTP) is optional for a server, so the request is served over
 /// HTTP/1.1, and so is a request whose `Connection` does not name `upgrade`.
