@@ -95,7 +95,8 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_API_KEY_FILE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub api_key_file: Option<PathBuf>,
-    /// How often `--api-key-file` is checked for a change, milliseconds. 0: only at a `SIGHUP`.
+    /// How often `--api-key-file` and `--replica-api-key-file` are checked for a change,
+    /// milliseconds. 0: only at a `SIGHUP`.
     #[arg(long, env = "KVROUTE_API_KEY_CHECK_MS", default_value_t = 10_000)]
     pub api_key_check_ms: u64,
     /// The key of replicas started with their own `--api-key` (vLLM's, SGLang's): a request to
@@ -116,7 +117,8 @@ pub struct Config {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replica_api_key_file: Option<PathBuf>,
     /// PEM certificates of the authorities `https://` replicas' certificates must chain to (the
-    /// system's without it). A replica's certificate must also name the host of its URL. This
+    /// system's without it). A replica's certificate must also name the host of its URL (or
+    /// `--replica-tls-server-name`). This
     /// file and the client certificate's are read again at each `SIGHUP` and when they change
     /// (`--tls-check-ms`), for the connections opened from then on.
     #[arg(long, env = "KVROUTE_REPLICA_CA_CERT")]
@@ -1344,8 +1346,6 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir);
     }
 
-    /// A key file that cannot be read or holds no key stops the start, with the other
-    /// errors; a reload reads it apart.
     /// `--replica-api-key-file` must hold one key, and goes without `--replica-api-key`.
     #[test]
     fn the_replicas_key_file_is_checked_up_front() {
@@ -1374,6 +1374,8 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir);
     }
 
+    /// A key file that cannot be read or holds no key stops the start, with the other
+    /// errors; a reload reads it apart.
     #[test]
     fn the_key_file_is_checked_up_front() {
         let dir = std::env::temp_dir().join(format!("kvroute-config-keys-{}", std::process::id()));

@@ -28,7 +28,8 @@
 //!   `--replica-client-key`) are read again, from the paths the configuration names now:
 //!   connections to replicas opened from then on use them ([`crate::proxy::connect`]).
 //! - `--replica-api-key-file` is read again, from the path the configuration names now: its
-//!   key is sent from then on ([`crate::proxy::replica_key`]).
+//!   key is sent from then on (one that cannot be loaded keeps the key in use); with none
+//!   named, `--replica-api-key`'s is, or none ([`crate::proxy::replica_key`]).
 //! - `--api-key-file` is read again, from the path the configuration names now (none: its keys
 //!   are dropped); one that cannot be loaded keeps the keys in use
 //!   ([`crate::proxy::key_file`]).
@@ -107,7 +108,7 @@ impl Reloader {
         self.reload_admission(state, config, &mut reloaded);
         self.reload_tls(state, config, &mut reloaded);
         self.reload_replica_tls(state, config, &mut reloaded);
-        self.reload_replica_key_file(state, config, &mut reloaded);
+        self.reload_replica_key(state, config, &mut reloaded);
         let desired = specs(&self.running, config);
         let gone: Vec<String> =
             self.applied.keys().filter(|name| !desired.contains_key(*name)).cloned().collect();
@@ -137,9 +138,9 @@ impl Reloader {
         reloaded
     }
 
-    /// Puts `config`'s routing and the replicas' key in place of the running ones, where any of
-    /// their settings (`changed`) did, and carries the live settings (the admission's are put
-    /// in by [`Reloader::reload_admission`]).
+    /// Puts `config`'s routing in place of the running one, where any of its settings
+    /// (`changed`) did, and carries the live settings (the admission's are put in by
+    /// [`Reloader::reload_admission`], the replicas' key by [`Reloader::reload_replica_key`]).
     fn apply_live(&mut self, state: &ProxyState, config: &Config, changed: &[String]) {
         let running = state.decider.routing.get();
         if let Some(routing) = running.reloaded(config, changed) {
@@ -149,9 +150,6 @@ impl Reloader {
                 // Requests waiting for a replica's room may have it now.
                 state.fleet().waiters().wake_all();
             }
-        }
-        if changed.iter().any(|setting| setting == live::REPLICA_KEY) {
-            state.forward.replica_authorization.set(config.replica_authorization());
         }
         live::carry(&mut self.running, config);
     }
@@ -197,17 +195,18 @@ impl Reloader {
         reloaded.replica_tls = Some(loaded);
     }
 
-    /// Reads `--replica-api-key-file` again, from the path `config` names now: its key is sent
-    /// from then on (with none named, `--replica-api-key`'s is, put in by
-    /// [`Reloader::apply_live`]). From then on its path counts as applied.
-    fn reload_replica_key_file(&mut self, state: &ProxyState, config: &Config, reloaded: &mut Reloaded) {
+    /// Puts `config`'s replicas' key in place: that of the `--replica-api-key-file` it names,
+    /// read again (if it cannot be loaded, the key in use stays), else `--replica-api-key`'s
+    /// (or none). From then on the file's path counts as applied.
+    fn reload_replica_key(&mut self, state: &ProxyState, config: &Config, reloaded: &mut Reloaded) {
         let path = config.replica_api_key_file.as_deref();
-        let loaded = state.replica_key_file.load(path, &state.forward.replica_authorization);
-        if loaded.is_ok() {
+        let (flag, replicas) = (config.replica_authorization(), &state.forward.replica_authorization);
+        let loaded = state.replica_key_file.apply(path, flag, replicas);
+        if loaded.as_ref().is_none_or(Result::is_ok) {
             reloaded.now_applied(&["replica-api-key-file"]);
             self.running.replica_api_key_file = config.replica_api_key_file.clone();
         }
-        reloaded.replica_api_key_file = path.map(|_| loaded);
+        reloaded.replica_api_key_file = loaded;
     }
 
     /// Puts `config`'s admission in place of the running one where any of its settings (among

@@ -194,10 +194,16 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     let replica_authorization =
         Live::new(config.replica_authorization().or_else(|| replica_key_file.authorization()));
     let replica_tls = config.replica_tls().map_err(anyhow::Error::msg)?;
-    if config.replicas.iter().any(|r| r.http.get(..8).is_some_and(|s| s.eq_ignore_ascii_case("https://"))) {
+    let https = |url: &str| url.get(..8).is_some_and(|s| s.eq_ignore_ascii_case("https://"));
+    if config.discovery.discovery_https || config.replicas.iter().any(|r| https(&r.http)) {
         // The system's authorities (if no file names others) read now, not by a proxy thread
         // at its first connection.
         drop(replica_tls.config());
+    }
+    if config.discovery.discovery_https && config.replica_tls_server_name.is_none() {
+        tracing::warn!(
+            "--discovery-https without --replica-tls-server-name: discovered replicas' certificates must name their IP addresses"
+        );
     }
     let client = Client::new(config.connect_timeout(), replica_authorization.clone(), replica_tls.clone());
     let prompts = if config.remote_tokenize {

@@ -80,8 +80,8 @@ pub struct LiveConfig {
     /// `Authorization` of every completion (a router's or replica's `--api-key`), marked
     /// sensitive: its `Debug` does not show it.
     pub authorization: Option<HeaderValue>,
-    /// HTTPS to an `https://` target ([`kvroute_proto::serve::client_config`]); `None`: the system's
-    /// authorities, no client certificate.
+    /// HTTPS to an `https://` target ([`kvroute_proto::serve::client_config`]); `None`: the
+    /// system's authorities, no client certificate.
     pub tls: Option<Arc<tokio_rustls::rustls::ClientConfig>>,
 }
 

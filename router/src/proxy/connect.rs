@@ -5,13 +5,13 @@
 //! system's without it (read at the first `https://` connection, so a fleet of plain
 //! replicas never reads them), and name the host of the replica's URL (a DNS name or an IP
 //! address), or `--replica-tls-server-name` if set (replicas found by address, whose
-//! certificates name their service). With `--replica-client-cert`, the router shows its own certificate to replicas
-//! that ask for one (vLLM's `--ssl-ca-certs` with `--ssl-cert-reqs 2`). HTTP/1.1 is asked for
-//! by ALPN. The files are read again at a reload and whenever they change on disk
-//! ([`ReplicaTls::watch`]): connections opened from then on use them; those made before are
-//! not taken from the pools again (one busy now keeps its settings to its response's end). The
-//! control client ([`super::control`]) uses the same settings (its idle connections are
-//! dropped at a change).
+//! certificates name their service). With `--replica-client-cert`, the router shows its own
+//! certificate to replicas that ask for one (vLLM's `--ssl-ca-certs` with `--ssl-cert-reqs
+//! 2`). HTTP/1.1 is asked for by ALPN. The files are read again at a reload and whenever they
+//! change on disk ([`ReplicaTls::watch`]): connections opened from then on use them; those
+//! made before are not taken from the pools again (one busy now keeps its settings to its
+//! response's end). The control client ([`super::control`]) uses the same settings (its idle
+//! connections are dropped at a change).
 
 use std::path::Path;
 use std::sync::{Arc, OnceLock};

@@ -9,8 +9,11 @@
 //!   changes (checked every `--api-key-check-ms`): the requests forwarded from then on carry
 //!   the new key, as do the router's own ([`super::control`]).
 //! - A file that can no longer be read, or no longer holds one key, keeps the key in use.
+//! - Every change of the replicas' key, from a reload or from a change on disk, goes through
+//!   [`ReplicaKeyFile`]'s lock, so that neither overwrites the other's newer key.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use http::HeaderValue;
@@ -19,9 +22,13 @@ use tokio_util::sync::CancellationToken;
 
 use super::live::Live;
 
-/// The key file in use, if any, and its key.
+/// The key file in use, if any, and its key. Clones share them.
 #[derive(Clone, Debug)]
-pub struct ReplicaKeyFile(Watched<Key>);
+pub struct ReplicaKeyFile {
+    made: Watched<Key>,
+    /// Held across each change of the file and of the key sent.
+    turn: Arc<Mutex<()>>,
+}
 
 /// A file's key as an `Authorization` value (`None` without a file).
 #[derive(Clone, Debug)]
@@ -48,28 +55,43 @@ impl FromFiles for Key {
 impl ReplicaKeyFile {
     /// The key in the file at `path` (none without one), or what is wrong with it.
     pub fn open(path: Option<&Path>) -> Result<Self, String> {
-        Watched::from_files(&path.map(Path::to_owned)).map(Self)
+        Ok(Self { made: Watched::from_files(&path.map(Path::to_owned))?, turn: Arc::default() })
     }
 
     /// The `Authorization` value of the file's key, if a file is named.
     pub fn authorization(&self) -> Option<HeaderValue> {
-        self.0.get().0
+        self.made.get().0
     }
 
-    /// Reads the file at `path` (at a reload) and, if one is named, sends its key from now on
-    /// (`replicas`); on an error the key in use stays. Without a file, `replicas` is left to
-    /// `--replica-api-key`.
-    pub fn load(&self, path: Option<&Path>, replicas: &Live<Option<HeaderValue>>) -> Result<(), String> {
-        self.0.load(&path.map(Path::to_owned))?;
-        if path.is_some() {
+    /// Puts a reloaded configuration's key in place (`replicas`): that of the file at `path`,
+    /// read again (if it cannot be loaded, the key in use stays, whichever it was), or without a
+    /// file `flag` (`--replica-api-key`'s, or none). Whether the file was loaded, if one is
+    /// named.
+    pub fn apply(
+        &self,
+        path: Option<&Path>,
+        flag: Option<HeaderValue>,
+        replicas: &Live<Option<HeaderValue>>,
+    ) -> Option<Result<(), String>> {
+        let _turn = self.turn.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(path) = path else {
+            if self.made.files().is_some() {
+                // No file followed from now on (nothing to read: it cannot fail).
+                drop(self.made.load(&None));
+            }
+            replicas.set(flag);
+            return None;
+        };
+        let loaded = self.made.load(&Some(path.to_owned()));
+        if loaded.is_ok() {
             replicas.set(self.authorization());
         }
-        Ok(())
+        Some(loaded)
     }
 
     /// Loads since the start, done and refused; `None` while no file is named.
     pub fn loads(&self) -> Option<(u64, u64)> {
-        self.0.files().is_some().then(|| self.0.loads())
+        self.made.files().is_some().then(|| self.made.loads())
     }
 
     /// Checks the file every `period` until `shutdown` fires, sending a changed key from then
@@ -80,7 +102,17 @@ impl ReplicaKeyFile {
         period: Duration,
         shutdown: CancellationToken,
     ) {
-        kvroute_proto::serve::every(period, shutdown, || match self.0.reload_if_changed() {
+        kvroute_proto::serve::every(period, shutdown, || {
+            let _turn = self.turn.lock().unwrap_or_else(PoisonError::into_inner);
+            self.reload_if_changed(&replicas);
+        })
+        .await;
+    }
+
+    /// Loads the file again if what it holds changed, and sends its key from then on; logs
+    /// the change loaded or refused.
+    fn reload_if_changed(&self, replicas: &Live<Option<HeaderValue>>) {
+        match self.made.reload_if_changed() {
             None => {}
             Some(Ok(())) => {
                 replicas.set(self.authorization());
@@ -89,7 +121,6 @@ impl ReplicaKeyFile {
             Some(Err(why)) => {
                 tracing::warn!(error = %why, "--replica-api-key-file changed on disk and cannot be loaded; the key in use stays");
             }
-        })
-        .await;
+        }
     }
 }

@@ -281,13 +281,20 @@ async fn the_replicas_key_goes_only_where_the_router_guards() {
 }
 
 /// With `--replica-api-key-file`, the replicas' key is the file's: one written in its place is
-/// sent from the next check on, one that does not hold one key leaves the key in use, and a
-/// reload to `--replica-api-key` sends that one.
+/// sent from the next check on, one that does not hold one key leaves the key in use. A reload
+/// to `--replica-api-key` sends that one; a reload to a file that cannot be read keeps it; one
+/// that names neither sends none (the client's `Authorization` goes on).
 #[tokio::test]
 async fn the_replicas_key_file_rotates_in_place() {
     let dir = crate::support::directory("replica-key-file");
     let file = dir.join("replica-key");
-    std::fs::write(&file, "sk-file-1\n").unwrap();
+    // Written whole, by a rename into place (as the kubelet writes a Secret's volume).
+    let write = |contents: &str| {
+        let next = dir.join("next");
+        std::fs::write(&next, contents).unwrap();
+        std::fs::rename(&next, &file).unwrap();
+    };
+    write("sk-file-1\n");
     let (replica, mut seen) = recording_replica(ANSWER).await;
     let events = crate::support::nowhere();
     let config = kvroute_router::Config {
@@ -312,12 +319,12 @@ async fn the_replicas_key_file_rotates_in_place() {
         got.values("authorization").concat()
     };
     assert_eq!(sent_as().await, "Bearer sk-file-1");
-    std::fs::write(&file, "# rotated\nsk-file-2\n").unwrap();
+    write("# rotated\nsk-file-2\n");
     let deadline = tokio::time::Instant::now() + WAIT;
     while sent_as().await != "Bearer sk-file-2" {
         assert!(tokio::time::Instant::now() < deadline, "the rotated key is never sent");
     }
-    std::fs::write(&file, "sk-a sk-b").unwrap();
+    write("sk-a sk-b");
     let metrics = format!("{}/metrics", router.url());
     let refused = "kvroute_router_replica_api_key_file_loads_total{outcome=\"refused\"}";
     crate::support::wait_until_async("the two keys are refused", async || {
@@ -335,6 +342,17 @@ async fn the_replicas_key_file_rotates_in_place() {
     let reloaded = reloader.apply(&router.state, &flag).await;
     assert_eq!(reloaded.applied, ["replica-api-key", "replica-api-key-file"]);
     assert_eq!(sent_as().await, "Bearer sk-flag");
+    let missing = kvroute_router::Config {
+        replica_api_key: None,
+        replica_api_key_file: Some(dir.join("missing")),
+        ..flag.clone()
+    };
+    let reloaded = reloader.apply(&router.state, &missing).await;
+    assert!(matches!(reloaded.replica_api_key_file, Some(Err(_))), "{reloaded:?}");
+    assert_eq!(sent_as().await, "Bearer sk-flag", "the key in use stays");
+    let neither = kvroute_router::Config { replica_api_key: None, ..flag };
+    reloader.apply(&router.state, &neither).await;
+    assert_eq!(sent_as().await, "Bearer sk-client", "no replicas' key: the client's goes on");
     shutdown.cancel();
     let _ = std::fs::remove_dir_all(dir);
 }
