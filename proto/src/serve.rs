@@ -154,27 +154,12 @@ where
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    serve_with(listener, handler, Limits::default(), shutdown).await;
+    serve_with(listener, handler, Limits::default(), None, shutdown).await;
 }
 
-/// [`serve`] with explicit limits, on the current runtime.
+/// [`serve`] with explicit limits, on the current runtime; with `tls`, every connection is a
+/// TLS one (as [`serve_on_threads`]'s).
 pub async fn serve_with<H, F, B>(
-    listener: TcpListener,
-    handler: H,
-    limits: Limits,
-    shutdown: CancellationToken,
-) where
-    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
-    F: Future<Output = Response<B>> + Send + 'static,
-    B: Body + Send + Unpin + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    serve_tls_with(listener, handler, limits, None, shutdown).await;
-}
-
-/// [`serve_with`], every connection a TLS one with `tls` (as [`serve_on_threads`]'s).
-pub async fn serve_tls_with<H, F, B>(
     listener: TcpListener,
     handler: H,
     limits: Limits,
@@ -892,7 +877,7 @@ mod tests {
             async move { Response::new(Endless { chunk: Bytes::from(vec![b'x'; 64 * 1024]), dropped }) }
         };
         let limits = Limits { send_timeout: Duration::from_millis(200), ..Limits::default() };
-        let server = tokio::spawn(serve_with(listener, handler, limits, shutdown.clone()));
+        let server = tokio::spawn(serve_with(listener, handler, limits, None, shutdown.clone()));
         let before = send_timeout::send_timeouts();
         let socket = tokio::net::TcpSocket::new_v4().unwrap();
         socket.set_recv_buffer_size(4096).unwrap();
@@ -919,7 +904,7 @@ mod tests {
             header_read_timeout: Duration::from_millis(300),
             ..Limits::default()
         };
-        (addr, shutdown.clone(), tokio::spawn(serve_with(listener, handler, limits, shutdown)))
+        (addr, shutdown.clone(), tokio::spawn(serve_with(listener, handler, limits, None, shutdown)))
     }
 
     /// Connections queued on the listening socket at `port` of 127.0.0.1, not yet accepted
@@ -944,7 +929,7 @@ mod tests {
         let shutdown = CancellationToken::new();
         let handler = |_: Request<Incoming>| async { Response::new(Full::new(Bytes::from_static(b"fine"))) };
         let limits = Limits { max_connections: 1, ..Limits::default() };
-        let server = tokio::spawn(serve_with(listener, handler, limits, shutdown.clone()));
+        let server = tokio::spawn(serve_with(listener, handler, limits, None, shutdown.clone()));
         // The one slot, held by an idle keep-alive connection.
         let mut holder = tokio::net::TcpStream::connect(addr).await.unwrap();
         holder.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();

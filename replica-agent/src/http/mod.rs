@@ -158,7 +158,7 @@ pub async fn serve(listener: TcpListener, state: AppState, tls: Option<Tls>, shu
         watch.cancelled().await;
         shutting_down.cancel();
     };
-    let serving = kvroute_proto::serve::serve_tls_with(listener, handler, limits, tls.as_ref(), shutdown);
+    let serving = kvroute_proto::serve::serve_with(listener, handler, limits, tls.as_ref(), shutdown);
     tokio::join!(serving, mark);
 }
 

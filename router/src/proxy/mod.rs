@@ -186,7 +186,7 @@ pub async fn serve_probes(listener: TcpListener, state: Arc<ProxyState>, shutdow
             }
         }
     };
-    kvroute_proto::serve::serve_with(listener, handler, limits, shutdown).await;
+    kvroute_proto::serve::serve_with(listener, handler, limits, None, shutdown).await;
 }
 
 /// Serves the proxy on `listener` with `threads` threads within `limits` (over TLS with

@@ -232,22 +232,30 @@ async fn forwarded_for_tells_the_replica_the_client() {
     }
 }
 
+/// A router config in front of `replica` (no event stream) that admits the client key
+/// `sk-client`.
+fn keyed_in_front_of(replica: std::net::SocketAddr) -> kvroute_router::Config {
+    let events = crate::support::nowhere();
+    kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas: vec![
+            format!("name=r0,http=http://{replica},events={events},engine=kvroute").parse().unwrap(),
+        ],
+        api_key: vec!["sk-client".into()],
+        ..kvroute_router::Config::loopback(Vec::new())
+    }
+}
+
 /// With `--replica-api-key`, a request to a path the router's keys guard reaches the replica
 /// with that key in place of the client's; an engine's own path outside `/v1` keeps the
 /// client's, for the engine to check. A reload changes the key at once.
 #[tokio::test]
 async fn the_replicas_key_goes_only_where_the_router_guards() {
     let (replica, mut seen) = recording_replica(ANSWER).await;
-    let events = crate::support::nowhere();
     let config = kvroute_router::Config {
-        model: FLEET_MODEL.into(),
-        replicas: vec![
-            format!("name=r0,http=http://{replica},events={events},engine=kvroute").parse().unwrap(),
-        ],
-        api_key: vec!["sk-client".into()],
         replica_api_key: Some(kvroute_router::config::Secret::new("sk-replica")),
         lora_updates: true,
-        ..kvroute_router::Config::loopback(Vec::new())
+        ..keyed_in_front_of(replica)
     };
     let mut reloader = kvroute_router::reload::Reloader::new(&config);
     let shutdown = tokio_util::sync::CancellationToken::new();
@@ -296,16 +304,10 @@ async fn the_replicas_key_file_rotates_in_place() {
     };
     write("sk-file-1\n");
     let (replica, mut seen) = recording_replica(ANSWER).await;
-    let events = crate::support::nowhere();
     let config = kvroute_router::Config {
-        model: FLEET_MODEL.into(),
-        replicas: vec![
-            format!("name=r0,http=http://{replica},events={events},engine=kvroute").parse().unwrap(),
-        ],
-        api_key: vec!["sk-client".into()],
         replica_api_key_file: Some(file.clone()),
         api_key_check_ms: 20,
-        ..kvroute_router::Config::loopback(Vec::new())
+        ..keyed_in_front_of(replica)
     };
     let mut reloader = kvroute_router::reload::Reloader::new(&config);
     let shutdown = tokio_util::sync::CancellationToken::new();
