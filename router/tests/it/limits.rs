@@ -336,6 +336,7 @@ async fn secrets_never_appear_in_logs_inner() {
     }
     const ADMIN: &str = "admin-token-8d1f3c";
     const CLIENT: &str = "client-key-5e2a7b";
+    const REPLICA: &str = "replica-key-91c4d0";
     let captured = Captured::default();
     let subscriber = tracing_subscriber::fmt()
         .with_max_level(tracing::Level::DEBUG)
@@ -346,11 +347,12 @@ async fn secrets_never_appear_in_logs_inner() {
 
     let fleet = Fleet::with(2, agent_config, |c| kvroute_router::Config {
         admin_token: Some(ADMIN.into()),
+        replica_api_key: Some(kvroute_router::config::Secret::new(REPLICA)),
         access_log: true,
         ..c
     })
     .await;
-    tracing::debug!(config = ?kvroute_router::Config { admin_token: Some(ADMIN.into()), ..kvroute_router::Config::default() }, "a config in a log line");
+    tracing::debug!(config = ?kvroute_router::Config { admin_token: Some(ADMIN.into()), replica_api_key: Some(kvroute_router::config::Secret::new(REPLICA)), ..kvroute_router::Config::default() }, "a config in a log line");
     let client =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
     let body = json!({"model": FLEET_MODEL, "prompt": "a secret-free prompt", "max_tokens": 2}).to_string();
@@ -470,7 +472,7 @@ async fn secrets_never_appear_in_logs_inner() {
         }
     }
     assert!(logs.contains("a config in a log line"));
-    for secret in [ADMIN, CLIENT] {
+    for secret in [ADMIN, CLIENT, REPLICA] {
         assert!(!logs.contains(secret), "{secret} was logged:\n{logs}");
     }
 }
