@@ -11,7 +11,7 @@ use tokio_rustls::rustls::crypto::ring;
 use tokio_rustls::rustls::{ClientConfig, RootCertStore};
 
 use super::tls::{certificates, not_after, private_key};
-use super::watched::{FromFiles, Watched};
+use super::watched::FromFiles;
 
 /// Where a TLS client's settings come from: PEM files.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -99,7 +99,7 @@ pub fn client_config(
         ca: ca.map(Path::to_owned),
         identity: identity.map(|(cert, key)| (cert.to_owned(), key.to_owned())),
     };
-    Ok(Watched::<ClientTls>::from_files(&files)?.get().config)
+    Ok(ClientTls::read_once(&files)?.config)
 }
 
 /// The client that names no TLS files: the system's authorities, no identity (loaded once, at

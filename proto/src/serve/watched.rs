@@ -22,6 +22,11 @@ pub trait FromFiles: Clone + Send + Sync + 'static {
     /// The value of `files`, which hold `contents` (one for each of their [`FromFiles::paths`]);
     /// else what is wrong, naming the file.
     fn make(files: &Self::Files, contents: &[Vec<u8>]) -> Result<Self, String>;
+
+    /// The value of what `files` hold now, read once (not watched).
+    fn read_once(files: &Self::Files) -> Result<Self, String> {
+        Self::make(files, &read::<Self>(files)?)
+    }
 }
 
 /// A value made from files, as last made. Clones share it.
