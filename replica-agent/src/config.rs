@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cache::{CacheConfig, PolicyKind, S3FifoParams};
 use crate::engine::TimingModel;
+use crate::kv_transfer::KvTransferConfig;
 use crate::publisher::EventFormat;
 
 /// A simulated vLLM-like inference replica with an exact block-level prefix cache.
@@ -166,6 +167,11 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_AGENT_SSL_CA_CERTS", requires = "ssl_certfile")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ssl_ca_certs: Option<PathBuf>,
+    /// Plays vLLM's disaggregated prefill with this connector config (JSON, as vLLM's flag):
+    /// `{"kv_connector":"NixlConnector","kv_role":"kv_both"}` ([`crate::kv_transfer`]).
+    #[arg(long, env = "KVROUTE_AGENT_KV_TRANSFER_CONFIG", value_parser = KvTransferConfig::parse)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_config: Option<KvTransferConfig>,
     /// Keep every Responses API response in this process, so a later request can continue it
     /// (`previous_response_id`) or fetch it, as vLLM with `VLLM_ENABLE_RESPONSES_API_STORE=1`.
     #[arg(long, env = "KVROUTE_AGENT_RESPONSES_STORE")]

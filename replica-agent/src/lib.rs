@@ -15,6 +15,7 @@ pub mod config;
 pub mod engine;
 pub mod grpc;
 pub mod http;
+pub mod kv_transfer;
 pub mod publisher;
 pub mod server;
 

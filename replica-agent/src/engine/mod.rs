@@ -28,6 +28,10 @@
 //! the step's, `medium` `"CPU"`. A snapshot lists them after the device cache's blocks, by
 //! hash alone (host memory keeps nothing else of them).
 //!
+//! A request whose prompt a remote prefill computed ([`Job::remote_tokens`],
+//! [`crate::kv_transfer`]) pulls those tokens past its prefix hit the same way: cached,
+//! external, and [`LOAD_SHARE`] of a prefill token each.
+//!
 //! Only prompt blocks are cached (vLLM also caches full blocks of generated tokens; the
 //! simulated text is not meant to be re-sent verbatim, so those blocks would never hit).
 //! Blocks become resident when the request is admitted rather than chunk by chunk as the
@@ -123,13 +127,16 @@ pub struct Job {
     /// Its place among waiting requests: lower is admitted first (vLLM's `priority`), then
     /// first come, first served.
     pub priority: i64,
+    /// Prompt tokens a remote prefill computed, pulled rather than computed past what the
+    /// prefix cache holds ([`crate::kv_transfer`]; 0 for most requests).
+    pub remote_tokens: usize,
 }
 
 impl Job {
     /// A job for `prompt`, its full blocks of `block_size` tokens hashed in `namespace`.
     pub fn new(namespace: CacheNamespace, prompt: Vec<u32>, block_size: usize, max_tokens: u32) -> Job {
         let hashes = namespace.chain(&prompt, block_size).into();
-        Job { hashes, prompt: prompt.into(), namespace, max_tokens, sample: 0, priority: 0 }
+        Job { hashes, prompt: prompt.into(), namespace, max_tokens, sample: 0, priority: 0, remote_tokens: 0 }
     }
 
     /// The same prompt again, as choice `sample` of its request.

@@ -245,7 +245,9 @@ impl Scheduler {
             match outcome {
                 Ok((outcome, loaded)) => {
                     let Pending { job, out } = self.waiting.pop_front().expect("front exists");
-                    let cached = hit_tokens(outcome.hit_blocks + loaded, block_size, job.prompt.len());
+                    // What host memory or a remote prefill has past the prefix hit is loaded.
+                    let held = hit_tokens(outcome.hit_blocks + loaded, block_size, job.prompt.len());
+                    let cached = held.max(job.remote_tokens.min(job.prompt.len()));
                     let loaded_tokens = cached - outcome.hit_tokens;
                     self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
                     self.metrics.prefix_cache_queries.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
@@ -256,7 +258,8 @@ impl Scheduler {
                     self.metrics.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
                     let cached_tokens = cached as u32;
                     let gone = out.try_send(Output::Started { cached_tokens }).is_err();
-                    // The load from host memory takes its share of a prefill's time.
+                    // The load from host memory (or a remote prefill) takes its share of a
+                    // prefill's time.
                     let load = (loaded_tokens as f64 * LOAD_SHARE).ceil() as usize;
                     let uncached = (job.prompt.len() - cached).max(1) + load;
                     // One whose client already left finishes at the end of the step, free.

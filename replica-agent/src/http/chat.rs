@@ -60,7 +60,13 @@ struct Delta<'a> {
 }
 
 /// The non-streaming response: one choice for each of the `n` a request asks for.
-pub(super) fn response(meta: &Meta, texts: &[String], usage: &UsageJson) -> Vec<u8> {
+/// With a prefill's answer to a remote decode, `transfer` ([`crate::kv_transfer`]).
+pub(super) fn response(
+    meta: &Meta,
+    texts: &[String],
+    usage: &UsageJson,
+    transfer: Option<&serde_json::Value>,
+) -> Vec<u8> {
     let choices: Vec<Choice<'_>> = texts
         .iter()
         .enumerate()
@@ -72,7 +78,7 @@ pub(super) fn response(meta: &Meta, texts: &[String], usage: &UsageJson) -> Vec<
             stop_reason: None,
         })
         .collect();
-    Envelope::new(meta, OBJECT, choices, UsageField::Present(usage)).to_json()
+    Envelope::new(meta, OBJECT, choices, UsageField::Present(usage)).transfer(transfer).to_json()
 }
 
 /// The first chunk of choice `index`: the assistant role and empty content.

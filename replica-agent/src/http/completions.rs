@@ -29,7 +29,13 @@ struct Choice<'a> {
 }
 
 /// The non-streaming response: one choice per prompt.
-pub(super) fn response(meta: &Meta, texts: &[String], usage: &UsageJson) -> Vec<u8> {
+/// With a prefill's answer to a remote decode, `transfer` ([`crate::kv_transfer`]).
+pub(super) fn response(
+    meta: &Meta,
+    texts: &[String],
+    usage: &UsageJson,
+    transfer: Option<&serde_json::Value>,
+) -> Vec<u8> {
     let choices: Vec<Choice<'_>> = texts
         .iter()
         .enumerate()
@@ -41,7 +47,7 @@ pub(super) fn response(meta: &Meta, texts: &[String], usage: &UsageJson) -> Vec<
             stop_reason: None,
         })
         .collect();
-    Envelope::new(meta, OBJECT, choices, UsageField::Present(usage)).to_json()
+    Envelope::new(meta, OBJECT, choices, UsageField::Present(usage)).transfer(transfer).to_json()
 }
 
 /// One stream chunk carrying `text` for choice `index`.

@@ -43,6 +43,7 @@ use super::sampling::{self, Sampling};
 use super::{AppState, Body, chat, completions, json_response, messages, responses, sse, unix_now};
 use crate::config::SchedulingPolicy;
 use crate::engine::{Job, Output, SubmitError, Usage};
+use crate::kv_transfer::{self, Asked, KvTransferConfig};
 
 /// `finish_reason` of every choice: the simulated engine stops only at `max_tokens`.
 pub(super) const FINISH_REASON: &str = "length";
@@ -141,6 +142,8 @@ struct ServerFields {
     sampling: Sampling,
     /// What a stream's chunks say of the usage.
     usage: StreamUsage,
+    /// What `kv_transfer_params` ask ([`crate::kv_transfer`]).
+    transfer: Asked,
 }
 
 /// `stream_options` as vLLM reads it: `include_usage`, and `continuous_usage_stats` (with
@@ -176,14 +179,21 @@ pub(super) async fn generate(
     if !state.serves(request.model()) {
         return Err(ApiError::model_not_found(request.model()));
     }
-    let ServerFields { sampling, usage } = match endpoint {
+    let ServerFields { sampling, usage, transfer } = match endpoint {
         Endpoint::Messages | Endpoint::Responses => ServerFields {
             sampling: converted_sampling(body, endpoint)?,
             usage: StreamUsage { include: true, continuous: false },
+            transfer: Asked::Nothing,
         },
-        _ => parse_extras(body, request.stream())?,
+        _ => parse_extras(body, request.stream(), state.config().kv_transfer_config.as_ref())?,
     };
     let mut jobs = jobs(state, &request, &sampling, null_max_tokens(&request, &readable))?;
+    // One prompt's prefill is pulled, or answered for, whatever its `n` ([`crate::kv_transfer`]).
+    let transfer = if jobs.len() == 1 { transfer } else { Asked::Nothing };
+    let block_size = state.engine().config().cache.block_size;
+    if let (Asked::RemotePrefill { blocks }, [job]) = (&transfer, &mut jobs[..]) {
+        job.remote_tokens = kv_transfer::pulled_tokens(*blocks, block_size, job.prompt.len());
+    }
     let priority = request.priority();
     if priority != 0 && state.config().scheduling_policy == SchedulingPolicy::Fcfs {
         return Err(ApiError::bad_request(format!(
@@ -233,10 +243,12 @@ pub(super) async fn generate(
     drop(request);
 
     let mut admitted = Vec::with_capacity(jobs.len());
+    let mut dp_rank = 0;
     for job in jobs {
         let (max_tokens, prompt_tokens) = (job.max_tokens, job.prompt.len() as u32);
         // Each choice is an engine request of its own, placed on its own (as vLLM places them).
         let engine = state.ranks().pick(rank).unwrap_or_else(|| state.engine());
+        dp_rank = engine.config().dp_rank;
         let rx = engine.submit(job).map_err(|e| match e {
             SubmitError::Overloaded(_) => ApiError::overloaded(e.to_string()),
             SubmitError::ShuttingDown => ApiError::shutting_down(),
@@ -291,9 +303,16 @@ pub(super) async fn generate(
         texts.push(text);
     }
     let usage = tally.usage();
+    let produced = match (&transfer, &state.config().kv_transfer_config) {
+        (Asked::RemoteDecode, Some(config)) if texts.len() == 1 => {
+            let prompt = (usage.prompt_tokens as usize, block_size);
+            Some(kv_transfer::produced(config, &state.config().name, request_id, prompt, dp_rank))
+        }
+        _ => None,
+    };
     let body = match api {
-        Api::Completions => completions::response(&meta, &texts, &usage),
-        Api::Chat => chat::response(&meta, &texts, &usage),
+        Api::Completions => completions::response(&meta, &texts, &usage, produced.as_ref()),
+        Api::Chat => chat::response(&meta, &texts, &usage, produced.as_ref()),
         Api::Messages => messages::response(&meta, &texts, &usage),
         Api::Responses => {
             let text = texts.first().map_or("", String::as_str);
@@ -345,12 +364,18 @@ fn null_max_tokens(request: &ParsedRequest<'_>, body: &[u8]) -> bool {
 }
 
 /// Validates the sampling parameters ([`sampling`]) and `stream_options`.
-fn parse_extras(body: &[u8], stream: bool) -> Result<ServerFields, ApiError> {
+fn parse_extras(
+    body: &[u8],
+    stream: bool,
+    connector: Option<&KvTransferConfig>,
+) -> Result<ServerFields, ApiError> {
     // The fields of a generation request that [`ParsedRequest`] leaves to the server, a
     // repeated key's last value counting, as in vLLM.
     let sampling = Sampling::parse(parse_object(body, &sampling::FIELDS)?)?;
-    let [stream_options] = parse_object(body, &["stream_options"])?;
-    Ok(ServerFields { sampling, usage: stream_usage(stream_options, stream)? })
+    let [stream_options, params] = parse_object(body, &["stream_options", "kv_transfer_params"])?;
+    let transfer = kv_transfer::asked(params, connector)
+        .map_err(|e| ApiError::invalid_field("kv_transfer_params", e))?;
+    Ok(ServerFields { sampling, usage: stream_usage(stream_options, stream)?, transfer })
 }
 
 /// The sampling fields of a Messages or Responses request, which vLLM carries over to the
@@ -512,11 +537,28 @@ pub(super) struct Envelope<'a, C> {
     choices: C,
     #[serde(skip_serializing_if = "UsageField::is_absent")]
     usage: UsageField<'a>,
+    /// A prefill's answer to a remote decode ([`crate::kv_transfer`]): whole responses only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_transfer_params: Option<&'a serde_json::Value>,
 }
 
 impl<'a, C: Serialize> Envelope<'a, C> {
     pub fn new(meta: &'a Meta, object: &'static str, choices: C, usage: UsageField<'a>) -> Self {
-        Envelope { id: &meta.id, object, created: meta.created, model: &meta.model, choices, usage }
+        let kv_transfer_params = None;
+        Envelope {
+            id: &meta.id,
+            object,
+            created: meta.created,
+            model: &meta.model,
+            choices,
+            usage,
+            kv_transfer_params,
+        }
+    }
+
+    /// With `params` as its `kv_transfer_params`, if any.
+    pub fn transfer(self, params: Option<&'a serde_json::Value>) -> Self {
+        Envelope { kv_transfer_params: params, ..self }
     }
 
     pub fn to_json(&self) -> Vec<u8> {

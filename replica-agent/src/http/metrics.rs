@@ -14,7 +14,7 @@
 //! | `vllm:kv_cache_usage_perc` | gauge | blocks running requests hold / capacity, 0..1: as vLLM's, which counts cached blocks no request holds as free (evictable) |
 //! | `vllm:prefix_cache_queries_total` | counter | prompt tokens looked up in the prefix cache |
 //! | `vllm:prefix_cache_hits_total` | counter | of those, tokens served from the cache |
-//! | `vllm:external_prefix_cache_hits_total` | counter | prompt tokens loaded from host memory (`--offload-blocks`) |
+//! | `vllm:external_prefix_cache_hits_total` | counter | prompt tokens loaded from host memory (`--offload-blocks`) or pulled after a remote prefill (`--kv-transfer-config`) |
 //! | `vllm:prompt_tokens_total` | counter | prompt tokens of admitted requests |
 //! | `vllm:generation_tokens_total` | counter | generated tokens |
 //! | `vllm:request_success_total` | counter | finished requests (`finished_reason="length"`) |

@@ -48,6 +48,11 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
         (&["--max-header-bytes", "100"], "--max-header-bytes must be at least 8192"),
         (&["--max-connections", "0"], "--max-connections must be between 1 and"),
         (&["--config", "/nonexistent/agent.toml"], "/nonexistent/agent.toml"),
+        (
+            &["--kv-transfer-config", r#"{"kv_connector":"P2pNcclConnector","kv_role":"kv_both"}"#],
+            "P2pNcclConnector",
+        ),
+        (&["--kv-transfer-config", "NixlConnector"], "--kv-transfer-config"),
     ] {
         let (code, stderr) = refused_by_agent(args);
         assert_eq!(code, Some(2), "{args:?}: {stderr}");

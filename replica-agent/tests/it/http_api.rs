@@ -16,7 +16,7 @@ use crate::support::shape::{self, Usage};
 use crate::support::{ADAPTER, Agent, Client, MODEL, config};
 
 /// `n` distinct words (one builtin-tokenizer token each), different for each `seed`.
-fn words(n: usize, seed: u32) -> String {
+pub(crate) fn words(n: usize, seed: u32) -> String {
     (0..n).map(|i| format!("w{seed}x{i}")).collect::<Vec<_>>().join(" ")
 }
 
@@ -424,7 +424,7 @@ fn parse_metrics(text: &str) -> BTreeMap<String, f64> {
     samples
 }
 
-async fn metrics(client: &Client) -> BTreeMap<String, f64> {
+pub(crate) async fn metrics(client: &Client) -> BTreeMap<String, f64> {
     let reply = client.get("/metrics").await;
     assert_eq!(reply.status, StatusCode::OK);
     assert!(reply.headers["content-type"].to_str().unwrap().starts_with("text/plain; version=0.0.4"));

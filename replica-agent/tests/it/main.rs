@@ -6,6 +6,7 @@
 //! - `events`: KV events over a real ZMQ SUB and DEALER, and the gRPC `ReplicaAgent` service.
 //! - `ranks`: data-parallel ranks: a cache and an event stream each, the rank header, the
 //!   balancer, per-engine metrics.
+//! - `kv_transfer`: disaggregated prefill as vLLM's NixlConnector plays it over HTTP.
 //! - `cli`: the binary's refusals of bad flags and settings.
 //! - `limits`: request fields that must not overflow the agent's checks.
 //! - `start`: a start that fails part-way.
@@ -13,6 +14,7 @@
 mod cli;
 mod events;
 mod http_api;
+mod kv_transfer;
 mod limits;
 mod ranks;
 mod start;
