@@ -12,7 +12,7 @@ use kvroute_replica_agent::RunningAgent;
 use kvroute_replica_agent::cache;
 use kvroute_router::config::{Config as RouterConfig, ReplicaConfig};
 use kvroute_router::policy::PolicyKind;
-use kvroute_router::replicas::EngineKind;
+use kvroute_router::replicas::{EngineKind, Role};
 use tokio_util::sync::CancellationToken;
 
 use crate::compare::{self, CompareConfig, CompareReport, Routers};
@@ -111,6 +111,7 @@ impl EmbeddedFleet {
                 engine: EngineKind::Kvroute,
                 dp_size: self.config.data_parallel_size,
                 topic: String::new(),
+                role: Role::Both,
             })
             .collect();
         RouterConfig {

@@ -342,6 +342,7 @@ impl Bench {
                     ranks_by: Some(policy::CacheAware::new(CacheAwareParams::default())),
                     max_in_flight_per_replica: 512,
                     seed: 0,
+                    pd_min_prefill_tokens: 512,
                 }),
                 prompts: Prompts::Local(Arc::new(tokenization)),
                 block_size: BLOCK,

@@ -67,6 +67,7 @@ impl AdminService {
                 engine: pb::EngineKind::from(spec.engine) as i32,
                 dp_size: spec.dp_size,
                 topic: spec.topic.clone(),
+                role: pb::ReplicaRole::from(spec.role) as i32,
             }),
             state: pb::StreamState::from(s.state()) as i32,
             blocks: self.state.decider.index.blocks(m.replica.id) as u64,
@@ -198,6 +199,8 @@ impl RouterAdmin for AdminService {
             Err(_) => Err(format!("unknown engine kind {}", spec.engine)),
         }
         .map_err(Status::invalid_argument)?;
+        let role = pb::ReplicaRole::try_from(spec.role)
+            .map_err(|_| Status::invalid_argument(format!("unknown replica role {}", spec.role)))?;
         let http_url =
             base_url(&spec.http_url).map_err(|e| Status::invalid_argument(format!("http_url: {e}")))?;
         let mut replica = ReplicaSpec::new(spec.id, spec.event_endpoint, engine, self.model.clone());
@@ -207,6 +210,7 @@ impl RouterAdmin for AdminService {
         replica.dp_size = spec.dp_size.max(1);
         replica.topic = spec.topic;
         replica.block_size = Some(self.block_size);
+        replica.role = role.into();
         let member = self.fleet().add(replica).map_err(|e| match e {
             IngestError::Removing(_) | IngestError::ShutDown => Status::unavailable(e.to_string()),
             IngestError::Spec(

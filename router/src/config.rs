@@ -25,7 +25,7 @@ use crate::proxy::connect::ReplicaTls;
 use crate::proxy::key_file::KeyFile;
 use crate::proxy::replica_key::ReplicaKeyFile;
 use crate::proxy::route::RequestLimits;
-use crate::replicas::{EngineKind, ReplicaSpec, base_url};
+use crate::replicas::{EngineKind, ReplicaSpec, Role, base_url};
 
 /// Most proxy threads `--http-threads` accepts.
 pub const MAX_HTTP_THREADS: usize = 1024;
@@ -171,7 +171,8 @@ pub struct Config {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_token: Option<Secret>,
 
-    /// A replica: `name=..,http=..[,events=..][,replay=..][,grpc=..][,engine=kvroute|vllm|sglang][,dp-size=N][,topic=..]`.
+    /// A replica: `name=..,http=..[,events=..][,replay=..][,grpc=..][,engine=kvroute|vllm|sglang][,dp-size=N][,topic=..]`
+    /// `[,role=both|prefill|decode]` (prefill/decode disaggregation: see the README).
     /// Without `events`, its cache is predicted from this router's requests to it
     /// (`--predicted-ttl-ms`, `--predicted-cache-tokens`).
     #[arg(id = "replica", long = "replica", env = "KVROUTE_REPLICAS", value_delimiter = ';')]
@@ -236,6 +237,11 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_NO_RANK_ROUTING", default_value_t = false)]
     #[serde(default)]
     pub no_rank_routing: bool,
+    /// With replicas of role `prefill` or `decode`: a request's prefill goes to a prefill
+    /// replica first when the decode replica chosen lacks at least this many of its prompt
+    /// tokens; shorter ones are prefilled where they are decoded.
+    #[arg(long, env = "KVROUTE_PD_MIN_PREFILL_TOKENS", default_value_t = 512)]
+    pub pd_min_prefill_tokens: u64,
     /// HuggingFace tokenizer.json of the model, or the model's directory holding it; the
     /// built-in tokenizer when absent. A tokenizer_config.json beside it is read unless
     /// --tokenizer-config names one, as vLLM reads the model's directory.
@@ -315,6 +321,11 @@ pub struct Config {
     /// when the replica last took some of it, and not while the upload waits for the client).
     #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_MS", default_value_t = 600_000)]
     pub first_byte_timeout_ms: u64,
+    /// How long a prefill replica may take to answer a prefill sent ahead of its request
+    /// (one token, no stream), milliseconds; past it, the decode
+    /// replica prefills the prompt itself.
+    #[arg(long, env = "KVROUTE_PD_PREFILL_TIMEOUT_MS", default_value_t = 60_000)]
+    pub pd_prefill_timeout_ms: u64,
     /// After SIGTERM, how long open requests may go on, milliseconds: then open streams end
     /// with an error event and, a second later, the connections still open are closed and
     /// the router exits. Under a Kubernetes grace period (the manifests' allow for its
@@ -501,6 +512,7 @@ impl Config {
             "--predicted-cache-tokens must be at least one block".into(),
         );
         check(self.first_byte_timeout_ms > 0, "--first-byte-timeout-ms must be at least 1".into());
+        check(self.pd_prefill_timeout_ms > 0, "--pd-prefill-timeout-ms must be at least 1".into());
         check(self.control_timeout_ms > 0, "--control-timeout-ms must be at least 1".into());
         check(self.tokenize_timeout_ms > 0, "--tokenize-timeout-ms must be at least 1".into());
         check(self.idle_timeout_ms > 0, "--idle-timeout-ms must be at least 1".into());
@@ -885,6 +897,13 @@ pub struct ReplicaConfig {
     pub dp_size: u32,
     #[serde(default)]
     pub topic: String,
+    /// Prefill, decode or both (the default): [`crate::proxy::disagg`].
+    #[serde(default, skip_serializing_if = "is_both")]
+    pub role: Role,
+}
+
+fn is_both(role: &Role) -> bool {
+    *role == Role::Both
 }
 
 fn default_engine() -> EngineKind {
@@ -904,6 +923,7 @@ impl ReplicaConfig {
         spec.dp_size = self.dp_size;
         spec.topic = self.topic.clone();
         spec.block_size = Some(block_size);
+        spec.role = self.role;
         spec
     }
 }
@@ -912,6 +932,7 @@ impl FromStr for ReplicaConfig {
     type Err = String;
 
     /// `name=..,http=..[,events=..][,replay=..][,grpc=..][,engine=..][,dp-size=..][,topic=..]`
+    /// `[,role=..]`
     fn from_str(s: &str) -> Result<Self, String> {
         let mut table = toml::Table::new();
         for part in s.split(',').filter(|p| !p.is_empty()) {
@@ -949,6 +970,9 @@ impl fmt::Display for ReplicaConfig {
         if !self.topic.is_empty() {
             write!(f, ",topic={}", self.topic)?;
         }
+        if self.role != Role::Both {
+            write!(f, ",role={}", self.role.as_str())?;
+        }
         Ok(())
     }
 }
@@ -982,9 +1006,15 @@ mod tests {
         assert_eq!(r.to_string().parse::<ReplicaConfig>().unwrap(), r);
         let predicted = "name=r0,http=http://127.0.0.1:8000".parse::<ReplicaConfig>().unwrap();
         assert_eq!(predicted.events, "", "a replica without events");
+        assert_eq!(predicted.role, Role::Both);
         assert_eq!(predicted.to_string().parse::<ReplicaConfig>(), Ok(predicted));
         assert!("name=r0,http=x,events=y,bogus=1".parse::<ReplicaConfig>().is_err());
         assert!("name=r0,http=x,events=y,engine=tgi".parse::<ReplicaConfig>().is_err());
+        let prefill = "name=r0,http=http://127.0.0.1:8000,role=prefill".parse::<ReplicaConfig>().unwrap();
+        assert_eq!(prefill.role, Role::Prefill);
+        assert_eq!(prefill.to_spec("m", 16).role, Role::Prefill);
+        assert_eq!(prefill.to_string().parse::<ReplicaConfig>(), Ok(prefill));
+        assert!("name=r0,http=x,role=encode".parse::<ReplicaConfig>().is_err());
     }
 
     /// Only a fleet of SGLang replicas, listed or discovered, is one (its gpt-oss chats are
@@ -1088,6 +1118,7 @@ mod tests {
             engine: EngineKind::Kvroute,
             dp_size: 1,
             topic: String::new(),
+            role: Role::Both,
         };
         let c = Config {
             block_size: 0,

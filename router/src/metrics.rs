@@ -82,6 +82,9 @@ pub struct ProxyMetrics {
     pub retries: Counter,
     /// Looking up the replica that stored a Responses API response, by outcome.
     pub response_lookups: Family<OutcomeLabel, Counter>,
+    /// Requests of a fleet with prefill replicas, by what came of their prefill
+    /// ([`crate::proxy::disagg`]).
+    pub prefills: Family<OutcomeLabel, Counter>,
     pub ejections: Counter,
     /// HTTP/2 responses cut because their client stopped taking data (HTTP/1 connections
     /// closed so are counted in `kvroute_router_client_send_timeouts`).
@@ -122,6 +125,7 @@ impl Default for ProxyMetrics {
             errors: Family::default(),
             retries: Counter::default(),
             response_lookups: Family::default(),
+            prefills: Family::default(),
             ejections: Counter::default(),
             client_stalls: Counter::default(),
             in_flight: Gauge::default(),
@@ -197,6 +201,11 @@ impl ProxyMetrics {
             "response_lookups",
             "Requests about a stored Responses API response, by how its replica was found: known (remembered), found (by asking every replica), missing (no replica has it: 404), known_missing (404 without asking: again within 2 s, or an empty id), refused (every replica refused alike, a wrong API key say: their status), unanswered (a replica that may have it did not answer: 503); waited counts lookups that waited for another of the same id to finish, then read its answer",
             m.response_lookups.clone(),
+        );
+        r.register(
+            "prefills",
+            "Requests a fleet with prefill and decode replicas routed, by where their prompt was prefilled: remote (on a prefill replica, then decoded elsewhere), cached (the decode replica lacked fewer than --pd-min-prefill-tokens), not_split (several prompts or choices, media, or another API: decoded whole), no_replica (no prefill replica had room), failed (the prefill replica failed or answered 5xx), no_params (it answered without kv_transfer_params: no connector?); all but remote were prefilled where they were decoded, refused (a 4xx from the prefill replica) went to no decode replica",
+            m.prefills.clone(),
         );
         r.register("ejections", "Replicas ejected as outliers", m.ejections.clone());
         r.register(

@@ -31,6 +31,42 @@ pub enum EngineKind {
     Sglang,
 }
 
+/// What a replica does when prefill and decode are disaggregated ([`crate::proxy::disagg`];
+/// spelled `both`, `prefill`, `decode` in flags, files and the `kvroute.io/role` annotation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Whole requests, and the prefill of another's (the default: a fleet of these routes
+    /// whole requests only).
+    #[default]
+    Both,
+    /// Prefills for decode replicas, and takes no whole request.
+    Prefill,
+    /// Whole requests, and decodes what a prefill replica computed.
+    Decode,
+}
+
+impl Role {
+    /// Whether it takes requests to decode (whole ones included).
+    pub fn decodes(self) -> bool {
+        self != Role::Prefill
+    }
+
+    /// Whether it prefills for a decode replica.
+    pub fn prefills(self) -> bool {
+        self != Role::Decode
+    }
+
+    /// Its spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
 impl EngineKind {
     /// Whether the engine's block hashes are the router's chain (usable without recomputing).
     pub fn native_hashes(self) -> bool {
@@ -91,6 +127,26 @@ impl TryFrom<pb::EngineKind> for EngineKind {
             pb::EngineKind::Vllm => Ok(EngineKind::Vllm),
             pb::EngineKind::Sglang => Ok(EngineKind::Sglang),
             pb::EngineKind::Unspecified => Err(SpecError::EngineUnspecified),
+        }
+    }
+}
+
+impl From<Role> for pb::ReplicaRole {
+    fn from(role: Role) -> Self {
+        match role {
+            Role::Both => pb::ReplicaRole::Both,
+            Role::Prefill => pb::ReplicaRole::Prefill,
+            Role::Decode => pb::ReplicaRole::Decode,
+        }
+    }
+}
+
+impl From<pb::ReplicaRole> for Role {
+    fn from(role: pb::ReplicaRole) -> Self {
+        match role {
+            pb::ReplicaRole::Both => Role::Both,
+            pb::ReplicaRole::Prefill => Role::Prefill,
+            pb::ReplicaRole::Decode => Role::Decode,
         }
     }
 }
@@ -169,6 +225,8 @@ pub struct ReplicaSpec {
     /// If set, stored events with another block size are skipped (the router hashes
     /// requests with one block size per replica).
     pub block_size: Option<u32>,
+    /// Prefill, decode or both ([`Role`]).
+    pub role: Role,
 }
 
 impl ReplicaSpec {
@@ -190,6 +248,7 @@ impl ReplicaSpec {
             topic: String::new(),
             model: model.into(),
             block_size: None,
+            role: Role::Both,
         }
     }
 

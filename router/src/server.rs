@@ -261,6 +261,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         forward: ForwardConfig {
             max_body_bytes: config.max_body_bytes,
             first_byte_timeout: config.first_byte_timeout(),
+            prefill_timeout: std::time::Duration::from_millis(config.pd_prefill_timeout_ms),
             control_timeout: config.control_timeout(),
             idle_timeout: config.idle_timeout(),
             stalls,

@@ -7,7 +7,9 @@
 //! a non-streamed request has an end-to-end latency only. The realized hit comes from
 //! `usage.prompt_tokens_details.cached_tokens` (the last chunk of a stream, which is why
 //! streams set `stream_options.include_usage`); the router's prediction and choice from its
-//! `x-kvroute-predicted-cached-tokens` and `x-kvroute-replica` headers.
+//! `x-kvroute-predicted-cached-tokens` and `x-kvroute-replica` headers. A request the router
+//! prefilled on a prefill replica counts that replica's hit (`x-kvroute-prefill-cached-tokens`):
+//! the decode replica's usage reports every token it pulled as cached.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -30,6 +32,9 @@ use crate::workload::Request as WorkloadRequest;
 pub const REPLICA_HEADER: &str = "x-kvroute-replica";
 /// The router's header with the prompt tokens it predicted the chosen replica had cached.
 pub const PREDICTED_HEADER: &str = "x-kvroute-predicted-cached-tokens";
+/// The router's header with what the prefill replica reported cached, when the prompt was
+/// prefilled on one (prefill/decode disaggregation).
+pub const PREFILL_CACHED_HEADER: &str = "x-kvroute-prefill-cached-tokens";
 
 /// Why a request failed, as the report counts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -227,6 +232,8 @@ impl Client {
             let replica = header(REPLICA_HEADER);
             named.clone_from(&replica);
             let predicted_cached_tokens = header(PREDICTED_HEADER).and_then(|v| v.parse().ok());
+            let prefill_cached_tokens: Option<u64> =
+                header(PREFILL_CACHED_HEADER).and_then(|v| v.parse().ok());
             let mut body = response.into_body();
             if !status.is_success() {
                 // Drain the error body so the connection can be reused.
@@ -260,7 +267,7 @@ impl Client {
             if let Some(usage) = usage {
                 success.prompt_tokens = usage.prompt_tokens().unwrap_or(fallback_prompt_tokens);
                 success.completion_tokens = usage.completion_tokens();
-                success.cached_tokens = usage.cached_tokens();
+                success.cached_tokens = prefill_cached_tokens.or(usage.cached_tokens());
                 success.usage = usage.prompt_tokens().is_some();
             }
             Ok(success)

@@ -29,7 +29,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use tokio_util::sync::CancellationToken;
 
 use super::{PortNames, Ports, Reconciler, ReplicaSink, ReplicaTemplate};
-use crate::replicas::{EngineKind, ReplicaSpec};
+use crate::replicas::{EngineKind, ReplicaSpec, Role};
 
 /// The label the EndpointSlice controller puts on every slice of a Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -238,6 +238,7 @@ impl SliceSource {
         let mut spec = self.template.spec(ep.name.clone(), &ep.address, ports);
         spec.engine = o.engine.unwrap_or(spec.engine);
         spec.dp_size = o.dp_size.unwrap_or(spec.dp_size);
+        spec.role = o.role.unwrap_or(spec.role);
         if let Some(topic) = &o.topic {
             spec.topic.clone_from(topic);
         }
@@ -278,7 +279,7 @@ async fn apply<S: ReplicaSink>(
 
 /// Pod annotations (prefix `kvroute.io/`) that override what the slice says about a replica:
 /// `http-port`, `kv-events-port`, `kv-replay-port`, `grpc-port`, `engine`
-/// (`kvroute|vllm|sglang`), `dp-size`, `topic`.
+/// (`kvroute|vllm|sglang`), `dp-size`, `topic`, `role` (`both|prefill|decode`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PodOverrides {
     pub http: Option<u16>,
@@ -288,6 +289,7 @@ pub struct PodOverrides {
     pub engine: Option<EngineKind>,
     pub dp_size: Option<u32>,
     pub topic: Option<String>,
+    pub role: Option<Role>,
 }
 
 /// The annotation prefix [`PodOverrides`] reads.
@@ -310,6 +312,7 @@ impl PodOverrides {
                 "engine" => {
                     <EngineKind as clap::ValueEnum>::from_str(value, true).map(|e| o.engine = Some(e)).is_ok()
                 }
+                "role" => <Role as clap::ValueEnum>::from_str(value, true).map(|r| o.role = Some(r)).is_ok(),
                 "dp-size" => {
                     value.parse::<u32>().ok().filter(|n| *n > 0).map(|n| o.dp_size = Some(n)).is_some()
                 }
@@ -515,6 +518,7 @@ mod tests {
             ("kvroute.io/engine", "SGLang"),
             ("kvroute.io/dp-size", "2"),
             ("kvroute.io/topic", "kv@x"),
+            ("kvroute.io/role", "Prefill"),
             ("kvroute.io/grpc-port", "http"),
             ("other.io/http-port", "1"),
         ]
@@ -529,6 +533,7 @@ mod tests {
                 engine: Some(EngineKind::Sglang),
                 dp_size: Some(2),
                 topic: Some("kv@x".into()),
+                role: Some(Role::Prefill),
                 ..PodOverrides::default()
             }
         );

@@ -45,8 +45,11 @@ impl Turns {
             self.last.insert(replicas[i].id, self.now);
             // Replicas that left the fleet leave it now and then (one that comes back under
             // its name, and id, counts as never chosen: it goes first, as its old turn would).
+            // Those of other views (prefill and decode replicas are chosen apart) stay while
+            // their turns are recent.
             if self.last.len() > 2 * replicas.len() + 16 {
-                self.last.retain(|id, _| replicas.iter().any(|r| r.id == *id));
+                let (now, recent) = (self.now, 2 * self.last.len() as u64);
+                self.last.retain(|id, last| now - *last <= recent || replicas.iter().any(|r| r.id == *id));
             }
         }
         Decision { chosen, costs }

@@ -65,6 +65,21 @@ fn round_robin_takes_turns_across_requests_with_other_eligible_replicas() {
     assert!(counts[1][0] >= 10 && counts[1][1] >= 10, "adapter requests on both of theirs: {counts:?}");
 }
 
+/// Decode and prefill replicas are chosen among apart: the turns of one role's replicas
+/// survive the other's decisions, however much more numerous they are.
+#[test]
+fn round_robin_keeps_turns_across_disjoint_views() {
+    let p = RoundRobin::default();
+    let decode: Vec<ReplicaView> = (0..30).map(|i| view(i, 0, 0, 0)).collect();
+    let prefill: Vec<ReplicaView> = (30..32).map(|i| view(i, 0, 0, 0)).collect();
+    let mut counts = [0; 30];
+    for _ in 0..90 {
+        counts[p.choose(&REQ, &decode).chosen.unwrap()] += 1;
+        p.choose(&REQ, &prefill);
+    }
+    assert!(counts.iter().all(|&n| n == 3), "every decode replica took its turns: {counts:?}");
+}
+
 #[test]
 fn peeking_answers_the_next_choice_and_leaves_the_policy_where_it_was() {
     let replicas: Vec<ReplicaView> = (0..4).map(|i| view(i, 0, i, 0)).collect();

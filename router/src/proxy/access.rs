@@ -58,6 +58,9 @@ pub struct Line {
     pub model: Option<Arc<str>>,
     pub prompt_tokens: Option<u64>,
     pub predicted_cached_tokens: Option<u64>,
+    /// `prefill` for a prefill sent ahead of its request, `decode` for the request decoded
+    /// after it ([`super::disagg`]).
+    pub hop: Option<&'static str>,
     pub received: Arrival,
     pub first_data: Option<Instant>,
 }
@@ -76,6 +79,7 @@ impl Line {
             model: None,
             prompt_tokens: None,
             predicted_cached_tokens: None,
+            hop: None,
             received: admitted.received.unwrap_or_else(|| Arrival { at: Instant::now(), client: None }),
             first_data: None,
         }
@@ -101,6 +105,7 @@ impl Line {
             model = self.model.as_deref(),
             prompt_tokens = self.prompt_tokens,
             predicted_cached_tokens = self.predicted_cached_tokens,
+            hop = self.hop,
             cached_tokens,
             end,
             ttfb_ms,

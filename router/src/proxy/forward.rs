@@ -76,7 +76,8 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// The replica that answered.
 pub const X_KVROUTE_REPLICA: HeaderName = HeaderName::from_static("x-kvroute-replica");
-/// The prompt tokens the router expected the replica to have cached.
+/// The prompt tokens the router expected the replica to have cached (after a remote prefill,
+/// the prefill replica: [`super::disagg`]).
 pub const X_KVROUTE_PREDICTED: HeaderName = HeaderName::from_static("x-kvroute-predicted-cached-tokens");
 
 /// Timeouts, ejection settings and the body limit of the forwarder.
@@ -85,6 +86,8 @@ pub struct ForwardConfig {
     /// Largest request body, bytes.
     pub max_body_bytes: usize,
     pub first_byte_timeout: Duration,
+    /// The first-byte timeout of a prefill sent ahead of its request ([`super::disagg`]).
+    pub prefill_timeout: Duration,
     /// The wait for an answer that is not a generation's (`--control-timeout-ms`).
     pub control_timeout: Duration,
     pub idle_timeout: Duration,
@@ -215,6 +218,7 @@ pub async fn routed(
                         model: plan.model.clone(),
                         prompt_tokens: Some(plan.prompt_tokens),
                         predicted_cached_tokens: Some(plan.predicted_cached_tokens(attempt)),
+                        hop: super::disagg::hop(plan),
                         ..access::Line::new(&admitted, &client.method, &client.uri)
                     })
                 });
@@ -224,7 +228,8 @@ pub async fn routed(
                 // a batch of prompts: its prediction is its first prompt's, the replica's usage
                 // every prompt's. Nor do several choices (`n`): the prediction is the first's,
                 // and the replica reports one whose prompt the first had just cached.
-                let counted = plan.unhashed_tokens.is_none() && plan.sequences <= 1;
+                // Nor one whose prefill went ahead: that answer was counted.
+                let counted = plan.counted && plan.unhashed_tokens.is_none() && plan.sequences <= 1;
                 let sent = Attempt {
                     replica: &member.replica.spec.name,
                     guard,
@@ -247,6 +252,9 @@ pub async fn routed(
                     headers.insert(X_KVROUTE_RANK, HeaderValue::from(rank));
                 }
                 headers.insert(X_KVROUTE_PREDICTED, HeaderValue::from(predicted));
+                if let Some(remote) = &plan.prefilled_by {
+                    remote.headers(headers);
+                }
                 if counted {
                     metrics.predicted_cached_tokens.inc_by(predicted);
                     metrics.prompt_tokens.inc_by(plan.prompt_tokens);
@@ -847,7 +855,7 @@ fn wrap(
 struct ResponseHooks {
     guard: LoadGuard,
     /// Released with the hooks, when the body ends.
-    _slot: Slot,
+    _slot: Option<Slot>,
     /// Passive health: whether the body's end counts for or against the replica.
     judge: Option<Judge>,
     /// Where the cached tokens the response reports count, beside what was predicted of the
@@ -924,11 +932,12 @@ impl Hooks for ResponseHooks {
     }
 }
 
-/// A request the router took on: its id, its place under `--max-in-flight`, and when it
-/// arrived (known only when the access log is on).
+/// A request the router took on: its id, its place under `--max-in-flight` (none for a
+/// prefill sent ahead of its request: [`super::disagg`]), and when it arrived (known only
+/// when the access log is on).
 pub struct Admitted<'a> {
     pub request_id: &'a str,
-    pub slot: Slot,
+    pub slot: Option<Slot>,
     pub received: Option<super::access::Arrival>,
 }
 

@@ -28,7 +28,7 @@ const POLICY_SETTINGS: [&str; 6] =
 /// Those of them the cache-aware cost weighs with.
 const WEIGHTS: [&str; 4] = ["balance-weight", "load-weight", "miss-weight", "offload-weight"];
 /// [`Routing`]'s other settings.
-const ROUTING_SETTINGS: [&str; 2] = ["max-in-flight-per-replica", "no-rank-routing"];
+const ROUTING_SETTINGS: [&str; 3] = ["max-in-flight-per-replica", "no-rank-routing", "pd-min-prefill-tokens"];
 /// [`Admission`]'s settings.
 const ADMISSION_SETTINGS: [&str; 3] = ["api-key", "max-completion-tokens", "max-prompt-tokens"];
 /// The key requests to the replicas carry ([`super::forward::ForwardConfig`]).
@@ -54,6 +54,7 @@ pub fn carry(into: &mut Config, from: &Config) {
     into.seed = from.seed;
     into.max_in_flight_per_replica = from.max_in_flight_per_replica;
     into.no_rank_routing = from.no_rank_routing;
+    into.pd_min_prefill_tokens = from.pd_min_prefill_tokens;
     into.api_key.clone_from(&from.api_key);
     into.max_prompt_tokens = from.max_prompt_tokens;
     into.max_completion_tokens = from.max_completion_tokens;
@@ -106,6 +107,8 @@ pub struct Routing {
     pub max_in_flight_per_replica: u32,
     /// The seed the random policies drew from: a reload keeps it unless one is given.
     pub seed: u64,
+    /// `--pd-min-prefill-tokens` ([`super::disagg`]).
+    pub pd_min_prefill_tokens: u64,
 }
 
 impl Routing {
@@ -122,6 +125,7 @@ impl Routing {
                 .then(|| policy::CacheAware::new(params(config))),
             max_in_flight_per_replica: config.max_in_flight_per_replica,
             seed,
+            pd_min_prefill_tokens: config.pd_min_prefill_tokens,
         }
     }
 
@@ -164,6 +168,7 @@ impl std::fmt::Debug for Routing {
             .field("policy", &self.policy.kind())
             .field("ranks_by", &self.ranks_by.is_some())
             .field("max_in_flight_per_replica", &self.max_in_flight_per_replica)
+            .field("pd_min_prefill_tokens", &self.pd_min_prefill_tokens)
             .finish_non_exhaustive()
     }
 }
@@ -284,6 +289,7 @@ mod tests {
             seed: Some(1),
             max_in_flight_per_replica: 9,
             no_rank_routing: true,
+            pd_min_prefill_tokens: 9,
             api_key: vec!["sk".into()],
             max_prompt_tokens: 9,
             max_completion_tokens: 9,

@@ -129,7 +129,7 @@ pub async fn fan_out(
     pool: &Arc<Pool>,
     change: Change,
     (parts, body): (http::request::Parts, Bytes),
-    (request_id, slot): (&str, super::forward::Slot),
+    (request_id, slot): (&str, Option<super::forward::Slot>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     check_enabled(state)?;
     #[derive(serde::Deserialize)]

@@ -22,6 +22,7 @@ pub mod body;
 pub mod connect;
 pub mod control;
 pub mod cors;
+pub mod disagg;
 pub mod error;
 pub mod forward;
 pub mod health;
@@ -397,17 +398,24 @@ async fn routed(
         Ok(prepared) => {
             line.set_priority(prepared.priority);
             let decide = || std::future::ready(state.decider.decide_prepared(&prepared, &limits));
-            state.queue.until_room(waiters, (&line, metrics), decide, goes_to).await
+            let decided = state.queue.until_room(waiters, (&line, metrics), decide, goes_to).await;
+            decided.map(|plan| (plan, prepared))
         }
         Err(e) => Err(e),
     };
     match decided {
-        Ok(mut plan) => {
+        Ok((mut plan, prepared)) => {
             // A malformed `store` is the replica's to refuse; until then, its id is worth keeping.
             plan.keeps_response = endpoint == Endpoint::Responses && asks_to_store(&body).unwrap_or(true);
-            let (forward, decider) = (&state.forward, &state.decider);
-            forward::routed(pool, forward, decider, &mut plan, (parts, body), admitted, (&state.queue, &line))
-                .await
+            let (arrived, sent) = ((arrived.0, admitted.received), (&parts, &body));
+            let prefilled =
+                disagg::prefill((state, pool), (&prepared, &mut plan), endpoint, sent, arrived, &line);
+            let body = match prefilled.await {
+                Ok(body) => body,
+                Err(refused) => return Ok(*refused),
+            };
+            let (forward, decider, queue) = (&state.forward, &state.decider, (&state.queue, &line));
+            forward::routed(pool, forward, decider, &mut plan, (parts, body), admitted, queue).await
         }
         // A prompt given as embeddings (vLLM's `prompt_embeds`): no token ids to route on, so
         // to the least-loaded replica (one with its LoRA adapter), within the router's limits.
@@ -507,7 +515,7 @@ async fn admit<'a>(
     line: &queue::Line,
 ) -> Result<Admitted<'a>, ProxyError> {
     let slot = state.queue.admit(&state.in_flight, line, &state.decider.metrics).await?;
-    Ok(Admitted { request_id, slot, received })
+    Ok(Admitted { request_id, slot: Some(slot), received })
 }
 
 /// What `attempt` comes to once a replica has room for it, waiting in `line` while every
@@ -548,7 +556,9 @@ fn by_load(
     request_id: &str,
     adapter: Option<upstream::Adapter<'_>>,
 ) -> Result<Vec<Member>, ProxyError> {
-    let members = state.fleet().members();
+    let mut members = state.fleet().members();
+    // A prefill replica takes prefills only ([`disagg`]).
+    members.retain(|member| member.replica.spec.role.decodes());
     let max = state.decider.max_in_flight_per_replica();
     let verdicts = upstream::verdicts_for(members.iter().map(|m| &*m.upstream), max, adapter);
     if verdicts.iter().all(Option::is_some) {

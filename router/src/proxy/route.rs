@@ -26,7 +26,7 @@ use crate::fleet::{Fleet, Member};
 use crate::index::{CreditHold, Overlaps, SharedIndex};
 use crate::metrics::ProxyMetrics;
 use crate::policy::{self, Policy, ReplicaView, RequestView};
-use crate::replicas::StreamState;
+use crate::replicas::{Role, StreamState};
 
 /// Everything the decision needs, shared by all requests.
 pub struct Decider {
@@ -134,6 +134,26 @@ pub struct Scored {
     pub rank_load: Option<policy::Load>,
 }
 
+/// Which replicas a decision is among, by their [`crate::replicas::Role`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hop {
+    /// A request's own: replicas that decode (every replica of a fleet without roles).
+    Whole,
+    /// The prefill of a request decoded on the replica named: replicas that prefill, that
+    /// one excepted ([`super::disagg`]).
+    Prefill(ReplicaId),
+}
+
+impl Hop {
+    fn takes(self, member: &Member) -> bool {
+        let role = member.replica.spec.role;
+        match self {
+            Hop::Whole => role.decodes(),
+            Hop::Prefill(decode) => role.prefills() && member.replica.id != decode,
+        }
+    }
+}
+
 /// A request read, tokenized and hashed, to be decided on the fleet as it is when it is
 /// ([`Decider::prepare`]).
 #[derive(Debug)]
@@ -178,7 +198,7 @@ pub struct Plan {
     /// those at `--max-in-flight-per-replica`, whose room a retry may wait for, by cached
     /// prefix): indices into `candidates` ([`Plan::order`]).
     order: Vec<usize>,
-    /// Every replica, scored, in fleet order.
+    /// Every replica of its [`Hop`], scored, in fleet order.
     pub candidates: Vec<Scored>,
     pub prompt_tokens: u64,
     /// Full blocks of the routed prompt.
@@ -212,6 +232,16 @@ pub struct Plan {
     request: RequestView,
     /// The model the request asks for (for the access log; `None` for `Explain`'s).
     pub model: Option<Arc<str>>,
+    /// Where the prompt was computed, when it is decoded after a remote prefill
+    /// ([`super::disagg`]).
+    pub prefilled_by: Option<super::disagg::Remote>,
+    /// Its answer counts in the hit rate (not after a prefill sent ahead, which counted).
+    pub counted: bool,
+    /// The replicas it was decided among.
+    pub hop: Hop,
+    /// The fleet it was decided on has replicas of a role other than `both`: its prefill may
+    /// go ahead to a prefill replica ([`super::disagg`]).
+    pub disaggregated: bool,
 }
 
 impl Plan {
@@ -316,10 +346,20 @@ impl Decider {
     /// [`Decider::decide_within`] for a prepared request: the index, credits and load as they
     /// are now. (Its first decision's time includes its preparation; a later one's is its own.)
     pub fn decide_prepared(&self, prepared: &Prepared, limits: &RequestLimits) -> Result<Plan, ProxyError> {
+        self.decide_hop(prepared, limits, Hop::Whole)
+    }
+
+    /// [`Decider::decide_prepared`] among the replicas `hop` goes to.
+    pub fn decide_hop(
+        &self,
+        prepared: &Prepared,
+        limits: &RequestLimits,
+        hop: Hop,
+    ) -> Result<Plan, ProxyError> {
         let members = prepared.first_members();
         let started = if members.is_some() { prepared.started } else { Instant::now() };
         let routing = self.routing.get();
-        let decided = self.decide_locked(&routing, prepared, members, limits);
+        let decided = self.decide_locked(&routing, prepared, (members, hop), limits);
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         let plan = decided?;
         self.metrics.count_decision(routing.policy.kind());
@@ -338,13 +378,13 @@ impl Decider {
         &self,
         routing: &Arc<Routing>,
         prepared: &Prepared,
-        mut members: Option<Vec<Member>>,
+        (mut members, hop): (Option<Vec<Member>>, Hop),
         limits: &RequestLimits,
     ) -> Result<Plan, ProxyError> {
         let _one = self.deciding(routing, &prepared.all_blocks);
         let mut raced = 0;
         loop {
-            let mut plan = self.plan_prepared(routing, prepared, members.take(), true);
+            let mut plan = self.plan_prepared(routing, prepared, (members.take(), hop), true);
             limits.check(&plan, prepared.asked)?;
             if plan.chosen().is_none() {
                 return Err(unavailable(&plan));
@@ -479,7 +519,7 @@ impl Decider {
     /// The decision for a request; `send` when it will be sent (the policy moves on).
     async fn plan(&self, endpoint: Endpoint, body: &[u8], send: bool) -> Result<Plan, ProxyError> {
         let prepared = self.read(endpoint, body, Instant::now()).await?;
-        Ok(self.plan_prepared(&self.routing.get(), &prepared, prepared.first_members(), send))
+        Ok(self.plan_prepared(&self.routing.get(), &prepared, (prepared.first_members(), Hop::Whole), send))
     }
 
     /// The request to `endpoint` in `body` read, tokenized and hashed; `started` when its
@@ -579,16 +619,18 @@ impl Decider {
         &self,
         routing: &Arc<Routing>,
         prepared: &Prepared,
-        first: Option<Vec<Member>>,
+        (first, hop): (Option<Vec<Member>>, Hop),
         send: bool,
     ) -> Plan {
         // A replica that left since the members were read (while the prompt was tokenized,
         // remotely or on the blocking pool, or the request waited for room) is not chosen,
         // nor credited; one that joined is a candidate.
-        let members = match first {
+        let mut members = match first {
             Some(members) if self.fleet.changes() == prepared.changes => members,
             _ => self.fleet.members(),
         };
+        let disaggregated = members.iter().any(|member| member.replica.spec.role != Role::Both);
+        members.retain(|member| hop.takes(member));
         // An adapter's request goes only where it may be.
         let adapter = self.adapter(&prepared.model);
         let (blocks, all_blocks) = (Arc::clone(&prepared.blocks), Arc::clone(&prepared.all_blocks));
@@ -599,6 +641,8 @@ impl Decider {
         plan.streams = prepared.streams;
         plan.sequences = prepared.sequences;
         plan.model = Some(Arc::clone(&prepared.model));
+        plan.disaggregated = disaggregated;
+        plan.hop = hop;
         plan
     }
 
@@ -781,6 +825,10 @@ impl Decider {
             streams: false,
             request: *request,
             model: None,
+            prefilled_by: None,
+            counted: true,
+            hop: Hop::Whole,
+            disaggregated: false,
         }
     }
 }
@@ -822,7 +870,12 @@ fn best_rank(
 /// could once it has room (the request may wait for it: [`super::queue`]).
 fn unavailable(plan: &Plan) -> ProxyError {
     if plan.candidates.is_empty() {
-        return ProxyError::Unavailable("no replicas are configured".into());
+        let none = match plan.hop {
+            Hop::Whole if plan.disaggregated => "no replica decodes: every one is of role prefill",
+            Hop::Whole => "no replicas are configured",
+            Hop::Prefill(_) => "no other replica prefills",
+        };
+        return ProxyError::Unavailable(none.into());
     }
     let reasons: Vec<String> = plan
         .candidates

@@ -197,7 +197,7 @@ pub(super) fn names_websocket(headers: &http::HeaderMap) -> bool {
 /// log line.
 struct Session {
     guard: LoadGuard,
-    _slot: forward::Slot,
+    _slot: Option<forward::Slot>,
     line: Option<access::Line>,
     idle: Duration,
     shutdown: tokio_util::sync::CancellationToken,

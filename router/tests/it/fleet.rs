@@ -42,6 +42,7 @@ pub fn replica_config(agent: &RunningAgent) -> ReplicaConfig {
         engine: EngineKind::Kvroute,
         dp_size: agent.ranks.count() as u32,
         topic: String::new(),
+        role: kvroute_router::replicas::Role::Both,
     }
 }
 

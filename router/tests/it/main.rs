@@ -4,6 +4,7 @@
 
 mod admin;
 mod agent;
+mod disagg;
 mod discovery;
 mod faults;
 mod fleet;

@@ -316,6 +316,7 @@ async fn two_routers_in_front_of_one_fleet_converge_to_the_same_index() {
                         engine: kvroute_router::replicas::EngineKind::Kvroute,
                         dp_size: 1,
                         topic: String::new(),
+                        role: s.role,
                     }
                 })
                 .collect(),

@@ -1,0 +1,342 @@
+//! Prefill/decode disaggregation, as vLLM's NixlConnector is driven over HTTP (vLLM's own
+//! proxies, llm-d's decode sidecar): a prompt is computed on a prefill replica, its KV pulled
+//! by the decode replica that generates the answer.
+//!
+//! A fleet disaggregates once a replica has a role other than `both` (`role = "prefill"` or
+//! `"decode"` in its config, `--replica ...,role=..`, `AddReplica`, or the pod annotation
+//! `kvroute.io/role`). A prefill replica then takes prefills only: every other request goes to
+//! the replicas that decode (`decode`, `both`). A completion or chat request goes as follows:
+//!
+//! 1. Its decode replica is decided as any request's replica is, among the replicas that
+//!    decode, on their own caches: a decode replica caches what it pulled, so a
+//!    conversation's next turn finds its prefix there.
+//! 2. When that replica lacks fewer than `--pd-min-prefill-tokens` of the prompt's tokens, it
+//!    prefills them itself: a round trip to another replica would cost more.
+//! 3. Else the prefill replica is decided among those that prefill (`prefill`, `both`; the
+//!    decode replica excepted), on their caches and load, and credited as any choice is.
+//!    It is sent the client's body with `max_tokens` 1 (and `max_completion_tokens` 1 if
+//!    asked), `stream` false, without `stream_options`, `min_tokens`,
+//!    `min_completion_tokens`, `logprobs`, `top_logprobs` and `echo`, and with
+//!    `kv_transfer_params` `{"do_remote_decode": true, ...}`, under the request's id. It is
+//!    forwarded as any request is (retried on the next prefill replica, logged with `hop`
+//!    `prefill`, its predicted and realized cached tokens counted in the hit rate), but gives
+//!    up after `--pd-prefill-timeout-ms` rather than the first-byte timeout, and its retries
+//!    wait for no room: the decode replica's place is held meanwhile.
+//! 4. Its answer's `kv_transfer_params` are added to the client's body, which goes to the
+//!    decode replica; that answer streams back to the client with `x-kvroute-prefill-replica`
+//!    naming the prefill replica, `x-kvroute-prefill-cached-tokens` what it reported cached,
+//!    and `x-kvroute-predicted-cached-tokens` what the router predicted there. The decode
+//!    replica's usage is the client's as it is, but not counted in the hit rate: vLLM's
+//!    reports every pulled token as cached.
+//!
+//! A prefill that cannot be had (no prefill replica with room, a failure, a 5xx or a timeout,
+//! an answer without params: a replica without a connector) leaves the request to its decode
+//! replica, which prefills it; a prefill replica's 4xx is the client's answer, and the
+//! request goes no further. Each outcome is counted in `kvroute_router_prefills_total`.
+//!
+//! Not split: requests of several prompts or choices (`n`), chats with media, requests for the
+//! prompt's logprobs (`prompt_logprobs`, `echo` with `logprobs`: only the replica that
+//! computed the prompt has them), and the Messages and Responses APIs (vLLM's proxies split
+//! completions and chats only). In a fleet that disaggregates, a client's own
+//! `kv_transfer_params` are dropped: they would have a replica pull from, or hold blocks for,
+//! whatever they name. The bodies sent are rewritten through `serde_json`: their keys come in
+//! another order, a repeated key once (its last value, as vLLM reads it).
+//!
+//! Costs: a split request is two decisions (`kvroute_router_decisions_total`,
+//! `decision_seconds`) and two upstream requests (time to first byte, duration). Its decode
+//! replica is charged the prompt's prefill, as if it computed it, until its first byte or the
+//! events that show the prompt stored there.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Response};
+use http_body_util::BodyExt;
+use kvroute_proto::openai::Endpoint;
+use kvroute_proto::openai::request::parse_object;
+use serde_json::{Map, Value, json};
+
+use super::ProxyState;
+use super::access::Arrival;
+use super::body::{self, ProxyBody};
+use super::forward::{self, Admitted, ForwardConfig, X_KVROUTE_PREDICTED, X_KVROUTE_REPLICA};
+use super::pool::Pool;
+use super::queue::{Line, Queue};
+use super::route::{Hop, Plan, Prepared, RequestLimits};
+use crate::metrics::OutcomeLabel;
+
+/// The prefill replica of a request decoded after a remote prefill.
+pub const X_KVROUTE_PREFILL_REPLICA: HeaderName = HeaderName::from_static("x-kvroute-prefill-replica");
+/// The prompt tokens the prefill replica reported cached (its `usage`): the decode replica
+/// reports every pulled token as cached.
+pub const X_KVROUTE_PREFILL_CACHED: HeaderName = HeaderName::from_static("x-kvroute-prefill-cached-tokens");
+
+/// Largest prefill answer read (one token, without logprobs), and largest refusal passed on.
+const MAX_ANSWER_BYTES: usize = 1 << 20;
+
+/// A remote prefill, as the decode replica's response names it.
+#[derive(Debug)]
+pub struct Remote {
+    replica: Option<HeaderValue>,
+    predicted: Option<HeaderValue>,
+    cached: Option<u64>,
+}
+
+impl Remote {
+    /// Names the prefill replica, and puts its predicted and reported cached tokens in place
+    /// of the decode replica's.
+    pub fn headers(&self, headers: &mut HeaderMap) {
+        if let Some(replica) = &self.replica {
+            headers.insert(X_KVROUTE_PREFILL_REPLICA, replica.clone());
+        }
+        if let Some(predicted) = &self.predicted {
+            headers.insert(X_KVROUTE_PREDICTED, predicted.clone());
+        }
+        if let Some(cached) = self.cached {
+            headers.insert(X_KVROUTE_PREFILL_CACHED, HeaderValue::from(cached));
+        }
+    }
+}
+
+/// What the access log calls `plan`'s hop: `prefill` ahead of a request, `decode` after one.
+pub fn hop(plan: &Plan) -> Option<&'static str> {
+    match plan.hop {
+        Hop::Prefill(_) => Some("prefill"),
+        Hop::Whole if plan.prefilled_by.is_some() => Some("decode"),
+        Hop::Whole => None,
+    }
+}
+
+/// Sends the prefill of the request `plan` decided ahead to a prefill replica, if its fleet
+/// disaggregates and the request is worth it (module docs). The body for the decode replica
+/// (with the prefill's params, or the client's without any of its own); `Err`, the prefill
+/// replica's refusal, which is the client's answer.
+pub async fn prefill(
+    (state, pool): (&Arc<ProxyState>, &Arc<Pool>),
+    (prepared, plan): (&Prepared, &mut Plan),
+    endpoint: Endpoint,
+    (parts, body): (&http::request::Parts, &Bytes),
+    (request_id, received): (&str, Option<Arrival>),
+    line: &Line,
+) -> Result<Bytes, Box<Response<ProxyBody>>> {
+    if !plan.disaggregated {
+        return Ok(body.clone());
+    }
+    let count = |outcome| state.decider.metrics.prefills.get_or_create(&OutcomeLabel { outcome }).inc();
+    let local = || Ok(without_own_params(endpoint, body));
+    let splits = matches!(endpoint, Endpoint::Completions | Endpoint::ChatCompletions)
+        && plan.sequences <= 1
+        && plan.unhashed_tokens.is_none();
+    let Some(decode) = plan.chosen().map(|c| c.member.replica.id).filter(|_| splits) else {
+        count("not_split");
+        return local();
+    };
+    let lacking = plan.prompt_tokens.saturating_sub(plan.predicted_cached_tokens(0));
+    if lacking < plan.routing.pd_min_prefill_tokens {
+        count("cached");
+        return local();
+    }
+    let Some(sent) = for_prefill(body) else {
+        count("not_split");
+        return local();
+    };
+    let mut prefill = match state.decider.decide_hop(prepared, &RequestLimits::NONE, Hop::Prefill(decode)) {
+        Ok(plan) => plan,
+        Err(e) => {
+            tracing::debug!(request_id, error = %e, "no prefill replica; the decode replica prefills");
+            count("no_replica");
+            return local();
+        }
+    };
+    let admitted = Admitted { request_id, slot: None, received };
+    let forward =
+        ForwardConfig { first_byte_timeout: state.forward.prefill_timeout, ..state.forward.clone() };
+    // A retry of the prefill waits for no room (the decode replica's is held meanwhile): with
+    // none, the decode replica prefills.
+    let no_wait = Queue::new(0, None);
+    let decider = &state.decider;
+    let answered = forward::routed(
+        pool,
+        &forward,
+        decider,
+        &mut prefill,
+        (parts.clone(), sent),
+        admitted,
+        (&no_wait, line),
+    )
+    .await;
+    let response = match answered {
+        Ok(response) => {
+            // Its answer counted in the hit rate: the decode replica's will not.
+            plan.counted = false;
+            response
+        }
+        Err(e) => {
+            tracing::warn!(request_id, error = %e, "prefill failed; the decode replica prefills");
+            count("failed");
+            return local();
+        }
+    };
+    let status = response.status();
+    if status.is_client_error() {
+        let (head, answer) = response.into_parts();
+        let Some(answer) = read(answer).await else {
+            count("failed");
+            return local();
+        };
+        count("refused");
+        // Nothing goes to the decode replica: its credit and its place there end now.
+        state.decider.withdraw_credit(plan, 0);
+        plan.load = None;
+        return Err(Box::new(Response::from_parts(head, body::full(answer))));
+    }
+    if !status.is_success() {
+        tracing::warn!(request_id, %status, "prefill failed; the decode replica prefills");
+        count("failed");
+        return local();
+    }
+    let (head, answer) = response.into_parts();
+    let (replica, predicted) =
+        (head.headers.get(X_KVROUTE_REPLICA).cloned(), head.headers.get(X_KVROUTE_PREDICTED).cloned());
+    let answer = read(answer).await.and_then(|a| serde_json::from_slice::<Map<String, Value>>(&a).ok());
+    let cached = answer
+        .as_ref()
+        .and_then(|a| a.get("usage")?.get("prompt_tokens_details")?.get("cached_tokens")?.as_u64());
+    let params = answer.and_then(|mut answer| answer.remove("kv_transfer_params")).filter(Value::is_object);
+    match params.and_then(|params| with_params(body, params)) {
+        Some(decoded) => {
+            count("remote");
+            plan.prefilled_by = Some(Remote { replica, predicted, cached });
+            Ok(decoded)
+        }
+        None => {
+            tracing::warn!(
+                request_id,
+                "the prefill replica answered without kv_transfer_params (no KV connector?); the decode replica prefills"
+            );
+            count("no_params");
+            local()
+        }
+    }
+}
+
+/// An answer's body, if it ends within [`MAX_ANSWER_BYTES`].
+async fn read(mut body: ProxyBody) -> Option<Bytes> {
+    let mut bytes = Vec::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.ok()?.into_data() {
+            bytes.extend_from_slice(&data);
+        }
+        if bytes.len() > MAX_ANSWER_BYTES {
+            return None;
+        }
+    }
+    Some(bytes.into())
+}
+
+/// The client's `body` as a prefill replica is sent it; `None` if it is not a JSON object,
+/// or asks for the prompt's logprobs (which only a replica that computed the prompt has).
+fn for_prefill(body: &[u8]) -> Option<Bytes> {
+    let mut object: Map<String, Value> = serde_json::from_slice(body).ok()?;
+    let set = |key: &str| object.get(key).is_some_and(|v| !v.is_null() && *v != json!(false));
+    if set("prompt_logprobs") || (set("echo") && set("logprobs")) {
+        return None;
+    }
+    object.insert("max_tokens".into(), json!(1));
+    if object.contains_key("max_completion_tokens") {
+        object.insert("max_completion_tokens".into(), json!(1));
+    }
+    object.insert("stream".into(), json!(false));
+    // What only the client's answer needs (its one token's logprobs would be thrown away).
+    for key in ["stream_options", "min_tokens", "min_completion_tokens", "logprobs", "top_logprobs", "echo"] {
+        object.remove(key);
+    }
+    let params = json!({
+        "do_remote_decode": true,
+        "do_remote_prefill": false,
+        "remote_engine_id": null,
+        "remote_block_ids": null,
+        "remote_host": null,
+        "remote_port": null,
+    });
+    object.insert("kv_transfer_params".into(), params);
+    serde_json::to_vec(&object).ok().map(Bytes::from)
+}
+
+/// The client's `body` with the prefill's `params`, for the decode replica.
+fn with_params(body: &[u8], params: Value) -> Option<Bytes> {
+    let mut object: Map<String, Value> = serde_json::from_slice(body).ok()?;
+    object.insert("kv_transfer_params".into(), params);
+    serde_json::to_vec(&object).ok().map(Bytes::from)
+}
+
+/// The client's `body` without `kv_transfer_params` of its own: in a fleet that disaggregates,
+/// they would make a replica pull from, or hold blocks for, whatever they name.
+fn without_own_params(endpoint: Endpoint, body: &Bytes) -> Bytes {
+    let reads_them = matches!(endpoint, Endpoint::Completions | Endpoint::ChatCompletions);
+    if !reads_them || !matches!(parse_object(body, &["kv_transfer_params"]), Ok([Some(_)])) {
+        return body.clone();
+    }
+    let object = serde_json::from_slice::<Map<String, Value>>(body);
+    match object {
+        Ok(mut object) => {
+            // Every spelling of the key (an escaped one reads the same in Python).
+            object.remove("kv_transfer_params");
+            serde_json::to_vec(&object).map_or_else(|_| body.clone(), Bytes::from)
+        }
+        Err(_) => body.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn object(bytes: &[u8]) -> Value {
+        serde_json::from_slice(bytes).unwrap()
+    }
+
+    #[test]
+    fn the_prefill_asks_one_token_whole_and_a_remote_decode() {
+        let client = br#"{"model":"m","prompt":"hi","max_tokens":64,"stream":true,"stream_options":{"include_usage":true},"min_tokens":8,"temperature":0.5}"#;
+        let sent = object(&for_prefill(client).unwrap());
+        assert_eq!(sent["max_tokens"], 1);
+        assert_eq!(sent["stream"], false);
+        assert_eq!(sent["temperature"], 0.5);
+        assert_eq!(sent["prompt"], "hi");
+        for gone in ["stream_options", "min_tokens", "max_completion_tokens"] {
+            assert!(sent.get(gone).is_none(), "{gone}");
+        }
+        assert_eq!(sent["kv_transfer_params"]["do_remote_decode"], true);
+        let chat = br#"{"messages":[],"max_completion_tokens":9,"max_tokens":9}"#;
+        let sent = object(&for_prefill(chat).unwrap());
+        assert_eq!((sent["max_completion_tokens"].as_u64(), sent["max_tokens"].as_u64()), (Some(1), Some(1)));
+        assert!(for_prefill(b"[1]").is_none());
+        // Its one token's logprobs are nobody's; the prompt's only a replica that computed it has.
+        let logprobs = object(&for_prefill(br#"{"prompt":"hi","logprobs":5,"echo":false}"#).unwrap());
+        assert!(logprobs.get("logprobs").is_none() && logprobs.get("echo").is_none(), "{logprobs}");
+        assert!(for_prefill(br#"{"prompt":"hi","logprobs":1,"echo":true}"#).is_none());
+        assert!(for_prefill(br#"{"prompt":"hi","prompt_logprobs":0}"#).is_none());
+        assert!(for_prefill(br#"{"prompt":"hi","prompt_logprobs":null,"echo":true}"#).is_some());
+    }
+
+    #[test]
+    fn a_clients_own_params_are_dropped_where_replicas_read_them() {
+        let own =
+            Bytes::from_static(br#"{"prompt":"hi","kv\u005ftransfer_params":{"do_remote_decode":true}}"#);
+        let sent = object(&without_own_params(Endpoint::Completions, &own));
+        assert_eq!(sent, json!({"prompt": "hi"}));
+        assert_eq!(without_own_params(Endpoint::Messages, &own), own, "not read there");
+        let none = Bytes::from_static(br#"{"prompt":"hi","kv_transfer_params":null}"#);
+        assert_eq!(without_own_params(Endpoint::ChatCompletions, &none), none, "null asks nothing");
+    }
+
+    #[test]
+    fn the_decode_gets_the_clients_body_and_the_prefills_params() {
+        let client = br#"{"prompt":"hi","max_tokens":64,"stream":true,"kv_transfer_params":{"spoofed":1}}"#;
+        let params = json!({"do_remote_prefill": true, "remote_block_ids": [0, 1]});
+        let sent = object(&with_params(client, params.clone()).unwrap());
+        assert_eq!(sent["kv_transfer_params"], params);
+        assert_eq!((sent["max_tokens"].as_u64(), sent["stream"].as_bool()), (Some(64), Some(true)));
+    }
+}

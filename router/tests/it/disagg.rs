@@ -1,0 +1,195 @@
+//! Prefill/decode disaggregation in front of real agents playing vLLM's NixlConnector
+//! (`--kv-transfer-config`): prompts are prefilled on prefill replicas, decoded on decode
+//! replicas, and left to the decode replica when a prefill cannot be had.
+
+use http::StatusCode;
+use kvroute_proto::pb::{self, router_admin_client::RouterAdminClient};
+use kvroute_replica_agent::kv_transfer::{KvRole, KvTransferConfig, NIXL};
+use kvroute_router::replicas::Role;
+use serde_json::{Value, json};
+
+use crate::fleet::{FLEET_MODEL, Fleet, Reply, agent_config, first_data};
+use crate::support::{sample, wait_until};
+
+/// Agent `i` of a fleet whose first `prefills` agents are prefill replicas, the others decode
+/// ones; `connector` says whether the prefill ones can hand their KV over.
+fn agent(prefills: usize, connector: bool) -> impl Fn(&str) -> kvroute_replica_agent::Config {
+    move |name: &str| {
+        let i: usize = name.trim_start_matches("agent-").parse().unwrap();
+        let kv_role = if i < prefills { KvRole::KvProducer } else { KvRole::KvConsumer };
+        let kv_transfer_config = (connector || i >= prefills).then(|| KvTransferConfig {
+            kv_connector: NIXL.into(),
+            kv_role,
+            engine_id: None,
+        });
+        // The prefill replicas take shorter prompts than the decode ones.
+        let max_model_len = if i < prefills { PREFILL_MAX_MODEL_LEN } else { 32_768 };
+        kvroute_replica_agent::Config { kv_transfer_config, max_model_len, ..agent_config(name) }
+    }
+}
+
+const PREFILL_MAX_MODEL_LEN: u32 = 256;
+
+async fn pd_fleet(agents: usize, prefills: usize, connector: bool) -> Fleet {
+    Fleet::with(agents, agent(prefills, connector), |mut config| {
+        for (i, replica) in config.replicas.iter_mut().enumerate() {
+            replica.role = if i < prefills { Role::Prefill } else { Role::Decode };
+        }
+        config.pd_min_prefill_tokens = 8;
+        config
+    })
+    .await
+}
+
+/// `n` distinct words, one builtin token each.
+fn words(n: usize, seed: u32) -> String {
+    (0..n).map(|i| format!("d{seed}w{i}")).collect::<Vec<_>>().join(" ")
+}
+
+async fn agent_metric(fleet: &Fleet, i: usize, name: &str) -> u64 {
+    let reply = fleet.http.get(&format!("{}/metrics", fleet.agent(i).http_url())).await;
+    let series = format!("{name}{{model_name=\"{FLEET_MODEL}\",engine=\"0\"}}");
+    sample(&String::from_utf8_lossy(&reply.body), &series).unwrap_or_else(|| panic!("{series}"))
+}
+
+async fn prefills(fleet: &Fleet, outcome: &str) -> u64 {
+    let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+    let series = format!("kvroute_router_prefills_total{{outcome=\"{outcome}\"}}");
+    sample(&String::from_utf8_lossy(&metrics.body), &series).unwrap_or(0)
+}
+
+fn completion(prompt: &str, max_tokens: u64) -> Value {
+    json!({ "model": FLEET_MODEL, "prompt": prompt, "max_tokens": max_tokens })
+}
+
+async fn post(fleet: &Fleet, body: Value) -> Reply {
+    fleet.http.post(&fleet.url("/v1/completions"), &body).await
+}
+
+fn usage(reply: &Reply) -> (u64, u64, u64) {
+    let usage = &reply.json()["usage"];
+    let field = |v: &Value| v.as_u64().unwrap();
+    (field(&usage["prompt_tokens"]), field(&usage["completion_tokens"]), reply.cached_tokens())
+}
+
+#[tokio::test]
+async fn prompts_are_prefilled_on_prefill_replicas_and_decoded_on_decode_ones() {
+    let fleet = pd_fleet(4, 2, true).await;
+    let (prefill_names, decode_names) = (["agent-0", "agent-1"], ["agent-2", "agent-3"]);
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
+    let listed = admin.list_replicas(pb::ListReplicasRequest::default()).await.unwrap().into_inner();
+    let roles: Vec<i32> = listed.replicas.iter().map(|r| r.spec.as_ref().unwrap().role).collect();
+    let (prefill, decode) = (pb::ReplicaRole::Prefill as i32, pb::ReplicaRole::Decode as i32);
+    assert_eq!(roles, [prefill, prefill, decode, decode]);
+    let doc = words(40, 1);
+
+    let first = post(&fleet, completion(&format!("{doc} first ask"), 5)).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", String::from_utf8_lossy(&first.body));
+    let decoded_on = first.header("x-kvroute-replica").unwrap().to_owned();
+    let prefilled_on = first.header("x-kvroute-prefill-replica").expect("prefilled elsewhere").to_owned();
+    assert!(decode_names.contains(&decoded_on.as_str()), "{decoded_on}");
+    assert!(prefill_names.contains(&prefilled_on.as_str()), "{prefilled_on}");
+    // The decode replica pulled the prompt but its last token: the params went through.
+    let (prompt_tokens, completion_tokens, cached) = usage(&first);
+    assert_eq!((completion_tokens, cached), (5, prompt_tokens - 1));
+    // What the prefill replica had cached, and was predicted to: nothing yet.
+    assert_eq!(first.header("x-kvroute-prefill-cached-tokens"), Some("0"));
+    assert_eq!(first.header("x-kvroute-predicted-cached-tokens"), Some("0"));
+    // The prefill replica generated the one token it was asked for.
+    let p = prefill_names.iter().position(|n| *n == prefilled_on).unwrap();
+    assert_eq!(agent_metric(&fleet, p, "vllm:generation_tokens_total").await, 1);
+
+    // Another question on the same document: prefilled where the document is cached, and
+    // decoded where it was pulled to.
+    let second = post(&fleet, completion(&format!("{doc} {}", words(12, 9)), 3)).await;
+    assert_eq!(second.status, StatusCode::OK);
+    assert_eq!(second.header("x-kvroute-prefill-replica"), Some(prefilled_on.as_str()));
+    assert_eq!(
+        second.header("x-kvroute-replica"),
+        Some(decoded_on.as_str()),
+        "the decode replica cached the pull"
+    );
+    assert_eq!(second.header("x-kvroute-prefill-cached-tokens"), Some("40"), "the document, cached there");
+    assert_eq!(second.header("x-kvroute-predicted-cached-tokens"), Some("40"));
+    // The first question again: its decode replica holds all but a few of its tokens, and
+    // prefills those itself.
+    let third = post(&fleet, completion(&format!("{doc} first ask"), 3)).await;
+    assert_eq!(third.header("x-kvroute-replica"), Some(decoded_on.as_str()));
+    assert_eq!(third.header("x-kvroute-prefill-replica"), None);
+    let (prompt_tokens, _, cached) = usage(&third);
+    assert!(cached >= 40 && cached < prompt_tokens - 1, "{cached} of {prompt_tokens}: its own cache's hit");
+    assert_eq!((prefills(&fleet, "remote").await, prefills(&fleet, "cached").await), (2, 1));
+
+    // A client's own kv_transfer_params never reach a replica (an escaped key reads the same
+    // in Python): these would have the decode replica pull a prompt nobody prefilled.
+    let forged = json!({
+        "do_remote_prefill": true, "remote_engine_id": "x", "remote_request_id": "x",
+        "remote_host": "10.0.0.1", "remote_port": 5600, "remote_block_ids": [0, 1, 2],
+    });
+    let mut short = completion(&words(5, 8), 2);
+    short["kv\\u005ftransfer_params"] = forged;
+    let sent = serde_json::to_string(&short).unwrap().replace("\\\\u005f", "\\u005f");
+    assert!(sent.contains(r#""kv\u005ftransfer_params""#), "{sent}");
+    let reply = fleet.http.send(http::Method::POST, &fleet.url("/v1/completions"), sent).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(usage(&reply).2, 0, "nothing pulled");
+
+    // A new document, streamed: prefilled on a prefill replica, its chunks streamed from the
+    // decode one.
+    let body = json!({ "model": FLEET_MODEL, "prompt": words(60, 2), "max_tokens": 20, "stream": true });
+    let mut streamed = fleet.http.stream(&fleet.url("/v1/completions"), &body).await;
+    assert_eq!(streamed.status(), StatusCode::OK);
+    let prefilled = streamed.headers()["x-kvroute-prefill-replica"].to_str().unwrap().to_owned();
+    assert!(prefill_names.contains(&prefilled.as_str()), "{prefilled}");
+    let chunk = first_data(streamed.body_mut()).await;
+    assert!(chunk.starts_with(b"data: {"), "{chunk:?}");
+    assert_eq!(prefills(&fleet, "remote").await, 3);
+    // The prefill replicas ran one-token requests only.
+    let mut ran = 0;
+    for i in 0..2 {
+        ran += agent_metric(&fleet, i, "vllm:generation_tokens_total").await;
+    }
+    assert_eq!(ran, 3);
+
+    // A batch of prompts is not split: decoded whole.
+    let batch = json!({ "model": FLEET_MODEL, "prompt": [words(30, 3), words(30, 4)], "max_tokens": 2 });
+    let reply = post(&fleet, batch).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.header("x-kvroute-prefill-replica"), None);
+    assert_eq!(prefills(&fleet, "not_split").await, 1);
+    assert!(decode_names.contains(&reply.header("x-kvroute-replica").unwrap()));
+}
+
+#[tokio::test]
+async fn the_decode_replica_prefills_when_no_prefill_can_be_had() {
+    // The prefill replica has no connector: it answers without params.
+    let mut fleet = pd_fleet(2, 1, false).await;
+    let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion(&words(40, 5), 4)).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.header("x-kvroute-replica"), Some("agent-1"));
+    assert_eq!(reply.header("x-kvroute-prefill-replica"), None);
+    assert_eq!(usage(&reply).2, 0, "computed on the decode replica");
+    assert_eq!(prefills(&fleet, "no_params").await, 1);
+
+    // A prompt the prefill replica refuses (too long for its context) is refused as it says,
+    // and sent to no decode replica (which would take it).
+    let long = completion(&words(PREFILL_MAX_MODEL_LEN as usize + 10, 6), 4);
+    let reply = fleet.http.post(&fleet.url("/v1/completions"), &long).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(reply.header("x-kvroute-replica"), Some("agent-0"));
+    assert!(reply.json()["error"]["message"].as_str().unwrap().contains("context"), "{}", reply.json());
+    assert_eq!(prefills(&fleet, "refused").await, 1);
+    // Its place on the decode replica, taken when it was decided, was given back.
+    let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+    let in_flight = "kvroute_router_replica_in_flight{replica=\"agent-1\"}";
+    assert_eq!(sample(&String::from_utf8_lossy(&metrics.body), in_flight), Some(0));
+
+    // Without the prefill replica, the decode replica takes the whole request.
+    fleet.kill(0).await;
+    let members = fleet.router.fleet().members();
+    wait_until("the prefill replica is down", || !members[0].upstream.is_healthy()).await;
+    let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion(&words(40, 7), 4)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(reply.header("x-kvroute-replica"), Some("agent-1"));
+    assert_eq!((prefills(&fleet, "no_replica").await, prefills(&fleet, "failed").await), (1, 0));
+}
