@@ -4,6 +4,7 @@
 
 mod cli;
 mod cli_errors;
+mod disagg;
 mod engine_model;
 mod fleet;
 mod live;

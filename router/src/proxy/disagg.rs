@@ -48,6 +48,7 @@
 //! events that show the prompt stored there.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response};
@@ -210,10 +211,16 @@ pub async fn prefill(
             Ok(decoded)
         }
         None => {
-            tracing::warn!(
-                request_id,
-                "the prefill replica answered without kv_transfer_params (no KV connector?); the decode replica prefills"
-            );
+            // A replica without a connector answers every prefill so: said once, then counted.
+            static SAID: AtomicBool = AtomicBool::new(false);
+            let replica = replica.as_ref().and_then(|r| r.to_str().ok());
+            let why = "a prefill replica answered without kv_transfer_params (started without \
+                       --kv-transfer-config?); its requests are prefilled on their decode replicas, \
+                       counted in kvroute_router_prefills_total{outcome=\"no_params\"}";
+            match SAID.swap(true, Ordering::Relaxed) {
+                false => tracing::warn!(request_id, replica, "{why}"),
+                true => tracing::debug!(request_id, replica, "{why}"),
+            }
             count("no_params");
             local()
         }
