@@ -44,8 +44,8 @@
 //!
 //! Costs: a split request is two decisions (`kvroute_router_decisions_total`,
 //! `decision_seconds`) and two upstream requests (time to first byte, duration). Its decode
-//! replica is charged the prompt's prefill, as if it computed it, until its first byte or the
-//! events that show the prompt stored there.
+//! replica is charged the prompt's prefill while the prefill runs (its place is held), then
+//! its last token only; its recent prompt tokens count the whole prompt.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -208,6 +208,9 @@ pub async fn prefill(
         Some(decoded) => {
             count("remote");
             plan.prefilled_by = Some(Remote { replica, predicted, cached });
+            if let Some(load) = plan.load.as_mut() {
+                load.prefilled_elsewhere();
+            }
             Ok(decoded)
         }
         None => {

@@ -637,6 +637,12 @@ impl LoadGuard {
         }
     }
 
+    /// The prompt was prefilled on another replica, whence this one pulls it
+    /// ([`super::disagg`]): what it computes of it is its last token.
+    pub fn prefilled_elsewhere(&mut self) {
+        self.prefill.keep_at_most(1);
+    }
+
     /// Tells the request's pending prefill to the rank it was sent to, to be released when
     /// the rank's events store its prompt ([`crate::index::RankGuard::tell_when_stored`]);
     /// false when it was sent to no rank.
@@ -687,10 +693,15 @@ impl PendingPrefill {
     }
 
     fn release(&self) {
-        let n = self.tokens.swap(0, Ordering::AcqRel);
-        self.upstream.pending_prefill.fetch_sub(n, Ordering::Relaxed);
+        self.keep_at_most(0);
+    }
+
+    /// Takes all but `n` of its tokens out of the counts (none if it has no more).
+    fn keep_at_most(&self, n: u64) {
+        let taken = self.tokens.fetch_min(n, Ordering::AcqRel).saturating_sub(n);
+        self.upstream.pending_prefill.fetch_sub(taken, Ordering::Relaxed);
         if let Some((ranks, rank)) = self.rank.get() {
-            ranks.sub_prefill(*rank, n);
+            ranks.sub_prefill(*rank, taken);
         }
     }
 }
@@ -735,8 +746,12 @@ mod tests {
         let u = Arc::new(Upstream::default());
         let mut g = u.begin(1, 100, 0);
         assert_eq!(u.load(), Load { in_flight: 1, pending_prefill_tokens: 100, ..Load::default() });
+        g.prefilled_elsewhere();
+        assert_eq!(u.load().pending_prefill_tokens, 1, "its last token is computed here");
         g.prefill_done();
         assert_eq!(u.load().pending_prefill_tokens, 0);
+        g.prefilled_elsewhere();
+        assert_eq!(u.load().pending_prefill_tokens, 0, "nothing is added back");
         drop(g);
         assert_eq!(u.load(), Load::default());
     }
