@@ -35,6 +35,8 @@ pub const PREDICTED_HEADER: &str = "x-kvroute-predicted-cached-tokens";
 /// The router's header with what the prefill replica reported cached, when the prompt was
 /// prefilled on one (prefill/decode disaggregation).
 pub const PREFILL_CACHED_HEADER: &str = "x-kvroute-prefill-cached-tokens";
+/// The router's header naming the prefill replica, when the prompt was prefilled on one.
+pub const PREFILL_REPLICA_HEADER: &str = "x-kvroute-prefill-replica";
 
 /// Why a request failed, as the report counts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -232,8 +234,10 @@ impl Client {
             let replica = header(REPLICA_HEADER);
             named.clone_from(&replica);
             let predicted_cached_tokens = header(PREDICTED_HEADER).and_then(|v| v.parse().ok());
-            let prefill_cached_tokens: Option<u64> =
-                header(PREFILL_CACHED_HEADER).and_then(|v| v.parse().ok());
+            // A prompt prefilled elsewhere: the prefill replica's hit, or none known (never the
+            // decode replica's usage, which counts the pulled prompt as cached).
+            let prefilled = header(PREFILL_REPLICA_HEADER)
+                .map(|_| header(PREFILL_CACHED_HEADER).and_then(|v| v.parse::<u64>().ok()));
             let mut body = response.into_body();
             if !status.is_success() {
                 // Drain the error body so the connection can be reused.
@@ -267,7 +271,7 @@ impl Client {
             if let Some(usage) = usage {
                 success.prompt_tokens = usage.prompt_tokens().unwrap_or(fallback_prompt_tokens);
                 success.completion_tokens = usage.completion_tokens();
-                success.cached_tokens = prefill_cached_tokens.or(usage.cached_tokens());
+                success.cached_tokens = prefilled.unwrap_or_else(|| usage.cached_tokens());
                 success.usage = usage.prompt_tokens().is_some();
             }
             Ok(success)

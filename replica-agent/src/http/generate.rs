@@ -188,8 +188,8 @@ pub(super) async fn generate(
         _ => parse_extras(body, request.stream(), state.config().kv_transfer_config.as_ref())?,
     };
     let mut jobs = jobs(state, &request, &sampling, null_max_tokens(&request, &readable))?;
-    // One prompt's prefill is pulled, or answered for, whatever its `n` ([`crate::kv_transfer`]).
-    let transfer = if jobs.len() == 1 { transfer } else { Asked::Nothing };
+    // One prompt of one choice is pulled, or answered for ([`crate::kv_transfer`]).
+    let transfer = if jobs.len() == 1 && sampling.choices() == 1 { transfer } else { Asked::Nothing };
     let block_size = state.engine().config().cache.block_size;
     if let (Asked::RemotePrefill { blocks }, [job]) = (&transfer, &mut jobs[..]) {
         job.remote_tokens = kv_transfer::pulled_tokens(*blocks, block_size, job.prompt.len());

@@ -29,18 +29,20 @@
 //!    replica's usage is the client's as it is, but not counted in the hit rate: vLLM's
 //!    reports every pulled token as cached.
 //!
-//! A prefill that cannot be had (no prefill replica with room, a failure, a 5xx or a timeout,
-//! an answer without params: a replica without a connector) leaves the request to its decode
-//! replica, which prefills it; a prefill replica's 4xx is the client's answer, and the
-//! request goes no further. Each outcome is counted in `kvroute_router_prefills_total`.
+//! A prefill that cannot be had (no prefill replica with room, a failure, a 5xx, a 4xx of the
+//! replica's own such as an adapter it lacks, a timeout, an answer without params: a replica
+//! without a connector) leaves the request to its decode replica, which prefills it; a
+//! prefill replica's 400, 413 or 422 (the request's own fault) is the client's answer, and
+//! the request goes no further. No retry of the decode goes to the prefill replica (a `both`
+//! one could be a candidate). Each outcome is counted in `kvroute_router_prefills_total`.
 //!
 //! Not split: requests of several prompts or choices (`n`), chats with media, requests for the
 //! prompt's logprobs (`prompt_logprobs`, `echo` with `logprobs`: only the replica that
 //! computed the prompt has them), and the Messages and Responses APIs (vLLM's proxies split
 //! completions and chats only). In a fleet that disaggregates, a client's own
 //! `kv_transfer_params` are dropped: they would have a replica pull from, or hold blocks for,
-//! whatever they name. The bodies sent are rewritten through `serde_json`: their keys come in
-//! another order, a repeated key once (its last value, as vLLM reads it).
+//! whatever they name. The bodies sent are rewritten through `serde_json`: their keys keep
+//! their order, a repeated key comes once (its last value, as vLLM reads it).
 //!
 //! Costs: a split request is two decisions (`kvroute_router_decisions_total`,
 //! `decision_seconds`) and two upstream requests (time to first byte, duration). Its decode
@@ -65,6 +67,7 @@ use super::pool::Pool;
 use super::queue::{Line, Queue};
 use super::route::{Hop, Plan, Prepared, RequestLimits};
 use crate::metrics::OutcomeLabel;
+use kvroute_proto::ReplicaId;
 
 /// The prefill replica of a request decoded after a remote prefill.
 pub const X_KVROUTE_PREFILL_REPLICA: HeaderName = HeaderName::from_static("x-kvroute-prefill-replica");
@@ -78,6 +81,8 @@ const MAX_ANSWER_BYTES: usize = 1 << 20;
 /// A remote prefill, as the decode replica's response names it.
 #[derive(Debug)]
 pub struct Remote {
+    /// The prefill replica: no retry of the decode goes there (its params name it).
+    pub id: Option<ReplicaId>,
     replica: Option<HeaderValue>,
     predicted: Option<HeaderValue>,
     cached: Option<u64>,
@@ -167,11 +172,7 @@ pub async fn prefill(
     )
     .await;
     let response = match answered {
-        Ok(response) => {
-            // Its answer counted in the hit rate: the decode replica's will not.
-            plan.counted = false;
-            response
-        }
+        Ok(response) => response,
         Err(e) => {
             tracing::warn!(request_id, error = %e, "prefill failed; the decode replica prefills");
             count("failed");
@@ -179,7 +180,10 @@ pub async fn prefill(
         }
     };
     let status = response.status();
-    if status.is_client_error() {
+    // A success counted in the hit rate; else the decode replica's answer, which computes
+    // the prompt, does.
+    plan.counted = !status.is_success();
+    if refuses(status) {
         let (head, answer) = response.into_parts();
         let Some(answer) = read(answer).await else {
             count("failed");
@@ -199,15 +203,26 @@ pub async fn prefill(
     let (head, answer) = response.into_parts();
     let (replica, predicted) =
         (head.headers.get(X_KVROUTE_REPLICA).cloned(), head.headers.get(X_KVROUTE_PREDICTED).cloned());
-    let answer = read(answer).await.and_then(|a| serde_json::from_slice::<Map<String, Value>>(&a).ok());
+    let Some(answer) = read(answer).await else {
+        tracing::warn!(request_id, "the prefill's answer was cut off; the decode replica prefills");
+        count("failed");
+        return local();
+    };
+    let answer = serde_json::from_slice::<Map<String, Value>>(&answer).ok();
+    let prefilled_on = prefill
+        .candidates
+        .iter()
+        .find(|c| replica.as_ref().is_some_and(|r| r == c.member.replica.spec.name.as_str()));
     let cached = answer
         .as_ref()
-        .and_then(|a| a.get("usage")?.get("prompt_tokens_details")?.get("cached_tokens")?.as_u64());
+        .zip(prefilled_on)
+        .and_then(|(answer, on)| on.member.upstream.cached_tokens(usage(answer)));
     let params = answer.and_then(|mut answer| answer.remove("kv_transfer_params")).filter(Value::is_object);
     match params.and_then(|params| with_params(body, params)) {
         Some(decoded) => {
             count("remote");
-            plan.prefilled_by = Some(Remote { replica, predicted, cached });
+            let id = prefilled_on.map(|on| on.member.replica.id);
+            plan.prefilled_by = Some(Remote { id, replica, predicted, cached });
             if let Some(load) = plan.load.as_mut() {
                 load.prefilled_elsewhere();
             }
@@ -227,6 +242,24 @@ pub async fn prefill(
             count("no_params");
             local()
         }
+    }
+}
+
+/// Whether a prefill replica's `status` is the request's own fault, which a decode replica
+/// would find too: a malformed or too large request (another 4xx, a model the replica does
+/// not serve, its rate limit or its key, is the replica's).
+fn refuses(status: http::StatusCode) -> bool {
+    use http::StatusCode as S;
+    matches!(status, S::BAD_REQUEST | S::PAYLOAD_TOO_LARGE | S::UNPROCESSABLE_ENTITY)
+}
+
+/// An answer's usage, as [`super::upstream::Upstream::cached_tokens`] reads it (vLLM leaves
+/// the cached tokens out when there are none).
+fn usage(answer: &Map<String, Value>) -> body::Usage {
+    let usage = answer.get("usage");
+    body::Usage {
+        cached_tokens: usage.and_then(|u| u.get("prompt_tokens_details")?.get("cached_tokens")?.as_u64()),
+        counted: usage.and_then(|u| u.get("prompt_tokens")).is_some_and(Value::is_u64),
     }
 }
 
@@ -278,6 +311,12 @@ fn with_params(body: &[u8], params: Value) -> Option<Bytes> {
     let mut object: Map<String, Value> = serde_json::from_slice(body).ok()?;
     object.insert("kv_transfer_params".into(), params);
     serde_json::to_vec(&object).ok().map(Bytes::from)
+}
+
+/// [`without_own_params`] when `fleet` disaggregates (for a request no plan was made for).
+pub fn without_own_params_if_split(fleet: &crate::fleet::Fleet, endpoint: Endpoint, body: Bytes) -> Bytes {
+    let split = fleet.members().iter().any(|member| member.replica.spec.role != crate::replicas::Role::Both);
+    if split { without_own_params(endpoint, &body) } else { body }
 }
 
 /// The client's `body` without `kv_transfer_params` of its own: in a fleet that disaggregates,

@@ -229,7 +229,10 @@ pub async fn routed(
                 // every prompt's. Nor do several choices (`n`): the prediction is the first's,
                 // and the replica reports one whose prompt the first had just cached.
                 // Nor one whose prefill went ahead: that answer was counted.
-                let counted = plan.counted && plan.unhashed_tokens.is_none() && plan.sequences <= 1;
+                // Nor a prefill sent ahead that failed: the decode's answer counts.
+                let failed_prefill = plan.hop != super::route::Hop::Whole && !response.status().is_success();
+                let counted =
+                    plan.counted && !failed_prefill && plan.unhashed_tokens.is_none() && plan.sequences <= 1;
                 let sent = Attempt {
                     replica: &member.replica.spec.name,
                     guard,
@@ -372,7 +375,9 @@ pub(super) fn gone_since<'a>(
 /// once, overloaded, the retries would go on past the limit: it may take the retry once it
 /// has room).
 fn retry_on(decider: &Decider, plan: &Plan, member: &crate::fleet::Member) -> Retry {
-    if gone_since(&decider.fleet, member, plan.order().map(|s| &s.member)) {
+    // The replica a decode's params name, and that prefilled it, does not decode it.
+    let prefilled_here = plan.prefilled_by.as_ref().is_some_and(|r| r.id == Some(member.replica.id));
+    if prefilled_here || gone_since(&decider.fleet, member, plan.order().map(|s| &s.member)) {
         Retry::Not
     } else if !member.upstream.has_room(plan.routing.max_in_flight_per_replica) {
         Retry::Saturated

@@ -424,6 +424,7 @@ async fn routed(
             line.set_priority(asked.priority);
             let adapter = state.decider.adapter(&asked.model);
             let members = with_room(state, &line, || by_load(state, admitted.request_id, adapter)).await?;
+            let body = disagg::without_own_params_if_split(state.fleet(), endpoint, body);
             let sending = Sending {
                 body: Outgoing::Full(body),
                 uploaded: None,
@@ -558,7 +559,11 @@ fn by_load(
 ) -> Result<Vec<Member>, ProxyError> {
     let mut members = state.fleet().members();
     // A prefill replica takes prefills only ([`disagg`]).
+    let listed = members.len();
     members.retain(|member| member.replica.spec.role.decodes());
+    if members.is_empty() && listed > 0 {
+        return Err(ProxyError::Unavailable("no replica decodes: every one is of role prefill".into()));
+    }
     let max = state.decider.max_in_flight_per_replica();
     let verdicts = upstream::verdicts_for(members.iter().map(|m| &*m.upstream), max, adapter);
     if verdicts.iter().all(Option::is_some) {

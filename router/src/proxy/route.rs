@@ -455,7 +455,12 @@ impl Decider {
         let (member, rank) = (&scored.member, scored.rank.map(|rank| (rank, scored.rank_blocks)));
         let (sequences, prompt_tokens) = (plan.sequences, plan.prompt_tokens);
         let max = plan.routing.max_in_flight_per_replica;
-        let mut load = member.upstream.try_begin(max, sequences, plan.prefill_tokens(at), prompt_tokens)?;
+        // A prompt prefilled elsewhere is pulled: its last token is computed here.
+        let prefill_tokens = match plan.prefilled_by {
+            Some(_) => plan.prefill_tokens(at).min(1),
+            None => plan.prefill_tokens(at),
+        };
+        let mut load = member.upstream.try_begin(max, sequences, prefill_tokens, prompt_tokens)?;
         if let Some(((rank, held), ranks)) = rank.zip(member.replica.ranks.get()) {
             // The rank holds the request's pending prefill from here, before anything can
             // tell that it is done.
@@ -638,7 +643,8 @@ impl Decider {
         let mut plan = self.score((routing, send), members, blocks, all_blocks, &prepared.view, tokens);
         plan.max_tokens = prepared.max_tokens;
         plan.unhashed_tokens = prepared.unhashed_tokens;
-        plan.streams = prepared.streams;
+        // A prefill sent ahead is answered whole.
+        plan.streams = prepared.streams && hop == Hop::Whole;
         plan.sequences = prepared.sequences;
         plan.model = Some(Arc::clone(&prepared.model));
         plan.disaggregated = disaggregated;

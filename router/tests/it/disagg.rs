@@ -22,13 +22,21 @@ fn agent(prefills: usize, connector: bool) -> impl Fn(&str) -> kvroute_replica_a
             kv_role,
             engine_id: None,
         });
-        // The prefill replicas take shorter prompts than the decode ones.
+        // The prefill replicas take shorter prompts than the decode ones, and serve no adapter.
         let max_model_len = if i < prefills { PREFILL_MAX_MODEL_LEN } else { 32_768 };
-        kvroute_replica_agent::Config { kv_transfer_config, max_model_len, ..agent_config(name) }
+        let lora_adapters = if i < prefills { Vec::new() } else { vec![ADAPTER.into()] };
+        kvroute_replica_agent::Config {
+            kv_transfer_config,
+            max_model_len,
+            lora_adapters,
+            ..agent_config(name)
+        }
     }
 }
 
 const PREFILL_MAX_MODEL_LEN: u32 = 256;
+/// A LoRA adapter only the decode replicas serve.
+const ADAPTER: &str = "sql";
 
 async fn pd_fleet(agents: usize, prefills: usize, connector: bool) -> Fleet {
     Fleet::with(agents, agent(prefills, connector), |mut config| {
@@ -74,7 +82,7 @@ fn usage(reply: &Reply) -> (u64, u64, u64) {
 
 #[tokio::test]
 async fn prompts_are_prefilled_on_prefill_replicas_and_decoded_on_decode_ones() {
-    let fleet = pd_fleet(4, 2, true).await;
+    let mut fleet = pd_fleet(4, 2, true).await;
     let (prefill_names, decode_names) = (["agent-0", "agent-1"], ["agent-2", "agent-3"]);
     let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
     let listed = admin.list_replicas(pb::ListReplicasRequest::default()).await.unwrap().into_inner();
@@ -151,6 +159,18 @@ async fn prompts_are_prefilled_on_prefill_replicas_and_decoded_on_decode_ones() 
     }
     assert_eq!(ran, 3);
 
+    // With the document's decode replica down, another decodes it, having none of it: the
+    // prediction is the prefill replica's, where the prompt is computed.
+    let i = decode_names.iter().position(|n| *n == decoded_on).unwrap() + 2;
+    fleet.kill(i).await;
+    let members = fleet.router.fleet().members();
+    wait_until("the decode replica is down", || !members[i].upstream.is_healthy()).await;
+    let fourth = post(&fleet, completion(&format!("{doc} {}", words(12, 10)), 3)).await;
+    assert_eq!(fourth.status, StatusCode::OK);
+    assert_ne!(fourth.header("x-kvroute-replica"), Some(decoded_on.as_str()));
+    assert_eq!(fourth.header("x-kvroute-prefill-replica"), Some(prefilled_on.as_str()));
+    assert_eq!(fourth.header("x-kvroute-predicted-cached-tokens"), Some("40"), "not the decode replica's 0");
+
     // A batch of prompts is not split: decoded whole.
     let batch = json!({ "model": FLEET_MODEL, "prompt": [words(30, 3), words(30, 4)], "max_tokens": 2 });
     let reply = post(&fleet, batch).await;
@@ -184,12 +204,24 @@ async fn the_decode_replica_prefills_when_no_prefill_can_be_had() {
     let in_flight = "kvroute_router_replica_in_flight{replica=\"agent-1\"}";
     assert_eq!(sample(&String::from_utf8_lossy(&metrics.body), in_flight), Some(0));
 
+    // A request for an adapter the prefill replica lacks (its 404 is its own, not the
+    // request's fault) is prefilled where it is decoded.
+    let members = fleet.router.fleet().members();
+    wait_until("the decode replica lists its adapter", || {
+        members[1].upstream.listed_adapters().is_some_and(|listed| listed.iter().any(|a| a == ADAPTER))
+    })
+    .await;
+    let adapted = json!({ "model": ADAPTER, "prompt": words(40, 8), "max_tokens": 2 });
+    let reply = post(&fleet, adapted).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(reply.header("x-kvroute-replica"), Some("agent-1"));
+    assert_eq!(prefills(&fleet, "failed").await, 1);
+
     // Without the prefill replica, the decode replica takes the whole request.
     fleet.kill(0).await;
-    let members = fleet.router.fleet().members();
     wait_until("the prefill replica is down", || !members[0].upstream.is_healthy()).await;
     let reply = fleet.http.post(&fleet.url("/v1/completions"), &completion(&words(40, 7), 4)).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", String::from_utf8_lossy(&reply.body));
     assert_eq!(reply.header("x-kvroute-replica"), Some("agent-1"));
-    assert_eq!((prefills(&fleet, "no_replica").await, prefills(&fleet, "failed").await), (1, 0));
+    assert_eq!((prefills(&fleet, "no_replica").await, prefills(&fleet, "failed").await), (1, 1));
 }
