@@ -48,6 +48,22 @@ pub struct FleetConfig {
 /// longer one is refused with a 400 and left out of the comparison.
 pub const DEMO_MAX_MODEL_LEN: u32 = 262_144;
 
+/// A router's view of `agent`, of `role`: its event stream, replay and snapshots followed with
+/// `events` (else its cache is predicted).
+pub fn replica_config(agent: &RunningAgent, events: bool, role: Role) -> ReplicaConfig {
+    ReplicaConfig {
+        name: agent.name.clone(),
+        http: agent.http_url(),
+        events: if events { agent.events_endpoint.clone() } else { String::new() },
+        replay: agent.replay_endpoint.clone().filter(|_| events),
+        grpc: Some(agent.grpc_url()).filter(|_| events),
+        engine: EngineKind::Kvroute,
+        dp_size: agent.ranks.count() as u32,
+        topic: String::new(),
+        role,
+    }
+}
+
 /// N replica agents on loopback; stopped by [`EmbeddedFleet::stop`] (or their token).
 pub struct EmbeddedFleet {
     pub agents: Vec<RunningAgent>,
@@ -99,21 +115,7 @@ impl EmbeddedFleet {
     /// A router config (any policy) in front of every agent, on loopback.
     pub fn router_config(&self) -> RouterConfig {
         let events = self.config.events;
-        let replicas = self
-            .agents
-            .iter()
-            .map(|a| ReplicaConfig {
-                name: a.name.clone(),
-                http: a.http_url(),
-                events: if events { a.events_endpoint.clone() } else { String::new() },
-                replay: a.replay_endpoint.clone().filter(|_| events),
-                grpc: Some(a.grpc_url()).filter(|_| events),
-                engine: EngineKind::Kvroute,
-                dp_size: self.config.data_parallel_size,
-                topic: String::new(),
-                role: Role::Both,
-            })
-            .collect();
+        let replicas = self.agents.iter().map(|agent| replica_config(agent, events, Role::Both)).collect();
         RouterConfig {
             model: DEMO_MODEL.into(),
             block_size: self.config.block_size,

@@ -6,13 +6,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvroute_loadgen::compare;
-use kvroute_loadgen::demo::DEMO_MODEL;
+use kvroute_loadgen::demo::{DEMO_MODEL, replica_config};
 use kvroute_loadgen::live::Client;
 use kvroute_loadgen::live::client::Body;
 use kvroute_replica_agent::kv_transfer::{KvRole, KvTransferConfig, NIXL};
-use kvroute_router::config::{Config as RouterConfig, ReplicaConfig};
+use kvroute_router::config::Config as RouterConfig;
 use kvroute_router::policy::PolicyKind;
-use kvroute_router::replicas::{EngineKind, Role};
+use kvroute_router::replicas::Role;
 use tokio_util::sync::CancellationToken;
 
 const LIMIT: Duration = Duration::from_secs(30);
@@ -45,17 +45,7 @@ async fn a_split_requests_hit_is_the_prefill_replicas() {
             ..kvroute_replica_agent::Config::loopback(format!("agent-{i}"))
         };
         let agent = kvroute_replica_agent::start(config, shutdown.child_token()).await.unwrap();
-        replicas.push(ReplicaConfig {
-            name: agent.name.clone(),
-            http: agent.http_url(),
-            events: agent.events_endpoint.clone(),
-            replay: agent.replay_endpoint.clone(),
-            grpc: Some(agent.grpc_url()),
-            engine: EngineKind::Kvroute,
-            dp_size: 1,
-            topic: String::new(),
-            role,
-        });
+        replicas.push(replica_config(&agent, true, role));
         agents.push(agent);
     }
     let config = RouterConfig {
