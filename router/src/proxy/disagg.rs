@@ -104,6 +104,14 @@ impl Remote {
     }
 }
 
+/// Why a request that decodes has nowhere to go in a fleet of prefill replicas only.
+pub const NO_DECODER: &str = "no replica decodes: every one is of role prefill";
+
+/// Whether a fleet of `members` disaggregates: one has a role other than `both`.
+pub fn disaggregates(members: &[crate::fleet::Member]) -> bool {
+    members.iter().any(|member| member.replica.spec.role != crate::replicas::Role::Both)
+}
+
 /// What the access log calls `plan`'s hop: `prefill` ahead of a request, `decode` after one.
 pub fn hop(plan: &Plan) -> Option<&'static str> {
     match plan.hop {
@@ -315,8 +323,7 @@ fn with_params(body: &[u8], params: Value) -> Option<Bytes> {
 
 /// [`without_own_params`] when `fleet` disaggregates (for a request no plan was made for).
 pub fn without_own_params_if_split(fleet: &crate::fleet::Fleet, endpoint: Endpoint, body: Bytes) -> Bytes {
-    let split = fleet.members().iter().any(|member| member.replica.spec.role != crate::replicas::Role::Both);
-    if split { without_own_params(endpoint, &body) } else { body }
+    if disaggregates(&fleet.members()) { without_own_params(endpoint, &body) } else { body }
 }
 
 /// The client's `body` without `kv_transfer_params` of its own: in a fleet that disaggregates,

@@ -562,7 +562,7 @@ fn by_load(
     let listed = members.len();
     members.retain(|member| member.replica.spec.role.decodes());
     if members.is_empty() && listed > 0 {
-        return Err(ProxyError::Unavailable("no replica decodes: every one is of role prefill".into()));
+        return Err(ProxyError::Unavailable(disagg::NO_DECODER.into()));
     }
     let max = state.decider.max_in_flight_per_replica();
     let verdicts = upstream::verdicts_for(members.iter().map(|m| &*m.upstream), max, adapter);

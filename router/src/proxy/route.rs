@@ -26,7 +26,7 @@ use crate::fleet::{Fleet, Member};
 use crate::index::{CreditHold, Overlaps, SharedIndex};
 use crate::metrics::ProxyMetrics;
 use crate::policy::{self, Policy, ReplicaView, RequestView};
-use crate::replicas::{Role, StreamState};
+use crate::replicas::StreamState;
 
 /// Everything the decision needs, shared by all requests.
 pub struct Decider {
@@ -634,7 +634,7 @@ impl Decider {
             Some(members) if self.fleet.changes() == prepared.changes => members,
             _ => self.fleet.members(),
         };
-        let disaggregated = members.iter().any(|member| member.replica.spec.role != Role::Both);
+        let disaggregated = super::disagg::disaggregates(&members);
         members.retain(|member| hop.takes(member));
         // An adapter's request goes only where it may be.
         let adapter = self.adapter(&prepared.model);
@@ -877,7 +877,7 @@ fn best_rank(
 fn unavailable(plan: &Plan) -> ProxyError {
     if plan.candidates.is_empty() {
         let none = match plan.hop {
-            Hop::Whole if plan.disaggregated => "no replica decodes: every one is of role prefill",
+            Hop::Whole if plan.disaggregated => super::disagg::NO_DECODER,
             Hop::Whole => "no replicas are configured",
             Hop::Prefill(_) => "no other replica prefills",
         };
