@@ -304,7 +304,8 @@ pub(super) async fn generate(
     }
     let usage = tally.usage();
     let produced = match (&transfer, &state.config().kv_transfer_config) {
-        (Asked::RemoteDecode, Some(config)) if texts.len() == 1 => {
+        // (Asked of one prompt of one choice only: see above.)
+        (Asked::RemoteDecode, Some(config)) => {
             let prompt = (usage.prompt_tokens as usize, block_size);
             Some(kv_transfer::produced(config, &state.config().name, request_id, prompt, dp_rank))
         }
