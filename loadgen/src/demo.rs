@@ -61,6 +61,7 @@ pub fn replica_config(agent: &RunningAgent, events: bool, role: Role) -> Replica
         dp_size: agent.ranks.count() as u32,
         topic: String::new(),
         role,
+        bootstrap_port: agent.bootstrap_addr.map(|addr| addr.port()),
     }
 }
 

@@ -11,6 +11,7 @@ use clap::Parser;
 use kvroute_proto::serve::{Limits, MIN_HEADER_BYTES, TlsFiles};
 use serde::{Deserialize, Serialize};
 
+use crate::bootstrap::Mode as DisaggregationMode;
 use crate::cache::{CacheConfig, PolicyKind, S3FifoParams};
 use crate::engine::TimingModel;
 use crate::kv_transfer::KvTransferConfig;
@@ -172,6 +173,18 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_AGENT_KV_TRANSFER_CONFIG", value_parser = KvTransferConfig::parse)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_transfer_config: Option<KvTransferConfig>,
+    /// Plays SGLang's disaggregated prefill (`prefill` or `decode`; `null`: neither): requests
+    /// then need `bootstrap_room` ([`crate::bootstrap`]).
+    #[arg(long, env = "KVROUTE_AGENT_DISAGGREGATION_MODE", value_enum, default_value_t = DisaggregationMode::Null)]
+    pub disaggregation_mode: DisaggregationMode,
+    /// A prefill agent's bootstrap server port, on the HTTP address's host (decode agents
+    /// use it when a request's `bootstrap_port` is null).
+    #[arg(long, env = "KVROUTE_AGENT_DISAGGREGATION_BOOTSTRAP_PORT", default_value_t = crate::bootstrap::DEFAULT_PORT)]
+    pub disaggregation_bootstrap_port: u16,
+    /// How long a prefill waits for its decode replica, and a decode for its prefill,
+    /// milliseconds (SGLang's bootstrap and waiting timeouts).
+    #[arg(long, env = "KVROUTE_AGENT_DISAGGREGATION_TIMEOUT_MS", default_value_t = 300_000)]
+    pub disaggregation_timeout_ms: u64,
     /// Keep every Responses API response in this process, so a later request can continue it
     /// (`previous_response_id`) or fetch it, as vLLM with `VLLM_ENABLE_RESPONSES_API_STORE=1`.
     #[arg(long, env = "KVROUTE_AGENT_RESPONSES_STORE")]
@@ -243,6 +256,7 @@ impl Config {
             grpc_addr: any,
             events_endpoint: "tcp://127.0.0.1:0".into(),
             replay_endpoint: "tcp://127.0.0.1:0".into(),
+            disaggregation_bootstrap_port: 0,
             ..Config::default()
         }
     }
@@ -272,6 +286,11 @@ impl Config {
             check(false, format!("--ssl-certfile, --ssl-keyfile, --ssl-ca-certs: {e}"));
         }
         check(!self.model.is_empty(), "--model must not be empty".into());
+        check(
+            self.kv_transfer_config.is_none() || self.disaggregation_mode == DisaggregationMode::Null,
+            "--kv-transfer-config (vLLM's disaggregation) and --disaggregation-mode (SGLang's) exclude each other"
+                .into(),
+        );
         for problem in self.chat.problems() {
             check(false, problem);
         }
@@ -427,6 +446,22 @@ mod tests {
     fn defaults_are_valid() {
         assert_eq!(Config::default().validate(), Ok(()));
         assert_eq!(Config::loopback("a").validate(), Ok(()));
+    }
+
+    #[test]
+    fn one_way_to_disaggregate_at_a_time() {
+        let nixl = crate::kv_transfer::KvTransferConfig::parse(
+            r#"{"kv_connector":"NixlConnector","kv_role":"kv_both"}"#,
+        );
+        let both = Config {
+            kv_transfer_config: Some(nixl.unwrap()),
+            disaggregation_mode: DisaggregationMode::Decode,
+            ..Config::loopback("a")
+        };
+        let errors = both.validate().unwrap_err();
+        assert!(errors.iter().any(|e| e.contains("--disaggregation-mode")), "{errors:?}");
+        let sglang = Config { disaggregation_mode: DisaggregationMode::Prefill, ..Config::loopback("a") };
+        assert_eq!(sglang.validate(), Ok(()));
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //!   `ReplicaAgent` gRPC service; [`server`] assembles them ([`start`], [`run`]).
 #![forbid(unsafe_code)]
 
+pub mod bootstrap;
 pub mod cache;
 pub mod config;
 pub mod engine;

@@ -28,6 +28,8 @@ pub struct RunningAgent {
     pub grpc_addr: SocketAddr,
     pub events_endpoint: String,
     pub replay_endpoint: Option<String>,
+    /// A prefill agent's bootstrap server (`--disaggregation-mode prefill`).
+    pub bootstrap_addr: Option<SocketAddr>,
     /// Rank 0's engine (the only one, unless `--data-parallel-size` says otherwise).
     pub engine: Engine,
     /// Every data-parallel rank's engine; rank r publishes on the endpoints' port + r.
@@ -104,6 +106,15 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
         .await
         .with_context(|| format!("binding gRPC on {}", config.grpc_addr))?;
     let http_addr = http_listener.local_addr()?;
+    let bootstrap_listener = match config.disaggregation_mode {
+        crate::bootstrap::Mode::Prefill => {
+            let port = config.disaggregation_bootstrap_port;
+            let bound = crate::bootstrap::bind(http_addr, port).await;
+            Some(bound.with_context(|| format!("binding the bootstrap server on port {port}"))?)
+        }
+        _ => None,
+    };
+    let bootstrap_addr = bootstrap_listener.as_ref().map(TcpListener::local_addr).transpose()?;
     let tls = match config.tls_files() {
         Some(files) => {
             Some(Tls::from_files(&files).map_err(anyhow::Error::msg).context("loading the TLS files")?)
@@ -195,6 +206,13 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
     });
 
     let state = http::AppState::new(ranks.clone(), tokenization, config.clone());
+    if let Some(listener) = bootstrap_listener {
+        let (rooms, shutdown) = (state.rooms().clone(), shutdown.clone());
+        parts.vital("the bootstrap server", async move {
+            crate::bootstrap::serve(listener, rooms, shutdown).await;
+            Ok(())
+        });
+    }
     let serving = http::serve(http_listener, state, tls, shutdown.clone());
     parts.vital("the HTTP server", async move {
         serving.await;
@@ -213,6 +231,7 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
         grpc_addr,
         events_endpoint: endpoints.events,
         replay_endpoint: endpoints.replay,
+        bootstrap_addr,
         engine,
         ranks,
         parts: parts.clone(),

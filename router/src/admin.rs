@@ -68,6 +68,7 @@ impl AdminService {
                 dp_size: spec.dp_size,
                 topic: spec.topic.clone(),
                 role: pb::ReplicaRole::from(spec.role) as i32,
+                bootstrap_port: spec.bootstrap_port.map_or(0, u32::from),
             }),
             state: pb::StreamState::from(s.state()) as i32,
             blocks: self.state.decider.index.blocks(m.replica.id) as u64,
@@ -211,6 +212,12 @@ impl RouterAdmin for AdminService {
         replica.topic = spec.topic;
         replica.block_size = Some(self.block_size);
         replica.role = role.into();
+        replica.bootstrap_port = match spec.bootstrap_port {
+            0 => None,
+            port => Some(u16::try_from(port).map_err(|_| {
+                Status::invalid_argument(format!("bootstrap_port {port} is not a port number"))
+            })?),
+        };
         let member = self.fleet().add(replica).map_err(|e| match e {
             IngestError::Removing(_) | IngestError::ShutDown => Status::unavailable(e.to_string()),
             IngestError::Spec(

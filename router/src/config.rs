@@ -172,7 +172,8 @@ pub struct Config {
     pub admin_token: Option<Secret>,
 
     /// A replica: `name=..,http=..[,events=..][,replay=..][,grpc=..][,engine=kvroute|vllm|sglang][,dp-size=N][,topic=..]`
-    /// `[,role=both|prefill|decode]` (prefill/decode disaggregation: see the README).
+    /// `[,role=both|prefill|decode][,bootstrap-port=N]` (prefill/decode disaggregation: see the
+    /// README).
     /// Without `events`, its cache is predicted from this router's requests to it
     /// (`--predicted-ttl-ms`, `--predicted-cache-tokens`).
     #[arg(id = "replica", long = "replica", env = "KVROUTE_REPLICAS", value_delimiter = ';')]
@@ -900,6 +901,9 @@ pub struct ReplicaConfig {
     /// Prefill, decode or both (the default): [`crate::proxy::disagg`].
     #[serde(default, skip_serializing_if = "is_both")]
     pub role: Role,
+    /// An SGLang prefill replica's bootstrap port, named to its decode replicas (none: theirs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
 }
 
 fn is_both(role: &Role) -> bool {
@@ -924,6 +928,7 @@ impl ReplicaConfig {
         spec.topic = self.topic.clone();
         spec.block_size = Some(block_size);
         spec.role = self.role;
+        spec.bootstrap_port = self.bootstrap_port;
         spec
     }
 }
@@ -932,14 +937,14 @@ impl FromStr for ReplicaConfig {
     type Err = String;
 
     /// `name=..,http=..[,events=..][,replay=..][,grpc=..][,engine=..][,dp-size=..][,topic=..]`
-    /// `[,role=..]`
+    /// `[,role=..][,bootstrap-port=..]`
     fn from_str(s: &str) -> Result<Self, String> {
         let mut table = toml::Table::new();
         for part in s.split(',').filter(|p| !p.is_empty()) {
             let (k, v) = part.split_once('=').ok_or_else(|| format!("{part:?} is not key=value"))?;
             let value = match k.trim() {
-                "dp-size" | "dp_size" => toml::Value::Integer(
-                    v.trim().parse().map_err(|_| format!("dp-size {v:?} is not a number"))?,
+                key @ ("dp-size" | "dp_size" | "bootstrap-port" | "bootstrap_port") => toml::Value::Integer(
+                    v.trim().parse().map_err(|_| format!("{key} {v:?} is not a number"))?,
                 ),
                 _ => toml::Value::String(v.trim().to_owned()),
             };
@@ -972,6 +977,9 @@ impl fmt::Display for ReplicaConfig {
         }
         if self.role != Role::Both {
             write!(f, ",role={}", self.role.as_str())?;
+        }
+        if let Some(port) = self.bootstrap_port {
+            write!(f, ",bootstrap-port={port}")?;
         }
         Ok(())
     }
@@ -1015,6 +1023,11 @@ mod tests {
         assert_eq!(prefill.to_spec("m", 16).role, Role::Prefill);
         assert_eq!(prefill.to_string().parse::<ReplicaConfig>(), Ok(prefill));
         assert!("name=r0,http=x,role=encode".parse::<ReplicaConfig>().is_err());
+        let sglang = "name=p0,http=http://10.0.0.7:30000,engine=sglang,role=prefill,bootstrap-port=8998";
+        let sglang = sglang.parse::<ReplicaConfig>().unwrap();
+        assert_eq!(sglang.to_spec("m", 16).bootstrap_port, Some(8998));
+        assert_eq!(sglang.to_string().parse::<ReplicaConfig>(), Ok(sglang.clone()), "{sglang}");
+        assert!("name=p0,http=x,bootstrap-port=70000".parse::<ReplicaConfig>().is_err());
     }
 
     /// Only a fleet of SGLang replicas, listed or discovered, is one (its gpt-oss chats are
@@ -1119,6 +1132,7 @@ mod tests {
             dp_size: 1,
             topic: String::new(),
             role: Role::Both,
+            bootstrap_port: None,
         };
         let c = Config {
             block_size: 0,

@@ -227,9 +227,18 @@ pub struct ReplicaSpec {
     pub block_size: Option<u32>,
     /// Prefill, decode or both ([`Role`]).
     pub role: Role,
+    /// An SGLang prefill replica's bootstrap port (`--disaggregation-bootstrap-port`), named
+    /// to its decode replicas; `None`: theirs ([`crate::proxy::disagg`]).
+    pub bootstrap_port: Option<u16>,
 }
 
 impl ReplicaSpec {
+    /// Whether it hands a prefill's KV over as SGLang does, through a bootstrap room
+    /// ([`crate::proxy::disagg`]), rather than as vLLM's NixlConnector does.
+    pub fn bootstraps(&self) -> bool {
+        self.engine == EngineKind::Sglang
+    }
+
     /// A single-rank replica with no replay or snapshot endpoint.
     pub fn new(
         name: impl Into<String>,
@@ -249,6 +258,7 @@ impl ReplicaSpec {
             model: model.into(),
             block_size: None,
             role: Role::Both,
+            bootstrap_port: None,
         }
     }
 

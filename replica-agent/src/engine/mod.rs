@@ -30,7 +30,7 @@
 //!
 //! A request whose prompt a remote prefill computed ([`Job::remote_tokens`],
 //! [`crate::kv_transfer`]) pulls those tokens past its prefix hit the same way: cached,
-//! external, and [`LOAD_SHARE`] of a prefill token each.
+//! external, and [`LOAD_SHARE`] of a prefill token each ([`crate::bootstrap`] too).
 //!
 //! Only prompt blocks are cached (vLLM also caches full blocks of generated tokens; the
 //! simulated text is not meant to be re-sent verbatim, so those blocks would never hit).
@@ -130,13 +130,25 @@ pub struct Job {
     /// Prompt tokens a remote prefill computed, pulled rather than computed past what the
     /// prefix cache holds ([`crate::kv_transfer`]; 0 for most requests).
     pub remote_tokens: usize,
+    /// The prompt tokens it reports cached, when not those it holds or pulled (SGLang's
+    /// decode replica reports its prefill replica's: [`crate::bootstrap`]).
+    pub reports_cached: Option<u32>,
 }
 
 impl Job {
     /// A job for `prompt`, its full blocks of `block_size` tokens hashed in `namespace`.
     pub fn new(namespace: CacheNamespace, prompt: Vec<u32>, block_size: usize, max_tokens: u32) -> Job {
         let hashes = namespace.chain(&prompt, block_size).into();
-        Job { hashes, prompt: prompt.into(), namespace, max_tokens, sample: 0, priority: 0, remote_tokens: 0 }
+        Job {
+            hashes,
+            prompt: prompt.into(),
+            namespace,
+            max_tokens,
+            sample: 0,
+            priority: 0,
+            remote_tokens: 0,
+            reports_cached: None,
+        }
     }
 
     /// The same prompt again, as choice `sample` of its request.

@@ -256,7 +256,7 @@ impl Scheduler {
                         .external_prefix_cache_hits
                         .fetch_add(loaded_tokens as u64, Ordering::Relaxed);
                     self.metrics.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
-                    let cached_tokens = cached as u32;
+                    let cached_tokens = job.reports_cached.unwrap_or(cached as u32);
                     let gone = out.try_send(Output::Started { cached_tokens }).is_err();
                     // The load from host memory (or a remote prefill) takes its share of a
                     // prefill's time.

@@ -41,9 +41,10 @@ use tokio::sync::mpsc;
 use super::error::ApiError;
 use super::sampling::{self, Sampling};
 use super::{AppState, Body, chat, completions, json_response, messages, responses, sse, unix_now};
-use crate::config::SchedulingPolicy;
+use crate::bootstrap::{self, Bootstrap, Mode, Transfer};
+use crate::config::{Config, SchedulingPolicy};
 use crate::engine::{Job, Output, SubmitError, Usage};
-use crate::kv_transfer::{self, Asked, KvTransferConfig};
+use crate::kv_transfer::{self, Asked};
 
 /// `finish_reason` of every choice: the simulated engine stops only at `max_tokens`.
 pub(super) const FINISH_REASON: &str = "length";
@@ -137,13 +138,15 @@ pub(super) struct Admitted {
 }
 
 /// What the server reads of a request itself.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 struct ServerFields {
     sampling: Sampling,
     /// What a stream's chunks say of the usage.
     usage: StreamUsage,
     /// What `kv_transfer_params` ask ([`crate::kv_transfer`]).
     transfer: Asked,
+    /// Its SGLang hand-over, in a disaggregated agent ([`crate::bootstrap`]).
+    bootstrap: Option<Bootstrap>,
 }
 
 /// `stream_options` as vLLM reads it: `include_usage`, and `continuous_usage_stats` (with
@@ -179,13 +182,14 @@ pub(super) async fn generate(
     if !state.serves(request.model()) {
         return Err(ApiError::model_not_found(request.model()));
     }
-    let ServerFields { sampling, usage, transfer } = match endpoint {
+    let ServerFields { sampling, usage, transfer, bootstrap } = match endpoint {
         Endpoint::Messages | Endpoint::Responses => ServerFields {
             sampling: converted_sampling(body, endpoint)?,
             usage: StreamUsage { include: true, continuous: false },
             transfer: Asked::Nothing,
+            bootstrap: None,
         },
-        _ => parse_extras(body, request.stream(), state.config().kv_transfer_config.as_ref())?,
+        _ => parse_extras(body, request.stream(), state.config())?,
     };
     let mut jobs = jobs(state, &request, &sampling, null_max_tokens(&request, &readable))?;
     // One prompt of one choice is pulled, or answered for ([`crate::kv_transfer`]).
@@ -193,6 +197,35 @@ pub(super) async fn generate(
     let block_size = state.engine().config().cache.block_size;
     if let (Asked::RemotePrefill { blocks }, [job]) = (&transfer, &mut jobs[..]) {
         job.remote_tokens = kv_transfer::pulled_tokens(*blocks, block_size, job.prompt.len());
+    }
+    if let Some(bootstrap) = &bootstrap {
+        let [job] = &mut jobs[..] else {
+            return Err(ApiError::bad_request(
+                "a bootstrap room for several prompts is not simulated: one prompt, one choice",
+            ));
+        };
+        if sampling.choices() != 1 {
+            return Err(ApiError::bad_request(
+                "a bootstrap room for several choices is not simulated: one prompt, one choice",
+            ));
+        }
+        match state.config().disaggregation_mode {
+            Mode::Prefill if request.stream() => {
+                return Err(ApiError::bad_request(
+                    "a prefill replica's stream is not simulated: ask it for a whole answer",
+                ));
+            }
+            // The prompt and its first token (SGLang's prefill replica computes no more).
+            Mode::Prefill => job.max_tokens = 1,
+            Mode::Decode => {
+                let own_port = state.config().disaggregation_bootstrap_port;
+                let transfer =
+                    state.rooms().pull(bootstrap, own_port).await.map_err(ApiError::engine_failed)?;
+                job.remote_tokens = job.prompt.len().saturating_sub(1);
+                job.reports_cached = Some(transfer.cached_tokens);
+            }
+            Mode::Null => {}
+        }
     }
     let priority = request.priority();
     if priority != 0 && state.config().scheduling_policy == SchedulingPolicy::Fcfs {
@@ -303,6 +336,14 @@ pub(super) async fn generate(
         texts.push(text);
     }
     let usage = tally.usage();
+    if let (Some(bootstrap), Mode::Prefill) = (&bootstrap, state.config().disaggregation_mode) {
+        // Answered once the decode replica took the prompt's KV.
+        let transfer = Transfer {
+            prompt_tokens: usage.prompt_tokens as usize,
+            cached_tokens: usage.prompt_tokens_details.cached_tokens as u32,
+        };
+        state.rooms().hand_over(bootstrap.room, transfer).await.map_err(ApiError::engine_failed)?;
+    }
     let produced = match (&transfer, &state.config().kv_transfer_config) {
         // (Asked of one prompt of one choice only: see above.)
         (Asked::RemoteDecode, Some(config)) => {
@@ -365,18 +406,19 @@ fn null_max_tokens(request: &ParsedRequest<'_>, body: &[u8]) -> bool {
 }
 
 /// Validates the sampling parameters ([`sampling`]) and `stream_options`.
-fn parse_extras(
-    body: &[u8],
-    stream: bool,
-    connector: Option<&KvTransferConfig>,
-) -> Result<ServerFields, ApiError> {
+fn parse_extras(body: &[u8], stream: bool, config: &Config) -> Result<ServerFields, ApiError> {
     // The fields of a generation request that [`ParsedRequest`] leaves to the server, a
     // repeated key's last value counting, as in vLLM.
     let sampling = Sampling::parse(parse_object(body, &sampling::FIELDS)?)?;
-    let [stream_options, params] = parse_object(body, &["stream_options", "kv_transfer_params"])?;
-    let transfer = kv_transfer::asked(params, connector)
+    let [stream_options, params, host, port, room] = parse_object(
+        body,
+        &["stream_options", "kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"],
+    )?;
+    let transfer = kv_transfer::asked(params, config.kv_transfer_config.as_ref())
         .map_err(|e| ApiError::invalid_field("kv_transfer_params", e))?;
-    Ok(ServerFields { sampling, usage: stream_usage(stream_options, stream)?, transfer })
+    let bootstrap =
+        bootstrap::asked(config.disaggregation_mode, [host, port, room]).map_err(ApiError::bad_request)?;
+    Ok(ServerFields { sampling, usage: stream_usage(stream_options, stream)?, transfer, bootstrap })
 }
 
 /// The sampling fields of a Messages or Responses request, which vLLM carries over to the

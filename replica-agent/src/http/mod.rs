@@ -83,6 +83,8 @@ struct Inner {
     shutdown: CancellationToken,
     /// Responses API responses kept for later requests.
     responses: Arc<responses::Store>,
+    /// SGLang's disaggregation's hand-overs ([`crate::bootstrap`]).
+    rooms: Arc<crate::bootstrap::Rooms>,
 }
 
 impl AppState {
@@ -90,6 +92,7 @@ impl AppState {
     /// that `/tokenize`, generation and the router agree on token ids.
     pub fn new(ranks: Ranks, tokenization: Arc<Tokenization>, config: Arc<Config>) -> Self {
         let store = config.responses_store;
+        let rooms = crate::bootstrap::Rooms::new(Duration::from_millis(config.disaggregation_timeout_ms));
         AppState {
             inner: Arc::new(Inner {
                 ranks,
@@ -98,6 +101,7 @@ impl AppState {
                 started: SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default(),
                 shutdown: CancellationToken::new(),
                 responses: Arc::new(responses::Store::new(store)),
+                rooms: Arc::new(rooms),
             }),
         }
     }
@@ -121,6 +125,10 @@ impl AppState {
 
     pub(crate) fn responses(&self) -> &Arc<responses::Store> {
         &self.inner.responses
+    }
+
+    pub(crate) fn rooms(&self) -> &Arc<crate::bootstrap::Rooms> {
+        &self.inner.rooms
     }
 
     pub(crate) fn started(&self) -> u64 {

@@ -7,10 +7,12 @@
 //! - `ranks`: data-parallel ranks: a cache and an event stream each, the rank header, the
 //!   balancer, per-engine metrics.
 //! - `kv_transfer`: disaggregated prefill as vLLM's NixlConnector plays it over HTTP.
+//! - `bootstrap`: disaggregated prefill as SGLang plays it, through a bootstrap room.
 //! - `cli`: the binary's refusals of bad flags and settings.
 //! - `limits`: request fields that must not overflow the agent's checks.
 //! - `start`: a start that fails part-way.
 
+mod bootstrap;
 mod cli;
 mod events;
 mod http_api;

@@ -239,6 +239,7 @@ impl SliceSource {
         spec.engine = o.engine.unwrap_or(spec.engine);
         spec.dp_size = o.dp_size.unwrap_or(spec.dp_size);
         spec.role = o.role.unwrap_or(spec.role);
+        spec.bootstrap_port = o.bootstrap_port.or(spec.bootstrap_port);
         if let Some(topic) = &o.topic {
             spec.topic.clone_from(topic);
         }
@@ -279,7 +280,8 @@ async fn apply<S: ReplicaSink>(
 
 /// Pod annotations (prefix `kvroute.io/`) that override what the slice says about a replica:
 /// `http-port`, `kv-events-port`, `kv-replay-port`, `grpc-port`, `engine`
-/// (`kvroute|vllm|sglang`), `dp-size`, `topic`, `role` (`both|prefill|decode`).
+/// (`kvroute|vllm|sglang`), `dp-size`, `topic`, `role` (`both|prefill|decode`),
+/// `bootstrap-port` (an SGLang prefill replica's).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PodOverrides {
     pub http: Option<u16>,
@@ -290,6 +292,7 @@ pub struct PodOverrides {
     pub dp_size: Option<u32>,
     pub topic: Option<String>,
     pub role: Option<Role>,
+    pub bootstrap_port: Option<u16>,
 }
 
 /// The annotation prefix [`PodOverrides`] reads.
@@ -309,6 +312,7 @@ impl PodOverrides {
                 "kv-events-port" => port().map(|p| o.events = Some(p)).is_some(),
                 "kv-replay-port" => port().map(|p| o.replay = Some(p)).is_some(),
                 "grpc-port" => port().map(|p| o.grpc = Some(p)).is_some(),
+                "bootstrap-port" => port().map(|p| o.bootstrap_port = Some(p)).is_some(),
                 "engine" => {
                     <EngineKind as clap::ValueEnum>::from_str(value, true).map(|e| o.engine = Some(e)).is_ok()
                 }
@@ -519,6 +523,7 @@ mod tests {
             ("kvroute.io/dp-size", "2"),
             ("kvroute.io/topic", "kv@x"),
             ("kvroute.io/role", "Prefill"),
+            ("kvroute.io/bootstrap-port", "8998"),
             ("kvroute.io/grpc-port", "http"),
             ("other.io/http-port", "1"),
         ]
@@ -534,6 +539,7 @@ mod tests {
                 dp_size: Some(2),
                 topic: Some("kv@x".into()),
                 role: Some(Role::Prefill),
+                bootstrap_port: Some(8998),
                 ..PodOverrides::default()
             }
         );

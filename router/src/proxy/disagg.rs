@@ -36,6 +36,21 @@
 //! the request goes no further. No retry of the decode goes to the prefill replica (a `both`
 //! one could be a candidate). Each outcome is counted in `kvroute_router_prefills_total`.
 //!
+//! SGLang's replicas (`engine = "sglang"`) hand the KV over through a bootstrap room instead.
+//! A request decided on an SGLang replica of role `decode` (which cannot prefill: it refuses a
+//! request without a room) is sent to it and, at the same time, to an SGLang replica of role
+//! `prefill`, decided on their caches and load and credited; both bodies name the prefill
+//! replica's host (`bootstrap_host`), its `bootstrap_port` (the replica's `bootstrap-port`;
+//! null: the decode replica's own) and a random `bootstrap_room` below 2^63, as SGLang's
+//! router sends them. The prefill's body is rewritten as above (one token, whole, without the
+//! client's own params), and is not retried elsewhere: the decode replica waits for that
+//! replica. SGLang's prefill replica answers once it handed the KV over; the decode's answer
+//! goes to the client after it, with the same headers. A prefill's failure (its error answer,
+//! a failure to connect, `--pd-prefill-timeout-ms`) is the client's answer and ends the
+//! decode; so does a decode replica's error end its prefill. With no prefill replica to be
+//! had, the request ends with a 503. A request that is not split reaches its decode replica
+//! without a room. A decode retried on another SGLang decode replica keeps its room.
+//!
 //! Not split: requests of several prompts or choices (`n`), chats with media, requests for the
 //! prompt's logprobs (`prompt_logprobs`, `echo` with `logprobs`: only the replica that
 //! computed the prompt has them), and the Messages and Responses APIs (vLLM's proxies split
@@ -49,6 +64,7 @@
 //! replica is charged the prompt's prefill while the prefill runs (its place is held), then
 //! its last token only; its recent prompt tokens count the whole prompt.
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -62,11 +78,13 @@ use serde_json::{Map, Value, json};
 use super::ProxyState;
 use super::access::Arrival;
 use super::body::{self, ProxyBody};
+use super::error::ProxyError;
 use super::forward::{self, Admitted, ForwardConfig, X_KVROUTE_PREDICTED, X_KVROUTE_REPLICA};
 use super::pool::Pool;
 use super::queue::{Line, Queue};
 use super::route::{Hop, Plan, Prepared, RequestLimits};
 use crate::metrics::OutcomeLabel;
+use crate::replicas::Role;
 use kvroute_proto::ReplicaId;
 
 /// The prefill replica of a request decoded after a remote prefill.
@@ -86,9 +104,18 @@ pub struct Remote {
     replica: Option<HeaderValue>,
     predicted: Option<HeaderValue>,
     cached: Option<u64>,
+    /// Through a bootstrap room (SGLang's): only an SGLang decode replica takes it over.
+    bootstrap: bool,
 }
 
 impl Remote {
+    /// Whether `replica` may decode it (on a retry): not the replica that prefilled it, and
+    /// one that waits for a bootstrap room if it was handed over through one.
+    pub fn decodable_on(&self, replica: &crate::replicas::Replica) -> bool {
+        self.id != Some(replica.id)
+            && (!self.bootstrap || (replica.spec.bootstraps() && replica.spec.role == Role::Decode))
+    }
+
     /// Names the prefill replica, and puts its predicted and reported cached tokens in place
     /// of the decode replica's.
     pub fn headers(&self, headers: &mut HeaderMap) {
@@ -115,42 +142,80 @@ pub fn disaggregates(members: &[crate::fleet::Member]) -> bool {
 /// What the access log calls `plan`'s hop: `prefill` ahead of a request, `decode` after one.
 pub fn hop(plan: &Plan) -> Option<&'static str> {
     match plan.hop {
-        Hop::Prefill(_) => Some("prefill"),
+        Hop::Prefill(_) | Hop::Bootstrap => Some("prefill"),
         Hop::Whole if plan.prefilled_by.is_some() => Some("decode"),
         Hop::Whole => None,
     }
 }
 
+/// What goes to the decode replica: its body, and an SGLang prefill sent alongside it.
+pub struct Decode<'a> {
+    pub body: Bytes,
+    pub alongside: Option<Alongside<'a>>,
+}
+
+/// An SGLang prefill sent at the same time as its decode ([`together`]): the prompt tokens
+/// its replica reported cached, or why the request ends there.
+pub type Alongside<'a> = Pin<Box<dyn Future<Output = Result<Option<u64>, Failure>> + Send + 'a>>;
+
+/// Why a request ends at its prefill.
+pub enum Failure {
+    /// The prefill replica's answer is the client's.
+    Answer(Box<Response<ProxyBody>>),
+    /// The router's error.
+    Error(ProxyError),
+}
+
+impl Failure {
+    /// The client's answer.
+    pub fn answer(self) -> Result<Response<ProxyBody>, ProxyError> {
+        match self {
+            Failure::Answer(answer) => Ok(*answer),
+            Failure::Error(e) => Err(e),
+        }
+    }
+}
+
+fn count(state: &ProxyState, outcome: &'static str) {
+    state.decider.metrics.prefills.get_or_create(&OutcomeLabel { outcome }).inc();
+}
+
 /// Sends the prefill of the request `plan` decided ahead to a prefill replica, if its fleet
-/// disaggregates and the request is worth it (module docs). The body for the decode replica
-/// (with the prefill's params, or the client's without any of its own); `Err`, the prefill
-/// replica's refusal, which is the client's answer.
-pub async fn prefill(
-    (state, pool): (&Arc<ProxyState>, &Arc<Pool>),
+/// disaggregates and the request is worth it (module docs). What goes to the decode replica
+/// (the body with the prefill's params, or the client's without any of its own; an SGLang
+/// prefill, sent with it); `Err`, the prefill replica's refusal, which is the client's answer.
+pub async fn prefill<'a>(
+    (state, pool): (&'a Arc<ProxyState>, &'a Arc<Pool>),
     (prepared, plan): (&Prepared, &mut Plan),
     endpoint: Endpoint,
     (parts, body): (&http::request::Parts, &Bytes),
-    (request_id, received): (&str, Option<Arrival>),
-    line: &Line,
-) -> Result<Bytes, Box<Response<ProxyBody>>> {
+    (request_id, received): (&'a str, Option<Arrival>),
+    line: &'a Line,
+) -> Result<Decode<'a>, Failure> {
+    let whole = |body| Ok(Decode { body, alongside: None });
     if !plan.disaggregated {
-        return Ok(body.clone());
+        return whole(body.clone());
     }
-    let count = |outcome| state.decider.metrics.prefills.get_or_create(&OutcomeLabel { outcome }).inc();
-    let local = || Ok(without_own_params(endpoint, body));
+    let count = |outcome| count(state, outcome);
+    let local = || whole(without_own_params(endpoint, body));
     let splits = matches!(endpoint, Endpoint::Completions | Endpoint::ChatCompletions)
         && plan.sequences <= 1
         && plan.unhashed_tokens.is_none();
-    let Some(decode) = plan.chosen().map(|c| c.member.replica.id).filter(|_| splits) else {
+    let Some(decode) = plan.chosen().map(|c| &c.member.replica).filter(|_| splits) else {
         count("not_split");
         return local();
     };
+    let admitted = Admitted { request_id, slot: None, received };
+    if decode.spec.bootstraps() && decode.spec.role == Role::Decode {
+        return bootstrap((state, pool), (prepared, plan), (parts, body), admitted, line);
+    }
+    let decode = decode.id;
     let lacking = plan.prompt_tokens.saturating_sub(plan.predicted_cached_tokens(0));
     if lacking < plan.routing.pd_min_prefill_tokens {
         count("cached");
         return local();
     }
-    let Some(sent) = for_prefill(body) else {
+    let Some(sent) = for_prefill(body, remote_decode()) else {
         count("not_split");
         return local();
     };
@@ -162,9 +227,7 @@ pub async fn prefill(
             return local();
         }
     };
-    let admitted = Admitted { request_id, slot: None, received };
-    let forward =
-        ForwardConfig { first_byte_timeout: state.forward.prefill_timeout, ..state.forward.clone() };
+    let forward = prefill_forward(state);
     // A retry of the prefill waits for no room (the decode replica's is held meanwhile): with
     // none, the decode replica prefills.
     let no_wait = Queue::new(0, None);
@@ -201,7 +264,7 @@ pub async fn prefill(
         // Nothing goes to the decode replica: its credit and its place there end now.
         state.decider.withdraw_credit(plan, 0);
         plan.load = None;
-        return Err(Box::new(Response::from_parts(head, body::full(answer))));
+        return Err(Failure::Answer(Box::new(Response::from_parts(head, body::full(answer)))));
     }
     if !status.is_success() {
         tracing::warn!(request_id, %status, "prefill failed; the decode replica prefills");
@@ -226,15 +289,15 @@ pub async fn prefill(
         .zip(prefilled_on)
         .and_then(|(answer, on)| on.member.upstream.cached_tokens(usage(answer)));
     let params = answer.and_then(|mut answer| answer.remove("kv_transfer_params")).filter(Value::is_object);
-    match params.and_then(|params| with_params(body, params)) {
+    match params.and_then(|params| with_fields(body, fields([("kv_transfer_params", params)]))) {
         Some(decoded) => {
             count("remote");
             let id = prefilled_on.map(|on| on.member.replica.id);
-            plan.prefilled_by = Some(Remote { id, replica, predicted, cached });
+            plan.prefilled_by = Some(Remote { id, replica, predicted, cached, bootstrap: false });
             if let Some(load) = plan.load.as_mut() {
                 load.prefilled_elsewhere();
             }
-            Ok(decoded)
+            whole(decoded)
         }
         None => {
             // A replica without a connector answers every prefill so: said once, then counted.
@@ -250,6 +313,129 @@ pub async fn prefill(
             count("no_params");
             local()
         }
+    }
+}
+
+/// How a prefill is forwarded: given up after `--pd-prefill-timeout-ms`.
+fn prefill_forward(state: &ProxyState) -> ForwardConfig {
+    ForwardConfig { first_byte_timeout: state.forward.prefill_timeout, ..state.forward.clone() }
+}
+
+/// The prefill of a request `plan` decided on an SGLang decode replica, sent alongside it
+/// (module docs): to an SGLang prefill replica, both bodies naming it and one bootstrap room.
+fn bootstrap<'a>(
+    (state, pool): (&'a Arc<ProxyState>, &'a Arc<Pool>),
+    (prepared, plan): (&Prepared, &mut Plan),
+    (parts, body): (&http::request::Parts, &Bytes),
+    admitted: Admitted<'a>,
+    line: &'a Line,
+) -> Result<Decode<'a>, Failure> {
+    let mut prefill = match state.decider.decide_hop(prepared, &RequestLimits::NONE, Hop::Bootstrap) {
+        Ok(plan) => plan,
+        Err(e) => {
+            // The decode replica cannot prefill: it refuses a request without a room.
+            count(state, "no_replica");
+            return Err(Failure::Error(e));
+        }
+    };
+    // The decode replica waits for this replica's hand-over: no retry goes elsewhere.
+    prefill.without_retries();
+    let Some(on) = prefill.chosen().map(|on| on.member.clone()) else {
+        return Err(Failure::Error(ProxyError::Unavailable("no SGLang replica of role prefill".into())));
+    };
+    let room = rand::random::<u64>() & i64::MAX as u64;
+    let named = fields([
+        ("bootstrap_host", json!(host(&on.replica.spec.http_url))),
+        ("bootstrap_port", json!(on.replica.spec.bootstrap_port)),
+        ("bootstrap_room", json!(room)),
+    ]);
+    let (Some(sent), Some(decoded)) = (for_prefill(body, named.clone()), with_fields(body, named)) else {
+        // Not a JSON object, or asks for the prompt's logprobs: the decode replica's answer.
+        count(state, "not_split");
+        return Ok(Decode { body: body.clone(), alongside: None });
+    };
+    let predicted = prefill.predicted_cached_tokens(0);
+    let replica = HeaderValue::from_str(&on.replica.spec.name).ok();
+    let (id, predicted) = (Some(on.replica.id), Some(predicted.into()));
+    plan.prefilled_by = Some(Remote { id, replica, predicted, cached: None, bootstrap: true });
+    // The prefill's answer counts in the hit rate.
+    plan.counted = false;
+    if let Some(load) = plan.load.as_mut() {
+        load.prefilled_elsewhere();
+    }
+    let parts = parts.clone();
+    let alongside = async move {
+        let (forward, no_wait) = (prefill_forward(state), Queue::new(0, None));
+        let decider = &state.decider;
+        let queue = (&no_wait, line);
+        let answered =
+            forward::routed(pool, &forward, decider, &mut prefill, (parts, sent), admitted, queue).await;
+        let response = answered.map_err(|e| {
+            count(state, "failed");
+            Failure::Error(e)
+        })?;
+        let (status, (head, answer)) = (response.status(), response.into_parts());
+        let Some(answer) = read(answer).await else {
+            count(state, "failed");
+            let reason = "its answer to the prefill was cut off".into();
+            return Err(Failure::Error(ProxyError::Upstream {
+                replica: on.replica.spec.name.clone(),
+                reason,
+            }));
+        };
+        if !status.is_success() {
+            count(state, if refuses(status) { "refused" } else { "failed" });
+            return Err(Failure::Answer(Box::new(Response::from_parts(head, body::full(answer)))));
+        }
+        count(state, "remote");
+        let answer = serde_json::from_slice::<Map<String, Value>>(&answer).ok();
+        Ok(answer.and_then(|answer| on.upstream.cached_tokens(usage(&answer))))
+    };
+    Ok(Decode { body: decoded, alongside: Some(Box::pin(alongside)) })
+}
+
+/// The host of `url` (`http://10.0.0.7:30000`: `10.0.0.7`; an IPv6 one in brackets), as an
+/// SGLang decode replica reaches its prefill replica's bootstrap server.
+fn host(url: &str) -> String {
+    let authority = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = authority.split(['/', '?']).next().unwrap_or_default();
+    let authority = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
+    match authority.strip_prefix('[') {
+        Some(v6) => format!("[{}]", v6.split(']').next().unwrap_or_default()),
+        None => authority.split(':').next().unwrap_or_default().to_owned(),
+    }
+}
+
+/// The decode's answer once its SGLang prefill, sent `alongside`, answered too: with
+/// `x-kvroute-prefill-cached-tokens`. A decode replica's error is the client's answer at once
+/// (its prefill would wait for it in vain); a prefill's failure ends the decode.
+pub async fn together(
+    decode: impl Future<Output = Result<Response<ProxyBody>, ProxyError>>,
+    mut alongside: Alongside<'_>,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    tokio::pin!(decode);
+    let (decoded, cached) = tokio::select! {
+        decoded = &mut decode => {
+            let decoded = decoded?;
+            if !decoded.status().is_success() {
+                return Ok(decoded);
+            }
+            (decoded, alongside.await)
+        }
+        prefilled = &mut alongside => match prefilled {
+            Ok(cached) => (decode.await?, Ok(cached)),
+            Err(failure) => return failure.answer(),
+        },
+    };
+    let mut decoded = decoded;
+    match cached {
+        Ok(cached) => {
+            if let Some(cached) = cached {
+                decoded.headers_mut().insert(X_KVROUTE_PREFILL_CACHED, HeaderValue::from(cached));
+            }
+            Ok(decoded)
+        }
+        Err(failure) => failure.answer(),
     }
 }
 
@@ -285,9 +471,28 @@ async fn read(mut body: ProxyBody) -> Option<Bytes> {
     Some(bytes.into())
 }
 
-/// The client's `body` as a prefill replica is sent it; `None` if it is not a JSON object,
-/// or asks for the prompt's logprobs (which only a replica that computed the prompt has).
-fn for_prefill(body: &[u8]) -> Option<Bytes> {
+/// What a vLLM prefill replica is asked: a prefill whose KV a decode replica will pull.
+fn remote_decode() -> Map<String, Value> {
+    let params = json!({
+        "do_remote_decode": true,
+        "do_remote_prefill": false,
+        "remote_engine_id": null,
+        "remote_block_ids": null,
+        "remote_host": null,
+        "remote_port": null,
+    });
+    fields([("kv_transfer_params", params)])
+}
+
+/// `pairs` as a JSON object's fields.
+fn fields<const N: usize>(pairs: [(&str, Value); N]) -> Map<String, Value> {
+    pairs.into_iter().map(|(key, value)| (key.to_owned(), value)).collect()
+}
+
+/// The client's `body` as a prefill replica is sent it, with `named` (how it hands its KV
+/// over); `None` if it is not a JSON object, or asks for the prompt's logprobs (which only a
+/// replica that computed the prompt has).
+fn for_prefill(body: &[u8], named: Map<String, Value>) -> Option<Bytes> {
     let mut object: Map<String, Value> = serde_json::from_slice(body).ok()?;
     let set = |key: &str| object.get(key).is_some_and(|v| !v.is_null() && *v != json!(false));
     if set("prompt_logprobs") || (set("echo") && set("logprobs")) {
@@ -302,22 +507,17 @@ fn for_prefill(body: &[u8]) -> Option<Bytes> {
     for key in ["stream_options", "min_tokens", "min_completion_tokens", "logprobs", "top_logprobs", "echo"] {
         object.remove(key);
     }
-    let params = json!({
-        "do_remote_decode": true,
-        "do_remote_prefill": false,
-        "remote_engine_id": null,
-        "remote_block_ids": null,
-        "remote_host": null,
-        "remote_port": null,
-    });
-    object.insert("kv_transfer_params".into(), params);
+    object.remove("kv_transfer_params");
+    object.extend(named);
     serde_json::to_vec(&object).ok().map(Bytes::from)
 }
 
-/// The client's `body` with the prefill's `params`, for the decode replica.
-fn with_params(body: &[u8], params: Value) -> Option<Bytes> {
+/// The client's `body` with `named` (the prefill's params, or its bootstrap room), for the
+/// decode replica; the client's own `kv_transfer_params` dropped.
+fn with_fields(body: &[u8], named: Map<String, Value>) -> Option<Bytes> {
     let mut object: Map<String, Value> = serde_json::from_slice(body).ok()?;
-    object.insert("kv_transfer_params".into(), params);
+    object.remove("kv_transfer_params");
+    object.extend(named);
     serde_json::to_vec(&object).ok().map(Bytes::from)
 }
 
@@ -355,7 +555,7 @@ mod tests {
     #[test]
     fn the_prefill_asks_one_token_whole_and_a_remote_decode() {
         let client = br#"{"model":"m","prompt":"hi","max_tokens":64,"stream":true,"stream_options":{"include_usage":true},"min_tokens":8,"temperature":0.5}"#;
-        let sent = object(&for_prefill(client).unwrap());
+        let sent = object(&for_prefill(client, remote_decode()).unwrap());
         assert_eq!(sent["max_tokens"], 1);
         assert_eq!(sent["stream"], false);
         assert_eq!(sent["temperature"], 0.5);
@@ -365,15 +565,51 @@ mod tests {
         }
         assert_eq!(sent["kv_transfer_params"]["do_remote_decode"], true);
         let chat = br#"{"messages":[],"max_completion_tokens":9,"max_tokens":9}"#;
-        let sent = object(&for_prefill(chat).unwrap());
+        let sent = object(&for_prefill(chat, remote_decode()).unwrap());
         assert_eq!((sent["max_completion_tokens"].as_u64(), sent["max_tokens"].as_u64()), (Some(1), Some(1)));
-        assert!(for_prefill(b"[1]").is_none());
+        assert!(for_prefill(b"[1]", remote_decode()).is_none());
         // Its one token's logprobs are nobody's; the prompt's only a replica that computed it has.
-        let logprobs = object(&for_prefill(br#"{"prompt":"hi","logprobs":5,"echo":false}"#).unwrap());
+        let logprobs =
+            object(&for_prefill(br#"{"prompt":"hi","logprobs":5,"echo":false}"#, remote_decode()).unwrap());
         assert!(logprobs.get("logprobs").is_none() && logprobs.get("echo").is_none(), "{logprobs}");
-        assert!(for_prefill(br#"{"prompt":"hi","logprobs":1,"echo":true}"#).is_none());
-        assert!(for_prefill(br#"{"prompt":"hi","prompt_logprobs":0}"#).is_none());
-        assert!(for_prefill(br#"{"prompt":"hi","prompt_logprobs":null,"echo":true}"#).is_some());
+        assert!(for_prefill(br#"{"prompt":"hi","logprobs":1,"echo":true}"#, remote_decode()).is_none());
+        assert!(for_prefill(br#"{"prompt":"hi","prompt_logprobs":0}"#, remote_decode()).is_none());
+        assert!(
+            for_prefill(br#"{"prompt":"hi","prompt_logprobs":null,"echo":true}"#, remote_decode()).is_some()
+        );
+    }
+
+    #[test]
+    fn the_bootstrap_host_is_the_prefill_replicas_url_host() {
+        assert_eq!(host("http://10.0.0.7:30000"), "10.0.0.7");
+        assert_eq!(host("https://user:pw@prefill-0.svc:30000/base?x=1"), "prefill-0.svc");
+        assert_eq!(host("http://[fd00::7]:30000"), "[fd00::7]");
+        assert_eq!(host("prefill-0"), "prefill-0");
+    }
+
+    #[test]
+    fn a_decode_retry_goes_where_the_prefill_can_be_taken_over() {
+        use crate::replicas::{EngineKind, ReplicaSpec, Replicas};
+        let replicas = Replicas::new();
+        let add = |name: &str, engine, role| {
+            let spec = ReplicaSpec { role, ..ReplicaSpec::new(name, "", engine, "m") };
+            replicas.insert(ReplicaSpec { http_url: format!("http://{name}:8000"), ..spec }).unwrap()
+        };
+        let prefill = add("p", EngineKind::Sglang, Role::Prefill);
+        let decode = add("d", EngineKind::Sglang, Role::Decode);
+        let both = add("b", EngineKind::Sglang, Role::Both);
+        let vllm = add("v", EngineKind::Vllm, Role::Decode);
+        let remote = |bootstrap| Remote {
+            id: Some(prefill.id),
+            replica: None,
+            predicted: None,
+            cached: None,
+            bootstrap,
+        };
+        let takes = |remote: &Remote| [&prefill, &decode, &both, &vllm].map(|r| remote.decodable_on(r));
+        // A bootstrap room waits for an SGLang decode replica: one of role both ignores it.
+        assert_eq!(takes(&remote(true)), [false, true, false, false]);
+        assert_eq!(takes(&remote(false)), [false, true, true, true]);
     }
 
     #[test]
@@ -391,7 +627,7 @@ mod tests {
     fn the_decode_gets_the_clients_body_and_the_prefills_params() {
         let client = br#"{"prompt":"hi","max_tokens":64,"stream":true,"kv_transfer_params":{"spoofed":1}}"#;
         let params = json!({"do_remote_prefill": true, "remote_block_ids": [0, 1]});
-        let sent = object(&with_params(client, params.clone()).unwrap());
+        let sent = object(&with_fields(client, fields([("kv_transfer_params", params.clone())])).unwrap());
         assert_eq!(sent["kv_transfer_params"], params);
         assert_eq!((sent["max_tokens"].as_u64(), sent["stream"].as_bool()), (Some(64), Some(true)));
     }

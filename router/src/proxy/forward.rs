@@ -375,9 +375,10 @@ pub(super) fn gone_since<'a>(
 /// once, overloaded, the retries would go on past the limit: it may take the retry once it
 /// has room).
 fn retry_on(decider: &Decider, plan: &Plan, member: &crate::fleet::Member) -> Retry {
-    // The replica a decode's params name, and that prefilled it, does not decode it.
-    let prefilled_here = plan.prefilled_by.as_ref().is_some_and(|r| r.id == Some(member.replica.id));
-    if prefilled_here || gone_since(&decider.fleet, member, plan.order().map(|s| &s.member)) {
+    // The replica a decode's params name, and that prefilled it, does not decode it; nor does
+    // one that would not wait for its bootstrap room.
+    let undecodable = plan.prefilled_by.as_ref().is_some_and(|r| !r.decodable_on(&member.replica));
+    if undecodable || gone_since(&decider.fleet, member, plan.order().map(|s| &s.member)) {
         Retry::Not
     } else if !member.upstream.has_room(plan.routing.max_in_flight_per_replica) {
         Retry::Saturated

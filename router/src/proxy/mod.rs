@@ -410,12 +410,17 @@ async fn routed(
             let (arrived, sent) = ((arrived.0, admitted.received), (&parts, &body));
             let prefilled =
                 disagg::prefill((state, pool), (&prepared, &mut plan), endpoint, sent, arrived, &line);
-            let body = match prefilled.await {
-                Ok(body) => body,
-                Err(refused) => return Ok(*refused),
+            let decode = match prefilled.await {
+                Ok(decode) => decode,
+                Err(failure) => return failure.answer(),
             };
             let (forward, decider, queue) = (&state.forward, &state.decider, (&state.queue, &line));
-            forward::routed(pool, forward, decider, &mut plan, (parts, body), admitted, queue).await
+            let decoded =
+                forward::routed(pool, forward, decider, &mut plan, (parts, decode.body), admitted, queue);
+            match decode.alongside {
+                Some(alongside) => disagg::together(decoded, alongside).await,
+                None => decoded.await,
+            }
         }
         // A prompt given as embeddings (vLLM's `prompt_embeds`): no token ids to route on, so
         // to the least-loaded replica (one with its LoRA adapter), within the router's limits.

@@ -139,9 +139,12 @@ pub struct Scored {
 pub enum Hop {
     /// A request's own: replicas that decode (every replica of a fleet without roles).
     Whole,
-    /// The prefill of a request decoded on the replica named: replicas that prefill, that
-    /// one excepted ([`super::disagg`]).
+    /// The prefill of a request decoded on the replica named: replicas that prefill and hand
+    /// their KV over as vLLM's do, that one excepted ([`super::disagg`]).
     Prefill(ReplicaId),
+    /// The prefill of a request decoded on an SGLang decode replica: SGLang's prefill
+    /// replicas, which hand their KV over through a bootstrap room ([`super::disagg`]).
+    Bootstrap,
 }
 
 impl Hop {
@@ -149,7 +152,10 @@ impl Hop {
         let role = member.replica.spec.role;
         match self {
             Hop::Whole => role.decodes(),
-            Hop::Prefill(decode) => role.prefills() && member.replica.id != decode,
+            Hop::Prefill(decode) => {
+                role.prefills() && member.replica.id != decode && !member.replica.spec.bootstraps()
+            }
+            Hop::Bootstrap => role == crate::replicas::Role::Prefill && member.replica.spec.bootstraps(),
         }
     }
 }
@@ -260,6 +266,11 @@ impl Plan {
     /// The replica the request goes to first, if any is eligible.
     pub fn chosen(&self) -> Option<&Scored> {
         self.order().next()
+    }
+
+    /// Leaves the request no replica to retry on: its chosen one only.
+    pub fn without_retries(&mut self) {
+        self.order.truncate(1);
     }
 
     /// The blocks `replica` is credited with when the request goes to it: those past what the
@@ -880,6 +891,7 @@ fn unavailable(plan: &Plan) -> ProxyError {
             Hop::Whole if plan.disaggregated => super::disagg::NO_DECODER,
             Hop::Whole => "no replicas are configured",
             Hop::Prefill(_) => "no other replica prefills",
+            Hop::Bootstrap => "no SGLang replica of role prefill",
         };
         return ProxyError::Unavailable(none.into());
     }

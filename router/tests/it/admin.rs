@@ -100,6 +100,7 @@ async fn list_explain_drain_remove_and_add() {
         dp_size: 1,
         topic: String::new(),
         role: pb::ReplicaRole::Both as i32,
+        bootstrap_port: 0,
     };
     admin.add_replica(pb::AddReplicaRequest { spec: Some(spec.clone()) }).await.unwrap();
     let fleet_handle = fleet.router.fleet().clone();

@@ -1,11 +1,15 @@
 //! Prefill/decode disaggregation in front of real agents playing vLLM's NixlConnector
 //! (`--kv-transfer-config`): prompts are prefilled on prefill replicas, decoded on decode
-//! replicas, and left to the decode replica when a prefill cannot be had.
+//! replicas, and left to the decode replica when a prefill cannot be had; and playing
+//! SGLang's (`--disaggregation-mode`): the prefill is sent alongside its decode, both naming
+//! one bootstrap room.
 
 use http::StatusCode;
 use kvroute_proto::pb::{self, router_admin_client::RouterAdminClient};
+use kvroute_replica_agent::bootstrap::Mode;
 use kvroute_replica_agent::kv_transfer::{KvRole, KvTransferConfig, NIXL};
-use kvroute_router::replicas::Role;
+use kvroute_replica_agent::publisher::EventFormat;
+use kvroute_router::replicas::{EngineKind, Role};
 use serde_json::{Value, json};
 
 use crate::fleet::{FLEET_MODEL, Fleet, Reply, agent_config, first_data};
@@ -224,4 +228,116 @@ async fn the_decode_replica_prefills_when_no_prefill_can_be_had() {
     assert_eq!(reply.status, StatusCode::OK, "{}", String::from_utf8_lossy(&reply.body));
     assert_eq!(reply.header("x-kvroute-replica"), Some("agent-1"));
     assert_eq!((prefills(&fleet, "no_replica").await, prefills(&fleet, "failed").await), (1, 1));
+}
+
+/// A fleet of SGLang agents whose first `prefills` are prefill replicas, the others decode
+/// ones (each of the router's replicas of engine `sglang`, and of that role).
+async fn sglang_fleet(agents: usize, prefills: usize) -> Fleet {
+    let agent = move |name: &str| {
+        let i: usize = name.trim_start_matches("agent-").parse().unwrap();
+        kvroute_replica_agent::Config {
+            disaggregation_mode: if i < prefills { Mode::Prefill } else { Mode::Decode },
+            // SGLang's events are vLLM's (and a salt).
+            event_format: EventFormat::Vllm,
+            max_model_len: if i < prefills { PREFILL_MAX_MODEL_LEN } else { 32_768 },
+            disaggregation_timeout_ms: 60_000,
+            ..agent_config(name)
+        }
+    };
+    Fleet::with(agents, agent, |mut config| {
+        for (i, replica) in config.replicas.iter_mut().enumerate() {
+            replica.engine = EngineKind::Sglang;
+            replica.role = if i < prefills { Role::Prefill } else { Role::Decode };
+        }
+        config
+    })
+    .await
+}
+
+/// `fleet`'s answer to `body`, which must not wait for a room nobody hands over.
+async fn post_in_time(fleet: &Fleet, body: Value) -> Reply {
+    let answered = tokio::time::timeout(std::time::Duration::from_secs(30), post(fleet, body)).await;
+    answered.expect("answered, not left waiting for a bootstrap room")
+}
+
+#[tokio::test]
+async fn sglang_prefills_go_alongside_their_decodes_through_a_bootstrap_room() {
+    let fleet = sglang_fleet(4, 2).await;
+    let (prefill_names, decode_names) = (["agent-0", "agent-1"], ["agent-2", "agent-3"]);
+    let doc = words(40, 21);
+
+    // Both replicas had the request at once: the prefill replica answers only once the decode
+    // replica took the room's KV, and the decode replica decodes only once it had it.
+    let first = post_in_time(&fleet, completion(&format!("{doc} first ask"), 5)).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", String::from_utf8_lossy(&first.body));
+    let decoded_on = first.header("x-kvroute-replica").unwrap().to_owned();
+    let prefilled_on = first.header("x-kvroute-prefill-replica").expect("prefilled elsewhere").to_owned();
+    assert!(decode_names.contains(&decoded_on.as_str()), "{decoded_on}");
+    assert!(prefill_names.contains(&prefilled_on.as_str()), "{prefilled_on}");
+    let (prompt_tokens, completion_tokens, cached) = usage(&first);
+    // SGLang's decode replica reports what its prefill replica had cached: nothing yet.
+    assert_eq!((completion_tokens, cached), (5, 0));
+    assert_eq!(first.header("x-kvroute-prefill-cached-tokens"), Some("0"));
+    let p = prefill_names.iter().position(|n| *n == prefilled_on).unwrap();
+    assert_eq!(agent_metric(&fleet, p, "vllm:generation_tokens_total").await, 1, "one token");
+    let d = decode_names.iter().position(|n| *n == decoded_on).unwrap() + 2;
+    let pulled = agent_metric(&fleet, d, "vllm:external_prefix_cache_hits_total").await;
+    assert_eq!(pulled, prompt_tokens - 1, "the decode replica pulled the prompt but its last token");
+
+    // Another question on the document: prefilled where the document is cached, as predicted;
+    // the decode replica reports that hit.
+    let second = post_in_time(&fleet, completion(&format!("{doc} {}", words(12, 22)), 3)).await;
+    assert_eq!(second.status, StatusCode::OK, "{}", String::from_utf8_lossy(&second.body));
+    assert_eq!(second.header("x-kvroute-prefill-replica"), Some(prefilled_on.as_str()));
+    assert_eq!(second.header("x-kvroute-prefill-cached-tokens"), Some("40"));
+    assert_eq!(second.header("x-kvroute-predicted-cached-tokens"), Some("40"));
+    assert_eq!(usage(&second).2, 40);
+
+    // A stream: its first chunk arrives from the decode replica.
+    let body = json!({ "model": FLEET_MODEL, "prompt": words(60, 23), "max_tokens": 20, "stream": true });
+    let url = fleet.url("/v1/completions");
+    let streaming = fleet.http.stream(&url, &body);
+    let mut streamed = tokio::time::timeout(std::time::Duration::from_secs(30), streaming).await.unwrap();
+    assert_eq!(streamed.status(), StatusCode::OK);
+    assert!(streamed.headers().contains_key("x-kvroute-prefill-replica"));
+    assert_eq!(streamed.headers()["x-kvroute-prefill-cached-tokens"], "0");
+    let chunk = first_data(streamed.body_mut()).await;
+    assert!(chunk.starts_with(b"data: {"), "{chunk:?}");
+    assert_eq!(prefills(&fleet, "remote").await, 3);
+
+    // A batch is not split; SGLang's decode replica refuses a request without a room.
+    let batch = json!({ "model": FLEET_MODEL, "prompt": [words(30, 24), words(30, 25)], "max_tokens": 2 });
+    let reply = post_in_time(&fleet, batch).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    assert!(
+        reply.json()["error"]["message"].as_str().unwrap().contains("bootstrap room"),
+        "{}",
+        reply.json()
+    );
+    assert_eq!(prefills(&fleet, "not_split").await, 1);
+}
+
+#[tokio::test]
+async fn an_sglang_prefill_that_cannot_be_had_ends_its_request() {
+    let mut fleet = sglang_fleet(2, 1).await;
+    // A prompt the prefill replica refuses (too long for its context): its answer is the
+    // client's at once, though the decode replica took the request and waits for its room.
+    let long = completion(&words(PREFILL_MAX_MODEL_LEN as usize + 10, 26), 4);
+    let reply = post_in_time(&fleet, long).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(reply.header("x-kvroute-replica"), Some("agent-0"));
+    assert!(reply.json()["error"]["message"].as_str().unwrap().contains("context"), "{}", reply.json());
+    assert_eq!(prefills(&fleet, "refused").await, 1);
+    let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+    let in_flight = "kvroute_router_replica_in_flight{replica=\"agent-1\"}";
+    assert_eq!(sample(&String::from_utf8_lossy(&metrics.body), in_flight), Some(0), "the decode let go");
+
+    // Without the prefill replica, the decode replica (which cannot prefill) is sent nothing.
+    fleet.kill(0).await;
+    let members = fleet.router.fleet().members();
+    wait_until("the prefill replica is down", || !members[0].upstream.is_healthy()).await;
+    let reply = post_in_time(&fleet, completion(&words(40, 27), 4)).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&reply.body));
+    assert!(reply.json()["error"]["message"].is_string(), "{}", reply.json());
+    assert_eq!(prefills(&fleet, "no_replica").await, 1);
 }

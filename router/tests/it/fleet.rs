@@ -43,6 +43,7 @@ pub fn replica_config(agent: &RunningAgent) -> ReplicaConfig {
         dp_size: agent.ranks.count() as u32,
         topic: String::new(),
         role: kvroute_router::replicas::Role::Both,
+        bootstrap_port: agent.bootstrap_addr.map(|addr| addr.port()),
     }
 }
 

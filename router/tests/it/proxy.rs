@@ -317,6 +317,7 @@ async fn two_routers_in_front_of_one_fleet_converge_to_the_same_index() {
                         dp_size: 1,
                         topic: String::new(),
                         role: s.role,
+                        bootstrap_port: s.bootstrap_port,
                     }
                 })
                 .collect(),

@@ -39,6 +39,8 @@ pub struct Agent {
     pub client: Client,
     pub events_endpoint: String,
     pub replay_endpoint: Option<String>,
+    /// A prefill agent's bootstrap server (`--disaggregation-mode prefill`).
+    pub bootstrap_addr: Option<SocketAddr>,
     pub grpc_url: String,
     pub engine: kvroute_replica_agent::engine::Engine,
     pub ranks: kvroute_replica_agent::engine::Ranks,
@@ -64,6 +66,7 @@ impl Agent {
             client: Client::new(addr),
             events_endpoint: running.events_endpoint.clone(),
             replay_endpoint: running.replay_endpoint.clone(),
+            bootstrap_addr: running.bootstrap_addr,
             grpc_url: running.grpc_url(),
             engine: running.engine.clone(),
             ranks: running.ranks.clone(),

@@ -1,0 +1,250 @@
+//! Disaggregated prefill as SGLang plays it (`--disaggregation-mode prefill|decode`), so a
+//! router can split a request between a prefill replica (P) and a decode replica (D) in
+//! front of agents as in front of SGLang.
+//!
+//! 1. The router sends the request to P and to D at once, each with the same
+//!    `bootstrap_host` (P's host), `bootstrap_port` (P's bootstrap port, or null for D's own
+//!    `--disaggregation-bootstrap-port`) and `bootstrap_room` (a random integer naming the
+//!    hand-over).
+//! 2. P computes the prompt and one token, as for any request (its prefix cache and events
+//!    too), then waits for D to take the room's KV; only then does it answer, one token
+//!    long (`finish_reason` `length`), as SGLang's P answers once its transfer succeeded.
+//! 3. D asks P's bootstrap server for the room and waits for P's prefill; it then takes what
+//!    its own prefix cache holds, pulls the rest of the prompt but its last token (each
+//!    pulled token costs [`crate::engine::LOAD_SHARE`] of a prefill token), and decodes. It
+//!    reports P's cached tokens as its own, as SGLang's D copies them from P; it caches and
+//!    publishes the prompt's blocks.
+//!
+//! Either side gives up after `--disaggregation-timeout-ms` (SGLang's bootstrap and waiting
+//! timeouts, 300 s): P's answer, or D's, is then a 500. A request without `bootstrap_room`
+//! is refused with a 400 by both, as SGLang refuses it.
+//!
+//! Not modelled: the bytes (P's bootstrap server here answers one route of its own,
+//! `GET /kvroute/rooms/{room}`, not SGLang's registration protocol), batches of rooms (a
+//! request of several prompts or choices is refused), and P's stream (the router asks P for
+//! a whole answer).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// `--disaggregation-mode`: SGLang's names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Neither: bootstrap fields are ignored.
+    #[default]
+    Null,
+    /// Computes prompts for decode replicas; serves the bootstrap port.
+    Prefill,
+    /// Decodes prompts pulled from prefill replicas.
+    Decode,
+}
+
+/// SGLang's default `--disaggregation-bootstrap-port`.
+pub const DEFAULT_PORT: u16 = 8998;
+
+/// What a request's bootstrap fields name: where D finds P, and the hand-over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bootstrap {
+    pub host: String,
+    /// `None`: D's own `--disaggregation-bootstrap-port`.
+    pub port: Option<u16>,
+    pub room: u64,
+}
+
+/// A field, unless absent or null.
+fn present(raw: Option<&RawValue>) -> Option<&RawValue> {
+    raw.filter(|raw| raw.get() != "null")
+}
+
+/// Reads `bootstrap_host`, `bootstrap_port` and `bootstrap_room` in `mode`. `Ok(None)`: not
+/// disaggregated here. `Err`: refused (no room, a batch of rooms, a field of the wrong type).
+pub fn asked(mode: Mode, [host, port, room]: [Option<&RawValue>; 3]) -> Result<Option<Bootstrap>, String> {
+    if mode == Mode::Null {
+        return Ok(None);
+    }
+    let Some(room) = present(room) else {
+        return Err("Disaggregated request received without bootstrap room id".into());
+    };
+    let room: u64 = serde_json::from_str(room.get())
+        .map_err(|_| "bootstrap_room must be a non-negative integer (batches of rooms are not simulated)")?;
+    let port = match present(port) {
+        Some(port) => {
+            Some(serde_json::from_str(port.get()).map_err(|_| "bootstrap_port must be a port number")?)
+        }
+        None => None,
+    };
+    let host = match present(host) {
+        Some(host) => serde_json::from_str(host.get()).map_err(|_| "bootstrap_host must be a string")?,
+        // Only D reads it: P's own host.
+        None if mode == Mode::Prefill => String::new(),
+        None => return Err("bootstrap_host is required by a decode replica".into()),
+    };
+    Ok(Some(Bootstrap { host, port, room }))
+}
+
+/// What P hands over for a room: what D reports of the prompt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Transfer {
+    pub prompt_tokens: usize,
+    /// P's prefix-cache hit, which D reports as its own.
+    pub cached_tokens: u32,
+}
+
+/// A room as both sides see it.
+#[derive(Clone, Copy, Debug, Default)]
+struct Room {
+    /// D asked for it.
+    claimed: bool,
+    /// P's prefill ended.
+    transfer: Option<Transfer>,
+}
+
+/// P's rooms, and D's way to P's: one per agent.
+pub struct Rooms {
+    rooms: Mutex<HashMap<u64, watch::Sender<Room>>>,
+    timeout: Duration,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Rooms {
+    pub fn new(timeout: Duration) -> Self {
+        Rooms { rooms: Mutex::default(), timeout, client: Client::builder(TokioExecutor::new()).build_http() }
+    }
+
+    fn room(&self, id: u64) -> watch::Sender<Room> {
+        let mut rooms = self.rooms.lock().unwrap_or_else(|e| e.into_inner());
+        rooms.entry(id).or_insert_with(|| watch::channel(Room::default()).0).clone()
+    }
+
+    /// Waits until `room` is as `ready` says (or the timeout); the room is forgotten after.
+    async fn until(&self, id: u64, room: watch::Sender<Room>, ready: impl Fn(&Room) -> bool) -> Option<Room> {
+        let mut changes = room.subscribe();
+        let seen = tokio::time::timeout(self.timeout, changes.wait_for(ready)).await;
+        let seen = seen.ok().and_then(Result::ok).map(|room| *room);
+        self.rooms.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+        seen
+    }
+
+    /// P: hands `transfer` over to the room's D, once D has come for it.
+    pub async fn hand_over(&self, id: u64, transfer: Transfer) -> Result<(), String> {
+        let room = self.room(id);
+        room.send_modify(|room| room.transfer = Some(transfer));
+        match self.until(id, room, |room| room.claimed).await {
+            Some(_) => Ok(()),
+            None => Err(format!("no decode replica came for bootstrap room {id} in {:?}", self.timeout)),
+        }
+    }
+
+    /// P's bootstrap server: D comes for room `id`, and waits for its prefill.
+    async fn claim(&self, id: u64) -> Option<Transfer> {
+        let room = self.room(id);
+        room.send_modify(|room| room.claimed = true);
+        self.until(id, room, |room| room.transfer.is_some()).await?.transfer
+    }
+
+    /// D: the prefill of `bootstrap`'s room, from P's bootstrap server (`own_port` when the
+    /// request names none).
+    pub async fn pull(&self, bootstrap: &Bootstrap, own_port: u16) -> Result<Transfer, String> {
+        let port = bootstrap.port.unwrap_or(own_port);
+        let uri = format!("http://{}:{port}/kvroute/rooms/{}", bootstrap.host, bootstrap.room);
+        let failed = |e: &dyn std::fmt::Display| format!("bootstrap {uri}: {e}");
+        let request = Request::get(&uri).body(Full::default()).map_err(|e| failed(&e))?;
+        let answer = tokio::time::timeout(self.timeout, async {
+            let response = self.client.request(request).await.map_err(|e| failed(&e))?;
+            let status = response.status();
+            let body = response.into_body().collect().await.map_err(|e| failed(&e))?.to_bytes();
+            if !status.is_success() {
+                return Err(failed(&format!("{status}: {}", String::from_utf8_lossy(&body))));
+            }
+            serde_json::from_slice(&body).map_err(|e| failed(&e))
+        });
+        answer.await.unwrap_or_else(|_| Err(failed(&format!("no prefill in {:?}", self.timeout))))
+    }
+}
+
+/// Binds P's bootstrap server on `addr`'s host at `port`.
+pub async fn bind(addr: SocketAddr, port: u16) -> std::io::Result<TcpListener> {
+    TcpListener::bind(SocketAddr::new(addr.ip(), port)).await
+}
+
+/// Serves `rooms` on `listener` until `shutdown`.
+pub async fn serve(listener: TcpListener, rooms: Arc<Rooms>, shutdown: CancellationToken) {
+    let handler = move |request: Request<hyper::body::Incoming>| {
+        let rooms = rooms.clone();
+        async move {
+            let room = request.uri().path().strip_prefix("/kvroute/rooms/").and_then(|id| id.parse().ok());
+            let (status, body) = match room {
+                None => (StatusCode::NOT_FOUND, "no such route: GET /kvroute/rooms/{room}".to_owned()),
+                Some(id) => match rooms.claim(id).await {
+                    Some(transfer) => (StatusCode::OK, serde_json::to_string(&transfer).unwrap_or_default()),
+                    None => (StatusCode::GATEWAY_TIMEOUT, format!("no prefill for bootstrap room {id}")),
+                },
+            };
+            let mut response = Response::new(Full::new(Bytes::from(body)));
+            *response.status_mut() = status;
+            response
+        }
+    };
+    kvroute_proto::serve::serve(listener, handler, shutdown).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(json: &str) -> Option<Box<RawValue>> {
+        Some(RawValue::from_string(json.into()).unwrap())
+    }
+
+    fn ask(mode: Mode, host: &str, port: &str, room: &str) -> Result<Option<Bootstrap>, String> {
+        let [host, port, room] = [raw(host), raw(port), raw(room)];
+        asked(mode, [host.as_deref(), port.as_deref(), room.as_deref()])
+    }
+
+    #[test]
+    fn a_disaggregated_replica_needs_a_room_and_decode_needs_a_host() {
+        assert_eq!(ask(Mode::Null, "1", "2", "3"), Ok(None), "fields ignored");
+        let named = ask(Mode::Decode, r#""10.0.0.7""#, "null", "7").unwrap().unwrap();
+        assert_eq!(named, Bootstrap { host: "10.0.0.7".into(), port: None, room: 7 });
+        assert_eq!(ask(Mode::Prefill, "null", "8998", "9").unwrap().unwrap().port, Some(8998));
+        assert!(ask(Mode::Prefill, r#""h""#, "1", "null").unwrap_err().contains("without bootstrap room"));
+        assert!(ask(Mode::Decode, "null", "1", "3").is_err(), "D must find P");
+        assert!(ask(Mode::Decode, r#""h""#, "1", "[1,2]").is_err(), "batches");
+        assert!(ask(Mode::Decode, r#""h""#, "70000", "1").is_err());
+    }
+
+    #[tokio::test]
+    async fn a_room_is_handed_over_whichever_side_comes_first() {
+        let rooms = Rooms::new(Duration::from_secs(30));
+        let transfer = Transfer { prompt_tokens: 40, cached_tokens: 16 };
+        let (handed, claimed) = tokio::join!(rooms.hand_over(1, transfer), rooms.claim(1));
+        assert_eq!((handed, claimed), (Ok(()), Some(transfer)));
+        let (claimed, handed) = tokio::join!(rooms.claim(2), rooms.hand_over(2, transfer));
+        assert_eq!((handed, claimed), (Ok(()), Some(transfer)));
+        assert!(rooms.rooms.lock().unwrap().is_empty(), "rooms are forgotten");
+    }
+
+    #[tokio::test]
+    async fn a_side_alone_gives_up() {
+        let rooms = Rooms::new(Duration::from_millis(20));
+        let transfer = Transfer { prompt_tokens: 4, cached_tokens: 0 };
+        assert!(rooms.hand_over(3, transfer).await.unwrap_err().contains("no decode replica"));
+        assert_eq!(rooms.claim(4).await, None);
+        assert!(rooms.rooms.lock().unwrap().is_empty());
+    }
+}
