@@ -16,8 +16,9 @@
 //!    publishes the prompt's blocks.
 //!
 //! Either side gives up after `--disaggregation-timeout-ms` (SGLang's bootstrap and waiting
-//! timeouts, 300 s): P's answer, or D's, is then a 500. A request without `bootstrap_room`
-//! is refused with a 400 by both, as SGLang refuses it.
+//! timeouts, 300 s): P's answer, or D's, is then a 500. A completion or chat without
+//! `bootstrap_room` is refused with a 400 by both, as SGLang refuses it; Messages and
+//! Responses requests are served whole (not modelled).
 //!
 //! Not modelled: the bytes (P's bootstrap server here answers one route of its own,
 //! `GET /kvroute/rooms/{room}`, not SGLang's registration protocol), batches of rooms (a
@@ -131,13 +132,13 @@ impl Rooms {
         rooms.entry(id).or_insert_with(|| watch::channel(Room::default()).0).clone()
     }
 
-    /// Waits until `room` is as `ready` says (or the timeout); the room is forgotten after.
+    /// Waits until `room` is as `ready` says (or the timeout); the room is forgotten after,
+    /// and when the wait is dropped (its request gone).
     async fn until(&self, id: u64, room: watch::Sender<Room>, ready: impl Fn(&Room) -> bool) -> Option<Room> {
+        let _forget = Forget { rooms: self, id, room: room.clone() };
         let mut changes = room.subscribe();
         let seen = tokio::time::timeout(self.timeout, changes.wait_for(ready)).await;
-        let seen = seen.ok().and_then(Result::ok).map(|room| *room);
-        self.rooms.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-        seen
+        seen.ok().and_then(Result::ok).map(|room| *room)
     }
 
     /// P: hands `transfer` over to the room's D, once D has come for it.
@@ -174,6 +175,22 @@ impl Rooms {
             serde_json::from_slice(&body).map_err(|e| failed(&e))
         });
         answer.await.unwrap_or_else(|_| Err(failed(&format!("no prefill in {:?}", self.timeout))))
+    }
+}
+
+/// Forgets a room when dropped, unless it is another by now (a room id come again).
+struct Forget<'a> {
+    rooms: &'a Rooms,
+    id: u64,
+    room: watch::Sender<Room>,
+}
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        let mut rooms = self.rooms.rooms.lock().unwrap_or_else(|e| e.into_inner());
+        if rooms.get(&self.id).is_some_and(|room| room.same_channel(&self.room)) {
+            rooms.remove(&self.id);
+        }
     }
 }
 
@@ -245,6 +262,11 @@ mod tests {
         let transfer = Transfer { prompt_tokens: 4, cached_tokens: 0 };
         assert!(rooms.hand_over(3, transfer).await.unwrap_err().contains("no decode replica"));
         assert_eq!(rooms.claim(4).await, None);
+        assert!(rooms.rooms.lock().unwrap().is_empty());
+        // A wait dropped (its request gone) forgets its room too.
+        let rooms = Rooms::new(Duration::from_secs(30));
+        let waiting = rooms.claim(5);
+        let _ = futures::poll!(Box::pin(waiting));
         assert!(rooms.rooms.lock().unwrap().is_empty());
     }
 }

@@ -323,8 +323,9 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_MS", default_value_t = 600_000)]
     pub first_byte_timeout_ms: u64,
     /// How long a prefill replica may take to answer a prefill sent ahead of its request
-    /// (one token, no stream), milliseconds; past it, the decode
-    /// replica prefills the prompt itself.
+    /// (one token, no stream), milliseconds; past it, the decode replica prefills the prompt
+    /// itself (an SGLang one cannot: the request fails with a 504; SGLang's prefill replica
+    /// answers once its decode replica took the KV, so this covers the decode's wait too).
     #[arg(long, env = "KVROUTE_PD_PREFILL_TIMEOUT_MS", default_value_t = 60_000)]
     pub pd_prefill_timeout_ms: u64,
     /// After SIGTERM, how long open requests may go on, milliseconds: then open streams end

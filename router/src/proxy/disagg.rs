@@ -48,8 +48,13 @@
 //! goes to the client after it, with the same headers. A prefill's failure (its error answer,
 //! a failure to connect, `--pd-prefill-timeout-ms`) is the client's answer and ends the
 //! decode; so does a decode replica's error end its prefill. With no prefill replica to be
-//! had, the request ends with a 503. A request that is not split reaches its decode replica
-//! without a room. A decode retried on another SGLang decode replica keeps its room.
+//! had, the request ends with a 503. The decode is not retried elsewhere either (its replica
+//! may have taken the room's KV before it failed). A request that is not split reaches its
+//! decode replica without a room, and is refused there: requests that are never split (module
+//! docs below, `n`, batches, passthrough) are still decided among SGLang decode replicas too,
+//! which refuse them (not fixed: they would need deciding among `both` replicas). A client's
+//! own `bootstrap_host`, `bootstrap_port` and `bootstrap_room` are dropped as its
+//! `kv_transfer_params` are.
 //!
 //! Not split: requests of several prompts or choices (`n`), chats with media, requests for the
 //! prompt's logprobs (`prompt_logprobs`, `echo` with `logprobs`: only the replica that
@@ -62,7 +67,8 @@
 //! Costs: a split request is two decisions (`kvroute_router_decisions_total`,
 //! `decision_seconds`) and two upstream requests (time to first byte, duration). Its decode
 //! replica is charged the prompt's prefill while the prefill runs (its place is held), then
-//! its last token only; its recent prompt tokens count the whole prompt.
+//! its last token only (an SGLang one, its last token from the start); its recent prompt
+//! tokens count the whole prompt.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -109,11 +115,11 @@ pub struct Remote {
 }
 
 impl Remote {
-    /// Whether `replica` may decode it (on a retry): not the replica that prefilled it, and
-    /// one that waits for a bootstrap room if it was handed over through one.
+    /// Whether `replica` may take its decode over on a retry: not after a bootstrap room (the
+    /// first decode replica may have taken the room's KV already), nor on the replica that
+    /// prefilled it, nor on an SGLang decode replica (which refuses a request without a room).
     pub fn decodable_on(&self, replica: &crate::replicas::Replica) -> bool {
-        self.id != Some(replica.id)
-            && (!self.bootstrap || (replica.spec.bootstraps() && replica.spec.role == Role::Decode))
+        !self.bootstrap && self.id != Some(replica.id) && !waits_for_a_room(&replica.spec)
     }
 
     /// Names the prefill replica, and puts its predicted and reported cached tokens in place
@@ -129,6 +135,12 @@ impl Remote {
             headers.insert(X_KVROUTE_PREFILL_CACHED, HeaderValue::from(cached));
         }
     }
+}
+
+/// Whether `spec` is an SGLang decode replica, which serves a completion or chat only with a
+/// bootstrap room.
+fn waits_for_a_room(spec: &crate::replicas::ReplicaSpec) -> bool {
+    spec.bootstraps() && spec.role == Role::Decode
 }
 
 /// Why a request that decodes has nowhere to go in a fleet of prefill replicas only.
@@ -206,8 +218,8 @@ pub async fn prefill<'a>(
         return local();
     };
     let admitted = Admitted { request_id, slot: None, received };
-    if decode.spec.bootstraps() && decode.spec.role == Role::Decode {
-        return bootstrap((state, pool), (prepared, plan), (parts, body), admitted, line);
+    if waits_for_a_room(&decode.spec) {
+        return bootstrap((state, pool), (prepared, plan), (endpoint, parts, body), admitted, line);
     }
     let decode = decode.id;
     let lacking = plan.prompt_tokens.saturating_sub(plan.predicted_cached_tokens(0));
@@ -215,7 +227,7 @@ pub async fn prefill<'a>(
         count("cached");
         return local();
     }
-    let Some(sent) = for_prefill(body, remote_decode()) else {
+    let Some(sent) = prefillable(body).and_then(|object| for_prefill(object, remote_decode())) else {
         count("not_split");
         return local();
     };
@@ -326,15 +338,23 @@ fn prefill_forward(state: &ProxyState) -> ForwardConfig {
 fn bootstrap<'a>(
     (state, pool): (&'a Arc<ProxyState>, &'a Arc<Pool>),
     (prepared, plan): (&Prepared, &mut Plan),
-    (parts, body): (&http::request::Parts, &Bytes),
+    (endpoint, parts, body): (Endpoint, &http::request::Parts, &Bytes),
     admitted: Admitted<'a>,
     line: &'a Line,
 ) -> Result<Decode<'a>, Failure> {
+    let Some(object) = prefillable(body) else {
+        // Not a JSON object, or asks for the prompt's logprobs: the decode replica's answer.
+        count(state, "not_split");
+        return Ok(Decode { body: without_own_params(endpoint, body), alongside: None });
+    };
     let mut prefill = match state.decider.decide_hop(prepared, &RequestLimits::NONE, Hop::Bootstrap) {
         Ok(plan) => plan,
         Err(e) => {
-            // The decode replica cannot prefill: it refuses a request without a room.
+            // The decode replica cannot prefill (it refuses a request without a room): nothing
+            // goes there, and its credit and place end now.
             count(state, "no_replica");
+            state.decider.withdraw_credit(plan, 0);
+            plan.load = None;
             return Err(Failure::Error(e));
         }
     };
@@ -349,10 +369,9 @@ fn bootstrap<'a>(
         ("bootstrap_port", json!(on.replica.spec.bootstrap_port)),
         ("bootstrap_room", json!(room)),
     ]);
-    let (Some(sent), Some(decoded)) = (for_prefill(body, named.clone()), with_fields(body, named)) else {
-        // Not a JSON object, or asks for the prompt's logprobs: the decode replica's answer.
+    let (Some(sent), Some(decoded)) = (for_prefill(object, named.clone()), with_fields(body, named)) else {
         count(state, "not_split");
-        return Ok(Decode { body: body.clone(), alongside: None });
+        return Ok(Decode { body: without_own_params(endpoint, body), alongside: None });
     };
     let predicted = prefill.predicted_cached_tokens(0);
     let replica = HeaderValue::from_str(&on.replica.spec.name).ok();
@@ -489,15 +508,18 @@ fn fields<const N: usize>(pairs: [(&str, Value); N]) -> Map<String, Value> {
     pairs.into_iter().map(|(key, value)| (key.to_owned(), value)).collect()
 }
 
-/// The client's `body` as a prefill replica is sent it, with `named` (how it hands its KV
-/// over); `None` if it is not a JSON object, or asks for the prompt's logprobs (which only a
-/// replica that computed the prompt has).
-fn for_prefill(body: &[u8], named: Map<String, Value>) -> Option<Bytes> {
-    let mut object: Map<String, Value> = serde_json::from_slice(body).ok()?;
+/// The client's `body` as an object, if it is one and does not ask for the prompt's logprobs
+/// (which only a replica that computed the prompt has): its prefill can go elsewhere.
+fn prefillable(body: &[u8]) -> Option<Map<String, Value>> {
+    let object: Map<String, Value> = serde_json::from_slice(body).ok()?;
     let set = |key: &str| object.get(key).is_some_and(|v| !v.is_null() && *v != json!(false));
-    if set("prompt_logprobs") || (set("echo") && set("logprobs")) {
-        return None;
-    }
+    let prompts_logprobs = set("prompt_logprobs") || (set("echo") && set("logprobs"));
+    (!prompts_logprobs).then_some(object)
+}
+
+/// The client's request (its [`prefillable`] `object`) as a prefill replica is sent it, with
+/// `named` (how it hands its KV over).
+fn for_prefill(mut object: Map<String, Value>, named: Map<String, Value>) -> Option<Bytes> {
     object.insert("max_tokens".into(), json!(1));
     if object.contains_key("max_completion_tokens") {
         object.insert("max_completion_tokens".into(), json!(1));
@@ -507,16 +529,16 @@ fn for_prefill(body: &[u8], named: Map<String, Value>) -> Option<Bytes> {
     for key in ["stream_options", "min_tokens", "min_completion_tokens", "logprobs", "top_logprobs", "echo"] {
         object.remove(key);
     }
-    object.remove("kv_transfer_params");
+    drop_own(&mut object);
     object.extend(named);
     serde_json::to_vec(&object).ok().map(Bytes::from)
 }
 
 /// The client's `body` with `named` (the prefill's params, or its bootstrap room), for the
-/// decode replica; the client's own `kv_transfer_params` dropped.
+/// decode replica; the client's own dropped.
 fn with_fields(body: &[u8], named: Map<String, Value>) -> Option<Bytes> {
     let mut object: Map<String, Value> = serde_json::from_slice(body).ok()?;
-    object.remove("kv_transfer_params");
+    drop_own(&mut object);
     object.extend(named);
     serde_json::to_vec(&object).ok().map(Bytes::from)
 }
@@ -526,18 +548,28 @@ pub fn without_own_params_if_split(fleet: &crate::fleet::Fleet, endpoint: Endpoi
     if disaggregates(&fleet.members()) { without_own_params(endpoint, &body) } else { body }
 }
 
-/// The client's `body` without `kv_transfer_params` of its own: in a fleet that disaggregates,
-/// they would make a replica pull from, or hold blocks for, whatever they name.
+/// The fields that tell a replica how a prefill is handed over: vLLM's params, SGLang's room.
+const OWN_FIELDS: [&str; 4] = ["kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"];
+
+/// `object` without [`OWN_FIELDS`] (every spelling of them: an escaped key reads the same in
+/// Python).
+fn drop_own(object: &mut Map<String, Value>) {
+    for key in OWN_FIELDS {
+        object.remove(key);
+    }
+}
+
+/// The client's `body` without [`OWN_FIELDS`] of its own: in a fleet that disaggregates, they
+/// would make a replica pull from, or hold blocks for, whatever they name.
 fn without_own_params(endpoint: Endpoint, body: &Bytes) -> Bytes {
     let reads_them = matches!(endpoint, Endpoint::Completions | Endpoint::ChatCompletions);
-    if !reads_them || !matches!(parse_object(body, &["kv_transfer_params"]), Ok([Some(_)])) {
+    let named = parse_object(body, &OWN_FIELDS).is_ok_and(|fields| fields.iter().any(Option::is_some));
+    if !reads_them || !named {
         return body.clone();
     }
-    let object = serde_json::from_slice::<Map<String, Value>>(body);
-    match object {
+    match serde_json::from_slice::<Map<String, Value>>(body) {
         Ok(mut object) => {
-            // Every spelling of the key (an escaped one reads the same in Python).
-            object.remove("kv_transfer_params");
+            drop_own(&mut object);
             serde_json::to_vec(&object).map_or_else(|_| body.clone(), Bytes::from)
         }
         Err(_) => body.clone(),
@@ -552,10 +584,14 @@ mod tests {
         serde_json::from_slice(bytes).unwrap()
     }
 
+    fn prefill_of(body: &[u8]) -> Option<Bytes> {
+        prefillable(body).and_then(|object| for_prefill(object, remote_decode()))
+    }
+
     #[test]
     fn the_prefill_asks_one_token_whole_and_a_remote_decode() {
         let client = br#"{"model":"m","prompt":"hi","max_tokens":64,"stream":true,"stream_options":{"include_usage":true},"min_tokens":8,"temperature":0.5}"#;
-        let sent = object(&for_prefill(client, remote_decode()).unwrap());
+        let sent = object(&prefill_of(client).unwrap());
         assert_eq!(sent["max_tokens"], 1);
         assert_eq!(sent["stream"], false);
         assert_eq!(sent["temperature"], 0.5);
@@ -565,18 +601,15 @@ mod tests {
         }
         assert_eq!(sent["kv_transfer_params"]["do_remote_decode"], true);
         let chat = br#"{"messages":[],"max_completion_tokens":9,"max_tokens":9}"#;
-        let sent = object(&for_prefill(chat, remote_decode()).unwrap());
+        let sent = object(&prefill_of(chat).unwrap());
         assert_eq!((sent["max_completion_tokens"].as_u64(), sent["max_tokens"].as_u64()), (Some(1), Some(1)));
-        assert!(for_prefill(b"[1]", remote_decode()).is_none());
+        assert!(prefill_of(b"[1]").is_none());
         // Its one token's logprobs are nobody's; the prompt's only a replica that computed it has.
-        let logprobs =
-            object(&for_prefill(br#"{"prompt":"hi","logprobs":5,"echo":false}"#, remote_decode()).unwrap());
+        let logprobs = object(&prefill_of(br#"{"prompt":"hi","logprobs":5,"echo":false}"#).unwrap());
         assert!(logprobs.get("logprobs").is_none() && logprobs.get("echo").is_none(), "{logprobs}");
-        assert!(for_prefill(br#"{"prompt":"hi","logprobs":1,"echo":true}"#, remote_decode()).is_none());
-        assert!(for_prefill(br#"{"prompt":"hi","prompt_logprobs":0}"#, remote_decode()).is_none());
-        assert!(
-            for_prefill(br#"{"prompt":"hi","prompt_logprobs":null,"echo":true}"#, remote_decode()).is_some()
-        );
+        assert!(prefill_of(br#"{"prompt":"hi","logprobs":1,"echo":true}"#).is_none());
+        assert!(prefill_of(br#"{"prompt":"hi","prompt_logprobs":0}"#).is_none());
+        assert!(prefill_of(br#"{"prompt":"hi","prompt_logprobs":null,"echo":true}"#).is_some());
     }
 
     #[test]
@@ -607,9 +640,10 @@ mod tests {
             bootstrap,
         };
         let takes = |remote: &Remote| [&prefill, &decode, &both, &vllm].map(|r| remote.decodable_on(r));
-        // A bootstrap room waits for an SGLang decode replica: one of role both ignores it.
-        assert_eq!(takes(&remote(true)), [false, true, false, false]);
-        assert_eq!(takes(&remote(false)), [false, true, true, true]);
+        // A decode after a bootstrap room is not retried: its room may have been taken.
+        assert_eq!(takes(&remote(true)), [false; 4]);
+        // Nor does an SGLang decode replica take one without a room.
+        assert_eq!(takes(&remote(false)), [false, false, true, true]);
     }
 
     #[test]
@@ -621,6 +655,17 @@ mod tests {
         assert_eq!(without_own_params(Endpoint::Messages, &own), own, "not read there");
         let none = Bytes::from_static(br#"{"prompt":"hi","kv_transfer_params":null}"#);
         assert_eq!(without_own_params(Endpoint::ChatCompletions, &none), none, "null asks nothing");
+        // A room of its own would have an SGLang decode replica pull from its host.
+        let room = br#"{"prompt":"hi","bootstrap_host":"evil","bootstrap_port":1,"bootstrap\u005froom":7}"#;
+        let sent = object(&without_own_params(Endpoint::Completions, &Bytes::from_static(room)));
+        assert_eq!(sent, json!({"prompt": "hi"}));
+        let named = fields([("bootstrap_host", json!("p0")), ("bootstrap_room", json!(9))]);
+        let sent = object(&with_fields(room, named).unwrap());
+        assert_eq!(
+            sent,
+            json!({"prompt": "hi", "bootstrap_host": "p0", "bootstrap_room": 9}),
+            "the router's only"
+        );
     }
 
     #[test]

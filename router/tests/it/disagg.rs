@@ -305,15 +305,16 @@ async fn sglang_prefills_go_alongside_their_decodes_through_a_bootstrap_room() {
     assert!(chunk.starts_with(b"data: {"), "{chunk:?}");
     assert_eq!(prefills(&fleet, "remote").await, 3);
 
-    // A batch is not split; SGLang's decode replica refuses a request without a room.
-    let batch = json!({ "model": FLEET_MODEL, "prompt": [words(30, 24), words(30, 25)], "max_tokens": 2 });
+    // A batch is not split; SGLang's decode replica refuses a request without a room, and a
+    // client's own room never reaches it.
+    let batch = json!({
+        "model": FLEET_MODEL, "prompt": [words(30, 24), words(30, 25)], "max_tokens": 2,
+        "bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 7,
+    });
     let reply = post_in_time(&fleet, batch).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);
-    assert!(
-        reply.json()["error"]["message"].as_str().unwrap().contains("bootstrap room"),
-        "{}",
-        reply.json()
-    );
+    let message = reply.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(message.contains("without bootstrap room"), "{message}");
     assert_eq!(prefills(&fleet, "not_split").await, 1);
 }
 
