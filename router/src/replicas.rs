@@ -239,6 +239,12 @@ impl ReplicaSpec {
         self.engine == EngineKind::Sglang
     }
 
+    /// Whether it is an SGLang decode replica, which serves a completion or chat only with a
+    /// bootstrap room (it cannot prefill).
+    pub fn waits_for_a_room(&self) -> bool {
+        self.bootstraps() && self.role == Role::Decode
+    }
+
     /// A single-rank replica with no replay or snapshot endpoint.
     pub fn new(
         name: impl Into<String>,

@@ -49,12 +49,12 @@
 //! a failure to connect, `--pd-prefill-timeout-ms`) is the client's answer and ends the
 //! decode; so does a decode replica's error end its prefill. With no prefill replica to be
 //! had, the request ends with a 503. The decode is not retried elsewhere either (its replica
-//! may have taken the room's KV before it failed). A request that is not split reaches its
-//! decode replica without a room, and is refused there: requests that are never split (module
-//! docs below, `n`, batches, passthrough) are still decided among SGLang decode replicas too,
-//! which refuse them (not fixed: they would need deciding among `both` replicas). A client's
-//! own `bootstrap_host`, `bootstrap_port` and `bootstrap_room` are dropped as its
-//! `kv_transfer_params` are.
+//! may have taken the room's KV before it failed). A request that is not split (below), which
+//! an SGLang decode replica would refuse, is decided again among the replicas that need no
+//! room (`both` ones, vLLM's); with none, a 503 says why. So is a `prompt_embeds` completion.
+//! Passthrough requests (SGLang's native `/generate` among them) still go by load to any
+//! replica that decodes. A client's own `bootstrap_host`, `bootstrap_port` and
+//! `bootstrap_room` are dropped as its `kv_transfer_params` are.
 //!
 //! Not split: requests of several prompts or choices (`n`), chats with media, requests for the
 //! prompt's logprobs (`prompt_logprobs`, `echo` with `logprobs`: only the replica that
@@ -90,7 +90,6 @@ use super::pool::Pool;
 use super::queue::{Line, Queue};
 use super::route::{Hop, Plan, Prepared, RequestLimits};
 use crate::metrics::OutcomeLabel;
-use crate::replicas::Role;
 use kvroute_proto::ReplicaId;
 
 /// The prefill replica of a request decoded after a remote prefill.
@@ -119,7 +118,7 @@ impl Remote {
     /// first decode replica may have taken the room's KV already), nor on the replica that
     /// prefilled it, nor on an SGLang decode replica (which refuses a request without a room).
     pub fn decodable_on(&self, replica: &crate::replicas::Replica) -> bool {
-        !self.bootstrap && self.id != Some(replica.id) && !waits_for_a_room(&replica.spec)
+        !self.bootstrap && self.id != Some(replica.id) && !replica.spec.waits_for_a_room()
     }
 
     /// Names the prefill replica, and puts its predicted and reported cached tokens in place
@@ -137,14 +136,14 @@ impl Remote {
     }
 }
 
-/// Whether `spec` is an SGLang decode replica, which serves a completion or chat only with a
-/// bootstrap room.
-fn waits_for_a_room(spec: &crate::replicas::ReplicaSpec) -> bool {
-    spec.bootstraps() && spec.role == Role::Decode
-}
-
 /// Why a request that decodes has nowhere to go in a fleet of prefill replicas only.
 pub const NO_DECODER: &str = "no replica decodes: every one is of role prefill";
+
+/// Why a request that is not split has nowhere to go in a fleet whose replicas that decode
+/// are SGLang decode replicas, which refuse it.
+pub const NO_ROOMLESS: &str = "no replica takes a request that is not split into prefill and decode: \
+     SGLang's decode replicas take none without a bootstrap room (requests of several prompts or \
+     choices, chats with media, requests for the prompt's logprobs, the Messages and Responses APIs)";
 
 /// Whether a fleet of `members` disaggregates: one has a role other than `both`.
 pub fn disaggregates(members: &[crate::fleet::Member]) -> bool {
@@ -155,8 +154,8 @@ pub fn disaggregates(members: &[crate::fleet::Member]) -> bool {
 pub fn hop(plan: &Plan) -> Option<&'static str> {
     match plan.hop {
         Hop::Prefill(_) | Hop::Bootstrap => Some("prefill"),
-        Hop::Whole if plan.prefilled_by.is_some() => Some("decode"),
-        Hop::Whole => None,
+        Hop::Whole | Hop::Roomless if plan.prefilled_by.is_some() => Some("decode"),
+        Hop::Whole | Hop::Roomless => None,
     }
 }
 
@@ -215,10 +214,10 @@ pub async fn prefill<'a>(
         && plan.unhashed_tokens.is_none();
     let Some(decode) = plan.chosen().map(|c| &c.member.replica).filter(|_| splits) else {
         count("not_split");
-        return local();
+        return roomless(state, prepared, plan).and_then(|()| local());
     };
     let admitted = Admitted { request_id, slot: None, received };
-    if waits_for_a_room(&decode.spec) {
+    if decode.spec.waits_for_a_room() {
         return bootstrap((state, pool), (prepared, plan), (endpoint, parts, body), admitted, line);
     }
     let decode = decode.id;
@@ -328,6 +327,22 @@ pub async fn prefill<'a>(
     }
 }
 
+/// Decides `plan`'s request again among replicas that take it without a bootstrap room, if it
+/// was decided on an SGLang decode replica, which refuses it (it is not split).
+fn roomless(state: &ProxyState, prepared: &Prepared, plan: &mut Plan) -> Result<(), Failure> {
+    if !plan.chosen().is_some_and(|chosen| chosen.member.replica.spec.waits_for_a_room()) {
+        return Ok(());
+    }
+    // Nothing goes there: its credit and place end now.
+    state.decider.withdraw_credit(plan, 0);
+    plan.load = None;
+    let mut decided =
+        state.decider.decide_hop(prepared, &RequestLimits::NONE, Hop::Roomless).map_err(Failure::Error)?;
+    decided.keeps_response = plan.keeps_response;
+    *plan = decided;
+    Ok(())
+}
+
 /// How a prefill is forwarded: given up after `--pd-prefill-timeout-ms`.
 fn prefill_forward(state: &ProxyState) -> ForwardConfig {
     ForwardConfig { first_byte_timeout: state.forward.prefill_timeout, ..state.forward.clone() }
@@ -343,8 +358,9 @@ fn bootstrap<'a>(
     line: &'a Line,
 ) -> Result<Decode<'a>, Failure> {
     let Some(object) = prefillable(body) else {
-        // Not a JSON object, or asks for the prompt's logprobs: the decode replica's answer.
+        // Not a JSON object, or asks for the prompt's logprobs: decoded whole, elsewhere.
         count(state, "not_split");
+        roomless(state, prepared, plan)?;
         return Ok(Decode { body: without_own_params(endpoint, body), alongside: None });
     };
     let mut prefill = match state.decider.decide_hop(prepared, &RequestLimits::NONE, Hop::Bootstrap) {
@@ -622,7 +638,7 @@ mod tests {
 
     #[test]
     fn a_decode_retry_goes_where_the_prefill_can_be_taken_over() {
-        use crate::replicas::{EngineKind, ReplicaSpec, Replicas};
+        use crate::replicas::{EngineKind, ReplicaSpec, Replicas, Role};
         let replicas = Replicas::new();
         let add = |name: &str, engine, role| {
             let spec = ReplicaSpec { role, ..ReplicaSpec::new(name, "", engine, "m") };

@@ -230,7 +230,7 @@ pub async fn routed(
                 // and the replica reports one whose prompt the first had just cached.
                 // Nor one whose prefill went ahead: that answer was counted.
                 // Nor a prefill sent ahead that failed: the decode's answer counts.
-                let failed_prefill = plan.hop != super::route::Hop::Whole && !response.status().is_success();
+                let failed_prefill = plan.hop.is_prefill() && !response.status().is_success();
                 let counted =
                     plan.counted && !failed_prefill && plan.unhashed_tokens.is_none() && plan.sequences <= 1;
                 let sent = Attempt {

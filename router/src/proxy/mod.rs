@@ -315,7 +315,7 @@ async fn dispatch(
         tunnel::check_handshake(req.headers())?;
         let line = queue::Line::default();
         let admitted = admit(state, (request_id, received), &line).await?;
-        let members = with_room(state, &line, || by_load(state, request_id, None)).await?;
+        let members = with_room(state, &line, || by_load(state, request_id, None, Roomless(false))).await?;
         return Box::pin(tunnel::open(state, pool, req, members, admitted)).await;
     }
     // The forwarding futures are boxed: hyper keeps each request's future in place, moving
@@ -428,7 +428,10 @@ async fn routed(
             limits.check_completion(asked.max_tokens, endpoint)?;
             line.set_priority(asked.priority);
             let adapter = state.decider.adapter(&asked.model);
-            let members = with_room(state, &line, || by_load(state, admitted.request_id, adapter)).await?;
+            // A completion, sent without a bootstrap room ([`disagg`]).
+            let roomless = Roomless(true);
+            let members =
+                with_room(state, &line, || by_load(state, admitted.request_id, adapter, roomless)).await?;
             let body = disagg::without_own_params_if_split(state.fleet(), endpoint, body);
             let sending = Sending {
                 body: Outgoing::Full(body),
@@ -536,6 +539,11 @@ async fn with_room(
     state.queue.until_room(waiters, (line, metrics), || std::future::ready(attempt()), goes_to).await
 }
 
+/// Whether a request goes without a bootstrap room to a replica that would need one for it:
+/// an SGLang decode replica, which refuses such a completion or chat ([`disagg`]).
+#[derive(Clone, Copy)]
+struct Roomless(bool);
+
 /// Any other request that passes through ([`paths::passes_through`]): streamed to the
 /// least-loaded eligible replica.
 async fn passthrough(
@@ -549,7 +557,7 @@ async fn passthrough(
     let line = queue::Line::default();
     let admitted = admit(state, arrived, &line).await?;
     // The next ones are tried while no connection to one can be made.
-    let members = with_room(state, &line, || by_load(state, arrived.0, None)).await?;
+    let members = with_room(state, &line, || by_load(state, arrived.0, None, Roomless(false))).await?;
     streamed_to(state, pool, &members, req, admitted).await
 }
 
@@ -561,6 +569,7 @@ fn by_load(
     state: &ProxyState,
     request_id: &str,
     adapter: Option<upstream::Adapter<'_>>,
+    Roomless(roomless): Roomless,
 ) -> Result<Vec<Member>, ProxyError> {
     let mut members = state.fleet().members();
     // A prefill replica takes prefills only ([`disagg`]).
@@ -568,6 +577,13 @@ fn by_load(
     members.retain(|member| member.replica.spec.role.decodes());
     if members.is_empty() && listed > 0 {
         return Err(ProxyError::Unavailable(disagg::NO_DECODER.into()));
+    }
+    if roomless {
+        let decoders = members.len();
+        members.retain(|member| !member.replica.spec.waits_for_a_room());
+        if members.is_empty() && decoders > 0 {
+            return Err(ProxyError::Unavailable(disagg::NO_ROOMLESS.into()));
+        }
     }
     let max = state.decider.max_in_flight_per_replica();
     let verdicts = upstream::verdicts_for(members.iter().map(|m| &*m.upstream), max, adapter);

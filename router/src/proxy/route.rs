@@ -139,6 +139,9 @@ pub struct Scored {
 pub enum Hop {
     /// A request's own: replicas that decode (every replica of a fleet without roles).
     Whole,
+    /// A request's own that goes without a bootstrap room (it is not split): replicas that
+    /// decode, SGLang's decode replicas excepted ([`super::disagg`]).
+    Roomless,
     /// The prefill of a request decoded on the replica named: replicas that prefill and hand
     /// their KV over as vLLM's do, that one excepted ([`super::disagg`]).
     Prefill(ReplicaId),
@@ -148,10 +151,16 @@ pub enum Hop {
 }
 
 impl Hop {
+    /// Whether it is the prefill of a request decoded elsewhere.
+    pub fn is_prefill(self) -> bool {
+        matches!(self, Hop::Prefill(_) | Hop::Bootstrap)
+    }
+
     fn takes(self, member: &Member) -> bool {
         let role = member.replica.spec.role;
         match self {
             Hop::Whole => role.decodes(),
+            Hop::Roomless => role.decodes() && !member.replica.spec.waits_for_a_room(),
             Hop::Prefill(decode) => {
                 role.prefills() && member.replica.id != decode && !member.replica.spec.bootstraps()
             }
@@ -655,7 +664,7 @@ impl Decider {
         plan.max_tokens = prepared.max_tokens;
         plan.unhashed_tokens = prepared.unhashed_tokens;
         // A prefill sent ahead is answered whole.
-        plan.streams = prepared.streams && hop == Hop::Whole;
+        plan.streams = prepared.streams && !hop.is_prefill();
         plan.sequences = prepared.sequences;
         plan.model = Some(Arc::clone(&prepared.model));
         plan.disaggregated = disaggregated;
@@ -890,6 +899,7 @@ fn unavailable(plan: &Plan) -> ProxyError {
         let none = match plan.hop {
             Hop::Whole if plan.disaggregated => super::disagg::NO_DECODER,
             Hop::Whole => "no replicas are configured",
+            Hop::Roomless => super::disagg::NO_ROOMLESS,
             Hop::Prefill(_) => "no other replica prefills",
             Hop::Bootstrap => "no SGLang replica of role prefill",
         };

@@ -230,13 +230,19 @@ async fn the_decode_replica_prefills_when_no_prefill_can_be_had() {
     assert_eq!((prefills(&fleet, "no_replica").await, prefills(&fleet, "failed").await), (1, 1));
 }
 
-/// A fleet of SGLang agents whose first `prefills` are prefill replicas, the others decode
-/// ones (each of the router's replicas of engine `sglang`, and of that role).
-async fn sglang_fleet(agents: usize, prefills: usize) -> Fleet {
+/// A fleet of SGLang agents whose first `prefills` are prefill replicas, the next `decodes`
+/// decode ones, and the others of neither (each of the router's replicas of engine `sglang`,
+/// and of that role).
+async fn sglang_fleet(agents: usize, prefills: usize, decodes: usize) -> Fleet {
+    let role = move |i: usize| match i {
+        _ if i < prefills => (Mode::Prefill, Role::Prefill),
+        _ if i < prefills + decodes => (Mode::Decode, Role::Decode),
+        _ => (Mode::Null, Role::Both),
+    };
     let agent = move |name: &str| {
         let i: usize = name.trim_start_matches("agent-").parse().unwrap();
         kvroute_replica_agent::Config {
-            disaggregation_mode: if i < prefills { Mode::Prefill } else { Mode::Decode },
+            disaggregation_mode: role(i).0,
             // SGLang's events are vLLM's (and a salt).
             event_format: EventFormat::Vllm,
             max_model_len: if i < prefills { PREFILL_MAX_MODEL_LEN } else { 32_768 },
@@ -247,7 +253,7 @@ async fn sglang_fleet(agents: usize, prefills: usize) -> Fleet {
     Fleet::with(agents, agent, |mut config| {
         for (i, replica) in config.replicas.iter_mut().enumerate() {
             replica.engine = EngineKind::Sglang;
-            replica.role = if i < prefills { Role::Prefill } else { Role::Decode };
+            replica.role = role(i).1;
         }
         config
     })
@@ -262,7 +268,7 @@ async fn post_in_time(fleet: &Fleet, body: Value) -> Reply {
 
 #[tokio::test]
 async fn sglang_prefills_go_alongside_their_decodes_through_a_bootstrap_room() {
-    let fleet = sglang_fleet(4, 2).await;
+    let fleet = sglang_fleet(4, 2, 2).await;
     let (prefill_names, decode_names) = (["agent-0", "agent-1"], ["agent-2", "agent-3"]);
     let doc = words(40, 21);
 
@@ -305,22 +311,44 @@ async fn sglang_prefills_go_alongside_their_decodes_through_a_bootstrap_room() {
     assert!(chunk.starts_with(b"data: {"), "{chunk:?}");
     assert_eq!(prefills(&fleet, "remote").await, 3);
 
-    // A batch is not split; SGLang's decode replica refuses a request without a room, and a
-    // client's own room never reaches it.
-    let batch = json!({
-        "model": FLEET_MODEL, "prompt": [words(30, 24), words(30, 25)], "max_tokens": 2,
-        "bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 7,
-    });
+    // A batch is not split, and SGLang's decode replicas refuse a request without a room:
+    // with no other replica to decode it, the router says so.
+    let batch = json!({ "model": FLEET_MODEL, "prompt": [words(30, 24), words(30, 25)], "max_tokens": 2 });
     let reply = post_in_time(&fleet, batch).await;
-    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
     let message = reply.json()["error"]["message"].as_str().unwrap().to_owned();
-    assert!(message.contains("without bootstrap room"), "{message}");
+    assert!(message.contains("not split"), "{message}");
     assert_eq!(prefills(&fleet, "not_split").await, 1);
 }
 
 #[tokio::test]
+async fn what_is_not_split_goes_to_an_sglang_replica_that_needs_no_room() {
+    // A prefill replica, a decode one, and one of neither (`both`).
+    let fleet = sglang_fleet(3, 1, 1).await;
+    // Batches and requests for their prompt's logprobs are not split: all go to the replica
+    // that needs no room, though an idle fleet's cache-aware choice is the decode replica for
+    // about half of them. (A client's own room, which would have a replica pull from a host of
+    // the client's choosing, reaches neither.)
+    let mut bodies = Vec::new();
+    for seed in 0..4 {
+        bodies.push(json!({
+            "model": FLEET_MODEL, "prompt": [words(30, 40 + seed), words(30, 50 + seed)], "max_tokens": 2,
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 7,
+        }));
+        let logprobs = json!({ "model": FLEET_MODEL, "prompt": words(30, 60 + seed), "prompt_logprobs": 1 });
+        bodies.push(logprobs);
+    }
+    for body in bodies {
+        let reply = post_in_time(&fleet, body).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", String::from_utf8_lossy(&reply.body));
+        assert_eq!(reply.header("x-kvroute-replica"), Some("agent-2"));
+    }
+    assert_eq!(prefills(&fleet, "not_split").await, 8);
+}
+
+#[tokio::test]
 async fn an_sglang_prefill_that_cannot_be_had_ends_its_request() {
-    let mut fleet = sglang_fleet(2, 1).await;
+    let mut fleet = sglang_fleet(2, 1, 1).await;
     // A prompt the prefill replica refuses (too long for its context): its answer is the
     // client's at once, though the decode replica took the request and waits for its room.
     let long = completion(&words(PREFILL_MAX_MODEL_LEN as usize + 10, 26), 4);
