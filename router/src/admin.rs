@@ -17,7 +17,7 @@ use crate::fleet::{Fleet, Member};
 use crate::ingest::IngestError;
 use crate::proxy::ProxyState;
 use crate::proxy::error::ProxyError;
-use crate::proxy::route::Scored;
+use crate::proxy::route::{Plan, Scored};
 use crate::proxy::upstream::Ineligible;
 use crate::replicas::{EngineKind, ReplicaSpec, SpecError, base_url};
 
@@ -154,12 +154,12 @@ impl RouterAdmin for AdminService {
         // A request the proxy would refuse (malformed, or beyond --max-prompt-tokens or
         // --max-completion-tokens) is explained by that refusal.
         let limits = self.state.admission.get().limits;
-        let plan = async {
-            let plan = self.state.decider.explain(endpoint, &request.body).await?;
-            limits.check(&plan, endpoint)?;
-            Ok(plan)
+        let explained = async {
+            let explained = self.state.decider.explain_split(endpoint, &request.body).await?;
+            limits.check(&explained.plan, endpoint)?;
+            Ok(explained)
         };
-        let plan = plan.await.map_err(|e| match e {
+        let explained = explained.await.map_err(|e| match e {
             // Requests the proxy takes (within its limits), but not on a prefix.
             ProxyError::BadRequest(RequestError::PromptEmbeds(asked)) => {
                 match limits.check_completion(asked.max_tokens, endpoint) {
@@ -176,14 +176,21 @@ impl RouterAdmin for AdminService {
             e if e.status().is_client_error() => Status::invalid_argument(e.to_string()),
             e => Status::unavailable(e.to_string()),
         })?;
-        let candidates =
-            plan.candidates.iter().map(|c| candidate(c, plan.block_size, plan.first_prompt_tokens)).collect();
+        let candidates = |plan: &Plan| -> Vec<pb::Candidate> {
+            plan.candidates.iter().map(|c| candidate(c, plan.block_size, plan.first_prompt_tokens)).collect()
+        };
+        let chosen =
+            |plan: &Plan| plan.chosen().map(|c| c.member.replica.spec.name.clone()).unwrap_or_default();
+        let (plan, prefill) = (&explained.plan, explained.prefill.as_ref());
         Ok(Response::new(pb::ExplainResponse {
-            chosen: plan.chosen().map(|c| c.member.replica.spec.name.clone()).unwrap_or_default(),
+            chosen: chosen(plan),
             policy: plan.routing.policy.kind().as_str().into(),
             prompt_tokens: plan.prompt_tokens as u32,
             request_blocks: plan.blocks.len() as u32,
-            candidates,
+            candidates: candidates(plan),
+            split: explained.split.into(),
+            prefill_chosen: prefill.map(chosen).unwrap_or_default(),
+            prefill_candidates: prefill.map(candidates).unwrap_or_default(),
         }))
     }
 

@@ -191,6 +191,68 @@ fn count(state: &ProxyState, outcome: &'static str) {
     state.decider.metrics.prefills.get_or_create(&OutcomeLabel { outcome }).inc();
 }
 
+/// How the request a plan decided is split (module docs).
+pub enum Split {
+    /// Its fleet does not disaggregate.
+    Whole,
+    /// Not split: several prompts or choices, media, the prompt's logprobs, another API. It
+    /// goes without a bootstrap room ([`Hop::Roomless`] if it was decided on a replica that
+    /// needs one).
+    NotSplit,
+    /// Its decode replica holds all but a few of its prompt's tokens: it prefills them.
+    Cached,
+    /// Prefilled first on one of [`Hop::Prefill`], then decoded with its params (vLLM's).
+    Remote { decode: ReplicaId, request: Map<String, Value> },
+    /// Prefilled on one of [`Hop::Bootstrap`] alongside its decode (SGLang's).
+    Bootstrap { request: Map<String, Value> },
+}
+
+impl Split {
+    /// How `plan`'s request to `endpoint`, `body`, is split.
+    pub fn of(plan: &Plan, endpoint: Endpoint, body: &[u8]) -> Split {
+        if !plan.disaggregated {
+            return Split::Whole;
+        }
+        let splits = matches!(endpoint, Endpoint::Completions | Endpoint::ChatCompletions)
+            && plan.sequences <= 1
+            && plan.unhashed_tokens.is_none();
+        let Some(decode) = plan.chosen().map(|c| &c.member.replica).filter(|_| splits) else {
+            return Split::NotSplit;
+        };
+        if !decode.spec.waits_for_a_room() {
+            let lacking = plan.prompt_tokens.saturating_sub(plan.predicted_cached_tokens(0));
+            if lacking < plan.routing.pd_min_prefill_tokens {
+                return Split::Cached;
+            }
+        }
+        match prefillable(body) {
+            None => Split::NotSplit,
+            Some(request) if decode.spec.waits_for_a_room() => Split::Bootstrap { request },
+            Some(request) => Split::Remote { decode: decode.id, request },
+        }
+    }
+
+    /// Its spelling in `Explain` and in `kvroute_router_prefills_total`'s outcomes.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Split::Whole => "whole",
+            Split::NotSplit => "not_split",
+            Split::Cached => "cached",
+            Split::Remote { .. } => "remote",
+            Split::Bootstrap { .. } => "bootstrap",
+        }
+    }
+
+    /// The replicas its prefill is decided among, if it has one.
+    pub fn prefill_hop(&self) -> Option<Hop> {
+        match self {
+            Split::Remote { decode, .. } => Some(Hop::Prefill(*decode)),
+            Split::Bootstrap { .. } => Some(Hop::Bootstrap),
+            _ => None,
+        }
+    }
+}
+
 /// Sends the prefill of the request `plan` decided ahead to a prefill replica, if its fleet
 /// disaggregates and the request is worth it (module docs). What goes to the decode replica
 /// (the body with the prefill's params, or the client's without any of its own; an SGLang
@@ -204,29 +266,25 @@ pub async fn prefill<'a>(
     line: &'a Line,
 ) -> Result<Decode<'a>, Failure> {
     let whole = |body| Ok(Decode { body, alongside: None });
-    if !plan.disaggregated {
-        return whole(body.clone());
-    }
     let count = |outcome| count(state, outcome);
     let local = || whole(without_own_params(endpoint, body));
-    let splits = matches!(endpoint, Endpoint::Completions | Endpoint::ChatCompletions)
-        && plan.sequences <= 1
-        && plan.unhashed_tokens.is_none();
-    let Some(decode) = plan.chosen().map(|c| &c.member.replica).filter(|_| splits) else {
-        count("not_split");
-        return roomless(state, prepared, plan).and_then(|()| local());
-    };
     let admitted = Admitted { request_id, slot: None, received };
-    if decode.spec.waits_for_a_room() {
-        return bootstrap((state, pool), (prepared, plan), (endpoint, parts, body), admitted, line);
-    }
-    let decode = decode.id;
-    let lacking = plan.prompt_tokens.saturating_sub(plan.predicted_cached_tokens(0));
-    if lacking < plan.routing.pd_min_prefill_tokens {
-        count("cached");
-        return local();
-    }
-    let Some(sent) = prefillable(body).and_then(|object| for_prefill(object, remote_decode())) else {
+    let (decode, request) = match Split::of(plan, endpoint, body) {
+        Split::Whole => return whole(body.clone()),
+        Split::NotSplit => {
+            count("not_split");
+            return roomless(state, prepared, plan).and_then(|()| local());
+        }
+        Split::Cached => {
+            count("cached");
+            return local();
+        }
+        Split::Bootstrap { request } => {
+            return bootstrap((state, pool), (prepared, plan), (request, parts, body), admitted, line);
+        }
+        Split::Remote { decode, request } => (decode, request),
+    };
+    let Some(sent) = for_prefill(request, remote_decode()) else {
         count("not_split");
         return local();
     };
@@ -353,16 +411,10 @@ fn prefill_forward(state: &ProxyState) -> ForwardConfig {
 fn bootstrap<'a>(
     (state, pool): (&'a Arc<ProxyState>, &'a Arc<Pool>),
     (prepared, plan): (&Prepared, &mut Plan),
-    (endpoint, parts, body): (Endpoint, &http::request::Parts, &Bytes),
+    (request, parts, body): (Map<String, Value>, &http::request::Parts, &Bytes),
     admitted: Admitted<'a>,
     line: &'a Line,
 ) -> Result<Decode<'a>, Failure> {
-    let Some(object) = prefillable(body) else {
-        // Not a JSON object, or asks for the prompt's logprobs: decoded whole, elsewhere.
-        count(state, "not_split");
-        roomless(state, prepared, plan)?;
-        return Ok(Decode { body: without_own_params(endpoint, body), alongside: None });
-    };
     let mut prefill = match state.decider.decide_hop(prepared, &RequestLimits::NONE, Hop::Bootstrap) {
         Ok(plan) => plan,
         Err(e) => {
@@ -385,9 +437,10 @@ fn bootstrap<'a>(
         ("bootstrap_port", json!(on.replica.spec.bootstrap_port)),
         ("bootstrap_room", json!(room)),
     ]);
-    let (Some(sent), Some(decoded)) = (for_prefill(object, named.clone()), with_fields(body, named)) else {
+    let (Some(sent), Some(decoded)) = (for_prefill(request, named.clone()), with_fields(body, named)) else {
+        // (Only if the request cannot be written again.)
         count(state, "not_split");
-        return Ok(Decode { body: without_own_params(endpoint, body), alongside: None });
+        return Err(Failure::Error(ProxyError::Unavailable("the request could not be rewritten".into())));
     };
     let predicted = prefill.predicted_cached_tokens(0);
     let replica = HeaderValue::from_str(&on.replica.spec.name).ok();

@@ -203,6 +203,17 @@ impl Prepared {
     }
 }
 
+/// [`Decider::explain_split`]'s answer.
+#[derive(Debug)]
+pub struct Explained {
+    /// The request's decision (its decode replica's, when it is split).
+    pub plan: Plan,
+    /// How it is split ([`super::disagg::Split::as_str`]).
+    pub split: &'static str,
+    /// Its prefill's decision, when it is split.
+    pub prefill: Option<Plan>,
+}
+
 /// The outcome of a decision.
 #[derive(Debug)]
 pub struct Plan {
@@ -539,6 +550,22 @@ impl Decider {
     /// fill the tokenizer's prefix cache.
     pub async fn explain(&self, endpoint: Endpoint, body: &[u8]) -> Result<Plan, ProxyError> {
         self.plan(endpoint, body, false).await
+    }
+
+    /// [`Decider::explain`], and in a fleet that disaggregates, how the request is split and
+    /// its prefill's decision, as the proxy would make them (crediting nothing).
+    pub async fn explain_split(&self, endpoint: Endpoint, body: &[u8]) -> Result<Explained, ProxyError> {
+        let prepared = self.read(endpoint, body, Instant::now()).await?;
+        let routing = self.routing.get();
+        let decide = |hop| self.plan_prepared(&routing, &prepared, (prepared.first_members(), hop), false);
+        let mut plan = decide(Hop::Whole);
+        let split = super::disagg::Split::of(&plan, endpoint, body);
+        let roomless = plan.chosen().is_some_and(|c| c.member.replica.spec.waits_for_a_room());
+        if matches!(split, super::disagg::Split::NotSplit) && roomless {
+            plan = decide(Hop::Roomless);
+        }
+        let prefill = split.prefill_hop().map(decide);
+        Ok(Explained { plan, split: split.as_str(), prefill })
     }
 
     /// The decision for a request; `send` when it will be sent (the policy moves on).

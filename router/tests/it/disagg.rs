@@ -78,6 +78,16 @@ async fn post(fleet: &Fleet, body: Value) -> Reply {
     fleet.http.post(&fleet.url("/v1/completions"), &body).await
 }
 
+/// The admin `Explain` of a completion of `body`: how it is split, where its decode and its
+/// prefill would go.
+async fn explain(fleet: &Fleet, body: &Value) -> (String, String, String) {
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
+    let body = serde_json::to_vec(body).unwrap();
+    let request = pb::ExplainRequest { path: "/v1/completions".into(), body };
+    let explained = admin.explain(request).await.unwrap().into_inner();
+    (explained.split, explained.chosen, explained.prefill_chosen)
+}
+
 fn usage(reply: &Reply) -> (u64, u64, u64) {
     let usage = &reply.json()["usage"];
     let field = |v: &Value| v.as_u64().unwrap();
@@ -112,8 +122,11 @@ async fn prompts_are_prefilled_on_prefill_replicas_and_decoded_on_decode_ones() 
     assert_eq!(agent_metric(&fleet, p, "vllm:generation_tokens_total").await, 1);
 
     // Another question on the same document: prefilled where the document is cached, and
-    // decoded where it was pulled to.
-    let second = post(&fleet, completion(&format!("{doc} {}", words(12, 9)), 3)).await;
+    // decoded where it was pulled to, as `Explain` says beforehand.
+    let asked = completion(&format!("{doc} {}", words(12, 9)), 3);
+    let explained = explain(&fleet, &asked).await;
+    assert_eq!(explained, ("remote".into(), decoded_on.clone(), prefilled_on.clone()));
+    let second = post(&fleet, asked).await;
     assert_eq!(second.status, StatusCode::OK);
     assert_eq!(second.header("x-kvroute-prefill-replica"), Some(prefilled_on.as_str()));
     assert_eq!(
@@ -125,7 +138,9 @@ async fn prompts_are_prefilled_on_prefill_replicas_and_decoded_on_decode_ones() 
     assert_eq!(second.header("x-kvroute-predicted-cached-tokens"), Some("40"));
     // The first question again: its decode replica holds all but a few of its tokens, and
     // prefills those itself.
-    let third = post(&fleet, completion(&format!("{doc} first ask"), 3)).await;
+    let asked = completion(&format!("{doc} first ask"), 3);
+    assert_eq!(explain(&fleet, &asked).await, ("cached".into(), decoded_on.clone(), String::new()));
+    let third = post(&fleet, asked).await;
     assert_eq!(third.header("x-kvroute-replica"), Some(decoded_on.as_str()));
     assert_eq!(third.header("x-kvroute-prefill-replica"), None);
     let (prompt_tokens, _, cached) = usage(&third);
@@ -290,9 +305,12 @@ async fn sglang_prefills_go_alongside_their_decodes_through_a_bootstrap_room() {
     let pulled = agent_metric(&fleet, d, "vllm:external_prefix_cache_hits_total").await;
     assert_eq!(pulled, prompt_tokens - 1, "the decode replica pulled the prompt but its last token");
 
-    // Another question on the document: prefilled where the document is cached, as predicted;
-    // the decode replica reports that hit.
-    let second = post_in_time(&fleet, completion(&format!("{doc} {}", words(12, 22)), 3)).await;
+    // Another question on the document: prefilled where the document is cached, as predicted
+    // (and explained); the decode replica reports that hit.
+    let asked = completion(&format!("{doc} {}", words(12, 22)), 3);
+    let (split, _, prefill) = explain(&fleet, &asked).await;
+    assert_eq!((split.as_str(), prefill.as_str()), ("bootstrap", prefilled_on.as_str()));
+    let second = post_in_time(&fleet, asked).await;
     assert_eq!(second.status, StatusCode::OK, "{}", String::from_utf8_lossy(&second.body));
     assert_eq!(second.header("x-kvroute-prefill-replica"), Some(prefilled_on.as_str()));
     assert_eq!(second.header("x-kvroute-prefill-cached-tokens"), Some("40"));
@@ -339,6 +357,7 @@ async fn what_is_not_split_goes_to_an_sglang_replica_that_needs_no_room() {
         bodies.push(logprobs);
     }
     for body in bodies {
+        assert_eq!(explain(&fleet, &body).await, ("not_split".into(), "agent-2".into(), String::new()));
         let reply = post_in_time(&fleet, body).await;
         assert_eq!(reply.status, StatusCode::OK, "{}", String::from_utf8_lossy(&reply.body));
         assert_eq!(reply.header("x-kvroute-replica"), Some("agent-2"));
