@@ -49,9 +49,10 @@
 //! a failure to connect, `--pd-prefill-timeout-ms`) is the client's answer and ends the
 //! decode; so does a decode replica's error end its prefill. With no prefill replica to be
 //! had, the request ends with a 503. The decode is not retried elsewhere either (its replica
-//! may have taken the room's KV before it failed). A request that is not split (below), which
-//! an SGLang decode replica would refuse, is decided again among the replicas that need no
-//! room (`both` ones, vLLM's); with none, a 503 says why. So is a `prompt_embeds` completion.
+//! may have taken the room's KV before it failed). In a fleet with SGLang decode replicas, a
+//! request that is not split (below), which they would refuse, is decided among the replicas
+//! that need no room (`both` ones, vLLM's), waiting for their room if need be, and retried
+//! among them only; with none, a 503 says why. So is a `prompt_embeds` completion.
 //! Passthrough requests (SGLang's native `/generate` among them) still go by load to any
 //! replica that decodes. A client's own `bootstrap_host`, `bootstrap_port` and
 //! `bootstrap_room` are dropped as its `kv_transfer_params` are.
@@ -213,10 +214,10 @@ impl Split {
         if !plan.disaggregated {
             return Split::Whole;
         }
-        let splits = matches!(endpoint, Endpoint::Completions | Endpoint::ChatCompletions)
-            && plan.sequences <= 1
-            && plan.unhashed_tokens.is_none();
-        let Some(decode) = plan.chosen().map(|c| &c.member.replica).filter(|_| splits) else {
+        // (Decided among replicas that need no room: it was found never split then.)
+        let whole = plan.hop == Hop::Roomless
+            || never_split_as_read(endpoint, plan.sequences, plan.unhashed_tokens.is_some());
+        let Some(decode) = plan.chosen().map(|c| &c.member.replica).filter(|_| !whole) else {
             return Split::NotSplit;
         };
         if !decode.spec.waits_for_a_room() {
@@ -438,8 +439,12 @@ fn bootstrap<'a>(
         ("bootstrap_room", json!(room)),
     ]);
     let (Some(sent), Some(decoded)) = (for_prefill(request, named.clone()), with_fields(body, named)) else {
-        // (Only if the request cannot be written again.)
-        count(state, "not_split");
+        // (Only if the request cannot be written again.) Nothing goes anywhere.
+        count(state, "failed");
+        for plan in [&mut prefill, plan] {
+            state.decider.withdraw_credit(plan, 0);
+            plan.load = None;
+        }
         return Err(Failure::Error(ProxyError::Unavailable("the request could not be rewritten".into())));
     };
     let predicted = prefill.predicted_cached_tokens(0);
@@ -581,9 +586,31 @@ fn fields<const N: usize>(pairs: [(&str, Value); N]) -> Map<String, Value> {
 /// (which only a replica that computed the prompt has): its prefill can go elsewhere.
 fn prefillable(body: &[u8]) -> Option<Map<String, Value>> {
     let object: Map<String, Value> = serde_json::from_slice(body).ok()?;
-    let set = |key: &str| object.get(key).is_some_and(|v| !v.is_null() && *v != json!(false));
-    let prompts_logprobs = set("prompt_logprobs") || (set("echo") && set("logprobs"));
-    (!prompts_logprobs).then_some(object)
+    (!asks_prompt_logprobs(body)).then_some(object)
+}
+
+/// Whether a request asks for its prompt's logprobs (`prompt_logprobs`, or `echo` with
+/// `logprobs`; a repeated key's last value, neither null nor false).
+fn asks_prompt_logprobs(body: &[u8]) -> bool {
+    let set = |raw: Option<&serde_json::value::RawValue>| {
+        raw.is_some_and(|raw| !matches!(raw.get(), "null" | "false"))
+    };
+    match parse_object(body, &["prompt_logprobs", "echo", "logprobs"]) {
+        Ok([prompt_logprobs, echo, logprobs]) => set(prompt_logprobs) || (set(echo) && set(logprobs)),
+        Err(_) => false,
+    }
+}
+
+/// Whether a request to `endpoint` is never split (whatever its replicas): an API other than
+/// completions and chat, several prompts or choices (`sequences`), media (`unhashed`), the
+/// prompt's logprobs (in `body`).
+pub fn never_split(endpoint: Endpoint, sequences: u32, unhashed: bool, body: &[u8]) -> bool {
+    never_split_as_read(endpoint, sequences, unhashed) || asks_prompt_logprobs(body)
+}
+
+/// [`never_split`], but for the prompt's logprobs.
+fn never_split_as_read(endpoint: Endpoint, sequences: u32, unhashed: bool) -> bool {
+    !matches!(endpoint, Endpoint::Completions | Endpoint::ChatCompletions) || sequences > 1 || unhashed
 }
 
 /// The client's request (its [`prefillable`] `object`) as a prefill replica is sent it, with

@@ -376,8 +376,12 @@ pub(super) fn gone_since<'a>(
 /// has room).
 fn retry_on(decider: &Decider, plan: &Plan, member: &crate::fleet::Member) -> Retry {
     // The replica a decode's params name, and that prefilled it, does not decode it; nor does
-    // one that would not wait for its bootstrap room.
-    let undecodable = plan.prefilled_by.as_ref().is_some_and(|r| !r.decodable_on(&member.replica));
+    // one that would not wait for its bootstrap room; nor does an SGLang decode replica take
+    // what comes without one.
+    let undecodable = match &plan.prefilled_by {
+        Some(remote) => !remote.decodable_on(&member.replica),
+        None => member.replica.spec.waits_for_a_room(),
+    };
     if undecodable || gone_since(&decider.fleet, member, plan.order().map(|s| &s.member)) {
         Retry::Not
     } else if !member.upstream.has_room(plan.routing.max_in_flight_per_replica) {

@@ -190,6 +190,9 @@ pub struct Prepared {
     unhashed_tokens: Option<usize>,
     streams: bool,
     sequences: u32,
+    /// It goes without a bootstrap room ([`super::disagg::never_split`]) in a fleet of
+    /// replicas that wait for one: it is decided among those that need none ([`Hop::Roomless`]).
+    roomless: bool,
     /// Its place among requests waiting for room ([`ParsedRequest::priority`]).
     pub priority: i64,
     /// When its first decision started ([`Decider::decide_prepared`]).
@@ -565,7 +568,15 @@ impl Decider {
             plan = decide(Hop::Roomless);
         }
         let prefill = split.prefill_hop().map(decide);
-        Ok(Explained { plan, split: split.as_str(), prefill })
+        // Without a prefill replica, vLLM's decode replica prefills; SGLang's cannot.
+        let split = match (&split, prefill.as_ref().and_then(Plan::chosen)) {
+            (super::disagg::Split::Remote { .. }, None) => "no_replica",
+            (super::disagg::Split::Bootstrap { .. }, None) => {
+                return Err(ProxyError::Unavailable("no SGLang replica of role prefill can take it".into()));
+            }
+            (split, _) => split.as_str(),
+        };
+        Ok(Explained { plan, split, prefill })
     }
 
     /// The decision for a request; `send` when it will be sent (the policy moves on).
@@ -646,6 +657,10 @@ impl Decider {
         };
         // Counted up to vLLM's bound on `n`, so that a replica's count cannot wrap.
         let prompts = u32::try_from(info.tokens.len().max(1)).unwrap_or(u32::MAX);
+        let sequences = prompts.saturating_mul(request.n()).min(MAX_N);
+        // (The body is read again only in front of SGLang's decode replicas.)
+        let roomless = members.iter().any(|member| member.replica.spec.waits_for_a_room())
+            && super::disagg::never_split(asked, sequences, info.unhashed_tokens.is_some(), sent);
         Ok(Prepared {
             asked,
             members: std::sync::Mutex::new(Some(members)),
@@ -658,7 +673,8 @@ impl Decider {
             max_tokens: request.max_tokens(),
             unhashed_tokens: info.unhashed_tokens,
             streams: request.stream(),
-            sequences: prompts.saturating_mul(request.n()).min(MAX_N),
+            sequences,
+            roomless,
             priority: request.priority(),
             started,
         })
@@ -682,6 +698,7 @@ impl Decider {
             _ => self.fleet.members(),
         };
         let disaggregated = super::disagg::disaggregates(&members);
+        let hop = if hop == Hop::Whole && prepared.roomless { Hop::Roomless } else { hop };
         members.retain(|member| hop.takes(member));
         // An adapter's request goes only where it may be.
         let adapter = self.adapter(&prepared.model);

@@ -336,7 +336,6 @@ async fn sglang_prefills_go_alongside_their_decodes_through_a_bootstrap_room() {
     assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
     let message = reply.json()["error"]["message"].as_str().unwrap().to_owned();
     assert!(message.contains("not split"), "{message}");
-    assert_eq!(prefills(&fleet, "not_split").await, 1);
 }
 
 #[tokio::test]
