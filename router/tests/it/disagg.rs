@@ -78,6 +78,12 @@ async fn post(fleet: &Fleet, body: Value) -> Reply {
     fleet.http.post(&fleet.url("/v1/completions"), &body).await
 }
 
+/// `fleet`'s answer to `body`, which must not wait for a room nobody hands over.
+async fn post_in_time(fleet: &Fleet, body: Value) -> Reply {
+    let answered = tokio::time::timeout(std::time::Duration::from_secs(30), post(fleet, body)).await;
+    answered.expect("answered, not left waiting for a bootstrap room")
+}
+
 /// The admin `Explain` of a completion of `body`: how it is split, where its decode and its
 /// prefill would go.
 async fn explain(fleet: &Fleet, body: &Value) -> (String, String, String) {
@@ -86,6 +92,36 @@ async fn explain(fleet: &Fleet, body: &Value) -> (String, String, String) {
     let request = pb::ExplainRequest { path: "/v1/completions".into(), body };
     let explained = admin.explain(request).await.unwrap().into_inner();
     (explained.split, explained.chosen, explained.prefill_chosen)
+}
+
+/// The prefill replicas, and the decode ones, of a fleet of two of each.
+const PREFILL_NAMES: [&str; 2] = ["agent-0", "agent-1"];
+const DECODE_NAMES: [&str; 2] = ["agent-2", "agent-3"];
+
+/// The answer to `body`, split between a decode replica and a prefill replica: with theirs.
+async fn split(fleet: &Fleet, body: Value) -> (Reply, String, String) {
+    let reply = post_in_time(fleet, body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", String::from_utf8_lossy(&reply.body));
+    let decoded_on = reply.header("x-kvroute-replica").unwrap().to_owned();
+    let prefilled_on = reply.header("x-kvroute-prefill-replica").expect("prefilled elsewhere").to_owned();
+    assert!(DECODE_NAMES.contains(&decoded_on.as_str()), "{decoded_on}");
+    assert!(PREFILL_NAMES.contains(&prefilled_on.as_str()), "{prefilled_on}");
+    (reply, decoded_on, prefilled_on)
+}
+
+/// A prompt too long for the prefill replica (`agent-0`, of a fleet of one prefill and one
+/// decode replica): its refusal is the client's answer, and the decode replica's place, taken
+/// when the request was decided, is given back.
+async fn refused_by_the_prefill_replica(fleet: &Fleet, seed: u32) {
+    let long = completion(&words(PREFILL_MAX_MODEL_LEN as usize + 10, seed), 4);
+    let reply = post_in_time(fleet, long).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(reply.header("x-kvroute-replica"), Some("agent-0"));
+    assert!(reply.json()["error"]["message"].as_str().unwrap().contains("context"), "{}", reply.json());
+    assert_eq!(prefills(fleet, "refused").await, 1);
+    let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+    let in_flight = "kvroute_router_replica_in_flight{replica=\"agent-1\"}";
+    assert_eq!(sample(&String::from_utf8_lossy(&metrics.body), in_flight), Some(0), "the decode let go");
 }
 
 fn usage(reply: &Reply) -> (u64, u64, u64) {
@@ -97,7 +133,6 @@ fn usage(reply: &Reply) -> (u64, u64, u64) {
 #[tokio::test]
 async fn prompts_are_prefilled_on_prefill_replicas_and_decoded_on_decode_ones() {
     let mut fleet = pd_fleet(4, 2, true).await;
-    let (prefill_names, decode_names) = (["agent-0", "agent-1"], ["agent-2", "agent-3"]);
     let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
     let listed = admin.list_replicas(pb::ListReplicasRequest::default()).await.unwrap().into_inner();
     let roles: Vec<i32> = listed.replicas.iter().map(|r| r.spec.as_ref().unwrap().role).collect();
@@ -105,12 +140,7 @@ async fn prompts_are_prefilled_on_prefill_replicas_and_decoded_on_decode_ones() 
     assert_eq!(roles, [prefill, prefill, decode, decode]);
     let doc = words(40, 1);
 
-    let first = post(&fleet, completion(&format!("{doc} first ask"), 5)).await;
-    assert_eq!(first.status, StatusCode::OK, "{}", String::from_utf8_lossy(&first.body));
-    let decoded_on = first.header("x-kvroute-replica").unwrap().to_owned();
-    let prefilled_on = first.header("x-kvroute-prefill-replica").expect("prefilled elsewhere").to_owned();
-    assert!(decode_names.contains(&decoded_on.as_str()), "{decoded_on}");
-    assert!(prefill_names.contains(&prefilled_on.as_str()), "{prefilled_on}");
+    let (first, decoded_on, prefilled_on) = split(&fleet, completion(&format!("{doc} first ask"), 5)).await;
     // The decode replica pulled the prompt but its last token: the params went through.
     let (prompt_tokens, completion_tokens, cached) = usage(&first);
     assert_eq!((completion_tokens, cached), (5, prompt_tokens - 1));
@@ -118,7 +148,7 @@ async fn prompts_are_prefilled_on_prefill_replicas_and_decoded_on_decode_ones() 
     assert_eq!(first.header("x-kvroute-prefill-cached-tokens"), Some("0"));
     assert_eq!(first.header("x-kvroute-predicted-cached-tokens"), Some("0"));
     // The prefill replica generated the one token it was asked for.
-    let p = prefill_names.iter().position(|n| *n == prefilled_on).unwrap();
+    let p = PREFILL_NAMES.iter().position(|n| *n == prefilled_on).unwrap();
     assert_eq!(agent_metric(&fleet, p, "vllm:generation_tokens_total").await, 1);
 
     // Another question on the same document: prefilled where the document is cached, and
@@ -167,7 +197,7 @@ async fn prompts_are_prefilled_on_prefill_replicas_and_decoded_on_decode_ones() 
     let mut streamed = fleet.http.stream(&fleet.url("/v1/completions"), &body).await;
     assert_eq!(streamed.status(), StatusCode::OK);
     let prefilled = streamed.headers()["x-kvroute-prefill-replica"].to_str().unwrap().to_owned();
-    assert!(prefill_names.contains(&prefilled.as_str()), "{prefilled}");
+    assert!(PREFILL_NAMES.contains(&prefilled.as_str()), "{prefilled}");
     let chunk = first_data(streamed.body_mut()).await;
     assert!(chunk.starts_with(b"data: {"), "{chunk:?}");
     assert_eq!(prefills(&fleet, "remote").await, 3);
@@ -180,7 +210,7 @@ async fn prompts_are_prefilled_on_prefill_replicas_and_decoded_on_decode_ones() 
 
     // With the document's decode replica down, another decodes it, having none of it: the
     // prediction is the prefill replica's, where the prompt is computed.
-    let i = decode_names.iter().position(|n| *n == decoded_on).unwrap() + 2;
+    let i = DECODE_NAMES.iter().position(|n| *n == decoded_on).unwrap() + 2;
     fleet.kill(i).await;
     let members = fleet.router.fleet().members();
     wait_until("the decode replica is down", || !members[i].upstream.is_healthy()).await;
@@ -196,7 +226,7 @@ async fn prompts_are_prefilled_on_prefill_replicas_and_decoded_on_decode_ones() 
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(reply.header("x-kvroute-prefill-replica"), None);
     assert_eq!(prefills(&fleet, "not_split").await, 1);
-    assert!(decode_names.contains(&reply.header("x-kvroute-replica").unwrap()));
+    assert!(DECODE_NAMES.contains(&reply.header("x-kvroute-replica").unwrap()));
 }
 
 #[tokio::test]
@@ -212,16 +242,7 @@ async fn the_decode_replica_prefills_when_no_prefill_can_be_had() {
 
     // A prompt the prefill replica refuses (too long for its context) is refused as it says,
     // and sent to no decode replica (which would take it).
-    let long = completion(&words(PREFILL_MAX_MODEL_LEN as usize + 10, 6), 4);
-    let reply = fleet.http.post(&fleet.url("/v1/completions"), &long).await;
-    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(&reply.body));
-    assert_eq!(reply.header("x-kvroute-replica"), Some("agent-0"));
-    assert!(reply.json()["error"]["message"].as_str().unwrap().contains("context"), "{}", reply.json());
-    assert_eq!(prefills(&fleet, "refused").await, 1);
-    // Its place on the decode replica, taken when it was decided, was given back.
-    let metrics = fleet.http.get(&fleet.url("/metrics")).await;
-    let in_flight = "kvroute_router_replica_in_flight{replica=\"agent-1\"}";
-    assert_eq!(sample(&String::from_utf8_lossy(&metrics.body), in_flight), Some(0));
+    refused_by_the_prefill_replica(&fleet, 6).await;
 
     // A request for an adapter the prefill replica lacks (its 404 is its own, not the
     // request's fault) is prefilled where it is decoded.
@@ -275,33 +296,21 @@ async fn sglang_fleet(agents: usize, prefills: usize, decodes: usize) -> Fleet {
     .await
 }
 
-/// `fleet`'s answer to `body`, which must not wait for a room nobody hands over.
-async fn post_in_time(fleet: &Fleet, body: Value) -> Reply {
-    let answered = tokio::time::timeout(std::time::Duration::from_secs(30), post(fleet, body)).await;
-    answered.expect("answered, not left waiting for a bootstrap room")
-}
-
 #[tokio::test]
 async fn sglang_prefills_go_alongside_their_decodes_through_a_bootstrap_room() {
     let fleet = sglang_fleet(4, 2, 2).await;
-    let (prefill_names, decode_names) = (["agent-0", "agent-1"], ["agent-2", "agent-3"]);
     let doc = words(40, 21);
 
     // Both replicas had the request at once: the prefill replica answers only once the decode
     // replica took the room's KV, and the decode replica decodes only once it had it.
-    let first = post_in_time(&fleet, completion(&format!("{doc} first ask"), 5)).await;
-    assert_eq!(first.status, StatusCode::OK, "{}", String::from_utf8_lossy(&first.body));
-    let decoded_on = first.header("x-kvroute-replica").unwrap().to_owned();
-    let prefilled_on = first.header("x-kvroute-prefill-replica").expect("prefilled elsewhere").to_owned();
-    assert!(decode_names.contains(&decoded_on.as_str()), "{decoded_on}");
-    assert!(prefill_names.contains(&prefilled_on.as_str()), "{prefilled_on}");
+    let (first, decoded_on, prefilled_on) = split(&fleet, completion(&format!("{doc} first ask"), 5)).await;
     let (prompt_tokens, completion_tokens, cached) = usage(&first);
     // SGLang's decode replica reports what its prefill replica had cached: nothing yet.
     assert_eq!((completion_tokens, cached), (5, 0));
     assert_eq!(first.header("x-kvroute-prefill-cached-tokens"), Some("0"));
-    let p = prefill_names.iter().position(|n| *n == prefilled_on).unwrap();
+    let p = PREFILL_NAMES.iter().position(|n| *n == prefilled_on).unwrap();
     assert_eq!(agent_metric(&fleet, p, "vllm:generation_tokens_total").await, 1, "one token");
-    let d = decode_names.iter().position(|n| *n == decoded_on).unwrap() + 2;
+    let d = DECODE_NAMES.iter().position(|n| *n == decoded_on).unwrap() + 2;
     let pulled = agent_metric(&fleet, d, "vllm:external_prefix_cache_hits_total").await;
     assert_eq!(pulled, prompt_tokens - 1, "the decode replica pulled the prompt but its last token");
 
@@ -369,15 +378,7 @@ async fn an_sglang_prefill_that_cannot_be_had_ends_its_request() {
     let mut fleet = sglang_fleet(2, 1, 1).await;
     // A prompt the prefill replica refuses (too long for its context): its answer is the
     // client's at once, though the decode replica took the request and waits for its room.
-    let long = completion(&words(PREFILL_MAX_MODEL_LEN as usize + 10, 26), 4);
-    let reply = post_in_time(&fleet, long).await;
-    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(&reply.body));
-    assert_eq!(reply.header("x-kvroute-replica"), Some("agent-0"));
-    assert!(reply.json()["error"]["message"].as_str().unwrap().contains("context"), "{}", reply.json());
-    assert_eq!(prefills(&fleet, "refused").await, 1);
-    let metrics = fleet.http.get(&fleet.url("/metrics")).await;
-    let in_flight = "kvroute_router_replica_in_flight{replica=\"agent-1\"}";
-    assert_eq!(sample(&String::from_utf8_lossy(&metrics.body), in_flight), Some(0), "the decode let go");
+    refused_by_the_prefill_replica(&fleet, 26).await;
 
     // Without the prefill replica, the decode replica (which cannot prefill) is sent nothing.
     fleet.kill(0).await;
