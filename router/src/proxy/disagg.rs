@@ -13,7 +13,8 @@
 //! 2. When that replica lacks fewer than `--pd-min-prefill-tokens` of the prompt's tokens, it
 //!    prefills them itself: a round trip to another replica would cost more.
 //! 3. Else the prefill replica is decided among those that prefill (`prefill`, `both`; the
-//!    decode replica excepted), on their caches and load, and credited as any choice is.
+//!    decode replica and SGLang's replicas excepted), on their caches and load, and credited
+//!    as any choice is.
 //!    It is sent the client's body with `max_tokens` 1 (and `max_completion_tokens` 1 if
 //!    asked), `stream` false, without `stream_options`, `min_tokens`,
 //!    `min_completion_tokens`, `logprobs`, `top_logprobs` and `echo`, and with
@@ -52,7 +53,10 @@
 //! may have taken the room's KV before it failed). In a fleet with SGLang decode replicas, a
 //! request that is not split (below), which they would refuse, is decided among the replicas
 //! that need no room (`both` ones, vLLM's), waiting for their room if need be, and retried
-//! among them only; with none, a 503 says why. So is a `prompt_embeds` completion.
+//! among them only; with none, a 503 says why. So is a `prompt_embeds` completion. (SGLang's
+//! own router sends a batch a room a prompt, or a choice; but its servers, in the versions
+//! read, give every choice of a prompt its first room, which hangs (sglang PRs 24223, 26486),
+//! and kvroute splits one prompt of one choice only.)
 //! Passthrough requests (SGLang's native `/generate` among them) still go by load to any
 //! replica that decodes. A client's own `bootstrap_host`, `bootstrap_port` and
 //! `bootstrap_room` are dropped as its `kv_transfer_params` are.
