@@ -15,15 +15,19 @@
 //!    reports P's cached tokens as its own, as SGLang's D copies them from P; it caches and
 //!    publishes the prompt's blocks.
 //!
+//! A batch of prompts has a room a prompt: a list of rooms (hosts, ports), one a prompt, as
+//! SGLang's router sends them, or one room `r` for them all, which names `r`, `r + 1`, ...,
+//! as SGLang's servers read it.
+//!
 //! Either side gives up after `--disaggregation-timeout-ms` (SGLang's bootstrap and waiting
 //! timeouts, 300 s): P's answer, or D's, is then a 500. A completion or chat without
 //! `bootstrap_room` is refused with a 400 by both, as SGLang refuses it; Messages and
 //! Responses requests are served whole (not modelled).
 //!
 //! Not modelled: the bytes (P's bootstrap server here answers one route of its own,
-//! `GET /kvroute/rooms/{room}`, not SGLang's registration protocol), batches of rooms (a
-//! request of several prompts or choices is refused), and P's stream (the router asks P for
-//! a whole answer).
+//! `GET /kvroute/rooms/{room}`, not SGLang's registration protocol), several choices (`n`: a
+//! request for them is refused; SGLang's servers give every choice of a prompt its first
+//! room), and P's stream (the router asks P for a whole answer).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -58,13 +62,58 @@ pub enum Mode {
 /// SGLang's default `--disaggregation-bootstrap-port`.
 pub const DEFAULT_PORT: u16 = 8998;
 
-/// What a request's bootstrap fields name: where D finds P, and the hand-over.
+/// What a request's bootstrap fields name: where D finds P, and the hand-over of each of its
+/// prompts ([`Bootstrap::rooms`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Bootstrap {
-    pub host: String,
+    hosts: Each<Option<String>>,
+    ports: Each<Option<u16>>,
+    rooms: Each<u64>,
+}
+
+/// A field given once for every prompt, or once for each.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+enum Each<T> {
+    One(T),
+    Many(Vec<T>),
+}
+
+impl<T: Clone> Each<T> {
+    /// Prompt `i`'s of `n`, `one` making a field given once into prompt `i`'s.
+    fn of(&self, i: usize, n: usize, field: &str, one: impl Fn(&T, usize) -> T) -> Result<T, String> {
+        match self {
+            Each::One(value) => Ok(one(value, i)),
+            Each::Many(values) if values.len() == n => Ok(values[i].clone()),
+            Each::Many(values) => Err(format!("{field} has {} values for {n} prompts", values.len())),
+        }
+    }
+}
+
+/// One prompt's hand-over: where D finds P, and the room.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Room {
+    /// `None` for P (its own host).
+    pub host: Option<String>,
     /// `None`: D's own `--disaggregation-bootstrap-port`.
     pub port: Option<u16>,
     pub room: u64,
+}
+
+impl Bootstrap {
+    /// The hand-over of each of `prompts` prompts. A room given once, `r`, is prompt `i`'s
+    /// `r + i` (as SGLang reads it); a list gives one a prompt.
+    pub fn rooms(&self, prompts: usize) -> Result<Vec<Room>, String> {
+        (0..prompts)
+            .map(|i| {
+                let room =
+                    self.rooms.of(i, prompts, "bootstrap_room", |room, i| room.wrapping_add(i as u64))?;
+                let host = self.hosts.of(i, prompts, "bootstrap_host", |host, _| host.clone())?;
+                let port = self.ports.of(i, prompts, "bootstrap_port", |port, _| *port)?;
+                Ok(Room { host, port, room })
+            })
+            .collect()
+    }
 }
 
 /// A field, unless absent or null.
@@ -72,8 +121,9 @@ fn present(raw: Option<&RawValue>) -> Option<&RawValue> {
     raw.filter(|raw| raw.get() != "null")
 }
 
-/// Reads `bootstrap_host`, `bootstrap_port` and `bootstrap_room` in `mode`. `Ok(None)`: not
-/// disaggregated here. `Err`: refused (no room, a batch of rooms, a field of the wrong type).
+/// Reads `bootstrap_host`, `bootstrap_port` and `bootstrap_room` (each a value, or a list of
+/// one a prompt) in `mode`. `Ok(None)`: not disaggregated here. `Err`: refused (no room, a
+/// field of the wrong type, a decode replica not told where its prefill replica is).
 pub fn asked(mode: Mode, [host, port, room]: [Option<&RawValue>; 3]) -> Result<Option<Bootstrap>, String> {
     if mode == Mode::Null {
         return Ok(None);
@@ -81,21 +131,22 @@ pub fn asked(mode: Mode, [host, port, room]: [Option<&RawValue>; 3]) -> Result<O
     let Some(room) = present(room) else {
         return Err("Disaggregated request received without bootstrap room id".into());
     };
-    let room: u64 = serde_json::from_str(room.get())
-        .map_err(|_| "bootstrap_room must be a non-negative integer (batches of rooms are not simulated)")?;
-    let port = match present(port) {
-        Some(port) => {
-            Some(serde_json::from_str(port.get()).map_err(|_| "bootstrap_port must be a port number")?)
-        }
-        None => None,
+    let rooms = serde_json::from_str(room.get())
+        .map_err(|_| "bootstrap_room must be a non-negative integer, or a list of them")?;
+    let ports = match present(port) {
+        Some(port) => serde_json::from_str(port.get())
+            .map_err(|_| "bootstrap_port must be a port number, or a list of them")?,
+        None => Each::One(None),
     };
-    let host = match present(host) {
-        Some(host) => serde_json::from_str(host.get()).map_err(|_| "bootstrap_host must be a string")?,
-        // Only D reads it: P's own host.
-        None if mode == Mode::Prefill => String::new(),
-        None => return Err("bootstrap_host is required by a decode replica".into()),
+    let hosts = match present(host) {
+        Some(host) => serde_json::from_str(host.get())
+            .map_err(|_| "bootstrap_host must be a string, or a list of them")?,
+        None => Each::One(None),
     };
-    Ok(Some(Bootstrap { host, port, room }))
+    if mode == Mode::Decode && matches!(hosts, Each::One(None)) {
+        return Err("bootstrap_host is required by a decode replica".into());
+    }
+    Ok(Some(Bootstrap { hosts, ports, rooms }))
 }
 
 /// What P hands over for a room: what D reports of the prompt.
@@ -108,7 +159,7 @@ pub struct Transfer {
 
 /// A room as both sides see it.
 #[derive(Clone, Copy, Debug, Default)]
-struct Room {
+struct Handover {
     /// D asked for it.
     claimed: bool,
     /// P's prefill ended.
@@ -117,7 +168,7 @@ struct Room {
 
 /// P's rooms, and D's way to P's: one per agent.
 pub struct Rooms {
-    rooms: Mutex<HashMap<u64, watch::Sender<Room>>>,
+    rooms: Mutex<HashMap<u64, watch::Sender<Handover>>>,
     timeout: Duration,
     client: Client<HttpConnector, Full<Bytes>>,
 }
@@ -127,14 +178,19 @@ impl Rooms {
         Rooms { rooms: Mutex::default(), timeout, client: Client::builder(TokioExecutor::new()).build_http() }
     }
 
-    fn room(&self, id: u64) -> watch::Sender<Room> {
+    fn room(&self, id: u64) -> watch::Sender<Handover> {
         let mut rooms = self.rooms.lock().unwrap_or_else(|e| e.into_inner());
-        rooms.entry(id).or_insert_with(|| watch::channel(Room::default()).0).clone()
+        rooms.entry(id).or_insert_with(|| watch::channel(Handover::default()).0).clone()
     }
 
     /// Waits until `room` is as `ready` says (or the timeout); the room is forgotten after,
     /// and when the wait is dropped (its request gone).
-    async fn until(&self, id: u64, room: watch::Sender<Room>, ready: impl Fn(&Room) -> bool) -> Option<Room> {
+    async fn until(
+        &self,
+        id: u64,
+        room: watch::Sender<Handover>,
+        ready: impl Fn(&Handover) -> bool,
+    ) -> Option<Handover> {
         let _forget = Forget { rooms: self, id, room: room.clone() };
         let mut changes = room.subscribe();
         let seen = tokio::time::timeout(self.timeout, changes.wait_for(ready)).await;
@@ -158,11 +214,14 @@ impl Rooms {
         self.until(id, room, |room| room.transfer.is_some()).await?.transfer
     }
 
-    /// D: the prefill of `bootstrap`'s room, from P's bootstrap server (`own_port` when the
-    /// request names none).
-    pub async fn pull(&self, bootstrap: &Bootstrap, own_port: u16) -> Result<Transfer, String> {
-        let port = bootstrap.port.unwrap_or(own_port);
-        let uri = format!("http://{}:{port}/kvroute/rooms/{}", bootstrap.host, bootstrap.room);
+    /// D: the prefill of `room`, from P's bootstrap server (`own_port` when the request names
+    /// none).
+    pub async fn pull(&self, room: &Room, own_port: u16) -> Result<Transfer, String> {
+        let port = room.port.unwrap_or(own_port);
+        let Some(host) = &room.host else {
+            return Err(format!("bootstrap room {} names no bootstrap_host", room.room));
+        };
+        let uri = format!("http://{host}:{port}/kvroute/rooms/{}", room.room);
         let failed = |e: &dyn std::fmt::Display| format!("bootstrap {uri}: {e}");
         let request = Request::get(&uri).body(Full::default()).map_err(|e| failed(&e))?;
         let answer = tokio::time::timeout(self.timeout, async {
@@ -182,7 +241,7 @@ impl Rooms {
 struct Forget<'a> {
     rooms: &'a Rooms,
     id: u64,
-    room: watch::Sender<Room>,
+    room: watch::Sender<Handover>,
 }
 
 impl Drop for Forget<'_> {
@@ -237,12 +296,27 @@ mod tests {
     fn a_disaggregated_replica_needs_a_room_and_decode_needs_a_host() {
         assert_eq!(ask(Mode::Null, "1", "2", "3"), Ok(None), "fields ignored");
         let named = ask(Mode::Decode, r#""10.0.0.7""#, "null", "7").unwrap().unwrap();
-        assert_eq!(named, Bootstrap { host: "10.0.0.7".into(), port: None, room: 7 });
-        assert_eq!(ask(Mode::Prefill, "null", "8998", "9").unwrap().unwrap().port, Some(8998));
+        let room = |host: Option<&str>, port, room| Room { host: host.map(str::to_owned), port, room };
+        assert_eq!(named.rooms(1), Ok(vec![room(Some("10.0.0.7"), None, 7)]));
+        let prefill = ask(Mode::Prefill, "null", "8998", "9").unwrap().unwrap();
+        assert_eq!(prefill.rooms(1), Ok(vec![room(None, Some(8998), 9)]));
         assert!(ask(Mode::Prefill, r#""h""#, "1", "null").unwrap_err().contains("without bootstrap room"));
         assert!(ask(Mode::Decode, "null", "1", "3").is_err(), "D must find P");
-        assert!(ask(Mode::Decode, r#""h""#, "1", "[1,2]").is_err(), "batches");
         assert!(ask(Mode::Decode, r#""h""#, "70000", "1").is_err());
+        assert!(ask(Mode::Decode, r#""h""#, "1", "-1").is_err());
+    }
+
+    #[test]
+    fn a_batch_has_a_room_a_prompt() {
+        // One room for three prompts: r, r + 1, r + 2, as SGLang reads it.
+        let one = ask(Mode::Decode, r#""h""#, "null", "7").unwrap().unwrap();
+        let rooms: Vec<u64> = one.rooms(3).unwrap().iter().map(|r| r.room).collect();
+        assert_eq!(rooms, [7, 8, 9]);
+        // A list of each, as SGLang's router sends a batch.
+        let each = ask(Mode::Decode, r#"["a","b"]"#, "[1,null]", "[5,3]").unwrap().unwrap();
+        let rooms = each.rooms(2).unwrap();
+        assert_eq!((rooms[1].host.as_deref(), rooms[1].port, rooms[1].room), (Some("b"), None, 3));
+        assert!(each.rooms(3).unwrap_err().contains("2 values for 3 prompts"));
     }
 
     #[tokio::test]

@@ -198,15 +198,15 @@ pub(super) async fn generate(
     if let (Asked::RemotePrefill { blocks }, [job]) = (&transfer, &mut jobs[..]) {
         job.remote_tokens = kv_transfer::pulled_tokens(*blocks, block_size, job.prompt.len());
     }
-    if let Some(bootstrap) = &bootstrap {
-        let [job] = &mut jobs[..] else {
-            return Err(ApiError::bad_request(
-                "a bootstrap room for several prompts is not simulated: one prompt, one choice",
-            ));
-        };
+    // A room for each prompt ([`crate::bootstrap`]).
+    let rooms = match &bootstrap {
+        Some(bootstrap) => bootstrap.rooms(jobs.len()).map_err(ApiError::bad_request)?,
+        None => Vec::new(),
+    };
+    if !rooms.is_empty() {
         if sampling.choices() != 1 {
             return Err(ApiError::bad_request(
-                "a bootstrap room for several choices is not simulated: one prompt, one choice",
+                "a bootstrap room for several choices is not simulated (SGLang gives every choice of a prompt its first room)",
             ));
         }
         match state.config().disaggregation_mode {
@@ -216,13 +216,15 @@ pub(super) async fn generate(
                 ));
             }
             // The prompt and its first token (SGLang's prefill replica computes no more).
-            Mode::Prefill => job.max_tokens = 1,
+            Mode::Prefill => jobs.iter_mut().for_each(|job| job.max_tokens = 1),
             Mode::Decode => {
                 let own_port = state.config().disaggregation_bootstrap_port;
-                let transfer =
-                    state.rooms().pull(bootstrap, own_port).await.map_err(ApiError::engine_failed)?;
-                job.remote_tokens = job.prompt.len().saturating_sub(1);
-                job.reports_cached = Some(transfer.cached_tokens);
+                let pulled = rooms.iter().map(|room| state.rooms().pull(room, own_port));
+                let pulled = futures::future::try_join_all(pulled).await.map_err(ApiError::engine_failed)?;
+                for (job, transfer) in jobs.iter_mut().zip(pulled) {
+                    job.remote_tokens = job.prompt.len().saturating_sub(1);
+                    job.reports_cached = Some(transfer.cached_tokens);
+                }
             }
             Mode::Null => {}
         }
@@ -317,6 +319,10 @@ pub(super) async fn generate(
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         return Ok(response);
     }
+    // What a prefill replica hands over for each prompt (one choice each).
+    let handed: Vec<Transfer> = (admitted.iter())
+        .map(|a| Transfer { prompt_tokens: a.prompt_tokens as usize, cached_tokens: a.cached_tokens })
+        .collect();
     let mut texts = Vec::with_capacity(admitted.len());
     let mut tally = Tally::new(admitted.len(), n as usize, false);
     for (choice, mut a) in admitted.into_iter().enumerate() {
@@ -336,13 +342,11 @@ pub(super) async fn generate(
         texts.push(text);
     }
     let usage = tally.usage();
-    if let (Some(bootstrap), Mode::Prefill) = (&bootstrap, state.config().disaggregation_mode) {
-        // Answered once the decode replica took the prompt's KV.
-        let transfer = Transfer {
-            prompt_tokens: usage.prompt_tokens as usize,
-            cached_tokens: usage.prompt_tokens_details.cached_tokens as u32,
-        };
-        state.rooms().hand_over(bootstrap.room, transfer).await.map_err(ApiError::engine_failed)?;
+    if state.config().disaggregation_mode == Mode::Prefill {
+        // Answered once the decode replica took every prompt's KV.
+        let handing =
+            rooms.iter().zip(handed).map(|(room, transfer)| state.rooms().hand_over(room.room, transfer));
+        futures::future::try_join_all(handing).await.map_err(ApiError::engine_failed)?;
     }
     let produced = match (&transfer, &state.config().kv_transfer_config) {
         // (Asked of one prompt of one choice only: see above.)

@@ -59,6 +59,19 @@ async fn the_decode_takes_the_prompt_its_prefill_hands_over() {
     let hit = len / block_size * block_size;
     assert_eq!((usage(&p.json()).cached_tokens, usage(&d.json()).cached_tokens), (hit, hit));
 
+    // A batch: a room a prompt (one given, r, names r and r + 1).
+    let batch = json!({
+        "model": MODEL, "prompt": [words(20, 32), words(20, 33)], "max_tokens": 3,
+        "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 50,
+    });
+    let (p, d) = tokio::join!(
+        prefill.client.post("/v1/completions", &batch),
+        decode.client.post("/v1/completions", &batch)
+    );
+    assert_eq!((p.status, d.status), (StatusCode::OK, StatusCode::OK), "{} {}", p.text(), d.text());
+    let completion_tokens = |answer: &Value| answer["usage"]["completion_tokens"].as_u64();
+    assert_eq!((completion_tokens(&p.json()), completion_tokens(&d.json())), (Some(2), Some(6)));
+
     // Either side refuses a request without a room, as SGLang does.
     let plain = json!({ "model": MODEL, "prompt": prompt });
     for agent in [&prefill, &decode] {

@@ -43,7 +43,8 @@
 //! `prefill`, decided on their caches and load and credited; both bodies name the prefill
 //! replica's host (`bootstrap_host`), its `bootstrap_port` (the replica's `bootstrap-port`;
 //! null: the decode replica's own) and a random `bootstrap_room` below 2^63, as SGLang's
-//! router sends them. The prefill's body is rewritten as above (one token, whole, without the
+//! router sends them; a completion's batch of prompts is split too, with a list of each, a
+//! room a prompt. The prefill's body is rewritten as above (one token, whole, without the
 //! client's own params), and is not retried elsewhere: the decode replica waits for that
 //! replica. SGLang's prefill replica answers once it handed the KV over; the decode's answer
 //! goes to the client after it, with the same headers. A prefill's failure (its error answer,
@@ -53,18 +54,18 @@
 //! may have taken the room's KV before it failed). In a fleet with SGLang decode replicas, a
 //! request that is not split (below), which they would refuse, is decided among the replicas
 //! that need no room (`both` ones, vLLM's), waiting for their room if need be, and retried
-//! among them only; with none, a 503 says why. So is a `prompt_embeds` completion. (SGLang's
-//! own router sends a batch a room a prompt, or a choice; but its servers, in the versions
-//! read, give every choice of a prompt its first room, which hangs (sglang PRs 24223, 26486),
-//! and kvroute splits one prompt of one choice only.)
+//! among them only; with none, a 503 says why. So is a `prompt_embeds` completion. (Several
+//! choices, `n`, are not split: SGLang's own router sends a chat's choices a room each, but
+//! its servers, in the versions read, give every choice of a prompt its first room, which
+//! hangs: sglang PRs 24223, 26486.)
 //! Passthrough requests (SGLang's native `/generate` among them) still go by load to any
 //! replica that decodes. A client's own `bootstrap_host`, `bootstrap_port` and
 //! `bootstrap_room` are dropped as its `kv_transfer_params` are.
 //!
-//! Not split: requests of several prompts or choices (`n`), chats with media, requests for the
-//! prompt's logprobs (`prompt_logprobs`, `echo` with `logprobs`: only the replica that
-//! computed the prompt has them), and the Messages and Responses APIs (vLLM's proxies split
-//! completions and chats only). In a fleet that disaggregates, a client's own
+//! Not split: requests of several prompts (but through SGLang's rooms) or choices (`n`), chats
+//! with media, requests for the prompt's logprobs (`prompt_logprobs`, `echo` with `logprobs`:
+//! only the replica that computed the prompt has them), and the Messages and Responses APIs
+//! (vLLM's proxies split completions and chats only). In a fleet that disaggregates, a client's own
 //! `kv_transfer_params` are dropped: they would have a replica pull from, or hold blocks for,
 //! whatever they name. The bodies sent are rewritten through `serde_json`: their keys keep
 //! their order, a repeated key comes once (its last value, as vLLM reads it).
@@ -218,12 +219,17 @@ impl Split {
         if !plan.disaggregated {
             return Split::Whole;
         }
-        // (Decided among replicas that need no room: it was found never split then.)
-        let whole = plan.hop == Hop::Roomless
-            || never_split_as_read(endpoint, plan.sequences, plan.unhashed_tokens.is_some());
-        let Some(decode) = plan.chosen().map(|c| &c.member.replica).filter(|_| !whole) else {
-            return Split::NotSplit;
+        let shape = Shape {
+            endpoint,
+            prompts: plan.prompts,
+            sequences: plan.sequences,
+            unhashed: plan.unhashed_tokens.is_some(),
         };
+        let Some(decode) = plan.chosen().map(|c| &c.member.replica) else { return Split::NotSplit };
+        // (Decided among replicas that need no room: it was found never split then.)
+        if plan.hop == Hop::Roomless || shape.whole(decode.spec.waits_for_a_room()) {
+            return Split::NotSplit;
+        }
         if !decode.spec.waits_for_a_room() {
             let lacking = plan.prompt_tokens.saturating_sub(plan.predicted_cached_tokens(0));
             if lacking < plan.routing.pd_min_prefill_tokens {
@@ -436,12 +442,17 @@ fn bootstrap<'a>(
     let Some(on) = prefill.chosen().map(|on| on.member.clone()) else {
         return Err(Failure::Error(ProxyError::Unavailable("no SGLang replica of role prefill".into())));
     };
-    let room = rand::random::<u64>() & i64::MAX as u64;
-    let named = fields([
-        ("bootstrap_host", json!(host(&on.replica.spec.http_url))),
-        ("bootstrap_port", json!(on.replica.spec.bootstrap_port)),
-        ("bootstrap_room", json!(room)),
-    ]);
+    // A batch has a room a prompt, as SGLang's router sends it.
+    let room = || json!(rand::random::<u64>() & i64::MAX as u64);
+    let (host, port) = (json!(host(&on.replica.spec.http_url)), json!(on.replica.spec.bootstrap_port));
+    let named = match plan.prompts {
+        0 | 1 => fields([("bootstrap_host", host), ("bootstrap_port", port), ("bootstrap_room", room())]),
+        k => fields([
+            ("bootstrap_host", Value::Array(vec![host; k as usize])),
+            ("bootstrap_port", Value::Array(vec![port; k as usize])),
+            ("bootstrap_room", (0..k).map(|_| room()).collect()),
+        ]),
+    };
     let (Some(sent), Some(decoded)) = (for_prefill(request, named.clone()), with_fields(body, named)) else {
         // (Only if the request cannot be written again.) Nothing goes anywhere.
         count(state, "failed");
@@ -605,16 +616,33 @@ fn asks_prompt_logprobs(body: &[u8]) -> bool {
     }
 }
 
-/// Whether a request to `endpoint` is never split (whatever its replicas): an API other than
-/// completions and chat, several prompts or choices (`sequences`), media (`unhashed`), the
-/// prompt's logprobs (in `body`).
-pub fn never_split(endpoint: Endpoint, sequences: u32, unhashed: bool, body: &[u8]) -> bool {
-    never_split_as_read(endpoint, sequences, unhashed) || asks_prompt_logprobs(body)
+/// What of a request, as it was read, says whether it may be split.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub endpoint: Endpoint,
+    pub prompts: u32,
+    /// Its prompts times its `n`.
+    pub sequences: u32,
+    /// A chat with media.
+    pub unhashed: bool,
 }
 
-/// [`never_split`], but for the prompt's logprobs.
-fn never_split_as_read(endpoint: Endpoint, sequences: u32, unhashed: bool) -> bool {
-    !matches!(endpoint, Endpoint::Completions | Endpoint::ChatCompletions) || sequences > 1 || unhashed
+impl Shape {
+    /// Whether it is never split: an API other than completions and chat, media, several
+    /// choices (`n`), or several prompts unless handed over through `rooms` (SGLang's, a room
+    /// a prompt; vLLM's proxies split one prompt only).
+    fn whole(self, rooms: bool) -> bool {
+        let prompts = if rooms { self.sequences == self.prompts } else { self.sequences <= 1 };
+        !matches!(self.endpoint, Endpoint::Completions | Endpoint::ChatCompletions)
+            || self.unhashed
+            || !prompts
+    }
+
+    /// Whether a request of this shape, `body`, is never split in front of SGLang's decode
+    /// replicas (which refuse it then): [`Shape::whole`], or it asks for its prompt's logprobs.
+    pub fn goes_without_a_room(self, body: &[u8]) -> bool {
+        self.whole(true) || asks_prompt_logprobs(body)
+    }
 }
 
 /// The client's request (its [`prefillable`] `object`) as a prefill replica is sent it, with

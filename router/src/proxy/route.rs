@@ -189,8 +189,9 @@ pub struct Prepared {
     max_tokens: Option<u64>,
     unhashed_tokens: Option<usize>,
     streams: bool,
+    prompts: u32,
     sequences: u32,
-    /// It goes without a bootstrap room ([`super::disagg::never_split`]) in a fleet of
+    /// It goes without a bootstrap room ([`super::disagg::Shape::goes_without_a_room`]) in a fleet of
     /// replicas that wait for one: it is decided among those that need none ([`Hop::Roomless`]).
     roomless: bool,
     /// Its place among requests waiting for room ([`ParsedRequest::priority`]).
@@ -244,6 +245,8 @@ pub struct Plan {
     pub max_tokens: Option<u64>,
     /// Sequences the replica will run for it: its prompts times its `n`.
     pub sequences: u32,
+    /// Its prompts (a completion's batch has several).
+    pub prompts: u32,
     /// The decision's pinned credits on the replica the request goes to (none for
     /// `Explain`): the forwarder hands them to the response, which lets them go when the
     /// replica's first output arrives.
@@ -659,8 +662,14 @@ impl Decider {
         let prompts = u32::try_from(info.tokens.len().max(1)).unwrap_or(u32::MAX);
         let sequences = prompts.saturating_mul(request.n()).min(MAX_N);
         // (The body is read again only in front of SGLang's decode replicas.)
+        let shape = super::disagg::Shape {
+            endpoint: asked,
+            prompts,
+            sequences,
+            unhashed: info.unhashed_tokens.is_some(),
+        };
         let roomless = members.iter().any(|member| member.replica.spec.waits_for_a_room())
-            && super::disagg::never_split(asked, sequences, info.unhashed_tokens.is_some(), sent);
+            && shape.goes_without_a_room(sent);
         Ok(Prepared {
             asked,
             members: std::sync::Mutex::new(Some(members)),
@@ -673,6 +682,7 @@ impl Decider {
             max_tokens: request.max_tokens(),
             unhashed_tokens: info.unhashed_tokens,
             streams: request.stream(),
+            prompts,
             sequences,
             roomless,
             priority: request.priority(),
@@ -710,6 +720,7 @@ impl Decider {
         // A prefill sent ahead is answered whole.
         plan.streams = prepared.streams && !hop.is_prefill();
         plan.sequences = prepared.sequences;
+        plan.prompts = prepared.prompts;
         plan.model = Some(Arc::clone(&prepared.model));
         plan.disaggregated = disaggregated;
         plan.hop = hop;
@@ -892,6 +903,7 @@ impl Decider {
             load: None,
             keeps_response: false,
             sequences: 1,
+            prompts: 1,
             streams: false,
             request: *request,
             model: None,

@@ -317,8 +317,8 @@ async fn sglang_prefills_go_alongside_their_decodes_through_a_bootstrap_room() {
     // Another question on the document: prefilled where the document is cached, as predicted
     // (and explained); the decode replica reports that hit.
     let asked = completion(&format!("{doc} {}", words(12, 22)), 3);
-    let (split, _, prefill) = explain(&fleet, &asked).await;
-    assert_eq!((split.as_str(), prefill.as_str()), ("bootstrap", prefilled_on.as_str()));
+    let (how, _, prefill) = explain(&fleet, &asked).await;
+    assert_eq!((how.as_str(), prefill.as_str()), ("bootstrap", prefilled_on.as_str()));
     let second = post_in_time(&fleet, asked).await;
     assert_eq!(second.status, StatusCode::OK, "{}", String::from_utf8_lossy(&second.body));
     assert_eq!(second.header("x-kvroute-prefill-replica"), Some(prefilled_on.as_str()));
@@ -338,10 +338,20 @@ async fn sglang_prefills_go_alongside_their_decodes_through_a_bootstrap_room() {
     assert!(chunk.starts_with(b"data: {"), "{chunk:?}");
     assert_eq!(prefills(&fleet, "remote").await, 3);
 
-    // A batch is not split, and SGLang's decode replicas refuse a request without a room:
-    // with no other replica to decode it, the router says so.
-    let batch = json!({ "model": FLEET_MODEL, "prompt": [words(30, 24), words(30, 25)], "max_tokens": 2 });
-    let reply = post_in_time(&fleet, batch).await;
+    // A batch has a room a prompt: each prompt prefilled, in one request, on one replica.
+    let p = PREFILL_NAMES.iter().position(|n| *n == prefilled_on).unwrap();
+    let generated = agent_metric(&fleet, p, "vllm:generation_tokens_total").await;
+    let batch =
+        json!({ "model": FLEET_MODEL, "prompt": [format!("{doc} a"), format!("{doc} b")], "max_tokens": 2 });
+    let (reply, _, prefilled) = split(&fleet, batch).await;
+    assert_eq!(reply.json()["choices"].as_array().unwrap().len(), 2);
+    assert_eq!(prefilled, prefilled_on, "where the document is cached");
+    assert_eq!(agent_metric(&fleet, p, "vllm:generation_tokens_total").await - generated, 2);
+
+    // Several choices are not split, and SGLang's decode replicas refuse a request without a
+    // room: with no other replica to decode it, the router says so.
+    let choices = json!({ "model": FLEET_MODEL, "prompt": words(30, 24), "max_tokens": 2, "n": 2 });
+    let reply = post_in_time(&fleet, choices).await;
     assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
     let message = reply.json()["error"]["message"].as_str().unwrap().to_owned();
     assert!(message.contains("not split"), "{message}");
@@ -351,14 +361,14 @@ async fn sglang_prefills_go_alongside_their_decodes_through_a_bootstrap_room() {
 async fn what_is_not_split_goes_to_an_sglang_replica_that_needs_no_room() {
     // A prefill replica, a decode one, and one of neither (`both`).
     let fleet = sglang_fleet(3, 1, 1).await;
-    // Batches and requests for their prompt's logprobs are not split: all go to the replica
-    // that needs no room, though an idle fleet's cache-aware choice is the decode replica for
-    // about half of them. (A client's own room, which would have a replica pull from a host of
-    // the client's choosing, reaches neither.)
+    // Requests for several choices, or for their prompt's logprobs, are not split: all go to
+    // the replica that needs no room, though an idle fleet's cache-aware choice is the decode
+    // replica for about half of them. (A client's own room, which would have a replica pull
+    // from a host of the client's choosing, reaches neither.)
     let mut bodies = Vec::new();
     for seed in 0..4 {
         bodies.push(json!({
-            "model": FLEET_MODEL, "prompt": [words(30, 40 + seed), words(30, 50 + seed)], "max_tokens": 2,
+            "model": FLEET_MODEL, "prompt": words(30, 40 + seed), "max_tokens": 2, "n": 2,
             "bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 7,
         }));
         let logprobs = json!({ "model": FLEET_MODEL, "prompt": words(30, 60 + seed), "prompt_logprobs": 1 });
