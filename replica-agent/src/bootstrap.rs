@@ -27,7 +27,9 @@
 //! Not modelled: the bytes (P's bootstrap server here answers one route of its own,
 //! `GET /kvroute/rooms/{room}`, not SGLang's registration protocol), several choices (`n`: a
 //! request for them is refused; SGLang's servers give every choice of a prompt its first
-//! room), and P's stream (the router asks P for a whole answer).
+//! room), P's stream (the router asks P for a whole answer), and a batch's prompts handed over
+//! one by one (P hands them all over once the batch is done; SGLang's, each as its prefill
+//! ends).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -143,7 +145,11 @@ pub fn asked(mode: Mode, [host, port, room]: [Option<&RawValue>; 3]) -> Result<O
             .map_err(|_| "bootstrap_host must be a string, or a list of them")?,
         None => Each::One(None),
     };
-    if mode == Mode::Decode && matches!(hosts, Each::One(None)) {
+    let no_host = match &hosts {
+        Each::One(host) => host.is_none(),
+        Each::Many(hosts) => hosts.iter().any(Option::is_none),
+    };
+    if mode == Mode::Decode && no_host {
         return Err("bootstrap_host is required by a decode replica".into());
     }
     Ok(Some(Bootstrap { hosts, ports, rooms }))
@@ -302,6 +308,7 @@ mod tests {
         assert_eq!(prefill.rooms(1), Ok(vec![room(None, Some(8998), 9)]));
         assert!(ask(Mode::Prefill, r#""h""#, "1", "null").unwrap_err().contains("without bootstrap room"));
         assert!(ask(Mode::Decode, "null", "1", "3").is_err(), "D must find P");
+        assert!(ask(Mode::Decode, r#"["h",null]"#, "1", "3").is_err(), "for every prompt");
         assert!(ask(Mode::Decode, r#""h""#, "70000", "1").is_err());
         assert!(ask(Mode::Decode, r#""h""#, "1", "-1").is_err());
     }

@@ -30,6 +30,7 @@
 //! [`sse`]: super::sse
 //! [`sampling`]: super::sampling
 
+use futures::{StreamExt, TryStreamExt};
 use hyper::header::{self, HeaderValue};
 use hyper::{Response, StatusCode};
 use kvroute_proto::openai::request::{lax_boolean_value, parse_object};
@@ -198,37 +199,6 @@ pub(super) async fn generate(
     if let (Asked::RemotePrefill { blocks }, [job]) = (&transfer, &mut jobs[..]) {
         job.remote_tokens = kv_transfer::pulled_tokens(*blocks, block_size, job.prompt.len());
     }
-    // A room for each prompt ([`crate::bootstrap`]).
-    let rooms = match &bootstrap {
-        Some(bootstrap) => bootstrap.rooms(jobs.len()).map_err(ApiError::bad_request)?,
-        None => Vec::new(),
-    };
-    if !rooms.is_empty() {
-        if sampling.choices() != 1 {
-            return Err(ApiError::bad_request(
-                "a bootstrap room for several choices is not simulated (SGLang gives every choice of a prompt its first room)",
-            ));
-        }
-        match state.config().disaggregation_mode {
-            Mode::Prefill if request.stream() => {
-                return Err(ApiError::bad_request(
-                    "a prefill replica's stream is not simulated: ask it for a whole answer",
-                ));
-            }
-            // The prompt and its first token (SGLang's prefill replica computes no more).
-            Mode::Prefill => jobs.iter_mut().for_each(|job| job.max_tokens = 1),
-            Mode::Decode => {
-                let own_port = state.config().disaggregation_bootstrap_port;
-                let pulled = rooms.iter().map(|room| state.rooms().pull(room, own_port));
-                let pulled = futures::future::try_join_all(pulled).await.map_err(ApiError::engine_failed)?;
-                for (job, transfer) in jobs.iter_mut().zip(pulled) {
-                    job.remote_tokens = job.prompt.len().saturating_sub(1);
-                    job.reports_cached = Some(transfer.cached_tokens);
-                }
-            }
-            Mode::Null => {}
-        }
-    }
     let priority = request.priority();
     if priority != 0 && state.config().scheduling_policy == SchedulingPolicy::Fcfs {
         return Err(ApiError::bad_request(format!(
@@ -249,6 +219,42 @@ pub(super) async fn generate(
             "{} prompts times n ({n}) is {requests} requests, more than this replica queues ({max_waiting})",
             jobs.len()
         )));
+    }
+    // A room for each prompt ([`crate::bootstrap`]), once the request is known to be taken.
+    let rooms = match &bootstrap {
+        Some(bootstrap) => bootstrap.rooms(jobs.len()).map_err(ApiError::bad_request)?,
+        None => Vec::new(),
+    };
+    if !rooms.is_empty() {
+        if sampling.choices() != 1 {
+            return Err(ApiError::bad_request(
+                "a bootstrap room for several choices is not simulated (SGLang gives every choice of a prompt its first room)",
+            ));
+        }
+        match state.config().disaggregation_mode {
+            Mode::Prefill if request.stream() => {
+                return Err(ApiError::bad_request(
+                    "a prefill replica's stream is not simulated: ask it for a whole answer",
+                ));
+            }
+            // The prompt and its first token (SGLang's prefill replica computes no more).
+            Mode::Prefill => jobs.iter_mut().for_each(|job| job.max_tokens = 1),
+            Mode::Decode => {
+                let own_port = state.config().disaggregation_bootstrap_port;
+                // At most `PULLS` at a time (a connection each), in the rooms' order.
+                let rooms_of = state.rooms();
+                let pulls =
+                    rooms.iter().cloned().map(|room| async move { rooms_of.pull(&room, own_port).await });
+                let pulled: Vec<Transfer> =
+                    (futures::stream::iter(pulls).buffered(PULLS).try_collect().await)
+                        .map_err(ApiError::engine_failed)?;
+                for (job, transfer) in jobs.iter_mut().zip(pulled) {
+                    job.remote_tokens = job.prompt.len().saturating_sub(1);
+                    job.reports_cached = Some(transfer.cached_tokens);
+                }
+            }
+            Mode::Null => {}
+        }
     }
     // Each prompt's `n` choices in turn, as vLLM numbers them (`prompt * n + choice`).
     let jobs: Vec<Job> = jobs
@@ -370,6 +376,9 @@ pub(super) async fn generate(
     };
     Ok(json_response(StatusCode::OK, body))
 }
+
+/// Rooms a decode replica pulls from at once.
+const PULLS: usize = 64;
 
 /// Which response shapes to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

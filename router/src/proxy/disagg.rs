@@ -148,8 +148,8 @@ pub const NO_DECODER: &str = "no replica decodes: every one is of role prefill";
 /// Why a request that is not split has nowhere to go in a fleet whose replicas that decode
 /// are SGLang decode replicas, which refuse it.
 pub const NO_ROOMLESS: &str = "no replica takes a request that is not split into prefill and decode: \
-     SGLang's decode replicas take none without a bootstrap room (requests of several prompts or \
-     choices, chats with media, requests for the prompt's logprobs, the Messages and Responses APIs)";
+     SGLang's decode replicas take none without a bootstrap room (requests of several choices, \
+     chats with media, requests for the prompt's logprobs, the Messages and Responses APIs)";
 
 /// Whether a fleet of `members` disaggregates: one has a role other than `both`.
 pub fn disaggregates(members: &[crate::fleet::Member]) -> bool {
@@ -201,7 +201,8 @@ fn count(state: &ProxyState, outcome: &'static str) {
 pub enum Split {
     /// Its fleet does not disaggregate.
     Whole,
-    /// Not split: several prompts or choices, media, the prompt's logprobs, another API. It
+    /// Not split: several choices (or prompts, but through SGLang's rooms), media, the prompt's
+    /// logprobs, another API. It
     /// goes without a bootstrap room ([`Hop::Roomless`] if it was decided on a replica that
     /// needs one).
     NotSplit,
@@ -222,7 +223,7 @@ impl Split {
         let shape = Shape {
             endpoint,
             prompts: plan.prompts,
-            sequences: plan.sequences,
+            choices: plan.choices,
             unhashed: plan.unhashed_tokens.is_some(),
         };
         let Some(decode) = plan.chosen().map(|c| &c.member.replica) else { return Split::NotSplit };
@@ -621,8 +622,8 @@ fn asks_prompt_logprobs(body: &[u8]) -> bool {
 pub struct Shape {
     pub endpoint: Endpoint,
     pub prompts: u32,
-    /// Its prompts times its `n`.
-    pub sequences: u32,
+    /// Its `n`.
+    pub choices: u32,
     /// A chat with media.
     pub unhashed: bool,
 }
@@ -632,10 +633,10 @@ impl Shape {
     /// choices (`n`), or several prompts unless handed over through `rooms` (SGLang's, a room
     /// a prompt; vLLM's proxies split one prompt only).
     fn whole(self, rooms: bool) -> bool {
-        let prompts = if rooms { self.sequences == self.prompts } else { self.sequences <= 1 };
+        let several = self.choices > 1 || (self.prompts > 1 && !rooms);
         !matches!(self.endpoint, Endpoint::Completions | Endpoint::ChatCompletions)
             || self.unhashed
-            || !prompts
+            || several
     }
 
     /// Whether a request of this shape, `body`, is never split in front of SGLang's decode
@@ -738,6 +739,19 @@ mod tests {
         assert!(prefill_of(br#"{"prompt":"hi","logprobs":1,"echo":true}"#).is_none());
         assert!(prefill_of(br#"{"prompt":"hi","prompt_logprobs":0}"#).is_none());
         assert!(prefill_of(br#"{"prompt":"hi","prompt_logprobs":null,"echo":true}"#).is_some());
+    }
+
+    #[test]
+    fn several_prompts_are_split_through_rooms_only_and_several_choices_never() {
+        let shape =
+            |prompts, choices| Shape { endpoint: Endpoint::Completions, prompts, choices, unhashed: false };
+        assert!(!shape(1, 1).whole(false) && !shape(1, 1).whole(true));
+        assert!(shape(2, 1).whole(false) && !shape(2, 1).whole(true), "a room a prompt");
+        assert!(shape(1, 2).whole(false) && shape(1, 2).whole(true), "choices share a room in SGLang");
+        assert!(Shape { endpoint: Endpoint::Messages, ..shape(1, 1) }.whole(true));
+        assert!(Shape { unhashed: true, ..shape(1, 1) }.whole(true));
+        let logprobs = br#"{"prompt":"hi","echo":true,"logprobs":0}"#;
+        assert!(shape(1, 1).goes_without_a_room(logprobs) && !shape(1, 1).goes_without_a_room(b"{}"));
     }
 
     #[test]

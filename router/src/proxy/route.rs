@@ -190,6 +190,7 @@ pub struct Prepared {
     unhashed_tokens: Option<usize>,
     streams: bool,
     prompts: u32,
+    choices: u32,
     sequences: u32,
     /// It goes without a bootstrap room ([`super::disagg::Shape::goes_without_a_room`]) in a fleet of
     /// replicas that wait for one: it is decided among those that need none ([`Hop::Roomless`]).
@@ -245,8 +246,9 @@ pub struct Plan {
     pub max_tokens: Option<u64>,
     /// Sequences the replica will run for it: its prompts times its `n`.
     pub sequences: u32,
-    /// Its prompts (a completion's batch has several).
+    /// Its prompts (a completion's batch has several), and its `n`.
     pub prompts: u32,
+    pub choices: u32,
     /// The decision's pinned credits on the replica the request goes to (none for
     /// `Explain`): the forwarder hands them to the response, which lets them go when the
     /// replica's first output arrives.
@@ -662,12 +664,8 @@ impl Decider {
         let prompts = u32::try_from(info.tokens.len().max(1)).unwrap_or(u32::MAX);
         let sequences = prompts.saturating_mul(request.n()).min(MAX_N);
         // (The body is read again only in front of SGLang's decode replicas.)
-        let shape = super::disagg::Shape {
-            endpoint: asked,
-            prompts,
-            sequences,
-            unhashed: info.unhashed_tokens.is_some(),
-        };
+        let (choices, with_media) = (request.n(), info.unhashed_tokens.is_some());
+        let shape = super::disagg::Shape { endpoint: asked, prompts, choices, unhashed: with_media };
         let roomless = members.iter().any(|member| member.replica.spec.waits_for_a_room())
             && shape.goes_without_a_room(sent);
         Ok(Prepared {
@@ -683,6 +681,7 @@ impl Decider {
             unhashed_tokens: info.unhashed_tokens,
             streams: request.stream(),
             prompts,
+            choices,
             sequences,
             roomless,
             priority: request.priority(),
@@ -721,6 +720,7 @@ impl Decider {
         plan.streams = prepared.streams && !hop.is_prefill();
         plan.sequences = prepared.sequences;
         plan.prompts = prepared.prompts;
+        plan.choices = prepared.choices;
         plan.model = Some(Arc::clone(&prepared.model));
         plan.disaggregated = disaggregated;
         plan.hop = hop;
@@ -904,6 +904,7 @@ impl Decider {
             keeps_response: false,
             sequences: 1,
             prompts: 1,
+            choices: 1,
             streams: false,
             request: *request,
             model: None,
