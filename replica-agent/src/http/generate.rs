@@ -326,7 +326,8 @@ pub(super) async fn generate(
         return Ok(response);
     }
     // What a prefill replica hands over for each prompt (one choice each).
-    let handed: Vec<Transfer> = (admitted.iter())
+    let hands_over = state.config().disaggregation_mode == Mode::Prefill && !rooms.is_empty();
+    let handed: Vec<Transfer> = (admitted.iter().filter(|_| hands_over))
         .map(|a| Transfer { prompt_tokens: a.prompt_tokens as usize, cached_tokens: a.cached_tokens })
         .collect();
     let mut texts = Vec::with_capacity(admitted.len());
@@ -348,7 +349,7 @@ pub(super) async fn generate(
         texts.push(text);
     }
     let usage = tally.usage();
-    if state.config().disaggregation_mode == Mode::Prefill {
+    if hands_over {
         // Answered once the decode replica took every prompt's KV.
         let handing =
             rooms.iter().zip(handed).map(|(room, transfer)| state.rooms().hand_over(room.room, transfer));

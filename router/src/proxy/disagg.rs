@@ -202,9 +202,8 @@ pub enum Split {
     /// Its fleet does not disaggregate.
     Whole,
     /// Not split: several choices (or prompts, but through SGLang's rooms), media, the prompt's
-    /// logprobs, another API. It
-    /// goes without a bootstrap room ([`Hop::Roomless`] if it was decided on a replica that
-    /// needs one).
+    /// logprobs, another API. It goes without a bootstrap room ([`Hop::Roomless`] if it was
+    /// decided on a replica that needs one).
     NotSplit,
     /// Its decode replica holds all but a few of its prompt's tokens: it prefills them.
     Cached,
@@ -227,11 +226,12 @@ impl Split {
             unhashed: plan.unhashed_tokens.is_some(),
         };
         let Some(decode) = plan.chosen().map(|c| &c.member.replica) else { return Split::NotSplit };
+        let rooms = decode.spec.waits_for_a_room();
         // (Decided among replicas that need no room: it was found never split then.)
-        if plan.hop == Hop::Roomless || shape.whole(decode.spec.waits_for_a_room()) {
+        if plan.hop == Hop::Roomless || shape.whole(rooms) {
             return Split::NotSplit;
         }
-        if !decode.spec.waits_for_a_room() {
+        if !rooms {
             let lacking = plan.prompt_tokens.saturating_sub(plan.predicted_cached_tokens(0));
             if lacking < plan.routing.pd_min_prefill_tokens {
                 return Split::Cached;
@@ -239,7 +239,7 @@ impl Split {
         }
         match prefillable(body) {
             None => Split::NotSplit,
-            Some(request) if decode.spec.waits_for_a_room() => Split::Bootstrap { request },
+            Some(request) if rooms => Split::Bootstrap { request },
             Some(request) => Split::Remote { decode: decode.id, request },
         }
     }
@@ -342,9 +342,8 @@ pub async fn prefill<'a>(
             return local();
         };
         count("refused");
-        // Nothing goes to the decode replica: its credit and its place there end now.
-        state.decider.withdraw_credit(plan, 0);
-        plan.load = None;
+        // Nothing goes to the decode replica.
+        let_go(state, plan);
         return Err(Failure::Answer(Box::new(Response::from_parts(head, body::full(answer)))));
     }
     if !status.is_success() {
@@ -403,14 +402,18 @@ fn roomless(state: &ProxyState, prepared: &Prepared, plan: &mut Plan) -> Result<
     if !plan.chosen().is_some_and(|chosen| chosen.member.replica.spec.waits_for_a_room()) {
         return Ok(());
     }
-    // Nothing goes there: its credit and place end now.
-    state.decider.withdraw_credit(plan, 0);
-    plan.load = None;
+    let_go(state, plan);
     let mut decided =
         state.decider.decide_hop(prepared, &RequestLimits::NONE, Hop::Roomless).map_err(Failure::Error)?;
     decided.keeps_response = plan.keeps_response;
     *plan = decided;
     Ok(())
+}
+
+/// Ends the credit and the place `plan` took on the replica it chose, where nothing goes.
+fn let_go(state: &ProxyState, plan: &mut Plan) {
+    state.decider.withdraw_credit(plan, 0);
+    plan.load = None;
 }
 
 /// How a prefill is forwarded: given up after `--pd-prefill-timeout-ms`.
@@ -431,10 +434,9 @@ fn bootstrap<'a>(
         Ok(plan) => plan,
         Err(e) => {
             // The decode replica cannot prefill (it refuses a request without a room): nothing
-            // goes there, and its credit and place end now.
+            // goes there.
             count(state, "no_replica");
-            state.decider.withdraw_credit(plan, 0);
-            plan.load = None;
+            let_go(state, plan);
             return Err(Failure::Error(e));
         }
     };
@@ -457,10 +459,8 @@ fn bootstrap<'a>(
     let (Some(sent), Some(decoded)) = (for_prefill(request, named.clone()), with_fields(body, named)) else {
         // (Only if the request cannot be written again.) Nothing goes anywhere.
         count(state, "failed");
-        for plan in [&mut prefill, plan] {
-            state.decider.withdraw_credit(plan, 0);
-            plan.load = None;
-        }
+        let_go(state, &mut prefill);
+        let_go(state, plan);
         return Err(Failure::Error(ProxyError::Unavailable("the request could not be rewritten".into())));
     };
     let predicted = prefill.predicted_cached_tokens(0);

@@ -662,10 +662,15 @@ impl Decider {
         };
         // Counted up to vLLM's bound on `n`, so that a replica's count cannot wrap.
         let prompts = u32::try_from(info.tokens.len().max(1)).unwrap_or(u32::MAX);
-        let sequences = prompts.saturating_mul(request.n()).min(MAX_N);
+        let choices = request.n();
+        let sequences = prompts.saturating_mul(choices).min(MAX_N);
         // (The body is read again only in front of SGLang's decode replicas.)
-        let (choices, with_media) = (request.n(), info.unhashed_tokens.is_some());
-        let shape = super::disagg::Shape { endpoint: asked, prompts, choices, unhashed: with_media };
+        let shape = super::disagg::Shape {
+            endpoint: asked,
+            prompts,
+            choices,
+            unhashed: info.unhashed_tokens.is_some(),
+        };
         let roomless = members.iter().any(|member| member.replica.spec.waits_for_a_room())
             && shape.goes_without_a_room(sent);
         Ok(Prepared {
