@@ -204,7 +204,7 @@ impl ProxyMetrics {
         );
         r.register(
             "prefills",
-            "Requests a fleet with prefill and decode replicas routed, by where their prompt was prefilled: remote (on a prefill replica, then decoded elsewhere), cached (the decode replica lacked fewer than --pd-min-prefill-tokens), not_split (several prompts or choices, media, or another API: decoded whole), no_replica (no prefill replica had room), failed (the prefill replica failed or answered 5xx), no_params (it answered without kv_transfer_params: no connector?); all but remote were prefilled where they were decoded, refused (a 4xx from the prefill replica) went to no decode replica",
+            "Requests a fleet with prefill and decode replicas routed, by where their prompt was prefilled: remote (on a prefill replica, then decoded elsewhere), bootstrap (on an SGLang prefill replica, decoded at once through a bootstrap room), cached (the decode replica lacked fewer than --pd-min-prefill-tokens), not_split (several choices, media, or another API: decoded whole), no_replica (no prefill replica had room), failed (the prefill replica failed or answered 5xx), no_params (it answered without kv_transfer_params: no connector?); all but remote and bootstrap were prefilled where they were decoded (an SGLang decode replica cannot: its failed and no_replica ended the request), refused (a 4xx from the prefill replica) went to no decode replica",
             m.prefills.clone(),
         );
         r.register("ejections", "Replicas ejected as outliers", m.ejections.clone());

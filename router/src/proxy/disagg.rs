@@ -496,7 +496,7 @@ fn bootstrap<'a>(
             count(state, if refuses(status) { "refused" } else { "failed" });
             return Err(Failure::Answer(Box::new(Response::from_parts(head, body::full(answer)))));
         }
-        count(state, "remote");
+        count(state, "bootstrap");
         let answer = serde_json::from_slice::<Map<String, Value>>(&answer).ok();
         Ok(answer.and_then(|answer| on.upstream.cached_tokens(usage(&answer))))
     };

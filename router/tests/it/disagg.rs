@@ -336,7 +336,7 @@ async fn sglang_prefills_go_alongside_their_decodes_through_a_bootstrap_room() {
     assert_eq!(streamed.headers()["x-kvroute-prefill-cached-tokens"], "0");
     let chunk = first_data(streamed.body_mut()).await;
     assert!(chunk.starts_with(b"data: {"), "{chunk:?}");
-    assert_eq!(prefills(&fleet, "remote").await, 3);
+    assert_eq!(prefills(&fleet, "bootstrap").await, 3);
 
     // A batch has a room a prompt: each prompt prefilled, in one request, on one replica.
     let p = PREFILL_NAMES.iter().position(|n| *n == prefilled_on).unwrap();
