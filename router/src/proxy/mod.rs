@@ -574,13 +574,13 @@ fn by_load(
     let mut members = state.fleet().members();
     // A prefill replica takes prefills only ([`disagg`]).
     let listed = members.len();
-    members.retain(|member| member.replica.spec.role.decodes());
+    members.retain(|member| route::Hop::Whole.takes(member));
     if members.is_empty() && listed > 0 {
         return Err(ProxyError::Unavailable(disagg::NO_DECODER.into()));
     }
     if roomless {
         let decoders = members.len();
-        members.retain(|member| !member.replica.spec.waits_for_a_room());
+        members.retain(|member| route::Hop::Roomless.takes(member));
         if members.is_empty() && decoders > 0 {
             return Err(ProxyError::Unavailable(disagg::NO_ROOMLESS.into()));
         }

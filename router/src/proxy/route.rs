@@ -156,7 +156,8 @@ impl Hop {
         matches!(self, Hop::Prefill(_) | Hop::Bootstrap)
     }
 
-    fn takes(self, member: &Member) -> bool {
+    /// Whether `member` is one of the replicas it goes to.
+    pub(super) fn takes(self, member: &Member) -> bool {
         let role = member.replica.spec.role;
         match self {
             Hop::Whole => role.decodes(),
