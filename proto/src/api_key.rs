@@ -1,10 +1,12 @@
-//! API keys checked as vLLM checks its `--api-key`: a request to a path under `/v1` (a
-//! browser's `OPTIONS` preflight excepted) must carry `Authorization: Bearer <key>` with one
-//! of the keys; every other path stays open (`/health`, `/metrics`, ...).
+//! API keys checked as vLLM checks its `--api-key`: a request to a path under `/v1`, or to
+//! SGLang's `/generate` (which SGLang's `--api-key` guards too), a browser's `OPTIONS`
+//! preflight excepted, must carry `Authorization: Bearer <key>` with one of the keys; every
+//! other path stays open (`/health`, `/metrics`, ...).
 
 /// Whether a request of `method` to `path` needs a key.
 pub fn needs_key(method: &http::Method, path: &str) -> bool {
-    path.starts_with("/v1") && method != http::Method::OPTIONS
+    let generates = path.starts_with("/v1") || path == crate::openai::request::sglang::GENERATE_PATH;
+    generates && method != http::Method::OPTIONS
 }
 
 /// Whether `authorization` (the header's value, if any) is `Bearer <key>` (the scheme in any
@@ -62,5 +64,6 @@ mod tests {
         assert!(!needs_key(&http::Method::OPTIONS, "/v1/completions"));
         assert!(!needs_key(&http::Method::GET, "/health"));
         assert!(!needs_key(&http::Method::POST, "/tokenize"));
+        assert!(needs_key(&http::Method::POST, "/generate"));
     }
 }

@@ -418,7 +418,8 @@ impl Tokenization {
     /// the chat completion request vLLM makes of it (its inline system messages placed as
     /// vLLM places them with this chat template, [`request::anthropic::inline_system_mode`]),
     /// a Responses body the chat request that renders to its prompt (for gpt-oss, the one whose
-    /// Harmony rendering is vLLM's of its items); the others are read as they are.
+    /// Harmony rendering is vLLM's of its items), a `/generate` body (SGLang's) the completion
+    /// it amounts to; the others are read as they are.
     pub fn readable<'b>(
         &self,
         endpoint: Endpoint,
@@ -447,6 +448,9 @@ impl Tokenization {
                     return Err(RequestError::StoredConversation);
                 }
                 Ok((Endpoint::ChatCompletions, Cow::Owned(request.chat_body(&[]))))
+            }
+            Endpoint::Generate => {
+                Ok((Endpoint::Completions, Cow::Owned(request::sglang::completion_body(body)?)))
             }
             endpoint => Ok((endpoint, Cow::Borrowed(body))),
         }

@@ -245,6 +245,12 @@ impl ReplicaSpec {
         self.bootstraps() && self.role == Role::Decode
     }
 
+    /// Whether it serves SGLang's native `/generate`: SGLang's replicas and kvroute's agent do,
+    /// vLLM's do not.
+    pub fn serves_generate(&self) -> bool {
+        self.engine != EngineKind::Vllm
+    }
+
     /// A single-rank replica with no replay or snapshot endpoint.
     pub fn new(
         name: impl Into<String>,

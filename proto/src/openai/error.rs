@@ -89,6 +89,10 @@ pub enum RequestError {
         /// The part's `type`.
         part_type: String,
     },
+    /// A `/generate` request (SGLang's) with none of `text`, `input_ids` and `input_embeds`, or
+    /// with all three; SGLang's words.
+    #[error("Either text, input_ids or input_embeds should be provided.")]
+    NoGenerateInput,
     /// A Responses request that continues a stored response (`previous_response_id`): its
     /// prompt starts with a conversation only the replica that stored it has.
     #[error("the prompt continues a stored response, which only the replica that stored it has")]
@@ -164,6 +168,7 @@ impl RequestError {
             E::InvalidField { param, .. } => (INVALID_REQUEST, Some((*param).into()), Some("invalid_value")),
             E::InvalidAt { at, .. } => (INVALID_REQUEST, Some(at.clone()), Some("invalid_value")),
             E::EmptyPrompt => (INVALID_REQUEST, Some("prompt".into()), Some("invalid_value")),
+            E::NoGenerateInput => (INVALID_REQUEST, Some("text".into()), Some("missing_required_parameter")),
             E::BadPromptType => (INVALID_REQUEST, Some("prompt".into()), Some("invalid_type")),
             E::BadTokenId | E::TokenIdOutOfRange { .. } => {
                 (INVALID_REQUEST, Some("prompt".into()), Some("invalid_value"))

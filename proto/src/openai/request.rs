@@ -30,6 +30,7 @@ mod object;
 mod prompt;
 pub mod responses;
 mod scan;
+pub mod sglang;
 pub mod truncation;
 
 use std::borrow::Cow;
@@ -63,6 +64,9 @@ pub enum Endpoint {
     /// `POST /v1/responses`: OpenAI's Responses API, read as the chat completion request
     /// vLLM makes of it ([`responses`]); `Tokenization::readable` converts its body.
     Responses,
+    /// `POST /generate`: SGLang's native API, read as the completion request it amounts to
+    /// ([`sglang`]); `Tokenization::readable` converts its body.
+    Generate,
 }
 
 impl Endpoint {
@@ -73,6 +77,7 @@ impl Endpoint {
             "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
             anthropic::MESSAGES_PATH => Some(Endpoint::Messages),
             responses::RESPONSES_PATH => Some(Endpoint::Responses),
+            sglang::GENERATE_PATH => Some(Endpoint::Generate),
             _ => None,
         }
     }
@@ -94,10 +99,10 @@ impl<'a> ParsedRequest<'a> {
         Ok(match endpoint {
             Endpoint::Completions => ParsedRequest::Completion(CompletionRequest::parse(body)?),
             Endpoint::ChatCompletions => ParsedRequest::Chat(ChatRequest::parse(body)?),
-            Endpoint::Messages | Endpoint::Responses => {
+            Endpoint::Messages | Endpoint::Responses | Endpoint::Generate => {
                 return Err(RequestError::InvalidField {
                     param: "messages",
-                    expected: "a chat request (a Messages or Responses body is read through Tokenization::readable)",
+                    expected: "a completion or chat request (a Messages, Responses or /generate body is read through Tokenization::readable)",
                 });
             }
         })
@@ -633,7 +638,7 @@ fn priority(raw: Option<&RawValue>) -> Result<i64, RequestError> {
 /// An integer as pydantic's lax mode reads one: an integer, a number with no fractional part
 /// (`256.0`, as Python's `json.dumps` writes a float), a string of digits (a sign, and a
 /// decimal part of zeros, allowed), or a boolean.
-fn lax_integer(raw: &RawValue) -> Option<i128> {
+pub(super) fn lax_integer(raw: &RawValue) -> Option<i128> {
     match serde_json::from_str(raw.get()).ok()? {
         Value::Number(n) => n
             .as_i64()

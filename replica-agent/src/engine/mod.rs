@@ -51,7 +51,7 @@ pub use ranks::Ranks;
 /// (`timing`) prefills about 14 k tokens/s, 70 µs a token, and a token's KV (128 KiB for an
 /// 8B model in 16 bits) crosses PCIe 4 (about 25 GB/s) in about 5 µs.
 pub const LOAD_SHARE: f64 = 0.075;
-pub use textgen::TextGen;
+pub use textgen::{TextGen, token_id};
 pub use timing::TimingModel;
 
 use std::collections::HashMap;

@@ -33,6 +33,11 @@ impl TextGen {
     }
 }
 
+/// The id of a word [`TextGen`] produced: its place in the word list (SGLang's `output_ids`).
+pub fn token_id(word: &str) -> u32 {
+    WORDS.iter().position(|w| *w == word).map_or(0, |i| i as u32)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -41,7 +41,7 @@ use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use super::sampling::{self, Sampling};
-use super::{AppState, Body, chat, completions, json_response, messages, responses, sse, unix_now};
+use super::{AppState, Body, chat, completions, json_response, messages, responses, sglang, sse, unix_now};
 use crate::bootstrap::{self, Bootstrap, Mode, Transfer};
 use crate::config::{Config, SchedulingPolicy};
 use crate::engine::{Job, Output, SubmitError, Usage};
@@ -148,6 +148,8 @@ struct ServerFields {
     transfer: Asked,
     /// Its SGLang hand-over, in a disaggregated agent ([`crate::bootstrap`]).
     bootstrap: Option<Bootstrap>,
+    /// A `/generate` request's `rid`, its answer's id (SGLang's).
+    rid: Option<String>,
 }
 
 /// `stream_options` as vLLM reads it: `include_usage`, and `continuous_usage_stats` (with
@@ -167,6 +169,7 @@ pub(super) async fn generate(
     request_id: &str,
     rank: Option<u32>,
 ) -> Result<Response<Body>, ApiError> {
+    let started = std::time::Instant::now();
     let (chat, keep, previous) = match endpoint {
         Endpoint::Responses => {
             let prepared = responses::prepare(state.responses(), body, state.tokenization().is_harmony())?;
@@ -183,13 +186,15 @@ pub(super) async fn generate(
     if !state.serves(request.model()) {
         return Err(ApiError::model_not_found(request.model()));
     }
-    let ServerFields { sampling, usage, transfer, bootstrap } = match endpoint {
+    let ServerFields { sampling, usage, transfer, bootstrap, rid } = match endpoint {
         Endpoint::Messages | Endpoint::Responses => ServerFields {
             sampling: converted_sampling(body, endpoint)?,
             usage: StreamUsage { include: true, continuous: false },
             transfer: Asked::Nothing,
             bootstrap: None,
+            rid: None,
         },
+        Endpoint::Generate => native_extras(body, state.config())?,
         _ => parse_extras(body, request.stream(), state.config())?,
     };
     let mut jobs = jobs(state, &request, &sampling, null_max_tokens(&request, &readable))?;
@@ -272,6 +277,7 @@ pub(super) async fn generate(
             // Not the request id, which a client may send again: a stored response's id is
             // its own (vLLM's: 16 random hex digits).
             Endpoint::Responses => format!("resp_{:016x}", rand::random::<u64>()),
+            Endpoint::Generate => rid.unwrap_or_else(|| request_id.to_owned()),
         },
         created: unix_now(),
         // A request that names no model is answered as the base model's, as vLLM does.
@@ -318,8 +324,9 @@ pub(super) async fn generate(
             text: String::new(),
             sequence: 0,
         });
+        let native = (api == Api::Native).then(|| sglang::Streaming::new(admitted.len(), started));
         let tally = Tally::new(admitted.len(), n as usize, true);
-        let mut response = Response::new(sse::body(api, meta, admitted, (usage, tally), streaming));
+        let mut response = Response::new(sse::body(api, meta, admitted, (usage, tally), (streaming, native)));
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
@@ -331,14 +338,21 @@ pub(super) async fn generate(
         .map(|a| Transfer { prompt_tokens: a.prompt_tokens as usize, cached_tokens: a.cached_tokens })
         .collect();
     let mut texts = Vec::with_capacity(admitted.len());
+    // SGLang's answer is each choice's, with its ids.
+    let mut native = Vec::with_capacity(if api == Api::Native { admitted.len() } else { 0 });
     let mut tally = Tally::new(admitted.len(), n as usize, false);
     for (choice, mut a) in admitted.into_iter().enumerate() {
         let mut text = String::new();
+        let mut output = sglang::Output::default();
         loop {
             match a.rx.recv().await {
+                Some(Output::Token(t)) if api == Api::Native => output.push(t),
                 Some(Output::Token(t)) => text.push_str(t),
                 Some(Output::Done(u)) => {
                     tally.done(choice, &u);
+                    if api == Api::Native {
+                        native.push((std::mem::take(&mut output), u));
+                    }
                     break;
                 }
                 Some(Output::Started { .. }) => {}
@@ -374,6 +388,7 @@ pub(super) async fn generate(
             }
             responses::response(&meta, text, &usage, previous.as_deref())
         }
+        Api::Native => sglang::response(sglang::Naming::of(&meta, native.len()), &native, started),
     };
     Ok(json_response(StatusCode::OK, body))
 }
@@ -390,6 +405,8 @@ pub(super) enum Api {
     Messages,
     /// OpenAI's Responses API.
     Responses,
+    /// SGLang's native `/generate`.
+    Native,
 }
 
 impl From<Endpoint> for Api {
@@ -399,6 +416,7 @@ impl From<Endpoint> for Api {
             Endpoint::ChatCompletions => Api::Chat,
             Endpoint::Messages => Api::Messages,
             Endpoint::Responses => Api::Responses,
+            Endpoint::Generate => Api::Native,
         }
     }
 }
@@ -432,7 +450,50 @@ fn parse_extras(body: &[u8], stream: bool, config: &Config) -> Result<ServerFiel
         .map_err(|e| ApiError::invalid_field("kv_transfer_params", e))?;
     let bootstrap =
         bootstrap::asked(config.disaggregation_mode, [host, port, room]).map_err(ApiError::bad_request)?;
-    Ok(ServerFields { sampling, usage: stream_usage(stream_options, stream)?, transfer, bootstrap })
+    Ok(ServerFields {
+        sampling,
+        usage: stream_usage(stream_options, stream)?,
+        transfer,
+        bootstrap,
+        rid: None,
+    })
+}
+
+/// The fields of a `/generate` request (SGLang's) that its completion leaves to the server:
+/// its `sampling_params` (an object, or a list of them, one a prompt, each checked as the
+/// agent checks a completion's), its `rid` (a string) and its bootstrap room.
+fn native_extras(body: &[u8], config: &Config) -> Result<ServerFields, ApiError> {
+    let [params, rid, host, port, room] = parse_object(
+        body,
+        &["sampling_params", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room"],
+    )?;
+    let params: Vec<Option<&RawValue>> = match params.filter(|p| p.get().starts_with('[')) {
+        Some(list) => serde_json::from_str(list.get())
+            .map_err(|_| ApiError::invalid_field("sampling_params", "a list of objects"))?,
+        None => vec![params],
+    };
+    let mut sampling = Vec::with_capacity(params.len());
+    for params in params.into_iter().map(|p| p.filter(|p| p.get() != "null")) {
+        let fields = match params {
+            Some(p) => parse_object(p.get().as_bytes(), &sampling::NATIVE_FIELDS)?,
+            None => Default::default(),
+        };
+        sampling.push(Sampling::parse(fields)?);
+    }
+    // The first prompt's are checked with its prompt ([`jobs`]); the others' ranges here.
+    for later in sampling.iter().skip(1) {
+        later.check(u64::MAX)?;
+    }
+    let bootstrap =
+        bootstrap::asked(config.disaggregation_mode, [host, port, room]).map_err(ApiError::bad_request)?;
+    let rid = rid.and_then(|rid| serde_json::from_str::<String>(rid.get()).ok());
+    Ok(ServerFields {
+        sampling: sampling.first().copied().unwrap_or_default(),
+        usage: StreamUsage::default(),
+        transfer: Asked::Nothing,
+        bootstrap,
+        rid,
+    })
 }
 
 /// The sampling fields of a Messages or Responses request, which vLLM carries over to the

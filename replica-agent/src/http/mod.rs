@@ -6,6 +6,7 @@
 //! | `POST /v1/chat/completions` | `generate.rs`: chat completions, streamed (SSE) or not |
 //! | `POST /v1/messages` | `generate.rs`: Anthropic's Messages API as vLLM serves it (the request read as the chat request vLLM makes of it, `messages.rs` the answer), streamed or not |
 //! | `POST /v1/responses` | `generate.rs`: OpenAI's Responses API as vLLM serves it (the request read as the chat request vLLM makes of it, `responses.rs` the answer and the store), streamed or not |
+//! | `POST /generate` | `generate.rs`: SGLang's native API (the request read as the completion it amounts to, `sglang.rs` the answer), streamed or not |
 //! | `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` | `responses.rs`: a stored response (with `--responses-store`) |
 //! | `POST /v1/messages/count_tokens` | `admin.rs`: the prompt's token count, `{"input_tokens"}` |
 //! | `GET /v1/models` | `admin.rs`: the base model and its LoRA adapters |
@@ -15,7 +16,8 @@
 //! | `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter` | `admin.rs`: serve a LoRA adapter (a name: the agent simulates its weights), or stop, as vLLM with runtime LoRA updating |
 //! | `GET /metrics` | `metrics.rs`: Prometheus text with vLLM's metric names |
 //!
-//! With `--api-key`, every `/v1/*` route needs `Authorization: Bearer <key>`, as in vLLM.
+//! With `--api-key`, every `/v1/*` route and `/generate` need `Authorization: Bearer <key>`, as
+//! in vLLM and SGLang.
 //! Browsers may call it from any origin, as vLLM's defaults allow (`cors.rs`).
 //!
 //! Streams follow vLLM: `usage` (with `prompt_tokens_details.cached_tokens`) comes in a
@@ -40,6 +42,7 @@ mod messages;
 mod metrics;
 mod responses;
 mod sampling;
+mod sglang;
 mod sse;
 
 use error::ApiError;
@@ -223,6 +226,8 @@ enum Route {
     ChatCompletions,
     Messages,
     Responses,
+    /// SGLang's native `POST /generate`.
+    Generate,
     /// `GET /v1/responses/{id}`.
     Retrieve,
     /// `POST /v1/responses/{id}/cancel`.
@@ -254,6 +259,7 @@ fn route(path: &str) -> Option<(Method, Route)> {
         "/metrics" => (Method::GET, Route::Metrics),
         "/version" => (Method::GET, Route::Version),
         "/v1/responses" => (Method::POST, Route::Responses),
+        "/generate" => (Method::POST, Route::Generate),
         _ => match stored_response(path)? {
             (_, false) => (Method::GET, Route::Retrieve),
             (_, true) => (Method::POST, Route::Cancel),
@@ -304,6 +310,11 @@ async fn dispatch(
             let rank = data_parallel_rank(state, &req)?;
             let body = read_body(state, req).await?;
             generate::generate(state, Endpoint::Responses, &body, request_id, rank).await
+        }
+        Route::Generate => {
+            let rank = data_parallel_rank(state, &req)?;
+            let body = read_body(state, req).await?;
+            generate::generate(state, Endpoint::Generate, &body, request_id, rank).await
         }
         Route::Retrieve | Route::Cancel => {
             let (id, _) = stored_response(routed_path(&req)).unwrap_or_default();

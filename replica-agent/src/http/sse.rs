@@ -20,7 +20,9 @@
 //!    generator, must set it;
 //! 4. `data: [DONE]`.
 //!
-//! A `/v1/messages` stream is Anthropic's named events instead (`messages.rs`).
+//! A `/v1/messages` stream is Anthropic's named events instead (`messages.rs`); a `/generate`
+//! stream (SGLang's) sends each choice's answer so far with every token (`sglang.rs`), then
+//! `data: [DONE]`.
 //!
 //! If the engine fails a request mid-stream, the body ends with one
 //! `data: {"error":{...}}` event and then `data: [DONE]`, as vLLM 0.33 ends a stream it
@@ -39,8 +41,8 @@ use tokio::sync::mpsc;
 use super::Body;
 use super::error::ApiError;
 use super::generate::{Admitted, Api, Envelope, Meta, StreamUsage, Tally, UsageField, UsageJson};
-use super::{chat, completions, messages, responses};
-use crate::engine::Output;
+use super::{chat, completions, messages, responses, sglang};
+use crate::engine::{Output, Usage};
 
 /// The SSE body of a streamed generation whose choices have all been admitted, with what
 /// its chunks say of the usage and how the usage is counted.
@@ -49,7 +51,7 @@ pub(super) fn body(
     meta: Meta,
     admitted: Vec<Admitted>,
     (usage, tally): (StreamUsage, Tally),
-    mut responses: Option<responses::Streaming>,
+    (mut responses, native): (Option<responses::Streaming>, Option<sglang::Streaming>),
 ) -> Body {
     let (mut opening, mut first) = (Vec::new(), Vec::new());
     match api {
@@ -72,7 +74,7 @@ pub(super) fn body(
                 opening = responses::opening(&meta, r.previous.as_deref(), &mut r.sequence);
             }
         }
-        Api::Completions => {}
+        Api::Completions | Api::Native => {}
     }
     let state = State {
         api,
@@ -90,6 +92,7 @@ pub(super) fn body(
         meta,
         done: false,
         responses,
+        native,
     };
     StreamBody::new(stream::unfold(state, next_frame)).boxed_unsync()
 }
@@ -122,6 +125,8 @@ struct State {
     done: bool,
     /// A Responses API stream's own progress.
     responses: Option<responses::Streaming>,
+    /// An SGLang `/generate` stream's own progress.
+    native: Option<sglang::Streaming>,
 }
 
 async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, State)> {
@@ -139,13 +144,19 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
                 s.finished[i] |= last;
                 let so_far = s.usage.continuous.then(|| usage_so_far(s.prompt[i], s.generated[i]));
                 let chunk_usage = chunk_usage(s.usage, so_far.as_ref());
-                match (s.api, &mut s.responses) {
-                    (Api::Messages, _) => messages::delta(&mut buf, text),
-                    (Api::Responses, Some(r)) => {
+                match (s.api, &mut s.responses, &mut s.native) {
+                    (Api::Messages, ..) => messages::delta(&mut buf, text),
+                    (Api::Responses, Some(r), _) => {
                         r.text.push_str(text);
                         responses::delta(&mut buf, &s.meta, text, &mut r.sequence);
                     }
-                    (api, _) => event(&mut buf, &token_chunk(api, &s.meta, i, Some(text), last, chunk_usage)),
+                    (Api::Native, _, Some(native)) => {
+                        native.outputs[i].push(text);
+                        event(&mut buf, &native_chunk(&s, i, last));
+                    }
+                    (api, ..) => {
+                        event(&mut buf, &token_chunk(api, &s.meta, i, Some(text), last, chunk_usage))
+                    }
                 }
             }
             Some((i, Output::Done(usage))) => {
@@ -153,7 +164,10 @@ async fn next_frame(mut s: State) -> Option<(Result<Frame<Bytes>, Infallible>, S
                 s.tally.done(i, &usage);
                 s.remaining = s.remaining.saturating_sub(1);
                 let named = matches!(s.api, Api::Messages | Api::Responses);
-                if !s.finished[i] && !named {
+                if !s.finished[i] && s.native.is_some() {
+                    s.finished[i] = true;
+                    event(&mut buf, &native_chunk(&s, i, true));
+                } else if !s.finished[i] && !named {
                     s.finished[i] = true;
                     let so_far = s.usage.continuous.then(|| usage_so_far(s.prompt[i], s.generated[i]));
                     let chunk_usage = chunk_usage(s.usage, so_far.as_ref());
@@ -243,8 +257,19 @@ fn token_chunk(
 ) -> Vec<u8> {
     match api {
         Api::Completions => completions::chunk(meta, index, text.unwrap_or(""), finish, usage),
-        Api::Chat | Api::Messages | Api::Responses => chat::chunk(meta, index, text, finish, usage),
+        Api::Chat | Api::Messages | Api::Responses | Api::Native => {
+            chat::chunk(meta, index, text, finish, usage)
+        }
     }
+}
+
+/// An SGLang `/generate` stream's chunk for choice `i`: its output and counts so far.
+fn native_chunk(s: &State, i: usize, done: bool) -> Vec<u8> {
+    let Some(native) = &s.native else { return Vec::new() };
+    let (prompt_tokens, cached_tokens) = s.prompt[i];
+    let usage = Usage { prompt_tokens, completion_tokens: s.generated[i], cached_tokens };
+    let naming = sglang::Naming::of(&s.meta, s.prompt.len());
+    sglang::chunk(naming, i, (&native.outputs[i], &usage), done, native.started)
 }
 
 /// The `usage` of a chunk: its choice's usage so far (`so_far`) with `continuous_usage_stats`,
@@ -272,7 +297,7 @@ fn usage_so_far((prompt_tokens, _): (u32, u32), generated: u32) -> UsageJson {
 fn usage_chunk(api: Api, meta: &Meta, usage: &UsageJson) -> Vec<u8> {
     let object = match api {
         Api::Completions => completions::OBJECT,
-        Api::Chat | Api::Messages | Api::Responses => chat::CHUNK_OBJECT,
+        Api::Chat | Api::Messages | Api::Responses | Api::Native => chat::CHUNK_OBJECT,
     };
     Envelope::new(meta, object, [(); 0], UsageField::Present(usage)).to_json()
 }

@@ -8,6 +8,7 @@
 //!   balancer, per-engine metrics.
 //! - `kv_transfer`: disaggregated prefill as vLLM's NixlConnector plays it over HTTP.
 //! - `bootstrap`: disaggregated prefill as SGLang plays it, through a bootstrap room.
+//! - `sglang`: SGLang's native `/generate`.
 //! - `cli`: the binary's refusals of bad flags and settings.
 //! - `limits`: request fields that must not overflow the agent's checks.
 //! - `start`: a start that fails part-way.
@@ -19,5 +20,6 @@ mod http_api;
 mod kv_transfer;
 mod limits;
 mod ranks;
+mod sglang;
 mod start;
 mod support;

@@ -58,8 +58,11 @@
 //! choices, `n`, are not split: SGLang's own router sends a chat's choices a room each, but
 //! its servers, in the versions read, give every choice of a prompt its first room, which
 //! hangs: sglang PRs 24223, 26486.)
-//! Passthrough requests (SGLang's native `/generate` among them) still go by load to any
-//! replica that decodes. A client's own `bootstrap_host`, `bootstrap_port` and
+//! SGLang's native `/generate` is split so too, a batch's prompts a room each: its prefill's
+//! copy asks for one new token (`sampling_params.max_new_tokens`, each prompt's) whole, without
+//! `return_logprob` and the like; one that asks for its prompt's logprobs (`return_logprob`
+//! with a `logprob_start_len` of 0 or more) is not split. Passthrough requests still go by load
+//! to any replica that decodes. A client's own `bootstrap_host`, `bootstrap_port` and
 //! `bootstrap_room` are dropped as its `kv_transfer_params` are.
 //!
 //! Not split: requests of several prompts (but through SGLang's rooms) or choices (`n`), chats
@@ -84,7 +87,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response};
 use http_body_util::BodyExt;
 use kvroute_proto::openai::Endpoint;
-use kvroute_proto::openai::request::parse_object;
+use kvroute_proto::openai::request::{lax_boolean_value, parse_object};
 use serde_json::{Map, Value, json};
 
 use super::ProxyState;
@@ -237,7 +240,7 @@ impl Split {
                 return Split::Cached;
             }
         }
-        match prefillable(body) {
+        match prefillable(endpoint, body) {
             None => Split::NotSplit,
             Some(request) if rooms => Split::Bootstrap { request },
             Some(request) => Split::Remote { decode: decode.id, request },
@@ -292,11 +295,12 @@ pub async fn prefill<'a>(
             return local();
         }
         Split::Bootstrap { request } => {
-            return bootstrap((state, pool), (prepared, plan), (request, parts, body), admitted, line);
+            let sent = (endpoint, request, parts, body);
+            return bootstrap((state, pool), (prepared, plan), sent, admitted, line);
         }
         Split::Remote { decode, request } => (decode, request),
     };
-    let Some(sent) = for_prefill(request, remote_decode()) else {
+    let Some(sent) = for_prefill(endpoint, request, remote_decode()) else {
         count("not_split");
         return local();
     };
@@ -426,7 +430,7 @@ fn prefill_forward(state: &ProxyState) -> ForwardConfig {
 fn bootstrap<'a>(
     (state, pool): (&'a Arc<ProxyState>, &'a Arc<Pool>),
     (prepared, plan): (&Prepared, &mut Plan),
-    (request, parts, body): (Map<String, Value>, &http::request::Parts, &Bytes),
+    (endpoint, request, parts, body): (Endpoint, Map<String, Value>, &http::request::Parts, &Bytes),
     admitted: Admitted<'a>,
     line: &'a Line,
 ) -> Result<Decode<'a>, Failure> {
@@ -456,7 +460,9 @@ fn bootstrap<'a>(
             ("bootstrap_room", (0..k).map(|_| room()).collect()),
         ]),
     };
-    let (Some(sent), Some(decoded)) = (for_prefill(request, named.clone()), with_fields(body, named)) else {
+    let (Some(sent), Some(decoded)) =
+        (for_prefill(endpoint, request, named.clone()), with_fields(body, named))
+    else {
         // (Only if the request cannot be written again.) Nothing goes anywhere.
         count(state, "failed");
         let_go(state, &mut prefill);
@@ -557,8 +563,14 @@ fn refuses(status: http::StatusCode) -> bool {
 }
 
 /// An answer's usage, as [`super::upstream::Upstream::cached_tokens`] reads it (vLLM leaves
-/// the cached tokens out when there are none).
+/// the cached tokens out when there are none; SGLang's `/generate` writes them in `meta_info`).
 fn usage(answer: &Map<String, Value>) -> body::Usage {
+    if let Some(meta) = answer.get("meta_info") {
+        return body::Usage {
+            cached_tokens: meta.get("cached_tokens").and_then(Value::as_u64),
+            counted: meta.get("prompt_tokens").is_some_and(Value::is_u64),
+        };
+    }
     let usage = answer.get("usage");
     body::Usage {
         cached_tokens: usage.and_then(|u| u.get("prompt_tokens_details")?.get("cached_tokens")?.as_u64()),
@@ -598,19 +610,35 @@ fn fields<const N: usize>(pairs: [(&str, Value); N]) -> Map<String, Value> {
     pairs.into_iter().map(|(key, value)| (key.to_owned(), value)).collect()
 }
 
-/// The client's `body` as an object, if it is one and does not ask for the prompt's logprobs
-/// (which only a replica that computed the prompt has): its prefill can go elsewhere.
-fn prefillable(body: &[u8]) -> Option<Map<String, Value>> {
+/// The client's `body` to `endpoint` as an object, if it is one and does not ask for the
+/// prompt's logprobs (which only a replica that computed the prompt has): its prefill can go
+/// elsewhere.
+fn prefillable(endpoint: Endpoint, body: &[u8]) -> Option<Map<String, Value>> {
     let object: Map<String, Value> = serde_json::from_slice(body).ok()?;
-    (!asks_prompt_logprobs(body)).then_some(object)
+    (!asks_prompt_logprobs(endpoint, body)).then_some(object)
 }
 
-/// Whether a request asks for its prompt's logprobs (`prompt_logprobs`, or `echo` with
-/// `logprobs`; a repeated key's last value, neither null nor false).
-fn asks_prompt_logprobs(body: &[u8]) -> bool {
+/// Whether a request to `endpoint` asks for its prompt's logprobs (`prompt_logprobs`, or `echo`
+/// with `logprobs`; of `/generate`, `return_logprob` with a `logprob_start_len` of 0 or more: -1,
+/// SGLang's default, asks for the output's only), a repeated key's last value counting, neither
+/// null nor false.
+fn asks_prompt_logprobs(endpoint: Endpoint, body: &[u8]) -> bool {
     let set = |raw: Option<&serde_json::value::RawValue>| {
         raw.is_some_and(|raw| !matches!(raw.get(), "null" | "false"))
     };
+    if endpoint == Endpoint::Generate {
+        let asked = |raw: Option<&serde_json::value::RawValue>| {
+            let value = raw.and_then(|raw| serde_json::from_str::<Value>(raw.get()).ok());
+            value.as_ref().and_then(lax_boolean_value) == Some(true)
+        };
+        let from_prompt = |raw: Option<&serde_json::value::RawValue>| {
+            raw.is_some_and(|raw| serde_json::from_str::<i64>(raw.get()).is_ok_and(|start| start >= 0))
+        };
+        return match parse_object(body, &["return_logprob", "logprob_start_len"]) {
+            Ok([return_logprob, start]) => asked(return_logprob) && from_prompt(start),
+            Err(_) => false,
+        };
+    }
     match parse_object(body, &["prompt_logprobs", "echo", "logprobs"]) {
         Ok([prompt_logprobs, echo, logprobs]) => set(prompt_logprobs) || (set(echo) && set(logprobs)),
         Err(_) => false,
@@ -629,26 +657,37 @@ pub struct Shape {
 }
 
 impl Shape {
-    /// Whether it is never split: an API other than completions and chat, media, several
-    /// choices (`n`), or several prompts unless handed over through `rooms` (SGLang's, a room
-    /// a prompt; vLLM's proxies split one prompt only).
+    /// Whether it is never split: an API other than completions and chat (and SGLang's
+    /// `/generate`, through `rooms`), media, several choices (`n`), or several prompts unless
+    /// handed over through `rooms` (SGLang's, a room a prompt; vLLM's proxies split one prompt
+    /// only).
     fn whole(self, rooms: bool) -> bool {
         let several = self.choices > 1 || (self.prompts > 1 && !rooms);
-        !matches!(self.endpoint, Endpoint::Completions | Endpoint::ChatCompletions)
-            || self.unhashed
-            || several
+        let api = match self.endpoint {
+            Endpoint::Completions | Endpoint::ChatCompletions => true,
+            Endpoint::Generate => rooms,
+            Endpoint::Messages | Endpoint::Responses => false,
+        };
+        !api || self.unhashed || several
     }
 
     /// Whether a request of this shape, `body`, is never split in front of SGLang's decode
     /// replicas (which refuse it then): [`Shape::whole`], or it asks for its prompt's logprobs.
     pub fn goes_without_a_room(self, body: &[u8]) -> bool {
-        self.whole(true) || asks_prompt_logprobs(body)
+        self.whole(true) || asks_prompt_logprobs(self.endpoint, body)
     }
 }
 
-/// The client's request (its [`prefillable`] `object`) as a prefill replica is sent it, with
-/// `named` (how it hands its KV over).
-fn for_prefill(mut object: Map<String, Value>, named: Map<String, Value>) -> Option<Bytes> {
+/// The client's request to `endpoint` (its [`prefillable`] `object`) as a prefill replica is
+/// sent it, with `named` (how it hands its KV over).
+fn for_prefill(
+    endpoint: Endpoint,
+    mut object: Map<String, Value>,
+    named: Map<String, Value>,
+) -> Option<Bytes> {
+    if endpoint == Endpoint::Generate {
+        return native_for_prefill(object, named);
+    }
     object.insert("max_tokens".into(), json!(1));
     if object.contains_key("max_completion_tokens") {
         object.insert("max_completion_tokens".into(), json!(1));
@@ -656,6 +695,34 @@ fn for_prefill(mut object: Map<String, Value>, named: Map<String, Value>) -> Opt
     object.insert("stream".into(), json!(false));
     // What only the client's answer needs (its one token's logprobs would be thrown away).
     for key in ["stream_options", "min_tokens", "min_completion_tokens", "logprobs", "top_logprobs", "echo"] {
+        object.remove(key);
+    }
+    drop_own(&mut object);
+    object.extend(named);
+    serde_json::to_vec(&object).ok().map(Bytes::from)
+}
+
+/// [`for_prefill`] of SGLang's `/generate`: one new token (`sampling_params.max_new_tokens`,
+/// each prompt's of a list), whole, without the output's logprobs and hidden states.
+fn native_for_prefill(mut object: Map<String, Value>, named: Map<String, Value>) -> Option<Bytes> {
+    let one = |params: &mut Value| match params {
+        Value::Object(params) => {
+            params.insert("max_new_tokens".into(), json!(1));
+        }
+        other => *other = json!({"max_new_tokens": 1}),
+    };
+    match object.entry("sampling_params").or_insert(Value::Null) {
+        Value::Array(list) => list.iter_mut().for_each(one),
+        params => one(params),
+    }
+    object.insert("stream".into(), json!(false));
+    for key in [
+        "return_logprob",
+        "top_logprobs_num",
+        "token_ids_logprob",
+        "return_text_in_logprobs",
+        "return_hidden_states",
+    ] {
         object.remove(key);
     }
     drop_own(&mut object);
@@ -691,7 +758,8 @@ fn drop_own(object: &mut Map<String, Value>) {
 /// The client's `body` without [`OWN_FIELDS`] of its own: in a fleet that disaggregates, they
 /// would make a replica pull from, or hold blocks for, whatever they name.
 fn without_own_params(endpoint: Endpoint, body: &Bytes) -> Bytes {
-    let reads_them = matches!(endpoint, Endpoint::Completions | Endpoint::ChatCompletions);
+    let reads_them =
+        matches!(endpoint, Endpoint::Completions | Endpoint::ChatCompletions | Endpoint::Generate);
     let named = parse_object(body, &OWN_FIELDS).is_ok_and(|fields| fields.iter().any(Option::is_some));
     if !reads_them || !named {
         return body.clone();
@@ -714,7 +782,8 @@ mod tests {
     }
 
     fn prefill_of(body: &[u8]) -> Option<Bytes> {
-        prefillable(body).and_then(|object| for_prefill(object, remote_decode()))
+        prefillable(Endpoint::Completions, body)
+            .and_then(|object| for_prefill(Endpoint::Completions, object, remote_decode()))
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! | path | what the router does |
 //! |---|---|
 //! | `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages` (Anthropic's API) and `POST /v1/responses` (OpenAI's Responses API), the last two decided as the chat request vLLM makes of them | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]); a Responses request that continues a stored response goes to the replica that stored it ([`responses`]) |
+//! | `POST /generate` (SGLang's native API) | decided as the completion it amounts to (`kvroute_proto::openai::request::sglang`), among replicas that serve it (SGLang's and kvroute's agents, not vLLM's), and forwarded as any completion is |
 //! | `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` | streamed to the replica that stored the response ([`responses`]) |
 //! | other `/v1/*`, and the engines' own paths outside `/v1` that do not generate (`/tokenize`, `/rerank`, ...: [`paths`]) | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused) |
 //! | `GET /v1/models` | the fleet's model (with the fields a healthy replica lists for it: `max_model_len`, `root`, `owned_by`) and LoRA adapters |
@@ -55,6 +56,7 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use kvroute_proto::openai::request::responses::asks_to_store;
+use kvroute_proto::openai::request::sglang::GENERATE_PATH;
 use kvroute_proto::openai::{Endpoint, RequestError};
 use kvroute_proto::serve::{Heartbeats, Limits};
 use prometheus_client::registry::Registry;
@@ -315,7 +317,7 @@ async fn dispatch(
         tunnel::check_handshake(req.headers())?;
         let line = queue::Line::default();
         let admitted = admit(state, (request_id, received), &line).await?;
-        let members = with_room(state, &line, || by_load(state, request_id, None, Roomless(false))).await?;
+        let members = with_room(state, &line, || by_load(state, request_id, None, Takes::ANY)).await?;
         return Box::pin(tunnel::open(state, pool, req, members, admitted)).await;
     }
     // The forwarding futures are boxed: hyper keeps each request's future in place, moving
@@ -333,6 +335,9 @@ async fn dispatch(
         }
         (Method::POST, responses::RESPONSES_PATH) => {
             Box::pin(routed(state, pool, req, Endpoint::Responses, (request_id, received))).await
+        }
+        (Method::POST, GENERATE_PATH) => {
+            Box::pin(routed(state, pool, req, Endpoint::Generate, (request_id, received))).await
         }
         // A browser's preflight of an API path goes to a replica: the fleet's CORS policy
         // answers it (vLLM's allows every origin by default), whoever stored a response.
@@ -374,7 +379,7 @@ async fn dispatch(
     }
 }
 
-/// A completion, chat, Messages or Responses request: read, decide, forward. A Responses
+/// A completion, chat, Messages, Responses or `/generate` request: read, decide, forward. A Responses
 /// request that continues a stored response goes to the replica that stored it
 /// ([`responses`]).
 async fn routed(
@@ -429,9 +434,9 @@ async fn routed(
             line.set_priority(asked.priority);
             let adapter = state.decider.adapter(&asked.model);
             // A completion, sent without a bootstrap room ([`disagg`]).
-            let roomless = Roomless(true);
+            let takes = Takes { roomless: true, generate: endpoint == Endpoint::Generate };
             let members =
-                with_room(state, &line, || by_load(state, admitted.request_id, adapter, roomless)).await?;
+                with_room(state, &line, || by_load(state, admitted.request_id, adapter, takes)).await?;
             let body = disagg::without_own_params_if_split(state.fleet(), endpoint, body);
             let sending = Sending {
                 body: Outgoing::Full(body),
@@ -539,10 +544,19 @@ async fn with_room(
     state.queue.until_room(waiters, (line, metrics), || std::future::ready(attempt()), goes_to).await
 }
 
-/// Whether a request goes without a bootstrap room to a replica that would need one for it:
-/// an SGLang decode replica, which refuses such a completion or chat ([`disagg`]).
+/// What a request sent by load needs of its replica: to take it without a bootstrap room
+/// (`roomless`; an SGLang decode replica refuses such a completion or chat, [`disagg`]), to
+/// serve SGLang's `/generate` (`generate`: vLLM's replicas do not).
 #[derive(Clone, Copy)]
-struct Roomless(bool);
+struct Takes {
+    roomless: bool,
+    generate: bool,
+}
+
+impl Takes {
+    /// Any replica that decodes.
+    const ANY: Takes = Takes { roomless: false, generate: false };
+}
 
 /// Any other request that passes through ([`paths::passes_through`]): streamed to the
 /// least-loaded eligible replica.
@@ -557,7 +571,7 @@ async fn passthrough(
     let line = queue::Line::default();
     let admitted = admit(state, arrived, &line).await?;
     // The next ones are tried while no connection to one can be made.
-    let members = with_room(state, &line, || by_load(state, arrived.0, None, Roomless(false))).await?;
+    let members = with_room(state, &line, || by_load(state, arrived.0, None, Takes::ANY)).await?;
     streamed_to(state, pool, &members, req, admitted).await
 }
 
@@ -569,7 +583,7 @@ fn by_load(
     state: &ProxyState,
     request_id: &str,
     adapter: Option<upstream::Adapter<'_>>,
-    Roomless(roomless): Roomless,
+    Takes { roomless, generate }: Takes,
 ) -> Result<Vec<Member>, ProxyError> {
     let mut members = state.fleet().members();
     // A prefill replica takes prefills only ([`disagg`]).
@@ -583,6 +597,12 @@ fn by_load(
         members.retain(|member| route::Hop::Roomless.takes(member));
         if members.is_empty() && decoders > 0 {
             return Err(ProxyError::Unavailable(disagg::NO_ROOMLESS.into()));
+        }
+    }
+    if generate {
+        members.retain(|member| member.replica.spec.serves_generate());
+        if members.is_empty() {
+            return Err(ProxyError::Unavailable(route::NO_GENERATE.into()));
         }
     }
     let max = state.decider.max_in_flight_per_replica();

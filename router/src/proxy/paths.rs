@@ -13,11 +13,12 @@ use percent_encoding::percent_decode_str;
 use super::error::ProxyError;
 
 /// Paths the router answers itself (routes or serves), with the method each takes.
-const OWN: [(&str, &str); 12] = [
+const OWN: [(&str, &str); 13] = [
     ("/v1/completions", "POST"),
     ("/v1/chat/completions", "POST"),
     ("/v1/messages", "POST"),
     ("/v1/responses", "POST"),
+    ("/generate", "POST"),
     ("/v1/models", "GET, HEAD"),
     ("/v1/load_lora_adapter", "POST"),
     ("/v1/unload_lora_adapter", "POST"),
@@ -30,8 +31,8 @@ const OWN: [(&str, &str); 12] = [
 
 /// The engines' own paths outside `/v1/` that pass through like `/v1/*` ones: vLLM's tokenizer,
 /// pooling, scoring and reranking endpoints and its `/version`, and SGLang's `/encode`. Not the ones that
-/// generate text some other way (vLLM's `/invocations`, SGLang's `/generate`): through them a
-/// generation would skip the router's placement and its prompt and completion limits.
+/// generate text some other way (vLLM's `/invocations`; SGLang's `/generate` is routed): through
+/// them a generation would skip the router's placement and its prompt and completion limits.
 const ENGINE: [&str; 9] = [
     "/tokenize",
     "/detokenize",

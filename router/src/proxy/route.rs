@@ -101,6 +101,7 @@ impl RequestLimits {
             Some(asked) if asked > self.max_completion_tokens => {
                 let param = match endpoint {
                     Endpoint::Responses => "max_output_tokens",
+                    Endpoint::Generate => "sampling_params.max_new_tokens",
                     _ => "max_tokens",
                 };
                 Err(ProxyError::TooManyTokens { param, asked, limit: self.max_completion_tokens })
@@ -219,6 +220,9 @@ pub struct Explained {
     /// Its prefill's decision, when it is split.
     pub prefill: Option<Plan>,
 }
+
+/// Why SGLang's `/generate` has nowhere to go in a fleet of vLLM replicas.
+pub const NO_GENERATE: &str = "no replica serves SGLang's /generate (vLLM's replicas do not)";
 
 /// The outcome of a decision.
 #[derive(Debug)]
@@ -602,6 +606,10 @@ impl Decider {
         let mut request = ParsedRequest::parse(endpoint, body)?;
         let changes = self.fleet.changes();
         let members = self.fleet.members();
+        if asked == Endpoint::Generate && !members.iter().any(|member| member.replica.spec.serves_generate())
+        {
+            return Err(ProxyError::Unavailable(NO_GENERATE.into()));
+        }
         let info = match self.prompts.tokens(&mut request, body, &members).await {
             // A replica's template that refuses a system turn mid-conversation is one vLLM
             // folds inline system messages for ([`InlineSystem`]); the router's own template,
@@ -714,7 +722,8 @@ impl Decider {
         };
         let disaggregated = super::disagg::disaggregates(&members);
         let hop = if hop == Hop::Whole && prepared.roomless { Hop::Roomless } else { hop };
-        members.retain(|member| hop.takes(member));
+        let native = prepared.asked == Endpoint::Generate;
+        members.retain(|member| hop.takes(member) && (!native || member.replica.spec.serves_generate()));
         // An adapter's request goes only where it may be.
         let adapter = self.adapter(&prepared.model);
         let (blocks, all_blocks) = (Arc::clone(&prepared.blocks), Arc::clone(&prepared.all_blocks));

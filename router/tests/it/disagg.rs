@@ -399,3 +399,48 @@ async fn an_sglang_prefill_that_cannot_be_had_ends_its_request() {
     assert!(reply.json()["error"]["message"].is_string(), "{}", reply.json());
     assert_eq!(prefills(&fleet, "no_replica").await, 1);
 }
+
+#[tokio::test]
+async fn sglang_generate_is_split_through_a_bootstrap_room_too() {
+    let fleet = sglang_fleet(2, 1, 1).await;
+    let doc = words(40, 70);
+    let native = |text: String, max_new_tokens: u64| json!({"text": text, "sampling_params": {"max_new_tokens": max_new_tokens}});
+    let generate = async |body: Value| {
+        let url = fleet.url("/generate");
+        let posted = fleet.http.post(&url, &body);
+        let reply = tokio::time::timeout(std::time::Duration::from_secs(30), posted).await.expect("answered");
+        assert_eq!(reply.status, StatusCode::OK, "{}", String::from_utf8_lossy(&reply.body));
+        assert_eq!(reply.header("x-kvroute-prefill-replica"), Some("agent-0"));
+        assert_eq!(reply.header("x-kvroute-replica"), Some("agent-1"));
+        reply
+    };
+    let first = generate(native(format!("{doc} first"), 4)).await;
+    assert_eq!(first.json()["meta_info"]["completion_tokens"], 4);
+    assert_eq!(agent_metric(&fleet, 0, "vllm:generation_tokens_total").await, 1, "one token prefilled");
+    // The next question on the document: its hit is the prefill replica's, read from meta_info.
+    let second = generate(native(format!("{doc} second"), 2)).await;
+    assert_eq!(second.header("x-kvroute-prefill-cached-tokens"), Some("40"));
+    assert_eq!(second.json()["meta_info"]["cached_tokens"], 40);
+    // A batch: a room a prompt.
+    let batch =
+        json!({"text": [format!("{doc} a"), format!("{doc} b")], "sampling_params": {"max_new_tokens": 2}});
+    assert_eq!(generate(batch).await.json().as_array().map(Vec::len), Some(2));
+    // A stream: the prefill replica is asked for a whole answer.
+    let streamed =
+        json!({"text": format!("{doc} d"), "stream": true, "sampling_params": {"max_new_tokens": 3}});
+    let events = String::from_utf8(generate(streamed).await.body.to_vec()).unwrap();
+    assert!(events.starts_with("data: {") && events.ends_with("data: [DONE]\n\n"), "{events}");
+    assert_eq!(prefills(&fleet, "bootstrap").await, 4);
+
+    // The prompt's logprobs only the prefill replica has: not split, and no replica decodes
+    // without a room.
+    let logprobs = json!({"text": doc, "return_logprob": true, "logprob_start_len": 0});
+    let reply = fleet.http.post(&fleet.url("/generate"), &logprobs).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&reply.body));
+    let message = reply.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(message.contains("not split"), "{message}");
+    // The output's logprobs alone (SGLang's default start, -1) are the decode replica's.
+    let output_only =
+        json!({"text": format!("{doc} c"), "return_logprob": true, "sampling_params": {"max_new_tokens": 1}});
+    generate(output_only).await;
+}

@@ -8,6 +8,7 @@ mod disagg;
 mod discovery;
 mod faults;
 mod fleet;
+mod generate;
 mod headers;
 mod ingest;
 mod limits;

@@ -1,0 +1,245 @@
+//! SGLang's native `POST /generate`, read as the completion request it amounts to: the
+//! router routes it on that request's prompt, and the replica agent serves it so
+//! (`sglang/srt/managers/io_struct.py`'s `GenerateReqInput`, 2026).
+//!
+//! | `/generate` | the completion's |
+//! |---|---|
+//! | `input_ids` (one id list, or a batch of them), else `text` (a string or a batch) | `prompt`: SGLang tokenizes `text` with the tokenizer's special tokens, as a completion's prompt is (no chat template) |
+//! | `input_embeds`, with neither | `prompt_embeds`: no token ids to route on |
+//! | `sampling_params.max_new_tokens` (128 when absent or null; of a list of them, one a prompt, the largest) | `max_tokens` |
+//! | `sampling_params.n` (of a list, the first's: SGLang asks them all to be equal) | `n` |
+//! | `lora_path` (an adapter's name; of a list, one a prompt, the name they all give) | `model` (none: the base model) |
+//! | `stream`, `priority`, `cache_salt` | as they are |
+//!
+//! Everything else is SGLang's to read. The body sent to a replica is the client's, as it
+//! was. What is read is checked as the completion's fields are, each error naming the
+//! `/generate` field at fault where it is one of its own.
+
+use serde::Serialize;
+use serde_json::Value;
+use serde_json::value::RawValue;
+
+use super::{RequestError, lax_integer, parse_object};
+
+/// The path SGLang serves it at.
+pub const GENERATE_PATH: &str = "/generate";
+
+/// SGLang's `max_new_tokens` when a request sets none.
+pub const DEFAULT_MAX_NEW_TOKENS: u64 = 128;
+
+/// The fields read, in [`completion_body`]'s order.
+const FIELDS: [&str; 8] =
+    ["text", "input_ids", "input_embeds", "sampling_params", "stream", "lora_path", "priority", "cache_salt"];
+
+/// The completion request a `/generate` body amounts to (module docs), as JSON.
+#[derive(Serialize)]
+struct Completion<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt: Option<&'a RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_embeds: Option<&'a RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream: Option<&'a RawValue>,
+    max_tokens: u64,
+    n: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    priority: Option<&'a RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_salt: Option<&'a RawValue>,
+}
+
+/// The completion request `body`, a `/generate` request, amounts to (module docs).
+pub fn completion_body(body: &[u8]) -> Result<Vec<u8>, RequestError> {
+    let [text, ids, embeds, sampling, stream, lora, priority, salt] = parse_object(body, &FIELDS)?;
+    let [text, ids, embeds, sampling, lora] = [text, ids, embeds, sampling, lora].map(given);
+    let (prompt, prompt_embeds) = match (text, ids, embeds) {
+        (Some(_), Some(_), Some(_)) | (None, None, None) => return Err(RequestError::NoGenerateInput),
+        (_, Some(ids), _) => {
+            (Some(listed(ids, "input_ids", "a list of token ids or a list of such lists")?), None)
+        }
+        (Some(text), None, _) => (Some(text_of(text)?), None),
+        (None, None, Some(embeds)) => (None, Some(embeds)),
+    };
+    let (max_tokens, n) = sampling_params(sampling)?;
+    let adapter = adapter(lora)?;
+    let completion = Completion {
+        model: adapter.as_deref(),
+        prompt,
+        prompt_embeds,
+        stream,
+        max_tokens,
+        n,
+        priority,
+        cache_salt: salt,
+    };
+    serde_json::to_vec(&completion).map_err(RequestError::Json)
+}
+
+/// `raw` unless it is null.
+fn given(raw: Option<&RawValue>) -> Option<&RawValue> {
+    raw.filter(|raw| raw.get() != "null")
+}
+
+/// `input_ids`: a non-empty list (what is in it, the completion's prompt checks).
+fn listed<'a>(
+    raw: &'a RawValue,
+    param: &'static str,
+    expected: &'static str,
+) -> Result<&'a RawValue, RequestError> {
+    let list: Vec<&RawValue> =
+        serde_json::from_str(raw.get()).map_err(|_| RequestError::InvalidField { param, expected })?;
+    match list.is_empty() {
+        true => Err(RequestError::InvalidField { param, expected: "a non-empty list" }),
+        false => Ok(raw),
+    }
+}
+
+/// `text`: a string, or a non-empty list of them (a batch).
+fn text_of(raw: &RawValue) -> Result<&RawValue, RequestError> {
+    const EXPECTED: &str = "a string or a list of strings";
+    match raw.get().starts_with('"') {
+        true => Ok(raw),
+        false => listed(raw, "text", EXPECTED),
+    }
+}
+
+/// `max_new_tokens` and `n` of `sampling_params`: an object, or a list of them (one a prompt).
+fn sampling_params(raw: Option<&RawValue>) -> Result<(u64, u64), RequestError> {
+    const EXPECTED: &str = "an object or a list of objects";
+    let invalid = || RequestError::InvalidField { param: "sampling_params", expected: EXPECTED };
+    let Some(raw) = raw else { return Ok((DEFAULT_MAX_NEW_TOKENS, 1)) };
+    let params: Vec<Option<&RawValue>> = match raw.get().starts_with('[') {
+        true => serde_json::from_str(raw.get()).map_err(|_| invalid())?,
+        false => vec![Some(raw)],
+    };
+    let mut read = Vec::with_capacity(params.len());
+    for params in params {
+        let params = given(params);
+        let [max_new_tokens, n] = match params {
+            Some(p) => parse_object(p.get().as_bytes(), &["max_new_tokens", "n"]).map_err(|_| invalid())?,
+            None => [None, None],
+        };
+        let max_new_tokens = natural(max_new_tokens, "sampling_params.max_new_tokens")?;
+        let n = natural(n, "sampling_params.n")?;
+        read.push((max_new_tokens.unwrap_or(DEFAULT_MAX_NEW_TOKENS), n.unwrap_or(1)));
+    }
+    let max_tokens = read.iter().map(|(max, _)| *max).max().unwrap_or(DEFAULT_MAX_NEW_TOKENS);
+    let n = read.first().map_or(1, |(_, n)| *n);
+    Ok((max_tokens, n))
+}
+
+/// A non-negative integer, or none (absent or null).
+fn natural(raw: Option<&RawValue>, param: &'static str) -> Result<Option<u64>, RequestError> {
+    let Some(raw) = given(raw) else { return Ok(None) };
+    let value = lax_integer(raw).and_then(|v| u64::try_from(v).ok());
+    value.map(Some).ok_or(RequestError::InvalidField { param, expected: "a non-negative integer" })
+}
+
+/// The adapter `lora_path` names: a name, or a list of names or nulls (one a prompt) that all
+/// name one (a batch of several adapters is routed as the base model's).
+fn adapter(raw: Option<&RawValue>) -> Result<Option<String>, RequestError> {
+    const EXPECTED: &str = "an adapter's name or a list of them";
+    let invalid = || RequestError::InvalidField { param: "lora_path", expected: EXPECTED };
+    let Some(raw) = raw else { return Ok(None) };
+    match serde_json::from_str::<Value>(raw.get()).map_err(|_| invalid())? {
+        Value::String(name) => Ok(Some(name)),
+        Value::Array(names) => {
+            let mut named = None;
+            for name in names {
+                match name {
+                    Value::String(name) if named.as_ref().is_none_or(|n| *n == name) => named = Some(name),
+                    Value::String(_) => return Ok(None),
+                    Value::Null => {}
+                    _ => return Err(invalid()),
+                }
+            }
+            Ok(named)
+        }
+        _ => Err(invalid()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn completion(body: Value) -> Result<Value, RequestError> {
+        let read = completion_body(body.to_string().as_bytes())?;
+        Ok(serde_json::from_slice(&read).unwrap())
+    }
+
+    #[test]
+    fn a_generate_request_is_read_as_its_completion() {
+        let read = completion(serde_json::json!({
+            "text": "Hello there",
+            "sampling_params": {"max_new_tokens": 7, "n": 2, "temperature": 0},
+            "stream": true,
+            "lora_path": "sql",
+            "priority": 3,
+            "cache_salt": "tenant",
+            "rid": "r-1",
+        }))
+        .unwrap();
+        let expected = serde_json::json!({
+            "model": "sql",
+            "prompt": "Hello there",
+            "stream": true,
+            "max_tokens": 7,
+            "n": 2,
+            "priority": 3,
+            "cache_salt": "tenant",
+        });
+        assert_eq!(read, expected);
+    }
+
+    #[test]
+    fn token_ids_win_over_text_and_defaults_are_sglangs() {
+        let read = completion(serde_json::json!({"text": "ignored", "input_ids": [[1, 2], [3]]})).unwrap();
+        assert_eq!(read, serde_json::json!({"prompt": [[1, 2], [3]], "max_tokens": 128, "n": 1}));
+        let read = completion(serde_json::json!({"input_embeds": [[0.5]], "sampling_params": null})).unwrap();
+        assert_eq!(read, serde_json::json!({"prompt_embeds": [[0.5]], "max_tokens": 128, "n": 1}));
+    }
+
+    #[test]
+    fn a_batchs_sampling_params_and_adapters_are_read_for_all_its_prompts() {
+        let read = completion(serde_json::json!({
+            "text": ["a", "b", "c"],
+            "sampling_params": [{"max_new_tokens": 4, "n": 3}, {"max_new_tokens": 9}, null],
+            "lora_path": [null, "sql", "sql"],
+        }))
+        .unwrap();
+        assert_eq!(read["max_tokens"], 128, "the third prompt's default is the largest");
+        assert_eq!((&read["n"], &read["model"]), (&serde_json::json!(3), &serde_json::json!("sql")));
+        let read = completion(serde_json::json!({"text": ["a", "b"], "lora_path": ["sql", "law"]})).unwrap();
+        assert_eq!(read.get("model"), None, "several adapters: the base model's replicas");
+    }
+
+    #[test]
+    fn malformed_requests_name_the_field_at_fault() {
+        let refused = |body: Value| completion(body).unwrap_err();
+        assert!(matches!(refused(serde_json::json!({"sampling_params": {}})), RequestError::NoGenerateInput));
+        let all = serde_json::json!({"text": "a", "input_ids": [1], "input_embeds": [[0.1]]});
+        assert!(matches!(refused(all), RequestError::NoGenerateInput));
+        for (body, at) in [
+            (serde_json::json!({"input_ids": []}), "input_ids"),
+            (serde_json::json!({"input_ids": 5}), "input_ids"),
+            (serde_json::json!({"text": 5}), "text"),
+            (serde_json::json!({"text": []}), "text"),
+            (serde_json::json!({"text": "a", "sampling_params": 3}), "sampling_params"),
+            (
+                serde_json::json!({"text": "a", "sampling_params": {"max_new_tokens": -1}}),
+                "sampling_params.max_new_tokens",
+            ),
+            (serde_json::json!({"text": "a", "sampling_params": [{"n": "x"}]}), "sampling_params.n"),
+            (serde_json::json!({"text": "a", "lora_path": 3}), "lora_path"),
+        ] {
+            match refused(body.clone()) {
+                RequestError::InvalidField { param, .. } => assert_eq!(param, at, "{body}"),
+                other => panic!("{body}: {other:?}"),
+            }
+        }
+        assert!(matches!(completion_body(b"[1]"), Err(RequestError::NotAnObject)));
+    }
+}
