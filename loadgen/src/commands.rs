@@ -59,8 +59,9 @@ pub struct SendArgs {
     pub model: String,
     /// How prompts are written: `ids` (token ids), `text` (a word a token with the
     /// built-in tokenizer, tokenized by the router and the replicas), `messages` (that
-    /// text as Anthropic Messages requests, rendered with the chat template) or `responses`
-    /// (that text as OpenAI Responses requests, rendered the same way).
+    /// text as Anthropic Messages requests, rendered with the chat template), `responses`
+    /// (that text as OpenAI Responses requests, rendered the same way) or `generate` (the
+    /// token ids as SGLang's native `/generate` requests).
     #[arg(long, value_enum, default_value_t = PromptFormat::Ids)]
     pub prompt_format: PromptFormat,
     /// Most requests in flight at once.
@@ -286,8 +287,9 @@ pub struct DemoArgs {
     pub requests: Option<usize>,
     /// How prompts are written: `ids` (token ids), `text` (a word a token with the
     /// built-in tokenizer, tokenized by the routers and the agents), `messages` (that
-    /// text as Anthropic Messages requests, rendered with the chat template) or `responses`
-    /// (that text as OpenAI Responses requests, rendered the same way).
+    /// text as Anthropic Messages requests, rendered with the chat template), `responses`
+    /// (that text as OpenAI Responses requests, rendered the same way) or `generate` (the
+    /// token ids as SGLang's native `/generate` requests).
     #[arg(long, value_enum, default_value_t = PromptFormat::Ids)]
     pub prompt_format: PromptFormat,
     /// Directory for report.json, table.txt and the SVG plots.

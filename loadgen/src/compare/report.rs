@@ -147,6 +147,7 @@ impl CompareReport {
                 PromptFormat::Text => " (as text)",
                 PromptFormat::Messages => " (as text, Anthropic Messages requests)",
                 PromptFormat::Responses => " (as text, OpenAI Responses requests)",
+                PromptFormat::Generate => " (SGLang's /generate requests)",
             },
             w.output_tokens,
             w.trace_duration_s

@@ -2,6 +2,9 @@
 //! as text, see [`PromptFormat`]; fixed `max_tokens`), the send, and for a stream the SSE
 //! frames as they arrive.
 //!
+//! An SGLang `/generate` request ([`PromptFormat::Generate`]) is measured the same way, its
+//! counts read from `meta_info`.
+//!
 //! Timing: TTFT is from sending the request to the first SSE event carrying a choice (the
 //! first generated token); time per output token is `(e2e - ttft) / (completion_tokens - 1)`;
 //! a non-streamed request has an end-to-end latency only. The realized hit comes from
@@ -265,7 +268,7 @@ impl Client {
             } else {
                 let bytes = body.collect().await.map_err(|_| ErrorKind::Stream)?.to_bytes();
                 let parsed: Completion = serde_json::from_slice(&bytes).map_err(|_| ErrorKind::Malformed)?;
-                parsed.usage
+                parsed.usage.or(parsed.meta_info.map(Usage::from))
             };
             success.e2e = sent.elapsed();
             if let Some(usage) = usage {
@@ -315,6 +318,10 @@ pub enum PromptFormat {
     /// `store: false`, the whole conversation sent each time): rendered with the chat
     /// template, hits reported as `input_tokens_details.cached_tokens`.
     Responses,
+    /// The token ids as SGLang's native `/generate` request (`input_ids`,
+    /// `sampling_params.max_new_tokens`, no model: the base one): hits reported as
+    /// `meta_info.cached_tokens`, in every chunk of a stream.
+    Generate,
 }
 
 impl PromptFormat {
@@ -324,6 +331,7 @@ impl PromptFormat {
             PromptFormat::Ids | PromptFormat::Text => "/v1/completions",
             PromptFormat::Messages => "/v1/messages",
             PromptFormat::Responses => "/v1/responses",
+            PromptFormat::Generate => "/generate",
         }
     }
 }
@@ -339,16 +347,19 @@ pub struct Body {
 pub fn request_body(model: &str, request: &WorkloadRequest, stream: bool, format: PromptFormat) -> Body {
     let mut body = String::with_capacity(request.input_len * 6 + 160);
     // Writing to a String cannot fail.
-    let _ = write!(body, "{{\"model\":{},", serde_json::Value::from(model));
+    if format != PromptFormat::Generate {
+        let _ = write!(body, "{{\"model\":{},", serde_json::Value::from(model));
+    }
     body.push_str(match format {
         PromptFormat::Messages => "\"messages\":[{\"role\":\"user\",\"content\":",
         PromptFormat::Responses => "\"store\":false,\"input\":",
         PromptFormat::Ids | PromptFormat::Text => "\"prompt\":",
+        PromptFormat::Generate => "{\"input_ids\":",
     });
     let mut prompt = Vec::with_capacity(request.input_len);
     request.write_prompt(&mut prompt);
     match format {
-        PromptFormat::Ids => {
+        PromptFormat::Ids | PromptFormat::Generate => {
             body.push('[');
             for (i, token) in prompt.iter().enumerate() {
                 if i > 0 {
@@ -372,12 +383,25 @@ pub fn request_body(model: &str, request: &WorkloadRequest, stream: bool, format
     if format == PromptFormat::Messages {
         body.push_str("}]");
     }
-    let limit = if format == PromptFormat::Responses { "max_output_tokens" } else { "max_tokens" };
-    let _ = write!(body, ",\"{limit}\":{},\"temperature\":0", request.output_len.max(1));
+    let max_tokens = request.output_len.max(1);
+    match format {
+        PromptFormat::Generate => {
+            let _ =
+                write!(body, ",\"sampling_params\":{{\"max_new_tokens\":{max_tokens},\"temperature\":0}}");
+        }
+        PromptFormat::Responses => {
+            let _ = write!(body, ",\"max_output_tokens\":{max_tokens},\"temperature\":0");
+        }
+        _ => {
+            let _ = write!(body, ",\"max_tokens\":{max_tokens},\"temperature\":0");
+        }
+    }
     match (stream, format) {
         (false, _) => {}
         // A Messages or Responses stream always carries its usage.
-        (true, PromptFormat::Messages | PromptFormat::Responses) => body.push_str(",\"stream\":true"),
+        (true, PromptFormat::Messages | PromptFormat::Responses | PromptFormat::Generate) => {
+            body.push_str(",\"stream\":true");
+        }
         (true, _) => body.push_str(",\"stream\":true,\"stream_options\":{\"include_usage\":true}"),
     }
     body.push('}');
@@ -387,6 +411,26 @@ pub fn request_body(model: &str, request: &WorkloadRequest, stream: bool, format
 #[derive(Deserialize)]
 struct Completion {
     usage: Option<Usage>,
+    meta_info: Option<MetaInfo>,
+}
+
+/// SGLang's `/generate` counts (`meta_info`).
+#[derive(Clone, Copy, Debug, Deserialize)]
+struct MetaInfo {
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+    cached_tokens: Option<u64>,
+}
+
+impl From<MetaInfo> for Usage {
+    fn from(meta: MetaInfo) -> Usage {
+        Usage {
+            prompt_tokens: meta.prompt_tokens,
+            completion_tokens: meta.completion_tokens,
+            prompt_tokens_details: Some(PromptTokensDetails { cached_tokens: meta.cached_tokens }),
+            ..Usage::default()
+        }
+    }
 }
 
 /// OpenAI's `usage`, its Responses API's (`input_tokens` with `input_tokens_details`), or
@@ -462,6 +506,8 @@ struct Chunk {
     message: Option<Started>,
     /// A Responses API event's response (the whole of it in the last one).
     response: Option<StartedMessage>,
+    /// An SGLang `/generate` chunk's counts so far.
+    meta_info: Option<MetaInfo>,
 }
 
 #[derive(Deserialize)]
@@ -517,7 +563,9 @@ impl SseState {
             if matches!(kind, Some("error" | "response.failed")) {
                 return Err(ErrorKind::Stream);
             }
+            let native = chunk.meta_info.is_some_and(|m| m.completion_tokens.is_some_and(|c| c > 0));
             let token = !chunk.choices.is_empty()
+                || native
                 || matches!(kind, Some("content_block_delta" | "response.output_text.delta"));
             if token && success.ttft.is_none() {
                 success.ttft = Some(sent.elapsed());
@@ -531,7 +579,8 @@ impl SseState {
                     Started::Message(m) => m.usage,
                     Started::Other(_) => None,
                 }))
-                .or(chunk.response.and_then(|r| r.usage));
+                .or(chunk.response.and_then(|r| r.usage))
+                .or(chunk.meta_info.map(Usage::from));
             if let Some(usage) = usage {
                 self.usage = Some(self.usage.unwrap_or_default().updated(usage));
             }
@@ -657,6 +706,39 @@ mod tests {
         let responses: serde_json::Value = serde_json::from_slice(&responses.bytes).unwrap();
         assert_eq!((&responses["input"], &responses["store"]), (&text, &serde_json::json!(false)));
         assert_eq!(responses["max_output_tokens"], 7);
+        // As SGLang's /generate: the ids, no model.
+        let native = request_body("m", &request, true, PromptFormat::Generate);
+        assert_eq!(native.path, "/generate");
+        let native: serde_json::Value = serde_json::from_slice(&native.bytes).unwrap();
+        let keys: Vec<&str> = native.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(keys, ["input_ids", "sampling_params", "stream"]);
+        assert_eq!(native["input_ids"], body["prompt"]);
+        assert_eq!(native["sampling_params"], serde_json::json!({"max_new_tokens": 7, "temperature": 0}));
+    }
+
+    /// SGLang's `/generate` stream: TTFT at the first chunk, its counts from the last.
+    #[test]
+    fn an_sglang_stream_gives_ttft_usage_and_done() {
+        let chunk = |n: u64, done: bool| {
+            let finish = if done { format!("{{\"type\":\"length\",\"length\":{n}}}") } else { "null".into() };
+            format!(
+                "data: {{\"text\":\"x\",\"output_ids\":[1],\"meta_info\":{{\"id\":\"r\",\"finish_reason\":{finish},\
+                 \"prompt_tokens\":40,\"completion_tokens\":{n},\"cached_tokens\":32}}}}\n\n"
+            )
+        };
+        let text = format!("{}{}data: [DONE]\n\n", chunk(1, false), chunk(2, true));
+        let mut sse = SseState::default();
+        let mut success = Success::default();
+        sse.feed(Bytes::from(text), Instant::now(), &mut success).unwrap();
+        assert!(sse.done && success.ttft.is_some());
+        let usage = sse.usage.unwrap();
+        assert_eq!(
+            (usage.prompt_tokens(), usage.cached_tokens(), usage.completion_tokens()),
+            (Some(40), Some(32), 2)
+        );
+        let whole: Completion = serde_json::from_str(chunk(2, true).trim_start_matches("data: ")).unwrap();
+        let usage = whole.usage.or(whole.meta_info.map(Usage::from)).unwrap();
+        assert_eq!(usage.cached_tokens(), Some(32));
     }
 
     /// The Responses API's stream: TTFT at the first text delta, usage from the last event.

@@ -387,6 +387,13 @@ async fn a_chat_workload_as_openai_responses_is_routed_on_its_cached_prefix() {
     chat_workload_as(PromptFormat::Responses).await;
 }
 
+/// The same as SGLang's native `/generate` requests (`--prompt-format generate`): token ids,
+/// hits read from `meta_info`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_workload_as_sglang_generate_is_routed_on_its_cached_prefix() {
+    chat_workload_as(PromptFormat::Generate).await;
+}
+
 async fn chat_workload_as(format: PromptFormat) {
     let shutdown = CancellationToken::new();
     let fleet = EmbeddedFleet::start(fleet_config(2), shutdown.child_token()).await.unwrap();
@@ -404,9 +411,12 @@ async fn chat_workload_as(format: PromptFormat) {
     // (Requests in flight together may see one another's blocks a little late or early.)
     let predicted = l.predicted_hit_rate.expect("the router's predictions");
     assert!((predicted - hit).abs() < 0.05, "predicted {predicted} against {hit}");
-    // The chat template's tokens come on top of the workload's.
+    // The chat template's tokens come on top of the workload's (not on token ids').
     let served: u64 = l.per_replica.iter().map(|s| s.prompt_tokens).sum();
-    assert!(served > trace.prompt_tokens(), "{served} against {}", trace.prompt_tokens());
+    match format {
+        PromptFormat::Generate => assert_eq!(served, trace.prompt_tokens()),
+        _ => assert!(served > trace.prompt_tokens(), "{served} against {}", trace.prompt_tokens()),
+    }
     fleet.stop().await;
 }
 
