@@ -78,11 +78,11 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_HEALTH_LISTEN")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health_listen: Option<SocketAddr>,
-    /// Keys a request to a path under `/v1` must carry one of (`Authorization: Bearer <key>`),
-    /// comma-separated, as with vLLM's `--api-key`: others get 401 (the router's LoRA fan-out
-    /// too, SGLang's spellings outside `/v1` included). Other paths outside `/v1` stay open, as
-    /// with vLLM (`/health`, `/ready`, `/metrics`, and the engines' own paths passed through,
-    /// such as `/tokenize`). The header goes on to the replica as it came.
+    /// Keys a request to a path under `/v1` (or to SGLang's `/generate`) must carry one of
+    /// (`Authorization: Bearer <key>`), comma-separated, as with vLLM's `--api-key`: others get
+    /// 401 (the router's LoRA fan-out too, SGLang's spellings outside `/v1` included). Other
+    /// paths outside `/v1` stay open, as with vLLM (`/health`, `/ready`, `/metrics`, and the
+    /// engines' own paths passed through, such as `/tokenize`). The header goes on to the replica as it came.
     #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true, value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "comma_separated")]
     pub api_key: Vec<Secret>,

@@ -58,7 +58,7 @@ pub struct SoakArgs {
     pub seed: u64,
     /// How prompts are written: `ids` (token ids), `text` (a word a token with the
     /// built-in tokenizer; the router tokenizes them, and its tokenizer cache fills),
-    /// `messages` (chats) or `responses` (the Responses API).
+    /// `messages` (chats), `responses` (the Responses API) or `generate` (SGLang's `/generate`).
     #[arg(long, value_enum, default_value_t = PromptFormat::Ids)]
     pub prompt_format: PromptFormat,
     /// A flag for the router, after the soak's own (repeat it; e.g.

@@ -33,7 +33,8 @@
 use futures::{StreamExt, TryStreamExt};
 use hyper::header::{self, HeaderValue};
 use hyper::{Response, StatusCode};
-use kvroute_proto::openai::request::{lax_boolean_value, parse_object};
+use kvroute_proto::openai::request::sglang as sglang_request;
+use kvroute_proto::openai::request::{Prompt, lax_boolean_value, parse_object};
 use kvroute_proto::openai::{Endpoint, ParsedRequest};
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -150,6 +151,8 @@ struct ServerFields {
     bootstrap: Option<Bootstrap>,
     /// A `/generate` request's `rid`, its answer's id (SGLang's).
     rid: Option<String>,
+    /// A `/generate` request's `max_new_tokens`: its one `sampling_params`', or each prompt's.
+    max_new_tokens: Vec<Option<u64>>,
 }
 
 /// `stream_options` as vLLM reads it: `include_usage`, and `continuous_usage_stats` (with
@@ -181,23 +184,42 @@ pub(super) async fn generate(
         Some(chat) => (Endpoint::ChatCompletions, std::borrow::Cow::Borrowed(&chat[..])),
         None => state.tokenization().readable(endpoint, body)?,
     };
-    let request = ParsedRequest::parse(read_as, &readable)?;
+    let mut request = ParsedRequest::parse(read_as, &readable)?;
     // A Messages or Responses stream always carries its usage; the fields are OpenAI's.
     if !state.serves(request.model()) {
         return Err(ApiError::model_not_found(request.model()));
     }
-    let ServerFields { sampling, usage, transfer, bootstrap, rid } = match endpoint {
+    let ServerFields { sampling, usage, transfer, bootstrap, rid, max_new_tokens } = match endpoint {
         Endpoint::Messages | Endpoint::Responses => ServerFields {
             sampling: converted_sampling(body, endpoint)?,
             usage: StreamUsage { include: true, continuous: false },
             transfer: Asked::Nothing,
             bootstrap: None,
             rid: None,
+            max_new_tokens: Vec::new(),
         },
         Endpoint::Generate => native_extras(body, state.config())?,
         _ => parse_extras(body, request.stream(), state.config())?,
     };
-    let mut jobs = jobs(state, &request, &sampling, null_max_tokens(&request, &readable))?;
+    // SGLang's: each prompt's own `max_new_tokens`, checked against the context if given, else
+    // 128 of what the context leaves.
+    let native = endpoint == Endpoint::Generate;
+    if let (true, ParsedRequest::Completion(completion)) = (native, &mut request) {
+        completion.max_tokens = max_new_tokens.iter().flatten().max().copied();
+    }
+    let mut jobs = jobs(state, &request, &sampling, native || null_max_tokens(&request, &readable))?;
+    if native {
+        let max_model_len = state.config().max_model_len as usize;
+        for (i, job) in jobs.iter_mut().enumerate() {
+            let own = max_new_tokens.get(i).or(max_new_tokens.first()).copied().flatten();
+            let room = max_model_len.saturating_sub(job.prompt.len()) as u64;
+            let own = own.unwrap_or(sglang_request::DEFAULT_MAX_NEW_TOKENS.min(room));
+            job.max_tokens = u32::try_from(own).unwrap_or(u32::MAX);
+        }
+    }
+    // A batch (a list of prompts) or several choices is answered with a list, in SGLang's API.
+    let listed = sampling.choices() > 1
+        || matches!(&request, ParsedRequest::Completion(c) if matches!(c.prompt, Prompt::TextBatch(_) | Prompt::TokensBatch(_)));
     // One prompt of one choice is pulled, or answered for ([`crate::kv_transfer`]).
     let transfer = if jobs.len() == 1 && sampling.choices() == 1 { transfer } else { Asked::Nothing };
     let block_size = state.engine().config().cache.block_size;
@@ -324,7 +346,7 @@ pub(super) async fn generate(
             text: String::new(),
             sequence: 0,
         });
-        let native = (api == Api::Native).then(|| sglang::Streaming::new(admitted.len(), started));
+        let native = (api == Api::Native).then(|| sglang::Streaming::new(admitted.len(), listed, started));
         let tally = Tally::new(admitted.len(), n as usize, true);
         let mut response = Response::new(sse::body(api, meta, admitted, (usage, tally), (streaming, native)));
         let headers = response.headers_mut();
@@ -388,7 +410,7 @@ pub(super) async fn generate(
             }
             responses::response(&meta, text, &usage, previous.as_deref())
         }
-        Api::Native => sglang::response(sglang::Naming::of(&meta, native.len()), &native, started),
+        Api::Native => sglang::response(sglang::Naming { id: &meta.id, several: listed }, &native, started),
     };
     Ok(json_response(StatusCode::OK, body))
 }
@@ -456,6 +478,7 @@ fn parse_extras(body: &[u8], stream: bool, config: &Config) -> Result<ServerFiel
         transfer,
         bootstrap,
         rid: None,
+        max_new_tokens: Vec::new(),
     })
 }
 
@@ -473,12 +496,14 @@ fn native_extras(body: &[u8], config: &Config) -> Result<ServerFields, ApiError>
         None => vec![params],
     };
     let mut sampling = Vec::with_capacity(params.len());
+    let mut max_new_tokens = Vec::with_capacity(params.len());
     for params in params.into_iter().map(|p| p.filter(|p| p.get() != "null")) {
         let fields = match params {
             Some(p) => parse_object(p.get().as_bytes(), &sampling::NATIVE_FIELDS)?,
             None => Default::default(),
         };
-        sampling.push(Sampling::parse(fields)?);
+        sampling.push(Sampling::parse(fields)?.as_sglang());
+        max_new_tokens.push(sglang_request::max_new_tokens(params)?);
     }
     // The first prompt's are checked with its prompt ([`jobs`]); the others' ranges here.
     for later in sampling.iter().skip(1) {
@@ -493,6 +518,7 @@ fn native_extras(body: &[u8], config: &Config) -> Result<ServerFields, ApiError>
         transfer: Asked::Nothing,
         bootstrap,
         rid,
+        max_new_tokens,
     })
 }
 

@@ -212,8 +212,9 @@ async fn handle(state: AppState, req: Request<Incoming>) -> Response<Body> {
 
 const X_REQUEST_ID: &str = "x-request-id";
 
-/// Whether `req` may go on under `--api-key`, as vLLM's check has it: paths under `/v1`
-/// need `Authorization: Bearer <key>` (preflight `OPTIONS` excepted); the rest are open.
+/// Whether `req` may go on under `--api-key`, as vLLM's check has it: paths under `/v1` (and
+/// SGLang's `/generate`) need `Authorization: Bearer <key>` (preflight `OPTIONS` excepted); the
+/// rest are open.
 fn authorized(config: &Config, path: &str, req: &Request<Incoming>) -> bool {
     let Some(key) = &config.api_key else { return true };
     let given = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);

@@ -59,6 +59,8 @@ pub(super) struct Sampling {
     min_tokens: i64,
     /// `stop` holds an empty string.
     empty_stop: bool,
+    /// Read as SGLang reads it (`/generate`), which samples several choices greedily too.
+    sglang: bool,
 }
 
 impl Default for Sampling {
@@ -75,6 +77,7 @@ impl Default for Sampling {
             min_p: 0.0,
             min_tokens: 0,
             empty_stop: false,
+            sglang: false,
         }
     }
 }
@@ -96,6 +99,7 @@ impl Sampling {
             min_p: number("min_p", min_p, d.min_p)?,
             min_tokens: integer("min_tokens", min_tokens, d.min_tokens)?,
             empty_stop: stops(stop)?.iter().any(String::is_empty),
+            sglang: false,
         })
     }
 
@@ -157,13 +161,18 @@ impl Sampling {
         if self.empty_stop {
             return bad("stop cannot contain an empty string.".into());
         }
-        if n > 1 && self.temperature < GREEDY_TEMPERATURE {
+        if n > 1 && self.temperature < GREEDY_TEMPERATURE && !self.sglang {
             return Err(ApiError::invalid_field(
                 "n",
                 format!("n must be 1 when using greedy sampling, got {n}."),
             ));
         }
         Ok(())
+    }
+
+    /// As SGLang checks it: several greedy choices allowed.
+    pub fn as_sglang(self) -> Self {
+        Sampling { sglang: true, ..self }
     }
 
     /// Tokens each choice must have before it may stop (0 if the request's is negative,

@@ -64,30 +64,26 @@ impl Output {
     }
 }
 
-/// How a request's choices are named: its id, and whether it has several.
+/// How a request's choices are named: its id, and whether it is answered with a list (a batch,
+/// of one prompt too, or several choices).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Naming<'a> {
     pub id: &'a str,
     pub several: bool,
 }
 
-impl<'a> Naming<'a> {
-    /// The request `meta` names, of `choices` choices.
-    pub fn of(meta: &'a super::generate::Meta, choices: usize) -> Self {
-        Naming { id: &meta.id, several: choices > 1 }
-    }
-}
-
-/// A stream's progress: each choice's output so far, and when the request came.
+/// A stream's progress: each choice's output so far, whether the request has several (a
+/// batch, or `n`), and when it came.
 #[derive(Debug)]
 pub(super) struct Streaming {
     pub outputs: Vec<Output>,
+    pub several: bool,
     pub started: Instant,
 }
 
 impl Streaming {
-    pub fn new(choices: usize, started: Instant) -> Self {
-        Streaming { outputs: (0..choices).map(|_| Output::default()).collect(), started }
+    pub fn new(choices: usize, several: bool, started: Instant) -> Self {
+        Streaming { outputs: (0..choices).map(|_| Output::default()).collect(), several, started }
     }
 }
 

@@ -268,7 +268,7 @@ fn native_chunk(s: &State, i: usize, done: bool) -> Vec<u8> {
     let Some(native) = &s.native else { return Vec::new() };
     let (prompt_tokens, cached_tokens) = s.prompt[i];
     let usage = Usage { prompt_tokens, completion_tokens: s.generated[i], cached_tokens };
-    let naming = sglang::Naming::of(&s.meta, s.prompt.len());
+    let naming = sglang::Naming { id: &s.meta.id, several: native.several };
     sglang::chunk(naming, i, (&native.outputs[i], &usage), done, native.started)
 }
 

@@ -121,3 +121,34 @@ async fn generate_refuses_what_sglang_refuses() {
         assert!(named.as_deref() == Some(param) || message.contains(param), "{body}: {}", reply.text());
     }
 }
+
+#[tokio::test]
+async fn each_prompt_has_its_own_length_as_in_sglang() {
+    let agent = Agent::start().await;
+    let c = &agent.client;
+    // A batch of one is a list too; each prompt its own max_new_tokens, one of them 0.
+    let one = c.post("/generate", &json!({ "input_ids": [[5, 6, 7]], "rid": "r" })).await;
+    assert_eq!(one.status, StatusCode::OK, "{}", one.text());
+    let list = one.json();
+    assert_eq!(list.as_array().map(Vec::len), Some(1), "{list}");
+    assert_eq!(list[0]["meta_info"]["id"], "r_0");
+    let batch = json!({
+        "text": [words(5, 6), words(5, 7), words(5, 8)],
+        "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 5}, {"max_new_tokens": 0}],
+    });
+    let reply = c.post("/generate", &batch).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let lengths: Vec<u64> = reply.json().as_array().unwrap().iter().map(|a| counts(a).1).collect();
+    assert_eq!(lengths, [2, 5, 0]);
+    // Several greedy choices, which vLLM refuses and SGLang samples.
+    let greedy =
+        json!({ "text": words(5, 9), "sampling_params": {"n": 2, "temperature": 0, "max_new_tokens": 1} });
+    assert_eq!(c.post("/generate", &greedy).await.status, StatusCode::OK);
+    // Without max_new_tokens, a prompt near the context's end gets what is left of it (the
+    // agent's context is 512 tokens), not SGLang's 128.
+    let long = c.post("/generate", &json!({ "input_ids": (1..=500).collect::<Vec<u32>>() })).await;
+    assert_eq!(long.status, StatusCode::OK, "{}", long.text());
+    assert_eq!(counts(&long.json()).1, 12);
+    let asked = c.post("/generate", &json!({ "input_ids": (1..=500).collect::<Vec<u32>>(), "sampling_params": {"max_new_tokens": 13} })).await;
+    assert_eq!(asked.status, StatusCode::BAD_REQUEST, "an explicit length is checked: {}", asked.text());
+}

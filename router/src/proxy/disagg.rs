@@ -627,13 +627,16 @@ fn asks_prompt_logprobs(endpoint: Endpoint, body: &[u8]) -> bool {
         raw.is_some_and(|raw| !matches!(raw.get(), "null" | "false"))
     };
     if endpoint == Endpoint::Generate {
-        let asked = |raw: Option<&serde_json::value::RawValue>| {
-            let value = raw.and_then(|raw| serde_json::from_str::<Value>(raw.get()).ok());
-            value.as_ref().and_then(lax_boolean_value) == Some(true)
+        // Each is one value, or a list of them, one a prompt: any prompt's counts.
+        let any = |raw: Option<&serde_json::value::RawValue>, is: fn(&Value) -> bool| match raw
+            .and_then(|raw| serde_json::from_str::<Value>(raw.get()).ok())
+        {
+            Some(Value::Array(values)) => values.iter().any(is),
+            Some(value) => is(&value),
+            None => false,
         };
-        let from_prompt = |raw: Option<&serde_json::value::RawValue>| {
-            raw.is_some_and(|raw| serde_json::from_str::<i64>(raw.get()).is_ok_and(|start| start >= 0))
-        };
+        let asked = |raw| any(raw, |v| lax_boolean_value(v) == Some(true));
+        let from_prompt = |raw| any(raw, |v| v.as_i64().is_some_and(|start| start >= 0));
         return match parse_object(body, &["return_logprob", "logprob_start_len"]) {
             Ok([return_logprob, start]) => asked(return_logprob) && from_prompt(start),
             Err(_) => false,
@@ -705,9 +708,11 @@ fn for_prefill(
 /// [`for_prefill`] of SGLang's `/generate`: one new token (`sampling_params.max_new_tokens`,
 /// each prompt's of a list), whole, without the output's logprobs and hidden states.
 fn native_for_prefill(mut object: Map<String, Value>, named: Map<String, Value>) -> Option<Bytes> {
+    // (Without `min_new_tokens`, which may not pass one.)
     let one = |params: &mut Value| match params {
         Value::Object(params) => {
             params.insert("max_new_tokens".into(), json!(1));
+            params.remove("min_new_tokens");
         }
         other => *other = json!({"max_new_tokens": 1}),
     };
@@ -744,8 +749,17 @@ pub fn without_own_params_if_split(fleet: &crate::fleet::Fleet, endpoint: Endpoi
     if disaggregates(&fleet.members()) { without_own_params(endpoint, &body) } else { body }
 }
 
-/// The fields that tell a replica how a prefill is handed over: vLLM's params, SGLang's room.
-const OWN_FIELDS: [&str; 4] = ["kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"];
+/// The fields that tell a replica how a prefill is handed over: vLLM's params, SGLang's room
+/// (and SGLang's other fields of it, which the router does not set).
+const OWN_FIELDS: [&str; 7] = [
+    "kv_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "decode_tp_size",
+    "disagg_prefill_dp_rank",
+];
 
 /// `object` without [`OWN_FIELDS`] (every spelling of them: an escaped key reads the same in
 /// Python).
@@ -877,6 +891,34 @@ mod tests {
             json!({"prompt": "hi", "bootstrap_host": "p0", "bootstrap_room": 9}),
             "the router's only"
         );
+        // SGLang's `/generate` reads them, and the rest of its hand-over's.
+        let native =
+            br#"{"text":"hi","bootstrap_room":7,"disagg_prefill_dp_rank":3,"bootstrap_pair_key":"k"}"#;
+        let sent = object(&without_own_params(Endpoint::Generate, &Bytes::from_static(native)));
+        assert_eq!(sent, json!({"text": "hi"}));
+    }
+
+    #[test]
+    fn a_generate_prefill_asks_one_token_whole_and_none_of_the_prompts_logprobs_is_split() {
+        let body = br#"{"text":"hi","stream":true,"return_logprob":true,
+            "sampling_params":[{"max_new_tokens":9,"min_new_tokens":4},null]}"#;
+        let object = prefillable(Endpoint::Generate, body).expect("the output's logprobs only");
+        let named = fields([("bootstrap_room", json!(9))]);
+        let sent = serde_json::from_slice::<Value>(&for_prefill(Endpoint::Generate, object, named).unwrap());
+        let expected = json!({
+            "text": "hi", "stream": false, "bootstrap_room": 9,
+            "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 1}],
+        });
+        assert_eq!(sent.unwrap(), expected);
+        for asks in [
+            br#"{"text":"hi","return_logprob":true,"logprob_start_len":0}"#.as_slice(),
+            br#"{"text":["a","b"],"return_logprob":[false,true],"logprob_start_len":[-1,2]}"#,
+            br#"{"text":"hi","return_logprob":"yes","logprob_start_len":[5]}"#,
+        ] {
+            assert!(prefillable(Endpoint::Generate, asks).is_none(), "{}", String::from_utf8_lossy(asks));
+        }
+        let output_only = br#"{"text":["a","b"],"return_logprob":[true,true],"logprob_start_len":[-1,-1]}"#;
+        assert!(prefillable(Endpoint::Generate, output_only).is_some());
     }
 
     #[test]

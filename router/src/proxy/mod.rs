@@ -342,7 +342,8 @@ async fn dispatch(
         // A browser's preflight of an API path goes to a replica: the fleet's CORS policy
         // answers it (vLLM's allows every origin by default), whoever stored a response.
         (Method::OPTIONS, p)
-            if p.starts_with("/v1/") && (paths::allowed(p).is_some() || responses::target(p).is_some()) =>
+            if (p.starts_with("/v1/") || p == GENERATE_PATH)
+                && (paths::allowed(p).is_some() || responses::target(p).is_some()) =>
         {
             paths::check_passthrough(p)?;
             Box::pin(passthrough(state, pool, req, (request_id, received))).await

@@ -426,8 +426,11 @@ async fn sglang_generate_is_split_through_a_bootstrap_room_too() {
         json!({"text": [format!("{doc} a"), format!("{doc} b")], "sampling_params": {"max_new_tokens": 2}});
     assert_eq!(generate(batch).await.json().as_array().map(Vec::len), Some(2));
     // A stream: the prefill replica is asked for a whole answer.
-    let streamed =
-        json!({"text": format!("{doc} d"), "stream": true, "sampling_params": {"max_new_tokens": 3}});
+    // (Its `min_new_tokens` is the decode's: the prefill's one token would not pass it.)
+    let streamed = json!({
+        "text": format!("{doc} d"), "stream": true,
+        "sampling_params": {"max_new_tokens": 3, "min_new_tokens": 2},
+    });
     let events = String::from_utf8(generate(streamed).await.body.to_vec()).unwrap();
     assert!(events.starts_with("data: {") && events.ends_with("data: [DONE]\n\n"), "{events}");
     assert_eq!(prefills(&fleet, "bootstrap").await, 4);

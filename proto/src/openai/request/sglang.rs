@@ -47,13 +47,13 @@ struct Completion<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     priority: Option<&'a RawValue>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    cache_salt: Option<&'a RawValue>,
+    cache_salt: Option<String>,
 }
 
 /// The completion request `body`, a `/generate` request, amounts to (module docs).
 pub fn completion_body(body: &[u8]) -> Result<Vec<u8>, RequestError> {
     let [text, ids, embeds, sampling, stream, lora, priority, salt] = parse_object(body, &FIELDS)?;
-    let [text, ids, embeds, sampling, lora] = [text, ids, embeds, sampling, lora].map(given);
+    let [text, ids, embeds, sampling, lora, salt] = [text, ids, embeds, sampling, lora, salt].map(given);
     let (prompt, prompt_embeds) = match (text, ids, embeds) {
         (Some(_), Some(_), Some(_)) | (None, None, None) => return Err(RequestError::NoGenerateInput),
         (_, Some(ids), _) => {
@@ -72,7 +72,7 @@ pub fn completion_body(body: &[u8]) -> Result<Vec<u8>, RequestError> {
         max_tokens,
         n,
         priority,
-        cache_salt: salt,
+        cache_salt: cache_salt(salt)?,
     };
     serde_json::to_vec(&completion).map_err(RequestError::Json)
 }
@@ -99,10 +99,34 @@ fn listed<'a>(
 /// `text`: a string, or a non-empty list of them (a batch).
 fn text_of(raw: &RawValue) -> Result<&RawValue, RequestError> {
     const EXPECTED: &str = "a string or a list of strings";
-    match raw.get().starts_with('"') {
-        true => Ok(raw),
-        false => listed(raw, "text", EXPECTED),
+    let invalid = || RequestError::InvalidField { param: "text", expected: EXPECTED };
+    if raw.get().starts_with('"') {
+        return Ok(raw);
     }
+    let texts: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| invalid())?;
+    match texts.iter().all(|text| text.get().starts_with('"')) {
+        true => listed(raw, "text", EXPECTED),
+        false => Err(invalid()),
+    }
+}
+
+/// `cache_salt`: a string (empty: none, as SGLang reads it), or a list of them, one a prompt,
+/// of which the first prompt's is the one its prefix is predicted in (the router's
+/// prediction is the first prompt's; kvroute's agent salts every prompt with it).
+fn cache_salt(raw: Option<&RawValue>) -> Result<Option<String>, RequestError> {
+    const EXPECTED: &str = "a string or a list of strings";
+    let invalid = || RequestError::InvalidField { param: "cache_salt", expected: EXPECTED };
+    let Some(raw) = raw else { return Ok(None) };
+    let salt = match serde_json::from_str::<Value>(raw.get()).map_err(|_| invalid())? {
+        Value::String(salt) => Some(salt),
+        Value::Array(salts) => match salts.into_iter().next() {
+            Some(Value::String(salt)) => Some(salt),
+            Some(Value::Null) | None => None,
+            Some(_) => return Err(invalid()),
+        },
+        _ => return Err(invalid()),
+    };
+    Ok(salt.filter(|salt| !salt.is_empty()))
 }
 
 /// `max_new_tokens` and `n` of `sampling_params`: an object, or a list of them (one a prompt).
@@ -116,18 +140,30 @@ fn sampling_params(raw: Option<&RawValue>) -> Result<(u64, u64), RequestError> {
     };
     let mut read = Vec::with_capacity(params.len());
     for params in params {
-        let params = given(params);
-        let [max_new_tokens, n] = match params {
-            Some(p) => parse_object(p.get().as_bytes(), &["max_new_tokens", "n"]).map_err(|_| invalid())?,
-            None => [None, None],
-        };
-        let max_new_tokens = natural(max_new_tokens, "sampling_params.max_new_tokens")?;
-        let n = natural(n, "sampling_params.n")?;
+        let (max_new_tokens, n) = read_params(given(params)).map_err(|e| e.unwrap_or_else(invalid))?;
         read.push((max_new_tokens.unwrap_or(DEFAULT_MAX_NEW_TOKENS), n.unwrap_or(1)));
     }
     let max_tokens = read.iter().map(|(max, _)| *max).max().unwrap_or(DEFAULT_MAX_NEW_TOKENS);
     let n = read.first().map_or(1, |(_, n)| *n);
     Ok((max_tokens, n))
+}
+
+/// A prompt's `max_new_tokens`, if its sampling params (one object of `sampling_params`, or
+/// none) set it.
+pub fn max_new_tokens(params: Option<&RawValue>) -> Result<Option<u64>, RequestError> {
+    const EXPECTED: &str = "an object or a list of objects";
+    let invalid = || RequestError::InvalidField { param: "sampling_params", expected: EXPECTED };
+    Ok(read_params(given(params)).map_err(|e| e.unwrap_or_else(invalid))?.0)
+}
+
+/// `max_new_tokens` and `n` of one object of `sampling_params`; `Err(None)` if it is no object.
+fn read_params(params: Option<&RawValue>) -> Result<(Option<u64>, Option<u64>), Option<RequestError>> {
+    let [max_new_tokens, n] = match params {
+        Some(p) => parse_object(p.get().as_bytes(), &["max_new_tokens", "n"]).map_err(|_| None)?,
+        None => [None, None],
+    };
+    let max_new_tokens = natural(max_new_tokens, "sampling_params.max_new_tokens")?;
+    Ok((max_new_tokens, natural(n, "sampling_params.n")?))
 }
 
 /// A non-negative integer, or none (absent or null).
@@ -137,8 +173,8 @@ fn natural(raw: Option<&RawValue>, param: &'static str) -> Result<Option<u64>, R
     value.map(Some).ok_or(RequestError::InvalidField { param, expected: "a non-negative integer" })
 }
 
-/// The adapter `lora_path` names: a name, or a list of names or nulls (one a prompt) that all
-/// name one (a batch of several adapters is routed as the base model's).
+/// The adapter `lora_path` names: a name, or a list of names or nulls (the base model), one a
+/// prompt, that all name the same (a batch of several is routed as the base model's).
 fn adapter(raw: Option<&RawValue>) -> Result<Option<String>, RequestError> {
     const EXPECTED: &str = "an adapter's name or a list of them";
     let invalid = || RequestError::InvalidField { param: "lora_path", expected: EXPECTED };
@@ -146,16 +182,16 @@ fn adapter(raw: Option<&RawValue>) -> Result<Option<String>, RequestError> {
     match serde_json::from_str::<Value>(raw.get()).map_err(|_| invalid())? {
         Value::String(name) => Ok(Some(name)),
         Value::Array(names) => {
-            let mut named = None;
-            for name in names {
-                match name {
-                    Value::String(name) if named.as_ref().is_none_or(|n| *n == name) => named = Some(name),
-                    Value::String(_) => return Ok(None),
-                    Value::Null => {}
-                    _ => return Err(invalid()),
-                }
-            }
-            Ok(named)
+            let names: Vec<Option<String>> = names
+                .into_iter()
+                .map(|name| match name {
+                    Value::String(name) => Ok(Some(name)),
+                    Value::Null => Ok(None),
+                    _ => Err(invalid()),
+                })
+                .collect::<Result<_, _>>()?;
+            let first = names.first().cloned().flatten();
+            Ok(first.filter(|_| names.windows(2).all(|pair| pair[0] == pair[1])))
         }
         _ => Err(invalid()),
     }
@@ -206,14 +242,20 @@ mod tests {
     fn a_batchs_sampling_params_and_adapters_are_read_for_all_its_prompts() {
         let read = completion(serde_json::json!({
             "text": ["a", "b", "c"],
-            "sampling_params": [{"max_new_tokens": 4, "n": 3}, {"max_new_tokens": 9}, null],
-            "lora_path": [null, "sql", "sql"],
+            "sampling_params": [{"max_new_tokens": 4, "n": 3}, {"max_new_tokens": 9, "n": 3}, {"n": 3}],
+            "lora_path": ["sql", "sql", "sql"],
+            "cache_salt": ["t1", "t2", "t3"],
         }))
         .unwrap();
         assert_eq!(read["max_tokens"], 128, "the third prompt's default is the largest");
         assert_eq!((&read["n"], &read["model"]), (&serde_json::json!(3), &serde_json::json!("sql")));
-        let read = completion(serde_json::json!({"text": ["a", "b"], "lora_path": ["sql", "law"]})).unwrap();
-        assert_eq!(read.get("model"), None, "several adapters: the base model's replicas");
+        assert_eq!(read["cache_salt"], "t1", "the first prompt's");
+        for mixed in [serde_json::json!(["sql", "law"]), serde_json::json!([null, "sql"])] {
+            let read = completion(serde_json::json!({"text": ["a", "b"], "lora_path": mixed})).unwrap();
+            assert_eq!(read.get("model"), None, "{mixed}: the base model's replicas");
+        }
+        let read = completion(serde_json::json!({"text": "a", "cache_salt": ""})).unwrap();
+        assert_eq!(read.get("cache_salt"), None, "an empty salt is none");
     }
 
     #[test]
@@ -234,6 +276,9 @@ mod tests {
             ),
             (serde_json::json!({"text": "a", "sampling_params": [{"n": "x"}]}), "sampling_params.n"),
             (serde_json::json!({"text": "a", "lora_path": 3}), "lora_path"),
+            (serde_json::json!({"text": "a", "lora_path": ["a", "b", 5]}), "lora_path"),
+            (serde_json::json!({"text": [1, 2]}), "text"),
+            (serde_json::json!({"text": "a", "cache_salt": 5}), "cache_salt"),
         ] {
             match refused(body.clone()) {
                 RequestError::InvalidField { param, .. } => assert_eq!(param, at, "{body}"),
