@@ -414,8 +414,9 @@ fn roomless(state: &ProxyState, prepared: &Prepared, plan: &mut Plan) -> Result<
     Ok(())
 }
 
-/// Ends the credit and the place `plan` took on the replica it chose, where nothing goes.
-fn let_go(state: &ProxyState, plan: &mut Plan) {
+/// Ends the credit and the place `plan` took on the replica it chose, where nothing goes (or
+/// nothing went: its request was dropped before the replica answered).
+pub fn let_go(state: &ProxyState, plan: &mut Plan) {
     state.decider.withdraw_credit(plan, 0);
     plan.load = None;
 }

@@ -424,7 +424,15 @@ async fn routed(
             let decoded =
                 forward::routed(pool, forward, decider, &mut plan, (parts, decode.body), admitted, queue);
             match decode.alongside {
-                Some(alongside) => disagg::together(decoded, alongside).await,
+                Some(alongside) => {
+                    let answered = disagg::together(decoded, alongside).await;
+                    // A decode dropped before its replica answered (its prefill failed): its
+                    // credit there ends now, not after the TTL (its replica drops it too).
+                    if plan.hold.is_some() {
+                        disagg::let_go(state, &mut plan);
+                    }
+                    answered
+                }
                 None => decoded.await,
             }
         }

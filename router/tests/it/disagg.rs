@@ -114,7 +114,7 @@ async fn split(fleet: &Fleet, body: Value) -> (Reply, String, String) {
 /// when the request was decided, is given back.
 async fn refused_by_the_prefill_replica(fleet: &Fleet, seed: u32) {
     let long = completion(&words(PREFILL_MAX_MODEL_LEN as usize + 10, seed), 4);
-    let reply = post_in_time(fleet, long).await;
+    let reply = post_in_time(fleet, long.clone()).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(&reply.body));
     assert_eq!(reply.header("x-kvroute-replica"), Some("agent-0"));
     assert!(reply.json()["error"]["message"].as_str().unwrap().contains("context"), "{}", reply.json());
@@ -122,6 +122,13 @@ async fn refused_by_the_prefill_replica(fleet: &Fleet, seed: u32) {
     let metrics = fleet.http.get(&fleet.url("/metrics")).await;
     let in_flight = "kvroute_router_replica_in_flight{replica=\"agent-1\"}";
     assert_eq!(sample(&String::from_utf8_lossy(&metrics.body), in_flight), Some(0), "the decode let go");
+    // Nor is the decode replica credited with the prompt it never ran.
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
+    let body = serde_json::to_vec(&long).unwrap();
+    let request = pb::ExplainRequest { path: "/v1/completions".into(), body };
+    let explained = admin.explain(request).await.unwrap().into_inner();
+    let decode = explained.candidates.iter().find(|c| c.replica == "agent-1").unwrap();
+    assert_eq!(decode.predicted_cached_tokens, 0, "{explained:?}");
 }
 
 fn usage(reply: &Reply) -> (u64, u64, u64) {
