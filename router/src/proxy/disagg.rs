@@ -76,7 +76,7 @@
 //! Costs: a split request is two decisions (`kvroute_router_decisions_total`,
 //! `decision_seconds`) and two upstream requests (time to first byte, duration). Its decode
 //! replica is charged the prompt's prefill while the prefill runs (its place is held), then
-//! its last token only (an SGLang one, its last token from the start); its recent prompt
+//! each prompt's last token only (an SGLang one, those from the start); its recent prompt
 //! tokens count the whole prompt.
 
 use std::pin::Pin;
@@ -379,7 +379,7 @@ pub async fn prefill<'a>(
             let id = prefilled_on.map(|on| on.member.replica.id);
             plan.prefilled_by = Some(Remote { id, replica, predicted, cached, bootstrap: false });
             if let Some(load) = plan.load.as_mut() {
-                load.prefilled_elsewhere();
+                load.prefilled_elsewhere(plan.prompts);
             }
             whole(decoded)
         }
@@ -477,7 +477,7 @@ fn bootstrap<'a>(
     // The prefill's answer counts in the hit rate.
     plan.counted = false;
     if let Some(load) = plan.load.as_mut() {
-        load.prefilled_elsewhere();
+        load.prefilled_elsewhere(plan.prompts);
     }
     let parts = parts.clone();
     let alongside = async move {

@@ -499,9 +499,10 @@ impl Decider {
         let (member, rank) = (&scored.member, scored.rank.map(|rank| (rank, scored.rank_blocks)));
         let (sequences, prompt_tokens) = (plan.sequences, plan.prompt_tokens);
         let max = plan.routing.max_in_flight_per_replica;
-        // A prompt prefilled elsewhere is pulled: its last token is computed here.
+        // A prompt prefilled elsewhere is pulled: its last token is computed here (each
+        // prompt's, of a batch).
         let prefill_tokens = match plan.prefilled_by {
-            Some(_) => plan.prefill_tokens(at).min(1),
+            Some(_) => plan.prefill_tokens(at).min(u64::from(plan.prompts.max(1))),
             None => plan.prefill_tokens(at),
         };
         let mut load = member.upstream.try_begin(max, sequences, prefill_tokens, prompt_tokens)?;

@@ -637,10 +637,10 @@ impl LoadGuard {
         }
     }
 
-    /// The prompt was prefilled on another replica, whence this one pulls it
-    /// ([`super::disagg`]): what it computes of it is its last token.
-    pub fn prefilled_elsewhere(&mut self) {
-        self.prefill.keep_at_most(1);
+    /// The request's `prompts` were prefilled on another replica, whence this one pulls them
+    /// ([`super::disagg`]): what it computes of each is its last token.
+    pub fn prefilled_elsewhere(&mut self, prompts: u32) {
+        self.prefill.keep_at_most(u64::from(prompts.max(1)));
     }
 
     /// Tells the request's pending prefill to the rank it was sent to, to be released when
@@ -746,11 +746,13 @@ mod tests {
         let u = Arc::new(Upstream::default());
         let mut g = u.begin(1, 100, 0);
         assert_eq!(u.load(), Load { in_flight: 1, pending_prefill_tokens: 100, ..Load::default() });
-        g.prefilled_elsewhere();
-        assert_eq!(u.load().pending_prefill_tokens, 1, "its last token is computed here");
+        g.prefilled_elsewhere(2);
+        assert_eq!(u.load().pending_prefill_tokens, 2, "its prompts' last tokens are computed here");
+        g.prefilled_elsewhere(1);
+        assert_eq!(u.load().pending_prefill_tokens, 1);
         g.prefill_done();
         assert_eq!(u.load().pending_prefill_tokens, 0);
-        g.prefilled_elsewhere();
+        g.prefilled_elsewhere(1);
         assert_eq!(u.load().pending_prefill_tokens, 0, "nothing is added back");
         drop(g);
         assert_eq!(u.load(), Load::default());
