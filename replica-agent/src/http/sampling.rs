@@ -25,19 +25,12 @@ pub(super) const FIELDS: [&str; 10] = [
     "stop",
 ];
 
-/// [`FIELDS`] as SGLang's `sampling_params` name them (`/generate`).
-pub(super) const NATIVE_FIELDS: [&str; 10] = [
-    "n",
-    "temperature",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "top_p",
-    "top_k",
-    "min_p",
-    "min_new_tokens",
-    "stop",
-];
+/// [`FIELDS`] as SGLang's `sampling_params` name them (`/generate`): `min_new_tokens`.
+pub(super) const NATIVE_FIELDS: [&str; FIELDS.len()] = {
+    let mut fields = FIELDS;
+    fields[8] = "min_new_tokens";
+    fields
+};
 
 /// Below this temperature vLLM samples greedily, where `n` must be 1.
 const GREEDY_TEMPERATURE: f64 = 1e-5;

@@ -3,6 +3,7 @@
 //! and never sent to a vLLM replica (which does not serve it).
 
 use http::StatusCode;
+use kvroute_proto::pb::{self, router_admin_client::RouterAdminClient};
 use kvroute_replica_agent::publisher::EventFormat;
 use kvroute_router::replicas::EngineKind;
 use serde_json::{Value, json};
@@ -59,6 +60,11 @@ async fn generate_requests_come_home_to_the_replica_that_cached_their_prefix() {
         assert_eq!(reply.json()["meta_info"]["completion_tokens"], 128);
         assert_eq!(reply.json()["meta_info"]["id"], format!("q{d}"));
     }
+    // The admin Explain reads /generate as the proxy does.
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
+    let body = serde_json::to_vec(&json!({"text": format!("{} and more", doc(1))})).unwrap();
+    let explained = admin.explain(pb::ExplainRequest { path: "/generate".into(), body }).await.unwrap();
+    assert_eq!(explained.into_inner().chosen, home[1]);
     let metrics = fleet.http.get(&fleet.url("/metrics")).await;
     let metrics = String::from_utf8_lossy(&metrics.body);
     assert!(counter(&metrics, "realized_cached_tokens") >= 3 * 40, "meta_info's hits are counted");
