@@ -125,6 +125,11 @@ impl<'a> ParsedRequest<'a> {
         }
     }
 
+    /// Whether its prompt is a list of prompts (a completion's batch, of one prompt too).
+    pub fn is_batch(&self) -> bool {
+        matches!(self, ParsedRequest::Completion(r) if matches!(r.prompt, Prompt::TextBatch(_) | Prompt::TokensBatch(_)))
+    }
+
     /// Whether the client asked for a server-sent-event stream.
     pub fn stream(&self) -> bool {
         match self {

@@ -34,7 +34,7 @@ use futures::{StreamExt, TryStreamExt};
 use hyper::header::{self, HeaderValue};
 use hyper::{Response, StatusCode};
 use kvroute_proto::openai::request::sglang as sglang_request;
-use kvroute_proto::openai::request::{Prompt, lax_boolean_value, parse_object};
+use kvroute_proto::openai::request::{lax_boolean_value, parse_object};
 use kvroute_proto::openai::{Endpoint, ParsedRequest};
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -202,24 +202,31 @@ pub(super) async fn generate(
         _ => parse_extras(body, request.stream(), state.config())?,
     };
     // SGLang's: each prompt's own `max_new_tokens`, checked against the context if given, else
-    // 128 of what the context leaves.
+    // 128 of what the context leaves (the prompts are checked first as unbounded ones).
     let native = endpoint == Endpoint::Generate;
     if let (true, ParsedRequest::Completion(completion)) = (native, &mut request) {
-        completion.max_tokens = max_new_tokens.iter().flatten().max().copied();
+        completion.max_tokens = None;
     }
     let mut jobs = jobs(state, &request, &sampling, native || null_max_tokens(&request, &readable))?;
     if native {
-        let max_model_len = state.config().max_model_len as usize;
+        let max_model_len = state.config().max_model_len;
         for (i, job) in jobs.iter_mut().enumerate() {
             let own = max_new_tokens.get(i).or(max_new_tokens.first()).copied().flatten();
-            let room = max_model_len.saturating_sub(job.prompt.len()) as u64;
-            let own = own.unwrap_or(sglang_request::DEFAULT_MAX_NEW_TOKENS.min(room));
+            let (len, default) = (job.prompt.len(), sglang_request::DEFAULT_MAX_NEW_TOKENS);
+            let room = (max_model_len as usize).saturating_sub(len) as u64;
+            let own = match own {
+                Some(own) if own > room => {
+                    return Err(ApiError::context_length(max_model_len, len, own, "prompt"));
+                }
+                Some(own) => own,
+                None => default.min(room),
+            };
             job.max_tokens = u32::try_from(own).unwrap_or(u32::MAX);
         }
     }
-    // A batch (a list of prompts) or several choices is answered with a list, in SGLang's API.
-    let listed = sampling.choices() > 1
-        || matches!(&request, ParsedRequest::Completion(c) if matches!(c.prompt, Prompt::TextBatch(_) | Prompt::TokensBatch(_)));
+    // A batch (a list of prompts, of one too) or several choices is answered with a list, in
+    // SGLang's API.
+    let listed = sampling.choices() > 1 || request.is_batch();
     // One prompt of one choice is pulled, or answered for ([`crate::kv_transfer`]).
     let transfer = if jobs.len() == 1 && sampling.choices() == 1 { transfer } else { Asked::Nothing };
     let block_size = state.engine().config().cache.block_size;

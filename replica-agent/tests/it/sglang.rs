@@ -152,3 +152,17 @@ async fn each_prompt_has_its_own_length_as_in_sglang() {
     let asked = c.post("/generate", &json!({ "input_ids": (1..=500).collect::<Vec<u32>>(), "sampling_params": {"max_new_tokens": 13} })).await;
     assert_eq!(asked.status, StatusCode::BAD_REQUEST, "an explicit length is checked: {}", asked.text());
 }
+
+#[tokio::test]
+async fn each_prompt_is_checked_against_the_context_with_its_own_length() {
+    let agent = Agent::start().await;
+    // A long prompt asking for few tokens beside a short one asking for many: each fits.
+    let batch = json!({
+        "input_ids": [(1..=500).collect::<Vec<u32>>(), vec![1, 2, 3]],
+        "sampling_params": [{"max_new_tokens": 5}, {"max_new_tokens": 100}],
+    });
+    let reply = agent.client.post("/generate", &batch).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let lengths: Vec<u64> = reply.json().as_array().unwrap().iter().map(|a| counts(a).1).collect();
+    assert_eq!(lengths, [5, 100]);
+}

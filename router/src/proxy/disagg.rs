@@ -414,10 +414,11 @@ fn roomless(state: &ProxyState, prepared: &Prepared, plan: &mut Plan) -> Result<
     Ok(())
 }
 
-/// Ends the credit and the place `plan` took on the replica it chose, where nothing goes (or
-/// nothing went: its request was dropped before the replica answered).
+/// Ends the credit and the place `plan` took on the replica it holds them on (the one it
+/// chose, or a retry's), where nothing goes (or nothing went: its request was dropped before
+/// the replica answered).
 pub fn let_go(state: &ProxyState, plan: &mut Plan) {
-    state.decider.withdraw_credit(plan, 0);
+    state.decider.withdraw_credit(plan, plan.held_at());
     plan.load = None;
 }
 
@@ -450,12 +451,15 @@ fn bootstrap<'a>(
     let Some(on) = prefill.chosen().map(|on| on.member.clone()) else {
         return Err(Failure::Error(ProxyError::Unavailable("no SGLang replica of role prefill".into())));
     };
-    // A batch has a room a prompt, as SGLang's router sends it.
+    // A batch (a list of prompts, of one too) has a list of rooms, one a prompt, as SGLang's
+    // router sends it: SGLang reads each prompt's from a batch's lists.
     let room = || json!(rand::random::<u64>() & i64::MAX as u64);
     let (host, port) = (json!(host(&on.replica.spec.http_url)), json!(on.replica.spec.bootstrap_port));
-    let named = match plan.prompts {
-        0 | 1 => fields([("bootstrap_host", host), ("bootstrap_port", port), ("bootstrap_room", room())]),
-        k => fields([
+    let named = match (plan.listed, plan.prompts) {
+        (false, _) => {
+            fields([("bootstrap_host", host), ("bootstrap_port", port), ("bootstrap_room", room())])
+        }
+        (true, k) => fields([
             ("bootstrap_host", Value::Array(vec![host; k as usize])),
             ("bootstrap_port", Value::Array(vec![port; k as usize])),
             ("bootstrap_room", (0..k).map(|_| room()).collect()),
@@ -504,7 +508,7 @@ fn bootstrap<'a>(
             return Err(Failure::Answer(Box::new(Response::from_parts(head, body::full(answer)))));
         }
         count(state, "bootstrap");
-        let answer = serde_json::from_slice::<Map<String, Value>>(&answer).ok();
+        let answer = first_answer(&answer);
         Ok(answer.and_then(|answer| on.upstream.cached_tokens(usage(&answer))))
     };
     Ok(Decode { body: decoded, alongside: Some(Box::pin(alongside)) })
@@ -528,31 +532,47 @@ fn host(url: &str) -> String {
 pub async fn together(
     decode: impl Future<Output = Result<Response<ProxyBody>, ProxyError>>,
     mut alongside: Alongside<'_>,
-) -> Result<Response<ProxyBody>, ProxyError> {
+) -> Together {
+    let answered = |answer| Together { answer, decode_dropped: false };
     tokio::pin!(decode);
     let (decoded, cached) = tokio::select! {
         decoded = &mut decode => {
-            let decoded = decoded?;
+            let decoded = match decoded {
+                Ok(decoded) => decoded,
+                Err(e) => return answered(Err(e)),
+            };
             if !decoded.status().is_success() {
-                return Ok(decoded);
+                return answered(Ok(decoded));
             }
             (decoded, alongside.await)
         }
         prefilled = &mut alongside => match prefilled {
-            Ok(cached) => (decode.await?, Ok(cached)),
-            Err(failure) => return failure.answer(),
+            Ok(cached) => match decode.await {
+                Ok(decoded) => (decoded, Ok(cached)),
+                Err(e) => return answered(Err(e)),
+            },
+            Err(failure) => return Together { answer: failure.answer(), decode_dropped: true },
         },
     };
     let mut decoded = decoded;
-    match cached {
+    answered(match cached {
         Ok(cached) => {
             if let Some(cached) = cached {
                 decoded.headers_mut().insert(X_KVROUTE_PREFILL_CACHED, HeaderValue::from(cached));
             }
             Ok(decoded)
         }
+        // (The decode's answer, dropped, unpins its credit, which lasts until the TTL: its
+        // replica may have begun.)
         Err(failure) => failure.answer(),
-    }
+    })
+}
+
+/// [`together`]'s outcome: the client's answer, and whether the decode was dropped before its
+/// replica answered (its prefill failed first), where its credit is to end ([`let_go`]).
+pub struct Together {
+    pub answer: Result<Response<ProxyBody>, ProxyError>,
+    pub decode_dropped: bool,
 }
 
 /// Whether a prefill replica's `status` is the request's own fault, which a decode replica
@@ -576,6 +596,19 @@ fn usage(answer: &Map<String, Value>) -> body::Usage {
     body::Usage {
         cached_tokens: usage.and_then(|u| u.get("prompt_tokens_details")?.get("cached_tokens")?.as_u64()),
         counted: usage.and_then(|u| u.get("prompt_tokens")).is_some_and(Value::is_u64),
+    }
+}
+
+/// A prefill's answer, or its first prompt's when it answers with a list (SGLang's `/generate`
+/// answers a batch so): its usage is the one counted, as vLLM counts a batch's.
+fn first_answer(answer: &[u8]) -> Option<Map<String, Value>> {
+    match serde_json::from_slice(answer).ok()? {
+        Value::Object(answer) => Some(answer),
+        Value::Array(answers) => match answers.into_iter().next()? {
+            Value::Object(answer) => Some(answer),
+            _ => None,
+        },
+        _ => None,
     }
 }
 

@@ -425,13 +425,13 @@ async fn routed(
                 forward::routed(pool, forward, decider, &mut plan, (parts, decode.body), admitted, queue);
             match decode.alongside {
                 Some(alongside) => {
-                    let answered = disagg::together(decoded, alongside).await;
+                    let together = disagg::together(decoded, alongside).await;
                     // A decode dropped before its replica answered (its prefill failed): its
                     // credit there ends now, not after the TTL (its replica drops it too).
-                    if plan.hold.is_some() {
+                    if together.decode_dropped {
                         disagg::let_go(state, &mut plan);
                     }
-                    answered
+                    together.answer
                 }
                 None => decoded.await,
             }

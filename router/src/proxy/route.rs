@@ -192,6 +192,8 @@ pub struct Prepared {
     unhashed_tokens: Option<usize>,
     streams: bool,
     prompts: u32,
+    /// Its prompt is a list (a batch, of one prompt too).
+    listed: bool,
     choices: u32,
     sequences: u32,
     /// It goes without a bootstrap room ([`super::disagg::Shape::goes_without_a_room`]) in a fleet of
@@ -251,8 +253,10 @@ pub struct Plan {
     pub max_tokens: Option<u64>,
     /// Sequences the replica will run for it: its prompts times its `n`.
     pub sequences: u32,
-    /// Its prompts (a completion's batch has several), and its `n`.
+    /// Its prompts (a completion's batch has several), whether they came as a list (of one
+    /// too), and its `n`.
     pub prompts: u32,
+    pub listed: bool,
     pub choices: u32,
     /// The decision's pinned credits on the replica the request goes to (none for
     /// `Explain`): the forwarder hands them to the response, which lets them go when the
@@ -299,6 +303,13 @@ impl Plan {
     /// The replica the request goes to first, if any is eligible.
     pub fn chosen(&self) -> Option<&Scored> {
         self.order().next()
+    }
+
+    /// The place in [`Plan::order`] of the replica its credit hold is on (the first's when it
+    /// holds none).
+    pub fn held_at(&self) -> usize {
+        let held = self.hold.as_ref().map(CreditHold::replica);
+        held.and_then(|held| self.order().position(|s| s.member.replica.id == held)).unwrap_or(0)
     }
 
     /// Leaves the request no replica to retry on: its chosen one only.
@@ -605,6 +616,7 @@ impl Decider {
         let (endpoint, body) = Tokenization::readable_with(endpoint, body, inline, harmony)?;
         let body = &*body;
         let mut request = ParsedRequest::parse(endpoint, body)?;
+        let listed = request.is_batch();
         let changes = self.fleet.changes();
         let members = self.fleet.members();
         if asked == Endpoint::Generate && !members.iter().any(|member| member.replica.spec.serves_generate())
@@ -696,6 +708,7 @@ impl Decider {
             unhashed_tokens: info.unhashed_tokens,
             streams: request.stream(),
             prompts,
+            listed,
             choices,
             sequences,
             roomless,
@@ -736,6 +749,7 @@ impl Decider {
         plan.streams = prepared.streams && !hop.is_prefill();
         plan.sequences = prepared.sequences;
         plan.prompts = prepared.prompts;
+        plan.listed = prepared.listed;
         plan.choices = prepared.choices;
         plan.model = Some(Arc::clone(&prepared.model));
         plan.disaggregated = disaggregated;
@@ -920,6 +934,7 @@ impl Decider {
             keeps_response: false,
             sequences: 1,
             prompts: 1,
+            listed: false,
             choices: 1,
             streams: false,
             request: *request,

@@ -432,6 +432,11 @@ async fn sglang_generate_is_split_through_a_bootstrap_room_too() {
     let batch =
         json!({"text": [format!("{doc} a"), format!("{doc} b")], "sampling_params": {"max_new_tokens": 2}});
     assert_eq!(generate(batch).await.json().as_array().map(Vec::len), Some(2));
+    // A batch of one: answered with a list, the prefill's hit read from its first answer.
+    let one =
+        generate(json!({"text": [format!("{doc} one")], "sampling_params": {"max_new_tokens": 2}})).await;
+    assert_eq!(one.json().as_array().map(Vec::len), Some(1));
+    assert_eq!(one.header("x-kvroute-prefill-cached-tokens"), Some("40"));
     // A stream: the prefill replica is asked for a whole answer.
     // (Its `min_new_tokens` is the decode's: the prefill's one token would not pass it.)
     let streamed = json!({
@@ -440,7 +445,7 @@ async fn sglang_generate_is_split_through_a_bootstrap_room_too() {
     });
     let events = String::from_utf8(generate(streamed).await.body.to_vec()).unwrap();
     assert!(events.starts_with("data: {") && events.ends_with("data: [DONE]\n\n"), "{events}");
-    assert_eq!(prefills(&fleet, "bootstrap").await, 4);
+    assert_eq!(prefills(&fleet, "bootstrap").await, 5);
 
     // The prompt's logprobs only the prefill replica has: not split, and no replica decodes
     // without a room.
