@@ -14,14 +14,19 @@ pub fn needs_key(method: &http::Method, path: &str) -> bool {
 /// key: the time taken tells nothing of a key's length, of how much of a guess was right, nor
 /// of which key it was near.
 pub fn bearer_matches<K: AsRef<str>>(authorization: Option<&[u8]>, keys: &[K]) -> bool {
-    let Some((scheme, given)) = authorization.and_then(|value| split_once(value, b' ')) else {
-        return false;
-    };
+    matching(authorization, keys).is_some()
+}
+
+/// Which of `keys` `authorization` is `Bearer <key>` for ([`bearer_matches`], which compares
+/// with every key in full, whichever matches).
+pub fn matching<K: AsRef<str>>(authorization: Option<&[u8]>, keys: &[K]) -> Option<usize> {
+    let (scheme, given) = authorization.and_then(|value| split_once(value, b' '))?;
     let given = digest(given);
-    scheme.eq_ignore_ascii_case(b"bearer")
-        && keys
-            .iter()
-            .fold(false, |matched, key| matched | constant_time_eq(&given, &digest(key.as_ref().as_bytes())))
+    let matched = keys.iter().enumerate().fold(None, |matched, (i, key)| {
+        let equal = constant_time_eq(&given, &digest(key.as_ref().as_bytes()));
+        if equal && matched.is_none() { Some(i) } else { matched }
+    });
+    matched.filter(|_| scheme.eq_ignore_ascii_case(b"bearer"))
 }
 
 /// 128 bits of `value`: equal for equal values, and for different ones all but never (a
@@ -49,6 +54,8 @@ mod tests {
         let keys = ["first", "second"];
         let check = |value: &str| bearer_matches(Some(value.as_bytes()), &keys);
         assert!(check("Bearer first") && check("Bearer second") && check("bearer second"));
+        assert_eq!(matching(Some(b"Bearer second".as_slice()), &keys), Some(1));
+        assert_eq!(matching(Some(b"Basic second".as_slice()), &keys), None);
         for refused in ["Bearer third", "Bearer firs", "Bearer first ", "Basic first", "first", "Bearer", ""]
         {
             assert!(!check(refused), "{refused:?}");

@@ -382,6 +382,11 @@ pub struct Config {
     /// Largest `max_tokens` / `max_completion_tokens` a request may ask for; more get 400.
     #[arg(long, env = "KVROUTE_MAX_COMPLETION_TOKENS", default_value_t = 1 << 20)]
     pub max_completion_tokens: u64,
+    /// Requests each client key (`--api-key`, `--api-key-file`) may have in flight through this
+    /// router at once; past it, 429 at once (`rate_limit_exceeded`, `Retry-After: 1`), so that
+    /// no tenant takes every place from the others. 0: no limit. Each router counts its own.
+    #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT_PER_KEY", default_value_t = 0)]
+    pub max_in_flight_per_key: u32,
     /// Requests in flight on one replica before it counts as saturated. Requests routed on
     /// their prompt take a place as they are decided, never past it; others (a stored
     /// response's continuation, a prompt of embeddings, requests that pass through, WebSocket
@@ -535,6 +540,11 @@ impl Config {
         check(self.max_prompt_tokens > 0, "--max-prompt-tokens must be at least 1".into());
         check(self.max_completion_tokens > 0, "--max-completion-tokens must be at least 1".into());
         check(self.max_in_flight_per_replica > 0, "--max-in-flight-per-replica must be at least 1".into());
+        check(
+            self.max_in_flight_per_key == 0 || !self.api_key.is_empty() || self.api_key_file.is_some(),
+            "--max-in-flight-per-key counts each client key's requests: give the keys (--api-key or --api-key-file)"
+                .into(),
+        );
         check(
             self.max_queued <= MAX_QUEUED,
             format!("--max-queued must be at most {MAX_QUEUED} (0: no request waits)"),
@@ -989,6 +999,15 @@ impl fmt::Display for ReplicaConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_limit_per_key_needs_the_keys() {
+        let limited = Config { max_in_flight_per_key: 4, ..Config::loopback(Vec::new()) };
+        let errors = limited.validate().unwrap_err();
+        assert!(errors.iter().any(|e| e.contains("--max-in-flight-per-key")), "{errors:?}");
+        let keyed = Config { api_key: vec!["sk".into()], ..limited };
+        assert_eq!(keyed.validate(), Ok(()));
+    }
 
     /// An empty adapter name (`KVROUTE_LORA_ADAPTERS=`, or a stray comma) is refused: it
     /// was listed as a model named "".

@@ -277,6 +277,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         admission: Live::new(key_file.with_keys(&Admission::new(&config))),
         key_file,
         in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
+        per_key: Default::default(),
         queue: proxy::queue::Queue::new(config.max_queued, config.queue_timeout()),
         base_model: config.model.clone(),
         lora: proxy::lora::Updates::new(config.lora_updates),

@@ -71,6 +71,11 @@ pub enum ProxyError {
     /// coding it does not know).
     #[error("{0}")]
     NotImplemented(String),
+    /// A request whose key has `limit` requests in flight (`--max-in-flight-per-key`).
+    #[error(
+        "this API key has {limit} requests in flight, as many as it may (--max-in-flight-per-key); retry when one ends"
+    )]
+    KeyLimit { limit: u32 },
     /// A request to `/v1/*` without one of `--api-key`'s keys.
     #[error("a valid API key is required (Authorization: Bearer <key>)")]
     Unauthorized,
@@ -124,6 +129,7 @@ impl ProxyError {
             ProxyError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             ProxyError::Forbidden(_) => StatusCode::FORBIDDEN,
             ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ProxyError::KeyLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Unavailable(_) | ProxyError::Saturated { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } | ProxyError::FanOut(_) => StatusCode::BAD_GATEWAY,
@@ -161,6 +167,7 @@ impl ProxyError {
             ProxyError::FanOut(_) => "fan_out",
             ProxyError::Forbidden(_) => "forbidden",
             ProxyError::Unauthorized => "unauthorized",
+            ProxyError::KeyLimit { .. } => "key_limit",
             ProxyError::RefusedEverywhere { .. } => "refused_everywhere",
         }
     }
@@ -193,6 +200,12 @@ impl ProxyError {
             ProxyError::NotFound(_) => {
                 let mut e = OpenAiError::new("invalid_request_error", self.to_string());
                 e.code = Some("not_found".into());
+                e
+            }
+            // OpenAI's type and code for a rate limit.
+            ProxyError::KeyLimit { .. } => {
+                let mut e = OpenAiError::new("requests", self.to_string());
+                e.code = Some("rate_limit_exceeded".into());
                 e
             }
             // OpenAI's type and code for a wrong key.
@@ -240,7 +253,7 @@ impl ProxyError {
             headers.insert(super::forward::X_REQUEST_ID, id);
         }
         match self {
-            ProxyError::Unavailable(_) | ProxyError::Saturated { .. } => {
+            ProxyError::Unavailable(_) | ProxyError::Saturated { .. } | ProxyError::KeyLimit { .. } => {
                 headers.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
             }
             ProxyError::MethodNotAllowed { allow, .. } => {

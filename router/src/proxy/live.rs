@@ -17,7 +17,9 @@ use http::Method;
 use kvroute_proto::api_key;
 use tokio::sync::watch;
 
+use super::error::ProxyError;
 use super::lora;
+use super::per_key::KeyId;
 use super::route::RequestLimits;
 use crate::config::Config;
 use crate::policy::{self, CacheAwareParams, Policy, PolicyKind};
@@ -30,7 +32,8 @@ const WEIGHTS: [&str; 4] = ["balance-weight", "load-weight", "miss-weight", "off
 /// [`Routing`]'s other settings.
 const ROUTING_SETTINGS: [&str; 3] = ["max-in-flight-per-replica", "no-rank-routing", "pd-min-prefill-tokens"];
 /// [`Admission`]'s settings.
-const ADMISSION_SETTINGS: [&str; 3] = ["api-key", "max-completion-tokens", "max-prompt-tokens"];
+const ADMISSION_SETTINGS: [&str; 4] =
+    ["api-key", "max-completion-tokens", "max-prompt-tokens", "max-in-flight-per-key"];
 /// The key requests to the replicas carry ([`super::forward::ForwardConfig`]).
 pub const REPLICA_KEY: &str = "replica-api-key";
 
@@ -58,6 +61,7 @@ pub fn carry(into: &mut Config, from: &Config) {
     into.api_key.clone_from(&from.api_key);
     into.max_prompt_tokens = from.max_prompt_tokens;
     into.max_completion_tokens = from.max_completion_tokens;
+    into.max_in_flight_per_key = from.max_in_flight_per_key;
     into.replica_api_key.clone_from(&from.replica_api_key);
 }
 
@@ -174,6 +178,7 @@ impl std::fmt::Debug for Routing {
 }
 
 /// What a request must meet to be admitted.
+#[derive(Clone)]
 pub struct Admission {
     /// Prompt and completion bounds of routed requests.
     pub limits: RequestLimits,
@@ -182,6 +187,8 @@ pub struct Admission {
     api_keys: Vec<String>,
     /// How many of `api_keys` are `--api-key`'s.
     given: usize,
+    /// `--max-in-flight-per-key` (0: none).
+    pub max_in_flight_per_key: u32,
 }
 
 impl Admission {
@@ -189,7 +196,8 @@ impl Admission {
     /// [`Admission::with_file_keys`]).
     pub fn new(config: &Config) -> Self {
         let api_keys: Vec<String> = config.api_key.iter().map(|key| key.expose().to_owned()).collect();
-        Self { limits: config.request_limits(), given: api_keys.len(), api_keys }
+        let max_in_flight_per_key = config.max_in_flight_per_key;
+        Self { limits: config.request_limits(), given: api_keys.len(), api_keys, max_in_flight_per_key }
     }
 
     /// [`Admission::new`] of `config` if one of its settings is among `changed`.
@@ -205,13 +213,30 @@ impl Admission {
     /// This admission with `keys` in place of the key file's it held.
     pub fn with_file_keys(&self, keys: &[String]) -> Self {
         let api_keys = [&self.api_keys[..self.given], keys].concat();
-        Self { limits: self.limits, api_keys, given: self.given }
+        Self { api_keys, ..self.clone() }
     }
 
     /// Whether a request of `method` to `path` with `authorization` (the header's value) may
     /// pass: with keys, one to a [`guarded`] path must carry one of them.
     pub fn allows(&self, method: &Method, path: &str, authorization: Option<&[u8]>) -> bool {
-        self.is_open() || !guarded(method, path) || api_key::bearer_matches(authorization, &self.api_keys)
+        self.key_of(method, path, authorization).is_ok()
+    }
+
+    /// The key a request of `method` to `path` with `authorization` passes with: `Ok(None)`
+    /// when it needs none (no keys, or a path they do not guard), `Err` when it lacks one.
+    pub fn key_of(
+        &self,
+        method: &Method,
+        path: &str,
+        authorization: Option<&[u8]>,
+    ) -> Result<Option<KeyId>, ProxyError> {
+        if self.is_open() || !guarded(method, path) {
+            return Ok(None);
+        }
+        match api_key::matching(authorization, &self.api_keys) {
+            Some(i) => Ok(Some(KeyId::of(&self.api_keys[i]))),
+            None => Err(ProxyError::Unauthorized),
+        }
     }
 }
 
@@ -293,6 +318,7 @@ mod tests {
             api_key: vec!["sk".into()],
             max_prompt_tokens: 9,
             max_completion_tokens: 9,
+            max_in_flight_per_key: 9,
             replica_api_key: Some(crate::config::Secret::new("sk-fleet")),
             ..running.clone()
         };

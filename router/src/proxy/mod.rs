@@ -34,6 +34,7 @@ pub mod live;
 pub mod lora;
 pub mod opening;
 pub mod paths;
+pub mod per_key;
 pub mod pool;
 pub mod prompts;
 pub mod queue;
@@ -88,6 +89,8 @@ pub struct ProxyState {
     pub key_file: Arc<key_file::KeyFile>,
     /// Global in-flight limit: a request that cannot get a permit waits in `queue`.
     pub in_flight: Arc<Semaphore>,
+    /// Each client key's requests in flight (`--max-in-flight-per-key`: [`per_key`]).
+    pub per_key: Arc<per_key::PerKey>,
     /// Requests waiting for room ([`queue`]).
     pub queue: queue::Queue,
     /// The served base model (its LoRA adapters are the tokenization's).
@@ -232,7 +235,13 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
     // A HEAD the router answers itself, or refuses (a forwarded one's answer has no body).
     let head = req.method() == Method::HEAD;
     let own_head = head && answers_itself(req.uri().path());
-    let answered = dispatch(&state, &pool, req, &request_id, received).await;
+    let mut held = None;
+    let answered = dispatch(&state, &pool, (req, &mut held), &request_id, received).await;
+    // The key's place lasts as long as the answer's body.
+    let answered = match held {
+        Some(held) => answered.map(|response| holding(response, held)),
+        None => answered,
+    };
     if let Err(ProxyError::ClientLeft) = answered {
         // Counted and logged as abandoned, as if this future had been dropped: no error of
         // the router's or the request's, and no answer can reach the client.
@@ -269,6 +278,17 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
     }
 }
 
+/// `response`, holding `held` until its body ends (or is dropped).
+fn holding(response: Response<ProxyBody>, held: per_key::KeyHold) -> Response<ProxyBody> {
+    response.map(|body| {
+        body.map_frame(move |frame| {
+            let _held = &held;
+            frame
+        })
+        .boxed_unsync()
+    })
+}
+
 /// The answer to a HEAD: the headers, with the length the body would have had, and no body.
 /// (hyper leaves a HEAD's body out over HTTP/1 only; over HTTP/2 it sends it, and clients
 /// reset the stream.)
@@ -283,10 +303,12 @@ fn headers_only(response: Response<ProxyBody>) -> Response<ProxyBody> {
     Response::from_parts(parts, full(Bytes::new()))
 }
 
+/// The answer to `req`; its key's place under `--max-in-flight-per-key`, if it takes one, put
+/// in `held`.
 async fn dispatch(
     state: &Arc<ProxyState>,
     pool: &Arc<Pool>,
-    req: Request<Incoming>,
+    (req, held): (Request<Incoming>, &mut Option<per_key::KeyHold>),
     request_id: &str,
     received: Option<access::Arrival>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
@@ -301,9 +323,13 @@ async fn dispatch(
     }
     // The router's own LoRA paths reach every replica, SGLang's spellings outside `/v1` too.
     let authorization = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
-    if !state.admission.get().allows(&method, &path, authorization) {
-        return Err(ProxyError::Unauthorized);
+    let admission = state.admission.get();
+    let key = admission.key_of(&method, &path, authorization)?;
+    // Its key's place ([`per_key`]), which its answer holds ([`holding`]).
+    if let (Some(key), limit @ 1..) = (key, admission.max_in_flight_per_key) {
+        *held = Some(state.per_key.try_hold(key, limit).ok_or(ProxyError::KeyLimit { limit })?);
     }
+    drop(admission);
     if method == Method::GET
         && req.version() == http::Version::HTTP_11
         && asks_websocket(req.headers())

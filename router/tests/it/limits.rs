@@ -735,3 +735,43 @@ async fn the_replicas_key_replaces_the_clients() {
         Fleet::with(1, keyed, |c| kvroute_router::Config { api_key: vec!["sk-client".into()], ..c }).await;
     assert_eq!(status(&passing, "sk-client").await, 401, "the replica's answer to the client's key");
 }
+
+/// `--max-in-flight-per-key`: a key whose share is in flight gets 429 at once; other keys go
+/// on, and the key's place comes back when its answer ends.
+#[tokio::test]
+async fn a_key_holds_no_more_than_its_share_of_requests() {
+    let fleet = crate::fleet::Fleet::with(1, crate::fleet::agent_config, |config| RouterConfig {
+        api_key: vec!["sk-a".into(), "sk-b".into()],
+        max_in_flight_per_key: 1,
+        ..config
+    })
+    .await;
+    let url = fleet.url("/v1/completions");
+    let (a, b) = (crate::fleet::Http::new().bearer("sk-a"), crate::fleet::Http::new().bearer("sk-b"));
+    let model = crate::fleet::FLEET_MODEL;
+    // A's stream holds A's place while its body is unread.
+    let long = json!({"model": model, "prompt": "a long answer", "max_tokens": 400, "stream": true});
+    let mut streaming = fleet.http.stream_with(&url, &long, &[("authorization", "Bearer sk-a")]).await;
+    assert_eq!(streaming.status(), 200);
+    crate::fleet::first_data(streaming.body_mut()).await;
+    let short = json!({"model": model, "prompt": "short", "max_tokens": 1});
+    let refused = a.post(&url, &short).await;
+    assert_eq!(refused.status, 429, "{}", String::from_utf8_lossy(&refused.body));
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(refused.json()["error"]["code"], "rate_limit_exceeded");
+    // Another key goes on, as do SGLang's /generate and passthrough paths of that key's
+    // (they take its place too: refused while the stream holds it).
+    assert_eq!(b.post(&url, &short).await.status, 200);
+    assert_eq!(a.post(&fleet.url("/generate"), &json!({"text": "x"})).await.status, 429);
+    // Read to its end, the stream gives its place back.
+    use http_body_util::BodyExt;
+    streaming.into_body().collect().await.unwrap();
+    crate::support::wait_until_async("A's place is back", async || a.post(&url, &short).await.status == 200)
+        .await;
+    let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+    let refusals = crate::support::sample(
+        &String::from_utf8_lossy(&metrics.body),
+        "kvroute_router_errors_total{kind=\"key_limit\"}",
+    );
+    assert!(refusals >= Some(2), "{refusals:?}");
+}
