@@ -508,8 +508,8 @@ fn bootstrap<'a>(
             return Err(Failure::Answer(Box::new(Response::from_parts(head, body::full(answer)))));
         }
         count(state, "bootstrap");
-        let answer = first_answer(&answer);
-        Ok(answer.and_then(|answer| on.upstream.cached_tokens(usage(&answer))))
+        let answer = serde_json::from_slice::<Value>(&answer).ok();
+        Ok(answer.and_then(|answer| on.upstream.cached_tokens(usage_of(&answer))))
     };
     Ok(Decode { body: decoded, alongside: Some(Box::pin(alongside)) })
 }
@@ -599,16 +599,20 @@ fn usage(answer: &Map<String, Value>) -> body::Usage {
     }
 }
 
-/// A prefill's answer, or its first prompt's when it answers with a list (SGLang's `/generate`
-/// answers a batch so): its usage is the one counted, as vLLM counts a batch's.
-fn first_answer(answer: &[u8]) -> Option<Map<String, Value>> {
-    match serde_json::from_slice(answer).ok()? {
-        Value::Object(answer) => Some(answer),
-        Value::Array(answers) => match answers.into_iter().next()? {
-            Value::Object(answer) => Some(answer),
-            _ => None,
-        },
-        _ => None,
+/// [`usage`] of an answer, or of a list of them (SGLang's `/generate` answers a batch so, of
+/// one prompt too): the sum of their cached tokens, counted if each is.
+fn usage_of(answer: &Value) -> body::Usage {
+    match answer {
+        Value::Object(answer) => usage(answer),
+        Value::Array(answers) => {
+            let each: Vec<body::Usage> =
+                answers.iter().map(|a| a.as_object().map(usage).unwrap_or_default()).collect();
+            body::Usage {
+                cached_tokens: each.iter().map(|u| u.cached_tokens).sum(),
+                counted: !each.is_empty() && each.iter().all(|u| u.counted),
+            }
+        }
+        _ => body::Usage::default(),
     }
 }
 

@@ -951,11 +951,13 @@ pub struct Admitted<'a> {
     pub received: Option<super::access::Arrival>,
 }
 
-/// A place under the router's in-flight limit, counted by its gauge while held.
+/// A place under the router's in-flight limit, counted by its gauge while held (and, for a
+/// WebSocket session, its key's place under `--max-in-flight-per-key`).
 #[derive(Debug)]
 pub struct Slot {
     _permit: OwnedSemaphorePermit,
     gauge: Gauge,
+    key: Option<super::per_key::KeyHold>,
 }
 
 impl Slot {
@@ -968,7 +970,12 @@ impl Slot {
     /// The place `permit` holds, counted in `gauge`.
     pub fn with(permit: OwnedSemaphorePermit, gauge: &Gauge) -> Slot {
         gauge.inc();
-        Slot { _permit: permit, gauge: gauge.clone() }
+        Slot { _permit: permit, gauge: gauge.clone(), key: None }
+    }
+
+    /// Holds `key`'s place too, for as long as this place.
+    pub fn hold_key(&mut self, key: Option<super::per_key::KeyHold>) {
+        self.key = key;
     }
 }
 

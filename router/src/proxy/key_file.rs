@@ -95,6 +95,11 @@ impl KeyFile {
         if path.is_some() {
             self.count(&read);
         }
+        // A file that cannot be read where none was loaded before: the admission in force stays
+        // whole (the new one, without the file's keys, could let every request pass).
+        if read.is_err() && loaded.is_none() {
+            return read.map(|()| 0);
+        }
         match admission {
             Some(admission) => live.set(admission.with_file_keys(keys(&loaded))),
             None => live.update(|admission| admission.with_file_keys(keys(&loaded))),
@@ -238,5 +243,18 @@ mod tests {
         assert_eq!(file.load(None, None, &live), Ok(0));
         assert!(allows(&live, "anything"), "no keys left: the API is open, as the configuration says");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A reload from `--api-key` to a key file that cannot be read, none loaded before, keeps
+    /// the admission in force: the new one, without keys, would let every request pass.
+    #[test]
+    fn a_first_key_file_that_cannot_be_read_keeps_the_admission_in_force() {
+        let config = Config { api_key: vec!["sk-flag".into()], ..Config::loopback(Vec::new()) };
+        let file = KeyFile::open(None).unwrap();
+        let live = Live::new(file.with_keys(&Admission::new(&config)));
+        let unflagged = Admission::new(&Config { api_key: Vec::new(), ..config });
+        let missing = std::env::temp_dir().join(format!("kvroute-no-keys-{}", std::process::id()));
+        assert!(file.load(Some(&missing), Some(unflagged), &live).is_err());
+        assert!(allows(&live, "sk-flag") && !allows(&live, "anything"), "still guarded");
     }
 }

@@ -325,8 +325,10 @@ async fn dispatch(
     let authorization = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
     let admission = state.admission.get();
     let key = admission.key_of(&method, &path, authorization)?;
-    // Its key's place ([`per_key`]), which its answer holds ([`holding`]).
-    if let (Some(key), limit @ 1..) = (key, admission.max_in_flight_per_key) {
+    // Its key's place ([`per_key`]), which its answer holds ([`holding`]): not for the fleet's
+    // model list, which the router answers itself.
+    let lists_models = matches!(method, Method::GET | Method::HEAD) && path == "/v1/models";
+    if let (Some(key), limit @ 1.., false) = (key, admission.max_in_flight_per_key, lists_models) {
         *held = Some(state.per_key.try_hold(key, limit).ok_or(ProxyError::KeyLimit { limit })?);
     }
     drop(admission);
@@ -342,7 +344,12 @@ async fn dispatch(
         paths::check_passthrough(&path)?;
         tunnel::check_handshake(req.headers())?;
         let line = queue::Line::default();
-        let admitted = admit(state, (request_id, received), &line).await?;
+        let mut admitted = admit(state, (request_id, received), &line).await?;
+        // The session holds its key's place as it holds its place under --max-in-flight (its
+        // handshake's answer ends at once).
+        if let Some(slot) = admitted.slot.as_mut() {
+            slot.hold_key(held.take());
+        }
         let members = with_room(state, &line, || by_load(state, request_id, None, Takes::ANY)).await?;
         return Box::pin(tunnel::open(state, pool, req, members, admitted)).await;
     }

@@ -431,7 +431,9 @@ async fn sglang_generate_is_split_through_a_bootstrap_room_too() {
     // A batch: a room a prompt.
     let batch =
         json!({"text": [format!("{doc} a"), format!("{doc} b")], "sampling_params": {"max_new_tokens": 2}});
-    assert_eq!(generate(batch).await.json().as_array().map(Vec::len), Some(2));
+    let both = generate(batch).await;
+    assert_eq!(both.json().as_array().map(Vec::len), Some(2));
+    assert_eq!(both.header("x-kvroute-prefill-cached-tokens"), Some("80"), "the prompts' hits summed");
     // A batch of one: answered with a list, the prefill's hit read from its first answer.
     let one =
         generate(json!({"text": [format!("{doc} one")], "sampling_params": {"max_new_tokens": 2}})).await;

@@ -421,3 +421,31 @@ async fn a_tunnel_whose_key_is_revoked_is_closed() {
     shutdown.cancel();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A session holds its key's place under `--max-in-flight-per-key` for as long as it runs (not
+/// only its handshake): another handshake with that key is refused until it ends.
+#[tokio::test]
+async fn a_tunnel_holds_its_keys_place_while_it_runs() {
+    let (replica, _handshakes) = realtime_replica().await;
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+        api_key: vec!["k".into()],
+        max_in_flight_per_key: 1,
+        ..c
+    })
+    .await;
+    let (mut session, answer) = handshake(&router.url(), HANDSHAKE).await;
+    assert!(answer.starts_with("http/1.1 101"), "{answer}");
+    assert_eq!(read_exactly(&mut session, 5).await, "hello");
+    let (_, refused) = handshake(&router.url(), HANDSHAKE).await;
+    assert!(refused.starts_with("http/1.1 429"), "{refused}");
+    // Closed, the session gives its place back.
+    session.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(WAIT, session.read_to_end(&mut rest)).await.expect("closed in time").unwrap();
+    let url = router.url();
+    crate::support::wait_until_async("the key's place is back", async || {
+        handshake(&url, HANDSHAKE).await.1.starts_with("http/1.1 101")
+    })
+    .await;
+    shutdown.cancel();
+}
