@@ -6,7 +6,10 @@
 //! A decision *pins* its credits ([`Credits::pin`]): they hold however long the request waits
 //! in the replica's queue, until its prefill is done (its response's first data) or it ends
 //! ([`Credits::unpin`]); from then they last `ttl` (`--credit-ttl-ms`), time for the replica's
-//! events to arrive. Pins are counted: one request's retry or end takes only its own. A
+//! events to arrive. A request that fails there without starting, or whose answer is given
+//! up before its first data (a stream its client left, or whose SGLang prefill failed beside
+//! it), has its decision's credits withdrawn at once ([`CreditHold::withdraw_own`]): the
+//! replica drops it. Pins are counted: one request's retry or end takes only its own. A
 //! credit ends when the replica's events confirm it: a `BlockStored` (the index now holds
 //! the block, so the credit is redundant) or a `BlockRemoved` (the replica no longer holds
 //! it) for that (block, replica) drops the credit at once, pinned or not, so a block that
@@ -243,13 +246,30 @@ pub struct CreditHold {
     stamp: Stamp,
     /// Told when the replica stores the last of `blocks` ([`CreditHold::tell_when_stored`]).
     waiter: Option<Arc<dyn super::OnStored>>,
+    /// The request's blocks, and how many of them the replica held or earlier decisions had
+    /// credited ([`CreditHold::adding`]): what withdrawing it ends ([`added_past`]).
+    own: Option<(Arc<[BlockHash]>, usize)>,
 }
 
 impl CreditHold {
     /// Pins `blocks` on `replica`.
     pub fn pin(index: &super::SharedIndex, replica: ReplicaId, blocks: Vec<BlockHash>) -> Self {
         let stamp = index.credits().pin(replica, &blocks);
-        Self { index: index.clone(), replica, blocks, stamp, waiter: None }
+        Self { index: index.clone(), replica, blocks, stamp, waiter: None, own: None }
+    }
+
+    /// Told the request's blocks `all`, of which the first `held` were the replica's or earlier
+    /// decisions' credits, so that withdrawing it ends only the credits its decision added.
+    pub fn adding(mut self, all: Arc<[BlockHash]>, held: usize) -> Self {
+        self.own = Some((all, held));
+        self
+    }
+
+    /// [`CreditHold::withdraw`]n, ending the credits its decision added ([`CreditHold::adding`];
+    /// none if it was not told them).
+    pub fn withdraw_own(mut self) {
+        let added = self.own.take().map(|(all, held)| added_past(&all, held)).unwrap_or_default();
+        self.withdraw(&added);
     }
 
     /// The replica it pins credits on.

@@ -418,7 +418,7 @@ fn roomless(state: &ProxyState, prepared: &Prepared, plan: &mut Plan) -> Result<
 /// chose, or a retry's), where nothing goes (or nothing went: its request was dropped before
 /// the replica answered).
 pub fn let_go(state: &ProxyState, plan: &mut Plan) {
-    state.decider.withdraw_credit(plan, plan.held_at());
+    state.decider.withdraw_credit(plan);
     plan.load = None;
 }
 

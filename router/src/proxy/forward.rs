@@ -208,7 +208,7 @@ pub async fn routed(
                 if response.status().is_success() {
                     guard.keep_rank();
                 } else {
-                    decider.withdraw_credit(plan, attempt);
+                    decider.withdraw_credit(plan);
                     guard.withdraw_rank();
                 }
                 let line = config.access_log.then(|| {
@@ -298,7 +298,7 @@ pub async fn routed(
         // nor its place. (After a first-byte timeout the replica may still run it: its credit
         // stands.)
         drop(guard);
-        decider.withdraw_credit(plan, attempt);
+        decider.withdraw_credit(plan);
         if tried == MAX_ATTEMPTS {
             break;
         }
@@ -910,6 +910,12 @@ impl Hooks for ResponseHooks {
     }
 
     fn finish(mut self: Box<Self>, end: End, usage: Usage) {
+        // Given up before its first output (its client left, or an SGLang prefill failed
+        // beside it): its replica drops it, and stores no more of its prompt than its events
+        // show. Its credit ends now, not after the TTL.
+        if let (End::Abandoned, Some(hold)) = (end, self.hold.take()) {
+            hold.withdraw_own();
+        }
         // A usage without cached tokens is a miss only in a whole answer: a stream cut off may
         // have shown its prompt's count (Anthropic's `message_start`, vLLM's continuous usage)
         // and not yet its cached tokens.

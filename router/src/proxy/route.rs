@@ -305,13 +305,6 @@ impl Plan {
         self.order().next()
     }
 
-    /// The place in [`Plan::order`] of the replica its credit hold is on (the first's when it
-    /// holds none).
-    pub fn held_at(&self) -> usize {
-        let held = self.hold.as_ref().map(CreditHold::replica);
-        held.and_then(|held| self.order().position(|s| s.member.replica.id == held)).unwrap_or(0)
-    }
-
     /// Leaves the request no replica to retry on: its chosen one only.
     pub fn without_retries(&mut self) {
         self.order.truncate(1);
@@ -321,14 +314,6 @@ impl Plan {
     /// index already shows it holding.
     pub fn uncredited(&self, replica: &Scored) -> &[BlockHash] {
         &self.all_blocks[replica.indexed_blocks.min(self.all_blocks.len())..]
-    }
-
-    /// The blocks only this decision credited the `i`th replica of [`Plan::order`] with:
-    /// earlier requests' credits for the prefix are not its to end (a later prompt of a batch
-    /// repeats the first's leading blocks).
-    fn added(&self, i: usize) -> Vec<BlockHash> {
-        let Some(scored) = self.order().nth(i) else { return Vec::new() };
-        crate::index::added_past(&self.all_blocks, scored.credited_blocks)
     }
 
     /// Tokens the `i`th replica of [`Plan::order`] is predicted to have cached.
@@ -449,7 +434,7 @@ impl Decider {
                 plan.load = Some(load);
                 return Ok(plan);
             }
-            self.withdraw_credit(&mut plan, 0);
+            self.withdraw_credit(&mut plan);
             raced += 1;
             // Each race is a room another request took: while the plan has a choice, the
             // fleet has room. (Bounded all the same: past it, the request waits for room on
@@ -473,7 +458,8 @@ impl Decider {
             return;
         }
         let (id, blocks) = (replica.member.replica.id, plan.uncredited(replica).to_vec());
-        plan.hold = Some(CreditHold::pin(&self.index, id, blocks));
+        let credited = (Arc::clone(&plan.all_blocks), replica.credited_blocks);
+        plan.hold = Some(CreditHold::pin(&self.index, id, blocks).adding(credited.0, credited.1));
     }
 
     /// The [`Decider::deciding`] lock of a request with `blocks`, where credits steer the
@@ -495,7 +481,7 @@ impl Decider {
         self.credit(plan, at);
         let load = self.begin(plan, at);
         if load.is_none() {
-            self.withdraw_credit(plan, at);
+            self.withdraw_credit(plan);
         }
         load
     }
@@ -561,12 +547,11 @@ impl Decider {
         }
     }
 
-    /// The request failed on the `at`th replica of `plan`'s order without starting there: the
+    /// The request failed without starting on the replica its credit is held on: the
     /// decision's credit there ends (a retry elsewhere is credited there: [`Decider::credit`]).
-    pub fn withdraw_credit(&self, plan: &mut Plan, at: usize) {
-        let added = plan.added(at);
+    pub fn withdraw_credit(&self, plan: &mut Plan) {
         if let Some(hold) = plan.hold.take() {
-            hold.withdraw(&added);
+            hold.withdraw_own();
         }
     }
 

@@ -2604,3 +2604,33 @@ async fn client_stalls(router: &kvroute_router::RunningRouter) -> u64 {
 async fn scrape(http: &crate::fleet::Http, base: &str) -> String {
     String::from_utf8_lossy(&http.get(&format!("{base}/metrics")).await.body).into_owned()
 }
+
+/// A stream its client gives up on before its first data (its replica's head came, its first
+/// token not yet; or, in front of SGLang, its prefill failed beside it) leaves no credit: its
+/// replica drops the request and stores no more of its prompt than its events show.
+#[tokio::test]
+async fn a_stream_given_up_before_its_first_data_leaves_no_credit() {
+    let head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+    let never = b"6\r\ndata: \r\n";
+    let hour = std::time::Duration::from_secs(3600);
+    let (replica, _read) = pausing_replica(vec![head, never], std::time::Duration::ZERO, hour).await;
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+        credit_ttl_ms: 3_600_000,
+        events_fallback_ms: 3_600_000,
+        ..c
+    })
+    .await;
+    let block = router.state.decider.block_size;
+    let ids: Vec<u32> = (0..4 * block as u32).map(|t| 100 + t).collect();
+    let blocks = CacheNamespace::new(FLEET_MODEL).chain(&ids, block);
+    let id = router.fleet().member("r0").unwrap().replica.id;
+    let body = json!({"model": FLEET_MODEL, "prompt": ids, "max_tokens": 1, "stream": true});
+    let url = format!("{}/v1/completions", router.url());
+    let streaming = crate::fleet::Http::new().stream(&url, &body).await;
+    assert_eq!(streaming.status(), 200);
+    assert_eq!(router.fleet().credits().extend(id, &blocks, 0), 4, "credited while it runs");
+    drop(streaming);
+    let credits = router.fleet().credits();
+    wait_until("the credit is withdrawn", || credits.extend(id, &blocks, 0) == 0).await;
+    shutdown.cancel();
+}
