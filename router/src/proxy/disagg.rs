@@ -562,8 +562,9 @@ pub async fn together(
             }
             Ok(decoded)
         }
-        // (The decode's answer, dropped, unpins its credit, which lasts until the TTL: its
-        // replica may have begun.)
+        // (The decode's answer, dropped before its first data, withdraws its credit: its
+        // replica drops the request. Had the prefill handed its KV over before it failed, the
+        // decode replica's events bring the blocks back.)
         Err(failure) => failure.answer(),
     })
 }

@@ -915,6 +915,8 @@ impl Hooks for ResponseHooks {
         // show. Its credit ends now, not after the TTL.
         if let (End::Abandoned, Some(hold)) = (end, self.hold.take()) {
             hold.withdraw_own();
+            // (And its rank's, on a data-parallel replica.)
+            self.guard.withdraw_rank();
         }
         // A usage without cached tokens is a miss only in a whole answer: a stream cut off may
         // have shown its prompt's count (Anthropic's `message_start`, vLLM's continuous usage)
