@@ -347,14 +347,15 @@ pub struct Body {
 pub fn request_body(model: &str, request: &WorkloadRequest, stream: bool, format: PromptFormat) -> Body {
     let mut body = String::with_capacity(request.input_len * 6 + 160);
     // Writing to a String cannot fail.
+    body.push('{');
     if format != PromptFormat::Generate {
-        let _ = write!(body, "{{\"model\":{},", serde_json::Value::from(model));
+        let _ = write!(body, "\"model\":{},", serde_json::Value::from(model));
     }
     body.push_str(match format {
         PromptFormat::Messages => "\"messages\":[{\"role\":\"user\",\"content\":",
         PromptFormat::Responses => "\"store\":false,\"input\":",
         PromptFormat::Ids | PromptFormat::Text => "\"prompt\":",
-        PromptFormat::Generate => "{\"input_ids\":",
+        PromptFormat::Generate => "\"input_ids\":",
     });
     let mut prompt = Vec::with_capacity(request.input_len);
     request.write_prompt(&mut prompt);

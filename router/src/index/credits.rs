@@ -272,11 +272,6 @@ impl CreditHold {
         self.withdraw(&added);
     }
 
-    /// The replica it pins credits on.
-    pub fn replica(&self) -> ReplicaId {
-        self.replica
-    }
-
     /// Tells `waiter` when the replica's events store the last block pinned here (its
     /// prefill reached the prompt's end), unless the hold is withdrawn or ends first. Nothing is
     /// pinned when the replica already held the whole prompt, and then nothing is told.

@@ -606,12 +606,12 @@ fn usage_of(answer: &Value) -> body::Usage {
     match answer {
         Value::Object(answer) => usage(answer),
         Value::Array(answers) => {
-            let each: Vec<body::Usage> =
-                answers.iter().map(|a| a.as_object().map(usage).unwrap_or_default()).collect();
-            body::Usage {
-                cached_tokens: each.iter().map(|u| u.cached_tokens).sum(),
-                counted: !each.is_empty() && each.iter().all(|u| u.counted),
-            }
+            let each = answers.iter().map(|a| a.as_object().map(usage).unwrap_or_default());
+            let none = body::Usage { cached_tokens: Some(0), counted: !answers.is_empty() };
+            each.fold(none, |sum, u| body::Usage {
+                cached_tokens: sum.cached_tokens.zip(u.cached_tokens).map(|(a, b)| a + b),
+                counted: sum.counted && u.counted,
+            })
         }
         _ => body::Usage::default(),
     }
@@ -727,27 +727,38 @@ fn for_prefill(
     mut object: Map<String, Value>,
     named: Map<String, Value>,
 ) -> Option<Bytes> {
-    if endpoint == Endpoint::Generate {
-        return native_for_prefill(object, named);
-    }
-    object.insert("max_tokens".into(), json!(1));
-    if object.contains_key("max_completion_tokens") {
-        object.insert("max_completion_tokens".into(), json!(1));
-    }
-    object.insert("stream".into(), json!(false));
     // What only the client's answer needs (its one token's logprobs would be thrown away).
-    for key in ["stream_options", "min_tokens", "min_completion_tokens", "logprobs", "top_logprobs", "echo"] {
-        object.remove(key);
+    let answers_only: &[&str] = match endpoint {
+        Endpoint::Generate => {
+            one_new_token(&mut object);
+            &[
+                "return_logprob",
+                "top_logprobs_num",
+                "token_ids_logprob",
+                "return_text_in_logprobs",
+                "return_hidden_states",
+            ]
+        }
+        _ => {
+            object.insert("max_tokens".into(), json!(1));
+            if object.contains_key("max_completion_tokens") {
+                object.insert("max_completion_tokens".into(), json!(1));
+            }
+            &["stream_options", "min_tokens", "min_completion_tokens", "logprobs", "top_logprobs", "echo"]
+        }
+    };
+    object.insert("stream".into(), json!(false));
+    for key in answers_only {
+        object.remove(*key);
     }
     drop_own(&mut object);
     object.extend(named);
     serde_json::to_vec(&object).ok().map(Bytes::from)
 }
 
-/// [`for_prefill`] of SGLang's `/generate`: one new token (`sampling_params.max_new_tokens`,
-/// each prompt's of a list), whole, without the output's logprobs and hidden states.
-fn native_for_prefill(mut object: Map<String, Value>, named: Map<String, Value>) -> Option<Bytes> {
-    // (Without `min_new_tokens`, which may not pass one.)
+/// SGLang's `/generate` `object` asking for one new token (`sampling_params.max_new_tokens`,
+/// each prompt's of a list), without `min_new_tokens` (which may not pass one).
+fn one_new_token(object: &mut Map<String, Value>) {
     let one = |params: &mut Value| match params {
         Value::Object(params) => {
             params.insert("max_new_tokens".into(), json!(1));
@@ -759,19 +770,6 @@ fn native_for_prefill(mut object: Map<String, Value>, named: Map<String, Value>)
         Value::Array(list) => list.iter_mut().for_each(one),
         params => one(params),
     }
-    object.insert("stream".into(), json!(false));
-    for key in [
-        "return_logprob",
-        "top_logprobs_num",
-        "token_ids_logprob",
-        "return_text_in_logprobs",
-        "return_hidden_states",
-    ] {
-        object.remove(key);
-    }
-    drop_own(&mut object);
-    object.extend(named);
-    serde_json::to_vec(&object).ok().map(Bytes::from)
 }
 
 /// The client's `body` with `named` (the prefill's params, or its bootstrap room), for the

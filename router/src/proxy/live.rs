@@ -222,8 +222,9 @@ impl Admission {
         self.key_of(method, path, authorization).is_ok()
     }
 
-    /// The key a request of `method` to `path` with `authorization` passes with: `Ok(None)`
-    /// when it needs none (no keys, or a path they do not guard), `Err` when it lacks one.
+    /// The key a request of `method` to `path` with `authorization` passes with, when keys'
+    /// requests are counted (`--max-in-flight-per-key`): `Ok(None)` when it needs none (no
+    /// keys, or a path they do not guard) or none is counted, `Err` when it lacks one.
     pub fn key_of(
         &self,
         method: &Method,
@@ -234,7 +235,7 @@ impl Admission {
             return Ok(None);
         }
         match api_key::matching(authorization, &self.api_keys) {
-            Some(i) => Ok(Some(KeyId::of(&self.api_keys[i]))),
+            Some(i) => Ok((self.max_in_flight_per_key > 0).then(|| KeyId::of(&self.api_keys[i]))),
             None => Err(ProxyError::Unauthorized),
         }
     }

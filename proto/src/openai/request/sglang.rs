@@ -56,9 +56,7 @@ pub fn completion_body(body: &[u8]) -> Result<Vec<u8>, RequestError> {
     let [text, ids, embeds, sampling, lora, salt] = [text, ids, embeds, sampling, lora, salt].map(given);
     let (prompt, prompt_embeds) = match (text, ids, embeds) {
         (Some(_), Some(_), Some(_)) | (None, None, None) => return Err(RequestError::NoGenerateInput),
-        (_, Some(ids), _) => {
-            (Some(listed(ids, "input_ids", "a list of token ids or a list of such lists")?), None)
-        }
+        (_, Some(ids), _) => (Some(ids_of(ids)?), None),
         (Some(text), None, _) => (Some(text_of(text)?), None),
         (None, None, Some(embeds)) => (None, Some(embeds)),
     };
@@ -83,15 +81,12 @@ fn given(raw: Option<&RawValue>) -> Option<&RawValue> {
 }
 
 /// `input_ids`: a non-empty list (what is in it, the completion's prompt checks).
-fn listed<'a>(
-    raw: &'a RawValue,
-    param: &'static str,
-    expected: &'static str,
-) -> Result<&'a RawValue, RequestError> {
-    let list: Vec<&RawValue> =
-        serde_json::from_str(raw.get()).map_err(|_| RequestError::InvalidField { param, expected })?;
+fn ids_of(raw: &RawValue) -> Result<&RawValue, RequestError> {
+    const EXPECTED: &str = "a list of token ids or a list of such lists";
+    let list: Vec<&RawValue> = serde_json::from_str(raw.get())
+        .map_err(|_| RequestError::InvalidField { param: "input_ids", expected: EXPECTED })?;
     match list.is_empty() {
-        true => Err(RequestError::InvalidField { param, expected: "a non-empty list" }),
+        true => Err(RequestError::InvalidField { param: "input_ids", expected: "a non-empty list" }),
         false => Ok(raw),
     }
 }
@@ -104,8 +99,11 @@ fn text_of(raw: &RawValue) -> Result<&RawValue, RequestError> {
         return Ok(raw);
     }
     let texts: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| invalid())?;
+    if texts.is_empty() {
+        return Err(RequestError::InvalidField { param: "text", expected: "a non-empty list" });
+    }
     match texts.iter().all(|text| text.get().starts_with('"')) {
-        true => listed(raw, "text", EXPECTED),
+        true => Ok(raw),
         false => Err(invalid()),
     }
 }
