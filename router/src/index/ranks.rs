@@ -182,9 +182,11 @@ impl Ranks {
             let since = Instant::now().saturating_duration_since(self.epoch);
             load.recent.lock().unwrap_or_else(|e| e.into_inner()).add(since, prompt_tokens);
         }
-        let added = super::added_past(blocks, held);
-        let hold = CreditHold::pin(&self.index, self.id(rank), blocks.to_vec());
-        RankGuard { ranks: self.clone(), rank, sequences, hold: Some((hold, added)), kept: false }
+        // What only this request credits is worked out if it is withdrawn, not here.
+        let all: std::sync::Arc<[BlockHash]> = blocks.into();
+        let hold = CreditHold::pin(&self.index, self.id(rank), blocks.to_vec()).adding(all, held);
+        let adds = held < blocks.len();
+        RankGuard { ranks: self.clone(), rank, sequences, hold: Some(hold), adds, kept: false }
     }
 
     /// The ranks' credits end (they restarted, or are unreachable).
@@ -221,8 +223,11 @@ pub struct RankGuard {
     ranks: std::sync::Arc<Ranks>,
     rank: u32,
     sequences: u32,
-    /// The pins, and the blocks only this request credited on the rank.
-    hold: Option<(CreditHold, Vec<BlockHash>)>,
+    /// The pins, which know the blocks only this request credited on the rank.
+    hold: Option<CreditHold>,
+    /// Blocks past those the rank held are credited: a prompt that is one chain stores one
+    /// later.
+    adds: bool,
     /// The replica took the request (a success answer): its credits stand.
     kept: bool,
 }
@@ -244,8 +249,8 @@ impl RankGuard {
 
     /// The replica refused the request: the credits only it made end now.
     pub fn withdraw(&mut self) {
-        if let Some((hold, added)) = self.hold.take() {
-            hold.withdraw(&added);
+        if let Some(hold) = self.hold.take() {
+            hold.withdraw_own();
         }
     }
 
@@ -261,9 +266,7 @@ impl RankGuard {
     /// reached the prompt's end): [`CreditHold::tell_when_stored`]. Nothing is told when the
     /// rank held the whole prompt already (no store is to come).
     pub fn tell_when_stored(&mut self, waiter: std::sync::Arc<dyn super::OnStored>) {
-        if let Some((hold, added)) = self.hold.as_mut()
-            && !added.is_empty()
-        {
+        if let (Some(hold), true) = (self.hold.as_mut(), self.adds) {
             hold.tell_when_stored(waiter);
         }
     }
