@@ -102,7 +102,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_proto::{BlockHash, ReplicaId};
 
-pub use credits::{CreditHold, Credits, Stamp, added_past};
+pub use credits::{CreditHold, Credits, Stamp};
 pub(crate) use hasher::FoldState;
 pub use ranks::{RankGuard, RankView, Ranks, views as rank_views};
 pub use table::PrefixIndex;

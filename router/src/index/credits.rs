@@ -225,7 +225,7 @@ impl Credits {
 /// The blocks of `blocks` past its first `held` that a decision credits anew: not those
 /// repeated from the held ones (a batch's later prompts repeat its first one's leading
 /// blocks), which are earlier requests' credits to keep.
-pub fn added_past(blocks: &[BlockHash], held: usize) -> Vec<BlockHash> {
+fn added_past(blocks: &[BlockHash], held: usize) -> Vec<BlockHash> {
     let (held, past) = blocks.split_at(held.min(blocks.len()));
     let held: std::collections::HashSet<&BlockHash> = held.iter().collect();
     past.iter().filter(|b| !held.contains(b)).copied().collect()
