@@ -26,12 +26,14 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+mod grpc;
 mod parts;
 pub mod send_timeout;
 mod tls;
 mod tls_client;
 mod watched;
 
+pub use grpc::{GrpcStream, grpc_incoming, grpc_server};
 pub use parts::Parts;
 use send_timeout::SendTimeout;
 pub use tls::{Tls, TlsFiles, certificates, not_after, private_key, read_file};
@@ -107,39 +109,6 @@ pub struct Peer(pub std::net::SocketAddr);
 /// In the extensions of every request that came over TLS ([`Tls`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Https;
-
-/// How long a gRPC server waits for a PING's acknowledgement, and how long a connection may
-/// be silent before it sends one.
-const GRPC_KEEPALIVE: Duration = Duration::from_secs(20);
-
-/// A gRPC server as the router's admin service and the agent's service run: a connection
-/// whose peer stops answering HTTP/2 PINGs (a client gone with its network, a half-open
-/// connection) is closed within a minute. Without that, a graceful shutdown waited for it
-/// until TCP gave up on its retransmissions, about 15 minutes.
-pub fn grpc_server() -> tonic::transport::Server {
-    tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(GRPC_KEEPALIVE))
-        .http2_keepalive_timeout(Some(GRPC_KEEPALIVE))
-}
-
-/// The connections `listener` accepts, for a [`grpc_server`]: after a failed accept (out of
-/// file descriptors, say) it waits [`ACCEPT_BACKOFF`] before the next, as the HTTP servers'
-/// loop does, where tonic's own would try again at once and spin a core meanwhile.
-pub fn grpc_incoming(
-    listener: TcpListener,
-) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static {
-    futures::stream::unfold(listener, |listener| async move {
-        loop {
-            match listener.accept().await {
-                Ok((stream, _)) => return Some((Ok(stream), listener)),
-                Err(e) => {
-                    tracing::warn!(error = %e, "gRPC accept failed");
-                    tokio::time::sleep(ACCEPT_BACKOFF).await;
-                }
-            }
-        }
-    })
-}
 
 /// How long an accept loop waits after a failed accept before the next.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);

@@ -197,7 +197,7 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
     let grpc = AgentService::new(engine.clone(), info).into_server();
     let grpc_shutdown = shutdown.clone();
     parts.vital("the gRPC server", async move {
-        let incoming = kvroute_proto::serve::grpc_incoming(grpc_listener);
+        let incoming = kvroute_proto::serve::grpc_incoming(grpc_listener, None);
         kvroute_proto::serve::grpc_server()
             .add_service(grpc)
             .serve_with_incoming_shutdown(incoming, grpc_shutdown.cancelled_owned())

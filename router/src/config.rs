@@ -143,8 +143,8 @@ pub struct Config {
     /// HTTPS, HTTP/2 or HTTP/1.1 by ALPN. With `--tls-key`. Both files (and
     /// `--tls-client-ca`'s) are read again when they change (`--tls-check-ms`) and at each
     /// `SIGHUP`, so a certificate rotated in place (cert-manager, a mounted Secret) is served
-    /// to the connections opened from then on. The health listener and the admin service stay
-    /// plain (the admin's on loopback, or behind its token).
+    /// to the connections opened from then on. The health listener stays plain; the admin
+    /// service too, unless `--admin-tls`.
     #[arg(long, env = "KVROUTE_TLS_CERT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_cert: Option<PathBuf>,
@@ -170,6 +170,13 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_token: Option<Secret>,
+    /// The admin service serves TLS (HTTP/2 by ALPN) with the proxy's `--tls-cert` and
+    /// `--tls-key`, renewed in place as theirs are; with `--tls-client-ca`, only to clients
+    /// with a certificate of those authorities. Beyond loopback its token then does not
+    /// cross the network in the clear.
+    #[arg(long, env = "KVROUTE_ADMIN_TLS", default_value_t = false)]
+    #[serde(default)]
+    pub admin_tls: bool,
 
     /// A replica: `name=..,http=..[,events=..][,replay=..][,grpc=..][,engine=kvroute|vllm|sglang][,dp-size=N][,topic=..]`
     /// `[,role=both|prefill|decode][,bootstrap-port=N]` (prefill/decode disaggregation: see the
@@ -583,6 +590,11 @@ impl Config {
             self.admin_listen.ip().is_loopback()
                 || self.admin_token.as_ref().is_some_and(|t| !t.expose().is_empty()),
             format!("--admin-token is required when the admin service listens on {}", self.admin_listen),
+        );
+        check(
+            !self.admin_tls || self.tls_cert.is_some(),
+            "--admin-tls needs --tls-cert and --tls-key: the admin service serves the proxy's certificate"
+                .into(),
         );
         check(
             !self.admin_token.as_ref().is_some_and(|t| t.expose().chars().any(char::is_whitespace)),

@@ -339,8 +339,12 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     let admin =
         AdminService::new(state.clone(), config.model.clone(), config.block_size).into_server(admin_token);
     let admin_shutdown = shutdown.clone();
+    let admin_tls = state.tls.clone().filter(|_| config.admin_tls);
+    if admin_tls.is_none() && !config.admin_listen.ip().is_loopback() {
+        tracing::warn!(admin = %config.admin_listen, "the admin service is plain beyond loopback: its token crosses the network in the clear (--admin-tls)");
+    }
     parts.vital("the admin gRPC server", async move {
-        let incoming = kvroute_proto::serve::grpc_incoming(admin_listener);
+        let incoming = kvroute_proto::serve::grpc_incoming(admin_listener, admin_tls);
         kvroute_proto::serve::grpc_server()
             .add_service(admin)
             .serve_with_incoming_shutdown(incoming, admin_shutdown.cancelled_owned())
@@ -350,7 +354,8 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     warn_if_replicas_open(&state, &config);
     tracing::info!(
         listen = %addr, admin = %admin_addr, health = ?health_addr, policy = config.policy.as_str(),
-        replicas = config.replicas.len(), admin_auth, tls = state.tls.is_some(), "router started"
+        replicas = config.replicas.len(), admin_auth, admin_tls = config.admin_tls, tls = state.tls.is_some(),
+        "router started"
     );
     Ok(RunningRouter { addr, admin_addr, health_addr, state, parts: parts.clone() })
 }

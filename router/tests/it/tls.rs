@@ -6,12 +6,16 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use futures::TryFutureExt;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use kvroute_proto::pb::{self, router_admin_client::RouterAdminClient};
 use kvroute_router::config::Config as RouterConfig;
 use kvroute_router::reload::Reloader;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
 use tokio_rustls::rustls::crypto::ring;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio_rustls::rustls::{ClientConfig, RootCertStore};
@@ -26,6 +30,47 @@ fn new_certificate(cert: &Path, key: &Path) -> CertificateDer<'static> {
     std::fs::write(cert, made.cert.pem()).unwrap();
     std::fs::write(key, made.signing_key.serialize_pem()).unwrap();
     made.cert.der().clone()
+}
+
+/// A TLS connection to `addr` (as `localhost`) by a client that trusts only `trusted`, asks
+/// for `alpn` and shows `identity` (its certificate chain and key), if any.
+async fn connect(
+    addr: SocketAddr,
+    trusted: &CertificateDer<'static>,
+    alpn: &[u8],
+    identity: Option<&rcgen::CertifiedKey<rcgen::KeyPair>>,
+) -> std::io::Result<TlsStream<TcpStream>> {
+    connect_with(addr, Arc::new(client_config(trusted, alpn, identity))).await
+}
+
+/// A TLS connection to `addr` (as `localhost`) by a client of `config`.
+async fn connect_with(addr: SocketAddr, config: Arc<ClientConfig>) -> std::io::Result<TlsStream<TcpStream>> {
+    let tcp = TcpStream::connect(addr).await?;
+    let name = ServerName::try_from("localhost").unwrap();
+    tokio_rustls::TlsConnector::from(config).connect(name, tcp).await
+}
+
+/// A client that trusts only `trusted`, asks for `alpn` and shows `identity`, if any.
+fn client_config(
+    trusted: &CertificateDer<'static>,
+    alpn: &[u8],
+    identity: Option<&rcgen::CertifiedKey<rcgen::KeyPair>>,
+) -> ClientConfig {
+    let mut roots = RootCertStore::empty();
+    roots.add(trusted.clone()).unwrap();
+    let trusting = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    let mut config = match identity {
+        None => trusting.with_no_client_auth(),
+        Some(made) => {
+            let key = PrivateKeyDer::try_from(made.signing_key.serialize_der()).unwrap();
+            trusting.with_client_auth_cert(vec![made.cert.der().clone()], key).unwrap()
+        }
+    };
+    config.alpn_protocols = vec![alpn.to_vec()];
+    config
 }
 
 /// What a completion over TLS to `addr` got: the protocol ALPN chose, the status and the
@@ -45,26 +90,7 @@ async fn complete_as(
     alpn: &[u8],
     identity: Option<&rcgen::CertifiedKey<rcgen::KeyPair>>,
 ) -> Result<(Vec<u8>, http::StatusCode, String), String> {
-    let mut roots = RootCertStore::empty();
-    roots.add(trusted.clone()).unwrap();
-    let trusting = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots);
-    let mut config = match identity {
-        None => trusting.with_no_client_auth(),
-        Some(made) => {
-            let key = PrivateKeyDer::try_from(made.signing_key.serialize_der()).unwrap();
-            trusting.with_client_auth_cert(vec![made.cert.der().clone()], key).unwrap()
-        }
-    };
-    config.alpn_protocols = vec![alpn.to_vec()];
-    let tcp = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-    let name = ServerName::try_from("localhost").unwrap();
-    let stream = tokio_rustls::TlsConnector::from(Arc::new(config))
-        .connect(name, tcp)
-        .await
-        .map_err(|e| e.to_string())?;
+    let stream = connect(addr, trusted, alpn, identity).await.map_err(|e| e.to_string())?;
     let chosen = stream.get_ref().1.alpn_protocol().unwrap_or_default().to_vec();
     let body = json!({"model": FLEET_MODEL, "prompt": "over tls", "max_tokens": 1}).to_string();
     let request = http::Request::post(format!("https://localhost:{}/v1/completions", addr.port()))
@@ -122,7 +148,7 @@ async fn the_proxy_serves_https_and_a_certificate_rotated_in_place() {
         assert!(replica.starts_with("agent-"), "{replica:?}");
     }
 
-    let mut plain = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut plain = TcpStream::connect(addr).await.unwrap();
     plain.write_all(b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n").await.unwrap();
     let mut answer = Vec::new();
     let read = tokio::time::timeout(crate::support::WAIT, plain.read_to_end(&mut answer)).await;
@@ -260,4 +286,67 @@ async fn with_a_client_ca_only_its_clients_are_served() {
     assert_eq!((reloaded.tls, reloaded.applied), (Some(Ok(())), vec!["tls-client-ca".to_owned()]));
     assert_eq!(status(None, b"http/1.1").await, Ok(http::StatusCode::OK));
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// How many replicas the admin service at `addr` lists to a gRPC client over TLS (see
+/// [`connect`]) that sends the token `s3cret`; or why it could not.
+async fn list_over_tls(
+    addr: SocketAddr,
+    trusted: &CertificateDer<'static>,
+    identity: Option<&rcgen::CertifiedKey<rcgen::KeyPair>>,
+) -> Result<usize, String> {
+    let config = Arc::new(client_config(trusted, b"h2", identity));
+    let connector =
+        tower::service_fn(move |_: http::Uri| connect_with(addr, config.clone()).map_ok(TokioIo::new));
+    // The connector makes it TLS (tonic without its TLS features refuses `https` URIs).
+    let endpoint = tonic::transport::Endpoint::from_static("http://localhost");
+    let channel = endpoint.connect_with_connector(connector).await.map_err(|e| format!("{e:?}"))?;
+    let mut request = tonic::Request::new(pb::ListReplicasRequest {});
+    request.metadata_mut().insert("authorization", "Bearer s3cret".parse().unwrap());
+    let listed = RouterAdminClient::new(channel).list_replicas(request).await;
+    listed.map(|reply| reply.into_inner().replicas.len()).map_err(|e| e.to_string())
+}
+
+/// With `--admin-tls`, the admin service serves TLS with the proxy's certificate, to the
+/// clients of its `--tls-client-ca` only; a plain client gets no answer. A certificate
+/// rotated in place is the admin's from the reload on, as it is the proxy's.
+#[tokio::test]
+async fn the_admin_service_serves_tls_with_the_proxys_certificate() {
+    let dir = crate::support::directory("tls-admin");
+    let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+    let first = new_certificate(&cert, &key);
+    let authority = Authority::new();
+    let client = authority.client("operator");
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let agents = Fleet::start_agents(2, agent_config, &shutdown).await;
+    let config = RouterConfig {
+        tls_cert: Some(cert.clone()),
+        tls_key: Some(key.clone()),
+        tls_client_ca: Some(authority.write(&dir, "ca")),
+        admin_tls: true,
+        admin_token: Some("s3cret".into()),
+        ..router_config(&agents)
+    };
+    let mut reloader = Reloader::new(&config);
+    let fleet = Fleet::around(agents, config.clone(), shutdown).await;
+    let admin = fleet.router.admin_addr;
+    assert_eq!(list_over_tls(admin, &first, Some(&client)).await, Ok(2));
+    assert!(list_over_tls(admin, &first, None).await.is_err(), "a client without a certificate");
+    if let Ok(mut plain) = RouterAdminClient::connect(fleet.router.admin_url()).await {
+        let listed = plain.list_replicas(pb::ListReplicasRequest {}).await;
+        assert!(listed.is_err(), "a plain client is answered: {listed:?}");
+    }
+
+    let second = new_certificate(&cert, &key);
+    assert_eq!(reloader.apply(&fleet.router.state, &config).await.tls, Some(Ok(())));
+    assert_eq!(list_over_tls(admin, &second, Some(&client)).await, Ok(2));
+    assert!(list_over_tls(admin, &first, Some(&client)).await.is_err(), "the old certificate is gone");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn admin_tls_needs_the_proxys_certificate() {
+    let config = RouterConfig { admin_tls: true, ..RouterConfig::default() };
+    let errors = config.validate().unwrap_err();
+    assert!(errors.iter().any(|e| e.starts_with("--admin-tls needs --tls-cert")), "{errors:?}");
 }

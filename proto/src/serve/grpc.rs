@@ -1,0 +1,175 @@
+//! The gRPC servers' side of serving: the router's admin service and the agent's service,
+//! plain or over TLS.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::Stream;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpListener;
+use tonic::transport::server::{Connected, TcpConnectInfo};
+
+use super::ACCEPT_BACKOFF;
+use super::tls::{self, Tls};
+
+/// How long a gRPC server waits for a PING's acknowledgement, and how long a connection may
+/// be silent before it sends one.
+const GRPC_KEEPALIVE: Duration = Duration::from_secs(20);
+
+/// How long a peer has to finish its TLS handshake: one that never does is let go.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// TLS handshakes under way at once; accepting waits for one to end past that.
+const MAX_HANDSHAKES: usize = 64;
+
+/// A gRPC server as the router's admin service and the agent's service run: a connection
+/// whose peer stops answering HTTP/2 PINGs (a client gone with its network, a half-open
+/// connection) is closed within a minute. Without that, a graceful shutdown waited for it
+/// until TCP gave up on its retransmissions, about 15 minutes.
+pub fn grpc_server() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(GRPC_KEEPALIVE))
+        .http2_keepalive_timeout(Some(GRPC_KEEPALIVE))
+}
+
+/// A connection a [`grpc_server`] serves: plain TCP, or TLS over it.
+pub struct GrpcStream(tls::Stream);
+
+/// The connections `listener` accepts, for a [`grpc_server`]; with `tls`, those whose TLS
+/// handshake succeeded (with the certificate `tls` holds when each is accepted: a certificate
+/// renewed in place is served from then on). After a failed accept (out of file descriptors,
+/// say) it waits [`ACCEPT_BACKOFF`] before the next, as the HTTP servers' loop does, where
+/// tonic's own would try again at once and spin a core meanwhile. Handshakes run side by side
+/// ([`MAX_HANDSHAKES`] at most), each within [`HANDSHAKE_TIMEOUT`]: a peer that stalls in its
+/// handshake holds up no other, and one that fails it is logged and dropped.
+pub fn grpc_incoming(
+    listener: TcpListener,
+    tls: Option<Tls>,
+) -> impl Stream<Item = io::Result<GrpcStream>> + Send + 'static {
+    use futures::StreamExt;
+    let accepted = futures::stream::unfold(listener, |listener| async move {
+        loop {
+            match listener.accept().await {
+                Ok((stream, _)) => return Some((stream, listener)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "gRPC accept failed");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                }
+            }
+        }
+    });
+    accepted
+        .map(move |stream| {
+            let acceptor = tls.as_ref().map(Tls::acceptor);
+            async move {
+                let Some(acceptor) = acceptor else { return Some(tls::Stream::Plain(stream)) };
+                let peer = stream.peer_addr().ok();
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(stream)) => Some(tls::Stream::Tls(Box::new(stream))),
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, ?peer, "gRPC TLS handshake failed");
+                        None
+                    }
+                    Err(_) => {
+                        tracing::debug!(?peer, "gRPC TLS handshake not done in time");
+                        None
+                    }
+                }
+            }
+        })
+        .buffer_unordered(MAX_HANDSHAKES)
+        .filter_map(|stream| async move { stream.map(|stream| Ok(GrpcStream(stream))) })
+}
+
+impl Connected for GrpcStream {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        match &self.0 {
+            tls::Stream::Plain(stream) => stream.connect_info(),
+            tls::Stream::Tls(stream) => stream.get_ref().0.connect_info(),
+        }
+    }
+}
+
+impl AsyncRead for GrpcStream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for GrpcStream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().0).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.0.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use futures::StreamExt;
+    use tokio_rustls::rustls::pki_types::ServerName;
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore, crypto::ring};
+
+    use super::*;
+    use crate::serve::TlsFiles;
+
+    /// A peer that opens a connection and never starts its handshake holds up no other: the
+    /// next client's handshake is done, and its connection served, meanwhile. A plain
+    /// client's connection is not.
+    #[tokio::test]
+    async fn a_stalled_handshake_holds_up_no_other() {
+        let (cert, key, made) = super::tls::test_files("grpc");
+        let tls = Tls::from_files(&TlsFiles { cert: cert.clone(), key, client_ca: None }).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut incoming = std::pin::pin!(grpc_incoming(listener, Some(tls)));
+        let _stalled = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut plain = tokio::net::TcpStream::connect(addr).await.unwrap();
+        tokio::io::AsyncWriteExt::write_all(&mut plain, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.unwrap();
+
+        let mut roots = RootCertStore::empty();
+        roots.add(made.cert.der().clone()).unwrap();
+        let config = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+        let client = async {
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            connector.connect(ServerName::try_from("localhost").unwrap(), tcp).await.unwrap()
+        };
+        let within = Duration::from_secs(5);
+        let (served, client) = tokio::time::timeout(within, futures::future::join(incoming.next(), client))
+            .await
+            .expect("the handshake is done while another stalls");
+        let served = served.unwrap().unwrap();
+        assert!(matches!(served.0, tls::Stream::Tls(_)));
+        assert_eq!(served.connect_info().remote_addr(), Some(client.get_ref().0.local_addr().unwrap()));
+        let _ = std::fs::remove_dir_all(cert.parent().unwrap());
+    }
+}
