@@ -21,7 +21,7 @@ py="$venv/bin/python"
 
 rm -rf "$out"
 mkdir -p "$out"
-for k in base overlays/sim overlays/vllm loadgen; do
+for k in base overlays/sim overlays/vllm overlays/sglang loadgen; do
   "$venv/bin/kubectl" kustomize "deploy/$k" > "$out/${k//\//-}.yaml"
 done
 

@@ -12,7 +12,9 @@ import yaml
 
 DEPLOY = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(DEPLOY)
-OVERLAYS = ["base", "overlays/sim", "overlays/vllm", "loadgen"]
+OVERLAYS = ["base", "overlays/sim", "overlays/vllm", "overlays/sglang", "loadgen"]
+# The overlays of a real engine's fleet: the StatefulSet, its Service and policies share its name.
+ENGINES = {"overlays/vllm": "vllm", "overlays/sglang": "sglang"}
 
 
 KUBECTL = os.path.join(os.path.dirname(sys.executable), "kubectl")
@@ -60,7 +62,7 @@ class Manifests(unittest.TestCase):
                                 self.assertIn(v["configMap"]["name"], config_maps)
 
     def test_router_deployment(self):
-        for overlay in ["base", "overlays/sim", "overlays/vllm"]:
+        for overlay in ["base", "overlays/sim", *ENGINES]:
             with self.subTest(overlay=overlay):
                 res = rendered(overlay)
                 d = one(res, "Deployment", "kvroute-router")
@@ -130,7 +132,7 @@ class Manifests(unittest.TestCase):
         self.assertTrue(env["KVROUTE_HEALTH_LISTEN"]["value"].endswith(f":{ports['health']}"))
 
     def test_fleets_expose_the_named_ports_discovery_reads(self):
-        for overlay, service, engine in [("overlays/sim", "kvroute-agent", "kvroute"), ("overlays/vllm", "vllm", "vllm")]:
+        for overlay, service, engine in [("overlays/sim", "kvroute-agent", "kvroute"), *((o, e, e) for o, e in ENGINES.items())]:
             with self.subTest(overlay=overlay):
                 res = rendered(overlay)
                 svc = one(res, "Service", service)
@@ -144,24 +146,33 @@ class Manifests(unittest.TestCase):
                 self.assertEqual(config["discovery-engine"], engine)
                 self.assertEqual(one(res, "StatefulSet")["spec"]["serviceName"], service)
 
-    def test_vllm_pods_stop_gracefully_and_keep_their_event_ports_to_the_routers(self):
-        res = rendered("overlays/vllm")
-        pod = one(res, "StatefulSet", "vllm")["spec"]["template"]
+    def test_engine_pods_stop_gracefully_and_keep_their_event_ports_to_the_routers(self):
+        for overlay, engine in ENGINES.items():
+            with self.subTest(overlay=overlay):
+                self.engine_pods_stop_gracefully_and_keep_their_event_ports_to_the_routers(overlay, engine)
+
+    def engine_pods_stop_gracefully_and_keep_their_event_ports_to_the_routers(self, overlay, engine):
+        res = rendered(overlay)
+        pod = one(res, "StatefulSet", engine)["spec"]["template"]
         c = pod["spec"]["containers"][0]
         router = one(res, "Deployment", "kvroute-router")["spec"]["template"]["spec"]
-        # vLLM lets running requests finish for as long as a router waits for a stream, and
-        # Kubernetes waits for that after vLLM's own preStop sleep.
-        (shutdown,) = [int(a.split("=")[1]) for a in c["args"] if a.startswith("--shutdown-timeout=")]
+        # The engine lets running requests finish for as long as a router waits for a stream
+        # (vLLM for its --shutdown-timeout; SGLang until none runs), and Kubernetes waits for
+        # that after the engine's own preStop sleep.
         router_c = router["containers"][0]
-        self.assertGreaterEqual(
-            shutdown, router["terminationGracePeriodSeconds"] - router_c["lifecycle"]["preStop"]["sleep"]["seconds"]
-        )
+        router_wait = router["terminationGracePeriodSeconds"] - router_c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        shutdown = router_wait
+        if engine == "vllm":
+            (shutdown,) = [int(a.split("=")[1]) for a in c["args"] if a.startswith("--shutdown-timeout=")]
+            self.assertGreaterEqual(shutdown, router_wait)
+            self.assertFalse(any(a.startswith("--model") for a in c["args"]), "vllm serve takes the model as its argument")
         self.assertGreater(
             pod["spec"]["terminationGracePeriodSeconds"], c["lifecycle"]["preStop"]["sleep"]["seconds"] + shutdown
         )
-        self.assertGreaterEqual(c["readinessProbe"]["timeoutSeconds"], 5, "a busy engine answers late")
-        self.assertEqual(one(res, "PodDisruptionBudget", "vllm")["spec"]["maxUnavailable"], 1)
-        policy = one(res, "NetworkPolicy", "vllm")
+        for probe in ["readinessProbe", "livenessProbe"]:
+            self.assertGreaterEqual(c[probe]["timeoutSeconds"], 5, f"{probe}: a busy engine answers late")
+        self.assertEqual(one(res, "PodDisruptionBudget", engine)["spec"]["maxUnavailable"], 1)
+        policy = one(res, "NetworkPolicy", engine)
         router_labels = one(res, "Deployment", "kvroute-router")["spec"]["template"]["metadata"]["labels"]
         baseline = one(rendered("loadgen"), "Deployment", "kvroute-router-baseline")
         baseline_labels = baseline["spec"]["template"]["metadata"]["labels"]
@@ -182,7 +193,6 @@ class Manifests(unittest.TestCase):
                     all(any(p["podSelector"]["matchLabels"].items() <= labels.items() for p in rule["from"])
                         for labels in routers)
                 )
-        self.assertFalse(any(a.startswith("--model") for a in c["args"]), "vllm serve takes the model as its argument")
 
     def test_vllm_publishes_kv_events_with_prefix_caching(self):
         res = rendered("overlays/vllm")
@@ -201,6 +211,35 @@ class Manifests(unittest.TestCase):
         self.assertEqual(config["block-size"], int(block))
         served = [a for a in args if a.startswith("--served-model-name=")][0].split("=")[1]
         self.assertEqual(config["model"], served)
+
+    def test_sglang_publishes_kv_events_a_page_a_block_and_reports_cached_tokens(self):
+        res = rendered("overlays/sglang")
+        c = one(res, "StatefulSet", "sglang")["spec"]["template"]["spec"]["containers"][0]
+        self.assertEqual(c["command"], ["python3", "-m", "sglang.launch_server"], "the image has no entrypoint")
+        args = dict(a.split("=", 1) if "=" in a else (a, "") for a in c["args"])
+        self.assertIn("--enable-cache-report", args)
+        self.assertIn("--enable-metrics", args)
+        self.assertNotIn("--disable-radix-cache", args)
+        events = json.loads(args["--kv-events-config"])
+        self.assertEqual(
+            (events["publisher"], events["endpoint"], events["replay_endpoint"]), ("zmq", "tcp://*:5557", "tcp://*:5558")
+        )
+        config = tomllib.loads(one(res, "ConfigMap", "kvroute-router-config")["data"]["router.toml"])
+        self.assertEqual(config["discovery-topic"], events["topic"])
+        self.assertEqual(config["block-size"], int(args["--page-size"]))
+        self.assertEqual(config["model"], args["--served-model-name"])
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        self.assertEqual(int(args["--port"]), ports["http"])
+        self.assertEqual(args["--host"], "0.0.0.0", "SGLang listens on 127.0.0.1 by default")
+        # The router tokenizes with the model's files, fetched for it before it starts.
+        router = one(res, "Deployment", "kvroute-router")["spec"]["template"]["spec"]
+        (fetch,) = router["initContainers"]
+        env = {e["name"]: e.get("value") for e in fetch["env"]}
+        self.assertEqual(env["MODEL"], config["model"])
+        mounts = {m["mountPath"]: m["name"] for m in fetch["volumeMounts"]}
+        router_mounts = {m["mountPath"]: m["name"] for m in router["containers"][0]["volumeMounts"]}
+        self.assertEqual(router_mounts[config["tokenizer"]], mounts[config["tokenizer"]])
+        self.assertNotIn("remote-tokenize", config)
 
     def test_images_are_the_workspace_version(self):
         with open(os.path.join(ROOT, "Cargo.toml"), "rb") as f:
@@ -221,7 +260,7 @@ class Manifests(unittest.TestCase):
                     fields |= {m.replace("_", "-") for m in re.findall(r"^\s*pub (\w+):", f.read(), re.M)}
         if not os.path.exists(os.path.join(ROOT, "router/src/config.rs")):
             self.skipTest("router/src/config.rs not there yet")
-        for overlay in ["base", "overlays/sim", "overlays/vllm"]:
+        for overlay in ["base", "overlays/sim", *ENGINES]:
             with open(os.path.join(DEPLOY, overlay, "router.toml"), "rb") as f:
                 keys = set(tomllib.load(f))
             self.assertEqual(keys - fields, set(), overlay)
