@@ -222,7 +222,8 @@ class Manifests(unittest.TestCase):
         self.assertNotIn("--disable-radix-cache", args)
         events = json.loads(args["--kv-events-config"])
         self.assertEqual(
-            (events["publisher"], events["endpoint"], events["replay_endpoint"]), ("zmq", "tcp://*:5557", "tcp://*:5558")
+            (events["enable_kv_cache_events"], events["publisher"], events["endpoint"], events["replay_endpoint"]),
+            (True, "zmq", "tcp://*:5557", "tcp://*:5558"),
         )
         config = tomllib.loads(one(res, "ConfigMap", "kvroute-router-config")["data"]["router.toml"])
         self.assertEqual(config["discovery-topic"], events["topic"])

@@ -53,6 +53,8 @@ impl RunningRouter {
         format!("{scheme}://{}", self.addr)
     }
 
+    /// The admin service's base URL, for a plain gRPC client (`http`, whether or not the
+    /// service serves TLS: `--admin-tls`).
     pub fn admin_url(&self) -> String {
         format!("http://{}", self.admin_addr)
     }

@@ -21,7 +21,7 @@ const GRPC_KEEPALIVE: Duration = Duration::from_secs(20);
 /// How long a peer has to finish its TLS handshake: one that never does is let go.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// TLS handshakes under way at once; accepting waits for one to end past that.
+/// TLS handshakes under way at once; a connection accepted past that is closed at once.
 const MAX_HANDSHAKES: usize = 64;
 
 /// A gRPC server as the router's admin service and the agent's service run: a connection
@@ -39,48 +39,84 @@ pub struct GrpcStream(tls::Stream);
 
 /// The connections `listener` accepts, for a [`grpc_server`]; with `tls`, those whose TLS
 /// handshake succeeded (with the certificate `tls` holds when each is accepted: a certificate
-/// renewed in place is served from then on). After a failed accept (out of file descriptors,
-/// say) it waits [`ACCEPT_BACKOFF`] before the next, as the HTTP servers' loop does, where
-/// tonic's own would try again at once and spin a core meanwhile. Handshakes run side by side
-/// ([`MAX_HANDSHAKES`] at most), each within [`HANDSHAKE_TIMEOUT`]: a peer that stalls in its
-/// handshake holds up no other, and one that fails it is logged and dropped.
+/// renewed in place is served from then on; HTTP/2 the one protocol offered by ALPN, the only
+/// one a gRPC server speaks). After a failed accept (out of file descriptors, say) it waits
+/// [`ACCEPT_BACKOFF`] before the next, as the HTTP servers' loop does, where tonic's own would
+/// try again at once and spin a core meanwhile.
+///
+/// Each handshake runs in a task of its own, within [`HANDSHAKE_TIMEOUT`], while accepting
+/// goes on: a peer that stalls in its handshake holds up no other, and one that fails it is
+/// logged and dropped. Past [`MAX_HANDSHAKES`] under way, a new connection is closed at once
+/// rather than waited on. Accepting stops when the server drops the stream.
 pub fn grpc_incoming(
     listener: TcpListener,
     tls: Option<Tls>,
 ) -> impl Stream<Item = io::Result<GrpcStream>> + Send + 'static {
     use futures::StreamExt;
-    let accepted = futures::stream::unfold(listener, |listener| async move {
-        loop {
-            match listener.accept().await {
-                Ok((stream, _)) => return Some((stream, listener)),
-                Err(e) => {
-                    tracing::warn!(error = %e, "gRPC accept failed");
-                    tokio::time::sleep(ACCEPT_BACKOFF).await;
-                }
+    match tls {
+        None => futures::stream::unfold(listener, |listener| async move {
+            let stream = accept(&listener).await;
+            Some((Ok(GrpcStream(tls::Stream::Plain(stream))), listener))
+        })
+        .left_stream(),
+        Some(tls) => {
+            let (done, mut handshaken) = tokio::sync::mpsc::channel(MAX_HANDSHAKES);
+            tokio::spawn(handshakes(listener, tls, done));
+            futures::stream::poll_fn(move |cx| handshaken.poll_recv(cx)).right_stream()
+        }
+    }
+}
+
+/// The next connection `listener` accepts, backing off after a failed accept.
+async fn accept(listener: &TcpListener) -> tokio::net::TcpStream {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => return stream,
+            Err(e) => {
+                tracing::warn!(error = %e, "gRPC accept failed");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
             }
         }
-    });
-    accepted
-        .map(move |stream| {
-            let acceptor = tls.as_ref().map(Tls::acceptor);
-            async move {
-                let Some(acceptor) = acceptor else { return Some(tls::Stream::Plain(stream)) };
-                let peer = stream.peer_addr().ok();
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => Some(tls::Stream::Tls(Box::new(stream))),
-                    Ok(Err(e)) => {
-                        tracing::debug!(error = %e, ?peer, "gRPC TLS handshake failed");
-                        None
-                    }
-                    Err(_) => {
-                        tracing::debug!(?peer, "gRPC TLS handshake not done in time");
-                        None
-                    }
-                }
+    }
+}
+
+/// Accepts connections on `listener` and sends each on to `done` once its TLS handshake is
+/// done ([`grpc_incoming`]), until `done`'s receiver is dropped.
+async fn handshakes(
+    listener: TcpListener,
+    tls: Tls,
+    done: tokio::sync::mpsc::Sender<io::Result<GrpcStream>>,
+) {
+    let under_way = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+    loop {
+        let stream = tokio::select! {
+            () = done.closed() => return,
+            stream = accept(&listener) => stream,
+        };
+        let peer = stream.peer_addr().ok();
+        let Ok(place) = under_way.clone().try_acquire_owned() else {
+            tracing::debug!(?peer, "too many gRPC TLS handshakes under way: connection closed");
+            continue;
+        };
+        let (acceptor, done) = (h2_only(&tls), done.clone());
+        tokio::spawn(async move {
+            let _place = place;
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                Ok(Ok(stream)) => drop(done.send(Ok(GrpcStream(tls::Stream::Tls(Box::new(stream))))).await),
+                Ok(Err(e)) => tracing::debug!(error = %e, ?peer, "gRPC TLS handshake failed"),
+                Err(_) => tracing::debug!(?peer, "gRPC TLS handshake not done in time"),
             }
-        })
-        .buffer_unordered(MAX_HANDSHAKES)
-        .filter_map(|stream| async move { stream.map(|stream| Ok(GrpcStream(stream))) })
+        });
+    }
+}
+
+/// `tls`'s acceptor as it is now, offering only HTTP/2 by ALPN: a client that offers HTTP/1.1
+/// too (a browser, curl) is told HTTP/2 or nothing, not given a protocol the server lacks.
+fn h2_only(tls: &Tls) -> tokio_rustls::TlsAcceptor {
+    let acceptor = tls.acceptor();
+    let mut config = tokio_rustls::rustls::ServerConfig::clone(acceptor.config());
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config))
 }
 
 impl Connected for GrpcStream {
@@ -138,8 +174,9 @@ mod tests {
     use crate::serve::TlsFiles;
 
     /// A peer that opens a connection and never starts its handshake holds up no other: the
-    /// next client's handshake is done, and its connection served, meanwhile. A plain
-    /// client's connection is not.
+    /// next client's handshake is done, and its connection served, meanwhile, with HTTP/2
+    /// where the client offered HTTP/1.1 first. A plain client's connection is not, nor is one
+    /// whose client speaks HTTP/1.1 alone.
     #[tokio::test]
     async fn a_stalled_handshake_holds_up_no_other() {
         let (cert, key, made) = super::tls::test_files("grpc");
@@ -153,11 +190,14 @@ mod tests {
 
         let mut roots = RootCertStore::empty();
         roots.add(made.cert.der().clone()).unwrap();
-        let config = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+        let mut config = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
             .with_safe_default_protocol_versions()
             .unwrap()
             .with_root_certificates(roots)
             .with_no_client_auth();
+        config.alpn_protocols = vec![b"http/1.1".to_vec(), b"h2".to_vec()];
+        let mut http1_only = config.clone();
+        http1_only.alpn_protocols = vec![b"http/1.1".to_vec()];
         let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
         let client = async {
             let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -169,6 +209,11 @@ mod tests {
             .expect("the handshake is done while another stalls");
         let served = served.unwrap().unwrap();
         assert!(matches!(served.0, tls::Stream::Tls(_)));
+        assert_eq!(client.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let http1 = tokio_rustls::TlsConnector::from(Arc::new(http1_only));
+        let refused = http1.connect(ServerName::try_from("localhost").unwrap(), tcp).await;
+        assert!(refused.is_err(), "HTTP/1.1 alone is not agreed on");
         assert_eq!(served.connect_info().remote_addr(), Some(client.get_ref().0.local_addr().unwrap()));
         let _ = std::fs::remove_dir_all(cert.parent().unwrap());
     }
