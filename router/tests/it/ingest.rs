@@ -1046,7 +1046,8 @@ async fn oversized_snapshot_is_refused() {
     let config = kvroute_router::ingest::IngestConfig { snapshot_max_blocks: 3, ..test_config() };
     let blocks = snapshot_blocks(&Rng::new(21).tokens(4));
     let why = "a 4-block snapshot is over the cap of 3";
-    let (_h, r) = snapshot_is_refused(config, EngineKind::Kvroute, blocks, |spec| spec, why).await;
+    let (_h, r, _publisher) =
+        snapshot_is_refused(config, EngineKind::Kvroute, blocks, |spec| spec, why).await;
     assert_eq!(r.status.state(), StreamState::Exact, "rebuilt from the live stream instead");
 }
 
@@ -1076,14 +1077,15 @@ async fn a_snapshot_of_another_block_size_is_refused() {
 
 /// Adds an `engine` replica (its spec as `adjust` makes it) whose agent's snapshot is `blocks`,
 /// under `config`, and checks that the snapshot was refused (`why`) and nothing of it stored;
-/// the harness goes on, for further checks.
+/// the harness goes on, for further checks, and so does the replica's publisher (dropped, it
+/// would disconnect the replica, and make it DEGRADED).
 async fn snapshot_is_refused(
     config: kvroute_router::ingest::IngestConfig,
     engine: EngineKind,
     blocks: Vec<kvroute_proto::pb::SnapshotBlock>,
     adjust: impl FnOnce(ReplicaSpec) -> ReplicaSpec,
     why: &str,
-) -> (Harness, Arc<Replica>) {
+) -> (Harness, Arc<Replica>, FakePublisher) {
     let h = Harness::with_config(config);
     let shutdown = CancellationToken::new();
     let agent = FakeAgent::default();
@@ -1099,5 +1101,5 @@ async fn snapshot_is_refused(
     assert_eq!(m.snapshots(Outcome::Ok).get(), 0, "{why}");
     assert_eq!(h.index.blocks(r.id), 0, "nothing of it was stored");
     shutdown.cancel();
-    (h, r)
+    (h, r, fake)
 }
