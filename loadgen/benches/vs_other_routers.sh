@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # Fleet hit rate, load skew and latency: kvroute-router's cache-aware policy against SGLang's
-# own router (PyPI `sglang-router`, its `cache_aware` and `round_robin` policies), each in
-# front of the same simulated fleet, everything on 127.0.0.1.
+# own router (PyPI `sglang-router`, its `cache_aware` and `round_robin` policies) and vLLM's
+# (PyPI `vllm-router`, its `kv_aware` policy, which follows the replicas' KV events as kvroute
+# does), each in front of the same simulated fleet, everything on 127.0.0.1.
 #
 # Fleet: 4 kvroute replica agents as the demo builds them (2048 blocks of 16 tokens each, LRU,
 # time scale 6: every simulated latency divided by 6, the trace's arrivals too), started
-# afresh for every run so that each router meets cold caches. They answer OpenAI completions
+# afresh for every run so that each router meets cold caches. They publish their KV events as
+# vLLM does (msgpack, map-shaped events, replay on a ROUTER socket; the empty topic, which
+# vllm-router's static sources expect). They answer OpenAI completions
 # as vLLM and SGLang do (`usage.prompt_tokens_details.cached_tokens`), which is what the hit
 # rate is read from: the same counters whichever router sent the requests.
 #
 # Routers:
 #   kvroute            kvroute-router, cache-aware (the default), following the agents' KV
-#                      events (their token blocks, exactly)
+#                      events (engine vllm), tokenizing text prompts itself
+#   vllm-kv-aware      vllm-router --policy kv_aware, following the same events, with its
+#                      defaults; it tokenizes text prompts through a replica's /tokenize
 #   sglang-cache-aware sglang-router --policy cache_aware, with its defaults: an approximate
 #                      radix tree of the prompts' text it sent where, and its balance
 #                      thresholds (it sees no events)
@@ -23,40 +28,53 @@
 #   rag   2000 questions over a pool of 200 documents (Zipf 1.1, 3 a question) behind one
 #         system prompt of 1024 tokens that every request shares
 #
-# Usage: bash loadgen/benches/vs_sglang_router.sh [chat|rag ...]   (default: chat rag)
-# Env: SGLANG_ROUTER (default 0.3.2, installed into target/bench/sglang-router-venv from PyPI),
+# Usage: bash loadgen/benches/vs_other_routers.sh [chat|rag ...]   (default: chat rag)
+# Env: SGLANG_ROUTER (default 0.3.2) and VLLM_ROUTER (default 0.1.17), installed from PyPI
+#      into target/bench/sglang-router-venv and target/bench/vllm-router-venv,
 #      BASE_PORT (default 18000: agents BASE..BASE+3, gRPC +100, events +200, replay +300,
-#      routers +400/+500), OUT (default target/bench/vs-sglang-router).
+#      routers +400/+500/+600, vllm-router's metrics +700), OUT (default
+#      target/bench/vs-other-routers).
 #
-# 2026-11-29, sglang-router 0.3.2, on the 2-core dev machine (times are the agents' sped-up
-# ones, at time scale 6):
+# 2026-11-29, sglang-router 0.3.2 and vllm-router 0.1.17, on the 2-core dev machine (times
+# are the agents' sped-up ones, at time scale 6):
 #   | workload | router             | hit rate | load skew | TTFT p50 / p99 ms | e2e p99 ms |
-#   | chat     | kvroute            | 82.3%    | 1.13      | 7.5 / 41.8        | 175.3      |
-#   | chat     | sglang-cache-aware | 77.1%    | 2.66      | 43.8 / 804.1      | 1117.6     |
-#   | chat     | sglang-round-robin | 65.3%    | 1.01      | 32.7 / 71.9       | 331.8      |
-#   | rag      | kvroute            | 33.8%    | 1.01      | 52.9 / 95.3       | 678.7      |
-#   | rag      | sglang-cache-aware | 34.4%    | 1.18      | 58.1 / 244.3      | 800.2      |
-#   | rag      | sglang-round-robin | 25.9%    | 1.01      | 58.4 / 84.8       | 684.6      |
+#   | chat     | kvroute            | 82.3%    | 1.13      | 7.3 / 45.3        | 200.7      |
+#   | chat     | vllm-kv-aware      | 77.8%    | 1.08      | 11.5 / 45.3       | 181.0      |
+#   | chat     | sglang-cache-aware | 77.3%    | 2.64      | 43.6 / 816.2      | 1084.5     |
+#   | chat     | sglang-round-robin | 65.4%    | 1.01      | 33.0 / 73.7       | 318.9      |
+#   | rag      | kvroute            | 34.1%    | 1.02      | 53.3 / 99.9       | 660.9      |
+#   | rag      | vllm-kv-aware      | 29.8%    | 1.05      | 59.8 / 95.8       | 677.1      |
+#   | rag      | sglang-cache-aware | 34.5%    | 1.19      | 58.7 / 315.5      | 852.3      |
+#   | rag      | sglang-round-robin | 25.8%    | 1.01      | 58.1 / 84.8       | 671.1      |
 # No errors in any run. In chat, SGLang's tree sends each system prompt's conversations
 # to one replica until its balance thresholds trip: a third of the fleet's load on one
-# replica, and its queue in the TTFT tail. In rag both are at the pooled reference (one cache
-# of the fleet's size: 34.2% offline, `kvroute-loadgen simulate`), which separate caches can
-# pass by a little; kvroute keeps the load even there too.
+# replica, and its queue in the TTFT tail. In rag kvroute and SGLang's router are at the pooled
+# reference (one cache of the fleet's size: 34.2% offline, `kvroute-loadgen simulate`), which
+# separate caches can pass by a little; kvroute keeps the load even there too. An earlier run
+# of the same script (kvroute on the agents' own event format): chat 82.3% / 77.1% / 65.3%,
+# rag 33.8% / 34.4% / 25.9% for kvroute, sglang cache_aware and round_robin.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-version=${SGLANG_ROUTER:-0.3.2}
+sglang_version=${SGLANG_ROUTER:-0.3.2}
+vllm_version=${VLLM_ROUTER:-0.1.17}
 base=${BASE_PORT:-18000}
-out=${OUT:-target/bench/vs-sglang-router}
-venv=target/bench/sglang-router-venv
+out=${OUT:-target/bench/vs-other-routers}
 workloads=("$@")
 [ ${#workloads[@]} -gt 0 ] || workloads=(chat rag)
+routers=(kvroute vllm-kv-aware sglang-cache-aware sglang-round-robin)
 mkdir -p "$out"
 
-if ! "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('sglang-router') == '$version'" 2>/dev/null; then
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check "sglang-router==$version"
-fi
+# Installs PyPI package `$1` at version `$2` into target/bench/$1-venv (once).
+install() {
+  local venv="target/bench/$1-venv"
+  if ! "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('$1') == '$2'" 2>/dev/null; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "$1==$2"
+  fi
+}
+install sglang-router "$sglang_version"
+install vllm-router "$vllm_version"
 cargo build --release -q -p kvroute-replica-agent -p kvroute-router -p kvroute-loadgen
 bin=target/release
 
@@ -84,7 +102,8 @@ agents() {
       --http-addr "127.0.0.1:$((base + i))" --grpc-addr "127.0.0.1:$((base + 100 + i))" \
       --events-endpoint "tcp://127.0.0.1:$((base + 200 + i))" \
       --replay-endpoint "tcp://127.0.0.1:$((base + 300 + i))" \
-      --capacity-blocks 2048 --block-size 16 --time-scale 6 >"$out/agent-$i.log" 2>&1 &
+      --capacity-blocks 2048 --block-size 16 --time-scale 6 --event-format vllm --topic '' \
+      >"$out/agent-$i.log" 2>&1 &
     pids+=($!)
   done
   for i in 0 1 2 3; do wait_for "http://127.0.0.1:$((base + i))/health"; done
@@ -92,11 +111,13 @@ agents() {
 
 # Starts router `$1` in front of the agents and sets `target` to its URL.
 router() {
+  local workers=()
+  for i in 0 1 2 3; do workers+=("http://127.0.0.1:$((base + i))"); done
   case "$1" in
     kvroute)
       local replicas=()
       for i in 0 1 2 3; do
-        replicas+=(--replica "name=agent-$i,http=http://127.0.0.1:$((base + i)),events=tcp://127.0.0.1:$((base + 200 + i)),replay=tcp://127.0.0.1:$((base + 300 + i)),grpc=http://127.0.0.1:$((base + 100 + i))")
+        replicas+=(--replica "name=agent-$i,http=http://127.0.0.1:$((base + i)),events=tcp://127.0.0.1:$((base + 200 + i)),replay=tcp://127.0.0.1:$((base + 300 + i)),engine=vllm")
       done
       "$bin/kvroute-router" --listen "127.0.0.1:$((base + 500))" --admin-listen 127.0.0.1:0 \
         --model kvroute-sim --block-size 16 "${replicas[@]}" >"$out/router-$1.log" 2>&1 &
@@ -105,14 +126,27 @@ router() {
       target="http://127.0.0.1:$((base + 500))"
       ;;
     sglang-*)
-      local workers=()
-      for i in 0 1 2 3; do workers+=("http://127.0.0.1:$((base + i))"); done
       local policy=${1#sglang-}
-      "$venv/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port $((base + 400)) \
+      target/bench/sglang-router-venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port $((base + 400)) \
         --policy "${policy//-/_}" --worker-urls "${workers[@]}" >"$out/router-$1.log" 2>&1 &
       pids+=($!)
       wait_for "http://127.0.0.1:$((base + 400))/v1/models"
       target="http://127.0.0.1:$((base + 400))"
+      ;;
+    vllm-kv-aware)
+      local sources=()
+      for i in 0 1 2 3; do
+        local url="http://127.0.0.1:$((base + i))"
+        sources+=(--kv-event-source "$url=tcp://127.0.0.1:$((base + 200 + i))")
+        sources+=(--kv-event-replay-source "$url=tcp://127.0.0.1:$((base + 300 + i))")
+      done
+      target/bench/vllm-router-venv/bin/vllm-router --host 127.0.0.1 --port $((base + 600)) \
+        --prometheus-port $((base + 700)) --policy kv_aware \
+        --worker-urls "${workers[@]}" "${sources[@]}" --kv-event-block-size 16 \
+        --kv-event-model kvroute-sim >"$out/router-$1.log" 2>&1 &
+      pids+=($!)
+      wait_for "http://127.0.0.1:$((base + 600))/v1/models"
+      target="http://127.0.0.1:$((base + 600))"
       ;;
   esac
 }
@@ -126,7 +160,7 @@ workload() {
 }
 
 for w in "${workloads[@]}"; do
-  for r in kvroute sglang-cache-aware sglang-round-robin; do
+  for r in "${routers[@]}"; do
     agents
     router "$r"
     replicas=()
@@ -139,13 +173,13 @@ for w in "${workloads[@]}"; do
   done
 done
 
-python3 - "$out" "${workloads[@]}" <<'EOF'
+python3 - "$out" "${routers[*]}" "${workloads[@]}" <<'EOF'
 import json, sys
-out, workloads = sys.argv[1], sys.argv[2:]
+out, routers, workloads = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
 print("| workload | router | hit rate | load skew | TTFT p50 / p99 ms | e2e p99 ms | errors |")
 print("|---|---|---|---|---|---|---|")
 for w in workloads:
-    for r in ["kvroute", "sglang-cache-aware", "sglang-round-robin"]:
+    for r in routers:
         d = json.load(open(f"{out}/{w}-{r}.json"))
         print(f"| {w} | {r} | {100 * d['fleet_hit_rate']:.1f}% | {d['load_skew']:.2f} | "
               f"{d['ttft']['p50_ms']:.1f} / {d['ttft']['p99_ms']:.1f} | {d['e2e']['p99_ms']:.1f} | "
