@@ -8,15 +8,17 @@
 # time scale 6: every simulated latency divided by 6, the trace's arrivals too), started
 # afresh for every run so that each router meets cold caches. They publish their KV events as
 # vLLM does (msgpack, map-shaped events, replay on a ROUTER socket; the empty topic, which
-# vllm-router's static sources expect). They answer OpenAI completions
-# as vLLM and SGLang do (`usage.prompt_tokens_details.cached_tokens`), which is what the hit
-# rate is read from: the same counters whichever router sent the requests.
+# vllm-router's static sources expect). The hit rate is the fleet's, read from the agents'
+# prefix-cache counters (`vllm:prefix_cache_hits_total` over `_queries_total`): the same
+# counters whichever router sent the requests. Load skew: the busiest replica's prompt tokens
+# over the mean.
 #
 # Routers:
 #   kvroute            kvroute-router, cache-aware (the default), following the agents' KV
 #                      events (engine vllm), tokenizing text prompts itself
 #   vllm-kv-aware      vllm-router --policy kv_aware, following the same events, with its
-#                      defaults; it tokenizes text prompts through a replica's /tokenize
+#                      defaults; it tokenized the text prompts through the replicas' /tokenize
+#                      (its counter `vllm_router_kv_routing_inputs_total{result="tokenize"}`)
 #   sglang-cache-aware sglang-router --policy cache_aware, with its defaults: an approximate
 #                      radix tree of the prompts' text it sent where, and its balance
 #                      thresholds (it sees no events)
@@ -46,13 +48,14 @@
 #   | rag      | vllm-kv-aware      | 29.8%    | 1.05      | 59.8 / 95.8       | 677.1      |
 #   | rag      | sglang-cache-aware | 34.5%    | 1.19      | 58.7 / 315.5      | 852.3      |
 #   | rag      | sglang-round-robin | 25.8%    | 1.01      | 58.1 / 84.8       | 671.1      |
-# No errors in any run. In chat, SGLang's tree sends each system prompt's conversations
-# to one replica until its balance thresholds trip: a third of the fleet's load on one
-# replica, and its queue in the TTFT tail. In rag kvroute and SGLang's router are at the pooled
-# reference (one cache of the fleet's size: 34.2% offline, `kvroute-loadgen simulate`), which
-# separate caches can pass by a little; kvroute keeps the load even there too. An earlier run
-# of the same script (kvroute on the agents' own event format): chat 82.3% / 77.1% / 65.3%,
-# rag 33.8% / 34.4% / 25.9% for kvroute, sglang cache_aware and round_robin.
+# No errors in any run. In chat, SGLang's cache_aware sent about two thirds of the prompt
+# tokens to one replica (skew 2.64), whose queue is its TTFT tail. In rag, kvroute and
+# SGLang's router are within 0.1 and 0.3 points of the pooled reference, one LRU cache of the
+# fleet's size (34.2%: `kvroute-loadgen generate --out rag.jsonl rag`, then `kvroute-loadgen
+# simulate --trace rag.jsonl --capacity 2048 --replicas 4`), which is no upper bound: separate
+# caches can pass it. The run before, of this script's first version (91a7dea,
+# vs_sglang_router.sh: kvroute on the agents' own event format, no vllm-router): chat 82.3% /
+# 77.1% / 65.3%, rag 33.8% / 34.4% / 25.9% for kvroute, sglang cache_aware and round_robin.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -62,6 +65,12 @@ base=${BASE_PORT:-18000}
 out=${OUT:-target/bench/vs-other-routers}
 workloads=("$@")
 [ ${#workloads[@]} -gt 0 ] || workloads=(chat rag)
+for w in "${workloads[@]}"; do
+  case "$w" in
+    chat | rag) ;;
+    *) echo "unknown workload $w (chat or rag)" >&2; exit 2 ;;
+  esac
+done
 routers=(kvroute vllm-kv-aware sglang-cache-aware sglang-round-robin)
 mkdir -p "$out"
 
@@ -79,25 +88,47 @@ cargo build --release -q -p kvroute-replica-agent -p kvroute-router -p kvroute-l
 bin=target/release
 
 pids=()
+# Stops what this run started: SIGTERM, then SIGKILL for whatever is still there 10 s later.
 stop() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  for pid in ${pids[@]+"${pids[@]}"}; do kill "$pid" 2>/dev/null || true; done
+  for _ in $(seq 100); do
+    local alive=0
+    for pid in ${pids[@]+"${pids[@]}"}; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 0.1
+  done
+  for pid in ${pids[@]+"${pids[@]}"}; do
+    kill -9 "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
   pids=()
 }
 trap stop EXIT
 
-# Waits until `$1` answers 200 (up to 30 s).
+# Fails if something already answers at `$1`: a leftover of another run would be measured.
+free() {
+  if curl -s --max-time 1 -o /dev/null "$1"; then
+    echo "$1 already answers: stop what listens there (or set BASE_PORT)" >&2
+    exit 1
+  fi
+}
+
+# Waits until `$1` answers 200 (up to 30 s) while the process just started (the last of
+# `pids`) runs.
 wait_for() {
+  local pid=${pids[${#pids[@]}-1]}
   for _ in $(seq 300); do
-    if [ "$(curl -s -o /dev/null -w '%{http_code}' "$1")" = 200 ]; then return 0; fi
+    kill -0 "$pid" 2>/dev/null || { echo "the process for $1 exited: see $out" >&2; exit 1; }
+    if [ "$(curl -s --max-time 1 -o /dev/null -w '%{http_code}' "$1")" = 200 ]; then return 0; fi
     sleep 0.1
   done
-  echo "$1 did not come up" >&2
-  return 1
+  echo "$1 did not come up: see $out" >&2
+  exit 1
 }
 
 agents() {
   for i in 0 1 2 3; do
+    free "http://127.0.0.1:$((base + i))/health"
     "$bin/kvroute-agent" --name "agent-$i" --model kvroute-sim \
       --http-addr "127.0.0.1:$((base + i))" --grpc-addr "127.0.0.1:$((base + 100 + i))" \
       --events-endpoint "tcp://127.0.0.1:$((base + 200 + i))" \
@@ -105,8 +136,8 @@ agents() {
       --capacity-blocks 2048 --block-size 16 --time-scale 6 --event-format vllm --topic '' \
       >"$out/agent-$i.log" 2>&1 &
     pids+=($!)
+    wait_for "http://127.0.0.1:$((base + i))/health"
   done
-  for i in 0 1 2 3; do wait_for "http://127.0.0.1:$((base + i))/health"; done
 }
 
 # Starts router `$1` in front of the agents and sets `target` to its URL.
@@ -119,6 +150,7 @@ router() {
       for i in 0 1 2 3; do
         replicas+=(--replica "name=agent-$i,http=http://127.0.0.1:$((base + i)),events=tcp://127.0.0.1:$((base + 200 + i)),replay=tcp://127.0.0.1:$((base + 300 + i)),engine=vllm")
       done
+      free "http://127.0.0.1:$((base + 500))/ready"
       "$bin/kvroute-router" --listen "127.0.0.1:$((base + 500))" --admin-listen 127.0.0.1:0 \
         --model kvroute-sim --block-size 16 "${replicas[@]}" >"$out/router-$1.log" 2>&1 &
       pids+=($!)
@@ -127,6 +159,7 @@ router() {
       ;;
     sglang-*)
       local policy=${1#sglang-}
+      free "http://127.0.0.1:$((base + 400))/v1/models"
       target/bench/sglang-router-venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port $((base + 400)) \
         --policy "${policy//-/_}" --worker-urls "${workers[@]}" >"$out/router-$1.log" 2>&1 &
       pids+=($!)
@@ -140,6 +173,7 @@ router() {
         sources+=(--kv-event-source "$url=tcp://127.0.0.1:$((base + 200 + i))")
         sources+=(--kv-event-replay-source "$url=tcp://127.0.0.1:$((base + 300 + i))")
       done
+      free "http://127.0.0.1:$((base + 600))/v1/models"
       target/bench/vllm-router-venv/bin/vllm-router --host 127.0.0.1 --port $((base + 600)) \
         --prometheus-port $((base + 700)) --policy kv_aware \
         --worker-urls "${workers[@]}" "${sources[@]}" --kv-event-block-size 16 \
@@ -168,7 +202,7 @@ for w in "${workloads[@]}"; do
     # shellcheck disable=SC2046
     "$bin/kvroute-loadgen" live --target "$target" "${replicas[@]}" --mode trace --speedup 6 \
       --prompt-format text --no-progress --json "$out/$w-$r.json" $(workload "$w") \
-      >"$out/$w-$r.txt" 2>"$out/$w-$r.err"
+      >"$out/$w-$r.txt" 2>"$out/$w-$r.err" || { echo "$w through $r failed: see $out/$w-$r.err" >&2; exit 1; }
     stop
   done
 done
