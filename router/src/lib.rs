@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod admin_cli;
 pub mod config;
 pub mod discovery;
 pub mod fleet;

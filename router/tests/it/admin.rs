@@ -379,3 +379,79 @@ async fn a_drain_outlasts_the_replicas_entry() {
     router_fleet.add(spec).unwrap();
     assert!(!router_fleet.member("agent-0").unwrap().upstream.is_draining(), "a new replica under the name");
 }
+
+/// `kvroute-admin` ([`kvroute_router::admin_cli`]) against a router's admin service: what it
+/// prints, and what it changes, through real gRPC; a wrong token or a replica not in the fleet
+/// is an error.
+#[tokio::test]
+async fn the_admin_command_lists_drains_resumes_explains_and_removes() {
+    use kvroute_router::admin_cli::{Cli, Command, run};
+    let fleet =
+        Fleet::with(3, agent_config, |c| kvroute_router::Config { admin_token: Some("s3cret".into()), ..c })
+            .await;
+    let url = fleet.router.admin_url();
+    let cli = |command| Cli {
+        url: url.clone(),
+        token: Some("s3cret".into()),
+        ca_cert: None,
+        server_name: None,
+        client_cert: None,
+        client_key: None,
+        command,
+    };
+    let said = async |cli: Cli| {
+        let mut out = Vec::new();
+        run(&cli, &mut out).await.map(|()| String::from_utf8(out).unwrap()).map_err(|e| format!("{e:#}"))
+    };
+    let line = |out: &str, replica: &str| {
+        out.lines().find(|l| l.starts_with(replica)).unwrap_or_default().to_owned()
+    };
+
+    let listed = said(cli(Command::List)).await.unwrap();
+    for name in ["agent-0", "agent-1", "agent-2"] {
+        assert!(line(&listed, name).contains(" exact "), "{listed}");
+        assert!(line(&listed, name).contains(" yes "), "{listed}");
+    }
+    let upstream = |name: &str| fleet.router.fleet().member(name).unwrap().upstream.clone();
+    let drained = said(cli(Command::Drain { replica: "agent-1".into() })).await.unwrap();
+    assert!(line(&drained, "agent-1").contains(" draining "), "{drained}");
+    assert!(upstream("agent-1").is_draining());
+    let resumed = said(cli(Command::Resume { replica: "agent-1".into() })).await.unwrap();
+    assert!(line(&resumed, "agent-1").contains(" yes "), "{resumed}");
+    assert!(!upstream("agent-1").is_draining());
+
+    let body = String::from_utf8(body(PROMPT)).unwrap();
+    let explained = said(cli(Command::Explain { path: "/v1/completions".into(), body })).await.unwrap();
+    let chosen = explained.lines().next().unwrap();
+    assert!(chosen.starts_with("chosen agent-") && chosen.contains("by cache-aware"), "{explained}");
+    assert_eq!(explained.lines().filter(|l| l.starts_with("agent-")).count(), 3, "{explained}");
+    let bad = said(cli(Command::Explain { path: "/v1/completions".into(), body: "{".into() })).await;
+    assert!(bad.is_err(), "a malformed body");
+
+    let removed = said(cli(Command::Remove { replica: "agent-2".into() })).await.unwrap();
+    assert!(removed.starts_with("removed agent-2"), "{removed}");
+    assert!(fleet.router.fleet().member("agent-2").is_none());
+    assert!(said(cli(Command::Remove { replica: "agent-2".into() })).await.is_err(), "gone already");
+
+    let stranger = Cli { token: Some("nope".into()), ..cli(Command::List) };
+    let refused = said(stranger).await.unwrap_err();
+    assert!(refused.contains("a valid bearer token is required"), "{refused}");
+    let nowhere = format!("http://127.0.0.1:{}", kvroute_proto::loopback_port::unused().unwrap());
+    let unreachable = said(Cli { url: nowhere, ..cli(Command::List) }).await.unwrap_err();
+    assert!(unreachable.contains("cannot be reached"), "{unreachable}");
+}
+
+/// The `kvroute-admin` binary: a bad flag or a router it cannot reach exits non-zero, saying why.
+#[test]
+fn the_admin_binary_exits_non_zero_with_a_message() {
+    let admin = env!("CARGO_BIN_EXE_kvroute-admin");
+    let bad = std::process::Command::new(admin).args(["--no-such-flag", "list"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--no-such-flag"));
+    let port = kvroute_proto::loopback_port::unused().unwrap();
+    let url = format!("http://127.0.0.1:{port}");
+    let down = std::process::Command::new(admin).args(["--url", &url, "list"]).output().unwrap();
+    assert_eq!(down.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&down.stderr);
+    assert!(said.starts_with("kvroute-admin: ") && said.contains("cannot be reached"), "{said}");
+}

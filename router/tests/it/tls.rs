@@ -343,6 +343,26 @@ async fn the_admin_service_serves_tls_with_the_proxys_certificate() {
         );
     }
 
+    // `kvroute-admin` over TLS, trusting the certificate's file, with a client certificate.
+    let (client_cert, client_key) = crate::support::write_identity(&client, &dir, "operator");
+    let admin_cli = kvroute_router::admin_cli::Cli {
+        url: format!("https://localhost:{}", admin.port()),
+        token: Some("s3cret".into()),
+        ca_cert: Some(cert.clone()),
+        server_name: None,
+        client_cert: Some(client_cert),
+        client_key: Some(client_key),
+        command: kvroute_router::admin_cli::Command::List,
+    };
+    let mut listed = Vec::new();
+    kvroute_router::admin_cli::run(&admin_cli, &mut listed).await.unwrap();
+    assert_eq!(String::from_utf8(listed).unwrap().lines().filter(|l| l.starts_with("agent-")).count(), 2);
+    let anonymous = kvroute_router::admin_cli::Cli { client_cert: None, client_key: None, ..admin_cli };
+    assert!(
+        kvroute_router::admin_cli::run(&anonymous, &mut Vec::new()).await.is_err(),
+        "no client certificate"
+    );
+
     let second = new_certificate(&cert, &key);
     assert_eq!(reloader.apply(&fleet.router.state, &config).await.tls, Some(Ok(())));
     assert_eq!(list_over_tls(admin, &second, Some(&client)).await, Ok(2));

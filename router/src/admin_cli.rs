@@ -1,0 +1,238 @@
+//! `kvroute-admin`: the router's admin service ([`crate::admin`]) from a shell, for what an
+//! operator does by hand: list the replicas and their stream state, drain one before its
+//! maintenance (and resume it after), remove one, ask where a request would go and why.
+//!
+//! It reaches the admin service at `--url` (plain `http://`, or `https://` when the router
+//! serves it with `--admin-tls`: the server's certificate checked against `--ca-cert`, or the
+//! system's authorities, by the URL's host name or `--server-name`; `--client-cert` and
+//! `--client-key` for mutual TLS), sending `--token` (`KVROUTE_ADMIN_TOKEN`, as the router
+//! reads it) as a bearer token. A refusal, or a router that cannot be reached, is an error
+//! message and a non-zero exit.
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use futures::TryFutureExt;
+use hyper_util::rt::TokioIo;
+use kvroute_proto::pb::{self, router_admin_client::RouterAdminClient};
+use tokio_rustls::rustls::pki_types::ServerName;
+use tonic::transport::{Channel, Endpoint};
+
+/// The command line of `kvroute-admin`.
+#[derive(Parser, Debug)]
+#[command(name = "kvroute-admin", version, about = "The kvroute router's admin service, from a shell")]
+pub struct Cli {
+    /// The admin service: `http://host:port`, or `https://host:port` for one served with
+    /// `--admin-tls`.
+    #[arg(long, env = "KVROUTE_ADMIN_URL", default_value = "http://127.0.0.1:50061")]
+    pub url: String,
+    /// The router's `--admin-token`.
+    #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// PEM certificates of the authorities the service's certificate must chain to (https);
+    /// the system's without it.
+    #[arg(long)]
+    pub ca_cert: Option<PathBuf>,
+    /// The name the service's certificate must hold, where the URL names it otherwise (a pod's
+    /// address, say).
+    #[arg(long)]
+    pub server_name: Option<String>,
+    /// PEM certificate chain to show a service that asks for one (`--tls-client-ca`), with
+    /// `--client-key`.
+    #[arg(long, requires = "client_key")]
+    pub client_cert: Option<PathBuf>,
+    /// The private key of `--client-cert`.
+    #[arg(long, requires = "client_cert")]
+    pub client_key: Option<PathBuf>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// What to ask of the router.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Every replica: stream state, health, drain, load and blocks indexed.
+    List,
+    /// Stops sending new requests to a replica; those in flight finish.
+    Drain { replica: String },
+    /// Sends requests to a drained replica again.
+    Resume { replica: String },
+    /// Takes a replica out of the fleet and frees what the index held for it.
+    Remove { replica: String },
+    /// Where a request would go and why, changing nothing: every replica's overlap and cost.
+    Explain {
+        /// The request's path.
+        #[arg(long, default_value = "/v1/completions")]
+        path: String,
+        /// The request body as a client would send it; `@FILE` reads it from a file, `-` from
+        /// standard input.
+        body: String,
+    },
+}
+
+/// Runs `cli`, writing what the router answered to `out`.
+pub async fn run(cli: &Cli, out: &mut impl Write) -> anyhow::Result<()> {
+    let mut admin = RouterAdminClient::new(channel(cli).await?);
+    match &cli.command {
+        Command::List => {
+            let list = admin.list_replicas(request(cli, pb::ListReplicasRequest {})).await?.into_inner();
+            write_list(out, &list.replicas)?;
+        }
+        Command::Drain { replica } | Command::Resume { replica } => {
+            let drain = matches!(cli.command, Command::Drain { .. });
+            let asked = pb::DrainRequest { id: replica.clone(), drain };
+            let status = admin.drain(request(cli, asked)).await?.into_inner();
+            write_list(out, std::slice::from_ref(&status))?;
+        }
+        Command::Remove { replica } => {
+            let asked = pb::RemoveReplicaRequest { id: replica.clone() };
+            let removed = admin.remove_replica(request(cli, asked)).await?.into_inner();
+            match removed.removed {
+                true => writeln!(out, "removed {replica}: {} blocks freed", removed.blocks_freed)?,
+                false => bail!("no replica {replica}"),
+            }
+        }
+        Command::Explain { path, body } => {
+            let asked = pb::ExplainRequest { path: path.clone(), body: read_body(body)? };
+            let explained = admin.explain(request(cli, asked)).await?.into_inner();
+            write_explained(out, &explained)?;
+        }
+    }
+    Ok(())
+}
+
+/// `message` with the bearer token, if any.
+fn request<T>(cli: &Cli, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    if let Some(token) = &cli.token
+        && let Ok(value) = format!("Bearer {token}").parse()
+    {
+        request.metadata_mut().insert("authorization", value);
+    }
+    request
+}
+
+/// A connection to the admin service at `cli.url`.
+async fn channel(cli: &Cli) -> anyhow::Result<Channel> {
+    let uri: http::Uri = cli.url.parse().with_context(|| format!("--url {}", cli.url))?;
+    let (Some(scheme), Some(host)) = (uri.scheme_str(), uri.host()) else {
+        bail!("--url {} is not http://host:port or https://host:port", cli.url)
+    };
+    let unreachable = || format!("the admin service at {} cannot be reached", cli.url);
+    if scheme == "http" {
+        let endpoint = Endpoint::from_shared(cli.url.clone())?;
+        return endpoint.connect().await.with_context(unreachable);
+    }
+    if scheme != "https" {
+        bail!("--url {} is not http://host:port or https://host:port", cli.url)
+    }
+    let identity = cli.client_cert.as_deref().zip(cli.client_key.as_deref());
+    let mut config = (*kvroute_proto::serve::client_config(cli.ca_cert.as_deref(), identity)
+        .map_err(anyhow::Error::msg)?)
+    .clone();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let name = cli.server_name.as_deref().unwrap_or(host.trim_matches(['[', ']']));
+    let name = ServerName::try_from(name.to_owned()).with_context(|| format!("server name {name}"))?;
+    let address = format!("{host}:{}", uri.port_u16().unwrap_or(443));
+    let connect = tower::service_fn(move |_: http::Uri| {
+        let (connector, name) = (connector.clone(), name.clone());
+        tokio::net::TcpStream::connect(address.clone())
+            .and_then(move |tcp| connector.connect(name, tcp))
+            .map_ok(TokioIo::new)
+    });
+    // The connector brings TLS: the endpoint's own scheme stays plain (tonic is built without
+    // its TLS features).
+    let endpoint = Endpoint::from_shared(format!("http://{host}:{}", uri.port_u16().unwrap_or(443)))?;
+    endpoint.connect_with_connector(connect).await.with_context(unreachable)
+}
+
+/// `body` as given: itself, a file's contents (`@FILE`), or standard input's (`-`).
+fn read_body(body: &str) -> anyhow::Result<Vec<u8>> {
+    if body == "-" {
+        let mut read = Vec::new();
+        std::io::stdin().read_to_end(&mut read).context("reading the body from standard input")?;
+        return Ok(read);
+    }
+    match body.strip_prefix('@') {
+        Some(path) => std::fs::read(path).with_context(|| format!("reading the body from {path}")),
+        None => Ok(body.as_bytes().to_vec()),
+    }
+}
+
+fn state(state: i32) -> &'static str {
+    match pb::StreamState::try_from(state) {
+        Ok(pb::StreamState::Exact) => "exact",
+        Ok(pb::StreamState::Degraded) => "degraded",
+        Ok(pb::StreamState::Fallback) => "fallback",
+        Ok(pb::StreamState::Predicted) => "predicted",
+        _ => "-",
+    }
+}
+
+/// One line a replica: its name, stream state, what keeps requests from it, its load and its
+/// blocks.
+fn write_list(out: &mut impl Write, replicas: &[pb::ReplicaStatus]) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "{:<24} {:<10} {:<18} {:>9} {:>15} {:>10}  url",
+        "replica", "stream", "routing", "in-flight", "pending-prefill", "blocks"
+    )?;
+    for r in replicas {
+        let spec = r.spec.clone().unwrap_or_default();
+        let routing = match (r.healthy, r.draining, r.not_serving) {
+            (_, true, _) => "draining",
+            (_, _, true) => "not serving",
+            (true, false, false) => "yes",
+            (false, false, false) if r.health_late => "unhealthy (late)",
+            (false, false, false) => "unhealthy",
+        };
+        writeln!(
+            out,
+            "{:<24} {:<10} {:<18} {:>9} {:>15} {:>10}  {}",
+            spec.id,
+            state(r.state),
+            routing,
+            r.in_flight,
+            r.pending_prefill_tokens,
+            r.blocks,
+            spec.http_url
+        )?;
+    }
+    Ok(())
+}
+
+/// The decision, then one line a candidate, the chosen one first.
+fn write_explained(out: &mut impl Write, explained: &pb::ExplainResponse) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "chosen {} by {}: {} prompt tokens, {} blocks{}",
+        if explained.chosen.is_empty() { "no replica" } else { &explained.chosen },
+        explained.policy,
+        explained.prompt_tokens,
+        explained.request_blocks,
+        match explained.split.as_str() {
+            "" | "whole" => String::new(),
+            split => format!(", split {split} (prefill on {})", explained.prefill_chosen),
+        }
+    )?;
+    writeln!(
+        out,
+        "{:<24} {:>8} {:>10} {:>9} {:>12}  eligible",
+        "replica", "overlap", "predicted", "in-flight", "cost"
+    )?;
+    let mut candidates: Vec<_> = explained.candidates.iter().collect();
+    candidates.sort_by_key(|c| c.replica != explained.chosen);
+    for c in candidates {
+        let eligible = if c.eligible { "yes".to_owned() } else { format!("no ({})", c.reason) };
+        writeln!(
+            out,
+            "{:<24} {:>8} {:>10} {:>9} {:>12.3}  {eligible}",
+            c.replica, c.overlap_blocks, c.predicted_cached_tokens, c.in_flight, c.cost
+        )?;
+    }
+    Ok(())
+}
