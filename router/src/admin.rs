@@ -254,10 +254,10 @@ impl RouterAdmin for AdminService {
         let member = self.fleet().set_draining(&request.id, request.drain).ok_or_else(|| {
             let kept = match request.drain {
                 true if self.fleet().knows(&request.id) => {
-                    " now (the drain is kept for the name: a replica added under it comes up drained)"
+                    format!(" now ({DRAIN_KEPT}: a replica added under it comes up drained)")
                 }
-                true => "",
-                false => " (a drain kept for the name is lifted)",
+                true => String::new(),
+                false => format!(" ({DRAIN_LIFTED})"),
             };
             Status::not_found(format!("no replica named {:?}{kept}", request.id))
         })?;
@@ -265,6 +265,13 @@ impl RouterAdmin for AdminService {
         Ok(Response::new(self.status(&member)))
     }
 }
+
+/// What a `Drain` of a name out of the fleet says when the router keeps the drain for the
+/// name's return (a `NOT_FOUND` all the same).
+pub const DRAIN_KEPT: &str = "the drain is kept for the name";
+
+/// What a `Drain` that lifts the drain of a name out of the fleet says (a `NOT_FOUND`).
+pub const DRAIN_LIFTED: &str = "a drain kept for the name is lifted";
 
 /// Checks `authorization: Bearer <token>` when a token is configured.
 #[derive(Clone)]

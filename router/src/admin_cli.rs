@@ -6,20 +6,30 @@
 //! serves it with `--admin-tls`: the server's certificate checked against `--ca-cert`, or the
 //! system's authorities, by the URL's host name or `--server-name`; `--client-cert` and
 //! `--client-key` for mutual TLS), sending `--token` (`KVROUTE_ADMIN_TOKEN`, as the router
-//! reads it) as a bearer token. A refusal, or a router that cannot be reached, is an error
-//! message and a non-zero exit.
+//! reads it) as a bearer token. A refusal, or a router that cannot be reached (within
+//! [`CONNECT_TIMEOUT`]; a call within [`CALL_TIMEOUT`]), is an error message and a non-zero
+//! exit. A drain of a replica out of the fleet that the router keeps for the name's return
+//! (or lifts) says so, and succeeds.
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{Context, bail};
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail};
 use clap::{Parser, Subcommand};
 use futures::TryFutureExt;
 use hyper_util::rt::TokioIo;
 use kvroute_proto::pb::{self, router_admin_client::RouterAdminClient};
 use tokio_rustls::rustls::pki_types::ServerName;
 use tonic::transport::{Channel, Endpoint};
+
+/// How long connecting to the admin service may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long one call may take.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The command line of `kvroute-admin`.
 #[derive(Parser, Debug)]
@@ -78,41 +88,57 @@ pub async fn run(cli: &Cli, out: &mut impl Write) -> anyhow::Result<()> {
     let mut admin = RouterAdminClient::new(channel(cli).await?);
     match &cli.command {
         Command::List => {
-            let list = admin.list_replicas(request(cli, pb::ListReplicasRequest {})).await?.into_inner();
-            write_list(out, &list.replicas)?;
+            let list = admin.list_replicas(request(cli, pb::ListReplicasRequest {})?).await;
+            write_list(out, &list.map_err(refused)?.into_inner().replicas)?;
         }
         Command::Drain { replica } | Command::Resume { replica } => {
             let drain = matches!(cli.command, Command::Drain { .. });
             let asked = pb::DrainRequest { id: replica.clone(), drain };
-            let status = admin.drain(request(cli, asked)).await?.into_inner();
-            write_list(out, std::slice::from_ref(&status))?;
+            match admin.drain(request(cli, asked)?).await {
+                Ok(status) => write_list(out, std::slice::from_ref(status.get_ref()))?,
+                Err(status)
+                    if status.code() == tonic::Code::NotFound
+                        && [crate::admin::DRAIN_KEPT, crate::admin::DRAIN_LIFTED]
+                            .iter()
+                            .any(|said| status.message().contains(said)) =>
+                {
+                    writeln!(out, "{}", status.message())?
+                }
+                Err(status) => return Err(refused(status)),
+            }
         }
         Command::Remove { replica } => {
             let asked = pb::RemoveReplicaRequest { id: replica.clone() };
-            let removed = admin.remove_replica(request(cli, asked)).await?.into_inner();
+            let removed = admin.remove_replica(request(cli, asked)?).await.map_err(refused)?.into_inner();
             match removed.removed {
                 true => writeln!(out, "removed {replica}: {} blocks freed", removed.blocks_freed)?,
-                false => bail!("no replica {replica}"),
+                false => bail!("no replica named {replica:?}"),
             }
         }
         Command::Explain { path, body } => {
             let asked = pb::ExplainRequest { path: path.clone(), body: read_body(body)? };
-            let explained = admin.explain(request(cli, asked)).await?.into_inner();
+            let explained = admin.explain(request(cli, asked)?).await.map_err(refused)?.into_inner();
             write_explained(out, &explained)?;
         }
     }
     Ok(())
 }
 
+/// What the router answered instead: its status code and message.
+fn refused(status: tonic::Status) -> anyhow::Error {
+    anyhow!("the router answered {:?}: {}", status.code(), status.message())
+}
+
 /// `message` with the bearer token, if any.
-fn request<T>(cli: &Cli, message: T) -> tonic::Request<T> {
+fn request<T>(cli: &Cli, message: T) -> anyhow::Result<tonic::Request<T>> {
     let mut request = tonic::Request::new(message);
-    if let Some(token) = &cli.token
-        && let Ok(value) = format!("Bearer {token}").parse()
-    {
+    request.set_timeout(CALL_TIMEOUT);
+    if let Some(token) = &cli.token {
+        let value =
+            format!("Bearer {token}").parse().map_err(|_| anyhow!("--token is not a header value"))?;
         request.metadata_mut().insert("authorization", value);
     }
-    request
+    Ok(request)
 }
 
 /// A connection to the admin service at `cli.url`.
@@ -123,7 +149,7 @@ async fn channel(cli: &Cli) -> anyhow::Result<Channel> {
     };
     let unreachable = || format!("the admin service at {} cannot be reached", cli.url);
     if scheme == "http" {
-        let endpoint = Endpoint::from_shared(cli.url.clone())?;
+        let endpoint = Endpoint::from_shared(cli.url.clone())?.connect_timeout(CONNECT_TIMEOUT);
         return endpoint.connect().await.with_context(unreachable);
     }
     if scheme != "https" {
@@ -146,7 +172,8 @@ async fn channel(cli: &Cli) -> anyhow::Result<Channel> {
     });
     // The connector brings TLS: the endpoint's own scheme stays plain (tonic is built without
     // its TLS features).
-    let endpoint = Endpoint::from_shared(format!("http://{host}:{}", uri.port_u16().unwrap_or(443)))?;
+    let endpoint = Endpoint::from_shared(format!("http://{host}:{}", uri.port_u16().unwrap_or(443)))?
+        .connect_timeout(CONNECT_TIMEOUT);
     endpoint.connect_with_connector(connect).await.with_context(unreachable)
 }
 
@@ -214,18 +241,29 @@ fn write_explained(out: &mut impl Write, explained: &pb::ExplainResponse) -> std
         explained.policy,
         explained.prompt_tokens,
         explained.request_blocks,
-        match explained.split.as_str() {
-            "" | "whole" => String::new(),
-            split => format!(", split {split} (prefill on {})", explained.prefill_chosen),
+        match (explained.split.as_str(), explained.prefill_chosen.as_str()) {
+            ("" | "whole", _) => String::new(),
+            (split, "") => format!(", {split}"),
+            (split, prefill) => format!(", split {split}: prefill on {prefill}"),
         }
     )?;
+    write_candidates(out, &explained.chosen, &explained.candidates)?;
+    if !explained.prefill_candidates.is_empty() {
+        writeln!(out, "prefill:")?;
+        write_candidates(out, &explained.prefill_chosen, &explained.prefill_candidates)?;
+    }
+    Ok(())
+}
+
+/// One line a candidate, `chosen` first.
+fn write_candidates(out: &mut impl Write, chosen: &str, candidates: &[pb::Candidate]) -> std::io::Result<()> {
     writeln!(
         out,
         "{:<24} {:>8} {:>10} {:>9} {:>12}  eligible",
         "replica", "overlap", "predicted", "in-flight", "cost"
     )?;
-    let mut candidates: Vec<_> = explained.candidates.iter().collect();
-    candidates.sort_by_key(|c| c.replica != explained.chosen);
+    let mut candidates: Vec<_> = candidates.iter().collect();
+    candidates.sort_by_key(|c| c.replica != chosen);
     for c in candidates {
         let eligible = if c.eligible { "yes".to_owned() } else { format!("no ({})", c.reason) };
         writeln!(

@@ -432,6 +432,14 @@ async fn the_admin_command_lists_drains_resumes_explains_and_removes() {
     assert!(removed.starts_with("removed agent-2"), "{removed}");
     assert!(fleet.router.fleet().member("agent-2").is_none());
     assert!(said(cli(Command::Remove { replica: "agent-2".into() })).await.is_err(), "gone already");
+    // A drain of a name the router knows, out of the fleet now, is kept for its return: said,
+    // and no error. One of a name it never knew is.
+    let kept = said(cli(Command::Drain { replica: "agent-2".into() })).await.unwrap();
+    assert!(kept.contains(kvroute_router::admin::DRAIN_KEPT), "{kept}");
+    let lifted = said(cli(Command::Resume { replica: "agent-2".into() })).await.unwrap();
+    assert!(lifted.contains(kvroute_router::admin::DRAIN_LIFTED), "{lifted}");
+    let unknown = said(cli(Command::Drain { replica: "agent-9".into() })).await.unwrap_err();
+    assert_eq!(unknown, "the router answered NotFound: no replica named \"agent-9\"");
 
     let stranger = Cli { token: Some("nope".into()), ..cli(Command::List) };
     let refused = said(stranger).await.unwrap_err();
