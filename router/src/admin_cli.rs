@@ -144,36 +144,33 @@ fn request<T>(cli: &Cli, message: T) -> anyhow::Result<tonic::Request<T>> {
 /// A connection to the admin service at `cli.url`.
 async fn channel(cli: &Cli) -> anyhow::Result<Channel> {
     let uri: http::Uri = cli.url.parse().with_context(|| format!("--url {}", cli.url))?;
-    let (Some(scheme), Some(host)) = (uri.scheme_str(), uri.host()) else {
-        bail!("--url {} is not http://host:port or https://host:port", cli.url)
-    };
     let unreachable = || format!("the admin service at {} cannot be reached", cli.url);
-    if scheme == "http" {
-        let endpoint = Endpoint::from_shared(cli.url.clone())?.connect_timeout(CONNECT_TIMEOUT);
-        return endpoint.connect().await.with_context(unreachable);
-    }
-    if scheme != "https" {
-        bail!("--url {} is not http://host:port or https://host:port", cli.url)
-    }
+    let host = match (uri.scheme_str(), uri.host()) {
+        (Some("http"), Some(_)) => {
+            let endpoint = Endpoint::from_shared(cli.url.clone())?.connect_timeout(CONNECT_TIMEOUT);
+            return endpoint.connect().await.with_context(unreachable);
+        }
+        (Some("https"), Some(host)) => host,
+        _ => bail!("--url {} is not http://host:port or https://host:port", cli.url),
+    };
     let identity = cli.client_cert.as_deref().zip(cli.client_key.as_deref());
-    let mut config = (*kvroute_proto::serve::client_config(cli.ca_cert.as_deref(), identity)
-        .map_err(anyhow::Error::msg)?)
-    .clone();
+    let trusted =
+        kvroute_proto::serve::client_config(cli.ca_cert.as_deref(), identity).map_err(anyhow::Error::msg)?;
+    let mut config = tokio_rustls::rustls::ClientConfig::clone(&trusted);
     config.alpn_protocols = vec![b"h2".to_vec()];
     let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
     let name = cli.server_name.as_deref().unwrap_or(host.trim_matches(['[', ']']));
     let name = ServerName::try_from(name.to_owned()).with_context(|| format!("server name {name}"))?;
     let address = format!("{host}:{}", uri.port_u16().unwrap_or(443));
+    // The connector brings TLS: the endpoint's own scheme stays plain (tonic is built without
+    // its TLS features).
+    let endpoint = Endpoint::from_shared(format!("http://{address}"))?.connect_timeout(CONNECT_TIMEOUT);
     let connect = tower::service_fn(move |_: http::Uri| {
         let (connector, name) = (connector.clone(), name.clone());
         tokio::net::TcpStream::connect(address.clone())
             .and_then(move |tcp| connector.connect(name, tcp))
             .map_ok(TokioIo::new)
     });
-    // The connector brings TLS: the endpoint's own scheme stays plain (tonic is built without
-    // its TLS features).
-    let endpoint = Endpoint::from_shared(format!("http://{host}:{}", uri.port_u16().unwrap_or(443)))?
-        .connect_timeout(CONNECT_TIMEOUT);
     endpoint.connect_with_connector(connect).await.with_context(unreachable)
 }
 

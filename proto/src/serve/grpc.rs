@@ -2,12 +2,9 @@
 //! plain or over TLS.
 
 use std::io;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::Stream;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
@@ -34,9 +31,6 @@ pub fn grpc_server() -> tonic::transport::Server {
         .http2_keepalive_timeout(Some(GRPC_KEEPALIVE))
 }
 
-/// A connection a [`grpc_server`] serves: plain TCP, or TLS over it.
-pub struct GrpcStream(tls::Stream);
-
 /// The connections `listener` accepts, for a [`grpc_server`]; with `tls`, those whose TLS
 /// handshake succeeded (with the certificate `tls` holds when each is accepted: a certificate
 /// renewed in place is served from then on; HTTP/2 the one protocol offered by ALPN, the only
@@ -51,12 +45,12 @@ pub struct GrpcStream(tls::Stream);
 pub fn grpc_incoming(
     listener: TcpListener,
     tls: Option<Tls>,
-) -> impl Stream<Item = io::Result<GrpcStream>> + Send + 'static {
+) -> impl Stream<Item = io::Result<tls::Stream>> + Send + 'static {
     use futures::StreamExt;
     match tls {
         None => futures::stream::unfold(listener, |listener| async move {
             let stream = accept(&listener).await;
-            Some((Ok(GrpcStream(tls::Stream::Plain(stream))), listener))
+            Some((Ok(tls::Stream::Plain(stream)), listener))
         })
         .left_stream(),
         Some(tls) => {
@@ -85,7 +79,7 @@ async fn accept(listener: &TcpListener) -> tokio::net::TcpStream {
 async fn handshakes(
     listener: TcpListener,
     tls: Tls,
-    done: tokio::sync::mpsc::Sender<io::Result<GrpcStream>>,
+    done: tokio::sync::mpsc::Sender<io::Result<tls::Stream>>,
 ) {
     let under_way = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
     loop {
@@ -102,7 +96,7 @@ async fn handshakes(
         tokio::spawn(async move {
             let _place = place;
             match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                Ok(Ok(stream)) => drop(done.send(Ok(GrpcStream(tls::Stream::Tls(Box::new(stream))))).await),
+                Ok(Ok(stream)) => drop(done.send(Ok(tls::Stream::Tls(Box::new(stream)))).await),
                 Ok(Err(e)) => tracing::debug!(error = %e, ?peer, "gRPC TLS handshake failed"),
                 Err(_) => tracing::debug!(?peer, "gRPC TLS handshake not done in time"),
             }
@@ -119,46 +113,15 @@ fn h2_only(tls: &Tls) -> tokio_rustls::TlsAcceptor {
     tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config))
 }
 
-impl Connected for GrpcStream {
+/// What a gRPC service may ask of a connection: its peer's address.
+impl Connected for tls::Stream {
     type ConnectInfo = TcpConnectInfo;
 
     fn connect_info(&self) -> TcpConnectInfo {
-        match &self.0 {
+        match self {
             tls::Stream::Plain(stream) => stream.connect_info(),
             tls::Stream::Tls(stream) => stream.get_ref().0.connect_info(),
         }
-    }
-}
-
-impl AsyncRead for GrpcStream {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for GrpcStream {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().0).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.0.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
     }
 }
 
@@ -208,7 +171,7 @@ mod tests {
             .await
             .expect("the handshake is done while another stalls");
         let served = served.unwrap().unwrap();
-        assert!(matches!(served.0, tls::Stream::Tls(_)));
+        assert!(matches!(served, tls::Stream::Tls(_)));
         assert_eq!(client.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
         let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
         let http1 = tokio_rustls::TlsConnector::from(Arc::new(http1_only));

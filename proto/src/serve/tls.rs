@@ -111,8 +111,9 @@ impl Tls {
 
 /// A client connection, plain or TLS: one type, so that the HTTP server is built once for
 /// both. (Served generically, hyper's code was built twice and inlined less: the plain path
-/// took ~2% more instructions a request.) The TLS state is boxed: it is kilobytes.
-pub(super) enum Stream {
+/// took ~2% more instructions a request.) The TLS state is boxed: it is kilobytes. The gRPC
+/// servers take it too ([`super::grpc_incoming`]).
+pub enum Stream {
     Plain(TcpStream),
     Tls(Box<TlsStream<TcpStream>>),
 }
