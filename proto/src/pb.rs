@@ -3,3 +3,29 @@
 #![allow(missing_docs, clippy::all, clippy::pedantic)]
 
 tonic::include_proto!("kvroute.v1");
+
+/// The admin answers' enum fields as JSON: a value's name without its type's prefix, in lower
+/// case (`exact`, `vllm`, `prefill`); a value this build does not know, as its number.
+pub mod json {
+    use serde::Serializer;
+
+    pub fn stream_state<S: Serializer>(value: &i32, s: S) -> Result<S::Ok, S::Error> {
+        named(*value, super::StreamState::try_from(*value).ok().map(|v| v.as_str_name()), s)
+    }
+
+    pub fn engine_kind<S: Serializer>(value: &i32, s: S) -> Result<S::Ok, S::Error> {
+        named(*value, super::EngineKind::try_from(*value).ok().map(|v| v.as_str_name()), s)
+    }
+
+    pub fn replica_role<S: Serializer>(value: &i32, s: S) -> Result<S::Ok, S::Error> {
+        named(*value, super::ReplicaRole::try_from(*value).ok().map(|v| v.as_str_name()), s)
+    }
+
+    /// `STREAM_STATE_EXACT` as `exact`: what follows the type's prefix (the first two words).
+    fn named<S: Serializer>(value: i32, name: Option<&str>, s: S) -> Result<S::Ok, S::Error> {
+        match name.and_then(|n| n.splitn(3, '_').nth(2)) {
+            Some(short) => s.serialize_str(&short.to_ascii_lowercase()),
+            None => s.serialize_i32(value),
+        }
+    }
+}

@@ -58,18 +58,7 @@ impl AdminService {
         let load = m.upstream.load();
         let listed = m.upstream.listed_adapters();
         pb::ReplicaStatus {
-            spec: Some(pb::ReplicaSpec {
-                id: spec.name.clone(),
-                http_url: spec.http_url.clone(),
-                event_endpoint: spec.event_endpoint.clone(),
-                replay_endpoint: spec.replay_endpoint.clone().unwrap_or_default(),
-                grpc_endpoint: spec.grpc_endpoint.clone().unwrap_or_default(),
-                engine: pb::EngineKind::from(spec.engine) as i32,
-                dp_size: spec.dp_size,
-                topic: spec.topic.clone(),
-                role: pb::ReplicaRole::from(spec.role) as i32,
-                bootstrap_port: spec.bootstrap_port.map_or(0, u32::from),
-            }),
+            spec: Some(spec_message(spec)),
             state: pb::StreamState::from(s.state()) as i32,
             blocks: self.state.decider.index.blocks(m.replica.id) as u64,
             in_flight: load.in_flight,
@@ -88,6 +77,22 @@ impl AdminService {
             gaps: s.gaps(),
             ranks: m.replica.ranks.get().map(|ranks| rank_statuses(m, ranks)).unwrap_or_default(),
         }
+    }
+}
+
+/// `spec` as the admin service's messages carry it (`ListReplicas`, `AddReplica`).
+pub fn spec_message(spec: &ReplicaSpec) -> pb::ReplicaSpec {
+    pb::ReplicaSpec {
+        id: spec.name.clone(),
+        http_url: spec.http_url.clone(),
+        event_endpoint: spec.event_endpoint.clone(),
+        replay_endpoint: spec.replay_endpoint.clone().unwrap_or_default(),
+        grpc_endpoint: spec.grpc_endpoint.clone().unwrap_or_default(),
+        engine: pb::EngineKind::from(spec.engine) as i32,
+        dp_size: spec.dp_size,
+        topic: spec.topic.clone(),
+        role: pb::ReplicaRole::from(spec.role) as i32,
+        bootstrap_port: spec.bootstrap_port.map_or(0, u32::from),
     }
 }
 

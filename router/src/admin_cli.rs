@@ -1,6 +1,7 @@
 //! `kvroute-admin`: the router's admin service ([`crate::admin`]) from a shell, for what an
 //! operator does by hand: list the replicas and their stream state, drain one before its
-//! maintenance (and resume it after), remove one, ask where a request would go and why.
+//! maintenance (and resume it after), add one or remove one, ask where a request would go and
+//! why. It prints tables, or with `--output json` the router's answers as JSON, for scripts.
 //!
 //! It reaches the admin service at `--url` (plain `http://`, or `https://` when the router
 //! serves it with `--admin-tls`: the server's certificate checked against `--ca-cert`, or the
@@ -24,6 +25,9 @@ use hyper_util::rt::TokioIo;
 use kvroute_proto::pb::{self, router_admin_client::RouterAdminClient};
 use tokio_rustls::rustls::pki_types::ServerName;
 use tonic::transport::{Channel, Endpoint};
+
+use crate::admin::spec_message;
+use crate::config::ReplicaConfig;
 
 /// How long connecting to the admin service may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -57,8 +61,18 @@ pub struct Cli {
     /// The private key of `--client-cert`.
     #[arg(long, requires = "client_cert")]
     pub client_key: Option<PathBuf>,
+    /// How to print the router's answers: tables, or JSON (enums by name, `exact`, `vllm`).
+    #[arg(long, short, value_enum, default_value_t = Output::Table)]
+    pub output: Output,
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// How `kvroute-admin` prints what the router answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
 }
 
 /// What to ask of the router.
@@ -70,6 +84,10 @@ pub enum Command {
     Drain { replica: String },
     /// Sends requests to a drained replica again.
     Resume { replica: String },
+    /// Adds a replica to the fleet, as the router's `--replica` names one:
+    /// `name=..,http=..[,events=..][,replay=..][,grpc=..][,engine=..][,dp-size=..][,topic=..]`
+    /// `[,role=..][,bootstrap-port=..]`.
+    Add { spec: ReplicaConfig },
     /// Takes a replica out of the fleet and frees what the index held for it.
     Remove { replica: String },
     /// Where a request would go and why, changing nothing: every replica's overlap and cost.
@@ -89,39 +107,70 @@ pub async fn run(cli: &Cli, out: &mut impl Write) -> anyhow::Result<()> {
     match &cli.command {
         Command::List => {
             let list = admin.list_replicas(request(cli, pb::ListReplicasRequest {})?).await;
-            write_list(out, &list.map_err(refused)?.into_inner().replicas)?;
+            let replicas = list.map_err(refused)?.into_inner().replicas;
+            show(out, cli.output, &replicas, |out| write_list(out, &replicas))?;
         }
         Command::Drain { replica } | Command::Resume { replica } => {
             let drain = matches!(cli.command, Command::Drain { .. });
             let asked = pb::DrainRequest { id: replica.clone(), drain };
             match admin.drain(request(cli, asked)?).await {
-                Ok(status) => write_list(out, std::slice::from_ref(status.get_ref()))?,
+                Ok(status) => show_status(out, cli.output, status.get_ref())?,
                 Err(status)
                     if status.code() == tonic::Code::NotFound
                         && [crate::admin::DRAIN_KEPT, crate::admin::DRAIN_LIFTED]
                             .iter()
                             .any(|said| status.message().contains(said)) =>
                 {
-                    writeln!(out, "{}", status.message())?
+                    let said = serde_json::json!({ "message": status.message() });
+                    show(out, cli.output, &said, |out| writeln!(out, "{}", status.message()))?
                 }
                 Err(status) => return Err(refused(status)),
             }
         }
+        Command::Add { spec } => {
+            let asked = pb::AddReplicaRequest { spec: Some(spec_message(&spec.to_spec("", 0))) };
+            let added = admin.add_replica(request(cli, asked)?).await.map_err(refused)?.into_inner();
+            show_status(out, cli.output, &added)?;
+        }
         Command::Remove { replica } => {
             let asked = pb::RemoveReplicaRequest { id: replica.clone() };
             let removed = admin.remove_replica(request(cli, asked)?).await.map_err(refused)?.into_inner();
-            match removed.removed {
-                true => writeln!(out, "removed {replica}: {} blocks freed", removed.blocks_freed)?,
-                false => bail!("no replica named {replica:?}"),
+            if !removed.removed {
+                bail!("no replica named {replica:?}");
             }
+            show(out, cli.output, &removed, |out| {
+                writeln!(out, "removed {replica}: {} blocks freed", removed.blocks_freed)
+            })?;
         }
         Command::Explain { path, body } => {
             let asked = pb::ExplainRequest { path: path.clone(), body: read_body(body)? };
             let explained = admin.explain(request(cli, asked)?).await.map_err(refused)?.into_inner();
-            write_explained(out, &explained)?;
+            show(out, cli.output, &explained, |out| write_explained(out, &explained))?;
         }
     }
     Ok(())
+}
+
+/// `answer` as `output` asks: `table` writes it as a table, or it is written as JSON.
+fn show<W: Write>(
+    out: &mut W,
+    output: Output,
+    answer: &impl serde::Serialize,
+    table: impl FnOnce(&mut W) -> std::io::Result<()>,
+) -> anyhow::Result<()> {
+    match output {
+        Output::Table => table(out)?,
+        Output::Json => {
+            serde_json::to_writer_pretty(&mut *out, answer)?;
+            writeln!(out)?;
+        }
+    }
+    Ok(())
+}
+
+/// One replica's status (a drain's, a resume's or an addition's answer).
+fn show_status(out: &mut impl Write, output: Output, status: &pb::ReplicaStatus) -> anyhow::Result<()> {
+    show(out, output, status, |out| write_list(out, std::slice::from_ref(status)))
 }
 
 /// What the router answered instead: its status code and message.

@@ -385,7 +385,8 @@ async fn a_drain_outlasts_the_replicas_entry() {
 /// is an error.
 #[tokio::test]
 async fn the_admin_command_lists_drains_resumes_explains_and_removes() {
-    use kvroute_router::admin_cli::{Cli, Command, run};
+    use clap::Parser;
+    use kvroute_router::admin_cli::{Cli, Command, Output, run};
     let fleet =
         Fleet::with(3, agent_config, |c| kvroute_router::Config { admin_token: Some("s3cret".into()), ..c })
             .await;
@@ -397,6 +398,7 @@ async fn the_admin_command_lists_drains_resumes_explains_and_removes() {
         server_name: None,
         client_cert: None,
         client_key: None,
+        output: Output::Table,
         command,
     };
     let said = async |cli: Cli| {
@@ -420,14 +422,16 @@ async fn the_admin_command_lists_drains_resumes_explains_and_removes() {
     assert!(line(&resumed, "agent-1").contains(" yes "), "{resumed}");
     assert!(!upstream("agent-1").is_draining());
 
-    let body = String::from_utf8(body(PROMPT)).unwrap();
-    let explained = said(cli(Command::Explain { path: "/v1/completions".into(), body })).await.unwrap();
+    let prompt = String::from_utf8(body(PROMPT)).unwrap();
+    let explain = Command::Explain { path: "/v1/completions".into(), body: prompt.clone() };
+    let explained = said(cli(explain)).await.unwrap();
     let chosen = explained.lines().next().unwrap();
     assert!(chosen.starts_with("chosen agent-") && chosen.contains("by cache-aware"), "{explained}");
     assert_eq!(explained.lines().filter(|l| l.starts_with("agent-")).count(), 3, "{explained}");
     let bad = said(cli(Command::Explain { path: "/v1/completions".into(), body: "{".into() })).await;
     assert!(bad.is_err(), "a malformed body");
 
+    let gone = fleet.router.fleet().member("agent-2").unwrap().replica.spec.clone();
     let removed = said(cli(Command::Remove { replica: "agent-2".into() })).await.unwrap();
     assert!(removed.starts_with("removed agent-2"), "{removed}");
     assert!(fleet.router.fleet().member("agent-2").is_none());
@@ -440,6 +444,39 @@ async fn the_admin_command_lists_drains_resumes_explains_and_removes() {
     assert!(lifted.contains(kvroute_router::admin::DRAIN_LIFTED), "{lifted}");
     let unknown = said(cli(Command::Drain { replica: "agent-9".into() })).await.unwrap_err();
     assert_eq!(unknown, "the router answered NotFound: no replica named \"agent-9\"");
+
+    // Back in as `--replica` names it, and the answers as JSON, from the command line.
+    let json = async |args: &[&str]| {
+        let mut line = vec!["kvroute-admin", "--url", &url, "--token", "s3cret", "--output", "json"];
+        line.extend(args);
+        let out = said(Cli::try_parse_from(line).unwrap()).await?;
+        Ok::<_, String>(serde_json::from_str::<serde_json::Value>(&out).unwrap())
+    };
+    let spec = format!(
+        "name=agent-2,http={},events={},replay={},grpc={}",
+        gone.http_url,
+        gone.event_endpoint,
+        gone.replay_endpoint.as_deref().unwrap(),
+        gone.grpc_endpoint.as_deref().unwrap()
+    );
+    let added = json(&["add", &spec]).await.unwrap();
+    assert_eq!(added["spec"]["id"], "agent-2", "{added}");
+    assert_eq!(added["spec"]["http_url"], gone.http_url.as_str(), "{added}");
+    assert_eq!(added["spec"]["engine"], "kvroute", "{added}");
+    assert_eq!(added["spec"]["role"], "both", "{added}");
+    assert!(fleet.router.fleet().member("agent-2").is_some());
+    let again = json(&["add", &spec]).await.unwrap_err();
+    assert!(again.starts_with("the router answered AlreadyExists"), "{again}");
+    let listed = json(&["list"]).await.unwrap();
+    let listed = listed.as_array().unwrap();
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    let agent0 = listed.iter().find(|r| r["spec"]["id"] == "agent-0").unwrap();
+    assert_eq!(agent0["state"], "exact", "{agent0}");
+    assert_eq!(agent0["healthy"], true, "{agent0}");
+    let explained = json(&["explain", &prompt]).await.unwrap();
+    let candidates = explained["candidates"].as_array().unwrap();
+    assert!(candidates.iter().any(|c| c["replica"] == explained["chosen"]), "{explained}");
+    assert_eq!(candidates.len(), 3, "{explained}");
 
     let stranger = Cli { token: Some("nope".into()), ..cli(Command::List) };
     let refused = said(stranger).await.unwrap_err();

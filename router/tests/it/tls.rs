@@ -352,6 +352,7 @@ async fn the_admin_service_serves_tls_with_the_proxys_certificate() {
         server_name: None,
         client_cert: Some(client_cert),
         client_key: Some(client_key),
+        output: kvroute_router::admin_cli::Output::Table,
         command: kvroute_router::admin_cli::Command::List,
     };
     let mut listed = Vec::new();
