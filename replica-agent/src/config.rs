@@ -334,7 +334,6 @@ impl Config {
             self.s3fifo_small_ratio > 0.0 && self.s3fifo_small_ratio < 1.0,
             format!("--s3fifo-small-ratio must be in (0, 1), got {}", self.s3fifo_small_ratio),
         );
-        check(self.s3fifo_max_freq > 0, "--s3fifo-max-freq must be at least 1".into());
         if let Some(problem) = self.cache().capacity_problem() {
             let capacity = self.capacity_blocks;
             check(false, format!("--capacity-blocks {capacity} (--policy, --s3fifo-small-ratio): {problem}"));

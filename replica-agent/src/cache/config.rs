@@ -82,10 +82,6 @@ pub enum ConfigError {
     #[error("S3FIFO small_ratio must be within [0, 1], got {0}")]
     SmallRatio(f64),
     #[error(
-        "S3FIFO max_freq must be at least 1 (at 0, no block would leave the small queue for the main one)"
-    )]
-    ZeroMaxFreq,
-    #[error(
         "S3FIFO needs non-empty small and main queues, got small_cap {small_cap} and main_cap \
          {main_cap} (raise the capacity or adjust small_ratio)"
     )]

@@ -97,9 +97,6 @@ impl S3Fifo {
         if !(0.0..=1.0).contains(&ratio) {
             return Err(ConfigError::SmallRatio(ratio));
         }
-        if params.max_freq == 0 {
-            return Err(ConfigError::ZeroMaxFreq);
-        }
         let small_cap = small_cap(capacity, ratio);
         let main_cap = capacity.saturating_sub(small_cap);
         if small_cap == 0 || main_cap == 0 {
