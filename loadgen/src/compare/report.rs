@@ -364,6 +364,7 @@ mod tests {
             prefix_cache_hits: 50.0,
             prefix_cache_queries: 100.0,
             prompt_tokens: 100.0,
+            started: None,
         });
         let counted =
             PolicyRun::new(PolicyKind::CacheAware, live(vec![zero; 2], vec![half; 2]), 0, 0.5, None);

@@ -111,9 +111,9 @@ pub struct LiveReport {
     pub succeeded: usize,
     /// Failed requests by kind (`http_503`, `connect`, `timeout`, `stream`, ...).
     pub errors: BTreeMap<String, u64>,
-    /// From the first send to the last answer.
+    /// From the first send to the last successful answer (a failure's end is not recorded).
     pub duration_s: f64,
-    /// Successful requests per second.
+    /// Successful requests per second of `duration_s`.
     pub throughput_rps: f64,
     pub output_tokens_per_s: f64,
     /// Time to first token from the actual send: the service's latency, without an
@@ -438,6 +438,7 @@ mod tests {
             prefix_cache_hits: hits,
             prefix_cache_queries: queries,
             prompt_tokens: prompt,
+            started: None,
         })
     }
 

@@ -9,8 +9,9 @@
 //! that could have had requests but got none still counts in the load skew.
 //!
 //! A run's figures are the deltas of these counters ([`ReplicaCounters::since`],
-//! [`RouterCounters::since`]): a counter that went backwards (its process restarted) gives
-//! none, and a replica without them counts as unread.
+//! [`RouterCounters::since`]): a counter that went backwards, or a replica whose process start
+//! time (`process_start_time_seconds`) changed, gives none (it restarted, and what it counted
+//! before that is lost), and a replica without them counts as unread.
 //!
 //! Samples are read with [`kvroute_proto::prometheus`]; those of one name are summed over
 //! their label sets (e.g. vLLM's per-engine labels).
@@ -33,6 +34,9 @@ pub struct ReplicaCounters {
     pub prefix_cache_hits: f64,
     pub prefix_cache_queries: f64,
     pub prompt_tokens: f64,
+    /// When the replica's process started (`process_start_time_seconds`, Unix seconds), if
+    /// its page says: vLLM's, through Prometheus' Python client, and kvroute agents' do.
+    pub started: Option<f64>,
 }
 
 impl ReplicaCounters {
@@ -50,18 +54,26 @@ impl ReplicaCounters {
             prefix_cache_hits: sum(page, "vllm:prefix_cache_hits_total")? + external,
             prefix_cache_queries: sum(page, "vllm:prefix_cache_queries_total")?,
             prompt_tokens: sum(page, "vllm:prompt_tokens_total")?,
+            started: sum(page, "process_start_time_seconds"),
         })
     }
 
-    /// `self - before`, counter by counter as `delta` says; `None` if any counter went
-    /// backwards (the replica restarted between the reads) or more tokens hit than were
-    /// looked up: each counter checked on its own would let a restart that reset one but
-    /// not another (hits 0 to 800, queries 1000 to 1000) count 800 hits in 0 queries.
+    /// `self - before`, counter by counter as `delta` says; `None` if the replica restarted
+    /// between the reads (its start time changed, or a counter went backwards: a restart that
+    /// counted past the earlier read again shows only in the start time) or more tokens hit
+    /// than were looked up: each counter checked on its own would let a restart that reset
+    /// one but not another (hits 0 to 800, queries 1000 to 1000) count 800 hits in 0 queries.
     pub fn since(&self, before: &Self) -> Option<Self> {
+        if let (Some(now), Some(then)) = (self.started, before.started)
+            && now != then
+        {
+            return None;
+        }
         let d = Self {
             prefix_cache_hits: delta(self.prefix_cache_hits, before.prefix_cache_hits)?,
             prefix_cache_queries: delta(self.prefix_cache_queries, before.prefix_cache_queries)?,
             prompt_tokens: delta(self.prompt_tokens, before.prompt_tokens)?,
+            started: self.started,
         };
         (d.prefix_cache_hits <= d.prefix_cache_queries).then_some(d)
     }
@@ -69,7 +81,8 @@ impl ReplicaCounters {
 
 /// The increase of a counter between two reads, `None` if it went backwards (or is not a
 /// number): its process restarted in between, so what it counted before that is lost and
-/// the increase is unknown. A restart that counted past the earlier read again goes unseen.
+/// the increase is unknown. (A restart that counted past the earlier read again shows only in
+/// a replica's start time.)
 fn delta(after: f64, before: f64) -> Option<f64> {
     let d = after - before;
     (d.is_finite() && d >= 0.0).then_some(d)
@@ -256,12 +269,14 @@ mod tests {
         assert_eq!((since.tokenize_reuse(), since.queue_waits()), (None, None));
         let with_prompts = format!("{page}vllm:prompt_tokens_total 0\n");
         let before = ReplicaCounters::parse(&with_prompts).unwrap();
-        let after =
-            ReplicaCounters { prefix_cache_hits: 20.0, prefix_cache_queries: 50.0, prompt_tokens: 5.0 };
-        assert_eq!(
-            after.since(&before),
-            Some(ReplicaCounters { prefix_cache_hits: 4.5, prefix_cache_queries: 10.0, prompt_tokens: 5.0 })
-        );
+        let after = ReplicaCounters {
+            prefix_cache_hits: 20.0,
+            prefix_cache_queries: 50.0,
+            prompt_tokens: 5.0,
+            started: None,
+        };
+        let since = ReplicaCounters { prefix_cache_hits: 4.5, prefix_cache_queries: 10.0, ..after };
+        assert_eq!(after.since(&before), Some(since));
     }
 
     /// Regression: a page without vLLM's series (an SGLang engine, a wrong URL answering
@@ -300,6 +315,7 @@ vllm:prefix_cache_queries_total 40
             prefix_cache_hits: hits,
             prefix_cache_queries: queries,
             prompt_tokens,
+            started: None,
         };
         assert_eq!(at(800.0, 1000.0, 1000.0).since(&at(0.0, 1000.0, 1000.0)), None);
         assert_eq!(at(10.0, 20.0, 20.0).since(&at(500.0, 1000.0, 1000.0)), None);
@@ -309,6 +325,29 @@ vllm:prefix_cache_queries_total 40
             |predicted| RouterCounters { predicted_cached_tokens: predicted, ..RouterCounters::default() };
         assert_eq!(router(5.0).since(&router(10.0)), None);
         assert_eq!(router(10.0).since(&router(5.0)), Some(router(5.0)));
+    }
+
+    /// Regression: a replica that restarted between the reads and counted past the first read
+    /// again gave a delta of its counts since the restart alone, as if for the whole run.
+    #[test]
+    fn a_replica_that_restarted_is_no_delta() {
+        let page = |started: &str, hits| {
+            format!(
+                "vllm:prefix_cache_hits_total {hits}\nvllm:prefix_cache_queries_total {}\n\
+                 vllm:prompt_tokens_total 900\n{started}",
+                2 * hits
+            )
+        };
+        let read = |page: String| ReplicaCounters::parse(&page).unwrap();
+        let before = read(page("process_start_time_seconds 1.7e9\n", 100));
+        assert_eq!(before.started, Some(1.7e9));
+        let restarted = read(page("process_start_time_seconds 1.7000001e9\n", 600));
+        assert_eq!(restarted.since(&before), None, "it counted past the first read again");
+        let same = read(page("process_start_time_seconds 1.7e9\n", 600));
+        assert_eq!(same.since(&before).map(|d| d.prefix_cache_hits), Some(500.0));
+        // A page without a start time says nothing of a restart: the counters' rule alone.
+        let unsaid = read(page("", 600));
+        assert_eq!(unsaid.since(&before).map(|d| d.prefix_cache_hits), Some(500.0));
     }
 
     #[test]

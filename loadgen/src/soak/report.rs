@@ -179,7 +179,8 @@ pub struct SoakReport {
     /// Totals at the end.
     pub totals: Totals,
     pub replica_restarts: u64,
-    /// Seconds from the first request to the end of the last.
+    /// Seconds from the start of the load to the last sample, taken once every request has
+    /// ended (or been cut off at the run's end).
     pub duration_s: f64,
     /// `cached / prompt` over the whole run.
     pub hit_rate: Option<f64>,

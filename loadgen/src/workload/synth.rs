@@ -385,8 +385,10 @@ mod tests {
 
     #[test]
     fn defaults_come_from_the_clap_attributes() {
-        assert!(ChatParams::default().conversations > 0);
-        assert!(RagParams::default().documents > 0);
-        assert!(BatchParams::default().jobs > 0);
+        let chat = ChatParams::default();
+        assert_eq!((chat.conversations, chat.think_time), (200, Duration::from_secs(20)));
+        let rag = RagParams::default();
+        assert_eq!((rag.requests, rag.documents, rag.zipf), (2000, 200, 1.1));
+        assert_eq!((BatchParams::default().jobs, BatchParams::default().requests_per_job), (10, 200));
     }
 }
