@@ -317,7 +317,9 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_PREDICTED_CACHE_TOKENS", default_value_t = 1 << 20)]
     pub predicted_cache_tokens: usize,
 
-    /// Upstream connect timeout, milliseconds.
+    /// Upstream connect timeout (the TLS handshake included), milliseconds; less than
+    /// `--first-byte-timeout-ms`, which counts from the send, connecting included. A replica
+    /// that cannot be reached in time is tried no further and the next one is.
     #[arg(long, env = "KVROUTE_CONNECT_TIMEOUT_MS", default_value_t = 1_000)]
     pub connect_timeout_ms: u64,
     /// Time allowed until an upstream's response headers arrive, milliseconds. A replica that
@@ -526,6 +528,17 @@ impl Config {
             "--predicted-cache-tokens must be at least one block".into(),
         );
         check(self.first_byte_timeout_ms > 0, "--first-byte-timeout-ms must be at least 1".into());
+        // The first byte is timed from the send, connecting included: a connection still being
+        // made then would end as a 504, not as a replica that could not be reached (which the
+        // next replica is tried for).
+        check(
+            self.connect_timeout_ms < self.first_byte_timeout_ms,
+            format!(
+                "--connect-timeout-ms ({}) must be less than --first-byte-timeout-ms ({}): a replica \
+                 still connecting when its first byte is due would get no retry elsewhere",
+                self.connect_timeout_ms, self.first_byte_timeout_ms
+            ),
+        );
         check(self.pd_prefill_timeout_ms > 0, "--pd-prefill-timeout-ms must be at least 1".into());
         check(self.control_timeout_ms > 0, "--control-timeout-ms must be at least 1".into());
         check(self.tokenize_timeout_ms > 0, "--tokenize-timeout-ms must be at least 1".into());
@@ -1011,6 +1024,18 @@ impl fmt::Display for ReplicaConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression: a connect timeout as long as the first byte's let a replica that took
+    /// the connection but never finished the TLS handshake answer 504, with no retry.
+    #[test]
+    fn the_connect_timeout_is_within_the_first_bytes() {
+        let slow =
+            Config { connect_timeout_ms: 2_000, first_byte_timeout_ms: 300, ..Config::loopback(Vec::new()) };
+        let errors = slow.validate().unwrap_err();
+        assert!(errors.iter().any(|e| e.contains("--connect-timeout-ms (2000)")), "{errors:?}");
+        let within = Config { connect_timeout_ms: 200, ..slow };
+        assert_eq!(within.validate(), Ok(()));
+    }
 
     #[test]
     fn a_limit_per_key_needs_the_keys() {

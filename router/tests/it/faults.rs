@@ -252,6 +252,7 @@ async fn silent_replica_times_out_is_ejected_and_comes_back() {
     let switch = Switch::start(agents[1].http_addr).await;
     let mut config = kvroute_router::Config {
         first_byte_timeout_ms: 300,
+        connect_timeout_ms: 100,
         eject_after: 2,
         ejection_ms: 1_500,
         // Only passive outlier detection in this test: one health check at start.
@@ -373,6 +374,7 @@ async fn a_drain_ends_open_streams_at_its_timeout() {
 async fn slow_replica_times_out_and_is_ejected() {
     let fleet = Fleet::with(2, slow_agent_1, |c| kvroute_router::Config {
         first_byte_timeout_ms: 300,
+        connect_timeout_ms: 100,
         idle_timeout_ms: 300,
         eject_after: 2,
         ejection_ms: 1_000,

@@ -662,8 +662,12 @@ async fn refusals_do_not_eject_a_replica() {
 #[tokio::test]
 async fn a_slow_upload_is_not_the_replicas_first_byte_timeout() {
     let (replica, mut seen) = recording_replica(ANSWER).await;
-    let (router, shutdown) =
-        router_in_front_of(replica, |c| kvroute_router::Config { first_byte_timeout_ms: 300, ..c }).await;
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+        first_byte_timeout_ms: 300,
+        connect_timeout_ms: 100,
+        ..c
+    })
+    .await;
     let mut stream =
         tokio::net::TcpStream::connect(router.url().trim_start_matches("http://")).await.unwrap();
     let parts = ["{\"input\":", "\"slow ", "but ", "steady ", "upload", "\"}"];
@@ -697,8 +701,12 @@ async fn a_bodyless_request_to_a_silent_replica_times_out() {
             connections.push(stream); // read nothing, answer nothing
         }
     });
-    let (router, shutdown) =
-        router_in_front_of(silent, |c| kvroute_router::Config { first_byte_timeout_ms: 300, ..c }).await;
+    let (router, shutdown) = router_in_front_of(silent, |c| kvroute_router::Config {
+        first_byte_timeout_ms: 300,
+        connect_timeout_ms: 100,
+        ..c
+    })
+    .await;
     let mut stream =
         tokio::net::TcpStream::connect(router.url().trim_start_matches("http://")).await.unwrap();
     stream.write_all(b"GET /v1/files/f1 HTTP/1.1\r\nhost: r\r\n\r\n").await.unwrap();
@@ -748,6 +756,7 @@ async fn a_replica_that_stops_reading_an_upload_times_out() {
     let length = 32 << 20;
     let (router, shutdown) = router_in_front_of(stuck, |c| kvroute_router::Config {
         first_byte_timeout_ms: 300,
+        connect_timeout_ms: 100,
         max_body_bytes: length,
         ..c
     })
