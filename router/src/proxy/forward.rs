@@ -827,6 +827,11 @@ fn wrap(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.get(.."text/event-stream".len()))
         .is_some_and(|v| v.eq_ignore_ascii_case("text/event-stream"));
+    if sse {
+        // A stream may end with an error event of the router's: framed by its replica's
+        // length, the event would be cut to what the length had left.
+        parts.headers.remove(header::CONTENT_LENGTH);
+    }
     let hooks = Box::new(ResponseHooks {
         guard,
         _slot: admitted.slot,

@@ -2634,3 +2634,29 @@ async fn a_stream_given_up_before_its_first_data_leaves_no_credit() {
     wait_until("the credit is withdrawn", || credits.extend(id, &blocks, 0) == 0).await;
     shutdown.cancel();
 }
+
+/// Regression: a stream whose replica framed it by `Content-Length` kept the header, so the
+/// error event the router ends a failed stream with had to fit the bytes the length had left:
+/// the client got a stream cut short instead. (vLLM and SGLang send none on streams.)
+#[tokio::test]
+async fn a_stream_framed_by_its_length_still_ends_with_the_error_event() {
+    let parts: Vec<&'static [u8]> = vec![
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 64\r\n\r\ndata: {\"a\":1}\n\n",
+        b"data: never\n\n",
+    ];
+    let hour = std::time::Duration::from_secs(3600);
+    let (replica, _) = pausing_replica(parts, std::time::Duration::ZERO, hour).await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { idle_timeout_ms: 300, ..c }).await;
+    let body = json!({"model": FLEET_MODEL, "prompt": "a b c", "max_tokens": 2, "stream": true});
+    let url = format!("{}/v1/completions", router.url());
+    let streaming = crate::fleet::Http::new().stream(&url, &body).await;
+    assert_eq!(streaming.status(), 200);
+    let text = streaming.into_body().collect().await.expect("the whole stream, to its end").to_bytes();
+    let text = String::from_utf8_lossy(&text);
+    assert!(text.starts_with("data: {\"a\":1}\n\n"), "{text}");
+    let last = text.trim_end().rsplit("\n\n").next().unwrap();
+    let error: Value = serde_json::from_str(last.trim_start_matches("data: ")).expect("a whole error event");
+    assert!(error["error"]["message"].as_str().is_some_and(|m| m.contains("stream")), "{text}");
+    shutdown.cancel();
+}
