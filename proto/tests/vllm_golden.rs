@@ -496,6 +496,33 @@ fn unknown_keys_and_key_order_do_not_matter() {
     assert!(stored.has_extra_keys());
 }
 
+/// Regression: a key another event has, of another type than that event's field (a removal's
+/// `token_ids: nil`), made the event malformed and its batch lost, though the tag before it
+/// said the key was none of the event's.
+#[test]
+fn another_events_field_of_another_type_is_skipped() {
+    let value = arr(vec![
+        Value::F64(TS),
+        arr(vec![
+            map(vec![
+                ("type", s("BlockRemoved")),
+                ("block_hashes", arr(vec![u(H1.0)])),
+                ("token_ids", Value::Nil),
+                ("block_size", s("sixteen")),
+                ("parent_block_hash", s("none")),
+            ]),
+            map(vec![("type", s("AllBlocksCleared")), ("block_hashes", s("all")), ("medium", u(1))]),
+        ]),
+    ]);
+    let batch = vllm::decode_payload(&pack(&value)).unwrap();
+    let removed = BlockRemoved { block_hashes: vec![H1], ..Default::default() };
+    assert_eq!(batch.events, [VllmEvent::BlockRemoved(removed), VllmEvent::AllBlocksCleared]);
+    // The event's own fields are still typed.
+    let bad = arr(vec![Value::F64(TS), arr(vec![map(vec![("type", s("BlockRemoved")), ("medium", u(1))])])]);
+    let bad = vllm::decode_payload(&pack(&bad)).unwrap();
+    assert!(matches!(bad.events[..], [VllmEvent::Malformed(_)]), "{:?}", bad.events);
+}
+
 #[test]
 fn longer_arrays_are_read_by_their_known_prefix() {
     let mut stored =

@@ -380,6 +380,13 @@ impl<'de> Visitor<'de> for EventVisitor {
                 map.next_value::<IgnoredAny>()?;
                 continue;
             };
+            // Once the tag is known (msgspec writes it first), a key its event does not have is
+            // skipped unread, whatever its value: another event's field of the same name (a
+            // removal's `token_ids: nil`) does not make the event malformed.
+            if tag.as_deref().is_some_and(|t| name != "type" && !has_field(t, name)) {
+                map.next_value::<IgnoredAny>()?;
+                continue;
+            }
             match name {
                 "type" => {
                     let t: String = map.next_value()?;
@@ -435,6 +442,17 @@ impl<'de> Visitor<'de> for EventVisitor {
             }),
             _ => VllmEvent::AllBlocksCleared,
         })
+    }
+}
+
+/// Whether an event tagged `tag` has a field `name` (a `BlockStored` reads every field it
+/// knows; an `AllBlocksCleared`, none). Fields that come before the tag are read as their name
+/// says, whatever the event turns out to be.
+fn has_field(tag: &str, name: &str) -> bool {
+    match tag {
+        BLOCK_STORED => true,
+        BLOCK_REMOVED => ["block_hashes", "medium", "group_idx", "locality", "ownership"].contains(&name),
+        _ => false,
     }
 }
 
