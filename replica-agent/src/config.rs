@@ -155,17 +155,17 @@ pub struct Config {
     /// Serve the API over HTTPS with this certificate chain (PEM, the agent's own first), as
     /// vLLM's `--ssl-certfile`. With `--ssl-keyfile`. The gRPC service stays plain. The files
     /// are read at the start only.
-    #[arg(long, env = "KVROUTE_AGENT_SSL_CERTFILE", requires = "ssl_keyfile")]
+    #[arg(long, env = "KVROUTE_AGENT_SSL_CERTFILE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ssl_certfile: Option<PathBuf>,
     /// The private key of `--ssl-certfile` (PEM), as vLLM's `--ssl-keyfile`.
-    #[arg(long, env = "KVROUTE_AGENT_SSL_KEYFILE", requires = "ssl_certfile")]
+    #[arg(long, env = "KVROUTE_AGENT_SSL_KEYFILE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ssl_keyfile: Option<PathBuf>,
     /// With `--ssl-certfile`: clients must show a certificate signed by one of the authorities
     /// in this PEM file (mutual TLS). vLLM's `--ssl-ca-certs` asks for that with
     /// `--ssl-cert-reqs 2`.
-    #[arg(long, env = "KVROUTE_AGENT_SSL_CA_CERTS", requires = "ssl_certfile")]
+    #[arg(long, env = "KVROUTE_AGENT_SSL_CA_CERTS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ssl_ca_certs: Option<PathBuf>,
     /// Plays vLLM's disaggregated prefill with this connector config (JSON, as vLLM's flag):
@@ -559,6 +559,30 @@ mod tests {
             ranks(MAX_DATA_PARALLEL_SIZE + 1, "tcp://127.0.0.1:5557").validate().unwrap_err().len(),
             1
         );
+    }
+
+    /// Regression: clap's `requires` checked the TLS flags before the file was read, so a
+    /// file naming the certificate and key, with `--ssl-ca-certs` on the command line, was
+    /// refused for want of `--ssl-certfile`. `validate` checks the pairing, merged.
+    #[test]
+    fn tls_files_from_the_file_go_with_a_flag() {
+        let dir = std::env::temp_dir().join(format!("kvroute-agent-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("agent.toml");
+        std::fs::write(&file, "ssl-certfile = \"/tls/tls.crt\"\nssl-keyfile = \"/tls/tls.key\"\n").unwrap();
+        let parsed = kvroute_proto::cli::parse_from::<Config, _, _>([
+            "kvroute-agent".as_ref(),
+            "--config".as_ref(),
+            file.as_os_str(),
+            "--ssl-ca-certs".as_ref(),
+            "/tls/ca.crt".as_ref(),
+        ]);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let c = parsed.unwrap();
+        assert_eq!(c.ssl_certfile.as_deref(), Some(Path::new("/tls/tls.crt")));
+        assert_eq!(c.ssl_ca_certs.as_deref(), Some(Path::new("/tls/ca.crt")));
+        let alone = Config { ssl_ca_certs: Some("/tls/ca.crt".into()), ..Config::default() };
+        assert!(alone.validate().unwrap_err().iter().any(|e| e.contains("--ssl-certfile")));
     }
 
     #[test]
