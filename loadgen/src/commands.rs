@@ -83,8 +83,8 @@ pub struct SendArgs {
     pub no_progress: bool,
     /// API key sent with every completion (`Authorization: Bearer <key>`), for a router or
     /// replica run with `--api-key`.
-    #[arg(long, env = "KVROUTE_LOADGEN_API_KEY", hide_env_values = true, value_parser = bearer)]
-    pub api_key: Option<HeaderValue>,
+    #[arg(long, env = "KVROUTE_LOADGEN_API_KEY", hide_env_values = true)]
+    pub api_key: Option<ApiKey>,
     /// PEM certificates of the authorities an `https://` target's certificate is checked
     /// against (a router's own `--tls-cert` authority); the system's without.
     #[arg(long)]
@@ -96,6 +96,25 @@ pub struct SendArgs {
     /// PEM private key of `--client-cert`.
     #[arg(long, requires = "client_cert")]
     pub client_key: Option<PathBuf>,
+}
+
+/// An API key as given, shown nowhere (not by `Debug`; and checked only once parsed, so that a
+/// key refused is not quoted by clap's message, which a pod's log keeps).
+#[derive(Clone)]
+pub struct ApiKey(String);
+
+impl std::str::FromStr for ApiKey {
+    type Err = std::convert::Infallible;
+
+    fn from_str(key: &str) -> Result<Self, Self::Err> {
+        Ok(ApiKey(key.to_owned()))
+    }
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(<hidden>)")
+    }
 }
 
 /// `Authorization: Bearer <key>`, marked sensitive (its `Debug` does not show it).
@@ -123,7 +142,10 @@ impl SendArgs {
         config.max_duration = self.duration;
         config.max_requests = self.requests;
         config.progress = !self.no_progress;
-        config.authorization = self.api_key.clone();
+        config.authorization = match &self.api_key {
+            Some(ApiKey(key)) => Some(bearer(key).map_err(|e| anyhow::anyhow!("--api-key: {e}"))?),
+            None => None,
+        };
         let identity = self.client_cert.as_deref().zip(self.client_key.as_deref());
         if self.ca_cert.is_some() || identity.is_some() {
             let tls = kvroute_proto::serve::client_config(self.ca_cert.as_deref(), identity);

@@ -101,3 +101,22 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
         assert!(stderr.contains(fragment), "{args:?}: {fragment:?} not in {stderr}");
     }
 }
+
+/// Regression: a key refused (a Secret's trailing newline, a space) was quoted in clap's
+/// message, into the pod's log.
+#[test]
+fn a_bad_api_key_is_refused_without_showing_it() {
+    for (flag, env) in [(Some("sk-hunter2 x"), None), (None, Some("sk-hunter2\n"))] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_kvroute-loadgen"));
+        command.args(["live", "--target", "http://127.0.0.1:1", "--no-progress"]);
+        command.args(flag.map(|key| ["--api-key", key]).into_iter().flatten());
+        match env {
+            Some(key) => command.env("KVROUTE_LOADGEN_API_KEY", key),
+            None => command.env_remove("KVROUTE_LOADGEN_API_KEY"),
+        };
+        let out = command.output().expect("runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("--api-key") && !stderr.contains("hunter2"), "{stderr}");
+    }
+}
