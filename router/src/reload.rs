@@ -79,6 +79,25 @@ pub struct Reloaded {
 }
 
 impl Reloaded {
+    /// The settings not applied that wait for the next start: not those of files that could
+    /// not be read again, whose error says so (and which a reload applies once they can be).
+    pub fn at_next_start(&self) -> Vec<&str> {
+        let failed = |loaded: Option<bool>, settings: &'static [&'static str]| {
+            if loaded == Some(false) { settings } else { &[] }
+        };
+        let failed = [
+            failed(self.tls.as_ref().map(Result::is_ok), &["tls-cert", "tls-key", "tls-client-ca"]),
+            failed(
+                self.replica_tls.as_ref().map(Result::is_ok),
+                &["replica-ca-cert", "replica-client-cert", "replica-client-key"],
+            ),
+            failed(self.api_key_file.as_ref().map(Result::is_ok), &["api-key-file"]),
+            failed(self.replica_api_key_file.as_ref().map(Result::is_ok), &["replica-api-key-file"]),
+        ]
+        .concat();
+        (self.not_applied.iter().map(String::as_str)).filter(|s| !failed.contains(s)).collect()
+    }
+
     /// `settings`, among those not applied, moved to the applied.
     fn now_applied(&mut self, settings: &[&str]) {
         let (now, others) = std::mem::take(&mut self.not_applied)
@@ -277,15 +296,17 @@ fn changed_settings(running: &Config, new: &Config) -> Vec<String> {
     changed
 }
 
-/// Reloads the configuration at each `SIGHUP` until `shutdown` fires (see the module docs).
+/// Reloads the configuration at each `SIGHUP` (`hangups`, listened for since before the router
+/// started: a `SIGHUP` meanwhile would have killed it) until `shutdown` fires (see the module
+/// docs).
 #[cfg(unix)]
 pub async fn on_hangup(
     state: std::sync::Arc<ProxyState>,
     mut reloader: Reloader,
+    hangups: std::io::Result<tokio::signal::unix::Signal>,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut hangups = match signal(SignalKind::hangup()) {
+    let mut hangups = match hangups {
         Ok(hangups) => hangups,
         Err(e) => {
             tracing::warn!(error = %e, "cannot listen for SIGHUP: the configuration is not reloaded");
@@ -337,9 +358,10 @@ pub async fn on_hangup(
             }
             None => {}
         }
-        if !reloaded.not_applied.is_empty() {
+        let at_next_start = reloaded.at_next_start();
+        if !at_next_start.is_empty() {
             tracing::warn!(
-                settings = %reloaded.not_applied.join(", "),
+                settings = %at_next_start.join(", "),
                 "reload: settings other than the replicas take effect at the next start"
             );
         }

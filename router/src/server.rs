@@ -366,11 +366,16 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
 /// The configuration is reloaded at each `SIGHUP` ([`crate::reload`]).
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
     let reloader = crate::reload::Reloader::new(&config);
+    // Listened for before the start (loading a tokenizer, binding): a `SIGHUP` then is a
+    // reload once the router runs, not the end of the process.
+    #[cfg(unix)]
+    let hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
     let router = start(config, shutdown.clone()).await?;
     #[cfg(unix)]
     router.parts.tracker.spawn(crate::reload::on_hangup(
         router.state.clone(),
         reloader,
+        hangups,
         router.parts.token().clone(),
     ));
     #[cfg(not(unix))]

@@ -203,8 +203,9 @@ async fn a_reload_reads_the_key_file_again() {
 
     let elsewhere = RouterConfig { api_key_file: Some(dir.join("missing")), ..keyed.clone() };
     let reloaded = reloader.apply(&fleet.router.state, &elsewhere).await;
-    assert!(reloaded.api_key_file.unwrap().unwrap_err().contains("missing"));
+    assert!(reloaded.api_key_file.as_ref().unwrap().as_ref().unwrap_err().contains("missing"));
     assert_eq!(reloaded.not_applied, ["api-key-file"]);
+    assert!(reloaded.at_next_start().is_empty(), "its error says why, not 'at the next start'");
     assert_eq!(statuses(["sk-file", "sk-flag", "sk-next"]).await, [401, 200, 200], "the keys in use stay");
     let metrics = String::from_utf8(fleet.http.get(&fleet.url("/metrics")).await.body.to_vec()).unwrap();
     for line in [
