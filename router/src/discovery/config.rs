@@ -143,6 +143,16 @@ impl DiscoveryConfig {
         if self.discovery != DiscoveryMode::Static && !service_given {
             errors.push("--discovery-service is required with --discovery dns|k8s".to_owned());
         }
+        if self.discovery == DiscoveryMode::Static {
+            let set = self.set_apart_from_the_defaults();
+            if !set.is_empty() {
+                errors.push(format!(
+                    "{} set, but --discovery is static (the default), which reads none of them: \
+                     set --discovery dns or k8s, or leave them out",
+                    set.join(", ")
+                ));
+            }
+        }
         if self.discovery == DiscoveryMode::K8s && !cfg!(feature = "k8s") {
             errors.push("--discovery k8s needs a router built with the `k8s` feature".to_owned());
         }
@@ -194,6 +204,33 @@ impl DiscoveryConfig {
             }
         }
         if errors.is_empty() { Ok(()) } else { Err(errors) }
+    }
+
+    /// The `--discovery-*` settings that differ from their defaults (a discovery meant, and
+    /// `--discovery` forgotten).
+    fn set_apart_from_the_defaults(&self) -> Vec<&'static str> {
+        let d = Self::default();
+        [
+            ("--discovery-service", self.discovery_service != d.discovery_service),
+            ("--discovery-namespace", self.discovery_namespace != d.discovery_namespace),
+            ("--discovery-engine", self.discovery_engine != d.discovery_engine),
+            ("--discovery-dp-size", self.discovery_dp_size != d.discovery_dp_size),
+            ("--discovery-topic", self.discovery_topic != d.discovery_topic),
+            ("--discovery-interval-ms", self.discovery_interval_ms != d.discovery_interval_ms),
+            ("--discovery-http-port", self.discovery_http_port != d.discovery_http_port),
+            ("--discovery-events-port", self.discovery_events_port != d.discovery_events_port),
+            ("--discovery-replay-port", self.discovery_replay_port != d.discovery_replay_port),
+            ("--discovery-grpc-port", self.discovery_grpc_port != d.discovery_grpc_port),
+            ("--discovery-http-port-name", self.discovery_http_port_name != d.discovery_http_port_name),
+            ("--discovery-events-port-name", self.discovery_events_port_name != d.discovery_events_port_name),
+            ("--discovery-replay-port-name", self.discovery_replay_port_name != d.discovery_replay_port_name),
+            ("--discovery-grpc-port-name", self.discovery_grpc_port_name != d.discovery_grpc_port_name),
+            ("--discovery-pod-annotations", self.discovery_pod_annotations != d.discovery_pod_annotations),
+            ("--discovery-https", self.discovery_https != d.discovery_https),
+        ]
+        .into_iter()
+        .filter_map(|(flag, set)| set.then_some(flag))
+        .collect()
     }
 
     pub fn interval(&self) -> Duration {
@@ -250,6 +287,18 @@ mod tests {
         let cli = Cli::parse_from(["r"]);
         assert_eq!(cli.discovery, DiscoveryConfig::default());
         assert_eq!(cli.discovery.validate(), Ok(()));
+    }
+
+    /// Regression: a discovery set up but `--discovery` left static was ignored without a word:
+    /// the router started with no replica.
+    #[test]
+    fn discovery_settings_without_a_discovery_are_refused() {
+        let forgotten = Cli::parse_from(["r", "--discovery-service", "vllm", "--discovery-https"]).discovery;
+        let errors = forgotten.validate().unwrap_err();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].starts_with("--discovery-service, --discovery-https set"), "{errors:?}");
+        let meant = DiscoveryConfig { discovery: DiscoveryMode::Dns, ..forgotten };
+        assert_eq!(meant.validate(), Ok(()));
     }
 
     #[test]
