@@ -612,6 +612,9 @@ impl ReplicaStatus {
 #[derive(Debug)]
 pub struct Replica {
     pub id: ReplicaId,
+    /// A hash of its name: what ties between replicas are broken by, alike in every router
+    /// (`id` is this router's numbering; [`crate::policy::ReplicaView::tie`]).
+    pub tie: u64,
     pub spec: ReplicaSpec,
     pub status: ReplicaStatus,
     /// The scheme and authority of `spec.http_url` when that URL has no path: a request's URL
@@ -684,6 +687,7 @@ impl Replicas {
         let status = ReplicaStatus::new(spec.dp_size);
         let replica = Arc::new(Replica {
             id,
+            tie: xxhash_rust::xxh3::xxh3_64(spec.name.as_bytes()),
             status,
             spec,
             origin,

@@ -354,6 +354,7 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
             let seen = predictions.get(i).unwrap_or(cache);
             views.push(ReplicaView {
                 id: ReplicaId(i as u32),
+                tie: i as u64,
                 overlap_blocks: blocks.iter().take_while(|b| seen.contains(**b)).count(),
                 offloaded_blocks: 0,
                 load,

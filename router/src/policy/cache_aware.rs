@@ -56,8 +56,9 @@
 //! cache's counts for nothing, as the engines would not load it.
 //!
 //! Ties go to the replica with the highest rendezvous hash of the request's key (the chained
-//! hash of its tokens, the partial last block included), so distinct prompts reaching an
-//! idle fleet spread evenly over it.
+//! hash of its tokens, the partial last block included) and the replica's name, so distinct
+//! prompts reaching an idle fleet spread evenly over it, and every router in front of the
+//! fleet sends one to the same replica.
 //!
 //! A replica of several data-parallel ranks is scored with the overlap of the rank the request
 //! would be sent to, chosen by this same cost over the ranks ([`crate::index::Ranks`]), and

@@ -106,6 +106,10 @@ impl ReportMark {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReplicaView {
     pub id: ReplicaId,
+    /// Breaks ties ([`rendezvous`]): the same for the replica in every router (a hash of its
+    /// name, where `id` is each router's own numbering), so that routers in front of one
+    /// fleet send a new prefix to the same replica.
+    pub tie: u64,
     /// Leading blocks of the request the replica holds (for a `FALLBACK` stream, which tells
     /// nothing, the least of the eligible replicas with a stream:
     /// [`cache_aware::common_overlap`]).
@@ -160,20 +164,21 @@ pub fn build(kind: PolicyKind, params: CacheAwareParams, seed: u64) -> Box<dyn P
 }
 
 /// The index of the eligible candidate with the lowest cost, and costs with `INFINITY` for
-/// ineligible candidates. Ties go to the highest `rendezvous(key, replica)`, or to the first
-/// candidate when `key` is `None`.
+/// ineligible candidates. Ties go to the highest `rendezvous(key, replica.tie)`, or to the
+/// first candidate when `key` is `None`.
 fn argmin(replicas: &[ReplicaView], key: Option<u64>, cost: impl Fn(&ReplicaView) -> f64) -> Decision {
     let costs: Vec<f64> = replicas.iter().map(|r| if r.eligible { cost(r) } else { f64::INFINITY }).collect();
-    let tie = |i: usize| key.map_or(0, |k| u64::MAX - rendezvous(k, replicas[i].id));
+    let tie = |i: usize| key.map_or(0, |k| u64::MAX - rendezvous(k, replicas[i].tie));
     let chosen = (0..replicas.len())
         .filter(|&i| replicas[i].eligible)
         .min_by(|&a, &b| costs[a].total_cmp(&costs[b]).then(tie(a).cmp(&tie(b))).then(a.cmp(&b)));
     Decision { chosen, costs }
 }
 
-/// Highest-random-weight score of `replica` for `key` (SplitMix64 finaliser of both).
-pub fn rendezvous(key: u64, replica: ReplicaId) -> u64 {
-    kvroute_proto::mix::mix64(key ^ u64::from(replica.0).wrapping_mul(kvroute_proto::mix::GOLDEN))
+/// Highest-random-weight score for `key` of the replica whose [`ReplicaView::tie`] is `tie`
+/// (SplitMix64 finaliser of both).
+pub fn rendezvous(key: u64, tie: u64) -> u64 {
+    kvroute_proto::mix::mix64(key ^ tie.wrapping_mul(kvroute_proto::mix::GOLDEN))
 }
 
 /// A replica's load as one number: requests (in flight and others'), pending prefill as

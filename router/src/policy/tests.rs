@@ -7,6 +7,7 @@ use kvroute_proto::ReplicaId;
 fn view(id: u32, overlap: usize, in_flight: u32, pending: u64) -> ReplicaView {
     ReplicaView {
         id: ReplicaId(id),
+        tie: u64::from(id),
         overlap_blocks: overlap,
         offloaded_blocks: 0,
         load: Load { in_flight, pending_prefill_tokens: pending, ..Load::default() },
@@ -243,6 +244,7 @@ mod properties {
                     .enumerate()
                     .map(|(i, (overlap, in_flight, pending, waiting, eligible))| ReplicaView {
                         id: ReplicaId(i as u32 * 7 + 3),
+                        tie: i as u64 * 7 + 3,
                         overlap_blocks: overlap,
                         offloaded_blocks: 0,
                         load: Load {
@@ -307,7 +309,7 @@ mod properties {
                     }
                 }
                 if policy.kind() == PolicyKind::CacheAware {
-                    // Ties break by rendezvous hash of the replica id, not by position.
+                    // Ties break by rendezvous hash of the replica's tie, not by position.
                     let mut rotated = replicas.clone();
                     rotated.rotate_left(rotate % replicas.len());
                     let again = policy.choose(&request, &rotated).chosen.map(|i| rotated[i].id);

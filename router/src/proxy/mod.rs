@@ -664,7 +664,7 @@ fn by_load(
         .filter_map(|(m, verdict)| verdict.is_none().then_some(m))
         .map(|m| {
             let load = m.upstream.load();
-            let tie = crate::policy::rendezvous(xxh3_64(request_id.as_bytes()), m.replica.id);
+            let tie = crate::policy::rendezvous(xxh3_64(request_id.as_bytes()), m.replica.tie);
             ((load.in_flight.saturating_add(load.others), std::cmp::Reverse(tie)), m)
         })
         .collect();

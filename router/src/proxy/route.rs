@@ -848,6 +848,7 @@ impl Decider {
                 let overlap = reused(held);
                 let view = ReplicaView {
                     id: member.replica.id,
+                    tie: member.replica.tie,
                     overlap_blocks: overlap,
                     offloaded_blocks: overlap - reused(offered),
                     load: member.upstream.load_at(now),
@@ -890,7 +891,7 @@ impl Decider {
             // Equal costs (the random policy's others, equal loads) are taken in the request's
             // rendezvous order, as the policies break ties: fleet order would send every
             // retry of a failed replica's traffic to the lowest id.
-            let tie = |i: usize| std::cmp::Reverse(policy::rendezvous(request.key, candidates[i].view.id));
+            let tie = |i: usize| std::cmp::Reverse(policy::rendezvous(request.key, candidates[i].view.tie));
             let by_cost = |&a: &usize, &b: &usize| {
                 candidates[a].cost.total_cmp(&candidates[b].cost).then(tie(a).cmp(&tie(b)))
             };
@@ -948,6 +949,7 @@ fn best_rank(
         .iter()
         .map(|r| ReplicaView {
             id: ReplicaId(r.rank),
+            tie: u64::from(r.rank),
             overlap_blocks: reused(r.overlap_blocks),
             offloaded_blocks: 0,
             load: policy::Load {

@@ -1,6 +1,6 @@
 //! The cache-aware proxy end to end: real replica agents behind a real router on loopback.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use http_body_util::BodyExt;
 use kvroute_proto::CacheNamespace;
@@ -305,6 +305,8 @@ async fn two_routers_in_front_of_one_fleet_converge_to_the_same_index() {
                 .fleet()
                 .members()
                 .iter()
+                // Listed the other way round: this router numbers the replicas otherwise.
+                .rev()
                 .map(|m| {
                     let s = &m.replica.spec;
                     kvroute_router::config::ReplicaConfig {
@@ -329,6 +331,17 @@ async fn two_routers_in_front_of_one_fleet_converge_to_the_same_index() {
     )
     .await
     .unwrap();
+    // On an idle fleet both send a new prompt to the same replica (ties are broken by the
+    // replicas' names, not by each router's numbering of them).
+    wait_until("the second router is ready", || second.state.ready()).await;
+    for i in 0..12 {
+        let body = completion(&text(&format!("tie{i}w"), 20), 1).to_string();
+        let chosen = async |r: &kvroute_router::RunningRouter| {
+            let plan = r.state.decider.explain(Endpoint::Completions, body.as_bytes()).await.unwrap();
+            plan.chosen().map(|c| c.member.replica.spec.name.clone())
+        };
+        assert_eq!(chosen(&fleet.router).await, chosen(&second).await, "prompt {i}");
+    }
     for i in 0..20 {
         let reply = fleet
             .http
@@ -336,20 +349,21 @@ async fn two_routers_in_front_of_one_fleet_converge_to_the_same_index() {
             .await;
         assert_eq!(reply.status, 200);
     }
-    let blocks = |r: &kvroute_router::RunningRouter| -> Vec<(String, usize)> {
+    // By name: the routers number the replicas each its own way.
+    let blocks = |r: &kvroute_router::RunningRouter| -> BTreeMap<String, usize> {
         r.fleet()
             .members()
             .iter()
             .map(|m| (m.replica.spec.name.clone(), r.state.decider.index.blocks(m.replica.id)))
             .collect()
     };
-    let truth: Vec<(String, usize)> =
+    let truth: BTreeMap<String, usize> =
         fleet.agents.iter().flatten().map(|a| (a.name.clone(), a.engine.resident().len())).collect();
     wait_until("both routers mirror every replica", || {
         blocks(&fleet.router) == truth && blocks(&second) == truth
     })
     .await;
-    assert!(truth.iter().map(|(_, n)| n).sum::<usize>() > 0);
+    assert!(truth.values().sum::<usize>() > 0);
 }
 
 fn fixture(name: &str) -> std::path::PathBuf {
