@@ -41,26 +41,24 @@
 #      routers +400/+500/+600, vllm-router's metrics +700), OUT (default
 #      target/bench/vs-other-routers).
 #
-# 2026-11-29, sglang-router 0.3.2 and vllm-router 0.1.17, on the 2-core dev machine (times
-# are the agents' sped-up ones, at time scale 6):
-#   | workload | router             | hit rate | load skew | TTFT p50 / p99 ms | e2e p99 ms |
-#   | chat     | kvroute            | 82.3%    | 1.13      | 7.3 / 45.3        | 200.7      |
-#   | chat     | vllm-kv-aware      | 77.8%    | 1.08      | 11.5 / 45.3       | 181.0      |
-#   | chat     | sglang-cache-aware | 77.3%    | 2.64      | 43.6 / 816.2      | 1084.5     |
-#   | chat     | sglang-round-robin | 65.4%    | 1.01      | 33.0 / 73.7       | 318.9      |
-#   | rag      | kvroute            | 34.1%    | 1.02      | 53.3 / 99.9       | 660.9      |
-#   | rag      | vllm-kv-aware      | 29.8%    | 1.05      | 59.8 / 95.8       | 677.1      |
-#   | rag      | sglang-cache-aware | 34.5%    | 1.19      | 58.7 / 315.5      | 852.3      |
-#   | rag      | sglang-round-robin | 25.8%    | 1.01      | 58.1 / 84.8       | 671.1      |
-# No errors in any run. In chat, SGLang's cache_aware sent about two thirds of the prompt
-# tokens to one replica (skew 2.64), whose queue is its TTFT tail. In rag, kvroute and
-# SGLang's router are within 0.1 and 0.3 points of the pooled reference, one LRU cache of the
-# fleet's size (34.2%: `kvroute-loadgen generate --out rag.jsonl rag`, then `kvroute-loadgen
-# simulate --trace rag.jsonl --capacity 2048 --replicas 4 --block-size 16 --no-engine`; the
-# script computes it since; the chat's is 82.5%), which is no upper bound: separate caches
-# can pass it. The run before, of this script's first version (91a7dea, vs_sglang_router.sh:
-# kvroute on the agents' own event format, no vllm-router): chat 82.3% / 77.1% / 65.3%, rag
-# 33.8% / 34.4% / 25.9% for kvroute, sglang cache_aware and round_robin.
+# 2026-11-29, sglang-router 0.3.2 and vllm-router 0.1.17, at 3d937f8, on the 2-core dev
+# machine (times are the agents' sped-up ones, at time scale 6):
+#   | workload | router             | hit rate | skew | TTFT p50 / p99 ms | e2e p99 ms | late p99 ms |
+#   | chat     | kvroute            | 82.3%    | 1.13 | 7.1 / 39.0        | 169.8      | 2.1         |
+#   | chat     | vllm-kv-aware      | 77.1%    | 1.13 | 11.7 / 45.4       | 185.3      | 2.7         |
+#   | chat     | sglang-cache-aware | 76.9%    | 2.57 | 43.2 / 759.3      | 1035.8     | 2.2         |
+#   | chat     | sglang-round-robin | 65.4%    | 1.01 | 32.5 / 73.7       | 309.2      | 2.2         |
+#   | chat     | pooled reference   | 82.5%    |      |                   |            |             |
+#   | rag      | kvroute            | 33.9%    | 1.02 | 53.7 / 97.0       | 679.1      | 2.3         |
+#   | rag      | vllm-kv-aware      | 29.6%    | 1.06 | 59.8 / 93.5       | 657.4      | 3.4         |
+#   | rag      | sglang-cache-aware | 34.7%    | 1.20 | 56.5 / 219.4      | 774.2      | 2.2         |
+#   | rag      | sglang-round-robin | 25.9%    | 1.01 | 58.1 / 84.9       | 678.0      | 2.1         |
+#   | rag      | pooled reference   | 34.2%    |      |                   |            |             |
+# No errors in any run; every send within 3.4 ms of the trace's time (p99). In chat, SGLang's
+# cache_aware sent about two thirds of the prompt tokens to one replica (skew 2.57), whose
+# queue is its TTFT tail. The pooled reference is no upper bound: separate caches can pass
+# it. The run before (b6f930a): chat 82.3% / 77.8% / 77.3% / 65.4%, rag 34.1% / 29.8% /
+# 34.5% / 25.8%, skews 1.13 / 1.08 / 2.64 / 1.01 and 1.02 / 1.05 / 1.19 / 1.01.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
