@@ -18,6 +18,7 @@
 //! | `vllm:prompt_tokens_total` | counter | prompt tokens of admitted requests |
 //! | `vllm:generation_tokens_total` | counter | generated tokens |
 //! | `vllm:request_success_total` | counter | finished requests (`finished_reason="length"`) |
+//! | `vllm:cache_config_info` | gauge | 1, labelled as vLLM's with the KV cache's `block_size`, `num_gpu_blocks` (every rank's together, written once a rank, as vLLM writes them) and `enable_prefix_caching` (`True`): what a router sizes a replica's cache by |
 //! | `kvroute_agent_requests_failed_total` | counter | requests the engine failed |
 //! | `kvroute_agent_events_published_total` | counter | KV event batches published |
 //! | `kvroute_agent_zmtp_refused_total` | counter | event and replay connections cut for going over the ZMTP guard's limits |
@@ -140,6 +141,20 @@ pub(super) fn render(state: &AppState) -> Response<Body> {
         "Host memory's capacity in blocks (0: none).",
         vec![host_capacity; engines.len()],
     );
+    out.family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig");
+    let (block_size, all_blocks) = (
+        engines.first().map_or(0, |engine| engine.config().cache.block_size).to_string(),
+        (capacity * engines.len() as u64).to_string(),
+    );
+    for rank in 0..engines.len() {
+        let labels = [
+            ("block_size", block_size.as_str()),
+            ("cache_dtype", "auto"),
+            ("enable_prefix_caching", "True"),
+            ("num_gpu_blocks", all_blocks.as_str()),
+        ];
+        out.sample("vllm:cache_config_info", rank, &labels, 1);
+    }
     out.family(
         "kvroute_agent_cache_policy",
         "gauge",

@@ -531,6 +531,12 @@ async fn metrics_parse_and_prefix_cache_counters_move() {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
     let started = before["process_start_time_seconds"];
     assert!((1.6e9..=now).contains(&started), "{started}");
+    // The KV cache's size, as vLLM says it (and routers read it).
+    let page = c.get("/metrics").await.text();
+    let info = page.lines().find(|l| l.starts_with("vllm:cache_config_info{")).expect("cache_config_info");
+    let (blocks, size) = (agent.config.capacity_blocks, agent.config.block_size);
+    assert!(info.contains(&format!("block_size=\"{size}\"")), "{info}");
+    assert!(info.contains(&format!("num_gpu_blocks=\"{blocks}\"")) && info.ends_with("} 1"), "{info}");
     let prompt = words(21, 12);
     let body = json!({ "model": MODEL, "prompt": prompt, "max_tokens": 3 });
     let (_, first) = completion(c, &body).await;
