@@ -350,8 +350,8 @@ pub fn demo_workload() -> Workload {
 
 /// Runs `live`.
 pub fn run_live(args: &LiveArgs) -> anyhow::Result<()> {
-    let (trace, _) = load(&args.workload.trace, &args.synthetic, || Workload::Chat(ChatParams::default()))?;
     let mut config = args.send.live_config(args.target.trim_end_matches('/').to_owned())?;
+    let (trace, _) = load(&args.workload.trace, &args.synthetic, || Workload::Chat(ChatParams::default()))?;
     config.replicas = args.replica_urls.iter().map(|u| u.trim_end_matches('/').to_owned()).collect();
     let report = block_on(|shutdown| async move { Ok(live::run(&trace, &config, shutdown).await?) })?;
     print!("{}", live_summary(&report));

@@ -62,7 +62,7 @@ pub struct Cli {
     #[arg(long, requires = "client_cert")]
     pub client_key: Option<PathBuf>,
     /// How to print the router's answers: tables, or JSON (enums by name, `exact`, `vllm`).
-    #[arg(long, short, value_enum, default_value_t = Output::Table)]
+    #[arg(long, short, global = true, value_enum, default_value_t = Output::Table)]
     pub output: Output,
     #[command(subcommand)]
     pub command: Command,

@@ -540,6 +540,15 @@ impl Config {
             ),
         );
         check(self.pd_prefill_timeout_ms > 0, "--pd-prefill-timeout-ms must be at least 1".into());
+        // A prefill sent ahead is timed as a first byte is (from the send, connecting included).
+        check(
+            self.connect_timeout_ms < self.pd_prefill_timeout_ms,
+            format!(
+                "--connect-timeout-ms ({}) must be less than --pd-prefill-timeout-ms ({}): a prefill \
+                 replica still connecting when its answer is due would not be counted unreachable",
+                self.connect_timeout_ms, self.pd_prefill_timeout_ms
+            ),
+        );
         check(self.control_timeout_ms > 0, "--control-timeout-ms must be at least 1".into());
         check(self.tokenize_timeout_ms > 0, "--tokenize-timeout-ms must be at least 1".into());
         check(self.idle_timeout_ms > 0, "--idle-timeout-ms must be at least 1".into());
@@ -1035,6 +1044,9 @@ mod tests {
         assert!(errors.iter().any(|e| e.contains("--connect-timeout-ms (2000)")), "{errors:?}");
         let within = Config { connect_timeout_ms: 200, ..slow };
         assert_eq!(within.validate(), Ok(()));
+        let prefill = Config { pd_prefill_timeout_ms: 150, ..within };
+        let errors = prefill.validate().unwrap_err();
+        assert!(errors.iter().any(|e| e.contains("--pd-prefill-timeout-ms (150)")), "{errors:?}");
     }
 
     #[test]

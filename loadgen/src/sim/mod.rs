@@ -354,6 +354,8 @@ pub fn simulate_with(trace: &Trace, config: &SimConfig, policy: &dyn Policy) -> 
             let seen = predictions.get(i).unwrap_or(cache);
             views.push(ReplicaView {
                 id: ReplicaId(i as u32),
+                // (A router hashes the replica's name; the replicas here have none, and their
+                // ties fall as they did when routers broke them by their own numbering.)
                 tie: i as u64,
                 overlap_blocks: blocks.iter().take_while(|b| seen.contains(**b)).count(),
                 offloaded_blocks: 0,

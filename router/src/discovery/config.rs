@@ -15,7 +15,8 @@ use crate::replicas::EngineKind;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DiscoveryMode {
-    /// Only the `--replica` list (and the admin API).
+    /// Only the `--replica` list (and the admin API); any other `--discovery-*` setting is
+    /// refused, as no discovery would read it.
     #[default]
     Static,
     /// Resolve `--discovery-service` (a headless Service's DNS name) every
@@ -147,8 +148,8 @@ impl DiscoveryConfig {
             let set = self.set_apart_from_the_defaults();
             if !set.is_empty() {
                 errors.push(format!(
-                    "{} set, but --discovery is static (the default), which reads none of them: \
-                     set --discovery dns or k8s, or leave them out",
+                    "{} set, but --discovery is static, which reads none of them: set \
+                     --discovery dns or k8s, or leave them out",
                     set.join(", ")
                 ));
             }
@@ -211,7 +212,7 @@ impl DiscoveryConfig {
     fn set_apart_from_the_defaults(&self) -> Vec<&'static str> {
         let d = Self::default();
         [
-            ("--discovery-service", self.discovery_service != d.discovery_service),
+            ("--discovery-service", self.discovery_service.as_deref().is_some_and(|s| !s.is_empty())),
             ("--discovery-namespace", self.discovery_namespace != d.discovery_namespace),
             ("--discovery-engine", self.discovery_engine != d.discovery_engine),
             ("--discovery-dp-size", self.discovery_dp_size != d.discovery_dp_size),
