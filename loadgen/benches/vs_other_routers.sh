@@ -41,24 +41,25 @@
 #      routers +400/+500/+600, vllm-router's metrics +700), OUT (default
 #      target/bench/vs-other-routers).
 #
-# 2026-11-29, sglang-router 0.3.2 and vllm-router 0.1.17, at 3d937f8, on the 2-core dev
+# 2026-11-29, sglang-router 0.3.2 and vllm-router 0.1.17, at 6261494, on the 2-core dev
 # machine (times are the agents' sped-up ones, at time scale 6):
 #   | workload | router             | hit rate | skew | TTFT p50 / p99 ms | e2e p99 ms | late p99 ms |
-#   | chat     | kvroute            | 82.3%    | 1.13 | 7.1 / 39.0        | 169.8      | 2.1         |
-#   | chat     | vllm-kv-aware      | 77.1%    | 1.13 | 11.7 / 45.4       | 185.3      | 2.7         |
-#   | chat     | sglang-cache-aware | 76.9%    | 2.57 | 43.2 / 759.3      | 1035.8     | 2.2         |
-#   | chat     | sglang-round-robin | 65.4%    | 1.01 | 32.5 / 73.7       | 309.2      | 2.2         |
+#   | chat     | kvroute            | 82.5%    | 1.14 | 7.4 / 41.5        | 180.1      | 2.2         |
+#   | chat     | vllm-kv-aware      | 78.0%    | 1.10 | 12.7 / 45.4       | 181.4      | 2.8         |
+#   | chat     | sglang-cache-aware | 77.2%    | 2.64 | 44.1 / 833.5      | 1151.1     | 2.5         |
+#   | chat     | sglang-round-robin | 65.5%    | 1.01 | 32.4 / 72.3       | 318.9      | 2.2         |
 #   | chat     | pooled reference   | 82.5%    |      |                   |            |             |
-#   | rag      | kvroute            | 33.9%    | 1.02 | 53.7 / 97.0       | 679.1      | 2.3         |
-#   | rag      | vllm-kv-aware      | 29.6%    | 1.06 | 59.8 / 93.5       | 657.4      | 3.4         |
-#   | rag      | sglang-cache-aware | 34.7%    | 1.20 | 56.5 / 219.4      | 774.2      | 2.2         |
-#   | rag      | sglang-round-robin | 25.9%    | 1.01 | 58.1 / 84.9       | 678.0      | 2.1         |
+#   | rag      | kvroute            | 34.0%    | 1.02 | 54.0 / 107.3      | 815.1      | 7.9         |
+#   | rag      | vllm-kv-aware      | 29.9%    | 1.06 | 59.5 / 93.3       | 670.9      | 3.3         |
+#   | rag      | sglang-cache-aware | 34.5%    | 1.18 | 58.2 / 314.5      | 838.6      | 2.2         |
+#   | rag      | sglang-round-robin | 26.0%    | 1.01 | 58.5 / 85.1       | 747.2      | 3.5         |
 #   | rag      | pooled reference   | 34.2%    |      |                   |            |             |
-# No errors in any run; every send within 3.4 ms of the trace's time (p99). In chat, SGLang's
-# cache_aware sent about two thirds of the prompt tokens to one replica (skew 2.57), whose
+# No errors in any run; every send within 7.9 ms of the trace's time (p99). In chat, SGLang's
+# cache_aware sent about two thirds of the prompt tokens to one replica (skew 2.64), whose
 # queue is its TTFT tail. The pooled reference is no upper bound: separate caches can pass
-# it. The run before (b6f930a): chat 82.3% / 77.8% / 77.3% / 65.4%, rag 34.1% / 29.8% /
-# 34.5% / 25.8%, skews 1.13 / 1.08 / 2.64 / 1.01 and 1.02 / 1.05 / 1.19 / 1.01.
+# it. Runs before: at 3d937f8, chat 82.3% / 77.1% / 76.9% / 65.4%, rag 33.9% / 29.6% /
+# 34.7% / 25.9%; at b6f930a, chat 82.3% / 77.8% / 77.3% / 65.4%, rag 34.1% / 29.8% / 34.5% /
+# 25.8% (kvroute, vllm-kv-aware, sglang-cache-aware, sglang-round-robin).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
