@@ -528,27 +528,23 @@ impl Config {
             "--predicted-cache-tokens must be at least one block".into(),
         );
         check(self.first_byte_timeout_ms > 0, "--first-byte-timeout-ms must be at least 1".into());
-        // The first byte is timed from the send, connecting included: a connection still being
-        // made then would end as a 504, not as a replica that could not be reached (which the
-        // next replica is tried for).
-        check(
-            self.connect_timeout_ms < self.first_byte_timeout_ms,
-            format!(
-                "--connect-timeout-ms ({}) must be less than --first-byte-timeout-ms ({}): a replica \
-                 still connecting when its first byte is due would get no retry elsewhere",
-                self.connect_timeout_ms, self.first_byte_timeout_ms
-            ),
-        );
         check(self.pd_prefill_timeout_ms > 0, "--pd-prefill-timeout-ms must be at least 1".into());
-        // A prefill sent ahead is timed as a first byte is (from the send, connecting included).
-        check(
-            self.connect_timeout_ms < self.pd_prefill_timeout_ms,
-            format!(
-                "--connect-timeout-ms ({}) must be less than --pd-prefill-timeout-ms ({}): a prefill \
-                 replica still connecting when its answer is due would not be counted unreachable",
-                self.connect_timeout_ms, self.pd_prefill_timeout_ms
-            ),
-        );
+        // Both are timed from the send, connecting included: a replica still connecting when
+        // its answer is due would end as a timeout (a 504; a prefill's fallback), not as one
+        // that could not be reached, which the next replica is tried for.
+        for (flag, timeout) in [
+            ("--first-byte-timeout-ms", self.first_byte_timeout_ms),
+            ("--pd-prefill-timeout-ms", self.pd_prefill_timeout_ms),
+        ] {
+            check(
+                self.connect_timeout_ms < timeout,
+                format!(
+                    "--connect-timeout-ms ({}) must be less than {flag} ({timeout}): a replica still \
+                     connecting when its answer is due would not be counted unreachable",
+                    self.connect_timeout_ms
+                ),
+            );
+        }
         check(self.control_timeout_ms > 0, "--control-timeout-ms must be at least 1".into());
         check(self.tokenize_timeout_ms > 0, "--tokenize-timeout-ms must be at least 1".into());
         check(self.idle_timeout_ms > 0, "--idle-timeout-ms must be at least 1".into());

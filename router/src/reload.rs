@@ -78,6 +78,12 @@ pub struct Reloaded {
     pub replica_api_key_file: Option<Result<(), String>>,
 }
 
+/// The settings of the files a reload reads again, each group applied (or not) as one.
+const TLS_FILES: &[&str] = &["tls-cert", "tls-key", "tls-client-ca"];
+const REPLICA_TLS_FILES: &[&str] = &["replica-ca-cert", "replica-client-cert", "replica-client-key"];
+const KEY_FILE: &[&str] = &["api-key-file"];
+const REPLICA_KEY_FILE: &[&str] = &["replica-api-key-file"];
+
 impl Reloaded {
     /// The settings not applied that wait for the next start: not those of files that could
     /// not be read again, whose error says so (and which a reload applies once they can be).
@@ -86,13 +92,10 @@ impl Reloaded {
             if loaded == Some(false) { settings } else { &[] }
         };
         let failed = [
-            failed(self.tls.as_ref().map(Result::is_ok), &["tls-cert", "tls-key", "tls-client-ca"]),
-            failed(
-                self.replica_tls.as_ref().map(Result::is_ok),
-                &["replica-ca-cert", "replica-client-cert", "replica-client-key"],
-            ),
-            failed(self.api_key_file.as_ref().map(Result::is_ok), &["api-key-file"]),
-            failed(self.replica_api_key_file.as_ref().map(Result::is_ok), &["replica-api-key-file"]),
+            failed(self.tls.as_ref().map(Result::is_ok), TLS_FILES),
+            failed(self.replica_tls.as_ref().map(Result::is_ok), REPLICA_TLS_FILES),
+            failed(self.api_key_file.as_ref().map(Result::is_ok), KEY_FILE),
+            failed(self.replica_api_key_file.as_ref().map(Result::is_ok), REPLICA_KEY_FILE),
         ]
         .concat();
         (self.not_applied.iter().map(String::as_str)).filter(|s| !failed.contains(s)).collect()
@@ -186,7 +189,7 @@ impl Reloader {
             );
         }
         if loaded.is_ok() {
-            reloaded.now_applied(&["tls-cert", "tls-key", "tls-client-ca"]);
+            reloaded.now_applied(TLS_FILES);
             self.running.tls_cert = config.tls_cert.clone();
             self.running.tls_key = config.tls_key.clone();
             self.running.tls_client_ca = config.tls_client_ca.clone();
@@ -206,7 +209,7 @@ impl Reloader {
         }
         let loaded = state.replica_tls.load(&files);
         if loaded.is_ok() {
-            reloaded.now_applied(&["replica-ca-cert", "replica-client-cert", "replica-client-key"]);
+            reloaded.now_applied(REPLICA_TLS_FILES);
             self.running.replica_ca_cert = config.replica_ca_cert.clone();
             self.running.replica_client_cert = config.replica_client_cert.clone();
             self.running.replica_client_key = config.replica_client_key.clone();
@@ -222,7 +225,7 @@ impl Reloader {
         let (flag, replicas) = (config.replica_authorization(), &state.forward.replica_authorization);
         let loaded = state.replica_key_file.apply(path, flag, replicas);
         if loaded.as_ref().is_none_or(Result::is_ok) {
-            reloaded.now_applied(&["replica-api-key-file"]);
+            reloaded.now_applied(REPLICA_KEY_FILE);
             self.running.replica_api_key_file = config.replica_api_key_file.clone();
         }
         reloaded.replica_api_key_file = loaded;
@@ -236,7 +239,7 @@ impl Reloader {
         let admission = Admission::reloaded(config, &reloaded.applied);
         let loaded = state.key_file.load(path, admission, &state.admission);
         if loaded.is_ok() {
-            reloaded.now_applied(&["api-key-file"]);
+            reloaded.now_applied(KEY_FILE);
             self.running.api_key_file = config.api_key_file.clone();
         }
         reloaded.api_key_file = path.map(|_| loaded);
