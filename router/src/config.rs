@@ -20,7 +20,7 @@ use crate::discovery::DiscoveryConfig;
 use kvroute_proto::serve::{ClientFiles, Limits, MIN_HEADER_BYTES, Tls, TlsFiles};
 use tokio_rustls::rustls::pki_types::ServerName;
 
-use crate::policy::{CacheAwareParams, PolicyKind};
+use crate::policy::{CacheAwareParams, MAX_WEIGHT, PolicyKind};
 use crate::proxy::connect::ReplicaTls;
 use crate::proxy::key_file::KeyFile;
 use crate::proxy::replica_key::ReplicaKeyFile;
@@ -474,6 +474,16 @@ pub fn bearer(key: &str) -> Option<HeaderValue> {
 }
 
 impl Config {
+    /// The cache-aware cost's weights.
+    pub fn cache_aware_params(&self) -> CacheAwareParams {
+        CacheAwareParams {
+            in_flight_tokens: self.load_weight,
+            miss_weight: self.miss_weight,
+            balance_weight: self.balance_weight,
+            offload_weight: self.offload_weight,
+        }
+    }
+
     /// A config for tests and embedded fleets: proxy and admin on 127.0.0.1 port 0.
     pub fn loopback(replicas: Vec<ReplicaConfig>) -> Self {
         let any: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
@@ -508,16 +518,12 @@ impl Config {
             "--lora-adapters must not name an empty adapter".into(),
         );
         check(self.block_size > 0, "--block-size must be at least 1".into());
-        check(self.load_weight.is_finite() && self.load_weight >= 0.0, "--load-weight must be >= 0".into());
-        check(self.miss_weight.is_finite() && self.miss_weight >= 0.0, "--miss-weight must be >= 0".into());
-        check(
-            self.balance_weight.is_finite() && self.balance_weight >= 0.0,
-            "--balance-weight must be >= 0".into(),
-        );
-        check(
-            self.offload_weight.is_finite() && self.offload_weight >= 0.0,
-            "--offload-weight must be >= 0".into(),
-        );
+        for (flag, weight) in self.cache_aware_params().by_flag() {
+            check(
+                CacheAwareParams::in_range(weight),
+                format!("{flag} must be between 0 and {MAX_WEIGHT:e}, got {weight:?}"),
+            );
+        }
         check(self.connect_timeout_ms > 0, "--connect-timeout-ms must be at least 1".into());
         check(self.events_fallback_ms > 0, "--events-fallback-ms must be at least 1".into());
         check(self.replay_timeout_ms > 0, "--replay-timeout-ms must be at least 1".into());

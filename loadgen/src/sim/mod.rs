@@ -148,7 +148,7 @@ pub enum SimError {
     Engine(String),
     #[error("the trace's arrivals (at this speed-up) run past {0} s, more than a simulation runs")]
     TooLate(u64),
-    #[error("the cache-aware weights must be finite and at least 0, got {0:?}")]
+    #[error("the cache-aware weights must be between 0 and {max:e}, got {0:?}", max = policy::MAX_WEIGHT)]
     Weights(CacheAwareParams),
     #[error("the pooled capacity {replicas} x {capacity} blocks overflows")]
     PooledCapacity { replicas: usize, capacity: usize },
@@ -238,10 +238,7 @@ fn problems(trace: &Trace, config: &SimConfig) -> Vec<SimError> {
         problems.extend(engine_problems(trace, engine, config.block_size).into_iter().map(SimError::Engine));
     }
     let p = config.cache_aware;
-    if ![p.in_flight_tokens, p.miss_weight, p.balance_weight, p.offload_weight]
-        .iter()
-        .all(|w| w.is_finite() && *w >= 0.0)
-    {
+    if !p.by_flag().iter().all(|(_, w)| CacheAwareParams::in_range(*w)) {
         problems.push(SimError::Weights(p));
     }
     match BlockCache::new(&cache_config(config, config.capacity_blocks)) {

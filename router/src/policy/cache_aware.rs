@@ -106,7 +106,7 @@
 //!   before the request arrives, as vLLM does not announce a load).
 //!
 //! The router takes them from `--load-weight`, `--miss-weight`, `--balance-weight` and
-//! `--offload-weight`.
+//! `--offload-weight`, each between 0 and [`MAX_WEIGHT`] (10^6).
 //!
 //! # Measured (`loadgen simulate`, shared Mooncake trace, N = 8 x 2048 blocks, block 512)
 //!
@@ -163,6 +163,27 @@ pub struct CacheAwareParams {
     pub balance_weight: f64,
     /// Cost of a prompt token loaded from host memory relative to an uncached one.
     pub offload_weight: f64,
+}
+
+/// The largest weight accepted. With weights up to this, every term stays finite for any
+/// prompt a replica could take; near `f64::MAX`, `0 * inf` would make a cost NaN.
+pub const MAX_WEIGHT: f64 = 1e6;
+
+impl CacheAwareParams {
+    /// Whether `weight` is usable: finite, at least 0 and at most [`MAX_WEIGHT`].
+    pub fn in_range(weight: f64) -> bool {
+        (0.0..=MAX_WEIGHT).contains(&weight)
+    }
+
+    /// Each weight, by the flag that sets it.
+    pub fn by_flag(&self) -> [(&'static str, f64); 4] {
+        [
+            ("--load-weight", self.in_flight_tokens),
+            ("--miss-weight", self.miss_weight),
+            ("--balance-weight", self.balance_weight),
+            ("--offload-weight", self.offload_weight),
+        ]
+    }
 }
 
 impl Default for CacheAwareParams {

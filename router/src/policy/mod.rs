@@ -149,7 +149,7 @@ mod cache_aware;
 mod recent;
 
 pub use baseline::{LeastLoaded, PowerOfTwo, Random, RoundRobin};
-pub use cache_aware::{CacheAware, CacheAwareParams, common_overlap};
+pub use cache_aware::{CacheAware, CacheAwareParams, MAX_WEIGHT, common_overlap};
 pub use recent::{RECENT_HORIZON, RecentTokens};
 
 /// Builds the policy `kind`; `seed` drives the random ones.

@@ -359,6 +359,31 @@ fn offloaded_blocks_cost_a_share_of_a_miss() {
     assert_eq!(costs[0], costs[1]);
 }
 
+/// At the largest weights the config accepts, a cost stays a number for any prompt: with no
+/// miss to weigh, `miss_weight` times an infinite offload charge was NaN.
+#[test]
+fn the_largest_weights_keep_every_cost_a_number() {
+    let p = CacheAwareParams {
+        in_flight_tokens: MAX_WEIGHT,
+        miss_weight: MAX_WEIGHT,
+        balance_weight: MAX_WEIGHT,
+        offload_weight: MAX_WEIGHT,
+    };
+    assert!(p.by_flag().iter().all(|(_, w)| CacheAwareParams::in_range(*w)));
+    assert!(!CacheAwareParams::in_range(MAX_WEIGHT * 2.0) && !CacheAwareParams::in_range(f64::NAN));
+    let req = RequestView { prompt_tokens: usize::MAX, ..REQ };
+    let loaded = |id| {
+        let mut r = ReplicaView {
+            offloaded_blocks: usize::MAX / 32,
+            ..view(id, usize::MAX / 16, u32::MAX, u64::MAX)
+        };
+        r.load.others = u32::MAX;
+        with_recent(r, u64::MAX)
+    };
+    let costs = CacheAware::new(p).choose(&req, &[loaded(0), with_recent(view(1, 0, 0, 0), 0)]).costs;
+    assert!(costs.iter().all(|c| c.is_finite()), "{costs:?}");
+}
+
 #[test]
 fn new_prefixes_avoid_replicas_above_their_share_of_recent_work() {
     let p = CacheAware::default();

@@ -22,7 +22,7 @@ use super::lora;
 use super::per_key::KeyId;
 use super::route::RequestLimits;
 use crate::config::Config;
-use crate::policy::{self, CacheAwareParams, Policy, PolicyKind};
+use crate::policy::{self, Policy, PolicyKind};
 
 /// The settings of [`Routing`]'s policy, by their names in a configuration file.
 const POLICY_SETTINGS: [&str; 6] =
@@ -118,7 +118,7 @@ pub struct Routing {
 impl Routing {
     /// `config`'s routing, the random policies seeded with `seed`.
     pub fn new(config: &Config, seed: u64) -> Self {
-        let policy = policy::build(config.policy, params(config), seed).into();
+        let policy = policy::build(config.policy, config.cache_aware_params(), seed).into();
         Self::with_policy(config, policy, seed)
     }
 
@@ -126,7 +126,7 @@ impl Routing {
         Self {
             policy,
             ranks_by: (config.policy == PolicyKind::CacheAware && !config.no_rank_routing)
-                .then(|| policy::CacheAware::new(params(config))),
+                .then(|| policy::CacheAware::new(config.cache_aware_params())),
             max_in_flight_per_replica: config.max_in_flight_per_replica,
             seed,
             pd_min_prefill_tokens: config.pd_min_prefill_tokens,
@@ -153,16 +153,6 @@ impl Routing {
             true => Self::new(config, seed),
             false => Self::with_policy(config, Arc::clone(&self.policy), seed),
         })
-    }
-}
-
-/// The cache-aware cost's weights in `config`.
-fn params(config: &Config) -> CacheAwareParams {
-    CacheAwareParams {
-        in_flight_tokens: config.load_weight,
-        miss_weight: config.miss_weight,
-        balance_weight: config.balance_weight,
-        offload_weight: config.offload_weight,
     }
 }
 

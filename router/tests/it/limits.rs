@@ -512,6 +512,8 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
         (&["--queue-timeout-ms", "3600001"], "--queue-timeout-ms must be at most 3600000"),
         (&["--max-queued", "2000000"], "--max-queued must be at most 1048576"),
         (&["--response-owners", "0"], "--response-owners must be at least 1"),
+        (&["--miss-weight", "1e300"], "--miss-weight must be between 0 and 1e6, got 1e300"),
+        (&["--offload-weight=-1"], "--offload-weight must be between 0 and 1e6, got -1.0"),
         (&["--config", "/nonexistent/router.toml"], "/nonexistent/router.toml"),
     ] {
         let (code, stderr) = refused_by_router(args);
