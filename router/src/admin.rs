@@ -256,13 +256,11 @@ impl RouterAdmin for AdminService {
 
     async fn drain(&self, request: Request<pb::DrainRequest>) -> Result<Response<pb::ReplicaStatus>, Status> {
         let request = request.into_inner();
-        let member = self.fleet().set_draining(&request.id, request.drain).ok_or_else(|| {
-            let kept = match request.drain {
-                true if self.fleet().knows(&request.id) => {
-                    format!(" now ({DRAIN_KEPT}: a replica added under it comes up drained)")
-                }
-                true => String::new(),
-                false => format!(" ({DRAIN_LIFTED})"),
+        let member = self.fleet().set_draining(&request.id, request.drain).map_err(|kept| {
+            let kept = match (request.drain, kept) {
+                (true, true) => format!(" now ({DRAIN_KEPT}: a replica added under it comes up drained)"),
+                (false, true) => format!(" ({DRAIN_LIFTED})"),
+                (_, false) => String::new(),
             };
             Status::not_found(format!("no replica named {:?}{kept}", request.id))
         })?;

@@ -152,20 +152,24 @@ impl Fleet {
     }
 
     /// Drains the replica named `name` (no new requests; those in flight finish), or undrains
-    /// it; `None` if no such replica is registered. A name that left the fleet (a pod being
-    /// rescheduled, a replica being replaced) keeps the change, so that it comes back drained
-    /// or not as asked: undrained, any name; drained, one that has been in the fleet (a typo
-    /// is not kept).
-    pub fn set_draining(&self, name: &str, drain: bool) -> Option<Member> {
+    /// it. A name that left the fleet (a pod being rescheduled, a replica being replaced)
+    /// keeps the change, so that it comes back drained or not as asked: undrained, any name;
+    /// drained, one that has been in the fleet (a typo is not kept). For a name out of the
+    /// fleet, `Err` says whether a drain is kept for it now (draining) or was lifted
+    /// (undraining).
+    pub fn set_draining(&self, name: &str, drain: bool) -> Result<Member, bool> {
         let mut drained = self.drained.write().unwrap_or_else(PoisonError::into_inner);
-        match drain {
-            true if self.knows(name) => drained.insert(name.to_owned()),
+        let kept = match drain {
+            true if self.knows(name) => {
+                drained.insert(name.to_owned());
+                true
+            }
             true => false,
             false => drained.remove(name),
         };
-        let member = self.member(name)?;
+        let member = self.member(name).ok_or(kept)?;
         member.upstream.set_draining(drain);
-        Some(member)
+        Ok(member)
     }
 
     /// Whether the replica named `name` serves (discovery's word), now and for a replica

@@ -444,6 +444,11 @@ async fn the_admin_command_lists_drains_resumes_explains_and_removes() {
     assert!(lifted.contains(kvroute_router::admin::DRAIN_LIFTED), "{lifted}");
     let unknown = said(cli(Command::Drain { replica: "agent-9".into() })).await.unwrap_err();
     assert_eq!(unknown, "the router answered NotFound: no replica named \"agent-9\"");
+    // So is a resume of a name with no drain kept (a typo), and of one lifted already.
+    for name in ["agent-9", "agent-2"] {
+        let unknown = said(cli(Command::Resume { replica: name.into() })).await.unwrap_err();
+        assert_eq!(unknown, format!("the router answered NotFound: no replica named {name:?}"));
+    }
 
     // Back in as `--replica` names it, and the answers as JSON, from the command line.
     let json = async |args: &[&str]| {
