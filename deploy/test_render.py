@@ -95,7 +95,11 @@ class Manifests(unittest.TestCase):
                 self.assertEqual(admin["spec"]["clusterIP"], "None", "headless: one address per router")
                 policy = one(res, "NetworkPolicy", "kvroute-router")
                 open_ports = [p["port"] for rule in policy["spec"]["ingress"] if "from" not in rule for p in rule["ports"]]
-                self.assertEqual(open_ports, ["http"], "only the API is open to every pod")
+                self.assertEqual(open_ports, ["http", "health"], "only the API and the health port are open to every pod")
+                # A scraper reaches the port the pod says to scrape.
+                scraped = pod["metadata"]["annotations"]["prometheus.io/port"]
+                named = {str(p["containerPort"]): p["name"] for p in c["ports"]}
+                self.assertIn(named[scraped], open_ports)
                 # In-flight requests get the router's default drain timeout (590 s, and a
                 # second for the streams' error events) after the preStop sleep, and the
                 # router exits before the grace period is out.
@@ -128,7 +132,13 @@ class Manifests(unittest.TestCase):
             field = env[threads]["valueFrom"]["resourceFieldRef"]
             self.assertEqual((field["containerName"], field["resource"]), (c["name"], "requests.cpu"), threads)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        self.assertEqual(c["livenessProbe"]["httpGet"]["port"], "health", "outside the proxy's connection limit")
+        for probe in ["livenessProbe", "readinessProbe"]:
+            self.assertEqual(c[probe]["httpGet"]["port"], "health", f"{probe} outside the proxy's connection limit")
+        # Its streams get the cache-aware router's time to end when it is deleted mid-run.
+        mine = router["spec"]["containers"][0]
+        self.assertEqual(c["lifecycle"], mine["lifecycle"])
+        grace = "terminationGracePeriodSeconds"
+        self.assertEqual(template["spec"].get(grace), router["spec"][grace])
         self.assertTrue(env["KVROUTE_HEALTH_LISTEN"]["value"].endswith(f":{ports['health']}"))
 
     def test_fleets_expose_the_named_ports_discovery_reads(self):
