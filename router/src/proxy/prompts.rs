@@ -146,18 +146,31 @@ impl Prompts {
 /// endpoint puts it there (rewritten by the fleet's `--reasoning-effort-map`, with
 /// `enable_thinking`, unless the kwargs set that). Nor does it read `tool_choice`: with
 /// `--exclude-tools-when-tool-choice-none`, tools the chat endpoint would leave out are left
-/// out of what is sent.
+/// out of what is sent. Nor `documents`: the chat endpoint passes them to the template over
+/// the kwargs' own, so they go there (a `null` leaves the kwargs' as they are).
 fn chat_endpoint_options(body: &mut serde_json::Map<String, serde_json::Value>, options: &ChatOptions) {
     if options.exclude_tools_when_tool_choice_none && body.get("tool_choice").is_some_and(|c| c == "none") {
         body.remove("tools");
     }
-    let Some(serde_json::Value::String(effort)) = body.remove("reasoning_effort") else { return };
-    let effort = options.effort(Some(&effort)).unwrap_or_default().to_owned();
+    let documents = body.remove("documents").filter(|d| !d.is_null());
+    let effort = match body.remove("reasoning_effort") {
+        Some(serde_json::Value::String(effort)) => {
+            Some(options.effort(Some(&effort)).unwrap_or_default().to_owned())
+        }
+        _ => None,
+    };
+    if documents.is_none() && effort.is_none() {
+        return;
+    }
     let kwargs = body.entry("chat_template_kwargs").or_insert_with(|| serde_json::json!({}));
     if kwargs.is_null() {
         *kwargs = serde_json::json!({});
     }
-    if let Some(kwargs) = kwargs.as_object_mut() {
+    let Some(kwargs) = kwargs.as_object_mut() else { return };
+    if let Some(documents) = documents {
+        kwargs.insert("documents".into(), documents);
+    }
+    if let Some(effort) = effort {
         kwargs.entry("enable_thinking").or_insert_with(|| (effort != "none").into());
         kwargs.insert("reasoning_effort".into(), effort.into());
     }
@@ -221,6 +234,10 @@ pub enum PromptError {
     /// The replica's `/tokenize` refused the prompt itself (400 or 422): the client's error.
     #[error("the replica's tokenizer refused the prompt: {0}")]
     Refused(String),
+    /// Every replica asked answered `/tokenize` 404 (no such model, or adapter, there): what
+    /// the first said.
+    #[error("{0}")]
+    NotServed(String),
 }
 
 /// `/tokenize` on a replica, with a bounded cache keyed by the request's prompt part.
@@ -368,7 +385,6 @@ impl RemoteTokenizer {
                                 | "continue_final_message"
                                 | "chat_template"
                                 | "chat_template_kwargs"
-                                | "documents"
                                 | "tools"
                                 | "mm_processor_kwargs"
                                 | "add_special_tokens"
@@ -407,23 +423,29 @@ impl RemoteTokenizer {
     }
 
     /// Asks `replicas` in turn until one answers (or refuses the prompt: the client's error).
+    /// A 404 (the model, an adapter say, is not on that replica) asks the next too; from every
+    /// replica asked, it is the client's answer.
     async fn ask(&self, replicas: &[&str], body: serde_json::Value) -> Result<Vec<u32>, PromptError> {
         let body = Bytes::from(body.to_string());
-        let mut failures = Vec::new();
+        let (mut failures, mut not_served) = (Vec::new(), Vec::new());
         for base in replicas.iter().take(TOKENIZE_ATTEMPTS) {
             match self.ask_one(base, body.clone()).await {
                 Err(PromptError::Remote(why)) => {
                     tracing::warn!(replica = %base, error = %why, "remote tokenization failed; asking the next replica");
                     failures.push(why);
                 }
+                Err(PromptError::NotServed(said)) => {
+                    failures.push(format!("{base}/tokenize answered 404: {said}"));
+                    not_served.push(said);
+                }
                 answer => return answer,
             }
         }
-        Err(PromptError::Remote(if failures.is_empty() {
-            "no healthy replica to ask".into()
-        } else {
-            failures.join("; ")
-        }))
+        match not_served.len() == failures.len() {
+            true if let Some(said) = not_served.into_iter().next() => Err(PromptError::NotServed(said)),
+            _ if failures.is_empty() => Err(PromptError::Remote("no healthy replica to ask".into())),
+            _ => Err(PromptError::Remote(failures.join("; "))),
+        }
     }
 
     async fn ask_one(&self, base: &str, body: Bytes) -> Result<Vec<u32>, PromptError> {
@@ -447,6 +469,9 @@ impl RemoteTokenizer {
             .map_err(|e| PromptError::Remote(format!("{base}/tokenize: {e}")))?;
         if status == http::StatusCode::BAD_REQUEST || status == http::StatusCode::UNPROCESSABLE_ENTITY {
             return Err(PromptError::Refused(String::from_utf8_lossy(&bytes).into_owned()));
+        }
+        if status == http::StatusCode::NOT_FOUND {
+            return Err(PromptError::NotServed(String::from_utf8_lossy(&bytes).into_owned()));
         }
         if !status.is_success() {
             return Err(PromptError::Remote(format!(

@@ -637,6 +637,9 @@ impl Decider {
             PromptError::Remote(e) => ProxyError::Unavailable(e),
             failed @ PromptError::Tokenizing(_) => ProxyError::Unavailable(failed.to_string()),
             refused @ PromptError::Refused(_) => ProxyError::Refused(refused.to_string()),
+            PromptError::NotServed(said) => {
+                ProxyError::RefusedEverywhere { status: http::StatusCode::NOT_FOUND, said }
+            }
         })?;
         let first = info.tokens.first().map(Vec::as_slice).unwrap_or_default();
         let unhashed = info.unhashed_tokens.unwrap_or(0);

@@ -1546,8 +1546,9 @@ async fn remote_tokenization_sends_what_decides_the_ids() {
         "model": FLEET_MODEL, "prompt": "some text", "add_special_tokens": false,
         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}],
         "continue_final_message": true, "add_generation_prompt": false,
-        "chat_template_kwargs": {"enable_thinking": false}, "max_tokens": 1, "temperature": 0.5,
-        "reasoning_effort": "high",
+        "chat_template_kwargs": {"enable_thinking": false, "documents": [{"text": "old"}]},
+        "max_tokens": 1, "temperature": 0.5, "reasoning_effort": "high",
+        "documents": [{"title": "A", "text": "a"}],
     });
     for endpoint in ["completions", "chat/completions"] {
         let reply = http.post(&format!("{}/v1/{endpoint}", router.url()), &body).await;
@@ -1559,10 +1560,44 @@ async fn remote_tokenization_sends_what_decides_the_ids() {
     let chat = &asked[1];
     assert_eq!(chat["continue_final_message"], true);
     assert_eq!(chat["add_generation_prompt"], false);
-    // `/tokenize` takes no `reasoning_effort`: it is folded into the kwargs as vLLM's chat
-    // endpoint folds it (the request's own `enable_thinking` kept).
-    assert_eq!(chat["chat_template_kwargs"], json!({"enable_thinking": false, "reasoning_effort": "high"}));
-    assert!(chat.get("temperature").is_none() && chat.get("prompt").is_none(), "{chat}");
+    // `/tokenize` takes no `reasoning_effort` nor `documents`: they are folded into the
+    // kwargs as vLLM's chat endpoint folds them (the request's own `enable_thinking` kept,
+    // its kwargs' documents replaced).
+    let kwargs = json!({
+        "enable_thinking": false, "reasoning_effort": "high", "documents": [{"title": "A", "text": "a"}],
+    });
+    assert_eq!(chat["chat_template_kwargs"], kwargs);
+    for left in ["temperature", "prompt", "documents"] {
+        assert!(chat.get(left).is_none(), "{left}: {chat}");
+    }
+    shutdown.cancel();
+}
+
+/// With `--remote-tokenize`, a model (an adapter, say) that the replicas asked do not serve is
+/// the client's 404, with what they said, not a 503 for a fleet that failed.
+#[tokio::test]
+async fn remote_tokenization_of_a_model_nobody_serves_is_a_404() {
+    const MISSING: &str = r#"{"error":{"message":"The model `nope` does not exist.","code":404}}"#;
+    let replica = hand_made_replica(|path, _| async move {
+        match path.as_str() {
+            "/tokenize" => (404, MISSING),
+            _ => (200, "{}"),
+        }
+    })
+    .await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { remote_tokenize: true, ..c }).await;
+    let http = crate::fleet::Http::new();
+    for body in [
+        json!({"model": "nope", "prompt": "some text", "max_tokens": 1}),
+        json!({"model": "nope", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+    ] {
+        let endpoint = if body.get("prompt").is_some() { "completions" } else { "chat/completions" };
+        let reply = http.post(&format!("{}/v1/{endpoint}", router.url()), &body).await;
+        assert_eq!(reply.status, 404, "{endpoint}: {:?}", reply.body);
+        let message = reply.json()["error"]["message"].as_str().unwrap_or_default().to_owned();
+        assert!(message.contains("The model `nope` does not exist."), "{message}");
+    }
     shutdown.cancel();
 }
 
