@@ -422,6 +422,35 @@ pub fn let_go(state: &ProxyState, plan: &mut Plan) {
     plan.load = None;
 }
 
+/// A request's decision while its prefill is sent ahead: dropped before its decode is sent
+/// (its client left meanwhile), the decode replica's credit and place end at once, not after
+/// the credit's TTL: that replica never gets the prompt.
+pub struct Unsent<'a> {
+    state: &'a ProxyState,
+    pub plan: Plan,
+    sent: bool,
+}
+
+impl<'a> Unsent<'a> {
+    pub fn new(state: &'a ProxyState, plan: Plan) -> Self {
+        Self { state, plan, sent: false }
+    }
+
+    /// The decision, its decode about to be sent.
+    pub fn sent(&mut self) -> &mut Plan {
+        self.sent = true;
+        &mut self.plan
+    }
+}
+
+impl Drop for Unsent<'_> {
+    fn drop(&mut self) {
+        if !self.sent {
+            let_go(self.state, &mut self.plan);
+        }
+    }
+}
+
 /// How a prefill is forwarded: given up after `--pd-prefill-timeout-ms`.
 fn prefill_forward(state: &ProxyState) -> ForwardConfig {
     ForwardConfig { first_byte_timeout: state.forward.prefill_timeout, ..state.forward.clone() }

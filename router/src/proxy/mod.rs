@@ -443,26 +443,29 @@ async fn routed(
         Err(e) => Err(e),
     };
     match decided {
-        Ok((mut plan, prepared)) => {
+        Ok((plan, prepared)) => {
+            let mut unsent = disagg::Unsent::new(state, plan);
             // A malformed `store` is the replica's to refuse; until then, its id is worth keeping.
-            plan.keeps_response = endpoint == Endpoint::Responses && asks_to_store(&body).unwrap_or(true);
+            unsent.plan.keeps_response =
+                endpoint == Endpoint::Responses && asks_to_store(&body).unwrap_or(true);
             let (arrived, sent) = ((arrived.0, admitted.received), (&parts, &body));
             let prefilled =
-                disagg::prefill((state, pool), (&prepared, &mut plan), endpoint, sent, arrived, &line);
+                disagg::prefill((state, pool), (&prepared, &mut unsent.plan), endpoint, sent, arrived, &line);
             let decode = match prefilled.await {
                 Ok(decode) => decode,
                 Err(failure) => return failure.answer(),
             };
+            let plan = unsent.sent();
             let (forward, decider, queue) = (&state.forward, &state.decider, (&state.queue, &line));
             let decoded =
-                forward::routed(pool, forward, decider, &mut plan, (parts, decode.body), admitted, queue);
+                forward::routed(pool, forward, decider, plan, (parts, decode.body), admitted, queue);
             match decode.alongside {
                 Some(alongside) => {
                     let together = disagg::together(decoded, alongside).await;
                     // A decode dropped before its replica answered (its prefill failed): its
                     // credit there ends now, not after the TTL (its replica drops it too).
                     if together.decode_dropped {
-                        disagg::let_go(state, &mut plan);
+                        disagg::let_go(state, plan);
                     }
                     together.answer
                 }

@@ -43,7 +43,16 @@ const PREFILL_MAX_MODEL_LEN: u32 = 256;
 const ADAPTER: &str = "sql";
 
 async fn pd_fleet(agents: usize, prefills: usize, connector: bool) -> Fleet {
-    Fleet::with(agents, agent(prefills, connector), |mut config| {
+    pd_fleet_of(agents, prefills, agent(prefills, connector)).await
+}
+
+/// [`pd_fleet`] of agents configured by `agent`.
+async fn pd_fleet_of(
+    agents: usize,
+    prefills: usize,
+    agent: impl Fn(&str) -> kvroute_replica_agent::Config,
+) -> Fleet {
+    Fleet::with(agents, agent, |mut config| {
         for (i, replica) in config.replicas.iter_mut().enumerate() {
             replica.role = if i < prefills { Role::Prefill } else { Role::Decode };
         }
@@ -129,6 +138,45 @@ async fn refused_by_the_prefill_replica(fleet: &Fleet, seed: u32) {
     let explained = admin.explain(request).await.unwrap().into_inner();
     let decode = explained.candidates.iter().find(|c| c.replica == "agent-1").unwrap();
     assert_eq!(decode.predicted_cached_tokens, 0, "{explained:?}");
+}
+
+/// A client that leaves while its prompt is prefilled ahead: its decode was never sent, so
+/// the decode replica is not credited with the prompt. (It was, for the credit's TTL: the
+/// client's retry at once was sent there to be prefilled whole.)
+#[tokio::test]
+async fn a_client_that_leaves_during_the_prefill_leaves_no_decode_credit() {
+    let slow_prefill = |name: &str| {
+        let config = agent(1, true)(name);
+        match name {
+            "agent-0" => kvroute_replica_agent::Config { time_scale: 1.0, step_base_us: 3_000_000, ..config },
+            _ => config,
+        }
+    };
+    let fleet = pd_fleet_of(2, 1, slow_prefill).await;
+    let body = completion(&words(40, 7), 3);
+    let posting = tokio::spawn({
+        let (http, url, body) = (fleet.http.clone(), fleet.url("/v1/completions"), body.clone());
+        async move { http.post(&url, &body).await }
+    });
+    let router_metric = async |series: &str| {
+        let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+        sample(&String::from_utf8_lossy(&metrics.body), series)
+    };
+    let prefilling = "kvroute_router_replica_in_flight{replica=\"agent-0\"}";
+    crate::support::wait_until_async("the prefill sent", async || router_metric(prefilling).await == Some(1))
+        .await;
+    posting.abort();
+    let left = "kvroute_router_requests_total{code=\"499\"}";
+    crate::support::wait_until_async("the client gone", async || router_metric(left).await == Some(1)).await;
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url()).await.unwrap();
+    let request =
+        pb::ExplainRequest { path: "/v1/completions".into(), body: serde_json::to_vec(&body).unwrap() };
+    let explained = admin.explain(request).await.unwrap().into_inner();
+    assert_eq!(explained.split, "remote", "{explained:?}");
+    let decode = explained.candidates.iter().find(|c| c.replica == "agent-1").unwrap();
+    assert_eq!(decode.predicted_cached_tokens, 0, "{explained:?}");
+    let in_flight = "kvroute_router_replica_in_flight{replica=\"agent-1\"}";
+    assert_eq!(router_metric(in_flight).await, Some(0), "the decode's place given back");
 }
 
 fn usage(reply: &Reply) -> (u64, u64, u64) {
