@@ -35,7 +35,11 @@
 //! without a connector) leaves the request to its decode replica, which prefills it; a
 //! prefill replica's 400, 413 or 422 (the request's own fault) is the client's answer, and
 //! the request goes no further. No retry of the decode goes to the prefill replica (a `both`
-//! one could be a candidate). Each outcome is counted in `kvroute_router_prefills_total`.
+//! one could be a candidate). A decode replica that failed once it may have had the request
+//! (it answered 503, or closed the connection after it was sent) may have pulled the KV, and
+//! the prefill replica freed those blocks then: the retry goes without the params, and its
+//! replica prefills the prompt itself. Each outcome is counted in
+//! `kvroute_router_prefills_total`.
 //!
 //! SGLang's replicas (`engine = "sglang"`) hand the KV over through a bootstrap room instead.
 //! A request decided on an SGLang replica of role `decode` (which cannot prefill: it refuses a
@@ -120,6 +124,10 @@ pub struct Remote {
     cached: Option<u64>,
     /// Through a bootstrap room (SGLang's): only an SGLang decode replica takes it over.
     bootstrap: bool,
+    /// The client's body, for a decode replica to prefill itself: what a retry sends once a
+    /// decode replica may have pulled the prefill (none through a room, whose decode goes
+    /// nowhere else).
+    pub alone: Option<Bytes>,
 }
 
 impl Remote {
@@ -377,7 +385,8 @@ pub async fn prefill<'a>(
         Some(decoded) => {
             count("remote");
             let id = prefilled_on.map(|on| on.member.replica.id);
-            plan.prefilled_by = Some(Remote { id, replica, predicted, cached, bootstrap: false });
+            let alone = Some(without_own_params(endpoint, body));
+            plan.prefilled_by = Some(Remote { id, replica, predicted, cached, bootstrap: false, alone });
             if let Some(load) = plan.load.as_mut() {
                 load.prefilled_elsewhere(plan.prompts);
             }
@@ -506,7 +515,7 @@ fn bootstrap<'a>(
     let predicted = prefill.predicted_cached_tokens(0);
     let replica = HeaderValue::from_str(&on.replica.spec.name).ok();
     let (id, predicted) = (Some(on.replica.id), Some(predicted.into()));
-    plan.prefilled_by = Some(Remote { id, replica, predicted, cached: None, bootstrap: true });
+    plan.prefilled_by = Some(Remote { id, replica, predicted, cached: None, bootstrap: true, alone: None });
     // The prefill's answer counts in the hit rate.
     plan.counted = false;
     if let Some(load) = plan.load.as_mut() {
@@ -929,6 +938,7 @@ mod tests {
             predicted: None,
             cached: None,
             bootstrap,
+            alone: None,
         };
         let takes = |remote: &Remote| [&prefill, &decode, &both, &vllm].map(|r| remote.decodable_on(r));
         // A decode after a bootstrap room is not retried: its room may have been taken.

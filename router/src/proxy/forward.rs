@@ -150,7 +150,7 @@ pub async fn routed(
     config: &ForwardConfig,
     decider: &Decider,
     plan: &mut Plan,
-    (parts, body): (http::request::Parts, Bytes),
+    (parts, mut body): (http::request::Parts, Bytes),
     admitted: Admitted<'_>,
     line: (&Queue, &Line),
 ) -> Result<Response<ProxyBody>, ProxyError> {
@@ -197,6 +197,7 @@ pub async fn routed(
                 // Overload is not an outlier: counted as a failure, a load spike would eject
                 // the fleet replica by replica.
                 tracing::info!(replica = %member.replica.spec.name, request_id, "replica refused with 503; retrying elsewhere");
+                prefill_alone(plan, &mut body);
                 last_error = Some(ProxyError::Upstream {
                     replica: member.replica.spec.name.clone(),
                     reason: "503 Service Unavailable".into(),
@@ -277,6 +278,9 @@ pub async fn routed(
             }
             Ok(Err(e)) => {
                 tracing::warn!(replica = %member.replica.spec.name, error = %e, request_id, "replica failed before answering");
+                if !e.sent_nothing() {
+                    prefill_alone(plan, &mut body);
+                }
                 record_failure(upstream, config, metrics);
                 last_error = Some(ProxyError::Upstream {
                     replica: member.replica.spec.name.clone(),
@@ -368,6 +372,17 @@ pub(super) fn gone_since<'a>(
         || upstream.is_draining()
         || !upstream.is_serving()
         || (!upstream.is_healthy() && others_up())
+}
+
+/// A decode sent with a remote prefill's params, whose replica failed once it may have had
+/// it, is retried with the client's body, to be prefilled where it goes: that replica may
+/// have pulled the prefill's KV, and the prefill replica then freed those blocks, which
+/// another replica pulling them would read as whatever holds them now.
+fn prefill_alone(plan: &mut Plan, body: &mut Bytes) {
+    if let Some(alone) = plan.prefilled_by.as_ref().and_then(|remote| remote.alone.clone()) {
+        *body = alone;
+        plan.prefilled_by = None;
+    }
 }
 
 /// Whether `member`, a candidate when the request was decided, may take its retry: it is not

@@ -53,6 +53,22 @@ pub enum SendError {
     Wire(#[from] WireError),
 }
 
+impl SendError {
+    /// Whether nothing of the request reached the replica: no connection to it was made.
+    /// (After a pooled connection failed and a new one could not be made, the pooled one's
+    /// failure is the error: the replica may have had the request on it.)
+    pub fn sent_nothing(&self) -> bool {
+        matches!(
+            self,
+            SendError::BadUrl(_)
+                | SendError::Connect(_)
+                | SendError::Tls(_)
+                | SendError::HandshakeTimeout(_)
+                | SendError::ConnectTimeout(_)
+        )
+    }
+}
+
 /// A replica's answer to a request that asked to switch protocols.
 pub enum Upgrade {
     /// `101 Switching Protocols`: the socket is the new protocol's, and `early` what the
@@ -188,6 +204,8 @@ impl Pool {
             Outgoing::Full(bytes) => self.checkout(&origin).map(|conn| (conn, bytes.clone())),
             Outgoing::Stream(_) => None,
         };
+        // The pooled connection's failure, when the request goes out again on a new one.
+        let mut resent_after = None;
         if let Some((mut conn, again)) = pooled {
             match conn.exchange(method, target, host, headers, body).await {
                 // A server that times out an idle connection may say so before it closes it
@@ -204,13 +222,20 @@ impl Pool {
                 Err(e) if e.may_resend() => {
                     tracing::debug!(error = %e, "pooled upstream connection failed; sending again on a new one");
                     body = Outgoing::Full(again);
+                    resent_after = Some(e);
                 }
                 Err(e) => return Err(Unsent::Failed(e.into())),
             }
         }
-        let mut conn = match self.connect(&origin).await {
-            Ok(conn) => conn,
-            Err(e) => return Err(Unsent::NotConnected(e, body)),
+        let mut conn = match (self.connect(&origin).await, resent_after) {
+            (Ok(conn), _) => conn,
+            // Not connected again: the replica may have had the request on the pooled one
+            // (its process ending as it ran it), which is the failure to tell.
+            (Err(e), Some(first)) => {
+                tracing::debug!(error = %e, "sending again on a new connection failed");
+                return Err(Unsent::Failed(first.into()));
+            }
+            (Err(e), None) => return Err(Unsent::NotConnected(e, body)),
         };
         let head =
             conn.exchange(method, target, host, headers, body).await.map_err(|e| Unsent::Failed(e.into()))?;

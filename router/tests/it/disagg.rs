@@ -179,6 +179,47 @@ async fn a_client_that_leaves_during_the_prefill_leaves_no_decode_credit() {
     assert_eq!(router_metric(in_flight).await, Some(0), "the decode's place given back");
 }
 
+/// A decode that reached its replica, which then failed before answering (a 503 as it shut
+/// down), goes to another decode replica without the params: the first may have pulled the
+/// prefill's KV, whose blocks the prefill replica may have freed and reused since. The other
+/// prefills the prompt itself.
+#[tokio::test]
+async fn a_decode_that_reached_its_replica_is_not_pulled_again_elsewhere() {
+    let slow_decode = |name: &str| {
+        let config = agent(1, true)(name);
+        match name {
+            "agent-0" => config,
+            _ => kvroute_replica_agent::Config {
+                time_scale: 1.0,
+                step_base_us: 20_000,
+                shutdown_grace_secs: 0,
+                ..config
+            },
+        }
+    };
+    let mut fleet = pd_fleet_of(3, 1, slow_decode).await;
+    let body = completion(&words(40, 11), 150);
+    let (split, decode, _) = explain(&fleet, &body).await;
+    assert_eq!(split, "remote");
+    let victim: usize = decode.trim_start_matches("agent-").parse().unwrap();
+    let posting = tokio::spawn({
+        let (http, url, body) = (fleet.http.clone(), fleet.url("/v1/completions"), body.clone());
+        async move { http.post(&url, &body).await }
+    });
+    let pulled = "vllm:num_requests_running";
+    crate::support::wait_until_async("the decode running", async || {
+        agent_metric(&fleet, victim, pulled).await == 1
+    })
+    .await;
+    fleet.kill(victim).await;
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(30), posting).await.unwrap().unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "{}", String::from_utf8_lossy(&reply.body));
+    let other = format!("agent-{}", 3 - victim);
+    assert_eq!(reply.header("x-kvroute-replica"), Some(other.as_str()));
+    assert_eq!(reply.header("x-kvroute-prefill-replica"), None, "prefilled where it was decoded");
+    assert_eq!(usage(&reply).2, 0, "nothing pulled");
+}
+
 fn usage(reply: &Reply) -> (u64, u64, u64) {
     let usage = &reply.json()["usage"];
     let field = |v: &Value| v.as_u64().unwrap();
