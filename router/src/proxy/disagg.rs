@@ -53,8 +53,10 @@
 //! replica. SGLang's prefill replica answers once it handed the KV over; the decode's answer
 //! goes to the client after it, with the same headers. A prefill's failure (its error answer,
 //! a failure to connect, `--pd-prefill-timeout-ms`) is the client's answer and ends the
-//! decode; so does a decode replica's error end its prefill. With no prefill replica to be
-//! had, the request ends with a 503. The decode is not retried elsewhere either (its replica
+//! decode; so does a decode replica's error end its prefill. While every prefill replica is at
+//! `--max-in-flight-per-replica`, the request waits in line for one as any request waits for
+//! room (its decode replica's place held); with no prefill replica to be had, it ends with a
+//! 503. The decode is not retried elsewhere either (its replica
 //! may have taken the room's KV before it failed). In a fleet with SGLang decode replicas, a
 //! request that is not split (below), which they would refuse, is decided among the replicas
 //! that need no room (`both` ones, vLLM's), waiting for their room if need be, and retried
@@ -296,7 +298,7 @@ pub async fn prefill<'a>(
         Split::Whole => return whole(body.clone()),
         Split::NotSplit => {
             count("not_split");
-            return roomless(state, prepared, plan).and_then(|()| local());
+            return roomless(state, (prepared, plan), line).await.and_then(|()| local());
         }
         Split::Cached => {
             count("cached");
@@ -304,7 +306,7 @@ pub async fn prefill<'a>(
         }
         Split::Bootstrap { request } => {
             let sent = (endpoint, request, parts, body);
-            return bootstrap((state, pool), (prepared, plan), sent, admitted, line);
+            return bootstrap((state, pool), (prepared, plan), sent, admitted, line).await;
         }
         Split::Remote { decode, request } => (decode, request),
     };
@@ -410,17 +412,35 @@ pub async fn prefill<'a>(
 }
 
 /// Decides `plan`'s request again among replicas that take it without a bootstrap room, if it
-/// was decided on an SGLang decode replica, which refuses it (it is not split).
-fn roomless(state: &ProxyState, prepared: &Prepared, plan: &mut Plan) -> Result<(), Failure> {
+/// was decided on an SGLang decode replica, which refuses it (it is not split), waiting in
+/// `line` for room among them if need be.
+async fn roomless(
+    state: &ProxyState,
+    (prepared, plan): (&Prepared, &mut Plan),
+    line: &Line,
+) -> Result<(), Failure> {
     if !plan.chosen().is_some_and(|chosen| chosen.member.replica.spec.waits_for_a_room()) {
         return Ok(());
     }
     let_go(state, plan);
-    let mut decided =
-        state.decider.decide_hop(prepared, &RequestLimits::NONE, Hop::Roomless).map_err(Failure::Error)?;
+    let mut decided = decide_waiting(state, prepared, Hop::Roomless, line).await.map_err(Failure::Error)?;
     decided.keeps_response = plan.keeps_response;
     *plan = decided;
     Ok(())
+}
+
+/// The decision of `prepared`'s `hop`, waiting in `line` (within the queue's limits, as for
+/// the request's first decision) while every replica of the hop is at its limit.
+async fn decide_waiting(
+    state: &ProxyState,
+    prepared: &Prepared,
+    hop: Hop,
+    line: &Line,
+) -> Result<Plan, ProxyError> {
+    let decide = || std::future::ready(state.decider.decide_hop(prepared, &RequestLimits::NONE, hop));
+    let goes_to = |plan: &Plan| plan.chosen().map(|chosen| chosen.member.replica.id);
+    let (waiters, metrics) = (state.fleet().waiters(), &state.decider.metrics);
+    state.queue.until_room(waiters, (line, metrics), decide, goes_to).await
 }
 
 /// Ends the credit and the place `plan` took on the replica it holds them on (the one it
@@ -467,14 +487,16 @@ fn prefill_forward(state: &ProxyState) -> ForwardConfig {
 
 /// The prefill of a request `plan` decided on an SGLang decode replica, sent alongside it
 /// (module docs): to an SGLang prefill replica, both bodies naming it and one bootstrap room.
-fn bootstrap<'a>(
+/// While every prefill replica is at its limit, the request waits in `line` (its decode
+/// replica's place held).
+async fn bootstrap<'a>(
     (state, pool): (&'a Arc<ProxyState>, &'a Arc<Pool>),
     (prepared, plan): (&Prepared, &mut Plan),
     (endpoint, request, parts, body): (Endpoint, Map<String, Value>, &http::request::Parts, &Bytes),
     admitted: Admitted<'a>,
     line: &'a Line,
 ) -> Result<Decode<'a>, Failure> {
-    let mut prefill = match state.decider.decide_hop(prepared, &RequestLimits::NONE, Hop::Bootstrap) {
+    let mut prefill = match decide_waiting(state, prepared, Hop::Bootstrap, line).await {
         Ok(plan) => plan,
         Err(e) => {
             // The decode replica cannot prefill (it refuses a request without a room): nothing

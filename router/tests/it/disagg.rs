@@ -366,6 +366,16 @@ async fn the_decode_replica_prefills_when_no_prefill_can_be_had() {
 /// decode ones, and the others of neither (each of the router's replicas of engine `sglang`,
 /// and of that role).
 async fn sglang_fleet(agents: usize, prefills: usize, decodes: usize) -> Fleet {
+    sglang_fleet_of(agents, (prefills, decodes), |c| c, |c| c).await
+}
+
+/// [`sglang_fleet`], each agent's config and the router's changed by `agent` and `router`.
+async fn sglang_fleet_of(
+    agents: usize,
+    (prefills, decodes): (usize, usize),
+    tweak: impl Fn(kvroute_replica_agent::Config) -> kvroute_replica_agent::Config,
+    router: impl FnOnce(kvroute_router::Config) -> kvroute_router::Config,
+) -> Fleet {
     let role = move |i: usize| match i {
         _ if i < prefills => (Mode::Prefill, Role::Prefill),
         _ if i < prefills + decodes => (Mode::Decode, Role::Decode),
@@ -373,23 +383,53 @@ async fn sglang_fleet(agents: usize, prefills: usize, decodes: usize) -> Fleet {
     };
     let agent = move |name: &str| {
         let i: usize = name.trim_start_matches("agent-").parse().unwrap();
-        kvroute_replica_agent::Config {
+        tweak(kvroute_replica_agent::Config {
             disaggregation_mode: role(i).0,
             // SGLang's events are vLLM's (and a salt).
             event_format: EventFormat::Vllm,
             max_model_len: if i < prefills { PREFILL_MAX_MODEL_LEN } else { 32_768 },
             disaggregation_timeout_ms: 60_000,
             ..agent_config(name)
-        }
+        })
     };
     Fleet::with(agents, agent, |mut config| {
         for (i, replica) in config.replicas.iter_mut().enumerate() {
             replica.engine = EngineKind::Sglang;
             replica.role = role(i).1;
         }
-        config
+        router(config)
     })
     .await
+}
+
+/// An SGLang request whose prefill replicas are all at their limit waits in line for one (its
+/// decode replica's place held), as any request waits for room: it got a 503 at once.
+#[tokio::test]
+async fn an_sglang_prefill_waits_for_room_on_the_prefill_replicas() {
+    let slow_prefill = |c: kvroute_replica_agent::Config| match c.disaggregation_mode {
+        Mode::Prefill => kvroute_replica_agent::Config { time_scale: 1.0, step_base_us: 300_000, ..c },
+        _ => c,
+    };
+    let one_each = |c| kvroute_router::Config { max_in_flight_per_replica: 1, queue_timeout_ms: 60_000, ..c };
+    let fleet = sglang_fleet_of(3, (1, 2), slow_prefill, one_each).await;
+    let first = tokio::spawn({
+        let (http, url, body) =
+            (fleet.http.clone(), fleet.url("/v1/completions"), completion(&words(20, 31), 2));
+        async move { http.post(&url, &body).await }
+    });
+    let prefilling = "kvroute_router_replica_in_flight{replica=\"agent-0\"}";
+    crate::support::wait_until_async("the first prefill sent", async || {
+        let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+        sample(&String::from_utf8_lossy(&metrics.body), prefilling) == Some(1)
+    })
+    .await;
+    let second = post_in_time(&fleet, completion(&words(20, 32), 2)).await;
+    assert_eq!(second.status, StatusCode::OK, "{}", String::from_utf8_lossy(&second.body));
+    assert_eq!(second.header("x-kvroute-prefill-replica"), Some("agent-0"));
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::OK, "{}", String::from_utf8_lossy(&first.body));
+    let decoded = [&first, &second].map(|r| r.header("x-kvroute-replica").unwrap().to_owned());
+    assert_ne!(decoded[0], decoded[1], "one request a decode replica");
 }
 
 #[tokio::test]
