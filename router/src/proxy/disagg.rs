@@ -53,7 +53,8 @@
 //! replica. SGLang's prefill replica answers once it handed the KV over; the decode's answer
 //! goes to the client after it, with the same headers. A prefill's failure (its error answer,
 //! a failure to connect, `--pd-prefill-timeout-ms`) is the client's answer and ends the
-//! decode; so does a decode replica's error end its prefill. While every prefill replica is at
+//! decode (a timeout does not count toward the prefill replica's ejection: its answer waits
+//! on the decode replica); so does a decode replica's error end its prefill. While every prefill replica is at
 //! `--max-in-flight-per-replica`, the request waits in line for one as any request waits for
 //! room (its decode replica's place held); with no prefill replica to be had, it ends with a
 //! 503. The decode is not retried elsewhere either (its replica

@@ -37,7 +37,7 @@ use super::live::Live;
 use super::pool::{Pool, SendError, Unsent};
 use super::queue::{Line, Queue};
 use super::responses::{Learner, Owner, Owners};
-use super::route::{Decider, Plan, Scored};
+use super::route::{Decider, Hop, Plan, Scored};
 use super::stalls::StallWatch;
 use super::upload::{self, Progress};
 use super::upstream::{LoadGuard, Upstream};
@@ -290,7 +290,11 @@ pub async fn routed(
             Err(_) => {
                 // It may still run the request: its credits stand, on its rank as on it.
                 guard.keep_rank();
-                record_failure(upstream, config, metrics);
+                // A prefill through a bootstrap room answers once its decode replica took the
+                // KV: its time is the decode replica's too, and is not held against it.
+                if plan.hop != Hop::Bootstrap {
+                    record_failure(upstream, config, metrics);
+                }
                 return Err(ProxyError::Timeout {
                     replica: member.replica.spec.name.clone(),
                     timeout_ms: config.first_byte_timeout.as_millis() as u64,

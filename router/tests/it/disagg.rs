@@ -402,6 +402,47 @@ async fn sglang_fleet_of(
     .await
 }
 
+/// An SGLang prefill that times out waiting for its decode replica to take the KV is not held
+/// against the prefill replica: its answer waits on the decode replica. (Counted, one such
+/// timeout ejected it with `--eject-after 1`, and each next healthy one in turn.) The decode
+/// replica here is hand-made, and never takes the room: an agent takes it at once.
+#[tokio::test]
+async fn an_sglang_prefill_timeout_does_not_eject_the_prefill_replica() {
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let prefill = kvroute_replica_agent::Config {
+        disaggregation_mode: Mode::Prefill,
+        event_format: EventFormat::Vllm,
+        disaggregation_timeout_ms: 60_000,
+        ..agent_config("agent-0")
+    };
+    let prefill = kvroute_replica_agent::start(prefill, shutdown.clone()).await.unwrap();
+    let decode = crate::proxy::hand_made_replica(|_, _| std::future::pending()).await;
+    let mut replicas = vec![crate::fleet::replica_config(&prefill)];
+    replicas[0].engine = EngineKind::Sglang;
+    replicas[0].role = Role::Prefill;
+    let events = crate::support::nowhere();
+    let spec = format!("name=agent-1,http=http://{decode},events={events},engine=sglang,role=decode");
+    replicas.push(spec.parse().unwrap());
+    let config = kvroute_router::Config {
+        replicas,
+        pd_prefill_timeout_ms: 200,
+        connect_timeout_ms: 100,
+        eject_after: 1,
+        ..crate::fleet::router_config(&[])
+    };
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let http = crate::fleet::Http::new();
+    let reply = http.post(&format!("{}/v1/completions", router.url()), &completion(&words(20, 41), 2)).await;
+    assert_eq!(reply.status, StatusCode::GATEWAY_TIMEOUT, "{}", String::from_utf8_lossy(&reply.body));
+    let message = reply.json()["error"]["message"].as_str().unwrap_or_default().to_owned();
+    assert!(message.contains("agent-0"), "the prefill's timeout: {message}");
+    let metrics = http.get(&format!("{}/metrics", router.url())).await;
+    let ejections = sample(&String::from_utf8_lossy(&metrics.body), "kvroute_router_ejections_total");
+    assert_eq!(ejections, Some(0));
+    shutdown.cancel();
+    prefill.stop().await;
+}
+
 /// An SGLang request whose prefill replicas are all at their limit waits in line for one (its
 /// decode replica's place held), as any request waits for room: it got a 503 at once.
 #[tokio::test]

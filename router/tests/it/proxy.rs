@@ -986,7 +986,7 @@ const THREE_TOKENS: &str = r#"{"count":3,"max_model_len":4096,"tokens":[5,6,7]}"
 
 /// A replica that answers each request with the status and body `answer` makes of its path
 /// and body.
-async fn hand_made_replica<F, A>(answer: F) -> std::net::SocketAddr
+pub(crate) async fn hand_made_replica<F, A>(answer: F) -> std::net::SocketAddr
 where
     F: Fn(String, bytes::Bytes) -> A + Clone + Send + Sync + 'static,
     A: std::future::Future<Output = (u16, &'static str)> + Send,
