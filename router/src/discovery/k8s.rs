@@ -113,6 +113,14 @@ impl SliceSource {
                 }
             };
             let Some(event) = event else { return };
+            // No lookup past one that fails, for a change or a whole listing as for a retry
+            // pass: an API server that stops answering pod reads (each waits out its timeout)
+            // would hold every later change, a pod that terminates included.
+            if let Some(a) = annotations.as_mut()
+                && !matches!(event, Ok(watcher::Event::InitApply(_)))
+            {
+                a.stop_after = Some(a.failures);
+            }
             // A pod lookup (`--discovery-pod-annotations`) may wait on the API server: a
             // shutdown does not wait for it.
             let handled = async {
@@ -342,7 +350,8 @@ struct Annotations {
     failed: HashMap<String, (tokio::time::Instant, std::time::Duration)>,
     /// Lookups that failed, ever.
     failures: u64,
-    /// During a retry pass, `failures` as it began: past it, no lookup is made.
+    /// `failures` as the retry pass, the listing or the change being read began: past it, no
+    /// lookup is made (the rest wait for the next retry pass).
     stop_after: Option<u64>,
     /// The first wait before a failed lookup is tried again (the retry interval); it doubles
     /// with each failure, to [`POD_RETRY_MOST`].

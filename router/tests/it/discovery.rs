@@ -454,15 +454,54 @@ mod k8s {
         tracker.wait().await;
     }
 
+    /// A change read while pod lookups fail looks up no pod past the first that fails: each
+    /// may wait out its timeout on an API server that stopped answering, and the change (a
+    /// terminating pod) would wait for all of them. The rest are read at the next retry.
+    #[tokio::test]
+    async fn pod_lookups_stop_at_the_first_that_fails() {
+        let api = FakeApi::start().await;
+        api.atomically(|s| {
+            s.pod_failures = usize::MAX;
+            let pods = [
+                ("vllm-0", "10.0.0.1", "uid-a"),
+                ("vllm-1", "10.0.0.2", "uid-b"),
+                ("vllm-2", "10.0.0.3", "uid-c"),
+            ];
+            s.apply(slice_with_uids("vllm-a", &pods));
+        });
+        // No retry pass within the test.
+        let (set, _registry, tracker, shutdown) = with_annotations(&api, 60_000);
+        wait_until("the slice's replicas", || set.0.borrow().len() == 3).await;
+        assert_eq!(api.pod_gets(), 1, "no lookup past the failed one");
+        api.apply(slice_with_uids("vllm-a", &[("vllm-0", "10.0.0.1", "uid-a")]));
+        wait_until("the change applied", || set.0.borrow().len() == 1).await;
+        assert_eq!(api.pod_gets(), 1, "the failed pod waits out its wait");
+
+        shutdown.cancel();
+        tracker.close();
+        tracker.wait().await;
+    }
+
     /// k8s discovery of `api`'s `vllm` slices, with pods' annotations, retrying every 100 ms;
     /// its replicas, metrics, tasks and shutdown.
     fn with_annotations_every_100_ms(
         api: &FakeApi,
     ) -> (Set, prometheus_client::registry::Registry, TaskTracker, CancellationToken) {
+        with_annotations(api, 100)
+    }
+
+    /// [`with_annotations_every_100_ms`], retrying every `interval_ms`.
+    fn with_annotations(
+        api: &FakeApi,
+        interval_ms: u64,
+    ) -> (Set, prometheus_client::registry::Registry, TaskTracker, CancellationToken) {
         let set = Set(Arc::new(watch::Sender::new(BTreeMap::new())), Arc::default());
         let (tracker, shutdown) = (TaskTracker::new(), CancellationToken::new());
-        let config =
-            DiscoveryConfig { discovery_pod_annotations: true, discovery_interval_ms: 100, ..config("vllm") };
+        let config = DiscoveryConfig {
+            discovery_pod_annotations: true,
+            discovery_interval_ms: interval_ms,
+            ..config("vllm")
+        };
         let mut registry = prometheus_client::registry::Registry::default();
         let metrics = DiscoveryMetrics::register(&mut registry);
         Discovery::start_k8s(
