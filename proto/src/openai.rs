@@ -158,7 +158,7 @@ pub struct Tokenization {
     /// without one).
     chat_options: ChatOptions,
     /// Chats with a Harmony template are rendered with the template all the same (a fleet
-    /// whose engine does so: [`Tokenization::render_harmony_with_template`]).
+    /// whose engine does so: [`Tokenization::render_as_sglang`]).
     harmony_off: bool,
     /// See [`Tokenization::template_problem`].
     template_problem: Option<String>,
@@ -273,10 +273,15 @@ impl Tokenization {
         }
     }
 
-    /// Renders chats with the chat template even when it is in Harmony's format: SGLang
-    /// renders gpt-oss chat completions with the model's template, where vLLM uses Harmony.
-    pub fn render_harmony_with_template(&mut self) {
+    /// Renders chats as SGLang renders them: with the chat template even when it is in
+    /// Harmony's format (SGLang renders gpt-oss chat completions with the model's template,
+    /// where vLLM uses Harmony), and with SGLang's ways where they differ from vLLM's
+    /// ([`ChatTemplate::render_as_sglang`]).
+    pub fn render_as_sglang(&mut self) {
         self.harmony_off = true;
+        if let Some(template) = &mut self.chat_template {
+            template.render_as_sglang();
+        }
     }
 
     /// The fleet's chat flags ([`ChatOptions`]).
@@ -462,7 +467,7 @@ impl Tokenization {
     }
 
     /// Whether this model's chats are rendered with Harmony, as vLLM renders gpt-oss's
-    /// ([`ChatTemplate::is_harmony`]; not after [`Tokenization::render_harmony_with_template`]).
+    /// ([`ChatTemplate::is_harmony`]; not after [`Tokenization::render_as_sglang`]).
     pub fn is_harmony(&self) -> bool {
         !self.harmony_off && self.chat_template.as_ref().is_some_and(ChatTemplate::is_harmony)
     }

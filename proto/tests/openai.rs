@@ -989,7 +989,7 @@ fn a_harmony_models_chats_are_tokenized_from_harmony_pieces() {
     assert!(second.reused_bytes >= first.reused_bytes + 3 * long.len() as u64, "{first:?} {second:?}");
 
     // A fleet whose engine renders such chats with the template (SGLang) gets the template's.
-    t.render_harmony_with_template();
+    t.render_as_sglang();
     assert!(!t.is_harmony());
     let hello = r#"{"model":"tiny","messages":[{"role":"user","content":"Hello"}]}"#;
     assert_eq!(tokens(&t, Endpoint::ChatCompletions, hello).unwrap(), [from_template]);

@@ -771,8 +771,8 @@ impl Config {
     }
 
     /// Whether every replica the router knows of at start runs SGLang (the `--replica` list,
-    /// and discovery's engine when discovery is on), which renders gpt-oss chats with the
-    /// model's template rather than with Harmony as vLLM does.
+    /// and discovery's engine when discovery is on), which renders chats as SGLang does
+    /// (gpt-oss's with the model's template rather than with Harmony as vLLM does).
     pub fn sglang_fleet(&self) -> bool {
         let discovered = (self.discovery.discovery != crate::discovery::DiscoveryMode::Static)
             .then_some(self.discovery.discovery_engine);

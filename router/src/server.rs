@@ -170,7 +170,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         );
     }
     if config.sglang_fleet() {
-        tokenization.render_harmony_with_template();
+        tokenization.render_as_sglang();
     }
     // Templates that print the date print the local one, as the replicas' do.
     let zone = kvroute_proto::openai::chat_template::local_zone();

@@ -71,6 +71,7 @@ mod content_format;
 mod generation_tag;
 mod options;
 mod python_float;
+mod sglang;
 
 use super::request::{Message, Part};
 pub use content_format::ContentFormat;
@@ -164,6 +165,8 @@ pub struct ChatTemplate {
     requested: Option<quick_cache::sync::Cache<String, Arc<ChatTemplate>>>,
     /// Whether this is the replicas' `--chat-template` rather than the model's own.
     is_flag: bool,
+    /// Rendered as SGLang renders ([`sglang`]).
+    sglang: bool,
 }
 
 /// Templates of requests kept compiled (`trust_request_chat_template`).
@@ -309,6 +312,7 @@ impl ChatTemplate {
             options: Arc::default(),
             requested: Some(quick_cache::sync::Cache::new(REQUESTED_TEMPLATES)),
             is_flag: false,
+            sglang: false,
         })
     }
 
@@ -317,6 +321,11 @@ impl ChatTemplate {
     pub fn as_chat_template_flag(mut self) -> Self {
         self.is_flag = true;
         self
+    }
+
+    /// Renders chats as SGLang renders them ([`sglang`]), not as vLLM does.
+    pub fn render_as_sglang(&mut self) {
+        self.sglang = true;
     }
 
     /// This template, rendered as a vLLM server with `options` renders.
@@ -472,11 +481,15 @@ impl ChatTemplate {
         mut vars: Variables<'_>,
         media_parts: bool,
     ) -> Result<String, RequestError> {
-        if vars.continue_final_message && vars.add_generation_prompt {
+        if vars.continue_final_message && vars.add_generation_prompt && !self.sglang {
             return Err(RequestError::CannotContinue(CONTINUE_WITH_GENERATION_PROMPT));
         }
-        // vLLM drops the tools before it picks a template and reads its content format.
-        vars.tools = self.options.tools(&vars);
+        // vLLM drops the tools before it picks a template and reads its content format;
+        // SGLang drops them for `tool_choice: "none"` whatever the flag.
+        vars.tools = match self.sglang {
+            true => vars.tools.filter(|_| !vars.tool_choice_none),
+            false => self.options.tools(&vars),
+        };
         // vLLM reads the content format of the request's own template, and "auto" read as a
         // template is the text "auto", whose format is "string".
         let auto = (vars.chat_template == Some("auto"))
@@ -542,6 +555,9 @@ impl ChatTemplate {
     ) -> Result<String, RequestError> {
         let facts = named.unwrap_or_else(|| self.facts(&vars));
         let format = format.unwrap_or(facts.format);
+        if self.sglang {
+            return self.render_sglang(facts, format, messages, vars, media_parts);
+        }
         let mut passed = facts.passed(messages, format);
         let continued_text = match (vars.continue_final_message, passed.last_mut()) {
             (true, Some(last)) => {
@@ -555,20 +571,31 @@ impl ChatTemplate {
             .iter()
             .map(|p| message_value(&p.message, media_parts, p.format(format)))
             .collect::<Result<Vec<_>, _>>()?;
+        let rendered = self.render_context(facts, self.kwargs(&vars)?, messages)?;
+        match continued_text {
+            Some(text) => continued(rendered, &text),
+            None => Ok(rendered),
+        }
+    }
+
+    /// Renders `facts`' template with `messages` (each as the template sees it), the named
+    /// special tokens and `kwargs`.
+    fn render_context(
+        &self,
+        facts: &Facts,
+        kwargs: BTreeMap<String, Value>,
+        messages: Vec<Value>,
+    ) -> Result<String, RequestError> {
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
         ctx.insert("tools".into(), Value::from(()));
         ctx.insert("documents".into(), Value::from(()));
         for (name, text) in &self.special.named {
             ctx.insert(name.clone(), Value::from(text.as_str()));
         }
-        ctx.extend(self.kwargs(&vars)?);
+        ctx.extend(kwargs);
         ctx.insert("messages".into(), Value::from(messages));
         let template = self.env.get_template(facts.name).map_err(RequestError::Template)?;
-        let rendered = template.render(Value::from(ctx)).map_err(RequestError::Template)?;
-        match continued_text {
-            Some(text) => continued(rendered, &text),
-            None => Ok(rendered),
-        }
+        template.render(Value::from(ctx)).map_err(RequestError::Template)
     }
 }
 
@@ -607,11 +634,7 @@ impl ChatTemplate {
         if let Some(documents) = vars.documents {
             request.insert("documents".into(), json_value(documents)?);
         }
-        let mut merged = BTreeMap::new();
-        for (key, value) in self.options.default_chat_template_kwargs.iter().flatten() {
-            let value = Value::deserialize(value).map_err(|e| RequestError::Template(json_error(e)))?;
-            merged.insert(key.clone(), value);
-        }
+        let mut merged = self.default_kwargs()?;
         if let Some(tools) = vars.tools {
             merged.insert("tools".into(), tools_value(tools)?);
         }
@@ -623,6 +646,16 @@ impl ChatTemplate {
             merged.remove(argument);
         }
         Ok(merged)
+    }
+
+    /// The fleet's default kwargs (`--default-chat-template-kwargs`), as template values.
+    fn default_kwargs(&self) -> Result<BTreeMap<String, Value>, RequestError> {
+        let mut kwargs = BTreeMap::new();
+        for (key, value) in self.options.default_chat_template_kwargs.iter().flatten() {
+            let value = Value::deserialize(value).map_err(|e| RequestError::Template(json_error(e)))?;
+            kwargs.insert(key.clone(), value);
+        }
+        Ok(kwargs)
     }
 
     /// The template a request brought (`chat_template`), compiled once and kept, with this
@@ -637,6 +670,7 @@ impl ChatTemplate {
                 other => RequestError::Template(Error::new(ErrorKind::SyntaxError, other.to_string())),
             })?;
             template.options = Arc::clone(&self.options);
+            template.sglang = self.sglang;
             template.requested = None;
             template.env.set_fuel(Some(REQUESTED_TEMPLATE_FUEL));
             template.apply_options();

@@ -1,0 +1,221 @@
+//! A chat as SGLang renders it with the model's template ([`ChatTemplate::as_sglang`]), where
+//! it differs from vLLM (`serving_chat.py`'s `_apply_jinja_template` and
+//! `jinja_template_utils.py`, SGLang of 2026):
+//!
+//! - a list content, for a template that takes a string, is its text parts joined with a
+//!   space (empty ones too; vLLM joins the non-empty ones with a newline), and a tool turn's
+//!   list of text parts is one string so joined in the "openai" format too;
+//! - a message without content has the empty string;
+//! - a last assistant message with a string content is a user message (its role and content
+//!   only), or with `continue_final_message`, it is left out and its text follows the prompt
+//!   as it is (the template's end of a turn not cut off);
+//! - every chat has the generation prompt (SGLang's chat requests have no
+//!   `add_generation_prompt`), and no `documents`;
+//! - the tools are left out for `tool_choice: "none"`, with or without vLLM's flag;
+//! - a `reasoning_effort` sets both `thinking` and `enable_thinking` (to whether it is not
+//!   "none") unless the kwargs do, and reaches the template as it is (no effort map); one in
+//!   the kwargs wins over it.
+//!
+//! Not followed: which part types count as text (SGLang reads `text` and `input_text` only,
+//! a plain string part not at all), a named `tool_choice` (SGLang passes that tool alone), and
+//! SGLang's own conversation templates (`--chat-template` naming one).
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+use minijinja::Value;
+
+use super::{ChatTemplate, ContentFormat, Facts, Variables, json_error, message_value};
+use crate::openai::error::RequestError;
+use crate::openai::request::{Message, Part};
+
+impl ChatTemplate {
+    /// [`ChatTemplate::render_chosen`] as SGLang renders (module docs).
+    pub(super) fn render_sglang(
+        &self,
+        facts: &Facts,
+        format: ContentFormat,
+        messages: &[Message<'_>],
+        vars: Variables<'_>,
+        media_parts: bool,
+    ) -> Result<String, RequestError> {
+        let mut passed: Vec<Message<'_>> = messages.iter().map(|m| passed(m, format)).collect();
+        let mut continued = None;
+        if let Some(last) = passed.last_mut()
+            && last.role == "assistant"
+            && last.parts.is_none()
+        {
+            let content = last.content.take().unwrap_or_default();
+            match vars.continue_final_message {
+                true => {
+                    continued = Some(content);
+                    passed.pop();
+                }
+                false => {
+                    *last = Message {
+                        role: "user".into(),
+                        content: Some(content),
+                        media: last.media.take(),
+                        extra: Vec::new(),
+                        parts: None,
+                    }
+                }
+            }
+        }
+        let messages =
+            passed.iter().map(|m| message_value(m, media_parts, format)).collect::<Result<Vec<_>, _>>()?;
+        let rendered = self.render_context(facts, self.sglang_kwargs(&vars)?, messages)?;
+        Ok(match continued {
+            Some(text) => rendered + &text,
+            None => rendered,
+        })
+    }
+
+    /// The template variables SGLang sets (module docs): the fleet's default kwargs, the
+    /// tools, the reasoning effort, then the request's kwargs over them, and the generation
+    /// prompt.
+    fn sglang_kwargs(&self, vars: &Variables<'_>) -> Result<BTreeMap<String, Value>, RequestError> {
+        let mut request: BTreeMap<String, Value> = match vars.chat_template_kwargs {
+            Some(kwargs) => {
+                serde_json::from_str(kwargs.get()).map_err(|e| RequestError::Template(json_error(e)))?
+            }
+            None => BTreeMap::new(),
+        };
+        if request.get("chat_template").is_some_and(|t| !t.is_none())
+            && !self.options.trust_request_chat_template
+        {
+            return Err(RequestError::UntrustedChatTemplate);
+        }
+        if let Some(effort) = vars.reasoning_effort {
+            for key in ["thinking", "enable_thinking"] {
+                request.entry(key.into()).or_insert_with(|| Value::from(effort != "none"));
+            }
+        }
+        let mut merged = self.default_kwargs()?;
+        if let Some(tools) = vars.tools {
+            merged.insert("tools".into(), super::tools_value(tools)?);
+        }
+        if let Some(effort) = vars.reasoning_effort {
+            merged.insert("reasoning_effort".into(), Value::from(effort));
+        }
+        merged.extend(request);
+        merged.insert("add_generation_prompt".into(), Value::from(true));
+        for argument in ["continue_final_message", "chat_template", "tokenize"] {
+            merged.remove(argument);
+        }
+        Ok(merged)
+    }
+}
+
+/// `message` as SGLang passes it to a template taking `format` (module docs).
+fn passed<'a>(message: &Message<'a>, format: ContentFormat) -> Message<'a> {
+    let mut message = message.clone();
+    let joined = |parts: &[Part<'a>]| {
+        let texts: Vec<&str> = parts
+            .iter()
+            .filter_map(|p| match p {
+                Part::Text(text) => Some(text.as_ref()),
+                Part::ToolReference(_) => None,
+            })
+            .collect();
+        Cow::Owned(texts.join(" "))
+    };
+    match (format, message.parts.take()) {
+        (ContentFormat::String, Some(parts)) => message.content = Some(joined(&parts)),
+        (ContentFormat::OpenAi, Some(parts))
+            if message.role == "tool"
+                && message.media.is_none()
+                && parts.iter().all(|p| matches!(p, Part::Text(_))) =>
+        {
+            message.content = Some(joined(&parts))
+        }
+        (_, parts) => message.parts = parts,
+    }
+    message.content.get_or_insert_default();
+    message
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{DEFAULT_CHAT_TEMPLATE, SpecialTokens};
+    use super::*;
+
+    /// `body`'s chat rendered with `source`, as SGLang (`sglang`) or as vLLM renders it.
+    fn render(source: &str, body: &str, sglang: bool) -> Result<String, RequestError> {
+        let mut template = ChatTemplate::new(source, SpecialTokens::default()).unwrap();
+        if sglang {
+            template.render_as_sglang();
+        }
+        let chat = crate::openai::ChatRequest::parse(body.as_bytes()).unwrap();
+        template.render(&chat.messages, chat.variables())
+    }
+
+    const LINES: &str =
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor %}{{ add_generation_prompt }}";
+
+    /// Content parts are joined with a space (empty ones too) for a template that takes a
+    /// string, where vLLM joins the non-empty ones with a newline.
+    #[test]
+    fn content_parts_are_joined_with_a_space() {
+        let body = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},
+            {"type":"text","text":""},{"type":"text","text":"b"}]},
+            {"role":"assistant","content":null,"tool_calls":[]},{"role":"user","content":"c"}]}"#;
+        assert_eq!(render(LINES, body, true).unwrap(), "user:a  b|assistant:|user:c|True");
+        assert_eq!(render(LINES, body, false).unwrap(), "user:a\nb|assistant:|user:c|True");
+    }
+
+    /// A tool turn's text parts are one string, joined with a space, for a template that
+    /// loops over contents too.
+    #[test]
+    fn a_tool_turns_parts_are_one_string() {
+        let source = "{% for m in messages %}{% if m.content is string %}{{ m.content }}\
+                      {% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}|{% endfor %}";
+        let parts = r#"[{"type":"text","text":"x"},{"type":"text","text":"y"}]"#;
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":{parts}}},{{"role":"tool","tool_call_id":"1","content":{parts}}}]}}"#
+        );
+        assert_eq!(render(source, &body, true).unwrap(), "[x][y]|x y|");
+        assert_eq!(render(source, &body, false).unwrap(), "[x][y]|x\ny|");
+    }
+
+    /// A last assistant turn is a user turn, or with `continue_final_message` the text the
+    /// prompt ends with after the generation prompt; either way the generation prompt is
+    /// there.
+    #[test]
+    fn a_last_assistant_turn_is_a_user_turn_or_continued_after_the_prompt() {
+        let hi = r#"{"role":"user","content":"Hi"}"#;
+        let last = r#"{"role":"assistant","content":"Hello","name":"bot"}"#;
+        let ended = format!(r#"{{"messages":[{hi},{last}],"add_generation_prompt":false}}"#);
+        assert_eq!(
+            render(DEFAULT_CHAT_TEMPLATE, &ended, true).unwrap(),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let continued = format!(r#"{{"messages":[{hi},{last}],"continue_final_message":true}}"#);
+        assert_eq!(
+            render(DEFAULT_CHAT_TEMPLATE, &continued, true).unwrap(),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello"
+        );
+        // vLLM refuses both at once (`add_generation_prompt` is true unless set to false).
+        assert!(render(DEFAULT_CHAT_TEMPLATE, &continued, false).is_err());
+    }
+
+    /// A reasoning effort sets `thinking` and `enable_thinking` unless the kwargs do, and
+    /// reaches the template unmapped; the kwargs' own wins. Tools go for `tool_choice:
+    /// "none"`, and `documents` are none.
+    #[test]
+    fn kwargs_tools_and_documents_are_sglangs() {
+        let source = "{{ reasoning_effort }} {{ thinking }} {{ enable_thinking }} {{ tools is none }} \
+                      {{ documents is none }}";
+        let tools = r#""tools":[{"type":"function","function":{"name":"f"}}]"#;
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":"q"}}],"reasoning_effort":"none",{tools},
+            "tool_choice":"none","documents":[{{"text":"d"}}],"chat_template_kwargs":{{"thinking":true}}}}"#
+        );
+        assert_eq!(render(source, &body, true).unwrap(), "none True False True True");
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":"q"}}],"reasoning_effort":"high",{tools},
+            "chat_template_kwargs":{{"reasoning_effort":"low"}}}}"#
+        );
+        assert_eq!(render(source, &body, true).unwrap(), "low True True False True");
+    }
+}
