@@ -171,6 +171,11 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     }
     if config.sglang_fleet() {
         tokenization.render_as_sglang();
+        if config.remote_tokenize {
+            tracing::warn!(
+                "--remote-tokenize speaks vLLM's /tokenize, and SGLang's takes a prompt, not a chat's                  messages: chats may be refused (400); give --tokenizer (the model's files) instead"
+            );
+        }
     }
     // Templates that print the date print the local one, as the replicas' do.
     let zone = kvroute_proto::openai::chat_template::local_zone();
