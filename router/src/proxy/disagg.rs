@@ -34,11 +34,12 @@
 //! replica's own such as an adapter it lacks, a timeout, an answer without params: a replica
 //! without a connector) leaves the request to its decode replica, which prefills it; a
 //! prefill replica's 400, 413 or 422 (the request's own fault) is the client's answer, and
-//! the request goes no further. No retry of the decode goes to the prefill replica (a `both`
-//! one could be a candidate). A decode replica that failed once it may have had the request
-//! (it answered 503, or closed the connection after it was sent) may have pulled the KV, and
-//! the prefill replica freed those blocks then: the retry goes without the params, and its
-//! replica prefills the prompt itself. Each outcome is counted in
+//! the request goes no further. No retry of the decode with the params goes to the prefill
+//! replica (a `both` one could be a candidate). A decode replica that failed once it may have
+//! had the request (it answered 503, or the connection closed after it was sent) may have
+//! pulled the KV, and the prefill replica freed those blocks then: the retry goes without the
+//! params, and its replica prefills the prompt itself (the cost of a prefill, where a 503
+//! was an overloaded replica's that pulled nothing: the router cannot tell them apart). Each outcome is counted in
 //! `kvroute_router_prefills_total`.
 //!
 //! SGLang's replicas (`engine = "sglang"`) hand the KV over through a bootstrap room instead.
@@ -120,7 +121,7 @@ const MAX_ANSWER_BYTES: usize = 1 << 20;
 /// A remote prefill, as the decode replica's response names it.
 #[derive(Debug)]
 pub struct Remote {
-    /// The prefill replica: no retry of the decode goes there (its params name it).
+    /// The prefill replica: no retry of the decode with the params goes there (they name it).
     pub id: Option<ReplicaId>,
     replica: Option<HeaderValue>,
     predicted: Option<HeaderValue>,

@@ -51,12 +51,15 @@ pub enum SendError {
     ConnectTimeout(Duration),
     #[error(transparent)]
     Wire(#[from] WireError),
+    /// A pooled connection failed with the request (the replica may have had it), and no new
+    /// one could be made to send it again.
+    #[error("{first}; sending again: {then}")]
+    Resent { first: WireError, then: Box<SendError> },
 }
 
 impl SendError {
-    /// Whether nothing of the request reached the replica: no connection to it was made.
-    /// (After a pooled connection failed and a new one could not be made, the pooled one's
-    /// failure is the error: the replica may have had the request on it.)
+    /// Whether nothing of the request reached the replica: no connection to it was made (and
+    /// none was tried before on a pooled one).
     pub fn sent_nothing(&self) -> bool {
         matches!(
             self,
@@ -227,15 +230,17 @@ impl Pool {
                 Err(e) => return Err(Unsent::Failed(e.into())),
             }
         }
-        let mut conn = match (self.connect(&origin).await, resent_after) {
-            (Ok(conn), _) => conn,
+        let mut conn = match self.connect(&origin).await {
+            Ok(conn) => conn,
             // Not connected again: the replica may have had the request on the pooled one
-            // (its process ending as it ran it), which is the failure to tell.
-            (Err(e), Some(first)) => {
-                tracing::debug!(error = %e, "sending again on a new connection failed");
-                return Err(Unsent::Failed(first.into()));
+            // (its process ending as it ran it), which the error says.
+            Err(e) => {
+                let e = match resent_after {
+                    Some(first) => SendError::Resent { first, then: Box::new(e) },
+                    None => e,
+                };
+                return Err(Unsent::NotConnected(e, body));
             }
-            (Err(e), None) => return Err(Unsent::NotConnected(e, body)),
         };
         let head =
             conn.exchange(method, target, host, headers, body).await.map_err(|e| Unsent::Failed(e.into()))?;
@@ -323,7 +328,8 @@ pub async fn sweep_while_held(pool: Weak<Pool>) {
 
 /// Why a request got no answer ([`Pool::send_or_give_back`]).
 pub enum Unsent {
-    /// No connection to the replica: the body, untouched.
+    /// No connection to the replica: the body, untouched. (After a pooled connection failed,
+    /// [`SendError::Resent`]: the replica may have had the request on that one.)
     NotConnected(SendError, Outgoing),
     Failed(SendError),
 }

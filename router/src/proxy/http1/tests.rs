@@ -350,6 +350,34 @@ mod on_a_socket {
         assert_eq!(seen.lock().unwrap().len(), 1);
     }
 
+    /// A pooled connection that fails with the request, to a replica that takes no new one
+    /// (its process gone), is no connection (another replica may be tried), and the error
+    /// says the replica may have had the request: a decode with a remote prefill's params is
+    /// then not sent elsewhere with them.
+    #[tokio::test]
+    async fn a_pooled_failure_then_no_connection_says_the_replica_may_have_had_it() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = seen.clone();
+        tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            drop(listener);
+            serve(stream, |n| if n == 0 { Answer(OK) } else { Close }, &log).await;
+        });
+        let pool = pool();
+        let request = || post(&url, Outgoing::Full(Bytes::from_static(b"{}")));
+        assert_eq!(exchange(&pool, request()).await.unwrap(), (StatusCode::OK, b"ok".to_vec()));
+        let (parts, body) = request().into_parts();
+        let failed = pool.send_or_give_back(&parts.method, &parts.uri, &parts.headers, body).await;
+        let Err(crate::proxy::pool::Unsent::NotConnected(error, _)) = failed else {
+            panic!("not connected again");
+        };
+        assert!(matches!(&error, SendError::Resent { first: WireError::ClosedBeforeAnswer, .. }), "{error}");
+        assert!(!error.sent_nothing());
+        assert_eq!(seen.lock().unwrap().len(), 2, "the second went out on the pooled connection");
+    }
+
     /// A replica that sends an interim answer (`100 Continue`) and closes has answered
     /// nothing: the request is one that may go elsewhere, not a malformed answer (which it
     /// would have run).
