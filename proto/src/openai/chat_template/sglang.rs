@@ -1,5 +1,5 @@
-//! A chat as SGLang renders it with the model's template ([`ChatTemplate::as_sglang`]), where
-//! it differs from vLLM (`serving_chat.py`'s `_apply_jinja_template` and
+//! A chat as SGLang renders it with the model's template ([`ChatTemplate::render_as_sglang`]),
+//! where it differs from vLLM (`serving_chat.py`'s `_apply_jinja_template` and
 //! `jinja_template_utils.py`, SGLang of 2026):
 //!
 //! - a list content, for a template that takes a string, is its text parts joined with a
@@ -11,21 +11,27 @@
 //!   as it is (the template's end of a turn not cut off);
 //! - every chat has the generation prompt (SGLang's chat requests have no
 //!   `add_generation_prompt`), and no `documents`;
-//! - the tools are left out for `tool_choice: "none"`, with or without vLLM's flag;
+//! - the tools are left out for `tool_choice: "none"`, with or without vLLM's flag, and are
+//!   dumped as SGLang's models dump them ([`tools_value`]);
 //! - a `reasoning_effort` sets both `thinking` and `enable_thinking` (to whether it is not
 //!   "none") unless the kwargs do, and reaches the template as it is (no effort map); one in
 //!   the kwargs wins over it.
 //!
 //! Not followed: which part types count as text (SGLang reads `text` and `input_text` only,
-//! a plain string part not at all), a named `tool_choice` (SGLang passes that tool alone), and
-//! SGLang's own conversation templates (`--chat-template` naming one).
+//! a plain string part not at all), a named `tool_choice` (SGLang passes that tool alone),
+//! SGLang's reading of a template's content format (any template that mentions "image",
+//! "audio", "video" or "vision" takes parts), the message keys it keeps (a user turn's `name`
+//! dropped, an assistant's `reasoning` not read as `reasoning_content`), and its own
+//! conversation templates (`--chat-template` naming one).
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use minijinja::Value;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 
-use super::{ChatTemplate, ContentFormat, Facts, Variables, json_error, message_value};
+use super::{ChatTemplate, ContentFormat, Facts, Flag, Variables, json_error, json_value, message_value};
 use crate::openai::error::RequestError;
 use crate::openai::request::{Message, Part};
 
@@ -93,7 +99,7 @@ impl ChatTemplate {
         }
         let mut merged = self.default_kwargs()?;
         if let Some(tools) = vars.tools {
-            merged.insert("tools".into(), super::tools_value(tools)?);
+            merged.insert("tools".into(), tools_value(tools)?);
         }
         if let Some(effort) = vars.reasoning_effort {
             merged.insert("reasoning_effort".into(), Value::from(effort));
@@ -105,6 +111,83 @@ impl ChatTemplate {
         }
         Ok(merged)
     }
+}
+
+/// The request's `tools` as SGLang hands them to the template (each its pydantic model
+/// dumped): a tool whose `function` is an object becomes `{"type", "function":
+/// {"description", "name", "parameters", "strict"}, "defer_loading"}` in that order, the
+/// type the tool's own (`"function"` when absent), `description`, `parameters` and the tool's
+/// `defer_loading` null when absent, `strict` false when absent, and the function's
+/// `defer_loading` (its own, else the tool's) after `strict` when set; anything else is passed
+/// as it is.
+fn tools_value(raw: &RawValue) -> Result<Value, RequestError> {
+    #[derive(Deserialize)]
+    struct Tool<'a> {
+        #[serde(borrow, rename = "type")]
+        kind: Option<&'a RawValue>,
+        #[serde(borrow)]
+        function: Option<&'a RawValue>,
+        #[serde(borrow)]
+        defer_loading: Option<Flag<'a>>,
+    }
+    #[derive(Deserialize)]
+    struct Function<'a> {
+        #[serde(borrow)]
+        name: Option<&'a RawValue>,
+        #[serde(borrow)]
+        description: Option<&'a RawValue>,
+        #[serde(borrow)]
+        parameters: Option<&'a RawValue>,
+        #[serde(borrow)]
+        strict: Option<Flag<'a>>,
+        #[serde(borrow)]
+        defer_loading: Option<Flag<'a>>,
+    }
+    #[derive(Serialize)]
+    struct DumpedFunction<'a> {
+        description: Option<&'a RawValue>,
+        name: Option<&'a RawValue>,
+        parameters: Option<&'a RawValue>,
+        strict: Flag<'a>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        defer_loading: Option<Flag<'a>>,
+    }
+    #[derive(Serialize)]
+    struct Dumped<'a> {
+        #[serde(rename = "type")]
+        kind: &'a RawValue,
+        function: DumpedFunction<'a>,
+        defer_loading: Option<Flag<'a>>,
+    }
+    let Ok(items) = serde_json::from_str::<Vec<&RawValue>>(raw.get()) else { return json_value(raw) };
+    let function_type: Box<RawValue> =
+        RawValue::from_string("\"function\"".into()).map_err(|e| RequestError::Template(json_error(e)))?;
+    let mut out = Vec::with_capacity(items.len());
+    for item in items {
+        let tool = serde_json::from_str::<Tool<'_>>(item.get()).ok();
+        let function = tool.as_ref().and_then(|t| t.function).filter(|f| f.get().starts_with('{'));
+        let Some((tool, function)) =
+            tool.zip(function.and_then(|f| serde_json::from_str::<Function<'_>>(f.get()).ok()))
+        else {
+            out.push(json_value(item)?);
+            continue;
+        };
+        let dumped = Dumped {
+            kind: tool.kind.unwrap_or(&function_type),
+            function: DumpedFunction {
+                description: function.description,
+                name: function.name,
+                parameters: function.parameters,
+                strict: function.strict.unwrap_or(Flag::Bool(false)),
+                defer_loading: function.defer_loading.or(tool.defer_loading),
+            },
+            defer_loading: tool.defer_loading,
+        };
+        let dumped =
+            serde_json::value::to_raw_value(&dumped).map_err(|e| RequestError::Template(json_error(e)))?;
+        out.push(json_value(&dumped)?);
+    }
+    Ok(Value::from(out))
 }
 
 /// `message` as SGLang passes it to a template taking `format` (module docs).
@@ -197,6 +280,18 @@ mod tests {
         );
         // vLLM refuses both at once (`add_generation_prompt` is true unless set to false).
         assert!(render(DEFAULT_CHAT_TEMPLATE, &continued, false).is_err());
+    }
+
+    /// Tools reach the template as SGLang's pydantic models dump them.
+    #[test]
+    fn tools_are_dumped_as_sglang_dumps_them() {
+        let body = r#"{"messages":[{"role":"user","content":"q"}],"tools":[{"type":"function",
+            "function":{"name":"f","parameters":{"type":"object"}}},
+            {"function":{"name":"g","description":"G","strict":"yes"},"defer_loading":true}]}"#;
+        assert_eq!(
+            render("{{ tools | tojson }}", body, true).unwrap(),
+            r#"[{"type": "function", "function": {"description": null, "name": "f", "parameters": {"type": "object"}, "strict": false}, "defer_loading": null}, {"type": "function", "function": {"description": "G", "name": "g", "parameters": null, "strict": true, "defer_loading": true}, "defer_loading": true}]"#
+        );
     }
 
     /// A reasoning effort sets `thinking` and `enable_thinking` unless the kwargs do, and
