@@ -366,7 +366,8 @@ impl Tokenization {
             return Ok(PartialPrompt { text_tokens: tokens.len(), tokens });
         };
         // Refused as the whole rendering would be (the estimates below do not render it).
-        if request.continue_final_message && request.add_generation_prompt && !self.is_harmony() {
+        let sglang = self.chat_template.as_ref().is_some_and(ChatTemplate::renders_as_sglang);
+        if request.continue_final_message && request.add_generation_prompt && !self.is_harmony() && !sglang {
             return Err(RequestError::CannotContinue(chat_template::CONTINUE_WITH_GENERATION_PROMPT));
         }
         // vLLM truncates once the media's tokens are in: which tokens stay is not known here.
@@ -386,7 +387,12 @@ impl Tokenization {
             _ => template
                 .render(
                     &request.messages[..first],
-                    Variables { add_generation_prompt: false, continue_final_message: false, ..vars },
+                    Variables {
+                        add_generation_prompt: false,
+                        continue_final_message: false,
+                        beginning: true,
+                        ..vars
+                    },
                 )
                 .map_or_else(|_| Vec::new(), encode),
         };

@@ -471,6 +471,34 @@ fn chats_with_media_are_known_up_to_their_first_media() {
     assert!(matches!(refused, Err(RequestError::CannotContinue(_))), "{refused:?}");
 }
 
+/// Rendered as SGLang renders chats: the conversation before the media keeps its last turn
+/// (the assistant's) as it is, not made a user turn as at a conversation's end, so all of it
+/// is certain; and continuing the final message is no refusal (SGLang has no generation
+/// prompt to turn off).
+#[test]
+fn sglang_chats_with_media_are_known_up_to_their_first_media() {
+    let image = r#"{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}"#;
+    let history =
+        format!(r#"{},{{"role":"assistant","content":"Paris."}}"#, CONVERSATION.trim_end_matches(']'));
+    let with_media = format!(
+        r#"{{"model":"tiny","messages":{history},{{"role":"user","content":[{{"type":"text","text":"And this?"}},{image}]}}]}}"#
+    );
+    let before_media = format!(r#"{{"model":"tiny","add_generation_prompt":false,"messages":{history}]}}"#);
+    let vllm = Tokenization::new(&builtin_config()).unwrap();
+    let before = &tokens(&vllm, Endpoint::ChatCompletions, &before_media).unwrap()[0];
+    let mut t = Tokenization::new(&builtin_config()).unwrap();
+    t.render_as_sglang();
+    for body in [with_media.clone(), with_media.replacen('{', r#"{"continue_final_message":true,"#, 1)] {
+        let ParsedRequest::Chat(request) =
+            ParsedRequest::parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap()
+        else {
+            unreachable!()
+        };
+        let partial = t.partial_chat_tokens(&request).unwrap();
+        assert!(partial.tokens == *before && before.len() > 16, "{body}");
+    }
+}
+
 /// A template that leaves out its default system prompt when the conversation has images, as
 /// Llama 3.2 Vision's does: the messages before the image, rendered alone, begin with that
 /// prompt and the replica's prompt does not, so only what they share is certain.

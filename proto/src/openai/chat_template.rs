@@ -328,6 +328,11 @@ impl ChatTemplate {
         self.sglang = true;
     }
 
+    /// Whether chats are rendered as SGLang renders them.
+    pub fn renders_as_sglang(&self) -> bool {
+        self.sglang
+    }
+
     /// This template, rendered as a vLLM server with `options` renders.
     pub fn with_options(mut self, options: ChatOptions) -> Self {
         self.options = Arc::new(options);
@@ -481,7 +486,7 @@ impl ChatTemplate {
         mut vars: Variables<'_>,
         media_parts: bool,
     ) -> Result<String, RequestError> {
-        if vars.continue_final_message && vars.add_generation_prompt && !self.sglang {
+        if vars.continue_final_message && vars.add_generation_prompt && !self.sglang && !vars.beginning {
             return Err(RequestError::CannotContinue(CONTINUE_WITH_GENERATION_PROMPT));
         }
         // vLLM drops the tools before it picks a template and reads its content format;
@@ -853,6 +858,10 @@ pub struct Variables<'a> {
     pub tool_choice_none: bool,
     /// The request's own template (`chat_template`).
     pub chat_template: Option<&'a str>,
+    /// The messages are the conversation's beginning, rendered for the tokens they share with
+    /// the whole (no generation prompt, their last turn as it is, whatever the engine does
+    /// at a conversation's end).
+    pub beginning: bool,
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, LoadError> {

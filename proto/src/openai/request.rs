@@ -555,6 +555,7 @@ impl<'a> ChatRequest<'a> {
             reasoning_effort: self.reasoning_effort.as_deref(),
             tool_choice_none: self.tool_choice_none,
             chat_template: self.chat_template.as_deref(),
+            beginning: false,
         }
     }
 }

@@ -50,6 +50,7 @@ impl ChatTemplate {
         if let Some(last) = passed.last_mut()
             && last.role == "assistant"
             && last.parts.is_none()
+            && !vars.beginning
         {
             let content = last.content.take().unwrap_or_default();
             match vars.continue_final_message {
@@ -79,7 +80,7 @@ impl ChatTemplate {
 
     /// The template variables SGLang sets (module docs): the fleet's default kwargs, the
     /// tools, the reasoning effort, then the request's kwargs over them, and the generation
-    /// prompt.
+    /// prompt (not after a conversation's beginning, [`Variables::beginning`]).
     fn sglang_kwargs(&self, vars: &Variables<'_>) -> Result<BTreeMap<String, Value>, RequestError> {
         let mut request: BTreeMap<String, Value> = match vars.chat_template_kwargs {
             Some(kwargs) => {
@@ -105,7 +106,7 @@ impl ChatTemplate {
             merged.insert("reasoning_effort".into(), Value::from(effort));
         }
         merged.extend(request);
-        merged.insert("add_generation_prompt".into(), Value::from(true));
+        merged.insert("add_generation_prompt".into(), Value::from(!vars.beginning));
         for argument in ["continue_final_message", "chat_template", "tokenize"] {
             merged.remove(argument);
         }
