@@ -33,7 +33,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::body::full;
 use super::control::Client;
-use super::upstream::verdicts;
+use super::upstream::{Adapter, verdicts_for};
 use crate::fleet::Member;
 
 /// Answers kept by the remote tokenizer's cache, and the token bytes they may hold together
@@ -117,7 +117,7 @@ impl Prompts {
         &self,
         request: &mut ParsedRequest<'_>,
         body: &[u8],
-        fleet: &[Member],
+        (fleet, adapter): (&[Member], Option<Adapter<'_>>),
     ) -> Result<PromptInfo, PromptError> {
         match self {
             Prompts::Local(t) if text_bytes(request) >= BLOCKING_TEXT_BYTES => {
@@ -137,7 +137,7 @@ impl Prompts {
             Prompts::Local(t) => Ok(PromptInfo::local(t, request)?),
             // Boxed: the remote exchange's future would otherwise make every request's
             // future larger (see `forward::first_byte`), local ones included.
-            Prompts::Remote(r) => Box::pin(r.tokens(request, body, fleet)).await,
+            Prompts::Remote(r) => Box::pin(r.tokens(request, body, (fleet, adapter))).await,
         }
     }
 }
@@ -303,7 +303,7 @@ impl RemoteTokenizer {
         &self,
         request: &ParsedRequest<'_>,
         body: &[u8],
-        fleet: &[Member],
+        (fleet, adapter): (&[Member], Option<Adapter<'_>>),
     ) -> Result<PromptInfo, PromptError> {
         let namespace = self.local.namespace(request);
         if let Some(chat) = media_chat(request) {
@@ -331,8 +331,9 @@ impl RemoteTokenizer {
         if let Some(hit) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).map.get(&key).cloned() {
             return Ok(PromptInfo { namespace, tokens: hit.as_ref().clone(), unhashed_tokens: None });
         }
-        // However busy: a tokenization is not a generation.
-        let verdicts = verdicts(fleet.iter().map(|m| &*m.upstream), u32::MAX);
+        // However busy: a tokenization is not a generation. A LoRA adapter's is asked of the
+        // replicas that have it, as its request goes to them (the others answer 404).
+        let verdicts = verdicts_for(fleet.iter().map(|m| &*m.upstream), u32::MAX, adapter);
         let mut askable: Vec<&str> = fleet
             .iter()
             .zip(verdicts)
@@ -470,7 +471,9 @@ impl RemoteTokenizer {
         if status == http::StatusCode::BAD_REQUEST || status == http::StatusCode::UNPROCESSABLE_ENTITY {
             return Err(PromptError::Refused(String::from_utf8_lossy(&bytes).into_owned()));
         }
-        if status == http::StatusCode::NOT_FOUND {
+        // vLLM's answer for a model it does not serve, an OpenAI-shaped error (a server
+        // without the route answers `{"detail": "Not Found"}`: a failure of the replica's).
+        if status == http::StatusCode::NOT_FOUND && openai_error(&bytes) {
             return Err(PromptError::NotServed(String::from_utf8_lossy(&bytes).into_owned()));
         }
         if !status.is_success() {
@@ -487,6 +490,17 @@ impl RemoteTokenizer {
             .map_err(|e| PromptError::Remote(format!("{base}/tokenize: unexpected answer: {e}")))?;
         Ok(parsed.tokens)
     }
+}
+
+/// Whether `body` is an OpenAI-shaped error (`{"error": {...}}`).
+fn openai_error(body: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Answer<'a> {
+        #[serde(borrow)]
+        error: Option<&'a serde_json::value::RawValue>,
+    }
+    serde_json::from_slice::<Answer<'_>>(body)
+        .is_ok_and(|a| a.error.is_some_and(|e| e.get().starts_with('{')))
 }
 
 /// The most bytes of a `/tokenize` answer read for a request of `asked` bytes: a token is at
@@ -559,7 +573,7 @@ mod tests {
             let body = body.to_string().into_bytes();
             assert!(body.len() >= BLOCKING_TEXT_BYTES);
             let mut request = ParsedRequest::parse(endpoint, &body).unwrap();
-            let info = prompts.tokens(&mut request, &body, &[]).await.unwrap();
+            let info = prompts.tokens(&mut request, &body, (&[], None)).await.unwrap();
             let mut again = ParsedRequest::parse(endpoint, &body).unwrap();
             assert_eq!(info.tokens, local.take_prompt_tokens(&mut again).unwrap(), "{endpoint:?}");
             assert_eq!(info.namespace, local.namespace(&again));

@@ -608,7 +608,10 @@ impl Decider {
         {
             return Err(ProxyError::Unavailable(NO_GENERATE.into()));
         }
-        let info = match self.prompts.tokens(&mut request, body, &members).await {
+        // A LoRA adapter's prompt is tokenized remotely by a replica that has it.
+        let model = self.prompts.is_remote().then(|| request.model().to_owned());
+        let adapter = model.as_deref().and_then(|model| self.adapter(model));
+        let info = match self.prompts.tokens(&mut request, body, (&members, adapter)).await {
             // A replica's template that refuses a system turn mid-conversation is one vLLM
             // folds inline system messages for ([`InlineSystem`]); the router's own template,
             // which chose to keep them, is not the replicas' in remote mode.
@@ -623,7 +626,7 @@ impl Decider {
                     Err(PromptError::Refused(why))
                 } else {
                     let mut again = ParsedRequest::parse(endpoint, &folded)?;
-                    let tokens = self.prompts.tokens(&mut again, &folded, &members).await;
+                    let tokens = self.prompts.tokens(&mut again, &folded, (&members, adapter)).await;
                     if tokens.is_ok() {
                         self.prompts.saw_replicas_fold();
                     }

@@ -1601,6 +1601,84 @@ async fn remote_tokenization_of_a_model_nobody_serves_is_a_404() {
     shutdown.cancel();
 }
 
+/// With `--remote-tokenize`, a LoRA adapter's prompt is tokenized by a replica that has it
+/// (the others answer 404), as its request goes there; and a 404 that is not an OpenAI-shaped
+/// error (no `/tokenize` route) is the replica's failure, not the client's.
+#[tokio::test]
+async fn remote_tokenization_of_an_adapter_asks_the_replicas_that_have_it() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    const MISSING: &str = r#"{"error":{"message":"The model `sql` does not exist.","code":404}}"#;
+    const MODELS: &str = r#"{"object":"list","data":[{"id":"kvroute-sim","object":"model"}]}"#;
+    const WITH_SQL: &str = r#"{"object":"list","data":[{"id":"kvroute-sim","object":"model"},
+        {"id":"sql","object":"model","parent":"kvroute-sim"}]}"#;
+    let asked_without = std::sync::Arc::new(AtomicUsize::new(0));
+    let mut replicas = Vec::new();
+    for i in 0..4 {
+        let (has_it, asked) = (i == 3, asked_without.clone());
+        let replica = hand_made_replica(move |path, _| {
+            let asked = asked.clone();
+            async move {
+                match (path.as_str(), has_it) {
+                    ("/v1/models", true) => (200, WITH_SQL),
+                    ("/v1/models", false) => (200, MODELS),
+                    ("/tokenize", true) => (200, THREE_TOKENS),
+                    ("/tokenize", false) => {
+                        asked.fetch_add(1, SeqCst);
+                        (404, MISSING)
+                    }
+                    _ => (200, "{}"),
+                }
+            }
+        })
+        .await;
+        let events = crate::support::nowhere();
+        replicas
+            .push(format!("name=r{i},http=http://{replica},events={events},engine=vllm").parse().unwrap());
+    }
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas,
+        remote_tokenize: true,
+        lora_adapters: vec!["sql".into()],
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    for i in 0..4 {
+        let listed = (i == 3).then(|| "sql".to_owned()).into_iter().collect();
+        router.fleet().member(&format!("r{i}")).unwrap().upstream.set_listed_adapters(Some(listed));
+    }
+    let http = crate::fleet::Http::new();
+    for n in 0..8 {
+        let body = json!({"model": "sql", "prompt": format!("question {n}"), "max_tokens": 1});
+        let reply = http.post(&format!("{}/v1/completions", router.url()), &body).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        assert_eq!(reply.header("x-kvroute-replica"), Some("r3"));
+    }
+    assert_eq!(asked_without.load(SeqCst), 0, "the replicas without the adapter were not asked");
+    shutdown.cancel();
+}
+
+/// With `--remote-tokenize`, a 404 that is not an OpenAI-shaped error (a replica without a
+/// `/tokenize` route) is the replica's failure (503), not a model the client asked wrongly.
+#[tokio::test]
+async fn remote_tokenization_without_the_route_is_the_replicas_failure() {
+    let replica = hand_made_replica(|path, _| async move {
+        match path.as_str() {
+            "/tokenize" => (404, r#"{"detail":"Not Found"}"#),
+            _ => (200, "{}"),
+        }
+    })
+    .await;
+    let (router, shutdown) =
+        router_in_front_of(replica, |c| kvroute_router::Config { remote_tokenize: true, ..c }).await;
+    let http = crate::fleet::Http::new();
+    let body = json!({"model": FLEET_MODEL, "prompt": "some text", "max_tokens": 1});
+    let reply = http.post(&format!("{}/v1/completions", router.url()), &body).await;
+    assert_eq!(reply.status, 503, "{:?}", reply.body);
+    shutdown.cancel();
+}
+
 /// With `--remote-tokenize` on a gpt-oss model (configured locally), chats are rendered with
 /// Harmony by the router: vLLM's `/tokenize` renders them with the template, its chat endpoint
 /// with Harmony. Completions still ask the replica.
