@@ -473,9 +473,11 @@ mod k8s {
         let (set, _registry, tracker, shutdown) = with_annotations(&api, 60_000);
         wait_until("the slice's replicas", || set.0.borrow().len() == 3).await;
         assert_eq!(api.pod_gets(), 1, "no lookup past the failed one");
-        api.apply(slice_with_uids("vllm-a", &[("vllm-0", "10.0.0.1", "uid-a")]));
-        wait_until("the change applied", || set.0.borrow().len() == 1).await;
-        assert_eq!(api.pod_gets(), 1, "the failed pod waits out its wait");
+        // A change with two new pods: one lookup (it fails), not two.
+        let pods = [("vllm-3", "10.0.0.4", "uid-d"), ("vllm-4", "10.0.0.5", "uid-e")];
+        api.apply(slice_with_uids("vllm-a", &pods));
+        wait_until("the change applied", || set.0.borrow().contains_key("vllm-4")).await;
+        assert_eq!(api.pod_gets(), 2, "no lookup past the change's failed one");
 
         shutdown.cancel();
         tracker.close();
