@@ -198,10 +198,10 @@ pub async fn routed(
                 // the fleet replica by replica.
                 tracing::info!(replica = %member.replica.spec.name, request_id, "replica refused with 503; retrying elsewhere");
                 prefill_alone(plan, &mut body);
-                last_error = Some(ProxyError::Upstream {
-                    replica: member.replica.spec.name.clone(),
-                    reason: "503 Service Unavailable".into(),
-                });
+                // The client's answer if no replica is left to take it: a 503 as the replica's.
+                let name = &member.replica.spec.name;
+                last_error =
+                    Some(ProxyError::Unavailable(format!("{name} answered 503 Service Unavailable")));
             }
             Ok(Ok(response)) => {
                 // An error answer (a request the replica refused, or failed) cached nothing to

@@ -361,6 +361,32 @@ async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_re
     assert_eq!(answer.header("x-kvroute-replica"), Some("agent-0"));
 }
 
+/// The same, but the replica it waits for is drained meanwhile: no replica is left to take
+/// it, and the client gets the refusal's 503 (with `Retry-After`), not a 502 of a replica
+/// that failed.
+#[tokio::test]
+async fn a_request_refused_with_503_whose_last_replica_drains_is_answered_503() {
+    let refusal = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n";
+    let (refusing, _refused) = crate::headers::recording_replica(refusal).await;
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let agents = Fleet::start_agents(1, slow_agent, &shutdown).await;
+    let config = crate::fleet::router_config_and_streamless(&agents, "refusing", refusing);
+    let config = kvroute_router::Config { max_in_flight_per_replica: 1, queue_timeout_ms: LONG, ..config };
+    let fleet = Fleet::around(agents, config, shutdown).await;
+    let open = open_stream(&fleet).await;
+    assert_eq!(open.headers()["x-kvroute-replica"], "agent-0");
+    let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
+    let refused = tokio::spawn(async move { http.post(&url, &completion("hi")).await });
+    queued(&fleet, 1).await;
+    fleet.router.fleet().set_draining("agent-0", true).unwrap();
+    assert!(read_to_end(open).await.contains("[DONE]"));
+    let answer = tokio::time::timeout(WAIT, refused).await.expect("answered in time").unwrap();
+    assert_eq!(answer.status, 503, "{}", String::from_utf8_lossy(&answer.body));
+    assert_eq!(answer.header("retry-after"), Some("1"));
+    let message = answer.json()["error"]["message"].as_str().unwrap_or_default().to_owned();
+    assert!(message.contains("refusing answered 503"), "{message}");
+}
+
 /// Many requests at once, far past two replicas' room, on two HTTP threads: every one is
 /// served, and when they are done nobody waits and no room is held (the holds for woken
 /// requests are let go on every path).
