@@ -385,15 +385,7 @@ impl Tokenization {
         let before = match first {
             0 => Vec::new(),
             _ => template
-                .render(
-                    &request.messages[..first],
-                    Variables {
-                        add_generation_prompt: false,
-                        continue_final_message: false,
-                        beginning: true,
-                        ..vars
-                    },
-                )
+                .render(&request.messages[..first], Variables { beginning: true, ..vars })
                 .map_or_else(|_| Vec::new(), encode),
         };
         let agreed = |ids: &[u32]| before.iter().zip(ids).take_while(|(a, b)| a == b).count();

@@ -486,13 +486,17 @@ impl ChatTemplate {
         mut vars: Variables<'_>,
         media_parts: bool,
     ) -> Result<String, RequestError> {
-        if vars.continue_final_message && vars.add_generation_prompt && !self.sglang && !vars.beginning {
+        if vars.beginning {
+            (vars.add_generation_prompt, vars.continue_final_message) = (false, false);
+        }
+        if vars.continue_final_message && vars.add_generation_prompt && !self.sglang {
             return Err(RequestError::CannotContinue(CONTINUE_WITH_GENERATION_PROMPT));
         }
         // vLLM drops the tools before it picks a template and reads its content format;
         // SGLang drops them for `tool_choice: "none"` whatever the flag.
         vars.tools = match self.sglang {
-            true => vars.tools.filter(|_| !vars.tool_choice_none),
+            // (An empty list is none to SGLang.)
+            true => vars.tools.filter(|t| !vars.tool_choice_none && !is_empty_list(t)),
             false => self.options.tools(&vars),
         };
         // vLLM reads the content format of the request's own template, and "auto" read as a
@@ -859,9 +863,17 @@ pub struct Variables<'a> {
     /// The request's own template (`chat_template`).
     pub chat_template: Option<&'a str>,
     /// The messages are the conversation's beginning, rendered for the tokens they share with
-    /// the whole (no generation prompt, their last turn as it is, whatever the engine does
-    /// at a conversation's end).
+    /// the whole: no generation prompt, nothing continued, their last turn as it is (whatever
+    /// the engine does at a conversation's end).
     pub beginning: bool,
+}
+
+/// Whether `raw` is `[]` (spaces aside).
+fn is_empty_list(raw: &RawValue) -> bool {
+    raw.get()
+        .strip_prefix('[')
+        .and_then(|rest| rest.strip_suffix(']'))
+        .is_some_and(|inside| inside.trim().is_empty())
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, LoadError> {

@@ -11,7 +11,7 @@
 //! | 408 | the client sent nothing of its request body for `--idle-timeout-ms` (routed, or streamed to a replica) |
 //! | 413 | body larger than `--max-body-bytes` |
 //! | 502 | the replica failed before answering, and so did every retry; a LoRA adapter change some replicas took and some did not (`partial_fan_out`), or none answered within `--control-timeout-ms`; a `101` that does not switch to `websocket` |
-//! | 503 | no healthy replica; every replica saturated or the router at its in-flight limit, past `--queue-timeout-ms` in line or with `--max-queued` waiting already ([`super::queue`]); (`--remote-tokenize`) no replica asked could tokenize the prompt |
+//! | 503 | no healthy replica; a replica's own 503 with no other replica left to take the request; every replica saturated or the router at its in-flight limit, past `--queue-timeout-ms` in line or with `--max-queued` waiting already ([`super::queue`]); (`--remote-tokenize`) no replica asked could tokenize the prompt |
 //! | 504 | the replica did not start answering within `--first-byte-timeout-ms` (for a streamed upload: from its end, or from when the replica last took some of it), or a WebSocket handshake within `--control-timeout-ms` |
 
 use bytes::Bytes;
@@ -93,6 +93,12 @@ pub enum ProxyError {
     Saturated { reason: String, replicas: Vec<kvroute_proto::ReplicaId> },
     #[error("replica {replica} failed before answering: {reason}")]
     Upstream { replica: String, reason: String },
+    /// A replica refused the request with 503 (overloaded, shutting down), and no other was
+    /// left to take it.
+    #[error(
+        "replica {replica} answered 503 Service Unavailable, and no other replica could take the request"
+    )]
+    RefusedBusy { replica: String },
     #[error("replica {replica} did not start answering within {timeout_ms} ms")]
     Timeout { replica: String, timeout_ms: u64 },
     /// A request sent to every replica that some took and some did not.
@@ -131,7 +137,9 @@ impl ProxyError {
             ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
             ProxyError::KeyLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
-            ProxyError::Unavailable(_) | ProxyError::Saturated { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Unavailable(_) | ProxyError::Saturated { .. } | ProxyError::RefusedBusy { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ProxyError::Upstream { .. } | ProxyError::FanOut(_) => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::RefusedEverywhere { status, .. } => *status,
@@ -141,7 +149,9 @@ impl ProxyError {
     /// The replica the error is about, if it is one's.
     pub fn replica(&self) -> Option<&str> {
         match self {
-            ProxyError::Upstream { replica, .. } | ProxyError::Timeout { replica, .. } => Some(replica),
+            ProxyError::Upstream { replica, .. }
+            | ProxyError::Timeout { replica, .. }
+            | ProxyError::RefusedBusy { replica } => Some(replica),
             _ => None,
         }
     }
@@ -161,6 +171,7 @@ impl ProxyError {
             ProxyError::NotImplemented(_) => "not_implemented",
             ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
             ProxyError::Unavailable(_) => "unavailable",
+            ProxyError::RefusedBusy { .. } => "replica_unavailable",
             ProxyError::Saturated { .. } => "saturated",
             ProxyError::Upstream { .. } => "upstream_failed",
             ProxyError::Timeout { .. } => "upstream_timeout",
@@ -222,6 +233,7 @@ impl ProxyError {
             }
             ProxyError::Unavailable(_)
             | ProxyError::Saturated { .. }
+            | ProxyError::RefusedBusy { .. }
             | ProxyError::Upstream { .. }
             | ProxyError::Timeout { .. } => OpenAiError::new("server_error", self.to_string()),
             ProxyError::FanOut(_) => {
@@ -253,7 +265,10 @@ impl ProxyError {
             headers.insert(super::forward::X_REQUEST_ID, id);
         }
         match self {
-            ProxyError::Unavailable(_) | ProxyError::Saturated { .. } | ProxyError::KeyLimit { .. } => {
+            ProxyError::Unavailable(_)
+            | ProxyError::Saturated { .. }
+            | ProxyError::RefusedBusy { .. }
+            | ProxyError::KeyLimit { .. } => {
                 headers.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
             }
             ProxyError::MethodNotAllowed { allow, .. } => {

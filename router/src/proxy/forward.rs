@@ -199,9 +199,7 @@ pub async fn routed(
                 tracing::info!(replica = %member.replica.spec.name, request_id, "replica refused with 503; retrying elsewhere");
                 prefill_alone(plan, &mut body);
                 // The client's answer if no replica is left to take it: a 503 as the replica's.
-                let name = &member.replica.spec.name;
-                last_error =
-                    Some(ProxyError::Unavailable(format!("{name} answered 503 Service Unavailable")));
+                last_error = Some(ProxyError::RefusedBusy { replica: member.replica.spec.name.clone() });
             }
             Ok(Ok(response)) => {
                 // An error answer (a request the replica refused, or failed) cached nothing to
@@ -507,7 +505,9 @@ impl Sending {
 }
 
 /// Sends a request to the first of `members` (at most [`MAX_ATTEMPTS`] of them), and to
-/// the next while no connection to one can be made (none has read any of the request).
+/// the next while no connection to one can be made (none has read the request, but the one
+/// whose pooled connection failed with it, [`SendError::Resent`]: its process ended as it
+/// took it, or it had closed the connection as it went out).
 pub async fn to_replica(
     pool: &Arc<Pool>,
     config: &ForwardConfig,
@@ -545,7 +545,7 @@ pub async fn to_replica(
             pool.send_or_give_back(&client.method, &uri, ranked.as_ref().unwrap_or(&headers), body);
         let answer = match first_byte(config, sent, exchange, uploaded.as_ref()).await {
             Ok(Err(Unsent::NotConnected(e, back))) if more => {
-                tracing::info!(replica = %member.replica.spec.name, error = %e, request_id = admitted.request_id, "no connection to the replica; trying the next");
+                tracing::info!(replica = %member.replica.spec.name, error = %e, request_id = admitted.request_id, "no connection to the replica (now); trying the next");
                 record_failure(upstream, config, metrics);
                 let replica = member.replica.spec.name.clone();
                 last_error = Some(ProxyError::Upstream { replica, reason: e.to_string() });

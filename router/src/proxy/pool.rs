@@ -193,7 +193,8 @@ impl Pool {
     }
 
     /// [`Self::send_head`], giving the body back whole when no connection to the replica
-    /// could be made (nothing of it was read: it can go to another replica).
+    /// could be made: it can go to another replica (which after a pooled connection failed,
+    /// [`SendError::Resent`], may run it twice).
     pub async fn send_or_give_back(
         self: &Arc<Self>,
         method: &Method,

@@ -4,9 +4,11 @@
 //!   as the replica renders it;
 //! - **remote**: ask a replica's vLLM-style `POST /tokenize` (prompt or messages), with a
 //!   small cache of recent answers, for models whose template the router cannot render. The
-//!   replicas that are up take turns by prompt (so no one replica tokenizes for the whole
-//!   fleet; see [`super::upstream::verdicts`], busy ones included); when one fails or times
-//!   out, the next is asked, up to [`TOKENIZE_ATTEMPTS`] in all;
+//!   replicas that are up (and have the request's LoRA adapter, as its routing reads it) take
+//!   turns by prompt (so no one replica tokenizes for the whole fleet; see
+//!   [`super::upstream::verdicts_for`], busy ones included); when one fails, times out or
+//!   answers a 404 of vLLM's (no such model there), the next is asked, up to
+//!   [`TOKENIZE_ATTEMPTS`] in all;
 //! - token-id prompts skip tokenization in both.
 //!
 //! A chat with media (images, audio: [`ChatRequest::first_media`]) is routed on what is certain
@@ -234,8 +236,8 @@ pub enum PromptError {
     /// The replica's `/tokenize` refused the prompt itself (400 or 422): the client's error.
     #[error("the replica's tokenizer refused the prompt: {0}")]
     Refused(String),
-    /// Every replica asked answered `/tokenize` 404 (no such model, or adapter, there): what
-    /// the first said.
+    /// Every replica asked answered `/tokenize` a 404 in an error's shape, OpenAI's or vLLM's
+    /// and SGLang's older flat one (no such model, or adapter, there): what the first said.
     #[error("{0}")]
     NotServed(String),
 }
@@ -342,6 +344,11 @@ impl RemoteTokenizer {
         if !askable.is_empty() {
             let turn = (key % askable.len() as u128) as usize;
             askable.rotate_left(turn);
+        }
+        if askable.is_empty()
+            && let Some(Adapter::Loaded(name) | Adapter::Listed(name)) = adapter
+        {
+            return Err(PromptError::Remote(format!("no replica up has the LoRA adapter {name}")));
         }
         let replica_urls = askable.as_slice();
         // Token-id prompts need no replica; everything else asks one.
@@ -492,15 +499,22 @@ impl RemoteTokenizer {
     }
 }
 
-/// Whether `body` is an OpenAI-shaped error (`{"error": {...}}`).
+/// Whether `body` is an error answer: OpenAI's shape (`{"error": {...}}`), or the flat one of
+/// older vLLM and of SGLang (`{"object": "error", "message": ...}`).
 fn openai_error(body: &[u8]) -> bool {
     #[derive(serde::Deserialize)]
     struct Answer<'a> {
         #[serde(borrow)]
         error: Option<&'a serde_json::value::RawValue>,
+        #[serde(borrow)]
+        object: Option<&'a str>,
+        #[serde(borrow)]
+        message: Option<&'a serde_json::value::RawValue>,
     }
-    serde_json::from_slice::<Answer<'_>>(body)
-        .is_ok_and(|a| a.error.is_some_and(|e| e.get().starts_with('{')))
+    serde_json::from_slice::<Answer<'_>>(body).is_ok_and(|a| {
+        a.error.is_some_and(|e| e.get().starts_with('{'))
+            || (a.object == Some("error") && a.message.is_some())
+    })
 }
 
 /// The most bytes of a `/tokenize` answer read for a request of `asked` bytes: a token is at

@@ -1574,13 +1574,21 @@ async fn remote_tokenization_sends_what_decides_the_ids() {
 }
 
 /// With `--remote-tokenize`, a model (an adapter, say) that the replicas asked do not serve is
-/// the client's 404, with what they said, not a 503 for a fleet that failed.
+/// the client's 404, with what they said, not a 503 for a fleet that failed; also in the flat
+/// error shape of older vLLM and of SGLang.
 #[tokio::test]
 async fn remote_tokenization_of_a_model_nobody_serves_is_a_404() {
     const MISSING: &str = r#"{"error":{"message":"The model `nope` does not exist.","code":404}}"#;
-    let replica = hand_made_replica(|path, _| async move {
+    const FLAT: &str = r#"{"object":"error","message":"The model `nope` does not exist.","code":404}"#;
+    for answer in [MISSING, FLAT] {
+        the_client_gets_404_for_nope(answer).await;
+    }
+}
+
+async fn the_client_gets_404_for_nope(missing: &'static str) {
+    let replica = hand_made_replica(move |path, _| async move {
         match path.as_str() {
-            "/tokenize" => (404, MISSING),
+            "/tokenize" => (404, missing),
             _ => (200, "{}"),
         }
     })
@@ -1602,8 +1610,7 @@ async fn remote_tokenization_of_a_model_nobody_serves_is_a_404() {
 }
 
 /// With `--remote-tokenize`, a LoRA adapter's prompt is tokenized by a replica that has it
-/// (the others answer 404), as its request goes there; and a 404 that is not an OpenAI-shaped
-/// error (no `/tokenize` route) is the replica's failure, not the client's.
+/// (the others answer 404), as its request goes there.
 #[tokio::test]
 async fn remote_tokenization_of_an_adapter_asks_the_replicas_that_have_it() {
     use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
@@ -1656,6 +1663,13 @@ async fn remote_tokenization_of_an_adapter_asks_the_replicas_that_have_it() {
         assert_eq!(reply.header("x-kvroute-replica"), Some("r3"));
     }
     assert_eq!(asked_without.load(SeqCst), 0, "the replicas without the adapter were not asked");
+    // With the one that lists it drained, any replica may have it (as routing reads it: vLLM's
+    // resolvers load adapters on demand): the others are asked, and their 404 is the answer.
+    router.fleet().set_draining("r3", true).unwrap();
+    let body = json!({"model": "sql", "prompt": "a new question", "max_tokens": 1});
+    let reply = http.post(&format!("{}/v1/completions", router.url()), &body).await;
+    assert_eq!(reply.status, 404, "{:?}", reply.body);
+    assert!(asked_without.load(SeqCst) > 0);
     shutdown.cancel();
 }
 

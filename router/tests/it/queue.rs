@@ -384,7 +384,7 @@ async fn a_request_refused_with_503_whose_last_replica_drains_is_answered_503() 
     assert_eq!(answer.status, 503, "{}", String::from_utf8_lossy(&answer.body));
     assert_eq!(answer.header("retry-after"), Some("1"));
     let message = answer.json()["error"]["message"].as_str().unwrap_or_default().to_owned();
-    assert!(message.contains("refusing answered 503"), "{message}");
+    assert!(message.contains("replica refusing answered 503"), "{message}");
 }
 
 /// Many requests at once, far past two replicas' room, on two HTTP threads: every one is

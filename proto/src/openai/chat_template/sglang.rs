@@ -11,8 +11,11 @@
 //!   as it is (the template's end of a turn not cut off);
 //! - every chat has the generation prompt (SGLang's chat requests have no
 //!   `add_generation_prompt`), and no `documents`;
-//! - the tools are left out for `tool_choice: "none"`, with or without vLLM's flag, and are
-//!   dumped as SGLang's models dump them ([`tools_value`]);
+//! - the tools are left out for `tool_choice: "none"`, with or without vLLM's flag, and when
+//!   they are an empty list, and are dumped as SGLang's models dump them ([`tools_value`]).
+//!
+//! A conversation's beginning ([`Variables::beginning`]) has neither the generation prompt nor
+//! its last turn changed.
 //! - a `reasoning_effort` sets both `thinking` and `enable_thinking` (to whether it is not
 //!   "none") unless the kwargs do, and reaches the template as it is (no effort map); one in
 //!   the kwargs wins over it.
@@ -281,6 +284,14 @@ mod tests {
         );
         // vLLM refuses both at once (`add_generation_prompt` is true unless set to false).
         assert!(render(DEFAULT_CHAT_TEMPLATE, &continued, false).is_err());
+    }
+
+    /// An empty list of tools is none, as SGLang passes it.
+    #[test]
+    fn an_empty_list_of_tools_is_none() {
+        let body = r#"{"messages":[{"role":"user","content":"q"}],"tools":[ ]}"#;
+        assert_eq!(render("{{ tools is none }}", body, true).unwrap(), "True");
+        assert_eq!(render("{{ tools is none }}", body, false).unwrap(), "False");
     }
 
     /// Tools reach the template as SGLang's pydantic models dump them.
