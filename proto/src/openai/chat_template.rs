@@ -798,16 +798,7 @@ impl Passed<'_, '_> {
 /// tool references are no text).
 fn all_parts_joined<'m>(message: &'m Message<'_>) -> Cow<'m, str> {
     match (&message.parts, &message.content) {
-        (Some(parts), _) => {
-            let texts: Vec<&str> = parts
-                .iter()
-                .filter_map(|p| match p {
-                    Part::Text(text) => Some(text.as_ref()),
-                    Part::ToolReference(_) => None,
-                })
-                .collect();
-            Cow::Owned(texts.join("\n"))
-        }
+        (Some(parts), _) => Cow::Owned(texts_joined(parts, "\n")),
         (None, Some(text)) => Cow::Borrowed(text),
         (None, None) => Cow::Borrowed(""),
     }
@@ -874,6 +865,19 @@ fn is_empty_list(raw: &RawValue) -> bool {
         .strip_prefix('[')
         .and_then(|rest| rest.strip_suffix(']'))
         .is_some_and(|inside| inside.trim().is_empty())
+}
+
+/// The text parts of `parts` (empty ones too; tool references are no text) joined with
+/// `separator`.
+fn texts_joined(parts: &[Part<'_>], separator: &str) -> String {
+    let texts: Vec<&str> = parts
+        .iter()
+        .filter_map(|p| match p {
+            Part::Text(text) => Some(text.as_ref()),
+            Part::ToolReference(_) => None,
+        })
+        .collect();
+    texts.join(separator)
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
@@ -1042,24 +1046,14 @@ fn message_value(
 /// tool's) only when set, then the tool's own `defer_loading` when set, and no other key;
 /// anything else is passed as it is.
 fn tools_value(raw: &RawValue) -> Result<Value, RequestError> {
-    #[derive(Deserialize)]
-    struct Tool<'a> {
-        #[serde(borrow)]
-        function: Option<&'a RawValue>,
-        #[serde(borrow)]
-        defer_loading: Option<Flag<'a>>,
-    }
-    #[derive(Deserialize, serde::Serialize)]
+    #[derive(serde::Serialize)]
     struct Function<'a> {
-        #[serde(borrow)]
         name: Option<&'a RawValue>,
-        #[serde(borrow)]
         description: Option<&'a RawValue>,
-        #[serde(borrow)]
         parameters: Option<&'a RawValue>,
-        #[serde(borrow, skip_serializing_if = "Option::is_none")]
+        #[serde(skip_serializing_if = "Option::is_none")]
         strict: Option<Flag<'a>>,
-        #[serde(borrow, skip_serializing_if = "Option::is_none")]
+        #[serde(skip_serializing_if = "Option::is_none")]
         defer_loading: Option<Flag<'a>>,
     }
     #[derive(serde::Serialize)]
@@ -1070,23 +1064,65 @@ fn tools_value(raw: &RawValue) -> Result<Value, RequestError> {
         #[serde(skip_serializing_if = "Option::is_none")]
         defer_loading: Option<Flag<'a>>,
     }
+    dump_tools(raw, |tool, function| Dumped {
+        kind: "function",
+        function: Function {
+            name: function.name,
+            description: function.description,
+            parameters: function.parameters,
+            strict: function.strict,
+            // The function's own, else the tool's; the tool keeps its own too.
+            defer_loading: function.defer_loading.or(tool.defer_loading),
+        },
+        defer_loading: tool.defer_loading,
+    })
+}
+
+/// A request's tool, the fields an engine's model of it reads (a null one reads as absent).
+#[derive(Deserialize)]
+struct ToolIn<'a> {
+    #[serde(borrow, rename = "type")]
+    kind: Option<&'a RawValue>,
+    #[serde(borrow)]
+    function: Option<&'a RawValue>,
+    #[serde(borrow)]
+    defer_loading: Option<Flag<'a>>,
+}
+
+/// A tool's `function`, as [`ToolIn`] is read.
+#[derive(Deserialize)]
+struct FunctionIn<'a> {
+    #[serde(borrow)]
+    name: Option<&'a RawValue>,
+    #[serde(borrow)]
+    description: Option<&'a RawValue>,
+    #[serde(borrow)]
+    parameters: Option<&'a RawValue>,
+    #[serde(borrow)]
+    strict: Option<Flag<'a>>,
+    #[serde(borrow)]
+    defer_loading: Option<Flag<'a>>,
+}
+
+/// The tools of `raw`, each whose `function` is an object as `dumped` makes it of the tool
+/// and its function, any other as it is (and `raw` as it is when it is no list).
+fn dump_tools<'a, D: serde::Serialize>(
+    raw: &'a RawValue,
+    dumped: impl Fn(&ToolIn<'a>, FunctionIn<'a>) -> D,
+) -> Result<Value, RequestError> {
     let Ok(items) = serde_json::from_str::<Vec<&RawValue>>(raw.get()) else { return json_value(raw) };
     let mut out = Vec::with_capacity(items.len());
     for item in items {
-        let tool = serde_json::from_str::<Tool<'_>>(item.get()).ok();
+        let tool = serde_json::from_str::<ToolIn<'_>>(item.get()).ok();
         let function = tool.as_ref().and_then(|t| t.function).filter(|f| f.get().starts_with('{'));
-        let Some((tool, mut function)) =
-            tool.zip(function.and_then(|f| serde_json::from_str::<Function<'_>>(f.get()).ok()))
+        let Some((tool, function)) =
+            tool.zip(function.and_then(|f| serde_json::from_str::<FunctionIn<'_>>(f.get()).ok()))
         else {
             out.push(json_value(item)?);
             continue;
         };
-        // The function's own, else the tool's; the tool keeps its own too. (A null field
-        // reads as absent.)
-        function.defer_loading = function.defer_loading.or(tool.defer_loading);
-        let dumped = Dumped { kind: "function", function, defer_loading: tool.defer_loading };
-        let dumped =
-            serde_json::value::to_raw_value(&dumped).map_err(|e| RequestError::Template(json_error(e)))?;
+        let dumped = serde_json::value::to_raw_value(&dumped(&tool, function))
+            .map_err(|e| RequestError::Template(json_error(e)))?;
         out.push(json_value(&dumped)?);
     }
     Ok(Value::from(out))

@@ -5,7 +5,7 @@
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
-use crate::fleet::{FLEET_MODEL, Fleet, agent_config};
+use crate::fleet::{FLEET_MODEL, Fleet, Reply, agent_config};
 use crate::support::{WAIT, sample, wait_until};
 
 /// One replica that takes 200 ms a step, so that a stream of 16 tokens holds its place for
@@ -338,10 +338,11 @@ async fn dead_beside_busy() -> (Fleet, http::Response<hyper::body::Incoming>, us
     (fleet, open, busy)
 }
 
-/// A replica that refuses a request with 503 (its own queue full) while the rest of the fleet
-/// is saturated: the request waits for room on the rest and is served there, not answered 503.
-#[tokio::test]
-async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_rest() {
+/// A replica that refuses every request with 503 (its own queue full) beside an agent at its
+/// one request's room, holding a stream (every request sent first to the refusing one ends
+/// up there); and a request the refusing replica refused, waiting in line for the agent.
+async fn refused_and_waiting()
+-> (Fleet, http::Response<hyper::body::Incoming>, tokio::task::JoinHandle<Reply>) {
     let refusal = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n";
     let (refusing, _refused) = crate::headers::recording_replica(refusal).await;
     let shutdown = tokio_util::sync::CancellationToken::new();
@@ -355,6 +356,14 @@ async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_re
     let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
     let refused = tokio::spawn(async move { http.post(&url, &completion("hi")).await });
     queued(&fleet, 1).await;
+    (fleet, open, refused)
+}
+
+/// A replica that refuses a request with 503 (its own queue full) while the rest of the fleet
+/// is saturated: the request waits for room on the rest and is served there, not answered 503.
+#[tokio::test]
+async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_rest() {
+    let (_fleet, open, refused) = refused_and_waiting().await;
     assert!(read_to_end(open).await.contains("[DONE]"));
     let answer = tokio::time::timeout(WAIT, refused).await.expect("served in time").unwrap();
     assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
@@ -366,18 +375,7 @@ async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_re
 /// that failed.
 #[tokio::test]
 async fn a_request_refused_with_503_whose_last_replica_drains_is_answered_503() {
-    let refusal = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n";
-    let (refusing, _refused) = crate::headers::recording_replica(refusal).await;
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let agents = Fleet::start_agents(1, slow_agent, &shutdown).await;
-    let config = crate::fleet::router_config_and_streamless(&agents, "refusing", refusing);
-    let config = kvroute_router::Config { max_in_flight_per_replica: 1, queue_timeout_ms: LONG, ..config };
-    let fleet = Fleet::around(agents, config, shutdown).await;
-    let open = open_stream(&fleet).await;
-    assert_eq!(open.headers()["x-kvroute-replica"], "agent-0");
-    let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
-    let refused = tokio::spawn(async move { http.post(&url, &completion("hi")).await });
-    queued(&fleet, 1).await;
+    let (fleet, open, refused) = refused_and_waiting().await;
     fleet.router.fleet().set_draining("agent-0", true).unwrap();
     assert!(read_to_end(open).await.contains("[DONE]"));
     let answer = tokio::time::timeout(WAIT, refused).await.expect("answered in time").unwrap();

@@ -31,10 +31,12 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use minijinja::Value;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::value::RawValue;
 
-use super::{ChatTemplate, ContentFormat, Facts, Flag, Variables, json_error, json_value, message_value};
+use super::{
+    ChatTemplate, ContentFormat, Facts, Flag, Variables, dump_tools, json_error, message_value, texts_joined,
+};
 use crate::openai::error::RequestError;
 use crate::openai::request::{Message, Part};
 
@@ -125,30 +127,8 @@ impl ChatTemplate {
 /// `defer_loading` (its own, else the tool's) after `strict` when set; anything else is passed
 /// as it is.
 fn tools_value(raw: &RawValue) -> Result<Value, RequestError> {
-    #[derive(Deserialize)]
-    struct Tool<'a> {
-        #[serde(borrow, rename = "type")]
-        kind: Option<&'a RawValue>,
-        #[serde(borrow)]
-        function: Option<&'a RawValue>,
-        #[serde(borrow)]
-        defer_loading: Option<Flag<'a>>,
-    }
-    #[derive(Deserialize)]
-    struct Function<'a> {
-        #[serde(borrow)]
-        name: Option<&'a RawValue>,
-        #[serde(borrow)]
-        description: Option<&'a RawValue>,
-        #[serde(borrow)]
-        parameters: Option<&'a RawValue>,
-        #[serde(borrow)]
-        strict: Option<Flag<'a>>,
-        #[serde(borrow)]
-        defer_loading: Option<Flag<'a>>,
-    }
     #[derive(Serialize)]
-    struct DumpedFunction<'a> {
+    struct Function<'a> {
         description: Option<&'a RawValue>,
         name: Option<&'a RawValue>,
         parameters: Option<&'a RawValue>,
@@ -157,56 +137,35 @@ fn tools_value(raw: &RawValue) -> Result<Value, RequestError> {
         defer_loading: Option<Flag<'a>>,
     }
     #[derive(Serialize)]
+    #[serde(untagged)]
+    enum Kind<'a> {
+        Given(&'a RawValue),
+        Function(&'static str),
+    }
+    #[derive(Serialize)]
     struct Dumped<'a> {
         #[serde(rename = "type")]
-        kind: &'a RawValue,
-        function: DumpedFunction<'a>,
+        kind: Kind<'a>,
+        function: Function<'a>,
         defer_loading: Option<Flag<'a>>,
     }
-    let Ok(items) = serde_json::from_str::<Vec<&RawValue>>(raw.get()) else { return json_value(raw) };
-    let function_type: Box<RawValue> =
-        RawValue::from_string("\"function\"".into()).map_err(|e| RequestError::Template(json_error(e)))?;
-    let mut out = Vec::with_capacity(items.len());
-    for item in items {
-        let tool = serde_json::from_str::<Tool<'_>>(item.get()).ok();
-        let function = tool.as_ref().and_then(|t| t.function).filter(|f| f.get().starts_with('{'));
-        let Some((tool, function)) =
-            tool.zip(function.and_then(|f| serde_json::from_str::<Function<'_>>(f.get()).ok()))
-        else {
-            out.push(json_value(item)?);
-            continue;
-        };
-        let dumped = Dumped {
-            kind: tool.kind.unwrap_or(&function_type),
-            function: DumpedFunction {
-                description: function.description,
-                name: function.name,
-                parameters: function.parameters,
-                strict: function.strict.unwrap_or(Flag::Bool(false)),
-                defer_loading: function.defer_loading.or(tool.defer_loading),
-            },
-            defer_loading: tool.defer_loading,
-        };
-        let dumped =
-            serde_json::value::to_raw_value(&dumped).map_err(|e| RequestError::Template(json_error(e)))?;
-        out.push(json_value(&dumped)?);
-    }
-    Ok(Value::from(out))
+    dump_tools(raw, |tool, function| Dumped {
+        kind: tool.kind.map_or(Kind::Function("function"), Kind::Given),
+        function: Function {
+            description: function.description,
+            name: function.name,
+            parameters: function.parameters,
+            strict: function.strict.unwrap_or(Flag::Bool(false)),
+            defer_loading: function.defer_loading.or(tool.defer_loading),
+        },
+        defer_loading: tool.defer_loading,
+    })
 }
 
 /// `message` as SGLang passes it to a template taking `format` (module docs).
 fn passed<'a>(message: &Message<'a>, format: ContentFormat) -> Message<'a> {
     let mut message = message.clone();
-    let joined = |parts: &[Part<'a>]| {
-        let texts: Vec<&str> = parts
-            .iter()
-            .filter_map(|p| match p {
-                Part::Text(text) => Some(text.as_ref()),
-                Part::ToolReference(_) => None,
-            })
-            .collect();
-        Cow::Owned(texts.join(" "))
-    };
+    let joined = |parts: &[Part<'a>]| Cow::Owned(texts_joined(parts, " "));
     match (format, message.parts.take()) {
         (ContentFormat::String, Some(parts)) => message.content = Some(joined(&parts)),
         (ContentFormat::OpenAi, Some(parts))
