@@ -39,8 +39,8 @@
 //! had the request (it answered 503, or the connection closed after it was sent) may have
 //! pulled the KV, and the prefill replica freed those blocks then: the retry goes without the
 //! params, and its replica prefills the prompt itself (the cost of a prefill, where a 503
-//! was an overloaded replica's that pulled nothing: the router cannot tell them apart). Each outcome is counted in
-//! `kvroute_router_prefills_total`.
+//! was an overloaded replica's that pulled nothing: the router cannot tell them apart). Each
+//! outcome is counted in `kvroute_router_prefills_total`.
 //!
 //! SGLang's replicas (`engine = "sglang"`) hand the KV over through a bootstrap room instead.
 //! A request decided on an SGLang replica of role `decode` (which cannot prefill: it refuses a
@@ -55,10 +55,10 @@
 //! goes to the client after it, with the same headers. A prefill's failure (its error answer,
 //! a failure to connect, `--pd-prefill-timeout-ms`) is the client's answer and ends the
 //! decode (a timeout does not count toward the prefill replica's ejection: its answer waits
-//! on the decode replica); so does a decode replica's error end its prefill. While every prefill replica is at
-//! `--max-in-flight-per-replica`, the request waits in line for one as any request waits for
-//! room (its decode replica's place held); with no prefill replica to be had, it ends with a
-//! 503. The decode is not retried elsewhere either (its replica
+//! on the decode replica); so does a decode replica's error end its prefill. While every
+//! prefill replica is at `--max-in-flight-per-replica`, the request waits in line for one as
+//! any request waits for room (its decode replica's place held); with no prefill replica to
+//! be had, it ends with a 503. The decode is not retried elsewhere either (its replica
 //! may have taken the room's KV before it failed). In a fleet with SGLang decode replicas, a
 //! request that is not split (below), which they would refuse, is decided among the replicas
 //! that need no room (`both` ones, vLLM's), waiting for their room if need be, and retried
@@ -456,13 +456,13 @@ pub fn let_go(state: &ProxyState, plan: &mut Plan) {
 /// A request's decision while its prefill is sent ahead: dropped before its decode is sent
 /// (its client left meanwhile), the decode replica's credit and place end at once, not after
 /// the credit's TTL: that replica never gets the prompt.
-pub struct Unsent<'a> {
+pub struct Prefilling<'a> {
     state: &'a ProxyState,
     pub plan: Plan,
     sent: bool,
 }
 
-impl<'a> Unsent<'a> {
+impl<'a> Prefilling<'a> {
     pub fn new(state: &'a ProxyState, plan: Plan) -> Self {
         Self { state, plan, sent: false }
     }
@@ -474,7 +474,7 @@ impl<'a> Unsent<'a> {
     }
 }
 
-impl Drop for Unsent<'_> {
+impl Drop for Prefilling<'_> {
     fn drop(&mut self) {
         if !self.sent {
             let_go(self.state, &mut self.plan);

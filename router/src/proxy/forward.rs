@@ -545,7 +545,7 @@ pub async fn to_replica(
             pool.send_or_give_back(&client.method, &uri, ranked.as_ref().unwrap_or(&headers), body);
         let answer = match first_byte(config, sent, exchange, uploaded.as_ref()).await {
             Ok(Err(Unsent::NotConnected(e, back))) if more => {
-                tracing::info!(replica = %member.replica.spec.name, error = %e, request_id = admitted.request_id, "no connection to the replica (now); trying the next");
+                tracing::info!(replica = %member.replica.spec.name, error = %e, request_id = admitted.request_id, "no connection to the replica; trying the next");
                 record_failure(upstream, config, metrics);
                 let replica = member.replica.spec.name.clone();
                 last_error = Some(ProxyError::Upstream { replica, reason: e.to_string() });

@@ -444,18 +444,24 @@ async fn routed(
     };
     match decided {
         Ok((plan, prepared)) => {
-            let mut unsent = disagg::Unsent::new(state, plan);
+            let mut prefilling = disagg::Prefilling::new(state, plan);
             // A malformed `store` is the replica's to refuse; until then, its id is worth keeping.
-            unsent.plan.keeps_response =
+            prefilling.plan.keeps_response =
                 endpoint == Endpoint::Responses && asks_to_store(&body).unwrap_or(true);
             let (arrived, sent) = ((arrived.0, admitted.received), (&parts, &body));
-            let prefilled =
-                disagg::prefill((state, pool), (&prepared, &mut unsent.plan), endpoint, sent, arrived, &line);
+            let prefilled = disagg::prefill(
+                (state, pool),
+                (&prepared, &mut prefilling.plan),
+                endpoint,
+                sent,
+                arrived,
+                &line,
+            );
             let decode = match prefilled.await {
                 Ok(decode) => decode,
                 Err(failure) => return failure.answer(),
             };
-            let plan = unsent.sent();
+            let plan = prefilling.sent();
             let (forward, decider, queue) = (&state.forward, &state.decider, (&state.queue, &line));
             let decoded =
                 forward::routed(pool, forward, decider, plan, (parts, decode.body), admitted, queue);
