@@ -32,7 +32,8 @@
 //!   named, `--replica-api-key`'s is, or none ([`crate::proxy::replica_key`]).
 //! - `--api-key-file` is read again, from the path the configuration names now (none: its keys
 //!   are dropped); one that cannot be loaded keeps the keys in use
-//!   ([`crate::proxy::key_file`]).
+//!   ([`crate::proxy::key_file`]), and a first one the whole admission in force: `--api-key`
+//!   and the limits it changes too wait for a reload that reads it.
 //! - Other settings take effect at the next start: a reload names those that changed. The
 //!   replicas keep the running router's model and block size.
 
@@ -95,10 +96,21 @@ impl Reloaded {
             failed(self.tls.as_ref().map(Result::is_ok), TLS_FILES),
             failed(self.replica_tls.as_ref().map(Result::is_ok), REPLICA_TLS_FILES),
             failed(self.api_key_file.as_ref().map(Result::is_ok), KEY_FILE),
+            failed(self.api_key_file.as_ref().map(Result::is_ok), &live::ADMISSION_SETTINGS),
             failed(self.replica_api_key_file.as_ref().map(Result::is_ok), REPLICA_KEY_FILE),
         ]
         .concat();
         (self.not_applied.iter().map(String::as_str)).filter(|s| !failed.contains(s)).collect()
+    }
+
+    /// `settings`, among those applied, moved back to the not applied.
+    fn not_applied_after_all(&mut self, settings: &[&str]) {
+        let (back, applied) = std::mem::take(&mut self.applied)
+            .into_iter()
+            .partition(|setting| settings.contains(&setting.as_str()));
+        self.applied = applied;
+        self.not_applied.extend::<Vec<String>>(back);
+        self.not_applied.sort_unstable();
     }
 
     /// `settings`, among those not applied, moved to the applied.
@@ -237,10 +249,18 @@ impl Reloader {
     fn reload_admission(&mut self, state: &ProxyState, config: &Config, reloaded: &mut Reloaded) {
         let path = config.api_key_file.as_deref();
         let admission = Admission::reloaded(config, &reloaded.applied);
+        let had_file = state.key_file.is_loaded();
         let loaded = state.key_file.load(path, admission, &state.admission);
         if loaded.is_ok() {
             reloaded.now_applied(KEY_FILE);
             self.running.api_key_file = config.api_key_file.clone();
+        }
+        // A first key file that cannot be read leaves the admission in force whole: its new
+        // settings wait, with the file, for a reload that can read it.
+        if loaded.is_ok() || had_file {
+            live::carry_admission(&mut self.running, config);
+        } else {
+            reloaded.not_applied_after_all(&live::ADMISSION_SETTINGS);
         }
         reloaded.api_key_file = path.map(|_| loaded);
         crate::server::warn_if_replicas_open(state, config);

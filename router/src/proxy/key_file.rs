@@ -66,6 +66,11 @@ impl KeyFile {
         Some((done.load(Ordering::Relaxed), refused.load(Ordering::Relaxed)))
     }
 
+    /// Whether a file's keys are loaded.
+    pub fn is_loaded(&self) -> bool {
+        self.lock().is_some()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<Loaded>> {
         self.loaded.lock().unwrap_or_else(PoisonError::into_inner)
     }

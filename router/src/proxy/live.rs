@@ -32,7 +32,7 @@ const WEIGHTS: [&str; 4] = ["balance-weight", "load-weight", "miss-weight", "off
 /// [`Routing`]'s other settings.
 const ROUTING_SETTINGS: [&str; 3] = ["max-in-flight-per-replica", "no-rank-routing", "pd-min-prefill-tokens"];
 /// [`Admission`]'s settings.
-const ADMISSION_SETTINGS: [&str; 4] =
+pub const ADMISSION_SETTINGS: [&str; 4] =
     ["api-key", "max-completion-tokens", "max-prompt-tokens", "max-in-flight-per-key"];
 /// The key requests to the replicas carry ([`super::forward::ForwardConfig`]).
 pub const REPLICA_KEY: &str = "replica-api-key";
@@ -47,7 +47,8 @@ fn any_of(changed: &[String], settings: &[&str]) -> bool {
     changed.iter().any(|key| settings.contains(&key.as_str()))
 }
 
-/// `from`'s live settings ([`is_live`]) copied into `into`.
+/// `from`'s live settings ([`is_live`]) copied into `into`, but the admission's
+/// ([`carry_admission`]).
 pub fn carry(into: &mut Config, from: &Config) {
     into.policy = from.policy;
     into.load_weight = from.load_weight;
@@ -58,11 +59,15 @@ pub fn carry(into: &mut Config, from: &Config) {
     into.max_in_flight_per_replica = from.max_in_flight_per_replica;
     into.no_rank_routing = from.no_rank_routing;
     into.pd_min_prefill_tokens = from.pd_min_prefill_tokens;
+    into.replica_api_key.clone_from(&from.replica_api_key);
+}
+
+/// `from`'s admission settings ([`ADMISSION_SETTINGS`]) copied into `into`.
+pub fn carry_admission(into: &mut Config, from: &Config) {
     into.api_key.clone_from(&from.api_key);
     into.max_prompt_tokens = from.max_prompt_tokens;
     into.max_completion_tokens = from.max_completion_tokens;
     into.max_in_flight_per_key = from.max_in_flight_per_key;
-    into.replica_api_key.clone_from(&from.replica_api_key);
 }
 
 /// A value replaced whole; each reader keeps the version it took. Clones share it.
@@ -323,6 +328,8 @@ mod tests {
         assert!(live.iter().all(|key| before.get(*key) != after.get(*key)), "each was changed above");
         let mut carried = running.clone();
         carry(&mut carried, &new);
+        assert_ne!(carried, new, "the admission's settings are carried apart");
+        carry_admission(&mut carried, &new);
         assert_eq!(carried, new, "every live setting carried, nothing else");
     }
 }

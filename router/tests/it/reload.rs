@@ -219,5 +219,29 @@ async fn a_reload_reads_the_key_file_again() {
     let reloaded = reloader.apply(&fleet.router.state, &without).await;
     assert_eq!((reloaded.applied, reloaded.api_key_file), (vec!["api-key-file".into()], None));
     assert_eq!(statuses(["sk-file", "sk-flag", "sk-next"]).await, [401, 200, 401], "the file's keys dropped");
+
+    // A new key with a first key file that cannot be read yet: the admission in force stays
+    // whole, the new key waits with the file (it was said applied, and stuck once the file
+    // could be read, the old key passing and the new one refused until a restart).
+    let missing = dir.join("later");
+    let rotated =
+        RouterConfig { api_key: vec!["sk-new".into()], api_key_file: Some(missing.clone()), ..without };
+    let reloaded = reloader.apply(&fleet.router.state, &rotated).await;
+    assert!(reloaded.api_key_file.as_ref().unwrap().is_err());
+    assert!(reloaded.applied.is_empty(), "{:?}", reloaded.applied);
+    assert_eq!(reloaded.not_applied, ["api-key", "api-key-file"]);
+    assert!(reloaded.at_next_start().is_empty(), "its error says why, not 'at the next start'");
+    assert_eq!(statuses(["sk-flag", "sk-new", "sk-later"]).await, [200, 401, 401], "the admission in force");
+    std::fs::write(&missing, "sk-later\n").unwrap();
+    let reloaded = reloader.apply(&fleet.router.state, &rotated).await;
+    assert_eq!(
+        (reloaded.applied, reloaded.api_key_file),
+        (vec!["api-key".into(), "api-key-file".into()], Some(Ok(1)))
+    );
+    assert_eq!(
+        statuses(["sk-flag", "sk-new", "sk-later"]).await,
+        [401, 200, 200],
+        "the new keys, the old one revoked"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
