@@ -401,7 +401,7 @@ fn retry_on(decider: &Decider, plan: &Plan, member: &crate::fleet::Member) -> Re
     };
     if undecodable || gone_since(&decider.fleet, member, plan.order().map(|s| &s.member)) {
         Retry::Not
-    } else if !member.upstream.has_room(plan.routing.max_in_flight_per_replica) {
+    } else if !member.upstream.has_room(decider.max_in_flight_per_replica()) {
         Retry::Saturated
     } else {
         Retry::Takes

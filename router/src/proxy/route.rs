@@ -230,7 +230,8 @@ pub const NO_GENERATE: &str = "no replica serves SGLang's /generate (vLLM's repl
 #[derive(Debug)]
 pub struct Plan {
     /// The routing it was decided by (a reload meanwhile changes the next decisions only):
-    /// its retries take the same lock and limit.
+    /// its retries take the same lock. (Not the same `--max-in-flight-per-replica`: a
+    /// replica's room is the limit in force, whose rise lets a waiting retry in.)
     pub routing: Arc<Routing>,
     /// Candidates to try, best first (the chosen one, the other eligible ones by cost, then
     /// those at `--max-in-flight-per-replica`, whose room a retry may wait for, by cached
@@ -495,7 +496,7 @@ impl Decider {
         let scored = plan.order().nth(at)?;
         let (member, rank) = (&scored.member, scored.rank.map(|rank| (rank, scored.rank_blocks)));
         let (sequences, prompt_tokens) = (plan.sequences, plan.prompt_tokens);
-        let max = plan.routing.max_in_flight_per_replica;
+        let max = self.max_in_flight_per_replica();
         // A prompt prefilled elsewhere is pulled: its last token is computed here (each
         // prompt's, of a batch).
         let prefill_tokens = match plan.prefilled_by {

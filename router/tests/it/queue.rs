@@ -342,28 +342,28 @@ async fn dead_beside_busy() -> (Fleet, http::Response<hyper::body::Incoming>, us
 /// one request's room, holding a stream (every request sent first to the refusing one ends
 /// up there); and a request the refusing replica refused, waiting in line for the agent.
 async fn refused_and_waiting()
--> (Fleet, http::Response<hyper::body::Incoming>, tokio::task::JoinHandle<Reply>) {
+-> (Fleet, http::Response<hyper::body::Incoming>, tokio::task::JoinHandle<Reply>, kvroute_router::Config) {
     let refusal = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n";
     let (refusing, _refused) = crate::headers::recording_replica(refusal).await;
     let shutdown = tokio_util::sync::CancellationToken::new();
     let agents = Fleet::start_agents(1, slow_agent, &shutdown).await;
     let config = crate::fleet::router_config_and_streamless(&agents, "refusing", refusing);
     let config = kvroute_router::Config { max_in_flight_per_replica: 1, queue_timeout_ms: LONG, ..config };
-    let fleet = Fleet::around(agents, config, shutdown).await;
+    let fleet = Fleet::around(agents, config.clone(), shutdown).await;
     // Wherever it is sent first, the stream ends up on the agent.
     let open = open_stream(&fleet).await;
     assert_eq!(open.headers()["x-kvroute-replica"], "agent-0");
     let (http, url) = (fleet.http.clone(), fleet.url("/v1/completions"));
     let refused = tokio::spawn(async move { http.post(&url, &completion("hi")).await });
     queued(&fleet, 1).await;
-    (fleet, open, refused)
+    (fleet, open, refused, config)
 }
 
 /// A replica that refuses a request with 503 (its own queue full) while the rest of the fleet
 /// is saturated: the request waits for room on the rest and is served there, not answered 503.
 #[tokio::test]
 async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_rest() {
-    let (_fleet, open, refused) = refused_and_waiting().await;
+    let (_fleet, open, refused, _) = refused_and_waiting().await;
     assert!(read_to_end(open).await.contains("[DONE]"));
     let answer = tokio::time::timeout(WAIT, refused).await.expect("served in time").unwrap();
     assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
@@ -375,7 +375,7 @@ async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_re
 /// that failed.
 #[tokio::test]
 async fn a_request_refused_with_503_whose_last_replica_drains_is_answered_503() {
-    let (fleet, open, refused) = refused_and_waiting().await;
+    let (fleet, open, refused, _) = refused_and_waiting().await;
     fleet.router.fleet().set_draining("agent-0", true).unwrap();
     assert!(read_to_end(open).await.contains("[DONE]"));
     let answer = tokio::time::timeout(WAIT, refused).await.expect("answered in time").unwrap();
@@ -383,6 +383,24 @@ async fn a_request_refused_with_503_whose_last_replica_drains_is_answered_503() 
     assert_eq!(answer.header("retry-after"), Some("1"));
     let message = answer.json()["error"]["message"].as_str().unwrap_or_default().to_owned();
     assert!(message.contains("replica refusing answered 503"), "{message}");
+}
+
+/// The same, but a reload raises `--max-in-flight-per-replica` meanwhile: the waiting retry
+/// takes the room the new limit gives at once (it kept to the limit it was decided under, and
+/// waited for the stream to end).
+#[tokio::test]
+async fn a_waiting_retry_takes_the_room_a_reload_gives() {
+    let (fleet, open, refused, config) = refused_and_waiting().await;
+    let mut reloader = kvroute_router::reload::Reloader::new(&config);
+    let raised = kvroute_router::Config { max_in_flight_per_replica: 2, ..config };
+    let reloaded = reloader.apply(&fleet.router.state, &raised).await;
+    assert_eq!(reloaded.applied, ["max-in-flight-per-replica"]);
+    let answer = tokio::time::timeout(WAIT, refused).await.expect("served in time").unwrap();
+    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    assert_eq!(answer.header("x-kvroute-replica"), Some("agent-0"));
+    let stream_on = fleet.router.fleet().member("agent-0").unwrap().upstream.requests_in_flight();
+    assert_eq!(stream_on, 1, "served while the stream went on, not after it");
+    assert!(read_to_end(open).await.contains("[DONE]"));
 }
 
 /// Many requests at once, far past two replicas' room, on two HTTP threads: every one is
