@@ -344,7 +344,7 @@ async fn dispatch(
         paths::check_passthrough(&path)?;
         tunnel::check_handshake(req.headers())?;
         let line = queue::Line::default();
-        let mut admitted = admit(state, (request_id, received), &line).await?;
+        let mut admitted = admit(state, (request_id, received), &line, &req).await?;
         // The session holds its key's place as it holds its place under --max-in-flight (its
         // handshake's answer ends at once).
         if let Some(slot) = admitted.slot.as_mut() {
@@ -395,7 +395,7 @@ async fn dispatch(
             // Refused or over the limit before its body is read (and `100 Continue` sent).
             lora::check_enabled(state)?;
             check_length(state, req.headers())?;
-            let admitted = admit(state, (request_id, received), &queue::Line::default()).await?;
+            let admitted = admit(state, (request_id, received), &queue::Line::default(), &req).await?;
             let (parts, body) = req.into_parts();
             let body = read_body(body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
             Box::pin(lora::fan_out(state, pool, change, (parts, body), (request_id, admitted.slot))).await
@@ -425,7 +425,7 @@ async fn routed(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     check_length(state, req.headers())?;
     let line = queue::Line::default();
-    let admitted = admit(state, arrived, &line).await?;
+    let admitted = admit(state, arrived, &line, &req).await?;
     // As they are once it is admitted (it may have waited through a reload).
     let limits = state.admission.get().limits;
     let (parts, body) = req.into_parts();
@@ -548,7 +548,7 @@ async fn stored_response(
     arrived: (&str, Option<access::Arrival>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     check_length(state, req.headers())?;
-    let admitted = admit(state, arrived, &queue::Line::default()).await?;
+    let admitted = admit(state, arrived, &queue::Line::default(), &req).await?;
     // The store is the API server's: any rank's, so none is named.
     let (member, _) = find_owner(state, pool, req.headers(), id).await?;
     streamed_to(state, pool, &[member], req, admitted).await
@@ -572,14 +572,19 @@ async fn find_owner(
     state.forward.owners.find(fleet, pool, id, &headers, (timeout, &state.decider.metrics)).await
 }
 
-/// A place under `--max-in-flight` for the request (its id, and when it arrived), held
-/// until its response ends; waiting in `line` for one if none is free ([`queue`]).
+/// A place under `--max-in-flight` for the request `req` (its id, and when it arrived), held
+/// until its response ends; waiting in `line` for one if none is free ([`queue`]). Its key is
+/// checked again once it has one.
 async fn admit<'a>(
     state: &ProxyState,
     (request_id, received): (&'a str, Option<access::Arrival>),
     line: &queue::Line,
+    req: &Request<Incoming>,
 ) -> Result<Admitted<'a>, ProxyError> {
     let slot = state.queue.admit(&state.in_flight, line, &state.decider.metrics).await?;
+    // A key revoked while it waited (by a reload, or in its key file) no longer passes.
+    let authorization = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
+    state.admission.get().key_of(req.method(), req.uri().path(), authorization)?;
     Ok(Admitted { request_id, slot: Some(slot), received })
 }
 
@@ -620,7 +625,7 @@ async fn passthrough(
     // Refused before it waits for room: the room it took would go unused.
     check_length(state, req.headers())?;
     let line = queue::Line::default();
-    let admitted = admit(state, arrived, &line).await?;
+    let admitted = admit(state, arrived, &line, &req).await?;
     // The next ones are tried while no connection to one can be made.
     let members = with_room(state, &line, || by_load(state, arrived.0, None, Takes::ANY)).await?;
     streamed_to(state, pool, &members, req, admitted).await

@@ -75,6 +75,40 @@ async fn a_request_at_the_in_flight_limit_is_served_when_a_place_frees() {
     assert_eq!((outcomes(&fleet, "placed"), fleet.router.state.decider.metrics.queued.get()), (1, 0));
 }
 
+/// A request waiting for its place under `--max-in-flight` whose key a reload revokes
+/// meanwhile is refused once it has the place (401), as it would be had it come then: it was
+/// forwarded.
+#[tokio::test]
+async fn a_key_revoked_while_its_request_waits_is_refused() {
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let agents = Fleet::start_agents(1, slow_agent, &shutdown).await;
+    let config = kvroute_router::Config {
+        max_in_flight: 1,
+        queue_timeout_ms: LONG,
+        api_key: vec!["sk-a".into()],
+        ..crate::fleet::router_config(&agents)
+    };
+    let mut reloader = kvroute_router::reload::Reloader::new(&config);
+    let fleet = Fleet::around(agents, config.clone(), shutdown).await;
+    let keyed = fleet.http.clone().bearer("sk-a");
+    let streaming = json!({"model": FLEET_MODEL, "prompt": "hold it", "max_tokens": 16, "stream": true});
+    let open = keyed
+        .stream_with(&fleet.url("/v1/completions"), &streaming, &[("authorization", "Bearer sk-a")])
+        .await;
+    assert_eq!(open.status(), 200);
+    let url = fleet.url("/v1/completions");
+    let waiting = tokio::spawn({
+        let keyed = keyed.clone();
+        async move { keyed.post(&url, &completion("hi")).await }
+    });
+    queued(&fleet, 1).await;
+    let rotated = kvroute_router::Config { api_key: vec!["sk-b".into()], ..config };
+    assert_eq!(reloader.apply(&fleet.router.state, &rotated).await.applied, ["api-key"]);
+    assert!(read_to_end(open).await.contains("[DONE]"));
+    let answer = tokio::time::timeout(WAIT, waiting).await.expect("answered in time").unwrap();
+    assert_eq!(answer.status, 401, "{}", String::from_utf8_lossy(&answer.body));
+}
+
 /// With every replica at `--max-in-flight-per-replica`, routed requests and requests that pass
 /// through wait for a replica's room, each is served as a request to it ends.
 #[tokio::test]
