@@ -51,6 +51,8 @@ struct Loaded<T: FromFiles> {
     files: T::Files,
     /// The files' contents last read, made or not: a change is made (or refused) once.
     seen: Vec<Vec<u8>>,
+    /// Why `seen` could not be made into a value, if it could not.
+    refused: Option<String>,
 }
 
 /// What each of `files` holds now; else which one cannot be read, and why.
@@ -63,7 +65,7 @@ impl<T: FromFiles> Watched<T> {
     pub fn from_files(files: &T::Files) -> Result<Self, String> {
         let seen = read::<T>(files)?;
         let value = T::make(files, &seen)?;
-        let loaded = RwLock::new(Loaded { value, files: files.clone(), seen });
+        let loaded = RwLock::new(Loaded { value, files: files.clone(), seen, refused: None });
         Ok(Self(Arc::new(Shared { loaded, loads: Default::default(), generation: AtomicU64::new(0) })))
     }
 
@@ -90,7 +92,7 @@ impl<T: FromFiles> Watched<T> {
         self.count(&made);
         let (value, seen) = made?;
         *self.0.loaded.write().unwrap_or_else(PoisonError::into_inner) =
-            Loaded { value, files: files.clone(), seen };
+            Loaded { value, files: files.clone(), seen, refused: None };
         self.0.generation.fetch_add(1, Ordering::Release);
         Ok(())
     }
@@ -135,8 +137,15 @@ impl<T: FromFiles> Watched<T> {
             self.0.generation.fetch_add(1, Ordering::Release);
         });
         loaded.seen = now;
+        loaded.refused = made.as_ref().err().cloned();
         self.count(&made);
         Some(made)
+    }
+
+    /// Why what the files held when last read could not be made into a value (the one in use
+    /// is older), if it could not.
+    pub fn refused(&self) -> Option<String> {
+        self.0.loaded.read().unwrap_or_else(PoisonError::into_inner).refused.clone()
     }
 
     /// Checks the files every `period` until `shutdown` fires ([`Watched::reload_if_changed`]),

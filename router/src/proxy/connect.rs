@@ -128,10 +128,14 @@ impl ReplicaTls {
     }
 
     /// Connections from now on as `files` say; on an error the settings in use stay. The same
-    /// files, holding what they held, change nothing (pooled connections stay in use).
+    /// files, holding what they held, change nothing (pooled connections stay in use), but
+    /// contents a check of them refused are refused again (the settings in use are older).
     pub fn load(&self, files: &ClientFiles) -> Result<(), String> {
         if self.made.files() == *files {
-            return self.made.reload_if_changed().unwrap_or(Ok(()));
+            return match self.made.reload_if_changed() {
+                Some(made) => made,
+                None => self.made.refused().map_or(Ok(()), Err),
+            };
         }
         self.made.load(files)
     }

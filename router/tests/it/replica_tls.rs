@@ -169,10 +169,24 @@ async fn replicas_asking_for_a_certificate_get_the_routers_renewed_in_place() {
     assert!(metrics.lines().any(|l| l == line), "{line} not in\n{metrics}");
 
     // A reload naming a file that cannot be read keeps the certificate in use.
-    let missing = RouterConfig { replica_client_cert: Some(dir.join("missing.crt")), ..named };
+    let missing = RouterConfig { replica_client_cert: Some(dir.join("missing.crt")), ..named.clone() };
     let reloaded = reloader.apply(&fleet.router.state, &missing).await;
     assert!(matches!(&reloaded.replica_tls, Some(Err(why)) if why.contains("missing.crt")), "{reloaded:?}");
     assert_eq!(status().await.0, 200);
+
+    // A renewal the watcher refused is refused again by a reload naming the same files (it
+    // said they were read again, the older certificate still shown).
+    let refused = "kvroute_router_replica_tls_loads_total{outcome=\"refused\"}";
+    let scrape = async || {
+        let metrics = fleet.http.get(&fleet.url("/metrics")).await.body.to_vec();
+        sample(&String::from_utf8(metrics).unwrap(), refused)
+    };
+    let before = scrape().await;
+    std::fs::write(&cert, "not a certificate").unwrap();
+    crate::support::wait_until_async("the watcher refuses it", async || scrape().await > before).await;
+    let reloaded = reloader.apply(&fleet.router.state, &named).await;
+    assert!(matches!(&reloaded.replica_tls, Some(Err(_))), "{reloaded:?}");
+    assert_eq!(status().await.0, 200, "the certificate in use stays");
     let _ = std::fs::remove_dir_all(dir);
 }
 
