@@ -498,7 +498,7 @@ impl Config {
     /// [`Config::validate`] of a configuration reloaded ([`crate::reload`]): the TLS files and
     /// `--api-key-file` are not read (the TLS files only named together); a reload reads them
     /// apart, and one it cannot read leaves the certificate or keys in use without holding back
-    /// the rest.
+    /// the rest. Nor are the tokenizer's files, which only a start reads.
     pub fn validate_for_reload(&self) -> Result<(), Vec<String>> {
         self.problems(false)
     }
@@ -625,9 +625,9 @@ impl Config {
             "--admin-token must not hold whitespace (a newline at the end of its file?): no client could send it"
                 .into(),
         );
-        if let Some(problem) = self
-            .tokenizer
-            .as_ref()
+        // The tokenizer's files, read at a start only (a reload cannot change them: one gone
+        // since, a cache cleaned, would hold back every reload).
+        if let Some(problem) = (self.tokenizer.as_ref().filter(|_| read_files))
             .and_then(|p| kvroute_proto::openai::tokenizer_path_problem("--tokenizer", p))
         {
             check(false, problem);
@@ -635,7 +635,7 @@ impl Config {
         for (flag, path) in
             [("--tokenizer-config", &self.tokenizer_config), ("--chat-template", &self.chat_template)]
         {
-            if let Some(p) = path {
+            if let (true, Some(p)) = (read_files, path) {
                 check(p.is_file(), format!("{flag} {} is not a readable file", p.display()));
             }
         }
@@ -1488,6 +1488,21 @@ mod tests {
         let both = Config { replica_api_key: Some(Secret::new("sk-flag")), ..with(&one) };
         assert!(both.validate().unwrap_err().iter().any(|e| e.contains("one or the other")));
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// The tokenizer's files stop a start that cannot read them, not a reload (which cannot
+    /// change them: one removed since held back every reload).
+    #[test]
+    fn the_tokenizers_files_are_checked_at_a_start_only() {
+        let missing = std::env::temp_dir().join(format!("kvroute-config-gone-{}", std::process::id()));
+        for config in [
+            Config { tokenizer: Some(missing.clone()), ..Config::loopback(Vec::new()) },
+            Config { tokenizer_config: Some(missing.clone()), ..Config::loopback(Vec::new()) },
+            Config { chat_template: Some(missing.clone()), ..Config::loopback(Vec::new()) },
+        ] {
+            assert!(config.validate().is_err(), "{config:?}");
+            assert_eq!(config.validate_for_reload(), Ok(()));
+        }
     }
 
     /// A key file that cannot be read or holds no key stops the start, with the other
