@@ -105,23 +105,22 @@ impl Reloaded {
 
     /// `settings`, among those applied, moved back to the not applied.
     fn not_applied_after_all(&mut self, settings: &[&str]) {
-        let (back, applied) = std::mem::take(&mut self.applied)
-            .into_iter()
-            .partition(|setting| settings.contains(&setting.as_str()));
-        self.applied = applied;
-        self.not_applied.extend::<Vec<String>>(back);
-        self.not_applied.sort_unstable();
+        moved(settings, &mut self.applied, &mut self.not_applied);
     }
 
     /// `settings`, among those not applied, moved to the applied.
     fn now_applied(&mut self, settings: &[&str]) {
-        let (now, others) = std::mem::take(&mut self.not_applied)
-            .into_iter()
-            .partition(|setting| settings.contains(&setting.as_str()));
-        self.not_applied = others;
-        self.applied.extend::<Vec<String>>(now);
-        self.applied.sort_unstable();
+        moved(settings, &mut self.not_applied, &mut self.applied);
     }
+}
+
+/// `settings`, among those in `from`, moved to `to` (kept sorted).
+fn moved(settings: &[&str], from: &mut Vec<String>, to: &mut Vec<String>) {
+    let (now, others) =
+        std::mem::take(from).into_iter().partition(|setting| settings.contains(&setting.as_str()));
+    *from = others;
+    to.extend::<Vec<String>>(now);
+    to.sort_unstable();
 }
 
 impl Reloader {
