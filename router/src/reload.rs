@@ -260,6 +260,15 @@ impl Reloader {
             live::carry_admission(&mut self.running, config);
         } else {
             reloaded.not_applied_after_all(&live::ADMISSION_SETTINGS);
+            let waiting: Vec<&str> = reloaded
+                .not_applied
+                .iter()
+                .map(String::as_str)
+                .filter(|s| live::ADMISSION_SETTINGS.contains(s))
+                .collect();
+            if !waiting.is_empty() {
+                tracing::warn!(settings = ?waiting, "reload: these wait for --api-key-file, which cannot be read");
+            }
         }
         reloaded.api_key_file = path.map(|_| loaded);
         crate::server::warn_if_replicas_open(state, config);

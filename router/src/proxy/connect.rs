@@ -129,7 +129,8 @@ impl ReplicaTls {
 
     /// Connections from now on as `files` say; on an error the settings in use stay. The same
     /// files, holding what they held, change nothing (pooled connections stay in use), but
-    /// contents a check of them refused are refused again (the settings in use are older).
+    /// contents a check of them refused are refused again (the settings in use are older; not
+    /// counted again among the refused loads).
     pub fn load(&self, files: &ClientFiles) -> Result<(), String> {
         if self.made.files() == *files {
             return match self.made.reload_if_changed() {

@@ -581,10 +581,17 @@ async fn admit<'a>(
     line: &queue::Line,
     req: &Request<Incoming>,
 ) -> Result<Admitted<'a>, ProxyError> {
-    let slot = state.queue.admit(&state.in_flight, line, &state.decider.metrics).await?;
-    // A key revoked while it waited (by a reload, or in its key file) no longer passes.
-    let authorization = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
-    state.admission.get().key_of(req.method(), req.uri().path(), authorization)?;
+    let metrics = &state.decider.metrics;
+    let slot = match forward::Slot::try_take(&state.in_flight, &metrics.in_flight) {
+        Some(slot) => slot,
+        None => {
+            let slot = state.queue.admit(&state.in_flight, line, metrics).await?;
+            // A key revoked while it waited (by a reload, or in its key file) no longer passes.
+            let authorization = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
+            state.admission.get().key_of(req.method(), req.uri().path(), authorization)?;
+            slot
+        }
+    };
     Ok(Admitted { request_id, slot: Some(slot), received })
 }
 

@@ -431,7 +431,8 @@ impl Decider {
                 return Err(unavailable(&plan));
             }
             self.credit(&mut plan, 0);
-            if let Some(load) = self.begin(&mut plan, 0) {
+            // Under the limit it was scored with (a reload meanwhile counts from the next).
+            if let Some(load) = self.begin(&mut plan, 0, routing.max_in_flight_per_replica) {
                 plan.load = Some(load);
                 return Ok(plan);
             }
@@ -480,7 +481,8 @@ impl Decider {
         let _one = self.deciding(&routing, &plan.all_blocks);
         self.rescore(plan, at);
         self.credit(plan, at);
-        let load = self.begin(plan, at);
+        // Under the limit in force: a retry may have waited for a room a reload gave.
+        let load = self.begin(plan, at, self.max_in_flight_per_replica());
         if load.is_none() {
             self.withdraw_credit(plan);
         }
@@ -489,14 +491,14 @@ impl Decider {
 
     /// Counts the request's load on the `at`th replica of `plan`'s order (and on the
     /// data-parallel rank it names there, which it credits with the request's blocks), if the
-    /// replica has room for it under `--max-in-flight-per-replica` (`None`: another request
-    /// took the last room since the replica was scored). Call after [`Decider::credit`]: a
-    /// whole answer's pending prefill ends when its prompt's last block is stored.
-    pub fn begin(&self, plan: &mut Plan, at: usize) -> Option<LoadGuard> {
+    /// replica has room for it under `max` (`--max-in-flight-per-replica`; `None`: another
+    /// request took the last room since the replica was scored). Call after
+    /// [`Decider::credit`]: a whole answer's pending prefill ends when its prompt's last block
+    /// is stored.
+    pub fn begin(&self, plan: &mut Plan, at: usize, max: u32) -> Option<LoadGuard> {
         let scored = plan.order().nth(at)?;
         let (member, rank) = (&scored.member, scored.rank.map(|rank| (rank, scored.rank_blocks)));
         let (sequences, prompt_tokens) = (plan.sequences, plan.prompt_tokens);
-        let max = self.max_in_flight_per_replica();
         // A prompt prefilled elsewhere is pulled: its last token is computed here (each
         // prompt's, of a batch).
         let prefill_tokens = match plan.prefilled_by {
