@@ -621,18 +621,7 @@ impl ChatTemplate {
     /// merge into (its own `tokenize`, which no template sees), so a request's null or
     /// "auto" kwargs are always left out.
     fn kwargs(&self, vars: &Variables<'_>) -> Result<BTreeMap<String, Value>, RequestError> {
-        let mut request: BTreeMap<String, Value> = match vars.chat_template_kwargs {
-            Some(kwargs) => {
-                serde_json::from_str(kwargs.get()).map_err(|e| RequestError::Template(json_error(e)))?
-            }
-            None => BTreeMap::new(),
-        };
-        if let Some(template) = request.remove("chat_template")
-            && !template.is_none()
-            && !self.options.trust_request_chat_template
-        {
-            return Err(RequestError::UntrustedChatTemplate);
-        }
+        let mut request = self.request_kwargs(vars)?;
         if let Some(effort) = self.options.effort(vars.reasoning_effort) {
             if !request.contains_key("enable_thinking") {
                 request.insert("enable_thinking".into(), Value::from(effort != "none"));
@@ -655,6 +644,24 @@ impl ChatTemplate {
             merged.remove(argument);
         }
         Ok(merged)
+    }
+
+    /// The request's `chat_template_kwargs` as template values, without a `chat_template`
+    /// (refused unless requests' templates are trusted; no variable either way).
+    fn request_kwargs(&self, vars: &Variables<'_>) -> Result<BTreeMap<String, Value>, RequestError> {
+        let mut request: BTreeMap<String, Value> = match vars.chat_template_kwargs {
+            Some(kwargs) => {
+                serde_json::from_str(kwargs.get()).map_err(|e| RequestError::Template(json_error(e)))?
+            }
+            None => BTreeMap::new(),
+        };
+        if let Some(template) = request.remove("chat_template")
+            && !template.is_none()
+            && !self.options.trust_request_chat_template
+        {
+            return Err(RequestError::UntrustedChatTemplate);
+        }
+        Ok(request)
     }
 
     /// The fleet's default kwargs (`--default-chat-template-kwargs`), as template values.

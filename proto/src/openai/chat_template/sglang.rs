@@ -34,9 +34,7 @@ use minijinja::Value;
 use serde::Serialize;
 use serde_json::value::RawValue;
 
-use super::{
-    ChatTemplate, ContentFormat, Facts, Flag, Variables, dump_tools, json_error, message_value, texts_joined,
-};
+use super::{ChatTemplate, ContentFormat, Facts, Flag, Variables, dump_tools, message_value, texts_joined};
 use crate::openai::error::RequestError;
 use crate::openai::request::{Message, Part};
 
@@ -87,17 +85,7 @@ impl ChatTemplate {
     /// tools, the reasoning effort, then the request's kwargs over them, and the generation
     /// prompt (not after a conversation's beginning, [`Variables::beginning`]).
     fn sglang_kwargs(&self, vars: &Variables<'_>) -> Result<BTreeMap<String, Value>, RequestError> {
-        let mut request: BTreeMap<String, Value> = match vars.chat_template_kwargs {
-            Some(kwargs) => {
-                serde_json::from_str(kwargs.get()).map_err(|e| RequestError::Template(json_error(e)))?
-            }
-            None => BTreeMap::new(),
-        };
-        if request.get("chat_template").is_some_and(|t| !t.is_none())
-            && !self.options.trust_request_chat_template
-        {
-            return Err(RequestError::UntrustedChatTemplate);
-        }
+        let mut request = self.request_kwargs(vars)?;
         if let Some(effort) = vars.reasoning_effort {
             for key in ["thinking", "enable_thinking"] {
                 request.entry(key.into()).or_insert_with(|| Value::from(effort != "none"));
