@@ -503,6 +503,25 @@ impl Config {
         self.problems(false)
     }
 
+    /// Why the tokenizer's files could not be read: a start would fail. A reload only warns
+    /// ([`crate::reload`]): they are read at a start.
+    pub fn tokenizer_problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if let Some(problem) = (self.tokenizer.as_ref())
+            .and_then(|p| kvroute_proto::openai::tokenizer_path_problem("--tokenizer", p))
+        {
+            problems.push(problem);
+        }
+        for (flag, path) in
+            [("--tokenizer-config", &self.tokenizer_config), ("--chat-template", &self.chat_template)]
+        {
+            if let Some(p) = path.as_ref().filter(|p| !p.is_file()) {
+                problems.push(format!("{flag} {} is not a readable file", p.display()));
+            }
+        }
+        problems
+    }
+
     /// Every problem of the configuration, with the TLS files and the key file read when
     /// `read_files`.
     fn problems(&self, read_files: bool) -> Result<(), Vec<String>> {
@@ -627,16 +646,9 @@ impl Config {
         );
         // The tokenizer's files, read at a start only (a reload cannot change them: one gone
         // since, a cache cleaned, would hold back every reload).
-        if let Some(problem) = (self.tokenizer.as_ref().filter(|_| read_files))
-            .and_then(|p| kvroute_proto::openai::tokenizer_path_problem("--tokenizer", p))
-        {
-            check(false, problem);
-        }
-        for (flag, path) in
-            [("--tokenizer-config", &self.tokenizer_config), ("--chat-template", &self.chat_template)]
-        {
-            if let (true, Some(p)) = (read_files, path) {
-                check(p.is_file(), format!("{flag} {} is not a readable file", p.display()));
+        if read_files {
+            for problem in self.tokenizer_problems() {
+                check(false, problem);
             }
         }
         let tls = if read_files { self.tls().map(drop) } else { self.tls_files().map(drop) };

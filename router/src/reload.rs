@@ -35,7 +35,8 @@
 //!   ([`crate::proxy::key_file`]), and a first one the whole admission in force: `--api-key`
 //!   and the limits it changes too wait for a reload that reads it.
 //! - Other settings take effect at the next start: a reload names those that changed. The
-//!   replicas keep the running router's model and block size.
+//!   replicas keep the running router's model and block size. The tokenizer's files are read
+//!   at a start only, so a reload warns of any it could not read: the next start would fail.
 
 use std::collections::BTreeMap;
 
@@ -77,6 +78,9 @@ pub struct Reloaded {
     /// Whether `--replica-api-key-file` was read again (its key sent from then on), or why the
     /// key in use stays; `None` when the configuration names no such file.
     pub replica_api_key_file: Option<Result<(), String>>,
+    /// What would stop the next start, which reads files a reload does not: the tokenizer's
+    /// ([`Config::tokenizer_problems`]), a path changed to one missing, or a file removed.
+    pub next_start_fails: Vec<String>,
 }
 
 /// The settings of the files a reload reads again, each group applied (or not) as one.
@@ -136,7 +140,8 @@ impl Reloader {
         let fleet = state.fleet();
         let (applied, not_applied) =
             changed_settings(&self.running, config).into_iter().partition(|key| live::is_live(key));
-        let mut reloaded = Reloaded { applied, not_applied, ..Reloaded::default() };
+        let next_start_fails = config.tokenizer_problems();
+        let mut reloaded = Reloaded { applied, not_applied, next_start_fails, ..Reloaded::default() };
         self.apply_live(state, config, &reloaded.applied);
         self.reload_admission(state, config, &mut reloaded);
         self.reload_tls(state, config, &mut reloaded);
@@ -394,6 +399,12 @@ pub async fn on_hangup(
             tracing::warn!(
                 settings = %at_next_start.join(", "),
                 "reload: settings other than the replicas take effect at the next start"
+            );
+        }
+        if !reloaded.next_start_fails.is_empty() {
+            tracing::warn!(
+                errors = %reloaded.next_start_fails.join("; "),
+                "reload: the next start would fail on these files"
             );
         }
     }

@@ -62,6 +62,19 @@ async fn a_reload_makes_the_fleet_hold_the_new_list() {
         (vec!["policy".to_owned()], vec!["credit-ttl-ms".to_owned()])
     );
     assert_eq!(names(&fleet.router), BTreeSet::from(["agent-1".to_owned(), "agent-2".to_owned()]));
+
+    // The tokenizer's files are read at a start only: one the next start could not read is
+    // said, one it could is not.
+    let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto/tests/data");
+    let missing = data.join("no-such-tokenizer.json");
+    let tokenized = RouterConfig { tokenizer: Some(missing), ..third.clone() };
+    let reloaded = reloader.apply(&fleet.router.state, &tokenized).await;
+    assert!(reloaded.not_applied.contains(&"tokenizer".to_owned()), "{reloaded:?}");
+    assert_eq!(reloaded.next_start_fails.len(), 1, "{reloaded:?}");
+    assert!(reloaded.next_start_fails[0].contains("no-such-tokenizer.json"), "{reloaded:?}");
+    let tokenized = RouterConfig { tokenizer: Some(data.join("tiny-tokenizer.json")), ..third };
+    let reloaded = reloader.apply(&fleet.router.state, &tokenized).await;
+    assert!(reloaded.next_start_fails.is_empty(), "{reloaded:?}");
 }
 
 /// The binary reloads its `--config` file at a `SIGHUP`: the replica the file names now
