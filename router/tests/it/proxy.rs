@@ -1673,6 +1673,66 @@ async fn remote_tokenization_of_an_adapter_asks_the_replicas_that_have_it() {
     shutdown.cancel();
 }
 
+/// With `--remote-tokenize`, an adapter loaded through the router is tokenized by a replica
+/// that has it; with none of those up, the client is told so (503), and the replicas without
+/// it are not asked.
+#[tokio::test]
+async fn remote_tokenization_of_a_loaded_adapter_no_replica_up_has() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    let asked = [(); 2].map(|()| std::sync::Arc::new(AtomicUsize::new(0)));
+    let mut replicas = Vec::new();
+    for (i, asked) in asked.iter().enumerate() {
+        let asked = asked.clone();
+        let replica = hand_made_replica(move |path, _| {
+            let asked = asked.clone();
+            async move {
+                match path.as_str() {
+                    "/tokenize" => {
+                        asked.fetch_add(1, SeqCst);
+                        (200, THREE_TOKENS)
+                    }
+                    _ => (200, "{}"),
+                }
+            }
+        })
+        .await;
+        let events = crate::support::nowhere();
+        replicas
+            .push(format!("name=r{i},http=http://{replica},events={events},engine=vllm").parse().unwrap());
+    }
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas,
+        remote_tokenize: true,
+        lora_updates: true,
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let http = crate::fleet::Http::new();
+    let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
+    let reply = http.post(&format!("{}/v1/load_lora_adapter", router.url()), &load).await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    // r0 lost it since (a restart, say).
+    router.fleet().member("r0").unwrap().upstream.mark_adapter("sql", false);
+    let ask = |n: usize| json!({"model": "sql", "prompt": format!("question {n}"), "max_tokens": 1});
+    for n in 0..4 {
+        let reply = http.post(&format!("{}/v1/completions", router.url()), &ask(n)).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        assert_eq!(reply.header("x-kvroute-replica"), Some("r1"));
+    }
+    assert_eq!((asked[0].load(SeqCst), asked[1].load(SeqCst)), (0, 4));
+
+    router.fleet().set_draining("r1", true).unwrap();
+    let reply = http.post(&format!("{}/v1/completions", router.url()), &ask(4)).await;
+    assert_eq!(reply.status, 503, "{:?}", reply.body);
+    let error = reply.json();
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(message.contains("no replica up has the LoRA adapter sql"), "{message}");
+    assert_eq!((asked[0].load(SeqCst), asked[1].load(SeqCst)), (0, 4), "nobody asked");
+    shutdown.cancel();
+}
+
 /// With `--remote-tokenize`, a 404 that is not an OpenAI-shaped error (a replica without a
 /// `/tokenize` route) is the replica's failure (503), not a model the client asked wrongly.
 #[tokio::test]
