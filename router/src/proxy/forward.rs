@@ -31,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::access;
 use super::body::{BoxError, End, Hooks, ProxyBody, Tracked, Usage};
+use super::disagg::Remote;
 use super::error::{Client, ProxyError};
 use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::live::Live;
@@ -189,8 +190,9 @@ pub async fn routed(
             Ok(Ok(response))
                 if response.status() == http::StatusCode::SERVICE_UNAVAILABLE
                     && tried < MAX_ATTEMPTS
-                    && untried(plan, &sent_to)
-                        .any(|(_, s)| retry_on(decider, plan, &s.member).may(line.0)) =>
+                    && untried(plan, &sent_to).any(|(_, s)| {
+                        retry_on(decider, (plan, after_prefill_alone(plan)), &s.member).may(line.0)
+                    }) =>
             {
                 // A 503 means the replica refused the request without starting it (shutting
                 // down, queue full): another replica can take it, now or once it has room.
@@ -387,15 +389,25 @@ fn prefill_alone(plan: &mut Plan, body: &mut Bytes) {
     }
 }
 
+/// The remote prefill `plan`'s retry goes with after [`prefill_alone`]: none, where it can go
+/// without (the replica that prefilled it may then decode it too, a `both` one).
+fn after_prefill_alone(plan: &Plan) -> Option<&Remote> {
+    plan.prefilled_by.as_ref().filter(|remote| remote.alone.is_none())
+}
+
 /// Whether `member`, a candidate when the request was decided, may take its retry: it is not
 /// [`gone_since`], nor at `--max-in-flight-per-replica` since (when a whole fleet refuses at
 /// once, overloaded, the retries would go on past the limit: it may take the retry once it
 /// has room).
-fn retry_on(decider: &Decider, plan: &Plan, member: &crate::fleet::Member) -> Retry {
-    // The replica a decode's params name, and that prefilled it, does not decode it; nor does
-    // one that would not wait for its bootstrap room; nor does an SGLang decode replica take
-    // what comes without one.
-    let undecodable = match &plan.prefilled_by {
+fn retry_on(
+    decider: &Decider,
+    (plan, prefilled_by): (&Plan, Option<&Remote>),
+    member: &crate::fleet::Member,
+) -> Retry {
+    // The replica a decode's params name (`prefilled_by`'s), and that prefilled it, does not
+    // decode it; nor does one that would not wait for its bootstrap room; nor does an SGLang
+    // decode replica take what comes without one.
+    let undecodable = match prefilled_by {
         Some(remote) => !remote.decodable_on(&member.replica),
         None => member.replica.spec.waits_for_a_room(),
     };
@@ -449,7 +461,13 @@ async fn next_attempt(
 ) -> Result<(usize, LoadGuard), Option<ProxyError>> {
     let mut next = || {
         let candidates: Vec<_> = untried(plan, sent_to)
-            .map(|(i, scored)| (i, retry_on(decider, plan, &scored.member), scored.member.replica.id))
+            .map(|(i, scored)| {
+                (
+                    i,
+                    retry_on(decider, (plan, plan.prefilled_by.as_ref()), &scored.member),
+                    scored.member.replica.id,
+                )
+            })
             .collect();
         let taken = first_to_take(candidates.into_iter(), |i| decider.retry(plan, i));
         taken.map_err(|saturated| match saturated.is_empty() {

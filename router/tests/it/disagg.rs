@@ -218,6 +218,59 @@ async fn a_decode_that_reached_its_replica_is_not_pulled_again_elsewhere() {
     assert_eq!(usage(&reply).2, 0, "nothing pulled");
 }
 
+/// The same, with no decode replica left but the `both` one that prefilled it: the retry goes
+/// there without the params, and is prefilled there (it was not tried: the params named it).
+#[tokio::test]
+async fn a_refused_decode_may_go_to_the_both_replica_that_prefilled_it() {
+    let roles = |name: &str| {
+        let config = agent_config(name);
+        let (kv_role, slow) = match name {
+            "agent-0" => (KvRole::KvBoth, false),
+            _ => (KvRole::KvConsumer, true),
+        };
+        let kv_transfer_config =
+            Some(KvTransferConfig { kv_connector: NIXL.into(), kv_role, engine_id: None });
+        let config = kvroute_replica_agent::Config { kv_transfer_config, ..config };
+        match slow {
+            false => config,
+            true => kvroute_replica_agent::Config {
+                time_scale: 1.0,
+                step_base_us: 20_000,
+                shutdown_grace_secs: 0,
+                ..config
+            },
+        }
+    };
+    let mut fleet = Fleet::with(2, roles, |mut config| {
+        config.replicas[1].role = Role::Decode;
+        config.pd_min_prefill_tokens = 8;
+        config
+    })
+    .await;
+    let mut chosen = None;
+    for seed in 0..32 {
+        let body = completion(&words(40, 100 + seed), 150);
+        if explain(&fleet, &body).await == ("remote".into(), "agent-1".into(), "agent-0".into()) {
+            chosen = Some(body);
+            break;
+        }
+    }
+    let body = chosen.expect("a prompt decoded on agent-1, prefilled on agent-0");
+    let posting = tokio::spawn({
+        let (http, url, body) = (fleet.http.clone(), fleet.url("/v1/completions"), body.clone());
+        async move { http.post(&url, &body).await }
+    });
+    crate::support::wait_until_async("the decode running", async || {
+        agent_metric(&fleet, 1, "vllm:num_requests_running").await == 1
+    })
+    .await;
+    fleet.kill(1).await;
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(30), posting).await.unwrap().unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(reply.header("x-kvroute-replica"), Some("agent-0"));
+    assert_eq!(reply.header("x-kvroute-prefill-replica"), None, "prefilled where it was decoded");
+}
+
 fn usage(reply: &Reply) -> (u64, u64, u64) {
     let usage = &reply.json()["usage"];
     let field = |v: &Value| v.as_u64().unwrap();
