@@ -109,9 +109,9 @@ pub fn asked(raw: Option<&RawValue>, config: Option<&KvTransferConfig>) -> Resul
     }
     match (
         PULL_KEYS.iter().find(|key| params.get(**key).is_none_or(Value::is_null)),
-        &params["remote_block_ids"],
+        params.get("remote_block_ids"),
     ) {
-        (None, Value::Array(blocks)) => Ok(Asked::RemotePrefill { blocks: blocks.len() }),
+        (None, Some(Value::Array(blocks))) => Ok(Asked::RemotePrefill { blocks: blocks.len() }),
         (missing, _) => {
             let missing = missing.copied().unwrap_or("remote_block_ids");
             tracing::warn!(
@@ -198,6 +198,9 @@ mod tests {
         for key in PULL_KEYS {
             let mut partial = full.clone();
             partial[key] = Value::Null;
+            assert_eq!(asked(Some(&raw(&partial.to_string())), Some(&both)), Ok(Asked::Nothing), "{key}");
+            // Left out, not null: as absent.
+            partial.as_object_mut().unwrap().remove(key);
             assert_eq!(asked(Some(&raw(&partial.to_string())), Some(&both)), Ok(Asked::Nothing), "{key}");
         }
         full["remote_block_ids"] = json!("0,1");
