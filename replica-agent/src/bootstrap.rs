@@ -177,11 +177,21 @@ pub struct Rooms {
     rooms: Mutex<HashMap<u64, watch::Sender<Handover>>>,
     timeout: Duration,
     client: Client<HttpConnector, Full<Bytes>>,
+    /// Cancelled when the engines stopped (the shutdown's grace is over): no wait for a room
+    /// outlasts them, or a shutdown would wait out the timeout for a decode replica that can
+    /// no longer come (the bootstrap server stops at the shutdown).
+    closed: CancellationToken,
 }
 
 impl Rooms {
     pub fn new(timeout: Duration) -> Self {
-        Rooms { rooms: Mutex::default(), timeout, client: Client::builder(TokioExecutor::new()).build_http() }
+        let client = Client::builder(TokioExecutor::new()).build_http();
+        Rooms { rooms: Mutex::default(), timeout, client, closed: CancellationToken::new() }
+    }
+
+    /// Ends every wait for a room, and those to come: the engines stopped.
+    pub fn close(&self) {
+        self.closed.cancel();
     }
 
     fn room(&self, id: u64) -> watch::Sender<Handover> {
@@ -199,8 +209,9 @@ impl Rooms {
     ) -> Option<Handover> {
         let _forget = Forget { rooms: self, id, room: room.clone() };
         let mut changes = room.subscribe();
-        let seen = tokio::time::timeout(self.timeout, changes.wait_for(ready)).await;
-        seen.ok().and_then(Result::ok).map(|room| *room)
+        let seen =
+            self.closed.run_until_cancelled(tokio::time::timeout(self.timeout, changes.wait_for(ready)));
+        seen.await.and_then(Result::ok).and_then(Result::ok).map(|room| *room)
     }
 
     /// P: hands `transfer` over to the room's D, once D has come for it.
@@ -239,7 +250,12 @@ impl Rooms {
             }
             serde_json::from_slice(&body).map_err(|e| failed(&e))
         });
-        answer.await.unwrap_or_else(|_| Err(failed(&format!("no prefill in {:?}", self.timeout))))
+        match self.closed.run_until_cancelled(answer).await {
+            Some(answer) => {
+                answer.unwrap_or_else(|_| Err(failed(&format!("no prefill in {:?}", self.timeout))))
+            }
+            None => Err(failed(&"the replica stopped before its prefill came")),
+        }
     }
 }
 

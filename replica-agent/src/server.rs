@@ -163,12 +163,21 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
         .context("starting the engine")?;
         engines.push((engine, scheduler));
     }
+    // SGLang's disaggregation's hand-overs: none waits past the engines' end (each rank's
+    // scheduler ends at the shutdown's grace).
+    let rooms =
+        Arc::new(crate::bootstrap::Rooms::new(Duration::from_millis(config.disaggregation_timeout_ms)));
     // Vital once every engine is there (a scheduler whose engines were dropped by a start
     // failing after it ends of itself, before the start's abandoning could tell it apart).
     let engines = (0..)
         .zip(engines)
         .map(|(rank, (engine, scheduler))| {
-            parts.vital(format!("rank {rank}'s engine"), scheduler);
+            let rooms = rooms.clone();
+            parts.vital(format!("rank {rank}'s engine"), async move {
+                let ended = scheduler.await;
+                rooms.close();
+                ended
+            });
             engine
         })
         .collect();
@@ -205,7 +214,7 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
             .map_err(|e| e.to_string())
     });
 
-    let state = http::AppState::new(ranks.clone(), tokenization, config.clone());
+    let state = http::AppState::new(ranks.clone(), tokenization, config.clone(), rooms);
     if let Some(listener) = bootstrap_listener {
         let (rooms, shutdown) = (state.rooms().clone(), shutdown.clone());
         parts.vital("the bootstrap server", async move {

@@ -93,9 +93,13 @@ struct Inner {
 impl AppState {
     /// The state the API serves from. `tokenization` must be the one the router uses, so
     /// that `/tokenize`, generation and the router agree on token ids.
-    pub fn new(ranks: Ranks, tokenization: Arc<Tokenization>, config: Arc<Config>) -> Self {
+    pub fn new(
+        ranks: Ranks,
+        tokenization: Arc<Tokenization>,
+        config: Arc<Config>,
+        rooms: Arc<crate::bootstrap::Rooms>,
+    ) -> Self {
         let store = config.responses_store;
-        let rooms = crate::bootstrap::Rooms::new(Duration::from_millis(config.disaggregation_timeout_ms));
         AppState {
             inner: Arc::new(Inner {
                 ranks,
@@ -104,7 +108,7 @@ impl AppState {
                 started: SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default(),
                 shutdown: CancellationToken::new(),
                 responses: Arc::new(responses::Store::new(store)),
-                rooms: Arc::new(rooms),
+                rooms,
             }),
         }
     }

@@ -90,3 +90,32 @@ async fn the_decode_takes_the_prompt_its_prefill_hands_over() {
     let reply = decode.client.post("/v1/completions", &nowhere).await;
     assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{}", reply.text());
 }
+
+/// A prefill replica whose request waits for its decode replica when it is stopped ends that
+/// wait: the bootstrap server stops with it, so no decode replica can come for the room. The
+/// stop used to wait out `--disaggregation-timeout-ms` (300 s by default).
+#[tokio::test]
+async fn a_stop_ends_the_wait_for_a_decode_replica() {
+    let prefill = Agent::with(kvroute_replica_agent::config::Config {
+        disaggregation_mode: Mode::Prefill,
+        disaggregation_timeout_ms: 300_000,
+        ..config()
+    })
+    .await;
+    let port = prefill.bootstrap_addr.expect("a prefill agent serves its bootstrap port").port();
+    let body = json!({
+        "model": MODEL, "prompt": words(20, 34), "max_tokens": 4,
+        "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 7,
+    });
+    let served = &prefill.engine.metrics().requests_served;
+    let (reply, ()) = tokio::join!(prefill.client.post("/v1/completions", &body), async {
+        // The prefill done, its request waits for the room's decode replica; then the stop.
+        while served.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+            tokio::task::yield_now().await;
+        }
+        // A hang detector, not a timing: the old wait was 300 s.
+        tokio::time::timeout(std::time::Duration::from_secs(60), prefill.stop()).await.expect("stopped");
+    });
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{}", reply.text());
+    assert!(reply.text().contains("bootstrap room 7"), "{}", reply.text());
+}
