@@ -489,8 +489,8 @@ impl RankStream {
         // a snapshot to come it is applied first and its share of the shared replay budget
         // given back: the snapshot may take its whole timeout, and other ranks' replays would
         // wait for the budget meanwhile.
-        let applied =
-            !partial.0.is_empty() && self.rank == 0 && self.ctx.replica.spec.grpc_endpoint.is_some();
+        let replayed = !partial.0.is_empty();
+        let applied = replayed && self.rank == 0 && self.ctx.replica.spec.grpc_endpoint.is_some();
         if applied {
             self.clear();
             self.expected = None;
@@ -508,7 +508,7 @@ impl RankStream {
         // The replay began past `from`: live copies of the batches it skipped, still queued,
         // are older than what it brought, and dropped as duplicates. (Taken for a restart,
         // each cleared the rank.)
-        if !partial.0.is_empty() {
+        if replayed {
             self.dup = self.dup.map(|(first, last)| (first.min(from), last));
         }
         drop(partial);
@@ -1077,16 +1077,21 @@ mod tests {
     /// those queued behind it, not taken for restarts that clear what the replay brought.
     #[tokio::test]
     async fn a_batch_its_repair_went_past_is_dropped() {
-        let mut rank = rank();
-        rank.replay_endpoint = Some(serve_replays(|_, _| ((10..12).collect(), true)).await);
-        rank.expected = Some(Seq(2));
-        for seq in [5, 6, 9] {
-            let late = rank.decode(&batch(seq)).unwrap();
-            rank.process(late).await;
-            assert_eq!(rank.expected, Some(Seq(12)), "in step with the replay, not with batch {seq}");
+        // Without a snapshot to ask for, and with one that fails (the replay applied first).
+        for grpc in [None, Some("http://127.0.0.1:9")] {
+            let mut spec = ReplicaSpec::new("r", "tcp://127.0.0.1:9", EngineKind::Vllm, "m");
+            spec.grpc_endpoint = grpc.map(str::to_owned);
+            let mut rank = rank_of(spec, IngestConfig::default());
+            rank.replay_endpoint = Some(serve_replays(|_, _| ((10..12).collect(), true)).await);
+            rank.expected = Some(Seq(2));
+            for seq in [5, 6, 9] {
+                let late = rank.decode(&batch(seq)).unwrap();
+                rank.process(late).await;
+                assert_eq!(rank.expected, Some(Seq(12)), "{grpc:?}: in step with the replay, not with {seq}");
+            }
+            assert_eq!(rank.ctx.replica.status.state(), StreamState::Exact, "{grpc:?}");
+            assert_eq!(rank.ctx.metrics.restarts.get(), 0, "{grpc:?}: no restart");
         }
-        assert_eq!(rank.ctx.replica.status.state(), StreamState::Exact);
-        assert_eq!(rank.ctx.metrics.restarts.get(), 0, "no restart");
     }
 
     /// A publisher holding batches `0..held` whose `n`th replay reply loses batch `seq` when
