@@ -247,6 +247,10 @@ impl RankStream {
                 self.clear();
                 self.expected = None;
                 self.disconnected = true;
+                // The clear covers what a lost batch removed: the repair's replay is not
+                // cleared again for it (one of it lost too says so again).
+                self.lost = false;
+                self.resynced_in_run = false;
             }
             Input::Unreachable => {
                 self.set_state(StreamState::Fallback);
@@ -1174,6 +1178,20 @@ mod tests {
         rank.process(late).await;
         assert_eq!(rank.ctx.index.blocks(id), 2, "not cleared as a restart");
         assert_eq!(rank.ctx.metrics.restarts.get(), 0);
+    }
+
+    /// A batch lost before a disconnect (a second in a row, left for the next good one) does
+    /// not clear what the reconnection's replay brought: the disconnect's clear covered it.
+    #[tokio::test]
+    async fn a_batch_lost_before_a_disconnect_leaves_the_replay_after_it() {
+        let mut rank = rank();
+        rank.replay_endpoint = Some(replaying_publisher(4, |_, _| false, true).await);
+        let garbage = LiveMessage { topic: Bytes::new(), seq: Seq(0), payload: Bytes::from_static(b"\xc1") };
+        assert!(rank.decode(&garbage).is_none());
+        rank.handle(Input::Disconnected).await;
+        rank.handle(Input::Connected).await;
+        assert_eq!(rank.ctx.index.blocks(rank.ctx.replica.id), 4, "the replay stands");
+        assert_eq!(rank.ctx.replica.status.state(), StreamState::Exact);
     }
 
     /// A queue overflow reported after the connection dropped waits for the next connection:
