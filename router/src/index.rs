@@ -106,6 +106,7 @@ pub use credits::{CreditHold, Credits, Stamp};
 pub(crate) use hasher::FoldState;
 pub use ranks::{RankGuard, RankView, Ranks, views as rank_views};
 pub use table::PrefixIndex;
+pub(crate) use table::shrink_if_sparse;
 
 /// Who waits for which (block, replica) to be stored.
 type Waiters = HashMap<(BlockHash, ReplicaId), Vec<Arc<dyn OnStored>>>;

@@ -143,7 +143,7 @@ impl PrefixIndex {
                 *more.get_mut() -= 1;
                 if *more.get() == 0 {
                     more.remove();
-                    shrink_if_sparse(extra, self.hasher);
+                    shrink_if_sparse(extra);
                 }
                 continue;
             }
@@ -151,7 +151,7 @@ impl PrefixIndex {
             freed += 1;
             if *mask == 0 {
                 shard.remove(&hash);
-                shrink_if_sparse(shard, self.hasher);
+                shrink_if_sparse(shard);
             }
         }
         self.slot_mut(slot).blocks -= freed;
@@ -183,12 +183,12 @@ impl PrefixIndex {
             }
             *mask != 0
         });
-        shrink_if_sparse(map, self.hasher);
+        shrink_if_sparse(map);
         if let Some(extra) = self.extra.get_mut(shard)
             && !extra.is_empty()
         {
             extra.retain(|&(_, s), _| s != slot);
-            shrink_if_sparse(extra, self.hasher);
+            shrink_if_sparse(extra);
         }
         self.slot_mut(slot).blocks -= freed;
         self.entries -= freed;
@@ -373,10 +373,14 @@ impl PrefixIndex {
 
 /// Frees an empty table and halves a sparse one, so memory follows the live blocks.
 /// Shrinking only below a quarter full keeps the cost amortised O(1) per removal.
-fn shrink_if_sparse<K: std::hash::Hash + Eq, V>(map: &mut Map<K, V>, hasher: FoldState) {
+pub(crate) fn shrink_if_sparse<K, V, S>(map: &mut HashMap<K, V, S>)
+where
+    K: std::hash::Hash + Eq,
+    S: std::hash::BuildHasher + Clone,
+{
     if map.is_empty() {
         if map.capacity() > 0 {
-            *map = Map::with_hasher(hasher);
+            *map = HashMap::with_hasher(map.hasher().clone());
         }
     } else if map.capacity() > MIN_SHRINK_CAPACITY && map.len() * 4 < map.capacity() {
         map.shrink_to(map.len() * 2);
