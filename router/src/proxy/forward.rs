@@ -1001,8 +1001,8 @@ pub struct Admitted<'a> {
     pub received: Option<super::access::Arrival>,
 }
 
-/// A place under the router's in-flight limit, counted by its gauge while held (and, for a
-/// WebSocket session, its key's place under `--max-in-flight-per-key`).
+/// A place under the router's in-flight limit, counted by its gauge while held, and its
+/// request's key's place under `--max-in-flight-per-key`.
 #[derive(Debug)]
 pub struct Slot {
     _permit: OwnedSemaphorePermit,

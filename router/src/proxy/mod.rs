@@ -279,7 +279,7 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
 }
 
 /// `response`, holding `held` until its body ends (or is dropped).
-fn holding(response: Response<ProxyBody>, held: per_key::KeyHold) -> Response<ProxyBody> {
+fn holding(response: Response<ProxyBody>, held: per_key::KeyPlace) -> Response<ProxyBody> {
     response.map(|body| {
         body.map_frame(move |frame| {
             let _held = &held;
@@ -308,7 +308,7 @@ fn headers_only(response: Response<ProxyBody>) -> Response<ProxyBody> {
 async fn dispatch(
     state: &Arc<ProxyState>,
     pool: &Arc<Pool>,
-    (req, held): (Request<Incoming>, &mut Option<per_key::KeyHold>),
+    (mut req, held): (Request<Incoming>, &mut Option<per_key::KeyPlace>),
     request_id: &str,
     received: Option<access::Arrival>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
@@ -329,7 +329,11 @@ async fn dispatch(
     // model list, which the router answers itself.
     let lists_models = matches!(method, Method::GET | Method::HEAD) && path == "/v1/models";
     if let (Some(key), limit @ 1.., false) = (key, admission.max_in_flight_per_key, lists_models) {
-        *held = Some(state.per_key.try_hold(key, limit).ok_or(ProxyError::KeyLimit { limit })?);
+        let place =
+            per_key::KeyPlace::new(state.per_key.try_hold(key, limit).ok_or(ProxyError::KeyLimit { limit })?);
+        // Its place under --max-in-flight takes it, once it has one ([`admit`]).
+        req.extensions_mut().insert(place.clone());
+        *held = Some(place);
     }
     drop(admission);
     if method == Method::GET
@@ -344,12 +348,9 @@ async fn dispatch(
         paths::check_passthrough(&path)?;
         tunnel::check_handshake(req.headers())?;
         let line = queue::Line::default();
-        let mut admitted = admit(state, (request_id, received), &line, &req).await?;
         // The session holds its key's place as it holds its place under --max-in-flight (its
         // handshake's answer ends at once).
-        if let Some(slot) = admitted.slot.as_mut() {
-            slot.hold_key(held.take());
-        }
+        let admitted = admit(state, (request_id, received), &line, &req).await?;
         let members = with_room(state, &line, || by_load(state, request_id, None, Takes::ANY)).await?;
         return Box::pin(tunnel::open(state, pool, req, members, admitted)).await;
     }
@@ -574,7 +575,8 @@ async fn find_owner(
 
 /// A place under `--max-in-flight` for the request `req` (its id, and when it arrived), held
 /// until its response ends; waiting in `line` for one if none is free ([`queue`]). Its key is
-/// checked again once it has one.
+/// checked again once it has one. It holds the request's key's place too ([`per_key`]): a
+/// response the router cuts (a stalled HTTP/2 stream) ends both.
 async fn admit<'a>(
     state: &ProxyState,
     (request_id, received): (&'a str, Option<access::Arrival>),
@@ -582,7 +584,7 @@ async fn admit<'a>(
     req: &Request<Incoming>,
 ) -> Result<Admitted<'a>, ProxyError> {
     let metrics = &state.decider.metrics;
-    let slot = match forward::Slot::try_take(&state.in_flight, &metrics.in_flight) {
+    let mut slot = match forward::Slot::try_take(&state.in_flight, &metrics.in_flight) {
         Some(slot) => slot,
         None => {
             let slot = state.queue.admit(&state.in_flight, line, metrics).await?;
@@ -592,6 +594,7 @@ async fn admit<'a>(
             slot
         }
     };
+    slot.hold_key(req.extensions().get::<per_key::KeyPlace>().and_then(per_key::KeyPlace::take));
     Ok(Admitted { request_id, slot: Some(slot), received })
 }
 

@@ -46,6 +46,23 @@ impl PerKey {
     }
 }
 
+/// A request's key's place, shared by the request and its answer: its place under
+/// `--max-in-flight` takes it once admitted ([`KeyPlace::take`]), to end with it (when its
+/// response ends, or is cut); the answer holds it otherwise, until its body ends.
+#[derive(Clone, Debug)]
+pub struct KeyPlace(Arc<Mutex<Option<KeyHold>>>);
+
+impl KeyPlace {
+    pub fn new(hold: KeyHold) -> Self {
+        KeyPlace(Arc::new(Mutex::new(Some(hold))))
+    }
+
+    /// The place, if no one took it yet.
+    pub fn take(&self) -> Option<KeyHold> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+}
+
 /// A request's place under its key's limit, given back when dropped.
 #[derive(Debug)]
 pub struct KeyHold {

@@ -2774,14 +2774,20 @@ async fn endless_stream_replica() -> (std::net::SocketAddr, std::sync::Arc<std::
 /// counted as loaded for as long as the client liked. Now the response ends after the send
 /// timeout (HTTP/1: the write that waits closes the connection; HTTP/2: the stall watch cuts
 /// the stream's response, as the client's socket is read and no write waits): the replica
-/// sees its connection closed and the load is released.
+/// sees its connection closed and the load is released, and so is the key's place under
+/// `--max-in-flight-per-key` (it outlived the HTTP/2 cut, refusing the key's next requests).
 #[tokio::test]
 async fn a_client_that_stops_reading_a_stream_does_not_hold_the_replica() {
     use std::sync::atomic::Ordering;
     use tokio::io::AsyncWriteExt;
     let (replica, closed) = endless_stream_replica().await;
-    let (router, shutdown) =
-        router_in_front_of(replica, |c| kvroute_router::Config { send_timeout_ms: 300, ..c }).await;
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+        send_timeout_ms: 300,
+        api_key: vec!["sk-a".into()],
+        max_in_flight_per_key: 1,
+        ..c
+    })
+    .await;
     let address: std::net::SocketAddr = router.url().trim_start_matches("http://").parse().unwrap();
     let in_flight = || router.fleet().members()[0].upstream.load().in_flight;
 
@@ -2790,7 +2796,7 @@ async fn a_client_that_stops_reading_a_stream_does_not_hold_the_replica() {
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
     let mut h1 = socket.connect(address).await.unwrap();
-    h1.write_all(b"GET /v1/stream HTTP/1.1\r\nhost: t\r\n\r\n").await.unwrap();
+    h1.write_all(b"GET /v1/stream HTTP/1.1\r\nhost: t\r\nauthorization: Bearer sk-a\r\n\r\n").await.unwrap();
     wait_until("the replica's stream closed", || closed.load(Ordering::SeqCst) == 1).await;
     wait_until("the load released", || in_flight() == 0).await;
     let closed_after = sample(&scrape(&crate::fleet::Http::new(), &router.url()).await, TIMEOUTS).unwrap();
@@ -2805,13 +2811,19 @@ async fn a_client_that_stops_reading_a_stream_does_not_hold_the_replica() {
         .await
         .unwrap();
     tokio::spawn(conn);
-    let request = http::Request::get(format!("http://{address}/v1/stream")).body(Default::default()).unwrap();
-    let response = h2.send_request(request).await.unwrap();
+    let keyed = |path: &str| {
+        let request = http::Request::get(format!("http://{address}{path}"));
+        request.header("authorization", "Bearer sk-a").body(Default::default()).unwrap()
+    };
+    let response = h2.send_request(keyed("/v1/stream")).await.unwrap();
     assert_eq!(response.status(), 200);
     wait_until("the replica's second stream closed", || closed.load(Ordering::SeqCst) == 2).await;
     wait_until("the load released again", || in_flight() == 0).await;
 
     assert_eq!(client_stalls(&router).await, cut_before + 1, "the stall watch cut it");
+    // The stream still open, unread: its key's place ended with the cut.
+    let next = h2.send_request(keyed("/v1/other")).await.unwrap();
+    assert_eq!(next.status(), 200, "the key's place is back");
     assert_eq!(cut_before, 0, "HTTP/1 is the send timeout's");
     drop((h1, response));
     shutdown.cancel();
