@@ -59,6 +59,18 @@ impl Routers {
             Routers::External(list) => list.iter().map(|(p, _)| *p).collect(),
         }
     }
+
+    /// Whether the routers follow no replica's KV events, each predicting the caches from its
+    /// own requests (as the offline runs then do, [`SimConfig::predicted`]). Running routers'
+    /// configuration is not known here: taken to follow events.
+    fn predict_caches(&self) -> bool {
+        match self {
+            Routers::Embedded { config, .. } => {
+                !config.replicas.is_empty() && config.replicas.iter().all(|r| r.events.is_empty())
+            }
+            Routers::External(_) => false,
+        }
+    }
 }
 
 /// What to compare.
@@ -360,6 +372,7 @@ fn offline_config(caches: Caches, config: &CompareConfig, policy: PolicyKind, sp
         blocks: BlockIdentity::Tokens,
         speedup,
         engine: Some(EngineModel::default()),
+        predicted: config.routers.predict_caches(),
         ..SimConfig::default()
     }
 }
@@ -612,6 +625,35 @@ mod tests {
         assert_eq!(s3fifo.flags(), "s3fifo --s3fifo-small-ratio 0.25 --s3fifo-max-freq 2");
         assert!(unknown.unwrap_err().contains("\"arc\""));
         assert!(page_policies("vllm:num_requests_running 1\n").is_empty());
+    }
+
+    /// Routers that follow no events are simulated offline as they route, on caches they
+    /// predict (with LFU or S3FIFO agents, the two modes' hit rates differ widely).
+    #[test]
+    fn offline_runs_predict_caches_where_the_routers_do() {
+        let replica = |events: &str| {
+            format!("name=r,http=http://127.0.0.1:1,events={events},engine=kvroute").parse().unwrap()
+        };
+        let config = |events: &str| CompareConfig {
+            routers: Routers::Embedded {
+                config: Box::new(RouterConfig::loopback(vec![replica(events)])),
+                policies: vec![PolicyKind::CacheAware],
+            },
+            replicas: Vec::new(),
+            live: LiveConfig::new("", "m"),
+            block_size: 16,
+            total_capacity_blocks: None,
+            eviction: cache::PolicyKind::Lfu,
+            s3fifo: S3FifoParams::default(),
+            time_scale: 1.0,
+            out_dir: None,
+            workload: String::new(),
+            offline_speedup: Some(1.0),
+        };
+        let caches = Caches { total_blocks: 64, count: 1, host_blocks: 0 };
+        let offline = |events| offline_config(caches, &config(events), PolicyKind::CacheAware, 1.0);
+        assert!(offline("").predicted);
+        assert!(!offline("tcp://127.0.0.1:2").predicted);
     }
 
     /// The pooled reference replays the agents' S3FIFO as configured, not seed 000's
