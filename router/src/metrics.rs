@@ -133,9 +133,9 @@ impl Default for ProxyMetrics {
             // 1 ms .. ~70 min, past the longest `--queue-timeout-ms`.
             queue_wait_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 23)),
             queue_outcomes: Family::default(),
-            // 1 µs .. ~17 s: with remote tokenization a decision includes a `/tokenize` call
-            // (10 s at most by default).
-            decision_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 25)),
+            // 1 µs .. ~67 s: with remote tokenization a decision includes `/tokenize` calls
+            // (10 s at most by default, at each of up to three replicas).
+            decision_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 27)),
             // 1 ms .. ~1049 s
             upstream_ttfb_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, TTFB_BUCKETS)),
             // As long, and one more doubling: a stream goes on after its first byte.
@@ -534,9 +534,7 @@ mod tests {
         }
     }
 
-    /// Time to first byte is bucketed up to the default first-byte timeout and beyond: the
-    /// answers it cuts are told apart from those it lets through.
-    /// The largest finite bucket of the histogram `name`.
+    /// The largest finite bucket of the histogram `name` (not `+Inf`, which every one has).
     fn largest_bucket(name: &str, observe: impl Fn(&ProxyMetrics)) -> f64 {
         let mut registry = Registry::default();
         let metrics = ProxyMetrics::register(&mut registry);
@@ -547,9 +545,12 @@ mod tests {
         text.lines()
             .filter_map(|l| l.strip_prefix(prefix.as_str()))
             .filter_map(|l| l.split('"').next()?.parse::<f64>().ok())
+            .filter(|le| le.is_finite())
             .fold(0.0, f64::max)
     }
 
+    /// Time to first byte is bucketed up to the default first-byte timeout and beyond: the
+    /// answers it cuts are told apart from those it lets through.
     #[test]
     fn time_to_first_byte_buckets_reach_the_first_byte_timeout() {
         let largest = largest_bucket("upstream_ttfb_seconds", |m| m.upstream_ttfb_seconds.observe(0.5));
@@ -557,11 +558,13 @@ mod tests {
         assert!(largest >= timeout, "largest bucket {largest} s, first-byte timeout {timeout} s");
     }
 
-    /// With remote tokenization a decision waits for `/tokenize`, up to its timeout.
+    /// With remote tokenization a decision waits for `/tokenize`, up to its timeout at each
+    /// replica it tries.
     #[test]
     fn decision_buckets_reach_the_tokenize_timeout() {
         let largest = largest_bucket("decision_seconds", |m| m.decision_seconds.observe(0.5));
         let timeout = crate::config::Config::loopback(Vec::new()).tokenize_timeout_ms as f64 / 1e3;
-        assert!(largest >= timeout, "largest bucket {largest} s, tokenize timeout {timeout} s");
+        let tries = crate::proxy::prompts::TOKENIZE_ATTEMPTS as f64;
+        assert!(largest >= tries * timeout, "largest bucket {largest} s, {tries} tries of {timeout} s");
     }
 }
