@@ -927,6 +927,17 @@ struct ResponseHooks {
     learner: Option<Learner>,
 }
 
+impl ResponseHooks {
+    /// Ends the request's credits on its replica, and on its rank of a data-parallel one
+    /// (credited there though the replica's stream is FALLBACK, a rank unfollowed).
+    fn withdraw_credits(&mut self) {
+        if let Some(hold) = self.hold.take() {
+            hold.withdraw_own();
+        }
+        self.guard.withdraw_rank();
+    }
+}
+
 impl Hooks for ResponseHooks {
     fn watch(&mut self, data: &[u8]) -> bool {
         let wants = self.learner.as_mut().is_some_and(|learner| learner.feed(data));
@@ -937,9 +948,15 @@ impl Hooks for ResponseHooks {
     }
 
     fn first_data(&mut self, data: &[u8]) {
+        // A stream that fails before its output stopped, or never ran: its credits end now
+        // (as an error status's do), not after the TTL.
+        let failed = super::opening::fails_in_band(data);
+        if failed {
+            self.withdraw_credits();
+        }
         self.guard.prefill_done();
         if let Some((prediction, blocks)) = self.predict.take()
-            && !super::opening::fails_in_band(data)
+            && !failed
         {
             prediction.record(&blocks);
         }
@@ -955,10 +972,9 @@ impl Hooks for ResponseHooks {
         // Given up before its first output (its client left, or an SGLang prefill failed
         // beside it): its replica drops it, and stores no more of its prompt than its events
         // show. Its credit ends now, not after the TTL.
-        if let (End::Abandoned, Some(hold)) = (end, self.hold.take()) {
-            hold.withdraw_own();
-            // (And its rank's, on a data-parallel replica.)
-            self.guard.withdraw_rank();
+        // (Once its first output came, they are no longer held: nothing to withdraw.)
+        if end == End::Abandoned {
+            self.withdraw_credits();
         }
         // A usage without cached tokens is a miss only in a whole answer: a stream cut off may
         // have shown its prompt's count (Anthropic's `message_start`, vLLM's continuous usage)

@@ -2606,6 +2606,21 @@ async fn an_error_answer_withdraws_the_credit() {
     assert_eq!(credited, 0, "a credit was left");
 }
 
+/// A stream that fails in band (a success head, then an error as its first output: it
+/// stopped before its output, or never ran) leaves no credit, as an error status does.
+#[tokio::test]
+async fn a_stream_that_fails_in_band_withdraws_the_credit() {
+    let event = "data: {\"error\":{\"message\":\"no room\",\"code\":500}}\n\n";
+    let answer = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n{event}",
+        event.len()
+    );
+    let answer: &'static [u8] = Box::leak(answer.into_bytes().into_boxed_slice());
+    let (reply, credited) = credited_after_one_request(body_reading_replica(answer).await, false).await;
+    assert_eq!(reply.status, 200, "the replica's answer: {:?}", reply.body);
+    assert_eq!(credited, 0, "a credit was left");
+}
+
 /// A replica whose stream is FALLBACK is credited with nothing: no event would ever confirm
 /// a credit, a decision scores none there, and with long credits every request's blocks
 /// piled up for the TTL.
