@@ -513,9 +513,11 @@ impl Decider {
         }
         // A whole answer comes at its end: the prefill is over when the replica (its rank)
         // stores the prompt's last block. (Not for a batch: a later prompt's last block may
-        // lie inside an earlier one.)
+        // lie inside an earlier one. Nor for a chat with media: its blocks end before the
+        // media, whose prefill comes after they are stored.)
         if !plan.streams
             && !plan.is_batch()
+            && plan.unhashed_tokens.is_none()
             && !load.tell_when_rank_stored()
             && let Some(hold) = plan.hold.as_mut()
         {
