@@ -86,13 +86,20 @@ impl RequestLimits {
 
     /// Whether `plan`, of a request to `endpoint`, is within the bounds.
     pub fn check(&self, plan: &Plan, endpoint: Endpoint) -> Result<(), ProxyError> {
-        if plan.prompt_tokens > self.max_prompt_tokens {
-            return Err(ProxyError::PromptTooLong {
-                tokens: plan.prompt_tokens,
-                limit: self.max_prompt_tokens,
-            });
+        self.check_tokens(plan.prompt_tokens, plan.max_tokens, endpoint)
+    }
+
+    /// Whether a request of `prompt_tokens` asking for `max_tokens` is within the bounds.
+    fn check_tokens(
+        &self,
+        prompt_tokens: u64,
+        max_tokens: Option<u64>,
+        endpoint: Endpoint,
+    ) -> Result<(), ProxyError> {
+        if prompt_tokens > self.max_prompt_tokens {
+            return Err(ProxyError::PromptTooLong { tokens: prompt_tokens, limit: self.max_prompt_tokens });
         }
-        self.check_completion(plan.max_tokens, endpoint)
+        self.check_completion(max_tokens, endpoint)
     }
 
     /// Whether the completion tokens a request to `endpoint` asks for are within the bound.
@@ -422,11 +429,13 @@ impl Decider {
         (mut members, hop): (Option<Vec<Member>>, Hop),
         limits: &RequestLimits,
     ) -> Result<Plan, ProxyError> {
+        // Checked before any choice: a request refused would take a turn of round-robin (or a
+        // draw of random) and send nothing, skipping a replica.
+        limits.check_tokens(prepared.view.prompt_tokens as u64, prepared.max_tokens, prepared.asked)?;
         let _one = self.deciding(routing, &prepared.all_blocks);
         let mut raced = 0;
         loop {
             let mut plan = self.plan_prepared(routing, prepared, (members.take(), hop), true);
-            limits.check(&plan, prepared.asked)?;
             if plan.chosen().is_none() {
                 return Err(unavailable(&plan));
             }

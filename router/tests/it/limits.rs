@@ -104,6 +104,29 @@ async fn connections_beyond_the_limit_wait_for_a_free_slot() {
     assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
 }
 
+/// A request refused for its length takes no turn of round-robin: the next replica in turn
+/// still gets the next request (it was skipped for a whole round).
+#[tokio::test]
+async fn a_refused_request_takes_no_round_robin_turn() {
+    let fleet = Fleet::with(2, agent_config, |c| kvroute_router::Config {
+        max_prompt_tokens: 32,
+        policy: kvroute_router::policy::PolicyKind::RoundRobin,
+        ..c
+    })
+    .await;
+    let url = fleet.url("/v1/completions");
+    let ask = |prompt: String| json!({"model": FLEET_MODEL, "prompt": prompt, "max_tokens": 1});
+    let long = (0..200).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
+    let mut went = Vec::new();
+    for i in 0..4 {
+        let reply = fleet.http.post(&url, &ask(format!("short {i}"))).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        went.push(reply.header("x-kvroute-replica").unwrap().to_owned());
+        assert_eq!(fleet.http.post(&url, &ask(long.clone())).await.status, 400);
+    }
+    assert!(went.windows(2).all(|w| w[0] != w[1]), "in turn: {went:?}");
+}
+
 #[tokio::test]
 async fn long_prompts_and_large_max_tokens_get_400_before_forwarding() {
     let fleet = Fleet::with(1, agent_config, |c| kvroute_router::Config {
