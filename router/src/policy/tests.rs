@@ -161,13 +161,16 @@ fn a_shared_first_block_does_not_collapse_the_fleet() {
     assert_eq!(counts, [10, 10, 10, 10]);
 }
 
+/// A FALLBACK replica's own overlap is not read (its index is not followed): however much
+/// of the prompt it is said to hold, a busier replica of its own is not chosen on it.
 #[test]
-fn cache_aware_ignores_overlap_of_fallback_streams_only_through_its_inputs() {
-    // The router passes overlap 0 for FALLBACK replicas; the policy then routes on load.
+fn cache_aware_reads_no_overlap_of_a_fallback_stream() {
     let p = CacheAware::default();
-    let mut replicas = vec![view(0, 0, 0, 0), view(1, 0, 2, 0)];
+    let mut replicas = vec![view(0, 62, 2, 0), view(1, 0, 0, 0)];
     replicas[0].stream = StreamState::Fallback;
-    assert_eq!(p.choose(&REQ, &replicas).chosen, Some(0));
+    assert_eq!(p.choose(&REQ, &replicas).chosen, Some(1));
+    replicas[0].stream = StreamState::Exact;
+    assert_eq!(p.choose(&REQ, &replicas).chosen, Some(0), "read, its overlap would win");
 }
 
 /// A FALLBACK replica is taken to hold what every replica with a stream holds (a shared
