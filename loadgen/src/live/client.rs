@@ -275,7 +275,9 @@ impl Client {
                 success.prompt_tokens = usage.prompt_tokens().unwrap_or(fallback_prompt_tokens);
                 success.completion_tokens = usage.completion_tokens();
                 success.cached_tokens = prefilled.unwrap_or_else(|| usage.cached_tokens());
-                success.usage = usage.prompt_tokens().is_some();
+                // A prefill replica's hit not known is no miss: the usage, the decode
+                // replica's, says nothing of it (it counts in no hit rate).
+                success.usage = usage.prompt_tokens().is_some() && prefilled != Some(None);
             }
             Ok(success)
         };

@@ -74,3 +74,33 @@ async fn a_split_requests_hit_is_the_prefill_replicas() {
         agent.stop().await;
     }
 }
+
+/// A split request whose prefill replica's hit is not known (the router names the replica
+/// but sends no `x-kvroute-prefill-cached-tokens`) counts in no hit rate: it was taken for a
+/// miss once another response had said its cached tokens.
+#[tokio::test]
+async fn an_unknown_prefill_hit_is_no_miss() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut request = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !request.windows(4).any(|w| w == b"\r\n\r\n") || !request.ends_with(b"}") {
+            let n = stream.read(&mut buf).await.unwrap();
+            request.extend_from_slice(&buf[..n]);
+        }
+        let body = r#"{"choices":[{"text":"ab"}],"usage":{"prompt_tokens":160,"completion_tokens":2}}"#;
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-kvroute-replica: d\r\n\
+             x-kvroute-prefill-replica: p\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(answer.as_bytes()).await.unwrap();
+    });
+    let doc: Vec<u32> = (1000..1160).collect();
+    let answer = Client::new(LIMIT).complete(&url, completion(&doc, false), false, 160, LIMIT).await.unwrap();
+    assert_eq!((answer.prompt_tokens, answer.cached_tokens), (160, None));
+    assert_eq!(answer.cached_tokens_given(true), None, "not a miss where hits are reported");
+}
