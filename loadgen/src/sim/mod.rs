@@ -137,6 +137,10 @@ impl Default for SimConfig {
 pub enum SimError {
     #[error("the fleet needs at least one replica")]
     NoReplicas,
+    #[error(
+        "{0} replicas: a simulation takes at most {MAX_REPLICAS} (each is a cache, scored for every request)"
+    )]
+    TooManyReplicas(usize),
     #[error("the speed-up {0} is not a positive, finite number, or so small that arrivals overflow")]
     Speedup(f64),
     #[error(
@@ -198,6 +202,10 @@ pub fn simulate(trace: &Trace, config: &SimConfig) -> Result<SimReport, SimError
     simulate_with(trace, config, policy.as_ref())
 }
 
+/// The most replicas a simulation takes: more than any fleet one router fronts, and few enough
+/// that their caches fit in memory (two billion ended the process, out of memory).
+pub const MAX_REPLICAS: usize = 10_000;
+
 /// Whether [`simulate`] can run `trace` under `config`: every error it can give but a
 /// policy's own misbehaviour, found without replaying anything (so a caller can check
 /// before work it would otherwise lose, as `compare` does before its live runs).
@@ -216,6 +224,9 @@ fn problems(trace: &Trace, config: &SimConfig) -> Vec<SimError> {
     let n = config.replicas;
     if n == 0 {
         problems.push(SimError::NoReplicas);
+    }
+    if n > MAX_REPLICAS {
+        problems.push(SimError::TooManyReplicas(n));
     }
     let speedup = config.speedup;
     let arrivals = (speedup.is_finite() && speedup > 0.0).then(|| trace.arrivals_at(speedup)).flatten();

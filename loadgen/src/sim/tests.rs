@@ -317,6 +317,10 @@ fn every_problem_is_reported_at_once() {
     // One problem alone is itself, as before.
     let plain = Trace::new(vec![req(0, 10, vec![1])]);
     assert!(matches!(check(&plain, &config(0, 8, cache::PolicyKind::Lru)), Err(SimError::NoReplicas)));
+    // So many replicas that their caches would not fit in memory: refused, not an abort.
+    let huge = config(2_000_000_000, 1, cache::PolicyKind::Lru);
+    assert!(matches!(check(&plain, &huge), Err(SimError::TooManyReplicas(2_000_000_000))));
+    assert!(check(&plain, &config(MAX_REPLICAS, 1, cache::PolicyKind::Lru)).is_ok());
 }
 
 #[test]
