@@ -640,8 +640,9 @@ impl Config {
                 .into(),
         );
         check(
-            !self.admin_token.as_ref().is_some_and(|t| t.expose().chars().any(char::is_whitespace)),
-            "--admin-token must not hold whitespace (a newline at the end of its file?): no client could send it"
+            !self.admin_token.as_ref().is_some_and(|t| t.expose().chars().any(|c| !c.is_ascii_graphic())),
+            "--admin-token must be printable ASCII without whitespace (a newline at the end of its file?): \
+             gRPC metadata carries nothing else, so no client could send it"
                 .into(),
         );
         // The tokenizer's files, read at a start only (a reload cannot change them: one gone
@@ -1243,8 +1244,10 @@ mod tests {
         let debug = format!("{c:?} {c:#?}");
         assert!(!debug.contains("hunter2"), "{debug}");
         assert!(debug.contains("redacted"));
-        let c: Config = kvroute_proto::cli::parse_from(["r", "--admin-token", "hunter2\n"]).unwrap();
-        assert!(c.validate().unwrap_err()[0].contains("whitespace"));
+        for bad in ["hunter2\n", "hunter\u{7f}2", "hünter2"] {
+            let c: Config = kvroute_proto::cli::parse_from(["r", "--admin-token", bad]).unwrap();
+            assert!(c.validate().unwrap_err()[0].contains("printable ASCII without whitespace"), "{bad:?}");
+        }
     }
 
     #[test]
