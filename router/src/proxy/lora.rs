@@ -13,7 +13,7 @@
 //! The answer: every replica's success is a 200 (the first one's body). The fleet is where
 //! the change wanted it when some replica made the change and every other was there already
 //! (vLLM's 400 "has already been loaded", its 404 for an adapter to unload that is not
-//! loaded): a 200 that says so. When none made it and all answered alike (all there already,
+//! loaded; SGLang's 400s for either): a 200 that says so. When none made it and all answered alike (all there already,
 //! or none: one "already loaded" among other refusals would hide them), that answer; anything
 //! else is a 502 that names each replica's outcome. The change runs to its end whether or not
 //! its client waits, a shutdown included (in a task the server drains as it drains its
@@ -71,17 +71,17 @@ impl Change {
         }
     }
 
-    /// Whether a replica's refusal means it is where the change wanted it already.
+    /// Whether a replica's refusal means it is where the change wanted it already: vLLM's
+    /// 400 "has already been loaded" and 404 "cannot be found", SGLang's 400 "already exists"
+    /// and "does not exist". (Not a 404 of another kind: a vLLM without runtime updates has no
+    /// such route, and is not without the adapter for it.)
     fn there_already(self, status: StatusCode, body: &[u8]) -> bool {
-        match self {
-            // vLLM's words, then SGLang's.
-            Change::Load => {
-                status == StatusCode::BAD_REQUEST
-                    && [&b"already been loaded"[..], b"already exists"]
-                        .iter()
-                        .any(|words| memchr::memmem::find(body, words).is_some())
-            }
-            Change::Unload => status == StatusCode::NOT_FOUND,
+        let says = |words: &[&[u8]]| words.iter().any(|words| memchr::memmem::find(body, words).is_some());
+        match (self, status) {
+            (Change::Load, StatusCode::BAD_REQUEST) => says(&[b"already been loaded", b"already exists"]),
+            (Change::Unload, StatusCode::NOT_FOUND) => says(&[b"cannot be found"]),
+            (Change::Unload, StatusCode::BAD_REQUEST) => says(&[b"does not exist"]),
+            _ => false,
         }
     }
 }
@@ -139,6 +139,12 @@ pub async fn fan_out(
     let name = serde_json::from_slice::<Named>(&body)
         .map_err(|e| ProxyError::Refused(format!("'lora_name' must be given as a string: {e}")))?
         .lora_name;
+    // An adapter by the served model's name would take its requests for its own.
+    if name == state.decider.prompts.tokenization().base_model() {
+        return Err(ProxyError::Refused(format!(
+            "'lora_name' {name:?} is the served model's name; name the adapter otherwise"
+        )));
+    }
     if state.fleet().members().is_empty() {
         return Err(ProxyError::Unavailable("no replicas are configured".into()));
     }
@@ -287,4 +293,28 @@ fn passed_on(answer: Answer) -> Response<ProxyBody> {
         response.headers_mut().insert(http::header::CONTENT_TYPE, content_type);
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// vLLM's and SGLang's answers for a replica where the change is made already; not a
+    /// route's 404 (a vLLM without runtime updates) nor another refusal.
+    #[test]
+    fn there_already_in_either_engines_words() {
+        let there = |change: Change, status: u16, body: &str| {
+            change.there_already(StatusCode::from_u16(status).unwrap(), body.as_bytes())
+        };
+        let vllm_loaded = r#"{"error":{"message":"The lora adapter 'sql' has already been loaded."}}"#;
+        let sglang_exists = r#"{"error":"LoRA with name sql already exists. Loaded LoRAs: ['sql']"}"#;
+        assert!(there(Change::Load, 400, vllm_loaded) && there(Change::Load, 400, sglang_exists));
+        let vllm_missing = r#"{"error":{"message":"The lora adapter 'sql' cannot be found."}}"#;
+        let sglang_missing = r#"{"error":"LoRA with name sql does not exist. Loaded LoRAs: []"}"#;
+        assert!(there(Change::Unload, 404, vllm_missing) && there(Change::Unload, 400, sglang_missing));
+        assert!(!there(Change::Unload, 404, r#"{"detail":"Not Found"}"#), "no such route");
+        assert!(!there(Change::Unload, 400, vllm_loaded));
+        assert!(!there(Change::Load, 400, r#"{"error":{"message":"No adapter found at the path"}}"#));
+        assert!(!there(Change::Load, 404, vllm_missing));
+    }
 }

@@ -1857,6 +1857,12 @@ async fn lora_adapters_loaded_through_the_router_reach_every_replica() {
     let body = |name: &str| kept.iter().find(|a| a.name == name).map(|a| a.body().clone());
     assert_eq!(body("sql").as_deref(), Some(load.to_string().as_bytes()), "{kept:?}");
 
+    // An adapter by the served model's name is refused: it would take the model's requests.
+    let named_as_base = json!({"lora_name": FLEET_MODEL, "lora_path": "/adapters/base"});
+    let reply = http.post(&fleet.url("/v1/load_lora_adapter"), &named_as_base).await;
+    assert_eq!(reply.status, 400, "{:?}", reply.body);
+    assert!(fleet.router.fleet().adapters().all().iter().all(|a| a.name != FLEET_MODEL));
+
     // One replica lost it already: the others unload it, and the fleet is without it.
     let unload = json!({"lora_name": "sql"});
     assert_eq!(http.post(&format!("{}/v1/unload_lora_adapter", agents[0]), &unload).await.status, 200);
