@@ -237,10 +237,16 @@ async fn check(
         false => None,
     };
     let page = page.as_deref().unwrap_or_default();
-    // One that restarted between two checks reports a new start time; its cache's size
-    // bounds what is predicted of it.
+    // One that restarted between two checks reports a new start time: it lost its adapters
+    // (loaded again below), and its cache (predicted, bounded by its size).
+    let started = start_time(page);
+    if let Some(started) = started
+        && member.upstream.note_start(started)
+    {
+        tracing::info!(replica = %member.replica.spec.name, "replica restarted: its LoRA adapters are loaded again");
+    }
     if let Some(prediction) = prediction {
-        if let Some(started) = start_time(page) {
+        if let Some(started) = started {
             prediction.started(started);
         }
         let block_size = member.replica.spec.block_size.unwrap_or(1);

@@ -124,6 +124,9 @@ pub struct Upstream {
     reports_cached: AtomicBool,
     /// The LoRA adapters loaded through the router that the replica is known to have.
     adapters: Mutex<HashSet<String>>,
+    /// The replica's process start time as its metrics page last said it
+    /// ([`Upstream::note_start`]).
+    started: Mutex<Option<f64>>,
     /// The LoRA adapters the replica listed in `/v1/models` at the last health check that
     /// read its list; `None` until one did.
     listed_adapters: Mutex<Option<HashSet<String>>>,
@@ -158,6 +161,7 @@ impl Default for Upstream {
             reports_cached: AtomicBool::new(false),
             begun: AtomicU64::new(0),
             adapters: Mutex::default(),
+            started: Mutex::default(),
             card: Mutex::default(),
             listed_adapters: Mutex::default(),
             waiters: Arc::default(),
@@ -406,6 +410,21 @@ impl Upstream {
             self.adapters.lock().unwrap_or_else(PoisonError::into_inner).iter().cloned().collect();
         adapters.sort_unstable();
         adapters
+    }
+
+    /// Notes the replica's process start time (`process_start_time_seconds`): another than
+    /// the last one noted is a restart, which lost the adapters loaded on it. They are
+    /// forgotten, for the catch-up to load them again ([`super::lora::catch_up`]): an SGLang
+    /// replica lists none, and was taken to have them for ever. True at a restart.
+    pub fn note_start(&self, started: f64) -> bool {
+        let mut was = self.started.lock().unwrap_or_else(PoisonError::into_inner);
+        let restarted = was.is_some_and(|was| was != started);
+        *was = Some(started);
+        drop(was);
+        if restarted {
+            self.adapters.lock().unwrap_or_else(PoisonError::into_inner).clear();
+        }
+        restarted
     }
 
     /// Marks the replica as having `adapter`, or not.

@@ -2154,6 +2154,64 @@ async fn a_lora_adapter_on_some_replicas_only_gets_requests_there_only() {
     .await;
 }
 
+/// An SGLang replica lists no adapters: one that restarted (a new process start time on its
+/// metrics page) is given the router's adapters again, as it lost them. It was taken to have
+/// them for ever, and sent their requests.
+#[tokio::test]
+async fn an_sglang_replica_that_restarted_is_given_its_adapters_again() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    let restarted = std::sync::Arc::new(AtomicBool::new(false));
+    let (loads, scrapes) =
+        (std::sync::Arc::new(AtomicUsize::new(0)), std::sync::Arc::new(AtomicUsize::new(0)));
+    let replica = hand_made_replica({
+        let (restarted, loads, scrapes) = (restarted.clone(), loads.clone(), scrapes.clone());
+        move |path, _| {
+            let (restarted, loads, scrapes) = (restarted.clone(), loads.clone(), scrapes.clone());
+            async move {
+                if path == "/metrics" {
+                    scrapes.fetch_add(1, SeqCst);
+                }
+                match path.as_str() {
+                    "/metrics" if restarted.load(SeqCst) => (200, "process_start_time_seconds 2000\n"),
+                    "/metrics" => (200, "process_start_time_seconds 1000\n"),
+                    "/load_lora_adapter" => {
+                        loads.fetch_add(1, SeqCst);
+                        (200, "{}")
+                    }
+                    _ => (200, "{}"),
+                }
+            }
+        }
+    })
+    .await;
+    let config = kvroute_router::Config {
+        model: FLEET_MODEL.into(),
+        replicas: vec![
+            format!("name=r0,http=http://{replica},events={},engine=sglang", crate::support::nowhere())
+                .parse()
+                .unwrap(),
+        ],
+        lora_updates: true,
+        health_interval_ms: 50,
+        ..kvroute_router::Config::loopback(Vec::new())
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+    let r0 = router.fleet().member("r0").unwrap();
+    // A check read the first start time (the next check has begun).
+    wait_until("a start time read", || scrapes.load(SeqCst) >= 2).await;
+    let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
+    let http = crate::fleet::Http::new();
+    let reply = http.post(&format!("{}/load_lora_adapter", router.url()), &load).await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    assert_eq!(loads.load(SeqCst), 1);
+    assert!(r0.upstream.has_adapter("sql"));
+    restarted.store(true, SeqCst);
+    wait_until("the adapter loaded again", || loads.load(SeqCst) == 2).await;
+    assert!(r0.upstream.has_adapter("sql"));
+    shutdown.cancel();
+}
+
 /// Replicas started with an API key (vLLM's `--api-key`): a LoRA load through the router
 /// carries the client's key to each of them. A replica that restarts without the adapter
 /// gets none of its requests until the router has given it the adapter again, with the key
