@@ -513,9 +513,14 @@ async fn bootstrap<'a>(
     let Some(on) = prefill.chosen().map(|on| on.member.clone()) else {
         return Err(Failure::Error(ProxyError::Unavailable("no SGLang replica of role prefill".into())));
     };
+    // A data-parallel prefill replica's rank (named to it in a header), and its ranks.
+    let rank = prefill.chosen().and_then(|on| on.rank).map(|rank| {
+        let ranks = on.replica.ranks.get().map_or(1, |ranks| ranks.len());
+        (rank, ranks)
+    });
     // A batch (a list of prompts, of one too) has a list of rooms, one a prompt, as SGLang's
     // router sends it: SGLang reads each prompt's from a batch's lists.
-    let room = || json!(rand::random::<u64>() & i64::MAX as u64);
+    let room = || json!(bootstrap_room(rand::random(), rank));
     let (host, port) = (json!(host(&on.replica.spec.http_url)), json!(on.replica.spec.bootstrap_port));
     let named = match (plan.listed, plan.prompts) {
         (false, _) => {
@@ -527,8 +532,13 @@ async fn bootstrap<'a>(
             ("bootstrap_room", (0..k).map(|_| room()).collect()),
         ]),
     };
-    let (Some(sent), Some(decoded)) =
-        (for_prefill(endpoint, request, named.clone()), with_fields(body, named))
+    // The decode replica pulls from the prefill's rank: named, as SGLang's gateway names it
+    // (an older SGLang reads it from the room, [`bootstrap_room`]).
+    let mut to_decode = named.clone();
+    if let Some((rank, _)) = rank {
+        to_decode.insert("disagg_prefill_dp_rank".into(), json!(rank));
+    }
+    let (Some(sent), Some(decoded)) = (for_prefill(endpoint, request, named), with_fields(body, to_decode))
     else {
         // (Only if the request cannot be written again.) Nothing goes anywhere.
         count(state, "failed");
@@ -574,6 +584,18 @@ async fn bootstrap<'a>(
         Ok(answer.and_then(|answer| on.upstream.cached_tokens(usage_of(&answer))))
     };
     Ok(Decode { body: decoded, alongside: Some(Box::pin(alongside)) })
+}
+
+/// A bootstrap room from `random` bits: on a prefill replica's `rank` of `ranks`, one whose
+/// remainder by `ranks` is `rank`, as SGLang's decode replicas without
+/// `disagg_prefill_dp_rank` find the rank that holds a room's KV (`room % dp_size`).
+fn bootstrap_room(random: u64, rank: Option<(u32, u32)>) -> u64 {
+    // (62 bits: a room is an i64, and the rank added to a multiple stays one.)
+    let room = random >> 2;
+    match rank {
+        Some((rank, ranks)) if ranks > 1 => room - room % u64::from(ranks) + u64::from(rank % ranks),
+        _ => room,
+    }
 }
 
 /// The host of `url` (`http://10.0.0.7:30000`: `10.0.0.7`; an IPv6 one in brackets), as an
@@ -888,6 +910,20 @@ fn without_own_params(endpoint: Endpoint, body: &Bytes) -> Bytes {
 
 #[cfg(test)]
 mod tests {
+    /// A room on a data-parallel prefill replica's rank is one SGLang reads that rank from.
+    #[test]
+    fn a_bootstrap_room_names_the_prefill_rank() {
+        for random in [0, 1, 7, u64::MAX, u64::MAX - 5, 0x1234_5678_9abc_def0] {
+            assert!(super::bootstrap_room(random, None) <= i64::MAX as u64);
+            assert!(super::bootstrap_room(random, Some((0, 1))) <= i64::MAX as u64);
+            for (rank, ranks) in [(0, 2), (1, 2), (2, 3), (5, 8)] {
+                let room = super::bootstrap_room(random, Some((rank, ranks)));
+                assert_eq!(room % u64::from(ranks), u64::from(rank), "{random} {rank}/{ranks}");
+                assert!(room <= i64::MAX as u64);
+            }
+        }
+    }
+
     use super::*;
 
     fn object(bytes: &[u8]) -> Value {
