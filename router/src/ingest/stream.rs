@@ -86,6 +86,10 @@ pub(crate) struct RankStream {
     /// The SUB lost its connection and the rank was cleared: live frames are ignored until
     /// the next `Connected`, whose repair from seq 0 covers them.
     disconnected: bool,
+    /// The publisher has been unreachable since the last `Connected`: its credits ended when
+    /// it became so, not again at each failed reconnection (a data-parallel replica's other
+    /// ranks serve on, credited meanwhile).
+    unreachable: bool,
     /// A repair applied replays without their end marker and could not get the rest: the
     /// rank is DEGRADED until a live batch follows on from them (or a gap is repaired), or a
     /// later repair gets the rest ([`RankStream::run`] tries again after `tail_wait`).
@@ -141,6 +145,7 @@ impl RankStream {
             lost: false,
             resynced_in_run: false,
             disconnected: false,
+            unreachable: false,
             tail_unknown: false,
             tail_wait: Duration::ZERO,
             repairing_tail: false,
@@ -218,6 +223,7 @@ impl RankStream {
         match input {
             Input::Connected => {
                 self.disconnected = false;
+                self.unreachable = false;
                 // Slow joiner: whatever was published before the subscription took effect
                 // (or during an outage) is only available from the replay buffer.
                 let from = self.expected.unwrap_or(Seq(0));
@@ -254,7 +260,9 @@ impl RankStream {
             }
             Input::Unreachable => {
                 self.set_state(StreamState::Fallback);
-                self.end_credits();
+                if !std::mem::replace(&mut self.unreachable, true) {
+                    self.end_credits();
+                }
             }
             // Late frames of the lost connection (or early ones of the next): the repair
             // after `Connected` replays them.
@@ -1192,6 +1200,24 @@ mod tests {
         rank.handle(Input::Connected).await;
         assert_eq!(rank.ctx.index.blocks(rank.ctx.replica.id), 4, "the replay stands");
         assert_eq!(rank.ctx.replica.status.state(), StreamState::Exact);
+    }
+
+    /// A publisher unreachable ends its replica's credits once, when it becomes so, not at
+    /// each failed reconnection: a data-parallel replica's other ranks serve on, and their
+    /// credits were wiped every connect timeout.
+    #[tokio::test]
+    async fn an_unreachable_publisher_ends_the_credits_once() {
+        let mut rank = rank();
+        let (index, id) = (rank.ctx.index.clone(), rank.ctx.replica.id);
+        index.credits().credit(id, &[BlockHash(5)]);
+        rank.handle(Input::Unreachable).await;
+        assert_eq!(index.credits().extend(id, &[BlockHash(5)], 0), 0, "ended");
+        index.credits().credit(id, &[BlockHash(6)]);
+        rank.handle(Input::Unreachable).await;
+        assert_eq!(index.credits().extend(id, &[BlockHash(6)], 0), 1, "made since, kept");
+        rank.handle(Input::Connected).await;
+        rank.handle(Input::Unreachable).await;
+        assert_eq!(index.credits().extend(id, &[BlockHash(6)], 0), 0, "another outage");
     }
 
     /// A queue overflow reported after the connection dropped waits for the next connection:
