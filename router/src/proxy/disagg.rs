@@ -294,7 +294,7 @@ pub async fn prefill<'a>(
 ) -> Result<Decode<'a>, Failure> {
     let whole = |body| Ok(Decode { body, alongside: None });
     let count = |outcome| count(state, outcome);
-    let local = || whole(without_own_params(endpoint, body));
+    let local = || whole(without_own_params(body));
     let admitted = Admitted { request_id, slot: None, received };
     let (decode, request) = match Split::of(plan, endpoint, body) {
         Split::Whole => return whole(body.clone()),
@@ -389,7 +389,7 @@ pub async fn prefill<'a>(
         Some(decoded) => {
             count("remote");
             let id = prefilled_on.map(|on| on.member.replica.id);
-            let alone = Some(without_own_params(endpoint, body));
+            let alone = Some(without_own_params(body));
             plan.prefilled_by = Some(Remote { id, replica, predicted, cached, bootstrap: false, alone });
             if let Some(load) = plan.load.as_mut() {
                 load.prefilled_elsewhere(plan.prompts);
@@ -866,8 +866,8 @@ fn with_fields(body: &[u8], named: Map<String, Value>) -> Option<Bytes> {
 }
 
 /// [`without_own_params`] when `fleet` disaggregates (for a request no plan was made for).
-pub fn without_own_params_if_split(fleet: &crate::fleet::Fleet, endpoint: Endpoint, body: Bytes) -> Bytes {
-    if disaggregates(&fleet.members()) { without_own_params(endpoint, &body) } else { body }
+pub fn without_own_params_if_split(fleet: &crate::fleet::Fleet, body: Bytes) -> Bytes {
+    if disaggregates(&fleet.members()) { without_own_params(&body) } else { body }
 }
 
 /// The fields that tell a replica how a prefill is handed over: vLLM's params, SGLang's room
@@ -891,12 +891,12 @@ fn drop_own(object: &mut Map<String, Value>) {
 }
 
 /// The client's `body` without [`OWN_FIELDS`] of its own: in a fleet that disaggregates, they
-/// would make a replica pull from, or hold blocks for, whatever they name.
-fn without_own_params(endpoint: Endpoint, body: &Bytes) -> Bytes {
-    let reads_them =
-        matches!(endpoint, Endpoint::Completions | Endpoint::ChatCompletions | Endpoint::Generate);
+/// would make a replica pull from, or hold blocks for, whatever they name. Whatever the
+/// endpoint: vLLM's Messages API passes `kv_transfer_params` on to the chat it makes, and a
+/// replica that reads none of them loses nothing.
+fn without_own_params(body: &Bytes) -> Bytes {
     let named = parse_object(body, &OWN_FIELDS).is_ok_and(|fields| fields.iter().any(Option::is_some));
-    if !reads_them || !named {
+    if !named {
         return body.clone();
     }
     match serde_json::from_slice::<Map<String, Value>>(body) {
@@ -1011,14 +1011,17 @@ mod tests {
     fn a_clients_own_params_are_dropped_where_replicas_read_them() {
         let own =
             Bytes::from_static(br#"{"prompt":"hi","kv\u005ftransfer_params":{"do_remote_decode":true}}"#);
-        let sent = object(&without_own_params(Endpoint::Completions, &own));
+        let sent = object(&without_own_params(&own));
         assert_eq!(sent, json!({"prompt": "hi"}));
-        assert_eq!(without_own_params(Endpoint::Messages, &own), own, "not read there");
+        // vLLM's Messages API passes them on to the chat it makes.
+        let message = br#"{"messages":[],"max_tokens":1,"kv_transfer_params":{"do_remote_prefill":true}}"#;
+        let sent = object(&without_own_params(&Bytes::from_static(message)));
+        assert_eq!(sent, json!({"messages": [], "max_tokens": 1}));
         let none = Bytes::from_static(br#"{"prompt":"hi","kv_transfer_params":null}"#);
-        assert_eq!(without_own_params(Endpoint::ChatCompletions, &none), none, "null asks nothing");
+        assert_eq!(without_own_params(&none), none, "null asks nothing");
         // A room of its own would have an SGLang decode replica pull from its host.
         let room = br#"{"prompt":"hi","bootstrap_host":"evil","bootstrap_port":1,"bootstrap\u005froom":7}"#;
-        let sent = object(&without_own_params(Endpoint::Completions, &Bytes::from_static(room)));
+        let sent = object(&without_own_params(&Bytes::from_static(room)));
         assert_eq!(sent, json!({"prompt": "hi"}));
         let named = fields([("bootstrap_host", json!("p0")), ("bootstrap_room", json!(9))]);
         let sent = object(&with_fields(room, named).unwrap());
@@ -1030,7 +1033,7 @@ mod tests {
         // SGLang's `/generate` reads them, and the rest of its hand-over's.
         let native =
             br#"{"text":"hi","bootstrap_room":7,"disagg_prefill_dp_rank":3,"bootstrap_pair_key":"k"}"#;
-        let sent = object(&without_own_params(Endpoint::Generate, &Bytes::from_static(native)));
+        let sent = object(&without_own_params(&Bytes::from_static(native)));
         assert_eq!(sent, json!({"text": "hi"}));
     }
 

@@ -489,7 +489,7 @@ async fn routed(
             let takes = Takes { roomless: true, generate: endpoint == Endpoint::Generate };
             let members =
                 with_room(state, &line, || by_load(state, admitted.request_id, adapter, takes)).await?;
-            let body = disagg::without_own_params_if_split(state.fleet(), endpoint, body);
+            let body = disagg::without_own_params_if_split(state.fleet(), body);
             let sending = Sending {
                 body: Outgoing::Full(body),
                 uploaded: None,
