@@ -42,7 +42,8 @@
 //!    `chat_template_kwargs` are carried over; `output_config.effort` becomes
 //!    `reasoning_effort`, and `thinking: {"type": "disabled"}` makes it `"none"` (vLLM may
 //!    probe for `"low"` instead, for a template that ignores `"none"`). Sampling fields do not
-//!    change the prompt and are left out.
+//!    change the prompt and are left out. A message's role `ctx` or `msg` (Claude Code's) is
+//!    `user`.
 //!
 //! What is read is validated as vLLM's request model validates it, each problem a
 //! [`RequestError`] naming the field at fault; unknown fields and block types are skipped.
@@ -338,7 +339,8 @@ fn read_message<'a>(
         None => return Err(problem(MessageProblem::BadRole)),
     };
     let role = match role.as_ref() {
-        "user" => Role::User,
+        // Claude Code (2.1.154 on) sends `ctx` and `msg` turns, which vLLM reads as the user's.
+        "user" | "ctx" | "msg" => Role::User,
         "assistant" => Role::Assistant,
         "system" => Role::System,
         _ => {

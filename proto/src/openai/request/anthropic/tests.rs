@@ -216,6 +216,11 @@ fn malformed_requests_name_the_field_at_fault() {
         "messages[0].role"
     );
     assert_eq!(at(json!({"max_tokens": 1, "messages": [{"role": "user"}]})), "messages[0].content");
+    // Claude Code's `ctx` and `msg` turns are the user's, as vLLM reads them.
+    for role in ["ctx", "msg"] {
+        let out = chat(json!({"max_tokens": 1, "messages": [{"role": role, "content": "x"}]}));
+        assert_eq!(out["messages"], json!([{"role": "user", "content": "x"}]), "{role}");
+    }
     assert_eq!(
         at(
             json!({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]})
