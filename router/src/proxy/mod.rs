@@ -339,12 +339,15 @@ async fn dispatch(
     if method == Method::GET
         && req.version() == http::Version::HTTP_11
         && asks_websocket(req.headers())
-        && paths::allowed(&path).is_none()
-        && paths::passes_through(&path)
-        && responses::target(&path).is_none()
+        && (path == responses::RESPONSES_PATH
+            || paths::allowed(&path).is_none()
+                && paths::passes_through(&path)
+                && responses::target(&path).is_none())
     {
         // Passed on as other requests are, without its `Upgrade` (hop-by-hop), it would
         // reach the replica as a plain request and be refused there as an unknown path.
+        // (vLLM serves the Responses API over a WebSocket too, at its path: by load, as its
+        // responses are kept where the session runs.)
         paths::check_passthrough(&path)?;
         tunnel::check_handshake(req.headers())?;
         let line = queue::Line::default();

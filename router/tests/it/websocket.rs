@@ -1,4 +1,4 @@
-//! WebSocket upgrades (vLLM's `/v1/realtime`) through the router: the handshake reaches a
+//! WebSocket upgrades (vLLM's `/v1/realtime`, its Responses API at `/v1/responses`) through the router: the handshake reaches a
 //! replica with its `Upgrade` field, the replica's `101` comes back, and bytes then flow both
 //! ways until each end closes.
 //!
@@ -59,7 +59,7 @@ async fn serve_realtime<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, tx: mp
             let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
             continue;
         }
-        let realtime = head.starts_with("get /v1/realtime");
+        let realtime = head.starts_with("get /v1/realtime") || head.starts_with("get /v1/responses ");
         let odd = head.starts_with("get /v1/odd-switch");
         let _ = tx.send(head);
         if odd {
@@ -153,6 +153,22 @@ async fn a_websocket_is_tunnelled_to_a_replica_both_ways() {
     let mut rest = Vec::new();
     tokio::time::timeout(WAIT, client.read_to_end(&mut rest)).await.expect("in time").unwrap();
     assert_eq!(rest, b"bye");
+    shutdown.cancel();
+}
+
+/// vLLM's Responses API over a WebSocket (`GET /v1/responses` with an upgrade) is tunnelled
+/// too: it was refused as a method the path does not take (405).
+#[tokio::test]
+async fn the_responses_websocket_is_tunnelled() {
+    let (replica, mut handshakes) = realtime_replica().await;
+    let (router, shutdown) = router_in_front_of(replica, |c| c).await;
+    let head = HANDSHAKE.replace("/v1/realtime?model=m", "/v1/responses");
+    let (mut client, answer) = handshake(&router.url(), &head).await;
+    assert!(answer.starts_with("http/1.1 101"), "{answer}");
+    assert_eq!(read_exactly(&mut client, 5).await, "hello");
+    assert!(handshakes.recv().await.unwrap().starts_with("get /v1/responses http/1.1\r\n"));
+    client.write_all(b"ping").await.unwrap();
+    assert_eq!(read_exactly(&mut client, 4).await, "PING");
     shutdown.cancel();
 }
 
