@@ -1,6 +1,6 @@
-//! WebSocket upgrades (vLLM's `/v1/realtime`, its Responses API at `/v1/responses`) through the router: the handshake reaches a
-//! replica with its `Upgrade` field, the replica's `101` comes back, and bytes then flow both
-//! ways until each end closes.
+//! WebSocket upgrades (vLLM's `/v1/realtime`, its Responses API at `/v1/responses`) through
+//! the router: the handshake reaches a replica with its `Upgrade` field, the replica's `101`
+//! comes back, and bytes then flow both ways until each end closes.
 //!
 //! The replica here is a raw socket: the replica agent does not serve the realtime API (it
 //! stands in for vLLM's text endpoints), and the router does not read what the tunnel carries.
