@@ -5,7 +5,7 @@
 //! | `/generate` | the completion's |
 //! |---|---|
 //! | `input_ids` (one id list, or a batch of them), else `text` (a string or a batch) | `prompt`: SGLang tokenizes `text` with the tokenizer's special tokens, as a completion's prompt is (no chat template) |
-//! | `input_embeds`, with neither | `prompt_embeds`: no token ids to route on |
+//! | `input_embeds`, with neither | `prompt_embeds` (one a prompt: counted only): no token ids to route on |
 //! | `sampling_params.max_new_tokens` (128 when absent or null; of a list of them, one a prompt, the largest) | `max_tokens` |
 //! | `sampling_params.n` (of a list, the first's: SGLang asks them all to be equal) | `n` |
 //! | `lora_path` (an adapter's name; of a list, one a prompt, the name they all give) | `model` (none: the base model) |
@@ -39,7 +39,7 @@ struct Completion<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     prompt: Option<&'a RawValue>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    prompt_embeds: Option<&'a RawValue>,
+    prompt_embeds: Option<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     stream: Option<&'a RawValue>,
     max_tokens: u64,
@@ -58,7 +58,7 @@ pub fn completion_body(body: &[u8]) -> Result<Vec<u8>, RequestError> {
         (Some(_), Some(_), Some(_)) | (None, None, None) => return Err(RequestError::NoGenerateInput),
         (_, Some(ids), _) => (Some(ids_of(ids)?), None),
         (Some(text), None, _) => (Some(text_of(text)?), None),
-        (None, None, Some(embeds)) => (None, Some(embeds)),
+        (None, None, Some(embeds)) => (None, Some(embeds_as_prompts(embeds))),
     };
     let (max_tokens, n) = sampling_params(sampling)?;
     let adapter = adapter(lora)?;
@@ -73,6 +73,25 @@ pub fn completion_body(body: &[u8]) -> Result<Vec<u8>, RequestError> {
         cache_salt: cache_salt(salt)?,
     };
     serde_json::to_vec(&completion).map_err(RequestError::Json)
+}
+
+/// SGLang's `input_embeds` as vLLM's `prompt_embeds` counts prompts (one a list element): a
+/// prompt's (a vector a token, `[[f32]]`) is one, a batch's (`[[[f32]]]`) one a prompt. Only
+/// counted: the replica is sent the client's body. (Each vector was counted a sequence.)
+fn embeds_as_prompts(embeds: &RawValue) -> Value {
+    fn list(raw: &RawValue) -> Option<Vec<&RawValue>> {
+        serde_json::from_str(raw.get()).ok()
+    }
+    let nested = |raw: &&RawValue| raw.get().trim_start().starts_with('[');
+    match list(embeds) {
+        // A batch: its prompts' vectors are lists.
+        Some(prompts)
+            if prompts.first().and_then(|p| list(p)).is_some_and(|p| p.first().is_some_and(nested)) =>
+        {
+            Value::Array(vec![Value::Null; prompts.len()])
+        }
+        _ => Value::String(String::new()),
+    }
 }
 
 /// `raw` unless it is null.
@@ -233,7 +252,13 @@ mod tests {
         let read = completion(serde_json::json!({"text": "ignored", "input_ids": [[1, 2], [3]]})).unwrap();
         assert_eq!(read, serde_json::json!({"prompt": [[1, 2], [3]], "max_tokens": 128, "n": 1}));
         let read = completion(serde_json::json!({"input_embeds": [[0.5]], "sampling_params": null})).unwrap();
-        assert_eq!(read, serde_json::json!({"prompt_embeds": [[0.5]], "max_tokens": 128, "n": 1}));
+        assert_eq!(read, serde_json::json!({"prompt_embeds": "", "max_tokens": 128, "n": 1}));
+        // One prompt of three tokens is one prompt; a batch of two, two.
+        let one =
+            completion(serde_json::json!({"input_embeds": [[0.5, 1.0], [0.1, 0.2], [0.3, 0.4]]})).unwrap();
+        assert_eq!(one["prompt_embeds"], "");
+        let batch = completion(serde_json::json!({"input_embeds": [[[0.5]], [[0.1], [0.2]]]})).unwrap();
+        assert_eq!(batch["prompt_embeds"], serde_json::json!([null, null]));
     }
 
     #[test]
