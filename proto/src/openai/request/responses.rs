@@ -305,7 +305,9 @@ impl<'a> Responses<'a> {
         };
         // vLLM passes `[]` for tools none of which is shown to the model.
         let tools = match tools {
-            Some(raw) if raw.get().starts_with('[') && raw.get() != "[]" => Some(read_tools(raw)?),
+            Some(raw) if raw.get().starts_with('[') && !raw.get()[1..].trim_start().starts_with(']') => {
+                Some(read_tools(raw)?)
+            }
             Some(raw) => Some(read_tools(raw)?).filter(|t| !t.is_empty()),
             None => None,
         };

@@ -143,6 +143,10 @@ fn tools_none_of_which_the_model_sees_are_an_empty_list() {
         json!([])
     );
     assert!(chat(json!({"model": "m", "input": "x", "tools": []})).get("tools").is_none());
+    // However it is spaced.
+    let spaced = Responses::read(br#"{"model": "m", "input": "x", "tools": [ ]}"#).unwrap();
+    let body: Value = serde_json::from_slice(&spaced.chat_body(&[])).unwrap();
+    assert!(body.get("tools").is_none(), "{body}");
     assert!(chat(json!({"model": "m", "input": "x"})).get("tools").is_none());
 }
 
