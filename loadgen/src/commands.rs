@@ -400,7 +400,7 @@ pub fn run_compare(args: &CompareArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let report = block_on(|shutdown| async move { compare::compare(&trace, &config, shutdown).await })?;
     print_compare(&report, &args.out, started);
-    Ok(())
+    served_something(&report)
 }
 
 /// Runs `demo`.
@@ -469,6 +469,18 @@ pub fn run_demo(args: &DemoArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let report = block_on(|shutdown| async move { demo::run(&config, shutdown).await })?;
     print_compare(&report, &args.out, started);
+    served_something(&report)
+}
+
+/// Fails when a run had every request fail: its row compares nothing (the table says why, in
+/// its errors column).
+fn served_something(report: &CompareReport) -> anyhow::Result<()> {
+    let nothing = report.served_nothing();
+    anyhow::ensure!(
+        nothing.is_empty(),
+        "every request of the {} run(s) failed: see the errors column",
+        nothing.iter().map(|p| p.as_str()).collect::<Vec<_>>().join(", ")
+    );
     Ok(())
 }
 

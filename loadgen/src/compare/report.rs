@@ -126,6 +126,13 @@ impl PolicyRun {
 }
 
 impl CompareReport {
+    /// The policies whose runs sent requests and had every one fail: nothing was compared,
+    /// whatever the table shows.
+    pub fn served_nothing(&self) -> Vec<PolicyKind> {
+        let nothing = |run: &&PolicyRun| run.live.requests > 0 && run.live.succeeded == 0;
+        self.runs.iter().filter(nothing).map(|run| run.policy).collect()
+    }
+
     /// The run of `policy`, if it was compared.
     pub fn run(&self, policy: PolicyKind) -> Option<&PolicyRun> {
         self.runs.iter().find(|r| r.policy == policy)
@@ -388,6 +395,17 @@ mod tests {
             (json["fleet"]["eviction"].as_str(), json["fleet"]["time_scale"].as_f64()),
             (Some("lru"), Some(6.0))
         );
+    }
+
+    /// A run whose every request failed is told apart (the demo and `compare` then fail).
+    #[test]
+    fn a_run_that_served_nothing_is_named() {
+        let served = PolicyRun::new(PolicyKind::CacheAware, live(vec![None; 2], vec![None; 2]), 0, 0.5, None);
+        let mut failed =
+            PolicyRun::new(PolicyKind::RoundRobin, live(vec![None; 2], vec![None; 2]), 0, 0.5, None);
+        failed.live.succeeded = 0;
+        assert_eq!(report(vec![served.clone()]).served_nothing(), []);
+        assert_eq!(report(vec![served, failed]).served_nothing(), [PolicyKind::RoundRobin]);
     }
 
     /// An S3FIFO reference names its settings, in the table and the JSON.
