@@ -6,7 +6,6 @@
 //! |---|---|
 //! | `input_ids` (one id list, or a batch of them), else `text` (a string or a batch) | `prompt`: SGLang tokenizes `text` with the tokenizer's special tokens, as a completion's prompt is (no chat template) |
 //! | `input_embeds`, with neither | `prompt_embeds` (one a prompt: counted only): no token ids to route on |
-//! | `image_data`, `video_data` or `audio_data` with `text` or `input_ids` | the same: SGLang expands the media's placeholder into tokens of its own |
 //! | `sampling_params.max_new_tokens` (128 when absent or null; of a list of them, one a prompt, the largest) | `max_tokens` |
 //! | `sampling_params.n` (of a list, the first's: SGLang asks them all to be equal) | `n` |
 //! | `lora_path` (an adapter's name; of a list, one a prompt, the name they all give) | `model` (none: the base model) |
@@ -29,19 +28,8 @@ pub const GENERATE_PATH: &str = "/generate";
 pub const DEFAULT_MAX_NEW_TOKENS: u64 = 128;
 
 /// The fields read, in [`completion_body`]'s order.
-const FIELDS: [&str; 11] = [
-    "text",
-    "input_ids",
-    "input_embeds",
-    "sampling_params",
-    "stream",
-    "lora_path",
-    "priority",
-    "cache_salt",
-    "image_data",
-    "video_data",
-    "audio_data",
-];
+const FIELDS: [&str; 8] =
+    ["text", "input_ids", "input_embeds", "sampling_params", "stream", "lora_path", "priority", "cache_salt"];
 
 /// The completion request a `/generate` body amounts to (module docs), as JSON.
 #[derive(Serialize)]
@@ -64,17 +52,10 @@ struct Completion<'a> {
 
 /// The completion request `body`, a `/generate` request, amounts to (module docs).
 pub fn completion_body(body: &[u8]) -> Result<Vec<u8>, RequestError> {
-    let [text, ids, embeds, sampling, stream, lora, priority, salt, image, video, audio] =
-        parse_object(body, &FIELDS)?;
+    let [text, ids, embeds, sampling, stream, lora, priority, salt] = parse_object(body, &FIELDS)?;
     let [text, ids, embeds, sampling, lora, salt] = [text, ids, embeds, sampling, lora, salt].map(given);
-    // (An empty list is no media.)
-    let empty =
-        |raw: &RawValue| raw.get().strip_prefix('[').is_some_and(|rest| rest.trim_start().starts_with(']'));
-    let media = [image, video, audio].into_iter().any(|media| given(media).is_some_and(|m| !empty(m)));
     let (prompt, prompt_embeds) = match (text, ids, embeds) {
         (Some(_), Some(_), Some(_)) | (None, None, None) => return Err(RequestError::NoGenerateInput),
-        (_, Some(ids), _) if media => (None, Some(prompts_placeholder(ids_of(ids)?, true))),
-        (Some(text), None, _) if media => (None, Some(prompts_placeholder(text_of(text)?, false))),
         (_, Some(ids), _) => (Some(ids_of(ids)?), None),
         (Some(text), None, _) => (Some(text_of(text)?), None),
         (None, None, Some(embeds)) => (None, Some(embeds_as_prompts(embeds))),
@@ -110,22 +91,6 @@ fn embeds_as_prompts(embeds: &RawValue) -> Value {
             Value::Array(vec![Value::Null; prompts.len()])
         }
         _ => Value::String(String::new()),
-    }
-}
-
-/// A prompt with media (`image_data`, `video_data`, `audio_data`) as `prompt_embeds` counts
-/// its prompts: SGLang expands the media's placeholder into tokens of its own (from the
-/// media's hash), which the router cannot compute, so it is routed with no token ids, as
-/// embeds are. `prompt` is `text` (a string, or a batch of them) or `input_ids` (`ids`: a
-/// list of ids, or a batch of such lists).
-fn prompts_placeholder(prompt: &RawValue, ids: bool) -> Value {
-    let batch = match serde_json::from_str::<Vec<&RawValue>>(prompt.get()) {
-        Ok(items) if !ids || items.first().is_some_and(|i| i.get().starts_with('[')) => Some(items.len()),
-        _ => None,
-    };
-    match batch {
-        Some(prompts) => Value::Array(vec![Value::Null; prompts]),
-        None => Value::String(String::new()),
     }
 }
 
@@ -288,26 +253,6 @@ mod tests {
         assert_eq!(read, serde_json::json!({"prompt": [[1, 2], [3]], "max_tokens": 128, "n": 1}));
         let read = completion(serde_json::json!({"input_embeds": [[0.5]], "sampling_params": null})).unwrap();
         assert_eq!(read, serde_json::json!({"prompt_embeds": "", "max_tokens": 128, "n": 1}));
-        // A prompt with media is routed as embeds are: one a prompt.
-        for (media, counted) in [
-            (serde_json::json!({"text": "<image>describe", "image_data": "x.png"}), serde_json::json!("")),
-            (
-                serde_json::json!({"text": ["a", "b"], "video_data": ["v", "w"]}),
-                serde_json::json!([null, null]),
-            ),
-            (serde_json::json!({"input_ids": [1, 2], "audio_data": "a.wav"}), serde_json::json!("")),
-            (
-                serde_json::json!({"input_ids": [[1], [2], [3]], "image_data": ["p"]}),
-                serde_json::json!([null, null, null]),
-            ),
-        ] {
-            let read = completion(media.clone()).unwrap();
-            assert_eq!((read.get("prompt"), &read["prompt_embeds"]), (None, &counted), "{media}");
-        }
-        for none in [serde_json::json!(null), serde_json::json!([])] {
-            let plain = completion(serde_json::json!({"text": "a", "image_data": none})).unwrap();
-            assert_eq!(plain["prompt"], "a");
-        }
         // One prompt of three tokens is one prompt; a batch of two, two.
         let one =
             completion(serde_json::json!({"input_embeds": [[0.5, 1.0], [0.1, 0.2], [0.3, 0.4]]})).unwrap();
