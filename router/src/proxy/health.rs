@@ -209,10 +209,16 @@ async fn check(
         Err(check) => check,
     };
     let passed = check == Check::Passed;
-    let was = member.upstream.passes_checks();
+    let (was, was_late) = (member.upstream.passes_checks(), member.upstream.is_late());
     let healthy = member.upstream.record_check(check, unhealthy_after);
     if healthy != was {
         tracing::info!(replica = %member.replica.spec.name, healthy, "replica health changed");
+    }
+    // Back from failed checks (not late ones: busy), it may have restarted and lost the
+    // adapters loaded on it: they are loaded again below. (SGLang's metrics say no start time,
+    // nor does it list its adapters: this is the only sign of its restart.)
+    if healthy && !was && !was_late {
+        member.upstream.forget_adapters();
     }
     // A replica without events unhealthy and failing its checks (not late: busy) will come
     // back with an empty cache (each such check: it may have turned unhealthy on late ones,
@@ -237,8 +243,9 @@ async fn check(
         false => None,
     };
     let page = page.as_deref().unwrap_or_default();
-    // One that restarted between two checks reports a new start time: it lost its adapters
-    // (loaded again below), and its cache (predicted, bounded by its size).
+    // One that restarted between two checks reports a new start time (vLLM's metrics do,
+    // SGLang's not): it lost its adapters (loaded again below), and its cache (predicted,
+    // bounded by its size).
     let started = start_time(page);
     if let Some(started) = started
         && member.upstream.note_start(started)

@@ -412,19 +412,26 @@ impl Upstream {
         adapters
     }
 
-    /// Notes the replica's process start time (`process_start_time_seconds`): another than
-    /// the last one noted is a restart, which lost the adapters loaded on it. They are
-    /// forgotten, for the catch-up to load them again ([`super::lora::catch_up`]): an SGLang
-    /// replica lists none, and was taken to have them for ever. True at a restart.
+    /// Notes the replica's process start time (`process_start_time_seconds`, on vLLM's
+    /// metrics page): another than the last one noted is a restart, which lost the adapters
+    /// loaded on it ([`Upstream::forget_adapters`]). True at a restart.
     pub fn note_start(&self, started: f64) -> bool {
         let mut was = self.started.lock().unwrap_or_else(PoisonError::into_inner);
         let restarted = was.is_some_and(|was| was != started);
         *was = Some(started);
         drop(was);
         if restarted {
-            self.adapters.lock().unwrap_or_else(PoisonError::into_inner).clear();
+            self.forget_adapters();
         }
         restarted
+    }
+
+    /// Forgets the adapters the replica was known to have (it may have restarted without
+    /// them), for the catch-up to load them again ([`super::lora::catch_up`]; one still there
+    /// answers "already loaded", and is marked again): an SGLang replica lists none, and was
+    /// taken to have them for ever.
+    pub fn forget_adapters(&self) {
+        self.adapters.lock().unwrap_or_else(PoisonError::into_inner).clear();
     }
 
     /// Marks the replica as having `adapter`, or not.

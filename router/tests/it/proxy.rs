@@ -2154,24 +2154,23 @@ async fn a_lora_adapter_on_some_replicas_only_gets_requests_there_only() {
     .await;
 }
 
-/// An SGLang replica lists no adapters: one that restarted (a new process start time on its
-/// metrics page) is given the router's adapters again, as it lost them. It was taken to have
-/// them for ever, and sent their requests.
+/// An SGLang replica lists no adapters: one back from failed health checks (it may have
+/// restarted) is given the router's adapters again. It was taken to have them for ever, and
+/// sent their requests. So is one whose metrics page says a new process start time (vLLM's
+/// says one, SGLang's not: the replica here says one, as a restart between two checks).
 #[tokio::test]
 async fn an_sglang_replica_that_restarted_is_given_its_adapters_again() {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
-    let restarted = std::sync::Arc::new(AtomicBool::new(false));
-    let (loads, scrapes) =
-        (std::sync::Arc::new(AtomicUsize::new(0)), std::sync::Arc::new(AtomicUsize::new(0)));
+    let (down, restarted) =
+        (std::sync::Arc::new(AtomicBool::new(false)), std::sync::Arc::new(AtomicBool::new(false)));
+    let loads = std::sync::Arc::new(AtomicUsize::new(0));
     let replica = hand_made_replica({
-        let (restarted, loads, scrapes) = (restarted.clone(), loads.clone(), scrapes.clone());
+        let (down, restarted, loads) = (down.clone(), restarted.clone(), loads.clone());
         move |path, _| {
-            let (restarted, loads, scrapes) = (restarted.clone(), loads.clone(), scrapes.clone());
+            let (down, restarted, loads) = (down.clone(), restarted.clone(), loads.clone());
             async move {
-                if path == "/metrics" {
-                    scrapes.fetch_add(1, SeqCst);
-                }
                 match path.as_str() {
+                    "/health" if down.load(SeqCst) => (503, "{}"),
                     "/metrics" if restarted.load(SeqCst) => (200, "process_start_time_seconds 2000\n"),
                     "/metrics" => (200, "process_start_time_seconds 1000\n"),
                     "/load_lora_adapter" => {
@@ -2193,22 +2192,30 @@ async fn an_sglang_replica_that_restarted_is_given_its_adapters_again() {
         ],
         lora_updates: true,
         health_interval_ms: 50,
+        unhealthy_after: 1,
         ..kvroute_router::Config::loopback(Vec::new())
     };
     let shutdown = tokio_util::sync::CancellationToken::new();
     let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
     let r0 = router.fleet().member("r0").unwrap();
-    // A check read the first start time (the next check has begun).
-    wait_until("a start time read", || scrapes.load(SeqCst) >= 2).await;
     let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
     let http = crate::fleet::Http::new();
     let reply = http.post(&format!("{}/load_lora_adapter", router.url()), &load).await;
     assert_eq!(reply.status, 200, "{:?}", reply.body);
     assert_eq!(loads.load(SeqCst), 1);
     assert!(r0.upstream.has_adapter("sql"));
-    restarted.store(true, SeqCst);
+
+    // Down, then back: loaded again (and marked once the load is answered).
+    down.store(true, SeqCst);
+    wait_until("r0 is down", || !r0.upstream.passes_checks()).await;
+    down.store(false, SeqCst);
     wait_until("the adapter loaded again", || loads.load(SeqCst) == 2).await;
-    assert!(r0.upstream.has_adapter("sql"));
+    wait_until("r0 has it again", || r0.upstream.has_adapter("sql")).await;
+
+    // A new start time on its metrics page (vLLM's say one): a restart between two checks.
+    restarted.store(true, SeqCst);
+    wait_until("the adapter loaded a third time", || loads.load(SeqCst) == 3).await;
+    wait_until("r0 has it again", || r0.upstream.has_adapter("sql")).await;
     shutdown.cancel();
 }
 

@@ -12,9 +12,10 @@
 //! catch-ups, and a catch-up does not start while a change runs (it would load an adapter
 //! being unloaded, or the one a new load replaces).
 //!
-//! SGLang replicas are not asked what they list: an adapter goes to one once, when the
-//! router first checks it, and is taken as there from then on (a restart that keeps its
-//! address is not noticed).
+//! SGLang replicas are not asked what they list: an adapter goes to one when the router
+//! first checks it, and is taken as there until the replica is seen to have restarted: back
+//! from failed health checks, or with a new process start time on its metrics page (vLLM's
+//! says one, SGLang's not). A restart quicker than the checks that would fail is not noticed.
 //!
 //! What is kept of the load request: its body, and of its headers only `Authorization`
 //! (replicas started with `--api-key`; marked sensitive, never printed) and `Content-Type`.
