@@ -177,9 +177,10 @@ pub struct Rooms {
     rooms: Mutex<HashMap<u64, watch::Sender<Handover>>>,
     timeout: Duration,
     client: Client<HttpConnector, Full<Bytes>>,
-    /// Cancelled when the engines stopped (the shutdown's grace is over): no wait for a room
-    /// outlasts them, or a shutdown would wait out the timeout for a decode replica that can
-    /// no longer come (the bootstrap server stops at the shutdown).
+    /// Cancelled when the engines stopped (at the shutdown once they run nothing, else when
+    /// its grace is over): no wait for a room outlasts them, or a shutdown would wait out the
+    /// timeout for a decode replica that can no longer come (the bootstrap server stops at the
+    /// shutdown).
     closed: CancellationToken,
 }
 
@@ -220,6 +221,9 @@ impl Rooms {
         room.send_modify(|room| room.transfer = Some(transfer));
         match self.until(id, room, |room| room.claimed).await {
             Some(_) => Ok(()),
+            None if self.closed.is_cancelled() => {
+                Err(format!("the replica stopped before a decode replica came for bootstrap room {id}"))
+            }
             None => Err(format!("no decode replica came for bootstrap room {id} in {:?}", self.timeout)),
         }
     }

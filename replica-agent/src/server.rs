@@ -164,7 +164,7 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
         engines.push((engine, scheduler));
     }
     // SGLang's disaggregation's hand-overs: none waits past the engines' end (each rank's
-    // scheduler ends at the shutdown's grace).
+    // scheduler ends at the shutdown once it runs nothing, else when its grace is over).
     let rooms =
         Arc::new(crate::bootstrap::Rooms::new(Duration::from_millis(config.disaggregation_timeout_ms)));
     // Vital once every engine is there (a scheduler whose engines were dropped by a start

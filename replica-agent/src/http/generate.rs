@@ -279,9 +279,13 @@ pub(super) async fn generate(
                 let rooms_of = state.rooms();
                 let pulls =
                     rooms.iter().cloned().map(|room| async move { rooms_of.pull(&room, own_port).await });
+                // (Cut short by a stop, it is refused as the stop refuses new requests.)
+                let failed = |why| match state.shutting_down() {
+                    true => ApiError::shutting_down(),
+                    false => ApiError::engine_failed(why),
+                };
                 let pulled: Vec<Transfer> =
-                    (futures::stream::iter(pulls).buffered(PULLS).try_collect().await)
-                        .map_err(ApiError::engine_failed)?;
+                    (futures::stream::iter(pulls).buffered(PULLS).try_collect().await).map_err(failed)?;
                 for (job, transfer) in jobs.iter_mut().zip(pulled) {
                     job.remote_tokens = job.prompt.len().saturating_sub(1);
                     job.reports_cached = Some(transfer.cached_tokens);

@@ -117,5 +117,9 @@ async fn a_stop_ends_the_wait_for_a_decode_replica() {
         tokio::time::timeout(std::time::Duration::from_secs(60), prefill.stop()).await.expect("stopped");
     });
     assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{}", reply.text());
-    assert!(reply.text().contains("bootstrap room 7"), "{}", reply.text());
+    assert!(
+        reply.text().contains("stopped before a decode replica came for bootstrap room 7"),
+        "{}",
+        reply.text()
+    );
 }
