@@ -4,8 +4,9 @@
 //! A request past its key's share gets 429 at once (`rate_limit_exceeded`, `Retry-After: 1`),
 //! counted in `kvroute_router_errors_total{kind="key_limit"}`; it does not wait in line, where
 //! it would hold a place the key's own requests free. A request holds its key's place until its
-//! response body ends (a WebSocket session, until it closes), as it holds its place under
-//! `--max-in-flight`; the fleet's model list, which the router answers itself, takes none.
+//! response body ends or the router cuts it (a WebSocket session, until it closes; a LoRA
+//! change, until it is done), with its place under `--max-in-flight`; the fleet's model list,
+//! which the router answers itself, takes none.
 //! Keys are told apart by a hash of the key: none is stored twice, and a reload that keeps a
 //! key keeps its count (one that turns the limit on counts the requests sent from then on).
 

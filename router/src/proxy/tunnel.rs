@@ -1,4 +1,5 @@
-//! WebSocket upgrades (vLLM's `/v1/realtime`), tunnelled to a replica.
+//! WebSocket upgrades (vLLM's `/v1/realtime`, its Responses API at `/v1/responses`),
+//! tunnelled to a replica.
 //!
 //! The handshake (an HTTP/1.1 `GET` whose `Connection` names `upgrade`) goes to the
 //! least-loaded eligible replica on a connection of its own, with its `Upgrade` field (a

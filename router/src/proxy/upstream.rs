@@ -693,7 +693,8 @@ impl LoadGuard {
 /// answer's first data (a Responses stream's first output), when the replica's events store
 /// the prompt's last block ([`crate::index::OnStored`]), or when the request ends, whichever
 /// comes first. The stored block is not waited for in a batch (a later prompt's last block
-/// may lie inside an earlier one), a stream, a request with no prediction to credit (a stored
+/// may lie inside an earlier one), a chat with media (its blocks end before the media), a
+/// stream, a request with no prediction to credit (a stored
 /// response's continuation, other paths), nor is it ever seen from a replica whose stream is
 /// `FALLBACK`, nor before the answer's first data from one without events (`PREDICTED`: its
 /// blocks are stored then): a whole answer of those holds its prefill until its end.
