@@ -33,7 +33,7 @@ mod tls;
 mod tls_client;
 mod watched;
 
-pub use grpc::{grpc_incoming, grpc_server};
+pub use grpc::{GRPC_DRAIN, drained_within, grpc_incoming, grpc_server};
 pub use parts::Parts;
 use send_timeout::SendTimeout;
 pub use tls::{Tls, TlsFiles, certificates, not_after, private_key, read_file};

@@ -207,11 +207,11 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
     let grpc_shutdown = shutdown.clone();
     parts.vital("the gRPC server", async move {
         let incoming = kvroute_proto::serve::grpc_incoming(grpc_listener, None);
-        kvroute_proto::serve::grpc_server()
+        let serving = kvroute_proto::serve::grpc_server()
             .add_service(grpc)
-            .serve_with_incoming_shutdown(incoming, grpc_shutdown.cancelled_owned())
-            .await
-            .map_err(|e| e.to_string())
+            .serve_with_incoming_shutdown(incoming, grpc_shutdown.clone().cancelled_owned());
+        let drain = kvroute_proto::serve::GRPC_DRAIN;
+        kvroute_proto::serve::drained_within(serving, &grpc_shutdown, drain).await.map_err(|e| e.to_string())
     });
 
     let state = http::AppState::new(ranks.clone(), tokenization, config.clone(), rooms);

@@ -352,11 +352,11 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
     }
     parts.vital("the admin gRPC server", async move {
         let incoming = kvroute_proto::serve::grpc_incoming(admin_listener, admin_tls);
-        kvroute_proto::serve::grpc_server()
+        let serving = kvroute_proto::serve::grpc_server()
             .add_service(admin)
-            .serve_with_incoming_shutdown(incoming, admin_shutdown.cancelled_owned())
-            .await
-            .map_err(|e| e.to_string())
+            .serve_with_incoming_shutdown(incoming, admin_shutdown.clone().cancelled_owned());
+        let drain = kvroute_proto::serve::GRPC_DRAIN;
+        kvroute_proto::serve::drained_within(serving, &admin_shutdown, drain).await.map_err(|e| e.to_string())
     });
     warn_if_replicas_open(&state, &config);
     tracing::info!(

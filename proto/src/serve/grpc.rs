@@ -31,6 +31,33 @@ pub fn grpc_server() -> tonic::transport::Server {
         .http2_keepalive_timeout(Some(GRPC_KEEPALIVE))
 }
 
+/// How long a gRPC server's graceful shutdown may take before its connections are dropped
+/// ([`drained_within`]).
+pub const GRPC_DRAIN: Duration = Duration::from_secs(30);
+
+/// `serving` (a server's `serve_with_incoming_shutdown` on `shutdown`), given at most
+/// `deadline` from `shutdown` to finish, then dropped with its connections. A peer that
+/// connected and never sent its HTTP/2 preface held a graceful shutdown for ever: hyper waits
+/// for the preface without a timer, and the keep-alive PINGs begin after it.
+pub async fn drained_within<E>(
+    serving: impl Future<Output = Result<(), E>>,
+    shutdown: &tokio_util::sync::CancellationToken,
+    deadline: Duration,
+) -> Result<(), E> {
+    let mut serving = std::pin::pin!(serving);
+    tokio::select! {
+        served = &mut serving => return served,
+        () = shutdown.cancelled() => {}
+    }
+    match tokio::time::timeout(deadline, serving).await {
+        Ok(served) => served,
+        Err(_) => {
+            tracing::warn!(?deadline, "gRPC connections still open at the end of the drain: dropped");
+            Ok(())
+        }
+    }
+}
+
 /// The connections `listener` accepts, for a [`grpc_server`]; with `tls`, those whose TLS
 /// handshake succeeded (with the certificate `tls` holds when each is accepted: a certificate
 /// renewed in place is served from then on; HTTP/2 the one protocol offered by ALPN, the only
@@ -135,6 +162,28 @@ mod tests {
 
     use super::*;
     use crate::serve::TlsFiles;
+
+    /// A peer that connected and sent nothing does not hold a shutdown past its drain: the
+    /// server's graceful shutdown waited for its HTTP/2 preface for ever.
+    #[tokio::test]
+    async fn a_silent_peer_holds_no_shutdown_past_the_drain() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let serving = grpc_server()
+            .add_routes(tonic::service::Routes::default())
+            .serve_with_incoming_shutdown(grpc_incoming(listener, None), shutdown.clone().cancelled_owned());
+        let served = tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move { drained_within(serving, &shutdown, Duration::from_millis(200)).await }
+        });
+        let _silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+        // The server has the connection (it holds the shutdown) before the shutdown comes.
+        tokio::task::yield_now().await;
+        shutdown.cancel();
+        let ended = tokio::time::timeout(Duration::from_secs(20), served).await;
+        assert!(ended.expect("the server ends after its drain").unwrap().is_ok());
+    }
 
     /// A peer that opens a connection and never starts its handshake holds up no other: the
     /// next client's handshake is done, and its connection served, meanwhile, with HTTP/2
