@@ -61,7 +61,9 @@ pub struct Limits {
     /// After shutdown, how long open connections may go on before the server stops waiting
     /// for them: on [`serve_on_threads`]' threads they are then closed where they stand (their
     /// runtime goes); [`serve_with`]'s are left to its caller's runtime. `None`: as long as
-    /// they take.
+    /// they take. [`DEFAULT_DRAIN`] by default: an HTTP/2 client that grants a stream no
+    /// window holds it, and a drain without end, for ever (no write waits for the send
+    /// timeout to cut).
     pub drain_timeout: Option<Duration>,
 }
 
@@ -79,10 +81,13 @@ impl Default for Limits {
             max_headers: 100,
             header_read_timeout: Duration::from_secs(30),
             send_timeout: Duration::from_secs(60),
-            drain_timeout: None,
+            drain_timeout: Some(DEFAULT_DRAIN),
         }
     }
 }
+
+/// [`Limits::drain_timeout`] by default.
+pub const DEFAULT_DRAIN: Duration = Duration::from_secs(30);
 
 /// Work a request starts that must run to its end whether or not its client waits (a change
 /// made on several servers, say), in every request's extensions: tasks spawned with

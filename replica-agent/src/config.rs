@@ -416,11 +416,15 @@ impl Config {
         }
     }
 
-    /// Limits of the HTTP server.
+    /// Limits of the HTTP server: its drain lasts the shutdown's grace (the engine fails what
+    /// it still runs then) and some seconds more, for the answers to go out.
     pub fn serve_limits(&self) -> Limits {
+        // A grace too long for the clock is a century (as the engine takes it).
+        let grace = Duration::from_secs(self.shutdown_grace_secs.min(100 * 365 * 86_400));
         Limits {
             max_connections: self.max_connections,
             max_header_bytes: self.max_header_bytes,
+            drain_timeout: Some(grace + kvroute_proto::serve::DEFAULT_DRAIN),
             ..Limits::default()
         }
     }
