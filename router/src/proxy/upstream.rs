@@ -343,6 +343,8 @@ impl Upstream {
                 self.ejections.fetch_add(1, Ordering::Relaxed);
                 // After the ejection one more failure ejects again; one success clears it.
                 self.consecutive_failures.store(eject_after.saturating_sub(1), Ordering::Relaxed);
+                // Out, others may be eligible in its stead (the ejected ones, when none is up).
+                self.waiters.wake_all();
                 // Requests waiting for room elsewhere may take it once it is back.
                 if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                     let waiters = self.waiters.clone();
@@ -458,8 +460,10 @@ impl Upstream {
         *self.card.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(card));
     }
 
+    /// (A change either way wakes the requests waiting for room: back, it may take them; out,
+    /// others may be eligible in its stead, as the ejected and late are when none is up.)
     pub fn set_healthy(&self, healthy: bool) {
-        if !self.healthy.swap(healthy, Ordering::Relaxed) && healthy {
+        if self.healthy.swap(healthy, Ordering::Relaxed) != healthy {
             self.waiters.wake_all();
         }
     }
@@ -498,8 +502,9 @@ impl Upstream {
         self.healthy.load(Ordering::Relaxed) && !self.is_ejected()
     }
 
+    /// (Either way, waking the requests waiting for room, as [`Upstream::set_healthy`].)
     pub fn set_draining(&self, draining: bool) {
-        if self.draining.swap(draining, Ordering::Relaxed) && !draining {
+        if self.draining.swap(draining, Ordering::Relaxed) != draining {
             self.waiters.wake_all();
         }
     }
@@ -508,8 +513,9 @@ impl Upstream {
         self.draining.load(Ordering::Relaxed)
     }
 
+    /// (Either way, waking the requests waiting for room, as [`Upstream::set_healthy`].)
     pub fn set_serving(&self, serving: bool) {
-        if !self.serving.swap(serving, Ordering::Relaxed) && serving {
+        if self.serving.swap(serving, Ordering::Relaxed) != serving {
             self.waiters.wake_all();
         }
     }
@@ -752,6 +758,39 @@ impl Drop for LoadGuard {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    /// A replica going out wakes the requests waiting for room, as one coming back does:
+    /// with none up, the ejected and late are eligible in its stead. Those waiting for it
+    /// alone slept on until their timeout (a 503) while new requests went to the others.
+    #[tokio::test]
+    async fn a_replica_going_out_wakes_the_requests_waiting() {
+        let waiters = Arc::new(Waiters::default());
+        let (b, other) = (ReplicaId(1), ReplicaId(2));
+        let upstream = Upstream::waking(waiters.clone(), b);
+        let outs: [&dyn Fn(&Upstream); 4] =
+            [&|u| u.set_healthy(false), &|u| u.set_draining(true), &|u| u.set_serving(false), &|u| {
+                assert!(u.record_failure(1, Duration::from_secs(3600)))
+            }];
+        let replicas = [b, other];
+        for out in outs {
+            let mut ticket = waiters.ticket(0);
+            {
+                let wait = ticket.wait(&replicas, waiters.frees());
+                tokio::pin!(wait);
+                assert!(futures::poll!(wait.as_mut()).is_pending());
+                out(&upstream);
+                assert!(futures::poll!(wait.as_mut()).is_ready(), "woken");
+            }
+            drop(ticket);
+            // Back, for the next.
+            upstream.set_healthy(true);
+            upstream.set_draining(false);
+            upstream.set_serving(true);
+            upstream.record_success();
+            *upstream.ejected_until.lock().unwrap() = None;
+            upstream.ejected.store(false, Ordering::Release);
+        }
+    }
 
     #[test]
     fn a_replica_is_unhealthy_after_failed_checks_in_a_row_and_healthy_after_one_passed() {
@@ -1056,19 +1095,21 @@ mod tests {
     }
 
     /// A replica that comes back (healthy, no longer drained, serving) wakes the requests
-    /// waiting for room; a change that is no return wakes none.
+    /// waiting for room, as one that goes out does; a setting that changes nothing wakes none.
     #[tokio::test]
     async fn a_replica_that_comes_back_wakes_the_waiting_requests() {
         let waiters = Arc::new(Waiters::default());
         let u = Arc::new(Upstream::waking(waiters.clone(), ReplicaId(3)));
         for (change, back) in [
-            (&(|| u.set_healthy(false)) as &dyn Fn(), false),
+            (&(|| u.set_healthy(false)) as &dyn Fn(), true),
             (&|| u.set_healthy(true), true),
             (&|| u.set_healthy(true), false),
+            (&|| u.set_draining(true), true),
             (&|| u.set_draining(true), false),
             (&|| u.set_draining(false), true),
-            (&|| u.set_serving(false), false),
+            (&|| u.set_serving(false), true),
             (&|| u.set_serving(true), true),
+            (&|| u.set_serving(true), false),
         ] {
             let seen = waiters.frees();
             change();
