@@ -80,8 +80,9 @@ pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shu
                 checking.remove(&checked);
                 let current = fleet.members().iter().any(|m| key(m) == checked);
                 match listed {
-                    Some(listed) if current => listings.insert(checked, (upstream, listed)),
-                    _ => listings.remove(&checked),
+                    Listing::Listed(listed) if current => drop(listings.insert(checked, (upstream, listed))),
+                    Listing::Unchanged if current => {}
+                    _ => drop(listings.remove(&checked)),
                 };
                 // The round's last: learned from at once, as the tick would a round later.
                 if checking.is_empty() {
@@ -194,13 +195,19 @@ impl Learned {
     }
 }
 
+/// What a check says of a replica's LoRA adapters.
+enum Listing {
+    /// The adapters it lists.
+    Listed(HashSet<String>),
+    /// None known: it is unhealthy, or its list could not be read (it may have any).
+    Unknown,
+    /// Its check was late (busy, not down): its last listing stands, as its last load
+    /// report does.
+    Unchanged,
+}
+
 /// Checks `member`; returns the adapters it lists, if it is healthy and said.
-async fn check(
-    member: Member,
-    fleet: &Fleet,
-    client: &Client,
-    settings: Settings,
-) -> Option<HashSet<String>> {
+async fn check(member: Member, fleet: &Fleet, client: &Client, settings: Settings) -> Listing {
     let Settings { timeout, load_timeout, unhealthy_after, .. } = settings;
     let base = &member.replica.spec.http_url;
     let check = match fetch(client, &format!("{base}/health"), timeout).await {
@@ -226,6 +233,12 @@ async fn check(
     let prediction = member.replica.prediction.get();
     if let Some(prediction) = prediction.filter(|_| !healthy && check == Check::Failed) {
         prediction.forget();
+    }
+    // A late check asks nothing more, and changes nothing it would have read: a busy
+    // replica's load report (the other routers' requests there) and adapters (routed to it)
+    // stand. Dropped, its load looked the router's alone, and its adapters forgotten.
+    if check == Check::Late {
+        return Listing::Unchanged;
     }
     // A check that failed asks nothing more (a replica that does not answer would go
     // unchecked for every read's timeout).
@@ -278,7 +291,7 @@ async fn check(
         });
     }
     if !healthy {
-        return None;
+        return Listing::Unknown;
     }
     let listing = match member.replica.spec.engine {
         EngineKind::Sglang => None,
@@ -307,7 +320,7 @@ async fn check(
     if fleet.still_has(&member) {
         catch_up::spawn(fleet, member, client, timeouts, listed);
     }
-    adapters
+    adapters.map_or(Listing::Unknown, Listing::Listed)
 }
 
 async fn get(client: &Client, url: &str, timeout: Duration) -> Option<(http::StatusCode, Bytes)> {

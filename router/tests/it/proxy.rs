@@ -2219,6 +2219,53 @@ async fn an_sglang_replica_that_restarted_is_given_its_adapters_again() {
     shutdown.cancel();
 }
 
+/// A late health check (a busy replica, not a down one) keeps what the last ones read: the
+/// other routers' requests on it, and the adapters it lists. Dropped, its load looked this
+/// router's alone, and its adapters were forgotten (their requests hashed and sent anywhere).
+#[tokio::test]
+async fn a_late_health_check_keeps_the_load_and_adapters_read_before() {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    const MODELS: &str = r#"{"object":"list","data":[{"id":"kvroute-sim","object":"model"},
+        {"id":"sql","object":"model","parent":"kvroute-sim"}]}"#;
+    let slow = std::sync::Arc::new(AtomicBool::new(false));
+    let replica = hand_made_replica({
+        let slow = slow.clone();
+        move |path, _| {
+            let slow = slow.clone();
+            async move {
+                match path.as_str() {
+                    "/health" if slow.load(SeqCst) => {
+                        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                        (200, "{}")
+                    }
+                    "/metrics" => (200, "vllm:num_requests_running{engine=\"0\"} 5\n"),
+                    "/v1/models" => (200, MODELS),
+                    _ => (200, "{}"),
+                }
+            }
+        }
+    })
+    .await;
+    let (router, shutdown) = router_in_front_of(replica, |c| kvroute_router::Config {
+        health_interval_ms: 50,
+        health_timeout_ms: 200,
+        unhealthy_after: 1,
+        ..c
+    })
+    .await;
+    let r0 = router.fleet().member("r0").unwrap();
+    let tokenization = router.state.decider.prompts.tokenization();
+    wait_until("the load and adapters read", || {
+        r0.upstream.load().others == 5 && tokenization.lora_adapters().contains(&"sql".to_owned())
+    })
+    .await;
+    slow.store(true, SeqCst);
+    wait_until("a late check", || r0.upstream.is_late()).await;
+    assert_eq!(r0.upstream.load().others, 5, "the other routers' load stands");
+    assert!(tokenization.lora_adapters().contains(&"sql".to_owned()), "the adapter stands");
+    shutdown.cancel();
+}
+
 /// Replicas started with an API key (vLLM's `--api-key`): a LoRA load through the router
 /// carries the client's key to each of them. A replica that restarts without the adapter
 /// gets none of its requests until the router has given it the adapter again, with the key
