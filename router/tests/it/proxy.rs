@@ -1238,17 +1238,31 @@ pub(crate) async fn router_in_front_of(
     replica: std::net::SocketAddr,
     tweak: impl FnOnce(kvroute_router::Config) -> kvroute_router::Config,
 ) -> (kvroute_router::RunningRouter, tokio_util::sync::CancellationToken) {
+    router_in_front_of_all(vec![hand_made_entry(0, replica, "kvroute")], tweak).await
+}
+
+/// [`router_in_front_of`] the replicas `replicas`.
+async fn router_in_front_of_all(
+    replicas: Vec<kvroute_router::config::ReplicaConfig>,
+    tweak: impl FnOnce(kvroute_router::Config) -> kvroute_router::Config,
+) -> (kvroute_router::RunningRouter, tokio_util::sync::CancellationToken) {
     let config = tweak(kvroute_router::Config {
         model: FLEET_MODEL.into(),
-        replicas: vec![
-            format!("name=r0,http=http://{replica},events={},engine=kvroute", crate::support::nowhere())
-                .parse()
-                .unwrap(),
-        ],
+        replicas,
         ..kvroute_router::Config::loopback(Vec::new())
     });
     let shutdown = tokio_util::sync::CancellationToken::new();
     (kvroute_router::start(config, shutdown.clone()).await.unwrap(), shutdown)
+}
+
+/// Replica `r{i}` at `replica` (hand-made: its events come from nowhere), of `engine`.
+fn hand_made_entry(
+    i: usize,
+    replica: std::net::SocketAddr,
+    engine: &str,
+) -> kvroute_router::config::ReplicaConfig {
+    let events = crate::support::nowhere();
+    format!("name=r{i},http=http://{replica},events={events},engine={engine}").parse().unwrap()
 }
 
 /// vLLM (with `--enable-prompt-tokens-details`) leaves `prompt_tokens_details` out of a usage
@@ -1664,19 +1678,14 @@ async fn remote_tokenization_of_an_adapter_asks_the_replicas_that_have_it() {
             }
         })
         .await;
-        let events = crate::support::nowhere();
-        replicas
-            .push(format!("name=r{i},http=http://{replica},events={events},engine=vllm").parse().unwrap());
+        replicas.push(hand_made_entry(i, replica, "vllm"));
     }
-    let config = kvroute_router::Config {
-        model: FLEET_MODEL.into(),
-        replicas,
+    let (router, shutdown) = router_in_front_of_all(replicas, |c| kvroute_router::Config {
         remote_tokenize: true,
         lora_adapters: vec!["sql".into()],
-        ..kvroute_router::Config::loopback(Vec::new())
-    };
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+        ..c
+    })
+    .await;
     for i in 0..4 {
         let listed = (i == 3).then(|| "sql".to_owned()).into_iter().collect();
         router.fleet().member(&format!("r{i}")).unwrap().upstream.set_listed_adapters(Some(listed));
@@ -1722,19 +1731,14 @@ async fn remote_tokenization_of_a_loaded_adapter_no_replica_up_has() {
             }
         })
         .await;
-        let events = crate::support::nowhere();
-        replicas
-            .push(format!("name=r{i},http=http://{replica},events={events},engine=vllm").parse().unwrap());
+        replicas.push(hand_made_entry(i, replica, "vllm"));
     }
-    let config = kvroute_router::Config {
-        model: FLEET_MODEL.into(),
-        replicas,
+    let (router, shutdown) = router_in_front_of_all(replicas, |c| kvroute_router::Config {
         remote_tokenize: true,
         lora_updates: true,
-        ..kvroute_router::Config::loopback(Vec::new())
-    };
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+        ..c
+    })
+    .await;
     let http = crate::fleet::Http::new();
     let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
     let reply = http.post(&format!("{}/v1/load_lora_adapter", router.url()), &load).await;
@@ -2183,20 +2187,14 @@ async fn an_sglang_replica_that_restarted_is_given_its_adapters_again() {
         }
     })
     .await;
-    let config = kvroute_router::Config {
-        model: FLEET_MODEL.into(),
-        replicas: vec![
-            format!("name=r0,http=http://{replica},events={},engine=sglang", crate::support::nowhere())
-                .parse()
-                .unwrap(),
-        ],
+    let sglang = vec![hand_made_entry(0, replica, "sglang")];
+    let (router, shutdown) = router_in_front_of_all(sglang, |c| kvroute_router::Config {
         lora_updates: true,
         health_interval_ms: 50,
         unhealthy_after: 1,
-        ..kvroute_router::Config::loopback(Vec::new())
-    };
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let router = kvroute_router::start(config, shutdown.clone()).await.unwrap();
+        ..c
+    })
+    .await;
     let r0 = router.fleet().member("r0").unwrap();
     let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
     let http = crate::fleet::Http::new();
