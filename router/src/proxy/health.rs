@@ -399,10 +399,16 @@ fn rank_gauge_sum(metrics: &[u8], gauges: &[&str], (label, rank): (&str, u32)) -
     gauge_sum_of(metrics, gauges, |sample| sample.label(label) == Some(rank.as_str()))
 }
 
-/// The sum of the samples of `gauges` that pass `keep`, as a count.
+/// The sum of the samples of `gauges` that pass `keep`, as a count: of SGLang's, its lead
+/// scheduler's (`tp_rank` and `pp_rank` 0). With `--enable-metrics-for-all-schedulers` every
+/// scheduler of a rank reports the same requests, and the sum counted them once a scheduler.
 fn gauge_sum_of(metrics: &[u8], gauges: &[&str], keep: impl Fn(&prometheus::Sample) -> bool) -> Option<u32> {
     let page = std::str::from_utf8(metrics).ok()?;
-    let values = gauges.iter().flat_map(|gauge| prometheus::samples(page, gauge).filter(&keep));
+    let lead = |sample: &prometheus::Sample| {
+        ["tp_rank", "pp_rank"].iter().all(|label| sample.label(label).is_none_or(|rank| rank == "0"))
+    };
+    let kept = |sample: &prometheus::Sample| lead(sample) && keep(sample);
+    let values = gauges.iter().flat_map(|gauge| prometheus::samples(page, gauge).filter(kept));
     values.map(|sample| sample.value as u32).reduce(u32::saturating_add)
 }
 
@@ -477,6 +483,16 @@ sglang:num_running_reqs{model_name="m",engine_type="unified",tp_rank="0",pp_rank
         let by = |gauges: &[&str], rank| super::rank_gauge_sum(sglang, gauges, (label, rank));
         assert_eq!((by(&super::RUNNING_GAUGES, 1), by(&super::WAITING_GAUGES, 1)), (Some(3), Some(2)));
         assert_eq!(by(&super::RUNNING_GAUGES, 0), Some(1));
+        // With `--enable-metrics-for-all-schedulers`, each scheduler of a rank reports its
+        // requests: the lead's count, not their sum.
+        let all = br#"sglang:num_running_reqs{model_name="m",tp_rank="0",pp_rank="0",dp_rank="0"} 4
+sglang:num_running_reqs{model_name="m",tp_rank="1",pp_rank="0",dp_rank="0"} 4
+sglang:num_running_reqs{model_name="m",tp_rank="0",pp_rank="1",dp_rank="0"} 4
+sglang:num_running_reqs{model_name="m",tp_rank="0",pp_rank="0",dp_rank="1"} 2
+sglang:num_running_reqs{model_name="m",tp_rank="1",pp_rank="0",dp_rank="1"} 2
+"#;
+        assert_eq!(super::gauge_sum(all, &super::RUNNING_GAUGES), Some(6));
+        assert_eq!(super::rank_gauge_sum(all, &super::RUNNING_GAUGES, (label, 1)), Some(2));
     }
 
     #[test]
