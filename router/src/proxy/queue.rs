@@ -66,6 +66,9 @@ pub struct Line {
     /// Nanoseconds.
     waited: AtomicU64,
     priority: AtomicI64,
+    /// Its place among those waiting for a replica's room, from its first wait on
+    /// ([`Waiters::ticket_kept`]): a retry that waits again keeps its turn.
+    place: AtomicU64,
 }
 
 impl Line {
@@ -133,7 +136,8 @@ impl Queue {
                     let (at, ticket) = match &mut waiting {
                         Some(waiting) => waiting,
                         None => {
-                            let ticket = waiters.ticket(line.priority.load(Ordering::Relaxed));
+                            let priority = line.priority.load(Ordering::Relaxed);
+                            let ticket = waiters.ticket_kept(priority, &line.place);
                             waiting.insert((self.join(line, &reason, metrics)?, ticket))
                         }
                     };
@@ -313,6 +317,52 @@ mod tests {
         waiters.freed(ReplicaId(0));
         assert_eq!(waiting.await.unwrap(), 2, "tried again once, when its replica had room");
         assert_eq!(outcome(&metrics, "placed"), 1);
+    }
+
+    /// A request that waits again (a retry, its replica failed) keeps its turn: the room freed
+    /// next is tried by it, not by a request that came after its first wait. (It took a new
+    /// place, behind everything that came meanwhile.)
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_keeps_its_turn_in_line() {
+        use std::sync::atomic::AtomicU32;
+        let (queue, metrics, waiters) =
+            (Queue::new(4, Some(Duration::from_secs(60))), metrics(), Waiters::default());
+        let (a, b) = (Line::default(), Line::default());
+        let room = std::sync::atomic::AtomicBool::new(false);
+        let (a_tries, b_tries) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+        let attempt = |tries: &Arc<AtomicU32>| {
+            let (room, tries) = (&room, tries.clone());
+            move || {
+                tries.fetch_add(1, Ordering::Relaxed);
+                std::future::ready(match room.load(Ordering::Relaxed) {
+                    true => Ok(()),
+                    false => Err(saturated()),
+                })
+            }
+        };
+        // A waits first, and is placed.
+        {
+            let first = queue.until_room(&waiters, (&a, &metrics), attempt(&a_tries), |_| Some(ReplicaId(0)));
+            tokio::pin!(first);
+            assert!(futures::poll!(&mut first).is_pending());
+            room.store(true, Ordering::Relaxed);
+            waiters.freed(ReplicaId(0));
+            first.await.unwrap();
+            room.store(false, Ordering::Relaxed);
+        }
+        // B comes, then A's retry: both wait.
+        let b_wait = queue.until_room(&waiters, (&b, &metrics), attempt(&b_tries), |_| Some(ReplicaId(0)));
+        let a_retry = queue.until_room(&waiters, (&a, &metrics), attempt(&a_tries), |_| Some(ReplicaId(0)));
+        tokio::pin!(b_wait, a_retry);
+        assert!(futures::poll!(&mut b_wait).is_pending() && futures::poll!(&mut a_retry).is_pending());
+        let (a_before, b_before) = (a_tries.load(Ordering::Relaxed), b_tries.load(Ordering::Relaxed));
+        waiters.freed(ReplicaId(0));
+        assert!(futures::poll!(&mut b_wait).is_pending() && futures::poll!(&mut a_retry).is_pending());
+        assert_eq!(
+            (a_tries.load(Ordering::Relaxed) - a_before, b_tries.load(Ordering::Relaxed) - b_before),
+            (1, 0),
+            "the room went to A's retry first"
+        );
     }
 
     /// A request's waits together last `--queue-timeout-ms` at most, the time between them

@@ -134,12 +134,22 @@ impl Waiters {
 
     /// A place in line, taken when the request first waits.
     pub fn ticket(&self, priority: i64) -> Ticket<'_> {
-        Ticket {
-            waiters: self,
-            id: (priority, self.tickets.fetch_add(1, SeqCst)),
-            wake: Arc::default(),
-            state: State::Out,
-        }
+        self.ticket_kept(priority, &AtomicU64::new(0))
+    }
+
+    /// [`Waiters::ticket`] at the place `kept` holds (one more than its number; 0: none yet,
+    /// and it is given the new one): a request that waits again (a retry) keeps its turn
+    /// ahead of those that came after it.
+    pub fn ticket_kept(&self, priority: i64, kept: &AtomicU64) -> Ticket<'_> {
+        let number = match kept.load(SeqCst) {
+            0 => {
+                let number = self.tickets.fetch_add(1, SeqCst);
+                kept.store(number + 1, SeqCst);
+                number
+            }
+            kept => kept - 1,
+        };
+        Ticket { waiters: self, id: (priority, number), wake: Arc::default(), state: State::Out }
     }
 
     fn line(&self) -> MutexGuard<'_, BTreeMap<Place, Waiter>> {
