@@ -21,6 +21,10 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// TLS handshakes under way at once; a connection accepted past that is closed at once.
 const MAX_HANDSHAKES: usize = 64;
 
+/// TLS handshakes under way at once from one address: one peer that opens connections and
+/// says nothing takes no more, and others are still served meanwhile.
+const PEER_HANDSHAKES: usize = 8;
+
 /// A gRPC server as the router's admin service and the agent's service run: a connection
 /// whose peer stops answering HTTP/2 PINGs (a client gone with its network, a half-open
 /// connection) is closed within a minute. Without that, a graceful shutdown waited for it
@@ -67,8 +71,10 @@ pub async fn drained_within<E>(
 ///
 /// Each handshake runs in a task of its own, within [`HANDSHAKE_TIMEOUT`], while accepting
 /// goes on: a peer that stalls in its handshake holds up no other, and one that fails it is
-/// logged and dropped. Past [`MAX_HANDSHAKES`] under way, a new connection is closed at once
-/// rather than waited on. Accepting stops when the server drops the stream.
+/// logged and dropped. Past [`MAX_HANDSHAKES`] under way, or [`PEER_HANDSHAKES`] from one
+/// address, a new connection is closed at once rather than waited on (without the second,
+/// one address's idle connections refused everyone). Accepting stops when the server drops
+/// the stream.
 pub fn grpc_incoming(
     listener: TcpListener,
     tls: Option<Tls>,
@@ -109,25 +115,71 @@ async fn handshakes(
     done: tokio::sync::mpsc::Sender<io::Result<tls::Stream>>,
 ) {
     let under_way = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+    let by_peer = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
     loop {
         let stream = tokio::select! {
             () = done.closed() => return,
             stream = accept(&listener) => stream,
         };
         let peer = stream.peer_addr().ok();
+        let Some(peer_place) = PeerPlace::take(&by_peer, peer.map(|p| p.ip())) else {
+            tracing::debug!(
+                ?peer,
+                "too many gRPC TLS handshakes under way from one address: connection closed"
+            );
+            continue;
+        };
         let Ok(place) = under_way.clone().try_acquire_owned() else {
             tracing::debug!(?peer, "too many gRPC TLS handshakes under way: connection closed");
             continue;
         };
         let (acceptor, done) = (h2_only(&tls), done.clone());
         tokio::spawn(async move {
-            let _place = place;
+            let _place = (place, peer_place);
             match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                 Ok(Ok(stream)) => drop(done.send(Ok(tls::Stream::Tls(Box::new(stream)))).await),
                 Ok(Err(e)) => tracing::debug!(error = %e, ?peer, "gRPC TLS handshake failed"),
                 Err(_) => tracing::debug!(?peer, "gRPC TLS handshake not done in time"),
             }
         });
+    }
+}
+
+/// A handshake's place among those of its peer's address ([`PEER_HANDSHAKES`]), given back
+/// when dropped.
+struct PeerPlace {
+    by_peer: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    peer: Option<std::net::IpAddr>,
+}
+
+impl PeerPlace {
+    /// A place for a handshake from `peer`, if it has fewer than [`PEER_HANDSHAKES`] under way.
+    fn take(
+        by_peer: &std::sync::Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+        peer: Option<std::net::IpAddr>,
+    ) -> Option<Self> {
+        if let Some(ip) = peer {
+            let mut counts = by_peer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let count = counts.entry(ip).or_default();
+            if *count >= PEER_HANDSHAKES {
+                return None;
+            }
+            *count += 1;
+        }
+        Some(Self { by_peer: by_peer.clone(), peer })
+    }
+}
+
+impl Drop for PeerPlace {
+    fn drop(&mut self) {
+        let Some(ip) = self.peer else { return };
+        let mut counts = self.by_peer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(count) = counts.get_mut(&ip) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&ip);
+            }
+        }
     }
 }
 
@@ -183,6 +235,45 @@ mod tests {
         shutdown.cancel();
         let ended = tokio::time::timeout(Duration::from_secs(20), served).await;
         assert!(ended.expect("the server ends after its drain").unwrap().is_ok());
+    }
+
+    /// One address's connections that never start their handshake take at most
+    /// [`PEER_HANDSHAKES`] places: another address's client is still served. (Its
+    /// [`MAX_HANDSHAKES`] of them refused everyone for as long as they were renewed.)
+    #[tokio::test]
+    async fn one_address_cannot_take_every_handshake_place() {
+        let (cert, key, made) = super::tls::test_files("grpc-peer");
+        let tls = Tls::from_files(&TlsFiles { cert: cert.clone(), key, client_ca: None }).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut incoming = std::pin::pin!(grpc_incoming(listener, Some(tls)));
+        let mut stalled = Vec::new();
+        for _ in 0..MAX_HANDSHAKES {
+            stalled.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        let mut roots = RootCertStore::empty();
+        roots.add(made.cert.der().clone()).unwrap();
+        let mut config = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+        let client = async {
+            // From another loopback address.
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+            let tcp = socket.connect(addr).await.unwrap();
+            connector.connect(ServerName::try_from("localhost").unwrap(), tcp).await
+        };
+        let within = Duration::from_secs(5);
+        let (served, client) = tokio::time::timeout(within, futures::future::join(incoming.next(), client))
+            .await
+            .expect("another address's handshake is done");
+        assert!(matches!(served.unwrap().unwrap(), tls::Stream::Tls(_)));
+        assert!(client.is_ok());
+        let _ = std::fs::remove_dir_all(cert.parent().unwrap());
     }
 
     /// A peer that opens a connection and never starts its handshake holds up no other: the
