@@ -237,6 +237,19 @@ mod tests {
         assert!(ended.expect("the server ends after its drain").unwrap().is_ok());
     }
 
+    /// A TLS client trusting `made`'s certificate, offering `alpn`.
+    fn trusting(made: &rcgen::CertifiedKey<rcgen::KeyPair>, alpn: &[&[u8]]) -> ClientConfig {
+        let mut roots = RootCertStore::empty();
+        roots.add(made.cert.der().clone()).unwrap();
+        let mut config = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        config.alpn_protocols = alpn.iter().map(|protocol| protocol.to_vec()).collect();
+        config
+    }
+
     /// One address's connections that never start their handshake take at most
     /// [`PEER_HANDSHAKES`] places: another address's client is still served. (Its
     /// [`MAX_HANDSHAKES`] of them refused everyone for as long as they were renewed.)
@@ -251,15 +264,7 @@ mod tests {
         for _ in 0..MAX_HANDSHAKES {
             stalled.push(tokio::net::TcpStream::connect(addr).await.unwrap());
         }
-        let mut roots = RootCertStore::empty();
-        roots.add(made.cert.der().clone()).unwrap();
-        let mut config = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        config.alpn_protocols = vec![b"h2".to_vec()];
-        let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(trusting(&made, &[b"h2"])));
         let client = async {
             // From another loopback address.
             let socket = tokio::net::TcpSocket::new_v4().unwrap();
@@ -291,16 +296,8 @@ mod tests {
         let mut plain = tokio::net::TcpStream::connect(addr).await.unwrap();
         tokio::io::AsyncWriteExt::write_all(&mut plain, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.unwrap();
 
-        let mut roots = RootCertStore::empty();
-        roots.add(made.cert.der().clone()).unwrap();
-        let mut config = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        config.alpn_protocols = vec![b"http/1.1".to_vec(), b"h2".to_vec()];
-        let mut http1_only = config.clone();
-        http1_only.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let config = trusting(&made, &[b"http/1.1", b"h2"]);
+        let http1_only = trusting(&made, &[b"http/1.1"]);
         let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
         let client = async {
             let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
