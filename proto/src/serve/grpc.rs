@@ -115,7 +115,7 @@ async fn handshakes(
     done: tokio::sync::mpsc::Sender<io::Result<tls::Stream>>,
 ) {
     let under_way = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
-    let by_peer = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+    let by_peer = PeerCounts::default();
     loop {
         let stream = tokio::select! {
             () = done.closed() => return,
@@ -145,19 +145,19 @@ async fn handshakes(
     }
 }
 
+/// Handshakes under way, by the peer's address.
+type PeerCounts = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>;
+
 /// A handshake's place among those of its peer's address ([`PEER_HANDSHAKES`]), given back
 /// when dropped.
 struct PeerPlace {
-    by_peer: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    by_peer: PeerCounts,
     peer: Option<std::net::IpAddr>,
 }
 
 impl PeerPlace {
     /// A place for a handshake from `peer`, if it has fewer than [`PEER_HANDSHAKES`] under way.
-    fn take(
-        by_peer: &std::sync::Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
-        peer: Option<std::net::IpAddr>,
-    ) -> Option<Self> {
+    fn take(by_peer: &PeerCounts, peer: Option<std::net::IpAddr>) -> Option<Self> {
         if let Some(ip) = peer {
             let mut counts = by_peer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let count = counts.entry(ip).or_default();
