@@ -40,10 +40,10 @@ pub struct SendArgs {
     #[arg(long, value_enum, default_value_t = Mode::Trace)]
     pub mode: Mode,
     /// `--mode trace`: divide the trace's timestamps by this.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = positive)]
     pub speedup: f64,
     /// `--mode poisson`: requests per second.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = 10.0, value_parser = positive)]
     pub rate: f64,
     /// `--mode closed`: requests in flight.
     #[arg(long, default_value_t = 8)]
@@ -76,7 +76,7 @@ pub struct SendArgs {
     #[arg(long, value_parser = parse_duration)]
     pub duration: Option<Duration>,
     /// Send at most this many requests of the workload.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub requests: Option<usize>,
     /// Hide the progress bar.
     #[arg(long)]
@@ -245,7 +245,7 @@ pub struct CompareArgs {
     pub s3fifo: crate::cli::S3FifoArgs,
     /// The agents' `--time-scale`, so the offline simulation replays at the live load
     /// (`--speedup` over it).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = positive)]
     pub agent_time_scale: f64,
     /// Skip simulating each policy offline (only done with `--mode trace`).
     #[arg(long)]
@@ -259,6 +259,12 @@ pub struct CompareArgs {
     pub workload: WorkloadArgs,
     #[command(subcommand)]
     pub synthetic: Option<Workload>,
+}
+
+/// A finite number above 0: a rate, a speed-up or a time scale.
+fn positive(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    if v.is_finite() && v > 0.0 { Ok(v) } else { Err(format!("{s} is not a finite number above 0")) }
 }
 
 fn parse_router(s: &str) -> Result<(PolicyKind, String), String> {
@@ -302,10 +308,10 @@ pub struct DemoArgs {
     pub policies: Vec<PolicyKind>,
     /// Simulated seconds per wall-clock second: the agents' latencies and the trace's
     /// arrivals are both divided by it.
-    #[arg(long, default_value_t = 6.0)]
+    #[arg(long, default_value_t = 6.0, value_parser = positive)]
     pub time_scale: f64,
     /// Send at most this many requests.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub requests: Option<usize>,
     /// How prompts are written: `ids` (token ids), `text` (a word a token with the
     /// built-in tokenizer, tokenized by the routers and the agents), `messages` (that
@@ -359,6 +365,8 @@ pub fn run_live(args: &LiveArgs) -> anyhow::Result<()> {
         let text = serde_json::to_string_pretty(&report).context("serialising the report")?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
     }
+    anyhow::ensure!(!report.interrupted, "interrupted: the report covers the requests sent before");
+    anyhow::ensure!(report.succeeded > 0, "none of the {} requests sent succeeded", report.requests);
     Ok(())
 }
 
@@ -531,9 +539,12 @@ pub fn live_summary(r: &LiveReport) -> String {
         0 => pct(r.fleet_hit_rate),
         n => format!("- ({n} replicas unread)"),
     };
+    let responses = match r.unreported {
+        0 => pct(r.hit_rate),
+        n => format!("{} ({n} successes reported no cached_tokens)", pct(r.hit_rate)),
+    };
     out += &format!(
-        "hit rate: responses {}, fleet counters {fleet}, router predicted {}; load skew {}\n",
-        pct(r.hit_rate),
+        "hit rate: responses {responses}, fleet counters {fleet}, router predicted {}; load skew {}\n",
         pct(r.predicted_hit_rate),
         r.load_skew.map_or("-".into(), |s| format!("{s:.2}"))
     );

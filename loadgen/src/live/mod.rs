@@ -195,14 +195,16 @@ pub async fn run(
     });
     bar.finish_and_clear();
     let after = scrape::snapshot(&client, &config.target, &config.replicas).await;
-    Ok(LiveReport::new(
+    let mut report = LiveReport::new(
         config.label.clone(),
         config.target.clone(),
         records,
         &config.replicas,
         &before,
         &after,
-    ))
+    );
+    report.interrupted = shutdown.is_cancelled();
+    Ok(report)
 }
 
 /// Checks `config` before a run (also done by [`run`]).

@@ -134,7 +134,11 @@ pub struct LiveReport {
     pub prompt_tokens: u64,
     /// Sum of `cached_tokens` over the responses that reported it.
     pub cached_tokens: u64,
-    /// `cached_tokens / prompt_tokens` over the responses that reported it.
+    /// Sum of `prompt_tokens` over the same responses: `hit_rate`'s denominator.
+    pub reported_prompt_tokens: u64,
+    /// Successful responses that reported no `cached_tokens`, left out of `hit_rate`.
+    pub unreported: usize,
+    /// `cached_tokens / reported_prompt_tokens`.
     pub hit_rate: Option<f64>,
     /// Fleet-wide `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` deltas;
     /// `None` unless every replica's counters were read before and after the run (a part of
@@ -158,6 +162,9 @@ pub struct LiveReport {
     pub load_skew: Option<f64>,
     /// Cumulative realized hit rate by completion time: `(seconds, rate)`.
     pub hit_rate_over_time: Vec<(f64, f64)>,
+    /// The run was stopped (Ctrl-C): the requests then in flight failed as `cancelled`, and
+    /// those due later were never sent nor counted.
+    pub interrupted: bool,
     /// Every request (left out of the JSON).
     #[serde(skip)]
     pub records: Vec<RequestRecord>,
@@ -242,6 +249,8 @@ impl LiveReport {
             send_lateness: Percentiles::of(records.iter().filter_map(RequestRecord::lateness).collect()),
             prompt_tokens: ok.iter().map(|s| s.prompt_tokens).sum(),
             cached_tokens,
+            reported_prompt_tokens: reported_prompt,
+            unreported: ok.len() - reported.len(),
             hit_rate: (!reported.is_empty())
                 .then(|| ratio(cached_tokens as f64, reported_prompt as f64))
                 .flatten(),
@@ -254,6 +263,7 @@ impl LiveReport {
             load_skew: skew(&per_replica),
             per_replica,
             hit_rate_over_time: timeline(&records),
+            interrupted: false,
             records,
         }
     }

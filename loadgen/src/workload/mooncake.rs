@@ -66,6 +66,13 @@ pub enum LineProblem {
          in the trace"
     )]
     SegmentIds { block: usize, hash_id: u64 },
+    #[error(
+        "this line {} segments where the first line {}: one hash id would name two contents \
+         (a live run takes tokens from segments, else from ids)",
+        if *with { "has" } else { "has no" },
+        if *with { "has none" } else { "has them" }
+    )]
+    MixedSegments { with: bool },
 }
 
 #[derive(Deserialize)]
@@ -151,6 +158,8 @@ fn parse(raw: InLine) -> Result<Request, LineProblem> {
 /// blocks from the ids, rely on).
 #[derive(Default)]
 struct SegmentIds {
+    /// Whether the first line had segments: every line must do as it did.
+    with_segments: Option<bool>,
     ids: BlockIds,
     to_file: HashMap<u64, u64>,
     from_file: HashMap<u64, u64>,
@@ -158,7 +167,11 @@ struct SegmentIds {
 
 impl SegmentIds {
     fn check(&mut self, request: &Request) -> Result<(), LineProblem> {
-        if request.segments.is_empty() {
+        let with = !request.segments.is_empty();
+        if *self.with_segments.get_or_insert(with) != with {
+            return Err(LineProblem::MixedSegments { with });
+        }
+        if !with {
             return Ok(());
         }
         let (named, _) = self.ids.assign(&request.segments);
@@ -233,6 +246,18 @@ mod tests {
                 panic!("{err:?}")
             };
             assert_eq!((b, h), (block, hash_id));
+        }
+        // A line without segments among lines with them (or the other way round) would give
+        // an id two contents: a concatenation of a generated trace and a Mooncake one.
+        let plain = "{\"timestamp\": 1, \"input_length\": 600, \"output_length\": 1, \"hash_ids\": [7, 8]}\n";
+        for (text, with) in
+            [(line(3, "[7, 8]") + plain, false), (plain.to_owned() + &line(3, "[7, 8]"), true)]
+        {
+            let err = read_str(&text).unwrap_err();
+            assert!(
+                matches!(err, TraceError::Invalid { line: 2, problem: LineProblem::MixedSegments { with: w } } if w == with),
+                "{err:?}"
+            );
         }
     }
 

@@ -15,7 +15,7 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
     let trace = trace.to_str().unwrap();
     // Each case's exit code and a fragment of its message: a case meant to reach the program
     // must not pass on a usage error from a misspelt flag, nor a usage case on another one.
-    let cases: [(&[&str], i32, &str); 23] = [
+    let cases: [(&[&str], i32, &str); 27] = [
         (&["--bogus-flag"], USAGE, "'--bogus-flag'"),
         (&[], USAGE, "Usage:"),
         (&["simulate", "--policy", "nope"], USAGE, "'nope'"),
@@ -93,6 +93,25 @@ fn bad_flags_make_the_binary_exit_with_a_message() {
             1,
             "/nonexistent/ca.pem",
         ),
+        // A run that measured nothing is no success for a script reading the exit code.
+        (
+            &[
+                "live",
+                "--target",
+                "http://127.0.0.1:1",
+                "--requests",
+                "2",
+                "--mode",
+                "closed",
+                "--no-progress",
+            ],
+            1,
+            "none of the 2 requests sent succeeded",
+        ),
+        (&["live", "--target", "http://127.0.0.1:1", "--requests", "0"], USAGE, "--requests"),
+        (&["live", "--target", "http://127.0.0.1:1", "--speedup", "nan"], USAGE, "--speedup"),
+        // It divides the offline run's speed-up: 0 named the speed-up `inf`, not this flag.
+        (&["compare", "--agent-time-scale", "0"], USAGE, "--agent-time-scale"),
     ];
     for (args, code, fragment) in cases {
         let out = Command::new(env!("CARGO_BIN_EXE_kvroute-loadgen")).args(args).output().expect("runs");
