@@ -86,7 +86,9 @@ class Manifests(unittest.TestCase):
                 self.assertTrue(c["securityContext"]["readOnlyRootFilesystem"])
                 self.assertTrue(pod["spec"]["securityContext"]["runAsNonRoot"])
                 self.assertEqual(pod["spec"]["serviceAccountName"], "kvroute-router")
-                one(res, "PodDisruptionBudget", "kvroute-router")
+                budget = one(res, "PodDisruptionBudget", "kvroute-router")["spec"]
+                # Routers are unready while no replica serves: a drain must not wait on them.
+                self.assertEqual(budget["unhealthyPodEvictionPolicy"], "AlwaysAllow")
                 # Admin changes reach every router: admin is only on the headless Service.
                 services = {r["metadata"]["name"]: r for r in res if r["kind"] == "Service"}
                 ports = {p["name"] for p in services["kvroute-router"]["spec"]["ports"]}
@@ -181,7 +183,11 @@ class Manifests(unittest.TestCase):
         )
         for probe in ["readinessProbe", "livenessProbe"]:
             self.assertGreaterEqual(c[probe]["timeoutSeconds"], 5, f"{probe}: a busy engine answers late")
-        self.assertEqual(one(res, "PodDisruptionBudget", engine)["spec"]["maxUnavailable"], 1)
+        budget = one(res, "PodDisruptionBudget", engine)["spec"]
+        self.assertEqual((budget["maxUnavailable"], budget["unhealthyPodEvictionPolicy"]), (1, "AlwaysAllow"))
+        # Chat templates that print the date: the router and the engine render it alike.
+        zone = lambda container: {e["name"]: e.get("value") for e in container["env"]}.get("TZ")
+        self.assertEqual((zone(c), zone(router_c)), ("UTC", "UTC"))
         policy = one(res, "NetworkPolicy", engine)
         router_labels = one(res, "Deployment", "kvroute-router")["spec"]["template"]["metadata"]["labels"]
         baseline = one(rendered("loadgen"), "Deployment", "kvroute-router-baseline")

@@ -476,7 +476,7 @@ mod tests {
             topic: "kv".into(),
             model: "m".into(),
             block_size: Some(16),
-            ports: Ports { http: 8000, events: 5557, replay: Some(5558), grpc: None },
+            ports: Ports { http: 8000, events: 5557, replay: Some(5600), grpc: None },
             https: false,
         }
     }
@@ -492,7 +492,7 @@ mod tests {
         let spec = t.spec("r".into(), "10.0.0.7", t.ports);
         assert_eq!(spec.http_url, "http://10.0.0.7:8000");
         assert_eq!(spec.event_endpoint, "tcp://10.0.0.7:5557");
-        assert_eq!(spec.replay_endpoint.as_deref(), Some("tcp://10.0.0.7:5558"));
+        assert_eq!(spec.replay_endpoint.as_deref(), Some("tcp://10.0.0.7:5600"));
         assert_eq!(spec.grpc_endpoint, None);
         assert_eq!((spec.engine, spec.dp_size, spec.topic.as_str()), (EngineKind::Vllm, 2, "kv"));
         spec.validate().unwrap();

@@ -345,6 +345,17 @@ impl ReplicaSpec {
                 problems.push(e);
             }
         }
+        // Every rank offsets both ports (vLLM's and SGLang's publishers do): events on 5557
+        // and replay on 5558 collide from rank 1 on, and that rank's engine cannot bind.
+        if let Some(replay) = &self.replay_endpoint {
+            let ranks = |endpoint: &str| -> Vec<String> {
+                (0..=last).filter_map(|rank| rank_endpoint(endpoint, rank).ok()).collect()
+            };
+            let replays = ranks(replay);
+            if let Some(shared) = ranks(&self.event_endpoint).into_iter().find(|e| replays.contains(e)) {
+                problems.push(SpecError::RanksOverlap { shared, dp_size: self.dp_size });
+            }
+        }
         problems
     }
 }
@@ -417,6 +428,11 @@ pub enum SpecError {
     BindAddress(String),
     #[error("URL {0:?}: {1}")]
     Url(String, String),
+    #[error(
+        "{shared} is both a rank's event endpoint and a rank's replay endpoint (rank r adds r to \
+         both ports, over {dp_size} ranks): move the replay port past the event ports' range"
+    )]
+    RanksOverlap { shared: String, dp_size: u32 },
     #[error("replica {0:?} is already registered")]
     Duplicate(String),
     /// Two names for one server would split its load (each limit doubled) and its cache's
@@ -773,6 +789,29 @@ mod tests {
         assert_eq!(spec.validate(), Ok(()));
         spec.dp_size = u32::MAX;
         assert_eq!(spec.validate(), Err(SpecError::TooManyRanks(u32::MAX)));
+    }
+
+    /// Regression: events on 5557 and replay on 5558 were accepted for two ranks, whose rank 1
+    /// publishes its events on rank 0's replay port (both are offset by the rank).
+    #[test]
+    fn ranks_whose_event_and_replay_ports_meet_are_refused() {
+        let spec = |events: &str, replay: &str, dp_size| ReplicaSpec {
+            replay_endpoint: Some(replay.into()),
+            dp_size,
+            ..ReplicaSpec::new("a", events, EngineKind::Vllm, "m")
+        };
+        assert_eq!(spec("tcp://h:5557", "tcp://h:5558", 1).validate(), Ok(()));
+        assert_eq!(spec("tcp://h:5557", "tcp://h:5600", 8).validate(), Ok(()));
+        assert_eq!(spec("tcp://h:5557", "tcp://g:5558", 2).validate(), Ok(()), "another host");
+        assert_eq!(spec("ipc:///tmp/e", "ipc:///tmp/r", 2).validate(), Ok(()));
+        for (events, replay, dp_size, shared) in [
+            ("tcp://h:5557", "tcp://h:5558", 2, "tcp://h:5558"),
+            ("tcp://h:5600", "tcp://h:5557", 64, "tcp://h:5600"),
+            ("tcp://h:5557", "tcp://h:5557", 1, "tcp://h:5557"),
+        ] {
+            let want = SpecError::RanksOverlap { shared: shared.into(), dp_size };
+            assert_eq!(spec(events, replay, dp_size).validate(), Err(want), "{events} {replay} {dp_size}");
+        }
     }
 
     #[test]

@@ -204,6 +204,17 @@ impl DiscoveryConfig {
                 ));
             }
         }
+        if let Some(replay) = self.discovery_replay_port
+            && self.discovery_events_port != 0
+            && u32::from(self.discovery_events_port.abs_diff(replay)) < self.discovery_dp_size.max(1)
+        {
+            errors.push(format!(
+                "--discovery-events-port {} and --discovery-replay-port {replay} overlap over \
+                 --discovery-dp-size {} ranks (rank r adds r to both): move the replay port past \
+                 the event ports' range",
+                self.discovery_events_port, self.discovery_dp_size
+            ));
+        }
         if errors.is_empty() { Ok(()) } else { Err(errors) }
     }
 
@@ -329,8 +340,15 @@ mod tests {
             discovery_replay_port: replay,
             ..d.clone()
         };
-        assert_eq!(ranks(4, 65532, Some(65530)).validate(), Ok(()));
-        assert_eq!(ranks(4, 65533, Some(65534)).validate().unwrap_err().len(), 2);
+        assert_eq!(ranks(4, 65532, Some(65520)).validate(), Ok(()));
+        assert_eq!(ranks(4, 65533, Some(65520)).validate().unwrap_err().len(), 1);
+        // Both ports are offset by the rank: ranges that meet would have two ranks bind one.
+        assert_eq!(ranks(1, 5557, Some(5558)).validate(), Ok(()));
+        for (events, replay) in [(5557, 5558), (5558, 5557), (5557, 5560), (5557, 5557)] {
+            let errors = ranks(4, events, Some(replay)).validate().unwrap_err();
+            assert!(errors.len() == 1 && errors[0].contains("overlap"), "{errors:?}");
+        }
+        assert_eq!(ranks(4, 5557, Some(5561)).validate(), Ok(()));
         // More ranks than a replica may have would have every discovered replica refused.
         assert_eq!(ranks(1024, 5557, None).validate(), Ok(()));
         assert_eq!(ranks(1025, 5557, None).validate().unwrap_err().len(), 1);
