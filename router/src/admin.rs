@@ -42,8 +42,12 @@ impl AdminService {
         pb::router_admin_server::RouterAdminServer<Self>,
         BearerAuth,
     > {
-        pb::router_admin_server::RouterAdminServer::with_interceptor(
-            self,
+        // `Explain` takes any body the proxy takes: tonic's 4 MiB default refused long prompts
+        // (and images) the proxy routes, up to `--max-body-bytes`.
+        let largest = self.state.forward.max_body_bytes.saturating_add(EXPLAIN_FRAMING);
+        let server = pb::router_admin_server::RouterAdminServer::new(self).max_decoding_message_size(largest);
+        tonic::service::interceptor::InterceptedService::new(
+            server,
             BearerAuth { token: token.map(Arc::from) },
         )
     }
@@ -245,12 +249,16 @@ impl RouterAdmin for AdminService {
         request: Request<pb::RemoveReplicaRequest>,
     ) -> Result<Response<pb::RemoveReplicaResponse>, Status> {
         let id = request.into_inner().id;
+        if id.is_empty() {
+            return Err(Status::invalid_argument("id is empty: name the replica to remove"));
+        }
         // The drain goes before the removal's wait: a call cut short there (its deadline
         // passed) still removes the replica, and must not leave the name drained.
-        let freed = self.fleet().remove_for_good(&id).await;
+        let removed = self.fleet().remove_for_good(&id).await;
         Ok(Response::new(pb::RemoveReplicaResponse {
-            removed: freed.is_some(),
-            blocks_freed: freed.unwrap_or(0) as u64,
+            removed: removed.freed.is_some(),
+            blocks_freed: removed.freed.unwrap_or(0) as u64,
+            drain_lifted: removed.drain_lifted,
         }))
     }
 
@@ -268,6 +276,9 @@ impl RouterAdmin for AdminService {
         Ok(Response::new(self.status(&member)))
     }
 }
+
+/// Room for an `ExplainRequest`'s path and framing beside a body of `--max-body-bytes`.
+const EXPLAIN_FRAMING: usize = 64 * 1024;
 
 /// What a `Drain` of a name out of the fleet says when the router keeps the drain for the
 /// name's return (a `NOT_FOUND` all the same).

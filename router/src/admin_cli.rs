@@ -103,7 +103,8 @@ pub enum Command {
 
 /// Runs `cli`, writing what the router answered to `out`.
 pub async fn run(cli: &Cli, out: &mut impl Write) -> anyhow::Result<()> {
-    let mut admin = RouterAdminClient::new(channel(cli).await?);
+    // A fleet's list (up to 1024 adapters a replica) or an explanation may pass tonic's 4 MiB.
+    let mut admin = RouterAdminClient::new(channel(cli).await?).max_decoding_message_size(usize::MAX);
     match &cli.command {
         Command::List => {
             let list = admin.list_replicas(request(cli, pb::ListReplicasRequest {})?).await;
@@ -135,6 +136,12 @@ pub async fn run(cli: &Cli, out: &mut impl Write) -> anyhow::Result<()> {
         Command::Remove { replica } => {
             let asked = pb::RemoveReplicaRequest { id: replica.clone() };
             let removed = admin.remove_replica(request(cli, asked)?).await.map_err(refused)?.into_inner();
+            if !removed.removed && removed.drain_lifted {
+                let said = format!("no replica named {replica:?} ({})", crate::admin::DRAIN_LIFTED);
+                return show(out, cli.output, &serde_json::json!({ "message": said }), |out| {
+                    writeln!(out, "{said}")
+                });
+            }
             if !removed.removed {
                 bail!("no replica named {replica:?}");
             }

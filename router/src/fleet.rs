@@ -23,6 +23,15 @@ pub struct Member {
     pub upstream: Arc<Upstream>,
 }
 
+/// What an operator's removal ([`Fleet::remove_for_good`]) did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Removed {
+    /// The index entries freed, or `None` if no replica of the name was registered.
+    pub freed: Option<usize>,
+    /// A drain the router kept for the name (out of the fleet, or in it) is gone.
+    pub drain_lifted: bool,
+}
+
 /// The fleet handle; cheap to clone.
 #[derive(Clone)]
 pub struct Fleet {
@@ -113,31 +122,31 @@ impl Fleet {
     /// Stops routing to the replica named `name`; returns the index blocks freed, or `None`
     /// if no such replica is registered. In-flight requests to it finish on their own.
     pub async fn remove(&self, name: &str) -> Option<usize> {
-        self.remove_with(name, false).await
+        self.remove_with(name, false).await.freed
     }
 
     /// [`Fleet::remove`] for good (an operator's removal): the name's drain goes too, so that
     /// an address discovery hands to a new pod later does not come up drained. The drain is
     /// forgotten and the upstream taken out at once, before the removal's wait: a drain can
     /// fall neither between the two nor after a caller stopped waiting.
-    pub async fn remove_for_good(&self, name: &str) -> Option<usize> {
+    pub async fn remove_for_good(&self, name: &str) -> Removed {
         self.remove_with(name, true).await
     }
 
-    async fn remove_with(&self, name: &str, forget_drain: bool) -> Option<usize> {
-        let replica = {
+    async fn remove_with(&self, name: &str, forget_drain: bool) -> Removed {
+        let (replica, drain_lifted) = {
             let mut drained = self.drained.write().unwrap_or_else(PoisonError::into_inner);
-            if forget_drain {
-                drained.remove(name);
-            }
-            let replica = self.ingest.replicas().by_name(name)?;
+            let drain_lifted = forget_drain && drained.remove(name);
+            let Some(replica) = self.ingest.replicas().by_name(name) else {
+                return Removed { freed: None, drain_lifted };
+            };
             self.upstreams.write().unwrap_or_else(PoisonError::into_inner).remove(&replica.id);
             self.changes.fetch_add(1, Ordering::Release);
-            replica
+            (replica, drain_lifted)
         };
         let freed = self.ingest.remove_replica(replica.id).await;
         tracing::info!(replica = %name, freed = ?freed, "replica removed");
-        freed
+        Removed { freed, drain_lifted }
     }
 
     /// Every routable replica, ordered by id.
@@ -247,7 +256,7 @@ impl ReplicaSink for Fleet {
         // good: the address may be handed to an unrelated pod later, which must not come up
         // drained. A pod's name keeps its drain across the pod's restarts.
         match name.parse::<std::net::IpAddr>() {
-            Ok(_) => Fleet::remove_for_good(self, name).await,
+            Ok(_) => Fleet::remove_for_good(self, name).await.freed,
             Err(_) => Fleet::remove(self, name).await,
         };
         // Gone from the platform: a replica added under the name later serves.

@@ -408,8 +408,7 @@ impl Ingest {
             if let Some(prediction) = replica.prediction.get() {
                 prediction.close();
             }
-            let freed = inner.index.clear_replica(id);
-            inner.host_index.clear_replica(id);
+            let freed = inner.index.clear_replica(id) + inner.host_index.clear_replica(id);
             if let Some(ranks) = replica.ranks.get() {
                 ranks.clear();
             }

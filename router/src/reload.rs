@@ -152,7 +152,7 @@ impl Reloader {
             self.applied.keys().filter(|name| !desired.contains_key(*name)).cloned().collect();
         for name in gone {
             self.applied.remove(&name);
-            if fleet.remove_for_good(&name).await.is_some() {
+            if fleet.remove_for_good(&name).await.freed.is_some() {
                 reloaded.removed.push(name);
             }
         }

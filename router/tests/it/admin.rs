@@ -375,9 +375,41 @@ async fn a_drain_outlasts_the_replicas_entry() {
 
     // Removed through the admin service, a replica is gone for good, drain and all.
     admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: true }).await.unwrap();
-    admin.remove_replica(pb::RemoveReplicaRequest { id: "agent-0".into() }).await.unwrap();
-    router_fleet.add(spec).unwrap();
+    let removed = admin.remove_replica(pb::RemoveReplicaRequest { id: "agent-0".into() }).await.unwrap();
+    assert!(removed.get_ref().removed && removed.get_ref().drain_lifted, "{removed:?}");
+    router_fleet.add(spec.clone()).unwrap();
     assert!(!router_fleet.member("agent-0").unwrap().upstream.is_draining(), "a new replica under the name");
+
+    // Removing a name out of the fleet lifts the drain kept for it, and says so: it used to
+    // answer only `removed: false` (the CLI: "no replica named"), the drain silently gone.
+    admin.drain(pb::DrainRequest { id: "agent-0".into(), drain: true }).await.unwrap();
+    router_fleet.remove("agent-0").await.unwrap();
+    let removed = admin.remove_replica(pb::RemoveReplicaRequest { id: "agent-0".into() }).await.unwrap();
+    assert!(!removed.get_ref().removed && removed.get_ref().drain_lifted, "{removed:?}");
+    let again = admin.remove_replica(pb::RemoveReplicaRequest { id: "agent-0".into() }).await.unwrap();
+    assert!(!again.get_ref().removed && !again.get_ref().drain_lifted, "{again:?}");
+    let empty = admin.remove_replica(pb::RemoveReplicaRequest { id: String::new() }).await.unwrap_err();
+    assert_eq!(empty.code(), tonic::Code::InvalidArgument);
+}
+
+/// Regression: `Explain` kept tonic's 4 MiB message limit, and refused (`OUT_OF_RANGE`)
+/// a long prompt the proxy routes, up to `--max-body-bytes` (32 MiB by default).
+#[tokio::test]
+async fn explain_takes_every_body_the_proxy_takes() {
+    let fleet = Fleet::start(1).await;
+    let limit = fleet.router.state.forward.max_body_bytes;
+    let mut admin = RouterAdminClient::connect(fleet.router.admin_url())
+        .await
+        .unwrap()
+        .max_encoding_message_size(usize::MAX);
+    let long = body(&"word ".repeat(5 << 20 >> 2));
+    assert!(long.len() > 4 << 20 && long.len() < limit, "{} bytes", long.len());
+    let explained = admin.explain(pb::ExplainRequest { path: "/v1/completions".into(), body: long }).await;
+    // What the proxy would answer: a decision, or its 400 for the prompt's length.
+    match explained {
+        Ok(_) => {}
+        Err(s) => assert_eq!(s.code(), tonic::Code::InvalidArgument, "{s:?}"),
+    }
 }
 
 /// `kvroute-admin` ([`kvroute_router::admin_cli`]) against a router's admin service: what it

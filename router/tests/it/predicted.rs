@@ -50,7 +50,7 @@ async fn replicas_without_events_are_routed_on_what_the_router_sent_them() {
     let gone = router.member(&home[&0]).unwrap();
     let index = router.ingest().index();
     assert!(index.blocks(gone.replica.id) > 0);
-    router.remove_for_good(&home[&0]).await.unwrap();
+    router.remove_for_good(&home[&0]).await.freed.unwrap();
     assert_eq!(index.blocks(gone.replica.id), 0);
     gone.replica.prediction.get().unwrap().record(&[kvroute_proto::BlockHash(7)]);
     assert_eq!(index.blocks(gone.replica.id), 0);
