@@ -180,7 +180,10 @@ fn shared_trace_matches_the_reference() {
 /// The replica agent's engine path (`start_request`, which pins a request's blocks, then
 /// `finish_request`), one request at a time, gives seed 000's S3FIFO hits on the shared trace:
 /// pins change nothing while no block a request uses is ever a victim. That holds while the
-/// small queue is longer than any request (374 blocks here); at capacity 2048 (small 205)
+/// small queue is longer than any request (374 blocks here) and no admission's drain goes all
+/// the way round main while a request holds a block there (one can, with every block of main
+/// at freq 1: the request's own hit block then comes back to main's head with freq 0, and is
+/// parked where seed 000 evicts it; this trace never does); at capacity 2048 (small 205)
 /// a long request's own first blocks would leave the small queue while it runs, which an
 /// engine cannot do. (LRU is vLLM's there: blocks are used again when a request finishes,
 /// its tail first, and differs by design.)

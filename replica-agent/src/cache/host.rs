@@ -30,9 +30,11 @@ impl HostTier {
 
     /// Copies `blocks` out, appending what that changed: each block newly held as `Stored`
     /// (with the block before it in `blocks` as its parent), each one evicted as `Removed`.
+    /// Of a request longer than host memory, its first blocks: the last ones would evict its
+    /// own prefix (every parent named gone), leaving a run no prefix hit can start.
     pub fn offload(&mut self, blocks: &[BlockHash], events: &mut Vec<CacheEvent>) {
         let mut evicted = Vec::new();
-        for (i, &block) in blocks.iter().enumerate() {
+        for (i, &block) in blocks.iter().enumerate().take(self.lru.capacity()) {
             evicted.clear();
             // Nothing is pinned here: there is always a victim.
             let Ok(access) = self.lru.access(block, &mut evicted) else { continue };
@@ -93,5 +95,17 @@ mod tests {
         assert_eq!(host.run_from(&hs(0..3), 0), 1, "a gap ends the run");
         assert_eq!(host.clear(), 4);
         assert!(host.is_empty());
+    }
+
+    /// Regression: a request longer than host memory evicted its own first blocks, storing
+    /// children of parents just removed, and no run from its prefix was held.
+    #[test]
+    fn a_request_longer_than_host_memory_keeps_its_first_blocks() {
+        let mut host = HostTier::new(2);
+        let mut events = Vec::new();
+        host.offload(&hs(0..5), &mut events);
+        assert!(!events.iter().any(|e| matches!(e, CacheEvent::Removed(_))), "{events:?}");
+        assert_eq!(host.run_from(&hs(0..5), 0), 2);
+        assert_eq!(host.run_from(&hs(0..5), 1), 1);
     }
 }

@@ -35,7 +35,10 @@
 //! With no pins, every rule reduces to seed 000. S3FIFO's pins change nothing until a block in
 //! use would be a victim, so one request at a time the engine's path gives seed 000's hits as
 //! long as no request admits more new blocks than small holds (one that does promotes its own
-//! first blocks to main when they reach small's head, where seed 000 sends them to ghost);
+//! first blocks to main when they reach small's head, where seed 000 sends them to ghost), and
+//! no admission's drain goes all the way round main while the request holds a block there
+//! (its hit block comes back to main's head with freq 0: parked, where seed 000 evicts it; with
+//! `max_freq` 0, any hit at main's head does);
 //! LRU and LFU follow vLLM's free-block queue instead (finishing is a use). `finish_request` unpins in reverse request
 //! order, so (as in vLLM's free-block queue) a request's tail blocks become victims before its
 //! shared prefix.
