@@ -90,6 +90,12 @@ pub(crate) struct RankStream {
     /// it became so, not again at each failed reconnection (a data-parallel replica's other
     /// ranks serve on, credited meanwhile).
     unreachable: bool,
+    /// Everything the rank holds came from the current connection's live batches, none of
+    /// them dropped on the way (nothing replayed, snapshotted or left from an earlier
+    /// connection): a repair whose replay fails then keeps it. Clearing protects nothing:
+    /// batches missed before the live ones can remove only blocks stored before them, which
+    /// the rank does not hold. (A gap between live batches still clears: [`Self::process`].)
+    fresh: bool,
     /// A repair applied replays without their end marker and could not get the rest: the
     /// rank is DEGRADED until a live batch follows on from them (or a gap is repaired), or a
     /// later repair gets the rest ([`RankStream::run`] tries again after `tail_wait`).
@@ -146,6 +152,7 @@ impl RankStream {
             resynced_in_run: false,
             disconnected: false,
             unreachable: false,
+            fresh: true,
             tail_unknown: false,
             tail_wait: Duration::ZERO,
             repairing_tail: false,
@@ -222,6 +229,10 @@ impl RankStream {
     async fn handle(&mut self, input: Input) {
         match input {
             Input::Connected => {
+                // (Connected again without a `Disconnected`: what it holds came before.)
+                if !self.disconnected && self.blocks.references() + self.host.references() > 0 {
+                    self.fresh = false;
+                }
                 self.disconnected = false;
                 self.unreachable = false;
                 // Slow joiner: whatever was published before the subscription took effect
@@ -239,6 +250,8 @@ impl RankStream {
                 self.ctx.metrics.gaps.inc();
                 self.ctx.replica.status.add_gap();
                 self.set_state(StreamState::Degraded);
+                // The batches dropped came after what the rank holds: they may remove it.
+                self.fresh = false;
                 let from = self.expected.unwrap_or(Seq(0));
                 self.repair(from, None).await;
             }
@@ -512,7 +525,10 @@ impl RankStream {
         if self.snapshot().await {
             return;
         }
-        if !applied {
+        // A fresh rank whose replay brought nothing keeps its live batches: a catch-up
+        // whose replay failed used to clear the blocks stored since the connection, which
+        // the publisher never announces again.
+        if !applied && !(self.fresh && !replayed) {
             self.clear();
             self.expected = None;
             self.apply_replayed(&partial.0).await;
@@ -569,6 +585,7 @@ impl RankStream {
         // An empty replay (a catch-up with nothing new) keeps the last one's window: live
         // copies of what that one covered may still be queued, and are not a restart.
         let Some(first) = batches.first() else { return false };
+        self.fresh = false;
         let contiguous =
             batches.windows(2).position(|w| w[1].seq != w[0].seq.next()).map_or(batches.len(), |i| i + 1);
         let (batches, rest) = batches.split_at(contiguous);
@@ -633,6 +650,7 @@ impl RankStream {
         // Taken after any lost batch arrived: it covers what that batch did.
         self.lost = false;
         self.clear();
+        self.fresh = false;
         if native {
             if self.epoch.is_some_and(|mine| mine != snap.epoch) {
                 self.end_credits();
@@ -848,6 +866,7 @@ impl RankStream {
             clear_whole(&self.ctx.host_index, &mut self.host, id);
         }
         self.dup = None;
+        self.fresh = true;
         self.ctx.metrics.clears.inc();
         self.update_blocks_gauge();
     }
@@ -1012,6 +1031,36 @@ mod tests {
             dp_rank: None,
         });
         LiveMessage { topic: bytes::Bytes::new(), seq: Seq(seq), payload }
+    }
+
+    /// Regression: a catch-up whose replay failed (a replay port the router cannot reach)
+    /// cleared a rank that held only the connection's live batches: every block stored in
+    /// the ~11 s after each connection left the index for good. What a replay brought is
+    /// still cleared when a later one fails.
+    #[tokio::test]
+    async fn a_failed_replay_keeps_what_only_live_batches_brought() {
+        let config = IngestConfig { replay_timeout: Duration::from_millis(100), ..IngestConfig::default() };
+        let mut rank = rank_with(config.clone());
+        rank.replay_endpoint = Some("tcp://127.0.0.1:9".into());
+        rank.repair(Seq(0), None).await;
+        for seq in 0..=2 {
+            let live = rank.decode(&batch(seq)).unwrap();
+            rank.process(live).await;
+        }
+        rank.repair(Seq(3), None).await;
+        let id = rank.ctx.replica.id;
+        assert_eq!(rank.ctx.index.blocks(id), 3, "live batches kept");
+        assert_eq!(rank.ctx.replica.status.state(), StreamState::Exact);
+        assert_eq!(rank.ctx.metrics.replays(Outcome::Failed).get(), 2);
+        // Live batches dropped after them may remove them: cleared.
+        rank.handle(Input::Overflowed(Default::default())).await;
+        assert_eq!(rank.ctx.index.blocks(id), 0, "an overflow's repair failed");
+
+        let mut replayed = rank_with(config);
+        replayed.apply_replayed(&[batch(0), batch(1)]).await;
+        replayed.replay_endpoint = Some("tcp://127.0.0.1:9".into());
+        replayed.repair(Seq(2), None).await;
+        assert_eq!(replayed.ctx.index.blocks(replayed.ctx.replica.id), 0, "a replay's blocks may be stale");
     }
 
     /// A publisher whose replay replies stop before the end marker (an older vLLM's full send
