@@ -162,6 +162,8 @@ pub struct Tokenization {
     harmony_off: bool,
     /// See [`Tokenization::template_problem`].
     template_problem: Option<String>,
+    /// See [`Tokenization::context_len`]; 0 until known.
+    context_len: std::sync::atomic::AtomicU64,
 }
 
 impl Tokenization {
@@ -270,6 +272,7 @@ impl Tokenization {
             chat_options: ChatOptions::default(),
             harmony_off: false,
             template_problem: None,
+            context_len: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -324,11 +327,16 @@ impl Tokenization {
                 .into_iter()
                 .map(|input| match input {
                     PromptInput::Text(text) => self.encode(text, r.add_special_tokens),
-                    PromptInput::Tokens(ids) => self.check_ids(ids),
+                    // Checked once truncated, as vLLM checks them: ids cut off are never read.
+                    PromptInput::Tokens(ids) => {
+                        self.check_ids(self.truncated(ids.to_vec(), r.truncation, false))
+                    }
                 })
-                .map(|ids| {
-                    let text = matches!(r.prompt, Prompt::Text(_) | Prompt::TextBatch(_));
-                    Ok(self.truncated(ids?, r.truncation, text && r.add_special_tokens))
+                .map(|ids| match r.prompt {
+                    Prompt::Text(_) | Prompt::TextBatch(_) => {
+                        Ok(self.truncated(ids?, r.truncation, r.add_special_tokens))
+                    }
+                    Prompt::Tokens(_) | Prompt::TokensBatch(_) => ids,
                 })
                 .collect(),
             ParsedRequest::Chat(r) => {
@@ -400,16 +408,16 @@ impl Tokenization {
     /// left with an empty prompt) instead of copying them.
     pub fn take_prompt_tokens(&self, request: &mut ParsedRequest<'_>) -> Result<Vec<Vec<u32>>, RequestError> {
         let truncation = request.truncation();
-        let cut = |ids: Vec<u32>| self.truncated(ids, truncation, false);
+        // Checked once truncated, as vLLM checks them: ids cut off are never read.
+        let cut = |ids: Vec<u32>| {
+            let ids = self.truncated(ids, truncation, false);
+            self.check_range(&ids).map(|()| ids)
+        };
         if let ParsedRequest::Completion(r) = request {
             match &mut r.prompt {
-                Prompt::Tokens(ids) => {
-                    self.check_range(ids)?;
-                    return Ok(vec![cut(std::mem::take(ids))]);
-                }
+                Prompt::Tokens(ids) => return Ok(vec![cut(std::mem::take(ids))?]),
                 Prompt::TokensBatch(batch) => {
-                    batch.iter().try_for_each(|ids| self.check_range(ids))?;
-                    return Ok(std::mem::take(batch).into_iter().map(cut).collect());
+                    return std::mem::take(batch).into_iter().map(cut).collect();
                 }
                 Prompt::Text(_) | Prompt::TextBatch(_) => {}
             }
@@ -610,16 +618,31 @@ impl Tokenization {
     /// encoded, for remote tokenization, go through here too).
     pub fn truncated(&self, ids: Vec<u32>, truncation: Option<Truncation>, special: bool) -> Vec<u32> {
         let Some(truncation) = truncation else { return ids };
+        let context = self.context_len();
+        if truncation.kept(context).is_none_or(|k| ids.len() <= k) {
+            return ids;
+        }
         // Only the tokenizer's own (left) truncation keeps them apart.
         let specials = match special && truncation.side.is_none() {
             true => self.tokenizer.encode("", true).unwrap_or_default(),
             false => Vec::new(),
         };
-        truncation.apply(ids, &specials)
+        truncation.apply(ids, &specials, context)
     }
 
-    fn check_ids(&self, ids: &[u32]) -> Result<Vec<u32>, RequestError> {
-        self.check_range(ids).map(|()| ids.to_vec())
+    /// The model's context length (`max_model_len`), once a replica's model card told it:
+    /// what `truncate_prompt_tokens: -1` keeps, less the output tokens.
+    pub fn context_len(&self) -> Option<u64> {
+        Some(self.context_len.load(std::sync::atomic::Ordering::Relaxed)).filter(|&n| n > 0)
+    }
+
+    /// Sets [`Self::context_len`] (0: unknown).
+    pub fn set_context_len(&self, tokens: u64) {
+        self.context_len.store(tokens, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn check_ids(&self, ids: Vec<u32>) -> Result<Vec<u32>, RequestError> {
+        self.check_range(&ids).map(|()| ids)
     }
 
     /// Every id is below the vocabulary size.

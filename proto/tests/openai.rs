@@ -133,6 +133,16 @@ fn completions_follow_vllm() {
         tokens(&b, Endpoint::Completions, r#"{"model":"demo","prompt":[32768]}"#),
         Err(RequestError::TokenIdOutOfRange { token_id: 32768, vocab_size: 32768 })
     ));
+    // Checked once truncated, as vLLM checks them: an id cut off is never read.
+    assert_eq!(
+        tokens(
+            &b,
+            Endpoint::Completions,
+            r#"{"model":"demo","prompt":[40000,5,6,7],"truncate_prompt_tokens":3}"#
+        )
+        .unwrap(),
+        [vec![5, 6, 7]]
+    );
 }
 
 #[test]
@@ -384,6 +394,8 @@ fn taking_prompt_tokens_gives_what_reading_them_gives() {
         r#"{"model":"demo","prompt":["two", "texts"]}"#,
         r#"{"model":"demo","prompt":[5, 40000]}"#,
         r#"{"model":"demo","prompt":[[5], [40000]]}"#,
+        r#"{"model":"demo","prompt":[40000, 5, 6, 7],"truncate_prompt_tokens":3}"#,
+        r#"{"model":"demo","prompt":[[40000, 5], [6, 40000]],"truncate_prompt_tokens":1}"#,
     ] {
         let read = tokens(&t, Endpoint::Completions, body).map_err(|e| e.to_string());
         let mut request = ParsedRequest::parse(Endpoint::Completions, body.as_bytes()).unwrap();
@@ -808,8 +820,39 @@ fn truncated_prompts_keep_what_vllm_keeps() {
     assert_eq!(completion(r#","truncate_prompt_tokens":4"#), [vec![bos[0]], last(3)].concat());
     assert_eq!(completion(r#","truncate_prompt_tokens":4,"truncation_side":"left""#), last(4));
     assert_eq!(completion(r#","truncate_prompt_tokens":4,"truncation_side":"right""#), whole[..4].to_vec());
-    assert_eq!(completion(r#","truncate_prompt_tokens":-1"#), whole, "the context length: not known here");
+    assert_eq!(completion(r#","truncate_prompt_tokens":-1"#), whole, "the context length: not known yet");
     assert_eq!(completion(&format!(r#","truncate_prompt_tokens":{}"#, whole.len())), whole);
+    // Known (from the replicas' model cards), -1 keeps the context less the output tokens, as
+    // vLLM's `max_input_tokens`; the chat is cut from the left.
+    t.set_context_len(6);
+    assert_eq!(
+        completion(r#","truncate_prompt_tokens":-1,"max_tokens":2"#),
+        [vec![bos[0]], last(3)].concat()
+    );
+    assert_eq!(
+        completion(r#","truncate_prompt_tokens":"-1","max_tokens":2"#),
+        [vec![bos[0]], last(3)].concat()
+    );
+    let chat_whole = tokens(&t, Endpoint::ChatCompletions, &chat_body("")).unwrap().remove(0);
+    let chat_cut = |extra: &str| tokens(&t, Endpoint::ChatCompletions, &chat_body(extra)).unwrap().remove(0);
+    let kept = chat_whole[chat_whole.len() - 5..].to_vec();
+    assert_eq!(chat_cut(r#","truncate_prompt_tokens":-1,"max_completion_tokens":1,"max_tokens":3"#), kept);
+    // A Responses request's `truncation: "auto"` is -1 (with its `max_output_tokens`).
+    let responses = |truncation: &str| {
+        let body = format!(
+            r#"{{"model":"tiny","input":"the quick brown fox jumps over the lazy dog","max_output_tokens":2{truncation}}}"#
+        );
+        let (read_as, chat) = t.readable(Endpoint::Responses, body.as_bytes()).unwrap();
+        tokens(&t, read_as, std::str::from_utf8(&chat).unwrap()).unwrap().remove(0)
+    };
+    let untruncated = responses("");
+    assert!(untruncated.len() > 4);
+    assert_eq!(responses(r#","truncation":"disabled""#), untruncated);
+    assert_eq!(responses(r#","truncation":"auto""#).len(), 4);
+    assert!(
+        t.readable(Endpoint::Responses, br#"{"model":"tiny","input":"x","truncation":"middle"}"#).is_err()
+    );
+    t.set_context_len(0);
     let ids = |extra: &str| {
         let body = format!(r#"{{"model":"tiny","prompt":[5,6,7,8,9]{extra}}}"#);
         let mut request = ParsedRequest::parse(Endpoint::Completions, body.as_bytes()).unwrap();

@@ -97,6 +97,8 @@ async fn assemble(config: Arc<Config>, parts: &Parts) -> anyhow::Result<RunningA
     if let Some(problem) = tokenization.template_problem() {
         tracing::warn!(problem, "the tokenizer_config.json beside the tokenizer is unusable: not used");
     }
+    // What `truncate_prompt_tokens: -1` keeps, less the output tokens, as vLLM's renderer.
+    tokenization.set_context_len(u64::from(config.max_model_len));
 
     // The listeners first, so that a start that cannot bind them has begun nothing.
     let http_listener = TcpListener::bind(config.http_addr)

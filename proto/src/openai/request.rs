@@ -43,7 +43,7 @@ use serde_json::value::RawValue;
 use self::messages::parse_messages;
 use self::prompt::parse_prompt;
 use self::scan::Field;
-pub use self::truncation::{Side, Truncation};
+pub use self::truncation::{Keep, Side, Truncation};
 use super::chat_template::Variables;
 use super::error::RequestError;
 
@@ -407,17 +407,18 @@ impl<'a> CompletionRequest<'a> {
             Field::Text(text) => Prompt::Text(text),
             Field::Raw(raw) => parse_prompt(raw)?,
         };
+        let max_tokens = count(Field::raw(max_tokens), "max_tokens")?;
         Ok(CompletionRequest {
             model: model(Field::raw(model_))?,
             prompt,
             stream: boolean(Field::raw(stream), "stream")?.unwrap_or(false),
-            max_tokens: count(Field::raw(max_tokens), "max_tokens")?,
+            max_tokens,
             n: choices(Field::raw(n))?,
             priority: priority(Field::raw(priority_))?,
             cache_salt: cache_salt(Field::raw(salt))?,
             add_special_tokens: boolean(Field::raw(add_special_tokens), "add_special_tokens")?
                 .unwrap_or(true),
-            truncation: Truncation::parse(Field::raw(truncate), Field::raw(side))?,
+            truncation: Truncation::parse(Field::raw(truncate), Field::raw(side), max_tokens)?,
         })
     }
 }
@@ -515,12 +516,16 @@ impl<'a> ChatRequest<'a> {
             ));
         }
         let add_generation_prompt = add_generation_prompt.unwrap_or(true);
+        let max_tokens = count(max_tokens, "max_tokens")?;
+        let max_completion_tokens = count(max_completion_tokens, "max_completion_tokens")?;
+        // What `-1` leaves room for: `max_completion_tokens or max_tokens`, as vLLM reads them.
+        let output = max_completion_tokens.filter(|&m| m != 0).or(max_tokens);
         Ok(ChatRequest {
             model: model(model_)?,
             messages,
             stream: boolean(stream, "stream")?.unwrap_or(false),
-            max_tokens: count(max_tokens, "max_tokens")?,
-            max_completion_tokens: count(max_completion_tokens, "max_completion_tokens")?,
+            max_tokens,
+            max_completion_tokens,
             n: choices(n)?,
             priority: priority(priority_)?,
             cache_salt: cache_salt(salt)?,
@@ -540,7 +545,7 @@ impl<'a> ChatRequest<'a> {
             chat_template: field::<Option<Str<'a>>>(chat_template, "chat_template", "a string")?
                 .flatten()
                 .map(|s| s.0),
-            truncation: Truncation::parse(truncate, side)?,
+            truncation: Truncation::parse(truncate, side, output)?,
         })
     }
 

@@ -87,6 +87,7 @@ pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shu
                 // The round's last: learned from at once, as the tick would a round later.
                 if checking.is_empty() {
                     learn_adapters(&state, &listings, &mut learned);
+                    learn_context(&state);
                 }
                 continue;
             }
@@ -105,6 +106,15 @@ pub async fn run(state: Arc<ProxyState>, client: Client, settings: Settings, shu
         }
         // (Those of a replica still under way from an earlier tick: its last listing stands.)
         learn_adapters(&state, &listings, &mut learned);
+    }
+}
+
+/// Takes the model's context length from the replicas' cards (vLLM's `max_model_len`): what
+/// `truncate_prompt_tokens: -1` keeps, less the output tokens.
+fn learn_context(state: &ProxyState) {
+    let card = super::served_card(state);
+    if let Some(tokens) = card.and_then(|card| card.get("max_model_len")?.as_u64()) {
+        state.decider.prompts.tokenization().set_context_len(tokens);
     }
 }
 

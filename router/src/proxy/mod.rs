@@ -749,11 +749,7 @@ async fn read_body(body: Incoming, limit: usize, idle: Duration) -> Result<Bytes
 fn models(state: &ProxyState) -> serde_json::Value {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let base = state.base_model.as_str();
-    // A healthy replica's card first; with none healthy (a fleet late to its checks is still
-    // served), any replica's.
-    let members = state.fleet().members();
-    let listed =
-        members.iter().filter(|m| m.upstream.is_healthy()).chain(&members).find_map(|m| m.upstream.card());
+    let listed = served_card(state);
     let owned_by =
         listed.as_ref().and_then(|card| card.get("owned_by").cloned()).unwrap_or_else(|| "kvroute".into());
     let card = |id: &str, parent: Option<&str>| {
@@ -772,6 +768,13 @@ fn models(state: &ProxyState) -> serde_json::Value {
     let data: Vec<serde_json::Value> =
         std::iter::once(served).chain(adapters.iter().map(|a| card(a, Some(base)))).collect();
     serde_json::json!({"object": "list", "data": data})
+}
+
+/// The served model's card as the replicas list it: a healthy replica's first; with none
+/// healthy (a fleet late to its checks is still served), any replica's.
+pub(crate) fn served_card(state: &ProxyState) -> Option<Arc<serde_json::Map<String, serde_json::Value>>> {
+    let members = state.fleet().members();
+    members.iter().filter(|m| m.upstream.is_healthy()).chain(&members).find_map(|m| m.upstream.card())
 }
 
 fn metrics(state: &ProxyState) -> Response<ProxyBody> {

@@ -417,6 +417,10 @@ impl RemoteTokenizer {
         special: bool,
     ) -> Result<Vec<u32>, PromptError> {
         let Some(truncation) = truncation else { return Ok(ids) };
+        let context = self.local.context_len();
+        if truncation.kept(context).is_none_or(|k| ids.len() <= k) {
+            return Ok(ids);
+        }
         let specials: &[u32] = match special && truncation.side.is_none() {
             true => {
                 self.specials
@@ -427,7 +431,7 @@ impl RemoteTokenizer {
             }
             false => &[],
         };
-        Ok(truncation.apply(ids, specials))
+        Ok(truncation.apply(ids, specials, context))
     }
 
     /// Asks `replicas` in turn until one answers (or refuses the prompt: the client's error).

@@ -426,6 +426,28 @@ async fn remote_tokenization_asks_a_replica_and_hashes_like_it() {
     assert_parity(&fleet, "/v1/completions", Endpoint::Completions, &truncated).await;
 }
 
+/// `truncate_prompt_tokens: -1` keeps the context length less the output tokens: the router
+/// learns the context from the replicas' model cards and cuts the prompt as the replica does.
+/// (It used to hash the whole prompt, whose first blocks the replica never keeps.)
+#[tokio::test]
+async fn minus_one_truncates_to_the_context_the_replicas_list() {
+    let fleet =
+        Fleet::with(1, |n| kvroute_replica_agent::Config { max_model_len: 40, ..agent_config(n) }, |c| c)
+            .await;
+    let tokenization = || fleet.router.state.decider.prompts.tokenization();
+    crate::support::wait_until("the context length is learned", || tokenization().context_len() == Some(40))
+        .await;
+    let mut truncated = completion(&text("ctx", 60), 4);
+    truncated["truncate_prompt_tokens"] = json!(-1);
+    assert_parity(&fleet, "/v1/completions", Endpoint::Completions, &truncated).await;
+    let plan =
+        fleet.router.state.decider.explain(Endpoint::Completions, truncated.to_string().as_bytes()).await;
+    assert_eq!(plan.unwrap().prompt_tokens, 36);
+    let chat = json!({"model": FLEET_MODEL, "max_tokens": 4, "truncate_prompt_tokens": -1, "messages": [
+        {"role": "user", "content": text("chat", 60)}]});
+    assert_parity(&fleet, "/v1/chat/completions", Endpoint::ChatCompletions, &chat).await;
+}
+
 /// With `--remote-tokenize`, a replica whose `/tokenize` fails (500) is followed by the next:
 /// the prompts it was asked for are tokenized by the healthy one.
 #[tokio::test]

@@ -117,6 +117,10 @@ struct Rest<'a> {
     /// vLLM tokenizes a Responses prompt with the tokenizer's special tokens (a BOS), where
     /// a chat request's default is without.
     add_special_tokens: bool,
+    /// `-1` for `truncation: "auto"`, as vLLM reads it: the prompt's last tokens that fit
+    /// the context with the output.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    truncate_prompt_tokens: Option<i8>,
 }
 
 /// One chat message made of the input.
@@ -271,6 +275,7 @@ impl<'a> Responses<'a> {
             tools,
             tool_choice,
             priority,
+            truncation,
         ] = parse_object(
             body,
             &[
@@ -286,8 +291,14 @@ impl<'a> Responses<'a> {
                 "tools",
                 "tool_choice",
                 "priority",
+                "truncation",
             ],
         )?;
+        let truncate_prompt_tokens = match truncation.map(RawValue::get) {
+            None | Some("null" | r#""disabled""#) => None,
+            Some(r#""auto""#) => Some(-1),
+            Some(_) => return Err(invalid("truncation", r#""auto" or "disabled""#)),
+        };
         let model = field::<Str>(model, "model", "a string")?.map(|s| s.0).unwrap_or_default();
         if instructions.is_some_and(|raw| !raw.get().starts_with('"')) {
             return Err(invalid("instructions", "a string"));
@@ -323,6 +334,7 @@ impl<'a> Responses<'a> {
             // vLLM's Harmony path keeps the tools whatever the tool choice.
             tool_choice: tool_choice.filter(|c| !harmony && c.get() == r#""none""#).map(|_| "none"),
             add_special_tokens: true,
+            truncate_prompt_tokens,
         };
         Ok(Responses {
             previous_response_id,

@@ -2,9 +2,11 @@
 //! keeps, so that the router hashes the prompt the replica caches.
 //!
 //! - `truncate_prompt_tokens: k` keeps `k` tokens of a longer prompt; null keeps them all.
-//!   `-1` means the model's context length less one, which only the replica knows: taken as
-//!   no truncation (a prompt that long is refused without it anyway). `0` empties the prompt,
-//!   which vLLM refuses; below `-1` is refused too.
+//!   `-1` keeps the model's context length less the request's output tokens (`max_tokens`,
+//!   0 when unset), as vLLM's renderer does: the router reads the context length from the
+//!   replicas' model cards (`max_model_len`), and truncates nothing until it has one. (A
+//!   Responses request's `truncation: "auto"` is `-1`.) `0` empties the prompt, which vLLM
+//!   refuses; below `-1` is refused too.
 //! - `truncation_side: "left"` keeps the last `k` of the whole encoding (a BOS the tokenizer
 //!   adds included, so it goes); `"right"` the first `k`.
 //! - No side: the tokenizer's own, which vLLM makes `"left"` for generating models, applied
@@ -15,16 +17,25 @@
 
 use serde_json::value::RawValue;
 
-use super::count;
+use super::{count, lax_integer};
 use crate::openai::error::RequestError;
 
 /// Which of a prompt's tokens are kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Truncation {
-    /// `truncate_prompt_tokens`, at least 1.
-    pub keep: usize,
+    /// How many.
+    pub keep: Keep,
     /// `truncation_side`; none is the tokenizer's (left, special tokens kept).
     pub side: Option<Side>,
+}
+
+/// How many of a prompt's tokens are kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Keep {
+    /// `truncate_prompt_tokens: k`, at least 1.
+    Tokens(usize),
+    /// `-1`: the model's context length less `output`, the request's output tokens.
+    Context { output: u64 },
 }
 
 /// `truncation_side`.
@@ -37,10 +48,12 @@ pub enum Side {
 const PARAM: &str = "truncate_prompt_tokens";
 
 impl Truncation {
-    /// The request's fields (absent or null: none).
+    /// The request's fields (absent or null: none); `output` is its output tokens
+    /// (`max_tokens`), which `-1` leaves room for.
     pub(super) fn parse(
         keep: Option<&RawValue>,
         side: Option<&RawValue>,
+        output: Option<u64>,
     ) -> Result<Option<Self>, RequestError> {
         let side = match side.map(RawValue::get) {
             None => None,
@@ -53,26 +66,41 @@ impl Truncation {
                 });
             }
         };
-        let keep = match keep {
-            Some(raw) if raw.get() == "-1" => None,
-            raw => count(raw, PARAM).map_err(|_| RequestError::InvalidField {
-                param: PARAM,
-                expected: "an integer of at least -1",
-            })?,
-        };
+        // (-1 as pydantic's lax mode reads it: `-1.0` and `"-1"` too.)
+        if keep.and_then(lax_integer) == Some(-1) {
+            return Ok(Some(Truncation { keep: Keep::Context { output: output.unwrap_or(0) }, side }));
+        }
+        let keep = count(keep, PARAM).map_err(|_| RequestError::InvalidField {
+            param: PARAM,
+            expected: "an integer of at least -1",
+        })?;
         match keep {
             None => Ok(None),
             Some(0) => {
                 Err(RequestError::InvalidField { param: PARAM, expected: "not 0: the prompt would be empty" })
             }
-            Some(keep) => Ok(Some(Truncation { keep: usize::try_from(keep).unwrap_or(usize::MAX), side })),
+            Some(keep) => {
+                Ok(Some(Truncation { keep: Keep::Tokens(usize::try_from(keep).unwrap_or(usize::MAX)), side }))
+            }
         }
     }
 
-    /// `ids` truncated; `specials` are the ids the tokenizer added to them (its encoding of
-    /// an empty text with special tokens), none for token ids and chats.
-    pub fn apply(&self, mut ids: Vec<u32>, specials: &[u32]) -> Vec<u32> {
-        let k = self.keep;
+    /// How many tokens are kept, given the model's context length (`None`: unknown, when `-1`
+    /// keeps them all).
+    pub fn kept(&self, context: Option<u64>) -> Option<usize> {
+        match self.keep {
+            Keep::Tokens(k) => Some(k),
+            Keep::Context { output } => {
+                context.map(|c| usize::try_from(c.saturating_sub(output)).unwrap_or(usize::MAX))
+            }
+        }
+    }
+
+    /// `ids` truncated, for a model of `context` tokens if known; `specials` are the ids the
+    /// tokenizer added to them (its encoding of an empty text with special tokens), none for
+    /// token ids and chats.
+    pub fn apply(&self, mut ids: Vec<u32>, specials: &[u32], context: Option<u64>) -> Vec<u32> {
+        let Some(k) = self.kept(context) else { return ids };
         if ids.len() <= k {
             return ids;
         }
@@ -111,18 +139,22 @@ mod tests {
 
     fn parse(keep: &str, side: Option<&str>) -> Result<Option<Truncation>, RequestError> {
         let side = side.map(raw);
-        Truncation::parse(Some(&raw(keep)), side.as_deref())
+        Truncation::parse(Some(&raw(keep)), side.as_deref(), Some(16))
     }
 
     #[test]
     fn fields_read_as_vllm_takes_them() {
-        assert_eq!(parse("4", None).unwrap(), Some(Truncation { keep: 4, side: None }));
+        assert_eq!(parse("4", None).unwrap(), Some(Truncation { keep: Keep::Tokens(4), side: None }));
         assert_eq!(
             parse("\"4\"", Some("\"left\"")).unwrap(),
-            Some(Truncation { keep: 4, side: Some(Side::Left) })
+            Some(Truncation { keep: Keep::Tokens(4), side: Some(Side::Left) })
         );
-        assert_eq!(parse("-1", Some("\"right\"")).unwrap(), None, "the context length, unknown here");
-        assert_eq!(Truncation::parse(None, None).unwrap(), None);
+        // The context length less the output tokens: vLLM's `max_input_tokens`.
+        for minus_one in ["-1", "-1.0", "\"-1\""] {
+            let to_context = Truncation { keep: Keep::Context { output: 16 }, side: Some(Side::Right) };
+            assert_eq!(parse(minus_one, Some("\"right\"")).unwrap(), Some(to_context), "{minus_one}");
+        }
+        assert_eq!(Truncation::parse(None, None, None).unwrap(), None);
         for bad in ["-2", "0", "1.5", "\"x\""] {
             assert!(parse(bad, None).is_err(), "{bad}");
         }
@@ -133,15 +165,19 @@ mod tests {
     /// vLLM's slicing for an explicit side.
     #[test]
     fn kept_as_vllm_keeps_them() {
-        let t = |side| Truncation { keep: 4, side };
+        let t = |side| Truncation { keep: Keep::Tokens(4), side };
         let bos_text = vec![1, 10, 11, 12, 13, 14, 15];
-        assert_eq!(t(None).apply(bos_text.clone(), &[1]), [1, 13, 14, 15]);
-        assert_eq!(t(Some(Side::Left)).apply(bos_text.clone(), &[1]), [12, 13, 14, 15]);
-        assert_eq!(t(Some(Side::Right)).apply(bos_text.clone(), &[1]), [1, 10, 11, 12]);
-        assert_eq!(t(None).apply(vec![10, 11, 12, 13, 14, 15], &[]), [12, 13, 14, 15]);
+        assert_eq!(t(None).apply(bos_text.clone(), &[1], None), [1, 13, 14, 15]);
+        assert_eq!(t(Some(Side::Left)).apply(bos_text.clone(), &[1], None), [12, 13, 14, 15]);
+        assert_eq!(t(Some(Side::Right)).apply(bos_text.clone(), &[1], None), [1, 10, 11, 12]);
+        assert_eq!(t(None).apply(vec![10, 11, 12, 13, 14, 15], &[], None), [12, 13, 14, 15]);
         // A tokenizer that adds a BOS and an EOS.
-        assert_eq!(t(None).apply(vec![1, 10, 11, 12, 13, 14, 2], &[1, 2]), [1, 13, 14, 2]);
+        assert_eq!(t(None).apply(vec![1, 10, 11, 12, 13, 14, 2], &[1, 2], None), [1, 13, 14, 2]);
         // Short enough: untouched.
-        assert_eq!(t(None).apply(vec![1, 10, 11], &[1]), [1, 10, 11]);
+        assert_eq!(t(None).apply(vec![1, 10, 11], &[1], None), [1, 10, 11]);
+        // -1: a context of 6 tokens, 2 of them for the output; unknown, nothing is cut.
+        let to_context = Truncation { keep: Keep::Context { output: 2 }, side: None };
+        assert_eq!(to_context.apply(vec![10, 11, 12, 13, 14, 15], &[], Some(6)), [12, 13, 14, 15]);
+        assert_eq!(to_context.apply(vec![10, 11, 12, 13, 14, 15], &[], None), [10, 11, 12, 13, 14, 15]);
     }
 }
