@@ -528,7 +528,8 @@ impl RankStream {
         // A fresh rank whose replay brought nothing keeps its live batches: a catch-up
         // whose replay failed used to clear the blocks stored since the connection, which
         // the publisher never announces again.
-        if !applied && !(self.fresh && !replayed) {
+        let keep_live = self.fresh && !replayed;
+        if !applied && !keep_live {
             self.clear();
             self.expected = None;
             self.apply_replayed(&partial.0).await;
