@@ -711,7 +711,8 @@ pub(super) fn record_failure(upstream: &Upstream, config: &ForwardConfig, metric
 }
 
 /// The client's request line and version, and the headers every attempt sends: the client's
-/// without hop-by-hop ones (nor a data-parallel rank), the request id, `--replica-api-key` in
+/// without hop-by-hop ones (nor a data-parallel rank; `Accept-Encoding: identity`), the request
+/// id, `--replica-api-key` in
 /// place of the client's key on the paths the router guards ([`super::live::guarded`]), and
 /// with `--forwarded-for` the client's address ([`forwarded`]).
 /// Taken once per request, not per attempt.
@@ -732,6 +733,12 @@ pub(super) fn upstream_head(
     // The rank is the router's to name, on the replica it chose: a client's would name a
     // rank of whichever replica the request reaches (a 400 where it has fewer).
     headers.remove(X_DATA_PARALLEL_RANK);
+    // The router reads the answers it forwards (usage, a stored response's id, an SSE
+    // stream's end) and writes its in-band errors into streams: a replica (or a gateway in
+    // front of one) that compressed them, for a client's `gzip`, would have them unread and
+    // an error event written into gzip bytes. Answers come plain, as nginx's `sub_filter`
+    // needs them.
+    headers.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
     if let Ok(id) = HeaderValue::from_str(request_id) {
         headers.insert(X_REQUEST_ID, id);
     }

@@ -114,7 +114,7 @@ async fn end_to_end_fields_reach_the_replica_and_hop_by_hop_ones_do_not() {
             "POST {path} HTTP/1.1\r\nhost: router.example\r\nconnection: keep-alive, X-Secret-Hop\r\n\
              x-secret-hop: 1\r\nkeep-alive: timeout=5\r\nte: trailers\r\nx-custom: kept\r\n\
              x-multi: a\r\nx-multi: b\r\ncookie: a=1\r\ncookie: b=2\r\nproxy-connection: keep-alive\r\n\
-             x-data-parallel-rank: 3\r\ncontent-type: application/json\r\n"
+             x-data-parallel-rank: 3\r\ncontent-type: application/json\r\naccept-encoding: gzip, br\r\n"
         );
         let answer = exchange(&router.url(), &head, body).await;
         assert!(answer.starts_with("http/1.1 200"), "{answer}");
@@ -133,6 +133,8 @@ async fn end_to_end_fields_reach_the_replica_and_hop_by_hop_ones_do_not() {
         }
         // A rank is the router's to name: the client's names a rank of no replica it knows.
         assert!(got.values("x-data-parallel-rank").is_empty(), "{path}: {got:?}");
+        // The router reads what it forwards (usage, events, its in-band errors): plain.
+        assert_eq!(got.values("accept-encoding"), ["identity"], "{path}");
         let id = got.values("x-request-id");
         assert_eq!(id.len(), 1, "{path}: {got:?}");
         assert!(
