@@ -771,7 +771,7 @@ impl Facts {
         let text = match (format, &mut last.parts, &mut last.content) {
             // The last part with text, as transformers finds it.
             (ContentFormat::OpenAi, Some(parts), _) => parts.iter_mut().rev().find_map(|p| match p {
-                Part::Text(text) => Some(text),
+                Part::Text(text) | Part::Aside(text) => Some(text),
                 Part::ToolReference(_) => None,
             }),
             (ContentFormat::OpenAi, None, content) => content.as_mut(),
@@ -880,7 +880,7 @@ fn texts_joined(parts: &[Part<'_>], separator: &str) -> String {
     let texts: Vec<&str> = parts
         .iter()
         .filter_map(|p| match p {
-            Part::Text(text) => Some(text.as_ref()),
+            Part::Text(text) | Part::Aside(text) => Some(text.as_ref()),
             Part::ToolReference(_) => None,
         })
         .collect();
@@ -988,7 +988,7 @@ fn message_value(
     }
     fn item<'p>(part: &'p Part<'_>) -> Item<'p> {
         match part {
-            Part::Text(text) => Item::Part(Typed::Text { text }),
+            Part::Text(text) | Part::Aside(text) => Item::Part(Typed::Text { text }),
             Part::ToolReference(name) => Item::Part(Typed::ToolReference { name: name.as_deref() }),
         }
     }

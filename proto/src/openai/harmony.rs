@@ -294,7 +294,8 @@ fn flattened<'r>(m: &'r Message<'_>) -> Option<Cow<'r, str>> {
                 .iter()
                 .filter_map(|p| match p {
                     Part::Text(t) => Some(&**t),
-                    Part::ToolReference(_) => None,
+                    // vLLM's flattening reads `text` keys alone.
+                    Part::Aside(_) | Part::ToolReference(_) => None,
                 })
                 .collect();
             (!texts.is_empty()).then(|| Cow::Owned(texts.concat()))
@@ -311,7 +312,8 @@ fn contents<'r>(m: &'r Message<'_>) -> Vec<Cow<'r, str>> {
             .iter()
             .map(|p| match p {
                 Part::Text(t) => Cow::Borrowed(&**t),
-                Part::ToolReference(_) => Cow::Borrowed(""),
+                // vLLM's `TextContent(text=part.get("text", ""))`.
+                Part::Aside(_) | Part::ToolReference(_) => Cow::Borrowed(""),
             })
             .collect(),
         None => vec![Cow::Borrowed(m.content.as_deref().unwrap_or_default())],
@@ -453,6 +455,25 @@ mod tests {
             system("low")
         );
         assert_eq!(rendered(body, Some("low")).unwrap(), expected);
+    }
+
+    /// Regression: `refusal` and `thinking` parts were read as text. vLLM makes each part a
+    /// `TextContent` of its `text` key (none: empty), so an assistant message of a refusal
+    /// alone is left out, and a user's thinking part is an empty text.
+    #[test]
+    fn refusal_and_thinking_parts_have_no_text() {
+        let body = r#"{"messages":[
+            {"role":"user","content":"q"},
+            {"role":"assistant","content":[{"type":"refusal","refusal":"I can't"}]},
+            {"role":"user","content":[{"type":"thinking","thinking":"hm"},{"type":"text","text":"q2"}]},
+            {"role":"developer","content":[{"type":"refusal","refusal":"no"},{"type":"text","text":"Be brief."}]}]}"#;
+        let expected = format!(
+            "{}<|start|>[user]<|message|>[q]<|end|>\
+             <|start|>[user]<|message|>[][q2]<|end|>\
+             <|start|>[developer]<|message|>[# Instructions\n\nBe brief.]<|end|><|start|>[assistant]",
+            system("medium")
+        );
+        assert_eq!(rendered(body, None).unwrap(), expected);
     }
 
     /// A key given twice is its last value, as vLLM (Python's `json`) reads the message.

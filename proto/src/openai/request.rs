@@ -314,9 +314,11 @@ pub struct Message<'a> {
 /// A part of a list `content` that reaches the template as it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Part<'a> {
-    /// A text part's text (`text`, `input_text`, `output_text`, `refusal`, `thinking`, or a
-    /// plain string).
+    /// A text part's text (`text`, `input_text`, `output_text`, or a plain string).
     Text(Cow<'a, str>),
+    /// A `refusal` or `thinking` part's text: text to a chat template, nothing to Harmony
+    /// (vLLM's Harmony messages read a part's `text` key alone).
+    Aside(Cow<'a, str>),
     /// A `tool_reference` part's `name` (none when absent or null): vLLM passes it as
     /// `{"type": "tool_reference", "name": ...}` for the template to expand, or, where the
     /// template takes a string, as the name's text.
@@ -327,7 +329,7 @@ impl Part<'_> {
     /// The text the part is in a string content (a reference's name; none is empty).
     pub fn text(&self) -> &str {
         match self {
-            Part::Text(text) => text,
+            Part::Text(text) | Part::Aside(text) => text,
             Part::ToolReference(name) => name.as_deref().unwrap_or_default(),
         }
     }

@@ -159,7 +159,7 @@ fn passed<'a>(message: &Message<'a>, format: ContentFormat) -> Message<'a> {
         (ContentFormat::OpenAi, Some(parts))
             if message.role == "tool"
                 && message.media.is_none()
-                && parts.iter().all(|p| matches!(p, Part::Text(_))) =>
+                && parts.iter().all(|p| matches!(p, Part::Text(_) | Part::Aside(_))) =>
         {
             message.content = Some(joined(&parts))
         }

@@ -124,10 +124,10 @@ impl<'a> RawPart<'a> {
     /// `None` for any other type. A `tool_reference` is kept whatever its name (a name that
     /// is not a string is an error).
     fn part(self, kind: &str) -> Option<Result<Option<Part<'a>>, ()>> {
-        let value = match kind {
-            "text" | "input_text" | "output_text" => self.text,
-            "refusal" => self.refusal,
-            "thinking" => self.thinking,
+        let (value, aside) = match kind {
+            "text" | "input_text" | "output_text" => (self.text, false),
+            "refusal" => (self.refusal, true),
+            "thinking" => (self.thinking, true),
             "tool_reference" => {
                 return Some(match self.name {
                     Some(MaybeStr::Str(name)) => Ok(Some(Part::ToolReference(Some(name)))),
@@ -138,6 +138,7 @@ impl<'a> RawPart<'a> {
             _ => return None,
         };
         Some(match value {
+            Some(MaybeStr::Str(text)) if aside => Ok(Some(Part::Aside(text))),
             Some(MaybeStr::Str(text)) => Ok(Some(Part::Text(text))),
             None | Some(MaybeStr::Null) => Ok(None),
             Some(MaybeStr::Other) => Err(()),
