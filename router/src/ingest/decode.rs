@@ -124,10 +124,47 @@ pub(crate) fn decode(
             {
                 return Err(DecodeError::Event(bad.reason.clone()));
             }
-            let events = batch.events.into_iter().map(|e| from_vllm(e, block_size)).collect();
+            let legacy = |e: &VllmEvent| engine == EngineKind::Sglang && legacy_sglang(e);
+            let events = batch
+                .events
+                .into_iter()
+                .map(|e| {
+                    if legacy(&e) {
+                        Event::Skipped(SkipReason::LegacyHashes)
+                    } else {
+                        from_vllm(e, block_size)
+                    }
+                })
+                .collect();
             Ok(Batch { seq, epoch: None, dp_rank: batch.dp_rank, events })
         }
     }
+}
+
+/// Whether a store is an older SGLang's, its first block named by Python's `hash` of its
+/// page's token ids alone (`hash(tuple(page))`, where SGLang now chains SHA-256 over the
+/// pages): a page's hash is the same wherever it stands, and a radix node's first page came
+/// without its parent, so the chain cannot be rebuilt. A chained hash equals it by chance
+/// once in 2^64.
+fn legacy_sglang(event: &VllmEvent) -> bool {
+    let VllmEvent::BlockStored(s) = event else { return false };
+    let page = (s.block_size as usize).min(s.token_ids.len());
+    s.block_hashes.first().is_some_and(|&first| page > 0 && first == python_tuple_hash(&s.token_ids[..page]))
+}
+
+/// Python's `hash` of a tuple of non-negative integers below 2^61 - 1 (each its own hash),
+/// as CPython 3.8 and later compute it (`tuplehash`, 64-bit).
+fn python_tuple_hash(items: &[u32]) -> BlockHash {
+    const P1: u64 = 11_400_714_785_074_694_791;
+    const P2: u64 = 14_029_467_366_897_019_727;
+    const P5: u64 = 2_870_177_450_012_600_261;
+    let mut acc = P5;
+    for &item in items {
+        acc = acc.wrapping_add(u64::from(item).wrapping_mul(P2)).rotate_left(31).wrapping_mul(P1);
+    }
+    acc = acc.wrapping_add(items.len() as u64 ^ (P5 ^ 3_527_539));
+    // -1 is no hash in CPython.
+    BlockHash(if acc == u64::MAX { 1_546_275_796 } else { acc })
 }
 
 fn from_native(batch: pb::EventBatch) -> Batch {
@@ -308,6 +345,46 @@ mod tests {
             medium: Some("GPU".into()),
             ..Default::default()
         }
+    }
+
+    /// Values of CPython 3.11's `hash(tuple)`.
+    #[test]
+    fn python_tuple_hashes_are_cpythons() {
+        let as_python = |h: i64| BlockHash(h as u64);
+        assert_eq!(python_tuple_hash(&[]), as_python(5_740_354_900_026_072_187));
+        assert_eq!(python_tuple_hash(&[1, 2, 3]), as_python(529_344_067_295_497_451));
+        assert_eq!(python_tuple_hash(&[0]), as_python(-8_753_497_827_991_233_192));
+        assert_eq!(python_tuple_hash(&(0..16).collect::<Vec<_>>()), as_python(2_828_489_712_818_767_170));
+        assert_eq!(python_tuple_hash(&[151_643, 872, 198]), as_python(-2_158_743_237_302_262_662));
+    }
+
+    /// Regression: an older SGLang's stores (a page's hash is Python's hash of its tokens, and
+    /// a radix node's first page comes without its parent) were indexed, a page from the
+    /// middle of a prompt as a prompt's start. They are skipped, and only for SGLang.
+    #[test]
+    fn an_older_sglangs_unchained_hashes_are_skipped() {
+        let page = |tokens: Vec<u32>, hash: BlockHash| vllm::BlockStored {
+            block_hashes: vec![hash],
+            token_ids: tokens,
+            block_size: 4,
+            ..Default::default()
+        };
+        let batch = |stored: vllm::BlockStored| {
+            let events = vec![VllmEvent::BlockStored(stored)];
+            vllm::encode_payload(&vllm::VllmBatch { ts: 0.0, events, dp_rank: None })
+        };
+        let tokens = vec![7, 8, 9, 10];
+        let legacy = batch(page(tokens.clone(), python_tuple_hash(&tokens)));
+        let chained = batch(page(tokens, BlockHash(0x4fa9_d65e)));
+        let skipped =
+            |engine, payload: &[u8]| match &decode(engine, Some(4), Seq(0), payload).unwrap().events[..] {
+                [Event::Skipped(reason)] => Some(*reason),
+                [Event::Stored(..)] => None,
+                other => panic!("{other:?}"),
+            };
+        assert_eq!(skipped(EngineKind::Sglang, &legacy), Some(SkipReason::LegacyHashes));
+        assert_eq!(skipped(EngineKind::Sglang, &chained), None);
+        assert_eq!(skipped(EngineKind::Vllm, &legacy), None, "vLLM's hashes are never Python's of a page");
     }
 
     fn reason(s: vllm::BlockStored, block_size: Option<u32>) -> Option<SkipReason> {

@@ -48,10 +48,14 @@ pub enum SkipReason {
     /// A store that would take the rank past the most blocks it may hold
     /// (`snapshot_max_blocks`).
     OverCapacity,
+    /// An older SGLang's store, named by Python's `hash` of its page's tokens alone: one hash
+    /// for a page wherever it stands, and every radix node's first page published without its
+    /// parent. Indexed, a page in the middle of a prompt would be taken for a prompt's start.
+    LegacyHashes,
 }
 
 impl SkipReason {
-    pub const ALL: [SkipReason; 11] = [
+    pub const ALL: [SkipReason; 12] = [
         SkipReason::TokensMismatch,
         SkipReason::AttentionKind,
         SkipReason::Remote,
@@ -63,6 +67,7 @@ impl SkipReason {
         SkipReason::UnknownEvent,
         SkipReason::MalformedEvent,
         SkipReason::OverCapacity,
+        SkipReason::LegacyHashes,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -78,6 +83,7 @@ impl SkipReason {
             SkipReason::UnknownEvent => "unknown_event",
             SkipReason::MalformedEvent => "malformed_event",
             SkipReason::OverCapacity => "over_capacity",
+            SkipReason::LegacyHashes => "legacy_hashes",
         }
     }
 }
