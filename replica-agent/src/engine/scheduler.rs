@@ -18,6 +18,10 @@ use super::{
 use crate::cache::{AdmitError, CacheEvent};
 use crate::publisher::Publisher;
 
+/// How far behind the wall clock steps may run before they are taken to start now: a few
+/// of the timer's 1 ms ticks.
+const MOST_LAG: Duration = Duration::from_millis(5);
+
 struct Pending {
     job: Job,
     out: mpsc::Sender<Output>,
@@ -293,10 +297,18 @@ impl Scheduler {
         let Plan { decoding, chunks, prefill_tokens, n_decoding } = plan;
         let simulated = self.config.timing.step(prefill_tokens as u64, n_decoding as u64);
         let wall = self.config.timing.wall(simulated);
-        // Never more than one step behind: after idling, the next step takes its full time.
+        // Steps laid end to end, a few behind at most: timers wake on whole milliseconds, so
+        // a step shorter than that wakes late, and the next ones make up for it (with a lag of
+        // one step alone, every step of a large time scale took a millisecond). After idling,
+        // the next step takes its full time.
         let now = Instant::now();
-        self.clock = self.clock.max(now.checked_sub(wall).unwrap_or(now)) + wall;
-        tokio::time::sleep_until(self.clock).await;
+        let lag = wall.max(MOST_LAG);
+        self.clock = self.clock.max(now.checked_sub(lag).unwrap_or(now)) + wall;
+        if self.clock > now {
+            tokio::time::sleep_until(self.clock).await;
+        } else {
+            tokio::task::yield_now().await;
+        }
         self.metrics.steps.fetch_add(1, Ordering::Relaxed);
 
         for ((r, chunk), was_decoding) in self.running.iter_mut().zip(chunks).zip(decoding) {

@@ -64,6 +64,23 @@ async fn run(engine: &Engine, job: Job) -> (Vec<Output>, Usage) {
     (outputs, usage)
 }
 
+/// Regression: timers wake on whole milliseconds, and each step's lateness was forgiven, so
+/// a step shorter than 1 ms took 1 ms whatever the time scale: 300 decode steps of ~60 µs
+/// (`--time-scale 100`) took 300 ms, not ~18. (Paused time: the timer's ticks, no load.)
+#[tokio::test(start_paused = true)]
+async fn short_steps_keep_their_length_under_a_large_time_scale() {
+    let mut config = config(64, 8, 100);
+    config.timing.time_scale = 100.0;
+    let step = config.timing.wall(config.timing.step(0, 1));
+    assert!(step < Duration::from_micros(200), "{step:?}");
+    let (engine, shutdown) = start(config).await;
+    let started = tokio::time::Instant::now();
+    run(&engine, job((0..8).collect(), 300)).await;
+    let took = started.elapsed();
+    assert!(took < step * 300 * 2, "{took:?} for 300 steps of {step:?}");
+    shutdown.cancel();
+}
+
 /// A scheduler whose event publisher stopped (its task failed) fails the requests it holds
 /// and ends with an error (which stops the agent): what it caches would reach no router.
 /// Before, it went on serving with a warning for each batch dropped.
