@@ -586,7 +586,6 @@ impl RankStream {
         // An empty replay (a catch-up with nothing new) keeps the last one's window: live
         // copies of what that one covered may still be queued, and are not a restart.
         let Some(first) = batches.first() else { return false };
-        self.fresh = false;
         let contiguous =
             batches.windows(2).position(|w| w[1].seq != w[0].seq.next()).map_or(batches.len(), |i| i + 1);
         let (batches, rest) = batches.split_at(contiguous);
@@ -609,6 +608,9 @@ impl RankStream {
             }
             self.apply(batch);
         }
+        // What it applied came from a replay, after any clear among its batches (a cache
+        // reset, a restart), which took the rank back to fresh.
+        self.fresh = false;
         // A replay that goes on from the last one (a catch-up, a second repair) widens its
         // window: live copies of either may still be queued.
         self.dup = Some(match self.dup {
@@ -1057,11 +1059,24 @@ mod tests {
         rank.handle(Input::Overflowed(Default::default())).await;
         assert_eq!(rank.ctx.index.blocks(id), 0, "an overflow's repair failed");
 
-        let mut replayed = rank_with(config);
+        let mut replayed = rank_with(config.clone());
         replayed.apply_replayed(&[batch(0), batch(1)]).await;
         replayed.replay_endpoint = Some("tcp://127.0.0.1:9".into());
         replayed.repair(Seq(2), None).await;
         assert_eq!(replayed.ctx.index.blocks(replayed.ctx.replica.id), 0, "a replay's blocks may be stale");
+        // A replay whose batches hold a cache reset: what came after it was replayed all the
+        // same (the clear took the rank back to fresh, and the replay's blocks were kept).
+        let cleared = {
+            let events = vec![VllmEvent::AllBlocksCleared];
+            let payload = vllm::encode_payload(&VllmBatch { ts: 0.0, events, dp_rank: None });
+            LiveMessage { topic: Bytes::new(), seq: Seq(1), payload }
+        };
+        let mut reset = rank_with(config);
+        reset.apply_replayed(&[batch(0), cleared, stored_batch(2, BlockHash(7), None, 7)]).await;
+        assert_eq!(reset.ctx.index.blocks(reset.ctx.replica.id), 1);
+        reset.replay_endpoint = Some("tcp://127.0.0.1:9".into());
+        reset.repair(Seq(3), None).await;
+        assert_eq!(reset.ctx.index.blocks(reset.ctx.replica.id), 0, "replayed after a clear, still a replay");
     }
 
     /// A publisher whose replay replies stop before the end marker (an older vLLM's full send
