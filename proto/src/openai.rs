@@ -63,6 +63,11 @@ pub use tokenizer::{Builtin, HuggingFace, Tokenizer};
 
 use crate::{BlockHash, CacheNamespace};
 
+/// Tokens a chat's media may take beyond its text, for `truncate_prompt_tokens: -1`: with
+/// less room than the text and this, vLLM may cut the prompt, and which tokens stay is not
+/// known here (a large image is a few thousand tokens).
+const MEDIA_ROOM: u64 = 16_384;
+
 /// Everything that decides a request's token ids and namespace. The router and every agent
 /// of one model must be given equal configs.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -379,9 +384,13 @@ impl Tokenization {
             return Err(RequestError::CannotContinue(chat_template::CONTINUE_WITH_GENERATION_PROMPT));
         }
         // vLLM truncates once the media's tokens are in: which tokens stay is not known here.
-        if request.truncation.is_some() {
-            return Ok(PartialPrompt::estimated(request));
-        }
+        // `-1` cuts nothing while the context is unknown, or larger than the text and output
+        // by more than the media (checked below, once the text is counted).
+        let to_context = match request.truncation.map(|t| t.keep) {
+            None => None,
+            Some(request::Keep::Context { output }) => self.context_len().map(|c| c.saturating_sub(output)),
+            Some(request::Keep::Tokens(_)) => return Ok(PartialPrompt::estimated(request)),
+        };
         let template = self.chat_template.as_ref().ok_or(RequestError::NoChatTemplate)?;
         let vars = request.variables();
         let encode = |text: String| self.encode(&text, request.add_special_tokens).unwrap_or_default();
@@ -389,6 +398,9 @@ impl Tokenization {
             return Ok(PartialPrompt::estimated(request));
         };
         let whole = encode(whole);
+        if to_context.is_some_and(|room| whole.len() as u64 + MEDIA_ROOM >= room) {
+            return Ok(PartialPrompt::estimated(request));
+        }
         let with_media = template.render_with_media(&request.messages, vars).ok();
         let before = match first {
             0 => Vec::new(),

@@ -443,6 +443,17 @@ fn chats_with_media_are_known_up_to_their_first_media() {
             partial.text_tokens,
             tokens(&t, Endpoint::ChatCompletions, &media_left_out).unwrap()[0].len()
         );
+        // `-1` cuts nothing while the context is unknown, or ample: the same prefix is known.
+        let minus_one =
+            with_media.replace(r#"{"model":"tiny","#, r#"{"model":"tiny","truncate_prompt_tokens":-1,"#);
+        let parsed = ParsedRequest::parse(Endpoint::ChatCompletions, minus_one.as_bytes()).unwrap();
+        let ParsedRequest::Chat(cut) = &parsed else { unreachable!() };
+        assert_eq!(t.partial_chat_tokens(cut).unwrap().tokens, partial.tokens);
+        t.set_context_len(1 << 20);
+        assert_eq!(t.partial_chat_tokens(cut).unwrap().tokens, partial.tokens);
+        t.set_context_len(4096);
+        assert!(t.partial_chat_tokens(cut).unwrap().tokens.is_empty(), "the media may fill the room left");
+        t.set_context_len(0);
 
         // Media in the first message: nothing is certain.
         let first = chat(&format!(r#"[{{"role":"user","content":[{image},"What is it?"]}}]"#));
@@ -833,6 +844,10 @@ fn truncated_prompts_keep_what_vllm_keeps() {
         completion(r#","truncate_prompt_tokens":"-1","max_tokens":2"#),
         [vec![bos[0]], last(3)].concat()
     );
+    // A completion's output is 16 when `max_tokens` is unset, as vLLM's.
+    t.set_context_len(20);
+    assert_eq!(completion(r#","truncate_prompt_tokens":-1"#), [vec![bos[0]], last(3)].concat());
+    t.set_context_len(6);
     let chat_whole = tokens(&t, Endpoint::ChatCompletions, &chat_body("")).unwrap().remove(0);
     let chat_cut = |extra: &str| tokens(&t, Endpoint::ChatCompletions, &chat_body(extra)).unwrap().remove(0);
     let kept = chat_whole[chat_whole.len() - 5..].to_vec();

@@ -420,7 +420,8 @@ impl<'a> CompletionRequest<'a> {
             cache_salt: cache_salt(Field::raw(salt))?,
             add_special_tokens: boolean(Field::raw(add_special_tokens), "add_special_tokens")?
                 .unwrap_or(true),
-            truncation: Truncation::parse(Field::raw(truncate), Field::raw(side), max_tokens)?,
+            // vLLM's completion `max_tokens` is 16 when unset (or null, since 0.2x).
+            truncation: Truncation::parse(Field::raw(truncate), Field::raw(side), max_tokens.or(Some(16)))?,
         })
     }
 }

@@ -294,8 +294,10 @@ impl<'a> Responses<'a> {
                 "truncation",
             ],
         )?;
+        // vLLM's `-1 if truncation != "disabled"`. (An explicit null, which vLLM reads as -1
+        // too, is read here as absent, as every null field is.)
         let truncate_prompt_tokens = match truncation.map(RawValue::get) {
-            None | Some("null" | r#""disabled""#) => None,
+            None | Some(r#""disabled""#) => None,
             Some(r#""auto""#) => Some(-1),
             Some(_) => return Err(invalid("truncation", r#""auto" or "disabled""#)),
         };
