@@ -641,6 +641,35 @@ fn count(raw: Option<&RawValue>, param: &'static str) -> Result<Option<u64>, Req
     value.map(Some).ok_or(RequestError::InvalidField { param, expected: NON_NEGATIVE })
 }
 
+/// Whether a request to `endpoint` asks for its prompt's logprobs (`prompt_logprobs`, or `echo`
+/// with `logprobs`; of `/generate`, `return_logprob` with a `logprob_start_len` of 0 or more: -1,
+/// SGLang's default, asks for the output's only), a repeated key's last value counting, neither
+/// null nor false. Such a request reads no prefix cache: vLLM skips the lookup (it needs
+/// every prompt token's logprob), SGLang matches no prefix before `logprob_start_len`.
+pub fn asks_prompt_logprobs(endpoint: Endpoint, body: &[u8]) -> bool {
+    let set = |raw: Option<&RawValue>| raw.is_some_and(|raw| !matches!(raw.get(), "null" | "false"));
+    if endpoint == Endpoint::Generate {
+        // Each is one value, or a list of them, one a prompt: any prompt's counts.
+        let any = |raw: Option<&RawValue>, is: fn(&Value) -> bool| match raw
+            .and_then(|raw| serde_json::from_str::<Value>(raw.get()).ok())
+        {
+            Some(Value::Array(values)) => values.iter().any(is),
+            Some(value) => is(&value),
+            None => false,
+        };
+        let asked = |raw| any(raw, |v| lax_boolean_value(v) == Some(true));
+        let from_prompt = |raw| any(raw, |v| v.as_i64().is_some_and(|start| start >= 0));
+        return match parse_object(body, &["return_logprob", "logprob_start_len"]) {
+            Ok([return_logprob, start]) => asked(return_logprob) && from_prompt(start),
+            Err(_) => false,
+        };
+    }
+    match parse_object(body, &["prompt_logprobs", "echo", "logprobs"]) {
+        Ok([prompt_logprobs, echo, logprobs]) => set(prompt_logprobs) || (set(echo) && set(logprobs)),
+        Err(_) => false,
+    }
+}
+
 /// `priority`, vLLM's order of requests under its priority scheduling (lower first): an
 /// integer as pydantic's lax mode reads one ([`lax_integer`]), 0 when absent or `null`.
 fn priority(raw: Option<&RawValue>) -> Result<i64, RequestError> {

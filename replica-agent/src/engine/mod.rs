@@ -133,6 +133,9 @@ pub struct Job {
     /// The prompt tokens it reports cached, when not those it holds or pulled (SGLang's
     /// decode replica reports its prefill replica's: [`crate::bootstrap`]).
     pub reports_cached: Option<u32>,
+    /// Whether its prefill reads the prefix cache: not for a request of its prompt's logprobs,
+    /// as vLLM skips the lookup (its blocks are stored all the same).
+    pub reads_cache: bool,
 }
 
 impl Job {
@@ -148,6 +151,7 @@ impl Job {
             priority: 0,
             remote_tokens: 0,
             reports_cached: None,
+            reads_cache: true,
         }
     }
 

@@ -249,13 +249,18 @@ impl Scheduler {
             match outcome {
                 Ok((outcome, loaded)) => {
                     let Pending { job, out } = self.waiting.pop_front().expect("front exists");
-                    // What host memory or a remote prefill has past the prefix hit is loaded.
-                    let held = hit_tokens(outcome.hit_blocks + loaded, block_size, job.prompt.len());
-                    let cached = held.max(job.remote_tokens.min(job.prompt.len()));
-                    let loaded_tokens = cached - outcome.hit_tokens;
+                    // What host memory or a remote prefill has past the prefix hit is loaded. A
+                    // job that reads no cache is neither a query nor a hit (vLLM's stats).
+                    let (reads, len) = (job.reads_cache, job.prompt.len());
+                    let held =
+                        if reads { hit_tokens(outcome.hit_blocks + loaded, block_size, len) } else { 0 };
+                    let hit = if reads { outcome.hit_tokens } else { 0 };
+                    let cached = held.max(job.remote_tokens.min(len));
+                    let loaded_tokens = cached - hit;
                     self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
-                    self.metrics.prefix_cache_queries.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
-                    self.metrics.prefix_cache_hits.fetch_add(outcome.hit_tokens as u64, Ordering::Relaxed);
+                    let queried = if reads { len as u64 } else { 0 };
+                    self.metrics.prefix_cache_queries.fetch_add(queried, Ordering::Relaxed);
+                    self.metrics.prefix_cache_hits.fetch_add(hit as u64, Ordering::Relaxed);
                     self.metrics
                         .external_prefix_cache_hits
                         .fetch_add(loaded_tokens as u64, Ordering::Relaxed);

@@ -208,6 +208,9 @@ pub(super) async fn generate(
         completion.max_tokens = None;
     }
     let mut jobs = jobs(state, &request, &sampling, native || null_max_tokens(&request, &readable))?;
+    if kvroute_proto::openai::request::asks_prompt_logprobs(endpoint, body) {
+        jobs.iter_mut().for_each(|job| job.reads_cache = false);
+    }
     if native {
         let max_model_len = state.config().max_model_len;
         for (i, job) in jobs.iter_mut().enumerate() {

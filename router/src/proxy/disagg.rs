@@ -95,7 +95,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response};
 use http_body_util::BodyExt;
 use kvroute_proto::openai::Endpoint;
-use kvroute_proto::openai::request::{lax_boolean_value, parse_object};
+use kvroute_proto::openai::request::{asks_prompt_logprobs, parse_object};
 use serde_json::{Map, Value, json};
 
 use super::ProxyState;
@@ -739,36 +739,6 @@ fn fields<const N: usize>(pairs: [(&str, Value); N]) -> Map<String, Value> {
 fn prefillable(endpoint: Endpoint, body: &[u8]) -> Option<Map<String, Value>> {
     let object: Map<String, Value> = serde_json::from_slice(body).ok()?;
     (!asks_prompt_logprobs(endpoint, body)).then_some(object)
-}
-
-/// Whether a request to `endpoint` asks for its prompt's logprobs (`prompt_logprobs`, or `echo`
-/// with `logprobs`; of `/generate`, `return_logprob` with a `logprob_start_len` of 0 or more: -1,
-/// SGLang's default, asks for the output's only), a repeated key's last value counting, neither
-/// null nor false.
-fn asks_prompt_logprobs(endpoint: Endpoint, body: &[u8]) -> bool {
-    let set = |raw: Option<&serde_json::value::RawValue>| {
-        raw.is_some_and(|raw| !matches!(raw.get(), "null" | "false"))
-    };
-    if endpoint == Endpoint::Generate {
-        // Each is one value, or a list of them, one a prompt: any prompt's counts.
-        let any = |raw: Option<&serde_json::value::RawValue>, is: fn(&Value) -> bool| match raw
-            .and_then(|raw| serde_json::from_str::<Value>(raw.get()).ok())
-        {
-            Some(Value::Array(values)) => values.iter().any(is),
-            Some(value) => is(&value),
-            None => false,
-        };
-        let asked = |raw| any(raw, |v| lax_boolean_value(v) == Some(true));
-        let from_prompt = |raw| any(raw, |v| v.as_i64().is_some_and(|start| start >= 0));
-        return match parse_object(body, &["return_logprob", "logprob_start_len"]) {
-            Ok([return_logprob, start]) => asked(return_logprob) && from_prompt(start),
-            Err(_) => false,
-        };
-    }
-    match parse_object(body, &["prompt_logprobs", "echo", "logprobs"]) {
-        Ok([prompt_logprobs, echo, logprobs]) => set(prompt_logprobs) || (set(echo) && set(logprobs)),
-        Err(_) => false,
-    }
 }
 
 /// What of a request, as it was read, says whether it may be split.

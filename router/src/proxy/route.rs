@@ -700,6 +700,13 @@ impl Decider {
         };
         let roomless = members.iter().any(|member| member.replica.spec.waits_for_a_room())
             && shape.goes_without_a_room(sent);
+        // A request for its prompt's logprobs reads no cache (vLLM skips the lookup, needing
+        // every prompt token's; SGLang matches no prefix before `logprob_start_len`): routed
+        // on load alone and predicted no hit, its prefill's blocks still credited.
+        let blocks = match kvroute_proto::openai::request::asks_prompt_logprobs(asked, sent) {
+            true => Arc::from([]),
+            false => blocks,
+        };
         Ok(Prepared {
             asked,
             members: std::sync::Mutex::new(Some(members)),

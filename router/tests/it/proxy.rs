@@ -25,6 +25,31 @@ async fn same_prefix_requests_land_on_the_replica_that_cached_them() {
     crate::fleet::prefixes_come_home(&fleet, 6).await;
 }
 
+/// A request for its prompt's logprobs reads no cache (vLLM skips the lookup): the router
+/// predicts no hit for it, and the agent, as vLLM, reports none, though the replica holds the
+/// prompt. (It used to be predicted the whole prefix, and sent for it.)
+#[tokio::test]
+async fn a_request_for_its_prompts_logprobs_is_predicted_no_hit() {
+    let fleet = Fleet::start(2).await;
+    let body = completion(&text("logprobs", 40), 1);
+    let url = fleet.url("/v1/completions");
+    fleet.http.post(&url, &body).await;
+    let credits = fleet.router.fleet().credits();
+    wait_until("the replica's events settle every credit", || credits.is_empty()).await;
+    let again = fleet.http.post(&url, &body).await;
+    let predicted = |reply: &crate::fleet::Reply| -> u64 {
+        reply.header("x-kvroute-predicted-cached-tokens").unwrap().parse().unwrap()
+    };
+    assert!(predicted(&again) > 0 && again.cached_tokens() > 0);
+    for asks in [json!({"prompt_logprobs": 0}), json!({"echo": true, "logprobs": 1})] {
+        let mut logprobs = body.clone();
+        logprobs.as_object_mut().unwrap().extend(asks.as_object().unwrap().clone());
+        let reply = fleet.http.post(&url, &logprobs).await;
+        assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+        assert_eq!((predicted(&reply), reply.cached_tokens()), (0, 0), "{asks}");
+    }
+}
+
 /// Credits are predictions of blocks a replica is about to store; the blocks the index
 /// already shows on the chosen replica get none, so once the replicas' events settle the
 /// new blocks, no credit is left (with a TTL far beyond the test, only settling ends them).
