@@ -60,6 +60,12 @@ pub trait Tokenizer: Send + Sync + fmt::Debug {
     /// Every valid id is below this; prompt token ids are checked against it.
     fn vocab_size(&self) -> u32;
 
+    /// The text of `ids` (special tokens included, as transformers' `decode` by default), if
+    /// this tokenizer can tell it: the built-in one hashes words and cannot.
+    fn decode(&self, _ids: &[u32]) -> Option<String> {
+        None
+    }
+
     /// How this tokenizer starts again part-way through a text, if it can do so exactly
     /// ([`resume`]), or why it cannot; a tokenizer that cannot is never cached.
     fn resume(&self) -> Result<&dyn Resume, &str> {

@@ -92,6 +92,38 @@ pub(super) fn tokenize(state: &AppState, body: &[u8]) -> Result<Response<Body>, 
     Ok(json_response(StatusCode::OK, serde_json::to_vec(&response).unwrap_or_default()))
 }
 
+/// `POST /detokenize`: vLLM's `{"model", "tokens"}` to `{"prompt"}`, the ids' text as the
+/// tokenizer decodes it. The built-in tokenizer cannot (it hashes words): a 400 says so.
+pub(super) fn detokenize(state: &AppState, body: &[u8]) -> Result<Response<Body>, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Detokenize {
+        #[serde(default)]
+        model: Option<String>,
+        tokens: Vec<u32>,
+    }
+    let request: Detokenize = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid_field("tokens", format!("expected {{\"tokens\": [ids]}}: {e}")))?;
+    let model = request.model.unwrap_or_default();
+    if !state.serves(&model) {
+        return Err(ApiError::model_not_found(&model));
+    }
+    let tokenizer = state.tokenization().tokenizer();
+    let vocab_size = tokenizer.vocab_size();
+    if let Some(id) = request.tokens.iter().find(|&&id| id >= vocab_size) {
+        return Err(ApiError::invalid_field(
+            "tokens",
+            format!("token id {id} is not below the vocabulary's {vocab_size}"),
+        ));
+    }
+    let prompt = tokenizer.decode(&request.tokens).ok_or_else(|| {
+        ApiError::invalid_field(
+            "tokens",
+            "the built-in tokenizer cannot decode ids (start the agent with --tokenizer)",
+        )
+    })?;
+    Ok(json_response(StatusCode::OK, serde_json::json!({ "prompt": prompt }).to_string().into_bytes()))
+}
+
 /// `POST /v1/messages/count_tokens`: the token count of a Messages request's prompt (with
 /// no generation prompt's difference: vLLM renders it the same way).
 pub(super) fn count_tokens(state: &AppState, body: &[u8]) -> Result<Response<Body>, ApiError> {

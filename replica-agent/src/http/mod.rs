@@ -241,6 +241,7 @@ enum Route {
     Models,
     Health,
     Tokenize,
+    Detokenize,
     ResetPrefixCache,
     LoadLora,
     UnloadLora,
@@ -258,6 +259,7 @@ fn route(path: &str) -> Option<(Method, Route)> {
         "/v1/models" => (Method::GET, Route::Models),
         "/health" => (Method::GET, Route::Health),
         "/tokenize" => (Method::POST, Route::Tokenize),
+        "/detokenize" => (Method::POST, Route::Detokenize),
         "/reset_prefix_cache" => (Method::POST, Route::ResetPrefixCache),
         "/v1/load_lora_adapter" => (Method::POST, Route::LoadLora),
         "/v1/unload_lora_adapter" => (Method::POST, Route::UnloadLora),
@@ -339,6 +341,7 @@ async fn dispatch(
             let body = read_body(state, req).await?;
             admin::tokenize(state, &body)
         }
+        Route::Detokenize => admin::detokenize(state, &read_body(state, req).await?),
         Route::ResetPrefixCache => admin::reset_prefix_cache(state).await,
         Route::LoadLora => admin::load_lora(state, &read_body(state, req).await?),
         Route::UnloadLora => admin::unload_lora(state, &read_body(state, req).await?),

@@ -113,6 +113,36 @@ async fn tokenize_returns_the_ids_generation_uses() {
     assert_eq!(c.tokenize(&json!({ "model": ADAPTER, "prompt": [6] })).await, vec![6]);
 }
 
+/// `POST /detokenize`, as vLLM's: a tokenizer file's ids come back as their text; the
+/// built-in tokenizer (which hashes words) says it cannot, where the path used to be a 404
+/// (the router sends `/detokenize` to a replica).
+#[tokio::test]
+async fn detokenize_gives_the_text_of_ids() {
+    let builtin = Agent::start().await;
+    let reply = builtin.client.post("/detokenize", &json!({ "tokens": [5, 17] })).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert!(reply.text().contains("--tokenizer"), "{}", reply.text());
+
+    let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto/tests/data");
+    let agent = Agent::with(kvroute_replica_agent::Config {
+        tokenizer: Some(data.join("tiny-tokenizer.json")),
+        ..config()
+    })
+    .await;
+    let c = &agent.client;
+    let ids = c.tokenize(&json!({ "prompt": "Hello, world!", "add_special_tokens": false })).await;
+    let reply = c.post("/detokenize", &json!({ "model": MODEL, "tokens": ids })).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_eq!(reply.json(), json!({ "prompt": "Hello, world!" }));
+    for (bad, status) in [
+        (json!({ "tokens": [1 << 30] }), StatusCode::BAD_REQUEST),
+        (json!({ "tokens": "x" }), StatusCode::BAD_REQUEST),
+        (json!({ "model": "nope", "tokens": [1] }), StatusCode::NOT_FOUND),
+    ] {
+        assert_eq!(c.post("/detokenize", &bad).await.status, status, "{bad}");
+    }
+}
+
 /// With `--api-key`, as vLLM: `/v1/*` needs the bearer key (vLLM's 401 otherwise, its
 /// body too); health, metrics and tokenize stay open.
 #[tokio::test]

@@ -121,6 +121,10 @@ impl Tokenizer for HuggingFace {
         self.vocab_size
     }
 
+    fn decode(&self, ids: &[u32]) -> Option<String> {
+        self.inner.decode(ids, false).ok()
+    }
+
     fn resume(&self) -> Result<&dyn Resume, &str> {
         match &self.resume {
             Ok(_) => Ok(self),
