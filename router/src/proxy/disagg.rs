@@ -383,7 +383,7 @@ pub async fn prefill<'a>(
     let cached = answer
         .as_ref()
         .zip(prefilled_on)
-        .and_then(|(answer, on)| on.member.upstream.cached_tokens(usage(answer)));
+        .and_then(|(answer, on)| on.member.upstream.cached_tokens(usage(answer), parts.uri.path()));
     let params = answer.and_then(|mut answer| answer.remove("kv_transfer_params")).filter(Value::is_object);
     match params.and_then(|params| with_fields(body, fields([("kv_transfer_params", params)]))) {
         Some(decoded) => {
@@ -556,6 +556,7 @@ async fn bootstrap<'a>(
         load.prefilled_elsewhere(plan.prompts);
     }
     let parts = parts.clone();
+    let path = parts.uri.path().to_owned();
     let alongside = async move {
         let (forward, no_wait) = (prefill_forward(state), Queue::new(0, None));
         let decider = &state.decider;
@@ -581,7 +582,7 @@ async fn bootstrap<'a>(
         }
         count(state, "bootstrap");
         let answer = serde_json::from_slice::<Value>(&answer).ok();
-        Ok(answer.and_then(|answer| on.upstream.cached_tokens(usage_of(&answer))))
+        Ok(answer.and_then(|answer| on.upstream.cached_tokens(usage_of(&answer), &path)))
     };
     Ok(Decode { body: decoded, alongside: Some(Box::pin(alongside)) })
 }

@@ -85,6 +85,22 @@ impl Ineligible {
     }
 }
 
+/// The APIs whose answers say their cached tokens each in their own way ([`usage_dialect`]).
+const USAGE_DIALECTS: usize = 4;
+
+/// Which API's usage an answer to `path` carries: completions and chat (and every other path),
+/// Responses (a stored response fetched too), Messages, or SGLang's `/generate`.
+fn usage_dialect(path: &str) -> usize {
+    let under =
+        |prefix: &str| path.strip_prefix(prefix).is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
+    match () {
+        () if under("/v1/responses") => 1,
+        () if under("/v1/messages") => 2,
+        () if under("/generate") => 3,
+        () => 0,
+    }
+}
+
 /// One replica's proxy-side state.
 #[derive(Debug)]
 pub struct Upstream {
@@ -120,8 +136,9 @@ pub struct Upstream {
     pub requests: AtomicU64,
     /// Sequences ever sent to the replica ([`Upstream::report_mark`]).
     begun: AtomicU64,
-    /// An answer of the replica's has said its cached tokens ([`Upstream::cached_tokens`]).
-    reports_cached: AtomicBool,
+    /// An answer of the replica's has said its cached tokens, for each API's usage
+    /// ([`Upstream::cached_tokens`]).
+    reports_cached: [AtomicBool; USAGE_DIALECTS],
     /// The LoRA adapters loaded through the router that the replica is known to have.
     adapters: Mutex<HashSet<String>>,
     /// The replica's process start time as its metrics page last said it
@@ -158,7 +175,7 @@ impl Default for Upstream {
             ejected_until: Mutex::new(None),
             ejections: AtomicU64::new(0),
             requests: AtomicU64::new(0),
-            reports_cached: AtomicBool::new(false),
+            reports_cached: Default::default(),
             begun: AtomicU64::new(0),
             adapters: Mutex::default(),
             started: Mutex::default(),
@@ -316,15 +333,18 @@ impl Upstream {
     /// the prompt without them and the replica has said them before (vLLM, with
     /// `--enable-prompt-tokens-details`, leaves them out when there are none; a replica that
     /// never says them, such a vLLM without the flag, tells nothing). A replica's misses are
-    /// known from its first answer that says its cached tokens.
-    pub fn cached_tokens(&self, usage: super::body::Usage) -> Option<u64> {
+    /// known from its first answer that says its cached tokens, for each API apart: vLLM's
+    /// Responses API says them always, its chat completions only with the flag, and SGLang's
+    /// `/generate` always, its chat only with `--enable-cache-report` (`path`: the request's).
+    pub fn cached_tokens(&self, usage: super::body::Usage, path: &str) -> Option<u64> {
+        let reports = &self.reports_cached[usage_dialect(path)];
         if usage.cached_tokens.is_some() {
-            if !self.reports_cached.load(Ordering::Relaxed) {
-                self.reports_cached.store(true, Ordering::Relaxed);
+            if !reports.load(Ordering::Relaxed) {
+                reports.store(true, Ordering::Relaxed);
             }
             return usage.cached_tokens;
         }
-        (usage.counted && self.reports_cached.load(Ordering::Relaxed)).then_some(0)
+        (usage.counted && reports.load(Ordering::Relaxed)).then_some(0)
     }
 
     pub fn record_success(&self) {
@@ -1164,10 +1184,23 @@ mod tests {
         use super::super::body::Usage;
         let u = Upstream::default();
         let counted = Usage { cached_tokens: None, counted: true };
-        assert_eq!(u.cached_tokens(counted), None, "not known to say them yet");
-        assert_eq!(u.cached_tokens(Usage { cached_tokens: Some(32), counted: true }), Some(32));
-        assert_eq!(u.cached_tokens(counted), Some(0));
-        assert_eq!(u.cached_tokens(Usage::default()), None, "no usage");
+        let chat = "/v1/chat/completions";
+        assert_eq!(u.cached_tokens(counted, chat), None, "not known to say them yet");
+        assert_eq!(u.cached_tokens(Usage { cached_tokens: Some(32), counted: true }, chat), Some(32));
+        assert_eq!(u.cached_tokens(counted, chat), Some(0));
+        assert_eq!(u.cached_tokens(counted, "/v1/completions"), Some(0), "the same usage");
+        assert_eq!(u.cached_tokens(Usage::default(), chat), None, "no usage");
+        // Regression: each API says them its own way (vLLM's Responses always, its chat only
+        // with a flag): one Responses answer made every chat without them a miss.
+        let u = Upstream::default();
+        assert_eq!(
+            u.cached_tokens(Usage { cached_tokens: Some(0), counted: true }, "/v1/responses"),
+            Some(0)
+        );
+        assert_eq!(u.cached_tokens(counted, "/v1/responses/resp_1"), Some(0));
+        for other in [chat, "/v1/messages", "/generate"] {
+            assert_eq!(u.cached_tokens(counted, other), None, "{other}");
+        }
     }
 
     /// A room held for a woken request is taken for every other decision, and free for its
