@@ -199,7 +199,7 @@ impl ProxyMetrics {
         );
         r.register(
             "response_lookups",
-            "Requests about a stored Responses API response, by how its replica was found: known (remembered), found (by asking every replica), missing (no replica has it: 404), known_missing (404 without asking: again within 2 s, or an empty id), refused (every replica refused alike, a wrong API key say: their status), unanswered (a replica that may have it did not answer: 503); waited counts lookups that waited for another of the same id to finish, then read its answer",
+            "Requests about a stored Responses API response, by how its replica was found: known (remembered), found (by asking every replica), missing (no replica has it: 404), known_missing (404 without asking: again within 2 s, or an empty id), refused (every replica refused alike, a wrong API key say: their status), unanswered (a replica that may have it did not answer: 503), owner_gone (the replica that stored it is out of the fleet, and no other has it: 503); waited counts lookups that waited for another of the same id to finish, then read its answer",
             m.response_lookups.clone(),
         );
         r.register(

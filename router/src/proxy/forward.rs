@@ -895,8 +895,9 @@ fn wrap(
     let sse = sse.then(|| (Client::of_path(client.uri.path()), admitted.request_id));
     // The first event of a stream comes after the request's queueing and prefill: the
     // first-byte timeout's to bound, not the idle timeout's.
-    // A Responses stream opens with events sent before the engine's first output.
-    let opening = sse.is_some() && client.uri.path() == super::responses::RESPONSES_PATH;
+    // A Responses stream opens with events sent before the engine's first output: a new
+    // response's, and a background one's resumed (`GET /v1/responses/{id}?stream=true`).
+    let opening = sse.is_some() && super::responses::target(client.uri.path()).is_some();
     let body = Tracked::new(body, config.idle_timeout, hooks)
         .first_by(whole + config.first_byte_timeout)
         .sse(sse)

@@ -324,6 +324,15 @@ impl Owners {
                 count("found");
                 Ok((member, None))
             }
+            // Its known owner is out of the fleet (discovery dropped it a while, an upsert is
+            // under way): it may still have it, so not a definite 404.
+            None if let Some(owner) = self.owner(id) => {
+                count("owner_gone");
+                Err(ProxyError::Unavailable(format!(
+                    "response '{id}' was stored by replica {}, which is not in the fleet now",
+                    owner.replica
+                )))
+            }
             None if !answers.is_empty() && answers.iter().all(|a| *a == Some(StatusCode::NOT_FOUND)) => {
                 count("missing");
                 // A client's id of any length would be kept: only one an engine could have made.

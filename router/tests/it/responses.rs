@@ -78,6 +78,27 @@ async fn a_conversation_sent_whole_follows_its_prefix() {
 
 /// A stored response is continued, fetched and cancelled on the replica that made it, which
 /// alone has it; a router that did not see it made finds it by asking the replicas.
+/// Regression: a response whose known owner was out of the fleet a while (discovery dropped
+/// it, an upsert under way) got a definite 404 from the other replicas' answers, though its
+/// owner may still have it: a 503, and served again once the owner is back.
+#[tokio::test]
+async fn a_response_whose_owner_is_out_of_the_fleet_is_unavailable_not_missing() {
+    let fleet = Fleet::with(2, storing, |c| c).await;
+    let url = fleet.url("/v1/responses");
+    let body = json!({"model": FLEET_MODEL, "input": text("owner", 20), "max_output_tokens": 2});
+    let made = fleet.http.post(&url, &body).await;
+    assert_eq!(made.status, 200, "{}", String::from_utf8_lossy(&made.body));
+    let (id, home) = (made.json()["id"].as_str().unwrap().to_owned(), replica(&made));
+    let router_fleet = fleet.router.fleet().clone();
+    let spec = router_fleet.member(&home).unwrap().replica.spec.clone();
+    router_fleet.remove(&home).await.unwrap();
+    let gone = fleet.http.get(&format!("{url}/{id}")).await;
+    assert_eq!(gone.status, 503, "{}", String::from_utf8_lossy(&gone.body));
+    router_fleet.add(spec).unwrap();
+    let back = fleet.http.get(&format!("{url}/{id}")).await;
+    assert_eq!((back.status.as_u16(), replica(&back)), (200, home));
+}
+
 #[tokio::test]
 async fn a_stored_response_is_continued_where_it_was_made() {
     let fleet = Fleet::with(3, storing, |c| c).await;
