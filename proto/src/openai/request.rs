@@ -146,6 +146,17 @@ impl<'a> ParsedRequest<'a> {
         }
     }
 
+    /// Whether it asks for its prompt's logprobs, and so reads no cache, read from `body`
+    /// sent to `endpoint`: its own fields, or `/generate`'s, which the completion made of it
+    /// does not carry ([`asks_prompt_logprobs`]).
+    pub fn reads_no_cache(&self, endpoint: Endpoint, body: &[u8]) -> bool {
+        match (endpoint, self) {
+            (Endpoint::Generate, _) => asks_prompt_logprobs(endpoint, body),
+            (_, ParsedRequest::Completion(r)) => r.prompt_logprobs,
+            (_, ParsedRequest::Chat(r)) => r.prompt_logprobs,
+        }
+    }
+
     /// The output-length limit: for chat, `max_completion_tokens or max_tokens` as vLLM
     /// reads them (Python's `or`: a `max_completion_tokens` of 0 counts as unset).
     pub fn max_tokens(&self) -> Option<u64> {
@@ -195,6 +206,8 @@ pub struct CompletionRequest<'a> {
     pub add_special_tokens: bool,
     /// Which of each prompt's tokens the replica keeps (`truncate_prompt_tokens`).
     pub truncation: Option<Truncation>,
+    /// It asks for its prompt's logprobs ([`asks_prompt_logprobs`]): it reads no cache.
+    pub prompt_logprobs: bool,
 }
 
 /// The `prompt` of a completion request, in the shape the client sent.
@@ -286,6 +299,8 @@ pub struct ChatRequest<'a> {
     pub chat_template: Option<Cow<'a, str>>,
     /// Which of the prompt's tokens the replica keeps (`truncate_prompt_tokens`).
     pub truncation: Option<Truncation>,
+    /// It asks for its prompt's logprobs ([`asks_prompt_logprobs`]): it reads no cache.
+    pub prompt_logprobs: bool,
 }
 
 /// The values vLLM takes for `reasoning_effort`.
@@ -350,7 +365,7 @@ pub struct EmbedsRequest {
 
 impl<'a> CompletionRequest<'a> {
     /// The fields read, in the order [`scan::fields`] returns them.
-    const FIELDS: [&'static str; 11] = [
+    const FIELDS: [&'static str; 14] = [
         "model",
         "prompt",
         "stream",
@@ -362,6 +377,9 @@ impl<'a> CompletionRequest<'a> {
         "n",
         "priority",
         "prompt_embeds",
+        "prompt_logprobs",
+        "echo",
+        "logprobs",
     ];
 
     /// Parses and validates a `/v1/completions` body.
@@ -387,6 +405,9 @@ impl<'a> CompletionRequest<'a> {
             n,
             priority_,
             embeds,
+            prompt_logprobs,
+            echo,
+            logprobs,
         ] = fields;
         if let (None, Some(embeds)) = (&prompt, Field::raw(embeds).filter(|e| e.get() != "null")) {
             let prompts = match embeds.get().starts_with('[') {
@@ -422,13 +443,14 @@ impl<'a> CompletionRequest<'a> {
                 .unwrap_or(true),
             // vLLM's completion `max_tokens` is 16 when unset (or null, since 0.2x).
             truncation: Truncation::parse(Field::raw(truncate), Field::raw(side), max_tokens.or(Some(16)))?,
+            prompt_logprobs: logprobs_of_prompt([prompt_logprobs, echo, logprobs].map(Field::raw)),
         })
     }
 }
 
 impl<'a> ChatRequest<'a> {
     /// The fields read, in the order [`scan::fields`] returns them.
-    const FIELDS: [&'static str; 19] = [
+    const FIELDS: [&'static str; 22] = [
         "model",
         "messages",
         "stream",
@@ -448,6 +470,9 @@ impl<'a> ChatRequest<'a> {
         "truncation_side",
         "n",
         "priority",
+        "prompt_logprobs",
+        "echo",
+        "logprobs",
     ];
 
     /// Parses and validates a `/v1/chat/completions` body.
@@ -491,6 +516,9 @@ impl<'a> ChatRequest<'a> {
             side,
             n,
             priority_,
+            prompt_logprobs,
+            echo,
+            logprobs,
         ] = fields;
         let messages = messages.ok_or(RequestError::MissingField { param: "messages" })?;
         let messages = parse_messages(messages)?;
@@ -549,6 +577,7 @@ impl<'a> ChatRequest<'a> {
                 .flatten()
                 .map(|s| s.0),
             truncation: Truncation::parse(truncate, side, output)?,
+            prompt_logprobs: logprobs_of_prompt([prompt_logprobs, echo, logprobs]),
         })
     }
 
@@ -647,7 +676,6 @@ fn count(raw: Option<&RawValue>, param: &'static str) -> Result<Option<u64>, Req
 /// null nor false. Such a request reads no prefix cache: vLLM skips the lookup (it needs
 /// every prompt token's logprob), SGLang matches no prefix before `logprob_start_len`.
 pub fn asks_prompt_logprobs(endpoint: Endpoint, body: &[u8]) -> bool {
-    let set = |raw: Option<&RawValue>| raw.is_some_and(|raw| !matches!(raw.get(), "null" | "false"));
     if endpoint == Endpoint::Generate {
         // Each is one value, or a list of them, one a prompt: any prompt's counts.
         let any = |raw: Option<&RawValue>, is: fn(&Value) -> bool| match raw
@@ -664,10 +692,14 @@ pub fn asks_prompt_logprobs(endpoint: Endpoint, body: &[u8]) -> bool {
             Err(_) => false,
         };
     }
-    match parse_object(body, &["prompt_logprobs", "echo", "logprobs"]) {
-        Ok([prompt_logprobs, echo, logprobs]) => set(prompt_logprobs) || (set(echo) && set(logprobs)),
-        Err(_) => false,
-    }
+    parse_object(body, &["prompt_logprobs", "echo", "logprobs"]).is_ok_and(logprobs_of_prompt)
+}
+
+/// Whether `prompt_logprobs`, `echo` and `logprobs` ask for the prompt's logprobs: the first
+/// set, or both others (neither null nor false).
+fn logprobs_of_prompt([prompt_logprobs, echo, logprobs]: [Option<&RawValue>; 3]) -> bool {
+    let set = |raw: Option<&RawValue>| raw.is_some_and(|raw| !matches!(raw.get(), "null" | "false"));
+    set(prompt_logprobs) || (set(echo) && set(logprobs))
 }
 
 /// `priority`, vLLM's order of requests under its priority scheduling (lower first): an

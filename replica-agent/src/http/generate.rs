@@ -208,7 +208,7 @@ pub(super) async fn generate(
         completion.max_tokens = None;
     }
     let mut jobs = jobs(state, &request, &sampling, native || null_max_tokens(&request, &readable))?;
-    if kvroute_proto::openai::request::asks_prompt_logprobs(endpoint, body) {
+    if request.reads_no_cache(endpoint, body) {
         jobs.iter_mut().for_each(|job| job.reads_cache = false);
     }
     if native {

@@ -703,10 +703,7 @@ impl Decider {
         // A request for its prompt's logprobs reads no cache (vLLM skips the lookup, needing
         // every prompt token's; SGLang matches no prefix before `logprob_start_len`): routed
         // on load alone and predicted no hit, its prefill's blocks still credited.
-        let blocks = match kvroute_proto::openai::request::asks_prompt_logprobs(asked, sent) {
-            true => Arc::from([]),
-            false => blocks,
-        };
+        let blocks = if request.reads_no_cache(asked, sent) { Arc::from([]) } else { blocks };
         Ok(Prepared {
             asked,
             members: std::sync::Mutex::new(Some(members)),
