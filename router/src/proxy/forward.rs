@@ -884,7 +884,7 @@ fn wrap(
         upstream_ttfb_seconds: metrics.upstream_ttfb_seconds.clone(),
         upstream_duration_seconds: metrics.upstream_duration_seconds.clone(),
         sent,
-        path: client.uri.path().into(),
+        dialect: super::upstream::usage_dialect(client.uri.path()),
         access,
         hold,
         predict,
@@ -925,8 +925,8 @@ struct ResponseHooks {
     upstream_ttfb_seconds: Histogram,
     upstream_duration_seconds: Histogram,
     sent: Instant,
-    /// The request's path: which API's usage its answer carries ([`Upstream::cached_tokens`]).
-    path: Box<str>,
+    /// Which API's usage its answer carries ([`super::upstream::usage_dialect`]).
+    dialect: usize,
     /// The access log's line, when it is on.
     access: Option<Box<access::Line>>,
     /// The decision's pinned credits: let go at the first data (the prefill is done, the
@@ -991,7 +991,7 @@ impl Hooks for ResponseHooks {
         // have shown its prompt's count (Anthropic's `message_start`, vLLM's continuous usage)
         // and not yet its cached tokens.
         let usage = Usage { counted: usage.counted && end == End::Complete, ..usage };
-        let cached_tokens = self.guard.upstream().cached_tokens(usage, &self.path);
+        let cached_tokens = self.guard.upstream().cached_tokens_in(usage, self.dialect);
         self.upstream_duration_seconds.observe(self.sent.elapsed().as_secs_f64());
         if let Some(line) = self.access.take() {
             line.finish(end, cached_tokens);

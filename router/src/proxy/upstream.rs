@@ -90,7 +90,7 @@ const USAGE_DIALECTS: usize = 4;
 
 /// Which API's usage an answer to `path` carries: completions and chat (and every other path),
 /// Responses (a stored response fetched too), Messages, or SGLang's `/generate`.
-fn usage_dialect(path: &str) -> usize {
+pub fn usage_dialect(path: &str) -> usize {
     let under =
         |prefix: &str| path.strip_prefix(prefix).is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
     match () {
@@ -337,7 +337,12 @@ impl Upstream {
     /// Responses API says them always, its chat completions only with the flag, and SGLang's
     /// `/generate` always, its chat only with `--enable-cache-report` (`path`: the request's).
     pub fn cached_tokens(&self, usage: super::body::Usage, path: &str) -> Option<u64> {
-        let reports = &self.reports_cached[usage_dialect(path)];
+        self.cached_tokens_in(usage, usage_dialect(path))
+    }
+
+    /// [`Upstream::cached_tokens`] of an answer in `dialect` ([`usage_dialect`]).
+    pub fn cached_tokens_in(&self, usage: super::body::Usage, dialect: usize) -> Option<u64> {
+        let Some(reports) = self.reports_cached.get(dialect) else { return usage.cached_tokens };
         if usage.cached_tokens.is_some() {
             if !reports.load(Ordering::Relaxed) {
                 reports.store(true, Ordering::Relaxed);

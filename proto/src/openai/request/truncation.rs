@@ -2,8 +2,8 @@
 //! keeps, so that the router hashes the prompt the replica caches.
 //!
 //! - `truncate_prompt_tokens: k` keeps `k` tokens of a longer prompt; null keeps them all.
-//!   `-1` keeps the model's context length less the request's output tokens (`max_tokens`,
-//!   0 when unset), as vLLM's renderer does: the router reads the context length from the
+//!   `-1` keeps the model's context length less the request's output tokens (`max_tokens`;
+//!   unset, a completion's 16 and a chat's 0), as vLLM's renderer does: the router reads the context length from the
 //!   replicas' model cards (`max_model_len`), and truncates nothing until it has one. (A
 //!   Responses request's `truncation: "auto"` is `-1`.) `0` empties the prompt, which vLLM
 //!   refuses; below `-1` is refused too.
