@@ -237,12 +237,12 @@ impl ProxyMetrics {
         );
         r.register(
             "upstream_ttfb_seconds",
-            "Time from sending a request to a replica to the first data of its response, past a Responses stream's opening events (a streamed upload's time included)",
+            "Time from sending a request to a replica to the first data of its response, past a Responses stream's opening events (a streamed upload's time included; of a request whose prefill went ahead, its decode's)",
             m.upstream_ttfb_seconds.clone(),
         );
         r.register(
             "upstream_duration_seconds",
-            "Time from sending a request to a replica to the end of its response, however it ended (whole, broken off, or the client gone): a request's latency in all, but for its decision and any wait for room",
+            "Time from sending a request to a replica to the end of its response, however it ended (whole, broken off, or the client gone): a request's latency in all, but for its decision and any wait for room (of a request whose prefill went ahead, its decode's)",
             m.upstream_duration_seconds.clone(),
         );
         m

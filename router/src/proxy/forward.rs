@@ -246,6 +246,7 @@ pub async fn routed(
                     counted: counted
                         .then_some(Predicted { prompt_tokens: plan.prompt_tokens, cached_tokens: predicted }),
                     keeps_response: plan.keeps_response,
+                    timed: !plan.hop.is_prefill(),
                 };
                 let mut response = wrap(response, &client, sent, config, metrics, admitted, line);
                 let headers = response.headers_mut();
@@ -655,8 +656,17 @@ pub(super) fn passed_on(
         })
     });
     let replica = &member.replica.spec.name;
-    let attempt =
-        Attempt { replica, guard, sent, whole, hold: None, predict: None, counted: None, keeps_response };
+    let attempt = Attempt {
+        replica,
+        guard,
+        sent,
+        whole,
+        hold: None,
+        predict: None,
+        counted: None,
+        keeps_response,
+        timed: true,
+    };
     let mut response = wrap(response, client, attempt, config, metrics, admitted, line);
     if let Ok(v) = HeaderValue::from_str(replica) {
         response.headers_mut().insert(X_KVROUTE_REPLICA, v);
@@ -818,6 +828,9 @@ struct Attempt<'a> {
     counted: Option<Predicted>,
     /// Whether the answer's id names a response the replica keeps.
     keeps_response: bool,
+    /// Whether its times count in the upstream histograms: not a prefill sent ahead, whose
+    /// request's decode is timed (one sample a request).
+    timed: bool,
 }
 
 /// A replica's predicted cache, and the blocks of the prompts it was sent.
@@ -834,7 +847,7 @@ struct Predicted {
 fn wrap(
     response: Response<UpstreamBody>,
     client: &ClientHead,
-    Attempt { replica, guard, sent, whole, hold, predict, counted, keeps_response }: Attempt<'_>,
+    Attempt { replica, guard, sent, whole, hold, predict, counted, keeps_response, timed }: Attempt<'_>,
     config: &ForwardConfig,
     metrics: &ProxyMetrics,
     admitted: Admitted<'_>,
@@ -881,8 +894,8 @@ fn wrap(
         _slot: admitted.slot,
         judge,
         reported: counted.map(|predicted| (predicted, metrics.reported.clone())),
-        upstream_ttfb_seconds: metrics.upstream_ttfb_seconds.clone(),
-        upstream_duration_seconds: metrics.upstream_duration_seconds.clone(),
+        upstream_seconds: timed
+            .then(|| (metrics.upstream_ttfb_seconds.clone(), metrics.upstream_duration_seconds.clone())),
         sent,
         dialect: super::upstream::usage_dialect(client.uri.path()),
         access,
@@ -922,8 +935,8 @@ struct ResponseHooks {
     /// Where the cached tokens the response reports count, beside what was predicted of the
     /// same request (not for a chat with media).
     reported: Option<(Predicted, Arc<crate::metrics::Reported>)>,
-    upstream_ttfb_seconds: Histogram,
-    upstream_duration_seconds: Histogram,
+    /// Time to the first byte and in all, unless it is a prefill sent ahead.
+    upstream_seconds: Option<(Histogram, Histogram)>,
     sent: Instant,
     /// Which API's usage its answer carries ([`super::upstream::usage_dialect`]).
     dialect: usize,
@@ -973,7 +986,9 @@ impl Hooks for ResponseHooks {
         }
         drop(self.hold.take());
         let now = Instant::now();
-        self.upstream_ttfb_seconds.observe(now.duration_since(self.sent).as_secs_f64());
+        if let Some((ttfb, _)) = &self.upstream_seconds {
+            ttfb.observe(now.duration_since(self.sent).as_secs_f64());
+        }
         if let Some(line) = &mut self.access {
             line.first_data = Some(now);
         }
@@ -992,7 +1007,9 @@ impl Hooks for ResponseHooks {
         // and not yet its cached tokens.
         let usage = Usage { counted: usage.counted && end == End::Complete, ..usage };
         let cached_tokens = self.guard.upstream().cached_tokens_in(usage, self.dialect);
-        self.upstream_duration_seconds.observe(self.sent.elapsed().as_secs_f64());
+        if let Some((_, duration)) = &self.upstream_seconds {
+            duration.observe(self.sent.elapsed().as_secs_f64());
+        }
         if let Some(line) = self.access.take() {
             line.finish(end, cached_tokens);
         }

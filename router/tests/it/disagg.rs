@@ -294,6 +294,15 @@ async fn prompts_are_prefilled_on_prefill_replicas_and_decoded_on_decode_ones() 
     // What the prefill replica had cached, and was predicted to: nothing yet.
     assert_eq!(first.header("x-kvroute-prefill-cached-tokens"), Some("0"));
     assert_eq!(first.header("x-kvroute-predicted-cached-tokens"), Some("0"));
+    // One request, one sample of the upstream times: the decode's (a prefill sent ahead
+    // used to add its own, and the histograms counted two requests).
+    let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    for histogram in
+        ["kvroute_router_upstream_ttfb_seconds_count", "kvroute_router_upstream_duration_seconds_count"]
+    {
+        assert_eq!(sample(&text, histogram), Some(1), "{histogram}");
+    }
     // The prefill replica generated the one token it was asked for.
     let p = PREFILL_NAMES.iter().position(|n| *n == prefilled_on).unwrap();
     assert_eq!(agent_metric(&fleet, p, "vllm:generation_tokens_total").await, 1);
