@@ -173,12 +173,12 @@ pub(super) async fn generate(
     rank: Option<u32>,
 ) -> Result<Response<Body>, ApiError> {
     let started = std::time::Instant::now();
-    let (chat, keep, previous) = match endpoint {
+    let (chat, mut keep, previous, background) = match endpoint {
         Endpoint::Responses => {
             let prepared = responses::prepare(state.responses(), body, state.tokenization().is_harmony())?;
-            (Some(prepared.chat), prepared.keep, prepared.previous)
+            (Some(prepared.chat), prepared.keep, prepared.previous, prepared.background)
         }
-        _ => (None, None, None),
+        _ => (None, None, None, false),
     };
     let (read_as, readable) = match &chat {
         Some(chat) => (Endpoint::ChatCompletions, std::borrow::Cow::Borrowed(&chat[..])),
@@ -188,6 +188,11 @@ pub(super) async fn generate(
     // A Messages or Responses stream always carries its usage; the fields are OpenAI's.
     if !state.serves(request.model()) {
         return Err(ApiError::model_not_found(request.model()));
+    }
+    if background && request.stream() {
+        return Err(ApiError::bad_request(
+            "a background stream is not simulated (vLLM's goes on when its client leaves)",
+        ));
     }
     let ServerFields { sampling, usage, transfer, bootstrap, rid, max_new_tokens } = match endpoint {
         Endpoint::Messages | Endpoint::Responses => ServerFields {
@@ -367,6 +372,13 @@ pub(super) async fn generate(
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         return Ok(response);
+    }
+    // Answered now, `queued`, and generated after (a Responses request has one prompt).
+    if background
+        && let Some(keep) = keep.take()
+        && let Some(one) = admitted.pop()
+    {
+        return Ok(json_response(StatusCode::OK, keep.in_background(meta, one)));
     }
     // What a prefill replica hands over for each prompt (one choice each).
     let hands_over = state.config().disaggregation_mode == Mode::Prefill && !rooms.is_empty();

@@ -28,42 +28,69 @@
 //! system ones, then the earlier output's text as an assistant message, then the new input.
 //! It keeps everything until the agent stops, as vLLM's does. Without it, `store` is taken as
 //! false and any id is unknown: 404, `Response with id '…' not found.`
+//!
+//! A request with `"background": true` (which needs the store, and `store` not false: vLLM's
+//! 400s) is answered at once with the response `queued` (no output, no usage), stored so;
+//! its generation goes on in a task of its own and stores the response at its end (`failed`
+//! if the engine fails it). Until then `POST /v1/responses/{id}/cancel` stops it and stores
+//! it `cancelled` (vLLM's answer is that response); after, it is vLLM's 400. A background
+//! stream is not simulated (400): vLLM's goes on when its client leaves.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use hyper::StatusCode;
-use kvroute_proto::openai::request::responses::{Responses, asks_to_store};
+use kvroute_proto::openai::request::responses::{Responses, asks_to_store, runs_in_background};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
 use super::error::ApiError;
-use super::generate::{Meta, UsageJson};
+use super::generate::{Admitted, Meta, Tally, UsageJson};
+use crate::engine::Output;
 
 /// The responses this process made, by id (empty without `--responses-store`).
 #[derive(Debug, Default)]
 pub(crate) struct Store {
     enabled: bool,
-    responses: Mutex<HashMap<String, Arc<Stored>>>,
+    kept: Mutex<Kept>,
+}
+
+#[derive(Debug, Default)]
+struct Kept {
+    responses: HashMap<String, Arc<Stored>>,
+    /// Background responses still generating.
+    running: HashMap<String, Running>,
 }
 
 #[derive(Debug)]
 struct Stored {
     /// The chat messages its prompt was made of.
     messages: Vec<Box<RawValue>>,
-    /// Its output text.
-    text: String,
-    /// The response as answered.
+    /// Its output text (none before a background response's generation ends).
+    text: Option<String>,
+    /// The response as answered (or as it stands, in the background).
     json: Vec<u8>,
+}
+
+/// A background response's generation.
+#[derive(Debug)]
+struct Running {
+    task: tokio::task::AbortHandle,
+    /// The response once cancelled.
+    cancelled: Vec<u8>,
 }
 
 impl Store {
     pub fn new(enabled: bool) -> Self {
-        Store { enabled, responses: Mutex::default() }
+        Store { enabled, kept: Mutex::default() }
+    }
+
+    fn kept(&self) -> std::sync::MutexGuard<'_, Kept> {
+        self.kept.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn get(&self, id: &str) -> Option<Arc<Stored>> {
-        self.responses.lock().unwrap_or_else(|e| e.into_inner()).get(id).cloned()
+        self.kept().responses.get(id).cloned()
     }
 
     /// `GET /v1/responses/{id}`.
@@ -71,11 +98,20 @@ impl Store {
         self.get(id).map(|s| s.json.clone()).ok_or_else(|| not_found(id))
     }
 
-    /// `POST /v1/responses/{id}/cancel`: every response here is answered whole before it is
-    /// stored, so none can be cancelled (vLLM's 400 for one that is not in the background).
+    /// `POST /v1/responses/{id}/cancel`: stops a background response still generating; any
+    /// other is vLLM's 400 (it calls every response that is neither `queued` nor
+    /// `in_progress` synchronous).
     pub fn cancel(&self, id: &str) -> Result<Vec<u8>, ApiError> {
-        self.get(id).ok_or_else(|| not_found(id))?;
-        Err(ApiError::invalid_field("response_id", "Cannot cancel a synchronous response."))
+        let mut kept = self.kept();
+        let stored = kept.responses.get(id).cloned().ok_or_else(|| not_found(id))?;
+        let Some(running) = kept.running.remove(id) else {
+            return Err(ApiError::invalid_field("response_id", "Cannot cancel a synchronous response."));
+        };
+        running.task.abort();
+        let json = running.cancelled;
+        let cancelled = Stored { messages: stored.messages.clone(), text: None, json: json.clone() };
+        kept.responses.insert(id.to_owned(), Arc::new(cancelled));
+        Ok(json)
     }
 }
 
@@ -94,6 +130,8 @@ pub(super) struct Prepared {
     /// What to store of it, when it is stored.
     pub keep: Option<Keep>,
     pub previous: Option<String>,
+    /// Whether it runs in the background (`background: true`; then `keep` is set).
+    pub background: bool,
 }
 
 /// A streamed response's progress: its text so far (for the store) and its events' count.
@@ -115,12 +153,54 @@ impl Keep {
     /// Stores the answered response.
     pub fn store(self, meta: &Meta, text: &str, usage: &UsageJson) {
         let json = response(meta, text, usage, self.previous.as_deref());
-        let stored = Stored { messages: self.messages, text: text.to_owned(), json };
-        self.store
-            .responses
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(meta.id.clone(), Arc::new(stored));
+        let stored = Stored { messages: self.messages, text: Some(text.to_owned()), json };
+        self.store.kept().responses.insert(meta.id.clone(), Arc::new(stored));
+    }
+
+    /// Stores the response `queued` and generates it in the background from `admitted` (one
+    /// prompt, admitted by the engine), storing it at its end unless it was cancelled first;
+    /// the queued response is the answer.
+    pub fn in_background(self, meta: Meta, mut admitted: Admitted) -> Vec<u8> {
+        let Keep { store, messages, previous } = self;
+        let stated = |status| json(&Response { status, ..object(&meta, None, None, previous.as_deref()) });
+        let (queued, cancelled, failed) = (stated("queued"), stated("cancelled"), stated("failed"));
+        let mut kept = store.kept();
+        let stored = Stored { messages, text: None, json: queued.clone() };
+        kept.responses.insert(meta.id.clone(), Arc::new(stored));
+        let id = meta.id.clone();
+        let ends = store.clone();
+        // The store stays locked until the task is entered as running: it cannot end before.
+        let task = tokio::spawn(async move {
+            let mut text = String::new();
+            let mut tally = Tally::new(1, 1, false);
+            let done = loop {
+                match admitted.rx.recv().await {
+                    Some(Output::Token(t)) => text.push_str(t),
+                    Some(Output::Started { .. }) => {}
+                    Some(Output::Done(usage)) => {
+                        tally.done(0, &usage);
+                        break true;
+                    }
+                    Some(Output::Failed(_)) | None => break false,
+                }
+            };
+            let mut kept = ends.kept();
+            if kept.running.remove(&meta.id).is_none() {
+                return;
+            }
+            let Some(earlier) = kept.responses.get(&meta.id).cloned() else { return };
+            let messages = earlier.messages.clone();
+            let stored = match done {
+                true => {
+                    let json = response(&meta, &text, &tally.usage(), previous.as_deref());
+                    Stored { messages, text: Some(text), json }
+                }
+                false => Stored { messages, text: None, json: failed },
+            };
+            kept.responses.insert(meta.id.clone(), Arc::new(stored));
+        });
+        kept.running.insert(id, Running { task: task.abort_handle(), cancelled });
+        queued
     }
 }
 
@@ -133,6 +213,19 @@ pub(super) fn prepare(store: &Arc<Store>, body: &[u8], harmony: bool) -> Result<
     }
     let request = Responses::read_as(body, harmony)?;
     let asked_to_store = asks_to_store(body)?;
+    let background = runs_in_background(body)?;
+    if background {
+        if !asked_to_store {
+            return Err(ApiError::bad_request("background can only be used when `store` is true"));
+        }
+        if !store.enabled {
+            return Err(ApiError::bad_request(
+                "This vLLM engine does not support `store=True` and therefore does not support the \
+                 background mode. To enable these features, set the environment variable \
+                 `VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
+            ));
+        }
+    }
     let previous = request.previous_response_id.as_deref().map(str::to_owned);
     let earlier = match &previous {
         Some(id) => Some(store.get(id).ok_or_else(|| not_found(id))?),
@@ -149,7 +242,10 @@ pub(super) fn prepare(store: &Arc<Store>, body: &[u8], harmony: bool) -> Result<
             .iter()
             .filter(|m| serde_json::from_str::<Role>(m.get()).map_or(true, |r| r.role != Some("system")));
         history.extend(kept.cloned());
-        history.push(assistant(&earlier.text));
+        // (A background response not yet generated has no output to carry over.)
+        if let Some(text) = &earlier.text {
+            history.push(assistant(text));
+        }
     }
     let borrowed: Vec<&RawValue> = history.iter().map(|m| &**m).collect();
     let chat = request.chat_body(&borrowed);
@@ -158,7 +254,7 @@ pub(super) fn prepare(store: &Arc<Store>, body: &[u8], harmony: bool) -> Result<
         .transpose()
         .map_err(|e| ApiError::bad_request(format!("could not read the converted request: {e}")))?
         .map(|messages| Keep { store: store.clone(), messages, previous: previous.clone() });
-    Ok(Prepared { chat, keep, previous })
+    Ok(Prepared { chat, keep, previous, background })
 }
 
 fn assistant(text: &str) -> Box<RawValue> {

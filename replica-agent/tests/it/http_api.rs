@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 
 use crate::support::client::{Reply, collect, sse_events};
 use crate::support::shape::{self, Usage};
-use crate::support::{ADAPTER, Agent, Client, MODEL, config};
+use crate::support::{ADAPTER, Agent, Client, MODEL, config, until};
 
 /// `n` distinct words (one builtin-tokenizer token each), different for each `seed`.
 pub(crate) fn words(n: usize, seed: u32) -> String {
@@ -981,6 +981,59 @@ async fn a_stored_response_is_found_with_a_trailing_slash() {
     let cancel =
         agent.client.send(Method::POST, &format!("/v1/responses/{id}/cancel/"), Vec::new(), &[]).await;
     assert_ne!(cancel.status(), StatusCode::NOT_FOUND);
+}
+
+/// vLLM's background mode (`background: true`): answered at once, `queued`, generated after
+/// and stored at its end; one still generating is cancelled (stored `cancelled`, its
+/// generation stopped), one done cannot be (400). Without the store, with `store: false` or
+/// streamed, it is refused.
+#[tokio::test]
+async fn a_background_response_is_answered_queued_and_stored_when_generated() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let agent =
+        Agent::with(kvroute_replica_agent::Config { responses_store: true, time_scale: 1.0, ..config() })
+            .await;
+    let status = async |id: &str| {
+        let got = agent.client.get(&format!("/v1/responses/{id}")).await;
+        assert_eq!(got.status, StatusCode::OK, "{}", got.text());
+        got.json()["status"].as_str().unwrap().to_owned()
+    };
+    let cancel = async |id: &str| agent.client.post(&format!("/v1/responses/{id}/cancel"), &json!({})).await;
+    let body = |tokens| json!({ "model": MODEL, "input": words(10, 41), "max_output_tokens": tokens, "background": true });
+    let short = agent.client.post("/v1/responses", &body(2)).await;
+    assert_eq!(short.status, StatusCode::OK, "{}", short.text());
+    let (short, id) = (short.json(), short.json()["id"].as_str().unwrap().to_owned());
+    assert_eq!(
+        (&short["status"], &short["output"], &short["usage"]),
+        (&json!("queued"), &json!([]), &json!(null))
+    );
+    until("the short response is generated", async || status(&id).await != "queued").await;
+    let done = agent.client.get(&format!("/v1/responses/{id}")).await.json();
+    assert_eq!(done["status"], "incomplete", "{done}");
+    assert_eq!(done["usage"]["output_tokens"], 2, "{done}");
+    assert_eq!(cancel(&id).await.status, StatusCode::BAD_REQUEST, "done: not cancelled");
+
+    let long = agent.client.post("/v1/responses", &body(400)).await;
+    let id = long.json()["id"].as_str().unwrap().to_owned();
+    let metrics = agent.engine.metrics();
+    until("the long response runs", async || metrics.running.load(Relaxed) > 0).await;
+    let cancelled = cancel(&id).await;
+    assert_eq!(cancelled.status, StatusCode::OK, "{}", cancelled.text());
+    assert_eq!(cancelled.json()["status"], "cancelled");
+    until("its generation stops", async || metrics.running.load(Relaxed) == 0).await;
+    assert!(metrics.generation_tokens.load(Relaxed) < 400, "cut short");
+    assert_eq!(status(&id).await, "cancelled");
+
+    for refused in [
+        json!({ "model": MODEL, "input": "x", "background": true, "store": false }),
+        json!({ "model": MODEL, "input": "x", "background": true, "stream": true }),
+    ] {
+        let reply = agent.client.post("/v1/responses", &refused).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{refused}: {}", reply.text());
+    }
+    let unstored = Agent::with(config()).await;
+    let reply = unstored.client.post("/v1/responses", &body(2)).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
 }
 
 /// A Responses stream that fails before the engine's first output (its prefill runs a few

@@ -88,3 +88,13 @@ impl Drop for Agent {
         self.shutdown.cancel();
     }
 }
+
+/// Polls `cond` until it holds (for states nothing announces, such as work a task does after
+/// its answer); panics with `what` after 20 s.
+pub async fn until(what: &str, mut cond: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !cond().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}

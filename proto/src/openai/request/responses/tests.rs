@@ -226,3 +226,22 @@ fn for_harmony_tool_choice_none_leaves_the_tools() {
     assert_eq!(harmony.get("tool_choice"), None);
     assert_eq!(harmony["tools"][0]["function"]["name"], "f");
 }
+
+/// `store` and `background` as vLLM reads them: an absent `store` is true, a `null` one false
+/// (`if request.store`); `background` is false unless true.
+#[test]
+fn store_and_background_are_read_as_vllm_reads_them() {
+    use super::{asks_to_store, runs_in_background};
+    let cases: [(&str, bool, bool); 5] = [
+        (r#"{"input":"x"}"#, true, false),
+        (r#"{"store":null,"background":null}"#, false, false),
+        (r#"{"store":false,"background":true}"#, false, true),
+        (r#"{"store":true,"background":false}"#, true, false),
+        (r#"{"background":true}"#, true, true),
+    ];
+    for (body, store, background) in cases {
+        assert_eq!(asks_to_store(body.as_bytes()).ok(), Some(store), "{body}");
+        assert_eq!(runs_in_background(body.as_bytes()).ok(), Some(background), "{body}");
+    }
+    assert!(runs_in_background(br#"{"background":"yes"}"#).is_err());
+}
