@@ -96,6 +96,10 @@ pub struct ProxyMetrics {
     pub queue_wait_seconds: Histogram,
     /// What came of requests' waits, by outcome.
     pub queue_outcomes: Family<OutcomeLabel, Counter>,
+    /// Background Responses API responses whose places are held ([`crate::proxy::background`]).
+    pub background_responses: Gauge,
+    /// Those let go, by why.
+    pub background_released: Family<OutcomeLabel, Counter>,
     pub decision_seconds: Histogram,
     pub upstream_ttfb_seconds: Histogram,
     pub upstream_duration_seconds: Histogram,
@@ -133,6 +137,8 @@ impl Default for ProxyMetrics {
             // 1 ms .. ~70 min, past the longest `--queue-timeout-ms`.
             queue_wait_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 23)),
             queue_outcomes: Family::default(),
+            background_responses: Gauge::default(),
+            background_released: Family::default(),
             // 1 µs .. ~67 s: with remote tokenization a decision includes `/tokenize` calls
             // (10 s at most by default, at each of up to three replicas).
             decision_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 27)),
@@ -229,6 +235,16 @@ impl ProxyMetrics {
             "queue_outcomes",
             "Requests that waited for room or found the line full, by outcome: placed (got room), refused (another error ended the wait: no healthy replica left, say), timed_out (503 after --queue-timeout-ms), full (503 at once: --max-queued waiting already), left (the client left while it waited)",
             m.queue_outcomes.clone(),
+        );
+        r.register(
+            "background_responses",
+            "Responses API responses generated in the background (background: true) whose request's places (in flight, its key's, its load on its replica) the router holds until the replica shows them final",
+            m.background_responses.clone(),
+        );
+        r.register(
+            "background_released",
+            "Background responses whose places were let go, by why: final (completed, incomplete, failed or cancelled), missing (the replica no longer has it: 404), gone (the replica left the fleet), unanswered (5 asks in a row unanswered), expired (held an hour), shutdown",
+            m.background_released.clone(),
         );
         r.register(
             "decision_seconds",

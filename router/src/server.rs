@@ -256,6 +256,12 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
         replica_key_file: replica_key_file.clone(),
     };
     register_watched_files(&mut registry, watched);
+    let backgrounds = proxy::background::Backgrounds::new(
+        (client.clone(), fleet.clone()),
+        config.control_timeout(),
+        shutdown.clone(),
+        &decider.metrics,
+    );
     let state = Arc::new(ProxyState {
         decider,
         new_pool: {
@@ -278,6 +284,7 @@ async fn assemble(config: Config, parts: &Parts) -> anyhow::Result<RunningRouter
             forwarded_for: config.forwarded_for,
             replica_authorization,
             owners: Arc::new(proxy::responses::Owners::new(config.response_owners)),
+            backgrounds: Arc::new(backgrounds),
             ending: ending(shutdown, config.drain_timeout(), tracker),
         },
         registry: Arc::new(registry),

@@ -30,6 +30,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::access;
+use super::background::{Backgrounds, Places};
 use super::body::{BoxError, End, Hooks, ProxyBody, Tracked, Usage};
 use super::disagg::Remote;
 use super::error::{Client, ProxyError};
@@ -37,7 +38,7 @@ use super::http1::{Outgoing, UpstreamBody, WireError};
 use super::live::Live;
 use super::pool::{Pool, SendError, Unsent};
 use super::queue::{Line, Queue};
-use super::responses::{Learner, Owner, Owners};
+use super::responses::{Keeps, Learner, Owner, Owners};
 use super::route::{Decider, Hop, Plan, Scored};
 use super::stalls::StallWatch;
 use super::upload::{self, Progress};
@@ -105,6 +106,8 @@ pub struct ForwardConfig {
     pub replica_authorization: Live<Option<HeaderValue>>,
     /// Which replica stored each Responses API response ([`super::responses`]).
     pub owners: Arc<Owners>,
+    /// Background responses' places, held until they are final ([`super::background`]).
+    pub backgrounds: Arc<super::background::Backgrounds>,
     /// Fires at the drain timeout after a shutdown: open streams end with an error event.
     pub ending: CancellationToken,
 }
@@ -158,6 +161,7 @@ pub async fn routed(
     let request_id = admitted.request_id;
     let metrics = &decider.metrics;
     let (client, headers) = upstream_head(parts, request_id, config);
+    let client = client.keeping(plan.keeps_response, &headers);
     let mut last_error = None;
     // The replica of `plan.order` tried now, and those sent to so far (in `plan.order`).
     let (mut attempt, mut sent_to) = (0, Vec::with_capacity(MAX_ATTEMPTS));
@@ -502,8 +506,8 @@ pub struct Sending {
     /// Prompt tokens, and those of them the replica is to prefill (0 when not known).
     pub prompt_tokens: u64,
     pub prefill_tokens: u64,
-    /// A Responses request whose response the replica may keep: its id is learned.
-    pub keeps_response: bool,
+    /// What a Responses request's replica keeps of its answer.
+    pub keeps_response: Keeps,
     /// The data-parallel rank to send it to (a continuation's, which holds its conversation).
     pub rank: Option<u32>,
 }
@@ -517,7 +521,7 @@ impl Sending {
             sequences: 1,
             prompt_tokens: 0,
             prefill_tokens: 0,
-            keeps_response: false,
+            keeps_response: Keeps::Nothing,
             rank: None,
         }
     }
@@ -537,6 +541,7 @@ pub async fn to_replica(
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let (client, headers) = upstream_head(parts, admitted.request_id, config);
+    let client = client.keeping(keeps_response, &headers);
     let metrics = &decider.metrics;
     let (mut attempt, mut last_error) = (0, None);
     for (i, member) in members.iter().enumerate() {
@@ -591,7 +596,7 @@ fn answered(
     answer: Result<Result<Response<UpstreamBody>, SendError>, tokio::time::error::Elapsed>,
     (member, attempt): (&crate::fleet::Member, usize),
     (guard, client, (sent, uploaded)): (LoadGuard, &ClientHead, (Instant, Option<&Progress>)),
-    (prompt_tokens, keeps_response): (u64, bool),
+    (prompt_tokens, keeps_response): (u64, Keeps),
     (config, metrics): (&ForwardConfig, &ProxyMetrics),
     admitted: Admitted<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
@@ -643,7 +648,7 @@ pub(super) fn passed_on(
     client: &ClientHead,
     (member, attempt): (&crate::fleet::Member, usize),
     (sent, whole): (Instant, Instant),
-    (guard, prompt_tokens, keeps_response): (LoadGuard, u64, bool),
+    (guard, prompt_tokens, keeps_response): (LoadGuard, u64, Keeps),
     (config, metrics): (&ForwardConfig, &ProxyMetrics),
     admitted: Admitted<'_>,
 ) -> Response<ProxyBody> {
@@ -758,7 +763,7 @@ pub(super) fn upstream_head(
         let https = extensions.get::<kvroute_proto::serve::Https>().is_some();
         forwarded(&mut headers, peer.0.ip(), if https { "https" } else { "http" });
     }
-    (ClientHead { method, uri, version }, headers)
+    (ClientHead { method, uri, version, authorization: None }, headers)
 }
 
 /// Appends `client` to `X-Forwarded-For` (one field, the client's own list first, as nginx's
@@ -790,6 +795,20 @@ pub(super) struct ClientHead {
     pub(super) method: Method,
     pub(super) uri: Uri,
     version: http::Version,
+    /// For a Responses request generated in the background, the `Authorization` it went to
+    /// its replica with: the replica is asked with it how the response stands.
+    authorization: Option<HeaderValue>,
+}
+
+impl ClientHead {
+    /// Keeps the `Authorization` of `headers` (the request's, as sent) if `keeps` is a
+    /// background response's.
+    fn keeping(mut self, keeps: Keeps, headers: &HeaderMap) -> Self {
+        if keeps == Keeps::Background {
+            self.authorization = headers.get(header::AUTHORIZATION).cloned();
+        }
+        self
+    }
 }
 
 /// The replica's URI for the client's: its base URL followed by the client's path and query.
@@ -826,8 +845,8 @@ struct Attempt<'a> {
     predict: Option<Predict>,
     /// What the router predicted of a routed request whose tokens it knew.
     counted: Option<Predicted>,
-    /// Whether the answer's id names a response the replica keeps.
-    keeps_response: bool,
+    /// What the replica keeps of the answer.
+    keeps_response: Keeps,
     /// Whether its times count in the upstream histograms: not a prefill sent ahead, whose
     /// request's decode is timed (one sample a request).
     timed: bool,
@@ -891,7 +910,7 @@ fn wrap(
     }
     let hooks = Box::new(ResponseHooks {
         guard,
-        _slot: admitted.slot,
+        slot: admitted.slot,
         judge,
         reported: counted.map(|predicted| (predicted, metrics.reported.clone())),
         upstream_seconds: timed
@@ -901,8 +920,16 @@ fn wrap(
         access,
         hold,
         predict,
-        learner: (status.is_success() && keeps_response)
+        learner: (status.is_success() && keeps_response.any())
             .then(|| Learner::new(config.owners.clone(), Owner::new(replica, ranked))),
+        background: (status.is_success() && keeps_response == Keeps::Background).then(|| {
+            Box::new(Background {
+                backgrounds: config.backgrounds.clone(),
+                authorization: client.authorization.clone(),
+                streams: sse,
+                learned: None,
+            })
+        }),
     });
     // A stream that fails ends with an error event in the envelope its client reads.
     let sse = sse.then(|| (Client::of_path(client.uri.path()), admitted.request_id));
@@ -928,8 +955,9 @@ fn wrap(
 /// Releases a request's load and records what its response showed.
 struct ResponseHooks {
     guard: LoadGuard,
-    /// Released with the hooks, when the body ends.
-    _slot: Option<Slot>,
+    /// Released with the hooks, when the body ends (or held with the load of a response
+    /// generated in the background: [`Background`]).
+    slot: Option<Slot>,
     /// Passive health: whether the body's end counts for or against the replica.
     judge: Option<Judge>,
     /// Where the cached tokens the response reports count, beside what was predicted of the
@@ -949,6 +977,20 @@ struct ResponseHooks {
     predict: Option<Predict>,
     /// For a Responses API answer: learns which replica stored it.
     learner: Option<Learner>,
+    /// For a response generated in the background: its places are held after the body ends.
+    background: Option<Box<Background>>,
+}
+
+/// A response generated in the background ([`super::background`]): once its answer ends, the
+/// request's load and places are held until its replica shows it final.
+struct Background {
+    backgrounds: Arc<Backgrounds>,
+    /// What its replica is asked with.
+    authorization: Option<HeaderValue>,
+    /// Whether the answer streams: a stream read to its end ended with the response.
+    streams: bool,
+    /// Its id and the replica that has it, once the answer showed them.
+    learned: Option<(Box<str>, Arc<str>)>,
 }
 
 impl ResponseHooks {
@@ -964,11 +1006,15 @@ impl ResponseHooks {
 
 impl Hooks for ResponseHooks {
     fn watch(&mut self, data: &[u8]) -> bool {
-        let wants = self.learner.as_mut().is_some_and(|learner| learner.feed(data));
-        if !wants {
-            self.learner = None;
+        let Some(learner) = self.learner.as_mut() else { return false };
+        if learner.feed(data) {
+            return true;
         }
-        wants
+        if let (Some(background), Some((id, replica))) = (self.background.as_mut(), learner.learned()) {
+            background.learned = Some((id.into(), replica.clone()));
+        }
+        self.learner = None;
+        false
     }
 
     fn first_data(&mut self, data: &[u8]) {
@@ -1032,7 +1078,15 @@ impl Hooks for ResponseHooks {
                 End::Abandoned => {}
             }
         }
-        drop(self.guard);
+        // A response generated in the background goes on after its answer, unless the answer
+        // was its whole stream.
+        let background = self.background.take().filter(|b| !(b.streams && end == End::Complete));
+        if let Some(Background { backgrounds, authorization, learned: Some((id, replica)), .. }) =
+            background.map(|b| *b)
+        {
+            let ResponseHooks { guard, slot, .. } = *self;
+            backgrounds.hold(id, replica, authorization, Places { guard, slot });
+        }
     }
 }
 

@@ -14,11 +14,12 @@
 //! | `GET /metrics` | Prometheus text: proxy and ingest metrics |
 //! | an HTTP/1.1 `GET` for a WebSocket (`Upgrade: websocket`, `Connection: upgrade`; vLLM's `/v1/realtime`) on a path that passes through, or on `/v1/responses` (vLLM's Responses API over a WebSocket) | tunnelled to the least-loaded eligible replica ([`tunnel`]) |
 //!
-//! Layout: [`access`] (the access log), [`body`] (pass-through bodies, usage sniffing), [`control`] (the router's own requests to replicas), [`cors`] (the router's own answers' CORS fields), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`key_file`] (`--api-key-file`), [`live`] (the settings a reload changes), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
+//! Layout: [`access`] (the access log), [`background`] (Responses generated in the background), [`body`] (pass-through bodies, usage sniffing), [`control`] (the router's own requests to replicas), [`cors`] (the router's own answers' CORS fields), [`error`] (every error the router answers), [`forward`], [`http1`] (HTTP/1.1 to the replicas), [`idle`] (bodies' idle timeouts), [`key_file`] (`--api-key-file`), [`live`] (the settings a reload changes), [`lora`] (adapters loaded at run time), [`paths`] (the router's own paths), [`pool`] (upstream
 //! connections, one pool per HTTP thread), [`prompts`] (tokenization modes), [`queue`] (requests waiting for room), [`responses`] (which replica stored each Responses API response), [`route`] (the decision path), [`stalls`] (responses a client stopped taking), [`tunnel`] (WebSockets), [`upload`] (clients' request
 //! bodies: stalls, and what a failed one means), [`upstream`] (per-replica load and health), [`waiters`] (requests waiting for a replica's room).
 
 pub mod access;
+pub mod background;
 pub mod body;
 pub mod connect;
 pub mod control;
@@ -56,7 +57,6 @@ use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use kvroute_proto::openai::request::responses::asks_to_store;
 use kvroute_proto::openai::request::sglang::GENERATE_PATH;
 use kvroute_proto::openai::{Endpoint, RequestError};
 use kvroute_proto::serve::{Heartbeats, Limits};
@@ -326,9 +326,11 @@ async fn dispatch(
     let admission = state.admission.get();
     let key = admission.key_of(&method, &path, authorization)?;
     // Its key's place ([`per_key`]), which its answer holds ([`holding`]): not for the fleet's
-    // model list, which the router answers itself.
+    // model list, which the router answers itself, nor for a request about a stored response
+    // ([`stored_response`]).
     let lists_models = matches!(method, Method::GET | Method::HEAD) && path == "/v1/models";
-    if let (Some(key), limit @ 1.., false) = (key, admission.max_in_flight_per_key, lists_models) {
+    let takes_none = lists_models || matches!(responses::target(&path), Some(responses::Target::Stored(_)));
+    if let (Some(key), limit @ 1.., false) = (key, admission.max_in_flight_per_key, takes_none) {
         let place =
             per_key::KeyPlace::new(state.per_key.try_hold(key, limit).ok_or(ProxyError::KeyLimit { limit })?);
         // Its place under --max-in-flight takes it, once it has one ([`admit`]).
@@ -449,9 +451,9 @@ async fn routed(
     match decided {
         Ok((plan, prepared)) => {
             let mut prefilling = disagg::Prefilling::new(state, plan);
-            // A malformed `store` is the replica's to refuse; until then, its id is worth keeping.
-            prefilling.plan.keeps_response =
-                endpoint == Endpoint::Responses && asks_to_store(&body).unwrap_or(true);
+            if endpoint == Endpoint::Responses {
+                prefilling.plan.keeps_response = responses::Keeps::asked_in(&body);
+            }
             let (arrived, sent) = ((arrived.0, admitted.received), (&parts, &body));
             let prefilled = disagg::prefill(
                 (state, pool),
@@ -499,7 +501,7 @@ async fn routed(
                 sequences: asked.sequences,
                 prompt_tokens: 0,
                 prefill_tokens: 0,
-                keeps_response: false,
+                keeps_response: responses::Keeps::Nothing,
                 rank: None,
             };
             forward::to_replica(pool, &state.forward, &state.decider, &members, parts, sending, admitted)
@@ -544,6 +546,10 @@ fn owner_has_room(state: &ProxyState, member: &Member) -> std::future::Ready<Res
 }
 
 /// `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`: to the replica that stored it.
+/// It takes no place under `--max-in-flight` nor its key's: it generates nothing, and a
+/// response generated in the background holds its request's places until it is final
+/// ([`background`]), so its client must be able to ask how it stands, and cancel it, while
+/// those places are all taken.
 async fn stored_response(
     state: &Arc<ProxyState>,
     pool: &Arc<Pool>,
@@ -552,7 +558,7 @@ async fn stored_response(
     arrived: (&str, Option<access::Arrival>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     check_length(state, req.headers())?;
-    let admitted = admit(state, arrived, &queue::Line::default(), &req).await?;
+    let admitted = Admitted { request_id: arrived.0, slot: None, received: arrived.1 };
     // The store is the API server's: any rank's, so none is named.
     let (member, _) = find_owner(state, pool, req.headers(), id).await?;
     streamed_to(state, pool, &[member], req, admitted).await

@@ -38,7 +38,7 @@ use super::route::{Decider, Plan, RequestLimits};
 use crate::fleet::{Fleet, Member};
 use crate::metrics::{OutcomeLabel, ProxyMetrics};
 use kvroute_proto::openai::Endpoint;
-use kvroute_proto::openai::request::responses::{Responses, asks_to_store};
+use kvroute_proto::openai::request::responses::{Responses, asks_to_store, runs_in_background};
 
 pub use kvroute_proto::openai::request::responses::RESPONSES_PATH;
 
@@ -65,13 +65,43 @@ pub fn target(path: &str) -> Option<Target<'_>> {
     (!id.is_empty()).then_some(Target::Stored(id))
 }
 
+/// What a Responses request's replica keeps of its answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Keeps {
+    /// Nothing: not a Responses request, or one whose response is not to be kept.
+    #[default]
+    Nothing,
+    /// Its response: the answer's id is learned ([`Owners`]).
+    Response,
+    /// Its response, generated in the background (`background: true`): the request's places
+    /// are held until the response is final ([`super::background`]).
+    Background,
+}
+
+impl Keeps {
+    /// What a Responses request's `body` asks to be kept. A malformed `store` or `background`
+    /// is the replica's to refuse; until then, its id is worth keeping.
+    pub fn asked_in(body: &[u8]) -> Keeps {
+        match (asks_to_store(body).unwrap_or(true), runs_in_background(body).unwrap_or(false)) {
+            (false, _) => Keeps::Nothing,
+            (true, false) => Keeps::Response,
+            (true, true) => Keeps::Background,
+        }
+    }
+
+    /// Whether the response is kept.
+    pub fn any(self) -> bool {
+        self != Keeps::Nothing
+    }
+}
+
 /// A Responses request that continues a stored response (`previous_response_id`).
 #[derive(Debug)]
 pub struct Continuation {
     /// The stored response's id.
     pub id: String,
-    /// Whether it asks for its own response to be kept ([`asks_to_store`]).
-    pub store: bool,
+    /// What it asks to be kept of its own response.
+    pub store: Keeps,
     /// Its place among requests waiting for room (vLLM's `priority`).
     pub priority: i64,
     /// What the request adds to the stored conversation, decided as a chat of its own with
@@ -102,7 +132,7 @@ impl Continuation {
                 None
             }
         };
-        Ok(Continuation { id, store: asks_to_store(body).unwrap_or(true), priority, added })
+        Ok(Continuation { id, store: Keeps::asked_in(body), priority, added })
     }
 
     /// Its load on `owner`: prompt tokens (at least: the new ones), and those of them `owner`
@@ -365,7 +395,7 @@ impl Owners {
 }
 
 /// What is percent-encoded in a path segment: everything but RFC 3986's unreserved.
-const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+pub(super) const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
 
 /// vLLM's answer for a response id no replica has.
 fn not_found(id: &str) -> ProxyError {
@@ -382,11 +412,17 @@ pub struct Learner {
     owners: Arc<Owners>,
     owner: Owner,
     seen: Vec<u8>,
+    learned: Option<Box<str>>,
 }
 
 impl Learner {
     pub fn new(owners: Arc<Owners>, owner: Owner) -> Self {
-        Learner { owners, owner, seen: Vec::new() }
+        Learner { owners, owner, seen: Vec::new(), learned: None }
+    }
+
+    /// The id learned, once it was, and the replica that has the response.
+    pub fn learned(&self) -> Option<(&str, &Arc<str>)> {
+        Some((self.learned.as_deref()?, &self.owner.replica))
     }
 
     /// Takes the next data frame; whether it wants more.
@@ -401,6 +437,7 @@ impl Learner {
             Some(Ok(id)) => {
                 if let Ok(id) = std::str::from_utf8(id) {
                     self.owners.learn(id, &self.owner);
+                    self.learned = Some(id.into());
                 }
                 false
             }

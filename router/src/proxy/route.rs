@@ -273,9 +273,9 @@ pub struct Plan {
     /// The request's load on the replica it goes to first, counted when it was decided
     /// ([`Decider::begin`]; none for `Explain`): the forwarder sends it there with it.
     pub load: Option<LoadGuard>,
-    /// A Responses request whose response the replica may keep (`store`): the response's id
-    /// is learned from its answer ([`super::responses::Owners`]).
-    pub keeps_response: bool,
+    /// What a Responses request's replica keeps of its answer (`store`, `background`): a
+    /// kept response's id is learned from its answer ([`super::responses::Owners`]).
+    pub keeps_response: super::responses::Keeps,
     /// The answer streams: its first data comes right after the prefill. (A whole answer
     /// comes only at the end, so the prefill's end is read off the replica's events.)
     pub streams: bool,
@@ -941,7 +941,7 @@ impl Decider {
             unhashed_tokens: None,
             hold: None,
             load: None,
-            keeps_response: false,
+            keeps_response: super::responses::Keeps::Nothing,
             sequences: 1,
             prompts: 1,
             listed: false,

@@ -142,7 +142,7 @@ pub(super) async fn open(
                 return Ok(response);
             }
             Ok(Ok(Upgrade::Answered(response))) => {
-                let load = (guard, 0, false);
+                let load = (guard, 0, super::responses::Keeps::Nothing);
                 return Ok(forward::passed_on(
                     response,
                     &client,

@@ -204,6 +204,54 @@ async fn an_id_every_replica_refuses_alike_gets_their_answer() {
     assert_eq!(right.get(&format!("{url}/resp_somewhere/")).await.status, 400);
 }
 
+/// Regression: a Responses request generated in the background (`background: true`) let go
+/// of its places when its `queued` answer ended, though its replica generates on: a key under
+/// `--max-in-flight-per-key` could start any number. Its key's place and its load on its
+/// replica are held until the replica shows the response final (asked with the client's key,
+/// which the replica requires): here, once it is cancelled through the router, which a
+/// request about a stored response may be though the key's places are all taken.
+#[tokio::test]
+async fn a_background_response_holds_its_places_until_it_is_final() {
+    let slow = |name: &str| kvroute_replica_agent::Config {
+        time_scale: 1.0,
+        api_key: Some("sk-a".into()),
+        ..storing(name)
+    };
+    let fleet = Fleet::with(1, slow, |c| kvroute_router::Config {
+        api_key: vec!["sk-a".into()],
+        max_in_flight_per_key: 1,
+        ..c
+    })
+    .await;
+    let (url, a) = (fleet.url("/v1/responses"), crate::fleet::Http::new().bearer("sk-a"));
+    let metric = async |series: &str| {
+        let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+        crate::support::sample(&String::from_utf8_lossy(&metrics.body), series).unwrap_or(0)
+    };
+    let body = |tokens: u64| json!({"model": FLEET_MODEL, "input": text("later", 10), "max_output_tokens": tokens, "background": true});
+    let started = a.post(&url, &body(400)).await;
+    assert_eq!(started.status, 200, "{}", String::from_utf8_lossy(&started.body));
+    assert_eq!(started.json()["status"], "queued");
+    let id = started.json()["id"].as_str().unwrap().to_owned();
+    let refused = a.post(&url, &body(2)).await;
+    assert_eq!(refused.status, 429, "the key's place is held: {}", String::from_utf8_lossy(&refused.body));
+    assert_eq!(metric("kvroute_router_background_responses").await, 1);
+    let upstream = &fleet.router.fleet().members()[0].upstream;
+    assert_eq!(upstream.requests_in_flight(), 1, "its load on its replica");
+
+    let cancelled = a.post(&format!("{url}/{id}/cancel"), &json!({})).await;
+    assert_eq!(cancelled.status, 200, "{}", String::from_utf8_lossy(&cancelled.body));
+    assert_eq!(cancelled.json()["status"], "cancelled");
+    crate::support::wait_until_async("the places are let go", async || {
+        metric("kvroute_router_background_responses").await == 0
+    })
+    .await;
+    let released = "kvroute_router_background_released_total{outcome=\"final\"}";
+    assert_eq!(metric(released).await, 1, "seen final, with the client's key");
+    assert_eq!(upstream.requests_in_flight(), 0);
+    assert_eq!(a.post(&url, &body(2)).await.status, 200, "the key's place is back");
+}
+
 /// A continuation is held to the router's bounds before any replica is asked, and what it
 /// adds to the stored conversation weighs on its owner, less the instructions the owner holds.
 #[tokio::test]
