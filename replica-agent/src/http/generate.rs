@@ -343,6 +343,14 @@ pub(super) async fn generate(
         })?;
         admitted.push(Admitted { rx, max_tokens, prompt_tokens, cached_tokens: 0 });
     }
+    // Answered now, `queued` (vLLM's answers before the engine schedules it), and generated
+    // after, a failure stored as such (a Responses request has one prompt).
+    if background
+        && let Some(keep) = keep.take()
+        && let Some(one) = admitted.pop()
+    {
+        return Ok(json_response(StatusCode::OK, keep.in_background(meta, one)));
+    }
     // Wait for every prompt's admission: a refusal still gets a status code.
     for a in &mut admitted {
         match a.rx.recv().await {
@@ -372,13 +380,6 @@ pub(super) async fn generate(
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         return Ok(response);
-    }
-    // Answered now, `queued`, and generated after (a Responses request has one prompt).
-    if background
-        && let Some(keep) = keep.take()
-        && let Some(one) = admitted.pop()
-    {
-        return Ok(json_response(StatusCode::OK, keep.in_background(meta, one)));
     }
     // What a prefill replica hands over for each prompt (one choice each).
     let hands_over = state.config().disaggregation_mode == Mode::Prefill && !rooms.is_empty();

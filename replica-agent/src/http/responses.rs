@@ -158,7 +158,7 @@ impl Keep {
     }
 
     /// Stores the response `queued` and generates it in the background from `admitted` (one
-    /// prompt, admitted by the engine), storing it at its end unless it was cancelled first;
+    /// prompt, submitted to the engine), storing it at its end unless it was cancelled first;
     /// the queued response is the answer.
     pub fn in_background(self, meta: Meta, mut admitted: Admitted) -> Vec<u8> {
         let Keep { store, messages, previous } = self;

@@ -13,17 +13,23 @@
 //!   a response not yet done has no output);
 //! - the replica says it has no such response (404: it restarted);
 //! - the replica is out of the fleet;
-//! - [`UNANSWERED`] asks in a row got no answer it could read (its process is gone, and the
-//!   generation with it);
+//! - [`UNANSWERED`] asks in a row got no answer it could read: none in time, or one of
+//!   another status (its process is gone, and the generation with it, or it refuses the
+//!   router);
 //! - [`MOST_HELD`] went by, or the router shuts down.
 //!
-//! A stream read to its end ended with its response: nothing is held then. Held, the places
+//! A stream read to its end ended with its response: nothing is held then. Nor is anything
+//! held when the answer ended before it showed the response's id (`unlearned`): its client
+//! left before the router read it (the answer's body is read as the client takes it), or
+//! before the answer came at all (not counted: the request is dropped with its client). The
+//! replica generates on, holding nothing: closing one's connection at once is a way around
+//! the hold, which reading such answers apart from their clients would close. Held, the places
 //! count as the request's did: the queue, per-key limits and the policy's in-flight load see
 //! a request running on the replica (though not its prefill tokens, let go at the answer's
 //! first data: the router cannot tell when the replica prefills it). The responses held are
 //! `kvroute_router_background_responses`; each let go counts in
 //! `kvroute_router_background_released_total{outcome}`, by the reasons above: `final`,
-//! `missing`, `gone`, `unanswered`, `expired`, `shutdown`.
+//! `missing`, `gone`, `unanswered`, `expired`, `shutdown`, and `unlearned`.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -122,6 +128,12 @@ impl Backgrounds {
             this.held.dec();
             this.released.get_or_create(&OutcomeLabel { outcome: reason }).inc();
         });
+    }
+
+    /// A background response's answer ended (its client left, say) before it showed the
+    /// response's id: nothing to ask for, so its places go at once, counted as `unlearned`.
+    pub fn unlearned(&self) {
+        self.released.get_or_create(&OutcomeLabel { outcome: "unlearned" }).inc();
     }
 
     /// Waits until response `id` is final (or is let go for another reason: the module's

@@ -1081,11 +1081,14 @@ impl Hooks for ResponseHooks {
         // A response generated in the background goes on after its answer, unless the answer
         // was its whole stream.
         let background = self.background.take().filter(|b| !(b.streams && end == End::Complete));
-        if let Some(Background { backgrounds, authorization, learned: Some((id, replica)), .. }) =
-            background.map(|b| *b)
-        {
-            let ResponseHooks { guard, slot, .. } = *self;
-            backgrounds.hold(id, replica, authorization, Places { guard, slot });
+        if let Some(Background { backgrounds, authorization, learned, .. }) = background.map(|b| *b) {
+            match learned {
+                Some((id, replica)) => {
+                    let ResponseHooks { guard, slot, .. } = *self;
+                    backgrounds.hold(id, replica, authorization, Places { guard, slot });
+                }
+                None => backgrounds.unlearned(),
+            }
         }
     }
 }

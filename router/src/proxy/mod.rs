@@ -237,7 +237,8 @@ async fn handle(state: Arc<ProxyState>, pool: Arc<Pool>, req: Request<Incoming>)
     let own_head = head && answers_itself(req.uri().path());
     let mut held = None;
     let answered = dispatch(&state, &pool, (req, &mut held), &request_id, received).await;
-    // The key's place lasts as long as the answer's body.
+    // The key's place lasts as long as the answer's body (a background response's, until the
+    // response is final: [`background`]).
     let answered = match held {
         Some(held) => answered.map(|response| holding(response, held)),
         None => answered,
@@ -329,7 +330,7 @@ async fn dispatch(
     // model list, which the router answers itself, nor for a request about a stored response
     // ([`stored_response`]).
     let lists_models = matches!(method, Method::GET | Method::HEAD) && path == "/v1/models";
-    let takes_none = lists_models || matches!(responses::target(&path), Some(responses::Target::Stored(_)));
+    let takes_none = lists_models || responses::asks_briefly(&method, req.uri());
     if let (Some(key), limit @ 1.., false) = (key, admission.max_in_flight_per_key, takes_none) {
         let place =
             per_key::KeyPlace::new(state.per_key.try_hold(key, limit).ok_or(ProxyError::KeyLimit { limit })?);
@@ -546,10 +547,12 @@ fn owner_has_room(state: &ProxyState, member: &Member) -> std::future::Ready<Res
 }
 
 /// `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`: to the replica that stored it.
-/// It takes no place under `--max-in-flight` nor its key's: it generates nothing, and a
-/// response generated in the background holds its request's places until it is final
-/// ([`background`]), so its client must be able to ask how it stands, and cancel it, while
-/// those places are all taken.
+/// A short one ([`responses::asks_briefly`]: not a resumed stream) takes no place under
+/// `--max-in-flight` nor its key's: it generates nothing, and a response generated in the
+/// background holds its request's places until it is final ([`background`]), so its client
+/// must be able to ask how it stands, and cancel it, while those places are all taken. (What
+/// bounds them is the connections a client may hold, `--max-connections`, each with one such
+/// request at a time, or HTTP/2's streams.)
 async fn stored_response(
     state: &Arc<ProxyState>,
     pool: &Arc<Pool>,
@@ -558,7 +561,10 @@ async fn stored_response(
     arrived: (&str, Option<access::Arrival>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     check_length(state, req.headers())?;
-    let admitted = Admitted { request_id: arrived.0, slot: None, received: arrived.1 };
+    let admitted = match responses::asks_briefly(req.method(), req.uri()) {
+        true => Admitted { request_id: arrived.0, slot: None, received: arrived.1 },
+        false => admit(state, arrived, &queue::Line::default(), &req).await?,
+    };
     // The store is the API server's: any rank's, so none is named.
     let (member, _) = find_owner(state, pool, req.headers(), id).await?;
     streamed_to(state, pool, &[member], req, admitted).await

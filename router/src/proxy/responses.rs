@@ -80,9 +80,10 @@ pub enum Keeps {
 
 impl Keeps {
     /// What a Responses request's `body` asks to be kept. A malformed `store` or `background`
-    /// is the replica's to refuse; until then, its id is worth keeping.
+    /// is the replica's to refuse; until then, its id is worth keeping, and its places holding
+    /// (a replica that answers it at once shows it final at the first ask).
     pub fn asked_in(body: &[u8]) -> Keeps {
-        match (asks_to_store(body).unwrap_or(true), runs_in_background(body).unwrap_or(false)) {
+        match (asks_to_store(body).unwrap_or(true), runs_in_background(body).unwrap_or(true)) {
             (false, _) => Keeps::Nothing,
             (true, false) => Keeps::Response,
             (true, true) => Keeps::Background,
@@ -92,6 +93,27 @@ impl Keeps {
     /// Whether the response is kept.
     pub fn any(self) -> bool {
         self != Keeps::Nothing
+    }
+}
+
+/// Whether a request about a stored response is a short one: `GET /v1/responses/{id}` without
+/// `stream` (a resumed stream lasts as long as the generation), or its cancel. Those take no
+/// place under the router's limits ([`super::background`]).
+pub fn asks_briefly(method: &Method, uri: &http::Uri) -> bool {
+    let Some(Target::Stored(_)) = target(uri.path()) else { return false };
+    // As FastAPI reads a boolean query parameter; anything but a false word streams.
+    let streams = || {
+        form_urlencoded::parse(uri.query().unwrap_or_default().as_bytes())
+            .filter(|(name, _)| name == "stream")
+            .last()
+            .is_some_and(|(_, value)| {
+                !matches!(&*value.to_ascii_lowercase(), "0" | "false" | "off" | "no" | "f" | "n")
+            })
+    };
+    match *method {
+        Method::GET | Method::HEAD => !streams(),
+        Method::POST => uri.path().ends_with("/cancel"),
+        _ => false,
     }
 }
 
@@ -491,6 +513,20 @@ mod tests {
         assert_eq!(target("/v1/responses/"), None);
         assert_eq!(target("/v1/responsesx"), None);
         assert_eq!(target("/v1/chat/completions"), None);
+    }
+
+    /// A short request about a stored response (no resumed stream) takes no place.
+    #[test]
+    fn fetching_without_a_stream_and_cancelling_are_brief() {
+        let brief = |method: Method, uri: &str| asks_briefly(&method, &uri.parse().unwrap());
+        assert!(brief(Method::GET, "/v1/responses/resp_1"));
+        assert!(brief(Method::GET, "/v1/responses/resp_1?stream=false&starting_after=3"));
+        assert!(brief(Method::POST, "/v1/responses/resp_1/cancel"));
+        assert!(!brief(Method::GET, "/v1/responses/resp_1?stream=true"));
+        assert!(!brief(Method::GET, "/v1/responses/resp_1?stream=false&stream=1"), "the last counts");
+        assert!(!brief(Method::POST, "/v1/responses/resp_1"));
+        assert!(!brief(Method::POST, "/v1/responses"), "a new response");
+        assert!(!brief(Method::GET, "/v1/models"));
     }
 
     #[test]

@@ -452,18 +452,13 @@ pub fn asks_to_store(body: &[u8]) -> Result<bool, RequestError> {
         .map_err(|_| invalid("store", "a boolean"))
 }
 
-/// Whether a Responses request asks to run in the background (`background`: absent and
-/// `null` are false). vLLM answers one at once and generates its response after
-/// (`GET /v1/responses/{id}` shows it `queued`, then final).
+/// Whether a Responses request asks to run in the background (`background`, read as vLLM
+/// reads it: its last value, a lax boolean; absent and `null` are false). vLLM answers one at
+/// once and generates its response after (`GET /v1/responses/{id}` shows it `queued`, then
+/// final).
 pub fn runs_in_background(body: &[u8]) -> Result<bool, RequestError> {
-    #[derive(serde::Deserialize)]
-    struct Flags {
-        #[serde(default)]
-        background: Option<bool>,
-    }
-    serde_json::from_slice::<Flags>(body)
-        .map(|flags| flags.background.unwrap_or(false))
-        .map_err(|_| invalid("background", "a boolean"))
+    let [background] = super::parse_object(body, &["background"])?;
+    background.map_or(Ok(false), |raw| super::lax_boolean(raw).ok_or(invalid("background", "a boolean")))
 }
 
 fn invalid(param: &'static str, expected: &'static str) -> RequestError {

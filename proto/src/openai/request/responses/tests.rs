@@ -243,5 +243,14 @@ fn store_and_background_are_read_as_vllm_reads_them() {
         assert_eq!(asks_to_store(body.as_bytes()).ok(), Some(store), "{body}");
         assert_eq!(runs_in_background(body.as_bytes()).ok(), Some(background), "{body}");
     }
-    assert!(runs_in_background(br#"{"background":"yes"}"#).is_err());
+    // As pydantic reads a boolean, and Python's json a repeated key.
+    for (body, background) in [
+        (r#"{"background":1}"#, true),
+        (r#"{"background":"yes"}"#, true),
+        (r#"{"background":"off"}"#, false),
+        (r#"{"background":false,"background":true}"#, true),
+    ] {
+        assert_eq!(runs_in_background(body.as_bytes()).ok(), Some(background), "{body}");
+    }
+    assert!(runs_in_background(br#"{"background":"later"}"#).is_err());
 }
