@@ -144,6 +144,9 @@ impl Fleet {
             self.changes.fetch_add(1, Ordering::Release);
             (replica, drain_lifted)
         };
+        // Those waiting for room decide again: a request waiting for it alone is answered now,
+        // and one the rest could not take (a LoRA adapter it alone listed) may go elsewhere.
+        self.waiters.wake_all();
         let freed = self.ingest.remove_replica(replica.id).await;
         tracing::info!(replica = %name, freed = ?freed, "replica removed");
         Removed { freed, drain_lifted }

@@ -382,13 +382,14 @@ async fn dead_beside_busy() -> (Fleet, http::Response<hyper::body::Incoming>, us
 /// up there); and a request the refusing replica refused, waiting in line for the agent.
 async fn refused_and_waiting(
     stream_tokens: u32,
+    queue_timeout_ms: u64,
 ) -> (Fleet, http::Response<hyper::body::Incoming>, tokio::task::JoinHandle<Reply>, kvroute_router::Config) {
     let refusal = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n";
     let (refusing, _refused) = crate::headers::recording_replica(refusal).await;
     let shutdown = tokio_util::sync::CancellationToken::new();
     let agents = Fleet::start_agents(1, slow_agent, &shutdown).await;
     let config = crate::fleet::router_config_and_streamless(&agents, "refusing", refusing);
-    let config = kvroute_router::Config { max_in_flight_per_replica: 1, queue_timeout_ms: LONG, ..config };
+    let config = kvroute_router::Config { max_in_flight_per_replica: 1, queue_timeout_ms, ..config };
     let fleet = Fleet::around(agents, config.clone(), shutdown).await;
     // Wherever it is sent first, the stream ends up on the agent.
     let open = open_stream_of(&fleet, stream_tokens).await;
@@ -403,7 +404,7 @@ async fn refused_and_waiting(
 /// is saturated: the request waits for room on the rest and is served there, not answered 503.
 #[tokio::test]
 async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_rest() {
-    let (_fleet, open, refused, _) = refused_and_waiting(16).await;
+    let (_fleet, open, refused, _) = refused_and_waiting(16, LONG).await;
     assert!(read_to_end(open).await.contains("[DONE]"));
     let answer = tokio::time::timeout(WAIT, refused).await.expect("served in time").unwrap();
     assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
@@ -415,7 +416,7 @@ async fn a_request_a_replica_refuses_with_503_waits_for_room_on_the_saturated_re
 /// that failed.
 #[tokio::test]
 async fn a_request_refused_with_503_whose_last_replica_drains_is_answered_503() {
-    let (fleet, open, refused, _) = refused_and_waiting(16).await;
+    let (fleet, open, refused, _) = refused_and_waiting(16, LONG).await;
     fleet.router.fleet().set_draining("agent-0", true).unwrap();
     assert!(read_to_end(open).await.contains("[DONE]"));
     let answer = tokio::time::timeout(WAIT, refused).await.expect("answered in time").unwrap();
@@ -425,13 +426,24 @@ async fn a_request_refused_with_503_whose_last_replica_drains_is_answered_503() 
     assert!(message.contains("replica refusing answered 503"), "{message}");
 }
 
+/// The same, but the replica it waits for is removed from the fleet meanwhile (its stream
+/// still open): the request decides again at once and is answered 503. Regression: a removal
+/// woke nobody, and the request slept until that stream ended or its queue timeout passed.
+#[tokio::test]
+async fn a_request_waiting_for_a_replica_removed_meanwhile_is_answered_at_once() {
+    let (fleet, _open, refused, _) = refused_and_waiting(400, 10 * LONG).await;
+    fleet.router.fleet().remove("agent-0").await;
+    let answer = tokio::time::timeout(WAIT, refused).await.expect("answered in time").unwrap();
+    assert_eq!(answer.status, 503, "{}", String::from_utf8_lossy(&answer.body));
+}
+
 /// The same, but a reload raises `--max-in-flight-per-replica` meanwhile: the waiting retry
 /// takes the room the new limit gives at once (it kept to the limit it was decided under, and
 /// waited for the stream to end).
 #[tokio::test]
 async fn a_waiting_retry_takes_the_room_a_reload_gives() {
     // A stream long enough (about 10 s) to be running still when the retry is served.
-    let (fleet, open, refused, config) = refused_and_waiting(48).await;
+    let (fleet, open, refused, config) = refused_and_waiting(48, LONG).await;
     let mut reloader = kvroute_router::reload::Reloader::new(&config);
     let raised = kvroute_router::Config { max_in_flight_per_replica: 2, ..config };
     let reloaded = reloader.apply(&fleet.router.state, &raised).await;
