@@ -469,7 +469,12 @@ impl Decider {
             return;
         }
         let (id, blocks) = (replica.member.replica.id, plan.uncredited(replica).to_vec());
-        let credited = (Arc::clone(&plan.all_blocks), replica.credited_blocks);
+        // Scored on no blocks (a request that reads no cache, a batch whose first prompt is
+        // shorter than a block), it does not know which of its blocks the replica held or earlier
+        // decisions credited: withdrawn, it ends none of them (they may be other requests'),
+        // only its pins.
+        let held = if plan.blocks.is_empty() { plan.all_blocks.len() } else { replica.credited_blocks };
+        let credited = (Arc::clone(&plan.all_blocks), held);
         plan.hold = Some(CreditHold::pin(&self.index, id, blocks).adding(credited.0, credited.1));
     }
 
