@@ -243,7 +243,7 @@ impl ProxyMetrics {
         );
         r.register(
             "background_released",
-            "Background responses whose places were let go, by why: final (completed, incomplete, failed or cancelled), missing (the replica no longer has it: 404), gone (the replica left the fleet), unanswered (5 asks in a row without a readable answer: none in time, or another status than 200 or 404), expired (held an hour), shutdown; unlearned counts answers that ended before they showed the response's id (the client left first): nothing held",
+            "Background responses whose places were let go, by why: final (completed, incomplete, failed or cancelled), missing (the replica no longer has it: 404), gone (the replica left the fleet), unanswered (5 asks in a row without a readable answer: none in time, or another status than 200 or 404), expired (held an hour), shutdown; unlearned counts answers cut off before they showed the response's id: nothing held",
             m.background_released.clone(),
         );
         r.register(

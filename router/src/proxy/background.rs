@@ -18,12 +18,13 @@
 //!   router);
 //! - [`MOST_HELD`] went by, or the router shuts down.
 //!
-//! A stream read to its end ended with its response: nothing is held then. Nor is anything
-//! held when the answer ended before it showed the response's id (`unlearned`): its client
-//! left before the router read it (the answer's body is read as the client takes it), or
-//! before the answer came at all (not counted: the request is dropped with its client). The
-//! replica generates on, holding nothing: closing one's connection at once is a way around
-//! the hold, which reading such answers apart from their clients would close. Held, the places
+//! A stream read to its end ended with its response: nothing is held then.
+//!
+//! Such a request is decided and sent apart from its client (`proxy::apart`), and its answer's
+//! beginning is read before it is handed on ([`with_id_read`]): a client that leaves at once
+//! (its connection closed as soon as the request went, its HTTP/2 stream reset) does not
+//! take the forward with it, and the places are held by the response's id all the same.
+//! An answer that ended before it showed an id (cut off) holds nothing (`unlearned`). Held, the places
 //! count as the request's did: the queue, per-key limits and the policy's in-flight load see
 //! a request running on the replica (though not its prefill tokens, let go at the answer's
 //! first data: the router cannot tell when the replica prefills it). The responses held are
@@ -44,10 +45,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::sync::CancellationToken;
 
-use super::body::{full, read_at_most};
+use super::body::{BoxError, ProxyBody, full, read_at_most};
 use super::control::Client;
 use super::forward::Slot;
-use super::responses::{RESPONSES_PATH, SEGMENT};
+use super::responses::{ID_WITHIN, RESPONSES_PATH, SEGMENT, first_id};
 use super::upstream::LoadGuard;
 use crate::fleet::Fleet;
 use crate::metrics::{OutcomeLabel, ProxyMetrics};
@@ -130,8 +131,8 @@ impl Backgrounds {
         });
     }
 
-    /// A background response's answer ended (its client left, say) before it showed the
-    /// response's id: nothing to ask for, so its places go at once, counted as `unlearned`.
+    /// A background response's answer ended (cut off) before it showed the response's id:
+    /// nothing to ask for, so its places go at once, counted as `unlearned`.
     pub fn unlearned(&self) {
         self.released.get_or_create(&OutcomeLabel { outcome: "unlearned" }).inc();
     }
@@ -186,6 +187,57 @@ impl Backgrounds {
             }
         };
         tokio::time::timeout(self.timeout, ask).await.ok()?
+    }
+}
+
+/// `response` with its body's beginning read, up to the response's id (the first `"id"` of a
+/// JSON answer or of a stream's first event, within [`ID_WITHIN`] bytes), or its end, or a
+/// failure: the answer's hooks have seen the id ([`super::responses::Learner`]) whether or
+/// not its client takes the rest.
+pub async fn with_id_read(response: http::Response<ProxyBody>) -> http::Response<ProxyBody> {
+    use http_body_util::BodyExt;
+    let (parts, mut body) = response.into_parts();
+    let (mut read, mut seen) = (std::collections::VecDeque::new(), Vec::new());
+    let ended = loop {
+        let Some(frame) = body.frame().await else { break true };
+        let failed = frame.is_err();
+        if let Some(data) = frame.as_ref().ok().and_then(|f| f.data_ref()) {
+            seen.extend_from_slice(&data[..data.len().min(ID_WITHIN.saturating_sub(seen.len()))]);
+        }
+        read.push_back(frame);
+        if failed || first_id(&seen).is_some() || seen.len() >= ID_WITHIN {
+            break failed;
+        }
+    };
+    let rest = (!ended).then_some(body);
+    http::Response::from_parts(parts, Prefixed { read, rest }.boxed_unsync())
+}
+
+/// A body's frames read already, then the rest of it.
+struct Prefixed {
+    read: std::collections::VecDeque<Result<http_body::Frame<Bytes>, BoxError>>,
+    rest: Option<ProxyBody>,
+}
+
+impl http_body::Body for Prefixed {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        if let Some(frame) = self.read.pop_front() {
+            return std::task::Poll::Ready(Some(frame));
+        }
+        match &mut self.rest {
+            Some(rest) => std::pin::Pin::new(rest).poll_frame(cx),
+            None => std::task::Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.read.is_empty() && self.rest.as_ref().is_none_or(http_body::Body::is_end_stream)
     }
 }
 

@@ -437,14 +437,66 @@ async fn routed(
     let limits = state.admission.get().limits;
     let (parts, body) = req.into_parts();
     let body = read_body(body, state.forward.max_body_bytes, state.forward.idle_timeout).await?;
+    let keeps = match endpoint {
+        Endpoint::Responses => responses::Keeps::asked_in(&body),
+        _ => responses::Keeps::Nothing,
+    };
+    if keeps == responses::Keeps::Background {
+        return apart(state, pool, endpoint, (parts, body), admitted, (line, limits)).await;
+    }
+    sent_on(state, pool, endpoint, (parts, body), admitted, (&line, &limits), keeps).await
+}
+
+/// [`routed`] for a Responses request generated in the background: decided and sent apart
+/// from its client, in a task of its own, which reads the answer's beginning before it hands
+/// it on. A client that leaves (its connection closed as soon as the request went, its
+/// stream reset) would otherwise drop the request's forward before the answer showed the
+/// response's id, and the replica would generate on holding none of the router's places
+/// ([`background`]). Once the task has the id, a client gone leaves the places held.
+async fn apart(
+    state: &Arc<ProxyState>,
+    pool: &Arc<Pool>,
+    endpoint: Endpoint,
+    (parts, body): (http::request::Parts, bytes::Bytes),
+    admitted: Admitted<'_>,
+    (line, limits): (queue::Line, route::RequestLimits),
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let (state, pool) = (state.clone(), pool.clone());
+    let (request_id, slot, received) = (admitted.request_id.to_owned(), admitted.slot, admitted.received);
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let admitted = Admitted { request_id: &request_id, slot, received };
+        let sent = (&line, &limits);
+        let keeps = responses::Keeps::Background;
+        let answer = sent_on(&state, &pool, endpoint, (parts, body), admitted, sent, keeps).await;
+        let answer = match answer {
+            Ok(response) => Ok(background::with_id_read(response).await),
+            failed => failed,
+        };
+        // Not taken (its client left): dropped, the answer's places are held by its id.
+        drop(tx.send(answer));
+    });
+    rx.await.map_err(|_| ProxyError::Unavailable("the request's forward ended without an answer".into()))?
+}
+
+/// [`routed`]'s request, its body read: decided and sent.
+async fn sent_on(
+    state: &Arc<ProxyState>,
+    pool: &Arc<Pool>,
+    endpoint: Endpoint,
+    (parts, body): (http::request::Parts, bytes::Bytes),
+    admitted: Admitted<'_>,
+    (line, limits): (&queue::Line, &route::RequestLimits),
+    keeps: responses::Keeps,
+) -> Result<Response<ProxyBody>, ProxyError> {
     let (waiters, metrics) = (state.fleet().waiters(), &state.decider.metrics);
     let goes_to = |plan: &route::Plan| plan.chosen().map(|chosen| chosen.member.replica.id);
     // Tokenized once, decided again each time it is woken to find room.
     let decided = match state.decider.prepare(endpoint, &body).await {
         Ok(prepared) => {
             line.set_priority(prepared.priority);
-            let decide = || std::future::ready(state.decider.decide_prepared(&prepared, &limits));
-            let decided = state.queue.until_room(waiters, (&line, metrics), decide, goes_to).await;
+            let decide = || std::future::ready(state.decider.decide_prepared(&prepared, limits));
+            let decided = state.queue.until_room(waiters, (line, metrics), decide, goes_to).await;
             decided.map(|plan| (plan, prepared))
         }
         Err(e) => Err(e),
@@ -452,24 +504,22 @@ async fn routed(
     match decided {
         Ok((plan, prepared)) => {
             let mut prefilling = disagg::Prefilling::new(state, plan);
-            if endpoint == Endpoint::Responses {
-                prefilling.plan.keeps_response = responses::Keeps::asked_in(&body);
-            }
-            let (arrived, sent) = ((arrived.0, admitted.received), (&parts, &body));
+            prefilling.plan.keeps_response = keeps;
+            let (arrived, sent) = ((admitted.request_id, admitted.received), (&parts, &body));
             let prefilled = disagg::prefill(
                 (state, pool),
                 (&prepared, &mut prefilling.plan),
                 endpoint,
                 sent,
                 arrived,
-                &line,
+                line,
             );
             let decode = match prefilled.await {
                 Ok(decode) => decode,
                 Err(failure) => return failure.answer(),
             };
             let plan = prefilling.sent();
-            let (forward, decider, queue) = (&state.forward, &state.decider, (&state.queue, &line));
+            let (forward, decider, queue) = (&state.forward, &state.decider, (&state.queue, line));
             let decoded =
                 forward::routed(pool, forward, decider, plan, (parts, decode.body), admitted, queue);
             match decode.alongside {
@@ -494,7 +544,7 @@ async fn routed(
             // A completion, sent without a bootstrap room ([`disagg`]).
             let takes = Takes { roomless: true, generate: endpoint == Endpoint::Generate };
             let members =
-                with_room(state, &line, || by_load(state, admitted.request_id, adapter, takes)).await?;
+                with_room(state, line, || by_load(state, admitted.request_id, adapter, takes)).await?;
             let body = disagg::without_own_params_if_split(state.fleet(), body);
             let sending = Sending {
                 body: Outgoing::Full(body),
@@ -509,13 +559,13 @@ async fn routed(
                 .await
         }
         Err(ProxyError::BadRequest(RequestError::StoredConversation)) => {
-            let continuation = Continuation::read(&state.decider, &body, &limits).await?;
+            let continuation = Continuation::read(&state.decider, &body, limits).await?;
             let (member, rank) = find_owner(state, pool, &parts.headers, &continuation.id).await?;
             // Only the replica that stored the response can continue it: it waits for room there.
             let owner = member.replica.id;
             line.set_priority(continuation.priority);
             let room = || owner_has_room(state, &member);
-            state.queue.until_room(waiters, (&line, metrics), room, |_| Some(owner)).await?;
+            state.queue.until_room(waiters, (line, metrics), room, |_| Some(owner)).await?;
             let (prompt_tokens, prefill_tokens) = continuation.load_on(&member);
             let sending = Sending {
                 body: Outgoing::Full(body),

@@ -43,7 +43,7 @@ use kvroute_proto::openai::request::responses::{Responses, asks_to_store, runs_i
 pub use kvroute_proto::openai::request::responses::RESPONSES_PATH;
 
 /// Most bytes of a response's beginning searched for its id.
-const ID_WITHIN: usize = 4096;
+pub(super) const ID_WITHIN: usize = 4096;
 
 /// What a request under `/v1/responses` is.
 #[derive(Debug, PartialEq, Eq)]
@@ -475,7 +475,7 @@ impl Learner {
 
 /// The value of the first `"id"` key in `json`: `Some(Err)` when it is not a plain string
 /// (or none is within [`ID_WITHIN`] bytes), `None` when more bytes are needed.
-fn first_id(json: &[u8]) -> Option<Result<&[u8], ()>> {
+pub(super) fn first_id(json: &[u8]) -> Option<Result<&[u8], ()>> {
     let json = &json[..json.len().min(ID_WITHIN)];
     let mut from = 0;
     // The first `"id"` that is a key (a value `"id"` is passed over).

@@ -252,6 +252,40 @@ async fn a_background_response_holds_its_places_until_it_is_final() {
     assert_eq!(a.post(&url, &body(2)).await.status, 200, "the key's place is back");
 }
 
+/// Regression: a client that sends a background request and closes its connection at once
+/// took the request's forward with it before the answer showed the response's id, and the
+/// replica generated on holding none of the router's places. It is sent apart from its
+/// client: the places are held by the id, then let go when the response is final.
+#[tokio::test]
+async fn a_background_request_whose_client_leaves_at_once_is_held_all_the_same() {
+    use tokio::io::AsyncWriteExt;
+    let slow = |name: &str| kvroute_replica_agent::Config { time_scale: 20.0, ..storing(name) };
+    let fleet = Fleet::with(1, slow, |c| c).await;
+    let metric = async |series: &str| {
+        let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+        crate::support::sample(&String::from_utf8_lossy(&metrics.body), series).unwrap_or(0)
+    };
+    let body =
+        json!({"model": FLEET_MODEL, "input": text("gone", 10), "max_output_tokens": 40, "background": true})
+            .to_string();
+    let addr = fleet.router.url().trim_start_matches("http://").to_owned();
+    let mut client = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!(
+        "POST /v1/responses HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    client.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
+    drop(client);
+    let released =
+        |outcome: &str| format!("kvroute_router_background_released_total{{outcome=\"{outcome}\"}}");
+    crate::support::wait_until_async("the response is held, then let go once final", async || {
+        metric(&released("final")).await == 1
+    })
+    .await;
+    assert_eq!(metric(&released("unlearned")).await, 0);
+    assert_eq!(fleet.router.fleet().members()[0].upstream.requests_in_flight(), 0);
+}
+
 /// A continuation is held to the router's bounds before any replica is asked, and what it
 /// adds to the stored conversation weighs on its owner, less the instructions the owner holds.
 #[tokio::test]
