@@ -68,6 +68,8 @@ pub struct RankView {
     pub rank: u32,
     /// Leading blocks held (index, then credits).
     pub overlap_blocks: usize,
+    /// Leading blocks the index shows it holding (credits not counted).
+    pub indexed_blocks: usize,
     /// Sequences this router has in flight on it.
     pub in_flight: u32,
     /// Others' requests the replica last reported on it.
@@ -108,14 +110,16 @@ impl Ranks {
         views(&[self], blocks, Instant::now()).pop().unwrap_or_default()
     }
 
-    /// Each rank's view, its overlap taken from `overlaps` (one a rank, in order).
-    fn views_with(&self, overlaps: impl Iterator<Item = usize>, now: Instant) -> Vec<RankView> {
+    /// Each rank's view, its overlaps taken from `overlaps` (one a rank, in order: the index's,
+    /// and through the credits).
+    fn views_with(&self, overlaps: impl Iterator<Item = (usize, usize)>, now: Instant) -> Vec<RankView> {
         let since = now.saturating_duration_since(self.epoch);
         (self.load.iter().zip(0..))
             .zip(overlaps)
-            .map(|((load, rank), overlap_blocks)| RankView {
+            .map(|((load, rank), (indexed_blocks, overlap_blocks))| RankView {
                 rank,
                 overlap_blocks,
+                indexed_blocks,
                 in_flight: load.in_flight.load(Ordering::Relaxed),
                 others: load.others.load(Ordering::Relaxed),
                 pending_prefill_tokens: load.pending_prefill.load(Ordering::Relaxed),
@@ -163,9 +167,11 @@ impl Ranks {
     }
 
     /// A request of `sequences` is sent to `rank`, which held `held` of its `blocks` (index
-    /// and credits): counted in the rank's load until the guard drops (its `prompt_tokens` in
-    /// the rank's recent tokens, which only decay), and its blocks
-    /// credited to the rank, pinned as the replica's are ([`super::Credits::pin`]). If the
+    /// and credits; `indexed` of them in the index): counted in the rank's load until the
+    /// guard drops (its `prompt_tokens` in the rank's recent tokens, which only decay), and its
+    /// blocks past the `indexed` credited to the rank, pinned, as the replica's are
+    /// ([`super::Credits::pin`]; the rank's cache cleared, what the index showed goes with it,
+    /// not kept as credits). If the
     /// replica [took](RankGuard::keep) the request, the pins come off when its prefill is
     /// done (or the guard drops) and the credits last the TTL; else the credits only this
     /// request made end when the guard drops ([`RankGuard::withdraw`]).
@@ -173,7 +179,7 @@ impl Ranks {
         self: &std::sync::Arc<Self>,
         rank: u32,
         sequences: u32,
-        (blocks, held): (&[BlockHash], usize),
+        (blocks, indexed, held): (&[BlockHash], usize, usize),
         prompt_tokens: u64,
     ) -> RankGuard {
         if let Some(load) = self.load.get(rank as usize) {
@@ -184,7 +190,8 @@ impl Ranks {
         }
         // What only this request credits is worked out if it is withdrawn, not here.
         let all: std::sync::Arc<[BlockHash]> = blocks.into();
-        let hold = CreditHold::pin(&self.index, self.id(rank), blocks.to_vec()).adding(all, held);
+        let past = blocks[indexed.min(blocks.len())..].to_vec();
+        let hold = CreditHold::pin(&self.index, self.id(rank), past).adding(all, held);
         let adds = held < blocks.len();
         RankGuard { ranks: self.clone(), rank, sequences, hold: Some(hold), adds, kept: false }
     }
@@ -211,7 +218,9 @@ pub fn views(replicas: &[&Ranks], blocks: &[BlockHash], now: Instant) -> Vec<Vec
     let Some(first) = replicas.first() else { return Vec::new() };
     let ids = replicas.iter().flat_map(|ranks| (0..ranks.len()).map(|rank| ranks.id(rank)));
     let (_, overlaps) = first.index.lookup_with_credits(blocks, |overlaps, credits| {
-        credits.extend_each(blocks, ids.map(|id| Some((id, overlaps.get(id)))))
+        let indexed: Vec<(ReplicaId, usize)> = ids.map(|id| (id, overlaps.get(id))).collect();
+        let extended = credits.extend_each(blocks, indexed.iter().copied().map(Some));
+        indexed.into_iter().map(|(_, n)| n).zip(extended).collect::<Vec<_>>()
     });
     let mut overlaps = overlaps.into_iter();
     replicas.iter().map(|ranks| ranks.views_with(overlaps.by_ref().take(ranks.len() as usize), now)).collect()
@@ -304,7 +313,7 @@ mod tests {
         let overlaps = |r: &Ranks| r.views(&blocks).iter().map(|v| v.overlap_blocks).collect::<Vec<_>>();
         assert_eq!(overlaps(&ranks), [0, 3, 1]);
         // A request sent to rank 2 credits its blocks there until the rank stores them.
-        let mut guard = ranks.begin(2, 2, (&blocks, 1), 64);
+        let mut guard = ranks.begin(2, 2, (&blocks, 1, 1), 64);
         assert_eq!(overlaps(&ranks), [0, 3, 4]);
         assert_eq!(ranks.views(&blocks)[2].in_flight, 2);
         assert_eq!(ranks.views(&blocks)[2].recent_prompt_tokens, 64, "its prompt, decaying from now");
@@ -318,10 +327,29 @@ mod tests {
         ranks.forget();
         assert_eq!(overlaps(&ranks), [0, 3, 1]);
         // One that failed there takes back what only it credited.
-        let guard = ranks.begin(0, 1, (&blocks, 0), 64);
+        let guard = ranks.begin(0, 1, (&blocks, 0, 0), 64);
         assert_eq!(overlaps(&ranks), [4, 3, 1]);
         drop(guard);
         assert_eq!(overlaps(&ranks), [0, 3, 1]);
+    }
+
+    /// A rank is credited the blocks past those its index shows, as a replica is: when its
+    /// cache is cleared, what the index showed goes with it. Regression: the whole prompt was
+    /// credited, and the rank still seemed to hold it for the credits' TTL.
+    #[test]
+    fn a_rank_is_credited_only_what_its_index_does_not_show() {
+        let index = SharedIndex::with_credit_ttl(Duration::from_secs(60));
+        let ranks = Arc::new(Ranks::new(2, index.clone(), ReplicaId(5)).unwrap());
+        let blocks = hashes(4);
+        ranks.index.store(ranks.id(1), &blocks[..3]);
+        let views = ranks.views(&blocks);
+        assert_eq!((views[1].indexed_blocks, views[1].overlap_blocks), (3, 3));
+        let mut guard = ranks.begin(1, 1, (&blocks, 3, 3), 64);
+        guard.keep();
+        drop(guard);
+        assert_eq!(index.credits().len(), 1, "the last block alone");
+        ranks.index.clear_replica(ranks.id(1));
+        assert_eq!(ranks.views(&blocks)[1].overlap_blocks, 0, "nothing left of the prefix");
     }
 
     /// Several replicas' ranks share one index, walked once for all; each replica reads its

@@ -560,7 +560,7 @@ pub async fn to_replica(
         // A rank named is counted in its load (the blocks are the stored conversation's, which
         // the router never saw).
         let ranked = rank.zip(member.replica.ranks.get()).map(|(rank, ranks)| {
-            guard.hold_rank(ranks.begin(rank, sequences, (&[], 0), prompt_tokens));
+            guard.hold_rank(ranks.begin(rank, sequences, (&[], 0, 0), prompt_tokens));
             with_rank(&headers, rank)
         });
         let uri = replica_uri(&member.replica, &client.uri)?;

@@ -138,6 +138,8 @@ pub struct Scored {
     pub rank: Option<u32>,
     /// Leading blocks of the request that rank holds (index and credits).
     pub rank_blocks: usize,
+    /// Of those, the ones its index shows (credits not counted): the rest are credited to it.
+    pub rank_indexed: usize,
     /// That rank's load, which chose it among the replica's ranks.
     pub rank_load: Option<policy::Load>,
 }
@@ -511,7 +513,8 @@ impl Decider {
     /// is stored.
     pub fn begin(&self, plan: &mut Plan, at: usize, max: u32) -> Option<LoadGuard> {
         let scored = plan.order().nth(at)?;
-        let (member, rank) = (&scored.member, scored.rank.map(|rank| (rank, scored.rank_blocks)));
+        let (member, rank) =
+            (&scored.member, scored.rank.map(|rank| (rank, scored.rank_indexed, scored.rank_blocks)));
         let (sequences, prompt_tokens) = (plan.sequences, plan.prompt_tokens);
         // A prompt prefilled elsewhere is pulled: its last token is computed here (each
         // prompt's, of a batch).
@@ -520,10 +523,11 @@ impl Decider {
             None => plan.prefill_tokens(at),
         };
         let mut load = member.upstream.try_begin(max, sequences, prefill_tokens, prompt_tokens)?;
-        if let Some(((rank, held), ranks)) = rank.zip(member.replica.ranks.get()) {
+        if let Some(((rank, indexed, held), ranks)) = rank.zip(member.replica.ranks.get()) {
             // The rank holds the request's pending prefill from here, before anything can
             // tell that it is done.
-            load.hold_rank(ranks.begin(rank, sequences, (&plan.all_blocks, held), prompt_tokens));
+            let blocks = (&*plan.all_blocks, indexed, held);
+            load.hold_rank(ranks.begin(rank, sequences, blocks, prompt_tokens));
         }
         // A whole answer comes at its end: the prefill is over when the replica (its rank)
         // stores the prompt's last block. (Not for a batch: a later prompt's last block may
@@ -858,17 +862,21 @@ impl Decider {
                     )
                 };
                 // A data-parallel replica offers what the rank the request is sent to holds.
-                let (rank, offered, rank_load) = match (&routing.ranks_by, rank_views) {
+                let (rank, offered, rank_load, rank_indexed) = match (&routing.ranks_by, rank_views) {
                     (Some(costs), Some(ranks)) => {
                         // Ties between ranks by the request and the replica's name (the
                         // request's key alone would repeat the replicas' tie, rank for replica
                         // id; ids are each router's own, names are every router's).
                         let name = member.replica.spec.name.as_bytes();
                         let key = xxhash_rust::xxh3::xxh3_64_with_seed(name, request.key);
-                        best_rank(costs, &RequestView { key, ..*request }, &ranks, reused)
-                            .map_or((None, 0, None), |(rank, blocks, load)| (Some(rank), blocks, Some(load)))
+                        let best = best_rank(costs, &RequestView { key, ..*request }, &ranks, reused);
+                        let indexed =
+                            |rank| ranks.iter().find(|v| v.rank == rank).map_or(0, |v| v.indexed_blocks);
+                        best.map_or((None, 0, None, 0), |(rank, blocks, load)| {
+                            (Some(rank), blocks, Some(load), indexed(rank))
+                        })
                     }
-                    _ => (None, credited_blocks, None),
+                    _ => (None, credited_blocks, None, 0),
                 };
                 let held = match rank {
                     None => offered.max(offloaded.get(member.replica.id)),
@@ -894,6 +902,7 @@ impl Decider {
                     ineligible,
                     rank,
                     rank_blocks,
+                    rank_indexed,
                     rank_load,
                 }
             })

@@ -860,12 +860,12 @@ mod tests {
             ranks.views(&[]).iter().map(|v| v.pending_prefill_tokens).collect::<Vec<_>>()
         };
         let mut g = u.begin(1, 100, 300);
-        g.hold_rank(ranks.begin(1, 1, (&[], 0), 300));
+        g.hold_rank(ranks.begin(1, 1, (&[], 0, 0), 300));
         assert_eq!(pending(&ranks), [0, 100]);
         crate::index::OnStored::stored(&*g.pending_prefill());
         assert_eq!((u.load().pending_prefill_tokens, pending(&ranks)), (0, vec![0, 0]));
         let mut g = u.begin(1, 50, 300);
-        g.hold_rank(ranks.begin(0, 1, (&[], 0), 300));
+        g.hold_rank(ranks.begin(0, 1, (&[], 0, 0), 300));
         assert_eq!(pending(&ranks), [50, 0]);
         drop(g);
         assert_eq!(pending(&ranks), [0, 0], "released at the end");
