@@ -122,8 +122,8 @@ impl Backgrounds {
         // (A body dropped with its runtime, at its end: nothing left to hold for.)
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
         let this = self.clone();
-        this.held.inc();
         runtime.spawn(async move {
+            this.held.inc();
             let reason = this.watch(&id, &replica, authorization.as_ref()).await;
             drop(places);
             this.held.dec();
@@ -238,6 +238,19 @@ impl http_body::Body for Prefixed {
 
     fn is_end_stream(&self) -> bool {
         self.read.is_empty() && self.rest.as_ref().is_none_or(http_body::Body::is_end_stream)
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        let read: u64 = (self.read.iter().flatten())
+            .filter_map(|frame| frame.data_ref().map(|data| data.len() as u64))
+            .sum();
+        let mut hint =
+            self.rest.as_ref().map_or_else(|| http_body::SizeHint::with_exact(0), http_body::Body::size_hint);
+        hint.set_lower(hint.lower() + read);
+        if let Some(upper) = hint.upper() {
+            hint.set_upper(upper + read);
+        }
+        hint
     }
 }
 

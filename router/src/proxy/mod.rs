@@ -459,24 +459,35 @@ async fn apart(
     endpoint: Endpoint,
     (parts, body): (http::request::Parts, bytes::Bytes),
     admitted: Admitted<'_>,
-    (line, limits): (queue::Line, route::RequestLimits),
+    (mut line, limits): (queue::Line, route::RequestLimits),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let (state, pool) = (state.clone(), pool.clone());
     let (request_id, slot, received) = (admitted.request_id.to_owned(), admitted.slot, admitted.received);
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(async move {
+    // Until it is sent, a request whose client left is given up, as any other: its waits for
+    // room end (it would be sent to generate for nobody, holding its key's places).
+    let gone = CancellationToken::new();
+    let _gone_with_this = gone.clone().drop_guard();
+    line.follow(gone);
+    // Drained at shutdown as its connection is.
+    let background = parts.extensions.get::<kvroute_proto::serve::Background>().cloned();
+    let task = async move {
         let admitted = Admitted { request_id: &request_id, slot, received };
         let sent = (&line, &limits);
         let keeps = responses::Keeps::Background;
-        let answer = sent_on(&state, &pool, endpoint, (parts, body), admitted, sent, keeps).await;
-        let answer = match answer {
+        match sent_on(&state, &pool, endpoint, (parts, body), admitted, sent, keeps).await {
+            // Dropped untaken (its client left), the answer's places are held by its id.
             Ok(response) => Ok(background::with_id_read(response).await),
             failed => failed,
-        };
-        // Not taken (its client left): dropped, the answer's places are held by its id.
-        drop(tx.send(answer));
-    });
-    rx.await.map_err(|_| ProxyError::Unavailable("the request's forward ended without an answer".into()))?
+        }
+    };
+    let task = match background {
+        Some(background) => background.spawn(task),
+        None => tokio::spawn(task),
+    };
+    match task.await {
+        Ok(answer) => answer,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
 }
 
 /// [`routed`]'s request, its body read: decided and sent.

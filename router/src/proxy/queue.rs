@@ -26,7 +26,8 @@
 //!   ([`super::forward`]): a replica that refuses connections (it died, and no health check
 //!   has noticed yet) or answers 503 (its own queue is full) while the rest of the fleet is
 //!   busy costs its requests a wait, not a 502 or a 503.
-//! - A request whose client leaves while it waits leaves the line.
+//! - A request whose client leaves while it waits leaves the line (one decided apart from its
+//!   client, a background response's, as soon as the client is gone: [`Line::follow`]).
 //!
 //! The line shows in `kvroute_router_queued` (waiting now), `kvroute_router_queue_wait_seconds`
 //! and `kvroute_router_queue_outcomes_total` (a wait each: a request that waited for a place
@@ -39,6 +40,7 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::error::ProxyError;
 use super::forward::Slot;
@@ -69,6 +71,8 @@ pub struct Line {
     /// Its place among those waiting for a replica's room, from its first wait on
     /// ([`Waiters::ticket_kept`]): a retry that waits again keeps its turn.
     place: AtomicU64,
+    /// Fires when the client left, for a request decided apart from it ([`Line::follow`]).
+    gone: Option<CancellationToken>,
 }
 
 impl Line {
@@ -79,6 +83,21 @@ impl Line {
     /// The request's `priority` (lower waits less; 0 unless set).
     pub fn set_priority(&self, priority: i64) {
         self.priority.store(priority, Ordering::Relaxed);
+    }
+
+    /// Leaves the line when `gone` fires (its client left), for a request decided apart from
+    /// its client: a wait for a replica's room ends then ([`ProxyError::ClientLeft`]), as the
+    /// request's own would with its client.
+    pub fn follow(&mut self, gone: CancellationToken) {
+        self.gone = Some(gone);
+    }
+
+    /// Fires when the client left, if followed; else never.
+    async fn left(&self) {
+        match &self.gone {
+            Some(gone) => gone.cancelled().await,
+            None => std::future::pending().await,
+        }
     }
 }
 
@@ -141,7 +160,12 @@ impl Queue {
                             waiting.insert((self.join(line, &reason, metrics)?, ticket))
                         }
                     };
-                    if tokio::time::timeout_at(at.deadline, ticket.wait(&replicas, seen)).await.is_err() {
+                    let waited = tokio::time::timeout_at(at.deadline, ticket.wait(&replicas, seen));
+                    let waited = tokio::select! {
+                        waited = waited => waited,
+                        () = line.left() => return Err(ProxyError::ClientLeft),
+                    };
+                    if waited.is_err() {
                         let (at, _) = waiting.take().expect("in line");
                         return Err(at.timed_out(&reason));
                     }

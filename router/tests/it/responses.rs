@@ -286,6 +286,48 @@ async fn a_background_request_whose_client_leaves_at_once_is_held_all_the_same()
     assert_eq!(fleet.router.fleet().members()[0].upstream.requests_in_flight(), 0);
 }
 
+/// A background request whose client leaves while it waits for room is given up as any other
+/// is: it leaves the line, and is not sent to generate for nobody while holding its key's
+/// places. (Decided apart from its client, it waited on, and was sent once room came.)
+#[tokio::test]
+async fn a_background_request_whose_client_leaves_while_it_waits_leaves_the_line() {
+    use tokio::io::AsyncWriteExt;
+    let slow = |name: &str| kvroute_replica_agent::Config { time_scale: 1.0, ..storing(name) };
+    let fleet = Fleet::with(1, slow, |c| kvroute_router::Config {
+        max_in_flight_per_replica: 1,
+        queue_timeout_ms: 600_000,
+        ..c
+    })
+    .await;
+    let metric = async |series: &str| {
+        let metrics = fleet.http.get(&fleet.url("/metrics")).await;
+        crate::support::sample(&String::from_utf8_lossy(&metrics.body), series).unwrap_or(0)
+    };
+    // A stream holds the replica's one room.
+    let long = json!({"model": FLEET_MODEL, "prompt": "hold it", "max_tokens": 400, "stream": true});
+    let mut open = fleet.http.stream_with(&fleet.url("/v1/completions"), &long, &[]).await;
+    crate::fleet::first_data(open.body_mut()).await;
+    let body =
+        json!({"model": FLEET_MODEL, "input": text("wait", 10), "max_output_tokens": 4, "background": true})
+            .to_string();
+    let addr = fleet.router.url().trim_start_matches("http://").to_owned();
+    let mut client = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!(
+        "POST /v1/responses HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    client.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
+    crate::support::wait_until_async("it waits for room", async || {
+        metric("kvroute_router_queued").await == 1
+    })
+    .await;
+    drop(client);
+    let left = "kvroute_router_queue_outcomes_total{outcome=\"left\"}";
+    crate::support::wait_until_async("it leaves the line", async || metric(left).await == 1).await;
+    assert_eq!(metric("kvroute_router_queued").await, 0);
+    assert_eq!(metric("kvroute_router_in_flight").await, 1, "the stream's place alone");
+}
+
 /// A continuation is held to the router's bounds before any replica is asked, and what it
 /// adds to the stored conversation weighs on its owner, less the instructions the owner holds.
 #[tokio::test]
