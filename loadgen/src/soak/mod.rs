@@ -415,7 +415,7 @@ async fn send_load(trace: Trace, load: Load, start: Instant, stop: CancellationT
         let prompt_tokens = request.input_len as u64;
         let load = load.clone();
         let stop = stop.clone();
-        load.tally.sent();
+        load.tally.sent(Instant::now().saturating_duration_since(at));
         tracker.spawn(async move {
             let sent = Instant::now();
             let timeout = load.config.request_timeout;
@@ -478,24 +478,33 @@ mod tests {
     use super::*;
     use crate::workload::Request;
 
-    /// Arrivals due while a stalled fleet holds every slot, up to the run's end, are counted
-    /// as `unsent` errors: they were left out of every count, and the run read as clean.
-    #[tokio::test]
-    async fn arrivals_that_find_no_slot_by_the_end_are_counted() {
-        // A target that takes requests and never answers.
+    /// A target that takes requests and closes each connection `after` (never, if `None`)
+    /// without answering.
+    async fn mute_target(after: Option<Duration>) -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let target = format!("http://{}", listener.local_addr().unwrap());
         tokio::spawn(async move {
             let mut held = Vec::new();
             while let Ok((stream, _)) = listener.accept().await {
-                held.push(stream);
+                match after {
+                    Some(after) => drop(tokio::spawn(async move {
+                        tokio::time::sleep(after).await;
+                        drop(stream);
+                    })),
+                    None => held.push(stream),
+                }
             }
         });
-        let config = SoakConfig {
+        target
+    }
+
+    /// One slot, a rate far past what it can take, and `duration`.
+    fn one_slot(duration: Duration) -> SoakConfig {
+        SoakConfig {
             binaries: Binaries { router: PathBuf::new(), agent: PathBuf::new() },
             replicas: 1,
             rate: 200.0,
-            duration: Duration::from_millis(300),
+            duration,
             churn_interval: None,
             sample_interval: Duration::from_secs(1),
             capacity_blocks: 16,
@@ -509,7 +518,10 @@ mod tests {
             out_dir: PathBuf::new(),
             workload: String::new(),
             progress: false,
-        };
+        }
+    }
+
+    fn trace() -> Trace {
         let request = Request {
             arrival: Duration::ZERO,
             input_len: 1,
@@ -517,8 +529,16 @@ mod tests {
             hash_ids: vec![1],
             segments: Vec::new(),
         };
-        let trace = Trace::in_order(vec![request; 1000]);
-        let tally = Tally::default();
+        Trace::in_order(vec![request; 1000])
+    }
+
+    /// Arrivals due while a stalled fleet holds every slot, up to the run's end, are counted
+    /// as `unsent` errors: they were left out of every count, and the run read as clean. They
+    /// count as requests done, not sent.
+    #[tokio::test]
+    async fn arrivals_that_find_no_slot_by_the_end_are_counted() {
+        let (target, config) = (mute_target(None).await, one_slot(Duration::from_millis(300)));
+        let (trace, tally) = (trace(), Tally::default());
         let load = Load { client: Client::new(Duration::from_secs(1)), target, config, tally: tally.clone() };
         let end = send_load(trace, load, Instant::now(), CancellationToken::new()).await;
         assert!(matches!(end, LoadEnd::Duration));
@@ -527,6 +547,19 @@ mod tests {
         // At 200 a second for 0.3 s, about 60 due: one sent (it timed out), the rest not.
         assert!(unsent >= 20, "{totals:?}");
         assert_eq!(totals.unexpected.get("timeout"), Some(&1), "{totals:?}");
-        assert_eq!((totals.sent, totals.done), (unsent + 1, unsent + 1), "{totals:?}");
+        assert_eq!((totals.sent, totals.done, totals.in_flight()), (1, unsent + 1, 0), "{totals:?}");
+    }
+
+    /// A request sent after its arrival time (its slot was taken) is counted late, and the
+    /// report says the rate asked was not kept: the run's load was less than it claims.
+    #[tokio::test]
+    async fn sends_behind_their_arrival_times_are_counted_late() {
+        let target = mute_target(Some(Duration::from_millis(250))).await;
+        let (config, tally) = (one_slot(Duration::from_millis(700)), Tally::default());
+        let load = Load { client: Client::new(Duration::from_secs(1)), target, config, tally: tally.clone() };
+        send_load(trace(), load, Instant::now(), CancellationToken::new()).await;
+        let totals = tally.totals();
+        assert!(totals.sent >= 2 && totals.late >= 1, "{totals:?}");
+        assert!(totals.most_late_ms >= super::tally::LATE.as_millis() as u64, "{totals:?}");
     }
 }

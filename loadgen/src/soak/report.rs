@@ -298,6 +298,15 @@ impl SoakReport {
             self.replica_restarts,
             pct(self.hit_rate)
         );
+        let _ = writeln!(
+            out,
+            "{} sent, {} of them over {} ms after their arrival time (every slot taken; at most {} ms): the rate asked was {}",
+            t.sent,
+            t.late,
+            super::tally::LATE.as_millis(),
+            t.most_late_ms,
+            if t.late == 0 && !t.unexpected.contains_key("unsent") { "kept" } else { "not kept" }
+        );
         match &self.flatness {
             Some(f) => {
                 let _ = writeln!(

@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -29,8 +29,14 @@ pub struct Kill {
 pub struct Totals {
     /// Requests sent.
     pub sent: u64,
-    /// Requests finished, successfully or not.
+    /// Requests finished, successfully or not, and those due that were never sent (`unsent`
+    /// errors).
     pub done: u64,
+    /// Requests sent later than their arrival time, for want of a free slot (`--max-in-flight`
+    /// of them were in flight), by more than [`LATE`].
+    pub late: u64,
+    /// The most any request was sent after its arrival time, ms.
+    pub most_late_ms: u64,
     pub succeeded: u64,
     /// Failures attributed to a killed replica.
     pub lost_to_churn: u64,
@@ -66,9 +72,13 @@ impl Totals {
     }
 
     pub fn in_flight(&self) -> u64 {
-        self.sent.saturating_sub(self.done)
+        let unsent = self.unexpected.get("unsent").copied().unwrap_or(0);
+        (self.sent + unsent).saturating_sub(self.done)
     }
 }
+
+/// How late a request may be sent after its arrival time before it counts as late.
+pub const LATE: Duration = Duration::from_millis(100);
 
 /// The shared tally: request tasks and the churn loop write, the sampler reads. The lock is
 /// held for a few additions, never across an `.await`.
@@ -91,15 +101,19 @@ impl Tally {
         f(&mut self.inner.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
-    pub fn sent(&self) {
-        self.with(|s| s.totals.sent += 1);
+    /// Records a request sent `late` after its arrival time.
+    pub fn sent(&self, late: Duration) {
+        self.with(|s| {
+            s.totals.sent += 1;
+            s.totals.late += u64::from(late > LATE);
+            s.totals.most_late_ms = s.totals.most_late_ms.max(late.as_millis() as u64);
+        });
     }
 
-    /// Records `n` requests due that were never sent: sent and done, as unexpected errors
-    /// (`unsent`).
+    /// Records `n` requests due that were never sent: done, as unexpected errors (`unsent`),
+    /// and not sent.
     pub fn unsent(&self, n: u64) {
         self.with(|s| {
-            s.totals.sent += n;
             s.totals.done += n;
             *s.totals.unexpected.entry("unsent".into()).or_insert(0) += n;
         });
@@ -206,7 +220,7 @@ mod tests {
         let tally = Tally::default();
         let sent = Instant::now();
         for _ in 0..4 {
-            tally.sent();
+            tally.sent(Duration::ZERO);
         }
         let ok = Success { prompt_tokens: 100, cached_tokens: Some(40), ..Success::default() };
         tally.finished(sent, Some("a"), &Ok(ok));
@@ -216,7 +230,7 @@ mod tests {
         // Cut off by the run's end, across a kill: not lost to churn, and no fault either.
         tally.finished(sent, None, &Err(ErrorKind::Cancelled));
         // Timed out before any answer: a stall, whatever was killed meanwhile.
-        tally.sent();
+        tally.sent(Duration::ZERO);
         tally.finished(sent, None, &Err(ErrorKind::Timeout));
         let totals = tally.totals();
         assert_eq!((totals.sent, totals.done, totals.in_flight()), (5, 5, 0));
