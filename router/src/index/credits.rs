@@ -15,8 +15,9 @@
 //! it) for that (block, replica) drops the credit at once, pinned or not, so a block that
 //! was cached and later evicted is never predicted from a stale credit. A replica removed,
 //! restarted or unreachable loses all its credits ([`Credits::forget`]). Lookups extend each
-//! replica's index overlap through credited blocks: overlap = longest prefix of blocks that
-//! are in the index or credited, for that replica.
+//! replica's index overlap through credited blocks: overlap = its index overlap, then the
+//! credited blocks that follow it without a gap (a credited run that stops at a block the
+//! index alone shows is not walked past it: the overlap may come out short, never long).
 //!
 //! Storage: credits live in two generations of `ttl` each, with their expiry. A credit is
 //! read as live until its expiry; when the current generation is `ttl` old it becomes the
