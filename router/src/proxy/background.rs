@@ -24,7 +24,9 @@
 //! beginning is read before it is handed on ([`with_id_read`]): a client that leaves at once
 //! (its connection closed as soon as the request went, its HTTP/2 stream reset) does not
 //! take the forward with it, and the places are held by the response's id all the same.
-//! An answer that ended before it showed an id (cut off) holds nothing (`unlearned`). Held, the places
+//! An answer that ended before it showed an id (cut off) holds nothing (`unlearned`). The
+//! access log's line of such a request is written when the router has read its answer (a
+//! queued response is read whole); a client gone by then has a line of its own too (499). Held, the places
 //! count as the request's did: the queue, per-key limits and the policy's in-flight load see
 //! a request running on the replica (though not its prefill tokens, let go at the answer's
 //! first data: the router cannot tell when the replica prefills it). The responses held are

@@ -4,7 +4,7 @@
 //! |---|---|
 //! | `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages` (Anthropic's API) and `POST /v1/responses` (OpenAI's Responses API), the last two decided as the chat request vLLM makes of them | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]); a Responses request that continues a stored response goes to the replica that stored it ([`responses`]) |
 //! | `POST /generate` (SGLang's native API) | decided as the completion it amounts to (`kvroute_proto::openai::request::sglang`), among replicas that serve it (SGLang's and kvroute's agents, not vLLM's), and forwarded as any completion is |
-//! | `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` | streamed to the replica that stored the response ([`responses`]) |
+//! | `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` | streamed to the replica that stored the response ([`responses`]); without a place under the router's limits unless it is a resumed stream |
 //! | other `/v1/*`, and the engines' own paths outside `/v1` that do not generate (`/tokenize`, `/rerank`, ...: [`paths`]) | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused) |
 //! | `GET /v1/models` | the fleet's model (with the fields a healthy replica lists for it: `max_model_len`, `root`, `owned_by`) and LoRA adapters |
 //! | `OPTIONS` on the paths above (a browser's CORS preflight) | streamed to the least-loaded eligible replica, so the fleet's CORS policy answers it; the router's own answers (its errors, `/v1/models`) carry `--allowed-origins`' ([`cors`]) |
