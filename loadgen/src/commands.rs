@@ -522,7 +522,8 @@ pub fn live_summary(r: &LiveReport) -> String {
         r.throughput_rps, r.output_tokens_per_s, r.duration_s
     );
     out += &format!(
-        "from the send: TTFT {}; time per output token {}; end-to-end {}\n",
+        "from the send ({} successful requests): TTFT {}; time per output token {}; end-to-end {}\n",
+        r.e2e.map_or(0, |p| p.count),
         ms(r.ttft),
         ms(r.time_per_output_token),
         ms(r.e2e)

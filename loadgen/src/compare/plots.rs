@@ -88,7 +88,7 @@ fn ttft_cdf(report: &CompareReport, path: &Path) -> anyhow::Result<()> {
     chart
         .configure_mesh()
         .x_desc("TTFT from the send (ms)")
-        .y_desc("fraction of requests")
+        .y_desc("fraction of successful requests")
         .draw()
         .map_err(err)?;
     for (i, (run, ms)) in report.runs.iter().zip(&curves).enumerate() {

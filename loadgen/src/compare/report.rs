@@ -260,7 +260,7 @@ impl CompareReport {
             .collect();
         footnote(
             &mut out,
-            "* hit rate from the responses' usage, not the replicas' counters",
+            "* hit rate from the responses' usage, not the replicas' counters (of the successes that reported cached tokens; % pooled is against the requests served, failed ones a replica may have run included)",
             &from_responses,
             ", ",
         );

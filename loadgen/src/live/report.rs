@@ -45,9 +45,10 @@ impl RequestRecord {
     }
 }
 
-/// Nearest-rank percentiles of a latency, in milliseconds.
+/// Nearest-rank percentiles of a latency, in milliseconds, and how many requests they are of.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Percentiles {
+    pub count: usize,
     pub p50_ms: f64,
     pub p90_ms: f64,
     pub p99_ms: f64,
@@ -68,6 +69,7 @@ impl Percentiles {
             ms(values[rank.clamp(1, values.len()) - 1])
         };
         Some(Self {
+            count: values.len(),
             p50_ms: at(50.0),
             p90_ms: at(90.0),
             p99_ms: at(99.0),
@@ -117,16 +119,19 @@ pub struct LiveReport {
     pub throughput_rps: f64,
     pub output_tokens_per_s: f64,
     /// Time to first token from the actual send: the service's latency, without an
-    /// open-loop request's wait for an in-flight slot (see `ttft_from_intended`).
+    /// open-loop request's wait for an in-flight slot (see `ttft_from_intended`). Of
+    /// successful requests only, as every latency here but `send_lateness`: a failure (a
+    /// timeout, at least `--timeout` long) is in `errors`, not in the percentiles, which
+    /// under overload look better than the requests fared; `count` says how many they cover.
     pub ttft: Option<Percentiles>,
     pub time_per_output_token: Option<Percentiles>,
     /// End-to-end latency from the actual send (service latency, as `ttft`).
     pub e2e: Option<Percentiles>,
     /// Open loop only: time to first token from when the schedule meant to send the request,
     /// so client-side queueing (a full in-flight limit, a late timer) counts, as it would
-    /// for a user arriving then.
+    /// for a user arriving then (successful requests only, as `ttft`).
     pub ttft_from_intended: Option<Percentiles>,
-    /// Open loop only: end-to-end latency from the intended send.
+    /// Open loop only: end-to-end latency from the intended send (successful requests only).
     pub e2e_from_intended: Option<Percentiles>,
     /// Open loop only: how late requests were sent, against their schedule (every request
     /// sent, failed or not).
@@ -159,6 +164,8 @@ pub struct LiveReport {
     /// response named it.
     pub per_replica: Vec<ReplicaShare>,
     /// Max over mean of `per_replica` prompt tokens (1 = even); `None` without a per-replica view.
+    /// From the router's headers, of successful requests only (a failed one's replica is not
+    /// recorded); from the replicas' counters, of every prompt they took.
     pub load_skew: Option<f64>,
     /// Cumulative realized hit rate by completion time: `(seconds, rate)`.
     pub hit_rate_over_time: Vec<(f64, f64)>,
@@ -438,6 +445,7 @@ mod tests {
         assert_eq!(r.load_skew, Some(1.0));
         assert!((r.duration_s - 0.3).abs() < 1e-9);
         assert_eq!(r.ttft.unwrap().p50_ms, 10.0);
+        assert_eq!((r.ttft.unwrap().count, r.e2e.unwrap().count), (3, 3), "the successes' latencies alone");
         assert_eq!(r.time_per_output_token.unwrap().p50_ms, 9.0);
         let last = r.hit_rate_over_time.last().unwrap();
         assert!((last.1 - 150.0 / 400.0).abs() < 1e-12);

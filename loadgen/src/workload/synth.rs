@@ -55,6 +55,8 @@ pub enum SynthError {
     Tokens { name: &'static str, value: usize },
     #[error("{low} ({low_value}) must be at most {high} ({high_value})")]
     Order { low: &'static str, low_value: usize, high: &'static str, high_value: usize },
+    #[error("{0} must be at least 1")]
+    Zero(&'static str),
 }
 
 /// The longest mean length of a generated part (a system prompt, a message, a document, an
@@ -65,6 +67,15 @@ pub const MAX_MEAN_TOKENS: usize = 1 << 24;
 fn check_tokens(flags: &[(&'static str, usize)]) -> Result<(), SynthError> {
     match flags.iter().find(|(_, value)| *value > MAX_MEAN_TOKENS) {
         Some(&(name, value)) => Err(SynthError::Tokens { name, value }),
+        None => Ok(()),
+    }
+}
+
+/// Every count in `flags` at least 1, or the first that is not (it was read as 1 before: a
+/// workload other than the one asked for, without a word).
+fn check_counts(flags: &[(&'static str, usize)]) -> Result<(), SynthError> {
+    match flags.iter().find(|(_, value)| *value == 0) {
+        Some(&(name, _)) => Err(SynthError::Zero(name)),
         None => Ok(()),
     }
 }
@@ -361,6 +372,17 @@ mod tests {
         assert!(matches!(chat.generate(), Err(SynthError::Order { low: "--min-turns", .. })));
         let rag = RagParams { docs_per_query: 10, documents: 3, ..RagParams::default() };
         assert!(matches!(rag.generate(), Err(SynthError::Order { low: "--docs-per-query", .. })));
+    }
+
+    /// A count of 0 is refused: it was read as 1, a workload other than the one asked for.
+    #[test]
+    fn zero_counts_are_refused() {
+        let chat = ChatParams { system_prompts: 0, ..ChatParams::default() };
+        assert_eq!(chat.generate(), Err(SynthError::Zero("--system-prompts")));
+        let chat = ChatParams { min_turns: 0, ..ChatParams::default() };
+        assert_eq!(chat.generate(), Err(SynthError::Zero("--min-turns")));
+        let rag = RagParams { documents: 0, docs_per_query: 0, ..RagParams::default() };
+        assert_eq!(rag.generate(), Err(SynthError::Zero("--documents")));
     }
 
     /// Lengths past what a prompt can be are refused (`mean + mean / 2` overflowed, and a

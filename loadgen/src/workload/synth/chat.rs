@@ -1,13 +1,16 @@
 //! Multi-turn chat: each conversation picks one of a few system prompts, then sends a user
 //! message; every later turn re-sends the whole history (system prompt, every user message and
 //! assistant reply so far) plus a new message. Conversations start as a Poisson process and a
-//! turn follows the previous one after an exponential think time.
+//! turn follows the previous one after an exponential think time, counted from the previous
+//! turn's arrival, not its answer (open loop): a turn whose think time is shorter than its
+//! predecessor's answer goes out before that history is cached (about one turn in twenty
+//! comes within a twentieth of the mean think time), as a client that does not wait would.
 
 use std::time::Duration;
 
 use rand::RngExt;
 
-use super::{Gen, SynthError, check_order, check_rate, check_tokens, clap_defaults};
+use super::{Gen, SynthError, check_counts, check_order, check_rate, check_tokens, clap_defaults};
 use crate::units::parse_duration;
 use crate::workload::Trace;
 
@@ -56,6 +59,7 @@ impl ChatParams {
     /// Generates the trace.
     pub fn generate(&self) -> Result<Trace, SynthError> {
         let rate = check_rate("--conversation-rate", self.conversation_rate)?;
+        check_counts(&[("--system-prompts", self.system_prompts), ("--min-turns", self.min_turns)])?;
         check_order(("--min-turns", self.min_turns), ("--max-turns", self.max_turns))?;
         check_tokens(&[
             ("--system-prompt-tokens", self.system_prompt_tokens),

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use super::{Gen, SynthError, Zipf, check_order, check_rate, check_tokens, clap_defaults};
+use super::{Gen, SynthError, Zipf, check_counts, check_order, check_rate, check_tokens, clap_defaults};
 use crate::workload::Trace;
 
 /// Parameters of the RAG workload.
@@ -54,7 +54,8 @@ impl RagParams {
     /// Generates the trace.
     pub fn generate(&self) -> Result<Trace, SynthError> {
         let rate = check_rate("--rate", self.rate)?;
-        check_order(("--docs-per-query", self.docs_per_query), ("--documents", self.documents.max(1)))?;
+        check_counts(&[("--documents", self.documents)])?;
+        check_order(("--docs-per-query", self.docs_per_query), ("--documents", self.documents))?;
         check_tokens(&[
             ("--doc-tokens", self.doc_tokens),
             ("--system-prompt-tokens", self.system_prompt_tokens),
