@@ -21,9 +21,9 @@
 //! any ── `malformed_fallback` malformed messages in a row ──► FALLBACK
 //!                          ── next good batch: snapshot, else clear and rebuild ──► EXACT
 //! EXACT ── a batch that cannot be decoded (its seq is consumed: a replay would give the
-//!          same bytes) ── at once for the first since the last good batch (else, and when
-//!          already FALLBACK, DEGRADED until the next good batch): snapshot, else clear and
-//!          rebuild ──► EXACT
+//!          same bytes) ── at once for the first since the last good batch (else DEGRADED,
+//!          or FALLBACK when already so, until the next good batch): snapshot, else clear
+//!          and rebuild ──► EXACT
 //!          (what the lost batch removed is unknown, and the index must stay a subset)
 //! seq backwards (vLLM) or new epoch (kvroute) ──► restart: clear the rank at once (and end
 //!                          the replica's credits), then apply from seq 0 (a gap from 0 is

@@ -92,7 +92,8 @@ impl SkipReason {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Outcome {
     Ok,
-    /// The replay answered, but its first batch is past the one asked for.
+    /// The replay answered, but its first batch is past the one asked for, or it ended
+    /// without its end marker.
     Incomplete,
     Failed,
 }

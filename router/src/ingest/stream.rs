@@ -96,6 +96,10 @@ pub(crate) struct RankStream {
     /// batches missed before the live ones can remove only blocks stored before them, which
     /// the rank does not hold. (A gap between live batches still clears: [`Self::process`].)
     fresh: bool,
+    /// Since the rank last connected (or dropped batches), a live batch followed on from what
+    /// it held (its seq the one expected): nothing was missed between what it holds and the
+    /// live stream, so a catch-up whose replay fails keeps it, as a fresh rank's does.
+    in_step: bool,
     /// A repair applied replays without their end marker and could not get the rest: the
     /// rank is DEGRADED until a live batch follows on from them (or a gap is repaired), or a
     /// later repair gets the rest ([`RankStream::run`] tries again after `tail_wait`).
@@ -153,6 +157,7 @@ impl RankStream {
             disconnected: false,
             unreachable: false,
             fresh: true,
+            in_step: false,
             tail_unknown: false,
             tail_wait: Duration::ZERO,
             repairing_tail: false,
@@ -235,6 +240,7 @@ impl RankStream {
                 }
                 self.disconnected = false;
                 self.unreachable = false;
+                self.in_step = false;
                 // Slow joiner: whatever was published before the subscription took effect
                 // (or during an outage) is only available from the replay buffer.
                 let from = self.expected.unwrap_or(Seq(0));
@@ -252,6 +258,7 @@ impl RankStream {
                 self.set_state(StreamState::Degraded);
                 // The batches dropped came after what the rank holds: they may remove it.
                 self.fresh = false;
+                self.in_step = false;
                 let from = self.expected.unwrap_or(Seq(0));
                 self.repair(from, None).await;
             }
@@ -366,6 +373,7 @@ impl RankStream {
             action = self.classify(&batch);
         }
         if let Action::Gap(from) = action {
+            self.in_step = false;
             tracing::info!(replica = %self.ctx.replica.spec.name, rank = self.rank, from = from.0, seen = batch.seq.0, "seq gap");
             self.ctx.metrics.gaps.inc();
             self.ctx.replica.status.add_gap();
@@ -392,6 +400,7 @@ impl RankStream {
             }
         }
         if action == Action::Apply {
+            self.in_step |= self.expected == Some(batch.seq);
             self.apply(batch);
             // In step again: nothing was missing between the replays and this batch.
             if std::mem::take(&mut self.tail_unknown) {
@@ -492,7 +501,8 @@ impl RankStream {
                 drop((batches, held));
                 // A replay that brought little of what is missing counts, and so does one
                 // without its end marker (it waited out its reply timeout): a long gap replayed
-                // in large parts goes on to its end, and no gap takes more than 9 timeouts.
+                // in large parts goes on to its end, and no gap takes more than 9 replays (each
+                // up to its own reply timeouts).
                 if !ended || self.expected.map_or(0, |next| next.0.saturating_sub(from.0)) < CRAWLING {
                     *replays = replays.saturating_sub(1);
                 }
@@ -527,8 +537,9 @@ impl RankStream {
         }
         // A fresh rank whose replay brought nothing keeps its live batches: a catch-up
         // whose replay failed used to clear the blocks stored since the connection, which
-        // the publisher never announces again.
-        let keep_live = self.fresh && !replayed;
+        // the publisher never announces again. So does a rank whose live batches have
+        // followed on from what it held (a replay's, say) since it connected.
+        let keep_live = (self.fresh || self.in_step) && !replayed;
         if !applied && !keep_live {
             self.clear();
             self.expected = None;
@@ -870,6 +881,7 @@ impl RankStream {
         }
         self.dup = None;
         self.fresh = true;
+        self.in_step = false;
         self.ctx.metrics.clears.inc();
         self.update_blocks_gauge();
     }
@@ -1064,6 +1076,14 @@ mod tests {
         replayed.replay_endpoint = Some("tcp://127.0.0.1:9".into());
         replayed.repair(Seq(2), None).await;
         assert_eq!(replayed.ctx.index.blocks(replayed.ctx.replica.id), 0, "a replay's blocks may be stale");
+        // Unless a live batch followed on from them: nothing was missed between the two.
+        let mut in_step = rank_with(config.clone());
+        in_step.apply_replayed(&[batch(0), batch(1)]).await;
+        let live = in_step.decode(&batch(2)).unwrap();
+        in_step.process(live).await;
+        in_step.replay_endpoint = Some("tcp://127.0.0.1:9".into());
+        in_step.repair(Seq(3), None).await;
+        assert_eq!(in_step.ctx.index.blocks(in_step.ctx.replica.id), 3, "in step: kept");
         // A replay whose batches hold a cache reset: what came after it was replayed all the
         // same (the clear took the rank back to fresh, and the replay's blocks were kept).
         let cleared = {
