@@ -34,7 +34,7 @@ use super::metrics::{Malformed, Outcome, ReplicaMetrics, SkipReason};
 use super::subscriber::Input;
 use super::{replay, snapshot};
 use crate::index::SharedIndex;
-use crate::replicas::{Replica, StreamState};
+use crate::replicas::{EngineKind, Replica, StreamState};
 
 /// What every rank task of one replica shares.
 #[derive(Debug)]
@@ -300,6 +300,16 @@ impl RankStream {
                 return;
             }
         };
+        // A live copy of a batch a replay or snapshot brought is dropped undecoded (after a
+        // repair, up to a queue of them): its seq names it, vLLM's and SGLang's having no epoch
+        // (a kvroute agent's, in its payload, may tell a restart). Decoded, a malformed one
+        // counted again, and toward FALLBACK.
+        if self.ctx.replica.spec.engine != EngineKind::Kvroute
+            && self.expected.is_some_and(|e| msg.seq < e)
+            && self.dup.is_some_and(|(first, last)| first <= msg.seq && msg.seq <= last)
+        {
+            return;
+        }
         let Some(batch) = self.decode(&msg) else {
             // What the lost batch removed must leave the index now, not when the replica
             // next publishes; a second lost batch before a good one waits for it (as does a
@@ -948,7 +958,7 @@ mod tests {
 
     use super::*;
     use crate::ingest::IngestMetrics;
-    use crate::replicas::{EngineKind, ReplicaSpec, Replicas};
+    use crate::replicas::{ReplicaSpec, Replicas};
 
     fn rank() -> RankStream {
         rank_with(IngestConfig::default())
@@ -1046,6 +1056,20 @@ mod tests {
             dp_rank: None,
         });
         LiveMessage { topic: bytes::Bytes::new(), seq: Seq(seq), payload }
+    }
+
+    /// A live copy of a replayed batch is dropped before it is decoded: one malformed is not
+    /// counted a second time (nor toward FALLBACK).
+    #[tokio::test]
+    async fn live_copies_of_replayed_batches_are_not_decoded() {
+        let mut rank = rank_with(IngestConfig::default());
+        rank.apply_replayed(&[batch(0), batch(1), batch(2)]).await;
+        let garbage = kvroute_proto::framing::encode_live(Bytes::new(), Seq(1), Bytes::from_static(&[0xc1]));
+        rank.on_frames(&garbage).await;
+        assert_eq!(rank.ctx.metrics.malformed(Malformed::Payload).get(), 0, "a copy of batch 1");
+        let past = kvroute_proto::framing::encode_live(Bytes::new(), Seq(3), Bytes::from_static(&[0xc1]));
+        rank.on_frames(&past).await;
+        assert_eq!(rank.ctx.metrics.malformed(Malformed::Payload).get(), 1, "a new one is decoded");
     }
 
     /// Regression: a catch-up whose replay failed (a replay port the router cannot reach)
