@@ -83,10 +83,11 @@
 //! removal, its index entries being this router's requests to it ([`Prediction`]).
 //!
 //! # Parameters ([`IngestConfig`])
-//! channel 4096 live messages and 64 MiB of them per rank (overflow → counted, becomes a gap), fallback after
-//! 10 s without a connection, reconnect backoff 1 s, replay timeout 5 s, replay cap 100 000
-//! batches (256 MiB of payload for all replays together), snapshot timeout 30 s and cap 4 Mi blocks, FALLBACK after 16 malformed
-//! messages in a row, catch-up replay 1 s after each connect.
+//! channel 4096 live messages and 64 MiB of them per rank, 512 MiB over every rank
+//! (overflow → counted, becomes a gap), fallback after 10 s without a connection, reconnect
+//! backoff 1 s, replay timeout 5 s, replay cap 100 000 batches (256 MiB of payload for all
+//! replays together), snapshot timeout 30 s and cap 4 Mi blocks, FALLBACK after 16
+//! malformed messages in a row, catch-up replay 1 s after each connect.
 //!
 //! # Layout
 //! - `subscriber`: the SUB socket task per (replica, rank).
@@ -136,6 +137,11 @@ pub struct IngestConfig {
     /// Frame bytes those messages may hold together, per rank, 32 bytes a frame counted
     /// besides its contents.
     pub channel_max_bytes: usize,
+    /// Frame bytes every rank's queued live messages may hold together (the fleet
+    /// reconnecting, every rank busy with a replay, each would fill its channel): past it,
+    /// messages are dropped and repaired as a full channel's are. At least
+    /// `channel_max_bytes`, so that the largest message fits.
+    pub live_max_bytes: usize,
     /// A rank without a connection this long is FALLBACK (also the SUB connect timeout).
     pub fallback_after: Duration,
     /// Pause between failed connection attempts.
@@ -175,6 +181,7 @@ impl Default for IngestConfig {
             channel_capacity: 4096,
             // The largest message the ZMTP guard lets through, its frames' cost counted.
             channel_max_bytes: (MAX_MESSAGE_BYTES + u64::from(MAX_MESSAGE_FRAMES) * FRAME_CHARGE) as usize,
+            live_max_bytes: 512 << 20,
             fallback_after: Duration::from_secs(10),
             reconnect_backoff: Duration::from_secs(1),
             replay_timeout: Duration::from_secs(5),
@@ -222,6 +229,8 @@ struct Inner {
     tracker: TaskTracker,
     shutdown: CancellationToken,
     running: Mutex<HashMap<ReplicaId, Running>>,
+    /// `config.live_max_bytes`, shared by every rank's live messages.
+    live_bytes: outbox::Shared,
     /// `config.replay_max_bytes`, shared by every replay.
     replay_budget: Arc<replay::Budget>,
 }
@@ -248,6 +257,7 @@ impl Ingest {
         let metrics =
             IngestMetrics::register(registry, index.clone(), rank_index.clone(), host_index.clone());
         let replay_budget = Arc::new(replay::Budget::new(config.replay_max_bytes));
+        let live_bytes = outbox::Shared::new(config.live_max_bytes.max(config.channel_max_bytes));
         Self {
             inner: Arc::new(Inner {
                 config: Arc::new(config),
@@ -259,6 +269,7 @@ impl Ingest {
                 tracker,
                 shutdown,
                 running: Mutex::new(HashMap::new()),
+                live_bytes,
                 replay_budget,
             }),
         }
@@ -344,7 +355,7 @@ impl Ingest {
                 topic: spec.topic.clone(),
                 fallback_after: inner.config.fallback_after,
                 reconnect_backoff: inner.config.reconnect_backoff,
-                max_queued_bytes: inner.config.channel_max_bytes,
+                max_queued_bytes: (inner.config.channel_max_bytes, inner.live_bytes.clone()),
             };
             let stream = RankStream::new(ctx.clone(), rank, replay);
             inner.tracker.spawn(running.tasks.track_future(subscriber::run(

@@ -6,7 +6,9 @@
 //!
 //! The channel is bounded twice: by its slots, and by `max_queued_bytes` of frames, each
 //! frame's own cost counted (a message can be up to the ZMTP guard's 64 MiB and 1024 frames,
-//! so a count alone bounds nothing).
+//! so a count alone bounds nothing). Every rank's channel shares one more bound, of bytes
+//! ([`Shared`]): when the fleet reconnects, every rank busy with a replay, their channels
+//! would fill together (at ~64 MiB each, 200 ranks' come to 12 GiB).
 //!
 //! A report owes its place in the order: it goes in before any live message after the drops
 //! (one that does not fit behind it is dropped too). Queued after one, the stream would see
@@ -54,28 +56,53 @@ impl Pending {
     }
 }
 
-/// A live message's share of its channel's bytes, given back when the message is dropped.
+/// The bytes every rank's queued live messages hold together, and their bound.
+#[derive(Clone, Debug)]
+pub(crate) struct Shared {
+    queued: Arc<AtomicUsize>,
+    limit: usize,
+}
+
+impl Shared {
+    pub(crate) fn new(limit: usize) -> Self {
+        Self { queued: Arc::default(), limit }
+    }
+}
+
+/// A live message's share of its channel's bytes and of every channel's ([`Shared`]), given
+/// back when the message is dropped.
 #[derive(Debug)]
 pub(crate) struct Queued {
     bytes: usize,
     queued: Arc<AtomicUsize>,
+    shared: Arc<AtomicUsize>,
+}
+
+/// Counts `bytes` in `queued`, unless that would take it past `limit`.
+fn count(queued: &AtomicUsize, bytes: usize, limit: usize) -> bool {
+    let fits = |held: usize| held.checked_add(bytes).filter(|&total| total <= limit);
+    queued.fetch_update(Ordering::AcqRel, Ordering::Acquire, fits).is_ok()
 }
 
 impl Queued {
-    /// Counts `bytes` in `queued`, unless that would take it past `limit`.
-    fn take(queued: &Arc<AtomicUsize>, bytes: usize, limit: usize) -> Option<Queued> {
-        queued
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                held.checked_add(bytes).filter(|&total| total <= limit)
-            })
-            .ok()
-            .map(|_| Queued { bytes, queued: queued.clone() })
+    /// Counts `bytes` in `queued` and in `shared`, unless that would take either past its
+    /// limit.
+    fn take(queued: &Arc<AtomicUsize>, bytes: usize, limit: usize, shared: &Shared) -> Option<Queued> {
+        if !count(queued, bytes, limit) {
+            return None;
+        }
+        if !count(&shared.queued, bytes, shared.limit) {
+            queued.fetch_sub(bytes, Ordering::AcqRel);
+            return None;
+        }
+        Some(Queued { bytes, queued: queued.clone(), shared: shared.queued.clone() })
     }
 }
 
 impl Drop for Queued {
     fn drop(&mut self) {
         self.queued.fetch_sub(self.bytes, Ordering::AcqRel);
+        self.shared.fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }
 
@@ -85,6 +112,7 @@ pub(crate) struct Outbox {
     tx: mpsc::Sender<Input>,
     queued: Arc<AtomicUsize>,
     max_queued_bytes: usize,
+    shared: Shared,
     pending: Pending,
     /// Messages were dropped since the last report was sent.
     owed: bool,
@@ -92,9 +120,13 @@ pub(crate) struct Outbox {
 }
 
 impl Outbox {
-    pub(crate) fn new(tx: mpsc::Sender<Input>, max_queued_bytes: usize, overflow: Counter) -> Self {
+    pub(crate) fn new(
+        tx: mpsc::Sender<Input>,
+        (max_queued_bytes, shared): (usize, Shared),
+        overflow: Counter,
+    ) -> Self {
         let queued = Arc::new(AtomicUsize::new(0));
-        Self { tx, queued, max_queued_bytes, pending: Pending::default(), owed: false, overflow }
+        Self { tx, queued, max_queued_bytes, shared, pending: Pending::default(), owed: false, overflow }
     }
 
     /// Queues one live message's frames (as copies: the socket cuts every frame out of one
@@ -110,7 +142,7 @@ impl Outbox {
         }
         let bytes = frames.iter().map(|f| f.len() + FRAME_CHARGE as usize).sum();
         let sent = !self.owes()
-            && match Queued::take(&self.queued, bytes, self.max_queued_bytes) {
+            && match Queued::take(&self.queued, bytes, self.max_queued_bytes, &self.shared) {
                 Some(share) => {
                     let copies = frames.iter().map(|frame| Bytes::copy_from_slice(frame)).collect();
                     match self.tx.try_send(Input::Frames(copies, share)) {
@@ -179,7 +211,7 @@ mod tests {
     fn drops_are_reported_before_the_messages_after_them() {
         let (tx, mut rx) = mpsc::channel(2);
         let overflow = Counter::default();
-        let mut outbox = Outbox::new(tx, usize::MAX, overflow.clone());
+        let mut outbox = Outbox::new(tx, (usize::MAX, Shared::new(usize::MAX)), overflow.clone());
         for n in 1..=3 {
             outbox.offer(&message(n)).unwrap();
         }
@@ -203,7 +235,7 @@ mod tests {
     #[test]
     fn drops_behind_a_waiting_report_are_reported_after_it() {
         let (tx, mut rx) = mpsc::channel(2);
-        let mut outbox = Outbox::new(tx.clone(), usize::MAX, Counter::default());
+        let mut outbox = Outbox::new(tx.clone(), (usize::MAX, Shared::new(usize::MAX)), Counter::default());
         for n in 1..=3 {
             outbox.offer(&message(n)).unwrap();
         }
@@ -225,7 +257,7 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(1024);
         let overflow = Counter::default();
         let one: usize = message(0).iter().map(|f| f.len() + FRAME_CHARGE as usize).sum();
-        let mut outbox = Outbox::new(tx, 2 * one, overflow.clone());
+        let mut outbox = Outbox::new(tx, (2 * one, Shared::new(usize::MAX)), overflow.clone());
         for n in 1..=10 {
             outbox.offer(&message(n)).unwrap();
         }
@@ -235,5 +267,27 @@ mod tests {
         // the report, have one more.
         outbox.offer(&message(11)).unwrap();
         assert_eq!(drain(&mut rx), [None, Some(11)]);
+    }
+
+    /// Every channel's bytes share one bound: a rank whose own channel has room drops what
+    /// would take the fleet's past it, and reports the drop; bytes given back by another
+    /// rank's stream make room again.
+    #[test]
+    fn the_channels_share_one_bound_of_bytes() {
+        let one: usize = message(0).iter().map(|f| f.len() + FRAME_CHARGE as usize).sum();
+        let shared = Shared::new(3 * one);
+        let ((tx_a, mut rx_a), (tx_b, mut rx_b)) = (mpsc::channel(64), mpsc::channel(64));
+        let (overflow_a, overflow_b) = (Counter::default(), Counter::default());
+        let mut a = Outbox::new(tx_a, (usize::MAX, shared.clone()), overflow_a.clone());
+        let mut b = Outbox::new(tx_b, (usize::MAX, shared.clone()), overflow_b.clone());
+        for n in 1..=2 {
+            a.offer(&message(n)).unwrap();
+        }
+        b.offer(&message(3)).unwrap();
+        b.offer(&message(4)).unwrap();
+        assert_eq!((overflow_a.get(), overflow_b.get()), (0, 1), "the fleet's bytes are taken");
+        assert_eq!(drain(&mut rx_a), [Some(1), Some(2)]);
+        b.offer(&message(5)).unwrap();
+        assert_eq!(drain(&mut rx_b), [Some(3), None, Some(5)], "room again once a's were taken");
     }
 }
