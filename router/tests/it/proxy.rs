@@ -50,6 +50,30 @@ async fn a_request_for_its_prompts_logprobs_is_predicted_no_hit() {
     }
 }
 
+/// Regression: a request for its prompt's logprobs, scored on no blocks, credited its whole
+/// prompt as its own: failed on its replica, its withdrawal ended the credits an earlier
+/// request of the same prompt had left there, still unconfirmed. It ends none it found.
+#[tokio::test]
+async fn a_prompt_logprobs_request_withdrawn_leaves_others_credits() {
+    let fleet =
+        Fleet::with(1, agent_config, |c| kvroute_router::Config { credit_ttl_ms: 3_600_000, ..c }).await;
+    let decider = &fleet.router.state.decider;
+    let body = completion(&text("withdrawn", 40), 1);
+    let mut earlier = decider.explain(Endpoint::Completions, body.to_string().as_bytes()).await.unwrap();
+    decider.credit(&mut earlier, 0);
+    drop(earlier.hold.take());
+    let credits = fleet.router.fleet().credits();
+    let held = credits.len();
+    assert_eq!(held, earlier.all_blocks.len(), "the earlier request's, unconfirmed");
+    let mut logprobs = body.clone();
+    logprobs["prompt_logprobs"] = json!(1);
+    let mut failed = decider.explain(Endpoint::Completions, logprobs.to_string().as_bytes()).await.unwrap();
+    assert!(failed.blocks.is_empty(), "scored on no blocks");
+    decider.credit(&mut failed, 0);
+    decider.withdraw_credit(&mut failed);
+    assert_eq!(credits.len(), held, "the earlier request's credits stand");
+}
+
 /// Credits are predictions of blocks a replica is about to store; the blocks the index
 /// already shows on the chosen replica get none, so once the replicas' events settle the
 /// new blocks, no credit is left (with a TTL far beyond the test, only settling ends them).
