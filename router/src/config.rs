@@ -371,8 +371,8 @@ pub struct Config {
     /// Requests in flight through the router before new ones wait in line for a place
     /// (`--queue-timeout-ms`), then get 503 (a request counts until its response ends, streams
     /// included, a WebSocket tunnel until it closes, and a Responses request generated in the
-    /// background until its replica shows the response final; a short request about a stored
-    /// response counts not at all).
+    /// background until its replica shows the response final; a brief ask about a stored
+    /// response the router knows counts not at all).
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT", default_value_t = 4_096)]
     pub max_in_flight: usize,
     /// Threads serving the proxy's HTTP connections, each with its own accept loop and

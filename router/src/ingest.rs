@@ -355,7 +355,8 @@ impl Ingest {
                 topic: spec.topic.clone(),
                 fallback_after: inner.config.fallback_after,
                 reconnect_backoff: inner.config.reconnect_backoff,
-                max_queued_bytes: (inner.config.channel_max_bytes, inner.live_bytes.clone()),
+                max_queued_bytes: inner.config.channel_max_bytes,
+                shared_bytes: inner.live_bytes.clone(),
             };
             let stream = RankStream::new(ctx.clone(), rank, replay);
             inner.tracker.spawn(running.tasks.track_future(subscriber::run(

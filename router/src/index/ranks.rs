@@ -171,10 +171,9 @@ impl Ranks {
     /// guard drops (its `prompt_tokens` in the rank's recent tokens, which only decay), and its
     /// blocks past the `indexed` credited to the rank, pinned, as the replica's are
     /// ([`super::Credits::pin`]; the rank's cache cleared, what the index showed goes with it,
-    /// not kept as credits). If the
-    /// replica [took](RankGuard::keep) the request, the pins come off when its prefill is
-    /// done (or the guard drops) and the credits last the TTL; else the credits only this
-    /// request made end when the guard drops ([`RankGuard::withdraw`]).
+    /// not kept as credits). If the replica [took](RankGuard::keep) the request, the pins come
+    /// off when its prefill is done (or the guard drops) and the credits last the TTL; else
+    /// the credits only this request made end when the guard drops ([`RankGuard::withdraw`]).
     pub fn begin(
         self: &std::sync::Arc<Self>,
         rank: u32,

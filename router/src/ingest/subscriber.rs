@@ -56,8 +56,10 @@ pub(crate) struct SubscriberConfig {
     pub topic: String,
     pub fallback_after: Duration,
     pub reconnect_backoff: Duration,
-    /// Frame bytes the channel may hold, and every rank's channel together.
-    pub max_queued_bytes: (usize, super::outbox::Shared),
+    /// Frame bytes the channel may hold.
+    pub max_queued_bytes: usize,
+    /// The bytes every rank's channel holds together, and their bound.
+    pub shared_bytes: super::outbox::Shared,
 }
 
 /// Runs until `cancel` fires or the stream task goes away.
@@ -68,7 +70,11 @@ pub(crate) async fn run(
     cancel: CancellationToken,
 ) {
     let Some(guard) = guard(&config, &metrics, &tx, &cancel).await else { return };
-    let mut outbox = Outbox::new(tx.clone(), config.max_queued_bytes.clone(), metrics.overflow.clone());
+    let mut outbox = Outbox::new(
+        tx.clone(),
+        (config.max_queued_bytes, config.shared_bytes.clone()),
+        metrics.overflow.clone(),
+    );
     loop {
         let Some(mut socket) = connect(&config, guard.endpoint(), &tx, &cancel).await else { return };
         // Installed after the first connect, whose `Connected` the explicit send replaces.

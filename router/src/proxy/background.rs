@@ -23,11 +23,13 @@
 //! Such a request is decided and sent apart from its client (`proxy::apart`), and its answer's
 //! beginning is read before it is handed on ([`with_id_read`]): a client that leaves at once
 //! (its connection closed as soon as the request went, its HTTP/2 stream reset) does not
-//! take the forward with it, and the places are held by the response's id all the same.
-//! An answer that ended before it showed an id (cut off) holds nothing (`unlearned`). The
-//! access log's line of such a request is written when the router has read its answer (a
-//! queued response is read whole); a client gone by then has a line of its own too (499). Held, the places
-//! count as the request's did: the queue, per-key limits and the policy's in-flight load see
+//! take the forward with it, and the places are held by the response's id all the same. (A
+//! client that leaves while its request waits for room leaves the line, as any other.) An
+//! answer that ended before it showed an id (cut off) holds nothing (`unlearned`). The access
+//! log's line of such a request is written when the router has read its answer (a queued
+//! response is read whole); a client gone by then has a line of its own too (499).
+//!
+//! Held, the places count as the request's did: the queue, per-key limits and the policy's in-flight load see
 //! a request running on the replica (though not its prefill tokens, let go at the answer's
 //! first data: the router cannot tell when the replica prefills it). The responses held are
 //! `kvroute_router_background_responses`; each let go counts in
@@ -246,12 +248,14 @@ impl http_body::Body for Prefixed {
         let read: u64 = (self.read.iter().flatten())
             .filter_map(|frame| frame.data_ref().map(|data| data.len() as u64))
             .sum();
-        let mut hint =
+        let rest =
             self.rest.as_ref().map_or_else(|| http_body::SizeHint::with_exact(0), http_body::Body::size_hint);
-        hint.set_lower(hint.lower() + read);
-        if let Some(upper) = hint.upper() {
-            hint.set_upper(upper + read);
+        // The upper bound first: `SizeHint` refuses a lower one past the one it has.
+        let mut hint = http_body::SizeHint::new();
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper.saturating_add(read));
         }
+        hint.set_lower(rest.lower().saturating_add(read));
         hint
     }
 }
@@ -273,6 +277,28 @@ fn stands(json: &[u8]) -> Option<Stands> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The body the client gets is what was read, then the rest, its size known: a whole
+    /// JSON answer read already (a panic, its bounds set in the wrong order), and one part
+    /// read.
+    #[tokio::test]
+    async fn an_answer_read_up_to_its_id_is_handed_on_whole() {
+        use http_body_util::BodyExt;
+        let json = br#"{"id":"resp_1","status":"queued"}"#;
+        let whole = http::Response::new(full(Bytes::from_static(json)));
+        let handed = with_id_read(whole).await.into_body();
+        assert_eq!(http_body::Body::size_hint(&handed).exact(), Some(json.len() as u64));
+        assert_eq!(&handed.collect().await.unwrap().to_bytes()[..], json);
+
+        let first: &'static [u8] = b"event: response.created\ndata: {\"response\":{\"id\":\"resp_2\"}}\n\n";
+        let frames = [first, b"rest"];
+        let data = frames.map(|f| Ok::<_, BoxError>(http_body::Frame::data(Bytes::from_static(f))));
+        let body = http_body_util::StreamBody::new(futures::stream::iter(data)).boxed_unsync();
+        let handed = with_id_read(http::Response::new(body)).await.into_body();
+        let hint = http_body::Body::size_hint(&handed);
+        assert!(hint.lower() >= first.len() as u64 && hint.upper().is_none(), "{hint:?}");
+        assert_eq!(handed.collect().await.unwrap().to_bytes(), [first, b"rest"].concat());
+    }
 
     #[test]
     fn a_response_runs_while_queued_or_in_progress() {

@@ -4,7 +4,7 @@
 //! |---|---|
 //! | `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages` (Anthropic's API) and `POST /v1/responses` (OpenAI's Responses API), the last two decided as the chat request vLLM makes of them | reads the body (up to `--max-body-bytes`), decides ([`route`]), forwards the original bytes ([`forward`]); a Responses request that continues a stored response goes to the replica that stored it ([`responses`]) |
 //! | `POST /generate` (SGLang's native API) | decided as the completion it amounts to (`kvroute_proto::openai::request::sglang`), among replicas that serve it (SGLang's and kvroute's agents, not vLLM's), and forwarded as any completion is |
-//! | `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` | streamed to the replica that stored the response ([`responses`]); without a place under the router's limits unless it is a resumed stream |
+//! | `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` | streamed to the replica that stored the response ([`responses`]); without a place under the router's limits unless it is a resumed stream or of an id the router does not know |
 //! | other `/v1/*`, and the engines' own paths outside `/v1` that do not generate (`/tokenize`, `/rerank`, ...: [`paths`]) | streams the request to the least-loaded eligible replica (one of the router's own paths spelled otherwise is refused) |
 //! | `GET /v1/models` | the fleet's model (with the fields a healthy replica lists for it: `max_model_len`, `root`, `owned_by`) and LoRA adapters |
 //! | `OPTIONS` on the paths above (a browser's CORS preflight) | streamed to the least-loaded eligible replica, so the fleet's CORS policy answers it; the router's own answers (its errors, `/v1/models`) carry `--allowed-origins`' ([`cors`]) |
@@ -327,10 +327,10 @@ async fn dispatch(
     let admission = state.admission.get();
     let key = admission.key_of(&method, &path, authorization)?;
     // Its key's place ([`per_key`]), which its answer holds ([`holding`]): not for the fleet's
-    // model list, which the router answers itself, nor for a request about a stored response
-    // ([`stored_response`]).
+    // model list, which the router answers itself, nor for a brief ask about a stored response
+    // the router knows ([`stored_response`]).
     let lists_models = matches!(method, Method::GET | Method::HEAD) && path == "/v1/models";
-    let takes_none = lists_models || responses::asks_briefly(&method, req.uri());
+    let takes_none = lists_models || brief_about_known(state, &method, req.uri());
     if let (Some(key), limit @ 1.., false) = (key, admission.max_in_flight_per_key, takes_none) {
         let place =
             per_key::KeyPlace::new(state.per_key.try_hold(key, limit).ok_or(ProxyError::KeyLimit { limit })?);
@@ -463,8 +463,9 @@ async fn apart(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let (state, pool) = (state.clone(), pool.clone());
     let (request_id, slot, received) = (admitted.request_id.to_owned(), admitted.slot, admitted.received);
-    // Until it is sent, a request whose client left is given up, as any other: its waits for
-    // room end (it would be sent to generate for nobody, holding its key's places).
+    // A request whose client left while it waits for room is given up, as any other (it
+    // would be sent to generate for nobody, holding its key's places); one whose client leaves
+    // as it is decided, or after, is sent.
     let gone = CancellationToken::new();
     let _gone_with_this = gone.clone().drop_guard();
     line.follow(gone);
@@ -484,9 +485,10 @@ async fn apart(
         Some(background) => background.spawn(task),
         None => tokio::spawn(task),
     };
-    match task.await {
+    match task.await.map_err(tokio::task::JoinError::try_into_panic) {
         Ok(answer) => answer,
-        Err(e) => std::panic::resume_unwind(e.into_panic()),
+        Err(Ok(panic)) => std::panic::resume_unwind(panic),
+        Err(Err(_)) => Err(ProxyError::Unavailable("the router is shutting down".into())),
     }
 }
 
@@ -594,10 +596,31 @@ async fn sent_on(
     }
 }
 
+/// Whether `method` `uri` is a brief ask about a stored response ([`responses::asks_briefly`]:
+/// not a resumed stream) whose replica the router knows: it takes no place under
+/// `--max-in-flight` nor its key's. It generates nothing, and a response generated in the
+/// background holds its request's places until it is final ([`background`]): its client must
+/// be able to ask how it stands, and cancel it, while those places are all taken. (What
+/// bounds these is the connections a client may hold, `--max-connections`, each with one at
+/// a time, or HTTP/2's streams.) One about an id the router does not know takes its places:
+/// finding it asks every replica.
+fn brief_about_known(state: &ProxyState, method: &Method, uri: &http::Uri) -> bool {
+    responses::asks_briefly(method, uri)
+        && matches!(responses::target(uri.path()),
+            Some(responses::Target::Stored(id)) if state.forward.owners.owner(&responses::decoded(id)).is_some())
+}
+
 /// Whether `member` (the one replica a request can go to) has room for it: a saturated one
 /// is waited for ([`queue`]); one that is down for another reason is tried all the same (no
 /// other has what the request needs).
 fn owner_has_room(state: &ProxyState, member: &Member) -> std::future::Ready<Result<(), ProxyError>> {
+    // Out of the fleet since (a removal wakes those waiting): no room will come.
+    let name = &member.replica.spec.name;
+    if state.fleet().member(name).is_none_or(|now| now.replica.id != member.replica.id) {
+        return std::future::ready(Err(ProxyError::Unavailable(format!(
+            "replica {name}, which stored the response continued, left the fleet"
+        ))));
+    }
     std::future::ready(match member.upstream.eligibility(state.decider.max_in_flight_per_replica()) {
         Err(upstream::Ineligible::Saturated) => Err(ProxyError::Saturated {
             reason: format!("{}: saturated (it stored the response continued)", member.replica.spec.name),
@@ -608,12 +631,7 @@ fn owner_has_room(state: &ProxyState, member: &Member) -> std::future::Ready<Res
 }
 
 /// `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`: to the replica that stored it.
-/// A short one ([`responses::asks_briefly`]: not a resumed stream) takes no place under
-/// `--max-in-flight` nor its key's: it generates nothing, and a response generated in the
-/// background holds its request's places until it is final ([`background`]), so its client
-/// must be able to ask how it stands, and cancel it, while those places are all taken. (What
-/// bounds them is the connections a client may hold, `--max-connections`, each with one such
-/// request at a time, or HTTP/2's streams.)
+/// A brief one ([`brief_about_known`]) takes no place under `--max-in-flight` nor its key's.
 async fn stored_response(
     state: &Arc<ProxyState>,
     pool: &Arc<Pool>,
@@ -622,7 +640,7 @@ async fn stored_response(
     arrived: (&str, Option<access::Arrival>),
 ) -> Result<Response<ProxyBody>, ProxyError> {
     check_length(state, req.headers())?;
-    let admitted = match responses::asks_briefly(req.method(), req.uri()) {
+    let admitted = match brief_about_known(state, req.method(), req.uri()) {
         true => Admitted { request_id: arrived.0, slot: None, received: arrived.1 },
         false => admit(state, arrived, &queue::Line::default(), &req).await?,
     };

@@ -6,9 +6,10 @@
 //! it would hold a place the key's own requests free. A request holds its key's place until its
 //! response body ends or the router cuts it (a WebSocket session, until it closes; a LoRA
 //! change, until it is done), with its place under `--max-in-flight`; the fleet's model list,
-//! which the router answers itself, takes none, nor does a request about a stored Responses
-//! API response (`/v1/responses/{id}`). A response generated in the background holds its
-//! request's place until the response is final ([`super::background`]).
+//! which the router answers itself, takes none, nor does a brief ask about a stored Responses
+//! API response the router knows (`GET /v1/responses/{id}` without `stream`, its cancel). A
+//! response generated in the background holds its request's place until the response is
+//! final ([`super::background`]).
 //! Keys are told apart by a hash of the key: none is stored twice, and a reload that keeps a
 //! key keeps its count (one that turns the limit on counts the requests sent from then on).
 

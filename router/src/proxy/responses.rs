@@ -97,8 +97,8 @@ impl Keeps {
 }
 
 /// Whether a request about a stored response is a short one: `GET /v1/responses/{id}` without
-/// `stream` (a resumed stream lasts as long as the generation), or its cancel. Those take no
-/// place under the router's limits ([`super::background`]).
+/// `stream` (a resumed stream lasts as long as the generation), or its cancel. Those about a
+/// response the router knows take no place under its limits ([`super::background`]).
 pub fn asks_briefly(method: &Method, uri: &http::Uri) -> bool {
     let Some(Target::Stored(_)) = target(uri.path()) else { return false };
     // As FastAPI reads a boolean query parameter; anything but a false word streams.

@@ -326,6 +326,15 @@ impl Plan {
         &self.all_blocks[replica.indexed_blocks.min(self.all_blocks.len())..]
     }
 
+    /// Of the request's blocks, how many it found held (`found`, on its replica or rank: the
+    /// index's and earlier decisions' credits) as its credits count them: all of them when it
+    /// was scored on none (a request that reads no cache, a batch whose first prompt is shorter
+    /// than a block), which cannot tell which were held. Withdrawn, its credits then end none
+    /// of them (they may be other requests'), only its pins.
+    fn found_held(&self, found: usize) -> usize {
+        if self.blocks.is_empty() { self.all_blocks.len() } else { found }
+    }
+
     /// Tokens the `i`th replica of [`Plan::order`] is predicted to have cached.
     pub fn predicted_cached_tokens(&self, i: usize) -> u64 {
         self.order().nth(i).map_or(0, |s| self.hit(s))
@@ -471,12 +480,7 @@ impl Decider {
             return;
         }
         let (id, blocks) = (replica.member.replica.id, plan.uncredited(replica).to_vec());
-        // Scored on no blocks (a request that reads no cache, a batch whose first prompt is
-        // shorter than a block), it does not know which of its blocks the replica held or earlier
-        // decisions credited: withdrawn, it ends none of them (they may be other requests'),
-        // only its pins.
-        let held = if plan.blocks.is_empty() { plan.all_blocks.len() } else { replica.credited_blocks };
-        let credited = (Arc::clone(&plan.all_blocks), held);
+        let credited = (Arc::clone(&plan.all_blocks), plan.found_held(replica.credited_blocks));
         plan.hold = Some(CreditHold::pin(&self.index, id, blocks).adding(credited.0, credited.1));
     }
 
@@ -526,7 +530,7 @@ impl Decider {
         if let Some(((rank, indexed, held), ranks)) = rank.zip(member.replica.ranks.get()) {
             // The rank holds the request's pending prefill from here, before anything can
             // tell that it is done.
-            let blocks = (&*plan.all_blocks, indexed, held);
+            let blocks = (&*plan.all_blocks, indexed, plan.found_held(held));
             load.hold_rank(ranks.begin(rank, sequences, blocks, prompt_tokens));
         }
         // A whole answer comes at its end: the prefill is over when the replica (its rank)

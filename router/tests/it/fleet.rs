@@ -130,6 +130,13 @@ impl Fleet {
         format!("{}{path}", self.router.url())
     }
 
+    /// The router's `series` (a metric's name and labels, as the text format prints them), 0
+    /// when it has none.
+    pub async fn metric(&self, series: &str) -> u64 {
+        let metrics = self.http.get(&self.url("/metrics")).await;
+        crate::support::sample(&String::from_utf8_lossy(&metrics.body), series).unwrap_or(0)
+    }
+
     pub fn agent(&self, i: usize) -> &RunningAgent {
         self.agents[i].as_ref().expect("agent is running")
     }

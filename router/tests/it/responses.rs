@@ -224,10 +224,6 @@ async fn a_background_response_holds_its_places_until_it_is_final() {
     })
     .await;
     let (url, a) = (fleet.url("/v1/responses"), crate::fleet::Http::new().bearer("sk-a"));
-    let metric = async |series: &str| {
-        let metrics = fleet.http.get(&fleet.url("/metrics")).await;
-        crate::support::sample(&String::from_utf8_lossy(&metrics.body), series).unwrap_or(0)
-    };
     let body = |tokens: u64| json!({"model": FLEET_MODEL, "input": text("later", 10), "max_output_tokens": tokens, "background": true});
     let started = a.post(&url, &body(400)).await;
     assert_eq!(started.status, 200, "{}", String::from_utf8_lossy(&started.body));
@@ -235,7 +231,8 @@ async fn a_background_response_holds_its_places_until_it_is_final() {
     let id = started.json()["id"].as_str().unwrap().to_owned();
     let refused = a.post(&url, &body(2)).await;
     assert_eq!(refused.status, 429, "the key's place is held: {}", String::from_utf8_lossy(&refused.body));
-    assert_eq!(metric("kvroute_router_background_responses").await, 1);
+    let held = async || fleet.metric("kvroute_router_background_responses").await == 1;
+    crate::support::wait_until_async("held", held).await;
     let upstream = &fleet.router.fleet().members()[0].upstream;
     assert_eq!(upstream.requests_in_flight(), 1, "its load on its replica");
 
@@ -243,13 +240,48 @@ async fn a_background_response_holds_its_places_until_it_is_final() {
     assert_eq!(cancelled.status, 200, "{}", String::from_utf8_lossy(&cancelled.body));
     assert_eq!(cancelled.json()["status"], "cancelled");
     crate::support::wait_until_async("the places are let go", async || {
-        metric("kvroute_router_background_responses").await == 0
+        fleet.metric("kvroute_router_background_responses").await == 0
     })
     .await;
-    let released = "kvroute_router_background_released_total{outcome=\"final\"}";
-    assert_eq!(metric(released).await, 1, "seen final, with the client's key");
+    assert_eq!(fleet.metric(&released("final")).await, 1, "seen final, with the client's key");
     assert_eq!(upstream.requests_in_flight(), 0);
     assert_eq!(a.post(&url, &body(2)).await.status, 200, "the key's place is back");
+}
+
+/// `POST /v1/responses` with `body`, on a raw connection of its own (returned, for the test to
+/// close when its client is to leave).
+async fn posted_raw(fleet: &Fleet, body: &Value) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let body = body.to_string();
+    let addr = fleet.router.url().trim_start_matches("http://").to_owned();
+    let mut client = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!(
+        "POST /v1/responses HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    client.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
+    client
+}
+
+/// `kvroute_router_background_released_total{outcome}`'s series.
+fn released(outcome: &str) -> String {
+    format!("kvroute_router_background_released_total{{outcome=\"{outcome}\"}}")
+}
+
+/// A background response whose replica leaves the fleet is let go at the next ask (`gone`):
+/// its replica's load is no longer the router's to count.
+#[tokio::test]
+async fn a_background_response_whose_replica_leaves_is_let_go() {
+    let slow = |name: &str| kvroute_replica_agent::Config { time_scale: 1.0, ..storing(name) };
+    let fleet = Fleet::with(1, slow, |c| c).await;
+    let body = json!({"model": FLEET_MODEL, "input": text("left", 10), "max_output_tokens": 400, "background": true});
+    let started = fleet.http.post(&fleet.url("/v1/responses"), &body).await;
+    assert_eq!(started.json()["status"], "queued", "{}", String::from_utf8_lossy(&started.body));
+    let held = async || fleet.metric("kvroute_router_background_responses").await == 1;
+    crate::support::wait_until_async("held", held).await;
+    fleet.router.fleet().remove("agent-0").await;
+    crate::support::wait_until_async("let go", async || fleet.metric(&released("gone")).await == 1).await;
+    assert_eq!(fleet.metric("kvroute_router_background_responses").await, 0);
 }
 
 /// Regression: a client that sends a background request and closes its connection at once
@@ -258,31 +290,17 @@ async fn a_background_response_holds_its_places_until_it_is_final() {
 /// client: the places are held by the id, then let go when the response is final.
 #[tokio::test]
 async fn a_background_request_whose_client_leaves_at_once_is_held_all_the_same() {
-    use tokio::io::AsyncWriteExt;
     let slow = |name: &str| kvroute_replica_agent::Config { time_scale: 20.0, ..storing(name) };
     let fleet = Fleet::with(1, slow, |c| c).await;
-    let metric = async |series: &str| {
-        let metrics = fleet.http.get(&fleet.url("/metrics")).await;
-        crate::support::sample(&String::from_utf8_lossy(&metrics.body), series).unwrap_or(0)
-    };
     let body =
-        json!({"model": FLEET_MODEL, "input": text("gone", 10), "max_output_tokens": 40, "background": true})
-            .to_string();
-    let addr = fleet.router.url().trim_start_matches("http://").to_owned();
-    let mut client = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let head = format!(
-        "POST /v1/responses HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
-    client.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
+        json!({"model": FLEET_MODEL, "input": text("gone", 10), "max_output_tokens": 40, "background": true});
+    let client = posted_raw(&fleet, &body).await;
     drop(client);
-    let released =
-        |outcome: &str| format!("kvroute_router_background_released_total{{outcome=\"{outcome}\"}}");
     crate::support::wait_until_async("the response is held, then let go once final", async || {
-        metric(&released("final")).await == 1
+        fleet.metric(&released("final")).await == 1
     })
     .await;
-    assert_eq!(metric(&released("unlearned")).await, 0);
+    assert_eq!(fleet.metric(&released("unlearned")).await, 0);
     assert_eq!(fleet.router.fleet().members()[0].upstream.requests_in_flight(), 0);
 }
 
@@ -291,7 +309,6 @@ async fn a_background_request_whose_client_leaves_at_once_is_held_all_the_same()
 /// places. (Decided apart from its client, it waited on, and was sent once room came.)
 #[tokio::test]
 async fn a_background_request_whose_client_leaves_while_it_waits_leaves_the_line() {
-    use tokio::io::AsyncWriteExt;
     let slow = |name: &str| kvroute_replica_agent::Config { time_scale: 1.0, ..storing(name) };
     let fleet = Fleet::with(1, slow, |c| kvroute_router::Config {
         max_in_flight_per_replica: 1,
@@ -299,33 +316,22 @@ async fn a_background_request_whose_client_leaves_while_it_waits_leaves_the_line
         ..c
     })
     .await;
-    let metric = async |series: &str| {
-        let metrics = fleet.http.get(&fleet.url("/metrics")).await;
-        crate::support::sample(&String::from_utf8_lossy(&metrics.body), series).unwrap_or(0)
-    };
     // A stream holds the replica's one room.
     let long = json!({"model": FLEET_MODEL, "prompt": "hold it", "max_tokens": 400, "stream": true});
     let mut open = fleet.http.stream_with(&fleet.url("/v1/completions"), &long, &[]).await;
     crate::fleet::first_data(open.body_mut()).await;
     let body =
-        json!({"model": FLEET_MODEL, "input": text("wait", 10), "max_output_tokens": 4, "background": true})
-            .to_string();
-    let addr = fleet.router.url().trim_start_matches("http://").to_owned();
-    let mut client = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let head = format!(
-        "POST /v1/responses HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
-    client.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
+        json!({"model": FLEET_MODEL, "input": text("wait", 10), "max_output_tokens": 4, "background": true});
+    let client = posted_raw(&fleet, &body).await;
     crate::support::wait_until_async("it waits for room", async || {
-        metric("kvroute_router_queued").await == 1
+        fleet.metric("kvroute_router_queued").await == 1
     })
     .await;
     drop(client);
     let left = "kvroute_router_queue_outcomes_total{outcome=\"left\"}";
-    crate::support::wait_until_async("it leaves the line", async || metric(left).await == 1).await;
-    assert_eq!(metric("kvroute_router_queued").await, 0);
-    assert_eq!(metric("kvroute_router_in_flight").await, 1, "the stream's place alone");
+    crate::support::wait_until_async("it leaves the line", async || fleet.metric(left).await == 1).await;
+    assert_eq!(fleet.metric("kvroute_router_queued").await, 0);
+    assert_eq!(fleet.metric("kvroute_router_in_flight").await, 1, "the stream's place alone");
 }
 
 /// A continuation is held to the router's bounds before any replica is asked, and what it
