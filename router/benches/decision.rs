@@ -33,6 +33,13 @@
 //! as a decision's index walk is), then the median of each stage alone (parse, tokenize, hash,
 //! index lookup; parse and tokenize together through the cache).
 //!
+//! 2026-11-30, the fifty-fourth session (a data-parallel rank is credited only the blocks past
+//! those its index shows: the dp4 prefixes, indexed on their rank, pinned all 512 blocks at
+//! every decision before), p50 / p99 µs before the change, then after: dp4 text/8192 138.3 /
+//! 299.2, then 117.6 / 252.3; dp4 ids/8192 68.1 / 128.8, then 57.5 / 121.1 (text/8192 94.1 /
+//! 145.3, then 96.9 / 184.4: the same within this machine's spread; loop p99 205.0 and
+//! 194.7).
+//!
 //! 2026-11-28, the thirty-fourth session (the reads column added; the decision path as
 //! below), loop p99 97.7 and reads p99 98.5 µs at text/8192's median: text/8192 72.1 / 139.1,
 //! ids/8192 31.9 / 88.7 (loop 50.8, reads 37.4), text/1024 10.1 / 15.6, ids/1024 4.9 / 9.9,
