@@ -38,7 +38,7 @@
 
 use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::StatusCode;
@@ -144,7 +144,7 @@ impl Backgrounds {
     /// Waits until response `id` is final (or is let go for another reason: the module's
     /// list), and says why.
     async fn watch(&self, id: &str, replica: &str, authorization: Option<&HeaderValue>) -> &'static str {
-        let since = Instant::now();
+        let since = tokio::time::Instant::now();
         let (mut wait, mut unanswered) = (FIRST_ASK, 0);
         loop {
             tokio::select! {

@@ -107,7 +107,7 @@ pub struct ForwardConfig {
     /// Which replica stored each Responses API response ([`super::responses`]).
     pub owners: Arc<Owners>,
     /// Background responses' places, held until they are final ([`super::background`]).
-    pub backgrounds: Arc<super::background::Backgrounds>,
+    pub backgrounds: Arc<Backgrounds>,
     /// Fires at the drain timeout after a shutdown: open streams end with an error event.
     pub ending: CancellationToken,
 }
