@@ -186,7 +186,8 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_AGENT_DISAGGREGATION_TIMEOUT_MS", default_value_t = 300_000)]
     pub disaggregation_timeout_ms: u64,
     /// Keep every Responses API response in this process, so a later request can continue it
-    /// (`previous_response_id`) or fetch it, as vLLM with `VLLM_ENABLE_RESPONSES_API_STORE=1`.
+    /// (`previous_response_id`) or fetch it, and run `background: true` requests, as vLLM with
+    /// `VLLM_ENABLE_RESPONSES_API_STORE=1`.
     #[arg(long, env = "KVROUTE_AGENT_RESPONSES_STORE")]
     #[serde(default)]
     pub responses_store: bool,

@@ -5,7 +5,7 @@
 //! | `POST /v1/completions` | `generate.rs`: text completions, streamed (SSE) or not |
 //! | `POST /v1/chat/completions` | `generate.rs`: chat completions, streamed (SSE) or not |
 //! | `POST /v1/messages` | `generate.rs`: Anthropic's Messages API as vLLM serves it (the request read as the chat request vLLM makes of it, `messages.rs` the answer), streamed or not |
-//! | `POST /v1/responses` | `generate.rs`: OpenAI's Responses API as vLLM serves it (the request read as the chat request vLLM makes of it, `responses.rs` the answer and the store), streamed or not |
+//! | `POST /v1/responses` | `generate.rs`: OpenAI's Responses API as vLLM serves it (the request read as the chat request vLLM makes of it, `responses.rs` the answer and the store), streamed or not, or in the background (`background: true`, with `--responses-store`) |
 //! | `POST /generate` | `generate.rs`: SGLang's native API (the request read as the completion it amounts to, `sglang.rs` the answer), streamed or not |
 //! | `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` | `responses.rs`: a stored response (with `--responses-store`) |
 //! | `POST /v1/messages/count_tokens` | `admin.rs`: the prompt's token count, `{"input_tokens"}` |
